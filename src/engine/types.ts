@@ -1,0 +1,89 @@
+// What the engine takes and gives back. The gateway converts OpenAI JSON to these at the edge; the engine never
+// sees raw JSON. Names follow vLLM's SamplingParams where OpenAI is silent.
+
+export interface SamplingParams {
+  /** 0 = greedy. */
+  temperature: number;
+  topP: number;
+  /** 0 or -1 = off. */
+  topK: number;
+  minP: number;
+  repetitionPenalty: number;
+  presencePenalty: number;
+  frequencyPenalty: number;
+  /** token id -> bias added to its logit. */
+  logitBias?: ReadonlyMap<number, number>;
+  /** Per-request seed: the same seed gives the same tokens whatever else is in the batch. */
+  seed?: number;
+  /** Number of completions sharing the prompt (n > 1 shares prompt blocks). */
+  n: number;
+  maxTokens: number;
+  minTokens: number;
+  ignoreEos: boolean;
+  stopTokenIds: readonly number[];
+  stop: readonly string[];
+  includeStopStrInOutput: boolean;
+  /** Return the chosen token's logprob and this many alternatives (null = none). */
+  logprobs: number | null;
+  skipSpecialTokens: boolean;
+}
+
+export const DEFAULT_SAMPLING: SamplingParams = {
+  temperature: 1, topP: 1, topK: 0, minP: 0, repetitionPenalty: 1, presencePenalty: 0, frequencyPenalty: 0,
+  n: 1, maxTokens: 16, minTokens: 0, ignoreEos: false, stopTokenIds: [], stop: [], includeStopStrInOutput: false,
+  logprobs: null, skipSpecialTokens: true,
+};
+
+export type SchedulingPolicy = 'fcfs' | 'priority' | 'deadline';
+
+export interface EngineRequest {
+  id: string;
+  promptTokenIds: readonly number[];
+  sampling: SamplingParams;
+  /** Lower value = more important (vLLM's convention). */
+  priority: number;
+  /** Absolute time (ms, the engine clock) by which the first token should be out; used by the deadline policy. */
+  deadlineMs?: number;
+  tenant?: string;
+  /** Mixed into every block hash so tenants never share cached blocks unless they share the salt. */
+  cacheSalt?: string;
+  /** W3C traceparent of the request, carried to the worker. */
+  traceparent?: string;
+  /** Engine-clock time the request arrived at the gateway (ms). */
+  arrivalMs: number;
+}
+
+export type FinishReason = 'stop' | 'length' | 'abort' | 'error';
+
+export interface TokenLogprob {
+  tokenId: number;
+  logprob: number;
+  top: { tokenId: number; logprob: number }[];
+}
+
+/** Per-phase timestamps (engine clock, ms). */
+export interface RequestTimestamps {
+  arrival: number;
+  queued?: number;
+  firstScheduled?: number;
+  /** End time of each prefill chunk. */
+  prefillChunks: { start: number; end: number; tokens: number }[];
+  firstToken?: number;
+  lastToken?: number;
+  finished?: number;
+}
+
+export interface EngineOutput {
+  requestId: string;
+  /** Which of the n completions this output belongs to. */
+  index: number;
+  newTokenIds: number[];
+  textDelta: string;
+  logprobs?: TokenLogprob[];
+  finishReason?: FinishReason;
+  /** For finishReason 'stop': the stop string or token id that ended it. */
+  stopReason?: string | number;
+  usage: { promptTokens: number; completionTokens: number; cachedTokens: number };
+  timestamps: RequestTimestamps;
+  error?: string;
+}

@@ -1,0 +1,87 @@
+// The contract between the engine (TypeScript control plane) and a compute backend (native addon or the
+// TypeScript reference). One `forward` call per engine step, flat typed arrays in, logits out: no per-token or
+// per-layer crossings. The KV cache is a paged pool the backend owns the bytes of and the engine owns the
+// bookkeeping of (which block holds which tokens).
+
+import type { ModelConfig } from '../model/config.ts';
+import type { ModelWeights } from '../model/weights.ts';
+
+export type KvDtype = 'f32' | 'f16';
+
+/**
+ * Shape of the paged KV pool. Element (layer, kv, block, slot, kvHead, d) — kv 0 = K, 1 = V — lives at
+ *   ((((layer * 2 + kv) * numBlocks + block) * blockSize + slot) * numKvHeads + kvHead) * headDim + d
+ * so one block of one layer's K (or V) is a contiguous run of blockSize * numKvHeads * headDim elements, which is
+ * what a KV transfer copies (2 * numLayers runs per block).
+ */
+export interface KvPoolLayout {
+  numLayers: number;
+  numBlocks: number;
+  blockSize: number;
+  numKvHeads: number;
+  headDim: number;
+  dtype: KvDtype;
+}
+
+export function kvElementsPerBlockRun(layout: KvPoolLayout): number {
+  return layout.blockSize * layout.numKvHeads * layout.headDim;
+}
+
+export function kvPoolBytes(layout: KvPoolLayout): number {
+  const bytesPerElement = layout.dtype === 'f32' ? 4 : 2;
+  return 2 * layout.numLayers * layout.numBlocks * kvElementsPerBlockRun(layout) * bytesPerElement;
+}
+
+/**
+ * One engine step, flattened as in vLLM: the new tokens of every scheduled sequence back to back.
+ * Sequence s owns batch rows queryStartLoc[s] .. queryStartLoc[s+1]-1; those rows are its last
+ * (queryStartLoc[s+1] - queryStartLoc[s]) positions, so row r of sequence s has position
+ * seqLens[s] - (queryStartLoc[s+1] - r). Each new token attends causally to every earlier position of its
+ * sequence (cached in the pool or new in this step) and to itself.
+ */
+export interface ForwardBatch {
+  numTokens: number;
+  /** [numTokens] token ids. */
+  tokenIds: Int32Array;
+  /** [numTokens] absolute position of each token in its sequence (RoPE). */
+  positions: Int32Array;
+  /** [numTokens] pool slot (block * blockSize + offset) where each token's K and V are written. */
+  slotMapping: Int32Array;
+  numSeqs: number;
+  /** [numSeqs + 1] prefix sums of the new-token counts. */
+  queryStartLoc: Int32Array;
+  /** [numSeqs] context length of each sequence after this step (cached + new tokens). */
+  seqLens: Int32Array;
+  /** [numSeqs * maxBlocksPerSeq] block ids of each sequence in order; unused entries are ignored. */
+  blockTables: Int32Array;
+  maxBlocksPerSeq: number;
+  /** Batch rows whose logits are wanted, in output order (typically each sequence's last row). */
+  logitsIndices: Int32Array;
+}
+
+export interface BackendInfo {
+  /** 'native' or 'reference'. */
+  name: string;
+  /** The kernel variant in use per kernel kind, e.g. { matmul_q8_0: 'avx512_vnni', attention: 'avx512' }. */
+  variants: Record<string, string>;
+  threads: number;
+}
+
+/** A model loaded into a backend, with its KV pool. */
+export interface ModelRunnerBackend {
+  readonly info: BackendInfo;
+  readonly config: ModelConfig;
+  readonly kvLayout: KvPoolLayout;
+  /** Runs the model on the batch, writes its K/V into the pool, returns logits [logitsIndices.length * vocabSize]. */
+  forward(batch: ForwardBatch): Float32Array;
+  /** The pool's bytes (shared so that KV transfer can copy blocks between workers without serialising). */
+  readonly kvPool: SharedArrayBuffer;
+  dispose(): void;
+}
+
+export interface BackendFactory {
+  readonly name: string;
+  available(): boolean;
+  load(config: ModelConfig, weights: ModelWeights, kv: Omit<KvPoolLayout, 'numLayers' | 'numKvHeads' | 'headDim'>,
+    options?: { threads?: number }): ModelRunnerBackend;
+}

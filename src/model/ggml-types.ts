@@ -1,0 +1,68 @@
+// ggml tensor element types as numbered in the GGUF format (ggml.h `enum ggml_type`).
+// Quantized types pack `blockSize` elements into `typeSize` bytes; a row's length must be a multiple of blockSize.
+
+export enum GgmlType {
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q8_1 = 9,
+  Q2_K = 10,
+  Q3_K = 11,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  Q8_K = 15,
+  BF16 = 30,
+}
+
+export interface GgmlTypeInfo {
+  name: string;
+  /** Elements per block (1 for plain floats). */
+  blockSize: number;
+  /** Bytes per block. */
+  typeSize: number;
+}
+
+// Layouts (ggml-common.h): Q8_0 = f16 d + 32 x i8; Q4_0 = f16 d + 16 bytes of nibbles (low nibbles are elements
+// 0..15, high nibbles 16..31), value = (q - 8) * d; Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes
+// of nibbles per 256; Q6_K = 128 bytes low nibbles, 64 bytes high 2-bits, 16 x i8 scales, f16 d per 256.
+export const GGML_TYPES: ReadonlyMap<GgmlType, GgmlTypeInfo> = new Map([
+  [GgmlType.F32, { name: 'F32', blockSize: 1, typeSize: 4 }],
+  [GgmlType.F16, { name: 'F16', blockSize: 1, typeSize: 2 }],
+  [GgmlType.BF16, { name: 'BF16', blockSize: 1, typeSize: 2 }],
+  [GgmlType.Q4_0, { name: 'Q4_0', blockSize: 32, typeSize: 18 }],
+  [GgmlType.Q4_1, { name: 'Q4_1', blockSize: 32, typeSize: 20 }],
+  [GgmlType.Q5_0, { name: 'Q5_0', blockSize: 32, typeSize: 22 }],
+  [GgmlType.Q5_1, { name: 'Q5_1', blockSize: 32, typeSize: 24 }],
+  [GgmlType.Q8_0, { name: 'Q8_0', blockSize: 32, typeSize: 34 }],
+  [GgmlType.Q8_1, { name: 'Q8_1', blockSize: 32, typeSize: 36 }],
+  [GgmlType.Q2_K, { name: 'Q2_K', blockSize: 256, typeSize: 84 }],
+  [GgmlType.Q3_K, { name: 'Q3_K', blockSize: 256, typeSize: 110 }],
+  [GgmlType.Q4_K, { name: 'Q4_K', blockSize: 256, typeSize: 144 }],
+  [GgmlType.Q5_K, { name: 'Q5_K', blockSize: 256, typeSize: 176 }],
+  [GgmlType.Q6_K, { name: 'Q6_K', blockSize: 256, typeSize: 210 }],
+  [GgmlType.Q8_K, { name: 'Q8_K', blockSize: 256, typeSize: 292 }],
+]);
+
+/** The types Conduit can compute with (dequantize in the reference path, native kernels). */
+export const SUPPORTED_TYPES: readonly GgmlType[] = [
+  GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q6_K,
+];
+
+export function ggmlTypeName(type: number): string {
+  return GGML_TYPES.get(type)?.name ?? `unknown type ${type}`;
+}
+
+/** Bytes taken by `numElements` elements of `type`; throws if the count is not a whole number of blocks. */
+export function byteSize(type: GgmlType, numElements: number): number {
+  const info = GGML_TYPES.get(type);
+  if (!info) throw new Error(`unknown ggml type ${type}`);
+  if (numElements % info.blockSize !== 0) {
+    throw new Error(`${info.name}: ${numElements} elements is not a multiple of the block size ${info.blockSize}`);
+  }
+  return (numElements / info.blockSize) * info.typeSize;
+}
