@@ -87,3 +87,48 @@ export interface EngineOutput {
   timestamps: RequestTimestamps;
   error?: string;
 }
+
+/** What a worker reports about itself (the router's load view, /health, the start-up banner). */
+export interface EngineInfo {
+  modelName: string;
+  /** Longest prompt + output the engine accepts (the model's context length, possibly capped). */
+  maxModelLen: number;
+  vocabSize: number;
+  /** KV capacity: numBlocks * blockSize. */
+  kvCapacityTokens: number;
+  blockSize: number;
+  /** 'native' or 'reference' (or 'sim'). */
+  backend: string;
+  kernelVariants: Record<string, string>;
+  threads: number;
+}
+
+export interface EngineStats {
+  numRunning: number;
+  numWaiting: number;
+  kvBlocksUsed: number;
+  kvBlocksTotal: number;
+  prefixCacheQueries: number;
+  prefixCacheHits: number;
+  preemptions: number;
+}
+
+/**
+ * One worker as the gateway and router see it. Implementations: the local engine (real model on the CPU
+ * backends, its step loop in a worker thread), the simulated engine, and a remote proxy; callers cannot tell them
+ * apart.
+ */
+export interface Engine {
+  readonly info: EngineInfo;
+  /**
+   * Starts a request. Outputs arrive as they are produced (one per step per completion, text deltas already
+   * stop-string-checked); the last output of each completion carries finishReason. Rejects (throws from the
+   * iterator) with an Error whose message is fit for a client when the request cannot run (e.g. longer than the
+   * KV pool).
+   */
+  generate(request: EngineRequest): AsyncIterable<EngineOutput>;
+  /** Stops a request wherever it is and frees its KV blocks; its stream ends with finishReason 'abort'. */
+  abort(requestId: string): void;
+  stats(): EngineStats;
+  close(): Promise<void>;
+}

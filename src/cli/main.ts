@@ -1,0 +1,56 @@
+// The `conduit` command: dispatches to one module per subcommand, loaded lazily so `conduit generate` does not pay
+// for the HTTP server's imports.
+
+import { UsageError } from './flags.ts';
+
+export interface Command {
+  summary: string;
+  run(argv: string[]): Promise<number>;
+}
+
+const COMMANDS: Record<string, () => Promise<Command>> = {
+  serve: async () => (await import('./serve.ts')).serveCommand,
+  generate: async () => (await import('./generate.ts')).generateCommand,
+};
+
+const PLANNED: Record<string, string> = {
+  sim: 'simulated GPU cluster (lifecycle, decode-sweep)',
+  bench: 'load generator and reports',
+  trace: 'per-request phase waterfall',
+  plan: 'capacity planner',
+};
+
+function usage(): string {
+  const lines = ['Usage: conduit <command> [options]', '', 'Commands:'];
+  for (const name of Object.keys(COMMANDS)) lines.push(`  ${name}`);
+  for (const [name, what] of Object.entries(PLANNED)) lines.push(`  ${name.padEnd(9)} (not available yet: ${what})`);
+  lines.push('', 'Run `conduit <command> --help` for its options. Every option --x-y has an environment twin CONDUIT_X_Y.');
+  return lines.join('\n');
+}
+
+export async function main(argv: string[]): Promise<number> {
+  const [name, ...rest] = argv;
+  if (!name || name === '--help' || name === '-h' || name === 'help') {
+    console.log(usage());
+    return name ? 0 : 2;
+  }
+  const load = COMMANDS[name];
+  if (!load) {
+    if (PLANNED[name]) {
+      console.error(`conduit ${name} is not available in this version (${PLANNED[name]}).`);
+    } else {
+      console.error(`conduit: unknown command "${name}"\n\n${usage()}`);
+    }
+    return 2;
+  }
+  try {
+    const command = await load();
+    return await command.run(rest);
+  } catch (err) {
+    if (err instanceof UsageError) {
+      console.error(`conduit ${name}: ${err.message}`);
+      return 2;
+    }
+    throw err;
+  }
+}
