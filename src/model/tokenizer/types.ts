@@ -23,7 +23,11 @@ export interface Tokenizer {
    * `includeSpecial`, else no bytes.
    */
   tokenBytes(id: number, includeSpecial?: boolean): Uint8Array;
-  /** Whether decode of a sequence drops the leading space that SentencePiece adds (add_dummy_prefix). */
+  /**
+   * Whether decode of a sequence drops the leading space that SentencePiece adds (add_dummy_prefix): one space at
+   * the very start of the decoded text, i.e. the first byte of the first token that yields any bytes (special
+   * tokens yield none when skipped).
+   */
   readonly stripsLeadingSpace: boolean;
   isSpecial(id: number): boolean;
   idToToken(id: number): string | undefined;

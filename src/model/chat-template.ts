@@ -1,0 +1,320 @@
+// Chat templates: OpenAI-style messages rendered to the prompt text a model was trained on, with the model's own
+// Jinja template (GGUF `tokenizer.chat_template`, or tokenizer_config.json's `chat_template`) run by
+// @huggingface/jinja.
+//
+// Rendering context, as Hugging Face transformers provides it: messages, add_generation_prompt, bos_token,
+// eos_token, tools (when the request has any), raise_exception(message), strftime_now(format), plus any extra
+// variables the caller passes (e.g. enable_thinking).
+
+import { parse, Template, tokenize } from '@huggingface/jinja';
+import type { GgufFile } from './gguf.ts';
+import { metaString } from './gguf.ts';
+import type { Tokenizer } from './tokenizer/types.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Messages
+
+export type ChatRole = 'system' | 'user' | 'assistant' | 'tool';
+const ROLES: ReadonlySet<string> = new Set<ChatRole>(['system', 'user', 'assistant', 'tool']);
+
+export interface ChatTextPart { type: 'text'; text: string }
+/** Any other part type (image_url, input_audio ...) is refused: Conduit serves text-only models. */
+export type ChatContentPart = ChatTextPart | { type: string; [key: string]: unknown };
+
+export interface ChatToolCall {
+  id?: string;
+  type?: 'function';
+  /** OpenAI sends `arguments` as a JSON string; templates get it parsed (see normalizeMessages). */
+  function: { name: string; arguments: string | Record<string, unknown> };
+}
+
+export interface ChatMessage {
+  role: ChatRole;
+  content?: string | ChatContentPart[] | null;
+  name?: string;
+  tool_calls?: ChatToolCall[];
+  tool_call_id?: string;
+}
+
+export interface RenderOptions {
+  /** End with the header of an assistant turn so the model writes the reply. Default true. */
+  addGenerationPrompt?: boolean;
+  /** OpenAI `tools`, passed to the template unchanged. */
+  tools?: readonly unknown[];
+  /** Which named template to use; by default "tool_use" when tools are given and it exists, else "default". */
+  templateName?: string;
+  /** More template variables (chat_template_kwargs), e.g. { enable_thinking: false }. */
+  variables?: Record<string, unknown>;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Errors
+
+/**
+ * A prompt that cannot be rendered. `status` 400 means the request's messages were refused (the template called
+ * raise_exception, or a message has an unknown role or a non-text part): report it to the client. `status` 500
+ * means the model's template itself is broken.
+ */
+export class ChatTemplateError extends Error {
+  override name = 'ChatTemplateError';
+  constructor(
+    message: string,
+    readonly code: 'invalid_messages' | 'template_rejected_messages' | 'template_render_failed' | 'invalid_template',
+    readonly status: 400 | 500,
+  ) {
+    super(message);
+  }
+}
+
+/** Thrown from inside a template by raise_exception, so it can be told apart from the template's own bugs. */
+class RaisedByTemplate extends Error {}
+
+/**
+ * @huggingface/jinja declares its own raise_exception, which throws a plain Error that looks like any other
+ * rendering failure, and it refuses to let the context redeclare the name. So calls to raise_exception are routed,
+ * at the token level (never inside string literals), to a function of ours under this name.
+ */
+const RAISE_EXCEPTION = '__conduit_raise_exception';
+
+function compile(text: string): Template {
+  const template = new Template(text);
+  const tokens = tokenize(text, { lstrip_blocks: true, trim_blocks: true }); // the options Template uses
+  let renamed = false;
+  for (const token of tokens) {
+    if (token.type === 'Identifier' && token.value === 'raise_exception') {
+      token.value = RAISE_EXCEPTION;
+      renamed = true;
+    }
+  }
+  if (renamed) template.parsed = parse(tokens);
+  return template;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The fallback
+
+/**
+ * The template used when a model brings none: one "role: content" paragraph per message and, for the
+ * generation prompt, a final "assistant:" line. Plain text, so it works with any vocabulary, including base models
+ * that never saw a chat format:
+ *
+ *     system: You are terse.
+ *
+ *     user: Hi!
+ *
+ *     assistant:
+ */
+export const FALLBACK_CHAT_TEMPLATE =
+  '{% for message in messages %}{{ message.role }}: {{ message.content }}\n\n{% endfor %}' +
+  '{% if add_generation_prompt %}assistant:{% endif %}';
+
+// ---------------------------------------------------------------------------------------------------------------
+// The template
+
+export interface ChatTemplateSource {
+  /** One template, or named ones (the tokenizer_config list form; "default" is used unless told otherwise). */
+  templates: string | ReadonlyMap<string, string>;
+  bosToken?: string;
+  eosToken?: string;
+}
+
+export class ChatTemplate {
+  /** True when the model had no template and FALLBACK_CHAT_TEMPLATE is used. */
+  readonly isFallback: boolean;
+  readonly bosToken: string;
+  readonly eosToken: string;
+  private readonly compiled = new Map<string, Template>();
+
+  constructor(source: ChatTemplateSource, isFallback = false) {
+    this.isFallback = isFallback;
+    this.bosToken = source.bosToken ?? '';
+    this.eosToken = source.eosToken ?? '';
+    const named = typeof source.templates === 'string' ? new Map([['default', source.templates]]) : source.templates;
+    if (named.size === 0) throw new ChatTemplateError('no chat template given', 'invalid_template', 500);
+    for (const [name, text] of named) {
+      try {
+        this.compiled.set(name, compile(text));
+      } catch (error) {
+        throw new ChatTemplateError(`chat template "${name}" does not parse: ${(error as Error).message}`,
+          'invalid_template', 500);
+      }
+    }
+  }
+
+  get templateNames(): string[] { return [...this.compiled.keys()]; }
+
+  render(messages: readonly ChatMessage[], options: RenderOptions = {}): string {
+    const template = this.choose(options);
+    const context: Record<string, unknown> = {
+      ...options.variables,
+      messages: normalizeMessages(messages),
+      add_generation_prompt: options.addGenerationPrompt ?? true,
+      bos_token: this.bosToken,
+      eos_token: this.eosToken,
+      [RAISE_EXCEPTION]: (message: unknown) => { throw new RaisedByTemplate(String(message)); },
+    };
+    if (options.tools !== undefined && options.tools.length > 0) context.tools = options.tools;
+    try {
+      return template.render(context);
+    } catch (error) {
+      if (error instanceof RaisedByTemplate) {
+        throw new ChatTemplateError(`the model's chat template refused these messages: ${error.message}`,
+          'template_rejected_messages', 400);
+      }
+      throw new ChatTemplateError(`rendering the chat template failed: ${(error as Error).message}`,
+        'template_render_failed', 400);
+    }
+  }
+
+  private choose(options: RenderOptions): Template {
+    if (options.templateName !== undefined) {
+      const chosen = this.compiled.get(options.templateName);
+      if (!chosen) {
+        throw new ChatTemplateError(`no chat template named "${options.templateName}" (have: ` +
+          `${this.templateNames.join(', ')})`, 'invalid_messages', 400);
+      }
+      return chosen;
+    }
+    if (options.tools?.length && this.compiled.has('tool_use')) return this.compiled.get('tool_use')!;
+    return this.compiled.get('default') ?? this.compiled.values().next().value!;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Message normalisation
+
+/**
+ * What templates expect: content as one string (text parts joined with "\n"; null or missing becomes ""), and tool
+ * call arguments as objects (templates write them with `| tojson`; a string that is not JSON is left as it is).
+ */
+export function normalizeMessages(messages: readonly ChatMessage[]): Record<string, unknown>[] {
+  if (!Array.isArray(messages as unknown)) {
+    throw new ChatTemplateError('messages must be an array', 'invalid_messages', 400);
+  }
+  return messages.map((message, index) => {
+    if (typeof message !== 'object' || message === null) {
+      throw new ChatTemplateError(`messages[${index}] is not an object`, 'invalid_messages', 400);
+    }
+    if (!ROLES.has(message.role)) {
+      throw new ChatTemplateError(`messages[${index}] has role ${JSON.stringify(message.role)}; expected one of ` +
+        [...ROLES].join(', '), 'invalid_messages', 400);
+    }
+    const out: Record<string, unknown> = { ...message, content: contentText(message.content, index) };
+    if (message.tool_calls) {
+      out.tool_calls = message.tool_calls.map((call) => ({
+        ...call,
+        function: { ...call.function, arguments: parseArguments(call.function?.arguments) },
+      }));
+    }
+    return out;
+  });
+}
+
+function contentText(content: ChatMessage['content'], index: number): string {
+  if (content === undefined || content === null) return '';
+  if (typeof content === 'string') return content;
+  if (!Array.isArray(content)) {
+    throw new ChatTemplateError(`messages[${index}].content must be a string or an array of parts`,
+      'invalid_messages', 400);
+  }
+  return content.map((part, partIndex) => {
+    if (part?.type !== 'text' || typeof part.text !== 'string') {
+      throw new ChatTemplateError(`messages[${index}].content[${partIndex}] has type ${JSON.stringify(part?.type)};` +
+        ' only text parts are supported', 'invalid_messages', 400);
+    }
+    return part.text;
+  }).join('\n');
+}
+
+function parseArguments(value: unknown): unknown {
+  if (typeof value !== 'string') return value;
+  try {
+    return JSON.parse(value);
+  } catch {
+    return value;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Where templates come from
+
+function tokenTextOf(tokenizer: Tokenizer | undefined, id: number | undefined): string | undefined {
+  return tokenizer && id !== undefined ? tokenizer.idToToken(id) : undefined;
+}
+
+/**
+ * The GGUF's template(s): `tokenizer.chat_template` is "default"; `tokenizer.chat_templates` lists more names, each
+ * stored as `tokenizer.chat_template.<name>`. BOS/EOS texts come from the tokenizer. No template: the fallback.
+ */
+export function chatTemplateFromGguf(file: GgufFile, tokenizer?: Tokenizer): ChatTemplate {
+  const templates = new Map<string, string>();
+  const main = metaString(file, 'tokenizer.chat_template');
+  if (main !== undefined) templates.set('default', main);
+  const names = file.metadata.get('tokenizer.chat_templates');
+  if (Array.isArray(names)) {
+    for (const name of names) {
+      const text = typeof name === 'string' ? metaString(file, `tokenizer.chat_template.${name}`) : undefined;
+      if (text !== undefined) templates.set(name as string, text);
+    }
+  }
+  const bosToken = tokenTextOf(tokenizer, tokenizer?.bosId);
+  const eosToken = tokenTextOf(tokenizer, tokenizer?.eosId);
+  if (templates.size === 0) return new ChatTemplate({ templates: FALLBACK_CHAT_TEMPLATE, bosToken, eosToken }, true);
+  return new ChatTemplate({ templates, bosToken, eosToken });
+}
+
+function configTokenText(value: unknown): string | undefined {
+  if (typeof value === 'string') return value;
+  if (typeof value === 'object' && value !== null && typeof (value as { content?: unknown }).content === 'string') {
+    return (value as { content: string }).content;
+  }
+  return undefined;
+}
+
+/**
+ * tokenizer_config.json's `chat_template`: a string, or a list of { name, template }. BOS/EOS texts come from the
+ * config's bos_token / eos_token (a string or an AddedToken object), else from the tokenizer. No template: the
+ * fallback.
+ */
+export function chatTemplateFromConfig(config: Record<string, unknown>, tokenizer?: Tokenizer): ChatTemplate {
+  const bosToken = configTokenText(config.bos_token) ?? tokenTextOf(tokenizer, tokenizer?.bosId);
+  const eosToken = configTokenText(config.eos_token) ?? tokenTextOf(tokenizer, tokenizer?.eosId);
+  const raw = config.chat_template;
+  if (raw === undefined || raw === null) {
+    return new ChatTemplate({ templates: FALLBACK_CHAT_TEMPLATE, bosToken, eosToken }, true);
+  }
+  if (typeof raw === 'string') return new ChatTemplate({ templates: raw, bosToken, eosToken });
+  if (Array.isArray(raw)) {
+    const templates = new Map<string, string>();
+    for (const entry of raw) {
+      const { name, template } = (entry ?? {}) as { name?: unknown; template?: unknown };
+      if (typeof name !== 'string' || typeof template !== 'string') {
+        throw new ChatTemplateError('chat_template list entries must be { name, template } strings',
+          'invalid_template', 500);
+      }
+      templates.set(name, template);
+    }
+    return new ChatTemplate({ templates, bosToken, eosToken });
+  }
+  throw new ChatTemplateError('chat_template must be a string or a list of { name, template }',
+    'invalid_template', 500);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Prompt ids
+
+/**
+ * Renders the messages and encodes the text with special tokens parsed. Templates that write bos_token themselves
+ * (Llama 2 and 3 do) would otherwise get a second BOS from the tokenizer: one is dropped.
+ */
+export function encodeChatPrompt(template: ChatTemplate, tokenizer: Tokenizer, messages: readonly ChatMessage[],
+  options: RenderOptions = {}): { text: string; ids: number[] } {
+  const text = template.render(messages, options);
+  const ids = tokenizer.encode(text, { parseSpecial: true });
+  const bos = tokenizer.bosId;
+  if (bos !== undefined && ids.length >= 2 && ids[0] === bos && ids[1] === bos && template.bosToken !== '' &&
+    text.startsWith(template.bosToken)) {
+    ids.shift();
+  }
+  return { text, ids };
+}

@@ -1,0 +1,176 @@
+// The Tokenizer over a GGUF vocabulary: SentencePiece-style BPE ("llama") or byte-level BPE ("gpt2"), with special
+// tokens, BOS/EOS, and decoding through each token's raw bytes.
+
+import type { GgufFile } from '../gguf.ts';
+import { BpeEncoder } from './bpe.ts';
+import { byteLevelToBytes } from './byte-level.ts';
+import { TokenizerError } from './errors.ts';
+import { readGgufVocab, TokenAttr } from './gguf-vocab.ts';
+import type { GgufVocab } from './gguf-vocab.ts';
+import { SpecialTokenSplitter } from './special-split.ts';
+import { SpmEncoder } from './spm.ts';
+import type { EncodeOptions, Tokenizer } from './types.ts';
+
+const SPACE = 0x20;
+const EMPTY = new Uint8Array(0);
+const utf8 = new TextEncoder();
+const LONE_SURROGATE = /\p{Cs}/u;
+
+export function tokenizerFromGguf(file: GgufFile): GgufTokenizer {
+  return new GgufTokenizer(readGgufVocab(file));
+}
+
+export class GgufTokenizer implements Tokenizer {
+  readonly vocabSize: number;
+  readonly bosId: number | undefined;
+  readonly eosId: number | undefined;
+  readonly eotId: number | undefined;
+  readonly stopTokenIds: readonly number[];
+  /** SentencePiece vocabularies put a space before the text; decode takes one leading space off again. */
+  readonly stripsLeadingSpace: boolean;
+  /** Whether encode adds BOS / EOS (with addSpecialTokens, the default). */
+  readonly addsBos: boolean;
+  readonly addsEos: boolean;
+
+  private readonly splitter: SpecialTokenSplitter;
+  private readonly spm: SpmEncoder | undefined;
+  private readonly bpe: BpeEncoder | undefined;
+  /** Each token's bytes (a special token's are its own text), computed on first use. */
+  private readonly bytesCache: (Uint8Array | undefined)[];
+  // ignoreBOM keeps a leading U+FEFF: it is text the model produced, not a marker to drop.
+  private readonly decoder = new TextDecoder('utf-8', { ignoreBOM: true });
+
+  constructor(readonly vocab: GgufVocab) {
+    this.vocabSize = vocab.tokens.length;
+    this.bosId = vocab.bosId;
+    this.eosId = vocab.eosId;
+    this.eotId = vocab.eotId;
+    this.stopTokenIds = [...vocab.endOfGenerationIds].sort((a, b) => a - b);
+    this.stripsLeadingSpace = vocab.kind === 'spm' && vocab.addSpacePrefix;
+    this.addsBos = vocab.addBos;
+    this.addsEos = vocab.addEos;
+    this.splitter = new SpecialTokenSplitter(vocab);
+    if (vocab.kind === 'spm') this.spm = new SpmEncoder(vocab);
+    else this.bpe = new BpeEncoder(vocab);
+    this.bytesCache = new Array(this.vocabSize);
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Encoding
+
+  encode(text: string, options: EncodeOptions = {}): number[] {
+    const addSpecial = options.addSpecialTokens ?? true;
+    const parseSpecial = options.parseSpecial ?? false;
+    // A lone UTF-16 surrogate has no UTF-8 form; it is encoded as U+FFFD, as TextEncoder would.
+    if (LONE_SURROGATE.test(text)) text = text.replace(/\p{Cs}/gu, '\uFFFD');
+
+    const out: number[] = [];
+    if (addSpecial && this.vocab.addBos) out.push(this.vocab.bosId!);
+    const fragments = this.splitter.split(text, parseSpecial);
+    if (this.spm) {
+      // The dummy prefix goes before the first stretch of text and before every stretch after a special token.
+      let afterSpecial = true;
+      for (const fragment of fragments) {
+        if (fragment.kind === 'token') {
+          out.push(fragment.id);
+          afterSpecial = true;
+          continue;
+        }
+        const prefixed = this.vocab.addSpacePrefix && afterSpecial ? ' ' + fragment.text : fragment.text;
+        this.spm.encode(prefixed.replaceAll(' ', '\u2581'), out);
+        afterSpecial = false;
+      }
+    } else {
+      for (const fragment of fragments) {
+        if (fragment.kind === 'token') out.push(fragment.id);
+        else this.bpe!.encode(fragment.text, out);
+      }
+    }
+    if (addSpecial && this.vocab.addEos) out.push(this.vocab.eosId!);
+    return out;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Decoding
+
+  /**
+   * The token bytes joined and read as UTF-8 (invalid sequences become U+FFFD). SentencePiece's dummy-prefix space
+   * is taken off the start of the result. Unlike llama.cpp's detokenizer, no "clean up tokenization spaces" pass
+   * runs, so decode(encode(text)) gives the text back and matches the joined tokenBytes a streaming detokenizer
+   * sees.
+   */
+  decode(ids: readonly number[], options: { skipSpecialTokens?: boolean } = {}): string {
+    const includeSpecial = !(options.skipSpecialTokens ?? true);
+    const parts: Uint8Array[] = [];
+    let atStart = true;
+    for (const id of ids) {
+      const bytes = this.bytesOf(id, includeSpecial);
+      if (bytes.length === 0) continue;
+      parts.push(atStart && this.stripsLeadingSpace && bytes[0] === SPACE ? bytes.subarray(1) : bytes);
+      atStart = false;
+    }
+    return this.decoder.decode(concat(parts));
+  }
+
+  tokenBytes(id: number, includeSpecial = false): Uint8Array {
+    return this.bytesOf(id, includeSpecial).slice();
+  }
+
+  private bytesOf(id: number, includeSpecial: boolean): Uint8Array {
+    this.checkId(id);
+    const attr = this.vocab.attrs[id];
+    if (attr & (TokenAttr.CONTROL | TokenAttr.UNKNOWN) && !includeSpecial) return EMPTY;
+    let bytes = this.bytesCache[id];
+    if (bytes === undefined) {
+      bytes = this.computeBytes(id, attr);
+      this.bytesCache[id] = bytes;
+    }
+    return bytes;
+  }
+
+  private computeBytes(id: number, attr: number): Uint8Array {
+    const text = this.vocab.tokens[id];
+    if (attr & (TokenAttr.CONTROL | TokenAttr.UNKNOWN | TokenAttr.USER_DEFINED)) return utf8.encode(text);
+    if (attr & TokenAttr.BYTE) {
+      const match = /^<0x([0-9A-Fa-f]{2})>$/.exec(text);
+      if (match) return Uint8Array.of(parseInt(match[1], 16));
+      return utf8.encode(text); // a byte token spelled as the character itself
+    }
+    if (attr & TokenAttr.NORMAL) {
+      return this.vocab.kind === 'spm' ? utf8.encode(text.replaceAll('\u2581', ' ')) : byteLevelToBytes(text);
+    }
+    return EMPTY; // unused and undefined tokens print nothing, as in llama.cpp
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Lookups
+
+  isSpecial(id: number): boolean {
+    this.checkId(id);
+    return (this.vocab.attrs[id] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN)) !== 0;
+  }
+
+  idToToken(id: number): string | undefined {
+    return Number.isInteger(id) && id >= 0 && id < this.vocabSize ? this.vocab.tokens[id] : undefined;
+  }
+
+  tokenToId(token: string): number | undefined {
+    return this.vocab.tokenToId.get(token);
+  }
+
+  private checkId(id: number): void {
+    if (!Number.isInteger(id) || id < 0 || id >= this.vocabSize) {
+      throw new TokenizerError(`token id ${id} is out of range (vocabulary has ${this.vocabSize} tokens)`);
+    }
+  }
+}
+
+function concat(parts: Uint8Array[]): Uint8Array {
+  if (parts.length === 1) return parts[0];
+  let length = 0;
+  for (const part of parts) length += part.length;
+  const out = new Uint8Array(length);
+  let offset = 0;
+  for (const part of parts) { out.set(part, offset); offset += part.length; }
+  return out;
+}

@@ -1,0 +1,234 @@
+// A GGUF vocabulary read into tables: token texts and types, scores or merges, the special token ids, and the
+// add-BOS/EOS flags, with llama.cpp's defaults where the file is silent.
+
+import type { GgufFile } from '../gguf.ts';
+import { metaBool, metaNumber, metaString } from '../gguf.ts';
+import { TokenizerError } from './errors.ts';
+import { preTokenizerSpec } from './pre-tokenizers.ts';
+import { END_OF_MESSAGE_TEXTS, END_OF_TURN_TEXTS, endIsMidTurn, STOP_TEXTS } from './stop-texts.ts';
+
+/** `tokenizer.ggml.token_type` values, as written by the GGUF converters. */
+export enum GgufTokenType {
+  UNDEFINED = 0,
+  NORMAL = 1,
+  UNKNOWN = 2,
+  CONTROL = 3,
+  USER_DEFINED = 4,
+  UNUSED = 5,
+  BYTE = 6,
+}
+
+/** Per-token flags (a token may gain CONTROL or RSTRIP on top of its type, see below). */
+export const TokenAttr = {
+  UNKNOWN: 1 << 0,
+  UNUSED: 1 << 1,
+  NORMAL: 1 << 2,
+  CONTROL: 1 << 3,
+  USER_DEFINED: 1 << 4,
+  BYTE: 1 << 5,
+  /** Whitespace before the token is dropped when it is recognised in text. */
+  LSTRIP: 1 << 6,
+  /** Whitespace after the token is dropped when it is recognised in text. */
+  RSTRIP: 1 << 7,
+} as const;
+
+const ATTR_OF_TYPE: Record<number, number> = {
+  [GgufTokenType.UNDEFINED]: 0,
+  [GgufTokenType.NORMAL]: TokenAttr.NORMAL,
+  [GgufTokenType.UNKNOWN]: TokenAttr.UNKNOWN,
+  [GgufTokenType.CONTROL]: TokenAttr.CONTROL,
+  [GgufTokenType.USER_DEFINED]: TokenAttr.USER_DEFINED,
+  [GgufTokenType.UNUSED]: TokenAttr.UNUSED,
+  [GgufTokenType.BYTE]: TokenAttr.BYTE,
+};
+
+export type VocabKind = 'spm' | 'bpe';
+
+export interface GgufVocab {
+  kind: VocabKind;
+  /** `tokenizer.ggml.pre` (BPE only). */
+  pre: string | undefined;
+  tokens: readonly string[];
+  tokenToId: ReadonlyMap<string, number>;
+  /** SentencePiece merge priorities (higher merges first). */
+  scores: Float32Array;
+  /** One TokenAttr bit set per token. */
+  attrs: Uint16Array;
+  /** BPE merges, "left right", rank = index. */
+  merges: readonly string[];
+  bosId: number | undefined;
+  eosId: number | undefined;
+  eotId: number | undefined;
+  eomId: number | undefined;
+  unkId: number | undefined;
+  padId: number | undefined;
+  addBos: boolean;
+  addEos: boolean;
+  /** SentencePiece's dummy prefix: a space before the text (and after every special token). */
+  addSpacePrefix: boolean;
+  /** Every id that ends generation. */
+  endOfGenerationIds: ReadonlySet<number>;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reading
+
+function stringArray(file: GgufFile, key: string): string[] | undefined {
+  const value = file.metadata.get(key);
+  if (value === undefined) return undefined;
+  if (!Array.isArray(value) || (value.length > 0 && typeof value[0] !== 'string')) {
+    throw new TokenizerError(`GGUF metadata ${key} must be an array of strings`);
+  }
+  return value as string[];
+}
+
+function numberArray(file: GgufFile, key: string, length: number): ArrayLike<number> | undefined {
+  const value = file.metadata.get(key);
+  if (value === undefined) return undefined;
+  if (!(value instanceof Float32Array || value instanceof Int32Array || value instanceof Uint32Array ||
+    value instanceof Float64Array)) {
+    throw new TokenizerError(`GGUF metadata ${key} must be a numeric array`);
+  }
+  if (value.length < length) {
+    throw new TokenizerError(`GGUF metadata ${key} has ${value.length} entries for ${length} tokens`);
+  }
+  return value;
+}
+
+/** A token id from metadata, or the fallback when absent or out of range (files use 0xFFFFFFFF for "none"). */
+function tokenIdKey(file: GgufFile, key: string, vocabSize: number, fallback: number | undefined): number | undefined {
+  const id = metaNumber(file, key);
+  if (id === undefined || id < 0 || id >= vocabSize) return fallback;
+  return id;
+}
+
+interface TokenTable {
+  tokens: string[];
+  tokenToId: Map<string, number>;
+  scores: Float32Array;
+  attrs: Uint16Array;
+}
+
+function readTokenTable(file: GgufFile): TokenTable {
+  const stored = stringArray(file, 'tokenizer.ggml.tokens');
+  if (!stored || stored.length === 0) throw new TokenizerError('GGUF has no token list (tokenizer.ggml.tokens)');
+  // An empty token text cannot be looked up or told apart; llama.cpp names it by its id, and so does this.
+  const tokens = stored.includes('') ? stored.map((text, id) => text === '' ? `[EMPTY_${id}]` : text) : stored;
+  const vocabSize = tokens.length;
+
+  const tokenToId = new Map<string, number>();
+  for (let id = 0; id < vocabSize; id++) {
+    const previous = tokenToId.get(tokens[id]);
+    if (previous !== undefined) {
+      throw new TokenizerError(`duplicate token ${JSON.stringify(tokens[id])} in vocabulary (ids ${previous}, ${id})`);
+    }
+    tokenToId.set(tokens[id], id);
+  }
+
+  const scores = new Float32Array(vocabSize);
+  const storedScores = numberArray(file, 'tokenizer.ggml.scores', vocabSize);
+  if (storedScores) for (let id = 0; id < vocabSize; id++) scores[id] = storedScores[id];
+
+  const attrs = new Uint16Array(vocabSize).fill(TokenAttr.NORMAL);
+  const types = numberArray(file, 'tokenizer.ggml.token_type', vocabSize);
+  if (types) for (let id = 0; id < vocabSize; id++) attrs[id] = ATTR_OF_TYPE[types[id]] ?? 0;
+  return { tokens, tokenToId, scores, attrs };
+}
+
+export function readGgufVocab(file: GgufFile): GgufVocab {
+  const model = metaString(file, 'tokenizer.ggml.model');
+  if (model === undefined) throw new TokenizerError('GGUF has no tokenizer (tokenizer.ggml.model is missing)');
+  let kind: VocabKind;
+  if (model === 'llama') kind = 'spm';
+  else if (model === 'gpt2') kind = 'bpe';
+  else {
+    throw new TokenizerError(`GGUF tokenizer model "${model}" is not supported (Conduit reads "llama" and "gpt2")`);
+  }
+
+  const { tokens, tokenToId, scores, attrs } = readTokenTable(file);
+  const vocabSize = tokens.length;
+
+  let merges: string[] = [];
+  const pre = kind === 'bpe' ? metaString(file, 'tokenizer.ggml.pre') : undefined;
+  if (kind === 'bpe') {
+    const list = stringArray(file, 'tokenizer.ggml.merges');
+    if (!list) throw new TokenizerError('GGUF BPE vocabulary has no merges (tokenizer.ggml.merges)');
+    merges = list;
+  }
+
+  // llama.cpp's defaults: SentencePiece vocabularies number <unk>, <s>, </s> as 0, 1, 2 and add BOS;
+  // a BPE vocabulary without ids has none (llama.cpp's own placeholder id 11 is not carried over).
+  const spm = kind === 'spm';
+  const bosId = tokenIdKey(file, 'tokenizer.ggml.bos_token_id', vocabSize, spm ? 1 : undefined);
+  const eosId = tokenIdKey(file, 'tokenizer.ggml.eos_token_id', vocabSize, spm ? 2 : undefined);
+  const unkId = tokenIdKey(file, 'tokenizer.ggml.unknown_token_id', vocabSize, spm ? 0 : undefined);
+  const padId = tokenIdKey(file, 'tokenizer.ggml.padding_token_id', vocabSize, undefined);
+  let eotId = tokenIdKey(file, 'tokenizer.ggml.eot_token_id', vocabSize, undefined);
+  let eomId = tokenIdKey(file, 'tokenizer.ggml.eom_token_id', vocabSize, undefined);
+  eotId ??= firstPresent(tokenToId, END_OF_TURN_TEXTS);
+  eomId ??= firstPresent(tokenToId, END_OF_MESSAGE_TEXTS);
+
+  const addBos = metaBool(file, 'tokenizer.ggml.add_bos_token') ?? (spm || preTokenizerSpec(pre).addBosByDefault);
+  const addEos = metaBool(file, 'tokenizer.ggml.add_eos_token') ?? false;
+  const addSpacePrefix = metaBool(file, 'tokenizer.ggml.add_space_prefix') ?? spm;
+  if (addBos && bosId === undefined) {
+    throw new TokenizerError('tokenizer.ggml.add_bos_token is true but the vocabulary has no BOS token id');
+  }
+  if (addEos && eosId === undefined) {
+    throw new TokenizerError('tokenizer.ggml.add_eos_token is true but the vocabulary has no EOS token id');
+  }
+
+  const endOfGenerationIds = collectEndOfGeneration(file, tokenToId, vocabSize, [eosId, eotId, eomId]);
+  // A token that ends generation is a control token even when the converter typed it NORMAL: decoding with
+  // special tokens skipped must not print it.
+  for (const id of endOfGenerationIds) attrs[id] |= TokenAttr.CONTROL;
+  applyPhi3Rstrip(file, tokenToId, attrs);
+
+  return {
+    kind, pre, tokens, tokenToId, scores, attrs, merges,
+    bosId, eosId, eotId, eomId, unkId, padId, addBos, addEos, addSpacePrefix, endOfGenerationIds,
+  };
+}
+
+function firstPresent(tokenToId: ReadonlyMap<string, number>, texts: readonly string[]): number | undefined {
+  for (const text of texts) {
+    const id = tokenToId.get(text);
+    if (id !== undefined) return id;
+  }
+  return undefined;
+}
+
+function collectEndOfGeneration(file: GgufFile, tokenToId: ReadonlyMap<string, number>, vocabSize: number,
+  declared: (number | undefined)[]): Set<number> {
+  const ids = new Set<number>();
+  for (const id of declared) if (id !== undefined) ids.add(id);
+  for (const key of ['fim_pad', 'fim_rep', 'fim_sep']) {
+    const id = tokenIdKey(file, `tokenizer.ggml.${key}_token_id`, vocabSize, undefined);
+    if (id !== undefined) ids.add(id);
+  }
+  for (const text of STOP_TEXTS) {
+    const id = tokenToId.get(text);
+    if (id !== undefined) ids.add(id);
+  }
+  const end = tokenToId.get('<|end|>');
+  if (end !== undefined && endIsMidTurn((text) => tokenToId.has(text)) && !declared.includes(end)) ids.delete(end);
+  return ids;
+}
+
+/**
+ * Phi-3's tokenizer.json marks its added tokens rstrip (whitespace after "<|user|>" is not text), but GGUF has no
+ * field for it; llama.cpp recognises Phi-3 by name and sets the flag, and so does this.
+ */
+function applyPhi3Rstrip(file: GgufFile, tokenToId: ReadonlyMap<string, number>, attrs: Uint16Array): void {
+  const name = (metaString(file, 'general.name') ?? '').toLowerCase();
+  if (!name.includes('phi-3') && !name.includes('phi3')) return;
+  const specialMask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN;
+  for (let id = 0; id < attrs.length; id++) if (attrs[id] & specialMask) attrs[id] |= TokenAttr.RSTRIP;
+  const set = (text: string, on: boolean) => {
+    const id = tokenToId.get(text);
+    if (id === undefined) return;
+    attrs[id] = on ? attrs[id] | TokenAttr.RSTRIP : attrs[id] & ~TokenAttr.RSTRIP;
+  };
+  set('</s>', true);
+  for (const text of ['<unk>', '<s>', '<|endoftext|>']) set(text, false);
+}

@@ -1,0 +1,257 @@
+// The tokenizer.json path, checked against llama.cpp's vectors. There is no tokenizer.json on this machine, so each
+// test builds one from a vocab GGUF's tokens, types and merges, laid out like the public Hugging Face files of that
+// family (GPT-2, Llama 3, Qwen2, Llama 2). @huggingface/tokenizers then has to reproduce llama.cpp's ids, which
+// checks the library-backed tokenizer, the hand-written GGUF one (same vectors) and the wiring between them.
+
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, describe, it } from 'node:test';
+import type { GgufFile } from '../../src/model/gguf.ts';
+import { GgufTokenType } from '../../src/model/tokenizer/gguf-vocab.ts';
+import { HfTokenizer, tokenizerFromJsonObject } from '../../src/model/tokenizer/hf-tokenizer.ts';
+import { createTokenizer, TokenizerError } from '../../src/model/tokenizer/index.ts';
+import { ggufTokenizer, skipUnlessVocab, vocabFile, vocabVectors } from './tokenizer-fixtures.ts';
+import type { VocabName } from './tokenizer-fixtures.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Building a tokenizer.json from a vocab GGUF
+
+type Json = Record<string, unknown>;
+
+/** The pre-tokenizer regexes exactly as the public tokenizer.json files write them (Oniguruma syntax). */
+const LLAMA3_SPLIT = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN2_SPLIT = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+function vocabArrays(file: GgufFile) {
+  return {
+    tokens: file.metadata.get('tokenizer.ggml.tokens') as string[],
+    types: file.metadata.get('tokenizer.ggml.token_type') as Int32Array,
+    scores: file.metadata.get('tokenizer.ggml.scores') as Float32Array | undefined,
+    merges: file.metadata.get('tokenizer.ggml.merges') as string[] | undefined,
+  };
+}
+
+function addedTokens(tokens: string[], types: Int32Array): Json[] {
+  const added: Json[] = [];
+  types.forEach((type, id) => {
+    if (type === GgufTokenType.CONTROL || type === GgufTokenType.USER_DEFINED || type === GgufTokenType.UNKNOWN) {
+      added.push({ id, content: tokens[id], single_word: false, lstrip: false, rstrip: false, normalized: false,
+        special: type !== GgufTokenType.USER_DEFINED });
+    }
+  });
+  return added;
+}
+
+function bosTemplate(bos: string, bosId: number): Json {
+  return {
+    type: 'TemplateProcessing',
+    single: [{ SpecialToken: { id: bos, type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],
+    pair: [],
+    special_tokens: { [bos]: { id: bos, ids: [bosId], tokens: [bos] } },
+  };
+}
+
+function byteLevelJson(name: VocabName, file: GgufFile): Json {
+  const { tokens, types, merges } = vocabArrays(file);
+  const vocab: Record<string, number> = {};
+  tokens.forEach((token, id) => { vocab[token] = id; });
+  const byteLevel = { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: name === 'gpt-2' };
+  const split = name === 'llama-bpe' ? LLAMA3_SPLIT : QWEN2_SPLIT;
+  return {
+    version: '1.0',
+    added_tokens: addedTokens(tokens, types),
+    normalizer: name === 'qwen2' ? { type: 'NFC' } : null,
+    pre_tokenizer: name === 'gpt-2' ? byteLevel : {
+      type: 'Sequence',
+      pretokenizers: [{ type: 'Split', pattern: { Regex: split }, behavior: 'Isolated', invert: false },
+        { ...byteLevel, use_regex: false }],
+    },
+    post_processor: name === 'llama-bpe'
+      ? { type: 'Sequence', processors: [{ ...byteLevel, use_regex: true }, bosTemplate('<|begin_of_text|>', 128000)] }
+      : byteLevel,
+    decoder: byteLevel,
+    model: {
+      type: 'BPE', dropout: null, unk_token: null, continuing_subword_prefix: null, end_of_word_suffix: null,
+      fuse_unk: false, byte_fallback: false, ignore_merges: name === 'llama-bpe', vocab,
+      merges: merges!.map((merge) => { const at = merge.indexOf(' ', 1); return [merge.slice(0, at), merge.slice(at + 1)]; }),
+    },
+  };
+}
+
+/**
+ * Llama 2's layout. SentencePiece vocabularies carry scores, not merges; like Hugging Face's converter, every split
+ * of a piece into two vocabulary pieces becomes a merge, ranked by the piece's score (best first).
+ */
+function sentencePieceJson(file: GgufFile): Json {
+  const { tokens, types, scores } = vocabArrays(file);
+  const vocab: Record<string, number> = {};
+  tokens.forEach((token, id) => { vocab[token] = id; });
+  const candidates: { left: string; right: string; score: number; id: number }[] = [];
+  tokens.forEach((piece, id) => {
+    if (types[id] !== GgufTokenType.NORMAL) return;
+    const chars = Array.from(piece);
+    for (let cut = 1; cut < chars.length; cut++) {
+      const left = chars.slice(0, cut).join('');
+      const right = chars.slice(cut).join('');
+      if (left in vocab && right in vocab) candidates.push({ left, right, score: scores![id], id });
+    }
+  });
+  candidates.sort((a, b) => b.score - a.score || a.id - b.id);
+  return {
+    version: '1.0',
+    added_tokens: addedTokens(tokens, types),
+    normalizer: { type: 'Sequence', normalizers: [{ type: 'Prepend', prepend: '▁' },
+      { type: 'Replace', pattern: { String: ' ' }, content: '▁' }] },
+    pre_tokenizer: null,
+    post_processor: bosTemplate('<s>', 1),
+    decoder: { type: 'Sequence', decoders: [{ type: 'Replace', pattern: { String: '▁' }, content: ' ' },
+      { type: 'ByteFallback' }, { type: 'Fuse' }, { type: 'Strip', content: ' ', start: 1, stop: 0 }] },
+    model: {
+      type: 'BPE', dropout: null, unk_token: '<unk>', continuing_subword_prefix: null, end_of_word_suffix: null,
+      fuse_unk: true, byte_fallback: true, ignore_merges: false, vocab,
+      merges: candidates.map((c) => [c.left, c.right]),
+    },
+  };
+}
+
+const CONFIGS: Record<VocabName, Json> = {
+  'gpt-2': { bos_token: '<|endoftext|>', eos_token: '<|endoftext|>' },
+  'llama-bpe': { bos_token: '<|begin_of_text|>', eos_token: '<|end_of_text|>' },
+  'qwen2': { eos_token: '<|endoftext|>', pad_token: '<|endoftext|>' },
+  'llama-spm': { bos_token: { content: '<s>' }, eos_token: { content: '</s>' }, add_bos_token: true },
+  'phi-3': { bos_token: '<s>', eos_token: '<|endoftext|>', add_bos_token: false },
+};
+
+const built = new Map<VocabName, HfTokenizer>();
+function hfTokenizer(name: VocabName): HfTokenizer {
+  let tokenizer = built.get(name);
+  if (!tokenizer) {
+    const file = vocabFile(name);
+    const json = name === 'llama-spm' || name === 'phi-3' ? sentencePieceJson(file) : byteLevelJson(name, file);
+    tokenizer = tokenizerFromJsonObject(json, CONFIGS[name], name);
+    built.set(name, tokenizer);
+  }
+  return tokenizer;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+const BYTE_LEVEL: VocabName[] = ['gpt-2', 'llama-bpe', 'qwen2'];
+const SENTENCEPIECE: VocabName[] = ['llama-spm'];
+
+for (const name of [...BYTE_LEVEL, ...SENTENCEPIECE]) {
+  describe(`tokenizer.json via @huggingface/tokenizers: ${name}`, { skip: skipUnlessVocab(name) }, () => {
+    it('reproduces llama.cpp\'s ids for all 46 strings', () => {
+      const tokenizer = hfTokenizer(name);
+      const { inputs, expected } = vocabVectors(name);
+      const mismatches: string[] = [];
+      inputs.forEach((input, i) => {
+        const ids = tokenizer.encode(input, { addSpecialTokens: false });
+        if (ids.join(' ') !== expected[i].join(' ')) {
+          mismatches.push(`#${i} ${JSON.stringify(input)}\n  got      ${ids.join(' ')}\n  expected ${expected[i].join(' ')}`);
+        }
+      });
+      assert.deepEqual(mismatches, []);
+    });
+
+    it('decodes back to each string, and its joined tokenBytes agree with decode', () => {
+      const tokenizer = hfTokenizer(name);
+      const { inputs, expected } = vocabVectors(name);
+      inputs.forEach((input, i) => {
+        assert.equal(tokenizer.decode(expected[i]), input, `decode #${i}`);
+        const joined = Buffer.concat(expected[i].map((id) => tokenizer.tokenBytes(id)));
+        const bytes = tokenizer.stripsLeadingSpace && joined[0] === 0x20 ? joined.subarray(1) : joined;
+        assert.equal(bytes.toString('utf8'), input, `tokenBytes #${i}`);
+      });
+    });
+
+    it('gives the same token bytes as the GGUF tokenizer for every id', () => {
+      const hf = hfTokenizer(name);
+      const gguf = ggufTokenizer(name);
+      assert.equal(hf.vocabSize, gguf.vocabSize);
+      const differing: string[] = [];
+      for (let id = 0; id < gguf.vocabSize; id++) {
+        const [a, b] = [hf.tokenBytes(id, true), gguf.tokenBytes(id, true)];
+        if (!Buffer.from(a.buffer, a.byteOffset, a.length).equals(b)) differing.push(`${id} ${gguf.idToToken(id)}`);
+      }
+      assert.deepEqual(differing, []);
+    });
+  });
+}
+
+describe('tokenizer.json: special tokens, BOS, stop ids', { skip: skipUnlessVocab('llama-bpe') ||
+  skipUnlessVocab('qwen2') || skipUnlessVocab('llama-spm') || skipUnlessVocab('phi-3') }, () => {
+  it('adds BOS from the post-processor, and follows add_bos_token in the config', () => {
+    const llama3 = hfTokenizer('llama-bpe');
+    assert.deepEqual(llama3.encode('Hello'), [128000, ...llama3.encode('Hello', { addSpecialTokens: false })]);
+    assert.deepEqual(hfTokenizer('qwen2').encode('Hello'), hfTokenizer('qwen2').encode('Hello', { addSpecialTokens: false }));
+    const llama2 = hfTokenizer('llama-spm');
+    assert.deepEqual(llama2.encode('Hello'), [1, ...llama2.encode('Hello', { addSpecialTokens: false })]);
+    const phi3 = hfTokenizer('phi-3'); // the template adds <s>, the config says not to
+    assert.deepEqual(phi3.encode('Hello'), phi3.encode('Hello', { addSpecialTokens: false }));
+  });
+
+  it('parses special tokens only with parseSpecial, like the GGUF tokenizer', () => {
+    const hf = hfTokenizer('llama-bpe');
+    const gguf = ggufTokenizer('llama-bpe');
+    const prompt = '<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>';
+    for (const parseSpecial of [true, false]) {
+      assert.deepEqual(hf.encode(prompt, { parseSpecial }), gguf.encode(prompt, { parseSpecial }), `parseSpecial ${parseSpecial}`);
+    }
+    assert.ok(hf.encode(prompt, { parseSpecial: true }).includes(128009));
+    assert.ok(!hf.encode(prompt).includes(128009));
+  });
+
+  it('decodes sequences with special tokens as the GGUF tokenizer does', () => {
+    for (const name of ['llama-spm', 'llama-bpe', 'qwen2'] as const) {
+      const [hf, gguf] = [hfTokenizer(name), ggufTokenizer(name)];
+      const text = ' Hello <|im_end|> world\n';
+      const ids = [gguf.bosId ?? gguf.eosId!, ...gguf.encode(text, { addSpecialTokens: false }), gguf.eosId!];
+      for (const skipSpecialTokens of [true, false]) {
+        assert.equal(hf.decode(ids, { skipSpecialTokens }), gguf.decode(ids, { skipSpecialTokens }), `${name} ${skipSpecialTokens}`);
+      }
+    }
+  });
+
+  it('skips special tokens in decode unless asked', () => {
+    const hf = hfTokenizer('qwen2');
+    const ids = hf.encode('<|im_start|>user\nHi<|im_end|>', { parseSpecial: true });
+    assert.equal(hf.decode(ids), 'user\nHi');
+    assert.equal(hf.decode(ids, { skipSpecialTokens: false }), '<|im_start|>user\nHi<|im_end|>');
+    assert.deepEqual([...hf.tokenBytes(151645)], []);
+    assert.equal(Buffer.from(hf.tokenBytes(151645, true)).toString(), '<|im_end|>');
+  });
+
+  it('collects EOS and end-of-turn tokens as stop ids', () => {
+    assert.deepEqual(hfTokenizer('qwen2').stopTokenIds, [151643, 151645]);
+    assert.deepEqual(hfTokenizer('llama-bpe').stopTokenIds, [128001, 128009]);
+    assert.equal(hfTokenizer('llama-bpe').bosId, 128000);
+    assert.equal(hfTokenizer('llama-spm').eosId, 2);
+    assert.equal(hfTokenizer('llama-spm').stripsLeadingSpace, true);
+    assert.equal(hfTokenizer('qwen2').stripsLeadingSpace, false);
+  });
+});
+
+describe('tokenizer.json from a file', { skip: skipUnlessVocab('gpt-2') }, () => {
+  const dir = mkdtempSync(join(tmpdir(), 'conduit-tokenizer-'));
+  after(() => rmSync(dir, { recursive: true, force: true }));
+
+  it('loads through createTokenizer and names a bad file in its error', () => {
+    const path = join(dir, 'tokenizer.json');
+    writeFileSync(path, JSON.stringify(byteLevelJson('gpt-2', vocabFile('gpt-2'))));
+    const tokenizer = createTokenizer({ kind: 'hf', tokenizerJson: path, tokenizerConfig: CONFIGS['gpt-2'] });
+    assert.deepEqual(tokenizer.encode('Hello world'), ggufTokenizer('gpt-2').encode('Hello world'));
+
+    const broken = join(dir, 'broken.json');
+    writeFileSync(broken, '{"model": ');
+    assert.throws(() => createTokenizer({ kind: 'hf', tokenizerJson: broken, tokenizerConfig: {} }),
+      (e: Error) => e instanceof TokenizerError && e.message.includes(broken));
+    assert.throws(() => tokenizerFromJsonObject({ version: '1.0' }), /no "model" object/);
+  });
+
+  it('refuses ids outside the vocabulary', () => {
+    assert.throws(() => hfTokenizer('gpt-2').decode([50257]), TokenizerError);
+  });
+});
