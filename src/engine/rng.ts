@@ -1,0 +1,95 @@
+// Seedable PRNG for sampling: xoshiro128** (Blackman & Vigna), 128 bits of state, period 2^128 - 1, fast in
+// 32-bit integer arithmetic, which is what JavaScript does well (Math.imul, >>>).
+//
+// Each sequence owns one generator seeded from (request seed, completion index), so a sequence draws the same
+// numbers whatever else shares its batch and whichever of the n completions it is.
+
+import { randomInt } from 'node:crypto';
+
+const TWO_POW_32 = 0x1_0000_0000;
+const TWO_POW_26 = 0x400_0000;
+const TWO_POW_53 = 2 ** 53;
+/** Distinct nonzero word for the fourth state word, so the seeded state can never be all zero. */
+const STATE_SALT = 0x5851f42d;
+/** Outputs discarded after seeding: mixes seed words across the whole state before the first real draw. */
+const WARM_UP_DRAWS = 8;
+
+/** murmur3's 32-bit finaliser: a bijection on 32-bit words with good avalanche. */
+function mix32(word: number): number {
+  let h = word >>> 0;
+  h ^= h >>> 16;
+  h = Math.imul(h, 0x85ebca6b);
+  h ^= h >>> 13;
+  h = Math.imul(h, 0xc2b2ae35);
+  h ^= h >>> 16;
+  return h >>> 0;
+}
+
+function rotl(x: number, k: number): number {
+  return (x << k) | (x >>> (32 - k));
+}
+
+export class Xoshiro128 {
+  private s0: number;
+  private s1: number;
+  private s2: number;
+  private s3: number;
+
+  /** Starts from an explicit state (e.g. one saved with `state()`); at least one word must be nonzero. */
+  constructor(state: readonly [number, number, number, number]) {
+    if (state.every((word) => (word >>> 0) === 0)) throw new RangeError('xoshiro128** state must not be all zero');
+    this.s0 = state[0] | 0;
+    this.s1 = state[1] | 0;
+    this.s2 = state[2] | 0;
+    this.s3 = state[3] | 0;
+  }
+
+  /**
+   * Generator for one sequence. Each seed word goes through a bijection into its own state word, so distinct
+   * (seed, stream) pairs always start from distinct states; the warm-up draws then spread them over all 128 bits.
+   */
+  static fromSeed(seed: number, stream = 0): Xoshiro128 {
+    if (!Number.isSafeInteger(seed)) throw new RangeError(`seed must be a safe integer, got ${seed}`);
+    if (!Number.isSafeInteger(stream) || stream < 0 || stream >= TWO_POW_32) {
+      throw new RangeError(`stream must be an integer in [0, 2^32), got ${stream}`);
+    }
+    const seedLow = seed >>> 0;
+    const seedHigh = Math.floor(seed / TWO_POW_32) >>> 0; // two's complement high word, also for negative seeds
+    const rng = new Xoshiro128([mix32(seedLow), mix32(seedHigh), mix32(stream), mix32(STATE_SALT)]);
+    for (let i = 0; i < WARM_UP_DRAWS; i++) rng.nextUint32();
+    return rng;
+  }
+
+  /** Next 32-bit output as an unsigned integer. */
+  nextUint32(): number {
+    const result = Math.imul(rotl(Math.imul(this.s1, 5), 7), 9);
+    const t = this.s1 << 9;
+    this.s2 ^= this.s0;
+    this.s3 ^= this.s1;
+    this.s1 ^= this.s2;
+    this.s0 ^= this.s3;
+    this.s2 ^= t;
+    this.s3 = rotl(this.s3, 11);
+    return result >>> 0;
+  }
+
+  /** Uniform double in [0, 1) with 53 random bits (two draws), so no representable probability is skipped. */
+  nextFloat(): number {
+    const high27 = this.nextUint32() >>> 5;
+    const low26 = this.nextUint32() >>> 6;
+    return (high27 * TWO_POW_26 + low26) / TWO_POW_53;
+  }
+
+  /** The current state, to save a sequence's stream (preemption, migration) and resume it with the constructor. */
+  state(): [number, number, number, number] {
+    return [this.s0 >>> 0, this.s1 >>> 0, this.s2 >>> 0, this.s3 >>> 0];
+  }
+}
+
+/**
+ * A fresh seed for a request that gave none. Drawn once per request (not per completion) so its n completions
+ * still get distinct, reproducible-within-the-request streams from (seed, completion index).
+ */
+export function drawRandomSeed(): number {
+  return randomInt(0, 2 ** 48 - 1);
+}

@@ -1,0 +1,88 @@
+// Stop-string detection over streamed text. Text is released only once no stop string can start in it, so a
+// partial stop string never reaches the client even when it is split across tokens.
+//
+// When several stop strings could match, the one that completes first in the text wins (ties: the longer one,
+// which starts earlier). That is the only rule that does not depend on how the text was chunked into tokens.
+
+export interface StopCheck {
+  /** Text safe to emit now. */
+  text: string;
+  /** The stop string that matched; the output ends here and nothing more may be pushed. */
+  stopped?: string;
+}
+
+export class StopStringMatcher {
+  private readonly stops: readonly string[];
+  private readonly includeStopInOutput: boolean;
+  private readonly longestStop: number;
+  /** Text not yet released: the longest suffix that is a proper prefix of some stop string. */
+  private held = '';
+  private matched: string | undefined;
+
+  constructor(stops: readonly string[], includeStopInOutput = false) {
+    for (const stop of stops) {
+      if (typeof stop !== 'string' || stop.length === 0) throw new RangeError(`stop strings must be non-empty strings, got ${JSON.stringify(stop)}`);
+    }
+    this.stops = stops;
+    this.includeStopInOutput = includeStopInOutput;
+    this.longestStop = stops.reduce((longest, stop) => Math.max(longest, stop.length), 0);
+  }
+
+  get stopped(): string | undefined {
+    return this.matched;
+  }
+
+  /** Text held back because it might begin a stop string. */
+  get heldText(): string {
+    return this.held;
+  }
+
+  push(text: string): StopCheck {
+    if (this.matched !== undefined) throw new Error(`stop string ${JSON.stringify(this.matched)} already matched; no more text may follow`);
+    if (this.stops.length === 0) return { text };
+    const newTextStart = this.held.length;
+    const buffer = this.held + text;
+
+    let matchStart = -1;
+    let matchEnd = Infinity;
+    let matchStop = '';
+    for (const stop of this.stops) {
+      // Held text contains no whole stop string, so a match must end inside the new text.
+      const start = buffer.indexOf(stop, Math.max(0, newTextStart - stop.length + 1));
+      if (start < 0) continue;
+      const end = start + stop.length;
+      if (end < matchEnd || (end === matchEnd && start < matchStart)) {
+        matchStart = start;
+        matchEnd = end;
+        matchStop = stop;
+      }
+    }
+    if (matchStart >= 0) {
+      this.held = '';
+      this.matched = matchStop;
+      return { text: buffer.slice(0, matchStart) + (this.includeStopInOutput ? matchStop : ''), stopped: matchStop };
+    }
+
+    const holdFrom = this.partialStopStart(buffer);
+    this.held = buffer.slice(holdFrom);
+    return { text: buffer.slice(0, holdFrom) };
+  }
+
+  /** Releases the held text at the end of the output (length, EOS, abort): it can no longer become a stop string. */
+  flush(): string {
+    const rest = this.held;
+    this.held = '';
+    return rest;
+  }
+
+  /** Start of the earliest suffix of `buffer` that is a proper prefix of a stop string (buffer.length if none). */
+  private partialStopStart(buffer: string): number {
+    for (let start = Math.max(0, buffer.length - this.longestStop + 1); start < buffer.length; start++) {
+      const suffixLength = buffer.length - start;
+      for (const stop of this.stops) {
+        if (stop.length > suffixLength && buffer.startsWith(stop.slice(0, suffixLength), start)) return start;
+      }
+    }
+    return buffer.length;
+  }
+}

@@ -1,0 +1,456 @@
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import { Xoshiro128, drawRandomSeed } from '../../src/engine/rng.ts';
+import { Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, validateSamplingParams } from '../../src/engine/sampler.ts';
+import type { LogprobsMode, SampledToken } from '../../src/engine/sampler.ts';
+import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
+import type { SamplingParams } from '../../src/engine/types.ts';
+
+const DRAWS = 20_000;
+/** Absolute tolerance on an empirical frequency: about 4.5 standard deviations at p = 0.5 over DRAWS draws. */
+const FREQUENCY_TOLERANCE = 0.016;
+
+function params(overrides: Partial<SamplingParams> = {}): SamplingParams {
+  return { ...DEFAULT_SAMPLING, ...overrides };
+}
+
+function sequence(
+  vocabSize: number,
+  overrides: Partial<SamplingParams> = {},
+  extra: { prompt?: number[]; eos?: number[]; seed?: number; index?: number } = {},
+): SequenceSampler {
+  return new SequenceSampler({
+    params: params(overrides),
+    promptTokenIds: extra.prompt ?? [],
+    vocabSize,
+    eosTokenIds: extra.eos ?? [],
+    requestSeed: extra.seed ?? 1234,
+    completionIndex: extra.index ?? 0,
+  });
+}
+
+/** Samples the same logits row many times and returns how often each id came out. */
+function frequencies(logits: number[], overrides: Partial<SamplingParams>, draws = DRAWS): number[] {
+  const sampler = new Sampler(logits.length);
+  const seq = sequence(logits.length, overrides);
+  const row = Float32Array.from(logits);
+  const counts = new Array<number>(logits.length).fill(0);
+  for (let i = 0; i < draws; i++) counts[sampler.sampleRow(row, seq).tokenId]!++;
+  return counts.map((count) => count / draws);
+}
+
+function assertFrequencies(actual: number[], expected: number[]): void {
+  assert.equal(actual.length, expected.length);
+  for (let i = 0; i < expected.length; i++) {
+    if (expected[i] === 0) assert.equal(actual[i], 0, `token ${i} must never be drawn (got ${actual[i]})`);
+    else assert.ok(Math.abs(actual[i]! - expected[i]!) < FREQUENCY_TOLERANCE, `token ${i}: ${actual[i]} vs expected ${expected[i]}`);
+  }
+}
+
+function softmax(values: number[]): number[] {
+  const max = Math.max(...values);
+  const exps = values.map((v) => Math.exp(v - max));
+  const sum = exps.reduce((a, b) => a + b, 0);
+  return exps.map((e) => e / sum);
+}
+
+function logSoftmax(values: number[]): number[] {
+  const max = Math.max(...values);
+  const logSum = max + Math.log(values.reduce((a, v) => a + Math.exp(v - max), 0));
+  return values.map((v) => v - logSum);
+}
+
+function randomLogits(rng: Xoshiro128, count: number): Float32Array {
+  const row = new Float32Array(count);
+  for (let i = 0; i < count; i++) row[i] = (rng.nextFloat() - 0.5) * 8;
+  return row;
+}
+
+describe('Xoshiro128', () => {
+  it('matches the reference C implementation of xoshiro128** from state (1, 2, 3, 4)', () => {
+    // Outputs and final state printed by Blackman & Vigna's xoshiro128starstar.c compiled with gcc.
+    const rng = new Xoshiro128([1, 2, 3, 4]);
+    const outputs = Array.from({ length: 6 }, () => rng.nextUint32());
+    assert.deepEqual(outputs, [11520, 0, 5927040, 70819200, 2031721883, 1637235492]);
+    assert.deepEqual(rng.state(), [1110993931, 286554632, 2431677446, 2165318166]);
+  });
+
+  it('matches the reference after 1000 draws from a state with high bits set', () => {
+    const rng = new Xoshiro128([0x9e3779b9, 0xdeadbeef, 0x12345678, 0xcafebabe]);
+    for (let i = 0; i < 1000; i++) rng.nextUint32();
+    assert.equal(rng.nextUint32(), 1063874299);
+  });
+
+  it('gives uniform floats in [0, 1) with mean 1/2 and variance 1/12', () => {
+    const rng = Xoshiro128.fromSeed(99);
+    let sum = 0;
+    let sumSquares = 0;
+    const n = 50_000;
+    for (let i = 0; i < n; i++) {
+      const u = rng.nextFloat();
+      assert.ok(u >= 0 && u < 1);
+      sum += u;
+      sumSquares += u * u;
+    }
+    const mean = sum / n;
+    assert.ok(Math.abs(mean - 0.5) < 0.01, `mean ${mean}`);
+    assert.ok(Math.abs(sumSquares / n - mean * mean - 1 / 12) < 0.005);
+  });
+
+  it('gives the same stream for the same (seed, stream) and different streams otherwise', () => {
+    const draw = (rng: Xoshiro128) => Array.from({ length: 4 }, () => rng.nextUint32());
+    assert.deepEqual(draw(Xoshiro128.fromSeed(42, 0)), draw(Xoshiro128.fromSeed(42, 0)));
+    assert.notDeepEqual(draw(Xoshiro128.fromSeed(42, 0)), draw(Xoshiro128.fromSeed(42, 1)));
+    assert.notDeepEqual(draw(Xoshiro128.fromSeed(42, 0)), draw(Xoshiro128.fromSeed(43, 0)));
+    assert.notDeepEqual(draw(Xoshiro128.fromSeed(1, 0)), draw(Xoshiro128.fromSeed(1 + 2 ** 32, 0)));
+    assert.notDeepEqual(draw(Xoshiro128.fromSeed(-1, 0)), draw(Xoshiro128.fromSeed(2 ** 32 - 1, 0)));
+  });
+
+  it('resumes a stream from a saved state', () => {
+    const rng = Xoshiro128.fromSeed(5);
+    rng.nextUint32();
+    const resumed = new Xoshiro128(rng.state());
+    assert.equal(resumed.nextUint32(), rng.nextUint32());
+  });
+
+  it('rejects unusable seeds and states', () => {
+    assert.throws(() => Xoshiro128.fromSeed(1.5), /seed must be a safe integer/);
+    assert.throws(() => Xoshiro128.fromSeed(2 ** 60), /seed must be a safe integer/);
+    assert.throws(() => Xoshiro128.fromSeed(1, -1), /stream must be an integer/);
+    assert.throws(() => new Xoshiro128([0, 0, 0, 0]), /must not be all zero/);
+    assert.ok(Number.isSafeInteger(drawRandomSeed()));
+  });
+});
+
+describe('selectTop', () => {
+  it('puts the m best ids first, sorted by value then lower id, like a full sort', () => {
+    const rng = Xoshiro128.fromSeed(3);
+    for (let trial = 0; trial < 200; trial++) {
+      const count = 1 + (rng.nextUint32() % 300);
+      // Few distinct values, so ties are common.
+      const values = Float32Array.from({ length: count }, () => rng.nextUint32() % 7);
+      const m = 1 + (rng.nextUint32() % count);
+      const order = Int32Array.from({ length: count }, (_, i) => i);
+      selectTop(values, order, count, m);
+      const fullySorted = [...order.keys()].sort((a, b) => values[b]! - values[a]! || a - b);
+      assert.deepEqual([...order.subarray(0, m)], fullySorted.slice(0, m));
+      assert.deepEqual([...order].sort((a, b) => a - b), [...fullySorted].sort((a, b) => a - b), 'a permutation');
+    }
+  });
+});
+
+describe('selectTopByMass', () => {
+  it('keeps the smallest best-first prefix whose weight reaches the mass, like a full sort would', () => {
+    const rng = Xoshiro128.fromSeed(4);
+    for (let trial = 0; trial < 300; trial++) {
+      const count = 1 + (rng.nextUint32() % 200);
+      const values = Float32Array.from({ length: count }, () => rng.nextUint32() % 9);
+      // Integer weights sum exactly, so the expected cut is not blurred by rounding.
+      const weights = Float64Array.from({ length: count }, () => 1 + (rng.nextUint32() % 5));
+      const total = weights.reduce((a, b) => a + b, 0);
+      const mass = 1 + (rng.nextUint32() % total);
+      const ranked = [...weights.keys()].sort((a, b) => values[b]! - values[a]! || a - b);
+      let expectedCount = 0;
+      for (let sum = 0; sum < mass; expectedCount++) sum += weights[ranked[expectedCount]!]!;
+      const order = Int32Array.from({ length: count }, (_, i) => i);
+      const kept = selectTopByMass(values, weights, order, count, mass);
+      assert.equal(kept, expectedCount, `trial ${trial}`);
+      assert.deepEqual([...order.subarray(0, kept)].sort((a, b) => a - b), ranked.slice(0, kept).sort((a, b) => a - b));
+    }
+  });
+});
+
+describe('Sampler: greedy', () => {
+  it('picks the argmax, ties to the lowest id, whatever the seed', () => {
+    const sampler = new Sampler(5);
+    const row = Float32Array.from([0.5, 3, -1, 3, 2]);
+    for (const seed of [1, 2, 3]) {
+      assert.equal(sampler.sampleRow(row, sequence(5, { temperature: 0 }, { seed })).tokenId, 1);
+    }
+  });
+
+  it('does not modify the logits row it is given', () => {
+    const row = Float32Array.from([1, 2, 3]);
+    new Sampler(3).sampleRow(row, sequence(3, { temperature: 0.7, repetitionPenalty: 2 }, { prompt: [2] }));
+    assert.deepEqual([...row], [1, 2, 3]);
+  });
+
+  it('reports NaN logits and rows where every token is masked', () => {
+    const sampler = new Sampler(3);
+    assert.throws(() => sampler.sampleRow(Float32Array.from([0, NaN, 1]), sequence(3, { temperature: 0 })), /NaN at token id 1/);
+    const banned = new Map([[0, -Infinity], [1, -Infinity], [2, -Infinity]]);
+    assert.throws(() => sampler.sampleRow(new Float32Array(3), sequence(3, { logitBias: banned })), /every token is masked/);
+  });
+});
+
+describe('Sampler: temperature and truncation', () => {
+  // The distribution p = [0.5, 0.3, 0.15, 0.05] laid on ids in a shuffled order, so ranking by id would be wrong.
+  const probabilityById = [0.15, 0.5, 0.05, 0.3];
+  const logits = probabilityById.map(Math.log);
+
+  it('samples softmax(logits) at temperature 1', () => {
+    assertFrequencies(frequencies(logits, {}), probabilityById);
+  });
+
+  it('samples softmax(logits / T) at temperature T', () => {
+    const raw = [2, 1, 0, -1];
+    assertFrequencies(frequencies(raw, { temperature: 0.5 }), softmax(raw.map((l) => l / 0.5)));
+    assertFrequencies(frequencies(raw, { temperature: 2 }), softmax(raw.map((l) => l / 2)));
+  });
+
+  it('top_k keeps the k most likely tokens, renormalised', () => {
+    // Top 2 are 0.5 (id 1) and 0.3 (id 3): 0.5/0.8 and 0.3/0.8.
+    assertFrequencies(frequencies(logits, { topK: 2 }), [0, 0.625, 0, 0.375]);
+    assertFrequencies(frequencies(logits, { topK: 1, temperature: 1.5 }), [0, 1, 0, 0]);
+    assertFrequencies(frequencies(logits, { topK: 10 }), probabilityById);
+  });
+
+  it('top_p keeps the smallest top set whose mass reaches p', () => {
+    // Mass before each token, best first: 0 (0.5), 0.5 (0.3), 0.8 (0.15), 0.95 (0.05).
+    assertFrequencies(frequencies(logits, { topP: 0.7 }), [0, 0.625, 0, 0.375]);
+    assertFrequencies(frequencies(logits, { topP: 0.85 }), [0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]);
+    assertFrequencies(frequencies(logits, { topP: 0.4 }), [0, 1, 0, 0]);
+  });
+
+  it('top_p stops once the mass reaches p exactly, ranking ties by lower id', () => {
+    // Four equal tokens: the first two hold exactly 0.5, so the third is not needed.
+    assertFrequencies(frequencies([0, 0, 0, 0], { topP: 0.5 }), [0.5, 0.5, 0, 0]);
+  });
+
+  it('min_p drops tokens below min_p x the top probability', () => {
+    // Threshold 0.2 x 0.5 = 0.1 drops only the 0.05 token.
+    assertFrequencies(frequencies(logits, { minP: 0.2 }), [0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]);
+    // Threshold 0.4 x 0.5 = 0.2 drops 0.15 and 0.05.
+    assertFrequencies(frequencies(logits, { minP: 0.4 }), [0, 0.625, 0, 0.375]);
+  });
+
+  it('applies top_p to the distribution renormalised after top_k', () => {
+    // After top_k = 2: [0.625, 0.375]; p = 0.55 then keeps only the first (0.625 >= 0.55). Measured on the
+    // untruncated distribution the mass before the second token would be 0.5 < 0.55 and keep both.
+    assertFrequencies(frequencies(logits, { topK: 2, topP: 0.55 }), [0, 1, 0, 0]);
+  });
+
+  it('top_p over a large flat vocabulary keeps exactly the smallest top set with the mass', () => {
+    const vocabSize = 1000;
+    const rng = Xoshiro128.fromSeed(11);
+    const row = Array.from({ length: vocabSize }, () => rng.nextFloat() * 0.5);
+    const probabilities = softmax(row);
+    const ranked = [...probabilities.keys()].sort((a, b) => probabilities[b]! - probabilities[a]! || a - b);
+    const expected = new Array<number>(vocabSize).fill(0);
+    let massBefore = 0;
+    for (const id of ranked) {
+      if (massBefore >= 0.6) break;
+      expected[id] = probabilities[id]!;
+      massBefore += probabilities[id]!;
+    }
+    const keptIds = ranked.filter((id) => expected[id]! > 0);
+    assert.ok(keptIds.length > 300, 'a large kept set, so selection descends through many partitions');
+    const observed = frequencies(row, { topP: 0.6 }, 10_000);
+    for (let id = 0; id < vocabSize; id++) if (expected[id] === 0) assert.equal(observed[id], 0, `token ${id} is outside top_p`);
+    // Mass on the lower-ranked half of the kept set: a sampler that kept too few would put nothing there.
+    const tail = keptIds.slice(keptIds.length / 2);
+    const tailExpected = tail.reduce((sum, id) => sum + expected[id]!, 0) / massBefore;
+    const tailObserved = tail.reduce((sum, id) => sum + observed[id]!, 0);
+    assert.ok(Math.abs(tailObserved - tailExpected) < FREQUENCY_TOLERANCE, `${tailObserved} vs ${tailExpected}`);
+  });
+});
+
+describe('Sampler: penalties and biases', () => {
+  it('applies repetition, frequency and presence penalties as computed by hand', () => {
+    // prompt [0, 1], outputs [1, 3, 3]; repetition 2, frequency 0.5, presence 0.25:
+    //   id 0 (prompt):            2 / 2                     = 1
+    //   id 1 (prompt, output x1): -1 * 2 - 0.5 * 1 - 0.25   = -2.75
+    //   id 2 (unseen):            0.5
+    //   id 3 (output x2):         3 / 2 - 0.5 * 2 - 0.25    = 0.25
+    //   id 4 (unseen):            -2
+    const seq = sequence(5, { repetitionPenalty: 2, frequencyPenalty: 0.5, presencePenalty: 0.25 }, { prompt: [0, 1] });
+    for (const id of [1, 3, 3]) seq.recordOutputToken(id);
+    const logits = Float32Array.from([2, -1, 0.5, 3, -2]);
+    seq.applyLogitProcessors(logits);
+    assert.deepEqual([...logits], [1, -2.75, 0.5, 0.25, -2]);
+  });
+
+  it('penalises a token once however often it is in the prompt and output', () => {
+    const seq = sequence(2, { repetitionPenalty: 4 }, { prompt: [0, 0, 0] });
+    seq.recordOutputToken(0);
+    const logits = Float32Array.from([8, 1]);
+    seq.applyLogitProcessors(logits);
+    assert.deepEqual([...logits], [2, 1]);
+  });
+
+  it('feeds penalised logits to the processed logprobs and the draw', () => {
+    const sampler = new Sampler(5, { logprobsMode: 'processed' });
+    const seq = sequence(5, { repetitionPenalty: 2, frequencyPenalty: 0.5, presencePenalty: 0.25, logprobs: 5 }, { prompt: [0, 1] });
+    for (const id of [1, 3, 3]) seq.recordOutputToken(id);
+    const { logprobs } = sampler.sampleRow(Float32Array.from([2, -1, 0.5, 3, -2]), seq);
+    const expected = logSoftmax([1, -2.75, 0.5, 0.25, -2]);
+    for (const { tokenId, logprob } of logprobs!.top) assert.ok(Math.abs(logprob - expected[tokenId]!) < 1e-6);
+  });
+
+  it('adds logit_bias before sampling, and -Infinity bans a token', () => {
+    const sampler = new Sampler(3);
+    const row = Float32Array.from([1, 2, 3]);
+    assert.equal(sampler.sampleRow(row, sequence(3, { temperature: 0, logitBias: new Map([[0, 5]]) })).tokenId, 0);
+    const banned = frequencies([1, 2, 3], { logitBias: new Map([[2, -Infinity]]) }, 2000);
+    assert.equal(banned[2], 0);
+    assertFrequencies(frequencies([0, 0, 0], { logitBias: new Map([[1, Math.log(2)]]) }), [0.25, 0.5, 0.25]);
+  });
+});
+
+describe('Sampler: min_tokens, EOS and stop ids', () => {
+  const EOS = 3;
+
+  it('masks EOS and stop token ids until min_tokens outputs, then lets them through', () => {
+    const sampler = new Sampler(5);
+    const seq = sequence(5, { temperature: 0, minTokens: 3, stopTokenIds: [4] }, { eos: [EOS] });
+    // EOS is the argmax, stop id 4 second, id 0 third.
+    const row = Float32Array.from([1, 0, 0, 5, 4]);
+    const picked = Array.from({ length: 4 }, () => sampler.sampleRow(row, seq).tokenId);
+    assert.deepEqual(picked, [0, 0, 0, EOS]);
+  });
+
+  it('stops on EOS and stop_token_ids; ignore_eos keeps only the explicit stop ids', () => {
+    assert.deepEqual([...sequence(5, { stopTokenIds: [4] }, { eos: [EOS] }).stopTokenIds].sort(), [3, 4]);
+    assert.deepEqual([...sequence(5, { stopTokenIds: [4], ignoreEos: true }, { eos: [EOS] }).stopTokenIds], [4]);
+    // With ignore_eos, min_tokens does not mask EOS (it will not end the sequence anyway).
+    const seq = sequence(5, { temperature: 0, minTokens: 2, ignoreEos: true }, { eos: [EOS] });
+    assert.equal(new Sampler(5).sampleRow(Float32Array.from([1, 0, 0, 5, 4]), seq).tokenId, EOS);
+  });
+});
+
+describe('Sampler: seeds and batches', () => {
+  const vocabSize = 50;
+  const steps = 20;
+  const stepLogits = (() => {
+    const rng = Xoshiro128.fromSeed(2024);
+    return Array.from({ length: steps }, () => randomLogits(rng, vocabSize));
+  })();
+
+  function run(batchOf: (step: number, target: SequenceSampler) => SequenceSampler[], target: SequenceSampler): number[] {
+    const sampler = new Sampler(vocabSize);
+    const tokens: number[] = [];
+    for (let step = 0; step < steps; step++) {
+      const batch = batchOf(step, target);
+      const logits = new Float32Array(batch.length * vocabSize);
+      // Every row gets this step's logits for the target; other rows get the same values, as the real case would.
+      batch.forEach((_, row) => logits.set(stepLogits[step]!, row * vocabSize));
+      const results: SampledToken[] = sampler.sample(logits, batch);
+      tokens.push(results[batch.indexOf(target)]!.tokenId);
+    }
+    return tokens;
+  }
+
+  const sampling = { temperature: 1, topK: 20, topP: 0.95 };
+
+  it('gives a seeded sequence the same tokens alone or in any batch', () => {
+    const alone = run((_, t) => [t], sequence(vocabSize, sampling, { seed: 7 }));
+    const others = [sequence(vocabSize, sampling, { seed: 8 }), sequence(vocabSize, sampling, { seed: 9 })];
+    const shifting = run(
+      (step, t) => (step % 3 === 0 ? [t] : step % 3 === 1 ? [others[0]!, t] : [others[1]!, others[0]!, t]),
+      sequence(vocabSize, sampling, { seed: 7 }),
+    );
+    assert.deepEqual(shifting, alone);
+    assert.ok(new Set(alone).size > 3, 'a random stream, not a constant');
+  });
+
+  it('gives each completion index its own stream from the same request seed', () => {
+    const many = { ...sampling, n: 3 };
+    const first = run((_, t) => [t], sequence(vocabSize, many, { seed: 7, index: 0 }));
+    const second = run((_, t) => [t], sequence(vocabSize, many, { seed: 7, index: 1 }));
+    const secondAgain = run((_, t) => [t], sequence(vocabSize, many, { seed: 7, index: 1 }));
+    assert.notDeepEqual(first, second);
+    assert.deepEqual(second, secondAgain);
+  });
+
+  it('creates a request\'s n sequences from its seed, or from one seed drawn for the whole request', () => {
+    const streams = (seed: number | undefined) => createRequestSamplers({
+      params: params({ seed, n: 2 }), promptTokenIds: [], vocabSize, eosTokenIds: [],
+    }).map((seq) => Array.from({ length: 3 }, () => seq.nextUniform()));
+    const seeded = streams(7);
+    const manual = [0, 1].map((index) => {
+      const seq = sequence(vocabSize, { n: 2 }, { seed: 7, index });
+      return Array.from({ length: 3 }, () => seq.nextUniform());
+    });
+    assert.deepEqual(seeded, manual);
+    const [first, second] = streams(undefined);
+    assert.notDeepEqual(first, second);
+    assert.notDeepEqual(streams(undefined)[0], first);
+  });
+
+  it('checks the logits shape against the batch', () => {
+    const sampler = new Sampler(4);
+    assert.throws(() => sampler.sample(new Float32Array(7), [sequence(4), sequence(4)]), /expected 2 rows x vocabSize 4/);
+    assert.throws(() => sampler.sampleRow(new Float32Array(4), sequence(5)), /vocabSize 5/);
+  });
+});
+
+describe('Sampler: logprobs', () => {
+  const raw = [2, -1, 0.5, 3, -2, 0];
+
+  function sampleWith(mode: LogprobsMode, overrides: Partial<SamplingParams>): SampledToken {
+    return new Sampler(raw.length, { logprobsMode: mode }).sampleRow(Float32Array.from(raw), sequence(raw.length, overrides));
+  }
+
+  it('raw mode gives the log-softmax of the model logits, whatever the temperature and filters', () => {
+    const expected = logSoftmax(raw);
+    const { tokenId, logprobs } = sampleWith('raw', { temperature: 0.3, topK: 2, logprobs: raw.length });
+    assert.equal(logprobs!.tokenId, tokenId);
+    assert.ok(Math.abs(logprobs!.logprob - expected[tokenId]!) < 1e-6);
+    const total = logprobs!.top.reduce((sum, { logprob }) => sum + Math.exp(logprob), 0);
+    assert.ok(Math.abs(total - 1) < 1e-6, `probabilities sum to ${total}`);
+    for (const { tokenId: id, logprob } of logprobs!.top) assert.ok(Math.abs(logprob - expected[id]!) < 1e-6);
+  });
+
+  it('processed mode gives the log-softmax after temperature', () => {
+    const expected = logSoftmax(raw.map((l) => l / 0.5));
+    const { logprobs } = sampleWith('processed', { temperature: 0.5, logprobs: 3 });
+    assert.deepEqual(logprobs!.top.map((t) => t.tokenId), [3, 0, 2]);
+    for (const { tokenId, logprob } of logprobs!.top) assert.ok(Math.abs(logprob - expected[tokenId]!) < 1e-6);
+  });
+
+  it('ranks few and many alternatives best first, ties to the lower id', () => {
+    const rng = Xoshiro128.fromSeed(12);
+    // Three distinct values over 120 ids: the cuts at 20 and 90 fall inside runs of ties.
+    const row = Float32Array.from({ length: 120 }, () => rng.nextUint32() % 3);
+    const ranked = [...row.keys()].sort((a, b) => row[b]! - row[a]! || a - b);
+    for (const count of [20, 90]) {
+      const { logprobs } = new Sampler(120).sampleRow(row, sequence(120, { temperature: 0, logprobs: count }));
+      assert.deepEqual(logprobs!.top.map((t) => t.tokenId), ranked.slice(0, count));
+    }
+  });
+
+  it('lists the best alternatives in order and only the chosen token when logprobs = 0', () => {
+    const { logprobs } = sampleWith('raw', { temperature: 0, logprobs: 2 });
+    assert.deepEqual(logprobs!.top.map((t) => t.tokenId), [3, 0]);
+    assert.equal(logprobs!.tokenId, 3);
+    assert.deepEqual(sampleWith('raw', { temperature: 0, logprobs: 0 }).logprobs!.top, []);
+    assert.equal(sampleWith('raw', { temperature: 0 }).logprobs, undefined);
+  });
+});
+
+describe('validateSamplingParams', () => {
+  const cases: [Partial<SamplingParams>, RegExp][] = [
+    [{ temperature: -1 }, /temperature must be finite and >= 0/],
+    [{ topP: 0 }, /topP must be in \(0, 1\]/],
+    [{ topK: 2.5 }, /topK must be an integer/],
+    [{ minP: 1.5 }, /minP must be in \[0, 1\]/],
+    [{ repetitionPenalty: 0 }, /repetitionPenalty must be finite and > 0/],
+    [{ presencePenalty: 3 }, /presencePenalty must be in \[-2, 2\]/],
+    [{ frequencyPenalty: NaN }, /frequencyPenalty must be in \[-2, 2\]/],
+    [{ logprobs: 11 }, /logprobs must be null or an integer in \[0, 10\]/],
+    [{ stopTokenIds: [10] }, /stopTokenIds has token id 10 outside \[0, 10\)/],
+    [{ logitBias: new Map([[-1, 1]]) }, /logitBias has token id -1/],
+    [{ logitBias: new Map([[1, NaN]]) }, /logitBias for token 1/],
+    [{ minTokens: -1 }, /minTokens must be an integer >= 0/],
+  ];
+  for (const [overrides, message] of cases) {
+    it(`rejects ${JSON.stringify(overrides, (_, v) => (v instanceof Map ? [...v] : v))}`, () => {
+      assert.throws(() => validateSamplingParams(params(overrides), 10), message);
+    });
+  }
+
+  it('accepts the defaults and rejects a completion index beyond n', () => {
+    validateSamplingParams(params(), 10);
+    assert.throws(() => sequence(10, { n: 2 }, { index: 2 }), /completionIndex must be an integer in \[0, n=2\)/);
+  });
+});
