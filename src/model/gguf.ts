@@ -72,7 +72,8 @@ export class GgufFormatError extends Error {
 class Cursor {
   offset = 0;
   private readonly view: DataView;
-  private readonly decoder = new TextDecoder('utf-8', { fatal: false });
+  // ignoreBOM keeps a leading U+FEFF: it is a real token in some vocabularies, not a byte order mark.
+  private readonly decoder = new TextDecoder('utf-8', { fatal: false, ignoreBOM: true });
 
   constructor(private readonly bytes: Uint8Array, private readonly source: string) {
     this.view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);

@@ -1,0 +1,338 @@
+// A GGUF file as a Conduit model: ModelConfig from the `<arch>.*` metadata keys and ModelWeights from the
+// llama.cpp tensor names. Also the checks every loaded model passes (tensor types and shapes against the config),
+// shared with the Hugging Face loader.
+//
+// Llama 3.1-style RoPE scaling: llama.cpp stores it as a tensor `rope_freqs.weight` of per-frequency divisors
+// instead of metadata. We derive the llama3 parameters (factor, low/high frequency factors) from that tensor, then
+// recompute the divisors from them and require a match, so ModelConfig.ropeScaling describes it exactly and no
+// backend needs the tensor.
+
+import { basename } from 'node:path';
+import type { Architecture, Llama3RopeScaling, ModelConfig, RopeScaling } from './config.ts';
+import { ggmlTypeName, SUPPORTED_TYPES } from './ggml-types.ts';
+import { metaNumber, metaString } from './gguf.ts';
+import type { GgufFile, GgufValue } from './gguf.ts';
+import { dequantizeTensor } from './quant.ts';
+import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
+
+export class ModelFormatError extends Error {
+  override name = 'ModelFormatError';
+}
+
+export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2'];
+
+/** The default RoPE base of llama.cpp when `<arch>.rope.freq_base` is absent. */
+export const DEFAULT_ROPE_THETA = 10000;
+
+/** Llama 3.1 and 3.2 were trained at 8192 tokens before scaling; used when the file does not say. */
+const LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Config
+
+export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
+  const architecture = metaString(file, 'general.architecture');
+  if (architecture === undefined) throw new ModelFormatError(`${source}: metadata general.architecture is missing`);
+  if (!(SUPPORTED_ARCHITECTURES as readonly string[]).includes(architecture)) {
+    throw new ModelFormatError(`${source}: architecture "${architecture}" is not supported ` +
+      `(supported: ${SUPPORTED_ARCHITECTURES.join(', ')})`);
+  }
+  const arch = architecture as Architecture;
+  const key = (suffix: string): string => `${arch}.${suffix}`;
+  const required = (suffix: string): number => {
+    const v = uniformNumber(file, key(suffix), source);
+    if (v === undefined) throw new ModelFormatError(`${source}: metadata ${key(suffix)} is missing`);
+    return v;
+  };
+  const optional = (suffix: string): number | undefined => uniformNumber(file, key(suffix), source);
+
+  const dim = required('embedding_length');
+  const numLayers = required('block_count');
+  const numHeads = required('attention.head_count');
+  const numKvHeads = optional('attention.head_count_kv') ?? numHeads;
+  const headDim = optional('attention.key_length') ?? dim / numHeads;
+  const valueDim = optional('attention.value_length') ?? headDim;
+  if (valueDim !== headDim) {
+    throw new ModelFormatError(`${source}: key length ${headDim} and value length ${valueDim} differ, which is not supported`);
+  }
+  if (!Number.isInteger(headDim)) {
+    throw new ModelFormatError(`${source}: embedding_length ${dim} is not divisible by head_count ${numHeads}`);
+  }
+  if (numHeads % numKvHeads !== 0) {
+    throw new ModelFormatError(`${source}: head_count ${numHeads} is not a multiple of head_count_kv ${numKvHeads}`);
+  }
+  const ropeTheta = shortestF32Decimal(optional('rope.freq_base') ?? DEFAULT_ROPE_THETA);
+  const ropeDim = optional('rope.dimension_count') ?? headDim;
+  const config: ModelConfig = {
+    architecture: arch,
+    name: metaString(file, 'general.name') ?? basename(source),
+    vocabSize: ggufVocabSize(file, arch, source),
+    dim,
+    numLayers,
+    numHeads,
+    numKvHeads,
+    headDim,
+    ffnDim: required('feed_forward_length'),
+    contextLength: required('context_length'),
+    rmsNormEps: shortestF32Decimal(required('attention.layer_norm_rms_epsilon')),
+    ropeTheta,
+    ropeDim,
+    // llama.cpp's converter permutes llama Q/K rows so that adjacent pairs rotate together; qwen2 keeps HF order.
+    ropeStyle: arch === 'llama' ? 'interleaved' : 'neox',
+    qkvBias: file.hasTensor('blk.0.attn_q.bias'),
+    tiedEmbeddings: !file.hasTensor('output.weight'),
+  };
+  const ropeScaling = ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
+  if (ropeScaling) config.ropeScaling = ropeScaling;
+  return config;
+}
+
+/** A numeric key that may also be stored per layer (an array); per-layer values must all be equal. */
+function uniformNumber(file: GgufFile, key: string, source: string): number | undefined {
+  const value: GgufValue | undefined = file.metadata.get(key);
+  if (value === undefined) return undefined;
+  if (typeof value === 'number' || typeof value === 'bigint') return Number(value);
+  if (ArrayBuffer.isView(value) && !(value instanceof DataView)) {
+    const values = Array.from(value as ArrayLike<number | bigint>, Number);
+    if (values.length > 0 && values.every((v) => v === values[0])) return values[0];
+    throw new ModelFormatError(`${source}: metadata ${key} differs between layers, which is not supported`);
+  }
+  throw new ModelFormatError(`${source}: metadata ${key} is not a number`);
+}
+
+/**
+ * GGUF stores epsilons and bases as f32, so 1e-5 arrives as 9.99999974e-6. The shortest decimal with the same f32
+ * is what the model was defined with (and what a config.json of the same model says).
+ */
+export function shortestF32Decimal(value: number): number {
+  if (!Number.isFinite(value) || Math.fround(value) !== value) return value;
+  for (let digits = 1; digits <= 9; digits++) {
+    const candidate = Number(value.toPrecision(digits));
+    if (Math.fround(candidate) === value) return candidate;
+  }
+  return value;
+}
+
+function ggufVocabSize(file: GgufFile, arch: Architecture, source: string): number {
+  const tokens = file.metadata.get('tokenizer.ggml.tokens');
+  if (Array.isArray(tokens)) return tokens.length;
+  const fromKey = metaNumber(file, `${arch}.vocab_size`);
+  if (fromKey !== undefined) return fromKey;
+  const embedding = file.tensorInfos.find((t) => t.name === 'token_embd.weight');
+  if (embedding && embedding.shape.length === 2) return embedding.shape[1]!;
+  throw new ModelFormatError(`${source}: cannot tell the vocabulary size (no tokenizer.ggml.tokens, ` +
+    `${arch}.vocab_size or token_embd.weight)`);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// RoPE scaling
+
+function ggufRopeScaling(
+  file: GgufFile, arch: Architecture, ropeTheta: number, ropeDim: number, source: string,
+): RopeScaling | undefined {
+  const type = metaString(file, `${arch}.rope.scaling.type`);
+  const storedFactor = metaNumber(file, `${arch}.rope.scaling.factor`);
+  const factor = storedFactor === undefined ? undefined : shortestF32Decimal(storedFactor);
+  const originalContext = metaNumber(file, `${arch}.rope.scaling.original_context_length`);
+  if (type === 'linear') {
+    if (factor === undefined || !(factor > 0)) {
+      throw new ModelFormatError(`${source}: linear RoPE scaling needs a positive ${arch}.rope.scaling.factor`);
+    }
+    return factor === 1 ? undefined : { type: 'linear', factor };
+  }
+  if (type !== undefined && type !== 'none') {
+    throw new ModelFormatError(`${source}: RoPE scaling type "${type}" is not supported (supported: linear, ` +
+      `and llama3 given as rope_freqs.weight)`);
+  }
+  if (!file.hasTensor('rope_freqs.weight')) return undefined;
+  const factors = dequantizeTensor(file.tensor('rope_freqs.weight'));
+  return llama3ScalingFromFreqFactors(factors, ropeTheta, ropeDim,
+    originalContext ?? LLAMA3_DEFAULT_ORIGINAL_CONTEXT, `${source}: rope_freqs.weight`);
+}
+
+/**
+ * The divisor of each RoPE frequency under llama3 scaling (what llama.cpp stores as rope_freqs.weight):
+ * 1 for wavelengths shorter than originalContextLength / highFreqFactor, `factor` for those longer than
+ * originalContextLength / lowFreqFactor, and a smooth blend of the two in between.
+ */
+export function llama3FreqFactors(scaling: Llama3RopeScaling, ropeTheta: number, ropeDim: number): Float32Array {
+  const { factor, lowFreqFactor, highFreqFactor, originalContextLength } = scaling;
+  const out = new Float32Array(ropeDim / 2);
+  for (let i = 0; i < out.length; i++) {
+    const wavelength = (2 * Math.PI) / ropeTheta ** (-(2 * i) / ropeDim);
+    if (wavelength < originalContextLength / highFreqFactor) out[i] = 1;
+    else if (wavelength > originalContextLength / lowFreqFactor) out[i] = factor;
+    else {
+      const smooth = (originalContextLength / wavelength - lowFreqFactor) / (highFreqFactor - lowFreqFactor);
+      out[i] = 1 / ((1 - smooth) / factor + smooth);
+    }
+  }
+  return out;
+}
+
+/**
+ * Inverse of llama3FreqFactors. In the blended band smooth = (C / wavelength - low) / (high - low) is linear in
+ * 1 / wavelength, so a least-squares line through the band's points gives low and high; with fewer than two points
+ * in the band they are not determined and Llama 3.1's values (1 and 4) are tried. Either way the result must
+ * reproduce every stored factor, else this is not llama3 scaling and we refuse it.
+ */
+export function llama3ScalingFromFreqFactors(
+  factors: Float32Array, ropeTheta: number, ropeDim: number, originalContextLength: number, what = 'rope_freqs',
+): Llama3RopeScaling | undefined {
+  if (factors.length !== ropeDim / 2) {
+    throw new ModelFormatError(`${what} has ${factors.length} entries, expected ropeDim / 2 = ${ropeDim / 2}`);
+  }
+  const factor = Math.max(...factors);
+  if (factor <= 1 + 1e-6) return undefined;
+  const tolerance = 1e-4 * factor;
+  const xs: number[] = [];
+  const smooths: number[] = [];
+  for (let i = 0; i < factors.length; i++) {
+    const f = factors[i]!;
+    if (f > 1 + tolerance && f < factor - tolerance) {
+      xs.push(ropeTheta ** (-(2 * i) / ropeDim) / (2 * Math.PI));
+      smooths.push((1 / f - 1 / factor) / (1 - 1 / factor));
+    }
+  }
+  let lowFreqFactor = 1;
+  let highFreqFactor = 4;
+  if (xs.length >= 2) {
+    const { slope, intercept } = leastSquares(xs, smooths);
+    const band = originalContextLength / slope; // high - low
+    lowFreqFactor = snap(-intercept * band);
+    highFreqFactor = snap(lowFreqFactor + band);
+  }
+  const scaling: Llama3RopeScaling = { type: 'llama3', factor: snap(factor), lowFreqFactor, highFreqFactor, originalContextLength };
+  const recomputed = llama3FreqFactors(scaling, ropeTheta, ropeDim);
+  for (let i = 0; i < factors.length; i++) {
+    if (Math.abs(recomputed[i]! - factors[i]!) > 1e-3 * factors[i]!) {
+      throw new ModelFormatError(`${what}: entry ${i} is ${factors[i]}, which llama3 RoPE scaling (factor ${factor}, ` +
+        `low ${lowFreqFactor}, high ${highFreqFactor}, original context ${originalContextLength}) does not give ` +
+        `(${recomputed[i]}); other frequency factor schemes are not supported`);
+    }
+  }
+  return scaling;
+}
+
+function leastSquares(xs: number[], ys: number[]): { slope: number; intercept: number } {
+  const n = xs.length;
+  const meanX = xs.reduce((a, b) => a + b, 0) / n;
+  const meanY = ys.reduce((a, b) => a + b, 0) / n;
+  let sxy = 0, sxx = 0;
+  for (let i = 0; i < n; i++) {
+    sxy += (xs[i]! - meanX) * (ys[i]! - meanY);
+    sxx += (xs[i]! - meanX) ** 2;
+  }
+  const slope = sxy / sxx;
+  return { slope, intercept: meanY - slope * meanX };
+}
+
+/** Published factors are short decimals; undo the f32 noise of a fit (8.000001 -> 8). */
+function snap(x: number): number {
+  const rounded = Math.round(x * 1000) / 1000;
+  return Math.abs(rounded - x) < 1e-3 * Math.max(1, Math.abs(x)) ? rounded : x;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weights
+
+export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = 'GGUF'): ModelWeights {
+  if (file.tensorInfos.length === 0) {
+    throw new ModelFormatError(`${source} has no tensors (a vocabulary-only GGUF?), so it cannot be run as a model`);
+  }
+  const get = (name: string): Tensor => {
+    if (!file.hasTensor(name)) throw new ModelFormatError(`${source}: tensor ${name} is missing`);
+    return file.tensor(name);
+  };
+  const optional = (name: string): Tensor | undefined => (file.hasTensor(name) ? file.tensor(name) : undefined);
+
+  const tokenEmbedding = get('token_embd.weight');
+  const layers: LayerWeights[] = [];
+  for (let i = 0; i < config.numLayers; i++) {
+    const p = `blk.${i}.`;
+    const layer: LayerWeights = {
+      attnNorm: get(`${p}attn_norm.weight`),
+      wq: get(`${p}attn_q.weight`),
+      wk: get(`${p}attn_k.weight`),
+      wv: get(`${p}attn_v.weight`),
+      wo: get(`${p}attn_output.weight`),
+      ffnNorm: get(`${p}ffn_norm.weight`),
+      wGate: get(`${p}ffn_gate.weight`),
+      wUp: get(`${p}ffn_up.weight`),
+      wDown: get(`${p}ffn_down.weight`),
+    };
+    if (config.qkvBias) {
+      layer.bq = get(`${p}attn_q.bias`);
+      layer.bk = get(`${p}attn_k.bias`);
+      layer.bv = get(`${p}attn_v.bias`);
+    }
+    layers.push(layer);
+  }
+  const weights: ModelWeights = {
+    tokenEmbedding,
+    layers,
+    outputNorm: get('output_norm.weight'),
+    output: optional('output.weight') ?? tokenEmbedding,
+  };
+  checkWeights(config, weights, source);
+  return weights;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checks shared by every format
+
+/** Expected ggml shapes (shape[0] contiguous) of every weight of a model with this config. */
+export function expectedShapes(config: ModelConfig): {
+  tokenEmbedding: number[]; outputNorm: number[]; output: number[]; layer: Record<keyof LayerWeights, number[]>;
+} {
+  const { dim, vocabSize, numHeads, numKvHeads, headDim, ffnDim } = config;
+  const qDim = numHeads * headDim;
+  const kvDim = numKvHeads * headDim;
+  return {
+    tokenEmbedding: [dim, vocabSize],
+    outputNorm: [dim],
+    output: [dim, vocabSize],
+    layer: {
+      attnNorm: [dim], wq: [dim, qDim], wk: [dim, kvDim], wv: [dim, kvDim], wo: [qDim, dim],
+      bq: [qDim], bk: [kvDim], bv: [kvDim],
+      ffnNorm: [dim], wGate: [dim, ffnDim], wUp: [dim, ffnDim], wDown: [ffnDim, dim],
+    },
+  };
+}
+
+/** Throws naming the first tensor whose type Conduit cannot compute with or whose shape disagrees with the config. */
+export function checkWeights(config: ModelConfig, weights: ModelWeights, source: string): void {
+  const shapes = expectedShapes(config);
+  const check = (t: Tensor, expected: number[]): void => {
+    if (!SUPPORTED_TYPES.includes(t.type)) {
+      throw new ModelFormatError(`${source}: tensor ${t.name} has type ${ggmlTypeName(t.type)}, which Conduit cannot ` +
+        `compute with (supported: ${SUPPORTED_TYPES.map(ggmlTypeName).join(', ')})`);
+    }
+    const actual = t.shape.length === expected.length ? t.shape : trimTrailingOnes(t.shape);
+    if (actual.length !== expected.length || actual.some((d, i) => d !== expected[i])) {
+      throw new ModelFormatError(`${source}: tensor ${t.name} has shape [${t.shape.join(', ')}], expected ` +
+        `[${expected.join(', ')}] from the model config`);
+    }
+  };
+  check(weights.tokenEmbedding, shapes.tokenEmbedding);
+  check(weights.outputNorm, shapes.outputNorm);
+  if (weights.output !== weights.tokenEmbedding) check(weights.output, shapes.output);
+  if (weights.layers.length !== config.numLayers) {
+    throw new ModelFormatError(`${source}: ${weights.layers.length} layers of weights for ${config.numLayers} layers`);
+  }
+  for (const layer of weights.layers) {
+    for (const [field, tensor] of Object.entries(layer) as [keyof LayerWeights, Tensor | undefined][]) {
+      if (tensor) check(tensor, shapes.layer[field]);
+    }
+  }
+  const sizeOk = (config.ropeDim <= config.headDim && config.ropeDim % 2 === 0);
+  if (!sizeOk) {
+    throw new ModelFormatError(`${source}: rope dimension ${config.ropeDim} must be even and at most head_dim ${config.headDim}`);
+  }
+}
+
+function trimTrailingOnes(shape: number[]): number[] {
+  const out = [...shape];
+  while (out.length > 1 && out[out.length - 1] === 1) out.pop();
+  return out;
+}

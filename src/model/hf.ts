@@ -1,0 +1,291 @@
+// A Hugging Face model folder: config.json, *.safetensors (one file, or shards listed by
+// model.safetensors.index.json), tokenizer.json and tokenizer_config.json.
+//
+// RoPE pairing: HF Llama and Qwen2 checkpoints rotate pairs (x[i], x[i + headDim/2]) ("neox"), so their weights
+// load as they are with ropeStyle 'neox'. llama.cpp's converter instead permutes the rows of Q and K for llama GGUFs
+// so that the same rotation pairs adjacent elements (x[2i], x[2i+1]) ("interleaved"): within each head, HF row
+// k * headDim/2 + j becomes GGUF row 2j + k (k = 0, 1). Both give the same attention scores; only the order of the
+// elements inside each Q/K head differs. `interleavedRowOrder` below is that permutation.
+
+import { existsSync } from 'node:fs';
+import { readdir, readFile, stat } from 'node:fs/promises';
+import { basename, join } from 'node:path';
+import type { Architecture, ModelConfig, RopeScaling } from './config.ts';
+import { checkWeights, DEFAULT_ROPE_THETA, ModelFormatError } from './gguf-model.ts';
+import { readSafetensorsAsync } from './safetensors.ts';
+import type { SafetensorsFile } from './safetensors.ts';
+import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
+
+const ARCHITECTURES: Readonly<Record<string, Architecture>> = {
+  LlamaForCausalLM: 'llama',
+  Qwen2ForCausalLM: 'qwen2',
+};
+
+export interface HfModel {
+  config: ModelConfig;
+  weights: ModelWeights;
+  tokenizerJsonPath: string;
+  /** tokenizer_config.json parsed, {} when the folder has none. */
+  tokenizerConfig: Record<string, unknown>;
+  chatTemplate?: string;
+  /** config.json facts worth showing. */
+  details: Record<string, string | number>;
+}
+
+export async function isHfFolder(dir: string): Promise<boolean> {
+  return existsSync(join(dir, 'config.json')) && (await stat(dir)).isDirectory();
+}
+
+export async function loadHfModel(dir: string): Promise<HfModel> {
+  const configJson = await readJson(join(dir, 'config.json'));
+  const config = hfModelConfig(configJson, basename(dir), dir);
+  const files = await openSafetensors(dir);
+  const weights = hfModelWeights(files, config, dir);
+  checkWeights(config, weights, dir);
+
+  const tokenizerJsonPath = join(dir, 'tokenizer.json');
+  if (!existsSync(tokenizerJsonPath)) {
+    throw new ModelFormatError(`${dir}: tokenizer.json is missing (only fast tokenizers are supported)`);
+  }
+  const tokenizerConfigPath = join(dir, 'tokenizer_config.json');
+  const tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
+  const model: HfModel = {
+    config, weights, tokenizerJsonPath, tokenizerConfig,
+    details: hfDetails(configJson),
+  };
+  const chatTemplate = await findChatTemplate(dir, tokenizerConfig);
+  if (chatTemplate !== undefined) model.chatTemplate = chatTemplate;
+  return model;
+}
+
+async function readJson(path: string): Promise<Record<string, unknown>> {
+  const text = await readFile(path, 'utf8');
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch (error) {
+    throw new ModelFormatError(`${path} is not valid JSON (${(error as Error).message})`);
+  }
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    throw new ModelFormatError(`${path} is not a JSON object`);
+  }
+  return value as Record<string, unknown>;
+}
+
+function hfDetails(configJson: Record<string, unknown>): Record<string, string | number> {
+  const details: Record<string, string | number> = {};
+  const architectures = configJson['architectures'];
+  if (Array.isArray(architectures)) details['architectures'] = architectures.join(', ');
+  for (const key of ['model_type', 'torch_dtype', 'transformers_version']) {
+    const v = configJson[key];
+    if (typeof v === 'string' || typeof v === 'number') details[key] = v;
+  }
+  return details;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// config.json
+
+export function hfModelConfig(json: Record<string, unknown>, name: string, source = 'config.json'): ModelConfig {
+  const architectures = json['architectures'];
+  const declared = Array.isArray(architectures) ? String(architectures[0]) : undefined;
+  const architecture = declared !== undefined ? ARCHITECTURES[declared] : undefined;
+  if (!architecture) {
+    throw new ModelFormatError(`${source}: architecture ${declared ?? '(config.json has no "architectures")'} is not ` +
+      `supported (supported: ${Object.keys(ARCHITECTURES).join(', ')})`);
+  }
+  const num = (key: string, fallback?: number): number => {
+    const v = json[key];
+    if (typeof v === 'number') return v;
+    if ((v === undefined || v === null) && fallback !== undefined) return fallback;
+    throw new ModelFormatError(`${source}: config.json ${key} is ${v === undefined ? 'missing' : 'not a number'}`);
+  };
+  const dim = num('hidden_size');
+  const numHeads = num('num_attention_heads');
+  const headDim = num('head_dim', dim / numHeads);
+  if (!Number.isInteger(headDim)) {
+    throw new ModelFormatError(`${source}: hidden_size ${dim} is not divisible by num_attention_heads ${numHeads}`);
+  }
+  const numKvHeads = num('num_key_value_heads', numHeads);
+  if (numHeads % numKvHeads !== 0) {
+    throw new ModelFormatError(`${source}: num_attention_heads ${numHeads} is not a multiple of num_key_value_heads ${numKvHeads}`);
+  }
+  const config: ModelConfig = {
+    architecture,
+    name,
+    vocabSize: num('vocab_size'),
+    dim,
+    numLayers: num('num_hidden_layers'),
+    numHeads,
+    numKvHeads,
+    headDim,
+    ffnDim: num('intermediate_size'),
+    contextLength: num('max_position_embeddings'),
+    rmsNormEps: num('rms_norm_eps'),
+    ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
+    ropeDim: headDim,
+    ropeStyle: 'neox',
+    // Qwen2 always has Q/K/V biases; Llama has them only when attention_bias says so.
+    qkvBias: architecture === 'qwen2' || json['attention_bias'] === true,
+    tiedEmbeddings: json['tie_word_embeddings'] === true,
+  };
+  const ropeScaling = hfRopeScaling(json['rope_scaling'], source);
+  if (ropeScaling) config.ropeScaling = ropeScaling;
+  return config;
+}
+
+function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined {
+  if (value === undefined || value === null) return undefined;
+  if (typeof value !== 'object') throw new ModelFormatError(`${source}: rope_scaling is not an object`);
+  const s = value as Record<string, unknown>;
+  const type = s['rope_type'] ?? s['type'];
+  const num = (key: string): number => {
+    const v = s[key];
+    if (typeof v !== 'number') throw new ModelFormatError(`${source}: rope_scaling.${key} is missing or not a number`);
+    return v;
+  };
+  switch (type) {
+    case 'default': return undefined;
+    case 'linear': return { type: 'linear', factor: num('factor') };
+    case 'llama3': return {
+      type: 'llama3',
+      factor: num('factor'),
+      lowFreqFactor: num('low_freq_factor'),
+      highFreqFactor: num('high_freq_factor'),
+      originalContextLength: num('original_max_position_embeddings'),
+    };
+    default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
+      '(supported: default, linear, llama3)');
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weights
+
+/** Tensor name -> the safetensors file holding it. */
+type TensorIndex = Map<string, SafetensorsFile>;
+
+async function openSafetensors(dir: string): Promise<TensorIndex> {
+  const indexPath = join(dir, 'model.safetensors.index.json');
+  const index: TensorIndex = new Map();
+  const open = async (shard: string, what: string): Promise<SafetensorsFile> => {
+    const path = join(dir, shard);
+    if (!existsSync(path)) throw new ModelFormatError(`${dir}: shard ${shard} ${what} is missing`);
+    return readSafetensorsAsync(path);
+  };
+
+  if (existsSync(indexPath)) {
+    const weightMap = (await readJson(indexPath))['weight_map'];
+    if (typeof weightMap !== 'object' || weightMap === null) throw new ModelFormatError(`${indexPath} has no weight_map`);
+    const files = new Map<string, SafetensorsFile>();
+    for (const [name, shard] of Object.entries(weightMap as Record<string, string>)) {
+      let file = files.get(shard);
+      if (!file) files.set(shard, (file = await open(shard, 'listed in the index')));
+      index.set(name, file);
+    }
+    return index;
+  }
+
+  const shardNames = (await readdir(dir)).filter((f) => f.endsWith('.safetensors')).sort();
+  if (shardNames.length === 0) throw new ModelFormatError(`${dir}: no *.safetensors files`);
+  const shardOf = new Map<string, string>();
+  for (const shard of shardNames) {
+    const file = await open(shard, 'in the folder');
+    for (const name of file.entries.keys()) {
+      const previous = shardOf.get(name);
+      if (previous !== undefined) {
+        throw new ModelFormatError(`${dir}: tensor ${name} is in both ${previous} and ${shard}; ` +
+          'which one is meant is unclear (a model.safetensors.index.json would say)');
+      }
+      shardOf.set(name, shard);
+      index.set(name, file);
+    }
+  }
+  return index;
+}
+
+/** HF parameter names of each layer field. */
+const LAYER_TENSORS: Readonly<Record<keyof LayerWeights, string>> = {
+  attnNorm: 'input_layernorm.weight',
+  wq: 'self_attn.q_proj.weight',
+  wk: 'self_attn.k_proj.weight',
+  wv: 'self_attn.v_proj.weight',
+  wo: 'self_attn.o_proj.weight',
+  bq: 'self_attn.q_proj.bias',
+  bk: 'self_attn.k_proj.bias',
+  bv: 'self_attn.v_proj.bias',
+  ffnNorm: 'post_attention_layernorm.weight',
+  wGate: 'mlp.gate_proj.weight',
+  wUp: 'mlp.up_proj.weight',
+  wDown: 'mlp.down_proj.weight',
+};
+
+const BIAS_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['bq', 'bk', 'bv']);
+
+export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: string): ModelWeights {
+  const get = (name: string): Tensor => {
+    const file = index.get(name);
+    if (!file) throw new ModelFormatError(`${source}: tensor ${name} is missing`);
+    return file.tensor(name);
+  };
+  const tokenEmbedding = get('model.embed_tokens.weight');
+  const layers: LayerWeights[] = [];
+  for (let i = 0; i < config.numLayers; i++) {
+    const layer: Partial<LayerWeights> = {};
+    for (const [field, suffix] of Object.entries(LAYER_TENSORS) as [keyof LayerWeights, string][]) {
+      if (BIAS_FIELDS.has(field) && !config.qkvBias) continue;
+      layer[field] = get(`model.layers.${i}.${suffix}`);
+    }
+    layers.push(layer as LayerWeights);
+  }
+  // Checkpoints that tie embeddings usually omit lm_head; some store a copy anyway, which we ignore.
+  const output = config.tiedEmbeddings || !index.has('lm_head.weight') ? tokenEmbedding : get('lm_head.weight');
+  if (output === tokenEmbedding) config.tiedEmbeddings = true;
+  return { tokenEmbedding, layers, outputNorm: get('model.norm.weight'), output };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Chat template
+
+/**
+ * The chat template: tokenizer_config.json's chat_template (a string, or a list of named templates of which we take
+ * "default"), else a chat_template.jinja or chat_template.json file beside it (newer transformers versions).
+ */
+async function findChatTemplate(dir: string, tokenizerConfig: Record<string, unknown>): Promise<string | undefined> {
+  const fromConfig = pickTemplate(tokenizerConfig['chat_template']);
+  if (fromConfig !== undefined) return fromConfig;
+  const jinjaPath = join(dir, 'chat_template.jinja');
+  if (existsSync(jinjaPath)) return readFile(jinjaPath, 'utf8');
+  const jsonPath = join(dir, 'chat_template.json');
+  if (existsSync(jsonPath)) return pickTemplate((await readJson(jsonPath))['chat_template']);
+  return undefined;
+}
+
+function pickTemplate(value: unknown): string | undefined {
+  if (typeof value === 'string') return value;
+  if (Array.isArray(value)) {
+    const named = value as { name?: unknown; template?: unknown }[];
+    const chosen = named.find((t) => t.name === 'default') ?? named[0];
+    return typeof chosen?.template === 'string' ? chosen.template : undefined;
+  }
+  return undefined;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// RoPE row order
+
+/**
+ * For a Q or K projection with `numHeads` heads of `headDim` rows: entry r of the result is the HF (neox-order)
+ * row that becomes row r in llama.cpp's interleaved order. Inverting it maps GGUF rows back to HF order.
+ */
+export function interleavedRowOrder(numHeads: number, headDim: number): Int32Array {
+  if (headDim % 2 !== 0) throw new RangeError(`head dimension ${headDim} is odd`);
+  const half = headDim / 2;
+  const order = new Int32Array(numHeads * headDim);
+  for (let h = 0; h < numHeads; h++) {
+    for (let j = 0; j < half; j++) {
+      for (let k = 0; k < 2; k++) order[h * headDim + 2 * j + k] = h * headDim + k * half + j;
+    }
+  }
+  return order;
+}

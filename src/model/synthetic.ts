@@ -1,0 +1,352 @@
+// Deterministic synthetic Llama models: random weights from a seeded generator, a real tokenizer's vocabulary, and
+// the model written as GGUF. They give every part of the stack (kernels, engine, server, benchmarks) a model of a
+// chosen size with no download, byte-identical on every machine for the same spec.
+//
+// Weight scales. Every block starts with an RMSNorm (weights 1), so each projection sees unit-RMS input and is
+// drawn N(0, gain^2/fan_in). Embeddings are tied to the output projection, which invites a degenerate model: when
+// the current token's embedding dominates the final hidden state, its own logit wins and greedy decoding repeats it
+// forever. So embeddings are small (std EMBEDDING_STD) and the feed-forward blocks, which map each token to an
+// unrelated random direction, have a large output gain (FFN_OUTPUT_GAIN); attention, which mixes in the context, has
+// a moderate one (ATTENTION_OUTPUT_GAIN). The hidden state is then mostly a token- and context-dependent random
+// vector: greedy text wanders through the vocabulary rather than looping on a few tokens, and logits have a std of
+// about EMBEDDING_STD * sqrt(dim), peaked enough that sampling is not uniform noise.
+//
+// Normal variates come from the sum of four uniforms (Irwin-Hall), pure integer and float arithmetic with no
+// Math.log / Math.cos, so the bytes cannot change with a platform's libm.
+
+import { createHash } from 'node:crypto';
+import { existsSync, mkdirSync, readFileSync, renameSync, rmSync } from 'node:fs';
+import { homedir } from 'node:os';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { GGML_TYPES, GgmlType } from './ggml-types.ts';
+import { metaString, parseGguf, readGguf } from './gguf.ts';
+import type { GgufValue } from './gguf.ts';
+import { writeGguf } from './gguf-writer.ts';
+import type { GgufTensorToWrite, GgufValueTypeSpec } from './gguf-writer.ts';
+import { quantize } from './quant.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Seeded random numbers: xoshiro128** seeded through splitmix32
+
+export class SeededRandom {
+  private s0: number;
+  private s1: number;
+  private s2: number;
+  private s3: number;
+
+  constructor(seed: number) {
+    let x = seed >>> 0;
+    const splitmix = (): number => {
+      x = (x + 0x9e3779b9) >>> 0;
+      let z = x;
+      z = Math.imul(z ^ (z >>> 16), 0x85ebca6b);
+      z = Math.imul(z ^ (z >>> 13), 0xc2b2ae35);
+      return (z ^ (z >>> 16)) >>> 0;
+    };
+    this.s0 = splitmix();
+    this.s1 = splitmix();
+    this.s2 = splitmix();
+    this.s3 = splitmix();
+    if ((this.s0 | this.s1 | this.s2 | this.s3) === 0) this.s0 = 1; // the all-zero state never leaves zero
+  }
+
+  nextUint32(): number {
+    const result = Math.imul(rotl(Math.imul(this.s1, 5), 7), 9) >>> 0;
+    const t = this.s1 << 9;
+    this.s2 ^= this.s0;
+    this.s3 ^= this.s1;
+    this.s1 ^= this.s2;
+    this.s0 ^= this.s3;
+    this.s2 ^= t;
+    this.s3 = rotl(this.s3, 11);
+    return result;
+  }
+
+  /** Uniform in [0, 1). */
+  next(): number {
+    return this.nextUint32() / 4294967296;
+  }
+
+  /** Approximately N(0, 1): (u1 + u2 + u3 + u4 - 2) * sqrt(3), bounded by +-3.46. */
+  normal(): number {
+    return (this.next() + this.next() + this.next() + this.next() - 2) * SQRT3;
+  }
+
+  fillNormal(out: Float32Array, std: number): Float32Array {
+    const scale = std * SQRT3;
+    for (let i = 0; i < out.length; i++) out[i] = (this.next() + this.next() + this.next() + this.next() - 2) * scale;
+    return out;
+  }
+}
+
+const SQRT3 = Math.sqrt(3);
+
+function rotl(x: number, k: number): number {
+  return (x << k) | (x >>> (32 - k));
+}
+
+/** FNV-1a of a string, to give each tensor its own stream (generation order does not matter). */
+function hashString(s: string): number {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < s.length; i++) h = Math.imul(h ^ s.charCodeAt(i), 0x01000193);
+  return h >>> 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Specs
+
+export type SyntheticDtype = 'F32' | 'F16' | 'BF16' | 'Q8_0' | 'Q4_0' | 'Q4_K' | 'Q6_K';
+
+export const SYNTHETIC_DTYPES: Readonly<Record<SyntheticDtype, GgmlType>> = {
+  F32: GgmlType.F32, F16: GgmlType.F16, BF16: GgmlType.BF16,
+  Q8_0: GgmlType.Q8_0, Q4_0: GgmlType.Q4_0, Q4_K: GgmlType.Q4_K, Q6_K: GgmlType.Q6_K,
+};
+
+export interface SyntheticModelSpec {
+  name: string;
+  dim: number;
+  numLayers: number;
+  numHeads: number;
+  numKvHeads: number;
+  ffnDim: number;
+  contextLength: number;
+  dtype: SyntheticDtype;
+  seed: number;
+  /** Path of a GGUF whose tokenizer.* metadata (vocabulary, scores, special ids) is copied into the model. */
+  tokenizer: string;
+  chatTemplate?: string;
+  /** Default 10000. */
+  ropeTheta?: number;
+  /** Default 1e-5. */
+  rmsNormEps?: number;
+}
+
+/** Bumped whenever the generated bytes for a given spec change, so cached models are regenerated. */
+const GENERATOR_VERSION = 1;
+const EMBEDDING_STD = 0.3;
+const ATTENTION_OUTPUT_GAIN = 0.5;
+const FFN_OUTPUT_GAIN = 4;
+const SPEC_HASH_KEY = 'conduit.synthetic.spec_hash';
+
+export const BUILTIN_MODEL_NAME = 'conduit-synthetic-22m';
+
+const ASSETS_DIR = fileURLToPath(new URL('../../assets/', import.meta.url));
+export const LLAMA_SPM_TOKENIZER_PATH = join(ASSETS_DIR, 'tokenizers', 'llama-spm.gguf');
+
+/**
+ * A Llama 2 style chat template: an optional system prompt folded into the first user turn inside <<SYS>> tags,
+ * each user turn as "<s>[INST] ... [/INST]", each assistant turn followed by "</s>".
+ */
+export const LLAMA2_CHAT_TEMPLATE =
+  "{%- if messages and messages[0]['role'] == 'system' -%}" +
+    "{%- set system_message = messages[0]['content'] -%}{%- set turns = messages[1:] -%}" +
+  '{%- else -%}{%- set system_message = none -%}{%- set turns = messages -%}{%- endif -%}' +
+  '{%- for message in turns -%}' +
+    "{%- if message['role'] == 'user' -%}" +
+      "{{ bos_token + '[INST] ' }}" +
+      "{%- if loop.first and system_message -%}{{ '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' }}{%- endif -%}" +
+      "{{ (message['content'] | trim) + ' [/INST]' }}" +
+    "{%- elif message['role'] == 'assistant' -%}" +
+      "{{ ' ' + (message['content'] | trim) + ' ' + eos_token }}" +
+    '{%- else -%}' +
+      "{{ raise_exception('roles must be system (first message only), user or assistant') }}" +
+    '{%- endif -%}' +
+  '{%- endfor -%}';
+
+/** The built-in model: about 22M parameters (embeddings tied), Q8_0, the real Llama 2 vocabulary. */
+export const BUILTIN_MODEL_SPEC: SyntheticModelSpec = {
+  name: BUILTIN_MODEL_NAME,
+  dim: 384, numLayers: 6, numHeads: 6, numKvHeads: 2, ffnDim: 1024, contextLength: 2048,
+  dtype: 'Q8_0', seed: 22,
+  tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+  chatTemplate: LLAMA2_CHAT_TEMPLATE,
+};
+
+/** The kernels benchmark model, about 100M parameters (110M class), in F32 or Q8_0 (same values before encoding). */
+export function synthetic110mSpec(dtype: SyntheticDtype): SyntheticModelSpec {
+  return {
+    name: 'synthetic-110m',
+    dim: 768, numLayers: 12, numHeads: 12, numKvHeads: 4, ffnDim: 2048, contextLength: 2048,
+    dtype, seed: 110,
+    tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+    chatTemplate: LLAMA2_CHAT_TEMPLATE,
+  };
+}
+
+export const SYNTHETIC_110M_F32 = synthetic110mSpec('F32');
+export const SYNTHETIC_110M_Q8_0 = synthetic110mSpec('Q8_0');
+
+/** Named specs for the command line; `dtype` overrides the spec's own. */
+export function syntheticSpec(name: string, dtype?: string): SyntheticModelSpec {
+  const base = name === BUILTIN_MODEL_NAME ? BUILTIN_MODEL_SPEC : name === 'synthetic-110m' ? SYNTHETIC_110M_F32 : undefined;
+  if (!base) throw new Error(`unknown synthetic model "${name}" (known: ${BUILTIN_MODEL_NAME}, synthetic-110m)`);
+  if (dtype === undefined) return base;
+  if (!(dtype in SYNTHETIC_DTYPES)) {
+    throw new Error(`unknown dtype "${dtype}" (known: ${Object.keys(SYNTHETIC_DTYPES).join(', ')})`);
+  }
+  return { ...base, dtype: dtype as SyntheticDtype };
+}
+
+function checkSpec(spec: SyntheticModelSpec): void {
+  for (const key of ['dim', 'numLayers', 'numHeads', 'numKvHeads', 'ffnDim', 'contextLength'] as const) {
+    if (!Number.isInteger(spec[key]) || spec[key] <= 0) throw new Error(`synthetic spec ${spec.name}: ${key} must be a positive integer`);
+  }
+  if (spec.dim % spec.numHeads !== 0) throw new Error(`synthetic spec ${spec.name}: dim ${spec.dim} is not divisible by numHeads ${spec.numHeads}`);
+  if ((spec.dim / spec.numHeads) % 2 !== 0) throw new Error(`synthetic spec ${spec.name}: head dimension must be even for RoPE`);
+  if (spec.numHeads % spec.numKvHeads !== 0) {
+    throw new Error(`synthetic spec ${spec.name}: numHeads ${spec.numHeads} is not a multiple of numKvHeads ${spec.numKvHeads}`);
+  }
+  if (!(spec.dtype in SYNTHETIC_DTYPES)) throw new Error(`synthetic spec ${spec.name}: dtype ${spec.dtype} is not supported`);
+}
+
+/** Identifies the bytes a spec generates: its fields, the tokenizer file's content and the generator version. */
+export function syntheticSpecHash(spec: SyntheticModelSpec): string {
+  const tokenizerSha = createHash('sha256').update(readFileSync(spec.tokenizer)).digest('hex');
+  const { tokenizer: _path, ...fields } = spec;
+  const canonical = JSON.stringify({ generator: GENERATOR_VERSION, tokenizerSha, ...sortKeys(fields) });
+  return createHash('sha256').update(canonical).digest('hex');
+}
+
+function sortKeys(o: Record<string, unknown>): Record<string, unknown> {
+  return Object.fromEntries(Object.entries(o).sort(([a], [b]) => (a < b ? -1 : 1)));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Writing a model
+
+// llama.cpp's `general.file_type` (enum llama_ftype) for the dominant tensor type.
+const FILE_TYPES: Readonly<Record<SyntheticDtype, number>> = {
+  F32: 0, F16: 1, Q4_0: 2, Q8_0: 7, Q4_K: 15, Q6_K: 18, BF16: 32,
+};
+
+/**
+ * The storage type of a 2-D weight with rows of `rowLength`: the requested one when whole blocks fit in a row,
+ * else the nearest finer type that fits (as llama.cpp does, e.g. for K-quants on a 384-wide model).
+ */
+function weightType(requested: GgmlType, rowLength: number): GgmlType {
+  for (const type of [requested, GgmlType.Q8_0, GgmlType.F16]) {
+    if (rowLength % GGML_TYPES.get(type)!.blockSize === 0) return type;
+  }
+  return GgmlType.F32;
+}
+
+/** Writes the model described by `spec` to `outPath` (not atomically; see ensureSyntheticModel). */
+export function writeSyntheticModel(spec: SyntheticModelSpec, outPath: string): void {
+  checkSpec(spec);
+  const tokenizerFile = readGguf(spec.tokenizer);
+  const tokens = tokenizerFile.metadata.get('tokenizer.ggml.tokens');
+  if (!Array.isArray(tokens) || tokens.length === 0) {
+    throw new Error(`${spec.tokenizer} has no tokenizer.ggml.tokens, so it cannot give a synthetic model its vocabulary`);
+  }
+  const vocabSize = tokens.length;
+  const { dim, numLayers, numHeads, numKvHeads, ffnDim } = spec;
+  const headDim = dim / numHeads;
+  const requested = SYNTHETIC_DTYPES[spec.dtype];
+
+  const metadata: [string, GgufValue][] = [
+    ['general.architecture', 'llama'],
+    ['general.name', spec.name],
+    [SPEC_HASH_KEY, syntheticSpecHash(spec)],
+    ['conduit.synthetic.seed', spec.seed],
+    ['general.file_type', FILE_TYPES[spec.dtype]],
+    ['general.quantization_version', 2],
+    ['llama.vocab_size', vocabSize],
+    ['llama.context_length', spec.contextLength],
+    ['llama.embedding_length', dim],
+    ['llama.block_count', numLayers],
+    ['llama.feed_forward_length', ffnDim],
+    ['llama.rope.dimension_count', headDim],
+    ['llama.rope.freq_base', spec.ropeTheta ?? 10000],
+    ['llama.attention.head_count', numHeads],
+    ['llama.attention.head_count_kv', numKvHeads],
+    ['llama.attention.layer_norm_rms_epsilon', spec.rmsNormEps ?? 1e-5],
+  ];
+  const types = new Map<string, GgufValueTypeSpec>();
+  for (const [key, value] of tokenizerFile.metadata) {
+    if (!key.startsWith('tokenizer.') || key === 'tokenizer.chat_template') continue;
+    metadata.push([key, value]);
+    types.set(key, tokenizerFile.metadataTypes.get(key)!);
+  }
+  const chatTemplate = spec.chatTemplate ?? metaString(tokenizerFile, 'tokenizer.chat_template');
+  if (chatTemplate !== undefined) metadata.push(['tokenizer.chat_template', chatTemplate]);
+
+  const random = (name: string): SeededRandom => new SeededRandom((spec.seed ^ hashString(name)) >>> 0);
+  const matrix = (name: string, rowLength: number, rows: number, std: number): GgufTensorToWrite => {
+    const type = weightType(requested, rowLength);
+    return {
+      name, type, shape: [rowLength, rows],
+      data: () => encode(type, random(name).fillNormal(new Float32Array(rowLength * rows), std)),
+    };
+  };
+  const ones = (name: string): GgufTensorToWrite => ({
+    name, type: GgmlType.F32, shape: [dim],
+    data: () => new Uint8Array(new Float32Array(dim).fill(1).buffer),
+  });
+
+  const qDim = numHeads * headDim;
+  const kvDim = numKvHeads * headDim;
+  const tensors: GgufTensorToWrite[] = [matrix('token_embd.weight', dim, vocabSize, EMBEDDING_STD), ones('output_norm.weight')];
+  for (let i = 0; i < numLayers; i++) {
+    const p = `blk.${i}.`;
+    tensors.push(
+      ones(`${p}attn_norm.weight`),
+      matrix(`${p}attn_q.weight`, dim, qDim, 1 / Math.sqrt(dim)),
+      matrix(`${p}attn_k.weight`, dim, kvDim, 1 / Math.sqrt(dim)),
+      matrix(`${p}attn_v.weight`, dim, kvDim, 1 / Math.sqrt(dim)),
+      matrix(`${p}attn_output.weight`, qDim, dim, ATTENTION_OUTPUT_GAIN / Math.sqrt(qDim)),
+      ones(`${p}ffn_norm.weight`),
+      matrix(`${p}ffn_gate.weight`, dim, ffnDim, 1 / Math.sqrt(dim)),
+      matrix(`${p}ffn_up.weight`, dim, ffnDim, 1 / Math.sqrt(dim)),
+      matrix(`${p}ffn_down.weight`, ffnDim, dim, FFN_OUTPUT_GAIN / Math.sqrt(ffnDim)),
+    );
+  }
+  writeGguf(outPath, { metadata, types, tensors });
+}
+
+function encode(type: GgmlType, values: Float32Array): Uint8Array {
+  return type === GgmlType.F32 ? new Uint8Array(values.buffer, values.byteOffset, values.byteLength) : quantize(type, values);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Cache
+
+export function defaultCacheDir(): string {
+  return process.env.CONDUIT_CACHE_DIR || join(homedir(), '.cache', 'conduit');
+}
+
+/** The spec hash stored in a synthetic model file, or undefined when the file is absent or unreadable. */
+export function storedSpecHash(path: string): string | undefined {
+  if (!existsSync(path)) return undefined;
+  try {
+    return metaString(parseGguf(readFileSync(path), path), SPEC_HASH_KEY);
+  } catch {
+    return undefined; // a truncated or foreign file is simply regenerated
+  }
+}
+
+/**
+ * The path of the model for `spec` in the cache, generating it on first use. The file is written under a unique
+ * temporary name and renamed into place, so concurrent callers never see a partial file; a file whose stored spec
+ * hash differs (an older generator or changed spec) is regenerated.
+ */
+export async function ensureSyntheticModel(spec: SyntheticModelSpec, cacheDir = defaultCacheDir()): Promise<string> {
+  const path = join(cacheDir, `${spec.name}-${spec.dtype}.gguf`);
+  const hash = syntheticSpecHash(spec);
+  if (storedSpecHash(path) === hash) return path;
+  mkdirSync(cacheDir, { recursive: true });
+  const temporary = `${path}.${process.pid}.${Date.now()}.${Math.random().toString(36).slice(2)}.tmp`;
+  try {
+    writeSyntheticModel(spec, temporary);
+    renameSync(temporary, path);
+  } catch (error) {
+    rmSync(temporary, { force: true });
+    throw error;
+  }
+  return path;
+}
+
+/** The built-in model's path, generated into the cache on first use. */
+export function ensureBuiltinModel(cacheDir?: string): Promise<string> {
+  return ensureSyntheticModel(BUILTIN_MODEL_SPEC, cacheDir);
+}

@@ -1,0 +1,166 @@
+import { describe, it, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync, unlinkSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { GgmlType } from '../../src/model/ggml-types.ts';
+import { interleavedRowOrder } from '../../src/model/hf.ts';
+import { loadModel } from '../../src/model/loader.ts';
+import type { LoadedModel } from '../../src/model/loader.ts';
+import { bf16BitsToF32, dequantizeTensor, f32ToBf16Bits } from '../../src/model/quant.ts';
+import { ReferenceModel } from '../../src/model/reference-forward.ts';
+import { writeSafetensors } from '../../src/model/safetensors.ts';
+import type { LayerWeights } from '../../src/model/weights.ts';
+import { makeTinyModel, reorderRows, TINY_DIMS, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
+
+let dir: string;
+before(() => { dir = mkdtempSync(join(tmpdir(), 'conduit-hf-')); });
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+let counter = 0;
+const tempDir = (): string => join(dir, `model-${counter++}`);
+
+const LAYER_FIELDS: (keyof LayerWeights)[] = ['attnNorm', 'wq', 'wk', 'wv', 'wo', 'bq', 'bk', 'bv', 'ffnNorm', 'wGate', 'wUp', 'wDown'];
+
+/** Same model as GGUF and as an HF folder. */
+async function loadBoth(model = makeTinyModel(), hfOptions = {}): Promise<{ gguf: LoadedModel; hf: LoadedModel }> {
+  const ggufPath = join(dir, `model-${counter++}.gguf`);
+  writeTinyGguf(ggufPath, model);
+  const hfDir = tempDir();
+  writeTinyHf(hfDir, model, hfOptions);
+  return { gguf: await loadModel(ggufPath), hf: await loadModel(hfDir) };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('Hugging Face folder vs the same model as GGUF', () => {
+  it('gives the same config apart from name and RoPE pairing', async () => {
+    const { gguf, hf } = await loadBoth();
+    assert.equal(hf.source, 'hf');
+    assert.equal(gguf.config.ropeStyle, 'interleaved');
+    assert.equal(hf.config.ropeStyle, 'neox');
+    assert.deepEqual({ ...hf.config, name: '', ropeStyle: '' }, { ...gguf.config, name: '', ropeStyle: '' });
+  });
+
+  it('gives the same weights, Q and K rows in neox order (interleavedRowOrder maps them to GGUF order)', async () => {
+    const { gguf, hf } = await loadBoth();
+    const headDim = TINY_DIMS.dim / TINY_DIMS.numHeads;
+    assert.deepEqual(dequantizeTensor(hf.weights.tokenEmbedding), dequantizeTensor(gguf.weights.tokenEmbedding));
+    assert.deepEqual(dequantizeTensor(hf.weights.output), dequantizeTensor(gguf.weights.output));
+    assert.deepEqual(dequantizeTensor(hf.weights.outputNorm), dequantizeTensor(gguf.weights.outputNorm));
+    for (let l = 0; l < TINY_DIMS.numLayers; l++) {
+      for (const field of LAYER_FIELDS) {
+        const a = hf.weights.layers[l]![field];
+        const b = gguf.weights.layers[l]![field];
+        if (!a || !b) { assert.equal(a, b, field); continue; }
+        assert.deepEqual(a.shape, b.shape, `${field} shape`);
+        let values = dequantizeTensor(a);
+        if (field === 'wq' || field === 'wk') {
+          const heads = field === 'wq' ? TINY_DIMS.numHeads : TINY_DIMS.numKvHeads;
+          const hfOrder = dequantizeTensor(a);
+          assert.notDeepEqual(hfOrder, dequantizeTensor(b), `${field} rows differ before reordering`);
+          values = reorderRows(hfOrder, a.shape[0]!, interleavedRowOrder(heads, headDim));
+        }
+        assert.deepEqual(values, dequantizeTensor(b), `layer ${l} ${field}`);
+      }
+    }
+  });
+
+  it('computes the same logits: neox pairing on HF rows equals interleaved pairing on GGUF rows', async () => {
+    const { gguf, hf } = await loadBoth();
+    const tokens = [3, 17, 42, 8, 8, 29];
+    const a = new ReferenceModel(gguf.config, gguf.weights).forward(tokens, 0, { allLogits: true });
+    const b = new ReferenceModel(hf.config, hf.weights).forward(tokens, 0, { allLogits: true });
+    const worst = a.reduce((m, v, i) => Math.max(m, Math.abs(v - b[i]!)), 0);
+    assert.ok(worst < 1e-4, `largest logit difference ${worst}`);
+  });
+
+  it('hands the tokenizer files and chat template over', async () => {
+    const hfDir = tempDir();
+    writeTinyHf(hfDir, makeTinyModel());
+    const model = await loadModel(hfDir);
+    assert.deepEqual(model.tokenizerSource, {
+      kind: 'hf', tokenizerJson: join(hfDir, 'tokenizer.json'),
+      tokenizerConfig: { bos_token: '<s>', eos_token: '</s>', add_bos_token: true, chat_template: '{{ messages[0].content }}' },
+    });
+    assert.equal(model.chatTemplate, '{{ messages[0].content }}');
+    assert.equal(model.metadata.details['architectures'], 'LlamaForCausalLM');
+  });
+});
+
+describe('Hugging Face folder variants', () => {
+  it('loads a sharded, tied, BF16 Qwen2 model with biases', async () => {
+    const model = makeTinyModel(TINY_DIMS, { architecture: 'qwen2', tied: true });
+    const hfDir = tempDir();
+    writeTinyHf(hfDir, model, { dtype: 'BF16', shards: 3 });
+    const loaded = await loadModel(hfDir);
+    assert.equal(loaded.config.architecture, 'qwen2');
+    assert.equal(loaded.config.qkvBias, true);
+    assert.equal(loaded.config.tiedEmbeddings, true);
+    assert.equal(loaded.weights.output, loaded.weights.tokenEmbedding);
+    assert.equal(loaded.weights.layers[0]!.wq.type, GgmlType.BF16);
+    const toBf16 = (v: Float32Array): Float32Array => v.map((x) => bf16BitsToF32(f32ToBf16Bits(x)));
+    // Qwen2 keeps HF row order in GGUF too, so no reordering here.
+    assert.deepEqual(dequantizeTensor(loaded.weights.layers[1]!.wk), toBf16(model.tensors.get('blk.1.attn_k.weight')!.values));
+    assert.deepEqual(dequantizeTensor(loaded.weights.layers[1]!.bq!), toBf16(model.tensors.get('blk.1.attn_q.bias')!.values));
+  });
+
+  it('reads llama3 and linear rope_scaling and an explicit head_dim', async () => {
+    const llama3 = tempDir();
+    writeTinyHf(llama3, makeTinyModel(), { configOverrides: {
+      rope_theta: 500000, head_dim: 8,
+      rope_scaling: { rope_type: 'llama3', factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192 },
+    } });
+    const config = (await loadModel(llama3)).config;
+    assert.deepEqual(config.ropeScaling, { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 8192 });
+    assert.equal(config.ropeTheta, 500000);
+    assert.equal(config.headDim, 8);
+    const linear = tempDir();
+    writeTinyHf(linear, makeTinyModel(), { configOverrides: { rope_scaling: { type: 'linear', factor: 2 } } });
+    assert.deepEqual((await loadModel(linear)).config.ropeScaling, { type: 'linear', factor: 2 });
+  });
+
+  it('names what it cannot load', async () => {
+    const mistral = tempDir();
+    writeTinyHf(mistral, makeTinyModel(), { configOverrides: { architectures: ['MistralForCausalLM'] } });
+    await assert.rejects(loadModel(mistral), /architecture MistralForCausalLM is not supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM\)/);
+
+    const yarn = tempDir();
+    writeTinyHf(yarn, makeTinyModel(), { configOverrides: { rope_scaling: { rope_type: 'yarn', factor: 4 } } });
+    await assert.rejects(loadModel(yarn), /rope_scaling type "yarn" is not supported/);
+
+    const noTokenizer = tempDir();
+    writeTinyHf(noTokenizer, makeTinyModel());
+    unlinkSync(join(noTokenizer, 'tokenizer.json'));
+    await assert.rejects(loadModel(noTokenizer), /tokenizer\.json is missing/);
+
+    const missingShard = tempDir();
+    writeTinyHf(missingShard, makeTinyModel(), { shards: 2 });
+    unlinkSync(join(missingShard, 'model-00002-of-00002.safetensors'));
+    await assert.rejects(loadModel(missingShard), /shard model-00002-of-00002\.safetensors listed in the index is missing/);
+
+    const wrongShape = tempDir();
+    writeTinyHf(wrongShape, makeTinyModel(), { configOverrides: { intermediate_size: 80 } });
+    await assert.rejects(loadModel(wrongShape), /tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[32, 64\], expected \[32, 80\]/);
+  });
+
+  it('names a tensor stored in a dtype it cannot compute with', async () => {
+    // The model without its final norm, plus a second file holding that norm as F64.
+    const model = makeTinyModel();
+    model.tensors.delete('output_norm.weight');
+    const hfDir = tempDir();
+    writeTinyHf(hfDir, model);
+    const f64 = new Float64Array(TINY_DIMS.dim).fill(1);
+    const header = Buffer.from(JSON.stringify({ 'model.norm.weight': { dtype: 'F64', shape: [TINY_DIMS.dim], data_offsets: [0, f64.byteLength] } }));
+    const prefix = Buffer.alloc(8);
+    prefix.writeBigUInt64LE(BigInt(header.byteLength));
+    writeFileSync(join(hfDir, 'norm.safetensors'), Buffer.concat([prefix, header, Buffer.from(f64.buffer)]));
+    await assert.rejects(loadModel(hfDir), /tensor model\.norm\.weight has dtype F64, which is not supported/);
+  });
+
+  it('refuses a tensor defined by two files when no index says which one to use', async () => {
+    const hfDir = tempDir();
+    writeTinyHf(hfDir, makeTinyModel());
+    writeSafetensors(join(hfDir, 'copy.safetensors'), [{ name: 'model.norm.weight', dtype: 'F32', shape: [1], data: new Uint8Array(4) }]);
+    await assert.rejects(loadModel(hfDir), /model\.norm\.weight is in both copy\.safetensors and model\.safetensors/);
+  });
+});

@@ -1,0 +1,89 @@
+import { describe, it, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { GgmlType } from '../../src/model/ggml-types.ts';
+import { dequantizeTensor } from '../../src/model/quant.ts';
+import { parseSafetensors, readSafetensors, writeSafetensors } from '../../src/model/safetensors.ts';
+
+let dir: string;
+before(() => { dir = mkdtempSync(join(tmpdir(), 'conduit-safetensors-')); });
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+/** A file assembled by hand from the format definition: u64 header length, JSON header, data. */
+function handMade(header: object, data: number[]): Uint8Array {
+  const json = Buffer.from(JSON.stringify(header));
+  const prefix = Buffer.alloc(8);
+  prefix.writeBigUInt64LE(BigInt(json.byteLength));
+  return new Uint8Array(Buffer.concat([prefix, json, Buffer.from(data)]));
+}
+
+describe('safetensors reader', () => {
+  it('reads a hand-made file: dtypes, reversed shapes, zero-copy views', () => {
+    const bytes = handMade({
+      __metadata__: { format: 'pt' },
+      'w.f16': { dtype: 'F16', shape: [2, 3], data_offsets: [0, 12] },
+      'b.bf16': { dtype: 'BF16', shape: [2], data_offsets: [12, 16] },
+      'n.f32': { dtype: 'F32', shape: [1], data_offsets: [16, 20] },
+    }, [
+      0x00, 0x3c, 0x00, 0x40, 0x00, 0x42, 0x00, 0xbc, 0x00, 0xc0, 0x00, 0x00, // f16 1 2 3 -1 -2 0
+      0x80, 0x3f, 0x49, 0x40, // bf16 1, 3.140625
+      0x00, 0x00, 0x20, 0x41, // f32 10
+    ]);
+    const file = parseSafetensors(bytes, 'hand.safetensors');
+    assert.deepEqual(file.metadata, { format: 'pt' });
+    const w = file.tensor('w.f16');
+    assert.equal(w.type, GgmlType.F16);
+    assert.deepEqual(w.shape, [3, 2], 'row-major [2, 3] is ggml [3, 2]');
+    assert.deepEqual([...dequantizeTensor(w)], [1, 2, 3, -1, -2, 0]);
+    assert.equal(w.data.buffer, bytes.buffer, 'a view, not a copy');
+    assert.deepEqual([...dequantizeTensor(file.tensor('b.bf16'))], [1, 3.140625]);
+    assert.deepEqual([...dequantizeTensor(file.tensor('n.f32'))], [10]);
+  });
+
+  it('names what is wrong with a bad file', () => {
+    const tensor = (entry: object): Uint8Array => handMade({ t: entry }, [0, 0, 0, 0]);
+    assert.throws(() => parseSafetensors(tensor({ dtype: 'I64', shape: [1], data_offsets: [0, 4] }), 'f').tensor('t'),
+      /f: tensor t has dtype I64, which is not supported \(supported: F32, F16, BF16\)/);
+    assert.throws(() => parseSafetensors(tensor({ dtype: 'F32', shape: [2], data_offsets: [0, 4] }), 'f').tensor('t'),
+      /tensor t has 4 bytes, but F32 \[2\] needs 8/);
+    assert.throws(() => parseSafetensors(tensor({ dtype: 'F32', shape: [2], data_offsets: [0, 8] }), 'f'), /outside the file/);
+    assert.throws(() => parseSafetensors(tensor({ dtype: 'F32' }), 'f'), /header entry for t is malformed/);
+    assert.throws(() => parseSafetensors(tensor({ dtype: 'F32', shape: [1], data_offsets: [0, 4] }), 'f').tensor('u'), /tensor u not found/);
+    const huge = new Uint8Array(16);
+    new DataView(huge.buffer).setBigUint64(0, 1000n, true);
+    assert.throws(() => parseSafetensors(huge, 'f'), /header length 1000 does not fit/);
+    const notJson = new Uint8Array([2, 0, 0, 0, 0, 0, 0, 0, 0x7b, 0x7b]);
+    assert.throws(() => parseSafetensors(notJson, 'f'), /header is not valid JSON/);
+  });
+});
+
+describe('safetensors writer', () => {
+  it('round-trips tensors and metadata, with 8-byte aligned data', () => {
+    const path = join(dir, 'round.safetensors');
+    const f32 = new Float32Array([1.5, -2, 0.25, 4, 5, 6]);
+    const f16 = new Uint8Array([0x00, 0x3c, 0x00, 0xc0]);
+    writeSafetensors(path, [
+      { name: 'a', dtype: 'F32', shape: [3, 2], data: new Uint8Array(f32.buffer) },
+      { name: 'b', dtype: 'F16', shape: [2], data: f16 },
+    ], { format: 'pt' });
+    const raw = readFileSync(path);
+    const headerLength = Number(raw.readBigUInt64LE(0));
+    assert.equal((8 + headerLength) % 8, 0);
+    const header = JSON.parse(raw.subarray(8, 8 + headerLength).toString());
+    assert.deepEqual(header.a, { dtype: 'F32', shape: [3, 2], data_offsets: [0, 24] });
+    const file = readSafetensors(path);
+    assert.deepEqual(file.metadata, { format: 'pt' });
+    assert.deepEqual(file.tensor('a').shape, [2, 3]);
+    assert.deepEqual(dequantizeTensor(file.tensor('a')), f32);
+    assert.deepEqual([...dequantizeTensor(file.tensor('b'))], [1, -2]);
+  });
+
+  it('rejects data of the wrong size and duplicate names', () => {
+    const path = join(dir, 'bad.safetensors');
+    assert.throws(() => writeSafetensors(path, [{ name: 'a', dtype: 'F32', shape: [2], data: new Uint8Array(4) }]), /a has 4 bytes/);
+    const t = { name: 'a', dtype: 'F16' as const, shape: [1], data: new Uint8Array(2) };
+    assert.throws(() => writeSafetensors(path, [t, t]), /tensor a appears twice/);
+  });
+});
