@@ -1,0 +1,273 @@
+// The top layer of the KV cache: what a sequence needs. It maps a sequence's token positions onto blocks (its
+// block table), finds the longest cached prefix on admission, registers blocks in the prefix cache once they are
+// computed, shares prompt blocks between the n samples of a request, and gives blocks back on finish or
+// preemption. Below it, the block pool owns reference counts and the hash map; below that, the free queue.
+
+import { BlockPool } from './block-pool.ts';
+import { encodeExtraKeys, extendBlockHashes } from './block-hash.ts';
+import type { BlockHashExtraKeys, EncodedExtraKeys } from './block-hash.ts';
+import type { BlockHash, KvEvent } from './events.ts';
+import type { KvBlock } from './free-block-queue.ts';
+
+export const DEFAULT_BLOCK_SIZE = 16;
+
+export interface KvCacheConfig {
+  /** Blocks in the pool (the caller sizes it from a memory budget with kvPoolBytes). */
+  numBlocks: number;
+  /** Tokens per block (default 16). */
+  blockSize?: number;
+  /** Reuse computed full blocks across requests (default true). */
+  enablePrefixCaching?: boolean;
+  /** Queue KV events for takeEvents() (default false). */
+  enableEvents?: boolean;
+}
+
+export interface KvCacheStats {
+  numBlocks: number;
+  blockSize: number;
+  numUsedBlocks: number;
+  numFreeBlocks: number;
+  /** Blocks holding a reusable prefix, in use or free. */
+  numCachedBlocks: number;
+  /** Fraction of blocks in use, 0..1. */
+  usage: number;
+  /** Tokens looked up in the prefix cache on admission, and how many of them were found. */
+  prefixQueryTokens: number;
+  prefixHitTokens: number;
+  /** Cached blocks overwritten by new allocations. */
+  evictions: number;
+}
+
+/** One sequence's blocks in position order: block i holds positions [i * blockSize, (i + 1) * blockSize). */
+export class BlockTable {
+  private readonly list: KvBlock[] = [];
+  /** blocks[i].id at i: the batch builder copies block ids in one call instead of reading each block. */
+  private ids = new Int32Array(8);
+  /**
+   * Chained hashes of the sequence's full blocks, computed as far as a lookup or registration needed. They depend
+   * on the tokens alone, so they survive preemption and make the resumed sequence find its own blocks.
+   */
+  readonly blockHashes: BlockHash[] = [];
+  /** Leading blocks already offered to the prefix cache (hit, registered, or lost to a duplicate). */
+  numCachedBlocks = 0;
+  readonly extraKeys: EncodedExtraKeys;
+
+  constructor(extraKeys: EncodedExtraKeys) {
+    this.extraKeys = extraKeys;
+  }
+
+  /** Changed only through append and clear, which keep the id mirror in step. */
+  get blocks(): readonly KvBlock[] {
+    return this.list;
+  }
+
+  get blockIds(): number[] {
+    return this.blocks.map((block) => block.id);
+  }
+
+  /** Ids of the first numBlocks blocks, as a view valid until the table changes. */
+  blockIdArray(numBlocks = this.blocks.length): Int32Array {
+    if (numBlocks > this.blocks.length) throw new RangeError(`table holds ${this.blocks.length} blocks, not ${numBlocks}`);
+    return this.ids.subarray(0, numBlocks);
+  }
+
+  /** The manager's: it owns the reference counting that goes with a block entering a table. */
+  append(block: KvBlock): void {
+    if (this.list.length === this.ids.length) {
+      const grown = new Int32Array(2 * this.ids.length);
+      grown.set(this.ids);
+      this.ids = grown;
+    }
+    this.ids[this.list.length] = block.id;
+    this.list.push(block);
+  }
+
+  /** The manager's, after it has released the blocks. */
+  clear(): void {
+    this.list.length = 0;
+    this.numCachedBlocks = 0;
+  }
+}
+
+const NO_BLOCKS: readonly KvBlock[] = Object.freeze([]);
+
+/** The cached blocks a sequence can start from. */
+export interface CachedPrefix {
+  blocks: KvBlock[];
+  /** blocks.length * blockSize: the tokens the sequence need not compute. */
+  numTokens: number;
+  /** Tokens the sequence had when it looked (for hit-rate statistics). */
+  numQueryTokens: number;
+}
+
+export class KvCacheManager {
+  readonly blockSize: number;
+  readonly numBlocks: number;
+  readonly enablePrefixCaching: boolean;
+  readonly pool: BlockPool;
+  private prefixQueryTokens = 0;
+  private prefixHitTokens = 0;
+
+  constructor(config: KvCacheConfig) {
+    this.blockSize = config.blockSize ?? DEFAULT_BLOCK_SIZE;
+    this.pool = new BlockPool({ numBlocks: config.numBlocks, blockSize: this.blockSize, enableEvents: config.enableEvents });
+    this.numBlocks = this.pool.numBlocks;
+    this.enablePrefixCaching = config.enablePrefixCaching ?? true;
+  }
+
+  /** An empty table for a new sequence; extra keys (cache salt, adapter) enter every block hash. */
+  createTable(extraKeys: BlockHashExtraKeys = {}): BlockTable {
+    return new BlockTable(encodeExtraKeys(extraKeys));
+  }
+
+  /** Blocks that hold numTokens tokens. */
+  blocksFor(numTokens: number): number {
+    return Math.ceil(numTokens / this.blockSize);
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Admission
+
+  /**
+   * The longest run of cached full blocks at the start of tokenIds. The last token is never taken from the
+   * cache, even when the whole sequence is: the step must compute at least one token to produce the logits the
+   * next token is sampled from. Nothing is reserved: pass the result to allocateSlots in the same step.
+   */
+  findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>): CachedPrefix {
+    const blocks: KvBlock[] = [];
+    if (this.enablePrefixCaching && tokenIds.length > 0) {
+      const maxBlocks = Math.floor((tokenIds.length - 1) / this.blockSize);
+      extendBlockHashes(table.blockHashes, tokenIds, this.blockSize, table.extraKeys, maxBlocks);
+      for (let i = 0; i < maxBlocks; i++) {
+        const block = this.pool.getCachedBlock(table.blockHashes[i]!);
+        if (block === undefined) break;
+        blocks.push(block);
+      }
+    }
+    return { blocks, numTokens: blocks.length * this.blockSize, numQueryTokens: tokenIds.length };
+  }
+
+  /**
+   * Makes the table cover numComputedTokens + numNewTokens positions. With a prefix (admission of an empty table),
+   * the prefix blocks come first and numComputedTokens must equal prefix.numTokens. Returns the newly allocated
+   * blocks, or null when the pool has too few free blocks: then nothing changed and the caller preempts or waits.
+   */
+  allocateSlots(table: BlockTable, numComputedTokens: number, numNewTokens: number, prefix?: CachedPrefix): readonly KvBlock[] | null {
+    // Most decode steps stay inside the last block: nothing to check or allocate.
+    if (prefix === undefined && numComputedTokens + numNewTokens <= table.blocks.length * this.blockSize
+      && numNewTokens >= 0 && numComputedTokens >= 0) return NO_BLOCKS;
+    if (!Number.isSafeInteger(numNewTokens) || numNewTokens < 0) throw new RangeError(`numNewTokens must be >= 0, got ${numNewTokens}`);
+    const prefixBlocks = prefix?.blocks ?? NO_BLOCKS;
+    if (prefix !== undefined) {
+      if (table.blocks.length !== 0) throw new Error('a cached prefix can only start an empty block table');
+      if (numComputedTokens !== prefix.numTokens) {
+        throw new Error(`numComputedTokens ${numComputedTokens} differs from the cached prefix's ${prefix.numTokens}`);
+      }
+    } else if (this.blocksFor(numComputedTokens) > table.blocks.length) {
+      throw new Error(`${numComputedTokens} computed tokens but only ${table.blocks.length} blocks in the table`);
+    }
+    const numRequired = this.blocksFor(numComputedTokens + numNewTokens);
+    const numToAllocate = Math.max(0, numRequired - table.blocks.length - prefixBlocks.length);
+    // Prefix blocks that are free leave the free queue when taken, so they cannot also count as room.
+    let numFreePrefixBlocks = 0;
+    for (const block of prefixBlocks) if (block.refCount === 0) numFreePrefixBlocks++;
+    if (numToAllocate > this.pool.numFreeBlocks - numFreePrefixBlocks) return null;
+
+    if (prefix !== undefined) {
+      this.pool.touch(prefixBlocks);
+      for (const block of prefixBlocks) table.append(block);
+      table.numCachedBlocks = prefixBlocks.length;
+      this.prefixQueryTokens += prefix.numQueryTokens;
+      this.prefixHitTokens += prefix.numTokens;
+    }
+    const allocated = numToAllocate > 0 ? this.pool.allocate(numToAllocate)! : NO_BLOCKS;
+    for (const block of allocated) table.append(block);
+    return allocated;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // After a step
+
+  /** Registers the full blocks among the first numComputedTokens positions, which the step has now written. */
+  cacheComputedBlocks(table: BlockTable, tokenIds: ArrayLike<number>, numComputedTokens: number): void {
+    if (!this.enablePrefixCaching) return;
+    const numFull = Math.min(Math.floor(numComputedTokens / this.blockSize), table.blocks.length);
+    const start = table.numCachedBlocks;
+    if (numFull <= start) return;
+    extendBlockHashes(table.blockHashes, tokenIds, this.blockSize, table.extraKeys, numFull);
+    this.pool.cacheBlocks(table.blocks, table.blockHashes, start, numFull);
+    table.numCachedBlocks = numFull;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Sharing and release
+
+  /** A new table sharing the first numSharedBlocks blocks of `table` (one more reference each). */
+  fork(table: BlockTable, numSharedBlocks: number): BlockTable {
+    if (numSharedBlocks > table.blocks.length) {
+      throw new RangeError(`cannot share ${numSharedBlocks} blocks of a table holding ${table.blocks.length}`);
+    }
+    const child = new BlockTable(table.extraKeys);
+    const shared = table.blocks.slice(0, numSharedBlocks);
+    this.pool.touch(shared);
+    for (const block of shared) child.append(block);
+    for (const hash of table.blockHashes.slice(0, numSharedBlocks)) child.blockHashes.push(hash);
+    child.numCachedBlocks = Math.min(table.numCachedBlocks, numSharedBlocks);
+    return child;
+  }
+
+  /**
+   * Gives back every block of the table. Tail blocks are freed first so they are evicted first: a later request
+   * is far more likely to share a sequence's beginning (system prompt, conversation so far) than its end.
+   */
+  free(table: BlockTable): void {
+    this.pool.free(table.blocks.slice().reverse());
+    table.clear();
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Events, stats, invariants
+
+  takeEvents(): KvEvent[] {
+    return this.pool.takeEvents();
+  }
+
+  cachedBlockHashes(): BlockHash[] {
+    return this.pool.cachedBlockHashes();
+  }
+
+  /** Forgets every cached prefix; false (and nothing done) while any block is in use. */
+  resetPrefixCache(): boolean {
+    return this.pool.reset();
+  }
+
+  get numFreeBlocks(): number {
+    return this.pool.numFreeBlocks;
+  }
+
+  stats(): KvCacheStats {
+    const { pool } = this;
+    return {
+      numBlocks: this.numBlocks, blockSize: this.blockSize, numUsedBlocks: pool.numUsedBlocks, numFreeBlocks: pool.numFreeBlocks,
+      numCachedBlocks: pool.numCachedBlocks, usage: pool.numUsedBlocks / this.numBlocks,
+      prefixQueryTokens: this.prefixQueryTokens, prefixHitTokens: this.prefixHitTokens, evictions: pool.evictions,
+    };
+  }
+
+  /** Throws unless every block's refCount equals the number of given tables holding it (plus pool invariants). */
+  checkInvariants(liveTables: Iterable<BlockTable>): void {
+    this.pool.checkInvariants();
+    const references = new Int32Array(this.numBlocks);
+    for (const table of liveTables) {
+      if (table.numCachedBlocks > table.blocks.length) {
+        throw new Error(`table marks ${table.numCachedBlocks} cached blocks but holds ${table.blocks.length}`);
+      }
+      for (const block of table.blocks) references[block.id] += 1;
+    }
+    for (const block of this.pool.blocks) {
+      if (block.refCount !== references[block.id]) {
+        throw new Error(`block ${block.id} has refCount ${block.refCount} but ${references[block.id]} tables hold it`);
+      }
+    }
+  }
+}

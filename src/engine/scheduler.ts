@@ -1,0 +1,599 @@
+// The continuous-batching scheduler: synchronous, no I/O, no clock of its own. schedule(nowMs) decides what the next
+// forward pass computes; updateFromOutput(plan, sampledTokenIds, nowMs) applies what it produced. Only the engine
+// loop around it awaits anything, and tests drive it step by step without a model.
+//
+// Each step:
+//   1. running sequences, in admission order, each gets its remaining tokens (1 for a decode, a chunk for an
+//      unfinished prompt) within the token budget. When the KV pool has no room, the running sequence the policy
+//      ranks last is preempted (possibly the one asking) and its blocks freed: preemption by recompute.
+//   2. if nothing was preempted, waiting sequences in policy order are admitted while the token budget, the seat
+//      budget (maxNumSeqs) and the pool allow, each starting from its longest prefix-cache hit. The first that does
+//      not fit stops admission, so nobody is overtaken by a smaller request behind it (no starvation).
+// A sequence whose step reaches its last token gets logits and a sampled token; a prompt chunk short of the end
+// gets neither.
+//
+// Progress is guaranteed: the context limit is capped so that one sequence alone always fits the pool, and the
+// sequence the policy ranks first is never the victim while another is running.
+
+import { KvCacheManager } from './kv-cache/manager.ts';
+import { InvalidRequestError, Request, Sequence, checkStop, finishedStatus } from './request.ts';
+import type { RejectionCode } from './request.ts';
+import type { EngineRequest, FinishReason, SchedulingPolicy } from './types.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Configuration and the shapes of a step
+
+export interface SchedulerConfig {
+  /** Default 'fcfs'. */
+  policy?: SchedulingPolicy;
+  /** Tokens computed per step, all sequences together. */
+  maxNumBatchedTokens: number;
+  /** Sequences per step (a request with n samples holds n). */
+  maxNumSeqs: number;
+  /** Longest sequence (prompt + output) in tokens; also capped by what one sequence can hold in the pool. */
+  maxModelLen: number;
+  /** The model's end-of-generation token ids. */
+  eosTokenIds?: readonly number[];
+  /** Longest prompt chunk one sequence gets per step, so one long prompt cannot take a whole step (0 = no cap). */
+  longPrefillTokenThreshold?: number;
+}
+
+export interface ScheduledSequence {
+  readonly sequence: Sequence;
+  /** First position computed this step: sequence.numComputedTokens when scheduled. */
+  readonly startPosition: number;
+  readonly numNewTokens: number;
+  /**
+   * Logits rows to sample from this sequence's last new token: 0 for a prompt chunk short of the end, 1 normally,
+   * n when the step completes the prompt of a request with n samples (it forks on the result).
+   */
+  readonly numSamples: number;
+  /** Feeds only the last sampled token (a decode step) rather than prompt or recompute tokens. */
+  readonly isDecode: boolean;
+}
+
+/** Who a sampled row belongs to; the sampler keeps one random stream per (request, completionIndex). */
+export interface SampleTarget {
+  readonly request: Request;
+  readonly completionIndex: number;
+}
+
+export interface StepStats {
+  numRunning: number;
+  /** Waiting and preempted sequences. */
+  numWaiting: number;
+  numScheduledSeqs: number;
+  numScheduledTokens: number;
+  numPrefillTokens: number;
+  numDecodeTokens: number;
+  numAdmitted: number;
+  numPreempted: number;
+  kvUsedBlocks: number;
+  kvTotalBlocks: number;
+}
+
+export interface StepPlan {
+  readonly stepId: number;
+  readonly nowMs: number;
+  readonly scheduled: readonly ScheduledSequence[];
+  /** One per logits row, in row order: the rows of scheduled[0] first, then scheduled[1]'s, and so on. */
+  readonly sampleTargets: readonly SampleTarget[];
+  readonly numScheduledTokens: number;
+  /** Sequences preempted while making this plan (back in the waiting queue, blocks freed). */
+  readonly preempted: readonly Sequence[];
+  readonly stats: StepStats;
+}
+
+/** What one sequence got from a step. */
+export interface SequenceOutput {
+  requestId: string;
+  /** Completion index within the request's n samples. */
+  index: number;
+  newTokenIds: number[];
+  finishReason: FinishReason | null;
+  /** The stop token id for finishReason 'stop'. */
+  stopReason: number | null;
+}
+
+export interface StepResult {
+  outputs: SequenceOutput[];
+  /** Requests whose every sequence has now finished; the scheduler has forgotten them. */
+  finishedRequests: Request[];
+}
+
+export interface SchedulerStats {
+  numRunning: number;
+  numWaiting: number;
+  numRequests: number;
+  numSteps: number;
+  numPreemptions: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Policies: a total order on sequences, best first. The waiting queue is kept in this order and the running
+// sequence ranked last is the preemption victim.
+
+type SequenceOrder = (a: Sequence, b: Sequence) => number;
+
+function compareNumbers(a: number, b: number): number {
+  return a < b ? -1 : a > b ? 1 : 0;
+}
+
+const byArrival: SequenceOrder = (a, b) =>
+  compareNumbers(a.request.arrivalMs, b.request.arrivalMs)
+  || a.request.arrivalOrder - b.request.arrivalOrder
+  || a.index - b.index;
+
+const byPriority: SequenceOrder = (a, b) => compareNumbers(a.request.priority, b.request.priority) || byArrival(a, b);
+
+/** Earliest deadline first; requests without a deadline after every request with one, then by priority. */
+const byDeadline: SequenceOrder = (a, b) =>
+  compareNumbers(a.request.deadlineMs ?? Infinity, b.request.deadlineMs ?? Infinity) || byPriority(a, b);
+
+const POLICY_ORDER: Record<SchedulingPolicy, SequenceOrder> = { fcfs: byArrival, priority: byPriority, deadline: byDeadline };
+
+// ---------------------------------------------------------------------------------------------------------------
+
+/**
+ * A ScheduledSequence while the plan is being made. It goes into the plan as is, and serves as the SampleTarget of
+ * its row when it samples one: a step allocates as little as possible per sequence.
+ */
+interface PlanEntry extends ScheduledSequence, SampleTarget {
+  /** Its sequence was preempted later in the same step. */
+  cancelled: boolean;
+}
+
+export class Scheduler {
+  readonly kv: KvCacheManager;
+  readonly policy: SchedulingPolicy;
+  readonly maxNumBatchedTokens: number;
+  readonly maxNumSeqs: number;
+  /** The context limit in force: the configured one, or less when one sequence of it would not fit the pool. */
+  readonly maxModelLen: number;
+  readonly longPrefillTokenThreshold: number;
+  private readonly eosTokenIds: ReadonlySet<number>;
+  private readonly order: SequenceOrder;
+
+  private readonly requests = new Map<string, Request>();
+  /** Sorted by the policy order, best first. */
+  private waiting: Sequence[] = [];
+  /** In admission order. */
+  private running: Sequence[] = [];
+  /** Sum of numSeats over running sequences; admission keeps it <= maxNumSeqs. */
+  private runningSeats = 0;
+  private outstandingPlan: StepPlan | null = null;
+  private nextStepId = 1;
+  private nextArrivalOrder = 0;
+  private numPreemptions = 0;
+
+  constructor(config: SchedulerConfig, kv: KvCacheManager) {
+    const positive = (name: string, value: number): number => {
+      if (!Number.isSafeInteger(value) || value < 1) throw new RangeError(`${name} must be a positive integer, got ${value}`);
+      return value;
+    };
+    this.kv = kv;
+    this.policy = config.policy ?? 'fcfs';
+    if (!(this.policy in POLICY_ORDER)) throw new RangeError(`unknown scheduling policy ${JSON.stringify(this.policy)} (fcfs, priority, deadline)`);
+    this.order = POLICY_ORDER[this.policy];
+    this.maxNumBatchedTokens = positive('maxNumBatchedTokens', config.maxNumBatchedTokens);
+    this.maxNumSeqs = positive('maxNumSeqs', config.maxNumSeqs);
+    // A sequence of N tokens needs blocks for N positions (its last token is fed next step); N stays below the limit.
+    this.maxModelLen = Math.min(positive('maxModelLen', config.maxModelLen), kv.numBlocks * kv.blockSize + 1);
+    this.longPrefillTokenThreshold = config.longPrefillTokenThreshold ?? 0;
+    if (!Number.isSafeInteger(this.longPrefillTokenThreshold) || this.longPrefillTokenThreshold < 0) {
+      throw new RangeError(`longPrefillTokenThreshold must be an integer >= 0, got ${config.longPrefillTokenThreshold}`);
+    }
+    this.eosTokenIds = new Set(config.eosTokenIds ?? []);
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Requests in
+
+  /** Queues a request; throws InvalidRequestError for one that could never run. */
+  addRequest(engineRequest: EngineRequest, nowMs: number, options: { adapterId?: string } = {}): Request {
+    this.validate(engineRequest);
+    const request = new Request(engineRequest, this.nextArrivalOrder++, nowMs, options.adapterId);
+    const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt, adapterId: options.adapterId });
+    const sequence = new Sequence(request, 0, engineRequest.promptTokenIds.slice(), [], table);
+    request.sequences.push(sequence);
+    this.requests.set(request.id, request);
+    this.enqueueWaiting(sequence);
+    return request;
+  }
+
+  private validate(r: EngineRequest): void {
+    const id = typeof r.id === 'string' ? r.id : String(r.id);
+    const reject = (code: RejectionCode, message: string): never => {
+      throw new InvalidRequestError(code, id, message);
+    };
+    if (typeof r.id !== 'string' || r.id.length === 0) reject('invalid_request', 'id must be a non-empty string');
+    if (this.requests.has(r.id)) reject('duplicate_request_id', 'a request with this id is already scheduled');
+    const prompt = r.promptTokenIds;
+    if (!Array.isArray(prompt) || prompt.length === 0) reject('invalid_request', 'promptTokenIds must be a non-empty array');
+    for (let i = 0; i < prompt.length; i++) {
+      const tokenId = prompt[i];
+      if (!Number.isInteger(tokenId) || tokenId! < 0) reject('invalid_request', `promptTokenIds[${i}] is ${tokenId}, not a token id`);
+    }
+    const { n, maxTokens, minTokens } = r.sampling;
+    if (!Number.isSafeInteger(n) || n < 1) reject('invalid_request', `sampling.n must be a positive integer, got ${n}`);
+    if (n > this.maxNumSeqs) reject('too_many_samples', `sampling.n = ${n} exceeds maxNumSeqs = ${this.maxNumSeqs}`);
+    if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) reject('invalid_request', `sampling.maxTokens must be a positive integer, got ${maxTokens}`);
+    if (!Number.isSafeInteger(minTokens) || minTokens < 0) reject('invalid_request', `sampling.minTokens must be an integer >= 0, got ${minTokens}`);
+    if (!Number.isFinite(r.priority)) reject('invalid_request', `priority must be a finite number, got ${r.priority}`);
+    if (!Number.isFinite(r.arrivalMs)) reject('invalid_request', `arrivalMs must be a finite number, got ${r.arrivalMs}`);
+    if (r.deadlineMs !== undefined && !Number.isFinite(r.deadlineMs)) reject('invalid_request', `deadlineMs must be a finite number, got ${r.deadlineMs}`);
+    const poolTokens = this.kv.numBlocks * this.kv.blockSize;
+    if (prompt.length > poolTokens) {
+      reject('prompt_exceeds_kv_pool', `prompt of ${prompt.length} tokens can never fit the KV pool `
+        + `(${this.kv.numBlocks} blocks x ${this.kv.blockSize} tokens = ${poolTokens})`);
+    }
+    if (prompt.length >= this.maxModelLen) {
+      reject('prompt_too_long', `prompt of ${prompt.length} tokens leaves no room for output within the context length ${this.maxModelLen}`);
+    }
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // schedule
+
+  schedule(nowMs: number): StepPlan {
+    if (this.outstandingPlan !== null) {
+      throw new Error(`step ${this.outstandingPlan.stepId} is still outstanding: call updateFromOutput or discardPlan first`);
+    }
+    const entries: PlanEntry[] = [];
+    const preempted: Sequence[] = [];
+    let tokenBudget = this.maxNumBatchedTokens;
+
+    // 1. Running sequences.
+    for (let i = 0; i < this.running.length && tokenBudget > 0; i++) {
+      const sequence = this.running[i]!;
+      if (sequence.status !== 'running') continue; // preempted by an earlier sequence of this loop
+      const numNewTokens = this.chunkSize(sequence.numTokens - sequence.numComputedTokens, tokenBudget);
+      let fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;
+      while (!fits) {
+        const victim = this.lastRankedRunning();
+        const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
+        if (victimEntry !== undefined) {
+          victimEntry.cancelled = true;
+          tokenBudget += victimEntry.numNewTokens;
+        }
+        this.preempt(victim);
+        preempted.push(victim);
+        if (victim === sequence) break;
+        fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;
+      }
+      if (!fits) continue;
+      entries.push(this.planEntry(sequence, numNewTokens));
+      tokenBudget -= numNewTokens;
+    }
+    if (preempted.length > 0) this.running = this.running.filter((sequence) => sequence.status === 'running');
+
+    // 2. Waiting sequences. Not after a preemption: the room just freed would readmit the victim at once.
+    let numAdmitted = 0;
+    if (preempted.length === 0) {
+      for (const sequence of this.waiting) {
+        if (tokenBudget === 0 || this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
+        const prefix = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds);
+        const numNewTokens = this.chunkSize(sequence.numTokens - prefix.numTokens, tokenBudget);
+        if (this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) === null) break;
+        sequence.numComputedTokens = prefix.numTokens;
+        this.admit(sequence, prefix.numTokens, nowMs);
+        entries.push(this.planEntry(sequence, numNewTokens));
+        tokenBudget -= numNewTokens;
+        numAdmitted++;
+      }
+      this.waiting.splice(0, numAdmitted);
+    }
+
+    return this.finishPlan(nowMs, entries, preempted, numAdmitted);
+  }
+
+  private chunkSize(numRemainingTokens: number, tokenBudget: number): number {
+    const threshold = this.longPrefillTokenThreshold;
+    const capped = threshold > 0 && numRemainingTokens > threshold ? threshold : numRemainingTokens;
+    return Math.min(capped, tokenBudget);
+  }
+
+  private planEntry(sequence: Sequence, numNewTokens: number): PlanEntry {
+    const startPosition = sequence.numComputedTokens;
+    const reachesEnd = startPosition + numNewTokens === sequence.numTokens;
+    return {
+      sequence, startPosition, numNewTokens,
+      numSamples: reachesEnd ? (sequence.willFork ? sequence.request.sampling.n : 1) : 0,
+      isDecode: numNewTokens === 1 && reachesEnd && sequence.outputTokenIds.length > 0,
+      request: sequence.request, completionIndex: sequence.index, cancelled: false,
+    };
+  }
+
+  private finishPlan(nowMs: number, entries: PlanEntry[], preempted: Sequence[], numAdmitted: number): StepPlan {
+    const scheduled = preempted.length > 0 ? entries.filter((entry) => !entry.cancelled) : entries;
+    const sampleTargets: SampleTarget[] = [];
+    let numScheduledTokens = 0;
+    let numDecodeTokens = 0;
+    for (const entry of scheduled) {
+      const { sequence, numNewTokens, numSamples, isDecode } = entry;
+      numScheduledTokens += numNewTokens;
+      if (isDecode) numDecodeTokens++;
+      if (numSamples === 1) sampleTargets.push(entry);
+      else for (let k = 0; k < numSamples; k++) sampleTargets.push({ request: sequence.request, completionIndex: k });
+    }
+    this.numPreemptions += preempted.length;
+    const plan: StepPlan = {
+      stepId: this.nextStepId++, nowMs, scheduled, sampleTargets, numScheduledTokens, preempted,
+      stats: {
+        numRunning: this.running.length, numWaiting: this.waiting.length, numScheduledSeqs: scheduled.length,
+        numScheduledTokens, numPrefillTokens: numScheduledTokens - numDecodeTokens, numDecodeTokens, numAdmitted,
+        numPreempted: preempted.length, kvUsedBlocks: this.kv.pool.numUsedBlocks, kvTotalBlocks: this.kv.numBlocks,
+      },
+    };
+    // An empty plan needs no answer: the caller may skip the step, or pass it to updateFromOutput or discardPlan.
+    if (scheduled.length > 0) this.outstandingPlan = plan;
+    return plan;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // updateFromOutput
+
+  /**
+   * Applies a step's result. sampledTokenIds holds one token per logits row, in the order of plan.sampleTargets
+   * (= batch.logitsIndices). Sequences aborted or finished since the plan was made are skipped.
+   */
+  updateFromOutput(plan: StepPlan, sampledTokenIds: ArrayLike<number>, nowMs: number): StepResult {
+    if (plan.scheduled.length === 0 && sampledTokenIds.length === 0) return { outputs: [], finishedRequests: [] };
+    if (plan !== this.outstandingPlan) throw new Error(`step ${plan.stepId} is not the outstanding step`);
+    if (sampledTokenIds.length !== plan.sampleTargets.length) {
+      throw new RangeError(`step ${plan.stepId} samples ${plan.sampleTargets.length} rows; got ${sampledTokenIds.length} token ids`);
+    }
+    for (let i = 0; i < sampledTokenIds.length; i++) {
+      const tokenId = sampledTokenIds[i]!;
+      if (!Number.isInteger(tokenId) || tokenId < 0) throw new RangeError(`sampled token id ${tokenId} (row ${i}) is not a token id`);
+    }
+    this.outstandingPlan = null;
+    const outputs: SequenceOutput[] = [];
+    const finishedRequests: Request[] = [];
+    let anyFinished = false;
+    let row = 0;
+    const { blockSize } = this.kv;
+    for (const entry of plan.scheduled) {
+      const { sequence, numSamples } = entry;
+      const firstRow = row;
+      row += numSamples;
+      if (sequence.status !== 'running') continue;
+      if (sequence.numComputedTokens !== entry.startPosition) {
+        throw new Error(`sequence ${sequence.request.id}/${sequence.index} computed ${sequence.numComputedTokens} tokens, planned from ${entry.startPosition}`);
+      }
+      const { request } = sequence;
+      const numComputedBefore = sequence.numComputedTokens;
+      sequence.numComputedTokens += entry.numNewTokens;
+      // Only a step that fills a block has anything to register; most decode steps do not, and skipping the call
+      // skips touching the block table at all.
+      if (Math.floor(sequence.numComputedTokens / blockSize) > Math.floor(numComputedBefore / blockSize)) {
+        this.kv.cacheComputedBlocks(sequence.blockTable, sequence.tokenIds, sequence.numComputedTokens);
+      }
+      if (!entry.isDecode) request.timestamps.prefillChunks.push({ start: plan.nowMs, end: nowMs, tokens: entry.numNewTokens });
+      if (numSamples === 0) continue;
+
+      request.timestamps.firstToken ??= nowMs;
+      request.timestamps.lastToken = nowMs;
+      // Forks first, so that a stop of sample 0 sees the request's n sequences (its seats are counted as n until then).
+      for (let k = 1; k < numSamples; k++) this.fork(sequence, k, sampledTokenIds[firstRow + k]!);
+      let finished = this.acceptToken(sequence, sampledTokenIds[firstRow]!, outputs);
+      for (let k = 1; k < numSamples; k++) finished = this.applyStop(request.sequences[k]!, outputs) || finished;
+      if (!finished) continue;
+      anyFinished = true;
+      if (stopIfFinished(request, nowMs)) {
+        this.requests.delete(request.id);
+        finishedRequests.push(request);
+      }
+    }
+    if (anyFinished) this.running = this.running.filter((sequence) => sequence.status === 'running');
+    return { outputs, finishedRequests };
+  }
+
+  /** Appends a sampled token and checks the stop conditions; true if the sequence finished. */
+  private acceptToken(sequence: Sequence, tokenId: number, outputs: SequenceOutput[]): boolean {
+    sequence.appendToken(tokenId);
+    return this.applyStop(sequence, outputs);
+  }
+
+  private applyStop(sequence: Sequence, outputs: SequenceOutput[]): boolean {
+    const stop = checkStop(sequence, this.eosTokenIds, this.maxModelLen);
+    if (stop !== null) this.finishSequence(sequence, stop.reason, stop.stopReason);
+    outputs.push({
+      requestId: sequence.request.id, index: sequence.index, newTokenIds: [sequence.tokenIds[sequence.numTokens - 1]!],
+      finishReason: sequence.finishReason, stopReason: sequence.stopReason,
+    });
+    return stop !== null;
+  }
+
+  /** Forgets a plan whose forward pass failed (or that was empty): nothing it scheduled counts as computed. */
+  discardPlan(plan: StepPlan): void {
+    if (plan.scheduled.length === 0) return; // never outstanding
+    if (plan !== this.outstandingPlan) throw new Error(`step ${plan.stepId} is not the outstanding step`);
+    this.outstandingPlan = null;
+  }
+
+  /**
+   * The prompt is computed: sample k joins the running sequences with the prompt's full blocks shared. The last,
+   * partial prompt block is not shared: each sample writes its own tokens after it, so each sample recomputes
+   * those few prompt positions into a block of its own on its next step (fewer than blockSize tokens, once),
+   * which needs no copy-on-write and no block-copy operation in the backend.
+   */
+  private fork(parent: Sequence, index: number, tokenId: number): Sequence {
+    const { request } = parent;
+    const numSharedBlocks = Math.floor(request.promptTokenIds.length / this.kv.blockSize);
+    const table = this.kv.fork(parent.blockTable, numSharedBlocks);
+    const child = new Sequence(request, index, request.promptTokenIds.slice(), [], table);
+    child.appendToken(tokenId);
+    child.numComputedTokens = numSharedBlocks * this.kv.blockSize;
+    child.status = 'running';
+    request.sequences.push(child);
+    this.running.push(child);
+    return child;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Requests out: abort, finish from outside (stop strings)
+
+  /** Stops every sequence of the request and frees its blocks, in any state. False for an unknown request. */
+  abort(requestId: string, nowMs?: number): boolean {
+    return this.finish(requestId, 'abort', { nowMs });
+  }
+
+  /**
+   * Finishes a request from outside (e.g. the detokenizer found a stop string): only sample `index` when given,
+   * else all. Returns true when this call finished the whole request, which the scheduler then forgets.
+   */
+  finish(requestId: string, reason: FinishReason, options: { index?: number; nowMs?: number } = {}): boolean {
+    const request = this.requests.get(requestId);
+    if (request === undefined) return false;
+    let anyRunning = false;
+    for (const sequence of request.sequences) {
+      if (sequence.isFinished || (options.index !== undefined && sequence.index !== options.index)) continue;
+      if (sequence.status === 'running') anyRunning = true;
+      this.finishSequence(sequence, reason, null);
+    }
+    if (anyRunning) this.running = this.running.filter((sequence) => sequence.status === 'running');
+    if (!stopIfFinished(request, options.nowMs)) return false;
+    this.requests.delete(requestId);
+    return true;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // State transitions
+
+  private admit(sequence: Sequence, numCachedTokens: number, nowMs: number): void {
+    const { request } = sequence;
+    if (!request.wasAdmitted) {
+      request.wasAdmitted = true;
+      request.numCachedTokens = numCachedTokens;
+      request.timestamps.firstScheduled = nowMs;
+    }
+    sequence.status = 'running';
+    this.running.push(sequence);
+    this.runningSeats += sequence.numSeats;
+  }
+
+  /** Frees the sequence's blocks and sends it back to wait; it recomputes its tokens (prompt and output) later. */
+  private preempt(sequence: Sequence): void {
+    this.kv.free(sequence.blockTable);
+    this.runningSeats -= sequence.numSeats;
+    sequence.numComputedTokens = 0;
+    sequence.status = 'preempted';
+    sequence.numPreemptions++;
+    this.enqueueWaiting(sequence);
+  }
+
+  /** Leaves `running` to the caller, who filters it once per batch of finishes. */
+  private finishSequence(sequence: Sequence, reason: FinishReason, stopReason: number | null): void {
+    if (sequence.status === 'running') {
+      this.runningSeats -= sequence.numSeats;
+    } else {
+      const at = this.waiting.indexOf(sequence);
+      if (at < 0) throw new Error(`sequence ${sequence.request.id}/${sequence.index} is ${sequence.status} but not queued`);
+      this.waiting.splice(at, 1);
+    }
+    this.kv.free(sequence.blockTable);
+    sequence.status = finishedStatus(reason);
+    sequence.finishReason = reason;
+    sequence.stopReason = stopReason;
+  }
+
+  private enqueueWaiting(sequence: Sequence): void {
+    // Upper bound: after every sequence ranked equal, so equals keep their queueing order.
+    let low = 0;
+    let high = this.waiting.length;
+    if (high > 0 && this.order(this.waiting[high - 1]!, sequence) <= 0) low = high; // the common case: append
+    while (low < high) {
+      const mid = (low + high) >>> 1;
+      if (this.order(this.waiting[mid]!, sequence) <= 0) low = mid + 1;
+      else high = mid;
+    }
+    this.waiting.splice(low, 0, sequence);
+  }
+
+  private lastRankedRunning(): Sequence {
+    let victim: Sequence | null = null;
+    for (const sequence of this.running) {
+      if (sequence.status === 'running' && (victim === null || this.order(sequence, victim) > 0)) victim = sequence;
+    }
+    if (victim === null) throw new Error('no running sequence to preempt');
+    return victim;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Introspection
+
+  getRequest(requestId: string): Request | undefined {
+    return this.requests.get(requestId);
+  }
+
+  get numRunning(): number {
+    return this.running.length;
+  }
+
+  get numWaiting(): number {
+    return this.waiting.length;
+  }
+
+  /** Requests not yet finished (waiting, running or preempted). */
+  get numRequests(): number {
+    return this.requests.size;
+  }
+
+  /** Running sequences in admission order, then waiting ones in policy order. */
+  sequences(): { running: readonly Sequence[]; waiting: readonly Sequence[] } {
+    return { running: this.running, waiting: this.waiting };
+  }
+
+  stats(): SchedulerStats {
+    return {
+      numRunning: this.running.length, numWaiting: this.waiting.length, numRequests: this.requests.size,
+      numSteps: this.nextStepId - 1, numPreemptions: this.numPreemptions,
+    };
+  }
+
+  /** Throws if queues, seats, sequence states and block reference counts disagree. O(everything): for tests. */
+  checkInvariants(): void {
+    const seen = new Set<Sequence>();
+    let seats = 0;
+    for (const sequence of this.running) {
+      const where = `running sequence ${sequence.request.id}/${sequence.index}`;
+      if (sequence.status !== 'running') throw new Error(`${where} has status ${sequence.status}`);
+      if (seen.has(sequence)) throw new Error(`${where} is listed twice`);
+      seen.add(sequence);
+      seats += sequence.numSeats;
+      if (sequence.numComputedTokens >= sequence.numTokens) throw new Error(`${where} has nothing left to compute`);
+      if (sequence.blockTable.blocks.length < this.kv.blocksFor(sequence.numComputedTokens)) {
+        throw new Error(`${where} computed ${sequence.numComputedTokens} tokens into ${sequence.blockTable.blocks.length} blocks`);
+      }
+    }
+    if (seats !== this.runningSeats) throw new Error(`running sequences hold ${seats} seats, counted ${this.runningSeats}`);
+    if (seats > this.maxNumSeqs) throw new Error(`${seats} seats exceed maxNumSeqs ${this.maxNumSeqs}`);
+    for (let i = 0; i < this.waiting.length; i++) {
+      const sequence = this.waiting[i]!;
+      const where = `waiting sequence ${sequence.request.id}/${sequence.index}`;
+      if (sequence.status !== 'waiting' && sequence.status !== 'preempted') throw new Error(`${where} has status ${sequence.status}`);
+      if (seen.has(sequence)) throw new Error(`${where} is listed twice`);
+      seen.add(sequence);
+      if (sequence.blockTable.blocks.length > 0 || sequence.numComputedTokens > 0) throw new Error(`${where} holds KV`);
+      if (i > 0 && this.order(this.waiting[i - 1]!, sequence) > 0) throw new Error(`${where} is out of policy order`);
+    }
+    for (const request of this.requests.values()) {
+      for (const sequence of request.sequences) {
+        if (!sequence.isFinished && !seen.has(sequence)) throw new Error(`sequence ${request.id}/${sequence.index} is in no queue`);
+        if (sequence.isFinished && sequence.blockTable.blocks.length > 0) throw new Error(`finished sequence ${request.id}/${sequence.index} holds blocks`);
+      }
+    }
+    for (const sequence of seen) {
+      if (this.requests.get(sequence.request.id) !== sequence.request) throw new Error(`sequence of forgotten request ${sequence.request.id} is queued`);
+    }
+    this.kv.checkInvariants([...seen].map((sequence) => sequence.blockTable));
+  }
+}
+
+/** Stamps the finish time when every sequence of the request is done; true if so. */
+function stopIfFinished(request: Request, nowMs: number | undefined): boolean {
+  if (!request.isFinished) return false;
+  if (nowMs !== undefined) request.timestamps.finished = nowMs;
+  return true;
+}

@@ -1,0 +1,118 @@
+// Scheduling policies (order of admission, choice of preemption victim) and preemption by recompute.
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import type { SchedulingPolicy } from '../../src/engine/types.ts';
+import { FILLER, addAll, blockIds, makeRequest, makeScheduler, prompt, step, summary } from './scheduler-fixtures.ts';
+import type { RequestOverrides } from './scheduler-fixtures.ts';
+
+/** Admission order with one seat: each request runs alone (maxTokens 1) before the next is admitted. */
+function admissionOrder(policy: SchedulingPolicy, requests: [string, RequestOverrides][]): string[] {
+  const scheduler = makeScheduler({ policy, maxNumSeqs: 1 });
+  requests.forEach(([id, overrides], i) => scheduler.addRequest(makeRequest(id, prompt(i, 3), { sampling: { maxTokens: 1 }, ...overrides }), 0));
+  const order: string[] = [];
+  for (let i = 0; i < requests.length; i++) order.push(...summary(step(scheduler).plan).map((entry) => entry.split('/')[0]!));
+  return order;
+}
+
+describe('Scheduler policies', () => {
+  it('fcfs serves by arrival time, then by the order requests reached the scheduler', () => {
+    assert.deepEqual(admissionOrder('fcfs', [['a', { arrivalMs: 5 }], ['b', { arrivalMs: 3 }], ['c', { arrivalMs: 5, priority: -9 }]]),
+      ['b', 'a', 'c']);
+  });
+
+  it('priority serves the lowest priority value first, then by arrival', () => {
+    assert.deepEqual(admissionOrder('priority', [['a', { priority: 2, arrivalMs: 0 }], ['b', { priority: 0, arrivalMs: 1 }],
+      ['c', { priority: 1, arrivalMs: 3 }], ['d', { priority: 1, arrivalMs: 2 }]]), ['b', 'd', 'c', 'a']);
+  });
+
+  it('deadline serves the nearest deadline first and requests without one last', () => {
+    assert.deepEqual(admissionOrder('deadline', [['a', { deadlineMs: 50 }], ['b', { deadlineMs: 10 }], ['c', {}],
+      ['d', { deadlineMs: 30, arrivalMs: 9 }], ['e', { deadlineMs: 30, arrivalMs: 1 }]]), ['b', 'e', 'd', 'a', 'c']);
+  });
+
+  it('rejects an unknown policy', () => {
+    assert.throws(() => makeScheduler({ policy: 'random' as SchedulingPolicy }), /unknown scheduling policy "random"/);
+  });
+});
+
+describe('Scheduler preemption', () => {
+  // Pool of 5 blocks of 4: two 7-token prompts take 2 blocks each; the third block boundary (position 8) of both
+  // comes at step 3, with 1 block left.
+  it('preempts the latest arrival, which later resumes from its own cached blocks with its outputs kept', () => {
+    const scheduler = makeScheduler({ numBlocks: 5 });
+    addAll(scheduler, [makeRequest('r0', prompt(0, 7), { sampling: { maxTokens: 4 } }), makeRequest('r1', prompt(1, 7), { arrivalMs: 1, sampling: { maxTokens: 4 } })]);
+    step(scheduler);
+    step(scheduler, 0, (target) => (target.request.id === 'r1' ? 31 : FILLER));
+    const r1 = scheduler.getRequest('r1')!;
+    assert.deepEqual(blockIds(scheduler, 'r1'), [2, 3]);
+
+    const third = step(scheduler);
+    assert.deepEqual(summary(third.plan), ['r0/0+1*1']);
+    assert.deepEqual(third.plan.preempted.map((sequence) => sequence.request.id), ['r1']);
+    assert.equal(third.plan.stats.numPreempted, 1);
+    assert.equal(r1.status, 'preempted');
+    assert.deepEqual(r1.outputTokenIds, [FILLER, 31]);
+    assert.deepEqual(blockIds(scheduler, 'r0'), [0, 1, 4]);
+    // r1's blocks are free but still cached, tail first in eviction order.
+    assert.deepEqual(scheduler.kv.pool.freeBlocksInEvictionOrder().map((block) => block.id), [3, 2]);
+    scheduler.checkInvariants();
+
+    const fourth = step(scheduler);
+    assert.deepEqual(summary(fourth.plan), ['r0/0+1*1'], 'r1 waits: its 2 cached blocks are all the room there is');
+    assert.equal(fourth.result.finishedRequests.length, 1);
+
+    const fifth = step(scheduler);
+    assert.deepEqual(summary(fifth.plan), ['r1/0+1*1']);
+    assert.equal(fifth.plan.scheduled[0]!.startPosition, 8, 'prompt and first output come from the cache');
+    assert.deepEqual(blockIds(scheduler, 'r1'), [2, 3, 4]);
+    assert.equal(r1.numCachedTokens, 0, 'usage reports the first admission');
+    step(scheduler);
+    assert.deepEqual(r1.outputTokenIds, [FILLER, 31, FILLER, FILLER]);
+    assert.equal(r1.status, 'finished');
+    assert.equal(scheduler.stats().numPreemptions, 1);
+    assert.equal(scheduler.kv.pool.numUsedBlocks, 0);
+  });
+
+  // Admitted together, 'high' (7-token prompt) feeds position 8, a block boundary, at step 3; 'low' (6 tokens) does
+  // not. Pool: exactly their 4 blocks.
+  const contenders = [
+    makeRequest('low', prompt(0, 6), { priority: 5, arrivalMs: 0 }),
+    makeRequest('high', prompt(1, 7), { priority: 0, arrivalMs: 1 }),
+  ];
+
+  it('under fcfs, the latest arrival is the victim even if it is the one asking', () => {
+    const scheduler = makeScheduler({ numBlocks: 4, policy: 'fcfs' });
+    addAll(scheduler, contenders);
+    step(scheduler);
+    step(scheduler);
+    const { plan } = step(scheduler);
+    assert.deepEqual(summary(plan), ['low/0+1*1']);
+    assert.deepEqual(plan.preempted.map((sequence) => sequence.request.id), ['high']);
+  });
+
+  it('under priority, the least important is the victim, even when already scheduled in this step', () => {
+    const scheduler = makeScheduler({ numBlocks: 4, policy: 'priority' });
+    scheduler.addRequest(contenders[0]!, 0);
+    step(scheduler);
+    // Admitted a step later, so 'low' comes first in the running order; 8 tokens put its boundary at step 3 too.
+    scheduler.addRequest(makeRequest('high', prompt(1, 8), { priority: 0, arrivalMs: 1 }), 0);
+    step(scheduler);
+    const { plan } = step(scheduler);
+    assert.deepEqual(summary(plan), ['high/0+1*1']);
+    assert.equal(plan.numScheduledTokens, 1, 'the victim\'s tokens leave the step');
+    assert.deepEqual(plan.preempted.map((sequence) => sequence.request.id), ['low']);
+    assert.deepEqual(blockIds(scheduler, 'high'), [2, 3, 1]);
+    scheduler.checkInvariants();
+  });
+
+  it('admits no waiting request in a step that preempted', () => {
+    const scheduler = makeScheduler({ numBlocks: 4, policy: 'priority' });
+    addAll(scheduler, contenders);
+    step(scheduler);
+    step(scheduler);
+    scheduler.addRequest(makeRequest('tiny', [9], { priority: -1 }), 0);
+    const { plan } = step(scheduler);
+    assert.deepEqual(summary(plan), ['high/0+1*1']);
+    assert.deepEqual(summary(step(scheduler).plan), ['high/0+1*1', 'tiny/0+1*1']);
+  });
+});
