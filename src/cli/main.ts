@@ -11,13 +11,13 @@ export interface Command {
 const COMMANDS: Record<string, () => Promise<Command>> = {
   serve: async () => (await import('./serve.ts')).serveCommand,
   generate: async () => (await import('./generate.ts')).generateCommand,
+  sim: async () => (await import('./sim.ts')).simCommand,
+  plan: async () => (await import('./plan.ts')).planCommand,
 };
 
 const PLANNED: Record<string, string> = {
-  sim: 'simulated GPU cluster (lifecycle, decode-sweep)',
   bench: 'load generator and reports',
   trace: 'per-request phase waterfall',
-  plan: 'capacity planner',
 };
 
 function usage(): string {

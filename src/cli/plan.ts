@@ -1,0 +1,74 @@
+// `conduit plan`: the fewest workers (each --tp GPUs) that meet p99 TTFT and ITL targets at a Poisson request
+// rate, found by simulating the cluster (src/sim/planner.ts). Prints every worker count it simulated and the
+// answer; exits 1 when no count up to --max-workers meets the targets. Environment twins are CONDUIT_PLAN_<FLAG>.
+
+import { formatPlan, planCapacity, type PlanOptions } from '../sim/planner.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+import { DEPLOYMENT_FLAGS, resolveDeployment, wholeNumber, withEnvPrefix } from './sim.ts';
+
+export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
+  ...DEPLOYMENT_FLAGS,
+  model: { ...DEPLOYMENT_FLAGS.model, default: 'llama-3.1-8b' },
+  tp: { ...DEPLOYMENT_FLAGS.tp, default: 1 },
+  rate: { type: 'number', help: 'requests per second (Poisson arrivals)' },
+  isl: { type: 'number', help: 'input (prompt) tokens per request', default: 1024 },
+  osl: { type: 'number', help: 'output tokens per request', default: 256 },
+  'ttft-p99': { type: 'number', help: 'p99 time to first token target, ms', default: 500 },
+  'itl-p99': { type: 'number', help: 'p99 inter-token latency target, ms', default: 50 },
+  'prefix-tokens': { type: 'number', help: 'prompt tokens every request shares (a system prompt)', default: 0 },
+  requests: { type: 'number', help: 'requests simulated per worker count', default: 1000 },
+  seed: { type: 'number', help: 'arrival and prompt seed', default: 1 },
+  warmup: { type: 'number', help: 'fraction of requests (by arrival) left out of the percentiles', default: 0.1 },
+  'max-workers': { type: 'number', help: 'largest worker count to try', default: 256 },
+  'max-num-seqs': { type: 'number', help: 'sequences per engine step', default: 256 },
+  'max-num-batched-tokens': { type: 'number', help: 'tokens per engine step (chunked prefill)', default: 8192 },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable);
+
+export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): PlanOptions | null {
+  const { values } = parseFlags(PLAN_FLAGS, argv, env);
+  if (values.help) return null;
+  const { model, hw, tp } = resolveDeployment(values);
+  if (values.rate === undefined) throw new UsageError('--rate is required (requests per second)');
+  if (!(values.rate > 0)) throw new UsageError(`--rate must be > 0, got ${values.rate}`);
+  for (const flag of ['ttft-p99', 'itl-p99'] as const) {
+    if (!(values[flag]! > 0)) throw new UsageError(`--${flag} must be > 0 ms, got ${values[flag]}`);
+  }
+  const warmup = values.warmup!;
+  if (!(warmup >= 0 && warmup < 1)) throw new UsageError(`--warmup must be in [0, 1), got ${warmup}`);
+  const inputTokens = wholeNumber('isl', values.isl, 1);
+  const sharedPrefixTokens = wholeNumber('prefix-tokens', values['prefix-tokens'], 0);
+  if (sharedPrefixTokens > inputTokens) throw new UsageError(`--prefix-tokens ${sharedPrefixTokens} exceeds --isl ${inputTokens}`);
+  return {
+    model, hw, tp, ratePerSec: values.rate, inputTokens, outputTokens: wholeNumber('osl', values.osl, 1),
+    ttftP99Ms: values['ttft-p99']!, itlP99Ms: values['itl-p99']!, sharedPrefixTokens,
+    numRequests: wholeNumber('requests', values.requests, 1), seed: wholeNumber('seed', values.seed, 0),
+    warmupFraction: warmup, maxWorkers: wholeNumber('max-workers', values['max-workers'], 1),
+    worker: {
+      maxNumSeqs: wholeNumber('max-num-seqs', values['max-num-seqs'], 1),
+      maxNumBatchedTokens: wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1),
+    },
+  };
+}
+
+export const planCommand: Command = {
+  summary: 'capacity planner: fewest GPUs meeting p99 TTFT/ITL targets at a request rate, by simulation',
+  async run(argv) {
+    const options = planOptionsFromFlags(argv);
+    if (options === null) {
+      console.log(`Usage: conduit plan --rate <req/s> [options]\n\n${formatFlagHelp(PLAN_FLAGS)}`);
+      return 0;
+    }
+    let result;
+    try {
+      result = planCapacity(options);
+    } catch (error) {
+      // Profile combinations the model refuses (tp not dividing the heads, weights not fitting) are usage errors.
+      if (error instanceof RangeError) throw new UsageError(error.message);
+      throw error;
+    }
+    console.log(formatPlan(options, result));
+    return result.answer ? 0 : 1;
+  },
+};

@@ -1,0 +1,207 @@
+// `conduit sim`: the GPU performance model as tables. `lifecycle` prints a request's cold and warm TTFT phase by
+// phase, `decode-sweep` decode latency and throughput against batch size. Each table is then cross-checked by
+// running the simulated engine (real scheduler and KV cache) on the same shapes; a disagreement exits with 1.
+// Environment twins are CONDUIT_SIM_<FLAG>, so they never collide with `serve`'s CONDUIT_MODEL (a file path).
+
+import { getHardwareProfile, getLinkProfile, HARDWARE_PROFILES, LINK_PROFILES } from '../sim/hardware.ts';
+import type { HardwareProfile } from '../sim/hardware.ts';
+import { DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatLifecycleTable, simulateLifecycle } from '../sim/lifecycle.ts';
+import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
+import type { ModelProfile } from '../sim/models.ts';
+import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+
+/** Gives every flag of a table the environment twin `${prefix}<FLAG>`. */
+export function withEnvPrefix<T extends FlagTable>(prefix: string, table: T): T {
+  const out: FlagTable = {};
+  for (const [name, spec] of Object.entries(table)) out[name] = { ...spec, env: `${prefix}${name.replace(/-/g, '_').toUpperCase()}` };
+  return out as T;
+}
+
+/** Flags naming the deployment, shared by `sim` and `plan`. */
+export const DEPLOYMENT_FLAGS = {
+  model: { type: 'string', help: 'model profile id (see `conduit sim --help`)', short: 'm' },
+  gpu: { type: 'string', help: 'GPU profile id', default: 'h100' },
+  tp: { type: 'number', help: 'tensor-parallel GPUs per worker' },
+  'weight-bytes': { type: 'number', help: 'bytes per weight (2 = BF16, 1 = FP8)', default: 2 },
+  'kv-bytes': { type: 'number', help: 'bytes per KV cache element (2 = BF16, 1 = FP8)', default: 2 },
+} satisfies FlagTable;
+
+export const LIFECYCLE_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
+  ...DEPLOYMENT_FLAGS,
+  model: { ...DEPLOYMENT_FLAGS.model, default: 'llama-3.1-70b' },
+  tp: { ...DEPLOYMENT_FLAGS.tp, default: 4 },
+  prompt: { type: 'number', help: 'prompt tokens', default: 1024 },
+  cached: { type: 'number', help: 'prompt tokens the warm request finds cached (default: all whole blocks before the last token)' },
+  link: { type: 'string', help: 'disaggregate prefill and decode, KV crossing this link (e.g. ib-ndr); default aggregated' },
+  'parallel-links': { type: 'number', help: 'links used side by side for the KV transfer (default: tp)' },
+  'block-size': { type: 'number', help: 'KV block size in tokens', default: 16 },
+  'max-num-batched-tokens': { type: 'number', help: 'step token budget (chunked prefill)', default: 8192 },
+  check: { type: 'boolean', help: 'cross-check against the simulated engine (--no-check to skip)', default: true },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable);
+
+export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
+  ...DEPLOYMENT_FLAGS,
+  model: { ...DEPLOYMENT_FLAGS.model, default: 'llama-3.1-70b' },
+  tp: { ...DEPLOYMENT_FLAGS.tp, default: 4 },
+  context: { type: 'number', help: 'tokens in each sequence\'s KV cache', default: 1024 },
+  batches: { type: 'string', help: 'comma-separated batch sizes', default: DEFAULT_BATCH_SIZES.join(',') },
+  'block-size': { type: 'number', help: 'KV block size in tokens (engine check)', default: 16 },
+  check: { type: 'boolean', help: 'cross-check against the simulated engine (--no-check to skip)', default: true },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shared helpers
+
+/** Profile lookups turn their RangeError (which lists the known ids) into a usage error. */
+export function resolveDeployment(values: { model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number }):
+  { model: ModelProfile; hw: HardwareProfile; tp: number } {
+  try {
+    const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
+    const hw = getHardwareProfile(values.gpu!);
+    const tp = values.tp!;
+    if (!Number.isInteger(tp) || tp < 1) throw new RangeError(`--tp must be a whole number >= 1, got ${tp}`);
+    return { model, hw, tp };
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
+}
+
+export function wholeNumber(flag: string, value: number | undefined, min: number): number {
+  if (value === undefined || !Number.isSafeInteger(value) || value < min) {
+    throw new UsageError(`--${flag} must be a whole number >= ${min}, got ${value}`);
+  }
+  return value;
+}
+
+/** Same up to rounding: the engine sums the same step times the tables do. */
+function agrees(a: number, b: number): boolean {
+  return Math.abs(a - b) <= 1e-9 * Math.max(1, Math.abs(b));
+}
+
+export function simHelp(): string {
+  const models = Object.values(MODEL_PROFILES).map((m) => `  ${m.id.padEnd(16)} ${m.name}`);
+  const gpus = Object.values(HARDWARE_PROFILES).map((h) => `  ${h.id.padEnd(16)} ${h.name}, ${(h.hbmBytes / 2 ** 30).toFixed(0)} GiB, ${h.tpLink.name}`);
+  const links = Object.values(LINK_PROFILES).map((l) => `  ${l.id.padEnd(16)} ${l.name}, ${(l.bytesPerSecPerDirection / 1e9).toFixed(1)} GB/s per direction`);
+  return [
+    'Usage: conduit sim <lifecycle | decode-sweep> [options]',
+    '',
+    '  lifecycle      cold vs warm time to first token, phase by phase',
+    '  decode-sweep   inter-token latency and throughput against batch size',
+    '',
+    'Models:', ...models, '', 'GPUs:', ...gpus, '', 'Links (--link):', ...links, '',
+    'conduit sim lifecycle options:', formatFlagHelp(LIFECYCLE_FLAGS), '',
+    'conduit sim decode-sweep options:', formatFlagHelp(DECODE_SWEEP_FLAGS),
+  ].join('\n');
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Subcommands
+
+async function lifecycle(argv: string[]): Promise<number> {
+  const { values } = parseFlags(LIFECYCLE_FLAGS, argv);
+  if (values.help) {
+    console.log(`Usage: conduit sim lifecycle [options]\n\n${formatFlagHelp(LIFECYCLE_FLAGS)}`);
+    return 0;
+  }
+  const { model, hw, tp } = resolveDeployment(values);
+  const promptTokens = wholeNumber('prompt', values.prompt, 1);
+  const blockSize = wholeNumber('block-size', values['block-size'], 1);
+  const maxNumBatchedTokens = wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1);
+  const cachedTokens = values.cached === undefined ? undefined : wholeNumber('cached', values.cached, 0);
+  let disaggregated: { link: ReturnType<typeof getLinkProfile>; parallelLinks?: number } | undefined;
+  if (values.link !== undefined) {
+    try {
+      disaggregated = { link: getLinkProfile(values.link) };
+    } catch (error) {
+      throw new UsageError((error as Error).message);
+    }
+    if (values['parallel-links'] !== undefined) disaggregated.parallelLinks = wholeNumber('parallel-links', values['parallel-links'], 1);
+  }
+  let report;
+  try {
+    report = simulateLifecycle({ model, hw, tp, promptTokens, cachedTokens, blockSize, maxNumBatchedTokens, disaggregated });
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
+  console.log(formatLifecycleTable(report));
+  if (!values.check) return 0;
+
+  const check = await checkLifecycleWithEngine({
+    model, hw, tp, promptTokens, cachedTokens: report.warm.cachedTokens, blockSize, maxNumBatchedTokens,
+  });
+  const line = (name: string, c: typeof check.cold) => `  ${name}: ${c.cachedTokens} cached tokens, engine TTFT `
+    + `${c.engineMs.toFixed(2)} ms, model prefill_execution ${c.modelMs.toFixed(2)} ms  ${agrees(c.engineMs, c.modelMs) ? 'ok' : 'MISMATCH'}`;
+  const lines = ['simulated engine on one idle aggregated worker (same scheduler and KV cache as the real engine):',
+    line('cold', check.cold), line('warm', check.warm)];
+  if (check.warm.cachedTokens !== report.warm.cachedTokens) {
+    lines.push(`  note: the KV cache keeps whole blocks of ${blockSize}, so the engine hit ${check.warm.cachedTokens} of the `
+      + `${report.warm.cachedTokens} cached tokens asked for; the warm check uses the engine's hit`);
+  }
+  console.log(lines.join('\n'));
+  return agrees(check.cold.engineMs, check.cold.modelMs) && agrees(check.warm.engineMs, check.warm.modelMs) ? 0 : 1;
+}
+
+async function sweep(argv: string[]): Promise<number> {
+  const { values } = parseFlags(DECODE_SWEEP_FLAGS, argv);
+  if (values.help) {
+    console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
+    return 0;
+  }
+  const { model, hw, tp } = resolveDeployment(values);
+  const contextLen = wholeNumber('context', values.context, 1);
+  const blockSize = wholeNumber('block-size', values['block-size'], 1);
+  const batchSizes = values.batches!.split(',').map((text) => {
+    const batch = Number(text.trim());
+    if (!Number.isSafeInteger(batch) || batch < 1) throw new UsageError(`--batches expects whole numbers >= 1, got "${text}"`);
+    return batch;
+  });
+  let table;
+  try {
+    table = decodeSweep({ model, hw, tp, contextLen, batchSizes });
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
+  console.log(formatDecodeSweep(table));
+  if (!values.check) return 0;
+
+  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize });
+  let ok = true;
+  const lines = ['simulated engine: the batch prefilled in one step, then one decode step of all of it:',
+    'batch  model ITL ms  engine ITL ms  check', '-----  ------------  -------------  -----'];
+  for (const row of rows) {
+    const verdict = row.skipped ?? (agrees(row.engineItlMs, row.modelItlMs) ? 'ok' : 'MISMATCH');
+    if (verdict === 'MISMATCH') ok = false;
+    lines.push(`${String(row.batch).padStart(5)}  ${row.modelItlMs.toFixed(2).padStart(12)}  `
+      + `${(row.skipped ? '-' : row.engineItlMs.toFixed(2)).padStart(13)}  ${verdict}`);
+  }
+  console.log(lines.join('\n'));
+  return ok ? 0 : 1;
+}
+
+export const simCommand: Command = {
+  summary: 'simulated GPU cluster: TTFT lifecycle and decode sweep from the performance model',
+  async run(argv) {
+    const [sub, ...rest] = argv;
+    switch (sub) {
+      case 'lifecycle':
+        return lifecycle(rest);
+      case 'decode-sweep':
+        return sweep(rest);
+      case '--help': case '-h': case 'help':
+        console.log(simHelp());
+        return 0;
+      case undefined:
+        console.log(simHelp());
+        return 2;
+      default:
+        throw new UsageError(`unknown subcommand "${sub}" (lifecycle, decode-sweep; see --help)`);
+    }
+  },
+};

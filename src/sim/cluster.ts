@@ -1,0 +1,393 @@
+// A simulated cluster for experiments: N SimWorkers on one virtual clock, fed timed arrivals through a routing
+// function, advanced event by event. No wall clock, no promises: the same arrivals and routing give the same
+// timings on any host, as fast as the host can compute them. The routing-quality benchmark and the capacity
+// planner run on it.
+//
+// Events are arrivals and step ends. All events at one instant are handled together (step ends first, so a
+// request arriving as a step ends is routed against the worker's state after that step), then every idle worker
+// with work starts its next step at that instant. A worker runs one step at a time; a request routed to a busy
+// worker joins at its next step, as in a real engine.
+
+import { InvalidRequestError } from '../engine/request.ts';
+import type { KvEvent } from '../engine/kv-cache/events.ts';
+import type { EngineOutput, EngineRequest, EngineStats, FinishReason } from '../engine/types.ts';
+import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-engine.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Routing
+
+export interface RouteContext {
+  nowMs: number;
+  /** The workers, by index; a router may read their load, stats and cached prefixes (an oracle a real one lacks). */
+  workers: readonly SimWorker[];
+}
+
+/**
+ * Picks the worker (index) for a request, or null to hold it: the caller then dispatches it later with
+ * SimCluster.dispatch (a router with an admission queue does this from onOutput).
+ */
+export type RouteFunction = (request: EngineRequest, ctx: RouteContext) => number | null;
+
+/** Fewest unfinished requests (waiting, running, preempted); ties to the lowest index. */
+export const leastLoaded: RouteFunction = (_request, { workers }) => {
+  let best = 0;
+  for (let i = 1; i < workers.length; i++) {
+    if (workers[i]!.scheduler.numRequests < workers[best]!.scheduler.numRequests) best = i;
+  }
+  return best;
+};
+
+/** Worker 0, 1, 2, ... in turn, whatever their load. */
+export function roundRobin(): RouteFunction {
+  let next = 0;
+  return (_request, { workers }) => next++ % workers.length;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Results
+
+export interface SimRequestResult {
+  id: string;
+  /** -1 if never dispatched. */
+  workerIndex: number;
+  arrivalMs: number;
+  /** When the request reached its worker (later than arrival when the router held it). */
+  dispatchMs?: number;
+  firstTokenMs?: number;
+  finishMs?: number;
+  /** First token minus arrival at the cluster. */
+  ttftMs?: number;
+  /** Finish minus arrival. */
+  e2eMs?: number;
+  /** Gaps between consecutive tokens of each completion, in order. */
+  itlMs: number[];
+  promptTokens: number;
+  cachedTokens: number;
+  completionTokens: number;
+  finishReason?: FinishReason;
+  /** Why the worker refused it (InvalidRequestError message). */
+  error?: string;
+}
+
+export interface SimWorkerSummary {
+  index: number;
+  steps: number;
+  busyMs: number;
+  stats: EngineStats;
+}
+
+export interface SimClusterResult {
+  requests: SimRequestResult[];
+  workers: SimWorkerSummary[];
+  /** Virtual time when the last event was handled. */
+  endMs: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Events
+
+interface ArrivalEvent { kind: 1; timeMs: number; seq: number; request: EngineRequest }
+interface StepEndEvent { kind: 0; timeMs: number; seq: number; worker: number; step: SimStep }
+type SimEvent = ArrivalEvent | StepEndEvent;
+
+/** Earlier first; at one instant step ends (kind 0) before arrivals; then insertion order. */
+function before(a: SimEvent, b: SimEvent): boolean {
+  return a.timeMs < b.timeMs || (a.timeMs === b.timeMs && (a.kind < b.kind || (a.kind === b.kind && a.seq < b.seq)));
+}
+
+/** Binary min-heap: arrivals and step ends of hundreds of workers, each in O(log n). */
+class EventQueue {
+  private readonly heap: SimEvent[] = [];
+
+  get size(): number {
+    return this.heap.length;
+  }
+
+  peek(): SimEvent | undefined {
+    return this.heap[0];
+  }
+
+  push(event: SimEvent): void {
+    const heap = this.heap;
+    heap.push(event);
+    let i = heap.length - 1;
+    while (i > 0) {
+      const parent = (i - 1) >> 1;
+      if (!before(heap[i]!, heap[parent]!)) break;
+      [heap[i], heap[parent]] = [heap[parent]!, heap[i]!];
+      i = parent;
+    }
+  }
+
+  pop(): SimEvent | undefined {
+    const heap = this.heap;
+    const top = heap[0];
+    const last = heap.pop();
+    if (heap.length > 0 && last !== undefined) {
+      heap[0] = last;
+      let i = 0;
+      for (;;) {
+        const left = 2 * i + 1;
+        const right = left + 1;
+        let smallest = i;
+        if (left < heap.length && before(heap[left]!, heap[smallest]!)) smallest = left;
+        if (right < heap.length && before(heap[right]!, heap[smallest]!)) smallest = right;
+        if (smallest === i) break;
+        [heap[i], heap[smallest]] = [heap[smallest]!, heap[i]!];
+        i = smallest;
+      }
+    }
+    return top;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The cluster
+
+export interface SimClusterOptions {
+  /** One config per worker (heterogeneous clusters and, later, prefill/decode roles are per-worker configs). */
+  workers: readonly SimWorkerConfig[];
+  route: RouteFunction;
+  /** Every output, as its step ends (a router's onPrefillDone / onFinished hook). */
+  onOutput?: (workerIndex: number, output: EngineOutput, nowMs: number) => void;
+  /** The worker's KV events after each step (set enableKvEvents in the worker configs). */
+  onKvEvents?: (workerIndex: number, events: KvEvent[], nowMs: number) => void;
+  /** Virtual time the clock starts at (default 0). */
+  startMs?: number;
+}
+
+export class SimCluster {
+  readonly workers: readonly SimWorker[];
+  private readonly options: SimClusterOptions;
+  private readonly events = new EventQueue();
+  private readonly records = new Map<string, SimRequestResult>();
+  /** Per request: time of the previous token of each completion, for the inter-token gaps. */
+  private readonly lastTokenMs = new Map<string, number[]>();
+  /** Workers touched since their last step started: candidates to start one now. */
+  private readonly dirty = new Set<number>();
+  private clockMs: number;
+  private nextSeq = 0;
+
+  constructor(options: SimClusterOptions) {
+    if (options.workers.length === 0) throw new RangeError('a cluster needs at least one worker');
+    this.options = options;
+    this.workers = options.workers.map((config) => new SimWorker(config));
+    this.clockMs = options.startMs ?? 0;
+  }
+
+  get nowMs(): number {
+    return this.clockMs;
+  }
+
+  /** Schedules an arrival at request.arrivalMs (now, if that is already past). */
+  submit(request: EngineRequest): void {
+    if (this.records.has(request.id)) throw new RangeError(`request ${request.id} was already submitted`);
+    const timeMs = Math.max(request.arrivalMs, this.clockMs);
+    const arrived = timeMs === request.arrivalMs ? request : { ...request, arrivalMs: timeMs };
+    this.records.set(request.id, {
+      id: request.id, workerIndex: -1, arrivalMs: timeMs, itlMs: [], promptTokens: request.promptTokenIds.length,
+      cachedTokens: 0, completionTokens: 0,
+    });
+    this.events.push({ kind: 1, timeMs, seq: this.nextSeq++, request: arrived });
+  }
+
+  /** Hands a request to a worker now (after a route function returned null for it). */
+  dispatch(workerIndex: number, request: EngineRequest): void {
+    const worker = this.workers[workerIndex];
+    if (worker === undefined) throw new RangeError(`no worker ${workerIndex} (the cluster has ${this.workers.length})`);
+    const record = this.records.get(request.id);
+    if (record === undefined) throw new RangeError(`request ${request.id} was never submitted`);
+    record.workerIndex = workerIndex;
+    record.dispatchMs = this.clockMs;
+    try {
+      worker.add(request, this.clockMs);
+    } catch (error) {
+      if (!(error instanceof InvalidRequestError)) throw error;
+      record.error = error.message;
+      record.finishReason = 'error';
+      record.finishMs = this.clockMs;
+      return;
+    }
+    this.dirty.add(workerIndex);
+  }
+
+  /** Stops a request wherever it is. */
+  abort(requestId: string): void {
+    const record = this.records.get(requestId);
+    if (record === undefined || record.workerIndex < 0) return;
+    for (const output of this.workers[record.workerIndex]!.abort(requestId, this.clockMs)) this.record(record.workerIndex, output);
+    this.dirty.add(record.workerIndex);
+  }
+
+  /** Handles every event up to and including timeMs; the clock ends at timeMs (or later, if it already was). */
+  runUntil(timeMs: number): void {
+    this.startSteps();
+    for (;;) {
+      const next = this.events.peek();
+      if (next === undefined || next.timeMs > timeMs) break;
+      this.handleInstant(next.timeMs);
+    }
+    this.clockMs = Math.max(this.clockMs, timeMs);
+  }
+
+  /** Handles events until nothing is left: every submitted request finished, every worker idle. */
+  runToCompletion(): void {
+    this.startSteps();
+    for (let next = this.events.peek(); next !== undefined; next = this.events.peek()) this.handleInstant(next.timeMs);
+  }
+
+  /** Submits the arrivals, runs to completion, and returns every request's timings. */
+  run(arrivals: Iterable<EngineRequest>): SimClusterResult {
+    for (const request of arrivals) this.submit(request);
+    this.runToCompletion();
+    return this.result();
+  }
+
+  result(): SimClusterResult {
+    return {
+      requests: [...this.records.values()],
+      workers: this.workers.map((worker, index) => ({ index, steps: worker.numSteps, busyMs: worker.busyMs, stats: worker.stats() })),
+      endMs: this.clockMs,
+    };
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+
+  private handleInstant(timeMs: number): void {
+    this.clockMs = timeMs;
+    for (let event = this.events.peek(); event !== undefined && event.timeMs === timeMs; event = this.events.peek()) {
+      this.events.pop();
+      if (event.kind === 0) this.endStep(event);
+      else this.arrive(event.request);
+    }
+    this.startSteps();
+  }
+
+  private arrive(request: EngineRequest): void {
+    const choice = this.options.route(request, { nowMs: this.clockMs, workers: this.workers });
+    if (choice !== null) this.dispatch(choice, request);
+  }
+
+  private endStep(event: StepEndEvent): void {
+    const worker = this.workers[event.worker]!;
+    for (const output of worker.finishStep(event.step)) this.record(event.worker, output);
+    if (this.options.onKvEvents) {
+      const events = worker.takeKvEvents();
+      if (events.length > 0) this.options.onKvEvents(event.worker, events, this.clockMs);
+    }
+    this.dirty.add(event.worker);
+  }
+
+  private startSteps(): void {
+    if (this.dirty.size === 0) return;
+    // In index order, so the event sequence numbers (and with them every tie) do not depend on set order.
+    const indices = [...this.dirty].sort((a, b) => a - b);
+    this.dirty.clear();
+    for (const index of indices) {
+      const worker = this.workers[index]!;
+      if (worker.currentStep !== null || !worker.hasWork) continue;
+      const step = worker.beginStep(this.clockMs);
+      if (step !== null) this.events.push({ kind: 0, timeMs: step.endMs, seq: this.nextSeq++, worker: index, step });
+    }
+  }
+
+  private record(workerIndex: number, output: EngineOutput): void {
+    const record = this.records.get(output.requestId);
+    if (record !== undefined) {
+      const nowMs = this.clockMs;
+      if (output.newTokenIds.length > 0) {
+        record.firstTokenMs ??= nowMs;
+        record.ttftMs ??= nowMs - record.arrivalMs;
+        let last = this.lastTokenMs.get(record.id);
+        if (last === undefined) this.lastTokenMs.set(record.id, last = []);
+        const previous = last[output.index];
+        if (previous !== undefined) record.itlMs.push(nowMs - previous);
+        last[output.index] = nowMs;
+      }
+      record.cachedTokens = output.usage.cachedTokens;
+      record.completionTokens = Math.max(record.completionTokens, output.usage.completionTokens);
+      if (output.finishReason !== undefined) {
+        record.finishReason = output.finishReason;
+        record.finishMs = nowMs;
+        record.e2eMs = nowMs - record.arrivalMs;
+        if (output.error !== undefined) record.error = output.error;
+        this.lastTokenMs.delete(record.id);
+      }
+    }
+    this.options.onOutput?.(workerIndex, output, this.clockMs);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Summaries
+
+export interface Distribution {
+  count: number;
+  mean: number;
+  p50: number;
+  p90: number;
+  p99: number;
+  max: number;
+}
+
+/** Nearest-rank percentile (the smallest value with at least q of the data at or below it); NaN for no data. */
+export function percentile(sortedValues: readonly number[], q: number): number {
+  if (sortedValues.length === 0) return NaN;
+  const rank = Math.max(1, Math.ceil(q * sortedValues.length));
+  return sortedValues[Math.min(rank, sortedValues.length) - 1]!;
+}
+
+export function distribution(values: readonly number[]): Distribution {
+  const sorted = Float64Array.from(values).sort();
+  const list = Array.from(sorted);
+  const sum = list.reduce((s, v) => s + v, 0);
+  return {
+    count: list.length, mean: list.length > 0 ? sum / list.length : NaN,
+    p50: percentile(list, 0.5), p90: percentile(list, 0.9), p99: percentile(list, 0.99),
+    max: list.length > 0 ? list[list.length - 1]! : NaN,
+  };
+}
+
+export interface RunSummary {
+  /** Requests measured (finished, after the warm-up). */
+  numRequests: number;
+  ttftMs: Distribution;
+  /** Every inter-token gap of every measured request, pooled (vLLM's ITL). */
+  itlMs: Distribution;
+  e2eMs: Distribution;
+  /** Output tokens of measured requests per second between the first measured arrival and the last finish. */
+  outputTokensPerSec: number;
+  /** Prompt tokens served from the prefix cache / prompt tokens, measured requests. */
+  prefixHitRate: number;
+}
+
+/**
+ * Latency distributions of the finished requests. The first `warmupFraction` of them by arrival are left out: they
+ * met an empty cluster, which flatters the numbers.
+ */
+export function summarizeRequests(requests: readonly SimRequestResult[], warmupFraction = 0): RunSummary {
+  const finished = requests.filter((r) => r.firstTokenMs !== undefined && r.finishMs !== undefined)
+    .sort((a, b) => a.arrivalMs - b.arrivalMs);
+  const measured = finished.slice(Math.floor(finished.length * warmupFraction));
+  const itl: number[] = [];
+  let outputTokens = 0;
+  let promptTokens = 0;
+  let cachedTokens = 0;
+  let lastFinishMs = -Infinity;
+  for (const r of measured) {
+    for (const gap of r.itlMs) itl.push(gap);
+    outputTokens += r.completionTokens;
+    promptTokens += r.promptTokens;
+    cachedTokens += r.cachedTokens;
+    lastFinishMs = Math.max(lastFinishMs, r.finishMs!);
+  }
+  const spanMs = measured.length > 0 ? lastFinishMs - measured[0]!.arrivalMs : 0;
+  return {
+    numRequests: measured.length,
+    ttftMs: distribution(measured.map((r) => r.ttftMs!)),
+    itlMs: distribution(itl),
+    e2eMs: distribution(measured.map((r) => r.e2eMs!)),
+    outputTokensPerSec: spanMs > 0 ? (outputTokens / spanMs) * 1000 : 0,
+    prefixHitRate: promptTokens > 0 ? cachedTokens / promptTokens : 0,
+  };
+}

@@ -1,0 +1,115 @@
+// `conduit sim` and `conduit plan` run in-process through main(): tables printed, engine cross-checks passing,
+// usage errors with exit code 2, environment twins that cannot collide with `serve`'s.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { main } from '../../src/cli/main.ts';
+import { planOptionsFromFlags } from '../../src/cli/plan.ts';
+
+async function run(argv: string[]): Promise<{ code: number; out: string; err: string }> {
+  const out: string[] = [];
+  const err: string[] = [];
+  const { log, error } = console;
+  console.log = (...args: unknown[]) => { out.push(args.join(' ')); };
+  console.error = (...args: unknown[]) => { err.push(args.join(' ')); };
+  try {
+    const code = await main(argv);
+    return { code, out: out.join('\n'), err: err.join('\n') };
+  } finally {
+    console.log = log;
+    console.error = error;
+  }
+}
+
+/** The number in the first cell after `label` on the line that starts with it. */
+function firstNumberAfter(text: string, label: RegExp): number {
+  const line = text.split('\n').find((l) => label.test(l));
+  assert.ok(line, `no line matching ${label}`);
+  return Number(line.replace(label, '').trim().split(/\s+/)[0]);
+}
+
+test('conduit --help lists sim and plan as available commands', async () => {
+  const { code, out } = await run(['--help']);
+  assert.equal(code, 0);
+  assert.match(out, /^ {2}sim$/m);
+  assert.match(out, /^ {2}plan$/m);
+  assert.doesNotMatch(out, /sim .*not available/);
+});
+
+test('conduit sim --help lists the models, GPUs and links', async () => {
+  const { code, out } = await run(['sim', '--help']);
+  assert.equal(code, 0);
+  for (const id of ['llama-3.1-8b', 'llama-3.1-70b', 'llama-3.1-405b', 'qwen2.5-7b', 'qwen2.5-72b', 'h100', 'h200', 'a100', 'b200',
+    'nvlink4', 'ib-ndr', 'pcie5']) {
+    assert.match(out, new RegExp(`^ {2}${id.replace(/\./g, '\\.')} `, 'm'), id);
+  }
+  assert.match(out, /CONDUIT_SIM_MODEL/);
+  assert.equal((await run(['sim'])).code, 2);
+});
+
+test('conduit sim lifecycle prints the cold/warm table and the engine agrees with it', async () => {
+  const { code, out } = await run(['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--gpu', 'h100', '--tp', '4', '--prompt', '1024']);
+  assert.equal(code, 0);
+  assert.match(out, /^phase +cold ms +warm ms +saved ms +note/m);
+  assert.match(out, /warm: 1008-token prefix hit, 16 tokens computed/);
+  const coldPrefill = firstNumberAfter(out, /^prefill_execution/);
+  const engineCold = Number(/cold: 0 cached tokens, engine TTFT ([\d.]+) ms/.exec(out)![1]);
+  assert.equal(engineCold, coldPrefill);
+  assert.equal(out.match(/ {2}ok$/gm)?.length, 2);
+});
+
+test('conduit sim lifecycle, disaggregated with a partial-block hit, says which hit the engine checked', async () => {
+  const { code, out } = await run(['sim', 'lifecycle', '--prompt', '1024', '--cached', '1000', '--link', 'ib-ndr']);
+  assert.equal(code, 0);
+  assert.match(out, /disaggregated, KV over 4 x InfiniBand NDR/);
+  assert.match(out, /^kv_transfer +[1-9]/m);
+  assert.match(out, /warm: 992 cached tokens/); // 1000 rounded down to 62 whole blocks of 16
+});
+
+test('conduit sim decode-sweep prints ITL per batch and the engine agrees row by row', async () => {
+  const { code, out } = await run(['sim', 'decode-sweep', '--model', 'llama-3.1-8b', '--tp', '1', '--context', '128', '--batches', '1,8']);
+  assert.equal(code, 0);
+  assert.match(out, /^batch +ITL ms +tok\/s/m);
+  assert.match(out, /decode at context 128 tokens/);
+  const rows = out.split('\n').filter((l) => /^ +(1|8) +[\d.]+ +[\d.]+ +ok$/.test(l));
+  assert.equal(rows.length, 2);
+  for (const row of rows) {
+    const [, model, engine] = row.trim().split(/\s+/);
+    assert.equal(model, engine);
+  }
+});
+
+test('usage errors exit 2 and name what is wrong', async () => {
+  const unknown = await run(['sim', 'lifecycle', '--model', 'gpt-9']);
+  assert.equal(unknown.code, 2);
+  assert.match(unknown.err, /unknown model "gpt-9"; known: llama-3\.1-8b/);
+  const tp = await run(['sim', 'decode-sweep', '--tp', '3']);
+  assert.equal(tp.code, 2);
+  assert.match(tp.err, /do not divide over tp 3/);
+  assert.equal((await run(['sim', 'warp'])).code, 2);
+  const noRate = await run(['plan']);
+  assert.equal(noRate.code, 2);
+  assert.match(noRate.err, /--rate is required/);
+});
+
+test('conduit plan prints the tried worker counts and the answer', async () => {
+  const { code, out } = await run(['plan', '--model', 'llama-3.1-8b', '--gpu', 'h100', '--tp', '1', '--rate', '0.5', '--isl', '128',
+    '--osl', '16', '--requests', '40', '--ttft-p99', '100', '--itl-p99', '50']);
+  assert.equal(code, 0);
+  assert.match(out, /^workers +GPUs +TTFT p50 ms +TTFT p99 ms +ITL p50 ms +ITL p99 ms/m);
+  assert.match(out, /^ +1 +1 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +\d+ +yes$/m);
+  assert.match(out, /answer: 1 worker\(s\) x tp 1 = 1 GPU\(s\)/);
+  // A TTFT target under one idle prefill step cannot be met by any number of workers: exit 1.
+  const impossible = await run(['plan', '--rate', '1', '--isl', '128', '--ttft-p99', '1']);
+  assert.equal(impossible.code, 1);
+  assert.match(impossible.out, /answer: none \(no worker count can/);
+});
+
+test('plan flags have CONDUIT_PLAN_ twins, and serve\'s CONDUIT_MODEL (a file path) is not read', () => {
+  const fromEnv = planOptionsFromFlags([], { CONDUIT_PLAN_RATE: '3', CONDUIT_PLAN_MODEL: 'qwen2.5-7b', CONDUIT_PLAN_TTFT_P99: '250' })!;
+  assert.equal(fromEnv.ratePerSec, 3);
+  assert.equal(fromEnv.model.id, 'qwen2.5-7b');
+  assert.equal(fromEnv.ttftP99Ms, 250);
+  const flagWins = planOptionsFromFlags(['--rate', '7'], { CONDUIT_PLAN_RATE: '3', CONDUIT_MODEL: '/models/x.gguf' })!;
+  assert.equal(flagWins.ratePerSec, 7);
+  assert.equal(flagWins.model.id, 'llama-3.1-8b');
+});

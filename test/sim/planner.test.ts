@@ -1,0 +1,104 @@
+// The capacity planner on Llama 3.1 8B, one H100 per worker, default efficiencies. Expected step times are worked
+// out here from the model's shapes and the datasheet figures, not taken from the performance model's code.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { H100_SXM } from '../../src/sim/hardware.ts';
+import { LLAMA_3_1_8B } from '../../src/sim/models.ts';
+import { formatPlan, planBounds, planCapacity, type PlanOptions } from '../../src/sim/planner.ts';
+import { close } from './sim-fixtures.ts';
+
+// Llama 3.1 8B: 32 layers, d 4096, 32 / 8 heads of 128, FFN 14336, vocab 128256, untied embeddings, BF16.
+const LAYER_MATMUL_PARAMS = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336; // 218,103,808
+const EMBEDDING_PARAMS = 128_256 * 4096;
+const PARAMS = 32 * (LAYER_MATMUL_PARAMS + 2 * 4096) + 4096 + 2 * EMBEDDING_PARAMS; // 8,030,261,248
+const STREAMED_BYTES = (PARAMS - EMBEDDING_PARAMS) * 2; // the lookup table is not streamed
+const KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2; // 131,072
+const ATTENTION_FLOPS_PER_KEY = 4 * 32 * 32 * 128;
+// H100 SXM at the default efficiencies: 60% of 989.4 TFLOP/s for GEMMs, 40% for attention, 80% of 3.35 TB/s.
+const GEMM_FLOPS_PER_MS = 989.4e12 * 0.6 / 1000;
+const ATTENTION_FLOPS_PER_MS = 989.4e12 * 0.4 / 1000;
+const HBM_BYTES_PER_MS = 3.35e12 * 0.8 / 1000;
+const OVERHEAD_MS = 0.4;
+
+/** B sequences decoding after c cached tokens each: one token and one logits row per sequence. */
+function decodeStepMs(batch: number, c: number): number {
+  const gemm = Math.max(2 * (32 * LAYER_MATMUL_PARAMS + EMBEDDING_PARAMS) * batch / GEMM_FLOPS_PER_MS, STREAMED_BYTES / HBM_BYTES_PER_MS);
+  const attention = batch * Math.max(ATTENTION_FLOPS_PER_KEY * (c + 1) / ATTENTION_FLOPS_PER_MS, KV_BYTES_PER_TOKEN * (c + 1) / HBM_BYTES_PER_MS);
+  return gemm + attention + OVERHEAD_MS;
+}
+
+/** One prompt of n tokens from scratch, its last token sampled. */
+function prefillStepMs(n: number): number {
+  const gemm = Math.max(2 * (32 * LAYER_MATMUL_PARAMS * n + EMBEDDING_PARAMS) / GEMM_FLOPS_PER_MS, STREAMED_BYTES / HBM_BYTES_PER_MS);
+  const keys = (n * (n + 1)) / 2;
+  const attention = Math.max(ATTENTION_FLOPS_PER_KEY * keys / ATTENTION_FLOPS_PER_MS, KV_BYTES_PER_TOKEN * n / HBM_BYTES_PER_MS);
+  return gemm + attention + OVERHEAD_MS;
+}
+
+const base = (over: Partial<PlanOptions>): PlanOptions => ({
+  model: LLAMA_3_1_8B, hw: H100_SXM, tp: 1, ratePerSec: 1, inputTokens: 128, outputTokens: 64, ttftP99Ms: 200,
+  itlP99Ms: 30, numRequests: 200, worker: { maxNumSeqs: 8 }, ...over,
+});
+
+test('hand arithmetic: an idle worker and the decode capacity of a worker limited to 8 sequences', () => {
+  const bounds = planBounds(base({}));
+  // The weight stream (15.01 GB at 2.68 TB/s = 5.6007 ms) outweighs 128 tokens of GEMMs (3.01 ms at 594 TFLOP/s).
+  close(bounds.idleTtftMs, prefillStepMs(128));
+  close(prefillStepMs(128), STREAMED_BYTES / HBM_BYTES_PER_MS + ATTENTION_FLOPS_PER_KEY * 8256 / ATTENTION_FLOPS_PER_MS + 0.4);
+  close(bounds.idleItlMs, decodeStepMs(1, 128));
+  // Best decode throughput at the 8-sequence cap: 8 / 6.0512 ms = 1,322 tokens/s.
+  assert.equal(bounds.decodeCapacityBatch, 8);
+  close(bounds.decodeCapacityTokensPerSec, 8 / decodeStepMs(8, 128) * 1000);
+  assert.ok(Math.abs(bounds.decodeCapacityTokensPerSec - 1322.06) < 0.01);
+});
+
+test('a rate so low that one worker suffices', () => {
+  const opts = base({ ratePerSec: 0.5, outputTokens: 16, numRequests: 60, ttftP99Ms: 100, itlP99Ms: 50 });
+  const result = planCapacity(opts);
+  assert.deepEqual(result.answer, { workers: 1, gpus: 1 });
+  assert.equal(result.trials.length, 1);
+  const { summary } = result.trials[0]!;
+  // Nobody beats an idle worker; at 0.5 requests/s, 2 s apart on average, most requests find it idle.
+  assert.ok(summary.ttftMs.p50 >= prefillStepMs(128) - 1e-9);
+  close(summary.ttftMs.p50, prefillStepMs(128));
+  assert.match(formatPlan(opts, result), /answer: 1 worker\(s\) x tp 1 = 1 GPU\(s\)/);
+});
+
+test('a rate whose decode demand alone needs more than two workers', () => {
+  // 45 requests/s x 63 decode tokens (the first token comes from the prefill) = 2,835 tokens/s > 2 x 1,322.
+  const opts = base({ ratePerSec: 45 });
+  const result = planCapacity(opts);
+  assert.equal(result.bounds.decodeDemandTokensPerSec, 45 * 63);
+  assert.ok(45 * 63 > 2 * (8 / decodeStepMs(8, 128) * 1000));
+  assert.equal(result.bounds.minWorkers, 3);
+  assert.ok(result.answer !== null && result.answer.workers >= 3);
+  assert.ok(result.trials.every((t) => t.workers >= 3));
+  // The answer meets the targets, and one worker fewer (if simulated) does not.
+  const answerTrial = result.trials.find((t) => t.workers === result.answer!.workers)!;
+  assert.ok(answerTrial.meetsTargets && answerTrial.summary.ttftMs.p99 <= 200 && answerTrial.summary.itlMs.p99 <= 30);
+  const below = result.trials.find((t) => t.workers === result.answer!.workers - 1);
+  if (below) assert.equal(below.meetsTargets, false);
+});
+
+test('more rate never needs fewer workers', () => {
+  let previous = 0;
+  for (const ratePerSec of [2, 20, 45, 80]) {
+    const result = planCapacity(base({ ratePerSec }));
+    assert.ok(result.answer !== null, `rate ${ratePerSec}: ${result.reason}`);
+    assert.ok(result.answer.workers >= previous, `rate ${ratePerSec} needs ${result.answer.workers} < ${previous}`);
+    previous = result.answer.workers;
+  }
+  assert.ok(previous >= 4); // 80 x 63 = 5,040 tokens/s over 1,322 per worker
+});
+
+test('targets below what an idle worker does are refused without simulating', () => {
+  const tooFast = planCapacity(base({ ttftP99Ms: 5 }));
+  assert.equal(tooFast.answer, null);
+  assert.equal(tooFast.trials.length, 0);
+  assert.match(tooFast.reason, /idle worker's TTFT is 6\.01 ms/);
+  const itl = planCapacity(base({ itlP99Ms: 5 }));
+  assert.equal(itl.answer, null);
+  assert.match(itl.reason, /decode step at batch 1/);
+  assert.throws(() => planCapacity(base({ deployment: 'disaggregated' })), /only aggregated/);
+  assert.throws(() => planCapacity(base({ ratePerSec: 0 })), /ratePerSec/);
+});
