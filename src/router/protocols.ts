@@ -1,0 +1,161 @@
+// Every type that enters or leaves the router: worker ids, the load view a worker reports, the request as the
+// router sees it, and the decision it hands back. The router decides; it does not send: the caller forwards the
+// request to decision.workerId and tells the router when the request's prefill is done and when it finishes.
+//
+// Serialization notes:
+// - Block hashes are the KV cache's branded 16-hex-digit strings (see engine/kv-cache/events.ts); the router never
+//   converts them to numbers, so they survive JSON unchanged.
+// - Token ids must be integers in [0, 2^32): the hash function rejects anything else.
+// - Times given to the router (nowMs) are milliseconds on one monotonic clock shared by every call; the router has
+//   no clock of its own.
+
+import type { EngineStats } from '../engine/types.ts';
+
+export type WorkerId = string;
+
+/** Worker ids name NATS subjects and metric labels, so they stay printable and short. */
+const WORKER_ID_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$/;
+
+export function parseWorkerId(value: unknown): WorkerId {
+  if (typeof value !== 'string' || !WORKER_ID_PATTERN.test(value)) {
+    throw new TypeError(`worker id must be 1-128 characters of [A-Za-z0-9._:-], got ${JSON.stringify(value)}`);
+  }
+  return value;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Load view
+
+/** What a worker last reported about its own load. Missing reports count as an idle worker. */
+export interface WorkerLoad {
+  /** Requests in the running batch. */
+  numRunning: number;
+  /** Requests admitted but not yet scheduled. */
+  numWaiting: number;
+  /** Prompt tokens still to be computed across its requests (queued and partially prefilled). */
+  activePrefillTokens: number;
+  /** KV blocks held by its running requests. */
+  activeDecodeBlocks: number;
+  /** Fraction of its KV pool in use, 0..1. */
+  kvUsage: number;
+}
+
+export const IDLE_LOAD: Readonly<WorkerLoad> = Object.freeze({
+  numRunning: 0, numWaiting: 0, activePrefillTokens: 0, activeDecodeBlocks: 0, kvUsage: 0,
+});
+
+export function parseWorkerLoad(value: unknown): WorkerLoad {
+  if (typeof value !== 'object' || value === null) throw new TypeError('worker load must be an object');
+  const record = value as Record<string, unknown>;
+  const count = (field: string): number => {
+    const n = record[field];
+    if (!Number.isSafeInteger(n) || (n as number) < 0) throw new TypeError(`worker load ${field} must be an integer >= 0, got ${JSON.stringify(n)}`);
+    return n as number;
+  };
+  const kvUsage = record.kvUsage;
+  if (typeof kvUsage !== 'number' || !(kvUsage >= 0 && kvUsage <= 1)) {
+    throw new TypeError(`worker load kvUsage must be a number in [0, 1], got ${JSON.stringify(kvUsage)}`);
+  }
+  return {
+    numRunning: count('numRunning'), numWaiting: count('numWaiting'), activePrefillTokens: count('activePrefillTokens'),
+    activeDecodeBlocks: count('activeDecodeBlocks'), kvUsage,
+  };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Requests
+
+export type PolicyName = 'kv' | 'round-robin' | 'random' | 'least-loaded' | 'power-of-two' | 'session';
+
+export const POLICY_NAMES: readonly PolicyName[] = ['kv', 'round-robin', 'random', 'least-loaded', 'power-of-two', 'session'];
+
+export function parsePolicyName(value: unknown): PolicyName {
+  if (typeof value === 'string' && (POLICY_NAMES as readonly string[]).includes(value)) return value as PolicyName;
+  throw new TypeError(`routing policy must be one of ${POLICY_NAMES.join(', ')}, got ${JSON.stringify(value)}`);
+}
+
+/** Per-request knobs that replace the router's defaults for the kv cost function. */
+export interface RoutingOverride {
+  overlapWeight?: number;
+  temperature?: number;
+}
+
+export interface RoutingRequest {
+  requestId: string;
+  /** The prompt after chat templating and tokenization. */
+  tokenIds: readonly number[];
+  /** Must be the salt the engine hashes with (EngineRequest.cacheSalt), or no block will ever match. */
+  cacheSalt?: string;
+  /** Conversation id for the session policy. */
+  sessionId?: string;
+  override?: RoutingOverride;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decisions
+
+/**
+ * Why a worker would cost what it costs. Every policy reports these for every known worker, so a decision can be
+ * audited (and the policies compared) on the same terms; only the kv policy chooses by `cost`.
+ */
+export interface WorkerCostTerms {
+  workerId: WorkerId;
+  /** Leading prompt blocks the worker holds (from KV events or a speculative insert) and would reuse. */
+  overlapBlocks: number;
+  /** Of overlapBlocks, how many only a speculative insert vouches for. */
+  speculativeBlocks: number;
+  /** Prompt tokens it would compute for this request plus the prefill already queued on it. */
+  prefillTokens: number;
+  /** prefillTokens / blockSize. */
+  prefillBlocks: number;
+  /** Blocks its running requests hold plus the new blocks this request would add. */
+  decodeBlocks: number;
+  /** overlapWeight * prefillBlocks + decodeBlocks: lower is better. */
+  cost: number;
+  /** Over the busy threshold (KV usage or queue length): skipped while a non-busy worker exists. */
+  busy: boolean;
+}
+
+/** Microseconds spent in each sub-phase of one routing call, measured with the injected clock. */
+export interface RoutingOverhead {
+  hashingUs: number;
+  lookupUs: number;
+  selectionUs: number;
+  totalUs: number;
+}
+
+/** Which rule made the choice; `session` means an existing affinity was kept, a new one is made by `kv`. */
+export type RoutingStrategy = PolicyName;
+
+export interface RoutingDecision {
+  requestId: string;
+  workerId: WorkerId;
+  /** Prompt blocks the chosen worker is expected to reuse. */
+  overlapBlocks: number;
+  /** Prompt tokens the chosen worker is expected to compute. */
+  newPrefillTokens: number;
+  /** One entry per known worker, in registration order. */
+  costTerms: WorkerCostTerms[];
+  strategy: RoutingStrategy;
+  /** Human-readable: why this worker (for logs and the decision trace). */
+  reason: string;
+  overhead: RoutingOverhead;
+}
+
+export type RouteOutcome =
+  | { kind: 'routed'; decision: RoutingDecision }
+  /** Every worker is busy: the request waits in the router's admission queue (drainQueue routes it later). */
+  | { kind: 'queued'; requestId: string; numQueued: number }
+  /** Shed: the queue is full, or no worker is registered. retryAfterMs is the hint for a Retry-After header. */
+  | { kind: 'rejected'; requestId: string; reason: 'overloaded' | 'no-workers'; retryAfterMs: number };
+
+/**
+ * A load view from an engine's stats. EngineStats does not report pending prefill tokens, so that term is left at
+ * 0 and the router's own accounting of what it sent stands in for it.
+ */
+export function workerLoadFromStats(stats: EngineStats): WorkerLoad {
+  return {
+    numRunning: stats.numRunning, numWaiting: stats.numWaiting, activePrefillTokens: 0, activeDecodeBlocks: stats.kvBlocksUsed,
+    kvUsage: stats.kvBlocksTotal > 0 ? Math.min(1, stats.kvBlocksUsed / stats.kvBlocksTotal) : 0,
+  };
+}
