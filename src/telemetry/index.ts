@@ -1,0 +1,13 @@
+// The telemetry layer's public surface. Shells import from here; docs/observability.md describes the wiring.
+
+export * from './lifecycle.ts';
+export * from './trace.ts';
+export * from './traceparent.ts';
+export * from './sampling.ts';
+export * from './otel.ts';
+export * from './metrics.ts';
+export * from './slo.ts';
+export * from './analyzer.ts';
+export * from './timings.ts';
+export * from './telemetry.ts';
+export { quantile } from './stats.ts';

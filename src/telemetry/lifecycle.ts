@@ -1,0 +1,320 @@
+// Lifecycle events: one per phase boundary of a request, named as in docs/architecture.md, published on a small typed
+// bus. The gateway, router and engine shells emit; the trace collector (and through it the metrics and span
+// adapters) subscribes. Emitters only stamp times: nothing here formats, aggregates or exports, so a publisher pays
+// a property read when nobody listens and one function call per listener when somebody does.
+//
+// Times are the engine clock: epoch milliseconds with a fractional part (src/engine/clock.ts), so stamps taken in
+// the gateway thread and in worker threads line up.
+
+// ---------------------------------------------------------------------------------------------------------------
+// Phase names
+
+/** Phases before the router, in the order the gateway runs them. */
+export const GATEWAY_PHASES = ['http_receive', 'auth', 'rate_limit', 'validate', 'tokenize'] as const;
+
+/** Every phase of a request's path, in path order (docs/architecture.md, "Request path and phase names"). */
+export const PHASES = [
+  ...GATEWAY_PHASES,
+  'router_lookup', 'scheduler_queue',
+  'prefill_dispatch', 'prefill_execution', 'kv_transfer',
+  'decode_dispatch', 'decode_execution', 'sampling', 'detokenize',
+  'streaming_response',
+] as const;
+
+export type GatewayPhase = (typeof GATEWAY_PHASES)[number];
+export type PhaseName = (typeof PHASES)[number];
+
+/** Events that end a request; after one of them the request's later events are ignored. */
+export const TERMINAL_EVENTS = ['finish', 'error', 'abort'] as const;
+export type TerminalEventName = (typeof TERMINAL_EVENTS)[number];
+
+export type LifecycleEventName = PhaseName | TerminalEventName;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Engine timestamps
+//
+// The engine reports its side of a request as RequestTimestamps on every EngineOutput (src/engine/types.ts). The
+// telemetry layer imports nothing (docs/architecture.md), so it states the shape it reads; the engine's type is
+// assignable to it (test/telemetry/contracts.test.ts checks that at compile time).
+
+export interface EngineTimestamps {
+  /** When the request reached the gateway (the gateway's stamp, carried into the engine). */
+  arrival: number;
+  /** When the worker's scheduler enqueued it. */
+  queued?: number;
+  /** When it first got a place in a step's batch. */
+  firstScheduled?: number;
+  /** One entry per prefill chunk the worker computed (a prefix-cache hit shortens or removes them). */
+  prefillChunks: readonly { start: number; end: number; tokens: number }[];
+  /** End of the step that sampled the first output token. */
+  firstToken?: number;
+  /** End of the step that sampled the latest output token. */
+  lastToken?: number;
+  finished?: number;
+}
+
+/** What one worker reports about its part of a request, carried on the terminal event. */
+export interface EngineReport {
+  worker?: string;
+  /** 'unified' (prefill and decode on one worker, the default), or one side of a disaggregated pair. */
+  role?: 'unified' | 'prefill' | 'decode';
+  timestamps: EngineTimestamps;
+  /** Prompt tokens this worker found in its prefix cache. */
+  cachedTokens?: number;
+  /** The worker's KV block size (EngineInfo.blockSize): how many tokens a full prefix hit still recomputes at most. */
+  blockSize?: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Events
+
+interface PointEvent {
+  requestId: string;
+  /** Engine-clock ms: when the phase ended, or when the instant happened. */
+  time: number;
+}
+
+interface IntervalEvent extends PointEvent {
+  /** Engine-clock ms when the phase began. */
+  start: number;
+}
+
+export interface HttpReceiveEvent extends IntervalEvent {
+  phase: 'http_receive';
+  /** start = the request's arrival: TTFT and end-to-end time are measured from it. */
+  route?: string;
+  bodyBytes?: number;
+  /** The client's W3C traceparent header, if any: the request's trace continues the client's. */
+  traceparent?: string;
+}
+
+export interface AuthEvent extends IntervalEvent {
+  phase: 'auth';
+  ok: boolean;
+  tenant?: string;
+}
+
+export interface RateLimitEvent extends IntervalEvent {
+  phase: 'rate_limit';
+  allowed: boolean;
+  tenant?: string;
+  /** Why it was refused: 'requests', 'tokens', 'concurrency', ... */
+  reason?: string;
+}
+
+export interface ValidateEvent extends IntervalEvent {
+  phase: 'validate';
+  ok: boolean;
+  model?: string;
+  stream?: boolean;
+  maxTokens?: number;
+  temperature?: number;
+  n?: number;
+}
+
+export interface TokenizeEvent extends IntervalEvent {
+  phase: 'tokenize';
+  /** Prompt length after the chat template: known before any engine work, so it feeds the sampling decision. */
+  promptTokens: number;
+}
+
+/** The router's own costs, the parts of router_lookup. */
+export interface RouterSubPhasesMs {
+  /** Hashing the prompt's blocks. */
+  hashing?: number;
+  /** Finding each worker's overlap in the KV block index. */
+  indexLookup?: number;
+  /** Scoring workers and choosing one. */
+  selection?: number;
+}
+
+export interface RouterLookupEvent extends IntervalEvent {
+  phase: 'router_lookup';
+  /** The worker that runs the request (the decode worker when disaggregated). */
+  worker: string;
+  /** 'kv_aware', 'round_robin', 'least_loaded', ... */
+  strategy: string;
+  /** The prefill worker when prefill and decode are disaggregated. */
+  prefillWorker?: string;
+  candidates?: number;
+  /** Prompt tokens already cached on the chosen worker, by the router's index. */
+  overlapTokens?: number;
+  kvCacheHit?: boolean;
+  reason?: string;
+  /** Requests waiting on the chosen worker when it was chosen (the router's load view). */
+  workerQueueDepth?: number;
+  /** The router's estimate of the request's time to first token, if it has a cost model. */
+  predictedTtftMs?: number;
+  subPhasesMs?: RouterSubPhasesMs;
+}
+
+export interface SchedulerQueueEvent extends IntervalEvent {
+  phase: 'scheduler_queue';
+  worker?: string;
+  /** Requests waiting ahead of this one when it was enqueued. */
+  queueDepth?: number;
+  /** Time the scheduler spent planning the step that admitted it (token budget allocation). */
+  budgetMs?: number;
+}
+
+export interface PrefillDispatchEvent extends IntervalEvent {
+  phase: 'prefill_dispatch';
+  worker?: string;
+}
+
+export interface PrefillExecutionEvent extends IntervalEvent {
+  phase: 'prefill_execution';
+  /** Prompt tokens computed in this chunk. */
+  tokens: number;
+  chunk?: number;
+  batchSize?: number;
+  worker?: string;
+  /** KV block allocation for the chunk, within [start, time]. */
+  kvAllocMs?: number;
+  /** First-token sampling at the end of the last chunk, within [start, time]. */
+  samplingMs?: number;
+}
+
+export interface KvTransferEvent extends IntervalEvent {
+  phase: 'kv_transfer';
+  bytes: number;
+  blocks?: number;
+  fromWorker?: string;
+  toWorker?: string;
+}
+
+export interface DecodeDispatchEvent extends IntervalEvent {
+  phase: 'decode_dispatch';
+  worker?: string;
+}
+
+export interface DecodeExecutionEvent extends IntervalEvent {
+  phase: 'decode_execution';
+  /** 1 for the first decode step after prefill. */
+  step?: number;
+  batchSize?: number;
+}
+
+export interface SamplingEvent extends IntervalEvent {
+  phase: 'sampling';
+}
+
+export interface DetokenizeEvent extends IntervalEvent {
+  phase: 'detokenize';
+}
+
+export interface StreamingResponseEvent extends PointEvent {
+  phase: 'streaming_response';
+  /** time = when the chunk was written to the socket. start, if given, = when formatting it began. */
+  start?: number;
+  /** Output tokens the chunk carries; 0 for role-only, finish or usage chunks (they do not count for TTFT/TBT). */
+  tokens: number;
+  bytes?: number;
+}
+
+export type FinishReasonName = 'stop' | 'length' | 'abort' | 'error' | (string & {});
+
+/** What every terminal event may carry: the request's final counts and the engine's timestamps. */
+interface TerminalFields extends PointEvent {
+  promptTokens?: number;
+  /** Output tokens over all completions. */
+  outputTokens?: number;
+  cachedTokens?: number;
+  /** The model, when no validate event named it (requests that do not come through the gateway). */
+  model?: string;
+  engine?: EngineReport | readonly EngineReport[];
+}
+
+export interface FinishEvent extends TerminalFields {
+  phase: 'finish';
+  /** time = when the response's last byte was written. */
+  finishReason: FinishReasonName;
+  status?: number;
+}
+
+export interface ErrorEvent extends TerminalFields {
+  phase: 'error';
+  /** A stable code ('rate_limited', 'invalid_request', 'engine_error', 'timeout', ...): a metric label. */
+  errorType: string;
+  message?: string;
+  /** HTTP status sent; below 500 is the client's error and does not count against the error-rate SLO. */
+  status?: number;
+}
+
+export interface AbortEvent extends TerminalFields {
+  phase: 'abort';
+  /** 'client_disconnect', 'shutdown', ... */
+  reason?: string;
+}
+
+export type LifecycleEvent =
+  | HttpReceiveEvent | AuthEvent | RateLimitEvent | ValidateEvent | TokenizeEvent
+  | RouterLookupEvent | SchedulerQueueEvent
+  | PrefillDispatchEvent | PrefillExecutionEvent | KvTransferEvent
+  | DecodeDispatchEvent | DecodeExecutionEvent | SamplingEvent | DetokenizeEvent
+  | StreamingResponseEvent
+  | FinishEvent | ErrorEvent | AbortEvent;
+
+export type TerminalEvent = FinishEvent | ErrorEvent | AbortEvent;
+
+export function isTerminal(event: LifecycleEvent): event is TerminalEvent {
+  return event.phase === 'finish' || event.phase === 'error' || event.phase === 'abort';
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The bus
+
+export type LifecycleListener = (event: LifecycleEvent) => void;
+
+/**
+ * A synchronous publish/subscribe channel for lifecycle events. Publishers write
+ * `if (bus.active) bus.emit({...})` so that with no subscriber they neither build the event object nor call
+ * anything; `emit` without the guard is also safe and costs a call and a length check.
+ *
+ * A listener that throws does not stop the others or the publisher: telemetry must never fail a request. The error
+ * goes to the `onListenerError` hook (by default it is dropped after the first report to stderr).
+ */
+export class LifecycleBus {
+  /** True while at least one listener is subscribed. A plain field, so the publisher's check is one load. */
+  active = false;
+  private listeners: LifecycleListener[] = [];
+  private reportedListenerError = false;
+
+  constructor(private readonly onListenerError?: (err: unknown, event: LifecycleEvent) => void) {}
+
+  /** Adds a listener; the returned function removes it. */
+  subscribe(listener: LifecycleListener): () => void {
+    // Copy on write: a listener that unsubscribes during emit does not disturb the loop in progress.
+    this.listeners = [...this.listeners, listener];
+    this.active = true;
+    return () => {
+      this.listeners = this.listeners.filter((l) => l !== listener);
+      this.active = this.listeners.length > 0;
+    };
+  }
+
+  get listenerCount(): number {
+    return this.listeners.length;
+  }
+
+  emit(event: LifecycleEvent): void {
+    const listeners = this.listeners;
+    for (let i = 0; i < listeners.length; i++) {
+      try {
+        listeners[i]!(event);
+      } catch (err) {
+        this.listenerFailed(err, event);
+      }
+    }
+  }
+
+  private listenerFailed(err: unknown, event: LifecycleEvent): void {
+    if (this.onListenerError) {
+      this.onListenerError(err, event);
+      return;
+    }
+    if (this.reportedListenerError) return;
+    this.reportedListenerError = true;
+    process.emitWarning(`lifecycle listener failed on ${event.phase} (later failures are not reported): ${String(err)}`);
+  }
+}

@@ -1,0 +1,312 @@
+// Prometheus metrics for every request, in a prom-client Registry of their own (prefix conduit_). Latency
+// histograms are observed once per request, when it ends, from its RequestTrace: the same numbers the trace, the
+// timings object and the SLO tracker show, and no per-request state in this module. Load gauges and the engine's
+// cumulative counters come from EngineStats snapshots (updateFromEngineStats).
+//
+// Units are in the names (_milliseconds, _bytes, _tokens, _ratio). Buckets follow LLM latencies: TTFT from 5 ms
+// to 60 s, TBT finer from 1 ms, each including the SLO thresholds (TTFT 200/500 ms, TBT 50/100 ms) as bucket
+// bounds so histogram_quantile is exact at the thresholds the alerts compare with.
+//
+// Labels: model and worker on latency histograms and load gauges; tenant only on counters (a histogram multiplies
+// its series by its bucket count). Missing values are 'none'.
+
+import { Counter, Gauge, Histogram, Registry } from 'prom-client';
+import { GATEWAY_PHASES } from './lifecycle.ts';
+import type { SloReport } from './slo.ts';
+import type { RequestTrace } from './trace.ts';
+
+export const TTFT_BUCKETS_MS = [5, 10, 20, 50, 100, 200, 300, 500, 750, 1000, 2000, 5000, 10_000, 30_000, 60_000];
+export const TBT_BUCKETS_MS = [1, 2.5, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2500];
+export const E2E_BUCKETS_MS = [50, 100, 250, 500, 1000, 2000, 5000, 10_000, 20_000, 30_000, 60_000, 120_000, 300_000];
+export const QUEUE_BUCKETS_MS = [0.1, 0.5, 1, 5, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000];
+export const PREFILL_BUCKETS_MS = [1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 30_000];
+export const ROUTING_BUCKETS_MS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25];
+export const GATEWAY_BUCKETS_MS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250];
+export const KV_TRANSFER_BUCKETS_MS = [0.1, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000];
+export const RATIO_BUCKETS = [0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1];
+
+/** Engine statistics as src/engine/types.ts's EngineStats reports them (cumulative counters since start). */
+export interface EngineStatsLike {
+  numRunning: number;
+  numWaiting: number;
+  kvBlocksUsed: number;
+  kvBlocksTotal: number;
+  /** Prompt tokens looked up in the prefix cache (cumulative). */
+  prefixCacheQueries: number;
+  /** Prompt tokens found there (cumulative). */
+  prefixCacheHits: number;
+  preemptions: number;
+}
+
+export interface WorkerStatsSnapshot {
+  worker: string;
+  model?: string;
+  stats: EngineStatsLike;
+  /** KV blocks evicted from the prefix cache since start (cumulative), if the engine counts them. */
+  kvEvictions?: number;
+  /** Utilisation of KV tiers besides the primary pool ('host', 'disk'), 0..1. */
+  kvUtilizationByTier?: Readonly<Record<string, number>>;
+}
+
+/** The primary KV pool: where attention reads blocks from (device memory on a GPU, RAM on the CPU engine). */
+export const PRIMARY_KV_TIER = 'primary';
+
+const STATUS_VALUE = { ok: 0, warning: 1, violated: 2 } as const;
+
+export interface MetricsOptions {
+  registry?: Registry;
+  /** For the SLO gauges: the tracker's report at scrape time. */
+  sloReport?: () => SloReport;
+  /** For the span export counter: spans exporters accepted and refused since start. */
+  spanExports?: () => { succeeded: number; failed: number };
+}
+
+export class ConduitMetrics {
+  readonly registry: Registry;
+
+  // Latency, per request.
+  readonly ttft: Histogram<'model' | 'worker'>;
+  readonly tbt: Histogram<'model' | 'worker'>;
+  readonly e2e: Histogram<'model' | 'outcome'>;
+  readonly queueWait: Histogram<'model' | 'worker'>;
+  readonly prefill: Histogram<'model' | 'worker'>;
+  readonly decode: Histogram<'model' | 'worker'>;
+  readonly gatewayPhase: Histogram<'phase'>;
+  readonly routing: Histogram<'strategy'>;
+  readonly routingSubPhase: Histogram<'sub_phase'>;
+  readonly kvTransfer: Histogram<'worker'>;
+  readonly prefixHitRatio: Histogram<'model' | 'worker'>;
+
+  // Counts.
+  readonly requests: Counter<'model' | 'tenant' | 'finish_reason'>;
+  readonly errors: Counter<'model' | 'error_type' | 'origin'>;
+  readonly cancellations: Counter<'model' | 'tenant' | 'phase'>;
+  readonly rateLimitRejections: Counter<'tenant' | 'reason'>;
+  readonly promptTokens: Counter<'model' | 'worker' | 'tenant'>;
+  readonly generationTokens: Counter<'model' | 'worker' | 'tenant'>;
+  readonly cachedPromptTokens: Counter<'model' | 'worker' | 'tenant'>;
+  readonly kvTransferBytes: Counter<'worker'>;
+
+  // Engine load, from stats snapshots.
+  readonly queueDepth: Gauge<'model' | 'worker'>;
+  readonly batchSize: Gauge<'model' | 'worker'>;
+  readonly kvUtilization: Gauge<'worker' | 'tier'>;
+  readonly prefixQueries: Counter<'worker'>;
+  readonly prefixHits: Counter<'worker'>;
+  readonly preemptions: Counter<'model' | 'worker'>;
+  readonly evictions: Counter<'worker'>;
+
+  // Telemetry about telemetry.
+  readonly samplingDecisions: Counter<'kept' | 'reason'>;
+  readonly bottlenecks: Counter<'category'>;
+  readonly droppedRecords: Counter<'reason'>;
+
+  private readonly lastStats = new Map<string, { queries: number; hits: number; preemptions: number; evictions: number; model: string; tiers: string[] }>();
+
+  constructor(options: MetricsOptions = {}) {
+    const registers = [this.registry = options.registry ?? new Registry()];
+    const h = <L extends string>(name: string, help: string, labelNames: L[], buckets: number[]) =>
+      new Histogram<L>({ name, help, labelNames, buckets, registers });
+    const c = <L extends string>(name: string, help: string, labelNames: L[]) => new Counter<L>({ name, help, labelNames, registers });
+    const g = <L extends string>(name: string, help: string, labelNames: L[]) => new Gauge<L>({ name, help, labelNames, registers });
+
+    this.ttft = h('conduit_time_to_first_token_milliseconds', 'Arrival to the first streamed token (to the engine\'s first token when not streaming).', ['model', 'worker'], TTFT_BUCKETS_MS);
+    this.tbt = h('conduit_time_between_tokens_milliseconds', 'Gap between consecutive streamed tokens of a request.', ['model', 'worker'], TBT_BUCKETS_MS);
+    this.e2e = h('conduit_request_duration_milliseconds', 'Arrival to the last byte of the response.', ['model', 'outcome'], E2E_BUCKETS_MS);
+    this.queueWait = h('conduit_queue_wait_milliseconds', 'Time in the worker scheduler\'s waiting queue before first scheduled.', ['model', 'worker'], QUEUE_BUCKETS_MS);
+    this.prefill = h('conduit_prefill_duration_milliseconds', 'First prefill chunk start to last prefill chunk end.', ['model', 'worker'], PREFILL_BUCKETS_MS);
+    this.decode = h('conduit_decode_duration_milliseconds', 'First to last sampled token of a request.', ['model', 'worker'], E2E_BUCKETS_MS);
+    this.gatewayPhase = h('conduit_gateway_phase_duration_milliseconds', 'Gateway phases: http_receive, auth, rate_limit, validate, tokenize.', ['phase'], GATEWAY_BUCKETS_MS);
+    this.routing = h('conduit_routing_duration_milliseconds', 'Router decision time (router_lookup), by strategy.', ['strategy'], ROUTING_BUCKETS_MS);
+    this.routingSubPhase = h('conduit_routing_sub_phase_duration_milliseconds', 'Router decision time by part: hashing, index_lookup, selection.', ['sub_phase'], ROUTING_BUCKETS_MS);
+    this.kvTransfer = h('conduit_kv_transfer_duration_milliseconds', 'KV cache transfer from prefill to decode worker, by decode worker.', ['worker'], KV_TRANSFER_BUCKETS_MS);
+    this.prefixHitRatio = h('conduit_request_prefix_cache_hit_ratio', 'Share of a request\'s prompt tokens found in the prefix cache.', ['model', 'worker'], RATIO_BUCKETS);
+
+    this.requests = c('conduit_requests_total', 'Finished requests by finish reason (stop, length, abort, error).', ['model', 'tenant', 'finish_reason']);
+    this.errors = c('conduit_request_errors_total', 'Failed requests by error type; origin=client for 4xx refusals, server otherwise.', ['model', 'error_type', 'origin']);
+    this.cancellations = c('conduit_request_cancellations_total', 'Requests aborted before finishing, by the phase they were in.', ['model', 'tenant', 'phase']);
+    this.rateLimitRejections = c('conduit_rate_limit_rejections_total', 'Requests refused by the tenant rate limiter.', ['tenant', 'reason']);
+    this.promptTokens = c('conduit_request_prompt_tokens_total', 'Prompt tokens of finished requests.', ['model', 'worker', 'tenant']);
+    this.generationTokens = c('conduit_request_generation_tokens_total', 'Output tokens of finished requests.', ['model', 'worker', 'tenant']);
+    this.cachedPromptTokens = c('conduit_request_cached_tokens_total', 'Prompt tokens of finished requests served from the prefix cache.', ['model', 'worker', 'tenant']);
+    this.kvTransferBytes = c('conduit_kv_transfer_bytes_total', 'KV cache bytes moved to decode workers.', ['worker']);
+
+    this.queueDepth = g('conduit_scheduler_queue_depth', 'Requests waiting in the worker scheduler.', ['model', 'worker']);
+    this.batchSize = g('conduit_running_batch_size', 'Requests in the worker\'s running batch.', ['model', 'worker']);
+    this.kvUtilization = g('conduit_kv_cache_utilization_ratio', 'Fraction of KV cache blocks in use, by tier.', ['worker', 'tier']);
+    this.prefixQueries = c('conduit_prefix_cache_query_tokens_total', 'Prompt tokens looked up in the worker\'s prefix cache.', ['worker']);
+    this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
+    this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
+    this.evictions = c('conduit_kv_cache_evictions_total', 'Cached KV blocks evicted to make room.', ['worker']);
+
+    this.samplingDecisions = c('conduit_trace_sampling_decisions_total', 'Requests whose spans were kept or dropped, by reason.', ['kept', 'reason']);
+    this.bottlenecks = c('conduit_slow_request_bottlenecks_total', 'Slow requests by the bottleneck the trace analyzer named.', ['category']);
+    this.droppedRecords = c('conduit_telemetry_dropped_records_total', 'In-flight request records dropped unfinished (never ended, or too many).', ['reason']);
+
+    const spanExports = options.spanExports;
+    if (spanExports) {
+      // Kept by the exporter wrapper; copied in at scrape time.
+      new Counter<'result'>({
+        name: 'conduit_trace_spans_exported_total', help: 'Spans handed to trace exporters, by result (failure = lost).',
+        labelNames: ['result'], registers,
+        collect() {
+          const counts = spanExports();
+          this.reset();
+          this.inc({ result: 'success' }, counts.succeeded);
+          this.inc({ result: 'failure' }, counts.failed);
+        },
+      });
+    }
+
+    const slo = options.sloReport;
+    if (slo) {
+      // Gauges computed at scrape time from the tracker's sliding window.
+      const sloGauge = (name: string, help: string, labelNames: string[], fill: (gauge: Gauge<string>, report: SloReport) => void) =>
+        new Gauge<string>({
+          name, help, labelNames, registers,
+          collect() {
+            this.reset();
+            fill(this, slo());
+          },
+        });
+      sloGauge('conduit_slo_ttft_p99_milliseconds', 'TTFT p99 over the SLO window.', ['model'], (gauge, report) => {
+        for (const m of report.models) if (m.ttft.p99_ms !== null) gauge.set({ model: m.model }, m.ttft.p99_ms);
+      });
+      sloGauge('conduit_slo_tbt_p99_milliseconds', 'Time-between-tokens p99 over the SLO window.', ['model'], (gauge, report) => {
+        for (const m of report.models) if (m.tbt.p99_ms !== null) gauge.set({ model: m.model }, m.tbt.p99_ms);
+      });
+      sloGauge('conduit_slo_error_ratio', 'Server error ratio over the SLO window.', ['model'], (gauge, report) => {
+        for (const m of report.models) if (m.error_rate.rate !== null) gauge.set({ model: m.model }, m.error_rate.rate);
+      });
+      sloGauge('conduit_slo_status', 'SLO status: 0 target met, 1 warning, 2 violated.', ['model', 'objective'], (gauge, report) => {
+        for (const m of report.models) {
+          for (const [objective, status] of [['ttft', m.ttft.status], ['tbt', m.tbt.status], ['error_rate', m.error_rate.status]] as const) {
+            if (status !== 'no_data') gauge.set({ model: m.model, objective }, STATUS_VALUE[status]);
+          }
+        }
+      });
+    }
+  }
+
+  /** The exposition's content type. */
+  get contentType(): string {
+    return this.registry.contentType;
+  }
+
+  /** The whole registry in Prometheus text format. */
+  render(): Promise<string> {
+    return this.registry.metrics();
+  }
+
+  /** Every metric family name this module registers, with its type. */
+  families(): { name: string; type: string }[] {
+    return this.registry.getMetricsAsArray().map((m) => ({ name: m.name, type: String(m.type) }));
+  }
+
+  /** Records one finished request. */
+  observeTrace(trace: RequestTrace): void {
+    const model = trace.model;
+    const worker = trace.worker ?? 'none';
+    const tenant = trace.tenant ?? 'none';
+    const mw = { model, worker };
+
+    this.requests.inc({ model, tenant, finish_reason: trace.finishReason });
+    this.e2e.observe({ model, outcome: trace.outcome }, trace.e2eMs);
+    if (trace.ttftMs !== undefined) this.ttft.observe(mw, trace.ttftMs);
+    if (trace.tbtMs.length > 0) {
+      // One child lookup for all of the request's gaps instead of a label hash per token.
+      const child = this.tbt.labels(mw);
+      for (const gap of trace.tbtMs) child.observe(gap);
+    }
+
+    for (const p of trace.phases) {
+      if (p.incomplete) continue;
+      if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) this.gatewayPhase.observe({ phase: p.phase }, p.endMs - p.startMs);
+      else if (p.phase === 'scheduler_queue') this.queueWait.observe(mw, p.endMs - p.startMs);
+    }
+    if (trace.routing) {
+      this.routing.observe({ strategy: trace.routing.strategy }, trace.routing.endMs - trace.routing.startMs);
+      const sub = trace.routing.subPhasesMs;
+      if (sub?.hashing !== undefined) this.routingSubPhase.observe({ sub_phase: 'hashing' }, sub.hashing);
+      if (sub?.indexLookup !== undefined) this.routingSubPhase.observe({ sub_phase: 'index_lookup' }, sub.indexLookup);
+      if (sub?.selection !== undefined) this.routingSubPhase.observe({ sub_phase: 'selection' }, sub.selection);
+    }
+    if (trace.prefill) this.prefill.observe(mw, trace.prefill.endMs - trace.prefill.startMs);
+    if (trace.decode && !trace.decode.incomplete) this.decode.observe(mw, trace.decode.endMs - trace.decode.startMs);
+    if (trace.kvTransfer) {
+      const kvWorker = trace.kvTransfer.toWorker ?? worker;
+      this.kvTransfer.observe({ worker: kvWorker }, trace.kvTransfer.endMs - trace.kvTransfer.startMs);
+      this.kvTransferBytes.inc({ worker: kvWorker }, trace.kvTransfer.bytes);
+    }
+
+    const reachedEngine = trace.prefill !== undefined || trace.engineFirstTokenMs !== undefined;
+    if (reachedEngine && trace.promptTokens > 0) this.prefixHitRatio.observe(mw, Math.min(1, trace.cachedTokens / trace.promptTokens));
+    const labels = { model, worker, tenant };
+    if (trace.promptTokens > 0 && reachedEngine) this.promptTokens.inc(labels, trace.promptTokens);
+    if (trace.outputTokens > 0) this.generationTokens.inc(labels, trace.outputTokens);
+    if (trace.cachedTokens > 0) this.cachedPromptTokens.inc(labels, trace.cachedTokens);
+
+    if (trace.outcome === 'error') {
+      const origin = trace.status !== undefined && trace.status < 500 ? 'client' : 'server';
+      this.errors.inc({ model, error_type: trace.errorType ?? 'unknown', origin });
+    } else if (trace.outcome === 'abort') {
+      this.cancellations.inc({ model, tenant, phase: trace.endedInPhase ?? 'unknown' });
+    }
+    if (trace.rateLimited) this.rateLimitRejections.inc({ tenant, reason: trace.rateLimitReason ?? 'limit' });
+  }
+
+  /**
+   * Sets the load gauges from a worker's stats and advances the counters by what the engine's cumulative counters
+   * moved since the previous snapshot of that worker (a drop means the engine restarted: its whole value is new).
+   */
+  updateFromEngineStats(snapshot: WorkerStatsSnapshot): void {
+    const { worker, stats } = snapshot;
+    const model = snapshot.model ?? 'none';
+    this.queueDepth.set({ model, worker }, stats.numWaiting);
+    this.batchSize.set({ model, worker }, stats.numRunning);
+    this.kvUtilization.set({ worker, tier: PRIMARY_KV_TIER }, stats.kvBlocksTotal > 0 ? stats.kvBlocksUsed / stats.kvBlocksTotal : 0);
+    const reportedTiers = Object.keys(snapshot.kvUtilizationByTier ?? {});
+    for (const tier of reportedTiers) this.kvUtilization.set({ worker, tier }, snapshot.kvUtilizationByTier![tier]!);
+
+    const prev = this.lastStats.get(worker);
+    // Every tier ever reported, so forgetWorker removes series a later snapshot no longer mentions.
+    const tiers = [...new Set([...(prev?.tiers ?? []), ...reportedTiers])];
+    const delta = (now: number, before: number | undefined) => (before === undefined || now < before ? now : now - before);
+    const dq = delta(stats.prefixCacheQueries, prev?.queries);
+    const dh = delta(stats.prefixCacheHits, prev?.hits);
+    const dp = delta(stats.preemptions, prev?.preemptions);
+    const evictions = snapshot.kvEvictions;
+    const de = evictions === undefined ? 0 : delta(evictions, prev?.evictions);
+    // Touching each series once makes it appear (at 0) from the first snapshot on, so rate() has a starting point.
+    this.prefixQueries.inc({ worker }, dq);
+    this.prefixHits.inc({ worker }, dh);
+    this.preemptions.inc({ model, worker }, dp);
+    if (evictions !== undefined) this.evictions.inc({ worker }, de);
+    this.lastStats.set(worker, {
+      queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,
+      evictions: evictions ?? prev?.evictions ?? 0, model, tiers,
+    });
+  }
+
+  /** Drops a worker's load series (it left the pool), so its last values do not linger. */
+  forgetWorker(worker: string): void {
+    const prev = this.lastStats.get(worker);
+    if (!prev) return;
+    this.lastStats.delete(worker);
+    this.queueDepth.remove({ model: prev.model, worker });
+    this.batchSize.remove({ model: prev.model, worker });
+    for (const tier of [PRIMARY_KV_TIER, ...prev.tiers]) this.kvUtilization.remove({ worker, tier });
+  }
+
+  recordSampling(kept: boolean, reason: string): void {
+    this.samplingDecisions.inc({ kept: kept ? 'true' : 'false', reason });
+  }
+
+  recordBottleneck(category: string): void {
+    this.bottlenecks.inc({ category });
+  }
+
+  recordDroppedRecord(reason: 'expired' | 'overflow'): void {
+    this.droppedRecords.inc({ reason });
+  }
+}

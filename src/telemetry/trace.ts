@@ -1,0 +1,631 @@
+// A request's timeline, assembled at its end from the lifecycle events it emitted and the engine's timestamps.
+// RequestRecord accumulates while the request runs (cheap appends, nothing derived); buildRequestTrace turns it into
+// an immutable RequestTrace that every consumer reads: metrics, spans, the per-response timings, the trace store,
+// the SLO tracker and the analyzer. Deriving once, at the end, keeps the hot path to timestamping and lets the
+// sampler decide with the whole request in view.
+//
+// TTFT = arrival to the first streamed write that carries a token. TBT = the gaps between consecutive such writes.
+// Without streamed writes (a non-streaming response) both fall back to the engine: TTFT to the step that sampled
+// the first token, TBT to the decode steps' ends, when the engine reported them.
+
+import type {
+  EngineReport, GatewayPhase, LifecycleEvent, PhaseName, RouterSubPhasesMs, TerminalEvent, FinishReasonName,
+} from './lifecycle.ts';
+import { GATEWAY_PHASES } from './lifecycle.ts';
+import type { TraceParent } from './traceparent.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// The derived trace
+
+export type AttributeValue = string | number | boolean;
+
+export interface PhaseInterval {
+  phase: PhaseName;
+  startMs: number;
+  endMs: number;
+  /** The phase never reported its end: the request ended inside it, and endMs is the request's end. */
+  incomplete?: boolean;
+  worker?: string;
+  attributes?: Readonly<Record<string, AttributeValue>>;
+}
+
+export interface DecodeSummary {
+  startMs: number;
+  endMs: number;
+  /** Decode steps after the first token. */
+  steps: number;
+  /** Each step's duration, when known ('engine_steps' or 'stream'); empty for 'engine_span'. */
+  stepMs: readonly number[];
+  /** Each step's start, parallel to stepMs. */
+  stepStartsMs: readonly number[];
+  /** Batch size per step, parallel to stepMs; NaN where unreported. */
+  batchSizes: readonly number[];
+  /** Where steps come from: the engine's decode_execution events, the gaps between streamed writes, or only the
+   *  engine's first and last token stamps. */
+  source: 'engine_steps' | 'stream' | 'engine_span';
+  incomplete?: boolean;
+}
+
+export interface RoutingSummary {
+  startMs: number;
+  endMs: number;
+  strategy: string;
+  worker: string;
+  prefillWorker?: string;
+  candidates?: number;
+  overlapTokens?: number;
+  kvCacheHit?: boolean;
+  reason?: string;
+  workerQueueDepth?: number;
+  predictedTtftMs?: number;
+  subPhasesMs?: RouterSubPhasesMs;
+}
+
+export interface PrefillSummary {
+  startMs: number;
+  endMs: number;
+  chunks: number;
+  /** Prompt tokens computed (not found in the cache). */
+  computedTokens: number;
+  kvAllocMs?: number;
+  samplingMs?: number;
+  batchSizeMax?: number;
+  worker?: string;
+}
+
+export interface KvTransferSummary {
+  startMs: number;
+  endMs: number;
+  bytes: number;
+  blocks?: number;
+  fromWorker?: string;
+  toWorker?: string;
+}
+
+export interface EmitSummary {
+  /** Every write, content or not. */
+  writes: number;
+  /** Writes that carried at least one token. */
+  contentWrites: number;
+  bytes: number;
+  /** Times of the content writes, in order. */
+  contentTimesMs: readonly number[];
+  /** When formatting of the first content write began, if reported. */
+  firstContentStartMs?: number;
+}
+
+export type Outcome = 'ok' | 'error' | 'abort';
+
+/** The sampler's decision, carried on the trace so consumers can tell why it was kept. */
+export interface SamplingDecision {
+  sampled: boolean;
+  reason: string;
+}
+
+export interface RequestTrace {
+  requestId: string;
+  /** The trace id the request's spans carry (the client's if it sent a traceparent). */
+  traceId?: string;
+  /** The root span's id, fixed at arrival so it can be handed out before the spans exist. */
+  rootSpanId?: string;
+  /** The client's span, parsed from its traceparent. */
+  parent?: TraceParent;
+  /** The head (arrival-time) sampling decision. */
+  headSampling?: SamplingDecision;
+
+  model: string;
+  tenant?: string;
+  worker?: string;
+  stream?: boolean;
+  maxTokens?: number;
+  temperature?: number;
+  n?: number;
+
+  outcome: Outcome;
+  finishReason: FinishReasonName;
+  errorType?: string;
+  errorMessage?: string;
+  status?: number;
+  abortReason?: string;
+  /** For error and abort: the phase the request was in when it ended. */
+  endedInPhase?: PhaseName;
+  rateLimited?: boolean;
+  rateLimitReason?: string;
+
+  arrivalMs: number;
+  endMs: number;
+  e2eMs: number;
+  ttftMs?: number;
+  ttftSource?: 'stream' | 'engine';
+  /** Time between consecutive tokens as the client saw them (see the file comment for the fallback). */
+  tbtMs: readonly number[];
+
+  promptTokens: number;
+  outputTokens: number;
+  cachedTokens: number;
+
+  /** Every phase interval, sorted by start. Decode and streaming appear once each, spanning all their steps. */
+  phases: readonly PhaseInterval[];
+  routing?: RoutingSummary;
+  queueDepthAtEntry?: number;
+  budgetMs?: number;
+  prefill?: PrefillSummary;
+  kvTransfer?: KvTransferSummary;
+  decode?: DecodeSummary;
+  emits: EmitSummary;
+  engineFirstTokenMs?: number;
+  engineLastTokenMs?: number;
+  /** The engine's KV block size, if it reported one. */
+  blockSize?: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Accumulation
+
+/**
+ * One in-flight request's raw events. Token writes and decode steps, the only per-token events, go to parallel
+ * number arrays instead of being kept as objects.
+ */
+export class RequestRecord {
+  readonly events: LifecycleEvent[] = [];
+  readonly emitTimes: number[] = [];
+  readonly emitStarts: number[] = [];
+  readonly emitTokens: number[] = [];
+  emitBytes = 0;
+  readonly stepStarts: number[] = [];
+  readonly stepEnds: number[] = [];
+  readonly stepBatch: number[] = [];
+  terminal: TerminalEvent | undefined;
+  traceId: string | undefined;
+  rootSpanId: string | undefined;
+  parent: TraceParent | undefined;
+  /** The client's traceparent header as received, passed on unchanged when Conduit is not tracing. */
+  parentHeader: string | undefined;
+  headSampling: SamplingDecision | undefined;
+  /** Filled from events as they arrive, for the head sampling decision before the end. */
+  model: string | undefined;
+  promptTokens: number | undefined;
+  predictedTtftMs: number | undefined;
+
+  constructor(readonly requestId: string, readonly firstSeenMs: number) {}
+
+  /** Appends an event; true when it ended the request. Events after the end are ignored. */
+  add(event: LifecycleEvent): boolean {
+    if (this.terminal) return false;
+    switch (event.phase) {
+      case 'streaming_response':
+        this.emitTimes.push(event.time);
+        this.emitStarts.push(event.start ?? Number.NaN);
+        this.emitTokens.push(event.tokens);
+        this.emitBytes += event.bytes ?? 0;
+        return false;
+      case 'decode_execution':
+        this.stepStarts.push(event.start);
+        this.stepEnds.push(event.time);
+        this.stepBatch.push(event.batchSize ?? Number.NaN);
+        return false;
+      case 'validate':
+        if (event.model !== undefined) this.model = event.model;
+        break;
+      case 'tokenize':
+        this.promptTokens = event.promptTokens;
+        break;
+      case 'router_lookup':
+        if (event.predictedTtftMs !== undefined) this.predictedTtftMs = event.predictedTtftMs;
+        break;
+      case 'finish':
+      case 'error':
+      case 'abort':
+        this.terminal = event;
+        if (event.model !== undefined) this.model ??= event.model;
+        this.events.push(event);
+        return true;
+      default:
+        break;
+    }
+    this.events.push(event);
+    return false;
+  }
+}
+
+/** Builds a record from a list of events (tests, replays); the collector builds records incrementally. */
+export function recordFromEvents(events: readonly LifecycleEvent[], requestId?: string): RequestRecord {
+  const id = requestId ?? events[0]?.requestId ?? '';
+  const record = new RequestRecord(id, events[0]?.time ?? 0);
+  for (const event of events) if (event.requestId === id) record.add(event);
+  return record;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Building
+
+export interface BuildOptions {
+  /** For a request still running (a preview of its timings): where the timeline ends. */
+  nowMs?: number;
+  /** For a request still running: the engine's latest timestamps. */
+  engine?: EngineReport | readonly EngineReport[];
+}
+
+type Ev<P extends LifecycleEvent['phase']> = Extract<LifecycleEvent, { phase: P }>;
+
+function firstOf<P extends LifecycleEvent['phase']>(events: readonly LifecycleEvent[], phase: P): Ev<P> | undefined {
+  for (const e of events) if (e.phase === phase) return e as Ev<P>;
+  return undefined;
+}
+
+function allOf<P extends LifecycleEvent['phase']>(events: readonly LifecycleEvent[], phase: P): Ev<P>[] {
+  const out: Ev<P>[] = [];
+  for (const e of events) if (e.phase === phase) out.push(e as Ev<P>);
+  return out;
+}
+
+function reportsOf(engine: EngineReport | readonly EngineReport[] | undefined): readonly EngineReport[] {
+  if (!engine) return [];
+  return Array.isArray(engine) ? (engine as readonly EngineReport[]) : [engine as EngineReport];
+}
+
+function minDefined(values: readonly (number | undefined)[]): number | undefined {
+  let m: number | undefined;
+  for (const v of values) if (v !== undefined && (m === undefined || v < m)) m = v;
+  return m;
+}
+
+function maxDefined(values: readonly (number | undefined)[]): number | undefined {
+  let m: number | undefined;
+  for (const v of values) if (v !== undefined && (m === undefined || v > m)) m = v;
+  return m;
+}
+
+function defined(attrs: Record<string, AttributeValue | undefined>): Record<string, AttributeValue> {
+  const out: Record<string, AttributeValue> = {};
+  for (const k in attrs) {
+    const v = attrs[k];
+    if (v !== undefined) out[k] = v;
+  }
+  return out;
+}
+
+export function buildRequestTrace(source: RequestRecord | readonly LifecycleEvent[], options: BuildOptions = {}): RequestTrace {
+  const record = source instanceof RequestRecord ? source : recordFromEvents(source);
+  const events = record.events;
+  const terminal = record.terminal;
+  const reports = reportsOf(terminal?.engine ?? options.engine);
+
+  const http = firstOf(events, 'http_receive');
+  const auth = firstOf(events, 'auth');
+  const rateLimit = firstOf(events, 'rate_limit');
+  const validate = firstOf(events, 'validate');
+  const tokenize = firstOf(events, 'tokenize');
+  const router = firstOf(events, 'router_lookup');
+  const queueEvent = firstOf(events, 'scheduler_queue');
+  const prefillEvents = allOf(events, 'prefill_execution');
+  const transfers = allOf(events, 'kv_transfer');
+
+  // The worker whose queue and prefill the request went through first: the prefill side when disaggregated.
+  const firstWorkerReport = reports.find((r) => r.role === 'prefill') ?? reports.find((r) => r.role !== 'decode') ?? reports[0];
+
+  const eventTimes = events.map((e) => ('start' in e && e.start !== undefined ? e.start : e.time));
+  const arrivalMs = http?.start ?? firstWorkerReport?.timestamps.arrival ?? minDefined([...eventTimes, record.emitTimes[0], record.stepStarts[0]]) ?? record.firstSeenMs;
+  const lastSeen = maxDefined([
+    ...events.map((e) => e.time), record.emitTimes[record.emitTimes.length - 1], record.stepEnds[record.stepEnds.length - 1],
+    ...reports.map((r) => r.timestamps.finished ?? r.timestamps.lastToken),
+  ]);
+  const endMs = terminal?.time ?? options.nowMs ?? lastSeen ?? arrivalMs;
+
+  const phases: PhaseInterval[] = [];
+
+  // Gateway phases, as the gateway stamped them.
+  for (const phase of GATEWAY_PHASES) {
+    for (const e of allOf(events, phase)) {
+      phases.push({ phase, startMs: e.start, endMs: e.time, attributes: gatewayAttributes(e) });
+    }
+  }
+
+  // Routing.
+  let routing: RoutingSummary | undefined;
+  if (router) {
+    routing = {
+      startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
+      prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
+      kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
+      predictedTtftMs: router.predictedTtftMs, subPhasesMs: router.subPhasesMs,
+    };
+    phases.push({
+      phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
+      attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),
+    });
+  }
+
+  // Queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps.
+  const queueDepthAtEntry = queueEvent?.queueDepth ?? router?.workerQueueDepth;
+  const queueStart = queueEvent?.start ?? firstWorkerReport?.timestamps.queued;
+  const queueEnd = queueEvent?.time ?? firstWorkerReport?.timestamps.firstScheduled;
+  if (queueStart !== undefined || queueEnd !== undefined) {
+    const start = queueStart ?? router?.time ?? arrivalMs;
+    const incomplete = queueEnd === undefined;
+    phases.push({
+      phase: 'scheduler_queue', startMs: start, endMs: queueEnd ?? endMs,
+      incomplete: incomplete || undefined,
+      worker: queueEvent?.worker ?? firstWorkerReport?.worker,
+      attributes: queueDepthAtEntry !== undefined ? { queue_depth: queueDepthAtEntry } : undefined,
+    });
+  }
+
+  for (const phase of ['prefill_dispatch', 'decode_dispatch', 'sampling', 'detokenize'] as const) {
+    for (const e of allOf(events, phase)) {
+      phases.push({ phase, startMs: e.start, endMs: e.time, worker: 'worker' in e ? e.worker : undefined });
+    }
+  }
+
+  // Prefill chunks: the engine's events if it sent them, else its timestamps (every worker's, for a disaggregated
+  // pair whose decode worker recomputed some tokens).
+  let prefill: PrefillSummary | undefined;
+  const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number }[] = [];
+  if (prefillEvents.length > 0) {
+    for (const e of prefillEvents) chunks.push({ start: e.start, end: e.time, tokens: e.tokens, worker: e.worker, batchSize: e.batchSize });
+  } else {
+    for (const r of reports) for (const c of r.timestamps.prefillChunks) chunks.push({ ...c, worker: r.worker });
+  }
+  chunks.sort((a, b) => a.start - b.start);
+  chunks.forEach((c, i) => {
+    phases.push({
+      phase: 'prefill_execution', startMs: c.start, endMs: c.end, worker: c.worker,
+      attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize }),
+    });
+  });
+  if (chunks.length > 0) {
+    const kvAllocMs = sumDefined(prefillEvents.map((e) => e.kvAllocMs));
+    const samplingMs = prefillEvents[prefillEvents.length - 1]?.samplingMs;
+    const batchSizeMax = maxDefined(chunks.map((c) => c.batchSize));
+    prefill = {
+      startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
+      computedTokens: chunks.reduce((s, c) => s + c.tokens, 0),
+      kvAllocMs, samplingMs, batchSizeMax, worker: chunks[0]!.worker,
+    };
+  }
+
+  // KV transfer (disaggregated only).
+  let kvTransfer: KvTransferSummary | undefined;
+  for (const e of transfers) {
+    phases.push({
+      phase: 'kv_transfer', startMs: e.start, endMs: e.time, worker: e.toWorker,
+      attributes: defined({ bytes: e.bytes, blocks: e.blocks, from_worker: e.fromWorker, to_worker: e.toWorker }),
+    });
+  }
+  if (transfers.length > 0) {
+    kvTransfer = {
+      startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),
+      bytes: transfers.reduce((s, e) => s + e.bytes, 0),
+      blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
+    };
+  }
+
+  // Streamed writes.
+  const contentTimes: number[] = [];
+  let firstContentStartMs: number | undefined;
+  let contentTokens = 0;
+  for (let i = 0; i < record.emitTimes.length; i++) {
+    if (record.emitTokens[i]! <= 0) continue;
+    if (contentTimes.length === 0 && !Number.isNaN(record.emitStarts[i]!)) firstContentStartMs = record.emitStarts[i]!;
+    contentTimes.push(record.emitTimes[i]!);
+    contentTokens += record.emitTokens[i]!;
+  }
+  const emits: EmitSummary = {
+    writes: record.emitTimes.length, contentWrites: contentTimes.length, bytes: record.emitBytes, contentTimesMs: contentTimes,
+    firstContentStartMs,
+  };
+
+  const engineFirstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken));
+  const engineLastTokenMs = maxDefined(reports.map((r) => r.timestamps.lastToken));
+
+  // Counts.
+  const promptTokens = terminal?.promptTokens ?? tokenize?.promptTokens ?? record.promptTokens
+    ?? (prefill ? prefill.computedTokens : 0) + (terminal?.cachedTokens ?? 0);
+  const cachedTokens = terminal?.cachedTokens ?? maxDefined(reports.map((r) => r.cachedTokens)) ?? 0;
+  const outputTokens = terminal?.outputTokens ?? contentTokens;
+  const n = validate?.n ?? 1;
+
+  // Decode.
+  const decode = buildDecode(record, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, n, terminal, endMs);
+  if (decode) {
+    phases.push({
+      phase: 'decode_execution', startMs: decode.startMs, endMs: decode.endMs, incomplete: decode.incomplete,
+      attributes: { steps: decode.steps, source: decode.source },
+    });
+  }
+  if (record.emitTimes.length > 0) {
+    const first = firstContentStartMs ?? contentTimes[0] ?? record.emitTimes[0]!;
+    phases.push({
+      phase: 'streaming_response', startMs: Math.min(first, record.emitTimes[0]!), endMs: record.emitTimes[record.emitTimes.length - 1]!,
+      attributes: { writes: emits.writes, content_writes: emits.contentWrites },
+    });
+  }
+
+  phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
+
+  // TTFT and TBT.
+  let ttftMs: number | undefined;
+  let ttftSource: 'stream' | 'engine' | undefined;
+  if (contentTimes.length > 0) {
+    ttftMs = contentTimes[0]! - arrivalMs;
+    ttftSource = 'stream';
+  } else if (engineFirstTokenMs !== undefined) {
+    ttftMs = engineFirstTokenMs - arrivalMs;
+    ttftSource = 'engine';
+  }
+  let tbtMs: readonly number[] = [];
+  // Without engine steps the decode steps are the streamed gaps: share the array rather than compute it twice.
+  if (contentTimes.length > 1) tbtMs = decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes);
+  else if (record.stepEnds.length > 0 && engineFirstTokenMs !== undefined) tbtMs = gaps([engineFirstTokenMs, ...record.stepEnds]);
+
+  // Outcome.
+  let outcome: Outcome = 'ok';
+  let finishReason: FinishReasonName = 'stop';
+  let errorType: string | undefined;
+  let errorMessage: string | undefined;
+  let abortReason: string | undefined;
+  const status = terminal?.phase === 'finish' || terminal?.phase === 'error' ? terminal.status : undefined;
+  if (terminal?.phase === 'finish') {
+    finishReason = terminal.finishReason;
+    if (finishReason === 'error') outcome = 'error';
+    if (finishReason === 'abort') outcome = 'abort';
+  } else if (terminal?.phase === 'error') {
+    outcome = 'error';
+    finishReason = 'error';
+    errorType = terminal.errorType;
+    errorMessage = terminal.message;
+  } else if (terminal?.phase === 'abort') {
+    outcome = 'abort';
+    finishReason = 'abort';
+    abortReason = terminal.reason;
+  }
+  const endedInPhase = outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queueStart !== undefined);
+  const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
+
+  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker ?? queueEvent?.worker;
+
+  return {
+    requestId: record.requestId,
+    traceId: record.traceId, rootSpanId: record.rootSpanId, parent: record.parent, headSampling: record.headSampling,
+    model: validate?.model ?? record.model ?? 'unknown',
+    tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
+    temperature: validate?.temperature, n: validate?.n,
+    outcome, finishReason, errorType, errorMessage, status, abortReason, endedInPhase,
+    rateLimited, rateLimitReason: rateLimited ? rateLimit?.reason : undefined,
+    arrivalMs, endMs, e2eMs: endMs - arrivalMs,
+    ttftMs, ttftSource,
+    tbtMs,
+    promptTokens, outputTokens, cachedTokens,
+    phases,
+    routing, queueDepthAtEntry, budgetMs: queueEvent?.budgetMs, prefill, kvTransfer, decode,
+    emits,
+    engineFirstTokenMs, engineLastTokenMs, blockSize: reports.find((r) => r.blockSize !== undefined)?.blockSize,
+  };
+}
+
+function buildDecode(
+  record: RequestRecord, contentTimes: readonly number[], engineFirst: number | undefined, engineLast: number | undefined,
+  outputTokens: number, n: number, terminal: TerminalEvent | undefined, endMs: number,
+): DecodeSummary | undefined {
+  const endedEarly = terminal !== undefined && terminal.phase !== 'finish';
+  if (record.stepEnds.length > 0) {
+    const stepMs = record.stepEnds.map((end, i) => end - record.stepStarts[i]!);
+    return {
+      startMs: engineFirst ?? record.stepStarts[0]!, endMs: record.stepEnds[record.stepEnds.length - 1]!,
+      steps: stepMs.length, stepMs, stepStartsMs: [...record.stepStarts], batchSizes: [...record.stepBatch], source: 'engine_steps',
+    };
+  }
+  if (contentTimes.length > 1) {
+    const stepMs = gaps(contentTimes);
+    return {
+      startMs: engineFirst ?? contentTimes[0]!, endMs: engineLast !== undefined && engineLast > (engineFirst ?? -Infinity) ? engineLast : contentTimes[contentTimes.length - 1]!,
+      steps: stepMs.length, stepMs, stepStartsMs: contentTimes.slice(0, -1), batchSizes: stepMs.map(() => Number.NaN), source: 'stream',
+    };
+  }
+  if (engineFirst !== undefined) {
+    const perCompletion = Math.ceil(outputTokens / Math.max(1, n));
+    const steps = Math.max(0, perCompletion - 1);
+    const last = engineLast ?? engineFirst;
+    if (steps === 0 && !(endedEarly && endMs > engineFirst)) return undefined;
+    if (endedEarly) return { startMs: engineFirst, endMs: Math.max(last, endMs), steps, stepMs: [], stepStartsMs: [], batchSizes: [], source: 'engine_span', incomplete: true };
+    return { startMs: engineFirst, endMs: last, steps, stepMs: [], stepStartsMs: [], batchSizes: [], source: 'engine_span' };
+  }
+  return undefined;
+}
+
+/** The phase a failed or aborted request was in when it ended. */
+function phaseAtEnd(
+  events: readonly LifecycleEvent[], reports: readonly EngineReport[], record: RequestRecord, routed: boolean, queued: boolean,
+): PhaseName {
+  const ts = reports.map((r) => r.timestamps);
+  if (record.emitTimes.length > 0 || record.stepEnds.length > 0 || ts.some((t) => t.firstToken !== undefined)) return 'decode_execution';
+  if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0) || events.some((e) => e.phase === 'prefill_execution')) {
+    return 'prefill_execution';
+  }
+  if (queued || events.some((e) => e.phase === 'scheduler_queue')) return 'scheduler_queue';
+  if (routed) return 'scheduler_queue';
+  // Before the router: the gateway phase that refused it, or the one after the last that passed.
+  let next: GatewayPhase | 'router_lookup' = 'http_receive';
+  for (const phase of GATEWAY_PHASES) {
+    const e = firstOf(events, phase);
+    if (!e) break;
+    if (('ok' in e && e.ok === false) || ('allowed' in e && e.allowed === false)) return phase;
+    const i = GATEWAY_PHASES.indexOf(phase);
+    next = i + 1 < GATEWAY_PHASES.length ? GATEWAY_PHASES[i + 1]! : 'router_lookup';
+  }
+  return next;
+}
+
+function gatewayAttributes(e: LifecycleEvent): Record<string, AttributeValue> | undefined {
+  switch (e.phase) {
+    case 'http_receive': return defined({ route: e.route, body_bytes: e.bodyBytes });
+    case 'auth': return defined({ ok: e.ok, tenant: e.tenant });
+    case 'rate_limit': return defined({ allowed: e.allowed, reason: e.reason });
+    case 'validate': return defined({ ok: e.ok });
+    case 'tokenize': return { prompt_tokens: e.promptTokens };
+    default: return undefined;
+  }
+}
+
+function gaps(times: readonly number[]): number[] {
+  const out: number[] = [];
+  for (let i = 1; i < times.length; i++) out.push(times[i]! - times[i - 1]!);
+  return out;
+}
+
+function sumDefined(values: readonly (number | undefined)[]): number | undefined {
+  let s: number | undefined;
+  for (const v of values) if (v !== undefined) s = (s ?? 0) + v;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Phase totals
+
+/** Milliseconds per part of a request, the figures the timings object, the analyzer and the metrics share. */
+export interface PhaseBreakdown {
+  /** Sum of the gateway phases (http_receive .. tokenize). */
+  gatewayMs: number;
+  routingMs: number;
+  queueMs: number;
+  /** First prefill chunk's start to the last one's end (0 when prefill was skipped). */
+  prefillMs: number;
+  kvTransferMs: number;
+  /** First to last sampled token. */
+  decodeMs: number;
+  ttftMs: number;
+  totalMs: number;
+}
+
+export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
+  let gatewayMs = 0;
+  let queueMs = 0;
+  for (const p of trace.phases) {
+    if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) gatewayMs += p.endMs - p.startMs;
+    else if (p.phase === 'scheduler_queue') queueMs += p.endMs - p.startMs;
+  }
+  return {
+    gatewayMs,
+    routingMs: trace.routing ? trace.routing.endMs - trace.routing.startMs : 0,
+    queueMs,
+    prefillMs: trace.prefill ? trace.prefill.endMs - trace.prefill.startMs : 0,
+    kvTransferMs: trace.kvTransfer ? trace.kvTransfer.endMs - trace.kvTransfer.startMs : 0,
+    decodeMs: trace.decode ? trace.decode.endMs - trace.decode.startMs : 0,
+    ttftMs: trace.ttftMs ?? 0,
+    totalMs: trace.e2eMs,
+  };
+}
+
+/** Block size assumed when the engine did not report one (Conduit's engine default). */
+export const DEFAULT_KV_BLOCK_SIZE = 16;
+
+/**
+ * Whether prefill was skipped: the prompt came from the prefix cache (or by KV transfer) and the worker computed at
+ * most the prompt's last block. An engine always recomputes at least the last prompt token to sample from, and a
+ * cache holds whole blocks only, so a complete hit still computes up to one block's worth of tokens.
+ */
+export function prefillSkipped(trace: RequestTrace): boolean {
+  if (!trace.prefill) return trace.engineFirstTokenMs !== undefined;
+  const blockSize = trace.blockSize ?? DEFAULT_KV_BLOCK_SIZE;
+  return trace.cachedTokens > 0 && trace.prefill.computedTokens <= blockSize && trace.prefill.computedTokens < trace.promptTokens;
+}

@@ -1,0 +1,100 @@
+// The trace analyzer: one constructed timeline per bottleneck category, and the window report.
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import { TraceAnalyzer, type BottleneckCategory } from '../../src/telemetry/analyzer.ts';
+import { buildRequestTrace, type RequestTrace } from '../../src/telemetry/trace.ts';
+import { T0, requestTimeline, type TimelineOptions } from './fixtures.ts';
+
+const analyzer = new TraceAnalyzer();
+
+function trace(o: TimelineOptions): RequestTrace {
+  return buildRequestTrace(requestTimeline(o).events);
+}
+
+/** One timeline per category (shares are of TTFT = arrival .. first streamed token). */
+const CASES: Record<BottleneckCategory, TimelineOptions> = {
+  // 400 ms of a 437 ms TTFT in the queue.
+  queue_saturation: { id: 'queue', queueMs: 400, queueDepth: 57 },
+  // 600 ms prefill of 604 ms TTFT, nothing cached.
+  prefill_no_cache: { id: 'nocache', chunks: [[300, 512], [300, 512]] },
+  // Half the prompt cached, the other half still takes 400 ms.
+  prefill_compute_bound: { id: 'compute', cachedTokens: 512, chunks: [[400, 512]] },
+  // 100 ms to move the KV, 20 ms prefill.
+  kv_transfer_bound: { id: 'transfer', chunks: [[20, 1024]], kvTransfer: { ms: 100, bytes: 320 << 20, from: 'p0', to: 'd1' } },
+  // One 300 ms step among 10 ms ones; decode dominates the request.
+  decode_latency_spike: { id: 'spike', engineSteps: true, stepMs: [10, 10, 10, 300, 10, 10, 10, 10, 10] },
+  // Queue and prefill about even, steady decode.
+  balanced: { id: 'even', queueMs: 10, chunks: [[10, 1024]] },
+};
+
+describe('TraceAnalyzer.classify', () => {
+  for (const [category, options] of Object.entries(CASES) as [BottleneckCategory, TimelineOptions][]) {
+    it(`names ${category}`, () => {
+      const d = analyzer.classify(trace(options));
+      assert.equal(d.category, category, d.recommendation);
+      assert.equal(d.request_id, options.id);
+      assert.ok(d.recommendation.length > 20);
+    });
+  }
+
+  it('gives the dominant phase, its share of TTFT and numbers in the recommendation', () => {
+    const d = analyzer.classify(trace(CASES.queue_saturation));
+    assert.equal(d.dominant_phase, 'scheduler_queue');
+    // TTFT = 2 (gateway + routing + dispatch gap) + 400 queue + 35 prefill + 0.4 write.
+    assert.ok(Math.abs(d.dominant_share - 400 / 437.4) < 1e-3, String(d.dominant_share));
+    assert.equal(d.dominant_ms, 400);
+    assert.match(d.recommendation, /400 ms/);
+    assert.match(d.recommendation, /57 requests ahead/);
+    assert.equal(d.breakdown_ms.queue, 400);
+    assert.equal(d.breakdown_ms.prefill, 35);
+
+    const nocache = analyzer.classify(trace(CASES.prefill_no_cache));
+    assert.equal(nocache.dominant_phase, 'prefill_execution');
+    assert.match(nocache.recommendation, /0% of the 1024-token prompt/);
+    const compute = analyzer.classify(trace(CASES.prefill_compute_bound));
+    assert.match(compute.recommendation, /50% prefix-cache hit/);
+    const kv = analyzer.classify(trace(CASES.kv_transfer_bound));
+    assert.equal(kv.dominant_phase, 'kv_transfer');
+    assert.match(kv.recommendation, /from p0 to d1/);
+  });
+
+  it('reports a decode spike even when TTFT is balanced, counting the spiking steps', () => {
+    const d = analyzer.classify(trace({ id: 's2', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, outputTokens: 3, stepMs: [1, 1, 1, 1, 20] }));
+    assert.equal(d.category, 'decode_latency_spike');
+    assert.match(d.recommendation, /1 of 5 steps/);
+    assert.ok(Math.abs(d.dominant_share - 20 / 24) < 1e-3);
+  });
+
+  it('does not call a steady decode a spike', () => {
+    const d = analyzer.classify(trace({ id: 'steady', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, stepMs: [10, 12, 11, 13, 10, 12, 25] }));
+    assert.equal(d.category, 'balanced');
+  });
+});
+
+describe('TraceAnalyzer.analyze', () => {
+  it('averages where the time goes and names the commonest bottleneck among slow requests', () => {
+    const traces = [
+      trace({ ...CASES.queue_saturation, id: 'q1' }),
+      trace({ ...CASES.queue_saturation, id: 'q2', at: T0 + 1 }),
+      trace({ ...CASES.prefill_no_cache, at: T0 + 2 }),
+      trace({ id: 'fast', at: T0 + 3, chunks: [[5, 1024]], stepMs: 10 }),
+    ];
+    const w = analyzer.analyze(traces);
+    assert.equal(w.requests, 4);
+    assert.equal(w.slow_requests, 3, 'the fast request is under both targets');
+    assert.equal(w.categories.queue_saturation, 2);
+    assert.equal(w.categories.prefill_no_cache, 1);
+    assert.equal(w.primary_bottleneck, 'queue_saturation');
+    assert.deepEqual(w.examples.queue_saturation, ['q1', 'q2']);
+    const shares = Object.values(w.phase_share).reduce((a, b) => a + b, 0);
+    assert.ok(Math.abs(shares - 1) < 0.01, `shares sum to ${shares}`);
+    assert.ok(w.phase_share.queue > w.phase_share.routing);
+  });
+
+  it('says so when nothing in the window is slow', () => {
+    const w = analyzer.analyze([trace({ id: 'ok', chunks: [[5, 1024]], stepMs: 10 })]);
+    assert.equal(w.slow_requests, 0);
+    assert.equal(w.primary_bottleneck, 'balanced');
+    assert.match(w.recommendation, /No slow requests/);
+  });
+});

@@ -1,0 +1,191 @@
+// Prometheus metrics after known requests, read back from the registry's text exposition as a scraper would.
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
+import { ConduitMetrics, TBT_BUCKETS_MS, TTFT_BUCKETS_MS, type EngineStatsLike } from '../../src/telemetry/metrics.ts';
+import { Telemetry } from '../../src/telemetry/telemetry.ts';
+import { buildRequestTrace } from '../../src/telemetry/trace.ts';
+import { parseExposition, total, value } from './exposition.ts';
+import { PROMTOOL_MISSING, havePromtool, promtool } from './promtool.ts';
+import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, rateLimitedTimeline, warmTimeline } from './fixtures.ts';
+
+function near(actual: number | undefined, expected: number, eps = 1e-3): void {
+  assert.ok(actual !== undefined && Math.abs(actual - expected) <= eps, `expected ${expected}, got ${actual}`);
+}
+
+/** Telemetry at T0 + 1 s, metrics only. */
+function telemetryAtT0(): Telemetry {
+  return new Telemetry({ tracing: false, now: () => T0 + 1000 });
+}
+
+function feed(telemetry: Telemetry, ...timelines: readonly LifecycleEvent[][]): void {
+  for (const events of timelines) for (const e of events) telemetry.lifecycle.emit(e);
+}
+
+const M = { model: 'llama-70b', worker: 'worker-1' };
+
+describe('request metrics', () => {
+  it('move by the right amounts after known requests', async () => {
+    const telemetry = telemetryAtT0();
+    feed(telemetry, coldTimeline().events, warmTimeline({ at: T0 + 10 }).events, abortedInQueueTimeline('ab', T0 + 20),
+      erroredInPrefillTimeline('er', T0 + 30), rateLimitedTimeline('rl', T0 + 40));
+    const x = parseExposition(await telemetry.renderMetrics());
+
+    // Requests by finish reason.
+    assert.equal(value(x, 'conduit_requests_total', { model: 'llama-70b', tenant: 'acme', finish_reason: 'length' }), 2);
+    assert.equal(value(x, 'conduit_requests_total', { model: 'llama-70b', finish_reason: 'abort' }), 1);
+    assert.equal(value(x, 'conduit_requests_total', { model: 'llama-70b', finish_reason: 'error' }), 1);
+    assert.equal(value(x, 'conduit_requests_total', { model: 'unknown', finish_reason: 'error' }), 1);
+
+    // TTFT: 38.6 (cold) and 4.9 (warm); aborted and failed requests never produced a token.
+    assert.equal(value(x, 'conduit_time_to_first_token_milliseconds_count', M), 2);
+    near(value(x, 'conduit_time_to_first_token_milliseconds_sum', M), 38.6 + 4.9);
+    assert.equal(value(x, 'conduit_time_to_first_token_milliseconds_bucket', { ...M, le: '5' }), 1);
+    assert.equal(value(x, 'conduit_time_to_first_token_milliseconds_bucket', { ...M, le: '20' }), 1);
+    assert.equal(value(x, 'conduit_time_to_first_token_milliseconds_bucket', { ...M, le: '50' }), 2);
+    assert.equal(value(x, 'conduit_time_to_first_token_milliseconds_bucket', { ...M, le: '+Inf' }), 2);
+
+    // TBT: 7 gaps of 12.5 ms per finished request.
+    assert.equal(value(x, 'conduit_time_between_tokens_milliseconds_count', M), 14);
+    near(value(x, 'conduit_time_between_tokens_milliseconds_sum', M), 14 * 12.5);
+    assert.equal(value(x, 'conduit_time_between_tokens_milliseconds_bucket', { ...M, le: '10' }), 0);
+    assert.equal(value(x, 'conduit_time_between_tokens_milliseconds_bucket', { ...M, le: '20' }), 14);
+
+    // Queue wait of every request that left the queue (the aborted one never did); prefill of every one with chunks.
+    assert.equal(value(x, 'conduit_queue_wait_milliseconds_count', M), 3);
+    near(value(x, 'conduit_queue_wait_milliseconds_sum', M), 1.2 + 0.5 + 1.2);
+    assert.equal(value(x, 'conduit_prefill_duration_milliseconds_count', M), 3);
+    near(value(x, 'conduit_prefill_duration_milliseconds_sum', M), 35 + 2 + 10.8);
+    assert.equal(value(x, 'conduit_decode_duration_milliseconds_count', M), 2);
+    near(value(x, 'conduit_decode_duration_milliseconds_sum', M), 2 * 87.5);
+    assert.equal(value(x, 'conduit_request_duration_milliseconds_count', { model: 'llama-70b', outcome: 'ok' }), 2);
+    assert.equal(value(x, 'conduit_request_duration_milliseconds_count', { model: 'llama-70b', outcome: 'abort' }), 1);
+
+    // Routing and gateway phases.
+    assert.equal(value(x, 'conduit_routing_duration_milliseconds_count', { strategy: 'kv_aware' }), 4);
+    near(value(x, 'conduit_routing_duration_milliseconds_sum', { strategy: 'kv_aware' }), 4 * 0.8);
+    near(value(x, 'conduit_routing_sub_phase_duration_milliseconds_sum', { sub_phase: 'index_lookup' }), 4 * 0.3);
+    assert.equal(value(x, 'conduit_gateway_phase_duration_milliseconds_count', { phase: 'auth' }), 5);
+    assert.equal(value(x, 'conduit_gateway_phase_duration_milliseconds_count', { phase: 'tokenize' }), 4);
+
+    // Tokens: prompts of requests that reached the engine, outputs, cache hits.
+    const labels = { model: 'llama-70b', worker: 'worker-1', tenant: 'acme' };
+    assert.equal(value(x, 'conduit_request_prompt_tokens_total', labels), 3 * 1024);
+    assert.equal(value(x, 'conduit_request_generation_tokens_total', labels), 16);
+    assert.equal(value(x, 'conduit_request_cached_tokens_total', labels), 1008);
+    assert.equal(value(x, 'conduit_request_prefix_cache_hit_ratio_count', M), 3);
+    assert.equal(value(x, 'conduit_request_prefix_cache_hit_ratio_bucket', { ...M, le: '0' }), 2);
+
+    // Failures, cancellations, rate limiting.
+    assert.equal(value(x, 'conduit_request_errors_total', { model: 'llama-70b', error_type: 'engine_error', origin: 'server' }), 1);
+    assert.equal(value(x, 'conduit_request_errors_total', { model: 'unknown', error_type: 'rate_limited', origin: 'client' }), 1);
+    assert.equal(value(x, 'conduit_request_cancellations_total', { model: 'llama-70b', tenant: 'acme', phase: 'scheduler_queue' }), 1);
+    assert.equal(value(x, 'conduit_rate_limit_rejections_total', { tenant: 'acme', reason: 'tokens' }), 1);
+  });
+
+  it('count KV transfers of disaggregated requests under the decode worker', async () => {
+    const metrics = new ConduitMetrics();
+    const events = coldTimeline({ kvTransfer: { ms: 6.5, bytes: 335_544_320, from: 'prefill-0', to: 'decode-1' } }).events;
+    metrics.observeTrace(buildRequestTrace(events));
+    metrics.observeTrace(buildRequestTrace(coldTimeline({ id: 'again', kvTransfer: { ms: 3.5, bytes: 1000, from: 'prefill-0', to: 'decode-1' } }).events));
+    const x = parseExposition(await metrics.render());
+    assert.equal(value(x, 'conduit_kv_transfer_bytes_total', { worker: 'decode-1' }), 335_545_320);
+    assert.equal(value(x, 'conduit_kv_transfer_duration_milliseconds_count', { worker: 'decode-1' }), 2);
+    near(value(x, 'conduit_kv_transfer_duration_milliseconds_sum', { worker: 'decode-1' }), 10);
+  });
+
+  it('classify requests over the SLO target by bottleneck', async () => {
+    const telemetry = telemetryAtT0();
+    feed(telemetry, coldTimeline({ id: 'q', queueMs: 400 }).events, coldTimeline({ id: 'fine', at: T0 + 1 }).events);
+    const x = parseExposition(await telemetry.renderMetrics());
+    assert.equal(value(x, 'conduit_slow_request_bottlenecks_total', { category: 'queue_saturation' }), 1);
+    assert.equal(total(x, 'conduit_slow_request_bottlenecks_total'), 1, 'the fast request is not classified');
+  });
+
+  it('export the SLO window as gauges at scrape time', async () => {
+    let now = T0 + 1000;
+    const telemetry = new Telemetry({ tracing: false, now: () => now });
+    feed(telemetry, coldTimeline().events, erroredInPrefillTimeline('e', T0 + 5));
+    let x = parseExposition(await telemetry.renderMetrics());
+    near(value(x, 'conduit_slo_ttft_p99_milliseconds', { model: 'llama-70b' }), 38.6, 38.6 * 0.01);
+    near(value(x, 'conduit_slo_tbt_p99_milliseconds', { model: 'llama-70b' }), 12.5, 12.5 * 0.01);
+    near(value(x, 'conduit_slo_error_ratio', { model: 'llama-70b' }), 0.5);
+    assert.equal(value(x, 'conduit_slo_status', { model: 'llama-70b', objective: 'ttft' }), 0);
+    assert.equal(value(x, 'conduit_slo_status', { model: 'llama-70b', objective: 'error_rate' }), 2);
+    now = T0 + 10 * 60 * 1000;
+    x = parseExposition(await telemetry.renderMetrics());
+    assert.equal(value(x, 'conduit_slo_ttft_p99_milliseconds', { model: 'llama-70b' }), undefined, 'gone once the window has passed');
+  });
+
+  it('use buckets that include the SLO thresholds, so alerts compare at bucket bounds', () => {
+    for (const threshold of [200, 500, 2000]) assert.ok(TTFT_BUCKETS_MS.includes(threshold));
+    for (const threshold of [50, 100]) assert.ok(TBT_BUCKETS_MS.includes(threshold));
+    assert.ok(TTFT_BUCKETS_MS[0]! <= 10 && TTFT_BUCKETS_MS.at(-1)! >= 30_000);
+  });
+});
+
+describe('engine stats', () => {
+  const stats = (over: Partial<EngineStatsLike> = {}): EngineStatsLike => ({
+    numRunning: 3, numWaiting: 7, kvBlocksUsed: 90, kvBlocksTotal: 120, prefixCacheQueries: 1000, prefixCacheHits: 600, preemptions: 2, ...over,
+  });
+
+  it('set the load gauges and advance counters by the change between snapshots', async () => {
+    const metrics = new ConduitMetrics();
+    metrics.updateFromEngineStats({ worker: 'w0', model: 'm', stats: stats(), kvEvictions: 5, kvUtilizationByTier: { host: 0.25 } });
+    metrics.updateFromEngineStats({ worker: 'w0', model: 'm', stats: stats({ numWaiting: 4, prefixCacheQueries: 1500, prefixCacheHits: 800, preemptions: 3 }), kvEvictions: 9 });
+    metrics.updateFromEngineStats({ worker: 'w1', model: 'm', stats: stats({ kvBlocksUsed: 0 }) });
+    let x = parseExposition(await metrics.render());
+    assert.equal(value(x, 'conduit_scheduler_queue_depth', { model: 'm', worker: 'w0' }), 4);
+    assert.equal(value(x, 'conduit_running_batch_size', { model: 'm', worker: 'w0' }), 3);
+    near(value(x, 'conduit_kv_cache_utilization_ratio', { worker: 'w0', tier: 'primary' }), 0.75);
+    near(value(x, 'conduit_kv_cache_utilization_ratio', { worker: 'w0', tier: 'host' }), 0.25);
+    assert.equal(value(x, 'conduit_kv_cache_utilization_ratio', { worker: 'w1', tier: 'primary' }), 0);
+    assert.equal(value(x, 'conduit_prefix_cache_query_tokens_total', { worker: 'w0' }), 1500);
+    assert.equal(value(x, 'conduit_prefix_cache_hit_tokens_total', { worker: 'w0' }), 800);
+    assert.equal(value(x, 'conduit_scheduler_preemptions_total', { model: 'm', worker: 'w0' }), 3);
+    assert.equal(value(x, 'conduit_kv_cache_evictions_total', { worker: 'w0' }), 9);
+
+    // The engine restarted: its counters fell back, and everything it now reports is new.
+    metrics.updateFromEngineStats({ worker: 'w0', model: 'm', stats: stats({ prefixCacheQueries: 100, prefixCacheHits: 10, preemptions: 0 }) });
+    x = parseExposition(await metrics.render());
+    assert.equal(value(x, 'conduit_prefix_cache_query_tokens_total', { worker: 'w0' }), 1600);
+    assert.equal(value(x, 'conduit_prefix_cache_hit_tokens_total', { worker: 'w0' }), 810);
+    assert.equal(value(x, 'conduit_scheduler_preemptions_total', { model: 'm', worker: 'w0' }), 3);
+
+    metrics.forgetWorker('w0');
+    x = parseExposition(await metrics.render());
+    assert.equal(value(x, 'conduit_scheduler_queue_depth', { worker: 'w0' }), undefined);
+    assert.equal(value(x, 'conduit_kv_cache_utilization_ratio', { worker: 'w0', tier: 'host' }), undefined);
+    assert.equal(value(x, 'conduit_scheduler_queue_depth', { worker: 'w1' }), 7);
+  });
+});
+
+describe('exposition', () => {
+  it('passes promtool\'s metric lint apart from the deliberate millisecond units', async (t) => {
+    if (!havePromtool()) return t.skip(PROMTOOL_MISSING);
+    const telemetry = telemetryAtT0();
+    feed(telemetry, coldTimeline().events, erroredInPrefillTimeline('e', T0 + 5), rateLimitedTimeline('r', T0 + 6));
+    telemetry.updateEngineStats({ worker: 'w0', model: 'llama-70b', stats: { numRunning: 1, numWaiting: 0, kvBlocksUsed: 1, kvBlocksTotal: 2, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 } });
+    const { output } = promtool(['check', 'metrics'], await telemetry.renderMetrics());
+    const problems = output.split('\n').filter((line) => line.trim() !== '' && !/use base unit "seconds" instead of "milliseconds"/.test(line));
+    assert.deepEqual(problems, []);
+  });
+
+  it('has no family the gateway\'s own /metrics text already defines', async (t) => {
+    // The gateway appends this registry's text to its own exposition; a family defined twice is invalid.
+    let gatewayModule: typeof import('../../src/api/metrics.ts');
+    try {
+      gatewayModule = await import('../../src/api/metrics.ts');
+    } catch (err) {
+      return t.skip(`src/api/metrics.ts did not load: ${String(err)}`);
+    }
+    const metrics = new ConduitMetrics();
+    const ours = await metrics.render();
+    const gateway = new gatewayModule.GatewayMetrics();
+    gateway.register(() => ours);
+    const combined = gateway.render({ numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 1, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 }, 'm');
+    const typeLines = combined.split('\n').filter((l) => l.startsWith('# TYPE ')).map((l) => l.split(' ')[2]!);
+    const duplicates = typeLines.filter((name, i) => typeLines.indexOf(name) !== i);
+    assert.deepEqual(duplicates, []);
+  });
+});

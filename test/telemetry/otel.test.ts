@@ -1,0 +1,376 @@
+// Spans built from finished requests: the tree's shape and attributes for cold, warm, aborted and failed requests,
+// per-token detail, trace continuity through traceparent, the sampler's say over which traces exist, OTEL_*
+// configuration, and OTLP/HTTP export to a local receiver.
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import { createServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { SpanStatusCode } from '@opentelemetry/api';
+import { hrTimeToMilliseconds, parseTraceParent as oracleParse } from '@opentelemetry/core';
+import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
+import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
+import { tracingConfigFromEnv } from '../../src/telemetry/otel.ts';
+import { Telemetry, type TelemetryOptions } from '../../src/telemetry/telemetry.ts';
+import { formatTraceparent, parseTraceparent } from '../../src/telemetry/traceparent.ts';
+import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, warmTimeline } from './fixtures.ts';
+
+function traced(options: Partial<TelemetryOptions> = {}): { telemetry: Telemetry; exporter: InMemorySpanExporter } {
+  const exporter = new InMemorySpanExporter();
+  const telemetry = new Telemetry({ env: {}, exporters: [exporter], processor: 'simple', sampling: { baseRate: 1 }, ...options });
+  return { telemetry, exporter };
+}
+
+function run(telemetry: Telemetry, events: readonly LifecycleEvent[]): void {
+  for (const e of events) telemetry.lifecycle.emit(e);
+}
+
+/** The tree as text: name(children...) with children ordered by start time, e.g. request(gateway(auth),decode). */
+function shape(spans: readonly ReadableSpan[]): string {
+  const byParent = new Map<string | undefined, ReadableSpan[]>();
+  const ids = new Set(spans.map((s) => s.spanContext().spanId));
+  for (const s of spans) {
+    const parent = s.parentSpanContext?.spanId;
+    const key = parent && ids.has(parent) ? parent : undefined;
+    const list = byParent.get(key) ?? [];
+    list.push(s);
+    byParent.set(key, list);
+  }
+  const render = (s: ReadableSpan): string => {
+    const children = (byParent.get(s.spanContext().spanId) ?? [])
+      .sort((a, b) => hrTimeToMilliseconds(a.startTime) - hrTimeToMilliseconds(b.startTime) || a.name.localeCompare(b.name));
+    return children.length === 0 ? s.name : `${s.name}(${children.map(render).join(',')})`;
+  };
+  return (byParent.get(undefined) ?? []).map(render).join(' ');
+}
+
+function one(spans: readonly ReadableSpan[], name: string): ReadableSpan {
+  const found = spans.filter((s) => s.name === name);
+  assert.equal(found.length, 1, `one ${name} span, found ${found.length}`);
+  return found[0]!;
+}
+
+function durationMs(s: ReadableSpan): number {
+  return hrTimeToMilliseconds(s.endTime) - hrTimeToMilliseconds(s.startTime);
+}
+
+function near(actual: unknown, expected: number, eps = 1e-3): void {
+  assert.equal(typeof actual, 'number');
+  assert.ok(Math.abs((actual as number) - expected) <= eps, `expected ${expected}, got ${String(actual)}`);
+}
+
+const GATEWAY = 'gateway(http_receive,auth,rate_limit,validate,tokenize)';
+const ROUTING = 'routing(kv_cache_lookup,load_balance)';
+
+describe('request spans', () => {
+  it('give a cold request the full hierarchy with its attributes and times', () => {
+    const { telemetry, exporter } = traced();
+    const cold = coldTimeline({ queueDepth: 12 });
+    run(telemetry, cold.events);
+    const spans = exporter.getFinishedSpans();
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait),prefill(model_forward_prefill,model_forward_prefill),decode,token_emit)`);
+
+    const root = one(spans, 'request');
+    assert.equal(root.attributes['request.id'], 'req-cold');
+    assert.equal(root.attributes['request.model'], 'llama-70b');
+    assert.equal(root.attributes['request.prompt_tokens'], 1024);
+    assert.equal(root.attributes['request.output_tokens'], 8);
+    assert.equal(root.attributes['request.cached_tokens'], 0);
+    near(root.attributes['request.ttft_ms'], 38.6);
+    near(root.attributes['request.tokens_per_sec'], 8 / ((cold.at.end - T0) / 1000), 1e-2);
+    assert.equal(root.attributes['request.prefill_skipped'], false);
+    assert.equal(root.status.code, SpanStatusCode.OK);
+    near(hrTimeToMilliseconds(root.startTime), T0, 1e-3);
+    near(durationMs(root), cold.at.end - T0);
+
+    const routing = one(spans, 'routing');
+    assert.equal(routing.attributes['routing.strategy'], 'kv_aware');
+    assert.equal(routing.attributes['routing.kv_cache_hit'], false);
+    assert.equal(routing.attributes['routing.selected_worker'], 'worker-1');
+    assert.equal(routing.attributes['routing.candidates'], 4);
+    near(durationMs(one(spans, 'kv_cache_lookup')), 0.5);
+    near(durationMs(one(spans, 'load_balance')), 0.3);
+
+    const scheduling = one(spans, 'scheduling');
+    assert.equal(scheduling.attributes['scheduling.queue_depth_at_entry'], 12);
+    near(scheduling.attributes['scheduling.queue_time_ms'], 1.2);
+    near(durationMs(one(spans, 'queue_wait')), 1.2);
+
+    const prefill = one(spans, 'prefill');
+    assert.equal(prefill.attributes['prefill.prompt_tokens'], 1024);
+    assert.equal(prefill.attributes['prefill.new_tokens'], 1024);
+    assert.equal(prefill.attributes['prefill.cache_hit_rate'], 0);
+    assert.equal(prefill.attributes['prefill.chunks'], 2);
+    near(durationMs(prefill), 35);
+    near(prefill.attributes['prefill.tokens_per_sec'], 1024 / 0.035, 1);
+    const chunks = spans.filter((s) => s.name === 'model_forward_prefill').map((s) => s.attributes['prefill.chunk_tokens']);
+    assert.deepEqual(chunks, [512, 512]);
+
+    const decode = one(spans, 'decode');
+    assert.equal(decode.attributes['decode.total_steps'], 7);
+    near(decode.attributes['decode.avg_tbt_ms'], 12.5);
+    near(decode.attributes['decode.step_max_ms'], 12.5);
+    near(durationMs(decode), 7 * 12.5);
+
+    const emit = one(spans, 'token_emit');
+    assert.equal(emit.attributes['emit.content_writes'], 8);
+    near(emit.attributes['emit.first_token_handoff_ms'], 0.4);
+    for (const s of spans) assert.equal(s.spanContext().traceId, root.spanContext().traceId);
+    for (const s of spans) assert.ok(typeof s.attributes['conduit.phase'] === 'string', `${s.name} carries conduit.phase`);
+  });
+
+  it('show a warm request\'s prefix hit on routing and prefill', () => {
+    const { telemetry, exporter } = traced();
+    run(telemetry, warmTimeline().events);
+    const spans = exporter.getFinishedSpans();
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait),prefill(model_forward_prefill),decode,token_emit)`);
+    assert.equal(one(spans, 'routing').attributes['routing.kv_cache_hit'], true);
+    assert.equal(one(spans, 'routing').attributes['routing.selection_reason'], 'prefix_match_1008_tokens');
+    const prefill = one(spans, 'prefill');
+    assert.equal(prefill.attributes['prefill.cached_tokens'], 1008);
+    assert.equal(prefill.attributes['prefill.new_tokens'], 16);
+    near(prefill.attributes['prefill.cache_hit_rate'], 0.984);
+    assert.equal(one(spans, 'request').attributes['request.prefill_skipped'], true);
+    near(one(spans, 'request').attributes['request.ttft_ms'], 4.9);
+  });
+
+  it('end an aborted request at the abort, in the phase it was in, without an error status', () => {
+    const { telemetry, exporter } = traced();
+    run(telemetry, abortedInQueueTimeline('gone'));
+    const spans = exporter.getFinishedSpans();
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait))`);
+    const root = one(spans, 'request');
+    assert.equal(root.attributes['request.aborted'], true);
+    assert.equal(root.attributes['request.abort_reason'], 'client_disconnect');
+    assert.equal(root.attributes['request.finish_reason'], 'abort');
+    assert.equal(root.status.code, SpanStatusCode.UNSET);
+    const abort = root.events.find((e) => e.name === 'abort');
+    assert.ok(abort);
+    assert.equal(abort.attributes?.phase, 'scheduler_queue');
+    near(hrTimeToMilliseconds(abort.time), T0 + 40);
+    assert.equal(one(spans, 'scheduling').attributes['scheduling.completed'], false);
+    near(hrTimeToMilliseconds(one(spans, 'queue_wait').endTime), T0 + 40);
+  });
+
+  it('mark a failed request\'s root as an error with the exception recorded', () => {
+    const { telemetry, exporter } = traced({ sampling: { baseRate: 0 } });
+    run(telemetry, erroredInPrefillTimeline('boom'));
+    const spans = exporter.getFinishedSpans();
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait),prefill(model_forward_prefill))`);
+    const root = one(spans, 'request');
+    assert.equal(root.status.code, SpanStatusCode.ERROR);
+    assert.equal(root.status.message, 'forward pass failed: out of memory');
+    assert.equal(root.attributes['error.type'], 'engine_error');
+    assert.equal(root.attributes['http.response.status_code'], 500);
+    assert.equal(root.attributes['conduit.sampling.kept_because'], 'error', 'kept by the tail although the head rate is 0');
+    const exception = root.events.find((e) => e.name === 'exception');
+    assert.equal(exception?.attributes?.['exception.message'], 'forward pass failed: out of memory');
+  });
+
+  it('add a span per decode step and per write when per-token spans are asked for', () => {
+    const { telemetry, exporter } = traced({ perTokenSpans: true });
+    const cold = coldTimeline({ engineSteps: true, stepMs: [10, 10, 40, 10, 10, 10, 10] });
+    run(telemetry, cold.events);
+    const spans = exporter.getFinishedSpans();
+    const steps = spans.filter((s) => s.name === 'decode_step');
+    assert.equal(steps.length, 7);
+    assert.deepEqual(steps.map((s) => s.attributes['decode.step']), [1, 2, 3, 4, 5, 6, 7]);
+    assert.deepEqual(steps.map((s) => Math.round(durationMs(s))), [10, 10, 40, 10, 10, 10, 10]);
+    assert.equal(steps[0]!.attributes['decode.batch_size'], 4);
+    const decode = one(spans, 'decode');
+    for (const s of steps) assert.equal(s.parentSpanContext?.spanId, decode.spanContext().spanId);
+    assert.equal(spans.filter((s) => s.name === 'token_emit').length, 8);
+    near(decode.attributes['decode.step_max_ms'], 40);
+    near(decode.attributes['decode.step_p50_ms'], 10);
+  });
+});
+
+describe('trace context', () => {
+  const clientTrace = '4bf92f3577b34da6a3ce929d0e0e4736';
+  const clientSpan = '00f067aa0ba902b7';
+
+  it('continues the client\'s trace: same trace id, root parented to the client\'s span', () => {
+    const { telemetry, exporter } = traced({ sampling: { baseRate: 0 } });
+    const events = coldTimeline({ id: 'tp', traceparent: `00-${clientTrace}-${clientSpan}-01` }).events;
+    const upToRouter = events.findIndex((e) => e.phase === 'router_lookup') + 1;
+    run(telemetry, events.slice(0, upToRouter));
+    const handedOn = telemetry.traceContext('tp');
+    const parsed = parseTraceparent(handedOn);
+    assert.ok(parsed);
+    assert.equal(parsed.traceId, clientTrace);
+    assert.equal(parsed.sampled, true, 'the client sampled it, so the head decision follows');
+    run(telemetry, events.slice(upToRouter));
+
+    const spans = exporter.getFinishedSpans();
+    const root = one(spans, 'request');
+    assert.equal(root.spanContext().traceId, clientTrace);
+    assert.equal(root.parentSpanContext?.spanId, clientSpan);
+    assert.equal(root.spanContext().spanId, parsed.parentSpanId, 'the root span has the id handed on before it existed');
+    assert.equal(root.attributes['conduit.sampling.head'], 'parent');
+    for (const s of spans) assert.equal(s.spanContext().traceId, clientTrace);
+    assert.equal(telemetry.traceView('tp')?.traceparent, handedOn);
+  });
+
+  it('starts a new trace without a traceparent, or with a malformed one, and hands out its ids up front', () => {
+    for (const header of [undefined, '00-zzzz-not-a-trace-01', `00-${'0'.repeat(32)}-${clientSpan}-01`]) {
+      const { telemetry, exporter } = traced();
+      const events = coldTimeline({ id: 'n', ...(header ? { traceparent: header } : {}) }).events;
+      run(telemetry, events.slice(0, 5));
+      const handedOn = parseTraceparent(telemetry.traceContext('n'));
+      assert.ok(handedOn);
+      assert.notEqual(handedOn.traceId, clientTrace);
+      run(telemetry, events.slice(5));
+      const root = one(exporter.getFinishedSpans(), 'request');
+      assert.equal(root.parentSpanContext, undefined, `no parent for ${String(header)}`);
+      assert.equal(root.spanContext().traceId, handedOn.traceId);
+      assert.equal(root.spanContext().spanId, handedOn.parentSpanId);
+    }
+  });
+
+  it('passes the client\'s header through unchanged when not tracing', () => {
+    const telemetry = new Telemetry({ tracing: false });
+    const header = `00-${clientTrace}-${clientSpan}-00`;
+    telemetry.lifecycle.emit({ phase: 'http_receive', requestId: 'p', start: T0, time: T0 + 1, traceparent: header });
+    assert.equal(telemetry.traceContext('p'), header);
+  });
+
+  it('parses traceparent as OpenTelemetry\'s own propagator does', () => {
+    const cases = [
+      `00-${clientTrace}-${clientSpan}-01`,
+      `00-${clientTrace}-${clientSpan}-00`,
+      `00-${clientTrace}-${clientSpan}-09`,
+      `01-${clientTrace}-${clientSpan}-01-extra-field`,
+      `00-${clientTrace}-${clientSpan}-01-extra`,
+      `ff-${clientTrace}-${clientSpan}-01`,
+      `00-${'0'.repeat(32)}-${clientSpan}-01`,
+      `00-${clientTrace}-${'0'.repeat(16)}-01`,
+      `00-${clientTrace.toUpperCase()}-${clientSpan}-01`,
+      `00-${clientTrace.slice(1)}-${clientSpan}-01`,
+      `00_${clientTrace}_${clientSpan}_01`,
+      '',
+    ];
+    for (const header of cases) {
+      const ours = parseTraceparent(header);
+      const theirs = oracleParse(header);
+      assert.equal(ours === undefined, theirs === null, `validity of ${header}`);
+      if (ours && theirs) {
+        assert.equal(ours.traceId, theirs.traceId);
+        assert.equal(ours.parentSpanId, theirs.spanId);
+        assert.equal(ours.flags, theirs.traceFlags);
+      }
+    }
+    assert.equal(parseTraceparent(`00-${clientTrace}-${clientSpan}-09`)?.sampled, true);
+    assert.equal(formatTraceparent(clientTrace, clientSpan, true), `00-${clientTrace}-${clientSpan}-01`);
+    assert.throws(() => formatTraceparent('abc', clientSpan, true), RangeError);
+  });
+});
+
+describe('sampling decides which requests get spans', () => {
+  it('drops fast requests outside the head rate and keeps slow and failed ones', () => {
+    const { telemetry, exporter } = traced({ sampling: { baseRate: 0, slowTtftMs: 500 }, random: () => 0.5 });
+    run(telemetry, coldTimeline({ id: 'fast' }).events);
+    assert.equal(exporter.getFinishedSpans().length, 0);
+    run(telemetry, coldTimeline({ id: 'slow', at: T0 + 1000, queueMs: 600 }).events);
+    run(telemetry, erroredInPrefillTimeline('err', T0 + 2000));
+    const roots = exporter.getFinishedSpans().filter((s) => s.name === 'request');
+    assert.deepEqual(roots.map((s) => [s.attributes['request.id'], s.attributes['conduit.sampling.kept_because']]), [['slow', 'slow_ttft'], ['err', 'error']]);
+  });
+
+  it('counts kept and dropped requests by reason', async () => {
+    const { telemetry } = traced({ sampling: { baseRate: 0 }, random: () => 0.5 });
+    run(telemetry, coldTimeline({ id: 'a' }).events);
+    run(telemetry, erroredInPrefillTimeline('b', T0 + 10));
+    const text = await telemetry.renderMetrics();
+    assert.match(text, /conduit_trace_sampling_decisions_total\{kept="false",reason="dropped"\} 1/);
+    assert.match(text, /conduit_trace_sampling_decisions_total\{kept="true",reason="error"\} 1/);
+  });
+});
+
+describe('span export accounting', () => {
+  it('counts spans the exporter accepted and those it refused', async () => {
+    const { telemetry, exporter } = traced();
+    run(telemetry, coldTimeline({ id: 'ok' }).events);
+    assert.equal(await telemetry.flush(), undefined);
+    const accepted = exporter.getFinishedSpans().length;
+    assert.ok(accepted > 10);
+    // A shut-down in-memory exporter refuses every export, as a collector that went away would.
+    await exporter.shutdown();
+    run(telemetry, coldTimeline({ id: 'lost', at: T0 + 1000 }).events);
+    await telemetry.flush();
+    const text = await telemetry.renderMetrics();
+    assert.match(text, new RegExp(`conduit_trace_spans_exported_total\\{result="success"\\} ${accepted}\\n`));
+    assert.match(text, new RegExp(`conduit_trace_spans_exported_total\\{result="failure"\\} ${accepted}\\n`), 'the same tree, lost');
+  });
+});
+
+describe('OTEL_* configuration', () => {
+  it('is off unless an exporter or endpoint is configured', () => {
+    assert.equal(tracingConfigFromEnv({}), undefined);
+    assert.equal(tracingConfigFromEnv({ OTEL_SERVICE_NAME: 'x' }), undefined);
+    assert.equal(tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_ENDPOINT: 'http://c:4318', OTEL_TRACES_EXPORTER: 'none' }), undefined);
+    assert.equal(tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_ENDPOINT: 'http://c:4318', OTEL_SDK_DISABLED: 'true' }), undefined);
+    assert.equal(new Telemetry({ env: {} }).tracing, undefined);
+  });
+
+  it('derives the traces URL, headers, service name, batch sizes and sample rate per the specification', () => {
+    const base = tracingConfigFromEnv({
+      OTEL_EXPORTER_OTLP_ENDPOINT: 'http://collector:4318/',
+      OTEL_EXPORTER_OTLP_HEADERS: 'api-key=s%20ecret,x-team=llm',
+      OTEL_RESOURCE_ATTRIBUTES: 'deployment.environment=prod,service.name=from-attrs',
+      OTEL_BSP_MAX_QUEUE_SIZE: '4096',
+      OTEL_TRACES_SAMPLER: 'parentbased_traceidratio',
+      OTEL_TRACES_SAMPLER_ARG: '0.05',
+    });
+    assert.ok(base);
+    assert.deepEqual(base.exporters, ['otlp']);
+    assert.equal(base.otlpTracesUrl, 'http://collector:4318/v1/traces');
+    assert.deepEqual(base.headers, { 'api-key': 's ecret', 'x-team': 'llm' });
+    assert.equal(base.serviceName, 'from-attrs');
+    assert.equal(base.resourceAttributes['deployment.environment'], 'prod');
+    assert.equal(base.batch.maxQueueSize, 4096);
+    assert.equal(base.sampleRate, 0.05);
+    const specific = tracingConfigFromEnv({
+      OTEL_EXPORTER_OTLP_ENDPOINT: 'http://ignored:4318', OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://c:9999/custom',
+      OTEL_SERVICE_NAME: 'conduit-gw', OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc',
+    });
+    assert.equal(specific?.otlpTracesUrl, 'http://c:9999/custom');
+    assert.equal(specific?.serviceName, 'conduit-gw');
+    assert.equal(specific?.warnings.length, 1);
+    assert.equal(tracingConfigFromEnv({ OTEL_TRACES_EXPORTER: 'otlp' })?.otlpTracesUrl, 'http://localhost:4318/v1/traces');
+    assert.equal(new Telemetry({ env: { OTEL_TRACES_EXPORTER: 'otlp', OTEL_TRACES_SAMPLER: 'always_on' } }).sampler.config.baseRate, 1);
+  });
+
+  it('exports spans over OTLP/HTTP to the configured endpoint', async () => {
+    const bodies: { url: string; contentType: string; body: string }[] = [];
+    const server = createServer((req, res) => {
+      const parts: Buffer[] = [];
+      req.on('data', (c: Buffer) => parts.push(c));
+      req.on('end', () => {
+        bodies.push({ url: req.url ?? '', contentType: String(req.headers['content-type']), body: Buffer.concat(parts).toString() });
+        res.writeHead(200, { 'content-type': 'application/json' }).end('{}');
+      });
+    });
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+    const { port } = server.address() as AddressInfo;
+    try {
+      const telemetry = new Telemetry({
+        env: { OTEL_EXPORTER_OTLP_ENDPOINT: `http://127.0.0.1:${port}`, OTEL_SERVICE_NAME: 'conduit-test', OTEL_EXPORTER_OTLP_HEADERS: 'x-key=abc' },
+        sampling: { baseRate: 1 },
+      });
+      run(telemetry, coldTimeline({ id: 'exported' }).events);
+      await telemetry.shutdown();
+      assert.ok(bodies.length >= 1);
+      assert.equal(bodies[0]!.url, '/v1/traces');
+      assert.match(bodies[0]!.contentType, /application\/json/);
+      const payload = JSON.parse(bodies.map((b) => b.body).join('').replace(/\}\{/g, '},{').replace(/^/, '[').replace(/$/, ']')) as {
+        resourceSpans: { resource: { attributes: { key: string; value: { stringValue?: string } }[] }; scopeSpans: { spans: { name: string }[] }[] }[];
+      }[];
+      const resourceSpans = payload.flatMap((p) => p.resourceSpans);
+      const service = resourceSpans[0]!.resource.attributes.find((a) => a.key === 'service.name')?.value.stringValue;
+      assert.equal(service, 'conduit-test');
+      const names = resourceSpans.flatMap((r) => r.scopeSpans.flatMap((s) => s.spans.map((sp) => sp.name)));
+      for (const name of ['request', 'routing', 'scheduling', 'prefill', 'decode', 'token_emit']) assert.ok(names.includes(name), `${name} exported`);
+    } finally {
+      server.close();
+    }
+  });
+});
