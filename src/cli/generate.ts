@@ -1,20 +1,24 @@
-// `conduit generate`: one prompt in, its continuation and speed out. The model defaults to the built-in synthetic
-// one, so `conduit generate --prompt hi` works on a fresh clone.
+// `conduit generate`: a prompt in, its continuation and the engine's speed out. The model defaults to the built-in
+// synthetic one, so `conduit generate --prompt hi` works on a fresh clone. With --concurrency N the same prompt runs
+// as N requests at once (seeds seed, seed+1, ...), which shows what continuous batching buys.
 
-import { loadModel } from '../model/loader.ts';
+import { createLocalEngine } from '../engine/local-engine.ts';
+import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
 import { ensureBuiltinModel } from '../model/synthetic.ts';
-import { createTokenizer } from '../model/tokenizer/index.ts';
-import { ReferenceModel } from '../model/reference-forward.ts';
-import { generateReference } from '../model/generate.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const GENERATE_FLAGS = {
   model: { type: 'string', help: 'GGUF file or Hugging Face folder (default: the built-in synthetic model)', short: 'm' },
   prompt: { type: 'string', help: 'text to continue', short: 'p' },
-  'max-tokens': { type: 'number', help: 'tokens to generate', default: 64 },
+  'max-tokens': { type: 'number', help: 'tokens to generate per request', default: 64 },
   temperature: { type: 'number', help: '0 = greedy', default: 0 },
+  'top-p': { type: 'number', help: 'nucleus sampling mass', default: 1 },
   seed: { type: 'number', help: 'sampling seed (same seed, same text)', default: 0 },
+  concurrency: { type: 'number', help: 'run the prompt as this many requests at once', default: 1 },
+  'ignore-eos': { type: 'boolean', help: 'keep generating past the end-of-sequence token' },
+  backend: { type: 'string', help: 'auto, native or reference', default: 'auto' },
+  threads: { type: 'number', help: 'compute threads (default: all cores)' },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
@@ -28,35 +32,63 @@ export const generateCommand: Command = {
     }
     if (values.prompt === undefined) throw new UsageError('--prompt is required');
     const maxTokens = values['max-tokens']!;
-    if (!Number.isInteger(maxTokens) || maxTokens < 0) throw new UsageError('--max-tokens must be a whole number >= 0');
+    const concurrency = values.concurrency!;
+    if (!Number.isInteger(maxTokens) || maxTokens < 1) throw new UsageError('--max-tokens must be a whole number >= 1');
+    if (!Number.isInteger(concurrency) || concurrency < 1) throw new UsageError('--concurrency must be a whole number >= 1');
     if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
+    const backend = values.backend;
+    if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') {
+      throw new UsageError(`--backend must be auto, native or reference, got "${backend}"`);
+    }
 
     const loadStart = performance.now();
     const modelPath = values.model ?? await ensureBuiltinModel();
-    const loaded = await loadModel(modelPath);
-    const tokenizer = createTokenizer(loaded.tokenizerSource);
-    const model = new ReferenceModel(loaded.config, loaded.weights);
+    const { engine, tokenizer, model } = await createLocalEngine({
+      modelPath, backend, threads: values.threads, maxNumSeqs: Math.max(concurrency, 1),
+    });
+    for (const notice of engine.notices) console.error(`conduit: ${notice}`);
     const loadMs = performance.now() - loadStart;
 
-    const promptIds = tokenizer.encode(values.prompt, { addSpecialTokens: true });
-    const result = await generateReference(model, promptIds, {
-      maxTokens,
-      temperature: values.temperature,
-      seed: values.seed,
-      stopIds: tokenizer.stopTokenIds,
-    });
-    const text = tokenizer.decode([...promptIds, ...result.tokenIds], { skipSpecialTokens: true });
-    console.log(text);
+    try {
+      const promptIds = tokenizer.encode(values.prompt, { addSpecialTokens: true });
+      const start = performance.now();
+      const runs = Array.from({ length: concurrency }, (_, i) => runOne(i));
+      async function runOne(i: number) {
+        let text = '';
+        let last: EngineOutput | undefined;
+        for await (const output of engine.generate({
+          id: `generate-${i}`, promptTokenIds: promptIds, priority: 0, arrivalMs: performance.timeOrigin + performance.now(),
+          sampling: {
+            ...DEFAULT_SAMPLING, maxTokens, temperature: values.temperature!, topP: values['top-p']!,
+            seed: values.seed! + i, ignoreEos: values['ignore-eos'],
+          },
+        })) {
+          text += output.textDelta;
+          last = output;
+        }
+        return { text, last: last! };
+      }
+      const results = await Promise.all(runs);
+      const wallMs = performance.now() - start;
 
-    const t = result.timing;
-    const decodeTokens = Math.max(0, t.generatedTokens - 1);
-    console.error(
-      `\n${loaded.config.name}: loaded in ${loadMs.toFixed(0)} ms (reference backend); ` +
-      `prompt ${t.promptTokens} tokens in ${t.prefillMs.toFixed(1)} ms ` +
-      `(${(t.promptTokens / (t.prefillMs / 1000)).toFixed(1)} tok/s); ` +
-      `${decodeTokens} more tokens in ${t.decodeMs.toFixed(1)} ms` +
-      (decodeTokens > 0 ? ` (${(decodeTokens / (t.decodeMs / 1000)).toFixed(1)} tok/s)` : '') +
-      `; finish: ${result.finishReason}`);
-    return 0;
+      for (const [i, { text }] of results.entries()) {
+        if (concurrency > 1) console.log(`--- request ${i} (seed ${values.seed! + i})`);
+        console.log(values.prompt + text);
+      }
+      const totalTokens = results.reduce((sum, r) => sum + r.last.usage.completionTokens, 0);
+      const first = results[0]!.last;
+      const ttftMs = (first.timestamps.firstToken ?? 0) - first.timestamps.arrival;
+      const decodeMs = (first.timestamps.lastToken ?? 0) - (first.timestamps.firstToken ?? 0);
+      const decodeTokens = first.usage.completionTokens - 1;
+      console.error(
+        `\n${model.name} on ${engine.info.backend} (${engine.info.threads} threads), loaded in ${loadMs.toFixed(0)} ms\n` +
+        `prompt ${promptIds.length} tokens, time to first token ${ttftMs.toFixed(1)} ms; ` +
+        (decodeTokens > 0 ? `decode ${(decodeTokens / (decodeMs / 1000)).toFixed(1)} tok/s per request; ` : '') +
+        `${totalTokens} tokens from ${concurrency} request(s) in ${wallMs.toFixed(0)} ms = ` +
+        `${(totalTokens / (wallMs / 1000)).toFixed(1)} tok/s aggregate; finish: ${first.finishReason}`);
+      return 0;
+    } finally {
+      await engine.close();
+    }
   },
 };

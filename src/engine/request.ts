@@ -10,7 +10,9 @@ import type { BlockTable } from './kv-cache/manager.ts';
 
 export type SequenceStatus =
   | 'waiting' | 'running' | 'preempted'
-  | 'finished_stopped' | 'finished_length' | 'finished_aborted' | 'finished_error';
+  | 'finished_stopped' | 'finished_length' | 'finished_aborted' | 'finished_error'
+  /** Given to another worker after its prompt (disaggregated prefill): it goes on there, not here. */
+  | 'handed_off';
 
 const FINISHED_STATUS: Record<FinishReason, SequenceStatus> = {
   stop: 'finished_stopped', length: 'finished_length', abort: 'finished_aborted', error: 'finished_error',

@@ -16,9 +16,11 @@
 // sequence the policy ranks first is never the victim while another is running.
 
 import { KvCacheManager } from './kv-cache/manager.ts';
+import type { BlockTable, KvPin } from './kv-cache/manager.ts';
+import type { BlockHash } from './kv-cache/events.ts';
 import { InvalidRequestError, Request, Sequence, checkStop, finishedStatus } from './request.ts';
 import type { RejectionCode } from './request.ts';
-import type { EngineRequest, FinishReason, SchedulingPolicy } from './types.ts';
+import type { EngineRequest, FinishReason, RequestTimestamps, SchedulingPolicy } from './types.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Configuration and the shapes of a step
@@ -99,6 +101,48 @@ export interface StepResult {
   outputs: SequenceOutput[];
   /** Requests whose every sequence has now finished; the scheduler has forgotten them. */
   finishedRequests: Request[];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Handing a request between workers (disaggregated prefill): the scheduler's half. It decides which blocks hold
+// the request's KV and what travels with them; copying the bytes is the engine's (src/engine/handoff.ts).
+
+/** What the prefill side's scheduler gives up: the request, its computed KV's blocks (pinned), and their identity. */
+export interface SchedulerHandoff {
+  readonly request: Request;
+  /** Prompt then sampled tokens. */
+  readonly tokenIds: readonly number[];
+  readonly outputTokenIds: readonly number[];
+  /** Positions whose KV the blocks hold: all but the last sampled token, which the next step would have fed. */
+  readonly numComputedTokens: number;
+  /** blocksFor(numComputedTokens) block ids in position order (the last one partial unless the prompt fills it). */
+  readonly blockIds: readonly number[];
+  /** Chained hashes of the full blocks among them. */
+  readonly blockHashes: readonly BlockHash[];
+  /** Keeps the blocks in use after the request is gone; KvCacheManager.unpin once they have been copied. */
+  readonly pin: KvPin;
+}
+
+/** What the request already went through elsewhere, carried into this scheduler. */
+export interface AdoptedState {
+  /** Tokens sampled elsewhere (at least the first). */
+  outputTokenIds: readonly number[];
+  /** Prompt tokens the prefill worker found in its prefix cache (usage.cachedTokens). */
+  numCachedTokens: number;
+  /** The request's timestamps so far; they replace this scheduler's own. */
+  timestamps?: RequestTimestamps;
+}
+
+/** KV computed elsewhere for the first numTokens positions of an adopted request. */
+export interface KvImport {
+  numTokens: number;
+  /** The source's hashes of the full blocks among them; this worker's must agree (same salt, block size, hash). */
+  blockHashes?: readonly BlockHash[];
+  /**
+   * Copies the KV of blocks [fromBlock, toBlock) into table.blocks[fromBlock, toBlock): the blocks this worker's
+   * prefix cache did not already hold. Throws if it cannot; the adoption then leaves nothing behind.
+   */
+  fill(table: BlockTable, fromBlock: number, toBlock: number): void;
 }
 
 export interface SchedulerStats {
@@ -456,6 +500,125 @@ export class Scheduler {
     if (!stopIfFinished(request, options.nowMs)) return false;
     this.requests.delete(requestId);
     return true;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Handoff between workers
+
+  /**
+   * Gives a request away after its prompt is computed and its first token sampled (call between steps): its blocks
+   * up to the computed positions are pinned, the request leaves the batch and the scheduler forgets it. Returns
+   * what the receiving worker needs to find, copy and check those blocks. Only n = 1 requests can be handed off:
+   * n > 1 forks into samples that share the prompt's blocks here.
+   */
+  handOff(requestId: string): SchedulerHandoff {
+    const request = this.requests.get(requestId);
+    if (request === undefined) throw new Error(`cannot hand off unknown request ${requestId}`);
+    if (request.sampling.n !== 1 || request.sequences.length !== 1) {
+      throw new Error(`request ${requestId} has n = ${request.sampling.n}; only n = 1 can be handed off`);
+    }
+    const sequence = request.sequences[0]!;
+    if (sequence.status !== 'running' || sequence.outputTokenIds.length === 0 || sequence.numComputedTokens !== sequence.numTokens - 1) {
+      throw new Error(`request ${requestId} can be handed off once its prompt is computed and a token sampled `
+        + `(status ${sequence.status}, ${sequence.numComputedTokens} of ${sequence.numTokens} tokens computed)`);
+    }
+    const table = sequence.blockTable;
+    const numComputedTokens = sequence.numComputedTokens;
+    const numBlocks = this.kv.blocksFor(numComputedTokens);
+    const blockHashes = this.kv.fullBlockHashes(table, sequence.tokenIds, numComputedTokens);
+    const blockIds = table.blockIds.slice(0, numBlocks);
+    const pin = this.kv.pin(table, numBlocks);
+    this.runningSeats -= sequence.numSeats;
+    this.kv.free(table);
+    sequence.status = 'handed_off';
+    this.running = this.running.filter((s) => s !== sequence);
+    this.requests.delete(requestId);
+    return {
+      request, tokenIds: sequence.tokenIds.slice(), outputTokenIds: sequence.outputTokenIds.slice(), numComputedTokens,
+      blockIds, blockHashes, pin,
+    };
+  }
+
+  /**
+   * Takes over a request whose prompt ran elsewhere and whose first token(s) were sampled there.
+   *
+   * With kvImport, the request joins the running batch now with only its next token left to compute: its table
+   * starts with this worker's longest cached prefix, new blocks cover the rest of kvImport.numTokens, kvImport.fill
+   * copies KV into just those, and their full blocks enter this prefix cache (KV events go out as for computed
+   * blocks). Returns null, changing nothing, when the seats or the pool lack room: the caller retries later.
+   *
+   * Without kvImport (the KV is lost or not worth moving), the request queues like a preempted one and recomputes
+   * its prompt and sampled tokens when admitted. Throws InvalidRequestError for a request that could never run here.
+   */
+  adoptRequest(engineRequest: EngineRequest, nowMs: number, adopted: AdoptedState, kvImport?: KvImport): Request | null {
+    this.validate(engineRequest);
+    const id = engineRequest.id;
+    const outputTokenIds = adopted.outputTokenIds;
+    if (engineRequest.sampling.n !== 1) throw new InvalidRequestError('invalid_request', id, 'only a request with n = 1 can be adopted');
+    if (outputTokenIds.length < 1 || outputTokenIds.length >= engineRequest.sampling.maxTokens) {
+      throw new InvalidRequestError('invalid_request', id,
+        `an adopted request needs 1 to maxTokens - 1 = ${engineRequest.sampling.maxTokens - 1} sampled tokens, got ${outputTokenIds.length}`);
+    }
+    for (const tokenId of outputTokenIds) {
+      if (!Number.isInteger(tokenId) || tokenId < 0) throw new InvalidRequestError('invalid_request', id, `sampled token ${tokenId} is not a token id`);
+    }
+    const tokenIds = [...engineRequest.promptTokenIds, ...outputTokenIds];
+    if (tokenIds.length >= this.maxModelLen) {
+      throw new InvalidRequestError('prompt_too_long', id, `${tokenIds.length} tokens leave no room within the context length ${this.maxModelLen}`);
+    }
+    if (kvImport !== undefined) {
+      const n = kvImport.numTokens;
+      if (!Number.isSafeInteger(n) || n < 0 || n >= tokenIds.length) {
+        throw new RangeError(`imported KV covers ${n} positions; the request has ${tokenIds.length} tokens and must compute at least one`);
+      }
+      if (this.runningSeats + 1 > this.maxNumSeqs) return null;
+    }
+
+    const request = new Request(engineRequest, this.nextArrivalOrder, nowMs);
+    request.wasAdmitted = true;
+    request.numCachedTokens = adopted.numCachedTokens;
+    if (adopted.timestamps) {
+      Object.assign(request.timestamps, adopted.timestamps, { prefillChunks: adopted.timestamps.prefillChunks.slice() });
+    }
+    const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt });
+    const sequence = new Sequence(request, 0, tokenIds, outputTokenIds.slice(), table);
+    request.sequences.push(sequence);
+    if (kvImport === undefined) {
+      this.nextArrivalOrder++;
+      this.requests.set(id, request);
+      this.enqueueWaiting(sequence);
+      return request;
+    }
+
+    const numTokens = kvImport.numTokens;
+    if (kvImport.blockHashes !== undefined) {
+      const own = this.kv.fullBlockHashes(table, tokenIds, numTokens);
+      const theirs = kvImport.blockHashes;
+      if (own.length !== theirs.length || own.some((hash, i) => hash !== theirs[i])) {
+        throw new Error(`request ${id}: the source's block hashes differ from this worker's `
+          + '(different cache salt, block size or hash function): its KV cannot be registered here');
+      }
+    }
+    // The longest cached prefix, but never past the imported positions (blocks are cached whole).
+    const found = this.kv.findCachedPrefix(table, tokenIds);
+    const maxHitBlocks = Math.floor(numTokens / this.kv.blockSize);
+    const prefix = found.blocks.length <= maxHitBlocks ? found
+      : { blocks: found.blocks.slice(0, maxHitBlocks), numTokens: maxHitBlocks * this.kv.blockSize, numQueryTokens: found.numQueryTokens };
+    if (this.kv.allocateSlots(table, prefix.numTokens, numTokens - prefix.numTokens, prefix) === null) return null;
+    try {
+      kvImport.fill(table, prefix.blocks.length, table.blocks.length);
+    } catch (error) {
+      this.kv.free(table);
+      throw error;
+    }
+    this.kv.cacheComputedBlocks(table, tokenIds, numTokens);
+    sequence.numComputedTokens = numTokens;
+    sequence.status = 'running';
+    this.nextArrivalOrder++;
+    this.requests.set(id, request);
+    this.running.push(sequence);
+    this.runningSeats += sequence.numSeats;
+    return request;
   }
 
   // -------------------------------------------------------------------------------------------------------------

@@ -71,6 +71,12 @@ export interface RequestTimestamps {
   firstToken?: number;
   lastToken?: number;
   finished?: number;
+  /**
+   * Disaggregated serving only: the decode worker copied the prompt's KV blocks it lacked from the prefill worker
+   * between start and end (engine clock, ms). blocks and bytes count only what moved (its own prefix-cache hits
+   * stay put); the kv_transfer phase of traces and metrics.
+   */
+  kvTransfer?: { start: number; end: number; bytes: number; blocks: number };
 }
 
 export interface EngineOutput {
@@ -86,6 +92,55 @@ export interface EngineOutput {
   usage: { promptTokens: number; completionTokens: number; cachedTokens: number };
   timestamps: RequestTimestamps;
   error?: string;
+  /** Where the request was placed, when a router placed it (set on every output of a routed request). */
+  routing?: RoutingSummary;
+}
+
+/** The router's decision as the request's trace and timings show it. */
+export interface RoutingSummary {
+  workerId: string;
+  strategy: string;
+  /** Prompt blocks the chosen worker already held. */
+  overlapBlocks: number;
+  reason: string;
+  /** Time spent deciding (hashing, index lookup, selection), µs. */
+  overheadUs: { hashing: number; lookup: number; selection: number; total: number };
+  /** Engine-clock time the decision was made. */
+  decidedAt: number;
+  /** Set by a disaggregated deployment: where the prompt ran and why. workerId is then the decode worker. */
+  disaggregation?: DisaggregationSummary;
+}
+
+/** What a worker does in a disaggregated deployment. 'both' is the ordinary aggregated worker. */
+export type WorkerRole = 'prefill' | 'decode' | 'both';
+
+/**
+ * Why a request was prefilled where it was:
+ * - remote-prefill: on a prefill worker, its KV then copied to the decode worker;
+ * - short-prompt: the decode worker lacked too few prompt tokens to be worth a round trip;
+ * - prefill-queue-full: every prefill worker had more prefill queued than the bound (or was busy);
+ * - transfer-slower: moving the KV would take longer than computing it on the decode worker;
+ * - not-eligible: the request cannot be handed over (n > 1);
+ * - prefill-failed / transfer-failed: the disaggregated path broke and the decode worker computed the prompt itself.
+ */
+export type DisaggregationReason =
+  | 'remote-prefill' | 'short-prompt' | 'prefill-queue-full' | 'transfer-slower' | 'not-eligible'
+  | 'prefill-failed' | 'transfer-failed';
+
+export interface DisaggregationSummary {
+  /** 'disaggregated': prefill worker then decode worker; 'local': the decode worker ran the prompt itself. */
+  mode: 'disaggregated' | 'local';
+  reason: DisaggregationReason;
+  /** Human-readable: the numbers behind the reason. */
+  detail: string;
+  prefillWorkerId?: string;
+  decodeWorkerId: string;
+  /** Prompt tokens the decode worker did not hold (what a local prefill computes). */
+  uncachedTokens: number;
+  /** Blocks the transfer would move and the estimates the decision compared, ms. */
+  transferBlocks: number;
+  estimatedTransferMs: number;
+  estimatedPrefillMs: number;
 }
 
 /** What a worker reports about itself (the router's load view, /health, the start-up banner). */

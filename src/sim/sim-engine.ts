@@ -9,20 +9,23 @@
 //   SimEngine  the async `Engine` face over one SimWorker: a step loop on a virtual clock that runs `speedUp` times
 //              faster than real time (Infinity: as fast as the host can, and fully deterministic given arrivals).
 
-import { KvCacheManager } from '../engine/kv-cache/manager.ts';
+import { KvCacheManager, type KvPin } from '../engine/kv-cache/manager.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
 import { engineNow } from '../engine/clock.ts';
+import {
+  PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillEvent,
+} from '../engine/handoff.ts';
 import { InvalidRequestError, type Request } from '../engine/request.ts';
-import { Scheduler, type StepPlan } from '../engine/scheduler.ts';
+import { Scheduler, type AdoptedState, type StepPlan } from '../engine/scheduler.ts';
 import { StopStringMatcher } from '../engine/stop-strings.ts';
 import type {
   Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestTimestamps, SchedulingPolicy,
-  TokenLogprob,
+  TokenLogprob, WorkerRole,
 } from '../engine/types.ts';
-import type { HardwareProfile } from './hardware.ts';
-import type { ModelProfile } from './models.ts';
+import { INFINIBAND_NDR, type HardwareProfile, type LinkProfile } from './hardware.ts';
+import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import {
-  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, stepTimeMs, type Efficiency, type StepShape,
+  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type StepShape,
 } from './perf-model.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -64,6 +67,13 @@ export interface SimWorkerConfig {
   eosTokenId?: number;
   /** Chance that a generated token is EOS (default 0: max_tokens alone decides the length). */
   eosProbability?: number;
+  /** What the worker does in a disaggregated deployment (default 'both'); informational, like the real engine's. */
+  role?: WorkerRole;
+  /**
+   * The link KV blocks cross to reach this worker when it adopts a handed-off request, and how many of them carry
+   * the transfer side by side (default InfiniBand NDR, one per GPU of the worker).
+   */
+  kvLink?: { link: LinkProfile; parallelLinks?: number };
 }
 
 /** What a worker would report to the router's load view (the same fields as router/protocols.ts WorkerLoad). */
@@ -189,6 +199,25 @@ interface RequestState {
   request: Request;
   seed: number;
   matchers: StopStringMatcher[];
+  /** Prefill only: hand the request over once its first token is out. */
+  handoff?: boolean;
+}
+
+/** How long a handed-off request's missing blocks take to reach this worker, priced when the transfer starts. */
+export interface SimTransferPlan {
+  requestId: string;
+  blocks: number;
+  reusedBlocks: number;
+  bytes: number;
+  ms: number;
+}
+
+/** A handoff that arrived (its transfer time elapsed) and waits for room in this worker's pool. */
+interface SimPendingAdoption {
+  handoff: KvHandoff;
+  transferStartMs: number;
+  /** The prefill worker it came from, for the transfer stats. */
+  sourceId: string;
 }
 
 export class SimWorker {
@@ -205,6 +234,14 @@ export class SimWorker {
   private inFlight: SimStep | null = null;
   private numStepsRun = 0;
   private busyTimeMs = 0;
+  readonly role: WorkerRole;
+  readonly kvLink: LinkProfile;
+  readonly kvParallelLinks: number;
+  /** Prefill side: pinned blocks of handed-off requests; decode side: adoptions waiting for room. */
+  private readonly parked = new Map<string, KvPin>();
+  private handoffsOut: KvHandoff[] = [];
+  private pendingAdoptions: SimPendingAdoption[] = [];
+  private adoptedOut: AdoptedResult[] = [];
 
   constructor(config: SimWorkerConfig) {
     const { model, hw, tp } = config;
@@ -237,11 +274,25 @@ export class SimWorker {
       kvCapacityTokens: this.kv.numBlocks * blockSize, blockSize, backend: 'sim',
       kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1,
     };
+    this.role = config.role ?? 'both';
+    this.kvLink = config.kvLink?.link ?? INFINIBAND_NDR;
+    this.kvParallelLinks = config.kvLink?.parallelLinks ?? tp;
   }
 
-  /** Requests not yet finished (waiting, running or preempted). */
+  /** Requests not yet finished (waiting, running or preempted), or handed-off ones waiting for room. */
   get hasWork(): boolean {
-    return this.scheduler.numRequests > 0;
+    return this.scheduler.numRequests > 0 || this.pendingAdoptions.length > 0;
+  }
+
+  /**
+   * The pool's shape as a transfer sees it (the sim has no bytes; the real engine's layout names the same sizes).
+   * KV elements count as 2 bytes ('f16'): BF16, the profiles' usual kvBytesPerElement.
+   */
+  get kvLayout(): KvPoolLayout {
+    return {
+      numLayers: this.model.numLayers, numBlocks: this.kv.numBlocks, blockSize: this.kv.blockSize,
+      numKvHeads: this.model.numKvHeads, headDim: this.model.headDim, dtype: 'f16',
+    };
   }
 
   hasRequest(requestId: string): boolean {
@@ -262,17 +313,39 @@ export class SimWorker {
     return this.busyTimeMs;
   }
 
-  /** Queues a request; throws InvalidRequestError (with a code the gateway maps) if it can never run. */
-  add(engineRequest: EngineRequest, nowMs: number): void {
-    const request = this.scheduler.addRequest(engineRequest, nowMs);
+  /**
+   * Queues a request; throws InvalidRequestError (with a code the gateway maps) if it can never run. With handoff
+   * (a prefill worker's request), it stops after its first token and takeHandoffs() returns it for a decode worker.
+   */
+  add(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean } = {}): void {
+    if (options.handoff && engineRequest.sampling.n !== 1) {
+      throw new InvalidRequestError('invalid_request', engineRequest.id, 'only a request with n = 1 can be prefilled for another worker');
+    }
     const { sampling } = engineRequest;
     const seed = sampling.seed ?? hashString(engineRequest.id);
+    // A handed-off request carries its seed, so the decode worker continues the same synthetic tokens.
+    const accepted = options.handoff && sampling.seed === undefined ? { ...engineRequest, sampling: { ...sampling, seed } } : engineRequest;
+    const request = this.scheduler.addRequest(accepted, nowMs);
     const matchers = Array.from({ length: sampling.n }, () => new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput));
-    this.states.set(request.id, { request, seed, matchers });
+    this.states.set(request.id, { request, seed, matchers, handoff: options.handoff });
   }
 
-  /** Stops a request in any state and frees its blocks; returns the closing output of each unfinished completion. */
+  /**
+   * Stops a request in any state and frees its blocks; returns the closing output of each unfinished completion.
+   * A handed-off request only has its pinned blocks freed; one waiting here for room to adopt gets a closing output.
+   */
   abort(requestId: string, nowMs: number, reason: FinishReason = 'abort', error?: string): EngineOutput[] {
+    this.releaseHandoff(requestId);
+    const pendingAt = this.pendingAdoptions.findIndex((p) => p.handoff.requestId === requestId);
+    if (pendingAt >= 0) {
+      const [pending] = this.pendingAdoptions.splice(pendingAt, 1);
+      const { handoff } = pending!;
+      return [{
+        requestId, index: 0, newTokenIds: [], textDelta: '', finishReason: reason, error,
+        usage: { promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length, cachedTokens: handoff.numCachedTokens },
+        timestamps: { ...snapshot(handoff.timestamps), finished: nowMs },
+      }];
+    }
     const state = this.states.get(requestId);
     if (!state) return [];
     const { request } = state;
@@ -294,6 +367,7 @@ export class SimWorker {
    */
   beginStep(nowMs: number): SimStep | null {
     if (this.inFlight) throw new Error(`step ${this.inFlight.plan.stepId} is still in flight`);
+    if (this.pendingAdoptions.length > 0) this.retryAdoptions(nowMs);
     const plan = this.scheduler.schedule(nowMs);
     if (plan.scheduled.length === 0) {
       this.scheduler.discardPlan(plan);
@@ -324,13 +398,137 @@ export class SimWorker {
     });
     const result = this.scheduler.updateFromOutput(plan, tokenIds, endMs);
     const outputs: EngineOutput[] = [];
+    let handOffs: RequestState[] | undefined;
     for (const out of result.outputs) {
       const state = this.states.get(out.requestId);
       if (!state) continue;
       outputs.push(this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason, endMs));
+      if (state.handoff) (handOffs ??= []).push(state);
     }
     for (const request of result.finishedRequests) this.states.delete(request.id);
+    if (handOffs) for (const state of handOffs) if (this.states.get(state.request.id) === state) this.handOff(state, endMs);
     return outputs;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Disaggregated serving: the same scheduler halves as the real engine, with transfer time instead of bytes
+
+  /** Handoffs made since the last call (prefill side). */
+  takeHandoffs(): KvHandoff[] {
+    const handoffs = this.handoffsOut;
+    this.handoffsOut = [];
+    return handoffs;
+  }
+
+  /** The decode worker has the blocks: unpin them here. False if nothing was pinned for the request. */
+  releaseHandoff(requestId: string): boolean {
+    const pin = this.parked.get(requestId);
+    if (pin === undefined) return false;
+    this.parked.delete(requestId);
+    this.kv.unpin(pin);
+    return true;
+  }
+
+  get numParkedHandoffs(): number {
+    return this.parked.size;
+  }
+
+  get numPendingAdoptions(): number {
+    return this.pendingAdoptions.length;
+  }
+
+  /**
+   * What moving the handoff's blocks to this worker would take now (decode side): the blocks its prefix cache
+   * lacks, their bytes, and their time over kvLink (kvTransferTimeMs). The caller adopts after that time.
+   */
+  planTransfer(handoff: KvHandoff): SimTransferPlan {
+    const tokenIds = [...handoff.request.promptTokenIds, ...handoff.outputTokenIds];
+    const hit = this.kv.findCachedPrefix(this.kv.createTable({ cacheSalt: handoff.request.cacheSalt }), tokenIds);
+    const reusedBlocks = Math.min(hit.blocks.length, Math.floor(handoff.numComputedTokens / this.kv.blockSize));
+    const blocks = this.kv.blocksFor(handoff.numComputedTokens) - reusedBlocks;
+    const tokens = blocks * this.kv.blockSize;
+    return {
+      requestId: handoff.requestId, blocks, reusedBlocks, bytes: tokens * kvBytesPerToken(this.model),
+      ms: kvTransferTimeMs(tokens, this.model, this.kvLink, { parallelLinks: this.kvParallelLinks, efficiency: this.efficiency.commEfficiency }),
+    };
+  }
+
+  /**
+   * Continues a handed-off request (decode side) whose transfer, started at transferStartMs, ends at nowMs: its
+   * blocks are allocated (own prefix hits reused) and registered, and it joins the batch with its next token to
+   * compute. Null when there is no room yet: retried before each step, reported by takeAdopted() once done.
+   */
+  adopt(handoff: KvHandoff, nowMs: number, transferStartMs = nowMs, sourceId = ''): AdoptedResult | null {
+    const id = handoff.requestId;
+    if (this.states.has(id) || this.pendingAdoptions.some((p) => p.handoff.requestId === id)) {
+      throw new InvalidRequestError('duplicate_request_id', id, 'a request with this id is already here');
+    }
+    const pending = { handoff, transferStartMs, sourceId };
+    const result = this.tryAdopt(pending, nowMs);
+    if (result === null) this.pendingAdoptions.push(pending);
+    return result;
+  }
+
+  /** Adoptions completed since the last call (decode side). */
+  takeAdopted(): AdoptedResult[] {
+    const adopted = this.adoptedOut;
+    this.adoptedOut = [];
+    return adopted;
+  }
+
+  private handOff(state: RequestState, nowMs: number): void {
+    const { request } = state;
+    const given = this.scheduler.handOff(request.id);
+    this.states.delete(request.id);
+    this.parked.set(request.id, given.pin);
+    this.handoffsOut.push({
+      requestId: request.id, request: request.engineRequest, outputTokenIds: given.outputTokenIds.slice(),
+      numComputedTokens: given.numComputedTokens, blockSize: this.kv.blockSize, sourceBlockIds: given.blockIds.slice(),
+      blockHashes: given.blockHashes.slice(),
+      // Synthetic tokens are a function of (seed, completion, position): the seed is the whole sampler state.
+      sampler: { seed: state.seed, rngState: [state.seed >>> 0, Math.floor(state.seed / 0x1_0000_0000) >>> 0, 0, 0] },
+      numCachedTokens: request.numCachedTokens, timestamps: snapshot(request.timestamps), sourceLayout: this.kvLayout,
+      createdMs: nowMs,
+    });
+  }
+
+  private tryAdopt(pending: SimPendingAdoption, nowMs: number): AdoptedResult | null {
+    const { handoff } = pending;
+    let moved = 0;
+    let reused = 0;
+    const adopted: AdoptedState = {
+      outputTokenIds: handoff.outputTokenIds, numCachedTokens: handoff.numCachedTokens, timestamps: handoff.timestamps,
+    };
+    const request = this.scheduler.adoptRequest(handoff.request, nowMs, adopted, {
+      numTokens: handoff.numComputedTokens, blockHashes: handoff.blockHashes,
+      fill: (_table, fromBlock, toBlock) => {
+        reused = fromBlock;
+        moved = toBlock - fromBlock;
+      },
+    });
+    if (request === null) return null;
+    const { sampling } = handoff.request;
+    const matchers = [new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput)];
+    for (const tokenId of handoff.outputTokenIds) matchers[0]!.push(syntheticWord(tokenId)); // its text went out from the prefill worker
+    this.states.set(request.id, { request, seed: handoff.sampler.seed, matchers });
+    const bytes = moved * this.kv.blockSize * kvBytesPerToken(this.model);
+    const startMs = pending.transferStartMs;
+    const ms = nowMs - startMs;
+    request.timestamps.kvTransfer = { start: startMs, end: nowMs, bytes, blocks: moved };
+    const transfer: KvTransferStats = {
+      requestId: request.id, sourceId: pending.sourceId, channel: 'simulated', blocks: moved, reusedBlocks: reused, bytes,
+      runs: moved * 2 * this.model.numLayers, startMs, endMs: nowMs, ms, gbPerSec: ms > 0 ? bytes / ms / 1e6 : 0,
+    };
+    const result: AdoptedResult = { requestId: request.id, status: 'imported', transfer };
+    this.adoptedOut.push(result);
+    return result;
+  }
+
+  private retryAdoptions(nowMs: number): void {
+    while (this.pendingAdoptions.length > 0) {
+      if (this.tryAdopt(this.pendingAdoptions[0]!, nowMs) === null) return;
+      this.pendingAdoptions.shift();
+    }
   }
 
   /** Prompt tokens this worker's prefix cache would give the request now (what a KV-aware router estimates). */
@@ -504,6 +702,11 @@ export class SimEngine implements Engine {
   private cancelWait: (() => void) | undefined;
   private idleWait = false;
   private closed = false;
+  /** Disaggregated serving: prefill streams, requests to add as handoffs, KV transfers in flight (by end time). */
+  private readonly prefills = new Map<string, PrefillStream>();
+  private readonly handoffIds = new Set<string>();
+  private transfers: { handoff: KvHandoff; sourceId: string | null; startMs: number; endMs: number }[] = [];
+  private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
 
   constructor(options: SimEngineOptions) {
     this.worker = new SimWorker(options);
@@ -518,6 +721,20 @@ export class SimEngine implements Engine {
     return this.worker.info;
   }
 
+  get role(): WorkerRole {
+    return this.worker.role;
+  }
+
+  /** The link handed-off KV crosses to reach this worker. */
+  get kvLink(): LinkProfile {
+    return this.worker.kvLink;
+  }
+
+  /** The pool's shape (there are no bytes: a simulated pool is not shared). */
+  get kvLayout(): KvPoolLayout {
+    return this.worker.kvLayout;
+  }
+
   /** The engine clock: virtual milliseconds. Stamp EngineRequest.arrivalMs with it. */
   now(): number {
     if (!Number.isFinite(this.speedUp)) return this.virtualMs;
@@ -526,7 +743,7 @@ export class SimEngine implements Engine {
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     if (this.closed) throw new SimEngineClosedError('engine is closed');
-    if (this.streams.has(request.id)) {
+    if (this.streams.has(request.id) || this.prefills.has(request.id)) {
       throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     }
     const stream = new OutputStream(request.sampling.n);
@@ -551,12 +768,88 @@ export class SimEngine implements Engine {
       const [request] = this.pending.splice(at, 1);
       const stream = this.streams.get(requestId);
       for (let index = 0; index < request!.sampling.n; index++) {
-        stream?.push(notStartedOutput(request!, index, this.now()));
+        const output = notStartedOutput(request!, index, this.now());
+        stream?.push(output);
+        this.prefills.get(requestId)?.pushOutput(output);
       }
+      this.streams.delete(requestId);
+      this.prefills.delete(requestId);
+      this.handoffIds.delete(requestId);
+      return;
+    }
+    const inTransfer = this.transfers.findIndex((t) => t.handoff.requestId === requestId);
+    if (inTransfer >= 0) {
+      const { handoff } = this.transfers.splice(inTransfer, 1)[0]!;
+      this.streams.get(requestId)?.push({
+        ...notStartedOutput(handoff.request, 0, this.now()),
+        usage: { promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length, cachedTokens: handoff.numCachedTokens },
+      });
       this.streams.delete(requestId);
       return;
     }
     this.deliver(this.worker.abort(requestId, this.now()));
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Disaggregated serving (same faces as LocalEngine's)
+
+  /** Prefill worker: the prompt and the first token, then the handoff (blocks pinned until releaseHandoff). */
+  prefill(request: EngineRequest): AsyncIterable<PrefillEvent> {
+    if (this.closed) throw new SimEngineClosedError('engine is closed');
+    if (this.streams.has(request.id) || this.prefills.has(request.id)) {
+      throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
+    }
+    const stream = new PrefillStream();
+    this.prefills.set(request.id, stream);
+    this.handoffIds.add(request.id);
+    this.enqueue(request);
+    const engine = this;
+    return (async function* () {
+      try {
+        yield* stream.drain();
+      } finally {
+        if (!stream.done && engine.prefills.get(request.id) === stream) engine.abort(request.id);
+        if (engine.prefills.get(request.id) === stream) engine.prefills.delete(request.id);
+      }
+    })();
+  }
+
+  releaseHandoff(requestId: string): void {
+    this.worker.releaseHandoff(requestId);
+  }
+
+  /**
+   * Decode worker: continues a handed-off request once its missing blocks have crossed kvLink (the time
+   * SimWorker.planTransfer prices now, on this engine's virtual clock).
+   */
+  adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput> {
+    const requestId = handoff.requestId;
+    if (this.closed) throw new SimEngineClosedError('engine is closed');
+    if (this.streams.has(requestId) || this.prefills.has(requestId)) {
+      throw new InvalidRequestError('duplicate_request_id', requestId, 'a request with this id is already running');
+    }
+    const stream = new OutputStream(1);
+    this.streams.set(requestId, stream);
+    const startMs = this.now();
+    const endMs = startMs + this.worker.planTransfer(handoff).ms;
+    let at = this.transfers.length;
+    while (at > 0 && this.transfers[at - 1]!.endMs > endMs) at--;
+    this.transfers.splice(at, 0, { handoff, sourceId, startMs, endMs });
+    this.wake();
+    const engine = this;
+    return (async function* () {
+      try {
+        yield* stream.drain();
+      } finally {
+        if (!stream.done && engine.streams.get(requestId) === stream) engine.abort(requestId);
+        if (engine.streams.get(requestId) === stream) engine.streams.delete(requestId);
+      }
+    })();
+  }
+
+  onAdopted(listener: (result: AdoptedResult) => void): () => void {
+    this.adoptedListeners.add(listener);
+    return () => this.adoptedListeners.delete(listener);
   }
 
   stats(): EngineStats {
@@ -583,6 +876,9 @@ export class SimEngine implements Engine {
     this.closed = true;
     for (const [id, stream] of this.streams) stream.fail(new SimEngineClosedError(`engine closed while request ${id} was running`));
     this.streams.clear();
+    for (const [id, stream] of this.prefills) stream.fail(new SimEngineClosedError(`engine closed while request ${id} was prefilling`));
+    this.prefills.clear();
+    this.transfers = [];
     this.pending = [];
     this.cancelWait?.();
     await this.loop;
@@ -599,9 +895,22 @@ export class SimEngine implements Engine {
     let at = this.pending.length;
     while (at > 0 && this.pending[at - 1]!.arrivalMs > request.arrivalMs) at--;
     this.pending.splice(at, 0, request);
+    this.wake();
+  }
+
+  /** Starts the loop, or cuts its idle wait short: something new may be due before what it waits for. */
+  private wake(): void {
     if (this.loop) {
       if (this.idleWait) this.cancelWait?.();
     } else this.loop = this.run().finally(() => { this.loop = null; });
+  }
+
+  /** The next arrival or transfer end, whichever comes first (undefined when neither is pending). */
+  private nextArrivalMs(): number | undefined {
+    const arrival = this.pending[0]?.arrivalMs;
+    const transfer = this.transfers[0]?.endMs;
+    if (arrival === undefined) return transfer;
+    return transfer === undefined ? arrival : Math.min(arrival, transfer);
   }
 
   /** Moves every request whose arrival has come into the worker; one that can never run fails its stream. */
@@ -609,14 +918,30 @@ export class SimEngine implements Engine {
     while (this.pending.length > 0 && this.pending[0]!.arrivalMs <= nowMs) {
       this.add(this.pending.shift()!, nowMs);
     }
+    let adopted = false;
+    while (this.transfers.length > 0 && this.transfers[0]!.endMs <= nowMs) {
+      const { handoff, sourceId, startMs } = this.transfers.shift()!;
+      try {
+        this.worker.adopt(handoff, nowMs, startMs, sourceId ?? '');
+        adopted = true;
+      } catch (error) {
+        this.streams.get(handoff.requestId)?.fail(error instanceof Error ? error : new Error(String(error)));
+        this.streams.delete(handoff.requestId);
+      }
+    }
+    if (adopted) this.deliver([]);
   }
 
   private add(request: EngineRequest, nowMs: number): void {
+    const handoff = this.handoffIds.delete(request.id);
     try {
-      this.worker.add(request, nowMs);
+      this.worker.add(request, nowMs, { handoff });
     } catch (error) {
-      this.streams.get(request.id)?.fail(error instanceof Error ? error : new Error(String(error)));
+      const failure = error instanceof Error ? error : new Error(String(error));
+      this.streams.get(request.id)?.fail(failure);
       this.streams.delete(request.id);
+      this.prefills.get(request.id)?.fail(failure);
+      this.prefills.delete(request.id);
     }
   }
 
@@ -626,8 +951,9 @@ export class SimEngine implements Engine {
     while (!this.closed) {
       this.admitArrivals(this.now());
       if (!this.worker.hasWork) {
-        if (this.pending.length === 0) return;
-        await this.advanceTo(this.pending[0]!.arrivalMs);
+        const nextMs = this.nextArrivalMs();
+        if (nextMs === undefined) return;
+        await this.advanceTo(nextMs);
         continue;
       }
       const startMs = this.now();
@@ -652,7 +978,8 @@ export class SimEngine implements Engine {
   private async advanceTo(targetMs: number): Promise<void> {
     if (!Number.isFinite(this.speedUp)) {
       await new Promise<void>((resolve) => setImmediate(resolve));
-      if (this.worker.currentStep === null && this.pending.length > 0 && this.pending[0]!.arrivalMs < targetMs) return;
+      const nextMs = this.nextArrivalMs();
+      if (this.worker.currentStep === null && nextMs !== undefined && nextMs < targetMs) return;
       this.virtualMs = Math.max(this.virtualMs, targetMs);
       return;
     }
@@ -679,10 +1006,23 @@ export class SimEngine implements Engine {
   private deliver(outputs: EngineOutput[]): void {
     for (const output of outputs) {
       const stream = this.streams.get(output.requestId);
-      if (!stream) continue;
+      if (!stream) {
+        const prefill = this.prefills.get(output.requestId);
+        prefill?.pushOutput(output);
+        if (prefill?.done) this.prefills.delete(output.requestId);
+        continue;
+      }
       stream.push(output);
       if (stream.done) this.streams.delete(output.requestId);
     }
+    for (const handoff of this.worker.takeHandoffs()) {
+      const prefill = this.prefills.get(handoff.requestId);
+      this.prefills.delete(handoff.requestId);
+      // Nobody waits for it any more: its blocks must not stay pinned.
+      if (prefill) prefill.pushHandoff(handoff);
+      else this.worker.releaseHandoff(handoff.requestId);
+    }
+    for (const result of this.worker.takeAdopted()) for (const listener of this.adoptedListeners) listener(result);
     const events = this.worker.takeKvEvents();
     if (events.length > 0) for (const listener of this.kvEventListeners) listener(events);
   }

@@ -91,6 +91,14 @@ export class BlockTable {
 
 const NO_BLOCKS: readonly KvBlock[] = Object.freeze([]);
 
+/**
+ * References held on blocks outside any block table: a prefill worker keeps a handed-off request's blocks in use
+ * until the decode worker has copied them, although the request itself is gone from its scheduler.
+ */
+export interface KvPin {
+  readonly blocks: readonly KvBlock[];
+}
+
 /** The cached blocks a sequence can start from. */
 export interface CachedPrefix {
   blocks: KvBlock[];
@@ -107,6 +115,7 @@ export class KvCacheManager {
   readonly pool: BlockPool;
   private prefixQueryTokens = 0;
   private prefixHitTokens = 0;
+  private readonly pins = new Set<KvPin>();
 
   constructor(config: KvCacheConfig) {
     this.blockSize = config.blockSize ?? DEFAULT_BLOCK_SIZE;
@@ -226,6 +235,41 @@ export class KvCacheManager {
   }
 
   // -------------------------------------------------------------------------------------------------------------
+  // Pins (disaggregated prefill: blocks outlive their sequence until copied elsewhere)
+
+  /** One more reference on the first numBlocks blocks of the table, kept until unpin: freeing the table then leaves them in use. */
+  pin(table: BlockTable, numBlocks = table.blocks.length): KvPin {
+    if (!Number.isSafeInteger(numBlocks) || numBlocks < 0 || numBlocks > table.blocks.length) {
+      throw new RangeError(`cannot pin ${numBlocks} blocks of a table holding ${table.blocks.length}`);
+    }
+    const pin: KvPin = { blocks: table.blocks.slice(0, numBlocks) };
+    this.pool.touch(pin.blocks);
+    this.pins.add(pin);
+    return pin;
+  }
+
+  /** Drops the pin's references (tail first, as free does); false if it was already dropped. */
+  unpin(pin: KvPin): boolean {
+    if (!this.pins.delete(pin)) return false;
+    this.pool.free(pin.blocks.slice().reverse());
+    return true;
+  }
+
+  get numPins(): number {
+    return this.pins.size;
+  }
+
+  /**
+   * Chained hashes of the full blocks among the first numTokens tokens, computed as far as needed (also with prefix
+   * caching off, where nothing else computes them): what a handoff carries so the receiver can check its own.
+   */
+  fullBlockHashes(table: BlockTable, tokenIds: ArrayLike<number>, numTokens: number): BlockHash[] {
+    const numFull = Math.floor(numTokens / this.blockSize);
+    extendBlockHashes(table.blockHashes, tokenIds, this.blockSize, table.extraKeys, numFull);
+    return table.blockHashes.slice(0, numFull);
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
   // Events, stats, invariants
 
   takeEvents(): KvEvent[] {
@@ -254,7 +298,7 @@ export class KvCacheManager {
     };
   }
 
-  /** Throws unless every block's refCount equals the number of given tables holding it (plus pool invariants). */
+  /** Throws unless every block's refCount equals the number of given tables and pins holding it (plus pool invariants). */
   checkInvariants(liveTables: Iterable<BlockTable>): void {
     this.pool.checkInvariants();
     const references = new Int32Array(this.numBlocks);
@@ -264,6 +308,7 @@ export class KvCacheManager {
       }
       for (const block of table.blocks) references[block.id] += 1;
     }
+    for (const pin of this.pins) for (const block of pin.blocks) references[block.id] += 1;
     for (const block of this.pool.blocks) {
       if (block.refCount !== references[block.id]) {
         throw new Error(`block ${block.id} has refCount ${block.refCount} but ${references[block.id]} tables hold it`);

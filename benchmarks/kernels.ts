@@ -1,0 +1,353 @@
+// Native kernel benchmark: throughput of each kernel next to this machine's limits measured in the same run
+// (STREAM-like memory bandwidth and peak multiply-add rates, both from the addon), each figure also as a
+// percentage of its roofline: the time the kernel would take if it ran at peak compute or at full memory
+// bandwidth, whichever binds.
+//
+//   node --import tsx benchmarks/kernels.ts [--quick] [--threads N] [--all-variants] [--filter TEXT] [--model]
+//                                           [--json FILE]
+//
+// --filter runs only the kernels whose name (e.g. "matmul q8_0", "attention") contains TEXT.
+// --model adds the end-to-end figures of the 110M-class synthetic Llama (Q8_0): prefill of 512 tokens, decode of
+// one stream and of 16 streams, min / median / max of a few runs. The VM this runs on stalls in bursts: compare
+// figures taken side by side in one run.
+import { writeFileSync } from 'node:fs';
+import { parseArgs } from 'node:util';
+
+import { GgmlType, byteSize, ggmlTypeName } from '../src/model/ggml-types.ts';
+import { f32ToF16Bits } from '../src/model/quant.ts';
+import { loadNativeAddon, supportedVariants, type KernelVariant, type NativeAddon } from '../src/kernels/native.ts';
+import { kvPoolBytes, type ForwardBatch, type KvPoolLayout } from '../src/kernels/types.ts';
+
+const { values: args } = parseArgs({
+  options: {
+    quick: { type: 'boolean', default: false },
+    threads: { type: 'string' },
+    'all-variants': { type: 'boolean', default: false },
+    model: { type: 'boolean', default: false },
+    filter: { type: 'string', default: '' },
+    json: { type: 'string' },
+  },
+});
+
+const addon: NativeAddon = loadNativeAddon();
+const cpu = addon.cpuInfo();
+const threads = args.threads ? Number(args.threads) : cpu.defaultThreads;
+const variants: KernelVariant[] = args['all-variants'] ? supportedVariants(cpu) : [cpu.bestVariant];
+const quick = args.quick;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Timing
+
+interface Timing {
+  min: number;
+  median: number;
+}
+
+/** Runs fn until `minSeconds` have passed (at least `minReps` times) and returns min / median seconds per call. */
+function time(fn: () => void, minReps = 3, minSeconds = quick ? 0.05 : 0.2): Timing {
+  fn(); // warm up (page faults, scratch growth)
+  const samples: number[] = [];
+  const start = performance.now();
+  while (samples.length < minReps || performance.now() - start < minSeconds * 1000) {
+    const t = performance.now();
+    fn();
+    samples.push((performance.now() - t) / 1000);
+  }
+  samples.sort((a, b) => a - b);
+  return { min: samples[0]!, median: samples[Math.floor(samples.length / 2)]! };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Machine limits
+
+const bandwidthBytes = (quick ? 64 : 256) << 20;
+const machine = {
+  readGBs: addon.bench.memoryBandwidth('read', bandwidthBytes, 5, threads),
+  copyGBs: addon.bench.memoryBandwidth('copy', bandwidthBytes / 2, 5, threads),
+  triadGBs: addon.bench.memoryBandwidth('triad', bandwidthBytes / 2, 5, threads),
+  peakF32: addon.bench.peakFlops('f32', threads),
+  peakInt8: addon.bench.peakFlops('int8', threads),
+};
+// The roofline of a variant uses the peak of its own instructions (a plain loop has no useful peak: the best
+// variant's is used, so generic rows show how far from the hardware they are).
+const peaks = new Map(variants.map((v) => [v, v === 'generic'
+  ? { f32: machine.peakF32, int8: machine.peakInt8 }
+  : { f32: addon.bench.peakFlops('f32', threads, v), int8: addon.bench.peakFlops('int8', threads, v) }]));
+
+const features = ['avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512vnni', 'avx512bf16', 'amxTile',
+  'amxInt8'] as const;
+console.log(`CPU: ${features.filter((f) => cpu[f]).join(' ')}${cpu.amxTile ? '' : ' (no AMX)'}; best variant ` +
+  `${cpu.bestVariant}; ${threads} threads`);
+console.log(`Limits: read ${machine.readGBs.toFixed(1)} GB/s, copy ${machine.copyGBs.toFixed(1)} GB/s, triad ` +
+  `${machine.triadGBs.toFixed(1)} GB/s, f32 FMA ${machine.peakF32.toFixed(0)} GFLOP/s, int8 dot ` +
+  `${machine.peakInt8.toFixed(0)} GOP/s\n`);
+for (const [v, p] of peaks) {
+  if (v !== cpu.bestVariant && v !== 'generic') {
+    console.log(`  ${v} instructions: f32 FMA ${p.f32.toFixed(0)} GFLOP/s, int8 dot ${p.int8.toFixed(0)} GOP/s`);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Kernel rows
+
+interface Row {
+  kernel: string;
+  variant: string;
+  shape: string;
+  ms: number;
+  msMedian: number;
+  gflops: number;
+  gbs: number;
+  /** Measured time as a share of the roofline time (100% = at the machine's limit). */
+  roofline: number;
+  bound: 'compute' | 'memory';
+}
+const rows: Row[] = [];
+
+function record(kernel: string, variant: string, shape: string, t: Timing, ops: number, bytes: number,
+  peakOps: number): void {
+  const computeTime = ops / (peakOps * 1e9);
+  const memoryTime = bytes / (machine.readGBs * 1e9);
+  const row: Row = {
+    kernel, variant, shape, ms: t.min * 1e3, msMedian: t.median * 1e3, gflops: ops / t.min / 1e9,
+    gbs: bytes / t.min / 1e9, roofline: (Math.max(computeTime, memoryTime) / t.min) * 100,
+    bound: computeTime > memoryTime ? 'compute' : 'memory',
+  };
+  rows.push(row);
+  console.log(formatRow(row));
+}
+
+function formatRow(r: Row): string {
+  return `${r.kernel.padEnd(14)} ${r.variant.padEnd(8)} ${r.shape.padEnd(34)} ${r.ms.toFixed(3).padStart(9)} ` +
+    `${r.msMedian.toFixed(3).padStart(9)} ${r.gflops.toFixed(1).padStart(8)} ${r.gbs.toFixed(1).padStart(7)} ` +
+    `${r.roofline.toFixed(0).padStart(5)}% ${r.bound}`;
+}
+
+console.log(`${'kernel'.padEnd(14)} ${'variant'.padEnd(8)} ${'shape'.padEnd(34)} ${'min ms'.padStart(9)} ` +
+  `${'med ms'.padStart(9)} ${'GFLOP/s'.padStart(8)} ${'GB/s'.padStart(7)} ${'roof'.padStart(6)} bound`);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Inputs. Weights are random bytes with sane scales: values do not change the timing of these kernels, and
+// encoding tens of MB through the TypeScript quantizer would dominate the run.
+
+function seededBytes(n: number, seed: number): Uint8Array {
+  const out = new Uint8Array(n);
+  let s = seed >>> 0;
+  for (let i = 0; i < n; i += 4) {
+    s = (Math.imul(s, 1664525) + 1013904223) >>> 0;
+    out[i] = s; out[i + 1] = s >>> 8; out[i + 2] = s >>> 16; out[i + 3] = s >>> 24;
+  }
+  return out;
+}
+
+function randomFloats(n: number, seed: number, scale = 1): Float32Array {
+  const bytes = seededBytes(n * 4, seed);
+  const words = new Uint32Array(bytes.buffer);
+  return Float32Array.from(words, (w) => ((w / 4294967296) * 2 - 1) * scale);
+}
+
+/** A [n x k] weight matrix in `type` with random quants and small positive scales. */
+function randomWeights(type: GgmlType, k: number, n: number, seed: number): Uint8Array {
+  if (type === GgmlType.F32) return new Uint8Array(randomFloats(k * n, seed, 0.05).buffer);
+  if (type === GgmlType.F16 || type === GgmlType.BF16) {
+    const values = randomFloats(k * n, seed, 0.05);
+    const out = new Uint16Array(k * n);
+    const f32 = new Uint32Array(values.buffer);
+    for (let i = 0; i < out.length; i++) out[i] = type === GgmlType.F16 ? f32ToF16Bits(values[i]!) : f32[i]! >>> 16;
+    return new Uint8Array(out.buffer);
+  }
+  const out = seededBytes(byteSize(type, k * n), seed);
+  const scale = f32ToF16Bits(0.01);
+  const blockBytes = byteSize(type, type === GgmlType.Q8_0 || type === GgmlType.Q4_0 ? 32 : 256);
+  // Offsets of the f16 scale fields in each block.
+  const scaleOffsets = type === GgmlType.Q6_K ? [208] : type === GgmlType.Q4_K ? [0, 2] : [0];
+  for (let b = 0; b < out.length; b += blockBytes) {
+    for (const o of scaleOffsets) { out[b + o] = scale & 0xff; out[b + o + 1] = scale >>> 8; }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// matmul
+
+const MATMUL_TYPES = [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q4_K,
+  GgmlType.Q6_K];
+// Weights of the decode cases are larger than the last-level cache, as a model's layers are when streamed.
+const streamBytes = (quick ? 48 : 64) << 20;
+
+const selected = (kernel: string) => kernel.includes(args.filter!);
+
+function benchMatmul(type: GgmlType, variant: KernelVariant): void {
+  if (!selected(`matmul ${ggmlTypeName(type).toLowerCase()}`)) return;
+  const k = 768;
+  const int8 = type === GgmlType.Q8_0 || type === GgmlType.Q4_0;
+  const peak = int8 ? peaks.get(variant)!.int8 : peaks.get(variant)!.f32;
+  const cases: { name: string; m: number; n: number }[] = [
+    { name: 'decode', m: 1, n: Math.floor(streamBytes / byteSize(type, k) / 64) * 64 },
+    { name: 'decode x16', m: 16, n: Math.floor(streamBytes / byteSize(type, k) / 64) * 64 },
+    { name: 'prefill', m: quick ? 128 : 512, n: 2048 },
+  ];
+  for (const c of cases) {
+    if (variant === 'generic' && c.name !== 'prefill') c.n = 4096; // the plain loops are slow; keep the run short
+    const w = randomWeights(type, k, c.n, c.n + type);
+    const x = randomFloats(c.m * k, 7);
+    const y = new Float32Array(c.m * c.n);
+    const t = time(() => addon.ops.matmul(variant, type, w, x, c.m, k, c.n, y, threads));
+    const bytes = w.byteLength + x.byteLength + y.byteLength;
+    record(`matmul ${ggmlTypeName(type).toLowerCase()}`, variant, `${c.name} m=${c.m} k=${k} n=${c.n}`, t,
+      2 * c.m * k * c.n, bytes, peak);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// attention
+
+function benchAttention(variant: KernelVariant): void {
+  if (!selected('attention')) return;
+  const numHeads = 12, numKvHeads = 4, headDim = 64, blockSize = 16;
+  const cases = [
+    { name: 'decode 16 seqs ctx 512', seqs: 16, ctx: 512, newTokens: 1 },
+    { name: 'prefill 512', seqs: 1, ctx: quick ? 256 : 512, newTokens: quick ? 256 : 512 },
+  ];
+  for (const dtype of ['f16', 'f32'] as const) {
+    for (const c of cases) {
+      const blocksPerSeq = Math.ceil(c.ctx / blockSize);
+      const layout: KvPoolLayout = {
+        numLayers: 1, numBlocks: c.seqs * blocksPerSeq, blockSize, numKvHeads, headDim, dtype,
+      };
+      const pool = seededBytes(kvPoolBytes(layout), 3);
+      if (dtype === 'f16') { // finite halves: clear the exponent's top bit
+        for (let i = 1; i < pool.length; i += 2) pool[i] = pool[i]! & 0x3b;
+      } else {
+        pool.set(new Uint8Array(randomFloats(pool.length / 4, 5).buffer));
+      }
+      const tokens = c.seqs * c.newTokens;
+      const q = randomFloats(tokens * numHeads * headDim, 9);
+      const out = new Float32Array(q.length);
+      const queryStartLoc = Int32Array.from({ length: c.seqs + 1 }, (_, i) => i * c.newTokens);
+      const seqLens = new Int32Array(c.seqs).fill(c.ctx);
+      // Blocks interleaved across sequences, as a busy pool hands them out.
+      const tables = Int32Array.from({ length: c.seqs * blocksPerSeq }, (_, i) =>
+        (i % blocksPerSeq) * c.seqs + Math.floor(i / blocksPerSeq));
+      const t = time(() => addon.ops.attention(variant, q, out, pool, layout, 0, queryStartLoc, seqLens, tables,
+        blocksPerSeq, numHeads, threads));
+      // Per query row and head: QK and PV, 2 multiply-adds per context position and dimension.
+      let pairs = 0;
+      for (let r = 0; r < c.newTokens; r++) pairs += c.ctx - c.newTokens + r + 1;
+      const ops = 4 * pairs * c.seqs * numHeads * headDim;
+      const kvBytes = c.seqs * c.ctx * 2 * numKvHeads * headDim * (dtype === 'f16' ? 2 : 4);
+      record('attention', variant, `${c.name} ${dtype} KV`, t, ops, kvBytes + q.byteLength + out.byteLength,
+        peaks.get(variant)!.f32);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row kernels over arrays larger than the caches (so they stream from memory like the roofline assumes).
+
+function benchRowOps(variant: KernelVariant): void {
+  if (!['rmsnorm', 'add', 'swiglu', 'softmax', 'rope'].some(selected)) return;
+  const dim = 4096, rows = quick ? 1024 : 4096, n = dim * rows;
+  const a = randomFloats(n, 1), b = randomFloats(n, 2), out = new Float32Array(n);
+  const weight = randomFloats(dim, 3);
+  const shape = `${rows} x ${dim}`;
+  const peak = peaks.get(variant)!.f32;
+  record('rmsnorm', variant, shape, time(() => addon.ops.rmsnorm(variant, a, weight, rows, dim, 1e-5, out)),
+    3 * n, 2 * 4 * n, peak);
+  record('add', variant, shape, time(() => addon.ops.add(variant, out, a)), n, 3 * 4 * n, peak);
+  record('swiglu', variant, shape, time(() => addon.ops.swiglu(variant, a, b, out)), 20 * n, 3 * 4 * n, peak);
+  out.set(a);
+  record('softmax', variant, shape, time(() => addon.ops.softmax(variant, out, rows, dim)), 20 * n, 3 * 4 * n, peak);
+  const positions = Int32Array.from({ length: rows }, (_, i) => i);
+  record('rope', variant, `${rows} x 64 heads x 64`, time(() =>
+    addon.ops.rope(variant, out, positions, 64, 64, 64, false, 10000)), 3 * n, 2 * 4 * n, peak);
+}
+
+for (const variant of variants) {
+  for (const type of MATMUL_TYPES) benchMatmul(type, variant);
+  benchAttention(variant);
+  benchRowOps(variant);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The 110M model end to end
+
+interface ModelResult {
+  name: string;
+  tokPerSec: { min: number; median: number; max: number };
+  note: string;
+}
+const modelResults: ModelResult[] = [];
+
+async function benchModel(): Promise<void> {
+  const { ensureSyntheticModel, SYNTHETIC_110M_Q8_0 } = await import('../src/model/synthetic.ts');
+  const { loadModel } = await import('../src/model/loader.ts');
+  const { nativeBackend } = await import('../src/kernels/native.ts');
+  const { allTensors } = await import('../src/model/loader.ts');
+  const model = await loadModel(await ensureSyntheticModel(SYNTHETIC_110M_Q8_0));
+  const blockSize = 16, maxBlocks = 64, numSeqs = 16;
+  const backend = nativeBackend.load(model.config, model.weights,
+    { numBlocks: numSeqs * maxBlocks, blockSize, dtype: 'f16' }, { threads });
+  // Bytes a decode step streams: every matrix except the embedding table (one row is read per token).
+  const stepBytes = allTensors(model.weights).filter((t) => t !== model.weights.tokenEmbedding ||
+    model.weights.output === model.weights.tokenEmbedding).reduce((s, t) => s + t.data.byteLength, 0);
+
+  const batchFor = (seqs: { id: number; start: number; count: number }[]): ForwardBatch => {
+    const flat = seqs.flatMap((s) => Array.from({ length: s.count }, (_, i) => ({ s, p: s.start + i })));
+    const queryStartLoc = new Int32Array(seqs.length + 1);
+    seqs.forEach((s, i) => { queryStartLoc[i + 1] = queryStartLoc[i]! + s.count; });
+    const blockTables = new Int32Array(seqs.length * maxBlocks);
+    seqs.forEach((s, i) => { for (let b = 0; b < maxBlocks; b++) blockTables[i * maxBlocks + b] = b * numSeqs + s.id; });
+    const slot = (id: number, p: number) => (Math.floor(p / blockSize) * numSeqs + id) * blockSize + (p % blockSize);
+    return {
+      numTokens: flat.length, tokenIds: Int32Array.from(flat, (r) => (r.p * 31 + r.s.id * 7) % model.config.vocabSize),
+      positions: Int32Array.from(flat, (r) => r.p), slotMapping: Int32Array.from(flat, (r) => slot(r.s.id, r.p)),
+      numSeqs: seqs.length, queryStartLoc, seqLens: Int32Array.from(seqs, (s) => s.start + s.count), blockTables,
+      maxBlocksPerSeq: maxBlocks, logitsIndices: Int32Array.from(seqs, (_, i) => queryStartLoc[i + 1]! - 1),
+    };
+  };
+  const runs = quick ? 2 : 3;
+  const measure = (name: string, note: string, tokens: number, fn: () => void) => {
+    fn();
+    const rates: number[] = [];
+    for (let r = 0; r < runs; r++) {
+      const t = performance.now();
+      fn();
+      rates.push(tokens / ((performance.now() - t) / 1000));
+    }
+    rates.sort((a, b) => a - b);
+    const result = { name, note, tokPerSec: { min: rates[0]!, median: rates[Math.floor(runs / 2)]!, max: rates.at(-1)! } };
+    modelResults.push(result);
+    console.log(`${name.padEnd(30)} ${result.tokPerSec.min.toFixed(0).padStart(6)} / ` +
+      `${result.tokPerSec.median.toFixed(0).padStart(6)} / ${result.tokPerSec.max.toFixed(0).padStart(6)} tok/s  ${note}`);
+  };
+
+  console.log(`\nModel: ${model.config.name} (${(stepBytes / 1e6).toFixed(1)} MB of weights per decode step), Q8_0, ` +
+    `f16 KV, ${threads} threads; min / median / max`);
+  measure('prefill 512', '', 512, () => { backend.forward(batchFor([{ id: 0, start: 0, count: 512 }])); });
+  const decodeSteps = quick ? 16 : 64;
+  const rooflineTokPerSec = (machine.readGBs * 1e9) / stepBytes;
+  measure('decode 1 stream (ctx 512+)', `roofline ${rooflineTokPerSec.toFixed(0)} tok/s at ` +
+    `${machine.readGBs.toFixed(1)} GB/s`, decodeSteps, () => {
+    for (let i = 0; i < decodeSteps; i++) backend.forward(batchFor([{ id: 0, start: 512 + i, count: 1 }]));
+  });
+  for (let s = 1; s < numSeqs; s++) backend.forward(batchFor([{ id: s, start: 0, count: 128 }]));
+  let step = 0;
+  measure(`decode ${numSeqs} streams (ctx 128+)`, '', decodeSteps * numSeqs, () => {
+    for (let i = 0; i < decodeSteps; i++, step++) {
+      backend.forward(batchFor(Array.from({ length: numSeqs }, (_, s) => ({
+        id: s, start: (s === 0 ? 512 + decodeSteps : 128) + (step % 128), count: 1,
+      }))));
+    }
+  });
+  const decode = modelResults.find((r) => r.name.startsWith('decode 1'))!;
+  console.log(`decode at ${((decode.tokPerSec.median / rooflineTokPerSec) * 100).toFixed(0)}% of the memory ` +
+    'bandwidth roofline (median)');
+  backend.dispose();
+}
+
+if (args.model) await benchModel();
+
+if (args.json) {
+  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, model: modelResults }, null, 2));
+}

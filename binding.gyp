@@ -1,0 +1,32 @@
+{
+  "targets": [
+    {
+      "target_name": "conduit_native",
+      "sources": [
+        "native/addon.cc",
+        "native/bench.cc",
+        "native/compute.cc",
+        "native/cpu.cc",
+        "native/memory.cc",
+        "native/model.cc",
+        "native/thread_pool.cc",
+        "native/ops_generic.cc",
+        "native/ops_avx2.cc",
+        "native/ops_avx512.cc",
+        "native/matmul_generic.cc",
+        "native/matmul_avx2.cc",
+        "native/matmul_avx512.cc",
+        "native/attention_generic.cc",
+        "native/attention_avx2.cc",
+        "native/attention_avx512.cc"
+      ],
+      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
+      "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS"],
+      "cflags!": ["-fno-exceptions"],
+      "cflags_cc!": ["-fno-exceptions", "-fno-rtti", "-std=gnu++17", "-std=gnu++20"],
+      "cflags_cc": ["-std=c++17", "-O3", "-fexceptions", "-Wall", "-Wextra", "-Wno-uninitialized",
+                    "-Wno-unused-parameter"],
+      "xcode_settings": {"GCC_ENABLE_CPP_EXCEPTIONS": "YES", "CLANG_CXX_LANGUAGE_STANDARD": "c++17"}
+    }
+  ]
+}

@@ -1,0 +1,599 @@
+// The JavaScript face of the addon (typed in src/kernels/native.ts):
+//   cpuInfo()                       features, best variant
+//   kernelVariants(variant)         kernel kind -> variant serving it
+//   NativeModel                     a loaded model with its KV pool: forward(batch), info(), dispose()
+//   ops.*                           one entry per kernel with an explicit variant, for the test harness
+//   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
+#include <napi.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "bench.h"
+#include "cpu.h"
+#include "model.h"
+
+using namespace conduit;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Argument helpers
+
+struct ArrayView {
+  void* data = nullptr;
+  size_t length = 0;  // elements
+  napi_typedarray_type type = napi_uint8_array;
+};
+
+const char* typed_array_name(napi_typedarray_type t) {
+  switch (t) {
+    case napi_uint8_array: return "Uint8Array";
+    case napi_int32_array: return "Int32Array";
+    case napi_float32_array: return "Float32Array";
+    default: return "typed array";
+  }
+}
+
+// Works for views over ArrayBuffer and SharedArrayBuffer alike (napi_get_typedarray_info gives the data pointer).
+ArrayView typed_array(const Napi::Env& env, const Napi::Value& value, napi_typedarray_type expected,
+                      const std::string& name) {
+  bool is_typed = false;
+  napi_is_typedarray(env, value, &is_typed);
+  ArrayView view;
+  if (is_typed) {
+    napi_value buffer;
+    size_t offset;
+    napi_get_typedarray_info(env, value, &view.type, &view.length, &view.data, &buffer, &offset);
+  }
+  if (!is_typed || view.type != expected) {
+    throw Napi::TypeError::New(env, name + " must be a " + typed_array_name(expected));
+  }
+  return view;
+}
+
+template <typename T>
+T* typed_data(const Napi::Env& env, const Napi::Value& value, napi_typedarray_type expected, const std::string& name,
+              size_t min_length) {
+  ArrayView v = typed_array(env, value, expected, name);
+  if (v.length < min_length) {
+    throw Napi::RangeError::New(env, name + " has " + std::to_string(v.length) + " elements, needs " +
+                                         std::to_string(min_length));
+  }
+  return static_cast<T*>(v.data);
+}
+
+int64_t integer(const Napi::Env& env, const Napi::Value& value, const std::string& name, int64_t min = 0) {
+  if (!value.IsNumber()) throw Napi::TypeError::New(env, name + " must be a number");
+  const double d = value.As<Napi::Number>().DoubleValue();
+  if (d != static_cast<double>(static_cast<int64_t>(d)) || d < static_cast<double>(min)) {
+    throw Napi::RangeError::New(env, name + " must be an integer >= " + std::to_string(min));
+  }
+  return static_cast<int64_t>(d);
+}
+
+double number(const Napi::Env& env, const Napi::Value& value, const std::string& name) {
+  if (!value.IsNumber()) throw Napi::TypeError::New(env, name + " must be a number");
+  return value.As<Napi::Number>().DoubleValue();
+}
+
+Variant variant_arg(const Napi::Env& env, const Napi::Value& value) {
+  Variant v;
+  if (!value.IsString() || !parse_variant(value.As<Napi::String>().Utf8Value().c_str(), &v)) {
+    throw Napi::TypeError::New(env, "variant must be 'generic', 'avx2' or 'avx512'");
+  }
+  if (static_cast<int>(v) > static_cast<int>(best_supported_variant())) {
+    throw Napi::Error::New(env, std::string("kernel variant ") + variant_name(v) + " is not supported by this CPU" +
+                                    " (best: " + variant_name(best_supported_variant()) + ")");
+  }
+  return v;
+}
+
+int weight_type_arg(const Napi::Env& env, const Napi::Value& value, const std::string& name) {
+  const int64_t type = integer(env, value, name);
+  if (!is_supported_type(static_cast<int>(type))) {
+    throw Napi::TypeError::New(env, name + ": ggml type " + std::to_string(type) + " is not supported");
+  }
+  return static_cast<int>(type);
+}
+
+// Pools and scratch for the ops entry points, one per thread count, created on first use.
+struct OpsContext {
+  std::unique_ptr<ThreadPool> pool;
+  Workspace ws;
+};
+std::mutex ops_mutex;
+std::map<int, std::unique_ptr<OpsContext>> ops_contexts;
+
+OpsContext& ops_context(int threads) {
+  auto& slot = ops_contexts[threads];
+  if (!slot) {
+    slot = std::make_unique<OpsContext>();
+    slot->pool = std::make_unique<ThreadPool>(threads);
+  }
+  return *slot;
+}
+
+Napi::Object variants_object(const Napi::Env& env, Variant v) {
+  Napi::Object out = Napi::Object::New(env);
+  for (const auto& [kind, name] : kernel_table(v).names) out.Set(kind, name);
+  return out;
+}
+
+// ropeScaling as in ModelConfig: undefined, { type: 'linear', factor } or { type: 'llama3', factor, lowFreqFactor,
+// highFreqFactor, originalContextLength }.
+void read_rope_scaling(const Napi::Env& env, const Napi::Value& value, RopeConfig* rope) {
+  if (value.IsUndefined() || value.IsNull()) return;
+  if (!value.IsObject()) throw Napi::TypeError::New(env, "ropeScaling must be an object");
+  Napi::Object o = value.As<Napi::Object>();
+  const std::string type = o.Get("type").ToString().Utf8Value();
+  rope->factor = number(env, o.Get("factor"), "ropeScaling.factor");
+  if (type == "linear") {
+    rope->scaling = RopeConfig::Scaling::Linear;
+  } else if (type == "llama3") {
+    rope->scaling = RopeConfig::Scaling::Llama3;
+    rope->low_freq_factor = number(env, o.Get("lowFreqFactor"), "ropeScaling.lowFreqFactor");
+    rope->high_freq_factor = number(env, o.Get("highFreqFactor"), "ropeScaling.highFreqFactor");
+    rope->original_context = number(env, o.Get("originalContextLength"), "ropeScaling.originalContextLength");
+  } else {
+    throw Napi::TypeError::New(env, "ropeScaling.type must be 'linear' or 'llama3', got '" + type + "'");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Module functions
+
+Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
+  const CpuFeatures& f = cpu_features();
+  Napi::Object out = Napi::Object::New(info.Env());
+  out.Set("avx2", f.avx2);
+  out.Set("fma", f.fma);
+  out.Set("f16c", f.f16c);
+  out.Set("avx512f", f.avx512f);
+  out.Set("avx512bw", f.avx512bw);
+  out.Set("avx512vl", f.avx512vl);
+  out.Set("avx512dq", f.avx512dq);
+  out.Set("avx512vnni", f.avx512vnni);
+  out.Set("avx512bf16", f.avx512bf16);
+  out.Set("amxTile", f.amx_tile);
+  out.Set("amxInt8", f.amx_int8);
+  out.Set("amxBf16", f.amx_bf16);
+  out.Set("bestVariant", variant_name(best_supported_variant()));
+  out.Set("defaultThreads", default_thread_count());
+  return out;
+}
+
+Napi::Value KernelVariants(const Napi::CallbackInfo& info) {
+  return variants_object(info.Env(), variant_arg(info.Env(), info[0]));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// NativeModel
+
+class NativeModel : public Napi::ObjectWrap<NativeModel> {
+ public:
+  static Napi::Function Define(Napi::Env env) {
+    return DefineClass(env, "NativeModel",
+                       {InstanceMethod("forward", &NativeModel::Forward), InstanceMethod("info", &NativeModel::Info),
+                        InstanceMethod("dispose", &NativeModel::Dispose)});
+  }
+
+  // new NativeModel(spec): see NativeModelSpec in src/kernels/native.ts.
+  explicit NativeModel(const Napi::CallbackInfo& info) : Napi::ObjectWrap<NativeModel>(info) {
+    Napi::Env env = info.Env();
+    if (!info[0].IsObject()) throw Napi::TypeError::New(env, "NativeModel needs a spec object");
+    Napi::Object spec = info[0].As<Napi::Object>();
+    ModelSpec s;
+    s.vocab_size = integer(env, spec.Get("vocabSize"), "vocabSize", 1);
+    s.dim = integer(env, spec.Get("dim"), "dim", 1);
+    s.num_heads = integer(env, spec.Get("numHeads"), "numHeads", 1);
+    s.num_kv_heads = integer(env, spec.Get("numKvHeads"), "numKvHeads", 1);
+    s.head_dim = integer(env, spec.Get("headDim"), "headDim", 1);
+    s.ffn_dim = integer(env, spec.Get("ffnDim"), "ffnDim", 1);
+    s.rms_norm_eps = static_cast<float>(number(env, spec.Get("rmsNormEps"), "rmsNormEps"));
+    s.qkv_bias = spec.Get("qkvBias").ToBoolean();
+    s.rope.theta = number(env, spec.Get("ropeTheta"), "ropeTheta");
+    s.rope.rope_dim = static_cast<int>(integer(env, spec.Get("ropeDim"), "ropeDim", 2));
+    s.rope.neox = spec.Get("ropeNeox").ToBoolean();
+    read_rope_scaling(env, spec.Get("ropeScaling"), &s.rope);
+
+    s.token_embedding = tensor(env, spec.Get("tokenEmbedding"), "tokenEmbedding");
+    s.output_norm = tensor(env, spec.Get("outputNorm"), "outputNorm");
+    s.output = tensor(env, spec.Get("output"), "output");
+    if (!spec.Get("layers").IsArray()) throw Napi::TypeError::New(env, "layers must be an array");
+    Napi::Array layers = spec.Get("layers").As<Napi::Array>();
+    for (uint32_t i = 0; i < layers.Length(); ++i) {
+      const std::string p = "layers[" + std::to_string(i) + "].";
+      if (!layers.Get(i).IsObject()) throw Napi::TypeError::New(env, p.substr(0, p.size() - 1) + " must be an object");
+      Napi::Object l = layers.Get(i).As<Napi::Object>();
+      LayerRefs r;
+      r.attn_norm = tensor(env, l.Get("attnNorm"), p + "attnNorm");
+      r.wq = tensor(env, l.Get("wq"), p + "wq");
+      r.wk = tensor(env, l.Get("wk"), p + "wk");
+      r.wv = tensor(env, l.Get("wv"), p + "wv");
+      r.wo = tensor(env, l.Get("wo"), p + "wo");
+      if (s.qkv_bias) {
+        r.bq = tensor(env, l.Get("bq"), p + "bq");
+        r.bk = tensor(env, l.Get("bk"), p + "bk");
+        r.bv = tensor(env, l.Get("bv"), p + "bv");
+      }
+      r.ffn_norm = tensor(env, l.Get("ffnNorm"), p + "ffnNorm");
+      r.w_gate = tensor(env, l.Get("wGate"), p + "wGate");
+      r.w_up = tensor(env, l.Get("wUp"), p + "wUp");
+      r.w_down = tensor(env, l.Get("wDown"), p + "wDown");
+      s.layers.push_back(r);
+    }
+
+    ArrayView pool = typed_array(env, spec.Get("kvPool"), napi_uint8_array, "kvPool");
+    keep_.push_back(Napi::Persistent(spec.Get("kvPool").As<Napi::Object>()));
+    s.kv_pool = static_cast<uint8_t*>(pool.data);
+    s.kv_pool_bytes = pool.length;
+    s.num_blocks = integer(env, spec.Get("numBlocks"), "numBlocks", 1);
+    s.block_size = integer(env, spec.Get("blockSize"), "blockSize", 1);
+    const std::string dtype = spec.Get("kvDtype").ToString().Utf8Value();
+    if (dtype != "f32" && dtype != "f16") throw Napi::TypeError::New(env, "kvDtype must be 'f32' or 'f16'");
+    s.kv_f16 = dtype == "f16";
+
+    const Variant variant = variant_arg(env, spec.Get("variant"));
+    const int threads = static_cast<int>(integer(env, spec.Get("threads"), "threads", 1));
+    try {
+      model_ = std::make_unique<Model>(std::move(s), variant, threads);
+    } catch (const InvalidInput& e) {
+      throw Napi::Error::New(env, e.what());
+    }
+  }
+
+ private:
+  // A tensor argument { type, shape: [cols, rows?], data: Uint8Array }; its array stays referenced.
+  TensorRef tensor(const Napi::Env& env, const Napi::Value& value, const std::string& name) {
+    if (!value.IsObject()) throw Napi::TypeError::New(env, name + " is missing");
+    Napi::Object t = value.As<Napi::Object>();
+    TensorRef r;
+    r.type = weight_type_arg(env, t.Get("type"), name + ".type");
+    if (!t.Get("shape").IsArray()) throw Napi::TypeError::New(env, name + ".shape must be an array");
+    Napi::Array shape = t.Get("shape").As<Napi::Array>();
+    if (shape.Length() < 1 || shape.Length() > 2) throw Napi::RangeError::New(env, name + " must be 1-D or 2-D");
+    r.cols = integer(env, shape.Get(0u), name + ".shape[0]", 1);
+    r.rows = shape.Length() == 2 ? integer(env, shape.Get(1u), name + ".shape[1]", 1) : 1;
+    if (r.cols % type_block_elements(r.type) != 0) {
+      throw Napi::RangeError::New(env, name + ": row length " + std::to_string(r.cols) +
+                                           " is not a multiple of the block size");
+    }
+    ArrayView data = typed_array(env, t.Get("data"), napi_uint8_array, name + ".data");
+    const size_t needed = row_bytes(r.type, r.cols) * static_cast<size_t>(r.rows);
+    if (data.length < needed) {
+      throw Napi::RangeError::New(env, name + ".data has " + std::to_string(data.length) + " bytes, needs " +
+                                           std::to_string(needed));
+    }
+    r.data = static_cast<const uint8_t*>(data.data);
+    keep_.push_back(Napi::Persistent(t.Get("data").As<Napi::Object>()));
+    return r;
+  }
+
+  Model& model(const Napi::Env& env) {
+    if (!model_) throw Napi::Error::New(env, "NativeModel is disposed");
+    return *model_;
+  }
+
+  // forward(batch: ForwardBatch) -> Float32Array [logitsIndices.length * vocabSize]
+  Napi::Value Forward(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Model& m = model(env);
+    if (!info[0].IsObject()) throw Napi::TypeError::New(env, "forward needs a batch object");
+    Napi::Object o = info[0].As<Napi::Object>();
+    StepBatch b;
+    b.num_tokens = integer(env, o.Get("numTokens"), "numTokens");
+    b.num_seqs = static_cast<int>(integer(env, o.Get("numSeqs"), "numSeqs"));
+    b.max_blocks_per_seq = static_cast<int>(integer(env, o.Get("maxBlocksPerSeq"), "maxBlocksPerSeq"));
+    const size_t T = static_cast<size_t>(b.num_tokens), S = static_cast<size_t>(b.num_seqs);
+    b.token_ids = typed_data<int32_t>(env, o.Get("tokenIds"), napi_int32_array, "tokenIds", T);
+    b.positions = typed_data<int32_t>(env, o.Get("positions"), napi_int32_array, "positions", T);
+    b.slot_mapping = typed_data<int32_t>(env, o.Get("slotMapping"), napi_int32_array, "slotMapping", T);
+    b.query_start_loc = typed_data<int32_t>(env, o.Get("queryStartLoc"), napi_int32_array, "queryStartLoc", S + 1);
+    b.seq_lens = typed_data<int32_t>(env, o.Get("seqLens"), napi_int32_array, "seqLens", S);
+    b.block_tables = typed_data<int32_t>(env, o.Get("blockTables"), napi_int32_array, "blockTables",
+                                         S * static_cast<size_t>(b.max_blocks_per_seq));
+    ArrayView logits_indices = typed_array(env, o.Get("logitsIndices"), napi_int32_array, "logitsIndices");
+    b.logits_indices = static_cast<const int32_t*>(logits_indices.data);
+    b.num_logits = static_cast<int64_t>(logits_indices.length);
+
+    Napi::Float32Array logits = Napi::Float32Array::New(env, b.num_logits * m.spec().vocab_size);
+    try {
+      m.forward(b, logits.Data());
+    } catch (const InvalidInput& e) {
+      throw Napi::RangeError::New(env, std::string("forward: ") + e.what());
+    }
+    return logits;
+  }
+
+  Napi::Value Info(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Model& m = model(env);
+    Napi::Object out = Napi::Object::New(env);
+    out.Set("variant", variant_name(m.variant()));
+    out.Set("threads", m.threads());
+    out.Set("variants", variants_object(env, m.variant()));
+    out.Set("hugePageBytes", static_cast<double>(m.huge_page_bytes()));
+    return out;
+  }
+
+  Napi::Value Dispose(const Napi::CallbackInfo& info) {
+    model_.reset();
+    keep_.clear();
+    return info.Env().Undefined();
+  }
+
+  std::unique_ptr<Model> model_;
+  std::vector<Napi::ObjectReference> keep_;  // weight arrays and the KV pool view: alive as long as the model
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// ops.*: each kernel through its driver, with an explicit variant and thread count.
+
+// matmul(variant, type, w: Uint8Array, x: Float32Array, m, k, n, y: Float32Array, threads)
+Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  const int type = weight_type_arg(env, info[1], "type");
+  const int64_t m = integer(env, info[4], "m"), k = integer(env, info[5], "k", 1), n = integer(env, info[6], "n");
+  if (k % type_block_elements(type) != 0) {
+    throw Napi::RangeError::New(env, "k = " + std::to_string(k) + " is not a multiple of the block size of " +
+                                         type_name(type));
+  }
+  const uint8_t* w = typed_data<uint8_t>(env, info[2], napi_uint8_array, "w", row_bytes(type, k) * n);
+  const float* x = typed_data<float>(env, info[3], napi_float32_array, "x", m * k);
+  float* y = typed_data<float>(env, info[7], napi_float32_array, "y", m * n);
+  const int threads = static_cast<int>(integer(env, info[8], "threads", 1));
+  std::lock_guard<std::mutex> lock(ops_mutex);
+  OpsContext& c = ops_context(threads);
+  MatmulOutput out{w, type, n, y, n};
+  matmul(kernel_table(v), *c.pool, c.ws, x, m, k, &out, 1);
+  return env.Undefined();
+}
+
+// embedding(variant, type, table: Uint8Array, dim, tokenIds: Int32Array, out: Float32Array)
+Napi::Value OpEmbedding(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  const int type = weight_type_arg(env, info[1], "type");
+  const int64_t dim = integer(env, info[3], "dim", 1);
+  if (dim % type_block_elements(type) != 0) throw Napi::RangeError::New(env, "dim is not a multiple of the block size");
+  ArrayView table = typed_array(env, info[2], napi_uint8_array, "table");
+  ArrayView ids = typed_array(env, info[4], napi_int32_array, "tokenIds");
+  float* out = typed_data<float>(env, info[5], napi_float32_array, "out", ids.length * dim);
+  const size_t rb = row_bytes(type, dim);
+  const int64_t rows = static_cast<int64_t>(table.length / rb);
+  const int32_t* id = static_cast<const int32_t*>(ids.data);
+  for (size_t i = 0; i < ids.length; ++i) {
+    if (id[i] < 0 || id[i] >= rows) {
+      throw Napi::RangeError::New(env, "tokenIds[" + std::to_string(i) + "] is outside the table's " +
+                                           std::to_string(rows) + " rows");
+    }
+    kernel_table(v).dequantize_row[type](static_cast<const uint8_t*>(table.data) + id[i] * rb, out + i * dim, dim);
+  }
+  return env.Undefined();
+}
+
+// rmsnorm(variant, x, weight, rows, dim, eps, out)
+Napi::Value OpRmsNorm(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  const int64_t rows = integer(env, info[3], "rows"), dim = integer(env, info[4], "dim", 1);
+  const float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * dim);
+  const float* w = typed_data<float>(env, info[2], napi_float32_array, "weight", dim);
+  const float eps = static_cast<float>(number(env, info[5], "eps"));
+  float* out = typed_data<float>(env, info[6], napi_float32_array, "out", rows * dim);
+  for (int64_t r = 0; r < rows; ++r) kernel_table(v).rmsnorm(x + r * dim, w, out + r * dim, dim, eps);
+  return env.Undefined();
+}
+
+// add(variant, acc, x): acc += x over acc.length elements
+Napi::Value OpAdd(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  ArrayView acc = typed_array(env, info[1], napi_float32_array, "acc");
+  const float* x = typed_data<float>(env, info[2], napi_float32_array, "x", acc.length);
+  kernel_table(v).add(static_cast<float*>(acc.data), x, static_cast<int64_t>(acc.length));
+  return env.Undefined();
+}
+
+// swiglu(variant, gate, up, out) over gate.length elements
+Napi::Value OpSwiglu(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  ArrayView gate = typed_array(env, info[1], napi_float32_array, "gate");
+  const float* up = typed_data<float>(env, info[2], napi_float32_array, "up", gate.length);
+  float* out = typed_data<float>(env, info[3], napi_float32_array, "out", gate.length);
+  kernel_table(v).swiglu(static_cast<const float*>(gate.data), up, out, static_cast<int64_t>(gate.length));
+  return env.Undefined();
+}
+
+// softmax(variant, x, rows, n): each row of n in place
+Napi::Value OpSoftmax(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  const int64_t rows = integer(env, info[2], "rows"), n = integer(env, info[3], "n", 1);
+  float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * n);
+  for (int64_t r = 0; r < rows; ++r) kernel_table(v).softmax(x + r * n, n);
+  return env.Undefined();
+}
+
+// rope(variant, x, positions, numHeads, headDim, ropeDim, neox, theta, scaling?): x [rows x numHeads*headDim]
+Napi::Value OpRope(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  ArrayView positions = typed_array(env, info[2], napi_int32_array, "positions");
+  RopeParams p;
+  p.num_heads = static_cast<int>(integer(env, info[3], "numHeads", 1));
+  p.head_dim = static_cast<int>(integer(env, info[4], "headDim", 1));
+  p.rope_dim = static_cast<int>(integer(env, info[5], "ropeDim", 2));
+  p.neox = info[6].ToBoolean();
+  if (p.rope_dim % 2 != 0 || p.rope_dim > p.head_dim) {
+    throw Napi::RangeError::New(env, "ropeDim must be even and <= headDim");
+  }
+  RopeConfig c;
+  c.theta = number(env, info[7], "theta");
+  c.rope_dim = p.rope_dim;
+  read_rope_scaling(env, info[8], &c);
+  const int64_t rows = static_cast<int64_t>(positions.length);
+  float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * p.num_heads * p.head_dim);
+  std::lock_guard<std::mutex> lock(ops_mutex);
+  OpsContext& ctx = ops_context(1);
+  RopeTable table;
+  table.compute(*ctx.pool, rope_inverse_frequencies(c), static_cast<const int32_t*>(positions.data), rows);
+  apply_rope(kernel_table(v), *ctx.pool, table, p, x, rows);
+  return env.Undefined();
+}
+
+struct PoolArg {
+  uint8_t* data;
+  int64_t num_layers, num_blocks, block_size, num_kv_heads, head_dim;
+  bool f16;
+  size_t region_bytes() const {
+    return static_cast<size_t>(num_blocks * block_size * num_kv_heads * head_dim) * (f16 ? 2 : 4);
+  }
+};
+
+// The pool and its layout { numLayers, numBlocks, blockSize, numKvHeads, headDim, dtype }.
+PoolArg pool_arg(const Napi::Env& env, const Napi::Value& pool, const Napi::Value& layout_value) {
+  if (!layout_value.IsObject()) throw Napi::TypeError::New(env, "layout must be an object");
+  Napi::Object layout = layout_value.As<Napi::Object>();
+  PoolArg p;
+  p.num_layers = integer(env, layout.Get("numLayers"), "numLayers", 1);
+  p.num_blocks = integer(env, layout.Get("numBlocks"), "numBlocks", 1);
+  p.block_size = integer(env, layout.Get("blockSize"), "blockSize", 1);
+  p.num_kv_heads = integer(env, layout.Get("numKvHeads"), "numKvHeads", 1);
+  p.head_dim = integer(env, layout.Get("headDim"), "headDim", 1);
+  p.f16 = layout.Get("dtype").ToString().Utf8Value() == "f16";
+  p.data = typed_data<uint8_t>(env, pool, napi_uint8_array, "pool", 2 * p.num_layers * p.region_bytes());
+  return p;
+}
+
+// kvWrite(variant, k, v, slots, pool, layout, layer)
+Napi::Value OpKvWrite(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  PoolArg p = pool_arg(env, info[4], info[5]);
+  const int64_t layer = integer(env, info[6], "layer");
+  if (layer >= p.num_layers) throw Napi::RangeError::New(env, "layer is outside the pool");
+  ArrayView slots = typed_array(env, info[3], napi_int32_array, "slots");
+  const int64_t rows = static_cast<int64_t>(slots.length), row_elems = p.num_kv_heads * p.head_dim;
+  const float* k = typed_data<float>(env, info[1], napi_float32_array, "k", rows * row_elems);
+  const float* vv = typed_data<float>(env, info[2], napi_float32_array, "v", rows * row_elems);
+  const int32_t* s = static_cast<const int32_t*>(slots.data);
+  for (int64_t i = 0; i < rows; ++i) {
+    if (s[i] < 0 || s[i] >= p.num_blocks * p.block_size) throw Napi::RangeError::New(env, "slot outside the pool");
+  }
+  kv_write(kernel_table(v), k, vv, rows, row_elems, s, p.data + 2 * layer * p.region_bytes(),
+           p.data + (2 * layer + 1) * p.region_bytes(), p.f16);
+  return env.Undefined();
+}
+
+// attention(variant, q, out, pool, layout, layer, queryStartLoc, seqLens, blockTables, maxBlocksPerSeq, numHeads,
+//           threads)
+Napi::Value OpAttention(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  PoolArg p = pool_arg(env, info[3], info[4]);
+  const int64_t layer = integer(env, info[5], "layer");
+  if (layer >= p.num_layers) throw Napi::RangeError::New(env, "layer is outside the pool");
+  ArrayView qsl = typed_array(env, info[6], napi_int32_array, "queryStartLoc");
+  if (qsl.length < 1) throw Napi::RangeError::New(env, "queryStartLoc needs numSeqs + 1 entries");
+  const int num_seqs = static_cast<int>(qsl.length - 1);
+  const int max_blocks = static_cast<int>(integer(env, info[9], "maxBlocksPerSeq"));
+  const int64_t num_heads = integer(env, info[10], "numHeads", 1);
+  const int threads = static_cast<int>(integer(env, info[11], "threads", 1));
+  const int32_t* q_start = static_cast<const int32_t*>(qsl.data);
+  const int32_t* seq_lens = typed_data<int32_t>(env, info[7], napi_int32_array, "seqLens", num_seqs);
+  const int32_t* tables = typed_data<int32_t>(env, info[8], napi_int32_array, "blockTables",
+                                              static_cast<size_t>(num_seqs) * max_blocks);
+  if (num_heads % p.num_kv_heads != 0) throw Napi::RangeError::New(env, "numHeads is not a multiple of numKvHeads");
+  const int64_t tokens = q_start[num_seqs];
+  for (int s = 0; s < num_seqs; ++s) {
+    const int rows = q_start[s + 1] - q_start[s];
+    if (rows < 0 || seq_lens[s] < rows || seq_lens[s] > static_cast<int64_t>(max_blocks) * p.block_size) {
+      throw Napi::RangeError::New(env, "sequence " + std::to_string(s) + " has inconsistent lengths");
+    }
+    for (int64_t b = 0; b < div_ceil(seq_lens[s], p.block_size); ++b) {
+      const int32_t id = tables[static_cast<int64_t>(s) * max_blocks + b];
+      if (id < 0 || id >= p.num_blocks) throw Napi::RangeError::New(env, "block table entry outside the pool");
+    }
+  }
+  const int64_t width = num_heads * p.head_dim;
+  AttentionArgs a;
+  a.q = typed_data<float>(env, info[1], napi_float32_array, "q", tokens * width);
+  a.out = typed_data<float>(env, info[2], napi_float32_array, "out", tokens * width);
+  a.k_cache = p.data + 2 * layer * p.region_bytes();
+  a.v_cache = p.data + (2 * layer + 1) * p.region_bytes();
+  a.kv_f16 = p.f16;
+  a.num_heads = static_cast<int>(num_heads);
+  a.num_kv_heads = static_cast<int>(p.num_kv_heads);
+  a.head_dim = static_cast<int>(p.head_dim);
+  a.block_size = static_cast<int>(p.block_size);
+  a.query_start_loc = q_start;
+  a.seq_lens = seq_lens;
+  a.block_tables = tables;
+  a.max_blocks_per_seq = max_blocks;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  std::lock_guard<std::mutex> lock(ops_mutex);
+  OpsContext& c = ops_context(threads);
+  attention(kernel_table(v), *c.pool, c.ws, a, num_seqs);
+  return env.Undefined();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// bench.*
+
+// memoryBandwidth(kind: 'read' | 'copy' | 'triad', bytesPerArray, repetitions, threads) -> best GB/s
+Napi::Value BenchMemory(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const std::string kind = info[0].ToString().Utf8Value();
+  const int64_t bytes = integer(env, info[1], "bytesPerArray", 4096);
+  const int reps = static_cast<int>(integer(env, info[2], "repetitions", 1));
+  const int threads = static_cast<int>(integer(env, info[3], "threads", 1));
+  MemoryKernel k;
+  if (kind == "read") k = MemoryKernel::Read;
+  else if (kind == "copy") k = MemoryKernel::Copy;
+  else if (kind == "triad") k = MemoryKernel::Triad;
+  else throw Napi::TypeError::New(env, "kind must be 'read', 'copy' or 'triad'");
+  ThreadPool pool(threads);
+  return Napi::Number::New(env, memory_bandwidth_gbps(pool, k, static_cast<size_t>(bytes), reps));
+}
+
+// peakFlops(kind: 'f32' | 'int8', threads, variant = best) -> GFLOP/s (int8: GOP/s, one multiply-add = 2 ops)
+Napi::Value BenchPeak(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const std::string kind = info[0].ToString().Utf8Value();
+  const int threads = static_cast<int>(integer(env, info[1], "threads", 1));
+  const Variant variant = info[2].IsUndefined() ? best_supported_variant() : variant_arg(env, info[2]);
+  if (kind != "f32" && kind != "int8") throw Napi::TypeError::New(env, "kind must be 'f32' or 'int8'");
+  ThreadPool pool(threads);
+  return Napi::Number::New(env, kind == "f32" ? peak_f32_gflops(pool, variant) : peak_int8_gops(pool, variant));
+}
+
+Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  exports.Set("cpuInfo", Napi::Function::New(env, CpuInfo));
+  exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));
+  exports.Set("NativeModel", NativeModel::Define(env));
+  Napi::Object ops = Napi::Object::New(env);
+  ops.Set("matmul", Napi::Function::New(env, OpMatmul));
+  ops.Set("embedding", Napi::Function::New(env, OpEmbedding));
+  ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
+  ops.Set("add", Napi::Function::New(env, OpAdd));
+  ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));
+  ops.Set("softmax", Napi::Function::New(env, OpSoftmax));
+  ops.Set("rope", Napi::Function::New(env, OpRope));
+  ops.Set("kvWrite", Napi::Function::New(env, OpKvWrite));
+  ops.Set("attention", Napi::Function::New(env, OpAttention));
+  exports.Set("ops", ops);
+  Napi::Object bench = Napi::Object::New(env);
+  bench.Set("memoryBandwidth", Napi::Function::New(env, BenchMemory));
+  bench.Set("peakFlops", Napi::Function::New(env, BenchPeak));
+  exports.Set("bench", bench);
+  return exports;
+}
+
+}  // namespace
+
+NODE_API_MODULE(conduit_native, Init)

@@ -1,0 +1,296 @@
+// Paged attention over a vector traits type V. Include inside an anonymous namespace of the ISA's file, after
+// its traits and ops_simd.h (for vexp / simd_softmax).
+//
+// A unit is (sequence, KV head, rows). The pool offsets of its context positions are looked up in the block
+// table once per unit and shared by K and V, every row and every query head of the group. Per row:
+//  - scores, kWidth positions at a time: each position's dot product is accumulated lane-parallel over
+//    head_dim, then one transposing reduction turns kWidth accumulators into kWidth scores (a full horizontal
+//    reduction per position would cost more than the dot product itself); K rows are reused by the group's
+//    heads from L1, and the K and V rows a little further on are prefetched, since a decode step finds the
+//    KV cache in DRAM (the weights streamed since the last step have evicted it);
+//  - a vectorised softmax;
+//  - out = P V with whole head outputs of several query vectors in registers, so each V row is read once for all
+//    of them (head_dim of 1, 2, 4 or 8 vectors; other sizes go one vector chunk at a time).
+
+template <class V, bool F16>
+inline typename V::F load_kv(const uint8_t* row, int64_t d) {
+  if (F16) return V::load_f16(reinterpret_cast<const uint16_t*>(row) + d);
+  return V::load(reinterpret_cast<const float*>(row) + d);
+}
+
+template <class V, bool F16>
+inline typename V::F load_kv_partial(const uint8_t* row, int64_t d, int64_t n) {
+  if (F16) return V::load_f16_partial(reinterpret_cast<const uint16_t*>(row) + d, n);
+  return V::load_partial(reinterpret_cast<const float*>(row) + d, n);
+}
+
+// Positions ahead whose K and V rows are prefetched.
+constexpr int kAttentionPrefetchAhead = 64;
+
+// Scores of the group's heads for positions [t0, t0 + live), live <= kWidth.
+template <class V, bool F16>
+inline void score_positions(const float* q, int group, int hd, const uint8_t* const* k, int live, float scale,
+                            float* scores, size_t score_stride) {
+  using F = typename V::F;
+  constexpr int W = V::kWidth;
+  const int full = hd / W * W;
+  for (int j = 0; j < group; ++j) {
+    F acc[W];
+#pragma GCC unroll 16
+    for (int u = 0; u < W; ++u) acc[u] = V::zero();
+    for (int d = 0; d < full; d += W) {
+      const F qv = V::load(q + j * hd + d);
+#pragma GCC unroll 16
+      for (int u = 0; u < W; ++u) acc[u] = V::fmadd(qv, load_kv<V, F16>(k[u], d), acc[u]);
+    }
+    if (full < hd) {
+      const F qv = V::load_partial(q + j * hd + full, hd - full);
+#pragma GCC unroll 16
+      for (int u = 0; u < W; ++u) acc[u] = V::fmadd(qv, load_kv_partial<V, F16>(k[u], full, hd - full), acc[u]);
+    }
+    V::store_partial(scores + j * score_stride, V::mul(V::reduce_add_lanes(acc), V::set1(scale)), live);
+  }
+}
+
+// Query vectors whose whole outputs (NC vectors each) one P V pass keeps in registers: about half the registers.
+template <class V, int NC>
+constexpr int value_block() {
+  return (V::kWidth == 16 ? 16 : 8) / NC > 0 ? (V::kWidth == 16 ? 16 : 8) / NC : 1;
+}
+
+// out[i] = sum over positions t < context of p[i][t] * V[t] for n <= value_block query vectors at once, head_dim =
+// NC vectors: every V row is read once for all of them.
+template <class V, bool F16, int NC>
+inline void weighted_values_block(const uint8_t* v_cache, const size_t* offsets, const float* p, size_t p_stride,
+                                  int context, int n, float* const* out) {
+  using F = typename V::F;
+  constexpr int W = V::kWidth;
+  constexpr int JB = value_block<V, NC>();
+  F acc[JB][NC];
+  const float* pj[JB];
+  for (int j = 0; j < JB; ++j) {
+    for (int c = 0; c < NC; ++c) acc[j][c] = V::zero();
+    pj[j] = p + (j < n ? j : n - 1) * p_stride;
+  }
+  for (int t = 0; t < context; ++t) {
+    const uint8_t* row = v_cache + offsets[t];
+    F v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load_kv<V, F16>(row, c * W);
+    for (int j = 0; j < JB; ++j) {
+      const F pt = V::set1(pj[j][t]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = V::fmadd(pt, v[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    for (int c = 0; c < NC; ++c) V::store(out[j] + c * W, acc[j][c]);
+  }
+}
+
+// Any head_dim: one vector chunk of one head at a time, four positions in flight.
+template <class V, bool F16>
+inline void weighted_values_chunked(const uint8_t* v_cache, const size_t* offsets, const float* p, int context,
+                                    int hd, float* out) {
+  using F = typename V::F;
+  constexpr int W = V::kWidth;
+  for (int d = 0; d < hd; d += W) {
+    const int64_t n = hd - d < W ? hd - d : W;
+    F acc0 = V::zero(), acc1 = V::zero(), acc2 = V::zero(), acc3 = V::zero();
+    int t = 0;
+    if (n == W) {
+      for (; t + 4 <= context; t += 4) {
+        acc0 = V::fmadd(V::set1(p[t]), load_kv<V, F16>(v_cache + offsets[t], d), acc0);
+        acc1 = V::fmadd(V::set1(p[t + 1]), load_kv<V, F16>(v_cache + offsets[t + 1], d), acc1);
+        acc2 = V::fmadd(V::set1(p[t + 2]), load_kv<V, F16>(v_cache + offsets[t + 2], d), acc2);
+        acc3 = V::fmadd(V::set1(p[t + 3]), load_kv<V, F16>(v_cache + offsets[t + 3], d), acc3);
+      }
+    }
+    for (; t < context; ++t) acc0 = V::fmadd(V::set1(p[t]), load_kv_partial<V, F16>(v_cache + offsets[t], d, n), acc0);
+    V::store_partial(out + d, V::add(V::add(acc0, acc1), V::add(acc2, acc3)), n);
+  }
+}
+
+// The group's heads of one row: whole outputs in registers when head_dim is 1, 2, 4 or 8 vectors.
+template <class V, bool F16>
+inline void weighted_values(const AttentionArgs& a, const size_t* offsets, const float* scores, size_t score_stride,
+                            int context, int group, int hd, float* out) {
+  constexpr int W = V::kWidth;
+  auto blocks = [&](auto chunks) {
+    constexpr int NC = decltype(chunks)::value;
+    constexpr int JB = value_block<V, NC>();
+    for (int j0 = 0; j0 < group; j0 += JB) {
+      const int n = group - j0 < JB ? group - j0 : JB;
+      float* outs[JB];
+      for (int j = 0; j < n; ++j) outs[j] = out + (j0 + j) * hd;
+      weighted_values_block<V, F16, NC>(a.v_cache, offsets, scores + j0 * score_stride, score_stride, context, n, outs);
+    }
+  };
+  switch (hd % W == 0 ? hd / W : 0) {
+    case 1: return blocks(std::integral_constant<int, 1>());
+    case 2: return blocks(std::integral_constant<int, 2>());
+    case 4: return blocks(std::integral_constant<int, 4>());
+    case 8: return blocks(std::integral_constant<int, 8>());
+    default:
+      for (int j = 0; j < group; ++j) {
+        weighted_values_chunked<V, F16>(a.v_cache, offsets, scores + j * score_stride, context, hd, out + j * hd);
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// One row at a time (decode, and rows of odd head sizes).
+
+template <class V, bool F16>
+void attention_rows(const AttentionArgs& a, int kv_head, int first_row, int cached, int row_begin, int row_end,
+                    const size_t* offsets, float* scores, size_t score_stride) {
+  constexpr int W = V::kWidth;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int hd = a.head_dim;
+  const int64_t q_stride = static_cast<int64_t>(a.num_heads) * hd;
+  const size_t row_span = static_cast<size_t>(hd) * (F16 ? 2 : 4);
+  auto prefetch_row = [&](const uint8_t* row) {
+    for (size_t off = 0; off < row_span; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
+  };
+  for (int r = row_begin; r < row_end; ++r) {
+    const int context = cached + r + 1;
+    const int64_t token = first_row + r;
+    const float* q = a.q + token * q_stride + static_cast<int64_t>(kv_head) * group * hd;
+    for (int t0 = 0; t0 < context; t0 += W) {
+      const int live = context - t0 < W ? context - t0 : W;
+      const uint8_t* k[W];
+      for (int u = 0; u < W; ++u) k[u] = a.k_cache + offsets[t0 + (u < live ? u : live - 1)];
+      for (int t = t0 + kAttentionPrefetchAhead; t < t0 + kAttentionPrefetchAhead + W && t < context; ++t) {
+        prefetch_row(a.k_cache + offsets[t]);
+        prefetch_row(a.v_cache + offsets[t - kAttentionPrefetchAhead]);
+      }
+      score_positions<V, F16>(q, group, hd, k, live, a.scale, scores + t0, score_stride);
+    }
+    for (int j = 0; j < group; ++j) simd_softmax<V>(scores + j * score_stride, context);
+    weighted_values<V, F16>(a, offsets, scores, score_stride, context, group, hd,
+                            a.out + token * q_stride + static_cast<int64_t>(kv_head) * group * hd);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Several rows at once (prefill): the unit's rows x query heads form a small matrix Q, and each block of kWidth
+// keys is transposed once (f16 decoded once) so S = Q K^T is a register-blocked product with broadcast query
+// elements and no horizontal reductions; P V then reuses every V row for a block of query vectors. Rows see
+// different context lengths (causal): positions past a row's own are masked out of its scores and probabilities.
+
+constexpr int kScoreBlock = 8;  // query vectors per score microkernel
+
+template <class V, bool F16, int NC>
+void attention_tile(const AttentionArgs& a, int kv_head, int first_row, int cached, int row_begin, int row_end,
+                    const size_t* offsets, float* scores, size_t score_stride, float* kt) {
+  using F = typename V::F;
+  constexpr int W = V::kWidth;
+  constexpr int hd = NC * W;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int64_t q_stride = static_cast<int64_t>(a.num_heads) * hd;
+  const int rows = row_end - row_begin;
+  const int nq = rows * group;
+  const int max_context = cached + row_end;
+  // Query vector i is head (kv_head * group + i % group) of row row_begin + i / group.
+  auto query = [&](int i) {
+    const int64_t token = first_row + row_begin + i / group;
+    return a.q + token * q_stride + (static_cast<int64_t>(kv_head) * group + i % group) * hd;
+  };
+  auto context_of = [&](int i) { return cached + row_begin + i / group + 1; };
+
+  // Scores.
+  for (int t0 = 0; t0 < max_context; t0 += W) {
+    const int live = max_context - t0 < W ? max_context - t0 : W;
+    for (int c = 0; c < NC; ++c) {
+      F block[W];
+      for (int u = 0; u < W; ++u) {
+        block[u] = load_kv<V, F16>(a.k_cache + offsets[t0 + (u < live ? u : live - 1)], c * W);
+      }
+      V::transpose(block);
+      for (int d = 0; d < W; ++d) V::store(kt + (c * W + d) * W, block[d]);
+    }
+    for (int i0 = 0; i0 < nq; i0 += kScoreBlock) {
+      const int n = nq - i0 < kScoreBlock ? nq - i0 : kScoreBlock;
+      F acc[kScoreBlock];
+      const float* qs[kScoreBlock];
+      for (int i = 0; i < kScoreBlock; ++i) {
+        acc[i] = V::zero();
+        qs[i] = query(i0 + (i < n ? i : n - 1));
+      }
+      for (int d = 0; d < hd; ++d) {
+        const F kv = V::load(kt + d * W);
+        for (int i = 0; i < kScoreBlock; ++i) acc[i] = V::fmadd(V::set1(qs[i][d]), kv, acc[i]);
+      }
+      for (int i = 0; i < n; ++i) {
+        const int visible = context_of(i0 + i) - t0;  // may be <= 0: nothing of this block is visible
+        if (visible > 0) {
+          V::store_partial(scores + (i0 + i) * score_stride + t0, V::mul(acc[i], V::set1(a.scale)),
+                           visible < live ? visible : live);
+        }
+      }
+    }
+  }
+  // Softmax over each vector's own context; zero probabilities past it so P V can run to the longest context.
+  for (int i = 0; i < nq; ++i) {
+    float* p = scores + i * score_stride;
+    simd_softmax<V>(p, context_of(i));
+    for (int t = context_of(i); t < max_context; ++t) p[t] = 0.0f;
+  }
+  // out = P V, each block of query vectors up to its longest context.
+  constexpr int JB = value_block<V, NC>();
+  for (int i0 = 0; i0 < nq; i0 += JB) {
+    const int n = nq - i0 < JB ? nq - i0 : JB;
+    float* outs[JB];
+    for (int i = 0; i < n; ++i) outs[i] = a.out + (query(i0 + i) - a.q);
+    weighted_values_block<V, F16, NC>(a.v_cache, offsets, scores + i0 * score_stride, score_stride,
+                                      context_of(i0 + n - 1), n, outs);
+  }
+}
+
+template <class V, bool F16>
+void attention_unit(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) {
+  constexpr int W = V::kWidth;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int hd = a.head_dim;
+  const int first_row = a.query_start_loc[seq];
+  const int num_new = a.query_start_loc[seq + 1] - first_row;
+  const int cached = a.seq_lens[seq] - num_new;
+  const int max_context = cached + row_end;
+  const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  const size_t element = F16 ? 2 : 4;
+  const size_t row_bytes = static_cast<size_t>(a.num_kv_heads) * hd * element;
+  const size_t head_offset = static_cast<size_t>(kv_head) * hd * element;
+
+  // Scratch: scores [rows * group][score_stride], the byte offset of each position's row, a transposed key block.
+  const size_t score_stride = attention_score_stride(max_context);
+  float* scores = scratch;
+  size_t* offsets =
+      reinterpret_cast<size_t*>(scratch + static_cast<size_t>(kAttentionRowsPerUnit) * group * score_stride);
+  float* kt = reinterpret_cast<float*>(offsets + max_context);
+  kt += (64 - reinterpret_cast<uintptr_t>(kt) % 64) % 64 / sizeof(float);
+  for (int t = 0; t < max_context; ++t) {
+    const int64_t slot = static_cast<int64_t>(block_table[t / a.block_size]) * a.block_size + t % a.block_size;
+    offsets[t] = static_cast<size_t>(slot) * row_bytes + head_offset;
+  }
+
+  const bool tiled = row_end - row_begin > 1 && hd % W == 0;
+  auto tile = [&](auto chunks) {
+    attention_tile<V, F16, decltype(chunks)::value>(a, kv_head, first_row, cached, row_begin, row_end, offsets,
+                                                    scores, score_stride, kt);
+  };
+  switch (tiled ? hd / W : 0) {
+    case 1: return tile(std::integral_constant<int, 1>());
+    case 2: return tile(std::integral_constant<int, 2>());
+    case 4: return tile(std::integral_constant<int, 4>());
+    case 8: return tile(std::integral_constant<int, 8>());
+    default:
+      return attention_rows<V, F16>(a, kv_head, first_row, cached, row_begin, row_end, offsets, scores, score_stride);
+  }
+}
+
+template <class V>
+void simd_attention(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) {
+  if (a.kv_f16) {
+    attention_unit<V, true>(a, seq, kv_head, row_begin, row_end, scratch);
+  } else {
+    attention_unit<V, false>(a, seq, kv_head, row_begin, row_end, scratch);
+  }
+}

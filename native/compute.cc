@@ -1,0 +1,182 @@
+#include "compute.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace conduit {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Matmul
+
+namespace {
+constexpr size_t kAlign = 64;
+inline size_t align_up(size_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
+// Activation rows quantized per work item: enough to amortise the hand-out, small enough to balance.
+constexpr int64_t kQuantizeRowsPerItem = 16;
+}  // namespace
+
+void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float* x, int64_t m, int64_t k,
+            const MatmulOutput* outputs, int count) {
+  if (m == 0 || count == 0) return;
+
+  // One activation buffer per distinct quantizer among the outputs (in practice at most one).
+  struct Format {
+    const MatmulKernel* kernel;
+    size_t offset, stride;
+  };
+  std::vector<Format> formats;
+  std::vector<int> format_of(count, -1);
+  size_t act_bytes = 0, scratch_bytes = 0;
+  for (int i = 0; i < count; ++i) {
+    const MatmulKernel& mk = kt.matmul[outputs[i].type];
+    scratch_bytes = std::max(scratch_bytes, align_up(mk.scratch_bytes(k)));
+    if (!mk.act_row_bytes) continue;
+    for (size_t f = 0; f < formats.size(); ++f) {
+      if (formats[f].kernel->quantize_act == mk.quantize_act) format_of[i] = static_cast<int>(f);
+    }
+    if (format_of[i] < 0) {
+      const size_t stride = align_up(mk.act_row_bytes(k));
+      format_of[i] = static_cast<int>(formats.size());
+      formats.push_back({&mk, act_bytes, stride});
+      act_bytes += stride * static_cast<size_t>(m);
+    }
+  }
+  uint8_t* act = formats.empty() ? nullptr : ws.activations.get(act_bytes);
+  uint8_t* scratch = ws.per_thread.get(scratch_bytes * static_cast<size_t>(pool.size()));
+
+  if (!formats.empty()) {
+    const int64_t items = div_ceil(m, kQuantizeRowsPerItem);
+    pool.parallel_for(items * static_cast<int64_t>(formats.size()), [&](int64_t item, int) {
+      const Format& f = formats[item / items];
+      const int64_t r0 = (item % items) * kQuantizeRowsPerItem, r1 = min64(m, r0 + kQuantizeRowsPerItem);
+      for (int64_t r = r0; r < r1; ++r) f.kernel->quantize_act(x + r * k, k, act + f.offset + r * f.stride);
+    });
+  }
+
+  // Tiles of all outputs in one list: tile_start[i] is the first tile of output i.
+  std::vector<int64_t> tile_start(count + 1, 0);
+  for (int i = 0; i < count; ++i) tile_start[i + 1] = tile_start[i] + div_ceil(outputs[i].n, kMatmulTileRows);
+  pool.parallel_for_ranges(tile_start[count], [&](int64_t tile, int thread) {
+    int i = 0;
+    while (tile >= tile_start[i + 1]) ++i;
+    const MatmulOutput& o = outputs[i];
+    const MatmulKernel& mk = kt.matmul[o.type];
+    MatmulTile t;
+    t.x = x;
+    t.act = format_of[i] >= 0 ? act + formats[format_of[i]].offset : nullptr;
+    t.act_stride = format_of[i] >= 0 ? formats[format_of[i]].stride : 0;
+    t.M = m;
+    t.K = k;
+    t.w = o.w;
+    t.w_row_bytes = row_bytes(o.type, k);
+    t.n0 = (tile - tile_start[i]) * kMatmulTileRows;
+    t.n1 = min64(o.n, t.n0 + kMatmulTileRows);
+    t.n_total = o.n;
+    t.y = o.y;
+    t.ldy = o.ldy;
+    t.scratch = scratch + scratch_bytes * static_cast<size_t>(thread);
+    mk.tile(t);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// RoPE
+
+std::vector<double> rope_inverse_frequencies(const RopeConfig& c) {
+  const int half = c.rope_dim / 2;
+  std::vector<double> inv(half);
+  for (int i = 0; i < half; ++i) {
+    double freq = std::pow(c.theta, -2.0 * i / c.rope_dim);
+    if (c.scaling == RopeConfig::Scaling::Linear) {
+      freq /= c.factor;
+    } else if (c.scaling == RopeConfig::Scaling::Llama3) {
+      // Llama 3.1: long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+      const double low_freq_wavelen = c.original_context / c.low_freq_factor;
+      const double high_freq_wavelen = c.original_context / c.high_freq_factor;
+      const double wavelen = 2.0 * M_PI / freq;
+      if (wavelen > low_freq_wavelen) {
+        freq /= c.factor;
+      } else if (wavelen >= high_freq_wavelen) {
+        const double smooth =
+            (c.original_context / wavelen - c.low_freq_factor) / (c.high_freq_factor - c.low_freq_factor);
+        freq = (1.0 - smooth) * freq / c.factor + smooth * freq;
+      }
+    }
+    inv[i] = freq;
+  }
+  return inv;
+}
+
+void RopeTable::compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions,
+                        int64_t rows) {
+  half = static_cast<int>(inv_freq.size());
+  cos.resize(static_cast<size_t>(rows) * half);
+  sin.resize(static_cast<size_t>(rows) * half);
+  constexpr int64_t kRowsPerItem = 32;
+  pool.parallel_for(div_ceil(rows, kRowsPerItem), [&](int64_t item, int) {
+    for (int64_t r = item * kRowsPerItem; r < min64(rows, (item + 1) * kRowsPerItem); ++r) {
+      for (int i = 0; i < half; ++i) {
+        const double angle = static_cast<double>(positions[r]) * inv_freq[i];
+        cos[r * half + i] = static_cast<float>(std::cos(angle));
+        sin[r * half + i] = static_cast<float>(std::sin(angle));
+      }
+    }
+  });
+}
+
+void apply_rope(const KernelTable& kt, ThreadPool& pool, const RopeTable& table, const RopeParams& p, float* x,
+                int64_t rows) {
+  const int64_t stride = static_cast<int64_t>(p.num_heads) * p.head_dim;
+  constexpr int64_t kRowsPerItem = 32;
+  pool.parallel_for(div_ceil(rows, kRowsPerItem), [&](int64_t item, int) {
+    for (int64_t r = item * kRowsPerItem; r < min64(rows, (item + 1) * kRowsPerItem); ++r) {
+      kt.rope(x + r * stride, p, table.cos.data() + r * table.half, table.sin.data() + r * table.half);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// KV store
+
+void kv_write(const KernelTable& kt, const float* k, const float* v, int64_t rows, int64_t row_elems,
+              const int32_t* slots, uint8_t* k_region, uint8_t* v_region, bool f16) {
+  const int64_t row_bytes_in_pool = row_elems * (f16 ? 2 : 4);
+  for (int64_t r = 0; r < rows; ++r) {
+    kt.kv_store(k + r * row_elems, k_region + slots[r] * row_bytes_in_pool, row_elems, f16);
+    kt.kv_store(v + r * row_elems, v_region + slots[r] * row_bytes_in_pool, row_elems, f16);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attention
+
+void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs) {
+  // Units of up to kAttentionRowsPerUnit rows; the costliest (latest rows of long sequences) are listed first so the
+  // dynamic hand-out ends with small units and the threads finish together.
+  struct Unit {
+    int seq, kv_head, row_begin, row_end;
+    int64_t cost;  // score/value rows touched
+  };
+  std::vector<Unit> units;
+  int max_context = 1;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int rows = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    const int cached = a.seq_lens[s] - rows;
+    max_context = std::max(max_context, a.seq_lens[s]);
+    for (int r1 = rows; r1 > 0; r1 -= kAttentionRowsPerUnit) {
+      const int r0 = std::max(0, r1 - kAttentionRowsPerUnit);
+      const int64_t cost = static_cast<int64_t>(cached + r1) * (r1 - r0);
+      for (int h = 0; h < a.num_kv_heads; ++h) units.push_back({s, h, r0, r1, cost});
+    }
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
+  const size_t group = static_cast<size_t>(a.num_heads / a.num_kv_heads);
+  const size_t floats = align_up(attention_scratch_floats(max_context, a.head_dim, static_cast<int>(group)) * 4) / 4;
+  float* scratch = reinterpret_cast<float*>(ws.per_thread.get(floats * sizeof(float) * pool.size()));
+  pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) {
+    const Unit& u = units[i];
+    kt.attention(a, u.seq, u.kv_head, u.row_begin, u.row_end, scratch + floats * thread);
+  });
+}
+
+}  // namespace conduit

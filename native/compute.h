@@ -1,0 +1,91 @@
+// Drivers that split kernels over the thread pool: matmul (activation quantization + tiles), RoPE (cos/sin per
+// token), KV store through the slot mapping, paged attention (units of sequence x KV head x rows). The forward
+// pass and the per-kernel test entry points both go through these, so the tests exercise the real work split.
+#pragma once
+
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace conduit {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scratch memory that grows to the largest request and is reused across steps (64-byte aligned).
+class Scratch {
+ public:
+  uint8_t* get(size_t bytes) {
+    if (bytes > capacity_) {
+      capacity_ = (bytes + 4095) & ~static_cast<size_t>(4095);
+      data_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity_)));
+      if (!data_) throw std::bad_alloc();
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  size_t capacity_ = 0;
+};
+
+struct Workspace {
+  Scratch activations;  // quantized activations of the current matmul input
+  Scratch per_thread;   // tile / attention scratch, one slice per thread
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Matmul: every output reads the same input x [m x k]; outputs sharing an activation format share one
+// quantization, and all their tiles go into one parallel job (so Q, K and V, or gate and up, cost one barrier).
+struct MatmulOutput {
+  const uint8_t* w;  // [n x k] in `type`
+  int type;
+  int64_t n;
+  float* y;          // y[row * ldy + j]
+  int64_t ldy;
+};
+
+void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float* x, int64_t m, int64_t k,
+            const MatmulOutput* outputs, int count);
+
+// ---------------------------------------------------------------------------------------------------------------
+// RoPE
+struct RopeConfig {
+  double theta = 10000.0;
+  int rope_dim = 0;
+  bool neox = false;
+  enum class Scaling { None, Linear, Llama3 } scaling = Scaling::None;
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0, original_context = 8192.0;
+};
+
+// rope_dim/2 inverse frequencies with the scaling applied.
+std::vector<double> rope_inverse_frequencies(const RopeConfig& c);
+
+// cos and sin of each row's angles, [rows x rope_dim/2] each, computed once per step and shared by Q and K of
+// every layer (the angles are in double from the exact position, then rounded: long contexts keep full f32
+// accuracy).
+struct RopeTable {
+  std::vector<float> cos, sin;
+  int half = 0;
+  void compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions, int64_t rows);
+};
+
+// Rotates x [rows x num_heads*head_dim] in place, row i with row first_row + i of the table.
+void apply_rope(const KernelTable& kt, ThreadPool& pool, const RopeTable& table, const RopeParams& p, float* x,
+                int64_t rows);
+
+// ---------------------------------------------------------------------------------------------------------------
+// KV store: row i of k and v (row_elems each) goes to pool slot slots[i] of this layer's K and V regions.
+void kv_write(const KernelTable& kt, const float* k, const float* v, int64_t rows, int64_t row_elems,
+              const int32_t* slots, uint8_t* k_region, uint8_t* v_region, bool f16);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Paged attention for all sequences of a batch.
+void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs);
+
+}  // namespace conduit

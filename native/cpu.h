@@ -1,0 +1,20 @@
+// What the CPU supports, read once with CPUID/XGETBV (the OS must also save the wider registers).
+#pragma once
+
+#include "common.h"
+
+namespace conduit {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512vnni = false, avx512bf16 = false;
+  bool amx_tile = false, amx_int8 = false, amx_bf16 = false;  // detected for reporting only: no AMX kernels yet
+};
+
+const CpuFeatures& cpu_features();
+
+// The highest variant this CPU runs: avx512 needs F+BW+VL+VNNI, avx2 needs AVX2+FMA+F16C.
+Variant best_supported_variant();
+
+}  // namespace conduit

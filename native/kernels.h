@@ -1,0 +1,118 @@
+// The kernel table: one function pointer per kernel (and per weight type for matmul and dequantization), filled
+// per variant. The generic table holds plain C++ versions of everything; a SIMD variant starts from the table
+// below it and overrides what it implements, so every entry is always callable and `names` says which variant
+// actually serves each kernel kind.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "common.h"
+
+namespace conduit {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Matmul y[M x N] = x[M x K] . W[N x K]^T, W stored row by row in a ggml type.
+//
+// The driver (matmul.cc) splits N into tiles that threads take one at a time; a tile kernel computes y[:, n0:n1)
+// for all M rows. Integer kernels first quantize each activation row into a variant-private format
+// (`act_row_bytes` > 0), once per matmul, shared by every tile and by every weight that reads the same input.
+struct MatmulTile {
+  const float* x;       // [M x K] activations (float kernels)
+  const uint8_t* act;   // [M x act_row_bytes] quantized activations (integer kernels)
+  size_t act_stride;
+  int64_t M, K;
+  const uint8_t* w;     // first byte of weight row 0
+  size_t w_row_bytes;
+  int64_t n0, n1;       // weight rows of this tile
+  int64_t n_total;      // rows of the whole matrix (prefetching never runs past them)
+  float* y;             // y[m * ldy + n]
+  int64_t ldy;
+  uint8_t* scratch;     // per-thread, scratch_bytes(K) long, 64-byte aligned
+};
+
+struct MatmulKernel {
+  size_t (*act_row_bytes)(int64_t K) = nullptr;  // null: the tile reads float x
+  void (*quantize_act)(const float* x, int64_t K, uint8_t* out) = nullptr;
+  size_t (*scratch_bytes)(int64_t K) = nullptr;
+  void (*tile)(const MatmulTile& t) = nullptr;
+};
+
+// Weight rows per tile: small enough that two threads balance on a 256-row matrix, large enough to amortise the
+// hand-out (a decode tile of 768 columns is ~50 KB of Q8_0).
+constexpr int64_t kMatmulTileRows = 64;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Paged attention. One work unit is (sequence, KV head, a range of that sequence's new rows); the unit computes
+// every query head of the KV head's group for those rows. K/V are read from the pool through the block table.
+struct AttentionArgs {
+  const float* q;          // [numTokens x numHeads*headDim], RoPE applied
+  float* out;              // [numTokens x numHeads*headDim]
+  const uint8_t* k_cache;  // this layer's K region: [numBlocks][blockSize][numKvHeads][headDim]
+  const uint8_t* v_cache;
+  bool kv_f16;
+  int num_heads, num_kv_heads, head_dim, block_size;
+  const int32_t* query_start_loc;  // [numSeqs + 1]
+  const int32_t* seq_lens;         // [numSeqs]
+  const int32_t* block_tables;     // [numSeqs x max_blocks_per_seq]
+  int max_blocks_per_seq;
+  float scale;
+};
+
+// A unit covers at most this many rows of one sequence.
+constexpr int kAttentionRowsPerUnit = 16;
+
+// Scratch floats one attention unit needs: scores of every (row, query head) of the unit over up to `context`
+// positions (rows padded to a multiple of 16), the 8-byte pool offset of each position, and a transposed block of
+// 16 keys.
+inline size_t attention_score_stride(int context) { return (static_cast<size_t>(context) + 31) / 16 * 16; }
+inline size_t attention_scratch_floats(int context, int head_dim, int group) {
+  return static_cast<size_t>(kAttentionRowsPerUnit) * group * attention_score_stride(context) +
+         2 * static_cast<size_t>(context) + 16 * static_cast<size_t>(head_dim + 16) + 16;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+struct RopeParams {
+  int num_heads, head_dim, rope_dim;
+  bool neox;  // pairs (i, i + rope_dim/2); otherwise (2i, 2i+1)
+};
+
+struct KernelTable {
+  MatmulKernel matmul[31];  // indexed by GgmlType
+  void (*dequantize_row[31])(const uint8_t* src, float* dst, int64_t n) = {};
+
+  void (*rmsnorm)(const float* x, const float* weight, float* out, int64_t dim, float eps) = nullptr;
+  void (*add)(float* acc, const float* x, int64_t n) = nullptr;  // acc += x
+  void (*swiglu)(const float* gate, const float* up, float* out, int64_t n) = nullptr;  // silu(gate) * up
+  void (*softmax)(float* x, int64_t n) = nullptr;  // in place
+  // Rotates one token's heads in place; cos/sin hold rope_dim/2 values for this token's position.
+  void (*rope)(float* x, const RopeParams& p, const float* cos, const float* sin) = nullptr;
+  // Writes one token's K and V rows (num_kv_heads*head_dim floats each) into pool slots.
+  void (*kv_store)(const float* src, uint8_t* dst, int64_t n, bool f16) = nullptr;
+  void (*attention)(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) =
+      nullptr;
+
+  // Kernel kind -> variant serving it, e.g. "matmul_q8_0" -> "avx512".
+  std::map<std::string, std::string> names;
+};
+
+// The plain C++ dequantization of one row (n a multiple of the type's block size), usable by any variant's code.
+void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n);
+
+// Registration per kernel family and variant; each overrides the entries it implements and records their names.
+void register_ops_generic(KernelTable& t);
+void register_matmul_generic(KernelTable& t);
+void register_attention_generic(KernelTable& t);
+void register_ops_avx2(KernelTable& t);
+void register_matmul_avx2(KernelTable& t);
+void register_attention_avx2(KernelTable& t);
+void register_ops_avx512(KernelTable& t);
+void register_matmul_avx512(KernelTable& t);
+void register_attention_avx512(KernelTable& t);
+
+// The table for a variant (built once, cached). The caller must have checked that the CPU supports it.
+const KernelTable& kernel_table(Variant v);
+
+}  // namespace conduit

@@ -1,0 +1,368 @@
+// AVX-512 matmul. Float weights use the shared GEMV/GEMM of matmul_float_simd.h. Q8_0 and Q4_0 use VNNI.
+//
+// Activations are quantized per block of 32 to int8 with one f32 scale (round to nearest even, as the generic
+// kernel does). VPDPBUSD multiplies unsigned by signed bytes, so the weights are made unsigned by adding 128
+// (an XOR of the sign bit); that adds 128 * sum(a) to each block's dot product, and -128 * sum(a) is stored
+// with the activations so the integer accumulator starts from it and the inner loops pay nothing.
+//
+// Few rows (decode, the memory-bound case): a GEMV walks each weight row front to back, so the hardware
+// prefetchers stream it, and takes each block's dot product with up to 3 activation rows (one VPDPBUSD each).
+//
+// Many rows (prefill, compute bound): weights are packed two panels of 16 rows at a time: for each block of 32
+// columns, 8 vectors holding 4 consecutive bytes of each of the 16 rows (one 32-bit lane per row), then the 16
+// row scales (576 bytes). VPDPBUSD of one such vector with a broadcast 4-byte group of an activation row
+// advances 16 output columns by 4 multiply-adds each. The microkernel holds MR activation rows x 32 columns of
+// int32 block sums and f32 totals in registers; per block it issues 8 x 2 x MR VPDPBUSD, then converts each
+// block sum and adds it scaled by (weight scale x activation scale). Packing (a 16 x 8 transpose of 32-bit
+// groups) is paid once per pair of panels and shared by every activation row.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace conduit {
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#include "simd_avx512.h"
+#include "ops_simd.h"
+#include "matmul_float_simd.h"
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activation quantization: [K signed bytes][K/32 f32 scales][K/32 int32 corrections = -128 * sum of the block]
+
+size_t int8_act_row_bytes(int64_t K) { return static_cast<size_t>(K) + static_cast<size_t>(K / 32) * 8; }
+
+struct ActRow {
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const int32_t* correction = nullptr;
+  ActRow() = default;
+  ActRow(const uint8_t* row, int64_t K)
+      : q(reinterpret_cast<const int8_t*>(row)),
+        d(reinterpret_cast<const float*>(row + K)),
+        correction(reinterpret_cast<const int32_t*>(row + K) + K / 32) {}
+};
+
+void int8_quantize_act(const float* x, int64_t K, uint8_t* out) {
+  float* scales = reinterpret_cast<float*>(out + K);
+  int32_t* corrections = reinterpret_cast<int32_t*>(scales + K / 32);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax / 127.0f;
+    const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+    scales[b] = d;
+    corrections[b] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
+
+// The 32 quants of one weight block, plus 128 (unsigned).
+inline __m256i block_quants_q8_0(const uint8_t* block) {
+  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)),
+                          _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+inline __m256i block_quants_q4_0(const uint8_t* block) {
+  // (q - 8) + 128 = q + 120 for the nibble q.
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return _mm256_add_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(120));
+}
+template <int Type>
+inline __m256i block_quants(const uint8_t* block) {
+  return Type == kQ8_0 ? block_quants_q8_0(block) : block_quants_q4_0(block);
+}
+template <int Type>
+constexpr size_t block_bytes() {
+  return Type == kQ8_0 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+}
+inline float block_scale(const uint8_t* block) {
+  uint16_t d;
+  std::memcpy(&d, block, 2);
+  return _cvtsh_ss(d);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GEMV: one weight row against MR (1..3) activation rows, streaming the row.
+
+constexpr int64_t kInt8GemvMaxRows = 3;
+
+template <int Type, int MR>
+inline void int8_gemv_rows(const uint8_t* w, const uint8_t* act, size_t act_stride, int64_t K, float* y,
+                           int64_t ldy) {
+  __m256 acc[MR];
+  ActRow rows[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    rows[i] = ActRow(act + i * act_stride, K);
+  }
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* block = w + b * block_bytes<Type>();
+    const __m256i wq = block_quants<Type>(block);
+    const float dw = block_scale(block);
+    for (int i = 0; i < MR; ++i) {
+      // The block's correction goes into lane 0 only: the 8 lanes are summed at the end anyway.
+      const __m256i init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(rows[i].correction[b]));
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i].q + 32 * b));
+      const __m256i sum = _mm256_dpbusd_epi32(init, wq, a);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw * rows[i].d[b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) y[i * ldy] = hsum(acc[i]);
+}
+
+template <int Type>
+void int8_gemv(const MatmulTile& t) {
+  for (int64_t n = t.n0; n < t.n1; ++n) {
+    const uint8_t* w = t.w + n * t.w_row_bytes;
+    float* y = t.y + n;
+    switch (t.M) {
+      case 3: int8_gemv_rows<Type, 3>(w, t.act, t.act_stride, t.K, y, t.ldy); break;
+      case 2: int8_gemv_rows<Type, 2>(w, t.act, t.act_stride, t.K, y, t.ldy); break;
+      default: int8_gemv_rows<Type, 1>(w, t.act, t.act_stride, t.K, y, t.ldy); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GEMM packing
+
+constexpr int kPanelRows = 16;
+constexpr size_t kPanelBlockBytes = 8 * 64 + 16 * 4;  // quants, scales
+
+// The 16 f16 scales of a panel block in one gather (scalar conversions would occupy the FP pipes the
+// microkernel needs, and 16 narrow stores read back as one vector stall on store forwarding); rows past the
+// tile get scale 0.
+template <int Type>
+inline void pack_scales(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out) {
+  const int64_t live = t.n1 - r0 < kPanelRows ? t.n1 - r0 : kPanelRows;
+  const __mmask16 mask = static_cast<__mmask16>(live >= 16 ? 0xFFFF : (1u << live) - 1);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(t.w_row_bytes)));
+  const uint8_t* base = t.w + r0 * t.w_row_bytes + b * block_bytes<Type>();
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, base, 1);
+  _mm512_store_ps(out + 512, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)));
+}
+
+// Packs block b of weight rows [r0, r0 + 16) (rows >= n1 as zeros) into `out`: 8 vectors, vector g holding
+// quant bytes 4g..4g+3 of each of the 16 rows (plus 128), then the 16 scales.
+template <int Type>
+void pack_int8_panel_block(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out);
+
+template <>
+void pack_int8_panel_block<kQ8_0>(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out) {
+  // z[i] = rows i and i + 8 (32 bytes each); two unpack stages transpose 4 x 4 groups within each 128-bit lane;
+  // a two-source permute gathers the four lanes of each output group.
+  auto quants = [&](int64_t row) {
+    if (row >= t.n1) return _mm256_setzero_si256();
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w + row * t.w_row_bytes + b * sizeof(BlockQ8_0) + 2));
+  };
+  __m512i z[8], t4[8], u[8];
+  for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(quants(r0 + i)), quants(r0 + i + 8), 1);
+  for (int i = 0; i < 8; i += 2) {
+    t4[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+    t4[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    u[h + 0] = _mm512_unpacklo_epi64(t4[h + 0], t4[h + 2]);  // group 0 (lanes 1, 3: group 4)
+    u[h + 1] = _mm512_unpackhi_epi64(t4[h + 0], t4[h + 2]);  // group 1 (5)
+    u[h + 2] = _mm512_unpacklo_epi64(t4[h + 1], t4[h + 3]);  // group 2 (6)
+    u[h + 3] = _mm512_unpackhi_epi64(t4[h + 1], t4[h + 3]);  // group 3 (7)
+  }
+  const __m512i even_lanes = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i odd_lanes = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int g = 0; g < 4; ++g) {
+    const __m512i lo = _mm512_permutex2var_epi64(u[g], even_lanes, u[g + 4]);
+    const __m512i hi = _mm512_permutex2var_epi64(u[g], odd_lanes, u[g + 4]);
+    _mm512_store_si512(out + 64 * g, _mm512_xor_si512(lo, sign));
+    _mm512_store_si512(out + 64 * (g + 4), _mm512_xor_si512(hi, sign));
+  }
+  pack_scales<kQ8_0>(t, r0, b, out);
+}
+
+template <>
+void pack_int8_panel_block<kQ4_0>(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out) {
+  // Transpose the packed nibbles first (16 rows x 4 dwords): byte j of dword d holds element 4d + j in its low
+  // nibble and element 16 + 4d + j in its high nibble, so dword d yields output groups d and d + 4.
+  __m512i z[4];
+  for (int i = 0; i < 4; ++i) {
+    __m128i lanes[4];
+    for (int l = 0; l < 4; ++l) {
+      const int64_t row = r0 + i + 4 * l;
+      const uint8_t* nibbles = t.w + row * t.w_row_bytes + b * sizeof(BlockQ4_0) + 2;
+      lanes[l] = row < t.n1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles)) : _mm_setzero_si128();
+    }
+    z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(lanes[0]), lanes[1], 1),
+                                                 lanes[2], 2), lanes[3], 3);
+  }
+  // z[i], lane l = row i + 4l; after the unpacks, lane l of t_d holds dword d of rows 4l .. 4l + 3: rows in order.
+  const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  const __m512i td[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2), _mm512_unpacklo_epi64(a1, a3),
+                         _mm512_unpackhi_epi64(a1, a3)};
+  // (q - 8) + 128 = q + 120. Padding rows become 120 (q = 8, value 0) and carry scale 0 anyway.
+  const __m512i mask = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(120);
+  for (int d = 0; d < 4; ++d) {
+    const __m512i lo = _mm512_and_si512(td[d], mask), hi = _mm512_and_si512(_mm512_srli_epi16(td[d], 4), mask);
+    _mm512_store_si512(out + 64 * d, _mm512_add_epi8(lo, offset));
+    _mm512_store_si512(out + 64 * (d + 4), _mm512_add_epi8(hi, offset));
+  }
+  pack_scales<kQ4_0>(t, r0, b, out);
+}
+
+// Software prefetch (into L2) of the weight rows the next pair of panels will pack, in the order they will be
+// read: while block b of this pair is packed, block b of each of the next pair's 32 rows is requested, a whole
+// pair's worth of work before it is needed. Packing reads 32 rows 34 bytes at a time, a pattern the hardware
+// prefetchers do not follow; without this it waits on DRAM latency. (Prefetching the next rows in address order
+// instead, spread over the microkernel too, measured slower: the lines packing needs first arrive last.) The
+// next pair may start the next tile, which parallel_for_ranges makes this thread's next tile too.
+struct RowPrefetcher {
+  const uint8_t* first = nullptr;  // block 0 of the next pair's first row
+  size_t row_bytes = 0, block_bytes = 0;
+  int rows = 0;
+  RowPrefetcher(const MatmulTile& t, int64_t first_row, size_t block_size) {
+    const int64_t last_row = min64(t.n_total, first_row + 2 * kPanelRows);
+    if (first_row >= last_row) return;
+    first = t.w + first_row * t.w_row_bytes;
+    row_bytes = t.w_row_bytes;
+    block_bytes = block_size;
+    rows = static_cast<int>(last_row - first_row);
+  }
+  inline void block(int64_t b) const {
+    const uint8_t* p = first + b * block_bytes;
+    for (int r = 0; r < rows; ++r, p += row_bytes) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// GEMM microkernel: MR activation rows x 32 weight rows (panels p0, p1), all K/32 blocks.
+
+template <int MR>
+inline void int8_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* p0, const uint8_t* p1,
+                             float* y, int64_t ldy, int64_t cols) {
+  const int64_t nb = K / 32;
+  __m512 total[MR][2];
+  ActRow rows[MR];
+  for (int i = 0; i < MR; ++i) {
+    total[i][0] = total[i][1] = _mm512_setzero_ps();
+    rows[i] = ActRow(act + i * act_stride, K);
+  }
+  for (int64_t b = 0; b < nb; ++b, p0 += kPanelBlockBytes, p1 += kPanelBlockBytes) {
+    __m512i sum[MR][2];
+    for (int i = 0; i < MR; ++i) sum[i][0] = sum[i][1] = _mm512_set1_epi32(rows[i].correction[b]);
+    for (int g = 0; g < 8; ++g) {
+      const __m512i w0 = _mm512_load_si512(p0 + 64 * g), w1 = _mm512_load_si512(p1 + 64 * g);
+      for (int i = 0; i < MR; ++i) {
+        int32_t group;
+        std::memcpy(&group, rows[i].q + 32 * b + 4 * g, 4);
+        const __m512i a = _mm512_set1_epi32(group);
+        sum[i][0] = _mm512_dpbusd_epi32(sum[i][0], w0, a);
+        sum[i][1] = _mm512_dpbusd_epi32(sum[i][1], w1, a);
+      }
+    }
+    const __m512 d0 = _mm512_load_ps(p0 + 512), d1 = _mm512_load_ps(p1 + 512);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 da = _mm512_set1_ps(rows[i].d[b]);
+      total[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][0]), _mm512_mul_ps(d0, da), total[i][0]);
+      total[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][1]), _mm512_mul_ps(d1, da), total[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    Avx512::store_partial(y + i * ldy, total[i][0], cols);
+    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, total[i][1], cols - 16);
+  }
+}
+
+constexpr int kInt8MR = 4;
+
+size_t int8_scratch_bytes(int64_t K) { return 2 * static_cast<size_t>(K / 32) * kPanelBlockBytes; }
+
+template <int Type>
+void int8_gemm(const MatmulTile& t) {
+  const int64_t nb = t.K / 32;
+  const size_t panel_bytes = static_cast<size_t>(nb) * kPanelBlockBytes;
+  uint8_t* p0 = t.scratch;
+  uint8_t* p1 = p0 + panel_bytes;
+  for (int64_t c0 = t.n0; c0 < t.n1; c0 += 2 * kPanelRows) {
+    const RowPrefetcher prefetch(t, c0 + 2 * kPanelRows, block_bytes<Type>());
+    for (int64_t b = 0; b < nb; ++b) {
+      prefetch.block(b);
+      pack_int8_panel_block<Type>(t, c0, b, p0 + b * kPanelBlockBytes);
+      pack_int8_panel_block<Type>(t, c0 + kPanelRows, b, p1 + b * kPanelBlockBytes);
+    }
+    const int64_t cols = t.n1 - c0 < 2 * kPanelRows ? t.n1 - c0 : 2 * kPanelRows;
+    int64_t m = 0;
+    for (; m + kInt8MR <= t.M; m += kInt8MR) {
+      int8_microkernel<kInt8MR>(t.act + m * t.act_stride, t.act_stride, t.K, p0, p1, t.y + m * t.ldy + c0, t.ldy, cols);
+    }
+    const uint8_t* act = t.act + m * t.act_stride;
+    float* y = t.y + m * t.ldy + c0;
+    switch (t.M - m) {
+      case 3: int8_microkernel<3>(act, t.act_stride, t.K, p0, p1, y, t.ldy, cols); break;
+      case 2: int8_microkernel<2>(act, t.act_stride, t.K, p0, p1, y, t.ldy, cols); break;
+      case 1: int8_microkernel<1>(act, t.act_stride, t.K, p0, p1, y, t.ldy, cols); break;
+      default: break;
+    }
+  }
+}
+
+template <int Type>
+void int8_tile(const MatmulTile& t) {
+  if (t.M <= kInt8GemvMaxRows) {
+    int8_gemv<Type>(t);
+  } else {
+    int8_gemm<Type>(t);
+  }
+}
+
+#pragma GCC pop_options
+
+template <int Type>
+MatmulKernel float_kernel() {
+  MatmulKernel k;
+  k.scratch_bytes = float_scratch_bytes;
+  k.tile = float_tile<Avx512, Type, 4, 4>;
+  return k;
+}
+
+template <int Type>
+MatmulKernel int8_kernel() {
+  MatmulKernel k;
+  k.act_row_bytes = int8_act_row_bytes;
+  k.quantize_act = int8_quantize_act;
+  k.scratch_bytes = int8_scratch_bytes;
+  k.tile = int8_tile<Type>;
+  return k;
+}
+
+}  // namespace
+
+void register_matmul_avx512(KernelTable& t) {
+  t.matmul[kF32] = float_kernel<kF32>();
+  t.matmul[kF16] = float_kernel<kF16>();
+  t.matmul[kBF16] = float_kernel<kBF16>();
+  t.matmul[kQ4_K] = float_kernel<kQ4_K>();
+  t.matmul[kQ6_K] = float_kernel<kQ6_K>();
+  t.matmul[kQ8_0] = int8_kernel<kQ8_0>();
+  t.matmul[kQ4_0] = int8_kernel<kQ4_0>();
+  for (int type : {kF32, kF16, kBF16, kQ4_K, kQ6_K}) t.names[std::string("matmul_") + type_name(type)] = "avx512";
+  t.names["matmul_q8_0"] = "avx512_vnni";
+  t.names["matmul_q4_0"] = "avx512_vnni";
+}
+
+}  // namespace conduit

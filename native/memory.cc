@@ -1,0 +1,30 @@
+#include "memory.h"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace conduit {
+
+namespace {
+constexpr uintptr_t kHugePage = 2u << 20;
+constexpr int kMadvCollapse = 25;  // Linux 6.1; older headers lack the name
+}  // namespace
+
+size_t advise_huge_pages(const uint8_t* p, size_t bytes, bool populated) {
+  static const bool disabled = [] {
+    const char* v = std::getenv("CONDUIT_HUGE_PAGES");
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  }();
+  if (disabled) return 0;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHugePage - 1);
+  if (end <= begin) return 0;
+  void* start = reinterpret_cast<void*>(begin);
+  const size_t length = end - begin;
+  if (populated && madvise(start, length, kMadvCollapse) == 0) return length;
+  return madvise(start, length, MADV_HUGEPAGE) == 0 && !populated ? length : 0;
+}
+
+}  // namespace conduit

@@ -1,0 +1,353 @@
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "memory.h"
+
+namespace conduit {
+
+namespace {
+
+std::string describe(const char* name, const TensorRef& t) {
+  return std::string(name) + " (" + type_name(t.type) + " [" + std::to_string(t.cols) + ", " +
+         std::to_string(t.rows) + "])";
+}
+
+void check_matrix(const char* name, const TensorRef& t, int64_t cols, int64_t rows) {
+  if (!t.data) throw InvalidInput(std::string("missing tensor ") + name);
+  if (!is_supported_type(t.type)) {
+    throw InvalidInput(std::string(name) + " has unsupported ggml type " + std::to_string(t.type));
+  }
+  if (t.cols != cols || t.rows != rows) {
+    throw InvalidInput(describe(name, t) + ": expected shape [" + std::to_string(cols) + ", " +
+                       std::to_string(rows) + "]");
+  }
+  if (cols % type_block_elements(t.type) != 0) {
+    throw InvalidInput(describe(name, t) + ": row length is not a multiple of the block size " +
+                       std::to_string(type_block_elements(t.type)));
+  }
+}
+
+// Norm weights and biases are tiny: keep an f32 copy whatever type the file used.
+std::vector<float> to_f32(const char* name, const TensorRef& t, int64_t n) {
+  check_matrix(name, t, n, 1);
+  std::vector<float> out(n);
+  dequantize_row_generic(t.type, t.data, out.data(), n);
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Load
+
+Model::Model(ModelSpec spec, Variant variant, int threads)
+    : spec_(std::move(spec)), variant_(variant), kt_(kernel_table(variant)), pool_(threads) {
+  const ModelSpec& s = spec_;
+  if (s.vocab_size <= 0 || s.dim <= 0 || s.num_heads <= 0 || s.num_kv_heads <= 0 || s.head_dim <= 0 ||
+      s.ffn_dim <= 0 || s.layers.empty()) {
+    throw InvalidInput("model dimensions must be positive and the model must have at least one layer");
+  }
+  if (s.num_heads % s.num_kv_heads != 0) {
+    throw InvalidInput("numHeads " + std::to_string(s.num_heads) + " is not a multiple of numKvHeads " +
+                       std::to_string(s.num_kv_heads));
+  }
+  if (s.rope.rope_dim <= 0 || s.rope.rope_dim % 2 != 0 || s.rope.rope_dim > s.head_dim) {
+    throw InvalidInput("ropeDim " + std::to_string(s.rope.rope_dim) + " must be even and at most headDim " +
+                       std::to_string(s.head_dim));
+  }
+  if (s.num_blocks <= 0 || s.block_size <= 0) throw InvalidInput("numBlocks and blockSize must be positive");
+  const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
+  const size_t pool_bytes = 2 * s.layers.size() * static_cast<size_t>(s.num_blocks * s.block_size * kv_dim) *
+                            (s.kv_f16 ? 2 : 4);
+  if (!s.kv_pool || s.kv_pool_bytes != pool_bytes) {
+    throw InvalidInput("KV pool is " + std::to_string(s.kv_pool_bytes) + " bytes, the layout needs " +
+                       std::to_string(pool_bytes));
+  }
+
+  check_matrix("token_embd", s.token_embedding, s.dim, s.vocab_size);
+  check_matrix("output", s.output, s.dim, s.vocab_size);
+  output_norm_ = to_f32("output_norm", s.output_norm, s.dim);
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    const LayerRefs& L = s.layers[l];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    check_matrix((p + "attn_q").c_str(), L.wq, s.dim, q_dim);
+    check_matrix((p + "attn_k").c_str(), L.wk, s.dim, kv_dim);
+    check_matrix((p + "attn_v").c_str(), L.wv, s.dim, kv_dim);
+    check_matrix((p + "attn_output").c_str(), L.wo, q_dim, s.dim);
+    check_matrix((p + "ffn_gate").c_str(), L.w_gate, s.dim, s.ffn_dim);
+    check_matrix((p + "ffn_up").c_str(), L.w_up, s.dim, s.ffn_dim);
+    check_matrix((p + "ffn_down").c_str(), L.w_down, s.ffn_dim, s.dim);
+    attn_norm_.push_back(to_f32((p + "attn_norm").c_str(), L.attn_norm, s.dim));
+    ffn_norm_.push_back(to_f32((p + "ffn_norm").c_str(), L.ffn_norm, s.dim));
+    if (s.qkv_bias) {
+      bq_.push_back(to_f32((p + "attn_q.bias").c_str(), L.bq, q_dim));
+      bk_.push_back(to_f32((p + "attn_k.bias").c_str(), L.bk, kv_dim));
+      bv_.push_back(to_f32((p + "attn_v.bias").c_str(), L.bv, kv_dim));
+    }
+  }
+  inv_freq_ = rope_inverse_frequencies(s.rope);
+
+  // Every matrix is streamed once per decode step: put the weights on huge pages. Tensors of one file lie next
+  // to each other (most are smaller than a huge page), so contiguous runs are advised as a whole.
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> ranges;
+  auto add = [&](const TensorRef& t) {
+    ranges.emplace_back(t.data, t.data + row_bytes(t.type, t.cols) * static_cast<size_t>(t.rows));
+  };
+  for (const TensorRef* t : {&s.token_embedding, &s.output, &s.output_norm}) add(*t);
+  for (const LayerRefs& L : s.layers) {
+    for (const TensorRef* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down}) {
+      add(*t);
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  constexpr ptrdiff_t kMaxGap = 4096;  // alignment padding between tensors of one file, never an unmapped hole
+  for (size_t i = 0; i < ranges.size();) {
+    const uint8_t* begin = ranges[i].first;
+    const uint8_t* end = ranges[i].second;
+    for (++i; i < ranges.size() && ranges[i].first - end <= kMaxGap; ++i) end = std::max(end, ranges[i].second);
+    huge_page_bytes_ += advise_huge_pages(begin, static_cast<size_t>(end - begin), true);
+  }
+  advise_huge_pages(s.kv_pool, s.kv_pool_bytes, false);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Batch checks: a bad index here would read or write outside the pool, so every one is checked.
+
+void Model::validate(const StepBatch& b) const {
+  const ModelSpec& s = spec_;
+  const int64_t num_slots = s.num_blocks * s.block_size;
+  if (b.num_seqs < 0 || b.max_blocks_per_seq < 0) throw InvalidInput("numSeqs and maxBlocksPerSeq must be >= 0");
+  for (int64_t i = 0; i < b.num_tokens; ++i) {
+    if (b.token_ids[i] < 0 || b.token_ids[i] >= s.vocab_size) {
+      throw InvalidInput("tokenIds[" + std::to_string(i) + "] = " + std::to_string(b.token_ids[i]) +
+                         " is outside the vocabulary [0, " + std::to_string(s.vocab_size) + ")");
+    }
+    if (b.slot_mapping[i] < 0 || b.slot_mapping[i] >= num_slots) {
+      throw InvalidInput("slotMapping[" + std::to_string(i) + "] = " + std::to_string(b.slot_mapping[i]) +
+                         " is outside the pool's " + std::to_string(num_slots) + " slots");
+    }
+  }
+  if (b.query_start_loc[0] != 0 || b.query_start_loc[b.num_seqs] != b.num_tokens) {
+    throw InvalidInput("queryStartLoc must start at 0 and end at numTokens");
+  }
+  for (int seq = 0; seq < b.num_seqs; ++seq) {
+    const int32_t first = b.query_start_loc[seq], end = b.query_start_loc[seq + 1];
+    const int64_t seq_len = b.seq_lens[seq];
+    if (end < first) throw InvalidInput("queryStartLoc decreases at sequence " + std::to_string(seq));
+    if (seq_len < end - first) {
+      throw InvalidInput("seqLens[" + std::to_string(seq) + "] = " + std::to_string(seq_len) +
+                         " is less than its " + std::to_string(end - first) + " new tokens");
+    }
+    if (seq_len > static_cast<int64_t>(b.max_blocks_per_seq) * s.block_size) {
+      throw InvalidInput("seqLens[" + std::to_string(seq) + "] = " + std::to_string(seq_len) +
+                         " does not fit in maxBlocksPerSeq * blockSize");
+    }
+    for (int64_t blk = 0; blk < div_ceil(seq_len, s.block_size); ++blk) {
+      const int32_t id = b.block_tables[seq * static_cast<int64_t>(b.max_blocks_per_seq) + blk];
+      if (id < 0 || id >= s.num_blocks) {
+        throw InvalidInput("blockTables: sequence " + std::to_string(seq) + " block " + std::to_string(blk) +
+                           " = " + std::to_string(id) + " is outside [0, " + std::to_string(s.num_blocks) + ")");
+      }
+    }
+    for (int32_t r = first; r < end; ++r) {
+      const int64_t expected = seq_len - (end - r);
+      if (b.positions[r] != expected) {
+        throw InvalidInput("positions[" + std::to_string(r) + "] = " + std::to_string(b.positions[r]) +
+                           " but sequence " + std::to_string(seq) + " puts that row at position " +
+                           std::to_string(expected));
+      }
+      const int64_t slot = b.slot_mapping[r];
+      const int64_t expected_block = b.block_tables[seq * static_cast<int64_t>(b.max_blocks_per_seq) +
+                                                    expected / s.block_size];
+      if (slot != expected_block * s.block_size + expected % s.block_size) {
+        throw InvalidInput("slotMapping[" + std::to_string(r) + "] = " + std::to_string(slot) +
+                           " is not the slot of position " + std::to_string(expected) +
+                           " in sequence " + std::to_string(seq) + "'s block table");
+      }
+    }
+  }
+  for (int64_t i = 0; i < b.num_logits; ++i) {
+    if (b.logits_indices[i] < 0 || b.logits_indices[i] >= b.num_tokens) {
+      throw InvalidInput("logitsIndices[" + std::to_string(i) + "] = " + std::to_string(b.logits_indices[i]) +
+                         " is not a row of the batch");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward
+
+void Model::ensure_buffers(int64_t tokens) {
+  if (tokens <= capacity_tokens_) return;
+  const ModelSpec& s = spec_;
+  const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
+  capacity_tokens_ = tokens;
+  x_.resize(tokens * s.dim);
+  xn_.resize(tokens * s.dim);
+  tmp_.resize(tokens * s.dim);
+  q_.resize(tokens * q_dim);
+  attn_.resize(tokens * q_dim);
+  k_.resize(tokens * kv_dim);
+  v_.resize(tokens * kv_dim);
+  gate_.resize(tokens * s.ffn_dim);
+  up_.resize(tokens * s.ffn_dim);
+}
+
+void Model::rmsnorm_rows(const float* x, const float* weight, float* out, int64_t rows) {
+  const int64_t dim = spec_.dim;
+  const float eps = spec_.rms_norm_eps;
+  pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
+    for (int64_t r = item * 16; r < min64(rows, item * 16 + 16); ++r) {
+      kt_.rmsnorm(x + r * dim, weight, out + r * dim, dim, eps);
+    }
+  });
+}
+
+void Model::add_rows(float* acc, const float* x, int64_t rows, int64_t width) {
+  pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
+    const int64_t r0 = item * 16, r1 = min64(rows, r0 + 16);
+    kt_.add(acc + r0 * width, x + r0 * width, (r1 - r0) * width);
+  });
+}
+
+void Model::add_bias(float* y, const std::vector<float>& bias, int64_t rows) {
+  const int64_t width = static_cast<int64_t>(bias.size());
+  for (int64_t r = 0; r < rows; ++r) kt_.add(y + r * width, bias.data(), width);
+}
+
+void Model::forward(const StepBatch& b, float* logits) {
+  validate(b);
+  if (b.num_tokens == 0) return;
+  const ModelSpec& s = spec_;
+  const int64_t T = b.num_tokens, dim = s.dim;
+  const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
+  const int64_t num_layers = static_cast<int64_t>(s.layers.size());
+  const size_t region_bytes = static_cast<size_t>(s.num_blocks * s.block_size * kv_dim) * (s.kv_f16 ? 2 : 4);
+  ensure_buffers(std::max(T, b.num_logits));
+  float *x = x_.data(), *xn = xn_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data();
+  float *attn = attn_.data(), *gate = gate_.data(), *up = up_.data(), *tmp = tmp_.data();
+
+  // Embeddings: dequantize each token's row.
+  const size_t embd_row_bytes = row_bytes(s.token_embedding.type, dim);
+  pool_.parallel_for(T, [&](int64_t r, int) {
+    kt_.dequantize_row[s.token_embedding.type](s.token_embedding.data + b.token_ids[r] * embd_row_bytes,
+                                               x + r * dim, dim);
+  });
+
+  // The last layer computes attention, output projection and FFN only for the rows whose logits are wanted: each
+  // such row becomes a one-token "sequence" whose context is its own prefix (all of it in the pool by then).
+  // When the wanted rows are all rows in order (a decode step), the last layer is like the others.
+  const int64_t L = b.num_logits;
+  bool all_rows = L == T;
+  for (int64_t i = 0; all_rows && i < L; ++i) all_rows = b.logits_indices[i] == i;
+  sel_positions_.resize(L);
+  sel_query_start_.resize(L + 1);
+  sel_seq_lens_.resize(L);
+  sel_block_tables_.resize(L * static_cast<int64_t>(b.max_blocks_per_seq));
+  sel_query_start_[0] = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const int32_t row = b.logits_indices[i];
+    const int seq = static_cast<int>(std::upper_bound(b.query_start_loc, b.query_start_loc + b.num_seqs + 1, row) -
+                                     b.query_start_loc) - 1;
+    sel_positions_[i] = b.positions[row];
+    sel_query_start_[i + 1] = static_cast<int32_t>(i + 1);
+    sel_seq_lens_[i] = b.positions[row] + 1;
+    std::copy_n(b.block_tables + seq * static_cast<int64_t>(b.max_blocks_per_seq), b.max_blocks_per_seq,
+                sel_block_tables_.begin() + i * b.max_blocks_per_seq);
+  }
+  sel_x_.resize(L * dim);
+  sel_xn_.resize(L * dim);
+  rope_.compute(pool_, inv_freq_, b.positions, T);
+  sel_rope_.compute(pool_, inv_freq_, sel_positions_.data(), L);
+
+  AttentionArgs att;
+  att.kv_f16 = s.kv_f16;
+  att.num_heads = static_cast<int>(s.num_heads);
+  att.num_kv_heads = static_cast<int>(s.num_kv_heads);
+  att.head_dim = static_cast<int>(s.head_dim);
+  att.block_size = static_cast<int>(s.block_size);
+  att.max_blocks_per_seq = b.max_blocks_per_seq;
+  att.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  const RopeParams rope_q{static_cast<int>(s.num_heads), static_cast<int>(s.head_dim), s.rope.rope_dim, s.rope.neox};
+  const RopeParams rope_k{static_cast<int>(s.num_kv_heads), static_cast<int>(s.head_dim), s.rope.rope_dim,
+                          s.rope.neox};
+
+  int64_t rows = T;  // rows carried through the residual stream (T, then L once rows are selected)
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const LayerRefs& W = s.layers[l];
+    // The last layer continues with only the selected rows (unless they are all rows).
+    const bool select_rows = l == num_layers - 1 && !all_rows;
+    rmsnorm_rows(x, attn_norm_[l].data(), xn, T);
+
+    // Q, K, V; with row selection Q is needed only for the selected rows.
+    MatmulOutput qkv[3] = {{W.wk.data, W.wk.type, kv_dim, k, kv_dim},
+                           {W.wv.data, W.wv.type, kv_dim, v, kv_dim},
+                           {W.wq.data, W.wq.type, q_dim, q, q_dim}};
+    if (!select_rows) {
+      matmul(kt_, pool_, ws_, xn, T, dim, qkv, 3);
+    } else {
+      matmul(kt_, pool_, ws_, xn, T, dim, qkv, 2);
+      for (int64_t i = 0; i < L; ++i) std::copy_n(xn + b.logits_indices[i] * dim, dim, sel_xn_.data() + i * dim);
+      matmul(kt_, pool_, ws_, sel_xn_.data(), L, dim, qkv + 2, 1);
+    }
+    const int64_t q_rows = select_rows ? L : T;
+    if (s.qkv_bias) {
+      add_bias(q, bq_[l], q_rows);
+      add_bias(k, bk_[l], T);
+      add_bias(v, bv_[l], T);
+    }
+    apply_rope(kt_, pool_, select_rows ? sel_rope_ : rope_, rope_q, q, q_rows);
+    apply_rope(kt_, pool_, rope_, rope_k, k, T);
+
+    uint8_t* k_region = s.kv_pool + (2 * l) * region_bytes;
+    uint8_t* v_region = s.kv_pool + (2 * l + 1) * region_bytes;
+    kv_write(kt_, k, v, T, kv_dim, b.slot_mapping, k_region, v_region, s.kv_f16);
+
+    att.q = q;
+    att.out = attn;
+    att.k_cache = k_region;
+    att.v_cache = v_region;
+    if (!select_rows) {
+      att.query_start_loc = b.query_start_loc;
+      att.seq_lens = b.seq_lens;
+      att.block_tables = b.block_tables;
+      attention(kt_, pool_, ws_, att, b.num_seqs);
+    } else {
+      att.query_start_loc = sel_query_start_.data();
+      att.seq_lens = sel_seq_lens_.data();
+      att.block_tables = sel_block_tables_.data();
+      attention(kt_, pool_, ws_, att, static_cast<int>(L));
+      for (int64_t i = 0; i < L; ++i) std::copy_n(x + b.logits_indices[i] * dim, dim, sel_x_.data() + i * dim);
+      x = sel_x_.data();
+      xn = sel_xn_.data();
+      rows = L;
+    }
+
+    // Attention output projection and residual.
+    MatmulOutput wo{W.wo.data, W.wo.type, dim, tmp, dim};
+    matmul(kt_, pool_, ws_, attn, rows, q_dim, &wo, 1);
+    add_rows(x, tmp, rows, dim);
+
+    // SwiGLU feed-forward and residual.
+    rmsnorm_rows(x, ffn_norm_[l].data(), xn, rows);
+    MatmulOutput gate_up[2] = {{W.w_gate.data, W.w_gate.type, s.ffn_dim, gate, s.ffn_dim},
+                               {W.w_up.data, W.w_up.type, s.ffn_dim, up, s.ffn_dim}};
+    matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2);
+    pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
+      const int64_t r0 = item * 16, r1 = min64(rows, r0 + 16);
+      kt_.swiglu(gate + r0 * s.ffn_dim, up + r0 * s.ffn_dim, gate + r0 * s.ffn_dim, (r1 - r0) * s.ffn_dim);
+    });
+    MatmulOutput down{W.w_down.data, W.w_down.type, dim, tmp, dim};
+    matmul(kt_, pool_, ws_, gate, rows, s.ffn_dim, &down, 1);
+    add_rows(x, tmp, rows, dim);
+  }
+
+  // Final norm and logits of the selected rows (x now holds exactly those rows, in order).
+  rmsnorm_rows(x, output_norm_.data(), xn, L);
+  MatmulOutput out{s.output.data, s.output.type, s.vocab_size, logits, s.vocab_size};
+  matmul(kt_, pool_, ws_, xn, L, dim, &out, 1);
+}
+
+}  // namespace conduit

@@ -1,0 +1,101 @@
+// A Llama-family model held by the addon: pointers into weight bytes owned by JavaScript (never copied; the
+// binding keeps the arrays referenced), the paged KV pool, a thread pool and scratch buffers. `forward` runs one
+// engine step: embeddings, every layer, the logits of the requested rows.
+#pragma once
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "compute.h"
+
+namespace conduit {
+
+// A weight matrix [rows x cols] (cols contiguous, ggml shape [cols, rows]) or a vector (rows = 1).
+struct TensorRef {
+  const uint8_t* data = nullptr;
+  int type = kF32;
+  int64_t cols = 0, rows = 0;
+};
+
+struct LayerRefs {
+  TensorRef attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, w_gate, w_up, w_down;
+};
+
+struct ModelSpec {
+  int64_t vocab_size = 0, dim = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, ffn_dim = 0;
+  float rms_norm_eps = 1e-5f;
+  RopeConfig rope;
+  bool qkv_bias = false;
+  TensorRef token_embedding, output_norm, output;
+  std::vector<LayerRefs> layers;
+  // Paged KV pool (see src/kernels/types.ts KvPoolLayout).
+  uint8_t* kv_pool = nullptr;
+  size_t kv_pool_bytes = 0;
+  int64_t num_blocks = 0, block_size = 0;
+  bool kv_f16 = false;
+};
+
+// One engine step (src/kernels/types.ts ForwardBatch), lengths already checked by the caller.
+struct StepBatch {
+  int64_t num_tokens = 0;
+  const int32_t* token_ids = nullptr;
+  const int32_t* positions = nullptr;
+  const int32_t* slot_mapping = nullptr;
+  int num_seqs = 0;
+  const int32_t* query_start_loc = nullptr;
+  const int32_t* seq_lens = nullptr;
+  const int32_t* block_tables = nullptr;
+  int max_blocks_per_seq = 0;
+  const int32_t* logits_indices = nullptr;
+  int64_t num_logits = 0;
+};
+
+// Bad input from the caller: the binding turns it into a JavaScript error with this message.
+struct InvalidInput : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class Model {
+ public:
+  // Checks the spec (shapes, types) and throws InvalidInput naming the problem.
+  Model(ModelSpec spec, Variant variant, int threads);
+
+  // Validates the batch against the pool and the model, then writes num_logits x vocab_size floats to `logits`.
+  void forward(const StepBatch& batch, float* logits);
+
+  const ModelSpec& spec() const { return spec_; }
+  Variant variant() const { return variant_; }
+  int threads() const { return pool_.size(); }
+  // Weight bytes moved onto huge pages at load (see memory.h).
+  size_t huge_page_bytes() const { return huge_page_bytes_; }
+
+ private:
+  void validate(const StepBatch& b) const;
+  void ensure_buffers(int64_t tokens);
+  // Rows [0, rows) of each matrix: y_i = norm(x_i) for each row.
+  void rmsnorm_rows(const float* x, const float* weight, float* out, int64_t rows);
+  void add_rows(float* acc, const float* x, int64_t rows, int64_t width);
+  void add_bias(float* y, const std::vector<float>& bias, int64_t rows);
+
+  ModelSpec spec_;
+  Variant variant_;
+  size_t huge_page_bytes_ = 0;
+  const KernelTable& kt_;
+  ThreadPool pool_;
+  Workspace ws_;
+  std::vector<double> inv_freq_;
+  // Norm weights and biases in f32 (tiny; whatever type the file stored them in).
+  std::vector<std::vector<float>> attn_norm_, ffn_norm_, bq_, bk_, bv_;
+  std::vector<float> output_norm_;
+  // Activations, sized for the largest step so far.
+  int64_t capacity_tokens_ = 0;
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;
+  // The last layer only needs the rows whose logits are wanted (plus K/V of every row).
+  std::vector<float> sel_x_, sel_xn_;
+  std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_;
+  RopeTable rope_, sel_rope_;  // cos/sin of this step's rows, and of the selected rows
+};
+
+}  // namespace conduit

@@ -1,0 +1,41 @@
+// Row kernels for AVX2: the templates of ops_simd.h instantiated over the Avx2 vector traits.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace conduit {
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include "simd_avx2.h"
+#include "ops_simd.h"
+#pragma GCC pop_options
+
+}  // namespace
+
+// Registration runs on every CPU, so it stays outside the target region.
+void register_ops_avx2(KernelTable& t) {
+  t.rmsnorm = simd_rmsnorm<Avx2>;
+  t.add = simd_add<Avx2>;
+  t.swiglu = simd_swiglu<Avx2>;
+  t.softmax = simd_softmax<Avx2>;
+  t.rope = simd_rope<Avx2>;
+  t.kv_store = simd_kv_store<Avx2>;
+  t.dequantize_row[kF16] = simd_dequantize_f16<Avx2>;
+  t.dequantize_row[kBF16] = simd_dequantize_bf16<Avx2>;
+  t.dequantize_row[kQ8_0] = simd_dequantize_q8_0<Avx2>;
+  t.dequantize_row[kQ4_0] = simd_dequantize_q4_0<Avx2>;
+  t.dequantize_row[kQ4_K] = simd_dequantize_q4_k<Avx2>;
+  t.dequantize_row[kQ6_K] = simd_dequantize_q6_k<Avx2>;
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "softmax", "rope", "kv_store", "dequantize_f16",
+                           "dequantize_bf16", "dequantize_q8_0", "dequantize_q4_0", "dequantize_q4_k",
+                           "dequantize_q6_k"}) {
+    t.names[kind] = "avx2";
+  }
+}
+
+}  // namespace conduit

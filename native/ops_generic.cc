@@ -1,0 +1,189 @@
+// Plain C++ versions of the row kernels (RMSNorm, residual add, SwiGLU, softmax, RoPE, KV store) and of row
+// dequantization for every supported type. They are the reference the SIMD variants are tested against, so they
+// favour the obvious loop over speed.
+#include <cmath>
+
+#include "kernels.h"
+
+namespace conduit {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row ops
+
+void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {
+  float sum_squares = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) sum_squares += x[i] * x[i];
+  const float scale = 1.0f / std::sqrt(sum_squares / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * scale * weight[i];
+}
+
+void add(float* acc, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
+}
+
+void swiglu(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void softmax(float* x, int64_t n) {
+  float max = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) max = x[i] > max ? x[i] : max;
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+void rope(float* x, const RopeParams& p, const float* cos, const float* sin) {
+  const int half = p.rope_dim / 2;
+  for (int h = 0; h < p.num_heads; ++h) {
+    float* head = x + static_cast<int64_t>(h) * p.head_dim;
+    for (int i = 0; i < half; ++i) {
+      const int a = p.neox ? i : 2 * i;
+      const int b = p.neox ? i + half : 2 * i + 1;
+      const float x0 = head[a], x1 = head[b];
+      head[a] = x0 * cos[i] - x1 * sin[i];
+      head[b] = x0 * sin[i] + x1 * cos[i];
+    }
+  }
+}
+
+void kv_store(const float* src, uint8_t* dst, int64_t n, bool f16) {
+  if (!f16) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(src[i]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dequantization of one row of n elements (n a multiple of the type's block size).
+
+void dequantize_f32(const uint8_t* src, float* dst, int64_t n) { std::memcpy(dst, src, static_cast<size_t>(n) * 4); }
+
+void dequantize_f16(const uint8_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    dst[i] = fp16_to_fp32(h);
+  }
+}
+
+void dequantize_bf16(const uint8_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t b;
+    std::memcpy(&b, src + 2 * i, 2);
+    dst[i] = bf16_to_fp32(b);
+  }
+}
+
+void dequantize_q8_0(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ8_0* blocks = reinterpret_cast<const BlockQ8_0*>(src);
+  for (int64_t b = 0; b < n / kQK8_0; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    for (int i = 0; i < kQK8_0; ++i) dst[b * kQK8_0 + i] = d * static_cast<float>(blocks[b].qs[i]);
+  }
+}
+
+void dequantize_q4_0(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ4_0* blocks = reinterpret_cast<const BlockQ4_0*>(src);
+  for (int64_t b = 0; b < n / kQK4_0; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    float* out = dst + b * kQK4_0;
+    for (int i = 0; i < kQK4_0 / 2; ++i) {
+      out[i] = d * static_cast<float>((blocks[b].qs[i] & 0xF) - 8);
+      out[i + kQK4_0 / 2] = d * static_cast<float>((blocks[b].qs[i] >> 4) - 8);
+    }
+  }
+}
+
+void dequantize_q4_k(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(src);
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    const BlockQ4_K& blk = blocks[b];
+    const float d = fp16_to_fp32(blk.d), dmin = fp16_to_fp32(blk.dmin);
+    float* out = dst + b * kQK_K;
+    // Four groups of 64: the low nibbles of 32 bytes are sub-block 2g, the high nibbles sub-block 2g+1.
+    for (int g = 0; g < 4; ++g) {
+      uint8_t sc_lo, m_lo, sc_hi, m_hi;
+      q4k_scale_min(2 * g, blk.scales, &sc_lo, &m_lo);
+      q4k_scale_min(2 * g + 1, blk.scales, &sc_hi, &m_hi);
+      const float d_lo = d * sc_lo, min_lo = dmin * m_lo, d_hi = d * sc_hi, min_hi = dmin * m_hi;
+      const uint8_t* q = blk.qs + 32 * g;
+      for (int i = 0; i < 32; ++i) {
+        out[64 * g + i] = d_lo * static_cast<float>(q[i] & 0xF) - min_lo;
+        out[64 * g + 32 + i] = d_hi * static_cast<float>(q[i] >> 4) - min_hi;
+      }
+    }
+  }
+}
+
+void dequantize_q6_k(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(src);
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    const BlockQ6_K& blk = blocks[b];
+    const float d = fp16_to_fp32(blk.d);
+    // Two halves of 128: element l + 32*k of a half takes 4 bits from ql (low or high nibble of byte l or l+32)
+    // and 2 bits from qh[l] (bit pair k), and the scale of its 16-element sub-block.
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = blk.ql + 64 * half;
+      const uint8_t* qh = blk.qh + 32 * half;
+      const int8_t* sc = blk.scales + 8 * half;
+      float* out = dst + b * kQK_K + 128 * half;
+      for (int l = 0; l < 32; ++l) {
+        const int s = l / 16;
+        const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        out[l] = d * static_cast<float>(sc[s] * q1);
+        out[l + 32] = d * static_cast<float>(sc[s + 2] * q2);
+        out[l + 64] = d * static_cast<float>(sc[s + 4] * q3);
+        out[l + 96] = d * static_cast<float>(sc[s + 6] * q4);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n) {
+  switch (type) {
+    case kF32: return dequantize_f32(src, dst, n);
+    case kF16: return dequantize_f16(src, dst, n);
+    case kBF16: return dequantize_bf16(src, dst, n);
+    case kQ8_0: return dequantize_q8_0(src, dst, n);
+    case kQ4_0: return dequantize_q4_0(src, dst, n);
+    case kQ4_K: return dequantize_q4_k(src, dst, n);
+    case kQ6_K: return dequantize_q6_k(src, dst, n);
+    default: break;
+  }
+}
+
+void register_ops_generic(KernelTable& t) {
+  t.rmsnorm = rmsnorm;
+  t.add = add;
+  t.swiglu = swiglu;
+  t.softmax = softmax;
+  t.rope = rope;
+  t.kv_store = kv_store;
+  t.dequantize_row[kF32] = dequantize_f32;
+  t.dequantize_row[kF16] = dequantize_f16;
+  t.dequantize_row[kBF16] = dequantize_bf16;
+  t.dequantize_row[kQ8_0] = dequantize_q8_0;
+  t.dequantize_row[kQ4_0] = dequantize_q4_0;
+  t.dequantize_row[kQ4_K] = dequantize_q4_k;
+  t.dequantize_row[kQ6_K] = dequantize_q6_k;
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
+  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K}) {
+    t.names[std::string("dequantize_") + type_name(type)] = "generic";
+  }
+}
+
+}  // namespace conduit

@@ -1,0 +1,138 @@
+// A fixed pool of worker threads. A forward pass runs a few dozen parallel loops back to back, so workers spin
+// briefly between them (waking a sleeping thread costs tens of microseconds) and sleep on a condition variable
+// once idle for longer, so an idle model costs no CPU.
+//
+// Parallel loops never wait for a worker that has not started: the caller works too, takes over items nobody has
+// claimed, and returns as soon as every item is done. On a machine busy with other processes a descheduled worker
+// then costs at most the item it holds, not a scheduler time slice per loop.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace conduit {
+
+class ThreadPool {
+ public:
+  using Job = void (*)(void* ctx, int thread_index);
+
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return num_threads_; }
+
+  // Calls job(ctx, i) once on each thread i = 0..size-1 (the caller is thread 0) and returns when all have
+  // returned: for work that needs every thread (bandwidth and peak measurements).
+  void run_on_all(Job job, void* ctx);
+
+  // Runs body(item, thread_index) for item in [0, count), items handed out one at a time in order.
+  template <typename Body>
+  void parallel_for(int64_t count, Body&& body);
+
+  // Like parallel_for, but thread t starts on the t-th contiguous share of [0, count) and walks it in order, so
+  // consecutive items of one thread are neighbours in memory (the hardware and software prefetchers can run
+  // ahead across item boundaries). A thread that runs out steals items from the back of the others' shares.
+  template <typename Body>
+  void parallel_for_ranges(int64_t count, Body&& body);
+
+ private:
+  // One thread's remaining share [front, back), packed into one word so a claim is a single compare-exchange.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> bounds{0};
+  };
+  static uint64_t pack_bounds(uint32_t front, uint32_t back) { return (static_cast<uint64_t>(back) << 32) | front; }
+  int64_t claim_front(int thread);
+  int64_t claim_back(int thread);
+
+  // Publishes `job` to the workers; they run it if they arrive while the job is open. Returns once `done`
+  // reaches `count` (the job counts its finished items there) and no worker is inside the job any more.
+  void run_items(Job job, void* ctx, const std::atomic<int64_t>& done, int64_t count);
+  void publish(Job job, void* ctx, bool all_threads);
+  void worker_loop(int index);
+
+  int num_threads_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> open_{false};      // an items job accepts workers
+  std::atomic<int> inside_{0};         // workers currently running (or about to run) the job
+  std::atomic<int> pending_{0};        // run_on_all: workers that have not finished
+  bool all_threads_ = false;           // the published job is a run_on_all job
+  std::atomic<bool> stopping_{false};
+  Job job_ = nullptr;
+  void* ctx_ = nullptr;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::unique_ptr<Share[]> shares_;
+};
+
+template <typename Body>
+void ThreadPool::parallel_for(int64_t count, Body&& body) {
+  if (count <= 0) return;
+  if (num_threads_ == 1 || count == 1) {
+    for (int64_t i = 0; i < count; ++i) body(i, 0);
+    return;
+  }
+  struct Ctx {
+    Body* body;
+    int64_t count;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  } ctx{&body, count};
+  run_items(
+      [](void* p, int thread_index) {
+        Ctx& c = *static_cast<Ctx*>(p);
+        for (int64_t i = c.next.fetch_add(1, std::memory_order_relaxed); i < c.count;
+             i = c.next.fetch_add(1, std::memory_order_relaxed)) {
+          (*c.body)(i, thread_index);
+          c.done.fetch_add(1, std::memory_order_release);
+        }
+      },
+      &ctx, ctx.done, count);
+}
+
+template <typename Body>
+void ThreadPool::parallel_for_ranges(int64_t count, Body&& body) {
+  if (count <= 0) return;
+  if (num_threads_ == 1 || count == 1) {
+    for (int64_t i = 0; i < count; ++i) body(i, 0);
+    return;
+  }
+  for (int t = 0; t < num_threads_; ++t) {
+    shares_[t].bounds.store(pack_bounds(static_cast<uint32_t>(count * t / num_threads_),
+                                        static_cast<uint32_t>(count * (t + 1) / num_threads_)),
+                            std::memory_order_relaxed);
+  }
+  struct Ctx {
+    ThreadPool* pool;
+    Body* body;
+    std::atomic<int64_t> done{0};
+  } ctx{this, &body};
+  run_items(
+      [](void* p, int t) {
+        Ctx& c = *static_cast<Ctx*>(p);
+        for (int64_t i = c.pool->claim_front(t); i >= 0; i = c.pool->claim_front(t)) {
+          (*c.body)(i, t);
+          c.done.fetch_add(1, std::memory_order_release);
+        }
+        for (int k = 1; k < c.pool->num_threads_; ++k) {
+          const int victim = (t + k) % c.pool->num_threads_;
+          for (int64_t i = c.pool->claim_back(victim); i >= 0; i = c.pool->claim_back(victim)) {
+            (*c.body)(i, t);
+            c.done.fetch_add(1, std::memory_order_release);
+          }
+        }
+      },
+      &ctx, ctx.done, count);
+}
+
+// CPUs this process may run on (its affinity mask; at least 1).
+int default_thread_count();
+
+}  // namespace conduit

@@ -1,0 +1,215 @@
+// API keys and tenants. Each key belongs to one tenant; limits (requests and tokens per minute, requests in flight)
+// and the prefix-cache salt belong to the tenant. With no keys configured the server is open: every request is the
+// tenant "anonymous" and no Authorization header is needed.
+//
+// Keys file (--api-keys-file), either format:
+//   JSON:  {"keys": [{"key": "sk-a", "tenant": "acme"}, ...],
+//           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"}}}
+//   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starts a comment, '-' leaves a limit unset)
+// Environment (CONDUIT_API_KEYS): "key:tenant,key2:tenant2".
+// Tenants with the same cache_group share prefix-cache blocks; by default every tenant is its own group.
+
+import { createHash } from 'node:crypto';
+import { InvalidApiKeyError, MissingApiKeyError } from './errors.ts';
+
+export interface TenantLimits {
+  requestsPerMinute?: number;
+  tokensPerMinute?: number;
+  maxConcurrent?: number;
+}
+
+export interface Tenant {
+  name: string;
+  limits: TenantLimits;
+  /** Mixed into KV block hashes; undefined = share the cache with everyone (open mode). */
+  cacheSalt: string | undefined;
+}
+
+export interface KeyGrant {
+  key: string;
+  tenant: string;
+}
+
+export interface TenantConfig {
+  limits: TenantLimits;
+  cacheGroup?: string;
+}
+
+export interface KeyConfig {
+  keys: KeyGrant[];
+  tenants: Map<string, TenantConfig>;
+}
+
+export class KeyConfigError extends Error {
+  override name = 'KeyConfigError';
+}
+
+export const ANONYMOUS_TENANT = 'anonymous';
+
+function sha256(text: string): string {
+  return createHash('sha256').update(text).digest('hex');
+}
+
+/** Enough of a key to recognise it in a log or error without revealing it. */
+export function keyHint(key: string): string {
+  return key.length >= 12 ? `${key.slice(0, 3)}***${key.slice(-4)}` : '***';
+}
+
+export class KeyStore {
+  /** Keys are held by their SHA-256 so a lookup does not compare secrets byte by byte. */
+  private readonly tenantByKeyHash = new Map<string, Tenant>();
+  private readonly anonymous: Tenant;
+
+  constructor(config: KeyConfig, defaults: TenantLimits = {}) {
+    const tenants = new Map<string, Tenant>();
+    const tenantFor = (name: string): Tenant => {
+      let tenant = tenants.get(name);
+      if (!tenant) {
+        const own = config.tenants.get(name);
+        tenant = { name, limits: { ...defaults, ...own?.limits }, cacheSalt: own?.cacheGroup ?? name };
+        tenants.set(name, tenant);
+      }
+      return tenant;
+    };
+    for (const grant of config.keys) {
+      const hash = sha256(grant.key);
+      const existing = this.tenantByKeyHash.get(hash);
+      if (existing && existing.name !== grant.tenant) {
+        throw new KeyConfigError(`API key ${keyHint(grant.key)} is given to two tenants: ${existing.name} and ${grant.tenant}`);
+      }
+      this.tenantByKeyHash.set(hash, tenantFor(grant.tenant));
+    }
+    this.anonymous = { name: ANONYMOUS_TENANT, limits: { ...defaults }, cacheSalt: undefined };
+  }
+
+  /** No keys configured: every request is accepted as the anonymous tenant. */
+  get isOpen(): boolean {
+    return this.tenantByKeyHash.size === 0;
+  }
+
+  get keyCount(): number {
+    return this.tenantByKeyHash.size;
+  }
+
+  /** The tenant for an Authorization header, or a 401. */
+  authenticate(authorization: string | undefined): Tenant {
+    if (this.isOpen) return this.anonymous;
+    const match = authorization?.match(/^\s*Bearer\s+(\S+)\s*$/i);
+    if (!match) throw new MissingApiKeyError();
+    const tenant = this.tenantByKeyHash.get(sha256(match[1]!));
+    if (!tenant) throw new InvalidApiKeyError(keyHint(match[1]!));
+    return tenant;
+  }
+}
+
+// ---- parsing ----
+
+function positiveLimit(raw: unknown, what: string, where: string): number | undefined {
+  if (raw === undefined || raw === null || raw === '-') return undefined;
+  const value = typeof raw === 'string' ? Number(raw) : raw;
+  if (typeof value !== 'number' || !Number.isInteger(value) || value <= 0) {
+    throw new KeyConfigError(`${where}: ${what} must be a positive integer, got ${JSON.stringify(raw)}`);
+  }
+  return value;
+}
+
+function mergeTenant(config: KeyConfig, name: string, tenant: TenantConfig, where: string): void {
+  const previous = config.tenants.get(name);
+  if (previous && JSON.stringify(previous) !== JSON.stringify(tenant)) {
+    throw new KeyConfigError(`${where}: tenant ${name} is given different limits in two places`);
+  }
+  config.tenants.set(name, tenant);
+}
+
+function dropUndefined(limits: TenantLimits): TenantLimits {
+  return Object.fromEntries(Object.entries(limits).filter(([, v]) => v !== undefined)) as TenantLimits;
+}
+
+function parseJsonKeys(text: string, source: string): KeyConfig {
+  let doc: unknown;
+  try {
+    doc = JSON.parse(text);
+  } catch (err) {
+    throw new KeyConfigError(`${source}: not valid JSON (${(err as Error).message})`);
+  }
+  const root = doc as { keys?: unknown; tenants?: unknown };
+  if (typeof root !== 'object' || root === null || !Array.isArray(root.keys)) {
+    throw new KeyConfigError(`${source}: expected an object with a "keys" array`);
+  }
+  const config: KeyConfig = { keys: [], tenants: new Map() };
+  root.keys.forEach((entry: unknown, i: number) => {
+    const where = `${source} keys[${i}]`;
+    const { key, tenant } = (entry ?? {}) as { key?: unknown; tenant?: unknown };
+    if (typeof key !== 'string' || key.length === 0) throw new KeyConfigError(`${where}: "key" must be a non-empty string`);
+    if (typeof tenant !== 'string' || tenant.length === 0) throw new KeyConfigError(`${where}: "tenant" must be a non-empty string`);
+    config.keys.push({ key, tenant });
+  });
+  if (root.tenants !== undefined) {
+    if (typeof root.tenants !== 'object' || root.tenants === null || Array.isArray(root.tenants)) {
+      throw new KeyConfigError(`${source}: "tenants" must be an object keyed by tenant name`);
+    }
+    for (const [name, raw] of Object.entries(root.tenants as Record<string, unknown>)) {
+      const where = `${source} tenants.${name}`;
+      const spec = (raw ?? {}) as Record<string, unknown>;
+      const cacheGroup = spec.cache_group;
+      if (cacheGroup !== undefined && typeof cacheGroup !== 'string') throw new KeyConfigError(`${where}: cache_group must be a string`);
+      mergeTenant(config, name, {
+        limits: dropUndefined({
+          requestsPerMinute: positiveLimit(spec.rpm, 'rpm', where),
+          tokensPerMinute: positiveLimit(spec.tpm, 'tpm', where),
+          maxConcurrent: positiveLimit(spec.max_concurrent, 'max_concurrent', where),
+        }),
+        ...(cacheGroup !== undefined ? { cacheGroup } : {}),
+      }, where);
+    }
+  }
+  return config;
+}
+
+function parseLineKeys(text: string, source: string): KeyConfig {
+  const config: KeyConfig = { keys: [], tenants: new Map() };
+  text.split(/\r?\n/).forEach((line, i) => {
+    const words = line.replace(/#.*/, '').trim().split(/\s+/).filter(Boolean);
+    if (words.length === 0) return;
+    const where = `${source}:${i + 1}`;
+    if (words.length < 2 || words.length > 5) {
+      throw new KeyConfigError(`${where}: expected "key tenant [rpm] [tpm] [max_concurrent]", got ${words.length} words`);
+    }
+    const [key, tenant, rpm, tpm, maxConcurrent] = words as [string, string, ...(string | undefined)[]];
+    config.keys.push({ key, tenant });
+    if (words.length > 2) {
+      mergeTenant(config, tenant, {
+        limits: dropUndefined({
+          requestsPerMinute: positiveLimit(rpm, 'rpm', where),
+          tokensPerMinute: positiveLimit(tpm, 'tpm', where),
+          maxConcurrent: positiveLimit(maxConcurrent, 'max_concurrent', where),
+        }),
+      }, where);
+    }
+  });
+  return config;
+}
+
+/** A keys file in either format: JSON when it starts with "{", else one key per line. */
+export function parseKeysFile(text: string, source = 'api keys file'): KeyConfig {
+  return text.trimStart().startsWith('{') ? parseJsonKeys(text, source) : parseLineKeys(text, source);
+}
+
+/** "key:tenant,key2:tenant2" (CONDUIT_API_KEYS). */
+export function parseKeysList(list: string, source = 'CONDUIT_API_KEYS'): KeyGrant[] {
+  return list.split(',').map((item) => item.trim()).filter(Boolean).map((item) => {
+    const colon = item.lastIndexOf(':');
+    if (colon <= 0 || colon === item.length - 1) {
+      throw new KeyConfigError(`${source}: expected "key:tenant", got "${keyHint(item)}"`);
+    }
+    return { key: item.slice(0, colon), tenant: item.slice(colon + 1) };
+  });
+}
+
+/** Keys from a file and a list together (either may be absent). */
+export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyGrant[]): KeyConfig {
+  return {
+    keys: [...(fromFile?.keys ?? []), ...fromList],
+    tenants: new Map(fromFile?.tenants ?? []),
+  };
+}

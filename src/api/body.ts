@@ -1,0 +1,60 @@
+// Reading a JSON request body with a size cap. A body announced too large is refused before a byte of it is read;
+// one that grows past the cap while streaming in is refused at that point, without reading the rest.
+
+import { isUtf8 } from 'node:buffer';
+import type { IncomingMessage } from 'node:http';
+import { BodyTooLargeError, ClientClosedRequestError, InvalidJsonError, InvalidUtf8Error } from './errors.ts';
+
+export function readBody(req: IncomingMessage, limitBytes: number): Promise<Buffer> {
+  const announced = Number(req.headers['content-length']);
+  if (Number.isFinite(announced) && announced > limitBytes) return Promise.reject(new BodyTooLargeError(limitBytes));
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = [];
+    let received = 0;
+    const cleanup = (): void => {
+      req.off('data', onData);
+      req.off('end', onEnd);
+      req.off('error', onError);
+      req.off('close', onClose);
+    };
+    const onData = (chunk: Buffer): void => {
+      received += chunk.length;
+      if (received > limitBytes) {
+        cleanup();
+        req.pause();
+        reject(new BodyTooLargeError(limitBytes));
+        return;
+      }
+      chunks.push(chunk);
+    };
+    const onEnd = (): void => {
+      cleanup();
+      resolve(Buffer.concat(chunks, received));
+    };
+    const onError = (): void => {
+      cleanup();
+      reject(new ClientClosedRequestError());
+    };
+    const onClose = (): void => {
+      cleanup();
+      reject(new ClientClosedRequestError());
+    };
+    req.on('data', onData);
+    req.on('end', onEnd);
+    req.on('error', onError);
+    req.on('close', onClose);
+  });
+}
+
+/** Bytes to a JSON value: invalid UTF-8 and invalid JSON are both the client's 400. */
+export function parseJsonBytes(bytes: Buffer): unknown {
+  if (!isUtf8(bytes)) throw new InvalidUtf8Error();
+  let text = bytes.toString('utf8');
+  if (text.charCodeAt(0) === 0xfeff) text = text.slice(1);
+  if (text.trim() === '') throw new InvalidJsonError('the body is empty.');
+  try {
+    return JSON.parse(text);
+  } catch (err) {
+    throw new InvalidJsonError((err as Error).message);
+  }
+}

@@ -1,0 +1,286 @@
+// Every error the HTTP API can answer with, one class per kind. Each carries the HTTP status, a stable `code` a
+// client can switch on, OpenAI's `type` and `param`, and any headers the status calls for (Allow, Retry-After).
+// The wire shape is OpenAI's: {"error": {"message", "type", "param", "code"}}.
+
+export interface ErrorBody {
+  error: { message: string; type: string; param: string | null; code: string | null };
+}
+
+export class ApiError extends Error {
+  override name = 'ApiError';
+  constructor(
+    readonly statusCode: number,
+    readonly code: string,
+    readonly type: string,
+    message: string,
+    readonly param: string | null = null,
+    readonly headers: Readonly<Record<string, string>> = {},
+  ) {
+    super(message);
+  }
+
+  toBody(): ErrorBody {
+    return { error: { message: this.message, type: this.type, param: this.param, code: this.code } };
+  }
+}
+
+const INVALID_REQUEST = 'invalid_request_error';
+const SERVER_ERROR = 'server_error';
+
+// ---- 400: the request itself is wrong ----
+
+export class InvalidJsonError extends ApiError {
+  constructor(detail: string) {
+    super(400, 'invalid_json', INVALID_REQUEST, `The request body is not valid JSON: ${detail}`);
+  }
+}
+
+export class InvalidUtf8Error extends ApiError {
+  constructor(byteOffset?: number) {
+    const where = byteOffset === undefined ? '' : ` (first bad byte near offset ${byteOffset})`;
+    super(400, 'invalid_utf8', INVALID_REQUEST, `The request body is not valid UTF-8${where}.`);
+  }
+}
+
+export class MissingFieldError extends ApiError {
+  constructor(param: string) {
+    super(400, 'missing_required_parameter', INVALID_REQUEST, `Missing required parameter: '${param}'.`, param);
+  }
+}
+
+export class WrongTypeError extends ApiError {
+  constructor(param: string, expected: string, actual: unknown) {
+    super(400, 'invalid_type', INVALID_REQUEST,
+      `Invalid type for '${param}': expected ${expected}, but got ${describeJsonValue(actual)}.`, param);
+  }
+}
+
+export class InvalidValueError extends ApiError {
+  constructor(param: string, problem: string) {
+    super(400, 'invalid_value', INVALID_REQUEST, `Invalid value for '${param}': ${problem}`, param);
+  }
+}
+
+/** A field OpenAI defines that this server knowingly does not implement. */
+export class UnsupportedFieldError extends ApiError {
+  constructor(param: string, reason: string) {
+    super(400, 'unsupported_parameter', INVALID_REQUEST, `Unsupported parameter '${param}': ${reason}`, param);
+  }
+}
+
+export class ContextLengthError extends ApiError {
+  constructor(maxModelLen: number, promptTokens: number, requestedCompletionTokens?: number) {
+    const message = requestedCompletionTokens === undefined
+      ? `This model's maximum context length is ${maxModelLen} tokens, but the prompt has ${promptTokens} tokens, `
+        + 'which leaves no room for a completion. Please shorten the prompt.'
+      : `This model's maximum context length is ${maxModelLen} tokens. However, you requested `
+        + `${promptTokens + requestedCompletionTokens} tokens (${promptTokens} in the prompt, `
+        + `${requestedCompletionTokens} for the completion). Please reduce the prompt or the completion length.`;
+    super(400, 'context_length_exceeded', INVALID_REQUEST, message,
+      requestedCompletionTokens === undefined ? 'messages' : 'max_tokens');
+  }
+}
+
+/** The request fits the context but not the KV cache this server was started with. */
+export class KvCapacityError extends ApiError {
+  constructor(neededTokens: number, capacityTokens: number) {
+    super(400, 'kv_capacity_exceeded', INVALID_REQUEST,
+      `The request needs ${neededTokens} tokens of KV cache but this server holds at most ${capacityTokens}; `
+      + 'shorten the prompt, lower max_tokens or n, or start the server with a larger --kv-cache-memory.');
+  }
+}
+
+/** The model's chat template refused the messages; the template's own words say why. */
+export class ChatTemplateError extends ApiError {
+  constructor(detail: string) {
+    super(400, 'chat_template_error', INVALID_REQUEST, detail.charAt(0).toUpperCase() + detail.slice(1), 'messages');
+  }
+}
+
+export class NoChatTemplateError extends ApiError {
+  constructor(model: string) {
+    super(400, 'no_chat_template', INVALID_REQUEST,
+      `Model '${model}' has no chat template, so /v1/chat/completions cannot format messages; `
+      + 'use /v1/completions with a prompt instead.');
+  }
+}
+
+/** The engine refused the request as given (its own checks, e.g. more KV than the pool holds). */
+export class EngineRejectedError extends ApiError {
+  constructor(engineCode: string, detail: string) {
+    super(400, engineCode, INVALID_REQUEST, detail);
+  }
+}
+
+// ---- 401 / 404 / 405 / 413 ----
+
+export class MissingApiKeyError extends ApiError {
+  constructor() {
+    super(401, 'missing_api_key', INVALID_REQUEST,
+      'No API key provided. Send it in the Authorization header as "Bearer <key>".');
+  }
+}
+
+export class InvalidApiKeyError extends ApiError {
+  constructor(keyHint: string) {
+    super(401, 'invalid_api_key', INVALID_REQUEST, `Incorrect API key provided: ${keyHint}.`);
+  }
+}
+
+export class ModelNotFoundError extends ApiError {
+  constructor(model: string, served: string) {
+    super(404, 'model_not_found', INVALID_REQUEST,
+      `The model '${model}' does not exist on this server; it serves '${served}'.`, 'model');
+  }
+}
+
+export class RouteNotFoundError extends ApiError {
+  constructor(method: string, path: string) {
+    super(404, 'unknown_url', INVALID_REQUEST, `Invalid URL (${method} ${path}).`);
+  }
+}
+
+export class MethodNotAllowedError extends ApiError {
+  constructor(method: string, path: string, allowed: readonly string[]) {
+    super(405, 'method_not_allowed', INVALID_REQUEST,
+      `Method ${method} is not allowed for ${path}; use ${allowed.join(' or ')}.`, null,
+      { Allow: allowed.join(', ') });
+  }
+}
+
+export class BodyTooLargeError extends ApiError {
+  constructor(limitBytes: number) {
+    super(413, 'body_too_large', INVALID_REQUEST,
+      `The request body is larger than this server's limit of ${limitBytes} bytes (--max-body-bytes).`);
+  }
+}
+
+/** The client hung up before its request was read; nobody is left to answer (nginx's 499). */
+export class ClientClosedRequestError extends ApiError {
+  constructor() {
+    super(499, 'client_closed_request', INVALID_REQUEST, 'The client closed the connection before sending the whole request.');
+  }
+}
+
+// ---- 429: per-tenant limits ----
+
+export type RateLimitKind = 'requests' | 'tokens';
+
+export class RateLimitError extends ApiError {
+  constructor(kind: RateLimitKind, tenant: string, limitPerMinute: number, retryAfterMs: number) {
+    super(429, 'rate_limit_exceeded', kind,
+      `Rate limit reached for tenant '${tenant}' on ${kind} per minute: limit ${limitPerMinute}. `
+      + `Please try again in ${formatDuration(retryAfterMs)}.`, null, retryHeaders(retryAfterMs));
+  }
+}
+
+/** The request alone reserves more tokens than the tenant may use in a minute: waiting will never help. */
+export class RequestExceedsTokenLimitError extends ApiError {
+  constructor(tenant: string, reservedTokens: number, limitPerMinute: number) {
+    super(429, 'rate_limit_exceeded', 'tokens',
+      `Request too large for tenant '${tenant}': it reserves ${reservedTokens} tokens (prompt + n * max_tokens) `
+      + `but the limit is ${limitPerMinute} tokens per minute. Lower max_tokens or n.`, 'max_tokens');
+  }
+}
+
+export class ConcurrencyLimitError extends ApiError {
+  constructor(tenant: string, limit: number) {
+    super(429, 'concurrency_limit_exceeded', 'requests',
+      `Tenant '${tenant}' already has ${limit} requests in flight, its limit. Retry when one finishes.`, null,
+      retryHeaders(1000));
+  }
+}
+
+// ---- 5xx ----
+
+export class NotReadyError extends ApiError {
+  constructor(state: string) {
+    super(503, 'not_ready', SERVER_ERROR, `The server is ${state} and cannot take requests yet.`, null,
+      retryHeaders(1000));
+  }
+}
+
+export class ShuttingDownError extends ApiError {
+  constructor() {
+    super(503, 'shutting_down', SERVER_ERROR, 'The server is shutting down and takes no new requests.');
+  }
+}
+
+export class OverloadedError extends ApiError {
+  constructor(detail: string, retryAfterMs = 1000) {
+    super(503, 'server_overloaded', SERVER_ERROR, `The server is overloaded: ${detail} Please retry shortly.`, null,
+      retryHeaders(retryAfterMs));
+  }
+}
+
+/** The worker that ran the request went away mid-way; a retry lands on a live one. */
+export class WorkerLostError extends ApiError {
+  constructor(detail: string) {
+    super(503, 'worker_lost', SERVER_ERROR, `The engine worker running this request was lost: ${detail}`, null,
+      retryHeaders(1000));
+  }
+}
+
+export class RequestTimeoutError extends ApiError {
+  constructor(timeoutSeconds: number) {
+    super(504, 'request_timeout', SERVER_ERROR,
+      `The request did not finish within the server's limit of ${timeoutSeconds} s (--request-timeout).`);
+  }
+}
+
+export class EngineError extends ApiError {
+  constructor(detail: string) {
+    super(500, 'engine_error', SERVER_ERROR, `The engine failed while generating: ${detail}`);
+  }
+}
+
+export class BrokenChatTemplateError extends ApiError {
+  constructor(detail: string) {
+    super(500, 'chat_template_broken', SERVER_ERROR, `The model's chat template is broken: ${detail}`);
+  }
+}
+
+export class InternalError extends ApiError {
+  constructor(detail: string) {
+    super(500, 'internal_error', SERVER_ERROR, `Internal server error: ${detail}`);
+  }
+}
+
+/** Any thrown value as an ApiError: ApiErrors pass through, anything else is a bug and becomes a 500. */
+export function toApiError(err: unknown): ApiError {
+  if (err instanceof ApiError) return err;
+  return new InternalError(err instanceof Error ? err.message : String(err));
+}
+
+// ---- helpers ----
+
+function retryHeaders(retryAfterMs: number): Record<string, string> {
+  return {
+    'Retry-After': String(Math.max(1, Math.ceil(retryAfterMs / 1000))),
+    'retry-after-ms': String(Math.max(0, Math.ceil(retryAfterMs))),
+  };
+}
+
+/** Durations in the style of OpenAI's rate-limit headers: "250ms", "12s", "1m30s". */
+export function formatDuration(ms: number): string {
+  const clamped = Math.max(0, Math.ceil(ms));
+  if (clamped < 1000) return `${clamped}ms`;
+  const totalSeconds = clamped / 1000;
+  if (totalSeconds < 60) return `${Number(totalSeconds.toFixed(3))}s`;
+  const minutes = Math.floor(totalSeconds / 60);
+  const seconds = Number((totalSeconds - minutes * 60).toFixed(3));
+  return `${minutes}m${seconds}s`;
+}
+
+/** A JSON value described for an error message: its type, and the value itself when short. */
+export function describeJsonValue(value: unknown): string {
+  if (value === null) return 'null';
+  if (Array.isArray(value)) return 'an array';
+  switch (typeof value) {
+    case 'string': return value.length <= 40 ? `a string ("${value}")` : 'a string';
+    case 'number': return Number.isInteger(value) ? `an integer (${value})` : `a number (${value})`;
+    case 'boolean': return `a boolean (${value})`;
+    case 'object': return 'an object';
+    default: return typeof value;
+  }
+}

@@ -1,0 +1,349 @@
+// The gateway proper: turns validated OpenAI requests into engine requests (chat template, tokenizer, context
+// checks), admits them (overload bound, tenant limits), runs them, and gives back what they held however they end.
+// It knows nothing of routing or sockets beyond the response it writes to; server.ts does HTTP.
+
+import type { ServerResponse } from 'node:http';
+import type { Engine } from '../engine/types.ts';
+import {
+  ChatTemplateError as TemplateRenderError, type ChatMessage as TemplateMessage, type RenderOptions,
+} from '../model/chat-template.ts';
+import type { Tokenizer } from '../model/tokenizer/types.ts';
+import type { Tenant } from './auth.ts';
+import {
+  BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
+  NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
+} from './errors.ts';
+import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
+import type { GatewayMetrics } from './metrics.ts';
+import { newCompletionId, TokenTexts, unixSeconds, type ChatResponseMeta } from './openai-format.ts';
+import type { Admission, TenantRateLimiter } from './rate-limit.ts';
+import { collectRun, streamRun } from './respond.ts';
+import { ChatShape, CompletionShape, type ResponseShape } from './response-shapes.ts';
+import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
+import { parseCompletionRequest } from './schemas/completion.ts';
+import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
+import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
+import { SseWriter } from './sse.ts';
+import type { JsonObject } from './validate.ts';
+
+/** The model's chat template (src/model/chat-template.ts's ChatTemplate fits). */
+export interface ChatTemplateRenderer {
+  render(messages: readonly TemplateMessage[], options: RenderOptions): string;
+}
+
+/** What the gateway serves: an engine plus the tokenizer and chat template of its model. */
+export interface ModelBackend {
+  engine: Engine;
+  tokenizer: Tokenizer;
+  chatTemplate?: ChatTemplateRenderer;
+}
+
+export type GatewayState = 'loading' | 'ready' | 'draining' | 'stopped';
+
+export interface GatewayOptions {
+  /** Name clients use in "model"; defaults to the engine's model name. */
+  servedModelName?: string;
+  /** Engine requests in flight beyond which new requests get 503. */
+  maxPendingRequests: number;
+  /** Per-request limit on generation time; undefined = none. */
+  requestTimeoutMs?: number;
+  limiter: TenantRateLimiter;
+  metrics: GatewayMetrics;
+}
+
+/** One HTTP request as the gateway sees it. */
+export interface Call {
+  res: ServerResponse;
+  tenant: Tenant;
+  arrivalMs: number;
+  traceparent?: string;
+  /** Aborted when the client goes away before its response is complete. */
+  clientGone: AbortSignal;
+  /** Headers that every answer to this call carries, success or error (request id, rate limits). */
+  headers: Record<string, string>;
+}
+
+export type JsonReply = { status: number; body: object };
+
+/** OpenAI's "developer" role is the newer name of "system"; templates only know the latter. */
+function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
+  return messages.map((message) => ({ ...message, role: message.role === 'developer' ? 'system' : message.role }));
+}
+
+export class Gateway {
+  state: GatewayState = 'loading';
+  private backend: ModelBackend | undefined;
+  private readonly activeRuns = new Set<GenerationRun>();
+  private readonly idleWaiters: (() => void)[] = [];
+  private pendingEngineRequests = 0;
+  private readonly startedAtSeconds = unixSeconds();
+
+  constructor(private readonly options: GatewayOptions) {}
+
+  attach(backend: ModelBackend): void {
+    this.backend = backend;
+    this.state = 'ready';
+  }
+
+  get engine(): Engine | undefined {
+    return this.backend?.engine;
+  }
+
+  get servedModelName(): string | undefined {
+    return this.options.servedModelName ?? this.backend?.engine.info.modelName;
+  }
+
+  get activeRunCount(): number {
+    return this.activeRuns.size;
+  }
+
+  private ready(): ModelBackend {
+    if (this.state === 'draining' || this.state === 'stopped') throw new ShuttingDownError();
+    if (!this.backend) throw new NotReadyError('still loading its model');
+    return this.backend;
+  }
+
+  private validationContext(backend: ModelBackend): ValidationContext {
+    return { vocabSize: Math.min(backend.engine.info.vocabSize, backend.tokenizer.vocabSize) };
+  }
+
+  private checkModel(model: string | undefined): void {
+    const served = this.servedModelName!;
+    if (model !== undefined && model !== served) throw new ModelNotFoundError(model, served);
+  }
+
+  // ---- prompts ----
+
+  private renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
+    templateKwargs: JsonObject | undefined): number[] {
+    if (!backend.chatTemplate) throw new NoChatTemplateError(this.servedModelName!);
+    let text: string;
+    try {
+      text = backend.chatTemplate.render(templateMessages(messages),
+        { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}) });
+    } catch (err) {
+      // The template refusing these messages is the client's 400; a template that cannot render at all is ours.
+      if (err instanceof TemplateRenderError && err.status === 400) throw new ChatTemplateError(err.message);
+      if (err instanceof TemplateRenderError) throw new BrokenChatTemplateError(err.message);
+      throw err;
+    }
+    // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
+    // and the tokenizer put it there.
+    const ids = backend.tokenizer.encode(text, { addSpecialTokens: true, parseSpecial: true });
+    const bos = backend.tokenizer.bosId;
+    return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
+  }
+
+  /** Fixes max_tokens for a prompt from the context left, or refuses a prompt that does not fit. */
+  private fitPrompt(backend: ModelBackend, tokenIds: number[], requestedMaxTokens: number | undefined,
+    param: string, text?: string): PreparedPrompt {
+    const { maxModelLen, kvCapacityTokens } = backend.engine.info;
+    if (tokenIds.length === 0) throw new InvalidValueError(param, 'the prompt is empty after tokenization.');
+    if (tokenIds.length >= maxModelLen) throw new ContextLengthError(maxModelLen, tokenIds.length);
+    if (requestedMaxTokens !== undefined && tokenIds.length + requestedMaxTokens > maxModelLen) {
+      throw new ContextLengthError(maxModelLen, tokenIds.length, requestedMaxTokens);
+    }
+    if (tokenIds.length + 1 > kvCapacityTokens) throw new KvCapacityError(tokenIds.length + 1, kvCapacityTokens);
+    return {
+      tokenIds,
+      maxTokens: requestedMaxTokens ?? maxModelLen - tokenIds.length,
+      ...(text !== undefined ? { text } : {}),
+    };
+  }
+
+  // ---- endpoints ----
+
+  async chatCompletions(call: Call, body: unknown): Promise<void> {
+    const backend = this.ready();
+    const request = parseChatCompletionRequest(body, this.validationContext(backend));
+    this.checkModel(request.model);
+    const tokenIds = this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
+    const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
+    const id = newCompletionId('chatcmpl');
+    const topLogprobs = request.logprobs ? request.topLogprobs : null;
+    const shape = new ChatShape(this.meta(backend, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+    await this.run(call, backend, id, [prompt], request, topLogprobs, shape);
+  }
+
+  async completions(call: Call, body: unknown): Promise<void> {
+    const backend = this.ready();
+    const request = parseCompletionRequest(body, this.validationContext(backend));
+    this.checkModel(request.model);
+    const { tokenizer } = backend;
+    const prompts = request.prompts.map((input, i) => {
+      const param = request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
+      if ('text' in input) {
+        const ids = tokenizer.encode(input.text, { addSpecialTokens: true, parseSpecial: true });
+        return this.fitPrompt(backend, ids, request.maxTokens, param, input.text);
+      }
+      const text = request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
+      return this.fitPrompt(backend, input.tokenIds, request.maxTokens, param, text);
+    });
+    const id = newCompletionId('cmpl');
+    const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
+    const shape = new CompletionShape(this.meta(backend, id), prompts.length * request.n, new TokenTexts(tokenizer),
+      request.logprobs, echoTexts);
+    await this.run(call, backend, id, prompts, request, request.logprobs, shape);
+  }
+
+  tokenize(body: unknown): JsonReply {
+    const backend = this.ready();
+    const request = parseTokenizeRequest(body, this.validationContext(backend));
+    this.checkModel(request.model);
+    const tokens = request.kind === 'prompt'
+      ? backend.tokenizer.encode(request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
+      : this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
+    return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
+  }
+
+  detokenize(body: unknown): JsonReply {
+    const backend = this.ready();
+    const request = parseDetokenizeRequest(body, this.validationContext(backend));
+    this.checkModel(request.model);
+    return { status: 200, body: { prompt: backend.tokenizer.decode(request.tokens) } };
+  }
+
+  models(): JsonReply {
+    const backend = this.ready();
+    return { status: 200, body: { object: 'list', data: [this.modelCard(backend)] } };
+  }
+
+  model(name: string): JsonReply {
+    const backend = this.ready();
+    this.checkModel(name);
+    return { status: 200, body: this.modelCard(backend) };
+  }
+
+  health(): JsonReply {
+    const backend = this.backend;
+    const ready = this.state === 'ready' && backend !== undefined;
+    const info = backend?.engine.info;
+    const stats = backend?.engine.stats();
+    return {
+      status: ready ? 200 : 503,
+      body: {
+        status: this.state,
+        ready,
+        model: this.servedModelName ?? null,
+        ...(info ? {
+          max_model_len: info.maxModelLen,
+          kv_capacity_tokens: info.kvCapacityTokens,
+          backend: info.backend,
+          kernel_variants: info.kernelVariants,
+          threads: info.threads,
+        } : {}),
+        ...(stats ? { running: stats.numRunning, waiting: stats.numWaiting } : {}),
+      },
+    };
+  }
+
+  // ---- running ----
+
+  private meta(backend: ModelBackend, id: string): ChatResponseMeta {
+    return { id, created: unixSeconds(), model: this.servedModelName!, systemFingerprint: `conduit-${backend.engine.info.backend}` };
+  }
+
+  private modelCard(backend: ModelBackend): object {
+    return {
+      id: this.servedModelName,
+      object: 'model',
+      created: this.startedAtSeconds,
+      owned_by: 'conduit',
+      root: backend.engine.info.modelName,
+      max_model_len: backend.engine.info.maxModelLen,
+    };
+  }
+
+  private async run(call: Call, backend: ModelBackend, id: string, prompts: PreparedPrompt[],
+    request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
+    const run = new GenerationRun(backend.engine, id, prompts, request.n, {
+      priority: request.priority,
+      arrivalMs: call.arrivalMs,
+      tenant: call.tenant.name,
+      ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
+      ...(call.traceparent ? { traceparent: call.traceparent } : {}),
+    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
+
+    // A client that left while its prompt was being prepared gets nothing started on its behalf.
+    if (call.clientGone.aborted) throw new ClientClosedRequestError();
+    const admission = this.admit(call, run);
+    call.headers['x-request-id'] = id;
+    this.activeRuns.add(run);
+    this.pendingEngineRequests += run.engineRequests.length;
+    this.options.metrics.requestStarted(call.tenant.name);
+    const onGone = (): void => run.abort();
+    call.clientGone.addEventListener('abort', onGone);
+    const timer = this.options.requestTimeoutMs === undefined ? undefined
+      : setTimeout(() => run.abort(new RequestTimeoutError(this.options.requestTimeoutMs! / 1000)), this.options.requestTimeoutMs);
+    let refused = false;
+    try {
+      if (request.stream) {
+        await streamRun(run, shape, new SseWriter(call.res), {
+          includeUsage: request.includeUsage, continuousUsage: request.continuousUsage, headers: call.headers,
+        });
+      } else {
+        const body = await collectRun(run, shape);
+        if (!call.clientGone.aborted) sendJsonReply(call.res, { status: 200, body }, call.headers);
+      }
+    } catch (err) {
+      // Refused by the engine before it produced anything: the request cost nothing and is not counted.
+      refused = run.completionTokens === 0 && (err instanceof EngineRejectedError || err instanceof OverloadedError);
+      throw err;
+    } finally {
+      clearTimeout(timer);
+      call.clientGone.removeEventListener('abort', onGone);
+      this.runEnded(run);
+      this.pendingEngineRequests -= run.engineRequests.length;
+      this.options.metrics.requestEnded(call.tenant.name);
+      this.options.metrics.countTokens(call.tenant.name, refused ? 0 : run.promptTokens, run.completionTokens);
+      // A request the engine refused used nothing; otherwise the prompt and every generated token count.
+      if (refused) admission.settle(0, { refundRequest: true });
+      else admission.settle(run.promptTokens + run.completionTokens);
+    }
+  }
+
+  private admit(call: Call, run: GenerationRun): Admission {
+    const { limiter } = this.options;
+    try {
+      const pending = this.pendingEngineRequests + run.engineRequests.length;
+      if (pending > this.options.maxPendingRequests) {
+        throw new OverloadedError(
+          `${this.pendingEngineRequests} requests are pending and the bound is ${this.options.maxPendingRequests}.`);
+      }
+      return limiter.admit(call.tenant, run.reservedTokens);
+    } finally {
+      Object.assign(call.headers, limiter.headers(call.tenant));
+    }
+  }
+
+  /** Stops taking requests, lets runs in flight finish for up to `graceMs`, then aborts the rest. */
+  async drain(graceMs: number): Promise<void> {
+    if (this.state === 'ready' || this.state === 'loading') this.state = 'draining';
+    let timer: NodeJS.Timeout | undefined;
+    const graceOver = new Promise<void>((resolve) => { timer = setTimeout(resolve, graceMs); });
+    await Promise.race([this.whenIdle(), graceOver]);
+    clearTimeout(timer);
+    for (const run of this.activeRuns) run.abort(new ShuttingDownError());
+  }
+
+  /** Resolves when no run is active. */
+  whenIdle(): Promise<void> {
+    if (this.activeRuns.size === 0) return Promise.resolve();
+    return new Promise((resolve) => this.idleWaiters.push(resolve));
+  }
+
+  private runEnded(run: GenerationRun): void {
+    this.activeRuns.delete(run);
+    if (this.activeRuns.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
+  }
+}
+
+export function sendJsonReply(res: ServerResponse, reply: JsonReply, headers: Record<string, string> = {}): void {
+  const payload = JSON.stringify(reply.body);
+  res.writeHead(reply.status, {
+    ...headers,
+    'Content-Type': 'application/json',
+    'Content-Length': Buffer.byteLength(payload),
+  });
+  res.end(payload);
+}

@@ -1,0 +1,161 @@
+// One API request's engine work: an engine request per prompt (each with n completions), their outputs merged into
+// one stream of events in arrival order, and the bookkeeping every ending needs (which requests are still running
+// and must be aborted, how many tokens were really used).
+
+import type { Engine, EngineOutput, EngineRequest, SamplingParams } from '../engine/types.ts';
+import {
+  EngineError, EngineRejectedError, OverloadedError, ShuttingDownError, WorkerLostError, type ApiError,
+} from './errors.ts';
+
+export interface PreparedPrompt {
+  tokenIds: number[];
+  /** Completion tokens allowed for each of the n completions. */
+  maxTokens: number;
+  /** The prompt as text, for completions' echo. */
+  text?: string;
+}
+
+export interface RunEvent {
+  promptIndex: number;
+  output: EngineOutput;
+}
+
+export interface RunRequestTemplate {
+  priority: number;
+  arrivalMs: number;
+  tenant?: string;
+  cacheSalt?: string;
+  traceparent?: string;
+}
+
+export class GenerationRun {
+  readonly engineRequests: EngineRequest[];
+  /** Set when the server (not the client) ended the run early: a timeout or shutdown. */
+  abortReason: ApiError | undefined;
+  private readonly finishedCompletions: number[];
+  private readonly generatedTokens: number[];
+  private readonly cachedTokens: number[];
+  private aborted = false;
+
+  constructor(
+    private readonly engine: Engine,
+    readonly id: string,
+    readonly prompts: readonly PreparedPrompt[],
+    readonly n: number,
+    template: RunRequestTemplate,
+    samplingFor: (prompt: PreparedPrompt) => SamplingParams,
+  ) {
+    this.engineRequests = prompts.map((prompt, i) => ({
+      ...template,
+      id: prompts.length === 1 ? id : `${id}-${i}`,
+      promptTokenIds: prompt.tokenIds,
+      sampling: samplingFor(prompt),
+    }));
+    this.finishedCompletions = prompts.map(() => 0);
+    this.generatedTokens = prompts.map(() => 0);
+    this.cachedTokens = prompts.map(() => 0);
+  }
+
+  get promptTokens(): number {
+    return this.prompts.reduce((sum, prompt) => sum + prompt.tokenIds.length, 0);
+  }
+
+  get completionTokens(): number {
+    return this.generatedTokens.reduce((a, b) => a + b, 0);
+  }
+
+  get cachedPromptTokens(): number {
+    return this.cachedTokens.reduce((a, b) => a + b, 0);
+  }
+
+  /** The most tokens the run can use: what the rate limiter reserves. */
+  get reservedTokens(): number {
+    return this.prompts.reduce((sum, prompt) => sum + prompt.tokenIds.length + this.n * prompt.maxTokens, 0);
+  }
+
+  get done(): boolean {
+    return this.finishedCompletions.every((count) => count >= this.n);
+  }
+
+  /** Stops every engine request that has not finished; their streams end with finishReason 'abort'. */
+  abort(reason?: ApiError): void {
+    if (reason && !this.abortReason) this.abortReason = reason;
+    if (this.aborted) return;
+    this.aborted = true;
+    this.engineRequests.forEach((request, i) => {
+      if (this.finishedCompletions[i]! < this.n) this.engine.abort(request.id);
+    });
+  }
+
+  /**
+   * Outputs of every engine request as they arrive. Throws what an engine stream throws; leaving early (break,
+   * throw) closes every engine stream.
+   */
+  async *events(): AsyncGenerator<RunEvent> {
+    const iterators: AsyncIterator<EngineOutput>[] = [];
+    try {
+      for (const request of this.engineRequests) iterators.push(this.engine.generate(request)[Symbol.asyncIterator]());
+    } catch (err) {
+      this.abort();
+      throw engineFailure(err);
+    }
+    type Step = { index: number; result: IteratorResult<EngineOutput> };
+    const pending = new Map<number, Promise<Step>>();
+    const pull = (index: number): void => {
+      const step = iterators[index]!.next().then((result) => ({ index, result }));
+      step.catch(() => {}); // observed through Promise.race; this keeps a late rejection from going unhandled
+      pending.set(index, step);
+    };
+    iterators.forEach((_, index) => pull(index));
+    try {
+      while (pending.size > 0) {
+        const { index, result } = await Promise.race(pending.values()).catch((err: unknown) => {
+          throw engineFailure(err);
+        });
+        if (result.done) {
+          pending.delete(index);
+          continue;
+        }
+        this.account(index, result.value);
+        pull(index);
+        yield { promptIndex: index, output: result.value };
+      }
+    } finally {
+      if (pending.size > 0) {
+        this.abort();
+        await Promise.allSettled(iterators.map((iterator) => iterator.return?.()));
+      }
+    }
+  }
+
+  private account(promptIndex: number, output: EngineOutput): void {
+    this.generatedTokens[promptIndex]! += output.newTokenIds.length;
+    this.cachedTokens[promptIndex] = Math.max(this.cachedTokens[promptIndex]!, output.usage.cachedTokens);
+    if (output.finishReason) this.finishedCompletions[promptIndex]!++;
+  }
+}
+
+/**
+ * An exception from an engine stream as an API error. Requests the engine refuses carry a code (checked by shape,
+ * since the error may have crossed a thread boundary): those are the client's 400. A closed engine means the server
+ * is stopping, a full admission queue or a lost worker are 503s; anything else is the engine's 500.
+ */
+export function engineFailure(err: unknown): ApiError {
+  const { name, code, message, retryAfterMs } = (err ?? {}) as
+    { name?: unknown; code?: unknown; message?: unknown; retryAfterMs?: unknown };
+  const detail = typeof message === 'string' ? message : String(err);
+  if (REJECTION_NAMES.has(String(name)) && typeof code === 'string') return new EngineRejectedError(code, detail);
+  switch (name) {
+    case 'EngineOverloadedError':
+      return new OverloadedError(detail, typeof retryAfterMs === 'number' ? retryAfterMs : undefined);
+    case 'WorkerLostError':
+      return new WorkerLostError(detail);
+    case 'EngineClosedError':
+      return new ShuttingDownError();
+    default:
+      return new EngineError(detail);
+  }
+}
+
+/** Names the engine gives errors for requests it refuses as given (the scheduler's and the local engine's). */
+const REJECTION_NAMES = new Set(['InvalidRequestError', 'EngineRejectedError']);

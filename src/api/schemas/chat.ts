@@ -1,0 +1,168 @@
+// POST /v1/chat/completions request: messages in OpenAI's wire shape (handed to the chat template as they are, since
+// Jinja chat templates are written against that shape), plus the chat-only fields.
+
+import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
+import { childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
+import {
+  MAX_LOGPROBS, readGenerationOptions, rejectUnsupported, unsupportedFields, type GenerationOptions,
+  type ValidationContext,
+} from './generation.ts';
+
+export type ChatRole = 'system' | 'developer' | 'user' | 'assistant' | 'tool';
+const ROLES: readonly ChatRole[] = ['system', 'developer', 'user', 'assistant', 'tool'];
+
+export interface ToolCall {
+  id: string;
+  type: 'function';
+  function: { name: string; arguments: string };
+}
+
+/** One message as a chat template sees it: content flattened to text. */
+export interface ChatMessage {
+  role: ChatRole;
+  content: string | null;
+  name?: string;
+  tool_calls?: ToolCall[];
+  tool_call_id?: string;
+}
+
+export interface ChatCompletionRequest extends GenerationOptions {
+  messages: ChatMessage[];
+  logprobs: boolean;
+  /** Alternatives per token when logprobs is on (0 = only the chosen token). */
+  topLogprobs: number;
+  addGenerationPrompt: boolean;
+  chatTemplateKwargs?: JsonObject;
+}
+
+const TEXT_ONLY = 'this server runs text-only models; send text content parts only.';
+
+const UNSUPPORTED_CHAT = unsupportedFields({
+  functions: 'function calling is not supported; omit functions.',
+  function_call: 'function calling is not supported; omit function_call.',
+  audio: 'audio output is not supported.',
+  prediction: 'predicted outputs are not supported.',
+  web_search_options: 'web search is not supported.',
+  chat_template: 'per-request chat templates are not supported; the model\'s own template is used.',
+});
+
+/** Text of one message's content: a string, or text parts joined by newlines. */
+function readContent(param: string, value: unknown): string {
+  if (typeof value === 'string') return value;
+  const parts = readArray(param, value, { nonEmpty: true });
+  const texts = parts.map((part, i) => {
+    const partPath = childPath(param, i);
+    const fields = new Fields(readObject(partPath, part), partPath);
+    const type = fields.string('type') ?? (fields.has('text') ? 'text' : undefined);
+    switch (type) {
+      case 'text':
+        return readString(fields.path('text'), fields.required('text'));
+      case 'refusal':
+        return readString(fields.path('refusal'), fields.required('refusal'));
+      case 'image_url':
+      case 'input_image':
+      case 'input_audio':
+      case 'file':
+        throw new UnsupportedFieldError(fields.path('type'), `content parts of type '${type}': ${TEXT_ONLY}`);
+      case undefined:
+        throw new InvalidValueError(fields.path('type'), 'a content part needs a type (e.g. "text").');
+      default:
+        throw new InvalidValueError(fields.path('type'), `unknown content part type '${type}'.`);
+    }
+  });
+  return texts.join('\n');
+}
+
+function readToolCalls(param: string, value: unknown): ToolCall[] {
+  return readArray(param, value).map((item, i) => {
+    const callPath = childPath(param, i);
+    const call = new Fields(readObject(callPath, item), callPath);
+    const type = call.string('type') ?? 'function';
+    if (type !== 'function') throw new InvalidValueError(call.path('type'), `unknown tool call type '${type}'.`);
+    const fn = call.fields('function');
+    if (!fn) throw new InvalidValueError(call.path('function'), 'a tool call needs a function.');
+    return {
+      id: readString(call.path('id'), call.required('id')),
+      type: 'function',
+      function: {
+        name: readString(fn.path('name'), fn.required('name'), { nonEmpty: true }),
+        arguments: readString(fn.path('arguments'), fn.required('arguments')),
+      },
+    };
+  });
+}
+
+function readMessage(index: number, value: unknown): ChatMessage {
+  const path = childPath('messages', index);
+  const fields = new Fields(readObject(path, value), path);
+  const role = readString(fields.path('role'), fields.required('role'));
+  if (role === 'function') throw new UnsupportedFieldError(fields.path('role'), 'the deprecated function role is not supported.');
+  if (!(ROLES as readonly string[]).includes(role)) {
+    throw new InvalidValueError(fields.path('role'), `unknown role '${role}'; expected one of ${ROLES.join(', ')}.`);
+  }
+  const message: ChatMessage = { role: role as ChatRole, content: null };
+  const name = fields.string('name');
+  if (name !== undefined) message.name = name;
+  if (role === 'assistant' && fields.has('tool_calls')) {
+    message.tool_calls = readToolCalls(fields.path('tool_calls'), fields.raw('tool_calls'));
+  }
+  if (role === 'tool') message.tool_call_id = readString(fields.path('tool_call_id'), fields.required('tool_call_id'));
+  // An assistant turn that only calls tools may have no content; every other message must say something.
+  if (fields.has('content')) message.content = readContent(fields.path('content'), fields.raw('content'));
+  else if (!(role === 'assistant' && message.tool_calls)) fields.required('content');
+  return message;
+}
+
+function checkToolFields(fields: Fields): void {
+  const toolChoice = fields.raw('tool_choice');
+  if (toolChoice !== undefined && toolChoice !== 'none' && toolChoice !== 'auto') {
+    if (toolChoice === 'required' || typeof toolChoice === 'object') {
+      throw new UnsupportedFieldError('tool_choice', 'forcing tool calls is not supported: this server has no tool-call parser.');
+    }
+    throw new InvalidValueError('tool_choice', 'expected "none", "auto", "required" or a named function.');
+  }
+  const tools = fields.array('tools');
+  if (tools && tools.length > 0 && toolChoice !== 'none') {
+    throw new UnsupportedFieldError('tools',
+      'tool calling is not supported: this server has no tool-call parser. Omit tools or set tool_choice to "none".');
+  }
+}
+
+function checkOutputFormat(fields: Fields): void {
+  const format = fields.fields('response_format');
+  if (format) {
+    const type = readString(format.path('type'), format.required('type'));
+    if (type === 'json_object' || type === 'json_schema') {
+      throw new UnsupportedFieldError('response_format', `'${type}' needs guided decoding, which is not implemented.`);
+    }
+    if (type !== 'text') throw new InvalidValueError(format.path('type'), `unknown response format '${type}'.`);
+  }
+  const modalities = fields.array('modalities') ?? [];
+  modalities.forEach((modality, i) => {
+    const value = readString(childPath('modalities', i), modality);
+    if (value !== 'text') throw new UnsupportedFieldError('modalities', `only "text" output is supported, not "${value}".`);
+  });
+}
+
+export function parseChatCompletionRequest(body: unknown, context: ValidationContext): ChatCompletionRequest {
+  const fields = new Fields(readObject('body', body));
+  rejectUnsupported(fields, UNSUPPORTED_CHAT);
+  checkToolFields(fields);
+  checkOutputFormat(fields);
+  fields.required('messages');
+  const messages = fields.array('messages', { nonEmpty: true })!;
+  const logprobs = fields.boolean('logprobs') ?? false;
+  const topLogprobs = fields.integer('top_logprobs', { min: 0, max: MAX_LOGPROBS });
+  if (topLogprobs !== undefined && topLogprobs > 0 && !logprobs) {
+    throw new InvalidValueError('top_logprobs', 'top_logprobs needs logprobs set to true.');
+  }
+  const chatTemplateKwargs = fields.fields('chat_template_kwargs')?.object;
+  return {
+    ...readGenerationOptions(fields, context),
+    messages: messages.map((message, i) => readMessage(i, message)),
+    logprobs,
+    topLogprobs: topLogprobs ?? 0,
+    addGenerationPrompt: fields.boolean('add_generation_prompt') ?? true,
+    ...(chatTemplateKwargs ? { chatTemplateKwargs } : {}),
+  };
+}

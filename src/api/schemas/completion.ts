@@ -1,0 +1,61 @@
+// POST /v1/completions request. `prompt` takes every form OpenAI allows: a string, a list of strings, a list of
+// token ids, or a list of token-id lists; each prompt becomes its own engine request with n completions.
+
+import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
+import { childPath, Fields, readArray, readObject, readString } from '../validate.ts';
+import {
+  MAX_LOGPROBS, readGenerationOptions, readTokenId, rejectUnsupported, unsupportedFields, type GenerationOptions,
+  type ValidationContext,
+} from './generation.ts';
+
+export const MAX_PROMPTS = 64;
+
+const UNSUPPORTED_COMPLETION = unsupportedFields({});
+
+export type PromptInput = { text: string } | { tokenIds: number[] };
+
+export interface CompletionRequest extends GenerationOptions {
+  prompts: PromptInput[];
+  echo: boolean;
+  /** Alternatives per token (0 = only the chosen token's logprob), or null for none. */
+  logprobs: number | null;
+}
+
+function readTokenList(param: string, value: unknown[], context: ValidationContext): number[] {
+  if (value.length === 0) throw new InvalidValueError(param, 'a token-id prompt must not be empty.');
+  return value.map((id, i) => readTokenId(childPath(param, i), id, context));
+}
+
+function readPrompts(fields: Fields, context: ValidationContext): PromptInput[] {
+  const raw = fields.required('prompt');
+  if (typeof raw === 'string') return [{ text: raw }];
+  const list = readArray('prompt', raw, { nonEmpty: true });
+  // A list of numbers is one prompt of token ids; otherwise every item is a prompt of its own.
+  if (list.every((item) => typeof item === 'number')) return [{ tokenIds: readTokenList('prompt', list, context) }];
+  if (list.length > MAX_PROMPTS) {
+    throw new InvalidValueError('prompt', `${list.length} prompts in one request; the limit is ${MAX_PROMPTS}.`);
+  }
+  return list.map((item, i) => {
+    const param = childPath('prompt', i);
+    if (Array.isArray(item)) return { tokenIds: readTokenList(param, item, context) };
+    return { text: readString(param, item) };
+  });
+}
+
+export function parseCompletionRequest(body: unknown, context: ValidationContext): CompletionRequest {
+  const fields = new Fields(readObject('body', body));
+  rejectUnsupported(fields, UNSUPPORTED_COMPLETION);
+  const suffix = fields.string('suffix');
+  if (suffix) throw new UnsupportedFieldError('suffix', 'fill-in-the-middle suffixes are not supported.');
+  const options = readGenerationOptions(fields, context);
+  const bestOf = fields.integer('best_of', { min: 1 });
+  if (bestOf !== undefined && bestOf !== options.n) {
+    throw new UnsupportedFieldError('best_of', `best_of different from n is not supported (best_of ${bestOf}, n ${options.n}).`);
+  }
+  const echo = fields.boolean('echo') ?? false;
+  const logprobs = fields.integer('logprobs', { min: 0, max: MAX_LOGPROBS }) ?? null;
+  if (echo && logprobs !== null) {
+    throw new UnsupportedFieldError('echo', 'echo together with logprobs needs prompt logprobs, which are not implemented.');
+  }
+  return { ...options, prompts: readPrompts(fields, context), echo, logprobs };
+}

@@ -1,0 +1,178 @@
+// Fields shared by /v1/chat/completions and /v1/completions: sampling, stopping, streaming, and vLLM's extras.
+// Ranges follow OpenAI where it documents one and vLLM otherwise.
+
+import type { SamplingParams } from '../../engine/types.ts';
+import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
+import { childPath, Fields, readInteger, readNumber, readString } from '../validate.ts';
+
+/** What a request's field checks need to know about the model. */
+export interface ValidationContext {
+  vocabSize: number;
+}
+
+export const MAX_N = 128;
+export const MAX_LOGPROBS = 20;
+export const MAX_STOP_STRINGS = 32;
+export const MAX_LOGIT_BIAS_ENTRIES = 1024;
+
+export interface GenerationOptions {
+  model?: string;
+  stream: boolean;
+  /** stream_options.include_usage: a last chunk with empty choices carries usage. */
+  includeUsage: boolean;
+  /** stream_options.continuous_usage_stats (vLLM): every chunk carries usage so far. */
+  continuousUsage: boolean;
+  n: number;
+  /** Undefined: whatever is left of the context after the prompt. */
+  maxTokens?: number;
+  temperature: number;
+  topP: number;
+  topK: number;
+  minP: number;
+  repetitionPenalty: number;
+  presencePenalty: number;
+  frequencyPenalty: number;
+  logitBias?: Map<number, number>;
+  seed?: number;
+  stop: string[];
+  stopTokenIds: number[];
+  minTokens: number;
+  ignoreEos: boolean;
+  includeStopStrInOutput: boolean;
+  skipSpecialTokens: boolean;
+  priority: number;
+  user?: string;
+}
+
+/** Fields from vLLM and others that name features this server does not have. */
+const UNSUPPORTED_EVERYWHERE: Record<string, string> = {
+  guided_json: 'guided decoding is not implemented.',
+  guided_regex: 'guided decoding is not implemented.',
+  guided_choice: 'guided decoding is not implemented.',
+  guided_grammar: 'guided decoding is not implemented.',
+  structured_outputs: 'guided decoding is not implemented.',
+  prompt_logprobs: 'prompt logprobs are not implemented.',
+};
+
+/** Fields an endpoint knowingly does not implement, with why; built once per endpoint. */
+export function unsupportedFields(table: Record<string, string>): ReadonlyMap<string, string> {
+  return new Map(Object.entries({ ...UNSUPPORTED_EVERYWHERE, ...table }));
+}
+
+export function rejectUnsupported(fields: Fields, unsupported: ReadonlyMap<string, string>): void {
+  // A request has a handful of fields: walking them is cheaper than probing for every unsupported name.
+  for (const key in fields.object) {
+    const reason = unsupported.get(key);
+    if (reason !== undefined && fields.has(key)) throw new UnsupportedFieldError(fields.path(key), reason);
+  }
+  if (fields.boolean('use_beam_search')) {
+    throw new UnsupportedFieldError('use_beam_search', 'beam search is not implemented.');
+  }
+}
+
+export function readTokenId(param: string, value: unknown, context: ValidationContext): number {
+  return readInteger(param, value, { min: 0, max: context.vocabSize - 1 });
+}
+
+function readStop(fields: Fields): string[] {
+  const raw = fields.raw('stop');
+  if (raw === undefined) return [];
+  if (typeof raw === 'string') return [readString('stop', raw, { nonEmpty: true })];
+  const list = fields.array('stop', { maxItems: MAX_STOP_STRINGS })!;
+  return list.map((item, i) => readString(childPath('stop', i), item, { nonEmpty: true }));
+}
+
+function readLogitBias(fields: Fields, context: ValidationContext): Map<number, number> | undefined {
+  const bias = fields.fields('logit_bias');
+  if (!bias) return undefined;
+  const entries = Object.entries(bias.object);
+  if (entries.length > MAX_LOGIT_BIAS_ENTRIES) {
+    throw new InvalidValueError('logit_bias', `${entries.length} entries; the limit is ${MAX_LOGIT_BIAS_ENTRIES}.`);
+  }
+  const map = new Map<number, number>();
+  for (const [key, value] of entries) {
+    const param = `logit_bias.${key}`;
+    if (!/^\d+$/.test(key)) throw new InvalidValueError(param, `the key "${key}" is not a token id (a non-negative integer).`);
+    readTokenId(param, Number(key), context);
+    map.set(Number(key), readNumber(param, value, { min: -100, max: 100 }));
+  }
+  return map;
+}
+
+function readMaxTokens(fields: Fields): number | undefined {
+  // max_completion_tokens is the newer name; when both are present it wins, as in vLLM.
+  const newer = fields.integer('max_completion_tokens', { min: 1 });
+  const older = fields.integer('max_tokens', { min: 1 });
+  return newer ?? older;
+}
+
+function readTopK(fields: Fields): number {
+  const topK = fields.integer('top_k') ?? 0;
+  if (topK < -1) throw new InvalidValueError('top_k', `${topK} is out of range; use -1 or 0 to disable, or a value >= 1.`);
+  return topK === -1 ? 0 : topK;
+}
+
+export function readGenerationOptions(fields: Fields, context: ValidationContext): GenerationOptions {
+  const stream = fields.boolean('stream') ?? false;
+  const streamOptions = fields.fields('stream_options');
+  if (streamOptions && !stream) {
+    throw new InvalidValueError('stream_options', 'stream_options is only allowed when stream is true.');
+  }
+  const n = fields.integer('n', { min: 1, max: MAX_N }) ?? 1;
+  const maxTokens = readMaxTokens(fields);
+  const minTokens = fields.integer('min_tokens', { min: 0 }) ?? 0;
+  if (maxTokens !== undefined && minTokens > maxTokens) {
+    throw new InvalidValueError('min_tokens', `${minTokens} is larger than max_tokens (${maxTokens}).`);
+  }
+  const stopTokenIds = (fields.array('stop_token_ids') ?? [])
+    .map((id, i) => readTokenId(childPath('stop_token_ids', i), id, context));
+  return {
+    model: fields.string('model'),
+    stream,
+    includeUsage: streamOptions?.boolean('include_usage') ?? false,
+    continuousUsage: streamOptions?.boolean('continuous_usage_stats') ?? false,
+    n,
+    maxTokens,
+    temperature: fields.number('temperature', { min: 0, max: 2 }) ?? 1,
+    topP: fields.number('top_p', { min: 0, max: 1, minExclusive: true }) ?? 1,
+    topK: readTopK(fields),
+    minP: fields.number('min_p', { min: 0, max: 1 }) ?? 0,
+    repetitionPenalty: fields.number('repetition_penalty', { min: 0, max: 2, minExclusive: true }) ?? 1,
+    presencePenalty: fields.number('presence_penalty', { min: -2, max: 2 }) ?? 0,
+    frequencyPenalty: fields.number('frequency_penalty', { min: -2, max: 2 }) ?? 0,
+    logitBias: readLogitBias(fields, context),
+    seed: fields.integer('seed'),
+    stop: readStop(fields),
+    stopTokenIds,
+    minTokens,
+    ignoreEos: fields.boolean('ignore_eos') ?? false,
+    includeStopStrInOutput: fields.boolean('include_stop_str_in_output') ?? false,
+    skipSpecialTokens: fields.boolean('skip_special_tokens') ?? true,
+    priority: fields.integer('priority') ?? 0,
+    user: fields.string('user'),
+  };
+}
+
+/** The engine's sampling parameters once the prompt length has fixed max_tokens. */
+export function toSamplingParams(options: GenerationOptions, maxTokens: number, logprobs: number | null): SamplingParams {
+  return {
+    temperature: options.temperature,
+    topP: options.topP,
+    topK: options.topK,
+    minP: options.minP,
+    repetitionPenalty: options.repetitionPenalty,
+    presencePenalty: options.presencePenalty,
+    frequencyPenalty: options.frequencyPenalty,
+    ...(options.logitBias ? { logitBias: options.logitBias } : {}),
+    ...(options.seed !== undefined ? { seed: options.seed } : {}),
+    n: options.n,
+    maxTokens,
+    minTokens: Math.min(options.minTokens, maxTokens),
+    ignoreEos: options.ignoreEos,
+    stopTokenIds: options.stopTokenIds,
+    stop: options.stop,
+    includeStopStrInOutput: options.includeStopStrInOutput,
+    logprobs,
+    skipSpecialTokens: options.skipSpecialTokens,
+  };
+}

@@ -1,0 +1,57 @@
+// POST /tokenize and POST /detokenize (vLLM's utility endpoints).
+
+import { InvalidValueError } from '../errors.ts';
+import { childPath, Fields, readObject, type JsonObject } from '../validate.ts';
+import { parseChatCompletionRequest, type ChatMessage } from './chat.ts';
+import { readTokenId, type ValidationContext } from './generation.ts';
+
+export type TokenizeRequest =
+  | { kind: 'prompt'; model?: string; prompt: string; addSpecialTokens: boolean }
+  | {
+    kind: 'messages'; model?: string; messages: ChatMessage[]; addGenerationPrompt: boolean;
+    chatTemplateKwargs?: JsonObject;
+  };
+
+export interface DetokenizeRequest {
+  model?: string;
+  tokens: number[];
+}
+
+export function parseTokenizeRequest(body: unknown, context: ValidationContext): TokenizeRequest {
+  const fields = new Fields(readObject('body', body));
+  const model = fields.string('model');
+  const hasPrompt = fields.has('prompt');
+  const hasMessages = fields.has('messages');
+  if (hasPrompt === hasMessages) {
+    throw new InvalidValueError(hasPrompt ? 'messages' : 'prompt', 'send exactly one of prompt or messages.');
+  }
+  if (hasPrompt) {
+    return {
+      kind: 'prompt',
+      ...(model !== undefined ? { model } : {}),
+      prompt: fields.string('prompt')!,
+      addSpecialTokens: fields.boolean('add_special_tokens') ?? true,
+    };
+  }
+  // Messages get exactly the treatment /v1/chat/completions gives them, so the counts agree.
+  const chat = parseChatCompletionRequest(
+    { messages: fields.raw('messages'), add_generation_prompt: fields.raw('add_generation_prompt'),
+      chat_template_kwargs: fields.raw('chat_template_kwargs') },
+    context,
+  );
+  return {
+    kind: 'messages',
+    ...(model !== undefined ? { model } : {}),
+    messages: chat.messages,
+    addGenerationPrompt: chat.addGenerationPrompt,
+    ...(chat.chatTemplateKwargs ? { chatTemplateKwargs: chat.chatTemplateKwargs } : {}),
+  };
+}
+
+export function parseDetokenizeRequest(body: unknown, context: ValidationContext): DetokenizeRequest {
+  const fields = new Fields(readObject('body', body));
+  fields.required('tokens');
+  const tokens = fields.array('tokens')!.map((id, i) => readTokenId(childPath('tokens', i), id, context));
+  const model = fields.string('model');
+  return { ...(model !== undefined ? { model } : {}), tokens };
+}

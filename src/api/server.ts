@@ -1,0 +1,249 @@
+// The HTTP shell: routing, method checks, auth, the cheap rate-limit check, body reading, and turning any thrown
+// error into OpenAI's error shape. Raw node:http (or node:https with --tls-cert/--tls-key): it is as fast as any
+// framework for SSE and adds no dependency.
+
+import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { createServer as createHttpsServer } from 'node:https';
+import type { AddressInfo } from 'node:net';
+import { performance } from 'node:perf_hooks';
+import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
+import { parseJsonBytes, readBody } from './body.ts';
+import {
+  ClientClosedRequestError, MethodNotAllowedError, RouteNotFoundError, toApiError, type ApiError,
+} from './errors.ts';
+import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
+import { silentLogger, type Logger } from './log.ts';
+import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './metrics.ts';
+import { TenantRateLimiter, type Clock } from './rate-limit.ts';
+
+export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
+export const DEFAULT_MAX_PENDING_REQUESTS = 256;
+
+export interface ApiServerOptions {
+  keyStore: KeyStore;
+  servedModelName?: string;
+  maxBodyBytes?: number;
+  maxPendingRequests?: number;
+  requestTimeoutMs?: number;
+  /** Clock of the rate limiter (ms); tests pass one they step by hand. */
+  clock?: Clock;
+  /** Clock of EngineRequest.arrivalMs (ms); the engine's own clock. */
+  engineClock?: Clock;
+  tls?: { cert: string | Buffer; key: string | Buffer };
+  logger?: Logger;
+}
+
+interface RouteContext {
+  req: IncomingMessage;
+  res: ServerResponse;
+  call: Call;
+  body: unknown;
+  params: string[];
+}
+
+type Handler = (context: RouteContext) => Promise<void> | JsonReply | void;
+
+interface Route {
+  /** Label for metrics and logs. */
+  name: string;
+  match: (path: string) => string[] | undefined;
+  /** Needs an API key (when keys are configured). */
+  auth: boolean;
+  /** Generates: subject to the tenant's request rate before the body is read. */
+  rateLimited: boolean;
+  methods: Partial<Record<'GET' | 'POST', Handler>>;
+}
+
+const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
+
+function exact(path: string): (p: string) => string[] | undefined {
+  return (p) => (p === path ? [] : undefined);
+}
+
+export class ApiServer {
+  readonly gateway: Gateway;
+  readonly metrics = new GatewayMetrics();
+  readonly limiter: TenantRateLimiter;
+  readonly server: Server;
+  private readonly routes: Route[];
+  private readonly logger: Logger;
+  private readonly maxBodyBytes: number;
+  private readonly engineClock: Clock;
+  private stopping: Promise<void> | undefined;
+
+  constructor(private readonly options: ApiServerOptions) {
+    this.logger = options.logger ?? silentLogger;
+    this.maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
+    // The engine's clock: epoch milliseconds at sub-millisecond resolution, the same scale in every thread.
+    this.engineClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
+    this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
+    this.gateway = new Gateway({
+      ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
+      maxPendingRequests: options.maxPendingRequests ?? DEFAULT_MAX_PENDING_REQUESTS,
+      ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
+      limiter: this.limiter,
+      metrics: this.metrics,
+    });
+    this.routes = this.buildRoutes();
+    const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res);
+    this.server = options.tls
+      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true }, listener)
+      : createHttpServer({ noDelay: true }, listener);
+    // Slow or stalled uploads must not hold a connection for ever; streamed responses are not affected.
+    this.server.requestTimeout = 60_000;
+    this.server.headersTimeout = 30_000;
+    this.server.keepAliveTimeout = 15_000;
+  }
+
+  attach(backend: ModelBackend): void {
+    this.gateway.attach(backend);
+  }
+
+  async listen(port: number, host = '127.0.0.1'): Promise<AddressInfo> {
+    await new Promise<void>((resolve, reject) => {
+      this.server.once('error', reject);
+      this.server.listen(port, host, () => {
+        this.server.off('error', reject);
+        resolve();
+      });
+    });
+    return this.server.address() as AddressInfo;
+  }
+
+  /** Base URL of the listening server, e.g. http://127.0.0.1:8000. */
+  get url(): string {
+    const address = this.server.address() as AddressInfo;
+    const host = address.family === 'IPv6' ? `[${address.address}]` : address.address;
+    return `${this.options.tls ? 'https' : 'http'}://${host}:${address.port}`;
+  }
+
+  /**
+   * Graceful stop: refuse new requests, let those in flight finish for up to `graceMs`, abort the rest, close the
+   * engine and every connection.
+   */
+  shutdown(graceMs: number): Promise<void> {
+    this.stopping ??= this.stop(graceMs);
+    return this.stopping;
+  }
+
+  private async stop(graceMs: number): Promise<void> {
+    const closed = new Promise<void>((resolve) => this.server.close(() => resolve()));
+    this.server.closeIdleConnections();
+    await this.gateway.drain(graceMs);
+    // Aborted streams get a moment to send their error event; a client that stopped reading does not hold us up.
+    await within(this.gateway.whenIdle(), 1000);
+    this.server.closeAllConnections();
+    // Closing the engine ends any stream it still holds, so no run can outlive it.
+    await within(this.gateway.whenIdle(), 1000);
+    this.gateway.state = 'stopped';
+    await this.gateway.engine?.close();
+    await this.gateway.whenIdle();
+    await closed;
+  }
+
+  // ---- routing ----
+
+  private buildRoutes(): Route[] {
+    const g = this.gateway;
+    const route = (name: string, match: Route['match'], auth: boolean, methods: Route['methods'], rateLimited = false): Route =>
+      ({ name, match, auth, rateLimited, methods });
+    return [
+      route('chat_completions', exact('/v1/chat/completions'), true,
+        { POST: ({ call, body }) => g.chatCompletions(call, body) }, true),
+      route('completions', exact('/v1/completions'), true, { POST: ({ call, body }) => g.completions(call, body) }, true),
+      route('models', exact('/v1/models'), true, { GET: () => g.models() }),
+      route('model', (p) => {
+        const m = /^\/v1\/models\/(.+)$/.exec(p);
+        return m ? [decodeURIComponent(m[1]!)] : undefined;
+      }, true, { GET: ({ params }) => g.model(params[0]!) }),
+      route('tokenize', exact('/tokenize'), true, { POST: ({ body }) => g.tokenize(body) }),
+      route('detokenize', exact('/detokenize'), true, { POST: ({ body }) => g.detokenize(body) }),
+      route('health', exact('/health'), false, { GET: () => g.health() }),
+      route('live', exact('/live'), false, { GET: () => ({ status: 200, body: { status: 'alive' } }) }),
+      route('metrics', exact('/metrics'), false, { GET: ({ res }) => this.sendMetrics(res) }),
+    ];
+  }
+
+  private sendMetrics(res: ServerResponse): void {
+    const engine = this.gateway.engine;
+    const text = this.metrics.render(engine?.stats(), this.gateway.servedModelName);
+    res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
+    res.end(text);
+  }
+
+  private async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const startedMs = performance.now();
+    const path = (req.url ?? '/').split('?')[0]!;
+    const method = req.method ?? 'GET';
+    let routeName = 'unknown';
+    let bodyFullyRead = true;
+    const clientGone = new AbortController();
+    res.on('close', () => {
+      if (!res.writableFinished) clientGone.abort();
+    });
+    const traceparent = req.headers.traceparent;
+    const call: Call = {
+      res,
+      tenant: { name: ANONYMOUS_TENANT, limits: {}, cacheSalt: undefined },
+      arrivalMs: this.engineClock(),
+      ...(typeof traceparent === 'string' && TRACEPARENT.test(traceparent) ? { traceparent } : {}),
+      clientGone: clientGone.signal,
+      headers: {},
+    };
+    try {
+      const found = this.findRoute(method, path);
+      routeName = found.route.name;
+      if (found.route.auth) call.tenant = this.options.keyStore.authenticate(req.headers.authorization);
+      if (found.route.rateLimited) this.limiter.precheck(call.tenant);
+      let body: unknown;
+      if (method === 'POST') {
+        bodyFullyRead = false;
+        body = parseJsonBytes(await readBody(req, this.maxBodyBytes));
+        bodyFullyRead = true;
+      }
+      const reply = await found.handler({ req, res, call, body, params: found.params });
+      if (reply) sendJsonReply(res, reply, call.headers);
+    } catch (err) {
+      this.sendError(res, toApiError(err), call, bodyFullyRead);
+    } finally {
+      const status = clientGone.signal.aborted && !res.headersSent ? 499 : res.statusCode;
+      this.metrics.countResponse(routeName, status, call.tenant.name);
+      this.logger.debug(`${method} ${path} ${status} ${(performance.now() - startedMs).toFixed(1)}ms tenant=${call.tenant.name}`);
+    }
+  }
+
+  private findRoute(method: string, path: string): { route: Route; handler: Handler; params: string[] } {
+    for (const route of this.routes) {
+      const params = route.match(path);
+      if (!params) continue;
+      const handler = route.methods[method as 'GET' | 'POST'];
+      if (!handler) throw new MethodNotAllowedError(method, path, Object.keys(route.methods));
+      return { route, handler, params };
+    }
+    throw new RouteNotFoundError(method, path);
+  }
+
+  private sendError(res: ServerResponse, error: ApiError, call: Call, bodyFullyRead: boolean): void {
+    if (error instanceof ClientClosedRequestError || call.clientGone.aborted) return;
+    if (error.statusCode === 500) this.logger.error(`${error.message}\n${error.stack ?? ''}`);
+    if (error.statusCode === 429 || error.statusCode === 503) this.metrics.countRejection(call.tenant.name, error.code);
+    if (res.headersSent) {
+      // Past the status line nothing can be said in JSON; cutting the connection is the only honest signal.
+      res.destroy();
+      return;
+    }
+    // A body we stopped reading (too large, or refused before reading) makes the connection unusable for another
+    // request: close it after this answer.
+    const headers: Record<string, string> = { ...call.headers, ...error.headers };
+    if (error.statusCode === 429) Object.assign(headers, this.limiter.headers(call.tenant));
+    if (!bodyFullyRead) headers.Connection = 'close';
+    sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers);
+  }
+}
+
+/** Waits for `promise`, but no longer than `ms`. */
+async function within(promise: Promise<void>, ms: number): Promise<void> {
+  let timer: NodeJS.Timeout | undefined;
+  await Promise.race([promise, new Promise<void>((resolve) => { timer = setTimeout(resolve, ms); })]);
+  clearTimeout(timer);
+}

@@ -1,0 +1,61 @@
+// Server-sent events for streamed completions: `data: {json}\n\n` per chunk, `data: [DONE]\n\n` at the end. Every
+// chunk is written as soon as it exists (no buffering anywhere on the way: headers flushed at once, proxies told
+// not to buffer, Nagle off on the socket), and a slow reader applies backpressure: send() waits for 'drain'.
+
+import type { ServerResponse } from 'node:http';
+import type { ErrorBody } from './errors.ts';
+
+export const SSE_HEADERS: Readonly<Record<string, string>> = {
+  'Content-Type': 'text/event-stream; charset=utf-8',
+  'Cache-Control': 'no-cache',
+  'X-Accel-Buffering': 'no',
+};
+
+export class SseWriter {
+  private finished = false;
+
+  constructor(private readonly res: ServerResponse) {}
+
+  /** Sends the status line and headers right away, so the client sees the stream open before the first token. */
+  open(extraHeaders: Record<string, string> = {}): void {
+    this.res.socket?.setNoDelay(true);
+    this.res.writeHead(200, { ...SSE_HEADERS, ...extraHeaders });
+    this.res.flushHeaders();
+  }
+
+  /** True once the client has gone or the stream has ended: nothing more can be written. */
+  get closed(): boolean {
+    return this.finished || this.res.destroyed || this.res.writableEnded;
+  }
+
+  /** Writes one event; resolves when the socket can take more (at once unless the client reads slowly). */
+  async send(data: object): Promise<void> {
+    await this.write(`data: ${JSON.stringify(data)}\n\n`);
+  }
+
+  /** An error after the stream began: an `error` event (its data has OpenAI's error shape), then [DONE]. */
+  async fail(body: ErrorBody): Promise<void> {
+    await this.write(`event: error\ndata: ${JSON.stringify(body)}\n\n`);
+    this.end();
+  }
+
+  end(): void {
+    if (this.closed) return;
+    this.finished = true;
+    this.res.end('data: [DONE]\n\n');
+  }
+
+  private write(text: string): Promise<void> {
+    if (this.closed) return Promise.resolve();
+    if (this.res.write(text)) return Promise.resolve();
+    return new Promise((resolve) => {
+      const done = (): void => {
+        this.res.off('drain', done);
+        this.res.off('close', done);
+        resolve();
+      };
+      this.res.on('drain', done);
+      this.res.on('close', done);
+    });
+  }
+}

@@ -1,0 +1,268 @@
+// `conduit serve`: the OpenAI-compatible HTTP server over the local engine. The port opens first (so /live and
+// /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
+// requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
+
+import { readFileSync } from 'node:fs';
+import {
+  combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
+} from '../api/auth.ts';
+import type { ModelBackend } from '../api/gateway.ts';
+import type { Clock } from '../api/rate-limit.ts';
+import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
+import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS } from '../api/server.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+
+export const SERVE_FLAGS = {
+  model: { type: 'string', help: 'GGUF file or Hugging Face folder (default: the built-in synthetic model)', short: 'm' },
+  'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name)' },
+  host: { type: 'string', help: 'address to listen on', default: '127.0.0.1' },
+  port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
+  'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
+  'api-keys': { type: 'string', help: 'API keys as "key:tenant,key2:tenant2" (no keys anywhere = open development mode)' },
+  'tenant-rpm': { type: 'number', help: 'requests per minute for tenants whose keys entry sets none (unset = unlimited)' },
+  'tenant-tpm': { type: 'number', help: 'tokens per minute (prompt + max_tokens reserved) for tenants that set none' },
+  'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
+  'max-num-seqs': { type: 'number', help: 'most sequences in one engine batch' },
+  'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
+  'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
+  threads: { type: 'number', help: 'compute threads (default: all cores)' },
+  backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
+  'max-pending-requests': { type: 'number', help: 'engine requests in flight before new ones get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
+  'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
+  'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
+  'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM', default: 30 },
+  'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
+  'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
+  'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable;
+
+const BACKENDS = ['auto', 'native', 'reference'] as const;
+type Backend = (typeof BACKENDS)[number];
+
+export interface ServeConfig {
+  modelPath?: string;
+  servedModelName?: string;
+  host: string;
+  port: number;
+  keys: KeyConfig;
+  tenantDefaults: TenantLimits;
+  maxNumSeqs?: number;
+  maxNumBatchedTokens?: number;
+  kvCacheMemoryBytes?: number;
+  threads?: number;
+  backend: Backend;
+  maxPendingRequests: number;
+  maxBodyBytes: number;
+  requestTimeoutMs?: number;
+  shutdownGraceMs: number;
+  tls?: { cert: Buffer; key: Buffer };
+  logLevel: LogLevel;
+}
+
+const UNITS: Record<string, number> = {
+  '': 1, b: 1,
+  k: 1024, kib: 1024, m: 1024 ** 2, mib: 1024 ** 2, g: 1024 ** 3, gib: 1024 ** 3, t: 1024 ** 4, tib: 1024 ** 4,
+  kb: 1e3, mb: 1e6, gb: 1e9, tb: 1e12,
+};
+
+/** "512MiB" -> bytes. KiB/MiB/GiB and bare K/M/G are powers of 1024; KB/MB/GB powers of 1000. */
+export function parseByteSize(text: string, flag: string): number {
+  const match = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(text);
+  const unit = match ? UNITS[match[2]!.toLowerCase()] : undefined;
+  if (!match || unit === undefined) {
+    throw new UsageError(`--${flag} expects bytes or a size like 512MiB or 2GiB, got "${text}"`);
+  }
+  const bytes = Math.floor(Number(match[1]) * unit);
+  if (bytes <= 0) throw new UsageError(`--${flag} must be more than 0 bytes`);
+  return bytes;
+}
+
+function positiveInteger(value: number | undefined, flag: string): number | undefined {
+  if (value === undefined) return undefined;
+  if (!Number.isInteger(value) || value <= 0) throw new UsageError(`--${flag} must be a whole number > 0, got ${value}`);
+  return value;
+}
+
+function readKeys(file: string | undefined, list: string | undefined): KeyConfig {
+  try {
+    const fromFile = file === undefined ? undefined : parseKeysFile(readFileSync(file, 'utf8'), file);
+    return combineKeyConfig(fromFile, list ? parseKeysList(list) : []);
+  } catch (err) {
+    if (err instanceof KeyConfigError) throw new UsageError(err.message);
+    if ((err as NodeJS.ErrnoException).code === 'ENOENT') throw new UsageError(`--api-keys-file: ${file} does not exist`);
+    throw err;
+  }
+}
+
+export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): ServeConfig | 'help' {
+  const { values, positionals } = parseFlags(SERVE_FLAGS, argv, env);
+  if (values.help) return 'help';
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+  const port = values.port!;
+  if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
+  const backend = values.backend!;
+  if (!(BACKENDS as readonly string[]).includes(backend)) throw new UsageError(`--backend must be one of ${BACKENDS.join(', ')}`);
+  const logLevel = values['log-level']!;
+  if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}`);
+  if ((values['tls-cert'] === undefined) !== (values['tls-key'] === undefined)) {
+    throw new UsageError('--tls-cert and --tls-key go together');
+  }
+  const timeout = values['request-timeout']!;
+  const grace = values['shutdown-grace']!;
+  if (timeout < 0) throw new UsageError('--request-timeout must be >= 0');
+  if (grace < 0) throw new UsageError('--shutdown-grace must be >= 0');
+  const tenantDefaults: TenantLimits = {};
+  const rpm = positiveInteger(values['tenant-rpm'], 'tenant-rpm');
+  const tpm = positiveInteger(values['tenant-tpm'], 'tenant-tpm');
+  const concurrent = positiveInteger(values['tenant-max-concurrent'], 'tenant-max-concurrent');
+  if (rpm !== undefined) tenantDefaults.requestsPerMinute = rpm;
+  if (tpm !== undefined) tenantDefaults.tokensPerMinute = tpm;
+  if (concurrent !== undefined) tenantDefaults.maxConcurrent = concurrent;
+  const config: ServeConfig = {
+    host: values.host!,
+    port,
+    keys: readKeys(values['api-keys-file'], values['api-keys']),
+    tenantDefaults,
+    backend: backend as Backend,
+    maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
+    maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
+    shutdownGraceMs: grace * 1000,
+    logLevel,
+  };
+  if (values.model !== undefined) config.modelPath = values.model;
+  if (values['served-model-name'] !== undefined) config.servedModelName = values['served-model-name'];
+  const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs');
+  if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
+  const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
+  if (maxNumBatchedTokens !== undefined) config.maxNumBatchedTokens = maxNumBatchedTokens;
+  if (values['kv-cache-memory'] !== undefined) config.kvCacheMemoryBytes = parseByteSize(values['kv-cache-memory'], 'kv-cache-memory');
+  const threads = positiveInteger(values.threads, 'threads');
+  if (threads !== undefined) config.threads = threads;
+  if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
+  if (values['tls-cert'] !== undefined) {
+    config.tls = { cert: readFileSync(values['tls-cert']), key: readFileSync(values['tls-key']!) };
+  }
+  return config;
+}
+
+export interface RunningServer {
+  api: ApiServer;
+  keyStore: KeyStore;
+  url: string;
+  modelPath: string;
+}
+
+/** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
+export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
+  const keyStore = new KeyStore(config.keys, config.tenantDefaults);
+  if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
+  const api = new ApiServer({
+    keyStore,
+    ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
+    maxBodyBytes: config.maxBodyBytes,
+    maxPendingRequests: config.maxPendingRequests,
+    ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
+    ...(config.tls ? { tls: config.tls } : {}),
+    ...(clock ? { clock } : {}),
+    logger,
+  });
+  await api.listen(config.port, config.host);
+  try {
+    const modelPath = config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
+    const { createLocalEngine } = await import('../engine/local-engine.ts');
+    const local = await createLocalEngine({
+      modelPath,
+      ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
+      ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
+      ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
+      ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
+      ...(config.threads !== undefined ? { threads: config.threads } : {}),
+      backend: config.backend,
+    });
+    const backend: ModelBackend = {
+      engine: local.engine,
+      tokenizer: local.tokenizer,
+      ...(local.chatTemplate ? { chatTemplate: local.chatTemplate } : {}),
+    };
+    api.attach(backend);
+    return { api, keyStore, url: api.url, modelPath };
+  } catch (err) {
+    await api.shutdown(0);
+    throw err;
+  }
+}
+
+export function startupBanner(running: RunningServer): string {
+  const { keyStore } = running;
+  const engine = running.api.gateway.engine!;
+  const { info } = engine;
+  const stats = engine.stats();
+  const model = running.api.gateway.servedModelName!;
+  // One line for what can be dozens of kernels: how many run each variant (/health lists them one by one).
+  const kernelsByVariant = new Map<string, number>();
+  for (const variant of Object.values(info.kernelVariants)) kernelsByVariant.set(variant, (kernelsByVariant.get(variant) ?? 0) + 1);
+  const variants = [...kernelsByVariant].map(([variant, count]) => `${variant} x${count}`).join(', ');
+  const example = JSON.stringify({ model, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 32 });
+  const auth = keyStore.isOpen ? '' : " -H 'Authorization: Bearer <your key>'";
+  return [
+    `Conduit is serving ${model} at ${running.url}`,
+    `  model      ${running.modelPath} (context ${info.maxModelLen} tokens, vocabulary ${info.vocabSize})`,
+    `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
+    `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,
+    `  auth       ${keyStore.isOpen ? 'open (no API keys)' : `${keyStore.keyCount} API key${keyStore.keyCount === 1 ? '' : 's'}`}`,
+    `  try        curl ${running.url}/v1/chat/completions -H 'Content-Type: application/json'${auth} -d '${example}'`,
+  ].join('\n');
+}
+
+/** Resolves with the signal's name on the first SIGINT/SIGTERM; calls onRepeat for any later one. */
+function waitForSignal(onRepeat: () => void): Promise<string> {
+  return new Promise((resolve) => {
+    let received = false;
+    const handler = (signal: string): void => {
+      if (received) onRepeat();
+      else resolve(signal);
+      received = true;
+    };
+    process.on('SIGINT', handler);
+    process.on('SIGTERM', handler);
+  });
+}
+
+export const serveCommand: Command = {
+  summary: 'serve the OpenAI-compatible HTTP API',
+  async run(argv) {
+    const config = parseServeConfig(argv);
+    if (config === 'help') {
+      console.log(`Usage: conduit serve [options]\n\n${formatFlagHelp(SERVE_FLAGS)}`);
+      return 0;
+    }
+    const logger = createLogger(config.logLevel);
+    let running: RunningServer;
+    try {
+      running = await startServer(config, logger);
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      if (code === 'EADDRINUSE' || code === 'EACCES') {
+        logger.error(`cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
+        return 1;
+      }
+      throw err;
+    }
+    process.stderr.write(`${startupBanner(running)}\n`);
+
+    let graceMs = config.shutdownGraceMs;
+    const signal = await waitForSignal(() => {
+      logger.warn('second signal: aborting in-flight requests now');
+      graceMs = 0;
+      void running.api.gateway.drain(0);
+    });
+    logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
+    await running.api.shutdown(graceMs);
+    logger.info('stopped');
+    // Anything still holding the event loop open past this point is a leak; do not let it keep the process alive.
+    setTimeout(() => process.exit(0), 2000).unref();
+    return 0;
+  },
+};

@@ -1,0 +1,397 @@
+// The local engine as the gateway sees it: an `Engine` whose step loop runs in a worker thread
+// (src/engine/worker-main.ts). This side only routes messages: requests and aborts in, each step's outputs out to
+// the stream of the request they belong to.
+
+import { availableParallelism, totalmem } from 'node:os';
+import type { Worker } from 'node:worker_threads';
+import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
+import { chatTemplateFromConfig, chatTemplateFromGguf, type ChatTemplate } from '../model/chat-template.ts';
+import { loadModel, type ModelSummary } from '../model/loader.ts';
+import { createTokenizer } from '../model/tokenizer/index.ts';
+import type { Tokenizer } from '../model/tokenizer/types.ts';
+import { startTsWorker } from '../runtime/worker-thread.ts';
+import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
+import type { KvEvent } from './kv-cache/events.ts';
+import type {
+  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole,
+} from './types.ts';
+import type { BackendPreference, FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
+
+export interface LocalEngineOptions {
+  modelPath: string;
+  servedModelName?: string;
+  backend?: BackendPreference;
+  /** Compute threads of the native backend (default: all cores). */
+  threads?: number;
+  /** Bytes of KV pool (default: DEFAULT_KV_CACHE_MEMORY). */
+  kvCacheMemoryBytes?: number;
+  kvDtype?: KvDtype;
+  blockSize?: number;
+  maxNumSeqs?: number;
+  maxNumBatchedTokens?: number;
+  maxModelLen?: number;
+  policy?: SchedulingPolicy;
+  enablePrefixCaching?: boolean;
+  /** Forward the KV cache's stored/removed events (the router's index feeds on them). */
+  enableKvEvents?: boolean;
+  /** What the worker does in a disaggregated deployment (default 'both'). */
+  role?: WorkerRole;
+}
+
+/** 1 GiB, or an eighth of RAM on a small machine: room for every request of a CPU-sized batch. */
+export const DEFAULT_KV_CACHE_MEMORY = Math.min(1 << 30, Math.floor(totalmem() / 8));
+export const DEFAULT_MAX_NUM_SEQS = 256;
+export const DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048;
+export const DEFAULT_BLOCK_SIZE = 16;
+
+/** A request the engine refused (too long for the pool or the context, bad sampling parameters...). */
+export class EngineRejectedError extends Error {
+  override name = 'EngineRejectedError';
+  constructor(readonly code: string, message: string) {
+    super(message);
+  }
+}
+
+export class EngineClosedError extends Error {
+  override name = 'EngineClosedError';
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// One request's stream: outputs are pushed as messages arrive and pulled by the async iterator.
+
+class OutputStream {
+  private readonly buffer: EngineOutput[] = [];
+  private wake: (() => void) | undefined;
+  private failure: Error | undefined;
+  private ended = false;
+  private readonly unfinished: Set<number>;
+
+  constructor(numCompletions: number) {
+    this.unfinished = new Set(Array.from({ length: numCompletions }, (_, i) => i));
+  }
+
+  push(output: EngineOutput): void {
+    this.buffer.push(output);
+    if (output.finishReason !== undefined) this.unfinished.delete(output.index);
+    if (this.unfinished.size === 0) this.ended = true;
+    this.notify();
+  }
+
+  fail(error: Error): void {
+    this.failure = error;
+    this.notify();
+  }
+
+  get done(): boolean {
+    return this.ended;
+  }
+
+  private notify(): void {
+    const wake = this.wake;
+    this.wake = undefined;
+    wake?.();
+  }
+
+  async *drain(): AsyncGenerator<EngineOutput> {
+    for (;;) {
+      while (this.buffer.length > 0) yield this.buffer.shift()!;
+      if (this.failure) throw this.failure;
+      if (this.ended) return;
+      await new Promise<void>((resolve) => { this.wake = resolve; });
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+export class LocalEngine implements Engine {
+  private readonly streams = new Map<string, OutputStream>();
+  private readonly prefills = new Map<string, PrefillStream>();
+  private latestStats: EngineStats;
+  private closed = false;
+  private exitError: Error | undefined;
+  private readonly kvEventListeners = new Set<(events: KvEvent[]) => void>();
+  private readonly lostListeners = new Set<(error: Error) => void>();
+  private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
+  private readonly syncs = new Map<number, { resolve(stats: EngineStats): void; reject(error: Error): void }>();
+  private nextSyncId = 1;
+  /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
+  readonly kvPool: SharedArrayBuffer | undefined;
+  readonly kvLayout: KvPoolLayout | undefined;
+  readonly role: WorkerRole;
+
+  private constructor(private readonly worker: Worker, readonly info: EngineInfo, readonly notices: string[],
+    kv: { pool?: SharedArrayBuffer; layout?: KvPoolLayout; role?: WorkerRole } = {}) {
+    this.kvPool = kv.pool;
+    this.kvLayout = kv.layout;
+    this.role = kv.role ?? 'both';
+    this.latestStats = {
+      numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: info.kvCapacityTokens / info.blockSize,
+      prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0,
+    };
+    worker.on('message', (message: FromWorker) => this.onMessage(message));
+    worker.on('error', (error) => this.onExit(error));
+    worker.on('exit', (code) => this.onExit(new Error(`engine worker exited with code ${code}`)));
+  }
+
+  /** Starts the worker thread and resolves once the model is loaded and the KV pool allocated. */
+  static async start(options: LocalEngineOptions): Promise<LocalEngine> {
+    const init: WorkerInit = {
+      modelPath: options.modelPath,
+      servedModelName: options.servedModelName ?? '',
+      backend: options.backend ?? 'auto',
+      threads: options.threads ?? availableParallelism(),
+      kvCacheMemoryBytes: options.kvCacheMemoryBytes ?? DEFAULT_KV_CACHE_MEMORY,
+      kvDtype: options.kvDtype ?? 'f32',
+      blockSize: options.blockSize ?? DEFAULT_BLOCK_SIZE,
+      maxNumSeqs: options.maxNumSeqs ?? DEFAULT_MAX_NUM_SEQS,
+      maxNumBatchedTokens: options.maxNumBatchedTokens ?? DEFAULT_MAX_NUM_BATCHED_TOKENS,
+      maxModelLen: options.maxModelLen,
+      policy: options.policy ?? 'fcfs',
+      enablePrefixCaching: options.enablePrefixCaching ?? true,
+      enableKvEvents: options.enableKvEvents ?? false,
+      role: options.role,
+    };
+    const worker = startTsWorker(new URL('./worker-main.ts', import.meta.url), init);
+    const ready = await new Promise<Extract<FromWorker, { type: 'ready' }>>((resolve, reject) => {
+      const onMessage = (message: FromWorker) => {
+        if (message.type === 'ready') { cleanup(); resolve(message); }
+        if (message.type === 'failed') { cleanup(); reject(new Error(message.message)); }
+      };
+      const onError = (error: Error) => { cleanup(); reject(error); };
+      const onExit = (code: number) => { cleanup(); reject(new Error(`engine worker exited with code ${code} while loading`)); };
+      const cleanup = () => {
+        worker.off('message', onMessage);
+        worker.off('error', onError);
+        worker.off('exit', onExit);
+      };
+      worker.on('message', onMessage);
+      worker.on('error', onError);
+      worker.on('exit', onExit);
+    }).catch(async (error: unknown) => {
+      await worker.terminate();
+      throw error;
+    });
+    return new LocalEngine(worker, ready.info, ready.notices, { pool: ready.kvPool, layout: ready.kvLayout, role: options.role });
+  }
+
+  generate(request: EngineRequest): AsyncIterable<EngineOutput> {
+    if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
+    if (this.streams.has(request.id)) throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    const stream = new OutputStream(request.sampling.n);
+    this.streams.set(request.id, stream);
+    this.post({ type: 'add', request });
+    const engine = this;
+    return (async function* () {
+      try {
+        yield* stream.drain();
+      } finally {
+        // The consumer stopped early (client gone): stop the request in the worker too.
+        if (!stream.done && engine.streams.has(request.id)) engine.abort(request.id);
+        engine.streams.delete(request.id);
+      }
+    })();
+  }
+
+  abort(requestId: string): void {
+    if (!this.closed && !this.exitError) this.post({ type: 'abort', requestId });
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Disaggregated serving
+
+  /**
+   * Prefill worker: runs the prompt and samples the first token, then hands the request over. Yields the outputs
+   * (the first token, with its text) and then the handoff, whose blocks stay pinned in this worker until
+   * releaseHandoff (or an abort). A request that ends on its first token yields no handoff.
+   */
+  prefill(request: EngineRequest): AsyncIterable<PrefillEvent> {
+    if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
+    if (this.streams.has(request.id) || this.prefills.has(request.id)) {
+      throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    }
+    const stream = new PrefillStream();
+    this.prefills.set(request.id, stream);
+    this.post({ type: 'add', request, handoff: true });
+    const engine = this;
+    return (async function* () {
+      try {
+        yield* stream.drain();
+      } finally {
+        if (!stream.done && engine.prefills.has(request.id)) engine.abort(request.id);
+        engine.prefills.delete(request.id);
+      }
+    })();
+  }
+
+  /** Prefill worker: the decode worker has the handed-off blocks (or gave up on them); unpin them. */
+  releaseHandoff(requestId: string): void {
+    if (!this.closed && !this.exitError) this.post({ type: 'release-handoff', requestId });
+  }
+
+  /** Decode worker: lets the worker read `sourceId`'s handed-off blocks from its pool (shared, not copied). */
+  attachKvSource(sourceId: string, pool: SharedArrayBuffer, layout: KvPoolLayout): void {
+    if (!this.closed && !this.exitError) this.post({ type: 'attach-kv-source', sourceId, pool, layout });
+  }
+
+  /**
+   * Decode worker: continues a request a prefill worker handed off. The missing KV blocks are copied from the
+   * attached pool of `sourceId` (null, or an unattached source: the prompt is recomputed here). The stream is the
+   * request's outputs from its second token on; onAdopted reports when the source blocks may be released.
+   */
+  adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput> {
+    const request = handoff.request;
+    if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
+    if (this.streams.has(request.id)) throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    const stream = new OutputStream(1);
+    this.streams.set(request.id, stream);
+    this.post({ type: 'adopt', handoff, sourceId });
+    const engine = this;
+    return (async function* () {
+      try {
+        yield* stream.drain();
+      } finally {
+        if (!stream.done && engine.streams.has(request.id)) engine.abort(request.id);
+        engine.streams.delete(request.id);
+      }
+    })();
+  }
+
+  /** Decode worker: called once per adopted request when its source blocks are no longer needed. */
+  onAdopted(listener: (result: AdoptedResult) => void): () => void {
+    this.adoptedListeners.add(listener);
+    return () => this.adoptedListeners.delete(listener);
+  }
+
+  /** Fresh stats, taken after every message posted before this call has been handled by the worker. */
+  sync(): Promise<EngineStats> {
+    if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
+    const syncId = this.nextSyncId++;
+    return new Promise<EngineStats>((resolve, reject) => {
+      this.syncs.set(syncId, { resolve, reject });
+      this.post({ type: 'sync', syncId });
+    });
+  }
+
+  stats(): EngineStats {
+    return this.latestStats;
+  }
+
+  /** Subscribes to the worker's KV events (only sent when enableKvEvents); returns the unsubscribe function. */
+  onKvEvents(listener: (events: KvEvent[]) => void): () => void {
+    this.kvEventListeners.add(listener);
+    return () => this.kvEventListeners.delete(listener);
+  }
+
+  /** Called once if the worker thread dies (not on close()): the router drops the worker. */
+  onLost(listener: (error: Error) => void): () => void {
+    this.lostListeners.add(listener);
+    return () => this.lostListeners.delete(listener);
+  }
+
+  /** Kills the worker thread at once, as a crash would; in-flight requests fail. For failure tests and drills. */
+  async kill(): Promise<void> {
+    await this.worker.terminate();
+  }
+
+  async close(): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    for (const [id, stream] of this.streams) {
+      stream.fail(new EngineClosedError(`engine closed while request ${id} was running`));
+    }
+    this.streams.clear();
+    for (const [id, stream] of this.prefills) stream.fail(new EngineClosedError(`engine closed while request ${id} was prefilling`));
+    this.prefills.clear();
+    for (const sync of this.syncs.values()) sync.reject(new EngineClosedError('engine closed'));
+    this.syncs.clear();
+    if (!this.exitError) {
+      const exited = new Promise<void>((resolve) => this.worker.once('exit', () => resolve()));
+      this.post({ type: 'close' });
+      const timer = setTimeout(() => void this.worker.terminate(), 2000);
+      await exited;
+      clearTimeout(timer);
+    }
+  }
+
+  private post(message: ToWorker): void {
+    this.worker.postMessage(message);
+  }
+
+  private onMessage(message: FromWorker): void {
+    switch (message.type) {
+      case 'outputs':
+        this.latestStats = message.stats;
+        for (const output of message.outputs) {
+          const stream = this.streams.get(output.requestId);
+          if (stream) stream.push(output);
+          else this.prefills.get(output.requestId)?.pushOutput(output);
+        }
+        if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        return;
+      case 'handoffs':
+        for (const handoff of message.handoffs) {
+          const stream = this.prefills.get(handoff.requestId);
+          // Nobody waits for it any more (the consumer left): its blocks must not stay pinned.
+          if (stream) stream.pushHandoff(handoff);
+          else this.releaseHandoff(handoff.requestId);
+        }
+        return;
+      case 'adopted':
+        this.latestStats = message.stats;
+        for (const result of message.adopted) for (const listener of this.adoptedListeners) listener(result);
+        return;
+      case 'synced':
+        this.latestStats = message.stats;
+        this.syncs.get(message.syncId)?.resolve(message.stats);
+        this.syncs.delete(message.syncId);
+        return;
+      case 'rejected':
+        this.streams.get(message.requestId)?.fail(new EngineRejectedError(message.code, message.message));
+        this.streams.delete(message.requestId);
+        this.prefills.get(message.requestId)?.fail(new EngineRejectedError(message.code, message.message));
+        this.prefills.delete(message.requestId);
+        return;
+      case 'failed':
+        this.onExit(new Error(message.message));
+        return;
+      default:
+        return;
+    }
+  }
+
+  private onExit(error: Error): void {
+    if (this.closed || this.exitError) return;
+    this.exitError = error;
+    for (const stream of this.streams.values()) stream.fail(error);
+    this.streams.clear();
+    for (const stream of this.prefills.values()) stream.fail(error);
+    this.prefills.clear();
+    for (const sync of this.syncs.values()) sync.reject(error);
+    this.syncs.clear();
+    for (const listener of this.lostListeners) listener(error);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+export interface LocalEngineBundle {
+  engine: LocalEngine;
+  tokenizer: Tokenizer;
+  chatTemplate: ChatTemplate;
+  model: ModelSummary;
+}
+
+/**
+ * Loads what the gateway needs on its own thread (tokenizer, chat template) and starts the engine's worker thread.
+ */
+export async function createLocalEngine(options: LocalEngineOptions): Promise<LocalEngineBundle> {
+  const loaded = await loadModel(options.modelPath);
+  const tokenizer = createTokenizer(loaded.tokenizerSource);
+  const chatTemplate = loaded.tokenizerSource.kind === 'gguf'
+    ? chatTemplateFromGguf(loaded.tokenizerSource.file, tokenizer)
+    : chatTemplateFromConfig(loaded.tokenizerSource.tokenizerConfig, tokenizer);
+  const servedModelName = options.servedModelName ?? loaded.metadata.name;
+  const engine = await LocalEngine.start({ ...options, servedModelName });
+  return { engine, tokenizer, chatTemplate, model: loaded.metadata };
+}

@@ -1,0 +1,135 @@
+// The worker thread of a local engine: loads the model into a compute backend and runs the step loop, so the
+// gateway's event loop never waits on math. Between two steps it yields to its own event loop (setImmediate) so
+// that new requests and aborts are taken in before the next step is planned.
+
+import { parentPort, workerData } from 'node:worker_threads';
+import { kvPoolBytes } from '../kernels/types.ts';
+import { selectBackend } from '../kernels/select.ts';
+import { loadModel } from '../model/loader.ts';
+import { createTokenizer } from '../model/tokenizer/index.ts';
+import { engineNow } from './clock.ts';
+import { EngineCore, type KvSourceView } from './engine-core.ts';
+import { validateHandoff } from './handoff.ts';
+import { InvalidRequestError } from './request.ts';
+import type { EngineInfo } from './types.ts';
+import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
+
+const port = parentPort!;
+const init = (workerData as { data: WorkerInit }).data;
+const send = (message: FromWorker) => port.postMessage(message);
+
+async function start(): Promise<EngineCore> {
+  const loaded = await loadModel(init.modelPath);
+  const tokenizer = createTokenizer(loaded.tokenizerSource);
+  const { factory, notices } = selectBackend(init.backend);
+  const { config } = loaded;
+  const bytesPerBlock = kvPoolBytes({
+    numLayers: config.numLayers, numBlocks: 1, blockSize: init.blockSize, numKvHeads: config.numKvHeads,
+    headDim: config.headDim, dtype: init.kvDtype,
+  });
+  const numBlocks = Math.floor(init.kvCacheMemoryBytes / bytesPerBlock);
+  if (numBlocks < 1) {
+    throw new Error(`--kv-cache-memory ${init.kvCacheMemoryBytes} bytes holds no block of ${bytesPerBlock} bytes`);
+  }
+  const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: init.kvDtype },
+    { threads: init.threads });
+  const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
+  const core = new EngineCore({
+    backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
+    policy: init.policy, enablePrefixCaching: init.enablePrefixCaching, enableKvEvents: init.enableKvEvents,
+    now: engineNow,
+  });
+  const info: EngineInfo = {
+    modelName: init.servedModelName, maxModelLen, vocabSize: config.vocabSize,
+    kvCapacityTokens: numBlocks * init.blockSize, blockSize: init.blockSize,
+    backend: backend.info.name, kernelVariants: backend.info.variants, threads: backend.info.threads,
+  };
+  const pool = core.kvPoolView;
+  send({ type: 'ready', info, notices, kvPool: pool.pool, kvLayout: pool.layout });
+  return core;
+}
+
+function run(core: EngineCore): void {
+  let stepQueued = false;
+  let closing = false;
+  /** Prefill workers' pools this worker may read handed-off blocks from (decode role), by worker id. */
+  const kvSources = new Map<string, KvSourceView>();
+
+  /** Handoffs and adoptions go out after the outputs of the same step: the first token reaches the caller first. */
+  const sendHandoffState = () => {
+    const handoffs = core.takeHandoffs();
+    if (handoffs.length > 0) send({ type: 'handoffs', handoffs });
+    const adopted = core.takeAdopted();
+    if (adopted.length > 0) send({ type: 'adopted', adopted, stats: core.stats() });
+  };
+
+  const step = () => {
+    stepQueued = false;
+    if (closing) return;
+    const outputs = core.step();
+    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
+      send({ type: 'outputs', outputs, stats: core.stats(), kvEvents });
+    }
+    sendHandoffState();
+    queueStep();
+  };
+  const queueStep = () => {
+    if (!stepQueued && core.hasWork && !closing) {
+      stepQueued = true;
+      setImmediate(step);
+    }
+  };
+
+  port.on('message', (message: ToWorker) => {
+    switch (message.type) {
+      case 'add':
+        try {
+          core.add(message.request, { handoff: message.handoff });
+        } catch (error) {
+          const code = error instanceof InvalidRequestError ? error.code : 'invalid_request';
+          send({ type: 'rejected', requestId: message.request.id, code, message: (error as Error).message });
+          return;
+        }
+        queueStep();
+        return;
+      case 'abort': {
+        const outputs = core.abort(message.requestId);
+        if (outputs.length > 0) send({ type: 'outputs', outputs, stats: core.stats() });
+        return;
+      }
+      case 'release-handoff':
+        if (core.releaseHandoff(message.requestId)) send({ type: 'outputs', outputs: [], stats: core.stats() });
+        return;
+      case 'attach-kv-source':
+        kvSources.set(message.sourceId, { id: message.sourceId, channel: 'shared-memory', pool: message.pool, layout: message.layout });
+        return;
+      case 'adopt': {
+        const source = message.sourceId === null ? null : kvSources.get(message.sourceId) ?? null;
+        try {
+          core.adopt(validateHandoff(message.handoff), source);
+        } catch (error) {
+          const code = error instanceof InvalidRequestError ? error.code : 'handoff_failed';
+          send({ type: 'rejected', requestId: message.handoff.requestId, code, message: (error as Error).message });
+          return;
+        }
+        sendHandoffState();
+        queueStep();
+        return;
+      }
+      case 'sync':
+        send({ type: 'synced', syncId: message.syncId, stats: core.stats() });
+        return;
+      case 'close':
+        closing = true;
+        send({ type: 'closed' });
+        port.close();
+        return;
+    }
+  });
+}
+
+start().then(run, (error: unknown) => {
+  send({ type: 'failed', message: error instanceof Error ? error.message : String(error) });
+  port.close();
+});

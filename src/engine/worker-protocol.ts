@@ -1,0 +1,53 @@
+// Messages between a local engine (main thread) and its worker thread. Structured clone carries them, so they
+// are plain data (Maps are fine, class instances are not).
+
+import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
+import type { AdoptedResult, KvHandoff } from './handoff.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { KvEvent } from './kv-cache/events.ts';
+
+export type BackendPreference = 'auto' | 'native' | 'reference';
+
+export interface WorkerInit {
+  modelPath: string;
+  servedModelName: string;
+  backend: BackendPreference;
+  threads?: number;
+  kvCacheMemoryBytes: number;
+  kvDtype: KvDtype;
+  blockSize: number;
+  maxNumSeqs: number;
+  maxNumBatchedTokens: number;
+  /** Cap on prompt + output (default: the model's context length). */
+  maxModelLen?: number;
+  policy: SchedulingPolicy;
+  enablePrefixCaching: boolean;
+  enableKvEvents: boolean;
+  /** Disaggregated serving (default 'both'); only informs the worker's notices and info. */
+  role?: WorkerRole;
+}
+
+// Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply 'handoffs'),
+// 'release-handoff' (the decode worker has the blocks), 'attach-kv-source' (once per prefill worker: its pool,
+// shared memory, posted without copying), 'adopt' (decode worker: continue a handed-off request, reply 'adopted'
+// once the source blocks are no longer needed) and 'sync' (reply 'synced' with fresh stats after everything
+// posted before it).
+export type ToWorker =
+  | { type: 'add'; request: EngineRequest; handoff?: boolean }
+  | { type: 'abort'; requestId: string }
+  | { type: 'release-handoff'; requestId: string }
+  | { type: 'attach-kv-source'; sourceId: string; pool: SharedArrayBuffer; layout: KvPoolLayout }
+  | { type: 'adopt'; handoff: KvHandoff; sourceId: string | null }
+  | { type: 'sync'; syncId: number }
+  | { type: 'close' };
+
+export type FromWorker =
+  /** kvPool/kvLayout: the worker's KV pool (shared memory), for decode workers to read handed-off blocks from. */
+  | { type: 'ready'; info: EngineInfo; notices: string[]; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
+  | { type: 'outputs'; outputs: EngineOutput[]; stats: EngineStats; kvEvents?: KvEvent[] }
+  | { type: 'handoffs'; handoffs: KvHandoff[] }
+  | { type: 'adopted'; adopted: AdoptedResult[]; stats: EngineStats }
+  | { type: 'synced'; syncId: number; stats: EngineStats }
+  | { type: 'rejected'; requestId: string; code: string; message: string }
+  | { type: 'failed'; message: string }
+  | { type: 'closed' };

@@ -1,0 +1,332 @@
+// The one typed contract for the native addon (build/Release/conduit_native.node, sources in native/) and the
+// `nativeBackend` factory that runs a model on it. The addon is loaded lazily on first use; when it is missing
+// (no compiler at install time) `nativeBackend.available()` is false and `unavailableReason()` says why, so the
+// engine can fall back to the TypeScript reference backend.
+import { existsSync } from 'node:fs';
+import { createRequire } from 'node:module';
+import { fileURLToPath } from 'node:url';
+
+import type { ModelConfig } from '../model/config.ts';
+import type { GgmlType } from '../model/ggml-types.ts';
+import type { Tensor, ModelWeights } from '../model/weights.ts';
+import { kvPoolBytes } from './types.ts';
+import type { BackendFactory, BackendInfo, ForwardBatch, KvPoolLayout, ModelRunnerBackend } from './types.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// What the addon exports
+
+/** Kernel variants, lowest to highest; a CPU that runs one runs every lower one. */
+export const KERNEL_VARIANTS = ['generic', 'avx2', 'avx512'] as const;
+export type KernelVariant = (typeof KERNEL_VARIANTS)[number];
+
+export interface CpuInfo {
+  avx2: boolean;
+  fma: boolean;
+  f16c: boolean;
+  avx512f: boolean;
+  avx512bw: boolean;
+  avx512vl: boolean;
+  avx512dq: boolean;
+  avx512vnni: boolean;
+  avx512bf16: boolean;
+  /** AMX is detected so reports are right; no kernel uses it yet. */
+  amxTile: boolean;
+  amxInt8: boolean;
+  amxBf16: boolean;
+  /** avx512 needs F+BW+VL+VNNI; avx2 needs AVX2+FMA+F16C. */
+  bestVariant: KernelVariant;
+  /** CPUs this process may run on (its affinity mask). */
+  defaultThreads: number;
+}
+
+/** A weight as the addon takes it: ggml type, ggml shape ([cols] or [cols, rows]) and the file's bytes. */
+export interface NativeTensor {
+  type: GgmlType;
+  shape: number[];
+  data: Uint8Array;
+}
+
+export interface NativeLayerSpec {
+  attnNorm: NativeTensor;
+  wq: NativeTensor;
+  wk: NativeTensor;
+  wv: NativeTensor;
+  wo: NativeTensor;
+  bq?: NativeTensor;
+  bk?: NativeTensor;
+  bv?: NativeTensor;
+  ffnNorm: NativeTensor;
+  wGate: NativeTensor;
+  wUp: NativeTensor;
+  wDown: NativeTensor;
+}
+
+/** Everything `new NativeModel` needs. Tensor bytes and the pool are referenced, never copied. */
+export interface NativeModelSpec {
+  vocabSize: number;
+  dim: number;
+  numHeads: number;
+  numKvHeads: number;
+  headDim: number;
+  ffnDim: number;
+  rmsNormEps: number;
+  ropeTheta: number;
+  ropeDim: number;
+  ropeNeox: boolean;
+  ropeScaling?: ModelConfig['ropeScaling'];
+  qkvBias: boolean;
+  tokenEmbedding: NativeTensor;
+  outputNorm: NativeTensor;
+  output: NativeTensor;
+  layers: NativeLayerSpec[];
+  /** A byte view of the whole pool (may be over a SharedArrayBuffer), kvPoolBytes(layout) long. */
+  kvPool: Uint8Array;
+  numBlocks: number;
+  blockSize: number;
+  kvDtype: KvPoolLayout['dtype'];
+  variant: KernelVariant;
+  threads: number;
+}
+
+export interface NativeModelInfo {
+  variant: KernelVariant;
+  threads: number;
+  /** Kernel kind -> variant serving it (a SIMD table falls back to a lower variant for kernels it lacks). */
+  variants: Record<string, string>;
+  /** Weight bytes moved onto 2 MiB pages at load (in place: streaming them costs far fewer TLB misses). */
+  hugePageBytes: number;
+}
+
+export interface NativeModel {
+  /** One engine step; throws a RangeError naming the bad field when the batch is inconsistent. */
+  forward(batch: ForwardBatch): Float32Array;
+  info(): NativeModelInfo;
+  dispose(): void;
+}
+
+export interface RopeScalingArg {
+  type: 'linear' | 'llama3';
+  factor: number;
+  lowFreqFactor?: number;
+  highFreqFactor?: number;
+  originalContextLength?: number;
+}
+
+/** Pool layout as the ops entry points take it (the same fields as KvPoolLayout). */
+export type NativePoolLayout = KvPoolLayout;
+
+/**
+ * One entry per kernel with an explicit variant, for the test harness and the kernel benchmark. Outputs are
+ * written into the arrays passed in (so a test can put guard values around them).
+ */
+export interface NativeOps {
+  /** y[m x n] = x[m x k] . W[n x k]^T with W in ggml `type`, split over `threads` threads. */
+  matmul(variant: KernelVariant, type: GgmlType, w: Uint8Array, x: Float32Array, m: number, k: number, n: number,
+    y: Float32Array, threads: number): void;
+  /** out[i] = the dequantized row tokenIds[i] of a [rows x dim] table. */
+  embedding(variant: KernelVariant, type: GgmlType, table: Uint8Array, dim: number, tokenIds: Int32Array,
+    out: Float32Array): void;
+  rmsnorm(variant: KernelVariant, x: Float32Array, weight: Float32Array, rows: number, dim: number, eps: number,
+    out: Float32Array): void;
+  /** acc += x over acc.length elements. */
+  add(variant: KernelVariant, acc: Float32Array, x: Float32Array): void;
+  /** out = silu(gate) * up over gate.length elements. */
+  swiglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
+  /** Softmax of each of `rows` rows of n, in place. */
+  softmax(variant: KernelVariant, x: Float32Array, rows: number, n: number): void;
+  /** Rotates x [positions.length x numHeads*headDim] in place. */
+  rope(variant: KernelVariant, x: Float32Array, positions: Int32Array, numHeads: number, headDim: number,
+    ropeDim: number, neox: boolean, theta: number, scaling?: RopeScalingArg): void;
+  /** Writes K and V rows [slots.length x numKvHeads*headDim] into the pool at the given slots of `layer`. */
+  kvWrite(variant: KernelVariant, k: Float32Array, v: Float32Array, slots: Int32Array, pool: Uint8Array,
+    layout: NativePoolLayout, layer: number): void;
+  /** Paged attention of q [tokens x numHeads*headDim] over the pool, as in ForwardBatch. */
+  attention(variant: KernelVariant, q: Float32Array, out: Float32Array, pool: Uint8Array, layout: NativePoolLayout,
+    layer: number, queryStartLoc: Int32Array, seqLens: Int32Array, blockTables: Int32Array,
+    maxBlocksPerSeq: number, numHeads: number, threads: number): void;
+}
+
+export interface NativeBench {
+  /** STREAM-like bandwidth, best of `repetitions`, in GB/s (bytes counted as STREAM does). */
+  memoryBandwidth(kind: 'read' | 'copy' | 'triad', bytesPerArray: number, repetitions: number,
+    threads: number): number;
+  /**
+   * Peak multiply-add rate (f32 FMA, or int8 VNNI / maddubs) with the instructions of `variant` (default: the
+   * best), in G ops/s; 0 for generic.
+   */
+  peakFlops(kind: 'f32' | 'int8', threads: number, variant?: KernelVariant): number;
+}
+
+export interface NativeAddon {
+  cpuInfo(): CpuInfo;
+  kernelVariants(variant: KernelVariant): Record<string, string>;
+  NativeModel: new (spec: NativeModelSpec) => NativeModel;
+  ops: NativeOps;
+  bench: NativeBench;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Loading
+
+/** Where the addon is loaded from: CONDUIT_NATIVE_ADDON (e.g. a debug build elsewhere) or the npm build output. */
+export const NATIVE_ADDON_PATH = process.env.CONDUIT_NATIVE_ADDON
+  || fileURLToPath(new URL('../../build/Release/conduit_native.node', import.meta.url));
+
+let loaded: { addon?: NativeAddon; reason?: string } | undefined;
+
+function load(): { addon?: NativeAddon; reason?: string } {
+  if (loaded) return loaded;
+  if (!existsSync(NATIVE_ADDON_PATH)) {
+    loaded = { reason: `${NATIVE_ADDON_PATH} is missing (build it with \`npm run build:native\`)` };
+  } else {
+    try {
+      loaded = { addon: createRequire(import.meta.url)(NATIVE_ADDON_PATH) as NativeAddon };
+    } catch (error) {
+      loaded = { reason: `loading ${NATIVE_ADDON_PATH} failed: ${(error as Error).message}` };
+    }
+  }
+  return loaded;
+}
+
+/** The addon, or undefined when it is not built or does not load (see nativeUnavailableReason). */
+export function tryLoadNativeAddon(): NativeAddon | undefined {
+  return load().addon;
+}
+
+/** The addon; throws with the reason when it is unavailable. */
+export function loadNativeAddon(): NativeAddon {
+  const { addon, reason } = load();
+  if (!addon) throw new Error(`native kernels unavailable: ${reason}`);
+  return addon;
+}
+
+export function nativeUnavailableReason(): string | undefined {
+  return load().reason;
+}
+
+/**
+ * The variant to run: the best this CPU supports, or CONDUIT_KERNEL_VARIANT when set (it may only ask for a
+ * lower one, e.g. to compare against or to work around a suspected SIMD bug).
+ */
+export function resolveKernelVariant(
+  requested: string | undefined = process.env.CONDUIT_KERNEL_VARIANT,
+  cpu: CpuInfo = loadNativeAddon().cpuInfo(),
+): KernelVariant {
+  if (requested === undefined || requested === '') return cpu.bestVariant;
+  if (!(KERNEL_VARIANTS as readonly string[]).includes(requested)) {
+    throw new Error(`CONDUIT_KERNEL_VARIANT=${requested}: expected one of ${KERNEL_VARIANTS.join(', ')}`);
+  }
+  const variant = requested as KernelVariant;
+  if (KERNEL_VARIANTS.indexOf(variant) > KERNEL_VARIANTS.indexOf(cpu.bestVariant)) {
+    throw new Error(`CONDUIT_KERNEL_VARIANT=${requested}: this CPU supports at most ${cpu.bestVariant}`);
+  }
+  return variant;
+}
+
+/** The variants this CPU runs, lowest first. */
+export function supportedVariants(cpu: CpuInfo = loadNativeAddon().cpuInfo()): KernelVariant[] {
+  return KERNEL_VARIANTS.slice(0, KERNEL_VARIANTS.indexOf(cpu.bestVariant) + 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The backend
+
+function nativeTensor(t: Tensor): NativeTensor {
+  return { type: t.type, shape: t.shape, data: t.data };
+}
+
+export function nativeModelSpec(
+  config: ModelConfig,
+  weights: ModelWeights,
+  pool: { layout: KvPoolLayout; bytes: Uint8Array },
+  variant: KernelVariant,
+  threads: number,
+): NativeModelSpec {
+  if (weights.layers.length !== config.numLayers) {
+    throw new Error(`weights have ${weights.layers.length} layers, the config says ${config.numLayers}`);
+  }
+  return {
+    vocabSize: config.vocabSize,
+    dim: config.dim,
+    numHeads: config.numHeads,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    ffnDim: config.ffnDim,
+    rmsNormEps: config.rmsNormEps,
+    ropeTheta: config.ropeTheta,
+    ropeDim: config.ropeDim,
+    ropeNeox: config.ropeStyle === 'neox',
+    ropeScaling: config.ropeScaling,
+    qkvBias: config.qkvBias,
+    tokenEmbedding: nativeTensor(weights.tokenEmbedding),
+    outputNorm: nativeTensor(weights.outputNorm),
+    output: nativeTensor(weights.output),
+    layers: weights.layers.map((l, i) => {
+      if (config.qkvBias && !(l.bq && l.bk && l.bv)) throw new Error(`layer ${i}: qkvBias is set but a bias is missing`);
+      return {
+        attnNorm: nativeTensor(l.attnNorm),
+        wq: nativeTensor(l.wq),
+        wk: nativeTensor(l.wk),
+        wv: nativeTensor(l.wv),
+        wo: nativeTensor(l.wo),
+        ...(config.qkvBias ? { bq: nativeTensor(l.bq!), bk: nativeTensor(l.bk!), bv: nativeTensor(l.bv!) } : {}),
+        ffnNorm: nativeTensor(l.ffnNorm),
+        wGate: nativeTensor(l.wGate),
+        wUp: nativeTensor(l.wUp),
+        wDown: nativeTensor(l.wDown),
+      };
+    }),
+    kvPool: pool.bytes,
+    numBlocks: pool.layout.numBlocks,
+    blockSize: pool.layout.blockSize,
+    kvDtype: pool.layout.dtype,
+    variant,
+    threads,
+  };
+}
+
+function checkPositiveInteger(name: string, value: number): void {
+  if (!Number.isInteger(value) || value <= 0) throw new RangeError(`${name} must be a positive integer, got ${value}`);
+}
+
+export const nativeBackend: BackendFactory & { unavailableReason(): string | undefined } = {
+  name: 'native',
+  available: () => tryLoadNativeAddon() !== undefined,
+  unavailableReason: nativeUnavailableReason,
+  load(config, weights, kv, options = {}): ModelRunnerBackend {
+    const addon = loadNativeAddon();
+    const cpu = addon.cpuInfo();
+    checkPositiveInteger('numBlocks', kv.numBlocks);
+    checkPositiveInteger('blockSize', kv.blockSize);
+    if (kv.dtype !== 'f32' && kv.dtype !== 'f16') throw new RangeError(`KV dtype must be f32 or f16, got ${kv.dtype}`);
+    const threads = options.threads ?? cpu.defaultThreads;
+    checkPositiveInteger('threads', threads);
+    const kvLayout: KvPoolLayout = {
+      numLayers: config.numLayers, numBlocks: kv.numBlocks, blockSize: kv.blockSize,
+      numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: kv.dtype,
+    };
+    const kvPool = new SharedArrayBuffer(kvPoolBytes(kvLayout));
+    const variant = resolveKernelVariant(undefined, cpu);
+    const model = new addon.NativeModel(
+      nativeModelSpec(config, weights, { layout: kvLayout, bytes: new Uint8Array(kvPool) }, variant, threads),
+    );
+    const modelInfo = model.info();
+    const info: BackendInfo = { name: 'native', variants: modelInfo.variants, threads: modelInfo.threads };
+    let disposed = false;
+    return {
+      info,
+      config,
+      kvLayout,
+      kvPool,
+      forward(batch: ForwardBatch): Float32Array {
+        if (disposed) throw new Error('native backend is disposed');
+        return model.forward(batch);
+      },
+      dispose(): void {
+        if (disposed) return;
+        disposed = true;
+        model.dispose();
+      },
+    };
+  },
+};

@@ -1,0 +1,520 @@
+// Disaggregated prefill and decode behind one `Engine`: prefill workers run prompts, decode workers generate, and
+// the KV of each prompt moves from one to the other over a KvTransferChannel. The gateway holds it as it would hold
+// one engine; the caller sees one stream, the first token from the prefill worker and the rest from the decode
+// worker, in order.
+//
+// One request, prefill first:
+//   1. the decode router picks the decode worker: load-aware and prefix-aware (its cost counts the blocks a worker
+//      lacks, which is what would move), waiting in its admission queue when every decode worker is busy;
+//   2. the prefill router says which prefill worker it would pick (KV-aware) without committing;
+//   3. decideDisaggregation: remote prefill, or local prefill on the decode worker (short uncached prompt, prefill
+//      queue over its bound, transfer slower than the prefill it saves, n > 1); the choice and its reason go on
+//      every output (routing.disaggregation);
+//   4. remote: the prefill worker prefills, samples and streams the first token, pins the blocks and hands over;
+//      the decode worker reuses its own prefix hits, copies in the missing blocks, registers them and decodes on;
+//      the prefill worker unpins when the decode worker says it has them.
+// Abort reaches both workers whatever the stage. A prefill worker failing before the first token, or a transfer
+// that cannot happen, falls back to a local prefill on the decode worker; a failure after tokens went out ends the
+// stream with an error. Either way the blocks on both sides are freed.
+
+import { EngineOverloadedError, WorkerLostError } from '../engine/errors.ts';
+import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import { kvBytesPerToken } from '../engine/handoff.ts';
+import type {
+  DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, RoutingSummary, WorkerRole,
+} from '../engine/types.ts';
+import { workerLoadFromStats, type RoutingDecision, type RoutingRequest } from '../router/protocols.ts';
+import type { Router } from '../router/router.ts';
+import {
+  DEFAULT_DISAGGREGATION_POLICY, RateEstimate, decideDisaggregation, type DisaggregationPolicy,
+} from './disaggregation-policy.ts';
+import type { KvTransferChannel } from './kv-transfer.ts';
+import type { RoutableEngine } from './routed-engine.ts';
+
+/** A prefill worker: runs a prompt to its first token and hands the request over. */
+export interface PrefillWorkerEngine extends RoutableEngine {
+  prefill(request: EngineRequest): AsyncIterable<PrefillEvent>;
+  releaseHandoff(requestId: string): void;
+  kvPool?: SharedArrayBuffer;
+  kvLayout?: KvHandoff['sourceLayout'];
+}
+
+/** A decode worker: an ordinary engine that can also continue a handed-off request. */
+export interface DecodeWorkerEngine extends RoutableEngine {
+  adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput>;
+  onAdopted(listener: (result: AdoptedResult) => void): () => void;
+  attachKvSource?(sourceId: string, pool: SharedArrayBuffer, layout: KvHandoff['sourceLayout']): void;
+}
+
+export interface DisaggregatedEngineOptions {
+  prefill: readonly { id: string; engine: PrefillWorkerEngine }[];
+  decode: readonly { id: string; engine: DecodeWorkerEngine }[];
+  /** Routers over the prefill and the decode workers (their block size must be the workers'). */
+  prefillRouter: Router;
+  decodeRouter: Router;
+  channel: KvTransferChannel;
+  policy?: Partial<DisaggregationPolicy>;
+  /**
+   * Starting estimates for the policy's transfer-vs-prefill comparison, refined by every measured transfer and
+   * prefill unless fixed. Defaults: 2 GB/s and 2,000 tokens/s (a CPU worker's memcpy and prefill, roughly).
+   */
+  estimates?: { transferBytesPerSec?: number; prefillTokensPerSec?: number; fixed?: boolean };
+  /** Engine clock, ms. */
+  now: () => number;
+}
+
+export type DisaggregatedStage = 'routing' | 'prefill' | 'transfer' | 'decode' | 'local';
+
+/** Where one request is, so that an abort or a failure reaches every worker that holds part of it. */
+interface Flight {
+  readonly requestId: string;
+  stage: DisaggregatedStage;
+  prefillId?: string;
+  decodeId?: string;
+  /** The handoff whose source blocks are still pinned on the prefill worker. */
+  pinned?: KvHandoff;
+  summary?: RoutingSummary;
+  aborted: boolean;
+  finished: boolean;
+}
+
+interface Waiter {
+  resolve(decision: RoutingDecision): void;
+  reject(error: Error): void;
+}
+
+const QUEUE_POLL_MS = 50;
+
+export class DisaggregatedEngine implements Engine {
+  readonly info: EngineInfo;
+  readonly channel: KvTransferChannel;
+  readonly policy: DisaggregationPolicy;
+  private readonly prefillWorkers = new Map<string, PrefillWorkerEngine>();
+  private readonly decodeWorkers = new Map<string, DecodeWorkerEngine>();
+  private readonly prefillRouter: Router;
+  private readonly decodeRouter: Router;
+  private readonly now: () => number;
+  private readonly flights = new Map<string, Flight>();
+  private readonly waiting = new Map<string, Waiter>();
+  private readonly unsubscribe: (() => void)[] = [];
+  private readonly transferRate: RateEstimate;
+  private readonly prefillRate: RateEstimate;
+  private readonly kvBytesPerToken: number;
+  private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
+  private pollTimer: NodeJS.Timeout | undefined;
+
+  constructor(options: DisaggregatedEngineOptions) {
+    if (options.decode.length === 0) throw new Error('a disaggregated engine needs at least one decode worker');
+    this.channel = options.channel;
+    this.policy = { ...DEFAULT_DISAGGREGATION_POLICY, ...options.policy };
+    this.prefillRouter = options.prefillRouter;
+    this.decodeRouter = options.decodeRouter;
+    this.now = options.now;
+    const fixed = options.estimates?.fixed ?? false;
+    this.transferRate = new RateEstimate(options.estimates?.transferBytesPerSec ?? 2e9, 0.2, fixed);
+    this.prefillRate = new RateEstimate(options.estimates?.prefillTokensPerSec ?? 2_000, 0.2, fixed);
+
+    for (const { id, engine } of options.prefill) {
+      this.prefillWorkers.set(id, engine);
+      this.register(id, engine, this.prefillRouter, () => this.dropPrefillWorker(id));
+    }
+    for (const { id, engine } of options.decode) {
+      this.decodeWorkers.set(id, engine);
+      this.register(id, engine, this.decodeRouter, () => this.dropDecodeWorker(id));
+      this.unsubscribe.push(engine.onAdopted((result) => this.onAdopted(id, result)));
+    }
+    for (const prefill of options.prefill) {
+      for (const decode of options.decode) {
+        this.channel.connect({ id: prefill.id, kvPool: prefill.engine.kvPool, kvLayout: prefill.engine.kvLayout },
+          { id: decode.id, attachKvSource: decode.engine.attachKvSource?.bind(decode.engine) });
+      }
+    }
+    const layout = options.prefill[0]?.engine.kvLayout;
+    this.kvBytesPerToken = layout ? kvBytesPerToken(layout) : 0;
+    const infos = [...options.prefill, ...options.decode].map((w) => w.engine.info);
+    const blockSizes = new Set(infos.map((i) => i.blockSize));
+    if (blockSizes.size > 1) throw new Error(`prefill and decode workers must share one block size, got ${[...blockSizes].join(', ')}`);
+    this.info = {
+      ...options.decode[0]!.engine.info,
+      maxModelLen: Math.min(...infos.map((i) => i.maxModelLen)),
+      kvCapacityTokens: infos.reduce((sum, i) => sum + i.kvCapacityTokens, 0),
+    };
+  }
+
+  private register(id: string, engine: RoutableEngine, router: Router, onLost: () => void): void {
+    router.addWorker(id, workerLoadFromStats(engine.stats()));
+    const offEvents = engine.onKvEvents?.((events) => router.applyKvEvents(id, events));
+    const offLost = engine.onLost?.(onLost);
+    if (offEvents) this.unsubscribe.push(offEvents);
+    if (offLost) this.unsubscribe.push(offLost);
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Engine
+
+  generate(request: EngineRequest): AsyncIterable<EngineOutput> {
+    const engine = this;
+    return (async function* () {
+      if (engine.flights.has(request.id)) throw new Error(`request ${request.id} is already running`);
+      const flight: Flight = { requestId: request.id, stage: 'routing', aborted: false, finished: false };
+      engine.flights.set(request.id, flight);
+      try {
+        yield* engine.run(request, flight);
+      } finally {
+        engine.flights.delete(request.id);
+        // The consumer left early (client gone) or a failure: stop it on every worker that holds part of it.
+        if (!flight.finished) engine.stopEverywhere(flight);
+        engine.releaseSource(flight);
+        if (flight.decodeId !== undefined) engine.decodeRouter.onFinished(request.id, engine.now());
+        engine.drain();
+      }
+    })();
+  }
+
+  abort(requestId: string): void {
+    const waiter = this.waiting.get(requestId);
+    if (waiter && this.decodeRouter.cancelQueued(requestId)) {
+      this.waiting.delete(requestId);
+      waiter.reject(new EngineOverloadedError(`request ${requestId} was aborted while queued`, 0));
+      return;
+    }
+    const flight = this.flights.get(requestId);
+    if (!flight) return;
+    flight.aborted = true;
+    this.stopEverywhere(flight);
+  }
+
+  stats(): EngineStats {
+    const total: EngineStats = {
+      numRunning: 0, numWaiting: this.waiting.size, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0,
+      prefixCacheHits: 0, preemptions: 0,
+    };
+    for (const engine of [...this.prefillWorkers.values(), ...this.decodeWorkers.values()]) {
+      const s = engine.stats();
+      total.numRunning += s.numRunning;
+      total.numWaiting += s.numWaiting;
+      total.kvBlocksUsed += s.kvBlocksUsed;
+      total.kvBlocksTotal += s.kvBlocksTotal;
+      total.prefixCacheQueries += s.prefixCacheQueries;
+      total.prefixCacheHits += s.prefixCacheHits;
+      total.preemptions += s.preemptions;
+    }
+    return total;
+  }
+
+  /** Per-worker stats with the worker's role, for /health and the metrics' worker label. */
+  workerStats(): { workerId: string; role: WorkerRole; stats: EngineStats; info: EngineInfo }[] {
+    return [
+      ...[...this.prefillWorkers].map(([workerId, engine]) => ({ workerId, role: 'prefill' as const, stats: engine.stats(), info: engine.info })),
+      ...[...this.decodeWorkers].map(([workerId, engine]) => ({ workerId, role: 'decode' as const, stats: engine.stats(), info: engine.info })),
+    ];
+  }
+
+  /** How many requests went each way, and how many fell back to a local prefill after a failure. */
+  decisionCounts(): { disaggregated: number; local: number; fallbacks: number } {
+    return { ...this.counts };
+  }
+
+  /** The policy's current throughput estimates. */
+  estimates(): { transferBytesPerSec: number; prefillTokensPerSec: number } {
+    return { transferBytesPerSec: this.transferRate.perSec, prefillTokensPerSec: this.prefillRate.perSec };
+  }
+
+  /** Where a request is: routing, prefill, transfer, decode or local (a decode worker prefilling it); undefined once over. */
+  requestStage(requestId: string): DisaggregatedStage | undefined {
+    return this.flights.get(requestId)?.stage;
+  }
+
+  get prefillWorkerIds(): string[] {
+    return [...this.prefillWorkers.keys()];
+  }
+
+  get decodeWorkerIds(): string[] {
+    return [...this.decodeWorkers.keys()];
+  }
+
+  async close(): Promise<void> {
+    clearInterval(this.pollTimer);
+    for (const off of this.unsubscribe) off();
+    for (const [id, waiter] of this.waiting) waiter.reject(new EngineOverloadedError(`engine closed while ${id} was queued`, 0));
+    this.waiting.clear();
+    await Promise.all([...this.prefillWorkers.values(), ...this.decodeWorkers.values()].map((engine) => engine.close()));
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // One request
+
+  private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
+    const routing: RoutingRequest = { requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt };
+    const decodeDecision = await this.placeDecode(routing);
+    flight.decodeId = decodeDecision.workerId;
+    const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);
+    if (!decodeEngine) throw new WorkerLostError(decodeDecision.workerId, `decode worker ${decodeDecision.workerId} left before the request could start`);
+    if (flight.aborted) {
+      flight.finished = true;
+      yield closingOutput(request, this.now());
+      return;
+    }
+
+    const { choice, prefillDecision } = this.decide(request, routing, decodeDecision);
+    flight.summary = { ...summarize(decodeDecision, this.now()), disaggregation: choice };
+    if (choice.mode === 'local' || prefillDecision === null) {
+      this.counts.local++;
+      yield* this.runLocal(request, flight, decodeEngine);
+      return;
+    }
+    this.counts.disaggregated++;
+    // The decode worker will not compute this prompt: its router must not count it as pending prefill there.
+    this.decodeRouter.onPrefillDone(request.id);
+    const handoff = yield* this.runPrefill(request, flight, prefillDecision, routing, decodeEngine);
+    if (handoff === null) return;
+    yield* this.runDecode(request, flight, handoff, decodeEngine);
+  }
+
+  private decide(request: EngineRequest, routing: RoutingRequest, decodeDecision: RoutingDecision):
+    { choice: DisaggregationSummary; prefillDecision: RoutingDecision | null } {
+    let prefillDecision: RoutingDecision | null = null;
+    if (this.prefillWorkers.size > 0 && request.sampling.n === 1) {
+      const outcome = this.prefillRouter.route(routing, this.now(), { commit: false });
+      // The prefill router never queues: a busy prefill tier is a reason to prefill on the decode worker.
+      if (outcome.kind === 'queued') this.prefillRouter.cancelQueued(request.id);
+      if (outcome.kind === 'routed') prefillDecision = outcome.decision;
+    }
+    const chosen = prefillDecision?.costTerms.find((t) => t.workerId === prefillDecision!.workerId);
+    const choice = decideDisaggregation({
+      numPromptTokens: request.promptTokenIds.length, blockSize: this.info.blockSize,
+      ineligible: request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker`
+        : this.prefillWorkers.size === 0 ? 'no prefill worker' : undefined,
+      decodeWorkerId: decodeDecision.workerId, decodeOverlapBlocks: decodeDecision.overlapBlocks,
+      prefill: prefillDecision && chosen
+        ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }
+        : null,
+      kvBytesPerToken: this.kvBytesPerToken, transferBytesPerSec: this.transferRate.perSec,
+      prefillTokensPerSec: this.prefillRate.perSec,
+    }, this.policy);
+    return { choice, prefillDecision: choice.mode === 'disaggregated' ? prefillDecision : null };
+  }
+
+  /** The decode worker runs the whole request, as an aggregated worker would. */
+  private async *runLocal(request: EngineRequest, flight: Flight, decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput> {
+    flight.stage = 'local';
+    const workerId = flight.decodeId!;
+    let first = true;
+    try {
+      for await (const output of decodeEngine.generate(request)) {
+        if (first) {
+          this.decodeRouter.onPrefillDone(request.id);
+          this.observePrefill(output);
+          first = false;
+        }
+        this.decodeRouter.updateLoad(workerId, workerLoadFromStats(decodeEngine.stats()));
+        if (output.finishReason !== undefined) flight.finished = true;
+        yield { ...output, routing: flight.summary };
+      }
+    } catch (error) {
+      throw this.lostOr(error, workerId, this.decodeWorkers, request.id);
+    }
+  }
+
+  /**
+   * The prefill worker's part: yields the first token and returns the handoff, or null when the stream is over
+   * (finished on its first token, aborted, or prefilled locally after the prefill worker failed).
+   */
+  private async *runPrefill(request: EngineRequest, flight: Flight, decision: RoutingDecision, routing: RoutingRequest,
+    decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput, KvHandoff | null> {
+    const prefillId = decision.workerId;
+    const prefillEngine = this.prefillWorkers.get(prefillId);
+    if (!prefillEngine) return yield* this.fallBack(request, flight, decodeEngine, `prefill worker ${prefillId} left`);
+    this.prefillRouter.onRouted(routing, decision, this.now());
+    flight.stage = 'prefill';
+    flight.prefillId = prefillId;
+    let handoff: KvHandoff | null = null;
+    let emitted = false;
+    try {
+      for await (const event of prefillEngine.prefill(request)) {
+        if (event.type === 'handoff') {
+          handoff = event.handoff;
+          flight.pinned = handoff;
+          continue;
+        }
+        const { output } = event;
+        if (!emitted && output.newTokenIds.length > 0) {
+          emitted = true;
+          this.prefillRouter.onPrefillDone(request.id);
+          this.observePrefill(output);
+        }
+        this.prefillRouter.updateLoad(prefillId, workerLoadFromStats(prefillEngine.stats()));
+        if (output.finishReason !== undefined) flight.finished = true;
+        yield { ...output, routing: flight.summary };
+        if (flight.finished) return null;
+      }
+    } catch (error) {
+      if (flight.aborted) throw error;
+      if (!emitted) {
+        const why = error instanceof Error ? error.message : String(error);
+        return yield* this.fallBack(request, flight, decodeEngine, `prefill worker ${prefillId} failed: ${why}`);
+      }
+      throw new Error(`request ${request.id}: prefill worker ${prefillId} failed after the first token and before `
+        + `handing the request over: ${error instanceof Error ? error.message : String(error)}`, { cause: error });
+    } finally {
+      this.prefillRouter.onFinished(request.id, this.now());
+    }
+    if (flight.aborted) {
+      // The abort crossed the handoff on its way: the prefill worker's own abort unpinned the blocks (or will).
+      this.releaseSource(flight);
+      flight.finished = true;
+      yield closingOutput(request, this.now(), handoff?.outputTokenIds.length ?? 0);
+      return null;
+    }
+    if (handoff === null) throw new Error(`request ${request.id}: prefill worker ${prefillId} ended the prompt without a handoff`);
+    return handoff;
+  }
+
+  /** The decode worker's part: takes the handoff, copies what it lacks, and streams the rest. */
+  private async *runDecode(request: EngineRequest, flight: Flight, handoff: KvHandoff, decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput> {
+    const decodeId = flight.decodeId!;
+    const prefillId = flight.prefillId!;
+    flight.stage = 'transfer';
+    const sourceId = this.prefillWorkers.has(prefillId) ? this.channel.sourceFor(prefillId, decodeId) : null;
+    try {
+      for await (const output of decodeEngine.adopt(handoff, sourceId)) {
+        flight.stage = 'decode';
+        this.decodeRouter.updateLoad(decodeId, workerLoadFromStats(decodeEngine.stats()));
+        if (output.finishReason !== undefined) flight.finished = true;
+        yield { ...output, routing: flight.summary };
+      }
+    } catch (error) {
+      throw this.lostOr(error, decodeId, this.decodeWorkers, request.id);
+    }
+  }
+
+  /** A local prefill on the decode worker after the disaggregated path broke before any token went out. */
+  private async *fallBack(request: EngineRequest, flight: Flight, decodeEngine: DecodeWorkerEngine, why: string): AsyncGenerator<EngineOutput, null> {
+    this.counts.fallbacks++;
+    this.releaseSource(flight);
+    flight.prefillId = undefined;
+    const previous = flight.summary!.disaggregation!;
+    flight.summary = {
+      ...flight.summary!,
+      disaggregation: { ...previous, mode: 'local', reason: 'prefill-failed', detail: why, prefillWorkerId: undefined },
+    };
+    yield* this.runLocal(request, flight, decodeEngine);
+    return null;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Bookkeeping
+
+  /** The decode worker has the blocks (or will recompute them): the prefill worker may unpin them. */
+  private onAdopted(decodeId: string, result: AdoptedResult): void {
+    if (result.transfer) {
+      this.channel.log.record(result.transfer);
+      this.transferRate.observe(result.transfer.bytes, result.transfer.ms);
+    }
+    const flight = this.flights.get(result.requestId);
+    if (!flight || flight.decodeId !== decodeId) return;
+    this.releaseSource(flight);
+    if (result.status === 'recompute' && flight.summary?.disaggregation) {
+      this.counts.fallbacks++;
+      flight.summary = {
+        ...flight.summary,
+        disaggregation: { ...flight.summary.disaggregation, mode: 'local', reason: 'transfer-failed', detail: result.error ?? 'KV not imported' },
+      };
+    }
+  }
+
+  private releaseSource(flight: Flight): void {
+    const handoff = flight.pinned;
+    if (!handoff) return;
+    flight.pinned = undefined;
+    const prefillId = flight.prefillId;
+    if (prefillId !== undefined) this.prefillWorkers.get(prefillId)?.releaseHandoff(handoff.requestId);
+  }
+
+  /** Abort on both sides: each worker frees whatever of the request it holds (queued, running, pinned, pending). */
+  private stopEverywhere(flight: Flight): void {
+    if (flight.prefillId !== undefined) this.prefillWorkers.get(flight.prefillId)?.abort(flight.requestId);
+    if (flight.decodeId !== undefined) this.decodeWorkers.get(flight.decodeId)?.abort(flight.requestId);
+  }
+
+  /** Measured prefill speed from the first output's chunks: what a local prefill would cost. */
+  private observePrefill(output: EngineOutput): void {
+    const chunks = output.timestamps.prefillChunks;
+    if (chunks.length === 0) return;
+    const tokens = chunks.reduce((sum, c) => sum + c.tokens, 0);
+    const ms = chunks.reduce((sum, c) => sum + (c.end - c.start), 0);
+    this.prefillRate.observe(tokens, ms);
+  }
+
+  private lostOr(error: unknown, workerId: string, pool: Map<string, unknown>, requestId: string): unknown {
+    if (!pool.has(workerId)) return new WorkerLostError(workerId, `worker ${workerId} was lost while running request ${requestId}`);
+    return error;
+  }
+
+  private dropPrefillWorker(workerId: string): void {
+    if (!this.prefillWorkers.delete(workerId)) return;
+    this.prefillRouter.removeWorker(workerId);
+    this.channel.disconnect(workerId);
+  }
+
+  private dropDecodeWorker(workerId: string): void {
+    if (!this.decodeWorkers.delete(workerId)) return;
+    this.decodeRouter.removeWorker(workerId);
+    this.channel.disconnect(workerId);
+  }
+
+  /** Routes to a decode worker now, or waits in the decode router's admission queue, or fails with overload. */
+  private placeDecode(request: RoutingRequest): Promise<RoutingDecision> {
+    const outcome = this.decodeRouter.route(request, this.now());
+    switch (outcome.kind) {
+      case 'routed':
+        return Promise.resolve(outcome.decision);
+      case 'rejected':
+        return Promise.reject(new EngineOverloadedError(
+          outcome.reason === 'no-workers' ? 'no decode worker is available' : 'every decode worker is busy and the queue is full',
+          outcome.retryAfterMs));
+      case 'queued':
+        return new Promise<RoutingDecision>((resolve, reject) => {
+          this.waiting.set(request.requestId, { resolve, reject });
+          this.pollTimer ??= setInterval(() => this.drain(), QUEUE_POLL_MS);
+        });
+    }
+  }
+
+  private drain(): void {
+    if (this.waiting.size === 0) return;
+    const { routed, expired } = this.decodeRouter.drainQueue(this.now());
+    for (const { request, decision } of routed) {
+      const waiter = this.waiting.get(request.requestId);
+      this.waiting.delete(request.requestId);
+      waiter?.resolve(decision);
+    }
+    for (const request of expired) {
+      const waiter = this.waiting.get(request.requestId);
+      this.waiting.delete(request.requestId);
+      waiter?.reject(new EngineOverloadedError('the request waited too long for a free decode worker', 1000));
+    }
+    if (this.waiting.size === 0) {
+      clearInterval(this.pollTimer);
+      this.pollTimer = undefined;
+    }
+  }
+}
+
+function summarize(decision: RoutingDecision, decidedAt: number): RoutingSummary {
+  const { overhead } = decision;
+  return {
+    workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
+    reason: decision.reason, decidedAt,
+    overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
+  };
+}
+
+/** The closing output of a request stopped between workers, where no worker had an output to send. */
+function closingOutput(request: EngineRequest, nowMs: number, completionTokens = 0): EngineOutput {
+  return {
+    requestId: request.id, index: 0, newTokenIds: [], textDelta: '', finishReason: 'abort',
+    usage: { promptTokens: request.promptTokenIds.length, completionTokens, cachedTokens: 0 },
+    timestamps: { arrival: request.arrivalMs, prefillChunks: [], finished: nowMs },
+  };
+}

@@ -1,0 +1,106 @@
+// Conditional disaggregation: for one request, prefill on a prefill worker and move the KV, or let the decode worker
+// prefill it itself. Pure: the inputs are the routers' decisions and throughput estimates, the output the choice and
+// its reason, which goes on every output of the request (RoutingSummary.disaggregation).
+//
+// A remote prefill pays off when it keeps long prefills out of the decode batch (every running request's next token
+// waits for a prefill step sharing its batch) at a lower price than computing them there. It does not when:
+//   short-prompt        the decode worker lacks only a few prompt tokens (it holds the prefix, or the prompt is
+//                       short): computing them costs about one decode step, less than the round trip;
+//   prefill-queue-full  the prefill worker the router would pick has more prefill queued than the bound, or every
+//                       prefill worker is busy: waiting there would cost more time to first token than it saves;
+//   transfer-slower     moving the KV blocks the decode worker lacks would take longer than computing them there.
+// (Besides those, a request with n > 1 samples is never handed over: its samples share the prompt's blocks.)
+
+import type { DisaggregationReason, DisaggregationSummary } from '../engine/types.ts';
+
+export interface DisaggregationPolicy {
+  /** Fewer uncached prompt tokens on the decode worker than this: prefill there (default 512). */
+  minRemotePrefillTokens: number;
+  /** More prefill tokens than this queued on the chosen prefill worker: prefill on the decode worker (default 16384). */
+  maxPrefillQueueTokens: number;
+  /** Fixed cost of one transfer besides its bytes (messages, allocation, registration), ms (default 0.2). */
+  transferOverheadMs: number;
+}
+
+export const DEFAULT_DISAGGREGATION_POLICY: Readonly<DisaggregationPolicy> = Object.freeze({
+  minRemotePrefillTokens: 512,
+  maxPrefillQueueTokens: 16_384,
+  transferOverheadMs: 0.2,
+});
+
+export interface DisaggregationInputs {
+  numPromptTokens: number;
+  blockSize: number;
+  /** Why the request can never be handed over (e.g. n > 1); absent when it can. */
+  ineligible?: string;
+  decodeWorkerId: string;
+  /** Leading prompt blocks the decode worker holds (the decode router's overlap). */
+  decodeOverlapBlocks: number;
+  /** The prefill worker the prefill router would pick and its queue, or null when none is available. */
+  prefill: { workerId: string; queuedPrefillTokens: number } | null;
+  /** KV bytes of one token in the pools (every layer's K and V). */
+  kvBytesPerToken: number;
+  /** Estimated transfer throughput, bytes per second. */
+  transferBytesPerSec: number;
+  /** Estimated prefill throughput of the decode worker, tokens per second. */
+  prefillTokensPerSec: number;
+}
+
+export function decideDisaggregation(inputs: DisaggregationInputs, policy: DisaggregationPolicy = DEFAULT_DISAGGREGATION_POLICY): DisaggregationSummary {
+  const { numPromptTokens, blockSize } = inputs;
+  // The decode worker's hits are whole blocks, and the last prompt token is always computed (it gives the logits),
+  // so at most floor((n - 1) / blockSize) blocks are spared locally; remotely, every block it lacks moves.
+  const localHitBlocks = Math.max(0, Math.min(inputs.decodeOverlapBlocks, Math.floor((numPromptTokens - 1) / blockSize)));
+  const uncachedTokens = numPromptTokens - localHitBlocks * blockSize;
+  const heldBlocks = Math.max(0, Math.min(inputs.decodeOverlapBlocks, Math.floor(numPromptTokens / blockSize)));
+  const transferBlocks = Math.ceil(numPromptTokens / blockSize) - heldBlocks;
+  const transferBytes = transferBlocks * blockSize * inputs.kvBytesPerToken;
+  const estimatedTransferMs = policy.transferOverheadMs + (transferBytes / Math.max(1, inputs.transferBytesPerSec)) * 1000;
+  const estimatedPrefillMs = (uncachedTokens / Math.max(1e-9, inputs.prefillTokensPerSec)) * 1000;
+  const summary = (mode: DisaggregationSummary['mode'], reason: DisaggregationReason, detail: string): DisaggregationSummary => ({
+    mode, reason, detail, prefillWorkerId: mode === 'disaggregated' ? inputs.prefill?.workerId : undefined,
+    decodeWorkerId: inputs.decodeWorkerId, uncachedTokens, transferBlocks, estimatedTransferMs, estimatedPrefillMs,
+  });
+  const ms = (value: number) => `${value.toFixed(3)} ms`;
+
+  if (inputs.ineligible !== undefined) return summary('local', 'not-eligible', inputs.ineligible);
+  if (uncachedTokens < policy.minRemotePrefillTokens) {
+    return summary('local', 'short-prompt', `${uncachedTokens} uncached prompt tokens on ${inputs.decodeWorkerId} `
+      + `< ${policy.minRemotePrefillTokens}`);
+  }
+  if (inputs.prefill === null) return summary('local', 'prefill-queue-full', 'no prefill worker available (all busy or gone)');
+  if (inputs.prefill.queuedPrefillTokens > policy.maxPrefillQueueTokens) {
+    return summary('local', 'prefill-queue-full', `${inputs.prefill.queuedPrefillTokens} prefill tokens queued on `
+      + `${inputs.prefill.workerId} > ${policy.maxPrefillQueueTokens}`);
+  }
+  if (estimatedTransferMs >= estimatedPrefillMs) {
+    return summary('local', 'transfer-slower', `moving ${transferBlocks} blocks ~${ms(estimatedTransferMs)} >= `
+      + `prefilling ${uncachedTokens} tokens ~${ms(estimatedPrefillMs)}`);
+  }
+  return summary('disaggregated', 'remote-prefill', `${uncachedTokens} uncached tokens on ${inputs.prefill.workerId}, `
+    + `${transferBlocks} blocks ~${ms(estimatedTransferMs)} to move vs ~${ms(estimatedPrefillMs)} to prefill locally`);
+}
+
+/**
+ * A throughput learned from observations: an exponentially weighted mean of rates, starting from a prior. Pure;
+ * the caller passes amounts and durations it measured.
+ */
+export class RateEstimate {
+  private rate: number;
+
+  constructor(prior: number, private readonly weight = 0.2, private readonly fixed = false) {
+    if (!(prior > 0) || !Number.isFinite(prior)) throw new RangeError(`prior rate must be a positive finite number, got ${prior}`);
+    this.rate = prior;
+  }
+
+  /** amount (bytes, tokens) done in durationMs; ignored when too small to time (under 1 µs) or the estimate is fixed. */
+  observe(amount: number, durationMs: number): void {
+    if (this.fixed || !(amount > 0) || !(durationMs >= 1e-3)) return;
+    this.rate += this.weight * ((amount / durationMs) * 1000 - this.rate);
+  }
+
+  /** Per second. */
+  get perSec(): number {
+    return this.rate;
+  }
+}

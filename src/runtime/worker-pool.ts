@@ -1,0 +1,241 @@
+// Builds what `conduit serve` serves: one engine, or N workers behind the router, of the real CPU engine (each
+// worker its own thread, KV pool and scheduler) or of the simulated GPU engine. The gateway gets an `Engine` either
+// way, plus the tokenizer and chat template it applies at the edge.
+
+import { availableParallelism } from 'node:os';
+import { engineNow } from '../engine/clock.ts';
+import { createLocalEngine, LocalEngine, type LocalEngineOptions } from '../engine/local-engine.ts';
+import type { Engine, WorkerRole } from '../engine/types.ts';
+import { chatTemplateFromGguf, type ChatTemplate } from '../model/chat-template.ts';
+import { readGguf } from '../model/gguf.ts';
+import { LLAMA_SPM_TOKENIZER_PATH } from '../model/synthetic.ts';
+import { createTokenizer } from '../model/tokenizer/index.ts';
+import type { Tokenizer } from '../model/tokenizer/types.ts';
+import type { PolicyName } from '../router/protocols.ts';
+import { seededRandom } from '../router/random.ts';
+import { Router } from '../router/router.ts';
+import { BitsetKvIndex } from '../router/kv-index.ts';
+import { getHardwareProfile } from '../sim/hardware.ts';
+import { getModelProfile } from '../sim/models.ts';
+import { SimEngine } from '../sim/sim-engine.ts';
+import type { DisaggregationPolicy } from './disaggregation-policy.ts';
+import { DisaggregatedEngine, type DecodeWorkerEngine, type PrefillWorkerEngine } from './disaggregated.ts';
+import { SharedMemoryKvChannel, SimulatedKvChannel } from './kv-transfer.ts';
+import { RoutedEngine, type RoutedWorker } from './routed-engine.ts';
+
+export interface SimWorkerSpec {
+  /** A model profile id (llama-3.1-8b, llama-3.1-70b ...). */
+  model: string;
+  gpu: string;
+  tp: number;
+  /** Simulated ms per real ms (Infinity = as fast as possible). */
+  speedUp: number;
+}
+
+export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents'> {
+  engine: 'cpu' | 'sim';
+  workers: number;
+  /** The model file for cpu workers. */
+  modelPath?: string;
+  sim?: SimWorkerSpec;
+  routingPolicy?: PolicyName;
+  /** Router admission: queue bound when every worker is busy (then 503). */
+  maxQueued?: number;
+  /** Seed of the router's tie-breaking (default: random). */
+  routerSeed?: number;
+  /**
+   * Disaggregated serving: this many prefill workers and decode workers (each at least 1) instead of `workers`
+   * aggregated ones. Prompts run on prefill workers and their KV moves to decode workers (shared memory for cpu
+   * workers, a modelled link for sim workers), or run on the decode worker when the policy says so.
+   */
+  prefillWorkers?: number;
+  decodeWorkers?: number;
+  /** Conditional disaggregation thresholds (see src/runtime/disaggregation-policy.ts). */
+  disaggregationPolicy?: Partial<DisaggregationPolicy>;
+  /** Starting (or, with fixed, constant) transfer and prefill throughput estimates for that policy. */
+  disaggregationEstimates?: { transferBytesPerSec?: number; prefillTokensPerSec?: number; fixed?: boolean };
+}
+
+export interface WorkerPool {
+  engine: Engine;
+  tokenizer: Tokenizer;
+  chatTemplate: ChatTemplate;
+  /** Set when more than one worker: the router and the workers' ids. */
+  routed?: RoutedEngine;
+  router?: Router;
+  /** The individual workers (one entry when not routed); role is set in a disaggregated pool. */
+  workers: { id: string; engine: Engine; role?: WorkerRole }[];
+  notices: string[];
+  /** Set in a disaggregated pool (prefillWorkers/decodeWorkers): the engine, and its two routers. */
+  disaggregated?: DisaggregatedEngine;
+  prefillRouter?: Router;
+  decodeRouter?: Router;
+}
+
+export async function createWorkerPool(options: WorkerPoolOptions): Promise<WorkerPool> {
+  if (options.prefillWorkers !== undefined || options.decodeWorkers !== undefined) return createDisaggregatedPool(options);
+  if (!Number.isInteger(options.workers) || options.workers < 1) {
+    throw new RangeError(`workers must be a whole number >= 1, got ${options.workers}`);
+  }
+  const routedMode = options.workers > 1;
+  const built = options.engine === 'sim' ? await simWorkers(options, routedMode) : await cpuWorkers(options, routedMode);
+  if (!routedMode) return { ...built, engine: built.workers[0]!.engine };
+
+  const blockSize = built.workers[0]!.engine.info.blockSize;
+  const router = new Router({
+    blockSize, policy: options.routingPolicy ?? 'kv', maxQueued: options.maxQueued,
+    random: seededRandom(options.routerSeed ?? Math.floor(Math.random() * 2 ** 32)),
+    clock: () => performance.now(),
+    index: new BitsetKvIndex({ hashSeed: Math.floor(Math.random() * 2 ** 32) }),
+  });
+  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, engineNow);
+  return { ...built, engine: routed, routed, router };
+}
+
+async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
+  const modelPath = options.modelPath;
+  if (!modelPath) throw new Error('cpu workers need a model path');
+  // The machine's cores are shared: each worker gets its share unless told otherwise.
+  const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / options.workers));
+  const first = await createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents });
+  const workers: RoutedWorker[] = [{ id: 'worker-0', engine: first.engine }];
+  try {
+    for (let i = 1; i < options.workers; i++) {
+      const engine = await LocalEngine.start({
+        ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: true,
+      });
+      workers.push({ id: `worker-${i}`, engine });
+    }
+  } catch (error) {
+    await Promise.all(workers.map((w) => w.engine.close()));
+    throw error;
+  }
+  return { workers, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate, notices: first.engine.notices };
+}
+
+/**
+ * Simulated workers have a performance profile but no tokenizer: the gateway tokenizes with the built-in model's
+ * Llama 2 vocabulary, which gives realistic prompt lengths for English text.
+ */
+async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
+  const spec = options.sim;
+  if (!spec) throw new Error('sim workers need a model profile and a GPU');
+  const model = getModelProfile(spec.model);
+  const hw = getHardwareProfile(spec.gpu);
+  const workers: RoutedWorker[] = [];
+  for (let i = 0; i < options.workers; i++) {
+    workers.push({
+      id: `sim-${i}`,
+      engine: new SimEngine({
+        model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: withKvEvents,
+        maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
+        maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
+      }),
+    });
+  }
+  const vocab = readGguf(LLAMA_SPM_TOKENIZER_PATH);
+  const tokenizer = createTokenizer({ kind: 'gguf', file: vocab });
+  const chatTemplate = chatTemplateFromGguf(vocab, tokenizer);
+  return {
+    workers, tokenizer, chatTemplate,
+    notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker (speed-up ${spec.speedUp})`],
+  };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Disaggregated pools
+
+function makeRouter(options: WorkerPoolOptions, blockSize: number, seedOffset: number): Router {
+  return new Router({
+    blockSize, policy: options.routingPolicy ?? 'kv', maxQueued: options.maxQueued,
+    random: seededRandom((options.routerSeed ?? Math.floor(Math.random() * 2 ** 32)) + seedOffset),
+    clock: () => performance.now(),
+    index: new BitsetKvIndex({ hashSeed: Math.floor(Math.random() * 2 ** 32) }),
+  });
+}
+
+async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<WorkerPool> {
+  const numPrefill = options.prefillWorkers ?? 0;
+  const numDecode = options.decodeWorkers ?? 0;
+  for (const [name, value] of [['prefillWorkers', numPrefill], ['decodeWorkers', numDecode]] as const) {
+    if (!Number.isInteger(value) || value < 1) throw new RangeError(`${name} must be a whole number >= 1, got ${value}`);
+  }
+  const built = options.engine === 'sim' ? await simRoleWorkers(options, numPrefill, numDecode)
+    : await cpuRoleWorkers(options, numPrefill, numDecode);
+  const blockSize = built.decode[0]!.engine.info.blockSize;
+  const prefillRouter = makeRouter(options, blockSize, 0);
+  const decodeRouter = makeRouter(options, blockSize, 1);
+  const engine = new DisaggregatedEngine({
+    prefill: built.prefill, decode: built.decode, prefillRouter, decodeRouter,
+    channel: options.engine === 'sim' ? new SimulatedKvChannel() : new SharedMemoryKvChannel(),
+    policy: options.disaggregationPolicy, estimates: options.disaggregationEstimates, now: engineNow,
+  });
+  const workers = [
+    ...built.prefill.map((w) => ({ ...w, role: 'prefill' as const })),
+    ...built.decode.map((w) => ({ ...w, role: 'decode' as const })),
+  ];
+  return {
+    engine, tokenizer: built.tokenizer, chatTemplate: built.chatTemplate, workers, notices: built.notices,
+    disaggregated: engine, prefillRouter, decodeRouter,
+  };
+}
+
+interface RoleWorkers {
+  prefill: { id: string; engine: PrefillWorkerEngine }[];
+  decode: { id: string; engine: DecodeWorkerEngine }[];
+  tokenizer: Tokenizer;
+  chatTemplate: ChatTemplate;
+  notices: string[];
+}
+
+async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, numDecode: number): Promise<RoleWorkers> {
+  const modelPath = options.modelPath;
+  if (!modelPath) throw new Error('cpu workers need a model path');
+  const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / (numPrefill + numDecode)));
+  const common = { ...options, modelPath, threads, enableKvEvents: true };
+  const first = await createLocalEngine({ ...common, role: 'decode' });
+  const started: LocalEngine[] = [first.engine];
+  const decode = [{ id: 'decode-0', engine: first.engine }];
+  const prefill: RoleWorkers['prefill'] = [];
+  try {
+    const servedModelName = first.engine.info.modelName;
+    for (let i = 1; i < numDecode; i++) {
+      const engine = await LocalEngine.start({ ...common, servedModelName, role: 'decode' });
+      started.push(engine);
+      decode.push({ id: `decode-${i}`, engine });
+    }
+    for (let i = 0; i < numPrefill; i++) {
+      const engine = await LocalEngine.start({ ...common, servedModelName, role: 'prefill' });
+      started.push(engine);
+      prefill.push({ id: `prefill-${i}`, engine });
+    }
+  } catch (error) {
+    await Promise.all(started.map((engine) => engine.close()));
+    throw error;
+  }
+  return {
+    prefill, decode, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate,
+    notices: [...first.engine.notices, `disaggregated: ${numPrefill} prefill + ${numDecode} decode workers, KV over shared memory`],
+  };
+}
+
+async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, numDecode: number): Promise<RoleWorkers> {
+  const spec = options.sim;
+  if (!spec) throw new Error('sim workers need a model profile and a GPU');
+  const model = getModelProfile(spec.model);
+  const hw = getHardwareProfile(spec.gpu);
+  const make = (role: WorkerRole) => new SimEngine({
+    model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: true, role,
+    maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
+    maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
+  });
+  const prefill = Array.from({ length: numPrefill }, (_, i) => ({ id: `sim-prefill-${i}`, engine: make('prefill') }));
+  const decode = Array.from({ length: numDecode }, (_, i) => ({ id: `sim-decode-${i}`, engine: make('decode') }));
+  const vocab = readGguf(LLAMA_SPM_TOKENIZER_PATH);
+  const tokenizer = createTokenizer({ kind: 'gguf', file: vocab });
+  return {
+    prefill, decode, tokenizer, chatTemplate: chatTemplateFromGguf(vocab, tokenizer),
+    notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker, ${numPrefill} prefill + `
+      + `${numDecode} decode workers, KV over ${decode[0]!.engine.kvLink.name} (speed-up ${spec.speedUp})`],
+  };
+}

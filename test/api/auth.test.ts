@@ -1,0 +1,89 @@
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import {
+  ANONYMOUS_TENANT, combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList,
+} from '../../src/api/auth.ts';
+import { ApiError } from '../../src/api/errors.ts';
+
+function status(fn: () => unknown): number {
+  try {
+    fn();
+  } catch (err) {
+    assert.ok(err instanceof ApiError);
+    return err.statusCode;
+  }
+  return 200;
+}
+
+describe('KeyStore', () => {
+  it('is open with no keys: everyone is the anonymous tenant', () => {
+    const store = new KeyStore({ keys: [], tenants: new Map() });
+    assert.equal(store.isOpen, true);
+    assert.equal(store.authenticate(undefined).name, ANONYMOUS_TENANT);
+    assert.equal(store.authenticate('Bearer whatever').name, ANONYMOUS_TENANT);
+  });
+
+  it('maps bearer keys to tenants and refuses the rest with 401', () => {
+    const store = new KeyStore({ keys: parseKeysList('sk-alpha-0001:acme,sk-beta-00002:globex'), tenants: new Map() });
+    assert.equal(store.authenticate('Bearer sk-alpha-0001').name, 'acme');
+    assert.equal(store.authenticate('bearer   sk-beta-00002 ').name, 'globex');
+    assert.equal(status(() => store.authenticate(undefined)), 401);
+    assert.equal(status(() => store.authenticate('Basic abc')), 401);
+    assert.equal(status(() => store.authenticate('Bearer sk-alpha-0002')), 401);
+    assert.throws(() => store.authenticate('Bearer sk-wrong-key-123'), (err: ApiError) =>
+      err.code === 'invalid_api_key' && err.message.includes('sk-***-123') && !err.message.includes('sk-wrong-key-123'));
+  });
+
+  it('gives each tenant its own cache salt unless they share a cache group', () => {
+    const config = parseKeysFile(JSON.stringify({
+      keys: [{ key: 'k1', tenant: 'a' }, { key: 'k2', tenant: 'b' }, { key: 'k3', tenant: 'c' }],
+      tenants: { b: { cache_group: 'shared' }, c: { cache_group: 'shared' } },
+    }));
+    const store = new KeyStore(config);
+    assert.equal(store.authenticate('Bearer k1').cacheSalt, 'a');
+    assert.equal(store.authenticate('Bearer k2').cacheSalt, 'shared');
+    assert.equal(store.authenticate('Bearer k3').cacheSalt, 'shared');
+  });
+
+  it('applies default limits where a tenant sets none', () => {
+    const config = parseKeysFile('k1 acme 10 - 2\nk2 free\n');
+    const store = new KeyStore(config, { requestsPerMinute: 99, tokensPerMinute: 5000 });
+    assert.deepEqual(store.authenticate('Bearer k1').limits, { requestsPerMinute: 10, tokensPerMinute: 5000, maxConcurrent: 2 });
+    assert.deepEqual(store.authenticate('Bearer k2').limits, { requestsPerMinute: 99, tokensPerMinute: 5000 });
+  });
+
+  it('refuses one key given to two tenants', () => {
+    assert.throws(() => new KeyStore({ keys: parseKeysList('k:a,k:b'), tenants: new Map() }), KeyConfigError);
+  });
+});
+
+describe('keys file parsing', () => {
+  it('reads the line format with comments and limits', () => {
+    const config = parseKeysFile('# keys\nsk-1 acme 60 100000 4  # main key\n\nsk-2 acme 60 100000 4\nsk-3 globex\n');
+    assert.deepEqual(config.keys.map((g) => `${g.key}=${g.tenant}`), ['sk-1=acme', 'sk-2=acme', 'sk-3=globex']);
+    assert.deepEqual(config.tenants.get('acme')!.limits, { requestsPerMinute: 60, tokensPerMinute: 100000, maxConcurrent: 4 });
+    assert.equal(config.tenants.has('globex'), false);
+  });
+
+  it('names the line of a bad entry', () => {
+    assert.throws(() => parseKeysFile('sk-1 acme\nsk-2 acme sixty\n', 'keys.txt'), /keys\.txt:2: rpm must be a positive integer/);
+    assert.throws(() => parseKeysFile('lonely\n', 'keys.txt'), /keys\.txt:1: expected "key tenant/);
+    assert.throws(() => parseKeysFile('k1 a 1\nk2 a 2\n', 'keys.txt'), /tenant a is given different limits/);
+  });
+
+  it('reads the JSON format and names bad entries', () => {
+    const config = parseKeysFile('{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": 5, "tpm": 500}}}');
+    assert.deepEqual(config.tenants.get('acme')!.limits, { requestsPerMinute: 5, tokensPerMinute: 500 });
+    assert.throws(() => parseKeysFile('{"keys": [{"key": "", "tenant": "a"}]}', 'k.json'), /k\.json keys\[0\]: "key"/);
+    assert.throws(() => parseKeysFile('{"keys": 3}', 'k.json'), /"keys" array/);
+    assert.throws(() => parseKeysFile('{"keys": [', 'k.json'), /not valid JSON/);
+    assert.throws(() => parseKeysFile('{"keys": [], "tenants": {"a": {"tpm": -1}}}', 'k.json'), /tenants\.a: tpm/);
+  });
+
+  it('reads the environment list and combines it with a file', () => {
+    assert.throws(() => parseKeysList('justakey'), /expected "key:tenant"/);
+    const combined = combineKeyConfig(parseKeysFile('f1 filetenant 7'), parseKeysList(' e1:envtenant , '));
+    assert.deepEqual(combined.keys.map((g) => g.tenant), ['filetenant', 'envtenant']);
+    assert.equal(combined.tenants.get('filetenant')!.limits.requestsPerMinute, 7);
+  });
+});

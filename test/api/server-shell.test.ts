@@ -1,0 +1,116 @@
+// The HTTP shell before a model is attached (the server opens its port first, then loads): routing, methods, auth,
+// body limits and decoding, liveness and readiness, metrics format. The engine-backed behaviour is in e2e tests.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import { KeyStore, parseKeysList } from '../../src/api/auth.ts';
+import { ApiServer } from '../../src/api/server.ts';
+import { rawRequest } from './http-client.ts';
+
+describe('API server shell (no model yet)', () => {
+  let api: ApiServer;
+  let url: string;
+  const auth = { Authorization: 'Bearer sk-test-key-0001' };
+
+  before(async () => {
+    api = new ApiServer({
+      keyStore: new KeyStore({ keys: parseKeysList('sk-test-key-0001:acme'), tenants: new Map() }),
+      maxBodyBytes: 64 * 1024,
+    });
+    await api.listen(0);
+    url = api.url;
+  });
+
+  after(async () => {
+    await api.shutdown(0);
+  });
+
+  it('answers /live at once and /health with 503 while loading', async () => {
+    const live = await rawRequest(url, { path: '/live' });
+    assert.equal(live.status, 200);
+    const health = await rawRequest(url, { path: '/health' });
+    assert.equal(health.status, 503);
+    assert.equal(health.json().ready, false);
+    assert.equal(health.json().status, 'loading');
+  });
+
+  it('refuses generation with 503 not_ready until the model is attached', async () => {
+    const res = await rawRequest(url, { path: '/v1/completions', headers: auth, body: { prompt: 'x' } });
+    assert.equal(res.status, 503);
+    assert.equal(res.json().error.code, 'not_ready');
+    assert.ok(Number(res.headers['retry-after']) >= 1);
+  });
+
+  it('gives 404 in OpenAI\'s shape for unknown routes', async () => {
+    const res = await rawRequest(url, { path: '/v1/nothing-here', headers: auth });
+    assert.equal(res.status, 404);
+    assert.deepEqual(res.json(), {
+      error: { message: 'Invalid URL (GET /v1/nothing-here).', type: 'invalid_request_error', param: null, code: 'unknown_url' },
+    });
+  });
+
+  it('gives 405 with Allow for a wrong method', async () => {
+    const res = await rawRequest(url, { method: 'GET', path: '/v1/chat/completions', headers: auth });
+    assert.equal(res.status, 405);
+    assert.equal(res.headers.allow, 'POST');
+    const del = await rawRequest(url, { method: 'DELETE', path: '/v1/models', headers: auth });
+    assert.equal(del.status, 405);
+    assert.equal(del.headers.allow, 'GET');
+  });
+
+  it('needs a known API key on /v1 routes but not on /live, /health, /metrics', async () => {
+    const none = await rawRequest(url, { path: '/v1/models' });
+    assert.equal(none.status, 401);
+    assert.equal(none.json().error.code, 'missing_api_key');
+    const wrong = await rawRequest(url, { path: '/v1/models', headers: { Authorization: 'Bearer sk-nope-nope-0000' } });
+    assert.equal(wrong.status, 401);
+    assert.equal(wrong.json().error.code, 'invalid_api_key');
+    assert.equal((await rawRequest(url, { path: '/metrics' })).status, 200);
+  });
+
+  it('refuses a body announced larger than the cap without reading it', async () => {
+    const res = await rawRequest(url, {
+      path: '/v1/chat/completions', headers: { ...auth, 'Content-Length': String(10 * 1024 * 1024) }, body: '{}',
+    });
+    assert.equal(res.status, 413);
+    assert.equal(res.json().error.code, 'body_too_large');
+    assert.match(res.json().error.message, /65536 bytes/);
+  });
+
+  it('stops reading a 10 MB streamed body at the cap and still answers 413', async () => {
+    const big = Buffer.alloc(10 * 1024 * 1024, 0x20);
+    const res = await rawRequest(url, {
+      path: '/v1/completions', headers: { ...auth, 'Transfer-Encoding': 'chunked' }, body: big, chunkBytes: 64 * 1024,
+    });
+    assert.equal(res.status, 413);
+    assert.equal(res.headers.connection, 'close');
+    assert.equal((await rawRequest(url, { path: '/live' })).status, 200, 'the server is still up');
+  });
+
+  it('rejects bad JSON and invalid UTF-8 with 400 before anything else happens', async () => {
+    const bad = await rawRequest(url, { path: '/v1/chat/completions', headers: auth, body: '{"messages": [' });
+    assert.equal(bad.status, 400);
+    assert.equal(bad.json().error.code, 'invalid_json');
+    const utf8 = await rawRequest(url, {
+      path: '/v1/chat/completions', headers: auth, body: Buffer.from([0x7b, 0x22, 0xc3, 0x28, 0x22, 0x7d]),
+    });
+    assert.equal(utf8.status, 400);
+    assert.equal(utf8.json().error.code, 'invalid_utf8');
+  });
+
+  it('keeps connections alive between requests', async () => {
+    const res = await rawRequest(url, { path: '/live', headers: { Connection: 'keep-alive' } });
+    assert.equal(res.headers.connection, 'keep-alive');
+  });
+
+  it('exposes valid Prometheus text with the responses counted so far', async () => {
+    const res = await rawRequest(url, { path: '/metrics' });
+    assert.match(String(res.headers['content-type']), /^text\/plain; version=0\.0\.4/);
+    const lines = res.text.trimEnd().split('\n');
+    for (const line of lines) {
+      assert.match(line, /^(# (HELP|TYPE) [a-z_]+ .+|[a-z_]+(\{[a-z_]+="[^"\n]*"(,[a-z_]+="[^"\n]*")*\})? [-+0-9.eInfNa]+)$/, line);
+    }
+    assert.ok(lines.some((line) => /^conduit_http_responses_total\{route="unknown",status="404",tenant="anonymous"\} [1-9]/.test(line)),
+      'the 404 above was counted');
+  });
+});

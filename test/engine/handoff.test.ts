@@ -1,0 +1,456 @@
+// Handing a request from a prefill worker to a decode worker, inside one thread: the scheduler's half (which blocks
+// are pinned, reused, filled and registered) on tiny pools with exact block ids, the copy of block runs between
+// pools, and two real engine cores on real models whose handed-over output equals the output of one core alone.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { EngineCore, type KvSourceView } from '../../src/engine/engine-core.ts';
+import {
+  copyKvBlocks, kvBlockBytes, readKvBlocks, validateHandoff, writeKvBlocks, type KvHandoff, type KvPoolView,
+} from '../../src/engine/handoff.ts';
+import type { KvStoredEvent } from '../../src/engine/kv-cache/events.ts';
+import { Xoshiro128 } from '../../src/engine/rng.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { kvPoolBytes, type BackendFactory, type KvPoolLayout } from '../../src/kernels/types.ts';
+import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { createTokenizer } from '../../src/model/tokenizer/index.ts';
+import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
+import { engineBackends } from '../helpers/backends.ts';
+import { sharedModel } from '../helpers/shared-models.ts';
+import { FILLER, makeRequest, makeScheduler, prompt, step, summary } from './scheduler-fixtures.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scheduler side
+
+describe('scheduler handoff: the prefill side pins, the decode side reuses, fills and registers', () => {
+  test('handOff pins exactly the prompt blocks; unpinning frees them and leaves the full ones cached', () => {
+    const s = makeScheduler({ numBlocks: 8, blockSize: 4 });
+    s.addRequest(makeRequest('r', prompt(0, 10)), 0);
+    assert.deepEqual(summary(step(s).plan), ['r/0+10*1']);
+    const given = s.handOff('r');
+    assert.equal(given.numComputedTokens, 10);
+    assert.deepEqual(given.blockIds, [0, 1, 2]);
+    assert.equal(given.blockHashes.length, 2, 'two full blocks of four among ten tokens');
+    assert.deepEqual(given.outputTokenIds, [FILLER]);
+    assert.equal(s.numRequests, 0, 'the scheduler forgot the request');
+    assert.equal(s.kv.pool.numUsedBlocks, 3, 'the pin holds the blocks');
+    s.checkInvariants();
+    assert.equal(s.schedule(1).scheduled.length, 0, 'a handed-off request is never scheduled again');
+    assert.equal(s.kv.unpin(given.pin), true);
+    assert.equal(s.kv.unpin(given.pin), false, 'a second unpin is a no-op');
+    assert.equal(s.kv.pool.numUsedBlocks, 0);
+    const again = s.kv.findCachedPrefix(s.kv.createTable(), prompt(0, 10));
+    assert.deepEqual(again.blocks.map((b) => b.id), [0, 1]);
+    s.checkInvariants();
+  });
+
+  test('handOff refuses a request mid-prompt and one with n > 1', () => {
+    const s = makeScheduler({ numBlocks: 16, blockSize: 4, longPrefillTokenThreshold: 4 });
+    s.addRequest(makeRequest('chunked', prompt(0, 10)), 0);
+    step(s);
+    assert.throws(() => s.handOff('chunked'), /once its prompt is computed/);
+    s.addRequest(makeRequest('multi', prompt(1, 3), { sampling: { n: 2 } }), 0);
+    assert.throws(() => s.handOff('multi'), /only n = 1/);
+    assert.throws(() => s.handOff('nobody'), /unknown request/);
+  });
+
+  test('adoptRequest reuses its own prefix hits, fills only the missing blocks and registers them', () => {
+    const s = makeScheduler({ numBlocks: 16, blockSize: 4, enableEvents: true });
+    // Another request leaves the first two blocks of the prompt in the prefix cache.
+    const shared = prompt(0, 13);
+    s.addRequest(makeRequest('earlier', [...shared.slice(0, 8), 99, 98], { sampling: { maxTokens: 1 } }), 0);
+    step(s);
+    s.kv.takeEvents();
+    const fills: [number, number, number[]][] = [];
+    const request = s.adoptRequest(makeRequest('r', shared), 5, { outputTokenIds: [FILLER], numCachedTokens: 4 }, {
+      numTokens: 13,
+      fill: (table, from, to) => fills.push([from, to, table.blockIds.slice(from, to)]),
+    });
+    assert.ok(request);
+    assert.deepEqual(fills.map(([from, to]) => [from, to]), [[2, 4]], 'blocks 2 and 3 of the prompt move; 0 and 1 were here');
+    assert.equal(request.numComputedTokens, 13);
+    assert.equal(request.numCachedTokens, 4, 'usage keeps the prefill worker\'s hit');
+    const events = s.kv.takeEvents();
+    assert.equal(events.length, 1);
+    const stored = events[0] as KvStoredEvent;
+    assert.equal(stored.type, 'stored');
+    assert.equal(stored.blockHashes.length, 1, 'the one full block that moved is now cached here');
+    assert.equal(stored.parentHash, request.blockTable.blockHashes[1]);
+    // Next step: only the first token is fed.
+    assert.deepEqual(summary(step(s, 6).plan), ['r/0+1*1']);
+    assert.deepEqual(request.outputTokenIds, [FILLER, FILLER]);
+    s.checkInvariants();
+  });
+
+  test('adoptRequest changes nothing and returns null when the pool or the seats lack room', () => {
+    const fill = () => assert.fail('nothing may be copied without room');
+    const adopted = { outputTokenIds: [5], numCachedTokens: 0 };
+    const pool = makeScheduler({ numBlocks: 4, blockSize: 4 });
+    pool.addRequest(makeRequest('busy', prompt(1, 5)), 0);
+    step(pool);
+    assert.equal(pool.adoptRequest(makeRequest('big', prompt(0, 13)), 0, adopted, { numTokens: 13, fill }), null,
+      'four blocks needed, two free');
+    assert.equal(pool.kv.pool.numUsedBlocks, 2);
+    assert.equal(pool.numRequests, 1);
+    pool.checkInvariants();
+    const seats = makeScheduler({ numBlocks: 8, blockSize: 4, maxNumSeqs: 1 });
+    seats.addRequest(makeRequest('busy', prompt(1, 3)), 0);
+    step(seats);
+    assert.equal(seats.adoptRequest(makeRequest('small', prompt(2, 3)), 0, adopted, { numTokens: 3, fill }), null,
+      'the one seat is taken');
+    seats.checkInvariants();
+  });
+
+  test('a failed fill or mismatching hashes leave nothing allocated', () => {
+    const s = makeScheduler({ numBlocks: 8, blockSize: 4 });
+    assert.throws(() => s.adoptRequest(makeRequest('r', prompt(0, 9)), 0, { outputTokenIds: [5], numCachedTokens: 0 }, {
+      numTokens: 9, fill: () => { throw new Error('link down'); },
+    }), /link down/);
+    assert.equal(s.kv.pool.numUsedBlocks, 0);
+    const wrong = s.kv.fullBlockHashes(s.kv.createTable({ cacheSalt: 'other' }), prompt(0, 9), 9);
+    assert.throws(() => s.adoptRequest(makeRequest('r', prompt(0, 9)), 0, { outputTokenIds: [5], numCachedTokens: 0 }, {
+      numTokens: 9, blockHashes: wrong, fill: () => {},
+    }), /block hashes differ/);
+    assert.equal(s.kv.pool.numUsedBlocks, 0);
+    assert.equal(s.numRequests, 0);
+    s.checkInvariants();
+  });
+
+  test('without imported KV the adopted request recomputes prompt and first token, then samples the second', () => {
+    const s = makeScheduler({ numBlocks: 8, blockSize: 4 });
+    const request = s.adoptRequest(makeRequest('r', prompt(0, 6)), 0, { outputTokenIds: [5], numCachedTokens: 0 })!;
+    assert.equal(request.status, 'waiting');
+    assert.deepEqual(summary(step(s).plan), ['r/0+7*1'], 'six prompt tokens and the first output token');
+    assert.deepEqual(request.outputTokenIds, [5, FILLER]);
+    s.checkInvariants();
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+// Worker side: copying block runs
+
+describe('KV block copies between pools', () => {
+  const layout = (numBlocks: number, dtype: 'f32' | 'f16' = 'f32'): KvPoolLayout =>
+    ({ numLayers: 3, numBlocks, blockSize: 4, numKvHeads: 2, headDim: 8, dtype });
+  const randomPool = (l: KvPoolLayout, seed: number): KvPoolView => {
+    const pool = new SharedArrayBuffer(kvPoolBytes(l));
+    const words = new Uint32Array(pool);
+    const rng = Xoshiro128.fromSeed(seed);
+    for (let i = 0; i < words.length; i++) words[i] = rng.nextUint32();
+    return { pool, layout: l };
+  };
+
+  for (const dtype of ['f32', 'f16'] as const) {
+    test(`copies exactly the named blocks of every layer's K and V (${dtype}), merging adjacent ones`, () => {
+      const source = randomPool(layout(10, dtype), 1);
+      const destination = randomPool(layout(7, dtype), 2);
+      const before = new Uint8Array(destination.pool).slice();
+      const sourceIds = [2, 3, 4, 9];
+      const destinationIds = [0, 1, 2, 5];
+      const { bytes, runs } = copyKvBlocks(source, destination, sourceIds, destinationIds);
+      assert.equal(bytes, 4 * kvBlockBytes(source.layout));
+      assert.equal(runs, 2 * 6, 'blocks 2-4 -> 0-2 are one run per plane, 9 -> 5 another');
+      const runBytes = 4 * 2 * 8 * (dtype === 'f32' ? 4 : 2);
+      const src = new Uint8Array(source.pool);
+      const dst = new Uint8Array(destination.pool);
+      for (let plane = 0; plane < 6; plane++) {
+        for (let block = 0; block < 7; block++) {
+          const at = (plane * 7 + block) * runBytes;
+          const got = dst.subarray(at, at + runBytes);
+          const k = destinationIds.indexOf(block);
+          const expected = k < 0 ? before.subarray(at, at + runBytes)
+            : src.subarray((plane * 10 + sourceIds[k]!) * runBytes, (plane * 10 + sourceIds[k]! + 1) * runBytes);
+          assert.deepEqual(got, expected, `plane ${plane} block ${block}`);
+        }
+      }
+      // Copy out then copy in gives the same pool as the direct copy.
+      const viaBytes = randomPool(layout(7, dtype), 2);
+      writeKvBlocks(viaBytes, destinationIds, readKvBlocks(source, sourceIds));
+      assert.deepEqual(new Uint8Array(viaBytes.pool), dst);
+    });
+  }
+
+  test('refuses pools of different shapes and block ids outside a pool', () => {
+    const a = randomPool(layout(4), 1);
+    assert.throws(() => copyKvBlocks(a, randomPool({ ...layout(4), headDim: 16 }, 2), [0], [0]), /differ in headDim/);
+    assert.throws(() => copyKvBlocks(a, randomPool(layout(4, 'f16'), 2), [0], [0]), /differ in dtype/);
+    assert.throws(() => copyKvBlocks(a, randomPool(layout(4), 2), [4], [0]), /outside the pool/);
+    assert.throws(() => writeKvBlocks(a, [0], new Uint8Array(3)), /3 bytes for 1 blocks/);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+// Two engine cores on real models
+
+interface Fixture { name: string; loaded: LoadedModel; tokenizer: Tokenizer }
+
+let tempDir: string;
+before(() => { tempDir = mkdtempSync(join(tmpdir(), 'conduit-handoff-')); });
+after(() => rmSync(tempDir, { recursive: true, force: true }));
+
+async function fixture(name: string, path: () => string | undefined): Promise<Fixture | undefined> {
+  const file = path();
+  if (!file) return undefined;
+  const loaded = await loadModel(file);
+  return { name, loaded, tokenizer: createTokenizer(loaded.tokenizerSource) };
+}
+
+const SYNTHETIC = {
+  name: 'handoff-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
+  dtype: 'Q8_0' as const, seed: 11, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+};
+const models: { name: string; load: () => Promise<Fixture | undefined> }[] = [
+  { name: 'stories260K', load: () => fixture('stories260K', () => sharedModel('stories260K.gguf')) },
+  {
+    name: 'synthetic', load: () => fixture('synthetic', () => {
+      const path = join(tempDir, 'synthetic.gguf');
+      writeSyntheticModel(SYNTHETIC, path);
+      return path;
+    }),
+  },
+];
+
+// The bookkeeping under test is the same on every backend: the fastest one here runs it.
+const backend: BackendFactory = engineBackends().at(-1)!;
+
+interface CoreOptions { numBlocks?: number; blockSize?: number; maxNumBatchedTokens?: number; maxNumSeqs?: number; enableKvEvents?: boolean }
+
+function makeCore(f: Fixture, options: CoreOptions = {}): EngineCore {
+  const runner = backend.load(f.loaded.config, f.loaded.weights,
+    { numBlocks: options.numBlocks ?? 64, blockSize: options.blockSize ?? 8, dtype: 'f32' }, { threads: 1 });
+  let clock = 0;
+  return new EngineCore({
+    backend: runner, tokenizer: f.tokenizer, maxNumSeqs: options.maxNumSeqs ?? 16,
+    maxNumBatchedTokens: options.maxNumBatchedTokens ?? 256, maxModelLen: f.loaded.config.contextLength,
+    enableKvEvents: options.enableKvEvents, now: () => clock++,
+  });
+}
+
+function request(id: string, promptTokenIds: number[], sampling: Partial<SamplingParams> = {}): EngineRequest {
+  return { id, promptTokenIds, sampling: { ...DEFAULT_SAMPLING, maxTokens: 20, ignoreEos: true, ...sampling }, priority: 0, arrivalMs: 0 };
+}
+
+function drain(core: EngineCore, sink: EngineOutput[] = []): EngineOutput[] {
+  for (let i = 0; core.hasWork; i++) {
+    sink.push(...core.step());
+    assert.ok(i < 10_000, 'engine did not finish');
+  }
+  return sink;
+}
+
+const tokensOf = (outputs: EngineOutput[], id: string) => outputs.filter((o) => o.requestId === id).flatMap((o) => o.newTokenIds);
+const textOf = (outputs: EngineOutput[], id: string) => outputs.filter((o) => o.requestId === id).map((o) => o.textDelta).join('');
+
+function source(core: EngineCore, id = 'prefill-0'): KvSourceView {
+  return { id, channel: 'shared-memory', ...core.kvPoolView };
+}
+
+/** Prefill on one core, hand over, decode on the other; returns the outputs in stream order and the handoff. */
+function disaggregate(prefill: EngineCore, decode: EngineCore, req: EngineRequest) {
+  prefill.add(req, { handoff: true });
+  const outputs = drain(prefill);
+  const [handoff] = prefill.takeHandoffs();
+  assert.ok(handoff, 'the prefill core handed the request over');
+  validateHandoff(structuredClone(handoff));
+  const adopted = decode.adopt(structuredClone(handoff), source(prefill));
+  assert.ok(adopted);
+  assert.equal(prefill.releaseHandoff(req.id), true);
+  drain(decode, outputs);
+  return { outputs, handoff, adopted };
+}
+
+function assertAllFree(...cores: EngineCore[]): void {
+  for (const core of cores) {
+    assert.equal(core.stats().kvBlocksUsed, 0, 'every block is free');
+    assert.equal(core.numParkedHandoffs, 0);
+    assert.equal(core.numPendingAdoptions, 0);
+    core.scheduler.checkInvariants();
+  }
+}
+
+for (const model of models) {
+  describe(`prefill core -> decode core on ${model.name} (${backend.name})`, () => {
+    let f: Fixture | undefined;
+    before(async () => { f = await model.load(); });
+    const prompts = () => {
+      const text = 'Once upon a time there was a little girl named Lily who loved to play in the park with her dog';
+      const ids = f!.tokenizer.encode(text);
+      return [ids, ids.slice(0, 9), [...ids, ...ids].slice(0, 45)];
+    };
+
+    for (const [label, sampling] of [
+      ['greedy', { temperature: 0 }],
+      ['temperature 0.9 with a seed', { temperature: 0.9, topP: 0.9, seed: 1234 }],
+      ['temperature 1 and penalties, min tokens', { temperature: 1, presencePenalty: 0.5, repetitionPenalty: 1.2, minTokens: 5, ignoreEos: false, seed: 9 }],
+    ] as [string, Partial<SamplingParams>][]) {
+      test(`token-identical to one core alone: ${label}`, (t) => {
+        if (!f) return t.skip('model absent (needs ../shared/models/stories260K.gguf)');
+        for (const [i, ids] of prompts().entries()) {
+          const alone = makeCore(f);
+          alone.add(request(`r${i}`, ids, sampling));
+          const expected = drain(alone);
+          const prefill = makeCore(f);
+          const decode = makeCore(f);
+          const { outputs, handoff, adopted } = disaggregate(prefill, decode, request(`r${i}`, ids, sampling));
+          assert.deepEqual(tokensOf(outputs, `r${i}`), tokensOf(expected, `r${i}`), `prompt ${i}`);
+          assert.equal(textOf(outputs, `r${i}`), textOf(expected, `r${i}`));
+          assert.equal(outputs[0]!.newTokenIds.length, 1, 'the first output, from the prefill core, carries the first token');
+          assert.equal(adopted.status, 'imported');
+          assert.equal(adopted.transfer!.blocks, Math.ceil(ids.length / 8), 'every prompt block moved to the empty decode pool');
+          assert.equal(handoff.numComputedTokens, ids.length);
+          const last = outputs.at(-1)!;
+          assert.deepEqual(last.timestamps.kvTransfer?.blocks, adopted.transfer!.blocks);
+          assert.equal(last.timestamps.prefillChunks.length, 1, 'prefill timestamps travel with the request');
+          assertAllFree(alone, prefill, decode);
+        }
+      });
+    }
+
+    test('an unseeded sampled request continues the seed the prefill core drew', (t) => {
+      if (!f) return t.skip('model absent');
+      const ids = prompts()[0]!;
+      const prefill = makeCore(f);
+      const decode = makeCore(f);
+      const { outputs, handoff } = disaggregate(prefill, decode, request('u', ids, { temperature: 1 }));
+      const alone = makeCore(f);
+      alone.add(request('u', ids, { temperature: 1, seed: handoff.sampler.seed }));
+      assert.deepEqual(tokensOf(outputs, 'u'), tokensOf(drain(alone), 'u'));
+    });
+
+    test('a partial prefix on the decode core: only the missing blocks move, and they become cached there', (t) => {
+      if (!f) return t.skip('model absent');
+      const ids = prompts()[2]!; // 45 tokens: 5 full blocks of 8 and a partial one
+      const prefill = makeCore(f);
+      const decode = makeCore(f, { enableKvEvents: true });
+      decode.add(request('warm', [...ids.slice(0, 24), 1, 2, 3], { maxTokens: 1 }));
+      drain(decode);
+      decode.takeKvEvents();
+      const { outputs, adopted } = disaggregate(prefill, decode, request('p', ids, { temperature: 0.8, seed: 3 }));
+      assert.equal(adopted.transfer!.reusedBlocks, 3, 'the first 24 tokens were cached on the decode core');
+      assert.equal(adopted.transfer!.blocks, 3, 'blocks 3, 4 (full) and 5 (partial) moved');
+      const stored = decode.takeKvEvents().filter((e): e is KvStoredEvent => e.type === 'stored');
+      assert.equal(stored[0]!.blockHashes.length, 2, 'the two moved full blocks are registered on the decode core');
+      const alone = makeCore(f);
+      alone.add(request('p', ids, { temperature: 0.8, seed: 3 }));
+      assert.deepEqual(tokensOf(outputs, 'p'), tokensOf(drain(alone), 'p'));
+      // The next request with this prompt finds all five full blocks on the decode core.
+      decode.add(request('again', ids, { maxTokens: 1 }));
+      const again = drain(decode);
+      assert.equal(again[0]!.usage.cachedTokens, 40);
+      assertAllFree(prefill, decode);
+    });
+
+    test('a decode core without room waits, keeps the source pinned, and adopts once a request finishes', (t) => {
+      if (!f) return t.skip('model absent');
+      const ids = prompts()[0]!;
+      const prefill = makeCore(f);
+      // Room for the whole request once alone, but while the hog runs one block short of the prompt.
+      const need = Math.ceil(ids.length / 8);
+      const numBlocks = Math.ceil((ids.length + 20) / 8) + 1;
+      const decode = makeCore(f, { numBlocks });
+      decode.add(request('hog', prompt(0, (numBlocks - need + 1) * 8 - 4).map((t) => t % 200 + 3), { maxTokens: 3 }));
+      decode.step();
+      prefill.add(request('w', ids, { seed: 5, temperature: 0.7 }), { handoff: true });
+      const outputs = drain(prefill);
+      const [handoff] = prefill.takeHandoffs();
+      assert.equal(decode.adopt(handoff!, source(prefill)), null, 'no room yet');
+      assert.equal(decode.numPendingAdoptions, 1);
+      assert.equal(prefill.numParkedHandoffs, 1);
+      drain(decode, outputs);
+      const [adopted] = decode.takeAdopted();
+      assert.equal(adopted?.status, 'imported');
+      prefill.releaseHandoff('w');
+      const alone = makeCore(f);
+      alone.add(request('w', ids, { seed: 5, temperature: 0.7 }));
+      assert.deepEqual(tokensOf(outputs, 'w'), tokensOf(drain(alone), 'w'));
+      assertAllFree(prefill, decode);
+    });
+
+    test('without a source, or with an incompatible pool, the decode core recomputes and still matches', (t) => {
+      if (!f) return t.skip('model absent');
+      const ids = prompts()[0]!;
+      const alone = makeCore(f);
+      alone.add(request('x', ids, { temperature: 0.8, seed: 21 }));
+      const expected = tokensOf(drain(alone), 'x');
+      for (const decode of [makeCore(f), makeCore(f, { blockSize: 4 })]) {
+        const prefill = makeCore(f);
+        prefill.add(request('x', ids, { temperature: 0.8, seed: 21 }), { handoff: true });
+        const outputs = drain(prefill);
+        const [handoff] = prefill.takeHandoffs();
+        const sameShape = decode.kv.blockSize === 8;
+        const adopted = decode.adopt(handoff!, sameShape ? null : source(prefill))!;
+        assert.equal(adopted.status, 'recompute');
+        assert.match(adopted.error!, sameShape ? /no KV source/ : /differ in blockSize/);
+        prefill.releaseHandoff('x');
+        drain(decode, outputs);
+        assert.deepEqual(tokensOf(outputs, 'x'), expected);
+        assertAllFree(prefill, decode);
+      }
+    });
+
+    test('a request that ends on its first token is not handed off', (t) => {
+      if (!f) return t.skip('model absent');
+      const prefill = makeCore(f);
+      prefill.add(request('one', prompts()[1]!, { maxTokens: 1 }), { handoff: true });
+      const outputs = drain(prefill);
+      assert.equal(outputs.at(-1)!.finishReason, 'length');
+      assert.deepEqual(prefill.takeHandoffs(), []);
+      assertAllFree(prefill);
+    });
+
+    test('aborts free blocks at every stage on both cores', (t) => {
+      if (!f) return t.skip('model absent');
+      const ids = prompts()[2]!;
+      // Mid-prefill (chunked over several steps).
+      const prefill = makeCore(f, { maxNumBatchedTokens: 8 });
+      prefill.add(request('a', ids), { handoff: true });
+      prefill.step();
+      assert.ok(prefill.stats().kvBlocksUsed > 0);
+      assert.equal(prefill.abort('a')[0]!.finishReason, 'abort');
+      assertAllFree(prefill);
+      // Handed off, not yet adopted: the abort unpins.
+      prefill.add(request('b', ids), { handoff: true });
+      drain(prefill);
+      const [handoff] = prefill.takeHandoffs();
+      assert.equal(prefill.stats().kvBlocksUsed, Math.ceil(ids.length / 8));
+      assert.deepEqual(prefill.abort('b'), [], 'the stream is no longer the prefill core\'s to close');
+      assertAllFree(prefill);
+      // Waiting on the decode core for room.
+      const decode = makeCore(f, { numBlocks: Math.ceil(ids.length / 8) + 1 });
+      decode.add(request('hog', ids.map((t) => t + 1), { maxTokens: 4 }));
+      decode.step();
+      assert.equal(decode.adopt(handoff!, source(prefill)), null);
+      const [closing] = decode.abort('b');
+      assert.equal(closing!.finishReason, 'abort');
+      assert.equal(closing!.usage.completionTokens, 1);
+      drain(decode);
+      assertAllFree(decode);
+      // Mid-decode.
+      prefill.add(request('c', ids), { handoff: true });
+      drain(prefill);
+      const [handoffC] = prefill.takeHandoffs();
+      decode.adopt(handoffC!, source(prefill));
+      prefill.releaseHandoff('c');
+      decode.step();
+      assert.equal(decode.abort('c')[0]!.finishReason, 'abort');
+      assertAllFree(prefill, decode);
+    });
+  });
+}
+
+test('validateHandoff names what is wrong', () => {
+  const good: KvHandoff = {
+    requestId: 'r', request: { ...request('r', [1, 2, 3]), sampling: { ...DEFAULT_SAMPLING, seed: 4 } }, outputTokenIds: [9],
+    numComputedTokens: 3, blockSize: 2, sourceBlockIds: [0, 1], blockHashes: ['0123456789abcdef' as never],
+    sampler: { seed: 4, rngState: [1, 2, 3, 4] }, numCachedTokens: 0, timestamps: { arrival: 0, prefillChunks: [] },
+    sourceLayout: { numLayers: 1, numBlocks: 4, blockSize: 2, numKvHeads: 1, headDim: 2, dtype: 'f32' }, createdMs: 0,
+  };
+  assert.equal(validateHandoff(good), good);
+  assert.throws(() => validateHandoff({ ...good, sourceBlockIds: [0] }), /sourceBlockIds must be 2 block ids/);
+  assert.throws(() => validateHandoff({ ...good, numComputedTokens: 4 }), /numComputedTokens must be in \[0, 4\)/);
+  assert.throws(() => validateHandoff({ ...good, sampler: { seed: 5, rngState: [1, 2, 3, 4] } }), /sampler.seed/);
+  assert.throws(() => validateHandoff({ ...good, outputTokenIds: [] }), /first token/);
+});

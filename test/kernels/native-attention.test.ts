@@ -1,0 +1,185 @@
+// Paged attention and the KV store: K/V written through a slot mapping into shuffled pool blocks must give the
+// attention a plain causal computation over contiguous K/V gives, for prefill chunks over a cached prefix and for
+// batched decode of sequences of different lengths, in every variant, f32 and f16 KV, with GQA.
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+
+import { f32ToF16Bits, f16Round } from '../../src/model/quant.ts';
+import type { KernelVariant } from '../../src/kernels/native.ts';
+import { kvPoolBytes, type KvDtype, type KvPoolLayout } from '../../src/kernels/types.ts';
+import { assertClose, guarded, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
+
+interface Sequence {
+  seqLen: number;
+  newTokens: number;
+}
+
+interface Scenario {
+  layout: KvPoolLayout;
+  numHeads: number;
+  seqs: Sequence[];
+  /** Per sequence, K and V of every position: [seqLen x numKvHeads*headDim]. */
+  keys: Float32Array[];
+  values: Float32Array[];
+  q: Float32Array;
+  queryStartLoc: Int32Array;
+  seqLens: Int32Array;
+  maxBlocksPerSeq: number;
+}
+
+function makeScenario(seed: number, dtype: KvDtype, seqs: Sequence[], blockSize: number, numHeads: number,
+  numKvHeads: number, headDim: number): Scenario {
+  const rand = seeded(seed);
+  const width = numKvHeads * headDim;
+  const maxBlocksPerSeq = Math.max(...seqs.map((s) => Math.ceil(s.seqLen / blockSize)));
+  const layout: KvPoolLayout = {
+    numLayers: 2, numBlocks: seqs.reduce((n, s) => n + Math.ceil(s.seqLen / blockSize), 0) + 3, blockSize,
+    numKvHeads, headDim, dtype,
+  };
+  const keys = seqs.map((s) => randomArray(s.seqLen * width, rand));
+  const values = seqs.map((s) => randomArray(s.seqLen * width, rand));
+  const queryStartLoc = new Int32Array(seqs.length + 1);
+  seqs.forEach((s, i) => { queryStartLoc[i + 1] = queryStartLoc[i]! + s.newTokens; });
+  const q = randomArray(queryStartLoc[seqs.length]! * numHeads * headDim, rand);
+  return {
+    layout, numHeads, seqs, keys, values, q, queryStartLoc, maxBlocksPerSeq,
+    seqLens: Int32Array.from(seqs, (s) => s.seqLen),
+  };
+}
+
+/** Block tables: `order` lists pool blocks in the order they are handed out. */
+function blockTables(sc: Scenario, order: number[]): Int32Array {
+  const tables = new Int32Array(sc.seqs.length * sc.maxBlocksPerSeq).fill(-1);
+  let next = 0;
+  sc.seqs.forEach((s, i) => {
+    for (let b = 0; b < Math.ceil(s.seqLen / sc.layout.blockSize); b++) tables[i * sc.maxBlocksPerSeq + b] = order[next++]!;
+  });
+  return tables;
+}
+
+/** Writes every position of every sequence into layer 1 of a new pool through the block tables. */
+function fillPool(sc: Scenario, tables: Int32Array, variant: KernelVariant): Uint8Array {
+  const pool = new Uint8Array(new SharedArrayBuffer(kvPoolBytes(sc.layout)));
+  sc.seqs.forEach((s, i) => {
+    const slots = Int32Array.from({ length: s.seqLen }, (_, t) =>
+      tables[i * sc.maxBlocksPerSeq + Math.floor(t / sc.layout.blockSize)]! * sc.layout.blockSize + (t % sc.layout.blockSize));
+    native().ops.kvWrite(variant, sc.keys[i]!, sc.values[i]!, slots, pool, sc.layout, 1);
+  });
+  return pool;
+}
+
+/** Causal attention over contiguous K/V, in double; f16 pools see K/V rounded to f16. */
+function referenceAttention(sc: Scenario): Float64Array {
+  const { headDim, numKvHeads, dtype } = sc.layout;
+  const group = sc.numHeads / numKvHeads;
+  const width = sc.numHeads * headDim;
+  const round = dtype === 'f16' ? f16Round : (v: number) => v;
+  const out = new Float64Array(sc.q.length);
+  sc.seqs.forEach((s, i) => {
+    const k = sc.keys[i]!.map(round);
+    const v = sc.values[i]!.map(round);
+    for (let r = 0; r < s.newTokens; r++) {
+      const token = sc.queryStartLoc[i]! + r;
+      const context = s.seqLen - s.newTokens + r + 1;
+      for (let h = 0; h < sc.numHeads; h++) {
+        const g = Math.floor(h / group);
+        const scores = new Float64Array(context);
+        for (let t = 0; t < context; t++) {
+          let dot = 0;
+          for (let d = 0; d < headDim; d++) dot += sc.q[token * width + h * headDim + d]! * k[(t * numKvHeads + g) * headDim + d]!;
+          scores[t] = dot / Math.sqrt(headDim);
+        }
+        const max = Math.max(...scores);
+        let sum = 0;
+        for (let t = 0; t < context; t++) sum += (scores[t] = Math.exp(scores[t]! - max));
+        for (let t = 0; t < context; t++) {
+          for (let d = 0; d < headDim; d++) {
+            out[token * width + h * headDim + d]! += (scores[t]! / sum) * v[(t * numKvHeads + g) * headDim + d]!;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+function runAttention(sc: Scenario, pool: Uint8Array, tables: Int32Array, variant: KernelVariant, threads: number) {
+  const out = guarded(sc.q.length, NaN);
+  native().ops.attention(variant, sc.q, out.view, pool, sc.layout, 1, sc.queryStartLoc, sc.seqLens,
+    tables, sc.maxBlocksPerSeq, sc.numHeads, threads);
+  out.checkGuards(`attention ${variant}`);
+  return out.view;
+}
+
+function shuffled(n: number, rand: () => number): number[] {
+  const a = Array.from({ length: n }, (_, i) => i);
+  for (let i = n - 1; i > 0; i--) {
+    const j = Math.floor(rand() * (i + 1));
+    [a[i], a[j]] = [a[j]!, a[i]!];
+  }
+  return a;
+}
+
+const SCENARIOS: { name: string; seqs: Sequence[]; blockSize: number; heads: number; kvHeads: number; headDim: number }[] = [
+  { name: 'prefill from empty', seqs: [{ seqLen: 37, newTokens: 37 }], blockSize: 16, heads: 4, kvHeads: 2, headDim: 64 },
+  { name: 'prefill chunk over a cached prefix', seqs: [{ seqLen: 50, newTokens: 13 }], blockSize: 8, heads: 6, kvHeads: 2, headDim: 32 },
+  {
+    name: 'batched decode of different lengths',
+    seqs: [{ seqLen: 1, newTokens: 1 }, { seqLen: 16, newTokens: 1 }, { seqLen: 33, newTokens: 1 }, { seqLen: 70, newTokens: 1 }],
+    blockSize: 16, heads: 8, kvHeads: 4, headDim: 8,
+  },
+  {
+    name: 'mixed prefill and decode, odd head size',
+    seqs: [{ seqLen: 9, newTokens: 1 }, { seqLen: 21, newTokens: 21 }, { seqLen: 5, newTokens: 2 }],
+    blockSize: 4, heads: 3, kvHeads: 1, headDim: 20,
+  },
+];
+
+describe('native paged attention', { skip: skipNative }, () => {
+  for (const dtype of ['f32', 'f16'] as const) {
+    for (const s of SCENARIOS) {
+      it(`${s.name} (${dtype} KV)`, () => {
+        const sc = makeScenario(s.seqs.length * 31 + s.headDim, dtype, s.seqs, s.blockSize, s.heads, s.kvHeads, s.headDim);
+        const rand = seeded(5);
+        const used = sc.seqs.reduce((n, q) => n + Math.ceil(q.seqLen / s.blockSize), 0);
+        const inOrder = blockTables(sc, Array.from({ length: used }, (_, i) => i));
+        const scattered = blockTables(sc, shuffled(sc.layout.numBlocks, rand));
+        const expected = referenceAttention(sc);
+        for (const variant of variants) {
+          const contiguousPool = fillPool(sc, inOrder, variant);
+          const scatteredPool = fillPool(sc, scattered, variant);
+          const contiguous = runAttention(sc, contiguousPool, inOrder, variant, 1);
+          const paged = runAttention(sc, scatteredPool, scattered, variant, 2);
+          assert.deepEqual(paged, contiguous, `${variant}: scattered blocks differ from contiguous ones`);
+          assertClose(paged, expected, 1e-10, `${variant} vs TypeScript`);
+        }
+      });
+    }
+  }
+
+  it('the KV store writes exactly the slots of one layer (f16 rounded to nearest even)', () => {
+    const layout: KvPoolLayout = { numLayers: 3, numBlocks: 4, blockSize: 2, numKvHeads: 2, headDim: 3, dtype: 'f16' };
+    const rand = seeded(3);
+    const k = randomArray(3 * 6, rand, 70000); // beyond the f16 range too: overflow must give infinity
+    const v = randomArray(3 * 6, rand);
+    // Exact ties between two halves round to the even one; the largest half, the overflow threshold, subnormals.
+    const ulp = 2 ** -10;
+    k.set([1 + ulp / 2, 1 + 1.5 * ulp, -(1 + ulp / 2), 65504, 65519, 65520]);
+    v.set([2 ** -25, 3 * 2 ** -25, 2 ** -24, -0, 6.097555e-5, Infinity]);
+    const slots = Int32Array.from([5, 0, 6]);
+    for (const variant of variants) {
+      const pool = new Uint8Array(kvPoolBytes(layout));
+      native().ops.kvWrite(variant, k, v, slots, pool, layout, 1);
+      const halves = new Uint16Array(pool.buffer);
+      const region = layout.numBlocks * layout.blockSize * 6; // elements per K or V region
+      const expected = new Uint16Array(halves.length);
+      slots.forEach((slot, r) => {
+        for (let e = 0; e < 6; e++) {
+          expected[2 * region + slot * 6 + e] = f32ToF16Bits(k[r * 6 + e]!);
+          expected[3 * region + slot * 6 + e] = f32ToF16Bits(v[r * 6 + e]!);
+        }
+      });
+      assert.deepEqual(halves, expected, `${variant}`);
+    }
+  });
+});

@@ -1,0 +1,268 @@
+// Whole-model checks of the native forward pass: the same engine steps (chunked prefill, decode, several
+// sequences in shuffled pool blocks) through the native backend and the TypeScript reference backend give the same
+// logits, for every weight type, KV dtype and kernel variant; logits do not depend on the thread count; and on the
+// real stories260K model greedy decoding reproduces llama.cpp's tokens.
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import { describe, it } from 'node:test';
+
+import type { ModelConfig } from '../../src/model/config.ts';
+import { GgmlType } from '../../src/model/ggml-types.ts';
+import { loadModel } from '../../src/model/loader.ts';
+import { quantize } from '../../src/model/quant.ts';
+import type { LayerWeights, ModelWeights, Tensor } from '../../src/model/weights.ts';
+import { nativeBackend, nativeModelSpec, type KernelVariant } from '../../src/kernels/native.ts';
+import { referenceBackend } from '../../src/kernels/reference-backend.ts';
+import { kvPoolBytes, type ForwardBatch, type KvDtype, type KvPoolLayout } from '../../src/kernels/types.ts';
+import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { assertClose, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// A small random model built in memory
+
+interface ModelOptions {
+  type: GgmlType;
+  /** Type of the embedding and output matrices (default: type). */
+  edgeType?: GgmlType;
+  dim?: number;
+  ffnDim?: number;
+  qkvBias?: boolean;
+  ropeStyle?: ModelConfig['ropeStyle'];
+  ropeDim?: number;
+  ropeScaling?: ModelConfig['ropeScaling'];
+  tiedEmbeddings?: boolean;
+}
+
+function makeModel(seed: number, o: ModelOptions): { config: ModelConfig; weights: ModelWeights } {
+  const rand = seeded(seed);
+  const dim = o.dim ?? 256, ffnDim = o.ffnDim ?? 512, numHeads = 4, numKvHeads = 2, headDim = dim / numHeads;
+  const config: ModelConfig = {
+    architecture: o.qkvBias ? 'qwen2' : 'llama', name: 'test', vocabSize: 300, dim, numLayers: 2, numHeads,
+    numKvHeads, headDim, ffnDim, contextLength: 256, rmsNormEps: 1e-5, ropeTheta: 10000,
+    ropeDim: o.ropeDim ?? headDim, ropeStyle: o.ropeStyle ?? 'interleaved', ropeScaling: o.ropeScaling,
+    qkvBias: o.qkvBias ?? false, tiedEmbeddings: o.tiedEmbeddings ?? false,
+  };
+  const tensor = (name: string, type: GgmlType, cols: number, rows: number, scale: number): Tensor => ({
+    name, type, shape: rows === 1 ? [cols] : [cols, rows], data: quantize(type, randomArray(cols * rows, rand, scale)),
+  });
+  const norm = (name: string): Tensor => {
+    const values = Float32Array.from({ length: dim }, () => 1 + (rand() - 0.5) * 0.2);
+    return { name, type: GgmlType.F32, shape: [dim], data: new Uint8Array(values.buffer) };
+  };
+  const edge = o.edgeType ?? o.type;
+  const qDim = numHeads * headDim, kvDim = numKvHeads * headDim;
+  const layers: LayerWeights[] = Array.from({ length: config.numLayers }, (_, l) => ({
+    attnNorm: norm(`blk.${l}.attn_norm`),
+    wq: tensor(`blk.${l}.attn_q`, o.type, dim, qDim, Math.sqrt(3 / dim)),
+    wk: tensor(`blk.${l}.attn_k`, o.type, dim, kvDim, Math.sqrt(3 / dim)),
+    wv: tensor(`blk.${l}.attn_v`, o.type, dim, kvDim, Math.sqrt(3 / dim)),
+    wo: tensor(`blk.${l}.attn_output`, o.type, qDim, dim, Math.sqrt(3 / qDim)),
+    ...(o.qkvBias ? {
+      bq: tensor(`blk.${l}.attn_q.bias`, GgmlType.F32, qDim, 1, 0.5),
+      bk: tensor(`blk.${l}.attn_k.bias`, GgmlType.F32, kvDim, 1, 0.5),
+      bv: tensor(`blk.${l}.attn_v.bias`, GgmlType.F32, kvDim, 1, 0.5),
+    } : {}),
+    ffnNorm: norm(`blk.${l}.ffn_norm`),
+    wGate: tensor(`blk.${l}.ffn_gate`, o.type, dim, ffnDim, Math.sqrt(3 / dim)),
+    wUp: tensor(`blk.${l}.ffn_up`, o.type, dim, ffnDim, Math.sqrt(3 / dim)),
+    wDown: tensor(`blk.${l}.ffn_down`, o.type, ffnDim, dim, Math.sqrt(3 / ffnDim)),
+  }));
+  const tokenEmbedding = tensor('token_embd', edge, dim, config.vocabSize, 1);
+  const output = config.tiedEmbeddings ? tokenEmbedding : tensor('output', edge, dim, config.vocabSize, Math.sqrt(3 / dim));
+  return { config, weights: { tokenEmbedding, layers, outputNorm: norm('output_norm'), output } };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Engine steps: three sequences in shuffled blocks; prefill in chunks, then decode, then a late arrival.
+
+const BLOCK_SIZE = 8;
+const NUM_BLOCKS = 24;
+const MAX_BLOCKS = 8;
+
+interface SeqState {
+  tokens: number[];
+  computed: number;
+  blocks: number[];
+}
+
+function makeSteps(seed: number): ForwardBatch[] {
+  const rand = seeded(seed);
+  const free = Array.from({ length: NUM_BLOCKS }, (_, i) => i).sort(() => rand() - 0.5);
+  const seqs: SeqState[] = [0, 1, 2].map((s) => ({
+    tokens: Array.from({ length: [13, 6, 4][s]! }, () => Math.floor(rand() * 300)), computed: 0, blocks: [],
+  }));
+  // Per step, the new tokens each sequence gets (0 = not scheduled).
+  const plan = [[9, 6, 0], [4, 1, 0], [1, 1, 4], [1, 1, 1], [1, 0, 1]];
+  return plan.map((counts) => {
+    const rows: { seq: number; position: number; token: number }[] = [];
+    const scheduled: number[] = [];
+    counts.forEach((count, s) => {
+      if (count === 0) return;
+      const seq = seqs[s]!;
+      while (seq.tokens.length < seq.computed + count) seq.tokens.push(Math.floor(rand() * 300)); // "sampled"
+      for (let i = 0; i < count; i++) rows.push({ seq: s, position: seq.computed + i, token: seq.tokens[seq.computed + i]! });
+      seq.computed += count;
+      while (seq.blocks.length * BLOCK_SIZE < seq.computed) seq.blocks.push(free.pop()!);
+      scheduled.push(s);
+    });
+    const queryStartLoc = new Int32Array(scheduled.length + 1);
+    const blockTables = new Int32Array(scheduled.length * MAX_BLOCKS).fill(-1);
+    scheduled.forEach((s, i) => {
+      queryStartLoc[i + 1] = queryStartLoc[i]! + counts[s]!;
+      seqs[s]!.blocks.forEach((b, j) => { blockTables[i * MAX_BLOCKS + j] = b; });
+    });
+    const slotOf = (r: { seq: number; position: number }) =>
+      seqs[r.seq]!.blocks[Math.floor(r.position / BLOCK_SIZE)]! * BLOCK_SIZE + (r.position % BLOCK_SIZE);
+    return {
+      numTokens: rows.length,
+      tokenIds: Int32Array.from(rows, (r) => r.token),
+      positions: Int32Array.from(rows, (r) => r.position),
+      slotMapping: Int32Array.from(rows, slotOf),
+      numSeqs: scheduled.length,
+      queryStartLoc,
+      seqLens: Int32Array.from(scheduled, (s) => seqs[s]!.computed),
+      blockTables,
+      maxBlocksPerSeq: MAX_BLOCKS,
+      // Every sequence's last row, plus a middle row of the first one (logits of any row must be right).
+      logitsIndices: Int32Array.from([...queryStartLoc.slice(1).map((e) => e - 1), ...(counts[0]! > 2 ? [1] : [])]),
+    };
+  });
+}
+
+function runNative(config: ModelConfig, weights: ModelWeights, dtype: KvDtype, variant: KernelVariant,
+  threads: number, steps: ForwardBatch[]): Float32Array[] {
+  const layout: KvPoolLayout = {
+    numLayers: config.numLayers, numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, numKvHeads: config.numKvHeads,
+    headDim: config.headDim, dtype,
+  };
+  const pool = new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout)));
+  const model = new (native().NativeModel)(nativeModelSpec(config, weights, { layout, bytes: pool }, variant, threads));
+  try {
+    return steps.map((b) => model.forward(b));
+  } finally {
+    model.dispose();
+  }
+}
+
+function runReference(config: ModelConfig, weights: ModelWeights, dtype: KvDtype, steps: ForwardBatch[]): Float32Array[] {
+  const backend = referenceBackend.load(config, weights, { numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, dtype });
+  return steps.map((b) => backend.forward(b));
+}
+
+// Float weights only reorder sums; 8-bit activations in the Q8_0 / Q4_0 matmuls add ~1e-5 per matmul.
+function bound(type: GgmlType): number {
+  return type === GgmlType.Q8_0 || type === GgmlType.Q4_0 ? 3e-3 : 1e-7;
+}
+
+// Models small enough for the TypeScript reference to run quickly (K-quants need rows of 256); f32 and f16 KV
+// alternate between them.
+const MODELS: { name: string; kv: KvDtype; options: ModelOptions }[] = [
+  { name: 'F32', kv: 'f32', options: { type: GgmlType.F32, dim: 128, ffnDim: 192 } },
+  { name: 'F16, neox RoPE, tied embeddings', kv: 'f16',
+    options: { type: GgmlType.F16, dim: 128, ffnDim: 160, ropeStyle: 'neox', tiedEmbeddings: true } },
+  { name: 'BF16, QKV bias (Qwen2)', kv: 'f32',
+    options: { type: GgmlType.BF16, dim: 128, ffnDim: 128, qkvBias: true, ropeStyle: 'neox' } },
+  { name: 'Q8_0 with F16 edges', kv: 'f16', options: { type: GgmlType.Q8_0, edgeType: GgmlType.F16, dim: 128, ffnDim: 256 } },
+  { name: 'Q4_0, Llama 3 RoPE scaling', kv: 'f32', options: {
+    type: GgmlType.Q4_0, edgeType: GgmlType.Q8_0, dim: 128, ffnDim: 192,
+    ropeScaling: { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 64 },
+  } },
+  { name: 'Q4_K, partial RoPE', kv: 'f16', options: { type: GgmlType.Q4_K, edgeType: GgmlType.Q6_K, ropeDim: 32, ffnDim: 256 } },
+  { name: 'Q6_K, linear RoPE scaling', kv: 'f32',
+    options: { type: GgmlType.Q6_K, ffnDim: 256, ropeScaling: { type: 'linear', factor: 2 } } },
+];
+
+describe('native forward == reference forward', { skip: skipNative }, () => {
+  const steps = makeSteps(1);
+  MODELS.forEach(({ name, kv, options }, i) => {
+    it(`${name}, ${kv} KV`, () => {
+      const { config, weights } = makeModel(10 + i, options);
+      const expected = runReference(config, weights, kv, steps);
+      for (const variant of variants) {
+        const actual = runNative(config, weights, kv, variant, 2, steps);
+        actual.forEach((logits, s) => {
+          assert.equal(logits.length, steps[s]!.logitsIndices.length * config.vocabSize);
+          assertClose(logits, expected[s]!, bound(options.type), `${name} ${variant} step ${s}`);
+        });
+      }
+    });
+  });
+
+  it('logits are identical for 1, 2 and 3 threads', () => {
+    const { config, weights } = makeModel(30, { type: GgmlType.Q8_0, dim: 128, ffnDim: 256 });
+    const one = runNative(config, weights, 'f16', variants.at(-1)!, 1, steps);
+    for (const threads of [2, 3]) {
+      assert.deepEqual(runNative(config, weights, 'f16', variants.at(-1)!, threads, steps), one, `${threads} threads`);
+    }
+  });
+
+  it('rejects inconsistent batches with a message naming the field', () => {
+    const { config, weights } = makeModel(31, { type: GgmlType.F32, dim: 64, ffnDim: 64 });
+    const backend = nativeBackend.load(config, weights, { numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, dtype: 'f32' });
+    const good = makeSteps(2)[0]!;
+    assert.throws(() => backend.forward({ ...good, tokenIds: good.tokenIds.map(() => 300) }), /tokenIds\[0\] = 300/);
+    assert.throws(() => backend.forward({ ...good, slotMapping: good.slotMapping.map((s) => s + 1) }), /slotMapping\[0\]/);
+    assert.throws(() => backend.forward({ ...good, positions: good.positions.map((p) => p + 1) }), /positions\[0\]/);
+    assert.throws(() => backend.forward({ ...good, blockTables: good.blockTables.map(() => NUM_BLOCKS) }), /blockTables/);
+    assert.throws(() => backend.forward({ ...good, logitsIndices: Int32Array.of(good.numTokens) }), /logitsIndices/);
+    backend.dispose();
+    assert.throws(() => backend.forward(good), /disposed/);
+  });
+
+  it('reports the variant serving each kernel kind', () => {
+    const { config, weights } = makeModel(32, { type: GgmlType.Q8_0, dim: 64, ffnDim: 64 });
+    const backend = nativeBackend.load(config, weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' }, { threads: 1 });
+    assert.equal(backend.info.name, 'native');
+    assert.equal(backend.info.threads, 1);
+    const best = native().cpuInfo().bestVariant;
+    assert.ok(backend.info.variants.matmul_q8_0?.startsWith(process.env.CONDUIT_KERNEL_VARIANT || best));
+    assert.ok(backend.info.variants.attention);
+    backend.dispose();
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+// stories260K: a real trained model, against llama.cpp's greedy output
+
+describe('native forward on stories260K', { skip: skipNative || skipUnlessShared('stories260K.gguf') }, () => {
+  it('greedy decoding reproduces llama.cpp tokens in every variant', async () => {
+    const model = await loadModel(sharedModel('stories260K.gguf')!);
+    const golden = JSON.parse(readFileSync(sharedModel('stories260K.expected.json')!, 'utf8')) as {
+      cases: { prompt_tokens: number[]; greedy_tokens: number[] }[];
+    };
+    const reference = referenceBackend.load(model.config, model.weights, { numBlocks: 8, blockSize: 16, dtype: 'f32' });
+    for (const variant of variants) {
+      for (const c of golden.cases) {
+        const layout: KvPoolLayout = {
+          numLayers: model.config.numLayers, numBlocks: 8, blockSize: 16, numKvHeads: model.config.numKvHeads,
+          headDim: model.config.headDim, dtype: 'f32',
+        };
+        const pool = new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout)));
+        const m = new (native().NativeModel)(nativeModelSpec(model.config, model.weights, { layout, bytes: pool }, variant, 2));
+        const blockTables = Int32Array.from([5, 2, 7, 0, 1, 3, 4, 6]);
+        const slot = (p: number) => blockTables[Math.floor(p / 16)]! * 16 + (p % 16);
+        const generated: number[] = [];
+        let pending = [...c.prompt_tokens];
+        let seqLen = 0;
+        for (let step = 0; step < c.greedy_tokens.length; step++) {
+          const positions = Int32Array.from(pending, (_, i) => seqLen + i);
+          seqLen += pending.length;
+          const batch: ForwardBatch = {
+            numTokens: pending.length, tokenIds: Int32Array.from(pending), positions,
+            slotMapping: positions.map(slot), numSeqs: 1, queryStartLoc: Int32Array.of(0, pending.length),
+            seqLens: Int32Array.of(seqLen), blockTables, maxBlocksPerSeq: 8,
+            logitsIndices: Int32Array.of(pending.length - 1),
+          };
+          const logits = m.forward(batch);
+          if (step === 0) assertClose(logits, reference.forward(batch), 1e-9, `${variant} prompt logits vs reference`);
+          let best = 0;
+          for (let i = 1; i < logits.length; i++) if (logits[i]! > logits[best]!) best = i;
+          generated.push(best);
+          pending = [best];
+        }
+        m.dispose();
+        assert.deepEqual(generated, c.greedy_tokens, `${variant}: greedy tokens differ from llama.cpp`);
+      }
+    }
+  });
+});

@@ -1,0 +1,264 @@
+// Backend-ops harness: every kernel x every variant this CPU runs x random and odd shapes, checked against the
+// plain C++ `generic` variant and against an independent TypeScript computation here (weights decoded by
+// src/model/quant.ts), by normalised error, with guard values around every output.
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+
+import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
+import { dequantize, quantize } from '../../src/model/quant.ts';
+import type { RopeScalingArg } from '../../src/kernels/native.ts';
+import { assertClose, guarded, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Independent TypeScript computations (double accumulation)
+
+function referenceMatmul(x: Float32Array, w: Float32Array, m: number, k: number, n: number): Float64Array {
+  const y = new Float64Array(m * n);
+  for (let r = 0; r < m; r++) {
+    for (let j = 0; j < n; j++) {
+      let s = 0;
+      for (let i = 0; i < k; i++) s += x[r * k + i]! * w[j * k + i]!;
+      y[r * n + j] = s;
+    }
+  }
+  return y;
+}
+
+function referenceRope(x: Float32Array, positions: Int32Array, numHeads: number, headDim: number, ropeDim: number,
+  neox: boolean, theta: number, scaling?: RopeScalingArg): Float64Array {
+  const out = Float64Array.from(x);
+  const half = ropeDim / 2;
+  const invFreq = Array.from({ length: half }, (_, i) => {
+    const freq = theta ** (-(2 * i) / ropeDim);
+    if (!scaling) return freq;
+    if (scaling.type === 'linear') return freq / scaling.factor;
+    // Llama 3.1 (Hugging Face `_compute_llama3_parameters`).
+    const lowWavelen = scaling.originalContextLength! / scaling.lowFreqFactor!;
+    const highWavelen = scaling.originalContextLength! / scaling.highFreqFactor!;
+    const wavelen = (2 * Math.PI) / freq;
+    if (wavelen < highWavelen) return freq;
+    if (wavelen > lowWavelen) return freq / scaling.factor;
+    const smooth = (scaling.originalContextLength! / wavelen - scaling.lowFreqFactor!) /
+      (scaling.highFreqFactor! - scaling.lowFreqFactor!);
+    return ((1 - smooth) * freq) / scaling.factor + smooth * freq;
+  });
+  for (let r = 0; r < positions.length; r++) {
+    for (let h = 0; h < numHeads; h++) {
+      const base = (r * numHeads + h) * headDim;
+      for (let i = 0; i < half; i++) {
+        const angle = positions[r]! * invFreq[i]!;
+        const [a, b] = neox ? [i, i + half] : [2 * i, 2 * i + 1];
+        const x0 = x[base + a]!, x1 = x[base + b]!;
+        out[base + a] = x0 * Math.cos(angle) - x1 * Math.sin(angle);
+        out[base + b] = x0 * Math.sin(angle) + x1 * Math.cos(angle);
+      }
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// matmul
+
+const FLOAT_TYPES = [GgmlType.F32, GgmlType.F16, GgmlType.BF16];
+const INT8_TYPES = [GgmlType.Q8_0, GgmlType.Q4_0];
+const K_QUANT_TYPES = [GgmlType.Q4_K, GgmlType.Q6_K];
+
+// [m, k, n]: single rows (decode GEMV), a few rows, many rows (prefill GEMM); n not a multiple of any tile width.
+const SHAPES: Record<string, [number, number, number][]> = {
+  float: [[1, 7, 1], [1, 33, 65], [3, 4097, 5], [7, 64, 33], [17, 96, 130], [65, 48, 97]],
+  int8: [[1, 32, 1], [1, 64, 33], [2, 4096, 7], [5, 96, 65], [16, 128, 130], [67, 256, 97]],
+  kquant: [[1, 256, 1], [4, 512, 33], [33, 256, 70]],
+};
+
+function shapesFor(type: GgmlType): [number, number, number][] {
+  if (FLOAT_TYPES.includes(type)) return SHAPES.float!;
+  if (INT8_TYPES.includes(type)) return SHAPES.int8!;
+  return SHAPES.kquant!;
+}
+
+// Against the exact product of the decoded weights: float kernels only reorder sums; the 8-bit kernels also
+// round the activations to 8 bits per block of 32 (relative error ~1/254 per element).
+function referenceBound(type: GgmlType): number {
+  return INT8_TYPES.includes(type) ? 5e-4 : 1e-9;
+}
+
+describe('native ops: matmul', { skip: skipNative }, () => {
+  for (const type of [...FLOAT_TYPES, ...INT8_TYPES, ...K_QUANT_TYPES]) {
+    it(`${ggmlTypeName(type)}: every variant matches generic C++ and a TypeScript reference`, () => {
+      const rand = seeded(type + 1);
+      for (const [m, k, n] of shapesFor(type)) {
+        const weightsF32 = randomArray(n * k, rand);
+        const w = quantize(type, weightsF32);
+        const decoded = new Float32Array(n * k);
+        dequantize(type, w, n * k, decoded);
+        const x = randomArray(m * k, rand);
+        const expected = referenceMatmul(x, decoded, m, k, n);
+        const shape = `${ggmlTypeName(type)} m=${m} k=${k} n=${n}`;
+
+        const generic = guarded(m * n, NaN);
+        native().ops.matmul('generic', type, w, x, m, k, n, generic.view, 1);
+        generic.checkGuards(`${shape} generic`);
+        assertClose(generic.view, expected, referenceBound(type), `${shape} generic vs TypeScript`);
+
+        for (const variant of variants.slice(1)) {
+          for (const threads of [1, 2]) {
+            const y = guarded(m * n, NaN);
+            native().ops.matmul(variant, type, w, x, m, k, n, y.view, threads);
+            y.checkGuards(`${shape} ${variant}`);
+            assertClose(y.view, expected, referenceBound(type), `${shape} ${variant} vs TypeScript`);
+            assertClose(y.view, generic.view, 1e-9, `${shape} ${variant} vs generic`);
+          }
+        }
+      }
+    });
+  }
+
+  it('rejects a row length that is not a whole number of blocks', () => {
+    const y = new Float32Array(1);
+    assert.throws(() => native().ops.matmul('generic', GgmlType.Q8_0, new Uint8Array(34), new Float32Array(31), 1,
+      31, 1, y, 1), /not a multiple of the block size/);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+// embedding (row dequantization)
+
+describe('native ops: embedding', { skip: skipNative }, () => {
+  for (const type of [...FLOAT_TYPES, ...INT8_TYPES, ...K_QUANT_TYPES]) {
+    it(`${ggmlTypeName(type)}: rows decode as quant.ts decodes them`, () => {
+      const rand = seeded(100 + type);
+      const dim = type === GgmlType.Q4_K || type === GgmlType.Q6_K ? 512 : type === GgmlType.F32 ? 33 : 96;
+      const rows = 9;
+      const table = quantize(type, randomArray(rows * dim, rand));
+      const decoded = new Float32Array(rows * dim);
+      dequantize(type, table, rows * dim, decoded);
+      const ids = Int32Array.from([8, 0, 3, 3, 7]);
+      const expected = new Float32Array(ids.length * dim);
+      ids.forEach((id, i) => expected.set(decoded.subarray(id * dim, (id + 1) * dim), i * dim));
+      for (const variant of variants) {
+        const out = guarded(ids.length * dim, NaN);
+        native().ops.embedding(variant, type, table, dim, ids, out.view);
+        out.checkGuards(`${ggmlTypeName(type)} ${variant}`);
+        assertClose(out.view, expected, 1e-12, `${ggmlTypeName(type)} ${variant}`);
+      }
+      assert.throws(() => native().ops.embedding('generic', type, table, dim, Int32Array.of(rows),
+        new Float32Array(dim)), /outside the table/);
+    });
+  }
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+// row ops
+
+const ROW_LENGTHS = [1, 7, 16, 33, 4097];
+
+describe('native ops: row kernels', { skip: skipNative }, () => {
+  it('rmsnorm', () => {
+    const rand = seeded(7);
+    for (const dim of ROW_LENGTHS) {
+      const rows = 3;
+      const x = randomArray(rows * dim, rand, 4);
+      const weight = randomArray(dim, rand);
+      const eps = 1e-5;
+      const expected = new Float64Array(rows * dim);
+      for (let r = 0; r < rows; r++) {
+        let ss = 0;
+        for (let i = 0; i < dim; i++) ss += x[r * dim + i]! ** 2;
+        const scale = 1 / Math.sqrt(ss / dim + eps);
+        for (let i = 0; i < dim; i++) expected[r * dim + i] = x[r * dim + i]! * scale * weight[i]!;
+      }
+      for (const variant of variants) {
+        const out = guarded(rows * dim, NaN);
+        native().ops.rmsnorm(variant, x, weight, rows, dim, eps, out.view);
+        out.checkGuards(`rmsnorm dim=${dim} ${variant}`);
+        assertClose(out.view, expected, 1e-11, `rmsnorm dim=${dim} ${variant}`);
+      }
+    }
+  });
+
+  it('add is exact', () => {
+    const rand = seeded(8);
+    for (const n of ROW_LENGTHS) {
+      const a = randomArray(n, rand);
+      const b = randomArray(n, rand);
+      const expected = a.map((v, i) => Math.fround(v + b[i]!));
+      for (const variant of variants) {
+        const acc = guarded(n);
+        acc.view.set(a);
+        native().ops.add(variant, acc.view, b);
+        acc.checkGuards(`add n=${n} ${variant}`);
+        assert.deepEqual(acc.view, expected, `add n=${n} ${variant}`);
+      }
+    }
+  });
+
+  it('swiglu', () => {
+    const rand = seeded(9);
+    for (const n of ROW_LENGTHS) {
+      const gate = randomArray(n, rand, 12);
+      const up = randomArray(n, rand, 3);
+      const expected = Float64Array.from(gate, (g, i) => (g / (1 + Math.exp(-g))) * up[i]!);
+      for (const variant of variants) {
+        const out = guarded(n, NaN);
+        native().ops.swiglu(variant, gate, up, out.view);
+        out.checkGuards(`swiglu n=${n} ${variant}`);
+        assertClose(out.view, expected, 1e-11, `swiglu n=${n} ${variant}`);
+      }
+    }
+  });
+
+  it('softmax, including large logits', () => {
+    const rand = seeded(10);
+    for (const n of ROW_LENGTHS) {
+      const rows = 2;
+      const x = randomArray(rows * n, rand, 30);
+      x[0] = 90; // exp(90) overflows f32: the max must be subtracted first
+      const expected = new Float64Array(rows * n);
+      for (let r = 0; r < rows; r++) {
+        const row = x.subarray(r * n, (r + 1) * n);
+        const max = Math.max(...row);
+        const sum = row.reduce((s, v) => s + Math.exp(v - max), 0);
+        row.forEach((v, i) => { expected[r * n + i] = Math.exp(v - max) / sum; });
+      }
+      for (const variant of variants) {
+        const out = guarded(rows * n);
+        out.view.set(x);
+        native().ops.softmax(variant, out.view, rows, n);
+        out.checkGuards(`softmax n=${n} ${variant}`);
+        assertClose(out.view, expected, 1e-11, `softmax n=${n} ${variant}`);
+      }
+    }
+  });
+
+  const ropeCases: { name: string; heads: number; headDim: number; ropeDim: number; neox: boolean;
+    scaling?: RopeScalingArg }[] = [
+    { name: 'interleaved', heads: 3, headDim: 64, ropeDim: 64, neox: false },
+    { name: 'neox', heads: 2, headDim: 128, ropeDim: 128, neox: true },
+    { name: 'partial neox', heads: 2, headDim: 80, ropeDim: 32, neox: true },
+    { name: 'partial interleaved', heads: 1, headDim: 16, ropeDim: 6, neox: false },
+    { name: 'head 8', heads: 4, headDim: 8, ropeDim: 8, neox: false },
+    { name: 'linear scaling', heads: 2, headDim: 64, ropeDim: 64, neox: true, scaling: { type: 'linear', factor: 4 } },
+    {
+      name: 'llama3 scaling', heads: 2, headDim: 128, ropeDim: 128, neox: false,
+      scaling: { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 8192 },
+    },
+  ];
+  for (const c of ropeCases) {
+    it(`rope: ${c.name}`, () => {
+      const rand = seeded(11);
+      const positions = Int32Array.from([0, 1, 2, 17, 511, 4096, 70000]);
+      const width = c.heads * c.headDim;
+      const x = randomArray(positions.length * width, rand);
+      const theta = c.scaling?.type === 'llama3' ? 500000 : 10000;
+      const expected = referenceRope(x, positions, c.heads, c.headDim, c.ropeDim, c.neox, theta, c.scaling);
+      for (const variant of variants) {
+        const out = guarded(x.length);
+        out.view.set(x);
+        native().ops.rope(variant, out.view, positions, c.heads, c.headDim, c.ropeDim, c.neox, theta, c.scaling);
+        out.checkGuards(`rope ${c.name} ${variant}`);
+        assertClose(out.view, expected, 1e-12, `rope ${c.name} ${variant}`);
+      }
+    });
+  }
+});

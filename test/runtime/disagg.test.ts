@@ -1,0 +1,326 @@
+// Disaggregated prefill/decode over real CPU workers (worker threads, real models, KV copied between their pools
+// through shared memory): the stream equals an aggregated engine's token for token, only missing blocks move,
+// every block on every worker is free afterwards, each conditional decision shows with its reason, and aborts and
+// failures at every stage free both sides.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { engineNow } from '../../src/engine/clock.ts';
+import { WorkerLostError } from '../../src/engine/errors.ts';
+import { LocalEngine } from '../../src/engine/local-engine.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { BitsetKvIndex } from '../../src/router/kv-index.ts';
+import { seededRandom } from '../../src/router/random.ts';
+import { Router } from '../../src/router/router.ts';
+import { DisaggregatedEngine, type DisaggregatedStage } from '../../src/runtime/disaggregated.ts';
+import { decideDisaggregation, type DisaggregationInputs } from '../../src/runtime/disaggregation-policy.ts';
+import { SharedMemoryKvChannel } from '../../src/runtime/kv-transfer.ts';
+import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
+import { sharedModel } from '../helpers/shared-models.ts';
+
+const BLOCK = 16;
+let nextId = 0;
+
+function request(promptTokenIds: number[], sampling: Partial<SamplingParams> = {}): EngineRequest {
+  return {
+    id: `d${nextId++}`, promptTokenIds, priority: 0, arrivalMs: engineNow(),
+    sampling: { ...DEFAULT_SAMPLING, maxTokens: 12, ignoreEos: true, temperature: 0, ...sampling },
+  };
+}
+
+async function collect(stream: AsyncIterable<EngineOutput>): Promise<EngineOutput[]> {
+  const outputs: EngineOutput[] = [];
+  for await (const output of stream) outputs.push(output);
+  return outputs;
+}
+
+const tokens = (outputs: EngineOutput[]) => outputs.flatMap((o) => o.newTokenIds);
+const text = (outputs: EngineOutput[]) => outputs.map((o) => o.textDelta).join('');
+
+/** A prompt of `length` token ids sharing its first `shared` with every prompt of the same group. */
+function prompt(group: number, length: number, variant = 0, shared = length): number[] {
+  return Array.from({ length }, (_, i) => (i < shared ? 10 + ((group * 7919 + i * 31) % 200) : 20 + ((variant * 13 + i * 7) % 200)));
+}
+
+/** Settles every worker (all messages posted so far handled), then checks that no block is in use anywhere. */
+async function assertAllFree(pool: WorkerPool): Promise<void> {
+  for (const { id, engine } of pool.workers) {
+    const stats = await (engine as LocalEngine).sync();
+    assert.equal(stats.kvBlocksUsed, 0, `worker ${id} holds no block`);
+    assert.equal(stats.numRunning + stats.numWaiting, 0, `worker ${id} runs nothing`);
+  }
+}
+
+async function untilStage(engine: DisaggregatedEngine, id: string, stage: DisaggregatedStage): Promise<void> {
+  for (let turn = 0; engine.requestStage(id) !== stage; turn++) {
+    if (turn > 100_000) assert.fail(`request ${id} never reached ${stage} (at ${engine.requestStage(id)})`);
+    await new Promise<void>((resolve) => setImmediate(resolve));
+  }
+}
+
+let tempDir: string;
+before(() => { tempDir = mkdtempSync(join(tmpdir(), 'conduit-disagg-')); });
+after(() => rmSync(tempDir, { recursive: true, force: true }));
+
+function syntheticPath(): string {
+  const path = join(tempDir, 'synthetic.gguf');
+  writeSyntheticModel({
+    name: 'disagg-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 512,
+    dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+  }, path);
+  return path;
+}
+
+const MODELS: { name: string; path: () => string | undefined }[] = [
+  { name: 'stories260K', path: () => sharedModel('stories260K.gguf') },
+  { name: 'synthetic', path: syntheticPath },
+];
+
+/** One prefill and two decode workers, every prompt of 32+ uncached tokens prefilled remotely. */
+async function disaggregatedPool(modelPath: string, extra: Parameters<typeof createWorkerPool>[0] extends infer O ? Partial<O> : never = {}) {
+  return createWorkerPool({
+    engine: 'cpu', workers: 1, prefillWorkers: 1, decodeWorkers: 2, modelPath, kvCacheMemoryBytes: 4 << 20, threads: 1,
+    blockSize: BLOCK, routerSeed: 7, disaggregationPolicy: { minRemotePrefillTokens: 32 },
+    // Fixed estimates: a transfer always beats a local prefill here, so the decision is not left to timing.
+    disaggregationEstimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
+    ...extra,
+  });
+}
+
+for (const model of MODELS) {
+  describe(`disaggregated CPU workers on ${model.name}`, () => {
+    let path: string | undefined;
+    let pool: WorkerPool | undefined;
+    let aggregated: LocalEngine | undefined;
+    before(async () => {
+      path = model.path();
+      if (!path) return;
+      pool = await disaggregatedPool(path);
+      aggregated = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK });
+    });
+    after(async () => {
+      await pool?.engine.close();
+      await aggregated?.close();
+    });
+
+    for (const [label, sampling] of [
+      ['greedy', { temperature: 0 }],
+      ['temperature 0.8, seeded', { temperature: 0.8, topK: 40, seed: 77 }],
+      ['temperature 1.1, stop string and penalties', { temperature: 1.1, seed: 5, frequencyPenalty: 0.4, maxTokens: 20 }],
+    ] as [string, Partial<SamplingParams>][]) {
+      test(`token-identical to one aggregated worker: ${label}`, async (t) => {
+        if (!pool) return t.skip(`${model.name} is absent (../shared/models)`);
+        for (const length of [40, 75, 130]) {
+          const ids = prompt(length, length);
+          const expected = await collect(aggregated!.generate(request(ids, sampling)));
+          const outputs = await collect(pool.engine.generate(request(ids, sampling)));
+          assert.deepEqual(tokens(outputs), tokens(expected), `prompt of ${length}`);
+          assert.equal(text(outputs), text(expected));
+          const routing = outputs.at(-1)!.routing!;
+          assert.equal(routing.disaggregation?.mode, 'disaggregated', routing.disaggregation?.detail);
+          assert.equal(routing.disaggregation?.reason, 'remote-prefill');
+          assert.equal(routing.disaggregation?.prefillWorkerId, 'prefill-0');
+          assert.equal(routing.workerId, routing.disaggregation?.decodeWorkerId);
+          const transfer = outputs.at(-1)!.timestamps.kvTransfer!;
+          assert.ok(transfer, 'the kv_transfer phase is stamped');
+          assert.ok(transfer.start >= outputs[0]!.timestamps.firstToken!, 'the transfer follows the first token');
+          assert.ok(transfer.bytes > 0);
+        }
+        await assertAllFree(pool);
+      });
+    }
+
+    test('a partial prefix on the decode worker: only its missing blocks move', async (t) => {
+      if (!pool) return t.skip(`${model.name} is absent`);
+      const log = pool.disaggregated!.channel.log;
+      // 100 tokens: 6 full blocks and a partial one; the second prompt shares the first 64 tokens (4 blocks).
+      const first = await collect(pool.engine.generate(request(prompt(900, 100))));
+      const firstTransfer = log.recent().at(-1)!;
+      assert.equal(firstTransfer.blocks, 7, 'the first time, every block moves');
+      assert.equal(firstTransfer.reusedBlocks, 0);
+      const second = await collect(pool.engine.generate(request(prompt(900, 100, 1, 64))));
+      assert.equal(second.at(-1)!.routing!.workerId, first.at(-1)!.routing!.workerId, 'the decode router follows the prefix');
+      assert.equal(second.at(-1)!.routing!.overlapBlocks, 4);
+      const secondTransfer = log.recent().at(-1)!;
+      assert.equal(secondTransfer.requestId, second[0]!.requestId);
+      assert.equal(secondTransfer.reusedBlocks, 4, 'the shared blocks stay where they are');
+      assert.equal(secondTransfer.blocks, 3, 'blocks 4, 5 and the partial 6 move');
+      assert.equal(second.at(-1)!.timestamps.kvTransfer!.blocks, 3);
+      const expected = await collect(aggregated!.generate(request(prompt(900, 100, 1, 64))));
+      assert.deepEqual(tokens(second), tokens(expected));
+      await assertAllFree(pool);
+    });
+  });
+}
+
+describe('conditional disaggregation', () => {
+  const base: DisaggregationInputs = {
+    numPromptTokens: 1000, blockSize: 16, decodeWorkerId: 'decode-0', decodeOverlapBlocks: 0,
+    prefill: { workerId: 'prefill-0', queuedPrefillTokens: 0 }, kvBytesPerToken: 1000, transferBytesPerSec: 1e9,
+    prefillTokensPerSec: 1e4,
+  };
+  const policy = { minRemotePrefillTokens: 256, maxPrefillQueueTokens: 4096, transferOverheadMs: 0.5 };
+
+  test('each reason, from the numbers that decide it', () => {
+    const remote = decideDisaggregation(base, policy);
+    assert.equal(remote.reason, 'remote-prefill');
+    assert.equal(remote.transferBlocks, 63);
+    assert.equal(remote.estimatedTransferMs, 0.5 + (63 * 16 * 1000 / 1e9) * 1000);
+    assert.equal(remote.estimatedPrefillMs, 100);
+    // The decode worker holds 50 of the 63 blocks: 208 tokens left, below the bound.
+    const short = decideDisaggregation({ ...base, decodeOverlapBlocks: 50 }, policy);
+    assert.deepEqual([short.mode, short.reason, short.uncachedTokens, short.transferBlocks], ['local', 'short-prompt', 200, 13]);
+    assert.equal(decideDisaggregation({ ...base, numPromptTokens: 255 }, policy).reason, 'short-prompt');
+    assert.equal(decideDisaggregation({ ...base, prefill: { workerId: 'prefill-0', queuedPrefillTokens: 4097 } }, policy).reason, 'prefill-queue-full');
+    assert.equal(decideDisaggregation({ ...base, prefill: null }, policy).reason, 'prefill-queue-full');
+    const slow = decideDisaggregation({ ...base, transferBytesPerSec: 1e7 }, policy);
+    assert.deepEqual([slow.mode, slow.reason], ['local', 'transfer-slower']);
+    assert.ok(slow.estimatedTransferMs > slow.estimatedPrefillMs);
+    assert.equal(decideDisaggregation({ ...base, ineligible: 'n = 2' }, policy).reason, 'not-eligible');
+  });
+
+  test('on real workers: remote, short prompt, prefill queue over its bound, n > 1, transfer slower', async (t) => {
+    const path = sharedModel('stories260K.gguf');
+    if (!path) return t.skip('stories260K.gguf is absent');
+    const pool = await disaggregatedPool(path, { decodeWorkers: 1, disaggregationPolicy: { minRemotePrefillTokens: 32, maxPrefillQueueTokens: 0 } });
+    try {
+      const reasonOf = (outputs: EngineOutput[]) => outputs.at(-1)!.routing!.disaggregation!;
+      assert.equal(reasonOf(await collect(pool.engine.generate(request(prompt(1, 64))))).reason, 'remote-prefill');
+      const short = reasonOf(await collect(pool.engine.generate(request(prompt(2, 20)))));
+      assert.deepEqual([short.mode, short.reason], ['local', 'short-prompt']);
+      // Two at once: the second sees the first's prompt queued on the only prefill worker (bound 0).
+      const [a, b] = await Promise.all([
+        collect(pool.engine.generate(request(prompt(3, 64)))), collect(pool.engine.generate(request(prompt(4, 64)))),
+      ]);
+      assert.equal(reasonOf(a).reason, 'remote-prefill');
+      assert.equal(reasonOf(b).reason, 'prefill-queue-full');
+      assert.match(reasonOf(b).detail, /64 prefill tokens queued on prefill-0 > 0/);
+      const multi = await collect(pool.engine.generate(request(prompt(5, 64), { n: 2, temperature: 1, seed: 3 })));
+      assert.equal(reasonOf(multi).reason, 'not-eligible');
+      assert.equal(multi.filter((o) => o.finishReason).length, 2, 'both samples finish on the decode worker');
+      assert.deepEqual(pool.disaggregated!.decisionCounts(), { disaggregated: 2, local: 3, fallbacks: 0 });
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+    const slow = await disaggregatedPool(path, { decodeWorkers: 1, disaggregationEstimates: { transferBytesPerSec: 1, prefillTokensPerSec: 1e6, fixed: true } });
+    try {
+      const outputs = await collect(slow.engine.generate(request(prompt(6, 64))));
+      const why = outputs.at(-1)!.routing!.disaggregation!;
+      assert.deepEqual([why.mode, why.reason], ['local', 'transfer-slower']);
+      assert.equal(outputs.at(-1)!.timestamps.kvTransfer, undefined, 'nothing moved');
+      await assertAllFree(slow);
+    } finally {
+      await slow.engine.close();
+    }
+  });
+});
+
+describe('cancellation and failure on real workers', () => {
+  const path = sharedModel('stories260K.gguf');
+  const skip = path ? false : 'stories260K.gguf is absent';
+  let pool: WorkerPool;
+  before(async () => {
+    if (!path) return;
+    // Small steps (8 tokens) make a 400-token prompt take 50 prefill steps: time to abort it mid-prefill.
+    pool = await disaggregatedPool(path, { decodeWorkers: 1, maxNumBatchedTokens: 8 });
+  });
+  after(async () => { if (path) await pool.engine.close(); });
+
+  for (const stage of ['prefill', 'transfer', 'decode'] as const) {
+    test(`an abort during ${stage} reaches both workers and frees every block`, { skip }, async () => {
+      const req = request(prompt(40, 400), { maxTokens: 100_000 });
+      const engine = pool.disaggregated!;
+      const iterator = pool.engine.generate(req)[Symbol.asyncIterator]();
+      const outputs: EngineOutput[] = [];
+      const pump = (async () => {
+        for (let r = await iterator.next(); !r.done; r = await iterator.next()) {
+          outputs.push(r.value);
+          // At 'transfer' the first token is out and the handoff on its way; abort before the decode worker is heard from.
+          if (stage === 'transfer' && outputs.length === 1) engine.abort(req.id);
+        }
+      })();
+      if (stage === 'prefill') {
+        await untilStage(engine, req.id, 'prefill');
+        engine.abort(req.id);
+      } else if (stage === 'decode') {
+        await untilStage(engine, req.id, 'decode');
+        engine.abort(req.id);
+      }
+      await pump;
+      assert.equal(outputs.at(-1)!.finishReason, 'abort');
+      if (stage === 'decode') assert.ok(outputs.length >= 2);
+      await assertAllFree(pool);
+    });
+  }
+
+  test('a client that stops reading mid-decode frees both sides too', { skip }, async () => {
+    const req = request(prompt(41, 100), { maxTokens: 100_000 });
+    let seen = 0;
+    for await (const _ of pool.engine.generate(req)) if (++seen === 3) break;
+    await assertAllFree(pool);
+  });
+
+  test('different KV dtypes on the two sides: the decode worker recomputes (transfer-failed) and frees both', { skip }, async () => {
+    const prefill = await LocalEngine.start({ modelPath: path!, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, kvDtype: 'f16', enableKvEvents: true, role: 'prefill' });
+    const decode = await LocalEngine.start({ modelPath: path!, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'decode' });
+    const router = () => new Router({ blockSize: BLOCK, random: seededRandom(1), index: new BitsetKvIndex() });
+    const engine = new DisaggregatedEngine({
+      prefill: [{ id: 'p', engine: prefill }], decode: [{ id: 'd', engine: decode }], prefillRouter: router(),
+      decodeRouter: router(), channel: new SharedMemoryKvChannel(), policy: { minRemotePrefillTokens: 16 },
+      estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true }, now: engineNow,
+    });
+    try {
+      const outputs = await collect(engine.generate(request(prompt(42, 64))));
+      assert.equal(tokens(outputs).length, 12, 'the stream still completes');
+      const why = outputs.at(-1)!.routing!.disaggregation!;
+      assert.deepEqual([why.mode, why.reason], ['local', 'transfer-failed']);
+      assert.match(why.detail, /differ in dtype/);
+      for (const worker of [prefill, decode]) assert.equal((await worker.sync()).kvBlocksUsed, 0);
+    } finally {
+      await engine.close();
+    }
+  });
+
+  test('a prefill worker lost before the first token: the decode worker prefills, identically', { skip }, async () => {
+    const failing = await disaggregatedPool(path!, { decodeWorkers: 1, maxNumBatchedTokens: 8 });
+    try {
+      const req = request(prompt(43, 400), { maxTokens: 8 });
+      const stream = collect(failing.engine.generate(req));
+      await untilStage(failing.disaggregated!, req.id, 'prefill');
+      await (failing.workers.find((w) => w.role === 'prefill')!.engine as LocalEngine).kill();
+      const outputs = await stream;
+      const why = outputs.at(-1)!.routing!.disaggregation!;
+      assert.deepEqual([why.mode, why.reason], ['local', 'prefill-failed']);
+      const expected = await collect((failing.workers.find((w) => w.role === 'decode')!.engine as LocalEngine)
+        .generate(request(prompt(43, 400), { maxTokens: 8 })));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.deepEqual(failing.disaggregated!.prefillWorkerIds, [], 'the lost worker left the prefill tier');
+      const next = await collect(failing.engine.generate(request(prompt(44, 64))));
+      assert.equal(next.at(-1)!.routing!.disaggregation!.reason, 'prefill-queue-full', 'no prefill worker left');
+      const decodeStats = await (failing.workers.find((w) => w.role === 'decode')!.engine as LocalEngine).sync();
+      assert.equal(decodeStats.kvBlocksUsed, 0);
+    } finally {
+      await failing.engine.close();
+    }
+  });
+
+  test('a decode worker lost mid-decode: the request fails with WorkerLostError, the prefill worker is free', { skip }, async () => {
+    const failing = await disaggregatedPool(path!, { decodeWorkers: 1 });
+    try {
+      const req = request(prompt(45, 64), { maxTokens: 100_000 });
+      const iterator = failing.engine.generate(req)[Symbol.asyncIterator]();
+      await iterator.next();
+      await untilStage(failing.disaggregated!, req.id, 'decode');
+      await (failing.workers.find((w) => w.role === 'decode')!.engine as LocalEngine).kill();
+      await assert.rejects(async () => { for (;;) if ((await iterator.next()).done) break; }, WorkerLostError);
+      const prefillStats = await (failing.workers.find((w) => w.role === 'prefill')!.engine as LocalEngine).sync();
+      assert.equal(prefillStats.kvBlocksUsed, 0, 'the handed-off blocks were released');
+    } finally {
+      await failing.engine.close();
+    }
+  });
+});
