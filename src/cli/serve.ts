@@ -10,6 +10,8 @@ import type { ModelBackend } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
 import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS } from '../api/server.ts';
+import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
+import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 
@@ -28,6 +30,15 @@ export const SERVE_FLAGS = {
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
+  engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
+  workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler', default: 1 },
+  'routing-policy': { type: 'string', help: `how the router places requests: ${POLICY_NAMES.join(', ')}`, default: 'kv' },
+  'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
+  'decode-workers': { type: 'number', help: 'disaggregated serving: decode workers' },
+  'sim-model': { type: 'string', help: 'model profile of simulated workers (llama-3.1-8b, llama-3.1-70b, ...)', default: 'llama-3.1-8b' },
+  'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
+  'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
+  'sim-speed-up': { type: 'number', help: 'simulated ms per real ms (1 = real time)', default: 1 },
   'max-pending-requests': { type: 'number', help: 'engine requests in flight before new ones get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
@@ -39,6 +50,7 @@ export const SERVE_FLAGS = {
 } satisfies FlagTable;
 
 const BACKENDS = ['auto', 'native', 'reference'] as const;
+const ENGINES = ['cpu', 'sim'] as const;
 type Backend = (typeof BACKENDS)[number];
 
 export interface ServeConfig {
@@ -53,6 +65,12 @@ export interface ServeConfig {
   kvCacheMemoryBytes?: number;
   threads?: number;
   backend: Backend;
+  engine: (typeof ENGINES)[number];
+  workers: number;
+  routingPolicy: PolicyName;
+  prefillWorkers?: number;
+  decodeWorkers?: number;
+  sim: SimWorkerSpec;
   maxPendingRequests: number;
   maxBodyBytes: number;
   requestTimeoutMs?: number;
@@ -120,12 +138,30 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (rpm !== undefined) tenantDefaults.requestsPerMinute = rpm;
   if (tpm !== undefined) tenantDefaults.tokensPerMinute = tpm;
   if (concurrent !== undefined) tenantDefaults.maxConcurrent = concurrent;
+  const engine = values.engine!;
+  if (!(ENGINES as readonly string[]).includes(engine)) throw new UsageError(`--engine must be one of ${ENGINES.join(', ')}`);
+  const routingPolicy = values['routing-policy']!;
+  if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
+    throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}`);
+  }
+  const prefillWorkers = positiveInteger(values['prefill-workers'], 'prefill-workers');
+  const decodeWorkers = positiveInteger(values['decode-workers'], 'decode-workers');
+  if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
+    throw new UsageError('--prefill-workers and --decode-workers go together');
+  }
+  const speedUp = values['sim-speed-up']!;
+  if (!(speedUp > 0)) throw new UsageError('--sim-speed-up must be > 0');
   const config: ServeConfig = {
     host: values.host!,
     port,
     keys: readKeys(values['api-keys-file'], values['api-keys']),
     tenantDefaults,
     backend: backend as Backend,
+    engine: engine as ServeConfig['engine'],
+    workers: positiveInteger(values.workers, 'workers')!,
+    routingPolicy: routingPolicy as PolicyName,
+    ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
+    sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     shutdownGraceMs: grace * 1000,
@@ -149,6 +185,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
 
 export interface RunningServer {
   api: ApiServer;
+  /** "1", "4 behind the kv router", "2 prefill + 2 decode". */
+  workers: string;
   keyStore: KeyStore;
   url: string;
   modelPath: string;
@@ -171,9 +209,14 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
   await api.listen(config.port, config.host);
   try {
     const modelPath = config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
-    const { createLocalEngine } = await import('../engine/local-engine.ts');
-    const local = await createLocalEngine({
+    const { createWorkerPool } = await import('../runtime/worker-pool.ts');
+    const pool = await createWorkerPool({
+      engine: config.engine,
+      workers: config.workers,
       modelPath,
+      sim: config.sim,
+      routingPolicy: config.routingPolicy,
+      ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
       ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
       ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
       ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
@@ -181,13 +224,17 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ...(config.threads !== undefined ? { threads: config.threads } : {}),
       backend: config.backend,
     });
+    for (const notice of pool.notices) logger.warn(notice);
     const backend: ModelBackend = {
-      engine: local.engine,
-      tokenizer: local.tokenizer,
-      ...(local.chatTemplate ? { chatTemplate: local.chatTemplate } : {}),
+      engine: pool.engine,
+      tokenizer: pool.tokenizer,
+      chatTemplate: pool.chatTemplate,
     };
     api.attach(backend);
-    return { api, keyStore, url: api.url, modelPath };
+    const workers = config.prefillWorkers !== undefined
+      ? `${config.prefillWorkers} prefill + ${config.decodeWorkers} decode (disaggregated)`
+      : config.workers > 1 ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
+    return { api, keyStore, url: api.url, modelPath, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
   } catch (err) {
     await api.shutdown(0);
     throw err;
@@ -211,6 +258,7 @@ export function startupBanner(running: RunningServer): string {
     `  model      ${running.modelPath} (context ${info.maxModelLen} tokens, vocabulary ${info.vocabSize})`,
     `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
     `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,
+    `  workers    ${running.workers}`,
     `  auth       ${keyStore.isOpen ? 'open (no API keys)' : `${keyStore.keyCount} API key${keyStore.keyCount === 1 ? '' : 's'}`}`,
     `  try        curl ${running.url}/v1/chat/completions -H 'Content-Type: application/json'${auth} -d '${example}'`,
   ].join('\n');
