@@ -144,6 +144,8 @@ async function throughput(): Promise<void> {
           return loadRunFigures(requests, traces);
         });
         (figures[key] ??= []).push(value);
+        process.stderr.write(`  N=${n} ${LABEL[key]}: ${num(value.outputTokPerSec)} output tok/s (foreign CPU ` +
+          `${(foreignShare * 100).toFixed(0)}%, attempt ${attempts})\n`);
         foreign.push(foreignShare);
         retakes += attempts - 1;
       }

@@ -2,7 +2,8 @@
 // its traits and ops_simd.h (for vexp / simd_softmax).
 //
 // A unit is (sequence, KV head, rows). The pool offsets of its context positions are looked up in the block
-// table once per unit and shared by K and V, every row and every query head of the group. Per row:
+// table once per unit and shared by K and V, every row and every query head of the group. Per row, whether it is
+// part of a prefill chunk or a decode step:
 //  - scores, kWidth positions at a time: each position's dot product is accumulated lane-parallel over
 //    head_dim, then one transposing reduction turns kWidth accumulators into kWidth scores (a full horizontal
 //    reduction per position would cost more than the dot product itself); K rows are reused by the group's
@@ -137,7 +138,10 @@ inline void weighted_values(const AttentionArgs& a, const size_t* offsets, const
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// One row at a time (decode, and rows of odd head sizes).
+// Every row alone: a prefill row and a decode row go through the same arithmetic, so a sequence's outputs do not
+// depend on how its prompt was chunked or what else is in the batch (batch invariance). (Treating a prefill
+// chunk's rows as a small matrix, with keys transposed once per block, saved about a fifth of the score work but
+// gave prefill rows different roundings than decode rows.)
 
 template <class V, bool F16>
 void attention_rows(const AttentionArgs& a, int kv_head, int first_row, int cached, int row_begin, int row_end,
@@ -170,84 +174,8 @@ void attention_rows(const AttentionArgs& a, int kv_head, int first_row, int cach
   }
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Several rows at once (prefill): the unit's rows x query heads form a small matrix Q, and each block of kWidth
-// keys is transposed once (f16 decoded once) so S = Q K^T is a register-blocked product with broadcast query
-// elements and no horizontal reductions; P V then reuses every V row for a block of query vectors. Rows see
-// different context lengths (causal): positions past a row's own are masked out of its scores and probabilities.
-
-constexpr int kScoreBlock = 8;  // query vectors per score microkernel
-
-template <class V, bool F16, int NC>
-void attention_tile(const AttentionArgs& a, int kv_head, int first_row, int cached, int row_begin, int row_end,
-                    const size_t* offsets, float* scores, size_t score_stride, float* kt) {
-  using F = typename V::F;
-  constexpr int W = V::kWidth;
-  constexpr int hd = NC * W;
-  const int group = a.num_heads / a.num_kv_heads;
-  const int64_t q_stride = static_cast<int64_t>(a.num_heads) * hd;
-  const int rows = row_end - row_begin;
-  const int nq = rows * group;
-  const int max_context = cached + row_end;
-  // Query vector i is head (kv_head * group + i % group) of row row_begin + i / group.
-  auto query = [&](int i) {
-    const int64_t token = first_row + row_begin + i / group;
-    return a.q + token * q_stride + (static_cast<int64_t>(kv_head) * group + i % group) * hd;
-  };
-  auto context_of = [&](int i) { return cached + row_begin + i / group + 1; };
-
-  // Scores.
-  for (int t0 = 0; t0 < max_context; t0 += W) {
-    const int live = max_context - t0 < W ? max_context - t0 : W;
-    for (int c = 0; c < NC; ++c) {
-      F block[W];
-      for (int u = 0; u < W; ++u) {
-        block[u] = load_kv<V, F16>(a.k_cache + offsets[t0 + (u < live ? u : live - 1)], c * W);
-      }
-      V::transpose(block);
-      for (int d = 0; d < W; ++d) V::store(kt + (c * W + d) * W, block[d]);
-    }
-    for (int i0 = 0; i0 < nq; i0 += kScoreBlock) {
-      const int n = nq - i0 < kScoreBlock ? nq - i0 : kScoreBlock;
-      F acc[kScoreBlock];
-      const float* qs[kScoreBlock];
-      for (int i = 0; i < kScoreBlock; ++i) {
-        acc[i] = V::zero();
-        qs[i] = query(i0 + (i < n ? i : n - 1));
-      }
-      for (int d = 0; d < hd; ++d) {
-        const F kv = V::load(kt + d * W);
-        for (int i = 0; i < kScoreBlock; ++i) acc[i] = V::fmadd(V::set1(qs[i][d]), kv, acc[i]);
-      }
-      for (int i = 0; i < n; ++i) {
-        const int visible = context_of(i0 + i) - t0;  // may be <= 0: nothing of this block is visible
-        if (visible > 0) {
-          V::store_partial(scores + (i0 + i) * score_stride + t0, V::mul(acc[i], V::set1(a.scale)),
-                           visible < live ? visible : live);
-        }
-      }
-    }
-  }
-  // Softmax over each vector's own context; zero probabilities past it so P V can run to the longest context.
-  for (int i = 0; i < nq; ++i) {
-    float* p = scores + i * score_stride;
-    simd_softmax<V>(p, context_of(i));
-    for (int t = context_of(i); t < max_context; ++t) p[t] = 0.0f;
-  }
-  // out = P V, each block of query vectors up to its longest context.
-  constexpr int JB = value_block<V, NC>();
-  for (int i0 = 0; i0 < nq; i0 += JB) {
-    const int n = nq - i0 < JB ? nq - i0 : JB;
-    float* outs[JB];
-    for (int i = 0; i < n; ++i) outs[i] = a.out + (query(i0 + i) - a.q);
-    weighted_values_block<V, F16, NC>(a.v_cache, offsets, scores + i0 * score_stride, score_stride,
-                                      context_of(i0 + n - 1), n, outs);
-  }
-}
-
 template <class V, bool F16>
 void attention_unit(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) {
-  constexpr int W = V::kWidth;
   const int group = a.num_heads / a.num_kv_heads;
   const int hd = a.head_dim;
   const int first_row = a.query_start_loc[seq];
@@ -259,31 +187,15 @@ void attention_unit(const AttentionArgs& a, int seq, int kv_head, int row_begin,
   const size_t row_bytes = static_cast<size_t>(a.num_kv_heads) * hd * element;
   const size_t head_offset = static_cast<size_t>(kv_head) * hd * element;
 
-  // Scratch: scores [rows * group][score_stride], the byte offset of each position's row, a transposed key block.
+  // Scratch: scores [group][score_stride], then the byte offset of each position's row.
   const size_t score_stride = attention_score_stride(max_context);
   float* scores = scratch;
-  size_t* offsets =
-      reinterpret_cast<size_t*>(scratch + static_cast<size_t>(kAttentionRowsPerUnit) * group * score_stride);
-  float* kt = reinterpret_cast<float*>(offsets + max_context);
-  kt += (64 - reinterpret_cast<uintptr_t>(kt) % 64) % 64 / sizeof(float);
+  size_t* offsets = reinterpret_cast<size_t*>(scratch + static_cast<size_t>(group) * score_stride);
   for (int t = 0; t < max_context; ++t) {
     const int64_t slot = static_cast<int64_t>(block_table[t / a.block_size]) * a.block_size + t % a.block_size;
     offsets[t] = static_cast<size_t>(slot) * row_bytes + head_offset;
   }
-
-  const bool tiled = row_end - row_begin > 1 && hd % W == 0;
-  auto tile = [&](auto chunks) {
-    attention_tile<V, F16, decltype(chunks)::value>(a, kv_head, first_row, cached, row_begin, row_end, offsets,
-                                                    scores, score_stride, kt);
-  };
-  switch (tiled ? hd / W : 0) {
-    case 1: return tile(std::integral_constant<int, 1>());
-    case 2: return tile(std::integral_constant<int, 2>());
-    case 4: return tile(std::integral_constant<int, 4>());
-    case 8: return tile(std::integral_constant<int, 8>());
-    default:
-      return attention_rows<V, F16>(a, kv_head, first_row, cached, row_begin, row_end, offsets, scores, score_stride);
-  }
+  attention_rows<V, F16>(a, kv_head, first_row, cached, row_begin, row_end, offsets, scores, score_stride);
 }
 
 template <class V>

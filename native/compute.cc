@@ -151,12 +151,15 @@ void kv_write(const KernelTable& kt, const float* k, const float* v, int64_t row
 // Attention
 
 void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs) {
-  // Units of up to kAttentionRowsPerUnit rows; the costliest (latest rows of long sequences) are listed first so the
-  // dynamic hand-out ends with small units and the threads finish together.
+  // Units of up to kAttentionRowsPerUnit rows of one sequence; the costliest (latest rows of long sequences) are
+  // listed first so the dynamic hand-out ends with small units and the threads finish together. With enough
+  // sequences to keep every thread busy, a unit takes all KV heads of its sequence: the heads of one position
+  // share cache lines, which then come from one thread's L2 instead of being fetched by both.
   struct Unit {
-    int seq, kv_head, row_begin, row_end;
+    int seq, head_begin, head_end, row_begin, row_end;
     int64_t cost;  // score/value rows touched
   };
+  const int heads_per_unit = num_seqs >= 4 * pool.size() ? a.num_kv_heads : 1;
   std::vector<Unit> units;
   int max_context = 1;
   for (int s = 0; s < num_seqs; ++s) {
@@ -165,8 +168,10 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     max_context = std::max(max_context, a.seq_lens[s]);
     for (int r1 = rows; r1 > 0; r1 -= kAttentionRowsPerUnit) {
       const int r0 = std::max(0, r1 - kAttentionRowsPerUnit);
-      const int64_t cost = static_cast<int64_t>(cached + r1) * (r1 - r0);
-      for (int h = 0; h < a.num_kv_heads; ++h) units.push_back({s, h, r0, r1, cost});
+      const int64_t cost = static_cast<int64_t>(cached + r1) * (r1 - r0) * heads_per_unit;
+      for (int h = 0; h < a.num_kv_heads; h += heads_per_unit) {
+        units.push_back({s, h, std::min(h + heads_per_unit, a.num_kv_heads), r0, r1, cost});
+      }
     }
   }
   std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
@@ -175,7 +180,9 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
   float* scratch = reinterpret_cast<float*>(ws.per_thread.get(floats * sizeof(float) * pool.size()));
   pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) {
     const Unit& u = units[i];
-    kt.attention(a, u.seq, u.kv_head, u.row_begin, u.row_end, scratch + floats * thread);
+    for (int h = u.head_begin; h < u.head_end; ++h) {
+      kt.attention(a, u.seq, h, u.row_begin, u.row_end, scratch + floats * thread);
+    }
   });
 }
 

@@ -64,13 +64,12 @@ struct AttentionArgs {
 // A unit covers at most this many rows of one sequence.
 constexpr int kAttentionRowsPerUnit = 16;
 
-// Scratch floats one attention unit needs: scores of every (row, query head) of the unit over up to `context`
-// positions (rows padded to a multiple of 16), the 8-byte pool offset of each position, and a transposed block of
-// 16 keys.
+// Scratch floats one attention unit needs: scores of every query head of a group over up to `context` positions
+// (rows padded to a multiple of 16) and the 8-byte pool offset of each position.
 inline size_t attention_score_stride(int context) { return (static_cast<size_t>(context) + 31) / 16 * 16; }
 inline size_t attention_scratch_floats(int context, int head_dim, int group) {
-  return static_cast<size_t>(kAttentionRowsPerUnit) * group * attention_score_stride(context) +
-         2 * static_cast<size_t>(context) + 16 * static_cast<size_t>(head_dim + 16) + 16;
+  return static_cast<size_t>(group) * attention_score_stride(context) + 2 * static_cast<size_t>(context) +
+         static_cast<size_t>(head_dim) + 16;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

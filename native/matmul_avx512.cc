@@ -1,4 +1,4 @@
-// AVX-512 matmul. Float weights use the shared GEMV/GEMM of matmul_float_simd.h. Q8_0 and Q4_0 use VNNI.
+// AVX-512 matmul. Float weights use the shared kernel of matmul_float_simd.h. Q8_0 and Q4_0 use VNNI.
 //
 // Activations are quantized per block of 32 to int8 with one f32 scale (round to nearest even, as the generic
 // kernel does). VPDPBUSD multiplies unsigned by signed bytes, so the weights are made unsigned by adding 128
@@ -6,15 +6,17 @@
 // with the activations so the integer accumulator starts from it and the inner loops pay nothing.
 //
 // Few rows (decode, the memory-bound case): a GEMV walks each weight row front to back, so the hardware
-// prefetchers stream it, and takes each block's dot product with up to 3 activation rows (one VPDPBUSD each).
+// prefetchers stream it, and takes each block's dot product with up to 3 activation rows (one VPDPBUSD each),
+// producing bit for bit what the GEMM produces for the same row (batch invariance).
 //
 // Many rows (prefill, compute bound): weights are packed two panels of 16 rows at a time: for each block of 32
 // columns, 8 vectors holding 4 consecutive bytes of each of the 16 rows (one 32-bit lane per row), then the 16
 // row scales (576 bytes). VPDPBUSD of one such vector with a broadcast 4-byte group of an activation row
 // advances 16 output columns by 4 multiply-adds each. The microkernel holds MR activation rows x 32 columns of
 // int32 block sums and f32 totals in registers; per block it issues 8 x 2 x MR VPDPBUSD, then converts each
-// block sum and adds it scaled by (weight scale x activation scale). Packing (a 16 x 8 transpose of 32-bit
-// groups) is paid once per pair of panels and shared by every activation row.
+// block sum and adds it scaled by (weight scale x activation scale), in groups of 8 blocks as the GEMV does.
+// Packing (a 16 x 8 transpose of 32-bit groups) is paid once per pair of panels and shared by every activation
+// row.
 #include <immintrin.h>
 
 #include <cmath>
@@ -90,50 +92,77 @@ inline float block_scale(const uint8_t* block) {
   return _cvtsh_ss(d);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // ---------------------------------------------------------------------------------------------------------------
-// GEMV: one weight row against MR (1..3) activation rows, streaming the row.
+// GEMV: weight rows against MR (1..3) activation rows, each row read front to back so the hardware prefetchers
+// stream it (interleaving 8 rows block by block measured 2-3x slower).
+//
+// Batch invariance: an output must not depend on how many rows share the matmul (a sequence decoded alone and
+// in a batch of 16 must sample the same tokens), so the GEMV reproduces the GEMM's arithmetic exactly. Both sum
+// an output in groups of 8 blocks: within a group, each block's exact integer dot product, converted, times
+// (weight scale x activation scale), is added in block order from zero with one rounding per block (FMA); the
+// group sums are then added to the total in order. (Groups make the GEMV's chains independent; one chain through
+// all blocks bounded it by FMA latency.) The 8 blocks' 8-lane VPDPBUSD partial sums are reduced to their block
+// totals at once (integer, so order-free).
 
 constexpr int64_t kInt8GemvMaxRows = 3;
 
-template <int Type, int MR>
-inline void int8_gemv_rows(const uint8_t* w, const uint8_t* act, size_t act_stride, int64_t K, float* y,
-                           int64_t ldy) {
-  __m256 acc[MR];
-  ActRow rows[MR];
-  for (int i = 0; i < MR; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    rows[i] = ActRow(act + i * act_stride, K);
-  }
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* block = w + b * block_bytes<Type>();
-    const __m256i wq = block_quants<Type>(block);
-    const float dw = block_scale(block);
-    for (int i = 0; i < MR; ++i) {
-      // The block's correction goes into lane 0 only: the 8 lanes are summed at the end anyway.
-      const __m256i init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(rows[i].correction[b]));
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i].q + 32 * b));
-      const __m256i sum = _mm256_dpbusd_epi32(init, wq, a);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw * rows[i].d[b]), acc[i]);
+// Lane u of the result = sum of the 8 lanes of v[u].
+inline __m256i reduce_lanes_i32(const __m256i* v) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i q0 = _mm256_hadd_epi32(h01, h23), q1 = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// The scaled block dot products of 8 consecutive blocks (the last `live` of them may be fewer), for one weight row
+// and one activation row; added into `total` as one group (see above).
+template <int Type>
+inline __m128 add_block_group(const uint8_t* group, const ActRow& a, int64_t b0, int live, __m128 total) {
+  constexpr int bs = static_cast<int>(block_bytes<Type>());
+  const __mmask8 mask = static_cast<__mmask8>((1u << live) - 1);
+  __m256i sums[8];
+  uint16_t halves[8] = {};
+  for (int u = 0; u < 8; ++u) {
+    sums[u] = _mm256_setzero_si256();
+    if (u < live) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + 32 * (b0 + u)));
+      sums[u] = _mm256_dpbusd_epi32(sums[u], block_quants<Type>(group + u * bs), q);
+      std::memcpy(&halves[u], group + u * bs, 2);
     }
   }
-  for (int i = 0; i < MR; ++i) y[i * ldy] = hsum(acc[i]);
+  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+  const __m256i corrections = _mm256_maskz_loadu_epi32(mask, a.correction + b0);
+  alignas(32) float product[8], scale[8];
+  _mm256_store_ps(product, _mm256_cvtepi32_ps(_mm256_add_epi32(reduce_lanes_i32(sums), corrections)));
+  _mm256_store_ps(scale, _mm256_mul_ps(dw, _mm256_maskz_loadu_ps(mask, a.d + b0)));
+  __m128 group_sum = _mm_setzero_ps();
+  for (int u = 0; u < live; ++u) group_sum = _mm_fmadd_ss(_mm_load_ss(product + u), _mm_load_ss(scale + u), group_sum);
+  return _mm_add_ss(total, group_sum);
+}
+
+// One weight row against MR activation rows.
+template <int Type, int MR>
+inline void int8_gemv_row(const uint8_t* w, const uint8_t* act, size_t act_stride, int64_t K, float* y, int64_t ldy) {
+  constexpr int bs = static_cast<int>(block_bytes<Type>());
+  const int64_t nb = K / 32;
+  for (int i = 0; i < MR; ++i) {
+    const ActRow a(act + i * act_stride, K);
+    __m128 total = _mm_setzero_ps();
+    int64_t b0 = 0;
+    for (; b0 + 8 <= nb; b0 += 8) total = add_block_group<Type>(w + b0 * bs, a, b0, 8, total);
+    if (b0 < nb) total = add_block_group<Type>(w + b0 * bs, a, b0, static_cast<int>(nb - b0), total);
+    y[i * ldy] = _mm_cvtss_f32(total);
+  }
 }
 
 template <int Type>
 void int8_gemv(const MatmulTile& t) {
   for (int64_t n = t.n0; n < t.n1; ++n) {
     const uint8_t* w = t.w + n * t.w_row_bytes;
-    float* y = t.y + n;
     switch (t.M) {
-      case 3: int8_gemv_rows<Type, 3>(w, t.act, t.act_stride, t.K, y, t.ldy); break;
-      case 2: int8_gemv_rows<Type, 2>(w, t.act, t.act_stride, t.K, y, t.ldy); break;
-      default: int8_gemv_rows<Type, 1>(w, t.act, t.act_stride, t.K, y, t.ldy); break;
+      case 3: int8_gemv_row<Type, 3>(w, t.act, t.act_stride, t.K, t.y + n, t.ldy); break;
+      case 2: int8_gemv_row<Type, 2>(w, t.act, t.act_stride, t.K, t.y + n, t.ldy); break;
+      default: int8_gemv_row<Type, 1>(w, t.act, t.act_stride, t.K, t.y + n, t.ldy); break;
     }
   }
 }
@@ -256,10 +285,10 @@ template <int MR>
 inline void int8_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* p0, const uint8_t* p1,
                              float* y, int64_t ldy, int64_t cols) {
   const int64_t nb = K / 32;
-  __m512 total[MR][2];
+  __m512 total[MR][2], group[MR][2];
   ActRow rows[MR];
   for (int i = 0; i < MR; ++i) {
-    total[i][0] = total[i][1] = _mm512_setzero_ps();
+    total[i][0] = total[i][1] = group[i][0] = group[i][1] = _mm512_setzero_ps();
     rows[i] = ActRow(act + i * act_stride, K);
   }
   for (int64_t b = 0; b < nb; ++b, p0 += kPanelBlockBytes, p1 += kPanelBlockBytes) {
@@ -278,8 +307,16 @@ inline void int8_microkernel(const uint8_t* act, size_t act_stride, int64_t K, c
     const __m512 d0 = _mm512_load_ps(p0 + 512), d1 = _mm512_load_ps(p1 + 512);
     for (int i = 0; i < MR; ++i) {
       const __m512 da = _mm512_set1_ps(rows[i].d[b]);
-      total[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][0]), _mm512_mul_ps(d0, da), total[i][0]);
-      total[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][1]), _mm512_mul_ps(d1, da), total[i][1]);
+      group[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][0]), _mm512_mul_ps(d0, da), group[i][0]);
+      group[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][1]), _mm512_mul_ps(d1, da), group[i][1]);
+    }
+    // Groups of 8 blocks, as the GEMV adds them (batch invariance).
+    if ((b & 7) == 7 || b == nb - 1) {
+      for (int i = 0; i < MR; ++i) {
+        total[i][0] = _mm512_add_ps(total[i][0], group[i][0]);
+        total[i][1] = _mm512_add_ps(total[i][1], group[i][1]);
+        group[i][0] = group[i][1] = _mm512_setzero_ps();
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {

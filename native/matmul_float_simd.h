@@ -1,12 +1,15 @@
 // Float-weight matmul (F32, F16, BF16, and Q4_K / Q6_K decoded to f32) over a vector traits type V. Include
 // inside an anonymous namespace of the ISA's file, after its traits and ops_simd.h.
 //
-// Decode (M <= 3) streams one weight row at a time with four FMA chains per activation row. Otherwise a
-// register-blocked dot-product kernel: MR activation rows x NR weight rows of accumulators, each accumulating
-// kWidth lanes of partial products along K; per vector step it loads NR weight vectors (converted from f16 /
-// bf16 on the fly) and MR activation vectors for MR x NR FMAs, and at the end one transposing reduction turns
-// the accumulators into outputs. The tile's rows are re-read from L2 for every group of MR activation rows.
-// K-quant rows are decoded to f32 once per NR rows and reused by all M rows. Nothing is packed.
+// One register-blocked dot-product kernel serves every M: MR activation rows x NR weight rows of accumulators,
+// each accumulating kWidth lanes of partial products along K; per vector step it loads NR weight vectors
+// (converted from f16 / bf16 on the fly) and MR activation vectors for MR x NR FMAs, and at the end one
+// transposing reduction turns the accumulators into outputs. Decode streams NR weight rows side by side; prefill
+// re-reads the tile's rows from L2 for every group of MR activation rows. K-quant rows are decoded to f32 once
+// per NR rows and reused by all M rows. Nothing is packed.
+//
+// Every output is one FMA chain along K and one fixed reduction tree, whatever MR, NR or M: a row's result does
+// not depend on the rows it shares the matmul with (batch invariance).
 
 template <class V, int Type>
 struct WeightRow {
@@ -66,57 +69,8 @@ inline void float_dot_block(const float* x, int64_t ldx, const uint8_t* const* w
   }
 }
 
-// Few activation rows (decode): one weight row at a time, read front to back (one stream for the hardware
-// prefetcher), four independent accumulators per activation row.
-template <class V, int LoadType, int MR>
-inline void float_gemv_row(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float* y, int64_t ldy) {
-  using F = typename V::F;
-  constexpr int W = V::kWidth;
-  F acc[MR][4];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = V::zero();
-  int64_t k = 0;
-  for (; k + 4 * W <= K; k += 4 * W) {
-    for (int u = 0; u < 4; ++u) {
-      const F wv = WeightRow<V, LoadType>::load(w, k + u * W);
-      for (int i = 0; i < MR; ++i) acc[i][u] = V::fmadd(V::load(x + i * ldx + k + u * W), wv, acc[i][u]);
-    }
-  }
-  for (; k < K; k += W) {
-    const int64_t n = K - k < W ? K - k : W;
-    const F wv = n == W ? WeightRow<V, LoadType>::load(w, k) : WeightRow<V, LoadType>::load_partial(w, k, n);
-    for (int i = 0; i < MR; ++i) {
-      acc[i][0] = V::fmadd(n == W ? V::load(x + i * ldx + k) : V::load_partial(x + i * ldx + k, n), wv, acc[i][0]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    y[i * ldy] = V::reduce_add(V::add(V::add(acc[i][0], acc[i][1]), V::add(acc[i][2], acc[i][3])));
-  }
-}
-
-template <class V, int Type>
-void float_gemv(const MatmulTile& t) {
-  constexpr int LoadType = is_k_quant(Type) ? kF32 : Type;
-  float* decoded = reinterpret_cast<float*>(t.scratch);
-  for (int64_t n = t.n0; n < t.n1; ++n) {
-    const uint8_t* w = t.w + n * t.w_row_bytes;
-    if (is_k_quant(Type)) {
-      simd_dequantize_row<V>(Type, w, decoded, t.K);
-      w = reinterpret_cast<const uint8_t*>(decoded);
-    }
-    float* y = t.y + n;
-    switch (t.M) {
-      case 3: float_gemv_row<V, LoadType, 3>(t.x, t.K, w, t.K, y, t.ldy); break;
-      case 2: float_gemv_row<V, LoadType, 2>(t.x, t.K, w, t.K, y, t.ldy); break;
-      default: float_gemv_row<V, LoadType, 1>(t.x, t.K, w, t.K, y, t.ldy); break;
-    }
-  }
-}
-
-constexpr int64_t kFloatGemvMaxRows = 3;
-
 template <class V, int Type, int MR, int NR>
 void float_tile(const MatmulTile& t) {
-  if (t.M <= kFloatGemvMaxRows) return float_gemv<V, Type>(t);
   constexpr int LoadType = is_k_quant(Type) ? kF32 : Type;
   float* decoded = reinterpret_cast<float*>(t.scratch);
   for (int64_t n0 = t.n0; n0 < t.n1; n0 += NR) {

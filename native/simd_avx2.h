@@ -23,11 +23,12 @@ struct Avx2 {
   static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static inline F max(F a, F b) { return _mm256_max_ps(a, b); }
   static inline F min(F a, F b) { return _mm256_min_ps(a, b); }
+  // Sum of the lanes, ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)): the order reduce_add_lanes adds each of
+  // its vectors in, so a sum is the same bits whichever of the two produced it (batch invariance of the matmuls).
   static inline float reduce_add(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    const F h = _mm256_hadd_ps(v, v);
+    const F h2 = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
   }
   static inline float reduce_max(F v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -42,24 +43,6 @@ struct Avx2 {
     const F q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
     // q0: lanes 0..3 = low-half sums of v[0..3], lanes 4..7 = high-half sums; likewise q1 for v[4..7].
     return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
-  }
-  // In-place transpose of an 8 x 8 block held in 8 vectors.
-  static inline void transpose(F* r) {
-    F t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-      u[i + 0] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int e = 0; e < 4; ++e) {
-      r[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
-      r[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
-    }
   }
   static inline F load_partial_or_neg_inf(const float* p, int64_t n) {
     const __m256i m = tail_mask(n);

@@ -23,7 +23,15 @@ struct Avx512 {
   static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
   static inline F min(F a, F b) { return _mm512_min_ps(a, b); }
-  static inline float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+  // Sum of the lanes, added in the same order as reduce_add_lanes adds each of its vectors, so a sum is the same
+  // bits whichever of the two produced it (the matmul kernels rely on this for batch invariance).
+  static inline float reduce_add(F v) {
+    const F x = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xEE));  // lanes 0, 1: v.l0 + v.l2, v.l1 + v.l3
+    const F y = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x01));  // lane 0: (l0 + l2) + (l1 + l3)
+    const __m128 y4 = _mm512_castps512_ps128(y);
+    const __m128 c = _mm_add_ps(y4, _mm_movehl_ps(y4, y4));           // y0 + y2, y1 + y3
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+  }
   static inline float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   // -inf in the lanes past n, so a masked-off tail never wins a max.
   static inline F load_partial_or_neg_inf(const float* p, int64_t n) {
@@ -31,7 +39,8 @@ struct Avx512 {
   }
 
   // Lane i of the result = sum of the lanes of v[i], for 16 vectors: pairwise 128-bit-lane shuffles halve the
-  // count of vectors at each stage (46 instructions instead of 16 full reductions).
+  // count of vectors at each stage (46 instructions instead of 16 full reductions). Each sum is added in the
+  // order ((e0 + e8) + (e4 + e12)) + ... of reduce_add.
   static inline F reduce_add_lanes(const F* v) {
     F x[8], y[4], z[2];
     for (int i = 0; i < 8; ++i) {
@@ -50,32 +59,6 @@ struct Avx512 {
     const F s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     // Element e of 128-bit lane L now holds the sum of v[4e + L]: transpose lanes and elements.
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
-  }
-
-  // In-place transpose of a 16 x 16 block held in 16 vectors (unpacks and shuffles, 64 instructions).
-  static inline void transpose(F* r) {
-    F t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    // Within each 128-bit lane, u[4a + e] holds element 4L + e of rows 4a .. 4a + 3.
-    for (int i = 0; i < 16; i += 4) {
-      u[i + 0] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-      u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-      u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-      u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    // Gather the four 128-bit lanes of each column: element 4L + e comes from u[e], u[4 + e], u[8 + e], u[12 + e].
-    for (int e = 0; e < 4; ++e) {
-      const F v88 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), vdd = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
-      const F w88 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
-      const F wdd = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
-      r[e] = _mm512_shuffle_f32x4(v88, w88, 0x88);
-      r[4 + e] = _mm512_shuffle_f32x4(vdd, wdd, 0x88);
-      r[8 + e] = _mm512_shuffle_f32x4(v88, w88, 0xDD);
-      r[12 + e] = _mm512_shuffle_f32x4(vdd, wdd, 0xDD);
-    }
   }
 
   // Halves (IEEE f16) and bfloat16.

@@ -157,6 +157,12 @@ async function runOn(engines: Engines, runner: Runner, key: EngineKey, requests:
   };
 }
 
+/** One line per sample on stderr, so a long run shows where it is. */
+function progress(results: ModelResults, figure: string, key: EngineKey, value: number, foreignShare: number, attempts: number): void {
+  process.stderr.write(`  ${results.dtype} ${figure} ${ENGINE_LABEL[key]}: ${num(value)} (foreign CPU ` +
+    `${(foreignShare * 100).toFixed(0)}%, attempt ${attempts})\n`);
+}
+
 function file(results: ModelResults, figure: string, run: EngineRun, foreignShare: number, attempts: number): void {
   (results.coreSteps[figure] ??= []).push(...run.steps);
   (results.deliveryLagMs[figure] ??= []).push(...run.lags);
@@ -186,6 +192,7 @@ async function measureTtft(engines: Engines, results: ModelResults): Promise<voi
       add(results, 'ttftAgain', key, ttftMs(again));
       results.cachedOnRepeat[key] = again.cachedTokens;
       file(results, 'ttftCold', value.cold, foreignShare, attempts);
+      progress(results, 'ttft cold/again', key, ttftMs(cold), foreignShare, attempts);
       file(results, 'ttftAgain', value.again, foreignShare, 1);
     }
   }
@@ -207,6 +214,7 @@ async function measureDecode(engines: Engines, results: ModelResults, streams: n
       add(results, figure, key, steadyDecodeTokPerSec(value.traces));
       addItl(results, figure, key, value.traces.map((t) => t.tokenMs));
       file(results, figure, value, foreignShare, attempts);
+      progress(results, figure, key, results.samples[figure]![key]!.at(-1)!, foreignShare, attempts);
     }
   }
   for (const [, runner] of llamaRunners) await runner.close();

@@ -134,6 +134,15 @@ export class ModelNotFoundError extends ApiError {
   }
 }
 
+/** No finished request with this id in the trace store (unknown, still running, or older than the store holds). */
+export class TraceNotFoundError extends ApiError {
+  constructor(requestId: string, capacity: number) {
+    super(404, 'trace_not_found', INVALID_REQUEST,
+      `No finished request with id '${requestId}'. Traces are kept for the last ${capacity} finished requests; `
+      + 'a request still running has none yet.', 'id');
+  }
+}
+
 export class RouteNotFoundError extends ApiError {
   constructor(method: string, path: string) {
     super(404, 'unknown_url', INVALID_REQUEST, `Invalid URL (${method} ${path}).`);

@@ -9,8 +9,9 @@ import {
 } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { Tenant } from './auth.ts';
+import type { CallTrace } from './call-trace.ts';
 import {
-  BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
+  type ApiError, BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
   NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
@@ -36,7 +37,14 @@ export interface ModelBackend {
   engine: Engine;
   tokenizer: Tokenizer;
   chatTemplate?: ChatTemplateRenderer;
+  /**
+   * The worker name metrics and traces give an engine that is not routed (a routed engine's outputs name their
+   * worker). Default: worker-0, the name the worker pool gives its first worker.
+   */
+  workerId?: string;
 }
+
+export const DEFAULT_WORKER_ID = 'worker-0';
 
 export type GatewayState = 'loading' | 'ready' | 'draining' | 'stopped';
 
@@ -49,6 +57,8 @@ export interface GatewayOptions {
   requestTimeoutMs?: number;
   limiter: TenantRateLimiter;
   metrics: GatewayMetrics;
+  /** The engine clock (epoch ms), for the stamps of the request's trace. */
+  now: () => number;
 }
 
 /** One HTTP request as the gateway sees it. */
@@ -57,6 +67,10 @@ export interface Call {
   tenant: Tenant;
   arrivalMs: number;
   traceparent?: string;
+  /** The id the response will carry (chatcmpl-..., cmpl-...), chosen at arrival so every answer can name it. */
+  requestId?: string;
+  /** The request's lifecycle events (generation routes). */
+  trace?: CallTrace;
   /** Aborted when the client goes away before its response is complete. */
   clientGone: AbortSignal;
   /** Headers that every answer to this call carries, success or error (request id, rate limits). */
@@ -89,8 +103,17 @@ export class Gateway {
     return this.backend?.engine;
   }
 
+  /** The worker name of an engine that is not routed. */
+  get workerId(): string {
+    return this.backend?.workerId ?? DEFAULT_WORKER_ID;
+  }
+
   get servedModelName(): string | undefined {
     return this.options.servedModelName ?? this.backend?.engine.info.modelName;
+  }
+
+  private now(): number {
+    return this.options.now();
   }
 
   get activeRunCount(): number {
@@ -151,15 +174,33 @@ export class Gateway {
     };
   }
 
+  /** Parses and checks a generation request, telling the request's trace how validation went. */
+  private validated<T extends GenerationOptions>(call: Call, parse: () => T): T {
+    let request: T;
+    try {
+      request = parse();
+      this.checkModel(request.model);
+    } catch (err) {
+      // The served name, never the one asked for: a metric label must not take whatever clients send.
+      call.trace?.validated({ ok: false, model: this.servedModelName! });
+      throw err;
+    }
+    call.trace?.validated({
+      ok: true, model: this.servedModelName!, stream: request.stream, temperature: request.temperature, n: request.n,
+      ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),
+    });
+    return request;
+  }
+
   // ---- endpoints ----
 
   async chatCompletions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
-    const request = parseChatCompletionRequest(body, this.validationContext(backend));
-    this.checkModel(request.model);
+    const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)));
     const tokenIds = this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
-    const id = newCompletionId('chatcmpl');
+    call.trace?.tokenized(prompt.tokenIds.length);
+    const id = call.requestId ?? newCompletionId('chatcmpl');
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
     const shape = new ChatShape(this.meta(backend, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
     await this.run(call, backend, id, [prompt], request, topLogprobs, shape);
@@ -167,8 +208,7 @@ export class Gateway {
 
   async completions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
-    const request = parseCompletionRequest(body, this.validationContext(backend));
-    this.checkModel(request.model);
+    const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)));
     const { tokenizer } = backend;
     const prompts = request.prompts.map((input, i) => {
       const param = request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
@@ -179,7 +219,8 @@ export class Gateway {
       const text = request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
       return this.fitPrompt(backend, input.tokenIds, request.maxTokens, param, text);
     });
-    const id = newCompletionId('cmpl');
+    call.trace?.tokenized(prompts.reduce((sum, p) => sum + p.tokenIds.length, 0));
+    const id = call.requestId ?? newCompletionId('cmpl');
     const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
     const shape = new CompletionShape(this.meta(backend, id), prompts.length * request.n, new TokenTexts(tokenizer),
       request.logprobs, echoTexts);
@@ -256,13 +297,21 @@ export class Gateway {
 
   private async run(call: Call, backend: ModelBackend, id: string, prompts: PreparedPrompt[],
     request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
+    // With telemetry the engine joins the request's own trace (its root span as parent); without, the client's.
+    const traceparent = call.trace ? call.trace.context() : call.traceparent;
     const run = new GenerationRun(backend.engine, id, prompts, request.n, {
       priority: request.priority,
       arrivalMs: call.arrivalMs,
       tenant: call.tenant.name,
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
-      ...(call.traceparent ? { traceparent: call.traceparent } : {}),
+      ...(traceparent ? { traceparent } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
+    const trace = call.trace;
+    if (trace) {
+      trace.attachRun(run, backend.engine.info.blockSize, this.workerId);
+      run.onOutput = (output) => trace.output(output);
+    }
+    const timings = trace ? () => trace.timings() : undefined;
 
     // A client that left while its prompt was being prepared gets nothing started on its behalf.
     if (call.clientGone.aborted) throw new ClientClosedRequestError();
@@ -278,11 +327,13 @@ export class Gateway {
     let refused = false;
     try {
       if (request.stream) {
-        await streamRun(run, shape, new SseWriter(call.res), {
+        const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined);
+        await streamRun(run, shape, writer, {
           includeUsage: request.includeUsage, continuousUsage: request.continuousUsage, headers: call.headers,
+          ...(trace ? { timings, onFailure: (error: ApiError) => trace.failedMidStream(error) } : {}),
         });
       } else {
-        const body = await collectRun(run, shape);
+        const body = await collectRun(run, shape, timings);
         if (!call.clientGone.aborted) sendJsonReply(call.res, { status: 200, body }, call.headers);
       }
     } catch (err) {
@@ -295,7 +346,6 @@ export class Gateway {
       this.runEnded(run);
       this.pendingEngineRequests -= run.engineRequests.length;
       this.options.metrics.requestEnded(call.tenant.name);
-      this.options.metrics.countTokens(call.tenant.name, refused ? 0 : run.promptTokens, run.completionTokens);
       // A request the engine refused used nothing; otherwise the prompt and every generated token count.
       if (refused) admission.settle(0, { refundRequest: true });
       else admission.settle(run.promptTokens + run.completionTokens);
@@ -310,7 +360,15 @@ export class Gateway {
         throw new OverloadedError(
           `${this.pendingEngineRequests} requests are pending and the bound is ${this.options.maxPendingRequests}.`);
       }
-      return limiter.admit(call.tenant, run.reservedTokens);
+      const start = this.now();
+      try {
+        const admission = limiter.admit(call.tenant, run.reservedTokens);
+        call.trace?.admitted(start);
+        return admission;
+      } catch (err) {
+        call.trace?.admitted(start, err);
+        throw err;
+      }
     } finally {
       Object.assign(call.headers, limiter.headers(call.tenant));
     }

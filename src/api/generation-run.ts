@@ -32,6 +32,8 @@ export class GenerationRun {
   readonly engineRequests: EngineRequest[];
   /** Set when the server (not the client) ended the run early: a timeout or shutdown. */
   abortReason: ApiError | undefined;
+  /** Sees every engine output as it arrives, before it is consumed (the request's trace reads the timestamps). */
+  onOutput: ((output: EngineOutput) => void) | undefined;
   private readonly finishedCompletions: number[];
   private readonly generatedTokens: number[];
   private readonly cachedTokens: number[];
@@ -132,6 +134,7 @@ export class GenerationRun {
     this.generatedTokens[promptIndex]! += output.newTokenIds.length;
     this.cachedTokens[promptIndex] = Math.max(this.cachedTokens[promptIndex]!, output.usage.cachedTokens);
     if (output.finishReason) this.finishedCompletions[promptIndex]!++;
+    this.onOutput?.(output);
   }
 }
 

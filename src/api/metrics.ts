@@ -1,6 +1,9 @@
-// GET /metrics in Prometheus text exposition format (version 0.0.4). The gateway exposes its own counters and the
-// engine's load gauges; anything else (latency histograms, SLO figures) plugs in as a MetricsSource whose text is
-// appended, so the telemetry layer can register its own registry without the gateway knowing its contents.
+// GET /metrics in Prometheus text exposition format (version 0.0.4). The gateway exposes what only it knows (HTTP
+// responses by route and status, refusals before the engine, requests in flight per tenant) and the KV pool's size;
+// everything per request or per worker (latency histograms, token counters, load gauges, prefix-cache and
+// preemption counters, SLO figures) is the telemetry layer's registry, whose text the server appends (prom-client
+// renders asynchronously); other synchronous sources can plug in as a MetricsSource. The sets of names are
+// disjoint, so the exposition has each family once.
 
 import type { EngineStats } from '../engine/types.ts';
 
@@ -53,8 +56,6 @@ class LabelledCounter {
 
 export class GatewayMetrics {
   private readonly responses = new LabelledCounter();
-  private readonly promptTokens = new LabelledCounter();
-  private readonly generationTokens = new LabelledCounter();
   private readonly rejections = new LabelledCounter();
   private readonly inFlightByTenant = new Map<string, number>();
   private readonly sources: MetricsSource[] = [];
@@ -66,11 +67,6 @@ export class GatewayMetrics {
 
   countResponse(route: string, status: number, tenant: string): void {
     this.responses.add({ route, status: String(status), tenant });
-  }
-
-  countTokens(tenant: string, prompt: number, generated: number): void {
-    this.promptTokens.add({ tenant }, prompt);
-    this.generationTokens.add({ tenant }, generated);
   }
 
   countRejection(tenant: string, code: string): void {
@@ -88,31 +84,26 @@ export class GatewayMetrics {
   render(stats: EngineStats | undefined, modelName: string | undefined): string {
     const parts = [
       family('conduit_http_responses_total', 'counter', 'HTTP responses by route, status and tenant.', this.responses.samples()),
-      family('conduit_prompt_tokens_total', 'counter', 'Prompt tokens admitted, by tenant.', this.promptTokens.samples()),
-      family('conduit_generation_tokens_total', 'counter', 'Completion tokens produced, by tenant.', this.generationTokens.samples()),
       family('conduit_gateway_rejections_total', 'counter', 'Requests refused before the engine, by tenant and error code.',
         this.rejections.samples()),
       family('conduit_gateway_requests_in_flight', 'gauge', 'Generation requests in flight, by tenant.',
         [...this.inFlightByTenant].map(([tenant, value]) => [{ tenant }, value])),
     ];
-    if (stats) parts.push(engineFamilies(stats, modelName ?? ''));
+    if (stats) parts.push(kvPoolFamilies(stats, modelName ?? ''));
     for (const source of this.sources) parts.push(source());
     return parts.join('');
   }
 }
 
-function engineFamilies(stats: EngineStats, model: string): string {
+/**
+ * The KV pool in blocks, over all workers. Queue depth, batch size, utilisation and the prefix-cache and preemption
+ * counters are the telemetry's, per worker (conduit_scheduler_queue_depth, conduit_running_batch_size,
+ * conduit_kv_cache_utilization_ratio, conduit_prefix_cache_*_tokens_total, conduit_scheduler_preemptions_total).
+ */
+function kvPoolFamilies(stats: EngineStats, model: string): string {
   const labels = { model };
-  const usage = stats.kvBlocksTotal > 0 ? stats.kvBlocksUsed / stats.kvBlocksTotal : 0;
   return [
-    family('conduit_engine_requests_running', 'gauge', 'Requests in the running batch.', [[labels, stats.numRunning]]),
-    family('conduit_engine_requests_waiting', 'gauge', 'Requests waiting to be scheduled.', [[labels, stats.numWaiting]]),
-    family('conduit_kv_cache_blocks_used', 'gauge', 'KV cache blocks in use.', [[labels, stats.kvBlocksUsed]]),
-    family('conduit_kv_cache_blocks_total', 'gauge', 'KV cache blocks in the pool.', [[labels, stats.kvBlocksTotal]]),
-    family('conduit_kv_cache_usage_ratio', 'gauge', 'Fraction of KV cache blocks in use.', [[labels, usage]]),
-    family('conduit_prefix_cache_queries_total', 'counter', 'Prompt blocks looked up in the prefix cache.',
-      [[labels, stats.prefixCacheQueries]]),
-    family('conduit_prefix_cache_hits_total', 'counter', 'Prompt blocks found in the prefix cache.', [[labels, stats.prefixCacheHits]]),
-    family('conduit_preemptions_total', 'counter', 'Requests preempted for lack of KV blocks.', [[labels, stats.preemptions]]),
+    family('conduit_kv_cache_used_blocks', 'gauge', 'KV cache blocks in use, over all workers.', [[labels, stats.kvBlocksUsed]]),
+    family('conduit_kv_cache_capacity_blocks', 'gauge', 'KV cache blocks in the pool, over all workers.', [[labels, stats.kvBlocksTotal]]),
   ].join('');
 }

@@ -1,9 +1,9 @@
 // Driving a run to the client: collected into one JSON body, or streamed as SSE chunks. Errors that happen before
 // the first chunk propagate (the caller answers with a proper status code); errors after it become an SSE error
-// event followed by [DONE].
+// event followed by [DONE]. The final body, or the stream's last chunk, carries the request's `timings`.
 
 import type { EngineOutput } from '../engine/types.ts';
-import { EngineError, toApiError } from './errors.ts';
+import { EngineError, toApiError, type ApiError } from './errors.ts';
 import type { GenerationRun, RunEvent } from './generation-run.ts';
 import { wireFinishReason, wireUsage, type WireUsage } from './openai-format.ts';
 import type { ChoiceUpdate, ResponseShape } from './response-shapes.ts';
@@ -24,18 +24,30 @@ function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
     logprobs: output.logprobs,
     finishReason: wireFinishReason(output.finishReason),
     stopReason: output.stopReason ?? null,
+    tokens: output.newTokenIds.length,
   };
 }
 
-export async function collectRun(run: GenerationRun, shape: ResponseShape): Promise<object> {
+/** The per-phase timings of the request so far, for the response that ends it (undefined without telemetry). */
+export type TimingsSource = () => object | undefined;
+
+function withTimings(body: object, timings: TimingsSource | undefined): object {
+  const value = timings?.();
+  return value === undefined ? body : { ...body, timings: value };
+}
+
+export async function collectRun(run: GenerationRun, shape: ResponseShape, timings?: TimingsSource): Promise<object> {
   for await (const event of run.events()) shape.collect(toUpdate(run, event));
-  return shape.body(usageOf(run));
+  return withTimings(shape.body(usageOf(run)), timings);
 }
 
 export interface StreamOptions {
   includeUsage: boolean;
   continuousUsage: boolean;
   headers: Record<string, string>;
+  timings?: TimingsSource;
+  /** Told of an error that ended the stream after it began (it went to the client as an SSE error event). */
+  onFailure?: (error: ApiError) => void;
 }
 
 export async function streamRun(
@@ -60,18 +72,32 @@ async function streamFrom(
   // With include_usage every chunk carries "usage": null until the last; continuous usage fills it in each time.
   const chunkUsage = (): WireUsage | null | undefined =>
     options.includeUsage ? (options.continuousUsage ? usageOf(run) : null) : undefined;
+  // Tokens that produced no visible chunk yet (held back for a stop string, or half a character) count for the
+  // chunk that first shows them: that write is when the client sees them.
+  let unshownTokens = 0;
   try {
     for (const chunk of shape.openingChunks(chunkUsage())) await writer.send(chunk);
     let update = firstUpdate;
     while (update) {
-      for (const chunk of shape.updateChunks(update, chunkUsage())) await writer.send(chunk);
+      unshownTokens += update.tokens;
+      const chunks = shape.updateChunks(update, chunkUsage());
+      const shows = update.textDelta !== '' || (update.logprobs?.length ?? 0) > 0;
+      // The run's last update: without a usage chunk to follow, its last chunk ends the stream and carries timings.
+      const lastChunk = run.done && !options.includeUsage ? chunks.length - 1 : -1;
+      for (let i = 0; i < chunks.length; i++) {
+        const tokens = i === 0 && shows ? unshownTokens : 0;
+        if (tokens > 0) unshownTokens = 0;
+        await writer.send(i === lastChunk ? withTimings(chunks[i]!, options.timings) : chunks[i]!, tokens);
+      }
       if (writer.closed) return;
       const next = await events.next();
       update = next.done ? undefined : toUpdate(run, next.value);
     }
-    if (options.includeUsage) await writer.send(shape.usageChunk(usageOf(run)));
+    if (options.includeUsage) await writer.send(withTimings(shape.usageChunk(usageOf(run)), options.timings));
     writer.end();
   } catch (err) {
-    if (!writer.closed) await writer.fail(toApiError(err).toBody());
+    const error = toApiError(err);
+    options.onFailure?.(error);
+    if (!writer.closed) await writer.fail(error.toBody());
   }
 }

@@ -14,6 +14,8 @@ export interface ChoiceUpdate {
   logprobs: readonly TokenLogprob[] | undefined;
   finishReason: WireFinishReason | null;
   stopReason: string | number | null;
+  /** Output tokens the update adds (some show no text yet: held back for a stop string or a split character). */
+  tokens: number;
 }
 
 export interface ResponseShape {

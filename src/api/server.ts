@@ -1,19 +1,27 @@
 // The HTTP shell: routing, method checks, auth, the cheap rate-limit check, body reading, and turning any thrown
 // error into OpenAI's error shape. Raw node:http (or node:https with --tls-cert/--tls-key): it is as fast as any
 // framework for SSE and adds no dependency.
+//
+// It also owns the process's telemetry (docs/observability.md): every generation request gets an id at arrival
+// and a CallTrace that stamps its phases and ends it exactly once, whichever way it ends; /metrics appends the
+// telemetry's registry, and /v1/requests/{id}/trace, /v1/slo and /v1/analysis read what it collected.
 
 import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { createServer as createHttpsServer } from 'node:https';
 import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
+import type { Engine, EngineStats } from '../engine/types.ts';
+import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
 import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
+import { CallTrace } from './call-trace.ts';
 import {
-  ClientClosedRequestError, MethodNotAllowedError, RouteNotFoundError, toApiError, type ApiError,
+  ClientClosedRequestError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './metrics.ts';
+import { newCompletionId } from './openai-format.ts';
 import { TenantRateLimiter, type Clock } from './rate-limit.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
@@ -31,6 +39,11 @@ export interface ApiServerOptions {
   engineClock?: Clock;
   tls?: { cert: string | Buffer; key: string | Buffer };
   logger?: Logger;
+  /**
+   * The process's telemetry. Default: one created here on the engine clock, configured by OTEL_* variables (no
+   * spans unless they ask for export), and shut down with the server. One passed in is the caller's to shut down.
+   */
+  telemetry?: Telemetry;
 }
 
 interface RouteContext {
@@ -51,7 +64,18 @@ interface Route {
   auth: boolean;
   /** Generates: subject to the tenant's request rate before the body is read. */
   rateLimited: boolean;
+  /** Generates: traced, under an id with this prefix chosen at arrival. */
+  traced?: 'chatcmpl' | 'cmpl';
   methods: Partial<Record<'GET' | 'POST', Handler>>;
+}
+
+/** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
+interface MultiWorkerEngine extends Engine {
+  workerStats(): { workerId: string; stats: EngineStats }[];
+}
+
+function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
+  return typeof (engine as Partial<MultiWorkerEngine>).workerStats === 'function';
 }
 
 const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
@@ -65,6 +89,10 @@ export class ApiServer {
   readonly metrics = new GatewayMetrics();
   readonly limiter: TenantRateLimiter;
   readonly server: Server;
+  readonly telemetry: Telemetry;
+  private readonly ownsTelemetry: boolean;
+  /** Workers whose load series are in the metrics, so a worker that leaves can have its series removed. */
+  private reportedWorkers = new Set<string>();
   private readonly routes: Route[];
   private readonly logger: Logger;
   private readonly maxBodyBytes: number;
@@ -77,12 +105,16 @@ export class ApiServer {
     // The engine's clock: epoch milliseconds at sub-millisecond resolution, the same scale in every thread.
     this.engineClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
     this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
+    this.ownsTelemetry = options.telemetry === undefined;
+    this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock });
+    for (const warning of this.telemetry.warnings) this.logger.warn(`telemetry: ${warning}`);
     this.gateway = new Gateway({
       ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
       maxPendingRequests: options.maxPendingRequests ?? DEFAULT_MAX_PENDING_REQUESTS,
       ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
       limiter: this.limiter,
       metrics: this.metrics,
+      now: this.engineClock,
     });
     this.routes = this.buildRoutes();
     const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res);
@@ -139,18 +171,25 @@ export class ApiServer {
     await this.gateway.engine?.close();
     await this.gateway.whenIdle();
     await closed;
+    if (this.ownsTelemetry) {
+      // Spans still queued go out now; a collector that is down is reported, not thrown.
+      const exportError = await this.telemetry.shutdown();
+      if (exportError) this.logger.warn(`telemetry: spans not exported at shutdown: ${exportError.message}`);
+    }
   }
 
   // ---- routing ----
 
   private buildRoutes(): Route[] {
     const g = this.gateway;
-    const route = (name: string, match: Route['match'], auth: boolean, methods: Route['methods'], rateLimited = false): Route =>
-      ({ name, match, auth, rateLimited, methods });
+    const route = (name: string, match: Route['match'], auth: boolean, methods: Route['methods'],
+      traced?: Route['traced']): Route =>
+      ({ name, match, auth, rateLimited: traced !== undefined, methods, ...(traced ? { traced } : {}) });
+    const t = this.telemetry;
     return [
       route('chat_completions', exact('/v1/chat/completions'), true,
-        { POST: ({ call, body }) => g.chatCompletions(call, body) }, true),
-      route('completions', exact('/v1/completions'), true, { POST: ({ call, body }) => g.completions(call, body) }, true),
+        { POST: ({ call, body }) => g.chatCompletions(call, body) }, 'chatcmpl'),
+      route('completions', exact('/v1/completions'), true, { POST: ({ call, body }) => g.completions(call, body) }, 'cmpl'),
       route('models', exact('/v1/models'), true, { GET: () => g.models() }),
       route('model', (p) => {
         const m = /^\/v1\/models\/(.+)$/.exec(p);
@@ -161,14 +200,68 @@ export class ApiServer {
       route('health', exact('/health'), false, { GET: () => g.health() }),
       route('live', exact('/live'), false, { GET: () => ({ status: 200, body: { status: 'alive' } }) }),
       route('metrics', exact('/metrics'), false, { GET: ({ res }) => this.sendMetrics(res) }),
+      route('request_trace', (p) => {
+        const m = /^\/v1\/requests\/([^/]+)\/trace$/.exec(p);
+        if (!m) return undefined;
+        // A malformed escape names no request: looked up as sent, it is a 404 like any unknown id.
+        try {
+          return [decodeURIComponent(m[1]!)];
+        } catch {
+          return [m[1]!];
+        }
+      }, true, { GET: ({ params }) => this.traceReply(params[0]!) }),
+      route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) }),
+      route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) }),
     ];
   }
 
-  private sendMetrics(res: ServerResponse): void {
+  /** GET /v1/requests/{id}/trace: the trace's JSON view, its text waterfall and the bottleneck diagnosis. */
+  private traceReply(requestId: string): JsonReply {
+    const trace = this.telemetry.trace(requestId);
+    if (!trace) throw new TraceNotFoundError(requestId, this.telemetry.traces.capacity);
+    return {
+      status: 200,
+      body: {
+        ...this.telemetry.traceView(requestId),
+        waterfall: this.telemetry.waterfall(requestId),
+        analysis: this.telemetry.analyzer.classify(trace),
+      },
+    };
+  }
+
+  private async sendMetrics(res: ServerResponse): Promise<void> {
+    this.refreshEngineStats();
     const engine = this.gateway.engine;
-    const text = this.metrics.render(engine?.stats(), this.gateway.servedModelName);
+    const text = this.metrics.render(engine?.stats(), this.gateway.servedModelName) + await this.telemetry.renderMetrics();
     res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
     res.end(text);
+  }
+
+  /**
+   * Hands each worker's stats to the telemetry: load gauges, and counters advanced by what the engine's cumulative
+   * counters moved. Done at scrape time, so the gauges are as fresh as the scrape and cost nothing in between.
+   */
+  private refreshEngineStats(): void {
+    const engine = this.gateway.engine;
+    if (!engine) return;
+    const model = this.gateway.servedModelName;
+    const workers = isMultiWorker(engine) ? engine.workerStats() : [{ workerId: this.gateway.workerId, stats: engine.stats() }];
+    const seen = new Set<string>();
+    for (const { workerId, stats } of workers) {
+      seen.add(workerId);
+      this.telemetry.updateEngineStats({ worker: workerId, ...(model !== undefined ? { model } : {}), stats });
+    }
+    for (const worker of this.reportedWorkers) if (!seen.has(worker)) this.telemetry.metrics.forgetWorker(worker);
+    this.reportedWorkers = seen;
+  }
+
+  /** A generation request's id and trace, from arrival on. */
+  private openTrace(call: Call, route: Route, path: string): CallTrace {
+    const id = newCompletionId(route.traced!);
+    call.requestId = id;
+    call.headers['x-request-id'] = id;
+    call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent);
+    return call.trace;
   }
 
   private async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
@@ -190,23 +283,58 @@ export class ApiServer {
       clientGone: clientGone.signal,
       headers: {},
     };
+    let failure: ApiError | undefined;
     try {
       const found = this.findRoute(method, path);
       routeName = found.route.name;
-      if (found.route.auth) call.tenant = this.options.keyStore.authenticate(req.headers.authorization);
-      if (found.route.rateLimited) this.limiter.precheck(call.tenant);
+      const trace = found.route.traced ? this.openTrace(call, found.route, path) : undefined;
+      if (found.route.auth) {
+        const start = this.engineClock();
+        try {
+          call.tenant = this.options.keyStore.authenticate(req.headers.authorization);
+        } catch (err) {
+          trace?.authenticated(start, false);
+          throw err;
+        }
+        trace?.authenticated(start, true, call.tenant.name);
+      }
+      if (found.route.rateLimited) {
+        const start = this.engineClock();
+        try {
+          this.limiter.precheck(call.tenant);
+        } catch (err) {
+          trace?.precheckRefused(start, call.tenant.name, err);
+          throw err;
+        }
+        trace?.prechecked(start, call.tenant.name);
+      }
       let body: unknown;
       if (method === 'POST') {
         bodyFullyRead = false;
-        body = parseJsonBytes(await readBody(req, this.maxBodyBytes));
+        const bytes = await readBody(req, this.maxBodyBytes);
         bodyFullyRead = true;
+        trace?.bodyRead(bytes.length);
+        try {
+          body = parseJsonBytes(bytes);
+        } catch (err) {
+          const model = this.gateway.servedModelName;
+          trace?.validated({ ok: false, ...(model !== undefined ? { model } : {}) });
+          throw err;
+        }
       }
       const reply = await found.handler({ req, res, call, body, params: found.params });
       if (reply) sendJsonReply(res, reply, call.headers);
     } catch (err) {
-      this.sendError(res, toApiError(err), call, bodyFullyRead);
+      failure = toApiError(err);
+      this.sendError(res, failure, call, bodyFullyRead);
     } finally {
       const status = clientGone.signal.aborted && !res.headersSent ? 499 : res.statusCode;
+      // After the response's last byte (or the client's leaving): the request's one terminal event.
+      const model = this.gateway.servedModelName;
+      call.trace?.end({
+        ...(failure ? { error: failure } : {}), ...(model !== undefined ? { model } : {}),
+        clientGone: clientGone.signal.aborted, bodyIncomplete: !bodyFullyRead,
+      });
       this.metrics.countResponse(routeName, status, call.tenant.name);
       this.logger.debug(`${method} ${path} ${status} ${(performance.now() - startedMs).toFixed(1)}ms tenant=${call.tenant.name}`);
     }

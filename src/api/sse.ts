@@ -11,10 +11,13 @@ export const SSE_HEADERS: Readonly<Record<string, string>> = {
   'X-Accel-Buffering': 'no',
 };
 
+/** Told of every event written: its bytes and the output tokens it shows the client for the first time. */
+export type WriteListener = (bytes: number, tokens: number) => void;
+
 export class SseWriter {
   private finished = false;
 
-  constructor(private readonly res: ServerResponse) {}
+  constructor(private readonly res: ServerResponse, private readonly onWrite?: WriteListener) {}
 
   /** Sends the status line and headers right away, so the client sees the stream open before the first token. */
   open(extraHeaders: Record<string, string> = {}): void {
@@ -28,26 +31,34 @@ export class SseWriter {
     return this.finished || this.res.destroyed || this.res.writableEnded;
   }
 
-  /** Writes one event; resolves when the socket can take more (at once unless the client reads slowly). */
-  async send(data: object): Promise<void> {
-    await this.write(`data: ${JSON.stringify(data)}\n\n`);
+  /**
+   * Writes one event; resolves when the socket can take more (at once unless the client reads slowly). `tokens`:
+   * output tokens this event shows for the first time (for TTFT and time between tokens).
+   */
+  async send(data: object, tokens = 0): Promise<void> {
+    await this.write(`data: ${JSON.stringify(data)}\n\n`, tokens);
   }
 
   /** An error after the stream began: an `error` event (its data has OpenAI's error shape), then [DONE]. */
   async fail(body: ErrorBody): Promise<void> {
-    await this.write(`event: error\ndata: ${JSON.stringify(body)}\n\n`);
+    await this.write(`event: error\ndata: ${JSON.stringify(body)}\n\n`, 0);
     this.end();
   }
 
   end(): void {
     if (this.closed) return;
     this.finished = true;
-    this.res.end('data: [DONE]\n\n');
+    const done = 'data: [DONE]\n\n';
+    this.res.end(done);
+    this.onWrite?.(done.length, 0);
   }
 
-  private write(text: string): Promise<void> {
+  private write(text: string, tokens: number): Promise<void> {
     if (this.closed) return Promise.resolve();
-    if (this.res.write(text)) return Promise.resolve();
+    const flowing = this.res.write(text);
+    // Stamped when the bytes are handed to the socket, not when a slow reader lets the next write through.
+    this.onWrite?.(Buffer.byteLength(text), tokens);
+    if (flowing) return Promise.resolve();
     return new Promise((resolve) => {
       const done = (): void => {
         this.res.off('drain', done);

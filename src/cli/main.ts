@@ -13,11 +13,11 @@ const COMMANDS: Record<string, () => Promise<Command>> = {
   generate: async () => (await import('./generate.ts')).generateCommand,
   sim: async () => (await import('./sim.ts')).simCommand,
   plan: async () => (await import('./plan.ts')).planCommand,
+  bench: async () => (await import('./bench.ts')).benchCommand,
+  trace: async () => (await import('./trace.ts')).traceCommand,
 };
 
 const PLANNED: Record<string, string> = {
-  bench: 'load generator and reports',
-  trace: 'per-request phase waterfall',
 };
 
 function usage(): string {

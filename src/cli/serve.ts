@@ -227,6 +227,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     for (const notice of pool.notices) logger.warn(notice);
     const backend: ModelBackend = {
       engine: pool.engine,
+      workerId: pool.workers[0]!.id,
       tokenizer: pool.tokenizer,
       chatTemplate: pool.chatTemplate,
     };

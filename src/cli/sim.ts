@@ -5,7 +5,11 @@
 
 import { getHardwareProfile, getLinkProfile, HARDWARE_PROFILES, LINK_PROFILES } from '../sim/hardware.ts';
 import type { HardwareProfile } from '../sim/hardware.ts';
-import { DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatLifecycleTable, simulateLifecycle } from '../sim/lifecycle.ts';
+import {
+  DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatDisaggregatedPath, formatLifecycleTable, simulateDisaggregatedPath,
+  simulateLifecycle,
+} from '../sim/lifecycle.ts';
+import { checkDisaggregatedPathWithEngine } from '../sim/disaggregated.ts';
 import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
@@ -130,6 +134,12 @@ async function lifecycle(argv: string[]): Promise<number> {
     throw error;
   }
   console.log(formatLifecycleTable(report));
+  // With a link: the cold path of Conduit's disaggregated serving (first token on the prefill worker, then the
+  // transfer and the decode worker's first step) next to the aggregated one.
+  const path = disaggregated
+    ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, ...disaggregated })
+    : undefined;
+  if (path) console.log(formatDisaggregatedPath(path));
   if (!values.check) return 0;
 
   const check = await checkLifecycleWithEngine({
@@ -143,8 +153,19 @@ async function lifecycle(argv: string[]): Promise<number> {
     lines.push(`  note: the KV cache keeps whole blocks of ${blockSize}, so the engine hit ${check.warm.cachedTokens} of the `
       + `${report.warm.cachedTokens} cached tokens asked for; the warm check uses the engine's hit`);
   }
+  let pathOk = true;
+  if (disaggregated) {
+    const pathCheck = checkDisaggregatedPathWithEngine({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, ...disaggregated });
+    pathOk = agrees(pathCheck.engineTtftMs, pathCheck.modelPrefillMs)
+      && agrees(pathCheck.engineSecondTokenGapMs, pathCheck.modelSecondTokenGapMs)
+      && pathCheck.engineTransferBlocks === pathCheck.modelTransferBlocks;
+    lines.push('simulated engine, one prefill and one decode worker (handoff, transfer over the link, adoption):',
+      `  first token ${pathCheck.engineTtftMs.toFixed(2)} ms (model prefill_execution ${pathCheck.modelPrefillMs.toFixed(2)} ms), `
+      + `second token ${pathCheck.engineSecondTokenGapMs.toFixed(2)} ms later (model kv_transfer + decode_execution `
+      + `${pathCheck.modelSecondTokenGapMs.toFixed(2)} ms), ${pathCheck.engineTransferBlocks} blocks moved  ${pathOk ? 'ok' : 'MISMATCH'}`);
+  }
   console.log(lines.join('\n'));
-  return agrees(check.cold.engineMs, check.cold.modelMs) && agrees(check.warm.engineMs, check.warm.modelMs) ? 0 : 1;
+  return agrees(check.cold.engineMs, check.cold.modelMs) && agrees(check.warm.engineMs, check.warm.modelMs) && pathOk ? 0 : 1;
 }
 
 async function sweep(argv: string[]): Promise<number> {

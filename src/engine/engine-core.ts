@@ -109,6 +109,10 @@ export class EngineCore {
    * client gave none, so that the decode worker continues the same random stream.
    */
   add(engineRequest: EngineRequest, options: { handoff?: boolean } = {}): void {
+    if (this.pendingAdoptions.some((p) => p.handoff.requestId === engineRequest.id)) {
+      // Else the adoption, retried later, would find the id taken: validation must not fail after it was accepted.
+      throw new InvalidRequestError('duplicate_request_id', engineRequest.id, 'a request with this id is already here');
+    }
     let accepted = engineRequest;
     if (options.handoff) {
       if (engineRequest.sampling.n !== 1) {
@@ -231,13 +235,14 @@ export class EngineCore {
     if (this.states.has(id) || this.pendingAdoptions.some((p) => p.handoff.requestId === id)) {
       throw new InvalidRequestError('duplicate_request_id', id, 'a request with this id is already here');
     }
-    const pending = { handoff, source: source!, ...this.resumeRequestState(handoff) };
-    if (source === null) return this.adoptByRecompute(pending, 'no KV source for this prefill worker');
+    const resumed = this.resumeRequestState(handoff);
+    if (source === null) return this.adoptByRecompute(handoff, resumed, 'no KV source for this prefill worker');
     try {
       checkKvLayoutsMatch(source.layout, this.backend.kvLayout);
     } catch (error) {
-      return this.adoptByRecompute(pending, (error as Error).message);
+      return this.adoptByRecompute(handoff, resumed, (error as Error).message);
     }
+    const pending: PendingAdoption = { handoff, source, ...resumed };
     const result = this.tryImport(pending);
     if (result === null) this.pendingAdoptions.push(pending);
     return result;
@@ -318,7 +323,7 @@ export class EngineCore {
       });
     } catch (error) {
       if (error instanceof InvalidRequestError) throw error;
-      return this.adoptByRecompute(pending, `KV import failed: ${(error as Error).message}`);
+      return this.adoptByRecompute(handoff, pending, `KV import failed: ${(error as Error).message}`);
     }
     if (request === null) return null;
     const transfer = transferStats(plan!, source.id, source.channel, runs, startMs, endMs);
@@ -329,9 +334,9 @@ export class EngineCore {
     return result;
   }
 
-  private adoptByRecompute(pending: PendingAdoption, error: string): AdoptedResult {
-    const request = this.scheduler.adoptRequest(pending.handoff.request, this.now(), adoptedState(pending.handoff))!;
-    this.states.set(request.id, { request, samplers: pending.samplers, detokenizers: pending.detokenizers });
+  private adoptByRecompute(handoff: KvHandoff, resumed: Pick<PendingAdoption, 'samplers' | 'detokenizers'>, error: string): AdoptedResult {
+    const request = this.scheduler.adoptRequest(handoff.request, this.now(), adoptedState(handoff))!;
+    this.states.set(request.id, { request, samplers: resumed.samplers, detokenizers: resumed.detokenizers });
     const result: AdoptedResult = { requestId: request.id, status: 'recompute', error };
     this.adoptedOut.push(result);
     return result;

@@ -283,8 +283,7 @@ export class DisaggregatedEngine implements Engine {
     const chosen = prefillDecision?.costTerms.find((t) => t.workerId === prefillDecision!.workerId);
     const choice = decideDisaggregation({
       numPromptTokens: request.promptTokenIds.length, blockSize: this.info.blockSize,
-      ineligible: request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker`
-        : this.prefillWorkers.size === 0 ? 'no prefill worker' : undefined,
+      ineligible: request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker` : undefined,
       decodeWorkerId: decodeDecision.workerId, decodeOverlapBlocks: decodeDecision.overlapBlocks,
       prefill: prefillDecision && chosen
         ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }

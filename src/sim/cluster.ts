@@ -8,9 +8,10 @@
 // with work starts its next step at that instant. A worker runs one step at a time; a request routed to a busy
 // worker joins at its next step, as in a real engine.
 
+import type { KvHandoff } from '../engine/handoff.ts';
 import { InvalidRequestError } from '../engine/request.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
-import type { EngineOutput, EngineRequest, EngineStats, FinishReason } from '../engine/types.ts';
+import type { EngineOutput, EngineRequest, EngineStats, FinishReason, WorkerRole } from '../engine/types.ts';
 import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-engine.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -23,10 +24,19 @@ export interface RouteContext {
 }
 
 /**
- * Picks the worker (index) for a request, or null to hold it: the caller then dispatches it later with
- * SimCluster.dispatch (a router with an admission queue does this from onOutput).
+ * Disaggregated placement: the prompt runs on worker `prefill`, which hands the request to worker `decode` after
+ * the first token; the KV blocks the decode worker lacks cross its kvLink in the time SimWorker.planTransfer gives.
  */
-export type RouteFunction = (request: EngineRequest, ctx: RouteContext) => number | null;
+export interface DisaggregatedRoute {
+  prefill: number;
+  decode: number;
+}
+
+/**
+ * Picks the worker (index) for a request, a prefill/decode pair, or null to hold it: the caller then dispatches it
+ * later with SimCluster.dispatch (a router with an admission queue does this from onOutput).
+ */
+export type RouteFunction = (request: EngineRequest, ctx: RouteContext) => number | DisaggregatedRoute | null;
 
 /** Fewest unfinished requests (waiting, running, preempted); ties to the lowest index. */
 export const leastLoaded: RouteFunction = (_request, { workers }) => {
@@ -67,6 +77,11 @@ export interface SimRequestResult {
   finishReason?: FinishReason;
   /** Why the worker refused it (InvalidRequestError message). */
   error?: string;
+  /** Disaggregated requests: the prefill worker, and the KV transfer to the decode worker (workerIndex). */
+  prefillWorkerIndex?: number;
+  kvTransferMs?: number;
+  kvTransferBytes?: number;
+  kvTransferBlocks?: number;
 }
 
 export interface SimWorkerSummary {
@@ -74,6 +89,7 @@ export interface SimWorkerSummary {
   steps: number;
   busyMs: number;
   stats: EngineStats;
+  role: WorkerRole;
 }
 
 export interface SimClusterResult {
@@ -88,9 +104,10 @@ export interface SimClusterResult {
 
 interface ArrivalEvent { kind: 1; timeMs: number; seq: number; request: EngineRequest }
 interface StepEndEvent { kind: 0; timeMs: number; seq: number; worker: number; step: SimStep }
-type SimEvent = ArrivalEvent | StepEndEvent;
+interface TransferEndEvent { kind: 2; timeMs: number; seq: number; handoff: KvHandoff; prefill: number; decode: number; startMs: number }
+type SimEvent = ArrivalEvent | StepEndEvent | TransferEndEvent;
 
-/** Earlier first; at one instant step ends (kind 0) before arrivals; then insertion order. */
+/** Earlier first; at one instant step ends (kind 0) before arrivals, then transfer ends; then insertion order. */
 function before(a: SimEvent, b: SimEvent): boolean {
   return a.timeMs < b.timeMs || (a.timeMs === b.timeMs && (a.kind < b.kind || (a.kind === b.kind && a.seq < b.seq)));
 }
@@ -165,6 +182,8 @@ export class SimCluster {
   private readonly lastTokenMs = new Map<string, number[]>();
   /** Workers touched since their last step started: candidates to start one now. */
   private readonly dirty = new Set<number>();
+  /** Disaggregated requests not yet adopted by their decode worker: where they run. */
+  private readonly pairs = new Map<string, DisaggregatedRoute>();
   private clockMs: number;
   private nextSeq = 0;
 
@@ -191,16 +210,21 @@ export class SimCluster {
     this.events.push({ kind: 1, timeMs, seq: this.nextSeq++, request: arrived });
   }
 
-  /** Hands a request to a worker now (after a route function returned null for it). */
-  dispatch(workerIndex: number, request: EngineRequest): void {
+  /** Hands a request to a worker, or a prefill/decode pair, now (after a route function returned null for it). */
+  dispatch(target: number | DisaggregatedRoute, request: EngineRequest): void {
+    const pair = typeof target === 'number' ? undefined : target;
+    const workerIndex = pair ? pair.prefill : target as number;
     const worker = this.workers[workerIndex];
     if (worker === undefined) throw new RangeError(`no worker ${workerIndex} (the cluster has ${this.workers.length})`);
+    if (pair && this.workers[pair.decode] === undefined) throw new RangeError(`no worker ${pair.decode} (the cluster has ${this.workers.length})`);
     const record = this.records.get(request.id);
     if (record === undefined) throw new RangeError(`request ${request.id} was never submitted`);
-    record.workerIndex = workerIndex;
+    record.workerIndex = pair ? pair.decode : workerIndex;
+    if (pair) record.prefillWorkerIndex = pair.prefill;
     record.dispatchMs = this.clockMs;
     try {
-      worker.add(request, this.clockMs);
+      worker.add(request, this.clockMs, { handoff: pair !== undefined });
+      if (pair) this.pairs.set(request.id, pair);
     } catch (error) {
       if (!(error instanceof InvalidRequestError)) throw error;
       record.error = error.message;
@@ -211,12 +235,18 @@ export class SimCluster {
     this.dirty.add(workerIndex);
   }
 
-  /** Stops a request wherever it is. */
+  /** Stops a request wherever it is: on its prefill worker, in transfer, or on its (decode) worker. */
   abort(requestId: string): void {
     const record = this.records.get(requestId);
     if (record === undefined || record.workerIndex < 0) return;
-    for (const output of this.workers[record.workerIndex]!.abort(requestId, this.clockMs)) this.record(record.workerIndex, output);
-    this.dirty.add(record.workerIndex);
+    const pair = this.pairs.get(requestId);
+    this.pairs.delete(requestId);
+    for (const index of pair ? [pair.prefill, pair.decode] : [record.workerIndex]) {
+      for (const output of this.workers[index]!.abort(requestId, this.clockMs)) this.record(index, output);
+      this.dirty.add(index);
+    }
+    // Handed off and crossing the link: neither worker holds a stream to close.
+    if (pair && record.finishReason === undefined) this.record(pair.decode, abortedInTransfer(requestId, record));
   }
 
   /** Handles every event up to and including timeMs; the clock ends at timeMs (or later, if it already was). */
@@ -246,7 +276,7 @@ export class SimCluster {
   result(): SimClusterResult {
     return {
       requests: [...this.records.values()],
-      workers: this.workers.map((worker, index) => ({ index, steps: worker.numSteps, busyMs: worker.busyMs, stats: worker.stats() })),
+      workers: this.workers.map((worker, index) => ({ index, steps: worker.numSteps, busyMs: worker.busyMs, stats: worker.stats(), role: worker.role })),
       endMs: this.clockMs,
     };
   }
@@ -258,9 +288,38 @@ export class SimCluster {
     for (let event = this.events.peek(); event !== undefined && event.timeMs === timeMs; event = this.events.peek()) {
       this.events.pop();
       if (event.kind === 0) this.endStep(event);
-      else this.arrive(event.request);
+      else if (event.kind === 1) this.arrive(event.request);
+      else this.endTransfer(event);
     }
     this.startSteps();
+  }
+
+  /** The handoff's blocks have crossed the link: the decode worker takes the request (or queues it for room). */
+  private endTransfer(event: TransferEndEvent): void {
+    const { handoff, prefill, decode } = event;
+    if (!this.pairs.has(handoff.requestId)) {
+      // Aborted while in transfer.
+      this.workers[prefill]!.releaseHandoff(handoff.requestId);
+      return;
+    }
+    this.workers[decode]!.adopt(handoff, this.clockMs, event.startMs, String(prefill));
+    this.takeAdopted(decode);
+    this.dirty.add(decode);
+  }
+
+  /** Adoptions the decode worker completed: the prefill worker unpins, the record gets the transfer. */
+  private takeAdopted(decode: number): void {
+    for (const result of this.workers[decode]!.takeAdopted()) {
+      const pair = this.pairs.get(result.requestId);
+      this.pairs.delete(result.requestId);
+      if (pair) this.workers[pair.prefill]!.releaseHandoff(result.requestId);
+      const record = this.records.get(result.requestId);
+      if (record && result.transfer) {
+        record.kvTransferMs = result.transfer.ms;
+        record.kvTransferBytes = result.transfer.bytes;
+        record.kvTransferBlocks = result.transfer.blocks;
+      }
+    }
   }
 
   private arrive(request: EngineRequest): void {
@@ -271,6 +330,18 @@ export class SimCluster {
   private endStep(event: StepEndEvent): void {
     const worker = this.workers[event.worker]!;
     for (const output of worker.finishStep(event.step)) this.record(event.worker, output);
+    for (const handoff of worker.takeHandoffs()) {
+      const pair = this.pairs.get(handoff.requestId);
+      if (pair === undefined) {
+        worker.releaseHandoff(handoff.requestId);
+        continue;
+      }
+      const plan = this.workers[pair.decode]!.planTransfer(handoff);
+      this.events.push({
+        kind: 2, timeMs: this.clockMs + plan.ms, seq: this.nextSeq++, handoff, prefill: event.worker, decode: pair.decode,
+        startMs: this.clockMs,
+      });
+    }
     if (this.options.onKvEvents) {
       const events = worker.takeKvEvents();
       if (events.length > 0) this.options.onKvEvents(event.worker, events, this.clockMs);
@@ -287,6 +358,8 @@ export class SimCluster {
       const worker = this.workers[index]!;
       if (worker.currentStep !== null || !worker.hasWork) continue;
       const step = worker.beginStep(this.clockMs);
+      // beginStep may have taken in handoffs that waited for room.
+      if (this.pairs.size > 0) this.takeAdopted(index);
       if (step !== null) this.events.push({ kind: 0, timeMs: step.endMs, seq: this.nextSeq++, worker: index, step });
     }
   }
@@ -316,6 +389,15 @@ export class SimCluster {
     }
     this.options.onOutput?.(workerIndex, output, this.clockMs);
   }
+}
+
+/** The closing output of a request aborted while its KV was crossing to the decode worker. */
+function abortedInTransfer(requestId: string, record: SimRequestResult): EngineOutput {
+  return {
+    requestId, index: 0, newTokenIds: [], textDelta: '', finishReason: 'abort',
+    usage: { promptTokens: record.promptTokens, completionTokens: record.completionTokens, cachedTokens: record.cachedTokens },
+    timestamps: { arrival: record.arrivalMs, prefillChunks: [] },
+  };
 }
 
 // ---------------------------------------------------------------------------------------------------------------

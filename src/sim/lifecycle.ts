@@ -4,7 +4,7 @@
 // dispatch, SSE write) are the documented constants below. Plain data plus text formatters; no I/O, no clock.
 
 import type { HardwareProfile, LinkProfile } from './hardware.ts';
-import type { ModelProfile } from './models.ts';
+import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import type { Efficiency, StepBreakdown, StepShape } from './perf-model.ts';
 import {
   DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepBreakdown,
@@ -265,6 +265,118 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
     cold: trace('cold', coldPhases, 0),
     warm: trace('warm', warmPhases, cachedTokens),
   };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Disaggregated cold path, next to the aggregated one
+
+export interface DisaggregatedPathOptions extends Omit<LifecycleOptions, 'disaggregated' | 'cachedTokens'> {
+  /** The link the prompt's KV crosses from the prefill worker to the decode worker. */
+  link: LinkProfile;
+  /** Links used side by side (default tp: one NIC per GPU, each sending its GPU's KV shard). */
+  parallelLinks?: number;
+  /** Prompt tokens the decode worker already holds (whole blocks): the transfer skips them. Default 0. */
+  decodeCachedTokens?: number;
+}
+
+export interface PathColumn {
+  /** Every phase up to the second token, in order; `segment` says which token it precedes. */
+  phases: (PhaseTiming & { segment: 'first_token' | 'second_token' })[];
+  ttftMs: number;
+  /** Arrival to the second token written: TTFT plus what the decode side does before its first step ends. */
+  secondTokenMs: number;
+}
+
+export interface DisaggregatedPathReport {
+  modelName: string;
+  hardwareName: string;
+  tp: number;
+  promptTokens: number;
+  linkName: string;
+  parallelLinks: number;
+  /** What crosses the link: the prompt's blocks the decode worker lacks. */
+  transferBlocks: number;
+  transferBytes: number;
+  aggregated: PathColumn;
+  disaggregated: PathColumn;
+}
+
+/**
+ * One cold request on an idle deployment, aggregated vs disaggregated, to its second token. Conduit's prefill
+ * worker samples and streams the first token itself, so both have the same TTFT; disaggregation then adds the KV
+ * transfer and a dispatch before the decode worker's first step. It pays off under load, where decode steps no
+ * longer share the batch with other requests' prefills (benchmarks/kv-transfer.ts measures that on a cluster).
+ */
+export function simulateDisaggregatedPath(opts: DisaggregatedPathOptions): DisaggregatedPathReport {
+  const { model, promptTokens } = opts;
+  const blockSize = opts.blockSize ?? 16;
+  const base = simulateLifecycle({ ...opts, cachedTokens: 0 });
+  const efficiency = base.efficiency;
+  const overheads = base.overheads;
+  const parallelLinks = opts.parallelLinks ?? opts.tp;
+  const decodeCached = opts.decodeCachedTokens ?? 0;
+  checkCount('decodeCachedTokens', decodeCached, 0);
+  const heldBlocks = Math.min(Math.floor(decodeCached / blockSize), Math.floor(promptTokens / blockSize));
+  const transferBlocks = Math.ceil(promptTokens / blockSize) - heldBlocks;
+  const transferTokens = transferBlocks * blockSize;
+  const transferBytes = transferTokens * kvBytesPerToken(model);
+  const firstToken = base.cold.phases.filter((p) => p.ms > 0 || !['kv_transfer', 'decode_dispatch', 'decode_execution'].includes(p.phase));
+  const decodeStep = execution('decode_execution', [{ prefillTokens: [], decodeSeqs: [{ contextLen: promptTokens }] }], opts,
+    efficiency, `first decode step at context ${promptTokens}: the second token`);
+  const column = (secondPhases: PhaseTiming[], label: string): PathColumn => {
+    const phases = [
+      ...firstToken.map((p) => ({ ...p, detail: p.phase === 'prefill_dispatch' ? `to the ${label}worker` : p.detail, segment: 'first_token' as const })),
+      ...secondPhases.map((p) => ({ ...p, segment: 'second_token' as const })),
+    ];
+    const ttftMs = base.cold.ttftMs;
+    return { phases, ttftMs, secondTokenMs: ttftMs + secondPhases.reduce((sum, p) => sum + p.ms, 0) };
+  };
+  const aggregated = column([
+    { phase: 'kv_transfer', ms: 0, detail: 'same worker' },
+    { phase: 'decode_dispatch', ms: 0, detail: 'same worker' },
+    decodeStep,
+    { phase: 'streaming_response', ms: overheads.streamingResponseMs, detail: 'the second token' },
+  ], '');
+  const disaggregated = column([
+    {
+      phase: 'kv_transfer',
+      ms: kvTransferTimeMs(transferTokens, model, opts.link, { parallelLinks, efficiency: efficiency.commEfficiency }),
+      detail: `${transferBlocks} blocks (${(transferBytes / 2 ** 20).toFixed(1)} MiB) over ${parallelLinks} x ${opts.link.name}`,
+    },
+    { phase: 'decode_dispatch', ms: overheads.dispatchMs, detail: 'handoff to the decode worker' },
+    decodeStep,
+    { phase: 'streaming_response', ms: overheads.streamingResponseMs, detail: 'the second token' },
+  ], 'prefill ');
+  return {
+    modelName: model.name, hardwareName: opts.hw.name, tp: opts.tp, promptTokens, linkName: opts.link.name,
+    parallelLinks, transferBlocks, transferBytes, aggregated, disaggregated,
+  };
+}
+
+/** The two cold paths side by side, phase by phase, with TTFT and the second token's time. */
+export function formatDisaggregatedPath(report: DisaggregatedPathReport): string {
+  const title = [
+    `${report.modelName} on ${report.tp} x ${report.hardwareName} (tp ${report.tp}), prompt ${report.promptTokens} tokens, cold: `
+      + `aggregated vs disaggregated (KV over ${report.parallelLinks} x ${report.linkName})`,
+    'the prefill worker samples and streams the first token; the decode worker continues from the second',
+  ];
+  const rows: string[][] = [];
+  const agg = report.aggregated.phases;
+  const dis = report.disaggregated.phases;
+  const pushPhase = (i: number) => {
+    const a = agg[i]!;
+    const d = dis[i]!;
+    rows.push([a.phase, fmt(a.ms), fmt(d.ms), fmt(d.ms - a.ms), d.ms > 0 && d.detail !== a.detail && a.ms > 0 ? `${a.detail} / ${d.detail}` : d.ms > 0 ? d.detail : a.detail]);
+  };
+  for (let i = 0; i < agg.length; i++) {
+    if (agg[i]!.segment === 'second_token' && agg[i - 1]?.segment === 'first_token') {
+      rows.push(['TTFT', fmt(report.aggregated.ttftMs), fmt(report.disaggregated.ttftMs), fmt(report.disaggregated.ttftMs - report.aggregated.ttftMs), 'first token written']);
+    }
+    pushPhase(i);
+  }
+  rows.push(['second token', fmt(report.aggregated.secondTokenMs), fmt(report.disaggregated.secondTokenMs),
+    fmt(report.disaggregated.secondTokenMs - report.aggregated.secondTokenMs), 'arrival to the second token written']);
+  return `${title.join('\n')}\n\n${table(['phase', 'aggregated ms', 'disaggregated ms', 'delta ms', 'note'], rows, [0, 4])}\n`;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

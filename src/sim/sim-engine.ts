@@ -318,6 +318,9 @@ export class SimWorker {
    * (a prefill worker's request), it stops after its first token and takeHandoffs() returns it for a decode worker.
    */
   add(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean } = {}): void {
+    if (this.pendingAdoptions.some((p) => p.handoff.requestId === engineRequest.id)) {
+      throw new InvalidRequestError('duplicate_request_id', engineRequest.id, 'a request with this id is already here');
+    }
     if (options.handoff && engineRequest.sampling.n !== 1) {
       throw new InvalidRequestError('invalid_request', engineRequest.id, 'only a request with n = 1 can be prefilled for another worker');
     }

@@ -93,7 +93,8 @@ export class Telemetry {
     this.metrics = new ConduitMetrics({
       ...(options.registry ? { registry: options.registry } : {}),
       sloReport: () => this.slo.report(this.now()),
-      ...(this.tracing ? { spanExports: () => this.tracing!.exported } : {}),
+      // Registered with tracing off too (at 0), so dashboards and alerts on it find the series.
+      spanExports: () => this.tracing?.exported ?? { succeeded: 0, failed: 0 },
     });
     this.perTokenSpans = options.perTokenSpans ?? false;
     this.maxInFlight = options.maxInFlight ?? 10_000;
@@ -138,11 +139,15 @@ export class Telemetry {
   /**
    * The timings object for a response: of the finished request if it has ended, else a preview up to `nowMs` with
    * the engine's latest timestamps (the final non-streaming body or the last SSE chunk is written before the
-   * request's finish event).
+   * request's finish event) and, for a preview, the output tokens so far.
    */
-  timings(requestId: string, engine?: EngineReport | readonly EngineReport[], nowMs = this.now()): ResponseTimings | undefined {
+  timings(requestId: string, engine?: EngineReport | readonly EngineReport[], nowMs = this.now(), outputTokens?: number): ResponseTimings | undefined {
     const record = this.records.get(requestId);
-    if (record) return responseTimings(buildRequestTrace(record, { nowMs, ...(engine ? { engine } : {}) }));
+    if (record) {
+      return responseTimings(buildRequestTrace(record, {
+        nowMs, ...(engine ? { engine } : {}), ...(outputTokens !== undefined ? { outputTokens } : {}),
+      }));
+    }
     const done = this.traces.get(requestId);
     return done ? responseTimings(done) : undefined;
   }

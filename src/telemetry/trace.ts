@@ -244,6 +244,11 @@ export interface BuildOptions {
   nowMs?: number;
   /** For a request still running: the engine's latest timestamps. */
   engine?: EngineReport | readonly EngineReport[];
+  /**
+   * For a request still running: output tokens so far (a non-streaming response has no writes to count them from,
+   * and without them its decode steps are unknown).
+   */
+  outputTokens?: number;
 }
 
 type Ev<P extends LifecycleEvent['phase']> = Extract<LifecycleEvent, { phase: P }>;
@@ -422,7 +427,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const promptTokens = terminal?.promptTokens ?? tokenize?.promptTokens ?? record.promptTokens
     ?? (prefill ? prefill.computedTokens : 0) + (terminal?.cachedTokens ?? 0);
   const cachedTokens = terminal?.cachedTokens ?? maxDefined(reports.map((r) => r.cachedTokens)) ?? 0;
-  const outputTokens = terminal?.outputTokens ?? contentTokens;
+  const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? contentTokens;
   const n = validate?.n ?? 1;
 
   // Decode.
@@ -584,7 +589,10 @@ function sumDefined(values: readonly (number | undefined)[]): number | undefined
 
 /** Milliseconds per part of a request, the figures the timings object, the analyzer and the metrics share. */
 export interface PhaseBreakdown {
-  /** Sum of the gateway phases (http_receive .. tokenize). */
+  /**
+   * Time covered by the gateway phases (http_receive .. tokenize): their union, since the gateway checks the key
+   * and the request rate before it reads the body, inside http_receive.
+   */
   gatewayMs: number;
   routingMs: number;
   queueMs: number;
@@ -599,10 +607,14 @@ export interface PhaseBreakdown {
 
 export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
   let gatewayMs = 0;
+  let gatewayCoveredTo = -Infinity;
   let queueMs = 0;
+  // Phases are sorted by start, so each gateway phase adds only what reaches past those before it.
   for (const p of trace.phases) {
-    if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) gatewayMs += p.endMs - p.startMs;
-    else if (p.phase === 'scheduler_queue') queueMs += p.endMs - p.startMs;
+    if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) {
+      gatewayMs += Math.max(0, p.endMs - Math.max(p.startMs, gatewayCoveredTo));
+      gatewayCoveredTo = Math.max(gatewayCoveredTo, p.endMs);
+    } else if (p.phase === 'scheduler_queue') queueMs += p.endMs - p.startMs;
   }
   return {
     gatewayMs,

@@ -218,8 +218,8 @@ describe('HTTP API end to end', () => {
     assert.equal(body.backend, server.engine.info.backend);
     assert.deepEqual(body.kernel_variants, server.engine.info.kernelVariants);
     const metrics = (await rawRequest(server.url, { path: '/metrics' })).text;
-    assert.match(metrics, new RegExp(`^conduit_kv_cache_blocks_total\\{model="${model}"\\} ${server.engine.stats().kvBlocksTotal}$`, 'm'));
-    assert.match(metrics, /^conduit_generation_tokens_total\{tenant="main"\} [1-9]\d*$/m);
+    assert.match(metrics, new RegExp(`^conduit_kv_cache_capacity_blocks\\{model="${model}"\\} ${server.engine.stats().kvBlocksTotal}$`, 'm'));
+    assert.match(metrics, new RegExp(`^conduit_request_generation_tokens_total\\{model="${model}",worker="worker-0",tenant="main"\\} [1-9]\\d*$`, 'm'));
   });
 });
 

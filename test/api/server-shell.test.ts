@@ -106,9 +106,12 @@ describe('API server shell (no model yet)', () => {
   it('exposes valid Prometheus text with the responses counted so far', async () => {
     const res = await rawRequest(url, { path: '/metrics' });
     assert.match(String(res.headers['content-type']), /^text\/plain; version=0\.0\.4/);
-    const lines = res.text.trimEnd().split('\n');
+    // Empty lines are allowed between families (the format ignores them; prom-client writes them).
+    const lines = res.text.trimEnd().split('\n').filter((line) => line !== '');
+    assert.ok(lines.some((line) => line.startsWith('# TYPE conduit_time_to_first_token_milliseconds histogram')),
+      'the telemetry\'s families are there before a model is attached');
     for (const line of lines) {
-      assert.match(line, /^(# (HELP|TYPE) [a-z_]+ .+|[a-z_]+(\{[a-z_]+="[^"\n]*"(,[a-z_]+="[^"\n]*")*\})? [-+0-9.eInfNa]+)$/, line);
+      assert.match(line, /^(# (HELP|TYPE) [a-z_][a-z0-9_]* .+|[a-z_][a-z0-9_]*(\{[a-z_]+="[^"\n]*"(,[a-z_]+="[^"\n]*")*\})? [-+0-9.eInfNa]+)$/, line);
     }
     assert.ok(lines.some((line) => /^conduit_http_responses_total\{route="unknown",status="404",tenant="anonymous"\} [1-9]/.test(line)),
       'the 404 above was counted');

@@ -157,6 +157,27 @@ describe('native paged attention', { skip: skipNative }, () => {
     }
   }
 
+  it('a row gives the same bits whether it is prefilled in a chunk, decoded alone or batched with others', () => {
+    for (const dtype of ['f32', 'f16'] as const) {
+      const sc = makeScenario(77, dtype, [{ seqLen: 40, newTokens: 40 }, { seqLen: 23, newTokens: 23 }], 8, 6, 2, 64);
+      const used = sc.seqs.reduce((n, q) => n + Math.ceil(q.seqLen / 8), 0);
+      const tables = blockTables(sc, Array.from({ length: used }, (_, i) => i));
+      const width = sc.numHeads * sc.layout.headDim;
+      for (const variant of variants) {
+        const pool = fillPool(sc, tables, variant);
+        const whole = runAttention(sc, pool, tables, variant, 2);
+        // Sequence 0's rows recomputed as decode steps (one row, context = its position + 1), one at a time.
+        for (const row of [0, 7, 16, 39]) {
+          const q = sc.q.slice(row * width, (row + 1) * width);
+          const out = new Float32Array(width);
+          native().ops.attention(variant, q, out, pool, sc.layout, 1, Int32Array.of(0, 1), Int32Array.of(row + 1),
+            tables.subarray(0, sc.maxBlocksPerSeq), sc.maxBlocksPerSeq, sc.numHeads, 1);
+          assert.deepEqual(out, whole.slice(row * width, (row + 1) * width), `${variant} ${dtype} row ${row}`);
+        }
+      }
+    }
+  });
+
   it('the KV store writes exactly the slots of one layer (f16 rounded to nearest even)', () => {
     const layout: KvPoolLayout = { numLayers: 3, numBlocks: 4, blockSize: 2, numKvHeads: 2, headDim: 3, dtype: 'f16' };
     const rand = seeded(3);

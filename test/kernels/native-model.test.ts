@@ -7,7 +7,7 @@ import { readFileSync } from 'node:fs';
 import { describe, it } from 'node:test';
 
 import type { ModelConfig } from '../../src/model/config.ts';
-import { GgmlType } from '../../src/model/ggml-types.ts';
+import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
 import type { LayerWeights, ModelWeights, Tensor } from '../../src/model/weights.ts';
@@ -193,6 +193,41 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     const one = runNative(config, weights, 'f16', variants.at(-1)!, 1, steps);
     for (const threads of [2, 3]) {
       assert.deepEqual(runNative(config, weights, 'f16', variants.at(-1)!, threads, steps), one, `${threads} threads`);
+    }
+  });
+
+  it('a sequence gets the same logits alone, chunked differently, or batched with others', () => {
+    // Sequence s owns pool blocks 4s .. 4s+3; token ids are a function of (sequence, position).
+    const tokenAt = (seq: number, position: number) => (seq * 37 + position * 11) % 300;
+    const stepOf = (entries: { seq: number; start: number; count: number }[]): ForwardBatch => {
+      const rows = entries.flatMap((e) => Array.from({ length: e.count }, (_, i) => ({ seq: e.seq, position: e.start + i })));
+      const queryStartLoc = new Int32Array(entries.length + 1);
+      entries.forEach((e, i) => { queryStartLoc[i + 1] = queryStartLoc[i]! + e.count; });
+      return {
+        numTokens: rows.length, tokenIds: Int32Array.from(rows, (r) => tokenAt(r.seq, r.position)),
+        positions: Int32Array.from(rows, (r) => r.position),
+        slotMapping: Int32Array.from(rows, (r) => (4 * r.seq + Math.floor(r.position / BLOCK_SIZE)) * BLOCK_SIZE + (r.position % BLOCK_SIZE)),
+        numSeqs: entries.length, queryStartLoc, seqLens: Int32Array.from(entries, (e) => e.start + e.count),
+        blockTables: Int32Array.from(entries.flatMap((e) => Array.from({ length: MAX_BLOCKS }, (_, b) => (b < 4 ? 4 * e.seq + b : 0)))),
+        maxBlocksPerSeq: MAX_BLOCKS, logitsIndices: Int32Array.from(entries, (_, i) => queryStartLoc[i + 1]! - 1),
+      };
+    };
+    const batched = [
+      stepOf([{ seq: 0, start: 0, count: 9 }, { seq: 1, start: 0, count: 6 }]),
+      stepOf([{ seq: 0, start: 9, count: 1 }, { seq: 1, start: 6, count: 1 }, { seq: 2, start: 0, count: 4 }]),
+      stepOf([{ seq: 2, start: 4, count: 1 }, { seq: 1, start: 7, count: 1 }, { seq: 0, start: 10, count: 1 }]),
+    ];
+    // Sequence 1 alone: its prompt in chunks of 2, 1 and 3 rows, then the same two decode steps.
+    const alone = [[0, 2], [2, 1], [3, 3], [6, 1], [7, 1]].map(([start, count]) => stepOf([{ seq: 1, start: start!, count: count! }]));
+    for (const type of [GgmlType.Q8_0, GgmlType.F16]) {
+      const { config, weights } = makeModel(33, { type, dim: 128, ffnDim: 256 });
+      const v = config.vocabSize;
+      const inBatch = runNative(config, weights, 'f16', variants.at(-1)!, 2, batched);
+      const byItself = runNative(config, weights, 'f16', variants.at(-1)!, 1, alone);
+      const what = `${ggmlTypeName(type)} ${variants.at(-1)}`;
+      assert.deepEqual(byItself[2], inBatch[0]!.slice(v, 2 * v), `${what}: last prompt row`);
+      assert.deepEqual(byItself[3], inBatch[1]!.slice(v, 2 * v), `${what}: first decode step`);
+      assert.deepEqual(byItself[4], inBatch[2]!.slice(v, 2 * v), `${what}: second decode step`);
     }
   });
 

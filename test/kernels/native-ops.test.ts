@@ -114,6 +114,27 @@ describe('native ops: matmul', { skip: skipNative }, () => {
     });
   }
 
+  // A sequence decoded alone and in a batch must sample the same tokens: a row's outputs may not depend on how
+  // many rows share the matmul (decode GEMV vs prefill GEMM paths, register-block tails).
+  it('each row gives the same bits whatever the number of rows', () => {
+    for (const type of [...FLOAT_TYPES, ...INT8_TYPES, ...K_QUANT_TYPES]) {
+      const rand = seeded(50 + type);
+      const k = K_QUANT_TYPES.includes(type) ? 512 : 320, n = 70, m = 37;
+      const w = quantize(type, randomArray(n * k, rand));
+      const x = randomArray(m * k, rand);
+      for (const variant of variants) {
+        const all = new Float32Array(m * n);
+        native().ops.matmul(variant, type, w, x, m, k, n, all, 2);
+        for (const [first, count] of [[0, 1], [5, 1], [36, 1], [3, 2], [10, 3], [20, 4], [1, 16]] as const) {
+          const part = new Float32Array(count * n);
+          native().ops.matmul(variant, type, w, x.subarray(first * k, (first + count) * k), count, k, n, part, 1);
+          assert.deepEqual(part, all.subarray(first * n, (first + count) * n),
+            `${ggmlTypeName(type)} ${variant}: rows ${first}..${first + count - 1} alone differ from the batch`);
+        }
+      }
+    }
+  });
+
   it('rejects a row length that is not a whole number of blocks', () => {
     const y = new Float32Array(1);
     assert.throws(() => native().ops.matmul('generic', GgmlType.Q8_0, new Uint8Array(34), new Float32Array(31), 1,

@@ -42,7 +42,8 @@ const text = (outputs: EngineOutput[]) => outputs.map((o) => o.textDelta).join('
 
 /** A prompt of `length` token ids sharing its first `shared` with every prompt of the same group. */
 function prompt(group: number, length: number, variant = 0, shared = length): number[] {
-  return Array.from({ length }, (_, i) => (i < shared ? 10 + ((group * 7919 + i * 31) % 200) : 20 + ((variant * 13 + i * 7) % 200)));
+  const token = (a: number, b: number) => 10 + ((Math.imul(a + 1, 0x9e3779b1) ^ Math.imul(b + 1, 0x85ebca6b)) >>> 0) % 250;
+  return Array.from({ length }, (_, i) => (i < shared ? token(group, i) : token(100_000 + variant, i)));
 }
 
 /** Settles every worker (all messages posted so far handled), then checks that no block is in use anywhere. */
@@ -106,15 +107,16 @@ for (const model of MODELS) {
       await aggregated?.close();
     });
 
-    for (const [label, sampling] of [
+    for (const [variant, [label, sampling]] of ([
       ['greedy', { temperature: 0 }],
       ['temperature 0.8, seeded', { temperature: 0.8, topK: 40, seed: 77 }],
       ['temperature 1.1, stop string and penalties', { temperature: 1.1, seed: 5, frequencyPenalty: 0.4, maxTokens: 20 }],
-    ] as [string, Partial<SamplingParams>][]) {
+    ] as [string, Partial<SamplingParams>][]).entries()) {
       test(`token-identical to one aggregated worker: ${label}`, async (t) => {
         if (!pool) return t.skip(`${model.name} is absent (../shared/models)`);
         for (const length of [40, 75, 130]) {
-          const ids = prompt(length, length);
+          // A prompt no worker has seen: a decode worker holding it would rightly prefill it itself.
+          const ids = prompt(100 * variant + length, length);
           const expected = await collect(aggregated!.generate(request(ids, sampling)));
           const outputs = await collect(pool.engine.generate(request(ids, sampling)));
           assert.deepEqual(tokens(outputs), tokens(expected), `prompt of ${length}`);
@@ -230,9 +232,9 @@ describe('cancellation and failure on real workers', () => {
   });
   after(async () => { if (path) await pool.engine.close(); });
 
-  for (const stage of ['prefill', 'transfer', 'decode'] as const) {
+  for (const [variant, stage] of (['prefill', 'transfer', 'decode'] as const).entries()) {
     test(`an abort during ${stage} reaches both workers and frees every block`, { skip }, async () => {
-      const req = request(prompt(40, 400), { maxTokens: 100_000 });
+      const req = request(prompt(50 + variant, 400), { maxTokens: 100_000 });
       const engine = pool.disaggregated!;
       const iterator = pool.engine.generate(req)[Symbol.asyncIterator]();
       const outputs: EngineOutput[] = [];
@@ -312,11 +314,12 @@ describe('cancellation and failure on real workers', () => {
     const failing = await disaggregatedPool(path!, { decodeWorkers: 1 });
     try {
       const req = request(prompt(45, 64), { maxTokens: 100_000 });
-      const iterator = failing.engine.generate(req)[Symbol.asyncIterator]();
-      await iterator.next();
+      const outputs: EngineOutput[] = [];
+      const pump = (async () => { for await (const output of failing.engine.generate(req)) outputs.push(output); })();
       await untilStage(failing.disaggregated!, req.id, 'decode');
       await (failing.workers.find((w) => w.role === 'decode')!.engine as LocalEngine).kill();
-      await assert.rejects(async () => { for (;;) if ((await iterator.next()).done) break; }, WorkerLostError);
+      await assert.rejects(pump, WorkerLostError);
+      assert.ok(outputs.length >= 2, 'tokens came from both workers before the loss');
       const prefillStats = await (failing.workers.find((w) => w.role === 'prefill')!.engine as LocalEngine).sync();
       assert.equal(prefillStats.kvBlocksUsed, 0, 'the handed-off blocks were released');
     } finally {

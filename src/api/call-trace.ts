@@ -1,0 +1,308 @@
+// One generation request's lifecycle events, as the gateway emits them on the telemetry bus: its own phases
+// (http_receive, auth, rate_limit, validate, tokenize), what the engine's outputs say about routing and KV transfer,
+// a streaming_response per SSE write, and exactly one terminal event (finish, error or abort) however the request
+// ends. The request path only stamps times here; the telemetry layer derives everything when the request is over.
+//
+// Where the gateway's order differs from the phase order, the stamps keep the phase order and say so:
+// - auth and the request-rate precheck run before the body is read (a refused request costs no upload), so they
+//   fall inside http_receive, which spans arrival to the body's last byte. Their events wait for http_receive's,
+//   since the first event of a request opens its trace and http_receive's carries the client's traceparent;
+// - the tenant's token and concurrency admission needs the prompt's length, so it runs after tokenize. The single
+//   rate_limit event is stamped where the precheck ran, lasts as long as both checks took, and carries the
+//   admission's outcome, so a refusal at either point reads as "ended in rate_limit".
+
+import type { EngineOutput } from '../engine/types.ts';
+import type { EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry } from '../telemetry/index.ts';
+import {
+  ClientClosedRequestError, ConcurrencyLimitError, RateLimitError, RequestExceedsTokenLimitError, ShuttingDownError,
+  type ApiError,
+} from './errors.ts';
+
+/** What the terminal event needs from the run: its final token counts. */
+export interface RunCounts {
+  readonly promptTokens: number;
+  readonly completionTokens: number;
+  readonly cachedPromptTokens: number;
+}
+
+export interface ValidateFields {
+  ok: boolean;
+  model?: string;
+  stream?: boolean;
+  maxTokens?: number;
+  temperature?: number;
+  n?: number;
+}
+
+export interface CallEnd {
+  /** The error the request was answered with, if it was refused or failed before its stream began. */
+  error?: ApiError;
+  /** The client went away before its response was complete. */
+  clientGone: boolean;
+  /** Reading the body began and did not finish (too large, or the client left while sending it). */
+  bodyIncomplete: boolean;
+  /** The served model, for requests refused before validation named it. */
+  model?: string;
+}
+
+/** Outputs of one engine request: the first (the prefill worker's, when disaggregated) and the latest. */
+interface EngineTrack {
+  first: EngineOutput;
+  last: EngineOutput;
+  cachedTokens: number;
+  kvTransferEmitted: boolean;
+}
+
+/** The reason label of a tenant-limit refusal. */
+export function rateLimitReason(err: unknown): string | undefined {
+  if (err instanceof ConcurrencyLimitError) return 'concurrency';
+  if (err instanceof RequestExceedsTokenLimitError) return 'request_too_large';
+  if (err instanceof RateLimitError) return err.type;
+  return undefined;
+}
+
+export class CallTrace {
+  private readonly bus: LifecycleBus;
+  /** auth and rate_limit events stamped before the body was read, emitted once http_receive has been. */
+  private readonly beforeReceive: LifecycleEvent[] = [];
+  private received = false;
+  private bodyEndMs: number | undefined;
+  private validateEndMs: number | undefined;
+  private precheck: { start: number; end: number; tenant: string } | undefined;
+  private rateLimitEmitted = false;
+  private routingEmitted = false;
+  private readonly tracks = new Map<string, EngineTrack>();
+  private readonly finishReasons = new Set<string>();
+  private run: RunCounts | undefined;
+  private promptTokens: number | undefined;
+  private blockSize: number | undefined;
+  private worker: string | undefined;
+  private streamError: ApiError | undefined;
+  private ended = false;
+
+  constructor(
+    private readonly telemetry: Telemetry,
+    readonly requestId: string,
+    /** The engine-clock stamp of the request's arrival: EngineRequest.arrivalMs and http_receive's start. */
+    readonly arrivalMs: number,
+    private readonly route: string,
+    private readonly now: () => number,
+    /** The client's W3C traceparent, already checked for shape. */
+    private readonly traceparent: string | undefined,
+  ) {
+    this.bus = telemetry.lifecycle;
+  }
+
+  // ---- gateway phases ----
+
+  authenticated(start: number, ok: boolean, tenant?: string): void {
+    this.emitAfterReceive({ phase: 'auth', requestId: this.requestId, start, time: this.now(), ok, ...(tenant !== undefined ? { tenant } : {}) });
+  }
+
+  private emitAfterReceive(event: LifecycleEvent): void {
+    if (!this.bus.active) return;
+    if (this.received) this.bus.emit(event);
+    else this.beforeReceive.push(event);
+  }
+
+  /** The request-rate precheck passed; the rate_limit event waits for the admission that follows tokenize. */
+  prechecked(start: number, tenant: string): void {
+    this.precheck = { start, end: this.now(), tenant };
+  }
+
+  precheckRefused(start: number, tenant: string, err: unknown): void {
+    this.rateLimitEmitted = true;
+    this.emitAfterReceive({
+      phase: 'rate_limit', requestId: this.requestId, start, time: this.now(), allowed: false, tenant,
+      reason: rateLimitReason(err) ?? 'requests',
+    });
+  }
+
+  bodyRead(bodyBytes: number): void {
+    this.bodyEndMs = this.now();
+    this.receive({ bodyBytes });
+  }
+
+  /** http_receive, ending now (or when the body was read), then the events that waited for it. */
+  private receive(fields: { bodyBytes?: number; ok?: boolean }): void {
+    if (this.received) return;
+    this.received = true;
+    if (!this.bus.active) return;
+    this.bus.emit({
+      phase: 'http_receive', requestId: this.requestId, start: this.arrivalMs, time: this.bodyEndMs ?? this.now(),
+      route: this.route, ...fields, ...(this.traceparent !== undefined ? { traceparent: this.traceparent } : {}),
+    });
+    for (const event of this.beforeReceive.splice(0)) this.bus.emit(event);
+  }
+
+  /** JSON parsing, the schema and the model check: from the body's end to now. */
+  validated(fields: ValidateFields): void {
+    const start = this.bodyEndMs ?? this.now();
+    this.validateEndMs = this.now();
+    if (this.bus.active) this.bus.emit({ phase: 'validate', requestId: this.requestId, start, time: this.validateEndMs, ...fields });
+  }
+
+  /** The chat template and the tokenizer: from validation's end to now. */
+  tokenized(promptTokens: number): void {
+    this.promptTokens = promptTokens;
+    const start = this.validateEndMs ?? this.now();
+    if (this.bus.active) this.bus.emit({ phase: 'tokenize', requestId: this.requestId, start, time: this.now(), promptTokens });
+  }
+
+  /**
+   * The traceparent for the engine request: the request's own root span as parent. Call after tokenize, when the
+   * prompt's length (an input of the head sampling decision) is known.
+   */
+  context(): string | undefined {
+    return this.telemetry.traceContext(this.requestId);
+  }
+
+  /** The tenant admission after tokenize: allowed, or refused with the error it threw. */
+  admitted(start: number, refusal?: unknown): void {
+    const reason = refusal === undefined ? undefined : rateLimitReason(refusal);
+    // Only a tenant limit is a rate_limit refusal; an overloaded server refuses elsewhere (its terminal event says).
+    this.emitRateLimit(start, this.now(), reason === undefined, reason);
+  }
+
+  private emitRateLimit(checkStart: number, checkEnd: number, allowed: boolean, reason?: string): void {
+    if (this.rateLimitEmitted) return;
+    this.rateLimitEmitted = true;
+    if (!this.bus.active) return;
+    const precheck = this.precheck;
+    const start = precheck?.start ?? checkStart;
+    const ms = (precheck ? precheck.end - precheck.start : 0) + (checkEnd - checkStart);
+    this.bus.emit({
+      phase: 'rate_limit', requestId: this.requestId, start, time: start + ms, allowed,
+      ...(precheck ? { tenant: precheck.tenant } : {}), ...(reason !== undefined ? { reason } : {}),
+    });
+  }
+
+  // ---- engine ----
+
+  /** The run whose counts the terminal event reports, the KV block size and the worker of an unrouted engine. */
+  attachRun(run: RunCounts, blockSize: number, worker: string): void {
+    this.run = run;
+    this.blockSize = blockSize;
+    this.worker = worker;
+  }
+
+  /** Every engine output, as it arrives. */
+  output(output: EngineOutput): void {
+    let track = this.tracks.get(output.requestId);
+    if (!track) {
+      track = { first: output, last: output, cachedTokens: 0, kvTransferEmitted: false };
+      this.tracks.set(output.requestId, track);
+    }
+    track.last = output;
+    track.cachedTokens = Math.max(track.cachedTokens, output.usage.cachedTokens);
+    if (output.finishReason) this.finishReasons.add(output.finishReason);
+    if (!this.bus.active) return;
+    const routing = output.routing;
+    if (routing && !this.routingEmitted) {
+      this.routingEmitted = true;
+      const us = routing.overheadUs;
+      this.bus.emit({
+        phase: 'router_lookup', requestId: this.requestId, start: routing.decidedAt - us.total / 1000, time: routing.decidedAt,
+        worker: routing.workerId, strategy: routing.strategy,
+        // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
+        reason: routing.disaggregation
+          ? `${routing.reason}; prefill ${routing.disaggregation.mode} (${routing.disaggregation.reason})` : routing.reason,
+        ...(routing.disaggregation?.prefillWorkerId !== undefined ? { prefillWorker: routing.disaggregation.prefillWorkerId } : {}),
+        kvCacheHit: routing.overlapBlocks > 0,
+        ...(this.blockSize !== undefined ? { overlapTokens: routing.overlapBlocks * this.blockSize } : {}),
+        subPhasesMs: { hashing: us.hashing / 1000, indexLookup: us.lookup / 1000, selection: us.selection / 1000 },
+      });
+    }
+    const transfer = output.timestamps.kvTransfer;
+    if (transfer && !track.kvTransferEmitted) {
+      track.kvTransferEmitted = true;
+      const prefillWorker = routing?.disaggregation?.prefillWorkerId;
+      this.bus.emit({
+        phase: 'kv_transfer', requestId: this.requestId, start: transfer.start, time: transfer.end, bytes: transfer.bytes,
+        blocks: transfer.blocks, ...(prefillWorker !== undefined ? { fromWorker: prefillWorker } : {}),
+        ...(routing ? { toWorker: routing.workerId } : {}),
+      });
+    }
+  }
+
+  /** One SSE write: `tokens` output tokens the client sees for the first time in it (0 for other chunks). */
+  wrote(bytes: number, tokens: number): void {
+    if (this.bus.active) this.bus.emit({ phase: 'streaming_response', requestId: this.requestId, time: this.now(), tokens, bytes });
+  }
+
+  /** A stream that failed after it began (its error went out as an SSE error event). */
+  failedMidStream(error: ApiError): void {
+    this.streamError ??= error;
+  }
+
+  /** The timings object for the final body or SSE chunk, before the request is over. */
+  timings(): ResponseTimings | undefined {
+    return this.telemetry.timings(this.requestId, this.reports(), this.now(), this.run?.completionTokens);
+  }
+
+  /** What the engine reported, one entry per engine request (two for a disaggregated one: prefill and decode). */
+  reports(): EngineReport[] {
+    const reports: EngineReport[] = [];
+    const blockSize = this.blockSize !== undefined ? { blockSize: this.blockSize } : {};
+    for (const track of this.tracks.values()) {
+      const { first, last } = track;
+      const routing = last.routing;
+      const worker = routing?.workerId ?? this.worker;
+      const disaggregation = routing?.disaggregation;
+      if (disaggregation?.mode === 'disaggregated' && disaggregation.prefillWorkerId !== undefined && first !== last) {
+        // The decode worker carries on the prefill worker's timestamps; its own prefill chunks (if it recomputed
+        // any) are those the prefill worker's first output did not have.
+        const prefillTs = first.timestamps;
+        const prefillChunkStarts = new Set(prefillTs.prefillChunks.map((c) => c.start));
+        reports.push({
+          worker: disaggregation.prefillWorkerId, role: 'prefill', timestamps: prefillTs, cachedTokens: first.usage.cachedTokens, ...blockSize,
+        });
+        reports.push({
+          ...(worker !== undefined ? { worker } : {}), role: 'decode', cachedTokens: track.cachedTokens, ...blockSize,
+          timestamps: { ...last.timestamps, prefillChunks: last.timestamps.prefillChunks.filter((c) => !prefillChunkStarts.has(c.start)) },
+        });
+      } else {
+        reports.push({ ...(worker !== undefined ? { worker } : {}), timestamps: last.timestamps, cachedTokens: track.cachedTokens, ...blockSize });
+      }
+    }
+    return reports;
+  }
+
+  // ---- the end ----
+
+  /**
+   * The terminal event, once: abort when the client left (or the server's shutdown cut a running request short),
+   * error when the request was refused or failed, finish otherwise. Call after the response's last byte.
+   */
+  end(end: CallEnd): void {
+    if (this.ended) return;
+    this.ended = true;
+    // Refused before its body was read (or while reading it): the receive phase ends here.
+    this.receive(end.bodyIncomplete ? { ok: false } : {});
+    // A request refused after the precheck but before admission still passed the tenant limits it met.
+    if (this.precheck && !this.rateLimitEmitted) this.emitRateLimit(this.precheck.end, this.precheck.end, true);
+    if (!this.bus.active) return;
+    const error = end.error ?? this.streamError;
+    const reports = this.reports();
+    const counts = {
+      ...(this.run ? {
+        promptTokens: this.run.promptTokens, outputTokens: this.run.completionTokens, cachedTokens: this.run.cachedPromptTokens,
+      } : this.promptTokens !== undefined ? { promptTokens: this.promptTokens, outputTokens: 0 } : {}),
+      ...(reports.length > 0 ? { engine: reports } : {}),
+    };
+    const base = { requestId: this.requestId, time: this.now(), ...(end.model !== undefined ? { model: end.model } : {}), ...counts };
+    if (end.clientGone || error instanceof ClientClosedRequestError) {
+      this.bus.emit({ ...base, phase: 'abort', reason: 'client_disconnect' });
+    } else if (error instanceof ShuttingDownError && this.run) {
+      this.bus.emit({ ...base, phase: 'abort', reason: 'shutdown' });
+    } else if (error) {
+      this.bus.emit({ ...base, phase: 'error', errorType: error.code, status: error.statusCode, message: error.message });
+    } else if (this.finishReasons.has('abort') && !this.finishReasons.has('stop') && !this.finishReasons.has('length')) {
+      this.bus.emit({ ...base, phase: 'abort', reason: 'engine' });
+    } else {
+      // With several completions, one cut at max_tokens makes the response a 'length' one.
+      const finishReason = this.finishReasons.has('length') ? 'length' : 'stop';
+      this.bus.emit({ ...base, phase: 'finish', finishReason, status: 200 });
+    }
+  }
+}

@@ -1,0 +1,139 @@
+// `conduit bench`: load against any OpenAI-compatible server (Conduit, vLLM, llama.cpp's server ...), measured from
+// the client: TTFT, inter-token latency, end-to-end latency, throughput and errors, as p50/p90/p99 tables or JSON.
+// Every run is bounded (requests, duration, per-request timeout); Ctrl-C stops it early and still reports.
+
+import { writeFileSync } from 'node:fs';
+import { runLoad, type BenchResult, type Endpoint, type LoadOptions } from '../bench/load-generator.ts';
+import { formatReport, reportJson } from '../bench/report.ts';
+import { randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/workload.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+
+const FLAGS = {
+  url: { type: 'string', help: 'server base URL', default: 'http://127.0.0.1:8000', short: 'u' },
+  endpoint: { type: 'string', help: 'chat (/v1/chat/completions) or completions (/v1/completions)', default: 'chat' },
+  model: { type: 'string', help: 'model name to send (default: the first one GET /v1/models lists)', short: 'm' },
+  'api-key': { type: 'string', help: 'sent as "Authorization: Bearer <key>"' },
+  rate: { type: 'number', help: 'open loop: Poisson arrivals per second (with --concurrency as the in-flight cap)', short: 'r' },
+  concurrency: { type: 'number', help: 'closed loop: clients sending back to back (default 1 without --rate)', short: 'c' },
+  requests: { type: 'number', help: 'stop after this many requests (default 100 when --duration is not given)', short: 'n' },
+  duration: { type: 'number', help: 'stop starting requests after this many seconds', short: 'd' },
+  workload: { type: 'string', help: 'random (independent prompts) or shared-prefix (groups sharing long system prompts)', default: 'random' },
+  'prompt-tokens': { type: 'number', help: 'random workload: prompt length (words of one token each)', default: 256 },
+  groups: { type: 'number', help: 'shared-prefix workload: number of groups (tenants)', default: 8 },
+  'system-prompt-tokens': { type: 'number', help: 'shared-prefix workload: length of each group\'s system prompt', default: 2048 },
+  'question-tokens': { type: 'number', help: 'shared-prefix workload: length of each question', default: 64 },
+  'output-tokens': { type: 'number', help: 'max_tokens of every request', default: 128 },
+  'ignore-eos': { type: 'boolean', help: 'send ignore_eos so every request generates exactly --output-tokens (vLLM, Conduit)' },
+  stream: { type: 'boolean', help: 'stream responses (SSE): needed for TTFT and ITL', short: 's' },
+  timeout: { type: 'number', help: 'seconds one request may take before it counts as an error', default: 120 },
+  seed: { type: 'number', help: 'seed of the prompts and the arrival times', default: 1 },
+  json: { type: 'boolean', help: 'print the report as JSON instead of tables' },
+  output: { type: 'string', help: 'also write the JSON report, with every request\'s timings, to this file', short: 'o' },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable;
+
+/**
+ * Environment twins. The server to talk to is CONDUIT_URL / CONDUIT_API_KEY, shared with `conduit trace`; the
+ * load's own knobs are CONDUIT_BENCH_*, because several of their names (model, seed, rate, requests, concurrency)
+ * mean something else to `conduit serve`, `generate` or `plan` and may be set in the same shell.
+ */
+export const BENCH_FLAGS = Object.fromEntries(Object.entries(FLAGS).map(([name, spec]) => [
+  name, ['url', 'api-key', 'help'].includes(name) ? spec : { ...spec, env: `CONDUIT_BENCH_${name.replace(/-/g, '_').toUpperCase()}` },
+])) as typeof FLAGS;
+
+const ENDPOINTS: readonly Endpoint[] = ['chat', 'completions'];
+const WORKLOADS = ['random', 'shared-prefix'] as const;
+
+export interface BenchConfig {
+  load: Omit<LoadOptions, 'signal'>;
+  json: boolean;
+  outputFile?: string;
+}
+
+function wholeNumber(flag: string, value: number | undefined, min: number): number | undefined {
+  if (value === undefined) return undefined;
+  if (!Number.isSafeInteger(value) || value < min) throw new UsageError(`--${flag} must be a whole number >= ${min}, got ${value}`);
+  return value;
+}
+
+function positive(flag: string, value: number | undefined): number | undefined {
+  if (value === undefined) return undefined;
+  if (!(value > 0)) throw new UsageError(`--${flag} must be > 0, got ${value}`);
+  return value;
+}
+
+export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): BenchConfig | 'help' {
+  const { values, positionals } = parseFlags(BENCH_FLAGS, argv, env);
+  if (values.help) return 'help';
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+  const url = values.url!;
+  try {
+    const parsed = new URL(url);
+    if (parsed.protocol !== 'http:' && parsed.protocol !== 'https:') throw new Error();
+  } catch {
+    throw new UsageError(`--url must be an http:// or https:// URL, got "${url}"`);
+  }
+  const endpoint = values.endpoint!;
+  if (!(ENDPOINTS as readonly string[]).includes(endpoint)) throw new UsageError(`--endpoint must be one of ${ENDPOINTS.join(', ')}`);
+  const workloadName = values.workload!;
+  if (!(WORKLOADS as readonly string[]).includes(workloadName)) throw new UsageError(`--workload must be one of ${WORKLOADS.join(', ')}`);
+  const seed = wholeNumber('seed', values.seed, 0)!;
+  const workload: Workload = workloadName === 'random'
+    ? randomWorkload({ promptTokens: wholeNumber('prompt-tokens', values['prompt-tokens'], 1)!, seed })
+    : sharedPrefixWorkload({
+      groups: wholeNumber('groups', values.groups, 1)!,
+      systemPromptTokens: wholeNumber('system-prompt-tokens', values['system-prompt-tokens'], 1)!,
+      questionTokens: wholeNumber('question-tokens', values['question-tokens'], 1)!,
+      seed,
+    });
+  const rate = positive('rate', values.rate);
+  const concurrency = wholeNumber('concurrency', values.concurrency, 1);
+  const durationSec = positive('duration', values.duration);
+  // Unbounded runs are not offered: without either bound, a fixed number of requests.
+  const requests = wholeNumber('requests', values.requests, 1) ?? (durationSec === undefined ? 100 : undefined);
+  const load: BenchConfig['load'] = {
+    url, endpoint: endpoint as Endpoint, workload,
+    outputTokens: wholeNumber('output-tokens', values['output-tokens'], 1)!,
+    stream: values.stream, ignoreEos: values['ignore-eos'],
+    timeoutSec: positive('timeout', values.timeout)!, seed,
+    ...(values.model !== undefined ? { model: values.model } : {}),
+    ...(values['api-key'] !== undefined ? { apiKey: values['api-key'] } : {}),
+    ...(rate !== undefined ? { rate } : {}),
+    ...(concurrency !== undefined ? { concurrency } : {}),
+    ...(requests !== undefined ? { requests } : {}),
+    ...(durationSec !== undefined ? { durationSec } : {}),
+  };
+  return { load, json: values.json, ...(values.output !== undefined ? { outputFile: values.output } : {}) };
+}
+
+/** Runs the load and writes the report; the exit code is 1 when no request succeeded. */
+export async function runBench(config: BenchConfig, write: (text: string) => void, signal?: AbortSignal): Promise<{ code: number; result: BenchResult }> {
+  const result = await runLoad({ ...config.load, ...(signal ? { signal } : {}) });
+  write(config.json ? reportJson(result) : formatReport(result));
+  if (config.outputFile !== undefined) writeFileSync(config.outputFile, `${reportJson(result, { includeRequests: true })}\n`);
+  return { code: result.summary.numOk > 0 ? 0 : 1, result };
+}
+
+export const benchCommand: Command = {
+  summary: 'load generator: TTFT, ITL, latency and throughput of an OpenAI-compatible server',
+  async run(argv) {
+    const config = parseBenchConfig(argv);
+    if (config === 'help') {
+      console.log(`Usage: conduit bench [options]\n\n${formatFlagHelp(BENCH_FLAGS)}`);
+      return 0;
+    }
+    const stop = new AbortController();
+    const onSignal = (): void => {
+      process.stderr.write('conduit bench: stopping (requests in flight are cut and counted as aborted)\n');
+      stop.abort();
+    };
+    process.once('SIGINT', onSignal);
+    try {
+      const { code } = await runBench(config, (text) => console.log(text), stop.signal);
+      return code;
+    } finally {
+      process.off('SIGINT', onSignal);
+    }
+  },
+};

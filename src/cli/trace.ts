@@ -1,0 +1,100 @@
+// `conduit trace <id>`: one finished request's phase waterfall and bottleneck diagnosis, fetched from a running
+// server's GET /v1/requests/{id}/trace. The id is the one the response carried (its `id`, and the x-request-id
+// header): chatcmpl-... or cmpl-...
+
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+
+export const TRACE_FLAGS = {
+  url: { type: 'string', help: 'base URL of the server', default: 'http://127.0.0.1:8000' },
+  'api-key': { type: 'string', help: 'API key, when the server has keys configured' },
+  json: { type: 'boolean', help: 'print the trace as JSON (the endpoint\'s body) instead of the waterfall', env: 'CONDUIT_TRACE_JSON' },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable;
+
+const USAGE = 'Usage: conduit trace <request id> [options]';
+
+/** The parts of the endpoint's body this command prints. */
+interface TraceBody {
+  waterfall?: string;
+  analysis?: {
+    category: string;
+    dominant_phase: string;
+    dominant_share: number;
+    dominant_ms: number;
+    recommendation: string;
+  };
+  timings?: Record<string, unknown>;
+}
+
+/** The analysis as lines under the waterfall. */
+export function formatAnalysis(analysis: NonNullable<TraceBody['analysis']>): string {
+  const lines = [`bottleneck: ${analysis.category}`];
+  if (analysis.dominant_phase !== 'none') {
+    lines[0] += ` (${analysis.dominant_phase}: ${(analysis.dominant_share * 100).toFixed(0)}%, ${analysis.dominant_ms.toFixed(1)} ms)`;
+  }
+  lines.push(`  ${analysis.recommendation}`);
+  return lines.join('\n');
+}
+
+/** Why a fetch failed, in words: connection refused, unknown host, ... */
+function connectionProblem(err: unknown): string {
+  const cause = (err as { cause?: { code?: string; message?: string } }).cause;
+  if (cause?.code === 'ECONNREFUSED') return 'connection refused (is `conduit serve` running there?)';
+  if (cause?.code === 'ENOTFOUND') return 'host not found';
+  return cause?.message ?? (err instanceof Error ? err.message : String(err));
+}
+
+export const traceCommand: Command = {
+  summary: 'print a finished request\'s phase waterfall and bottleneck',
+  async run(argv) {
+    const { values, positionals } = parseFlags(TRACE_FLAGS, argv);
+    if (values.help) {
+      console.log(`${USAGE}\n\n${formatFlagHelp(TRACE_FLAGS)}`);
+      return 0;
+    }
+    if (positionals.length !== 1) throw new UsageError(positionals.length === 0 ? `a request id is needed\n${USAGE}` : `one request id at a time\n${USAGE}`);
+    const id = positionals[0]!;
+    let base: URL;
+    try {
+      base = new URL(values.url!);
+    } catch {
+      throw new UsageError(`--url must be a URL like http://127.0.0.1:8000, got "${values.url}"`);
+    }
+    const url = new URL(`${base.pathname.replace(/\/+$/, '')}/v1/requests/${encodeURIComponent(id)}/trace`, base);
+    const headers: Record<string, string> = { Accept: 'application/json' };
+    if (values['api-key']) headers.Authorization = `Bearer ${values['api-key']}`;
+
+    let res: Response;
+    try {
+      res = await fetch(url, { headers });
+    } catch (err) {
+      console.error(`conduit trace: cannot reach ${base.origin}: ${connectionProblem(err)}`);
+      return 1;
+    }
+    const text = await res.text();
+    let body: unknown;
+    try {
+      body = JSON.parse(text);
+    } catch {
+      console.error(`conduit trace: ${url.href} answered ${res.status} with something other than JSON: ${text.slice(0, 200)}`);
+      return 1;
+    }
+    if (!res.ok) {
+      const message = (body as { error?: { message?: string } }).error?.message ?? text.slice(0, 200);
+      if (res.status === 404) console.error(`conduit trace: no trace for ${id} at ${base.origin}: ${message}`);
+      else if (res.status === 401) console.error(`conduit trace: ${base.origin} wants an API key (--api-key or CONDUIT_API_KEY): ${message}`);
+      else console.error(`conduit trace: ${base.origin} answered ${res.status}: ${message}`);
+      return 1;
+    }
+    if (values.json) {
+      console.log(JSON.stringify(body, null, 2));
+      return 0;
+    }
+    const trace = body as TraceBody;
+    const parts = [trace.waterfall?.trimEnd() ?? '(no waterfall in the answer)'];
+    if (trace.analysis) parts.push('', formatAnalysis(trace.analysis));
+    console.log(parts.join('\n'));
+    return 0;
+  },
+};

@@ -1,0 +1,103 @@
+// `conduit trace <id>` run in-process through main() against a live `conduit serve` server: the waterfall and the
+// bottleneck of a request it served, JSON on demand, and plain errors for an unknown id, a missing key, a server
+// that is not there and a missing id.
+import assert from 'node:assert/strict';
+import { createServer } from 'node:net';
+import { after, before, describe, it } from 'node:test';
+import { main } from '../../src/cli/main.ts';
+import { startTestServer, type TestServer } from '../api/e2e-fixture.ts';
+import { rawRequest } from '../api/http-client.ts';
+
+const KEY = 'sk-cli-trace-000001';
+
+async function run(argv: string[]): Promise<{ code: number; out: string; err: string }> {
+  const out: string[] = [];
+  const err: string[] = [];
+  const { log, error } = console;
+  console.log = (...args: unknown[]) => { out.push(args.join(' ')); };
+  console.error = (...args: unknown[]) => { err.push(args.join(' ')); };
+  try {
+    const code = await main(argv);
+    return { code, out: out.join('\n'), err: err.join('\n') };
+  } finally {
+    console.log = log;
+    console.error = error;
+  }
+}
+
+/** A port nothing listens on: bound, then released. */
+async function closedPort(): Promise<number> {
+  const probe = createServer();
+  await new Promise<void>((resolve) => probe.listen(0, '127.0.0.1', resolve));
+  const { port } = probe.address() as { port: number };
+  await new Promise<void>((resolve) => probe.close(() => resolve()));
+  return port;
+}
+
+describe('conduit trace', () => {
+  let server: TestServer;
+  let id: string;
+
+  before(async () => {
+    server = await startTestServer({ keysFile: `${KEY} cli\n` });
+    const model = server.running.api.gateway.servedModelName!;
+    const res = await rawRequest(server.url, {
+      path: '/v1/completions', headers: { Authorization: `Bearer ${KEY}` },
+      body: { model, prompt: 'The tide came in', max_tokens: 5, temperature: 0, ignore_eos: true, stream: true },
+    });
+    assert.equal(res.status, 200, res.text);
+    id = String(res.headers['x-request-id']);
+  });
+
+  after(async () => {
+    await server?.close();
+  });
+
+  it('is listed as an available command', async () => {
+    const { out } = await run(['--help']);
+    assert.match(out, /^ {2}trace$/m);
+    assert.doesNotMatch(out, /trace .*not available/);
+  });
+
+  it('prints the request\'s waterfall and its bottleneck', { timeout: 60_000 }, async () => {
+    const { code, out, err } = await run(['trace', id, '--url', server.url, '--api-key', KEY]);
+    assert.equal(code, 0, err);
+    const lines = out.split('\n');
+    assert.match(lines[0]!, new RegExp(`^request ${id}  model \\S+  worker worker-0  ok \\(length\\)$`));
+    assert.match(lines[1]!, /^total [\d.]+ ms {2}TTFT [\d.]+ ms {2}prompt \d+ tokens \(\d+ cached\) {2}output 5 tokens/);
+    const rows = lines.filter((l) => /^[a-z_]+( \(.*\))? +[\d.]+ +[\d.]+ /.test(l)).map((l) => l.split(' ')[0]);
+    assert.deepEqual(rows.slice(0, 6), ['http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'scheduler_queue']);
+    assert.ok(rows.includes('prefill_execution') && rows.includes('streaming_response'), rows.join(','));
+    assert.match(out, /^time between tokens: p50 [\d.]+ ms/m);
+    assert.match(out, /^bottleneck: [a-z_]+/m);
+  });
+
+  it('prints the endpoint\'s JSON with --json', async () => {
+    const { code, out } = await run(['trace', id, '--url', `${server.url}/`, '--api-key', KEY, '--json']);
+    assert.equal(code, 0);
+    const body = JSON.parse(out);
+    assert.equal(body.request_id, id);
+    assert.equal(body.usage.completion_tokens, 5);
+    assert.equal(typeof body.waterfall, 'string');
+  });
+
+  it('says so, with exit code 1, for an unknown id, a missing key or no server', async () => {
+    const unknown = await run(['trace', 'cmpl-unknown', '--url', server.url, '--api-key', KEY]);
+    assert.equal(unknown.code, 1);
+    assert.match(unknown.err, /^conduit trace: no trace for cmpl-unknown at http:\/\/127\.0\.0\.1:\d+: No finished request/);
+    const noKey = await run(['trace', id, '--url', server.url]);
+    assert.equal(noKey.code, 1);
+    assert.match(noKey.err, /wants an API key \(--api-key or CONDUIT_API_KEY\)/);
+    const nobody = await run(['trace', id, '--url', `http://127.0.0.1:${await closedPort()}`]);
+    assert.equal(nobody.code, 1);
+    assert.match(nobody.err, /cannot reach http:\/\/127\.0\.0\.1:\d+: connection refused/);
+  });
+
+  it('needs exactly one id and a usable URL (exit code 2)', async () => {
+    assert.equal((await run(['trace'])).code, 2);
+    assert.equal((await run(['trace', 'a', 'b'])).code, 2);
+    const badUrl = await run(['trace', id, '--url', 'not a url']);
+    assert.equal(badUrl.code, 2);
+    assert.match(badUrl.err, /--url must be a URL/);
+  });
+});

@@ -1,0 +1,87 @@
+// A live server for the telemetry integration tests: the real ApiServer on an ephemeral port, the real engine
+// (the worker pool `conduit serve` uses, with the built-in model), and a telemetry instance the test owns, with an
+// in-memory span exporter, so spans, the bus and the metrics can all be read. Also: scraping /metrics into samples,
+// and a bus listener that counts each request's terminal events.
+
+import { InMemorySpanExporter } from '@opentelemetry/sdk-trace-node';
+import { KeyStore, parseKeysFile } from '../../src/api/auth.ts';
+import { silentLogger } from '../../src/api/log.ts';
+import { ApiServer } from '../../src/api/server.ts';
+import type { Engine } from '../../src/engine/types.ts';
+import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
+import { createWorkerPool } from '../../src/runtime/worker-pool.ts';
+import { createTelemetry, isTerminal, type Telemetry } from '../../src/telemetry/index.ts';
+import { rawRequest } from '../api/http-client.ts';
+import { parseExposition, total, type Exposition } from './exposition.ts';
+
+export interface LiveServer {
+  url: string;
+  api: ApiServer;
+  engine: Engine;
+  telemetry: Telemetry;
+  exporter: InMemorySpanExporter;
+  /** Terminal events (finish, error, abort) seen per request id. */
+  terminals: Map<string, string[]>;
+  close(): Promise<void>;
+}
+
+export interface LiveServerOptions {
+  /** Keys file in the line format ("key tenant [rpm] [tpm] [max_concurrent]"); none = open mode. */
+  keysFile?: string;
+  requestTimeoutMs?: number;
+  workers?: number;
+  /** Disaggregated serving, every prompt prefilled on a prefill worker and its KV moved to a decode worker. */
+  disaggregated?: { prefillWorkers: number; decodeWorkers: number };
+}
+
+export async function startLiveServer(options: LiveServerOptions = {}): Promise<LiveServer> {
+  const exporter = new InMemorySpanExporter();
+  // No OTEL_* from whoever runs the tests; spans exported as they end, for every request the head sampler keeps.
+  const telemetry = createTelemetry({ env: {}, exporters: [exporter], processor: 'simple' });
+  const terminals = new Map<string, string[]>();
+  telemetry.lifecycle.subscribe((event) => {
+    if (!isTerminal(event)) return;
+    terminals.set(event.requestId, [...(terminals.get(event.requestId) ?? []), event.phase]);
+  });
+  const keyStore = new KeyStore(options.keysFile ? parseKeysFile(options.keysFile, 'keys.txt') : { keys: [], tenants: new Map() });
+  const api = new ApiServer({
+    keyStore, telemetry, logger: silentLogger,
+    ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
+  });
+  await api.listen(0);
+  try {
+    const pool = await createWorkerPool({
+      engine: 'cpu', workers: options.workers ?? 1, modelPath: await ensureBuiltinModel(), backend: 'auto',
+      kvCacheMemoryBytes: 24 * 1024 * 1024, maxNumSeqs: 8,
+      ...(options.disaggregated ? {
+        ...options.disaggregated,
+        // Remote prefill whatever the prompt: estimates that make moving KV always cheaper than computing it.
+        disaggregationPolicy: { minRemotePrefillTokens: 1 },
+        disaggregationEstimates: { transferBytesPerSec: 1e15, prefillTokensPerSec: 1, fixed: true },
+      } : {}),
+    });
+    api.attach({ engine: pool.engine, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate });
+    return {
+      url: api.url, api, engine: pool.engine, telemetry, exporter, terminals,
+      async close() {
+        await api.shutdown(0);
+        await telemetry.shutdown();
+      },
+    };
+  } catch (err) {
+    await api.shutdown(0);
+    await telemetry.shutdown();
+    throw err;
+  }
+}
+
+export async function scrape(url: string): Promise<{ text: string; exposition: Exposition }> {
+  const res = await rawRequest(url, { path: '/metrics' });
+  if (res.status !== 200) throw new Error(`/metrics answered ${res.status}`);
+  return { text: res.text, exposition: parseExposition(res.text) };
+}
+
+/** How much a sum of samples moved between two scrapes. */
+export function moved(before: Exposition, after: Exposition, name: string, labels: Record<string, string> = {}): number {
+  return total(after, name, labels) - total(before, name, labels);
+}
