@@ -14,6 +14,7 @@
 // layer's K (or V) is a contiguous run, so a block is 2 * numLayers runs; consecutive block ids in one (layer, kv)
 // plane are contiguous too, and copies merge them into one run.
 
+import { AsyncQueue } from './streams.ts';
 import { kvElementsPerBlockRun, type KvPoolLayout } from '../kernels/types.ts';
 
 export type { KvPoolLayout };
@@ -286,45 +287,14 @@ export interface AdoptedResult {
  * A prefill worker's stream of one request, as its engine face hands it out: outputs pushed as steps end, then
  * the handoff; pulled by an async iterator. Ends after the handoff, or after an output with a finish reason.
  */
-export class PrefillStream {
-  private readonly buffer: PrefillEvent[] = [];
-  private wake: (() => void) | undefined;
-  private failure: Error | undefined;
-  private ended = false;
-
+export class PrefillStream extends AsyncQueue<PrefillEvent> {
   pushOutput(output: EngineOutput): void {
-    this.buffer.push({ type: 'output', output });
-    if (output.finishReason !== undefined) this.ended = true;
-    this.notify();
+    this.push({ type: 'output', output });
+    if (output.finishReason !== undefined) this.end();
   }
 
   pushHandoff(handoff: KvHandoff): void {
-    this.buffer.push({ type: 'handoff', handoff });
-    this.ended = true;
-    this.notify();
-  }
-
-  fail(error: Error): void {
-    this.failure = error;
-    this.notify();
-  }
-
-  get done(): boolean {
-    return this.ended;
-  }
-
-  private notify(): void {
-    const wake = this.wake;
-    this.wake = undefined;
-    wake?.();
-  }
-
-  async *drain(): AsyncGenerator<PrefillEvent> {
-    for (;;) {
-      while (this.buffer.length > 0) yield this.buffer.shift()!;
-      if (this.failure) throw this.failure;
-      if (this.ended) return;
-      await new Promise<void>((resolve) => { this.wake = resolve; });
-    }
+    this.push({ type: 'handoff', handoff });
+    this.end();
   }
 }

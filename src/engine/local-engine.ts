@@ -11,6 +11,7 @@ import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../runtime/worker-thread.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
+import { OutputStream } from './streams.ts';
 import type { KvEvent } from './kv-cache/events.ts';
 import type {
   Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole,
@@ -54,52 +55,6 @@ export class EngineRejectedError extends Error {
 
 export class EngineClosedError extends Error {
   override name = 'EngineClosedError';
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// One request's stream: outputs are pushed as messages arrive and pulled by the async iterator.
-
-class OutputStream {
-  private readonly buffer: EngineOutput[] = [];
-  private wake: (() => void) | undefined;
-  private failure: Error | undefined;
-  private ended = false;
-  private readonly unfinished: Set<number>;
-
-  constructor(numCompletions: number) {
-    this.unfinished = new Set(Array.from({ length: numCompletions }, (_, i) => i));
-  }
-
-  push(output: EngineOutput): void {
-    this.buffer.push(output);
-    if (output.finishReason !== undefined) this.unfinished.delete(output.index);
-    if (this.unfinished.size === 0) this.ended = true;
-    this.notify();
-  }
-
-  fail(error: Error): void {
-    this.failure = error;
-    this.notify();
-  }
-
-  get done(): boolean {
-    return this.ended;
-  }
-
-  private notify(): void {
-    const wake = this.wake;
-    this.wake = undefined;
-    wake?.();
-  }
-
-  async *drain(): AsyncGenerator<EngineOutput> {
-    for (;;) {
-      while (this.buffer.length > 0) yield this.buffer.shift()!;
-      if (this.failure) throw this.failure;
-      if (this.ended) return;
-      await new Promise<void>((resolve) => { this.wake = resolve; });
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 import { KvCacheManager, type KvPin } from '../engine/kv-cache/manager.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
 import { engineNow } from '../engine/clock.ts';
+import { OutputStream } from '../engine/streams.ts';
 import {
   PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillEvent,
 } from '../engine/handoff.ts';
@@ -638,50 +639,6 @@ export interface SimEngineOptions extends SimWorkerConfig {
 
 export class SimEngineClosedError extends Error {
   override name = 'SimEngineClosedError';
-}
-
-/** One request's stream: outputs are pushed as steps end and pulled by the async iterator. */
-class OutputStream {
-  private readonly buffer: EngineOutput[] = [];
-  private wake: (() => void) | undefined;
-  private failure: Error | undefined;
-  private ended = false;
-  private readonly unfinished: Set<number>;
-
-  constructor(numCompletions: number) {
-    this.unfinished = new Set(Array.from({ length: numCompletions }, (_, i) => i));
-  }
-
-  push(output: EngineOutput): void {
-    this.buffer.push(output);
-    if (output.finishReason !== undefined) this.unfinished.delete(output.index);
-    if (this.unfinished.size === 0) this.ended = true;
-    this.notify();
-  }
-
-  fail(error: Error): void {
-    this.failure = error;
-    this.notify();
-  }
-
-  get done(): boolean {
-    return this.ended;
-  }
-
-  private notify(): void {
-    const wake = this.wake;
-    this.wake = undefined;
-    wake?.();
-  }
-
-  async *drain(): AsyncGenerator<EngineOutput> {
-    for (;;) {
-      while (this.buffer.length > 0) yield this.buffer.shift()!;
-      if (this.failure) throw this.failure;
-      if (this.ended) return;
-      await new Promise<void>((resolve) => { this.wake = resolve; });
-    }
-  }
 }
 
 /**
