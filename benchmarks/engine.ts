@@ -7,7 +7,8 @@
 //    8), prompts of mixed lengths (16, 32, 64, 128, 256 tokens in turn), 48 generated tokens each, greedy. Output
 //    and total (prompt + output) tok/s over the makespan, TTFT p50 / p99, median inter-token gap. Engines:
 //    Conduit's EngineCore, Conduit as served (worker thread), and llama.cpp through node-llama-cpp, as shipped
-//    and with whole ordered batches (the fair ceiling; see peer/llama-runner.ts). llama.cpp runs when
+//    and with whole ordered batches (peer/llama-runner.ts), and through its C API with no JavaScript in the loop
+//    (peer/llama-capi-runner.ts: the fair ceiling; needs git and g++ to build on first use). llama.cpp runs when
 //    benchmarks/peer has been installed (`npm run bench:peer` does it), else it is left out and the run says so.
 // 2. Control-plane overhead per step at 256 running requests: benchmarks/scheduler.ts (no model) as a child
 //    process, then EngineCore and the served engine on the real model with 256 requests decoding together,
@@ -27,6 +28,7 @@ import { ensureBenchModel } from './model-files.ts';
 import {
   CoreRunner, decodeSteps, decodeWeightBytes, phaseMeans, ServedRunner, STEP_PHASES, type StepRecord,
 } from './peer/conduit-runner.ts';
+import { capiUnavailableReason, LlamaCApiRunner } from './peer/llama-capi-runner.ts';
 import {
   checkTraces, loadLine, loadRunFigures, minMedMax, num, percentile, promptTokens, sample, speedRatio, summarize,
   table, ttftMs, type GenRequest, type LoadRunFigures, type Runner, type SampleOptions,
@@ -76,6 +78,8 @@ async function loadLlama(modelPath: string): Promise<LlamaCppHandle | string> {
   if (args['no-llama']) return 'left out (--no-llama)';
   const installed = fileURLToPath(new URL('./peer/node_modules/node-llama-cpp/package.json', import.meta.url));
   if (!existsSync(installed)) return 'not installed: run `cd benchmarks/peer && npm install` (or npm run bench:peer) first';
+  const reason = capiUnavailableReason();
+  if (reason) return `incomplete install: ${reason}`;
   const specifier = new URL('./peer/llama-runner.ts', import.meta.url).href;
   const module = (await import(specifier)) as { LlamaCpp: { load(path: string, threads: number): Promise<LlamaCppHandle> } };
   return module.LlamaCpp.load(modelPath, THREADS);
@@ -83,14 +87,29 @@ async function loadLlama(modelPath: string): Promise<LlamaCppHandle | string> {
 
 // ---------------------------------------------------------------------------------------------------------------
 
-type EngineKey = 'core' | 'served' | 'ordered' | 'shipped';
+type EngineKey = 'core' | 'served' | 'capi' | 'ordered' | 'shipped';
 const LABEL: Record<EngineKey, string> = {
-  core: 'Conduit EngineCore', served: 'Conduit served', ordered: 'llama.cpp ordered', shipped: 'llama.cpp as shipped',
+  core: 'Conduit EngineCore', served: 'Conduit served', capi: 'llama.cpp C API', ordered: 'llama.cpp ordered',
+  shipped: 'llama.cpp as shipped',
 };
+const LLAMA_KEYS = ['capi', 'ordered', 'shipped'] as const;
 
 function rotate<T>(items: readonly T[], by: number): T[] {
   const k = by % items.length;
   return [...items.slice(k), ...items.slice(0, k)];
+}
+
+/** Foreign CPU seen by a section's kept samples, and how many samples were retaken. */
+class Disturbance {
+  private max = 0;
+  private retakes = 0;
+  note(foreignShare: number, attempts: number): void {
+    if (Number.isFinite(foreignShare)) this.max = Math.max(this.max, foreignShare);
+    this.retakes += attempts - 1;
+  }
+  line(): string {
+    return `(samples kept saw at most ${(this.max * 100).toFixed(0)}% foreign CPU; ${this.retakes} retaken)`;
+  }
 }
 
 function mixedRequests(count: number, maxTokens: number): GenRequest[] {
@@ -126,6 +145,7 @@ async function throughput(): Promise<void> {
     const contextSize = Math.max(...PROMPT_LENGTHS) + OUTPUT_TOKENS + 16;
     const runners: [EngineKey, Runner][] = [['core', core], ['served', served]];
     if (typeof llama !== 'string') {
+      runners.push(['capi', await LlamaCApiRunner.start(cacheFile.path, THREADS, n, contextSize)]);
       runners.push(['ordered', await llama.runner('ordered', n, contextSize)]);
       runners.push(['shipped', await llama.runner('shipped', n, contextSize)]);
     }
@@ -150,9 +170,9 @@ async function throughput(): Promise<void> {
         retakes += attempts - 1;
       }
     }
-    for (const [key, runner] of runners) if (key === 'ordered' || key === 'shipped') await runner.close();
+    for (const [key, runner] of runners) if (key !== 'core' && key !== 'served') await runner.close();
     all[`N=${n}`] = figures as Record<string, LoadRunFigures[]>;
-    const best = Math.max(...(['ordered', 'shipped'] as const).map((k) =>
+    const best = Math.max(...LLAMA_KEYS.map((k) =>
       summarize((figures[k] ?? []).map((f) => f.outputTokPerSec)).median).filter(Number.isFinite));
     for (const [key] of runners) {
       const f = figures[key]!;
@@ -190,6 +210,7 @@ async function overhead(): Promise<void> {
   console.log(`\n### On the model: ${OVERHEAD_RUNNING} requests of ${OVERHEAD_PROMPT}-token prompts decoding ` +
     `${OVERHEAD_OUTPUT} tokens together (µs per step unless noted)`);
   const rows: string[][] = [];
+  const disturbance = new Disturbance();
   const lags: number[] = [];
   const itl: Record<string, number[]> = { core: [], served: [] };
   const requests = () => Array.from({ length: OVERHEAD_RUNNING }, () =>
@@ -199,7 +220,7 @@ async function overhead(): Promise<void> {
   const coreSteps: StepRecord[] = [];
   for (let r = 0; r < RUNS; r++) {
     for (const [key, runner] of rotate([['core', core], ['served', served]] as [string, Runner][], r)) {
-      const { value } = await sample(SAMPLING, async () => {
+      const { value, foreignShare, attempts } = await sample(SAMPLING, async () => {
         core.takeSteps();
         served.takeDeliveryLags();
         const reqs = requests();
@@ -208,6 +229,7 @@ async function overhead(): Promise<void> {
         return { traces, steps: core.takeSteps(), lags: served.takeDeliveryLags() };
       });
       // Only the steps where all of them decode (prompts are prefilled over the first few steps, in chunks).
+      disturbance.note(foreignShare, attempts);
       if (key === 'core') coreSteps.push(...decodeSteps(value.steps).filter((s) => s.numSeqs === OVERHEAD_RUNNING));
       else lags.push(...value.lags);
       // The gap between consecutive steps as the caller sees it, in decode (all requests advance together).
@@ -224,6 +246,7 @@ async function overhead(): Promise<void> {
   console.log(`step gap seen by the caller: EngineCore ${num(coreItl)} ms, served ${num(servedItl)} ms ` +
     `(served - core ${num(servedItl - coreItl)} ms); served delivery lag (worker stamp to main thread) ` +
     `p50 ${num(percentile(lags, 0.5))} ms, p99 ${num(percentile(lags, 0.99))} ms for ${OVERHEAD_RUNNING} outputs per step`);
+  console.log(disturbance.line());
   json.overhead = { scheduler: output, core: phaseMeans(coreSteps), coreItl, servedItl, lagP50: percentile(lags, 0.5) };
 }
 
@@ -233,11 +256,15 @@ async function overhead(): Promise<void> {
 async function prefixCache(): Promise<void> {
   console.log(`\n## Prefix cache: TTFT of a ${PROMPT_TTFT}-token prompt sent again vs cold, min/median/max of ${RUNS} runs`);
   const runners: [EngineKey, Runner][] = [['core', core], ['served', served]];
-  if (typeof llama !== 'string') runners.push(['shipped', await llama.runner('shipped', 1, 2048)]);
+  if (typeof llama !== 'string') {
+    runners.push(['shipped', await llama.runner('shipped', 1, 2048)]);
+    runners.push(['capi', await LlamaCApiRunner.start(cacheFile.path, THREADS, 1, 2048)]);
+  }
   const cold: Partial<Record<EngineKey, number[]>> = {};
   const again: Partial<Record<EngineKey, number[]>> = {};
   const cached: Partial<Record<EngineKey, number>> = {};
   const againSteps: StepRecord[] = [];
+  const disturbance = new Disturbance();
   for (const [, runner] of runners) { // warm-up
     const request = { prompt: promptTokens(nextSeed++, PROMPT_TTFT), maxTokens: 1 };
     await runner.run([request], 1);
@@ -245,20 +272,21 @@ async function prefixCache(): Promise<void> {
   }
   for (let r = 0; r < RUNS; r++) {
     for (const [key, runner] of rotate(runners, r)) {
-      const { value } = await sample(SAMPLING, async () => {
+      const { value, foreignShare, attempts } = await sample(SAMPLING, async () => {
         const request = { prompt: promptTokens(nextSeed++, PROMPT_TTFT), maxTokens: 1 };
         const [first] = await runner.run([request], 1);
         core.takeSteps();
         const [second] = await runner.run([request], 1);
         return { first: first!, second: second!, steps: core.takeSteps() };
       });
+      disturbance.note(foreignShare, attempts);
       (cold[key] ??= []).push(ttftMs(value.first));
       (again[key] ??= []).push(ttftMs(value.second));
       cached[key] = value.second.cachedTokens;
       if (key === 'core') againSteps.push(...value.steps);
     }
   }
-  if (typeof llama !== 'string') await runners.at(-1)![1].close();
+  for (const [key, runner] of runners) if (key !== 'core' && key !== 'served') await runner.close();
   // One decode step reads every weight once: no step, however few tokens it computes, can be faster.
   const { value: floorSteps } = await sample(SAMPLING, async () => {
     core.takeSteps();
@@ -279,6 +307,7 @@ async function prefixCache(): Promise<void> {
   console.log(`Floor: a one-token step at this context takes ${num(decodeFloorMs)} ms ` +
     `(${((decodeFloorMs / summarize(cold.core!).median) * 100).toFixed(1)}% of cold): every step streams all ` +
     `${(decodeBytes / 1e6).toFixed(0)} MB of weights.`);
+  console.log(disturbance.line());
   json.prefixCache = { cold, again, cached, againPhases: p, decodeFloorMs };
 }
 

@@ -2,6 +2,7 @@
 //
 //   cd benchmarks/peer && npm install --no-audit --no-fund && node --import tsx bench.ts [options]
 //
+// (needs git and g++ for the C API driver, built on first use into build/)
 //   --models Q8_0,F32   which synthetic 110M models (default both; written into the cache on first use)
 //   --runs 3            measured runs per figure (min / median / max), after one warm-up run per engine
 //   --threads 2         compute threads of every engine
@@ -12,10 +13,12 @@
 //   --quick             one run, shorter generations: a smoke test, not a measurement
 //
 // Engines: Conduit's EngineCore with the native backend on the main thread (kernels + control plane), Conduit as
-// served (createLocalEngine: the step loop in a worker thread, outputs as messages), llama.cpp through
-// node-llama-cpp with its default batching ("as shipped") and with whole batches in sequence order ("ordered",
-// the fair ceiling for several sequences; see llama-runner.ts). Every figure is taken for every engine within
-// the same run, engines in rotating order, so a burst of load on this shared VM hits all of them alike.
+// served (createLocalEngine: the step loop in a worker thread, outputs as messages), and llama.cpp three ways:
+// node-llama-cpp with its default batching ("as shipped"), node-llama-cpp with whole batches in sequence order
+// ("ordered"; see llama-runner.ts), and its C API with no JavaScript in the loop ("C API", llama-capi-runner.ts,
+// the same prebuilt libraries). The fair ceiling is llama.cpp's best of the three, in practice the C API; every
+// ratio is against it. Each figure is taken for every engine within the same run, engines in rotating order,
+// and a sample during which another process took CPU is retaken (see harness.ts).
 //
 // Figures: prefill tok/s and TTFT of a cold 512-token prompt; TTFT of the same prompt again (prefix cache);
 // single-stream decode tok/s (128-token prompt, 128 tokens); aggregate decode tok/s of 4, 8 and 16 sequences
@@ -36,6 +39,7 @@ import {
   steadyDecodeTokPerSec, summarize, table, ttftMs, waitForQuiet, waitForQuietCpu, type GenRequest, type RequestTrace, type Runner,
   type SampleOptions, type Summary,
 } from './harness.ts';
+import { LlamaCApiRunner } from './llama-capi-runner.ts';
 import { LlamaCpp, type LlamaRunner } from './llama-runner.ts';
 
 const { values: args } = parseArgs({
@@ -70,10 +74,12 @@ const SAMPLING: SampleOptions = {
 };
 let nextSeed = 1;
 
-type EngineKey = 'core' | 'served' | 'shipped' | 'ordered';
-const ENGINES: readonly EngineKey[] = ['core', 'served', 'shipped', 'ordered'];
+type EngineKey = 'core' | 'served' | 'shipped' | 'ordered' | 'capi';
+const ENGINES: readonly EngineKey[] = ['core', 'served', 'shipped', 'ordered', 'capi'];
+const LLAMA_ENGINES = ['shipped', 'ordered', 'capi'] as const;
 const ENGINE_LABEL: Record<EngineKey, string> = {
   core: 'Conduit EngineCore', served: 'Conduit served', shipped: 'llama.cpp as shipped', ordered: 'llama.cpp ordered',
+  capi: 'llama.cpp C API',
 };
 
 interface FigureDef {
@@ -136,6 +142,7 @@ interface Engines {
   core: CoreRunner;
   served: ServedRunner;
   llama: LlamaCpp;
+  modelPath: string;
 }
 
 interface EngineRun {
@@ -172,7 +179,9 @@ function file(results: ModelResults, figure: string, run: EngineRun, foreignShar
 
 async function measureTtft(engines: Engines, results: ModelResults): Promise<void> {
   const llama1 = await engines.llama.runner('shipped', 1, CONTEXT_PER_SEQUENCE);
-  const runners: [EngineKey, Runner][] = [['core', engines.core], ['served', engines.served], ['shipped', llama1]];
+  const capi1 = await LlamaCApiRunner.start(engines.modelPath, THREADS, 1, CONTEXT_PER_SEQUENCE);
+  const runners: [EngineKey, Runner][] = [['core', engines.core], ['served', engines.served], ['shipped', llama1],
+    ['capi', capi1]];
   for (const [, runner] of runners) { // warm-up: scratch buffers, page faults, JIT
     const request = { prompt: promptTokens(nextSeed++, PROMPT_TTFT), maxTokens: 1 };
     await runner.run([request], 1);
@@ -197,12 +206,16 @@ async function measureTtft(engines: Engines, results: ModelResults): Promise<voi
     }
   }
   await llama1.close();
+  await capi1.close();
 }
 
 async function measureDecode(engines: Engines, results: ModelResults, streams: number): Promise<void> {
   const figure = `decode${streams}`;
   const maxTokens = streams === 1 ? DECODE1_TOKENS : DECODEN_TOKENS;
-  const llamaRunners: [EngineKey, LlamaRunner][] = [['shipped', await engines.llama.runner('shipped', streams, CONTEXT_PER_SEQUENCE)]];
+  const llamaRunners: [EngineKey, LlamaRunner | LlamaCApiRunner][] = [
+    ['shipped', await engines.llama.runner('shipped', streams, CONTEXT_PER_SEQUENCE)],
+    ['capi', await LlamaCApiRunner.start(engines.modelPath, THREADS, streams, CONTEXT_PER_SEQUENCE)],
+  ];
   if (streams > 1) llamaRunners.push(['ordered', await engines.llama.runner('ordered', streams, CONTEXT_PER_SEQUENCE)]);
   const runners: [EngineKey, Runner][] = [['core', engines.core], ['served', engines.served], ...llamaRunners];
   const freshRequests = (): GenRequest[] => Array.from({ length: streams }, () =>
@@ -235,6 +248,7 @@ async function benchModel(dtype: BenchModelDtype): Promise<ModelResults> {
     core: await CoreRunner.create(model, options),
     served: await ServedRunner.create(model, options),
     llama: await LlamaCpp.load(file.path, THREADS),
+    modelPath: file.path,
   };
   console.log(`llama.cpp: ${engines.llama.describe()}`);
   const info = engines.served.bundle.engine.info;
@@ -263,9 +277,9 @@ function summaryOf(results: ModelResults, figure: string, engine: EngineKey): Su
   return values ? summarize(values) : undefined;
 }
 
-/** llama.cpp's best median for the figure: the fair ceiling (ordered batches where they were run). */
+/** llama.cpp's best median for the figure, however it was driven: the fair ceiling. */
 function llamaCeiling(results: ModelResults, figure: FigureDef): number {
-  const medians = (['shipped', 'ordered'] as const).map((e) => summaryOf(results, figure.key, e)?.median)
+  const medians = LLAMA_ENGINES.map((e) => summaryOf(results, figure.key, e)?.median)
     .filter((v): v is number => v !== undefined);
   return figure.lowerIsBetter ? Math.min(...medians) : Math.max(...medians);
 }
@@ -291,7 +305,7 @@ function report(results: ModelResults, bandwidth: Bandwidth): void {
   console.log(`\nRoofline: ${(results.decodeBytesPerToken / 1e6).toFixed(1)} MB per token at ${bandwidth.readGBs.toFixed(1)} ` +
     `GB/s read = ${rooflineTokPerSec.toFixed(0)} tok/s single-stream decode`);
   console.log(table(['engine', 'decode 1 stream median tok/s', '% of roofline', 'effective GB/s'],
-    (['core', 'served', 'shipped'] as const).map((e) => {
+    (['core', 'served', 'shipped', 'capi'] as const).map((e) => {
       const median = summaryOf(results, 'decode1', e)?.median ?? NaN;
       return [ENGINE_LABEL[e], num(median), `${((median / rooflineTokPerSec) * 100).toFixed(0)}%`,
         num((median * results.decodeBytesPerToken) / 1e9)];
@@ -303,7 +317,7 @@ function report(results: ModelResults, bandwidth: Bandwidth): void {
       ['decode 1 stream >= 1.1x llama.cpp', (e) => median('decode1', e) / llamaCeiling(results, FIGURES[3]!), 1.1],
       ['decode 1 stream >= 85% of roofline', (e) => median('decode1', e) / rooflineTokPerSec, 0.85],
       ['prefill 512 >= 1.2x llama.cpp', (e) => median('prefill', e) / llamaCeiling(results, FIGURES[0]!), 1.2],
-      ['decode 16 streams >= 1.5x llama.cpp (ordered)', (e) => median('decode16', e) /
+      ['decode 16 streams >= 1.5x llama.cpp', (e) => median('decode16', e) /
         llamaCeiling(results, FIGURES.find((f) => f.key === 'decode16')!), 1.5],
     ];
     console.log('\nTargets (Q8_0):');
@@ -326,13 +340,13 @@ function report(results: ModelResults, bandwidth: Bandwidth): void {
 
   console.log('\nConduit served vs EngineCore: median inter-token gap (ms) and the worker-to-main-thread delivery lag:');
   console.log(table(['figure', 'core ITL', 'served ITL', 'served - core', 'delivery lag p50', 'delivery lag p99',
-    'llama shipped ITL', 'llama ordered ITL'], [1, ...STREAMS].map((n) => {
+    'llama shipped ITL', 'llama ordered ITL', 'llama C API ITL'], [1, ...STREAMS].map((n) => {
     const figure = `decode${n}`;
     const itl = (e: EngineKey) => summarize(results.itlMs[figure]?.[e] ?? []).median;
     const lags = results.deliveryLagMs[figure] ?? [];
     return [`decode ${n}`, num(itl('core')), num(itl('served')), num(itl('served') - itl('core')),
       lags.length ? num(percentile(lags, 0.5)) : '-', lags.length ? num(percentile(lags, 0.99)) : '-',
-      num(itl('shipped')), num(itl('ordered'))];
+      num(itl('shipped')), num(itl('ordered')), num(itl('capi'))];
   })));
   const ttftLags = results.deliveryLagMs.ttftCold ?? [];
   if (ttftLags.length) console.log(`delivery lag of the first token (512 cold): p50 ${num(percentile(ttftLags, 0.5))} ms`);
