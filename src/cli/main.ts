@@ -24,7 +24,7 @@ function usage(): string {
   const lines = ['Usage: conduit <command> [options]', '', 'Commands:'];
   for (const name of Object.keys(COMMANDS)) lines.push(`  ${name}`);
   for (const [name, what] of Object.entries(PLANNED)) lines.push(`  ${name.padEnd(9)} (not available yet: ${what})`);
-  lines.push('', 'Run `conduit <command> --help` for its options. Every option --x-y has an environment twin CONDUIT_X_Y.');
+  lines.push('', 'Run `conduit <command> --help` for its options. Every option --x-y has an environment twin CONDUIT_X_Y\n(sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y; trace and bench share CONDUIT_URL).');
   return lines.join('\n');
 }
 
