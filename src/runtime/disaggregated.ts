@@ -17,7 +17,9 @@
 // that cannot happen, falls back to a local prefill on the decode worker; a failure after tokens went out ends the
 // stream with an error. Either way the blocks on both sides are freed.
 
-import { EngineOverloadedError, WorkerLostError } from '../engine/errors.ts';
+import { RouterAdmission } from './router-admission.ts';
+import { summarizeDecision } from './routed-engine.ts';
+import { WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
@@ -78,13 +80,6 @@ interface Flight {
   finished: boolean;
 }
 
-interface Waiter {
-  resolve(decision: RoutingDecision): void;
-  reject(error: Error): void;
-}
-
-const QUEUE_POLL_MS = 50;
-
 export class DisaggregatedEngine implements Engine {
   readonly info: EngineInfo;
   readonly channel: KvTransferChannel;
@@ -95,13 +90,12 @@ export class DisaggregatedEngine implements Engine {
   private readonly decodeRouter: Router;
   private readonly now: () => number;
   private readonly flights = new Map<string, Flight>();
-  private readonly waiting = new Map<string, Waiter>();
+  private readonly admission: RouterAdmission;
   private readonly unsubscribe: (() => void)[] = [];
   private readonly transferRate: RateEstimate;
   private readonly prefillRate: RateEstimate;
   private readonly kvBytesPerToken: number;
   private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
-  private pollTimer: NodeJS.Timeout | undefined;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.decode.length === 0) throw new Error('a disaggregated engine needs at least one decode worker');
@@ -110,6 +104,7 @@ export class DisaggregatedEngine implements Engine {
     this.prefillRouter = options.prefillRouter;
     this.decodeRouter = options.decodeRouter;
     this.now = options.now;
+    this.admission = new RouterAdmission(this.decodeRouter, this.now, 'decode worker');
     const fixed = options.estimates?.fixed ?? false;
     this.transferRate = new RateEstimate(options.estimates?.transferBytesPerSec ?? 2e9, 0.2, fixed);
     this.prefillRate = new RateEstimate(options.estimates?.prefillTokensPerSec ?? 2_000, 0.2, fixed);
@@ -166,18 +161,13 @@ export class DisaggregatedEngine implements Engine {
         if (!flight.finished) engine.stopEverywhere(flight);
         engine.releaseSource(flight);
         if (flight.decodeId !== undefined) engine.decodeRouter.onFinished(request.id, engine.now());
-        engine.drain();
+        engine.admission.drain();
       }
     })();
   }
 
   abort(requestId: string): void {
-    const waiter = this.waiting.get(requestId);
-    if (waiter && this.decodeRouter.cancelQueued(requestId)) {
-      this.waiting.delete(requestId);
-      waiter.reject(new EngineOverloadedError(`request ${requestId} was aborted while queued`, 0));
-      return;
-    }
+    if (this.admission.cancel(requestId)) return;
     const flight = this.flights.get(requestId);
     if (!flight) return;
     flight.aborted = true;
@@ -186,7 +176,7 @@ export class DisaggregatedEngine implements Engine {
 
   stats(): EngineStats {
     const total: EngineStats = {
-      numRunning: 0, numWaiting: this.waiting.size, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0,
+      numRunning: 0, numWaiting: this.admission.size, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0,
       prefixCacheHits: 0, preemptions: 0,
     };
     for (const engine of [...this.prefillWorkers.values(), ...this.decodeWorkers.values()]) {
@@ -234,10 +224,8 @@ export class DisaggregatedEngine implements Engine {
   }
 
   async close(): Promise<void> {
-    clearInterval(this.pollTimer);
     for (const off of this.unsubscribe) off();
-    for (const [id, waiter] of this.waiting) waiter.reject(new EngineOverloadedError(`engine closed while ${id} was queued`, 0));
-    this.waiting.clear();
+    this.admission.close();
     await Promise.all([...this.prefillWorkers.values(), ...this.decodeWorkers.values()].map((engine) => engine.close()));
   }
 
@@ -246,7 +234,7 @@ export class DisaggregatedEngine implements Engine {
 
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
     const routing: RoutingRequest = { requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt };
-    const decodeDecision = await this.placeDecode(routing);
+    const decodeDecision = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
     const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);
     if (!decodeEngine) throw new WorkerLostError(decodeDecision.workerId, `decode worker ${decodeDecision.workerId} left before the request could start`);
@@ -257,7 +245,7 @@ export class DisaggregatedEngine implements Engine {
     }
 
     const { choice, prefillDecision } = this.decide(request, routing, decodeDecision);
-    flight.summary = { ...summarize(decodeDecision, this.now()), disaggregation: choice };
+    flight.summary = { ...summarizeDecision(decodeDecision, this.now()), disaggregation: choice };
     if (choice.mode === 'local' || prefillDecision === null) {
       this.counts.local++;
       yield* this.runLocal(request, flight, decodeEngine);
@@ -462,51 +450,7 @@ export class DisaggregatedEngine implements Engine {
     this.channel.disconnect(workerId);
   }
 
-  /** Routes to a decode worker now, or waits in the decode router's admission queue, or fails with overload. */
-  private placeDecode(request: RoutingRequest): Promise<RoutingDecision> {
-    const outcome = this.decodeRouter.route(request, this.now());
-    switch (outcome.kind) {
-      case 'routed':
-        return Promise.resolve(outcome.decision);
-      case 'rejected':
-        return Promise.reject(new EngineOverloadedError(
-          outcome.reason === 'no-workers' ? 'no decode worker is available' : 'every decode worker is busy and the queue is full',
-          outcome.retryAfterMs));
-      case 'queued':
-        return new Promise<RoutingDecision>((resolve, reject) => {
-          this.waiting.set(request.requestId, { resolve, reject });
-          this.pollTimer ??= setInterval(() => this.drain(), QUEUE_POLL_MS);
-        });
-    }
-  }
 
-  private drain(): void {
-    if (this.waiting.size === 0) return;
-    const { routed, expired } = this.decodeRouter.drainQueue(this.now());
-    for (const { request, decision } of routed) {
-      const waiter = this.waiting.get(request.requestId);
-      this.waiting.delete(request.requestId);
-      waiter?.resolve(decision);
-    }
-    for (const request of expired) {
-      const waiter = this.waiting.get(request.requestId);
-      this.waiting.delete(request.requestId);
-      waiter?.reject(new EngineOverloadedError('the request waited too long for a free decode worker', 1000));
-    }
-    if (this.waiting.size === 0) {
-      clearInterval(this.pollTimer);
-      this.pollTimer = undefined;
-    }
-  }
-}
-
-function summarize(decision: RoutingDecision, decidedAt: number): RoutingSummary {
-  const { overhead } = decision;
-  return {
-    workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
-    reason: decision.reason, decidedAt,
-    overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
-  };
 }
 
 /** The closing output of a request stopped between workers, where no worker had an output to send. */
