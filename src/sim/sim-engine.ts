@@ -12,7 +12,7 @@
 import { KvCacheManager, type KvPin } from '../engine/kv-cache/manager.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
 import { engineNow } from '../engine/clock.ts';
-import { OutputStream } from '../engine/streams.ts';
+import { followQueue, OutputStream } from '../engine/streams.ts';
 import {
   PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillEvent,
 } from '../engine/handoff.ts';
@@ -409,7 +409,14 @@ export class SimWorker {
       outputs.push(this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason, endMs));
       if (state.handoff) (handOffs ??= []).push(state);
     }
-    for (const request of result.finishedRequests) this.states.delete(request.id);
+    // Only after the loop: one step can finish several completions of a request, and each needs its state.
+    for (const out of result.outputs) {
+      const state = this.states.get(out.requestId);
+      if (state?.request.isFinished) {
+        state.request.timestamps.finished ??= endMs;
+        this.states.delete(out.requestId);
+      }
+    }
     if (handOffs) for (const state of handOffs) if (this.states.get(state.request.id) === state) this.handOff(state, endMs);
     return outputs;
   }
@@ -593,10 +600,6 @@ export class SimWorker {
       }
     }
     if (reason !== undefined && matcher.stopped === undefined) text += matcher.flush();
-    if (reason !== undefined && request.isFinished) {
-      request.timestamps.finished = nowMs;
-      this.states.delete(request.id);
-    }
     // The sim chooses each token with certainty, so the chosen token's logprob is 0 and it has no alternatives.
     const logprobs: TokenLogprob[] | undefined = request.sampling.logprobs !== null ? [{ tokenId, logprob: 0, top: [] }] : undefined;
     return this.output(state, index, [tokenId], text, reason, stopReason, undefined, logprobs);
@@ -709,16 +712,7 @@ export class SimEngine implements Engine {
     const stream = new OutputStream(request.sampling.n);
     this.streams.set(request.id, stream);
     this.enqueue(request);
-    const engine = this;
-    return (async function* () {
-      try {
-        yield* stream.drain();
-      } finally {
-        // The consumer stopped early (client gone): stop the request too.
-        if (!stream.done && engine.streams.get(request.id) === stream) engine.abort(request.id);
-        if (engine.streams.get(request.id) === stream) engine.streams.delete(request.id);
-      }
-    })();
+    return followQueue(this.streams, request.id, stream, (id) => this.abort(id));
   }
 
   abort(requestId: string): void {
@@ -763,15 +757,7 @@ export class SimEngine implements Engine {
     this.prefills.set(request.id, stream);
     this.handoffIds.add(request.id);
     this.enqueue(request);
-    const engine = this;
-    return (async function* () {
-      try {
-        yield* stream.drain();
-      } finally {
-        if (!stream.done && engine.prefills.get(request.id) === stream) engine.abort(request.id);
-        if (engine.prefills.get(request.id) === stream) engine.prefills.delete(request.id);
-      }
-    })();
+    return followQueue(this.prefills, request.id, stream, (id) => this.abort(id));
   }
 
   releaseHandoff(requestId: string): void {
@@ -796,15 +782,7 @@ export class SimEngine implements Engine {
     while (at > 0 && this.transfers[at - 1]!.endMs > endMs) at--;
     this.transfers.splice(at, 0, { handoff, sourceId, startMs, endMs });
     this.wake();
-    const engine = this;
-    return (async function* () {
-      try {
-        yield* stream.drain();
-      } finally {
-        if (!stream.done && engine.streams.get(requestId) === stream) engine.abort(requestId);
-        if (engine.streams.get(requestId) === stream) engine.streams.delete(requestId);
-      }
-    })();
+    return followQueue(this.streams, requestId, stream, (id) => this.abort(id));
   }
 
   onAdopted(listener: (result: AdoptedResult) => void): () => void {

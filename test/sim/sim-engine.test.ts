@@ -108,6 +108,18 @@ describe('SimEngine timings', () => {
     assert.equal(zTokens[0]!.length, 5);
     assert.equal(zTokens[1]!.length, 5);
     assert.notDeepEqual(zTokens[0], zTokens[1]);
+    for (const index of [0, 1]) assert.equal(z.filter((o) => o.index === index && o.finishReason === 'length').length, 1);
+  });
+
+  test('n = 3 completions that end in the same step each get their closing output', async () => {
+    const e = engine();
+    const outs = await all(e.generate(req('n3', prompt(40, 5), 0, { maxTokens: 4, n: 3, seed: 1 })));
+    await e.close();
+    for (const index of [0, 1, 2]) {
+      const mine = outs.filter((o) => o.index === index);
+      assert.equal(mine.flatMap((o) => o.newTokenIds).length, 4, `completion ${index}`);
+      assert.equal(mine.at(-1)!.finishReason, 'length', `completion ${index}`);
+    }
   });
 });
 
