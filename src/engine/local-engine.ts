@@ -11,7 +11,7 @@ import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../runtime/worker-thread.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
-import { OutputStream } from './streams.ts';
+import { followQueue, OutputStream } from './streams.ts';
 import type { KvEvent } from './kv-cache/events.ts';
 import type {
   Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole,
@@ -136,16 +136,7 @@ export class LocalEngine implements Engine {
     const stream = new OutputStream(request.sampling.n);
     this.streams.set(request.id, stream);
     this.post({ type: 'add', request });
-    const engine = this;
-    return (async function* () {
-      try {
-        yield* stream.drain();
-      } finally {
-        // The consumer stopped early (client gone): stop the request in the worker too.
-        if (!stream.done && engine.streams.has(request.id)) engine.abort(request.id);
-        engine.streams.delete(request.id);
-      }
-    })();
+    return followQueue(this.streams, request.id, stream, (id) => this.abort(id));
   }
 
   abort(requestId: string): void {
@@ -168,15 +159,7 @@ export class LocalEngine implements Engine {
     const stream = new PrefillStream();
     this.prefills.set(request.id, stream);
     this.post({ type: 'add', request, handoff: true });
-    const engine = this;
-    return (async function* () {
-      try {
-        yield* stream.drain();
-      } finally {
-        if (!stream.done && engine.prefills.has(request.id)) engine.abort(request.id);
-        engine.prefills.delete(request.id);
-      }
-    })();
+    return followQueue(this.prefills, request.id, stream, (id) => this.abort(id));
   }
 
   /** Prefill worker: the decode worker has the handed-off blocks (or gave up on them); unpin them. */
@@ -201,15 +184,7 @@ export class LocalEngine implements Engine {
     const stream = new OutputStream(1);
     this.streams.set(request.id, stream);
     this.post({ type: 'adopt', handoff, sourceId });
-    const engine = this;
-    return (async function* () {
-      try {
-        yield* stream.drain();
-      } finally {
-        if (!stream.done && engine.streams.has(request.id)) engine.abort(request.id);
-        engine.streams.delete(request.id);
-      }
-    })();
+    return followQueue(this.streams, request.id, stream, (id) => this.abort(id));
   }
 
   /** Decode worker: called once per adopted request when its source blocks are no longer needed. */

@@ -60,3 +60,22 @@ export class OutputStream extends AsyncQueue<EngineOutput> {
     if (this.unfinished.size === 0) this.end();
   }
 }
+
+/**
+ * A request's queue as the caller's iterable. A caller that stops before the end (client gone) aborts the request;
+ * either way the queue leaves `registry`, if it is still the one registered under the id (a new request may reuse
+ * the id once this one ended).
+ */
+export function followQueue<T>(registry: Map<string, AsyncQueue<T>>, requestId: string, queue: AsyncQueue<T>,
+  abort: (requestId: string) => void): AsyncIterable<T> {
+  return (async function* () {
+    try {
+      yield* queue.drain();
+    } finally {
+      if (registry.get(requestId) === queue) {
+        if (!queue.done) abort(requestId);
+        registry.delete(requestId);
+      }
+    }
+  })();
+}
