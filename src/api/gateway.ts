@@ -67,6 +67,8 @@ export interface Call {
   tenant: Tenant;
   arrivalMs: number;
   traceparent?: string;
+  /** The conversation id from the session header, for the session routing policy. */
+  sessionId?: string;
   /** The id the response will carry (chatcmpl-..., cmpl-...), chosen at arrival so every answer can name it. */
   requestId?: string;
   /** The request's lifecycle events (generation routes). */
@@ -305,6 +307,7 @@ export class Gateway {
       tenant: call.tenant.name,
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),
+      ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
     const trace = call.trace;
     if (trace) {

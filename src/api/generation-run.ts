@@ -26,6 +26,7 @@ export interface RunRequestTemplate {
   tenant?: string;
   cacheSalt?: string;
   traceparent?: string;
+  sessionId?: string;
 }
 
 export class GenerationRun {

@@ -16,7 +16,7 @@ import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import {
-  ClientClosedRequestError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  ClientClosedRequestError, InvalidValueError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -26,6 +26,10 @@ import { TenantRateLimiter, type Clock } from './rate-limit.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 export const DEFAULT_MAX_PENDING_REQUESTS = 256;
+/** The request header that names a conversation for the session routing policy (as vLLM's router's session key). */
+export const DEFAULT_SESSION_HEADER = 'x-session-id';
+/** Longest session id accepted: the router keeps every live one in memory. */
+export const MAX_SESSION_ID_LENGTH = 256;
 
 export interface ApiServerOptions {
   keyStore: KeyStore;
@@ -38,6 +42,8 @@ export interface ApiServerOptions {
   /** Clock of EngineRequest.arrivalMs (ms); the engine's own clock. */
   engineClock?: Clock;
   tls?: { cert: string | Buffer; key: string | Buffer };
+  /** Header whose value is the request's session id (default x-session-id; case does not matter). */
+  sessionHeader?: string;
   logger?: Logger;
   /**
    * The process's telemetry. Default: one created here on the engine clock, configured by OTEL_* variables (no
@@ -97,11 +103,14 @@ export class ApiServer {
   private readonly logger: Logger;
   private readonly maxBodyBytes: number;
   private readonly engineClock: Clock;
+  /** Lower-cased, as node gives header names. */
+  private readonly sessionHeader: string;
   private stopping: Promise<void> | undefined;
 
   constructor(private readonly options: ApiServerOptions) {
     this.logger = options.logger ?? silentLogger;
     this.maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
+    this.sessionHeader = (options.sessionHeader ?? DEFAULT_SESSION_HEADER).toLowerCase();
     // The engine's clock: epoch milliseconds at sub-millisecond resolution, the same scale in every thread.
     this.engineClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
     this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
@@ -322,6 +331,7 @@ export class ApiServer {
           throw err;
         }
       }
+      if (found.route.traced) this.readSessionId(req, call);
       const reply = await found.handler({ req, res, call, body, params: found.params });
       if (reply) sendJsonReply(res, reply, call.headers);
     } catch (err) {
@@ -338,6 +348,21 @@ export class ApiServer {
       this.metrics.countResponse(routeName, status, call.tenant.name);
       this.logger.debug(`${method} ${path} ${status} ${(performance.now() - startedMs).toFixed(1)}ms tenant=${call.tenant.name}`);
     }
+  }
+
+  /** The session header's value on the call; an empty header is no session, an overlong one is refused. */
+  private readSessionId(req: IncomingMessage, call: Call): void {
+    const value = req.headers[this.sessionHeader];
+    // Node joins repeated headers with ", " (an array only for set-cookie): one string either way.
+    const sessionId = Array.isArray(value) ? value.join(', ') : value?.trim();
+    if (sessionId === undefined || sessionId === '') return;
+    if (sessionId.length > MAX_SESSION_ID_LENGTH) {
+      const model = this.gateway.servedModelName;
+      call.trace?.validated({ ok: false, ...(model !== undefined ? { model } : {}) });
+      throw new InvalidValueError(this.sessionHeader,
+        `a session id may be at most ${MAX_SESSION_ID_LENGTH} characters, got ${sessionId.length}.`);
+    }
+    call.sessionId = sessionId;
   }
 
   private findRoute(method: string, path: string): { route: Route; handler: Handler; params: string[] } {

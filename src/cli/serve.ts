@@ -9,10 +9,11 @@ import {
 import type { ModelBackend } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
-import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS } from '../api/server.ts';
+import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_SESSION_HEADER } from '../api/server.ts';
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
+import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const SERVE_FLAGS = {
@@ -33,12 +34,16 @@ export const SERVE_FLAGS = {
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
   workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler', default: 1 },
   'routing-policy': { type: 'string', help: `how the router places requests: ${POLICY_NAMES.join(', ')}`, default: 'kv' },
+  'session-header': { type: 'string', help: 'request header carrying the session id that --routing-policy session keeps on one worker', default: DEFAULT_SESSION_HEADER },
   'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
   'decode-workers': { type: 'number', help: 'disaggregated serving: decode workers' },
+  'disagg-min-remote-prefill-tokens': { type: 'number', help: `disaggregated serving: prefill on the decode worker when it lacks fewer than this many of the prompt's tokens (cf. Dynamo's max local prefill length; default ${DEFAULT_DISAGGREGATION_POLICY.minRemotePrefillTokens})` },
+  'disagg-max-prefill-queue-tokens': { type: 'number', help: `disaggregated serving: with more prefill tokens than this queued on the chosen prefill worker, prefill on the decode worker (cf. Dynamo's max prefill queue size, here in tokens; default ${DEFAULT_DISAGGREGATION_POLICY.maxPrefillQueueTokens})` },
+  'disagg-transfer-overhead-ms': { type: 'number', help: `disaggregated serving: fixed cost of one KV transfer besides its bytes, ms, in the transfer-vs-local-prefill comparison (default ${DEFAULT_DISAGGREGATION_POLICY.transferOverheadMs})` },
   'sim-model': { type: 'string', help: 'model profile of simulated workers (llama-3.1-8b, llama-3.1-70b, ...)', default: 'llama-3.1-8b' },
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
-  'sim-speed-up': { type: 'number', help: 'simulated ms per real ms (1 = real time)', default: 1 },
+  'sim-speed-up': { type: 'string', help: 'simulated ms per real ms: 1 = real time, inf = no waiting (each request\'s steps run back to back as fast as the CPU allows; timings are the simulated ones)', default: '1' },
   'max-pending-requests': { type: 'number', help: 'engine requests in flight before new ones get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
@@ -68,8 +73,12 @@ export interface ServeConfig {
   engine: (typeof ENGINES)[number];
   workers: number;
   routingPolicy: PolicyName;
+  /** Lower-cased header name. */
+  sessionHeader: string;
   prefillWorkers?: number;
   decodeWorkers?: number;
+  /** Conditional disaggregation thresholds given on the command line; the rest keep their defaults. */
+  disaggregationPolicy?: Partial<DisaggregationPolicy>;
   sim: SimWorkerSpec;
   maxPendingRequests: number;
   maxBodyBytes: number;
@@ -100,6 +109,41 @@ export function parseByteSize(text: string, flag: string): number {
 function positiveInteger(value: number | undefined, flag: string): number | undefined {
   if (value === undefined) return undefined;
   if (!Number.isInteger(value) || value <= 0) throw new UsageError(`--${flag} must be a whole number > 0, got ${value}`);
+  return value;
+}
+
+const POLICY_FLAGS = {
+  minRemotePrefillTokens: 'disagg-min-remote-prefill-tokens',
+  maxPrefillQueueTokens: 'disagg-max-prefill-queue-tokens',
+  transferOverheadMs: 'disagg-transfer-overhead-ms',
+} as const satisfies Record<keyof DisaggregationPolicy, keyof typeof SERVE_FLAGS>;
+
+function policyFlag(field: string): string {
+  return POLICY_FLAGS[field as keyof DisaggregationPolicy];
+}
+
+/** The disaggregation thresholds that were given (token counts whole and >= 0, the overhead finite and >= 0). */
+function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Partial<DisaggregationPolicy> | undefined {
+  const policy: Partial<DisaggregationPolicy> = {};
+  for (const field of ['minRemotePrefillTokens', 'maxPrefillQueueTokens'] as const) {
+    const value = values[POLICY_FLAGS[field]];
+    if (value === undefined) continue;
+    if (!Number.isInteger(value) || value < 0) throw new UsageError(`--${POLICY_FLAGS[field]} must be a whole number >= 0, got ${value}`);
+    policy[field] = value;
+  }
+  const overhead = values[POLICY_FLAGS.transferOverheadMs];
+  if (overhead !== undefined) {
+    if (!(overhead >= 0)) throw new UsageError(`--${POLICY_FLAGS.transferOverheadMs} must be >= 0 ms, got ${overhead}`);
+    policy.transferOverheadMs = overhead;
+  }
+  return Object.keys(policy).length > 0 ? policy : undefined;
+}
+
+/** A positive number, or inf / infinity (any case) for a simulated clock that never waits for the real one. */
+export function parseSpeedUp(text: string): number {
+  const trimmed = text.trim();
+  const value = /^(inf|infinity)$/i.test(trimmed) ? Infinity : trimmed === '' ? NaN : Number(trimmed);
+  if (!(value > 0)) throw new UsageError(`--sim-speed-up must be a number > 0 or inf, got "${text}"`);
   return value;
 }
 
@@ -144,13 +188,22 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
     throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}`);
   }
+  const sessionHeader = values['session-header']!;
+  // An HTTP field name is an RFC 9110 token.
+  if (!/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(sessionHeader)) {
+    throw new UsageError(`--session-header must be an HTTP header name (letters, digits, "-" ...), got "${sessionHeader}"`);
+  }
   const prefillWorkers = positiveInteger(values['prefill-workers'], 'prefill-workers');
   const decodeWorkers = positiveInteger(values['decode-workers'], 'decode-workers');
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
-  const speedUp = values['sim-speed-up']!;
-  if (!(speedUp > 0)) throw new UsageError('--sim-speed-up must be > 0');
+  const disaggregationPolicy = parseDisaggregationPolicy(values);
+  if (disaggregationPolicy !== undefined && prefillWorkers === undefined) {
+    throw new UsageError(`--${Object.keys(disaggregationPolicy).map(policyFlag).join(', --')}: only for disaggregated serving `
+      + '(--prefill-workers with --decode-workers)');
+  }
+  const speedUp = parseSpeedUp(values['sim-speed-up']!);
   const config: ServeConfig = {
     host: values.host!,
     port,
@@ -160,7 +213,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     engine: engine as ServeConfig['engine'],
     workers: positiveInteger(values.workers, 'workers')!,
     routingPolicy: routingPolicy as PolicyName,
+    sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
+    ...(disaggregationPolicy !== undefined ? { disaggregationPolicy } : {}),
     sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
@@ -201,6 +256,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
     maxBodyBytes: config.maxBodyBytes,
     maxPendingRequests: config.maxPendingRequests,
+    sessionHeader: config.sessionHeader,
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),
@@ -217,6 +273,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       sim: config.sim,
       routingPolicy: config.routingPolicy,
       ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
+      ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
       ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
       ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
       ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),

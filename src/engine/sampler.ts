@@ -8,9 +8,15 @@
 //   4. temperature < GREEDY_TEMPERATURE: argmax, ties to the lowest id; else logits / temperature, then
 //   5. min_p, top_k, top_p truncation, and one draw from the sequence's own RNG over what is left.
 //
-// Where the time goes: a few passes over the vocabulary per row (copy, max, exp; Math.exp dominates). Truncation
-// never sorts: top_k is a quickselect, top_p a quickselect steered by probability mass, and only the logprobs
-// alternatives get sorted. Scratch buffers belong to the Sampler and are reused for every row.
+// Where the time goes: a few passes over the vocabulary per row (max, exp; Math.exp dominates whenever the whole
+// vocabulary's mass is needed). The row is read in place unless something must change it (min_tokens masking,
+// logit_bias, penalties, temperature, processed logprobs); then it is copied once into scratch. The argmax keeps four
+// independent running maxima so the loop is not one long dependency chain. Truncation never sorts: top_k keeps a
+// k-sized heap while scanning the logits (most tokens cost one comparison, and only the k kept get an exp); top_p
+// bins the probability mass by distance below the max during the exp pass, keeps whole bins, and ranks only the
+// bin where the mass is reached, with a quickselect steered by mass; only the logprobs alternatives get sorted.
+// Scratch buffers belong to the Sampler and are reused for every row: sampling a row allocates nothing but its
+// result.
 
 import type { SamplingParams, TokenLogprob } from './types.ts';
 import { drawRandomSeed, Xoshiro128 } from './rng.ts';
@@ -134,6 +140,14 @@ export class SequenceSampler {
     return this.rng.state();
   }
 
+  /** Whether applyLogitProcessors would change a row now: without it, the sampler reads the row in place. */
+  get hasLogitProcessors(): boolean {
+    const { params } = this;
+    return (this.numOutputTokens < params.minTokens && this.stopTokenIds.size > 0)
+      || (params.logitBias !== undefined && params.logitBias.size > 0)
+      || params.repetitionPenalty !== 1 || params.frequencyPenalty !== 0 || params.presencePenalty !== 0;
+  }
+
   /** Steps 1-3 of the pipeline, in place on a copy of the row. */
   applyLogitProcessors(logits: Float32Array): void {
     const { params } = this;
@@ -183,6 +197,9 @@ export class Sampler {
   private readonly weights: Float64Array;
   /** Candidate token ids, rearranged by the selections. */
   private readonly order: Int32Array;
+  /** top_p's weight and token count per distance below the max (see selectTopP). */
+  private readonly binMass = new Float64Array(MASS_BINS);
+  private readonly binCount = new Int32Array(MASS_BINS);
 
   constructor(vocabSize: number, options: SamplerOptions = {}) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) throw new RangeError(`vocabSize must be a positive integer, got ${vocabSize}`);
@@ -208,52 +225,42 @@ export class Sampler {
     if (sequence.vocabSize !== this.vocabSize) {
       throw new RangeError(`sequence was set up for vocabSize ${sequence.vocabSize}; this sampler has ${this.vocabSize}`);
     }
-    const logits = this.logits;
-    logits.set(row);
-    sequence.applyLogitProcessors(logits);
-    const { temperature } = sequence.params;
-    let tokenId: number;
-    if (temperature < GREEDY_TEMPERATURE) {
-      tokenId = this.argmax();
-    } else {
-      if (temperature !== 1) {
-        const inverse = 1 / temperature;
-        for (let i = 0; i < logits.length; i++) logits[i]! *= inverse;
-      }
-      tokenId = this.drawTruncated(sequence);
-    }
-    sequence.recordOutputToken(tokenId);
+    const { temperature, topK, minP } = sequence.params;
     const numTop = sequence.params.logprobs;
-    if (numTop === null) return { tokenId };
-    const source = this.logprobsMode === 'raw' ? row : logits;
-    return { tokenId, logprobs: this.logprobsOf(source, tokenId, numTop) };
-  }
-
-  // ---- greedy
-
-  private argmax(): number {
-    const logits = this.logits;
-    let best = 0;
-    let bestValue = -Infinity;
-    for (let i = 0; i < logits.length; i++) {
-      const value = logits[i]!;
-      if (value > bestValue) {
-        bestValue = value;
-        best = i;
-      } else if (value !== value) {
-        throw new RangeError(`logits row holds NaN at token id ${i}`);
+    const greedy = temperature < GREEDY_TEMPERATURE;
+    const scale = !greedy && temperature !== 1;
+    // top_k alone ranks the raw values (scaling by 1/T keeps the order) and scales only the k it keeps.
+    const topKOnly = !greedy && topK > 0 && topK < this.vocabSize && minP === 0;
+    // The row itself when nothing changes it; else one copy, processed and scaled in scratch.
+    let values = row;
+    let pendingScale = 1;
+    if (sequence.hasLogitProcessors || (numTop !== null && this.logprobsMode === 'processed') || (scale && !topKOnly)) {
+      values = this.logits;
+      if (sequence.hasLogitProcessors) {
+        values.set(row);
+        sequence.applyLogitProcessors(values);
+        if (scale) scaleInPlace(values, 1 / temperature);
+      } else if (scale) {
+        scaleInto(values, row, 1 / temperature);
+      } else {
+        values.set(row);
       }
+    } else if (scale) {
+      pendingScale = 1 / temperature;
     }
-    if (bestValue === -Infinity) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
-    return best;
+    const tokenId = greedy ? argmax(values) : topKOnly ? this.drawTopK(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
+    sequence.recordOutputToken(tokenId);
+    if (numTop === null) return { tokenId };
+    const source = this.logprobsMode === 'raw' ? row : values;
+    return { tokenId, logprobs: this.logprobsOf(source, tokenId, numTop) };
   }
 
   // ---- random sampling with min_p / top_k / top_p
 
-  private drawTruncated(sequence: SequenceSampler): number {
-    const { logits, weights, order } = this;
+  private drawTruncated(logits: Float32Array, sequence: SequenceSampler): number {
+    const { weights, order } = this;
     const v = logits.length;
-    const max = logits[this.argmax()]!;
+    const max = logits[argmax(logits)]!;
     const { minP, topP } = sequence.params;
     // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;
@@ -281,17 +288,18 @@ export class Sampler {
       return last; // rounding left the target at the very top of the mass
     }
 
-    let numKept = 0;
-    for (let i = 0; i < v; i++) {
-      const value = logits[i]!;
-      if (value >= floor && value > -Infinity) {
-        order[numKept++] = i;
-        weights[i] = Math.exp(value - max);
-      }
+    if (topK === v) {
+      // top_p (after min_p) over the whole vocabulary.
+      const numKept = selectTopP(logits, max, floor, topP, weights, order, this.binMass, this.binCount);
+      let keptMass = 0;
+      for (let j = 0; j < numKept; j++) keptMass += weights[order[j]!]!;
+      return this.drawFromKept(numKept, keptMass, sequence);
     }
-    if (topK < numKept) {
-      selectTop(logits, order, numKept, topK, false);
-      numKept = topK;
+    // top_k with min_p (top_k alone goes to drawTopK): only the k best can be drawn, so rank first, weigh just them.
+    let numKept = heapSelectTop(logits, order, topK, floor);
+    for (let j = 0; j < numKept; j++) {
+      const id = order[j]!;
+      weights[id] = Math.exp(logits[id]! - max);
     }
     let keptMass = 0;
     for (let j = 0; j < numKept; j++) keptMass += weights[order[j]!]!;
@@ -300,7 +308,41 @@ export class Sampler {
       keptMass = 0;
       for (let j = 0; j < numKept; j++) keptMass += weights[order[j]!]!;
     }
-    // The kept ids are in no particular order; any fixed order gives the same distribution.
+    return this.drawFromKept(numKept, keptMass, sequence);
+  }
+
+  /**
+   * top_k (then top_p) without min_p: one heap pass ranks the values as given, the max is the best kept one, and
+   * only the k kept are scaled by `scale` (1/T when `values` is not yet scaled, else 1) and weighed. Each scaled
+   * value is rounded to float32 exactly as a scaled copy of the row would hold it. (Two raw values that round to one
+   * scaled value rank by value here rather than by id: the same weights, the finer order.)
+   */
+  private drawTopK(values: Float32Array, scale: number, sequence: SequenceSampler): number {
+    const { weights, order } = this;
+    const numKept = heapSelectTop(values, order, sequence.params.topK, -Infinity);
+    if (numKept === 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+    let best = -Infinity;
+    for (let j = 0; j < numKept; j++) best = Math.max(best, values[order[j]!]!);
+    const max = Math.fround(best * scale);
+    for (let j = 0; j < numKept; j++) {
+      const id = order[j]!;
+      weights[id] = Math.exp(Math.fround(values[id]! * scale) - max);
+    }
+    let kept = numKept;
+    let keptMass = 0;
+    for (let j = 0; j < kept; j++) keptMass += weights[order[j]!]!;
+    const { topP } = sequence.params;
+    if (topP < 1) {
+      kept = selectTopByMass(values, weights, order, kept, topP * keptMass);
+      keptMass = 0;
+      for (let j = 0; j < kept; j++) keptMass += weights[order[j]!]!;
+    }
+    return this.drawFromKept(kept, keptMass, sequence);
+  }
+
+  /** One draw over order[0, numKept) by weight. The kept ids are in no particular order; any fixed order gives the same distribution. */
+  private drawFromKept(numKept: number, keptMass: number, sequence: SequenceSampler): number {
+    const { weights, order } = this;
     const target = sequence.nextUniform() * keptMass;
     let cumulative = 0;
     for (let j = 0; j < numKept; j++) {
@@ -323,7 +365,174 @@ export class Sampler {
   }
 }
 
+// ---- row passes
+
+/** top_p's bins: 1/8 logit wide, 64 logits deep (below that, weights are under e^-64 and share the last bin). */
+const MASS_BINS_PER_LOGIT = 8;
+export const MASS_BINS = 64 * MASS_BINS_PER_LOGIT;
+
+/** The bin of a token `gap` (>= 0) below the max: monotonic, so a nearer bin never holds a lower-ranked token. */
+function massBin(gap: number): number {
+  const scaled = gap * MASS_BINS_PER_LOGIT;
+  return scaled < MASS_BINS - 1 ? scaled | 0 : MASS_BINS - 1;
+}
+
+/** out[i] = row[i] * factor, rounded to float32 as the scaled logits are stored. */
+function scaleInto(out: Float32Array, row: Float32Array, factor: number): void {
+  for (let i = 0; i < row.length; i++) out[i] = row[i]! * factor;
+}
+
+function scaleInPlace(values: Float32Array, factor: number): void {
+  for (let i = 0; i < values.length; i++) values[i]! *= factor;
+}
+
+/**
+ * The id of the largest value, ties to the lowest id. Four lanes (ids i, i+1, i+2, i+3) each keep their own first
+ * maximum, so consecutive comparisons do not wait on each other; the lanes are merged by value, then by id. A NaN
+ * fails every `<=`, so it always takes the rarely taken branch that moves a lane's maximum, and is caught there.
+ */
+export function argmax(values: Float32Array): number {
+  const n = values.length;
+  let best0 = -Infinity, best1 = -Infinity, best2 = -Infinity, best3 = -Infinity;
+  let id0 = -1, id1 = -1, id2 = -1, id3 = -1;
+  let i = 0;
+  for (; i + 3 < n; i += 4) {
+    const v0 = values[i]!, v1 = values[i + 1]!, v2 = values[i + 2]!, v3 = values[i + 3]!;
+    if (!(v0 <= best0)) { if (v0 !== v0) nanAt(i); best0 = v0; id0 = i; }
+    if (!(v1 <= best1)) { if (v1 !== v1) nanAt(i + 1); best1 = v1; id1 = i + 1; }
+    if (!(v2 <= best2)) { if (v2 !== v2) nanAt(i + 2); best2 = v2; id2 = i + 2; }
+    if (!(v3 <= best3)) { if (v3 !== v3) nanAt(i + 3); best3 = v3; id3 = i + 3; }
+  }
+  for (; i < n; i++) {
+    const value = values[i]!;
+    if (!(value <= best0)) { if (value !== value) nanAt(i); best0 = value; id0 = i; }
+  }
+  let best = id0;
+  let bestValue = best0;
+  if (best1 > bestValue || (best1 === bestValue && id1 >= 0 && (best < 0 || id1 < best))) { best = id1; bestValue = best1; }
+  if (best2 > bestValue || (best2 === bestValue && id2 >= 0 && (best < 0 || id2 < best))) { best = id2; bestValue = best2; }
+  if (best3 > bestValue || (best3 === bestValue && id3 >= 0 && (best < 0 || id3 < best))) { best = id3; bestValue = best3; }
+  if (bestValue === -Infinity || best < 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+  return best;
+}
+
+function nanAt(id: number): never {
+  throw new RangeError(`logits row holds NaN at token id ${id}`);
+}
+
+/**
+ * Puts the (at most) k best ids whose value is at least `floor` and above -Infinity into order[0, count) in no
+ * particular order, and returns count. One pass with a k-sized min-heap (worst kept id at the root): a token that
+ * does not beat the root costs one comparison, which after the first few thousand tokens is nearly all of them.
+ * Ranking as ranksBefore: higher value first, lower id on ties (ids arrive in increasing order, so an equal value
+ * never displaces a kept one).
+ */
+export function heapSelectTop(values: Float32Array, order: Int32Array, k: number, floor: number): number {
+  const n = values.length;
+  let size = 0;
+  let id = 0;
+  // Filling: every candidate goes in, rising above the kept ids that rank before it so the worst stays at the root.
+  for (; id < n && size < k; id++) {
+    const value = values[id]!;
+    if (!(value >= floor) || value === -Infinity) {
+      if (value !== value) nanAt(id);
+      continue;
+    }
+    let at = size++;
+    while (at > 0) {
+      const parent = (at - 1) >> 1;
+      if (!ranksBefore(values, order[parent]!, id)) break;
+      order[at] = order[parent]!;
+      at = parent;
+    }
+    order[at] = id;
+  }
+  if (size < k) return size;
+  // Full: only a value above the root's gets in (it is then >= floor too), replacing the root. A NaN fails `<=`
+  // and is caught on that same rarely taken branch.
+  let rootValue = values[order[0]!]!;
+  for (; id < n; id++) {
+    const value = values[id]!;
+    if (!(value <= rootValue)) {
+      if (value !== value) nanAt(id);
+      siftDown(values, order, size, id);
+      rootValue = values[order[0]!]!;
+    }
+  }
+  return size;
+}
+
+/** Replaces the heap's root (its worst id) with `id` and restores the heap order over order[0, size). */
+function siftDown(values: Float32Array, order: Int32Array, size: number, id: number): void {
+  let at = 0;
+  for (;;) {
+    const left = 2 * at + 1;
+    if (left >= size) break;
+    const right = left + 1;
+    // The worse-ranked child moves up.
+    const worse = right < size && ranksBefore(values, order[left]!, order[right]!) ? right : left;
+    if (!ranksBefore(values, id, order[worse]!)) break;
+    order[at] = order[worse]!;
+    at = worse;
+  }
+  order[at] = id;
+}
+
 // ---- selection: rank only as much as the filters need
+
+/**
+ * top_p over a whole row: weighs every candidate (value >= floor, above -Infinity) into weights[id] =
+ * exp(value - max), and puts into order[0, count) the smallest best-first set whose weight reaches topP of the
+ * total, returning count. The weighing pass also adds each weight into a bin by the token's distance below the max
+ * (MASS_BINS_PER_LOGIT bins per logit): every token of a nearer bin ranks before every token of a farther one, so
+ * whole bins are kept until the one where the mass is reached, and only that bin's tokens are ranked
+ * (selectTopByMass), not the whole row. binMass and binCount are scratch of MASS_BINS entries.
+ */
+export function selectTopP(values: Float32Array, max: number, floor: number, topP: number, weights: Float64Array,
+  order: Int32Array, binMass: Float64Array, binCount: Int32Array): number {
+  const v = values.length;
+  binMass.fill(0);
+  binCount.fill(0);
+  let total = 0;
+  for (let i = 0; i < v; i++) {
+    const value = values[i]!;
+    if (value >= floor && value > -Infinity) {
+      const weight = Math.exp(value - max);
+      weights[i] = weight;
+      total += weight;
+      const bin = massBin(max - value);
+      binMass[bin] += weight;
+      binCount[bin]++;
+    }
+  }
+  const target = topP * total;
+  let boundary = 0;
+  let massBefore = 0;
+  let countBefore = 0;
+  // Bins summed in another order than `total` may fall an ulp short of the target: then the last bin is the boundary.
+  while (boundary < MASS_BINS - 1 && massBefore + binMass[boundary]! < target) {
+    massBefore += binMass[boundary]!;
+    countBefore += binCount[boundary]!;
+    boundary++;
+  }
+  // The boundary bin's ids first (to be ranked), then those of the nearer bins, kept whole. Most tokens lie beyond
+  // the boundary: a comparison with a value half a bin below it rules them out before their bin is computed.
+  const boundaryCount = binCount[boundary]!;
+  const lowest = Math.max(floor, boundary === MASS_BINS - 1 ? -Infinity : max - (boundary + 1.5) / MASS_BINS_PER_LOGIT);
+  let atBoundary = 0;
+  let atBefore = boundaryCount;
+  for (let i = 0; i < v; i++) {
+    const value = values[i]!;
+    if (value >= lowest && value > -Infinity) {
+      const bin = massBin(max - value);
+      if (bin < boundary) order[atBefore++] = i;
+      else if (bin === boundary) order[atBoundary++] = i;
+    }
+  }
+  const keptAtBoundary = boundaryCount === 0 ? 0 : selectTopByMass(values, weights, order, boundaryCount, target - massBefore);
+  order.copyWithin(keptAtBoundary, boundaryCount, boundaryCount + countBefore);
+  return keptAtBoundary + countBefore;
+}
 
 /** True when token a ranks before token b: higher value first, lower id on ties. */
 function ranksBefore(values: Float32Array, a: number, b: number): boolean {
@@ -342,10 +551,13 @@ function medianOfThree(values: Float32Array, a: number, b: number, c: number): n
 }
 
 /**
- * Hoare partition of order[lo, hi] around a median-of-three pivot. Returns [j, i] with j < i: order[lo, j] ranks
- * before order[j+1, i-1] (the pivot, or nothing), which ranks before order[i, hi].
+ * Hoare partition of order[lo, hi] around a median-of-three pivot. Leaves [j, i] in `partitionBounds` (a tuple
+ * per call would be an allocation per partition) with j < i: order[lo, j] ranks before order[j+1, i-1] (the pivot,
+ * or nothing), which ranks before order[i, hi].
  */
-function partition(values: Float32Array, order: Int32Array, lo: number, hi: number): [number, number] {
+const partitionBounds = new Int32Array(2);
+
+function partition(values: Float32Array, order: Int32Array, lo: number, hi: number): void {
   const pivot = medianOfThree(values, order[lo]!, order[(lo + hi) >>> 1]!, order[hi]!);
   let i = lo;
   let j = hi;
@@ -358,7 +570,8 @@ function partition(values: Float32Array, order: Int32Array, lo: number, hi: numb
       order[j--] = swap;
     }
   }
-  return [j, i];
+  partitionBounds[0] = j;
+  partitionBounds[1] = i;
 }
 
 /**
@@ -371,7 +584,9 @@ export function selectTop(values: Float32Array, order: Int32Array, count: number
   let hi = count - 1;
   const kth = m - 1;
   while (m < count && lo < hi) {
-    const [j, i] = partition(values, order, lo, hi);
+    partition(values, order, lo, hi);
+    const j = partitionBounds[0]!;
+    const i = partitionBounds[1]!;
     if (kth <= j) hi = j;
     else if (kth >= i) lo = i;
     else break; // order[kth] is the pivot itself, already in place
@@ -389,7 +604,9 @@ export function selectTopByMass(values: Float32Array, weights: Float64Array, ord
   let hi = count - 1;
   let massBefore = 0; // weight of order[0, lo), all of it ranked before order[lo, hi]
   while (lo < hi) {
-    const [j, i] = partition(values, order, lo, hi);
+    partition(values, order, lo, hi);
+    const j = partitionBounds[0]!;
+    const i = partitionBounds[1]!;
     let leftMass = 0;
     for (let k = lo; k <= j; k++) leftMass += weights[order[k]!]!;
     if (massBefore + leftMass >= mass) {

@@ -49,6 +49,8 @@ export interface EngineRequest {
   cacheSalt?: string;
   /** W3C traceparent of the request, carried to the worker. */
   traceparent?: string;
+  /** The client's conversation id (the session header), which the session routing policy keeps on one worker. */
+  sessionId?: string;
   /** Engine-clock time the request arrived at the gateway (ms). */
   arrivalMs: number;
 }

@@ -233,7 +233,9 @@ export class DisaggregatedEngine implements Engine {
   // One request
 
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
-    const routing: RoutingRequest = { requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt };
+    const routing: RoutingRequest = {
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+    };
     const decodeDecision = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
     const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);

@@ -56,7 +56,7 @@ export class RoutedEngine implements Engine {
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     const routingRequest: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt,
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
     };
     const routed = this;
     return (async function* () {

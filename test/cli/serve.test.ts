@@ -4,7 +4,11 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
-import { parseByteSize, parseServeConfig, type ServeConfig } from '../../src/cli/serve.ts';
+import { parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
+import { silentLogger } from '../../src/api/log.ts';
+import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
+import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
+import { DEFAULT_DISAGGREGATION_POLICY } from '../../src/runtime/disaggregation-policy.ts';
 
 function config(argv: string[], env: NodeJS.ProcessEnv = {}): ServeConfig {
   const parsed = parseServeConfig(argv, env);
@@ -71,8 +75,96 @@ describe('conduit serve flags', () => {
     }
   });
 
+  it('takes the session header from --session-header or CONDUIT_SESSION_HEADER, lower-cased', () => {
+    assert.equal(config([]).sessionHeader, 'x-session-id');
+    assert.equal(config([], { CONDUIT_SESSION_HEADER: 'X-Conversation-Id' }).sessionHeader, 'x-conversation-id');
+    assert.equal(config(['--session-header', 'x-user'], { CONDUIT_SESSION_HEADER: 'x-other' }).sessionHeader, 'x-user');
+    for (const bad of ['', 'x session', 'x-session:', 'séance']) {
+      assert.throws(() => parseServeConfig(['--session-header', bad], {}),
+        (err: unknown) => err instanceof UsageError && /--session-header must be an HTTP header name/.test(err.message), bad);
+    }
+  });
+
+  it('takes --sim-speed-up as a positive number or inf', () => {
+    assert.equal(config([]).sim.speedUp, 1);
+    assert.equal(config(['--sim-speed-up', '250']).sim.speedUp, 250);
+    assert.equal(config(['--sim-speed-up', '0.5']).sim.speedUp, 0.5);
+    for (const infinite of ['inf', 'Infinity', 'INF', ' infinity ']) {
+      assert.equal(config(['--sim-speed-up', infinite]).sim.speedUp, Infinity, infinite);
+    }
+    assert.equal(config([], { CONDUIT_SIM_SPEED_UP: 'inf' }).sim.speedUp, Infinity);
+    for (const bad of ['0', '-2', 'fast', '', '-inf', 'NaN']) {
+      assert.throws(() => parseServeConfig(['--sim-speed-up', bad], {}),
+        (err: unknown) => err instanceof UsageError && /--sim-speed-up must be a number > 0 or inf/.test(err.message), bad);
+    }
+  });
+
   it('asks for help', () => {
     assert.equal(parseServeConfig(['--help'], {}), 'help');
+  });
+});
+
+describe('conduit serve disaggregation thresholds', () => {
+  const DISAGG = ['--prefill-workers', '1', '--decode-workers', '1'];
+
+  it('reads each threshold from its flag or CONDUIT_DISAGG_* twin, leaving the others to the policy defaults', () => {
+    assert.equal(config(DISAGG).disaggregationPolicy, undefined);
+    assert.deepEqual(config([...DISAGG, '--disagg-min-remote-prefill-tokens', '64']).disaggregationPolicy, { minRemotePrefillTokens: 64 });
+    assert.deepEqual(config(DISAGG, {
+      CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '0', CONDUIT_DISAGG_MAX_PREFILL_QUEUE_TOKENS: '2048',
+      CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: '1.5',
+    }).disaggregationPolicy, { minRemotePrefillTokens: 0, maxPrefillQueueTokens: 2048, transferOverheadMs: 1.5 });
+    assert.deepEqual(config([...DISAGG, '--disagg-max-prefill-queue-tokens', '100'], { CONDUIT_DISAGG_MAX_PREFILL_QUEUE_TOKENS: '7' })
+      .disaggregationPolicy, { maxPrefillQueueTokens: 100 }, 'the command line wins');
+  });
+
+  it('refuses bad thresholds, and thresholds without disaggregated serving', () => {
+    const bad: [string[], RegExp][] = [
+      [[...DISAGG, '--disagg-min-remote-prefill-tokens', '-1'], /--disagg-min-remote-prefill-tokens must be a whole number >= 0/],
+      [[...DISAGG, '--disagg-min-remote-prefill-tokens', '2.5'], /--disagg-min-remote-prefill-tokens must be a whole number >= 0/],
+      [[...DISAGG, '--disagg-max-prefill-queue-tokens', '-5'], /--disagg-max-prefill-queue-tokens must be a whole number >= 0/],
+      [[...DISAGG, '--disagg-transfer-overhead-ms', '-0.1'], /--disagg-transfer-overhead-ms must be >= 0 ms/],
+      [[...DISAGG, '--disagg-transfer-overhead-ms', 'soon'], /--disagg-transfer-overhead-ms expects a number/],
+      [['--workers', '2', '--disagg-transfer-overhead-ms', '1'], /--disagg-transfer-overhead-ms: only for disaggregated serving/],
+    ];
+    for (const [argv, message] of bad) {
+      assert.throws(() => parseServeConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message),
+        argv.join(' '));
+    }
+  });
+
+  /** The reason the served engine gives for where a 600-token prompt was prefilled. */
+  async function decisionWith(flags: string[]): Promise<{ policy: unknown; reason: string; detail: string }> {
+    const served = config(['--port', '0', '--log-level', 'silent', '--engine', 'sim', '--sim-speed-up', 'inf', ...DISAGG, ...flags]);
+    const running = await startServer(served, silentLogger);
+    try {
+      const engine = running.api.gateway.engine;
+      assert.ok(engine instanceof DisaggregatedEngine);
+      const outputs: EngineOutput[] = [];
+      for await (const output of engine.generate({
+        id: 'disagg-flag-probe', promptTokenIds: Array.from({ length: 600 }, (_, i) => 100 + i), priority: 0, arrivalMs: 0,
+        sampling: { ...DEFAULT_SAMPLING, maxTokens: 2, temperature: 0, ignoreEos: true },
+      })) outputs.push(output);
+      const why = outputs.at(-1)!.routing!.disaggregation!;
+      return { policy: { ...engine.policy }, reason: why.reason, detail: why.detail };
+    } finally {
+      await running.api.shutdown(0);
+    }
+  }
+
+  it('hands the thresholds to the served disaggregated engine, where they decide', async () => {
+    // By default a 600-token prompt is long enough to leave the decode worker.
+    const byDefault = await decisionWith([]);
+    assert.deepEqual(byDefault.policy, DEFAULT_DISAGGREGATION_POLICY);
+    assert.equal(byDefault.reason, 'remote-prefill', byDefault.detail);
+
+    const shortBound = await decisionWith(['--disagg-min-remote-prefill-tokens', '100000', '--disagg-max-prefill-queue-tokens', '9']);
+    assert.deepEqual(shortBound.policy, { ...DEFAULT_DISAGGREGATION_POLICY, minRemotePrefillTokens: 100000, maxPrefillQueueTokens: 9 });
+    assert.equal(shortBound.reason, 'short-prompt');
+    assert.match(shortBound.detail, /< 100000/);
+
+    const slowTransfer = await decisionWith(['--disagg-transfer-overhead-ms', '1e9']);
+    assert.equal(slowTransfer.reason, 'transfer-slower', slowTransfer.detail);
   });
 });
 

@@ -1,7 +1,10 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { Xoshiro128, drawRandomSeed } from '../../src/engine/rng.ts';
-import { Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, validateSamplingParams } from '../../src/engine/sampler.ts';
+import {
+  argmax, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
+  validateSamplingParams,
+} from '../../src/engine/sampler.ts';
 import type { LogprobsMode, SampledToken } from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
 import type { SamplingParams } from '../../src/engine/types.ts';
@@ -160,6 +163,98 @@ describe('selectTopByMass', () => {
   });
 });
 
+describe('argmax', () => {
+  it('finds the largest value, ties to the lowest id, for every length and lane', () => {
+    const rng = Xoshiro128.fromSeed(21);
+    for (let trial = 0; trial < 500; trial++) {
+      const count = 1 + (rng.nextUint32() % 40);
+      // Few distinct values (some -Infinity), so the maximum is often shared by ids in different lanes.
+      const values = Float32Array.from({ length: count }, () => {
+        const draw = rng.nextUint32() % 6;
+        return draw === 0 ? -Infinity : draw;
+      });
+      if (values.every((v) => v === -Infinity)) values[rng.nextUint32() % count] = 0;
+      let expected = 0;
+      for (let i = 1; i < count; i++) if (values[i]! > values[expected]!) expected = i;
+      assert.equal(argmax(values), expected, `trial ${trial}: ${[...values]}`);
+    }
+  });
+
+  it('reports the first NaN wherever it is, and a row with nothing but -Infinity', () => {
+    for (let at = 0; at < 11; at++) {
+      const values = Float32Array.from({ length: 11 }, (_, i) => i);
+      values[at] = NaN;
+      if (at < 10) values[10] = NaN;
+      assert.throws(() => argmax(values), new RegExp(`NaN at token id ${at}$`), `NaN at ${at}`);
+    }
+    assert.throws(() => argmax(new Float32Array(9).fill(-Infinity)), /every token is masked/);
+  });
+});
+
+describe('heapSelectTop', () => {
+  it('keeps the k best ids at or above the floor, like a full sort, ties to the lower id', () => {
+    const rng = Xoshiro128.fromSeed(22);
+    for (let trial = 0; trial < 300; trial++) {
+      const count = 1 + (rng.nextUint32() % 300);
+      const values = Float32Array.from({ length: count }, () => {
+        const draw = rng.nextUint32() % 8;
+        return draw === 0 ? -Infinity : draw;
+      });
+      const k = 1 + (rng.nextUint32() % count);
+      const floor = trial % 3 === 0 ? 4 : -Infinity;
+      const order = new Int32Array(count);
+      const kept = heapSelectTop(values, order, k, floor);
+      const eligible = [...values.keys()].filter((i) => values[i]! >= floor && values[i]! > -Infinity);
+      const ranked = eligible.sort((a, b) => values[b]! - values[a]! || a - b).slice(0, k);
+      assert.equal(kept, ranked.length, `trial ${trial}`);
+      assert.deepEqual([...order.subarray(0, kept)].sort((a, b) => a - b), ranked.sort((a, b) => a - b), `trial ${trial}`);
+    }
+  });
+
+  it('reports a NaN met before or after the heap is full', () => {
+    const values = Float32Array.from([5, 4, 3, 2, 1, 0]);
+    for (const at of [1, 4]) {
+      const withNaN = values.slice();
+      withNaN[at] = NaN;
+      assert.throws(() => heapSelectTop(withNaN, new Int32Array(6), 2, -Infinity), new RegExp(`NaN at token id ${at}$`));
+    }
+  });
+});
+
+describe('selectTopP', () => {
+  it('keeps exactly the smallest best-first set reaching topP of the mass, across many bins and ties', () => {
+    const rng = Xoshiro128.fromSeed(23);
+    const binMass = new Float64Array(MASS_BINS);
+    const binCount = new Int32Array(MASS_BINS);
+    for (let trial = 0; trial < 200; trial++) {
+      const count = 1 + (rng.nextUint32() % 2000);
+      // Values on a 1/16 grid over a span of 0..80 logits: ties, several tokens per bin, and a tail beyond the bins.
+      const span = [2, 10, 80][trial % 3]!;
+      const values = Float32Array.from({ length: count }, () => Math.round(rng.nextFloat() * span * 16) / 16);
+      const topP = [0.1, 0.5, 0.9, 0.999, 1 - 1e-12][trial % 5]!;
+      const floor = trial % 4 === 0 ? span / 2 : -Infinity;
+      const max = Math.max(...values);
+      const weights = new Float64Array(count);
+      const order = new Int32Array(count);
+      const kept = selectTopP(values, max, floor, topP, weights, order, binMass, binCount);
+
+      const eligible = [...values.keys()].filter((i) => values[i]! >= floor);
+      const mass = (id: number) => Math.exp(values[id]! - max);
+      const total = eligible.reduce((sum, id) => sum + mass(id), 0);
+      const ranked = eligible.sort((a, b) => values[b]! - values[a]! || a - b);
+      // The best `kept` ids, and the fewest that reach the target: without the last one the mass falls short. (Sums
+      // taken in another order differ in the last bits, hence the relative slack of 1e-12.)
+      const keptIds = [...order.subarray(0, kept)].sort((a, b) => a - b);
+      assert.deepEqual(keptIds, ranked.slice(0, kept).sort((a, b) => a - b), `trial ${trial}: the best ${kept}`);
+      const target = topP * total;
+      const keptMass = ranked.slice(0, kept).reduce((sum, id) => sum + mass(id), 0);
+      assert.ok(kept === ranked.length || keptMass >= target * (1 - 1e-12), `trial ${trial}: ${keptMass} reaches ${target}`);
+      assert.ok(keptMass - mass(ranked[kept - 1]!) < target * (1 + 1e-12), `trial ${trial}: ${kept} is the fewest`);
+      for (const id of eligible) assert.equal(weights[id], mass(id));
+    }
+  });
+});
+
 describe('Sampler: greedy', () => {
   it('picks the argmax, ties to the lowest id, whatever the seed', () => {
     const sampler = new Sampler(5);
@@ -170,9 +265,17 @@ describe('Sampler: greedy', () => {
   });
 
   it('does not modify the logits row it is given', () => {
-    const row = Float32Array.from([1, 2, 3]);
-    new Sampler(3).sampleRow(row, sequence(3, { temperature: 0.7, repetitionPenalty: 2 }, { prompt: [2] }));
-    assert.deepEqual([...row], [1, 2, 3]);
+    const cases: Partial<SamplingParams>[] = [
+      { temperature: 0.7, repetitionPenalty: 2 }, { temperature: 0 }, { temperature: 0.5 }, { temperature: 0.5, topK: 2 },
+      { temperature: 1.5, topP: 0.5 }, { temperature: 0.5, logprobs: 2 }, { logitBias: new Map([[0, 5]]) },
+    ];
+    for (const overrides of cases) {
+      const row = Float32Array.from([1, 2, 3]);
+      for (const mode of ['raw', 'processed'] as const) {
+        new Sampler(3, { logprobsMode: mode }).sampleRow(row, sequence(3, overrides, { prompt: [2] }));
+        assert.deepEqual([...row], [1, 2, 3], JSON.stringify({ ...overrides, mode }, (_, v) => (v instanceof Map ? [...v] : v)));
+      }
+    }
   });
 
   it('reports NaN logits and rows where every token is masked', () => {
@@ -205,6 +308,22 @@ describe('Sampler: temperature and truncation', () => {
     assertFrequencies(frequencies(logits, { topK: 10 }), probabilityById);
   });
 
+  it('top_k at a temperature samples softmax(logits / T) over the k best of a large vocabulary', () => {
+    const vocabSize = 3000;
+    const rng = Xoshiro128.fromSeed(24);
+    // Eight distinct high logits among low ones, two of them tied at the cut so the lower id must win.
+    const row = Array.from({ length: vocabSize }, () => rng.nextFloat() * 2);
+    const high: [number, number][] = [[2900, 9], [17, 8.5], [1500, 8], [40, 7.5], [2999, 7], [600, 6.5], [701, 6], [700, 6]];
+    for (const [id, logit] of high) row[id] = logit;
+    const temperature = 0.7;
+    // Ids 700 and 701 tie for the seventh place: the lower id is kept.
+    const keptWithTie = [...high.slice(0, 6).map(([id]) => id), 700];
+    const probabilities = softmax(keptWithTie.map((id) => row[id]! / temperature));
+    const expected = new Array<number>(vocabSize).fill(0);
+    keptWithTie.forEach((id, j) => { expected[id] = probabilities[j]!; });
+    assertFrequencies(frequencies(row, { topK: 7, temperature }), expected);
+  });
+
   it('top_p keeps the smallest top set whose mass reaches p', () => {
     // Mass before each token, best first: 0 (0.5), 0.5 (0.3), 0.8 (0.15), 0.95 (0.05).
     assertFrequencies(frequencies(logits, { topP: 0.7 }), [0, 0.625, 0, 0.375]);
@@ -222,6 +341,12 @@ describe('Sampler: temperature and truncation', () => {
     assertFrequencies(frequencies(logits, { minP: 0.2 }), [0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]);
     // Threshold 0.4 x 0.5 = 0.2 drops 0.15 and 0.05.
     assertFrequencies(frequencies(logits, { minP: 0.4 }), [0, 0.625, 0, 0.375]);
+  });
+
+  it('applies min_p before top_k', () => {
+    // min_p 0.2 drops the 0.05 token; top_k 3 then keeps the remaining three, top_k 2 the best two.
+    assertFrequencies(frequencies(logits, { minP: 0.2, topK: 3 }), [0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]);
+    assertFrequencies(frequencies(logits, { minP: 0.2, topK: 2, temperature: 1 }), [0, 0.625, 0, 0.375]);
   });
 
   it('applies top_p to the distribution renormalised after top_k', () => {

@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { Template } from '@huggingface/jinja';
 import { GgmlType } from '../../src/model/ggml-types.ts';
-import { metaString, readGguf } from '../../src/model/gguf.ts';
+import { GgufValueType, metaString, readGguf } from '../../src/model/gguf.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { dequantizeTensor } from '../../src/model/quant.ts';
 import {
@@ -82,6 +82,24 @@ describe('writeSyntheticModel', () => {
     const wq = dequantizeTensor(model.weights.layers[0]!.wq);
     const std = Math.sqrt(wq.reduce((a, v) => a + v * v, 0) / wq.length);
     assert.ok(Math.abs(std - 0.125) < 0.01, `wq std ${std}`);
+  });
+
+  it('stores float hyperparameters as FLOAT32 even when their value is integral, as llama.cpp requires', () => {
+    // llama.cpp refuses "key llama.rope.freq_base has wrong type u32 but expected type f32".
+    for (const [label, spec] of [['defaults', small], ['integral epsilon', { ...small, ropeTheta: 500000, rmsNormEps: 1 }]] as const) {
+      const path = join(dir, `float-keys-${label.replace(' ', '-')}.gguf`);
+      writeSyntheticModel(spec, path);
+      const file = readGguf(path);
+      for (const [key, expected] of [
+        ['llama.rope.freq_base', spec.ropeTheta ?? 10000],
+        ['llama.attention.layer_norm_rms_epsilon', spec.rmsNormEps ?? 1e-5],
+      ] as const) {
+        assert.equal(file.metadataTypes.get(key)?.type, GgufValueType.FLOAT32, `${label}: ${key} type`);
+        assert.equal(file.metadata.get(key), Math.fround(expected), `${label}: ${key} value`);
+      }
+      // Integer hyperparameters stay integers.
+      assert.equal(file.metadataTypes.get('llama.context_length')?.type, GgufValueType.UINT32);
+    }
   });
 
   it('falls back to Q8_0 for K-quant rows that are not whole 256-element blocks', () => {
