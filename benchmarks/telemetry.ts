@@ -123,19 +123,29 @@ function driveRequest(bus: LifecycleBus, tokens: number, engineSteps: boolean): 
   for (let i = 0; i < tokens; i++) {
     if (i > 0) {
       t += 10;
-      if (engineSteps && bus.active) bus.emit({ phase: 'decode_execution', requestId: id, start: t - 10, time: t, step: i, batchSize: 8 });
+      if (engineSteps && bus.active) {
+        bus.emit({ phase: 'decode_execution', requestId: id, start: t - 9, time: t, step: i, batchSize: 8, batchTokens: 8, worker: 'worker-0' });
+      }
     }
     if (bus.active) bus.emit({ phase: 'streaming_response', requestId: id, time: t + 0.2, tokens: 1, bytes: 140 });
     if (i === 0) preFirstToken = performance.now() - before;
   }
+  // As the engine reports them on every output: its step batches, queue depth, budget and decode-step summary.
   const timestamps: EngineTimestamps = {
-    arrival: t0, queued: t0 + 1, firstScheduled: t0 + 2, prefillChunks: [{ start: t0 + 2, end: firstToken, tokens: 256 }],
-    firstToken, lastToken: t, finished: t,
+    arrival: t0, queued: t0 + 1, firstScheduled: t0 + 2,
+    prefillChunks: [{ start: t0 + 2.1, end: firstToken, tokens: 256, batchSeqs: 8, batchTokens: 263 }],
+    firstToken, lastToken: t, finished: t, queueDepthAtEntry: 0, budget: { tokens: 256, forwardStart: t0 + 2.1 },
+    ...(tokens > 1 ? {
+      decodeSteps: {
+        steps: tokens - 1, forwardMs: 9 * (tokens - 1), batchSeqsSum: 8 * (tokens - 1), batchSeqsMin: 8, batchSeqsMax: 8,
+        batchTokensSum: 8 * (tokens - 1), batchTokensMin: 8, batchTokensMax: 8,
+      },
+    } : {}),
   };
   if (bus.active) {
     bus.emit({
       phase: 'finish', requestId: id, time: t + 1, finishReason: 'length', promptTokens: 512, outputTokens: tokens, cachedTokens: 256, status: 200,
-      engine: { worker: 'worker-0', timestamps, cachedTokens: 256 },
+      engine: { worker: 'worker-0', timestamps, cachedTokens: 256, traceparent: `00-${'0'.repeat(31)}1-${'0'.repeat(15)}1-01` },
     });
   }
   return preFirstToken;

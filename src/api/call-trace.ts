@@ -53,6 +53,11 @@ interface EngineTrack {
   kvTransferEmitted: boolean;
 }
 
+/** The trace context the engine handed back on an output, as a report field. */
+function traceparentOf(output: EngineOutput): { traceparent?: string } {
+  return output.traceparent !== undefined ? { traceparent: output.traceparent } : {};
+}
+
 /** The reason label of a tenant-limit refusal. */
 export function rateLimitReason(err: unknown): string | undefined {
   if (err instanceof ConcurrencyLimitError) return 'concurrency';
@@ -79,6 +84,12 @@ export class CallTrace {
   private worker: string | undefined;
   private streamError: ApiError | undefined;
   private ended = false;
+  /** Whether the engine's decode steps go on the bus one by one (only when per-step spans are wanted). */
+  private readonly stepEvents: boolean;
+  /** The last decode step put on the bus, so a step that advanced several completions is told once. */
+  private lastStepId = -1;
+  private lastStepWorker: string | undefined;
+  private decodeSteps = 0;
 
   constructor(
     private readonly telemetry: Telemetry,
@@ -91,6 +102,7 @@ export class CallTrace {
     private readonly traceparent: string | undefined,
   ) {
     this.bus = telemetry.lifecycle;
+    this.stepEvents = telemetry.wantsEngineSteps;
   }
 
   // ---- gateway phases ----
@@ -213,6 +225,8 @@ export class CallTrace {
         subPhasesMs: { hashing: us.hashing / 1000, indexLookup: us.lookup / 1000, selection: us.selection / 1000 },
       });
     }
+    const step = output.step;
+    if (step && this.stepEvents) this.decodeStep(output, step, routing?.workerId ?? this.worker);
     const transfer = output.timestamps.kvTransfer;
     if (transfer && !track.kvTransferEmitted) {
       track.kvTransferEmitted = true;
@@ -223,6 +237,22 @@ export class CallTrace {
         ...(routing ? { toWorker: routing.workerId } : {}),
       });
     }
+  }
+
+  /**
+   * A step after the request's first token, as the engine timed it: its forward pass and its batch. The step that
+   * sampled the first token is the prefill's; its end is the firstToken stamp.
+   */
+  private decodeStep(output: EngineOutput, step: NonNullable<EngineOutput['step']>, worker: string | undefined): void {
+    const firstToken = output.timestamps.firstToken;
+    if (firstToken === undefined || step.end <= firstToken) return;
+    if (step.id === this.lastStepId && worker === this.lastStepWorker) return;
+    this.lastStepId = step.id;
+    this.lastStepWorker = worker;
+    this.bus.emit({
+      phase: 'decode_execution', requestId: this.requestId, start: step.start, time: step.end, step: ++this.decodeSteps,
+      batchSize: step.batchSeqs, batchTokens: step.batchTokens, ...(worker !== undefined ? { worker } : {}),
+    });
   }
 
   /** One SSE write: `tokens` output tokens the client sees for the first time in it (0 for other chunks). */
@@ -256,13 +286,18 @@ export class CallTrace {
         const prefillChunkStarts = new Set(prefillTs.prefillChunks.map((c) => c.start));
         reports.push({
           worker: disaggregation.prefillWorkerId, role: 'prefill', timestamps: prefillTs, cachedTokens: first.usage.cachedTokens, ...blockSize,
+          ...traceparentOf(first),
         });
         reports.push({
           ...(worker !== undefined ? { worker } : {}), role: 'decode', cachedTokens: track.cachedTokens, ...blockSize,
           timestamps: { ...last.timestamps, prefillChunks: last.timestamps.prefillChunks.filter((c) => !prefillChunkStarts.has(c.start)) },
+          ...traceparentOf(last),
         });
       } else {
-        reports.push({ ...(worker !== undefined ? { worker } : {}), timestamps: last.timestamps, cachedTokens: track.cachedTokens, ...blockSize });
+        reports.push({
+          ...(worker !== undefined ? { worker } : {}), timestamps: last.timestamps, cachedTokens: track.cachedTokens, ...blockSize,
+          ...traceparentOf(last),
+        });
       }
     }
     return reports;

@@ -18,7 +18,7 @@ import { drawRandomSeed } from './rng.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, type SequenceSampler } from './sampler.ts';
 import { Scheduler, type AdoptedState, type StepPlan } from './scheduler.ts';
 import type {
-  EngineOutput, EngineRequest, EngineStats, FinishReason, RequestTimestamps, SchedulingPolicy, TokenLogprob,
+  EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason, RequestTimestamps, SchedulingPolicy, TokenLogprob,
 } from './types.ts';
 
 export interface EngineCoreOptions {
@@ -161,6 +161,7 @@ export class EngineCore {
       return [];
     }
     const batch = this.builder.build(plan);
+    const forwardStart = this.now();
     let logits: Float32Array;
     try {
       logits = this.backend.forward(batch);
@@ -168,15 +169,22 @@ export class EngineCore {
       return this.failStep(plan, error);
     }
     const sampled = this.sampleRows(plan, logits);
-    const result = this.scheduler.updateFromOutput(plan, sampled.tokenIds, this.now());
+    const end = this.now();
+    const result = this.scheduler.updateFromOutput(plan, sampled.tokenIds, end, forwardStart);
+    // One object for every output of the step: structured clone keeps it one object in the message too.
+    const step: EngineStepFacts = {
+      id: plan.stepId, start: forwardStart, end, batchSeqs: plan.stats.numScheduledSeqs, batchTokens: plan.numScheduledTokens,
+    };
 
     const outputs: EngineOutput[] = [];
     let handOffs: RequestState[] | undefined;
     for (const out of result.outputs) {
       const state = this.states.get(out.requestId);
       if (!state) continue;
-      outputs.push(this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason,
-        sampled.logprobs.get(rowKey(out.requestId, out.index))));
+      const output = this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason,
+        sampled.logprobs.get(rowKey(out.requestId, out.index)));
+      output.step = step;
+      outputs.push(output);
       if (state.handoff) (handOffs ??= []).push(state);
     }
     // Only after the loop: one step can finish several completions of a request, and each needs its state.
@@ -357,7 +365,7 @@ export class EngineCore {
       numRunning: scheduler.numRunning, numWaiting: scheduler.numWaiting,
       kvBlocksUsed: kv.numUsedBlocks, kvBlocksTotal: kv.numBlocks,
       prefixCacheQueries: kv.prefixQueryTokens, prefixCacheHits: kv.prefixHitTokens,
-      preemptions: scheduler.numPreemptions,
+      preemptions: scheduler.numPreemptions, kvEvictions: kv.evictions,
     };
   }
 
@@ -417,7 +425,7 @@ export class EngineCore {
     logprobs: TokenLogprob[] | undefined, error?: string): EngineOutput {
     const { request } = state;
     const sequence = request.sequences[index];
-    return {
+    const output: EngineOutput = {
       requestId: request.id, index, newTokenIds, textDelta, logprobs, finishReason, stopReason, error,
       usage: {
         promptTokens: request.promptTokenIds.length,
@@ -426,6 +434,9 @@ export class EngineCore {
       },
       timestamps: request.timestamps,
     };
+    const { traceparent } = request.engineRequest;
+    if (traceparent !== undefined) output.traceparent = traceparent;
+    return output;
   }
 
   /** A forward pass threw: that is a bug or a broken model, so every request in the step fails with the reason. */
@@ -439,7 +450,8 @@ export class EngineCore {
 }
 
 function snapshotTimestamps(timestamps: RequestTimestamps): RequestTimestamps {
-  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice() };
+  const { decodeSteps } = timestamps;
+  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}) };
 }
 
 function adoptedState(handoff: KvHandoff): AdoptedState {
@@ -448,8 +460,10 @@ function adoptedState(handoff: KvHandoff): AdoptedState {
 
 /** The closing output of a handed-off request stopped before this worker took it in. */
 function notAdoptedOutput(handoff: KvHandoff, nowMs: number, reason: FinishReason, error?: string): EngineOutput {
+  const { traceparent } = handoff.request;
   return {
     requestId: handoff.requestId, index: 0, newTokenIds: [], textDelta: '', finishReason: reason, error,
+    ...(traceparent !== undefined ? { traceparent } : {}),
     usage: {
       promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length,
       cachedTokens: handoff.numCachedTokens,

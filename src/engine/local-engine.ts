@@ -82,7 +82,7 @@ export class LocalEngine implements Engine {
     this.role = kv.role ?? 'both';
     this.latestStats = {
       numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: info.kvCapacityTokens / info.blockSize,
-      prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0,
+      prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0, kvEvictions: 0,
     };
     worker.on('message', (message: FromWorker) => this.onMessage(message));
     worker.on('error', (error) => this.onExit(error));

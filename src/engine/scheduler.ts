@@ -241,6 +241,7 @@ export class Scheduler {
     const sequence = new Sequence(request, 0, engineRequest.promptTokenIds.slice(), [], table);
     request.sequences.push(sequence);
     this.requests.set(request.id, request);
+    request.timestamps.queueDepthAtEntry = this.waiting.length;
     this.enqueueWaiting(sequence);
     return request;
   }
@@ -379,9 +380,11 @@ export class Scheduler {
 
   /**
    * Applies a step's result. sampledTokenIds holds one token per logits row, in the order of plan.sampleTargets
-   * (= batch.logitsIndices). Sequences aborted or finished since the plan was made are skipped.
+   * (= batch.logitsIndices). Sequences aborted or finished since the plan was made are skipped. forwardStartMs is
+   * when the step's forward pass began (default: when it was planned); the requests' timestamps record it as the
+   * start of their prefill chunks and decode steps, so planning and batch building count as budget allocation.
    */
-  updateFromOutput(plan: StepPlan, sampledTokenIds: ArrayLike<number>, nowMs: number): StepResult {
+  updateFromOutput(plan: StepPlan, sampledTokenIds: ArrayLike<number>, nowMs: number, forwardStartMs = plan.nowMs): StepResult {
     if (plan.scheduled.length === 0 && sampledTokenIds.length === 0) return { outputs: [], finishedRequests: [] };
     if (plan !== this.outstandingPlan) throw new Error(`step ${plan.stepId} is not the outstanding step`);
     if (sampledTokenIds.length !== plan.sampleTargets.length) {
@@ -413,7 +416,15 @@ export class Scheduler {
       if (Math.floor(sequence.numComputedTokens / blockSize) > Math.floor(numComputedBefore / blockSize)) {
         this.kv.cacheComputedBlocks(sequence.blockTable, sequence.tokenIds, sequence.numComputedTokens);
       }
-      if (!entry.isDecode) request.timestamps.prefillChunks.push({ start: plan.nowMs, end: nowMs, tokens: entry.numNewTokens });
+      const { timestamps } = request;
+      timestamps.budget ??= { tokens: entry.numNewTokens, forwardStart: forwardStartMs };
+      if (timestamps.firstToken !== undefined) recordDecodeStep(timestamps, plan, nowMs - forwardStartMs);
+      if (!entry.isDecode) {
+        timestamps.prefillChunks.push({
+          start: forwardStartMs, end: nowMs, tokens: entry.numNewTokens,
+          batchSeqs: plan.stats.numScheduledSeqs, batchTokens: plan.numScheduledTokens,
+        });
+      }
       if (numSamples === 0) continue;
 
       request.timestamps.firstToken ??= nowMs;
@@ -578,7 +589,10 @@ export class Scheduler {
     request.wasAdmitted = true;
     request.numCachedTokens = adopted.numCachedTokens;
     if (adopted.timestamps) {
-      Object.assign(request.timestamps, adopted.timestamps, { prefillChunks: adopted.timestamps.prefillChunks.slice() });
+      const { prefillChunks, decodeSteps } = adopted.timestamps;
+      Object.assign(request.timestamps, adopted.timestamps, {
+        prefillChunks: prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}),
+      });
     }
     const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt });
     const sequence = new Sequence(request, 0, tokenIds, outputTokenIds.slice(), table);
@@ -752,6 +766,34 @@ export class Scheduler {
     }
     this.kv.checkInvariants([...seen].map((sequence) => sequence.blockTable));
   }
+}
+
+/**
+ * Counts a step after the request's first token into its decode summary, once per step however many of its
+ * completions the step advanced. Updated in place: a few additions per request per step, whatever the length.
+ */
+function recordDecodeStep(timestamps: RequestTimestamps, plan: StepPlan, forwardMs: number): void {
+  const seqs = plan.stats.numScheduledSeqs;
+  const tokens = plan.numScheduledTokens;
+  const summary = timestamps.decodeSteps;
+  if (summary === undefined) {
+    timestamps.decodeSteps = {
+      steps: 1, lastStepId: plan.stepId, forwardMs,
+      batchSeqsSum: seqs, batchSeqsMin: seqs, batchSeqsMax: seqs,
+      batchTokensSum: tokens, batchTokensMin: tokens, batchTokensMax: tokens,
+    };
+    return;
+  }
+  if (summary.lastStepId === plan.stepId) return;
+  summary.steps++;
+  summary.lastStepId = plan.stepId;
+  summary.forwardMs += forwardMs;
+  summary.batchSeqsSum += seqs;
+  if (seqs < summary.batchSeqsMin) summary.batchSeqsMin = seqs;
+  if (seqs > summary.batchSeqsMax) summary.batchSeqsMax = seqs;
+  summary.batchTokensSum += tokens;
+  if (tokens < summary.batchTokensMin) summary.batchTokensMin = tokens;
+  if (tokens > summary.batchTokensMax) summary.batchTokensMax = tokens;
 }
 
 /** Stamps the finish time when every sequence of the request is done; true if so. */

@@ -68,8 +68,11 @@ export interface RequestTimestamps {
   arrival: number;
   queued?: number;
   firstScheduled?: number;
-  /** End time of each prefill chunk. */
-  prefillChunks: { start: number; end: number; tokens: number }[];
+  /**
+   * Each prefill chunk's forward pass (start to sampled), the prompt tokens it computed, and the batch of its step:
+   * batchSeqs sequences computing batchTokens tokens together.
+   */
+  prefillChunks: { start: number; end: number; tokens: number; batchSeqs?: number; batchTokens?: number }[];
   firstToken?: number;
   lastToken?: number;
   finished?: number;
@@ -79,6 +82,47 @@ export interface RequestTimestamps {
    * stay put); the kv_transfer phase of traces and metrics.
    */
   kvTransfer?: { start: number; end: number; bytes: number; blocks: number };
+  /** Sequences already waiting in the worker's queue when the request joined it. */
+  queueDepthAtEntry?: number;
+  /**
+   * The step that first scheduled the request: the tokens it was granted there and when that step's forward pass
+   * began. firstScheduled to forwardStart is the budget allocation (planning the step and building its batch).
+   */
+  budget?: { tokens: number; forwardStart: number };
+  /** The decode steps (every step after the first token) the request took part in, summarised. */
+  decodeSteps?: StepBatchSummary;
+}
+
+/**
+ * Steps summarised from one request's seat: how many, how long their forward passes took, and how big their
+ * batches were. Fixed size whatever the output length, so it can ride on every output.
+ */
+export interface StepBatchSummary {
+  steps: number;
+  /** Worker-local id of the latest step counted (a step is counted once however many completions it advanced). */
+  lastStepId: number;
+  /** Forward passes (forward start to sampled) summed, ms. */
+  forwardMs: number;
+  /** Sequences in each step's batch: sum (the mean is sum / steps), least, most. */
+  batchSeqsSum: number;
+  batchSeqsMin: number;
+  batchSeqsMax: number;
+  /** Tokens each step computed, all sequences together: sum, least, most. */
+  batchTokensSum: number;
+  batchTokensMin: number;
+  batchTokensMax: number;
+}
+
+/** One engine step as the outputs it produced report it (shared by every output of the step). */
+export interface EngineStepFacts {
+  /** Worker-local step number. */
+  id: number;
+  /** When the step's forward pass began and when its tokens were sampled (engine clock, ms). */
+  start: number;
+  end: number;
+  /** Sequences in the batch and tokens they computed together. */
+  batchSeqs: number;
+  batchTokens: number;
 }
 
 export interface EngineOutput {
@@ -96,6 +140,10 @@ export interface EngineOutput {
   error?: string;
   /** Where the request was placed, when a router placed it (set on every output of a routed request). */
   routing?: RoutingSummary;
+  /** The step that produced this output (absent on outputs no step produced: aborts, rejections). */
+  step?: EngineStepFacts;
+  /** The request's traceparent as the engine was given it, handed back so its facts join the right trace. */
+  traceparent?: string;
 }
 
 /** The router's decision as the request's trace and timings show it. */
@@ -168,6 +216,8 @@ export interface EngineStats {
   prefixCacheQueries: number;
   prefixCacheHits: number;
   preemptions: number;
+  /** Cached KV blocks evicted to make room (cumulative); every Conduit engine counts them. */
+  kvEvictions?: number;
 }
 
 /**

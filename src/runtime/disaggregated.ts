@@ -177,7 +177,7 @@ export class DisaggregatedEngine implements Engine {
   stats(): EngineStats {
     const total: EngineStats = {
       numRunning: 0, numWaiting: this.admission.size, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0,
-      prefixCacheHits: 0, preemptions: 0,
+      prefixCacheHits: 0, preemptions: 0, kvEvictions: 0,
     };
     for (const engine of [...this.prefillWorkers.values(), ...this.decodeWorkers.values()]) {
       const s = engine.stats();
@@ -188,6 +188,7 @@ export class DisaggregatedEngine implements Engine {
       total.prefixCacheQueries += s.prefixCacheQueries;
       total.prefixCacheHits += s.prefixCacheHits;
       total.preemptions += s.preemptions;
+      total.kvEvictions! += s.kvEvictions ?? 0;
     }
     return total;
   }
@@ -461,5 +462,6 @@ function closingOutput(request: EngineRequest, nowMs: number, completionTokens =
     requestId: request.id, index: 0, newTokenIds: [], textDelta: '', finishReason: 'abort',
     usage: { promptTokens: request.promptTokenIds.length, completionTokens, cachedTokens: 0 },
     timestamps: { arrival: request.arrivalMs, prefillChunks: [], finished: nowMs },
+    ...(request.traceparent !== undefined ? { traceparent: request.traceparent } : {}),
   };
 }

@@ -98,7 +98,7 @@ export class RoutedEngine implements Engine {
   stats(): EngineStats {
     const total: EngineStats = {
       numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0, prefixCacheHits: 0,
-      preemptions: 0,
+      preemptions: 0, kvEvictions: 0,
     };
     for (const engine of this.workers.values()) {
       const s = engine.stats();
@@ -109,6 +109,7 @@ export class RoutedEngine implements Engine {
       total.prefixCacheQueries += s.prefixCacheQueries;
       total.prefixCacheHits += s.prefixCacheHits;
       total.preemptions += s.preemptions;
+      total.kvEvictions! += s.kvEvictions ?? 0;
     }
     total.numWaiting += this.admission.size;
     return total;

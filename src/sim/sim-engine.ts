@@ -20,8 +20,8 @@ import { InvalidRequestError, type Request } from '../engine/request.ts';
 import { Scheduler, type AdoptedState, type StepPlan } from '../engine/scheduler.ts';
 import { StopStringMatcher } from '../engine/stop-strings.ts';
 import type {
-  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestTimestamps, SchedulingPolicy,
-  TokenLogprob, WorkerRole,
+  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason, RequestTimestamps,
+  SchedulingPolicy, TokenLogprob, WorkerRole,
 } from '../engine/types.ts';
 import { INFINIBAND_NDR, type HardwareProfile, type LinkProfile } from './hardware.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
@@ -344,8 +344,10 @@ export class SimWorker {
     if (pendingAt >= 0) {
       const [pending] = this.pendingAdoptions.splice(pendingAt, 1);
       const { handoff } = pending!;
+      const { traceparent } = handoff.request;
       return [{
         requestId, index: 0, newTokenIds: [], textDelta: '', finishReason: reason, error,
+        ...(traceparent !== undefined ? { traceparent } : {}),
         usage: { promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length, cachedTokens: handoff.numCachedTokens },
         timestamps: { ...snapshot(handoff.timestamps), finished: nowMs },
       }];
@@ -400,13 +402,19 @@ export class SimWorker {
         avoid: request.sampling.stopTokenIds,
       });
     });
-    const result = this.scheduler.updateFromOutput(plan, tokenIds, endMs);
+    // Planning takes no simulated time: the forward pass starts when the step does.
+    const result = this.scheduler.updateFromOutput(plan, tokenIds, endMs, step.startMs);
+    const facts: EngineStepFacts = {
+      id: plan.stepId, start: step.startMs, end: endMs, batchSeqs: plan.stats.numScheduledSeqs, batchTokens: plan.numScheduledTokens,
+    };
     const outputs: EngineOutput[] = [];
     let handOffs: RequestState[] | undefined;
     for (const out of result.outputs) {
       const state = this.states.get(out.requestId);
       if (!state) continue;
-      outputs.push(this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason, endMs));
+      const output = this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason, endMs);
+      output.step = facts;
+      outputs.push(output);
       if (state.handoff) (handOffs ??= []).push(state);
     }
     // Only after the loop: one step can finish several completions of a request, and each needs its state.
@@ -558,7 +566,7 @@ export class SimWorker {
       numRunning: scheduler.numRunning, numWaiting: scheduler.numWaiting,
       kvBlocksUsed: kv.numUsedBlocks, kvBlocksTotal: kv.numBlocks,
       prefixCacheQueries: kv.prefixQueryTokens, prefixCacheHits: kv.prefixHitTokens,
-      preemptions: scheduler.numPreemptions,
+      preemptions: scheduler.numPreemptions, kvEvictions: kv.evictions,
     };
   }
 
@@ -610,7 +618,7 @@ export class SimWorker {
     logprobs?: TokenLogprob[]): EngineOutput {
     const { request } = state;
     const sequence = request.sequences[index];
-    return {
+    const output: EngineOutput = {
       requestId: request.id, index, newTokenIds, textDelta, logprobs, finishReason, stopReason, error,
       usage: {
         promptTokens: request.promptTokenIds.length,
@@ -620,11 +628,15 @@ export class SimWorker {
       // A snapshot: the request's own timestamps keep changing after this output is handed out.
       timestamps: snapshot(request.timestamps),
     };
+    const { traceparent } = request.engineRequest;
+    if (traceparent !== undefined) output.traceparent = traceparent;
+    return output;
   }
 }
 
 function snapshot(timestamps: RequestTimestamps): RequestTimestamps {
-  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice() };
+  const { decodeSteps } = timestamps;
+  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}) };
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -972,5 +984,6 @@ function notStartedOutput(request: EngineRequest, index: number, nowMs: number):
     requestId: request.id, index, newTokenIds: [], textDelta: '', finishReason: 'abort',
     usage: { promptTokens: request.promptTokenIds.length, completionTokens: 0, cachedTokens: 0 },
     timestamps: { arrival: request.arrivalMs, prefillChunks: [], finished: nowMs },
+    ...(request.traceparent !== undefined ? { traceparent: request.traceparent } : {}),
   };
 }

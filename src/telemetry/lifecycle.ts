@@ -44,13 +44,35 @@ export interface EngineTimestamps {
   queued?: number;
   /** When it first got a place in a step's batch. */
   firstScheduled?: number;
-  /** One entry per prefill chunk the worker computed (a prefix-cache hit shortens or removes them). */
-  prefillChunks: readonly { start: number; end: number; tokens: number }[];
+  /**
+   * One entry per prefill chunk the worker computed (a prefix-cache hit shortens or removes them): its forward pass,
+   * and the batch of its step (sequences, and tokens computed by all of them).
+   */
+  prefillChunks: readonly { start: number; end: number; tokens: number; batchSeqs?: number; batchTokens?: number }[];
   /** End of the step that sampled the first output token. */
   firstToken?: number;
   /** End of the step that sampled the latest output token. */
   lastToken?: number;
   finished?: number;
+  /** Sequences already waiting in the worker's queue when the request joined it. */
+  queueDepthAtEntry?: number;
+  /** The first step that scheduled the request: tokens granted, and when its forward began (end of budget allocation). */
+  budget?: { tokens: number; forwardStart: number };
+  /** The decode steps (after the first token) the request took part in, summarised by the engine. */
+  decodeSteps?: EngineStepSummary;
+}
+
+/** Counts, sums and extremes of a request's decode steps (src/engine/types.ts StepBatchSummary). */
+export interface EngineStepSummary {
+  steps: number;
+  /** Forward passes summed, ms. */
+  forwardMs: number;
+  batchSeqsSum: number;
+  batchSeqsMin: number;
+  batchSeqsMax: number;
+  batchTokensSum: number;
+  batchTokensMin: number;
+  batchTokensMax: number;
 }
 
 /** What one worker reports about its part of a request, carried on the terminal event. */
@@ -63,6 +85,11 @@ export interface EngineReport {
   cachedTokens?: number;
   /** The worker's KV block size (EngineInfo.blockSize): how many tokens a full prefix hit still recomputes at most. */
   blockSize?: number;
+  /**
+   * The traceparent the worker was given with the request and handed back on its outputs: the span its part of the
+   * request belongs under. A plain string, so it crosses threads and processes as is.
+   */
+  traceparent?: string;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -193,11 +220,16 @@ export interface DecodeDispatchEvent extends IntervalEvent {
   worker?: string;
 }
 
+/** One decode step's forward pass (start to sampled) that the request took part in, as the engine reported it. */
 export interface DecodeExecutionEvent extends IntervalEvent {
   phase: 'decode_execution';
   /** 1 for the first decode step after prefill. */
   step?: number;
+  /** Sequences in the step's batch. */
   batchSize?: number;
+  /** Tokens the step computed, all sequences together. */
+  batchTokens?: number;
+  worker?: string;
 }
 
 export interface SamplingEvent extends IntervalEvent {

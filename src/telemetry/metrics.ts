@@ -36,13 +36,15 @@ export interface EngineStatsLike {
   /** Prompt tokens found there (cumulative). */
   prefixCacheHits: number;
   preemptions: number;
+  /** Cached KV blocks evicted to make room (cumulative). */
+  kvEvictions?: number;
 }
 
 export interface WorkerStatsSnapshot {
   worker: string;
   model?: string;
   stats: EngineStatsLike;
-  /** KV blocks evicted from the prefix cache since start (cumulative), if the engine counts them. */
+  /** KV blocks evicted from the prefix cache since start (cumulative); default: stats.kvEvictions. */
   kvEvictions?: number;
   /** Utilisation of KV tiers besides the primary pool ('host', 'disk'), 0..1. */
   kvUtilizationByTier?: Readonly<Record<string, number>>;
@@ -275,7 +277,7 @@ export class ConduitMetrics {
     const dq = delta(stats.prefixCacheQueries, prev?.queries);
     const dh = delta(stats.prefixCacheHits, prev?.hits);
     const dp = delta(stats.preemptions, prev?.preemptions);
-    const evictions = snapshot.kvEvictions;
+    const evictions = snapshot.kvEvictions ?? stats.kvEvictions;
     const de = evictions === undefined ? 0 : delta(evictions, prev?.evictions);
     // Touching each series once makes it appear (at 0) from the first snapshot on, so rate() has a starting point.
     this.prefixQueries.inc({ worker }, dq);

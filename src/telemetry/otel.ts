@@ -12,6 +12,10 @@
 //   ├─ decode { decode_step ... }     (steps only with per-token spans; otherwise summarised on decode)
 //   └─ token_emit                     (one span over the streamed writes; one per write with per-token spans)
 //
+// The engine's part (scheduling, prefill, kv_transfer, decode) goes under the span named by the traceparent the
+// engine handed back with its outputs: the root span when the gateway passed its own context, another span of the
+// same trace when something between them (a remote worker) put its own there.
+//
 // Span names follow the request/routing/scheduling/prefill/decode hierarchy of the observability design; each span
 // also carries `conduit.phase` with the phase name used by events, metrics and timings, so the two join.
 //
@@ -30,9 +34,9 @@ import {
 } from '@opentelemetry/sdk-trace-node';
 import { ATTR_SERVICE_NAME, ATTR_SERVICE_VERSION } from '@opentelemetry/semantic-conventions';
 import { GATEWAY_PHASES } from './lifecycle.ts';
-import { max, mean, quantileOfSorted } from './stats.ts';
+import { mean, quantileOfSorted } from './stats.ts';
 import { prefillSkipped, type RequestTrace } from './trace.ts';
-import { randomSpanId, randomTraceId } from './traceparent.ts';
+import { parseTraceparent, randomSpanId, randomTraceId } from './traceparent.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Configuration from the environment
@@ -275,6 +279,19 @@ export function createTracing(options: TracingOptions): Tracing | undefined {
 // ---------------------------------------------------------------------------------------------------------------
 // Spans from a trace
 
+/**
+ * Where the engine's spans go: under the span the engine's traceparent names when that is a span of this trace
+ * (the root, or one outside this tree), else under the root (no traceparent came back, or one of another trace).
+ */
+function engineParentContext(header: string | undefined, root: SpanContext, rootContext: Context): Context {
+  const engine = parseTraceparent(header);
+  if (!engine || engine.traceId !== root.traceId || engine.parentSpanId === root.spanId) return rootContext;
+  return otelTrace.setSpanContext(ROOT_CONTEXT, {
+    traceId: engine.traceId, spanId: engine.parentSpanId, isRemote: true,
+    traceFlags: engine.sampled ? TraceFlags.SAMPLED : TraceFlags.NONE,
+  });
+}
+
 export interface SpanOptions {
   /** One span per decode step and per streamed write instead of a summary on decode and token_emit. */
   perTokenSpans?: boolean;
@@ -348,6 +365,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     'request.rate_limited': trace.rateLimited,
     'conduit.sampling.head': trace.headSampling?.reason,
     'conduit.sampling.kept_because': options.keptBecause,
+    'conduit.engine.traceparent': trace.engineTraceparent,
     // GenAI semantic conventions, for backends that build LLM views from them.
     'gen_ai.request.model': trace.model,
     'gen_ai.usage.input_tokens': trace.promptTokens,
@@ -363,6 +381,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     ids?.clear();
   }
   const rootContext = otelTrace.setSpan(ROOT_CONTEXT, root);
+  const engineContext = engineParentContext(trace.engineTraceparent, root.spanContext(), rootContext);
 
   const span = (parentCtx: Context, name: string, startMs: number, endMs: number, attrs: Record<string, string | number | boolean | undefined>): Span => {
     const s = tracer.startSpan(name, { startTime: hr(startMs), attributes: clean(attrs) }, parentCtx);
@@ -438,16 +457,24 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   if (queue) {
     const budgetMs = trace.budgetMs;
     const end = queue.endMs + (budgetMs ?? 0);
-    group(rootContext, 'scheduling', queue.startMs, end, {
+    group(engineContext, 'scheduling', queue.startMs, end, {
       'conduit.phase': 'scheduler_queue',
       'scheduling.request_id': trace.requestId,
       'scheduling.queue_depth_at_entry': trace.queueDepthAtEntry,
       'scheduling.queue_time_ms': r3(queue.endMs - queue.startMs),
+      'scheduling.budget_ms': budgetMs !== undefined ? r3(budgetMs) : undefined,
+      'scheduling.budget_tokens': trace.budgetTokens,
       'scheduling.worker': queue.worker,
       'scheduling.completed': queue.incomplete ? false : undefined,
     }, (ctx) => {
-      span(ctx, 'queue_wait', queue.startMs, queue.endMs, { 'conduit.phase': 'scheduler_queue' });
-      if (budgetMs !== undefined) span(ctx, 'budget_allocation', queue.endMs, end, { 'conduit.phase': 'scheduler_queue', 'scheduling.budget_ms': budgetMs });
+      span(ctx, 'queue_wait', queue.startMs, queue.endMs, {
+        'conduit.phase': 'scheduler_queue', 'scheduling.queue_depth_at_entry': trace.queueDepthAtEntry,
+      });
+      if (budgetMs !== undefined) {
+        span(ctx, 'budget_allocation', queue.endMs, end, {
+          'conduit.phase': 'scheduler_queue', 'scheduling.budget_ms': r3(budgetMs), 'scheduling.budget_tokens': trace.budgetTokens,
+        });
+      }
     });
   }
 
@@ -455,7 +482,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   const prefill = trace.prefill;
   if (prefill) {
     const timeMs = prefill.endMs - prefill.startMs;
-    group(rootContext, 'prefill', prefill.startMs, prefill.endMs, {
+    group(engineContext, 'prefill', prefill.startMs, prefill.endMs, {
       'conduit.phase': 'prefill_execution',
       'prefill.prompt_tokens': trace.promptTokens,
       'prefill.cached_tokens': trace.cachedTokens,
@@ -477,7 +504,8 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
         const end = last && prefill.samplingMs !== undefined ? c.endMs - prefill.samplingMs : c.endMs;
         span(ctx, 'model_forward_prefill', c.startMs, end, {
           'conduit.phase': 'prefill_execution', 'prefill.chunk': i, 'prefill.chunk_tokens': c.attributes?.tokens as number | undefined,
-          'prefill.batch_size': c.attributes?.batch_size as number | undefined, 'prefill.worker': c.worker,
+          'prefill.batch_size': c.attributes?.batch_size as number | undefined,
+          'prefill.batch_tokens': c.attributes?.batch_tokens as number | undefined, 'prefill.worker': c.worker,
         });
       });
       if (prefill.samplingMs !== undefined) {
@@ -490,7 +518,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   const kv = trace.kvTransfer;
   if (kv) {
     const ms = kv.endMs - kv.startMs;
-    span(rootContext, 'kv_transfer', kv.startMs, kv.endMs, {
+    span(engineContext, 'kv_transfer', kv.startMs, kv.endMs, {
       'conduit.phase': 'kv_transfer', 'kv_transfer.bytes': kv.bytes, 'kv_transfer.blocks': kv.blocks,
       'kv_transfer.from_worker': kv.fromWorker, 'kv_transfer.to_worker': kv.toWorker, 'kv_transfer.time_ms': r3(ms),
       'kv_transfer.bytes_per_sec': ms > 0 ? Math.round(kv.bytes / (ms / 1000)) : undefined,
@@ -503,8 +531,8 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     const decodeSec = (decode.endMs - decode.startMs) / 1000;
     // In stream mode the steps are the TBT gaps themselves: reuse their sort.
     const stepSorted = decode.stepMs === tbt ? tbtSorted : sortedOf(decode.stepMs);
-    const batchSizes = decode.batchSizes.filter((x) => !Number.isNaN(x));
-    group(rootContext, 'decode', decode.startMs, decode.endMs, {
+    const batch = decode.batch;
+    group(engineContext, 'decode', decode.startMs, decode.endMs, {
       'conduit.phase': 'decode_execution',
       'decode.total_steps': decode.steps,
       'decode.step_source': decode.source,
@@ -513,16 +541,22 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'decode.avg_tbt_ms': tbt.length > 0 ? r3(mean(tbt)) : (decode.steps > 0 ? r3((decode.endMs - decode.startMs) / decode.steps) : undefined),
       'decode.p99_tbt_ms': tbt.length > 0 ? r3(tbtP99) : undefined,
       'decode.tokens_per_sec': decodeSec > 0 ? r3(decode.steps / decodeSec) : undefined,
-      'decode.batch_size_max': batchSizes.length > 0 ? max(batchSizes) : undefined,
-      'decode.batch_size_mean': batchSizes.length > 0 ? r3(mean(batchSizes)) : undefined,
+      'decode.batch_size_min': batch?.seqsMin,
+      'decode.batch_size_max': batch?.seqsMax,
+      'decode.batch_size_mean': batch ? r3(batch.seqsMean) : undefined,
+      'decode.batch_tokens_mean': batch ? r3(batch.tokensMean) : undefined,
+      'decode.batch_tokens_max': batch?.tokensMax,
+      'decode.forward_ms': batch ? r3(batch.forwardMs) : undefined,
+      'decode.worker': decode.worker,
       'decode.completed': decode.incomplete ? false : undefined,
     }, (ctx) => {
       if (!options.perTokenSpans) return;
       for (let i = 0; i < decode.stepMs.length; i++) {
         const start = decode.stepStartsMs[i]!;
-        const batch = decode.batchSizes[i]!;
+        // clean() drops the NaN of a step that reported no batch.
         span(ctx, 'decode_step', start, start + decode.stepMs[i]!, {
-          'conduit.phase': 'decode_execution', 'decode.step': i + 1, 'decode.batch_size': Number.isNaN(batch) ? undefined : batch,
+          'conduit.phase': 'decode_execution', 'decode.step': i + 1, 'decode.batch_size': decode.batchSizes[i],
+          'decode.batch_tokens': decode.batchTokens[i],
         });
       }
     });

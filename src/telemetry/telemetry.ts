@@ -107,6 +107,14 @@ export class Telemetry {
     return this.records.size;
   }
 
+  /**
+   * Whether shells should put the engine's decode steps on the bus one by one (decode_execution events): only when
+   * spans are built per step. Otherwise the engine's per-request step summary, on its timestamps, is enough.
+   */
+  get wantsEngineSteps(): boolean {
+    return this.tracing !== undefined && this.perTokenSpans;
+  }
+
   /** Called with every finished request's trace (and the tail decision when tracing is on). */
   onTrace(listener: TraceListener): () => void {
     this.traceListeners.push(listener);

@@ -53,6 +53,8 @@ export interface TraceView {
   trace_id: string | null;
   /** traceparent of the request's root span: paste into a tracing backend's search, or continue the trace. */
   traceparent: string | null;
+  /** The traceparent the engine handed back with the request's outputs (the context it ran under). */
+  engine_traceparent: string | null;
   model: string;
   tenant: string | null;
   worker: string | null;
@@ -79,6 +81,7 @@ export function traceView(trace: RequestTrace): TraceView {
     request_id: trace.requestId,
     trace_id: trace.traceId ?? null,
     traceparent: trace.traceId && trace.rootSpanId ? formatTraceparent(trace.traceId, trace.rootSpanId, trace.headSampling?.sampled ?? false) : null,
+    engine_traceparent: trace.engineTraceparent ?? null,
     model: trace.model,
     tenant: trace.tenant ?? null,
     worker: trace.worker ?? null,

@@ -9,7 +9,7 @@
 // the first token, TBT to the decode steps' ends, when the engine reported them.
 
 import type {
-  EngineReport, GatewayPhase, LifecycleEvent, PhaseName, RouterSubPhasesMs, TerminalEvent, FinishReasonName,
+  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, PhaseName, RouterSubPhasesMs, TerminalEvent, FinishReasonName,
 } from './lifecycle.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { TraceParent } from './traceparent.ts';
@@ -34,16 +34,41 @@ export interface DecodeSummary {
   endMs: number;
   /** Decode steps after the first token. */
   steps: number;
-  /** Each step's duration, when known ('engine_steps' or 'stream'); empty for 'engine_span'. */
+  /**
+   * Each step's duration, when known: the forward pass for 'engine_steps', the gap between writes for 'stream';
+   * empty for 'engine_span'.
+   */
   stepMs: readonly number[];
   /** Each step's start, parallel to stepMs. */
   stepStartsMs: readonly number[];
-  /** Batch size per step, parallel to stepMs; NaN where unreported. */
+  /** Batch size (sequences) per step, parallel to stepMs; NaN where unreported. */
   batchSizes: readonly number[];
+  /** Tokens computed per step by the whole batch, parallel to stepMs; NaN where unreported. */
+  batchTokens: readonly number[];
   /** Where steps come from: the engine's decode_execution events, the gaps between streamed writes, or only the
    *  engine's first and last token stamps. */
   source: 'engine_steps' | 'stream' | 'engine_span';
+  /** The batches of the decode steps, from the engine's per-step events or its per-request summary. */
+  batch?: DecodeBatchSummary;
+  /** The worker that ran the decode steps (the decode worker of a disaggregated pair). */
+  worker?: string;
   incomplete?: boolean;
+}
+
+/** What the batches of a request's decode steps looked like. */
+export interface DecodeBatchSummary {
+  /** Steps the figures cover. */
+  steps: number;
+  /** Sequences per step. */
+  seqsMean: number;
+  seqsMin: number;
+  seqsMax: number;
+  /** Tokens computed per step, all sequences together (NaN when the steps did not report them). */
+  tokensMean: number;
+  tokensMin: number;
+  tokensMax: number;
+  /** The steps' forward passes summed, ms; the rest of the decode phase the request waited between steps. */
+  forwardMs: number;
 }
 
 export interface RoutingSummary {
@@ -147,8 +172,13 @@ export interface RequestTrace {
   /** Every phase interval, sorted by start. Decode and streaming appear once each, spanning all their steps. */
   phases: readonly PhaseInterval[];
   routing?: RoutingSummary;
+  /** Sequences waiting in the worker's queue when the request joined it. */
   queueDepthAtEntry?: number;
+  /** Budget allocation: from being picked to the first forward pass, and the tokens that step granted. */
   budgetMs?: number;
+  budgetTokens?: number;
+  /** The traceparent the engine handed back with the request's outputs: the span its facts belong under. */
+  engineTraceparent?: string;
   prefill?: PrefillSummary;
   kvTransfer?: KvTransferSummary;
   decode?: DecodeSummary;
@@ -175,6 +205,9 @@ export class RequestRecord {
   readonly stepStarts: number[] = [];
   readonly stepEnds: number[] = [];
   readonly stepBatch: number[] = [];
+  readonly stepTokens: number[] = [];
+  /** The worker of the latest decode step reported. */
+  stepWorker: string | undefined;
   terminal: TerminalEvent | undefined;
   traceId: string | undefined;
   rootSpanId: string | undefined;
@@ -203,6 +236,8 @@ export class RequestRecord {
         this.stepStarts.push(event.start);
         this.stepEnds.push(event.time);
         this.stepBatch.push(event.batchSize ?? Number.NaN);
+        this.stepTokens.push(event.batchTokens ?? Number.NaN);
+        if (event.worker !== undefined) this.stepWorker = event.worker;
         return false;
       case 'validate':
         if (event.model !== undefined) this.model = event.model;
@@ -341,18 +376,25 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
     });
   }
 
-  // Queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps.
-  const queueDepthAtEntry = queueEvent?.queueDepth ?? router?.workerQueueDepth;
-  const queueStart = queueEvent?.start ?? firstWorkerReport?.timestamps.queued;
-  const queueEnd = queueEvent?.time ?? firstWorkerReport?.timestamps.firstScheduled;
+  // Queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps, and the
+  // queue depth and budget the worker reported with them.
+  const firstTimestamps = firstWorkerReport?.timestamps;
+  const queueDepthAtEntry = queueEvent?.queueDepth ?? firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
+  const queueStart = queueEvent?.start ?? firstTimestamps?.queued;
+  const queueEnd = queueEvent?.time ?? firstTimestamps?.firstScheduled;
+  const engineBudget = firstTimestamps?.budget;
+  const budgetMs = queueEvent?.budgetMs
+    ?? (engineBudget && queueEnd !== undefined ? Math.max(0, engineBudget.forwardStart - queueEnd) : undefined);
+  const budgetTokens = engineBudget?.tokens;
   if (queueStart !== undefined || queueEnd !== undefined) {
     const start = queueStart ?? router?.time ?? arrivalMs;
     const incomplete = queueEnd === undefined;
+    const attributes = defined({ queue_depth: queueDepthAtEntry, budget_ms: budgetMs, budget_tokens: budgetTokens });
     phases.push({
       phase: 'scheduler_queue', startMs: start, endMs: queueEnd ?? endMs,
       incomplete: incomplete || undefined,
       worker: queueEvent?.worker ?? firstWorkerReport?.worker,
-      attributes: queueDepthAtEntry !== undefined ? { queue_depth: queueDepthAtEntry } : undefined,
+      attributes: Object.keys(attributes).length > 0 ? attributes : undefined,
     });
   }
 
@@ -365,17 +407,21 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   // Prefill chunks: the engine's events if it sent them, else its timestamps (every worker's, for a disaggregated
   // pair whose decode worker recomputed some tokens).
   let prefill: PrefillSummary | undefined;
-  const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number }[] = [];
+  const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number; batchTokens?: number }[] = [];
   if (prefillEvents.length > 0) {
     for (const e of prefillEvents) chunks.push({ start: e.start, end: e.time, tokens: e.tokens, worker: e.worker, batchSize: e.batchSize });
   } else {
-    for (const r of reports) for (const c of r.timestamps.prefillChunks) chunks.push({ ...c, worker: r.worker });
+    for (const r of reports) {
+      for (const c of r.timestamps.prefillChunks) {
+        chunks.push({ start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens });
+      }
+    }
   }
   chunks.sort((a, b) => a.start - b.start);
   chunks.forEach((c, i) => {
     phases.push({
       phase: 'prefill_execution', startMs: c.start, endMs: c.end, worker: c.worker,
-      attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize }),
+      attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens }),
     });
   });
   if (chunks.length > 0) {
@@ -431,11 +477,22 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const n = validate?.n ?? 1;
 
   // Decode.
-  const decode = buildDecode(record, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, n, terminal, endMs);
+  const engineSteps = mergeStepSummaries(reports);
+  // Engine requests of one call (several prompts) decode side by side: their steps are the longest one's.
+  const engineStepCount = maxDefined(reports.map((r) => r.timestamps.decodeSteps?.steps));
+  const decoded = buildDecode(record, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, n, terminal, endMs,
+    engineSteps, engineStepCount);
+  const decodeWorker = record.stepWorker ?? reports.find((r) => r.role === 'decode')?.worker ?? router?.worker ?? firstWorkerReport?.worker;
+  const decode = decoded && decodeWorker !== undefined ? { ...decoded, worker: decodeWorker } : decoded;
   if (decode) {
+    const batch = decode.batch;
     phases.push({
-      phase: 'decode_execution', startMs: decode.startMs, endMs: decode.endMs, incomplete: decode.incomplete,
-      attributes: { steps: decode.steps, source: decode.source },
+      phase: 'decode_execution', startMs: decode.startMs, endMs: decode.endMs, incomplete: decode.incomplete, worker: decode.worker,
+      attributes: defined({
+        steps: decode.steps, source: decode.source,
+        batch_size_mean: batch ? round3(batch.seqsMean) : undefined, batch_size_max: batch?.seqsMax,
+        batch_tokens_mean: batch && Number.isFinite(batch.tokensMean) ? round3(batch.tokensMean) : undefined,
+      }),
     });
   }
   if (record.emitTimes.length > 0) {
@@ -502,7 +559,9 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
     tbtMs,
     promptTokens, outputTokens, cachedTokens,
     phases,
-    routing, queueDepthAtEntry, budgetMs: queueEvent?.budgetMs, prefill, kvTransfer, decode,
+    routing, queueDepthAtEntry, budgetMs, budgetTokens,
+    engineTraceparent: reports.find((r) => r.traceparent !== undefined)?.traceparent,
+    prefill, kvTransfer, decode,
     emits,
     engineFirstTokenMs, engineLastTokenMs, blockSize: reports.find((r) => r.blockSize !== undefined)?.blockSize,
   };
@@ -510,32 +569,113 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
 
 function buildDecode(
   record: RequestRecord, contentTimes: readonly number[], engineFirst: number | undefined, engineLast: number | undefined,
-  outputTokens: number, n: number, terminal: TerminalEvent | undefined, endMs: number,
+  outputTokens: number, n: number, terminal: TerminalEvent | undefined, endMs: number, engineSteps: EngineStepSummary | undefined,
+  engineStepCount: number | undefined,
 ): DecodeSummary | undefined {
   const endedEarly = terminal !== undefined && terminal.phase !== 'finish';
+  const summarised = engineSteps ? batchFromSummary(engineSteps) : undefined;
   if (record.stepEnds.length > 0) {
     const stepMs = record.stepEnds.map((end, i) => end - record.stepStarts[i]!);
     return {
       startMs: engineFirst ?? record.stepStarts[0]!, endMs: record.stepEnds[record.stepEnds.length - 1]!,
-      steps: stepMs.length, stepMs, stepStartsMs: [...record.stepStarts], batchSizes: [...record.stepBatch], source: 'engine_steps',
+      steps: stepMs.length, stepMs, stepStartsMs: [...record.stepStarts], batchSizes: [...record.stepBatch],
+      batchTokens: [...record.stepTokens], source: 'engine_steps',
+      batch: batchFromSteps(stepMs, record.stepBatch, record.stepTokens) ?? summarised,
+      ...(endedEarly ? { incomplete: true } : {}),
     };
   }
   if (contentTimes.length > 1) {
     const stepMs = gaps(contentTimes);
+    const unreported = stepMs.map(() => Number.NaN);
     return {
       startMs: engineFirst ?? contentTimes[0]!, endMs: engineLast !== undefined && engineLast > (engineFirst ?? -Infinity) ? engineLast : contentTimes[contentTimes.length - 1]!,
-      steps: stepMs.length, stepMs, stepStartsMs: contentTimes.slice(0, -1), batchSizes: stepMs.map(() => Number.NaN), source: 'stream',
+      steps: stepMs.length, stepMs, stepStartsMs: contentTimes.slice(0, -1), batchSizes: unreported, batchTokens: unreported, source: 'stream',
+      ...(summarised ? { batch: summarised } : {}), ...(endedEarly ? { incomplete: true } : {}),
     };
   }
   if (engineFirst !== undefined) {
     const perCompletion = Math.ceil(outputTokens / Math.max(1, n));
-    const steps = Math.max(0, perCompletion - 1);
+    // The engine counted its decode steps; without its summary they are inferred from the output length.
+    const steps = engineStepCount ?? Math.max(0, perCompletion - 1);
     const last = engineLast ?? engineFirst;
     if (steps === 0 && !(endedEarly && endMs > engineFirst)) return undefined;
-    if (endedEarly) return { startMs: engineFirst, endMs: Math.max(last, endMs), steps, stepMs: [], stepStartsMs: [], batchSizes: [], source: 'engine_span', incomplete: true };
-    return { startMs: engineFirst, endMs: last, steps, stepMs: [], stepStartsMs: [], batchSizes: [], source: 'engine_span' };
+    const span = {
+      startMs: engineFirst, steps, stepMs: [], stepStartsMs: [], batchSizes: [], batchTokens: [], source: 'engine_span' as const,
+      ...(summarised ? { batch: summarised } : {}),
+    };
+    if (endedEarly) return { ...span, endMs: Math.max(last, endMs), incomplete: true };
+    return { ...span, endMs: last };
   }
   return undefined;
+}
+
+/**
+ * The engine's step summaries of every engine request of the call (its prompts, or a disaggregated pair's decode
+ * side), as one: the batch figures over all their steps.
+ */
+function mergeStepSummaries(reports: readonly EngineReport[]): EngineStepSummary | undefined {
+  let merged: EngineStepSummary | undefined;
+  for (const r of reports) {
+    const s = r.timestamps.decodeSteps;
+    if (!s || s.steps <= 0) continue;
+    if (!merged) {
+      merged = { ...s };
+      continue;
+    }
+    merged.steps += s.steps;
+    merged.forwardMs += s.forwardMs;
+    merged.batchSeqsSum += s.batchSeqsSum;
+    merged.batchSeqsMin = Math.min(merged.batchSeqsMin, s.batchSeqsMin);
+    merged.batchSeqsMax = Math.max(merged.batchSeqsMax, s.batchSeqsMax);
+    merged.batchTokensSum += s.batchTokensSum;
+    merged.batchTokensMin = Math.min(merged.batchTokensMin, s.batchTokensMin);
+    merged.batchTokensMax = Math.max(merged.batchTokensMax, s.batchTokensMax);
+  }
+  return merged;
+}
+
+function batchFromSummary(s: EngineStepSummary): DecodeBatchSummary {
+  return {
+    steps: s.steps, seqsMean: s.batchSeqsSum / s.steps, seqsMin: s.batchSeqsMin, seqsMax: s.batchSeqsMax,
+    tokensMean: s.batchTokensSum / s.steps, tokensMin: s.batchTokensMin, tokensMax: s.batchTokensMax, forwardMs: s.forwardMs,
+  };
+}
+
+/** The same figures from per-step events, over the steps that reported a batch. */
+function batchFromSteps(stepMs: readonly number[], seqs: readonly number[], tokens: readonly number[]): DecodeBatchSummary | undefined {
+  let steps = 0;
+  let forwardMs = 0;
+  let seqsSum = 0;
+  let seqsMin = Infinity;
+  let seqsMax = -Infinity;
+  let tokensSteps = 0;
+  let tokensSum = 0;
+  let tokensMin = Number.NaN;
+  let tokensMax = Number.NaN;
+  for (let i = 0; i < seqs.length; i++) {
+    const b = seqs[i]!;
+    if (Number.isNaN(b)) continue;
+    steps++;
+    forwardMs += stepMs[i]!;
+    seqsSum += b;
+    if (b < seqsMin) seqsMin = b;
+    if (b > seqsMax) seqsMax = b;
+    const t = tokens[i]!;
+    if (Number.isNaN(t)) continue;
+    tokensSteps++;
+    tokensSum += t;
+    if (!(t >= tokensMin)) tokensMin = t;
+    if (!(t <= tokensMax)) tokensMax = t;
+  }
+  if (steps === 0) return undefined;
+  return {
+    steps, seqsMean: seqsSum / steps, seqsMin, seqsMax, forwardMs,
+    tokensMean: tokensSteps > 0 ? tokensSum / tokensSteps : Number.NaN, tokensMin, tokensMax,
+  };
+}
+
+function round3(x: number): number {
+  return Math.round(x * 1000) / 1000;
 }
 
 /** The phase a failed or aborted request was in when it ended. */

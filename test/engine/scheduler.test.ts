@@ -29,8 +29,13 @@ describe('Scheduler: one request', () => {
     assert.equal(scheduler.getRequest('r0'), undefined);
     assert.equal(scheduler.kv.pool.numUsedBlocks, 0);
     assert.deepEqual(request.timestamps, {
-      arrival: 5, queued: 10, firstScheduled: 20, prefillChunks: [{ start: 20, end: 21, tokens: 6 }],
+      arrival: 5, queued: 10, queueDepthAtEntry: 0, firstScheduled: 20, budget: { tokens: 6, forwardStart: 20 },
+      prefillChunks: [{ start: 20, end: 21, tokens: 6, batchSeqs: 1, batchTokens: 6 }],
       firstToken: 21, lastToken: 41, finished: 41,
+      decodeSteps: {
+        steps: 2, lastStepId: 3, forwardMs: 2, batchSeqsSum: 2, batchSeqsMin: 1, batchSeqsMax: 1,
+        batchTokensSum: 2, batchTokensMin: 1, batchTokensMax: 1,
+      },
     });
     scheduler.checkInvariants();
   });

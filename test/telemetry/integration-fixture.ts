@@ -10,7 +10,7 @@ import { ApiServer } from '../../src/api/server.ts';
 import type { Engine } from '../../src/engine/types.ts';
 import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
 import { createWorkerPool } from '../../src/runtime/worker-pool.ts';
-import { createTelemetry, isTerminal, type Telemetry } from '../../src/telemetry/index.ts';
+import { createTelemetry, isTerminal, type Telemetry, type TelemetryOptions } from '../../src/telemetry/index.ts';
 import { rawRequest } from '../api/http-client.ts';
 import { parseExposition, total, type Exposition } from './exposition.ts';
 
@@ -32,12 +32,19 @@ export interface LiveServerOptions {
   workers?: number;
   /** Disaggregated serving, every prompt prefilled on a prefill worker and its KV moved to a decode worker. */
   disaggregated?: { prefillWorkers: number; decodeWorkers: number };
+  /** The simulated engine (`--engine sim`) instead of the CPU workers with the built-in model. */
+  sim?: boolean;
+  /** Bytes of KV pool per CPU worker (default 24 MiB). */
+  kvCacheMemoryBytes?: number;
+  maxNumSeqs?: number;
+  /** Telemetry settings over the fixture's (sampling, per-token spans...). */
+  telemetry?: Partial<TelemetryOptions>;
 }
 
 export async function startLiveServer(options: LiveServerOptions = {}): Promise<LiveServer> {
   const exporter = new InMemorySpanExporter();
   // No OTEL_* from whoever runs the tests; spans exported as they end, for every request the head sampler keeps.
-  const telemetry = createTelemetry({ env: {}, exporters: [exporter], processor: 'simple' });
+  const telemetry = createTelemetry({ env: {}, exporters: [exporter], processor: 'simple', ...options.telemetry });
   const terminals = new Map<string, string[]>();
   telemetry.lifecycle.subscribe((event) => {
     if (!isTerminal(event)) return;
@@ -51,8 +58,11 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
   await api.listen(0);
   try {
     const pool = await createWorkerPool({
-      engine: 'cpu', workers: options.workers ?? 1, modelPath: await ensureBuiltinModel(), backend: 'auto',
-      kvCacheMemoryBytes: 24 * 1024 * 1024, maxNumSeqs: 8,
+      ...(options.sim
+        ? { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: 100 } }
+        : { engine: 'cpu', modelPath: await ensureBuiltinModel() }),
+      workers: options.workers ?? 1, backend: 'auto',
+      kvCacheMemoryBytes: options.kvCacheMemoryBytes ?? 24 * 1024 * 1024, maxNumSeqs: options.maxNumSeqs ?? 8,
       ...(options.disaggregated ? {
         ...options.disaggregated,
         // Remote prefill whatever the prompt: estimates that make moving KV always cheaper than computing it.

@@ -520,7 +520,6 @@ function familyOf(series: string, exposition: Exposition): string | undefined {
 const NO_SERIES_HERE: Record<string, string> = {
   conduit_kv_transfer_duration_milliseconds: 'KV transfer happens in disaggregated serving only',
   conduit_kv_transfer_bytes_total: 'KV transfer happens in disaggregated serving only',
-  conduit_kv_cache_evictions_total: 'EngineStats does not report evictions',
   conduit_trace_sampling_decisions_total: 'the sampler decides only when tracing is configured',
   conduit_slow_request_bottlenecks_total: 'counted only for requests over the SLO targets',
   conduit_telemetry_dropped_records_total: 'counted only when a request never ends; none may here',
