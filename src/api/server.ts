@@ -50,6 +50,8 @@ export interface ApiServerOptions {
    * spans unless they ask for export), and shut down with the server. One passed in is the caller's to shut down.
    */
   telemetry?: Telemetry;
+  /** For the telemetry created here: one decode_step span per engine step instead of a summary on decode. */
+  perTokenSpans?: boolean;
 }
 
 interface RouteContext {
@@ -115,7 +117,7 @@ export class ApiServer {
     this.engineClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
     this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
     this.ownsTelemetry = options.telemetry === undefined;
-    this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock });
+    this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
     for (const warning of this.telemetry.warnings) this.logger.warn(`telemetry: ${warning}`);
     this.gateway = new Gateway({
       ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),

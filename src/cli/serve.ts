@@ -50,6 +50,7 @@ export const SERVE_FLAGS = {
   'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM', default: 30 },
   'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
+  'trace-decode-steps': { type: 'boolean', help: 'one decode_step span per engine step a traced request took part in (default: decode steps summarised on the decode span)', default: false },
   'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
@@ -84,6 +85,8 @@ export interface ServeConfig {
   maxBodyBytes: number;
   requestTimeoutMs?: number;
   shutdownGraceMs: number;
+  /** One decode_step span per engine step of a traced request (--trace-decode-steps). */
+  traceDecodeSteps: boolean;
   tls?: { cert: Buffer; key: Buffer };
   logLevel: LogLevel;
 }
@@ -220,6 +223,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     shutdownGraceMs: grace * 1000,
+    traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
   };
   if (values.model !== undefined) config.modelPath = values.model;
@@ -257,6 +261,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     maxBodyBytes: config.maxBodyBytes,
     maxPendingRequests: config.maxPendingRequests,
     sessionHeader: config.sessionHeader,
+    ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),

@@ -69,7 +69,8 @@ export class Telemetry {
 
   private readonly records = new Map<string, RequestRecord>();
   private readonly traceListeners: TraceListener[] = [];
-  private readonly perTokenSpans: boolean;
+  /** One decode_step span per engine step (else decode steps are summarised on the decode span). */
+  readonly perTokenSpans: boolean;
   private readonly maxInFlight: number;
   private readonly inFlightTtlMs: number;
   private readonly unsubscribe: () => void;

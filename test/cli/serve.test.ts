@@ -99,6 +99,22 @@ describe('conduit serve flags', () => {
     }
   });
 
+  it('turns on one decode_step span per engine step with --trace-decode-steps or its twin', async () => {
+    assert.equal(config([]).traceDecodeSteps, false);
+    assert.equal(config(['--trace-decode-steps']).traceDecodeSteps, true);
+    assert.equal(config([], { CONDUIT_TRACE_DECODE_STEPS: 'true' }).traceDecodeSteps, true);
+    assert.equal(config(['--no-trace-decode-steps'], { CONDUIT_TRACE_DECODE_STEPS: 'true' }).traceDecodeSteps, false);
+    for (const on of [false, true]) {
+      const served = config(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf', ...(on ? ['--trace-decode-steps'] : [])]);
+      const running = await startServer(served, silentLogger);
+      try {
+        assert.equal(running.api.telemetry.perTokenSpans, on);
+      } finally {
+        await running.api.shutdown(0);
+      }
+    }
+  });
+
   it('asks for help', () => {
     assert.equal(parseServeConfig(['--help'], {}), 'help');
   });
