@@ -21,6 +21,7 @@
 import { pathToFileURL } from 'node:url';
 import { DEFAULT_SAMPLING, type SamplingParams } from '../src/engine/types.ts';
 import * as ours from '../src/engine/sampler.ts';
+import { seededRandom as seededUniform } from '../src/router/random.ts';
 
 function argument(name: string, fallback: string): string {
   const at = process.argv.indexOf(`--${name}`);
@@ -37,17 +38,6 @@ type SamplerModule = typeof ours;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Rows
-
-function seededUniform(seed: number): () => number {
-  let state = seed >>> 0;
-  return () => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let t = state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 const uniform = seededUniform(7);
 const logits = new Float32Array(ROWS * VOCAB);

@@ -7,6 +7,8 @@
 // token each in the Llama 2 and Llama 3 vocabularies: N words make about N prompt tokens. The server's own count
 // (usage.prompt_tokens) is what the report shows.
 
+import { seededRandom } from '../router/random.ts';
+
 /** Common English words, each a single token after a space in the Llama vocabularies. */
 const WORDS = ('time year people way day man thing woman life child world school state family student group country '
   + 'problem hand part place case week company system program question work government number night point home '
@@ -22,17 +24,7 @@ const WORDS = ('time year people way day man thing woman life child world school
   + 'test movie north love support technology step baby computer type attention film tree source organization hair '
   + 'window evidence population truth song').split(' ');
 
-/** mulberry32: small and fast; prompts need variety, not cryptographic randomness. Uniform in [0, 1). */
-export function seededRandom(seed: number): () => number {
-  let state = seed >>> 0;
-  return () => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let t = state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 0x1_0000_0000;
-  };
-}
+export { seededRandom };
 
 /** Mixes two numbers into one seed, so each (seed, stream) pair gets an unrelated sequence. */
 function subSeed(seed: number, stream: number): number {

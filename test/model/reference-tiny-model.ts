@@ -2,18 +2,9 @@
 import type { ModelConfig } from '../../src/model/config.ts';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import type { LayerWeights, ModelWeights, Tensor } from '../../src/model/weights.ts';
+import { seededRandom } from '../../src/router/random.ts';
 
-/** Seeded uniform numbers in [0, 1) (mulberry32), so every run builds the same weights. */
-export function seededRandom(seed: number): () => number {
-  let state = seed >>> 0;
-  return () => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let t = state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 0x1_0000_0000;
-  };
-}
+export { seededRandom };
 
 export function tinyConfig(overrides: Partial<ModelConfig> = {}): ModelConfig {
   return {

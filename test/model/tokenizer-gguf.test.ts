@@ -10,6 +10,7 @@ import { tokenizerFromGguf } from '../../src/model/tokenizer/gguf-tokenizer.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { ggufTokenizer, skipUnlessVocab, VOCAB_NAMES, vocabFile } from './tokenizer-fixtures.ts';
 import type { VocabName } from './tokenizer-fixtures.ts';
+import { seededRandom as randomSource } from '../../src/router/random.ts';
 
 /** The same file with some metadata changed (or removed, for undefined). */
 function withMetadata(file: GgufFile, changes: Record<string, GgufValue | undefined>): GgufFile {
@@ -170,18 +171,6 @@ describe('tokenBytes', { skip: skipUnlessVocab('llama-spm') || skipUnlessVocab('
 
 // ---------------------------------------------------------------------------------------------------------------
 // Round trips on random text
-
-/** A small deterministic generator (mulberry32), so a failure names a reproducible seed. */
-function randomSource(seed: number): () => number {
-  let state = seed >>> 0;
-  return () => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let t = state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 2 ** 32;
-  };
-}
 
 const CODE_POINT_RANGES: [number, number][] = [
   [0x20, 0x7e], [0x20, 0x7e], [0x20, 0x7e], // mostly ASCII

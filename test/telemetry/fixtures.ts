@@ -3,6 +3,9 @@
 // expected TTFT, TBT and phase durations can be worked out by hand.
 
 import type { EngineReport, EngineTimestamps, LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
+import { seededRandom } from '../../src/router/random.ts';
+
+export { seededRandom };
 
 /** An engine-clock instant (epoch ms) all fixtures count from. */
 export const T0 = 1_760_000_000_000;
@@ -161,14 +164,3 @@ export function rateLimitedTimeline(id = 'req-429', at = T0, tenant = 'acme'): L
   ];
 }
 
-/** A deterministic uniform [0, 1) generator (mulberry32), for the sampler. */
-export function seededRandom(seed: number): () => number {
-  let s = seed >>> 0;
-  return () => {
-    s = (s + 0x6d2b79f5) >>> 0;
-    let x = s;
-    x = Math.imul(x ^ (x >>> 15), x | 1);
-    x ^= x + Math.imul(x ^ (x >>> 7), x | 61);
-    return ((x ^ (x >>> 14)) >>> 0) / 4294967296;
-  };
-}
