@@ -301,8 +301,8 @@ async function prefixCache(): Promise<void> {
       return [LABEL[key], minMedMax(c), minMedMax(a), `${((a.median / c.median) * 100).toFixed(1)}%`, String(cached[key] ?? '-')];
     })));
   const p = phaseMeans(againSteps);
-  console.log(`EngineCore's repeat step: ${num(p.tokens)} tokens recomputed (the last, partial-or-not block: only whole ` +
-    `blocks of ${16} are cached and the last prompt token always runs), forward ${num(p.ms.forward)} ms of ` +
+  console.log(`EngineCore's repeat step: ${num(p.tokens)} tokens recomputed (only the last prompt token: the cached block ` +
+    `it ends is copied, not recomputed), forward ${num(p.ms.forward)} ms (the block copy included) of ` +
     `${num(p.ms.total)} ms. Target: at most 2% of cold = ${num(summarize(cold.core!).median * 0.02)} ms.`);
   console.log(`Floor: a one-token step at this context takes ${num(decodeFloorMs)} ms ` +
     `(${((decodeFloorMs / summarize(cold.core!).median) * 100).toFixed(1)}% of cold): every step streams all ` +

@@ -164,6 +164,7 @@ export class EngineCore {
     const forwardStart = this.now();
     let logits: Float32Array;
     try {
+      if (plan.blockCopies.length > 0) this.copyBlocks(plan);
       logits = this.backend.forward(batch);
     } catch (error) {
       return this.failStep(plan, error);
@@ -378,6 +379,18 @@ export class EngineCore {
   }
 
   // -------------------------------------------------------------------------------------------------------------
+
+  /**
+   * Copy-on-write of fully cached prompts' last blocks, within this pool: the fresh block gets the cached one's
+   * KV for every layer, and the forward pass then writes only the last token's slot into it. Counted as part of
+   * the forward time, which it precedes.
+   */
+  private copyBlocks(plan: StepPlan): void {
+    const pool = this.kvPoolView;
+    const sourceIds = plan.blockCopies.map((copy) => copy.source.id);
+    const destinationIds = plan.blockCopies.map((copy) => copy.destination.id);
+    copyKvBlocks(pool, pool, sourceIds, destinationIds);
+  }
 
   private sampleRows(plan: StepPlan, logits: Float32Array): { tokenIds: number[]; logprobs: Map<string, TokenLogprob> } {
     const v = this.vocabSize;

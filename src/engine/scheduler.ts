@@ -9,6 +9,8 @@
 //   2. if nothing was preempted, waiting sequences in policy order are admitted while the token budget, the seat
 //      budget (maxNumSeqs) and the pool allow, each starting from its longest prefix-cache hit. The first that does
 //      not fit stops admission, so nobody is overtaken by a smaller request behind it (no starvation).
+//      A sequence whose tokens are all cached computes only its last token: the block that token ends is not
+//      shared but copied into a fresh one (plan.blockCopies), which the engine does before the forward pass.
 // A sequence whose step reaches its last token gets logits and a sampled token; a prompt chunk short of the end
 // gets neither.
 //
@@ -16,7 +18,7 @@
 // sequence the policy ranks first is never the victim while another is running.
 
 import { KvCacheManager } from './kv-cache/manager.ts';
-import type { BlockTable, KvPin } from './kv-cache/manager.ts';
+import type { BlockTable, KvBlockCopy, KvPin } from './kv-cache/manager.ts';
 import type { BlockHash } from './kv-cache/events.ts';
 import { InvalidRequestError, Request, Sequence, checkStop, finishedStatus } from './request.ts';
 import type { RejectionCode } from './request.ts';
@@ -83,6 +85,11 @@ export interface StepPlan {
   readonly numScheduledTokens: number;
   /** Sequences preempted while making this plan (back in the waiting queue, blocks freed). */
   readonly preempted: readonly Sequence[];
+  /**
+   * Blocks to copy before the forward pass (copy-on-write of a fully cached prompt's last block). The sources stay
+   * pinned until updateFromOutput or discardPlan, whatever happens to the sequences meanwhile.
+   */
+  readonly blockCopies: readonly KvBlockCopy[];
   readonly stats: StepStats;
 }
 
@@ -286,6 +293,7 @@ export class Scheduler {
     }
     const entries: PlanEntry[] = [];
     const preempted: Sequence[] = [];
+    const blockCopies: KvBlockCopy[] = [];
     let tokenBudget = this.maxNumBatchedTokens;
 
     // 1. Running sequences.
@@ -320,6 +328,11 @@ export class Scheduler {
         const prefix = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds);
         const numNewTokens = this.chunkSize(sequence.numTokens - prefix.numTokens, tokenBudget);
         if (this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) === null) break;
+        const copy = sequence.blockTable.pendingCopy;
+        if (copy !== null) {
+          blockCopies.push(copy);
+          sequence.blockTable.pendingCopy = null;
+        }
         sequence.numComputedTokens = prefix.numTokens;
         this.admit(sequence, prefix.numTokens, nowMs);
         entries.push(this.planEntry(sequence, numNewTokens));
@@ -329,7 +342,7 @@ export class Scheduler {
       this.waiting.splice(0, numAdmitted);
     }
 
-    return this.finishPlan(nowMs, entries, preempted, numAdmitted);
+    return this.finishPlan(nowMs, entries, preempted, numAdmitted, blockCopies);
   }
 
   private chunkSize(numRemainingTokens: number, tokenBudget: number): number {
@@ -349,7 +362,8 @@ export class Scheduler {
     };
   }
 
-  private finishPlan(nowMs: number, entries: PlanEntry[], preempted: Sequence[], numAdmitted: number): StepPlan {
+  private finishPlan(nowMs: number, entries: PlanEntry[], preempted: Sequence[], numAdmitted: number,
+    blockCopies: KvBlockCopy[]): StepPlan {
     const scheduled = preempted.length > 0 ? entries.filter((entry) => !entry.cancelled) : entries;
     const sampleTargets: SampleTarget[] = [];
     let numScheduledTokens = 0;
@@ -363,7 +377,7 @@ export class Scheduler {
     }
     this.numPreemptions += preempted.length;
     const plan: StepPlan = {
-      stepId: this.nextStepId++, nowMs, scheduled, sampleTargets, numScheduledTokens, preempted,
+      stepId: this.nextStepId++, nowMs, scheduled, sampleTargets, numScheduledTokens, preempted, blockCopies,
       stats: {
         numRunning: this.running.length, numWaiting: this.waiting.length, numScheduledSeqs: scheduled.length,
         numScheduledTokens, numPrefillTokens: numScheduledTokens - numDecodeTokens, numDecodeTokens, numAdmitted,
@@ -395,6 +409,7 @@ export class Scheduler {
       if (!Number.isInteger(tokenId) || tokenId < 0) throw new RangeError(`sampled token id ${tokenId} (row ${i}) is not a token id`);
     }
     this.outstandingPlan = null;
+    this.releaseBlockCopies(plan);
     const outputs: SequenceOutput[] = [];
     const finishedRequests: Request[] = [];
     let anyFinished = false;
@@ -465,6 +480,12 @@ export class Scheduler {
     if (plan.scheduled.length === 0) return; // never outstanding
     if (plan !== this.outstandingPlan) throw new Error(`step ${plan.stepId} is not the outstanding step`);
     this.outstandingPlan = null;
+    this.releaseBlockCopies(plan);
+  }
+
+  /** The step is over: its copies are made (or moot), so their sources may be evicted again once free. */
+  private releaseBlockCopies(plan: StepPlan): void {
+    for (const copy of plan.blockCopies) this.kv.releaseBlockCopy(copy);
   }
 
   /**
@@ -614,7 +635,8 @@ export class Scheduler {
       }
     }
     // The longest cached prefix, but never past the imported positions (blocks are cached whole).
-    const found = this.kv.findCachedPrefix(table, tokenIds);
+    // No copy-on-write: the block a copy would fill is imported with the rest.
+    const found = this.kv.findCachedPrefix(table, tokenIds, { copyOnWrite: false });
     const maxHitBlocks = Math.floor(numTokens / this.kv.blockSize);
     const prefix = found.blocks.length <= maxHitBlocks ? found
       : { blocks: found.blocks.slice(0, maxHitBlocks), numTokens: maxHitBlocks * this.kv.blockSize, numQueryTokens: found.numQueryTokens };

@@ -71,8 +71,10 @@ export interface LifecycleOptions {
   promptTokens: number;
   /**
    * Prompt tokens the warm request finds in the prefix cache. Default: the longest whole-block prefix shorter than
-   * the prompt, because blocks are cached whole and the last prompt token is always recomputed to get its logits.
-   * Clamped to promptTokens - 1 for the same reason.
+   * the prompt, i.e. a request that shares every block of an earlier one but its last (blocks are cached whole). A
+   * prompt sent again verbatim reuses promptTokens - 1 tokens (the engine copies its cached last block and computes
+   * only the final token, whose logits it needs): pass that to model it. Clamped to promptTokens - 1, because the
+   * last prompt token is always computed.
    */
   cachedTokens?: number;
   /** KV block size in tokens (default 16). */

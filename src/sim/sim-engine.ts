@@ -380,9 +380,19 @@ export class SimWorker {
       return null;
     }
     const shape = planToStepShape(plan);
-    const durationMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency);
+    const durationMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency) + this.blockCopyMs(plan);
     this.inFlight = { plan, shape, startMs: nowMs, durationMs, endMs: nowMs + durationMs };
     return this.inFlight;
+  }
+
+  /**
+   * A fully cached prompt computes one token (the plan says so) after its last block is copied on the GPU: one read
+   * and one write of the block's KV shard per copy, at HBM bandwidth.
+   */
+  private blockCopyMs(plan: StepPlan): number {
+    if (plan.blockCopies.length === 0) return 0;
+    const bytes = 2 * plan.blockCopies.length * this.kv.blockSize * (kvBytesPerToken(this.model) / this.tp);
+    return (bytes / (this.hw.hbmBytesPerSec * this.efficiency.bandwidthUtilization)) * 1000;
   }
 
   /** Applies the step at its end time: one synthetic token per logits row, stop checks, outputs. */
@@ -462,7 +472,7 @@ export class SimWorker {
    */
   planTransfer(handoff: KvHandoff): SimTransferPlan {
     const tokenIds = [...handoff.request.promptTokenIds, ...handoff.outputTokenIds];
-    const hit = this.kv.findCachedPrefix(this.kv.createTable({ cacheSalt: handoff.request.cacheSalt }), tokenIds);
+    const hit = this.kv.findCachedPrefix(this.kv.createTable({ cacheSalt: handoff.request.cacheSalt }), tokenIds, { copyOnWrite: false });
     const reusedBlocks = Math.min(hit.blocks.length, Math.floor(handoff.numComputedTokens / this.kv.blockSize));
     const blocks = this.kv.blocksFor(handoff.numComputedTokens) - reusedBlocks;
     const tokens = blocks * this.kv.blockSize;

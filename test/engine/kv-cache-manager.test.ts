@@ -21,6 +21,9 @@ function computeSequence(kv: KvCacheManager, tokens: number[], extraKeys = {}): 
   const prefix = kv.findCachedPrefix(table, tokens);
   const allocated = kv.allocateSlots(table, prefix.numTokens, tokens.length - prefix.numTokens, prefix);
   assert.notEqual(allocated, null, 'the pool should have room');
+  // No bytes here: the copy a fully cached sequence asks for is "made" at once.
+  if (table.pendingCopy !== null) kv.releaseBlockCopy(table.pendingCopy);
+  table.pendingCopy = null;
   kv.cacheComputedBlocks(table, tokens, tokens.length);
   return { table, hitTokens: prefix.numTokens };
 }
@@ -55,11 +58,82 @@ describe('KvCacheManager', () => {
 
   it('always leaves the last token to compute, even when every block is cached', () => {
     const kv = makeManager(8);
-    computeSequence(kv, range(100, 8));
+    const first = computeSequence(kv, range(100, 8)).table;
     const table = kv.createTable();
     const prefix = kv.findCachedPrefix(table, range(100, 8));
-    assert.equal(prefix.numTokens, 4, 'the second block holds the last token, so only the first is reused');
-    assert.equal(kv.findCachedPrefix(kv.createTable(), range(100, 9)).numTokens, 8);
+    assert.deepEqual(prefix.blocks.map((block) => block.id), [first.blocks[0]!.id], 'the block holding the last token is not shared');
+    assert.equal(prefix.copySource, first.blocks[1], 'but copied');
+    assert.equal(prefix.numTokens, 7);
+    const notCopied = kv.findCachedPrefix(kv.createTable(), range(100, 8), { copyOnWrite: false });
+    assert.equal(notCopied.numTokens, 4);
+    assert.equal(notCopied.copySource, undefined);
+    const longer = kv.findCachedPrefix(kv.createTable(), range(100, 9));
+    assert.equal(longer.numTokens, 8, 'a token past the cached blocks: both are shared');
+    assert.equal(longer.copySource, undefined);
+  });
+
+  it('gives a fully cached sequence a fresh last block to copy into, pinning the source until released', () => {
+    const kv = makeManager(8);
+    const tokens = range(100, 8);
+    const first = computeSequence(kv, tokens).table;
+    kv.takeEvents();
+    const table = kv.createTable();
+    const prefix = kv.findCachedPrefix(table, tokens);
+    const allocated = kv.allocateSlots(table, prefix.numTokens, 1, prefix)!;
+    assert.equal(allocated.length, 1);
+    const copy = table.pendingCopy!;
+    assert.equal(copy.source, first.blocks[1]);
+    assert.equal(copy.destination, allocated[0]);
+    assert.deepEqual(table.blocks, [first.blocks[0], allocated[0]]);
+    assert.equal(copy.source.refCount, 2, 'the first table and the pin');
+    assert.equal(table.numCachedBlocks, 1, 'the copy is not a hit');
+    assert.equal(kv.stats().prefixHitTokens, 7);
+    table.pendingCopy = null;
+    kv.checkInvariants([first, table]);
+
+    kv.releaseBlockCopy(copy);
+    assert.equal(copy.source.refCount, 1);
+    kv.cacheComputedBlocks(table, tokens, 8);
+    assert.equal(copy.destination.hash, null, 'its hash stays with the source: no duplicate entry');
+    assert.equal(kv.pool.getCachedBlock(hashTokenBlocks(tokens, BLOCK_SIZE)[1]!), copy.source);
+    assert.deepEqual(kv.takeEvents(), [], 'nothing new is stored for the router');
+    kv.free(first);
+    kv.free(table);
+    assert.equal(kv.numFreeBlocks, 8);
+    assert.equal(kv.numPins, 0);
+    kv.checkInvariants([]);
+    assert.equal(kv.findCachedPrefix(kv.createTable(), tokens).copySource, copy.source, 'the source is still cached');
+  });
+
+  it('never hands out a free copy source as the fresh block, and counts it when checking room', () => {
+    const kv = makeManager(3);
+    const a = computeSequence(kv, range(100, 8)).table; // blocks 0 and 1
+    const b = computeSequence(kv, range(500, 4)).table; // block 2
+    kv.free(a);
+    kv.free(b);
+    assert.deepEqual(kv.pool.freeBlocksInEvictionOrder().map((block) => block.id), [1, 0, 2], 'the source is next to evict');
+    const table = kv.createTable();
+    const prefix = kv.findCachedPrefix(table, range(100, 8));
+    assert.deepEqual(kv.allocateSlots(table, 7, 1, prefix)!.map((block) => block.id), [2]);
+    assert.equal(table.pendingCopy!.source.id, 1);
+    assert.equal(kv.pool.blocks[1]!.hash, hashTokenBlocks(range(100, 8), BLOCK_SIZE)[1], 'the source kept its KV');
+    const copy = table.pendingCopy!;
+    table.pendingCopy = null;
+    kv.checkInvariants([table]);
+    kv.releaseBlockCopy(copy);
+    kv.free(table);
+
+    // Two blocks: the shared block, the pinned source and a fresh one do not fit, so nothing is taken.
+    const small = makeManager(2);
+    const c = computeSequence(small, range(100, 8)).table;
+    small.free(c);
+    const waiting = small.createTable();
+    const hit = small.findCachedPrefix(waiting, range(100, 8));
+    assert.equal(small.allocateSlots(waiting, 7, 1, hit), null);
+    assert.equal(waiting.pendingCopy, null);
+    assert.equal(small.numPins, 0);
+    assert.equal(small.numFreeBlocks, 2);
+    small.checkInvariants([]);
   });
 
   it('shares nothing across cache salts or adapters', () => {

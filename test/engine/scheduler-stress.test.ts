@@ -42,6 +42,15 @@ function checkBatch(scheduler: Scheduler, builder: BatchBuilder, plan: StepPlan)
     assert.equal(block.hash, null, `block ${block.id} is written while cached`);
   }
   assert.equal(batch.logitsIndices.length, plan.sampleTargets.length);
+  // A copy reads a cached block nobody may write, pinned for the step, into the fresh block its sequence writes.
+  for (const { source, destination } of plan.blockCopies) {
+    assert.notEqual(source.hash, null, `copy source ${source.id} is cached`);
+    assert.ok(source.refCount >= 1, `copy source ${source.id} is pinned`);
+    assert.equal(destination.hash, null);
+    assert.equal(destination.refCount, 1, `copy destination ${destination.id} belongs to one sequence`);
+    const planned = plan.scheduled.find((entry) => entry.sequence.blockTable.blocks.includes(destination));
+    assert.ok(planned !== undefined && planned.numNewTokens === 1, 'the copy serves a sequence computing its last token only');
+  }
 }
 
 function runWorkload(policy: SchedulingPolicy, seed: number) {
@@ -59,6 +68,8 @@ function runWorkload(policy: SchedulingPolicy, seed: number) {
   const replayedCache = new Set<BlockHash>();
   let lastEventId = 0;
   let numForks = 0;
+  let numBlockCopies = 0;
+  const sentPrompts: number[][] = [];
 
   const pickLive = (): string | undefined => {
     if (live.size === 0) return undefined;
@@ -75,7 +86,12 @@ function runWorkload(policy: SchedulingPolicy, seed: number) {
     for (let k = random.int(4); k > 0 && requests.length < NUM_REQUESTS; k--) {
       const family = families[random.int(families.length)]!;
       const prefix = family.slice(0, 1 + random.int(family.length));
-      const promptTokenIds = [...prefix, ...Array.from({ length: 1 + random.int(30) }, () => 100 + random.int(100))];
+      // Some recent prompts come again word for word, so whole prompts hit the cache (and those ending on a block
+      // boundary copy their last block).
+      const promptTokenIds = sentPrompts.length > 0 && random.chance(0.15)
+        ? sentPrompts[sentPrompts.length - 1 - random.int(Math.min(8, sentPrompts.length))]!
+        : [...prefix, ...Array.from({ length: 1 + random.int(30) }, () => 100 + random.int(100))];
+      sentPrompts.push(promptTokenIds);
       const n = [1, 1, 1, 2, 3][random.int(5)]!;
       numForks += n > 1 ? 1 : 0;
       const id = `q${requests.length}`;
@@ -103,6 +119,7 @@ function runWorkload(policy: SchedulingPolicy, seed: number) {
     const plan = scheduler.schedule(now);
     if (plan.scheduled.length > 0) {
       checkBatch(scheduler, builder, plan);
+      numBlockCopies += plan.blockCopies.length;
       if (random.chance(0.01)) {
         scheduler.discardPlan(plan); // the forward pass failed; the same work is planned again
       } else {
@@ -129,14 +146,15 @@ function runWorkload(policy: SchedulingPolicy, seed: number) {
     scheduler.checkInvariants();
   }
   assert.deepEqual([...replayedCache].sort(), scheduler.kv.cachedBlockHashes().sort(), 'events replay to the cached set');
-  return { scheduler, requests, streams, externallyFinished, numForks };
+  return { scheduler, requests, streams, externallyFinished, numForks, numBlockCopies };
 }
 
 describe('Scheduler stress', () => {
   for (const [policy, seed] of [['fcfs', 1], ['priority', 2], ['deadline', 3]] as const) {
     it(`drains ${NUM_REQUESTS} random requests under ${policy} with every block freed and every token accounted for`, () => {
-      const { scheduler, requests, streams, externallyFinished, numForks } = runWorkload(policy, seed);
+      const { scheduler, requests, streams, externallyFinished, numForks, numBlockCopies } = runWorkload(policy, seed);
       assert.equal(scheduler.kv.pool.numUsedBlocks, 0);
+      assert.equal(scheduler.kv.numPins, 0, 'every copy source was released');
       assert.equal(scheduler.numRequests, 0);
       assert.equal(scheduler.numRunning + scheduler.numWaiting, 0);
 
@@ -165,6 +183,7 @@ describe('Scheduler stress', () => {
       assert.ok(stats.numPreemptions > 0, 'the pool is small enough to preempt');
       assert.ok(kvStats.prefixHitTokens > 0 && kvStats.evictions > 0, 'prefixes are shared and evicted');
       assert.ok(numForks > 0);
+      assert.ok(numBlockCopies > 0, 'fully cached prompts copied their last block');
     });
   }
 });

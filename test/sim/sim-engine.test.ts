@@ -55,13 +55,14 @@ describe('SimEngine timings', () => {
     const outs = await all(e.generate(req('second', prompt(64), arrival, { maxTokens: 1 })));
     const stats = e.stats();
     await e.close();
-    // Whole blocks only, and never the last prompt token: floor(63 / 16) = 3 blocks = 48 tokens.
-    assert.equal(last(outs).usage.cachedTokens, 48);
-    // 16 tokens after 48: 655,360 x 16 + 256,000 + 1,024 x (16 x 48 + 136) FLOPs = 11.667456 ms, + 0.5 ms.
-    close(ttftOf(outs[0]!), 12.167456);
-    close(toyPrefillMs(16, 48), 12.167456);
+    // Never the last prompt token: 3 shared blocks, and the 4th copied (copy-on-write) for its first 15 tokens.
+    assert.equal(last(outs).usage.cachedTokens, 63);
+    // 1 token after 63: 655,360 + 256,000 + 1,024 x 64 FLOPs = 0.976896 ms, + 0.5 ms; the copy reads and writes one
+    // block, 2 x 16 tokens x 1,024 B (2 layers x K, V x 2 heads x 64 x 2 B) at 1 PB/s = 3.2768e-8 ms.
+    close(ttftOf(outs[0]!), 1.476896 + 3.2768e-8);
+    close(toyPrefillMs(1, 63), 1.476896);
     assert.equal(stats.prefixCacheQueries, 128);
-    assert.equal(stats.prefixCacheHits, 48);
+    assert.equal(stats.prefixCacheHits, 63);
   });
 
   test('chunked prefill: a prompt over the step budget takes one step per chunk', async () => {

@@ -50,6 +50,8 @@ export class BlockTable {
   readonly blockHashes: BlockHash[] = [];
   /** Leading blocks already offered to the prefix cache (hit, registered, or lost to a duplicate). */
   numCachedBlocks = 0;
+  /** Set by allocateSlots when the table's last block is to start as a copy of a cached one; the scheduler takes it. */
+  pendingCopy: KvBlockCopy | null = null;
   readonly extraKeys: EncodedExtraKeys;
 
   constructor(extraKeys: EncodedExtraKeys) {
@@ -86,6 +88,7 @@ export class BlockTable {
   clear(): void {
     this.list.length = 0;
     this.numCachedBlocks = 0;
+    this.pendingCopy = null;
   }
 }
 
@@ -101,11 +104,29 @@ export interface KvPin {
 
 /** The cached blocks a sequence can start from. */
 export interface CachedPrefix {
+  /** Cached blocks the sequence's table starts with, shared as they are. */
   blocks: KvBlock[];
-  /** blocks.length * blockSize: the tokens the sequence need not compute. */
+  /**
+   * A cached block whose KV the sequence's next block starts as a copy of (copy-on-write), or undefined. Set when
+   * every token is cached and the last one ends a block: that block cannot be shared, since the step writes the
+   * last token's KV into it, but its other positions need not be computed.
+   */
+  copySource?: KvBlock;
+  /** The tokens the sequence need not compute: blocks.length * blockSize, plus blockSize - 1 with a copy source. */
   numTokens: number;
   /** Tokens the sequence had when it looked (for hit-rate statistics). */
   numQueryTokens: number;
+}
+
+/**
+ * A pending copy of one block's KV into another, every layer's K and V, made by whoever owns the pool's bytes
+ * before the step's forward pass. The source is pinned until then (releaseBlockCopy), so nothing can evict and
+ * overwrite it even if the sequence that asked for the copy is aborted meanwhile.
+ */
+export interface KvBlockCopy {
+  readonly source: KvBlock;
+  readonly destination: KvBlock;
+  readonly pin: KvPin;
 }
 
 export class KvCacheManager {
@@ -140,26 +161,36 @@ export class KvCacheManager {
   /**
    * The longest run of cached full blocks at the start of tokenIds. The last token is never taken from the
    * cache, even when the whole sequence is: the step must compute at least one token to produce the logits the
-   * next token is sampled from. Nothing is reserved: pass the result to allocateSlots in the same step.
+   * next token is sampled from. When the last token ends a cached block, that block becomes the copy source of
+   * a fresh one (copy-on-write, unless copyOnWrite is false), so only the last token is computed rather than its
+   * whole block. Nothing is reserved: pass the result to allocateSlots in the same step.
    */
-  findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>): CachedPrefix {
+  findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>, options: { copyOnWrite?: boolean } = {}): CachedPrefix {
     const blocks: KvBlock[] = [];
+    let copySource: KvBlock | undefined;
     if (this.enablePrefixCaching && tokenIds.length > 0) {
+      const numFullBlocks = Math.floor(tokenIds.length / this.blockSize);
       const maxBlocks = Math.floor((tokenIds.length - 1) / this.blockSize);
-      extendBlockHashes(table.blockHashes, tokenIds, this.blockSize, table.extraKeys, maxBlocks);
-      for (let i = 0; i < maxBlocks; i++) {
+      // Only a sequence ending exactly on a block boundary has a full block beyond maxBlocks worth looking up.
+      const numLookups = (options.copyOnWrite ?? true) ? numFullBlocks : maxBlocks;
+      extendBlockHashes(table.blockHashes, tokenIds, this.blockSize, table.extraKeys, numLookups);
+      for (let i = 0; i < numLookups; i++) {
         const block = this.pool.getCachedBlock(table.blockHashes[i]!);
         if (block === undefined) break;
-        blocks.push(block);
+        if (i === maxBlocks) copySource = block;
+        else blocks.push(block);
       }
     }
-    return { blocks, numTokens: blocks.length * this.blockSize, numQueryTokens: tokenIds.length };
+    const numTokens = copySource === undefined ? blocks.length * this.blockSize : tokenIds.length - 1;
+    return { blocks, ...(copySource === undefined ? {} : { copySource }), numTokens, numQueryTokens: tokenIds.length };
   }
 
   /**
    * Makes the table cover numComputedTokens + numNewTokens positions. With a prefix (admission of an empty table),
-   * the prefix blocks come first and numComputedTokens must equal prefix.numTokens. Returns the newly allocated
-   * blocks, or null when the pool has too few free blocks: then nothing changed and the caller preempts or waits.
+   * the prefix blocks come first and numComputedTokens must equal prefix.numTokens; with a copy source, the next
+   * block is a fresh one and table.pendingCopy says what to copy into it (the source is pinned until
+   * releaseBlockCopy). Returns the newly allocated blocks, or null when the pool has too few free blocks: then
+   * nothing changed and the caller preempts or waits.
    */
   allocateSlots(table: BlockTable, numComputedTokens: number, numNewTokens: number, prefix?: CachedPrefix): readonly KvBlock[] | null {
     // Most decode steps stay inside the last block: nothing to check or allocate.
@@ -167,21 +198,29 @@ export class KvCacheManager {
       && numNewTokens >= 0 && numComputedTokens >= 0) return NO_BLOCKS;
     if (!Number.isSafeInteger(numNewTokens) || numNewTokens < 0) throw new RangeError(`numNewTokens must be >= 0, got ${numNewTokens}`);
     const prefixBlocks = prefix?.blocks ?? NO_BLOCKS;
+    const copySource = prefix?.copySource;
     if (prefix !== undefined) {
       if (table.blocks.length !== 0) throw new Error('a cached prefix can only start an empty block table');
       if (numComputedTokens !== prefix.numTokens) {
         throw new Error(`numComputedTokens ${numComputedTokens} differs from the cached prefix's ${prefix.numTokens}`);
+      }
+      if (copySource !== undefined && (numNewTokens < 1 || numComputedTokens !== (prefixBlocks.length + 1) * this.blockSize - 1)) {
+        throw new Error(`a copied block holds the ${this.blockSize - 1} positions before the last token: `
+          + `${numComputedTokens} computed and ${numNewTokens} new tokens after ${prefixBlocks.length} shared blocks do not fit it`);
       }
     } else if (this.blocksFor(numComputedTokens) > table.blocks.length) {
       throw new Error(`${numComputedTokens} computed tokens but only ${table.blocks.length} blocks in the table`);
     }
     const numRequired = this.blocksFor(numComputedTokens + numNewTokens);
     const numToAllocate = Math.max(0, numRequired - table.blocks.length - prefixBlocks.length);
-    // Prefix blocks that are free leave the free queue when taken, so they cannot also count as room.
-    let numFreePrefixBlocks = 0;
+    // Prefix blocks (and a copy source) that are free leave the free queue when taken, so they cannot also count
+    // as room.
+    let numFreePrefixBlocks = copySource !== undefined && copySource.refCount === 0 ? 1 : 0;
     for (const block of prefixBlocks) if (block.refCount === 0) numFreePrefixBlocks++;
     if (numToAllocate > this.pool.numFreeBlocks - numFreePrefixBlocks) return null;
 
+    // Pinned before allocating: a free copy source would otherwise be the next block the allocation evicts.
+    const copyPin = copySource !== undefined ? this.pinBlocks([copySource]) : null;
     if (prefix !== undefined) {
       this.pool.touch(prefixBlocks);
       for (const block of prefixBlocks) table.append(block);
@@ -191,7 +230,17 @@ export class KvCacheManager {
     }
     const allocated = numToAllocate > 0 ? this.pool.allocate(numToAllocate)! : NO_BLOCKS;
     for (const block of allocated) table.append(block);
+    if (copyPin !== null) {
+      // The copy is not marked cached: cacheComputedBlocks offers it under its hash once computed, and the pool
+      // keeps it unregistered while the source still holds that hash (no duplicate, no extra KV event).
+      table.pendingCopy = { source: copySource!, destination: table.blocks[prefixBlocks.length]!, pin: copyPin };
+    }
     return allocated;
+  }
+
+  /** The copy is made (or no longer needed): the source's pin goes, and the block is evictable again once free. */
+  releaseBlockCopy(copy: KvBlockCopy): void {
+    this.unpin(copy.pin);
   }
 
   // -------------------------------------------------------------------------------------------------------------
@@ -242,7 +291,11 @@ export class KvCacheManager {
     if (!Number.isSafeInteger(numBlocks) || numBlocks < 0 || numBlocks > table.blocks.length) {
       throw new RangeError(`cannot pin ${numBlocks} blocks of a table holding ${table.blocks.length}`);
     }
-    const pin: KvPin = { blocks: table.blocks.slice(0, numBlocks) };
+    return this.pinBlocks(table.blocks.slice(0, numBlocks));
+  }
+
+  private pinBlocks(blocks: readonly KvBlock[]): KvPin {
+    const pin: KvPin = { blocks };
     this.pool.touch(pin.blocks);
     this.pins.add(pin);
     return pin;
