@@ -4,18 +4,25 @@
 // bandwidth, whichever binds.
 //
 //   node --import tsx benchmarks/kernels.ts [--quick] [--threads N] [--all-variants] [--filter TEXT] [--model]
-//                                           [--json FILE]
+//                                           [--profile] [--json FILE]
 //
 // --filter runs only the kernels whose name (e.g. "matmul q8_0", "attention") contains TEXT.
 // --model adds the end-to-end figures of the 110M-class synthetic Llama (Q8_0): prefill of 512 tokens, decode of
-// one stream and of 16 streams, min / median / max of a few runs. The VM this runs on stalls in bursts: compare
-// figures taken side by side in one run.
+// one stream and of 16 streams, min / median / max of a few runs, with the weights in the kernels' load-time
+// packed layout (the default) and, for single-stream decode, also streamed from the ggml rows (packWeights off)
+// for comparison. The VM this runs on stalls in bursts: compare figures taken side by side in one run.
+// --profile (with --model) adds a per-section profile of single-stream decode steps, for both weight layouts:
+// time per step of each matmul (per weight), attention and the small ops, the pool's hand-over waits, and the
+// share of the step outside any section.
 import { writeFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 
 import { GgmlType, byteSize, ggmlTypeName } from '../src/model/ggml-types.ts';
 import { f32ToF16Bits } from '../src/model/quant.ts';
-import { loadNativeAddon, supportedVariants, type KernelVariant, type NativeAddon } from '../src/kernels/native.ts';
+import {
+  loadNativeAddon, supportedVariants, type KernelVariant, type NativeAddon, type NativeModel,
+} from '../src/kernels/native.ts';
+import type { Tensor } from '../src/model/weights.ts';
 import { kvPoolBytes, type ForwardBatch, type KvPoolLayout } from '../src/kernels/types.ts';
 
 const { values: args } = parseArgs({
@@ -24,6 +31,7 @@ const { values: args } = parseArgs({
     threads: { type: 'string' },
     'all-variants': { type: 'boolean', default: false },
     model: { type: 'boolean', default: false },
+    profile: { type: 'boolean', default: false },
     filter: { type: 'string', default: '' },
     json: { type: 'string' },
   },
@@ -196,6 +204,13 @@ function benchMatmul(type: GgmlType, variant: KernelVariant): void {
     const bytes = w.byteLength + x.byteLength + y.byteLength;
     record(`matmul ${ggmlTypeName(type).toLowerCase()}`, variant, `${c.name} m=${c.m} k=${k} n=${c.n}`, t,
       2 * c.m * k * c.n, bytes, peak);
+    // The same matrix in the load-time packed layout a model streams (where the variant has one).
+    if (addon.ops.packedBytes(variant, type, k, c.n) > 0) {
+      const packed = addon.ops.pack(variant, type, w, k, c.n);
+      const tp = time(() => addon.ops.matmul(variant, type, packed, x, c.m, k, c.n, y, threads, true));
+      record(`matmul ${ggmlTypeName(type).toLowerCase()}`, variant, `${c.name} packed m=${c.m} k=${k} n=${c.n}`, tp,
+        2 * c.m * k * c.n, packed.byteLength + x.byteLength + y.byteLength, peak);
+    }
   }
 }
 
@@ -279,15 +294,32 @@ interface ModelResult {
 }
 const modelResults: ModelResult[] = [];
 
+interface ProfileRow {
+  section: string;
+  msPerStep: number;
+  share: number;
+  callsPerStep: number;
+  gbs?: number;
+}
+const profiles: { layout: string; msPerStep: number; rows: ProfileRow[] }[] = [];
+
 async function benchModel(): Promise<void> {
   const { ensureSyntheticModel, SYNTHETIC_110M_Q8_0 } = await import('../src/model/synthetic.ts');
-  const { loadModel } = await import('../src/model/loader.ts');
-  const { nativeBackend } = await import('../src/kernels/native.ts');
-  const { allTensors } = await import('../src/model/loader.ts');
+  const { loadModel, allTensors } = await import('../src/model/loader.ts');
+  const { nativeModelSpec, resolveKernelVariant } = await import('../src/kernels/native.ts');
   const model = await loadModel(await ensureSyntheticModel(SYNTHETIC_110M_Q8_0));
   const blockSize = 16, maxBlocks = 64, numSeqs = 16;
-  const backend = nativeBackend.load(model.config, model.weights,
-    { numBlocks: numSeqs * maxBlocks, blockSize, dtype: 'f16' }, { threads });
+  const layout: KvPoolLayout = {
+    numLayers: model.config.numLayers, numBlocks: numSeqs * maxBlocks, blockSize,
+    numKvHeads: model.config.numKvHeads, headDim: model.config.headDim, dtype: 'f16',
+  };
+  // The model as the native backend loads it (packed), and one streaming the ggml rows, each with its own pool.
+  const load = (packWeights: boolean): NativeModel => new addon.NativeModel({
+    ...nativeModelSpec(model.config, model.weights, { layout, bytes: new Uint8Array(new SharedArrayBuffer(
+      kvPoolBytes(layout))) }, resolveKernelVariant(undefined, cpu), threads),
+    packWeights,
+  });
+  const packed = load(true), unpacked = load(false);
   // Bytes a decode step streams: every matrix except the embedding table (one row is read per token).
   const stepBytes = allTensors(model.weights).filter((t) => t !== model.weights.tokenEmbedding ||
     model.weights.output === model.weights.tokenEmbedding).reduce((s, t) => s + t.data.byteLength, 0);
@@ -307,47 +339,137 @@ async function benchModel(): Promise<void> {
     };
   };
   const runs = quick ? 2 : 3;
+  const report = (name: string, note: string, rates: number[]) => {
+    rates.sort((a, b) => a - b);
+    const result = { name, note, tokPerSec: { min: rates[0]!, median: rates[Math.floor(rates.length / 2)]!,
+      max: rates.at(-1)! } };
+    modelResults.push(result);
+    const { min, median, max } = result.tokPerSec;
+    console.log(`${name.padEnd(36)} ${min.toFixed(0).padStart(6)} / ${median.toFixed(0).padStart(6)} / ` +
+      `${max.toFixed(0).padStart(6)} tok/s  ${note}`);
+    return result;
+  };
+  const rate = (tokens: number, fn: () => void) => {
+    const t = performance.now();
+    fn();
+    return tokens / ((performance.now() - t) / 1000);
+  };
   const measure = (name: string, note: string, tokens: number, fn: () => void) => {
     fn();
-    const rates: number[] = [];
-    for (let r = 0; r < runs; r++) {
-      const t = performance.now();
-      fn();
-      rates.push(tokens / ((performance.now() - t) / 1000));
-    }
-    rates.sort((a, b) => a - b);
-    const result = { name, note, tokPerSec: { min: rates[0]!, median: rates[Math.floor(runs / 2)]!, max: rates.at(-1)! } };
-    modelResults.push(result);
-    console.log(`${name.padEnd(30)} ${result.tokPerSec.min.toFixed(0).padStart(6)} / ` +
-      `${result.tokPerSec.median.toFixed(0).padStart(6)} / ${result.tokPerSec.max.toFixed(0).padStart(6)} tok/s  ${note}`);
+    return report(name, note, Array.from({ length: runs }, () => rate(tokens, fn)));
   };
 
+  const info = packed.info();
   console.log(`\nModel: ${model.config.name} (${(stepBytes / 1e6).toFixed(1)} MB of weights per decode step), Q8_0, ` +
-    `f16 KV, ${threads} threads; min / median / max`);
-  measure('prefill 512', '', 512, () => { backend.forward(batchFor([{ id: 0, start: 0, count: 512 }])); });
+    `f16 KV, ${threads} threads; packed copy ${(info.packedWeightBytes / 1e6).toFixed(1)} MB, ` +
+    `${(info.hugePageBytes / 1e6).toFixed(1)} MB on huge pages; min / median / max`);
+  measure('prefill 512', '', 512, () => { packed.forward(batchFor([{ id: 0, start: 0, count: 512 }])); });
+  unpacked.forward(batchFor([{ id: 0, start: 0, count: 512 }])); // its pool needs the same prompt
   const decodeSteps = quick ? 16 : 64;
-  const rooflineTokPerSec = (machine.readGBs * 1e9) / stepBytes;
-  measure('decode 1 stream (ctx 512+)', `roofline ${rooflineTokPerSec.toFixed(0)} tok/s at ` +
-    `${machine.readGBs.toFixed(1)} GB/s`, decodeSteps, () => {
-    for (let i = 0; i < decodeSteps; i++) backend.forward(batchFor([{ id: 0, start: 512 + i, count: 1 }]));
-  });
-  for (let s = 1; s < numSeqs; s++) backend.forward(batchFor([{ id: s, start: 0, count: 128 }]));
+  // The read bandwidth varies with other guests' load: the best of the start-of-run reading and one taken now.
+  const readGBs = Math.max(machine.readGBs, addon.bench.memoryBandwidth('read', bandwidthBytes, 5, threads));
+  const rooflineTokPerSec = (readGBs * 1e9) / stepBytes;
+  // Single-stream decode of both layouts, alternating runs so that bursts of load hit both alike.
+  const decodeOne = (m: NativeModel, start: number) => () => {
+    for (let i = 0; i < decodeSteps; i++) m.forward(batchFor([{ id: 0, start: start + i, count: 1 }]));
+  };
+  const rates = { packed: [] as number[], rows: [] as number[] };
+  decodeOne(packed, 512)();
+  decodeOne(unpacked, 512)();
+  for (let r = 0; r < Math.max(runs, 5); r++) {
+    rates.packed.push(rate(decodeSteps, decodeOne(packed, 512)));
+    rates.rows.push(rate(decodeSteps, decodeOne(unpacked, 512)));
+  }
+  const note = `roofline ${rooflineTokPerSec.toFixed(0)} tok/s at ${readGBs.toFixed(1)} GB/s`;
+  const decodePacked = report('decode 1 stream (ctx 512+)', note, rates.packed);
+  const decodeRows = report('decode 1 stream, ggml rows', note, rates.rows);
+  for (let s = 1; s < numSeqs; s++) packed.forward(batchFor([{ id: s, start: 0, count: 128 }]));
   let step = 0;
   measure(`decode ${numSeqs} streams (ctx 128+)`, '', decodeSteps * numSeqs, () => {
     for (let i = 0; i < decodeSteps; i++, step++) {
-      backend.forward(batchFor(Array.from({ length: numSeqs }, (_, s) => ({
+      packed.forward(batchFor(Array.from({ length: numSeqs }, (_, s) => ({
         id: s, start: (s === 0 ? 512 + decodeSteps : 128) + (step % 128), count: 1,
       }))));
     }
   });
-  const decode = modelResults.find((r) => r.name.startsWith('decode 1'))!;
-  console.log(`decode at ${((decode.tokPerSec.median / rooflineTokPerSec) * 100).toFixed(0)}% of the memory ` +
-    'bandwidth roofline (median)');
-  backend.dispose();
+  const percent = (r: ModelResult) => ((r.tokPerSec.median / rooflineTokPerSec) * 100).toFixed(0);
+  const best = (r: ModelResult) => ((r.tokPerSec.max / rooflineTokPerSec) * 100).toFixed(0);
+  console.log(`decode at ${percent(decodePacked)}% of the memory bandwidth roofline (median; best run ` +
+    `${best(decodePacked)}%; ggml rows: ${percent(decodeRows)}%, best ${best(decodeRows)}%)`);
+
+  if (args.profile) {
+    // Bytes each matmul section streams per step, for its bandwidth.
+    const bytesOf = (pick: (l: (typeof model.weights.layers)[number]) => Tensor[]) =>
+      model.weights.layers.reduce((s, l) => s + pick(l).reduce((t, w) => t + w.data.byteLength, 0), 0);
+    const sectionBytes: Record<string, number> = {
+      'matmul attn_qkv': bytesOf((l) => [l.wq, l.wk, l.wv]),
+      'matmul attn_output': bytesOf((l) => [l.wo]),
+      'matmul ffn_gate+up': bytesOf((l) => [l.wGate, l.wUp]),
+      'matmul ffn_down': bytesOf((l) => [l.wDown]),
+      'matmul output': model.weights.output.data.byteLength,
+    };
+    // Sections that run inside others (not added to the step's total).
+    const nested = new Set(['quantize activations', 'pool hand-over wait']);
+    // Windows of steps, alternating between the layouts so that bursts of load from other processes hit both
+    // alike; each layout's profile is its fastest window (the one least disturbed), next to its median step time.
+    const windows = quick ? 4 : 12, stepsPerWindow = 16, start = 600;
+    const layouts = [{ name: 'packed', m: packed }, { name: 'ggml rows', m: unpacked }].map((l) => ({
+      ...l, windows: [] as { msPerStep: number; sections: Record<string, { seconds: number; calls: number }> }[],
+    }));
+    for (const l of layouts) {
+      l.m.forward(batchFor([{ id: 0, start, count: 1 }]));
+      l.m.setProfiling(true);
+    }
+    for (let w = 0; w < windows; w++) {
+      for (const l of layouts) {
+        l.m.takeProfile();
+        const t = performance.now();
+        for (let i = 1; i <= stepsPerWindow; i++) {
+          l.m.forward(batchFor([{ id: 0, start: start + w * stepsPerWindow + i, count: 1 }]));
+        }
+        l.windows.push({ msPerStep: (performance.now() - t) / stepsPerWindow, sections: l.m.takeProfile() });
+      }
+    }
+    for (const l of layouts) {
+      l.m.setProfiling(false);
+      const sortedSteps = l.windows.map((w) => w.msPerStep).sort((a, b) => a - b);
+      const best = l.windows.find((w) => w.msPerStep === sortedSteps[0])!;
+      const msPerStep = best.msPerStep;
+      const rows: ProfileRow[] = Object.entries(best.sections).map(([section, v]) => ({
+        section, msPerStep: (v.seconds * 1e3) / stepsPerWindow, share: (v.seconds * 1e3) / stepsPerWindow / msPerStep,
+        callsPerStep: v.calls / stepsPerWindow,
+        ...(sectionBytes[section] ? { gbs: sectionBytes[section]! / (v.seconds / stepsPerWindow) / 1e9 } : {}),
+      }));
+      const top = rows.filter((r) => !nested.has(r.section));
+      const matmulMs = top.filter((r) => r.section.startsWith('matmul')).reduce((s, r) => s + r.msPerStep, 0);
+      const accounted = top.reduce((s, r) => s + r.msPerStep, 0);
+      top.sort((a, b) => b.msPerStep - a.msPerStep);
+      const ordered = [...top, ...rows.filter((r) => nested.has(r.section)).map((r) => ({ ...r,
+        section: `  (within the above) ${r.section}` })), {
+        section: 'outside any section (validation, N-API, logits array)', msPerStep: msPerStep - accounted,
+        share: (msPerStep - accounted) / msPerStep, callsPerStep: 1 }];
+      profiles.push({ layout: l.name, msPerStep, rows: ordered });
+      const gbs = (ms: number) => (stepBytes / (ms / 1e3) / 1e9).toFixed(1);
+      console.log(`\nProfile of single-stream decode (ctx ${start}+), weights ${l.name}, fastest of ${windows} ` +
+        `windows of ${stepsPerWindow} steps: ${msPerStep.toFixed(3)} ms per step (median window ` +
+        `${sortedSteps[Math.floor(windows / 2)]!.toFixed(3)} ms), ${(1000 / msPerStep).toFixed(0)} tok/s, ` +
+        `${gbs(msPerStep)} GB/s overall = ${((stepBytes / (msPerStep / 1e3) / 1e9 / readGBs) * 100)
+          .toFixed(0)}% of the roofline; all matmuls ${matmulMs.toFixed(3)} ms = ${gbs(matmulMs)} GB/s`);
+      console.log(`${'section'.padEnd(56)} ${'ms/step'.padStart(8)} ${'share'.padStart(6)} ${'calls'.padStart(6)} ` +
+        `${'GB/s'.padStart(6)}`);
+      for (const r of ordered) {
+        console.log(`${r.section.padEnd(56)} ${r.msPerStep.toFixed(3).padStart(8)} ${(r.share * 100).toFixed(1)
+          .padStart(5)}% ${r.callsPerStep.toFixed(0).padStart(6)} ${r.gbs ? r.gbs.toFixed(1).padStart(6) : ''}`);
+      }
+    }
+  }
+  packed.dispose();
+  unpacked.dispose();
 }
 
 if (args.model) await benchModel();
 
 if (args.json) {
-  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, model: modelResults }, null, 2));
+  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, model: modelResults, profiles },
+    null, 2));
 }

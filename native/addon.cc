@@ -1,7 +1,8 @@
 // The JavaScript face of the addon (typed in src/kernels/native.ts):
 //   cpuInfo()                       features, best variant
 //   kernelVariants(variant)         kernel kind -> variant serving it
-//   NativeModel                     a loaded model with its KV pool: forward(batch), info(), dispose()
+//   NativeModel                     a loaded model with its KV pool: forward(batch), info(), setProfiling(on),
+//                                   takeProfile(), dispose()
 //   ops.*                           one entry per kernel with an explicit variant, for the test harness
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 #include <napi.h>
@@ -12,6 +13,7 @@
 
 #include "bench.h"
 #include "cpu.h"
+#include "memory.h"
 #include "model.h"
 
 using namespace conduit;
@@ -176,6 +178,8 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
   static Napi::Function Define(Napi::Env env) {
     return DefineClass(env, "NativeModel",
                        {InstanceMethod("forward", &NativeModel::Forward), InstanceMethod("info", &NativeModel::Info),
+                        InstanceMethod("setProfiling", &NativeModel::SetProfiling),
+                        InstanceMethod("takeProfile", &NativeModel::TakeProfile),
                         InstanceMethod("dispose", &NativeModel::Dispose)});
   }
 
@@ -234,6 +238,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     const std::string dtype = spec.Get("kvDtype").ToString().Utf8Value();
     if (dtype != "f32" && dtype != "f16") throw Napi::TypeError::New(env, "kvDtype must be 'f32' or 'f16'");
     s.kv_f16 = dtype == "f16";
+    s.pack_weights = spec.Get("packWeights").IsUndefined() || spec.Get("packWeights").ToBoolean();
 
     const Variant variant = variant_arg(env, spec.Get("variant"));
     const int threads = static_cast<int>(integer(env, spec.Get("threads"), "threads", 1));
@@ -315,6 +320,26 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     out.Set("threads", m.threads());
     out.Set("variants", variants_object(env, m.variant()));
     out.Set("hugePageBytes", static_cast<double>(m.huge_page_bytes()));
+    out.Set("packedWeightBytes", static_cast<double>(m.packed_weight_bytes()));
+    return out;
+  }
+
+  Napi::Value SetProfiling(const Napi::CallbackInfo& info) {
+    model(info.Env()).set_profiling(info[0].ToBoolean());
+    return info.Env().Undefined();
+  }
+
+  // takeProfile() -> { [section]: { seconds, calls } } gathered since the last call
+  Napi::Value TakeProfile(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    const Profile p = model(env).take_profile();
+    Napi::Object out = Napi::Object::New(env);
+    for (const auto& [name, section] : p.sections) {
+      Napi::Object o = Napi::Object::New(env);
+      o.Set("seconds", section.seconds);
+      o.Set("calls", static_cast<double>(section.calls));
+      out.Set(name, o);
+    }
     return out;
   }
 
@@ -331,7 +356,53 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
 // ---------------------------------------------------------------------------------------------------------------
 // ops.*: each kernel through its driver, with an explicit variant and thread count.
 
-// matmul(variant, type, w: Uint8Array, x: Float32Array, m, k, n, y: Float32Array, threads)
+// The matmul kernel of a variant and type, or an error for types the variant cannot multiply.
+const MatmulKernel& matmul_kernel(const Napi::Env& env, Variant v, int type) {
+  const MatmulKernel& mk = kernel_table(v).matmul[type];
+  if (!mk.tile) throw Napi::RangeError::New(env, std::string("no matmul kernel for ") + type_name(type));
+  return mk;
+}
+
+// packedBytes(variant, type, k, n) -> bytes of the load-time packed layout of an [n x k] matrix, 0 if none
+Napi::Value OpPackedBytes(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  const int type = weight_type_arg(env, info[1], "type");
+  const int64_t k = integer(env, info[2], "k", 1), n = integer(env, info[3], "n", 1);
+  const MatmulKernel& mk = matmul_kernel(env, v, type);
+  return Napi::Number::New(env, mk.pack ? static_cast<double>(mk.packed_bytes(n, k)) : 0.0);
+}
+
+// pack(variant, type, w: Uint8Array, k, n) -> Uint8Array: the [n x k] matrix w in the variant's load-time packed
+// layout, as a model packs it, in 64-byte aligned memory the addon owns (freed with the array).
+Napi::Value OpPack(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = variant_arg(env, info[0]);
+  const int type = weight_type_arg(env, info[1], "type");
+  const int64_t k = integer(env, info[3], "k", 1), n = integer(env, info[4], "n", 1);
+  if (k % type_block_elements(type) != 0) {
+    throw Napi::RangeError::New(env, "k = " + std::to_string(k) + " is not a multiple of the block size of " +
+                                         type_name(type));
+  }
+  const MatmulKernel& mk = matmul_kernel(env, v, type);
+  if (!mk.pack) {
+    throw Napi::RangeError::New(env, std::string(variant_name(v)) + " has no packed layout for " + type_name(type));
+  }
+  const uint8_t* w = typed_data<uint8_t>(env, info[2], napi_uint8_array, "w", row_bytes(type, k) * n);
+  const size_t bytes = mk.packed_bytes(n, k);
+  constexpr size_t kHugePage = 2u << 20;
+  std::unique_ptr<uint8_t, void (*)(void*)> out(
+      static_cast<uint8_t*>(std::aligned_alloc(kHugePage, (bytes + kHugePage - 1) & ~(kHugePage - 1))), std::free);
+  if (!out) throw Napi::Error::New(env, "out of memory packing the weights");
+  advise_huge_pages(out.get(), bytes, false);  // as a model's packed weights are
+  mk.pack(w, n, k, 0, packed_panel_count(n), out.get());
+  Napi::ArrayBuffer buffer = Napi::ArrayBuffer::New(env, out.get(), bytes, [](Napi::Env, void* p) { std::free(p); });
+  out.release();  // the array owns it now
+  return Napi::Uint8Array::New(env, bytes, buffer, 0);
+}
+
+// matmul(variant, type, w: Uint8Array, x: Float32Array, m, k, n, y: Float32Array, threads, packed = false)
+// packed: w is the variant's load-time layout of the matrix (from pack), not ggml rows.
 Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   const Variant v = variant_arg(env, info[0]);
@@ -341,13 +412,22 @@ Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
     throw Napi::RangeError::New(env, "k = " + std::to_string(k) + " is not a multiple of the block size of " +
                                          type_name(type));
   }
-  const uint8_t* w = typed_data<uint8_t>(env, info[2], napi_uint8_array, "w", row_bytes(type, k) * n);
+  const bool packed = info[9].ToBoolean();
+  const MatmulKernel& mk = matmul_kernel(env, v, type);
+  if (packed && !mk.pack) {
+    throw Napi::RangeError::New(env, std::string(variant_name(v)) + " has no packed layout for " + type_name(type));
+  }
+  const uint8_t* w = typed_data<uint8_t>(env, info[2], napi_uint8_array, "w",
+                                         packed ? mk.packed_bytes(n, k) : row_bytes(type, k) * n);
+  if (packed && reinterpret_cast<uintptr_t>(w) % 64 != 0) {
+    throw Napi::RangeError::New(env, "packed weights must be 64-byte aligned (use ops.pack)");
+  }
   const float* x = typed_data<float>(env, info[3], napi_float32_array, "x", m * k);
   float* y = typed_data<float>(env, info[7], napi_float32_array, "y", m * n);
   const int threads = static_cast<int>(integer(env, info[8], "threads", 1));
   std::lock_guard<std::mutex> lock(ops_mutex);
   OpsContext& c = ops_context(threads);
-  MatmulOutput out{w, type, n, y, n};
+  MatmulOutput out{w, type, n, y, n, packed};
   matmul(kernel_table(v), *c.pool, c.ws, x, m, k, &out, 1);
   return env.Undefined();
 }
@@ -578,6 +658,8 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("NativeModel", NativeModel::Define(env));
   Napi::Object ops = Napi::Object::New(env);
   ops.Set("matmul", Napi::Function::New(env, OpMatmul));
+  ops.Set("packedBytes", Napi::Function::New(env, OpPackedBytes));
+  ops.Set("pack", Napi::Function::New(env, OpPack));
   ops.Set("embedding", Napi::Function::New(env, OpEmbedding));
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));

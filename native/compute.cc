@@ -45,6 +45,7 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
   uint8_t* scratch = ws.per_thread.get(scratch_bytes * static_cast<size_t>(pool.size()));
 
   if (!formats.empty()) {
+    ProfileScope scope(ws.profile, "quantize activations");
     const int64_t items = div_ceil(m, kQuantizeRowsPerItem);
     pool.parallel_for(items * static_cast<int64_t>(formats.size()), [&](int64_t item, int) {
       const Format& f = formats[item / items];
@@ -75,7 +76,11 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
     t.y = o.y;
     t.ldy = o.ldy;
     t.scratch = scratch + scratch_bytes * static_cast<size_t>(thread);
-    mk.tile(t);
+    if (o.packed) {
+      mk.packed_tile(t);
+    } else {
+      mk.tile(t);
+    }
   });
 }
 

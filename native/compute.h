@@ -3,9 +3,12 @@
 // pass and the per-kernel test entry points both go through these, so the tests exercise the real work split.
 #pragma once
 
+#include <chrono>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -34,9 +37,46 @@ class Scratch {
   size_t capacity_ = 0;
 };
 
+// ---------------------------------------------------------------------------------------------------------------
+// Wall time per named section of forward passes, for the kernel benchmark's profile (off unless enabled: a
+// disabled scope costs one branch).
+struct Profile {
+  struct Section {
+    double seconds = 0;
+    int64_t calls = 0;
+  };
+  bool enabled = false;
+  std::map<std::string, Section> sections;
+  void add(const char* name, double seconds) {
+    Section& s = sections[name];
+    s.seconds += seconds;
+    ++s.calls;
+  }
+};
+
+class ProfileScope {
+ public:
+  ProfileScope(Profile* p, const char* name) : profile_(p && p->enabled ? p : nullptr), name_(name) {
+    if (profile_) start_ = std::chrono::steady_clock::now();
+  }
+  ~ProfileScope() {
+    if (profile_) {
+      profile_->add(name_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+    }
+  }
+  ProfileScope(const ProfileScope&) = delete;
+  ProfileScope& operator=(const ProfileScope&) = delete;
+
+ private:
+  Profile* profile_;
+  const char* name_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 struct Workspace {
   Scratch activations;  // quantized activations of the current matmul input
   Scratch per_thread;   // tile / attention scratch, one slice per thread
+  Profile* profile = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -48,6 +88,7 @@ struct MatmulOutput {
   int64_t n;
   float* y;          // y[row * ldy + j]
   int64_t ldy;
+  bool packed = false;  // w is the kernel's load-time packed layout (MatmulKernel::pack), not ggml rows
 };
 
 void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float* x, int64_t m, int64_t k,

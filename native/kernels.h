@@ -38,7 +38,19 @@ struct MatmulKernel {
   void (*quantize_act)(const float* x, int64_t K, uint8_t* out) = nullptr;
   size_t (*scratch_bytes)(int64_t K) = nullptr;
   void (*tile)(const MatmulTile& t) = nullptr;
+  // Optional load-time layout (null: none). A model repacks such weights once into packed_bytes(N, K) bytes
+  // (pack fills the panels of kPackedPanelRows rows in [panel_begin, panel_end), so loading can be split over
+  // threads), and packed_tile then reads t.w as that layout, producing the same bits as `tile` on the ggml rows.
+  size_t (*packed_bytes)(int64_t N, int64_t K) = nullptr;
+  void (*pack)(const uint8_t* w, int64_t N, int64_t K, int64_t panel_begin, int64_t panel_end, uint8_t* out) =
+      nullptr;
+  void (*packed_tile)(const MatmulTile& t) = nullptr;
 };
+
+// Packed layouts are panels of kPackedPanelRows rows (the last one padded), and tiles start on a panel
+// (kMatmulTileRows is a multiple of it).
+constexpr int64_t kPackedPanelRows = 32;
+inline int64_t packed_panel_count(int64_t N) { return div_ceil(N, kPackedPanelRows); }
 
 // Weight rows per tile: small enough that two threads balance on a 256-row matrix, large enough to amortise the
 // hand-out (a decode tile of 768 columns is ~50 KB of Q8_0).

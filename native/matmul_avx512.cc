@@ -224,10 +224,8 @@ void pack_int8_panel_block<kQ8_0>(const MatmulTile& t, int64_t r0, int64_t b, ui
   pack_scales<kQ8_0>(t, r0, b, out);
 }
 
-template <>
-void pack_int8_panel_block<kQ4_0>(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out) {
-  // Transpose the packed nibbles first (16 rows x 4 dwords): byte j of dword d holds element 4d + j in its low
-  // nibble and element 16 + 4d + j in its high nibble, so dword d yields output groups d and d + 4.
+// The nibble dwords of block b of rows [r0, r0 + 16) (rows >= n1 as zeros): 4 vectors, lane r = dword d of row r.
+inline void q4_0_panel_dwords(const MatmulTile& t, int64_t r0, int64_t b, __m512i* td) {
   __m512i z[4];
   for (int i = 0; i < 4; ++i) {
     __m128i lanes[4];
@@ -239,11 +237,21 @@ void pack_int8_panel_block<kQ4_0>(const MatmulTile& t, int64_t r0, int64_t b, ui
     z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(lanes[0]), lanes[1], 1),
                                                  lanes[2], 2), lanes[3], 3);
   }
-  // z[i], lane l = row i + 4l; after the unpacks, lane l of t_d holds dword d of rows 4l .. 4l + 3: rows in order.
+  // z[i], lane l = row i + 4l; after the unpacks, lane l of td[d] holds dword d of rows 4l .. 4l + 3: rows in order.
   const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
   const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  const __m512i td[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2), _mm512_unpacklo_epi64(a1, a3),
-                         _mm512_unpackhi_epi64(a1, a3)};
+  td[0] = _mm512_unpacklo_epi64(a0, a2);
+  td[1] = _mm512_unpackhi_epi64(a0, a2);
+  td[2] = _mm512_unpacklo_epi64(a1, a3);
+  td[3] = _mm512_unpackhi_epi64(a1, a3);
+}
+
+template <>
+void pack_int8_panel_block<kQ4_0>(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out) {
+  // Dword d of a row's packed nibbles holds element 4d + j in the low nibble of byte j and element 16 + 4d + j in
+  // its high nibble, so it yields output groups d and d + 4.
+  __m512i td[4];
+  q4_0_panel_dwords(t, r0, b, td);
   // (q - 8) + 128 = q + 120. Padding rows become 120 (q = 8, value 0) and carry scale 0 anyway.
   const __m512i mask = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(120);
   for (int d = 0; d < 4; ++d) {
@@ -358,6 +366,181 @@ void int8_gemm(const MatmulTile& t) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Load-time packed layout (Q8_0; Q4_0 below): the GEMM's panels, built once when a model loads, so every matmul of
+// the model (decode included) runs the microkernel with no per-call packing. A slab holds 32 weight rows (the
+// microkernel's two panels) and, for each block in order: the 8 groups of 4 bytes, each as the vector of rows 0-15
+// (as the GEMM packs it) followed by the vector of rows 16-31, then the 32 rows' scales in f16 (1088 bytes, 17
+// cache lines). The microkernel thus reads every cache line in address order: one sequential stream, and slabs are
+// contiguous, so a thread's contiguous share of tiles is one stream too. (The order matters to the hardware
+// prefetchers: the same bytes with each block's two panels one after the other, read alternately, streamed at half
+// the rate on one thread, and separate scale arrays or two panel streams were slower than the ggml rows.) In f16
+// the scales keep the layout exactly as large as the ggml rows (34 bytes per row and block): decode streams no
+// extra bytes; VCVTPH2PS gives the f32 the GEMM's packing computes. Rows past the matrix (the last slab) are zeros.
+//
+// Compared with the GEMV on ggml rows, decode issues several times fewer instructions per weight byte (~55 per
+// 1088-byte slab block in the M = 1 loop, against roughly 10 per 34-byte block and row): one VPDPBUSD advances 16
+// outputs (not 8 lanes of one output that then need a horizontal reduction), and the per-block scaling is one
+// vector FMA for 16 outputs instead of a scalar FMA each. It also reads the weights in the order the hardware
+// prefetchers follow best (see above). The arithmetic is the microkernel's, so the results are the bits of the
+// GEMV and the GEMM on the same weights.
+
+// Q4_0 slabs keep the nibbles: per block, 4 lines, line d holding dword d of rows 0-15 then of rows 16-31 (one
+// 32-bit lane per row, as the GEMM's Q4_0 packing transposes them), whose low nibbles are group d and high nibbles
+// group d + 4, then the f16 scales: 576 bytes, the ggml size again. The kernel takes q * a for the raw nibble q
+// and starts from -8 * sum(a) (a sixteenth of the stored correction, -128 * sum(a)) instead of adding 120 to every
+// byte: the same integer as the GEMM's (q - 8 + 128) * a - 128 * sum(a).
+
+template <int Type>
+constexpr size_t slab_quant_bytes() {
+  return Type == kQ8_0 ? 2 * 8 * 64 : 2 * 4 * 64;
+}
+template <int Type>
+constexpr size_t slab_block_bytes() {
+  return slab_quant_bytes<Type>() + 32 * 2;
+}
+static_assert(kPackedPanelRows == 2 * kPanelRows, "a packed panel is the microkernel's pair of GEMM panels");
+static_assert(kMatmulTileRows % kPackedPanelRows == 0, "tiles must start on a slab");
+
+template <int Type>
+size_t int8_packed_bytes(int64_t N, int64_t K) {
+  return static_cast<size_t>(packed_panel_count(N)) * static_cast<size_t>(K / 32) * slab_block_bytes<Type>();
+}
+
+template <int Type>
+void int8_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t slab_end, uint8_t* out) {
+  MatmulTile t{};
+  t.w = w;
+  t.w_row_bytes = row_bytes(Type, K);
+  t.K = K;
+  t.n1 = t.n_total = N;
+  const int64_t nb = K / 32;
+  constexpr size_t kBlock = slab_block_bytes<Type>(), kQuants = slab_quant_bytes<Type>();
+  alignas(64) uint8_t panel[kPanelBlockBytes];
+  for (int64_t slab = slab_begin; slab < slab_end; ++slab) {
+    uint8_t* dst = out + slab * nb * kBlock;
+    for (int64_t b = 0; b < nb; ++b, dst += kBlock) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t r0 = slab * kPackedPanelRows + h * kPanelRows;
+        if (r0 >= N) {  // rows past the matrix: zero quants, zero scales
+          for (size_t g = 0; g < kQuants / 128; ++g) std::memset(dst + 128 * g + 64 * h, 0, 64);
+          std::memset(dst + kQuants + 32 * h, 0, 32);
+          continue;
+        }
+        if (Type == kQ8_0) {
+          pack_int8_panel_block<kQ8_0>(t, r0, b, panel);
+          for (int g = 0; g < 8; ++g) std::memcpy(dst + 128 * g + 64 * h, panel + 64 * g, 64);
+        } else {
+          __m512i td[4];
+          q4_0_panel_dwords(t, r0, b, td);
+          for (int d = 0; d < 4; ++d) _mm512_store_si512(dst + 128 * d + 64 * h, td[d]);
+          pack_scales<kQ4_0>(t, r0, b, panel);
+        }
+        // The f32 scales came from f16: converting back is exact.
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + kQuants + 32 * h),
+                           _mm512_cvtps_ph(_mm512_load_ps(panel + 512), _MM_FROUND_TO_NEAREST_INT));
+      }
+    }
+  }
+}
+
+// The microkernel on a slab. With one or two activation rows, the 2 x MR VPDPBUSD chains per block cannot hide
+// the instruction's latency, so the 8 groups alternate between two sets of accumulators, added at the end of the
+// block (integers: the sum's bits do not depend on the order).
+template <int Type, int MR>
+inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
+                               int64_t ldy, int64_t cols) {
+  constexpr int kSets = MR <= 2 ? 2 : 1;
+  constexpr size_t kQuants = slab_quant_bytes<Type>();
+  const int64_t nb = K / 32;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  __m512 total[MR][2], group[MR][2];
+  ActRow rows[MR];
+  for (int i = 0; i < MR; ++i) {
+    total[i][0] = total[i][1] = group[i][0] = group[i][1] = _mm512_setzero_ps();
+    rows[i] = ActRow(act + i * act_stride, K);
+  }
+  for (int64_t b = 0; b < nb; ++b, slab += slab_block_bytes<Type>()) {
+    __m512i sum[kSets][MR][2];
+    for (int i = 0; i < MR; ++i) {
+      const int32_t start = Type == kQ8_0 ? rows[i].correction[b] : rows[i].correction[b] / 16;
+      sum[0][i][0] = sum[0][i][1] = _mm512_set1_epi32(start);
+      if (kSets == 2) sum[kSets - 1][i][0] = sum[kSets - 1][i][1] = _mm512_setzero_si512();
+    }
+    __m512i w[8][2];
+    if (Type == kQ8_0) {
+      for (int g = 0; g < 8; ++g) {
+        w[g][0] = _mm512_load_si512(slab + 128 * g);
+        w[g][1] = _mm512_load_si512(slab + 128 * g + 64);
+      }
+    } else {
+      for (int d = 0; d < 4; ++d) {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i x = _mm512_load_si512(slab + 128 * d + 64 * h);
+          w[d][h] = _mm512_and_si512(x, low_nibbles);
+          w[d + 4][h] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low_nibbles);
+        }
+      }
+    }
+    for (int g = 0; g < 8; ++g) {
+      for (int i = 0; i < MR; ++i) {
+        int32_t quads;
+        std::memcpy(&quads, rows[i].q + 32 * b + 4 * g, 4);
+        const __m512i a = _mm512_set1_epi32(quads);
+        sum[g % kSets][i][0] = _mm512_dpbusd_epi32(sum[g % kSets][i][0], w[g][0], a);
+        sum[g % kSets][i][1] = _mm512_dpbusd_epi32(sum[g % kSets][i][1], w[g][1], a);
+      }
+    }
+    if (kSets == 2) {
+      for (int i = 0; i < MR; ++i) {
+        sum[0][i][0] = _mm512_add_epi32(sum[0][i][0], sum[kSets - 1][i][0]);
+        sum[0][i][1] = _mm512_add_epi32(sum[0][i][1], sum[kSets - 1][i][1]);
+      }
+    }
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + kQuants)));
+    const __m512 d1 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + kQuants + 32)));
+    for (int i = 0; i < MR; ++i) {
+      const __m512 da = _mm512_set1_ps(rows[i].d[b]);
+      group[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][i][0]), _mm512_mul_ps(d0, da), group[i][0]);
+      group[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][i][1]), _mm512_mul_ps(d1, da), group[i][1]);
+    }
+    if ((b & 7) == 7 || b == nb - 1) {  // groups of 8 blocks, as the GEMV and GEMM add them
+      for (int i = 0; i < MR; ++i) {
+        total[i][0] = _mm512_add_ps(total[i][0], group[i][0]);
+        total[i][1] = _mm512_add_ps(total[i][1], group[i][1]);
+        group[i][0] = group[i][1] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    Avx512::store_partial(y + i * ldy, total[i][0], cols);
+    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, total[i][1], cols - 16);
+  }
+}
+
+// A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab.
+template <int Type>
+void int8_packed_tile(const MatmulTile& t) {
+  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * slab_block_bytes<Type>();
+  for (int64_t c0 = t.n0; c0 < t.n1; c0 += kPackedPanelRows) {
+    const uint8_t* slab = t.w + (c0 / kPackedPanelRows) * slab_bytes;
+    const int64_t cols = t.n1 - c0 < kPackedPanelRows ? t.n1 - c0 : kPackedPanelRows;
+    int64_t m = 0;
+    for (; m + kInt8MR <= t.M; m += kInt8MR) {
+      packed_microkernel<Type, kInt8MR>(t.act + m * t.act_stride, t.act_stride, t.K, slab, t.y + m * t.ldy + c0,
+                                        t.ldy, cols);
+    }
+    const uint8_t* act = t.act + m * t.act_stride;
+    float* y = t.y + m * t.ldy + c0;
+    switch (t.M - m) {
+      case 3: packed_microkernel<Type, 3>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+      case 2: packed_microkernel<Type, 2>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+      case 1: packed_microkernel<Type, 1>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+      default: break;
+    }
+  }
+}
+
 template <int Type>
 void int8_tile(const MatmulTile& t) {
   if (t.M <= kInt8GemvMaxRows) {
@@ -384,6 +567,9 @@ MatmulKernel int8_kernel() {
   k.quantize_act = int8_quantize_act;
   k.scratch_bytes = int8_scratch_bytes;
   k.tile = int8_tile<Type>;
+  k.packed_bytes = int8_packed_bytes<Type>;
+  k.pack = int8_pack<Type>;
+  k.packed_tile = int8_packed_tile<Type>;
   return k;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "memory.h"
 
@@ -88,11 +89,14 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     }
   }
   inv_freq_ = rope_inverse_frequencies(s.rope);
+  if (s.pack_weights) pack_weights();
 
-  // Every matrix is streamed once per decode step: put the weights on huge pages. Tensors of one file lie next
-  // to each other (most are smaller than a huge page), so contiguous runs are advised as a whole.
+  // Every matrix is streamed once per decode step: put the weights on huge pages (packed matrices are streamed
+  // from their copy, already on huge pages, unless the embedding table shares their bytes). Tensors of one file
+  // lie next to each other (most are smaller than a huge page), so contiguous runs are advised as a whole.
   std::vector<std::pair<const uint8_t*, const uint8_t*>> ranges;
   auto add = [&](const TensorRef& t) {
+    if (t.packed && t.data != s.token_embedding.data) return;
     ranges.emplace_back(t.data, t.data + row_bytes(t.type, t.cols) * static_cast<size_t>(t.rows));
   };
   for (const TensorRef* t : {&s.token_embedding, &s.output, &s.output_norm}) add(*t);
@@ -110,6 +114,76 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     huge_page_bytes_ += advise_huge_pages(begin, static_cast<size_t>(end - begin), true);
   }
   advise_huge_pages(s.kv_pool, s.kv_pool_bytes, false);
+}
+
+// Repacks every matrix whose kernel has a load-time layout into one allocation on huge pages, split over the
+// pool by groups of panels. The ggml bytes stay untouched: JavaScript owns them and other code reads them, and the
+// token embedding (row gathers) keeps reading them even when the output projection shares them.
+void Model::pack_weights() {
+  std::vector<TensorRef*> matrices{&spec_.output};
+  for (LayerRefs& L : spec_.layers) {
+    for (TensorRef* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) matrices.push_back(t);
+  }
+  constexpr size_t kMatrixAlign = 4096;
+  std::vector<std::pair<TensorRef*, size_t>> packed;  // matrix, offset in the allocation
+  size_t total = 0;
+  for (TensorRef* t : matrices) {
+    const MatmulKernel& mk = kt_.matmul[t->type];
+    if (!mk.pack) continue;
+    packed.emplace_back(t, total);
+    total += (mk.packed_bytes(t->rows, t->cols) + kMatrixAlign - 1) & ~(kMatrixAlign - 1);
+  }
+  if (packed.empty()) return;
+  constexpr size_t kHugePage = 2u << 20;
+  const size_t bytes = (total + kHugePage - 1) & ~(kHugePage - 1);
+  packed_.reset(static_cast<uint8_t*>(std::aligned_alloc(kHugePage, bytes)));
+  if (!packed_) throw std::bad_alloc();
+  packed_bytes_ = bytes;
+  // Advised before the first touch, so the pages are huge as they are faulted in by the packing below.
+  huge_page_bytes_ += advise_huge_pages(packed_.get(), bytes, false);
+
+  struct Item {
+    const TensorRef* t;
+    uint8_t* out;
+    int64_t panel_begin, panel_end;
+  };
+  constexpr int64_t kPanelsPerItem = 16;
+  std::vector<Item> items;
+  for (auto& [t, offset] : packed) {
+    uint8_t* out = packed_.get() + offset;
+    const int64_t panels = packed_panel_count(t->rows);
+    for (int64_t p = 0; p < panels; p += kPanelsPerItem) {
+      items.push_back({t, out, p, min64(panels, p + kPanelsPerItem)});
+    }
+    t->packed = out;
+  }
+  pool_.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i, int) {
+    const Item& it = items[i];
+    kt_.matmul[it.t->type].pack(it.t->data, it.t->rows, it.t->cols, it.panel_begin, it.panel_end, it.out);
+  });
+}
+
+MatmulOutput Model::output_of(const TensorRef& t, float* y, int64_t ldy) const {
+  if (t.packed) return {t.packed, t.type, t.rows, y, ldy, true};
+  return {t.data, t.type, t.rows, y, ldy, false};
+}
+
+void Model::set_profiling(bool on) {
+  profile_.enabled = on;
+  pool_.timing().enabled = on;
+  ws_.profile = on ? &profile_ : nullptr;
+}
+
+Profile Model::take_profile() {
+  Profile out = profile_;
+  ThreadPool::Timing& timing = pool_.timing();
+  if (timing.jobs > 0) {
+    out.sections["pool hand-over wait"] = {timing.wait_seconds, timing.jobs};
+  }
+  timing.jobs = 0;
+  timing.wait_seconds = 0;
+  profile_.sections.clear();
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -229,8 +303,10 @@ void Model::forward(const StepBatch& b, float* logits) {
   float *x = x_.data(), *xn = xn_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data();
   float *attn = attn_.data(), *gate = gate_.data(), *up = up_.data(), *tmp = tmp_.data();
 
+  Profile* prof = ws_.profile;
   // Embeddings: dequantize each token's row.
   const size_t embd_row_bytes = row_bytes(s.token_embedding.type, dim);
+  std::optional<ProfileScope> scope(std::in_place, prof, "embedding");
   pool_.parallel_for(T, [&](int64_t r, int) {
     kt_.dequantize_row[s.token_embedding.type](s.token_embedding.data + b.token_ids[r] * embd_row_bytes,
                                                x + r * dim, dim);
@@ -239,6 +315,7 @@ void Model::forward(const StepBatch& b, float* logits) {
   // The last layer computes attention, output projection and FFN only for the rows whose logits are wanted: each
   // such row becomes a one-token "sequence" whose context is its own prefix (all of it in the pool by then).
   // When the wanted rows are all rows in order (a decode step), the last layer is like the others.
+  scope.emplace(prof, "step setup (row selection, rope tables)");
   const int64_t L = b.num_logits;
   bool all_rows = L == T;
   for (int64_t i = 0; all_rows && i < L; ++i) all_rows = b.logits_indices[i] == i;
@@ -279,12 +356,12 @@ void Model::forward(const StepBatch& b, float* logits) {
     const LayerRefs& W = s.layers[l];
     // The last layer continues with only the selected rows (unless they are all rows).
     const bool select_rows = l == num_layers - 1 && !all_rows;
+    scope.emplace(prof, "rmsnorm");
     rmsnorm_rows(x, attn_norm_[l].data(), xn, T);
 
     // Q, K, V; with row selection Q is needed only for the selected rows.
-    MatmulOutput qkv[3] = {{W.wk.data, W.wk.type, kv_dim, k, kv_dim},
-                           {W.wv.data, W.wv.type, kv_dim, v, kv_dim},
-                           {W.wq.data, W.wq.type, q_dim, q, q_dim}};
+    scope.emplace(prof, "matmul attn_qkv");
+    MatmulOutput qkv[3] = {output_of(W.wk, k, kv_dim), output_of(W.wv, v, kv_dim), output_of(W.wq, q, q_dim)};
     if (!select_rows) {
       matmul(kt_, pool_, ws_, xn, T, dim, qkv, 3);
     } else {
@@ -293,6 +370,7 @@ void Model::forward(const StepBatch& b, float* logits) {
       matmul(kt_, pool_, ws_, sel_xn_.data(), L, dim, qkv + 2, 1);
     }
     const int64_t q_rows = select_rows ? L : T;
+    scope.emplace(prof, "bias, rope, kv write");
     if (s.qkv_bias) {
       add_bias(q, bq_[l], q_rows);
       add_bias(k, bk_[l], T);
@@ -305,6 +383,7 @@ void Model::forward(const StepBatch& b, float* logits) {
     uint8_t* v_region = s.kv_pool + (2 * l + 1) * region_bytes;
     kv_write(kt_, k, v, T, kv_dim, b.slot_mapping, k_region, v_region, s.kv_f16);
 
+    scope.emplace(prof, "attention");
     att.q = q;
     att.out = attn;
     att.k_cache = k_region;
@@ -326,27 +405,35 @@ void Model::forward(const StepBatch& b, float* logits) {
     }
 
     // Attention output projection and residual.
-    MatmulOutput wo{W.wo.data, W.wo.type, dim, tmp, dim};
+    scope.emplace(prof, "matmul attn_output");
+    const MatmulOutput wo = output_of(W.wo, tmp, dim);
     matmul(kt_, pool_, ws_, attn, rows, q_dim, &wo, 1);
+    scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
 
     // SwiGLU feed-forward and residual.
+    scope.emplace(prof, "rmsnorm");
     rmsnorm_rows(x, ffn_norm_[l].data(), xn, rows);
-    MatmulOutput gate_up[2] = {{W.w_gate.data, W.w_gate.type, s.ffn_dim, gate, s.ffn_dim},
-                               {W.w_up.data, W.w_up.type, s.ffn_dim, up, s.ffn_dim}};
+    scope.emplace(prof, "matmul ffn_gate+up");
+    const MatmulOutput gate_up[2] = {output_of(W.w_gate, gate, s.ffn_dim), output_of(W.w_up, up, s.ffn_dim)};
     matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2);
+    scope.emplace(prof, "swiglu");
     pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
       const int64_t r0 = item * 16, r1 = min64(rows, r0 + 16);
       kt_.swiglu(gate + r0 * s.ffn_dim, up + r0 * s.ffn_dim, gate + r0 * s.ffn_dim, (r1 - r0) * s.ffn_dim);
     });
-    MatmulOutput down{W.w_down.data, W.w_down.type, dim, tmp, dim};
+    scope.emplace(prof, "matmul ffn_down");
+    const MatmulOutput down = output_of(W.w_down, tmp, dim);
     matmul(kt_, pool_, ws_, gate, rows, s.ffn_dim, &down, 1);
+    scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
   }
 
   // Final norm and logits of the selected rows (x now holds exactly those rows, in order).
+  scope.emplace(prof, "rmsnorm");
   rmsnorm_rows(x, output_norm_.data(), xn, L);
-  MatmulOutput out{s.output.data, s.output.type, s.vocab_size, logits, s.vocab_size};
+  scope.emplace(prof, "matmul output");
+  const MatmulOutput out = output_of(s.output, logits, s.vocab_size);
   matmul(kt_, pool_, ws_, xn, L, dim, &out, 1);
 }
 

@@ -1,6 +1,7 @@
-// A Llama-family model held by the addon: pointers into weight bytes owned by JavaScript (never copied; the
-// binding keeps the arrays referenced), the paged KV pool, a thread pool and scratch buffers. `forward` runs one
-// engine step: embeddings, every layer, the logits of the requested rows.
+// A Llama-family model held by the addon: pointers into weight bytes owned by JavaScript (never modified; the
+// binding keeps the arrays referenced), copies of the matrices in their kernel's load-time packed layout where it
+// has one, the paged KV pool, a thread pool and scratch buffers. `forward` runs one engine step: embeddings, every
+// layer, the logits of the requested rows.
 #pragma once
 
 #include <memory>
@@ -17,6 +18,7 @@ struct TensorRef {
   const uint8_t* data = nullptr;
   int type = kF32;
   int64_t cols = 0, rows = 0;
+  const uint8_t* packed = nullptr;  // the kernel's load-time layout of a matrix, when it has one (owned by Model)
 };
 
 struct LayerRefs {
@@ -35,6 +37,9 @@ struct ModelSpec {
   size_t kv_pool_bytes = 0;
   int64_t num_blocks = 0, block_size = 0;
   bool kv_f16 = false;
+  // Repack matrices into their kernel's load-time layout where it has one (off: stream the ggml rows, for
+  // comparisons).
+  bool pack_weights = true;
 };
 
 // One engine step (src/kernels/types.ts ForwardBatch), lengths already checked by the caller.
@@ -68,8 +73,15 @@ class Model {
   const ModelSpec& spec() const { return spec_; }
   Variant variant() const { return variant_; }
   int threads() const { return pool_.size(); }
-  // Weight bytes moved onto huge pages at load (see memory.h).
+  // Weight bytes moved onto huge pages at load (see memory.h), packed copies included.
   size_t huge_page_bytes() const { return huge_page_bytes_; }
+  // Memory held by packed copies of the weights (in addition to the JavaScript-owned ggml bytes).
+  size_t packed_weight_bytes() const { return packed_bytes_; }
+
+  // Per-section wall time of forward passes (plus the pool's hand-over waits) while enabled; take_profile
+  // returns what was gathered since the last call and starts again.
+  void set_profiling(bool on);
+  Profile take_profile();
 
  private:
   void validate(const StepBatch& b) const;
@@ -78,10 +90,18 @@ class Model {
   void rmsnorm_rows(const float* x, const float* weight, float* out, int64_t rows);
   void add_rows(float* acc, const float* x, int64_t rows, int64_t width);
   void add_bias(float* y, const std::vector<float>& bias, int64_t rows);
+  void pack_weights();
+  MatmulOutput output_of(const TensorRef& t, float* y, int64_t ldy) const;
 
   ModelSpec spec_;
   Variant variant_;
   size_t huge_page_bytes_ = 0;
+  struct FreePacked {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, FreePacked> packed_;
+  size_t packed_bytes_ = 0;
+  Profile profile_;
   const KernelTable& kt_;
   ThreadPool pool_;
   Workspace ws_;

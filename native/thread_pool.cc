@@ -3,6 +3,8 @@
 #include <immintrin.h>
 #include <sched.h>
 
+#include <chrono>
+
 namespace conduit {
 
 namespace {
@@ -103,12 +105,18 @@ void ThreadPool::run_items(Job job, void* ctx, const std::atomic<int64_t>& done,
   open_.store(true, std::memory_order_seq_cst);
   publish(job, ctx, false);
   job(ctx, 0);
+  const bool timed = timing_.enabled;
+  const auto waiting = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   // Every item has been claimed; wait for the ones other threads are still finishing.
   spin_until([&] { return done.load(std::memory_order_acquire) == count; });
   // Close the job, then wait for workers that joined it (they find nothing left to claim, or are finishing the
   // claiming loop) to leave before the caller's context goes out of scope.
   open_.store(false, std::memory_order_seq_cst);
   spin_until([&] { return inside_.load(std::memory_order_seq_cst) == 0; });
+  if (timed) {
+    ++timing_.jobs;
+    timing_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
+  }
 }
 
 void ThreadPool::worker_loop(int index) {

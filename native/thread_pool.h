@@ -28,6 +28,16 @@ class ThreadPool {
 
   int size() const { return num_threads_; }
 
+  // Optional accounting for profiles: jobs handed to the workers, and the time the caller spent waiting for
+  // them after finishing its own share (imbalance plus the hand-over itself). Loops of one item run inline and
+  // are not counted.
+  struct Timing {
+    bool enabled = false;
+    int64_t jobs = 0;
+    double wait_seconds = 0;
+  };
+  Timing& timing() { return timing_; }
+
   // Calls job(ctx, i) once on each thread i = 0..size-1 (the caller is thread 0) and returns when all have
   // returned: for work that needs every thread (bandwidth and peak measurements).
   void run_on_all(Job job, void* ctx);
@@ -70,6 +80,7 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::unique_ptr<Share[]> shares_;
+  Timing timing_;
 };
 
 template <typename Body>

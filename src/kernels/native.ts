@@ -61,7 +61,10 @@ export interface NativeLayerSpec {
   wDown: NativeTensor;
 }
 
-/** Everything `new NativeModel` needs. Tensor bytes and the pool are referenced, never copied. */
+/**
+ * Everything `new NativeModel` needs. Tensor bytes and the pool are referenced, never copied or modified (the model
+ * keeps its own packed copies of the matrices its kernels repack at load; see NativeModelInfo.packedWeightBytes).
+ */
 export interface NativeModelSpec {
   vocabSize: number;
   dim: number;
@@ -86,6 +89,11 @@ export interface NativeModelSpec {
   kvDtype: KvPoolLayout['dtype'];
   variant: KernelVariant;
   threads: number;
+  /**
+   * Repack matrices into the kernel's load-time layout where it has one (default true; false streams the ggml
+   * rows, for comparisons). Results are the same bits either way.
+   */
+  packWeights?: boolean;
 }
 
 export interface NativeModelInfo {
@@ -95,12 +103,27 @@ export interface NativeModelInfo {
   variants: Record<string, string>;
   /** Weight bytes moved onto 2 MiB pages at load (in place: streaming them costs far fewer TLB misses). */
   hugePageBytes: number;
+  /** Memory held by load-time packed copies of the weights, on top of the ggml bytes (0 when nothing is packed). */
+  packedWeightBytes: number;
+}
+
+/** Wall time of one named section of forward passes, summed since the last takeProfile(). */
+export interface NativeProfileSection {
+  seconds: number;
+  calls: number;
 }
 
 export interface NativeModel {
   /** One engine step; throws a RangeError naming the bad field when the batch is inconsistent. */
   forward(batch: ForwardBatch): Float32Array;
   info(): NativeModelInfo;
+  /**
+   * Times named sections of every forward pass while on (matmuls per weight, attention, the small ops; nested:
+   * "quantize activations" inside the matmuls, "pool hand-over wait" inside every parallel section).
+   */
+  setProfiling(on: boolean): void;
+  /** The sections timed since the last call, then starts over. */
+  takeProfile(): Record<string, NativeProfileSection>;
   dispose(): void;
 }
 
@@ -120,9 +143,19 @@ export type NativePoolLayout = KvPoolLayout;
  * written into the arrays passed in (so a test can put guard values around them).
  */
 export interface NativeOps {
-  /** y[m x n] = x[m x k] . W[n x k]^T with W in ggml `type`, split over `threads` threads. */
+  /**
+   * y[m x n] = x[m x k] . W[n x k]^T with W in ggml `type`, split over `threads` threads. With `packed`, W is the
+   * variant's load-time layout of the matrix (from `pack`) instead of ggml rows.
+   */
   matmul(variant: KernelVariant, type: GgmlType, w: Uint8Array, x: Float32Array, m: number, k: number, n: number,
-    y: Float32Array, threads: number): void;
+    y: Float32Array, threads: number, packed?: boolean): void;
+  /** Bytes of the load-time packed layout of an [n x k] matrix of `type` in `variant`; 0 when it has none. */
+  packedBytes(variant: KernelVariant, type: GgmlType, k: number, n: number): number;
+  /**
+   * The [n x k] ggml matrix `w` repacked into the variant's load-time layout, as a model packs it (64-byte aligned
+   * memory owned by the addon); a RangeError when the variant has no such layout for `type`.
+   */
+  pack(variant: KernelVariant, type: GgmlType, w: Uint8Array, k: number, n: number): Uint8Array;
   /** out[i] = the dequantized row tokenIds[i] of a [rows x dim] table. */
   embedding(variant: KernelVariant, type: GgmlType, table: Uint8Array, dim: number, tokenIds: Int32Array,
     out: Float32Array): void;

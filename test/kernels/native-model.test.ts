@@ -11,7 +11,7 @@ import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
 import type { LayerWeights, ModelWeights, Tensor } from '../../src/model/weights.ts';
-import { nativeBackend, nativeModelSpec, type KernelVariant } from '../../src/kernels/native.ts';
+import { nativeBackend, nativeModelSpec, type KernelVariant, type NativeModel } from '../../src/kernels/native.ts';
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import { kvPoolBytes, type ForwardBatch, type KvDtype, type KvPoolLayout } from '../../src/kernels/types.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
@@ -129,14 +129,21 @@ function makeSteps(seed: number): ForwardBatch[] {
   });
 }
 
-function runNative(config: ModelConfig, weights: ModelWeights, dtype: KvDtype, variant: KernelVariant,
-  threads: number, steps: ForwardBatch[]): Float32Array[] {
+function loadNative(config: ModelConfig, weights: ModelWeights, dtype: KvDtype, variant: KernelVariant,
+  threads: number, packWeights = true): NativeModel {
   const layout: KvPoolLayout = {
     numLayers: config.numLayers, numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, numKvHeads: config.numKvHeads,
     headDim: config.headDim, dtype,
   };
   const pool = new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout)));
-  const model = new (native().NativeModel)(nativeModelSpec(config, weights, { layout, bytes: pool }, variant, threads));
+  return new (native().NativeModel)({
+    ...nativeModelSpec(config, weights, { layout, bytes: pool }, variant, threads), packWeights,
+  });
+}
+
+function runNative(config: ModelConfig, weights: ModelWeights, dtype: KvDtype, variant: KernelVariant,
+  threads: number, steps: ForwardBatch[], packWeights = true): Float32Array[] {
+  const model = loadNative(config, weights, dtype, variant, threads, packWeights);
   try {
     return steps.map((b) => model.forward(b));
   } finally {
@@ -229,6 +236,35 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
       assert.deepEqual(byItself[3], inBatch[1]!.slice(v, 2 * v), `${what}: first decode step`);
       assert.deepEqual(byItself[4], inBatch[2]!.slice(v, 2 * v), `${what}: second decode step`);
     }
+  });
+
+  it('weights packed at load give the bits of the ggml rows, and their memory is reported', () => {
+    // Odd sizes for the 16-row panels: vocab 300 rows (partial last panel), K and V 48 rows (odd panel count),
+    // rows of 96 columns (3 blocks); the output projection shares the embedding's bytes, which stay unpacked for
+    // lookups.
+    const { config, weights } = makeModel(34, { type: GgmlType.Q8_0, dim: 96, ffnDim: 160, tiedEmbeddings: true });
+    const steps = makeSteps(3);
+    const matrices = [weights.output, ...weights.layers.flatMap((l) => [l.wq, l.wk, l.wv, l.wo, l.wGate, l.wUp,
+      l.wDown])];
+    for (const variant of variants) {
+      const packedBytes = matrices.reduce((s, t) => s + native().ops.packedBytes(variant, t.type, t.shape[0]!,
+        t.shape[1]!), 0);
+      const packed = loadNative(config, weights, 'f16', variant, 2);
+      const rows = loadNative(config, weights, 'f16', variant, 2, false);
+      try {
+        assert.ok(packed.info().packedWeightBytes >= packedBytes, `${variant}: packed copy reported`);
+        assert.equal(packedBytes > 0, packed.info().packedWeightBytes > 0, `${variant}: nothing packed, nothing held`);
+        assert.equal(rows.info().packedWeightBytes, 0, `${variant}: packWeights off`);
+        steps.forEach((b, s) => assert.deepEqual(packed.forward(b), rows.forward(b), `${variant} step ${s}`));
+      } finally {
+        packed.dispose();
+        rows.dispose();
+      }
+    }
+    // Packing must not touch the ggml bytes JavaScript owns (the embedding, and the reference backend, read them).
+    const expected = runReference(config, weights, 'f16', steps);
+    runNative(config, weights, 'f16', variants.at(-1)!, 2, steps).forEach((logits, s) =>
+      assertClose(logits, expected[s]!, bound(GgmlType.Q8_0), `after packing, step ${s}`));
   });
 
   it('rejects inconsistent batches with a message naming the field', () => {

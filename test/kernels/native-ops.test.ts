@@ -143,6 +143,65 @@ describe('native ops: matmul', { skip: skipNative }, () => {
 });
 
 // ---------------------------------------------------------------------------------------------------------------
+// Load-time packed weights: a variant may repack a matrix once (as a model does at load) into panels it streams
+// instead of the ggml rows. The packed path must give exactly the bits of the ggml path (a model packs all its
+// matrices, the ops entry points and other backends of a deployment may not), for odd shapes too.
+
+// [m, k, n]: one row; rows not a multiple of the 16-row panel (1, 7, 33, 97: last panel partial, panel count odd
+// so a padding panel follows); k not a multiple of 256 (one block, three blocks, eleven); decode and GEMM row counts.
+const PACKED_SHAPES: [number, number, number][] = [
+  [1, 32, 1], [1, 96, 7], [3, 352, 33], [2, 4096, 16], [4, 64, 97], [5, 96, 65], [16, 128, 130], [67, 256, 48],
+];
+
+describe('native ops: packed weights', { skip: skipNative }, () => {
+  const packing = variants.flatMap((variant) => INT8_TYPES.filter((type) =>
+    native().ops.packedBytes(variant, type, 32, 1) > 0).map((type) => ({ variant, type })));
+
+  for (const { variant, type } of packing) {
+    it(`${variant} ${ggmlTypeName(type)}: packed weights give the ggml path's bits, every shape and row count`, () => {
+      const rand = seeded(70 + type);
+      for (const [m, k, n] of PACKED_SHAPES) {
+        const w = quantize(type, randomArray(n * k, rand));
+        const decoded = new Float32Array(n * k);
+        dequantize(type, w, n * k, decoded);
+        const x = randomArray(m * k, rand);
+        const shape = `${variant} ${ggmlTypeName(type)} m=${m} k=${k} n=${n}`;
+        const packed = native().ops.pack(variant, type, w, k, n);
+        assert.equal(packed.byteLength, native().ops.packedBytes(variant, type, k, n), `${shape}: packed size`);
+        const rows = new Float32Array(m * n);
+        native().ops.matmul(variant, type, w, x, m, k, n, rows, 1);
+        for (const threads of [1, 2]) {
+          const y = guarded(m * n, NaN);
+          native().ops.matmul(variant, type, packed, x, m, k, n, y.view, threads, true);
+          y.checkGuards(`${shape} packed, ${threads} threads`);
+          assert.deepEqual(y.view, rows, `${shape} packed, ${threads} threads: differs from the ggml rows`);
+        }
+        assertClose(rows, referenceMatmul(x, decoded, m, k, n), referenceBound(type), `${shape} vs TypeScript`);
+        // Each row alone (decode) gives the bits it gets in the batch.
+        for (let r = 0; r < m; r += Math.max(1, m >> 1)) {
+          const one = new Float32Array(n);
+          native().ops.matmul(variant, type, packed, x.subarray(r * k, (r + 1) * k), 1, k, n, one, 2, true);
+          assert.deepEqual(one, rows.subarray(r * n, (r + 1) * n), `${shape}: row ${r} alone`);
+        }
+      }
+    });
+  }
+
+  it('packing is refused where a variant has none, and packed weights must be the packed size', () => {
+    const w = quantize(GgmlType.F32, randomArray(64, seeded(80)));
+    assert.equal(native().ops.packedBytes('generic', GgmlType.Q8_0, 32, 2), 0);
+    assert.throws(() => native().ops.pack('generic', GgmlType.Q8_0, new Uint8Array(68), 32, 2), /no packed layout/);
+    assert.throws(() => native().ops.matmul('generic', GgmlType.F32, w, new Float32Array(32), 1, 32, 2,
+      new Float32Array(2), 1, true), /no packed layout/);
+    for (const { variant, type } of packing) {
+      const packed = native().ops.pack(variant, type, quantize(type, randomArray(64, seeded(81))), 32, 2);
+      assert.throws(() => native().ops.matmul(variant, type, packed.subarray(0, packed.length - 1),
+        new Float32Array(32), 1, 32, 2, new Float32Array(2), 1, true), /needs \d+/);
+    }
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
 // embedding (row dequantization)
 
 describe('native ops: embedding', { skip: skipNative }, () => {
