@@ -45,7 +45,7 @@ async function start(): Promise<EngineCore> {
     backend: backend.info.name, kernelVariants: backend.info.variants, threads: backend.info.threads,
   };
   const pool = core.kvPoolView;
-  send({ type: 'ready', info, notices, kvPool: pool.pool, kvLayout: pool.layout });
+  send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? [])], kvPool: pool.pool, kvLayout: pool.layout });
   return core;
 }
 

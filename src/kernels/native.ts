@@ -2,7 +2,8 @@
 // `nativeBackend` factory that runs a model on it. The addon is loaded lazily on first use; when it is missing
 // (no compiler at install time) `nativeBackend.available()` is false and `unavailableReason()` says why, so the
 // engine can fall back to the TypeScript reference backend.
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
+import { freemem } from 'node:os';
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
 
@@ -318,6 +319,61 @@ export function nativeModelSpec(
   };
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Packed weights: the avx512 matmuls read a copy of each quantized matrix in their own order. The copy costs as much
+// memory as those matrices again, so it is made only when it fits: a model that barely fits the machine still loads
+// and runs on the ggml rows (slower decode) rather than pushing the machine into swap.
+
+/** Memory left free after the packed copy, besides what it takes. */
+const PACK_HEADROOM_BYTES = 1024 ** 3;
+
+/** Bytes the packed copies of `weights` would take with `variant` (0 when it packs nothing). */
+export function packedWeightBytes(ops: NativeOps, variant: KernelVariant, weights: ModelWeights): number {
+  const matrices = [weights.output, ...weights.layers.flatMap((l) => [l.wq, l.wk, l.wv, l.wo, l.wGate, l.wUp, l.wDown])];
+  let total = 0;
+  for (const t of matrices) total += ops.packedBytes(variant, t.type, t.shape[0]!, t.shape[1] ?? 1);
+  return total;
+}
+
+/** MemAvailable from /proc/meminfo (what can be allocated without swapping), else the OS's free memory. */
+function availableMemoryBytes(): number {
+  try {
+    const match = /^MemAvailable:\s+(\d+) kB$/m.exec(readFileSync('/proc/meminfo', 'utf8'));
+    if (match) return Number(match[1]) * 1024;
+  } catch { /* not Linux */ }
+  return freemem();
+}
+
+function gib(bytes: number): string {
+  return `${(bytes / 1024 ** 3).toFixed(2)} GiB`;
+}
+
+/**
+ * Whether to pack, and what to tell the operator. An explicit choice (option, then CONDUIT_PACK_WEIGHTS=0|1) is
+ * obeyed; otherwise the copy is made when it and the headroom fit in the memory available now.
+ */
+export function decidePacking(
+  packedBytes: number, explicit: boolean | undefined, env: NodeJS.ProcessEnv = process.env,
+  availableBytes: () => number = availableMemoryBytes,
+): { pack: boolean; notice?: string } {
+  if (packedBytes === 0) return { pack: false };
+  if (explicit !== undefined) return { pack: explicit };
+  const fromEnv = env.CONDUIT_PACK_WEIGHTS?.trim().toLowerCase();
+  if (fromEnv !== undefined && fromEnv !== '') {
+    if (['1', 'true', 'on', 'yes'].includes(fromEnv)) return { pack: true };
+    if (['0', 'false', 'off', 'no'].includes(fromEnv)) return { pack: false };
+    throw new RangeError(`CONDUIT_PACK_WEIGHTS must be 0 or 1, got "${env.CONDUIT_PACK_WEIGHTS}"`);
+  }
+  const available = availableBytes();
+  if (packedBytes + PACK_HEADROOM_BYTES <= available) return { pack: true };
+  return {
+    pack: false,
+    notice: `weights not repacked for the native kernels: the copy needs ${gib(packedBytes)} and ${gib(available)} ` +
+      `is available (${gib(PACK_HEADROOM_BYTES)} kept free); decode runs on the ggml rows, slower ` +
+      '(CONDUIT_PACK_WEIGHTS=1 packs anyway)',
+  };
+}
+
 function checkPositiveInteger(name: string, value: number): void {
   if (!Number.isInteger(value) || value <= 0) throw new RangeError(`${name} must be a positive integer, got ${value}`);
 }
@@ -340,11 +396,16 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
     };
     const kvPool = new SharedArrayBuffer(kvPoolBytes(kvLayout));
     const variant = resolveKernelVariant(undefined, cpu);
-    const model = new addon.NativeModel(
-      nativeModelSpec(config, weights, { layout: kvLayout, bytes: new Uint8Array(kvPool) }, variant, threads),
-    );
+    const packing = decidePacking(packedWeightBytes(addon.ops, variant, weights), options.packWeights);
+    const model = new addon.NativeModel({
+      ...nativeModelSpec(config, weights, { layout: kvLayout, bytes: new Uint8Array(kvPool) }, variant, threads),
+      packWeights: packing.pack,
+    });
     const modelInfo = model.info();
-    const info: BackendInfo = { name: 'native', variants: modelInfo.variants, threads: modelInfo.threads };
+    const info: BackendInfo = {
+      name: 'native', variants: modelInfo.variants, threads: modelInfo.threads,
+      ...(packing.notice ? { notices: [packing.notice] } : {}),
+    };
     let disposed = false;
     return {
       info,

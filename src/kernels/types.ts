@@ -65,6 +65,8 @@ export interface BackendInfo {
   /** The kernel variant in use per kernel kind, e.g. { matmul_q8_0: 'avx512_vnni', attention: 'avx512' }. */
   variants: Record<string, string>;
   threads: number;
+  /** What the backend decided at load that an operator should know (logged once at start). */
+  notices?: readonly string[];
 }
 
 /** A model loaded into a backend, with its KV pool. */
@@ -83,5 +85,15 @@ export interface BackendFactory {
   readonly name: string;
   available(): boolean;
   load(config: ModelConfig, weights: ModelWeights, kv: Omit<KvPoolLayout, 'numLayers' | 'numKvHeads' | 'headDim'>,
-    options?: { threads?: number }): ModelRunnerBackend;
+    options?: BackendLoadOptions): ModelRunnerBackend;
+}
+
+export interface BackendLoadOptions {
+  threads?: number;
+  /**
+   * Native backend: keep a copy of the quantized matrices repacked for its kernels (faster decode, about the
+   * matrices' size again in memory). Default: CONDUIT_PACK_WEIGHTS if set, else only when the copy fits in the
+   * memory available at load with room to spare.
+   */
+  packWeights?: boolean;
 }

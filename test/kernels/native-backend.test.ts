@@ -8,7 +8,9 @@ import { fileURLToPath } from 'node:url';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import type { ModelConfig } from '../../src/model/config.ts';
 import type { ModelWeights, Tensor } from '../../src/model/weights.ts';
-import { nativeBackend, resolveKernelVariant, supportedVariants, type CpuInfo } from '../../src/kernels/native.ts';
+import {
+  decidePacking, nativeBackend, packedWeightBytes, resolveKernelVariant, supportedVariants, type CpuInfo,
+} from '../../src/kernels/native.ts';
 import { native, skipNative } from './native-harness.ts';
 
 function cpuWith(bestVariant: CpuInfo['bestVariant']): CpuInfo {
@@ -33,6 +35,36 @@ describe('kernel variant selection', () => {
   });
 });
 
+describe('packed weights decision', () => {
+  const GiB = 1024 ** 3;
+  const plenty = (): number => 64 * GiB;
+  const scarce = (): number => 2 * GiB;
+
+  it('packs by default when the copy and the headroom fit in available memory, and says why not when they do not', () => {
+    assert.deepEqual(decidePacking(4 * GiB, undefined, {}, plenty), { pack: true });
+    const refused = decidePacking(4 * GiB, undefined, {}, scarce);
+    assert.equal(refused.pack, false);
+    assert.match(refused.notice!, /needs 4\.00 GiB and 2\.00 GiB is available/);
+    assert.match(refused.notice!, /CONDUIT_PACK_WEIGHTS=1/);
+    // Just below the headroom's edge.
+    assert.equal(decidePacking(GiB, undefined, {}, () => 2 * GiB - 1).pack, false);
+    assert.equal(decidePacking(GiB, undefined, {}, () => 2 * GiB).pack, true);
+  });
+
+  it('obeys an explicit choice, then CONDUIT_PACK_WEIGHTS, without consulting memory', () => {
+    const unasked = (): number => assert.fail('memory should not be consulted');
+    assert.deepEqual(decidePacking(4 * GiB, true, {}, unasked), { pack: true });
+    assert.deepEqual(decidePacking(4 * GiB, false, { CONDUIT_PACK_WEIGHTS: '1' }, unasked), { pack: false });
+    assert.deepEqual(decidePacking(4 * GiB, undefined, { CONDUIT_PACK_WEIGHTS: '1' }, unasked), { pack: true });
+    assert.deepEqual(decidePacking(4 * GiB, undefined, { CONDUIT_PACK_WEIGHTS: 'off' }, unasked), { pack: false });
+    assert.throws(() => decidePacking(4 * GiB, undefined, { CONDUIT_PACK_WEIGHTS: 'maybe' }, unasked), /must be 0 or 1/);
+  });
+
+  it('has nothing to decide when the kernels pack nothing', () => {
+    assert.deepEqual(decidePacking(0, undefined, {}, scarce), { pack: false });
+  });
+});
+
 describe('native addon availability', () => {
   it('reports why the addon is unavailable instead of throwing', () => {
     const nativeModule = fileURLToPath(new URL('../../src/kernels/native.ts', import.meta.url));
@@ -46,6 +78,25 @@ describe('native addon availability', () => {
     assert.equal(report.available, false);
     assert.match(report.reason, /\/nonexistent\/conduit_native\.node is missing/);
     assert.match(report.reason, /npm run build:native/);
+  });
+});
+
+describe('packed weight bytes', { skip: skipNative }, () => {
+  it('counts every quantized matrix the avx512 kernels repack (tied output included), none for float weights', () => {
+    const dim = 64, ffn = 96, vocab = 40;
+    const q8 = (cols: number, rows: number): Tensor => ({
+      name: 'w', type: GgmlType.Q8_0, shape: [cols, rows], data: new Uint8Array((cols / 32) * 34 * rows),
+    });
+    const layer = { wq: q8(dim, dim), wk: q8(dim, 32), wv: q8(dim, 32), wo: q8(dim, dim), wGate: q8(dim, ffn), wUp: q8(dim, ffn), wDown: q8(ffn, dim) };
+    const weights = { output: q8(dim, vocab), layers: [layer, layer] } as unknown as ModelWeights;
+    // The packed layout holds whole groups of 32 rows (the last padded), otherwise exactly the ggml blocks.
+    const padded = (t: Tensor): number => Math.ceil(t.shape[1]! / 32) * 32 * (t.shape[0]! / 32) * 34;
+    const ggmlBytes = padded(weights.output) + 2 * Object.values(layer).reduce((n, t) => n + padded(t), 0);
+    const ops = native().ops;
+    if (supportedVariants(native().cpuInfo()).includes('avx512')) {
+      assert.equal(packedWeightBytes(ops, 'avx512', weights), ggmlBytes, 'the packed copy is as large as the matrices, rows padded to 32');
+    }
+    assert.equal(packedWeightBytes(ops, 'generic', weights), 0);
   });
 });
 

@@ -280,6 +280,21 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     assert.throws(() => backend.forward(good), /disposed/);
   });
 
+  it('loads with and without the packed copy to the same bits (packWeights)', () => {
+    const { config, weights } = makeModel(33, { type: GgmlType.Q8_0, dim: 64, ffnDim: 96 });
+    const kv = { numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, dtype: 'f32' as const };
+    const step = makeSteps(2)[0]!;
+    const packed = nativeBackend.load(config, weights, kv, { packWeights: true });
+    const rows = nativeBackend.load(config, weights, kv, { packWeights: false });
+    try {
+      assert.deepEqual(packed.forward(step), rows.forward(step));
+      assert.equal(packed.info.notices, undefined, 'an explicit choice needs no notice');
+    } finally {
+      packed.dispose();
+      rows.dispose();
+    }
+  });
+
   it('reports the variant serving each kernel kind', () => {
     const { config, weights } = makeModel(32, { type: GgmlType.Q8_0, dim: 64, ffnDim: 64 });
     const backend = nativeBackend.load(config, weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' }, { threads: 1 });
