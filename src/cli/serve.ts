@@ -37,6 +37,7 @@ export const SERVE_FLAGS = {
   'session-header': { type: 'string', help: 'request header carrying the session id that --routing-policy session keeps on one worker', default: DEFAULT_SESSION_HEADER },
   'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
   'decode-workers': { type: 'number', help: 'disaggregated serving: decode workers' },
+  'migration-limit': { type: 'number', help: 'times a request may move to another worker when its worker is lost mid-stream, continuing the same stream (0 = off, as Dynamo\'s migration_limit)', default: 0 },
   'disagg-min-remote-prefill-tokens': { type: 'number', help: `disaggregated serving: prefill on the decode worker when it lacks fewer than this many of the prompt's tokens (cf. Dynamo's max local prefill length; default ${DEFAULT_DISAGGREGATION_POLICY.minRemotePrefillTokens})` },
   'disagg-max-prefill-queue-tokens': { type: 'number', help: `disaggregated serving: with more prefill tokens than this queued on the chosen prefill worker, prefill on the decode worker (cf. Dynamo's max prefill queue size, here in tokens; default ${DEFAULT_DISAGGREGATION_POLICY.maxPrefillQueueTokens})` },
   'disagg-transfer-overhead-ms': { type: 'number', help: `disaggregated serving: fixed cost of one KV transfer besides its bytes, ms, in the transfer-vs-local-prefill comparison (default ${DEFAULT_DISAGGREGATION_POLICY.transferOverheadMs})` },
@@ -80,6 +81,8 @@ export interface ServeConfig {
   decodeWorkers?: number;
   /** Conditional disaggregation thresholds given on the command line; the rest keep their defaults. */
   disaggregationPolicy?: Partial<DisaggregationPolicy>;
+  /** Migrations per request when a worker is lost mid-stream (0 = off). */
+  migrationLimit: number;
   sim: SimWorkerSpec;
   maxPendingRequests: number;
   maxBodyBytes: number;
@@ -207,6 +210,10 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
       + '(--prefill-workers with --decode-workers)');
   }
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
+  const migrationLimit = values['migration-limit']!;
+  if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
+    throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
+  }
   const config: ServeConfig = {
     host: values.host!,
     port,
@@ -219,6 +226,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
     ...(disaggregationPolicy !== undefined ? { disaggregationPolicy } : {}),
+    migrationLimit,
     sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
@@ -279,6 +287,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       routingPolicy: config.routingPolicy,
       ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
       ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
+      migrationLimit: config.migrationLimit,
       ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
       ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
       ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),

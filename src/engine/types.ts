@@ -159,6 +159,18 @@ export interface RoutingSummary {
   decidedAt: number;
   /** Set by a disaggregated deployment: where the prompt ran and why. workerId is then the decode worker. */
   disaggregation?: DisaggregationSummary;
+  /** Set once the request moved to another worker after losing one (workerId is then where it runs now). */
+  migrations?: MigrationRecord[];
+}
+
+/** One move of a request from a lost worker to another (src/runtime/migration.ts). */
+export interface MigrationRecord {
+  fromWorkerId: string;
+  /** Unset while the request waits for a worker to take it. */
+  toWorkerId?: string;
+  /** Tokens the caller had received when the worker was lost (they became part of the new worker's prompt). */
+  afterTokens: number;
+  reason: string;
 }
 
 /** What a worker does in a disaggregated deployment. 'both' is the ordinary aggregated worker. */
@@ -218,6 +230,8 @@ export interface EngineStats {
   preemptions: number;
   /** Cached KV blocks evicted to make room (cumulative); every Conduit engine counts them. */
   kvEvictions?: number;
+  /** Requests this worker took over from a lost worker (cumulative); set by the routed and disaggregated engines. */
+  requestMigrations?: number;
 }
 
 /**

@@ -15,8 +15,12 @@
 //      the prefill worker unpins when the decode worker says it has them.
 // Abort reaches both workers whatever the stage. A prefill worker failing before the first token, or a transfer
 // that cannot happen, falls back to a local prefill on the decode worker; a failure after tokens went out ends the
-// stream with an error. Either way the blocks on both sides are freed.
+// stream with an error, except a lost decode worker when migration is on: the request then continues on another
+// decode worker (runMigrating). Either way the blocks on both sides are freed.
 
+import {
+  checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
+} from './migration.ts';
 import { RouterAdmission } from './router-admission.ts';
 import { summarizeDecision } from './routed-engine.ts';
 import { WorkerLostError } from '../engine/errors.ts';
@@ -63,6 +67,8 @@ export interface DisaggregatedEngineOptions {
   estimates?: { transferBytesPerSec?: number; prefillTokensPerSec?: number; fixed?: boolean };
   /** Engine clock, ms. */
   now: () => number;
+  /** How often a request may move to another decode worker when its decode worker is lost (default: never). */
+  migration?: MigrationOptions;
 }
 
 export type DisaggregatedStage = 'routing' | 'prefill' | 'transfer' | 'decode' | 'local';
@@ -96,6 +102,9 @@ export class DisaggregatedEngine implements Engine {
   private readonly prefillRate: RateEstimate;
   private readonly kvBytesPerToken: number;
   private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
+  private readonly migration: MigrationOptions;
+  /** Requests each decode worker took over from a lost decode worker. */
+  private readonly migrationsTo = new Map<string, number>();
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.decode.length === 0) throw new Error('a disaggregated engine needs at least one decode worker');
@@ -104,6 +113,7 @@ export class DisaggregatedEngine implements Engine {
     this.prefillRouter = options.prefillRouter;
     this.decodeRouter = options.decodeRouter;
     this.now = options.now;
+    this.migration = { ...options.migration, limit: checkMigrationLimit(options.migration?.limit ?? DEFAULT_MIGRATION_LIMIT) };
     this.admission = new RouterAdmission(this.decodeRouter, this.now, 'decode worker');
     const fixed = options.estimates?.fixed ?? false;
     this.transferRate = new RateEstimate(options.estimates?.transferBytesPerSec ?? 2e9, 0.2, fixed);
@@ -154,7 +164,7 @@ export class DisaggregatedEngine implements Engine {
       const flight: Flight = { requestId: request.id, stage: 'routing', aborted: false, finished: false };
       engine.flights.set(request.id, flight);
       try {
-        yield* engine.run(request, flight);
+        yield* engine.runMigrating(request, flight);
       } finally {
         engine.flights.delete(request.id);
         // The consumer left early (client gone) or a failure: stop it on every worker that holds part of it.
@@ -167,10 +177,10 @@ export class DisaggregatedEngine implements Engine {
   }
 
   abort(requestId: string): void {
-    if (this.admission.cancel(requestId)) return;
     const flight = this.flights.get(requestId);
+    if (flight) flight.aborted = true;
+    if (this.admission.cancel(requestId)) return;
     if (!flight) return;
-    flight.aborted = true;
     this.stopEverywhere(flight);
   }
 
@@ -190,6 +200,7 @@ export class DisaggregatedEngine implements Engine {
       total.preemptions += s.preemptions;
       total.kvEvictions! += s.kvEvictions ?? 0;
     }
+    total.requestMigrations = [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
     return total;
   }
 
@@ -197,7 +208,10 @@ export class DisaggregatedEngine implements Engine {
   workerStats(): { workerId: string; role: WorkerRole; stats: EngineStats; info: EngineInfo }[] {
     return [
       ...[...this.prefillWorkers].map(([workerId, engine]) => ({ workerId, role: 'prefill' as const, stats: engine.stats(), info: engine.info })),
-      ...[...this.decodeWorkers].map(([workerId, engine]) => ({ workerId, role: 'decode' as const, stats: engine.stats(), info: engine.info })),
+      ...[...this.decodeWorkers].map(([workerId, engine]) => ({
+        workerId, role: 'decode' as const, info: engine.info,
+        stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 },
+      })),
     ];
   }
 
@@ -232,6 +246,86 @@ export class DisaggregatedEngine implements Engine {
 
   // -------------------------------------------------------------------------------------------------------------
   // One request
+
+  /**
+   * The request as run() runs it, and when its decode worker is lost mid-stream, continued on another decode
+   * worker (up to the migration limit). The new decode worker computes the prompt and the tokens so far itself:
+   * the lost worker's KV is gone, and the prefill worker that computed the prompt has released it, so going back
+   * through a prefill worker would redo the same work plus a transfer, and move the stream through one more worker
+   * that could fail. Its own prefix cache still serves whatever of the prompt it holds.
+   */
+  private async *runMigrating(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
+    const migration = new RequestMigration(request, this.migration);
+    let stream: AsyncGenerator<EngineOutput> = this.run(request, flight);
+    for (;;) {
+      try {
+        for await (const output of stream) {
+          const adapted = migration.adapt(output);
+          yield adapted.output;
+          // A stop string matched on this side after a migration: the decode worker is stopped on the way out.
+          if (adapted.stopped) return;
+        }
+        return;
+      } catch (error) {
+        migration.aborted = flight.aborted;
+        // Only the decode side migrates: a prefill worker lost before the first token already falls back.
+        const decodeLost = flight.decodeId !== undefined && !this.decodeWorkers.has(flight.decodeId)
+          && (flight.stage === 'local' || flight.stage === 'decode' || flight.stage === 'transfer');
+        if (decodeLost && migration.abortedWhenLost(error)) {
+          flight.finished = true;
+          yield migration.closingOutput(this.now());
+          return;
+        }
+        if (!decodeLost || !migration.canMigrate(error)) throw error;
+        migration.migrateFrom(flight.decodeId!, 'worker-lost');
+        const next = yield* this.replaceDecodeWorker(migration, flight, error as Error);
+        if (next === null) return;
+        stream = next;
+      }
+    }
+  }
+
+  /** Places a migrating request on another decode worker; null when it was aborted on the way (closing output sent). */
+  private async *replaceDecodeWorker(migration: RequestMigration, flight: Flight, lost: Error):
+    AsyncGenerator<EngineOutput, AsyncGenerator<EngineOutput> | null> {
+    const request = migration.request;
+    // The lost attempt's placement ends here: its worker is gone from the router, its pins with the prefill worker.
+    this.decodeRouter.onFinished(request.id, this.now());
+    this.releaseSource(flight);
+    flight.prefillId = undefined;
+    flight.decodeId = undefined;
+    flight.stage = 'routing';
+    const attempt = migration.attempt();
+    let decision: RoutingDecision;
+    try {
+      decision = await this.admission.place({
+        requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+      });
+    } catch {
+      if (flight.aborted) {
+        flight.finished = true;
+        yield migration.closingOutput(this.now());
+        return null;
+      }
+      throw lost;
+    }
+    flight.decodeId = decision.workerId;
+    migration.placed(decision.workerId);
+    const decodeEngine = this.decodeWorkers.get(decision.workerId);
+    if (!decodeEngine) throw lost;
+    if (flight.aborted) {
+      flight.finished = true;
+      yield migration.closingOutput(this.now());
+      return null;
+    }
+    this.migrationsTo.set(decision.workerId, (this.migrationsTo.get(decision.workerId) ?? 0) + 1);
+    const previous = flight.summary?.disaggregation;
+    flight.summary = {
+      ...summarizeDecision(decision, this.now()),
+      ...(previous ? { disaggregation: { ...previous, decodeWorkerId: decision.workerId } } : {}),
+    };
+    return this.runLocal(attempt, flight, decodeEngine);
+  }
 
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
     const routing: RoutingRequest = {

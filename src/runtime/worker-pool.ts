@@ -21,6 +21,7 @@ import { SimEngine } from '../sim/sim-engine.ts';
 import type { DisaggregationPolicy } from './disaggregation-policy.ts';
 import { DisaggregatedEngine, type DecodeWorkerEngine, type PrefillWorkerEngine } from './disaggregated.ts';
 import { SharedMemoryKvChannel, SimulatedKvChannel } from './kv-transfer.ts';
+import { DEFAULT_MIGRATION_LIMIT, type MigrationOptions } from './migration.ts';
 import { RoutedEngine, type RoutedWorker } from './routed-engine.ts';
 
 export interface SimWorkerSpec {
@@ -43,6 +44,11 @@ export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' 
   maxQueued?: number;
   /** Seed of the router's tie-breaking (default: random). */
   routerSeed?: number;
+  /**
+   * How many times a request may move to another worker when its worker is lost mid-stream (default 0: it
+   * fails, as Dynamo's migration_limit defaults to). Aggregated workers and decode workers; see migration.ts.
+   */
+  migrationLimit?: number;
   /**
    * Disaggregated serving: this many prefill workers and decode workers (each at least 1) instead of `workers`
    * aggregated ones. Prompts run on prefill workers and their KV moves to decode workers (shared memory for cpu
@@ -88,8 +94,16 @@ export async function createWorkerPool(options: WorkerPoolOptions): Promise<Work
     clock: () => performance.now(),
     index: new BitsetKvIndex({ hashSeed: Math.floor(Math.random() * 2 ** 32) }),
   });
-  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, engineNow);
+  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, engineNow, migrationOptions(options, built.tokenizer));
   return { ...built, engine: routed, routed, router };
+}
+
+/**
+ * CPU workers detokenize with the gateway's tokenizer, so a migrated request's text is carried on with it; the
+ * simulated workers' text is their own, so theirs passes through.
+ */
+function migrationOptions(options: WorkerPoolOptions, tokenizer: Tokenizer): MigrationOptions {
+  return { limit: options.migrationLimit ?? DEFAULT_MIGRATION_LIMIT, ...(options.engine === 'cpu' ? { tokenizer } : {}) };
 }
 
 async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
@@ -169,6 +183,7 @@ async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<Work
     prefill: built.prefill, decode: built.decode, prefillRouter, decodeRouter,
     channel: options.engine === 'sim' ? new SimulatedKvChannel() : new SharedMemoryKvChannel(),
     policy: options.disaggregationPolicy, estimates: options.disaggregationEstimates, now: engineNow,
+    migration: migrationOptions(options, built.tokenizer),
   });
   const workers = [
     ...built.prefill.map((w) => ({ ...w, role: 'prefill' as const })),

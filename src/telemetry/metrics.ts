@@ -38,6 +38,8 @@ export interface EngineStatsLike {
   preemptions: number;
   /** Cached KV blocks evicted to make room (cumulative). */
   kvEvictions?: number;
+  /** Requests the worker took over from a lost worker (cumulative). */
+  requestMigrations?: number;
 }
 
 export interface WorkerStatsSnapshot {
@@ -97,13 +99,14 @@ export class ConduitMetrics {
   readonly prefixHits: Counter<'worker'>;
   readonly preemptions: Counter<'model' | 'worker'>;
   readonly evictions: Counter<'worker'>;
+  readonly migrations: Counter<'worker'>;
 
   // Telemetry about telemetry.
   readonly samplingDecisions: Counter<'kept' | 'reason'>;
   readonly bottlenecks: Counter<'category'>;
   readonly droppedRecords: Counter<'reason'>;
 
-  private readonly lastStats = new Map<string, { queries: number; hits: number; preemptions: number; evictions: number; model: string; tiers: string[] }>();
+  private readonly lastStats = new Map<string, { queries: number; hits: number; preemptions: number; evictions: number; migrations: number; model: string; tiers: string[] }>();
 
   constructor(options: MetricsOptions = {}) {
     const registers = [this.registry = options.registry ?? new Registry()];
@@ -140,6 +143,7 @@ export class ConduitMetrics {
     this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
     this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
     this.evictions = c('conduit_kv_cache_evictions_total', 'Cached KV blocks evicted to make room.', ['worker']);
+    this.migrations = c('conduit_request_migrations_total', 'Requests the worker took over mid-stream after the worker running them was lost.', ['worker']);
 
     this.samplingDecisions = c('conduit_trace_sampling_decisions_total', 'Requests whose spans were kept or dropped, by reason.', ['kept', 'reason']);
     this.bottlenecks = c('conduit_slow_request_bottlenecks_total', 'Slow requests by the bottleneck the trace analyzer named.', ['category']);
@@ -284,9 +288,10 @@ export class ConduitMetrics {
     this.prefixHits.inc({ worker }, dh);
     this.preemptions.inc({ model, worker }, dp);
     if (evictions !== undefined) this.evictions.inc({ worker }, de);
+    if (stats.requestMigrations !== undefined) this.migrations.inc({ worker }, delta(stats.requestMigrations, prev?.migrations));
     this.lastStats.set(worker, {
       queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,
-      evictions: evictions ?? prev?.evictions ?? 0, model, tiers,
+      evictions: evictions ?? prev?.evictions ?? 0, migrations: stats.requestMigrations ?? prev?.migrations ?? 0, model, tiers,
     });
   }
 

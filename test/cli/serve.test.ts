@@ -115,6 +115,17 @@ describe('conduit serve flags', () => {
     }
   });
 
+  it('takes --migration-limit or CONDUIT_MIGRATION_LIMIT, 0 (off) by default', () => {
+    assert.equal(config([]).migrationLimit, 0);
+    assert.equal(config(['--migration-limit', '3']).migrationLimit, 3);
+    assert.equal(config([], { CONDUIT_MIGRATION_LIMIT: '2' }).migrationLimit, 2);
+    assert.equal(config(['--migration-limit', '0'], { CONDUIT_MIGRATION_LIMIT: '2' }).migrationLimit, 0);
+    for (const bad of ['-1', '1.5', 'many']) {
+      assert.throws(() => parseServeConfig(['--migration-limit', bad], {}),
+        (err: unknown) => err instanceof UsageError && /--migration-limit/.test(err.message), bad);
+    }
+  });
+
   it('asks for help', () => {
     assert.equal(parseServeConfig(['--help'], {}), 'help');
   });

@@ -20,6 +20,7 @@ import { decideDisaggregation, type DisaggregationInputs } from '../../src/runti
 import { SharedMemoryKvChannel } from '../../src/runtime/kv-transfer.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
 import { sharedModel } from '../helpers/shared-models.ts';
+import { collect, text, tokens } from '../helpers/outputs.ts';
 
 const BLOCK = 16;
 let nextId = 0;
@@ -30,15 +31,6 @@ function request(promptTokenIds: number[], sampling: Partial<SamplingParams> = {
     sampling: { ...DEFAULT_SAMPLING, maxTokens: 12, ignoreEos: true, temperature: 0, ...sampling },
   };
 }
-
-async function collect(stream: AsyncIterable<EngineOutput>): Promise<EngineOutput[]> {
-  const outputs: EngineOutput[] = [];
-  for await (const output of stream) outputs.push(output);
-  return outputs;
-}
-
-const tokens = (outputs: EngineOutput[]) => outputs.flatMap((o) => o.newTokenIds);
-const text = (outputs: EngineOutput[]) => outputs.map((o) => o.textDelta).join('');
 
 /** A prompt of `length` token ids sharing its first `shared` with every prompt of the same group. */
 function prompt(group: number, length: number, variant = 0, shared = length): number[] {

@@ -4,10 +4,11 @@
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { WorkerLostError } from '../../src/engine/errors.ts';
-import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../src/engine/types.ts';
+import { DEFAULT_SAMPLING, type EngineRequest } from '../../src/engine/types.ts';
 import { LocalEngine } from '../../src/engine/local-engine.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { collect } from '../helpers/outputs.ts';
 
 let nextId = 0;
 function request(promptTokenIds: number[], maxTokens = 4, cacheSalt?: string): EngineRequest {
@@ -15,12 +16,6 @@ function request(promptTokenIds: number[], maxTokens = 4, cacheSalt?: string): E
     id: `req-${nextId++}`, promptTokenIds, priority: 0, arrivalMs: performance.timeOrigin + performance.now(), cacheSalt,
     sampling: { ...DEFAULT_SAMPLING, maxTokens, temperature: 0, ignoreEos: true },
   };
-}
-
-async function collect(stream: AsyncIterable<EngineOutput>): Promise<EngineOutput[]> {
-  const outputs: EngineOutput[] = [];
-  for await (const output of stream) outputs.push(output);
-  return outputs;
 }
 
 /** A prompt of `length` tokens that shares its first `shared` tokens with every prompt of the same group. */

@@ -1,0 +1,290 @@
+// Request migration over real CPU workers (worker threads running a synthetic model with the Llama 2 vocabulary):
+// a worker killed mid-stream hands the request to a surviving worker and the caller's stream goes on, equal to a
+// run that was never interrupted (tokens, text, usage), a stop string spanning the migration point included;
+// migration off, the limit reached or no worker left fail as before; an abort between two workers ends the
+// stream; a lost decode worker hands over to another decode worker; and no block stays in use anywhere.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { engineNow } from '../../src/engine/clock.ts';
+import { WorkerLostError } from '../../src/engine/errors.ts';
+import { createLocalEngine, LocalEngine } from '../../src/engine/local-engine.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { BitsetKvIndex } from '../../src/router/kv-index.ts';
+import { seededRandom } from '../../src/router/random.ts';
+import { Router } from '../../src/router/router.ts';
+import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
+import { createWorkerPool, type WorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';
+import { collect, text, tokens } from '../helpers/outputs.ts';
+
+let nextId = 0;
+/** Greedy with a repetition penalty: no loops in a random model's text, and the same tokens after a migration. */
+function request(promptTokenIds: number[], sampling: Partial<SamplingParams> = {}): EngineRequest {
+  return {
+    id: `m${nextId++}`, promptTokenIds, priority: 0, arrivalMs: engineNow(),
+    sampling: { ...DEFAULT_SAMPLING, maxTokens: 150, ignoreEos: true, temperature: 0, repetitionPenalty: 1.5, ...sampling },
+  };
+}
+
+function prompt(group: number, length = 32): number[] {
+  return Array.from({ length }, (_, i) => 100 + ((group * 7919 + i * 31) % 5000));
+}
+
+/**
+ * Streams `req` and calls `kill` with the latest output once `killAfter` outputs arrived; with `kills` > 1, again
+ * after each further `killAfter` outputs (the worker that took the request over).
+ */
+async function runWithKill(engine: { generate(r: EngineRequest): AsyncIterable<EngineOutput> }, req: EngineRequest,
+  killAfter: number, kill: (output: EngineOutput) => Promise<void>, kills = 1): Promise<EngineOutput[]> {
+  const outputs: EngineOutput[] = [];
+  let sinceKill = 0;
+  let killed = 0;
+  for await (const output of engine.generate(req)) {
+    outputs.push(output);
+    if (killed < kills && ++sinceKill === killAfter) {
+      killed++;
+      sinceKill = 0;
+      await kill(output);
+    }
+  }
+  return outputs;
+}
+
+function killer(pool: WorkerPool) {
+  return async (output: EngineOutput) => {
+    const worker = pool.workers.find((w) => w.id === output.routing!.workerId)!;
+    await (worker.engine as LocalEngine).kill();
+  };
+}
+
+/** Settles every surviving worker, then checks that no block and no request is left anywhere. */
+async function assertAllFree(pool: WorkerPool): Promise<void> {
+  const alive = new Set([...(pool.routed?.workerIds ?? []), ...(pool.disaggregated?.prefillWorkerIds ?? []),
+    ...(pool.disaggregated?.decodeWorkerIds ?? [])]);
+  for (const { id, engine } of pool.workers) {
+    if (!alive.has(id)) continue;
+    const stats = await (engine as LocalEngine).sync();
+    assert.equal(stats.kvBlocksUsed, 0, `worker ${id} holds no block`);
+    assert.equal(stats.numRunning + stats.numWaiting, 0, `worker ${id} runs nothing`);
+  }
+  assert.equal(pool.engine.stats().numWaiting, 0, 'nothing waits for a worker');
+}
+
+let tempDir: string;
+let modelPath: string;
+before(() => {
+  tempDir = mkdtempSync(join(tmpdir(), 'conduit-migration-'));
+  modelPath = join(tempDir, 'synthetic.gguf');
+  writeSyntheticModel({
+    name: 'migration-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
+    dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+  }, modelPath);
+});
+after(() => rmSync(tempDir, { recursive: true, force: true }));
+
+/**
+ * The reference kernels: a few ms per token, so the kill reliably lands mid-stream, and no native code running in
+ * the thread that is killed.
+ */
+const WORKER = { modelPath: '', threads: 1, kvCacheMemoryBytes: 16 << 20, backend: 'reference' } as const;
+
+function routedPool(workers: number, migrationLimit?: number, extra: Partial<WorkerPoolOptions> = {}): Promise<WorkerPool> {
+  return createWorkerPool({
+    engine: 'cpu', workers, ...WORKER, modelPath, routerSeed: 7,
+    ...(migrationLimit !== undefined ? { migrationLimit } : {}), ...extra,
+  });
+}
+
+describe('request migration between routed workers', () => {
+  test('a worker killed mid-stream: the stream continues on the other worker, equal to an uninterrupted run', async () => {
+    const pool = await routedPool(2, 3);
+    try {
+      const expected = await collect(pool.engine.generate(request(prompt(1))));
+      const req = request(prompt(1));
+      const outputs = await runWithKill(pool.engine, req, 20, killer(pool));
+
+      const moves = outputs.at(-1)!.routing!.migrations!;
+      assert.equal(moves.length, 1, 'one migration');
+      const [move] = moves;
+      assert.notEqual(move!.toWorkerId, move!.fromWorkerId);
+      assert.ok(move!.afterTokens >= 20 && move!.afterTokens < 150, `migrated after ${move!.afterTokens} tokens, mid-stream`);
+      assert.equal(outputs.at(-1)!.routing!.workerId, move!.toWorkerId);
+      assert.equal(outputs[0]!.routing!.workerId, move!.fromWorkerId);
+
+      assert.deepEqual(tokens(outputs), tokens(expected), 'greedy tokens as if nothing happened');
+      assert.equal(text(outputs), text(expected), 'and the same text, nothing repeated or dropped');
+      assert.ok(outputs.every((o) => o.requestId === req.id && o.index === 0));
+      const last = outputs.at(-1)!;
+      assert.equal(last.finishReason, 'length');
+      assert.equal(last.usage.promptTokens, 32, 'the caller\'s prompt, not the continuation\'s');
+      assert.equal(last.usage.completionTokens, 150);
+      // Completion tokens count on across the migration, one per output.
+      outputs.forEach((o, i) => assert.equal(o.usage.completionTokens, i + 1, `output ${i}`));
+      assert.equal(last.timestamps.firstToken, outputs[0]!.timestamps.firstToken, 'the first token stays the first worker\'s');
+
+      const survivor = pool.routed!.workerStats();
+      assert.deepEqual(survivor.map((w) => [w.workerId, w.stats.requestMigrations]), [[move!.toWorkerId, 1]]);
+      assert.equal(pool.engine.stats().requestMigrations, 1);
+      await assertAllFree(pool);
+      // The survivor now holds the prompt's blocks; the router knows it, and it serves the next request.
+      const next = await collect(pool.engine.generate(request(prompt(1), { maxTokens: 4 })));
+      assert.equal(next.at(-1)!.routing!.workerId, move!.toWorkerId);
+      assert.ok(next.at(-1)!.usage.cachedTokens > 0);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
+  test('a stop string spanning the migration point stops the stream exactly where an uninterrupted run stops', async () => {
+    const pool = await routedPool(2, 1);
+    try {
+      const killAfter = 20;
+      const whole = await collect(pool.engine.generate(request(prompt(2))));
+      // The stop string starts a few tokens before the kill and ends well after it: the lost worker held back all
+      // of its text that had arrived (it could still become the stop string); the new worker never sees it.
+      const textOf = (n: number) => text(whole.slice(0, n));
+      const stop = whole.map((o) => o.textDelta).join('').slice(textOf(killAfter - 3).length, textOf(killAfter + 100).length);
+      assert.ok(stop.length > 20);
+      const expected = await collect(pool.engine.generate(request(prompt(2), { stop: [stop] })));
+      assert.equal(expected.at(-1)!.stopReason, stop);
+
+      const outputs = await runWithKill(pool.engine, request(prompt(2), { stop: [stop] }), killAfter, killer(pool));
+      const move = outputs.at(-1)!.routing!.migrations![0]!;
+      assert.ok(move.afterTokens < killAfter + 100, `the migration (after ${move.afterTokens} tokens) is inside the stop string`);
+      const before = outputs.filter((o) => o.routing!.workerId === move.fromWorkerId);
+      assert.equal(text(before), textOf(killAfter - 3), 'the lost worker sent only the text before the stop string');
+      assert.equal(text(outputs), text(expected));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.equal(outputs.at(-1)!.finishReason, 'stop');
+      assert.equal(outputs.at(-1)!.stopReason, stop);
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
+  test('migration off (the default): the stream fails with WorkerLostError as before', async () => {
+    const pool = await routedPool(2);
+    try {
+      await assert.rejects(runWithKill(pool.engine, request(prompt(3)), 5, killer(pool)), WorkerLostError);
+      assert.equal(pool.engine.stats().requestMigrations, 0);
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
+  test('limit reached: the second loss fails with WorkerLostError although a worker is left', async () => {
+    const pool = await routedPool(3, 1);
+    try {
+      await assert.rejects(runWithKill(pool.engine, request(prompt(4), { maxTokens: 300 }), 10, killer(pool), 2),
+        (error: unknown) => error instanceof WorkerLostError);
+      assert.equal(pool.routed!.workerIds.length, 1);
+      assert.equal(pool.engine.stats().requestMigrations, 1);
+      await assertAllFree(pool);
+      const next = await collect(pool.engine.generate(request(prompt(4), { maxTokens: 4 })));
+      assert.equal(next.at(-1)!.finishReason, 'length', 'the last worker serves on');
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
+  test('no worker left: the stream fails with the worker\'s WorkerLostError', async () => {
+    const pool = await routedPool(2, 5);
+    try {
+      await assert.rejects(runWithKill(pool.engine, request(prompt(5), { maxTokens: 300 }), 10, killer(pool), 2),
+        (error: unknown) => error instanceof WorkerLostError && /was lost while running/.test(error.message));
+      assert.deepEqual(pool.routed!.workerIds, []);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
+  test('aborted while waiting for a worker to take it over: the stream ends with abort, nothing is held', async () => {
+    // A worker with any KV in use counts as busy, so the migrating request waits in the router's queue while the
+    // other worker runs a long request.
+    const first = await createLocalEngine({ ...WORKER, modelPath, enableKvEvents: true });
+    const second = await LocalEngine.start({ ...WORKER, modelPath, enableKvEvents: true });
+    const router = new Router({
+      blockSize: first.engine.info.blockSize, policy: 'kv', random: seededRandom(1), clock: () => performance.now(),
+      index: new BitsetKvIndex({ hashSeed: 1 }), busyKvUsage: 1e-6,
+    });
+    const engines = new Map<string, LocalEngine>([['a', first.engine], ['b', second]]);
+    const routed = new RoutedEngine([...engines].map(([id, engine]) => ({ id, engine })), router, engineNow,
+      { limit: 2, tokenizer: first.tokenizer });
+    try {
+      const blocker = request(prompt(6), { maxTokens: 600 });
+      const blockerStream = routed.generate(blocker)[Symbol.asyncIterator]();
+      const blockerWorker = (await blockerStream.next()).value.routing.workerId as string;
+      const req = request(prompt(7), { maxTokens: 300 });
+      const stream = routed.generate(req)[Symbol.asyncIterator]();
+      const firstOutput = (await stream.next()).value as EngineOutput;
+      assert.notEqual(firstOutput.routing!.workerId, blockerWorker);
+      await engines.get(firstOutput.routing!.workerId)!.kill();
+      const rest: EngineOutput[] = [];
+      const pump = (async () => { for (let r = await stream.next(); !r.done; r = await stream.next()) rest.push(r.value); })();
+      while (routed.stats().numWaiting === 0) await new Promise((resolve) => setTimeout(resolve, 1));
+      routed.abort(req.id);
+      await pump;
+      const last = rest.at(-1)!;
+      assert.equal(last.finishReason, 'abort');
+      assert.equal(last.usage.completionTokens, 1 + rest.filter((o) => o.newTokenIds.length > 0).length);
+      assert.equal(routed.stats().numWaiting, 0);
+      routed.abort(blocker.id);
+      for (let r = await blockerStream.next(); !r.done; r = await blockerStream.next());
+      const stats = await engines.get(blockerWorker)!.sync();
+      assert.equal(stats.kvBlocksUsed, 0);
+      assert.equal(stats.numRunning + stats.numWaiting, 0);
+      assert.equal(routed.stats().requestMigrations, 0, 'the request never reached another worker');
+    } finally {
+      await routed.close();
+    }
+  });
+
+  test('n > 1 is not migrated', async () => {
+    const pool = await routedPool(2, 3);
+    try {
+      await assert.rejects(runWithKill(pool.engine, request(prompt(8), { n: 2 }), 10, killer(pool)), WorkerLostError);
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+});
+
+describe('request migration between decode workers', () => {
+  test('a decode worker lost mid-decode: another decode worker recomputes the prompt and tokens and goes on', async () => {
+    const pool = await createWorkerPool({
+      engine: 'cpu', workers: 1, prefillWorkers: 1, decodeWorkers: 2, ...WORKER, modelPath, routerSeed: 9, migrationLimit: 1,
+      // Every prompt is prefilled remotely, so the lost worker is one that adopted a handoff.
+      disaggregationPolicy: { minRemotePrefillTokens: 1 },
+    });
+    try {
+      const reference = (pool.workers.find((w) => w.role === 'decode')!.engine as LocalEngine);
+      const expected = await collect(reference.generate(request(prompt(9, 64))));
+      const outputs = await runWithKill(pool.engine, request(prompt(9, 64)), 20, async (output) => {
+        const decodeId = output.routing!.disaggregation!.decodeWorkerId;
+        await (pool.workers.find((w) => w.id === decodeId)!.engine as LocalEngine).kill();
+      });
+      assert.equal(outputs[0]!.routing!.disaggregation!.mode, 'disaggregated', 'the first worker adopted a handoff');
+      const last = outputs.at(-1)!;
+      const move = last.routing!.migrations![0]!;
+      assert.equal(move.fromWorkerId, outputs[0]!.routing!.workerId);
+      assert.equal(last.routing!.workerId, move.toWorkerId);
+      assert.equal(last.routing!.disaggregation!.decodeWorkerId, move.toWorkerId);
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.equal(text(outputs), text(expected));
+      assert.equal(last.usage.completionTokens, 150);
+      assert.equal(last.usage.promptTokens, 64);
+      assert.equal(pool.disaggregated!.stats().requestMigrations, 1);
+      assert.deepEqual(pool.disaggregated!.workerStats().filter((w) => w.role === 'decode')
+        .map((w) => [w.workerId, w.stats.requestMigrations]), [[move.toWorkerId, 1]]);
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+});
