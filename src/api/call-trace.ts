@@ -299,6 +299,12 @@ export class CallTrace {
           ...traceparentOf(last),
         });
       }
+      const migrations = routing?.migrations;
+      if (migrations && migrations.length > 0) {
+        reports.at(-1)!.migrations = migrations.map((m) => ({
+          fromWorker: m.fromWorkerId, ...(m.toWorkerId !== undefined ? { toWorker: m.toWorkerId } : {}), afterTokens: m.afterTokens, reason: m.reason,
+        }));
+      }
     }
     return reports;
   }

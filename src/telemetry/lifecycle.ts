@@ -90,6 +90,17 @@ export interface EngineReport {
    * request belongs under. A plain string, so it crosses threads and processes as is.
    */
   traceparent?: string;
+  /** The workers the request moved between after losing one mid-stream (request migration), in order. */
+  migrations?: readonly MigrationFact[];
+}
+
+/** One request migration: the worker lost, the one that took over (unset if none did), and when. */
+export interface MigrationFact {
+  fromWorker: string;
+  toWorker?: string;
+  /** Tokens the caller had received when the worker was lost. */
+  afterTokens: number;
+  reason: string;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

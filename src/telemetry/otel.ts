@@ -426,6 +426,10 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'routing.worker_queue_depth': routing.workerQueueDepth,
       'routing.predicted_ttft_ms': routing.predictedTtftMs,
       'routing.latency_ms': r3(routing.endMs - routing.startMs),
+      // Request migration: how often the request lost its worker mid-stream, and where it went each time.
+      'routing.migrations': routing.migrations?.length,
+      'routing.migration_path': routing.migrations
+        ?.map((m) => `${m.fromWorker} -> ${m.toWorker ?? 'none'} after ${m.afterTokens} tokens`).join('; '),
     }, (ctx) => {
       if (!sub) return;
       let t = routing.startMs;

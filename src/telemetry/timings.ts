@@ -71,6 +71,8 @@ export interface TraceView {
   decode: { steps: number; source: string; step_p50_ms: number | null; step_max_ms: number | null } | null;
   tbt: { count: number; p50_ms: number | null; p99_ms: number | null; max_ms: number | null };
   sampling: string | null;
+  /** Request migrations: the worker lost mid-stream, the one that took over, and after how many tokens. */
+  migrations: { from_worker: string; to_worker: string | null; after_tokens: number; reason: string }[];
 }
 
 export function traceView(trace: RequestTrace): TraceView {
@@ -111,6 +113,9 @@ export function traceView(trace: RequestTrace): TraceView {
       max_ms: tbt.length > 0 ? roundMs(max(tbt)) : null,
     },
     sampling: trace.headSampling?.reason ?? null,
+    migrations: (trace.routing?.migrations ?? []).map((m) => ({
+      from_worker: m.fromWorker, to_worker: m.toWorker ?? null, after_tokens: m.afterTokens, reason: m.reason,
+    })),
   };
 }
 

@@ -9,7 +9,8 @@
 // the first token, TBT to the decode steps' ends, when the engine reported them.
 
 import type {
-  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, PhaseName, RouterSubPhasesMs, TerminalEvent, FinishReasonName,
+  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterSubPhasesMs, TerminalEvent,
+  FinishReasonName,
 } from './lifecycle.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { TraceParent } from './traceparent.ts';
@@ -84,6 +85,8 @@ export interface RoutingSummary {
   workerQueueDepth?: number;
   predictedTtftMs?: number;
   subPhasesMs?: RouterSubPhasesMs;
+  /** Where the request went after losing its worker mid-stream, in order (request migration). */
+  migrations?: readonly MigrationFact[];
 }
 
 export interface PrefillSummary {
@@ -370,6 +373,8 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
       kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
       predictedTtftMs: router.predictedTtftMs, subPhasesMs: router.subPhasesMs,
     };
+    const migrations = reports.flatMap((r) => r.migrations ?? []);
+    if (migrations.length > 0) routing.migrations = migrations;
     phases.push({
       phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
       attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),

@@ -91,6 +91,16 @@ describe('request migration through the HTTP server', () => {
     assert.deepEqual(migrated.usage, expected.usage);
 
     const survivor = routed.workerIds[0]!;
+    // The request's trace names the move: the worker lost, the survivor, and how far the stream had got.
+    const [responseId] = [...migrated.ids];
+    const traceResponse = await fetch(`${running.url}/v1/requests/${responseId}/trace`, { headers: { authorization: `Bearer ${KEY}` } });
+    assert.equal(traceResponse.status, 200);
+    const trace = await traceResponse.json() as { migrations: { from_worker: string; to_worker: string | null; after_tokens: number }[] };
+    assert.equal(trace.migrations.length, 1);
+    assert.equal(trace.migrations[0]!.from_worker, victim);
+    assert.equal(trace.migrations[0]!.to_worker, survivor);
+    assert.ok(trace.migrations[0]!.after_tokens >= 20, `after ${trace.migrations[0]!.after_tokens} tokens`);
+
     const again = await stream();
     assert.equal(again.text, expected.text, 'the tenant\'s slot was given back; the survivor serves on');
 
