@@ -20,7 +20,8 @@ namespace {
 }  // namespace
 
 void register_attention_avx2(KernelTable& t) {
-  t.attention = simd_attention<Avx2>;
+  t.attention_chunks = simd_attention_chunks<Avx2>;
+  t.attention_merge = simd_attention_merge<Avx2>;
   t.names["attention"] = "avx2";
 }
 

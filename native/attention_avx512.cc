@@ -20,7 +20,8 @@ namespace {
 }  // namespace
 
 void register_attention_avx512(KernelTable& t) {
-  t.attention = simd_attention<Avx512>;
+  t.attention_chunks = simd_attention_chunks<Avx512>;
+  t.attention_merge = simd_attention_merge<Avx512>;
   t.names["attention"] = "avx512";
 }
 

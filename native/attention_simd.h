@@ -1,17 +1,18 @@
 // Paged attention over a vector traits type V. Include inside an anonymous namespace of the ISA's file, after
-// its traits and ops_simd.h (for vexp / simd_softmax).
+// its traits and ops_simd.h (for vexp).
 //
-// A unit is (sequence, KV head, rows). The pool offsets of its context positions are looked up in the block
-// table once per unit and shared by K and V, every row and every query head of the group. Per row, whether it is
-// part of a prefill chunk or a decode step:
-//  - scores, kWidth positions at a time: each position's dot product is accumulated lane-parallel over
-//    head_dim, then one transposing reduction turns kWidth accumulators into kWidth scores (a full horizontal
-//    reduction per position would cost more than the dot product itself); K rows are reused by the group's
-//    heads from L1, and the K and V rows a little further on are prefetched, since a decode step finds the
-//    KV cache in DRAM (the weights streamed since the last step have evicted it);
-//  - a vectorised softmax;
-//  - out = P V with whole head outputs of several query vectors in registers, so each V row is read once for all
-//    of them (head_dim of 1, 2, 4 or 8 vectors; other sizes go one vector chunk at a time).
+// Split-K over fixed chunks of kAttentionChunk positions (kernels.h): a unit is (sequence, up to
+// kAttentionRowsPerUnit rows, one chunk or all of them, every KV head), so a thread streams whole K and V rows of
+// its chunk. The pool offsets of a chunk's positions are looked up in the block table once and shared by K and V,
+// every row and every head. Per row and chunk, whether the row is part of a prefill chunk or a decode step:
+//  - scores, kWidth positions at a time for every KV head: each position's dot product is accumulated
+//    lane-parallel over head_dim, then one transposing reduction turns kWidth accumulators into kWidth scores (a
+//    full horizontal reduction per position would cost more than the dot product itself); f16 keys are widened
+//    once for the group's heads; the chunk's V rows are requested meanwhile;
+//  - exponentials against the chunk's max, and their sum (no normalisation yet);
+//  - P V with whole head outputs of several query vectors in registers, so each V row is read once for all of
+//    them (head_dim of 1, 2, 4 or 8 vectors; other sizes go one vector chunk at a time).
+// A row's chunks are then folded in order 0, 1, 2 ... (rescaling to the larger max) and normalised once.
 
 template <class V, bool F16>
 inline typename V::F load_kv(const uint8_t* row, int64_t d) {
@@ -25,8 +26,8 @@ inline typename V::F load_kv_partial(const uint8_t* row, int64_t d, int64_t n) {
   return V::load_partial(reinterpret_cast<const float*>(row) + d, n);
 }
 
-// Positions ahead whose K and V rows are prefetched.
-constexpr int kAttentionPrefetchAhead = 64;
+// Largest head_dim whose f16 keys are widened to f32 once per kWidth positions for all heads of a group.
+constexpr int kAttentionConvertMaxDim = 256;
 
 // Scores of the group's heads for positions [t0, t0 + live), live <= kWidth.
 template <class V, bool F16>
@@ -59,14 +60,13 @@ constexpr int value_block() {
   return (V::kWidth == 16 ? 16 : 8) / NC > 0 ? (V::kWidth == 16 ? 16 : 8) / NC : 1;
 }
 
-// out[i] = sum over positions t < context of p[i][t] * V[t] for n <= value_block query vectors at once, head_dim =
-// NC vectors: every V row is read once for all of them.
-template <class V, bool F16, int NC>
+// out[i] = sum over positions t < context of p[i][t] * V[t] for JB query vectors at once, head_dim = NC vectors:
+// every V row is read once for all of them. Only the first n are real: the others repeat the last one.
+template <class V, bool F16, int NC, int JB>
 inline void weighted_values_block(const uint8_t* v_cache, const size_t* offsets, const float* p, size_t p_stride,
                                   int context, int n, float* const* out) {
   using F = typename V::F;
   constexpr int W = V::kWidth;
-  constexpr int JB = value_block<V, NC>();
   F acc[JB][NC];
   const float* pj[JB];
   for (int j = 0; j < JB; ++j) {
@@ -112,7 +112,7 @@ inline void weighted_values_chunked(const uint8_t* v_cache, const size_t* offset
 
 // The group's heads of one row: whole outputs in registers when head_dim is 1, 2, 4 or 8 vectors.
 template <class V, bool F16>
-inline void weighted_values(const AttentionArgs& a, const size_t* offsets, const float* scores, size_t score_stride,
+inline void weighted_values(const uint8_t* v_cache, const size_t* offsets, const float* scores, size_t score_stride,
                             int context, int group, int hd, float* out) {
   constexpr int W = V::kWidth;
   auto blocks = [&](auto chunks) {
@@ -122,7 +122,22 @@ inline void weighted_values(const AttentionArgs& a, const size_t* offsets, const
       const int n = group - j0 < JB ? group - j0 : JB;
       float* outs[JB];
       for (int j = 0; j < n; ++j) outs[j] = out + (j0 + j) * hd;
-      weighted_values_block<V, F16, NC>(a.v_cache, offsets, scores + j0 * score_stride, score_stride, context, n, outs);
+      const float* p = scores + j0 * score_stride;
+      // Exactly n vectors for the small remainders GQA groups leave (3 of 4, ...): no accumulators spent on
+      // copies. Larger remainders repeat the last vector.
+      auto exact = [&](auto rows) {
+        constexpr int N = decltype(rows)::value;
+        weighted_values_block<V, F16, NC, N>(v_cache, offsets, p, score_stride, context, N, outs);
+      };
+      if (n == 1) {
+        exact(std::integral_constant<int, 1>());
+      } else if (n == 2 && JB >= 2) {
+        exact(std::integral_constant<int, (JB >= 2 ? 2 : 1)>());
+      } else if (n == 3 && JB >= 3) {
+        exact(std::integral_constant<int, (JB >= 3 ? 3 : 1)>());
+      } else {
+        weighted_values_block<V, F16, NC, JB>(v_cache, offsets, p, score_stride, context, n, outs);
+      }
     }
   };
   switch (hd % W == 0 ? hd / W : 0) {
@@ -132,80 +147,189 @@ inline void weighted_values(const AttentionArgs& a, const size_t* offsets, const
     case 8: return blocks(std::integral_constant<int, 8>());
     default:
       for (int j = 0; j < group; ++j) {
-        weighted_values_chunked<V, F16>(a.v_cache, offsets, scores + j * score_stride, context, hd, out + j * hd);
+        weighted_values_chunked<V, F16>(v_cache, offsets, scores + j * score_stride, context, hd, out + j * hd);
       }
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Every row alone: a prefill row and a decode row go through the same arithmetic, so a sequence's outputs do not
-// depend on how its prompt was chunked or what else is in the batch (batch invariance). (Treating a prefill
-// chunk's rows as a small matrix, with keys transposed once per block, saved about a fifth of the score work but
-// gave prefill rows different roundings than decode rows.)
+// Split-K over fixed chunks of positions (see AttentionArgs in kernels.h). Every row, prefill or decode, goes
+// through the same arithmetic: its chunks' partials are computed alike wherever they run and folded in chunk order
+// by the same function, so a row's bits depend neither on what else is in the batch nor on how its prompt was
+// chunked, nor on the number of threads. (Treating a prefill chunk's rows as a small matrix, with keys transposed
+// once per block, saved about a fifth of the score work but gave prefill rows different roundings than decode rows.)
 
-template <class V, bool F16>
-void attention_rows(const AttentionArgs& a, int kv_head, int first_row, int cached, int row_begin, int row_end,
-                    const size_t* offsets, float* scores, size_t score_stride) {
-  constexpr int W = V::kWidth;
-  const int group = a.num_heads / a.num_kv_heads;
-  const int hd = a.head_dim;
-  const int64_t q_stride = static_cast<int64_t>(a.num_heads) * hd;
-  const size_t row_span = static_cast<size_t>(hd) * (F16 ? 2 : 4);
-  auto prefetch_row = [&](const uint8_t* row) {
-    for (size_t off = 0; off < row_span; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
-  };
-  for (int r = row_begin; r < row_end; ++r) {
-    const int context = cached + r + 1;
-    const int64_t token = first_row + r;
-    const float* q = a.q + token * q_stride + static_cast<int64_t>(kv_head) * group * hd;
-    for (int t0 = 0; t0 < context; t0 += W) {
-      const int live = context - t0 < W ? context - t0 : W;
-      const uint8_t* k[W];
-      for (int u = 0; u < W; ++u) k[u] = a.k_cache + offsets[t0 + (u < live ? u : live - 1)];
-      for (int t = t0 + kAttentionPrefetchAhead; t < t0 + kAttentionPrefetchAhead + W && t < context; ++t) {
-        prefetch_row(a.k_cache + offsets[t]);
-        prefetch_row(a.v_cache + offsets[t - kAttentionPrefetchAhead]);
-      }
-      score_positions<V, F16>(q, group, hd, k, live, a.scale, scores + t0, score_stride);
+// Byte offsets, in a layer's K or V region, of the rows (all KV heads) of positions [t_begin, t_end). Block by
+// block: no integer division per position.
+inline void chunk_offsets(const AttentionArgs& a, const int32_t* block_table, size_t row_bytes, int t_begin, int t_end,
+                          size_t* offsets) {
+  int blk = t_begin / a.block_size, i = t_begin % a.block_size;
+  size_t base = static_cast<size_t>(block_table[blk]) * a.block_size * row_bytes;
+  for (int t = t_begin; t < t_end; ++t) {
+    offsets[t - t_begin] = base + static_cast<size_t>(i) * row_bytes;
+    if (++i == a.block_size && t + 1 < t_end) {
+      i = 0;
+      base = static_cast<size_t>(block_table[++blk]) * a.block_size * row_bytes;
     }
-    for (int j = 0; j < group; ++j) simd_softmax<V>(scores + j * score_stride, context);
-    weighted_values<V, F16>(a, offsets, scores, score_stride, context, group, hd,
-                            a.out + token * q_stride + static_cast<int64_t>(kv_head) * group * hd);
   }
 }
 
+// One row's partial over the n positions of one chunk (offsets[0, n)), every query head: the unnormalised P V of
+// each head, then each head's max score and sum of exponentials (layout of attention_partial_floats).
 template <class V, bool F16>
-void attention_unit(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) {
+inline void chunk_partial(const AttentionArgs& a, const float* q, const size_t* offsets, int n, float* scores,
+                          size_t score_stride, float* partial) {
+  constexpr int W = V::kWidth;
   const int group = a.num_heads / a.num_kv_heads;
   const int hd = a.head_dim;
+  const size_t head_bytes = static_cast<size_t>(hd) * (F16 ? 2 : 4);
+  const size_t row_bytes = head_bytes * a.num_kv_heads;
+  auto prefetch_row = [&](const uint8_t* row) {
+    for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T1);
+  };
+  // Scores W positions at a time for all KV heads, so K is read as whole rows in order (the hardware prefetcher
+  // follows them: prefetching K ahead in software measured slower); the same rows of V are requested meanwhile for
+  // the P V pass below, which otherwise would wait for each of them.
+  for (int t0 = 0; t0 < n; t0 += W) {
+    const int live = n - t0 < W ? n - t0 : W;
+    for (int t = t0; t < t0 + live; ++t) prefetch_row(a.v_cache + offsets[t]);
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      const uint8_t* k[W];
+      for (int u = 0; u < W; ++u) k[u] = a.k_cache + offsets[t0 + (u < live ? u : live - 1)] + h * head_bytes;
+      const float* qh = q + static_cast<int64_t>(h) * group * hd;
+      float* sh = scores + static_cast<size_t>(h) * group * score_stride + t0;
+      if (F16 && group > 1 && hd <= kAttentionConvertMaxDim) {
+        // Halves widened once for the group's heads rather than once per head (exact, so the same bits).
+        alignas(64) float widened[W * kAttentionConvertMaxDim];
+        const uint8_t* kf[W];
+        for (int u = 0; u < W; ++u) {
+          float* dst = widened + u * hd;
+          for (int d = 0; d < hd; d += W) {
+            const int64_t n = hd - d < W ? hd - d : W;
+            V::store_partial(dst + d, load_kv_partial<V, true>(k[u], d, n), n);
+          }
+          kf[u] = reinterpret_cast<const uint8_t*>(dst);
+        }
+        score_positions<V, false>(qh, group, hd, kf, live, a.scale, sh, score_stride);
+      } else {
+        score_positions<V, F16>(qh, group, hd, k, live, a.scale, sh, score_stride);
+      }
+    }
+  }
+  float* max = partial + static_cast<size_t>(a.num_heads) * hd;
+  float* sum = max + a.num_heads;
+  for (int j = 0; j < a.num_heads; ++j) exp_scores<V>(scores + j * score_stride, n, max + j, sum + j);
+  for (int h = 0; h < a.num_kv_heads; ++h) {
+    weighted_values<V, F16>(a.v_cache + h * head_bytes, offsets, scores + static_cast<size_t>(h) * group * score_stride,
+                            score_stride, n, group, hd, partial + static_cast<size_t>(h) * group * hd);
+  }
+}
+
+// Folds one chunk's partial into a row's output and its state (max, sum per head): the first chunk is copied,
+// a later one rescales both sides to the larger max. Explicit FMAs: the same bits wherever this is inlined.
+template <class V>
+inline void fold_partial(int num_heads, int hd, const float* partial, bool first, float* out, float* state) {
+  constexpr int W = V::kWidth;
+  const float* max = partial + static_cast<size_t>(num_heads) * hd;
+  const float* sum = max + num_heads;
+  for (int j = 0; j < num_heads; ++j) {
+    const float* src = partial + static_cast<size_t>(j) * hd;
+    float* dst = out + static_cast<size_t>(j) * hd;
+    if (first) {
+      state[2 * j] = max[j];
+      state[2 * j + 1] = sum[j];
+      std::memcpy(dst, src, sizeof(float) * hd);
+      continue;
+    }
+    const float m = state[2 * j] > max[j] ? state[2 * j] : max[j];
+    const float alpha = std::exp(state[2 * j] - m), beta = std::exp(max[j] - m);
+    state[2 * j] = m;
+    state[2 * j + 1] = std::fma(state[2 * j + 1], alpha, sum[j] * beta);
+    const auto va = V::set1(alpha), vb = V::set1(beta);
+    for (int d = 0; d < hd; d += W) {
+      const int64_t live = hd - d < W ? hd - d : W;
+      V::store_partial(dst + d, V::fmadd(V::load_partial(dst + d, live), va, V::mul(V::load_partial(src + d, live), vb)),
+                       live);
+    }
+  }
+}
+
+template <class V>
+inline void finish_row(int num_heads, int hd, const float* state, float* out) {
+  constexpr int W = V::kWidth;
+  for (int j = 0; j < num_heads; ++j) {
+    const auto inv = V::set1(1.0f / state[2 * j + 1]);
+    float* dst = out + static_cast<size_t>(j) * hd;
+    for (int d = 0; d < hd; d += W) {
+      const int64_t live = hd - d < W ? hd - d : W;
+      V::store_partial(dst + d, V::mul(V::load_partial(dst + d, live), inv), live);
+    }
+  }
+}
+
+// KernelTable::attention_chunks. Chunk-major, so a prefill unit's rows reuse each chunk's K and V from L2.
+template <class V, bool F16>
+void chunk_unit(const AttentionArgs& a, int seq, int row_begin, int row_end, int chunk, float* partials,
+                size_t partial_row_stride, float* scratch) {
+  const int nh = a.num_heads, hd = a.head_dim;
+  const int64_t q_stride = static_cast<int64_t>(nh) * hd;
   const int first_row = a.query_start_loc[seq];
   const int num_new = a.query_start_loc[seq + 1] - first_row;
   const int cached = a.seq_lens[seq] - num_new;
   const int max_context = cached + row_end;
   const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-  const size_t element = F16 ? 2 : 4;
-  const size_t row_bytes = static_cast<size_t>(a.num_kv_heads) * hd * element;
-  const size_t head_offset = static_cast<size_t>(kv_head) * hd * element;
+  const size_t row_bytes = static_cast<size_t>(a.num_kv_heads) * hd * (F16 ? 2 : 4);
+  const size_t partial_floats = attention_partial_floats(nh, hd);
 
-  // Scratch: scores [group][score_stride], then the byte offset of each position's row.
-  const size_t score_stride = attention_score_stride(max_context);
+  // Scratch: scores [nh][score_stride], the chunk's offsets, one partial, the fold state of each row.
+  const size_t score_stride = attention_score_stride(kAttentionChunk);
   float* scores = scratch;
-  size_t* offsets = reinterpret_cast<size_t*>(scratch + static_cast<size_t>(group) * score_stride);
-  // Block by block: no integer division per position (tens of cycles each, for every position of every unit of
-  // every layer of a decode step).
-  for (int t0 = 0, blk = 0; t0 < max_context; t0 += a.block_size, ++blk) {
-    const size_t first = static_cast<size_t>(block_table[blk]) * a.block_size * row_bytes + head_offset;
-    const int end = max_context - t0 < a.block_size ? max_context - t0 : a.block_size;
-    for (int i = 0; i < end; ++i) offsets[t0 + i] = first + static_cast<size_t>(i) * row_bytes;
+  size_t* offsets = reinterpret_cast<size_t*>(scratch + static_cast<size_t>(nh) * score_stride);
+  float* partial = scratch + static_cast<size_t>(nh) * score_stride + 2 * kAttentionChunk;
+  float* state = partial + partial_floats;
+
+  const int c_begin = partials ? chunk : 0, c_end = partials ? chunk + 1 : attention_chunks(max_context);
+  for (int c = c_begin; c < c_end; ++c) {
+    const int t_begin = c * kAttentionChunk;
+    const int t_end = max_context - t_begin < kAttentionChunk ? max_context : t_begin + kAttentionChunk;
+    chunk_offsets(a, block_table, row_bytes, t_begin, t_end, offsets);
+    for (int r = row_begin; r < row_end; ++r) {
+      const int context = cached + r + 1;
+      if (context <= t_begin) continue;
+      const int n = context - t_begin < kAttentionChunk ? context - t_begin : kAttentionChunk;
+      const int64_t token = first_row + r;
+      float* dst = partials ? partials + (r - row_begin) * partial_row_stride + c * partial_floats : partial;
+      chunk_partial<V, F16>(a, a.q + token * q_stride, offsets, n, scores, score_stride, dst);
+      if (!partials) fold_partial<V>(nh, hd, dst, c == 0, a.out + token * q_stride, state + (r - row_begin) * 2 * nh);
+    }
   }
-  attention_rows<V, F16>(a, kv_head, first_row, cached, row_begin, row_end, offsets, scores, score_stride);
+  if (partials) return;
+  for (int r = row_begin; r < row_end; ++r) {
+    finish_row<V>(nh, hd, state + (r - row_begin) * 2 * nh, a.out + (first_row + r) * q_stride);
+  }
 }
 
 template <class V>
-void simd_attention(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) {
+void simd_attention_chunks(const AttentionArgs& a, int seq, int row_begin, int row_end, int chunk, float* partials,
+                           size_t partial_row_stride, float* scratch) {
   if (a.kv_f16) {
-    attention_unit<V, true>(a, seq, kv_head, row_begin, row_end, scratch);
+    chunk_unit<V, true>(a, seq, row_begin, row_end, chunk, partials, partial_row_stride, scratch);
   } else {
-    attention_unit<V, false>(a, seq, kv_head, row_begin, row_end, scratch);
+    chunk_unit<V, false>(a, seq, row_begin, row_end, chunk, partials, partial_row_stride, scratch);
   }
+}
+
+// KernelTable::attention_merge.
+template <class V>
+void simd_attention_merge(const AttentionArgs& a, int seq, int row, const float* partials, float* scratch) {
+  const int nh = a.num_heads, hd = a.head_dim;
+  const int first_row = a.query_start_loc[seq];
+  const int num_new = a.query_start_loc[seq + 1] - first_row;
+  const int context = a.seq_lens[seq] - num_new + row + 1;
+  const size_t partial_floats = attention_partial_floats(nh, hd);
+  float* out = a.out + (first_row + row) * static_cast<int64_t>(nh) * hd;
+  for (int c = 0; c < attention_chunks(context); ++c) {
+    fold_partial<V>(nh, hd, partials + c * partial_floats, c == 0, out, scratch);
+  }
+  finish_row<V>(nh, hd, scratch, out);
 }

@@ -155,7 +155,10 @@ void kv_write(const KernelTable& kt, const float* k, const float* v, int64_t row
 // ---------------------------------------------------------------------------------------------------------------
 // Attention
 
-void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs) {
+namespace {
+
+// Whole-context rows, units of (sequence, KV heads, rows): the kernels without split-K (generic).
+void attention_by_heads(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs) {
   // Units of up to kAttentionRowsPerUnit rows of one sequence; the costliest (latest rows of long sequences) are
   // listed first so the dynamic hand-out ends with small units and the threads finish together. With enough
   // sequences to keep every thread busy, a unit takes all KV heads of its sequence: the heads of one position
@@ -188,6 +191,84 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     for (int h = u.head_begin; h < u.head_end; ++h) {
       kt.attention(a, u.seq, h, u.row_begin, u.row_end, scratch + floats * thread);
     }
+  });
+}
+
+// Rows per range at most this many to be split by chunk over threads (decode, speculative decode): beyond that a
+// range has work enough of its own and its partials would take too much memory.
+constexpr int kAttentionSplitMaxRows = 4;
+// Partials of split ranges at most this many floats (16 MiB); ranges beyond it fold their chunks in one unit.
+// A partial is all heads' outputs of one row and chunk, so very long contexts of wide models would otherwise
+// take tens of megabytes per row.
+constexpr size_t kAttentionPartialBudget = size_t{4} << 20;
+
+}  // namespace
+
+void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs) {
+  if (!kt.attention_chunks) return attention_by_heads(kt, pool, ws, a, num_seqs);
+  // Ranges of up to kAttentionRowsPerUnit rows of one sequence, each unit covering all KV heads. When there are
+  // too few ranges to keep the threads busy (a few decode rows), short ranges are split into one unit per chunk
+  // whose partials are merged afterwards; otherwise a unit folds all chunks of its range itself. Both give the
+  // same bits (kernels.h), so this choice may depend on the batch and the pool.
+  struct Range {
+    int seq, row_begin, row_end, chunks;
+    size_t partials;  // offset of its partials in the partial buffer (split ranges)
+    bool split;
+  };
+  struct Unit {
+    int range, chunk;  // chunk -1: all chunks
+    int64_t cost;      // positions x rows
+  };
+  std::vector<Range> ranges;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int rows = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    const int cached = a.seq_lens[s] - rows;
+    for (int r1 = rows; r1 > 0; r1 -= kAttentionRowsPerUnit) {
+      const int r0 = std::max(0, r1 - kAttentionRowsPerUnit);
+      ranges.push_back({s, r0, r1, attention_chunks(cached + r1), 0, false});
+    }
+  }
+  const bool few = ranges.size() < static_cast<size_t>(4 * pool.size());
+  const size_t partial_floats = attention_partial_floats(a.num_heads, a.head_dim);
+  size_t partial_total = 0;
+  std::vector<Unit> units;
+  std::vector<std::pair<int, int>> merges;  // (range, row)
+  for (int i = 0; i < static_cast<int>(ranges.size()); ++i) {
+    Range& r = ranges[i];
+    const int cached = a.seq_lens[r.seq] - (a.query_start_loc[r.seq + 1] - a.query_start_loc[r.seq]);
+    const size_t need = static_cast<size_t>(r.row_end - r.row_begin) * r.chunks * partial_floats;
+    r.split = few && pool.size() > 1 && r.chunks > 1 && r.row_end - r.row_begin <= kAttentionSplitMaxRows &&
+              partial_total + need <= kAttentionPartialBudget;
+    if (!r.split) {
+      units.push_back({i, -1, static_cast<int64_t>(cached + r.row_end) * (r.row_end - r.row_begin)});
+      continue;
+    }
+    r.partials = partial_total;
+    partial_total += need;
+    for (int c = 0; c < r.chunks; ++c) {
+      const int positions = std::min(kAttentionChunk, cached + r.row_end - c * kAttentionChunk);
+      units.push_back({i, c, static_cast<int64_t>(positions) * (r.row_end - r.row_begin)});
+    }
+    for (int row = r.row_begin; row < r.row_end; ++row) merges.push_back({i, row});
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
+  const size_t floats = align_up(attention_chunk_scratch_floats(a.num_heads, a.head_dim) * 4) / 4;
+  float* scratch = reinterpret_cast<float*>(ws.per_thread.get((floats * pool.size() + partial_total) * sizeof(float)));
+  float* partials = scratch + floats * pool.size();
+  pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) {
+    const Unit& u = units[i];
+    const Range& r = ranges[u.range];
+    const size_t row_stride = static_cast<size_t>(r.chunks) * partial_floats;
+    kt.attention_chunks(a, r.seq, r.row_begin, r.row_end, u.chunk, u.chunk < 0 ? nullptr : partials + r.partials,
+                        row_stride, scratch + floats * thread);
+  });
+  if (merges.empty()) return;
+  pool.parallel_for(static_cast<int64_t>(merges.size()), [&](int64_t i, int thread) {
+    const Range& r = ranges[merges[i].first];
+    const int row = merges[i].second;
+    const size_t row_stride = static_cast<size_t>(r.chunks) * partial_floats;
+    kt.attention_merge(a, r.seq, row, partials + r.partials + (row - r.row_begin) * row_stride,
+                       scratch + floats * thread);
   });
 }
 

@@ -1,5 +1,6 @@
 // Drivers that split kernels over the thread pool: matmul (activation quantization + tiles), RoPE (cos/sin per
-// token), KV store through the slot mapping, paged attention (units of sequence x KV head x rows). The forward
+// token), KV store through the slot mapping, paged attention (units of sequence x rows x context chunk, all KV
+// heads; sequence x KV head x rows for kernels without split-K). The forward
 // pass and the per-kernel test entry points both go through these, so the tests exercise the real work split.
 #pragma once
 
@@ -126,7 +127,9 @@ void kv_write(const KernelTable& kt, const float* k, const float* v, int64_t row
               const int32_t* slots, uint8_t* k_region, uint8_t* v_region, bool f16);
 
 // ---------------------------------------------------------------------------------------------------------------
-// Paged attention for all sequences of a batch.
+// Paged attention for all sequences of a batch. With few rows (single-stream decode) each row's context chunks
+// are spread over the threads and merged after; otherwise a unit takes all chunks of its rows. Either way a row
+// gets the same bits.
 void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const AttentionArgs& a, int num_seqs);
 
 }  // namespace conduit

@@ -57,8 +57,14 @@ inline int64_t packed_panel_count(int64_t N) { return div_ceil(N, kPackedPanelRo
 constexpr int64_t kMatmulTileRows = 64;
 
 // ---------------------------------------------------------------------------------------------------------------
-// Paged attention. One work unit is (sequence, KV head, a range of that sequence's new rows); the unit computes
-// every query head of the KV head's group for those rows. K/V are read from the pool through the block table.
+// Paged attention. K/V are read from the pool through the block table.
+//
+// The SIMD variants split each row's context into fixed chunks of kAttentionChunk positions (flash-decoding's
+// split-K): a chunk gives, per query head, its running max, its sum of exponentials and its unnormalised P V, and a
+// row's output folds its chunks in order 0, 1, 2 ... then normalises. The chunk boundaries depend on positions only,
+// so a row gets the same bits whether its chunks were computed by one unit or spread over threads, alone or batched,
+// prefill or decode. A chunk unit covers all KV heads, so it streams whole K and V rows.
+// The generic variant keeps whole-context rows, one unit per (sequence, KV head, rows).
 struct AttentionArgs {
   const float* q;          // [numTokens x numHeads*headDim], RoPE applied
   float* out;              // [numTokens x numHeads*headDim]
@@ -76,12 +82,32 @@ struct AttentionArgs {
 // A unit covers at most this many rows of one sequence.
 constexpr int kAttentionRowsPerUnit = 16;
 
+// Positions per split-K chunk: chunk c of every row is positions [c * kAttentionChunk, (c + 1) * kAttentionChunk).
+// Large enough that a chunk's K and V of all heads (64 KB each at 4 KV heads x 64 f16) stream as long runs, small
+// enough that a decode row at a context of a few hundred gives every thread chunks.
+constexpr int kAttentionChunk = 128;
+inline int attention_chunks(int context) { return (context + kAttentionChunk - 1) / kAttentionChunk; }
+
 // Scratch floats one attention unit needs: scores of every query head of a group over up to `context` positions
 // (rows padded to a multiple of 16) and the 8-byte pool offset of each position.
 inline size_t attention_score_stride(int context) { return (static_cast<size_t>(context) + 31) / 16 * 16; }
 inline size_t attention_scratch_floats(int context, int head_dim, int group) {
   return static_cast<size_t>(group) * attention_score_stride(context) + 2 * static_cast<size_t>(context) +
          static_cast<size_t>(head_dim) + 16;
+}
+
+// One chunk's partial result for one row, all query heads: [numHeads x headDim] unnormalised P V, then the max
+// score and the sum of exponentials of each head; padded to 16 floats.
+inline size_t attention_partial_floats(int num_heads, int head_dim) {
+  return (static_cast<size_t>(num_heads) * (head_dim + 2) + 15) / 16 * 16;
+}
+
+// Scratch floats of a chunked unit or a merge: scores of all heads over a chunk, the chunk's pool offsets, one
+// partial, and the fold state (max and sum per head) of up to kAttentionRowsPerUnit rows.
+inline size_t attention_chunk_scratch_floats(int num_heads, int head_dim) {
+  return static_cast<size_t>(num_heads) * attention_score_stride(kAttentionChunk) + 2 * kAttentionChunk +
+         attention_partial_floats(num_heads, head_dim) + 2 * static_cast<size_t>(kAttentionRowsPerUnit) * num_heads +
+         16;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -102,8 +128,18 @@ struct KernelTable {
   void (*rope)(float* x, const RopeParams& p, const float* cos, const float* sin) = nullptr;
   // Writes one token's K and V rows (num_kv_heads*head_dim floats each) into pool slots.
   void (*kv_store)(const float* src, uint8_t* dst, int64_t n, bool f16) = nullptr;
+  // Whole-context rows (generic): one KV head's query heads for rows [row_begin, row_end) of a sequence.
   void (*attention)(const AttentionArgs& a, int seq, int kv_head, int row_begin, int row_end, float* scratch) =
       nullptr;
+  // Split-K (null where not implemented; the driver then uses `attention`). With partials null: every chunk of
+  // rows [row_begin, row_end), folded in order into their outputs, which are then normalised. Otherwise: chunk
+  // `chunk` only, each row that reaches it writing its partial to partials + (r - row_begin) * partial_row_stride
+  // + chunk * attention_partial_floats().
+  void (*attention_chunks)(const AttentionArgs& a, int seq, int row_begin, int row_end, int chunk, float* partials,
+                           size_t partial_row_stride, float* scratch) = nullptr;
+  // Folds row `row`'s partials (chunk c at partials + c * attention_partial_floats()) in order and writes its
+  // normalised output: the same arithmetic as the fold in attention_chunks.
+  void (*attention_merge)(const AttentionArgs& a, int seq, int row, const float* partials, float* scratch) = nullptr;
 
   // Kernel kind -> variant serving it, e.g. "matmul_q8_0" -> "avx512".
   std::map<std::string, std::string> names;

@@ -70,14 +70,17 @@ void simd_swiglu(const float* gate, const float* up, float* out, int64_t n) {
   }
 }
 
+// x[0, n) <- exp(x - max), returning the max and the sum: the softmax without its normalisation (attention
+// normalises once per row, after folding a row's chunks).
 template <class V>
-void simd_softmax(float* x, int64_t n) {
+inline void exp_scores(float* x, int64_t n, float* max_out, float* sum_out) {
   constexpr int W = V::kWidth;
   auto vmax = V::set1(-INFINITY);
   int64_t i = 0;
   for (; i + W <= n; i += W) vmax = V::max(vmax, V::load(x + i));
   if (i < n) vmax = V::max(vmax, V::load_partial_or_neg_inf(x + i, n - i));
-  const auto max = V::set1(V::reduce_max(vmax));
+  const float m = V::reduce_max(vmax);
+  const auto max = V::set1(m);
   auto vsum = V::zero();
   for (i = 0; i + W <= n; i += W) {
     const auto e = vexp<V>(V::sub(V::load(x + i), max));
@@ -92,8 +95,18 @@ void simd_softmax(float* x, int64_t n) {
     V::store_partial(tail, e, n - i);
     vsum = V::add(vsum, V::load(tail));
   }
-  const auto inv = V::set1(1.0f / V::reduce_add(vsum));
-  for (i = 0; i + W <= n; i += W) V::store(x + i, V::mul(V::load(x + i), inv));
+  *max_out = m;
+  *sum_out = V::reduce_add(vsum);
+}
+
+template <class V>
+void simd_softmax(float* x, int64_t n) {
+  constexpr int W = V::kWidth;
+  float max, sum;
+  exp_scores<V>(x, n, &max, &sum);
+  const auto inv = V::set1(1.0f / sum);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) V::store(x + i, V::mul(V::load(x + i), inv));
   if (i < n) V::store_partial(x + i, V::mul(V::load_partial(x + i, n - i), inv), n - i);
 }
 

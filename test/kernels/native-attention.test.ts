@@ -28,7 +28,7 @@ interface Scenario {
 }
 
 function makeScenario(seed: number, dtype: KvDtype, seqs: Sequence[], blockSize: number, numHeads: number,
-  numKvHeads: number, headDim: number): Scenario {
+  numKvHeads: number, headDim: number, qScale = 1): Scenario {
   const rand = seeded(seed);
   const width = numKvHeads * headDim;
   const maxBlocksPerSeq = Math.max(...seqs.map((s) => Math.ceil(s.seqLen / blockSize)));
@@ -40,7 +40,7 @@ function makeScenario(seed: number, dtype: KvDtype, seqs: Sequence[], blockSize:
   const values = seqs.map((s) => randomArray(s.seqLen * width, rand));
   const queryStartLoc = new Int32Array(seqs.length + 1);
   seqs.forEach((s, i) => { queryStartLoc[i + 1] = queryStartLoc[i]! + s.newTokens; });
-  const q = randomArray(queryStartLoc[seqs.length]! * numHeads * headDim, rand);
+  const q = randomArray(queryStartLoc[seqs.length]! * numHeads * headDim, rand, qScale);
   return {
     layout, numHeads, seqs, keys, values, q, queryStartLoc, maxBlocksPerSeq,
     seqLens: Int32Array.from(seqs, (s) => s.seqLen),
@@ -120,7 +120,12 @@ function shuffled(n: number, rand: () => number): number[] {
   return a;
 }
 
-const SCENARIOS: { name: string; seqs: Sequence[]; blockSize: number; heads: number; kvHeads: number; headDim: number }[] = [
+// Contexts past 128 positions span several of the SIMD kernels' split-K chunks (kAttentionChunk in
+// native/kernels.h); a larger query scale spreads the scores, so chunks with different maxima must be rescaled
+// correctly when folded.
+const SCENARIOS: {
+  name: string; seqs: Sequence[]; blockSize: number; heads: number; kvHeads: number; headDim: number; qScale?: number;
+}[] = [
   { name: 'prefill from empty', seqs: [{ seqLen: 37, newTokens: 37 }], blockSize: 16, heads: 4, kvHeads: 2, headDim: 64 },
   { name: 'prefill chunk over a cached prefix', seqs: [{ seqLen: 50, newTokens: 13 }], blockSize: 8, heads: 6, kvHeads: 2, headDim: 32 },
   {
@@ -133,13 +138,28 @@ const SCENARIOS: { name: string; seqs: Sequence[]; blockSize: number; heads: num
     seqs: [{ seqLen: 9, newTokens: 1 }, { seqLen: 21, newTokens: 21 }, { seqLen: 5, newTokens: 2 }],
     blockSize: 4, heads: 3, kvHeads: 1, headDim: 20,
   },
+  {
+    name: 'prefill chunk across context chunks over a long cached prefix', seqs: [{ seqLen: 300, newTokens: 50 }],
+    blockSize: 16, heads: 6, kvHeads: 2, headDim: 64, qScale: 3,
+  },
+  {
+    name: 'decode of a few long sequences (split over threads by chunk)',
+    seqs: [{ seqLen: 128, newTokens: 1 }, { seqLen: 129, newTokens: 1 }, { seqLen: 257, newTokens: 1 }, { seqLen: 400, newTokens: 2 }],
+    blockSize: 16, heads: 4, kvHeads: 2, headDim: 32, qScale: 3,
+  },
+  {
+    name: 'long decode and prefill, blocks not dividing the chunk, odd head size',
+    seqs: [{ seqLen: 200, newTokens: 1 }, { seqLen: 150, newTokens: 30 }],
+    blockSize: 12, heads: 3, kvHeads: 1, headDim: 20, qScale: 3,
+  },
 ];
 
 describe('native paged attention', { skip: skipNative }, () => {
   for (const dtype of ['f32', 'f16'] as const) {
     for (const s of SCENARIOS) {
       it(`${s.name} (${dtype} KV)`, () => {
-        const sc = makeScenario(s.seqs.length * 31 + s.headDim, dtype, s.seqs, s.blockSize, s.heads, s.kvHeads, s.headDim);
+        const sc = makeScenario(s.seqs.length * 31 + s.headDim, dtype, s.seqs, s.blockSize, s.heads, s.kvHeads, s.headDim,
+          s.qScale);
         const rand = seeded(5);
         const used = sc.seqs.reduce((n, q) => n + Math.ceil(q.seqLen / s.blockSize), 0);
         const inOrder = blockTables(sc, Array.from({ length: used }, (_, i) => i));
@@ -173,6 +193,55 @@ describe('native paged attention', { skip: skipNative }, () => {
           native().ops.attention(variant, q, out, pool, sc.layout, 1, Int32Array.of(0, 1), Int32Array.of(row + 1),
             tables.subarray(0, sc.maxBlocksPerSeq), sc.maxBlocksPerSeq, sc.numHeads, 1);
           assert.deepEqual(out, whole.slice(row * width, (row + 1) * width), `${variant} ${dtype} row ${row}`);
+        }
+      }
+    }
+  });
+
+  it('a long row gives the same bits prefilled, decoded alone on 1 or 2 threads, or batched with other sequences', () => {
+    // Past one split-K chunk, a lone decode row on 2 threads has its chunks computed on both threads and merged,
+    // on 1 thread or in a prefill chunk one unit folds them, in a busy batch one unit per sequence does.
+    for (const dtype of ['f32', 'f16'] as const) {
+      const sc = makeScenario(91, dtype, [{ seqLen: 300, newTokens: 300 }, { seqLen: 70, newTokens: 70 }], 16, 6, 2, 64, 3);
+      const used = sc.seqs.reduce((n, q) => n + Math.ceil(q.seqLen / 16), 0);
+      const tables = blockTables(sc, Array.from({ length: used }, (_, i) => i));
+      const width = sc.numHeads * sc.layout.headDim;
+      const mbs = sc.maxBlocksPerSeq;
+      for (const variant of variants) {
+        const pool = fillPool(sc, tables, variant);
+        const whole = runAttention(sc, pool, tables, variant, 2);
+        for (const row of [0, 127, 128, 129, 255, 256, 299]) {
+          const expected = whole.slice(row * width, (row + 1) * width);
+          const q = sc.q.slice(row * width, (row + 1) * width);
+          for (const threads of [1, 2]) {
+            const out = new Float32Array(width);
+            native().ops.attention(variant, q, out, pool, sc.layout, 1, Int32Array.of(0, 1), Int32Array.of(row + 1),
+              tables.subarray(0, mbs), mbs, sc.numHeads, threads);
+            assert.deepEqual(out, expected, `${variant} ${dtype} row ${row} alone on ${threads} threads`);
+          }
+          // Batched with eight decode rows of sequence 1 (as separate sequences sharing its blocks): enough
+          // sequences that no row is split.
+          const others = 8;
+          const batchQ = new Float32Array((others + 1) * width);
+          batchQ.set(q, others * width);
+          const batchTables = new Int32Array((others + 1) * mbs);
+          const seqLens = new Int32Array(others + 1);
+          for (let i = 0; i < others; i++) {
+            batchQ.set(sc.q.slice((300 + 60 + i) * width, (301 + 60 + i) * width), i * width);
+            batchTables.set(tables.subarray(mbs, 2 * mbs), i * mbs);
+            seqLens[i] = 61 + i;
+          }
+          batchTables.set(tables.subarray(0, mbs), others * mbs);
+          seqLens[others] = row + 1;
+          const out = new Float32Array(batchQ.length);
+          native().ops.attention(variant, batchQ, out, pool, sc.layout, 1,
+            Int32Array.from({ length: others + 2 }, (_, i) => i), seqLens, batchTables, mbs, sc.numHeads, 2);
+          assert.deepEqual(out.slice(others * width), expected, `${variant} ${dtype} row ${row} batched`);
+          for (let i = 0; i < others; i++) {
+            const r = 300 + 60 + i;
+            assert.deepEqual(out.slice(i * width, (i + 1) * width), whole.slice(r * width, (r + 1) * width),
+              `${variant} ${dtype} batched row ${i}`);
+          }
         }
       }
     }
