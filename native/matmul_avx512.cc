@@ -289,6 +289,27 @@ struct RowPrefetcher {
 // ---------------------------------------------------------------------------------------------------------------
 // GEMM microkernel: MR activation rows x 32 weight rows (panels p0, p1), all K/32 blocks.
 
+// The microkernels' shared ends. A group of 8 blocks' sums joins the total after its 8th block (or the last
+// block), exactly as the GEMV adds its groups: the batch-invariance rule.
+template <int MR>
+inline void add_group_if_complete(int64_t b, int64_t nb, __m512 (&total)[MR][2], __m512 (&group)[MR][2]) {
+  if ((b & 7) != 7 && b != nb - 1) return;
+  for (int i = 0; i < MR; ++i) {
+    total[i][0] = _mm512_add_ps(total[i][0], group[i][0]);
+    total[i][1] = _mm512_add_ps(total[i][1], group[i][1]);
+    group[i][0] = group[i][1] = _mm512_setzero_ps();
+  }
+}
+
+// MR rows of up to 32 output columns.
+template <int MR>
+inline void store_totals(const __m512 (&total)[MR][2], float* y, int64_t ldy, int64_t cols) {
+  for (int i = 0; i < MR; ++i) {
+    Avx512::store_partial(y + i * ldy, total[i][0], cols);
+    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, total[i][1], cols - 16);
+  }
+}
+
 template <int MR>
 inline void int8_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* p0, const uint8_t* p1,
                              float* y, int64_t ldy, int64_t cols) {
@@ -318,19 +339,9 @@ inline void int8_microkernel(const uint8_t* act, size_t act_stride, int64_t K, c
       group[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][0]), _mm512_mul_ps(d0, da), group[i][0]);
       group[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][1]), _mm512_mul_ps(d1, da), group[i][1]);
     }
-    // Groups of 8 blocks, as the GEMV adds them (batch invariance).
-    if ((b & 7) == 7 || b == nb - 1) {
-      for (int i = 0; i < MR; ++i) {
-        total[i][0] = _mm512_add_ps(total[i][0], group[i][0]);
-        total[i][1] = _mm512_add_ps(total[i][1], group[i][1]);
-        group[i][0] = group[i][1] = _mm512_setzero_ps();
-      }
-    }
+    add_group_if_complete<MR>(b, nb, total, group);
   }
-  for (int i = 0; i < MR; ++i) {
-    Avx512::store_partial(y + i * ldy, total[i][0], cols);
-    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, total[i][1], cols - 16);
-  }
+  store_totals<MR>(total, y, ldy, cols);
 }
 
 constexpr int kInt8MR = 4;
@@ -504,18 +515,9 @@ inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K,
       group[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][i][0]), _mm512_mul_ps(d0, da), group[i][0]);
       group[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][i][1]), _mm512_mul_ps(d1, da), group[i][1]);
     }
-    if ((b & 7) == 7 || b == nb - 1) {  // groups of 8 blocks, as the GEMV and GEMM add them
-      for (int i = 0; i < MR; ++i) {
-        total[i][0] = _mm512_add_ps(total[i][0], group[i][0]);
-        total[i][1] = _mm512_add_ps(total[i][1], group[i][1]);
-        group[i][0] = group[i][1] = _mm512_setzero_ps();
-      }
-    }
+    add_group_if_complete<MR>(b, nb, total, group);
   }
-  for (int i = 0; i < MR; ++i) {
-    Avx512::store_partial(y + i * ldy, total[i][0], cols);
-    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, total[i][1], cols - 16);
-  }
+  store_totals<MR>(total, y, ldy, cols);
 }
 
 // A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab.
