@@ -7,25 +7,14 @@ import { EngineCore } from '../../src/engine/engine-core.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import type { BackendFactory } from '../../src/kernels/types.ts';
-import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
-import { createTokenizer } from '../../src/model/tokenizer/index.ts';
-import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
 import { Xoshiro128 } from '../../src/engine/rng.ts';
-import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { engineBackends } from '../helpers/backends.ts';
 
 const MODEL = 'stories260K.gguf';
 
-interface Fixture { loaded: LoadedModel; tokenizer: Tokenizer }
-let fixture: Fixture | undefined;
-async function model(): Promise<Fixture> {
-  if (!fixture) {
-    const loaded = await loadModel(sharedModel(MODEL)!);
-    fixture = { loaded, tokenizer: createTokenizer(loaded.tokenizerSource) };
-  }
-  return fixture;
-}
+const model = () => loadSharedModel(MODEL);
 
 interface CoreOptions {
   numBlocks?: number;

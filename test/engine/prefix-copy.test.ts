@@ -7,11 +7,8 @@ import { EngineCore } from '../../src/engine/engine-core.ts';
 import { readKvBlocks } from '../../src/engine/handoff.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import type { BackendFactory } from '../../src/kernels/types.ts';
-import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
-import { createTokenizer } from '../../src/model/tokenizer/index.ts';
-import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
 import { engineBackends } from '../helpers/backends.ts';
-import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { blockIds, makeRequest, makeScheduler, prompt, step, summary } from './scheduler-fixtures.ts';
 
 describe('Scheduler: copy-on-write of a fully cached prompt', () => {
@@ -113,15 +110,7 @@ describe('Scheduler: copy-on-write of a fully cached prompt', () => {
 const MODEL = 'stories260K.gguf';
 const BLOCK_SIZE = 16;
 
-interface Fixture { loaded: LoadedModel; tokenizer: Tokenizer }
-let fixture: Fixture | undefined;
-async function model(): Promise<Fixture> {
-  if (!fixture) {
-    const loaded = await loadModel(sharedModel(MODEL)!);
-    fixture = { loaded, tokenizer: createTokenizer(loaded.tokenizerSource) };
-  }
-  return fixture;
-}
+const model = () => loadSharedModel(MODEL);
 
 async function makeCore(backend: BackendFactory): Promise<EngineCore> {
   const { loaded, tokenizer } = await model();

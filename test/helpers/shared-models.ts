@@ -4,6 +4,10 @@ import { existsSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { join } from 'node:path';
 
+import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
+import { createTokenizer } from '../../src/model/tokenizer/index.ts';
+import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
+
 export const SHARED_MODELS_DIR = process.env.CONDUIT_SHARED_MODELS
   ?? fileURLToPath(new URL('../../../shared/models', import.meta.url));
 
@@ -16,4 +20,23 @@ export function sharedModel(name: string): string | undefined {
 /** The `skip` option for node:test: false when the file exists, else a message saying what is missing. */
 export function skipUnlessShared(name: string): string | false {
   return sharedModel(name) ? false : `needs ${name} from ${SHARED_MODELS_DIR} (../shared/models), which is absent`;
+}
+
+export interface SharedModelFixture {
+  loaded: LoadedModel;
+  tokenizer: Tokenizer;
+}
+
+const fixtures = new Map<string, Promise<SharedModelFixture>>();
+
+/** A shared model loaded once per test process, with its tokenizer (call only when skipUnlessShared(name) is false). */
+export function loadSharedModel(name: string): Promise<SharedModelFixture> {
+  let fixture = fixtures.get(name);
+  if (!fixture) {
+    const path = sharedModel(name);
+    if (!path) throw new Error(skipUnlessShared(name) as string);
+    fixture = loadModel(path).then((loaded) => ({ loaded, tokenizer: createTokenizer(loaded.tokenizerSource) }));
+    fixtures.set(name, fixture);
+  }
+  return fixture;
 }
