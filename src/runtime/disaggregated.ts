@@ -34,6 +34,7 @@ import type { Router } from '../router/router.ts';
 import {
   DEFAULT_DISAGGREGATION_POLICY, RateEstimate, decideDisaggregation, type DisaggregationPolicy,
 } from './disaggregation-policy.ts';
+import { sumEngineStats } from './engine-stats.ts';
 import type { KvTransferChannel } from './kv-transfer.ts';
 import type { RoutableEngine } from './routed-engine.ts';
 
@@ -185,21 +186,8 @@ export class DisaggregatedEngine implements Engine {
   }
 
   stats(): EngineStats {
-    const total: EngineStats = {
-      numRunning: 0, numWaiting: this.admission.size, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0,
-      prefixCacheHits: 0, preemptions: 0, kvEvictions: 0,
-    };
-    for (const engine of [...this.prefillWorkers.values(), ...this.decodeWorkers.values()]) {
-      const s = engine.stats();
-      total.numRunning += s.numRunning;
-      total.numWaiting += s.numWaiting;
-      total.kvBlocksUsed += s.kvBlocksUsed;
-      total.kvBlocksTotal += s.kvBlocksTotal;
-      total.prefixCacheQueries += s.prefixCacheQueries;
-      total.prefixCacheHits += s.prefixCacheHits;
-      total.preemptions += s.preemptions;
-      total.kvEvictions! += s.kvEvictions ?? 0;
-    }
+    const total = sumEngineStats([...this.prefillWorkers.values(), ...this.decodeWorkers.values()].map((engine) => engine.stats()));
+    total.numWaiting += this.admission.size;
     total.requestMigrations = [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
     return total;
   }

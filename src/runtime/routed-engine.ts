@@ -10,6 +10,7 @@ import type {
 } from '../engine/types.ts';
 import { workerLoadFromStats, type RoutingDecision, type RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
+import { sumEngineStats } from './engine-stats.ts';
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
@@ -152,21 +153,7 @@ export class RoutedEngine implements Engine {
   }
 
   stats(): EngineStats {
-    const total: EngineStats = {
-      numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 0, prefixCacheQueries: 0, prefixCacheHits: 0,
-      preemptions: 0, kvEvictions: 0,
-    };
-    for (const engine of this.workers.values()) {
-      const s = engine.stats();
-      total.numRunning += s.numRunning;
-      total.numWaiting += s.numWaiting;
-      total.kvBlocksUsed += s.kvBlocksUsed;
-      total.kvBlocksTotal += s.kvBlocksTotal;
-      total.prefixCacheQueries += s.prefixCacheQueries;
-      total.prefixCacheHits += s.prefixCacheHits;
-      total.preemptions += s.preemptions;
-      total.kvEvictions! += s.kvEvictions ?? 0;
-    }
+    const total = sumEngineStats([...this.workers.values()].map((engine) => engine.stats()));
     total.requestMigrations = [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
     total.numWaiting += this.admission.size;
     return total;
