@@ -239,6 +239,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     if (dtype != "f32" && dtype != "f16") throw Napi::TypeError::New(env, "kvDtype must be 'f32' or 'f16'");
     s.kv_f16 = dtype == "f16";
     s.pack_weights = spec.Get("packWeights").IsUndefined() || spec.Get("packWeights").ToBoolean();
+    s.release_unpacked = spec.Get("releaseUnpackedWeights").ToBoolean();
 
     const Variant variant = variant_arg(env, spec.Get("variant"));
     const int threads = static_cast<int>(integer(env, spec.Get("threads"), "threads", 1));
@@ -321,6 +322,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     out.Set("variants", variants_object(env, m.variant()));
     out.Set("hugePageBytes", static_cast<double>(m.huge_page_bytes()));
     out.Set("packedWeightBytes", static_cast<double>(m.packed_weight_bytes()));
+    out.Set("releasedWeightBytes", static_cast<double>(m.released_weight_bytes()));
     return out;
   }
 

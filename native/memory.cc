@@ -1,6 +1,7 @@
 #include "memory.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +26,14 @@ size_t advise_huge_pages(const uint8_t* p, size_t bytes, bool populated) {
   const size_t length = end - begin;
   if (populated && madvise(start, length, kMadvCollapse) == 0) return length;
   return madvise(start, length, MADV_HUGEPAGE) == 0 && !populated ? length : 0;
+}
+
+size_t release_pages(const uint8_t* p, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  if (end <= begin) return 0;
+  return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED) == 0 ? end - begin : 0;
 }
 
 }  // namespace conduit

@@ -15,4 +15,9 @@ namespace conduit {
 // turns the advice off.
 size_t advise_huge_pages(const uint8_t* p, size_t bytes, bool populated);
 
+// Gives the pages wholly inside [p, p + bytes) back to the system (MADV_DONTNEED): private anonymous memory reads
+// as zeros afterwards, so only for bytes nothing will read again. Returns the bytes released (0 if none or the
+// kernel declined). Never fails.
+size_t release_pages(const uint8_t* p, size_t bytes);
+
 }  // namespace conduit

@@ -90,6 +90,23 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
   }
   inv_freq_ = rope_inverse_frequencies(s.rope);
   if (s.pack_weights) pack_weights();
+  if (s.release_unpacked) {
+    // Only the ggml bytes of packed matrices whose pages no embedding row lives on: the embedding lookup reads them.
+    const uint8_t* embd_begin = s.token_embedding.data;
+    const uint8_t* embd_end = embd_begin + row_bytes(s.token_embedding.type, s.token_embedding.cols) *
+                                               static_cast<size_t>(s.token_embedding.rows);
+    auto release = [&](const TensorRef& t) {
+      if (!t.packed) return;
+      const uint8_t* begin = t.data;
+      const uint8_t* end = begin + row_bytes(t.type, t.cols) * static_cast<size_t>(t.rows);
+      if (begin < embd_end && embd_begin < end) return;
+      released_bytes_ += release_pages(begin, static_cast<size_t>(end - begin));
+    };
+    release(s.output);
+    for (const LayerRefs& L : s.layers) {
+      for (const TensorRef* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) release(*t);
+    }
+  }
 
   // Every matrix is streamed once per decode step: put the weights on huge pages (packed matrices are streamed
   // from their copy, already on huge pages, unless the embedding table shares their bytes). Tensors of one file

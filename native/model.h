@@ -40,6 +40,9 @@ struct ModelSpec {
   // Repack matrices into their kernel's load-time layout where it has one (off: stream the ggml rows, for
   // comparisons).
   bool pack_weights = true;
+  // Once packed, give the ggml bytes of the packed matrices back to the system (the caller promises nothing reads
+  // them again; the embedding table is kept, also when the output matrix shares it). Halves the weights' memory.
+  bool release_unpacked = false;
 };
 
 // One engine step (src/kernels/types.ts ForwardBatch), lengths already checked by the caller.
@@ -77,6 +80,8 @@ class Model {
   size_t huge_page_bytes() const { return huge_page_bytes_; }
   // Memory held by packed copies of the weights (in addition to the JavaScript-owned ggml bytes).
   size_t packed_weight_bytes() const { return packed_bytes_; }
+  // ggml bytes of packed matrices given back to the system at load (release_unpacked).
+  size_t released_weight_bytes() const { return released_bytes_; }
 
   // Per-section wall time of forward passes (plus the pool's hand-over waits) while enabled; take_profile
   // returns what was gathered since the last call and starts again.
@@ -96,6 +101,7 @@ class Model {
   ModelSpec spec_;
   Variant variant_;
   size_t huge_page_bytes_ = 0;
+  size_t released_bytes_ = 0;
   struct FreePacked {
     void operator()(uint8_t* p) const { std::free(p); }
   };

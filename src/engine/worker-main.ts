@@ -32,7 +32,8 @@ async function start(): Promise<EngineCore> {
     throw new Error(`--kv-cache-memory ${init.kvCacheMemoryBytes} bytes holds no block of ${bytesPerBlock} bytes`);
   }
   const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: init.kvDtype },
-    { threads: init.threads });
+    // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
+    { threads: init.threads, releaseUnpackedWeights: true });
   const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
   const core = new EngineCore({
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,

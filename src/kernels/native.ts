@@ -95,6 +95,12 @@ export interface NativeModelSpec {
    * rows, for comparisons). Results are the same bits either way.
    */
   packWeights?: boolean;
+  /**
+   * Once packed, give the ggml bytes of the packed matrices back to the system: they then read as zeros, so only for
+   * a caller that never reads those tensors again (an engine worker owns its loaded model). The embedding table is
+   * kept. Default false.
+   */
+  releaseUnpackedWeights?: boolean;
 }
 
 export interface NativeModelInfo {
@@ -106,6 +112,8 @@ export interface NativeModelInfo {
   hugePageBytes: number;
   /** Memory held by load-time packed copies of the weights, on top of the ggml bytes (0 when nothing is packed). */
   packedWeightBytes: number;
+  /** ggml bytes of packed matrices given back to the system at load (releaseUnpackedWeights). */
+  releasedWeightBytes: number;
 }
 
 /** Wall time of one named section of forward passes, summed since the last takeProfile(). */
@@ -400,6 +408,7 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
     const model = new addon.NativeModel({
       ...nativeModelSpec(config, weights, { layout: kvLayout, bytes: new Uint8Array(kvPool) }, variant, threads),
       packWeights: packing.pack,
+      releaseUnpackedWeights: packing.pack && (options.releaseUnpackedWeights ?? false),
     });
     const modelInfo = model.info();
     const info: BackendInfo = {

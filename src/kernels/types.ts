@@ -96,4 +96,10 @@ export interface BackendLoadOptions {
    * memory available at load with room to spare.
    */
   packWeights?: boolean;
+  /**
+   * Native backend, with the packed copy: give the memory of the packed matrices' original bytes back to the system
+   * (they read as zeros afterwards). Only for a caller that never reads those tensors again, such as an engine
+   * worker that loaded the model for this backend alone. Default false.
+   */
+  releaseUnpackedWeights?: boolean;
 }

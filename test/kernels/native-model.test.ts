@@ -295,6 +295,27 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     }
   });
 
+  it('gives the packed matrices\' original bytes back when asked, and computes the same bits', () => {
+    const kv = { numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, dtype: 'f32' as const };
+    const options = { type: GgmlType.Q8_0, dim: 256, ffnDim: 512, tiedEmbeddings: true };
+    const kept = makeModel(35, options);
+    const twin = makeModel(35, options);  // the same bytes, to be released
+    const keptBackend = nativeBackend.load(kept.config, kept.weights, kv, { packWeights: true });
+    const releasedBackend = nativeBackend.load(twin.config, twin.weights, kv, { packWeights: true, releaseUnpackedWeights: true });
+    try {
+      const packs = native().ops.packedBytes(variants.at(-1)!, GgmlType.Q8_0, 256, 512) > 0;
+      const gate = twin.weights.layers[0]!.wGate.data;
+      const zeroPages = gate.subarray(4096, gate.length - 4096).every((b) => b === 0);
+      // Released only where the kernels pack (avx512); the tied embedding table is kept either way.
+      assert.equal(zeroPages, packs, packs ? 'the gate matrix\'s pages were given back' : 'nothing packed, nothing released');
+      assert.deepEqual(twin.weights.tokenEmbedding.data, kept.weights.tokenEmbedding.data);
+      for (const step of makeSteps(5)) assert.deepEqual(releasedBackend.forward(step), keptBackend.forward(step));
+    } finally {
+      keptBackend.dispose();
+      releasedBackend.dispose();
+    }
+  });
+
   it('reports the variant serving each kernel kind', () => {
     const { config, weights } = makeModel(32, { type: GgmlType.Q8_0, dim: 64, ffnDim: 64 });
     const backend = nativeBackend.load(config, weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' }, { threads: 1 });
