@@ -9,20 +9,14 @@ import type { Request } from '../../src/engine/request.ts';
 import type { Scheduler, StepPlan } from '../../src/engine/scheduler.ts';
 import type { SchedulingPolicy } from '../../src/engine/types.ts';
 import { EOS, makeRequest, makeScheduler } from './scheduler-fixtures.ts';
+import { seededRandom } from '../../src/router/random.ts';
 
 const NUM_REQUESTS = 1000;
 const STOP_TOKEN = 150;
 
 /** mulberry32: a tiny seeded PRNG, so a failure replays exactly. */
 function makeRandom(seed: number): { next: () => number; int: (below: number) => number; chance: (p: number) => boolean } {
-  let state = seed >>> 0;
-  const next = (): number => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let t = state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
+  const next = seededRandom(seed);
   return { next, int: (below) => Math.floor(next() * below), chance: (p) => next() < p };
 }
 

@@ -5,6 +5,7 @@ import assert from 'node:assert/strict';
 import {
   nativeUnavailableReason, supportedVariants, tryLoadNativeAddon, type KernelVariant, type NativeAddon,
 } from '../../src/kernels/native.ts';
+import { seededRandom } from '../../src/router/random.ts';
 
 export const addon: NativeAddon | undefined = tryLoadNativeAddon();
 
@@ -20,16 +21,7 @@ export function native(): NativeAddon {
 export const variants: KernelVariant[] = addon ? supportedVariants(addon.cpuInfo()) : [];
 
 /** Deterministic uniform [0, 1) generator (mulberry32). */
-export function seeded(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
+export const seeded = seededRandom;
 
 /** n values uniform in [-scale, scale). */
 export function randomArray(n: number, rand: () => number, scale = 1): Float32Array {
