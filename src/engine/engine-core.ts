@@ -8,17 +8,17 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { BatchBuilder } from './batch-builder.ts';
 import { IncrementalDetokenizer } from './detokenizer.ts';
 import {
-  checkKvLayoutsMatch, copyKvBlocks, kvBlockBytes, transferStats,
+  checkKvLayoutsMatch, copyKvBlocks, HandoffOutbox, kvBlockBytes, transferStats,
   type AdoptedResult, type KvHandoff, type KvPoolView, type KvTransferPlan,
 } from './handoff.ts';
-import { KvCacheManager, type KvPin } from './kv-cache/manager.ts';
+import { KvCacheManager } from './kv-cache/manager.ts';
 import type { KvEvent } from './kv-cache/events.ts';
-import { InvalidRequestError, type Request } from './request.ts';
+import { copyTimestamps, InvalidRequestError, type Request } from './request.ts';
 import { drawRandomSeed } from './rng.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, type SequenceSampler } from './sampler.ts';
 import { Scheduler, type AdoptedState, type StepPlan } from './scheduler.ts';
 import type {
-  EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason, RequestTimestamps, SchedulingPolicy, TokenLogprob,
+  EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason, SchedulingPolicy, TokenLogprob,
 } from './types.ts';
 
 export interface EngineCoreOptions {
@@ -73,8 +73,7 @@ export class EngineCore {
   private readonly states = new Map<string, RequestState>();
   private numStepsFailed = 0;
   /** Prefill side: blocks of handed-off requests, kept until the decode worker has copied them. */
-  private readonly parked = new Map<string, KvPin>();
-  private handoffsOut: KvHandoff[] = [];
+  private readonly handoffs: HandoffOutbox;
   /** Decode side: handoffs waiting for room, oldest first, and adoptions not yet reported. */
   private pendingAdoptions: PendingAdoption[] = [];
   private adoptedOut: AdoptedResult[] = [];
@@ -89,6 +88,7 @@ export class EngineCore {
       numBlocks: layout.numBlocks, blockSize: layout.blockSize,
       enablePrefixCaching: options.enablePrefixCaching ?? true, enableEvents: options.enableKvEvents ?? false,
     });
+    this.handoffs = new HandoffOutbox(this.kv);
     this.scheduler = new Scheduler({
       policy: options.policy, maxNumBatchedTokens: options.maxNumBatchedTokens, maxNumSeqs: options.maxNumSeqs,
       maxModelLen: options.maxModelLen, eosTokenIds: this.tokenizer.stopTokenIds,
@@ -207,23 +207,17 @@ export class EngineCore {
 
   /** Handoffs made since the last call (prefill side), in order. */
   takeHandoffs(): KvHandoff[] {
-    const handoffs = this.handoffsOut;
-    this.handoffsOut = [];
-    return handoffs;
+    return this.handoffs.take();
   }
 
   /** The decode worker has the blocks (or gave up on them): unpin them. False if nothing was pinned for the request. */
   releaseHandoff(requestId: string): boolean {
-    const pin = this.parked.get(requestId);
-    if (pin === undefined) return false;
-    this.parked.delete(requestId);
-    this.kv.unpin(pin);
-    return true;
+    return this.handoffs.release(requestId);
   }
 
   /** Handed-off requests whose blocks are still pinned here. */
   get numParkedHandoffs(): number {
-    return this.parked.size;
+    return this.handoffs.numParked;
   }
 
   /** This worker's pool, for a decode worker to read from (shared memory). */
@@ -272,15 +266,14 @@ export class EngineCore {
     const { request } = state;
     const given = this.scheduler.handOff(request.id);
     this.states.delete(request.id);
-    this.parked.set(request.id, given.pin);
     const seed = request.sampling.seed!;
-    this.handoffsOut.push({
+    this.handoffs.add({
       requestId: request.id, request: request.engineRequest, outputTokenIds: given.outputTokenIds.slice(),
       numComputedTokens: given.numComputedTokens, blockSize: this.kv.blockSize, sourceBlockIds: given.blockIds.slice(),
       blockHashes: given.blockHashes.slice(), sampler: { seed, rngState: state.samplers[0]!.rngState() },
-      numCachedTokens: request.numCachedTokens, timestamps: snapshotTimestamps(request.timestamps),
+      numCachedTokens: request.numCachedTokens, timestamps: copyTimestamps(request.timestamps),
       sourceLayout: this.backend.kvLayout, createdMs: this.now(),
-    });
+    }, given.pin);
   }
 
   /**
@@ -462,11 +455,6 @@ export class EngineCore {
   }
 }
 
-function snapshotTimestamps(timestamps: RequestTimestamps): RequestTimestamps {
-  const { decodeSteps } = timestamps;
-  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}) };
-}
-
 function adoptedState(handoff: KvHandoff): AdoptedState {
   return { outputTokenIds: handoff.outputTokenIds, numCachedTokens: handoff.numCachedTokens, timestamps: handoff.timestamps };
 }
@@ -481,7 +469,7 @@ function notAdoptedOutput(handoff: KvHandoff, nowMs: number, reason: FinishReaso
       promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length,
       cachedTokens: handoff.numCachedTokens,
     },
-    timestamps: { ...snapshotTimestamps(handoff.timestamps), finished: nowMs },
+    timestamps: { ...copyTimestamps(handoff.timestamps), finished: nowMs },
   };
 }
 

@@ -16,6 +16,7 @@
 
 import { AsyncQueue } from './streams.ts';
 import { kvElementsPerBlockRun, type KvPoolLayout } from '../kernels/types.ts';
+import type { KvCacheManager, KvPin } from './kv-cache/manager.ts';
 
 export type { KvPoolLayout };
 import type { BlockHash } from './kv-cache/events.ts';
@@ -265,6 +266,44 @@ export function writeKvBlocks(destination: KvPoolView, blockIds: readonly number
 
 // ---------------------------------------------------------------------------------------------------------------
 // Engine faces
+
+/**
+ * The prefill side's handoffs: made by a step, taken by the worker loop that sends them, and their blocks pinned
+ * until the decode worker has copied them (or given up on them). The real and the simulated engines share it.
+ */
+export class HandoffOutbox {
+  private readonly parked = new Map<string, KvPin>();
+  private made: KvHandoff[] = [];
+
+  constructor(private readonly kv: KvCacheManager) {}
+
+  /** A handoff to send, its request's blocks held by `pin` meanwhile. */
+  add(handoff: KvHandoff, pin: KvPin): void {
+    this.parked.set(handoff.requestId, pin);
+    this.made.push(handoff);
+  }
+
+  /** Handoffs made since the last call, in order. */
+  take(): KvHandoff[] {
+    const made = this.made;
+    this.made = [];
+    return made;
+  }
+
+  /** The decode worker has the blocks (or gave up on them): unpin them. False if nothing was pinned for the request. */
+  release(requestId: string): boolean {
+    const pin = this.parked.get(requestId);
+    if (pin === undefined) return false;
+    this.parked.delete(requestId);
+    this.kv.unpin(pin);
+    return true;
+  }
+
+  /** Handed-off requests whose blocks are still pinned here. */
+  get numParked(): number {
+    return this.parked.size;
+  }
+}
 
 /** What a prefill worker's stream yields: the request's outputs (the first token), then the handoff. */
 export type PrefillEvent =

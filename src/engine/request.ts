@@ -8,6 +8,12 @@
 import type { EngineRequest, FinishReason, RequestTimestamps, SamplingParams } from './types.ts';
 import type { BlockTable } from './kv-cache/manager.ts';
 
+/** A copy of a request's timestamps that later steps cannot change (the arrays and the summary copied too). */
+export function copyTimestamps(timestamps: RequestTimestamps): RequestTimestamps {
+  const { decodeSteps } = timestamps;
+  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}) };
+}
+
 export type SequenceStatus =
   | 'waiting' | 'running' | 'preempted'
   | 'finished_stopped' | 'finished_length' | 'finished_aborted' | 'finished_error'

@@ -20,7 +20,7 @@
 import { KvCacheManager } from './kv-cache/manager.ts';
 import type { BlockTable, KvBlockCopy, KvPin } from './kv-cache/manager.ts';
 import type { BlockHash } from './kv-cache/events.ts';
-import { InvalidRequestError, Request, Sequence, checkStop, finishedStatus } from './request.ts';
+import { InvalidRequestError, Request, Sequence, checkStop, copyTimestamps, finishedStatus } from './request.ts';
 import type { RejectionCode } from './request.ts';
 import type { EngineRequest, FinishReason, RequestTimestamps, SchedulingPolicy } from './types.ts';
 
@@ -609,12 +609,7 @@ export class Scheduler {
     const request = new Request(engineRequest, this.nextArrivalOrder, nowMs);
     request.wasAdmitted = true;
     request.numCachedTokens = adopted.numCachedTokens;
-    if (adopted.timestamps) {
-      const { prefillChunks, decodeSteps } = adopted.timestamps;
-      Object.assign(request.timestamps, adopted.timestamps, {
-        prefillChunks: prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}),
-      });
-    }
+    if (adopted.timestamps) Object.assign(request.timestamps, copyTimestamps(adopted.timestamps));
     const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt });
     const sequence = new Sequence(request, 0, tokenIds, outputTokenIds.slice(), table);
     request.sequences.push(sequence);

@@ -9,18 +9,18 @@
 //   SimEngine  the async `Engine` face over one SimWorker: a step loop on a virtual clock that runs `speedUp` times
 //              faster than real time (Infinity: as fast as the host can, and fully deterministic given arrivals).
 
-import { KvCacheManager, type KvPin } from '../engine/kv-cache/manager.ts';
+import { KvCacheManager } from '../engine/kv-cache/manager.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
 import { engineNow } from '../engine/clock.ts';
 import { followQueue, OutputStream } from '../engine/streams.ts';
 import {
-  PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillEvent,
+  HandoffOutbox, PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillEvent,
 } from '../engine/handoff.ts';
-import { InvalidRequestError, type Request } from '../engine/request.ts';
+import { copyTimestamps, InvalidRequestError, type Request } from '../engine/request.ts';
 import { Scheduler, type AdoptedState, type StepPlan } from '../engine/scheduler.ts';
 import { StopStringMatcher } from '../engine/stop-strings.ts';
 import type {
-  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason, RequestTimestamps,
+  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason,
   SchedulingPolicy, TokenLogprob, WorkerRole,
 } from '../engine/types.ts';
 import { INFINIBAND_NDR, type HardwareProfile, type LinkProfile } from './hardware.ts';
@@ -239,8 +239,7 @@ export class SimWorker {
   readonly kvLink: LinkProfile;
   readonly kvParallelLinks: number;
   /** Prefill side: pinned blocks of handed-off requests; decode side: adoptions waiting for room. */
-  private readonly parked = new Map<string, KvPin>();
-  private handoffsOut: KvHandoff[] = [];
+  private readonly handoffs: HandoffOutbox;
   private pendingAdoptions: SimPendingAdoption[] = [];
   private adoptedOut: AdoptedResult[] = [];
 
@@ -264,6 +263,7 @@ export class SimWorker {
       numBlocks: simKvBlocks(config), blockSize,
       enablePrefixCaching: config.enablePrefixCaching ?? true, enableEvents: config.enableKvEvents ?? false,
     });
+    this.handoffs = new HandoffOutbox(this.kv);
     this.scheduler = new Scheduler({
       policy: config.policy, maxNumSeqs: config.maxNumSeqs ?? SIM_DEFAULTS.maxNumSeqs,
       maxNumBatchedTokens: config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens,
@@ -349,7 +349,7 @@ export class SimWorker {
         requestId, index: 0, newTokenIds: [], textDelta: '', finishReason: reason, error,
         ...(traceparent !== undefined ? { traceparent } : {}),
         usage: { promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length, cachedTokens: handoff.numCachedTokens },
-        timestamps: { ...snapshot(handoff.timestamps), finished: nowMs },
+        timestamps: { ...copyTimestamps(handoff.timestamps), finished: nowMs },
       }];
     }
     const state = this.states.get(requestId);
@@ -444,22 +444,16 @@ export class SimWorker {
 
   /** Handoffs made since the last call (prefill side). */
   takeHandoffs(): KvHandoff[] {
-    const handoffs = this.handoffsOut;
-    this.handoffsOut = [];
-    return handoffs;
+    return this.handoffs.take();
   }
 
   /** The decode worker has the blocks: unpin them here. False if nothing was pinned for the request. */
   releaseHandoff(requestId: string): boolean {
-    const pin = this.parked.get(requestId);
-    if (pin === undefined) return false;
-    this.parked.delete(requestId);
-    this.kv.unpin(pin);
-    return true;
+    return this.handoffs.release(requestId);
   }
 
   get numParkedHandoffs(): number {
-    return this.parked.size;
+    return this.handoffs.numParked;
   }
 
   get numPendingAdoptions(): number {
@@ -509,16 +503,15 @@ export class SimWorker {
     const { request } = state;
     const given = this.scheduler.handOff(request.id);
     this.states.delete(request.id);
-    this.parked.set(request.id, given.pin);
-    this.handoffsOut.push({
+    this.handoffs.add({
       requestId: request.id, request: request.engineRequest, outputTokenIds: given.outputTokenIds.slice(),
       numComputedTokens: given.numComputedTokens, blockSize: this.kv.blockSize, sourceBlockIds: given.blockIds.slice(),
       blockHashes: given.blockHashes.slice(),
       // Synthetic tokens are a function of (seed, completion, position): the seed is the whole sampler state.
       sampler: { seed: state.seed, rngState: [state.seed >>> 0, Math.floor(state.seed / 0x1_0000_0000) >>> 0, 0, 0] },
-      numCachedTokens: request.numCachedTokens, timestamps: snapshot(request.timestamps), sourceLayout: this.kvLayout,
+      numCachedTokens: request.numCachedTokens, timestamps: copyTimestamps(request.timestamps), sourceLayout: this.kvLayout,
       createdMs: nowMs,
-    });
+    }, given.pin);
   }
 
   private tryAdopt(pending: SimPendingAdoption, nowMs: number): AdoptedResult | null {
@@ -636,17 +629,12 @@ export class SimWorker {
         cachedTokens: request.numCachedTokens,
       },
       // A snapshot: the request's own timestamps keep changing after this output is handed out.
-      timestamps: snapshot(request.timestamps),
+      timestamps: copyTimestamps(request.timestamps),
     };
     const { traceparent } = request.engineRequest;
     if (traceparent !== undefined) output.traceparent = traceparent;
     return output;
   }
-}
-
-function snapshot(timestamps: RequestTimestamps): RequestTimestamps {
-  const { decodeSteps } = timestamps;
-  return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}) };
 }
 
 // ---------------------------------------------------------------------------------------------------------------
