@@ -7,6 +7,7 @@ import { after, before, describe, it } from 'node:test';
 import OpenAI, { APIError } from 'openai';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { parseSse, rawRequest, type RawResponse } from './http-client.ts';
+import { openCompletionStream } from '../helpers/http-stream.ts';
 
 const KEY = 'sk-http-main-0001';
 const SOLO_KEY = 'sk-http-solo-0002';
@@ -16,19 +17,6 @@ const auth = (key = KEY): Record<string, string> => ({ Authorization: `Bearer ${
 const user = [{ role: 'user', content: 'Describe a lighthouse.' }];
 
 /** Opens a completion stream; resolves once its first event has arrived, with a way to hang up. */
-function openStream(url: string, key: string, body: object): Promise<{ hangUp(): void }> {
-  return new Promise((resolve, reject) => {
-    const req = httpRequest(new URL('/v1/completions', url), {
-      method: 'POST', headers: { ...auth(key), 'Content-Type': 'application/json' },
-    }, (res) => {
-      res.once('data', () => resolve({ hangUp: () => req.destroy() }));
-      res.on('error', () => {});
-    });
-    req.on('error', (err: NodeJS.ErrnoException) => { if (err.code !== 'ECONNRESET') reject(err); });
-    req.end(JSON.stringify({ ...body, stream: true }));
-  });
-}
-
 /** A hang guard, not a speed requirement. */
 const E2E = { timeout: 90_000 };
 
@@ -147,7 +135,7 @@ describe('HTTP API end to end', () => {
   });
 
   it('caps requests in flight per tenant with 429', E2E, async () => {
-    const long = await openStream(server.url, SOLO_KEY, { model, prompt: 'Go on', max_tokens: 1500, ignore_eos: true });
+    const long = await openCompletionStream(server.url, { model, prompt: 'Go on', max_tokens: 1500, ignore_eos: true }, { key: SOLO_KEY });
     const second = await post('/v1/completions', { model, prompt: 'me too', max_tokens: 1 }, SOLO_KEY);
     long.hangUp();
     assert.equal(second.status, 429);
@@ -158,7 +146,7 @@ describe('HTTP API end to end', () => {
 
   it('a client hanging up mid-stream aborts the request: blocks, slot and unused tokens come back', E2E, async () => {
     const cut = server.running.keyStore.authenticate(`Bearer ${CUT_KEY}`);
-    const stream = await openStream(server.url, CUT_KEY, { model, prompt: 'Count the waves', max_tokens: 1500, ignore_eos: true });
+    const stream = await openCompletionStream(server.url, { model, prompt: 'Count the waves', max_tokens: 1500, ignore_eos: true }, { key: CUT_KEY });
     assert.equal(server.running.api.limiter.inFlight(cut), 1);
     stream.hangUp();
     await waitFor(() => engineIdle(server.engine), 'the aborted request to leave the engine');
@@ -262,7 +250,7 @@ describe('HTTP API end to end: timeouts, overload, shutdown', () => {
   });
 
   it('refuses work beyond the pending bound with 503 and Retry-After', E2E, async () => {
-    const first = await openStream(server.url, 'unused', { model, prompt: 'Busy', max_tokens: 1900, ignore_eos: true });
+    const first = await openCompletionStream(server.url, { model, prompt: 'Busy', max_tokens: 1900, ignore_eos: true }, { key: 'unused' });
     const second = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'x', max_tokens: 1 } });
     first.hangUp();
     assert.equal(second.status, 503);

@@ -6,7 +6,6 @@
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
-import { request as httpRequest } from 'node:http';
 import { SpanStatusCode } from '@opentelemetry/api';
 import { hrTimeToMilliseconds } from '@opentelemetry/core';
 import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
@@ -17,6 +16,7 @@ import { engineIdle, waitFor } from '../api/e2e-fixture.ts';
 import { parseSse, rawRequest } from '../api/http-client.ts';
 import { coldTimeline } from './fixtures.ts';
 import { moved, scrape, startLiveServer, type LiveServer } from './integration-fixture.ts';
+import { openCompletionStream } from '../helpers/http-stream.ts';
 
 /** A hang guard, not a speed requirement. */
 const LIVE = { timeout: 120_000 };
@@ -101,21 +101,6 @@ function assertEngineSpans(spans: readonly ReadableSpan[], expect: { decodeSteps
   assert.ok(Math.abs(Number(decode.attributes['decode.batch_size_mean']) - sizes.reduce((a, b) => a + b, 0) / sizes.length) < 1e-3);
 }
 
-function openStream(url: string, body: object, events: number): Promise<{ id: string; hangUp(): void }> {
-  return new Promise((resolve, reject) => {
-    const req = httpRequest(new URL('/v1/completions', url), { method: 'POST', headers: { 'Content-Type': 'application/json' } }, (res) => {
-      let seen = 0;
-      res.on('data', (chunk: Buffer) => {
-        seen += chunk.toString('utf8').split('\n\n').length - 1;
-        if (seen >= events) resolve({ id: String(res.headers['x-request-id']), hangUp: () => req.destroy() });
-      });
-      res.on('error', () => {});
-    });
-    req.on('error', (err: NodeJS.ErrnoException) => { if (err.code !== 'ECONNRESET') reject(err); });
-    req.end(JSON.stringify({ ...body, stream: true }));
-  });
-}
-
 describe('engine spans on a live server (one CPU worker, a span per decode step)', () => {
   let server: LiveServer;
   let model: string;
@@ -183,7 +168,7 @@ describe('engine spans on a live server (one CPU worker, a span per decode step)
   });
 
   it('an aborted stream: the decode steps it got, then the abort', LIVE, async () => {
-    const stream = await openStream(server.url, { model, prompt: longPrompt(), max_tokens: 1500, ignore_eos: true }, 6);
+    const stream = await openCompletionStream(server.url, { model, prompt: longPrompt(), max_tokens: 1500, ignore_eos: true }, { events: 6 });
     stream.hangUp();
     const spans = await spansOf(server, stream.id);
     const root = one(spans, 'request');

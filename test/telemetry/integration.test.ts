@@ -16,6 +16,7 @@ import { parseSse, rawRequest, type RawResponse } from '../api/http-client.ts';
 import { total, value, type Exposition } from './exposition.ts';
 import { moved, scrape, startLiveServer, type LiveServer } from './integration-fixture.ts';
 import { havePromtool, promtool } from './promtool.ts';
+import { openCompletionStream } from '../helpers/http-stream.ts';
 
 /** A hang guard, not a speed requirement. */
 const LIVE = { timeout: 120_000 };
@@ -71,23 +72,6 @@ async function endedTrace(url: string, id: string): Promise<TraceBody> {
 }
 
 /** Opens a completion stream; resolves once `events` SSE events have arrived, with the request id and a hang-up. */
-function openStream(url: string, key: string, body: object, events = 1): Promise<{ id: string; hangUp(): void }> {
-  return new Promise((resolve, reject) => {
-    const req = httpRequest(new URL('/v1/completions', url), {
-      method: 'POST', headers: { ...auth(key), 'Content-Type': 'application/json' },
-    }, (res) => {
-      let seen = 0;
-      res.on('data', (chunk: Buffer) => {
-        seen += chunk.toString('utf8').split('\n\n').length - 1;
-        if (seen >= events) resolve({ id: String(res.headers['x-request-id']), hangUp: () => req.destroy() });
-      });
-      res.on('error', () => {});
-    });
-    req.on('error', (err: NodeJS.ErrnoException) => { if (err.code !== 'ECONNRESET') reject(err); });
-    req.end(JSON.stringify({ ...body, stream: true }));
-  });
-}
-
 const names = (trace: TraceBody): string[] => trace.phases.map((p) => p.phase);
 const phase = (trace: TraceBody, name: string) => trace.phases.find((p) => p.phase === name);
 const prefillTokens = (trace: TraceBody): number =>
@@ -236,7 +220,7 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
 
   it('a client hanging up mid-stream is counted as a cancellation and traced as an abort', LIVE, async () => {
     const before = (await scrape(server.url)).exposition;
-    const stream = await openStream(server.url, KEY, { model, prompt: 'Count the waves', max_tokens: 1500, ignore_eos: true }, 4);
+    const stream = await openCompletionStream(server.url, { model, prompt: 'Count the waves', max_tokens: 1500, ignore_eos: true }, { key: KEY, events: 4 });
     stream.hangUp();
     const trace = await endedTrace(server.url, stream.id);
     await waitFor(() => engineIdle(server.engine), 'the aborted request to leave the engine');
@@ -275,7 +259,7 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     const badKey = await post({ model, prompt: 'x' }, 'sk-not-a-key-000000');
     const firstOfLimited = await post({ model, prompt: 'x', max_tokens: 1 }, LIMITED_KEY);
     const overLimit = await post({ model, prompt: 'x', max_tokens: 1 }, LIMITED_KEY);
-    const long = await openStream(server.url, SOLO_KEY, { model, prompt: 'Go on', max_tokens: 1500, ignore_eos: true });
+    const long = await openCompletionStream(server.url, { model, prompt: 'Go on', max_tokens: 1500, ignore_eos: true }, { key: SOLO_KEY });
     const overConcurrency = await post({ model, prompt: 'me too', max_tokens: 1 }, SOLO_KEY);
     long.hangUp();
     const tooBig = await rawRequest(server.url, { path: '/v1/completions', headers: auth(), body: Buffer.alloc(5 * 1024 * 1024, 0x61) });
@@ -567,7 +551,7 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
     for (let i = 0; i < 2; i++) {
       await rawRequest(server.url, { path: '/v1/completions', headers: auth(LIMITED_KEY), body: { model, prompt: 'x', max_tokens: 1 } });
     }
-    const stream = await openStream(server.url, KEY, { model, prompt: 'Keep going', max_tokens: 1500, ignore_eos: true }, 3);
+    const stream = await openCompletionStream(server.url, { model, prompt: 'Keep going', max_tokens: 1500, ignore_eos: true }, { key: KEY, events: 3 });
     stream.hangUp();
     await endedTrace(server.url, stream.id);
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
