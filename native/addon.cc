@@ -161,6 +161,8 @@ Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
   out.Set("amxTile", f.amx_tile);
   out.Set("amxInt8", f.amx_int8);
   out.Set("amxBf16", f.amx_bf16);
+  out.Set("amxPermitted", f.amx_permitted);
+  out.Set("amxStatus", f.amx_status);
   out.Set("bestVariant", variant_name(best_supported_variant()));
   out.Set("defaultThreads", default_thread_count());
   return out;

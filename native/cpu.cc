@@ -2,7 +2,10 @@
 #include "cpu.h"
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <mutex>
 
 #include "kernels.h"
@@ -18,6 +21,37 @@ uint64_t read_xcr0() {
   uint32_t eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+// AMX tile data is 8 KiB of register state that Linux (5.16+) saves only for processes that asked for it: until a
+// process requests XTILEDATA with arch_prctl, its first tile instruction faults. The permission is process-wide,
+// so asking once before any kernel thread runs covers every thread.
+constexpr int kArchGetXcompSupp = 0x1022, kArchReqXcompPerm = 0x1023, kArchGetXcompPerm = 0x1025;
+constexpr unsigned kXfeatureXtiledata = 18;
+
+void request_amx_permission(CpuFeatures& f) {
+  uint64_t supported = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompSupp, &supported) != 0) {
+    f.amx_status = "the kernel cannot grant AMX (arch_prctl ARCH_GET_XCOMP_SUPP unsupported: Linux 5.16+ needed)";
+    return;
+  }
+  if (!(supported & (uint64_t{1} << kXfeatureXtiledata))) {
+    f.amx_status = "the kernel does not offer AMX tile data to processes";
+    return;
+  }
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    f.amx_status = errno == EPERM ? "the kernel refused AMX tile data (EPERM: signal stack too small?)"
+                                  : "the kernel refused AMX tile data";
+    return;
+  }
+  uint64_t permitted = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &permitted) != 0 ||
+      !(permitted & (uint64_t{1} << kXfeatureXtiledata))) {
+    f.amx_status = "the kernel acknowledged the AMX request but does not list the permission";
+    return;
+  }
+  f.amx_permitted = true;
+  f.amx_status = "granted";
 }
 
 CpuFeatures detect() {
@@ -58,6 +92,7 @@ CpuFeatures detect() {
     f.amx_tile = d7 & (1u << 24);
     f.amx_int8 = d7 & (1u << 25);
   }
+  if (f.amx_tile) request_amx_permission(f);
   return f;
 }
 

@@ -10,6 +10,10 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;  // detected for reporting only: no AMX kernels yet
+  // Linux lets a process use AMX tile data only after asking (arch_prctl); asked once at detection when the CPU
+  // has AMX. amx_status says how that went ("no AMX on this CPU", "granted", or why not).
+  bool amx_permitted = false;
+  const char* amx_status = "no AMX on this CPU";
 };
 
 const CpuFeatures& cpu_features();

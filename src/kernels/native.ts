@@ -34,6 +34,10 @@ export interface CpuInfo {
   amxTile: boolean;
   amxInt8: boolean;
   amxBf16: boolean;
+  /** Linux granted this process AMX tile data (requested with arch_prctl at load when the CPU has AMX). */
+  amxPermitted: boolean;
+  /** 'no AMX on this CPU', 'granted', or why the kernel did not grant it. */
+  amxStatus: string;
   /** avx512 needs F+BW+VL+VNNI; avx2 needs AVX2+FMA+F16C. */
   bestVariant: KernelVariant;
   /** CPUs this process may run on (its affinity mask). */
@@ -382,6 +386,13 @@ export function decidePacking(
   };
 }
 
+/** What an operator of an AMX machine should know at start: whether Linux granted AMX, and that no kernel uses it. */
+export function amxNotice(cpu: CpuInfo, variant: KernelVariant): string | undefined {
+  if (!cpu.amxTile) return undefined;
+  return `AMX detected (tile data permission: ${cpu.amxStatus}); Conduit has no AMX kernels yet, so matmuls use ` +
+    `the ${variant} kernels`;
+}
+
 function checkPositiveInteger(name: string, value: number): void {
   if (!Number.isInteger(value) || value <= 0) throw new RangeError(`${name} must be a positive integer, got ${value}`);
 }
@@ -411,9 +422,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       releaseUnpackedWeights: packing.pack && (options.releaseUnpackedWeights ?? false),
     });
     const modelInfo = model.info();
+    const notices = [packing.notice, amxNotice(cpu, variant)].filter((n): n is string => n !== undefined);
     const info: BackendInfo = {
       name: 'native', variants: modelInfo.variants, threads: modelInfo.threads,
-      ...(packing.notice ? { notices: [packing.notice] } : {}),
+      ...(notices.length > 0 ? { notices } : {}),
     };
     let disposed = false;
     return {

@@ -9,14 +9,15 @@ import { GgmlType } from '../../src/model/ggml-types.ts';
 import type { ModelConfig } from '../../src/model/config.ts';
 import type { ModelWeights, Tensor } from '../../src/model/weights.ts';
 import {
-  decidePacking, nativeBackend, packedWeightBytes, resolveKernelVariant, supportedVariants, type CpuInfo,
+  amxNotice, decidePacking, nativeBackend, packedWeightBytes, resolveKernelVariant, supportedVariants, type CpuInfo,
 } from '../../src/kernels/native.ts';
 import { native, skipNative } from './native-harness.ts';
 
 function cpuWith(bestVariant: CpuInfo['bestVariant']): CpuInfo {
   return {
     avx2: true, fma: true, f16c: true, avx512f: false, avx512bw: false, avx512vl: false, avx512dq: false,
-    avx512vnni: false, avx512bf16: false, amxTile: false, amxInt8: false, amxBf16: false, bestVariant,
+    avx512vnni: false, avx512bf16: false, amxTile: false, amxInt8: false, amxBf16: false, amxPermitted: false,
+    amxStatus: 'no AMX on this CPU', bestVariant,
     defaultThreads: 2,
   };
 }
@@ -62,6 +63,28 @@ describe('packed weights decision', () => {
 
   it('has nothing to decide when the kernels pack nothing', () => {
     assert.deepEqual(decidePacking(0, undefined, {}, scarce), { pack: false });
+  });
+});
+
+describe('AMX', () => {
+  it('asks Linux for tile data exactly when the CPU has AMX, and reports the answer', { skip: skipNative }, () => {
+    const cpu = native().cpuInfo();
+    assert.ok(cpu.amxStatus.length > 0);
+    if (!cpu.amxTile) {
+      assert.equal(cpu.amxPermitted, false);
+      assert.equal(cpu.amxStatus, 'no AMX on this CPU');
+      return;
+    }
+    // Linux 5.16+ grants AMX to any process that asks; older kernels cannot run AMX code at all.
+    assert.equal(cpu.amxPermitted, cpu.amxStatus === 'granted', cpu.amxStatus);
+  });
+
+  it('tells the operator of an AMX machine what the kernels do about it', () => {
+    assert.equal(amxNotice(cpuWith('avx512'), 'avx512'), undefined);
+    const amx = { ...cpuWith('avx512'), amxTile: true, amxInt8: true, amxPermitted: true, amxStatus: 'granted' };
+    assert.match(amxNotice(amx, 'avx512')!, /AMX detected \(tile data permission: granted\).*no AMX kernels.*avx512/);
+    const refused = { ...amx, amxPermitted: false, amxStatus: 'the kernel does not offer AMX tile data to processes' };
+    assert.match(amxNotice(refused, 'avx2')!, /does not offer AMX tile data.*the avx2 kernels/);
   });
 });
 
