@@ -54,6 +54,35 @@ inline void score_positions(const float* q, int group, int hd, const uint8_t* co
   }
 }
 
+// Scores of SUB (1-3) query heads sharing one KV head for 8 positions, with 16-lane vectors (SUB x 8 accumulators
+// fit the 32 registers): each K vector is loaded, and widened from f16, once for all SUB heads, then one reduction
+// per head turns its 8 accumulators into 8 scores. The FMAs of each score are score_positions' in the same order,
+// and the reduction adds in reduce_add's order like reduce_add_lanes: the same bits, with a third of the loads
+// and no widened copy of the keys. head_dim must be a multiple of 16.
+template <class V, bool F16, int SUB>
+inline void score_heads8(const float* q, int hd, const uint8_t* const* k, int live, float scale, float* scores,
+                         size_t score_stride) {
+  using F = typename V::F;
+  constexpr int W = V::kWidth;
+  static_assert(W == 16, "16-lane vectors only");
+  F acc[SUB][8];
+  for (int j = 0; j < SUB; ++j) {
+    for (int u = 0; u < 8; ++u) acc[j][u] = V::zero();
+  }
+  for (int d = 0; d < hd; d += W) {
+    F qv[SUB];
+    for (int j = 0; j < SUB; ++j) qv[j] = V::load(q + j * hd + d);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      const F kv = load_kv<V, F16>(k[u], d);
+      for (int j = 0; j < SUB; ++j) acc[j][u] = V::fmadd(qv[j], kv, acc[j][u]);
+    }
+  }
+  for (int j = 0; j < SUB; ++j) {
+    V::store_partial(scores + j * score_stride, V::mul(V::reduce_add_lanes8(acc[j]), V::set1(scale)), live);
+  }
+}
+
 // Query vectors whose whole outputs (NC vectors each) one P V pass keeps in registers: about half the registers.
 template <class V, int NC>
 constexpr int value_block() {
@@ -198,6 +227,24 @@ inline void chunk_partial(const AttentionArgs& a, const float* q, const size_t* 
       for (int u = 0; u < W; ++u) k[u] = a.k_cache + offsets[t0 + (u < live ? u : live - 1)] + h * head_bytes;
       const float* qh = q + static_cast<int64_t>(h) * group * hd;
       float* sh = scores + static_cast<size_t>(h) * group * score_stride + t0;
+      if constexpr (W == 16) {
+        if (hd % W == 0) {
+          // The group's heads three at a time (then two or one), each set over 8 positions at a time.
+          for (int half = 0; half < live; half += 8) {
+            const int n8 = live - half < 8 ? live - half : 8;
+            for (int j0 = 0; j0 < group; j0 += 3) {
+              const float* qj = qh + static_cast<int64_t>(j0) * hd;
+              float* sj = sh + static_cast<size_t>(j0) * score_stride + half;
+              switch (group - j0 < 3 ? group - j0 : 3) {
+                case 1: score_heads8<V, F16, 1>(qj, hd, k + half, n8, a.scale, sj, score_stride); break;
+                case 2: score_heads8<V, F16, 2>(qj, hd, k + half, n8, a.scale, sj, score_stride); break;
+                default: score_heads8<V, F16, 3>(qj, hd, k + half, n8, a.scale, sj, score_stride); break;
+              }
+            }
+          }
+          continue;
+        }
+      }
       if (F16 && group > 1 && hd <= kAttentionConvertMaxDim) {
         // Halves widened once for the group's heads rather than once per head (exact, so the same bits).
         alignas(64) float widened[W * kAttentionConvertMaxDim];

@@ -61,6 +61,25 @@ struct Avx512 {
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), s);
   }
 
+  // Lanes 0-7 of the result = sums of the lanes of v[0] .. v[7] (lanes 8-15 repeat them), each added in
+  // reduce_add's order like reduce_add_lanes: the first two stages of that function, then the last within lanes.
+  static inline F reduce_add_lanes8(const F* v) {
+    F x[4], y[2];
+    for (int i = 0; i < 4; ++i) {
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 2; ++i) {
+      y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    }
+    // y[i], 128-bit lane L holds 4 partial sums of v[4i + L]; z, lane L: two of v[L], then two of v[4 + L].
+    const F z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+    // s, 128-bit lane L: the sum of v[L], then of v[4 + L] (twice over).
+    const F s = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xDD));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(13, 9, 5, 1, 12, 8, 4, 0, 13, 9, 5, 1, 12, 8, 4, 0), s);
+  }
+
   // Halves (IEEE f16) and bfloat16.
   static inline F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
