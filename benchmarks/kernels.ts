@@ -330,6 +330,8 @@ async function benchModel(): Promise<void> {
     packWeights,
   });
   const packed = load(true), unpacked = load(false);
+  // One logits buffer for every step, as an engine passes (EngineCore): no allocation per step.
+  const logitsOut = new Float32Array(numSeqs * model.config.vocabSize);
   // Bytes a decode step must read: every matrix except the embedding table (one row is read per token), and the
   // K and V of every position of the context in every layer.
   const weightBytes = allTensors(model.weights).filter((t) => t !== model.weights.tokenEmbedding ||
@@ -381,9 +383,9 @@ async function benchModel(): Promise<void> {
     `${(kvBytesPerPosition / 1e3).toFixed(1)} KB of K and V per context position read per decode step), Q8_0, ` +
     `f16 KV, ${threads} threads; packed copy ${(info.packedWeightBytes / 1e6).toFixed(1)} MB, ` +
     `${(info.hugePageBytes / 1e6).toFixed(1)} MB on huge pages; min / median / max`);
-  measure('prefill 512', '', 512, () => { packed.forward(batchFor([{ id: 0, start: 0, count: 512 }])); });
-  unpacked.forward(batchFor([{ id: 0, start: 0, count: 512 }])); // its pool needs the same prompt
-  packed.forward(batchFor([{ id: 1, start: 0, count: 512 }])); // the same prompt in interleaved blocks
+  measure('prefill 512', '', 512, () => { packed.forward(batchFor([{ id: 0, start: 0, count: 512 }]), logitsOut); });
+  unpacked.forward(batchFor([{ id: 0, start: 0, count: 512 }]), logitsOut); // its pool needs the same prompt
+  packed.forward(batchFor([{ id: 1, start: 0, count: 512 }]), logitsOut); // the same prompt in interleaved blocks
   const decodeSteps = quick ? 16 : 64;
   // The read bandwidth varies with other guests' load (30 to 55 GB/s seen on one 2-core VM within minutes), so
   // each run is set against readings taken just before and just after it: its share of the roofline is its
@@ -395,7 +397,7 @@ async function benchModel(): Promise<void> {
   // Single-stream decode of both weight layouts and both block placements, alternating runs so that bursts of
   // load hit all alike.
   const decodeOne = (m: NativeModel, id: number, start: number) => () => {
-    for (let i = 0; i < decodeSteps; i++) m.forward(batchFor([{ id, start: start + i, count: 1 }]));
+    for (let i = 0; i < decodeSteps; i++) m.forward(batchFor([{ id, start: start + i, count: 1 }]), logitsOut);
   };
   const singles = [
     { name: 'decode 1 stream (ctx 512+)', run: decodeOne(packed, 0, 512), rates: [] as number[], shares: [] as number[] },
@@ -422,13 +424,13 @@ async function benchModel(): Promise<void> {
     `per step at ${readGBs.toFixed(1)} GB/s (median reading; ${readings[0]!.toFixed(1)} to ` +
     `${readings.at(-1)!.toFixed(1)})`;
   for (const d of singles) report(d.name, note, d.rates);
-  for (let s = 1; s < numSeqs; s++) packed.forward(batchFor([{ id: s, start: 0, count: 128 }]));
+  for (let s = 1; s < numSeqs; s++) packed.forward(batchFor([{ id: s, start: 0, count: 128 }]), logitsOut);
   let step = 0;
   measure(`decode ${numSeqs} streams (ctx 128+)`, '', decodeSteps * numSeqs, () => {
     for (let i = 0; i < decodeSteps; i++, step++) {
       packed.forward(batchFor(Array.from({ length: numSeqs }, (_, s) => ({
         id: s, start: (s === 0 ? 512 + decodeSteps : 128) + (step % 128), count: 1,
-      }))));
+      }))), logitsOut);
     }
   });
   const shares = singles.map((d) => {
@@ -460,7 +462,7 @@ async function benchModel(): Promise<void> {
       ...l, windows: [] as { msPerStep: number; sections: Record<string, { seconds: number; calls: number }> }[],
     }));
     for (const l of layouts) {
-      l.m.forward(batchFor([{ id: 0, start, count: 1 }]));
+      l.m.forward(batchFor([{ id: 0, start, count: 1 }]), logitsOut);
       l.m.setProfiling(true);
     }
     for (let w = 0; w < windows; w++) {
@@ -468,7 +470,7 @@ async function benchModel(): Promise<void> {
         l.m.takeProfile();
         const t = performance.now();
         for (let i = 1; i <= stepsPerWindow; i++) {
-          l.m.forward(batchFor([{ id: 0, start: start + w * stepsPerWindow + i, count: 1 }]));
+          l.m.forward(batchFor([{ id: 0, start: start + w * stepsPerWindow + i, count: 1 }]), logitsOut);
         }
         l.windows.push({ msPerStep: (performance.now() - t) / stepsPerWindow, sections: l.m.takeProfile() });
       }
@@ -489,7 +491,7 @@ async function benchModel(): Promise<void> {
       top.sort((a, b) => b.msPerStep - a.msPerStep);
       const ordered = [...top, ...rows.filter((r) => nested.has(r.section)).map((r) => ({ ...r,
         section: `  (within the above) ${r.section}` })), {
-        section: 'outside any section (validation, N-API, logits array)', msPerStep: msPerStep - accounted,
+        section: 'outside any section (validation, N-API, the JS loop)', msPerStep: msPerStep - accounted,
         share: (msPerStep - accounted) / msPerStep, callsPerStep: 1 }];
       profiles.push({ layout: l.name, msPerStep, rows: ordered });
       // Windows decode positions start + 1 .. start + windows * stepsPerWindow.

@@ -77,6 +77,8 @@ export class EngineCore {
   /** Decode side: handoffs waiting for room, oldest first, and adoptions not yet reported. */
   private pendingAdoptions: PendingAdoption[] = [];
   private adoptedOut: AdoptedResult[] = [];
+  /** Every step's logits, reused (the sampler is done with them before the step returns). */
+  private logits = new Float32Array(0);
 
   constructor(options: EngineCoreOptions) {
     this.backend = options.backend;
@@ -383,6 +385,11 @@ export class EngineCore {
     const sourceIds = plan.blockCopies.map((copy) => copy.source.id);
     const destinationIds = plan.blockCopies.map((copy) => copy.destination.id);
     copyKvBlocks(pool, pool, sourceIds, destinationIds);
+  }
+
+  private logitsBuffer(rows: number): Float32Array {
+    if (this.logits.length < rows * this.vocabSize) this.logits = new Float32Array(rows * this.vocabSize);
+    return this.logits;
   }
 
   private sampleRows(plan: StepPlan, logits: Float32Array): { tokenIds: number[]; logprobs: Map<string, TokenLogprob> } {

@@ -127,8 +127,11 @@ export interface NativeProfileSection {
 }
 
 export interface NativeModel {
-  /** One engine step; throws a RangeError naming the bad field when the batch is inconsistent. */
-  forward(batch: ForwardBatch): Float32Array;
+  /**
+   * One engine step; throws a RangeError naming the bad field when the batch is inconsistent. The logits go into
+   * `out` (the returned array is then a view of its start) when it holds enough floats, else into a new array.
+   */
+  forward(batch: ForwardBatch, out?: Float32Array): Float32Array;
   info(): NativeModelInfo;
   /**
    * Times named sections of every forward pass while on (matmuls per weight, attention, the small ops; nested:
@@ -433,9 +436,9 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       config,
       kvLayout,
       kvPool,
-      forward(batch: ForwardBatch): Float32Array {
+      forward(batch: ForwardBatch, out?: Float32Array): Float32Array {
         if (disposed) throw new Error('native backend is disposed');
-        return model.forward(batch);
+        return model.forward(batch, out);
       },
       dispose(): void {
         if (disposed) return;

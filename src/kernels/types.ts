@@ -74,8 +74,12 @@ export interface ModelRunnerBackend {
   readonly info: BackendInfo;
   readonly config: ModelConfig;
   readonly kvLayout: KvPoolLayout;
-  /** Runs the model on the batch, writes its K/V into the pool, returns logits [logitsIndices.length * vocabSize]. */
-  forward(batch: ForwardBatch): Float32Array;
+  /**
+   * Runs the model on the batch, writes its K/V into the pool, returns logits [logitsIndices.length * vocabSize].
+   * With `out` (a buffer the caller reuses across steps) a backend may write the logits there and return a view of
+   * its start instead of allocating: the result is then valid until `out` is written again.
+   */
+  forward(batch: ForwardBatch, out?: Float32Array): Float32Array;
   /** The pool's bytes (shared so that KV transfer can copy blocks between workers without serialising). */
   readonly kvPool: SharedArrayBuffer;
   dispose(): void;

@@ -280,6 +280,33 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     assert.throws(() => backend.forward(good), /disposed/);
   });
 
+  it('writes the logits into a buffer the caller reuses, when it is large enough', () => {
+    const { config, weights } = makeModel(34, { type: GgmlType.Q8_0, dim: 64, ffnDim: 96 });
+    const steps = makeSteps(3);
+    const expected = runNative(config, weights, 'f16', variants.at(-1)!, 2, steps);
+    const model = loadNative(config, weights, 'f16', variants.at(-1)!, 2);
+    try {
+      const most = Math.max(...expected.map((e) => e.length));
+      const out = new Float32Array(most + 7);
+      steps.forEach((step, s) => {
+        out.fill(-7.5);
+        const logits = model.forward(step, out);
+        assert.equal(logits.buffer, out.buffer, `step ${s} wrote into the given buffer`);
+        assert.equal(logits.byteOffset, out.byteOffset);
+        assert.deepEqual(logits, expected[s], `step ${s}`);
+        assert.ok(out.subarray(logits.length).every((x) => x === -7.5), `step ${s} wrote past its logits`);
+      });
+      // Too small: a new array, the given one untouched. Not a Float32Array: refused.
+      const small = new Float32Array(3).fill(-7.5);
+      const fresh = model.forward(steps[0]!, small);
+      assert.notEqual(fresh.buffer, small.buffer);
+      assert.ok(small.every((x) => x === -7.5));
+      assert.throws(() => model.forward(steps[0]!, new Int32Array(most) as unknown as Float32Array), /out/);
+    } finally {
+      model.dispose();
+    }
+  });
+
   it('loads with and without the packed copy to the same bits (packWeights)', () => {
     const { config, weights } = makeModel(33, { type: GgmlType.Q8_0, dim: 64, ffnDim: 96 });
     const kv = { numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE, dtype: 'f32' as const };
