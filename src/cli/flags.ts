@@ -26,6 +26,15 @@ export class UsageError extends Error {
   override name = 'UsageError';
 }
 
+/** Where a flag's value came from: 'default' is the table's default, or unset when it has none. */
+export type FlagSource = 'command line' | 'environment' | 'default';
+
+export interface ParsedFlags<T extends FlagTable> {
+  values: FlagValues<T>;
+  positionals: string[];
+  sources: Record<keyof T & string, FlagSource>;
+}
+
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
 }
@@ -56,8 +65,9 @@ function convert(flag: string, spec: FlagSpec, raw: string, origin: string): str
  */
 export function parseFlags<T extends FlagTable>(
   table: T, argv: readonly string[], env: NodeJS.ProcessEnv = process.env,
-): { values: FlagValues<T>; positionals: string[] } {
+): ParsedFlags<T> {
   const values: Record<string, string | number | boolean | undefined> = {};
+  const sources: Record<string, FlagSource> = {};
   const fromArgs = new Set<string>();
   const positionals: string[] = [];
   const byShort = new Map(Object.entries(table).filter(([, s]) => s.short).map(([n, s]) => [s.short!, n]));
@@ -98,17 +108,43 @@ export function parseFlags<T extends FlagTable>(
       i++;
     }
     values[name] = convert(name, spec, raw, 'option');
+    sources[name] = 'command line';
     fromArgs.add(name);
   }
 
   for (const [name, spec] of Object.entries(table)) {
     if (fromArgs.has(name)) continue;
     const fromEnv = env[envName(name, spec)];
-    if (fromEnv !== undefined && fromEnv !== '') values[name] = convert(name, spec, fromEnv, envName(name, spec));
-    else if (spec.default !== undefined) values[name] = spec.default;
+    sources[name] = 'default';
+    if (fromEnv !== undefined && fromEnv !== '') {
+      values[name] = convert(name, spec, fromEnv, envName(name, spec));
+      sources[name] = 'environment';
+    } else if (spec.default !== undefined) values[name] = spec.default;
     else values[name] = spec.type === 'boolean' ? false : undefined;
   }
-  return { values: values as FlagValues<T>, positionals };
+  return { values: values as FlagValues<T>, positionals, sources: sources as ParsedFlags<T>['sources'] };
+}
+
+/**
+ * Flags that have no effect in the configuration at hand (`why` says why). Typed on the command line they are a
+ * usage error: whoever typed them expects them to do something. Set in the environment they are ignored, and set
+ * back to their default in `parsed`: an environment is often shared by several deployments, and a variable meant
+ * for another one must not stop this one. Returns one warning line per ignored variable.
+ */
+export function ignoreInapplicable<T extends FlagTable>(table: T, parsed: ParsedFlags<T>,
+  names: readonly (keyof T & string)[], why: string): string[] {
+  const typed = names.filter((name) => parsed.sources[name] === 'command line');
+  if (typed.length > 0) throw new UsageError(`--${typed.join(', --')}: ${why}`);
+  const warnings: string[] = [];
+  const values = parsed.values as Record<string, string | number | boolean | undefined>;
+  for (const name of names) {
+    if (parsed.sources[name] !== 'environment') continue;
+    const spec = table[name]!;
+    warnings.push(`ignoring ${envName(name, spec)}=${String(values[name])}: --${name} is ${why}`);
+    values[name] = spec.default ?? (spec.type === 'boolean' ? false : undefined);
+    parsed.sources[name] = 'default';
+  }
+  return warnings;
 }
 
 /** The flag table as help text: one line per flag with its environment twin and default. */

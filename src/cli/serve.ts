@@ -13,7 +13,7 @@ import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAUL
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
+import { formatFlagHelp, ignoreInapplicable, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const SERVE_FLAGS = {
@@ -90,6 +90,8 @@ export interface ServeConfig {
   shutdownGraceMs: number;
   /** One decode_step span per engine step of a traced request (--trace-decode-steps). */
   traceDecodeSteps: boolean;
+  /** Settings that were ignored (environment variables with no effect here), one line each, logged at start. */
+  warnings?: string[];
   tls?: { cert: Buffer; key: Buffer };
   logLevel: LogLevel;
 }
@@ -123,10 +125,6 @@ const POLICY_FLAGS = {
   maxPrefillQueueTokens: 'disagg-max-prefill-queue-tokens',
   transferOverheadMs: 'disagg-transfer-overhead-ms',
 } as const satisfies Record<keyof DisaggregationPolicy, keyof typeof SERVE_FLAGS>;
-
-function policyFlag(field: string): string {
-  return POLICY_FLAGS[field as keyof DisaggregationPolicy];
-}
 
 /** The disaggregation thresholds that were given (token counts whole and >= 0, the overhead finite and >= 0). */
 function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Partial<DisaggregationPolicy> | undefined {
@@ -165,7 +163,8 @@ function readKeys(file: string | undefined, list: string | undefined): KeyConfig
 }
 
 export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): ServeConfig | 'help' {
-  const { values, positionals } = parseFlags(SERVE_FLAGS, argv, env);
+  const parsed = parseFlags(SERVE_FLAGS, argv, env);
+  const { values, positionals } = parsed;
   if (values.help) return 'help';
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const port = values.port!;
@@ -204,11 +203,11 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
+  // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
+  // warning) when they come from an environment set up for another deployment.
+  const warnings = prefillWorkers !== undefined ? [] : ignoreInapplicable(SERVE_FLAGS, parsed, Object.values(POLICY_FLAGS),
+    'only for disaggregated serving (--prefill-workers with --decode-workers)');
   const disaggregationPolicy = parseDisaggregationPolicy(values);
-  if (disaggregationPolicy !== undefined && prefillWorkers === undefined) {
-    throw new UsageError(`--${Object.keys(disaggregationPolicy).map(policyFlag).join(', --')}: only for disaggregated serving `
-      + '(--prefill-workers with --decode-workers)');
-  }
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
   const migrationLimit = values['migration-limit']!;
   if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
@@ -233,6 +232,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     shutdownGraceMs: grace * 1000,
     traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
+    ...(warnings.length > 0 ? { warnings } : {}),
   };
   if (values.model !== undefined) config.modelPath = values.model;
   if (values['served-model-name'] !== undefined) config.servedModelName = values['served-model-name'];
@@ -261,6 +261,7 @@ export interface RunningServer {
 
 /** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
 export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
+  for (const warning of config.warnings ?? []) logger.warn(warning);
   const keyStore = new KeyStore(config.keys, config.tenantDefaults);
   if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
   const api = new ApiServer({

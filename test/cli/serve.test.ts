@@ -5,7 +5,7 @@ import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
 import { parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
-import { silentLogger } from '../../src/api/log.ts';
+import { createLogger, silentLogger } from '../../src/api/log.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { DEFAULT_DISAGGREGATION_POLICY } from '../../src/runtime/disaggregation-policy.ts';
@@ -157,6 +157,52 @@ describe('conduit serve disaggregation thresholds', () => {
     for (const [argv, message] of bad) {
       assert.throws(() => parseServeConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message),
         argv.join(' '));
+    }
+  });
+
+  it('ignores thresholds set only in the environment without disaggregated serving, one warning line per variable', () => {
+    const env = {
+      CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '1024', CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: '0.5',
+      // Out of range too: a value that has no effect is not checked either.
+      CONDUIT_DISAGG_MAX_PREFILL_QUEUE_TOKENS: '-3',
+    };
+    for (const argv of [[], ['--workers', '2'], ['--engine', 'sim']]) {
+      const c = config(argv, env);
+      assert.equal(c.disaggregationPolicy, undefined, argv.join(' '));
+      assert.deepEqual(c.warnings, [
+        'ignoring CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS=1024: --disagg-min-remote-prefill-tokens is only for disaggregated serving (--prefill-workers with --decode-workers)',
+        'ignoring CONDUIT_DISAGG_MAX_PREFILL_QUEUE_TOKENS=-3: --disagg-max-prefill-queue-tokens is only for disaggregated serving (--prefill-workers with --decode-workers)',
+        'ignoring CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS=0.5: --disagg-transfer-overhead-ms is only for disaggregated serving (--prefill-workers with --decode-workers)',
+      ]);
+    }
+    assert.equal(config([]).warnings, undefined, 'nothing to say without them');
+    // With disaggregated serving the same environment takes effect, and is checked.
+    assert.deepEqual(config(DISAGG, { CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '1024' }).disaggregationPolicy, { minRemotePrefillTokens: 1024 });
+    assert.equal(config(DISAGG, { CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '1024' }).warnings, undefined);
+    assert.throws(() => parseServeConfig(DISAGG, env),
+      (err: unknown) => err instanceof UsageError && /--disagg-max-prefill-queue-tokens must be a whole number >= 0, got -3/.test(err.message));
+  });
+
+  it('still refuses the same thresholds typed on the command line, naming only those', () => {
+    assert.throws(() => parseServeConfig(['--disagg-min-remote-prefill-tokens', '64'], { CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: '0.5' }),
+      (err: unknown) => err instanceof UsageError
+        && err.message === '--disagg-min-remote-prefill-tokens: only for disaggregated serving (--prefill-workers with --decode-workers)');
+    assert.throws(() => parseServeConfig(['--disagg-max-prefill-queue-tokens=9', '--disagg-transfer-overhead-ms', '1'], {}),
+      (err: unknown) => err instanceof UsageError
+        && /^--disagg-max-prefill-queue-tokens, --disagg-transfer-overhead-ms: only for disaggregated serving/.test(err.message));
+  });
+
+  it('a plain server starts with a stray threshold in its environment and says at start that it ignores it', async () => {
+    const lines: string[] = [];
+    const served = config(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf'], { CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '1024' });
+    const running = await startServer(served, createLogger('warn', (line) => lines.push(line)));
+    try {
+      assert.equal(running.api.gateway.engine instanceof DisaggregatedEngine, false);
+      const warned = lines.filter((line) => line.includes('CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS'));
+      assert.equal(warned.length, 1, lines.join(''));
+      assert.match(warned[0]!, /^\S+ WARN  ignoring CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS=1024: .*only for disaggregated serving.*\n$/);
+    } finally {
+      await running.api.shutdown(0);
     }
   });
 

@@ -1,0 +1,44 @@
+// The flag table's parser: where each value came from, and flags that have no effect in the configuration at hand
+// (an error when typed, a warning and the default when they come from the environment).
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import { ignoreInapplicable, parseFlags, UsageError, type FlagTable } from '../../src/cli/flags.ts';
+
+const TABLE = {
+  size: { type: 'number', help: 'a size', default: 4 },
+  name: { type: 'string', help: 'a name' },
+  fast: { type: 'boolean', help: 'go fast' },
+  label: { type: 'string', help: 'a label', env: 'OTHER_LABEL' },
+} satisfies FlagTable;
+
+describe('parseFlags', () => {
+  it('says where each value came from: the command line, the environment, or the default', () => {
+    const parsed = parseFlags(TABLE, ['--size', '8', '--no-fast'], { CONDUIT_SIZE: '16', CONDUIT_NAME: 'env-name', OTHER_LABEL: 'x', CONDUIT_FAST: 'true' });
+    assert.deepEqual(parsed.values, { size: 8, name: 'env-name', fast: false, label: 'x' });
+    assert.deepEqual(parsed.sources, { size: 'command line', name: 'environment', fast: 'command line', label: 'environment' });
+    const bare = parseFlags(TABLE, [], { CONDUIT_NAME: '' });
+    assert.deepEqual(bare.values, { size: 4, name: undefined, fast: false, label: undefined });
+    assert.deepEqual(bare.sources, { size: 'default', name: 'default', fast: 'default', label: 'default' }, 'an empty variable is unset');
+  });
+});
+
+describe('ignoreInapplicable', () => {
+  it('refuses inapplicable flags typed on the command line, naming them', () => {
+    const parsed = parseFlags(TABLE, ['--size', '8', '--fast'], { CONDUIT_NAME: 'n' });
+    assert.throws(() => ignoreInapplicable(TABLE, parsed, ['size', 'fast', 'name'], 'not here'),
+      (err: unknown) => err instanceof UsageError && err.message === '--size, --fast: not here');
+  });
+
+  it('ignores those from the environment: one warning each, the value back to its default', () => {
+    const parsed = parseFlags(TABLE, ['--name', 'typed'], { CONDUIT_SIZE: '16', OTHER_LABEL: 'x', CONDUIT_FAST: '1' });
+    const warnings = ignoreInapplicable(TABLE, parsed, ['size', 'label', 'fast'], 'only with --name unset');
+    assert.deepEqual(warnings, [
+      'ignoring CONDUIT_SIZE=16: --size is only with --name unset',
+      'ignoring OTHER_LABEL=x: --label is only with --name unset',
+      'ignoring CONDUIT_FAST=true: --fast is only with --name unset',
+    ]);
+    assert.deepEqual(parsed.values, { size: 4, name: 'typed', fast: false, label: undefined });
+    assert.deepEqual(parsed.sources, { size: 'default', name: 'command line', fast: 'default', label: 'default' });
+    assert.deepEqual(ignoreInapplicable(TABLE, parseFlags(TABLE, [], {}), ['size', 'name'], 'never'), [], 'defaults are not settings');
+  });
+});
