@@ -13,10 +13,13 @@
 //   4. remote: the prefill worker prefills, samples and streams the first token, pins the blocks and hands over;
 //      the decode worker reuses its own prefix hits, copies in the missing blocks, registers them and decodes on;
 //      the prefill worker unpins when the decode worker says it has them.
-// Abort reaches both workers whatever the stage. A prefill worker failing before the first token, or a transfer
-// that cannot happen, falls back to a local prefill on the decode worker; a failure after tokens went out ends the
-// stream with an error, except a lost decode worker when migration is on: the request then continues on another
-// decode worker (runMigrating). Either way the blocks on both sides are freed.
+// Abort reaches both workers whatever the stage. A prefill worker lost before the hand-over sends the request back
+// to be prefilled again, whatever the migration limit: on another prefill worker when one is left (and the policy
+// still says remote), else on its decode worker; from its prompt plus any token already streamed, so the stream
+// goes on (runMigrating). A prefill worker failing otherwise before the first token, or a transfer that cannot
+// happen, falls back to a local prefill on the decode worker; a failure after tokens went out ends the stream with
+// an error, except a lost decode worker when migration is on: the request then continues on another decode worker
+// (runMigrating). Either way the blocks on both sides are freed.
 
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
@@ -80,6 +83,8 @@ interface Flight {
   stage: DisaggregatedStage;
   prefillId?: string;
   decodeId?: string;
+  /** The decode router's decision, which the policy weighs again when a prefill worker is lost. */
+  decodeDecision?: RoutingDecision;
   /** The handoff whose source blocks are still pinned on the prefill worker. */
   pinned?: KvHandoff;
   summary?: RoutingSummary;
@@ -104,7 +109,10 @@ export class DisaggregatedEngine implements Engine {
   private readonly kvBytesPerToken: number;
   private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
   private readonly migration: MigrationOptions;
-  /** Requests each decode worker took over from a lost decode worker. */
+  /**
+   * Requests each worker took over from a lost worker: a decode worker from a lost decode worker, a prefill worker
+   * (or the decode worker itself) the prefill of a request whose prefill worker was lost before the hand-over.
+   */
   private readonly migrationsTo = new Map<string, number>();
 
   constructor(options: DisaggregatedEngineOptions) {
@@ -195,7 +203,10 @@ export class DisaggregatedEngine implements Engine {
   /** Per-worker stats with the worker's role, for /health and the metrics' worker label. */
   workerStats(): { workerId: string; role: WorkerRole; stats: EngineStats; info: EngineInfo }[] {
     return [
-      ...[...this.prefillWorkers].map(([workerId, engine]) => ({ workerId, role: 'prefill' as const, stats: engine.stats(), info: engine.info })),
+      ...[...this.prefillWorkers].map(([workerId, engine]) => ({
+        workerId, role: 'prefill' as const, info: engine.info,
+        stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 },
+      })),
       ...[...this.decodeWorkers].map(([workerId, engine]) => ({
         workerId, role: 'decode' as const, info: engine.info,
         stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 },
@@ -226,6 +237,21 @@ export class DisaggregatedEngine implements Engine {
     return [...this.decodeWorkers.keys()];
   }
 
+  /** Which workers hold part of a request now; undefined once it is over. */
+  requestWorkers(requestId: string): { prefillWorkerId?: string; decodeWorkerId?: string } | undefined {
+    const flight = this.flights.get(requestId);
+    if (!flight) return undefined;
+    return {
+      ...(flight.prefillId !== undefined ? { prefillWorkerId: flight.prefillId } : {}),
+      ...(flight.decodeId !== undefined ? { decodeWorkerId: flight.decodeId } : {}),
+    };
+  }
+
+  /** One worker's engine, prefill or decode (for drills that kill it); undefined once it left. */
+  workerEngine(workerId: string): RoutableEngine | undefined {
+    return this.prefillWorkers.get(workerId) ?? this.decodeWorkers.get(workerId);
+  }
+
   async close(): Promise<void> {
     for (const off of this.unsubscribe) off();
     this.admission.close();
@@ -236,11 +262,13 @@ export class DisaggregatedEngine implements Engine {
   // One request
 
   /**
-   * The request as run() runs it, and when its decode worker is lost mid-stream, continued on another decode
-   * worker (up to the migration limit). The new decode worker computes the prompt and the tokens so far itself:
-   * the lost worker's KV is gone, and the prefill worker that computed the prompt has released it, so going back
-   * through a prefill worker would redo the same work plus a transfer, and move the stream through one more worker
-   * that could fail. Its own prefix cache still serves whatever of the prompt it holds.
+   * The request as run() runs it, and continued when a worker running it is lost:
+   * - its prefill worker, before the hand-over: prefilled again (replacePrefillWorker), whatever the migration limit;
+   * - its decode worker, mid-stream: continued on another decode worker, up to the migration limit. The new decode
+   *   worker computes the prompt and the tokens so far itself: the lost worker's KV is gone, and the prefill worker
+   *   that computed the prompt has released it, so going back through a prefill worker would redo the same work plus
+   *   a transfer, and move the stream through one more worker that could fail. Its own prefix cache still serves
+   *   whatever of the prompt it holds.
    */
   private async *runMigrating(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
     const migration = new RequestMigration(request, this.migration);
@@ -256,7 +284,18 @@ export class DisaggregatedEngine implements Engine {
         return;
       } catch (error) {
         migration.aborted = flight.aborted;
-        // Only the decode side migrates: a prefill worker lost before the first token already falls back.
+        // n > 1 after its first tokens is not continued (migration.ts): its completions would need n prompts.
+        const prefillLost = flight.stage === 'prefill' && flight.prefillId !== undefined && !this.prefillWorkers.has(flight.prefillId)
+          && (request.sampling.n === 1 || migration.generated.length === 0);
+        if (prefillLost) {
+          if (flight.aborted) {
+            flight.finished = true;
+            yield migration.closingOutput(this.now());
+            return;
+          }
+          stream = this.replacePrefillWorker(migration, flight);
+          continue;
+        }
         const decodeLost = flight.decodeId !== undefined && !this.decodeWorkers.has(flight.decodeId)
           && (flight.stage === 'local' || flight.stage === 'decode' || flight.stage === 'transfer');
         if (decodeLost && migration.abortedWhenLost(error)) {
@@ -298,6 +337,7 @@ export class DisaggregatedEngine implements Engine {
       throw lost;
     }
     flight.decodeId = decision.workerId;
+    flight.decodeDecision = decision;
     migration.placed(decision.workerId);
     const decodeEngine = this.decodeWorkers.get(decision.workerId);
     if (!decodeEngine) throw lost;
@@ -321,6 +361,7 @@ export class DisaggregatedEngine implements Engine {
     };
     const decodeDecision = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
+    flight.decodeDecision = decodeDecision;
     const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);
     if (!decodeEngine) throw new WorkerLostError(decodeDecision.workerId, `decode worker ${decodeDecision.workerId} left before the request could start`);
     if (flight.aborted) {
@@ -339,9 +380,74 @@ export class DisaggregatedEngine implements Engine {
     this.counts.disaggregated++;
     // The decode worker will not compute this prompt: its router must not count it as pending prefill there.
     this.decodeRouter.onPrefillDone(request.id);
-    const handoff = yield* this.runPrefill(request, flight, prefillDecision, routing, decodeEngine);
+    yield* this.runRemote(request, flight, prefillDecision, decodeEngine);
+  }
+
+  /** Prefill on a prefill worker, then decode on the decode worker with the KV it hands over. */
+  private async *runRemote(request: EngineRequest, flight: Flight, prefillDecision: RoutingDecision,
+    decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput> {
+    const handoff = yield* this.runPrefill(request, flight, prefillDecision, decodeEngine);
     if (handoff === null) return;
+    const prefillId = flight.prefillId!;
+    // Lost between its handoff and the decode worker taking it: the decode worker was never told where the blocks
+    // are, so nothing was handed over (runMigrating prefills again). Once told, the copy goes on without the
+    // prefill worker: its pool is shared memory that outlives its thread, and the pin stays with the blocks.
+    if (!this.prefillWorkers.has(prefillId)) {
+      throw new WorkerLostError(prefillId, `prefill worker ${prefillId} was lost before handing request ${request.id} over`);
+    }
     yield* this.runDecode(request, flight, handoff, decodeEngine);
+  }
+
+  /**
+   * The request back to be prefilled after its prefill worker was lost before the hand-over: the prompt plus the
+   * tokens the caller already has (none, or the first token) go to another prefill worker when the policy still
+   * sends them out (the lost worker has left the prefill router), or are prefilled on the decode worker, which stays
+   * the request's decode worker either way (its router placement is kept; it holds no block for the request yet).
+   * Greedy output is unchanged; a seeded request's draws after a streamed first token differ, as after any
+   * migration (migration.ts).
+   */
+  private replacePrefillWorker(migration: RequestMigration, flight: Flight): AsyncGenerator<EngineOutput> {
+    const lostId = flight.prefillId!;
+    const decodeId = flight.decodeId!;
+    migration.migrateFrom(lostId, PREFILL_WORKER_LOST, { againstLimit: false });
+    this.releaseSource(flight);
+    flight.prefillId = undefined;
+    flight.stage = 'routing';
+    const attempt = migration.attempt();
+    const decodeEngine = this.decodeWorkers.get(decodeId);
+    if (!decodeEngine) {
+      // Nowhere to prefill it: the decode worker is gone too. runMigrating moves it on like any request whose
+      // decode worker is lost (when migration is on: that worker prefills it), or fails it with this error.
+      const why = `prefill worker ${lostId} was lost before the hand-over, and decode worker ${decodeId}, which would `
+        + 'prefill it instead, is gone too';
+      flight.stage = 'local';
+      flight.summary = {
+        ...flight.summary!,
+        disaggregation: { ...flight.summary!.disaggregation!, mode: 'local', reason: 'prefill-failed', prefillWorkerId: undefined, detail: why },
+      };
+      const lost = new WorkerLostError(decodeId, `request ${migration.request.id}: ${why}`);
+      return (async function* () { throw lost; })();
+    }
+    const routing: RoutingRequest = {
+      requestId: attempt.id, tokenIds: attempt.promptTokenIds, cacheSalt: attempt.cacheSalt, sessionId: attempt.sessionId,
+    };
+    const { choice, prefillDecision } = this.decide(attempt, routing, flight.decodeDecision!);
+    const takenBy = prefillDecision?.workerId ?? decodeId;
+    migration.placed(takenBy);
+    this.migrationsTo.set(takenBy, (this.migrationsTo.get(takenBy) ?? 0) + 1);
+    if (prefillDecision !== null) {
+      flight.summary = { ...flight.summary!, disaggregation: choice };
+      return this.runRemote(attempt, flight, prefillDecision, decodeEngine);
+    }
+    this.counts.fallbacks++;
+    flight.summary = {
+      ...flight.summary!,
+      disaggregation: {
+        ...choice, mode: 'local', reason: 'prefill-failed', prefillWorkerId: undefined,
+        detail: `prefill worker ${lostId} was lost before the hand-over; prefilled here: ${choice.detail}`,
+      },
+    };
+    return this.runLocal(attempt, flight, decodeEngine);
   }
 
   private decide(request: EngineRequest, routing: RoutingRequest, decodeDecision: RoutingDecision):
@@ -390,16 +496,20 @@ export class DisaggregatedEngine implements Engine {
 
   /**
    * The prefill worker's part: yields the first token and returns the handoff, or null when the stream is over
-   * (finished on its first token, aborted, or prefilled locally after the prefill worker failed).
+   * (finished on its first token, aborted, or prefilled locally after the prefill worker failed). Throws
+   * WorkerLostError when the prefill worker is lost before its handoff (runMigrating sends the request on).
    */
-  private async *runPrefill(request: EngineRequest, flight: Flight, decision: RoutingDecision, routing: RoutingRequest,
+  private async *runPrefill(request: EngineRequest, flight: Flight, decision: RoutingDecision,
     decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput, KvHandoff | null> {
     const prefillId = decision.workerId;
     const prefillEngine = this.prefillWorkers.get(prefillId);
-    if (!prefillEngine) return yield* this.fallBack(request, flight, decodeEngine, `prefill worker ${prefillId} left`);
-    this.prefillRouter.onRouted(routing, decision, this.now());
     flight.stage = 'prefill';
     flight.prefillId = prefillId;
+    if (!prefillEngine) throw new WorkerLostError(prefillId, `prefill worker ${prefillId} left before request ${request.id} could start`);
+    const routing: RoutingRequest = {
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+    };
+    this.prefillRouter.onRouted(routing, decision, this.now());
     let handoff: KvHandoff | null = null;
     let emitted = false;
     try {
@@ -407,7 +517,8 @@ export class DisaggregatedEngine implements Engine {
         if (event.type === 'handoff') {
           handoff = event.handoff;
           flight.pinned = handoff;
-          continue;
+          // The last event: a loss noticed after it must not fail the stream (runRemote checks the worker).
+          break;
         }
         const { output } = event;
         if (!emitted && output.newTokenIds.length > 0) {
@@ -421,6 +532,9 @@ export class DisaggregatedEngine implements Engine {
         if (flight.finished) return null;
       }
     } catch (error) {
+      if (!this.prefillWorkers.has(prefillId)) {
+        throw new WorkerLostError(prefillId, `prefill worker ${prefillId} was lost while prefilling request ${request.id}`);
+      }
       if (flight.aborted) throw error;
       if (!emitted) {
         const why = error instanceof Error ? error.message : String(error);
@@ -537,6 +651,9 @@ export class DisaggregatedEngine implements Engine {
 
 
 }
+
+/** MigrationRecord.reason of a request sent back to be prefilled after its prefill worker was lost. */
+export const PREFILL_WORKER_LOST = 'prefill-worker-lost';
 
 /** The closing output of a request stopped between workers, where no worker had an output to send. */
 function closingOutput(request: EngineRequest, nowMs: number, completionTokens = 0): EngineOutput {

@@ -20,6 +20,10 @@
 //
 // n > 1 is not migrated: its completions share the prompt's blocks and run as one request; continuing them would
 // take n different prompts, i.e. n new requests, on a path nothing else uses. It fails as without migration.
+//
+// The disaggregated engine also moves a request whose prefill worker is lost before the hand-over (back to be
+// prefilled again, see disaggregated.ts). Such a move is recorded here like any other, but it does not count against
+// the limit: it happens whatever the limit, as the local prefill after a failed prefill always has.
 
 import { IncrementalDetokenizer } from '../engine/detokenizer.ts';
 import type { EngineOutput, EngineRequest, MigrationRecord, RoutingSummary } from '../engine/types.ts';
@@ -49,6 +53,8 @@ export class RequestMigration {
   readonly generated: number[] = [];
   readonly migrations: MigrationRecord[] = [];
   aborted = false;
+  /** Moves that count against the limit (not those back to a prefill: see the file comment). */
+  private limitedMoves = 0;
   private finished = false;
   /** Set once the text is detokenized here (after the first migration, with a tokenizer). */
   private detokenizer: IncrementalDetokenizer | undefined;
@@ -78,7 +84,7 @@ export class RequestMigration {
   /** Whether `error` from the worker's stream lets the request move on to another worker. */
   canMigrate(error: unknown): boolean {
     return isWorkerLost(error) && !this.aborted && !this.finished && this.request.sampling.n === 1
-      && this.migrations.length < this.options.limit && this.generated.length < this.request.sampling.maxTokens;
+      && this.limitedMoves < this.options.limit && this.generated.length < this.request.sampling.maxTokens;
   }
 
   /**
@@ -89,10 +95,15 @@ export class RequestMigration {
     return isWorkerLost(error) && this.aborted && !this.finished && this.options.limit > 0;
   }
 
-  /** Notes a migration away from `fromWorkerId`; the destination follows with `placed`. */
-  migrateFrom(fromWorkerId: string, reason: string): void {
+  /**
+   * Notes a migration away from `fromWorkerId`; the destination follows with `placed`. `againstLimit: false` for a
+   * move the limit does not govern.
+   */
+  migrateFrom(fromWorkerId: string, reason: string, options: { againstLimit?: boolean } = {}): void {
     this.migrations.push({ fromWorkerId, afterTokens: this.generated.length, reason });
-    if (this.detokenizer === undefined && this.options.tokenizer) {
+    if (options.againstLimit ?? true) this.limitedMoves++;
+    // Before the first token the new worker's text is the whole text, its stop strings included: nothing to carry.
+    if (this.detokenizer === undefined && this.options.tokenizer && this.generated.length > 0) {
       const detokenizer = IncrementalDetokenizer.forRequest(this.options.tokenizer, this.request.sampling);
       // The caller already has this text: replaying only rebuilds the held bytes and held stop-string prefix.
       for (const tokenId of this.generated) detokenizer.push(tokenId);
@@ -118,8 +129,10 @@ export class RequestMigration {
    */
   adapt(output: EngineOutput): { output: EngineOutput; stopped: boolean } {
     if (output.finishReason !== undefined) this.finished = true;
+    // The first output the caller gets: from the first worker, or from the next one when the first was lost
+    // before it sent anything.
+    this.firstOutput ??= output;
     if (this.migrations.length === 0) {
-      this.firstOutput ??= output;
       this.generated.push(...output.newTokenIds);
       return { output, stopped: false };
     }

@@ -143,7 +143,7 @@ export class ConduitMetrics {
     this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
     this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
     this.evictions = c('conduit_kv_cache_evictions_total', 'Cached KV blocks evicted to make room.', ['worker']);
-    this.migrations = c('conduit_request_migrations_total', 'Requests the worker took over mid-stream after the worker running them was lost.', ['worker']);
+    this.migrations = c('conduit_request_migrations_total', 'Requests the worker took over after the worker running them was lost (mid-stream, or a prefill lost before its hand-over).', ['worker']);
 
     this.samplingDecisions = c('conduit_trace_sampling_decisions_total', 'Requests whose spans were kept or dropped, by reason.', ['kept', 'reason']);
     this.bottlenecks = c('conduit_slow_request_bottlenecks_total', 'Slow requests by the bottleneck the trace analyzer named.', ['category']);

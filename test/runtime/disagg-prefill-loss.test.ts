@@ -1,0 +1,268 @@
+// A prefill worker lost before it hands a request's KV over, on real worker threads killed mid-request: the request
+// is prefilled again, on another prefill worker while one is left and then on its decode worker, and the caller's
+// stream completes equal to an undisturbed run, whether the loss came before the first token or after it went out.
+// Where nothing can prefill it (its decode worker gone too) it fails with a WorkerLostError that says so. Every
+// block on every surviving worker is free afterwards.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { engineNow } from '../../src/engine/clock.ts';
+import { WorkerLostError } from '../../src/engine/errors.ts';
+import type { LocalEngine } from '../../src/engine/local-engine.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { PREFILL_WORKER_LOST, type DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
+import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
+import { collect, text, tokens } from '../helpers/outputs.ts';
+
+let nextId = 0;
+/** Greedy with a repetition penalty: no loops in a random model's text. */
+function request(promptTokenIds: number[], sampling: Partial<SamplingParams> = {}): EngineRequest {
+  return {
+    id: `pl${nextId++}`, promptTokenIds, priority: 0, arrivalMs: engineNow(),
+    sampling: { ...DEFAULT_SAMPLING, maxTokens: 24, ignoreEos: true, temperature: 0, repetitionPenalty: 1.5, ...sampling },
+  };
+}
+
+function prompt(group: number, length: number): number[] {
+  return Array.from({ length }, (_, i) => 100 + ((group * 7919 + i * 31) % 5000));
+}
+
+let tempDir: string;
+let modelPath: string;
+before(() => {
+  tempDir = mkdtempSync(join(tmpdir(), 'conduit-prefill-loss-'));
+  modelPath = join(tempDir, 'synthetic.gguf');
+  writeSyntheticModel({
+    name: 'prefill-loss-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
+    dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+  }, modelPath);
+});
+after(() => rmSync(tempDir, { recursive: true, force: true }));
+
+/**
+ * Every prompt prefilled remotely (fixed estimates: a transfer always beats a local prefill), on the reference
+ * kernels with 8-token steps: a 400-token prompt takes 50 prefill steps, time to kill its worker mid-prefill, and
+ * no native code runs in the thread that is killed.
+ */
+function pool(prefillWorkers: number, decodeWorkers: number, migrationLimit = 0): Promise<WorkerPool> {
+  return createWorkerPool({
+    engine: 'cpu', workers: 1, prefillWorkers, decodeWorkers, modelPath, threads: 1, backend: 'reference',
+    kvCacheMemoryBytes: 16 << 20, maxNumBatchedTokens: 8, routerSeed: 5, migrationLimit,
+    disaggregationPolicy: { minRemotePrefillTokens: 1 },
+    disaggregationEstimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
+  });
+}
+
+const engineOf = (pool: WorkerPool, workerId: string) => pool.workers.find((w) => w.id === workerId)!.engine as LocalEngine;
+
+async function turn(): Promise<void> {
+  await new Promise<void>((resolve) => setImmediate(resolve));
+}
+
+/** Waits until the request is on a prefill worker and returns that worker's id. */
+async function prefillWorkerOf(engine: DisaggregatedEngine, requestId: string): Promise<string> {
+  for (let turns = 0; ; turns++) {
+    const at = engine.requestStage(requestId) === 'prefill' ? engine.requestWorkers(requestId)?.prefillWorkerId : undefined;
+    if (at !== undefined) return at;
+    if (turns > 100_000) assert.fail(`request ${requestId} never reached a prefill worker (at ${engine.requestStage(requestId)})`);
+    await turn();
+  }
+}
+
+/** Kills the worker as a crash would, and waits until the engine has noticed (it left its tier). */
+async function kill(pool: WorkerPool, workerId: string): Promise<void> {
+  await engineOf(pool, workerId).kill();
+  const engine = pool.disaggregated!;
+  while ([...engine.prefillWorkerIds, ...engine.decodeWorkerIds].includes(workerId)) await turn();
+}
+
+/** Settles every surviving worker, then checks that no block and no request is left anywhere. */
+async function assertAllFree(pool: WorkerPool): Promise<void> {
+  const engine = pool.disaggregated!;
+  for (const id of [...engine.prefillWorkerIds, ...engine.decodeWorkerIds]) {
+    const stats = await engineOf(pool, id).sync();
+    assert.equal(stats.kvBlocksUsed, 0, `worker ${id} holds no block`);
+    assert.equal(stats.numRunning + stats.numWaiting, 0, `worker ${id} runs nothing`);
+  }
+  assert.equal(engine.stats().numWaiting, 0, 'nothing waits for a worker');
+}
+
+/** What the request gives undisturbed: the decode worker running it on its own, as an aggregated worker. */
+function undisturbed(pool: WorkerPool, promptTokenIds: number[], sampling: Partial<SamplingParams> = {}): Promise<EngineOutput[]> {
+  const decodeId = pool.disaggregated!.decodeWorkerIds[0]!;
+  return collect(engineOf(pool, decodeId).generate(request(promptTokenIds, sampling)));
+}
+
+function assertComplete(outputs: EngineOutput[], req: EngineRequest): void {
+  const last = outputs.at(-1)!;
+  assert.equal(last.finishReason, 'length');
+  assert.equal(last.usage.promptTokens, req.promptTokenIds.length, 'the caller\'s prompt');
+  assert.equal(last.usage.completionTokens, req.sampling.maxTokens);
+  assert.ok(outputs.every((o) => o.requestId === req.id && o.index === 0));
+  // Completion tokens count on across the move, one per output that carries one.
+  let seen = 0;
+  for (const output of outputs) {
+    seen += output.newTokenIds.length;
+    assert.equal(output.usage.completionTokens, seen);
+  }
+}
+
+describe('a prefill worker lost before the hand-over', () => {
+  test('mid-prefill: prefilled again on another prefill worker, then, with none left, on the decode worker', async () => {
+    const p = await pool(3, 1);
+    const engine = p.disaggregated!;
+    try {
+      // Migration is off (the default): a request that has not reached its decode worker is not a migration case.
+      const first = request(prompt(1, 400));
+      const firstStream = collect(engine.generate(first));
+      const lost = await prefillWorkerOf(engine, first.id);
+      await kill(p, lost);
+      const outputs = await firstStream;
+      assert.equal(engine.prefillWorkerIds.includes(lost), false);
+      const survivor = outputs.at(-1)!.routing!.disaggregation!.prefillWorkerId!;
+      assert.ok(engine.prefillWorkerIds.includes(survivor));
+      assertComplete(outputs, first);
+      const routing = outputs.at(-1)!.routing!;
+      assert.deepEqual(routing.migrations, [{ fromWorkerId: lost, toWorkerId: survivor, afterTokens: 0, reason: PREFILL_WORKER_LOST }]);
+      assert.equal(routing.disaggregation!.mode, 'disaggregated', routing.disaggregation!.detail);
+      assert.equal(routing.disaggregation!.reason, 'remote-prefill');
+      assert.ok(outputs.at(-1)!.timestamps.kvTransfer!.bytes > 0, 'the survivor\'s KV moved to the decode worker');
+      assert.ok(outputs.every((o) => o.routing!.disaggregation!.prefillWorkerId === survivor), 'nothing came from the lost worker');
+      const firstExpected = await undisturbed(p, prompt(1, 400));
+      assert.deepEqual(tokens(outputs), tokens(firstExpected));
+      assert.equal(text(outputs), text(firstExpected));
+      assert.equal(engine.workerStats().find((w) => w.workerId === survivor)!.stats.requestMigrations, 1);
+      assert.equal(engine.stats().requestMigrations, 1);
+      await assertAllFree(p);
+
+      // Seeded sampling: the request starts over with its seed, so it draws what an undisturbed run draws.
+      const seeded = { temperature: 0.8, topK: 40, seed: 77, repetitionPenalty: 1 };
+      const again = request(prompt(3, 400), seeded);
+      const againStream = collect(engine.generate(again));
+      await kill(p, await prefillWorkerOf(engine, again.id));
+      const seededOutputs = await againStream;
+      assertComplete(seededOutputs, again);
+      assert.equal(seededOutputs.at(-1)!.routing!.migrations![0]!.afterTokens, 0);
+      assert.deepEqual(tokens(seededOutputs), tokens(await undisturbed(p, prompt(3, 400), seeded)));
+      assert.equal(engine.prefillWorkerIds.length, 1);
+      await assertAllFree(p);
+
+      // The last prefill worker lost too: the decode worker prefills the prompt itself.
+      const [last] = engine.prefillWorkerIds;
+      const second = request(prompt(2, 400));
+      const secondStream = collect(engine.generate(second));
+      assert.equal(await prefillWorkerOf(engine, second.id), last);
+      await kill(p, last!);
+      const local = await secondStream;
+      assertComplete(local, second);
+      const localRouting = local.at(-1)!.routing!;
+      assert.deepEqual(localRouting.migrations, [{ fromWorkerId: last, toWorkerId: 'decode-0', afterTokens: 0, reason: PREFILL_WORKER_LOST }]);
+      const why = localRouting.disaggregation!;
+      assert.deepEqual([why.mode, why.reason, why.prefillWorkerId], ['local', 'prefill-failed', undefined]);
+      assert.match(why.detail, new RegExp(`prefill worker ${last} was lost before the hand-over; prefilled here: no prefill worker`));
+      assert.equal(local.at(-1)!.timestamps.kvTransfer, undefined, 'nothing moved');
+      const secondExpected = await undisturbed(p, prompt(2, 400));
+      assert.deepEqual(tokens(local), tokens(secondExpected));
+      assert.equal(text(local), text(secondExpected));
+      assert.deepEqual(engine.prefillWorkerIds, []);
+      assert.deepEqual(engine.decisionCounts(), { disaggregated: 3, local: 0, fallbacks: 1 });
+      assert.deepEqual(engine.workerStats().map((w) => [w.workerId, w.stats.requestMigrations]), [['decode-0', 1]]);
+      await assertAllFree(p);
+    } finally {
+      await p.engine.close();
+    }
+  });
+
+  test('after the first token went out: the prompt and that token are prefilled again, the stream goes on', async () => {
+    const p = await pool(2, 1);
+    const engine = p.disaggregated!;
+    try {
+      // The first output comes from the prefill worker; held here, the handoff that follows it waits for this
+      // consumer, so the kill lands after the first token and before the decode worker is told of the handoff.
+      const runKillingAfterFirst = async (req: EngineRequest): Promise<{ outputs: EngineOutput[]; lost: string }> => {
+        const outputs: EngineOutput[] = [];
+        let lost: string | undefined;
+        for await (const output of engine.generate(req)) {
+          outputs.push(output);
+          if (outputs.length === 1) {
+            assert.equal(engine.requestStage(req.id), 'prefill');
+            lost = engine.requestWorkers(req.id)!.prefillWorkerId!;
+            await kill(p, lost);
+          }
+        }
+        return { outputs, lost: lost! };
+      };
+
+      const first = request(prompt(3, 64), { maxTokens: 40 });
+      const { outputs, lost } = await runKillingAfterFirst(first);
+      const [survivor] = engine.prefillWorkerIds;
+      assertComplete(outputs, first);
+      assert.deepEqual(outputs.at(-1)!.routing!.migrations,
+        [{ fromWorkerId: lost, toWorkerId: survivor, afterTokens: 1, reason: PREFILL_WORKER_LOST }]);
+      assert.equal(outputs.at(-1)!.routing!.disaggregation!.prefillWorkerId, survivor);
+      assert.equal(outputs.at(-1)!.timestamps.firstToken, outputs[0]!.timestamps.firstToken, 'the first token stays the lost worker\'s');
+      const firstExpected = await undisturbed(p, prompt(3, 64), { maxTokens: 40 });
+      assert.deepEqual(tokens(outputs), tokens(firstExpected));
+      assert.equal(text(outputs), text(firstExpected), 'nothing repeated or dropped');
+      await assertAllFree(p);
+
+      const second = request(prompt(4, 64), { maxTokens: 40 });
+      const local = await runKillingAfterFirst(second);
+      assert.equal(local.lost, survivor);
+      assertComplete(local.outputs, second);
+      assert.deepEqual(local.outputs.at(-1)!.routing!.migrations,
+        [{ fromWorkerId: survivor, toWorkerId: 'decode-0', afterTokens: 1, reason: PREFILL_WORKER_LOST }]);
+      assert.equal(local.outputs.at(-1)!.routing!.disaggregation!.reason, 'prefill-failed');
+      const secondExpected = await undisturbed(p, prompt(4, 64), { maxTokens: 40 });
+      assert.deepEqual(tokens(local.outputs), tokens(secondExpected));
+      assert.equal(text(local.outputs), text(secondExpected));
+      await assertAllFree(p);
+    } finally {
+      await p.engine.close();
+    }
+  });
+
+  test('its decode worker gone too: a WorkerLostError that says so, nothing held; with migration on, another decode worker', async () => {
+    for (const migrationLimit of [0, 1]) {
+      const p = await pool(1, 2, migrationLimit);
+      const engine = p.disaggregated!;
+      try {
+        // 800 tokens, 100 prefill steps: room for two kills before the prompt is done.
+        const req = request(prompt(5 + migrationLimit, 800));
+        const stream = collect(engine.generate(req));
+        const prefillId = await prefillWorkerOf(engine, req.id);
+        const decodeId = engine.requestWorkers(req.id)!.decodeWorkerId!;
+        // The decode worker first: it has no part in the request until the handoff, so the prompt is still being
+        // prefilled when the prefill worker goes too, and the request learns of both losses at once.
+        await kill(p, decodeId);
+        await kill(p, prefillId);
+        const [other] = engine.decodeWorkerIds;
+        if (migrationLimit === 0) {
+          await assert.rejects(stream, (error: unknown) => error instanceof WorkerLostError
+            && new RegExp(`prefill worker ${prefillId} was lost before the hand-over, and decode worker ${decodeId}, which would `
+              + 'prefill it instead, is gone too').test(error.message));
+        } else {
+          const outputs = await stream;
+          assertComplete(outputs, req);
+          assert.deepEqual(outputs.at(-1)!.routing!.migrations, [
+            { fromWorkerId: prefillId, afterTokens: 0, reason: PREFILL_WORKER_LOST },
+            { fromWorkerId: decodeId, toWorkerId: other, afterTokens: 0, reason: 'worker-lost' },
+          ]);
+          assert.deepEqual(tokens(outputs), tokens(await undisturbed(p, prompt(5 + migrationLimit, 800))));
+        }
+        assert.equal(engine.requestStage(req.id), undefined, 'the request is over');
+        await assertAllFree(p);
+        // The surviving decode worker serves on, prefilling locally now that no prefill worker is left.
+        const next = await collect(engine.generate(request(prompt(9, 40), { maxTokens: 4 })));
+        assert.equal(next.at(-1)!.finishReason, 'length');
+        assert.equal(next.at(-1)!.routing!.disaggregation!.reason, 'prefill-queue-full');
+        await assertAllFree(p);
+      } finally {
+        await p.engine.close();
+      }
+    }
+  });
+});
