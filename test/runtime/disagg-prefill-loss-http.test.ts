@@ -4,15 +4,13 @@
 // is given back, no block is held, and the trace and the migration counter name the move.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { rmSync } from 'node:fs';
 import OpenAI from 'openai';
 import { silentLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
-import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { DisaggregatedEngine, PREFILL_WORKER_LOST } from '../../src/runtime/disaggregated.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 const KEY = 'sk-prefill-loss-0001';
 
@@ -23,20 +21,15 @@ describe('a prefill worker lost mid-prefill, through the HTTP server', () => {
   let engine: DisaggregatedEngine;
 
   before(async () => {
-    dir = mkdtempSync(join(tmpdir(), 'conduit-prefill-loss-http-'));
-    const modelPath = join(dir, 'synthetic.gguf');
-    writeSyntheticModel({
-      name: 'prefill-loss-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
-      dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
-    }, modelPath);
-    // One request at a time for the tenant: a slot the loss failed to give back would refuse the next request.
-    writeFileSync(join(dir, 'keys.txt'), `${KEY} solo - - 1\n`);
+    const fixture = writeWorkerLossFixture('prefill-loss', KEY);
+    dir = fixture.dir;
+    const modelPath = fixture.modelPath;
     const config = parseServeConfig(['--port', '0', '--log-level', 'silent', '--model', modelPath,
       '--prefill-workers', '2', '--decode-workers', '1', '--disagg-min-remote-prefill-tokens', '1',
       // The reference kernels in 8-token steps: a prompt of a few hundred tokens takes tens of prefill steps, time
       // to kill its worker mid-prefill, and no native code runs in the killed thread.
       '--threads', '1', '--backend', 'reference', '--max-num-batched-tokens', '8', '--kv-cache-memory', '16MiB',
-      '--api-keys-file', join(dir, 'keys.txt')], {});
+      '--api-keys-file', fixture.keysPath], {});
     assert.notEqual(config, 'help');
     running = await startServer(config as Exclude<typeof config, 'help'>, silentLogger);
     assert.ok(running.api.gateway.engine instanceof DisaggregatedEngine);

@@ -3,15 +3,13 @@
 // stream equal to an unmigrated one, the tenant's concurrency slot is given back, and the migration counter moves.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { rmSync } from 'node:fs';
 import OpenAI from 'openai';
 import { silentLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
-import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import type { RoutedEngine } from '../../src/runtime/routed-engine.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 const KEY = 'sk-migration-0001';
 
@@ -21,17 +19,12 @@ describe('request migration through the HTTP server', () => {
   let client: OpenAI;
 
   before(async () => {
-    dir = mkdtempSync(join(tmpdir(), 'conduit-migration-http-'));
-    const modelPath = join(dir, 'synthetic.gguf');
-    writeSyntheticModel({
-      name: 'migration-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
-      dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
-    }, modelPath);
-    // One request at a time for the tenant: a slot the migration failed to give back would refuse the next one.
-    writeFileSync(join(dir, 'keys.txt'), `${KEY} solo - - 1\n`);
+    const fixture = writeWorkerLossFixture('migration', KEY);
+    dir = fixture.dir;
+    const modelPath = fixture.modelPath;
     const config = parseServeConfig(['--port', '0', '--log-level', 'silent', '--model', modelPath, '--workers', '2',
       // The reference kernels: a few ms per token, so the kill lands mid-stream, and no native code in the killed thread.
-      '--threads', '1', '--backend', 'reference', '--kv-cache-memory', '16MiB', '--api-keys-file', join(dir, 'keys.txt')],
+      '--threads', '1', '--backend', 'reference', '--kv-cache-memory', '16MiB', '--api-keys-file', fixture.keysPath],
     { CONDUIT_MIGRATION_LIMIT: '1' });
     assert.notEqual(config, 'help');
     running = await startServer(config as Exclude<typeof config, 'help'>, silentLogger);
