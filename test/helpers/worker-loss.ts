@@ -1,5 +1,6 @@
-// The fixture of the tests that kill a worker under `conduit serve`: a tiny Q8_0 model with a real tokenizer and a
-// key file whose tenant may run one request at a time (a slot the loss failed to give back refuses the next one).
+// The fixture of the tests that kill a worker (migration, prefill loss): a tiny Q8_0 model with a real tokenizer in
+// a temporary directory, and for the tests through `conduit serve` a key file whose tenant may run one request at a
+// time (a slot the loss failed to give back refuses the next one).
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -8,10 +9,11 @@ import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/s
 export interface WorkerLossFixture {
   dir: string;
   modelPath: string;
+  /** With a key: its one-slot key file. */
   keysPath: string;
 }
 
-export function writeWorkerLossFixture(name: string, key: string): WorkerLossFixture {
+export function writeWorkerLossFixture(name: string, key?: string): WorkerLossFixture {
   const dir = mkdtempSync(join(tmpdir(), `conduit-${name}-`));
   const modelPath = join(dir, 'synthetic.gguf');
   writeSyntheticModel({
@@ -19,6 +21,6 @@ export function writeWorkerLossFixture(name: string, key: string): WorkerLossFix
     dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
   }, modelPath);
   const keysPath = join(dir, 'keys.txt');
-  writeFileSync(keysPath, `${key} solo - - 1\n`);
+  if (key !== undefined) writeFileSync(keysPath, `${key} solo - - 1\n`);
   return { dir, modelPath, keysPath };
 }

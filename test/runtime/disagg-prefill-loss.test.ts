@@ -5,17 +5,15 @@
 // block on every surviving worker is free afterwards.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { rmSync } from 'node:fs';
 import { engineNow } from '../../src/engine/clock.ts';
 import { WorkerLostError } from '../../src/engine/errors.ts';
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
-import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { PREFILL_WORKER_LOST, type DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 let nextId = 0;
 /** Greedy with a repetition penalty: no loops in a random model's text. */
@@ -33,12 +31,7 @@ function prompt(group: number, length: number): number[] {
 let tempDir: string;
 let modelPath: string;
 before(() => {
-  tempDir = mkdtempSync(join(tmpdir(), 'conduit-prefill-loss-'));
-  modelPath = join(tempDir, 'synthetic.gguf');
-  writeSyntheticModel({
-    name: 'prefill-loss-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
-    dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
-  }, modelPath);
+  ({ dir: tempDir, modelPath } = writeWorkerLossFixture('prefill-loss'));
 });
 after(() => rmSync(tempDir, { recursive: true, force: true }));
 

@@ -5,20 +5,18 @@
 // stream; a lost decode worker hands over to another decode worker; and no block stays in use anywhere.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { rmSync } from 'node:fs';
 import { engineNow } from '../../src/engine/clock.ts';
 import { WorkerLostError } from '../../src/engine/errors.ts';
 import { createLocalEngine, LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
-import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { BitsetKvIndex } from '../../src/router/kv-index.ts';
 import { seededRandom } from '../../src/router/random.ts';
 import { Router } from '../../src/router/router.ts';
 import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { createWorkerPool, type WorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 let nextId = 0;
 /** Greedy with a repetition penalty: no loops in a random model's text, and the same tokens after a migration. */
@@ -76,12 +74,7 @@ async function assertAllFree(pool: WorkerPool): Promise<void> {
 let tempDir: string;
 let modelPath: string;
 before(() => {
-  tempDir = mkdtempSync(join(tmpdir(), 'conduit-migration-'));
-  modelPath = join(tempDir, 'synthetic.gguf');
-  writeSyntheticModel({
-    name: 'migration-synthetic', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
-    dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
-  }, modelPath);
+  ({ dir: tempDir, modelPath } = writeWorkerLossFixture('migration'));
 });
 after(() => rmSync(tempDir, { recursive: true, force: true }));
 
