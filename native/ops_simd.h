@@ -110,6 +110,17 @@ void simd_softmax(float* x, int64_t n) {
   if (i < n) V::store_partial(x + i, V::mul(V::load_partial(x + i, n - i), inv), n - i);
 }
 
+// A plain store for a whole vector: AVX2's masked store is slow on some CPUs (microcoded on AMD), so the masked
+// form is kept for tails.
+template <class V>
+inline void store_maybe_partial(float* p, typename V::F v, int64_t n) {
+  if (n == V::kWidth) {
+    V::store(p, v);
+  } else {
+    V::store_partial(p, v, n);
+  }
+}
+
 template <class V>
 void simd_rope(float* x, const RopeParams& p, const float* cos, const float* sin) {
   constexpr int W = V::kWidth;
@@ -122,8 +133,8 @@ void simd_rope(float* x, const RopeParams& p, const float* cos, const float* sin
         const int64_t n = half - i < W ? half - i : W;
         const auto c = V::load_partial(cos + i, n), s = V::load_partial(sin + i, n);
         const auto x0 = V::load_partial(head + i, n), x1 = V::load_partial(head + i + half, n);
-        V::store_partial(head + i, V::sub(V::mul(x0, c), V::mul(x1, s)), n);
-        V::store_partial(head + i + half, V::fmadd(x0, s, V::mul(x1, c)), n);
+        store_maybe_partial<V>(head + i, V::sub(V::mul(x0, c), V::mul(x1, s)), n);
+        store_maybe_partial<V>(head + i + half, V::fmadd(x0, s, V::mul(x1, c)), n);
       }
     } else {
       // Pairs (2i, 2i+1): out = x * cos' + swap(x) * sin', cos' = {c, c}, sin' = {-s, s} per pair.
@@ -132,7 +143,7 @@ void simd_rope(float* x, const RopeParams& p, const float* cos, const float* sin
         const auto c = V::dup_pairs(cos + e / 2, n / 2);
         const auto s = V::mul(V::dup_pairs(sin + e / 2, n / 2), V::even_negative());
         const auto v = V::load_partial(head + e, n);
-        V::store_partial(head + e, V::fmadd(V::swap_pairs(v), s, V::mul(v, c)), n);
+        store_maybe_partial<V>(head + e, V::fmadd(V::swap_pairs(v), s, V::mul(v, c)), n);
       }
     }
   }
