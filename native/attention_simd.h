@@ -212,14 +212,11 @@ inline void chunk_partial(const AttentionArgs& a, const float* q, const size_t* 
   const int group = a.num_heads / a.num_kv_heads;
   const int hd = a.head_dim;
   const size_t head_bytes = static_cast<size_t>(hd) * (F16 ? 2 : 4);
-  const size_t row_bytes = head_bytes * a.num_kv_heads;
-  auto prefetch_row = [&](const uint8_t* row) {
-    for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T1);
-  };
   // Scores W positions at a time for all KV heads, so K is read as whole rows in order; the same rows of V are
   // requested meanwhile for the P V pass below, which otherwise would wait for each of them. With the shared-key
   // scores (16 lanes) the requests are spread over the work, a few lines before each 8 positions of one head: the
-  // head's V lines of those positions and its K lines of the same positions one group ahead. Decode reads a
+  // head's V lines of those positions and its K lines of the same positions one group ahead (other paths: before
+  // each head of a group, that head's lines of the group's V and the next group's K). Decode reads a
   // layer's K and V from DRAM (the weights streamed since evict them), and a burst of requests per group stalls
   // on the core's miss buffers while spread ones overlap the FMAs: one layer's avx512 decode attention at context
   // 700 from DRAM, 2 threads, measured 32-34 us against 63-68 with one burst of V requests per group (35-37
@@ -227,7 +224,6 @@ inline void chunk_partial(const AttentionArgs& a, const float* q, const size_t* 
   const bool shared_scores = W == 16 && hd % W == 0;
   for (int t0 = 0; t0 < n; t0 += W) {
     const int live = n - t0 < W ? n - t0 : W;
-    if (!shared_scores) for (int t = t0; t < t0 + live; ++t) prefetch_row(a.v_cache + offsets[t]);
     for (int h = 0; h < a.num_kv_heads; ++h) {
       const uint8_t* k[W];
       for (int u = 0; u < W; ++u) k[u] = a.k_cache + offsets[t0 + (u < live ? u : live - 1)] + h * head_bytes;
@@ -256,6 +252,12 @@ inline void chunk_partial(const AttentionArgs& a, const float* q, const size_t* 
           }
           continue;
         }
+      }
+      // As above, spread: this head's V lines of the group, and its K lines of the next group.
+      for (int t = t0; t < t0 + 2 * W && t < n; ++t) {
+        const uint8_t* region = t < t0 + W ? a.v_cache : a.k_cache;
+        const char* p = reinterpret_cast<const char*>(region + offsets[t] + h * head_bytes);
+        for (size_t off = 0; off < head_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
       }
       if (F16 && group > 1 && hd <= kAttentionConvertMaxDim) {
         // Halves widened once for the group's heads rather than once per head (exact, so the same bits).
