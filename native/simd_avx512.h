@@ -38,20 +38,27 @@ struct Avx512 {
     return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n), p);
   }
 
+  // The first two stages of the lane reductions below, for N (8 or 16) vectors: y[i], 128-bit lane L, holds 4
+  // partial sums of v[4i + L], each ((l0 + l2) + (l1 + l3)) of the vector's 128-bit lanes as in reduce_add.
+  template <int N>
+  static inline void reduce_lanes_by_128(const F* v, F* y) {
+    F x[N / 2];
+    for (int i = 0; i < N / 2; ++i) {
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < N / 4; ++i) {
+      y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    }
+  }
+
   // Lane i of the result = sum of the lanes of v[i], for 16 vectors: pairwise 128-bit-lane shuffles halve the
   // count of vectors at each stage (46 instructions instead of 16 full reductions). Each sum is added in the
   // order ((e0 + e8) + (e4 + e12)) + ... of reduce_add.
   static inline F reduce_add_lanes(const F* v) {
-    F x[8], y[4], z[2];
-    for (int i = 0; i < 8; ++i) {
-      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    }
-    for (int i = 0; i < 4; ++i) {
-      y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-    }
-    // y[i], 128-bit lane L holds 4 partial sums of v[4i + L].
+    F y[4], z[2];
+    reduce_lanes_by_128<16>(v, y);
     for (int i = 0; i < 2; ++i) {
       z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
                            _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
@@ -62,18 +69,11 @@ struct Avx512 {
   }
 
   // Lanes 0-7 of the result = sums of the lanes of v[0] .. v[7] (lanes 8-15 repeat them), each added in
-  // reduce_add's order like reduce_add_lanes: the first two stages of that function, then the last within lanes.
+  // reduce_add's order like reduce_add_lanes, whose last stages here run within each 128-bit lane.
   static inline F reduce_add_lanes8(const F* v) {
-    F x[4], y[2];
-    for (int i = 0; i < 4; ++i) {
-      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    }
-    for (int i = 0; i < 2; ++i) {
-      y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-    }
-    // y[i], 128-bit lane L holds 4 partial sums of v[4i + L]; z, lane L: two of v[L], then two of v[4 + L].
+    F y[2];
+    reduce_lanes_by_128<8>(v, y);
+    // z, 128-bit lane L: two partial sums of v[L], then two of v[4 + L].
     const F z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
     // s, 128-bit lane L: the sum of v[L], then of v[4 + L] (twice over).
     const F s = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xDD));
