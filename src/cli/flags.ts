@@ -33,6 +33,24 @@ export interface ParsedFlags<T extends FlagTable> {
   values: FlagValues<T>;
   positionals: string[];
   sources: Record<keyof T & string, FlagSource>;
+  /** The raw text of each value that came from the environment. */
+  environment: Partial<Record<keyof T & string, string>>;
+  /** One line per environment variable ignored as inapplicable (ParseOptions.inapplicable). */
+  warnings: string[];
+}
+
+/** Flags that have no effect given the other values, and why (see ignoreInapplicable). */
+export interface Inapplicable<T extends FlagTable> {
+  names: readonly (keyof T & string)[];
+  why: string;
+}
+
+export interface ParseOptions<T extends FlagTable> {
+  /**
+   * Decides, from the parsed values, which flags do not apply. An environment variable for such a flag is
+   * ignored even when its text would not convert: it may be meant for another deployment sharing the environment.
+   */
+  inapplicable?: (values: FlagValues<T>) => Inapplicable<T> | undefined;
 }
 
 export function envName(flag: string, spec?: FlagSpec): string {
@@ -59,12 +77,17 @@ function convert(flag: string, spec: FlagSpec, raw: string, origin: string): str
   }
 }
 
+/** A flag's value when it is not set: its default, false for a boolean, else undefined. */
+function fallback(spec: FlagSpec): string | number | boolean | undefined {
+  return spec.default ?? (spec.type === 'boolean' ? false : undefined);
+}
+
 /**
  * Parses `argv` against the table. Returns the values (camel-cased keys are not used: keys stay as declared) and
  * the positional arguments. Unknown flags are an error naming the flag.
  */
 export function parseFlags<T extends FlagTable>(
-  table: T, argv: readonly string[], env: NodeJS.ProcessEnv = process.env,
+  table: T, argv: readonly string[], env: NodeJS.ProcessEnv = process.env, options: ParseOptions<T> = {},
 ): ParsedFlags<T> {
   const values: Record<string, string | number | boolean | undefined> = {};
   const sources: Record<string, FlagSource> = {};
@@ -112,17 +135,35 @@ export function parseFlags<T extends FlagTable>(
     fromArgs.add(name);
   }
 
+  // An environment value that does not convert is an error only once it is known to apply (options.inapplicable);
+  // until then the flag holds its default.
+  const environment: Record<string, string> = {};
+  const invalid = new Map<string, UsageError>();
   for (const [name, spec] of Object.entries(table)) {
     if (fromArgs.has(name)) continue;
     const fromEnv = env[envName(name, spec)];
     sources[name] = 'default';
-    if (fromEnv !== undefined && fromEnv !== '') {
+    values[name] = fallback(spec);
+    if (fromEnv === undefined || fromEnv === '') continue;
+    sources[name] = 'environment';
+    environment[name] = fromEnv;
+    try {
       values[name] = convert(name, spec, fromEnv, envName(name, spec));
-      sources[name] = 'environment';
-    } else if (spec.default !== undefined) values[name] = spec.default;
-    else values[name] = spec.type === 'boolean' ? false : undefined;
+    } catch (err) {
+      if (!(err instanceof UsageError)) throw err;
+      invalid.set(name, err);
+    }
   }
-  return { values: values as FlagValues<T>, positionals, sources: sources as ParsedFlags<T>['sources'] };
+  const parsed: ParsedFlags<T> = {
+    values: values as FlagValues<T>, positionals, sources: sources as ParsedFlags<T>['sources'],
+    environment: environment as ParsedFlags<T>['environment'], warnings: [],
+  };
+  const rule = options.inapplicable?.(parsed.values);
+  if (rule) parsed.warnings.push(...ignoreInapplicable(table, parsed, rule.names, rule.why));
+  for (const [name, err] of invalid) {
+    if (parsed.sources[name as keyof T & string] === 'environment') throw err;
+  }
+  return parsed;
 }
 
 /**
@@ -140,8 +181,8 @@ export function ignoreInapplicable<T extends FlagTable>(table: T, parsed: Parsed
   for (const name of names) {
     if (parsed.sources[name] !== 'environment') continue;
     const spec = table[name]!;
-    warnings.push(`ignoring ${envName(name, spec)}=${String(values[name])}: --${name} is ${why}`);
-    values[name] = spec.default ?? (spec.type === 'boolean' ? false : undefined);
+    warnings.push(`ignoring ${envName(name, spec)}=${parsed.environment[name] ?? String(values[name])}: --${name} is ${why}`);
+    values[name] = fallback(spec);
     parsed.sources[name] = 'default';
   }
   return warnings;

@@ -13,7 +13,7 @@ import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAUL
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
-import { formatFlagHelp, ignoreInapplicable, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const SERVE_FLAGS = {
@@ -163,7 +163,14 @@ function readKeys(file: string | undefined, list: string | undefined): KeyConfig
 }
 
 export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): ServeConfig | 'help' {
-  const parsed = parseFlags(SERVE_FLAGS, argv, env);
+  // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
+  // warning) when they come from an environment set up for another deployment, whatever their text.
+  const parsed = parseFlags(SERVE_FLAGS, argv, env, {
+    inapplicable: (v) => v['prefill-workers'] !== undefined ? undefined : {
+      names: Object.values(POLICY_FLAGS),
+      why: 'only for disaggregated serving (--prefill-workers with --decode-workers)',
+    },
+  });
   const { values, positionals } = parsed;
   if (values.help) return 'help';
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
@@ -203,10 +210,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
-  // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
-  // warning) when they come from an environment set up for another deployment.
-  const warnings = prefillWorkers !== undefined ? [] : ignoreInapplicable(SERVE_FLAGS, parsed, Object.values(POLICY_FLAGS),
-    'only for disaggregated serving (--prefill-workers with --decode-workers)');
+  const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
   const migrationLimit = values['migration-limit']!;

@@ -35,10 +35,21 @@ describe('ignoreInapplicable', () => {
     assert.deepEqual(warnings, [
       'ignoring CONDUIT_SIZE=16: --size is only with --name unset',
       'ignoring OTHER_LABEL=x: --label is only with --name unset',
-      'ignoring CONDUIT_FAST=true: --fast is only with --name unset',
+      'ignoring CONDUIT_FAST=1: --fast is only with --name unset',
     ]);
     assert.deepEqual(parsed.values, { size: 4, name: 'typed', fast: false, label: undefined });
     assert.deepEqual(parsed.sources, { size: 'default', name: 'command line', fast: 'default', label: 'default' });
     assert.deepEqual(ignoreInapplicable(TABLE, parseFlags(TABLE, [], {}), ['size', 'name'], 'never'), [], 'defaults are not settings');
+  });
+
+  it('through parseFlags: an inapplicable environment value is ignored even when it does not convert', () => {
+    const env = { CONDUIT_SIZE: 'big', CONDUIT_NAME: 'n' };
+    const options = { inapplicable: (v: { name?: string }) => v.name === 'typed' ? { names: ['size'] as const, why: 'unused' } : undefined };
+    const parsed = parseFlags(TABLE, ['--name', 'typed'], env, options);
+    assert.deepEqual(parsed.warnings, ['ignoring CONDUIT_SIZE=big: --size is unused']);
+    assert.equal(parsed.values.size, 4);
+    assert.throws(() => parseFlags(TABLE, [], env, options),
+      (err: unknown) => err instanceof UsageError && err.message === 'CONDUIT_SIZE --size expects a number, got "big"', 'applicable: refused');
+    assert.throws(() => parseFlags(TABLE, [], env), UsageError, 'no rule: refused');
   });
 });

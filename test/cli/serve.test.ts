@@ -183,6 +183,18 @@ describe('conduit serve disaggregation thresholds', () => {
       (err: unknown) => err instanceof UsageError && /--disagg-max-prefill-queue-tokens must be a whole number >= 0, got -3/.test(err.message));
   });
 
+  it('ignores a stray threshold whose text is not even a number, and refuses it once it applies', () => {
+    const env = { CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: 'fast' };
+    assert.deepEqual(config([], env).warnings, [
+      'ignoring CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS=fast: --disagg-transfer-overhead-ms is only for disaggregated serving (--prefill-workers with --decode-workers)',
+    ]);
+    assert.throws(() => parseServeConfig(DISAGG, env),
+      (err: unknown) => err instanceof UsageError && err.message === 'CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS --disagg-transfer-overhead-ms expects a number, got "fast"');
+    // Other flags' environment values are checked as before.
+    assert.throws(() => parseServeConfig([], { ...env, CONDUIT_PORT: 'eighty' }),
+      (err: unknown) => err instanceof UsageError && /CONDUIT_PORT --port expects a number, got "eighty"/.test(err.message));
+  });
+
   it('still refuses the same thresholds typed on the command line, naming only those', () => {
     assert.throws(() => parseServeConfig(['--disagg-min-remote-prefill-tokens', '64'], { CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: '0.5' }),
       (err: unknown) => err instanceof UsageError
