@@ -1,7 +1,9 @@
 #include "compute.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 
 namespace conduit {
 
@@ -232,7 +234,7 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
   const size_t partial_floats = attention_partial_floats(a.num_heads, a.head_dim);
   size_t partial_total = 0;
   std::vector<Unit> units;
-  std::vector<std::pair<int, int>> merges;  // (range, row)
+  bool any_split = false;
   for (int i = 0; i < static_cast<int>(ranges.size()); ++i) {
     Range& r = ranges[i];
     const int cached = a.seq_lens[r.seq] - (a.query_start_loc[r.seq + 1] - a.query_start_loc[r.seq]);
@@ -249,26 +251,31 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
       const int positions = std::min(kAttentionChunk, cached + r.row_end - c * kAttentionChunk);
       units.push_back({i, c, static_cast<int64_t>(positions) * (r.row_end - r.row_begin)});
     }
-    for (int row = r.row_begin; row < r.row_end; ++row) merges.push_back({i, row});
+    any_split = true;
   }
   std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
   const size_t floats = align_up(attention_chunk_scratch_floats(a.num_heads, a.head_dim) * 4) / 4;
   float* scratch = reinterpret_cast<float*>(ws.per_thread.get((floats * pool.size() + partial_total) * sizeof(float)));
   float* partials = scratch + floats * pool.size();
+  // A split range's rows are merged by the thread that finishes its last chunk, inside the same parallel loop: a
+  // second loop just for the merges cost a hand-over per layer, with one thread idle while the other merged.
+  // (acq_rel: the merging thread sees every other thread's partials of the range.)
+  std::unique_ptr<std::atomic<int>[]> chunks_left;
+  if (any_split) {
+    chunks_left.reset(new std::atomic<int>[ranges.size()]);
+    for (size_t i = 0; i < ranges.size(); ++i) chunks_left[i].store(ranges[i].chunks, std::memory_order_relaxed);
+  }
   pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) {
     const Unit& u = units[i];
     const Range& r = ranges[u.range];
     const size_t row_stride = static_cast<size_t>(r.chunks) * partial_floats;
+    float* thread_scratch = scratch + floats * thread;
     kt.attention_chunks(a, r.seq, r.row_begin, r.row_end, u.chunk, u.chunk < 0 ? nullptr : partials + r.partials,
-                        row_stride, scratch + floats * thread);
-  });
-  if (merges.empty()) return;
-  pool.parallel_for(static_cast<int64_t>(merges.size()), [&](int64_t i, int thread) {
-    const Range& r = ranges[merges[i].first];
-    const int row = merges[i].second;
-    const size_t row_stride = static_cast<size_t>(r.chunks) * partial_floats;
-    kt.attention_merge(a, r.seq, row, partials + r.partials + (row - r.row_begin) * row_stride,
-                       scratch + floats * thread);
+                        row_stride, thread_scratch);
+    if (u.chunk < 0 || chunks_left[u.range].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int row = r.row_begin; row < r.row_end; ++row) {
+      kt.attention_merge(a, r.seq, row, partials + r.partials + (row - r.row_begin) * row_stride, thread_scratch);
+    }
   });
 }
 
