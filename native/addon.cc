@@ -3,7 +3,8 @@
 //   kernelVariants(variant)         kernel kind -> variant serving it
 //   NativeModel                     a loaded model with its KV pool: forward(batch), info(), setProfiling(on),
 //                                   takeProfile(), dispose()
-//   ops.*                           one entry per kernel with an explicit variant, for the test harness
+//   ops.*                           one entry per kernel with an explicit variant, for the test harness, and the
+//                                   software AMX model on its own (amxModel)
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 #include <napi.h>
 
@@ -11,6 +12,7 @@
 #include <memory>
 #include <mutex>
 
+#include "amx_tile_model.h"
 #include "bench.h"
 #include "cpu.h"
 #include "memory.h"
@@ -83,11 +85,12 @@ double number(const Napi::Env& env, const Napi::Value& value, const std::string&
 Variant variant_arg(const Napi::Env& env, const Napi::Value& value) {
   Variant v;
   if (!value.IsString() || !parse_variant(value.As<Napi::String>().Utf8Value().c_str(), &v)) {
-    throw Napi::TypeError::New(env, "variant must be 'generic', 'avx2' or 'avx512'");
+    throw Napi::TypeError::New(env, "variant must be 'generic', 'avx2', 'avx512', 'amx' or 'amx-model'");
   }
-  if (static_cast<int>(v) > static_cast<int>(best_supported_variant())) {
+  if (!variant_supported(v)) {
     throw Napi::Error::New(env, std::string("kernel variant ") + variant_name(v) + " is not supported by this CPU" +
-                                    " (best: " + variant_name(best_supported_variant()) + ")");
+                                    " (best: " + variant_name(best_supported_variant()) +
+                                    (v == Variant::AmxModel ? "; amx-model needs avx512)" : ")"));
   }
   return v;
 }
@@ -164,6 +167,9 @@ Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
   out.Set("amxPermitted", f.amx_permitted);
   out.Set("amxStatus", f.amx_status);
   out.Set("bestVariant", variant_name(best_supported_variant()));
+  Napi::Array verification = Napi::Array::New(info.Env());
+  if (variant_supported(Variant::AmxModel)) verification.Set(0u, variant_name(Variant::AmxModel));
+  out.Set("verificationVariants", verification);
   out.Set("defaultThreads", default_thread_count());
   return out;
 }
@@ -637,6 +643,59 @@ Napi::Value OpAttention(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
+// amxModel(program): runs tile instructions on a fresh software AMX model (the one the amx-model kernels use), so
+// tests can check its semantics on values they work out themselves. Each entry is one of
+//   { op: 'ldtilecfg', config: Uint8Array(64) }            { op: 'tilezero', tile }
+//   { op: 'tileloadd' | 'tilestored', tile, memory: Uint8Array, offset, stride }
+//   { op: 'tdpbsud', dst, src1, src2 }                     { op: 'tilerelease' }
+// A fault the hardware would raise is thrown as an Error "<INSTRUCTION>: #GP|#UD (<why>)". Tile rows must lie
+// inside `memory` (where the hardware would take a page fault or silently touch other data, this refuses).
+Napi::Value OpAmxModel(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsArray()) throw Napi::TypeError::New(env, "program must be an array of instructions");
+  Napi::Array program = info[0].As<Napi::Array>();
+  auto model = std::make_unique<AmxTileModel>();
+  for (uint32_t i = 0; i < program.Length(); ++i) {
+    const std::string at = "program[" + std::to_string(i) + "]";
+    if (!program.Get(i).IsObject()) throw Napi::TypeError::New(env, at + " must be an object");
+    Napi::Object step = program.Get(i).As<Napi::Object>();
+    const std::string op = step.Get("op").ToString().Utf8Value();
+    auto tile = [&](const char* key) { return static_cast<int>(integer(env, step.Get(key), at + "." + key)); };
+    try {
+      if (op == "ldtilecfg") {
+        model->ldtilecfg(typed_data<uint8_t>(env, step.Get("config"), napi_uint8_array, at + ".config", 64));
+      } else if (op == "tilezero") {
+        model->tilezero(tile("tile"));
+      } else if (op == "tdpbsud") {
+        model->tdpbsud(tile("dst"), tile("src1"), tile("src2"));
+      } else if (op == "tilerelease") {
+        model->tilerelease();
+      } else if (op == "tileloadd" || op == "tilestored") {
+        const int t = tile("tile");
+        ArrayView memory = typed_array(env, step.Get("memory"), napi_uint8_array, at + ".memory");
+        const int64_t offset = integer(env, step.Get("offset"), at + ".offset");
+        const int64_t stride = integer(env, step.Get("stride"), at + ".stride");
+        const int rows = model->rows(t), colsb = model->colsb(t);
+        // An unconfigured tile faults in the model before touching memory.
+        if (rows > 0 && offset + (rows - 1) * stride + colsb > static_cast<int64_t>(memory.length)) {
+          throw Napi::RangeError::New(env, at + ": the tile's rows reach past the end of memory");
+        }
+        uint8_t* base = static_cast<uint8_t*>(memory.data) + offset;
+        if (op == "tileloadd") {
+          model->tileloadd(t, base, stride);
+        } else {
+          model->tilestored(t, base, stride);
+        }
+      } else {
+        throw Napi::TypeError::New(env, at + ".op '" + op + "' is not a modelled instruction");
+      }
+    } catch (const AmxFault& fault) {
+      throw Napi::Error::New(env, fault.what());
+    }
+  }
+  return env.Undefined();
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // bench.*
 
@@ -683,6 +742,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   ops.Set("rope", Napi::Function::New(env, OpRope));
   ops.Set("kvWrite", Napi::Function::New(env, OpKvWrite));
   ops.Set("attention", Napi::Function::New(env, OpAttention));
+  ops.Set("amxModel", Napi::Function::New(env, OpAmxModel));
   exports.Set("ops", ops);
   Napi::Object bench = Napi::Object::New(env);
   bench.Set("memoryBandwidth", Napi::Function::New(env, BenchMemory));

@@ -75,7 +75,7 @@ void memory_job(void* p, int t) {
   const size_t begin = share * t, len = t == j.threads - 1 ? j.bytes - begin : share;
   switch (j.kind) {
     case MemoryKernel::Read:
-      j.sink[t] += j.variant == Variant::Avx512 ? read_sum_avx512(j.a + begin, len)
+      j.sink[t] += j.variant >= Variant::Avx512 ? read_sum_avx512(j.a + begin, len)
                    : j.variant == Variant::Avx2   ? read_sum_avx2(j.a + begin, len)
                                                   : read_sum_generic(j.a + begin, len);
       break;
@@ -163,16 +163,16 @@ struct PeakJob {
 void peak_job(void* p, int t) {
   PeakJob& j = *static_cast<PeakJob*>(p);
   if (j.int8) {
-    j.sink[t] += j.variant == Variant::Avx512 ? vnni_loop_avx512(kPeakIterations) : maddubs_loop_avx2(kPeakIterations);
+    j.sink[t] += j.variant >= Variant::Avx512 ? vnni_loop_avx512(kPeakIterations) : maddubs_loop_avx2(kPeakIterations);
   } else {
-    j.sink[t] += j.variant == Variant::Avx512 ? fma_loop_avx512(kPeakIterations) : fma_loop_avx2(kPeakIterations);
+    j.sink[t] += j.variant >= Variant::Avx512 ? fma_loop_avx512(kPeakIterations) : fma_loop_avx2(kPeakIterations);
   }
 }
 
 double peak(ThreadPool& pool, bool int8, Variant v) {
   if (v == Variant::Generic) return 0.0;  // no SIMD: the scalar peak is not a useful roofline
   PeakJob job{int8, v, std::vector<double>(pool.size())};
-  const double ops_per_iteration = 12.0 * (v == Variant::Avx512 ? 16 : 8) * 2.0 * (int8 ? 4 : 1);
+  const double ops_per_iteration = 12.0 * (v >= Variant::Avx512 ? 16 : 8) * 2.0 * (int8 ? 4 : 1);
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
     const auto start = Clock::now();

@@ -10,9 +10,12 @@
 namespace conduit {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Kernel variants, ordered: a CPU that runs one runs every lower one.
-enum class Variant : int { Generic = 0, Avx2 = 1, Avx512 = 2 };
-constexpr int kNumVariants = 3;
+// Kernel variants. Generic .. Amx are ordered: a CPU that runs one runs every lower one, and the highest it runs is
+// chosen. AmxModel stands outside that order: the amx kernels built over a software model of the tile instructions
+// (amx_tile_model.h), so they can be checked on CPUs without AMX. It runs wherever avx512 runs, is slow, and is only
+// ever used when asked for by name. Every variant above Avx512 is built on the avx512 kernels.
+enum class Variant : int { Generic = 0, Avx2 = 1, Avx512 = 2, Amx = 3, AmxModel = 4 };
+constexpr int kNumVariants = 5;
 const char* variant_name(Variant v);
 bool parse_variant(const char* name, Variant* out);
 

@@ -106,9 +106,18 @@ const CpuFeatures& cpu_features() {
 Variant best_supported_variant() {
   const CpuFeatures& f = cpu_features();
   const bool avx2 = f.avx2 && f.fma && f.f16c;
-  if (avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni) return Variant::Avx512;
+  if (avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni) {
+    // Without the permission the first tile instruction would fault (see request_amx_permission).
+    return f.amx_tile && f.amx_int8 && f.amx_permitted ? Variant::Amx : Variant::Avx512;
+  }
   if (avx2) return Variant::Avx2;
   return Variant::Generic;
+}
+
+bool variant_supported(Variant v) {
+  const int best = static_cast<int>(best_supported_variant());
+  if (v == Variant::AmxModel) return best >= static_cast<int>(Variant::Avx512);
+  return static_cast<int>(v) <= best;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -119,6 +128,8 @@ const char* variant_name(Variant v) {
     case Variant::Generic: return "generic";
     case Variant::Avx2: return "avx2";
     case Variant::Avx512: return "avx512";
+    case Variant::Amx: return "amx";
+    case Variant::AmxModel: return "amx-model";
   }
   return "unknown";
 }
@@ -192,6 +203,11 @@ const KernelTable& kernel_table(Variant v) {
     register_ops_avx512(tables[2]);
     register_matmul_avx512(tables[2]);
     register_attention_avx512(tables[2]);
+    // Registration only fills in function pointers: building the amx table executes no tile instruction.
+    tables[3] = tables[2];
+    register_matmul_amx(tables[3]);
+    tables[4] = tables[2];
+    register_matmul_amx_model(tables[4]);
   });
   return tables[static_cast<int>(v)];
 }

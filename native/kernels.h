@@ -158,6 +158,9 @@ void register_attention_avx2(KernelTable& t);
 void register_ops_avx512(KernelTable& t);
 void register_matmul_avx512(KernelTable& t);
 void register_attention_avx512(KernelTable& t);
+// Both start from the avx512 table, whose Q8_0/Q4_0 kernels they keep for few rows and reuse the packed layout of.
+void register_matmul_amx(KernelTable& t);
+void register_matmul_amx_model(KernelTable& t);
 
 // The table for a variant (built once, cached). The caller must have checked that the CPU supports it.
 const KernelTable& kernel_table(Variant v);

@@ -16,9 +16,15 @@ import type { BackendFactory, BackendInfo, ForwardBatch, KvPoolLayout, ModelRunn
 // ---------------------------------------------------------------------------------------------------------------
 // What the addon exports
 
-/** Kernel variants, lowest to highest; a CPU that runs one runs every lower one. */
-export const KERNEL_VARIANTS = ['generic', 'avx2', 'avx512'] as const;
-export type KernelVariant = (typeof KERNEL_VARIANTS)[number];
+/** Kernel variants, lowest to highest; a CPU that runs one runs every lower one, and the highest is chosen. */
+export const KERNEL_VARIANTS = ['generic', 'avx2', 'avx512', 'amx'] as const;
+/**
+ * Builds that exist to check other kernels, outside that order and never chosen unless named: `amx-model` is the
+ * amx matmuls over a software model of the tile instructions, run wherever avx512 runs (slow; a test aid for
+ * machines without AMX).
+ */
+export const VERIFICATION_VARIANTS = ['amx-model'] as const;
+export type KernelVariant = (typeof KERNEL_VARIANTS)[number] | (typeof VERIFICATION_VARIANTS)[number];
 
 export interface CpuInfo {
   avx2: boolean;
@@ -30,7 +36,7 @@ export interface CpuInfo {
   avx512dq: boolean;
   avx512vnni: boolean;
   avx512bf16: boolean;
-  /** AMX is detected so reports are right; no kernel uses it yet. */
+  /** AMX-TILE and AMX-INT8 with Linux's tile-data permission select the amx variant (Q8_0/Q4_0 prefill matmuls). */
   amxTile: boolean;
   amxInt8: boolean;
   amxBf16: boolean;
@@ -38,8 +44,10 @@ export interface CpuInfo {
   amxPermitted: boolean;
   /** 'no AMX on this CPU', 'granted', or why the kernel did not grant it. */
   amxStatus: string;
-  /** avx512 needs F+BW+VL+VNNI; avx2 needs AVX2+FMA+F16C. */
-  bestVariant: KernelVariant;
+  /** amx needs avx512's features plus AMX-TILE, AMX-INT8 and amxPermitted; avx512 F+BW+VL+VNNI; avx2 AVX2+FMA+F16C. */
+  bestVariant: (typeof KERNEL_VARIANTS)[number];
+  /** The verification builds this CPU runs (['amx-model'] wherever avx512 runs). */
+  verificationVariants: KernelVariant[];
   /** CPUs this process may run on (its affinity mask). */
   defaultThreads: number;
 }
@@ -193,7 +201,20 @@ export interface NativeOps {
   attention(variant: KernelVariant, q: Float32Array, out: Float32Array, pool: Uint8Array, layout: NativePoolLayout,
     layer: number, queryStartLoc: Int32Array, seqLens: Int32Array, blockTables: Int32Array,
     maxBlocksPerSeq: number, numHeads: number, threads: number): void;
+  /**
+   * Runs tile instructions on a fresh instance of the software AMX model the amx-model kernels use (a test aid). A
+   * fault the hardware would raise throws an Error "<INSTRUCTION>: #GP|#UD (<why>)".
+   */
+  amxModel(program: AmxModelInstruction[]): void;
 }
+
+/** One instruction for NativeOps.amxModel; tiles are numbered 0-7, memory operands are byte arrays. */
+export type AmxModelInstruction =
+  | { op: 'ldtilecfg'; config: Uint8Array }
+  | { op: 'tilezero'; tile: number }
+  | { op: 'tileloadd' | 'tilestored'; tile: number; memory: Uint8Array; offset: number; stride: number }
+  | { op: 'tdpbsud'; dst: number; src1: number; src2: number }
+  | { op: 'tilerelease' };
 
 export interface NativeBench {
   /** STREAM-like bandwidth, best of `repetitions`, in GB/s (bytes counted as STREAM does). */
@@ -255,24 +276,32 @@ export function nativeUnavailableReason(): string | undefined {
 
 /**
  * The variant to run: the best this CPU supports, or CONDUIT_KERNEL_VARIANT when set (it may only ask for a
- * lower one, e.g. to compare against or to work around a suspected SIMD bug).
+ * lower one, e.g. to compare against or to work around a suspected SIMD bug, or for a verification build such as
+ * amx-model).
  */
 export function resolveKernelVariant(
   requested: string | undefined = process.env.CONDUIT_KERNEL_VARIANT,
   cpu: CpuInfo = loadNativeAddon().cpuInfo(),
 ): KernelVariant {
   if (requested === undefined || requested === '') return cpu.bestVariant;
-  if (!(KERNEL_VARIANTS as readonly string[]).includes(requested)) {
-    throw new Error(`CONDUIT_KERNEL_VARIANT=${requested}: expected one of ${KERNEL_VARIANTS.join(', ')}`);
+  if ((VERIFICATION_VARIANTS as readonly string[]).includes(requested)) {
+    if (!cpu.verificationVariants.includes(requested as KernelVariant)) {
+      throw new Error(`CONDUIT_KERNEL_VARIANT=${requested}: this CPU cannot run it (it needs avx512)`);
+    }
+    return requested as KernelVariant;
   }
-  const variant = requested as KernelVariant;
-  if (KERNEL_VARIANTS.indexOf(variant) > KERNEL_VARIANTS.indexOf(cpu.bestVariant)) {
+  const ordered = KERNEL_VARIANTS as readonly string[];
+  if (!ordered.includes(requested)) {
+    throw new Error(`CONDUIT_KERNEL_VARIANT=${requested}: expected one of ${KERNEL_VARIANTS.join(', ')} ` +
+      `(or the verification build ${VERIFICATION_VARIANTS.join(', ')})`);
+  }
+  if (ordered.indexOf(requested) > ordered.indexOf(cpu.bestVariant)) {
     throw new Error(`CONDUIT_KERNEL_VARIANT=${requested}: this CPU supports at most ${cpu.bestVariant}`);
   }
-  return variant;
+  return requested as KernelVariant;
 }
 
-/** The variants this CPU runs, lowest first. */
+/** The ordered variants this CPU runs, lowest first (verification builds are in cpuInfo().verificationVariants). */
 export function supportedVariants(cpu: CpuInfo = loadNativeAddon().cpuInfo()): KernelVariant[] {
   return KERNEL_VARIANTS.slice(0, KERNEL_VARIANTS.indexOf(cpu.bestVariant) + 1);
 }
@@ -335,9 +364,10 @@ export function nativeModelSpec(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Packed weights: the avx512 matmuls read a copy of each quantized matrix in their own order. The copy costs as much
-// memory as those matrices again, so it is made only when it fits: a model that barely fits the machine still loads
-// and runs on the ggml rows (slower decode) rather than pushing the machine into swap.
+// Packed weights: the avx512 matmuls (and amx, which reads the same layout) read a copy of each quantized matrix in
+// their own order. The copy costs as much memory as those matrices again, so it is made only when it fits: a model
+// that barely fits the machine still loads and runs on the ggml rows (slower decode) rather than pushing the machine
+// into swap.
 
 /** Memory left free after the packed copy, besides what it takes. */
 const PACK_HEADROOM_BYTES = 1024 ** 3;
@@ -389,11 +419,23 @@ export function decidePacking(
   };
 }
 
-/** What an operator of an AMX machine should know at start: whether Linux granted AMX, and that no kernel uses it. */
+/**
+ * What an operator of an AMX machine should know at start: whether Linux granted AMX, and what the AMX kernels (Q8_0
+ * and Q4_0 matmuls of 16 rows or more: prefill) do on this machine, or why they are not used.
+ */
 export function amxNotice(cpu: CpuInfo, variant: KernelVariant): string | undefined {
   if (!cpu.amxTile) return undefined;
-  return `AMX detected (tile data permission: ${cpu.amxStatus}); Conduit has no AMX kernels yet, so matmuls use ` +
-    `the ${variant} kernels`;
+  const detected = `AMX detected (tile data permission: ${cpu.amxStatus})`;
+  if (variant === 'amx') {
+    return `${detected}; Q8_0 and Q4_0 matmuls of 16 rows or more (prefill) run on the AMX-INT8 kernels, fewer rows ` +
+      '(decode) and other weight types on the avx512 kernels';
+  }
+  const reason = !cpu.amxInt8 ? 'the CPU has no AMX-INT8'
+    : !cpu.amxPermitted ? 'Linux did not grant tile data'
+      : cpu.bestVariant === 'amx' ? `CONDUIT_KERNEL_VARIANT chose ${variant}`
+        : 'the CPU lacks the AVX-512 features they build on';
+  return `${detected}; the AMX kernels (Q8_0/Q4_0 prefill) are not used because ${reason}, so matmuls use the ` +
+    `${variant} kernels`;
 }
 
 function checkPositiveInteger(name: string, value: number): void {
