@@ -16,6 +16,7 @@
         "native/matmul_generic.cc",
         "native/matmul_avx2.cc",
         "native/matmul_avx512.cc",
+        "native/matmul_avx512_bf16.cc",
         "native/matmul_amx.cc",
         "native/matmul_amx_model.cc",
         "native/amx_tile_model.cc",

@@ -4,26 +4,33 @@
 // bandwidth, whichever binds.
 //
 //   node --import tsx benchmarks/kernels.ts [--quick] [--threads N] [--all-variants] [--filter TEXT] [--model]
-//                                           [--profile] [--json FILE]
+//                                           [--model-dtype Q8_0|BF16] [--profile] [--json FILE] [--help]
 //
 // --filter runs only the kernels whose name (e.g. "matmul q8_0", "attention") contains TEXT.
-// --model adds the end-to-end figures of the 110M-class synthetic Llama (Q8_0): prefill of 512 tokens, decode of
-// one stream and of 16 streams, min / median / max of a few runs, with the weights in the kernels' load-time
-// packed layout (the default) and, for single-stream decode, also streamed from the ggml rows (packWeights off)
-// for comparison. The VM this runs on stalls in bursts: compare figures taken side by side in one run.
+// --model adds the end-to-end figures of the 110M-class synthetic Llama (Q8_0, or BF16 with --model-dtype BF16):
+// prefill of 512 tokens, decode of one stream and of 16 streams, min / median / max of a few runs, with the weights
+// in the kernels' load-time packed layout (the default) and, for single-stream decode, also streamed from the ggml
+// rows (packWeights off) for comparison. The VM this runs on stalls in bursts: compare figures taken side by side
+// in one run.
 // --profile (with --model) adds a per-section profile of single-stream decode steps, for both weight layouts:
 // time per step of each matmul (per weight), attention and the small ops, the pool's hand-over waits, and the
 // share of the step outside any section.
-import { writeFileSync } from 'node:fs';
+// BF16 against f32 FMA: where BF16 matmuls run on VDPBF16PS (kernel avx512_bf16), "matmul bf16" also times the f32
+// FMA kernel they replace on prefill and decode shapes, and --model --model-dtype BF16 the whole model both ways:
+// the old kernel runs in a second process started with CONDUIT_BF16_DOT=0 (kernel-baseline.ts), its runs
+// alternating with this process's.
+import { readFileSync, writeFileSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 
 import { GgmlType, byteSize, ggmlTypeName } from '../src/model/ggml-types.ts';
-import { f32ToF16Bits } from '../src/model/quant.ts';
 import {
   loadNativeAddon, supportedVariants, type KernelVariant, type NativeAddon, type NativeModel,
 } from '../src/kernels/native.ts';
 import type { Tensor } from '../src/model/weights.ts';
 import { kvPoolBytes, type ForwardBatch, type KvPoolLayout } from '../src/kernels/types.ts';
+import { MODEL_RUNS, ModelSteps, matmulRunner, startBaseline, type Baseline, type MatmulCase } from './kernel-baseline.ts';
+import { randomFloats, randomWeights, seededBytes, timeCall, type Timing } from './kernel-inputs.ts';
 
 const { values: args } = parseArgs({
   options: {
@@ -34,8 +41,19 @@ const { values: args } = parseArgs({
     profile: { type: 'boolean', default: false },
     filter: { type: 'string', default: '' },
     json: { type: 'string' },
+    'model-dtype': { type: 'string', default: 'Q8_0' },
+    help: { type: 'boolean', default: false },
   },
 });
+
+if (args.help) {
+  // The usage is the comment at the top of this file.
+  const lines = readFileSync(fileURLToPath(import.meta.url), 'utf8').split('\n');
+  console.log(lines.slice(0, lines.findIndex((l) => !l.startsWith('//'))).map((l) => l.replace(/^\/\/ ?/, '')).join('\n'));
+  process.exit(0);
+}
+const modelDtype = args['model-dtype']!.toUpperCase();
+if (modelDtype !== 'Q8_0' && modelDtype !== 'BF16') throw new RangeError(`--model-dtype must be Q8_0 or BF16, not ${modelDtype}`);
 
 const addon: NativeAddon = loadNativeAddon();
 const cpu = addon.cpuInfo();
@@ -46,23 +64,11 @@ const quick = args.quick;
 // ---------------------------------------------------------------------------------------------------------------
 // Timing
 
-interface Timing {
-  min: number;
-  median: number;
-}
+const minSeconds = quick ? 0.05 : 0.2;
 
 /** Runs fn until `minSeconds` have passed (at least `minReps` times) and returns min / median seconds per call. */
-function time(fn: () => void, minReps = 3, minSeconds = quick ? 0.05 : 0.2): Timing {
-  fn(); // warm up (page faults, scratch growth)
-  const samples: number[] = [];
-  const start = performance.now();
-  while (samples.length < minReps || performance.now() - start < minSeconds * 1000) {
-    const t = performance.now();
-    fn();
-    samples.push((performance.now() - t) / 1000);
-  }
-  samples.sort((a, b) => a - b);
-  return { min: samples[0]!, median: samples[Math.floor(samples.length / 2)]! };
+function time(fn: () => void, minReps = 3): Timing {
+  return timeCall(fn, minReps, minSeconds);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -75,12 +81,14 @@ const machine = {
   triadGBs: addon.bench.memoryBandwidth('triad', bandwidthBytes / 2, 5, threads),
   peakF32: addon.bench.peakFlops('f32', threads),
   peakInt8: addon.bench.peakFlops('int8', threads),
+  peakBf16: addon.bench.peakFlops('bf16', threads), // 0 without AVX512-BF16
 };
 // The roofline of a variant uses the peak of its own instructions (a plain loop has no useful peak: the best
 // variant's is used, so generic rows show how far from the hardware they are).
 const peaks = new Map(variants.map((v) => [v, v === 'generic'
-  ? { f32: machine.peakF32, int8: machine.peakInt8 }
-  : { f32: addon.bench.peakFlops('f32', threads, v), int8: addon.bench.peakFlops('int8', threads, v) }]));
+  ? { f32: machine.peakF32, int8: machine.peakInt8, bf16: machine.peakBf16 }
+  : { f32: addon.bench.peakFlops('f32', threads, v), int8: addon.bench.peakFlops('int8', threads, v),
+    bf16: addon.bench.peakFlops('bf16', threads, v) }]));
 
 const features = ['avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512vnni', 'avx512bf16', 'amxTile',
   'amxInt8'] as const;
@@ -88,7 +96,7 @@ console.log(`CPU: ${features.filter((f) => cpu[f]).join(' ')}${cpu.amxTile ? '' 
   `${cpu.bestVariant}; ${threads} threads`);
 console.log(`Limits: read ${machine.readGBs.toFixed(1)} GB/s, copy ${machine.copyGBs.toFixed(1)} GB/s, triad ` +
   `${machine.triadGBs.toFixed(1)} GB/s, f32 FMA ${machine.peakF32.toFixed(0)} GFLOP/s, int8 dot ` +
-  `${machine.peakInt8.toFixed(0)} GOP/s\n`);
+  `${machine.peakInt8.toFixed(0)} GOP/s${machine.peakBf16 > 0 ? `, bf16 dot ${machine.peakBf16.toFixed(0)} GFLOP/s` : ''}\n`);
 for (const [v, p] of peaks) {
   if (v !== cpu.bestVariant && v !== 'generic') {
     console.log(`  ${v} instructions: f32 FMA ${p.f32.toFixed(0)} GFLOP/s, int8 dot ${p.int8.toFixed(0)} GOP/s`);
@@ -126,54 +134,13 @@ function record(kernel: string, variant: string, shape: string, t: Timing, ops: 
 }
 
 function formatRow(r: Row): string {
-  return `${r.kernel.padEnd(14)} ${r.variant.padEnd(8)} ${r.shape.padEnd(34)} ${r.ms.toFixed(3).padStart(9)} ` +
+  return `${r.kernel.padEnd(14)} ${r.variant.padEnd(11)} ${r.shape.padEnd(34)} ${r.ms.toFixed(3).padStart(9)} ` +
     `${r.msMedian.toFixed(3).padStart(9)} ${r.gflops.toFixed(1).padStart(8)} ${r.gbs.toFixed(1).padStart(7)} ` +
     `${r.roofline.toFixed(0).padStart(5)}% ${r.bound}`;
 }
 
-console.log(`${'kernel'.padEnd(14)} ${'variant'.padEnd(8)} ${'shape'.padEnd(34)} ${'min ms'.padStart(9)} ` +
+console.log(`${'kernel'.padEnd(14)} ${'variant'.padEnd(11)} ${'shape'.padEnd(34)} ${'min ms'.padStart(9)} ` +
   `${'med ms'.padStart(9)} ${'GFLOP/s'.padStart(8)} ${'GB/s'.padStart(7)} ${'roof'.padStart(6)} bound`);
-
-// ---------------------------------------------------------------------------------------------------------------
-// Inputs. Weights are random bytes with sane scales: values do not change the timing of these kernels, and
-// encoding tens of MB through the TypeScript quantizer would dominate the run.
-
-function seededBytes(n: number, seed: number): Uint8Array {
-  const out = new Uint8Array(n);
-  let s = seed >>> 0;
-  for (let i = 0; i < n; i += 4) {
-    s = (Math.imul(s, 1664525) + 1013904223) >>> 0;
-    out[i] = s; out[i + 1] = s >>> 8; out[i + 2] = s >>> 16; out[i + 3] = s >>> 24;
-  }
-  return out;
-}
-
-function randomFloats(n: number, seed: number, scale = 1): Float32Array {
-  const bytes = seededBytes(n * 4, seed);
-  const words = new Uint32Array(bytes.buffer);
-  return Float32Array.from(words, (w) => ((w / 4294967296) * 2 - 1) * scale);
-}
-
-/** A [n x k] weight matrix in `type` with random quants and small positive scales. */
-function randomWeights(type: GgmlType, k: number, n: number, seed: number): Uint8Array {
-  if (type === GgmlType.F32) return new Uint8Array(randomFloats(k * n, seed, 0.05).buffer);
-  if (type === GgmlType.F16 || type === GgmlType.BF16) {
-    const values = randomFloats(k * n, seed, 0.05);
-    const out = new Uint16Array(k * n);
-    const f32 = new Uint32Array(values.buffer);
-    for (let i = 0; i < out.length; i++) out[i] = type === GgmlType.F16 ? f32ToF16Bits(values[i]!) : f32[i]! >>> 16;
-    return new Uint8Array(out.buffer);
-  }
-  const out = seededBytes(byteSize(type, k * n), seed);
-  const scale = f32ToF16Bits(0.01);
-  const blockBytes = byteSize(type, type === GgmlType.Q8_0 || type === GgmlType.Q4_0 ? 32 : 256);
-  // Offsets of the f16 scale fields in each block.
-  const scaleOffsets = type === GgmlType.Q6_K ? [208] : type === GgmlType.Q4_K ? [0, 2] : [0];
-  for (let b = 0; b < out.length; b += blockBytes) {
-    for (const o of scaleOffsets) { out[b + o] = scale & 0xff; out[b + o + 1] = scale >>> 8; }
-  }
-  return out;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // matmul
@@ -185,11 +152,23 @@ const streamBytes = (quick ? 48 : 64) << 20;
 
 const selected = (kernel: string) => kernel.includes(args.filter!);
 
+/** The kernel serving `type` in `variant`, e.g. avx512_vnni for Q8_0 or avx512_bf16 for BF16 on VDPBF16PS. */
+function matmulKernel(type: GgmlType, variant: KernelVariant): string {
+  return addon.kernelVariants(variant)[`matmul_${ggmlTypeName(type).toLowerCase()}`] ?? variant;
+}
+
+/** The peak of the instructions the kernel multiplies with. */
+function matmulPeak(type: GgmlType, variant: KernelVariant, kernel = matmulKernel(type, variant)): number {
+  const p = peaks.get(variant)!;
+  if (type === GgmlType.Q8_0 || type === GgmlType.Q4_0) return p.int8;
+  return kernel === 'avx512_bf16' ? p.bf16 : p.f32;
+}
+
 function benchMatmul(type: GgmlType, variant: KernelVariant): void {
   if (!selected(`matmul ${ggmlTypeName(type).toLowerCase()}`)) return;
   const k = 768;
-  const int8 = type === GgmlType.Q8_0 || type === GgmlType.Q4_0;
-  const peak = int8 ? peaks.get(variant)!.int8 : peaks.get(variant)!.f32;
+  const kernel = matmulKernel(type, variant);
+  const peak = matmulPeak(type, variant, kernel);
   const cases: { name: string; m: number; n: number }[] = [
     { name: 'decode', m: 1, n: Math.floor(streamBytes / byteSize(type, k) / 64) * 64 },
     { name: 'decode x16', m: 16, n: Math.floor(streamBytes / byteSize(type, k) / 64) * 64 },
@@ -202,13 +181,13 @@ function benchMatmul(type: GgmlType, variant: KernelVariant): void {
     const y = new Float32Array(c.m * c.n);
     const t = time(() => addon.ops.matmul(variant, type, w, x, c.m, k, c.n, y, threads));
     const bytes = w.byteLength + x.byteLength + y.byteLength;
-    record(`matmul ${ggmlTypeName(type).toLowerCase()}`, variant, `${c.name} m=${c.m} k=${k} n=${c.n}`, t,
+    record(`matmul ${ggmlTypeName(type).toLowerCase()}`, kernel, `${c.name} m=${c.m} k=${k} n=${c.n}`, t,
       2 * c.m * k * c.n, bytes, peak);
     // The same matrix in the load-time packed layout a model streams (where the variant has one).
     if (addon.ops.packedBytes(variant, type, k, c.n) > 0) {
       const packed = addon.ops.pack(variant, type, w, k, c.n);
       const tp = time(() => addon.ops.matmul(variant, type, packed, x, c.m, k, c.n, y, threads, true));
-      record(`matmul ${ggmlTypeName(type).toLowerCase()}`, variant, `${c.name} packed m=${c.m} k=${k} n=${c.n}`, tp,
+      record(`matmul ${ggmlTypeName(type).toLowerCase()}`, kernel, `${c.name} packed m=${c.m} k=${k} n=${c.n}`, tp,
         2 * c.m * k * c.n, packed.byteLength + x.byteLength + y.byteLength, peak);
     }
   }
@@ -293,6 +272,76 @@ for (const variant of variants) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// BF16 weights: VDPBF16PS (activations rounded to bf16) against the f32 FMA kernel it replaced (weights widened to
+// f32), which runs in the baseline process (CONDUIT_BF16_DOT=0). The new kernel is timed on the packed layout a
+// model streams and on ggml rows; the old one has no packed layout.
+
+let baselineProcess: Baseline | undefined;
+const baseline = (): Baseline => (baselineProcess ??= startBaseline({ CONDUIT_BF16_DOT: '0' }));
+
+interface Bf16Comparison {
+  shape: string;
+  f32Fma: Timing;
+  bf16Packed: Timing;
+  bf16Rows: Timing;
+  gflops: { f32Fma: number; bf16Packed: number; bf16Rows: number };
+  /** Old median time over new median time (packed). */
+  speedup: number;
+}
+const bf16Comparisons: Bf16Comparison[] = [];
+
+async function compareBf16Matmul(variant: KernelVariant): Promise<void> {
+  if (!selected('matmul bf16') || matmulKernel(GgmlType.BF16, variant) !== 'avx512_bf16') return;
+  const oldKernel = (await baseline().kernelVariants(variant)).matmul_bf16;
+  const shapes: { m: number; k: number; n: number }[] = [];
+  for (const k of [768, 2048]) {
+    for (const n of quick ? [2048] : [768, 2048, 32000]) shapes.push({ m: quick ? 128 : 512, k, n });
+  }
+  for (const k of [768, 2048]) {
+    for (const m of [1, 4, 16]) shapes.push({ m, k, n: Math.floor(streamBytes / (2 * k) / 64) * 64 });
+  }
+  const rounds = quick ? 2 : 3;
+  console.log(`\nBF16 matmul, ${threads} threads: avx512_bf16 (VDPBF16PS, peak ${peaks.get(variant)!.bf16.toFixed(0)} ` +
+    `GFLOP/s) against ${oldKernel} (f32 FMA, peak ${peaks.get(variant)!.f32.toFixed(0)} GFLOP/s) in the baseline ` +
+    `process; min / median ms over ${rounds} alternating rounds, GFLOP/s and share of the roofline at the min`);
+  console.log(`${'shape'.padEnd(24)} ${'f32 FMA'.padStart(28)} ${'bf16 dot, packed'.padStart(28)} ` +
+    `${'bf16 dot, ggml rows'.padStart(28)}  speedup (median, packed)`);
+  for (const { m, k, n } of shapes) {
+    const c: MatmulCase = { variant, type: GgmlType.BF16, m, k, n, packed: false, threads };
+    const packedRun = matmulRunner(addon, { ...c, packed: true });
+    const rowsRun = matmulRunner(addon, c);
+    const samples = { f32Fma: [] as Timing[], bf16Packed: [] as Timing[], bf16Rows: [] as Timing[] };
+    for (let r = 0; r < rounds; r++) {
+      samples.bf16Packed.push(time(packedRun));
+      samples.f32Fma.push(await baseline().matmul(c, 3, minSeconds));
+      samples.bf16Rows.push(time(rowsRun));
+    }
+    const ops = 2 * m * k * n, bytes = 2 * k * n + 4 * m * (k + n);
+    const combine = (ts: Timing[]): Timing => {
+      const medians = ts.map((t) => t.median).sort((a, b) => a - b);
+      return { min: Math.min(...ts.map((t) => t.min)), median: medians[Math.floor(medians.length / 2)]! };
+    };
+    const f32Fma = combine(samples.f32Fma), bf16Packed = combine(samples.bf16Packed), bf16Rows = combine(samples.bf16Rows);
+    const cell = (t: Timing, peak: number) => {
+      const roof = Math.max(ops / (peak * 1e9), bytes / (machine.readGBs * 1e9)) / t.min;
+      return `${(t.min * 1e3).toFixed(3)} / ${(t.median * 1e3).toFixed(3)} ${(ops / t.min / 1e9).toFixed(0).padStart(4)} ` +
+        `${(roof * 100).toFixed(0).padStart(3)}%`;
+    };
+    const shape = `m=${m} k=${k} n=${n}`;
+    const speedup = f32Fma.median / bf16Packed.median;
+    console.log(`${shape.padEnd(24)} ${cell(f32Fma, peaks.get(variant)!.f32).padStart(28)} ` +
+      `${cell(bf16Packed, peaks.get(variant)!.bf16).padStart(28)} ${cell(bf16Rows, peaks.get(variant)!.bf16).padStart(28)}` +
+      `  ${speedup.toFixed(2)}x`);
+    bf16Comparisons.push({
+      shape, f32Fma, bf16Packed, bf16Rows, speedup,
+      gflops: { f32Fma: ops / f32Fma.min / 1e9, bf16Packed: ops / bf16Packed.min / 1e9, bf16Rows: ops / bf16Rows.min / 1e9 },
+    });
+  }
+}
+
+for (const variant of variants) await compareBf16Matmul(variant);
+
+// ---------------------------------------------------------------------------------------------------------------
 // The 110M model end to end
 
 interface ModelResult {
@@ -313,11 +362,10 @@ interface ProfileRow {
 }
 const profiles: { layout: string; msPerStep: number; rows: ProfileRow[] }[] = [];
 
-async function benchModel(): Promise<void> {
-  const { ensureSyntheticModel, SYNTHETIC_110M_Q8_0 } = await import('../src/model/synthetic.ts');
+async function benchModel(path: string): Promise<void> {
   const { loadModel, allTensors } = await import('../src/model/loader.ts');
   const { nativeModelSpec, resolveKernelVariant } = await import('../src/kernels/native.ts');
-  const model = await loadModel(await ensureSyntheticModel(SYNTHETIC_110M_Q8_0));
+  const model = await loadModel(path);
   const blockSize = 16, maxBlocks = 64, numSeqs = 16;
   const layout: KvPoolLayout = {
     numLayers: model.config.numLayers, numBlocks: numSeqs * maxBlocks, blockSize,
@@ -380,7 +428,7 @@ async function benchModel(): Promise<void> {
 
   const info = packed.info();
   console.log(`\nModel: ${model.config.name} (${(weightBytes / 1e6).toFixed(1)} MB of weights and ` +
-    `${(kvBytesPerPosition / 1e3).toFixed(1)} KB of K and V per context position read per decode step), Q8_0, ` +
+    `${(kvBytesPerPosition / 1e3).toFixed(1)} KB of K and V per context position read per decode step), ${modelDtype}, ` +
     `f16 KV, ${threads} threads; packed copy ${(info.packedWeightBytes / 1e6).toFixed(1)} MB, ` +
     `${(info.hugePageBytes / 1e6).toFixed(1)} MB on huge pages; min / median / max`);
   measure('prefill 512', '', 512, () => { packed.forward(batchFor([{ id: 0, start: 0, count: 512 }]), logitsOut); });
@@ -514,9 +562,49 @@ async function benchModel(): Promise<void> {
   unpacked.dispose();
 }
 
-if (args.model) await benchModel();
+// The BF16 model on VDPBF16PS against the f32 FMA kernel (the baseline process): each kind of run alternates
+// between the two processes, one run at a time.
+const bf16ModelComparison: { run: string; f32Fma: number[]; bf16Dot: number[] }[] = [];
+
+async function compareBf16Model(path: string): Promise<void> {
+  const { resolveKernelVariant } = await import('../src/kernels/native.ts');
+  const variant = resolveKernelVariant(undefined, cpu);
+  if (matmulKernel(GgmlType.BF16, variant) !== 'avx512_bf16') return;
+  await baseline().loadModel(path, variant, threads);
+  const local = await ModelSteps.load(addon, path, variant, threads);
+  const runs = quick ? 3 : 5;
+  console.log(`\nThe BF16 model, avx512_bf16 against f32 FMA (baseline process), ${threads} threads, ${runs} ` +
+    `alternating runs each; tok/s min / median / max`);
+  const stats = (rates: number[]) => {
+    const sorted = [...rates].sort((a, b) => a - b);
+    return { text: `${sorted[0]!.toFixed(0)} / ${sorted[Math.floor(sorted.length / 2)]!.toFixed(0)} / ` +
+      `${sorted.at(-1)!.toFixed(0)}`, median: sorted[Math.floor(sorted.length / 2)]! };
+  };
+  for (const which of MODEL_RUNS) {
+    const entry = { run: which, f32Fma: [] as number[], bf16Dot: [] as number[] };
+    local.run(which);
+    await baseline().runModel(which); // warm up both
+    for (let r = 0; r < runs; r++) {
+      entry.bf16Dot.push(local.run(which));
+      entry.f32Fma.push(await baseline().runModel(which));
+    }
+    const before = stats(entry.f32Fma), after = stats(entry.bf16Dot);
+    console.log(`${which.padEnd(20)} f32 FMA ${before.text.padStart(18)}   bf16 dot ${after.text.padStart(18)}   ` +
+      `${(after.median / before.median).toFixed(2)}x`);
+    bf16ModelComparison.push(entry);
+  }
+  local.dispose();
+}
+
+if (args.model) {
+  const { ensureSyntheticModel, synthetic110mSpec } = await import('../src/model/synthetic.ts');
+  const path = await ensureSyntheticModel(synthetic110mSpec(modelDtype));
+  await benchModel(path);
+  if (modelDtype === 'BF16') await compareBf16Model(path);
+}
+baselineProcess?.close();
 
 if (args.json) {
-  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, model: modelResults, decodeShare, profiles },
-    null, 2));
+  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, bf16Comparisons, model: modelResults,
+    bf16ModelComparison, decodeShare, profiles }, null, 2));
 }

@@ -715,14 +715,18 @@ Napi::Value BenchMemory(const Napi::CallbackInfo& info) {
   return Napi::Number::New(env, memory_bandwidth_gbps(pool, k, static_cast<size_t>(bytes), reps));
 }
 
-// peakFlops(kind: 'f32' | 'int8', threads, variant = best) -> GFLOP/s (int8: GOP/s, one multiply-add = 2 ops)
+// peakFlops(kind: 'f32' | 'int8' | 'bf16', threads, variant = best) -> GFLOP/s (int8: GOP/s, one multiply-add = 2
+// ops; bf16: VDPBF16PS, 0 where the variant or CPU has none)
 Napi::Value BenchPeak(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   const std::string kind = info[0].ToString().Utf8Value();
   const int threads = static_cast<int>(integer(env, info[1], "threads", 1));
   const Variant variant = info[2].IsUndefined() ? best_supported_variant() : variant_arg(env, info[2]);
-  if (kind != "f32" && kind != "int8") throw Napi::TypeError::New(env, "kind must be 'f32' or 'int8'");
+  if (kind != "f32" && kind != "int8" && kind != "bf16") {
+    throw Napi::TypeError::New(env, "kind must be 'f32', 'int8' or 'bf16'");
+  }
   ThreadPool pool(threads);
+  if (kind == "bf16") return Napi::Number::New(env, peak_bf16_gflops(pool, variant));
   return Napi::Number::New(env, kind == "f32" ? peak_f32_gflops(pool, variant) : peak_int8_gops(pool, variant));
 }
 

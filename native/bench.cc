@@ -154,6 +154,26 @@ __attribute__((target("avx2"))) int32_t maddubs_loop_avx2(int64_t iters) {
   return sum;
 }
 
+// The two factors are 1 and 2^-24: every sum changes (nothing to fold away) and stays finite.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) float dpbf16_loop_avx512(int64_t iters) {
+  __m512 acc[12];
+  for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));
+  const __m512i one = _mm512_set1_epi16(0x3F80), tiny = _mm512_set1_epi16(0x3380);
+  __m512bh a, b;
+  std::memcpy(&a, &one, sizeof a);
+  std::memcpy(&b, &tiny, sizeof b);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int j = 0; j < 12; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+  }
+  float s = 0;
+  for (int j = 0; j < 12; ++j) s += _mm512_reduce_add_ps(acc[j]);
+  return s;
+}
+
+void dpbf16_peak_job(void* p, int t) {
+  static_cast<std::vector<double>*>(p)->at(t) += dpbf16_loop_avx512(kPeakIterations);
+}
+
 struct PeakJob {
   bool int8;
   Variant variant;
@@ -214,5 +234,18 @@ double memory_bandwidth_gbps(ThreadPool& pool, MemoryKernel kind, size_t bytes, 
 
 double peak_f32_gflops(ThreadPool& pool, Variant variant) { return peak(pool, false, variant); }
 double peak_int8_gops(ThreadPool& pool, Variant variant) { return peak(pool, true, variant); }
+
+double peak_bf16_gflops(ThreadPool& pool, Variant variant) {
+  if (static_cast<int>(variant) < static_cast<int>(Variant::Avx512) || !cpu_features().avx512bf16) return 0.0;
+  std::vector<double> sink(pool.size());
+  const double ops_per_iteration = 12.0 * 16 * 2 * 2;  // 12 instructions x 16 lanes x 2 multiply-adds x 2
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto start = Clock::now();
+    pool.run_on_all(dpbf16_peak_job, &sink);
+    best = std::max(best, ops_per_iteration * kPeakIterations * pool.size() / seconds_since(start) / 1e9);
+  }
+  return best;
+}
 
 }  // namespace conduit

@@ -19,5 +19,8 @@ double memory_bandwidth_gbps(ThreadPool& pool, MemoryKernel kind, size_t bytes_p
 // meaningful peak). GFLOP/s counting a multiply-add as 2 operations.
 double peak_f32_gflops(ThreadPool& pool, Variant variant);
 double peak_int8_gops(ThreadPool& pool, Variant variant);
+// VDPBF16PS (32 bf16 multiply-adds into 16 f32 lanes) on every thread, for the variants from avx512 up on a CPU with
+// AVX512-BF16; 0 elsewhere (no such instruction). GFLOP/s counting a multiply-add as 2 operations.
+double peak_bf16_gflops(ThreadPool& pool, Variant variant);
 
 }  // namespace conduit

@@ -157,6 +157,8 @@ void register_matmul_avx2(KernelTable& t);
 void register_attention_avx2(KernelTable& t);
 void register_ops_avx512(KernelTable& t);
 void register_matmul_avx512(KernelTable& t);
+// BF16 through VDPBF16PS where the CPU has AVX512-BF16 (called by register_matmul_avx512).
+void register_matmul_avx512_bf16(KernelTable& t);
 void register_attention_avx512(KernelTable& t);
 // Both start from the avx512 table, whose Q8_0/Q4_0 kernels they keep for few rows and reuse the packed layout of.
 void register_matmul_amx(KernelTable& t);

@@ -588,6 +588,7 @@ void register_matmul_avx512(KernelTable& t) {
   for (int type : {kF32, kF16, kBF16, kQ4_K, kQ6_K}) t.names[std::string("matmul_") + type_name(type)] = "avx512";
   t.names["matmul_q8_0"] = "avx512_vnni";
   t.names["matmul_q4_0"] = "avx512_vnni";
+  register_matmul_avx512_bf16(t);
 }
 
 }  // namespace conduit

@@ -221,10 +221,10 @@ export interface NativeBench {
   memoryBandwidth(kind: 'read' | 'copy' | 'triad', bytesPerArray: number, repetitions: number,
     threads: number): number;
   /**
-   * Peak multiply-add rate (f32 FMA, or int8 VNNI / maddubs) with the instructions of `variant` (default: the
-   * best), in G ops/s; 0 for generic.
+   * Peak multiply-add rate (f32 FMA, int8 VNNI / maddubs, or bf16 VDPBF16PS) with the instructions of `variant`
+   * (default: the best), in G ops/s; 0 for generic, and for bf16 where the CPU lacks AVX512-BF16.
    */
-  peakFlops(kind: 'f32' | 'int8', threads: number, variant?: KernelVariant): number;
+  peakFlops(kind: 'f32' | 'int8' | 'bf16', threads: number, variant?: KernelVariant): number;
 }
 
 export interface NativeAddon {

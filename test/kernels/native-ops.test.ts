@@ -6,8 +6,11 @@ import { describe, it } from 'node:test';
 
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
-import type { RopeScalingArg } from '../../src/kernels/native.ts';
-import { assertClose, guarded, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
+import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
+import {
+  assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, roundsBf16Activations, seeded, skipNative,
+  variants,
+} from './native-harness.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Independent TypeScript computations (double accumulation)
@@ -78,9 +81,17 @@ function shapesFor(type: GgmlType): [number, number, number][] {
 }
 
 // Against the exact product of the decoded weights: float kernels only reorder sums; the 8-bit kernels also
-// round the activations to 8 bits per block of 32 (relative error ~1/254 per element).
+// round the activations to 8 bits per block of 32 (relative error ~1/254 per element); BF16 on VDPBF16PS rounds
+// them to bf16, whose bound depends on the values (bf16ActivationBound in the harness).
 function referenceBound(type: GgmlType): number {
   return INT8_TYPES.includes(type) ? 5e-4 : 1e-9;
+}
+
+/** referenceBound for `variant`, given the case's decoded weights, activations and exact product. */
+function variantBound(type: GgmlType, variant: KernelVariant, x: Float32Array, w: Float32Array, m: number, k: number,
+  n: number, exact: ArrayLike<number>): number {
+  if (type !== GgmlType.BF16 || !roundsBf16Activations(variant)) return referenceBound(type);
+  return combinedBound(bf16ActivationBound(x, w, m, k, n, exact), referenceBound(type));
 }
 
 describe('native ops: matmul', { skip: skipNative }, () => {
@@ -102,12 +113,14 @@ describe('native ops: matmul', { skip: skipNative }, () => {
         assertClose(generic.view, expected, referenceBound(type), `${shape} generic vs TypeScript`);
 
         for (const variant of variants.slice(1)) {
+          const bound = variantBound(type, variant, x, decoded, m, k, n, expected);
           for (const threads of [1, 2]) {
             const y = guarded(m * n, NaN);
             native().ops.matmul(variant, type, w, x, m, k, n, y.view, threads);
             y.checkGuards(`${shape} ${variant}`);
-            assertClose(y.view, expected, referenceBound(type), `${shape} ${variant} vs TypeScript`);
-            assertClose(y.view, generic.view, 1e-9, `${shape} ${variant} vs generic`);
+            assertClose(y.view, expected, bound, `${shape} ${variant} vs TypeScript`);
+            assertClose(y.view, generic.view, bound === referenceBound(type) ? 1e-9 : combinedBound(bound, 1e-9),
+              `${shape} ${variant} vs generic`);
           }
         }
       }
@@ -154,7 +167,7 @@ const PACKED_SHAPES: [number, number, number][] = [
 ];
 
 describe('native ops: packed weights', { skip: skipNative }, () => {
-  const packing = variants.flatMap((variant) => INT8_TYPES.filter((type) =>
+  const packing = variants.flatMap((variant) => [...INT8_TYPES, GgmlType.BF16].filter((type) =>
     native().ops.packedBytes(variant, type, 32, 1) > 0).map((type) => ({ variant, type })));
 
   for (const { variant, type } of packing) {
@@ -176,7 +189,8 @@ describe('native ops: packed weights', { skip: skipNative }, () => {
           y.checkGuards(`${shape} packed, ${threads} threads`);
           assert.deepEqual(y.view, rows, `${shape} packed, ${threads} threads: differs from the ggml rows`);
         }
-        assertClose(rows, referenceMatmul(x, decoded, m, k, n), referenceBound(type), `${shape} vs TypeScript`);
+        const exact = referenceMatmul(x, decoded, m, k, n);
+        assertClose(rows, exact, variantBound(type, variant, x, decoded, m, k, n, exact), `${shape} vs TypeScript`);
         // Each row alone (decode) gives the bits it gets in the batch.
         for (let r = 0; r < m; r += Math.max(1, m >> 1)) {
           const one = new Float32Array(n);
