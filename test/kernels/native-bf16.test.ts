@@ -9,8 +9,8 @@ import { describe, it } from 'node:test';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import { bf16BitsToF32, dequantize, f32ToBf16Bits, quantize } from '../../src/model/quant.ts';
 import {
-  addon, assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, roundsBf16Activations, seeded,
-  skipNative, variants,
+  addon, assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, referenceMatmul, roundsBf16Activations,
+  seeded, skipNative, variants,
 } from './native-harness.ts';
 
 const bf16Variants = addon ? variants.filter(roundsBf16Activations) : [];
@@ -20,18 +20,6 @@ const skip = skipNative || (bf16Variants.length === 0 && 'no variant multiplies 
 function bf16Activation(x: number): number {
   if (Math.abs(x) < 2 ** -126) return 0;
   return bf16BitsToF32(f32ToBf16Bits(x));
-}
-
-function exactProduct(x: Float32Array, w: Float32Array, m: number, k: number, n: number): Float64Array {
-  const y = new Float64Array(m * n);
-  for (let r = 0; r < m; r++) {
-    for (let j = 0; j < n; j++) {
-      let s = 0;
-      for (let i = 0; i < k; i++) s += x[r * k + i]! * w[j * k + i]!;
-      y[r * n + j] = s;
-    }
-  }
-  return y;
 }
 
 /** -0 and +0 compare equal; NaN equals NaN. */
@@ -102,7 +90,7 @@ describe('native BF16 matmul on VDPBF16PS', { skip }, () => {
       const decoded = new Float32Array(n * k);
       dequantize(GgmlType.BF16, w, n * k, decoded);
       const x = randomArray(m * k, rand);
-      const exact = exactProduct(x, decoded, m, k, n);
+      const exact = referenceMatmul(x, decoded, m, k, n);
       const bound = bf16ActivationBound(x, decoded, m, k, n, exact);
       const shape = `m=${m} k=${k} n=${n}`;
       const generic = new Float32Array(m * n);

@@ -50,6 +50,19 @@ export function assertClose(actual: ArrayLike<number>, expected: ArrayLike<numbe
   assert.ok(e <= bound, `${what}: NMSE ${e.toExponential(2)} exceeds ${bound.toExponential(0)}`);
 }
 
+/** y = x . w^T (x [m x k], w [n x k]) in double precision: the exact product the kernels are measured against. */
+export function referenceMatmul(x: Float32Array, w: Float32Array, m: number, k: number, n: number): Float64Array {
+  const y = new Float64Array(m * n);
+  for (let r = 0; r < m; r++) {
+    for (let j = 0; j < n; j++) {
+      let s = 0;
+      for (let i = 0; i < k; i++) s += x[r * k + i]! * w[j * k + i]!;
+      y[r * n + j] = s;
+    }
+  }
+  return y;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Error bounds of kernels that round their inputs
 

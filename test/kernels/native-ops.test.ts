@@ -8,24 +8,13 @@ import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
 import {
-  assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, roundsBf16Activations, seeded, skipNative,
-  variants,
+  assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, referenceMatmul, roundsBf16Activations,
+  seeded, skipNative, variants,
 } from './native-harness.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Independent TypeScript computations (double accumulation)
 
-function referenceMatmul(x: Float32Array, w: Float32Array, m: number, k: number, n: number): Float64Array {
-  const y = new Float64Array(m * n);
-  for (let r = 0; r < m; r++) {
-    for (let j = 0; j < n; j++) {
-      let s = 0;
-      for (let i = 0; i < k; i++) s += x[r * k + i]! * w[j * k + i]!;
-      y[r * n + j] = s;
-    }
-  }
-  return y;
-}
 
 function referenceRope(x: Float32Array, positions: Int32Array, numHeads: number, headDim: number, ropeDim: number,
   neox: boolean, theta: number, scaling?: RopeScalingArg): Float64Array {
