@@ -52,6 +52,18 @@ struct MatmulKernel {
 constexpr int64_t kPackedPanelRows = 32;
 inline int64_t packed_panel_count(int64_t N) { return div_ceil(N, kPackedPanelRows); }
 
+// The int8 packed slabs (Q8_0, Q4_0; matmul_avx512.cc describes them, matmul_amx_impl.h reads them too): per block
+// of 32 columns, the quants of the slab's 32 rows (Q8_0: 8 groups of 4 bytes x 2 halves x 64 bytes; Q4_0: 4 nibble
+// lines x 2 halves x 64 bytes), then the 32 rows' f16 scales.
+template <int Type>
+constexpr size_t int8_slab_quant_bytes() {
+  return Type == kQ8_0 ? 2 * 8 * 64 : 2 * 4 * 64;
+}
+template <int Type>
+constexpr size_t int8_slab_block_bytes() {
+  return int8_slab_quant_bytes<Type>() + 32 * 2;
+}
+
 // Weight rows per tile: small enough that two threads balance on a 256-row matrix, large enough to amortise the
 // hand-out (a decode tile of 768 columns is ~50 KB of Q8_0).
 constexpr int64_t kMatmulTileRows = 64;

@@ -42,16 +42,6 @@ constexpr int64_t kAmxMinRows = 16;
 constexpr int kTileA0 = 0, kTileA1 = 1, kTileB0 = 2, kTileB1 = 3, kTileC00 = 4, kTileC01 = 5, kTileC10 = 6,
               kTileC11 = 7;
 
-// The avx512 slab layout (matmul_avx512.cc): per block the quants (Q8_0: 8 groups x 2 halves x 64 bytes; Q4_0:
-// 4 nibble lines x 2 halves x 64 bytes), then the 32 rows' f16 scales.
-template <int Type>
-constexpr size_t amx_slab_quant_bytes() {
-  return Type == kQ8_0 ? 2 * 8 * 64 : 2 * 4 * 64;
-}
-template <int Type>
-constexpr size_t amx_slab_block_bytes() {
-  return amx_slab_quant_bytes<Type>() + 32 * 2;
-}
 constexpr int64_t kAmxSlabRows = 32;
 static_assert(kPackedPanelRows == kAmxSlabRows, "a packed slab is 32 weight rows: the two B tiles of a block");
 static_assert(kMatmulTileRows % kAmxSlabRows == 0, "tiles start on a slab");
@@ -119,7 +109,7 @@ inline void amx_expand_q4_0_block(const uint8_t* block, uint8_t* out) {
 // Groups = 1 (rows <= 16, tiles A0, C00, C01) or 2 (16 < rows <= 32, also A1, C10, C11), as configured.
 template <class Tiles, int Type, int Groups>
 void amx_row_group(const MatmulTile& t, int64_t m0, int rows, const uint8_t* slab, float* y, int64_t cols) {
-  constexpr size_t kQuants = amx_slab_quant_bytes<Type>();
+  constexpr size_t kQuants = int8_slab_quant_bytes<Type>();
   const int64_t nb = t.K / 32;
   const uint8_t* act = t.act + m0 * t.act_stride;
   alignas(64) int32_t sums[32][32];      // row i: the block's sums of columns 0-15, then 16-31
@@ -131,7 +121,7 @@ void amx_row_group(const MatmulTile& t, int64_t m0, int rows, const uint8_t* sla
       _mm512_store_ps(total[i] + j, _mm512_setzero_ps());
     }
   }
-  for (int64_t b = 0; b < nb; ++b, slab += amx_slab_block_bytes<Type>()) {
+  for (int64_t b = 0; b < nb; ++b, slab += int8_slab_block_bytes<Type>()) {
     const uint8_t* quants = slab;
     if (Type == kQ4_0) {
       amx_expand_q4_0_block(slab, expanded);
@@ -189,7 +179,7 @@ void amx_row_group(const MatmulTile& t, int64_t m0, int rows, const uint8_t* sla
 // shaped to them, so no tile reads past the last activation row.
 template <class Tiles, int Type>
 void amx_gemm(const MatmulTile& t, const uint8_t* slabs, int64_t c_begin, int64_t c_end, float* y) {
-  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * amx_slab_block_bytes<Type>();
+  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * int8_slab_block_bytes<Type>();
   const int64_t whole = t.M / 32 * 32;
   const int rest = static_cast<int>(t.M - whole);
   if (whole > 0) {
@@ -222,7 +212,7 @@ void amx_gemm(const MatmulTile& t, const uint8_t* slabs, int64_t c_begin, int64_
 template <class Tiles, int Type>
 void amx_packed_tile(const MatmulTile& t) {
   if (t.M < kAmxMinRows) return amx_fallback_of<Type>().packed_tile(t);
-  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * amx_slab_block_bytes<Type>();
+  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * int8_slab_block_bytes<Type>();
   amx_gemm<Tiles, Type>(t, t.w + t.n0 / kAmxSlabRows * slab_bytes, t.n0, t.n1, t.y + t.n0);
 }
 

@@ -402,20 +402,12 @@ void int8_gemm(const MatmulTile& t) {
 // and starts from -8 * sum(a) (a sixteenth of the stored correction, -128 * sum(a)) instead of adding 120 to every
 // byte: the same integer as the GEMM's (q - 8 + 128) * a - 128 * sum(a).
 
-template <int Type>
-constexpr size_t slab_quant_bytes() {
-  return Type == kQ8_0 ? 2 * 8 * 64 : 2 * 4 * 64;
-}
-template <int Type>
-constexpr size_t slab_block_bytes() {
-  return slab_quant_bytes<Type>() + 32 * 2;
-}
 static_assert(kPackedPanelRows == 2 * kPanelRows, "a packed panel is the microkernel's pair of GEMM panels");
 static_assert(kMatmulTileRows % kPackedPanelRows == 0, "tiles must start on a slab");
 
 template <int Type>
 size_t int8_packed_bytes(int64_t N, int64_t K) {
-  return static_cast<size_t>(packed_panel_count(N)) * static_cast<size_t>(K / 32) * slab_block_bytes<Type>();
+  return static_cast<size_t>(packed_panel_count(N)) * static_cast<size_t>(K / 32) * int8_slab_block_bytes<Type>();
 }
 
 template <int Type>
@@ -426,7 +418,7 @@ void int8_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64
   t.K = K;
   t.n1 = t.n_total = N;
   const int64_t nb = K / 32;
-  constexpr size_t kBlock = slab_block_bytes<Type>(), kQuants = slab_quant_bytes<Type>();
+  constexpr size_t kBlock = int8_slab_block_bytes<Type>(), kQuants = int8_slab_quant_bytes<Type>();
   alignas(64) uint8_t panel[kPanelBlockBytes];
   for (int64_t slab = slab_begin; slab < slab_end; ++slab) {
     uint8_t* dst = out + slab * nb * kBlock;
@@ -462,7 +454,7 @@ template <int Type, int MR>
 inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
                                int64_t ldy, int64_t cols) {
   constexpr int kSets = MR <= 2 ? 2 : 1;
-  constexpr size_t kQuants = slab_quant_bytes<Type>();
+  constexpr size_t kQuants = int8_slab_quant_bytes<Type>();
   const int64_t nb = K / 32;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __m512 total[MR][2], group[MR][2];
@@ -471,7 +463,7 @@ inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K,
     total[i][0] = total[i][1] = group[i][0] = group[i][1] = _mm512_setzero_ps();
     rows[i] = ActRow(act + i * act_stride, K);
   }
-  for (int64_t b = 0; b < nb; ++b, slab += slab_block_bytes<Type>()) {
+  for (int64_t b = 0; b < nb; ++b, slab += int8_slab_block_bytes<Type>()) {
     __m512i sum[kSets][MR][2];
     for (int i = 0; i < MR; ++i) {
       const int32_t start = Type == kQ8_0 ? rows[i].correction[b] : rows[i].correction[b] / 16;
@@ -523,7 +515,7 @@ inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K,
 // A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab.
 template <int Type>
 void int8_packed_tile(const MatmulTile& t) {
-  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * slab_block_bytes<Type>();
+  const size_t slab_bytes = static_cast<size_t>(t.K / 32) * int8_slab_block_bytes<Type>();
   for (int64_t c0 = t.n0; c0 < t.n1; c0 += kPackedPanelRows) {
     const uint8_t* slab = t.w + (c0 / kPackedPanelRows) * slab_bytes;
     const int64_t cols = t.n1 - c0 < kPackedPanelRows ? t.n1 - c0 : kPackedPanelRows;
