@@ -44,8 +44,8 @@ ThreadPool::ThreadPool(int num_threads)
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stopping_.store(true, std::memory_order_release);
-    generation_.fetch_add(1, std::memory_order_release);
+    stopping_.store(true, std::memory_order_seq_cst);
+    state_.store((generation_ + 1) << 1, std::memory_order_seq_cst);  // a new generation wakes every worker
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
@@ -77,17 +77,26 @@ int64_t ThreadPool::claim_back(int thread) {
 // ---------------------------------------------------------------------------------------------------------------
 // Jobs
 
-void ThreadPool::publish(Job job, void* ctx, bool all_threads) {
+void ThreadPool::open_job(Job job, void* ctx, bool all_threads) {
+  // No worker is inside a job here (the previous one was closed and drained), so nobody reads these fields.
   job_ = job;
   ctx_ = ctx;
   all_threads_ = all_threads;
+  ++generation_;
   {
-    // Publishing under the mutex means a worker about to sleep either sees the new generation in its wait
+    // Storing under the mutex means a worker about to sleep either sees the new generation in its wait
     // predicate or is already waiting and gets the notification: no lost wake-up.
     std::lock_guard<std::mutex> lock(mutex_);
-    generation_.fetch_add(1, std::memory_order_seq_cst);
+    state_.store((generation_ << 1) | 1, std::memory_order_seq_cst);
   }
   wake_.notify_all();
+}
+
+void ThreadPool::close_job() {
+  state_.store(generation_ << 1, std::memory_order_seq_cst);
+  // Workers that entered finish (they find nothing left to claim, or are leaving the claiming loop); any later
+  // one sees the job closed. Only then may the caller's context go out of scope or the fields be rewritten.
+  spin_until([&] { return inside_.load(std::memory_order_seq_cst) == 0; });
 }
 
 void ThreadPool::run_on_all(Job job, void* ctx) {
@@ -96,23 +105,21 @@ void ThreadPool::run_on_all(Job job, void* ctx) {
     return;
   }
   pending_.store(num_threads_ - 1, std::memory_order_relaxed);
-  publish(job, ctx, true);
+  open_job(job, ctx, true);
   job(ctx, 0);
+  // The job stays open until every worker ran it, so none can miss it.
   spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+  close_job();
 }
 
 void ThreadPool::run_items(Job job, void* ctx, const std::atomic<int64_t>& done, int64_t count) {
-  open_.store(true, std::memory_order_seq_cst);
-  publish(job, ctx, false);
+  open_job(job, ctx, false);
   job(ctx, 0);
   const bool timed = timing_.enabled;
   const auto waiting = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   // Every item has been claimed; wait for the ones other threads are still finishing.
   spin_until([&] { return done.load(std::memory_order_acquire) == count; });
-  // Close the job, then wait for workers that joined it (they find nothing left to claim, or are finishing the
-  // claiming loop) to leave before the caller's context goes out of scope.
-  open_.store(false, std::memory_order_seq_cst);
-  spin_until([&] { return inside_.load(std::memory_order_seq_cst) == 0; });
+  close_job();
   if (timed) {
     ++timing_.jobs;
     timing_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
@@ -120,34 +127,28 @@ void ThreadPool::run_items(Job job, void* ctx, const std::atomic<int64_t>& done,
 }
 
 void ThreadPool::worker_loop(int index) {
-  uint64_t seen = 0;
+  uint64_t seen = 0;  // the generation this worker last handled
   for (;;) {
-    uint64_t gen = generation_.load(std::memory_order_acquire);
-    for (int spins = 0; gen == seen && spins < kSpinsBeforeSleep; ++spins) {
+    uint64_t state = state_.load(std::memory_order_acquire);
+    for (int spins = 0; (state >> 1) == seen && spins < kSpinsBeforeSleep; ++spins) {
       _mm_pause();
-      gen = generation_.load(std::memory_order_acquire);
+      state = state_.load(std::memory_order_acquire);
     }
-    if (gen == seen) {
+    if ((state >> 1) == seen) {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-      gen = generation_.load(std::memory_order_acquire);
+      wake_.wait(lock, [&] { return (state_.load(std::memory_order_acquire) >> 1) != seen; });
+      state = state_.load(std::memory_order_acquire);
     }
     if (stopping_.load(std::memory_order_acquire)) return;
-    seen = gen;
-    const bool all_threads = all_threads_;
-    // A newer job may have been published since `gen` (only an items job can be superseded before every worker
-    // ran it): then these fields belong to it, and the next iteration picks it up.
-    if (generation_.load(std::memory_order_acquire) != gen) continue;
-    if (all_threads) {
-      job_(ctx_, index);
-      pending_.fetch_sub(1, std::memory_order_release);
-      continue;
-    }
-    // Join the items job only if it is still the one we woke for and still open; otherwise the caller may have
-    // returned already and its context is gone.
+    seen = state >> 1;
+    const uint64_t open_state = (seen << 1) | 1;
     inside_.fetch_add(1, std::memory_order_seq_cst);
-    if (open_.load(std::memory_order_seq_cst) && generation_.load(std::memory_order_seq_cst) == gen) {
+    // Enter only the job this worker woke for, and only while it is open: a run_on_all job is open until every
+    // worker ran it, an items job may already be finished and closed (then the caller did the work).
+    if (state_.load(std::memory_order_seq_cst) == open_state) {
+      const bool all_threads = all_threads_;
       job_(ctx_, index);
+      if (all_threads) pending_.fetch_sub(1, std::memory_order_release);
     }
     inside_.fetch_sub(1, std::memory_order_seq_cst);
   }

@@ -61,22 +61,31 @@ class ThreadPool {
   int64_t claim_front(int thread);
   int64_t claim_back(int thread);
 
-  // Publishes `job` to the workers; they run it if they arrive while the job is open. Returns once `done`
-  // reaches `count` (the job counts its finished items there) and no worker is inside the job any more.
+  // The job protocol. `state_` packs the job's generation with an open bit ((generation << 1) | open), so one
+  // atomic load tells a worker both which job is published and whether it still takes workers:
+  //   caller:  [no worker inside] write job_/ctx_/all_threads_ -> state_ = (g << 1) | 1 -> run its share ->
+  //            wait for the job's items -> state_ = (g << 1) -> wait until inside_ == 0
+  //   worker:  see generation g -> inside_ += 1 -> run the job only if state_ is still (g << 1) | 1 -> inside_ -= 1
+  // A worker that saw an older generation, or arrives after the job closed, never reads job_/ctx_: they may
+  // already describe the next job, or a context the caller has left. The close and the worker's entry are both
+  // sequentially consistent (store then load on each side), so either the worker sees the job closed or the
+  // caller sees it inside and waits for it.
   void run_items(Job job, void* ctx, const std::atomic<int64_t>& done, int64_t count);
-  void publish(Job job, void* ctx, bool all_threads);
+  void open_job(Job job, void* ctx, bool all_threads);
+  void close_job();
   void worker_loop(int index);
 
   int num_threads_;
   std::vector<std::thread> workers_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<bool> open_{false};      // an items job accepts workers
-  std::atomic<int> inside_{0};         // workers currently running (or about to run) the job
-  std::atomic<int> pending_{0};        // run_on_all: workers that have not finished
-  bool all_threads_ = false;           // the published job is a run_on_all job
+  uint64_t generation_ = 0;              // the caller's count of published jobs (only the caller touches it)
+  std::atomic<uint64_t> state_{0};       // (generation << 1) | open
+  std::atomic<int> inside_{0};           // workers that entered (or are checking whether to enter) the job
+  std::atomic<int> pending_{0};          // run_on_all: workers that have not finished
   std::atomic<bool> stopping_{false};
+  // The published job: written by the caller only while no worker is inside, read by workers only inside.
   Job job_ = nullptr;
   void* ctx_ = nullptr;
+  bool all_threads_ = false;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::unique_ptr<Share[]> shares_;
