@@ -11,18 +11,24 @@
         "native/model.cc",
         "native/thread_pool.cc",
         "native/ops_generic.cc",
-        "native/ops_avx2.cc",
-        "native/ops_avx512.cc",
         "native/matmul_generic.cc",
-        "native/matmul_avx2.cc",
-        "native/matmul_avx512.cc",
-        "native/matmul_avx512_bf16.cc",
-        "native/matmul_amx.cc",
-        "native/matmul_amx_model.cc",
-        "native/amx_tile_model.cc",
         "native/attention_generic.cc",
-        "native/attention_avx2.cc",
-        "native/attention_avx512.cc"
+        "native/amx_tile_model.cc"
+      ],
+      "conditions": [
+        ["target_arch=='x64' or target_arch=='ia32'", {
+          "sources": [
+            "native/ops_avx2.cc",
+            "native/ops_avx512.cc",
+            "native/matmul_avx2.cc",
+            "native/matmul_avx512.cc",
+            "native/matmul_avx512_bf16.cc",
+            "native/matmul_amx.cc",
+            "native/matmul_amx_model.cc",
+            "native/attention_avx2.cc",
+            "native/attention_avx512.cc"
+          ]
+        }]
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
       "defines": ["NAPI_VERSION=8", "NAPI_CPP_EXCEPTIONS", "NODE_API_SWALLOW_UNTHROWABLE_EXCEPTIONS"],

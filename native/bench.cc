@@ -1,7 +1,5 @@
 #include "bench.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -12,6 +10,10 @@
 
 #include "cpu.h"
 #include "memory.h"
+
+#if CONDUIT_X86
+#include <immintrin.h>
+#endif
 
 namespace conduit {
 
@@ -26,6 +28,7 @@ double seconds_since(Clock::time_point start) {
 // ---------------------------------------------------------------------------------------------------------------
 // Memory
 
+#if CONDUIT_X86
 __attribute__((target("avx2"))) uint64_t read_sum_avx2(const uint8_t* p, size_t bytes) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   size_t i = 0;
@@ -51,6 +54,7 @@ __attribute__((target("avx512f"))) uint64_t read_sum_avx512(const uint8_t* p, si
   const __m512i sum = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
   return static_cast<uint64_t>(_mm512_reduce_add_epi64(sum));
 }
+#endif
 
 uint64_t read_sum_generic(const uint8_t* p, size_t bytes) {
   const uint64_t* q = reinterpret_cast<const uint64_t*>(p);
@@ -75,9 +79,13 @@ void memory_job(void* p, int t) {
   const size_t begin = share * t, len = t == j.threads - 1 ? j.bytes - begin : share;
   switch (j.kind) {
     case MemoryKernel::Read:
+#if CONDUIT_X86
       j.sink[t] += j.variant >= Variant::Avx512 ? read_sum_avx512(j.a + begin, len)
                    : j.variant == Variant::Avx2   ? read_sum_avx2(j.a + begin, len)
                                                   : read_sum_generic(j.a + begin, len);
+#else
+      j.sink[t] += read_sum_generic(j.a + begin, len);
+#endif
       break;
     case MemoryKernel::Copy:
       std::memcpy(j.c + begin, j.a + begin, len);
@@ -97,6 +105,7 @@ void memory_job(void* p, int t) {
 
 constexpr int64_t kPeakIterations = 4000000;
 
+#if CONDUIT_X86
 __attribute__((target("avx512f"))) float fma_loop_avx512(int64_t iters) {
   __m512 acc[12];
   for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j));
@@ -189,7 +198,10 @@ void peak_job(void* p, int t) {
   }
 }
 
+#endif  // CONDUIT_X86
+
 double peak(ThreadPool& pool, bool int8, Variant v) {
+#if CONDUIT_X86
   if (v == Variant::Generic) return 0.0;  // no SIMD: the scalar peak is not a useful roofline
   PeakJob job{int8, v, std::vector<double>(pool.size())};
   const double ops_per_iteration = 12.0 * (v >= Variant::Avx512 ? 16 : 8) * 2.0 * (int8 ? 4 : 1);
@@ -201,6 +213,10 @@ double peak(ThreadPool& pool, bool int8, Variant v) {
     best = std::max(best, ops / seconds_since(start) / 1e9);
   }
   return best;
+#else
+  (void)pool, (void)int8, (void)v;
+  return 0.0;  // generic kernels only: no SIMD peak to measure
+#endif
 }
 
 }  // namespace
@@ -237,6 +253,7 @@ double peak_int8_gops(ThreadPool& pool, Variant variant) { return peak(pool, tru
 
 double peak_bf16_gflops(ThreadPool& pool, Variant variant) {
   if (static_cast<int>(variant) < static_cast<int>(Variant::Avx512) || !cpu_features().avx512bf16) return 0.0;
+#if CONDUIT_X86
   std::vector<double> sink(pool.size());
   const double ops_per_iteration = 12.0 * 16 * 2 * 2;  // 12 instructions x 16 lanes x 2 multiply-adds x 2
   double best = 0;
@@ -246,6 +263,10 @@ double peak_bf16_gflops(ThreadPool& pool, Variant variant) {
     best = std::max(best, ops_per_iteration * kPeakIterations * pool.size() / seconds_since(start) / 1e9);
   }
   return best;
+#else
+  (void)pool;
+  return 0.0;
+#endif
 }
 
 }  // namespace conduit

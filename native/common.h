@@ -7,6 +7,14 @@
 #include <cstdint>
 #include <cstring>
 
+// x86-64 builds carry the avx2 / avx512 / amx kernels (binding.gyp compiles those files only there); every other
+// architecture gets the generic kernels, and the x86 variants fall back to them (see kernel_table in cpu.cc).
+#if defined(__x86_64__) || defined(__i386__)
+#define CONDUIT_X86 1
+#else
+#define CONDUIT_X86 0
+#endif
+
 namespace conduit {
 
 // ---------------------------------------------------------------------------------------------------------------

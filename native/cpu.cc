@@ -1,9 +1,11 @@
 // CPU feature detection, variant names, and the cached kernel table per variant.
 #include "cpu.h"
 
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if CONDUIT_X86
+#include <cpuid.h>
+#endif
 
 #include <cerrno>
 #include <mutex>
@@ -17,6 +19,7 @@ namespace conduit {
 
 namespace {
 
+#if CONDUIT_X86
 uint64_t read_xcr0() {
   uint32_t eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
@@ -95,6 +98,9 @@ CpuFeatures detect() {
   if (f.amx_tile) request_amx_permission(f);
   return f;
 }
+#else
+CpuFeatures detect() { return CpuFeatures{}; }  // no x86 features: the generic kernels
+#endif
 
 }  // namespace
 
@@ -196,6 +202,7 @@ const KernelTable& kernel_table(Variant v) {
     register_matmul_generic(tables[0]);
     register_attention_generic(tables[0]);
     tables[1] = tables[0];
+#if CONDUIT_X86
     register_ops_avx2(tables[1]);
     register_matmul_avx2(tables[1]);
     register_attention_avx2(tables[1]);
@@ -208,6 +215,10 @@ const KernelTable& kernel_table(Variant v) {
     register_matmul_amx(tables[3]);
     tables[4] = tables[2];
     register_matmul_amx_model(tables[4]);
+#else
+    // Never chosen (detection finds no x86 feature); a variant forced by name runs the generic kernels.
+    for (int v = 2; v < kNumVariants; ++v) tables[v] = tables[0];
+#endif
   });
   return tables[static_cast<int>(v)];
 }

@@ -1,7 +1,11 @@
 #include "thread_pool.h"
 
-#include <immintrin.h>
 #include <sched.h>
+
+#include "common.h"
+#if CONDUIT_X86
+#include <immintrin.h>
+#endif
 
 #include <chrono>
 
@@ -13,11 +17,20 @@ namespace {
 // enough not to burn a shared core.
 constexpr int kSpinsBeforeSleep = 20000;
 
+// The spin-wait hint: PAUSE on x86, YIELD on arm64, nothing elsewhere.
+inline void cpu_relax() {
+#if CONDUIT_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
 template <typename Done>
 void spin_until(Done done) {
   for (int spins = 0; !done(); ++spins) {
     if (spins < kSpinsBeforeSleep) {
-      _mm_pause();
+      cpu_relax();
     } else {
       sched_yield();  // the thread we wait for was descheduled: give the core back rather than spin against it
     }
@@ -131,7 +144,7 @@ void ThreadPool::worker_loop(int index) {
   for (;;) {
     uint64_t state = state_.load(std::memory_order_acquire);
     for (int spins = 0; (state >> 1) == seen && spins < kSpinsBeforeSleep; ++spins) {
-      _mm_pause();
+      cpu_relax();
       state = state_.load(std::memory_order_acquire);
     }
     if ((state >> 1) == seen) {
