@@ -9,7 +9,7 @@
 // the first token, TBT to the decode steps' ends, when the engine reported them.
 
 import type {
-  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterSubPhasesMs, TerminalEvent,
+  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterLookupEvent, TerminalEvent,
   FinishReasonName,
 } from './lifecycle.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
@@ -72,19 +72,12 @@ export interface DecodeBatchSummary {
   forwardMs: number;
 }
 
-export interface RoutingSummary {
+/** The router's decision: its router_lookup event's facts, over the event's interval. */
+export interface RoutingSummary extends Pick<RouterLookupEvent,
+  'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason' | 'workerQueueDepth'
+  | 'predictedTtftMs' | 'subPhasesMs'> {
   startMs: number;
   endMs: number;
-  strategy: string;
-  worker: string;
-  prefillWorker?: string;
-  candidates?: number;
-  overlapTokens?: number;
-  kvCacheHit?: boolean;
-  reason?: string;
-  workerQueueDepth?: number;
-  predictedTtftMs?: number;
-  subPhasesMs?: RouterSubPhasesMs;
   /** Where the request went after losing its worker mid-stream, in order (request migration). */
   migrations?: readonly MigrationFact[];
 }
