@@ -94,7 +94,7 @@ function exact(path: string): (p: string) => string[] | undefined {
 
 export class ApiServer {
   readonly gateway: Gateway;
-  readonly metrics = new GatewayMetrics();
+  readonly metrics: GatewayMetrics;
   readonly limiter: TenantRateLimiter;
   readonly server: Server;
   readonly telemetry: Telemetry;
@@ -119,6 +119,7 @@ export class ApiServer {
     this.ownsTelemetry = options.telemetry === undefined;
     this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
     for (const warning of this.telemetry.warnings) this.logger.warn(`telemetry: ${warning}`);
+    this.metrics = new GatewayMetrics(this.telemetry.metrics.registry);
     this.gateway = new Gateway({
       ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
       maxPendingRequests: options.maxPendingRequests ?? DEFAULT_MAX_PENDING_REQUESTS,
@@ -243,7 +244,7 @@ export class ApiServer {
   private async sendMetrics(res: ServerResponse): Promise<void> {
     this.refreshEngineStats();
     const engine = this.gateway.engine;
-    const text = this.metrics.render(engine?.stats(), this.gateway.servedModelName) + await this.telemetry.renderMetrics();
+    const text = await this.metrics.render(engine?.stats(), this.gateway.servedModelName);
     res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
     res.end(text);
   }

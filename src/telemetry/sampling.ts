@@ -5,7 +5,7 @@
 //        loaded recently, and always for requests predicted slow (a long prompt, or the router's TTFT estimate);
 //   tail (at the end): server errors, and requests slower than a fixed threshold or than the running p95 of TTFT.
 //
-// Spans are built only when a request ends (src/telemetry/otel.ts), so the tail decision needs no span buffering: a
+// Spans are built only when a request ends (src/telemetry/otel-spans.ts), so the tail decision needs no span buffering: a
 // request the head passed over costs nothing more than its metrics unless the tail keeps it. Memory is bounded: a
 // fixed window of recent TTFTs and a capped table of new models. No clock or randomness of its own: both are passed
 // in.

@@ -14,7 +14,9 @@ import type { SpanExporter } from '@opentelemetry/sdk-trace-node';
 import { TraceAnalyzer, type AnalyzerThresholds, type WindowAnalysis } from './analyzer.ts';
 import { LifecycleBus, type EngineReport, type LifecycleEvent } from './lifecycle.ts';
 import { ConduitMetrics, type WorkerStatsSnapshot } from './metrics.ts';
-import { createTracing, emitRequestSpans, tracingConfigFromEnv, type Env, type Tracing } from './otel.ts';
+import { tracingConfigFromEnv, type Env } from './otel-env.ts';
+import { createTracing, type Tracing } from './otel-provider.ts';
+import { emitRequestSpans } from './otel-spans.ts';
 import { TraceSampler, type TraceSamplingConfig } from './sampling.ts';
 import { SloTracker, type SloConfig, type SloReport } from './slo.ts';
 import { formatWaterfall, responseTimings, TraceStore, traceView, type ResponseTimings, type TraceView, type WaterfallOptions } from './timings.ts';
@@ -24,7 +26,10 @@ import { formatTraceparent, parseTraceparent, randomSpanId, randomTraceId } from
 export interface TelemetryOptions {
   /** The engine clock (epoch ms with fractions). Default: performance.timeOrigin + performance.now(). */
   now?: () => number;
-  /** Where OTEL_* settings are read from. Default: process.env. */
+  /**
+   * Where the OTEL_* settings otel-env.ts reads come from (whether to export, batching, sampling). Default:
+   * process.env. The OTLP exporter and the resource read theirs from process.env.
+   */
   env?: Env;
   /** false: never build spans, whatever the environment says. */
   tracing?: boolean;

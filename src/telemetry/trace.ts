@@ -9,7 +9,7 @@
 // the first token, TBT to the decode steps' ends, when the engine reported them.
 
 import type {
-  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterSubPhasesMs, TerminalEvent,
+  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterLookupEvent, TerminalEvent,
   FinishReasonName,
 } from './lifecycle.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
@@ -72,19 +72,12 @@ export interface DecodeBatchSummary {
   forwardMs: number;
 }
 
-export interface RoutingSummary {
+/** The router's decision: its router_lookup event's facts, over the event's interval. */
+export interface RoutingSummary extends Pick<RouterLookupEvent,
+  'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason' | 'workerQueueDepth'
+  | 'predictedTtftMs' | 'subPhasesMs'> {
   startMs: number;
   endMs: number;
-  strategy: string;
-  worker: string;
-  prefillWorker?: string;
-  candidates?: number;
-  overlapTokens?: number;
-  kvCacheHit?: boolean;
-  reason?: string;
-  workerQueueDepth?: number;
-  predictedTtftMs?: number;
-  subPhasesMs?: RouterSubPhasesMs;
   /** Where the request went after losing its worker mid-stream, in order (request migration). */
   migrations?: readonly MigrationFact[];
 }
@@ -328,63 +321,140 @@ function defined(attrs: Record<string, AttributeValue | undefined>): Record<stri
   return out;
 }
 
+/** What every step of buildRequestTrace reads: the record, its events, and the engine's reports. */
+interface BuildInput {
+  record: RequestRecord;
+  events: readonly LifecycleEvent[];
+  terminal: TerminalEvent | undefined;
+  reports: readonly EngineReport[];
+  /** The worker whose queue and prefill the request went through first: the prefill side when disaggregated. */
+  firstWorkerReport: EngineReport | undefined;
+  router: Ev<'router_lookup'> | undefined;
+  /** Phase intervals found so far; each step appends its own. */
+  phases: PhaseInterval[];
+}
+
 export function buildRequestTrace(source: RequestRecord | readonly LifecycleEvent[], options: BuildOptions = {}): RequestTrace {
   const record = source instanceof RequestRecord ? source : recordFromEvents(source);
   const events = record.events;
-  const terminal = record.terminal;
-  const reports = reportsOf(terminal?.engine ?? options.engine);
-
-  const http = firstOf(events, 'http_receive');
+  const reports = reportsOf(record.terminal?.engine ?? options.engine);
+  const input: BuildInput = {
+    record, events, terminal: record.terminal, reports,
+    firstWorkerReport: reports.find((r) => r.role === 'prefill') ?? reports.find((r) => r.role !== 'decode') ?? reports[0],
+    router: firstOf(events, 'router_lookup'),
+    phases: [],
+  };
+  const { terminal, router, firstWorkerReport, phases } = input;
   const auth = firstOf(events, 'auth');
   const rateLimit = firstOf(events, 'rate_limit');
   const validate = firstOf(events, 'validate');
   const tokenize = firstOf(events, 'tokenize');
-  const router = firstOf(events, 'router_lookup');
+
+  const { arrivalMs, endMs } = timeBounds(input, options.nowMs);
+  addGatewayPhases(input);
+  const routing = routingOf(input);
+  const queue = queueOf(input, arrivalMs, endMs);
+  addDispatchPhases(input);
+  const prefill = prefillOf(input);
+  const kvTransfer = kvTransferOf(input);
+  const streamed = streamedWrites(record);
+  const { emits, contentTimes } = streamed;
+  const engineFirstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken));
+  const engineLastTokenMs = maxDefined(reports.map((r) => r.timestamps.lastToken));
+
+  // Counts.
+  const promptTokens = terminal?.promptTokens ?? tokenize?.promptTokens ?? record.promptTokens
+    ?? (prefill ? prefill.computedTokens : 0) + (terminal?.cachedTokens ?? 0);
+  const cachedTokens = terminal?.cachedTokens ?? maxDefined(reports.map((r) => r.cachedTokens)) ?? 0;
+  const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? streamed.contentTokens;
+
+  const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, validate?.n ?? 1, endMs);
+  addStreamingPhase(input, streamed);
+  phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
+
+  const { ttftMs, ttftSource, tbtMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode);
+  const ended = outcomeOf(terminal);
+  const endedInPhase = ended.outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined);
+  const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
   const queueEvent = firstOf(events, 'scheduler_queue');
-  const prefillEvents = allOf(events, 'prefill_execution');
-  const transfers = allOf(events, 'kv_transfer');
+  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker ?? queueEvent?.worker;
 
-  // The worker whose queue and prefill the request went through first: the prefill side when disaggregated.
-  const firstWorkerReport = reports.find((r) => r.role === 'prefill') ?? reports.find((r) => r.role !== 'decode') ?? reports[0];
+  return {
+    requestId: record.requestId,
+    traceId: record.traceId, rootSpanId: record.rootSpanId, parent: record.parent, headSampling: record.headSampling,
+    model: validate?.model ?? record.model ?? 'unknown',
+    tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
+    temperature: validate?.temperature, n: validate?.n,
+    ...ended, endedInPhase,
+    rateLimited, rateLimitReason: rateLimited ? rateLimit?.reason : undefined,
+    arrivalMs, endMs, e2eMs: endMs - arrivalMs,
+    ttftMs, ttftSource,
+    tbtMs,
+    promptTokens, outputTokens, cachedTokens,
+    phases,
+    routing, queueDepthAtEntry: queue.depthAtEntry, budgetMs: queue.budgetMs, budgetTokens: queue.budgetTokens,
+    engineTraceparent: reports.find((r) => r.traceparent !== undefined)?.traceparent,
+    prefill, kvTransfer, decode,
+    emits,
+    engineFirstTokenMs, engineLastTokenMs, blockSize: reports.find((r) => r.blockSize !== undefined)?.blockSize,
+  };
+}
 
+/** Arrival (the gateway's first stamp, else the engine's, else the earliest seen) and end (the terminal event's, or
+ *  for a request still running `nowMs`, else the latest seen). */
+function timeBounds({ record, events, terminal, reports, firstWorkerReport }: BuildInput, nowMs: number | undefined): { arrivalMs: number; endMs: number } {
+  const http = firstOf(events, 'http_receive');
   const eventTimes = events.map((e) => ('start' in e && e.start !== undefined ? e.start : e.time));
   const arrivalMs = http?.start ?? firstWorkerReport?.timestamps.arrival ?? minDefined([...eventTimes, record.emitTimes[0], record.stepStarts[0]]) ?? record.firstSeenMs;
   const lastSeen = maxDefined([
     ...events.map((e) => e.time), record.emitTimes[record.emitTimes.length - 1], record.stepEnds[record.stepEnds.length - 1],
     ...reports.map((r) => r.timestamps.finished ?? r.timestamps.lastToken),
   ]);
-  const endMs = terminal?.time ?? options.nowMs ?? lastSeen ?? arrivalMs;
+  return { arrivalMs, endMs: terminal?.time ?? nowMs ?? lastSeen ?? arrivalMs };
+}
 
-  const phases: PhaseInterval[] = [];
-
-  // Gateway phases, as the gateway stamped them.
+/** The gateway's phases, as the gateway stamped them. */
+function addGatewayPhases({ events, phases }: BuildInput): void {
   for (const phase of GATEWAY_PHASES) {
     for (const e of allOf(events, phase)) {
       phases.push({ phase, startMs: e.start, endMs: e.time, attributes: gatewayAttributes(e) });
     }
   }
+}
 
-  // Routing.
-  let routing: RoutingSummary | undefined;
-  if (router) {
-    routing = {
-      startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
-      prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
-      kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
-      predictedTtftMs: router.predictedTtftMs, subPhasesMs: router.subPhasesMs,
-    };
-    const migrations = reports.flatMap((r) => r.migrations ?? []);
-    if (migrations.length > 0) routing.migrations = migrations;
-    phases.push({
-      phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
-      attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),
-    });
-  }
+/** The router's decision, with the migrations the engine reported. */
+function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | undefined {
+  if (!router) return undefined;
+  const routing: RoutingSummary = {
+    startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
+    prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
+    kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
+    predictedTtftMs: router.predictedTtftMs, subPhasesMs: router.subPhasesMs,
+  };
+  const migrations = reports.flatMap((r) => r.migrations ?? []);
+  if (migrations.length > 0) routing.migrations = migrations;
+  phases.push({
+    phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
+    attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),
+  });
+  return routing;
+}
 
-  // Queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps, and the
-  // queue depth and budget the worker reported with them.
+interface QueueFacts {
+  startMs?: number;
+  depthAtEntry?: number;
+  budgetMs?: number;
+  budgetTokens?: number;
+}
+
+/**
+ * The queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps, and the
+ * queue depth and budget the worker reported with them.
+ */
+function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arrivalMs: number, endMs: number): QueueFacts {
+  const queueEvent = firstOf(events, 'scheduler_queue');
   const firstTimestamps = firstWorkerReport?.timestamps;
-  const queueDepthAtEntry = queueEvent?.queueDepth ?? firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
+  const depthAtEntry = queueEvent?.queueDepth ?? firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
   const queueStart = queueEvent?.start ?? firstTimestamps?.queued;
   const queueEnd = queueEvent?.time ?? firstTimestamps?.firstScheduled;
   const engineBudget = firstTimestamps?.budget;
@@ -394,7 +464,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   if (queueStart !== undefined || queueEnd !== undefined) {
     const start = queueStart ?? router?.time ?? arrivalMs;
     const incomplete = queueEnd === undefined;
-    const attributes = defined({ queue_depth: queueDepthAtEntry, budget_ms: budgetMs, budget_tokens: budgetTokens });
+    const attributes = defined({ queue_depth: depthAtEntry, budget_ms: budgetMs, budget_tokens: budgetTokens });
     phases.push({
       phase: 'scheduler_queue', startMs: start, endMs: queueEnd ?? endMs,
       incomplete: incomplete || undefined,
@@ -402,16 +472,24 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
       attributes: Object.keys(attributes).length > 0 ? attributes : undefined,
     });
   }
+  return { startMs: queueStart, depthAtEntry, budgetMs, budgetTokens };
+}
 
+/** Dispatches to workers, sampling and detokenizing, as reported. */
+function addDispatchPhases({ events, phases }: BuildInput): void {
   for (const phase of ['prefill_dispatch', 'decode_dispatch', 'sampling', 'detokenize'] as const) {
     for (const e of allOf(events, phase)) {
       phases.push({ phase, startMs: e.start, endMs: e.time, worker: 'worker' in e ? e.worker : undefined });
     }
   }
+}
 
-  // Prefill chunks: the engine's events if it sent them, else its timestamps (every worker's, for a disaggregated
-  // pair whose decode worker recomputed some tokens).
-  let prefill: PrefillSummary | undefined;
+/**
+ * Prefill chunks: the engine's events if it sent them, else its timestamps (every worker's, for a disaggregated pair
+ * whose decode worker recomputed some tokens).
+ */
+function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | undefined {
+  const prefillEvents = allOf(events, 'prefill_execution');
   const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number; batchTokens?: number }[] = [];
   if (prefillEvents.length > 0) {
     for (const e of prefillEvents) chunks.push({ start: e.start, end: e.time, tokens: e.tokens, worker: e.worker, batchSize: e.batchSize });
@@ -429,34 +507,45 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
       attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens }),
     });
   });
-  if (chunks.length > 0) {
-    const kvAllocMs = sumDefined(prefillEvents.map((e) => e.kvAllocMs));
-    const samplingMs = prefillEvents[prefillEvents.length - 1]?.samplingMs;
-    const batchSizeMax = maxDefined(chunks.map((c) => c.batchSize));
-    prefill = {
-      startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
-      computedTokens: chunks.reduce((s, c) => s + c.tokens, 0),
-      kvAllocMs, samplingMs, batchSizeMax, worker: chunks[0]!.worker,
-    };
-  }
+  if (chunks.length === 0) return undefined;
+  return {
+    startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
+    computedTokens: chunks.reduce((s, c) => s + c.tokens, 0),
+    kvAllocMs: sumDefined(prefillEvents.map((e) => e.kvAllocMs)),
+    samplingMs: prefillEvents[prefillEvents.length - 1]?.samplingMs,
+    batchSizeMax: maxDefined(chunks.map((c) => c.batchSize)),
+    worker: chunks[0]!.worker,
+  };
+}
 
-  // KV transfer (disaggregated only).
-  let kvTransfer: KvTransferSummary | undefined;
+/** KV transfers (disaggregated only), as one summary. */
+function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undefined {
+  const transfers = allOf(events, 'kv_transfer');
   for (const e of transfers) {
     phases.push({
       phase: 'kv_transfer', startMs: e.start, endMs: e.time, worker: e.toWorker,
       attributes: defined({ bytes: e.bytes, blocks: e.blocks, from_worker: e.fromWorker, to_worker: e.toWorker }),
     });
   }
-  if (transfers.length > 0) {
-    kvTransfer = {
-      startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),
-      bytes: transfers.reduce((s, e) => s + e.bytes, 0),
-      blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
-    };
-  }
+  if (transfers.length === 0) return undefined;
+  return {
+    startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),
+    bytes: transfers.reduce((s, e) => s + e.bytes, 0),
+    blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
+  };
+}
 
-  // Streamed writes.
+interface StreamedWrites {
+  emits: EmitSummary;
+  /** Times of the writes that carried tokens. */
+  contentTimes: number[];
+  firstContentStartMs: number | undefined;
+  /** Tokens those writes carried. */
+  contentTokens: number;
+}
+
+/** The streamed writes, and among them those that carried tokens. */
+function streamedWrites(record: RequestRecord): StreamedWrites {
   const contentTimes: number[] = [];
   let firstContentStartMs: number | undefined;
   let contentTokens = 0;
@@ -470,18 +559,14 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
     writes: record.emitTimes.length, contentWrites: contentTimes.length, bytes: record.emitBytes, contentTimesMs: contentTimes,
     firstContentStartMs,
   };
+  return { emits, contentTimes, firstContentStartMs, contentTokens };
+}
 
-  const engineFirstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken));
-  const engineLastTokenMs = maxDefined(reports.map((r) => r.timestamps.lastToken));
-
-  // Counts.
-  const promptTokens = terminal?.promptTokens ?? tokenize?.promptTokens ?? record.promptTokens
-    ?? (prefill ? prefill.computedTokens : 0) + (terminal?.cachedTokens ?? 0);
-  const cachedTokens = terminal?.cachedTokens ?? maxDefined(reports.map((r) => r.cachedTokens)) ?? 0;
-  const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? contentTokens;
-  const n = validate?.n ?? 1;
-
-  // Decode.
+/** Decode, from the engine's steps, the streamed gaps or its first and last token, on the worker that ran it. */
+function decodeOf(
+  { record, terminal, reports, router, firstWorkerReport, phases }: BuildInput, contentTimes: readonly number[],
+  engineFirstTokenMs: number | undefined, engineLastTokenMs: number | undefined, outputTokens: number, n: number, endMs: number,
+): DecodeSummary | undefined {
   const engineSteps = mergeStepSummaries(reports);
   // Engine requests of one call (several prompts) decode side by side: their steps are the longest one's.
   const engineStepCount = maxDefined(reports.map((r) => r.timestamps.decodeSteps?.steps));
@@ -500,17 +585,24 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
       }),
     });
   }
-  if (record.emitTimes.length > 0) {
-    const first = firstContentStartMs ?? contentTimes[0] ?? record.emitTimes[0]!;
-    phases.push({
-      phase: 'streaming_response', startMs: Math.min(first, record.emitTimes[0]!), endMs: record.emitTimes[record.emitTimes.length - 1]!,
-      attributes: { writes: emits.writes, content_writes: emits.contentWrites },
-    });
-  }
+  return decode;
+}
 
-  phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
+/** One streaming_response phase over every write. */
+function addStreamingPhase({ record, phases }: BuildInput, { emits, contentTimes, firstContentStartMs }: StreamedWrites): void {
+  if (record.emitTimes.length === 0) return;
+  const first = firstContentStartMs ?? contentTimes[0] ?? record.emitTimes[0]!;
+  phases.push({
+    phase: 'streaming_response', startMs: Math.min(first, record.emitTimes[0]!), endMs: record.emitTimes[record.emitTimes.length - 1]!,
+    attributes: { writes: emits.writes, content_writes: emits.contentWrites },
+  });
+}
 
-  // TTFT and TBT.
+/** TTFT and TBT as the client saw them, else as the engine stamped them (see the file comment). */
+function latencies(
+  record: RequestRecord, contentTimes: readonly number[], engineFirstTokenMs: number | undefined, arrivalMs: number,
+  decode: DecodeSummary | undefined,
+): { ttftMs?: number; ttftSource?: 'stream' | 'engine'; tbtMs: readonly number[] } {
   let ttftMs: number | undefined;
   let ttftSource: 'stream' | 'engine' | undefined;
   if (contentTimes.length > 0) {
@@ -524,52 +616,24 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   // Without engine steps the decode steps are the streamed gaps: share the array rather than compute it twice.
   if (contentTimes.length > 1) tbtMs = decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes);
   else if (record.stepEnds.length > 0 && engineFirstTokenMs !== undefined) tbtMs = gaps([engineFirstTokenMs, ...record.stepEnds]);
+  return { ttftMs, ttftSource, tbtMs };
+}
 
-  // Outcome.
-  let outcome: Outcome = 'ok';
-  let finishReason: FinishReasonName = 'stop';
-  let errorType: string | undefined;
-  let errorMessage: string | undefined;
-  let abortReason: string | undefined;
+/** How the request ended, from its terminal event (none yet: ok so far). */
+function outcomeOf(terminal: TerminalEvent | undefined): Pick<RequestTrace, 'outcome' | 'finishReason' | 'errorType' | 'errorMessage' | 'status' | 'abortReason'> {
   const status = terminal?.phase === 'finish' || terminal?.phase === 'error' ? terminal.status : undefined;
   if (terminal?.phase === 'finish') {
-    finishReason = terminal.finishReason;
-    if (finishReason === 'error') outcome = 'error';
-    if (finishReason === 'abort') outcome = 'abort';
-  } else if (terminal?.phase === 'error') {
-    outcome = 'error';
-    finishReason = 'error';
-    errorType = terminal.errorType;
-    errorMessage = terminal.message;
-  } else if (terminal?.phase === 'abort') {
-    outcome = 'abort';
-    finishReason = 'abort';
-    abortReason = terminal.reason;
+    const finishReason = terminal.finishReason;
+    const outcome: Outcome = finishReason === 'error' ? 'error' : finishReason === 'abort' ? 'abort' : 'ok';
+    return { outcome, finishReason, errorType: undefined, errorMessage: undefined, status, abortReason: undefined };
   }
-  const endedInPhase = outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queueStart !== undefined);
-  const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
-
-  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker ?? queueEvent?.worker;
-
-  return {
-    requestId: record.requestId,
-    traceId: record.traceId, rootSpanId: record.rootSpanId, parent: record.parent, headSampling: record.headSampling,
-    model: validate?.model ?? record.model ?? 'unknown',
-    tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
-    temperature: validate?.temperature, n: validate?.n,
-    outcome, finishReason, errorType, errorMessage, status, abortReason, endedInPhase,
-    rateLimited, rateLimitReason: rateLimited ? rateLimit?.reason : undefined,
-    arrivalMs, endMs, e2eMs: endMs - arrivalMs,
-    ttftMs, ttftSource,
-    tbtMs,
-    promptTokens, outputTokens, cachedTokens,
-    phases,
-    routing, queueDepthAtEntry, budgetMs, budgetTokens,
-    engineTraceparent: reports.find((r) => r.traceparent !== undefined)?.traceparent,
-    prefill, kvTransfer, decode,
-    emits,
-    engineFirstTokenMs, engineLastTokenMs, blockSize: reports.find((r) => r.blockSize !== undefined)?.blockSize,
-  };
+  if (terminal?.phase === 'error') {
+    return { outcome: 'error', finishReason: 'error', errorType: terminal.errorType, errorMessage: terminal.message, status, abortReason: undefined };
+  }
+  if (terminal?.phase === 'abort') {
+    return { outcome: 'abort', finishReason: 'abort', errorType: undefined, errorMessage: undefined, status, abortReason: terminal.reason };
+  }
+  return { outcome: 'ok', finishReason: 'stop', errorType: undefined, errorMessage: undefined, status, abortReason: undefined };
 }
 
 function buildDecode(

@@ -180,12 +180,17 @@ describe('conduit bench failure handling', () => {
   });
 
   it('an abort stops the run and cuts what is in flight', async () => {
-    const { url, server } = await stubServer(() => undefined);
     const stop = new AbortController();
+    // Aborted once both clients' requests have reached the server, whenever that is.
+    let arrived = 0;
+    const { url, server } = await stubServer((req) => {
+      req.resume();
+      if (++arrived === 2) stop.abort();
+    });
     try {
       const running = runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 50, concurrency: 2, signal: stop.signal });
-      setTimeout(() => stop.abort(), 50);
       const result = await running;
+      assert.equal(arrived, 2, 'nothing sent after the abort');
       assert.deepEqual(result.summary.errors, { aborted: 2 }, 'the two in flight; nothing new started');
     } finally {
       await closeServer(server);

@@ -19,6 +19,7 @@ import { DisaggregatedEngine, type DisaggregatedStage } from '../../src/runtime/
 import { decideDisaggregation, type DisaggregationInputs } from '../../src/runtime/disaggregation-policy.ts';
 import { SharedMemoryKvChannel } from '../../src/runtime/kv-transfer.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
+import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { sharedModel } from '../helpers/shared-models.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 
@@ -67,8 +68,9 @@ function syntheticPath(): string {
   return path;
 }
 
+/** The synthetic model always; stories260K too when ../shared/models has it. */
 const MODELS: { name: string; path: () => string | undefined }[] = [
-  { name: 'stories260K', path: () => sharedModel('stories260K.gguf') },
+  ...(sharedModel('stories260K.gguf') ? [{ name: 'stories260K', path: () => sharedModel('stories260K.gguf') }] : []),
   { name: 'synthetic', path: syntheticPath },
 ];
 
@@ -176,9 +178,8 @@ describe('conditional disaggregation', () => {
     assert.equal(decideDisaggregation({ ...base, ineligible: 'n = 2' }, policy).reason, 'not-eligible');
   });
 
-  test('on real workers: remote, short prompt, prefill queue over its bound, n > 1, transfer slower', async (t) => {
-    const path = sharedModel('stories260K.gguf');
-    if (!path) return t.skip('stories260K.gguf is absent');
+  test(`on real workers (${cpuTestModel().name}): remote, short prompt, prefill queue over its bound, n > 1, transfer slower`, async () => {
+    const path = cpuTestModel().path;
     const pool = await disaggregatedPool(path, { decodeWorkers: 1, disaggregationPolicy: { minRemotePrefillTokens: 32, maxPrefillQueueTokens: 0 } });
     try {
       const reasonOf = (outputs: EngineOutput[]) => outputs.at(-1)!.routing!.disaggregation!;
@@ -213,19 +214,17 @@ describe('conditional disaggregation', () => {
   });
 });
 
-describe('cancellation and failure on real workers', () => {
-  const path = sharedModel('stories260K.gguf');
-  const skip = path ? false : 'stories260K.gguf is absent';
+describe(`cancellation and failure on real workers (${cpuTestModel().name})`, () => {
+  const path = cpuTestModel().path;
   let pool: WorkerPool;
   before(async () => {
-    if (!path) return;
     // Small steps (8 tokens) make a 400-token prompt take 50 prefill steps: time to abort it mid-prefill.
     pool = await disaggregatedPool(path, { decodeWorkers: 1, maxNumBatchedTokens: 8 });
   });
-  after(async () => { if (path) await pool.engine.close(); });
+  after(async () => { await pool?.engine.close(); });
 
   for (const [variant, stage] of (['prefill', 'transfer', 'decode'] as const).entries()) {
-    test(`an abort during ${stage} reaches both workers and frees every block`, { skip }, async () => {
+    test(`an abort during ${stage} reaches both workers and frees every block`, async () => {
       const req = request(prompt(50 + variant, 400), { maxTokens: 100_000 });
       const engine = pool.disaggregated!;
       const iterator = pool.engine.generate(req)[Symbol.asyncIterator]();
@@ -251,16 +250,16 @@ describe('cancellation and failure on real workers', () => {
     });
   }
 
-  test('a client that stops reading mid-decode frees both sides too', { skip }, async () => {
+  test('a client that stops reading mid-decode frees both sides too', async () => {
     const req = request(prompt(41, 100), { maxTokens: 100_000 });
     let seen = 0;
     for await (const _ of pool.engine.generate(req)) if (++seen === 3) break;
     await assertAllFree(pool);
   });
 
-  test('different KV dtypes on the two sides: the decode worker recomputes (transfer-failed) and frees both', { skip }, async () => {
-    const prefill = await LocalEngine.start({ modelPath: path!, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, kvDtype: 'f16', enableKvEvents: true, role: 'prefill' });
-    const decode = await LocalEngine.start({ modelPath: path!, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'decode' });
+  test('different KV dtypes on the two sides: the decode worker recomputes (transfer-failed) and frees both', async () => {
+    const prefill = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, kvDtype: 'f16', enableKvEvents: true, role: 'prefill' });
+    const decode = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'decode' });
     const router = () => new Router({ blockSize: BLOCK, random: seededRandom(1), index: new BitsetKvIndex() });
     const engine = new DisaggregatedEngine({
       prefill: [{ id: 'p', engine: prefill }], decode: [{ id: 'd', engine: decode }], prefillRouter: router(),
@@ -279,8 +278,8 @@ describe('cancellation and failure on real workers', () => {
     }
   });
 
-  test('a prefill worker lost before the first token: the decode worker prefills, identically', { skip }, async () => {
-    const failing = await disaggregatedPool(path!, { decodeWorkers: 1, maxNumBatchedTokens: 8 });
+  test('a prefill worker lost before the first token: the decode worker prefills, identically', async () => {
+    const failing = await disaggregatedPool(path, { decodeWorkers: 1, maxNumBatchedTokens: 8 });
     try {
       const req = request(prompt(43, 400), { maxTokens: 8 });
       const stream = collect(failing.engine.generate(req));
@@ -302,8 +301,8 @@ describe('cancellation and failure on real workers', () => {
     }
   });
 
-  test('a decode worker lost mid-decode: the request fails with WorkerLostError, the prefill worker is free', { skip }, async () => {
-    const failing = await disaggregatedPool(path!, { decodeWorkers: 1 });
+  test('a decode worker lost mid-decode: the request fails with WorkerLostError, the prefill worker is free', async () => {
+    const failing = await disaggregatedPool(path, { decodeWorkers: 1 });
     try {
       const req = request(prompt(45, 64), { maxTokens: 100_000 });
       const outputs: EngineOutput[] = [];

@@ -7,7 +7,7 @@ import { WorkerLostError } from '../../src/engine/errors.ts';
 import { DEFAULT_SAMPLING, type EngineRequest } from '../../src/engine/types.ts';
 import { LocalEngine } from '../../src/engine/local-engine.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
-import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { collect } from '../helpers/outputs.ts';
 
 let nextId = 0;
@@ -70,10 +70,10 @@ describe('routed engine over simulated GPU workers', () => {
   });
 });
 
-describe('routed engine over real CPU workers', { skip: skipUnlessShared('stories260K.gguf') }, () => {
+describe(`routed engine over real CPU workers (${cpuTestModel().name})`, () => {
   test('prefix affinity, then a killed worker leaves routing and its in-flight request fails cleanly', async () => {
     const pool = await createWorkerPool({
-      engine: 'cpu', workers: 2, modelPath: sharedModel('stories260K.gguf')!, kvCacheMemoryBytes: 16 << 20,
+      engine: 'cpu', workers: 2, modelPath: cpuTestModel().path, kvCacheMemoryBytes: 16 << 20,
       threads: 1, routerSeed: 3,
     });
     try {

@@ -9,7 +9,7 @@ import { readdirSync, readFileSync } from 'node:fs';
 import { request as httpRequest } from 'node:http';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { after, before, describe, it } from 'node:test';
+import { after, afterEach, before, describe, it } from 'node:test';
 import { SpanStatusCode } from '@opentelemetry/api';
 import { engineIdle, startTestServer, waitFor, type TestServer } from '../api/e2e-fixture.ts';
 import { parseSse, rawRequest, type RawResponse } from '../api/http-client.ts';
@@ -122,6 +122,15 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
 
   after(async () => {
     await server?.close();
+  });
+
+  // After each test, on its own requests: every one ended, and exactly once, and none was dropped unfinished.
+  afterEach(async () => {
+    await waitFor(() => server.telemetry.inFlight === 0, 'every request to end');
+    const notOnce = [...server.terminals].filter(([, ends]) => ends.length !== 1);
+    assert.deepEqual(notOnce, [], 'requests ended other than once');
+    const { exposition } = await scrape(server.url);
+    assert.equal(total(exposition, 'conduit_telemetry_dropped_records_total'), 0);
   });
 
   const post = (body: object, key = KEY, headers: Record<string, string> = {}, path = '/v1/completions'): Promise<RawResponse> =>
@@ -340,6 +349,9 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
   it('serves the trace, SLO and analysis endpoints behind the API key, with OpenAI-shaped errors', LIVE, async () => {
     const res = await post({ model, prompt: 'One more', max_tokens: 2 });
     const id = res.json().id;
+    await waitFor(() => server.telemetry.inFlight === 0, 'the request to end');
+    // Only generation requests are traced: reading traces, SLOs and analyses adds none.
+    const traced = server.terminals.size;
     assert.equal((await rawRequest(server.url, { path: `/v1/requests/${id}/trace` })).status, 401);
     const unknown = await rawRequest(server.url, { path: '/v1/requests/cmpl-nothing-like-this/trace', headers: auth() });
     assert.equal(unknown.status, 404);
@@ -355,17 +367,7 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     assert.ok(analysis.requests >= 1);
     assert.equal(typeof analysis.phase_share.prefill, 'number');
     assert.equal((await rawRequest(server.url, { path: '/v1/slo' })).status, 401);
-  });
-
-  it('ended every request exactly once, and dropped none', LIVE, async () => {
-    await waitFor(() => server.telemetry.inFlight === 0, 'every request to end');
-    const notOnce = [...server.terminals].filter(([, ends]) => ends.length !== 1);
-    assert.deepEqual(notOnce, []);
-    // 2 cold/warm, 2 streams, 2 hang-ups, 7 in the refusals test, 1 traceparent, 1 in the endpoints test: only
-    // generation requests are traced, and each once.
-    assert.equal(server.terminals.size, 15);
-    const { exposition } = await scrape(server.url);
-    assert.equal(total(exposition, 'conduit_telemetry_dropped_records_total'), 0);
+    assert.equal(server.terminals.size, traced);
   });
 });
 
@@ -382,7 +384,11 @@ describe('telemetry on a live server: a request timing out mid-stream', () => {
     await server?.close();
   });
 
+  const sloErrors = (): number => server.telemetry.sloReport().models.find((m) => m.model === model)?.error_rate.errors ?? 0;
+
   it('is a server error: counted, in the error-rate SLO, traced with its spans kept', LIVE, async () => {
+    const before = (await scrape(server.url)).exposition;
+    const sloBefore = sloErrors();
     const res = await rawRequest(server.url, {
       path: '/v1/completions', body: { model, prompt: 'Never ending', max_tokens: 2040, ignore_eos: true, stream: true },
     });
@@ -394,9 +400,9 @@ describe('telemetry on a live server: a request timing out mid-stream', () => {
     assert.equal(trace.error_type, 'request_timeout');
     assert.equal(trace.status, 504, 'the status the error stands for, though the stream had begun with 200');
     assert.equal(trace.ended_in_phase, 'decode_execution');
-    const { exposition } = await scrape(server.url);
-    assert.equal(value(exposition, 'conduit_request_errors_total', { model, error_type: 'request_timeout', origin: 'server' }), 1);
-    assert.equal(server.telemetry.sloReport().models[0]!.error_rate.errors, 1);
+    const after = (await scrape(server.url)).exposition;
+    assert.equal(moved(before, after, 'conduit_request_errors_total', { model, error_type: 'request_timeout', origin: 'server' }), 1);
+    assert.equal(sloErrors(), sloBefore + 1);
     // Server errors are always kept by the tail sampler, whatever the head decided.
     await waitFor(() => server.exporter.getFinishedSpans().some((s) => s.name === 'request' && s.attributes['request.id'] === id), 'spans');
     const root = server.exporter.getFinishedSpans().find((s) => s.name === 'request' && s.attributes['request.id'] === id)!;
@@ -406,6 +412,7 @@ describe('telemetry on a live server: a request timing out mid-stream', () => {
   });
 
   it('a request the server\'s shutdown cuts short is an abort, not an error', LIVE, async () => {
+    const sloBefore = sloErrors();
     const streamed = rawRequest(server.url, {
       path: '/v1/completions', body: { model, prompt: 'Last words', max_tokens: 1900, ignore_eos: true, stream: true },
     });
@@ -418,7 +425,7 @@ describe('telemetry on a live server: a request timing out mid-stream', () => {
     const trace = server.telemetry.trace(id)!;
     assert.equal(trace.outcome, 'abort');
     assert.equal(trace.abortReason, 'shutdown');
-    assert.equal(server.telemetry.sloReport().models[0]!.error_rate.errors, 1, 'only the timeout above counts against the SLO');
+    assert.equal(sloErrors(), sloBefore, 'a shutdown does not count against the SLO');
   });
 });
 

@@ -9,7 +9,7 @@ import { SpanStatusCode } from '@opentelemetry/api';
 import { hrTimeToMilliseconds, parseTraceParent as oracleParse } from '@opentelemetry/core';
 import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
 import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
-import { tracingConfigFromEnv } from '../../src/telemetry/otel.ts';
+import { tracingConfigFromEnv } from '../../src/telemetry/otel-env.ts';
 import { Telemetry, type TelemetryOptions } from '../../src/telemetry/telemetry.ts';
 import { formatTraceparent, parseTraceparent } from '../../src/telemetry/traceparent.ts';
 import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, warmTimeline } from './fixtures.ts';
@@ -311,66 +311,68 @@ describe('OTEL_* configuration', () => {
     assert.equal(new Telemetry({ env: {} }).tracing, undefined);
   });
 
-  it('derives the traces URL, headers, service name, batch sizes and sample rate per the specification', () => {
+  it('derives the exporters, batch sizes and sample rate per the specification', () => {
     const base = tracingConfigFromEnv({
       OTEL_EXPORTER_OTLP_ENDPOINT: 'http://collector:4318/',
-      OTEL_EXPORTER_OTLP_HEADERS: 'api-key=s%20ecret,x-team=llm',
-      OTEL_RESOURCE_ATTRIBUTES: 'deployment.environment=prod,service.name=from-attrs',
       OTEL_BSP_MAX_QUEUE_SIZE: '4096',
       OTEL_TRACES_SAMPLER: 'parentbased_traceidratio',
       OTEL_TRACES_SAMPLER_ARG: '0.05',
     });
     assert.ok(base);
     assert.deepEqual(base.exporters, ['otlp']);
-    assert.equal(base.otlpTracesUrl, 'http://collector:4318/v1/traces');
-    assert.deepEqual(base.headers, { 'api-key': 's ecret', 'x-team': 'llm' });
-    assert.equal(base.serviceName, 'from-attrs');
-    assert.equal(base.resourceAttributes['deployment.environment'], 'prod');
     assert.equal(base.batch.maxQueueSize, 4096);
+    assert.equal(base.batch.maxExportBatchSize, 2048, 'Conduit\'s default where the environment says nothing');
     assert.equal(base.sampleRate, 0.05);
-    const specific = tracingConfigFromEnv({
-      OTEL_EXPORTER_OTLP_ENDPOINT: 'http://ignored:4318', OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://c:9999/custom',
-      OTEL_SERVICE_NAME: 'conduit-gw', OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc',
-    });
-    assert.equal(specific?.otlpTracesUrl, 'http://c:9999/custom');
-    assert.equal(specific?.serviceName, 'conduit-gw');
+    const specific = tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://c:9999/custom', OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' });
+    assert.deepEqual(specific?.exporters, ['otlp'], 'the traces endpoint alone turns export on');
     assert.equal(specific?.warnings.length, 1);
-    assert.equal(tracingConfigFromEnv({ OTEL_TRACES_EXPORTER: 'otlp' })?.otlpTracesUrl, 'http://localhost:4318/v1/traces');
+    assert.deepEqual(tracingConfigFromEnv({ OTEL_TRACES_EXPORTER: 'otlp,console,zipkin' })?.exporters, ['otlp', 'console']);
     assert.equal(new Telemetry({ env: { OTEL_TRACES_EXPORTER: 'otlp', OTEL_TRACES_SAMPLER: 'always_on' } }).sampler.config.baseRate, 1);
   });
 
-  it('exports spans over OTLP/HTTP to the configured endpoint', async () => {
-    const bodies: { url: string; contentType: string; body: string }[] = [];
+  it('exports spans over OTLP/HTTP to the endpoint, with the headers and resource, the environment names', async () => {
+    const bodies: { url: string; contentType: string; key: string; body: string }[] = [];
     const server = createServer((req, res) => {
       const parts: Buffer[] = [];
       req.on('data', (c: Buffer) => parts.push(c));
       req.on('end', () => {
-        bodies.push({ url: req.url ?? '', contentType: String(req.headers['content-type']), body: Buffer.concat(parts).toString() });
+        bodies.push({ url: req.url ?? '', contentType: String(req.headers['content-type']), key: String(req.headers['x-key']), body: Buffer.concat(parts).toString() });
         res.writeHead(200, { 'content-type': 'application/json' }).end('{}');
       });
     });
     await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
     const { port } = server.address() as AddressInfo;
+    // The exporter and the resource detector read their variables from process.env itself.
+    const vars: Record<string, string> = {
+      OTEL_EXPORTER_OTLP_ENDPOINT: `http://127.0.0.1:${port}`, OTEL_EXPORTER_OTLP_HEADERS: 'x-key=a%20b',
+      OTEL_SERVICE_NAME: 'conduit-test', OTEL_RESOURCE_ATTRIBUTES: 'deployment.environment=prod,service.name=from-attrs',
+    };
+    const saved = Object.fromEntries(Object.keys(vars).map((k) => [k, process.env[k]]));
+    Object.assign(process.env, vars);
     try {
-      const telemetry = new Telemetry({
-        env: { OTEL_EXPORTER_OTLP_ENDPOINT: `http://127.0.0.1:${port}`, OTEL_SERVICE_NAME: 'conduit-test', OTEL_EXPORTER_OTLP_HEADERS: 'x-key=abc' },
-        sampling: { baseRate: 1 },
-      });
+      const telemetry = new Telemetry({ env: vars, sampling: { baseRate: 1 } });
       run(telemetry, coldTimeline({ id: 'exported' }).events);
       await telemetry.shutdown();
       assert.ok(bodies.length >= 1);
-      assert.equal(bodies[0]!.url, '/v1/traces');
+      assert.equal(bodies[0]!.url, '/v1/traces', 'the base endpoint with the traces path appended');
       assert.match(bodies[0]!.contentType, /application\/json/);
+      assert.equal(bodies[0]!.key, 'a b');
       const payload = JSON.parse(bodies.map((b) => b.body).join('').replace(/\}\{/g, '},{').replace(/^/, '[').replace(/$/, ']')) as {
         resourceSpans: { resource: { attributes: { key: string; value: { stringValue?: string } }[] }; scopeSpans: { spans: { name: string }[] }[] }[];
       }[];
       const resourceSpans = payload.flatMap((p) => p.resourceSpans);
-      const service = resourceSpans[0]!.resource.attributes.find((a) => a.key === 'service.name')?.value.stringValue;
-      assert.equal(service, 'conduit-test');
+      const attribute = (key: string) => resourceSpans[0]!.resource.attributes.find((a) => a.key === key)?.value.stringValue;
+      assert.equal(attribute('service.name'), 'conduit-test', 'OTEL_SERVICE_NAME over the attributes\' service.name');
+      assert.equal(attribute('deployment.environment'), 'prod');
       const names = resourceSpans.flatMap((r) => r.scopeSpans.flatMap((s) => s.spans.map((sp) => sp.name)));
       for (const name of ['request', 'routing', 'scheduling', 'prefill', 'decode', 'token_emit']) assert.ok(names.includes(name), `${name} exported`);
     } finally {
+      for (const [k, v] of Object.entries(saved)) {
+        if (v === undefined) delete process.env[k];
+        else process.env[k] = v;
+      }
       server.close();
     }
   });
+
 });

@@ -1,0 +1,87 @@
+// Trace export settings from the standard OTEL_* environment variables: whether to export at all, to which
+// exporters, with which batching, and the head sampling rate. Export is off unless the variables ask for it.
+//
+// Only what the installed OpenTelemetry packages do not read themselves is read here. The OTLP exporter reads its
+// endpoint (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as is, else OTEL_EXPORTER_OTLP_ENDPOINT with /v1/traces appended),
+// headers, timeout, compression and TLS files (OTEL_EXPORTER_OTLP[_TRACES]_{HEADERS,TIMEOUT,COMPRESSION,
+// CERTIFICATE,CLIENT_KEY,CLIENT_CERTIFICATE}), and the resource's environment detector reads OTEL_SERVICE_NAME and
+// OTEL_RESOURCE_ATTRIBUTES, all from process.env (otel-provider.ts). The batch processor would read OTEL_BSP_* too,
+// but only where it is given no value, and Conduit's defaults differ from the SDK's (a larger queue), so those are
+// read here with them.
+
+export type Env = Readonly<Record<string, string | undefined>>;
+
+export interface TracingEnvConfig {
+  exporters: ('otlp' | 'console')[];
+  batch: { maxQueueSize: number; maxExportBatchSize: number; scheduledDelayMs: number; exportTimeoutMs: number };
+  /** The head sampling rate, when OTEL_TRACES_SAMPLER asks for one. */
+  sampleRate?: number;
+  /** Things the environment asked for that this exporter does not do; reported once at start-up. */
+  warnings: string[];
+}
+
+/** Batching when OTEL_BSP_* says nothing. The SDK's default queue of 2048 spans drops silently under load (a
+ *  request is 10-20 spans); Conduit starts larger. */
+export const DEFAULT_BATCH: TracingEnvConfig['batch'] = {
+  maxQueueSize: 65_536, maxExportBatchSize: 2048, scheduledDelayMs: 1000, exportTimeoutMs: 30_000,
+};
+
+function positiveNumber(value: string | undefined, fallback: number): number {
+  if (value === undefined || value.trim() === '') return fallback;
+  const n = Number(value);
+  return Number.isFinite(n) && n > 0 ? n : fallback;
+}
+
+/** The exporters OTEL_TRACES_EXPORTER names, or OTLP when only an endpoint is set. */
+function exportersFromEnv(env: Env, warnings: string[]): ('otlp' | 'console')[] {
+  const names = (env.OTEL_TRACES_EXPORTER ?? '').split(',').map((s) => s.trim().toLowerCase()).filter(Boolean);
+  if (names.length === 0) return env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT?.trim() || env.OTEL_EXPORTER_OTLP_ENDPOINT?.trim() ? ['otlp'] : [];
+  if (names.includes('none')) return [];
+  const exporters: ('otlp' | 'console')[] = [];
+  for (const name of names) {
+    if (name === 'otlp' || name === 'console') exporters.push(name);
+    else warnings.push(`OTEL_TRACES_EXPORTER=${name} is not supported (otlp, console, none are)`);
+  }
+  return exporters;
+}
+
+/** OTEL_TRACES_SAMPLER as a head sampling rate for Conduit's own sampler (the SDK's records whatever it is given). */
+function sampleRateFromEnv(env: Env, warnings: string[]): number | undefined {
+  const sampler = (env.OTEL_TRACES_SAMPLER ?? '').trim().toLowerCase();
+  if (sampler === 'always_on' || sampler === 'parentbased_always_on') return 1;
+  if (sampler === 'always_off' || sampler === 'parentbased_always_off') return 0;
+  if (sampler === 'traceidratio' || sampler === 'parentbased_traceidratio') {
+    const arg = Number(env.OTEL_TRACES_SAMPLER_ARG ?? '1');
+    return Number.isFinite(arg) && arg >= 0 && arg <= 1 ? arg : 1;
+  }
+  if (sampler !== '') warnings.push(`OTEL_TRACES_SAMPLER=${sampler} is not supported; Conduit's adaptive sampler decides`);
+  return undefined;
+}
+
+/**
+ * Returns undefined (no export) unless OTEL_TRACES_EXPORTER names an exporter or an OTLP endpoint is set, and always
+ * when OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none.
+ */
+export function tracingConfigFromEnv(env: Env): TracingEnvConfig | undefined {
+  if ((env.OTEL_SDK_DISABLED ?? '').trim().toLowerCase() === 'true') return undefined;
+  const warnings: string[] = [];
+  const exporters = exportersFromEnv(env, warnings);
+  if (exporters.length === 0) return undefined;
+
+  const protocol = (env.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL ?? env.OTEL_EXPORTER_OTLP_PROTOCOL ?? '').trim();
+  if (protocol === 'grpc') warnings.push('OTEL_EXPORTER_OTLP_PROTOCOL=grpc is not supported; exporting OTLP/HTTP with JSON bodies to the same endpoint');
+  else if (protocol === 'http/protobuf') warnings.push('OTLP spans are sent as http/json (OTLP/HTTP receivers accept both encodings)');
+
+  const sampleRate = sampleRateFromEnv(env, warnings);
+  return {
+    exporters,
+    batch: {
+      maxQueueSize: positiveNumber(env.OTEL_BSP_MAX_QUEUE_SIZE, DEFAULT_BATCH.maxQueueSize),
+      maxExportBatchSize: positiveNumber(env.OTEL_BSP_MAX_EXPORT_BATCH_SIZE, DEFAULT_BATCH.maxExportBatchSize),
+      scheduledDelayMs: positiveNumber(env.OTEL_BSP_SCHEDULE_DELAY, DEFAULT_BATCH.scheduledDelayMs),
+      exportTimeoutMs: positiveNumber(env.OTEL_BSP_EXPORT_TIMEOUT, DEFAULT_BATCH.exportTimeoutMs),
+    },
+    ...(sampleRate !== undefined ? { sampleRate } : {}),
+    warnings,
+  };
+}
