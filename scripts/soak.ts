@@ -9,7 +9,8 @@
 //   npm run soak -- [--sequential N] [--builtin-sequential N] [--burst N] [--bursts N] [--builtin-bursts N]
 //                   [--max-tokens N] [--models stories,builtin] [--seed N]
 //
-// Every flag has an environment twin (CONDUIT_SOAK_SEQUENTIAL, CONDUIT_SOAK_BURST, ...). The stories260K model is
+// The defaults are CI's size (.ci/run): 2-3 minutes on a 2-core machine. Every flag has an environment twin
+// (CONDUIT_SOAK_SEQUENTIAL, CONDUIT_SOAK_BURST, ...). The stories260K model is
 // read from ../shared/models (or CONDUIT_SHARED_MODELS); when it is absent that model is skipped with a message.
 
 import { spawn, type ChildProcess } from 'node:child_process';
@@ -34,10 +35,10 @@ interface SoakOptions {
 }
 
 const FLAGS: Record<string, { env: string; default: string; help: string }> = {
-  sequential: { env: 'CONDUIT_SOAK_SEQUENTIAL', default: '20', help: 'sequential streams on stories260K' },
-  'builtin-sequential': { env: 'CONDUIT_SOAK_BUILTIN_SEQUENTIAL', default: '3', help: 'sequential streams on the built-in model' },
-  burst: { env: 'CONDUIT_SOAK_BURST', default: '16', help: 'concurrent streams in one burst' },
-  bursts: { env: 'CONDUIT_SOAK_BURSTS', default: '2', help: 'bursts on stories260K' },
+  sequential: { env: 'CONDUIT_SOAK_SEQUENTIAL', default: '120', help: 'sequential streams on stories260K' },
+  'builtin-sequential': { env: 'CONDUIT_SOAK_BUILTIN_SEQUENTIAL', default: '5', help: 'sequential streams on the built-in model' },
+  burst: { env: 'CONDUIT_SOAK_BURST', default: '24', help: 'concurrent streams in one burst' },
+  bursts: { env: 'CONDUIT_SOAK_BURSTS', default: '4', help: 'bursts on stories260K' },
   'builtin-bursts': { env: 'CONDUIT_SOAK_BUILTIN_BURSTS', default: '1', help: 'bursts on the built-in model' },
   'max-tokens': { env: 'CONDUIT_SOAK_MAX_TOKENS', default: '1000', help: 'max_tokens of the sequential streams (and the largest in a burst)' },
   models: { env: 'CONDUIT_SOAK_MODELS', default: 'stories,builtin', help: 'models to soak: stories (../shared/models/stories260K.gguf), builtin' },
