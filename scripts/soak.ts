@@ -35,10 +35,10 @@ interface SoakOptions {
 }
 
 const FLAGS: Record<string, { env: string; default: string; help: string }> = {
-  sequential: { env: 'CONDUIT_SOAK_SEQUENTIAL', default: '120', help: 'sequential streams on stories260K' },
-  'builtin-sequential': { env: 'CONDUIT_SOAK_BUILTIN_SEQUENTIAL', default: '5', help: 'sequential streams on the built-in model' },
+  sequential: { env: 'CONDUIT_SOAK_SEQUENTIAL', default: '200', help: 'sequential streams on stories260K' },
+  'builtin-sequential': { env: 'CONDUIT_SOAK_BUILTIN_SEQUENTIAL', default: '3', help: 'sequential streams on the built-in model' },
   burst: { env: 'CONDUIT_SOAK_BURST', default: '24', help: 'concurrent streams in one burst' },
-  bursts: { env: 'CONDUIT_SOAK_BURSTS', default: '4', help: 'bursts on stories260K' },
+  bursts: { env: 'CONDUIT_SOAK_BURSTS', default: '3', help: 'bursts on stories260K' },
   'builtin-bursts': { env: 'CONDUIT_SOAK_BUILTIN_BURSTS', default: '1', help: 'bursts on the built-in model' },
   'max-tokens': { env: 'CONDUIT_SOAK_MAX_TOKENS', default: '1000', help: 'max_tokens of the sequential streams (and the largest in a burst)' },
   models: { env: 'CONDUIT_SOAK_MODELS', default: 'stories,builtin', help: 'models to soak: stories (../shared/models/stories260K.gguf), builtin' },
@@ -115,6 +115,15 @@ class ServerProcess {
     } catch {
       return undefined;
     }
+  }
+
+  /** Waits up to `ms` for the process to exit (a failing stream may be the first sign of a dying server). */
+  async settle(ms: number): Promise<void> {
+    if (!this.alive) return;
+    await new Promise<void>((resolve) => {
+      const timer = setTimeout(resolve, ms);
+      this.child.once('exit', () => { clearTimeout(timer); resolve(); });
+    });
   }
 
   tail(): string {
@@ -239,9 +248,13 @@ async function checkedStream(server: ServerProcess, job: Job, expected: { text: 
   try {
     result = await stream(server.url, job);
   } catch (error) {
+    await server.settle(2000);
     throw new Error(`${label}: ${(error as Error).message}; ${server.describeExit()}`);
   }
-  if (!result.done) throw new Error(`${label}: the stream ended without [DONE]; ${server.describeExit()}`);
+  if (!result.done) {
+    await server.settle(2000);
+    throw new Error(`${label}: the stream ended without [DONE]; ${server.describeExit()}`);
+  }
   if (result.text !== expected.text) {
     let at = 0;
     while (at < result.text.length && result.text[at] === expected.text[at]) at++;
@@ -360,7 +373,7 @@ async function soakModel(name: string, modelArgs: string[], options: SoakOptions
   } catch (error) {
     console.error(`soak failed: ${(error as Error).message}`);
     // Give a dying process a moment to finish writing its last words.
-    await sleep(200);
+    await server.settle(2000);
     console.error(`-- ${server.describeExit()}; its last output:\n${server.tail()}`);
     throw error;
   } finally {
