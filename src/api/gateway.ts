@@ -259,14 +259,17 @@ export class Gateway {
 
   health(): JsonReply {
     const backend = this.backend;
-    const ready = this.state === 'ready' && backend !== undefined;
+    // An engine over workers that can all be lost says whether any can serve (the runtime's worker groups).
+    const capacity = (backend?.engine as Partial<{ readiness(): { ready: boolean; reason?: string } }> | undefined)?.readiness?.();
+    const ready = this.state === 'ready' && backend !== undefined && capacity?.ready !== false;
     const info = backend?.engine.info;
     const stats = backend?.engine.stats();
     return {
       status: ready ? 200 : 503,
       body: {
-        status: this.state,
+        status: this.state === 'ready' && capacity?.ready === false ? 'unavailable' : this.state,
         ready,
+        ...(capacity?.ready === false ? { reason: capacity.reason ?? 'no worker can serve' } : {}),
         model: this.servedModelName ?? null,
         ...(info ? {
           max_model_len: info.maxModelLen,

@@ -12,6 +12,7 @@ import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from
 import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_SESSION_HEADER } from '../api/server.ts';
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
+import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
@@ -38,6 +39,8 @@ export const SERVE_FLAGS = {
   'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
   'decode-workers': { type: 'number', help: 'disaggregated serving: decode workers' },
   'migration-limit': { type: 'number', help: 'times a request may move to another worker when its worker is lost mid-stream, continuing the same stream (0 = off, as Dynamo\'s migration_limit)', default: 0 },
+  'worker-restart-limit': { type: 'number', help: 'restart attempts in a row for a cpu worker whose thread died, with backoff, before it is given up (0 = a lost worker stays lost)', default: DEFAULT_WORKER_RESTART_LIMIT },
+  'worker-restart-delay': { type: 'number', help: 'ms before the first restart attempt of a lost worker, doubled per further attempt (up to 30 s)', default: 500 },
   'disagg-min-remote-prefill-tokens': { type: 'number', help: `disaggregated serving: prefill on the decode worker when it lacks fewer than this many of the prompt's tokens (cf. Dynamo's max local prefill length; default ${DEFAULT_DISAGGREGATION_POLICY.minRemotePrefillTokens})` },
   'disagg-max-prefill-queue-tokens': { type: 'number', help: `disaggregated serving: with more prefill tokens than this queued on the chosen prefill worker, prefill on the decode worker (cf. Dynamo's max prefill queue size, here in tokens; default ${DEFAULT_DISAGGREGATION_POLICY.maxPrefillQueueTokens})` },
   'disagg-transfer-overhead-ms': { type: 'number', help: `disaggregated serving: fixed cost of one KV transfer besides its bytes, ms, in the transfer-vs-local-prefill comparison (default ${DEFAULT_DISAGGREGATION_POLICY.transferOverheadMs})` },
@@ -83,6 +86,9 @@ export interface ServeConfig {
   disaggregationPolicy?: Partial<DisaggregationPolicy>;
   /** Migrations per request when a worker is lost mid-stream (0 = off). */
   migrationLimit: number;
+  /** Restarts in a row of a lost cpu worker (0 = off), and the first backoff, ms. */
+  workerRestartLimit: number;
+  workerRestartDelayMs: number;
   sim: SimWorkerSpec;
   maxPendingRequests: number;
   maxBodyBytes: number;
@@ -217,6 +223,14 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
     throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
   }
+  const workerRestartLimit = values['worker-restart-limit']!;
+  if (!Number.isInteger(workerRestartLimit) || workerRestartLimit < 0) {
+    throw new UsageError(`--worker-restart-limit must be a whole number >= 0, got ${workerRestartLimit}`);
+  }
+  const workerRestartDelayMs = values['worker-restart-delay']!;
+  if (!Number.isFinite(workerRestartDelayMs) || workerRestartDelayMs < 0) {
+    throw new UsageError(`--worker-restart-delay must be a number of ms >= 0, got ${workerRestartDelayMs}`);
+  }
   const config: ServeConfig = {
     host: values.host!,
     port,
@@ -230,6 +244,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
     ...(disaggregationPolicy !== undefined ? { disaggregationPolicy } : {}),
     migrationLimit,
+    workerRestartLimit,
+    workerRestartDelayMs,
     sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
@@ -293,6 +309,9 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
       ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
       migrationLimit: config.migrationLimit,
+      workerRestartLimit: config.workerRestartLimit,
+      workerRestartDelayMs: config.workerRestartDelayMs,
+      log: (level, message) => logger[level](message),
       ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
       ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
       ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),

@@ -24,22 +24,22 @@
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
-import { RouterAdmission } from './router-admission.ts';
-import { summarizeDecision } from './routed-engine.ts';
 import { WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
   DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, RoutingSummary, WorkerRole,
 } from '../engine/types.ts';
-import { workerLoadFromStats, type RoutingDecision, type RoutingRequest } from '../router/protocols.ts';
+import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import {
   DEFAULT_DISAGGREGATION_POLICY, RateEstimate, decideDisaggregation, type DisaggregationPolicy,
 } from './disaggregation-policy.ts';
-import { sumEngineStats } from './engine-stats.ts';
 import type { KvTransferChannel } from './kv-transfer.ts';
-import type { RoutableEngine } from './routed-engine.ts';
+import {
+  combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
+  type WorkerGroupLog, type WorkerRestartOptions,
+} from './worker-group.ts';
 
 /** A prefill worker: runs a prompt to its first token and hands the request over. */
 export interface PrefillWorkerEngine extends RoutableEngine {
@@ -73,6 +73,12 @@ export interface DisaggregatedEngineOptions {
   now: () => number;
   /** How often a request may move to another decode worker when its decode worker is lost (default: never). */
   migration?: MigrationOptions;
+  /** Lost workers are replaced (see worker-group.ts); default: not. `start` gets the role of the lost worker. */
+  restart?: Omit<WorkerRestartOptions<never>, 'start'> & {
+    startPrefill(id: string): Promise<PrefillWorkerEngine>;
+    startDecode(id: string): Promise<DecodeWorkerEngine>;
+  };
+  log?: WorkerGroupLog;
 }
 
 export type DisaggregatedStage = 'routing' | 'prefill' | 'transfer' | 'decode' | 'local';
@@ -96,24 +102,22 @@ export class DisaggregatedEngine implements Engine {
   readonly info: EngineInfo;
   readonly channel: KvTransferChannel;
   readonly policy: DisaggregationPolicy;
-  private readonly prefillWorkers = new Map<string, PrefillWorkerEngine>();
-  private readonly decodeWorkers = new Map<string, DecodeWorkerEngine>();
+  private readonly prefillWorkers: WorkerGroup<PrefillWorkerEngine>;
+  private readonly decodeWorkers: WorkerGroup<DecodeWorkerEngine>;
   private readonly prefillRouter: Router;
   private readonly decodeRouter: Router;
   private readonly now: () => number;
   private readonly flights = new Map<string, Flight>();
-  private readonly admission: RouterAdmission;
-  private readonly unsubscribe: (() => void)[] = [];
   private readonly transferRate: RateEstimate;
   private readonly prefillRate: RateEstimate;
   private readonly kvBytesPerToken: number;
   private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
-  private readonly migration: MigrationOptions;
   /**
-   * Requests each worker took over from a lost worker: a decode worker from a lost decode worker, a prefill worker
-   * (or the decode worker itself) the prefill of a request whose prefill worker was lost before the hand-over.
+   * Requests each worker took over from a lost worker (counted by its group): a decode worker from a lost decode
+   * worker, a prefill worker (or the decode worker itself) the prefill of a request whose prefill worker was lost
+   * before the hand-over.
    */
-  private readonly migrationsTo = new Map<string, number>();
+  private readonly migration: MigrationOptions;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.decode.length === 0) throw new Error('a disaggregated engine needs at least one decode worker');
@@ -123,44 +127,48 @@ export class DisaggregatedEngine implements Engine {
     this.decodeRouter = options.decodeRouter;
     this.now = options.now;
     this.migration = { ...options.migration, limit: checkMigrationLimit(options.migration?.limit ?? DEFAULT_MIGRATION_LIMIT) };
-    this.admission = new RouterAdmission(this.decodeRouter, this.now, 'decode worker');
     const fixed = options.estimates?.fixed ?? false;
     this.transferRate = new RateEstimate(options.estimates?.transferBytesPerSec ?? 2e9, 0.2, fixed);
     this.prefillRate = new RateEstimate(options.estimates?.prefillTokensPerSec ?? 2_000, 0.2, fixed);
 
-    for (const { id, engine } of options.prefill) {
-      this.prefillWorkers.set(id, engine);
-      this.register(id, engine, this.prefillRouter, () => this.dropPrefillWorker(id));
-    }
-    for (const { id, engine } of options.decode) {
-      this.decodeWorkers.set(id, engine);
-      this.register(id, engine, this.decodeRouter, () => this.dropDecodeWorker(id));
-      this.unsubscribe.push(engine.onAdopted((result) => this.onAdopted(id, result)));
-    }
-    for (const prefill of options.prefill) {
-      for (const decode of options.decode) {
-        this.channel.connect({ id: prefill.id, kvPool: prefill.engine.kvPool, kvLayout: prefill.engine.kvLayout },
-          { id: decode.id, attachKvSource: decode.engine.attachKvSource?.bind(decode.engine) });
-      }
-    }
+    const { restart, log } = options;
+    // A worker joining (at the start or restarted) is connected to every worker of the other tier; one lost is
+    // disconnected.
+    this.prefillWorkers = new WorkerGroup<PrefillWorkerEngine>({
+      router: this.prefillRouter, now: this.now, label: 'prefill worker', ...(log ? { log } : {}),
+      ...(restart ? { restart: { ...restart, start: restart.startPrefill } } : {}),
+      onJoin: (id, engine) => {
+        for (const [decodeId, decode] of this.decodeWorkers.entries()) this.connect(id, engine, decodeId, decode);
+        return [];
+      },
+      onLeave: (id) => this.channel.disconnect(id),
+    });
+    this.decodeWorkers = new WorkerGroup<DecodeWorkerEngine>({
+      router: this.decodeRouter, now: this.now, label: 'decode worker', ...(log ? { log } : {}),
+      ...(restart ? { restart: { ...restart, start: restart.startDecode } } : {}),
+      onJoin: (id, engine) => {
+        for (const [prefillId, prefill] of this.prefillWorkers.entries()) this.connect(prefillId, prefill, id, engine);
+        return [engine.onAdopted((result) => this.onAdopted(id, result))];
+      },
+      onLeave: (id) => this.channel.disconnect(id),
+    });
+    for (const { id, engine } of options.prefill) this.prefillWorkers.add(id, engine);
+    for (const { id, engine } of options.decode) this.decodeWorkers.add(id, engine);
     const layout = options.prefill[0]?.engine.kvLayout;
     this.kvBytesPerToken = layout ? kvBytesPerToken(layout) : 0;
     const infos = [...options.prefill, ...options.decode].map((w) => w.engine.info);
     const blockSizes = new Set(infos.map((i) => i.blockSize));
     if (blockSizes.size > 1) throw new Error(`prefill and decode workers must share one block size, got ${[...blockSizes].join(', ')}`);
-    this.info = {
-      ...options.decode[0]!.engine.info,
-      maxModelLen: Math.min(...infos.map((i) => i.maxModelLen)),
-      kvCapacityTokens: infos.reduce((sum, i) => sum + i.kvCapacityTokens, 0),
-    };
+    this.info = combinedInfo(options.decode[0]!.engine.info, infos);
   }
 
-  private register(id: string, engine: RoutableEngine, router: Router, onLost: () => void): void {
-    router.addWorker(id, workerLoadFromStats(engine.stats()));
-    const offEvents = engine.onKvEvents?.((events) => router.applyKvEvents(id, events));
-    const offLost = engine.onLost?.(onLost);
-    if (offEvents) this.unsubscribe.push(offEvents);
-    if (offLost) this.unsubscribe.push(offLost);
+  private connect(prefillId: string, prefill: PrefillWorkerEngine, decodeId: string, decode: DecodeWorkerEngine): void {
+    this.channel.connect({ id: prefillId, kvPool: prefill.kvPool, kvLayout: prefill.kvLayout },
+      { id: decodeId, attachKvSource: decode.attachKvSource?.bind(decode) });
+  }
+
+  private get admission() {
+    return this.decodeWorkers.admission;
   }
 
   // -------------------------------------------------------------------------------------------------------------
@@ -194,23 +202,27 @@ export class DisaggregatedEngine implements Engine {
   }
 
   stats(): EngineStats {
-    const total = sumEngineStats([...this.prefillWorkers.values(), ...this.decodeWorkers.values()].map((engine) => engine.stats()));
-    total.numWaiting += this.admission.size;
-    total.requestMigrations = [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
-    return total;
+    return combinedStats([this.prefillWorkers, this.decodeWorkers]);
+  }
+
+  /**
+   * Whether a request can be served: a decode worker is enough (with no prefill worker left, decode workers
+   * prefill themselves).
+   */
+  readiness(): EngineReadiness {
+    const decode = this.decodeWorkers.readiness();
+    const prefill = this.prefillWorkers.readiness();
+    return {
+      ...decode,
+      workersAlive: decode.workersAlive + prefill.workersAlive, workersTotal: decode.workersTotal + prefill.workersTotal,
+    };
   }
 
   /** Per-worker stats with the worker's role, for /health and the metrics' worker label. */
   workerStats(): { workerId: string; role: WorkerRole; stats: EngineStats; info: EngineInfo }[] {
     return [
-      ...[...this.prefillWorkers].map(([workerId, engine]) => ({
-        workerId, role: 'prefill' as const, info: engine.info,
-        stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 },
-      })),
-      ...[...this.decodeWorkers].map(([workerId, engine]) => ({
-        workerId, role: 'decode' as const, info: engine.info,
-        stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 },
-      })),
+      ...this.prefillWorkers.workerStats().map((w) => ({ ...w, role: 'prefill' as const })),
+      ...this.decodeWorkers.workerStats().map((w) => ({ ...w, role: 'decode' as const })),
     ];
   }
 
@@ -230,11 +242,11 @@ export class DisaggregatedEngine implements Engine {
   }
 
   get prefillWorkerIds(): string[] {
-    return [...this.prefillWorkers.keys()];
+    return this.prefillWorkers.ids;
   }
 
   get decodeWorkerIds(): string[] {
-    return [...this.decodeWorkers.keys()];
+    return this.decodeWorkers.ids;
   }
 
   /** Which workers hold part of a request now; undefined once it is over. */
@@ -253,9 +265,7 @@ export class DisaggregatedEngine implements Engine {
   }
 
   async close(): Promise<void> {
-    for (const off of this.unsubscribe) off();
-    this.admission.close();
-    await Promise.all([...this.prefillWorkers.values(), ...this.decodeWorkers.values()].map((engine) => engine.close()));
+    await Promise.all([this.prefillWorkers.close(), this.decodeWorkers.close()]);
   }
 
   // -------------------------------------------------------------------------------------------------------------
@@ -322,31 +332,16 @@ export class DisaggregatedEngine implements Engine {
     flight.prefillId = undefined;
     flight.decodeId = undefined;
     flight.stage = 'routing';
-    const attempt = migration.attempt();
-    let decision: RoutingDecision;
-    try {
-      decision = await this.admission.place({
-        requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
-      });
-    } catch {
-      if (flight.aborted) {
-        flight.finished = true;
-        yield migration.closingOutput(this.now());
-        return null;
-      }
-      throw lost;
-    }
-    flight.decodeId = decision.workerId;
-    flight.decodeDecision = decision;
-    migration.placed(decision.workerId);
-    const decodeEngine = this.decodeWorkers.get(decision.workerId);
-    if (!decodeEngine) throw lost;
-    if (flight.aborted) {
+    const placed = await this.decodeWorkers.placeAfterLoss(migration, lost, () => flight.aborted);
+    if (placed === null) {
       flight.finished = true;
       yield migration.closingOutput(this.now());
       return null;
     }
-    this.migrationsTo.set(decision.workerId, (this.migrationsTo.get(decision.workerId) ?? 0) + 1);
+    const { decision, engine: decodeEngine } = placed;
+    flight.decodeId = decision.workerId;
+    flight.decodeDecision = decision;
+    const attempt = migration.attempt();
     const previous = flight.summary?.disaggregation;
     flight.summary = {
       ...summarizeDecision(decision, this.now()),
@@ -434,7 +429,7 @@ export class DisaggregatedEngine implements Engine {
     const { choice, prefillDecision } = this.decide(attempt, routing, flight.decodeDecision!);
     const takenBy = prefillDecision?.workerId ?? decodeId;
     migration.placed(takenBy);
-    this.migrationsTo.set(takenBy, (this.migrationsTo.get(takenBy) ?? 0) + 1);
+    (prefillDecision !== null ? this.prefillWorkers : this.decodeWorkers).countMigration(takenBy);
     if (prefillDecision !== null) {
       flight.summary = { ...flight.summary!, disaggregation: choice };
       return this.runRemote(attempt, flight, prefillDecision, decodeEngine);
@@ -485,7 +480,7 @@ export class DisaggregatedEngine implements Engine {
           this.observePrefill(output);
           first = false;
         }
-        this.decodeRouter.updateLoad(workerId, workerLoadFromStats(decodeEngine.stats()));
+        this.decodeWorkers.updateLoad(workerId, decodeEngine);
         if (output.finishReason !== undefined) flight.finished = true;
         yield { ...output, routing: flight.summary };
       }
@@ -526,7 +521,7 @@ export class DisaggregatedEngine implements Engine {
           this.prefillRouter.onPrefillDone(request.id);
           this.observePrefill(output);
         }
-        this.prefillRouter.updateLoad(prefillId, workerLoadFromStats(prefillEngine.stats()));
+        this.prefillWorkers.updateLoad(prefillId, prefillEngine);
         if (output.finishReason !== undefined) flight.finished = true;
         yield { ...output, routing: flight.summary };
         if (flight.finished) return null;
@@ -565,7 +560,7 @@ export class DisaggregatedEngine implements Engine {
     try {
       for await (const output of decodeEngine.adopt(handoff, sourceId)) {
         flight.stage = 'decode';
-        this.decodeRouter.updateLoad(decodeId, workerLoadFromStats(decodeEngine.stats()));
+        this.decodeWorkers.updateLoad(decodeId, decodeEngine);
         if (output.finishReason !== undefined) flight.finished = true;
         yield { ...output, routing: flight.summary };
       }
@@ -632,24 +627,10 @@ export class DisaggregatedEngine implements Engine {
     this.prefillRate.observe(tokens, ms);
   }
 
-  private lostOr(error: unknown, workerId: string, pool: Map<string, unknown>, requestId: string): unknown {
+  private lostOr(error: unknown, workerId: string, pool: WorkerGroup<RoutableEngine>, requestId: string): unknown {
     if (!pool.has(workerId)) return new WorkerLostError(workerId, `worker ${workerId} was lost while running request ${requestId}`);
     return error;
   }
-
-  private dropPrefillWorker(workerId: string): void {
-    if (!this.prefillWorkers.delete(workerId)) return;
-    this.prefillRouter.removeWorker(workerId);
-    this.channel.disconnect(workerId);
-  }
-
-  private dropDecodeWorker(workerId: string): void {
-    if (!this.decodeWorkers.delete(workerId)) return;
-    this.decodeRouter.removeWorker(workerId);
-    this.channel.disconnect(workerId);
-  }
-
-
 }
 
 /** MigrationRecord.reason of a request sent back to be prefilled after its prefill worker was lost. */

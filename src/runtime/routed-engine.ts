@@ -4,67 +4,54 @@
 // The gateway holds it exactly as it would hold one engine.
 
 import { WorkerLostError } from '../engine/errors.ts';
-import type { KvEvent } from '../engine/kv-cache/events.ts';
-import type {
-  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, RoutingSummary,
-} from '../engine/types.ts';
-import { workerLoadFromStats, type RoutingDecision, type RoutingRequest } from '../router/protocols.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats } from '../engine/types.ts';
+import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
-import { sumEngineStats } from './engine-stats.ts';
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
-import { RouterAdmission } from './router-admission.ts';
-
-/** A worker as the routed engine needs it: any Engine, plus KV events and loss notices when it has them. */
-export interface RoutableEngine extends Engine {
-  onKvEvents?(listener: (events: KvEvent[]) => void): () => void;
-  onLost?(listener: (error: Error) => void): () => void;
-}
+import {
+  combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
+  type WorkerGroupLog, type WorkerRestartOptions,
+} from './worker-group.ts';
 
 export interface RoutedWorker {
   id: string;
   engine: RoutableEngine;
 }
 
+export interface RoutedEngineOptions {
+  /** How often a request may move on when its worker is lost (default: never). */
+  migration?: MigrationOptions;
+  /** Lost workers are replaced (see worker-group.ts); default: not. */
+  restart?: WorkerRestartOptions<RoutableEngine>;
+  log?: WorkerGroupLog;
+}
+
 export class RoutedEngine implements Engine {
   readonly info: EngineInfo;
-  private readonly workers = new Map<string, RoutableEngine>();
+  private readonly group: WorkerGroup<RoutableEngine>;
   /** Which worker runs each routed request (for abort). */
   private readonly placement = new Map<string, string>();
-  private readonly admission: RouterAdmission;
-  private readonly unsubscribe: (() => void)[] = [];
   /** Requests between generate() and their last output, for abort to reach one between two workers. */
   private readonly inFlight = new Map<string, RequestMigration>();
-  /** Requests each worker took over from a lost worker. */
-  private readonly migrationsTo = new Map<string, number>();
   private readonly migration: MigrationOptions;
 
-  /** `migration`: how often a request may move on when its worker is lost (default: never). */
   constructor(workers: readonly RoutedWorker[], private readonly router: Router, private readonly now: () => number,
-    migration: MigrationOptions = { limit: DEFAULT_MIGRATION_LIMIT }) {
+    options: RoutedEngineOptions = {}) {
+    const migration = options.migration ?? { limit: DEFAULT_MIGRATION_LIMIT };
     this.migration = { ...migration, limit: checkMigrationLimit(migration.limit) };
     if (workers.length === 0) throw new Error('a routed engine needs at least one worker');
-    this.admission = new RouterAdmission(router, now);
-    for (const { id, engine } of workers) {
-      this.workers.set(id, engine);
-      router.addWorker(id, workerLoadFromStats(engine.stats()));
-      const offEvents = engine.onKvEvents?.((events) => router.applyKvEvents(id, events));
-      const offLost = engine.onLost?.(() => this.dropWorker(id));
-      if (offEvents) this.unsubscribe.push(offEvents);
-      if (offLost) this.unsubscribe.push(offLost);
-    }
+    this.group = new WorkerGroup({
+      router, now, ...(options.restart ? { restart: options.restart } : {}), ...(options.log ? { log: options.log } : {}),
+    });
+    for (const { id, engine } of workers) this.group.add(id, engine);
     const infos = workers.map((w) => w.engine.info);
-    const first = infos[0]!;
-    this.info = {
-      ...first,
-      maxModelLen: Math.min(...infos.map((i) => i.maxModelLen)),
-      kvCapacityTokens: infos.reduce((sum, i) => sum + i.kvCapacityTokens, 0),
-    };
+    this.info = combinedInfo(infos[0]!, infos);
   }
 
   get workerIds(): string[] {
-    return [...this.workers.keys()];
+    return this.group.ids;
   }
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
@@ -83,43 +70,29 @@ export class RoutedEngine implements Engine {
   /** Runs the request on the worker the router picks and, when that worker is lost, on the next one. */
   private async *follow(migration: RequestMigration): AsyncGenerator<EngineOutput> {
     const request = migration.request;
-    let lost: WorkerLostError | undefined;
+    const routingRequest: RoutingRequest = {
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+    };
+    let decision: RoutingDecision = await this.group.admission.place(routingRequest);
+    let engine = this.group.get(decision.workerId);
     for (;;) {
-      const attempt = migration.attempt();
-      const routingRequest: RoutingRequest = {
-        requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
-      };
-      let decision: RoutingDecision;
-      try {
-        decision = await this.admission.place(routingRequest);
-      } catch (error) {
-        if (lost === undefined) throw error;
-        if (migration.aborted) {
-          yield migration.closingOutput(this.now());
-          return;
-        }
-        // No worker to take it (none left, or all busy past the queue bound): the loss is what the caller sees.
-        throw lost;
-      }
       const workerId = decision.workerId;
-      const engine = this.workers.get(workerId);
-      if (lost !== undefined) migration.placed(workerId);
       const summary = migration.summarize(summarizeDecision(decision, this.now()));
       this.placement.set(request.id, workerId);
       let first = true;
+      let lost: WorkerLostError;
       try {
         if (!engine) throw new WorkerLostError(workerId, `worker ${workerId} left before the request could start`);
         if (migration.aborted) {
           yield migration.closingOutput(this.now());
           return;
         }
-        if (lost !== undefined) this.migrationsTo.set(workerId, (this.migrationsTo.get(workerId) ?? 0) + 1);
-        for await (const output of engine.generate(attempt)) {
+        for await (const output of engine.generate(migration.attempt())) {
           if (first) {
             this.router.onPrefillDone(request.id);
             first = false;
           }
-          this.router.updateLoad(workerId, workerLoadFromStats(engine.stats()));
+          this.group.updateLoad(workerId, engine);
           const adapted = migration.adapt({ ...output, routing: summary });
           yield adapted.output;
           // A stop string matched on this side after a migration: leaving the loop aborts the worker's request.
@@ -127,7 +100,7 @@ export class RoutedEngine implements Engine {
         }
         return;
       } catch (error) {
-        const failure = this.workers.has(workerId) || !engine ? error
+        const failure = this.group.has(workerId) || !engine ? error
           : new WorkerLostError(workerId, `worker ${workerId} was lost while running request ${request.id}`);
         if (migration.abortedWhenLost(failure)) {
           yield migration.closingOutput(this.now());
@@ -139,58 +112,45 @@ export class RoutedEngine implements Engine {
       } finally {
         this.placement.delete(request.id);
         this.router.onFinished(request.id, this.now());
-        this.admission.drain();
+        this.group.admission.drain();
       }
+      const next = await this.group.placeAfterLoss(migration, lost);
+      if (next === null) {
+        yield migration.closingOutput(this.now());
+        return;
+      }
+      ({ decision, engine } = next);
     }
   }
 
   abort(requestId: string): void {
     const migration = this.inFlight.get(requestId);
     if (migration) migration.aborted = true;
-    if (this.admission.cancel(requestId)) return;
+    if (this.group.admission.cancel(requestId)) return;
     const workerId = this.placement.get(requestId);
-    if (workerId) this.workers.get(workerId)?.abort(requestId);
+    if (workerId) this.group.get(workerId)?.abort(requestId);
   }
 
   stats(): EngineStats {
-    const total = sumEngineStats([...this.workers.values()].map((engine) => engine.stats()));
-    total.requestMigrations = [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
-    total.numWaiting += this.admission.size;
-    return total;
+    return combinedStats([this.group]);
+  }
+
+  /** Whether any worker can serve, for /health. */
+  readiness(): EngineReadiness {
+    return this.group.readiness();
   }
 
   /** One worker's engine (for drills that kill it); undefined once it left. */
   workerEngine(workerId: string): RoutableEngine | undefined {
-    return this.workers.get(workerId);
+    return this.group.get(workerId);
   }
 
   /** Per-worker stats, for /health and the metrics' worker label. */
   workerStats(): { workerId: string; stats: EngineStats; info: EngineInfo }[] {
-    return [...this.workers].map(([workerId, engine]) => ({
-      workerId, stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 }, info: engine.info,
-    }));
+    return this.group.workerStats();
   }
 
   async close(): Promise<void> {
-    for (const off of this.unsubscribe) off();
-    this.admission.close();
-    await Promise.all([...this.workers.values()].map((engine) => engine.close()));
+    await this.group.close();
   }
-
-  // -------------------------------------------------------------------------------------------------------------
-
-  private dropWorker(workerId: string): void {
-    if (!this.workers.delete(workerId)) return;
-    this.router.removeWorker(workerId);
-  }
-}
-
-/** The router's decision as it travels on the request's outputs (trace and timings). */
-export function summarizeDecision(decision: RoutingDecision, decidedAt: number): RoutingSummary {
-  const { overhead } = decision;
-  return {
-    workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
-    reason: decision.reason, decidedAt,
-    overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
-  };
 }

@@ -23,6 +23,8 @@ import { DisaggregatedEngine, type DecodeWorkerEngine, type PrefillWorkerEngine 
 import { SharedMemoryKvChannel, SimulatedKvChannel } from './kv-transfer.ts';
 import { DEFAULT_MIGRATION_LIMIT, type MigrationOptions } from './migration.ts';
 import { RoutedEngine, type RoutedWorker } from './routed-engine.ts';
+import { SupervisedEngine } from './supervised-engine.ts';
+import type { RoutableEngine, WorkerGroupLog, WorkerRestartOptions } from './worker-group.ts';
 
 export interface SimWorkerSpec {
   /** A model profile id (llama-3.1-8b, llama-3.1-70b ...). */
@@ -60,6 +62,15 @@ export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' 
   disaggregationPolicy?: Partial<DisaggregationPolicy>;
   /** Starting (or, with fixed, constant) transfer and prefill throughput estimates for that policy. */
   disaggregationEstimates?: { transferBytesPerSec?: number; prefillTokensPerSec?: number; fixed?: boolean };
+  /**
+   * Restart attempts in a row for a cpu worker whose thread died (default 0: a lost worker stays lost); see
+   * worker-group.ts. With one worker and restarts on, the pool's engine is a SupervisedEngine.
+   */
+  workerRestartLimit?: number;
+  /** Wait before the first restart attempt, ms, doubled per further attempt (default 500). */
+  workerRestartDelayMs?: number;
+  /** Where lost workers and restarts are reported. */
+  log?: WorkerGroupLog;
 }
 
 export interface WorkerPool {
@@ -72,6 +83,8 @@ export interface WorkerPool {
   /** The individual workers (one entry when not routed); role is set in a disaggregated pool. */
   workers: { id: string; engine: Engine; role?: WorkerRole }[];
   notices: string[];
+  /** Set for one cpu worker with restarts on. */
+  supervised?: SupervisedEngine;
   /** Set in a disaggregated pool (prefillWorkers/decodeWorkers): the engine, and its two routers. */
   disaggregated?: DisaggregatedEngine;
   prefillRouter?: Router;
@@ -85,17 +98,32 @@ export async function createWorkerPool(options: WorkerPoolOptions): Promise<Work
   }
   const routedMode = options.workers > 1;
   const built = options.engine === 'sim' ? await simWorkers(options, routedMode) : await cpuWorkers(options, routedMode);
-  if (!routedMode) return { ...built, engine: built.workers[0]!.engine };
-
   const blockSize = built.workers[0]!.engine.info.blockSize;
-  const router = new Router({
-    blockSize, policy: options.routingPolicy ?? 'kv', maxQueued: options.maxQueued,
-    random: seededRandom(options.routerSeed ?? Math.floor(Math.random() * 2 ** 32)),
-    clock: () => performance.now(),
-    index: new BitsetKvIndex({ hashSeed: Math.floor(Math.random() * 2 ** 32) }),
+  const policy = restartPolicy(options, built.start !== undefined);
+  const restart = policy && built.start ? { ...policy, start: built.start } : undefined;
+  if (!routedMode) {
+    const only = built.workers[0]!;
+    if (!restart) return { ...built, engine: only.engine };
+    const supervised = new SupervisedEngine(only.id, only.engine, makeRouter(options, blockSize, 0), engineNow, restart, options.log);
+    return { ...built, engine: supervised, supervised };
+  }
+  const router = makeRouter(options, blockSize, 0);
+  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, engineNow, {
+    migration: migrationOptions(options, built.tokenizer),
+    ...(restart ? { restart } : {}), ...(options.log ? { log: options.log } : {}),
   });
-  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, engineNow, migrationOptions(options, built.tokenizer));
   return { ...built, engine: routed, routed, router };
+}
+
+/**
+ * Restarts of lost workers, when asked for and the workers can be started again (cpu workers; sim workers are never
+ * lost).
+ */
+function restartPolicy(options: WorkerPoolOptions, canRestart: boolean): Omit<WorkerRestartOptions<never>, 'start'> | undefined {
+  const limit = options.workerRestartLimit ?? 0;
+  if (!Number.isInteger(limit) || limit < 0) throw new RangeError(`worker restart limit must be a whole number >= 0, got ${limit}`);
+  if (limit === 0 || !canRestart) return undefined;
+  return { limit, ...(options.workerRestartDelayMs !== undefined ? { baseDelayMs: options.workerRestartDelayMs } : {}) };
 }
 
 /**
@@ -113,18 +141,16 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / options.workers));
   const first = await createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents });
   const workers: RoutedWorker[] = [{ id: 'worker-0', engine: first.engine }];
+  const start = (): Promise<RoutableEngine> => LocalEngine.start({
+    ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: withKvEvents,
+  });
   try {
-    for (let i = 1; i < options.workers; i++) {
-      const engine = await LocalEngine.start({
-        ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: true,
-      });
-      workers.push({ id: `worker-${i}`, engine });
-    }
+    for (let i = 1; i < options.workers; i++) workers.push({ id: `worker-${i}`, engine: await start() });
   } catch (error) {
     await Promise.all(workers.map((w) => w.engine.close()));
     throw error;
   }
-  return { workers, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate, notices: first.engine.notices };
+  return { workers, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate, notices: first.engine.notices, start };
 }
 
 /**
@@ -151,7 +177,7 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   const tokenizer = createTokenizer({ kind: 'gguf', file: vocab });
   const chatTemplate = chatTemplateFromGguf(vocab, tokenizer);
   return {
-    workers, tokenizer, chatTemplate,
+    workers, tokenizer, chatTemplate, start: undefined,
     notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker (speed-up ${spec.speedUp})`],
   };
 }
@@ -179,11 +205,15 @@ async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<Work
   const blockSize = built.decode[0]!.engine.info.blockSize;
   const prefillRouter = makeRouter(options, blockSize, 0);
   const decodeRouter = makeRouter(options, blockSize, 1);
+  const policy = restartPolicy(options, built.start !== undefined);
+  const start = built.start;
   const engine = new DisaggregatedEngine({
     prefill: built.prefill, decode: built.decode, prefillRouter, decodeRouter,
     channel: options.engine === 'sim' ? new SimulatedKvChannel() : new SharedMemoryKvChannel(),
     policy: options.disaggregationPolicy, estimates: options.disaggregationEstimates, now: engineNow,
     migration: migrationOptions(options, built.tokenizer),
+    ...(policy && start ? { restart: { ...policy, startPrefill: () => start('prefill'), startDecode: () => start('decode') } } : {}),
+    ...(options.log ? { log: options.log } : {}),
   });
   const workers = [
     ...built.prefill.map((w) => ({ ...w, role: 'prefill' as const })),
@@ -201,6 +231,8 @@ interface RoleWorkers {
   tokenizer: Tokenizer;
   chatTemplate: ChatTemplate;
   notices: string[];
+  /** Starts one more worker of a role (cpu workers, for restarts). */
+  start?(role: 'prefill' | 'decode'): Promise<LocalEngine>;
 }
 
 async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, numDecode: number): Promise<RoleWorkers> {
@@ -228,8 +260,10 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
     await Promise.all(started.map((engine) => engine.close()));
     throw error;
   }
+  const servedModelName = first.engine.info.modelName;
   return {
     prefill, decode, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate,
+    start: (role) => LocalEngine.start({ ...common, servedModelName, role }),
     notices: [...first.engine.notices, `disaggregated: ${numPrefill} prefill + ${numDecode} decode workers, KV over shared memory`],
   };
 }

@@ -13,6 +13,7 @@ import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingP
 import { PREFILL_WORKER_LOST, type DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
+import { waitUntil } from '../helpers/wait-until.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 let nextId = 0;
@@ -69,7 +70,7 @@ async function prefillWorkerOf(engine: DisaggregatedEngine, requestId: string): 
 async function kill(pool: WorkerPool, workerId: string): Promise<void> {
   await engineOf(pool, workerId).kill();
   const engine = pool.disaggregated!;
-  while ([...engine.prefillWorkerIds, ...engine.decodeWorkerIds].includes(workerId)) await turn();
+  await waitUntil(() => ![...engine.prefillWorkerIds, ...engine.decodeWorkerIds].includes(workerId), `worker ${workerId} left its tier`);
 }
 
 /** Settles every surviving worker, then checks that no block and no request is left anywhere. */

@@ -16,6 +16,7 @@ import { Router } from '../../src/router/router.ts';
 import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { createWorkerPool, type WorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
+import { waitUntil } from '../helpers/wait-until.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 let nextId = 0;
@@ -207,7 +208,7 @@ describe('request migration between routed workers', () => {
     });
     const engines = new Map<string, LocalEngine>([['a', first.engine], ['b', second]]);
     const routed = new RoutedEngine([...engines].map(([id, engine]) => ({ id, engine })), router, engineNow,
-      { limit: 2, tokenizer: first.tokenizer });
+      { migration: { limit: 2, tokenizer: first.tokenizer } });
     try {
       const blocker = request(prompt(6), { maxTokens: 600 });
       const blockerStream = routed.generate(blocker)[Symbol.asyncIterator]();
@@ -219,7 +220,7 @@ describe('request migration between routed workers', () => {
       await engines.get(firstOutput.routing!.workerId)!.kill();
       const rest: EngineOutput[] = [];
       const pump = (async () => { for (let r = await stream.next(); !r.done; r = await stream.next()) rest.push(r.value); })();
-      while (routed.stats().numWaiting === 0) await new Promise((resolve) => setTimeout(resolve, 1));
+      await waitUntil(() => routed.stats().numWaiting > 0, 'the migrating request waits for a worker');
       routed.abort(req.id);
       await pump;
       const last = rest.at(-1)!;

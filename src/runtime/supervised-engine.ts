@@ -1,0 +1,65 @@
+// One worker whose thread is restarted when it dies: what `conduit serve` runs when it runs a single CPU worker.
+// Requests go to the worker there is now; while none is (lost, restarting, or given up) they are refused with
+// EngineOverloadedError (503 + Retry-After) and readiness() says why. The restarts are the worker group's.
+
+import { EngineOverloadedError } from '../engine/errors.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats } from '../engine/types.ts';
+import type { Router } from '../router/router.ts';
+import {
+  combinedStats, WorkerGroup, type EngineReadiness, type RoutableEngine, type WorkerGroupLog, type WorkerRestartOptions,
+} from './worker-group.ts';
+
+export class SupervisedEngine implements Engine {
+  readonly info: EngineInfo;
+  private readonly group: WorkerGroup<RoutableEngine>;
+  /** The worker each request runs on (for abort). */
+  private readonly placement = new Map<string, RoutableEngine>();
+
+  /** `router`: a router of its own (the group keeps its one worker registered there). */
+  constructor(id: string, engine: RoutableEngine, router: Router, now: () => number,
+    restart: WorkerRestartOptions<RoutableEngine>, log?: WorkerGroupLog) {
+    this.info = engine.info;
+    this.group = new WorkerGroup({ router, now, restart, ...(log ? { log } : {}) });
+    this.group.add(id, engine);
+  }
+
+  generate(request: EngineRequest): AsyncIterable<EngineOutput> {
+    const supervised = this;
+    return (async function* () {
+      const current = supervised.group.first();
+      // As the routed engine says it; /health gives the reason.
+      if (!current) throw new EngineOverloadedError('no worker is available', 1000);
+      const [, engine] = current;
+      supervised.placement.set(request.id, engine);
+      try {
+        yield* engine.generate(request);
+      } finally {
+        supervised.placement.delete(request.id);
+      }
+    })();
+  }
+
+  abort(requestId: string): void {
+    this.placement.get(requestId)?.abort(requestId);
+  }
+
+  stats(): EngineStats {
+    const stats = combinedStats([this.group]);
+    delete stats.requestMigrations;
+    return stats;
+  }
+
+  readiness(): EngineReadiness {
+    return this.group.readiness();
+  }
+
+  /** The worker there is now: its id and engine (for drills that kill it); undefined while there is none. */
+  get worker(): { id: string; engine: RoutableEngine } | undefined {
+    const current = this.group.first();
+    return current ? { id: current[0], engine: current[1] } : undefined;
+  }
+
+  async close(): Promise<void> {
+    await this.group.close();
+  }
+}

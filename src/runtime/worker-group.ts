@@ -1,0 +1,304 @@
+// A group of interchangeable workers behind one router: what the routed engine holds once and the disaggregated
+// engine twice (its prefill and its decode workers). The group registers each worker with the router (its load,
+// its KV events), drops a lost worker from the router, counts the requests each worker took over from a lost one,
+// sums stats, closes, places a request again after its worker was lost (the migration branch both engines share),
+// and restarts lost workers.
+//
+// Restarts: a lost worker (its thread died) is replaced by a new one, started by the pool's factory after a backoff
+// (`baseDelayMs`, doubled per consecutive attempt up to `maxDelayMs`), at most `limit` attempts in a row; an attempt
+// that fails to start counts like one that dies. A worker that stays up `stableMs` earns its slot a fresh count.
+// A restarted worker is a new worker with a new id (`worker-0` comes back as `worker-0-r1`): an empty KV cache the
+// router learns from scratch, and a request still failing on the old one is told apart from one on the new.
+// Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
+
+import type { KvEvent } from '../engine/kv-cache/events.ts';
+import type { Engine, EngineInfo, EngineStats, RoutingSummary } from '../engine/types.ts';
+import { workerLoadFromStats, type RoutingDecision } from '../router/protocols.ts';
+import type { Router } from '../router/router.ts';
+import { sumEngineStats } from './engine-stats.ts';
+import type { RequestMigration } from './migration.ts';
+import { RouterAdmission } from './router-admission.ts';
+
+/** A worker as the routed engines need it: any Engine, plus KV events and loss notices when it has them. */
+export interface RoutableEngine extends Engine {
+  onKvEvents?(listener: (events: KvEvent[]) => void): () => void;
+  onLost?(listener: (error: Error) => void): () => void;
+}
+
+/** Whether an engine can serve now; `reason` says why not (what /health answers with its 503). */
+export interface EngineReadiness {
+  ready: boolean;
+  reason?: string;
+  /** Workers that can take requests, and how many the engine was started with. */
+  workersAlive: number;
+  workersTotal: number;
+}
+
+/** Restart attempts in a row per worker before it is given up, by default (cf. a supervisor's bounded retries). */
+export const DEFAULT_WORKER_RESTART_LIMIT = 3;
+
+export interface WorkerRestartOptions<E> {
+  /** Attempts in a row per worker (0: a lost worker stays lost). */
+  limit: number;
+  /** Starts the worker that replaces a lost one; `id` is the new worker's. */
+  start(id: string): Promise<E>;
+  /** Wait before the first attempt, ms (default 500), doubled per further attempt up to maxDelayMs (default 30 s). */
+  baseDelayMs?: number;
+  maxDelayMs?: number;
+  /** A worker up this long resets its slot's attempt count (default 60 s). */
+  stableMs?: number;
+}
+
+export type WorkerGroupLog = (level: 'info' | 'warn' | 'error', message: string) => void;
+
+export interface WorkerGroupOptions<E> {
+  router: Router;
+  /** Engine clock, ms. */
+  now: () => number;
+  /** What the workers are called in messages ("worker", "decode worker"). */
+  label?: string;
+  restart?: WorkerRestartOptions<E>;
+  log?: WorkerGroupLog;
+  /** Called when a worker joins (at the start or restarted); returns what to undo when it leaves. */
+  onJoin?(id: string, engine: E): (() => void)[];
+  /** Called when a worker is lost, after the router dropped it. */
+  onLeave?(id: string): void;
+}
+
+/** One place a worker stands in: its current worker, and its restarts. */
+interface Slot {
+  readonly name: string;
+  workerId: string | undefined;
+  attempts: number;
+  joinedAt: number;
+  timer: NodeJS.Timeout | undefined;
+  givenUp: boolean;
+}
+
+export class WorkerGroup<E extends RoutableEngine> {
+  readonly router: Router;
+  /** The router's admission queue for requests of this group that wait for a free worker. */
+  readonly admission: RouterAdmission;
+  readonly label: string;
+  private readonly workers = new Map<string, E>();
+  /** Slot of each worker id, current or past. */
+  private readonly slotOf = new Map<string, Slot>();
+  private readonly slots: Slot[] = [];
+  private readonly leave = new Map<string, (() => void)[]>();
+  /** Requests each worker took over from a lost worker. */
+  private readonly migrationsTo = new Map<string, number>();
+  private readonly now: () => number;
+  private closed = false;
+
+  constructor(private readonly options: WorkerGroupOptions<E>) {
+    this.router = options.router;
+    this.now = options.now;
+    this.label = options.label ?? 'worker';
+    this.admission = new RouterAdmission(this.router, this.now, this.label);
+  }
+
+  /** Adds a worker the group starts with. */
+  add(id: string, engine: E): void {
+    const slot: Slot = { name: id, workerId: undefined, attempts: 0, joinedAt: 0, timer: undefined, givenUp: false };
+    this.slots.push(slot);
+    this.join(slot, id, engine);
+  }
+
+  get size(): number {
+    return this.workers.size;
+  }
+
+  get ids(): string[] {
+    return [...this.workers.keys()];
+  }
+
+  get(id: string): E | undefined {
+    return this.workers.get(id);
+  }
+
+  has(id: string): boolean {
+    return this.workers.has(id);
+  }
+
+  entries(): [string, E][] {
+    return [...this.workers];
+  }
+
+  /** The first worker the group has now (the only one of a one-worker group), if any. */
+  first(): [string, E] | undefined {
+    return this.workers.entries().next().value;
+  }
+
+  countMigration(workerId: string): void {
+    this.migrationsTo.set(workerId, (this.migrationsTo.get(workerId) ?? 0) + 1);
+  }
+
+  get migrations(): number {
+    return [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
+  }
+
+  /** Per-worker stats, each with the requests it took over. */
+  workerStats(): { workerId: string; stats: EngineStats; info: EngineInfo }[] {
+    return [...this.workers].map(([workerId, engine]) => ({
+      workerId, stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 }, info: engine.info,
+    }));
+  }
+
+  readiness(): EngineReadiness {
+    const total = this.slots.length;
+    const alive = this.workers.size;
+    if (alive > 0) return { ready: true, workersAlive: alive, workersTotal: total };
+    const restarting = this.slots.filter((s) => !s.givenUp).length;
+    const reason = this.closed ? `the ${this.label}s are closed`
+      : restarting > 0 ? `no ${this.label} can serve: ${this.lostCount(total)}, restarting`
+      : `no ${this.label} can serve: ${this.lostCount(total)}, and restarting ${total === 1 ? 'it' : 'them'} gave up`;
+    return { ready: false, reason, workersAlive: 0, workersTotal: total };
+  }
+
+  /**
+   * Places the continuation of a request whose worker was lost (`lost`): the new worker, or null when the request
+   * was aborted on the way (`aborted`; the caller ends the stream with migration.closingOutput). Throws `lost` when no worker
+   * takes it (none left, or all busy past the queue bound): the loss is what the caller sees.
+   */
+  async placeAfterLoss(migration: RequestMigration, lost: Error, aborted = () => migration.aborted):
+    Promise<{ decision: RoutingDecision; engine: E } | null> {
+    const request = migration.request;
+    const attempt = migration.attempt();
+    let decision: RoutingDecision;
+    try {
+      decision = await this.admission.place({
+        requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+      });
+    } catch {
+      if (aborted()) return null;
+      throw lost;
+    }
+    migration.placed(decision.workerId);
+    const engine = this.workers.get(decision.workerId);
+    if (!engine || aborted()) {
+      // The placement ends here: the router lets go of it.
+      this.router.onFinished(request.id, this.now());
+      this.admission.drain();
+      if (!engine) throw lost;
+      return null;
+    }
+    this.countMigration(decision.workerId);
+    return { decision, engine };
+  }
+
+  /** Reports the worker's latest load to the router (after each of its outputs). */
+  updateLoad(workerId: string, engine: E): void {
+    this.router.updateLoad(workerId, workerLoadFromStats(engine.stats()));
+  }
+
+  async close(): Promise<void> {
+    this.closed = true;
+    for (const slot of this.slots) clearTimeout(slot.timer);
+    for (const offs of this.leave.values()) for (const off of offs) off();
+    this.leave.clear();
+    this.admission.close();
+    await Promise.all([...this.workers.values()].map((engine) => engine.close()));
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+
+  private join(slot: Slot, id: string, engine: E): void {
+    slot.workerId = id;
+    slot.joinedAt = performance.now();
+    this.slotOf.set(id, slot);
+    this.workers.set(id, engine);
+    this.router.addWorker(id, workerLoadFromStats(engine.stats()));
+    const offs = [...(this.options.onJoin?.(id, engine) ?? [])];
+    const offEvents = engine.onKvEvents?.((events) => this.router.applyKvEvents(id, events));
+    const offLost = engine.onLost?.((error) => this.lose(id, error));
+    if (offEvents) offs.push(offEvents);
+    if (offLost) offs.push(offLost);
+    this.leave.set(id, offs);
+  }
+
+  private lose(id: string, error: Error): void {
+    if (this.closed || !this.workers.delete(id)) return;
+    for (const off of this.leave.get(id) ?? []) off();
+    this.leave.delete(id);
+    this.router.removeWorker(id);
+    this.options.onLeave?.(id);
+    const slot = this.slotOf.get(id)!;
+    slot.workerId = undefined;
+    const stable = this.options.restart?.stableMs ?? 60_000;
+    if (performance.now() - slot.joinedAt >= stable) slot.attempts = 0;
+    this.log('warn', `${this.label} ${id} was lost: ${error.message}`);
+    this.scheduleRestart(slot);
+  }
+
+  private scheduleRestart(slot: Slot): void {
+    const restart = this.options.restart;
+    if (this.closed) return;
+    if (!restart || slot.attempts >= restart.limit) {
+      slot.givenUp = true;
+      this.log('error', restart && restart.limit > 0
+        ? `${this.label} ${slot.name}: giving up after ${slot.attempts} restart attempt${slot.attempts === 1 ? '' : 's'} in a row`
+        : `${this.label} ${slot.name} is not restarted (restarts are off)`);
+      return;
+    }
+    slot.attempts++;
+    const delay = Math.min((restart.baseDelayMs ?? 500) * 2 ** (slot.attempts - 1), restart.maxDelayMs ?? 30_000);
+    const id = `${slot.name}-r${this.restartCount(slot)}`;
+    this.log('info', `${this.label} ${slot.name}: restart attempt ${slot.attempts} of ${restart.limit} in ${delay} ms (as ${id})`);
+    slot.timer = setTimeout(() => {
+      slot.timer = undefined;
+      restart.start(id).then((engine) => {
+        if (this.closed) {
+          void engine.close();
+          return;
+        }
+        this.log('info', `${this.label} ${id} started in place of the lost one`);
+        this.join(slot, id, engine);
+      }, (error: unknown) => {
+        this.log('warn', `${this.label} ${id} failed to start: ${error instanceof Error ? error.message : String(error)}`);
+        this.scheduleRestart(slot);
+      });
+    }, delay);
+  }
+
+  /** How many workers this slot has had after its first: the suffix of the next one's id. */
+  private restartCount(slot: Slot): number {
+    let count = 0;
+    for (const s of this.slotOf.values()) if (s === slot) count++;
+    return count;
+  }
+
+  private lostCount(total: number): string {
+    return total === 1 ? `its one ${this.label} was lost` : `all ${total} ${this.label}s were lost`;
+  }
+
+  private log(level: 'info' | 'warn' | 'error', message: string): void {
+    this.options.log?.(level, message);
+  }
+}
+
+/** The engine info of several workers as one engine's: the smallest context, the summed KV capacity. */
+export function combinedInfo(base: EngineInfo, infos: readonly EngineInfo[]): EngineInfo {
+  return {
+    ...base,
+    maxModelLen: Math.min(...infos.map((i) => i.maxModelLen)),
+    kvCapacityTokens: infos.reduce((sum, i) => sum + i.kvCapacityTokens, 0),
+  };
+}
+
+/** The stats of the groups' workers as one engine's, with their waiting requests and migrations. */
+export function combinedStats(groups: readonly WorkerGroup<RoutableEngine>[]): EngineStats {
+  const total = sumEngineStats(groups.flatMap((g) => g.entries().map(([, engine]) => engine.stats())));
+  for (const group of groups) total.numWaiting += group.admission.size;
+  total.requestMigrations = groups.reduce((sum, g) => sum + g.migrations, 0);
+  return total;
+}
+
+/** The router's decision as it travels on the request's outputs (trace and timings). */
+export function summarizeDecision(decision: RoutingDecision, decidedAt: number): RoutingSummary {
+  const { overhead } = decision;
+  return {
+    workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
+    reason: decision.reason, decidedAt,
+    overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
+  };
+}
