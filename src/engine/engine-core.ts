@@ -13,7 +13,8 @@ import {
 } from './handoff.ts';
 import { KvCacheManager } from './kv-cache/manager.ts';
 import type { KvEvent } from './kv-cache/events.ts';
-import { copyTimestamps, InvalidRequestError, type Request } from './request.ts';
+import { InvalidRequestError } from './errors.ts';
+import { copyTimestamps, type Request } from './request.ts';
 import { drawRandomSeed } from './rng.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, type SequenceSampler } from './sampler.ts';
 import { Scheduler, type AdoptedState, type StepPlan } from './scheduler.ts';

@@ -10,6 +10,7 @@ import { loadModel, type ModelSummary } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../runtime/worker-thread.ts';
+import { EngineClosedError, InvalidRequestError } from './errors.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import type { KvEvent } from './kv-cache/events.ts';
@@ -44,18 +45,6 @@ export const DEFAULT_KV_CACHE_MEMORY = Math.min(1 << 30, Math.floor(totalmem() /
 export const DEFAULT_MAX_NUM_SEQS = 256;
 export const DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048;
 export const DEFAULT_BLOCK_SIZE = 16;
-
-/** A request the engine refused (too long for the pool or the context, bad sampling parameters...). */
-export class EngineRejectedError extends Error {
-  override name = 'EngineRejectedError';
-  constructor(readonly code: string, message: string) {
-    super(message);
-  }
-}
-
-export class EngineClosedError extends Error {
-  override name = 'EngineClosedError';
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -132,7 +121,7 @@ export class LocalEngine implements Engine {
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
-    if (this.streams.has(request.id)) throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     const stream = new OutputStream(request.sampling.n);
     this.streams.set(request.id, stream);
     this.post({ type: 'add', request });
@@ -154,7 +143,7 @@ export class LocalEngine implements Engine {
   prefill(request: EngineRequest): AsyncIterable<PrefillEvent> {
     if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
     if (this.streams.has(request.id) || this.prefills.has(request.id)) {
-      throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+      throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     }
     const stream = new PrefillStream();
     this.prefills.set(request.id, stream);
@@ -180,7 +169,7 @@ export class LocalEngine implements Engine {
   adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput> {
     const request = handoff.request;
     if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
-    if (this.streams.has(request.id)) throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     const stream = new OutputStream(1);
     this.streams.set(request.id, stream);
     this.post({ type: 'adopt', handoff, sourceId });
@@ -277,9 +266,9 @@ export class LocalEngine implements Engine {
         this.syncs.delete(message.syncId);
         return;
       case 'rejected':
-        this.streams.get(message.requestId)?.fail(new EngineRejectedError(message.code, message.message));
+        this.streams.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.streams.delete(message.requestId);
-        this.prefills.get(message.requestId)?.fail(new EngineRejectedError(message.code, message.message));
+        this.prefills.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.prefills.delete(message.requestId);
         return;
       case 'failed':

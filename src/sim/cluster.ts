@@ -9,7 +9,7 @@
 // worker joins at its next step, as in a real engine.
 
 import type { KvHandoff } from '../engine/handoff.ts';
-import { InvalidRequestError } from '../engine/request.ts';
+import { InvalidRequestError } from '../engine/errors.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
 import type { EngineOutput, EngineRequest, EngineStats, FinishReason, WorkerRole } from '../engine/types.ts';
 import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-engine.ts';

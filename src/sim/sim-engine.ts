@@ -16,7 +16,8 @@ import { followQueue, OutputStream } from '../engine/streams.ts';
 import {
   HandoffOutbox, PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillEvent,
 } from '../engine/handoff.ts';
-import { copyTimestamps, InvalidRequestError, type Request } from '../engine/request.ts';
+import { EngineClosedError, InvalidRequestError } from '../engine/errors.ts';
+import { copyTimestamps, type Request } from '../engine/request.ts';
 import { Scheduler, type AdoptedState, type StepPlan } from '../engine/scheduler.ts';
 import { StopStringMatcher } from '../engine/stop-strings.ts';
 import type {
@@ -650,10 +651,6 @@ export interface SimEngineOptions extends SimWorkerConfig {
   startMs?: number;
 }
 
-export class SimEngineClosedError extends Error {
-  override name = 'SimEngineClosedError';
-}
-
 /**
  * A simulated worker behind the `Engine` interface. A request arrives at max(arrivalMs, now at submission) on the
  * virtual clock and joins the first step that starts at or after its arrival (an arrival in the future waits for
@@ -715,7 +712,7 @@ export class SimEngine implements Engine {
   }
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
-    if (this.closed) throw new SimEngineClosedError('engine is closed');
+    if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.streams.has(request.id) || this.prefills.has(request.id)) {
       throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     }
@@ -759,7 +756,7 @@ export class SimEngine implements Engine {
 
   /** Prefill worker: the prompt and the first token, then the handoff (blocks pinned until releaseHandoff). */
   prefill(request: EngineRequest): AsyncIterable<PrefillEvent> {
-    if (this.closed) throw new SimEngineClosedError('engine is closed');
+    if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.streams.has(request.id) || this.prefills.has(request.id)) {
       throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     }
@@ -780,7 +777,7 @@ export class SimEngine implements Engine {
    */
   adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput> {
     const requestId = handoff.requestId;
-    if (this.closed) throw new SimEngineClosedError('engine is closed');
+    if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.streams.has(requestId) || this.prefills.has(requestId)) {
       throw new InvalidRequestError('duplicate_request_id', requestId, 'a request with this id is already running');
     }
@@ -822,9 +819,9 @@ export class SimEngine implements Engine {
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    for (const [id, stream] of this.streams) stream.fail(new SimEngineClosedError(`engine closed while request ${id} was running`));
+    for (const [id, stream] of this.streams) stream.fail(new EngineClosedError(`engine closed while request ${id} was running`));
     this.streams.clear();
-    for (const [id, stream] of this.prefills) stream.fail(new SimEngineClosedError(`engine closed while request ${id} was prefilling`));
+    for (const [id, stream] of this.prefills) stream.fail(new EngineClosedError(`engine closed while request ${id} was prefilling`));
     this.prefills.clear();
     this.transfers = [];
     this.pending = [];
