@@ -168,7 +168,7 @@ export class EngineCore {
     let logits: Float32Array;
     try {
       if (plan.blockCopies.length > 0) this.copyBlocks(plan);
-      logits = this.backend.forward(batch);
+      logits = this.backend.forward(batch, this.logitsBuffer(plan.sampleTargets.length));
     } catch (error) {
       return this.failStep(plan, error);
     }
@@ -388,6 +388,7 @@ export class EngineCore {
     copyKvBlocks(pool, pool, sourceIds, destinationIds);
   }
 
+  /** The step's logits buffer, grown to the largest step seen (the native backend writes into it, no allocation). */
   private logitsBuffer(rows: number): Float32Array {
     if (this.logits.length < rows * this.vocabSize) this.logits = new Float32Array(rows * this.vocabSize);
     return this.logits;
