@@ -19,7 +19,7 @@ import { encodeExtraKeys, hashBlock } from '../src/engine/kv-cache/block-hash.ts
 import type { BlockHash, KvEvent } from '../src/engine/kv-cache/events.ts';
 import { BitsetKvIndex, HashSetKvIndex } from '../src/router/kv-index.ts';
 import type { KvIndex } from '../src/router/kv-index.ts';
-import { seededRandom, randomIndex } from '../src/router/random.ts';
+import { seededRandom, randomIndex } from '../src/util/random.ts';
 import { Router } from '../src/router/router.ts';
 
 function argument(name: string, fallback: string): string {

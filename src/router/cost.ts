@@ -22,8 +22,8 @@
 
 import type { WorkerCostTerms, WorkerId, WorkerLoad } from './protocols.ts';
 import type { OwnWorkerLoad } from './active-requests.ts';
-import { randomIndex } from './random.ts';
-import type { RandomSource } from './random.ts';
+import { randomIndex } from '../util/random.ts';
+import type { RandomSource } from '../util/random.ts';
 
 export interface RequestShape {
   numPromptTokens: number;

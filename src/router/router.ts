@@ -26,7 +26,7 @@ import { IDLE_LOAD, parsePolicyName } from './protocols.ts';
 import type {
   PolicyName, RouteOutcome, RoutingDecision, RoutingRequest, RoutingStrategy, WorkerCostTerms, WorkerId, WorkerLoad,
 } from './protocols.ts';
-import type { RandomSource } from './random.ts';
+import type { RandomSource } from '../util/random.ts';
 import { SpeculativePrefixes } from './speculative.ts';
 
 export interface RouterOptions {

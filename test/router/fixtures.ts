@@ -8,7 +8,7 @@ import type { BlockTable } from '../../src/engine/kv-cache/manager.ts';
 import { Router } from '../../src/router/router.ts';
 import type { RouterOptions } from '../../src/router/router.ts';
 import type { RoutingRequest, WorkerLoad } from '../../src/router/protocols.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 
 export const BLOCK_SIZE = 4;
 
