@@ -40,7 +40,7 @@ import { createWorkerPool } from '../src/runtime/worker-pool.ts';
 import { SimCluster, summarizeRequests, type SimRequestResult } from '../src/sim/cluster.ts';
 import { getHardwareProfile } from '../src/sim/hardware.ts';
 import { getModelProfile } from '../src/sim/models.ts';
-import { simKvBlocks, type SimWorkerConfig } from '../src/sim/sim-engine.ts';
+import { simKvBlocks, type SimWorkerConfig } from '../src/sim/sim-worker.ts';
 
 function argument(name: string, fallback: string): string {
   const at = process.argv.indexOf(`--${name}`);

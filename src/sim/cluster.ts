@@ -12,7 +12,7 @@ import type { KvHandoff } from '../engine/handoff.ts';
 import { InvalidRequestError } from '../engine/errors.ts';
 import type { KvEvent } from '../engine/kv-cache/events.ts';
 import type { EngineOutput, EngineRequest, EngineStats, FinishReason, WorkerRole } from '../engine/types.ts';
-import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-engine.ts';
+import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-worker.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routing

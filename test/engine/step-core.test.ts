@@ -7,7 +7,7 @@ import { EngineCore } from '../../src/engine/engine-core.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../src/engine/types.ts';
 import { nativeBackend } from '../../src/kernels/native.ts';
 import type { ForwardBatch, ModelRunnerBackend } from '../../src/kernels/types.ts';
-import { SimWorker } from '../../src/sim/sim-engine.ts';
+import { SimWorker } from '../../src/sim/sim-worker.ts';
 import { getHardwareProfile } from '../../src/sim/hardware.ts';
 import { getModelProfile } from '../../src/sim/models.ts';
 import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';

@@ -9,9 +9,9 @@ import type { EngineOutput, EngineRequest } from '../../src/engine/types.ts';
 import { H100_SXM } from '../../src/sim/hardware.ts';
 import { LLAMA_3_1_70B, LLAMA_3_1_8B } from '../../src/sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../../src/sim/engine-check.ts';
-import {
-  SimEngine, SimWorker, planToStepShape, syntheticToken, syntheticWord, type SimEngineOptions,
-} from '../../src/sim/sim-engine.ts';
+import { SimEngine, type SimEngineOptions } from '../../src/sim/sim-engine.ts';
+import { SimWorker, planToStepShape } from '../../src/sim/sim-worker.ts';
+import { syntheticToken, syntheticWord } from '../../src/sim/synthetic-tokens.ts';
 import { close, prompt, req, toyDecodeMs, toyPrefillMs, toyWorker } from './sim-fixtures.ts';
 
 function engine(options: Partial<SimEngineOptions> = {}): SimEngine {
