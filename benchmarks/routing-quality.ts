@@ -34,7 +34,8 @@ import { distribution, formatTable, type Distribution } from '../src/bench/stats
 import { sharedPrefixWorkload } from '../src/bench/workload.ts';
 import { seededRandom, Xoshiro128 } from '../src/util/random.ts';
 import { DEFAULT_SAMPLING, type Engine, type EngineOutput, type EngineRequest } from '../src/engine/types.ts';
-import { POLICY_NAMES, workerLoadFromStats, type PolicyName } from '../src/router/protocols.ts';
+import { POLICY_NAMES, type PolicyName } from '../src/router/protocols.ts';
+import { workerLoadFromStats } from '../src/protocols/worker.ts';
 import { Router } from '../src/router/router.ts';
 import { createWorkerPool } from '../src/runtime/worker-pool.ts';
 import { SimCluster, summarizeRequests, type SimRequestResult } from '../src/sim/cluster.ts';

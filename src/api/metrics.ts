@@ -5,7 +5,7 @@
 // renders asynchronously); other synchronous sources can plug in as a MetricsSource. The sets of names are
 // disjoint, so the exposition has each family once.
 
-import type { EngineStats } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 
 /** Returns complete exposition text (HELP/TYPE lines and samples) for some family of metrics. */
 export type MetricsSource = () => string;

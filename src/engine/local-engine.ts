@@ -9,14 +9,13 @@ import { chatTemplateFromConfig, chatTemplateFromGguf, type ChatTemplate } from 
 import { loadModel, type ModelSummary } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
-import { startTsWorker } from '../runtime/worker-thread.ts';
+import { startTsWorker } from '../util/worker-thread.ts';
 import { EngineClosedError, InvalidRequestError } from './errors.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
-import type { KvEvent } from './kv-cache/events.ts';
-import type {
-  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole,
-} from './types.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { BackendPreference, FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
 export interface LocalEngineOptions {

@@ -8,13 +8,14 @@ import { InvalidRequestError } from './errors.ts';
 import {
   HandoffOutbox, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats,
 } from './handoff.ts';
-import type { KvEvent } from './kv-cache/events.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
 import { KvCacheManager, type BlockTable } from './kv-cache/manager.ts';
 import { copyTimestamps, type Request } from './request.ts';
 import { Scheduler, type AdoptedState, type SchedulerConfig, type StepPlan } from './scheduler.ts';
 import type {
-  EngineOutput, EngineRequest, EngineStats, EngineStepFacts, FinishReason, SamplingParams, TokenLogprob,
+  EngineOutput, EngineRequest, EngineStepFacts, FinishReason, SamplingParams, TokenLogprob,
 } from './types.ts';
+import type { EngineStats, WorkerLoad } from '../protocols/worker.ts';
 
 /**
  * The per-completion token state of a request (a sampler, or the seed of synthetic tokens), and what a handoff
@@ -60,15 +61,6 @@ export interface KvImport {
   fill(table: BlockTable, fromBlock: number, toBlock: number): void;
   /** The transfer's figures once the request is in (nowMs: the time it joined). */
   stats(requestId: string, nowMs: number): KvTransferStats;
-}
-
-/** What a worker reports to the router's load view (router/protocols.ts WorkerLoad). */
-export interface WorkerLoadReport {
-  numRunning: number;
-  numWaiting: number;
-  activePrefillTokens: number;
-  activeDecodeBlocks: number;
-  kvUsage: number;
 }
 
 /** The logprob entries of one step's rows, by rowKey(requestId, completion index). */
@@ -392,7 +384,7 @@ export class StepCore<T> {
   }
 
   /** The router's load view of this worker: prompt tokens still to compute, decode blocks held, KV use. */
-  load(): WorkerLoadReport {
+  load(): WorkerLoad {
     const { running, waiting } = this.scheduler.sequences();
     let activePrefillTokens = 0;
     let activeDecodeBlocks = 0;

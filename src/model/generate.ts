@@ -2,7 +2,7 @@
 // token, greedy at temperature 0 and softmax sampling above it. It serves the CLI and the golden tests; the
 // engine (continuous batching, paged KV) is the real serving path.
 
-import { argmax } from '../kernels/reference.ts';
+import { argmax } from './reference-math.ts';
 import type { ReferenceModel } from './reference-forward.ts';
 import { seededRandom } from '../util/random.ts';
 

@@ -21,7 +21,7 @@
 // worker's dump and calls resync(), which replaces the worker's blocks and replays the buffered events newer than
 // the dump.
 
-import type { BlockHash, KvEvent } from '../engine/kv-cache/events.ts';
+import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { WorkerId } from './protocols.ts';
 
 export type ApplyResult =

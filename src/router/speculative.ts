@@ -6,7 +6,7 @@
 // the block removed, or when it expires: a request that is aborted or queued for long never stores its blocks, and
 // a worker without KV events never confirms anything, so every assumption carries a deadline.
 
-import type { BlockHash } from '../engine/kv-cache/events.ts';
+import type { BlockHash } from '../protocols/kv-events.ts';
 import type { WorkerId } from './protocols.ts';
 
 interface Expiry {

@@ -4,11 +4,10 @@
 // The gateway holds it exactly as it would hold one engine.
 
 import { WorkerLostError } from '../engine/errors.ts';
-import type { KvEvent } from '../engine/kv-cache/events.ts';
-import type {
-  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, RoutingSummary,
-} from '../engine/types.ts';
-import { workerLoadFromStats, type RoutingDecision, type RoutingRequest } from '../router/protocols.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, RoutingSummary } from '../engine/types.ts';
+import { workerLoadFromStats, type EngineStats } from '../protocols/worker.ts';
+import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import { sumEngineStats } from './engine-stats.ts';
 import {

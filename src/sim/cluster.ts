@@ -10,8 +10,9 @@
 
 import type { KvHandoff } from '../engine/handoff.ts';
 import { InvalidRequestError } from '../engine/errors.ts';
-import type { KvEvent } from '../engine/kv-cache/events.ts';
-import type { EngineOutput, EngineRequest, EngineStats, FinishReason, WorkerRole } from '../engine/types.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { EngineOutput, EngineRequest, FinishReason, WorkerRole } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-worker.ts';
 
 // ---------------------------------------------------------------------------------------------------------------

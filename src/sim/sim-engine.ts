@@ -2,16 +2,18 @@
 // runs `speedUp` times faster than real time (Infinity: as fast as the host can, and fully deterministic given
 // arrivals). Requests arrive at their arrivalMs on that clock; each step lasts what the performance model says.
 
-import type { KvEvent } from '../engine/kv-cache/events.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
 import { engineNow } from '../engine/clock.ts';
 import { followQueue, OutputStream } from '../engine/streams.ts';
 import {
   PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type PrefillEvent,
 } from '../engine/handoff.ts';
 import { EngineClosedError, InvalidRequestError } from '../engine/errors.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, WorkerRole } from '../engine/types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { LinkProfile } from './hardware.ts';
-import { SimWorker, type SimWorkerConfig, type SimWorkerLoad } from './sim-worker.ts';
+import type { WorkerLoad } from '../protocols/worker.ts';
+import { SimWorker, type SimWorkerConfig } from './sim-worker.ts';
 
 export interface SimEngineOptions extends SimWorkerConfig {
   /**
@@ -165,7 +167,7 @@ export class SimEngine implements Engine {
     return this.worker.stats();
   }
 
-  load(): SimWorkerLoad {
+  load(): WorkerLoad {
     return this.worker.load();
   }
 

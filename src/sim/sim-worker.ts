@@ -8,7 +8,7 @@
 import type { AdoptedResult, KvHandoff, KvTransferStats } from '../engine/handoff.ts';
 import type { BlockTable } from '../engine/kv-cache/manager.ts';
 import type { StepPlan } from '../engine/scheduler.ts';
-import { rowKey, StepCore, type KvImport, type WorkerLoadReport } from '../engine/step-core.ts';
+import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
 import type {
   EngineInfo, EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob, WorkerRole,
 } from '../engine/types.ts';
@@ -66,9 +66,6 @@ export interface SimWorkerConfig {
    */
   kvLink?: { link: LinkProfile; parallelLinks?: number };
 }
-
-/** What a worker would report to the router's load view. */
-export type SimWorkerLoad = WorkerLoadReport;
 
 /** One planned step, priced by the performance model. */
 export interface SimStep {

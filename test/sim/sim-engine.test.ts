@@ -3,8 +3,8 @@
 // KV events the router can index; and the pool sizing and cross-checks on real profiles.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { hashTokenBlocks } from '../../src/engine/kv-cache/block-hash.ts';
-import type { KvEvent } from '../../src/engine/kv-cache/events.ts';
+import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import type { KvEvent } from '../../src/protocols/kv-events.ts';
 import type { EngineOutput, EngineRequest } from '../../src/engine/types.ts';
 import { H100_SXM } from '../../src/sim/hardware.ts';
 import { LLAMA_3_1_70B, LLAMA_3_1_8B } from '../../src/sim/models.ts';

@@ -15,7 +15,7 @@
 // as text because copying 16 character codes is cheaper than decoding hex, and the token ids land 4-byte aligned.
 
 import * as crypto from 'node:crypto';
-import type { BlockHash } from './events.ts';
+import type { BlockHash } from './kv-events.ts';
 
 /** Keys besides the tokens that decide whether KV can be shared: same tokens under another salt or adapter differ. */
 export interface BlockHashExtraKeys {
