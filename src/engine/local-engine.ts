@@ -13,6 +13,7 @@ import { startTsWorker } from '../util/worker-thread.ts';
 import { EngineClosedError, InvalidRequestError } from './errors.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
+import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
@@ -43,7 +44,6 @@ export interface LocalEngineOptions {
 export const DEFAULT_KV_CACHE_MEMORY = Math.min(1 << 30, Math.floor(totalmem() / 8));
 export const DEFAULT_MAX_NUM_SEQS = 256;
 export const DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048;
-export const DEFAULT_BLOCK_SIZE = 16;
 
 // ---------------------------------------------------------------------------------------------------------------
 

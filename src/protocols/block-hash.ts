@@ -17,6 +17,9 @@
 import * as crypto from 'node:crypto';
 import type { BlockHash } from './kv-events.ts';
 
+/** Tokens per KV block when none is configured: every Conduit worker's default, and what a reader of them assumes. */
+export const DEFAULT_BLOCK_SIZE = 16;
+
 /** Keys besides the tokens that decide whether KV can be shared: same tokens under another salt or adapter differ. */
 export interface BlockHashExtraKeys {
   /** Per tenant (or per request) secret; blocks are shared only between requests with the same salt. */

@@ -8,6 +8,7 @@
 import type { AdoptedResult, KvHandoff, KvTransferStats } from '../engine/handoff.ts';
 import type { BlockTable } from '../engine/kv-cache/manager.ts';
 import type { StepPlan } from '../engine/scheduler.ts';
+import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
 import type {
   EngineInfo, EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob, WorkerRole,
@@ -24,7 +25,7 @@ import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-to
 
 /** Defaults follow vLLM's online-serving settings on a data-centre GPU. */
 export const SIM_DEFAULTS = Object.freeze({
-  blockSize: 16,
+  blockSize: DEFAULT_BLOCK_SIZE,
   maxNumSeqs: 256,
   /** The step token budget; simulateLifecycle uses the same default, so the two agree on chunking. */
   maxNumBatchedTokens: 8192,

@@ -34,7 +34,7 @@ import {
 } from '@opentelemetry/sdk-trace-node';
 import { ATTR_SERVICE_NAME, ATTR_SERVICE_VERSION } from '@opentelemetry/semantic-conventions';
 import { GATEWAY_PHASES } from './lifecycle.ts';
-import { mean, quantileOfSorted } from './stats.ts';
+import { mean, quantileOfSorted } from '../util/stats.ts';
 import { prefillSkipped, type RequestTrace } from './trace.ts';
 import { parseTraceparent, randomSpanId, randomTraceId } from './traceparent.ts';
 

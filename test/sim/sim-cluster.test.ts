@@ -5,9 +5,8 @@ import assert from 'node:assert/strict';
 import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
 import type { BlockHash } from '../../src/protocols/kv-events.ts';
 import type { EngineRequest } from '../../src/engine/types.ts';
-import {
-  SimCluster, distribution, leastLoaded, percentile, roundRobin, summarizeRequests, type RouteFunction,
-} from '../../src/sim/cluster.ts';
+import { SimCluster, leastLoaded, roundRobin, summarizeRequests, type RouteFunction } from '../../src/sim/cluster.ts';
+import { distribution, percentile } from '../../src/util/stats.ts';
 import { poissonArrivalTimesMs, poissonWorkload } from '../../src/sim/workload.ts';
 import { close, prompt, req, toyDecodeMs, toyPrefillMs, toyWorker } from './sim-fixtures.ts';
 

@@ -5,11 +5,9 @@
 
 import { BlockPool } from './block-pool.ts';
 import { encodeExtraKeys, extendBlockHashes } from '../../protocols/block-hash.ts';
-import type { BlockHashExtraKeys, EncodedExtraKeys } from '../../protocols/block-hash.ts';
+import { DEFAULT_BLOCK_SIZE, type BlockHashExtraKeys, type EncodedExtraKeys } from '../../protocols/block-hash.ts';
 import type { BlockHash, KvEvent } from '../../protocols/kv-events.ts';
 import type { KvBlock } from './free-block-queue.ts';
-
-export const DEFAULT_BLOCK_SIZE = 16;
 
 export interface KvCacheConfig {
   /** Blocks in the pool (the caller sizes it from a memory budget with kvPoolBytes). */
