@@ -18,6 +18,7 @@ import { nativeBackend } from '../src/kernels/native.ts';
 import type { ModelRunnerBackend } from '../src/kernels/types.ts';
 import { loadModel } from '../src/model/loader.ts';
 import { createTokenizer } from '../src/model/tokenizer/index.ts';
+import { quantile } from '../src/util/stats.ts';
 import { ensureBenchModel } from './model-files.ts';
 
 const { values: args } = parseArgs({
@@ -45,11 +46,7 @@ const tokenizer = createTokenizer(model.tokenizerSource);
 /** The same backend called without the caller's buffer: the native forward then allocates the logits. */
 const freshBackend: ModelRunnerBackend = { ...backend, forward: (batch) => backend.forward(batch) };
 
-function median(values: readonly number[]): number {
-  const sorted = [...values].sort((a, b) => a - b);
-  const mid = sorted.length >> 1;
-  return sorted.length % 2 === 1 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2;
-}
+const median = (values: readonly number[]): number => quantile(values, 0.5);
 
 let nextId = 0;
 /** Median decode step time (ms) of one run of n requests. */
