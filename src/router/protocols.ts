@@ -1,9 +1,9 @@
-// Every type that enters or leaves the router: worker ids, the load view a worker reports, the request as the
-// router sees it, and the decision it hands back. The router decides; it does not send: the caller forwards the
+// The router's own types: worker ids, the request as the router sees it, and the decision it hands back (the load
+// view a worker reports, and block hashes, are src/protocols/'s). The router decides; it does not send: the caller forwards the
 // request to decision.workerId and tells the router when the request's prefill is done and when it finishes.
 //
 // Serialization notes:
-// - Block hashes are the KV cache's branded 16-hex-digit strings (see engine/kv-cache/events.ts); the router never
+// - Block hashes are the KV cache's branded 16-hex-digit strings (see src/protocols/kv-events.ts); the router never
 //   converts them to numbers, so they survive JSON unchanged.
 // - Token ids must be integers in [0, 2^32): the hash function rejects anything else.
 // - Times given to the router (nowMs) are milliseconds on one monotonic clock shared by every call; the router has
