@@ -1,6 +1,7 @@
-// Every error an engine throws or ends a stream with, in one place. Each has a distinct `name` and a stable `code`:
-// errors may cross a thread boundary, where only name, message and own fields survive, so callers (the gateway's
-// engineFailure in src/api/generation-run.ts) tell them apart by name, never by class identity.
+// Every error an engine throws or ends a stream with, in one place. Each has a distinct `name` and a stable `code`.
+// Callers (the gateway's engineFailure in src/api/generation-run.ts, migration) tell them apart by name, not by
+// class identity; an error from a worker thread is rebuilt on this side from the message the thread sent
+// (structured clone would keep only its message).
 
 /** Why the engine refused a request as given; the gateway answers 400 with this code. */
 export type RejectionCode =
