@@ -26,7 +26,7 @@ import { SimCluster, summarizeRequests, type DisaggregatedRoute, type RouteFunct
 import { H100_SXM, INFINIBAND_NDR } from '../src/sim/hardware.ts';
 import { getModelProfile, kvBytesPerToken } from '../src/sim/models.ts';
 import { DEFAULT_EFFICIENCY, kvTransferTimeMs, stepTimeMs } from '../src/sim/perf-model.ts';
-import type { SimWorker, SimWorkerConfig } from '../src/sim/sim-engine.ts';
+import type { SimWorker, SimWorkerConfig } from '../src/sim/sim-worker.ts';
 import { poissonWorkload } from '../src/sim/workload.ts';
 
 function argument(name: string, fallback: string): string {

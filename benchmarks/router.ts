@@ -15,11 +15,11 @@
 // Each sample times one findMatches call with the monotonic clock. The table also gives the mean CPU time per call
 // next to the mean wall time: when they differ, the process spent part of the run waiting for a core.
 
-import { encodeExtraKeys, hashBlock } from '../src/engine/kv-cache/block-hash.ts';
-import type { BlockHash, KvEvent } from '../src/engine/kv-cache/events.ts';
+import { encodeExtraKeys, hashBlock } from '../src/protocols/block-hash.ts';
+import type { BlockHash, KvEvent } from '../src/protocols/kv-events.ts';
 import { BitsetKvIndex, HashSetKvIndex } from '../src/router/kv-index.ts';
 import type { KvIndex } from '../src/router/kv-index.ts';
-import { seededRandom, randomIndex } from '../src/router/random.ts';
+import { seededRandom, randomIndex } from '../src/util/random.ts';
 import { Router } from '../src/router/router.ts';
 
 function argument(name: string, fallback: string): string {

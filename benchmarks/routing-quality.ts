@@ -30,18 +30,19 @@ import { PerformanceObserver } from 'node:perf_hooks';
 import { KeyStore } from '../src/api/auth.ts';
 import { ApiServer } from '../src/api/server.ts';
 import { runLoad } from '../src/bench/load-generator.ts';
-import { distribution, formatTable, type Distribution } from '../src/bench/stats.ts';
+import { formatTable } from '../src/bench/stats.ts';
+import { distribution, type Distribution } from '../src/util/stats.ts';
 import { sharedPrefixWorkload } from '../src/bench/workload.ts';
-import { Xoshiro128 } from '../src/engine/rng.ts';
+import { seededRandom, Xoshiro128 } from '../src/util/random.ts';
 import { DEFAULT_SAMPLING, type Engine, type EngineOutput, type EngineRequest } from '../src/engine/types.ts';
-import { POLICY_NAMES, workerLoadFromStats, type PolicyName } from '../src/router/protocols.ts';
-import { seededRandom } from '../src/router/random.ts';
+import { POLICY_NAMES, type PolicyName } from '../src/router/protocols.ts';
+import { workerLoadFromStats } from '../src/protocols/worker.ts';
 import { Router } from '../src/router/router.ts';
 import { createWorkerPool } from '../src/runtime/worker-pool.ts';
 import { SimCluster, summarizeRequests, type SimRequestResult } from '../src/sim/cluster.ts';
 import { getHardwareProfile } from '../src/sim/hardware.ts';
 import { getModelProfile } from '../src/sim/models.ts';
-import { simKvBlocks, type SimWorkerConfig } from '../src/sim/sim-engine.ts';
+import { simKvBlocks, type SimWorkerConfig } from '../src/sim/sim-worker.ts';
 
 function argument(name: string, fallback: string): string {
   const at = process.argv.indexOf(`--${name}`);

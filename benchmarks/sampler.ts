@@ -21,7 +21,7 @@
 import { pathToFileURL } from 'node:url';
 import { DEFAULT_SAMPLING, type SamplingParams } from '../src/engine/types.ts';
 import * as ours from '../src/engine/sampler.ts';
-import { seededRandom as seededUniform } from '../src/router/random.ts';
+import { seededRandom as seededUniform } from '../src/util/random.ts';
 
 function argument(name: string, fallback: string): string {
   const at = process.argv.indexOf(`--${name}`);

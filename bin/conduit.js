@@ -1,6 +1,6 @@
 #!/usr/bin/env node
 // The `conduit` command. Sources are TypeScript run through tsx's loader, so there is no build step to forget;
-// worker threads get the same loader from src/runtime/worker-thread.ts.
+// worker threads get the same loader from src/util/worker-thread.ts.
 import { register } from 'tsx/esm/api';
 
 register();

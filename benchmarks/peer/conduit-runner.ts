@@ -116,11 +116,11 @@ export class CoreRunner implements Runner {
     const marks: Marks = { scheduled: 0, forwardStart: 0, forwardEnd: 0, updateStart: 0, updateEnd: 0, numTokens: 0, numSeqs: 0 };
     const timedBackend: ModelRunnerBackend = {
       ...backend,
-      forward(batch) {
+      forward(batch, out) {
         marks.numTokens = batch.numTokens;
         marks.numSeqs = batch.numSeqs;
         marks.forwardStart = performance.now();
-        const logits = backend.forward(batch);
+        const logits = backend.forward(batch, out);
         marks.forwardEnd = performance.now();
         return logits;
       },

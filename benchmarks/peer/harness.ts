@@ -6,6 +6,7 @@
 // `Runner`, so a figure is computed by the same code from the same kind of trace whoever produced it.
 import { readFileSync } from 'node:fs';
 import { availableParallelism, loadavg } from 'node:os';
+import { percentile as percentileOfSorted } from '../../src/util/stats.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Workload and traces
@@ -100,9 +101,9 @@ export function loadRunFigures(requests: readonly GenRequest[], traces: readonly
   };
 }
 
+/** Nearest-rank percentile of values in any order (src/util/stats.ts's, over a sorted copy). */
 export function percentile(values: readonly number[], q: number): number {
-  const sorted = [...values].sort((a, b) => a - b);
-  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]!;
+  return percentileOfSorted(Float64Array.from(values).sort(), q);
 }
 
 /** Checks that a runner produced what was asked, so a short or broken run cannot pass as a fast one. */

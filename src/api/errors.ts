@@ -223,7 +223,7 @@ export class OverloadedError extends ApiError {
 }
 
 /** The worker that ran the request went away mid-way; a retry lands on a live one. */
-export class WorkerLostError extends ApiError {
+export class WorkerLostApiError extends ApiError {
   constructor(detail: string) {
     super(503, 'worker_lost', SERVER_ERROR, `The engine worker running this request was lost: ${detail}`, null,
       retryHeaders(1000));

@@ -4,7 +4,7 @@
 
 import type { Engine, EngineOutput, EngineRequest, SamplingParams } from '../engine/types.ts';
 import {
-  EngineError, EngineRejectedError, OverloadedError, ShuttingDownError, WorkerLostError, type ApiError,
+  EngineError, EngineRejectedError, OverloadedError, ShuttingDownError, WorkerLostApiError, type ApiError,
 } from './errors.ts';
 
 export interface PreparedPrompt {
@@ -140,26 +140,25 @@ export class GenerationRun {
 }
 
 /**
- * An exception from an engine stream as an API error. Requests the engine refuses carry a code (checked by shape,
- * since the error may have crossed a thread boundary): those are the client's 400. A closed engine means the server
- * is stopping, a full admission queue or a lost worker are 503s; anything else is the engine's 500.
+ * An exception from an engine stream as an API error. Engine errors (src/engine/errors.ts) are told apart by name,
+ * since they may have crossed a thread boundary: a refused request carries a code and is the client's 400; a closed
+ * engine (any kind: local, simulated, routed) means the server is stopping, a full admission queue or a lost worker
+ * are 503s; anything else is the engine's 500.
  */
 export function engineFailure(err: unknown): ApiError {
   const { name, code, message, retryAfterMs } = (err ?? {}) as
     { name?: unknown; code?: unknown; message?: unknown; retryAfterMs?: unknown };
   const detail = typeof message === 'string' ? message : String(err);
-  if (REJECTION_NAMES.has(String(name)) && typeof code === 'string') return new EngineRejectedError(code, detail);
   switch (name) {
+    case 'InvalidRequestError':
+      return typeof code === 'string' ? new EngineRejectedError(code, detail) : new EngineError(detail);
     case 'EngineOverloadedError':
       return new OverloadedError(detail, typeof retryAfterMs === 'number' ? retryAfterMs : undefined);
     case 'WorkerLostError':
-      return new WorkerLostError(detail);
+      return new WorkerLostApiError(detail);
     case 'EngineClosedError':
       return new ShuttingDownError();
     default:
       return new EngineError(detail);
   }
 }
-
-/** Names the engine gives errors for requests it refuses as given (the scheduler's and the local engine's). */
-const REJECTION_NAMES = new Set(['InvalidRequestError', 'EngineRejectedError']);

@@ -5,7 +5,7 @@
 // registry, the telemetry's, so /metrics is that registry rendered once and each family appears once.
 
 import { Counter, Gauge, Registry } from 'prom-client';
-import type { EngineStats } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 
 export const PROMETHEUS_CONTENT_TYPE = 'text/plain; version=0.0.4; charset=utf-8';
 

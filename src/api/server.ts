@@ -10,7 +10,8 @@ import { createServer as createHttpServer, type IncomingMessage, type Server, ty
 import { createServer as createHttpsServer } from 'node:https';
 import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
-import type { Engine, EngineStats } from '../engine/types.ts';
+import type { Engine } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
 import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';

@@ -5,7 +5,7 @@
 
 import { setMaxListeners } from 'node:events';
 import { createTarget, fetchModelId, sendRequest, type RequestOutcome, type Target } from './client.ts';
-import { distribution, type Distribution } from './stats.ts';
+import { distribution, type Distribution } from '../util/stats.ts';
 import { seededRandom, type Workload } from './workload.ts';
 
 export type Endpoint = 'chat' | 'completions';

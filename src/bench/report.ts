@@ -2,7 +2,8 @@
 // errors) or as JSON for scripts and for comparing runs.
 
 import type { BenchResult } from './load-generator.ts';
-import { cell, formatTable, type Distribution } from './stats.ts';
+import { cell, formatTable } from './stats.ts';
+import { type Distribution } from '../util/stats.ts';
 
 function modeText(result: BenchResult): string {
   const { mode, bounds } = result;

@@ -7,7 +7,7 @@
 // token each in the Llama 2 and Llama 3 vocabularies: N words make about N prompt tokens. The server's own count
 // (usage.prompt_tokens) is what the report shows.
 
-import { seededRandom } from '../router/random.ts';
+import { seededRandom } from '../util/random.ts';
 
 /** Common English words, each a single token after a space in the Llama vocabularies. */
 const WORDS = ('time year people way day man thing woman life child world school state family student group country '

@@ -8,7 +8,7 @@ import type { HardwareProfile } from '../sim/hardware.ts';
 import {
   DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatDisaggregatedPath, formatLifecycleTable, simulateDisaggregatedPath,
   simulateLifecycle,
-} from '../sim/lifecycle.ts';
+} from '../sim/latency-model.ts';
 import { checkDisaggregatedPathWithEngine } from '../sim/disaggregated.ts';
 import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
 import type { ModelProfile } from '../sim/models.ts';

@@ -1,9 +1,55 @@
-// Errors an Engine's stream can end with that callers tell apart by name (they may cross a thread boundary, where
-// only name, message and own fields survive).
+// Every error an engine throws or ends a stream with, in one place. Each has a distinct `name` and a stable `code`.
+// Callers (the gateway's engineFailure in src/api/generation-run.ts, migration) tell them apart by name, not by
+// class identity; an error from a worker thread is rebuilt on this side from the message the thread sent
+// (structured clone would keep only its message).
+
+/** Why the engine refused a request as given; the gateway answers 400 with this code. */
+export type RejectionCode =
+  | 'invalid_request' | 'duplicate_request_id' | 'prompt_too_long' | 'prompt_exceeds_kv_pool' | 'too_many_samples'
+  /** A decode worker could not continue a handed-off request. */
+  | 'handoff_failed';
+
+/** The code of every engine error, for logs and for the gateway's mapping. */
+export type EngineErrorCode = RejectionCode | 'engine_closed' | 'engine_overloaded' | 'worker_lost';
+
+/** A request the engine will not accept (local, simulated or routed); `code` lets the gateway map it to a status. */
+export class InvalidRequestError extends Error {
+  override name = 'InvalidRequestError';
+  readonly code: RejectionCode;
+  readonly requestId: string;
+
+  constructor(code: RejectionCode, requestId: string, message: string) {
+    super(`request ${JSON.stringify(requestId)}: ${message}`);
+    this.code = code;
+    this.requestId = requestId;
+  }
+
+  /** The refusal a worker thread reported, its message already whole. */
+  static fromWorker(code: string, requestId: string, message: string): InvalidRequestError {
+    const error = new InvalidRequestError(isRejectionCode(code) ? code : 'invalid_request', requestId, '');
+    error.message = message;
+    return error;
+  }
+}
+
+const REJECTION_CODES: ReadonlySet<string> = new Set<RejectionCode>([
+  'invalid_request', 'duplicate_request_id', 'prompt_too_long', 'prompt_exceeds_kv_pool', 'too_many_samples', 'handoff_failed',
+]);
+
+export function isRejectionCode(code: string): code is RejectionCode {
+  return REJECTION_CODES.has(code);
+}
+
+/** The engine (any kind: local, simulated, routed, disaggregated) is closed or closing. The gateway answers 503. */
+export class EngineClosedError extends Error {
+  override name = 'EngineClosedError';
+  readonly code = 'engine_closed';
+}
 
 /** Every worker is busy and the admission queue is full: come back later. The gateway answers 503 + Retry-After. */
 export class EngineOverloadedError extends Error {
   override name = 'EngineOverloadedError';
+  readonly code = 'engine_overloaded';
   constructor(message: string, readonly retryAfterMs: number) {
     super(message);
   }
@@ -12,6 +58,7 @@ export class EngineOverloadedError extends Error {
 /** The worker running the request went away (thread died, host lost). */
 export class WorkerLostError extends Error {
   override name = 'WorkerLostError';
+  readonly code = 'worker_lost';
   constructor(readonly workerId: string, message: string) {
     super(message);
   }

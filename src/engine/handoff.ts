@@ -19,8 +19,8 @@ import { kvElementsPerBlockRun, type KvPoolLayout } from '../kernels/types.ts';
 import type { KvCacheManager, KvPin } from './kv-cache/manager.ts';
 
 export type { KvPoolLayout };
-import type { BlockHash } from './kv-cache/events.ts';
-import { isBlockHash } from './kv-cache/events.ts';
+import type { BlockHash } from '../protocols/kv-events.ts';
+import { isBlockHash } from '../protocols/kv-events.ts';
 import type { EngineOutput, EngineRequest, RequestTimestamps } from './types.ts';
 
 // ---------------------------------------------------------------------------------------------------------------

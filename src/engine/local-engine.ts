@@ -9,13 +9,14 @@ import { chatTemplateFromConfig, chatTemplateFromGguf, type ChatTemplate } from 
 import { loadModel, type ModelSummary } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
-import { startTsWorker } from '../runtime/worker-thread.ts';
+import { startTsWorker } from '../util/worker-thread.ts';
+import { EngineClosedError, InvalidRequestError } from './errors.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
-import type { KvEvent } from './kv-cache/events.ts';
-import type {
-  Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole,
-} from './types.ts';
+import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { BackendPreference, FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
 export interface LocalEngineOptions {
@@ -43,19 +44,6 @@ export interface LocalEngineOptions {
 export const DEFAULT_KV_CACHE_MEMORY = Math.min(1 << 30, Math.floor(totalmem() / 8));
 export const DEFAULT_MAX_NUM_SEQS = 256;
 export const DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048;
-export const DEFAULT_BLOCK_SIZE = 16;
-
-/** A request the engine refused (too long for the pool or the context, bad sampling parameters...). */
-export class EngineRejectedError extends Error {
-  override name = 'EngineRejectedError';
-  constructor(readonly code: string, message: string) {
-    super(message);
-  }
-}
-
-export class EngineClosedError extends Error {
-  override name = 'EngineClosedError';
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -132,7 +120,7 @@ export class LocalEngine implements Engine {
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
-    if (this.streams.has(request.id)) throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     const stream = new OutputStream(request.sampling.n);
     this.streams.set(request.id, stream);
     this.post({ type: 'add', request });
@@ -154,7 +142,7 @@ export class LocalEngine implements Engine {
   prefill(request: EngineRequest): AsyncIterable<PrefillEvent> {
     if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
     if (this.streams.has(request.id) || this.prefills.has(request.id)) {
-      throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+      throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     }
     const stream = new PrefillStream();
     this.prefills.set(request.id, stream);
@@ -180,7 +168,7 @@ export class LocalEngine implements Engine {
   adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput> {
     const request = handoff.request;
     if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
-    if (this.streams.has(request.id)) throw new EngineRejectedError('duplicate_request_id', `request ${request.id} is already running`);
+    if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     const stream = new OutputStream(1);
     this.streams.set(request.id, stream);
     this.post({ type: 'adopt', handoff, sourceId });
@@ -277,9 +265,9 @@ export class LocalEngine implements Engine {
         this.syncs.delete(message.syncId);
         return;
       case 'rejected':
-        this.streams.get(message.requestId)?.fail(new EngineRejectedError(message.code, message.message));
+        this.streams.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.streams.delete(message.requestId);
-        this.prefills.get(message.requestId)?.fail(new EngineRejectedError(message.code, message.message));
+        this.prefills.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.prefills.delete(message.requestId);
         return;
       case 'failed':

@@ -28,21 +28,6 @@ export function finishedStatus(reason: FinishReason): SequenceStatus {
   return FINISHED_STATUS[reason];
 }
 
-export type RejectionCode = 'invalid_request' | 'duplicate_request_id' | 'prompt_too_long' | 'prompt_exceeds_kv_pool' | 'too_many_samples';
-
-/** A request the engine will not accept; `code` lets the gateway map it to an HTTP status. */
-export class InvalidRequestError extends Error {
-  readonly code: RejectionCode;
-  readonly requestId: string;
-
-  constructor(code: RejectionCode, requestId: string, message: string) {
-    super(`request ${JSON.stringify(requestId)}: ${message}`);
-    this.name = 'InvalidRequestError';
-    this.code = code;
-    this.requestId = requestId;
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Sequence
 

@@ -19,7 +19,7 @@
 // result.
 
 import type { SamplingParams, TokenLogprob } from './types.ts';
-import { drawRandomSeed, Xoshiro128 } from './rng.ts';
+import { drawRandomSeed, Xoshiro128 } from '../util/random.ts';
 
 /** Temperatures below this sample greedily: dividing logits by them would overflow float32 (vLLM uses 1e-5). */
 export const GREEDY_TEMPERATURE = 1e-5;

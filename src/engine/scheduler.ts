@@ -19,9 +19,9 @@
 
 import { KvCacheManager } from './kv-cache/manager.ts';
 import type { BlockTable, KvBlockCopy, KvPin } from './kv-cache/manager.ts';
-import type { BlockHash } from './kv-cache/events.ts';
-import { InvalidRequestError, Request, Sequence, checkStop, copyTimestamps, finishedStatus } from './request.ts';
-import type { RejectionCode } from './request.ts';
+import type { BlockHash } from '../protocols/kv-events.ts';
+import { InvalidRequestError, type RejectionCode } from './errors.ts';
+import { Request, Sequence, checkStop, copyTimestamps, finishedStatus } from './request.ts';
 import type { EngineRequest, FinishReason, RequestTimestamps, SchedulingPolicy } from './types.ts';
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 // What the engine takes and gives back. The gateway converts OpenAI JSON to these at the edge; the engine never
 // sees raw JSON. Names follow vLLM's SamplingParams where OpenAI is silent.
 
+import type { EngineStats, StepBatchSummary } from '../protocols/worker.ts';
+
 export interface SamplingParams {
   /** 0 = greedy. */
   temperature: number;
@@ -93,25 +95,6 @@ export interface RequestTimestamps {
   decodeSteps?: StepBatchSummary;
 }
 
-/**
- * Steps summarised from one request's seat: how many, how long their forward passes took, and how big their
- * batches were. Fixed size whatever the output length, so it can ride on every output.
- */
-export interface StepBatchSummary {
-  steps: number;
-  /** Worker-local id of the latest step counted (a step is counted once however many completions it advanced). */
-  lastStepId: number;
-  /** Forward passes (forward start to sampled) summed, ms. */
-  forwardMs: number;
-  /** Sequences in each step's batch: sum (the mean is sum / steps), least, most. */
-  batchSeqsSum: number;
-  batchSeqsMin: number;
-  batchSeqsMax: number;
-  /** Tokens each step computed, all sequences together: sum, least, most. */
-  batchTokensSum: number;
-  batchTokensMin: number;
-  batchTokensMax: number;
-}
 
 /** One engine step as the outputs it produced report it (shared by every output of the step). */
 export interface EngineStepFacts {
@@ -220,19 +203,6 @@ export interface EngineInfo {
   threads: number;
 }
 
-export interface EngineStats {
-  numRunning: number;
-  numWaiting: number;
-  kvBlocksUsed: number;
-  kvBlocksTotal: number;
-  prefixCacheQueries: number;
-  prefixCacheHits: number;
-  preemptions: number;
-  /** Cached KV blocks evicted to make room (cumulative); every Conduit engine counts them. */
-  kvEvictions?: number;
-  /** Requests this worker took over from a lost worker (cumulative); set by the routed and disaggregated engines. */
-  requestMigrations?: number;
-}
 
 /**
  * One worker as the gateway and router see it. Implementations: the local engine (real model on the CPU

@@ -10,7 +10,7 @@ import { createTokenizer } from '../model/tokenizer/index.ts';
 import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
 import { validateHandoff } from './handoff.ts';
-import { InvalidRequestError } from './request.ts';
+import { InvalidRequestError } from './errors.ts';
 import type { EngineInfo } from './types.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 

@@ -3,8 +3,9 @@
 
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
 import type { AdoptedResult, KvHandoff } from './handoff.ts';
-import type { EngineInfo, EngineOutput, EngineRequest, EngineStats, SchedulingPolicy, WorkerRole } from './types.ts';
-import type { KvEvent } from './kv-cache/events.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
 
 export type BackendPreference = 'auto' | 'native' | 'reference';
 

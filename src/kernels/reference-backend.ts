@@ -10,7 +10,7 @@ import type { ModelConfig } from '../model/config.ts';
 import { f16BitsToF32, f32ToF16Bits } from '../model/quant.ts';
 import { ReferenceTransformer } from '../model/reference-forward.ts';
 import type { ModelWeights } from '../model/weights.ts';
-import { causalAttention } from './reference.ts';
+import { causalAttention } from '../model/reference-math.ts';
 import {
   type BackendFactory, type BackendInfo, type ForwardBatch, type KvPoolLayout, kvPoolBytes, type ModelRunnerBackend,
 } from './types.ts';

@@ -2,8 +2,9 @@
 // token, greedy at temperature 0 and softmax sampling above it. It serves the CLI and the golden tests; the
 // engine (continuous batching, paged KV) is the real serving path.
 
-import { argmax } from '../kernels/reference.ts';
+import { argmax } from './reference-math.ts';
 import type { ReferenceModel } from './reference-forward.ts';
+import { seededRandom } from '../util/random.ts';
 
 export interface GenerateOptions {
   maxTokens: number;
@@ -75,18 +76,6 @@ export function sampleToken(logits: Float32Array, temperature: number, uniform: 
   return argmax(logits, 0, logits.length); // only reachable through rounding when uniform is just below 1
 }
 
-/** mulberry32: a small seeded generator of uniform numbers in [0, 1), enough for reproducible sampling here. */
-function seededUniform(seed: number): () => number {
-  let state = seed >>> 0;
-  return () => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let t = state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 0x1_0000_0000;
-  };
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // The loop
 
@@ -107,7 +96,7 @@ export async function generateReference(model: ReferenceModel, promptIds: readon
       `length ${model.config.contextLength}`);
   }
   const stops = new Set(stopIds);
-  const uniform = seededUniform(seed);
+  const uniform = seededRandom(seed);
   const tokenIds: number[] = [];
   let finishReason: FinishReason = 'length';
 

@@ -17,7 +17,7 @@
 import {
   addBias, addInPlace, applyRope, type AttentionShape, causalAttention, matmul, rmsnorm, ropeAngles,
   ropeFrequencies, swiglu,
-} from '../kernels/reference.ts';
+} from './reference-math.ts';
 import type { ModelConfig } from './config.ts';
 import { dequantizeTensor } from './quant.ts';
 import type { ModelWeights, Tensor } from './weights.ts';

@@ -25,47 +25,25 @@ import type { GgufValue } from './gguf.ts';
 import { writeGguf } from './gguf-writer.ts';
 import type { GgufTensorToWrite, GgufValueTypeSpec } from './gguf-writer.ts';
 import { quantize } from './quant.ts';
+import { hashString, Xoshiro128 } from '../util/random.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Seeded random numbers: xoshiro128** seeded through splitmix32
 
 export class SeededRandom {
-  private s0: number;
-  private s1: number;
-  private s2: number;
-  private s3: number;
+  private readonly rng: Xoshiro128;
 
   constructor(seed: number) {
-    let x = seed >>> 0;
-    const splitmix = (): number => {
-      x = (x + 0x9e3779b9) >>> 0;
-      let z = x;
-      z = Math.imul(z ^ (z >>> 16), 0x85ebca6b);
-      z = Math.imul(z ^ (z >>> 13), 0xc2b2ae35);
-      return (z ^ (z >>> 16)) >>> 0;
-    };
-    this.s0 = splitmix();
-    this.s1 = splitmix();
-    this.s2 = splitmix();
-    this.s3 = splitmix();
-    if ((this.s0 | this.s1 | this.s2 | this.s3) === 0) this.s0 = 1; // the all-zero state never leaves zero
+    this.rng = Xoshiro128.fromSplitMix32(seed);
   }
 
   nextUint32(): number {
-    const result = Math.imul(rotl(Math.imul(this.s1, 5), 7), 9) >>> 0;
-    const t = this.s1 << 9;
-    this.s2 ^= this.s0;
-    this.s3 ^= this.s1;
-    this.s1 ^= this.s2;
-    this.s0 ^= this.s3;
-    this.s2 ^= t;
-    this.s3 = rotl(this.s3, 11);
-    return result;
+    return this.rng.nextUint32();
   }
 
   /** Uniform in [0, 1). */
   next(): number {
-    return this.nextUint32() / 4294967296;
+    return this.rng.nextFloat32Bits();
   }
 
   /** Approximately N(0, 1): (u1 + u2 + u3 + u4 - 2) * sqrt(3), bounded by +-3.46. */
@@ -81,17 +59,6 @@ export class SeededRandom {
 }
 
 const SQRT3 = Math.sqrt(3);
-
-function rotl(x: number, k: number): number {
-  return (x << k) | (x >>> (32 - k));
-}
-
-/** FNV-1a of a string, to give each tensor its own stream (generation order does not matter). */
-function hashString(s: string): number {
-  let h = 0x811c9dc5;
-  for (let i = 0; i < s.length; i++) h = Math.imul(h ^ s.charCodeAt(i), 0x01000193);
-  return h >>> 0;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Specs

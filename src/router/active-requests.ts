@@ -11,7 +11,7 @@
 // follower sharing them can be told that the prefill queued on that worker is partly its own prefix, computed once
 // for both.
 
-import type { BlockHash } from '../engine/kv-cache/events.ts';
+import type { BlockHash } from '../protocols/kv-events.ts';
 import type { WorkerId } from './protocols.ts';
 
 export interface OwnWorkerLoad {

@@ -20,10 +20,11 @@
 // Adding them would count every request twice once the worker's report includes it, so each term takes the larger
 // of the two: the report wins when other routers also feed the worker, the router's own count wins inside a burst.
 
-import type { WorkerCostTerms, WorkerId, WorkerLoad } from './protocols.ts';
+import type { WorkerCostTerms, WorkerId } from './protocols.ts';
+import type { WorkerLoad } from '../protocols/worker.ts';
 import type { OwnWorkerLoad } from './active-requests.ts';
-import { randomIndex } from './random.ts';
-import type { RandomSource } from './random.ts';
+import { randomIndex } from '../util/random.ts';
+import type { RandomSource } from '../util/random.ts';
 
 export interface RequestShape {
   numPromptTokens: number;

@@ -21,7 +21,7 @@
 // worker's dump and calls resync(), which replaces the worker's blocks and replays the buffered events newer than
 // the dump.
 
-import type { BlockHash, KvEvent } from '../engine/kv-cache/events.ts';
+import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { WorkerId } from './protocols.ts';
 
 export type ApplyResult =
@@ -266,22 +266,30 @@ export class HashSetKvIndex extends KvIndexBase {
   }
 
   findMatches(hashes: readonly BlockHash[]): Map<WorkerId, number> {
-    const depths = new Map<WorkerId, number>();
     const first = hashes.length > 0 ? this.holders.get(hashes[0]!) : undefined;
-    if (first === undefined) return depths;
-    const active = new Set(first);
-    let depth = 1;
-    for (; depth < hashes.length && active.size > 0; depth++) {
-      const holders = this.holders.get(hashes[depth]!);
-      for (const workerId of active) {
-        if (holders?.has(workerId)) continue;
-        depths.set(workerId, depth);
-        active.delete(workerId);
-      }
-    }
-    for (const workerId of active) depths.set(workerId, depth);
-    return depths;
+    return prefixDepths(hashes, first ?? [], (workerId, hash) => this.holders.get(hash)?.has(workerId) ?? false);
   }
+}
+
+/**
+ * The prefix walk behind every findMatches but the bitset index's: starting from the workers holding the first
+ * block, follows the chain of hashes and records for each worker how many leading blocks it holds in a row.
+ */
+export function prefixDepths(hashes: readonly BlockHash[], firstHolders: Iterable<WorkerId>,
+  holds: (workerId: WorkerId, hash: BlockHash) => boolean): Map<WorkerId, number> {
+  const depths = new Map<WorkerId, number>();
+  const active = new Set(firstHolders);
+  let depth = 1;
+  for (; depth < hashes.length && active.size > 0; depth++) {
+    const hash = hashes[depth]!;
+    for (const workerId of active) {
+      if (holds(workerId, hash)) continue;
+      depths.set(workerId, depth);
+      active.delete(workerId);
+    }
+  }
+  for (const workerId of active) depths.set(workerId, depth);
+  return depths;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 
 import type { WorkerView } from './cost.ts';
 import type { WorkerId } from './protocols.ts';
-import { randomIndex } from './random.ts';
-import type { RandomSource } from './random.ts';
+import { randomIndex } from '../util/random.ts';
+import type { RandomSource } from '../util/random.ts';
 
 /**
  * Requests in flight on a worker: its report, or this router's own count when that is larger (the report lags a

@@ -1,15 +1,14 @@
-// Every type that enters or leaves the router: worker ids, the load view a worker reports, the request as the
-// router sees it, and the decision it hands back. The router decides; it does not send: the caller forwards the
+// The router's own types: worker ids, the request as the router sees it, and the decision it hands back (the load
+// view a worker reports, and block hashes, are src/protocols/'s). The router decides; it does not send: the caller forwards the
 // request to decision.workerId and tells the router when the request's prefill is done and when it finishes.
 //
 // Serialization notes:
-// - Block hashes are the KV cache's branded 16-hex-digit strings (see engine/kv-cache/events.ts); the router never
+// - Block hashes are the KV cache's branded 16-hex-digit strings (see src/protocols/kv-events.ts); the router never
 //   converts them to numbers, so they survive JSON unchanged.
 // - Token ids must be integers in [0, 2^32): the hash function rejects anything else.
 // - Times given to the router (nowMs) are milliseconds on one monotonic clock shared by every call; the router has
 //   no clock of its own.
 
-import type { EngineStats } from '../engine/types.ts';
 
 export type WorkerId = string;
 
@@ -21,45 +20,6 @@ export function parseWorkerId(value: unknown): WorkerId {
     throw new TypeError(`worker id must be 1-128 characters of [A-Za-z0-9._:-], got ${JSON.stringify(value)}`);
   }
   return value;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Load view
-
-/** What a worker last reported about its own load. Missing reports count as an idle worker. */
-export interface WorkerLoad {
-  /** Requests in the running batch. */
-  numRunning: number;
-  /** Requests admitted but not yet scheduled. */
-  numWaiting: number;
-  /** Prompt tokens still to be computed across its requests (queued and partially prefilled). */
-  activePrefillTokens: number;
-  /** KV blocks held by its running requests. */
-  activeDecodeBlocks: number;
-  /** Fraction of its KV pool in use, 0..1. */
-  kvUsage: number;
-}
-
-export const IDLE_LOAD: Readonly<WorkerLoad> = Object.freeze({
-  numRunning: 0, numWaiting: 0, activePrefillTokens: 0, activeDecodeBlocks: 0, kvUsage: 0,
-});
-
-export function parseWorkerLoad(value: unknown): WorkerLoad {
-  if (typeof value !== 'object' || value === null) throw new TypeError('worker load must be an object');
-  const record = value as Record<string, unknown>;
-  const count = (field: string): number => {
-    const n = record[field];
-    if (!Number.isSafeInteger(n) || (n as number) < 0) throw new TypeError(`worker load ${field} must be an integer >= 0, got ${JSON.stringify(n)}`);
-    return n as number;
-  };
-  const kvUsage = record.kvUsage;
-  if (typeof kvUsage !== 'number' || !(kvUsage >= 0 && kvUsage <= 1)) {
-    throw new TypeError(`worker load kvUsage must be a number in [0, 1], got ${JSON.stringify(kvUsage)}`);
-  }
-  return {
-    numRunning: count('numRunning'), numWaiting: count('numWaiting'), activePrefillTokens: count('activePrefillTokens'),
-    activeDecodeBlocks: count('activeDecodeBlocks'), kvUsage,
-  };
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -148,14 +108,3 @@ export type RouteOutcome =
   | { kind: 'queued'; requestId: string; numQueued: number }
   /** Shed: the queue is full, or no worker is registered. retryAfterMs is the hint for a Retry-After header. */
   | { kind: 'rejected'; requestId: string; reason: 'overloaded' | 'no-workers'; retryAfterMs: number };
-
-/**
- * A load view from an engine's stats. EngineStats does not report pending prefill tokens, so that term is left at
- * 0 and the router's own accounting of what it sent stands in for it.
- */
-export function workerLoadFromStats(stats: EngineStats): WorkerLoad {
-  return {
-    numRunning: stats.numRunning, numWaiting: stats.numWaiting, activePrefillTokens: 0, activeDecodeBlocks: stats.kvBlocksUsed,
-    kvUsage: stats.kvBlocksTotal > 0 ? Math.min(1, stats.kvBlocksUsed / stats.kvBlocksTotal) : 0,
-  };
-}

@@ -12,8 +12,8 @@
 // When every worker is over the busy threshold, the request waits in the router's admission queue (the caller
 // calls drainQueue when load drops); when that is full it is shed with a Retry-After hint.
 
-import { hashTokenBlocks } from '../engine/kv-cache/block-hash.ts';
-import type { BlockHash, KvEvent } from '../engine/kv-cache/events.ts';
+import { hashTokenBlocks } from '../protocols/block-hash.ts';
+import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import { ActiveRequests } from './active-requests.ts';
 import { AdmissionQueue, RetryAfterEstimator } from './admission.ts';
 import type { RetryAfterOptions } from './admission.ts';
@@ -22,11 +22,12 @@ import type { WorkerView } from './cost.ts';
 import { BitsetKvIndex } from './kv-index.ts';
 import type { KvIndex } from './kv-index.ts';
 import { pickLeastLoaded, pickPowerOfTwo, pickRandom, SessionAffinity } from './policies.ts';
-import { IDLE_LOAD, parsePolicyName } from './protocols.ts';
+import { parsePolicyName } from './protocols.ts';
 import type {
-  PolicyName, RouteOutcome, RoutingDecision, RoutingRequest, RoutingStrategy, WorkerCostTerms, WorkerId, WorkerLoad,
+  PolicyName, RouteOutcome, RoutingDecision, RoutingRequest, RoutingStrategy, WorkerCostTerms, WorkerId,
 } from './protocols.ts';
-import type { RandomSource } from './random.ts';
+import { IDLE_LOAD, type WorkerLoad } from '../protocols/worker.ts';
+import type { RandomSource } from '../util/random.ts';
 import { SpeculativePrefixes } from './speculative.ts';
 
 export interface RouterOptions {

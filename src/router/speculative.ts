@@ -6,7 +6,8 @@
 // the block removed, or when it expires: a request that is aborted or queued for long never stores its blocks, and
 // a worker without KV events never confirms anything, so every assumption carries a deadline.
 
-import type { BlockHash } from '../engine/kv-cache/events.ts';
+import type { BlockHash } from '../protocols/kv-events.ts';
+import { prefixDepths } from './kv-index.ts';
 import type { WorkerId } from './protocols.ts';
 
 interface Expiry {
@@ -99,22 +100,9 @@ export class SpeculativePrefixes {
 
   /** Like KvIndex.findMatches, over unexpired assumptions only. */
   findMatches(hashes: readonly BlockHash[], nowMs: number): Map<WorkerId, number> {
-    const depths = new Map<WorkerId, number>();
     const first = hashes.length > 0 ? this.holders.get(hashes[0]!) : undefined;
-    if (first === undefined) return depths;
     const active: WorkerId[] = [];
-    for (const [workerId, expiresAtMs] of first) if (expiresAtMs > nowMs) active.push(workerId);
-    let depth = 1;
-    for (; depth < hashes.length && active.length > 0; depth++) {
-      const workers = this.holders.get(hashes[depth]!);
-      for (let i = active.length - 1; i >= 0; i--) {
-        const expiresAtMs = workers?.get(active[i]!);
-        if (expiresAtMs !== undefined && expiresAtMs > nowMs) continue;
-        depths.set(active[i]!, depth);
-        active.splice(i, 1);
-      }
-    }
-    for (const workerId of active) depths.set(workerId, depth);
-    return depths;
+    for (const [workerId, expiresAtMs] of first ?? []) if (expiresAtMs > nowMs) active.push(workerId);
+    return prefixDepths(hashes, active, (workerId, hash) => this.holds(workerId, hash, nowMs));
   }
 }

@@ -28,8 +28,9 @@ import { WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
-  DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats, RoutingSummary, WorkerRole,
+  DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, RoutingSummary, WorkerRole,
 } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import {

@@ -1,5 +1,5 @@
 // The stats of several workers as one engine's: the routed and disaggregated engines report their workers' sums.
-import type { EngineStats } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 
 /** Field-by-field sum; the counters a worker may not keep (evictions) count as 0. */
 export function sumEngineStats(all: Iterable<EngineStats>): EngineStats {

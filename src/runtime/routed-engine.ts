@@ -4,7 +4,8 @@
 // The gateway holds it exactly as it would hold one engine.
 
 import { WorkerLostError } from '../engine/errors.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats } from '../engine/types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import {

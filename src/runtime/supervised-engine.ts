@@ -3,7 +3,8 @@
 // EngineOverloadedError (503 + Retry-After) and readiness() says why. The restarts are the worker group's.
 
 import { EngineOverloadedError } from '../engine/errors.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest, EngineStats } from '../engine/types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { Router } from '../router/router.ts';
 import {
   combinedStats, WorkerGroup, type EngineReadiness, type RoutableEngine, type WorkerGroupLog, type WorkerRestartOptions,

@@ -11,9 +11,10 @@
 // router learns from scratch, and a request still failing on the old one is told apart from one on the new.
 // Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
 
-import type { KvEvent } from '../engine/kv-cache/events.ts';
-import type { Engine, EngineInfo, EngineStats, RoutingSummary } from '../engine/types.ts';
-import { workerLoadFromStats, type RoutingDecision } from '../router/protocols.ts';
+import type { Engine, EngineInfo, RoutingSummary } from '../engine/types.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import { workerLoadFromStats, type EngineStats } from '../protocols/worker.ts';
+import type { RoutingDecision } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import { sumEngineStats } from './engine-stats.ts';
 import type { RequestMigration } from './migration.ts';

@@ -12,7 +12,7 @@ import { LLAMA_SPM_TOKENIZER_PATH } from '../model/synthetic.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { PolicyName } from '../router/protocols.ts';
-import { seededRandom } from '../router/random.ts';
+import { seededRandom } from '../util/random.ts';
 import { Router } from '../router/router.ts';
 import { BitsetKvIndex } from '../router/kv-index.ts';
 import { getHardwareProfile } from '../sim/hardware.ts';

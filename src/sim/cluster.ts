@@ -9,10 +9,12 @@
 // worker joins at its next step, as in a real engine.
 
 import type { KvHandoff } from '../engine/handoff.ts';
-import { InvalidRequestError } from '../engine/request.ts';
-import type { KvEvent } from '../engine/kv-cache/events.ts';
-import type { EngineOutput, EngineRequest, EngineStats, FinishReason, WorkerRole } from '../engine/types.ts';
-import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-engine.ts';
+import { InvalidRequestError } from '../engine/errors.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { EngineOutput, EngineRequest, FinishReason, WorkerRole } from '../engine/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
+import { SimWorker, type SimStep, type SimWorkerConfig } from './sim-worker.ts';
+import { distribution, type Distribution } from '../util/stats.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routing
@@ -402,33 +404,6 @@ function abortedInTransfer(requestId: string, record: SimRequestResult): EngineO
 
 // ---------------------------------------------------------------------------------------------------------------
 // Summaries
-
-export interface Distribution {
-  count: number;
-  mean: number;
-  p50: number;
-  p90: number;
-  p99: number;
-  max: number;
-}
-
-/** Nearest-rank percentile (the smallest value with at least q of the data at or below it); NaN for no data. */
-export function percentile(sortedValues: readonly number[], q: number): number {
-  if (sortedValues.length === 0) return NaN;
-  const rank = Math.max(1, Math.ceil(q * sortedValues.length));
-  return sortedValues[Math.min(rank, sortedValues.length) - 1]!;
-}
-
-export function distribution(values: readonly number[]): Distribution {
-  const sorted = Float64Array.from(values).sort();
-  const list = Array.from(sorted);
-  const sum = list.reduce((s, v) => s + v, 0);
-  return {
-    count: list.length, mean: list.length > 0 ? sum / list.length : NaN,
-    p50: percentile(list, 0.5), p90: percentile(list, 0.9), p99: percentile(list, 0.99),
-    max: list.length > 0 ? list[list.length - 1]! : NaN,
-  };
-}
 
 export interface RunSummary {
   /** Requests measured (finished, after the warm-up). */

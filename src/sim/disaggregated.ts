@@ -6,7 +6,7 @@ import { DEFAULT_SAMPLING } from '../engine/types.ts';
 import { SimCluster } from './cluster.ts';
 import { syntheticPrompt, type EngineCheckOptions } from './engine-check.ts';
 import type { LinkProfile } from './hardware.ts';
-import { simulateDisaggregatedPath } from './lifecycle.ts';
+import { simulateDisaggregatedPath } from './latency-model.ts';
 
 export interface DisaggregatedPathCheck {
   /** First token minus arrival on the prefill worker, and the table's prefill_execution. */

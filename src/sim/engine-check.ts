@@ -4,10 +4,11 @@
 
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../engine/types.ts';
 import type { HardwareProfile } from './hardware.ts';
-import { decodeSweep, DEFAULT_BATCH_SIZES, simulateLifecycle } from './lifecycle.ts';
+import { decodeSweep, DEFAULT_BATCH_SIZES, simulateLifecycle } from './latency-model.ts';
 import type { ModelProfile } from './models.ts';
 import type { Efficiency } from './perf-model.ts';
-import { SIM_DEFAULTS, SimEngine, simKvBlocks } from './sim-engine.ts';
+import { SimEngine } from './sim-engine.ts';
+import { SIM_DEFAULTS, simKvBlocks } from './sim-worker.ts';
 
 export interface EngineCheckOptions {
   model: ModelProfile;

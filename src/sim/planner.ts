@@ -12,7 +12,7 @@ import type { HardwareProfile } from './hardware.ts';
 import type { ModelProfile } from './models.ts';
 import { DEFAULT_EFFICIENCY, stepTimeMs, type Efficiency, type StepShape } from './perf-model.ts';
 import { SimCluster, leastLoaded, summarizeRequests, type RouteFunction, type RunSummary } from './cluster.ts';
-import { SIM_DEFAULTS, simKvBlocks, type SimWorkerConfig } from './sim-engine.ts';
+import { SIM_DEFAULTS, simKvBlocks, type SimWorkerConfig } from './sim-worker.ts';
 import { poissonWorkload } from './workload.ts';
 
 /**

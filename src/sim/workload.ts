@@ -2,7 +2,7 @@
 // prompt prefix (a common system prompt). Deterministic from the seed, with the arrival process and the prompt
 // contents drawn from separate streams, so changing the rate moves the arrivals but not the prompts.
 
-import { Xoshiro128 } from '../engine/rng.ts';
+import { Xoshiro128 } from '../util/random.ts';
 import { DEFAULT_SAMPLING, type EngineRequest } from '../engine/types.ts';
 
 export interface PoissonWorkloadOptions {

@@ -14,7 +14,7 @@
 // (dispatch, thread hand-off, the first write) still counts in the denominator.
 
 import type { PhaseName } from './lifecycle.ts';
-import { quantile } from './stats.ts';
+import { quantile, round3 } from '../util/stats.ts';
 import { phaseBreakdown, type RequestTrace } from './trace.ts';
 
 export type BottleneckCategory =
@@ -103,12 +103,12 @@ export class TraceAnalyzer {
     const beforeFirst = b.gatewayMs + b.routingMs + b.queueMs + b.prefillMs + b.kvTransferMs;
     const ttftBase = Math.max(ttft ?? beforeFirst, beforeFirst, 1e-9);
     const breakdown: BreakdownMs = {
-      gateway: r3(b.gatewayMs), routing: r3(b.routingMs), queue: r3(b.queueMs), prefill: r3(b.prefillMs), kv_transfer: r3(b.kvTransferMs),
-      other_before_first_token: r3(Math.max(0, (ttft ?? beforeFirst) - beforeFirst)), decode: r3(b.decodeMs),
+      gateway: round3(b.gatewayMs), routing: round3(b.routingMs), queue: round3(b.queueMs), prefill: round3(b.prefillMs), kv_transfer: round3(b.kvTransferMs),
+      other_before_first_token: round3(Math.max(0, (ttft ?? beforeFirst) - beforeFirst)), decode: round3(b.decodeMs),
     };
-    const base = { request_id: trace.requestId, ttft_ms: ttft === undefined ? null : r3(ttft), total_ms: r3(trace.e2eMs), breakdown_ms: breakdown };
+    const base = { request_id: trace.requestId, ttft_ms: ttft === undefined ? null : round3(ttft), total_ms: round3(trace.e2eMs), breakdown_ms: breakdown };
     const make = (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string): Diagnosis => (
-      { ...base, category, dominant_phase: phase, dominant_share: r3(share), dominant_ms: r3(dominantMs), recommendation });
+      { ...base, category, dominant_phase: phase, dominant_share: round3(share), dominant_ms: round3(dominantMs), recommendation });
 
     const spike = this.spike(trace);
     const decodeDominates = b.decodeMs > ttftBase;
@@ -214,7 +214,7 @@ export class TraceAnalyzer {
       if (list.length < 3) list.push(trace.requestId);
     }
     const phase_share = Object.fromEntries(
-      Object.entries(shareSums).map(([k, v]) => [k, requests > 0 ? r3(v / requests) : 0]),
+      Object.entries(shareSums).map(([k, v]) => [k, requests > 0 ? round3(v / requests) : 0]),
     ) as WindowAnalysis['phase_share'];
     let primary: BottleneckCategory = 'balanced';
     let best = 0;
@@ -256,6 +256,3 @@ export interface WindowAnalysis {
   examples: Partial<Record<BottleneckCategory, string[]>>;
 }
 
-function r3(x: number): number {
-  return Math.round(x * 1000) / 1000;
-}

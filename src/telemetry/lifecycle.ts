@@ -6,6 +6,8 @@
 // Times are the engine clock: epoch milliseconds with a fractional part (src/engine/clock.ts), so stamps taken in
 // the gateway thread and in worker threads line up.
 
+import type { StepBatchSummary } from '../protocols/worker.ts';
+
 // ---------------------------------------------------------------------------------------------------------------
 // Phase names
 
@@ -62,18 +64,8 @@ export interface EngineTimestamps {
   decodeSteps?: EngineStepSummary;
 }
 
-/** Counts, sums and extremes of a request's decode steps (src/engine/types.ts StepBatchSummary). */
-export interface EngineStepSummary {
-  steps: number;
-  /** Forward passes summed, ms. */
-  forwardMs: number;
-  batchSeqsSum: number;
-  batchSeqsMin: number;
-  batchSeqsMax: number;
-  batchTokensSum: number;
-  batchTokensMin: number;
-  batchTokensMax: number;
-}
+/** Counts, sums and extremes of a request's decode steps: what telemetry reads of the engine's summary. */
+export type EngineStepSummary = Omit<StepBatchSummary, 'lastStepId'>;
 
 /** What one worker reports about its part of a request, carried on the terminal event. */
 export interface EngineReport {

@@ -11,6 +11,7 @@
 // its series by its bucket count). Missing values are 'none'.
 
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
+import type { EngineStats } from '../protocols/worker.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { SloReport } from './slo.ts';
 import type { RequestTrace } from './trace.ts';
@@ -25,27 +26,11 @@ export const GATEWAY_BUCKETS_MS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25
 export const KV_TRANSFER_BUCKETS_MS = [0.1, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000];
 export const RATIO_BUCKETS = [0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1];
 
-/** Engine statistics as src/engine/types.ts's EngineStats reports them (cumulative counters since start). */
-export interface EngineStatsLike {
-  numRunning: number;
-  numWaiting: number;
-  kvBlocksUsed: number;
-  kvBlocksTotal: number;
-  /** Prompt tokens looked up in the prefix cache (cumulative). */
-  prefixCacheQueries: number;
-  /** Prompt tokens found there (cumulative). */
-  prefixCacheHits: number;
-  preemptions: number;
-  /** Cached KV blocks evicted to make room (cumulative). */
-  kvEvictions?: number;
-  /** Requests the worker took over from a lost worker (cumulative). */
-  requestMigrations?: number;
-}
 
 export interface WorkerStatsSnapshot {
   worker: string;
   model?: string;
-  stats: EngineStatsLike;
+  stats: EngineStats;
   /** KV blocks evicted from the prefix cache since start (cumulative); default: stats.kvEvictions. */
   kvEvictions?: number;
   /** Utilisation of KV tiers besides the primary pool ('host', 'disk'), 0..1. */

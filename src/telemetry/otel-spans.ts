@@ -26,7 +26,7 @@ import {
 import { millisToHrTime } from '@opentelemetry/core';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { ReservedIdGenerator } from './otel-provider.ts';
-import { mean, quantileOfSorted } from './stats.ts';
+import { mean, quantileOfSorted } from '../util/stats.ts';
 import { prefillSkipped, type RequestTrace } from './trace.ts';
 import { parseTraceparent } from './traceparent.ts';
 

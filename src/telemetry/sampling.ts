@@ -11,7 +11,7 @@
 // in.
 
 import type { RequestTrace, SamplingDecision } from './trace.ts';
-import { quantileOfSorted } from './stats.ts';
+import { quantileOfSorted } from '../util/stats.ts';
 
 export interface TraceSamplingConfig {
   /** Fraction of requests traced from the head. */

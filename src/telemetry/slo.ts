@@ -11,6 +11,7 @@
 // Pure: every call takes the time; nothing here reads a clock.
 
 import type { RequestTrace } from './trace.ts';
+import { round3 } from '../util/stats.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Configuration
@@ -350,6 +351,3 @@ export class SloTracker {
   }
 }
 
-function round3(x: number): number {
-  return Math.round(x * 1000) / 1000;
-}

@@ -1,7 +1,7 @@
 // Per-request views: the `timings` object a response carries, the JSON of GET /v1/requests/{id}/trace, a bounded
 // store of recent traces behind it, and the text waterfall `conduit trace <id>` prints.
 
-import { max, quantile, roundMs } from './stats.ts';
+import { max, quantile, round3 } from '../util/stats.ts';
 import { phaseBreakdown, prefillSkipped, type RequestTrace } from './trace.ts';
 import { formatTraceparent } from './traceparent.ts';
 
@@ -31,15 +31,15 @@ export interface ResponseTimings {
 export function responseTimings(trace: RequestTrace): ResponseTimings {
   const b = phaseBreakdown(trace);
   return {
-    ttft_ms: trace.ttftMs === undefined ? null : roundMs(trace.ttftMs),
-    total_ms: roundMs(b.totalMs),
-    gateway_ms: roundMs(b.gatewayMs),
-    routing_ms: roundMs(b.routingMs),
-    queue_ms: roundMs(b.queueMs),
-    prefill_ms: roundMs(b.prefillMs),
-    ...(trace.kvTransfer ? { kv_transfer_ms: roundMs(b.kvTransferMs) } : {}),
-    decode_ms: roundMs(b.decodeMs),
-    tbt_p50_ms: trace.tbtMs.length > 0 ? roundMs(quantile(trace.tbtMs, 0.5)) : null,
+    ttft_ms: trace.ttftMs === undefined ? null : round3(trace.ttftMs),
+    total_ms: round3(b.totalMs),
+    gateway_ms: round3(b.gatewayMs),
+    routing_ms: round3(b.routingMs),
+    queue_ms: round3(b.queueMs),
+    prefill_ms: round3(b.prefillMs),
+    ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs) } : {}),
+    decode_ms: round3(b.decodeMs),
+    tbt_p50_ms: trace.tbtMs.length > 0 ? round3(quantile(trace.tbtMs, 0.5)) : null,
     cached_tokens: trace.cachedTokens,
     prefill_skipped: prefillSkipped(trace),
   };
@@ -76,7 +76,7 @@ export interface TraceView {
 }
 
 export function traceView(trace: RequestTrace): TraceView {
-  const at = (x: number) => roundMs(x - trace.arrivalMs);
+  const at = (x: number) => round3(x - trace.arrivalMs);
   const tbt = trace.tbtMs;
   const steps = trace.decode?.stepMs ?? [];
   return {
@@ -92,25 +92,25 @@ export function traceView(trace: RequestTrace): TraceView {
     error_type: trace.errorType ?? null,
     status: trace.status ?? null,
     ended_in_phase: trace.endedInPhase ?? null,
-    arrival_unix_ms: roundMs(trace.arrivalMs),
+    arrival_unix_ms: round3(trace.arrivalMs),
     usage: { prompt_tokens: trace.promptTokens, completion_tokens: trace.outputTokens, cached_tokens: trace.cachedTokens },
     timings: responseTimings(trace),
     phases: trace.phases.map((p) => ({
-      phase: p.phase, start_ms: at(p.startMs), duration_ms: roundMs(p.endMs - p.startMs),
+      phase: p.phase, start_ms: at(p.startMs), duration_ms: round3(p.endMs - p.startMs),
       ...(p.worker !== undefined ? { worker: p.worker } : {}),
       ...(p.incomplete ? { incomplete: true } : {}),
       ...(p.attributes ? { attributes: { ...p.attributes } } : {}),
     })),
     decode: trace.decode ? {
       steps: trace.decode.steps, source: trace.decode.source,
-      step_p50_ms: steps.length > 0 ? roundMs(quantile(steps, 0.5)) : null,
-      step_max_ms: steps.length > 0 ? roundMs(max(steps)) : null,
+      step_p50_ms: steps.length > 0 ? round3(quantile(steps, 0.5)) : null,
+      step_max_ms: steps.length > 0 ? round3(max(steps)) : null,
     } : null,
     tbt: {
       count: tbt.length,
-      p50_ms: tbt.length > 0 ? roundMs(quantile(tbt, 0.5)) : null,
-      p99_ms: tbt.length > 0 ? roundMs(quantile(tbt, 0.99)) : null,
-      max_ms: tbt.length > 0 ? roundMs(max(tbt)) : null,
+      p50_ms: tbt.length > 0 ? round3(quantile(tbt, 0.5)) : null,
+      p99_ms: tbt.length > 0 ? round3(quantile(tbt, 0.99)) : null,
+      max_ms: tbt.length > 0 ? round3(max(tbt)) : null,
     },
     sampling: trace.headSampling?.reason ?? null,
     migrations: (trace.routing?.migrations ?? []).map((m) => ({

@@ -12,6 +12,8 @@ import type {
   EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterLookupEvent, TerminalEvent,
   FinishReasonName,
 } from './lifecycle.ts';
+// Block size assumed when the engine did not report one (Conduit's engine default).
+import { DEFAULT_BLOCK_SIZE as DEFAULT_KV_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { TraceParent } from './traceparent.ts';
 
@@ -836,9 +838,6 @@ export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
     totalMs: trace.e2eMs,
   };
 }
-
-/** Block size assumed when the engine did not report one (Conduit's engine default). */
-export const DEFAULT_KV_BLOCK_SIZE = 16;
 
 /**
  * Whether prefill was skipped: the prompt came from the prefix cache (or by KV transfer) and the worker computed at

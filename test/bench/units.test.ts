@@ -4,7 +4,8 @@ import { summarize } from '../../src/bench/load-generator.ts';
 import type { RequestOutcome } from '../../src/bench/client.ts';
 import { reportJson } from '../../src/bench/report.ts';
 import { SseParser } from '../../src/bench/sse.ts';
-import { distribution, formatTable, percentile } from '../../src/bench/stats.ts';
+import { formatTable } from '../../src/bench/stats.ts';
+import { distribution, percentile } from '../../src/util/stats.ts';
 import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/workload.ts';
 
 describe('bench stats', () => {

@@ -7,7 +7,7 @@ import { tokenizerFromGguf } from '../../src/model/tokenizer/index.ts';
 import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { StopStringMatcher } from '../../src/engine/stop-strings.ts';
-import { Xoshiro128 } from '../../src/engine/rng.ts';
+import { Xoshiro128 } from '../../src/util/random.ts';
 
 const encoder = new TextEncoder();
 

@@ -8,7 +8,7 @@ import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingP
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import type { BackendFactory } from '../../src/kernels/types.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
-import { Xoshiro128 } from '../../src/engine/rng.ts';
+import { Xoshiro128 } from '../../src/util/random.ts';
 import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { engineBackends } from '../helpers/backends.ts';
 

@@ -5,10 +5,9 @@
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { createLocalEngine, type LocalEngine } from '../../src/engine/local-engine.ts';
-import type { KvEvent } from '../../src/engine/kv-cache/events.ts';
-import {
-  DEFAULT_SAMPLING, type Engine, type EngineOutput, type EngineRequest, type EngineStats, type RequestTimestamps,
-} from '../../src/engine/types.ts';
+import type { KvEvent } from '../../src/protocols/kv-events.ts';
+import { DEFAULT_SAMPLING, type Engine, type EngineOutput, type EngineRequest, type RequestTimestamps } from '../../src/engine/types.ts';
+import { type EngineStats } from '../../src/protocols/worker.ts';
 import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
 import { SimEngine } from '../../src/sim/sim-engine.ts';
 import { toyWorker } from '../sim/sim-fixtures.ts';

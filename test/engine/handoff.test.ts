@@ -10,8 +10,8 @@ import { EngineCore, type KvSourceView } from '../../src/engine/engine-core.ts';
 import {
   copyKvBlocks, kvBlockBytes, readKvBlocks, validateHandoff, writeKvBlocks, type KvHandoff, type KvPoolView,
 } from '../../src/engine/handoff.ts';
-import type { KvStoredEvent } from '../../src/engine/kv-cache/events.ts';
-import { Xoshiro128 } from '../../src/engine/rng.ts';
+import type { KvStoredEvent } from '../../src/protocols/kv-events.ts';
+import { Xoshiro128 } from '../../src/util/random.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { kvPoolBytes, type BackendFactory, type KvPoolLayout } from '../../src/kernels/types.ts';
 import { loadModel, type LoadedModel } from '../../src/model/loader.ts';

@@ -1,8 +1,8 @@
 // The chained block hash (golden values from an independent implementation) and the KV event wire format.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { encodeExtraKeys, extendBlockHashes, hashBlock, hashTokenBlocks } from '../../src/engine/kv-cache/block-hash.ts';
-import { parseBlockHash, parseKvEvent } from '../../src/engine/kv-cache/events.ts';
+import { encodeExtraKeys, extendBlockHashes, hashBlock, hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import { parseBlockHash, parseKvEvent } from '../../src/protocols/kv-events.ts';
 
 // Golden values from Python's hashlib over the byte layout documented in block-hash.ts:
 //   def h(parent, tokens, salt=b'', adapter=b''):

@@ -3,8 +3,8 @@ import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
 import type { BlockTable, KvCacheConfig } from '../../src/engine/kv-cache/manager.ts';
-import { hashTokenBlocks } from '../../src/engine/kv-cache/block-hash.ts';
-import type { BlockHash, KvEvent } from '../../src/engine/kv-cache/events.ts';
+import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import type { BlockHash, KvEvent } from '../../src/protocols/kv-events.ts';
 
 const BLOCK_SIZE = 4;
 

@@ -3,8 +3,8 @@ import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { BlockPool } from '../../src/engine/kv-cache/block-pool.ts';
 import { FreeBlockQueue, KvBlock } from '../../src/engine/kv-cache/free-block-queue.ts';
-import { parseBlockHash } from '../../src/engine/kv-cache/events.ts';
-import type { BlockHash } from '../../src/engine/kv-cache/events.ts';
+import { parseBlockHash } from '../../src/protocols/kv-events.ts';
+import type { BlockHash } from '../../src/protocols/kv-events.ts';
 
 const hash = (n: number): BlockHash => parseBlockHash(n.toString(16).padStart(16, '0'));
 const ids = (blocks: Iterable<KvBlock>): number[] => [...blocks].map((block) => block.id);

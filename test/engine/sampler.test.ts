@@ -1,6 +1,6 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { Xoshiro128, drawRandomSeed } from '../../src/engine/rng.ts';
+import { Xoshiro128, drawRandomSeed } from '../../src/util/random.ts';
 import {
   argmax, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
   validateSamplingParams,

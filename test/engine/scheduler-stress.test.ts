@@ -4,12 +4,12 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { BatchBuilder } from '../../src/engine/batch-builder.ts';
-import type { BlockHash } from '../../src/engine/kv-cache/events.ts';
+import type { BlockHash } from '../../src/protocols/kv-events.ts';
 import type { Request } from '../../src/engine/request.ts';
 import type { Scheduler, StepPlan } from '../../src/engine/scheduler.ts';
 import type { SchedulingPolicy } from '../../src/engine/types.ts';
 import { EOS, makeRequest, makeScheduler } from './scheduler-fixtures.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 
 const NUM_REQUESTS = 1000;
 const STOP_TOKEN = 150;

@@ -1,7 +1,7 @@
 // The scheduler's step loop: prefill to decode to finish, stop conditions, budgets, chunking, prefix hits, rejection.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { InvalidRequestError } from '../../src/engine/request.ts';
+import { InvalidRequestError } from '../../src/engine/errors.ts';
 import { EOS, FILLER, addAll, blockIds, makeRequest, makeRequests, makeScheduler, prompt, step, summary } from './scheduler-fixtures.ts';
 
 describe('Scheduler: one request', () => {

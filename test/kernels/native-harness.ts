@@ -6,7 +6,7 @@ import assert from 'node:assert/strict';
 import {
   nativeUnavailableReason, supportedVariants, tryLoadNativeAddon, type KernelVariant, type NativeAddon,
 } from '../../src/kernels/native.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 
 export const addon: NativeAddon | undefined = tryLoadNativeAddon();
 

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { argmax } from '../../src/kernels/reference.ts';
+import { argmax } from '../../src/model/reference-math.ts';
 import { generateReference, type GeneratedToken, sampleToken } from '../../src/model/generate.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { tinyConfig, tinyWeights } from './reference-tiny-model.ts';

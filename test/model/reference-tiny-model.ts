@@ -2,7 +2,7 @@
 import type { ModelConfig } from '../../src/model/config.ts';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import type { LayerWeights, ModelWeights, Tensor } from '../../src/model/weights.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 
 export { seededRandom };
 

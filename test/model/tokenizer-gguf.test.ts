@@ -10,7 +10,7 @@ import { tokenizerFromGguf } from '../../src/model/tokenizer/gguf-tokenizer.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { ggufTokenizer, skipUnlessVocab, VOCAB_NAMES, vocabFile } from './tokenizer-fixtures.ts';
 import type { VocabName } from './tokenizer-fixtures.ts';
-import { seededRandom as randomSource } from '../../src/router/random.ts';
+import { seededRandom as randomSource } from '../../src/util/random.ts';
 
 /** The same file with some metadata changed (or removed, for undefined). */
 function withMetadata(file: GgufFile, changes: Record<string, GgufValue | undefined>): GgufFile {

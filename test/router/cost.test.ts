@@ -5,7 +5,7 @@ import assert from 'node:assert/strict';
 import { costTerms, reusableBlocks, selectByCost } from '../../src/router/cost.ts';
 import type { WorkerView } from '../../src/router/cost.ts';
 import type { WorkerCostTerms } from '../../src/router/protocols.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 import { assertBinomial, histogram, load } from './fixtures.ts';
 
 function view(partial: Partial<WorkerView>): WorkerView {

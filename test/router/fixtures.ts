@@ -1,14 +1,15 @@
 // Shared builders for the router tests: token prompts, their block hashes (the engine's own hash function) and
 // KV events shaped exactly as a worker's block pool emits them.
 import assert from 'node:assert/strict';
-import { hashTokenBlocks } from '../../src/engine/kv-cache/block-hash.ts';
-import type { BlockHash, KvEvent } from '../../src/engine/kv-cache/events.ts';
+import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import type { BlockHash, KvEvent } from '../../src/protocols/kv-events.ts';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
 import type { BlockTable } from '../../src/engine/kv-cache/manager.ts';
 import { Router } from '../../src/router/router.ts';
 import type { RouterOptions } from '../../src/router/router.ts';
-import type { RoutingRequest, WorkerLoad } from '../../src/router/protocols.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import type { RoutingRequest } from '../../src/router/protocols.ts';
+import type { WorkerLoad } from '../../src/protocols/worker.ts';
+import { seededRandom } from '../../src/util/random.ts';
 
 export const BLOCK_SIZE = 4;
 

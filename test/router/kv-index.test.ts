@@ -2,7 +2,7 @@
 // dumps. Hashes come from the engine's block-hash function; the last tests feed the index a real KV cache's events.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import type { BlockHash, KvEvent } from '../../src/engine/kv-cache/events.ts';
+import type { BlockHash, KvEvent } from '../../src/protocols/kv-events.ts';
 import { BitsetKvIndex, HashSetKvIndex } from '../../src/router/kv-index.ts';
 import type { KvIndex, KvIndexDump } from '../../src/router/kv-index.ts';
 import { CacheOfWorker, cleared, hashes, removed, stored, tokens } from './fixtures.ts';

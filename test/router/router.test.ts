@@ -2,10 +2,10 @@
 // expiry, gaps and resync, worker removal, its own load accounting and the overhead it reports.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import type { KvEvent } from '../../src/engine/kv-cache/events.ts';
+import type { KvEvent } from '../../src/protocols/kv-events.ts';
 import { HashSetKvIndex } from '../../src/router/kv-index.ts';
 import type { RouteOutcome, RoutingDecision } from '../../src/router/protocols.ts';
-import { workerLoadFromStats } from '../../src/router/protocols.ts';
+import { workerLoadFromStats } from '../../src/protocols/worker.ts';
 import { CacheOfWorker, hashes, load, makeRouter, removed, request, stored, tokens } from './fixtures.ts';
 
 function routed(outcome: RouteOutcome): RoutingDecision {

@@ -13,7 +13,7 @@ import { LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { BitsetKvIndex } from '../../src/router/kv-index.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 import { Router } from '../../src/router/router.ts';
 import { DisaggregatedEngine, type DisaggregatedStage } from '../../src/runtime/disaggregated.ts';
 import { decideDisaggregation, type DisaggregationInputs } from '../../src/runtime/disaggregation-policy.ts';

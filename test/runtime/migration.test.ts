@@ -11,7 +11,7 @@ import { WorkerLostError } from '../../src/engine/errors.ts';
 import { createLocalEngine, LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { BitsetKvIndex } from '../../src/router/kv-index.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 import { Router } from '../../src/router/router.ts';
 import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { createWorkerPool, type WorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';

@@ -9,9 +9,9 @@ import { createWorkerPool } from '../../src/runtime/worker-pool.ts';
 import { SimCluster, type DisaggregatedRoute } from '../../src/sim/cluster.ts';
 import { checkDisaggregatedPathWithEngine } from '../../src/sim/disaggregated.ts';
 import { H100_SXM, INFINIBAND_NDR, type LinkProfile } from '../../src/sim/hardware.ts';
-import { simulateDisaggregatedPath, simulateLifecycle } from '../../src/sim/lifecycle.ts';
+import { simulateDisaggregatedPath, simulateLifecycle } from '../../src/sim/latency-model.ts';
 import { getModelProfile, kvBytesPerToken } from '../../src/sim/models.ts';
-import { SimWorker } from '../../src/sim/sim-engine.ts';
+import { SimWorker } from '../../src/sim/sim-worker.ts';
 import { close, prompt, req, TOY_MODEL, toyDecodeMs, toyPrefillMs, toyWorker } from './sim-fixtures.ts';
 
 /** 1 MB/s and no hop latency: a toy token's KV (1,024 bytes) takes 1.024 ms, a 16-token block 16.384 ms. */

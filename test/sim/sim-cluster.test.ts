@@ -2,12 +2,11 @@
 // determinism, and the summary statistics. Step times are the toy deployment's (sim-fixtures.ts), worked by hand.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { hashTokenBlocks } from '../../src/engine/kv-cache/block-hash.ts';
-import type { BlockHash } from '../../src/engine/kv-cache/events.ts';
+import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import type { BlockHash } from '../../src/protocols/kv-events.ts';
 import type { EngineRequest } from '../../src/engine/types.ts';
-import {
-  SimCluster, distribution, leastLoaded, percentile, roundRobin, summarizeRequests, type RouteFunction,
-} from '../../src/sim/cluster.ts';
+import { SimCluster, leastLoaded, roundRobin, summarizeRequests, type RouteFunction } from '../../src/sim/cluster.ts';
+import { distribution, percentile } from '../../src/util/stats.ts';
 import { poissonArrivalTimesMs, poissonWorkload } from '../../src/sim/workload.ts';
 import { close, prompt, req, toyDecodeMs, toyPrefillMs, toyWorker } from './sim-fixtures.ts';
 

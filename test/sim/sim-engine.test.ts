@@ -3,15 +3,15 @@
 // KV events the router can index; and the pool sizing and cross-checks on real profiles.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { hashTokenBlocks } from '../../src/engine/kv-cache/block-hash.ts';
-import type { KvEvent } from '../../src/engine/kv-cache/events.ts';
+import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import type { KvEvent } from '../../src/protocols/kv-events.ts';
 import type { EngineOutput, EngineRequest } from '../../src/engine/types.ts';
 import { H100_SXM } from '../../src/sim/hardware.ts';
 import { LLAMA_3_1_70B, LLAMA_3_1_8B } from '../../src/sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../../src/sim/engine-check.ts';
-import {
-  SimEngine, SimWorker, planToStepShape, syntheticToken, syntheticWord, type SimEngineOptions,
-} from '../../src/sim/sim-engine.ts';
+import { SimEngine, type SimEngineOptions } from '../../src/sim/sim-engine.ts';
+import { SimWorker, planToStepShape } from '../../src/sim/sim-worker.ts';
+import { syntheticToken, syntheticWord } from '../../src/sim/synthetic-tokens.ts';
 import { close, prompt, req, toyDecodeMs, toyPrefillMs, toyWorker } from './sim-fixtures.ts';
 
 function engine(options: Partial<SimEngineOptions> = {}): SimEngine {

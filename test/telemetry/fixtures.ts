@@ -3,7 +3,7 @@
 // expected TTFT, TBT and phase durations can be worked out by hand.
 
 import type { EngineReport, EngineTimestamps, LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
-import { seededRandom } from '../../src/router/random.ts';
+import { seededRandom } from '../../src/util/random.ts';
 
 export { seededRandom };
 

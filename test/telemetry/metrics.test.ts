@@ -2,9 +2,9 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { GatewayMetrics } from '../../src/api/metrics.ts';
-import type { EngineStats } from '../../src/engine/types.ts';
 import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
-import { ConduitMetrics, TBT_BUCKETS_MS, TTFT_BUCKETS_MS, type EngineStatsLike } from '../../src/telemetry/metrics.ts';
+import { ConduitMetrics, TBT_BUCKETS_MS, TTFT_BUCKETS_MS } from '../../src/telemetry/metrics.ts';
+import type { EngineStats } from '../../src/protocols/worker.ts';
 import { Telemetry } from '../../src/telemetry/telemetry.ts';
 import { buildRequestTrace } from '../../src/telemetry/trace.ts';
 import { parseExposition, total, value } from './exposition.ts';
@@ -127,7 +127,7 @@ describe('request metrics', () => {
 });
 
 describe('engine stats', () => {
-  const stats = (over: Partial<EngineStatsLike> = {}): EngineStatsLike => ({
+  const stats = (over: Partial<EngineStats> = {}): EngineStats => ({
     numRunning: 3, numWaiting: 7, kvBlocksUsed: 90, kvBlocksTotal: 120, prefixCacheQueries: 1000, prefixCacheHits: 600, preemptions: 2, ...over,
   });
 

@@ -3,7 +3,7 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { SloTracker } from '../../src/telemetry/slo.ts';
-import { quantile } from '../../src/telemetry/stats.ts';
+import { quantile } from '../../src/util/stats.ts';
 import { buildRequestTrace } from '../../src/telemetry/trace.ts';
 import { T0, coldTimeline, rateLimitedTimeline, seededRandom } from './fixtures.ts';
 

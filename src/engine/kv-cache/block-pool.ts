@@ -8,7 +8,7 @@
 //   free, empty   refCount = 0, in the free queue, no hash
 // Allocation takes blocks from the head of the free queue; taking a cached one evicts its hash.
 
-import type { BlockHash, KvEvent } from './events.ts';
+import type { BlockHash, KvEvent } from '../../protocols/kv-events.ts';
 import { FreeBlockQueue, KvBlock } from './free-block-queue.ts';
 
 export interface BlockPoolOptions {

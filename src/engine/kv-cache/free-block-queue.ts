@@ -5,7 +5,7 @@
 // the block itself, removal from the middle, push at either end and pop from the head are all O(1) with no
 // allocation, and the queue order is exactly the eviction order (head = evicted first).
 
-import type { BlockHash } from './events.ts';
+import type { BlockHash } from '../../protocols/kv-events.ts';
 
 /** One fixed-size block of the paged KV pool: the bookkeeping only; the bytes live in the backend's pool. */
 export class KvBlock {

@@ -4,12 +4,10 @@
 // preemption. Below it, the block pool owns reference counts and the hash map; below that, the free queue.
 
 import { BlockPool } from './block-pool.ts';
-import { encodeExtraKeys, extendBlockHashes } from './block-hash.ts';
-import type { BlockHashExtraKeys, EncodedExtraKeys } from './block-hash.ts';
-import type { BlockHash, KvEvent } from './events.ts';
+import { encodeExtraKeys, extendBlockHashes } from '../../protocols/block-hash.ts';
+import { DEFAULT_BLOCK_SIZE, type BlockHashExtraKeys, type EncodedExtraKeys } from '../../protocols/block-hash.ts';
+import type { BlockHash, KvEvent } from '../../protocols/kv-events.ts';
 import type { KvBlock } from './free-block-queue.ts';
-
-export const DEFAULT_BLOCK_SIZE = 16;
 
 export interface KvCacheConfig {
   /** Blocks in the pool (the caller sizes it from a memory budget with kvPoolBytes). */

@@ -3,6 +3,7 @@
 // size. GPU phases come from the performance model; the CPU phases around them (gateway, tokenizer, router,
 // dispatch, SSE write) are the documented constants below. Plain data plus text formatters; no I/O, no clock.
 
+import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { HardwareProfile, LinkProfile } from './hardware.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import type { Efficiency, StepBreakdown, StepShape } from './perf-model.ts';
@@ -180,7 +181,7 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
   const { model, hw, tp, promptTokens } = opts;
   checkTensorParallel(model, hw, tp);
   checkCount('promptTokens', promptTokens, 1);
-  const blockSize = opts.blockSize ?? 16;
+  const blockSize = opts.blockSize ?? DEFAULT_BLOCK_SIZE;
   checkCount('blockSize', blockSize, 1);
   const budget = opts.maxNumBatchedTokens ?? 8192;
   checkCount('maxNumBatchedTokens', budget, 1);
@@ -311,7 +312,7 @@ export interface DisaggregatedPathReport {
  */
 export function simulateDisaggregatedPath(opts: DisaggregatedPathOptions): DisaggregatedPathReport {
   const { model, promptTokens } = opts;
-  const blockSize = opts.blockSize ?? 16;
+  const blockSize = opts.blockSize ?? DEFAULT_BLOCK_SIZE;
   const base = simulateLifecycle({ ...opts, cachedTokens: 0 });
   const efficiency = base.efficiency;
   const overheads = base.overheads;

@@ -15,7 +15,10 @@
 // as text because copying 16 character codes is cheaper than decoding hex, and the token ids land 4-byte aligned.
 
 import * as crypto from 'node:crypto';
-import type { BlockHash } from './events.ts';
+import type { BlockHash } from './kv-events.ts';
+
+/** Tokens per KV block when none is configured: every Conduit worker's default, and what a reader of them assumes. */
+export const DEFAULT_BLOCK_SIZE = 16;
 
 /** Keys besides the tokens that decide whether KV can be shared: same tokens under another salt or adapter differ. */
 export interface BlockHashExtraKeys {

@@ -3,7 +3,7 @@ import { describe, it } from 'node:test';
 import {
   addBias, applyRope, argmax, causalAttention, dot, matmul, rmsnorm, ropeAngles, ropeFrequencies, silu, softmax,
   swiglu,
-} from '../../src/kernels/reference.ts';
+} from '../../src/model/reference-math.ts';
 import { llama3FreqFactors } from '../../src/model/gguf-model.ts';
 import type { Llama3RopeScaling } from '../../src/model/config.ts';
 

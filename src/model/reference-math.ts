@@ -8,7 +8,7 @@
 // Where the time goes: `matmul` (every projection and the logits) is nearly all of it; attention grows with the
 // context length. Both keep their innermost loop over contiguous memory.
 
-import type { RopeScaling, RopeStyle } from '../model/config.ts';
+import type { RopeScaling, RopeStyle } from './config.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Vectors

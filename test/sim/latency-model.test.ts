@@ -6,8 +6,8 @@ import type { Efficiency } from '../../src/sim/perf-model.ts';
 import { kvCapacityTokens, stepBreakdown, stepTimeMs } from '../../src/sim/perf-model.ts';
 import {
   DEFAULT_OVERHEADS, LIFECYCLE_PHASES, decodeSweep, formatDecodeSweep, formatLifecycleTable, simulateLifecycle,
-} from '../../src/sim/lifecycle.ts';
-import type { TtftTrace } from '../../src/sim/lifecycle.ts';
+} from '../../src/sim/latency-model.ts';
+import type { TtftTrace } from '../../src/sim/latency-model.ts';
 
 const close = (actual: number, expected: number, relTol = 1e-9) =>
   assert.ok(Math.abs(actual - expected) <= relTol * Math.abs(expected), `${actual} != ${expected}`);

@@ -1,0 +1,447 @@
+// The step core every engine worker shares: the real one (EngineCore: forward pass + sampler + detokenizer) and the
+// simulated one (SimWorker: performance model + synthetic tokens and words). It owns the scheduler, the KV cache,
+// the per-request token and text state, the end-of-step output loop, disaggregated handoff and adoption, and the
+// stats; where tokens and text come from is injected (TokenSource, TextSource). Synchronous, no clock of its own:
+// every call that needs a time is given one.
+
+import { InvalidRequestError } from './errors.ts';
+import {
+  HandoffOutbox, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats,
+} from './handoff.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import { KvCacheManager, type BlockTable } from './kv-cache/manager.ts';
+import { copyTimestamps, type Request } from './request.ts';
+import { Scheduler, type AdoptedState, type SchedulerConfig, type StepPlan } from './scheduler.ts';
+import type {
+  EngineOutput, EngineRequest, EngineStepFacts, FinishReason, SamplingParams, TokenLogprob,
+} from './types.ts';
+import type { EngineStats, WorkerLoad } from '../protocols/worker.ts';
+
+/**
+ * The per-completion token state of a request (a sampler, or the seed of synthetic tokens), and what a handoff
+ * carries of it. The tokens themselves are produced by the engine around the core (forward pass + sampler, or the
+ * synthetic tokens of a priced step) and given to finishStep.
+ */
+export interface TokenSource<T> {
+  /** One state per completion of a newly accepted request (request.sampling.n of them). */
+  open(request: EngineRequest): T[];
+  /** The state a handed-off request continues with; throws if it cannot be resumed where the prefill side left it. */
+  resume(handoff: KvHandoff): T;
+  /** The seed a request to be handed off gets when the client gave none, so that both sides draw the same stream. */
+  handoffSeed(request: EngineRequest): number;
+  /** What a handoff carries of the state (the decode side's resume() takes it back). */
+  handoffState(request: Request, state: T): KvHandoff['sampler'];
+}
+
+/** One completion's text: token ids in, text out, stop strings checked and held back until decided. */
+export interface TextStream {
+  push(tokenId: number): TextDelta;
+  /** The held-back rest once the completion ends. */
+  finish(): TextDelta;
+  /** True once finished or stopped on a stop string. */
+  readonly done: boolean;
+}
+
+export interface TextDelta {
+  delta: string;
+  /** The stop string matched, when one was. */
+  stopped?: string;
+}
+
+export interface TextSource {
+  open(sampling: SamplingParams): TextStream;
+}
+
+/**
+ * How a handed-off request's missing KV blocks reach this worker: copied from the prefill worker's pool, or priced
+ * as a transfer over a link. One per adoption.
+ */
+export interface KvImport {
+  /** Copies (or accounts for) blocks [fromBlock, toBlock) of the handoff into table's blocks; throws if it cannot. */
+  fill(table: BlockTable, fromBlock: number, toBlock: number): void;
+  /** The transfer's figures once the request is in (nowMs: the time it joined). */
+  stats(requestId: string, nowMs: number): KvTransferStats;
+}
+
+/** The logprob entries of one step's rows, by rowKey(requestId, completion index). */
+export type StepLogprobs = ReadonlyMap<string, TokenLogprob>;
+
+export function rowKey(requestId: string, index: number): string {
+  return `${index}:${requestId}`;
+}
+
+export interface StepCoreOptions<T> extends SchedulerConfig {
+  /** The pool's shape: numBlocks and blockSize size the KV cache; a handoff names it as its source layout. */
+  kvLayout: KvPoolLayout;
+  enablePrefixCaching?: boolean;
+  enableKvEvents?: boolean;
+  tokens: TokenSource<T>;
+  text: TextSource;
+}
+
+interface RequestState<T> {
+  request: Request;
+  tokens: T[];
+  texts: TextStream[];
+  /** Prefill only: hand the request over once its first token is out (disaggregated serving). */
+  handoff?: boolean;
+}
+
+/** A handed-off request waiting for room in this pool; its source blocks stay pinned meanwhile. */
+interface PendingAdoption<T> {
+  handoff: KvHandoff;
+  tokens: T;
+  text: TextStream;
+  kvImport: KvImport;
+}
+
+export class StepCore<T> {
+  readonly scheduler: Scheduler;
+  readonly kv: KvCacheManager;
+  readonly kvLayout: KvPoolLayout;
+  protected readonly tokenSource: TokenSource<T>;
+  private readonly textSource: TextSource;
+  private readonly states = new Map<string, RequestState<T>>();
+  /** Prefill side: blocks of handed-off requests, kept until the decode worker has them. */
+  private readonly handoffs: HandoffOutbox;
+  /** Decode side: handoffs waiting for room, oldest first, and adoptions not yet reported. */
+  private pendingAdoptions: PendingAdoption<T>[] = [];
+  private adoptedOut: AdoptedResult[] = [];
+
+  constructor(options: StepCoreOptions<T>) {
+    this.kvLayout = options.kvLayout;
+    this.tokenSource = options.tokens;
+    this.textSource = options.text;
+    this.kv = new KvCacheManager({
+      numBlocks: options.kvLayout.numBlocks, blockSize: options.kvLayout.blockSize,
+      enablePrefixCaching: options.enablePrefixCaching ?? true, enableEvents: options.enableKvEvents ?? false,
+    });
+    this.handoffs = new HandoffOutbox(this.kv);
+    this.scheduler = new Scheduler({
+      policy: options.policy, maxNumBatchedTokens: options.maxNumBatchedTokens, maxNumSeqs: options.maxNumSeqs,
+      maxModelLen: options.maxModelLen, eosTokenIds: options.eosTokenIds,
+      longPrefillTokenThreshold: options.longPrefillTokenThreshold,
+    }, this.kv);
+  }
+
+  /** Requests not yet finished (waiting, running or preempted), or handed-off ones waiting for room. */
+  get hasWork(): boolean {
+    return this.scheduler.numRequests > 0 || this.pendingAdoptions.length > 0;
+  }
+
+  hasRequest(requestId: string): boolean {
+    return this.states.has(requestId);
+  }
+
+  /** The token state of one completion of a request in the batch (undefined once it left). */
+  protected tokenState(requestId: string, index: number): T | undefined {
+    return this.states.get(requestId)?.tokens[index];
+  }
+
+  /**
+   * Queues a request. Throws (InvalidRequestError, RangeError) with a client-fit message if it can never run.
+   * With handoff (a prefill worker's request), the request stops after its first token: its KV blocks stay pinned
+   * and takeHandoffs() returns what a decode worker needs to continue it. It then needs a seed, chosen here by the
+   * token source when the client gave none, so that the decode worker continues the same stream.
+   */
+  protected addRequest(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean } = {}): void {
+    if (this.pendingAdoptions.some((p) => p.handoff.requestId === engineRequest.id)) {
+      // Else the adoption, retried later, would find the id taken: validation must not fail after it was accepted.
+      throw new InvalidRequestError('duplicate_request_id', engineRequest.id, 'a request with this id is already here');
+    }
+    let accepted = engineRequest;
+    if (options.handoff) {
+      if (engineRequest.sampling.n !== 1) {
+        throw new InvalidRequestError('invalid_request', engineRequest.id, 'only a request with n = 1 can be prefilled for another worker');
+      }
+      if (engineRequest.sampling.seed === undefined) {
+        accepted = { ...engineRequest, sampling: { ...engineRequest.sampling, seed: this.tokenSource.handoffSeed(engineRequest) } };
+      }
+    }
+    const tokens = this.tokenSource.open(accepted);
+    const request = this.scheduler.addRequest(accepted, nowMs);
+    const texts = tokens.map(() => this.textSource.open(accepted.sampling));
+    this.states.set(request.id, { request, tokens, texts, handoff: options.handoff });
+  }
+
+  /**
+   * Stops a request in any state and frees its blocks; returns the closing output of each unfinished completion.
+   * A request handed off from here only has its pinned blocks freed (its stream continues on the decode worker);
+   * one waiting here for room to adopt is dropped with a closing output.
+   */
+  protected abortRequest(requestId: string, nowMs: number, reason: FinishReason = 'abort', error?: string): EngineOutput[] {
+    this.releaseHandoff(requestId);
+    const pendingAt = this.pendingAdoptions.findIndex((p) => p.handoff.requestId === requestId);
+    if (pendingAt >= 0) {
+      const [pending] = this.pendingAdoptions.splice(pendingAt, 1);
+      return [notAdoptedOutput(pending!.handoff, nowMs, reason, error)];
+    }
+    const state = this.states.get(requestId);
+    if (!state) return [];
+    const unfinished = state.request.sequences.filter((s) => !s.isFinished).map((s) => s.index);
+    // Completions not yet forked (n > 1 before the prompt is done) end too.
+    for (let index = state.request.sequences.length; index < state.tokens.length; index++) unfinished.push(index);
+    this.scheduler.finish(requestId, reason, { nowMs });
+    this.states.delete(requestId);
+    state.request.timestamps.finished = nowMs;
+    return unfinished.map((index) => output(state.request, index, [], '', { finishReason: reason, error }));
+  }
+
+  /** The next step's plan at nowMs (adoptions waiting for room retried first); null when nothing can run. */
+  protected planStep(nowMs: number): StepPlan | null {
+    if (this.pendingAdoptions.length > 0) this.retryAdoptions(nowMs);
+    const plan = this.scheduler.schedule(nowMs);
+    if (plan.scheduled.length > 0) return plan;
+    this.scheduler.discardPlan(plan);
+    return null;
+  }
+
+  /**
+   * Applies a step's sampled tokens (one per plan.sampleTargets row) at its end: the scheduler's update, text and
+   * stop strings, one output per completion that got a token, finished requests forgotten, prefill-only requests
+   * handed off.
+   */
+  protected applyStep(plan: StepPlan, tokenIds: readonly number[], logprobs: StepLogprobs | undefined,
+    startMs: number, endMs: number): EngineOutput[] {
+    const result = this.scheduler.updateFromOutput(plan, tokenIds as number[], endMs, startMs);
+    // One object for every output of the step: structured clone keeps it one object in a message too.
+    const step: EngineStepFacts = {
+      id: plan.stepId, start: startMs, end: endMs, batchSeqs: plan.stats.numScheduledSeqs, batchTokens: plan.numScheduledTokens,
+    };
+    const outputs: EngineOutput[] = [];
+    let handOffs: RequestState<T>[] | undefined;
+    for (const out of result.outputs) {
+      const state = this.states.get(out.requestId);
+      if (!state) continue;
+      const emitted = this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason,
+        logprobs?.get(rowKey(out.requestId, out.index)), endMs);
+      emitted.step = step;
+      outputs.push(emitted);
+      if (state.handoff) (handOffs ??= []).push(state);
+    }
+    // Only after the loop: one step can finish several completions of a request, and each needs its state.
+    for (const out of result.outputs) {
+      const state = this.states.get(out.requestId);
+      if (state?.request.isFinished) {
+        state.request.timestamps.finished ??= endMs;
+        this.states.delete(out.requestId);
+      }
+    }
+    // A prefill-only request that got its first token and did not finish on it leaves now, before the next step
+    // would feed that token.
+    if (handOffs) for (const state of handOffs) if (this.states.get(state.request.id) === state) this.handOff(state, endMs);
+    return outputs;
+  }
+
+  /** A step could not run (the forward pass threw): every request in it fails with the reason. */
+  protected failStep(plan: StepPlan, message: string, nowMs: number): EngineOutput[] {
+    this.scheduler.discardPlan(plan);
+    const ids = new Set(plan.scheduled.map((s) => s.sequence.request.id));
+    return [...ids].flatMap((id) => this.abortRequest(id, nowMs, 'error', message));
+  }
+
+  /** Detokenizes one token, applies stop strings, and shapes the output. */
+  private emitToken(state: RequestState<T>, index: number, tokenId: number, finish: FinishReason | null,
+    stopTokenId: number | null, logprob: TokenLogprob | undefined, nowMs: number): EngineOutput {
+    const { request } = state;
+    const text = state.texts[index]!;
+    let delta = '';
+    let finishReason: FinishReason | undefined = finish ?? undefined;
+    let stopReason: string | number | undefined = stopTokenId ?? undefined;
+    // A stop token's own text is left out unless asked for, as vLLM does.
+    const endsOnStopToken = finish === 'stop' && stopTokenId === tokenId;
+    if (!endsOnStopToken || request.sampling.includeStopStrInOutput) {
+      const piece = text.push(tokenId);
+      delta += piece.delta;
+      if (piece.stopped !== undefined) {
+        finishReason = 'stop';
+        stopReason = piece.stopped;
+        this.scheduler.finish(request.id, 'stop', { index, nowMs });
+      }
+    }
+    if (finishReason !== undefined && !text.done) {
+      const tail = text.finish();
+      delta += tail.delta;
+      if (tail.stopped !== undefined) stopReason = tail.stopped;
+    }
+    return output(request, index, [tokenId], delta, { finishReason, stopReason, logprobs: logprob ? [logprob] : undefined });
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Disaggregated serving
+
+  /** Handoffs made since the last call (prefill side), in order. */
+  takeHandoffs(): KvHandoff[] {
+    return this.handoffs.take();
+  }
+
+  /** The decode worker has the blocks (or gave up on them): unpin them. False if nothing was pinned for the request. */
+  releaseHandoff(requestId: string): boolean {
+    return this.handoffs.release(requestId);
+  }
+
+  /** Handed-off requests whose blocks are still pinned here. */
+  get numParkedHandoffs(): number {
+    return this.handoffs.numParked;
+  }
+
+  get numPendingAdoptions(): number {
+    return this.pendingAdoptions.length;
+  }
+
+  /** Adoptions completed since the last call (decode side): the source blocks they name can be released. */
+  takeAdopted(): AdoptedResult[] {
+    const adopted = this.adoptedOut;
+    this.adoptedOut = [];
+    return adopted;
+  }
+
+  /**
+   * Continues a request another worker prefilled (decode side). The token state resumes the prefill worker's
+   * stream and the text state its text, so the stream goes on exactly as if the request had never moved. With a
+   * KV import, the blocks this pool lacks come through it; returns null when the pool or the batch has no room yet:
+   * the adoption is retried before each step, and reported by takeAdopted() once done. With a reason instead, or
+   * when the import fails, the prompt is recomputed here ('recompute'). Throws InvalidRequestError for a request
+   * that could never run on this worker, and an Error for a handoff that contradicts itself.
+   */
+  protected adoptHandoff(handoff: KvHandoff, nowMs: number, kvImport: KvImport | { recompute: string }): AdoptedResult | null {
+    const id = handoff.requestId;
+    if (this.states.has(id) || this.pendingAdoptions.some((p) => p.handoff.requestId === id)) {
+      throw new InvalidRequestError('duplicate_request_id', id, 'a request with this id is already here');
+    }
+    const tokens = this.tokenSource.resume(handoff);
+    const text = this.textSource.open(handoff.request.sampling);
+    for (const tokenId of handoff.outputTokenIds) text.push(tokenId); // its text went out from the prefill worker
+    if ('recompute' in kvImport) return this.adoptByRecompute(handoff, tokens, text, nowMs, kvImport.recompute);
+    const pending: PendingAdoption<T> = { handoff, tokens, text, kvImport };
+    const result = this.tryAdopt(pending, nowMs);
+    if (result === null) this.pendingAdoptions.push(pending);
+    return result;
+  }
+
+  private handOff(state: RequestState<T>, nowMs: number): void {
+    const { request } = state;
+    const given = this.scheduler.handOff(request.id);
+    this.states.delete(request.id);
+    this.handoffs.add({
+      requestId: request.id, request: request.engineRequest, outputTokenIds: given.outputTokenIds.slice(),
+      numComputedTokens: given.numComputedTokens, blockSize: this.kv.blockSize, sourceBlockIds: given.blockIds.slice(),
+      blockHashes: given.blockHashes.slice(), sampler: this.tokenSource.handoffState(request, state.tokens[0]!),
+      numCachedTokens: request.numCachedTokens, timestamps: copyTimestamps(request.timestamps),
+      sourceLayout: this.kvLayout, createdMs: nowMs,
+    }, given.pin);
+  }
+
+  private tryAdopt(pending: PendingAdoption<T>, nowMs: number): AdoptedResult | null {
+    const { handoff, kvImport } = pending;
+    let request: Request | null;
+    try {
+      request = this.scheduler.adoptRequest(handoff.request, nowMs, adoptedState(handoff), {
+        numTokens: handoff.numComputedTokens, blockHashes: handoff.blockHashes,
+        fill: (table, fromBlock, toBlock) => kvImport.fill(table, fromBlock, toBlock),
+      });
+    } catch (error) {
+      if (error instanceof InvalidRequestError) throw error;
+      return this.adoptByRecompute(handoff, pending.tokens, pending.text, nowMs, `KV import failed: ${(error as Error).message}`);
+    }
+    if (request === null) return null;
+    const transfer = kvImport.stats(request.id, nowMs);
+    request.timestamps.kvTransfer = { start: transfer.startMs, end: transfer.endMs, bytes: transfer.bytes, blocks: transfer.blocks };
+    this.states.set(request.id, { request, tokens: [pending.tokens], texts: [pending.text] });
+    const result: AdoptedResult = { requestId: request.id, status: 'imported', transfer };
+    this.adoptedOut.push(result);
+    return result;
+  }
+
+  private adoptByRecompute(handoff: KvHandoff, tokens: T, text: TextStream, nowMs: number, error: string): AdoptedResult {
+    const request = this.scheduler.adoptRequest(handoff.request, nowMs, adoptedState(handoff))!;
+    this.states.set(request.id, { request, tokens: [tokens], texts: [text] });
+    const result: AdoptedResult = { requestId: request.id, status: 'recompute', error };
+    this.adoptedOut.push(result);
+    return result;
+  }
+
+  /** Oldest first; the first that still does not fit keeps its place and everything behind it waits too. */
+  private retryAdoptions(nowMs: number): void {
+    while (this.pendingAdoptions.length > 0) {
+      if (this.tryAdopt(this.pendingAdoptions[0]!, nowMs) === null) return;
+      this.pendingAdoptions.shift();
+    }
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // What the worker reports
+
+  stats(): EngineStats {
+    const kv = this.kv.stats();
+    const scheduler = this.scheduler.stats();
+    return {
+      numRunning: scheduler.numRunning, numWaiting: scheduler.numWaiting,
+      kvBlocksUsed: kv.numUsedBlocks, kvBlocksTotal: kv.numBlocks,
+      prefixCacheQueries: kv.prefixQueryTokens, prefixCacheHits: kv.prefixHitTokens,
+      preemptions: scheduler.numPreemptions, kvEvictions: kv.evictions,
+    };
+  }
+
+  /** The router's load view of this worker: prompt tokens still to compute, decode blocks held, KV use. */
+  load(): WorkerLoad {
+    const { running, waiting } = this.scheduler.sequences();
+    let activePrefillTokens = 0;
+    let activeDecodeBlocks = 0;
+    for (const sequence of waiting) activePrefillTokens += sequence.numTokens;
+    for (const sequence of running) {
+      const remaining = sequence.numTokens - sequence.numComputedTokens;
+      if (remaining > 1) activePrefillTokens += remaining;
+      activeDecodeBlocks += sequence.blockTable.blocks.length;
+    }
+    return {
+      numRunning: running.length, numWaiting: waiting.length, activePrefillTokens, activeDecodeBlocks,
+      kvUsage: this.kv.pool.numUsedBlocks / this.kv.numBlocks,
+    };
+  }
+
+  takeKvEvents(): KvEvent[] {
+    return this.kv.takeEvents();
+  }
+}
+
+function adoptedState(handoff: KvHandoff): AdoptedState {
+  return { outputTokenIds: handoff.outputTokenIds, numCachedTokens: handoff.numCachedTokens, timestamps: handoff.timestamps };
+}
+
+/**
+ * One output of a completion. Its timestamps are a snapshot: the request's own keep changing after the output is
+ * handed out (in this thread, or until a worker thread posts it).
+ */
+function output(request: Request, index: number, newTokenIds: number[], textDelta: string, fields: {
+  finishReason?: FinishReason; stopReason?: string | number; logprobs?: TokenLogprob[]; error?: string;
+}): EngineOutput {
+  const sequence = request.sequences[index];
+  const result: EngineOutput = {
+    requestId: request.id, index, newTokenIds, textDelta, logprobs: fields.logprobs, finishReason: fields.finishReason,
+    stopReason: fields.stopReason, error: fields.error,
+    usage: {
+      promptTokens: request.promptTokenIds.length,
+      completionTokens: sequence ? sequence.outputTokenIds.length : 0,
+      cachedTokens: request.numCachedTokens,
+    },
+    timestamps: copyTimestamps(request.timestamps),
+  };
+  const { traceparent } = request.engineRequest;
+  if (traceparent !== undefined) result.traceparent = traceparent;
+  return result;
+}
+
+/** The closing output of a handed-off request stopped before this worker took it in. */
+function notAdoptedOutput(handoff: KvHandoff, nowMs: number, reason: FinishReason, error?: string): EngineOutput {
+  const { traceparent } = handoff.request;
+  return {
+    requestId: handoff.requestId, index: 0, newTokenIds: [], textDelta: '', finishReason: reason, error,
+    ...(traceparent !== undefined ? { traceparent } : {}),
+    usage: {
+      promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length,
+      cachedTokens: handoff.numCachedTokens,
+    },
+    timestamps: { ...copyTimestamps(handoff.timestamps), finished: nowMs },
+  };
+}

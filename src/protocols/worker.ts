@@ -1,0 +1,94 @@
+// What a worker reports about itself across the engine's boundary: its engine statistics (the gateway's /metrics,
+// the routed engines), its load as the router sees it, and the summary of the steps a request took part in (on
+// every output, read by telemetry). Plain data that survives structured clone and JSON; one definition here, used
+// by the engine that produces it and the router, runtime, sim and telemetry that consume it.
+
+// ---------------------------------------------------------------------------------------------------------------
+// Engine statistics
+
+export interface EngineStats {
+  numRunning: number;
+  numWaiting: number;
+  kvBlocksUsed: number;
+  kvBlocksTotal: number;
+  prefixCacheQueries: number;
+  prefixCacheHits: number;
+  preemptions: number;
+  /** Cached KV blocks evicted to make room (cumulative); every Conduit engine counts them. */
+  kvEvictions?: number;
+  /** Requests this worker took over from a lost worker (cumulative); set by the routed and disaggregated engines. */
+  requestMigrations?: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Step summaries
+
+/**
+ * Steps summarised from one request's seat: how many, how long their forward passes took, and how big their
+ * batches were. Fixed size whatever the output length, so it can ride on every output.
+ */
+export interface StepBatchSummary {
+  steps: number;
+  /** Worker-local id of the latest step counted (a step is counted once however many completions it advanced). */
+  lastStepId: number;
+  /** Forward passes (forward start to sampled) summed, ms. */
+  forwardMs: number;
+  /** Sequences in each step's batch: sum (the mean is sum / steps), least, most. */
+  batchSeqsSum: number;
+  batchSeqsMin: number;
+  batchSeqsMax: number;
+  /** Tokens each step computed, all sequences together: sum, least, most. */
+  batchTokensSum: number;
+  batchTokensMin: number;
+  batchTokensMax: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Load view (the router's)
+
+/** What a worker last reported about its own load. Missing reports count as an idle worker. */
+export interface WorkerLoad {
+  /** Requests in the running batch. */
+  numRunning: number;
+  /** Requests admitted but not yet scheduled. */
+  numWaiting: number;
+  /** Prompt tokens still to be computed across its requests (queued and partially prefilled). */
+  activePrefillTokens: number;
+  /** KV blocks held by its running requests. */
+  activeDecodeBlocks: number;
+  /** Fraction of its KV pool in use, 0..1. */
+  kvUsage: number;
+}
+
+export const IDLE_LOAD: Readonly<WorkerLoad> = Object.freeze({
+  numRunning: 0, numWaiting: 0, activePrefillTokens: 0, activeDecodeBlocks: 0, kvUsage: 0,
+});
+
+export function parseWorkerLoad(value: unknown): WorkerLoad {
+  if (typeof value !== 'object' || value === null) throw new TypeError('worker load must be an object');
+  const record = value as Record<string, unknown>;
+  const count = (field: string): number => {
+    const n = record[field];
+    if (!Number.isSafeInteger(n) || (n as number) < 0) throw new TypeError(`worker load ${field} must be an integer >= 0, got ${JSON.stringify(n)}`);
+    return n as number;
+  };
+  const kvUsage = record.kvUsage;
+  if (typeof kvUsage !== 'number' || !(kvUsage >= 0 && kvUsage <= 1)) {
+    throw new TypeError(`worker load kvUsage must be a number in [0, 1], got ${JSON.stringify(kvUsage)}`);
+  }
+  return {
+    numRunning: count('numRunning'), numWaiting: count('numWaiting'), activePrefillTokens: count('activePrefillTokens'),
+    activeDecodeBlocks: count('activeDecodeBlocks'), kvUsage,
+  };
+}
+
+/**
+ * A load view from an engine's stats. EngineStats does not report pending prefill tokens, so that term is left at
+ * 0 and the router's own accounting of what it sent stands in for it.
+ */
+export function workerLoadFromStats(stats: EngineStats): WorkerLoad {
+  return {
+    numRunning: stats.numRunning, numWaiting: stats.numWaiting, activePrefillTokens: 0, activeDecodeBlocks: stats.kvBlocksUsed,
+    kvUsage: stats.kvBlocksTotal > 0 ? Math.min(1, stats.kvBlocksUsed / stats.kvBlocksTotal) : 0,
+  };
+}

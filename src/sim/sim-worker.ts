@@ -1,0 +1,312 @@
+// One simulated worker, synchronous and clockless: Conduit's real scheduler and paged KV cache (the step core
+// shared with the real engine, src/engine/step-core.ts) with no model behind them. beginStep(nowMs) plans a step
+// and the performance model prices it (prefill chunks and decodes on the chosen GPUs); finishStep(step) applies it
+// at its end time with synthetic tokens (synthetic-tokens.ts). Everything that depends on the token ids (prefix-cache
+// hits, block hashes, KV events) is real. SimCluster (cluster.ts) drives many of these on one virtual clock;
+// SimEngine (sim-engine.ts) puts one behind the Engine interface.
+
+import type { AdoptedResult, KvHandoff, KvTransferStats } from '../engine/handoff.ts';
+import type { BlockTable } from '../engine/kv-cache/manager.ts';
+import type { StepPlan } from '../engine/scheduler.ts';
+import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
+import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
+import type {
+  EngineInfo, EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob, WorkerRole,
+} from '../engine/types.ts';
+import { INFINIBAND_NDR, type HardwareProfile, type LinkProfile } from './hardware.ts';
+import { kvBytesPerToken, type ModelProfile } from './models.ts';
+import {
+  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type StepShape,
+} from './perf-model.ts';
+import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-tokens.ts';
+
+// ---------------------------------------------------------------------------------------------------------------
+// Configuration
+
+/** Defaults follow vLLM's online-serving settings on a data-centre GPU. */
+export const SIM_DEFAULTS = Object.freeze({
+  blockSize: DEFAULT_BLOCK_SIZE,
+  maxNumSeqs: 256,
+  /** The step token budget; simulateLifecycle uses the same default, so the two agree on chunking. */
+  maxNumBatchedTokens: 8192,
+  /** Llama 3.1's context length; the scheduler lowers it further when one sequence of it would not fit the pool. */
+  maxModelLen: 131_072,
+  /** vLLM's gpu_memory_utilization. */
+  memoryUtilization: 0.9,
+});
+
+export interface SimWorkerConfig {
+  model: ModelProfile;
+  hw: HardwareProfile;
+  /** Tensor-parallel degree: GPUs of one worker. */
+  tp: number;
+  efficiency?: Efficiency;
+  /**
+   * KV pool in blocks. Default: what HBM holds after the weights, per GPU (kvCapacityTokens at memoryUtilization),
+   * divided into blocks.
+   */
+  numKvBlocks?: number;
+  memoryUtilization?: number;
+  blockSize?: number;
+  maxNumSeqs?: number;
+  maxNumBatchedTokens?: number;
+  maxModelLen?: number;
+  longPrefillTokenThreshold?: number;
+  policy?: SchedulingPolicy;
+  enablePrefixCaching?: boolean;
+  enableKvEvents?: boolean;
+  /** The token that ends a sequence (default vocabSize - 1). Synthetic tokens avoid it unless eosProbability > 0. */
+  eosTokenId?: number;
+  /** Chance that a generated token is EOS (default 0: max_tokens alone decides the length). */
+  eosProbability?: number;
+  /** What the worker does in a disaggregated deployment (default 'both'); informational, like the real engine's. */
+  role?: WorkerRole;
+  /**
+   * The link KV blocks cross to reach this worker when it adopts a handed-off request, and how many of them carry
+   * the transfer side by side (default InfiniBand NDR, one per GPU of the worker).
+   */
+  kvLink?: { link: LinkProfile; parallelLinks?: number };
+}
+
+/** One planned step, priced by the performance model. */
+export interface SimStep {
+  readonly plan: StepPlan;
+  readonly shape: StepShape;
+  readonly startMs: number;
+  readonly durationMs: number;
+  readonly endMs: number;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Plan -> step shape
+
+/**
+ * What the performance model needs from a plan. A decode feeds one token after startPosition cached ones; anything
+ * else (a prompt chunk, the recompute after preemption, a forked sample's partial block) is a prefill chunk whose
+ * context is the tokens already in the KV cache, sampled only when it reaches the end of the sequence.
+ */
+export function planToStepShape(plan: StepPlan): StepShape {
+  const prefillTokens: { newTokens: number; contextLen: number; sampled: boolean }[] = [];
+  const decodeSeqs: { contextLen: number }[] = [];
+  for (const entry of plan.scheduled) {
+    if (entry.isDecode) decodeSeqs.push({ contextLen: entry.startPosition });
+    else prefillTokens.push({ newTokens: entry.numNewTokens, contextLen: entry.startPosition, sampled: entry.numSamples > 0 });
+  }
+  return { prefillTokens, decodeSeqs };
+}
+
+/** KV blocks a worker of this configuration gets: HBM left after its weight shard, per GPU, in whole blocks. */
+export function simKvBlocks(config: SimWorkerConfig): number {
+  if (config.numKvBlocks !== undefined) return config.numKvBlocks;
+  const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+  const tokens = kvCapacityTokens(config.model, config.hw, config.tp,
+    config.memoryUtilization ?? SIM_DEFAULTS.memoryUtilization);
+  const blocks = Math.floor(tokens / blockSize);
+  if (blocks < 1) {
+    throw new RangeError(`${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV `
+      + 'cache; use a larger tp or a GPU with more memory');
+  }
+  return blocks;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SimWorker: one worker, synchronous
+
+/** How long a handed-off request's missing blocks take to reach this worker, priced when the transfer starts. */
+export interface SimTransferPlan {
+  requestId: string;
+  blocks: number;
+  reusedBlocks: number;
+  bytes: number;
+  ms: number;
+}
+
+export class SimWorker extends StepCore<number> {
+  readonly model: ModelProfile;
+  readonly hw: HardwareProfile;
+  readonly tp: number;
+  readonly efficiency: Efficiency;
+  readonly info: EngineInfo;
+  private readonly eosTokenId: number;
+  private readonly eosProbability: number;
+  private inFlight: SimStep | null = null;
+  private numStepsRun = 0;
+  private busyTimeMs = 0;
+  readonly role: WorkerRole;
+  readonly kvLink: LinkProfile;
+  readonly kvParallelLinks: number;
+
+  constructor(config: SimWorkerConfig) {
+    const { model, hw, tp } = config;
+    checkTensorParallel(model, hw, tp);
+    const eosTokenId = config.eosTokenId ?? model.vocabSize - 1;
+    if (!Number.isInteger(eosTokenId) || eosTokenId < 0 || eosTokenId >= model.vocabSize) {
+      throw new RangeError(`eosTokenId must be a token id below ${model.vocabSize}, got ${config.eosTokenId}`);
+    }
+    const eosProbability = config.eosProbability ?? 0;
+    if (!(eosProbability >= 0 && eosProbability <= 1)) {
+      throw new RangeError(`eosProbability must be in [0, 1], got ${config.eosProbability}`);
+    }
+    const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+    super({
+      // The pool's shape as a transfer sees it (the sim has no bytes; the real engine's layout names the same
+      // sizes). KV elements count as 2 bytes ('f16'): BF16, the profiles' usual kvBytesPerElement.
+      kvLayout: {
+        numLayers: model.numLayers, numBlocks: simKvBlocks(config), blockSize,
+        numKvHeads: model.numKvHeads, headDim: model.headDim, dtype: 'f16',
+      },
+      enablePrefixCaching: config.enablePrefixCaching, enableKvEvents: config.enableKvEvents,
+      policy: config.policy, maxNumSeqs: config.maxNumSeqs ?? SIM_DEFAULTS.maxNumSeqs,
+      maxNumBatchedTokens: config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens,
+      maxModelLen: config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, eosTokenIds: [eosTokenId],
+      longPrefillTokenThreshold: config.longPrefillTokenThreshold,
+      tokens: SYNTHETIC_TOKENS, text: SYNTHETIC_TEXT,
+    });
+    this.model = model;
+    this.hw = hw;
+    this.tp = tp;
+    this.efficiency = config.efficiency ?? DEFAULT_EFFICIENCY;
+    this.eosTokenId = eosTokenId;
+    this.eosProbability = eosProbability;
+    this.info = {
+      modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize: model.vocabSize,
+      kvCapacityTokens: this.kv.numBlocks * blockSize, blockSize, backend: 'sim',
+      kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1,
+    };
+    this.role = config.role ?? 'both';
+    this.kvLink = config.kvLink?.link ?? INFINIBAND_NDR;
+    this.kvParallelLinks = config.kvLink?.parallelLinks ?? tp;
+  }
+
+  /** The step planned by beginStep and not yet finished. */
+  get currentStep(): SimStep | null {
+    return this.inFlight;
+  }
+
+  get numSteps(): number {
+    return this.numStepsRun;
+  }
+
+  /** Simulated time spent in steps: busyMs / elapsed is the worker's utilisation. */
+  get busyMs(): number {
+    return this.busyTimeMs;
+  }
+
+  /**
+   * Queues a request; throws InvalidRequestError (with a code the gateway maps) if it can never run. With handoff
+   * (a prefill worker's request), it stops after its first token and takeHandoffs() returns it for a decode worker.
+   */
+  add(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean } = {}): void {
+    this.addRequest(engineRequest, nowMs, options);
+  }
+
+  /** Stops a request in any state and frees its blocks; returns the closing output of each unfinished completion. */
+  abort(requestId: string, nowMs: number, reason: FinishReason = 'abort', error?: string): EngineOutput[] {
+    return this.abortRequest(requestId, nowMs, reason, error);
+  }
+
+  /**
+   * Plans the next step at nowMs and prices it. Null when nothing can run (no requests). Until finishStep, the
+   * plan is outstanding: aborts may still arrive (their rows are then ignored), new requests wait for the next step.
+   */
+  beginStep(nowMs: number): SimStep | null {
+    if (this.inFlight) throw new Error(`step ${this.inFlight.plan.stepId} is still in flight`);
+    const plan = this.planStep(nowMs);
+    if (plan === null) return null;
+    const shape = planToStepShape(plan);
+    const durationMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency) + this.blockCopyMs(plan);
+    this.inFlight = { plan, shape, startMs: nowMs, durationMs, endMs: nowMs + durationMs };
+    return this.inFlight;
+  }
+
+  /**
+   * A fully cached prompt computes one token (the plan says so) after its last block is copied on the GPU: one read
+   * and one write of the block's KV shard per copy, at HBM bandwidth.
+   */
+  private blockCopyMs(plan: StepPlan): number {
+    if (plan.blockCopies.length === 0) return 0;
+    const bytes = 2 * plan.blockCopies.length * this.kv.blockSize * (kvBytesPerToken(this.model) / this.tp);
+    return (bytes / (this.hw.hbmBytesPerSec * this.efficiency.bandwidthUtilization)) * 1000;
+  }
+
+  /** Applies the step at its end time: one synthetic token per logits row, stop checks, outputs. */
+  finishStep(step: SimStep): EngineOutput[] {
+    if (step !== this.inFlight) throw new Error(`step ${step.plan.stepId} is not the step in flight`);
+    this.inFlight = null;
+    this.numStepsRun++;
+    this.busyTimeMs += step.durationMs;
+    const { plan } = step;
+    const logprobs = new Map<string, TokenLogprob>();
+    const tokenIds = plan.sampleTargets.map((target) => {
+      const { request, completionIndex } = target;
+      // The position the new token takes; a sample about to fork starts right after the prompt.
+      const position = request.sequences[completionIndex]?.numTokens ?? request.promptTokenIds.length;
+      const tokenId = syntheticToken(this.tokenState(request.id, completionIndex) ?? 0, completionIndex, position, {
+        vocabSize: this.model.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
+        avoid: request.sampling.stopTokenIds,
+      });
+      // The sim chooses each token with certainty, so its logprob is 0 and it has no alternatives.
+      if (request.sampling.logprobs !== null) logprobs.set(rowKey(request.id, completionIndex), { tokenId, logprob: 0, top: [] });
+      return tokenId;
+    });
+    // Planning takes no simulated time: the forward pass starts when the step does.
+    return this.applyStep(plan, tokenIds, logprobs, step.startMs, step.endMs);
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+  // Disaggregated serving: the same core as the real engine, with transfer time instead of bytes
+
+  /**
+   * What moving the handoff's blocks to this worker would take now (decode side): the blocks its prefix cache
+   * lacks, their bytes, and their time over kvLink (kvTransferTimeMs). The caller adopts after that time.
+   */
+  planTransfer(handoff: KvHandoff): SimTransferPlan {
+    const tokenIds = [...handoff.request.promptTokenIds, ...handoff.outputTokenIds];
+    const hit = this.kv.findCachedPrefix(this.kv.createTable({ cacheSalt: handoff.request.cacheSalt }), tokenIds, { copyOnWrite: false });
+    const reusedBlocks = Math.min(hit.blocks.length, Math.floor(handoff.numComputedTokens / this.kv.blockSize));
+    const blocks = this.kv.blocksFor(handoff.numComputedTokens) - reusedBlocks;
+    const tokens = blocks * this.kv.blockSize;
+    return {
+      requestId: handoff.requestId, blocks, reusedBlocks, bytes: tokens * kvBytesPerToken(this.model),
+      ms: kvTransferTimeMs(tokens, this.model, this.kvLink, { parallelLinks: this.kvParallelLinks, efficiency: this.efficiency.commEfficiency }),
+    };
+  }
+
+  /**
+   * Continues a handed-off request (decode side) whose transfer, started at transferStartMs, ends at nowMs: its
+   * blocks are allocated (own prefix hits reused) and registered, and it joins the batch with its next token to
+   * compute. Null when there is no room yet: retried before each step, reported by takeAdopted() once done.
+   */
+  adopt(handoff: KvHandoff, nowMs: number, transferStartMs = nowMs, sourceId = ''): AdoptedResult | null {
+    return this.adoptHandoff(handoff, nowMs, new SimulatedTransfer(this.model, this.kv.blockSize, transferStartMs, sourceId));
+  }
+
+  /** Prompt tokens this worker's prefix cache would give the request now (what a KV-aware router estimates). */
+  cachedPrefixTokens(promptTokenIds: readonly number[], cacheSalt?: string): number {
+    return this.kv.findCachedPrefix(this.kv.createTable({ cacheSalt }), promptTokenIds).numTokens;
+  }
+}
+
+/** A handed-off request's missing blocks as a transfer over the link, which took from its start until adoption. */
+class SimulatedTransfer implements KvImport {
+  private moved = 0;
+  private reused = 0;
+
+  constructor(private readonly model: ModelProfile, private readonly blockSize: number,
+    private readonly startMs: number, private readonly sourceId: string) {}
+
+  fill(_table: BlockTable, fromBlock: number, toBlock: number): void {
+    this.reused = fromBlock;
+    this.moved = toBlock - fromBlock;
+  }
+
+  stats(requestId: string, nowMs: number): KvTransferStats {
+    const bytes = this.moved * this.blockSize * kvBytesPerToken(this.model);
+    const ms = nowMs - this.startMs;
+    return {
+      requestId, sourceId: this.sourceId, channel: 'simulated', blocks: this.moved, reusedBlocks: this.reused, bytes,
+      runs: this.moved * 2 * this.model.numLayers, startMs: this.startMs, endMs: nowMs, ms, gbPerSec: ms > 0 ? bytes / ms / 1e6 : 0,
+    };
+  }
+}
+

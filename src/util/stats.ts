@@ -1,0 +1,81 @@
+// Small numeric helpers: quantiles, means, rounding to microseconds, latency distributions. Two quantiles, on
+// purpose: `quantile` interpolates between closest ranks (numpy's default; telemetry's summaries), `percentile` is
+// nearest-rank (the smallest value with at least q of the data at or below it: load-test reports and the
+// simulator's summaries, so a percentile is always a value that was measured).
+
+/**
+ * The q-quantile (0..1) of values by linear interpolation between closest ranks (numpy's default), so p50 of
+ * [1, 2, 3, 4] is 2.5. NaN for no values. Sorts a copy.
+ */
+export function quantile(values: readonly number[], q: number): number {
+  if (values.length === 0) return Number.NaN;
+  const sorted = Float64Array.from(values).sort();
+  return quantileOfSorted(sorted, q);
+}
+
+export function quantileOfSorted(sorted: ArrayLike<number>, q: number): number {
+  const n = sorted.length;
+  if (n === 0) return Number.NaN;
+  const clamped = Math.min(1, Math.max(0, q));
+  const rank = clamped * (n - 1);
+  const lo = Math.floor(rank);
+  const hi = Math.min(n - 1, lo + 1);
+  return sorted[lo]! + (sorted[hi]! - sorted[lo]!) * (rank - lo);
+}
+
+export function mean(values: readonly number[]): number {
+  if (values.length === 0) return Number.NaN;
+  let sum = 0;
+  for (const v of values) sum += v;
+  return sum / values.length;
+}
+
+export function max(values: readonly number[]): number {
+  let m = Number.NEGATIVE_INFINITY;
+  for (const v of values) if (v > m) m = v;
+  return values.length === 0 ? Number.NaN : m;
+}
+
+/**
+ * Rounds to three decimals: microseconds of a millisecond figure, enough for any latency, and it keeps JSON free of
+ * float noise (also used for shares and ratios reported next to them).
+ */
+export function round3(x: number): number {
+  return Math.round(x * 1000) / 1000;
+}
+
+/** Nearest-rank percentile of ascending values; NaN for no data. */
+export function percentile(sortedValues: ArrayLike<number>, q: number): number {
+  const n = sortedValues.length;
+  if (n === 0) return NaN;
+  const rank = Math.min(n, Math.max(1, Math.ceil(q * n)));
+  return sortedValues[rank - 1]!;
+}
+
+/** Count, mean, least, nearest-rank p50 / p90 / p99 and most of a sample. */
+export interface Distribution {
+  count: number;
+  mean: number;
+  min: number;
+  p50: number;
+  p90: number;
+  p99: number;
+  max: number;
+}
+
+export function distribution(values: readonly number[]): Distribution {
+  // A typed array sorts numerically (Array.prototype.sort would compare the values as strings).
+  const sorted = Float64Array.from(values).sort();
+  let sum = 0;
+  for (const value of sorted) sum += value;
+  const n = sorted.length;
+  return {
+    count: n,
+    mean: n > 0 ? sum / n : NaN,
+    min: n > 0 ? sorted[0]! : NaN,
+    p50: percentile(sorted, 0.5),
+    p90: percentile(sorted, 0.9),
+    p99: percentile(sorted, 0.99),
+    max: n > 0 ? sorted[n - 1]! : NaN,
+  };
+}

@@ -1,0 +1,32 @@
+// Every engine error (src/engine/errors.ts) as the gateway answers it: engineFailure maps them by name, so a class
+// added or renamed there without its case here would surface as a 500.
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+import { engineFailure } from '../../src/api/generation-run.ts';
+import {
+  EngineClosedError, EngineOverloadedError, InvalidRequestError, WorkerLostError,
+} from '../../src/engine/errors.ts';
+
+describe('engineFailure', () => {
+  const cases: [Error, number, string][] = [
+    [new InvalidRequestError('prompt_exceeds_kv_pool', 'r1', 'too long'), 400, 'prompt_exceeds_kv_pool'],
+    [InvalidRequestError.fromWorker('handoff_failed', 'r2', 'request "r2": no'), 400, 'handoff_failed'],
+    [new EngineClosedError('engine closed while request r3 was running'), 503, 'shutting_down'],
+    [new EngineOverloadedError('queue full', 2000), 503, 'server_overloaded'],
+    [new WorkerLostError('w0', 'worker w0 was lost'), 503, 'worker_lost'],
+    [new Error('forward pass failed'), 500, 'engine_error'],
+  ];
+  for (const [error, status, code] of cases) {
+    test(`${error.name} (${(error as { code?: string }).code ?? 'no code'}) -> ${status} ${code}`, () => {
+      const answer = engineFailure(error);
+      assert.equal(answer.statusCode, status);
+      assert.equal(answer.code, code);
+    });
+  }
+
+  test('every engine error has its own name and a code', () => {
+    const errors = [new InvalidRequestError('invalid_request', 'r', 'x'), new EngineClosedError('x'), new EngineOverloadedError('x', 0), new WorkerLostError('w', 'x')];
+    assert.equal(new Set(errors.map((e) => e.name)).size, errors.length);
+    for (const error of errors) assert.equal(typeof (error as { code?: unknown }).code, 'string');
+  });
+});
