@@ -143,6 +143,14 @@ export class TraceNotFoundError extends ApiError {
   }
 }
 
+/** A percent-escape in the URL path that is not valid UTF-8 (e.g. "%E0%A4%A"). */
+export class MalformedPathError extends ApiError {
+  constructor(path: string) {
+    super(400, 'invalid_url', INVALID_REQUEST,
+      `Invalid URL (${path}): a percent-escape in the path is malformed or not UTF-8.`);
+  }
+}
+
 export class RouteNotFoundError extends ApiError {
   constructor(method: string, path: string) {
     super(404, 'unknown_url', INVALID_REQUEST, `Invalid URL (${method} ${path}).`);
@@ -217,8 +225,8 @@ export class ShuttingDownError extends ApiError {
 
 export class OverloadedError extends ApiError {
   constructor(detail: string, retryAfterMs = 1000) {
-    super(503, 'server_overloaded', SERVER_ERROR, `The server is overloaded: ${detail} Please retry shortly.`, null,
-      retryHeaders(retryAfterMs));
+    super(503, 'server_overloaded', SERVER_ERROR, `The server is overloaded: ${sentence(detail)} Please retry shortly.`,
+      null, retryHeaders(retryAfterMs));
   }
 }
 
@@ -262,6 +270,12 @@ export function toApiError(err: unknown): ApiError {
 }
 
 // ---- helpers ----
+
+/** A detail that ends a sentence: a final period added unless it already ends in one (or in ? or !). */
+export function sentence(detail: string): string {
+  const trimmed = detail.trimEnd();
+  return /[.!?]$/.test(trimmed) ? trimmed : `${trimmed}.`;
+}
 
 function retryHeaders(retryAfterMs: number): Record<string, string> {
   return {

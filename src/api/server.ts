@@ -16,7 +16,7 @@ import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import {
-  ClientClosedRequestError, InvalidValueError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  ClientClosedRequestError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -204,7 +204,7 @@ export class ApiServer {
       route('models', exact('/v1/models'), true, { GET: () => g.models() }),
       route('model', (p) => {
         const m = /^\/v1\/models\/(.+)$/.exec(p);
-        return m ? [decodeURIComponent(m[1]!)] : undefined;
+        return m ? [decodePathSegment(m[1]!, p)] : undefined;
       }, true, { GET: ({ params }) => g.model(params[0]!) }),
       route('tokenize', exact('/tokenize'), true, { POST: ({ body }) => g.tokenize(body) }),
       route('detokenize', exact('/detokenize'), true, { POST: ({ body }) => g.detokenize(body) }),
@@ -393,6 +393,15 @@ export class ApiServer {
     if (error.statusCode === 429) Object.assign(headers, this.limiter.headers(call.tenant));
     if (!bodyFullyRead) headers.Connection = 'close';
     sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers);
+  }
+}
+
+/** A percent-encoded path segment as text; a malformed escape is the client's 400, not a URIError's 500. */
+function decodePathSegment(segment: string, path: string): string {
+  try {
+    return decodeURIComponent(segment);
+  } catch {
+    throw new MalformedPathError(path);
   }
 }
 

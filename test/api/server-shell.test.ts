@@ -4,6 +4,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { KeyStore, parseKeysList } from '../../src/api/auth.ts';
+import { OverloadedError } from '../../src/api/errors.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import { rawRequest } from './http-client.ts';
 
@@ -98,6 +99,18 @@ describe('API server shell (no model yet)', () => {
     assert.equal(utf8.json().error.code, 'invalid_utf8');
   });
 
+  it('answers a malformed percent-escape in the path with 400 in OpenAI\'s shape, not a 500', async () => {
+    for (const path of ['/v1/models/%E0%A4%A', '/v1/models/%ZZ', '/v1/models/%C3%28']) {
+      const res = await rawRequest(url, { path, headers: auth });
+      assert.equal(res.status, 400, path);
+      const { error } = res.json();
+      assert.equal(error.code, 'invalid_url', path);
+      assert.equal(error.type, 'invalid_request_error');
+      assert.match(error.message, /percent-escape/);
+    }
+    assert.equal((await rawRequest(url, { path: '/live' })).status, 200, 'the server is still up');
+  });
+
   it('keeps connections alive between requests', async () => {
     const res = await rawRequest(url, { path: '/live', headers: { Connection: 'keep-alive' } });
     assert.equal(res.headers.connection, 'keep-alive');
@@ -115,5 +128,14 @@ describe('API server shell (no model yet)', () => {
     }
     assert.ok(lines.some((line) => /^conduit_http_responses_total\{route="unknown",status="404",tenant="anonymous"\} [1-9]/.test(line)),
       'the 404 above was counted');
+  });
+});
+
+describe('error messages', () => {
+  it('an overload detail without a final period still reads as two sentences', () => {
+    assert.equal(new OverloadedError('no worker is available').message,
+      'The server is overloaded: no worker is available. Please retry shortly.');
+    assert.equal(new OverloadedError('the queue is full.').message,
+      'The server is overloaded: the queue is full. Please retry shortly.');
   });
 });
