@@ -217,9 +217,20 @@ export class NotReadyError extends ApiError {
   }
 }
 
+/** A new request while the server drains (or after): another replica should take it. */
 export class ShuttingDownError extends ApiError {
-  constructor() {
-    super(503, 'shutting_down', SERVER_ERROR, 'The server is shutting down and takes no new requests.');
+  constructor(message = 'The server is shutting down and takes no new requests.') {
+    super(503, 'shutting_down', SERVER_ERROR, message, null, retryHeaders(1000));
+  }
+}
+
+/** A request still running when the shutdown grace period ended (ran out, or was cut short by a second signal). */
+export class GraceEndedError extends ShuttingDownError {
+  constructor(graceMs: number, cutShort: boolean) {
+    const grace = `${Number((graceMs / 1000).toFixed(3))} s`;
+    super(cutShort
+      ? `The server stopped before this request finished: a second stop signal ended its ${grace} shutdown grace period early.`
+      : `The server stopped before this request finished: its ${grace} shutdown grace period ran out.`);
   }
 }
 

@@ -12,7 +12,7 @@ import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
-  NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
+  GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
 import type { GatewayMetrics } from './metrics.ts';
@@ -92,6 +92,8 @@ export class Gateway {
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
   private pendingEngineRequests = 0;
+  /** Ends the grace period of drains under way. */
+  private readonly graceCutters: (() => void)[] = [];
   private readonly startedAtSeconds = unixSeconds();
 
   constructor(private readonly options: GatewayOptions) {}
@@ -377,14 +379,26 @@ export class Gateway {
     }
   }
 
-  /** Stops taking requests, lets runs in flight finish for up to `graceMs`, then aborts the rest. */
+  /**
+   * Stops taking requests, lets runs in flight finish for up to `graceMs` (or until endGrace), then aborts the rest
+   * with an error that says the grace period ended.
+   */
   async drain(graceMs: number): Promise<void> {
     if (this.state === 'ready' || this.state === 'loading') this.state = 'draining';
     let timer: NodeJS.Timeout | undefined;
-    const graceOver = new Promise<void>((resolve) => { timer = setTimeout(resolve, graceMs); });
+    let cutShort = false;
+    const graceOver = new Promise<void>((resolve) => {
+      timer = setTimeout(resolve, graceMs);
+      this.graceCutters.push(() => { cutShort = true; resolve(); });
+    });
     await Promise.race([this.whenIdle(), graceOver]);
     clearTimeout(timer);
-    for (const run of this.activeRuns) run.abort(new ShuttingDownError());
+    for (const run of this.activeRuns) run.abort(new GraceEndedError(graceMs, cutShort));
+  }
+
+  /** Ends a drain's grace period now (a second stop signal): what still runs is aborted. */
+  endGrace(): void {
+    for (const cut of this.graceCutters.splice(0)) cut();
   }
 
   /** Resolves when no run is active. */

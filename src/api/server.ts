@@ -162,17 +162,25 @@ export class ApiServer {
 
   /**
    * Graceful stop: refuse new requests, let those in flight finish for up to `graceMs`, abort the rest, close the
-   * engine and every connection.
+   * engine and every connection. The port stays open while requests are in flight, so load balancers see the
+   * draining state (/health 503 "draining") and new requests get a 503 shutting_down with Retry-After rather than a
+   * refused connection; it closes once nothing runs or the grace period ends.
    */
   shutdown(graceMs: number): Promise<void> {
     this.stopping ??= this.stop(graceMs);
     return this.stopping;
   }
 
+  /** Ends the shutdown grace period now (a second stop signal): requests still running are aborted. */
+  endGrace(): void {
+    this.gateway.endGrace();
+  }
+
   private async stop(graceMs: number): Promise<void> {
-    const closed = new Promise<void>((resolve) => this.server.close(() => resolve()));
+    // Keep-alive connections with nothing in flight are closed now; answers given while draining close theirs.
     this.server.closeIdleConnections();
     await this.gateway.drain(graceMs);
+    const closed = new Promise<void>((resolve) => this.server.close(() => resolve()));
     // Aborted streams get a moment to send their error event; a client that stopped reading does not hold us up.
     await within(this.gateway.whenIdle(), 1000);
     this.server.closeAllConnections();
@@ -285,6 +293,8 @@ export class ApiServer {
     res.on('close', () => {
       if (!res.writableFinished) clientGone.abort();
     });
+    // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).
+    if (this.stopping) res.setHeader('Connection', 'close');
     const traceparent = req.headers.traceparent;
     const call: Call = {
       res,

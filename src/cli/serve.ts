@@ -381,7 +381,7 @@ export const serveCommand: Command = {
     const signal = await waitForSignal(() => {
       logger.warn('second signal: aborting in-flight requests now');
       graceMs = 0;
-      void running.api.gateway.drain(0);
+      running.api.endGrace();
     });
     logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
     await running.api.shutdown(graceMs);

@@ -1,5 +1,5 @@
 // Raw HTTP against the real server and engine: SSE bytes and headers, status codes, a corpus of bad requests that
-// must cost nothing, tenant accounting, disconnects, timeouts, overload and shutdown.
+// must cost nothing, tenant accounting, disconnects, timeouts, overload and graceful shutdown.
 
 import assert from 'node:assert/strict';
 import { request as httpRequest } from 'node:http';
@@ -211,7 +211,7 @@ describe('HTTP API end to end', () => {
   });
 });
 
-describe('HTTP API end to end: timeouts, overload, shutdown', () => {
+describe('HTTP API end to end: timeouts, overload', () => {
   let server: TestServer;
   let model: string;
 
@@ -258,18 +258,59 @@ describe('HTTP API end to end: timeouts, overload, shutdown', () => {
     assert.ok(Number(second.headers['retry-after']) >= 1);
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
   });
+});
 
-  it('shuts down gracefully: in-flight streams end with an error event, new requests are refused', E2E, async () => {
-    const streamed = rawRequest(server.url, {
-      path: '/v1/completions', body: { model, prompt: 'Last words', max_tokens: 1900, ignore_eos: true, stream: true },
-    });
-    await waitFor(() => server.engine.stats().numRunning === 1, 'the stream to start');
-    const stopping = server.running.api.shutdown(100);
-    const res = await streamed;
-    const events = parseSse(res.text);
-    assert.equal(events.at(-1)!.data, '[DONE]');
-    assert.equal(JSON.parse(events.at(-2)!.data).error.code, 'shutting_down');
-    await stopping;
-    await assert.rejects(rawRequest(server.url, { path: '/live' }), 'the port is closed');
+describe('HTTP API end to end: graceful shutdown', () => {
+  const stream = (server: TestServer, prompt: string): Promise<RawResponse> => rawRequest(server.url, {
+    path: '/v1/completions',
+    body: { model: server.running.api.gateway.servedModelName!, prompt, max_tokens: 1900, ignore_eos: true, stream: true },
+  });
+
+  it('keeps listening while it drains: /health 503 draining, new requests 503 shutting_down with Retry-After', E2E, async () => {
+    const server = await startTestServer();
+    try {
+      const streamed = stream(server, 'Last words');
+      await waitFor(() => server.engine.stats().numRunning === 1, 'the stream to start');
+      const stopping = server.running.api.shutdown(60_000);
+      const health = await rawRequest(server.url, { path: '/health' });
+      assert.equal(health.status, 503);
+      assert.equal(health.json().status, 'draining');
+      assert.equal(health.headers.connection, 'close', 'answers while draining close their connection');
+      const refused = await rawRequest(server.url, { path: '/v1/completions', body: { prompt: 'x', max_tokens: 1 } });
+      assert.equal(refused.status, 503);
+      assert.equal(refused.json().error.code, 'shutting_down');
+      assert.ok(Number(refused.headers['retry-after']) >= 1, 'Retry-After is set');
+      assert.equal((await rawRequest(server.url, { path: '/live' })).status, 200, 'still alive while draining');
+      // A second signal ends the grace period: the stream still running is cut and told so.
+      server.running.api.endGrace();
+      const events = parseSse((await streamed).text);
+      assert.equal(events.at(-1)!.data, '[DONE]');
+      const error = JSON.parse(events.at(-2)!.data).error;
+      assert.equal(error.code, 'shutting_down');
+      assert.match(error.message, /second stop signal ended its 60 s shutdown grace period early/);
+      assert.doesNotMatch(error.message, /takes no new requests/);
+      await stopping;
+      await assert.rejects(rawRequest(server.url, { path: '/live' }), 'the port is closed');
+    } finally {
+      await server.close();
+    }
+  });
+
+  it('a stream still running when the grace period runs out ends with an error event that says so', E2E, async () => {
+    const server = await startTestServer();
+    try {
+      const streamed = stream(server, 'Last words');
+      await waitFor(() => server.engine.stats().numRunning === 1, 'the stream to start');
+      const stopping = server.running.api.shutdown(100);
+      const events = parseSse((await streamed).text);
+      assert.equal(events.at(-1)!.data, '[DONE]');
+      const error = JSON.parse(events.at(-2)!.data).error;
+      assert.equal(error.code, 'shutting_down');
+      assert.match(error.message, /its 0\.1 s shutdown grace period ran out/);
+      await stopping;
+      await assert.rejects(rawRequest(server.url, { path: '/live' }), 'the port is closed');
+    } finally {
+      await server.close();
+    }
   });
 });
