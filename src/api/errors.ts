@@ -81,6 +81,15 @@ export class ContextLengthError extends ApiError {
   }
 }
 
+/** More sequences (prompts x n) in one request than this server lets one request ask for. */
+export class TooManySequencesError extends ApiError {
+  constructor(prompts: number, n: number, limit: number) {
+    super(400, 'too_many_sequences', INVALID_REQUEST,
+      `This request asks for ${prompts * n} sequences (${prompts} prompt${prompts === 1 ? '' : 's'} x n=${n}); `
+      + `one request may ask for at most ${limit} (--max-sequences-per-request). Send fewer prompts or a lower n.`, 'n');
+  }
+}
+
 /** The request fits the context but not the KV cache this server was started with. */
 export class KvCapacityError extends ApiError {
   constructor(neededTokens: number, capacityTokens: number) {

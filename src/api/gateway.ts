@@ -12,6 +12,7 @@ import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
+  TooManySequencesError,
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
@@ -46,13 +47,21 @@ export interface ModelBackend {
 
 export const DEFAULT_WORKER_ID = 'worker-0';
 
+/**
+ * Sequences one request may ask for by default: one prompt at OpenAI's largest n (128), and half the default
+ * pending bound, so no single request can take the whole server.
+ */
+export const DEFAULT_MAX_SEQUENCES_PER_REQUEST = 128;
+
 export type GatewayState = 'loading' | 'ready' | 'draining' | 'stopped';
 
 export interface GatewayOptions {
   /** Name clients use in "model"; defaults to the engine's model name. */
   servedModelName?: string;
-  /** Engine requests in flight beyond which new requests get 503. */
+  /** Sequences (prompts x n of every request) in flight beyond which new requests get 503. */
   maxPendingRequests: number;
+  /** Most sequences (prompts x n) one request may ask for; more is a 400. Default DEFAULT_MAX_SEQUENCES_PER_REQUEST. */
+  maxSequencesPerRequest?: number;
   /** Per-request limit on generation time; undefined = none. */
   requestTimeoutMs?: number;
   limiter: TenantRateLimiter;
@@ -91,7 +100,8 @@ export class Gateway {
   private backend: ModelBackend | undefined;
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
-  private pendingEngineRequests = 0;
+  /** Sequences (prompts x n) of the runs in flight: what the pending bound counts. */
+  private pendingSequences = 0;
   /** Ends the grace period of drains under way. */
   private readonly graceCutters: (() => void)[] = [];
   private readonly startedAtSeconds = unixSeconds();
@@ -178,12 +188,20 @@ export class Gateway {
     };
   }
 
+  /** Most sequences one request may ask for: the per-request cap, and never more than the pending bound holds. */
+  get sequenceLimit(): number {
+    return Math.min(this.options.maxSequencesPerRequest ?? DEFAULT_MAX_SEQUENCES_PER_REQUEST, this.options.maxPendingRequests);
+  }
+
   /** Parses and checks a generation request, telling the request's trace how validation went. */
-  private validated<T extends GenerationOptions>(call: Call, parse: () => T): T {
+  private validated<T extends GenerationOptions>(call: Call, parse: () => T, promptCount: (request: T) => number): T {
     let request: T;
     try {
       request = parse();
       this.checkModel(request.model);
+      // Before any prompt is tokenized: the cap is on what the request asks for, whatever its prompts hold.
+      const prompts = promptCount(request);
+      if (prompts * request.n > this.sequenceLimit) throw new TooManySequencesError(prompts, request.n, this.sequenceLimit);
     } catch (err) {
       // The served name, never the one asked for: a metric label must not take whatever clients send.
       call.trace?.validated({ ok: false, model: this.servedModelName! });
@@ -200,7 +218,7 @@ export class Gateway {
 
   async chatCompletions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
-    const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)));
+    const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)), () => 1);
     const tokenIds = this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
@@ -212,7 +230,8 @@ export class Gateway {
 
   async completions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
-    const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)));
+    const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)),
+      (r) => r.prompts.length);
     const { tokenizer } = backend;
     const prompts = request.prompts.map((input, i) => {
       const param = request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
@@ -323,7 +342,7 @@ export class Gateway {
     const admission = this.admit(call, run);
     call.headers['x-request-id'] = id;
     this.activeRuns.add(run);
-    this.pendingEngineRequests += run.engineRequests.length;
+    this.pendingSequences += run.sequences;
     this.options.metrics.requestStarted(call.tenant.name);
     const onGone = (): void => run.abort();
     call.clientGone.addEventListener('abort', onGone);
@@ -349,7 +368,7 @@ export class Gateway {
       clearTimeout(timer);
       call.clientGone.removeEventListener('abort', onGone);
       this.runEnded(run);
-      this.pendingEngineRequests -= run.engineRequests.length;
+      this.pendingSequences -= run.sequences;
       this.options.metrics.requestEnded(call.tenant.name);
       // A request the engine refused used nothing; otherwise the prompt and every generated token count.
       if (refused) admission.settle(0, { refundRequest: true });
@@ -360,10 +379,10 @@ export class Gateway {
   private admit(call: Call, run: GenerationRun): Admission {
     const { limiter } = this.options;
     try {
-      const pending = this.pendingEngineRequests + run.engineRequests.length;
-      if (pending > this.options.maxPendingRequests) {
-        throw new OverloadedError(
-          `${this.pendingEngineRequests} requests are pending and the bound is ${this.options.maxPendingRequests}.`);
+      // Sequences, not requests: one request of 64 prompts with n = 128 is 8,192 sequences of engine work.
+      if (this.pendingSequences + run.sequences > this.options.maxPendingRequests) {
+        throw new OverloadedError(`${this.pendingSequences} sequences are pending, this request adds ${run.sequences}, `
+          + `and the bound is ${this.options.maxPendingRequests}.`);
       }
       const start = this.now();
       try {

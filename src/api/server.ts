@@ -35,7 +35,10 @@ export interface ApiServerOptions {
   keyStore: KeyStore;
   servedModelName?: string;
   maxBodyBytes?: number;
+  /** Sequences (prompts x n) in flight beyond which new requests get 503. */
   maxPendingRequests?: number;
+  /** Most sequences (prompts x n) one request may ask for. */
+  maxSequencesPerRequest?: number;
   requestTimeoutMs?: number;
   /** Clock of the rate limiter (ms); tests pass one they step by hand. */
   clock?: Clock;
@@ -122,6 +125,7 @@ export class ApiServer {
     this.gateway = new Gateway({
       ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
       maxPendingRequests: options.maxPendingRequests ?? DEFAULT_MAX_PENDING_REQUESTS,
+      ...(options.maxSequencesPerRequest !== undefined ? { maxSequencesPerRequest: options.maxSequencesPerRequest } : {}),
       ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
       limiter: this.limiter,
       metrics: this.metrics,

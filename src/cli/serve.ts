@@ -6,7 +6,7 @@ import { readFileSync } from 'node:fs';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
-import type { ModelBackend } from '../api/gateway.ts';
+import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, type ModelBackend } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
 import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_SESSION_HEADER } from '../api/server.ts';
@@ -45,7 +45,8 @@ export const SERVE_FLAGS = {
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
   'sim-speed-up': { type: 'string', help: 'simulated ms per real ms: 1 = real time, inf = no waiting (each request\'s steps run back to back as fast as the CPU allows; timings are the simulated ones)', default: '1' },
-  'max-pending-requests': { type: 'number', help: 'engine requests in flight before new ones get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
+  'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
+  'max-sequences-per-request': { type: 'number', help: 'most sequences (prompts x n) one request may ask for; more is a 400 (capped at --max-pending-requests)', default: DEFAULT_MAX_SEQUENCES_PER_REQUEST },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
   'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM', default: 30 },
@@ -85,6 +86,7 @@ export interface ServeConfig {
   migrationLimit: number;
   sim: SimWorkerSpec;
   maxPendingRequests: number;
+  maxSequencesPerRequest: number;
   maxBodyBytes: number;
   requestTimeoutMs?: number;
   shutdownGraceMs: number;
@@ -232,6 +234,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     migrationLimit,
     sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
+    maxSequencesPerRequest: positiveInteger(values['max-sequences-per-request'], 'max-sequences-per-request')!,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     shutdownGraceMs: grace * 1000,
     traceDecodeSteps: values['trace-decode-steps']!,
@@ -273,6 +276,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
     maxBodyBytes: config.maxBodyBytes,
     maxPendingRequests: config.maxPendingRequests,
+    maxSequencesPerRequest: config.maxSequencesPerRequest,
     sessionHeader: config.sessionHeader,
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),

@@ -314,3 +314,50 @@ describe('HTTP API end to end: graceful shutdown', () => {
     }
   });
 });
+
+describe('HTTP API end to end: sequences (prompts x n)', () => {
+  let server: TestServer;
+  let model: string;
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--max-pending-requests', '4', '--max-sequences-per-request', '4'] });
+    model = server.running.api.gateway.servedModelName!;
+  });
+
+  after(async () => {
+    await server?.close();
+  });
+
+  it('refuses a request that asks for more sequences than one request may, before tokenizing, at no cost', E2E, async () => {
+    // Under 2 KB of JSON that would be 8,192 sequences of 1,000 tokens.
+    const prompts = Array.from({ length: 64 }, (_, i) => `p${i}`);
+    const res = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: prompts, n: 128, max_tokens: 1000 } });
+    assert.equal(res.status, 400);
+    assert.equal(res.json().error.code, 'too_many_sequences');
+    assert.equal(res.json().error.param, 'n');
+    assert.match(res.json().error.message, /8192 sequences \(64 prompts x n=128\); one request may ask for at most 4/);
+    const chat = await rawRequest(server.url, { path: '/v1/chat/completions', body: { model, messages: user, n: 5, max_tokens: 1 } });
+    assert.equal(chat.status, 400);
+    assert.equal(chat.json().error.code, 'too_many_sequences');
+    const fits = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: ['a', 'b'], n: 2, max_tokens: 1 } });
+    assert.equal(fits.status, 200);
+    assert.equal(fits.json().choices.length, 4);
+    assert.ok(engineIdle(server.engine));
+  });
+
+  it('the pending bound counts sequences, not requests', E2E, async () => {
+    const first = await openCompletionStream(server.url, { model, prompt: 'Busy', n: 3, max_tokens: 1900, ignore_eos: true });
+    try {
+      // Two requests in flight would be under a bound of 4; 3 + 2 sequences are not.
+      const second = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'x', n: 2, max_tokens: 1 } });
+      assert.equal(second.status, 503);
+      assert.equal(second.json().error.code, 'server_overloaded');
+      assert.match(second.json().error.message, /3 sequences are pending, this request adds 2, and the bound is 4\./);
+      const third = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'x', max_tokens: 1 } });
+      assert.equal(third.status, 200, 'one more sequence still fits');
+    } finally {
+      first.hangUp();
+    }
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+  });
+});
