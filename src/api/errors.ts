@@ -121,7 +121,7 @@ export class EngineRejectedError extends ApiError {
   }
 }
 
-// ---- 401 / 404 / 405 / 413 ----
+// ---- 401 / 403 / 404 / 405 / 413 ----
 
 export class MissingApiKeyError extends ApiError {
   constructor() {
@@ -133,6 +133,14 @@ export class MissingApiKeyError extends ApiError {
 export class InvalidApiKeyError extends ApiError {
   constructor(keyHint: string) {
     super(401, 'invalid_api_key', INVALID_REQUEST, `Incorrect API key provided: ${keyHint}.`);
+  }
+}
+
+/** A server-wide view (every tenant's detail) asked for with a tenant's key that is not an admin's. */
+export class AdminRequiredError extends ApiError {
+  constructor(path: string) {
+    super(403, 'admin_required', INVALID_REQUEST,
+      `${path} shows every tenant's requests and needs an admin key (--admin-key, or "admin": true on the tenant in the keys file).`);
   }
 }
 

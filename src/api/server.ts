@@ -12,11 +12,11 @@ import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import type { Engine, EngineStats } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
-import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
+import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import {
-  ClientClosedRequestError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, ClientClosedRequestError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -55,6 +55,11 @@ export interface ApiServerOptions {
   telemetry?: Telemetry;
   /** For the telemetry created here: one decode_step span per engine step instead of a summary on decode. */
   perTokenSpans?: boolean;
+  /**
+   * /metrics without an API key even when keys are configured (its series name tenants). Default: with keys
+   * configured, /metrics needs an admin key, like /v1/slo and /v1/analysis.
+   */
+  publicMetrics?: boolean;
 }
 
 interface RouteContext {
@@ -73,6 +78,8 @@ interface Route {
   match: (path: string) => string[] | undefined;
   /** Needs an API key (when keys are configured). */
   auth: boolean;
+  /** Server-wide detail (every tenant's): needs an admin key when keys are configured. */
+  admin?: boolean;
   /** Generates: subject to the tenant's request rate before the body is read. */
   rateLimited: boolean;
   /** Generates: traced, under an id with this prefix chosen at arrival. */
@@ -90,6 +97,11 @@ function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
 }
 
 const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
+
+/** The route, for admin keys only (when keys are configured) when `only` holds. */
+function admin(route: Route, only = true): Route {
+  return only ? { ...route, admin: true } : route;
+}
 
 function exact(path: string): (p: string) => string[] | undefined {
   return (p) => (p === path ? [] : undefined);
@@ -222,7 +234,8 @@ export class ApiServer {
       route('detokenize', exact('/detokenize'), true, { POST: ({ body }) => g.detokenize(body) }),
       route('health', exact('/health'), false, { GET: () => g.health() }),
       route('live', exact('/live'), false, { GET: () => ({ status: 200, body: { status: 'alive' } }) }),
-      route('metrics', exact('/metrics'), false, { GET: ({ res }) => this.sendMetrics(res) }),
+      admin(route('metrics', exact('/metrics'), !this.options.publicMetrics, { GET: ({ res }) => this.sendMetrics(res) }),
+        !this.options.publicMetrics),
       route('request_trace', (p) => {
         const m = /^\/v1\/requests\/([^/]+)\/trace$/.exec(p);
         if (!m) return undefined;
@@ -232,16 +245,20 @@ export class ApiServer {
         } catch {
           return [m[1]!];
         }
-      }, true, { GET: ({ params }) => this.traceReply(params[0]!) }),
-      route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) }),
-      route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) }),
+      }, true, { GET: ({ params, call }) => this.traceReply(params[0]!, call.tenant) }),
+      admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
+      admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
     ];
   }
 
-  /** GET /v1/requests/{id}/trace: the trace's JSON view, its text waterfall and the bottleneck diagnosis. */
-  private traceReply(requestId: string): JsonReply {
+  /**
+   * GET /v1/requests/{id}/trace: the trace's JSON view, its text waterfall and the bottleneck diagnosis. A tenant
+   * sees only its own requests' traces: another tenant's is a 404 like an unknown id, so ids do not leak.
+   */
+  private traceReply(requestId: string, caller: Tenant): JsonReply {
     const trace = this.telemetry.trace(requestId);
-    if (!trace) throw new TraceNotFoundError(requestId, this.telemetry.traces.capacity);
+    const visible = trace !== undefined && (this.options.keyStore.isAdmin(caller) || trace.tenant === caller.name);
+    if (!visible) throw new TraceNotFoundError(requestId, this.telemetry.traces.capacity);
     return {
       status: 200,
       body: {
@@ -322,6 +339,7 @@ export class ApiServer {
           throw err;
         }
         trace?.authenticated(start, true, call.tenant.name);
+        if (found.route.admin && !this.options.keyStore.isAdmin(call.tenant)) throw new AdminRequiredError(path);
       }
       if (found.route.rateLimited) {
         const start = this.engineClock();

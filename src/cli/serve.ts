@@ -23,6 +23,8 @@ export const SERVE_FLAGS = {
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
   'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
   'api-keys': { type: 'string', help: 'API keys as "key:tenant,key2:tenant2" (no keys anywhere = open development mode)' },
+  'admin-key': { type: 'string', help: 'API key of the tenant "admin", which may read every tenant\'s traces and /v1/slo, /v1/analysis, /metrics (with keys configured, other keys may not)' },
+  'public-metrics': { type: 'boolean', help: '/metrics without an API key even when keys are configured (its series name tenants)', default: false },
   'tenant-rpm': { type: 'number', help: 'requests per minute for tenants whose keys entry sets none (unset = unlimited)' },
   'tenant-tpm': { type: 'number', help: 'tokens per minute (prompt + max_tokens reserved) for tenants that set none' },
   'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
@@ -67,6 +69,8 @@ export interface ServeConfig {
   host: string;
   port: number;
   keys: KeyConfig;
+  /** /metrics without a key even when keys are configured. */
+  publicMetrics: boolean;
   tenantDefaults: TenantLimits;
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
@@ -153,10 +157,10 @@ export function parseSpeedUp(text: string): number {
   return value;
 }
 
-function readKeys(file: string | undefined, list: string | undefined): KeyConfig {
+function readKeys(file: string | undefined, list: string | undefined, adminKey: string | undefined): KeyConfig {
   try {
     const fromFile = file === undefined ? undefined : parseKeysFile(readFileSync(file, 'utf8'), file);
-    return combineKeyConfig(fromFile, list ? parseKeysList(list) : []);
+    return combineKeyConfig(fromFile, list ? parseKeysList(list) : [], adminKey);
   } catch (err) {
     if (err instanceof KeyConfigError) throw new UsageError(err.message);
     if ((err as NodeJS.ErrnoException).code === 'ENOENT') throw new UsageError(`--api-keys-file: ${file} does not exist`);
@@ -222,7 +226,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const config: ServeConfig = {
     host: values.host!,
     port,
-    keys: readKeys(values['api-keys-file'], values['api-keys']),
+    keys: readKeys(values['api-keys-file'], values['api-keys'], values['admin-key']),
+    publicMetrics: values['public-metrics']!,
     tenantDefaults,
     backend: backend as Backend,
     engine: engine as ServeConfig['engine'],
@@ -271,10 +276,14 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
   for (const warning of config.warnings ?? []) logger.warn(warning);
   const keyStore = new KeyStore(config.keys, config.tenantDefaults);
   if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
+  else if (!keyStore.hasAdmin) {
+    logger.warn(`no admin key: /v1/slo, /v1/analysis${config.publicMetrics ? '' : ' and /metrics'} answer 403 to every key; see --admin-key`);
+  }
   const api = new ApiServer({
     keyStore,
     ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
     maxBodyBytes: config.maxBodyBytes,
+    ...(config.publicMetrics ? { publicMetrics: true } : {}),
     maxPendingRequests: config.maxPendingRequests,
     maxSequencesPerRequest: config.maxSequencesPerRequest,
     sessionHeader: config.sessionHeader,

@@ -5,7 +5,7 @@ import assert from 'node:assert/strict';
 import { request as httpRequest } from 'node:http';
 import { after, before, describe, it } from 'node:test';
 import OpenAI, { APIError } from 'openai';
-import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { ADMIN_KEY, engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { parseSse, rawRequest, type RawResponse } from './http-client.ts';
 import { openCompletionStream } from '../helpers/http-stream.ts';
 
@@ -182,6 +182,29 @@ describe('HTTP API end to end', () => {
     assert.equal(otherTenant, 0, 'another tenant starts cold');
   });
 
+  it('keeps each tenant to its own traces; the admin key sees all, and alone sees server-wide reports', E2E, async () => {
+    const res = await post('/v1/completions', { model, prompt: 'Mine alone', max_tokens: 2 });
+    assert.equal(res.status, 200);
+    const id = res.json().id;
+    const trace = (key: string): Promise<RawResponse> => rawRequest(server.url, { path: `/v1/requests/${id}/trace`, headers: auth(key) });
+    await waitFor(() => server.running.api.telemetry.trace(id) !== undefined, 'the trace to be stored');
+    assert.equal((await trace(KEY)).status, 200, 'its own tenant reads it');
+    const other = await trace(CORPUS_KEY);
+    const unknown = await rawRequest(server.url, { path: '/v1/requests/cmpl-000000000000000000000000/trace', headers: auth(CORPUS_KEY) });
+    assert.equal(other.status, 404, 'another tenant gets a 404, as for an id that does not exist');
+    assert.equal(other.json().error.code, 'trace_not_found');
+    assert.equal(other.json().error.message.replace(id, '<id>'), unknown.json().error.message.replace('cmpl-000000000000000000000000', '<id>'));
+    assert.equal((await trace(ADMIN_KEY)).status, 200, 'the admin key reads every tenant\'s');
+
+    for (const path of ['/v1/slo', '/v1/analysis', '/metrics']) {
+      assert.equal((await rawRequest(server.url, { path })).status, 401, `${path} without a key`);
+      const tenant = await rawRequest(server.url, { path, headers: auth(KEY) });
+      assert.equal(tenant.status, 403, `${path} with a tenant's key`);
+      assert.equal(tenant.json().error.code, 'admin_required');
+      assert.equal((await rawRequest(server.url, { path, headers: auth(ADMIN_KEY) })).status, 200, `${path} with the admin key`);
+    }
+  });
+
   it('answers 404 for a model it does not serve', E2E, async () => {
     const res = await rawRequest(server.url, { path: '/v1/models/gpt-imaginary', headers: auth() });
     assert.equal(res.status, 404);
@@ -205,7 +228,7 @@ describe('HTTP API end to end', () => {
     assert.equal(body.model, model);
     assert.equal(body.backend, server.engine.info.backend);
     assert.deepEqual(body.kernel_variants, server.engine.info.kernelVariants);
-    const metrics = (await rawRequest(server.url, { path: '/metrics' })).text;
+    const metrics = (await rawRequest(server.url, { path: '/metrics', headers: auth(ADMIN_KEY) })).text;
     assert.match(metrics, new RegExp(`^conduit_kv_cache_capacity_blocks\\{model="${model}"\\} ${server.engine.stats().kvBlocksTotal}$`, 'm'));
     assert.match(metrics, new RegExp(`^conduit_request_generation_tokens_total\\{model="${model}",worker="worker-0",tenant="main"\\} [1-9]\\d*$`, 'm'));
   });

@@ -3,7 +3,7 @@
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import { KeyStore, parseKeysList } from '../../src/api/auth.ts';
+import { combineKeyConfig, KeyStore, parseKeysList } from '../../src/api/auth.ts';
 import { OverloadedError } from '../../src/api/errors.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import { rawRequest } from './http-client.ts';
@@ -12,10 +12,11 @@ describe('API server shell (no model yet)', () => {
   let api: ApiServer;
   let url: string;
   const auth = { Authorization: 'Bearer sk-test-key-0001' };
+  const adminAuth = { Authorization: 'Bearer sk-test-admin-0001' };
 
   before(async () => {
     api = new ApiServer({
-      keyStore: new KeyStore({ keys: parseKeysList('sk-test-key-0001:acme'), tenants: new Map() }),
+      keyStore: new KeyStore(combineKeyConfig(undefined, parseKeysList('sk-test-key-0001:acme'), 'sk-test-admin-0001')),
       maxBodyBytes: 64 * 1024,
     });
     await api.listen(0);
@@ -59,14 +60,29 @@ describe('API server shell (no model yet)', () => {
     assert.equal(del.headers.allow, 'GET');
   });
 
-  it('needs a known API key on /v1 routes but not on /live, /health, /metrics', async () => {
+  it('needs a known API key on /v1 routes and /metrics but not on /live, /health', async () => {
     const none = await rawRequest(url, { path: '/v1/models' });
     assert.equal(none.status, 401);
     assert.equal(none.json().error.code, 'missing_api_key');
     const wrong = await rawRequest(url, { path: '/v1/models', headers: { Authorization: 'Bearer sk-nope-nope-0000' } });
     assert.equal(wrong.status, 401);
     assert.equal(wrong.json().error.code, 'invalid_api_key');
-    assert.equal((await rawRequest(url, { path: '/metrics' })).status, 200);
+    assert.equal((await rawRequest(url, { path: '/health' })).status, 503, 'loading, but answered');
+    // Its series name tenants: with keys configured, for admin keys only (unless --public-metrics).
+    assert.equal((await rawRequest(url, { path: '/metrics' })).status, 401);
+    assert.equal((await rawRequest(url, { path: '/metrics', headers: auth })).status, 403);
+  });
+
+  it('serves /metrics without a key when told to (--public-metrics)', async () => {
+    const open = new ApiServer({
+      keyStore: new KeyStore({ keys: parseKeysList('sk-test-key-0001:acme'), tenants: new Map() }), publicMetrics: true,
+    });
+    await open.listen(0);
+    try {
+      assert.equal((await rawRequest(open.url, { path: '/metrics' })).status, 200);
+    } finally {
+      await open.shutdown(0);
+    }
   });
 
   it('refuses a body announced larger than the cap without reading it', async () => {
@@ -117,7 +133,7 @@ describe('API server shell (no model yet)', () => {
   });
 
   it('exposes valid Prometheus text with the responses counted so far', async () => {
-    const res = await rawRequest(url, { path: '/metrics' });
+    const res = await rawRequest(url, { path: '/metrics', headers: adminAuth });
     assert.match(String(res.headers['content-type']), /^text\/plain; version=0\.0\.4/);
     // Empty lines are allowed between families (the format ignores them; prom-client writes them).
     const lines = res.text.trimEnd().split('\n').filter((line) => line !== '');
