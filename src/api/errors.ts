@@ -258,6 +258,14 @@ export class OverloadedError extends ApiError {
   }
 }
 
+/** More connections open than --max-connections: sent raw on the new connection, which is then closed. */
+export class TooManyConnectionsError extends ApiError {
+  constructor(limit: number) {
+    super(503, 'too_many_connections', SERVER_ERROR,
+      `The server has ${limit} connections open, its limit (--max-connections). Please retry shortly.`, null, retryHeaders(1000));
+  }
+}
+
 /** The worker that ran the request went away mid-way; a retry lands on a live one. */
 export class WorkerLostError extends ApiError {
   constructor(detail: string) {

@@ -8,7 +8,7 @@
 
 import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { createServer as createHttpsServer } from 'node:https';
-import type { AddressInfo } from 'node:net';
+import type { AddressInfo, Socket } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import type { Engine, EngineStats } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
@@ -16,7 +16,7 @@ import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import {
-  AdminRequiredError, ClientClosedRequestError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, ClientClosedRequestError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -26,6 +26,10 @@ import { TenantRateLimiter, type Clock } from './rate-limit.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 export const DEFAULT_MAX_PENDING_REQUESTS = 256;
+/** Open connections beyond which new ones get a 503 and are closed (serve lowers it to fit the descriptor limit). */
+export const DEFAULT_MAX_CONNECTIONS = 4096;
+/** Time a client has to send a request's headers. */
+export const DEFAULT_HEADERS_TIMEOUT_MS = 30_000;
 /** The request header that names a conversation for the session routing policy (as vLLM's router's session key). */
 export const DEFAULT_SESSION_HEADER = 'x-session-id';
 /** Longest session id accepted: the router keeps every live one in memory. */
@@ -55,6 +59,10 @@ export interface ApiServerOptions {
   telemetry?: Telemetry;
   /** For the telemetry created here: one decode_step span per engine step instead of a summary on decode. */
   perTokenSpans?: boolean;
+  /** Open connections beyond which a new one gets a short 503 and is closed (TLS: closed before the handshake). */
+  maxConnections?: number;
+  /** Time a client has to send a request's headers; enforced within a quarter of it (at most 1 s) late. */
+  headersTimeoutMs?: number;
   /**
    * /metrics without an API key even when keys are configured (its series name tenants). Default: with keys
    * configured, /metrics needs an admin key, like /v1/slo and /v1/analysis.
@@ -123,6 +131,8 @@ export class ApiServer {
   /** Lower-cased, as node gives header names. */
   private readonly sessionHeader: string;
   private stopping: Promise<void> | undefined;
+  private readonly maxConnections: number;
+  private openConnections = 0;
 
   constructor(private readonly options: ApiServerOptions) {
     this.logger = options.logger ?? silentLogger;
@@ -145,13 +155,60 @@ export class ApiServer {
     });
     this.routes = this.buildRoutes();
     const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res);
+    const headersTimeout = options.headersTimeoutMs ?? DEFAULT_HEADERS_TIMEOUT_MS;
+    // Node checks the header and request timeouts only every connectionsCheckingInterval (30 s by default), so a
+    // 30 s header timeout could take up to 60 s: check often enough that the timeout is the one stated.
+    const connectionsCheckingInterval = Math.max(10, Math.min(1000, Math.floor(headersTimeout / 4)));
     this.server = options.tls
-      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true }, listener)
-      : createHttpServer({ noDelay: true }, listener);
+      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true, connectionsCheckingInterval }, listener)
+      : createHttpServer({ noDelay: true, connectionsCheckingInterval }, listener);
     // Slow or stalled uploads must not hold a connection for ever; streamed responses are not affected.
-    this.server.requestTimeout = 60_000;
-    this.server.headersTimeout = 30_000;
+    this.server.headersTimeout = headersTimeout;
+    this.server.requestTimeout = Math.max(60_000, headersTimeout);
     this.server.keepAliveTimeout = 15_000;
+    this.maxConnections = options.maxConnections ?? DEFAULT_MAX_CONNECTIONS;
+    this.capConnections();
+  }
+
+  /** Connections open now (the ones being served; refused ones are not counted). */
+  get connectionCount(): number {
+    return this.openConnections;
+  }
+
+  /**
+   * Every descriptor is a connection someone else cannot have: past the cap a new connection is answered at once
+   * with a short 503 and closed, before node's HTTP (or TLS) machinery sees it, so it costs no parser or handshake.
+   */
+  private capConnections(): void {
+    const serve = this.server.listeners('connection') as ((socket: Socket) => void)[];
+    this.server.removeAllListeners('connection');
+    this.server.on('connection', (socket: Socket) => {
+      if (this.openConnections >= this.maxConnections) {
+        this.refuseConnection(socket);
+        return;
+      }
+      this.openConnections++;
+      socket.once('close', () => { this.openConnections--; });
+      for (const handler of serve) handler.call(this.server, socket);
+    });
+  }
+
+  private refuseConnection(socket: Socket): void {
+    this.metrics.countRejection(ANONYMOUS_TENANT, 'too_many_connections');
+    socket.on('error', () => {});
+    // Under TLS nothing readable can be said before a handshake, which an overloaded server should not spend.
+    if (this.options.tls) {
+      socket.destroy();
+      return;
+    }
+    const body = JSON.stringify(new TooManyConnectionsError(this.maxConnections).toBody());
+    socket.end('HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n'
+      + `Content-Length: ${Buffer.byteLength(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n${body}`);
+    // The client has a moment to read the answer; a client that never closes its end does not keep the descriptor.
+    const timer = setTimeout(() => socket.destroy(), 1000);
+    timer.unref();
+    socket.once('close', () => clearTimeout(timer));
+    socket.resume();
   }
 
   attach(backend: ModelBackend): void {

@@ -9,7 +9,10 @@ import {
 import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, type ModelBackend } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
-import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_SESSION_HEADER } from '../api/server.ts';
+import {
+  ApiServer, DEFAULT_HEADERS_TIMEOUT_MS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PENDING_REQUESTS,
+  DEFAULT_SESSION_HEADER,
+} from '../api/server.ts';
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
@@ -50,6 +53,8 @@ export const SERVE_FLAGS = {
   'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
   'max-sequences-per-request': { type: 'number', help: 'most sequences (prompts x n) one request may ask for; more is a 400 (capped at --max-pending-requests)', default: DEFAULT_MAX_SEQUENCES_PER_REQUEST },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
+  'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
+  'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
   'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM', default: 30 },
   'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
@@ -91,6 +96,8 @@ export interface ServeConfig {
   sim: SimWorkerSpec;
   maxPendingRequests: number;
   maxSequencesPerRequest: number;
+  maxConnections: number;
+  headersTimeoutMs: number;
   maxBodyBytes: number;
   requestTimeoutMs?: number;
   shutdownGraceMs: number;
@@ -157,6 +164,24 @@ export function parseSpeedUp(text: string): number {
   return value;
 }
 
+/**
+ * DEFAULT_MAX_CONNECTIONS, or three quarters of the process's open-file limit when that is lower: the rest is for
+ * model files, workers and logs. The limit is read from /proc/self/limits (Linux); elsewhere the default stands.
+ */
+export function defaultMaxConnections(limitsText?: string): number {
+  let text = limitsText;
+  if (text === undefined) {
+    try {
+      text = readFileSync('/proc/self/limits', 'utf8');
+    } catch {
+      return DEFAULT_MAX_CONNECTIONS;
+    }
+  }
+  const soft = Number(/^Max open files\s+(\d+)/m.exec(text)?.[1]);
+  if (!Number.isFinite(soft) || soft <= 0) return DEFAULT_MAX_CONNECTIONS;
+  return Math.max(1, Math.min(DEFAULT_MAX_CONNECTIONS, Math.floor(soft * 0.75)));
+}
+
 function readKeys(file: string | undefined, list: string | undefined, adminKey: string | undefined): KeyConfig {
   try {
     const fromFile = file === undefined ? undefined : parseKeysFile(readFileSync(file, 'utf8'), file);
@@ -193,6 +218,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const grace = values['shutdown-grace']!;
   if (timeout < 0) throw new UsageError('--request-timeout must be >= 0');
   if (grace < 0) throw new UsageError('--shutdown-grace must be >= 0');
+  const headersTimeout = values['headers-timeout']!;
+  if (!(headersTimeout > 0)) throw new UsageError(`--headers-timeout must be > 0 seconds, got ${headersTimeout}`);
   const tenantDefaults: TenantLimits = {};
   const rpm = positiveInteger(values['tenant-rpm'], 'tenant-rpm');
   const tpm = positiveInteger(values['tenant-tpm'], 'tenant-tpm');
@@ -240,6 +267,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxSequencesPerRequest: positiveInteger(values['max-sequences-per-request'], 'max-sequences-per-request')!,
+    maxConnections: positiveInteger(values['max-connections'], 'max-connections') ?? defaultMaxConnections(),
+    headersTimeoutMs: headersTimeout * 1000,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     shutdownGraceMs: grace * 1000,
     traceDecodeSteps: values['trace-decode-steps']!,
@@ -286,6 +315,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     ...(config.publicMetrics ? { publicMetrics: true } : {}),
     maxPendingRequests: config.maxPendingRequests,
     maxSequencesPerRequest: config.maxSequencesPerRequest,
+    maxConnections: config.maxConnections,
+    headersTimeoutMs: config.headersTimeoutMs,
     sessionHeader: config.sessionHeader,
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),

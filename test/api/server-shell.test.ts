@@ -2,10 +2,12 @@
 // body limits and decoding, liveness and readiness, metrics format. The engine-backed behaviour is in e2e tests.
 
 import assert from 'node:assert/strict';
+import { connect } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { combineKeyConfig, KeyStore, parseKeysList } from '../../src/api/auth.ts';
 import { OverloadedError } from '../../src/api/errors.ts';
 import { ApiServer } from '../../src/api/server.ts';
+import { waitFor } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
 
 describe('API server shell (no model yet)', () => {
@@ -153,5 +155,57 @@ describe('error messages', () => {
       'The server is overloaded: no worker is available. Please retry shortly.');
     assert.equal(new OverloadedError('the queue is full.').message,
       'The server is overloaded: the queue is full. Please retry shortly.');
+  });
+});
+
+/** One request over a fresh socket of its own (no agent, no keep-alive); resolves with all the server sent. */
+function rawExchange(url: string, request: string): Promise<string> {
+  const { hostname, port } = new URL(url);
+  return new Promise((resolve, reject) => {
+    const socket = connect(Number(port), hostname);
+    const chunks: Buffer[] = [];
+    socket.on('data', (chunk: Buffer) => chunks.push(chunk));
+    socket.on('error', reject);
+    socket.on('close', () => resolve(Buffer.concat(chunks).toString('utf8')));
+    socket.write(request);
+  });
+}
+
+describe('API server connections', () => {
+  it('answers connections past --max-connections with a short 503 and closes them; the server stays up', async () => {
+    const api = new ApiServer({ keyStore: new KeyStore({ keys: [], tenants: new Map() }), maxConnections: 2 });
+    await api.listen(0);
+    const { port } = new URL(api.url);
+    const idle = [connect(Number(port), '127.0.0.1'), connect(Number(port), '127.0.0.1')];
+    try {
+      await waitFor(() => api.connectionCount === 2, 'two idle connections');
+      const refused = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+      assert.match(refused, /^HTTP\/1\.1 503 Service Unavailable\r\n/);
+      assert.match(refused, /\r\nRetry-After: 1\r\n/);
+      assert.match(refused, /\r\nConnection: close\r\n/);
+      const body = JSON.parse(refused.slice(refused.indexOf('\r\n\r\n') + 4));
+      assert.equal(body.error.code, 'too_many_connections');
+      assert.equal(body.error.type, 'server_error');
+      assert.equal(api.connectionCount, 2, 'the refused connection was never counted');
+      idle[0]!.destroy();
+      await waitFor(() => api.connectionCount === 1, 'a slot to free');
+      const served = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+      assert.match(served, /^HTTP\/1\.1 200 OK\r\n/);
+    } finally {
+      for (const socket of idle) socket.destroy();
+      await api.shutdown(0);
+    }
+  });
+
+  it('closes a connection whose headers do not arrive within the header timeout, with a 408', { timeout: 10_000 }, async () => {
+    // Node's default check runs every 30 s: without a shorter check interval this would wait that long.
+    const api = new ApiServer({ keyStore: new KeyStore({ keys: [], tenants: new Map() }), headersTimeoutMs: 400 });
+    await api.listen(0);
+    try {
+      const answer = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\n');
+      assert.match(answer, /^HTTP\/1\.1 408 Request Timeout\r\n/);
+    } finally {
+      await api.shutdown(0);
+    }
   });
 });
