@@ -90,6 +90,16 @@ export class TooManySequencesError extends ApiError {
   }
 }
 
+/** A prompt whose UTF-8 length alone shows it cannot fit the context, refused before it is tokenized. */
+export class PromptTooLongError extends ApiError {
+  constructor(maxModelLen: number, bytes: number, maxBytesPerToken: number, param: string) {
+    super(400, 'context_length_exceeded', INVALID_REQUEST,
+      `This model's maximum context length is ${maxModelLen} tokens, but the prompt is ${bytes} bytes, which is at `
+      + `least ${Math.ceil(bytes / maxBytesPerToken)} tokens (no token of this model's tokenizer covers more than `
+      + `${maxBytesPerToken} bytes). Please shorten the prompt.`, param);
+  }
+}
+
 /** The request fits the context but not the KV cache this server was started with. */
 export class KvCapacityError extends ApiError {
   constructor(neededTokens: number, capacityTokens: number) {

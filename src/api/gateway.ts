@@ -7,12 +7,12 @@ import type { Engine } from '../engine/types.ts';
 import {
   ChatTemplateError as TemplateRenderError, type ChatMessage as TemplateMessage, type RenderOptions,
 } from '../model/chat-template.ts';
-import type { Tokenizer } from '../model/tokenizer/types.ts';
+import type { EncodeOptions, Tokenizer } from '../model/tokenizer/types.ts';
 import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
-  TooManySequencesError,
+  PromptTooLongError, TooManySequencesError,
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
@@ -25,6 +25,7 @@ import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts'
 import { parseCompletionRequest } from './schemas/completion.ts';
 import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
+import { PromptEncoder } from './prompt-encoder.ts';
 import { SseWriter } from './sse.ts';
 import type { JsonObject } from './validate.ts';
 
@@ -62,6 +63,8 @@ export interface GatewayOptions {
   maxPendingRequests: number;
   /** Most sequences (prompts x n) one request may ask for; more is a 400. Default DEFAULT_MAX_SEQUENCES_PER_REQUEST. */
   maxSequencesPerRequest?: number;
+  /** Prompts this long (UTF-16 units) or longer are tokenized on a tokenizer thread. Default DEFAULT_OFF_THREAD_CHARS. */
+  offThreadChars?: number;
   /** Per-request limit on generation time; undefined = none. */
   requestTimeoutMs?: number;
   limiter: TenantRateLimiter;
@@ -105,12 +108,45 @@ export class Gateway {
   /** Ends the grace period of drains under way. */
   private readonly graceCutters: (() => void)[] = [];
   private readonly startedAtSeconds = unixSeconds();
+  private encoder: PromptEncoder | undefined;
 
   constructor(private readonly options: GatewayOptions) {}
 
   attach(backend: ModelBackend): void {
+    void this.encoder?.close();
     this.backend = backend;
+    this.encoder = new PromptEncoder(backend.tokenizer, this.options.offThreadChars);
     this.state = 'ready';
+  }
+
+  /** Stops the tokenizer thread (if one was started). */
+  async close(): Promise<void> {
+    await this.encoder?.close();
+  }
+
+  /** Prompts tokenized off the event loop so far. */
+  get offThreadTokenizations(): number {
+    return this.encoder?.offThreadCount ?? 0;
+  }
+
+  private encode(text: string, options: EncodeOptions): Promise<number[]> {
+    return this.encoder!.encode(text, options);
+  }
+
+  /**
+   * Refuses, before tokenizing it, a text whose UTF-8 length alone shows it cannot fit the context: at most
+   * maxBytesPerToken bytes per token, B bytes are at least ceil(B / maxBytesPerToken) tokens. Never refuses a
+   * prompt that would fit; a tokenizer with no such bound is not checked here.
+   */
+  private checkPromptBytes(backend: ModelBackend, text: string, param: string): void {
+    const bound = backend.tokenizer.maxBytesPerToken?.();
+    if (bound === undefined) return;
+    const { maxModelLen } = backend.engine.info;
+    const limitBytes = (maxModelLen - 1) * bound;
+    // A UTF-16 unit is at most 3 bytes of UTF-8: most prompts are cleared without counting their bytes.
+    if (text.length * 3 <= limitBytes) return;
+    const bytes = Buffer.byteLength(text, 'utf8');
+    if (bytes > limitBytes) throw new PromptTooLongError(maxModelLen, bytes, bound, param);
   }
 
   get engine(): Engine | undefined {
@@ -151,8 +187,8 @@ export class Gateway {
 
   // ---- prompts ----
 
-  private renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
-    templateKwargs: JsonObject | undefined): number[] {
+  private async renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
+    templateKwargs: JsonObject | undefined, checkLength: boolean): Promise<number[]> {
     if (!backend.chatTemplate) throw new NoChatTemplateError(this.servedModelName!);
     let text: string;
     try {
@@ -166,7 +202,8 @@ export class Gateway {
     }
     // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
     // and the tokenizer put it there.
-    const ids = backend.tokenizer.encode(text, { addSpecialTokens: true, parseSpecial: true });
+    if (checkLength) this.checkPromptBytes(backend, text, 'messages');
+    const ids = await this.encode(text, { addSpecialTokens: true, parseSpecial: true });
     const bos = backend.tokenizer.bosId;
     return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
   }
@@ -219,7 +256,7 @@ export class Gateway {
   async chatCompletions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
     const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)), () => 1);
-    const tokenIds = this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
+    const tokenIds = await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
     const id = call.requestId ?? newCompletionId('chatcmpl');
@@ -233,15 +270,19 @@ export class Gateway {
     const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)),
       (r) => r.prompts.length);
     const { tokenizer } = backend;
-    const prompts = request.prompts.map((input, i) => {
-      const param = request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
+    const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
+    // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
+    request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i)); });
+    const prompts: PreparedPrompt[] = [];
+    for (const [i, input] of request.prompts.entries()) {
       if ('text' in input) {
-        const ids = tokenizer.encode(input.text, { addSpecialTokens: true, parseSpecial: true });
-        return this.fitPrompt(backend, ids, request.maxTokens, param, input.text);
+        const ids = await this.encode(input.text, { addSpecialTokens: true, parseSpecial: true });
+        prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), input.text));
+        continue;
       }
       const text = request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
-      return this.fitPrompt(backend, input.tokenIds, request.maxTokens, param, text);
-    });
+      prompts.push(this.fitPrompt(backend, input.tokenIds, request.maxTokens, param(i), text));
+    }
     call.trace?.tokenized(prompts.reduce((sum, p) => sum + p.tokenIds.length, 0));
     const id = call.requestId ?? newCompletionId('cmpl');
     const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
@@ -250,13 +291,13 @@ export class Gateway {
     await this.run(call, backend, id, prompts, request, request.logprobs, shape);
   }
 
-  tokenize(body: unknown): JsonReply {
+  async tokenize(body: unknown): Promise<JsonReply> {
     const backend = this.ready();
     const request = parseTokenizeRequest(body, this.validationContext(backend));
     this.checkModel(request.model);
     const tokens = request.kind === 'prompt'
-      ? backend.tokenizer.encode(request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
-      : this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
+      ? await this.encode(request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
+      : await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, false);
     return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 

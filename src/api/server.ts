@@ -78,7 +78,7 @@ interface RouteContext {
   params: string[];
 }
 
-type Handler = (context: RouteContext) => Promise<void> | JsonReply | void;
+type Handler = (context: RouteContext) => Promise<JsonReply | void> | JsonReply | void;
 
 interface Route {
   /** Label for metrics and logs. */
@@ -261,6 +261,7 @@ export class ApiServer {
     await within(this.gateway.whenIdle(), 1000);
     this.gateway.state = 'stopped';
     await this.gateway.engine?.close();
+    await this.gateway.close();
     await this.gateway.whenIdle();
     await closed;
     if (this.ownsTelemetry) {
