@@ -4,10 +4,13 @@
 //
 // Keys file (--api-keys-file), either format:
 //   JSON:  {"keys": [{"key": "sk-a", "tenant": "acme"}, ...],
-//           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"}}}
+//           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"},
+//                       "ops": {"admin": true}}}
 //   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starts a comment, '-' leaves a limit unset)
 // Environment (CONDUIT_API_KEYS): "key:tenant,key2:tenant2".
 // Tenants with the same cache_group share prefix-cache blocks; by default every tenant is its own group.
+// An admin tenant ("admin": true, or the tenant "admin" of --admin-key / CONDUIT_ADMIN_KEY) may read every tenant's
+// request traces and the server-wide /v1/slo, /v1/analysis and /metrics; other tenants see only their own traces.
 
 import { createHash } from 'node:crypto';
 import { InvalidApiKeyError, MissingApiKeyError } from './errors.ts';
@@ -23,6 +26,8 @@ export interface Tenant {
   limits: TenantLimits;
   /** Mixed into KV block hashes; undefined = share the cache with everyone (open mode). */
   cacheSalt: string | undefined;
+  /** Sees every tenant's traces and the server-wide reports (with keys configured; in open mode everyone does). */
+  admin?: boolean;
 }
 
 export interface KeyGrant {
@@ -33,6 +38,7 @@ export interface KeyGrant {
 export interface TenantConfig {
   limits: TenantLimits;
   cacheGroup?: string;
+  admin?: boolean;
 }
 
 export interface KeyConfig {
@@ -45,6 +51,8 @@ export class KeyConfigError extends Error {
 }
 
 export const ANONYMOUS_TENANT = 'anonymous';
+/** The tenant of the --admin-key key. */
+export const ADMIN_TENANT = 'admin';
 
 function sha256(text: string): string {
   return createHash('sha256').update(text).digest('hex');
@@ -66,7 +74,7 @@ export class KeyStore {
       let tenant = tenants.get(name);
       if (!tenant) {
         const own = config.tenants.get(name);
-        tenant = { name, limits: { ...defaults, ...own?.limits }, cacheSalt: own?.cacheGroup ?? name };
+        tenant = { name, limits: { ...defaults, ...own?.limits }, cacheSalt: own?.cacheGroup ?? name, ...(own?.admin ? { admin: true } : {}) };
         tenants.set(name, tenant);
       }
       return tenant;
@@ -89,6 +97,17 @@ export class KeyStore {
 
   get keyCount(): number {
     return this.tenantByKeyHash.size;
+  }
+
+  /** Some key belongs to an admin tenant. */
+  get hasAdmin(): boolean {
+    for (const tenant of this.tenantByKeyHash.values()) if (tenant.admin) return true;
+    return false;
+  }
+
+  /** Whether the tenant may see every tenant's traces and the server-wide reports: any caller in open mode. */
+  isAdmin(tenant: Tenant): boolean {
+    return this.isOpen || tenant.admin === true;
   }
 
   /** The tenant for an Authorization header, or a 401. */
@@ -153,6 +172,7 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
       const spec = (raw ?? {}) as Record<string, unknown>;
       const cacheGroup = spec.cache_group;
       if (cacheGroup !== undefined && typeof cacheGroup !== 'string') throw new KeyConfigError(`${where}: cache_group must be a string`);
+      if (spec.admin !== undefined && typeof spec.admin !== 'boolean') throw new KeyConfigError(`${where}: admin must be true or false`);
       mergeTenant(config, name, {
         limits: dropUndefined({
           requestsPerMinute: positiveLimit(spec.rpm, 'rpm', where),
@@ -160,6 +180,7 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
           maxConcurrent: positiveLimit(spec.max_concurrent, 'max_concurrent', where),
         }),
         ...(cacheGroup !== undefined ? { cacheGroup } : {}),
+        ...(spec.admin === true ? { admin: true } : {}),
       }, where);
     }
   }
@@ -206,10 +227,16 @@ export function parseKeysList(list: string, source = 'CONDUIT_API_KEYS'): KeyGra
   });
 }
 
-/** Keys from a file and a list together (either may be absent). */
-export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyGrant[]): KeyConfig {
-  return {
+/** Keys from a file and a list together (either may be absent), plus an admin key (tenant "admin", an admin). */
+export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyGrant[], adminKey?: string): KeyConfig {
+  const config: KeyConfig = {
     keys: [...(fromFile?.keys ?? []), ...fromList],
     tenants: new Map(fromFile?.tenants ?? []),
   };
+  if (adminKey !== undefined) {
+    config.keys.push({ key: adminKey, tenant: ADMIN_TENANT });
+    const own = config.tenants.get(ADMIN_TENANT);
+    config.tenants.set(ADMIN_TENANT, { ...own, limits: own?.limits ?? {}, admin: true });
+  }
+  return config;
 }

@@ -81,6 +81,25 @@ export class ContextLengthError extends ApiError {
   }
 }
 
+/** More sequences (prompts x n) in one request than this server lets one request ask for. */
+export class TooManySequencesError extends ApiError {
+  constructor(prompts: number, n: number, limit: number) {
+    super(400, 'too_many_sequences', INVALID_REQUEST,
+      `This request asks for ${prompts * n} sequences (${prompts} prompt${prompts === 1 ? '' : 's'} x n=${n}); `
+      + `one request may ask for at most ${limit} (--max-sequences-per-request). Send fewer prompts or a lower n.`, 'n');
+  }
+}
+
+/** A prompt whose UTF-8 length alone shows it cannot fit the context, refused before it is tokenized. */
+export class PromptTooLongError extends ApiError {
+  constructor(maxModelLen: number, bytes: number, maxBytesPerToken: number, param: string) {
+    super(400, 'context_length_exceeded', INVALID_REQUEST,
+      `This model's maximum context length is ${maxModelLen} tokens, but the prompt is ${bytes} bytes, which is at `
+      + `least ${Math.ceil(bytes / maxBytesPerToken)} tokens (no token of this model's tokenizer covers more than `
+      + `${maxBytesPerToken} bytes). Please shorten the prompt.`, param);
+  }
+}
+
 /** The request fits the context but not the KV cache this server was started with. */
 export class KvCapacityError extends ApiError {
   constructor(neededTokens: number, capacityTokens: number) {
@@ -112,7 +131,7 @@ export class EngineRejectedError extends ApiError {
   }
 }
 
-// ---- 401 / 404 / 405 / 413 ----
+// ---- 401 / 403 / 404 / 405 / 413 ----
 
 export class MissingApiKeyError extends ApiError {
   constructor() {
@@ -124,6 +143,14 @@ export class MissingApiKeyError extends ApiError {
 export class InvalidApiKeyError extends ApiError {
   constructor(keyHint: string) {
     super(401, 'invalid_api_key', INVALID_REQUEST, `Incorrect API key provided: ${keyHint}.`);
+  }
+}
+
+/** A server-wide view (every tenant's detail) asked for with a tenant's key that is not an admin's. */
+export class AdminRequiredError extends ApiError {
+  constructor(path: string) {
+    super(403, 'admin_required', INVALID_REQUEST,
+      `${path} shows every tenant's requests and needs an admin key (--admin-key, or "admin": true on the tenant in the keys file).`);
   }
 }
 
@@ -140,6 +167,14 @@ export class TraceNotFoundError extends ApiError {
     super(404, 'trace_not_found', INVALID_REQUEST,
       `No finished request with id '${requestId}'. Traces are kept for the last ${capacity} finished requests; `
       + 'a request still running has none yet.', 'id');
+  }
+}
+
+/** A percent-escape in the URL path that is not valid UTF-8 (e.g. "%E0%A4%A"). */
+export class MalformedPathError extends ApiError {
+  constructor(path: string) {
+    super(400, 'invalid_url', INVALID_REQUEST,
+      `Invalid URL (${path}): a percent-escape in the path is malformed or not UTF-8.`);
   }
 }
 
@@ -209,16 +244,35 @@ export class NotReadyError extends ApiError {
   }
 }
 
+/** A new request while the server drains (or after): another replica should take it. */
 export class ShuttingDownError extends ApiError {
-  constructor() {
-    super(503, 'shutting_down', SERVER_ERROR, 'The server is shutting down and takes no new requests.');
+  constructor(message = 'The server is shutting down and takes no new requests.') {
+    super(503, 'shutting_down', SERVER_ERROR, message, null, retryHeaders(1000));
+  }
+}
+
+/** A request still running when the shutdown grace period ended (ran out, or was cut short by a second signal). */
+export class GraceEndedError extends ShuttingDownError {
+  constructor(graceMs: number, cutShort: boolean) {
+    const grace = `${Number((graceMs / 1000).toFixed(3))} s`;
+    super(cutShort
+      ? `The server stopped before this request finished: a second stop signal ended its ${grace} shutdown grace period early.`
+      : `The server stopped before this request finished: its ${grace} shutdown grace period ran out.`);
   }
 }
 
 export class OverloadedError extends ApiError {
   constructor(detail: string, retryAfterMs = 1000) {
-    super(503, 'server_overloaded', SERVER_ERROR, `The server is overloaded: ${detail} Please retry shortly.`, null,
-      retryHeaders(retryAfterMs));
+    super(503, 'server_overloaded', SERVER_ERROR, `The server is overloaded: ${sentence(detail)} Please retry shortly.`,
+      null, retryHeaders(retryAfterMs));
+  }
+}
+
+/** More connections open than --max-connections: sent raw on the new connection, which is then closed. */
+export class TooManyConnectionsError extends ApiError {
+  constructor(limit: number) {
+    super(503, 'too_many_connections', SERVER_ERROR,
+      `The server has ${limit} connections open, its limit (--max-connections). Please retry shortly.`, null, retryHeaders(1000));
   }
 }
 
@@ -262,6 +316,12 @@ export function toApiError(err: unknown): ApiError {
 }
 
 // ---- helpers ----
+
+/** A detail that ends a sentence: a final period added unless it already ends in one (or in ? or !). */
+export function sentence(detail: string): string {
+  const trimmed = detail.trimEnd();
+  return /[.!?]$/.test(trimmed) ? trimmed : `${trimmed}.`;
+}
 
 function retryHeaders(retryAfterMs: number): Record<string, string> {
   return {

@@ -7,12 +7,13 @@ import type { Engine } from '../engine/types.ts';
 import {
   ChatTemplateError as TemplateRenderError, type ChatMessage as TemplateMessage, type RenderOptions,
 } from '../model/chat-template.ts';
-import type { Tokenizer } from '../model/tokenizer/types.ts';
+import type { EncodeOptions, Tokenizer } from '../model/tokenizer/types.ts';
 import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
-  NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
+  PromptTooLongError, TooManySequencesError,
+  GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
 import type { GatewayMetrics } from './metrics.ts';
@@ -24,6 +25,7 @@ import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts'
 import { parseCompletionRequest } from './schemas/completion.ts';
 import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
+import { PromptEncoder } from './prompt-encoder.ts';
 import { SseWriter } from './sse.ts';
 import type { JsonObject } from './validate.ts';
 
@@ -46,13 +48,23 @@ export interface ModelBackend {
 
 export const DEFAULT_WORKER_ID = 'worker-0';
 
+/**
+ * Sequences one request may ask for by default: one prompt at OpenAI's largest n (128), and half the default
+ * pending bound, so no single request can take the whole server.
+ */
+export const DEFAULT_MAX_SEQUENCES_PER_REQUEST = 128;
+
 export type GatewayState = 'loading' | 'ready' | 'draining' | 'stopped';
 
 export interface GatewayOptions {
   /** Name clients use in "model"; defaults to the engine's model name. */
   servedModelName?: string;
-  /** Engine requests in flight beyond which new requests get 503. */
+  /** Sequences (prompts x n of every request) in flight beyond which new requests get 503. */
   maxPendingRequests: number;
+  /** Most sequences (prompts x n) one request may ask for; more is a 400. Default DEFAULT_MAX_SEQUENCES_PER_REQUEST. */
+  maxSequencesPerRequest?: number;
+  /** Prompts this long (UTF-16 units) or longer are tokenized on a tokenizer thread. Default DEFAULT_OFF_THREAD_CHARS. */
+  offThreadChars?: number;
   /** Per-request limit on generation time; undefined = none. */
   requestTimeoutMs?: number;
   limiter: TenantRateLimiter;
@@ -91,14 +103,50 @@ export class Gateway {
   private backend: ModelBackend | undefined;
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
-  private pendingEngineRequests = 0;
+  /** Sequences (prompts x n) of the runs in flight: what the pending bound counts. */
+  private pendingSequences = 0;
+  /** Ends the grace period of drains under way. */
+  private readonly graceCutters: (() => void)[] = [];
   private readonly startedAtSeconds = unixSeconds();
+  private encoder: PromptEncoder | undefined;
 
   constructor(private readonly options: GatewayOptions) {}
 
   attach(backend: ModelBackend): void {
+    void this.encoder?.close();
     this.backend = backend;
+    this.encoder = new PromptEncoder(backend.tokenizer, this.options.offThreadChars);
     this.state = 'ready';
+  }
+
+  /** Stops the tokenizer thread (if one was started). */
+  async close(): Promise<void> {
+    await this.encoder?.close();
+  }
+
+  /** Prompts tokenized off the event loop so far. */
+  get offThreadTokenizations(): number {
+    return this.encoder?.offThreadCount ?? 0;
+  }
+
+  private encode(text: string, options: EncodeOptions): Promise<number[]> {
+    return this.encoder!.encode(text, options);
+  }
+
+  /**
+   * Refuses, before tokenizing it, a text whose UTF-8 length alone shows it cannot fit the context: at most
+   * maxBytesPerToken bytes per token, B bytes are at least ceil(B / maxBytesPerToken) tokens. Never refuses a
+   * prompt that would fit; a tokenizer with no such bound is not checked here.
+   */
+  private checkPromptBytes(backend: ModelBackend, text: string, param: string): void {
+    const bound = backend.tokenizer.maxBytesPerToken?.();
+    if (bound === undefined) return;
+    const { maxModelLen } = backend.engine.info;
+    const limitBytes = (maxModelLen - 1) * bound;
+    // A UTF-16 unit is at most 3 bytes of UTF-8: most prompts are cleared without counting their bytes.
+    if (text.length * 3 <= limitBytes) return;
+    const bytes = Buffer.byteLength(text, 'utf8');
+    if (bytes > limitBytes) throw new PromptTooLongError(maxModelLen, bytes, bound, param);
   }
 
   get engine(): Engine | undefined {
@@ -139,8 +187,8 @@ export class Gateway {
 
   // ---- prompts ----
 
-  private renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
-    templateKwargs: JsonObject | undefined): number[] {
+  private async renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
+    templateKwargs: JsonObject | undefined, checkLength: boolean): Promise<number[]> {
     if (!backend.chatTemplate) throw new NoChatTemplateError(this.servedModelName!);
     let text: string;
     try {
@@ -154,7 +202,8 @@ export class Gateway {
     }
     // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
     // and the tokenizer put it there.
-    const ids = backend.tokenizer.encode(text, { addSpecialTokens: true, parseSpecial: true });
+    if (checkLength) this.checkPromptBytes(backend, text, 'messages');
+    const ids = await this.encode(text, { addSpecialTokens: true, parseSpecial: true });
     const bos = backend.tokenizer.bosId;
     return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
   }
@@ -176,12 +225,20 @@ export class Gateway {
     };
   }
 
+  /** Most sequences one request may ask for: the per-request cap, and never more than the pending bound holds. */
+  get sequenceLimit(): number {
+    return Math.min(this.options.maxSequencesPerRequest ?? DEFAULT_MAX_SEQUENCES_PER_REQUEST, this.options.maxPendingRequests);
+  }
+
   /** Parses and checks a generation request, telling the request's trace how validation went. */
-  private validated<T extends GenerationOptions>(call: Call, parse: () => T): T {
+  private validated<T extends GenerationOptions>(call: Call, parse: () => T, promptCount: (request: T) => number): T {
     let request: T;
     try {
       request = parse();
       this.checkModel(request.model);
+      // Before any prompt is tokenized: the cap is on what the request asks for, whatever its prompts hold.
+      const prompts = promptCount(request);
+      if (prompts * request.n > this.sequenceLimit) throw new TooManySequencesError(prompts, request.n, this.sequenceLimit);
     } catch (err) {
       // The served name, never the one asked for: a metric label must not take whatever clients send.
       call.trace?.validated({ ok: false, model: this.servedModelName! });
@@ -198,8 +255,8 @@ export class Gateway {
 
   async chatCompletions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
-    const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)));
-    const tokenIds = this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
+    const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)), () => 1);
+    const tokenIds = await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
     const id = call.requestId ?? newCompletionId('chatcmpl');
@@ -210,17 +267,22 @@ export class Gateway {
 
   async completions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
-    const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)));
+    const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)),
+      (r) => r.prompts.length);
     const { tokenizer } = backend;
-    const prompts = request.prompts.map((input, i) => {
-      const param = request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
+    const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
+    // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
+    request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i)); });
+    const prompts: PreparedPrompt[] = [];
+    for (const [i, input] of request.prompts.entries()) {
       if ('text' in input) {
-        const ids = tokenizer.encode(input.text, { addSpecialTokens: true, parseSpecial: true });
-        return this.fitPrompt(backend, ids, request.maxTokens, param, input.text);
+        const ids = await this.encode(input.text, { addSpecialTokens: true, parseSpecial: true });
+        prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), input.text));
+        continue;
       }
       const text = request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
-      return this.fitPrompt(backend, input.tokenIds, request.maxTokens, param, text);
-    });
+      prompts.push(this.fitPrompt(backend, input.tokenIds, request.maxTokens, param(i), text));
+    }
     call.trace?.tokenized(prompts.reduce((sum, p) => sum + p.tokenIds.length, 0));
     const id = call.requestId ?? newCompletionId('cmpl');
     const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
@@ -229,13 +291,13 @@ export class Gateway {
     await this.run(call, backend, id, prompts, request, request.logprobs, shape);
   }
 
-  tokenize(body: unknown): JsonReply {
+  async tokenize(body: unknown): Promise<JsonReply> {
     const backend = this.ready();
     const request = parseTokenizeRequest(body, this.validationContext(backend));
     this.checkModel(request.model);
     const tokens = request.kind === 'prompt'
-      ? backend.tokenizer.encode(request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
-      : this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs);
+      ? await this.encode(request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
+      : await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, false);
     return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 
@@ -324,7 +386,7 @@ export class Gateway {
     const admission = this.admit(call, run);
     call.headers['x-request-id'] = id;
     this.activeRuns.add(run);
-    this.pendingEngineRequests += run.engineRequests.length;
+    this.pendingSequences += run.sequences;
     this.options.metrics.requestStarted(call.tenant.name);
     const onGone = (): void => run.abort();
     call.clientGone.addEventListener('abort', onGone);
@@ -350,7 +412,7 @@ export class Gateway {
       clearTimeout(timer);
       call.clientGone.removeEventListener('abort', onGone);
       this.runEnded(run);
-      this.pendingEngineRequests -= run.engineRequests.length;
+      this.pendingSequences -= run.sequences;
       this.options.metrics.requestEnded(call.tenant.name);
       // A request the engine refused used nothing; otherwise the prompt and every generated token count.
       if (refused) admission.settle(0, { refundRequest: true });
@@ -361,10 +423,10 @@ export class Gateway {
   private admit(call: Call, run: GenerationRun): Admission {
     const { limiter } = this.options;
     try {
-      const pending = this.pendingEngineRequests + run.engineRequests.length;
-      if (pending > this.options.maxPendingRequests) {
-        throw new OverloadedError(
-          `${this.pendingEngineRequests} requests are pending and the bound is ${this.options.maxPendingRequests}.`);
+      // Sequences, not requests: one request of 64 prompts with n = 128 is 8,192 sequences of engine work.
+      if (this.pendingSequences + run.sequences > this.options.maxPendingRequests) {
+        throw new OverloadedError(`${this.pendingSequences} sequences are pending, this request adds ${run.sequences}, `
+          + `and the bound is ${this.options.maxPendingRequests}.`);
       }
       const start = this.now();
       try {
@@ -380,14 +442,26 @@ export class Gateway {
     }
   }
 
-  /** Stops taking requests, lets runs in flight finish for up to `graceMs`, then aborts the rest. */
+  /**
+   * Stops taking requests, lets runs in flight finish for up to `graceMs` (or until endGrace), then aborts the rest
+   * with an error that says the grace period ended.
+   */
   async drain(graceMs: number): Promise<void> {
     if (this.state === 'ready' || this.state === 'loading') this.state = 'draining';
     let timer: NodeJS.Timeout | undefined;
-    const graceOver = new Promise<void>((resolve) => { timer = setTimeout(resolve, graceMs); });
+    let cutShort = false;
+    const graceOver = new Promise<void>((resolve) => {
+      timer = setTimeout(resolve, graceMs);
+      this.graceCutters.push(() => { cutShort = true; resolve(); });
+    });
     await Promise.race([this.whenIdle(), graceOver]);
     clearTimeout(timer);
-    for (const run of this.activeRuns) run.abort(new ShuttingDownError());
+    for (const run of this.activeRuns) run.abort(new GraceEndedError(graceMs, cutShort));
+  }
+
+  /** Ends a drain's grace period now (a second stop signal): what still runs is aborted. */
+  endGrace(): void {
+    for (const cut of this.graceCutters.splice(0)) cut();
   }
 
   /** Resolves when no run is active. */

@@ -59,6 +59,11 @@ export class GenerationRun {
     this.cachedTokens = prompts.map(() => 0);
   }
 
+  /** Sequences this run generates: n per prompt. */
+  get sequences(): number {
+    return this.prompts.length * this.n;
+  }
+
   get promptTokens(): number {
     return this.prompts.reduce((sum, prompt) => sum + prompt.tokenIds.length, 0);
   }

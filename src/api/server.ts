@@ -8,16 +8,16 @@
 
 import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { createServer as createHttpsServer } from 'node:https';
-import type { AddressInfo } from 'node:net';
+import type { AddressInfo, Socket } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import type { Engine } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
-import { ANONYMOUS_TENANT, type KeyStore } from './auth.ts';
+import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import {
-  ClientClosedRequestError, InvalidValueError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, ClientClosedRequestError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -27,6 +27,10 @@ import { TenantRateLimiter, type Clock } from './rate-limit.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 export const DEFAULT_MAX_PENDING_REQUESTS = 256;
+/** Open connections beyond which new ones get a 503 and are closed (serve lowers it to fit the descriptor limit). */
+export const DEFAULT_MAX_CONNECTIONS = 4096;
+/** Time a client has to send a request's headers. */
+export const DEFAULT_HEADERS_TIMEOUT_MS = 30_000;
 /** The request header that names a conversation for the session routing policy (as vLLM's router's session key). */
 export const DEFAULT_SESSION_HEADER = 'x-session-id';
 /** Longest session id accepted: the router keeps every live one in memory. */
@@ -36,7 +40,10 @@ export interface ApiServerOptions {
   keyStore: KeyStore;
   servedModelName?: string;
   maxBodyBytes?: number;
+  /** Sequences (prompts x n) in flight beyond which new requests get 503. */
   maxPendingRequests?: number;
+  /** Most sequences (prompts x n) one request may ask for. */
+  maxSequencesPerRequest?: number;
   requestTimeoutMs?: number;
   /** Clock of the rate limiter (ms); tests pass one they step by hand. */
   clock?: Clock;
@@ -53,6 +60,15 @@ export interface ApiServerOptions {
   telemetry?: Telemetry;
   /** For the telemetry created here: one decode_step span per engine step instead of a summary on decode. */
   perTokenSpans?: boolean;
+  /** Open connections beyond which a new one gets a short 503 and is closed (TLS: closed before the handshake). */
+  maxConnections?: number;
+  /** Time a client has to send a request's headers; enforced within a quarter of it (at most 1 s) late. */
+  headersTimeoutMs?: number;
+  /**
+   * /metrics without an API key even when keys are configured (its series name tenants). Default: with keys
+   * configured, /metrics needs an admin key, like /v1/slo and /v1/analysis.
+   */
+  publicMetrics?: boolean;
 }
 
 interface RouteContext {
@@ -63,7 +79,7 @@ interface RouteContext {
   params: string[];
 }
 
-type Handler = (context: RouteContext) => Promise<void> | JsonReply | void;
+type Handler = (context: RouteContext) => Promise<JsonReply | void> | JsonReply | void;
 
 interface Route {
   /** Label for metrics and logs. */
@@ -71,6 +87,8 @@ interface Route {
   match: (path: string) => string[] | undefined;
   /** Needs an API key (when keys are configured). */
   auth: boolean;
+  /** Server-wide detail (every tenant's): needs an admin key when keys are configured. */
+  admin?: boolean;
   /** Generates: subject to the tenant's request rate before the body is read. */
   rateLimited: boolean;
   /** Generates: traced, under an id with this prefix chosen at arrival. */
@@ -88,6 +106,11 @@ function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
 }
 
 const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
+
+/** The route, for admin keys only (when keys are configured) when `only` holds. */
+function admin(route: Route, only = true): Route {
+  return only ? { ...route, admin: true } : route;
+}
 
 function exact(path: string): (p: string) => string[] | undefined {
   return (p) => (p === path ? [] : undefined);
@@ -109,6 +132,8 @@ export class ApiServer {
   /** Lower-cased, as node gives header names. */
   private readonly sessionHeader: string;
   private stopping: Promise<void> | undefined;
+  private readonly maxConnections: number;
+  private openConnections = 0;
 
   constructor(private readonly options: ApiServerOptions) {
     this.logger = options.logger ?? silentLogger;
@@ -124,6 +149,7 @@ export class ApiServer {
     this.gateway = new Gateway({
       ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
       maxPendingRequests: options.maxPendingRequests ?? DEFAULT_MAX_PENDING_REQUESTS,
+      ...(options.maxSequencesPerRequest !== undefined ? { maxSequencesPerRequest: options.maxSequencesPerRequest } : {}),
       ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
       limiter: this.limiter,
       metrics: this.metrics,
@@ -131,13 +157,60 @@ export class ApiServer {
     });
     this.routes = this.buildRoutes();
     const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res);
+    const headersTimeout = options.headersTimeoutMs ?? DEFAULT_HEADERS_TIMEOUT_MS;
+    // Node checks the header and request timeouts only every connectionsCheckingInterval (30 s by default), so a
+    // 30 s header timeout could take up to 60 s: check often enough that the timeout is the one stated.
+    const connectionsCheckingInterval = Math.max(10, Math.min(1000, Math.floor(headersTimeout / 4)));
     this.server = options.tls
-      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true }, listener)
-      : createHttpServer({ noDelay: true }, listener);
+      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true, connectionsCheckingInterval }, listener)
+      : createHttpServer({ noDelay: true, connectionsCheckingInterval }, listener);
     // Slow or stalled uploads must not hold a connection for ever; streamed responses are not affected.
-    this.server.requestTimeout = 60_000;
-    this.server.headersTimeout = 30_000;
+    this.server.headersTimeout = headersTimeout;
+    this.server.requestTimeout = Math.max(60_000, headersTimeout);
     this.server.keepAliveTimeout = 15_000;
+    this.maxConnections = options.maxConnections ?? DEFAULT_MAX_CONNECTIONS;
+    this.capConnections();
+  }
+
+  /** Connections open now (the ones being served; refused ones are not counted). */
+  get connectionCount(): number {
+    return this.openConnections;
+  }
+
+  /**
+   * Every descriptor is a connection someone else cannot have: past the cap a new connection is answered at once
+   * with a short 503 and closed, before node's HTTP (or TLS) machinery sees it, so it costs no parser or handshake.
+   */
+  private capConnections(): void {
+    const serve = this.server.listeners('connection') as ((socket: Socket) => void)[];
+    this.server.removeAllListeners('connection');
+    this.server.on('connection', (socket: Socket) => {
+      if (this.openConnections >= this.maxConnections) {
+        this.refuseConnection(socket);
+        return;
+      }
+      this.openConnections++;
+      socket.once('close', () => { this.openConnections--; });
+      for (const handler of serve) handler.call(this.server, socket);
+    });
+  }
+
+  private refuseConnection(socket: Socket): void {
+    this.metrics.countRejection(ANONYMOUS_TENANT, 'too_many_connections');
+    socket.on('error', () => {});
+    // Under TLS nothing readable can be said before a handshake, which an overloaded server should not spend.
+    if (this.options.tls) {
+      socket.destroy();
+      return;
+    }
+    const body = JSON.stringify(new TooManyConnectionsError(this.maxConnections).toBody());
+    socket.end('HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n'
+      + `Content-Length: ${Buffer.byteLength(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n${body}`);
+    // The client has a moment to read the answer; a client that never closes its end does not keep the descriptor.
+    const timer = setTimeout(() => socket.destroy(), 1000);
+    timer.unref();
+    socket.once('close', () => clearTimeout(timer));
+    socket.resume();
   }
 
   attach(backend: ModelBackend): void {
@@ -164,17 +237,25 @@ export class ApiServer {
 
   /**
    * Graceful stop: refuse new requests, let those in flight finish for up to `graceMs`, abort the rest, close the
-   * engine and every connection.
+   * engine and every connection. The port stays open while requests are in flight, so load balancers see the
+   * draining state (/health 503 "draining") and new requests get a 503 shutting_down with Retry-After rather than a
+   * refused connection; it closes once nothing runs or the grace period ends.
    */
   shutdown(graceMs: number): Promise<void> {
     this.stopping ??= this.stop(graceMs);
     return this.stopping;
   }
 
+  /** Ends the shutdown grace period now (a second stop signal): requests still running are aborted. */
+  endGrace(): void {
+    this.gateway.endGrace();
+  }
+
   private async stop(graceMs: number): Promise<void> {
-    const closed = new Promise<void>((resolve) => this.server.close(() => resolve()));
+    // Keep-alive connections with nothing in flight are closed now; answers given while draining close theirs.
     this.server.closeIdleConnections();
     await this.gateway.drain(graceMs);
+    const closed = new Promise<void>((resolve) => this.server.close(() => resolve()));
     // Aborted streams get a moment to send their error event; a client that stopped reading does not hold us up.
     await within(this.gateway.whenIdle(), 1000);
     this.server.closeAllConnections();
@@ -182,6 +263,7 @@ export class ApiServer {
     await within(this.gateway.whenIdle(), 1000);
     this.gateway.state = 'stopped';
     await this.gateway.engine?.close();
+    await this.gateway.close();
     await this.gateway.whenIdle();
     await closed;
     if (this.ownsTelemetry) {
@@ -206,13 +288,14 @@ export class ApiServer {
       route('models', exact('/v1/models'), true, { GET: () => g.models() }),
       route('model', (p) => {
         const m = /^\/v1\/models\/(.+)$/.exec(p);
-        return m ? [decodeURIComponent(m[1]!)] : undefined;
+        return m ? [decodePathSegment(m[1]!, p)] : undefined;
       }, true, { GET: ({ params }) => g.model(params[0]!) }),
       route('tokenize', exact('/tokenize'), true, { POST: ({ body }) => g.tokenize(body) }),
       route('detokenize', exact('/detokenize'), true, { POST: ({ body }) => g.detokenize(body) }),
       route('health', exact('/health'), false, { GET: () => g.health() }),
       route('live', exact('/live'), false, { GET: () => ({ status: 200, body: { status: 'alive' } }) }),
-      route('metrics', exact('/metrics'), false, { GET: ({ res }) => this.sendMetrics(res) }),
+      admin(route('metrics', exact('/metrics'), !this.options.publicMetrics, { GET: ({ res }) => this.sendMetrics(res) }),
+        !this.options.publicMetrics),
       route('request_trace', (p) => {
         const m = /^\/v1\/requests\/([^/]+)\/trace$/.exec(p);
         if (!m) return undefined;
@@ -222,16 +305,20 @@ export class ApiServer {
         } catch {
           return [m[1]!];
         }
-      }, true, { GET: ({ params }) => this.traceReply(params[0]!) }),
-      route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) }),
-      route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) }),
+      }, true, { GET: ({ params, call }) => this.traceReply(params[0]!, call.tenant) }),
+      admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
+      admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
     ];
   }
 
-  /** GET /v1/requests/{id}/trace: the trace's JSON view, its text waterfall and the bottleneck diagnosis. */
-  private traceReply(requestId: string): JsonReply {
+  /**
+   * GET /v1/requests/{id}/trace: the trace's JSON view, its text waterfall and the bottleneck diagnosis. A tenant
+   * sees only its own requests' traces: another tenant's is a 404 like an unknown id, so ids do not leak.
+   */
+  private traceReply(requestId: string, caller: Tenant): JsonReply {
     const trace = this.telemetry.trace(requestId);
-    if (!trace) throw new TraceNotFoundError(requestId, this.telemetry.traces.capacity);
+    const visible = trace !== undefined && (this.options.keyStore.isAdmin(caller) || trace.tenant === caller.name);
+    if (!visible) throw new TraceNotFoundError(requestId, this.telemetry.traces.capacity);
     return {
       status: 200,
       body: {
@@ -287,6 +374,8 @@ export class ApiServer {
     res.on('close', () => {
       if (!res.writableFinished) clientGone.abort();
     });
+    // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).
+    if (this.stopping) res.setHeader('Connection', 'close');
     const traceparent = req.headers.traceparent;
     const call: Call = {
       res,
@@ -310,6 +399,7 @@ export class ApiServer {
           throw err;
         }
         trace?.authenticated(start, true, call.tenant.name);
+        if (found.route.admin && !this.options.keyStore.isAdmin(call.tenant)) throw new AdminRequiredError(path);
       }
       if (found.route.rateLimited) {
         const start = this.engineClock();
@@ -395,6 +485,15 @@ export class ApiServer {
     if (error.statusCode === 429) Object.assign(headers, this.limiter.headers(call.tenant));
     if (!bodyFullyRead) headers.Connection = 'close';
     sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers);
+  }
+}
+
+/** A percent-encoded path segment as text; a malformed escape is the client's 400, not a URIError's 500. */
+function decodePathSegment(segment: string, path: string): string {
+  try {
+    return decodeURIComponent(segment);
+  } catch {
+    throw new MalformedPathError(path);
   }
 }
 

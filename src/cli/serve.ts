@@ -6,10 +6,13 @@ import { readFileSync } from 'node:fs';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
-import type { ModelBackend } from '../api/gateway.ts';
+import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, type ModelBackend } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
-import { ApiServer, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_SESSION_HEADER } from '../api/server.ts';
+import {
+  ApiServer, DEFAULT_HEADERS_TIMEOUT_MS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PENDING_REQUESTS,
+  DEFAULT_SESSION_HEADER,
+} from '../api/server.ts';
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
@@ -24,6 +27,8 @@ export const SERVE_FLAGS = {
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
   'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
   'api-keys': { type: 'string', help: 'API keys as "key:tenant,key2:tenant2" (no keys anywhere = open development mode)' },
+  'admin-key': { type: 'string', help: 'API key of the tenant "admin", which may read every tenant\'s traces and /v1/slo, /v1/analysis, /metrics (with keys configured, other keys may not)' },
+  'public-metrics': { type: 'boolean', help: '/metrics without an API key even when keys are configured (its series name tenants)', default: false },
   'tenant-rpm': { type: 'number', help: 'requests per minute for tenants whose keys entry sets none (unset = unlimited)' },
   'tenant-tpm': { type: 'number', help: 'tokens per minute (prompt + max_tokens reserved) for tenants that set none' },
   'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
@@ -48,8 +53,11 @@ export const SERVE_FLAGS = {
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
   'sim-speed-up': { type: 'string', help: 'simulated ms per real ms: 1 = real time, inf = no waiting (each request\'s steps run back to back as fast as the CPU allows; timings are the simulated ones)', default: '1' },
-  'max-pending-requests': { type: 'number', help: 'engine requests in flight before new ones get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
+  'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
+  'max-sequences-per-request': { type: 'number', help: 'most sequences (prompts x n) one request may ask for; more is a 400 (capped at --max-pending-requests)', default: DEFAULT_MAX_SEQUENCES_PER_REQUEST },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
+  'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
+  'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
   'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM', default: 30 },
   'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
@@ -69,6 +77,8 @@ export interface ServeConfig {
   host: string;
   port: number;
   keys: KeyConfig;
+  /** /metrics without a key even when keys are configured. */
+  publicMetrics: boolean;
   tenantDefaults: TenantLimits;
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
@@ -91,6 +101,9 @@ export interface ServeConfig {
   workerRestartDelayMs: number;
   sim: SimWorkerSpec;
   maxPendingRequests: number;
+  maxSequencesPerRequest: number;
+  maxConnections: number;
+  headersTimeoutMs: number;
   maxBodyBytes: number;
   requestTimeoutMs?: number;
   shutdownGraceMs: number;
@@ -157,10 +170,28 @@ export function parseSpeedUp(text: string): number {
   return value;
 }
 
-function readKeys(file: string | undefined, list: string | undefined): KeyConfig {
+/**
+ * DEFAULT_MAX_CONNECTIONS, or three quarters of the process's open-file limit when that is lower: the rest is for
+ * model files, workers and logs. The limit is read from /proc/self/limits (Linux); elsewhere the default stands.
+ */
+export function defaultMaxConnections(limitsText?: string): number {
+  let text = limitsText;
+  if (text === undefined) {
+    try {
+      text = readFileSync('/proc/self/limits', 'utf8');
+    } catch {
+      return DEFAULT_MAX_CONNECTIONS;
+    }
+  }
+  const soft = Number(/^Max open files\s+(\d+)/m.exec(text)?.[1]);
+  if (!Number.isFinite(soft) || soft <= 0) return DEFAULT_MAX_CONNECTIONS;
+  return Math.max(1, Math.min(DEFAULT_MAX_CONNECTIONS, Math.floor(soft * 0.75)));
+}
+
+function readKeys(file: string | undefined, list: string | undefined, adminKey: string | undefined): KeyConfig {
   try {
     const fromFile = file === undefined ? undefined : parseKeysFile(readFileSync(file, 'utf8'), file);
-    return combineKeyConfig(fromFile, list ? parseKeysList(list) : []);
+    return combineKeyConfig(fromFile, list ? parseKeysList(list) : [], adminKey);
   } catch (err) {
     if (err instanceof KeyConfigError) throw new UsageError(err.message);
     if ((err as NodeJS.ErrnoException).code === 'ENOENT') throw new UsageError(`--api-keys-file: ${file} does not exist`);
@@ -193,6 +224,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const grace = values['shutdown-grace']!;
   if (timeout < 0) throw new UsageError('--request-timeout must be >= 0');
   if (grace < 0) throw new UsageError('--shutdown-grace must be >= 0');
+  const headersTimeout = values['headers-timeout']!;
+  if (!(headersTimeout > 0)) throw new UsageError(`--headers-timeout must be > 0 seconds, got ${headersTimeout}`);
   const tenantDefaults: TenantLimits = {};
   const rpm = positiveInteger(values['tenant-rpm'], 'tenant-rpm');
   const tpm = positiveInteger(values['tenant-tpm'], 'tenant-tpm');
@@ -234,7 +267,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const config: ServeConfig = {
     host: values.host!,
     port,
-    keys: readKeys(values['api-keys-file'], values['api-keys']),
+    keys: readKeys(values['api-keys-file'], values['api-keys'], values['admin-key']),
+    publicMetrics: values['public-metrics']!,
     tenantDefaults,
     backend: backend as Backend,
     engine: engine as ServeConfig['engine'],
@@ -248,6 +282,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     workerRestartDelayMs,
     sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
+    maxSequencesPerRequest: positiveInteger(values['max-sequences-per-request'], 'max-sequences-per-request')!,
+    maxConnections: positiveInteger(values['max-connections'], 'max-connections') ?? defaultMaxConnections(),
+    headersTimeoutMs: headersTimeout * 1000,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     shutdownGraceMs: grace * 1000,
     traceDecodeSteps: values['trace-decode-steps']!,
@@ -284,11 +321,18 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
   for (const warning of config.warnings ?? []) logger.warn(warning);
   const keyStore = new KeyStore(config.keys, config.tenantDefaults);
   if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
+  else if (!keyStore.hasAdmin) {
+    logger.warn(`no admin key: /v1/slo, /v1/analysis${config.publicMetrics ? '' : ' and /metrics'} answer 403 to every key; see --admin-key`);
+  }
   const api = new ApiServer({
     keyStore,
     ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
     maxBodyBytes: config.maxBodyBytes,
+    ...(config.publicMetrics ? { publicMetrics: true } : {}),
     maxPendingRequests: config.maxPendingRequests,
+    maxSequencesPerRequest: config.maxSequencesPerRequest,
+    maxConnections: config.maxConnections,
+    headersTimeoutMs: config.headersTimeoutMs,
     sessionHeader: config.sessionHeader,
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
@@ -400,7 +444,7 @@ export const serveCommand: Command = {
     const signal = await waitForSignal(() => {
       logger.warn('second signal: aborting in-flight requests now');
       graceMs = 0;
-      void running.api.gateway.drain(0);
+      running.api.endGrace();
     });
     logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
     await running.api.shutdown(graceMs);

@@ -34,6 +34,24 @@ describe('KeyStore', () => {
       err.code === 'invalid_api_key' && err.message.includes('sk-***-123') && !err.message.includes('sk-wrong-key-123'));
   });
 
+  it('knows admins: a tenant marked "admin" in the keys file, the --admin-key tenant, and anyone in open mode', () => {
+    const file = parseKeysFile(JSON.stringify({
+      keys: [{ key: 'sk-ops-000000001', tenant: 'ops' }, { key: 'sk-acme-00000001', tenant: 'acme' }],
+      tenants: { ops: { admin: true }, acme: { rpm: 5 } },
+    }));
+    const store = new KeyStore(combineKeyConfig(file, [], 'sk-root-00000001'));
+    assert.equal(store.hasAdmin, true);
+    assert.equal(store.isAdmin(store.authenticate('Bearer sk-ops-000000001')), true);
+    assert.equal(store.isAdmin(store.authenticate('Bearer sk-acme-00000001')), false);
+    const root = store.authenticate('Bearer sk-root-00000001');
+    assert.equal(root.name, 'admin');
+    assert.equal(store.isAdmin(root), true);
+    assert.equal(new KeyStore(combineKeyConfig(undefined, parseKeysList('sk-acme-00000001:acme'))).hasAdmin, false);
+    const open = new KeyStore({ keys: [], tenants: new Map() });
+    assert.equal(open.isAdmin(open.authenticate(undefined)), true);
+    assert.throws(() => parseKeysFile('{"keys": [], "tenants": {"ops": {"admin": "yes"}}}'), /admin must be true or false/);
+  });
+
   it('gives each tenant its own cache salt unless they share a cache group', () => {
     const config = parseKeysFile(JSON.stringify({
       keys: [{ key: 'k1', tenant: 'a' }, { key: 'k2', tenant: 'b' }, { key: 'k3', tenant: 'c' }],

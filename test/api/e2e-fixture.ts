@@ -26,8 +26,11 @@ export interface TestServer {
   close(): Promise<void>;
 }
 
+/** With a keys file, the fixture's server also takes this admin key (tenant "admin"): /metrics, /v1/slo ... */
+export const ADMIN_KEY = 'sk-test-admin-0000';
+
 export interface TestServerOptions {
-  /** Keys file in the line format ("key tenant [rpm] [tpm] [max_concurrent]"); none = open mode. */
+  /** Keys file in the line format ("key tenant [rpm] [tpm] [max_concurrent]"); none = open mode. With one, ADMIN_KEY too. */
   keysFile?: string;
   /** More serve flags. */
   flags?: string[];
@@ -40,7 +43,7 @@ export async function startTestServer(options: TestServerOptions = {}): Promise<
   if (options.keysFile !== undefined) {
     const path = join(dir, 'keys.txt');
     writeFileSync(path, options.keysFile);
-    flags.push('--api-keys-file', path);
+    flags.push('--api-keys-file', path, '--admin-key', ADMIN_KEY);
   }
   // An empty environment: CONDUIT_* variables of whoever runs the tests must not change the server under test.
   const config = parseServeConfig(flags, {});

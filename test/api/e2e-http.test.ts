@@ -1,11 +1,11 @@
 // Raw HTTP against the real server and engine: SSE bytes and headers, status codes, a corpus of bad requests that
-// must cost nothing, tenant accounting, disconnects, timeouts, overload and shutdown.
+// must cost nothing, tenant accounting, disconnects, timeouts, overload and graceful shutdown.
 
 import assert from 'node:assert/strict';
 import { request as httpRequest } from 'node:http';
 import { after, before, describe, it } from 'node:test';
 import OpenAI, { APIError } from 'openai';
-import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { ADMIN_KEY, engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { parseSse, rawRequest, type RawResponse } from './http-client.ts';
 import { openCompletionStream } from '../helpers/http-stream.ts';
 
@@ -182,6 +182,29 @@ describe('HTTP API end to end', () => {
     assert.equal(otherTenant, 0, 'another tenant starts cold');
   });
 
+  it('keeps each tenant to its own traces; the admin key sees all, and alone sees server-wide reports', E2E, async () => {
+    const res = await post('/v1/completions', { model, prompt: 'Mine alone', max_tokens: 2 });
+    assert.equal(res.status, 200);
+    const id = res.json().id;
+    const trace = (key: string): Promise<RawResponse> => rawRequest(server.url, { path: `/v1/requests/${id}/trace`, headers: auth(key) });
+    await waitFor(() => server.running.api.telemetry.trace(id) !== undefined, 'the trace to be stored');
+    assert.equal((await trace(KEY)).status, 200, 'its own tenant reads it');
+    const other = await trace(CORPUS_KEY);
+    const unknown = await rawRequest(server.url, { path: '/v1/requests/cmpl-000000000000000000000000/trace', headers: auth(CORPUS_KEY) });
+    assert.equal(other.status, 404, 'another tenant gets a 404, as for an id that does not exist');
+    assert.equal(other.json().error.code, 'trace_not_found');
+    assert.equal(other.json().error.message.replace(id, '<id>'), unknown.json().error.message.replace('cmpl-000000000000000000000000', '<id>'));
+    assert.equal((await trace(ADMIN_KEY)).status, 200, 'the admin key reads every tenant\'s');
+
+    for (const path of ['/v1/slo', '/v1/analysis', '/metrics']) {
+      assert.equal((await rawRequest(server.url, { path })).status, 401, `${path} without a key`);
+      const tenant = await rawRequest(server.url, { path, headers: auth(KEY) });
+      assert.equal(tenant.status, 403, `${path} with a tenant's key`);
+      assert.equal(tenant.json().error.code, 'admin_required');
+      assert.equal((await rawRequest(server.url, { path, headers: auth(ADMIN_KEY) })).status, 200, `${path} with the admin key`);
+    }
+  });
+
   it('answers 404 for a model it does not serve', E2E, async () => {
     const res = await rawRequest(server.url, { path: '/v1/models/gpt-imaginary', headers: auth() });
     assert.equal(res.status, 404);
@@ -205,13 +228,13 @@ describe('HTTP API end to end', () => {
     assert.equal(body.model, model);
     assert.equal(body.backend, server.engine.info.backend);
     assert.deepEqual(body.kernel_variants, server.engine.info.kernelVariants);
-    const metrics = (await rawRequest(server.url, { path: '/metrics' })).text;
+    const metrics = (await rawRequest(server.url, { path: '/metrics', headers: auth(ADMIN_KEY) })).text;
     assert.match(metrics, new RegExp(`^conduit_kv_cache_capacity_blocks\\{model="${model}"\\} ${server.engine.stats().kvBlocksTotal}$`, 'm'));
     assert.match(metrics, new RegExp(`^conduit_request_generation_tokens_total\\{model="${model}",worker="worker-0",tenant="main"\\} [1-9]\\d*$`, 'm'));
   });
 });
 
-describe('HTTP API end to end: timeouts, overload, shutdown', () => {
+describe('HTTP API end to end: timeouts, overload', () => {
   let server: TestServer;
   let model: string;
 
@@ -258,18 +281,106 @@ describe('HTTP API end to end: timeouts, overload, shutdown', () => {
     assert.ok(Number(second.headers['retry-after']) >= 1);
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
   });
+});
 
-  it('shuts down gracefully: in-flight streams end with an error event, new requests are refused', E2E, async () => {
-    const streamed = rawRequest(server.url, {
-      path: '/v1/completions', body: { model, prompt: 'Last words', max_tokens: 1900, ignore_eos: true, stream: true },
-    });
-    await waitFor(() => server.engine.stats().numRunning === 1, 'the stream to start');
-    const stopping = server.running.api.shutdown(100);
-    const res = await streamed;
-    const events = parseSse(res.text);
-    assert.equal(events.at(-1)!.data, '[DONE]');
-    assert.equal(JSON.parse(events.at(-2)!.data).error.code, 'shutting_down');
-    await stopping;
-    await assert.rejects(rawRequest(server.url, { path: '/live' }), 'the port is closed');
+describe('HTTP API end to end: graceful shutdown', () => {
+  const stream = (server: TestServer, prompt: string): Promise<RawResponse> => rawRequest(server.url, {
+    path: '/v1/completions',
+    body: { model: server.running.api.gateway.servedModelName!, prompt, max_tokens: 1900, ignore_eos: true, stream: true },
+  });
+
+  it('keeps listening while it drains: /health 503 draining, new requests 503 shutting_down with Retry-After', E2E, async () => {
+    const server = await startTestServer();
+    try {
+      const streamed = stream(server, 'Last words');
+      await waitFor(() => server.engine.stats().numRunning === 1, 'the stream to start');
+      const stopping = server.running.api.shutdown(60_000);
+      const health = await rawRequest(server.url, { path: '/health' });
+      assert.equal(health.status, 503);
+      assert.equal(health.json().status, 'draining');
+      assert.equal(health.headers.connection, 'close', 'answers while draining close their connection');
+      const refused = await rawRequest(server.url, { path: '/v1/completions', body: { prompt: 'x', max_tokens: 1 } });
+      assert.equal(refused.status, 503);
+      assert.equal(refused.json().error.code, 'shutting_down');
+      assert.ok(Number(refused.headers['retry-after']) >= 1, 'Retry-After is set');
+      assert.equal((await rawRequest(server.url, { path: '/live' })).status, 200, 'still alive while draining');
+      // A second signal ends the grace period: the stream still running is cut and told so.
+      server.running.api.endGrace();
+      const events = parseSse((await streamed).text);
+      assert.equal(events.at(-1)!.data, '[DONE]');
+      const error = JSON.parse(events.at(-2)!.data).error;
+      assert.equal(error.code, 'shutting_down');
+      assert.match(error.message, /second stop signal ended its 60 s shutdown grace period early/);
+      assert.doesNotMatch(error.message, /takes no new requests/);
+      await stopping;
+      await assert.rejects(rawRequest(server.url, { path: '/live' }), 'the port is closed');
+    } finally {
+      await server.close();
+    }
+  });
+
+  it('a stream still running when the grace period runs out ends with an error event that says so', E2E, async () => {
+    const server = await startTestServer();
+    try {
+      const streamed = stream(server, 'Last words');
+      await waitFor(() => server.engine.stats().numRunning === 1, 'the stream to start');
+      const stopping = server.running.api.shutdown(100);
+      const events = parseSse((await streamed).text);
+      assert.equal(events.at(-1)!.data, '[DONE]');
+      const error = JSON.parse(events.at(-2)!.data).error;
+      assert.equal(error.code, 'shutting_down');
+      assert.match(error.message, /its 0\.1 s shutdown grace period ran out/);
+      await stopping;
+      await assert.rejects(rawRequest(server.url, { path: '/live' }), 'the port is closed');
+    } finally {
+      await server.close();
+    }
+  });
+});
+
+describe('HTTP API end to end: sequences (prompts x n)', () => {
+  let server: TestServer;
+  let model: string;
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--max-pending-requests', '4', '--max-sequences-per-request', '4'] });
+    model = server.running.api.gateway.servedModelName!;
+  });
+
+  after(async () => {
+    await server?.close();
+  });
+
+  it('refuses a request that asks for more sequences than one request may, before tokenizing, at no cost', E2E, async () => {
+    // Under 2 KB of JSON that would be 8,192 sequences of 1,000 tokens.
+    const prompts = Array.from({ length: 64 }, (_, i) => `p${i}`);
+    const res = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: prompts, n: 128, max_tokens: 1000 } });
+    assert.equal(res.status, 400);
+    assert.equal(res.json().error.code, 'too_many_sequences');
+    assert.equal(res.json().error.param, 'n');
+    assert.match(res.json().error.message, /8192 sequences \(64 prompts x n=128\); one request may ask for at most 4/);
+    const chat = await rawRequest(server.url, { path: '/v1/chat/completions', body: { model, messages: user, n: 5, max_tokens: 1 } });
+    assert.equal(chat.status, 400);
+    assert.equal(chat.json().error.code, 'too_many_sequences');
+    const fits = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: ['a', 'b'], n: 2, max_tokens: 1 } });
+    assert.equal(fits.status, 200);
+    assert.equal(fits.json().choices.length, 4);
+    assert.ok(engineIdle(server.engine));
+  });
+
+  it('the pending bound counts sequences, not requests', E2E, async () => {
+    const first = await openCompletionStream(server.url, { model, prompt: 'Busy', n: 3, max_tokens: 1900, ignore_eos: true });
+    try {
+      // Two requests in flight would be under a bound of 4; 3 + 2 sequences are not.
+      const second = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'x', n: 2, max_tokens: 1 } });
+      assert.equal(second.status, 503);
+      assert.equal(second.json().error.code, 'server_overloaded');
+      assert.match(second.json().error.message, /3 sequences are pending, this request adds 2, and the bound is 4\./);
+      const third = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'x', max_tokens: 1 } });
+      assert.equal(third.status, 200, 'one more sequence still fits');
+    } finally {
+      first.hangUp();
+    }
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
   });
 });

@@ -2,19 +2,23 @@
 // body limits and decoding, liveness and readiness, metrics format. The engine-backed behaviour is in e2e tests.
 
 import assert from 'node:assert/strict';
+import { connect } from 'node:net';
 import { after, before, describe, it } from 'node:test';
-import { KeyStore, parseKeysList } from '../../src/api/auth.ts';
+import { combineKeyConfig, KeyStore, parseKeysList } from '../../src/api/auth.ts';
+import { OverloadedError } from '../../src/api/errors.ts';
 import { ApiServer } from '../../src/api/server.ts';
+import { waitFor } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
 
 describe('API server shell (no model yet)', () => {
   let api: ApiServer;
   let url: string;
   const auth = { Authorization: 'Bearer sk-test-key-0001' };
+  const adminAuth = { Authorization: 'Bearer sk-test-admin-0001' };
 
   before(async () => {
     api = new ApiServer({
-      keyStore: new KeyStore({ keys: parseKeysList('sk-test-key-0001:acme'), tenants: new Map() }),
+      keyStore: new KeyStore(combineKeyConfig(undefined, parseKeysList('sk-test-key-0001:acme'), 'sk-test-admin-0001')),
       maxBodyBytes: 64 * 1024,
     });
     await api.listen(0);
@@ -58,14 +62,29 @@ describe('API server shell (no model yet)', () => {
     assert.equal(del.headers.allow, 'GET');
   });
 
-  it('needs a known API key on /v1 routes but not on /live, /health, /metrics', async () => {
+  it('needs a known API key on /v1 routes and /metrics but not on /live, /health', async () => {
     const none = await rawRequest(url, { path: '/v1/models' });
     assert.equal(none.status, 401);
     assert.equal(none.json().error.code, 'missing_api_key');
     const wrong = await rawRequest(url, { path: '/v1/models', headers: { Authorization: 'Bearer sk-nope-nope-0000' } });
     assert.equal(wrong.status, 401);
     assert.equal(wrong.json().error.code, 'invalid_api_key');
-    assert.equal((await rawRequest(url, { path: '/metrics' })).status, 200);
+    assert.equal((await rawRequest(url, { path: '/health' })).status, 503, 'loading, but answered');
+    // Its series name tenants: with keys configured, for admin keys only (unless --public-metrics).
+    assert.equal((await rawRequest(url, { path: '/metrics' })).status, 401);
+    assert.equal((await rawRequest(url, { path: '/metrics', headers: auth })).status, 403);
+  });
+
+  it('serves /metrics without a key when told to (--public-metrics)', async () => {
+    const open = new ApiServer({
+      keyStore: new KeyStore({ keys: parseKeysList('sk-test-key-0001:acme'), tenants: new Map() }), publicMetrics: true,
+    });
+    await open.listen(0);
+    try {
+      assert.equal((await rawRequest(open.url, { path: '/metrics' })).status, 200);
+    } finally {
+      await open.shutdown(0);
+    }
   });
 
   it('refuses a body announced larger than the cap without reading it', async () => {
@@ -98,13 +117,25 @@ describe('API server shell (no model yet)', () => {
     assert.equal(utf8.json().error.code, 'invalid_utf8');
   });
 
+  it('answers a malformed percent-escape in the path with 400 in OpenAI\'s shape, not a 500', async () => {
+    for (const path of ['/v1/models/%E0%A4%A', '/v1/models/%ZZ', '/v1/models/%C3%28']) {
+      const res = await rawRequest(url, { path, headers: auth });
+      assert.equal(res.status, 400, path);
+      const { error } = res.json();
+      assert.equal(error.code, 'invalid_url', path);
+      assert.equal(error.type, 'invalid_request_error');
+      assert.match(error.message, /percent-escape/);
+    }
+    assert.equal((await rawRequest(url, { path: '/live' })).status, 200, 'the server is still up');
+  });
+
   it('keeps connections alive between requests', async () => {
     const res = await rawRequest(url, { path: '/live', headers: { Connection: 'keep-alive' } });
     assert.equal(res.headers.connection, 'keep-alive');
   });
 
   it('exposes valid Prometheus text with the responses counted so far', async () => {
-    const res = await rawRequest(url, { path: '/metrics' });
+    const res = await rawRequest(url, { path: '/metrics', headers: adminAuth });
     assert.match(String(res.headers['content-type']), /^text\/plain; version=0\.0\.4/);
     // Empty lines are allowed between families (the format ignores them; prom-client writes them).
     const lines = res.text.trimEnd().split('\n').filter((line) => line !== '');
@@ -115,5 +146,66 @@ describe('API server shell (no model yet)', () => {
     }
     assert.ok(lines.some((line) => /^conduit_http_responses_total\{route="unknown",status="404",tenant="anonymous"\} [1-9]/.test(line)),
       'the 404 above was counted');
+  });
+});
+
+describe('error messages', () => {
+  it('an overload detail without a final period still reads as two sentences', () => {
+    assert.equal(new OverloadedError('no worker is available').message,
+      'The server is overloaded: no worker is available. Please retry shortly.');
+    assert.equal(new OverloadedError('the queue is full.').message,
+      'The server is overloaded: the queue is full. Please retry shortly.');
+  });
+});
+
+/** One request over a fresh socket of its own (no agent, no keep-alive); resolves with all the server sent. */
+function rawExchange(url: string, request: string): Promise<string> {
+  const { hostname, port } = new URL(url);
+  return new Promise((resolve, reject) => {
+    const socket = connect(Number(port), hostname);
+    const chunks: Buffer[] = [];
+    socket.on('data', (chunk: Buffer) => chunks.push(chunk));
+    socket.on('error', reject);
+    socket.on('close', () => resolve(Buffer.concat(chunks).toString('utf8')));
+    socket.write(request);
+  });
+}
+
+describe('API server connections', () => {
+  it('answers connections past --max-connections with a short 503 and closes them; the server stays up', async () => {
+    const api = new ApiServer({ keyStore: new KeyStore({ keys: [], tenants: new Map() }), maxConnections: 2 });
+    await api.listen(0);
+    const { port } = new URL(api.url);
+    const idle = [connect(Number(port), '127.0.0.1'), connect(Number(port), '127.0.0.1')];
+    try {
+      await waitFor(() => api.connectionCount === 2, 'two idle connections');
+      const refused = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+      assert.match(refused, /^HTTP\/1\.1 503 Service Unavailable\r\n/);
+      assert.match(refused, /\r\nRetry-After: 1\r\n/);
+      assert.match(refused, /\r\nConnection: close\r\n/);
+      const body = JSON.parse(refused.slice(refused.indexOf('\r\n\r\n') + 4));
+      assert.equal(body.error.code, 'too_many_connections');
+      assert.equal(body.error.type, 'server_error');
+      assert.equal(api.connectionCount, 2, 'the refused connection was never counted');
+      idle[0]!.destroy();
+      await waitFor(() => api.connectionCount === 1, 'a slot to free');
+      const served = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+      assert.match(served, /^HTTP\/1\.1 200 OK\r\n/);
+    } finally {
+      for (const socket of idle) socket.destroy();
+      await api.shutdown(0);
+    }
+  });
+
+  it('closes a connection whose headers do not arrive within the header timeout, with a 408', { timeout: 10_000 }, async () => {
+    // Node's default check runs every 30 s: without a shorter check interval this would wait that long.
+    const api = new ApiServer({ keyStore: new KeyStore({ keys: [], tenants: new Map() }), headersTimeoutMs: 400 });
+    await api.listen(0);
+    try {
+      const answer = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\n');
+      assert.match(answer, /^HTTP\/1\.1 408 Request Timeout\r\n/);
+    } finally {
+      await api.shutdown(0);
+    }
   });
 });

@@ -4,7 +4,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
-import { parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
+import { defaultMaxConnections, parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
 import { createLogger, silentLogger } from '../../src/api/log.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
@@ -73,6 +73,35 @@ describe('conduit serve flags', () => {
       assert.throws(() => parseServeConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message),
         argv.join(' '));
     }
+  });
+
+  it('takes the request, connection and access limits from their flags or CONDUIT_* twins', () => {
+    const d = config([]);
+    assert.equal(d.maxSequencesPerRequest, 128);
+    assert.equal(d.maxConnections, defaultMaxConnections());
+    assert.equal(d.headersTimeoutMs, 30_000);
+    assert.equal(d.publicMetrics, false);
+    const c = config(['--max-connections', '100'], {
+      CONDUIT_MAX_SEQUENCES_PER_REQUEST: '16', CONDUIT_MAX_CONNECTIONS: '5', CONDUIT_HEADERS_TIMEOUT: '2.5',
+      CONDUIT_ADMIN_KEY: 'sk-root-00000001', CONDUIT_PUBLIC_METRICS: 'true',
+    });
+    assert.equal(c.maxSequencesPerRequest, 16);
+    assert.equal(c.maxConnections, 100);
+    assert.equal(c.headersTimeoutMs, 2500);
+    assert.equal(c.publicMetrics, true);
+    assert.deepEqual(c.keys.keys, [{ key: 'sk-root-00000001', tenant: 'admin' }]);
+    assert.equal(c.keys.tenants.get('admin')?.admin, true);
+    for (const [argv, message] of [[['--max-sequences-per-request', '0'], /--max-sequences-per-request/],
+      [['--max-connections', '-3'], /--max-connections/], [['--headers-timeout', '0'], /--headers-timeout/]] as [string[], RegExp][]) {
+      assert.throws(() => parseServeConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message), argv.join(' '));
+    }
+  });
+
+  it('caps connections by default at 4096, or three quarters of a lower open-file limit', () => {
+    const limits = (soft: number): string => `Limit                     Soft Limit           Hard Limit           Units\nMax open files            ${soft}                 1048576              files\n`;
+    assert.equal(defaultMaxConnections(limits(1024)), 768);
+    assert.equal(defaultMaxConnections(limits(1048576)), 4096);
+    assert.equal(defaultMaxConnections('nothing useful'), 4096);
   });
 
   it('takes the session header from --session-header or CONDUIT_SESSION_HEADER, lower-cased', () => {

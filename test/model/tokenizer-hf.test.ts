@@ -11,6 +11,7 @@ import { after, describe, it } from 'node:test';
 import type { GgufFile } from '../../src/model/gguf.ts';
 import { GgufTokenType } from '../../src/model/tokenizer/gguf-vocab.ts';
 import { HfTokenizer, tokenizerFromJsonObject } from '../../src/model/tokenizer/hf-tokenizer.ts';
+import { tokenizerFromWorkerSource } from '../../src/model/tokenizer/worker-source.ts';
 import { createTokenizer, TokenizerError } from '../../src/model/tokenizer/index.ts';
 import { ggufTokenizer, skipUnlessVocab, vocabFile, vocabVectors } from './tokenizer-fixtures.ts';
 import type { VocabName } from './tokenizer-fixtures.ts';
@@ -167,6 +168,21 @@ for (const name of [...BYTE_LEVEL, ...SENTENCEPIECE]) {
       });
     });
 
+    it('bounds bytes per token safely, and builds the same tokenizer from its worker source', () => {
+      const tokenizer = hfTokenizer(name);
+      const bound = tokenizer.maxBytesPerToken();
+      // NFC can shrink text (e + a combining accent, 3 bytes, becomes one 2-byte letter): no bound for qwen2's.
+      if (name === 'qwen2') assert.equal(bound, undefined);
+      else assert.ok(bound !== undefined && bound >= 4, `a bound for ${name}: ${bound}`);
+      const rebuilt = tokenizerFromWorkerSource(structuredClone(tokenizer.workerSource()));
+      const texts = [...vocabVectors(name).inputs, '   many    spaces   ', '🦙🦙 日本語 \t\n 12345678 antidisestablishment'.repeat(20)];
+      for (const text of texts) {
+        const ids = tokenizer.encode(text, { addSpecialTokens: false });
+        if (bound !== undefined) assert.ok(ids.length >= Math.ceil(Buffer.byteLength(text) / bound), JSON.stringify(text.slice(0, 40)));
+        assert.deepEqual(rebuilt.encode(text, { addSpecialTokens: false }), ids);
+      }
+    });
+
     it('gives the same token bytes as the GGUF tokenizer for every id', () => {
       const hf = hfTokenizer(name);
       const gguf = ggufTokenizer(name);
@@ -231,6 +247,16 @@ describe('tokenizer.json: special tokens, BOS, stop ids', { skip: skipUnlessVoca
     assert.equal(hfTokenizer('llama-spm').eosId, 2);
     assert.equal(hfTokenizer('llama-spm').stripsLeadingSpace, true);
     assert.equal(hfTokenizer('qwen2').stripsLeadingSpace, false);
+  });
+});
+
+describe('tokenizer.json: no bytes-per-token bound where text can shrink', () => {
+  it('gives none for NFKC, whitespace-removing pre-tokenizers and fused unknowns', () => {
+    const model = { type: 'BPE', vocab: { a: 0, b: 1, ab: 2, '[UNK]': 3 }, merges: ['a b'], unk_token: '[UNK]' };
+    assert.equal(tokenizerFromJsonObject({ model }).maxBytesPerToken(), 5);
+    assert.equal(tokenizerFromJsonObject({ model, normalizer: { type: 'NFKC' } }).maxBytesPerToken(), undefined);
+    assert.equal(tokenizerFromJsonObject({ model, pre_tokenizer: { type: 'Whitespace' } }).maxBytesPerToken(), undefined);
+    assert.equal(tokenizerFromJsonObject({ model: { ...model, fuse_unk: true } }).maxBytesPerToken(), undefined);
   });
 });
 

@@ -13,6 +13,8 @@ import { DisaggregatedEngine, PREFILL_WORKER_LOST } from '../../src/runtime/disa
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 const KEY = 'sk-prefill-loss-0001';
+/** /metrics is for the admin key when keys are configured. */
+const ADMIN_KEY = 'sk-prefill-loss-0001-admin';
 
 describe('a prefill worker lost mid-prefill, through the HTTP server', () => {
   let dir: string;
@@ -29,7 +31,7 @@ describe('a prefill worker lost mid-prefill, through the HTTP server', () => {
       // The reference kernels in 8-token steps: a prompt of a few hundred tokens takes tens of prefill steps, time
       // to kill its worker mid-prefill, and no native code runs in the killed thread.
       '--threads', '1', '--backend', 'reference', '--max-num-batched-tokens', '8', '--kv-cache-memory', '16MiB',
-      '--api-keys-file', fixture.keysPath], {});
+      '--api-keys-file', fixture.keysPath, '--admin-key', ADMIN_KEY], {});
     assert.notEqual(config, 'help');
     running = await startServer(config as Exclude<typeof config, 'help'>, silentLogger);
     assert.ok(running.api.gateway.engine instanceof DisaggregatedEngine);
@@ -105,7 +107,7 @@ describe('a prefill worker lost mid-prefill, through the HTTP server', () => {
     assert.equal(trace.outcome, 'ok');
     assert.deepEqual(trace.migrations, [{ from_worker: lost, to_worker: survivor, after_tokens: 0, reason: PREFILL_WORKER_LOST }]);
 
-    const metrics = await (await fetch(`${running.url}/metrics`, { headers: { authorization: `Bearer ${KEY}` } })).text();
+    const metrics = await (await fetch(`${running.url}/metrics`, { headers: { authorization: `Bearer ${ADMIN_KEY}` } })).text();
     const line = metrics.split('\n').find((l) => l.startsWith(`conduit_request_migrations_total{worker="${survivor}"}`));
     assert.equal(line?.split(' ').at(-1), '1', line ?? metrics.split('\n').filter((l) => l.includes('migration')).join('\n'));
 

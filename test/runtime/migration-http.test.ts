@@ -12,6 +12,8 @@ import type { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
 const KEY = 'sk-migration-0001';
+/** /metrics is for the admin key when keys are configured. */
+const ADMIN_KEY = 'sk-migration-0001-admin';
 
 describe('request migration through the HTTP server', () => {
   let dir: string;
@@ -24,7 +26,7 @@ describe('request migration through the HTTP server', () => {
     const modelPath = fixture.modelPath;
     const config = parseServeConfig(['--port', '0', '--log-level', 'silent', '--model', modelPath, '--workers', '2',
       // The reference kernels: a few ms per token, so the kill lands mid-stream, and no native code in the killed thread.
-      '--threads', '1', '--backend', 'reference', '--kv-cache-memory', '16MiB', '--api-keys-file', fixture.keysPath],
+      '--threads', '1', '--backend', 'reference', '--kv-cache-memory', '16MiB', '--api-keys-file', fixture.keysPath, '--admin-key', ADMIN_KEY],
     { CONDUIT_MIGRATION_LIMIT: '1' });
     assert.notEqual(config, 'help');
     running = await startServer(config as Exclude<typeof config, 'help'>, silentLogger);
@@ -97,7 +99,7 @@ describe('request migration through the HTTP server', () => {
     const again = await stream();
     assert.equal(again.text, expected.text, 'the tenant\'s slot was given back; the survivor serves on');
 
-    const metrics = await (await fetch(`${running.url}/metrics`, { headers: { authorization: `Bearer ${KEY}` } })).text();
+    const metrics = await (await fetch(`${running.url}/metrics`, { headers: { authorization: `Bearer ${ADMIN_KEY}` } })).text();
     const line = metrics.split('\n').find((l) => l.startsWith(`conduit_request_migrations_total{worker="${survivor}"}`));
     assert.equal(line?.split(' ').at(-1), '1', line ?? metrics.split('\n').filter((l) => l.includes('migration')).join('\n'));
   });

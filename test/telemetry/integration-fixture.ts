@@ -4,13 +4,14 @@
 // and a bus listener that counts each request's terminal events.
 
 import { InMemorySpanExporter } from '@opentelemetry/sdk-trace-node';
-import { KeyStore, parseKeysFile } from '../../src/api/auth.ts';
+import { combineKeyConfig, KeyStore, parseKeysFile } from '../../src/api/auth.ts';
 import { silentLogger } from '../../src/api/log.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import type { Engine } from '../../src/engine/types.ts';
 import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
 import { createWorkerPool } from '../../src/runtime/worker-pool.ts';
 import { createTelemetry, isTerminal, type Telemetry, type TelemetryOptions } from '../../src/telemetry/index.ts';
+import { ADMIN_KEY } from '../api/e2e-fixture.ts';
 import { rawRequest } from '../api/http-client.ts';
 import { parseExposition, total, type Exposition } from './exposition.ts';
 
@@ -50,7 +51,9 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
     if (!isTerminal(event)) return;
     terminals.set(event.requestId, [...(terminals.get(event.requestId) ?? []), event.phase]);
   });
-  const keyStore = new KeyStore(options.keysFile ? parseKeysFile(options.keysFile, 'keys.txt') : { keys: [], tenants: new Map() });
+  // With keys, ADMIN_KEY too: scrape() and the server-wide reports need it.
+  const keyStore = new KeyStore(options.keysFile ? combineKeyConfig(parseKeysFile(options.keysFile, 'keys.txt'), [], ADMIN_KEY)
+    : { keys: [], tenants: new Map() });
   const api = new ApiServer({
     keyStore, telemetry, logger: silentLogger,
     ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
@@ -86,7 +89,8 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
 }
 
 export async function scrape(url: string): Promise<{ text: string; exposition: Exposition }> {
-  const res = await rawRequest(url, { path: '/metrics' });
+  // The admin key: with keys configured /metrics is for admins (in open mode the header is ignored).
+  const res = await rawRequest(url, { path: '/metrics', headers: { Authorization: `Bearer ${ADMIN_KEY}` } });
   if (res.status !== 200) throw new Error(`/metrics answered ${res.status}`);
   return { text: res.text, exposition: parseExposition(res.text) };
 }

@@ -11,7 +11,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { after, afterEach, before, describe, it } from 'node:test';
 import { SpanStatusCode } from '@opentelemetry/api';
-import { engineIdle, startTestServer, waitFor, type TestServer } from '../api/e2e-fixture.ts';
+import { ADMIN_KEY, engineIdle, startTestServer, waitFor, type TestServer } from '../api/e2e-fixture.ts';
 import { parseSse, rawRequest, type RawResponse } from '../api/http-client.ts';
 import { total, value, type Exposition } from './exposition.ts';
 import { moved, scrape, startLiveServer, type LiveServer } from './integration-fixture.ts';
@@ -74,12 +74,15 @@ async function traceOf(url: string, id: string, key = KEY): Promise<TraceBody> {
   return res.json() as TraceBody;
 }
 
-/** Polls the trace endpoint until the request has ended (a hung-up request ends when the engine lets it go). */
+/**
+ * Polls the trace endpoint until the request has ended (a hung-up request ends when the engine lets it go). With the
+ * admin key: the request may be any tenant's, or none's (refused before its key was known).
+ */
 async function endedTrace(url: string, id: string): Promise<TraceBody> {
   let found: TraceBody | undefined;
   const deadline = Date.now() + 30_000;
   while (!found) {
-    const res = await rawRequest(url, { path: `/v1/requests/${id}/trace`, headers: auth() });
+    const res = await rawRequest(url, { path: `/v1/requests/${id}/trace`, headers: auth(ADMIN_KEY) });
     if (res.status === 200) found = res.json() as TraceBody;
     else if (Date.now() > deadline) throw new Error(`no trace of ${id}: ${res.text}`);
     else await new Promise((resolve) => setTimeout(resolve, 20));
@@ -303,7 +306,8 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     for (const [res, errorType, endedIn] of expected) {
       const id = String(res.headers['x-request-id']);
       assert.match(id, /^cmpl-/, 'a refused request is named too');
-      const trace = await traceOf(server.url, id);
+      // Several tenants' (and a request refused before its tenant was known): the admin key sees them all.
+      const trace = await traceOf(server.url, id, ADMIN_KEY);
       assert.equal(trace.outcome, 'error', id);
       assert.equal(trace.error_type, errorType);
       assert.equal(trace.status, res.status);
@@ -359,11 +363,13 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     assert.equal(unknown.json().error.type, 'invalid_request_error');
     assert.match(unknown.json().error.message, /cmpl-nothing-like-this/);
 
-    const slo = (await rawRequest(server.url, { path: '/v1/slo', headers: auth() })).json();
+    // Server-wide reports are for the admin key; a tenant's key gets a 403.
+    assert.equal((await rawRequest(server.url, { path: '/v1/slo', headers: auth() })).status, 403);
+    const slo = (await rawRequest(server.url, { path: '/v1/slo', headers: auth(ADMIN_KEY) })).json();
     const mine = slo.models.find((m: { model: string }) => m.model === model);
     assert.ok(mine.ttft.samples >= 1 && mine.error_rate.requests >= 1);
     assert.equal(slo.window_ms, 300_000);
-    const analysis = (await rawRequest(server.url, { path: '/v1/analysis', headers: auth() })).json();
+    const analysis = (await rawRequest(server.url, { path: '/v1/analysis', headers: auth(ADMIN_KEY) })).json();
     assert.ok(analysis.requests >= 1);
     assert.equal(typeof analysis.phase_share.prefill, 'number');
     assert.equal((await rawRequest(server.url, { path: '/v1/slo' })).status, 401);

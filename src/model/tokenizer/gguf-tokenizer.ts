@@ -9,7 +9,7 @@ import { readGgufVocab, TokenAttr } from './gguf-vocab.ts';
 import type { GgufVocab } from './gguf-vocab.ts';
 import { SpecialTokenSplitter } from './special-split.ts';
 import { SpmEncoder } from './spm.ts';
-import type { EncodeOptions, Tokenizer } from './types.ts';
+import type { EncodeOptions, Tokenizer, TokenizerWorkerSource } from './types.ts';
 
 const SPACE = 0x20;
 const EMPTY = new Uint8Array(0);
@@ -53,6 +53,27 @@ export class GgufTokenizer implements Tokenizer {
     if (vocab.kind === 'spm') this.spm = new SpmEncoder(vocab);
     else this.bpe = new BpeEncoder(vocab);
     this.bytesCache = new Array(this.vocabSize);
+  }
+
+  private longestTokenBytes: number | undefined;
+
+  /**
+   * Every token stands for one slice of the input: a text fragment between special tokens, with spaces written as
+   * "▁" (3 bytes for 1) and, in byte-level BPE, each byte as one character of 1 or 2 bytes; or one byte (a
+   * byte-fallback token); or a special token's own text. So no token stands for more input bytes than its longest
+   * spelling, whatever the text (SentencePiece's added leading space only adds a token).
+   */
+  maxBytesPerToken(): number {
+    if (this.longestTokenBytes === undefined) {
+      let longest = 1;
+      for (const token of this.vocab.tokens) longest = Math.max(longest, Buffer.byteLength(token, 'utf8'));
+      this.longestTokenBytes = longest;
+    }
+    return this.longestTokenBytes;
+  }
+
+  workerSource(): TokenizerWorkerSource {
+    return { kind: 'gguf-vocab', vocab: this.vocab };
   }
 
   // -------------------------------------------------------------------------------------------------------------

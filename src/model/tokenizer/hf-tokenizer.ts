@@ -11,7 +11,7 @@ import { Tokenizer as LibraryTokenizer } from '@huggingface/tokenizers';
 import { byteLevelToBytes } from './byte-level.ts';
 import { TokenizerError } from './errors.ts';
 import { endIsMidTurn, STOP_TEXTS } from './stop-texts.ts';
-import type { EncodeOptions, Tokenizer } from './types.ts';
+import type { EncodeOptions, Tokenizer, TokenizerWorkerSource } from './types.ts';
 
 type Json = Record<string, unknown>;
 
@@ -171,6 +171,39 @@ export class HfTokenizer implements Tokenizer {
       ids.delete(specialIdByText.get('<|end|>')!);
     }
     return [...ids].sort((a, b) => a - b);
+  }
+
+  private bytesPerTokenBound: number | undefined | null = null;
+
+  /**
+   * A bound only for the tokenizers known to keep every input byte in some token and never to shrink text: a BPE
+   * model that does not fuse unknown characters (or falls back to bytes), normalizers that only prepend or replace a
+   * string by one at least as long, pre-tokenizers that split without removing. Anything else (NFC/NFKC, Strip,
+   * Whitespace, WordPiece, Unigram's fused unknowns ...) gets no bound.
+   */
+  maxBytesPerToken(): number | undefined {
+    if (this.bytesPerTokenBound !== null) return this.bytesPerTokenBound;
+    const model = this.json.model as Json;
+    const bpeKeepsBytes = model.type === 'BPE' && (model.fuse_unk !== true || model.byte_fallback === true);
+    const normalizersKeep = flatten(this.json.normalizer).every((c) => c.type === 'Sequence' || c.type === 'Prepend'
+      || (c.type === 'Replace' && isObject(c.pattern) && typeof c.pattern.String === 'string' && typeof c.content === 'string'
+        && Buffer.byteLength(c.content) >= Buffer.byteLength(c.pattern.String)));
+    const preTokenizersKeep = flatten(this.json.pre_tokenizer).every((c) =>
+      ['Sequence', 'ByteLevel', 'Metaspace', 'Digits', 'Punctuation', 'Split'].includes(String(c.type))
+      && c.behavior !== 'Removed');
+    if (!bpeKeepsBytes || !normalizersKeep || !preTokenizersKeep) {
+      this.bytesPerTokenBound = undefined;
+      return undefined;
+    }
+    // An unknown character is at most 4 bytes of UTF-8; every other token stands for at most its spelling's bytes.
+    let longest = 4;
+    for (const piece of this.withSpecial.get_vocab(true).keys()) longest = Math.max(longest, Buffer.byteLength(piece, 'utf8'));
+    this.bytesPerTokenBound = longest;
+    return longest;
+  }
+
+  workerSource(): TokenizerWorkerSource {
+    return { kind: 'hf', json: this.json, config: this.config };
   }
 
   // -------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ export interface EncodeOptions {
   parseSpecial?: boolean;
 }
 
+export type TokenizerWorkerSource =
+  | { kind: 'gguf-vocab'; vocab: unknown }
+  | { kind: 'hf'; json: unknown; config: Record<string, unknown> };
+
 export interface Tokenizer {
   readonly vocabSize: number;
   readonly bosId: number | undefined;
@@ -30,6 +34,17 @@ export interface Tokenizer {
    */
   readonly stripsLeadingSpace: boolean;
   isSpecial(id: number): boolean;
+  /**
+   * The most bytes of UTF-8 input text one token can stand for, so a text of B bytes has at least ceil(B / this)
+   * tokens; undefined when no such bound holds (a normalizer or pre-tokenizer that drops or shrinks text, unknown
+   * words fused into one token). Lets a caller refuse a text too long for a context before tokenizing it.
+   */
+  maxBytesPerToken?(): number | undefined;
+  /**
+   * Plain data (structured-cloneable) from which tokenizerFromWorkerSource builds the same tokenizer in another
+   * thread, for tokenizing off the caller's thread; undefined when it cannot.
+   */
+  workerSource?(): TokenizerWorkerSource | undefined;
   idToToken(id: number): string | undefined;
   tokenToId(token: string): number | undefined;
 }
