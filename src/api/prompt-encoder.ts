@@ -4,7 +4,7 @@
 
 import type { Worker } from 'node:worker_threads';
 import type { EncodeOptions, Tokenizer } from '../model/tokenizer/types.ts';
-import { startTsWorker } from '../runtime/worker-thread.ts';
+import { startTsWorker } from '../util/worker-thread.ts';
 import type { EncodeAnswer, EncodeJob } from './tokenize-thread.ts';
 
 /** Prompts of this many UTF-16 code units or more are tokenized on the tokenizer thread. */
