@@ -12,7 +12,9 @@
 //   admission's outcome, so a refusal at either point reads as "ended in rate_limit".
 
 import type { EngineOutput } from '../engine/types.ts';
-import type { EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry } from '../telemetry/index.ts';
+import type {
+  EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry, ValidateEvent,
+} from '../telemetry/index.ts';
 import {
   ClientClosedRequestError, ConcurrencyLimitError, RateLimitError, RequestExceedsTokenLimitError, ShuttingDownError,
   type ApiError,
@@ -25,14 +27,8 @@ export interface RunCounts {
   readonly cachedPromptTokens: number;
 }
 
-export interface ValidateFields {
-  ok: boolean;
-  model?: string;
-  stream?: boolean;
-  maxTokens?: number;
-  temperature?: number;
-  n?: number;
-}
+/** What validation found, as the validate event carries it. */
+export type ValidateFields = Omit<ValidateEvent, 'requestId' | 'start' | 'time' | 'phase'>;
 
 export interface CallEnd {
   /** The error the request was answered with, if it was refused or failed before its stream began. */

@@ -291,24 +291,15 @@ export class Sampler {
     if (topK === v) {
       // top_p (after min_p) over the whole vocabulary.
       const numKept = selectTopP(logits, max, floor, topP, weights, order, this.binMass, this.binCount);
-      let keptMass = 0;
-      for (let j = 0; j < numKept; j++) keptMass += weights[order[j]!]!;
-      return this.drawFromKept(numKept, keptMass, sequence);
+      return this.drawFromKept(numKept, this.keptMass(numKept), sequence);
     }
     // top_k with min_p (top_k alone goes to drawTopK): only the k best can be drawn, so rank first, weigh just them.
-    let numKept = heapSelectTop(logits, order, topK, floor);
+    const numKept = heapSelectTop(logits, order, topK, floor);
     for (let j = 0; j < numKept; j++) {
       const id = order[j]!;
       weights[id] = Math.exp(logits[id]! - max);
     }
-    let keptMass = 0;
-    for (let j = 0; j < numKept; j++) keptMass += weights[order[j]!]!;
-    if (topP < 1) {
-      numKept = selectTopByMass(logits, weights, order, numKept, topP * keptMass);
-      keptMass = 0;
-      for (let j = 0; j < numKept; j++) keptMass += weights[order[j]!]!;
-    }
-    return this.drawFromKept(numKept, keptMass, sequence);
+    return this.drawTopP(logits, numKept, sequence);
   }
 
   /**
@@ -328,16 +319,30 @@ export class Sampler {
       const id = order[j]!;
       weights[id] = Math.exp(Math.fround(values[id]! * scale) - max);
     }
+    return this.drawTopP(values, numKept, sequence);
+  }
+
+  /**
+   * top_p over the weighed order[0, numKept) (its share of their mass, after top_k / min_p cut them), then one draw.
+   * `values` ranks ties as selectTopByMass expects.
+   */
+  private drawTopP(values: Float32Array, numKept: number, sequence: SequenceSampler): number {
     let kept = numKept;
-    let keptMass = 0;
-    for (let j = 0; j < kept; j++) keptMass += weights[order[j]!]!;
+    let keptMass = this.keptMass(kept);
     const { topP } = sequence.params;
     if (topP < 1) {
-      kept = selectTopByMass(values, weights, order, kept, topP * keptMass);
-      keptMass = 0;
-      for (let j = 0; j < kept; j++) keptMass += weights[order[j]!]!;
+      kept = selectTopByMass(values, this.weights, this.order, kept, topP * keptMass);
+      keptMass = this.keptMass(kept);
     }
     return this.drawFromKept(kept, keptMass, sequence);
+  }
+
+  /** The weight of order[0, numKept). */
+  private keptMass(numKept: number): number {
+    const { weights, order } = this;
+    let mass = 0;
+    for (let j = 0; j < numKept; j++) mass += weights[order[j]!]!;
+    return mass;
   }
 
   /** One draw over order[0, numKept) by weight. The kept ids are in no particular order; any fixed order gives the same distribution. */

@@ -95,10 +95,9 @@ export const H100_SXM: HardwareProfile = {
 
 /** The H100's GH100 die with HBM3e: same compute, more and faster memory. */
 export const H200_SXM: HardwareProfile = {
+  ...H100_SXM,
   id: 'h200', name: 'H200 SXM 141GB',
-  bf16FlopsPerSec: 989.4 * TFLOPS, fp8FlopsPerSec: 1978.9 * TFLOPS,
   hbmBytes: 141 * GIB, hbmBytesPerSec: 4.8e12,
-  tpLink: NVLINK4, gpusPerNode: 8,
 };
 
 export const A100_SXM_80GB: HardwareProfile = {

@@ -112,30 +112,28 @@ function profile(p: Omit<ModelProfile, 'weightBytesPerParam' | 'kvBytesPerElemen
   return { ...p, weightBytesPerParam: 2, kvBytesPerElement: 2, activationBytesPerElement: 2 };
 }
 
-export const LLAMA_3_1_8B = profile({
-  id: 'llama-3.1-8b', name: 'Llama 3.1 8B', numLayers: 32, hiddenDim: 4096, numHeads: 32, numKvHeads: 8,
-  headDim: 128, ffnDim: 14336, vocabSize: 128256, tiedEmbeddings: false, qkvBias: false,
-});
+/** The Llama 3.1 family: 8 KV heads of 128 dimensions, the 128256-token vocabulary, untied embeddings, no QKV bias. */
+function llama31(size: string, numLayers: number, hiddenDim: number, numHeads: number, ffnDim: number): ModelProfile {
+  return profile({
+    id: `llama-3.1-${size.toLowerCase()}`, name: `Llama 3.1 ${size}`, numLayers, hiddenDim, numHeads, numKvHeads: 8,
+    headDim: 128, ffnDim, vocabSize: 128256, tiedEmbeddings: false, qkvBias: false,
+  });
+}
 
-export const LLAMA_3_1_70B = profile({
-  id: 'llama-3.1-70b', name: 'Llama 3.1 70B', numLayers: 80, hiddenDim: 8192, numHeads: 64, numKvHeads: 8,
-  headDim: 128, ffnDim: 28672, vocabSize: 128256, tiedEmbeddings: false, qkvBias: false,
-});
+/** The Qwen2.5 family: heads of 128 dimensions, the 152064-token vocabulary, untied embeddings, QKV bias. */
+function qwen25(size: string, numLayers: number, hiddenDim: number, numHeads: number, numKvHeads: number,
+  ffnDim: number): ModelProfile {
+  return profile({
+    id: `qwen2.5-${size.toLowerCase()}`, name: `Qwen2.5 ${size}`, numLayers, hiddenDim, numHeads, numKvHeads,
+    headDim: 128, ffnDim, vocabSize: 152064, tiedEmbeddings: false, qkvBias: true,
+  });
+}
 
-export const LLAMA_3_1_405B = profile({
-  id: 'llama-3.1-405b', name: 'Llama 3.1 405B', numLayers: 126, hiddenDim: 16384, numHeads: 128, numKvHeads: 8,
-  headDim: 128, ffnDim: 53248, vocabSize: 128256, tiedEmbeddings: false, qkvBias: false,
-});
-
-export const QWEN_2_5_7B = profile({
-  id: 'qwen2.5-7b', name: 'Qwen2.5 7B', numLayers: 28, hiddenDim: 3584, numHeads: 28, numKvHeads: 4,
-  headDim: 128, ffnDim: 18944, vocabSize: 152064, tiedEmbeddings: false, qkvBias: true,
-});
-
-export const QWEN_2_5_72B = profile({
-  id: 'qwen2.5-72b', name: 'Qwen2.5 72B', numLayers: 80, hiddenDim: 8192, numHeads: 64, numKvHeads: 8,
-  headDim: 128, ffnDim: 29568, vocabSize: 152064, tiedEmbeddings: false, qkvBias: true,
-});
+export const LLAMA_3_1_8B = llama31('8B', 32, 4096, 32, 14336);
+export const LLAMA_3_1_70B = llama31('70B', 80, 8192, 64, 28672);
+export const LLAMA_3_1_405B = llama31('405B', 126, 16384, 128, 53248);
+export const QWEN_2_5_7B = qwen25('7B', 28, 3584, 28, 4, 18944);
+export const QWEN_2_5_72B = qwen25('72B', 80, 8192, 64, 8, 29568);
 
 export const MODEL_PROFILES: Readonly<Record<string, ModelProfile>> = {
   [LLAMA_3_1_8B.id]: LLAMA_3_1_8B,

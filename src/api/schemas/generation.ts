@@ -15,31 +15,22 @@ export const MAX_LOGPROBS = 20;
 export const MAX_STOP_STRINGS = 32;
 export const MAX_LOGIT_BIAS_ENTRIES = 1024;
 
-export interface GenerationOptions {
+/** The engine's sampling fields that a request sets as they are (the rest are built from the request below). */
+type DirectSamplingFields = 'n' | 'temperature' | 'topP' | 'topK' | 'minP' | 'repetitionPenalty' | 'presencePenalty' |
+  'frequencyPenalty' | 'seed' | 'minTokens' | 'ignoreEos' | 'includeStopStrInOutput' | 'skipSpecialTokens';
+
+export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFields> {
   model?: string;
   stream: boolean;
   /** stream_options.include_usage: a last chunk with empty choices carries usage. */
   includeUsage: boolean;
   /** stream_options.continuous_usage_stats (vLLM): every chunk carries usage so far. */
   continuousUsage: boolean;
-  n: number;
   /** Undefined: whatever is left of the context after the prompt. */
   maxTokens?: number;
-  temperature: number;
-  topP: number;
-  topK: number;
-  minP: number;
-  repetitionPenalty: number;
-  presencePenalty: number;
-  frequencyPenalty: number;
   logitBias?: Map<number, number>;
-  seed?: number;
   stop: string[];
   stopTokenIds: number[];
-  minTokens: number;
-  ignoreEos: boolean;
-  includeStopStrInOutput: boolean;
-  skipSpecialTokens: boolean;
   priority: number;
   user?: string;
 }
