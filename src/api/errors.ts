@@ -110,7 +110,7 @@ export class KvCapacityError extends ApiError {
 }
 
 /** The model's chat template refused the messages; the template's own words say why. */
-export class ChatTemplateError extends ApiError {
+export class TemplateRefusedMessagesError extends ApiError {
   constructor(detail: string) {
     super(400, 'chat_template_error', INVALID_REQUEST, detail.charAt(0).toUpperCase() + detail.slice(1), 'messages');
   }

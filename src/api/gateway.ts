@@ -5,13 +5,13 @@
 import type { ServerResponse } from 'node:http';
 import type { Engine } from '../engine/types.ts';
 import {
-  ChatTemplateError as TemplateRenderError, type ChatMessage as TemplateMessage, type RenderOptions,
+  ChatTemplateError, type ChatMessage as TemplateMessage, type RenderOptions,
 } from '../model/chat-template.ts';
 import type { EncodeOptions, Tokenizer } from '../model/tokenizer/types.ts';
 import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
-  type ApiError, BrokenChatTemplateError, ChatTemplateError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
+  type ApiError, BrokenChatTemplateError, TemplateRefusedMessagesError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
   PromptTooLongError, TooManySequencesError,
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
@@ -196,8 +196,8 @@ export class Gateway {
         { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}) });
     } catch (err) {
       // The template refusing these messages is the client's 400; a template that cannot render at all is ours.
-      if (err instanceof TemplateRenderError && err.status === 400) throw new ChatTemplateError(err.message);
-      if (err instanceof TemplateRenderError) throw new BrokenChatTemplateError(err.message);
+      if (err instanceof ChatTemplateError && err.status === 400) throw new TemplateRefusedMessagesError(err.message);
+      if (err instanceof ChatTemplateError) throw new BrokenChatTemplateError(err.message);
       throw err;
     }
     // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
