@@ -392,6 +392,11 @@ export const serveCommand: Command = {
         logger.error(`cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
         return 1;
       }
+      const { isModelLoadError } = await import('../model/loader.ts');
+      if (isModelLoadError(err)) {
+        console.error(`conduit serve: ${err.message}`);
+        return 1;
+      }
       throw err;
     }
     process.stderr.write(`${startupBanner(running)}\n`);
