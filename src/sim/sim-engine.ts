@@ -64,6 +64,11 @@ export interface SimWorkerConfig {
   policy?: SchedulingPolicy;
   enablePrefixCaching?: boolean;
   enableKvEvents?: boolean;
+  /**
+   * Synthetic token ids are below this: the vocabulary of the tokenizer that decodes them (default the model
+   * profile's). The performance model keeps the profile's vocabulary for the LM head's cost.
+   */
+  vocabSize?: number;
   /** The token that ends a sequence (default vocabSize - 1). Synthetic tokens avoid it unless eosProbability > 0. */
   eosTokenId?: number;
   /** Chance that a generated token is EOS (default 0: max_tokens alone decides the length). */
@@ -229,6 +234,7 @@ export class SimWorker {
   readonly kv: KvCacheManager;
   readonly scheduler: Scheduler;
   readonly info: EngineInfo;
+  private readonly vocabSize: number;
   private readonly eosTokenId: number;
   private readonly eosProbability: number;
   private readonly states = new Map<string, RequestState>();
@@ -250,9 +256,13 @@ export class SimWorker {
     this.hw = hw;
     this.tp = tp;
     this.efficiency = config.efficiency ?? DEFAULT_EFFICIENCY;
-    this.eosTokenId = config.eosTokenId ?? model.vocabSize - 1;
-    if (!Number.isInteger(this.eosTokenId) || this.eosTokenId < 0 || this.eosTokenId >= model.vocabSize) {
-      throw new RangeError(`eosTokenId must be a token id below ${model.vocabSize}, got ${config.eosTokenId}`);
+    this.vocabSize = config.vocabSize ?? model.vocabSize;
+    if (!Number.isInteger(this.vocabSize) || this.vocabSize < 2) {
+      throw new RangeError(`vocabSize must be a whole number >= 2, got ${config.vocabSize}`);
+    }
+    this.eosTokenId = config.eosTokenId ?? this.vocabSize - 1;
+    if (!Number.isInteger(this.eosTokenId) || this.eosTokenId < 0 || this.eosTokenId >= this.vocabSize) {
+      throw new RangeError(`eosTokenId must be a token id below ${this.vocabSize}, got ${config.eosTokenId}`);
     }
     this.eosProbability = config.eosProbability ?? 0;
     if (!(this.eosProbability >= 0 && this.eosProbability <= 1)) {
@@ -271,7 +281,7 @@ export class SimWorker {
       longPrefillTokenThreshold: config.longPrefillTokenThreshold,
     }, this.kv);
     this.info = {
-      modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize: model.vocabSize,
+      modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize: this.vocabSize,
       kvCapacityTokens: this.kv.numBlocks * blockSize, blockSize, backend: 'sim',
       kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1,
     };
@@ -408,7 +418,7 @@ export class SimWorker {
       // The position the new token takes; a sample about to fork starts right after the prompt.
       const position = request.sequences[completionIndex]?.numTokens ?? request.promptTokenIds.length;
       return syntheticToken(state?.seed ?? 0, completionIndex, position, {
-        vocabSize: this.model.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
+        vocabSize: this.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
         avoid: request.sampling.stopTokenIds,
       });
     });

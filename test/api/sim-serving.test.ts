@@ -1,0 +1,51 @@
+// Simulated workers behind the real gateway, as a new user meets them (`conduit serve --engine sim`), through the
+// official openai client: what the banner and /v1/models say must be what the server does.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import OpenAI from 'openai';
+import { startupBanner } from '../../src/cli/serve.ts';
+import { readGguf } from '../../src/model/gguf.ts';
+import { LLAMA_SPM_TOKENIZER_PATH } from '../../src/model/synthetic.ts';
+import { createTokenizer } from '../../src/model/tokenizer/index.ts';
+import { startTestServer, type TestServer } from './e2e-fixture.ts';
+
+const E2E = { timeout: 90_000 };
+
+for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-workers', '1']]) {
+  describe(`sim workers (${layout.join(' ')}) through the gateway`, () => {
+    let server: TestServer;
+    let client: OpenAI;
+    let model: string;
+
+    before(async () => {
+      server = await startTestServer({ flags: ['--engine', 'sim', '--sim-speed-up', 'inf', ...layout] });
+      client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
+      model = server.running.api.gateway.servedModelName!;
+    });
+    after(async () => {
+      await server?.close();
+    });
+
+    it('reports the vocabulary the gateway tokenizes with, in the banner and the engine info', E2E, () => {
+      // The gateway of sim workers tokenizes with the built-in model's Llama 2 vocabulary.
+      const vocabSize = createTokenizer({ kind: 'gguf', file: readGguf(LLAMA_SPM_TOKENIZER_PATH) }).vocabSize;
+      assert.equal(server.engine.info.vocabSize, vocabSize);
+      assert.match(startupBanner(server.running), new RegExp(`vocabulary ${vocabSize}\\)`));
+    });
+
+    it('answers logprobs requests with tokens the tokenizer decodes', E2E, async () => {
+      const chat = await client.chat.completions.create({
+        model, messages: [{ role: 'user', content: 'Hello there' }], max_tokens: 12, logprobs: true, top_logprobs: 2,
+      });
+      const content = chat.choices[0]!.logprobs!.content!;
+      assert.equal(content.length, chat.usage!.completion_tokens);
+      for (const entry of content) {
+        assert.equal(typeof entry.token, 'string');
+        assert.equal(entry.logprob, 0);
+      }
+      const completion = await client.completions.create({ model, prompt: 'Once upon a time', max_tokens: 12, logprobs: 1 });
+      assert.equal(completion.choices[0]!.logprobs!.tokens!.length, completion.usage!.completion_tokens);
+    });
+  });
+}
