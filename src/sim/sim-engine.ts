@@ -340,7 +340,7 @@ export class SimWorker {
     // A handed-off request carries its seed, so the decode worker continues the same synthetic tokens.
     const accepted = options.handoff && sampling.seed === undefined ? { ...engineRequest, sampling: { ...sampling, seed } } : engineRequest;
     const request = this.scheduler.addRequest(accepted, nowMs);
-    const matchers = Array.from({ length: sampling.n }, () => new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput));
+    const matchers = Array.from({ length: sampling.n }, () => new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput, sampling.minTokens));
     this.states.set(request.id, { request, seed, matchers, handoff: options.handoff });
   }
 
@@ -540,7 +540,7 @@ export class SimWorker {
     });
     if (request === null) return null;
     const { sampling } = handoff.request;
-    const matchers = [new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput)];
+    const matchers = [new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput, sampling.minTokens)];
     for (const tokenId of handoff.outputTokenIds) matchers[0]!.push(syntheticWord(tokenId)); // its text went out from the prefill worker
     this.states.set(request.id, { request, seed: handoff.sampler.seed, matchers });
     const bytes = moved * this.kv.blockSize * kvBytesPerToken(this.model);

@@ -47,5 +47,21 @@ for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-w
       const completion = await client.completions.create({ model, prompt: 'Once upon a time', max_tokens: 12, logprobs: 1 });
       assert.equal(completion.choices[0]!.logprobs!.tokens!.length, completion.usage!.completion_tokens);
     });
+
+    it('does not stop on a stop string before min_tokens tokens: the text and usage agree', E2E, async () => {
+      const prompt = 'Count with me';
+      const full = await client.completions.create({ model, prompt, max_tokens: 12, seed: 7 });
+      // One synthetic word per token.
+      const words = full.choices[0]!.text.trim().split(' ');
+      assert.equal(words.length, 12);
+      assert.equal(new Set(words).size, 12, 'distinct words, so each stop string below matches once');
+      const stopped = await client.completions.create({
+        model, prompt, max_tokens: 12, seed: 7, stop: [words[1]!, words[10]!], min_tokens: 8,
+      } as OpenAI.CompletionCreateParamsNonStreaming);
+      const choice = stopped.choices[0]!;
+      assert.equal(choice.finish_reason, 'stop');
+      assert.equal(stopped.usage!.completion_tokens, 11, 'the stop string of the 11th token ends it');
+      assert.equal(choice.text, ` ${words.slice(0, 10).join(' ')} `);
+    });
   });
 }
