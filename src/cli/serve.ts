@@ -349,9 +349,11 @@ export function startupBanner(running: RunningServer): string {
   const variants = [...kernelsByVariant].map(([variant, count]) => `${variant} x${count}`).join(', ');
   const example = JSON.stringify({ model, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 32 });
   const auth = keyStore.isOpen ? '' : " -H 'Authorization: Bearer <your key>'";
+  // One sequence of N tokens keeps N - 1 in the KV cache: at kvCapacityTokens + 1 the pool, not the model, is the limit.
+  const contextNote = info.maxModelLen === info.kvCapacityTokens + 1 ? ', limited by the KV cache' : '';
   return [
     `Conduit is serving ${model} at ${running.url}`,
-    `  model      ${running.modelPath} (context ${info.maxModelLen} tokens, vocabulary ${info.vocabSize})`,
+    `  model      ${running.modelPath} (context ${info.maxModelLen} tokens${contextNote}, vocabulary ${info.vocabSize})`,
     `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
     `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,
     `  workers    ${running.workers}`,
