@@ -343,6 +343,7 @@ export function startupBanner(running: RunningServer): string {
   const { info } = engine;
   const stats = engine.stats();
   const model = running.api.gateway.servedModelName!;
+  const display = running.api.gateway.modelDisplayName;
   // One line for what can be dozens of kernels: how many run each variant (/health lists them one by one).
   const kernelsByVariant = new Map<string, number>();
   for (const variant of Object.values(info.kernelVariants)) kernelsByVariant.set(variant, (kernelsByVariant.get(variant) ?? 0) + 1);
@@ -352,7 +353,7 @@ export function startupBanner(running: RunningServer): string {
   // One sequence of N tokens keeps N - 1 in the KV cache: at kvCapacityTokens + 1 the pool, not the model, is the limit.
   const contextNote = info.maxModelLen === info.kvCapacityTokens + 1 ? ', limited by the KV cache' : '';
   return [
-    `Conduit is serving ${model} at ${running.url}`,
+    `Conduit is serving ${model}${display !== undefined && display !== model ? ` (${display})` : ''} at ${running.url}`,
     `  model      ${running.modelPath} (context ${info.maxModelLen} tokens${contextNote}, vocabulary ${info.vocabSize})`,
     `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
     `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,

@@ -27,6 +27,17 @@ for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-w
       await server?.close();
     });
 
+    it('serves the profile\'s display name "Llama 3.1 8B" under an id without spaces, the name kept for people', E2E, async () => {
+      assert.equal(server.engine.info.modelName, 'Llama 3.1 8B');
+      assert.equal(model, 'Llama-3.1-8B');
+      const listed = await client.models.list();
+      assert.deepEqual(listed.data.map((m) => m.id), ['Llama-3.1-8B']);
+      assert.equal((listed.data[0] as unknown as { root: string }).root, 'Llama 3.1 8B');
+      const chat = await client.chat.completions.create({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 2 });
+      assert.equal(chat.model, 'Llama-3.1-8B');
+      assert.match(startupBanner(server.running), /^Conduit is serving Llama-3\.1-8B \(Llama 3\.1 8B\) at /);
+    });
+
     it('reports the vocabulary the gateway tokenizes with, in the banner and the engine info', E2E, () => {
       // The gateway of sim workers tokenizes with the built-in model's Llama 2 vocabulary.
       const vocabSize = createTokenizer({ kind: 'gguf', file: readGguf(LLAMA_SPM_TOKENIZER_PATH) }).vocabSize;
