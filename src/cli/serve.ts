@@ -320,6 +320,11 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       backend: config.backend,
     });
     for (const notice of pool.notices) logger.warn(notice);
+    if (pool.chatTemplate.isFallback) {
+      const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : modelPath;
+      logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `
+        + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');
+    }
     const backend: ModelBackend = {
       engine: pool.engine,
       workerId: pool.workers[0]!.id,

@@ -9,6 +9,7 @@ import { createLogger, silentLogger } from '../../src/api/log.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { DEFAULT_DISAGGREGATION_POLICY } from '../../src/runtime/disaggregation-policy.ts';
+import { tinySyntheticModel } from '../helpers/cpu-model.ts';
 
 function config(argv: string[], env: NodeJS.ProcessEnv = {}): ServeConfig {
   const parsed = parseServeConfig(argv, env);
@@ -267,5 +268,26 @@ describe('parseByteSize', () => {
     for (const text of ['', 'MiB', '-1MiB', '12 parsecs', '1e3']) {
       assert.throws(() => parseByteSize(text, 'kv-cache-memory'), /--kv-cache-memory expects bytes/, text);
     }
+  });
+});
+
+describe('conduit serve start-up warnings', () => {
+  async function startLines(argv: string[]): Promise<string[]> {
+    const lines: string[] = [];
+    const running = await startServer(config(['--port', '0', ...argv]), createLogger('info', (line) => lines.push(line)));
+    await running.api.shutdown(0);
+    return lines;
+  }
+  const fallbackWarning = /WARN {2}(.*) has no chat template: \/v1\/chat\/completions renders messages with the plain fallback/;
+
+  it('says at start when the model has no chat template and chat falls back', async () => {
+    const path = tinySyntheticModel(); // written without tokenizer.chat_template
+    const warnings = (await startLines(['--model', path])).filter((line) => fallbackWarning.test(line));
+    assert.equal(warnings.length, 1, 'one warning line');
+    assert.equal(fallbackWarning.exec(warnings[0]!)![1], path);
+  });
+
+  it('says nothing of the kind for a model with a template (the built-in one)', async () => {
+    assert.equal((await startLines([])).filter((line) => fallbackWarning.test(line)).length, 0);
   });
 });
