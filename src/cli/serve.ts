@@ -56,6 +56,7 @@ export const SERVE_FLAGS = {
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
   'trace-decode-steps': { type: 'boolean', help: 'one decode_step span per engine step a traced request took part in (default: decode steps summarised on the decode span)', default: false },
   'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
+  'request-log': { type: 'boolean', help: 'one info line per request as it ends: method, path, status, tenant, tokens, TTFT, total ms (--no-request-log: off; /health, /live, /metrics only at debug)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
@@ -100,6 +101,8 @@ export interface ServeConfig {
   warnings?: string[];
   tls?: { cert: Buffer; key: Buffer };
   logLevel: LogLevel;
+  /** One info line per request (--request-log, on by default). */
+  requestLog: boolean;
 }
 
 const UNITS: Record<string, number> = {
@@ -252,6 +255,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     shutdownGraceMs: grace * 1000,
     traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
+    requestLog: values['request-log']!,
     ...(warnings.length > 0 ? { warnings } : {}),
   };
   if (values.model !== undefined) config.modelPath = values.model;
@@ -291,6 +295,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     maxPendingRequests: config.maxPendingRequests,
     sessionHeader: config.sessionHeader,
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
+    requestLog: config.requestLog,
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),

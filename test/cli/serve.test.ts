@@ -291,3 +291,50 @@ describe('conduit serve start-up warnings', () => {
     assert.equal((await startLines([])).filter((line) => fallbackWarning.test(line)).length, 0);
   });
 });
+
+describe('conduit serve request log', () => {
+  async function withServer(argv: string[], env: NodeJS.ProcessEnv, body: (url: string) => Promise<void>): Promise<string[]> {
+    const lines: string[] = [];
+    const served = config(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf', ...argv], env);
+    const running = await startServer(served, createLogger('info', (line) => lines.push(line)));
+    try {
+      await body(running.url);
+    } finally {
+      await running.api.shutdown(0);
+    }
+    return lines;
+  }
+  const post = (url: string, path: string, payload: object) => fetch(`${url}${path}`, {
+    method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(payload),
+  });
+
+  it('writes one info line per request as it ends, with status, tenant, tokens, TTFT and total time', async () => {
+    let usage: { prompt_tokens: number; completion_tokens: number } | undefined;
+    let id = '';
+    const lines = await withServer([], {}, async (url) => {
+      const res = await post(url, '/v1/completions', { prompt: 'Hello there', max_tokens: 5 });
+      const body = await res.json() as { id: string; usage: typeof usage };
+      usage = body.usage;
+      id = body.id;
+      assert.equal((await post(url, '/v1/completions', { prompt: 'Hello', max_tokens: -1 })).status, 400);
+      assert.equal((await fetch(`${url}/health`)).status, 200);
+      assert.equal((await fetch(`${url}/v1/models`)).status, 200);
+    });
+    const requestLines = lines.filter((line) => / INFO {2}(GET|POST) \//.test(line));
+    assert.equal(requestLines.length, 3, `the completion, the refused one and /v1/models (not /health):\n${lines.join('')}`);
+    assert.match(requestLines[0]!, new RegExp(`INFO {2}POST /v1/completions 200 tenant=anonymous prompt_tokens=${usage!.prompt_tokens} `
+      + `output_tokens=${usage!.completion_tokens} ttft_ms=\\d+\\.\\d total_ms=\\d+\\.\\d id=${id}\\n$`));
+    assert.match(requestLines[1]!, /POST \/v1\/completions 400 tenant=anonymous prompt_tokens=- output_tokens=- ttft_ms=- total_ms=/);
+    assert.match(requestLines[2]!, /GET \/v1\/models 200 tenant=anonymous total_ms=\d+\.\d\n$/);
+  });
+
+  it('is off with --no-request-log or CONDUIT_REQUEST_LOG=false', async () => {
+    assert.equal(config([]).requestLog, true);
+    for (const [argv, env] of [[['--no-request-log'], {}], [[], { CONDUIT_REQUEST_LOG: 'false' }]] as const) {
+      const lines = await withServer([...argv], env, async (url) => {
+        assert.equal((await post(url, '/v1/completions', { prompt: 'Hello', max_tokens: 2 })).status, 200);
+      });
+      assert.deepEqual(lines.filter((line) => /POST \/v1\/completions/.test(line)), [], argv.join(' ') || JSON.stringify(env));
+    }
+  });
+});
