@@ -280,6 +280,7 @@ export interface RunningServer {
   workers: string;
   keyStore: KeyStore;
   url: string;
+  /** What the banner names as the model: its path, or for simulated workers their profile. */
   modelPath: string;
 }
 
@@ -303,12 +304,14 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
   });
   await api.listen(config.port, config.host);
   try {
-    const modelPath = config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
+    // Simulated workers run no model file: the built-in one is not even written for them.
+    const modelPath = config.engine === 'sim' ? undefined
+      : config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const { createWorkerPool } = await import('../runtime/worker-pool.ts');
     const pool = await createWorkerPool({
       engine: config.engine,
       workers: config.workers,
-      modelPath,
+      ...(modelPath !== undefined ? { modelPath } : {}),
       sim: config.sim,
       routingPolicy: config.routingPolicy,
       ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
@@ -340,7 +343,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     const workers = config.prefillWorkers !== undefined
       ? `${config.prefillWorkers} prefill + ${config.decodeWorkers} decode (disaggregated)`
       : config.workers > 1 ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
-    return { api, keyStore, url: api.url, modelPath, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
+    const shownModel = modelPath ?? `simulated ${config.sim.model} profile, built-in Llama 2 tokenizer`;
+    return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
   } catch (err) {
     await api.shutdown(0);
     throw err;

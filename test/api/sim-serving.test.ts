@@ -42,7 +42,10 @@ for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-w
       // The gateway of sim workers tokenizes with the built-in model's Llama 2 vocabulary.
       const vocabSize = createTokenizer({ kind: 'gguf', file: readGguf(LLAMA_SPM_TOKENIZER_PATH) }).vocabSize;
       assert.equal(server.engine.info.vocabSize, vocabSize);
-      assert.match(startupBanner(server.running), new RegExp(`vocabulary ${vocabSize}\\)`));
+      const banner = startupBanner(server.running);
+      assert.match(banner, new RegExp(`vocabulary ${vocabSize}\\)`));
+      // No model file: the banner names the profile, not the built-in model's path.
+      assert.match(banner, /\n {2}model {6}simulated llama-3\.1-8b profile, built-in Llama 2 tokenizer \(context /);
     });
 
     it('answers logprobs requests with tokens the tokenizer decodes', E2E, async () => {
