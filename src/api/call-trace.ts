@@ -257,6 +257,21 @@ export class CallTrace {
   }
 
   /** A stream that failed after it began (its error went out as an SSE error event). */
+  /** Token counts and time to first token (ms from arrival), for the request's log line. */
+  summary(): { promptTokens?: number; outputTokens?: number; ttftMs?: number } {
+    let firstToken: number | undefined;
+    for (const { first, last } of this.tracks.values()) {
+      const stamp = first.timestamps.firstToken ?? last.timestamps.firstToken;
+      if (stamp !== undefined && (firstToken === undefined || stamp < firstToken)) firstToken = stamp;
+    }
+    const promptTokens = this.run?.promptTokens ?? this.promptTokens;
+    return {
+      ...(promptTokens !== undefined ? { promptTokens } : {}),
+      ...(this.run ? { outputTokens: this.run.completionTokens } : {}),
+      ...(firstToken !== undefined ? { ttftMs: firstToken - this.arrivalMs } : {}),
+    };
+  }
+
   failedMidStream(error: ApiError): void {
     this.streamError ??= error;
   }

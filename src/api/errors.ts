@@ -74,8 +74,8 @@ export class ContextLengthError extends ApiError {
       ? `This model's maximum context length is ${maxModelLen} tokens, but the prompt has ${promptTokens} tokens, `
         + 'which leaves no room for a completion. Please shorten the prompt.'
       : `This model's maximum context length is ${maxModelLen} tokens. However, you requested `
-        + `${promptTokens + requestedCompletionTokens} tokens (${promptTokens} in the prompt, `
-        + `${requestedCompletionTokens} for the completion). Please reduce the prompt or the completion length.`;
+        + `${promptTokens + requestedCompletionTokens} tokens (${promptTokens} in the messages, `
+        + `${requestedCompletionTokens} in the completion). Please reduce the length of the messages or completion.`;
     super(400, 'context_length_exceeded', INVALID_REQUEST, message,
       requestedCompletionTokens === undefined ? 'messages' : 'max_tokens');
   }

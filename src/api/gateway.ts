@@ -54,6 +54,12 @@ export const DEFAULT_WORKER_ID = 'worker-0';
  */
 export const DEFAULT_MAX_SEQUENCES_PER_REQUEST = 128;
 
+/** A model name as an id for the "model" field: whitespace runs become one "-", nothing else changes. */
+export function modelIdFromName(name: string): string {
+  const id = name.trim().replace(/\s+/g, '-');
+  return id === '' ? 'model' : id;
+}
+
 export type GatewayState = 'loading' | 'ready' | 'draining' | 'stopped';
 
 export interface GatewayOptions {
@@ -158,8 +164,19 @@ export class Gateway {
     return this.backend?.workerId ?? DEFAULT_WORKER_ID;
   }
 
+  /**
+   * The id clients send as "model": --served-model-name as given, else the model's own name made an id (no spaces:
+   * "Llama 3.1 8B" is served as "Llama-3.1-8B"; the name itself stays in /v1/models' root and the banner).
+   */
   get servedModelName(): string | undefined {
-    return this.options.servedModelName ?? this.backend?.engine.info.modelName;
+    if (this.options.servedModelName !== undefined) return this.options.servedModelName;
+    const name = this.backend?.engine.info.modelName;
+    return name === undefined ? undefined : modelIdFromName(name);
+  }
+
+  /** The model's own name, for people (it may have spaces). */
+  get modelDisplayName(): string | undefined {
+    return this.backend?.engine.info.modelName;
   }
 
   private now(): number {

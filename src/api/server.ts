@@ -54,6 +54,11 @@ export interface ApiServerOptions {
   sessionHeader?: string;
   logger?: Logger;
   /**
+   * One info line per request when it ends (method, path, status, tenant, tokens, TTFT, total ms), as vLLM's and
+   * llama.cpp's servers log; health probes and scrapes (/health, /live, /metrics) only at debug. Default true.
+   */
+  requestLog?: boolean;
+  /**
    * The process's telemetry. Default: one created here on the engine clock, configured by OTEL_* variables (no
    * spans unless they ask for export), and shut down with the server. One passed in is the caller's to shut down.
    */
@@ -95,6 +100,9 @@ interface Route {
   traced?: 'chatcmpl' | 'cmpl';
   methods: Partial<Record<'GET' | 'POST', Handler>>;
 }
+
+/** Routes polled by orchestrators and scrapers: their request lines are debug-level, not info. */
+const PROBE_ROUTES = new Set(['health', 'live', 'metrics']);
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
 interface MultiWorkerEngine extends Engine {
@@ -440,8 +448,23 @@ export class ApiServer {
         clientGone: clientGone.signal.aborted, bodyIncomplete: !bodyFullyRead,
       });
       this.metrics.countResponse(routeName, status, call.tenant.name);
-      this.logger.debug(`${method} ${path} ${status} ${(performance.now() - startedMs).toFixed(1)}ms tenant=${call.tenant.name}`);
+      this.logRequest(method, path, routeName, status, call, performance.now() - startedMs);
     }
+  }
+
+  /** The request's line: key=value fields after "METHOD path status", tokens and TTFT for generation requests. */
+  private logRequest(method: string, path: string, routeName: string, status: number, call: Call, totalMs: number): void {
+    const fields = [`${method} ${path} ${status}`, `tenant=${call.tenant.name}`];
+    if (call.trace) {
+      const { promptTokens, outputTokens, ttftMs } = call.trace.summary();
+      fields.push(`prompt_tokens=${promptTokens ?? '-'}`, `output_tokens=${outputTokens ?? '-'}`,
+        `ttft_ms=${ttftMs === undefined ? '-' : ttftMs.toFixed(1)}`);
+    }
+    fields.push(`total_ms=${totalMs.toFixed(1)}`);
+    if (call.requestId !== undefined) fields.push(`id=${call.requestId}`);
+    const line = fields.join(' ');
+    if ((this.options.requestLog ?? true) && !PROBE_ROUTES.has(routeName)) this.logger.info(line);
+    else this.logger.debug(line);
   }
 
   /** The session header's value on the call; an empty header is no session, an overlong one is refused. */

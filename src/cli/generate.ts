@@ -2,8 +2,9 @@
 // synthetic one, so `conduit generate --prompt hi` works on a fresh clone. With --concurrency N the same prompt runs
 // as N requests at once (seeds seed, seed+1, ...), which shows what continuous batching buys.
 
-import { createLocalEngine } from '../engine/local-engine.ts';
+import { createLocalEngine, type LocalEngineBundle } from '../engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
+import { isModelLoadError } from '../model/loader.ts';
 import { ensureBuiltinModel } from '../model/synthetic.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
@@ -43,9 +44,15 @@ export const generateCommand: Command = {
 
     const loadStart = performance.now();
     const modelPath = values.model ?? await ensureBuiltinModel();
-    const { engine, tokenizer, model } = await createLocalEngine({
-      modelPath, backend, threads: values.threads, maxNumSeqs: Math.max(concurrency, 1),
-    });
+    let bundle: LocalEngineBundle;
+    try {
+      bundle = await createLocalEngine({ modelPath, backend, threads: values.threads, maxNumSeqs: Math.max(concurrency, 1) });
+    } catch (err) {
+      if (!isModelLoadError(err)) throw err;
+      console.error(`conduit generate: ${err.message}`);
+      return 1;
+    }
+    const { engine, tokenizer, model } = bundle;
     for (const notice of engine.notices) console.error(`conduit: ${notice}`);
     const loadMs = performance.now() - loadStart;
 

@@ -64,6 +64,7 @@ export const SERVE_FLAGS = {
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
   'trace-decode-steps': { type: 'boolean', help: 'one decode_step span per engine step a traced request took part in (default: decode steps summarised on the decode span)', default: false },
   'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
+  'request-log': { type: 'boolean', help: 'one info line per request as it ends: method, path, status, tenant, tokens, TTFT, total ms (--no-request-log: off; /health, /live, /metrics only at debug)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
@@ -113,6 +114,8 @@ export interface ServeConfig {
   warnings?: string[];
   tls?: { cert: Buffer; key: Buffer };
   logLevel: LogLevel;
+  /** One info line per request (--request-log, on by default). */
+  requestLog: boolean;
 }
 
 const UNITS: Record<string, number> = {
@@ -289,6 +292,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     shutdownGraceMs: grace * 1000,
     traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
+    requestLog: values['request-log']!,
     ...(warnings.length > 0 ? { warnings } : {}),
   };
   if (values.model !== undefined) config.modelPath = values.model;
@@ -313,6 +317,7 @@ export interface RunningServer {
   workers: string;
   keyStore: KeyStore;
   url: string;
+  /** What the banner names as the model: its path, or for simulated workers their profile. */
   modelPath: string;
 }
 
@@ -335,6 +340,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     headersTimeoutMs: config.headersTimeoutMs,
     sessionHeader: config.sessionHeader,
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
+    requestLog: config.requestLog,
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),
@@ -342,12 +348,14 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
   });
   await api.listen(config.port, config.host);
   try {
-    const modelPath = config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
+    // Simulated workers run no model file: the built-in one is not even written for them.
+    const modelPath = config.engine === 'sim' ? undefined
+      : config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const { createWorkerPool } = await import('../runtime/worker-pool.ts');
     const pool = await createWorkerPool({
       engine: config.engine,
       workers: config.workers,
-      modelPath,
+      ...(modelPath !== undefined ? { modelPath } : {}),
       sim: config.sim,
       routingPolicy: config.routingPolicy,
       ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
@@ -364,6 +372,11 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       backend: config.backend,
     });
     for (const notice of pool.notices) logger.warn(notice);
+    if (pool.chatTemplate.isFallback) {
+      const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : modelPath;
+      logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `
+        + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');
+    }
     const backend: ModelBackend = {
       engine: pool.engine,
       workerId: pool.workers[0]!.id,
@@ -374,7 +387,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     const workers = config.prefillWorkers !== undefined
       ? `${config.prefillWorkers} prefill + ${config.decodeWorkers} decode (disaggregated)`
       : config.workers > 1 ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
-    return { api, keyStore, url: api.url, modelPath, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
+    const shownModel = modelPath ?? `simulated ${config.sim.model} profile, built-in Llama 2 tokenizer`;
+    return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
   } catch (err) {
     await api.shutdown(0);
     throw err;
@@ -387,15 +401,18 @@ export function startupBanner(running: RunningServer): string {
   const { info } = engine;
   const stats = engine.stats();
   const model = running.api.gateway.servedModelName!;
+  const display = running.api.gateway.modelDisplayName;
   // One line for what can be dozens of kernels: how many run each variant (/health lists them one by one).
   const kernelsByVariant = new Map<string, number>();
   for (const variant of Object.values(info.kernelVariants)) kernelsByVariant.set(variant, (kernelsByVariant.get(variant) ?? 0) + 1);
   const variants = [...kernelsByVariant].map(([variant, count]) => `${variant} x${count}`).join(', ');
   const example = JSON.stringify({ model, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 32 });
   const auth = keyStore.isOpen ? '' : " -H 'Authorization: Bearer <your key>'";
+  // One sequence of N tokens keeps N - 1 in the KV cache: at kvCapacityTokens + 1 the pool, not the model, is the limit.
+  const contextNote = info.maxModelLen === info.kvCapacityTokens + 1 ? ', limited by the KV cache' : '';
   return [
-    `Conduit is serving ${model} at ${running.url}`,
-    `  model      ${running.modelPath} (context ${info.maxModelLen} tokens, vocabulary ${info.vocabSize})`,
+    `Conduit is serving ${model}${display !== undefined && display !== model ? ` (${display})` : ''} at ${running.url}`,
+    `  model      ${running.modelPath} (context ${info.maxModelLen} tokens${contextNote}, vocabulary ${info.vocabSize})`,
     `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
     `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,
     `  workers    ${running.workers}`,
@@ -434,6 +451,11 @@ export const serveCommand: Command = {
       const code = (err as NodeJS.ErrnoException).code;
       if (code === 'EADDRINUSE' || code === 'EACCES') {
         logger.error(`cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
+        return 1;
+      }
+      const { isModelLoadError } = await import('../model/loader.ts');
+      if (isModelLoadError(err)) {
+        console.error(`conduit serve: ${err.message}`);
         return 1;
       }
       throw err;

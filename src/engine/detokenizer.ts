@@ -123,6 +123,8 @@ export interface DetokenizerOptions {
   skipSpecialTokens?: boolean;
   stop?: readonly string[];
   includeStopStrInOutput?: boolean;
+  /** Stop strings are not checked until more than this many tokens were pushed, as in vLLM (default 0). */
+  minTokens?: number;
   /** Drop the SentencePiece leading space of the first text: only for output that starts the text (default false). */
   stripLeadingSpace?: boolean;
 }
@@ -146,20 +148,21 @@ export class IncrementalDetokenizer {
   constructor(tokenizer: Pick<Tokenizer, 'tokenBytes' | 'stripsLeadingSpace'>, options: DetokenizerOptions = {}) {
     this.tokenizer = tokenizer;
     this.includeSpecial = !(options.skipSpecialTokens ?? true);
-    this.stops = new StopStringMatcher(options.stop ?? [], options.includeStopStrInOutput ?? false);
+    this.stops = new StopStringMatcher(options.stop ?? [], options.includeStopStrInOutput ?? false, options.minTokens ?? 0);
     this.atTextStart = (options.stripLeadingSpace ?? false) && tokenizer.stripsLeadingSpace;
   }
 
   /** A detokenizer configured from a request's sampling params (skip_special_tokens, stop, include_stop_str). */
   static forRequest(
     tokenizer: Pick<Tokenizer, 'tokenBytes' | 'stripsLeadingSpace'>,
-    params: Pick<SamplingParams, 'skipSpecialTokens' | 'stop' | 'includeStopStrInOutput'>,
+    params: Pick<SamplingParams, 'skipSpecialTokens' | 'stop' | 'includeStopStrInOutput' | 'minTokens'>,
     stripLeadingSpace = false,
   ): IncrementalDetokenizer {
     return new IncrementalDetokenizer(tokenizer, {
       skipSpecialTokens: params.skipSpecialTokens,
       stop: params.stop,
       includeStopStrInOutput: params.includeStopStrInOutput,
+      minTokens: params.minTokens,
       stripLeadingSpace,
     });
   }
@@ -178,7 +181,7 @@ export class IncrementalDetokenizer {
       this.atTextStart = false;
       if (bytes[0] === SPACE) bytes = bytes.subarray(1);
     }
-    return this.release(this.utf8.decode(bytes));
+    return this.release(this.utf8.decode(bytes), true);
   }
 
   /**
@@ -188,14 +191,14 @@ export class IncrementalDetokenizer {
    */
   finish(): DetokenizerDelta {
     if (this.finished) return { delta: '' };
-    const last = this.release(this.utf8.end());
+    const last = this.release(this.utf8.end(), false);
     if (last.stopped !== undefined) return last;
     this.finished = true;
     return { delta: last.delta + this.stops.flush() };
   }
 
-  private release(text: string): DetokenizerDelta {
-    const checked = this.stops.push(text);
+  private release(text: string, isToken: boolean): DetokenizerDelta {
+    const checked = this.stops.push(text, isToken);
     if (checked.stopped === undefined) return { delta: checked.text };
     this.finished = true;
     return { delta: checked.text, stopped: checked.stopped };

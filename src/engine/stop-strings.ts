@@ -3,6 +3,10 @@
 //
 // When several stop strings could match, the one that completes first in the text wins (ties: the longer one,
 // which starts earlier). That is the only rule that does not depend on how the text was chunked into tokens.
+//
+// As in vLLM, stop strings are not checked until more than min_tokens tokens have been generated: a stop string
+// that lies wholly in the text of the first min_tokens tokens does not end the output; one that straddles the
+// min_tokens-th token's text and a later token's does.
 
 export interface StopCheck {
   /** Text safe to emit now. */
@@ -18,14 +22,18 @@ export class StopStringMatcher {
   /** Text not yet released: the longest suffix that is a proper prefix of some stop string. */
   private held = '';
   private matched: string | undefined;
+  /** Tokens whose text has been pushed; a match counts only once this exceeds minTokens. */
+  private tokensSeen = 0;
+  private readonly minTokens: number;
 
-  constructor(stops: readonly string[], includeStopInOutput = false) {
+  constructor(stops: readonly string[], includeStopInOutput = false, minTokens = 0) {
     for (const stop of stops) {
       if (typeof stop !== 'string' || stop.length === 0) throw new RangeError(`stop strings must be non-empty strings, got ${JSON.stringify(stop)}`);
     }
     this.stops = stops;
     this.includeStopInOutput = includeStopInOutput;
     this.longestStop = stops.reduce((longest, stop) => Math.max(longest, stop.length), 0);
+    this.minTokens = minTokens;
   }
 
   get stopped(): string | undefined {
@@ -37,16 +45,22 @@ export class StopStringMatcher {
     return this.held;
   }
 
-  push(text: string): StopCheck {
+  /**
+   * The text of one more token (`isToken` false: text that is not a new token, such as the bytes flushed at the
+   * end). Stop strings match only once more than minTokens tokens were pushed.
+   */
+  push(text: string, isToken = true): StopCheck {
     if (this.matched !== undefined) throw new Error(`stop string ${JSON.stringify(this.matched)} already matched; no more text may follow`);
+    if (isToken) this.tokensSeen++;
     if (this.stops.length === 0) return { text };
     const newTextStart = this.held.length;
     const buffer = this.held + text;
+    const checking = this.tokensSeen > this.minTokens;
 
     let matchStart = -1;
     let matchEnd = Infinity;
     let matchStop = '';
-    for (const stop of this.stops) {
+    for (const stop of checking ? this.stops : []) {
       // Held text contains no whole stop string, so a match must end inside the new text.
       const start = buffer.indexOf(stop, Math.max(0, newTextStart - stop.length + 1));
       if (start < 0) continue;

@@ -41,7 +41,8 @@ async function start(): Promise<EngineCore> {
     now: engineNow,
   });
   const info: EngineInfo = {
-    modelName: init.servedModelName, maxModelLen, vocabSize: config.vocabSize,
+    // What one sequence can reach: the context length, or less when one sequence of it would not fit the KV pool.
+    modelName: init.servedModelName, maxModelLen: core.scheduler.maxModelLen, vocabSize: config.vocabSize,
     kvCapacityTokens: numBlocks * init.blockSize, blockSize: init.blockSize,
     backend: backend.info.name, kernelVariants: backend.info.variants, threads: backend.info.threads,
   };

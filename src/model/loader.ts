@@ -5,11 +5,13 @@ import { readFile, stat } from 'node:fs/promises';
 import { resolve } from 'node:path';
 import type { ModelConfig } from './config.ts';
 import { ggmlTypeName } from './ggml-types.ts';
-import { metaString, parseGguf } from './gguf.ts';
+import { GgufFormatError, metaString, parseGguf } from './gguf.ts';
 import type { GgufFile } from './gguf.ts';
 import { ggufModelConfig, ggufModelWeights, ModelFormatError } from './gguf-model.ts';
 import { isHfFolder, loadHfModel } from './hf.ts';
-import { numElements } from './quant.ts';
+import { numElements, UnsupportedTypeError } from './quant.ts';
+import { SafetensorsFormatError } from './safetensors.ts';
+import { TokenizerError } from './tokenizer/errors.ts';
 import type { ModelWeights, Tensor } from './weights.ts';
 
 /** What the tokenizer module builds a Tokenizer from. */
@@ -46,6 +48,16 @@ export interface LoadedModel {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Entry point
+
+/**
+ * Whether an error means "this path is not a model Conduit can run" (missing file, another format, an unsupported
+ * architecture or tensor type, a vocabulary-only GGUF, a broken tokenizer) rather than a bug: the CLI prints its
+ * message as one line instead of a stack.
+ */
+export function isModelLoadError(err: unknown): err is Error {
+  return err instanceof ModelFormatError || err instanceof GgufFormatError || err instanceof SafetensorsFormatError ||
+    err instanceof UnsupportedTypeError || err instanceof TokenizerError;
+}
 
 export async function loadModel(path: string): Promise<LoadedModel> {
   const absolute = resolve(path);

@@ -155,27 +155,34 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
 
 /**
  * Simulated workers have a performance profile but no tokenizer: the gateway tokenizes with the built-in model's
- * Llama 2 vocabulary, which gives realistic prompt lengths for English text.
+ * Llama 2 vocabulary, which gives realistic prompt lengths for English text. Their synthetic tokens are ids of that
+ * vocabulary (its size and EOS), so the gateway can decode them (logprobs); the profile's own vocabulary still
+ * prices the LM head.
  */
+function simTokenizer() {
+  const vocab = readGguf(LLAMA_SPM_TOKENIZER_PATH);
+  const tokenizer = createTokenizer({ kind: 'gguf', file: vocab });
+  const vocabulary = { vocabSize: tokenizer.vocabSize, ...(tokenizer.eosId !== undefined ? { eosTokenId: tokenizer.eosId } : {}) };
+  return { tokenizer, chatTemplate: chatTemplateFromGguf(vocab, tokenizer), vocabulary };
+}
+
 async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   const spec = options.sim;
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
   const model = getModelProfile(spec.model);
   const hw = getHardwareProfile(spec.gpu);
+  const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const workers: RoutedWorker[] = [];
   for (let i = 0; i < options.workers; i++) {
     workers.push({
       id: `sim-${i}`,
       engine: new SimEngine({
-        model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: withKvEvents,
+        model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: withKvEvents, ...vocabulary,
         maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
         maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
       }),
     });
   }
-  const vocab = readGguf(LLAMA_SPM_TOKENIZER_PATH);
-  const tokenizer = createTokenizer({ kind: 'gguf', file: vocab });
-  const chatTemplate = chatTemplateFromGguf(vocab, tokenizer);
   return {
     workers, tokenizer, chatTemplate, start: undefined,
     notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker (speed-up ${spec.speedUp})`],
@@ -273,17 +280,16 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
   const model = getModelProfile(spec.model);
   const hw = getHardwareProfile(spec.gpu);
+  const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const make = (role: WorkerRole) => new SimEngine({
-    model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: true, role,
+    model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: true, role, ...vocabulary,
     maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
     maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
   });
   const prefill = Array.from({ length: numPrefill }, (_, i) => ({ id: `sim-prefill-${i}`, engine: make('prefill') }));
   const decode = Array.from({ length: numDecode }, (_, i) => ({ id: `sim-decode-${i}`, engine: make('decode') }));
-  const vocab = readGguf(LLAMA_SPM_TOKENIZER_PATH);
-  const tokenizer = createTokenizer({ kind: 'gguf', file: vocab });
   return {
-    prefill, decode, tokenizer, chatTemplate: chatTemplateFromGguf(vocab, tokenizer),
+    prefill, decode, tokenizer, chatTemplate,
     notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker, ${numPrefill} prefill + `
       + `${numDecode} decode workers, KV over ${decode[0]!.engine.kvLink.name} (speed-up ${spec.speedUp})`],
   };

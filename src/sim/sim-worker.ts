@@ -55,6 +55,11 @@ export interface SimWorkerConfig {
   policy?: SchedulingPolicy;
   enablePrefixCaching?: boolean;
   enableKvEvents?: boolean;
+  /**
+   * Synthetic token ids are below this: the vocabulary of the tokenizer that decodes them (default the model
+   * profile's). The performance model keeps the profile's vocabulary for the LM head's cost.
+   */
+  vocabSize?: number;
   /** The token that ends a sequence (default vocabSize - 1). Synthetic tokens avoid it unless eosProbability > 0. */
   eosTokenId?: number;
   /** Chance that a generated token is EOS (default 0: max_tokens alone decides the length). */
@@ -127,6 +132,7 @@ export class SimWorker extends StepCore<number> {
   readonly tp: number;
   readonly efficiency: Efficiency;
   readonly info: EngineInfo;
+  private readonly vocabSize: number;
   private readonly eosTokenId: number;
   private readonly eosProbability: number;
   private inFlight: SimStep | null = null;
@@ -139,9 +145,13 @@ export class SimWorker extends StepCore<number> {
   constructor(config: SimWorkerConfig) {
     const { model, hw, tp } = config;
     checkTensorParallel(model, hw, tp);
-    const eosTokenId = config.eosTokenId ?? model.vocabSize - 1;
-    if (!Number.isInteger(eosTokenId) || eosTokenId < 0 || eosTokenId >= model.vocabSize) {
-      throw new RangeError(`eosTokenId must be a token id below ${model.vocabSize}, got ${config.eosTokenId}`);
+    const vocabSize = config.vocabSize ?? model.vocabSize;
+    if (!Number.isInteger(vocabSize) || vocabSize < 2) {
+      throw new RangeError(`vocabSize must be a whole number >= 2, got ${config.vocabSize}`);
+    }
+    const eosTokenId = config.eosTokenId ?? vocabSize - 1;
+    if (!Number.isInteger(eosTokenId) || eosTokenId < 0 || eosTokenId >= vocabSize) {
+      throw new RangeError(`eosTokenId must be a token id below ${vocabSize}, got ${config.eosTokenId}`);
     }
     const eosProbability = config.eosProbability ?? 0;
     if (!(eosProbability >= 0 && eosProbability <= 1)) {
@@ -166,10 +176,11 @@ export class SimWorker extends StepCore<number> {
     this.hw = hw;
     this.tp = tp;
     this.efficiency = config.efficiency ?? DEFAULT_EFFICIENCY;
+    this.vocabSize = vocabSize;
     this.eosTokenId = eosTokenId;
     this.eosProbability = eosProbability;
     this.info = {
-      modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize: model.vocabSize,
+      modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize,
       kvCapacityTokens: this.kv.numBlocks * blockSize, blockSize, backend: 'sim',
       kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1,
     };
@@ -242,7 +253,7 @@ export class SimWorker extends StepCore<number> {
       // The position the new token takes; a sample about to fork starts right after the prompt.
       const position = request.sequences[completionIndex]?.numTokens ?? request.promptTokenIds.length;
       const tokenId = syntheticToken(this.tokenState(request.id, completionIndex) ?? 0, completionIndex, position, {
-        vocabSize: this.model.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
+        vocabSize: this.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
         avoid: request.sampling.stopTokenIds,
       });
       // The sim chooses each token with certainty, so its logprob is 0 and it has no alternatives.

@@ -61,7 +61,7 @@ export const SYNTHETIC_TOKENS: TokenSource<number> = {
 /** Each token's synthetic word through the request's stop strings. */
 export const SYNTHETIC_TEXT: TextSource = {
   open: (sampling) => {
-    const matcher = new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput);
+    const matcher = new StopStringMatcher(sampling.stop, sampling.includeStopStrInOutput, sampling.minTokens);
     let finished = false;
     return {
       push: (tokenId) => {

@@ -183,7 +183,7 @@ describe('official openai client end to end', () => {
       return true;
     });
     await assert.rejects(client.completions.create({ model, prompt: 'hi', max_tokens: maxModelLen }), (err: unknown) =>
-      err instanceof BadRequestError && new RegExp(`${maxModelLen} for the completion`).test(err.message));
+      err instanceof BadRequestError && new RegExp(`${maxModelLen} in the completion`).test(err.message));
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
   });
 });

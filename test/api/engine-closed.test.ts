@@ -5,6 +5,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { KeyStore } from '../../src/api/auth.ts';
+import { modelIdFromName } from '../../src/api/gateway.ts';
 import { silentLogger } from '../../src/api/log.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
@@ -28,7 +29,7 @@ describe('engine closed while a request runs', () => {
 
   test('sim engine: the gateway answers 503 shutting_down, not 500', async () => {
     const response = rawRequest(api.url, {
-      path: '/v1/completions', body: { model: pool.engine.info.modelName, prompt: 'hello there', max_tokens: 4000, ignore_eos: true },
+      path: '/v1/completions', body: { model: modelIdFromName(pool.engine.info.modelName), prompt: 'hello there', max_tokens: 4000, ignore_eos: true },
     });
     // Wait (bounded) until the request runs in the engine, then close the engine under it.
     for (let i = 0; i < 500 && pool.engine.stats().numRunning === 0; i++) await new Promise((resolve) => setTimeout(resolve, 10));
@@ -40,7 +41,7 @@ describe('engine closed while a request runs', () => {
   });
 
   test('a request after the close is refused with 503 too', async () => {
-    const res = await rawRequest(api.url, { path: '/v1/completions', body: { model: pool.engine.info.modelName, prompt: 'again', max_tokens: 4 } });
+    const res = await rawRequest(api.url, { path: '/v1/completions', body: { model: modelIdFromName(pool.engine.info.modelName), prompt: 'again', max_tokens: 4 } });
     assert.equal(res.status, 503, res.text);
     assert.equal(res.json().error.code, 'shutting_down');
   });

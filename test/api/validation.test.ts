@@ -2,6 +2,7 @@ import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { parseJsonBytes } from '../../src/api/body.ts';
 import { ApiError } from '../../src/api/errors.ts';
+import { modelIdFromName } from '../../src/api/gateway.ts';
 import { parseChatCompletionRequest } from '../../src/api/schemas/chat.ts';
 import { parseCompletionRequest } from '../../src/api/schemas/completion.ts';
 import { toSamplingParams } from '../../src/api/schemas/generation.ts';
@@ -233,5 +234,14 @@ describe('request body decoding', () => {
   it('accepts UTF-8 with a byte-order mark and multi-byte characters', () => {
     const value = parseJsonBytes(Buffer.from('\ufeff{"prompt": "héllo ✓ 🙂"}', 'utf8'));
     assert.deepEqual(value, { prompt: 'héllo ✓ 🙂' });
+  });
+});
+
+describe('model ids from model names', () => {
+  it('turns whitespace runs into one "-" and keeps everything else', () => {
+    assert.equal(modelIdFromName('Llama 3.1 70B'), 'Llama-3.1-70B');
+    assert.equal(modelIdFromName('  TinyLlama  1.1B\tChat '), 'TinyLlama-1.1B-Chat');
+    assert.equal(modelIdFromName('conduit-synthetic-22m'), 'conduit-synthetic-22m');
+    assert.equal(modelIdFromName('   '), 'model');
   });
 });

@@ -48,7 +48,7 @@ describe('conduit bench against a live simulated server', () => {
   it('closed loop: every request once, every token timed', async () => {
     const result = await runLoad({ ...base(), workload: randomWorkload({ promptTokens: 40, seed: 1 }), concurrency: 3, requests: 10 });
     const { summary } = result;
-    assert.equal(result.model, 'Llama 3.1 8B', 'model discovered from /v1/models');
+    assert.equal(result.model, 'Llama-3.1-8B', 'model discovered from /v1/models');
     assert.deepEqual(result.requests.map((r) => r.index), [...Array(10).keys()]);
     assert.deepEqual([summary.numRequests, summary.numOk, summary.numErrors], [10, 10, 0]);
     assert.ok(summary.maxInFlight <= 3 && summary.maxInFlight >= 1);

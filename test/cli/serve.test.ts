@@ -9,6 +9,7 @@ import { createLogger, silentLogger } from '../../src/api/log.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { DEFAULT_DISAGGREGATION_POLICY } from '../../src/runtime/disaggregation-policy.ts';
+import { tinySyntheticModel } from '../helpers/cpu-model.ts';
 
 function config(argv: string[], env: NodeJS.ProcessEnv = {}): ServeConfig {
   const parsed = parseServeConfig(argv, env);
@@ -295,6 +296,74 @@ describe('parseByteSize', () => {
   it('refuses what it cannot read', () => {
     for (const text of ['', 'MiB', '-1MiB', '12 parsecs', '1e3']) {
       assert.throws(() => parseByteSize(text, 'kv-cache-memory'), /--kv-cache-memory expects bytes/, text);
+    }
+  });
+});
+
+describe('conduit serve start-up warnings', () => {
+  async function startLines(argv: string[]): Promise<string[]> {
+    const lines: string[] = [];
+    const running = await startServer(config(['--port', '0', ...argv]), createLogger('info', (line) => lines.push(line)));
+    await running.api.shutdown(0);
+    return lines;
+  }
+  const fallbackWarning = /WARN {2}(.*) has no chat template: \/v1\/chat\/completions renders messages with the plain fallback/;
+
+  it('says at start when the model has no chat template and chat falls back', async () => {
+    const path = tinySyntheticModel(); // written without tokenizer.chat_template
+    const warnings = (await startLines(['--model', path])).filter((line) => fallbackWarning.test(line));
+    assert.equal(warnings.length, 1, 'one warning line');
+    assert.equal(fallbackWarning.exec(warnings[0]!)![1], path);
+  });
+
+  it('says nothing of the kind for a model with a template (the built-in one)', async () => {
+    assert.equal((await startLines([])).filter((line) => fallbackWarning.test(line)).length, 0);
+  });
+});
+
+describe('conduit serve request log', () => {
+  async function withServer(argv: string[], env: NodeJS.ProcessEnv, body: (url: string) => Promise<void>): Promise<string[]> {
+    const lines: string[] = [];
+    const served = config(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf', ...argv], env);
+    const running = await startServer(served, createLogger('info', (line) => lines.push(line)));
+    try {
+      await body(running.url);
+    } finally {
+      await running.api.shutdown(0);
+    }
+    return lines;
+  }
+  const post = (url: string, path: string, payload: object) => fetch(`${url}${path}`, {
+    method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(payload),
+  });
+
+  it('writes one info line per request as it ends, with status, tenant, tokens, TTFT and total time', async () => {
+    let usage: { prompt_tokens: number; completion_tokens: number } | undefined;
+    let id = '';
+    const lines = await withServer([], {}, async (url) => {
+      const res = await post(url, '/v1/completions', { prompt: 'Hello there', max_tokens: 5 });
+      const body = await res.json() as { id: string; usage: typeof usage };
+      usage = body.usage;
+      id = body.id;
+      assert.equal((await post(url, '/v1/completions', { prompt: 'Hello', max_tokens: -1 })).status, 400);
+      assert.equal((await fetch(`${url}/health`)).status, 200);
+      assert.equal((await fetch(`${url}/v1/models`)).status, 200);
+    });
+    const requestLines = lines.filter((line) => / INFO {2}(GET|POST) \//.test(line));
+    assert.equal(requestLines.length, 3, `the completion, the refused one and /v1/models (not /health):\n${lines.join('')}`);
+    assert.match(requestLines[0]!, new RegExp(`INFO {2}POST /v1/completions 200 tenant=anonymous prompt_tokens=${usage!.prompt_tokens} `
+      + `output_tokens=${usage!.completion_tokens} ttft_ms=\\d+\\.\\d total_ms=\\d+\\.\\d id=${id}\\n$`));
+    assert.match(requestLines[1]!, /POST \/v1\/completions 400 tenant=anonymous prompt_tokens=- output_tokens=- ttft_ms=- total_ms=/);
+    assert.match(requestLines[2]!, /GET \/v1\/models 200 tenant=anonymous total_ms=\d+\.\d\n$/);
+  });
+
+  it('is off with --no-request-log or CONDUIT_REQUEST_LOG=false', async () => {
+    assert.equal(config([]).requestLog, true);
+    for (const [argv, env] of [[['--no-request-log'], {}], [[], { CONDUIT_REQUEST_LOG: 'false' }]] as const) {
+      const lines = await withServer([...argv], env, async (url) => {
+        assert.equal((await post(url, '/v1/completions', { prompt: 'Hello', max_tokens: 2 })).status, 200);
+      });
+      assert.deepEqual(lines.filter((line) => /POST \/v1\/completions/.test(line)), [], argv.join(' ') || JSON.stringify(env));
     }
   });
 });

@@ -119,6 +119,23 @@ describe('StopStringMatcher', () => {
     assert.throws(() => matcher.push('x'), /already matched/);
   });
 
+  it('checks stop strings only after min_tokens tokens, as vLLM does', () => {
+    // min_tokens 2: the first two tokens' text is never searched; a stop straddling token 2 and token 3 ends it.
+    const matcher = new StopStringMatcher(['STOP', 'end'], false, 2);
+    assert.deepEqual(matcher.push('a STOP b'), { text: 'a STOP b' });
+    assert.deepEqual(matcher.push(' e'), { text: ' ', }, 'a possible stop is still held back');
+    assert.deepEqual(matcher.push('nd'), { text: '', stopped: 'end' });
+
+    const whole = new StopStringMatcher(['STOP'], false, 2);
+    assert.deepEqual(whole.push('x'), { text: 'x' });
+    assert.deepEqual(whole.push('STOP'), { text: 'STOP' }, 'within the min_tokens-th token: not a stop');
+    assert.deepEqual(whole.push('STOP'), { text: '', stopped: 'STOP' });
+    // Text that is not a token (the bytes flushed at the end) does not count toward min_tokens.
+    const flushed = new StopStringMatcher(['STOP'], false, 1);
+    assert.deepEqual(flushed.push('a'), { text: 'a' });
+    assert.deepEqual(flushed.push('STOP', false), { text: 'STOP' });
+  });
+
   it('releases held text once it can no longer begin a stop string', () => {
     const matcher = new StopStringMatcher(['STOP']);
     assert.deepEqual(matcher.push('xST'), { text: 'x' });
@@ -232,6 +249,21 @@ for (const vocabFile of ['ggml-vocab-llama-spm.gguf', 'ggml-vocab-llama-bpe.gguf
       }
     });
 
+    it('ignores stop strings in the first min_tokens tokens and stops on the first one after', () => {
+      const words = ['alpha', ' beta', ' gamma', ' beta', ' delta'];
+      const ids = words.flatMap((word) => tokenizer.encode(word, { addSpecialTokens: false }));
+      const firstBeta = words.slice(0, 2).flatMap((word) => tokenizer.encode(word, { addSpecialTokens: false })).length;
+      const whole = detokenize(tokenizer, ids).text;
+      const free = detokenize(tokenizer, ids, { stop: ['beta'] });
+      assert.equal(free.stopped, 'beta');
+      assert.equal(free.text, whole.slice(0, whole.indexOf('beta')));
+      // With min_tokens covering the first "beta", the output goes on to the second.
+      const held = detokenize(tokenizer, ids, { stop: ['beta'], minTokens: firstBeta });
+      assert.equal(held.stopped, 'beta');
+      assert.equal(held.text, whole.slice(0, whole.lastIndexOf('beta')));
+      assert.match(held.text, /beta +gamma +$/);
+    });
+
     it('continues a prompt: decode(prompt) + deltas = decode(prompt + output), leading space kept', () => {
       const rng = Xoshiro128.fromSeed(32);
       const prompt = tokenizer.encode('Hello');
@@ -284,7 +316,7 @@ for (const vocabFile of ['ggml-vocab-llama-spm.gguf', 'ggml-vocab-llama-bpe.gguf
       const shown = detokenize(tokenizer, ids, { skipSpecialTokens: false, stripLeadingSpace: true }).text;
       assert.equal(shown, tokenizer.decode(ids, { skipSpecialTokens: false }));
       assert.ok(shown.endsWith(tokenizer.idToToken(tokenizer.eosId!)!), shown);
-      const fromParams = IncrementalDetokenizer.forRequest(tokenizer, { skipSpecialTokens: false, stop: [], includeStopStrInOutput: false }, true);
+      const fromParams = IncrementalDetokenizer.forRequest(tokenizer, { skipSpecialTokens: false, stop: [], includeStopStrInOutput: false, minTokens: 0 }, true);
       const streamed = ids.map((id) => fromParams.push(id).delta).join('') + fromParams.finish().delta;
       assert.equal(streamed, shown);
     });

@@ -1,0 +1,68 @@
+// On a KV cache smaller than the model's context, the server advertises the context one sequence can really get
+// (GET /v1/models max_model_len), refuses a prompt + max_tokens beyond it with vLLM's 400, and without max_tokens
+// generates up to it, as vLLM does (max_tokens defaults to what is left).
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import OpenAI, { BadRequestError } from 'openai';
+import { startupBanner } from '../../src/cli/serve.ts';
+import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+
+const E2E = { timeout: 90_000 };
+/** The built-in model's context length. */
+const MODEL_CONTEXT = 2048;
+
+describe('context length on a KV cache smaller than the model context', () => {
+  let server: TestServer;
+  let client: OpenAI;
+  let model: string;
+
+  before(async () => {
+    // 1 MiB holds 10 blocks of 16 tokens of the built-in model's KV cache.
+    server = await startTestServer({ flags: ['--kv-cache-memory', '1MiB'] });
+    client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('advertises what one sequence can get from the KV pool, not the model context', E2E, async () => {
+    const { kvCapacityTokens, maxModelLen } = server.engine.info;
+    assert.ok(kvCapacityTokens < MODEL_CONTEXT, `the test needs a small KV cache, got ${kvCapacityTokens} tokens`);
+    // A sequence of N tokens keeps N - 1 of them in the KV cache (its last token is never fed).
+    assert.equal(maxModelLen, kvCapacityTokens + 1);
+    const listed = await client.models.list();
+    assert.equal((listed.data[0] as unknown as { max_model_len: number }).max_model_len, maxModelLen);
+    assert.match(startupBanner(server.running), new RegExp(`context ${maxModelLen} tokens, limited by the KV cache`));
+  });
+
+  it('refuses prompt + max_tokens beyond it with a 400 naming max_tokens and both counts', E2E, async () => {
+    const { maxModelLen } = server.engine.info;
+    const probe = await client.completions.create({ model, prompt: 'Hello', max_tokens: 1 });
+    const promptTokens = probe.usage!.prompt_tokens;
+    await assert.rejects(client.completions.create({ model, prompt: 'Hello', max_tokens: 1000 }), (err: unknown) => {
+      assert.ok(err instanceof BadRequestError);
+      assert.equal(err.status, 400);
+      assert.equal(err.code, 'context_length_exceeded');
+      assert.equal(err.param, 'max_tokens');
+      assert.equal(err.message, `400 This model's maximum context length is ${maxModelLen} tokens. However, you requested `
+        + `${promptTokens + 1000} tokens (${promptTokens} in the messages, 1000 in the completion). `
+        + 'Please reduce the length of the messages or completion.');
+      return true;
+    });
+    // Exactly what fits is accepted.
+    const fits = await client.completions.create({
+      model, prompt: 'Hello', max_tokens: maxModelLen - promptTokens, ignore_eos: true,
+    } as OpenAI.CompletionCreateParamsNonStreaming);
+    assert.equal(fits.usage!.completion_tokens, maxModelLen - promptTokens);
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+  });
+
+  it('without max_tokens generates up to the advertised length', E2E, async () => {
+    const { maxModelLen } = server.engine.info;
+    const whole = await client.completions.create({ model, prompt: 'Hello', ignore_eos: true } as OpenAI.CompletionCreateParamsNonStreaming);
+    assert.equal(whole.choices[0]!.finish_reason, 'length');
+    assert.equal(whole.usage!.prompt_tokens + whole.usage!.completion_tokens, maxModelLen);
+  });
+});
