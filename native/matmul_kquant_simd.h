@@ -121,7 +121,7 @@ inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
     uint16_t dh, dminh;
     std::memcpy(&dh, &blk->d, 2);
     std::memcpy(&dminh, &blk->dmin, 2);
-    const float d = fp16_to_fp32(dh), dmin = fp16_to_fp32(dminh);
+    const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(dminh);  // F16C: the bits of fp16_to_fp32
     for (int i = 0; i < MR; ++i) {
       const float da = act[i].d[sb];
       const __m256i imin = _mm256_madd_epi16(kq_load(act[i].bsums + 16 * sb), mins);
@@ -173,7 +173,7 @@ inline void q6k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
     }
     uint16_t dh;
     std::memcpy(&dh, &blk->d, 2);
-    const float d = fp16_to_fp32(dh);
+    const float d = _cvtsh_ss(dh);
     for (int i = 0; i < MR; ++i) {
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * act[i].d[sb]), acc[i]);
     }
