@@ -3,12 +3,13 @@
 // from the activation quantization and the kernel's float operations (not fitted to observed errors), bit for bit
 // across batch sizes, and bit for bit between the SIMD variants.
 import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
 import { describe, it } from 'node:test';
 
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, f16BitsToF32, quantize } from '../../src/model/quant.ts';
 import type { KernelVariant } from '../../src/kernels/native.ts';
-import { guarded, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
+import { assertClose, guarded, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
 
 const TYPES = [GgmlType.Q4_K, GgmlType.Q6_K];
 const U = 2 ** -24; // unit roundoff of f32
@@ -140,6 +141,33 @@ describe('native ops: K-quant integer-dot matmul', { skip: skipNative }, () => {
           }
         }
       }
+    });
+
+    it(`${name}: CONDUIT_KQUANT_DOT=0 keeps the f32 kernel on decoded weights`, (t) => {
+      const simd = intDotVariants(type);
+      if (simd.length === 0) return t.skip(`no variant on this CPU multiplies ${name} with 8-bit activations`);
+      // The kernel table is built once per process: ask a fresh one. Its results must then be as close to the
+      // generic (f32) kernel's as the float kernels are to each other (native-ops' 1e-9), four orders of magnitude
+      // below what 8-bit activations give (~1e-5).
+      const script = `
+        import { loadNativeAddon } from './src/kernels/native.ts';
+        import { quantize } from './src/model/quant.ts';
+        const addon = loadNativeAddon();
+        const [k, n] = [512, 5];
+        const w = quantize(${type}, Float32Array.from({ length: k * n }, (_, i) => Math.sin(i * 0.37)));
+        const x = Float32Array.from({ length: k }, (_, i) => Math.cos(i) * 1.2345);
+        const out = (variant) => { const y = new Float32Array(n); addon.ops.matmul(variant, ${type}, w, x, 1, k, n, y, 1); return Array.from(y); };
+        const variants = ${JSON.stringify(simd)};
+        console.log(JSON.stringify({ names: variants.map((v) => addon.kernelVariants(v).matmul_${name.toLowerCase()}),
+          generic: out('generic'), results: variants.map(out) }));`;
+      const run = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
+        env: { ...process.env, CONDUIT_KQUANT_DOT: '0' }, encoding: 'utf8',
+      });
+      assert.equal(run.status, 0, run.stderr);
+      const { names, generic, results } = JSON.parse(run.stdout) as { names: string[]; generic: number[]; results: number[][] };
+      names.forEach((kernel, i) => assert.ok(!['avx2_int8', 'avx512_vnni'].includes(kernel),
+        `${simd[i]} still reports ${kernel}`));
+      results.forEach((y, i) => assertClose(y, generic, 1e-9, `${simd[i]} with CONDUIT_KQUANT_DOT=0`));
     });
 
     it(`${name}: a row's outputs are the same bits alone or in any batch`, (t) => {
