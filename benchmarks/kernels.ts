@@ -4,10 +4,10 @@
 // bandwidth, whichever binds.
 //
 //   node --import tsx benchmarks/kernels.ts [--quick] [--threads N] [--all-variants] [--filter TEXT] [--model]
-//                                           [--model-dtype Q8_0|BF16] [--profile] [--json FILE] [--help]
+//                                           [--model-dtype Q8_0|BF16|Q4_K|Q6_K] [--profile] [--json FILE] [--help]
 //
 // --filter runs only the kernels whose name (e.g. "matmul q8_0", "attention") contains TEXT.
-// --model adds the end-to-end figures of the 110M-class synthetic Llama (Q8_0, or BF16 with --model-dtype BF16):
+// --model adds the end-to-end figures of the 110M-class synthetic Llama (Q8_0, or the --model-dtype given):
 // prefill of 512 tokens, decode of one stream and of 16 streams, min / median / max of a few runs, with the weights
 // in the kernels' load-time packed layout (the default) and, for single-stream decode, also streamed from the ggml
 // rows (packWeights off) for comparison. The VM this runs on stalls in bursts: compare figures taken side by side
@@ -19,7 +19,11 @@
 // FMA kernel they replace on prefill and decode shapes, and --model --model-dtype BF16 the whole model both ways:
 // the old kernel runs in a second process started with CONDUIT_BF16_DOT=0 (kernel-baseline.ts), its runs
 // alternating with this process's.
+// K-quants: where Q4_K / Q6_K matmuls take 8-bit activations (kernels avx2_int8, avx512_vnni), "matmul q4_k" and
+// "matmul q6_k" also time the f32 kernel on decoded weights they replace (a baseline process started with
+// CONDUIT_KQUANT_DOT=0) on the 110M model's prefill and decode shapes, alternating, with the load average beside each.
 import { readFileSync, writeFileSync } from 'node:fs';
+import { loadavg } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 
@@ -53,7 +57,9 @@ if (args.help) {
   process.exit(0);
 }
 const modelDtype = args['model-dtype']!.toUpperCase();
-if (modelDtype !== 'Q8_0' && modelDtype !== 'BF16') throw new RangeError(`--model-dtype must be Q8_0 or BF16, not ${modelDtype}`);
+if (!['Q8_0', 'BF16', 'Q4_K', 'Q6_K'].includes(modelDtype)) {
+  throw new RangeError(`--model-dtype must be Q8_0, BF16, Q4_K or Q6_K, not ${modelDtype}`);
+}
 
 const addon: NativeAddon = loadNativeAddon();
 const cpu = addon.cpuInfo();
@@ -150,6 +156,9 @@ const MATMUL_TYPES = [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.F32, GgmlType.F16, 
 // Weights of the decode cases are larger than the last-level cache, as a model's layers are when streamed.
 const streamBytes = (quick ? 48 : 64) << 20;
 
+// Kernels that multiply K-quant weights with 8-bit activations (the others decode them to f32).
+const K_QUANT_INT_KERNELS = ['avx2_int8', 'avx512_vnni'];
+
 const selected = (kernel: string) => kernel.includes(args.filter!);
 
 /** The kernel serving `type` in `variant`, e.g. avx512_vnni for Q8_0 or avx512_bf16 for BF16 on VDPBF16PS. */
@@ -160,7 +169,7 @@ function matmulKernel(type: GgmlType, variant: KernelVariant): string {
 /** The peak of the instructions the kernel multiplies with. */
 function matmulPeak(type: GgmlType, variant: KernelVariant, kernel = matmulKernel(type, variant)): number {
   const p = peaks.get(variant)!;
-  if (type === GgmlType.Q8_0 || type === GgmlType.Q4_0) return p.int8;
+  if (type === GgmlType.Q8_0 || type === GgmlType.Q4_0 || K_QUANT_INT_KERNELS.includes(kernel)) return p.int8;
   return kernel === 'avx512_bf16' ? p.bf16 : p.f32;
 }
 
@@ -340,6 +349,74 @@ async function compareBf16Matmul(variant: KernelVariant): Promise<void> {
 }
 
 for (const variant of variants) await compareBf16Matmul(variant);
+
+// ---------------------------------------------------------------------------------------------------------------
+// K-quants: the integer-dot kernels (8-bit activations) against the f32 kernel on decoded weights they replaced,
+// which runs in a second baseline process (CONDUIT_KQUANT_DOT=0), alternating rounds, on the 110M model's shapes:
+// prefill of 512 rows (q/k/v/o: 768 x 768, gate/up: 2048 x 768, down: 768 x 2048) and decode (1 row, a matrix
+// larger than the last-level cache, as a model's layers are when streamed). Decode also as a share of the memory
+// roofline (weight bytes / read bandwidth over the time). Each comparison line carries the load average beside it.
+
+let kquantBaselineProcess: Baseline | undefined;
+const kquantBaseline = (): Baseline => (kquantBaselineProcess ??= startBaseline({ CONDUIT_KQUANT_DOT: '0' }));
+
+interface KquantComparison {
+  type: string;
+  shape: string;
+  f32Decode: Timing;
+  intDot: Timing;
+  /** Old median time over new median time. */
+  speedup: number;
+  /** Decode shapes: share of the memory roofline at the median time, old and new. */
+  roofline?: { f32Decode: number; intDot: number };
+  load: number;
+}
+const kquantComparisons: KquantComparison[] = [];
+
+async function compareKquantMatmul(type: GgmlType, variant: KernelVariant): Promise<void> {
+  const name = ggmlTypeName(type).toLowerCase();
+  if (!selected(`matmul ${name}`) || !K_QUANT_INT_KERNELS.includes(matmulKernel(type, variant))) return;
+  const oldKernel = (await kquantBaseline().kernelVariants(variant))[`matmul_${name}`];
+  const shapes: { m: number; k: number; n: number }[] = [
+    { m: quick ? 128 : 512, k: 768, n: 768 }, { m: quick ? 128 : 512, k: 768, n: 2048 },
+    { m: quick ? 128 : 512, k: 2048, n: 768 },
+  ];
+  for (const k of [768, 2048]) shapes.push({ m: 1, k, n: Math.floor(streamBytes / byteSize(type, k) / 64) * 64 });
+  const rounds = quick ? 2 : 3;
+  console.log(`\n${ggmlTypeName(type)} matmul, ${threads} threads: ${matmulKernel(type, variant)} (8-bit activations) ` +
+    `against ${oldKernel} (weights decoded to f32) in the baseline process; min / median ms over ${rounds} ` +
+    `alternating rounds; decode rows also as % of the memory roofline (read ${machine.readGBs.toFixed(1)} GB/s)`);
+  console.log(`${'shape'.padEnd(24)} ${'f32 decode'.padStart(22)} ${'int8 dot'.padStart(22)}  speedup (median)  load`);
+  for (const { m, k, n } of shapes) {
+    const c: MatmulCase = { variant, type, m, k, n, packed: false, threads };
+    const run = matmulRunner(addon, c);
+    const samples = { f32Decode: [] as Timing[], intDot: [] as Timing[] };
+    for (let r = 0; r < rounds; r++) {
+      samples.intDot.push(time(run));
+      samples.f32Decode.push(await kquantBaseline().matmul(c, 3, minSeconds));
+    }
+    const combine = (ts: Timing[]): Timing => {
+      const medians = ts.map((t) => t.median).sort((a, b) => a - b);
+      return { min: Math.min(...ts.map((t) => t.min)), median: medians[Math.floor(medians.length / 2)]! };
+    };
+    const f32Decode = combine(samples.f32Decode), intDot = combine(samples.intDot);
+    const weightBytes = byteSize(type, k) * n;
+    const share = (t: Timing) => (weightBytes / (machine.readGBs * 1e9)) / t.median * 100;
+    const roofline = m === 1 ? { f32Decode: share(f32Decode), intDot: share(intDot) } : undefined;
+    const cell = (t: Timing, key: 'f32Decode' | 'intDot') => `${(t.min * 1e3).toFixed(3)} / ${(t.median * 1e3).toFixed(3)}` +
+      (roofline ? ` ${roofline[key].toFixed(0).padStart(3)}%` : '     ');
+    const shape = `m=${m} k=${k} n=${n}`;
+    const speedup = f32Decode.median / intDot.median;
+    const load = loadavg()[0]!;
+    console.log(`${shape.padEnd(24)} ${cell(f32Decode, 'f32Decode').padStart(22)} ${cell(intDot, 'intDot').padStart(22)}  ` +
+      `${speedup.toFixed(2).padStart(6)}x          ${load.toFixed(1)}`);
+    kquantComparisons.push({ type: ggmlTypeName(type), shape, f32Decode, intDot, speedup, roofline, load });
+  }
+}
+
+for (const variant of variants) {
+  for (const type of [GgmlType.Q4_K, GgmlType.Q6_K]) await compareKquantMatmul(type, variant);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The 110M model end to end
@@ -562,49 +639,74 @@ async function benchModel(path: string): Promise<void> {
   unpacked.dispose();
 }
 
-// The BF16 model on VDPBF16PS against the f32 FMA kernel (the baseline process): each kind of run alternates
-// between the two processes, one run at a time.
+// The BF16 model on VDPBF16PS against the f32 FMA kernel, and the Q4_K / Q6_K models on 8-bit activations against
+// the f32 kernel on decoded weights (each in its baseline process): each kind of run alternates between the two
+// processes, one run at a time.
 const bf16ModelComparison: { run: string; f32Fma: number[]; bf16Dot: number[] }[] = [];
+const kquantModelComparison: { run: string; f32Decode: number[]; intDot: number[]; load: number[] }[] = [];
 
-async function compareBf16Model(path: string): Promise<void> {
+async function compareModel(path: string, base: Baseline, title: string, oldName: string, newName: string):
+  Promise<{ run: string; before: number[]; after: number[]; load: number[] }[]> {
   const { resolveKernelVariant } = await import('../src/kernels/native.ts');
   const variant = resolveKernelVariant(undefined, cpu);
-  if (matmulKernel(GgmlType.BF16, variant) !== 'avx512_bf16') return;
-  await baseline().loadModel(path, variant, threads);
+  await base.loadModel(path, variant, threads);
   const local = await ModelSteps.load(addon, path, variant, threads);
   const runs = quick ? 3 : 5;
-  console.log(`\nThe BF16 model, avx512_bf16 against f32 FMA (baseline process), ${threads} threads, ${runs} ` +
-    `alternating runs each; tok/s min / median / max`);
+  console.log(`\n${title}, ${threads} threads, ${runs} alternating runs each; tok/s min / median / max, load average ` +
+    `(1 min) at the end`);
   const stats = (rates: number[]) => {
     const sorted = [...rates].sort((a, b) => a - b);
     return { text: `${sorted[0]!.toFixed(0)} / ${sorted[Math.floor(sorted.length / 2)]!.toFixed(0)} / ` +
       `${sorted.at(-1)!.toFixed(0)}`, median: sorted[Math.floor(sorted.length / 2)]! };
   };
+  const results: { run: string; before: number[]; after: number[]; load: number[] }[] = [];
   for (const which of MODEL_RUNS) {
-    const entry = { run: which, f32Fma: [] as number[], bf16Dot: [] as number[] };
+    const entry = { run: which, before: [] as number[], after: [] as number[], load: [] as number[] };
     local.run(which);
-    await baseline().runModel(which); // warm up both
+    await base.runModel(which); // warm up both
     for (let r = 0; r < runs; r++) {
-      entry.bf16Dot.push(local.run(which));
-      entry.f32Fma.push(await baseline().runModel(which));
+      entry.after.push(local.run(which));
+      entry.before.push(await base.runModel(which));
+      entry.load.push(loadavg()[0]!);
     }
-    const before = stats(entry.f32Fma), after = stats(entry.bf16Dot);
-    console.log(`${which.padEnd(20)} f32 FMA ${before.text.padStart(18)}   bf16 dot ${after.text.padStart(18)}   ` +
-      `${(after.median / before.median).toFixed(2)}x`);
-    bf16ModelComparison.push(entry);
+    const before = stats(entry.before), after = stats(entry.after);
+    console.log(`${which.padEnd(20)} ${oldName} ${before.text.padStart(18)}   ${newName} ${after.text.padStart(18)}   ` +
+      `${(after.median / before.median).toFixed(2)}x   load ${entry.load.at(-1)!.toFixed(1)}`);
+    results.push(entry);
   }
   local.dispose();
+  return results;
+}
+
+async function compareBf16Model(path: string): Promise<void> {
+  const { resolveKernelVariant } = await import('../src/kernels/native.ts');
+  if (matmulKernel(GgmlType.BF16, resolveKernelVariant(undefined, cpu)) !== 'avx512_bf16') return;
+  const results = await compareModel(path, baseline(), 'The BF16 model, avx512_bf16 against f32 FMA (baseline process)',
+    'f32 FMA', 'bf16 dot');
+  for (const r of results) bf16ModelComparison.push({ run: r.run, f32Fma: r.before, bf16Dot: r.after });
+}
+
+async function compareKquantModel(path: string, type: GgmlType): Promise<void> {
+  const { resolveKernelVariant } = await import('../src/kernels/native.ts');
+  const kernel = matmulKernel(type, resolveKernelVariant(undefined, cpu));
+  if (!K_QUANT_INT_KERNELS.includes(kernel)) return;
+  const results = await compareModel(path, kquantBaseline(), `The ${ggmlTypeName(type)} model, ${kernel} (8-bit ` +
+    'activations) against weights decoded to f32 (baseline process)', 'f32 decode', 'int8 dot');
+  for (const r of results) kquantModelComparison.push({ run: r.run, f32Decode: r.before, intDot: r.after, load: r.load });
 }
 
 if (args.model) {
   const { ensureSyntheticModel, synthetic110mSpec } = await import('../src/model/synthetic.ts');
-  const path = await ensureSyntheticModel(synthetic110mSpec(modelDtype));
+  const path = await ensureSyntheticModel(synthetic110mSpec(modelDtype as 'Q8_0' | 'BF16' | 'Q4_K' | 'Q6_K'));
   await benchModel(path);
   if (modelDtype === 'BF16') await compareBf16Model(path);
+  if (modelDtype === 'Q4_K') await compareKquantModel(path, GgmlType.Q4_K);
+  if (modelDtype === 'Q6_K') await compareKquantModel(path, GgmlType.Q6_K);
 }
 baselineProcess?.close();
+kquantBaselineProcess?.close();
 
 if (args.json) {
-  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, bf16Comparisons, model: modelResults,
-    bf16ModelComparison, decodeShare, profiles }, null, 2));
+  writeFileSync(args.json, JSON.stringify({ cpu, threads, machine, kernels: rows, bf16Comparisons, kquantComparisons, model: modelResults,
+    bf16ModelComparison, kquantModelComparison, decodeShare, profiles }, null, 2));
 }

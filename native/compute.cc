@@ -3,9 +3,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 
 namespace conduit {
+
+bool kquant_dot_enabled() {
+  const char* v = std::getenv("CONDUIT_KQUANT_DOT");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Matmul

@@ -157,6 +157,11 @@ struct KernelTable {
   std::map<std::string, std::string> names;
 };
 
+// Whether the SIMD variants multiply Q4_K / Q6_K weights with 8-bit activations (integer dot products, the
+// default) rather than decoding them to f32; CONDUIT_KQUANT_DOT=0 keeps the f32 kernel (the baseline the kernel
+// benchmark compares with; read when a table is built, once per process). Defined in compute.cc.
+bool kquant_dot_enabled();
+
 // The plain C++ dequantization of one row (n a multiple of the type's block size), usable by any variant's code.
 void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n);
 

@@ -106,6 +106,11 @@ void int8_tile(const MatmulTile& t) {
 
 size_t int8_scratch_bytes(int64_t) { return 64; }
 
+// Q4_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales with VPMADDWD.
+#define KQ_DOT16(acc, pairs, scales) _mm256_add_epi32((acc), _mm256_madd_epi16((pairs), (scales)))
+#include "matmul_kquant_simd.h"
+#undef KQ_DOT16
+
 #pragma GCC pop_options
 
 template <int Type>
@@ -126,18 +131,32 @@ MatmulKernel int8_kernel() {
   return k;
 }
 
+template <int Type>
+MatmulKernel kq_kernel() {
+  MatmulKernel k;
+  k.act_row_bytes = kq_act_row_bytes;
+  k.quantize_act = kq_quantize_act;
+  k.scratch_bytes = kq_scratch_bytes;
+  k.tile = kq_tile<Type>;
+  return k;
+}
+
 }  // namespace
 
 void register_matmul_avx2(KernelTable& t) {
   t.matmul[kF32] = float_kernel<kF32>();
   t.matmul[kF16] = float_kernel<kF16>();
   t.matmul[kBF16] = float_kernel<kBF16>();
-  t.matmul[kQ4_K] = float_kernel<kQ4_K>();
-  t.matmul[kQ6_K] = float_kernel<kQ6_K>();
+  t.matmul[kQ4_K] = kquant_dot_enabled() ? kq_kernel<kQ4_K>() : float_kernel<kQ4_K>();
+  t.matmul[kQ6_K] = kquant_dot_enabled() ? kq_kernel<kQ6_K>() : float_kernel<kQ6_K>();
   t.matmul[kQ8_0] = int8_kernel<kQ8_0>();
   t.matmul[kQ4_0] = int8_kernel<kQ4_0>();
   for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K}) {
     t.names[std::string("matmul_") + type_name(type)] = "avx2";
+  }
+  if (kquant_dot_enabled()) {
+    t.names["matmul_q4_k"] = "avx2_int8";
+    t.names["matmul_q6_k"] = "avx2_int8";
   }
 }
 

@@ -544,6 +544,21 @@ void int8_tile(const MatmulTile& t) {
   }
 }
 
+// Q4_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales, accumulated by AVX512-VNNI's VPDPWSSD.
+#define KQ_DOT16(acc, pairs, scales) _mm256_dpwssd_epi32((acc), (pairs), (scales))
+#include "matmul_kquant_simd.h"
+#undef KQ_DOT16
+
+template <int Type>
+MatmulKernel kq_kernel() {
+  MatmulKernel k;
+  k.act_row_bytes = kq_act_row_bytes;
+  k.quantize_act = kq_quantize_act;
+  k.scratch_bytes = kq_scratch_bytes;
+  k.tile = kq_tile<Type>;
+  return k;
+}
+
 #pragma GCC pop_options
 
 template <int Type>
@@ -573,11 +588,20 @@ void register_matmul_avx512(KernelTable& t) {
   t.matmul[kF32] = float_kernel<kF32>();
   t.matmul[kF16] = float_kernel<kF16>();
   t.matmul[kBF16] = float_kernel<kBF16>();
-  t.matmul[kQ4_K] = float_kernel<kQ4_K>();
-  t.matmul[kQ6_K] = float_kernel<kQ6_K>();
   t.matmul[kQ8_0] = int8_kernel<kQ8_0>();
   t.matmul[kQ4_0] = int8_kernel<kQ4_0>();
-  for (int type : {kF32, kF16, kBF16, kQ4_K, kQ6_K}) t.names[std::string("matmul_") + type_name(type)] = "avx512";
+  for (int type : {kF32, kF16, kBF16}) t.names[std::string("matmul_") + type_name(type)] = "avx512";
+  if (kquant_dot_enabled()) {
+    t.matmul[kQ4_K] = kq_kernel<kQ4_K>();
+    t.matmul[kQ6_K] = kq_kernel<kQ6_K>();
+    t.names["matmul_q4_k"] = "avx512_vnni";
+    t.names["matmul_q6_k"] = "avx512_vnni";
+  } else {
+    t.matmul[kQ4_K] = float_kernel<kQ4_K>();
+    t.matmul[kQ6_K] = float_kernel<kQ6_K>();
+    t.names["matmul_q4_k"] = "avx512";
+    t.names["matmul_q6_k"] = "avx512";
+  }
   t.names["matmul_q8_0"] = "avx512_vnni";
   t.names["matmul_q4_0"] = "avx512_vnni";
   register_matmul_avx512_bf16(t);

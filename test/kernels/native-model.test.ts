@@ -3,13 +3,16 @@
 // logits, for every weight type, KV dtype and kernel variant; logits do not depend on the thread count; and on the
 // real stories260K model greedy decoding reproduces llama.cpp's tokens.
 import assert from 'node:assert/strict';
-import { readFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, it } from 'node:test';
 
 import type { ModelConfig } from '../../src/model/config.ts';
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import type { LayerWeights, ModelWeights, Tensor } from '../../src/model/weights.ts';
 import { nativeBackend, nativeModelSpec, type KernelVariant, type NativeModel } from '../../src/kernels/native.ts';
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
@@ -158,6 +161,12 @@ function runReference(config: ModelConfig, weights: ModelWeights, dtype: KvDtype
   return steps.map((b) => backend.forward(b));
 }
 
+/** Whether `variant` multiplies K-quant `type` weights with 8-bit activations (kernels avx2_int8, avx512_vnni). */
+function kQuantIntDot(variant: KernelVariant, type: GgmlType): boolean {
+  const kind = `matmul_${type === GgmlType.Q4_K ? 'q4_k' : 'q6_k'}`;
+  return ['avx2_int8', 'avx512_vnni'].includes(native().kernelVariants(variant)[kind] ?? '');
+}
+
 // Float weights only reorder sums; 8-bit activations in the Q8_0 / Q4_0 matmuls add ~1e-5 per matmul. BF16 on
 // VDPBF16PS rounds the activations to bf16 instead: a mean square relative error of 2^-16 / 7 per value (an error
 // spread evenly over half an ulp, an ulp being 2^-7 of the value's power of two, over values spread over their
@@ -166,6 +175,11 @@ function runReference(config: ModelConfig, weights: ModelWeights, dtype: KvDtype
 function bound(type: GgmlType, variant: KernelVariant): number {
   const int8Activations = 3e-3;
   if (type === GgmlType.Q8_0 || type === GgmlType.Q4_0) return int8Activations;
+  // K-quants on 8-bit activations with one scale per 256 values instead of 32: the rounding's mean square grows with
+  // the square of the block's largest magnitude, E[max^2] of 256 |N(0,1)| values over that of 32 (9.40 / 5.71).
+  if ((type === GgmlType.Q4_K || type === GgmlType.Q6_K) && kQuantIntDot(variant, type)) {
+    return int8Activations * (9.40 / 5.71);
+  }
   if (type === GgmlType.BF16 && roundsBf16Activations(variant)) {
     return (int8Activations * (2 ** -16 / 7)) / (1 / (4 * 127 ** 2));
   }
@@ -206,6 +220,34 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     });
   });
 
+  // Models written to GGUF by the project's writer (src/model/synthetic.ts: tied embeddings, the real 32000-token
+  // vocabulary) and read back by the loader: Q4_K and Q6_K matmuls on every variant, packed and ggml-row weights.
+  for (const dtype of ['Q4_K', 'Q6_K'] as const) {
+    it(`synthetic ${dtype} GGUF from the writer: native == reference, packed or not, 1 or 2 threads`, async () => {
+      const dir = mkdtempSync(join(tmpdir(), 'conduit-kquant-model-'));
+      try {
+        const path = join(dir, `synthetic-${dtype}.gguf`);
+        writeSyntheticModel({
+          name: `synthetic-${dtype}`, dim: 256, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 512,
+          contextLength: 256, dtype, seed: 19, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+        }, path);
+        const { config, weights } = await loadModel(path);
+        assert.equal(weights.layers[0]!.wq.type, dtype === 'Q4_K' ? GgmlType.Q4_K : GgmlType.Q6_K);
+        const steps = makeSteps(5).map((b) => ({ ...b, tokenIds: b.tokenIds.map((t) => (t * 101) % config.vocabSize) }));
+        const expected = runReference(config, weights, 'f16', steps);
+        for (const variant of variants) {
+          const packed = runNative(config, weights, 'f16', variant, 2, steps);
+          packed.forEach((logits, s) => assertClose(logits, expected[s]!, bound(weights.layers[0]!.wq.type, variant),
+            `${dtype} ${variant} step ${s}`));
+          assert.deepEqual(runNative(config, weights, 'f16', variant, 1, steps, false), packed,
+            `${dtype} ${variant}: ggml rows on 1 thread differ from packed on 2`);
+        }
+      } finally {
+        rmSync(dir, { recursive: true, force: true });
+      }
+    });
+  }
+
   it('logits are identical for 1, 2 and 3 threads', () => {
     const { config, weights } = makeModel(30, { type: GgmlType.Q8_0, dim: 128, ffnDim: 256 });
     const one = runNative(config, weights, 'f16', variants.at(-1)!, 1, steps);
@@ -237,8 +279,9 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     ];
     // Sequence 1 alone: its prompt in chunks of 2, 1 and 3 rows, then the same two decode steps.
     const alone = [[0, 2], [2, 1], [3, 3], [6, 1], [7, 1]].map(([start, count]) => stepOf([{ seq: 1, start: start!, count: count! }]));
-    for (const type of [GgmlType.Q8_0, GgmlType.F16]) {
-      const { config, weights } = makeModel(33, { type, dim: 128, ffnDim: 256 });
+    for (const type of [GgmlType.Q8_0, GgmlType.F16, GgmlType.Q4_K]) {
+      const { config, weights } = makeModel(33, { type, dim: type === GgmlType.Q4_K ? 256 : 128, ffnDim: 256,
+        edgeType: type === GgmlType.Q4_K ? GgmlType.Q6_K : undefined });
       const v = config.vocabSize;
       const inBatch = runNative(config, weights, 'f16', variants.at(-1)!, 2, batched);
       const byItself = runNative(config, weights, 'f16', variants.at(-1)!, 1, alone);

@@ -76,6 +76,11 @@ function referenceBound(type: GgmlType): number {
   return INT8_TYPES.includes(type) ? 5e-4 : 1e-9;
 }
 
+/** Whether `variant` multiplies K-quant `type` weights with 8-bit activations (kernels avx2_int8, avx512_vnni). */
+function kQuantIntDot(variant: KernelVariant, type: GgmlType): boolean {
+  return ['avx2_int8', 'avx512_vnni'].includes(native().kernelVariants(variant)[`matmul_${ggmlTypeName(type).toLowerCase()}`] ?? '');
+}
+
 /** referenceBound for `variant`, given the case's decoded weights, activations and exact product. */
 function variantBound(type: GgmlType, variant: KernelVariant, x: Float32Array, w: Float32Array, m: number, k: number,
   n: number, exact: ArrayLike<number>): number {
@@ -107,6 +112,9 @@ describe('native ops: matmul', { skip: skipNative }, () => {
             const y = guarded(m * n, NaN);
             native().ops.matmul(variant, type, w, x, m, k, n, y.view, threads);
             y.checkGuards(`${shape} ${variant}`);
+            // K-quants on 8-bit activations: each output is checked against a bound derived from the quantization
+            // in native-kquant.test.ts (an NMSE over a few outputs says little).
+            if (K_QUANT_TYPES.includes(type) && kQuantIntDot(variant, type)) continue;
             assertClose(y.view, expected, bound, `${shape} ${variant} vs TypeScript`);
             assertClose(y.view, generic.view, bound === referenceBound(type) ? 1e-9 : combinedBound(bound, 1e-9),
               `${shape} ${variant} vs generic`);
