@@ -110,13 +110,13 @@ function plainSampler(params: SamplingParams): (row: Float32Array) => number {
   const random = seededUniform(3);
   return (row) => {
     const values = Array.from(row);
-    if (params.logitBias) for (const [id, b] of params.logitBias) values[id] += b;
+    if (params.logitBias) for (const [id, b] of params.logitBias) values[id]! += b;
     if (params.repetitionPenalty !== 1) {
       for (const id of new Set([...promptSet, ...counts.keys()])) {
         values[id] = values[id]! > 0 ? values[id]! / params.repetitionPenalty : values[id]! * params.repetitionPenalty;
       }
     }
-    for (const [id, count] of counts) values[id] -= params.frequencyPenalty * count + params.presencePenalty;
+    for (const [id, count] of counts) values[id]! -= params.frequencyPenalty * count + params.presencePenalty;
     let chosen: number;
     if (params.temperature === 0) {
       chosen = 0;

@@ -148,14 +148,17 @@ export class SequenceSampler {
       || params.repetitionPenalty !== 1 || params.frequencyPenalty !== 0 || params.presencePenalty !== 0;
   }
 
-  /** Steps 1-3 of the pipeline, in place on a copy of the row. */
+  /**
+   * Steps 1-3 of the pipeline, in place on a copy of the row. Every id used as an index was checked against
+   * vocabSize in the constructor (stop, bias and prompt ids) or was sampled from a row (output ids).
+   */
   applyLogitProcessors(logits: Float32Array): void {
     const { params } = this;
     if (this.numOutputTokens < params.minTokens) {
       for (const id of this.stopTokenIds) logits[id] = -Infinity;
     }
     if (params.logitBias) {
-      for (const [id, bias] of params.logitBias) logits[id] += bias;
+      for (const [id, bias] of params.logitBias) logits[id]! += bias;
     }
     const penalty = params.repetitionPenalty;
     if (penalty !== 1) {
@@ -168,7 +171,7 @@ export class SequenceSampler {
     }
     const { frequencyPenalty, presencePenalty } = params;
     if (frequencyPenalty !== 0 || presencePenalty !== 0) {
-      for (const [id, count] of this.outputCounts) logits[id] -= frequencyPenalty * count + presencePenalty;
+      for (const [id, count] of this.outputCounts) logits[id]! -= frequencyPenalty * count + presencePenalty;
     }
   }
 }
@@ -506,8 +509,8 @@ export function selectTopP(values: Float32Array, max: number, floor: number, top
       weights[i] = weight;
       total += weight;
       const bin = massBin(max - value);
-      binMass[bin] += weight;
-      binCount[bin]++;
+      binMass[bin]! += weight; // massBin returns an index in [0, MASS_BINS)
+      binCount[bin]!++;
     }
   }
   const target = topP * total;

@@ -5,7 +5,6 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { EngineCore } from '../../src/engine/engine-core.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
-import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import type { BackendFactory } from '../../src/kernels/types.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { Xoshiro128 } from '../../src/util/random.ts';

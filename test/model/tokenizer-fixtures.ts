@@ -42,6 +42,8 @@ export interface VocabVectors {
   inputs: string[];
   /** llama.cpp's ids for each input, tokenized without BOS and without parsing special tokens. */
   expected: number[][];
+  /** The same, paired: each input with its ids. */
+  cases: { input: string; ids: number[] }[];
 }
 
 /** The .inp strings (separated by "\n__ggml_vocab_test__\n", which also ends the file) and the .out id lines. */
@@ -55,5 +57,5 @@ export function vocabVectors(name: VocabName): VocabVectors {
     throw new Error(`${name}: ${inputs.length} test strings but ${lines.length} expected lines`);
   }
   const expected = lines.map((line) => line.trim() === '' ? [] : line.trim().split(/ +/).map(Number));
-  return { inputs, expected };
+  return { inputs, expected, cases: inputs.map((input, i) => ({ input, ids: expected[i]! })) }; // lengths checked above
 }

@@ -182,7 +182,7 @@ const CODE_POINT_RANGES: [number, number][] = [
 function randomText(random: () => number, length: number): string {
   let out = '';
   for (let i = 0; i < length; i++) {
-    const [low, high] = CODE_POINT_RANGES[Math.floor(random() * CODE_POINT_RANGES.length)];
+    const [low, high] = CODE_POINT_RANGES[Math.floor(random() * CODE_POINT_RANGES.length)]!; // random() is in [0, 1)
     out += String.fromCodePoint(low + Math.floor(random() * (high - low + 1)));
   }
   return out;

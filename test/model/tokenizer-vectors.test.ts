@@ -9,13 +9,13 @@ for (const name of VOCAB_NAMES) {
   describe(`GGUF tokenizer vectors: ${name}`, { skip: skipUnlessVocab(name) }, () => {
     it('encodes all 46 strings exactly as llama.cpp does (no BOS, no special parsing)', () => {
       const tokenizer = ggufTokenizer(name);
-      const { inputs, expected } = vocabVectors(name);
-      assert.equal(inputs.length, 46);
+      const { cases } = vocabVectors(name);
+      assert.equal(cases.length, 46);
       const mismatches: string[] = [];
-      inputs.forEach((input, i) => {
+      cases.forEach(({ input, ids: expected }, i) => {
         const ids = tokenizer.encode(input, { addSpecialTokens: false, parseSpecial: false });
-        if (ids.join(' ') !== expected[i].join(' ')) {
-          mismatches.push(`#${i} ${JSON.stringify(input)}\n  got      ${ids.join(' ')}\n  expected ${expected[i].join(' ')}`);
+        if (ids.join(' ') !== expected.join(' ')) {
+          mismatches.push(`#${i} ${JSON.stringify(input)}\n  got      ${ids.join(' ')}\n  expected ${expected.join(' ')}`);
         }
       });
       assert.deepEqual(mismatches, []);
@@ -23,15 +23,13 @@ for (const name of VOCAB_NAMES) {
 
     it('decodes the expected ids back to each string', () => {
       const tokenizer = ggufTokenizer(name);
-      const { inputs, expected } = vocabVectors(name);
-      inputs.forEach((input, i) => assert.equal(tokenizer.decode(expected[i]), input, `#${i}`));
+      vocabVectors(name).cases.forEach(({ input, ids }, i) => assert.equal(tokenizer.decode(ids), input, `#${i}`));
     });
 
     it('joined tokenBytes equal the UTF-8 of each string', () => {
       const tokenizer = ggufTokenizer(name);
-      const { inputs, expected } = vocabVectors(name);
-      inputs.forEach((input, i) => {
-        const joined = Buffer.concat(expected[i].map((id) => tokenizer.tokenBytes(id)));
+      vocabVectors(name).cases.forEach(({ input, ids }, i) => {
+        const joined = Buffer.concat(ids.map((id) => tokenizer.tokenBytes(id)));
         const text = tokenizer.stripsLeadingSpace && joined[0] === 0x20 ? joined.subarray(1) : joined;
         assert.equal(text.toString('utf8'), input, `#${i}`);
       });

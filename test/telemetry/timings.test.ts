@@ -1,7 +1,7 @@
 // Per-request views: the timings object, the trace JSON, the ring of recent traces and the text waterfall.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { formatWaterfall, responseTimings, TraceStore, traceView } from '../../src/telemetry/timings.ts';
+import { formatWaterfall, responseTimings, TraceStore } from '../../src/telemetry/timings.ts';
 import { buildRequestTrace, type RequestTrace } from '../../src/telemetry/trace.ts';
 import { Telemetry } from '../../src/telemetry/telemetry.ts';
 import { T0, abortedInQueueTimeline, coldTimeline, requestTimeline, warmTimeline } from './fixtures.ts';

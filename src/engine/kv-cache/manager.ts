@@ -352,14 +352,14 @@ export class KvCacheManager {
   /** Throws unless every block's refCount equals the number of given tables and pins holding it (plus pool invariants). */
   checkInvariants(liveTables: Iterable<BlockTable>): void {
     this.pool.checkInvariants();
-    const references = new Int32Array(this.numBlocks);
+    const references = new Int32Array(this.numBlocks); // block ids are in [0, numBlocks)
     for (const table of liveTables) {
       if (table.numCachedBlocks > table.blocks.length) {
         throw new Error(`table marks ${table.numCachedBlocks} cached blocks but holds ${table.blocks.length}`);
       }
-      for (const block of table.blocks) references[block.id] += 1;
+      for (const block of table.blocks) references[block.id]! += 1;
     }
-    for (const pin of this.pins) for (const block of pin.blocks) references[block.id] += 1;
+    for (const pin of this.pins) for (const block of pin.blocks) references[block.id]! += 1;
     for (const block of this.pool.blocks) {
       if (block.refCount !== references[block.id]) {
         throw new Error(`block ${block.id} has refCount ${block.refCount} but ${references[block.id]} tables hold it`);

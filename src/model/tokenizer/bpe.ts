@@ -48,7 +48,7 @@ export class BpeEncoder {
     this.preTokenizer = new PreTokenizer(preTokenizerSpec(vocab.pre));
     this.vocabSize = vocab.tokens.length;
     for (const [text, id] of vocab.tokenToId) this.symbolIds.set(text, id);
-    for (let byte = 0; byte < 256; byte++) this.byteSymbols[byte] = this.intern(BYTE_TO_CHAR[byte]);
+    for (let byte = 0; byte < 256; byte++) this.byteSymbols[byte] = this.intern(BYTE_TO_CHAR[byte]!);
 
     const pairs: [number, number, number][] = [];
     vocab.merges.forEach((merge, rank) => {
@@ -98,17 +98,19 @@ export class BpeEncoder {
     const bytes = utf8.encode(word);
     if (this.preTokenizer.spec.ignoreMerges) {
       let spelled = '';
-      for (const byte of bytes) spelled += BYTE_TO_CHAR[byte];
+      for (const byte of bytes) spelled += BYTE_TO_CHAR[byte]!;
       const whole = this.vocab.tokenToId.get(spelled);
       if (whole !== undefined) return [whole];
     }
 
+    // Indices below are proven in range: i by the loop bounds, left/right by how candidates are made, next/prev
+    // entries are -1 (checked before use) or a position; byteSymbols has one entry per byte value.
     const count = bytes.length;
     const symbol = new Int32Array(count); // -1 once absorbed
     const prev = new Int32Array(count);
     const next = new Int32Array(count);
     for (let i = 0; i < count; i++) {
-      symbol[i] = this.byteSymbols[bytes[i]];
+      symbol[i] = this.byteSymbols[bytes[i]!]!;
       prev[i] = i - 1;
       next[i] = i + 1 < count ? i + 1 : -1;
     }
@@ -116,10 +118,11 @@ export class BpeEncoder {
     const queue = new PriorityQueue<Candidate>(candidateFirst);
     const consider = (left: number, right: number): void => {
       if (left < 0 || right < 0) return;
-      const packed = this.merges.get(symbol[left] * this.pairStride + symbol[right]);
+      const leftSymbol = symbol[left]!;
+      const rightSymbol = symbol[right]!;
+      const packed = this.merges.get(leftSymbol * this.pairStride + rightSymbol);
       if (packed === undefined) return;
-      queue.push({ rank: Math.floor(packed / RESULT_SPAN), left, right,
-        leftSymbol: symbol[left], rightSymbol: symbol[right] });
+      queue.push({ rank: Math.floor(packed / RESULT_SPAN), left, right, leftSymbol, rightSymbol });
     };
     for (let i = 1; i < count; i++) consider(i - 1, i);
 
@@ -127,24 +130,25 @@ export class BpeEncoder {
       const { left, right } = candidate;
       // Stale when either side has been absorbed or has grown since the candidate was made.
       if (symbol[left] !== candidate.leftSymbol || symbol[right] !== candidate.rightSymbol) continue;
-      const packed = this.merges.get(symbol[left] * this.pairStride + symbol[right])!;
+      const packed = this.merges.get(candidate.leftSymbol * this.pairStride + candidate.rightSymbol)!;
       symbol[left] = packed % RESULT_SPAN;
       symbol[right] = -1;
-      next[left] = next[right];
-      if (next[right] >= 0) prev[next[right]] = left;
-      consider(prev[left], left);
-      consider(left, next[left]);
+      const after = next[right]!;
+      next[left] = after;
+      if (after >= 0) prev[after] = left;
+      consider(prev[left]!, left);
+      consider(left, after);
     }
 
     const ids: number[] = [];
-    for (let i = 0; i !== -1; i = next[i]) {
-      const id = symbol[i];
+    for (let i = 0; i !== -1; i = next[i]!) {
+      const id = symbol[i]!;
       if (id < this.vocabSize) {
         ids.push(id);
       } else {
         // A merge result that is not itself a token: spell it out byte by byte.
-        for (const byte of byteLevelToBytes(this.extraSymbolTexts[id - this.vocabSize])) {
-          const byteToken = this.byteSymbols[byte];
+        for (const byte of byteLevelToBytes(this.extraSymbolTexts[id - this.vocabSize]!)) {
+          const byteToken = this.byteSymbols[byte]!;
           if (byteToken >= this.vocabSize) {
             throw new TokenizerError(`cannot encode ${JSON.stringify(word)}: the vocabulary has no token for ` +
               `byte 0x${byte.toString(16).padStart(2, '0')}`);

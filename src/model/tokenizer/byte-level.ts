@@ -20,7 +20,7 @@ BYTE_TO_CHAR.forEach((char, byte) => { CHAR_CODE_TO_BYTE[char.charCodeAt(0)] = b
 
 /** The byte a byte-level character stands for, or -1 for a character outside the alphabet. */
 export function byteOfChar(charCode: number): number {
-  return charCode < CHAR_CODE_TO_BYTE.length ? CHAR_CODE_TO_BYTE[charCode] : -1;
+  return charCode < CHAR_CODE_TO_BYTE.length ? CHAR_CODE_TO_BYTE[charCode]! : -1;
 }
 
 const utf8 = new TextEncoder();

@@ -138,8 +138,7 @@ export class GgufTokenizer implements Tokenizer {
   }
 
   private bytesOf(id: number, includeSpecial: boolean): Uint8Array {
-    this.checkId(id);
-    const attr = this.vocab.attrs[id];
+    const attr = this.attrOf(id);
     if (attr & (TokenAttr.CONTROL | TokenAttr.UNKNOWN) && !includeSpecial) return EMPTY;
     let bytes = this.bytesCache[id];
     if (bytes === undefined) {
@@ -150,11 +149,11 @@ export class GgufTokenizer implements Tokenizer {
   }
 
   private computeBytes(id: number, attr: number): Uint8Array {
-    const text = this.vocab.tokens[id];
+    const text = this.vocab.tokens[id]!; // bytesOf checked the id
     if (attr & (TokenAttr.CONTROL | TokenAttr.UNKNOWN | TokenAttr.USER_DEFINED)) return utf8.encode(text);
     if (attr & TokenAttr.BYTE) {
       const match = /^<0x([0-9A-Fa-f]{2})>$/.exec(text);
-      if (match) return Uint8Array.of(parseInt(match[1], 16));
+      if (match) return Uint8Array.of(parseInt(match[1]!, 16)); // the group is not optional
       return utf8.encode(text); // a byte token spelled as the character itself
     }
     if (attr & TokenAttr.NORMAL) {
@@ -167,8 +166,7 @@ export class GgufTokenizer implements Tokenizer {
   // Lookups
 
   isSpecial(id: number): boolean {
-    this.checkId(id);
-    return (this.vocab.attrs[id] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN)) !== 0;
+    return (this.attrOf(id) & (TokenAttr.CONTROL | TokenAttr.UNKNOWN)) !== 0;
   }
 
   idToToken(id: number): string | undefined {
@@ -179,15 +177,18 @@ export class GgufTokenizer implements Tokenizer {
     return this.vocab.tokenToId.get(token);
   }
 
-  private checkId(id: number): void {
-    if (!Number.isInteger(id) || id < 0 || id >= this.vocabSize) {
+  /** The attribute bits of `id`; an id that is not an integer in [0, vocabSize) is a TokenizerError. */
+  private attrOf(id: number): number {
+    const attr = Number.isInteger(id) && id < this.vocabSize ? this.vocab.attrs[id] : undefined;
+    if (attr === undefined) {
       throw new TokenizerError(`token id ${id} is out of range (vocabulary has ${this.vocabSize} tokens)`);
     }
+    return attr;
   }
 }
 
 function concat(parts: Uint8Array[]): Uint8Array {
-  if (parts.length === 1) return parts[0];
+  if (parts.length === 1) return parts[0]!;
   let length = 0;
   for (const part of parts) length += part.length;
   const out = new Uint8Array(length);

@@ -82,7 +82,9 @@ function stringArray(file: GgufFile, key: string): string[] | undefined {
   return value as string[];
 }
 
-function numberArray(file: GgufFile, key: string, length: number): ArrayLike<number> | undefined {
+type NumericArray = Float32Array | Int32Array | Uint32Array | Float64Array;
+
+function numberArray(file: GgufFile, key: string, length: number): NumericArray | undefined {
   const value = file.metadata.get(key);
   if (value === undefined) return undefined;
   if (!(value instanceof Float32Array || value instanceof Int32Array || value instanceof Uint32Array ||
@@ -117,21 +119,22 @@ function readTokenTable(file: GgufFile): TokenTable {
   const vocabSize = tokens.length;
 
   const tokenToId = new Map<string, number>();
-  for (let id = 0; id < vocabSize; id++) {
-    const previous = tokenToId.get(tokens[id]);
+  for (const [id, text] of tokens.entries()) {
+    const previous = tokenToId.get(text);
     if (previous !== undefined) {
-      throw new TokenizerError(`duplicate token ${JSON.stringify(tokens[id])} in vocabulary (ids ${previous}, ${id})`);
+      throw new TokenizerError(`duplicate token ${JSON.stringify(text)} in vocabulary (ids ${previous}, ${id})`);
     }
-    tokenToId.set(tokens[id], id);
+    tokenToId.set(text, id);
   }
 
   const scores = new Float32Array(vocabSize);
   const storedScores = numberArray(file, 'tokenizer.ggml.scores', vocabSize);
-  if (storedScores) for (let id = 0; id < vocabSize; id++) scores[id] = storedScores[id];
+  if (storedScores) scores.set(storedScores.subarray(0, vocabSize));
 
   const attrs = new Uint16Array(vocabSize).fill(TokenAttr.NORMAL);
   const types = numberArray(file, 'tokenizer.ggml.token_type', vocabSize);
-  if (types) for (let id = 0; id < vocabSize; id++) attrs[id] = ATTR_OF_TYPE[types[id]] ?? 0;
+  // numberArray checked that types holds at least vocabSize entries.
+  if (types) for (let id = 0; id < vocabSize; id++) attrs[id] = ATTR_OF_TYPE[types[id]!] ?? 0;
   return { tokens, tokenToId, scores, attrs };
 }
 
@@ -181,7 +184,8 @@ export function readGgufVocab(file: GgufFile): GgufVocab {
   const endOfGenerationIds = collectEndOfGeneration(file, tokenToId, vocabSize, [eosId, eotId, eomId]);
   // A token that ends generation is a control token even when the converter typed it NORMAL: decoding with
   // special tokens skipped must not print it.
-  for (const id of endOfGenerationIds) attrs[id] |= TokenAttr.CONTROL;
+  // Every id here was range-checked (tokenIdKey) or found in the table (tokenToId).
+  for (const id of endOfGenerationIds) attrs[id]! |= TokenAttr.CONTROL;
   applyPhi3Rstrip(file, tokenToId, attrs);
 
   return {
@@ -223,11 +227,12 @@ function applyPhi3Rstrip(file: GgufFile, tokenToId: ReadonlyMap<string, number>,
   const name = (metaString(file, 'general.name') ?? '').toLowerCase();
   if (!name.includes('phi-3') && !name.includes('phi3')) return;
   const specialMask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN;
-  for (let id = 0; id < attrs.length; id++) if (attrs[id] & specialMask) attrs[id] |= TokenAttr.RSTRIP;
+  for (let id = 0; id < attrs.length; id++) if (attrs[id]! & specialMask) attrs[id]! |= TokenAttr.RSTRIP;
   const set = (text: string, on: boolean) => {
     const id = tokenToId.get(text);
     if (id === undefined) return;
-    attrs[id] = on ? attrs[id] | TokenAttr.RSTRIP : attrs[id] & ~TokenAttr.RSTRIP;
+    const attr = attrs[id]!; // an id from the token table
+    attrs[id] = on ? attr | TokenAttr.RSTRIP : attr & ~TokenAttr.RSTRIP;
   };
   set('</s>', true);
   for (const text of ['<unk>', '<s>', '<|endoftext|>']) set(text, false);

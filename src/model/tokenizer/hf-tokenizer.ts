@@ -246,7 +246,7 @@ export class HfTokenizer implements Tokenizer {
       case 'byte-level': return byteLevelToBytes(token);
       case 'sentencepiece': {
         const byte = BYTE_TOKEN.exec(token);
-        return byte ? Uint8Array.of(parseInt(byte[1], 16)) : utf8.encode(token.replaceAll(this.metaspace, ' '));
+        return byte ? Uint8Array.of(parseInt(byte[1]!, 16)) : utf8.encode(token.replaceAll(this.metaspace, ' '));
       }
       case 'plain': return utf8.encode(token);
     }

@@ -14,9 +14,10 @@ export class PriorityQueue<T> {
     let index = items.length;
     items.push(item);
     while (index > 0) {
-      const parent = (index - 1) >> 1;
-      if (!this.before(item, items[parent])) break;
-      items[index] = items[parent];
+      const parent = (index - 1) >> 1; // below index, so in range
+      const above = items[parent]!;
+      if (!this.before(item, above)) break;
+      items[index] = above;
       index = parent;
     }
     items[index] = item;
@@ -34,9 +35,11 @@ export class PriorityQueue<T> {
         const left = 2 * index + 1;
         if (left >= length) break;
         const right = left + 1;
-        const child = right < length && this.before(items[right], items[left]) ? right : left;
-        if (!this.before(items[child], last)) break;
-        items[index] = items[child];
+        // left < length is checked above and right < length before use.
+        const child = right < length && this.before(items[right]!, items[left]!) ? right : left;
+        const below = items[child]!;
+        if (!this.before(below, last)) break;
+        items[index] = below;
         index = child;
       }
       items[index] = last;

@@ -7,36 +7,40 @@ import type { GgufVocab } from './gguf-vocab.ts';
 
 export type Fragment = { kind: 'text'; text: string } | { kind: 'token'; id: number };
 
+/** A special token that may be written in text: its id, its text and its TokenAttr bits. */
+interface Candidate { id: number; text: string; attr: number }
+
 /** C's isspace in the "C" locale, which is what llama.cpp strips around lstrip/rstrip tokens. */
 const isAsciiSpace = (code: number): boolean => code === 0x20 || (code >= 0x09 && code <= 0x0d);
 
 export class SpecialTokenSplitter {
   /** Candidates longest first; ties in id order so the result never depends on sort stability. */
-  private readonly controlAndUserDefined: number[];
-  private readonly userDefinedOnly: number[];
+  private readonly controlAndUserDefined: Candidate[];
+  private readonly userDefinedOnly: Candidate[];
 
-  constructor(private readonly vocab: GgufVocab) {
-    const candidates: number[] = [];
+  constructor(vocab: GgufVocab) {
+    const candidates: Candidate[] = [];
     const mask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN;
-    vocab.attrs.forEach((attr, id) => { if (attr & mask && vocab.tokens[id].length > 0) candidates.push(id); });
-    candidates.sort((a, b) => vocab.tokens[b].length - vocab.tokens[a].length || a - b);
+    vocab.attrs.forEach((attr, id) => {
+      const text = vocab.tokens[id];
+      if (attr & mask && text !== undefined && text.length > 0) candidates.push({ id, text, attr });
+    });
+    candidates.sort((a, b) => b.text.length - a.text.length || a.id - b.id);
     this.controlAndUserDefined = candidates;
-    this.userDefinedOnly = candidates.filter((id) => !(vocab.attrs[id] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN)));
+    this.userDefinedOnly = candidates.filter(({ attr }) => !(attr & (TokenAttr.CONTROL | TokenAttr.UNKNOWN)));
   }
 
   split(text: string, parseSpecial: boolean): Fragment[] {
     let fragments: Fragment[] = text.length > 0 ? [{ kind: 'text', text }] : [];
     const candidates = parseSpecial ? this.controlAndUserDefined : this.userDefinedOnly;
-    for (const id of candidates) {
-      const tokenText = this.vocab.tokens[id];
-      if (!text.includes(tokenText)) continue;
-      fragments = this.splitAll(fragments, id, tokenText);
+    for (const candidate of candidates) {
+      if (!text.includes(candidate.text)) continue;
+      fragments = this.splitAll(fragments, candidate);
     }
     return fragments;
   }
 
-  private splitAll(fragments: Fragment[], id: number, tokenText: string): Fragment[] {
-    const attr = this.vocab.attrs[id];
+  private splitAll(fragments: Fragment[], { id, text: tokenText, attr }: Candidate): Fragment[] {
     const out: Fragment[] = [];
     for (const fragment of fragments) {
       if (fragment.kind === 'token') { out.push(fragment); continue; }

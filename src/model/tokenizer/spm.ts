@@ -56,29 +56,36 @@ export class SpmEncoder {
       symbols++;
     }
 
+    // Indices below are proven in range: left/right by how candidates are made, next/prev entries are -1
+    // (checked before use) or a symbol index, ids come from tokenToId (so scores has them).
     const queue = new PriorityQueue<Candidate>(candidateFirst);
     const consider = (left: number, right: number): void => {
       if (left < 0 || right < 0) return;
-      const merged = length[left] + length[right];
-      const id = tokenToId.get(text.slice(start[left], start[left] + merged));
+      const from = start[left]!;
+      const merged = length[left]! + length[right]!;
+      const id = tokenToId.get(text.slice(from, from + merged));
       if (id === undefined) return;
-      queue.push({ left, right, score: scores[id], length: merged });
+      queue.push({ left, right, score: scores[id]!, length: merged });
     };
     for (let i = 1; i < symbols; i++) consider(i - 1, i);
 
     for (let candidate = queue.pop(); candidate !== undefined; candidate = queue.pop()) {
       const { left, right } = candidate;
-      if (length[left] === 0 || length[right] === 0 || length[left] + length[right] !== candidate.length) continue;
-      length[left] += length[right];
+      const leftLength = length[left]!;
+      const rightLength = length[right]!;
+      if (leftLength === 0 || rightLength === 0 || leftLength + rightLength !== candidate.length) continue;
+      length[left] = leftLength + rightLength;
       length[right] = 0;
-      next[left] = next[right];
-      if (next[right] >= 0) prev[next[right]] = left;
-      consider(prev[left], left);
-      consider(left, next[left]);
+      const after = next[right]!;
+      next[left] = after;
+      if (after >= 0) prev[after] = left;
+      consider(prev[left]!, left);
+      consider(left, after);
     }
 
-    for (let i = 0; i !== -1; i = next[i]) {
-      const piece = text.slice(start[i], start[i] + length[i]);
+    for (let i = 0; i !== -1; i = next[i]!) {
+      const from = start[i]!;
+      const piece = text.slice(from, from + length[i]!);
       const id = tokenToId.get(piece);
       if (id !== undefined) out.push(id);
       else this.pushBytes(piece, out);
@@ -87,7 +94,7 @@ export class SpmEncoder {
 
   private pushBytes(piece: string, out: number[]): void {
     for (const byte of utf8.encode(piece)) {
-      const id = this.byteTokens[byte];
+      const id = this.byteTokens[byte]!; // one entry per byte value
       if (id < 0) {
         throw new TokenizerError(`cannot encode ${JSON.stringify(piece)}: the vocabulary has no token for byte ` +
           `0x${byte.toString(16).padStart(2, '0')} (no <0x..> byte tokens)`);
