@@ -1,4 +1,5 @@
 {
+  "variables": {"sanitize%": ""},
   "targets": [
     {
       "target_name": "conduit_native",
@@ -7,6 +8,7 @@
         "native/bench.cc",
         "native/compute.cc",
         "native/cpu.cc",
+        "native/crash_handler.cc",
         "native/memory.cc",
         "native/model.cc",
         "native/thread_pool.cc",
@@ -30,7 +32,17 @@
       "cflags_cc!": ["-fno-exceptions", "-fno-rtti", "-std=gnu++17", "-std=gnu++20"],
       "cflags_cc": ["-std=c++17", "-O3", "-fexceptions", "-Wall", "-Wextra", "-Wno-uninitialized",
                     "-Wno-unused-parameter"],
-      "xcode_settings": {"GCC_ENABLE_CPP_EXCEPTIONS": "YES", "CLANG_CXX_LANGUAGE_STANDARD": "c++17"}
+      "xcode_settings": {"GCC_ENABLE_CPP_EXCEPTIONS": "YES", "CLANG_CXX_LANGUAGE_STANDARD": "c++17"},
+      "conditions": [
+        ["sanitize=='address'", {
+          "cflags_cc": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined"],
+          "ldflags": ["-fsanitize=address,undefined"]
+        }],
+        ["sanitize=='thread'", {
+          "cflags_cc": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=thread"],
+          "ldflags": ["-fsanitize=thread"]
+        }]
+      ]
     }
   ]
 }
