@@ -7,6 +7,8 @@
 //                                   software AMX model on its own (amxModel)
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 #include <napi.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <map>
@@ -433,6 +435,26 @@ Napi::Value OpPack(const Napi::CallbackInfo& info) {
   return Napi::Uint8Array::New(env, bytes, buffer, 0);
 }
 
+// guardedBytes(length) -> Uint8Array of `length` zero bytes whose last byte is followed by an inaccessible page: a
+// kernel that reads past the end of such an array faults at once instead of reading a neighbour's bytes (tests).
+Napi::Value OpGuardedBytes(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const int64_t length = integer(env, info[0], "length", 1);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t data_pages = (static_cast<size_t>(length) + page - 1) / page;
+  const size_t mapped = (data_pages + 1) * page;
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) throw Napi::Error::New(env, "guardedBytes: mmap failed");
+  uint8_t* guard = static_cast<uint8_t*>(base) + data_pages * page;
+  mprotect(guard, page, PROT_NONE);
+  uint8_t* data = guard - length;
+  struct Mapping { void* base; size_t bytes; };
+  Napi::ArrayBuffer buffer = Napi::ArrayBuffer::New(
+      env, data, static_cast<size_t>(length),
+      [](Napi::Env, void*, Mapping* m) { munmap(m->base, m->bytes); delete m; }, new Mapping{base, mapped});
+  return Napi::Uint8Array::New(env, static_cast<size_t>(length), buffer, 0);
+}
+
 // matmul(variant, type, w: Uint8Array, x: Float32Array, m, k, n, y: Float32Array, threads, packed = false)
 // packed: w is the variant's load-time layout of the matrix (from pack), not ggml rows.
 Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
@@ -774,6 +796,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   ops.Set("matmul", Napi::Function::New(env, OpMatmul));
   ops.Set("packedBytes", Napi::Function::New(env, OpPackedBytes));
   ops.Set("pack", Napi::Function::New(env, OpPack));
+  ops.Set("guardedBytes", Napi::Function::New(env, OpGuardedBytes));
   ops.Set("embedding", Napi::Function::New(env, OpEmbedding));
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));
