@@ -9,8 +9,8 @@
 // `--sanitize=address` (ASan + UBSan) or `--sanitize=thread` (TSan) builds an instrumented copy into
 // build-sanitize/<kind>/build/Release/conduit_native.node instead, leaving build/Release alone (node-gyp's rebuild
 // deletes its whole build/ folder, so the copy is built from a folder of its own that links binding.gyp and
-// native/). Such a build is for the sanitizer stress program (stress/native-stress.ts): loading it into node needs
-// the sanitizer runtime preloaded; see native/README.md. A failed sanitizer build always exits 1.
+// native/). Such a build is for the sanitizer stress program (benchmarks/native-stress.ts): loading it into node
+// needs the sanitizer runtime preloaded; see native/README.md. A failed sanitizer build always exits 1.
 import { spawnSync } from 'node:child_process';
 import { existsSync, mkdirSync, readdirSync, rmSync, statSync, symlinkSync } from 'node:fs';
 import { createRequire } from 'node:module';
