@@ -60,7 +60,8 @@ function localNodeDir() {
 
 function fail(reason, log = '') {
   if (sanitize) {
-    console.error(`conduit: the ${sanitize} sanitizer build failed (${reason})\n${log.trim().split('\n').slice(-30).join('\n')}`);
+    const tail = log.trim().split('\n').slice(-30).join('\n');
+    console.error(`conduit: the ${sanitize} sanitizer build failed (${reason})\n${tail}`);
     process.exit(1);
   }
   const tail = log.trim().split('\n').slice(-15).join('\n');
@@ -92,4 +93,5 @@ const log = `${result.stdout ?? ''}${result.stderr ?? ''}`;
 if (result.error) fail(`could not run node-gyp: ${result.error.message}`, log);
 if (result.status !== 0) fail(`node-gyp exited with status ${result.status}`, log);
 if (!existsSync(addonPath)) fail(`node-gyp succeeded but ${addonPath} is missing`, log);
-console.log(`conduit: native kernels${sanitize ? ` (${sanitize} sanitizer)` : ''} built in ${((Date.now() - started) / 1000).toFixed(1)} s (${addonPath})`);
+const kind = sanitize ? ` (${sanitize} sanitizer)` : '';
+console.log(`conduit: native kernels${kind} built in ${((Date.now() - started) / 1000).toFixed(1)} s (${addonPath})`);

@@ -37,7 +37,9 @@ for (const variant of variants) {
             addon.ops.matmul(variant, type, w, xg, m, k, n, y, threads);
             addon.ops.matmul(variant, type, plain, Float32Array.from(xg), m, k, n, expected, threads);
             for (let i = 0; i < y.length; i++) {
-              if (!Object.is(y[i], expected[i])) throw new Error(variant + ' type ' + type + ' ' + m + 'x' + k + 'x' + n + ': results differ');
+              if (!Object.is(y[i], expected[i])) {
+                throw new Error(variant + ' type ' + type + ' ' + m + 'x' + k + 'x' + n + ': results differ');
+              }
             }
             calls++;
           }
