@@ -1,4 +1,5 @@
 {
+  "variables": {"sanitize%": ""},
   "targets": [
     {
       "target_name": "conduit_native",
@@ -7,6 +8,7 @@
         "native/bench.cc",
         "native/compute.cc",
         "native/cpu.cc",
+        "native/crash_handler.cc",
         "native/memory.cc",
         "native/model.cc",
         "native/thread_pool.cc",
@@ -28,6 +30,14 @@
             "native/attention_avx2.cc",
             "native/attention_avx512.cc"
           ]
+        }],
+        ["sanitize=='address'", {
+          "cflags_cc": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined"],
+          "ldflags": ["-fsanitize=address,undefined"]
+        }],
+        ["sanitize=='thread'", {
+          "cflags_cc": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=thread"],
+          "ldflags": ["-fsanitize=thread"]
         }]
       ],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],

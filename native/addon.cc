@@ -7,14 +7,19 @@
 //                                   software AMX model on its own (amxModel)
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 #include <napi.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "amx_tile_model.h"
 #include "bench.h"
 #include "cpu.h"
+#include "crash_handler.h"
 #include "memory.h"
 #include "model.h"
 
@@ -92,6 +97,13 @@ Variant variant_arg(const Napi::Env& env, const Napi::Value& value) {
                                     " (best: " + variant_name(best_supported_variant()) +
                                     (v == Variant::AmxModel ? "; amx-model needs avx512)" : ")"));
   }
+  return v;
+}
+
+// variant_arg for an entry point that runs the variant's kernels: the crash handler's message names it.
+Variant run_variant_arg(const Napi::Env& env, const Napi::Value& value) {
+  const Variant v = variant_arg(env, value);
+  note_kernel_variant(variant_name(v));
   return v;
 }
 
@@ -249,7 +261,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     s.pack_weights = spec.Get("packWeights").IsUndefined() || spec.Get("packWeights").ToBoolean();
     s.release_unpacked = spec.Get("releaseUnpackedWeights").ToBoolean();
 
-    const Variant variant = variant_arg(env, spec.Get("variant"));
+    const Variant variant = run_variant_arg(env, spec.Get("variant"));
     const int threads = static_cast<int>(integer(env, spec.Get("threads"), "threads", 1));
     try {
       model_ = std::make_unique<Model>(std::move(s), variant, threads);
@@ -294,6 +306,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
   Napi::Value Forward(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     Model& m = model(env);
+    note_kernel_variant(variant_name(m.variant()));
     if (!info[0].IsObject()) throw Napi::TypeError::New(env, "forward needs a batch object");
     Napi::Object o = info[0].As<Napi::Object>();
     StepBatch b;
@@ -387,7 +400,7 @@ const MatmulKernel& matmul_kernel(const Napi::Env& env, Variant v, int type) {
 // packedBytes(variant, type, k, n) -> bytes of the load-time packed layout of an [n x k] matrix, 0 if none
 Napi::Value OpPackedBytes(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   const int type = weight_type_arg(env, info[1], "type");
   const int64_t k = integer(env, info[2], "k", 1), n = integer(env, info[3], "n", 1);
   const MatmulKernel& mk = matmul_kernel(env, v, type);
@@ -398,7 +411,7 @@ Napi::Value OpPackedBytes(const Napi::CallbackInfo& info) {
 // layout, as a model packs it, in 64-byte aligned memory the addon owns (freed with the array).
 Napi::Value OpPack(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   const int type = weight_type_arg(env, info[1], "type");
   const int64_t k = integer(env, info[3], "k", 1), n = integer(env, info[4], "n", 1);
   if (k % type_block_elements(type) != 0) {
@@ -422,11 +435,31 @@ Napi::Value OpPack(const Napi::CallbackInfo& info) {
   return Napi::Uint8Array::New(env, bytes, buffer, 0);
 }
 
+// guardedBytes(length) -> Uint8Array of `length` zero bytes whose last byte is followed by an inaccessible page: a
+// kernel that reads past the end of such an array faults at once instead of reading a neighbour's bytes (tests).
+Napi::Value OpGuardedBytes(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const int64_t length = integer(env, info[0], "length", 1);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t data_pages = (static_cast<size_t>(length) + page - 1) / page;
+  const size_t mapped = (data_pages + 1) * page;
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) throw Napi::Error::New(env, "guardedBytes: mmap failed");
+  uint8_t* guard = static_cast<uint8_t*>(base) + data_pages * page;
+  mprotect(guard, page, PROT_NONE);
+  uint8_t* data = guard - length;
+  struct Mapping { void* base; size_t bytes; };
+  Napi::ArrayBuffer buffer = Napi::ArrayBuffer::New(
+      env, data, static_cast<size_t>(length),
+      [](Napi::Env, void*, Mapping* m) { munmap(m->base, m->bytes); delete m; }, new Mapping{base, mapped});
+  return Napi::Uint8Array::New(env, static_cast<size_t>(length), buffer, 0);
+}
+
 // matmul(variant, type, w: Uint8Array, x: Float32Array, m, k, n, y: Float32Array, threads, packed = false)
 // packed: w is the variant's load-time layout of the matrix (from pack), not ggml rows.
 Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   const int type = weight_type_arg(env, info[1], "type");
   const int64_t m = integer(env, info[4], "m"), k = integer(env, info[5], "k", 1), n = integer(env, info[6], "n");
   if (k % type_block_elements(type) != 0) {
@@ -456,7 +489,7 @@ Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
 // embedding(variant, type, table: Uint8Array, dim, tokenIds: Int32Array, out: Float32Array)
 Napi::Value OpEmbedding(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   const int type = weight_type_arg(env, info[1], "type");
   const int64_t dim = integer(env, info[3], "dim", 1);
   if (dim % type_block_elements(type) != 0) throw Napi::RangeError::New(env, "dim is not a multiple of the block size");
@@ -479,7 +512,7 @@ Napi::Value OpEmbedding(const Napi::CallbackInfo& info) {
 // rmsnorm(variant, x, weight, rows, dim, eps, out)
 Napi::Value OpRmsNorm(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   const int64_t rows = integer(env, info[3], "rows"), dim = integer(env, info[4], "dim", 1);
   const float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * dim);
   const float* w = typed_data<float>(env, info[2], napi_float32_array, "weight", dim);
@@ -492,7 +525,7 @@ Napi::Value OpRmsNorm(const Napi::CallbackInfo& info) {
 // add(variant, acc, x): acc += x over acc.length elements
 Napi::Value OpAdd(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   ArrayView acc = typed_array(env, info[1], napi_float32_array, "acc");
   const float* x = typed_data<float>(env, info[2], napi_float32_array, "x", acc.length);
   kernel_table(v).add(static_cast<float*>(acc.data), x, static_cast<int64_t>(acc.length));
@@ -502,7 +535,7 @@ Napi::Value OpAdd(const Napi::CallbackInfo& info) {
 // swiglu(variant, gate, up, out) over gate.length elements
 Napi::Value OpSwiglu(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   ArrayView gate = typed_array(env, info[1], napi_float32_array, "gate");
   const float* up = typed_data<float>(env, info[2], napi_float32_array, "up", gate.length);
   float* out = typed_data<float>(env, info[3], napi_float32_array, "out", gate.length);
@@ -513,7 +546,7 @@ Napi::Value OpSwiglu(const Napi::CallbackInfo& info) {
 // softmax(variant, x, rows, n): each row of n in place
 Napi::Value OpSoftmax(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   const int64_t rows = integer(env, info[2], "rows"), n = integer(env, info[3], "n", 1);
   float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * n);
   for (int64_t r = 0; r < rows; ++r) kernel_table(v).softmax(x + r * n, n);
@@ -523,7 +556,7 @@ Napi::Value OpSoftmax(const Napi::CallbackInfo& info) {
 // rope(variant, x, positions, numHeads, headDim, ropeDim, neox, theta, scaling?): x [rows x numHeads*headDim]
 Napi::Value OpRope(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   ArrayView positions = typed_array(env, info[2], napi_int32_array, "positions");
   RopeParams p;
   p.num_heads = static_cast<int>(integer(env, info[3], "numHeads", 1));
@@ -574,7 +607,7 @@ PoolArg pool_arg(const Napi::Env& env, const Napi::Value& pool, const Napi::Valu
 // kvWrite(variant, k, v, slots, pool, layout, layer)
 Napi::Value OpKvWrite(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   PoolArg p = pool_arg(env, info[4], info[5]);
   const int64_t layer = integer(env, info[6], "layer");
   if (layer >= p.num_layers) throw Napi::RangeError::New(env, "layer is outside the pool");
@@ -595,7 +628,7 @@ Napi::Value OpKvWrite(const Napi::CallbackInfo& info) {
 //           threads)
 Napi::Value OpAttention(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  const Variant v = variant_arg(env, info[0]);
+  const Variant v = run_variant_arg(env, info[0]);
   PoolArg p = pool_arg(env, info[3], info[4]);
   const int64_t layer = integer(env, info[5], "layer");
   if (layer >= p.num_layers) throw Napi::RangeError::New(env, "layer is outside the pool");
@@ -721,7 +754,7 @@ Napi::Value BenchPeak(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   const std::string kind = info[0].ToString().Utf8Value();
   const int threads = static_cast<int>(integer(env, info[1], "threads", 1));
-  const Variant variant = info[2].IsUndefined() ? best_supported_variant() : variant_arg(env, info[2]);
+  const Variant variant = info[2].IsUndefined() ? best_supported_variant() : run_variant_arg(env, info[2]);
   if (kind != "f32" && kind != "int8" && kind != "bf16") {
     throw Napi::TypeError::New(env, "kind must be 'f32', 'int8' or 'bf16'");
   }
@@ -730,7 +763,32 @@ Napi::Value BenchPeak(const Napi::CallbackInfo& info) {
   return Napi::Number::New(env, kind == "f32" ? peak_f32_gflops(pool, variant) : peak_int8_gops(pool, variant));
 }
 
+// crashHandlerStatus() -> 'installed' or why not (a sanitizer build or runtime)
+Napi::Value CrashHandlerStatus(const Napi::CallbackInfo& info) {
+  return Napi::String::New(info.Env(), crash_handler_status());
+}
+
+// crashForTesting(kind, variant?): crashes the process on purpose, to test the crash handler's report. Refuses
+// unless CONDUIT_NATIVE_CRASH_TEST=1 is set, so nothing can call it by accident.
+Napi::Value CrashForTesting(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const char* allowed = std::getenv("CONDUIT_NATIVE_CRASH_TEST");
+  if (!allowed || std::string(allowed) != "1") {
+    throw Napi::Error::New(env, "crashForTesting needs CONDUIT_NATIVE_CRASH_TEST=1");
+  }
+  if (info.Length() > 1 && !info[1].IsUndefined()) run_variant_arg(env, info[1]);
+  const std::string kind = info[0].ToString().Utf8Value();
+  if (!crash_for_test(kind.c_str())) throw Napi::TypeError::New(env, "unknown crash kind " + kind);
+  return env.Undefined();
+}
+
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  // Once per process; each JavaScript thread that loads the addon (main, worker_threads) gets an alternate signal
+  // stack for the handler, released when the thread exits.
+  install_crash_handler();
+  static thread_local SignalStackScope js_thread_signal_stack;
+  exports.Set("crashHandlerStatus", Napi::Function::New(env, CrashHandlerStatus));
+  exports.Set("crashForTesting", Napi::Function::New(env, CrashForTesting));
   exports.Set("cpuInfo", Napi::Function::New(env, CpuInfo));
   exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));
   exports.Set("NativeModel", NativeModel::Define(env));
@@ -738,6 +796,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   ops.Set("matmul", Napi::Function::New(env, OpMatmul));
   ops.Set("packedBytes", Napi::Function::New(env, OpPackedBytes));
   ops.Set("pack", Napi::Function::New(env, OpPack));
+  ops.Set("guardedBytes", Napi::Function::New(env, OpGuardedBytes));
   ops.Set("embedding", Napi::Function::New(env, OpEmbedding));
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));

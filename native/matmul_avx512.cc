@@ -175,11 +175,12 @@ constexpr size_t kPanelBlockBytes = 8 * 64 + 16 * 4;  // quants, scales
 
 // The 16 f16 scales of a panel block in one gather (scalar conversions would occupy the FP pipes the
 // microkernel needs, and 16 narrow stores read back as one vector stall on store forwarding); rows past the
-// tile get scale 0.
+// tile get scale 0. A panel may start past the tile (the second of a pair when the last pair has 16 rows or
+// fewer): then no row is live and nothing is read.
 template <int Type>
 inline void pack_scales(const MatmulTile& t, int64_t r0, int64_t b, uint8_t* out) {
   const int64_t live = t.n1 - r0 < kPanelRows ? t.n1 - r0 : kPanelRows;
-  const __mmask16 mask = static_cast<__mmask16>(live >= 16 ? 0xFFFF : (1u << live) - 1);
+  const __mmask16 mask = static_cast<__mmask16>(live <= 0 ? 0 : live >= 16 ? 0xFFFF : (1u << live) - 1);
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int>(t.w_row_bytes)));
   const uint8_t* base = t.w + r0 * t.w_row_bytes + b * block_bytes<Type>();

@@ -1,5 +1,6 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include "common.h"
@@ -8,6 +9,9 @@
 #endif
 
 #include <chrono>
+#include <string>
+
+#include "crash_handler.h"
 
 namespace conduit {
 
@@ -140,6 +144,9 @@ void ThreadPool::run_items(Job job, void* ctx, const std::atomic<int64_t>& done,
 }
 
 void ThreadPool::worker_loop(int index) {
+  // Named for crash reports and debuggers; an alternate signal stack lets the crash handler report a stack overflow.
+  pthread_setname_np(pthread_self(), ("conduit-pool-" + std::to_string(index)).substr(0, 15).c_str());
+  SignalStackScope signal_stack;
   uint64_t seen = 0;  // the generation this worker last handled
   for (;;) {
     uint64_t state = state_.load(std::memory_order_acquire);

@@ -5,16 +5,30 @@
 // A failed build must not fail the install: Conduit then runs on the TypeScript reference backend, so this prints
 // one warning and exits 0. Set CONDUIT_REQUIRE_NATIVE=1 (CI) to exit 1 instead. Works offline: node-gyp is pointed
 // at the headers of the running Node when they are installed next to it, so it never downloads them.
+//
+// `--sanitize=address` (ASan + UBSan) or `--sanitize=thread` (TSan) builds an instrumented copy into
+// build-sanitize/<kind>/build/Release/conduit_native.node instead, leaving build/Release alone (node-gyp's rebuild
+// deletes its whole build/ folder, so the copy is built from a folder of its own that links binding.gyp and
+// native/). Such a build is for the sanitizer stress program (benchmarks/native-stress.ts): loading it into node
+// needs the sanitizer runtime preloaded; see native/README.md. A failed sanitizer build always exits 1.
 import { spawnSync } from 'node:child_process';
-import { existsSync, readdirSync, statSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, rmSync, statSync, symlinkSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
-const addonPath = join(root, 'build', 'Release', 'conduit_native.node');
 const force = process.argv.includes('--force');
-const required = process.env.CONDUIT_REQUIRE_NATIVE === '1';
+const sanitizeArg = process.argv.find((a) => a.startsWith('--sanitize='));
+const sanitize = sanitizeArg?.slice('--sanitize='.length);
+if (sanitize !== undefined && sanitize !== 'address' && sanitize !== 'thread') {
+  console.error(`conduit: --sanitize must be address (ASan + UBSan) or thread (TSan), got "${sanitize}"`);
+  process.exit(2);
+}
+// The folder node-gyp runs in: the repository, or for a sanitizer build one that links its binding.gyp and native/.
+const projectDir = sanitize ? join(root, 'build-sanitize', sanitize) : root;
+const addonPath = join(projectDir, 'build', 'Release', 'conduit_native.node');
+const required = sanitize !== undefined || process.env.CONDUIT_REQUIRE_NATIVE === '1';
 
 function newestSourceTime() {
   const files = [join(root, 'binding.gyp'), ...readdirSync(join(root, 'native')).map((f) => join(root, 'native', f))];
@@ -45,6 +59,11 @@ function localNodeDir() {
 }
 
 function fail(reason, log = '') {
+  if (sanitize) {
+    const tail = log.trim().split('\n').slice(-30).join('\n');
+    console.error(`conduit: the ${sanitize} sanitizer build failed (${reason})\n${tail}`);
+    process.exit(1);
+  }
   const tail = log.trim().split('\n').slice(-15).join('\n');
   console.warn(
     `conduit: WARNING: the native kernels were not built (${reason}); Conduit will use the slower TypeScript ` +
@@ -59,11 +78,20 @@ if (!force && existsSync(addonPath) && statSync(addonPath).mtimeMs >= newestSour
 const nodeGyp = findNodeGyp();
 if (!nodeGyp) fail('node-gyp was not found (it ships with npm)');
 const nodeDir = localNodeDir();
-const args = [nodeGyp, 'rebuild', '--jobs', 'max', ...(nodeDir ? [`--nodedir=${nodeDir}`] : [])];
+if (sanitize) {
+  mkdirSync(projectDir, { recursive: true });
+  for (const name of ['binding.gyp', 'native']) {
+    rmSync(join(projectDir, name), { force: true, recursive: false });
+    symlinkSync(join(root, name), join(projectDir, name));
+  }
+}
+const args = [nodeGyp, 'rebuild', '--jobs', 'max', ...(nodeDir ? [`--nodedir=${nodeDir}`] : []),
+  ...(sanitize ? ['--', `-Dsanitize=${sanitize}`] : [])];
 const started = Date.now();
-const result = spawnSync(process.execPath, args, { cwd: root, encoding: 'utf8', env: process.env });
+const result = spawnSync(process.execPath, args, { cwd: projectDir, encoding: 'utf8', env: process.env });
 const log = `${result.stdout ?? ''}${result.stderr ?? ''}`;
 if (result.error) fail(`could not run node-gyp: ${result.error.message}`, log);
 if (result.status !== 0) fail(`node-gyp exited with status ${result.status}`, log);
 if (!existsSync(addonPath)) fail(`node-gyp succeeded but ${addonPath} is missing`, log);
-console.log(`conduit: native kernels built in ${((Date.now() - started) / 1000).toFixed(1)} s (${addonPath})`);
+const kind = sanitize ? ` (${sanitize} sanitizer)` : '';
+console.log(`conduit: native kernels${kind} built in ${((Date.now() - started) / 1000).toFixed(1)} s (${addonPath})`);
