@@ -5,6 +5,7 @@
       "target_name": "conduit_native",
       "sources": [
         "native/addon.cc",
+        "native/addon_ops.cc",
         "native/bench.cc",
         "native/compute.cc",
         "native/cpu.cc",

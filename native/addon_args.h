@@ -1,0 +1,132 @@
+// Argument conversion for the addon's entry points (addon.cc, addon_ops.cc): typed arrays, numbers, variants and
+// ggml types from JavaScript values, each refused with a TypeError/RangeError that names the argument.
+#pragma once
+
+#include <napi.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "compute.h"
+#include "cpu.h"
+#include "crash_handler.h"
+#include "kernels.h"
+
+namespace conduit {
+namespace addon {
+
+
+struct ArrayView {
+  void* data = nullptr;
+  size_t length = 0;  // elements
+  napi_typedarray_type type = napi_uint8_array;
+};
+
+inline const char* typed_array_name(napi_typedarray_type t) {
+  switch (t) {
+    case napi_uint8_array: return "Uint8Array";
+    case napi_int32_array: return "Int32Array";
+    case napi_float32_array: return "Float32Array";
+    default: return "typed array";
+  }
+}
+
+// Works for views over ArrayBuffer and SharedArrayBuffer alike (napi_get_typedarray_info gives the data pointer).
+inline ArrayView typed_array(const Napi::Env& env, const Napi::Value& value, napi_typedarray_type expected,
+                      const std::string& name) {
+  bool is_typed = false;
+  napi_is_typedarray(env, value, &is_typed);
+  ArrayView view;
+  if (is_typed) {
+    napi_value buffer;
+    size_t offset;
+    napi_get_typedarray_info(env, value, &view.type, &view.length, &view.data, &buffer, &offset);
+  }
+  if (!is_typed || view.type != expected) {
+    throw Napi::TypeError::New(env, name + " must be a " + typed_array_name(expected));
+  }
+  return view;
+}
+
+template <typename T>
+T* typed_data(const Napi::Env& env, const Napi::Value& value, napi_typedarray_type expected, const std::string& name,
+              size_t min_length) {
+  ArrayView v = typed_array(env, value, expected, name);
+  if (v.length < min_length) {
+    throw Napi::RangeError::New(env, name + " has " + std::to_string(v.length) + " elements, needs " +
+                                         std::to_string(min_length));
+  }
+  return static_cast<T*>(v.data);
+}
+
+inline int64_t integer(const Napi::Env& env, const Napi::Value& value, const std::string& name, int64_t min = 0) {
+  if (!value.IsNumber()) throw Napi::TypeError::New(env, name + " must be a number");
+  const double d = value.As<Napi::Number>().DoubleValue();
+  if (d != static_cast<double>(static_cast<int64_t>(d)) || d < static_cast<double>(min)) {
+    throw Napi::RangeError::New(env, name + " must be an integer >= " + std::to_string(min));
+  }
+  return static_cast<int64_t>(d);
+}
+
+inline double number(const Napi::Env& env, const Napi::Value& value, const std::string& name) {
+  if (!value.IsNumber()) throw Napi::TypeError::New(env, name + " must be a number");
+  return value.As<Napi::Number>().DoubleValue();
+}
+
+inline Variant variant_arg(const Napi::Env& env, const Napi::Value& value) {
+  Variant v;
+  if (!value.IsString() || !parse_variant(value.As<Napi::String>().Utf8Value().c_str(), &v)) {
+    throw Napi::TypeError::New(env, "variant must be 'generic', 'avx2', 'avx512', 'amx' or 'amx-model'");
+  }
+  if (!variant_supported(v)) {
+    throw Napi::Error::New(env, std::string("kernel variant ") + variant_name(v) + " is not supported by this CPU" +
+                                    " (best: " + variant_name(best_supported_variant()) +
+                                    (v == Variant::AmxModel ? "; amx-model needs avx512)" : ")"));
+  }
+  return v;
+}
+
+// variant_arg for an entry point that runs the variant's kernels: the crash handler's message names it.
+inline Variant run_variant_arg(const Napi::Env& env, const Napi::Value& value) {
+  const Variant v = variant_arg(env, value);
+  note_kernel_variant(variant_name(v));
+  return v;
+}
+
+inline int weight_type_arg(const Napi::Env& env, const Napi::Value& value, const std::string& name) {
+  const int64_t type = integer(env, value, name);
+  if (!is_supported_type(static_cast<int>(type))) {
+    throw Napi::TypeError::New(env, name + ": ggml type " + std::to_string(type) + " is not supported");
+  }
+  return static_cast<int>(type);
+}
+
+inline Napi::Object variants_object(const Napi::Env& env, Variant v) {
+  Napi::Object out = Napi::Object::New(env);
+  for (const auto& [kind, name] : kernel_table(v).names) out.Set(kind, name);
+  return out;
+}
+
+// ropeScaling as in ModelConfig: undefined, { type: 'linear', factor } or { type: 'llama3', factor, lowFreqFactor,
+// highFreqFactor, originalContextLength }.
+inline void read_rope_scaling(const Napi::Env& env, const Napi::Value& value, RopeConfig* rope) {
+  if (value.IsUndefined() || value.IsNull()) return;
+  if (!value.IsObject()) throw Napi::TypeError::New(env, "ropeScaling must be an object");
+  Napi::Object o = value.As<Napi::Object>();
+  const std::string type = o.Get("type").ToString().Utf8Value();
+  rope->factor = number(env, o.Get("factor"), "ropeScaling.factor");
+  if (type == "linear") {
+    rope->scaling = RopeConfig::Scaling::Linear;
+  } else if (type == "llama3") {
+    rope->scaling = RopeConfig::Scaling::Llama3;
+    rope->low_freq_factor = number(env, o.Get("lowFreqFactor"), "ropeScaling.lowFreqFactor");
+    rope->high_freq_factor = number(env, o.Get("highFreqFactor"), "ropeScaling.highFreqFactor");
+    rope->original_context = number(env, o.Get("originalContextLength"), "ropeScaling.originalContextLength");
+  } else {
+    throw Napi::TypeError::New(env, "ropeScaling.type must be 'linear' or 'llama3', got '" + type + "'");
+  }
+}
+
+}  // namespace addon
+}  // namespace conduit
