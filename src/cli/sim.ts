@@ -11,6 +11,9 @@ import {
 } from '../sim/latency-model.ts';
 import { checkDisaggregatedPathWithEngine } from '../sim/disaggregated.ts';
 import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
+import { CALIBRATIONS, calibrationEfficiency, DEFAULT_CALIBRATION, parseCalibration } from '../sim/calibration.ts';
+import type { CalibrationName } from '../sim/calibration.ts';
+import type { Efficiency } from '../sim/perf-model.ts';
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
@@ -30,6 +33,11 @@ export const DEPLOYMENT_FLAGS = {
   tp: { type: 'number', help: 'tensor-parallel GPUs per worker' },
   'weight-bytes': { type: 'number', help: 'bytes per weight (2 = BF16, 1 = FP8)', default: 2 },
   'kv-bytes': { type: 'number', help: 'bytes per KV cache element (2 = BF16, 1 = FP8)', default: 2 },
+  calibration: {
+    type: 'string', default: DEFAULT_CALIBRATION,
+    help: `efficiency factors: ${CALIBRATIONS.join(' | ')} (roofline = datasheet-fraction estimates; measured = fitted ` +
+      'to kernel times on a real H100/H200, see docs/simulator.md)',
+  },
 } satisfies FlagTable;
 
 export const LIFECYCLE_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
@@ -61,14 +69,16 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 // Shared helpers
 
 /** Profile lookups turn their RangeError (which lists the known ids) into a usage error. */
-export function resolveDeployment(values: { model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number }):
-  { model: ModelProfile; hw: HardwareProfile; tp: number } {
+export function resolveDeployment(values: {
+  model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number; calibration?: string;
+}): { model: ModelProfile; hw: HardwareProfile; tp: number; calibration: CalibrationName; efficiency: Efficiency } {
   try {
     const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
     const hw = getHardwareProfile(values.gpu!);
     const tp = values.tp!;
     if (!Number.isInteger(tp) || tp < 1) throw new RangeError(`--tp must be a whole number >= 1, got ${tp}`);
-    return { model, hw, tp };
+    const calibration = parseCalibration(values.calibration ?? DEFAULT_CALIBRATION);
+    return { model, hw, tp, calibration, efficiency: calibrationEfficiency(calibration, hw) };
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -112,7 +122,7 @@ async function lifecycle(argv: string[]): Promise<number> {
     console.log(`Usage: conduit sim lifecycle [options]\n\n${formatFlagHelp(LIFECYCLE_FLAGS)}`);
     return 0;
   }
-  const { model, hw, tp } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const maxNumBatchedTokens = wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1);
@@ -128,22 +138,25 @@ async function lifecycle(argv: string[]): Promise<number> {
   }
   let report;
   try {
-    report = simulateLifecycle({ model, hw, tp, promptTokens, cachedTokens, blockSize, maxNumBatchedTokens, disaggregated });
+    report = simulateLifecycle({
+      model, hw, tp, promptTokens, cachedTokens, blockSize, maxNumBatchedTokens, disaggregated, efficiency,
+    });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
   }
+  console.log(`calibration: ${calibration}`);
   console.log(formatLifecycleTable(report));
   // With a link: the cold path of Conduit's disaggregated serving (first token on the prefill worker, then the
   // transfer and the decode worker's first step) next to the aggregated one.
   const path = disaggregated
-    ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, ...disaggregated })
+    ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, efficiency, ...disaggregated })
     : undefined;
   if (path) console.log(formatDisaggregatedPath(path));
   if (!values.check) return 0;
 
   const check = await checkLifecycleWithEngine({
-    model, hw, tp, promptTokens, cachedTokens: report.warm.cachedTokens, blockSize, maxNumBatchedTokens,
+    model, hw, tp, promptTokens, cachedTokens: report.warm.cachedTokens, blockSize, maxNumBatchedTokens, efficiency,
   });
   const line = (name: string, c: typeof check.cold) => `  ${name}: ${c.cachedTokens} cached tokens, engine TTFT `
     + `${c.engineMs.toFixed(2)} ms, model prefill_execution ${c.modelMs.toFixed(2)} ms  ${agrees(c.engineMs, c.modelMs) ? 'ok' : 'MISMATCH'}`;
@@ -155,7 +168,9 @@ async function lifecycle(argv: string[]): Promise<number> {
   }
   let pathOk = true;
   if (disaggregated) {
-    const pathCheck = checkDisaggregatedPathWithEngine({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, ...disaggregated });
+    const pathCheck = checkDisaggregatedPathWithEngine({
+      model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, efficiency, ...disaggregated,
+    });
     pathOk = agrees(pathCheck.engineTtftMs, pathCheck.modelPrefillMs)
       && agrees(pathCheck.engineSecondTokenGapMs, pathCheck.modelSecondTokenGapMs)
       && pathCheck.engineTransferBlocks === pathCheck.modelTransferBlocks;
@@ -174,7 +189,7 @@ async function sweep(argv: string[]): Promise<number> {
     console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
     return 0;
   }
-  const { model, hw, tp } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const contextLen = wholeNumber('context', values.context, 1);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const batchSizes = values.batches!.split(',').map((text) => {
@@ -184,15 +199,16 @@ async function sweep(argv: string[]): Promise<number> {
   });
   let table;
   try {
-    table = decodeSweep({ model, hw, tp, contextLen, batchSizes });
+    table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
   }
+  console.log(`calibration: ${calibration}`);
   console.log(formatDecodeSweep(table));
   if (!values.check) return 0;
 
-  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize });
+  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize, efficiency });
   let ok = true;
   const lines = ['simulated engine: the batch prefilled in one step, then one decode step of all of it:',
     'batch  model ITL ms  engine ITL ms  check', '-----  ------------  -------------  -----'];
