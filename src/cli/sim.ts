@@ -14,6 +14,7 @@ import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
 import { CALIBRATIONS, calibrationEfficiency, DEFAULT_CALIBRATION, parseCalibration } from '../sim/calibration.ts';
 import type { CalibrationName } from '../sim/calibration.ts';
 import type { Efficiency } from '../sim/perf-model.ts';
+import { formatPrefillLayerTable, prefillLayerTable, SEED_001_PREFILL_LAYER_US } from '../sim/layer-table.ts';
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
@@ -38,7 +39,18 @@ export const DEPLOYMENT_FLAGS = {
     help: `efficiency factors: ${CALIBRATIONS.join(' | ')} (roofline = datasheet-fraction estimates; measured = fitted ` +
       'to kernel times on a real H100/H200, see docs/simulator.md)',
   },
+  'matmul-mfu': { type: 'number', help: 'override the calibration: fraction of peak FLOP/s the weight GEMMs reach' },
+  'attention-mfu': { type: 'number', help: 'override the calibration: fraction of peak BF16 FLOP/s attention reaches' },
+  'hbm-utilization': { type: 'number', help: 'override the calibration: fraction of HBM bandwidth memory-bound kernels reach' },
+  'comm-efficiency': { type: 'number', help: 'override the calibration: fraction of link bandwidth collectives reach' },
+  'step-overhead-ms': { type: 'number', help: 'override the calibration: CPU time per step the GPU waits on, ms' },
 } satisfies FlagTable;
+
+/** Efficiency flags and the factor each overrides. */
+const EFFICIENCY_FLAGS = {
+  'matmul-mfu': 'matmulMfu', 'attention-mfu': 'attentionMfu', 'hbm-utilization': 'bandwidthUtilization',
+  'comm-efficiency': 'commEfficiency', 'step-overhead-ms': 'stepOverheadMs',
+} as const;
 
 export const LIFECYCLE_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   ...DEPLOYMENT_FLAGS,
@@ -71,6 +83,8 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 /** Profile lookups turn their RangeError (which lists the known ids) into a usage error. */
 export function resolveDeployment(values: {
   model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number; calibration?: string;
+  'matmul-mfu'?: number; 'attention-mfu'?: number; 'hbm-utilization'?: number; 'comm-efficiency'?: number;
+  'step-overhead-ms'?: number;
 }): { model: ModelProfile; hw: HardwareProfile; tp: number; calibration: CalibrationName; efficiency: Efficiency } {
   try {
     const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
@@ -78,7 +92,15 @@ export function resolveDeployment(values: {
     const tp = values.tp!;
     if (!Number.isInteger(tp) || tp < 1) throw new RangeError(`--tp must be a whole number >= 1, got ${tp}`);
     const calibration = parseCalibration(values.calibration ?? DEFAULT_CALIBRATION);
-    return { model, hw, tp, calibration, efficiency: calibrationEfficiency(calibration, hw) };
+    let efficiency = calibrationEfficiency(calibration, hw);
+    for (const [flag, key] of Object.entries(EFFICIENCY_FLAGS) as [keyof typeof EFFICIENCY_FLAGS, keyof Efficiency][]) {
+      const value = values[flag];
+      if (value === undefined) continue;
+      const ok = key === 'stepOverheadMs' ? value >= 0 && Number.isFinite(value) : value > 0 && value <= 1;
+      if (!ok) throw new RangeError(`--${flag} must be ${key === 'stepOverheadMs' ? 'a number >= 0' : 'in (0, 1]'}, got ${value}`);
+      efficiency = { ...efficiency, [key]: value };
+    }
+    return { model, hw, tp, calibration, efficiency };
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -153,6 +175,11 @@ async function lifecycle(argv: string[]): Promise<number> {
     ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, efficiency, ...disaggregated })
     : undefined;
   if (path) console.log(formatDisaggregatedPath(path));
+  // One layer of the cold prefill kernel by kernel, next to seed 001's when the deployment is the one it measured.
+  const seed = model.id === 'llama-3.1-70b' && tp === 4 && promptTokens === 1024 && model.weightBytesPerParam === 2
+    ? SEED_001_PREFILL_LAYER_US : undefined;
+  console.log(`one layer of the ${promptTokens}-token prefill, per GPU${seed ? ', next to seed 001' : ''}:`);
+  console.log(`${formatPrefillLayerTable(prefillLayerTable(model, hw, tp, promptTokens, efficiency), seed)}\n`);
   if (!values.check) return 0;
 
   const check = await checkLifecycleWithEngine({

@@ -119,6 +119,22 @@ test('--calibration measured (twin CONDUIT_SIM_CALIBRATION / CONDUIT_PLAN_CALIBR
   assert.match(bad.err, /unknown simulator calibration "fast"; known: roofline, measured/);
 });
 
+test('efficiency flags override the calibration: every factor at 100% reproduces the 59.2 ms prefill of docs/simulator.md', async () => {
+  const full = ['--matmul-mfu', '1', '--attention-mfu', '1', '--hbm-utilization', '1', '--comm-efficiency', '1', '--step-overhead-ms', '0'];
+  const { code, out, err } = await run(['sim', 'lifecycle', '--tp', '8', '--prompt', '2048', ...full]);
+  assert.equal(code, 0, err);
+  assert.match(out, /efficiency: matmul MFU 1, attention MFU 1, HBM 1, comm 1, step overhead 0 ms/);
+  assert.match(out, /^prefill_execution\s+59\.24\s/m);
+  assert.match(out, /one layer of the 2048-token prefill, per GPU:/);
+  const seed = await run(['sim', 'lifecycle', ...full]);
+  assert.match(seed.out, /one layer of the 1024-token prefill, per GPU, next to seed 001:/);
+  assert.match(seed.out, /^MLP gate \+ up\s+243\.1\s+compute\s+243\.1\s+70\.1\s+150\s+yes$/m);
+  const bad = await run(['sim', 'lifecycle', '--hbm-utilization', '1.5']);
+  assert.equal(bad.code, 2);
+  assert.match(bad.err, /--hbm-utilization must be in \(0, 1\], got 1\.5/);
+  assert.equal(planOptionsFromFlags(['--rate', '1'], { CONDUIT_PLAN_MATMUL_MFU: '0.5' })!.efficiency!.matmulMfu, 0.5);
+});
+
 test('usage errors exit 2 and name what is wrong', async () => {
   const unknown = await run(['sim', 'lifecycle', '--model', 'gpt-9']);
   assert.equal(unknown.code, 2);
