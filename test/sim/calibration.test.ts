@@ -88,3 +88,24 @@ function syntheticFile(): MeasuredGpuFile {
   const m = { prefill_1024_ms: 1, prefill_gemms_per_layer_ms: 1, prefill_gemm_mfu_vs_989: 0.7, prefill_attention_per_layer_ms: 0.05, decode_b1_ms: 1 };
   return { device: 'synthetic', llama31_8b_tp1: m, llama31_70b_tp4_shard: m };
 }
+
+test('conduit serve --engine sim: the worker pool gives every simulated worker the chosen calibration', async () => {
+  const { createWorkerPool } = await import('../../src/runtime/worker-pool.ts');
+  const { SimEngine } = await import('../../src/sim/sim-engine.ts');
+  for (const [calibration, want] of [[undefined, DEFAULT_EFFICIENCY], ['measured', MEASURED_EFFICIENCY.h200]] as const) {
+    const pool = await createWorkerPool({
+      engine: 'sim', workers: 2, routerSeed: 1,
+      sim: { model: 'llama-3.1-8b', gpu: 'h200', tp: 1, speedUp: Infinity, ...(calibration ? { calibration } : {}) },
+    });
+    try {
+      assert.equal(pool.workers.length, 2);
+      for (const w of pool.workers) {
+        assert.ok(w.engine instanceof SimEngine);
+        assert.equal(w.engine.worker.efficiency, want);
+      }
+      assert.match(pool.notices.join('\n'), new RegExp(`${calibration ?? 'roofline'} calibration`));
+    } finally {
+      await pool.engine.close();
+    }
+  }
+});
