@@ -29,7 +29,7 @@ export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
 export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): PlanOptions | null {
   const { values } = parseFlags(PLAN_FLAGS, argv, env);
   if (values.help) return null;
-  const { model, hw, tp } = resolveDeployment(values);
+  const { model, hw, tp, efficiency } = resolveDeployment(values);
   if (values.rate === undefined) throw new UsageError('--rate is required (requests per second)');
   if (!(values.rate > 0)) throw new UsageError(`--rate must be > 0, got ${values.rate}`);
   for (const flag of ['ttft-p99', 'itl-p99'] as const) {
@@ -41,7 +41,7 @@ export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.Proces
   const sharedPrefixTokens = wholeNumber('prefix-tokens', values['prefix-tokens'], 0);
   if (sharedPrefixTokens > inputTokens) throw new UsageError(`--prefix-tokens ${sharedPrefixTokens} exceeds --isl ${inputTokens}`);
   return {
-    model, hw, tp, ratePerSec: values.rate, inputTokens, outputTokens: wholeNumber('osl', values.osl, 1),
+    model, hw, tp, efficiency, ratePerSec: values.rate, inputTokens, outputTokens: wholeNumber('osl', values.osl, 1),
     ttftP99Ms: values['ttft-p99']!, itlP99Ms: values['itl-p99']!, sharedPrefixTokens,
     numRequests: wholeNumber('requests', values.requests, 1), seed: wholeNumber('seed', values.seed, 0),
     warmupFraction: warmup, maxWorkers: wholeNumber('max-workers', values['max-workers'], 1),

@@ -17,6 +17,7 @@ import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
+import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
@@ -52,6 +53,7 @@ export const SERVE_FLAGS = {
   'sim-model': { type: 'string', help: 'model profile of simulated workers (llama-3.1-8b, llama-3.1-70b, ...)', default: 'llama-3.1-8b' },
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
+  'sim-calibration': { type: 'string', help: `efficiency factors of simulated workers: ${CALIBRATIONS.join(' | ')} (see docs/simulator.md)`, default: DEFAULT_CALIBRATION },
   'sim-speed-up': { type: 'string', help: 'simulated ms per real ms: 1 = real time, inf = no waiting (each request\'s steps run back to back as fast as the CPU allows; timings are the simulated ones)', default: '1' },
   'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
   'max-sequences-per-request': { type: 'number', help: 'most sequences (prompts x n) one request may ask for; more is a 400 (capped at --max-pending-requests)', default: DEFAULT_MAX_SEQUENCES_PER_REQUEST },
@@ -255,6 +257,12 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
+  let calibration: CalibrationName;
+  try {
+    calibration = parseCalibration(values['sim-calibration']!);
+  } catch (error) {
+    throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
+  }
   const migrationLimit = values['migration-limit']!;
   if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
     throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
@@ -283,7 +291,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     migrationLimit,
     workerRestartLimit,
     workerRestartDelayMs,
-    sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp },
+    sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp, calibration },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxSequencesPerRequest: positiveInteger(values['max-sequences-per-request'], 'max-sequences-per-request')!,
     maxConnections: positiveInteger(values['max-connections'], 'max-connections') ?? defaultMaxConnections(),

@@ -11,6 +11,10 @@ import {
 } from '../sim/latency-model.ts';
 import { checkDisaggregatedPathWithEngine } from '../sim/disaggregated.ts';
 import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
+import { CALIBRATIONS, calibrationEfficiency, DEFAULT_CALIBRATION, parseCalibration } from '../sim/calibration.ts';
+import type { CalibrationName } from '../sim/calibration.ts';
+import type { Efficiency } from '../sim/perf-model.ts';
+import { formatPrefillLayerTable, prefillLayerTable, SEED_001_PREFILL_LAYER_US } from '../sim/layer-table.ts';
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
@@ -30,7 +34,23 @@ export const DEPLOYMENT_FLAGS = {
   tp: { type: 'number', help: 'tensor-parallel GPUs per worker' },
   'weight-bytes': { type: 'number', help: 'bytes per weight (2 = BF16, 1 = FP8)', default: 2 },
   'kv-bytes': { type: 'number', help: 'bytes per KV cache element (2 = BF16, 1 = FP8)', default: 2 },
+  calibration: {
+    type: 'string', default: DEFAULT_CALIBRATION,
+    help: `efficiency factors: ${CALIBRATIONS.join(' | ')} (roofline = datasheet-fraction estimates; measured = fitted ` +
+      'to kernel times on a real H100/H200, see docs/simulator.md)',
+  },
+  'matmul-mfu': { type: 'number', help: 'override the calibration: fraction of peak FLOP/s the weight GEMMs reach' },
+  'attention-mfu': { type: 'number', help: 'override the calibration: fraction of peak BF16 FLOP/s attention reaches' },
+  'hbm-utilization': { type: 'number', help: 'override the calibration: fraction of HBM bandwidth memory-bound kernels reach' },
+  'comm-efficiency': { type: 'number', help: 'override the calibration: fraction of link bandwidth collectives reach' },
+  'step-overhead-ms': { type: 'number', help: 'override the calibration: CPU time per step the GPU waits on, ms' },
 } satisfies FlagTable;
+
+/** Efficiency flags and the factor each overrides. */
+const EFFICIENCY_FLAGS = {
+  'matmul-mfu': 'matmulMfu', 'attention-mfu': 'attentionMfu', 'hbm-utilization': 'bandwidthUtilization',
+  'comm-efficiency': 'commEfficiency', 'step-overhead-ms': 'stepOverheadMs',
+} as const;
 
 export const LIFECYCLE_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   ...DEPLOYMENT_FLAGS,
@@ -61,14 +81,26 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 // Shared helpers
 
 /** Profile lookups turn their RangeError (which lists the known ids) into a usage error. */
-export function resolveDeployment(values: { model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number }):
-  { model: ModelProfile; hw: HardwareProfile; tp: number } {
+export function resolveDeployment(values: {
+  model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number; calibration?: string;
+  'matmul-mfu'?: number; 'attention-mfu'?: number; 'hbm-utilization'?: number; 'comm-efficiency'?: number;
+  'step-overhead-ms'?: number;
+}): { model: ModelProfile; hw: HardwareProfile; tp: number; calibration: CalibrationName; efficiency: Efficiency } {
   try {
     const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
     const hw = getHardwareProfile(values.gpu!);
     const tp = values.tp!;
     if (!Number.isInteger(tp) || tp < 1) throw new RangeError(`--tp must be a whole number >= 1, got ${tp}`);
-    return { model, hw, tp };
+    const calibration = parseCalibration(values.calibration ?? DEFAULT_CALIBRATION);
+    let efficiency = calibrationEfficiency(calibration, hw);
+    for (const [flag, key] of Object.entries(EFFICIENCY_FLAGS) as [keyof typeof EFFICIENCY_FLAGS, keyof Efficiency][]) {
+      const value = values[flag];
+      if (value === undefined) continue;
+      const ok = key === 'stepOverheadMs' ? value >= 0 && Number.isFinite(value) : value > 0 && value <= 1;
+      if (!ok) throw new RangeError(`--${flag} must be ${key === 'stepOverheadMs' ? 'a number >= 0' : 'in (0, 1]'}, got ${value}`);
+      efficiency = { ...efficiency, [key]: value };
+    }
+    return { model, hw, tp, calibration, efficiency };
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -112,7 +144,7 @@ async function lifecycle(argv: string[]): Promise<number> {
     console.log(`Usage: conduit sim lifecycle [options]\n\n${formatFlagHelp(LIFECYCLE_FLAGS)}`);
     return 0;
   }
-  const { model, hw, tp } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const maxNumBatchedTokens = wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1);
@@ -128,22 +160,30 @@ async function lifecycle(argv: string[]): Promise<number> {
   }
   let report;
   try {
-    report = simulateLifecycle({ model, hw, tp, promptTokens, cachedTokens, blockSize, maxNumBatchedTokens, disaggregated });
+    report = simulateLifecycle({
+      model, hw, tp, promptTokens, cachedTokens, blockSize, maxNumBatchedTokens, disaggregated, efficiency,
+    });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
   }
+  console.log(`calibration: ${calibration}`);
   console.log(formatLifecycleTable(report));
   // With a link: the cold path of Conduit's disaggregated serving (first token on the prefill worker, then the
   // transfer and the decode worker's first step) next to the aggregated one.
   const path = disaggregated
-    ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, ...disaggregated })
+    ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, efficiency, ...disaggregated })
     : undefined;
   if (path) console.log(formatDisaggregatedPath(path));
+  // One layer of the cold prefill kernel by kernel, next to seed 001's when the deployment is the one it measured.
+  const seed = model.id === 'llama-3.1-70b' && tp === 4 && promptTokens === 1024 && model.weightBytesPerParam === 2
+    ? SEED_001_PREFILL_LAYER_US : undefined;
+  console.log(`one layer of the ${promptTokens}-token prefill, per GPU${seed ? ', next to seed 001' : ''}:`);
+  console.log(`${formatPrefillLayerTable(prefillLayerTable(model, hw, tp, promptTokens, efficiency), seed)}\n`);
   if (!values.check) return 0;
 
   const check = await checkLifecycleWithEngine({
-    model, hw, tp, promptTokens, cachedTokens: report.warm.cachedTokens, blockSize, maxNumBatchedTokens,
+    model, hw, tp, promptTokens, cachedTokens: report.warm.cachedTokens, blockSize, maxNumBatchedTokens, efficiency,
   });
   const line = (name: string, c: typeof check.cold) => `  ${name}: ${c.cachedTokens} cached tokens, engine TTFT `
     + `${c.engineMs.toFixed(2)} ms, model prefill_execution ${c.modelMs.toFixed(2)} ms  ${agrees(c.engineMs, c.modelMs) ? 'ok' : 'MISMATCH'}`;
@@ -155,7 +195,9 @@ async function lifecycle(argv: string[]): Promise<number> {
   }
   let pathOk = true;
   if (disaggregated) {
-    const pathCheck = checkDisaggregatedPathWithEngine({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, ...disaggregated });
+    const pathCheck = checkDisaggregatedPathWithEngine({
+      model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, efficiency, ...disaggregated,
+    });
     pathOk = agrees(pathCheck.engineTtftMs, pathCheck.modelPrefillMs)
       && agrees(pathCheck.engineSecondTokenGapMs, pathCheck.modelSecondTokenGapMs)
       && pathCheck.engineTransferBlocks === pathCheck.modelTransferBlocks;
@@ -174,7 +216,7 @@ async function sweep(argv: string[]): Promise<number> {
     console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
     return 0;
   }
-  const { model, hw, tp } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const contextLen = wholeNumber('context', values.context, 1);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const batchSizes = values.batches!.split(',').map((text) => {
@@ -184,15 +226,16 @@ async function sweep(argv: string[]): Promise<number> {
   });
   let table;
   try {
-    table = decodeSweep({ model, hw, tp, contextLen, batchSizes });
+    table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
   }
+  console.log(`calibration: ${calibration}`);
   console.log(formatDecodeSweep(table));
   if (!values.check) return 0;
 
-  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize });
+  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize, efficiency });
   let ok = true;
   const lines = ['simulated engine: the batch prefilled in one step, then one decode step of all of it:',
     'batch  model ITL ms  engine ITL ms  check', '-----  ------------  -------------  -----'];

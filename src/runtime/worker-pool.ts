@@ -16,6 +16,7 @@ import { seededRandom } from '../util/random.ts';
 import { Router } from '../router/router.ts';
 import { BitsetKvIndex } from '../router/kv-index.ts';
 import { getHardwareProfile } from '../sim/hardware.ts';
+import { calibrationEfficiency, DEFAULT_CALIBRATION, type CalibrationName } from '../sim/calibration.ts';
 import { getModelProfile } from '../sim/models.ts';
 import { SimEngine } from '../sim/sim-engine.ts';
 import type { DisaggregationPolicy } from './disaggregation-policy.ts';
@@ -33,6 +34,8 @@ export interface SimWorkerSpec {
   tp: number;
   /** Simulated ms per real ms (Infinity = as fast as possible). */
   speedUp: number;
+  /** Efficiency factors of the performance model (default DEFAULT_CALIBRATION, src/sim/calibration.ts). */
+  calibration?: CalibrationName;
 }
 
 export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents'> {
@@ -172,12 +175,14 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   const model = getModelProfile(spec.model);
   const hw = getHardwareProfile(spec.gpu);
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
+  const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
+  const efficiency = calibrationEfficiency(calibration, hw);
   const workers: RoutedWorker[] = [];
   for (let i = 0; i < options.workers; i++) {
     workers.push({
       id: `sim-${i}`,
       engine: new SimEngine({
-        model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: withKvEvents, ...vocabulary,
+        model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, enableKvEvents: withKvEvents, ...vocabulary,
         maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
         maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
       }),
@@ -185,7 +190,8 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   }
   return {
     workers, tokenizer, chatTemplate, start: undefined,
-    notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker (speed-up ${spec.speedUp})`],
+    notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker (speed-up ${spec.speedUp}, `
+      + `${calibration} calibration)`],
   };
 }
 
@@ -281,8 +287,10 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const model = getModelProfile(spec.model);
   const hw = getHardwareProfile(spec.gpu);
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
+  const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
+  const efficiency = calibrationEfficiency(calibration, hw);
   const make = (role: WorkerRole) => new SimEngine({
-    model, hw, tp: spec.tp, speedUp: spec.speedUp, enableKvEvents: true, role, ...vocabulary,
+    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, enableKvEvents: true, role, ...vocabulary,
     maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
     maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
   });
@@ -291,6 +299,7 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   return {
     prefill, decode, tokenizer, chatTemplate,
     notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker, ${numPrefill} prefill + `
-      + `${numDecode} decode workers, KV over ${decode[0]!.engine.kvLink.name} (speed-up ${spec.speedUp})`],
+      + `${numDecode} decode workers, KV over ${decode[0]!.engine.kvLink.name} (speed-up ${spec.speedUp}, `
+      + `${calibration} calibration)`],
   };
 }

@@ -99,6 +99,8 @@ export interface ExecutionComponents {
   attentionMs: number;
   commMs: number;
   overheadMs: number;
+  /** Unfused norm / residual / activation kernels and the per-layer floor (0 under the roofline calibration). */
+  elementwiseMs: number;
   /** Which side of the matmul roofline limited the (last) step. */
   matmulBound: string;
 }
@@ -171,6 +173,7 @@ function execution(phase: LifecyclePhase, steps: StepShape[], opts: LifecycleOpt
       attentionMs: sum((b) => b.prefillAttention.timeMs + b.decodeAttention.timeMs),
       commMs: sum((b) => b.commMs),
       overheadMs: sum((b) => b.overheadMs),
+      elementwiseMs: sum((b) => b.elementwiseMs + b.layerOverheadMs),
       matmulBound: last ? last.matmul.bound : 'idle',
     },
   };
@@ -463,8 +466,12 @@ function table(header: readonly string[], rows: readonly (readonly string[])[],
 const fmt = (ms: number, digits = 2) => ms.toFixed(digits);
 
 function efficiencyLine(e: Efficiency): string {
+  const unfused = (e.hiddenPasses ?? 0) > 0 || (e.ffnPasses ?? 0) > 0 || (e.layerOverheadUs ?? 0) > 0
+    ? `, elementwise passes ${e.hiddenPasses ?? 0} hidden / ${e.ffnPasses ?? 0} FFN, layer floor ` +
+      `${e.layerOverheadUs ?? 0} us`
+    : '';
   return `efficiency: matmul MFU ${e.matmulMfu}, attention MFU ${e.attentionMfu}, HBM ${e.bandwidthUtilization}, ` +
-    `comm ${e.commEfficiency}, step overhead ${e.stepOverheadMs} ms`;
+    `comm ${e.commEfficiency}, step overhead ${e.stepOverheadMs} ms${unfused}`;
 }
 
 /** Cold and warm TTFT side by side, one row per phase, GPU phases split into matmul / attention / comm / overhead. */
@@ -495,6 +502,10 @@ export function formatLifecycleTable(report: LifecycleReport): string {
       };
       part(`matmul (${cc?.matmulBound ?? '-'} / ${wc?.matmulBound ?? '-'})`, (x) => x.matmulMs);
       part('attention', (x) => x.attentionMs);
+      // Only calibrations that model them (measured) have these; the roofline table stays as it was.
+      if ((cc?.elementwiseMs ?? 0) > 0 || (wc?.elementwiseMs ?? 0) > 0) {
+        part('norms, activations, layer floor', (x) => x.elementwiseMs);
+      }
       part('tensor-parallel comm', (x) => x.commMs);
       part('step overhead', (x) => x.overheadMs);
     }
@@ -511,15 +522,18 @@ export function formatDecodeSweep(sweep: DecodeSweep): string {
       `${sweep.contextLen} tokens; KV capacity ${sweep.kvCapacityTokens} tokens`,
     efficiencyLine(sweep.efficiency),
   ];
+  // The elementwise column only for calibrations that model it (measured); the roofline table stays as it was.
+  const unfused = sweep.rows.some((r) => r.breakdown.elementwiseMs + r.breakdown.layerOverheadMs > 0);
   const rows = sweep.rows.map((r) => {
     const b = r.breakdown;
     return [
       String(r.batch), fmt(r.itlMs), r.tokensPerSec.toFixed(0), r.tokensPerSecPerGpu.toFixed(0),
-      fmt(b.matmul.timeMs), b.matmul.bound, fmt(b.decodeAttention.timeMs), fmt(b.commMs), fmt(b.overheadMs),
+      fmt(b.matmul.timeMs), b.matmul.bound, fmt(b.decodeAttention.timeMs),
+      ...(unfused ? [fmt(b.elementwiseMs + b.layerOverheadMs)] : []), fmt(b.commMs), fmt(b.overheadMs),
       r.kvFits ? 'yes' : 'no',
     ];
   });
-  const header = ['batch', 'ITL ms', 'tok/s', 'tok/s/GPU', 'matmul ms', 'bound', 'KV read ms', 'comm ms',
-    'overhead ms', 'KV fits'];
+  const header = ['batch', 'ITL ms', 'tok/s', 'tok/s/GPU', 'matmul ms', 'bound', 'KV read ms',
+    ...(unfused ? ['elementwise ms'] : []), 'comm ms', 'overhead ms', 'KV fits'];
   return `${title.join('\n')}\n\n${table(header, rows, [])}\n`;
 }

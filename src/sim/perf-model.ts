@@ -58,6 +58,19 @@ export interface Efficiency {
   commEfficiency: number;
   /** CPU-side work per step the GPU waits on: scheduling, input preparation, launch, sampling. */
   stepOverheadMs: number;
+  /**
+   * Times each token's hidden state (BF16, per layer) crosses HBM in the kernels not fused into a GEMM or attention:
+   * RMSNorms (with their FP32 intermediates) and residual adds. A memory-bound term at bandwidthUtilization. Absent
+   * or 0: not modelled (the roofline calibration).
+   */
+  hiddenPasses?: number;
+  /** Likewise for this GPU's share of the FFN intermediate (SiLU, the gate product, the split of gate and up). */
+  ffnPasses?: number;
+  /**
+   * GPU time per layer per step that does not shrink with the batch: the launch floor of a layer's dozen small
+   * kernels, even replayed from a CUDA graph. Microseconds; absent or 0: not modelled.
+   */
+  layerOverheadUs?: number;
 }
 
 /**
@@ -97,6 +110,10 @@ export interface StepWork {
   allReducePayloadBytes: number;
   /** Bytes of the full logits tensor the all-gather assembles (0 when tp = 1). */
   logitsGatherPayloadBytes: number;
+  /** Bytes of one pass over every new token's hidden state, all layers. */
+  hiddenPassBytes: number;
+  /** Bytes of one pass over every new token's share of the FFN intermediate, all layers. */
+  ffnPassBytes: number;
 }
 
 /**
@@ -153,7 +170,7 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
     return {
       newTokens: 0, sampledTokens: 0, matmulFlops: 0, weightBytes: 0, prefillAttentionFlops: 0, prefillKvBytes: 0,
       decodeAttentionFlops: 0, decodeKvBytes: 0, allReduceCount: 0, allReducePayloadBytes: 0,
-      logitsGatherPayloadBytes: 0,
+      logitsGatherPayloadBytes: 0, hiddenPassBytes: 0, ffnPassBytes: 0,
     };
   }
   // Every token goes through every layer; only sampled positions go through the LM head (engines slice the hidden
@@ -187,6 +204,9 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
     allReduceCount: tpComm ? 2 * model.numLayers : 0,
     allReducePayloadBytes: tpComm ? newTokens * model.hiddenDim * model.activationBytesPerElement : 0,
     logitsGatherPayloadBytes: tpComm ? sampledTokens * model.vocabSize * model.activationBytesPerElement : 0,
+    // Norms and residuals run on the whole hidden state on every GPU; the FFN intermediate is split tp ways.
+    hiddenPassBytes: newTokens * model.numLayers * model.hiddenDim * model.activationBytesPerElement,
+    ffnPassBytes: newTokens * model.numLayers * (model.ffnDim / tp) * model.activationBytesPerElement,
   };
 }
 
@@ -260,6 +280,10 @@ export interface StepBreakdown {
   logitsGatherMs: number;
   /** allReduceMs + logitsGatherMs. */
   commMs: number;
+  /** Unfused norm / residual / activation kernels: the passes over hidden and FFN activations at HBM speed. */
+  elementwiseMs: number;
+  /** layerOverheadUs x layers. */
+  layerOverheadMs: number;
   overheadMs: number;
   totalMs: number;
 }
@@ -275,6 +299,10 @@ function checkEfficiency(e: Efficiency): void {
     if (!(e[key] > 0)) throw new RangeError(`efficiency.${key} must be > 0, got ${e[key]}`);
   }
   if (!(e.stepOverheadMs >= 0)) throw new RangeError(`efficiency.stepOverheadMs must be >= 0, got ${e.stepOverheadMs}`);
+  for (const key of ['hiddenPasses', 'ffnPasses', 'layerOverheadUs'] as const) {
+    const v = e[key];
+    if (v !== undefined && !(v >= 0 && Number.isFinite(v))) throw new RangeError(`efficiency.${key} must be >= 0, got ${v}`);
+  }
 }
 
 /** Where the time of one step goes. An empty step takes no time (the engine is idle, no step runs). */
@@ -297,9 +325,16 @@ export function stepBreakdown(step: StepShape, model: ModelProfile, hw: Hardware
     * ringAllReduceTimeMs(work.allReducePayloadBytes, tp, hw.tpLink, efficiency.commEfficiency);
   const logitsGatherMs = ringAllGatherTimeMs(work.logitsGatherPayloadBytes, tp, hw.tpLink, efficiency.commEfficiency);
   const commMs = allReduceMs + logitsGatherMs;
+  const elementwiseMs = ms((efficiency.hiddenPasses ?? 0) * work.hiddenPassBytes
+    + (efficiency.ffnPasses ?? 0) * work.ffnPassBytes, bytesPerSec);
+  const layerOverheadMs = work.newTokens > 0 ? (model.numLayers * (efficiency.layerOverheadUs ?? 0)) / 1000 : 0;
   const overheadMs = work.newTokens > 0 ? efficiency.stepOverheadMs : 0;
-  const totalMs = matmul.timeMs + prefillAttention.timeMs + decodeAttention.timeMs + commMs + overheadMs;
-  return { work, matmul, prefillAttention, decodeAttention, allReduceMs, logitsGatherMs, commMs, overheadMs, totalMs };
+  const totalMs = matmul.timeMs + prefillAttention.timeMs + decodeAttention.timeMs + elementwiseMs + layerOverheadMs
+    + commMs + overheadMs;
+  return {
+    work, matmul, prefillAttention, decodeAttention, allReduceMs, logitsGatherMs, commMs, elementwiseMs,
+    layerOverheadMs, overheadMs, totalMs,
+  };
 }
 
 /** Duration of one engine step in milliseconds. Non-decreasing in every token count, context length and batch size. */
@@ -367,9 +402,12 @@ export interface CalibrationResult {
 interface PointTerms {
   mmC: number; mmM: number; paC: number; paM: number; daC: number; daM: number;
   commBwMs: number; commLatencyMs: number; hasWork: boolean;
+  /** Elementwise kernels' time at full bandwidth (scales with u_bw) and the per-layer floor (fixed). */
+  ewM: number; layerMs: number;
 }
 
-function pointTerms(step: StepShape, model: ModelProfile, hw: HardwareProfile, tp: number): PointTerms {
+function pointTerms(step: StepShape, model: ModelProfile, hw: HardwareProfile, tp: number,
+  fixed: Efficiency): PointTerms {
   const w = stepWork(step, model, tp);
   const ms = (amount: number, perSec: number) => (amount / perSec) * 1000;
   const matmulPeak = matmulPeakFlopsPerSec(hw, model.weightBytesPerParam);
@@ -384,6 +422,9 @@ function pointTerms(step: StepShape, model: ModelProfile, hw: HardwareProfile, t
     paC: ms(w.prefillAttentionFlops, hw.bf16FlopsPerSec), paM: ms(w.prefillKvBytes, hw.hbmBytesPerSec),
     daC: ms(w.decodeAttentionFlops, hw.bf16FlopsPerSec), daM: ms(w.decodeKvBytes, hw.hbmBytesPerSec),
     commBwMs, commLatencyMs, hasWork: w.newTokens > 0,
+    ewM: ms((fixed.hiddenPasses ?? 0) * w.hiddenPassBytes + (fixed.ffnPasses ?? 0) * w.ffnPassBytes,
+      hw.hbmBytesPerSec),
+    layerMs: w.newTokens > 0 ? (model.numLayers * (fixed.layerOverheadUs ?? 0)) / 1000 : 0,
   };
 }
 
@@ -391,8 +432,11 @@ function pointTerms(step: StepShape, model: ModelProfile, hw: HardwareProfile, t
 function toUnknowns(e: Efficiency): number[] {
   return [1 / e.matmulMfu, 1 / e.attentionMfu, 1 / e.bandwidthUtilization, 1 / e.commEfficiency, e.stepOverheadMs];
 }
-function fromUnknowns(u: readonly number[]): Efficiency {
+function fromUnknowns(u: readonly number[], fixed: Efficiency): Efficiency {
   return {
+    ...(fixed.hiddenPasses !== undefined ? { hiddenPasses: fixed.hiddenPasses } : {}),
+    ...(fixed.ffnPasses !== undefined ? { ffnPasses: fixed.ffnPasses } : {}),
+    ...(fixed.layerOverheadUs !== undefined ? { layerOverheadUs: fixed.layerOverheadUs } : {}),
     matmulMfu: 1 / u[0]!, attentionMfu: 1 / u[1]!, bandwidthUtilization: 1 / u[2]!, commEfficiency: 1 / u[3]!,
     stepOverheadMs: u[4]!,
   };
@@ -400,7 +444,7 @@ function fromUnknowns(u: readonly number[]): Efficiency {
 
 /** Coefficients of the unknowns for one point, given which side of each max the current estimate makes active. */
 function rowFor(t: PointTerms, u: readonly number[]): number[] {
-  const row = [0, 0, 0, t.commBwMs, t.hasWork ? 1 : 0];
+  const row = [0, 0, t.ewM, t.commBwMs, t.hasWork ? 1 : 0];
   const pick = (c: number, m: number, computeCol: number) => {
     if (c === 0 && m === 0) return;
     if (c * u[computeCol]! >= m * u[2]!) row[computeCol]! += c;
@@ -415,14 +459,14 @@ function rowFor(t: PointTerms, u: readonly number[]): number[] {
 function modelTimeMs(t: PointTerms, u: readonly number[]): number {
   if (!t.hasWork) return 0;
   return Math.max(t.mmC * u[0]!, t.mmM * u[2]!) + Math.max(t.paC * u[1]!, t.paM * u[2]!)
-    + Math.max(t.daC * u[1]!, t.daM * u[2]!) + t.commBwMs * u[3]! + t.commLatencyMs + u[4]!;
+    + Math.max(t.daC * u[1]!, t.daM * u[2]!) + t.ewM * u[2]! + t.commBwMs * u[3]! + t.commLatencyMs + t.layerMs + u[4]!;
 }
 
 /**
  * Least squares by Householder QR on unit-norm columns. Returns null for columns that are zero or (numerically)
  * combinations of earlier ones, so the caller can hold those unknowns fixed and solve again without them.
  */
-function leastSquares(a: readonly number[][], b: readonly number[]): (number | null)[] {
+export function leastSquares(a: readonly number[][], b: readonly number[]): (number | null)[] {
   const m = a.length;
   const n = a[0]?.length ?? 0;
   const scale = Array.from({ length: n }, (_, j) => Math.hypot(...a.map((row) => row[j]!)));
@@ -470,7 +514,8 @@ function leastSquares(a: readonly number[][], b: readonly number[]): (number | n
 /**
  * Fits efficiency factors to measured step times by least squares. Points should span the regimes whose factors are
  * wanted: small decode batches (bandwidth), long prefill chunks (matmul MFU), long contexts in prefill (attention
- * MFU), varying token counts with tp > 1 (communication), and anything (overhead).
+ * MFU), varying token counts with tp > 1 (communication), and anything (overhead). hiddenPasses, ffnPasses and
+ * layerOverheadUs are not fitted here: they stay at `initial`'s values (src/sim/calibration.ts fits them).
  */
 export function calibrateEfficiency(points: readonly CalibrationPoint[], model: ModelProfile, hw: HardwareProfile,
   tp: number, options: CalibrationOptions = {}): CalibrationResult {
@@ -480,7 +525,7 @@ export function calibrateEfficiency(points: readonly CalibrationPoint[], model: 
   const fitKeys = options.fit ?? UNKNOWNS;
   const maxIterations = options.maxIterations ?? 50;
   const usable = points.filter((p) => Number.isFinite(p.timeMs));
-  const terms = usable.map((p) => pointTerms(p.step, model, hw, tp));
+  const terms = usable.map((p) => pointTerms(p.step, model, hw, tp, initial));
   const fitCols = UNKNOWNS.map((k, i) => (fitKeys.includes(k) ? i : -1)).filter((i) => i >= 0);
   if (usable.length < fitCols.length) {
     throw new RangeError(`calibration needs at least ${fitCols.length} points for ${fitCols.length} factors, ` +
@@ -507,7 +552,7 @@ export function calibrateEfficiency(points: readonly CalibrationPoint[], model: 
       for (;;) {
         const a = rows.map((r) => cols.map((c) => r[c]!));
         const b = rows.map((r, i) => {
-          let rhs = usable[i]!.timeMs - (terms[i]!.hasWork ? terms[i]!.commLatencyMs : 0);
+          let rhs = usable[i]!.timeMs - (terms[i]!.hasWork ? terms[i]!.commLatencyMs + terms[i]!.layerMs : 0);
           for (let c = 0; c < UNKNOWNS.length; c++) if (!cols.includes(c)) rhs -= r[c]! * u[c]!;
           return rhs;
         });
@@ -559,7 +604,7 @@ export function calibrateEfficiency(points: readonly CalibrationPoint[], model: 
     if (rms <= chosen.rms * (1 + 1e-9) + 1e-12) chosen = { ...run, rms };
   }
   return {
-    efficiency: fromUnknowns(chosen.u),
+    efficiency: fromUnknowns(chosen.u, initial),
     fitted: fitCols.filter((c) => chosen.identified.has(c)).map((c) => UNKNOWNS[c]!),
     unidentified: fitCols.filter((c) => !chosen.identified.has(c)).map((c) => UNKNOWNS[c]!),
     rmsErrorMs: chosen.rms,

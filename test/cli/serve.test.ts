@@ -129,6 +129,15 @@ describe('conduit serve flags', () => {
     }
   });
 
+  it('takes --sim-calibration (roofline by default, or measured) and its twin CONDUIT_SIM_CALIBRATION', () => {
+    assert.equal(config([]).sim.calibration, 'roofline');
+    assert.equal(config(['--sim-calibration', 'measured']).sim.calibration, 'measured');
+    assert.equal(config([], { CONDUIT_SIM_CALIBRATION: 'measured' }).sim.calibration, 'measured');
+    assert.equal(config(['--sim-calibration', 'roofline'], { CONDUIT_SIM_CALIBRATION: 'measured' }).sim.calibration, 'roofline');
+    assert.throws(() => parseServeConfig(['--sim-calibration', 'fast'], {}), (err: unknown) => err instanceof UsageError
+      && /--sim-calibration: unknown simulator calibration "fast"; known: roofline, measured/.test(err.message));
+  });
+
   it('turns on one decode_step span per engine step with --trace-decode-steps or its twin', async () => {
     assert.equal(config([]).traceDecodeSteps, false);
     assert.equal(config(['--trace-decode-steps']).traceDecodeSteps, true);

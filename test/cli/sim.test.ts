@@ -4,6 +4,8 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { main } from '../../src/cli/main.ts';
 import { planOptionsFromFlags } from '../../src/cli/plan.ts';
+import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
+import { DEFAULT_EFFICIENCY } from '../../src/sim/perf-model.ts';
 
 async function run(argv: string[]): Promise<{ code: number; out: string; err: string }> {
   const out: string[] = [];
@@ -76,6 +78,61 @@ test('conduit sim decode-sweep prints ITL per batch and the engine agrees row by
     const [, model, engine] = row.trim().split(/\s+/);
     assert.equal(model, engine);
   }
+});
+
+test('--calibration measured (twin CONDUIT_SIM_CALIBRATION / CONDUIT_PLAN_CALIBRATION) slows the tables to the fitted factors', async () => {
+  const argv = ['sim', 'decode-sweep', '--model', 'llama-3.1-8b', '--tp', '1', '--context', '1024', '--batches', '1'];
+  const itl = (out: string) => Number(/^\s+1\s+([\d.]+)\s/m.exec(out)![1]);
+  const roofline = await run(argv);
+  const measured = await run([...argv, '--calibration', 'measured']);
+  assert.equal(roofline.code, 0);
+  assert.equal(measured.code, 0, measured.err);
+  assert.match(roofline.out, /^calibration: roofline$/m);
+  assert.match(measured.out, /^calibration: measured$/m);
+  assert.match(measured.out, /elementwise passes 41\.7 hidden \/ 2\.91 FFN, layer floor 42\.1 us/);
+  assert.match(measured.out, /elementwise ms/);
+  assert.doesNotMatch(roofline.out, /elementwise/);
+  // The engine cross-check runs with the same factors (it would print MISMATCH and exit 1 otherwise).
+  assert.doesNotMatch(measured.out, /MISMATCH/);
+  assert.ok(itl(measured.out) > itl(roofline.out), `${itl(measured.out)} vs ${itl(roofline.out)}`);
+
+  const lifecycle = await run(['sim', 'lifecycle', '--prompt', '512']);
+  const previous = process.env.CONDUIT_SIM_CALIBRATION;
+  process.env.CONDUIT_SIM_CALIBRATION = 'measured';
+  try {
+    const viaEnv = await run(['sim', 'lifecycle', '--prompt', '512']);
+    assert.equal(viaEnv.code, 0, viaEnv.err);
+    assert.match(viaEnv.out, /^calibration: measured$/m);
+    assert.match(viaEnv.out, /norms, activations, layer floor/);
+    assert.doesNotMatch(lifecycle.out, /norms, activations, layer floor/);
+  } finally {
+    if (previous === undefined) delete process.env.CONDUIT_SIM_CALIBRATION;
+    else process.env.CONDUIT_SIM_CALIBRATION = previous;
+  }
+
+  assert.equal(planOptionsFromFlags(['--rate', '1'], {})!.efficiency, DEFAULT_EFFICIENCY);
+  assert.equal(planOptionsFromFlags(['--rate', '1'], { CONDUIT_PLAN_CALIBRATION: 'measured' })!.efficiency, MEASURED_EFFICIENCY.h100);
+  assert.equal(planOptionsFromFlags(['--rate', '1', '--gpu', 'h200', '--calibration', 'measured'], {})!.efficiency,
+    MEASURED_EFFICIENCY.h200);
+  const bad = await run(['sim', 'lifecycle', '--calibration', 'fast']);
+  assert.equal(bad.code, 2);
+  assert.match(bad.err, /unknown simulator calibration "fast"; known: roofline, measured/);
+});
+
+test('efficiency flags override the calibration: every factor at 100% reproduces the 59.2 ms prefill of docs/simulator.md', async () => {
+  const full = ['--matmul-mfu', '1', '--attention-mfu', '1', '--hbm-utilization', '1', '--comm-efficiency', '1', '--step-overhead-ms', '0'];
+  const { code, out, err } = await run(['sim', 'lifecycle', '--tp', '8', '--prompt', '2048', ...full]);
+  assert.equal(code, 0, err);
+  assert.match(out, /efficiency: matmul MFU 1, attention MFU 1, HBM 1, comm 1, step overhead 0 ms/);
+  assert.match(out, /^prefill_execution\s+59\.24\s/m);
+  assert.match(out, /one layer of the 2048-token prefill, per GPU:/);
+  const seed = await run(['sim', 'lifecycle', ...full]);
+  assert.match(seed.out, /one layer of the 1024-token prefill, per GPU, next to seed 001:/);
+  assert.match(seed.out, /^MLP gate \+ up\s+243\.1\s+compute\s+243\.1\s+70\.1\s+150\s+yes$/m);
+  const bad = await run(['sim', 'lifecycle', '--hbm-utilization', '1.5']);
+  assert.equal(bad.code, 2);
+  assert.match(bad.err, /--hbm-utilization must be in \(0, 1\], got 1\.5/);
+  assert.equal(planOptionsFromFlags(['--rate', '1'], { CONDUIT_PLAN_MATMUL_MFU: '0.5' })!.efficiency!.matmulMfu, 0.5);
 });
 
 test('usage errors exit 2 and name what is wrong', async () => {

@@ -196,7 +196,7 @@ test('calibration recovers known factors from synthetic step times', () => {
   const points = synthetic(truth);
   const fit = calibrateEfficiency(points, LLAMA_3_1_8B, H100_SXM, 2);
   assert.deepEqual(fit.unidentified, []);
-  for (const key of Object.keys(truth) as (keyof Efficiency)[]) close(fit.efficiency[key], truth[key], 1e-6);
+  for (const key of Object.keys(truth) as (keyof Efficiency)[]) close(fit.efficiency[key]!, truth[key]!, 1e-6);
   assert.ok(fit.rmsErrorMs < 1e-9);
 
   // With 0.5% noise on every point: the big terms within 3%; communication, a few percent of each step here, within
