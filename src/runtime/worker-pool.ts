@@ -169,7 +169,8 @@ function simTokenizer() {
   return { tokenizer, chatTemplate: chatTemplateFromGguf(vocab, tokenizer), vocabulary };
 }
 
-async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
+/** What the simulated workers of one pool share: the profile, its calibration, the gateway's tokenizer, a maker. */
+function simPool(options: WorkerPoolOptions) {
   const spec = options.sim;
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
   const model = getModelProfile(spec.model);
@@ -177,21 +178,23 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
   const efficiency = calibrationEfficiency(calibration, hw);
-  const workers: RoutedWorker[] = [];
-  for (let i = 0; i < options.workers; i++) {
-    workers.push({
-      id: `sim-${i}`,
-      engine: new SimEngine({
-        model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, enableKvEvents: withKvEvents, ...vocabulary,
-        maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
-        maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
-      }),
-    });
-  }
+  const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => new SimEngine({
+    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, ...worker, ...vocabulary,
+    maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
+    maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
+  });
+  const describe = `simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker`;
+  const settings = `speed-up ${spec.speedUp}, ${calibration} calibration`;
+  return { tokenizer, chatTemplate, make, describe, settings };
+}
+
+async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
+  const sim = simPool(options);
+  const workers: RoutedWorker[] = Array.from({ length: options.workers },
+    (_, i) => ({ id: `sim-${i}`, engine: sim.make({ enableKvEvents: withKvEvents }) }));
   return {
-    workers, tokenizer, chatTemplate, start: undefined,
-    notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker (speed-up ${spec.speedUp}, `
-      + `${calibration} calibration)`],
+    workers, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, start: undefined,
+    notices: [`${sim.describe} (${sim.settings})`],
   };
 }
 
@@ -282,24 +285,13 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
 }
 
 async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, numDecode: number): Promise<RoleWorkers> {
-  const spec = options.sim;
-  if (!spec) throw new Error('sim workers need a model profile and a GPU');
-  const model = getModelProfile(spec.model);
-  const hw = getHardwareProfile(spec.gpu);
-  const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
-  const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
-  const efficiency = calibrationEfficiency(calibration, hw);
-  const make = (role: WorkerRole) => new SimEngine({
-    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, enableKvEvents: true, role, ...vocabulary,
-    maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
-    maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
-  });
+  const sim = simPool(options);
+  const make = (role: WorkerRole) => sim.make({ enableKvEvents: true, role });
   const prefill = Array.from({ length: numPrefill }, (_, i) => ({ id: `sim-prefill-${i}`, engine: make('prefill') }));
   const decode = Array.from({ length: numDecode }, (_, i) => ({ id: `sim-decode-${i}`, engine: make('decode') }));
   return {
-    prefill, decode, tokenizer, chatTemplate,
-    notices: [`simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker, ${numPrefill} prefill + `
-      + `${numDecode} decode workers, KV over ${decode[0]!.engine.kvLink.name} (speed-up ${spec.speedUp}, `
-      + `${calibration} calibration)`],
+    prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate,
+    notices: [`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
+      + `${decode[0]!.engine.kvLink.name} (${sim.settings})`],
   };
 }
