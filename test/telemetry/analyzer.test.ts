@@ -40,13 +40,13 @@ describe('TraceAnalyzer.classify', () => {
   it('gives the dominant phase, its share of TTFT and numbers in the recommendation', () => {
     const d = analyzer.classify(trace(CASES.queue_saturation));
     assert.equal(d.dominant_phase, 'scheduler_queue');
-    // TTFT = 2 (gateway + routing + dispatch gap) + 400 queue + 35 prefill + 0.4 write.
+    // TTFT = 2 (gateway + routing with the hand-off) + 400 queue + 35.4 prefill (with the first token's write).
     assert.ok(Math.abs(d.dominant_share - 400 / 437.4) < 1e-3, String(d.dominant_share));
     assert.equal(d.dominant_ms, 400);
     assert.match(d.recommendation, /400 ms/);
     assert.match(d.recommendation, /57 requests ahead/);
     assert.equal(d.breakdown_ms.queue, 400);
-    assert.equal(d.breakdown_ms.prefill, 35);
+    assert.equal(d.breakdown_ms.prefill, 35.4);
 
     const nocache = analyzer.classify(trace(CASES.prefill_no_cache));
     assert.equal(nocache.dominant_phase, 'prefill_execution');
