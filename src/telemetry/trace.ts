@@ -524,9 +524,11 @@ function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | un
   }
   chunks.sort((a, b) => a.start - b.start);
   let requeuedMs = 0;
+  // Chunks after the first token recompute a request preempted mid-decode: the waits around them are decode's.
+  const firstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken)) ?? Infinity;
   chunks.forEach((c, i) => {
     const previous = chunks[i - 1];
-    if (previous && previous.worker === c.worker && c.start - previous.end >= REQUEUE_GAP_MS) {
+    if (previous && previous.worker === c.worker && c.start <= firstTokenMs && c.start - previous.end >= REQUEUE_GAP_MS) {
       requeuedMs += c.start - previous.end;
       phases.push({ phase: 'scheduler_queue', startMs: previous.end, endMs: c.start, worker: c.worker, attributes: { requeued: true } });
     }
@@ -886,7 +888,8 @@ export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
   const { prefill, decode } = trace;
   let prefillMs = 0;
   if (prefill) {
-    const prefillEndMs = firstTokenMs !== undefined && firstTokenMs > prefill.endMs ? firstTokenMs : prefill.endMs;
+    // Up to the first token: chunks after it (a recompute after a preemption mid-decode) are decode's time.
+    const prefillEndMs = firstTokenMs ?? prefill.endMs;
     prefillMs = Math.max(0, prefillEndMs - prefill.startMs - prefill.requeuedMs);
   }
   let decodeMs = decode ? decode.endMs - decode.startMs : 0;
