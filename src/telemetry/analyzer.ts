@@ -18,7 +18,7 @@
 // first token to the end of the response) took longer than TTFT.
 
 import type { PhaseName } from './lifecycle.ts';
-import { quantile, round3 } from '../util/stats.ts';
+import { percentile, round3 } from '../util/stats.ts';
 import { phaseBreakdown, type RequestTrace } from './trace.ts';
 
 export type BottleneckCategory =
@@ -213,7 +213,7 @@ export class TraceAnalyzer {
     const t = this.thresholds;
     const steps = trace.decode?.stepMs ?? [];
     if (steps.length < t.minDecodeSteps) return undefined;
-    const median = quantile(steps, 0.5);
+    const median = percentile(Float64Array.from(steps).sort(), 0.5); // nearest rank, as every percentile
     let maxStep = 0;
     for (const s of steps) if (s > maxStep) maxStep = s;
     if (!(median > 0) || maxStep <= t.spikeFactor * median) return undefined;
