@@ -3,7 +3,8 @@
 // max(1 ms, 2%), and the trace's phases tile the request from arrival to its end with no gap over 1 ms. In
 // particular a request that arrives while the worker runs a long step waits in the queue from its arrival, not from
 // the step's end. Scenarios: short prompts arriving during a long prompt's prefill (one compute thread, the real
-// engine and the simulated one), chunked prefill, preemption (a KV pool too small for the batch).
+// engine and the simulated one, and behind the KV router), chunked prefill, preemption (a KV pool too small for the
+// batch).
 
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
@@ -170,3 +171,17 @@ describe('attribution on the simulated engine (its clock kept with the gateway\'
 function absolute(trace: TraceBody, offsetMs: number): number {
   return (trace as unknown as { arrival_unix_ms: number }).arrival_unix_ms + offsetMs;
 }
+
+describe('attribution behind the KV router (two CPU workers)', () => {
+  let server: LiveServer;
+  before(async () => {
+    server = await startLiveServer({ workers: 2, threads: 1 });
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('short requests arriving during a long prefill step, routed', LIVE, async () => {
+    for (const stream of [false, true]) assertAttributed(await longThenShort(server, 120, 5, stream));
+  });
+});
