@@ -73,8 +73,9 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * Queues a request. Throws (InvalidRequestError, RangeError) with a client-fit message if it can never run.
    * With handoff (a prefill worker's request), the request stops after its first token: its KV blocks stay pinned
    * and takeHandoffs() returns what a decode worker needs to continue it (a seed is drawn when the client gave none).
+   * queuedMs: when the request reached this worker's inbox, if earlier than now (it waited there behind a step).
    */
-  add(engineRequest: EngineRequest, options: { handoff?: boolean } = {}): void {
+  add(engineRequest: EngineRequest, options: { handoff?: boolean; queuedMs?: number } = {}): void {
     this.addRequest(engineRequest, this.now(), options);
   }
 

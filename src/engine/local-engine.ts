@@ -10,6 +10,7 @@ import { loadModel, type ModelSummary } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
+import { engineNow } from './clock.ts';
 import { EngineClosedError, InvalidRequestError } from './errors.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
@@ -123,7 +124,7 @@ export class LocalEngine implements Engine {
     if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     const stream = new OutputStream(request.sampling.n);
     this.streams.set(request.id, stream);
-    this.post({ type: 'add', request });
+    this.post({ type: 'add', request, sentMs: engineNow() });
     return followQueue(this.streams, request.id, stream, (id) => this.abort(id));
   }
 
@@ -146,7 +147,7 @@ export class LocalEngine implements Engine {
     }
     const stream = new PrefillStream();
     this.prefills.set(request.id, stream);
-    this.post({ type: 'add', request, handoff: true });
+    this.post({ type: 'add', request, handoff: true, sentMs: engineNow() });
     return followQueue(this.prefills, request.id, stream, (id) => this.abort(id));
   }
 

@@ -240,10 +240,14 @@ export class Scheduler {
   // -------------------------------------------------------------------------------------------------------------
   // Requests in
 
-  /** Queues a request; throws InvalidRequestError for one that could never run. */
-  addRequest(engineRequest: EngineRequest, nowMs: number, options: { adapterId?: string } = {}): Request {
+  /**
+   * Queues a request; throws InvalidRequestError for one that could never run. queuedMs (at most nowMs) is when it
+   * reached the worker, where its queue time starts, when that was before the worker could take it in.
+   */
+  addRequest(engineRequest: EngineRequest, nowMs: number, options: { adapterId?: string; queuedMs?: number } = {}): Request {
     this.validate(engineRequest);
-    const request = new Request(engineRequest, this.nextArrivalOrder++, nowMs, options.adapterId);
+    const queuedMs = options.queuedMs !== undefined && Number.isFinite(options.queuedMs) ? Math.min(options.queuedMs, nowMs) : nowMs;
+    const request = new Request(engineRequest, this.nextArrivalOrder++, queuedMs, options.adapterId);
     const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt, adapterId: options.adapterId });
     const sequence = new Sequence(request, 0, engineRequest.promptTokenIds.slice(), [], table);
     request.sequences.push(sequence);

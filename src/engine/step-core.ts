@@ -143,8 +143,10 @@ export class StepCore<T> {
    * With handoff (a prefill worker's request), the request stops after its first token: its KV blocks stay pinned
    * and takeHandoffs() returns what a decode worker needs to continue it. It then needs a seed, chosen here by the
    * token source when the client gave none, so that the decode worker continues the same stream.
+   * queuedMs is when the request reached the worker, where its queue time starts: a request that arrived while a
+   * step was running is only taken in at the step's end (nowMs), but it has been waiting since it arrived.
    */
-  protected addRequest(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean } = {}): void {
+  protected addRequest(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean; queuedMs?: number } = {}): void {
     if (this.pendingAdoptions.some((p) => p.handoff.requestId === engineRequest.id)) {
       // Else the adoption, retried later, would find the id taken: validation must not fail after it was accepted.
       throw new InvalidRequestError('duplicate_request_id', engineRequest.id, 'a request with this id is already here');
@@ -159,7 +161,7 @@ export class StepCore<T> {
       }
     }
     const tokens = this.tokenSource.open(accepted);
-    const request = this.scheduler.addRequest(accepted, nowMs);
+    const request = this.scheduler.addRequest(accepted, nowMs, { queuedMs: options.queuedMs });
     const texts = tokens.map(() => this.textSource.open(accepted.sampling));
     this.states.set(request.id, { request, tokens, texts, handoff: options.handoff });
   }

@@ -87,7 +87,7 @@ function run(core: EngineCore): void {
     switch (message.type) {
       case 'add':
         try {
-          core.add(message.request, { handoff: message.handoff });
+          core.add(message.request, { handoff: message.handoff, queuedMs: message.sentMs });
         } catch (error) {
           const code = error instanceof InvalidRequestError ? error.code : 'invalid_request';
           send({ type: 'rejected', requestId: message.request.id, code, message: (error as Error).message });

@@ -34,7 +34,9 @@ export interface WorkerInit {
 // once the source blocks are no longer needed) and 'sync' (reply 'synced' with fresh stats after everything
 // posted before it).
 export type ToWorker =
-  | { type: 'add'; request: EngineRequest; handoff?: boolean }
+  /** sentMs: engine-clock time the request was put in the worker's inbox, where its queue time starts (a step running
+   *  then delays only when the worker reads it). */
+  | { type: 'add'; request: EngineRequest; handoff?: boolean; sentMs?: number }
   | { type: 'abort'; requestId: string }
   | { type: 'release-handoff'; requestId: string }
   | { type: 'attach-kv-source'; sourceId: string; pool: SharedArrayBuffer; layout: KvPoolLayout }

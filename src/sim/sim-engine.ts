@@ -246,7 +246,8 @@ export class SimEngine implements Engine {
   private add(request: EngineRequest, nowMs: number): void {
     const handoff = this.handoffIds.delete(request.id);
     try {
-      this.worker.add(request, nowMs, { handoff });
+      // It reached the worker at its arrival; a step running then only took it in at its end (nowMs).
+      this.worker.add(request, nowMs, { handoff, queuedMs: request.arrivalMs });
     } catch (error) {
       const failure = error instanceof Error ? error : new Error(String(error));
       this.streams.get(request.id)?.fail(failure);

@@ -207,7 +207,7 @@ export class SimWorker extends StepCore<number> {
    * Queues a request; throws InvalidRequestError (with a code the gateway maps) if it can never run. With handoff
    * (a prefill worker's request), it stops after its first token and takeHandoffs() returns it for a decode worker.
    */
-  add(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean } = {}): void {
+  add(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean; queuedMs?: number } = {}): void {
     this.addRequest(engineRequest, nowMs, options);
   }
 

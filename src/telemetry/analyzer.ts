@@ -3,25 +3,31 @@
 // common among the slow ones (GET /v1/analysis).
 //
 // The rules, in order:
-//   1. decode_latency_spike when decode dominates the request and a step took over `spikeFactor` times the median;
+//   1. decode_preempted   when decode dominates the request and it lost its KV blocks mid-decode (its tokens were
+//                         recomputed: prompt chunks after the first token);
+//      decode_latency_spike when decode dominates and a step took over `spikeFactor` times the median;
+//      decode_batch_bound when decode dominates and its time per token reaches `slowTbtMs`, with steady steps: each
+//                         as slow as the batch it ran in makes it;
 //   2. queue_saturation     when the scheduler queue is over `queueShare` of TTFT;
 //   3. prefill_no_cache / prefill_compute_bound when prefill is over `prefillShare` of TTFT (split by the prefix
 //      cache hit rate);
 //   4. kv_transfer_bound    when the KV transfer is over `kvTransferShare` of TTFT;
 //   5. decode_latency_spike when a step spiked, even though decode did not dominate;
 //   6. balanced.
-// Shares of TTFT are of the measured TTFT (arrival to first streamed token), so what is not attributed to a phase
-// (dispatch, thread hand-off, the first write) still counts in the denominator.
+// Shares of TTFT are of the measured TTFT (arrival to first streamed token). "Decode dominates" means decode (the
+// first token to the end of the response) took longer than TTFT.
 
 import type { PhaseName } from './lifecycle.ts';
-import { quantile, round3 } from '../util/stats.ts';
+import { percentile, round3 } from '../util/stats.ts';
 import { phaseBreakdown, type RequestTrace } from './trace.ts';
 
 export type BottleneckCategory =
-  | 'queue_saturation' | 'prefill_no_cache' | 'prefill_compute_bound' | 'kv_transfer_bound' | 'decode_latency_spike' | 'balanced';
+  | 'queue_saturation' | 'prefill_no_cache' | 'prefill_compute_bound' | 'kv_transfer_bound' | 'decode_latency_spike'
+  | 'decode_preempted' | 'decode_batch_bound' | 'balanced';
 
 export const BOTTLENECK_CATEGORIES: readonly BottleneckCategory[] = [
-  'queue_saturation', 'prefill_no_cache', 'prefill_compute_bound', 'kv_transfer_bound', 'decode_latency_spike', 'balanced',
+  'queue_saturation', 'prefill_no_cache', 'prefill_compute_bound', 'kv_transfer_bound', 'decode_latency_spike',
+  'decode_preempted', 'decode_batch_bound', 'balanced',
 ];
 
 export interface AnalyzerThresholds {
@@ -36,6 +42,8 @@ export interface AnalyzerThresholds {
   spikeCountFactor: number;
   /** Fewer decode steps than this are too few for a median. */
   minDecodeSteps: number;
+  /** Time per output token at or over which a decode-dominated request is decode-bound (the TBT target). */
+  slowTbtMs: number;
 }
 
 export const DEFAULT_THRESHOLDS: Readonly<AnalyzerThresholds> = Object.freeze({
@@ -46,6 +54,7 @@ export const DEFAULT_THRESHOLDS: Readonly<AnalyzerThresholds> = Object.freeze({
   spikeFactor: 3,
   spikeCountFactor: 2,
   minDecodeSteps: 4,
+  slowTbtMs: 50,
 });
 
 /** Milliseconds per part of the request (keys as in the JSON report). */
@@ -112,7 +121,12 @@ export class TraceAnalyzer {
 
     const spike = this.spike(trace);
     const decodeDominates = b.decodeMs > ttftBase;
+    // A preemption mid-decode shows as a long gap between steps too: it is named first, as the cause.
+    const preempted = decodeDominates ? this.decodeBound(trace, b.decodeMs, make, 'preempted') : undefined;
+    if (preempted) return preempted;
     if (spike && decodeDominates) return make('decode_latency_spike', 'decode_execution', spike.share, spike.spikeMs, spike.recommendation);
+    const batchBound = decodeDominates ? this.decodeBound(trace, b.decodeMs, make, 'batch') : undefined;
+    if (batchBound) return batchBound;
 
     const queueShare = b.queueMs / ttftBase;
     if (queueShare > t.queueShare) {
@@ -156,11 +170,50 @@ export class TraceAnalyzer {
       'of the request.');
   }
 
+  /** Decode dominates without a spike: preempted mid-decode, or every step as slow as its batch makes it. */
+  private decodeBound(trace: RequestTrace, decodeMs: number,
+    make: (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string) => Diagnosis,
+    kind: 'preempted' | 'batch'): Diagnosis | undefined {
+    const share = decodeMs / Math.max(trace.e2eMs, 1e-9);
+    const decode = trace.decode;
+    const steps = decode?.steps ?? 0;
+    const perToken = steps > 0 ? decodeMs / steps : decodeMs;
+    // Prompt chunks computed after the first token are the recompute of a request preempted mid-decode.
+    const firstToken = trace.engineFirstTokenMs;
+    const recomputes = firstToken === undefined ? [] : trace.phases.filter((p) => p.phase === 'prefill_execution' && p.startMs >= firstToken);
+    if (kind === 'preempted') {
+      if (recomputes.length === 0) return undefined;
+      let recomputeMs = 0;
+      let recomputedTokens = 0;
+      for (const p of recomputes) {
+        recomputeMs += p.endMs - p.startMs;
+        recomputedTokens += Number(p.attributes?.tokens ?? 0);
+      }
+      return make('decode_preempted', 'decode_execution', share, decodeMs,
+        `Decode took ${ms(decodeMs)} (${pct(share)} of the request) and the request was preempted during it: its KV blocks went to ` +
+        `other requests and ${recomputedTokens} tokens were recomputed in ${recomputes.length} chunk(s) (${ms(recomputeMs)}), with ` +
+        'waiting in between. Give the KV cache more memory (--kv-cache-memory), lower --max-num-seqs so fewer requests share ' +
+        'the pool, or lower max_tokens.');
+    }
+    if (recomputes.length > 0 || perToken < this.thresholds.slowTbtMs) return undefined;
+    const batch = decode?.batch;
+    const seqs = batch ? batch.seqsMean : Number.NaN;
+    const batchText = Number.isFinite(seqs) ? ` in batches of ${seqs.toFixed(1)} sequences on average (at most ${batch!.seqsMax})` : '';
+    const advice = Number.isFinite(seqs) && seqs >= 2
+      ? 'Each step carries the whole batch: lower --max-num-seqs for faster tokens per request (at some throughput), or add ' +
+        'workers so fewer decodes share each one.'
+      : 'The request decoded nearly alone, so the forward pass itself is the cost: a faster backend, more threads per worker, ' +
+        'or a smaller or more quantized model.';
+    return make('decode_batch_bound', 'decode_execution', share, decodeMs,
+      `Decode took ${ms(decodeMs)}, ${pct(share)} of the request: ${steps} steps at ${ms(perToken)} per token${batchText}, ` +
+      `with no step spiking. ${advice}`);
+  }
+
   private spike(trace: RequestTrace): { share: number; spikeMs: number; recommendation: string } | undefined {
     const t = this.thresholds;
     const steps = trace.decode?.stepMs ?? [];
     if (steps.length < t.minDecodeSteps) return undefined;
-    const median = quantile(steps, 0.5);
+    const median = percentile(Float64Array.from(steps).sort(), 0.5); // nearest rank, as every percentile
     let maxStep = 0;
     for (const s of steps) if (s > maxStep) maxStep = s;
     if (!(median > 0) || maxStep <= t.spikeFactor * median) return undefined;
@@ -205,7 +258,9 @@ export class TraceAnalyzer {
       }
       shareSums.other += Math.max(0, total - attributed) / total;
       const worstTbt = trace.tbtMs.length > 0 ? Math.max(...trace.tbtMs) : 0;
-      const slow = (trace.ttftMs ?? 0) >= slowTtftMs || worstTbt >= slowTbtMs;
+      // Slow by time between tokens too: the worst gap the client saw, or (no stream) the engine's time per token.
+      const perToken = trace.decode && trace.decode.steps > 0 ? (trace.decode.endMs - trace.decode.startMs) / trace.decode.steps : 0;
+      const slow = (trace.ttftMs ?? 0) >= slowTtftMs || worstTbt >= slowTbtMs || perToken >= slowTbtMs;
       if (!slow) continue;
       const d = this.classify(trace);
       slowDiagnoses.push(d);

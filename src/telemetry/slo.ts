@@ -11,7 +11,7 @@
 // Pure: every call takes the time; nothing here reads a clock.
 
 import type { RequestTrace } from './trace.ts';
-import { round3 } from '../util/stats.ts';
+import { nearestRank, round3 } from '../util/stats.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Configuration
@@ -94,12 +94,15 @@ export class LogHistogram {
   }
 }
 
-/** The q-quantile of merged buckets (rank q * (n - 1), as for exact samples, then the bucket holding that rank). */
+/**
+ * The q-quantile of merged buckets: the nearest rank ceil(q * n) (util/stats.ts, the same definition as every other
+ * percentile), then the bucket holding that rank.
+ */
 function quantileOfBuckets(buckets: Map<number, number>, zeroCount: number, q: number, gamma: number): number {
   let total = zeroCount;
   for (const c of buckets.values()) total += c;
   if (total === 0) return Number.NaN;
-  const rank = Math.round(Math.min(1, Math.max(0, q)) * (total - 1));
+  const rank = nearestRank(total, q) - 1; // 0-based
   if (rank < zeroCount) return 0;
   let seen = zeroCount;
   const keys = [...buckets.keys()].sort((a, b) => a - b);

@@ -245,7 +245,7 @@ export function formatWaterfall(trace: RequestTrace, options: WaterfallOptions =
     } else {
       for (const x of run) {
         const suffix = x.phase === 'decode_execution' ? ` (${trace.decode?.steps ?? 0} steps)`
-          : x.phase === 'streaming_response' ? ` (${trace.emits.writes} writes)` : x.incomplete ? ' (cut short)' : '';
+          : x.phase === 'streaming_response' ? (trace.emits.writes > 0 ? ` (${trace.emits.writes} writes)` : ' (body)') : x.incomplete ? ' (cut short)' : '';
         row(`${x.phase}${suffix}`, x.startMs, x.endMs, x.incomplete ? '~' : '#');
       }
     }

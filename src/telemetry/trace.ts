@@ -90,6 +90,11 @@ export interface PrefillSummary {
   chunks: number;
   /** Prompt tokens computed (not found in the cache). */
   computedTokens: number;
+  /**
+   * Time between chunks spent waiting again (preempted, or left out of full steps): the gaps of 1 ms or more
+   * between consecutive chunks on one worker, traced as scheduler_queue phases and counted as queue, not prefill.
+   */
+  requeuedMs: number;
   kvAllocMs?: number;
   samplingMs?: number;
   batchSizeMax?: number;
@@ -357,6 +362,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const routing = routingOf(input);
   const queue = queueOf(input, arrivalMs, endMs);
   addDispatchPhases(input);
+  addHandOff(input, queue.startMs);
   const prefill = prefillOf(input);
   const kvTransfer = kvTransferOf(input);
   const streamed = streamedWrites(record);
@@ -371,7 +377,8 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? streamed.contentTokens;
 
   const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, validate?.n ?? 1, endMs);
-  addStreamingPhase(input, streamed);
+  addStreamingPhase(input, streamed, engineFirstTokenMs);
+  addResponseBodyPhase(input, engineLastTokenMs ?? engineFirstTokenMs, decode?.endMs);
   phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
 
   const { ttftMs, ttftSource, tbtMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode);
@@ -477,6 +484,19 @@ function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arri
   return { startMs: queueStart, depthAtEntry, budgetMs, budgetTokens };
 }
 
+/**
+ * The hand-off to the worker: from the end of the gateway's phases (or of the router's decision) to the request's
+ * arrival in the worker's queue, as prefill_dispatch. It holds the tenant admission after tokenize and putting the
+ * request in the worker's inbox. Only when no prefill_dispatch was reported.
+ */
+function addHandOff({ events, router, phases, firstWorkerReport }: BuildInput, queueStartMs: number | undefined): void {
+  if (queueStartMs === undefined || phases.some((p) => p.phase === 'prefill_dispatch')) return;
+  let fromMs: number | undefined = router?.time;
+  for (const p of phases) if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) fromMs = Math.max(fromMs ?? p.endMs, p.endMs);
+  if (fromMs === undefined || !(queueStartMs > fromMs) || firstOf(events, 'scheduler_queue')) return;
+  phases.push({ phase: 'prefill_dispatch', startMs: fromMs, endMs: queueStartMs, worker: router?.worker ?? firstWorkerReport?.worker });
+}
+
 /** Dispatches to workers, sampling and detokenizing, as reported. */
 function addDispatchPhases({ events, phases }: BuildInput): void {
   for (const phase of ['prefill_dispatch', 'decode_dispatch', 'sampling', 'detokenize'] as const) {
@@ -503,7 +523,15 @@ function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | un
     }
   }
   chunks.sort((a, b) => a.start - b.start);
+  let requeuedMs = 0;
+  // Chunks after the first token recompute a request preempted mid-decode: the waits around them are decode's.
+  const firstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken)) ?? Infinity;
   chunks.forEach((c, i) => {
+    const previous = chunks[i - 1];
+    if (previous && previous.worker === c.worker && c.start <= firstTokenMs && c.start - previous.end >= REQUEUE_GAP_MS) {
+      requeuedMs += c.start - previous.end;
+      phases.push({ phase: 'scheduler_queue', startMs: previous.end, endMs: c.start, worker: c.worker, attributes: { requeued: true } });
+    }
     phases.push({
       phase: 'prefill_execution', startMs: c.start, endMs: c.end, worker: c.worker,
       attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens }),
@@ -512,13 +540,16 @@ function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | un
   if (chunks.length === 0) return undefined;
   return {
     startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
-    computedTokens: chunks.reduce((s, c) => s + c.tokens, 0),
+    computedTokens: chunks.reduce((s, c) => s + c.tokens, 0), requeuedMs,
     kvAllocMs: sumDefined(prefillEvents.map((e) => e.kvAllocMs)),
     samplingMs: prefillEvents[prefillEvents.length - 1]?.samplingMs,
     batchSizeMax: maxDefined(chunks.map((c) => c.batchSize)),
     worker: chunks[0]!.worker,
   };
 }
+
+/** A wait between two prompt chunks at least this long is queue time (a request waiting again), not prefill. */
+const REQUEUE_GAP_MS = 1;
 
 /** KV transfers (disaggregated only), as one summary. */
 function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undefined {
@@ -590,14 +621,32 @@ function decodeOf(
   return decode;
 }
 
-/** One streaming_response phase over every write. */
-function addStreamingPhase({ record, phases }: BuildInput, { emits, contentTimes, firstContentStartMs }: StreamedWrites): void {
+/**
+ * One streaming_response phase over every write: from the first token (the engine's, carried to the gateway) or the
+ * first write if earlier, to the last write, or to the end of a response that finished (its last byte).
+ */
+function addStreamingPhase({ record, terminal, phases }: BuildInput, { emits, contentTimes, firstContentStartMs }: StreamedWrites,
+  engineFirstTokenMs: number | undefined): void {
   if (record.emitTimes.length === 0) return;
   const first = firstContentStartMs ?? contentTimes[0] ?? record.emitTimes[0]!;
+  const startMs = Math.min(first, record.emitTimes[0]!, engineFirstTokenMs ?? Infinity);
+  const lastWriteMs = record.emitTimes[record.emitTimes.length - 1]!;
   phases.push({
-    phase: 'streaming_response', startMs: Math.min(first, record.emitTimes[0]!), endMs: record.emitTimes[record.emitTimes.length - 1]!,
+    phase: 'streaming_response', startMs,
+    endMs: terminal?.phase === 'finish' ? Math.max(lastWriteMs, terminal.time) : lastWriteMs,
     attributes: { writes: emits.writes, content_writes: emits.contentWrites },
   });
+}
+
+/**
+ * A response not streamed is written once, after its last token: that write (building the body, sending it) is the
+ * request's streaming_response phase, from the last token to the end, so that no time after the engine is left out.
+ */
+function addResponseBodyPhase({ record, terminal, phases }: BuildInput, lastTokenMs: number | undefined, decodeEndMs: number | undefined): void {
+  if (record.emitTimes.length > 0 || terminal?.phase !== 'finish' || lastTokenMs === undefined) return;
+  const startMs = Math.max(lastTokenMs, decodeEndMs ?? lastTokenMs);
+  if (terminal.time <= startMs) return;
+  phases.push({ phase: 'streaming_response', startMs, endMs: terminal.time, attributes: { writes: 1, body: true } });
 }
 
 /** TTFT and TBT as the client saw them, else as the engine stamped them (see the file comment). */
@@ -805,12 +854,17 @@ export interface PhaseBreakdown {
    * and the request rate before it reads the body, inside http_receive.
    */
   gatewayMs: number;
+  /** The router's decision and the hand-off to the worker (prefill_dispatch). */
   routingMs: number;
+  /** The scheduler_queue phases, and the budget allocation after the first (up to the first forward pass). */
   queueMs: number;
-  /** First prefill chunk's start to the last one's end (0 when prefill was skipped). */
+  /**
+   * First prefill chunk's start to the first token (the last chunk's end, carried to the client), less the waits
+   * between chunks (requeued: they are queue time); 0 when prefill was skipped.
+   */
   prefillMs: number;
   kvTransferMs: number;
-  /** First to last sampled token. */
+  /** The first token (as TTFT counts it) to the end of the response; without a first token, the engine's decode. */
   decodeMs: number;
   ttftMs: number;
   totalMs: number;
@@ -820,20 +874,36 @@ export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
   let gatewayMs = 0;
   let gatewayCoveredTo = -Infinity;
   let queueMs = 0;
+  let dispatchMs = 0;
   // Phases are sorted by start, so each gateway phase adds only what reaches past those before it.
   for (const p of trace.phases) {
     if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) {
       gatewayMs += Math.max(0, p.endMs - Math.max(p.startMs, gatewayCoveredTo));
       gatewayCoveredTo = Math.max(gatewayCoveredTo, p.endMs);
     } else if (p.phase === 'scheduler_queue') queueMs += p.endMs - p.startMs;
+    else if (p.phase === 'prefill_dispatch') dispatchMs += p.endMs - p.startMs;
   }
+  // The first token as the client got it: TTFT ends there, prefill runs up to it and decode from it.
+  const firstTokenMs = trace.ttftMs !== undefined ? trace.arrivalMs + trace.ttftMs : undefined;
+  const { prefill, decode } = trace;
+  let prefillMs = 0;
+  if (prefill) {
+    // Up to the first token: chunks after it (a recompute after a preemption mid-decode) are decode's time.
+    const prefillEndMs = firstTokenMs ?? prefill.endMs;
+    prefillMs = Math.max(0, prefillEndMs - prefill.startMs - prefill.requeuedMs);
+  }
+  let decodeMs = decode ? decode.endMs - decode.startMs : 0;
+  if (firstTokenMs !== undefined && trace.outcome === 'ok') decodeMs = Math.max(0, trace.endMs - firstTokenMs);
+  else if (firstTokenMs !== undefined && decode) decodeMs = Math.max(0, decode.endMs - firstTokenMs);
+  // The budget allocation (picked, then planned into a step) is still waiting for the first forward pass.
+  if (queueMs > 0 && trace.budgetMs !== undefined) queueMs += trace.budgetMs;
   return {
     gatewayMs,
-    routingMs: trace.routing ? trace.routing.endMs - trace.routing.startMs : 0,
+    routingMs: (trace.routing ? trace.routing.endMs - trace.routing.startMs : 0) + dispatchMs,
     queueMs,
-    prefillMs: trace.prefill ? trace.prefill.endMs - trace.prefill.startMs : 0,
+    prefillMs,
     kvTransferMs: trace.kvTransfer ? trace.kvTransfer.endMs - trace.kvTransfer.startMs : 0,
-    decodeMs: trace.decode ? trace.decode.endMs - trace.decode.startMs : 0,
+    decodeMs,
     ttftMs: trace.ttftMs ?? 0,
     totalMs: trace.e2eMs,
   };

@@ -1,7 +1,8 @@
-// Small numeric helpers: quantiles, means, rounding to microseconds, latency distributions. Two quantiles, on
-// purpose: `quantile` interpolates between closest ranks (numpy's default; telemetry's summaries), `percentile` is
-// nearest-rank (the smallest value with at least q of the data at or below it: load-test reports and the
-// simulator's summaries, so a percentile is always a value that was measured).
+// Small numeric helpers: quantiles, means, rounding to microseconds, latency distributions. Two quantiles:
+// `percentile` is nearest-rank (the smallest value with at least q of the data at or below it), the definition of
+// every latency percentile reported against a target (load tests, the simulator, the SLO tracker, the analyzer),
+// so a percentile is always a value that was measured and a tail cannot fall between ranks; `quantile`
+// interpolates between closest ranks (numpy's default) for the descriptive figures of one request's trace.
 
 /**
  * The q-quantile (0..1) of values by linear interpolation between closest ranks (numpy's default), so p50 of
@@ -44,12 +45,20 @@ export function round3(x: number): number {
   return Math.round(x * 1000) / 1000;
 }
 
+/**
+ * The nearest rank (1-based) of the q-quantile among n values: ceil(q * n), at least 1 and at most n. The one
+ * definition of a latency percentile (load tests, the simulator, the SLO tracker, the analyzer): the smallest value
+ * with at least q of the data at or below it, so a tail of fewer than (1 - q) * n samples can never be skipped.
+ */
+export function nearestRank(n: number, q: number): number {
+  return Math.min(n, Math.max(1, Math.ceil(Math.min(1, Math.max(0, q)) * n)));
+}
+
 /** Nearest-rank percentile of ascending values; NaN for no data. */
 export function percentile(sortedValues: ArrayLike<number>, q: number): number {
   const n = sortedValues.length;
   if (n === 0) return NaN;
-  const rank = Math.min(n, Math.max(1, Math.ceil(q * n)));
-  return sortedValues[rank - 1]!;
+  return sortedValues[nearestRank(n, q) - 1]!;
 }
 
 /** Count, mean, least, nearest-rank p50 / p90 / p99 and most of a sample. */

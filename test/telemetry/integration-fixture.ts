@@ -35,9 +35,15 @@ export interface LiveServerOptions {
   disaggregated?: { prefillWorkers: number; decodeWorkers: number };
   /** The simulated engine (`--engine sim`) instead of the CPU workers with the built-in model. */
   sim?: boolean;
+  /** The simulated engine's speed-up (default 100; 1 keeps its clock with the gateway's). */
+  simSpeedUp?: number;
   /** Bytes of KV pool per CPU worker (default 24 MiB). */
   kvCacheMemoryBytes?: number;
   maxNumSeqs?: number;
+  /** Compute threads per CPU worker (default: the cores shared out). */
+  threads?: number;
+  /** Tokens one step may compute (small: long prompts are prefilled in chunks). */
+  maxNumBatchedTokens?: number;
   /** Telemetry settings over the fixture's (sampling, per-token spans...). */
   telemetry?: Partial<TelemetryOptions>;
 }
@@ -62,10 +68,12 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
   try {
     const pool = await createWorkerPool({
       ...(options.sim
-        ? { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: 100 } }
+        ? { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: options.simSpeedUp ?? 100 } }
         : { engine: 'cpu', modelPath: await ensureBuiltinModel() }),
       workers: options.workers ?? 1, backend: 'auto',
       kvCacheMemoryBytes: options.kvCacheMemoryBytes ?? 24 * 1024 * 1024, maxNumSeqs: options.maxNumSeqs ?? 8,
+      ...(options.threads !== undefined ? { threads: options.threads } : {}),
+      ...(options.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: options.maxNumBatchedTokens } : {}),
       ...(options.disaggregated ? {
         ...options.disaggregated,
         // Remote prefill whatever the prompt: estimates that make moving KV always cheaper than computing it.

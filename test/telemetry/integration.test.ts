@@ -96,9 +96,12 @@ const phase = (trace: TraceBody, name: string) => trace.phases.find((p) => p.pha
 const prefillTokens = (trace: TraceBody): number =>
   trace.phases.filter((p) => p.phase === 'prefill_execution').reduce((sum, p) => sum + Number(p.attributes?.tokens), 0);
 
-/** Every timings field but total_ms, which the response reports before its own last byte. */
+/**
+ * Every timings field but total_ms, which the response reports before its own last byte, and decode_ms, which runs
+ * from the first token to that end.
+ */
 function withoutTotal(timings: Record<string, unknown>): Record<string, unknown> {
-  const { total_ms: _total, ...rest } = timings;
+  const { total_ms: _total, decode_ms: _decode, ...rest } = timings;
   return rest;
 }
 
@@ -172,7 +175,7 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
       assert.deepEqual(trace.usage, { prompt_tokens: promptTokens, completion_tokens: 4, cached_tokens: body.usage.prompt_tokens_details.cached_tokens });
       // The path in order: the gateway's phases, the worker's queue, the prompt's chunks, then decode.
       assert.match(names(trace).join(','),
-        /^http_receive,auth,rate_limit,validate,tokenize,scheduler_queue,(prefill_execution,)+decode_execution$/);
+        /^http_receive,auth,rate_limit,validate,tokenize,(prefill_dispatch,)?scheduler_queue,(prefill_execution,)+decode_execution,streaming_response$/);
       const starts = trace.phases.map((p) => p.start_ms);
       assert.deepEqual(starts, [...starts].sort((a, b) => a - b));
       const queue = phase(trace, 'scheduler_queue')!;
@@ -563,7 +566,7 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
     const coldTrace = await traceOf(server.url, cold.id);
     const warmTrace = await traceOf(server.url, warm.id);
     for (const trace of [coldTrace, warmTrace]) {
-      assert.match(names(trace).join(','), /^http_receive,auth,rate_limit,validate,tokenize,router_lookup,scheduler_queue,(prefill_execution,)+decode_execution$/);
+      assert.match(names(trace).join(','), /^http_receive,auth,rate_limit,validate,tokenize,router_lookup,(prefill_dispatch,)?scheduler_queue,(prefill_execution,)+decode_execution(,streaming_response)?$/);
       assert.match(trace.worker!, /^worker-[01]$/);
       assert.equal(phase(trace, 'router_lookup')!.worker, trace.worker);
     }

@@ -90,10 +90,13 @@ describe('buildRequestTrace', () => {
 
     const b = phaseBreakdown(trace);
     close(b.gatewayMs, 1.0);
-    close(b.routingMs, 0.8);
+    // Routing holds the hand-off to the worker (0.2 ms), prefill the first token's way to its write (0.4 ms), and
+    // decode runs from that write to the end: the parts add up to TTFT and TTFT + decode to the total.
+    close(b.routingMs, 0.8 + 0.2);
     close(b.queueMs, 1.2);
-    close(b.prefillMs, 35.0);
-    close(b.decodeMs, 7 * 12.5);
+    close(b.prefillMs, 35.0 + 0.4);
+    close(b.decodeMs, b.totalMs - b.ttftMs);
+    close(b.gatewayMs + b.routingMs + b.queueMs + b.prefillMs, b.ttftMs);
     close(b.totalMs, cold.at.end - T0);
     assert.equal(trace.prefill?.chunks, 2);
     assert.equal(trace.prefill?.computedTokens, 1024);
@@ -103,7 +106,7 @@ describe('buildRequestTrace', () => {
 
     const names = trace.phases.map((p) => p.phase);
     assert.deepEqual(names, [
-      'http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'router_lookup', 'scheduler_queue',
+      'http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'router_lookup', 'prefill_dispatch', 'scheduler_queue',
       'prefill_execution', 'prefill_execution', 'decode_execution', 'streaming_response',
     ]);
     for (let i = 1; i < trace.phases.length; i++) assert.ok(trace.phases[i]!.startMs >= trace.phases[i - 1]!.startMs, 'phases sorted by start');
@@ -115,7 +118,7 @@ describe('buildRequestTrace', () => {
     assert.equal(trace.prefill?.computedTokens, 16);
     assert.equal(prefillSkipped(trace), true);
     assert.equal(trace.routing?.kvCacheHit, true);
-    close(phaseBreakdown(trace).prefillMs, 2.0);
+    close(phaseBreakdown(trace).prefillMs, 2.0 + 0.4, 1e-3);
     close(trace.ttftMs, 2.0 + 0.5 + 2.0 + 0.4);
   });
 
@@ -203,7 +206,7 @@ describe('Telemetry collector', () => {
     assert.ok(timings);
     close(timings.ttft_ms ?? undefined, 38.6);
     close(timings.queue_ms, 1.2);
-    close(timings.prefill_ms, 35);
+    close(timings.prefill_ms, 35.4, 1e-3);
     close(timings.total_ms, cold.at.lastToken + 0.5 - T0, 1e-3);
     assert.equal(telemetry.inFlight, 1);
   });

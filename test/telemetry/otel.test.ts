@@ -67,7 +67,7 @@ describe('request spans', () => {
     const cold = coldTimeline({ queueDepth: 12 });
     run(telemetry, cold.events);
     const spans = exporter.getFinishedSpans();
-    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait),prefill(model_forward_prefill,model_forward_prefill),decode,token_emit)`);
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},prefill_dispatch,scheduling(queue_wait),prefill(model_forward_prefill,model_forward_prefill),decode,token_emit)`);
 
     const root = one(spans, 'request');
     assert.equal(root.attributes['request.id'], 'req-cold');
@@ -122,7 +122,7 @@ describe('request spans', () => {
     const { telemetry, exporter } = traced();
     run(telemetry, warmTimeline().events);
     const spans = exporter.getFinishedSpans();
-    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait),prefill(model_forward_prefill),decode,token_emit)`);
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},prefill_dispatch,scheduling(queue_wait),prefill(model_forward_prefill),decode,token_emit)`);
     assert.equal(one(spans, 'routing').attributes['routing.kv_cache_hit'], true);
     assert.equal(one(spans, 'routing').attributes['routing.selection_reason'], 'prefix_match_1008_tokens');
     const prefill = one(spans, 'prefill');
@@ -137,7 +137,7 @@ describe('request spans', () => {
     const { telemetry, exporter } = traced();
     run(telemetry, abortedInQueueTimeline('gone'));
     const spans = exporter.getFinishedSpans();
-    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait))`);
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},prefill_dispatch,scheduling(queue_wait))`);
     const root = one(spans, 'request');
     assert.equal(root.attributes['request.aborted'], true);
     assert.equal(root.attributes['request.abort_reason'], 'client_disconnect');
@@ -155,7 +155,7 @@ describe('request spans', () => {
     const { telemetry, exporter } = traced({ sampling: { baseRate: 0 } });
     run(telemetry, erroredInPrefillTimeline('boom'));
     const spans = exporter.getFinishedSpans();
-    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},scheduling(queue_wait),prefill(model_forward_prefill))`);
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},prefill_dispatch,scheduling(queue_wait),prefill(model_forward_prefill))`);
     const root = one(spans, 'request');
     assert.equal(root.status.code, SpanStatusCode.ERROR);
     assert.equal(root.status.message, 'forward pass failed: out of memory');

@@ -3,7 +3,7 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { SloTracker } from '../../src/telemetry/slo.ts';
-import { quantile } from '../../src/util/stats.ts';
+import { percentile, quantile } from '../../src/util/stats.ts';
 import { buildRequestTrace } from '../../src/telemetry/trace.ts';
 import { T0, coldTimeline, rateLimitedTimeline, seededRandom } from './fixtures.ts';
 
@@ -17,6 +17,18 @@ function recordTtfts(tracker: SloTracker, ttfts: readonly number[], at = T0, mod
 }
 
 describe('SloTracker', () => {
+  it('p99 is the nearest rank ceil(0.99 n): two slow samples among 167 show, as in `conduit bench` and the simulator', () => {
+    const tracker = new SloTracker();
+    const ttfts = [...Array.from({ length: 165 }, (_, i) => 40 + (i % 20)), 391, 981];
+    recordTtfts(tracker, ttfts);
+    const m = tracker.report(T0 + 1000).models[0]!;
+    assert.equal(m.ttft.samples, 167);
+    // ceil(0.99 * 167) = 166: the 166th smallest is 391 (rank round(0.99 * 166) = 164, 0-based, hid both).
+    within(m.ttft.p99_ms, 391);
+    assert.equal(percentile(Float64Array.from(ttfts).sort(), 0.99), 391);
+    assert.equal(m.ttft.target_met, false, 'the tail breaks the 200 ms target');
+  });
+
   it('meets the TTFT target when p99 is under 200 ms', () => {
     const tracker = new SloTracker();
     recordTtfts(tracker, Array.from({ length: 100 }, () => 100));

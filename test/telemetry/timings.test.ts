@@ -9,13 +9,13 @@ import { T0, abortedInQueueTimeline, coldTimeline, requestTimeline, warmTimeline
 describe('responseTimings', () => {
   it('gives ms per phase, cached tokens and whether prefill was skipped', () => {
     assert.deepEqual(responseTimings(buildRequestTrace(coldTimeline().events)), {
-      ttft_ms: 38.6, total_ms: 126.6, gateway_ms: 1, routing_ms: 0.8, queue_ms: 1.2, prefill_ms: 35, decode_ms: 87.5,
+      ttft_ms: 38.6, total_ms: 126.6, gateway_ms: 1, routing_ms: 1, queue_ms: 1.2, prefill_ms: 35.4, decode_ms: 88,
       tbt_p50_ms: 12.5, cached_tokens: 0, prefill_skipped: false,
     });
     const warm = responseTimings(buildRequestTrace(warmTimeline().events));
     assert.equal(warm.cached_tokens, 1008);
     assert.equal(warm.prefill_skipped, true);
-    assert.equal(warm.prefill_ms, 2);
+    assert.equal(warm.prefill_ms, 2.4, 'up to the first token\'s write');
     assert.equal(warm.ttft_ms, 4.9);
   });
 
@@ -84,7 +84,7 @@ describe('formatWaterfall', () => {
     assert.match(lines[1]!, /total 126\.6 ms {2}TTFT 38\.6 ms {2}prompt 1024 tokens \(0 cached\) {2}output 8 tokens/);
     const rows = lines.filter((l) => /^[a-z_]+( \(|\s{2})/.test(l) && !l.startsWith('phase') && !l.startsWith('first token'));
     assert.deepEqual(rows.map((l) => l.split(/\s{2,}/)[0]), [
-      'http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'router_lookup', 'scheduler_queue',
+      'http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'router_lookup', 'prefill_dispatch', 'scheduler_queue',
       'prefill_execution', 'prefill_execution', 'decode_execution (7 steps)', 'streaming_response (9 writes)',
     ]);
     // The bar area starts two columns after the duration column; a 35 ms prefill of a 126.6 ms request spans

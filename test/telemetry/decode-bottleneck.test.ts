@@ -1,0 +1,94 @@
+// Decode-bound slowness named as such: requests that are slow only by their time between tokens are slow, and the
+// analyzer calls them decode_batch_bound (steady steps in a full batch, on the simulated engine) or
+// decode_preempted (KV blocks lost mid-decode, on the real engine with a pool too small for the batch), with a
+// recommendation that fits the numbers, not prefill_no_cache and prefix-cache advice for a 13-token prompt.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import { rawRequest } from '../api/http-client.ts';
+import { TraceAnalyzer } from '../../src/telemetry/analyzer.ts';
+import type { RequestTrace } from '../../src/telemetry/trace.ts';
+import { startLiveServer, type LiveServer } from './integration-fixture.ts';
+
+/** A hang guard, not a speed requirement. */
+const LIVE = { timeout: 180_000 };
+
+async function completions(server: LiveServer, count: number, body: Record<string, unknown>): Promise<RequestTrace[]> {
+  const model = server.api.gateway.servedModelName!;
+  const results = await Promise.all(Array.from({ length: count }, (_, i) => rawRequest(server.url, {
+    path: '/v1/completions', body: { model, prompt: `Request ${i}: tell me a story about the sea.`, temperature: 0, ignore_eos: true, ...body },
+  })));
+  return results.map((r) => {
+    assert.equal(r.status, 200, r.text);
+    const trace = server.telemetry.traces.get(r.headers['x-request-id'] as string);
+    assert.ok(trace, 'the trace is stored');
+    return trace;
+  });
+}
+
+describe('decode-bound requests on the simulated engine (a full batch of long outputs)', () => {
+  let server: LiveServer;
+  before(async () => {
+    server = await startLiveServer({ sim: true, simSpeedUp: 1, maxNumSeqs: 8 });
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('slow only by time per token: counted slow, and named decode_batch_bound with batch advice', LIVE, async () => {
+    const traces = await completions(server, 8, { max_tokens: 48 });
+    // The simulated 8B model on an H100 decodes a token in a few ms; a TBT target under that makes these slow by
+    // TBT alone, while their TTFT is far under its target.
+    const perToken = traces.map((t) => (t.decode!.endMs - t.decode!.startMs) / t.decode!.steps);
+    const tbtTarget = Math.min(...perToken) * 0.9;
+    const analyzer = new TraceAnalyzer({ slowTbtMs: tbtTarget });
+    for (const trace of traces) {
+      assert.ok(trace.promptTokens < 32, `a short prompt (${trace.promptTokens} tokens)`);
+      const d = analyzer.classify(trace);
+      assert.equal(d.category, 'decode_batch_bound', d.recommendation);
+      assert.equal(d.dominant_phase, 'decode_execution');
+      assert.match(d.recommendation, /in batches of [\d.]+ sequences on average/);
+      assert.match(d.recommendation, /--max-num-seqs/);
+      assert.doesNotMatch(d.recommendation, /prefix/);
+      assert.ok(d.breakdown_ms.decode > (d.ttft_ms ?? 0), 'decode dominates');
+    }
+    const ttftMax = Math.max(...traces.map((t) => t.ttftMs!));
+    const window = analyzer.analyze(traces, { slowTtftMs: ttftMax + 1000, slowTbtMs: tbtTarget });
+    assert.equal(window.slow_requests, traces.length, 'slow by time per token alone (no stream) counts as slow');
+    assert.equal(window.primary_bottleneck, 'decode_batch_bound');
+  });
+
+  it('a fast decode is not decode-bound', LIVE, async () => {
+    const [trace] = await completions(server, 1, { max_tokens: 8 });
+    const d = new TraceAnalyzer({ slowTbtMs: 1e6 }).classify(trace!);
+    assert.notEqual(d.category, 'decode_batch_bound');
+  });
+});
+
+describe('decode preempted on the real engine (a KV pool too small for the batch)', () => {
+  let server: LiveServer;
+  before(async () => {
+    server = await startLiveServer({ threads: 1, kvCacheMemoryBytes: 1024 * 1024, maxNumSeqs: 4 });
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('a request that lost its KV blocks mid-decode is decode_preempted, with KV advice', LIVE, async () => {
+    const analyzer = new TraceAnalyzer();
+    let preempted: RequestTrace[] = [];
+    // Which request loses its blocks depends on the order of steps; a few rounds at most.
+    for (let round = 0; round < 3 && preempted.length === 0; round++) {
+      const traces = await completions(server, 4, { max_tokens: 100, stream: true });
+      preempted = traces.filter((t) => t.phases.some((p) => p.phase === 'prefill_execution' && p.startMs >= t.engineFirstTokenMs!));
+    }
+    assert.ok(preempted.length > 0, 'some request was preempted after its first token');
+    for (const trace of preempted) {
+      const d = analyzer.classify(trace);
+      if (d.breakdown_ms.decode <= (d.ttft_ms ?? 0)) continue; // decode did not dominate it
+      assert.equal(d.category, 'decode_preempted', d.recommendation);
+      assert.match(d.recommendation, /tokens were recomputed/);
+      assert.match(d.recommendation, /--kv-cache-memory/);
+    }
+  });
+});
