@@ -74,11 +74,12 @@ export class RoutedEngine implements Engine {
     const routingRequest: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
     };
+    let offeredAt = this.now();
     let decision: RoutingDecision = await this.group.admission.place(routingRequest);
     let engine = this.group.get(decision.workerId);
     for (;;) {
       const workerId = decision.workerId;
-      const summary = migration.summarize(summarizeDecision(decision, this.now()));
+      const summary = migration.summarize(summarizeDecision(decision, this.now(), offeredAt));
       this.placement.set(request.id, workerId);
       let first = true;
       let lost: WorkerLostError;
@@ -115,6 +116,7 @@ export class RoutedEngine implements Engine {
         this.router.onFinished(request.id, this.now());
         this.group.admission.drain();
       }
+      offeredAt = this.now();
       const next = await this.group.placeAfterLoss(migration, lost);
       if (next === null) {
         yield migration.closingOutput(this.now());

@@ -295,11 +295,11 @@ export function combinedStats(groups: readonly WorkerGroup<RoutableEngine>[]): E
 }
 
 /** The router's decision as it travels on the request's outputs (trace and timings). */
-export function summarizeDecision(decision: RoutingDecision, decidedAt: number): RoutingSummary {
+export function summarizeDecision(decision: RoutingDecision, decidedAt: number, offeredAt?: number): RoutingSummary {
   const { overhead } = decision;
   return {
     workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
-    reason: decision.reason, decidedAt,
+    reason: decision.reason, decidedAt, ...(offeredAt !== undefined ? { offeredAt } : {}),
     overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
   };
 }

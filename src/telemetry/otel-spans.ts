@@ -26,7 +26,7 @@ import {
 import { millisToHrTime } from '@opentelemetry/core';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { ReservedIdGenerator } from './otel-provider.ts';
-import { mean, quantileOfSorted } from '../util/stats.ts';
+import { mean, quantileOfSorted, round3 } from '../util/stats.ts';
 import { prefillSkipped, type RequestTrace } from './trace.ts';
 import { parseTraceparent } from './traceparent.ts';
 
@@ -69,10 +69,6 @@ function sortedOf(values: readonly number[]): Float64Array {
   return Float64Array.from(values).sort();
 }
 
-function r3(ms: number): number {
-  return Math.round(ms * 1000) / 1000;
-}
-
 /**
  * Builds and ends the span tree of one finished request. With `ids`, the root span takes the trace and span ids
  * reserved for the request at arrival. Returns the root span's context.
@@ -103,12 +99,12 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     'request.temperature': trace.temperature,
     'request.stream': trace.stream,
     'request.n': trace.n,
-    'request.ttft_ms': trace.ttftMs !== undefined ? r3(trace.ttftMs) : undefined,
+    'request.ttft_ms': trace.ttftMs !== undefined ? round3(trace.ttftMs) : undefined,
     'request.ttft_source': trace.ttftSource,
-    'request.total_time_ms': r3(trace.e2eMs),
-    'request.tokens_per_sec': e2eSec > 0 ? r3(trace.outputTokens / e2eSec) : undefined,
-    'request.tbt_p50_ms': r3(tbtP50),
-    'request.tbt_p99_ms': r3(tbtP99),
+    'request.total_time_ms': round3(trace.e2eMs),
+    'request.tokens_per_sec': e2eSec > 0 ? round3(trace.outputTokens / e2eSec) : undefined,
+    'request.tbt_p50_ms': round3(tbtP50),
+    'request.tbt_p99_ms': round3(tbtP99),
     'request.finish_reason': trace.finishReason,
     'request.outcome': trace.outcome,
     'request.prefill_skipped': prefillSkipped(trace),
@@ -152,7 +148,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   if (gatewayPhases.length > 0) {
     const start = Math.min(...gatewayPhases.map((p) => p.startMs));
     const end = Math.max(...gatewayPhases.map((p) => p.endMs));
-    group(rootContext, 'gateway', start, end, { 'conduit.phase': 'gateway', 'gateway.time_ms': r3(end - start) }, (ctx) => {
+    group(rootContext, 'gateway', start, end, { 'conduit.phase': 'gateway', 'gateway.time_ms': round3(end - start) }, (ctx) => {
       for (const p of gatewayPhases) {
         const attrs: Record<string, string | number | boolean | undefined> = { 'conduit.phase': p.phase };
         for (const [k, v] of Object.entries(p.attributes ?? {})) attrs[`${p.phase}.${k}`] = v;
@@ -176,7 +172,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'routing.selection_reason': routing.reason,
       'routing.worker_queue_depth': routing.workerQueueDepth,
       'routing.predicted_ttft_ms': routing.predictedTtftMs,
-      'routing.latency_ms': r3(routing.endMs - routing.startMs),
+      'routing.latency_ms': round3(routing.endMs - routing.startMs),
       // Request migration: how often the request lost its worker mid-stream, and where it went each time.
       'routing.migrations': routing.migrations?.length,
       'routing.migration_path': routing.migrations
@@ -216,8 +212,8 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'conduit.phase': 'scheduler_queue',
       'scheduling.request_id': trace.requestId,
       'scheduling.queue_depth_at_entry': trace.queueDepthAtEntry,
-      'scheduling.queue_time_ms': r3(queue.endMs - queue.startMs),
-      'scheduling.budget_ms': budgetMs !== undefined ? r3(budgetMs) : undefined,
+      'scheduling.queue_time_ms': round3(queue.endMs - queue.startMs),
+      'scheduling.budget_ms': budgetMs !== undefined ? round3(budgetMs) : undefined,
       'scheduling.budget_tokens': trace.budgetTokens,
       'scheduling.worker': queue.worker,
       'scheduling.completed': queue.incomplete ? false : undefined,
@@ -227,7 +223,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       });
       if (budgetMs !== undefined) {
         span(ctx, 'budget_allocation', queue.endMs, end, {
-          'conduit.phase': 'scheduler_queue', 'scheduling.budget_ms': r3(budgetMs), 'scheduling.budget_tokens': trace.budgetTokens,
+          'conduit.phase': 'scheduler_queue', 'scheduling.budget_ms': round3(budgetMs), 'scheduling.budget_tokens': trace.budgetTokens,
         });
       }
     });
@@ -243,9 +239,9 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'prefill.cached_tokens': trace.cachedTokens,
       'prefill.new_tokens': Math.max(0, trace.promptTokens - trace.cachedTokens),
       'prefill.computed_tokens': prefill.computedTokens,
-      'prefill.cache_hit_rate': r3(trace.cachedTokens / Math.max(1, trace.promptTokens)),
-      'prefill.time_ms': r3(timeMs),
-      'prefill.tokens_per_sec': timeMs > 0 ? r3(prefill.computedTokens / (timeMs / 1000)) : undefined,
+      'prefill.cache_hit_rate': round3(trace.cachedTokens / Math.max(1, trace.promptTokens)),
+      'prefill.time_ms': round3(timeMs),
+      'prefill.tokens_per_sec': timeMs > 0 ? round3(prefill.computedTokens / (timeMs / 1000)) : undefined,
       'prefill.chunks': prefill.chunks,
       'prefill.batch_size_max': prefill.batchSizeMax,
       'prefill.worker': prefill.worker,
@@ -275,7 +271,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     const ms = kv.endMs - kv.startMs;
     span(engineContext, 'kv_transfer', kv.startMs, kv.endMs, {
       'conduit.phase': 'kv_transfer', 'kv_transfer.bytes': kv.bytes, 'kv_transfer.blocks': kv.blocks,
-      'kv_transfer.from_worker': kv.fromWorker, 'kv_transfer.to_worker': kv.toWorker, 'kv_transfer.time_ms': r3(ms),
+      'kv_transfer.from_worker': kv.fromWorker, 'kv_transfer.to_worker': kv.toWorker, 'kv_transfer.time_ms': round3(ms),
       'kv_transfer.bytes_per_sec': ms > 0 ? Math.round(kv.bytes / (ms / 1000)) : undefined,
     });
   }
@@ -291,17 +287,17 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'conduit.phase': 'decode_execution',
       'decode.total_steps': decode.steps,
       'decode.step_source': decode.source,
-      'decode.step_p50_ms': stepSorted.length > 0 ? r3(quantileOfSorted(stepSorted, 0.5)) : undefined,
-      'decode.step_max_ms': stepSorted.length > 0 ? r3(stepSorted[stepSorted.length - 1]!) : undefined,
-      'decode.avg_tbt_ms': tbt.length > 0 ? r3(mean(tbt)) : (decode.steps > 0 ? r3((decode.endMs - decode.startMs) / decode.steps) : undefined),
-      'decode.p99_tbt_ms': tbt.length > 0 ? r3(tbtP99) : undefined,
-      'decode.tokens_per_sec': decodeSec > 0 ? r3(decode.steps / decodeSec) : undefined,
+      'decode.step_p50_ms': stepSorted.length > 0 ? round3(quantileOfSorted(stepSorted, 0.5)) : undefined,
+      'decode.step_max_ms': stepSorted.length > 0 ? round3(stepSorted[stepSorted.length - 1]!) : undefined,
+      'decode.avg_tbt_ms': tbt.length > 0 ? round3(mean(tbt)) : (decode.steps > 0 ? round3((decode.endMs - decode.startMs) / decode.steps) : undefined),
+      'decode.p99_tbt_ms': tbt.length > 0 ? round3(tbtP99) : undefined,
+      'decode.tokens_per_sec': decodeSec > 0 ? round3(decode.steps / decodeSec) : undefined,
       'decode.batch_size_min': batch?.seqsMin,
       'decode.batch_size_max': batch?.seqsMax,
-      'decode.batch_size_mean': batch ? r3(batch.seqsMean) : undefined,
-      'decode.batch_tokens_mean': batch ? r3(batch.tokensMean) : undefined,
+      'decode.batch_size_mean': batch ? round3(batch.seqsMean) : undefined,
+      'decode.batch_tokens_mean': batch ? round3(batch.tokensMean) : undefined,
       'decode.batch_tokens_max': batch?.tokensMax,
-      'decode.forward_ms': batch ? r3(batch.forwardMs) : undefined,
+      'decode.forward_ms': batch ? round3(batch.forwardMs) : undefined,
       'decode.worker': decode.worker,
       'decode.completed': decode.incomplete ? false : undefined,
     }, (ctx) => {
@@ -330,8 +326,8 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     } else {
       span(rootContext, 'token_emit', startMs, times[times.length - 1]!, {
         'conduit.phase': 'streaming_response', 'emit.writes': emits.writes, 'emit.content_writes': emits.contentWrites,
-        'emit.bytes': emits.bytes > 0 ? emits.bytes : undefined, 'emit.first_write_ms': r3(first - trace.arrivalMs),
-        'emit.first_token_handoff_ms': trace.engineFirstTokenMs !== undefined ? r3(first - trace.engineFirstTokenMs) : undefined,
+        'emit.bytes': emits.bytes > 0 ? emits.bytes : undefined, 'emit.first_write_ms': round3(first - trace.arrivalMs),
+        'emit.first_token_handoff_ms': trace.engineFirstTokenMs !== undefined ? round3(first - trace.engineFirstTokenMs) : undefined,
       });
     }
   }

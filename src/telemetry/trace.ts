@@ -16,6 +16,7 @@ import type {
 import { DEFAULT_BLOCK_SIZE as DEFAULT_KV_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { TraceParent } from './traceparent.ts';
+import { round3 } from '../util/stats.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // The derived trace
@@ -432,6 +433,9 @@ function addGatewayPhases({ events, phases }: BuildInput): void {
 }
 
 /** The router's decision, with the migrations the engine reported. */
+/** The shortest wait between the offer to the router and its decision that is shown as admission queue time. */
+const ADMISSION_WAIT_MIN_MS = 0.1;
+
 function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | undefined {
   if (!router) return undefined;
   const routing: RoutingSummary = {
@@ -442,6 +446,13 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
   };
   const migrations = reports.flatMap((r) => r.migrations ?? []);
   if (migrations.length > 0) routing.migrations = migrations;
+  // Waiting in the router's admission queue for a worker with room is queue time, as the scheduler's queue is. (A
+  // request routed at once shows a few µs between the offer and the decision: not a wait, no phase.)
+  if (router.offeredAt !== undefined && router.start - router.offeredAt >= ADMISSION_WAIT_MIN_MS) {
+    phases.push({
+      phase: 'scheduler_queue', startMs: router.offeredAt, endMs: router.start, attributes: { router_admission: true },
+    });
+  }
   phases.push({
     phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
     attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),
@@ -792,10 +803,6 @@ function batchFromSteps(stepMs: readonly number[], seqs: readonly number[], toke
     steps, seqsMean: seqsSum / steps, seqsMin, seqsMax, forwardMs,
     tokensMean: tokensSteps > 0 ? tokensSum / tokensSteps : Number.NaN, tokensMin, tokensMax,
   };
-}
-
-function round3(x: number): number {
-  return Math.round(x * 1000) / 1000;
 }
 
 /** The phase a failed or aborted request was in when it ended. */

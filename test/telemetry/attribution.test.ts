@@ -140,15 +140,15 @@ describe('attribution on the real engine: chunked prefill and preemption', () =>
   it('requests preempted for KV blocks and recomputed', LIVE, async () => {
     const model = server.api.gateway.servedModelName!;
     const before = total((await scrape(server.url)).exposition, 'conduit_scheduler_preemptions_total');
+    // Each request fits the advertised context (max_model_len is what one sequence can get from this pool, ~160
+    // tokens), four together do not.
     const results = await Promise.all(Array.from({ length: 4 }, () => rawRequest(server.url, {
-      path: '/v1/completions', body: { model, prompt: words(8), max_tokens: 120, temperature: 0, ignore_eos: true, stream: true },
+      path: '/v1/completions', body: { model, prompt: words(2), max_tokens: 100, temperature: 0, ignore_eos: true, stream: true },
     })));
+    for (const r of results) assert.equal(r.status, 200, r.text);
     const after = total((await scrape(server.url)).exposition, 'conduit_scheduler_preemptions_total');
     assert.ok(after > before, 'the pool was too small: requests were preempted');
-    const traces = await Promise.all(results.map((r) => {
-      assert.equal(r.status, 200, r.text);
-      return traceOf(server.url, r.headers['x-request-id'] as string);
-    }));
+    const traces = await Promise.all(results.map((r) => traceOf(server.url, r.headers['x-request-id'] as string)));
     assertAttributed(traces);
   });
 });
