@@ -30,7 +30,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { KeyStore } from '../src/api/auth.ts';
 import { ApiServer } from '../src/api/server.ts';
-import { formatTable } from '../src/bench/stats.ts';
+import { formatTable } from '../src/bench/tables.ts';
 import type { Engine, EngineOutput, EngineRequest } from '../src/engine/types.ts';
 import { createWorkerPool } from '../src/runtime/worker-pool.ts';
 

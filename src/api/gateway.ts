@@ -16,7 +16,7 @@ import {
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
-import type { GatewayMetrics } from './metrics.ts';
+import type { GatewayMetrics } from './gateway-metrics.ts';
 import { newCompletionId, TokenTexts, unixSeconds, type ChatResponseMeta } from './openai-format.ts';
 import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';

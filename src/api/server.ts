@@ -21,7 +21,7 @@ import {
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
-import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './metrics.ts';
+import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
 import { TenantRateLimiter, type Clock } from './rate-limit.ts';
 

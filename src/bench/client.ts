@@ -5,7 +5,7 @@
 
 import { Agent as HttpAgent, request as httpRequest, type IncomingMessage } from 'node:http';
 import { Agent as HttpsAgent, request as httpsRequest } from 'node:https';
-import { SseParser } from './sse.ts';
+import { SseParser } from './sse-parser.ts';
 
 export interface Target {
   /** Base URL, e.g. http://127.0.0.1:8000 (a path prefix such as /v1 is kept and the endpoint path appended). */

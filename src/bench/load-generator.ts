@@ -6,7 +6,7 @@
 import { setMaxListeners } from 'node:events';
 import { createTarget, fetchModelId, sendRequest, type RequestOutcome, type Target } from './client.ts';
 import { distribution, type Distribution } from '../util/stats.ts';
-import { seededRandom, type Workload } from './workload.ts';
+import { seededRandom, type Workload } from './prompt-workload.ts';
 
 export type Endpoint = 'chat' | 'completions';
 

@@ -2,7 +2,7 @@
 // errors) or as JSON for scripts and for comparing runs.
 
 import type { BenchResult } from './load-generator.ts';
-import { cell, formatTable } from './stats.ts';
+import { cell, formatTable } from './tables.ts';
 import { type Distribution } from '../util/stats.ts';
 
 function modeText(result: BenchResult): string {

@@ -5,7 +5,7 @@
 import { writeFileSync } from 'node:fs';
 import { runLoad, type BenchResult, type Endpoint, type LoadOptions } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
-import { randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/workload.ts';
+import { randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 

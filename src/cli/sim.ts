@@ -9,7 +9,7 @@ import {
   DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatDisaggregatedPath, formatLifecycleTable, simulateDisaggregatedPath,
   simulateLifecycle,
 } from '../sim/latency-model.ts';
-import { checkDisaggregatedPathWithEngine } from '../sim/disaggregated.ts';
+import { checkDisaggregatedPathWithEngine } from '../sim/disagg-cold-path.ts';
 import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
 import { CALIBRATIONS, calibrationEfficiency, DEFAULT_CALIBRATION, parseCalibration } from '../sim/calibration.ts';
 import type { CalibrationName } from '../sim/calibration.ts';

@@ -11,7 +11,7 @@ import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { silentLogger } from '../../src/api/log.ts';
 import { runLoad, type LoadOptions } from '../../src/bench/load-generator.ts';
-import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/workload.ts';
+import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/prompt-workload.ts';
 import { BENCH_FLAGS, parseBenchConfig, runBench, type BenchConfig } from '../../src/cli/bench.ts';
 import { envName, UsageError } from '../../src/cli/flags.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';

@@ -3,10 +3,10 @@ import { describe, it } from 'node:test';
 import { summarize } from '../../src/bench/load-generator.ts';
 import type { RequestOutcome } from '../../src/bench/client.ts';
 import { reportJson } from '../../src/bench/report.ts';
-import { SseParser } from '../../src/bench/sse.ts';
-import { formatTable } from '../../src/bench/stats.ts';
+import { SseParser } from '../../src/bench/sse-parser.ts';
+import { formatTable } from '../../src/bench/tables.ts';
 import { distribution, percentile } from '../../src/util/stats.ts';
-import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/workload.ts';
+import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/prompt-workload.ts';
 
 describe('bench stats', () => {
   it('takes nearest-rank percentiles: always a measured value', () => {

@@ -7,7 +7,7 @@ import assert from 'node:assert/strict';
 import type { EngineOutput } from '../../src/engine/types.ts';
 import { createWorkerPool } from '../../src/runtime/worker-pool.ts';
 import { SimCluster, type DisaggregatedRoute } from '../../src/sim/cluster.ts';
-import { checkDisaggregatedPathWithEngine } from '../../src/sim/disaggregated.ts';
+import { checkDisaggregatedPathWithEngine } from '../../src/sim/disagg-cold-path.ts';
 import { H100_SXM, INFINIBAND_NDR, type LinkProfile } from '../../src/sim/hardware.ts';
 import { simulateDisaggregatedPath, simulateLifecycle } from '../../src/sim/latency-model.ts';
 import { getModelProfile, kvBytesPerToken } from '../../src/sim/models.ts';

@@ -1,7 +1,7 @@
 // Prometheus metrics after known requests, read back from the registry's text exposition as a scraper would.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { GatewayMetrics } from '../../src/api/metrics.ts';
+import { GatewayMetrics } from '../../src/api/gateway-metrics.ts';
 import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
 import { ConduitMetrics, TBT_BUCKETS_MS, TTFT_BUCKETS_MS } from '../../src/telemetry/metrics.ts';
 import type { EngineStats } from '../../src/protocols/worker.ts';
