@@ -9,7 +9,9 @@ import { describe, it } from 'node:test';
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, f16BitsToF32, quantize } from '../../src/model/quant.ts';
 import type { KernelVariant } from '../../src/kernels/native.ts';
-import { assertClose, guarded, native, randomArray, seeded, skipNative, variants } from './native-harness.ts';
+import {
+  assertClose, guarded, native, randomArray, referenceMatmul, seeded, skipNative, variants,
+} from './native-harness.ts';
 
 const TYPES = [GgmlType.Q4_K, GgmlType.Q6_K];
 const U = 2 ** -24; // unit roundoff of f32
@@ -89,18 +91,6 @@ function bounds(type: GgmlType, w: Uint8Array, decoded: Float32Array, x: Float32
   return out;
 }
 
-function exactProduct(x: Float32Array, w: Float32Array, m: number, k: number, n: number): Float64Array {
-  const y = new Float64Array(m * n);
-  for (let r = 0; r < m; r++) {
-    for (let j = 0; j < n; j++) {
-      let s = 0;
-      for (let i = 0; i < k; i++) s += x[r * k + i]! * w[j * k + i]!;
-      y[r * n + j] = s;
-    }
-  }
-  return y;
-}
-
 // [m, k, n]: decode rows, the 4-row blocking's tails, a row block of 16 and its tail, prefill-like; n odd and across
 // tile boundaries (64 rows).
 const SHAPES: [number, number, number][] = [
@@ -122,7 +112,7 @@ describe('native ops: K-quant integer-dot matmul', { skip: skipNative }, () => {
         const w = quantize(type, randomArray(n * k, rand));
         const decoded = new Float32Array(n * k);
         dequantize(type, w, n * k, decoded);
-        const exact = exactProduct(x, decoded, m, k, n);
+        const exact = referenceMatmul(x, decoded, m, k, n);
         const bound = bounds(type, w, decoded, x, m, k, n);
         let first: Float32Array | undefined;
         for (const variant of simd) {
