@@ -59,6 +59,8 @@ export class LocalEngine implements Engine {
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   private readonly syncs = new Map<number, { resolve(stats: EngineStats): void; reject(error: Error): void }>();
   private nextSyncId = 1;
+  private readonly resets = new Map<number, { resolve(reset: boolean): void; reject(error: Error): void }>();
+  private nextResetId = 1;
   /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
   readonly kvPool: SharedArrayBuffer | undefined;
   readonly kvLayout: KvPoolLayout | undefined;
@@ -196,6 +198,16 @@ export class LocalEngine implements Engine {
     return this.latestStats;
   }
 
+  /** The worker drops its prefix cache and releases the KV pool's pages, unless blocks are in use (false). */
+  resetPrefixCache(): Promise<boolean> {
+    if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
+    const resetId = this.nextResetId++;
+    return new Promise<boolean>((resolve, reject) => {
+      this.resets.set(resetId, { resolve, reject });
+      this.post({ type: 'reset-prefix-cache', resetId });
+    });
+  }
+
   /** Subscribes to the worker's KV events (only sent when enableKvEvents); returns the unsubscribe function. */
   onKvEvents(listener: (events: KvEvent[]) => void): () => void {
     this.kvEventListeners.add(listener);
@@ -224,6 +236,8 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     for (const sync of this.syncs.values()) sync.reject(new EngineClosedError('engine closed'));
     this.syncs.clear();
+    for (const reset of this.resets.values()) reset.reject(new EngineClosedError('engine closed'));
+    this.resets.clear();
     if (!this.exitError) {
       const exited = new Promise<void>((resolve) => this.worker.once('exit', () => resolve()));
       this.post({ type: 'close' });
@@ -265,6 +279,12 @@ export class LocalEngine implements Engine {
         this.syncs.get(message.syncId)?.resolve(message.stats);
         this.syncs.delete(message.syncId);
         return;
+      case 'prefix-cache-reset':
+        this.latestStats = message.stats;
+        if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        this.resets.get(message.resetId)?.resolve(message.reset);
+        this.resets.delete(message.resetId);
+        return;
       case 'rejected':
         this.streams.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.streams.delete(message.requestId);
@@ -288,6 +308,8 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     for (const sync of this.syncs.values()) sync.reject(error);
     this.syncs.clear();
+    for (const reset of this.resets.values()) reset.reject(error);
+    this.resets.clear();
     for (const listener of this.lostListeners) listener(error);
   }
 }

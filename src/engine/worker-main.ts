@@ -122,6 +122,12 @@ function run(core: EngineCore): void {
       case 'sync':
         send({ type: 'synced', syncId: message.syncId, stats: core.stats() });
         return;
+      case 'reset-prefix-cache': {
+        const reset = core.resetPrefixCache();
+        const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+        send({ type: 'prefix-cache-reset', resetId: message.resetId, reset, stats: core.stats(), kvEvents });
+        return;
+      }
       case 'close':
         closing = true;
         send({ type: 'closed' });
