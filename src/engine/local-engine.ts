@@ -39,6 +39,11 @@ export interface LocalEngineOptions {
   enableKvEvents?: boolean;
   /** What the worker does in a disaggregated deployment (default 'both'). */
   role?: WorkerRole;
+  /**
+   * Seconds idle (no running or waiting request) after which the worker resets its prefix cache and gives its KV
+   * pool's pages back to the system (default 0: never).
+   */
+  kvCacheIdleReleaseSeconds?: number;
 }
 
 /** 1 GiB, or an eighth of RAM on a small machine: room for every request of a CPU-sized batch. */
@@ -97,6 +102,7 @@ export class LocalEngine implements Engine {
       enablePrefixCaching: options.enablePrefixCaching ?? true,
       enableKvEvents: options.enableKvEvents ?? false,
       role: options.role,
+      kvCacheIdleReleaseSeconds: options.kvCacheIdleReleaseSeconds ?? 0,
     };
     const worker = startTsWorker(new URL('./worker-main.ts', import.meta.url), init);
     const ready = await new Promise<Extract<FromWorker, { type: 'ready' }>>((resolve, reject) => {

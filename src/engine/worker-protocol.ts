@@ -24,6 +24,11 @@ export interface WorkerInit {
   policy: SchedulingPolicy;
   enablePrefixCaching: boolean;
   enableKvEvents: boolean;
+  /**
+   * Seconds without a running or waiting request after which the worker resets its prefix cache and gives the KV
+   * pool's pages back (0 or unset: never).
+   */
+  kvCacheIdleReleaseSeconds?: number;
   /** Disaggregated serving (default 'both'); only informs the worker's notices and info. */
   role?: WorkerRole;
 }
