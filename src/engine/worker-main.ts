@@ -67,7 +67,7 @@ function run(core: EngineCore): void {
 
   // Idle release: one check timer per worker (not per request); each check is O(1) unless it resets the cache.
   const idleReleaseMs = (init.kvCacheIdleReleaseSeconds ?? 0) * 1000;
-  /** Engine-clock time work was last seen, and whether a step ran since the last reset (pages may be touched). */
+  /** Engine-clock time work was last seen (the end of the last step), and whether a step ran since the last reset. */
   let lastBusyMs = engineNow();
   let touchedSinceReset = false;
   const releaseIfIdle = () => {
@@ -89,8 +89,8 @@ function run(core: EngineCore): void {
     stepQueued = false;
     if (closing) return;
     touchedSinceReset = true;
-    lastBusyMs = engineNow();
     const outputs = core.step();
+    lastBusyMs = engineNow();
     const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
       send({ type: 'outputs', outputs, stats: core.stats(), kvEvents });
