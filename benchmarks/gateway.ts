@@ -109,6 +109,7 @@ function instantEngine(info: Engine['info']): Engine {
     info,
     stats: () => ({ numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 1, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 }),
     abort: () => undefined,
+    resetPrefixCache: async () => true,
     close: async () => { closed = true; },
     async *generate(request: EngineRequest): AsyncGenerator<EngineOutput> {
       if (closed) throw new Error('engine is closed');

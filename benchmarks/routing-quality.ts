@@ -293,6 +293,7 @@ function recordingDecisions(inner: Engine, record: (overheadUs: Overhead, decide
     get info() { return inner.info; },
     stats: () => inner.stats(),
     abort: (requestId) => inner.abort(requestId),
+    resetPrefixCache: () => inner.resetPrefixCache(),
     close: () => inner.close(),
     generate(request) {
       const outputs = inner.generate(request);

@@ -67,6 +67,8 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                        {InstanceMethod("forward", &NativeModel::Forward), InstanceMethod("info", &NativeModel::Info),
                         InstanceMethod("setProfiling", &NativeModel::SetProfiling),
                         InstanceMethod("takeProfile", &NativeModel::TakeProfile),
+                        InstanceMethod("releaseKvPool", &NativeModel::ReleaseKvPool),
+                        InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
                         InstanceMethod("dispose", &NativeModel::Dispose)});
   }
 
@@ -242,6 +244,16 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       out.Set(name, o);
     }
     return out;
+  }
+
+  // releaseKvPool() -> bytes of the pool given back to the system
+  Napi::Value ReleaseKvPool(const Napi::CallbackInfo& info) {
+    return Napi::Number::New(info.Env(), static_cast<double>(model(info.Env()).release_kv_pool()));
+  }
+
+  // kvPoolResidentBytes() -> bytes of the pool resident in memory now
+  Napi::Value KvPoolResidentBytes(const Napi::CallbackInfo& info) {
+    return Napi::Number::New(info.Env(), static_cast<double>(model(info.Env()).kv_pool_resident_bytes()));
   }
 
   Napi::Value Dispose(const Napi::CallbackInfo& info) {

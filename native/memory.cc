@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace conduit {
 
@@ -34,6 +35,18 @@ size_t release_pages(const uint8_t* p, size_t bytes) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
   if (end <= begin) return 0;
   return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED) == 0 ? end - begin : 0;
+}
+
+size_t resident_bytes(const uint8_t* p, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  if (end <= begin) return 0;
+  std::vector<unsigned char> resident((end - begin) / page);
+  if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return 0;
+  size_t pages = 0;
+  for (unsigned char r : resident) pages += r & 1;
+  return pages * page;
 }
 
 }  // namespace conduit

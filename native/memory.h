@@ -20,4 +20,8 @@ size_t advise_huge_pages(const uint8_t* p, size_t bytes, bool populated);
 // kernel declined). Never fails.
 size_t release_pages(const uint8_t* p, size_t bytes);
 
+// Bytes of the pages wholly inside [p, p + bytes) that are resident in memory now (mincore); 0 if the kernel
+// declined.
+size_t resident_bytes(const uint8_t* p, size_t bytes);
+
 }  // namespace conduit

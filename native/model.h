@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "compute.h"
+#include "memory.h"
 
 namespace conduit {
 
@@ -82,6 +83,12 @@ class Model {
   size_t packed_weight_bytes() const { return packed_bytes_; }
   // ggml bytes of packed matrices given back to the system at load (release_unpacked).
   size_t released_weight_bytes() const { return released_bytes_; }
+
+  // Gives the KV pool's pages back to the system (see memory.h release_pages); the caller promises no block holds
+  // K/V a later forward reads (a forward writes a slot before any step reads it). Returns the bytes released.
+  size_t release_kv_pool() { return release_pages(spec_.kv_pool, spec_.kv_pool_bytes); }
+  // Bytes of the KV pool resident in memory now.
+  size_t kv_pool_resident_bytes() const { return resident_bytes(spec_.kv_pool, spec_.kv_pool_bytes); }
 
   // Per-section wall time of forward passes (plus the pool's hand-over waits) while enabled; take_profile
   // returns what was gathered since the last call and starts again.

@@ -150,7 +150,7 @@ export class InvalidApiKeyError extends ApiError {
 export class AdminRequiredError extends ApiError {
   constructor(path: string) {
     super(403, 'admin_required', INVALID_REQUEST,
-      `${path} shows every tenant's requests and needs an admin key (--admin-key, or "admin": true on the tenant in the keys file).`);
+      `${path} is server-wide (every tenant's requests) and needs an admin key (--admin-key, or "admin": true on the tenant in the keys file).`);
   }
 }
 
@@ -232,6 +232,14 @@ export class ConcurrencyLimitError extends ApiError {
     super(429, 'concurrency_limit_exceeded', 'requests',
       `Tenant '${tenant}' already has ${limit} requests in flight, its limit. Retry when one finishes.`, null,
       retryHeaders(1000));
+  }
+}
+
+/** POST /reset_prefix_cache while a worker has blocks in use: that worker kept its cache. */
+export class PrefixCacheInUseError extends ApiError {
+  constructor() {
+    super(409, 'requests_running', INVALID_REQUEST,
+      'The prefix cache was not reset on every worker: a worker had requests running (KV blocks in use). Retry when idle.');
   }
 }
 

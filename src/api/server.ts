@@ -17,7 +17,7 @@ import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import {
-  AdminRequiredError, ClientClosedRequestError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -316,7 +316,19 @@ export class ApiServer {
       }, true, { GET: ({ params, call }) => this.traceReply(params[0]!, call.tenant) }),
       admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
       admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
+      admin(route('reset_prefix_cache', exact('/reset_prefix_cache'), true, { POST: () => this.resetPrefixCache() })),
     ];
+  }
+
+  /**
+   * POST /reset_prefix_cache: every worker forgets its cached prefixes and gives its KV pool's memory back to the
+   * system. 409 when a worker had requests running (the workers that were idle still reset).
+   */
+  private async resetPrefixCache(): Promise<JsonReply> {
+    const engine = this.gateway.engine;
+    if (!engine) throw new NotReadyError('still loading its model');
+    if (!(await engine.resetPrefixCache())) throw new PrefixCacheInUseError();
+    return { status: 200, body: { reset: true } };
   }
 
   /**

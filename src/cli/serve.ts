@@ -36,6 +36,7 @@ export const SERVE_FLAGS = {
   'max-num-seqs': { type: 'number', help: 'most sequences in one engine batch' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
+  'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
@@ -86,6 +87,8 @@ export interface ServeConfig {
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
   kvCacheMemoryBytes?: number;
+  /** Idle seconds before a cpu worker resets its prefix cache and releases its KV pool's pages (0 = never). */
+  kvCacheIdleReleaseSeconds: number;
   threads?: number;
   backend: Backend;
   engine: (typeof ENGINES)[number];
@@ -228,6 +231,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const timeout = values['request-timeout']!;
   const grace = values['shutdown-grace']!;
   if (timeout < 0) throw new UsageError('--request-timeout must be >= 0');
+  const idleRelease = values['kv-cache-idle-release']!;
+  if (!(idleRelease >= 0)) throw new UsageError(`--kv-cache-idle-release must be >= 0 seconds, got ${idleRelease}`);
   if (grace < 0) throw new UsageError('--shutdown-grace must be >= 0');
   const headersTimeout = values['headers-timeout']!;
   if (!(headersTimeout > 0)) throw new UsageError(`--headers-timeout must be > 0 seconds, got ${headersTimeout}`);
@@ -298,6 +303,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     headersTimeoutMs: headersTimeout * 1000,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     shutdownGraceMs: grace * 1000,
+    kvCacheIdleReleaseSeconds: idleRelease,
     traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
     requestLog: values['request-log']!,
@@ -376,6 +382,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
       ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
       ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
+      kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
       ...(config.threads !== undefined ? { threads: config.threads } : {}),
       backend: config.backend,
     });

@@ -122,6 +122,17 @@ export class EngineCore extends StepCore<SequenceSampler> {
     return this.adoptHandoff(handoff, this.now(), new PoolCopy(handoff, source, this.kvPoolView, this.now));
   }
 
+  /**
+   * Forgets every cached prefix and, with no block holding K/V any step reads, gives the pool's pages back to the
+   * system where the backend can (the next forward writes each slot before a step reads it). False, and nothing
+   * done, while any block is in use.
+   */
+  override resetPrefixCache(): boolean {
+    if (!super.resetPrefixCache()) return false;
+    this.backend.releaseKvPool?.();
+    return true;
+  }
+
   get stepsFailed(): number {
     return this.numStepsFailed;
   }

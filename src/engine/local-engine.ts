@@ -39,6 +39,11 @@ export interface LocalEngineOptions {
   enableKvEvents?: boolean;
   /** What the worker does in a disaggregated deployment (default 'both'). */
   role?: WorkerRole;
+  /**
+   * Seconds idle (no running or waiting request) after which the worker resets its prefix cache and gives its KV
+   * pool's pages back to the system (default 0: never).
+   */
+  kvCacheIdleReleaseSeconds?: number;
 }
 
 /** 1 GiB, or an eighth of RAM on a small machine: room for every request of a CPU-sized batch. */
@@ -59,6 +64,8 @@ export class LocalEngine implements Engine {
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   private readonly syncs = new Map<number, { resolve(stats: EngineStats): void; reject(error: Error): void }>();
   private nextSyncId = 1;
+  private readonly resets = new Map<number, { resolve(reset: boolean): void; reject(error: Error): void }>();
+  private nextResetId = 1;
   /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
   readonly kvPool: SharedArrayBuffer | undefined;
   readonly kvLayout: KvPoolLayout | undefined;
@@ -95,6 +102,7 @@ export class LocalEngine implements Engine {
       enablePrefixCaching: options.enablePrefixCaching ?? true,
       enableKvEvents: options.enableKvEvents ?? false,
       role: options.role,
+      kvCacheIdleReleaseSeconds: options.kvCacheIdleReleaseSeconds ?? 0,
     };
     const worker = startTsWorker(new URL('./worker-main.ts', import.meta.url), init);
     const ready = await new Promise<Extract<FromWorker, { type: 'ready' }>>((resolve, reject) => {
@@ -196,6 +204,16 @@ export class LocalEngine implements Engine {
     return this.latestStats;
   }
 
+  /** The worker drops its prefix cache and releases the KV pool's pages, unless blocks are in use (false). */
+  resetPrefixCache(): Promise<boolean> {
+    if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
+    const resetId = this.nextResetId++;
+    return new Promise<boolean>((resolve, reject) => {
+      this.resets.set(resetId, { resolve, reject });
+      this.post({ type: 'reset-prefix-cache', resetId });
+    });
+  }
+
   /** Subscribes to the worker's KV events (only sent when enableKvEvents); returns the unsubscribe function. */
   onKvEvents(listener: (events: KvEvent[]) => void): () => void {
     this.kvEventListeners.add(listener);
@@ -224,6 +242,8 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     for (const sync of this.syncs.values()) sync.reject(new EngineClosedError('engine closed'));
     this.syncs.clear();
+    for (const reset of this.resets.values()) reset.reject(new EngineClosedError('engine closed'));
+    this.resets.clear();
     if (!this.exitError) {
       const exited = new Promise<void>((resolve) => this.worker.once('exit', () => resolve()));
       this.post({ type: 'close' });
@@ -265,6 +285,12 @@ export class LocalEngine implements Engine {
         this.syncs.get(message.syncId)?.resolve(message.stats);
         this.syncs.delete(message.syncId);
         return;
+      case 'prefix-cache-reset':
+        this.latestStats = message.stats;
+        if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        this.resets.get(message.resetId)?.resolve(message.reset);
+        this.resets.delete(message.resetId);
+        return;
       case 'rejected':
         this.streams.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.streams.delete(message.requestId);
@@ -288,6 +314,8 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     for (const sync of this.syncs.values()) sync.reject(error);
     this.syncs.clear();
+    for (const reset of this.resets.values()) reset.reject(error);
+    this.resets.clear();
     for (const listener of this.lostListeners) listener(error);
   }
 }

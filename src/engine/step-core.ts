@@ -405,6 +405,14 @@ export class StepCore<T> {
   takeKvEvents(): KvEvent[] {
     return this.kv.takeEvents();
   }
+
+  /**
+   * Forgets every cached prefix (a 'cleared' KV event tells the router); false, and nothing done, while any block
+   * is in use (a running request or a pinned handoff).
+   */
+  resetPrefixCache(): boolean {
+    return this.kv.resetPrefixCache();
+  }
 }
 
 function adoptedState(handoff: KvHandoff): AdoptedState {

@@ -226,5 +226,10 @@ export interface Engine {
   /** Stops a request wherever it is and frees its KV blocks; its stream ends with finishReason 'abort'. */
   abort(requestId: string): void;
   stats(): EngineStats;
+  /**
+   * Every worker forgets its cached prefixes and gives its KV pool's memory back to the system where it can.
+   * Resolves false when a worker had blocks in use (running requests): that worker kept its cache.
+   */
+  resetPrefixCache(): Promise<boolean>;
   close(): Promise<void>;
 }

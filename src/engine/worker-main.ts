@@ -65,10 +65,32 @@ function run(core: EngineCore): void {
     if (adopted.length > 0) send({ type: 'adopted', adopted, stats: core.stats() });
   };
 
+  // Idle release: one check timer per worker (not per request); each check is O(1) unless it resets the cache.
+  const idleReleaseMs = (init.kvCacheIdleReleaseSeconds ?? 0) * 1000;
+  /** Engine-clock time work was last seen (the end of the last step), and whether a step ran since the last reset. */
+  let lastBusyMs = engineNow();
+  let touchedSinceReset = false;
+  const releaseIfIdle = () => {
+    if (closing) return;
+    const nowMs = engineNow();
+    if (core.hasWork) {
+      lastBusyMs = nowMs;
+      return;
+    }
+    // A refusal (a handoff's pinned blocks) is retried at the next check.
+    if (!touchedSinceReset || nowMs - lastBusyMs < idleReleaseMs || !core.resetPrefixCache()) return;
+    touchedSinceReset = false;
+    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+  };
+  const idleTimer = idleReleaseMs > 0 ? setInterval(releaseIfIdle, Math.max(10, Math.min(idleReleaseMs / 4, 1000))) : undefined;
+
   const step = () => {
     stepQueued = false;
     if (closing) return;
+    touchedSinceReset = true;
     const outputs = core.step();
+    lastBusyMs = engineNow();
     const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
       send({ type: 'outputs', outputs, stats: core.stats(), kvEvents });
@@ -122,8 +144,16 @@ function run(core: EngineCore): void {
       case 'sync':
         send({ type: 'synced', syncId: message.syncId, stats: core.stats() });
         return;
+      case 'reset-prefix-cache': {
+        const reset = core.resetPrefixCache();
+        if (reset) touchedSinceReset = false;
+        const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+        send({ type: 'prefix-cache-reset', resetId: message.resetId, reset, stats: core.stats(), kvEvents });
+        return;
+      }
       case 'close':
         closing = true;
+        clearInterval(idleTimer);
         send({ type: 'closed' });
         port.close();
         return;

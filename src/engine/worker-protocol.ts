@@ -24,6 +24,11 @@ export interface WorkerInit {
   policy: SchedulingPolicy;
   enablePrefixCaching: boolean;
   enableKvEvents: boolean;
+  /**
+   * Seconds without a running or waiting request after which the worker resets its prefix cache and gives the KV
+   * pool's pages back (0 or unset: never).
+   */
+  kvCacheIdleReleaseSeconds?: number;
   /** Disaggregated serving (default 'both'); only informs the worker's notices and info. */
   role?: WorkerRole;
 }
@@ -42,6 +47,8 @@ export type ToWorker =
   | { type: 'attach-kv-source'; sourceId: string; pool: SharedArrayBuffer; layout: KvPoolLayout }
   | { type: 'adopt'; handoff: KvHandoff; sourceId: string | null }
   | { type: 'sync'; syncId: number }
+  /** Reply 'prefix-cache-reset': whether the prefix cache was dropped (and the pool's pages released). */
+  | { type: 'reset-prefix-cache'; resetId: number }
   | { type: 'close' };
 
 export type FromWorker =
@@ -51,6 +58,7 @@ export type FromWorker =
   | { type: 'handoffs'; handoffs: KvHandoff[] }
   | { type: 'adopted'; adopted: AdoptedResult[]; stats: EngineStats }
   | { type: 'synced'; syncId: number; stats: EngineStats }
+  | { type: 'prefix-cache-reset'; resetId: number; reset: boolean; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'rejected'; requestId: string; code: string; message: string }
   | { type: 'failed'; message: string }
   | { type: 'closed' };

@@ -148,6 +148,13 @@ export interface NativeModel {
   setProfiling(on: boolean): void;
   /** The sections timed since the last call, then starts over. */
   takeProfile(): Record<string, NativeProfileSection>;
+  /**
+   * Gives the KV pool's pages back to the system (madvise MADV_DONTNEED on its page-aligned interior; they read as
+   * zeros afterwards) and returns the bytes released. Only when no block holds K/V a later step reads.
+   */
+  releaseKvPool(): number;
+  /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
+  kvPoolResidentBytes(): number;
   dispose(): void;
 }
 
@@ -481,6 +488,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       forward(batch: ForwardBatch, out?: Float32Array): Float32Array {
         if (disposed) throw new Error('native backend is disposed');
         return model.forward(batch, out);
+      },
+      releaseKvPool(): number {
+        if (disposed) return 0;
+        return model.releaseKvPool();
       },
       dispose(): void {
         if (disposed) return;

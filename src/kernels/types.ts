@@ -82,6 +82,11 @@ export interface ModelRunnerBackend {
   forward(batch: ForwardBatch, out?: Float32Array): Float32Array;
   /** The pool's bytes (shared so that KV transfer can copy blocks between workers without serialising). */
   readonly kvPool: SharedArrayBuffer;
+  /**
+   * Gives the pool's memory back to the system, returning the bytes released; called only when no block holds K/V
+   * a later step reads (after a prefix-cache reset with no block in use). Optional: a backend without it keeps its pages.
+   */
+  releaseKvPool?(): number;
   dispose(): void;
 }
 

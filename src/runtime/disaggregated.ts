@@ -202,6 +202,12 @@ export class DisaggregatedEngine implements Engine {
     this.stopEverywhere(flight);
   }
 
+  /** Every prefill and decode worker resets its prefix cache; true when all of them did. */
+  async resetPrefixCache(): Promise<boolean> {
+    const results = await Promise.all([this.prefillWorkers.resetPrefixCache(), this.decodeWorkers.resetPrefixCache()]);
+    return results.every(Boolean);
+  }
+
   stats(): EngineStats {
     return combinedStats([this.prefillWorkers, this.decodeWorkers]);
   }

@@ -134,6 +134,11 @@ export class RoutedEngine implements Engine {
     if (workerId) this.group.get(workerId)?.abort(requestId);
   }
 
+  /** Every worker resets its prefix cache; the router's index hears each worker's 'cleared' event. */
+  resetPrefixCache(): Promise<boolean> {
+    return this.group.resetPrefixCache();
+  }
+
   stats(): EngineStats {
     return combinedStats([this.group]);
   }

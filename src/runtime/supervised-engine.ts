@@ -44,6 +44,10 @@ export class SupervisedEngine implements Engine {
     this.placement.get(requestId)?.abort(requestId);
   }
 
+  resetPrefixCache(): Promise<boolean> {
+    return this.group.resetPrefixCache();
+  }
+
   stats(): EngineStats {
     const stats = combinedStats([this.group]);
     delete stats.requestMigrations;

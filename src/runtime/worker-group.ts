@@ -139,6 +139,12 @@ export class WorkerGroup<E extends RoutableEngine> {
   }
 
   /** Per-worker stats, each with the requests it took over. */
+  /** Every worker resets its prefix cache (see Engine.resetPrefixCache); true when all of them did. */
+  async resetPrefixCache(): Promise<boolean> {
+    const results = await Promise.all([...this.workers.values()].map((engine) => engine.resetPrefixCache()));
+    return results.every(Boolean);
+  }
+
   workerStats(): { workerId: string; stats: EngineStats; info: EngineInfo }[] {
     return [...this.workers].map(([workerId, engine]) => ({
       workerId, stats: { ...engine.stats(), requestMigrations: this.migrationsTo.get(workerId) ?? 0 }, info: engine.info,

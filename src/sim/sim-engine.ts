@@ -177,6 +177,14 @@ export class SimEngine implements Engine {
     return () => this.kvEventListeners.delete(listener);
   }
 
+  /** Drops the simulated worker's prefix cache unless blocks are in use (false); there are no pages to release. */
+  async resetPrefixCache(): Promise<boolean> {
+    if (this.closed) throw new EngineClosedError('engine is closed');
+    const reset = this.worker.resetPrefixCache();
+    if (reset) this.deliver([]);
+    return reset;
+  }
+
   /** Resolves when no request is pending or running (the step loop has stopped). */
   async idle(): Promise<void> {
     while (this.loop) await this.loop;

@@ -37,7 +37,10 @@ describe('conduit serve flags', () => {
     const c = config(['--port', '9001'], {
       CONDUIT_PORT: '7000', CONDUIT_HOST: '0.0.0.0', CONDUIT_KV_CACHE_MEMORY: '512MiB', CONDUIT_API_KEYS: 'k1:acme',
       CONDUIT_REQUEST_TIMEOUT: '2.5', CONDUIT_MAX_NUM_SEQS: '4', CONDUIT_TENANT_RPM: '30',
+      CONDUIT_KV_CACHE_IDLE_RELEASE: '30',
     });
+    assert.equal(c.kvCacheIdleReleaseSeconds, 30);
+    assert.equal(config([]).kvCacheIdleReleaseSeconds, 0, 'off by default');
     assert.equal(c.port, 9001);
     assert.equal(c.host, '0.0.0.0');
     assert.equal(c.kvCacheMemoryBytes, 512 * 1024 * 1024);
@@ -60,6 +63,7 @@ describe('conduit serve flags', () => {
       [['--port', '70000'], /--port/],
       [['--port', 'http'], /--port expects a number/],
       [['--kv-cache-memory', 'lots'], /--kv-cache-memory/],
+      [['--kv-cache-idle-release', '-1'], /--kv-cache-idle-release/],
       [['--max-body-bytes', '0'], /--max-body-bytes/],
       [['--backend', 'gpu'], /--backend/],
       [['--log-level', 'loud'], /--log-level/],

@@ -410,6 +410,37 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
 });
 
 // ---------------------------------------------------------------------------------------------------------------
+// Giving the KV pool's pages back to the system (after a prefix-cache reset)
+
+describe('native KV pool release', { skip: skipNative }, () => {
+  it('releaseKvPool drops the pool\'s resident pages and later steps match a fresh model', () => {
+    const { config, weights } = makeModel(7, { type: GgmlType.F32, dim: 128, ffnDim: 192 });
+    const variant = variants[0]!;
+    const model = loadNative(config, weights, 'f32', variant, 2);
+    try {
+      // A small pool comes from the heap, resident from the start: release it once to begin with none.
+      model.releaseKvPool();
+      const before = model.kvPoolResidentBytes();
+      for (const batch of makeSteps(1)) model.forward(batch);
+      const filled = model.kvPoolResidentBytes();
+      assert.ok(filled > before, `forward steps fault pool pages in (${before} -> ${filled} resident bytes)`);
+      const released = model.releaseKvPool();
+      assert.ok(released >= filled, `released ${released} bytes, ${filled} were resident`);
+      assert.ok(before <= filled / 16, `${before} pool bytes resident after the first release`);
+      const after = model.kvPoolResidentBytes();
+      assert.ok(after <= filled / 16, `${after} of ${filled} pool bytes still resident after the release`);
+      // Other sequences in other blocks: every position a step reads was written by an earlier step of its own.
+      const steps = makeSteps(2);
+      const fresh = runNative(config, weights, 'f32', variant, 2, steps);
+      steps.forEach((batch, s) => assertClose(model.forward(batch), fresh[s]!, 0, `step ${s} after the release`));
+      assert.ok(model.kvPoolResidentBytes() > after, 'the steps after the release fault pages in again');
+    } finally {
+      model.dispose();
+    }
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
 // stories260K: a real trained model, against llama.cpp's greedy output
 
 describe('native forward on stories260K', { skip: skipNative || skipUnlessShared('stories260K.gguf') }, () => {

@@ -70,6 +70,35 @@ describe('routed engine over simulated GPU workers', () => {
   });
 });
 
+describe('routed engine: prefix-cache reset', () => {
+  test('reaches every worker and the router\'s index, and is refused while a request holds blocks', async () => {
+    const pool = await createWorkerPool({
+      engine: 'sim', workers: 2, sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity }, routerSeed: 4,
+    });
+    try {
+      // A cached prefix on each worker.
+      for (const group of [7, 8]) await placementOf(pool, request(prompt(group, 256, 0)));
+      assert.ok((await placementOf(pool, request(prompt(7, 256, 1)))).cached > 0);
+
+      const running = pool.engine.generate(request(prompt(9, 64, 0), 100_000));
+      const iterator = running[Symbol.asyncIterator]();
+      const firstOutput = await iterator.next();
+      assert.equal(await pool.engine.resetPrefixCache(), false, 'a worker has blocks in use');
+      pool.engine.abort(firstOutput.value.requestId);
+      for (;;) if ((await iterator.next()).done) break;
+
+      assert.equal(await pool.engine.resetPrefixCache(), true);
+      for (const group of [7, 8]) {
+        const again = await placementOf(pool, request(prompt(group, 256, 2)));
+        assert.equal(again.cached, 0, `group ${group}: nothing cached after the reset`);
+        assert.equal(again.overlap, 0, `group ${group}: the router's index was cleared too`);
+      }
+    } finally {
+      await pool.engine.close();
+    }
+  });
+});
+
 describe(`routed engine over real CPU workers (${cpuTestModel().name})`, () => {
   test('prefix affinity, then a killed worker leaves routing and its in-flight request fails cleanly', async () => {
     const pool = await createWorkerPool({
