@@ -211,7 +211,7 @@ export class CallTrace {
       const us = routing.overheadUs;
       this.bus.emit({
         phase: 'router_lookup', requestId: this.requestId, start: routing.decidedAt - us.total / 1000, time: routing.decidedAt,
-        ...(routing.offeredAt !== undefined ? { offeredAt: routing.offeredAt } : {}),
+        ...(routing.admissionQueuedAt !== undefined ? { admissionQueuedAt: routing.admissionQueuedAt } : {}),
         worker: routing.workerId, strategy: routing.strategy,
         // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
         reason: routing.disaggregation

@@ -141,10 +141,10 @@ export interface RoutingSummary {
   /** Engine-clock time the decision was made. */
   decidedAt: number;
   /**
-   * Engine-clock time the request was offered to the router. Earlier than the decision's start when it waited in the
-   * router's admission queue for a worker to have room: that wait is queue time.
+   * Engine-clock time the request entered the router's admission queue, set only when it had to wait there for a
+   * worker with room: that wait, up to the decision, is queue time.
    */
-  offeredAt?: number;
+  admissionQueuedAt?: number;
   /** Set by a disaggregated deployment: where the prompt ran and why. workerId is then the decode worker. */
   disaggregation?: DisaggregationSummary;
   /** Set once the request moved to another worker after losing one (workerId is then where it runs now). */

@@ -361,8 +361,7 @@ export class DisaggregatedEngine implements Engine {
     const routing: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
     };
-    const offeredAt = this.now();
-    const decodeDecision = await this.admission.place(routing);
+    const { decision: decodeDecision, queuedAt } = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
     flight.decodeDecision = decodeDecision;
     const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);
@@ -374,7 +373,7 @@ export class DisaggregatedEngine implements Engine {
     }
 
     const { choice, prefillDecision } = this.decide(request, routing, decodeDecision);
-    flight.summary = { ...summarizeDecision(decodeDecision, this.now(), offeredAt), disaggregation: choice };
+    flight.summary = { ...summarizeDecision(decodeDecision, this.now(), queuedAt), disaggregation: choice };
     if (choice.mode === 'local' || prefillDecision === null) {
       this.counts.local++;
       yield* this.runLocal(request, flight, decodeEngine);

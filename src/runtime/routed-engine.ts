@@ -6,7 +6,7 @@
 import { WorkerLostError } from '../engine/errors.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
-import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
+import type { RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
@@ -74,12 +74,11 @@ export class RoutedEngine implements Engine {
     const routingRequest: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
     };
-    let offeredAt = this.now();
-    let decision: RoutingDecision = await this.group.admission.place(routingRequest);
+    let { decision, queuedAt } = await this.group.admission.place(routingRequest);
     let engine = this.group.get(decision.workerId);
     for (;;) {
       const workerId = decision.workerId;
-      const summary = migration.summarize(summarizeDecision(decision, this.now(), offeredAt));
+      const summary = migration.summarize(summarizeDecision(decision, this.now(), queuedAt));
       this.placement.set(request.id, workerId);
       let first = true;
       let lost: WorkerLostError;
@@ -116,7 +115,7 @@ export class RoutedEngine implements Engine {
         this.router.onFinished(request.id, this.now());
         this.group.admission.drain();
       }
-      offeredAt = this.now();
+      queuedAt = undefined;  // a move after a loss is a migration, not an admission wait
       const next = await this.group.placeAfterLoss(migration, lost);
       if (next === null) {
         yield migration.closingOutput(this.now());

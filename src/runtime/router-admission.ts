@@ -10,8 +10,15 @@ import type { Router } from '../router/router.ts';
 const QUEUE_POLL_MS = 50;
 
 interface Waiter {
-  resolve(decision: RoutingDecision): void;
+  resolve(admitted: Admitted): void;
   reject(error: Error): void;
+  queuedAt: number;
+}
+
+/** The router's decision, and when the request entered the admission queue if it had to wait there. */
+export interface Admitted {
+  decision: RoutingDecision;
+  queuedAt?: number;
 }
 
 export class RouterAdmission {
@@ -26,18 +33,19 @@ export class RouterAdmission {
   }
 
   /** Routes now, or waits in the router's admission queue, or fails with overload. */
-  place(request: RoutingRequest): Promise<RoutingDecision> {
-    const outcome = this.router.route(request, this.now());
+  place(request: RoutingRequest): Promise<Admitted> {
+    const now = this.now();
+    const outcome = this.router.route(request, now);
     switch (outcome.kind) {
       case 'routed':
-        return Promise.resolve(outcome.decision);
+        return Promise.resolve({ decision: outcome.decision });
       case 'rejected':
         return Promise.reject(new EngineOverloadedError(
           outcome.reason === 'no-workers' ? `no ${this.workers} is available` : `every ${this.workers} is busy and the queue is full`,
           outcome.retryAfterMs));
       case 'queued':
-        return new Promise<RoutingDecision>((resolve, reject) => {
-          this.waiting.set(request.requestId, { resolve, reject });
+        return new Promise<Admitted>((resolve, reject) => {
+          this.waiting.set(request.requestId, { resolve, reject, queuedAt: now });
           this.pollTimer ??= setInterval(() => this.drain(), QUEUE_POLL_MS);
         });
     }
@@ -47,7 +55,10 @@ export class RouterAdmission {
   drain(): void {
     if (this.waiting.size === 0) return;
     const { routed, expired } = this.router.drainQueue(this.now());
-    for (const { request, decision } of routed) this.take(request.requestId)?.resolve(decision);
+    for (const { request, decision } of routed) {
+      const waiter = this.take(request.requestId);
+      waiter?.resolve({ decision, queuedAt: waiter.queuedAt });
+    }
     for (const request of expired) {
       this.take(request.requestId)?.reject(new EngineOverloadedError(`the request waited too long for a free ${this.workers}`, 1000));
     }

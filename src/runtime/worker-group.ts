@@ -173,9 +173,9 @@ export class WorkerGroup<E extends RoutableEngine> {
     const attempt = migration.attempt();
     let decision: RoutingDecision;
     try {
-      decision = await this.admission.place({
+      ({ decision } = await this.admission.place({
         requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
-      });
+      }));
     } catch {
       if (aborted()) return null;
       throw lost;
@@ -301,11 +301,11 @@ export function combinedStats(groups: readonly WorkerGroup<RoutableEngine>[]): E
 }
 
 /** The router's decision as it travels on the request's outputs (trace and timings). */
-export function summarizeDecision(decision: RoutingDecision, decidedAt: number, offeredAt?: number): RoutingSummary {
+export function summarizeDecision(decision: RoutingDecision, decidedAt: number, admissionQueuedAt?: number): RoutingSummary {
   const { overhead } = decision;
   return {
     workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
-    reason: decision.reason, decidedAt, ...(offeredAt !== undefined ? { offeredAt } : {}),
+    reason: decision.reason, decidedAt, ...(admissionQueuedAt !== undefined ? { admissionQueuedAt } : {}),
     overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
   };
 }

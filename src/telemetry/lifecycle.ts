@@ -165,8 +165,8 @@ export interface RouterSubPhasesMs {
 
 export interface RouterLookupEvent extends IntervalEvent {
   phase: 'router_lookup';
-  /** When the request was offered to the router: before `start` when it waited in the router's admission queue. */
-  offeredAt?: number;
+  /** When the request entered the router's admission queue, if it waited there for a worker with room. */
+  admissionQueuedAt?: number;
   /** The worker that runs the request (the decode worker when disaggregated). */
   worker: string;
   /** 'kv_aware', 'round_robin', 'least_loaded', ... */

@@ -433,9 +433,6 @@ function addGatewayPhases({ events, phases }: BuildInput): void {
 }
 
 /** The router's decision, with the migrations the engine reported. */
-/** The shortest wait between the offer to the router and its decision that is shown as admission queue time. */
-const ADMISSION_WAIT_MIN_MS = 0.1;
-
 function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | undefined {
   if (!router) return undefined;
   const routing: RoutingSummary = {
@@ -446,11 +443,11 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
   };
   const migrations = reports.flatMap((r) => r.migrations ?? []);
   if (migrations.length > 0) routing.migrations = migrations;
-  // Waiting in the router's admission queue for a worker with room is queue time, as the scheduler's queue is. (A
-  // request routed at once shows a few µs between the offer and the decision: not a wait, no phase.)
-  if (router.offeredAt !== undefined && router.start - router.offeredAt >= ADMISSION_WAIT_MIN_MS) {
+  // Waiting in the router's admission queue for a worker with room is queue time, as the scheduler's queue is.
+  if (router.admissionQueuedAt !== undefined && router.start > router.admissionQueuedAt) {
     phases.push({
-      phase: 'scheduler_queue', startMs: router.offeredAt, endMs: router.start, attributes: { router_admission: true },
+      phase: 'scheduler_queue', startMs: router.admissionQueuedAt, endMs: router.start,
+      worker: router.worker, attributes: { router_admission: true },
     });
   }
   phases.push({
