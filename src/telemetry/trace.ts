@@ -495,14 +495,24 @@ function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arri
 /**
  * The hand-off to the worker: from the end of the gateway's phases (or of the router's decision) to the request's
  * arrival in the worker's queue, as prefill_dispatch. It holds the tenant admission after tokenize and putting the
- * request in the worker's inbox. Only when no prefill_dispatch was reported.
+ * request in the worker's inbox. Behind a router it has a first leg too, from the gateway to the router (the
+ * tenant admission, and the engine call reaching the router: a busy event loop shows there), marked
+ * `leg: 'to_router'`. Only when no prefill_dispatch was reported.
  */
 function addHandOff({ events, router, phases, firstWorkerReport }: BuildInput, queueStartMs: number | undefined): void {
-  if (queueStartMs === undefined || phases.some((p) => p.phase === 'prefill_dispatch')) return;
-  let fromMs: number | undefined = router?.time;
-  for (const p of phases) if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) fromMs = Math.max(fromMs ?? p.endMs, p.endMs);
-  if (fromMs === undefined || !(queueStartMs > fromMs) || firstOf(events, 'scheduler_queue')) return;
-  phases.push({ phase: 'prefill_dispatch', startMs: fromMs, endMs: queueStartMs, worker: router?.worker ?? firstWorkerReport?.worker });
+  if (queueStartMs === undefined || phases.some((p) => p.phase === 'prefill_dispatch') || firstOf(events, 'scheduler_queue')) return;
+  let gatewayEndMs: number | undefined;
+  for (const p of phases) if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) gatewayEndMs = Math.max(gatewayEndMs ?? p.endMs, p.endMs);
+  const worker = router?.worker ?? firstWorkerReport?.worker;
+  if (router && gatewayEndMs !== undefined) {
+    const routerFromMs = router.admissionQueuedAt ?? router.start;
+    if (routerFromMs > gatewayEndMs) {
+      phases.push({ phase: 'prefill_dispatch', startMs: gatewayEndMs, endMs: routerFromMs, worker, attributes: { leg: 'to_router' } });
+    }
+  }
+  const fromMs = router ? Math.max(router.time, gatewayEndMs ?? router.time) : gatewayEndMs;
+  if (fromMs === undefined || !(queueStartMs > fromMs)) return;
+  phases.push({ phase: 'prefill_dispatch', startMs: fromMs, endMs: queueStartMs, worker });
 }
 
 /** Dispatches to workers, sampling and detokenizing, as reported. */

@@ -566,7 +566,7 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
     const coldTrace = await traceOf(server.url, cold.id);
     const warmTrace = await traceOf(server.url, warm.id);
     for (const trace of [coldTrace, warmTrace]) {
-      assert.match(names(trace).join(','), /^http_receive,auth,rate_limit,validate,tokenize,router_lookup,(prefill_dispatch,)?scheduler_queue,(prefill_execution,)+decode_execution(,streaming_response)?$/);
+      assert.match(names(trace).join(','), /^http_receive,auth,rate_limit,validate,tokenize,(prefill_dispatch,)?router_lookup,(prefill_dispatch,)?scheduler_queue,(prefill_execution,)+decode_execution(,streaming_response)?$/);
       assert.match(trace.worker!, /^worker-[01]$/);
       assert.equal(phase(trace, 'router_lookup')!.worker, trace.worker);
     }
