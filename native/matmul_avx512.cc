@@ -550,6 +550,10 @@ void int8_tile(const MatmulTile& t) {
 #include "matmul_kquant_simd.h"
 #undef KQ_DOT16
 
+#pragma GCC pop_options
+
+// The kernel-table helpers below run while the tables are built, on any CPU: outside the target region, so the
+// compiler cannot use AVX-512 instructions to fill them in.
 template <int Type>
 MatmulKernel kq_kernel() {
   MatmulKernel k;
@@ -559,8 +563,6 @@ MatmulKernel kq_kernel() {
   k.tile = kq_tile<Type>;
   return k;
 }
-
-#pragma GCC pop_options
 
 template <int Type>
 MatmulKernel float_kernel() {
