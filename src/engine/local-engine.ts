@@ -62,10 +62,8 @@ export class LocalEngine implements Engine {
   private readonly kvEventListeners = new Set<(events: KvEvent[]) => void>();
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
-  private readonly syncs = new Map<number, { resolve(stats: EngineStats): void; reject(error: Error): void }>();
-  private nextSyncId = 1;
-  private readonly resets = new Map<number, { resolve(reset: boolean): void; reject(error: Error): void }>();
-  private nextResetId = 1;
+  private readonly syncs = new PendingReplies<EngineStats>();
+  private readonly resets = new PendingReplies<boolean>();
   /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
   readonly kvPool: SharedArrayBuffer | undefined;
   readonly kvLayout: KvPoolLayout | undefined;
@@ -193,11 +191,9 @@ export class LocalEngine implements Engine {
   /** Fresh stats, taken after every message posted before this call has been handled by the worker. */
   sync(): Promise<EngineStats> {
     if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
-    const syncId = this.nextSyncId++;
-    return new Promise<EngineStats>((resolve, reject) => {
-      this.syncs.set(syncId, { resolve, reject });
-      this.post({ type: 'sync', syncId });
-    });
+    const { id, reply } = this.syncs.open();
+    this.post({ type: 'sync', syncId: id });
+    return reply;
   }
 
   stats(): EngineStats {
@@ -207,11 +203,9 @@ export class LocalEngine implements Engine {
   /** The worker drops its prefix cache and releases the KV pool's pages, unless blocks are in use (false). */
   resetPrefixCache(): Promise<boolean> {
     if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
-    const resetId = this.nextResetId++;
-    return new Promise<boolean>((resolve, reject) => {
-      this.resets.set(resetId, { resolve, reject });
-      this.post({ type: 'reset-prefix-cache', resetId });
-    });
+    const { id, reply } = this.resets.open();
+    this.post({ type: 'reset-prefix-cache', resetId: id });
+    return reply;
   }
 
   /** Subscribes to the worker's KV events (only sent when enableKvEvents); returns the unsubscribe function. */
@@ -240,10 +234,8 @@ export class LocalEngine implements Engine {
     this.streams.clear();
     for (const [id, stream] of this.prefills) stream.fail(new EngineClosedError(`engine closed while request ${id} was prefilling`));
     this.prefills.clear();
-    for (const sync of this.syncs.values()) sync.reject(new EngineClosedError('engine closed'));
-    this.syncs.clear();
-    for (const reset of this.resets.values()) reset.reject(new EngineClosedError('engine closed'));
-    this.resets.clear();
+    this.syncs.rejectAll(new EngineClosedError('engine closed'));
+    this.resets.rejectAll(new EngineClosedError('engine closed'));
     if (!this.exitError) {
       const exited = new Promise<void>((resolve) => this.worker.once('exit', () => resolve()));
       this.post({ type: 'close' });
@@ -282,14 +274,12 @@ export class LocalEngine implements Engine {
         return;
       case 'synced':
         this.latestStats = message.stats;
-        this.syncs.get(message.syncId)?.resolve(message.stats);
-        this.syncs.delete(message.syncId);
+        this.syncs.settle(message.syncId, message.stats);
         return;
       case 'prefix-cache-reset':
         this.latestStats = message.stats;
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
-        this.resets.get(message.resetId)?.resolve(message.reset);
-        this.resets.delete(message.resetId);
+        this.resets.settle(message.resetId, message.reset);
         return;
       case 'rejected':
         this.streams.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
@@ -312,10 +302,8 @@ export class LocalEngine implements Engine {
     this.streams.clear();
     for (const stream of this.prefills.values()) stream.fail(error);
     this.prefills.clear();
-    for (const sync of this.syncs.values()) sync.reject(error);
-    this.syncs.clear();
-    for (const reset of this.resets.values()) reset.reject(error);
-    this.resets.clear();
+    this.syncs.rejectAll(error);
+    this.resets.rejectAll(error);
     for (const listener of this.lostListeners) listener(error);
   }
 }
@@ -341,4 +329,27 @@ export async function createLocalEngine(options: LocalEngineOptions): Promise<Lo
   const servedModelName = options.servedModelName ?? loaded.metadata.name;
   const engine = await LocalEngine.start({ ...options, servedModelName });
   return { engine, tokenizer, chatTemplate, model: loaded.metadata };
+}
+
+/** Requests the worker answers once, matched by id (sync, reset-prefix-cache). */
+class PendingReplies<T> {
+  private readonly waiting = new Map<number, { resolve(value: T): void; reject(error: Error): void }>();
+  private nextId = 1;
+
+  /** A new id to send, and the promise its reply settles. */
+  open(): { id: number; reply: Promise<T> } {
+    const id = this.nextId++;
+    const reply = new Promise<T>((resolve, reject) => this.waiting.set(id, { resolve, reject }));
+    return { id, reply };
+  }
+
+  settle(id: number, value: T): void {
+    this.waiting.get(id)?.resolve(value);
+    this.waiting.delete(id);
+  }
+
+  rejectAll(error: Error): void {
+    for (const { reject } of this.waiting.values()) reject(error);
+    this.waiting.clear();
+  }
 }
