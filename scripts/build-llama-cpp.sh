@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds llama.cpp from source on this machine with -march=native (GGML_NATIVE), as the peer that benchmarks and
+# reference-output recorders compare against. The source is the git bundle that node-llama-cpp ships (npm registry
+# only, no GitHub access needed): `npm install` in benchmarks/peer brings it.
+#
+#   bash scripts/build-llama-cpp.sh [DIR]     # default DIR: benchmarks/peer/llama.cpp (ignored by git)
+#
+# Prints the directory holding the binaries (llama-bench, llama-server, llama-quantize, llama-cli,
+# llama-batched-bench, llama-simple) on its last line. Rebuilds only what changed on a second run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+DIR=${1:-${CONDUIT_LLAMA_CPP_DIR:-$ROOT/benchmarks/peer/llama.cpp}}
+BUNDLE=$ROOT/benchmarks/peer/node_modules/node-llama-cpp/llama/gitRelease.bundle
+if [ ! -f "$BUNDLE" ]; then
+  echo "installing benchmarks/peer (node-llama-cpp ships the llama.cpp source bundle)" >&2
+  (cd benchmarks/peer && npm install --no-audit --no-fund >&2)
+fi
+if [ ! -d "$DIR/src/.git" ]; then
+  rm -rf "$DIR/src"
+  mkdir -p "$DIR"
+  git clone -q "$BUNDLE" "$DIR/src" 2>/dev/null
+fi
+TARGETS=(llama-bench llama-server llama-quantize llama-cli llama-batched-bench llama-simple)
+cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >&2
+cmake --build "$DIR/build" -j "$(nproc)" --target "${TARGETS[@]}" >&2
+# The version recorded next to reference outputs: node-llama-cpp's release tag of the bundle and its commit.
+TAG=$(node -e "console.log(require('./benchmarks/peer/node_modules/node-llama-cpp/llama/llama.cpp.info.json').tag)")
+echo "llama.cpp $TAG ($(git -C "$DIR/src" rev-parse --short HEAD)), built with GGML_NATIVE=ON" > "$DIR/VERSION"
+cat "$DIR/VERSION" >&2
+echo "$DIR/build/bin"
