@@ -25,8 +25,9 @@ TARGETS=(llama-bench llama-server llama-quantize llama-cli llama-batched-bench l
 cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$DIR/build" -j "$(nproc)" --target "${TARGETS[@]}" >&2
-# The version recorded next to reference outputs: node-llama-cpp's release tag of the bundle and its commit.
-TAG=$(node -e "console.log(require('./benchmarks/peer/node_modules/node-llama-cpp/llama/llama.cpp.info.json').tag)")
-echo "llama.cpp $TAG ($(git -C "$DIR/src" rev-parse --short HEAD)), built with GGML_NATIVE=ON" > "$DIR/VERSION"
+# The version recorded next to reference outputs: what the binary says of itself (the bundle's commit) and the
+# node-llama-cpp release that shipped the bundle.
+NLC=$(node -e "console.log(require('./benchmarks/peer/node_modules/node-llama-cpp/package.json').version)")
+echo "llama.cpp $("$DIR/build/bin/llama-cli" --version 2>&1 | head -1) from node-llama-cpp $NLC's source bundle, GGML_NATIVE=ON" > "$DIR/VERSION"
 cat "$DIR/VERSION" >&2
 echo "$DIR/build/bin"
