@@ -30,7 +30,8 @@ export async function launchChromium(userDataDir: string): Promise<BrowserSessio
   const offHost: string[] = [];
   await context.route('**/*', async (route) => {
     const url = new URL(route.request().url());
-    if (url.hostname === '127.0.0.1') return route.continue();
+    // A local file (a saved report) and the server under test are local; anything else would leave the machine.
+    if (url.protocol === 'file:' || url.hostname === '127.0.0.1') return route.continue();
     offHost.push(url.href);
     return route.abort();
   });
