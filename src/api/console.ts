@@ -11,6 +11,7 @@
 // data and need no key; with keys configured the JSON needs one, an admin key sees everything, and a tenant's key
 // sees only its own requests (no workers, charts, SLO or analysis: those are server-wide, as /v1/slo is).
 
+import { createHash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { createRequire } from 'node:module';
@@ -57,6 +58,8 @@ interface Asset {
   type: string;
   body: Buffer;
   gzip: Buffer;
+  /** Validator for revalidation: a page loaded again costs a 304 per file, not the file. */
+  etag: string;
 }
 
 const ASSETS_DIR = fileURLToPath(new URL('../../assets/console/', import.meta.url));
@@ -134,11 +137,16 @@ export class WebConsole {
   sendAsset(req: IncomingMessage, res: ServerResponse, name: string, headers: Record<string, string> = {}): boolean {
     const asset = this.asset(name);
     if (!asset) return false;
+    if (req.headers['if-none-match'] === asset.etag) {
+      res.writeHead(304, { ETag: asset.etag, 'Cache-Control': 'no-cache', ...headers });
+      res.end();
+      return true;
+    }
     const gzip = /\bgzip\b/.test(String(req.headers['accept-encoding'] ?? ''));
     const body = gzip ? asset.gzip : asset.body;
     res.writeHead(200, {
       'Content-Type': asset.type, 'Content-Length': body.length, 'X-Content-Type-Options': 'nosniff',
-      'Cache-Control': 'no-cache', Vary: 'Accept-Encoding', ...(gzip ? { 'Content-Encoding': 'gzip' } : {}), ...headers,
+      'Cache-Control': 'no-cache', Vary: 'Accept-Encoding', ETag: asset.etag, ...(gzip ? { 'Content-Encoding': 'gzip' } : {}), ...headers,
     });
     res.end(body);
     return true;
@@ -151,7 +159,8 @@ export class WebConsole {
     let asset = this.assets.get(name);
     if (!asset) {
       const body = readFileSync(file.path());
-      asset = { type: file.type, body, gzip: gzipSync(body, { level: 9 }) };
+      const etag = `"${createHash('sha256').update(body).digest('base64url').slice(0, 22)}"`;
+      asset = { type: file.type, body, gzip: gzipSync(body, { level: 9 }), etag };
       this.assets.set(name, asset);
     }
     return asset;

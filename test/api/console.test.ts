@@ -83,6 +83,13 @@ describe('web console routes (two simulated workers, keys configured)', () => {
     const plain = await (await get(server, '/console/assets/console.js')).text();
     assert.equal(await res.text(), plain);
     assert.equal(gunzipSync(server.running.api.webConsole.asset('console.js')!.gzip).toString(), plain);
+    // Loaded again, an unchanged file is a 304 with no body.
+    const etag = res.headers.get('etag')!;
+    assert.match(etag, /^"[\w-]+"$/);
+    const again = await get(server, '/console/assets/console.js', undefined, { 'If-None-Match': etag });
+    assert.equal(again.status, 304);
+    assert.equal((await again.arrayBuffer()).byteLength, 0);
+    assert.equal((await get(server, '/console/assets/console.js', undefined, { 'If-None-Match': '"other"' })).status, 200);
   });
 
   it('refuses the JSON without a key (401), like the traces', E2E, async () => {
