@@ -11,11 +11,11 @@ import { createServer as createHttpsServer } from 'node:https';
 import type { AddressInfo, Socket } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import type { Engine } from '../engine/types.ts';
-import type { EngineStats } from '../protocols/worker.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
 import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
+import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
   AdminRequiredError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
@@ -102,11 +102,11 @@ interface Route {
 }
 
 /** Routes polled by orchestrators and scrapers: their request lines are debug-level, not info. */
-const PROBE_ROUTES = new Set(['health', 'live', 'metrics']);
+const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
 interface MultiWorkerEngine extends Engine {
-  workerStats(): { workerId: string; stats: EngineStats }[];
+  workerStats(): ConsoleWorkerSource[];
 }
 
 function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
@@ -130,6 +130,8 @@ export class ApiServer {
   readonly limiter: TenantRateLimiter;
   readonly server: Server;
   readonly telemetry: Telemetry;
+  /** The web console's pages and JSON (/console). */
+  readonly webConsole: WebConsole;
   private readonly ownsTelemetry: boolean;
   /** Workers whose load series are in the metrics, so a worker that leaves can have its series removed. */
   private reportedWorkers = new Set<string>();
@@ -162,6 +164,9 @@ export class ApiServer {
       limiter: this.limiter,
       metrics: this.metrics,
       now: this.engineClock,
+    });
+    this.webConsole = new WebConsole({
+      telemetry: this.telemetry, keyStore: options.keyStore, workers: () => this.workerSources(), health: () => this.gateway.health().body,
     });
     this.routes = this.buildRoutes();
     const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res);
@@ -274,6 +279,7 @@ export class ApiServer {
     await this.gateway.close();
     await this.gateway.whenIdle();
     await closed;
+    this.webConsole.close();
     if (this.ownsTelemetry) {
       // Spans still queued go out now; a collector that is down is reported, not thrown.
       const exportError = await this.telemetry.shutdown();
@@ -317,6 +323,19 @@ export class ApiServer {
       admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
       admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
       admin(route('reset_prefix_cache', exact('/reset_prefix_cache'), true, { POST: () => this.resetPrefixCache() })),
+      // The web console (src/api/console.ts): pages and assets hold no data; its JSON follows the traces' rule.
+      route('console', (p) => (p === '/console' || p === '/console/' || /^\/console\/requests\/[^/]+$/.test(p) ? [] : undefined), false,
+        { GET: ({ req, res }) => this.webConsole.sendPage(req, res) }),
+      route('console_asset', (p) => /^\/console\/assets\/([^/]+)$/.exec(p)?.slice(1), false, {
+        GET: ({ req, res, params }) => {
+          if (!this.webConsole.sendAsset(req, res, params[0]!)) throw new RouteNotFoundError('GET', req.url ?? '');
+        },
+      }),
+      route('console_overview', exact('/console/api/overview'), true, { GET: ({ call }) => this.webConsole.overview(call.tenant) }),
+      route('console_request', (p) => {
+        const m = /^\/console\/api\/requests\/([^/]+)$/.exec(p);
+        return m ? [decodePathSegment(m[1]!, p)] : undefined;
+      }, true, { GET: ({ params, call }) => this.webConsole.request(params[0]!, call.tenant) }),
     ];
   }
 
@@ -365,14 +384,20 @@ export class ApiServer {
     const engine = this.gateway.engine;
     if (!engine) return;
     const model = this.gateway.servedModelName;
-    const workers = isMultiWorker(engine) ? engine.workerStats() : [{ workerId: this.gateway.workerId, stats: engine.stats() }];
     const seen = new Set<string>();
-    for (const { workerId, stats } of workers) {
+    for (const { workerId, stats } of this.workerSources()) {
       seen.add(workerId);
       this.telemetry.updateEngineStats({ worker: workerId, ...(model !== undefined ? { model } : {}), stats });
     }
     for (const worker of this.reportedWorkers) if (!seen.has(worker)) this.telemetry.metrics.forgetWorker(worker);
     this.reportedWorkers = seen;
+  }
+
+  /** The workers serving now, each with its stats: what /metrics' per-worker series and the console list. */
+  private workerSources(): ConsoleWorkerSource[] {
+    const engine = this.gateway.engine;
+    if (!engine) return [];
+    return isMultiWorker(engine) ? engine.workerStats() : [{ workerId: this.gateway.workerId, stats: engine.stats(), info: engine.info }];
   }
 
   /** A generation request's id and trace, from arrival on. */

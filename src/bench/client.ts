@@ -47,6 +47,11 @@ export interface RequestOutcome {
   promptTokens?: number;
   cachedTokens?: number;
   group?: number;
+  /**
+   * The server's per-phase milliseconds of the request, when it sends them (Conduit's `timings` on the final body or
+   * last chunk: gateway_ms, routing_ms, queue_ms, prefill_ms, kv_transfer_ms, decode_ms, ...); numbers only.
+   */
+  serverTimings?: Record<string, number>;
 }
 
 export interface SendOptions {
@@ -156,8 +161,9 @@ function readJson(res: IncomingMessage, outcome: RequestOutcome, finish: (error?
       return;
     }
     try {
-      const parsed = JSON.parse(body) as { usage?: Usage };
+      const parsed = JSON.parse(body) as { usage?: Usage; timings?: unknown };
       applyUsage(outcome, parsed.usage);
+      applyTimings(outcome, parsed.timings);
     } catch {
       finish('bad json');
       return;
@@ -186,7 +192,7 @@ function readStream(res: IncomingMessage, outcome: RequestOutcome, startMs: numb
         done = true;
         continue;
       }
-      let chunk: { choices?: { delta?: { content?: unknown }; text?: unknown }[]; usage?: Usage | null };
+      let chunk: { choices?: { delta?: { content?: unknown }; text?: unknown }[]; usage?: Usage | null; timings?: unknown };
       try {
         chunk = JSON.parse(event.data) as typeof chunk;
       } catch {
@@ -197,6 +203,7 @@ function readStream(res: IncomingMessage, outcome: RequestOutcome, startMs: numb
         applyUsage(outcome, chunk.usage);
         sawUsage = true;
       }
+      applyTimings(outcome, chunk.timings);
       if (chunkText(chunk).length === 0) continue;
       // Only chunks with text count as tokens: the opening role chunk and the closing finish_reason chunk carry none.
       numContentChunks++;
@@ -220,6 +227,13 @@ function applyUsage(outcome: RequestOutcome, usage: Usage | undefined | null): v
   if (typeof usage.prompt_tokens === 'number') outcome.promptTokens = usage.prompt_tokens;
   const cached = usage.prompt_tokens_details?.cached_tokens;
   if (typeof cached === 'number') outcome.cachedTokens = cached;
+}
+
+function applyTimings(outcome: RequestOutcome, timings: unknown): void {
+  if (typeof timings !== 'object' || timings === null) return;
+  const numbers: Record<string, number> = {};
+  for (const [key, value] of Object.entries(timings)) if (typeof value === 'number' && Number.isFinite(value)) numbers[key] = value;
+  outcome.serverTimings = numbers;
 }
 
 /** The served model's id from GET /v1/models, or undefined when the server does not list one. */

@@ -1,6 +1,7 @@
-// The load generator: sends a workload's prompts to an OpenAI-compatible server, either open-loop (Poisson arrivals
-// at a mean rate, whatever the server's speed, so queueing shows up in the latencies) or closed-loop (a fixed number
-// of clients, each sending its next request when the last one ends). A run is always bounded: by a request count,
+// The load generator: sends a workload's prompts to an OpenAI-compatible server, either open-loop (arrivals at a
+// mean rate, whatever the server's speed, so queueing shows up in the latencies: Poisson, or burstier or steadier
+// with gamma-distributed gaps as vLLM's `--burstiness`) or closed-loop (a fixed number of clients, each sending its
+// next request when the last one ends). A run is always bounded: by a request count,
 // a duration, or both (whichever comes first), plus a per-request timeout, so it stops by itself.
 
 import { setMaxListeners } from 'node:events';
@@ -28,8 +29,17 @@ export interface LoadOptions {
   /** Send ignore_eos (a vLLM and Conduit extension), so every request generates exactly outputTokens. */
   ignoreEos?: boolean;
   stream: boolean;
-  /** Poisson arrivals per second (open loop). Without it the run is closed-loop with `concurrency` clients. */
+  /** Arrivals per second (open loop). Without it the run is closed-loop with `concurrency` clients. */
   rate?: number;
+  /**
+   * Shape of the gamma distribution of the gaps between arrivals (open loop), as vLLM's --burstiness: 1 (default) is
+   * a Poisson process, below 1 burstier, above 1 steadier; the mean rate stays `rate`.
+   */
+  burstiness?: number;
+  /** Targets a request must meet to count towards goodput (vLLM's --goodput): all that are given. */
+  goodput?: GoodputTargets;
+  /** Called every `intervalMs` while the run goes on, and once at its end. */
+  progress?: { intervalMs: number; report(progress: LoadProgress): void };
   /** Closed loop: the number of clients (default 1). Open loop: the most requests in flight (default: no cap). */
   concurrency?: number;
   /** Stop after this many requests. */
@@ -42,6 +52,27 @@ export interface LoadOptions {
   seed?: number;
   /** Stops the run early: nothing new starts and requests in flight are cut (counted as "aborted"). */
   signal?: AbortSignal;
+}
+
+export interface GoodputTargets {
+  ttftMs?: number;
+  /** Time per output token after the first. */
+  tpotMs?: number;
+  /** End-to-end latency. */
+  e2elMs?: number;
+}
+
+/** Where a run is, for a progress line. */
+export interface LoadProgress {
+  elapsedSec: number;
+  started: number;
+  done: number;
+  ok: number;
+  errors: number;
+  inFlight: number;
+  outputTokens: number;
+  /** The request bound, if any. */
+  total?: number;
 }
 
 export interface BenchSummary {
@@ -66,7 +97,14 @@ export interface BenchSummary {
   /** Streamed requests only. */
   ttftMs: Distribution;
   itlMs: Distribution;
+  /**
+   * Time per output token after the first, per request: (end-to-end - TTFT) / (completion tokens - 1), as vLLM
+   * defines it; streamed requests of two tokens or more.
+   */
+  tpotMs: Distribution;
   e2eMs: Distribution;
+  /** Requests that met every goodput target, when targets were given. */
+  goodput?: { targets: GoodputTargets; numGood: number; requestsPerSec: number };
   /** Most requests that were in flight at once. */
   maxInFlight: number;
   /** Open loop with a cap: arrivals that had to wait for a free slot. */
@@ -80,7 +118,9 @@ export interface BenchResult {
   stream: boolean;
   workload: string;
   outputTokens: number;
-  mode: { kind: 'open'; rate: number; maxInFlight?: number } | { kind: 'closed'; concurrency: number };
+  mode: { kind: 'open'; rate: number; burstiness: number; maxInFlight?: number } | { kind: 'closed'; concurrency: number };
+  /** Seed of the prompts and arrival times: a rerun with it sends the same prompts at the same times. */
+  seed?: number;
   bounds: { requests?: number; durationSec?: number };
   startedAt: string;
   summary: BenchSummary;
@@ -102,20 +142,28 @@ export async function runLoad(options: LoadOptions): Promise<BenchResult> {
     const model = options.model ?? await fetchModelId(target, Math.min(timeoutMs, 10_000));
     const startedAt = new Date().toISOString();
     const run = new Run(options, target, model, timeoutMs);
-    if (open) await run.openLoop(options.rate!, concurrency);
-    else await run.closedLoop(concurrency!);
+    const progress = options.progress;
+    const timer = progress ? setInterval(() => progress.report(run.progress()), progress.intervalMs) : undefined;
+    try {
+      if (open) await run.openLoop(options.rate!, concurrency);
+      else await run.closedLoop(concurrency!);
+    } finally {
+      clearInterval(timer);
+    }
+    progress?.report(run.progress());
     const requests = run.outcomes.sort((a, b) => a.index - b.index);
     return {
       url: options.url, endpoint: options.endpoint, ...(model !== undefined ? { model } : {}), stream: options.stream,
       workload: options.workload.description, outputTokens: options.outputTokens,
-      mode: open ? { kind: 'open', rate: options.rate!, ...(concurrency !== undefined ? { maxInFlight: concurrency } : {}) }
+      mode: open ? { kind: 'open', rate: options.rate!, burstiness: options.burstiness ?? 1, ...(concurrency !== undefined ? { maxInFlight: concurrency } : {}) }
         : { kind: 'closed', concurrency: concurrency! },
+      ...(options.seed !== undefined ? { seed: options.seed } : {}),
       bounds: {
         ...(options.requests !== undefined ? { requests: options.requests } : {}),
         ...(options.durationSec !== undefined ? { durationSec: options.durationSec } : {}),
       },
       startedAt,
-      summary: summarize(requests, run.maxInFlight, run.numDelayedArrivals),
+      summary: summarize(requests, run.maxInFlight, run.numDelayedArrivals, options.goodput),
       requests,
     };
   } finally {
@@ -136,6 +184,9 @@ function checkOptions(options: LoadOptions): void {
   positive('durationSec', options.durationSec, false);
   positive('timeoutSec', options.timeoutSec, false);
   positive('outputTokens', options.outputTokens, true);
+  positive('burstiness', options.burstiness, false);
+  if (options.burstiness !== undefined && options.rate === undefined) throw new RangeError('burstiness needs a rate (open loop)');
+  for (const [name, value] of Object.entries(options.goodput ?? {})) positive(`goodput ${name}`, value, false);
   if (options.requests === undefined && options.durationSec === undefined) {
     throw new RangeError('a run needs a bound: requests, durationSec or both');
   }
@@ -147,6 +198,10 @@ class Run {
   numDelayedArrivals = 0;
   private inFlight = 0;
   private nextIndex = 0;
+  private done = 0;
+  private ok = 0;
+  private outputTokens = 0;
+  private readonly startedMs = performance.now();
   private readonly deadlineMs: number;
   private readonly path: string;
   /** Wakes the open loop when a slot frees. */
@@ -156,6 +211,14 @@ class Run {
     private readonly timeoutMs: number) {
     this.deadlineMs = options.durationSec !== undefined ? performance.now() + options.durationSec * 1000 : Infinity;
     this.path = ENDPOINT_PATHS[options.endpoint];
+  }
+
+  progress(): LoadProgress {
+    return {
+      elapsedSec: (performance.now() - this.startedMs) / 1000, started: this.nextIndex, done: this.done, ok: this.ok,
+      errors: this.done - this.ok, inFlight: this.inFlight, outputTokens: this.outputTokens,
+      ...(this.options.requests !== undefined ? { total: this.options.requests } : {}),
+    };
   }
 
   private countReached(): boolean {
@@ -179,11 +242,12 @@ class Run {
 
   async openLoop(rate: number, maxInFlight: number | undefined): Promise<void> {
     const random = seededRandom(this.options.seed ?? 1);
+    const burstiness = this.options.burstiness ?? 1;
     const running = new Set<Promise<void>>();
     let dueMs = performance.now();
     while (!this.countReached()) {
-      // Exponential gaps of mean 1 / rate: a Poisson process. 1 - u is in (0, 1], so the log is finite.
-      dueMs += (-Math.log(1 - random()) / rate) * 1000;
+      // Gamma gaps of mean 1 / rate (shape = burstiness); shape 1 is the exponential: a Poisson process.
+      dueMs += gammaSample(random, burstiness, 1 / (rate * burstiness)) * 1000;
       const waitMs = Math.min(dueMs, this.deadlineMs) - performance.now();
       if (waitMs > 0) await sleep(waitMs, this.options.signal);
       if (maxInFlight !== undefined && this.inFlight >= maxInFlight) {
@@ -227,6 +291,11 @@ class Run {
         ...(this.options.signal ? { signal: this.options.signal } : {}),
       });
       this.outcomes.push(outcome);
+      this.done++;
+      if (outcome.ok) {
+        this.ok++;
+        this.outputTokens += outcome.completionTokens;
+      }
     } finally {
       this.inFlight--;
       const wake = this.slotFreed;
@@ -249,7 +318,45 @@ function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   });
 }
 
-export function summarize(requests: readonly RequestOutcome[], maxInFlight = 0, numDelayedArrivals = 0): BenchSummary {
+/**
+ * A draw from the gamma distribution of `shape` and `scale` (mean shape x scale), by Marsaglia and Tsang's method;
+ * for a shape below 1, a draw of shape + 1 times u^(1/shape). Uniforms from `random`, so a seed repeats the draws.
+ */
+export function gammaSample(random: () => number, shape: number, scale: number): number {
+  if (shape === 1) return -Math.log(1 - random()) * scale;
+  if (shape < 1) return gammaSample(random, shape + 1, scale) * (1 - random()) ** (1 / shape);
+  const d = shape - 1 / 3;
+  const c = 1 / Math.sqrt(9 * d);
+  for (let attempt = 0; attempt < 1000; attempt++) {
+    // A standard normal by Box-Muller; 1 - u is in (0, 1], so the log is finite.
+    const x = Math.sqrt(-2 * Math.log(1 - random())) * Math.cos(2 * Math.PI * random());
+    const v = (1 + c * x) ** 3;
+    if (v <= 0) continue;
+    const u = 1 - random();
+    if (Math.log(u) < 0.5 * x * x + d - d * v + d * Math.log(v)) return d * v * scale;
+  }
+  return shape * scale;
+}
+
+/** Time per output token after the first (vLLM's TPOT), or undefined when it has no meaning for the request. */
+export function tpotOf(r: RequestOutcome): number | undefined {
+  if (!r.ok || r.ttftMs === undefined || r.completionTokens < 2) return undefined;
+  return (r.e2eMs - r.ttftMs) / (r.completionTokens - 1);
+}
+
+/** Whether a request met every target given (a TTFT or TPOT target is missed by a request that has none). */
+export function meetsGoodput(r: RequestOutcome, targets: GoodputTargets): boolean {
+  if (!r.ok) return false;
+  if (targets.ttftMs !== undefined && !(r.ttftMs !== undefined && r.ttftMs <= targets.ttftMs)) return false;
+  if (targets.tpotMs !== undefined) {
+    const tpot = tpotOf(r);
+    if (!(tpot !== undefined && tpot <= targets.tpotMs)) return false;
+  }
+  return targets.e2elMs === undefined || r.e2eMs <= targets.e2elMs;
+}
+
+export function summarize(requests: readonly RequestOutcome[], maxInFlight = 0, numDelayedArrivals = 0,
+  goodput?: GoodputTargets): BenchSummary {
   const ok = requests.filter((r) => r.ok);
   const errors: Record<string, number> = {};
   for (const r of requests) if (!r.ok) errors[r.error ?? 'unknown'] = (errors[r.error ?? 'unknown'] ?? 0) + 1;
@@ -280,7 +387,15 @@ export function summarize(requests: readonly RequestOutcome[], maxInFlight = 0, 
     ...(cachedOf > 0 ? { cachedPromptFraction: cachedPromptTokens / cachedOf } : {}),
     ttftMs: distribution(ok.flatMap((r) => (r.ttftMs !== undefined ? [r.ttftMs] : []))),
     itlMs: distribution(ok.flatMap((r) => r.itlMs)),
+    tpotMs: distribution(ok.flatMap((r) => {
+      const tpot = tpotOf(r);
+      return tpot === undefined ? [] : [tpot];
+    })),
     e2eMs: distribution(ok.map((r) => r.e2eMs)),
+    ...(goodput && Object.keys(goodput).length > 0 ? (() => {
+      const numGood = ok.filter((r) => meetsGoodput(r, goodput)).length;
+      return { goodput: { targets: goodput, numGood, requestsPerSec: perSec(numGood) } };
+    })() : {}),
     maxInFlight,
     numDelayedArrivals,
   };

@@ -8,7 +8,8 @@ import { type Distribution } from '../util/stats.ts';
 function modeText(result: BenchResult): string {
   const { mode, bounds } = result;
   const load = mode.kind === 'open'
-    ? `Poisson arrivals at ${mode.rate} req/s${mode.maxInFlight !== undefined ? `, at most ${mode.maxInFlight} in flight` : ''}`
+    ? `${mode.burstiness === 1 ? 'Poisson arrivals' : `gamma arrivals (burstiness ${mode.burstiness})`} at ${mode.rate} req/s`
+      + `${mode.maxInFlight !== undefined ? `, at most ${mode.maxInFlight} in flight` : ''}`
     : `${mode.concurrency} concurrent client${mode.concurrency === 1 ? '' : 's'}`;
   const limits = [
     ...(bounds.requests !== undefined ? [`${bounds.requests} requests`] : []),
@@ -27,7 +28,7 @@ export function formatReport(result: BenchResult): string {
     `conduit bench: ${result.url} ${result.endpoint === 'chat' ? '/v1/chat/completions' : '/v1/completions'}`
       + `${result.stream ? ' (stream)' : ''}, model ${result.model ?? '(server default)'}`,
     `  load      ${modeText(result)}`,
-    `  workload  ${result.workload}, max_tokens ${result.outputTokens}`,
+    `  workload  ${result.workload}, max_tokens ${result.outputTokens}${result.seed !== undefined ? `, seed ${result.seed}` : ''}`,
     `  started   ${result.startedAt}`,
     '',
     formatTable(
@@ -41,11 +42,19 @@ export function formatReport(result: BenchResult): string {
     ),
     '',
     formatTable(['latency ms', 'count', 'mean', 'p50', 'p90', 'p99', 'max'], [
-      ...(result.stream ? [latencyRow('TTFT', s.ttftMs), latencyRow('ITL', s.itlMs)] : []),
+      ...(result.stream ? [latencyRow('TTFT', s.ttftMs), latencyRow('TPOT', s.tpotMs), latencyRow('ITL', s.itlMs)] : []),
       latencyRow('end-to-end', s.e2eMs),
     ]),
   ];
-  if (!result.stream) lines.push('(not streamed: no TTFT or ITL; run with --stream for them)');
+  if (!result.stream) lines.push('(not streamed: no TTFT, TPOT or ITL; run with --stream for them)');
+  if (s.goodput) {
+    const t = s.goodput.targets;
+    const targets = [
+      ...(t.ttftMs !== undefined ? [`TTFT <= ${t.ttftMs} ms`] : []), ...(t.tpotMs !== undefined ? [`TPOT <= ${t.tpotMs} ms`] : []),
+      ...(t.e2elMs !== undefined ? [`end-to-end <= ${t.e2elMs} ms`] : []),
+    ].join(', ');
+    lines.push('', `goodput   ${cell(s.goodput.requestsPerSec)} req/s: ${s.goodput.numGood} of ${s.numRequests} requests met ${targets}`);
+  }
   if (s.numDelayedArrivals > 0) {
     lines.push(`${s.numDelayedArrivals} arrivals waited for a free slot (in-flight cap reached): the offered rate was not fully applied`);
   }

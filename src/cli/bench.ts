@@ -1,9 +1,13 @@
 // `conduit bench`: load against any OpenAI-compatible server (Conduit, vLLM, llama.cpp's server ...), measured from
-// the client: TTFT, inter-token latency, end-to-end latency, throughput and errors, as p50/p90/p99 tables or JSON.
-// Every run is bounded (requests, duration, per-request timeout); Ctrl-C stops it early and still reports.
+// the client: TTFT, TPOT, inter-token latency, end-to-end latency, throughput, goodput and errors, as p50/p90/p99
+// tables or JSON, a JSON result file and a self-contained HTML report with plots. Names follow `vllm bench serve`
+// where it has one (--request-rate, --burstiness, --goodput, TPOT). Every run is bounded (requests, duration,
+// per-request timeout); Ctrl-C stops it early and still reports. Each run draws fresh prompts unless --seed is given.
 
+import { randomInt } from 'node:crypto';
 import { writeFileSync } from 'node:fs';
-import { runLoad, type BenchResult, type Endpoint, type LoadOptions } from '../bench/load-generator.ts';
+import { renderHtmlReport } from '../bench/html-report.ts';
+import { runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
 import { randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
@@ -14,7 +18,9 @@ const FLAGS = {
   endpoint: { type: 'string', help: 'chat (/v1/chat/completions) or completions (/v1/completions)', default: 'chat' },
   model: { type: 'string', help: 'model name to send (default: the first one GET /v1/models lists)', short: 'm' },
   'api-key': { type: 'string', help: 'sent as "Authorization: Bearer <key>"' },
-  rate: { type: 'number', help: 'open loop: Poisson arrivals per second (with --concurrency as the in-flight cap)', short: 'r' },
+  'request-rate': { type: 'number', help: 'open loop: arrivals per second, Poisson unless --burstiness says otherwise (with --concurrency as the in-flight cap)', short: 'r' },
+  rate: { type: 'number', help: 'the older name of --request-rate' },
+  burstiness: { type: 'number', help: 'open loop: shape of the gamma distribution of the gaps between arrivals, as vLLM\'s (1 = Poisson, < 1 burstier, > 1 steadier; default 1)' },
   concurrency: { type: 'number', help: 'closed loop: clients sending back to back (default 1 without --rate)', short: 'c' },
   requests: { type: 'number', help: 'stop after this many requests (default 100 when --duration is not given)', short: 'n' },
   duration: { type: 'number', help: 'stop starting requests after this many seconds', short: 'd' },
@@ -27,9 +33,13 @@ const FLAGS = {
   'ignore-eos': { type: 'boolean', help: 'send ignore_eos so every request generates exactly --output-tokens (vLLM, Conduit)' },
   stream: { type: 'boolean', help: 'stream responses (SSE): needed for TTFT and ITL', short: 's' },
   timeout: { type: 'number', help: 'seconds one request may take before it counts as an error', default: 120 },
-  seed: { type: 'number', help: 'seed of the prompts and the arrival times', default: 1 },
+  seed: { type: 'number', help: 'seed of the prompts and the arrival times (default: a new one each run, printed in the report, so a rerun does not just measure the prefix cache)' },
+  goodput: { type: 'string', help: 'targets a request must all meet to count towards goodput, as vLLM\'s: "ttft:MS,tpot:MS,e2el:MS" (any of them)' },
   json: { type: 'boolean', help: 'print the report as JSON instead of tables' },
-  output: { type: 'string', help: 'also write the JSON report, with every request\'s timings, to this file', short: 'o' },
+  'result-file': { type: 'string', help: 'also write the JSON report, with every request\'s timings, to this file', short: 'o' },
+  output: { type: 'string', help: 'the older name of --result-file' },
+  html: { type: 'string', help: 'also write a self-contained HTML report with plots (TTFT/ITL CDFs, throughput over time, phase breakdown) to this file' },
+  progress: { type: 'boolean', help: 'a progress line on stderr while the run goes on (--no-progress: none)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
@@ -46,9 +56,30 @@ const ENDPOINTS: readonly Endpoint[] = ['chat', 'completions'];
 const WORKLOADS = ['random', 'shared-prefix'] as const;
 
 export interface BenchConfig {
-  load: Omit<LoadOptions, 'signal'>;
+  load: Omit<LoadOptions, 'signal' | 'progress'>;
   json: boolean;
   outputFile?: string;
+  htmlFile?: string;
+  progress: boolean;
+}
+
+const GOODPUT_KEYS: Readonly<Record<string, keyof GoodputTargets>> = { ttft: 'ttftMs', tpot: 'tpotMs', e2el: 'e2elMs' };
+
+/** "ttft:200,tpot:50" (or space-separated, as vLLM takes them) into targets in ms. */
+export function parseGoodput(text: string): GoodputTargets {
+  const targets: GoodputTargets = {};
+  const items = text.split(/[\s,]+/).filter(Boolean);
+  if (items.length === 0) throw new UsageError('--goodput needs at least one target, e.g. "ttft:200,tpot:50"');
+  for (const item of items) {
+    const m = /^([a-z0-9]+):(.+)$/i.exec(item);
+    const key = m ? GOODPUT_KEYS[m[1]!.toLowerCase()] : undefined;
+    const value = m ? Number(m[2]) : Number.NaN;
+    if (!key) throw new UsageError(`--goodput: "${item}" is not one of ttft:MS, tpot:MS, e2el:MS`);
+    if (!(value > 0) || !Number.isFinite(value)) throw new UsageError(`--goodput: ${m![1]} must be a number of ms > 0, got "${m![2]}"`);
+    if (targets[key] !== undefined) throw new UsageError(`--goodput: ${m![1]} given twice`);
+    targets[key] = value;
+  }
+  return targets;
 }
 
 function wholeNumber(flag: string, value: number | undefined, min: number): number | undefined {
@@ -78,7 +109,8 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (!(ENDPOINTS as readonly string[]).includes(endpoint)) throw new UsageError(`--endpoint must be one of ${ENDPOINTS.join(', ')}`);
   const workloadName = values.workload!;
   if (!(WORKLOADS as readonly string[]).includes(workloadName)) throw new UsageError(`--workload must be one of ${WORKLOADS.join(', ')}`);
-  const seed = wholeNumber('seed', values.seed, 0)!;
+  // A fresh seed per run unless one is given: the same prompts again would mostly measure the prefix cache.
+  const seed = wholeNumber('seed', values.seed, 0) ?? randomInt(0, 2 ** 31);
   const workload: Workload = workloadName === 'random'
     ? randomWorkload({ promptTokens: wholeNumber('prompt-tokens', values['prompt-tokens'], 1)!, seed })
     : sharedPrefixWorkload({
@@ -87,7 +119,13 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
       questionTokens: wholeNumber('question-tokens', values['question-tokens'], 1)!,
       seed,
     });
-  const rate = positive('rate', values.rate);
+  if (values['request-rate'] !== undefined && values.rate !== undefined) throw new UsageError('give --request-rate or --rate (its older name), not both');
+  const rate = positive(values.rate !== undefined ? 'rate' : 'request-rate', values['request-rate'] ?? values.rate);
+  const burstiness = positive('burstiness', values.burstiness);
+  if (burstiness !== undefined && rate === undefined) throw new UsageError('--burstiness shapes the arrivals of --request-rate: give one');
+  const goodput = values.goodput !== undefined ? parseGoodput(values.goodput) : undefined;
+  if (values['result-file'] !== undefined && values.output !== undefined) throw new UsageError('give --result-file or --output (its older name), not both');
+  const outputFile = values['result-file'] ?? values.output;
   const concurrency = wholeNumber('concurrency', values.concurrency, 1);
   const durationSec = positive('duration', values.duration);
   // Unbounded runs are not offered: without either bound, a fixed number of requests.
@@ -100,18 +138,50 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     ...(values.model !== undefined ? { model: values.model } : {}),
     ...(values['api-key'] !== undefined ? { apiKey: values['api-key'] } : {}),
     ...(rate !== undefined ? { rate } : {}),
+    ...(burstiness !== undefined ? { burstiness } : {}),
+    ...(goodput !== undefined ? { goodput } : {}),
     ...(concurrency !== undefined ? { concurrency } : {}),
     ...(requests !== undefined ? { requests } : {}),
     ...(durationSec !== undefined ? { durationSec } : {}),
   };
-  return { load, json: values.json, ...(values.output !== undefined ? { outputFile: values.output } : {}) };
+  return {
+    load, json: values.json, progress: values.progress,
+    ...(outputFile !== undefined ? { outputFile } : {}),
+    ...(values.html !== undefined ? { htmlFile: values.html } : {}),
+  };
 }
 
-/** Runs the load and writes the report; the exit code is 1 when no request succeeded. */
-export async function runBench(config: BenchConfig, write: (text: string) => void, signal?: AbortSignal): Promise<{ code: number; result: BenchResult }> {
-  const result = await runLoad({ ...config.load, ...(signal ? { signal } : {}) });
-  write(config.json ? reportJson(result) : formatReport(result));
+/** One progress line: time, requests done of the bound, errors, in flight, output tokens per second so far. */
+export function progressLine(p: LoadProgress): string {
+  const rate = p.elapsedSec > 0 ? p.outputTokens / p.elapsedSec : 0;
+  return `conduit bench: ${p.elapsedSec.toFixed(1)} s  ${p.done}${p.total !== undefined ? `/${p.total}` : ''} done`
+    + `${p.errors > 0 ? ` (${p.errors} failed)` : ''}  ${p.inFlight} in flight  ${rate.toFixed(1)} output tok/s`;
+}
+
+export interface BenchIo {
+  write(text: string): void;
+  /** Where the progress line goes (stderr); a terminal gets one line rewritten in place, anything else a line every 10 s. */
+  progress?: { write(text: string): void; isTTY?: boolean };
+}
+
+/** Runs the load and writes the report and files; the exit code is 1 when no request succeeded. */
+export async function runBench(config: BenchConfig, io: BenchIo | ((text: string) => void), signal?: AbortSignal): Promise<{ code: number; result: BenchResult }> {
+  const { write, progress: out } = typeof io === 'function' ? { write: io, progress: undefined } : io;
+  const tty = out?.isTTY === true;
+  let wrote = false;
+  const progress = config.progress && out ? {
+    intervalMs: tty ? 500 : 10_000,
+    report(p: LoadProgress) {
+      out.write(tty ? `\r${progressLine(p)}\x1b[K` : `${progressLine(p)}\n`);
+      wrote = true;
+    },
+  } : undefined;
+  const result = await runLoad({ ...config.load, ...(signal ? { signal } : {}), ...(progress ? { progress } : {}) });
+  if (tty && wrote) out!.write('\n');
+  const text = formatReport(result);
+  write(config.json ? reportJson(result) : text);
   if (config.outputFile !== undefined) writeFileSync(config.outputFile, `${reportJson(result, { includeRequests: true })}\n`);
+  if (config.htmlFile !== undefined) writeFileSync(config.htmlFile, renderHtmlReport(result, text));
   return { code: result.summary.numOk > 0 ? 0 : 1, result };
 }
 
@@ -130,7 +200,7 @@ export const benchCommand: Command = {
     };
     process.once('SIGINT', onSignal);
     try {
-      const { code } = await runBench(config, (text) => console.log(text), stop.signal);
+      const { code } = await runBench(config, { write: (text) => console.log(text), progress: process.stderr }, stop.signal);
       return code;
     } finally {
       process.off('SIGINT', onSignal);

@@ -69,7 +69,7 @@ describe('conduit bench against a live simulated server', () => {
       ...base(), endpoint: 'completions', stream: false, workload: randomWorkload({ promptTokens: 20, seed: 2 }),
       rate: 200, requests: 12, seed: 3,
     });
-    assert.deepEqual(result.mode, { kind: 'open', rate: 200 });
+    assert.deepEqual(result.mode, { kind: 'open', rate: 200, burstiness: 1 });
     assert.equal(result.summary.numOk, 12);
     assert.equal(result.summary.ttftMs.count, 0, 'no TTFT without streaming');
     assert.equal(result.summary.e2eMs.count, 12);

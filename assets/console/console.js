@@ -1,0 +1,374 @@
+// The console's pages: /console (the cluster, refreshed by polling /console/api/overview) and
+// /console/requests/<id> (one request's waterfall from /console/api/requests/<id>). Plain DOM and SVG; the time
+// series are uPlot charts. Text from the server is always set as text, never parsed as HTML.
+
+import { formatBytes, formatMs, layoutWaterfall, phaseGroup } from './waterfall-layout.js';
+
+const KEY_STORAGE = 'conduit-console-key';
+const app = document.getElementById('app');
+const params = new URLSearchParams(location.search);
+const REFRESH_MS = Math.max(500, Number(params.get('refresh')) || 2000);
+
+// ---- small helpers ----
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === 'class') node.className = v;
+    else if (k === 'text') node.textContent = v;
+    else node.setAttribute(k, v === true ? '' : String(v));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === undefined || child === null || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+const SVG_NS = 'http://www.w3.org/2000/svg';
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) if (v !== undefined && v !== null) node.setAttribute(k, String(v));
+  for (const child of children.flat(Infinity)) if (child) node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  return node;
+}
+
+const num = (v, digits = 0) => (v === null || v === undefined || Number.isNaN(v) ? '-' : Number(v).toFixed(digits));
+const pct = (v) => (v === null || v === undefined ? '-' : `${(v * 100).toFixed(1)}%`);
+const td = (text, cls) => el('td', { class: cls, text: String(text) });
+const tdNum = (text) => td(text, 'num');
+
+function setState(id, text, cls) {
+  const node = document.getElementById(id);
+  node.textContent = text;
+  node.className = cls ?? 'muted';
+}
+
+// ---- API access ----
+
+function apiKey() {
+  return sessionStorage.getItem(KEY_STORAGE) ?? '';
+}
+
+class ApiError extends Error {
+  constructor(status, body) {
+    super(body?.error?.message ?? `HTTP ${status}`);
+    this.status = status;
+  }
+}
+
+async function getJson(path) {
+  const key = apiKey();
+  const response = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {}, cache: 'no-store' });
+  const body = await response.json().catch(() => null);
+  if (!response.ok) throw new ApiError(response.status, body);
+  return body;
+}
+
+/** Shows the key form after a 401/403; resolves when a key was entered. */
+function askForKey(message) {
+  const form = document.getElementById('key-form');
+  form.hidden = false;
+  document.getElementById('key-error').textContent = message;
+  return new Promise((resolve) => {
+    form.onsubmit = (event) => {
+      event.preventDefault();
+      sessionStorage.setItem(KEY_STORAGE, document.getElementById('key-input').value.trim());
+      form.hidden = true;
+      resolve();
+    };
+  });
+}
+
+async function load(path) {
+  for (;;) {
+    try {
+      return await getJson(path);
+    } catch (err) {
+      if (err instanceof ApiError && (err.status === 401 || err.status === 403)) {
+        await askForKey(err.message);
+        continue;
+      }
+      throw err;
+    }
+  }
+}
+
+// ---- tooltip ----
+
+const tooltip = document.getElementById('tooltip');
+function showTooltip(event, lines) {
+  tooltip.textContent = lines.join('\n');
+  tooltip.hidden = false;
+  const x = Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 8);
+  const y = Math.min(event.clientY + 14, window.innerHeight - tooltip.offsetHeight - 8);
+  tooltip.style.left = `${Math.max(0, x)}px`;
+  tooltip.style.top = `${Math.max(0, y)}px`;
+}
+function hideTooltip() {
+  tooltip.hidden = true;
+}
+
+// ---- overview ----
+
+const GROUP_COLORS = ['gateway', 'routing', 'dispatch', 'queue', 'prefill', 'kv_transfer', 'decode', 'streaming', 'other'];
+const color = (group) => `var(--${GROUP_COLORS.includes(group) ? group : 'other'})`;
+
+function sparkline(values) {
+  const width = 90;
+  const height = 18;
+  if (values.length === 0) return el('span', { class: 'muted', text: '-' });
+  const max = Math.max(1, ...values);
+  const step = values.length > 1 ? width / (values.length - 1) : 0;
+  const points = values.map((v, i) => `${(i * step).toFixed(1)},${(height - 1 - (v / max) * (height - 2)).toFixed(1)}`).join(' ');
+  const line = svg('svg', { width, height, viewBox: `0 0 ${width} ${height}`, class: 'spark' },
+    svg('polyline', { points, fill: 'none', stroke: 'var(--decode)', 'stroke-width': 1.5 }));
+  return el('span', { title: `last ${values.length}: ${values.join(', ')}` }, line, ` ${num(values[values.length - 1], 1)}`);
+}
+
+function workersTable(workers) {
+  const rows = workers.map((w) => {
+    const used = w.kv_used_blocks;
+    const total = w.kv_total_blocks;
+    const share = total > 0 ? used / total : 0;
+    const tokens = w.block_size ? ` (${used * w.block_size} / ${total * w.block_size} tokens)` : '';
+    return el('tr', { 'data-worker': w.id },
+      td(w.id), td(w.role), el('td', { class: w.state === 'idle' ? 'muted' : 'ok', text: w.state }),
+      el('td', {}, el('span', { class: 'kvbar' }, el('span', { style: `width:${(share * 100).toFixed(1)}%` })), `${used} / ${total} blocks${tokens}`),
+      tdNum(w.running), tdNum(w.waiting), tdNum(pct(w.prefix_cache_hit_rate)), tdNum(w.preemptions),
+      el('td', {}, sparkline(w.recent_batch_sizes)));
+  });
+  return el('table', { id: 'workers' },
+    el('thead', {}, el('tr', {}, ['worker', 'role', 'state', 'KV cache used', 'running', 'waiting', 'prefix hit rate', 'preemptions', 'recent decode batch (seqs)']
+      .map((h, i) => el('th', { class: i >= 4 && i <= 7 ? 'num' : undefined, text: h })))),
+    el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 9, class: 'muted', text: 'no worker is serving' }))]));
+}
+
+function sloTable(slo) {
+  const rows = slo.models.flatMap((m) => [
+    ['TTFT', m.ttft], ['time between tokens', m.tbt],
+  ].map(([name, r]) => el('tr', {},
+    td(m.model), td(name), tdNum(r.samples), tdNum(formatMs(r.p50_ms)), tdNum(formatMs(r.p99_ms)),
+    tdNum(`${formatMs(r.target_ms)} / ${formatMs(r.warning_ms)}`), el('td', {}, el('span', { class: `badge ${r.status}`, text: r.status }))))
+    .concat([el('tr', {}, td(m.model), td('error rate'), tdNum(m.error_rate.requests), tdNum(''), tdNum(pct(m.error_rate.rate)),
+      tdNum(`${pct(m.error_rate.target)} / ${pct(m.error_rate.warning)}`),
+      el('td', {}, el('span', { class: `badge ${m.error_rate.status}`, text: m.error_rate.status })))]));
+  return el('table', { id: 'slo' },
+    el('thead', {}, el('tr', {}, ['model', 'objective', 'samples', 'p50', `p${Math.round(slo.percentile * 100)} / rate`, 'target / warning', 'status']
+      .map((h, i) => el('th', { class: i >= 2 && i <= 5 ? 'num' : undefined, text: h })))),
+    el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 7, class: 'muted', text: `no request in the last ${slo.window_ms / 1000} s` }))]));
+}
+
+function analysisPanel(analysis) {
+  const shares = Object.entries(analysis.phase_share).filter(([, v]) => v > 0);
+  // Widths relative to the parts' sum, so the bar stays whole whatever the shares add up to.
+  const sum = shares.reduce((s, [, v]) => s + v, 0) || 1;
+  const groupOf = { gateway: 'gateway', routing: 'routing', queue: 'queue', prefill: 'prefill', kv_transfer: 'kv_transfer', decode: 'decode', other: 'other' };
+  return el('div', { id: 'analysis' },
+    el('p', { class: 'finding' }, el('strong', { text: analysis.slow_requests > 0 ? analysis.primary_bottleneck : 'no slow requests' }),
+      ` - ${analysis.slow_requests} slow of ${analysis.requests} requests in the last ${analysis.window_ms / 1000} s `
+      + `(slow: TTFT >= ${analysis.slow_ttft_ms} ms or a token gap >= ${analysis.slow_tbt_ms} ms)`),
+    el('p', { text: analysis.recommendation }),
+    el('div', { class: 'sharebar', title: 'mean share of each request\'s time' },
+      shares.map(([k, v]) => el('span', { style: `width:${((v / sum) * 100).toFixed(2)}%;background:${color(groupOf[k])}`, title: `${k} ${pct(v)}` }))),
+    el('div', { class: 'legend' }, shares.map(([k, v]) => el('span', {}, el('i', { style: `background:${color(groupOf[k])}` }), `${k} ${pct(v)}`))));
+}
+
+function requestsTable(requests) {
+  const rows = requests.map((r) => el('tr', {},
+    el('td', {}, el('a', { href: `/console/requests/${encodeURIComponent(r.id)}`, text: r.id })),
+    td(r.tenant ?? '-'), td(r.model), td(r.worker ?? '-'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
+    tdNum(formatMs(r.ttft_ms)), tdNum(formatMs(r.total_ms)),
+    el('td', { class: r.outcome === 'ok' ? 'ok' : 'bad', text: r.outcome === 'ok' ? r.finish_reason : `${r.outcome}${r.status ? ` ${r.status}` : ''}` }),
+    td(r.bottleneck ?? '-')));
+  return el('table', { id: 'requests' },
+    el('thead', {}, el('tr', {}, ['request', 'tenant', 'model', 'worker', 'prompt', 'cached', 'output', 'TTFT', 'total', 'outcome', 'bottleneck']
+      .map((h, i) => el('th', { class: i >= 4 && i <= 8 ? 'num' : undefined, text: h })))),
+    el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 11, class: 'muted', text: 'no finished request yet' }))]));
+}
+
+/** The three live charts; created once, their data replaced on each refresh. */
+class Charts {
+  constructor(container) {
+    this.container = container;
+    this.plots = [];
+  }
+
+  update(series) {
+    const t = series.t;
+    const sets = [
+      { id: 'chart-ttft', title: 'TTFT (ms)', data: [t, series.ttft_p50_ms, series.ttft_p99_ms], labels: ['p50', 'p99'], colors: ['#2f6feb', '#cf222e'] },
+      { id: 'chart-itl', title: 'Time between tokens (ms)', data: [t, series.itl_p50_ms, series.itl_p99_ms], labels: ['p50', 'p99'], colors: ['#2da44e', '#cf222e'] },
+      { id: 'chart-throughput', title: 'Throughput', data: [t, series.output_tokens_per_s, series.requests_per_s], labels: ['output tokens/s', 'requests/s'], colors: ['#8250df', '#e5883b'], twoScales: true },
+    ];
+    if (typeof uPlot === 'undefined') return;
+    if (this.plots.length === 0) {
+      // Every box first, so the grid has its columns when the charts measure their width.
+      const boxes = sets.map((set) => {
+        const box = el('div', { class: 'panel chart', id: set.id }, el('div', { class: 'muted', text: set.title }));
+        this.container.append(box);
+        return box;
+      });
+      sets.forEach((set, i) => {
+        const box = boxes[i];
+        const width = Math.max(260, box.clientWidth - 26);
+        const opts = {
+          width, height: 170, legend: { live: true },
+          scales: { x: { time: true }, ...(set.twoScales ? { r: { auto: true } } : {}) },
+          series: [{}, ...set.labels.map((label, j) => ({
+            label, stroke: set.colors[j], width: 1.5, spanGaps: false,
+            // A lone bucket between empty ones has no line to draw: show its point.
+            points: { show: true, size: 4, fill: set.colors[j] },
+            ...(set.twoScales && j === 1 ? { scale: 'r' } : {}),
+          }))],
+          axes: [{}, { size: 50 }, ...(set.twoScales ? [{ scale: 'r', side: 1, grid: { show: false }, size: 40 }] : [])],
+        };
+        // eslint-disable-next-line no-undef
+        this.plots.push(new uPlot(opts, set.data, box));
+      });
+    } else {
+      sets.forEach((set, i) => this.plots[i].setData(set.data));
+    }
+  }
+}
+
+async function overviewPage() {
+  let charts;
+  let timer;
+  const render = (data) => {
+    if (data.scope === 'all') {
+      const h = data.health ?? {};
+      setState('server-state', `${h.model ?? ''} - ${h.status ?? '?'} - ${data.in_flight} in flight`, h.ready ? 'ok' : 'bad');
+      if (!charts) {
+        app.textContent = '';
+        const chartsBox = el('div', { class: 'grid', id: 'charts' });
+        app.append(
+          el('h2', { text: 'Workers' }), el('div', { class: 'panel', id: 'workers-box' }),
+          el('h2', { text: 'Last minutes' }), chartsBox,
+          el('div', { class: 'grid' },
+            el('div', {}, el('h2', { text: 'SLO (per tier: target / warning)' }), el('div', { class: 'panel', id: 'slo-box' })),
+            el('div', {}, el('h2', { text: 'Analyzer' }), el('div', { class: 'panel', id: 'analysis-box' }))),
+          el('h2', { text: 'Recent requests' }), el('div', { class: 'panel', id: 'requests-box' }));
+        charts = new Charts(chartsBox);
+      }
+      document.getElementById('workers-box').replaceChildren(workersTable(data.workers));
+      document.getElementById('slo-box').replaceChildren(sloTable(data.slo));
+      document.getElementById('analysis-box').replaceChildren(analysisPanel(data.analysis));
+      charts.update(data.series);
+    } else {
+      setState('server-state', `tenant ${data.tenant}: your requests only`);
+      if (!document.getElementById('requests-box')) {
+        app.textContent = '';
+        app.append(el('h2', { text: 'Your recent requests' }), el('div', { class: 'panel', id: 'requests-box' }));
+      }
+    }
+    document.getElementById('requests-box').replaceChildren(requestsTable(data.requests));
+  };
+  const tick = async () => {
+    if (!document.hidden) {
+      try {
+        render(await load('/console/api/overview'));
+        setState('refresh-state', `updated ${new Date().toLocaleTimeString()} (every ${REFRESH_MS / 1000} s)`);
+      } catch (err) {
+        setState('refresh-state', `not updated: ${err.message}`, 'bad');
+      }
+    }
+    timer = setTimeout(tick, REFRESH_MS);
+  };
+  await tick();
+  return () => clearTimeout(timer);
+}
+
+// ---- one request ----
+
+function drawWaterfall(view) {
+  const width = Math.max(640, app.clientWidth - 2);
+  const layout = layoutWaterfall(view, { width, labelWidth: 230, rowHeight: 24, top: 26 });
+  const barHeight = layout.rowHeight - 8;
+  const root = svg('svg', { id: 'waterfall', width: layout.width, height: layout.height, viewBox: `0 0 ${layout.width} ${layout.height}`, role: 'img', 'aria-label': `waterfall of ${view.request_id}` });
+  const axis = svg('g', { class: 'axis' });
+  for (const tick of layout.ticks) {
+    axis.append(svg('line', { x1: tick.x, x2: tick.x, y1: 16, y2: layout.height - 4 }),
+      svg('text', { x: tick.x, y: 12, 'text-anchor': 'middle' }, tick.label));
+  }
+  root.append(axis);
+  for (const row of layout.rows) {
+    const g = svg('g', { class: 'row', 'data-phase': row.phase });
+    if (row.label) g.append(svg('text', { x: 6, y: row.y + barHeight - 3 }, row.label));
+    for (const bar of row.bars) {
+      const rect = svg('rect', {
+        class: 'bar', 'data-phase': bar.phase, x: bar.x, y: row.y, width: Math.max(1, bar.w), height: barHeight, rx: 2,
+        fill: color(bar.group), 'fill-opacity': bar.incomplete ? 0.45 : 0.9,
+      }, svg('title', {}, bar.detail.join('\n')));
+      rect.addEventListener('mousemove', (event) => showTooltip(event, bar.detail));
+      rect.addEventListener('mouseleave', hideTooltip);
+      g.append(rect);
+    }
+    root.append(g);
+  }
+  if (layout.tokens.length > 0) {
+    const d = layout.tokens.map((t) => `M${t.x.toFixed(1)} ${t.y + barHeight + 1}v3`).join('');
+    root.append(svg('path', { class: 'tokens', d }, svg('title', {}, `${view.usage.completion_tokens} tokens written (one tick per write)`)));
+  }
+  for (const mark of layout.marks) {
+    if (mark.x === null) continue;
+    root.append(svg('g', { class: 'mark', 'data-kind': mark.kind },
+      svg('line', { x1: mark.x, x2: mark.x, y1: 16, y2: layout.height - 4 }),
+      svg('text', { x: mark.x + 3, y: layout.height - 6 }, mark.label)));
+  }
+  return root;
+}
+
+function facts(pairs) {
+  return el('dl', { class: 'facts' }, pairs.filter(([, v]) => v !== undefined && v !== null && v !== '').map(([k, v]) => [el('dt', { text: k }), el('dd', { text: String(v) })]));
+}
+
+async function requestPage(id) {
+  setState('server-state', `request ${id}`);
+  let view;
+  try {
+    view = await load(`/console/api/requests/${encodeURIComponent(id)}`);
+  } catch (err) {
+    app.replaceChildren(el('p', { class: 'bad', text: err.message }), el('p', {}, el('a', { href: '/console', text: 'back to the console' })));
+    return;
+  }
+  const t = view.timings;
+  const a = view.analysis;
+  const r = view.routing;
+  const outcome = view.outcome === 'ok' ? `ok (${view.finish_reason})` : `${view.outcome}${view.error_type ? ` ${view.error_type}` : ''}${view.status ? ` ${view.status}` : ''} in ${view.ended_in_phase ?? '?'}`;
+  const groups = [...new Set(view.phases.map((p) => phaseGroup(p.phase)))];
+  const phaseRows = view.phases.map((p) => el('tr', {}, td(p.phase), tdNum(formatMs(p.start_ms)), tdNum(formatMs(p.duration_ms)), td(p.worker ?? ''),
+    td(Object.entries(p.attributes ?? {}).map(([k, v]) => `${k}=${v}`).join(' '))));
+  app.replaceChildren(
+    el('p', {}, el('a', { href: '/console', text: '< console' })),
+    el('h2', { text: `Request ${view.request_id}` }),
+    el('div', { class: 'grid' },
+      el('div', { class: 'panel' }, facts([
+        ['model', view.model], ['tenant', view.tenant], ['worker', view.worker], ['outcome', outcome],
+        ['TTFT', formatMs(t.ttft_ms)], ['total', formatMs(t.total_ms)],
+        ['tokens', `${view.usage.prompt_tokens} prompt (${view.usage.cached_tokens} cached), ${view.usage.completion_tokens} output`],
+        ['time between tokens', view.tbt.count > 0 ? `p50 ${formatMs(view.tbt.p50_ms)}, p99 ${formatMs(view.tbt.p99_ms)}, max ${formatMs(view.tbt.max_ms)}` : undefined],
+        ['routing', r ? `${r.strategy}: ${r.worker}${r.prefill_worker ? ` (prefill on ${r.prefill_worker})` : ''}${r.candidates !== null ? ` of ${r.candidates} candidates` : ''}${r.overlap_tokens !== null ? `, ${r.overlap_tokens} tokens cached there` : ''}` : undefined],
+        ['migrations', view.migrations.length > 0 ? view.migrations.map((m) => `${m.from_worker} -> ${m.to_worker ?? '(none)'} after ${m.after_tokens} tokens`).join('; ') : undefined],
+        ['trace id', view.trace_id],
+      ])),
+      el('div', { class: 'panel', id: 'diagnosis' },
+        el('p', { class: 'finding' }, el('strong', { text: a.category }), a.dominant_phase !== 'none' ? ` - ${a.dominant_phase} ${formatMs(a.dominant_ms)} (${pct(a.dominant_share)})` : ''),
+        el('p', { text: a.recommendation }),
+        facts(Object.entries(a.breakdown_ms).map(([k, v]) => [k, formatMs(v)])))),
+    el('h2', { text: 'Waterfall' }),
+    el('div', { class: 'legend' }, groups.map((g) => el('span', {}, el('i', { style: `background:${color(g)}` }), g))),
+    drawWaterfall(view),
+    el('h2', { text: 'Phases' }),
+    el('div', { class: 'panel' }, el('table', { id: 'phases' },
+      el('thead', {}, el('tr', {}, ['phase', 'start', 'duration', 'worker', 'details'].map((h, i) => el('th', { class: i === 1 || i === 2 ? 'num' : undefined, text: h })))),
+      el('tbody', {}, phaseRows))));
+}
+
+// ---- entry ----
+
+const match = /^\/console\/requests\/([^/]+)$/.exec(location.pathname);
+if (match) await requestPage(decodeURIComponent(match[1]));
+else await overviewPage();
+document.body.dataset.ready = 'true';

@@ -1,0 +1,120 @@
+// The web console in a real browser (Chromium through playwright-core): a live server with two CPU workers serving
+// the built-in model, the overview and a request's waterfall loaded as a person would, with every request the page
+// makes checked to stay on 127.0.0.1 and the browser's console watched for errors. Screenshots go to a fresh folder
+// under the OS temp dir (its path is printed); CONDUIT_TEST_OUTPUT_DIR puts them elsewhere.
+
+import assert from 'node:assert/strict';
+import { existsSync, mkdirSync, mkdtempSync, rmSync, statSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { launchChromium, CHROMIUM_PATH, type BrowserSession } from '../helpers/chromium.ts';
+
+const E2E = { timeout: 180_000 };
+
+/** Where screenshots go: the test output folder. */
+function outputDir(): string {
+  const base = process.env.CONDUIT_TEST_OUTPUT_DIR;
+  if (base) {
+    mkdirSync(base, { recursive: true });
+    return mkdtempSync(join(base, 'console-'));
+  }
+  return mkdtempSync(join(tmpdir(), 'conduit-console-screenshots-'));
+}
+
+async function stream(server: TestServer, content: string, maxTokens: number): Promise<string> {
+  const res = await fetch(`${server.url}/v1/chat/completions`, {
+    method: 'POST', headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify({ messages: [{ role: 'user', content }], max_tokens: maxTokens, stream: true, ignore_eos: true }),
+  });
+  assert.equal(res.status, 200);
+  await res.text();
+  return res.headers.get('x-request-id')!;
+}
+
+describe('web console in Chromium (two CPU workers)', { skip: existsSync(CHROMIUM_PATH) ? false : `${CHROMIUM_PATH} is not installed` }, () => {
+  let server: TestServer;
+  let browser: BrowserSession;
+  let shots: string;
+  let ids: string[];
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--workers', '2'] });
+    // Several requests at once, so both workers serve and batch.
+    ids = await Promise.all([
+      stream(server, 'Once upon a time there was a lighthouse keeper', 24),
+      stream(server, 'The ship sailed at dawn towards the islands of the north', 24),
+      stream(server, 'Write a short poem about the sea', 16),
+      stream(server, 'Tell me about the stars', 16),
+    ]);
+    const store = server.running.api.telemetry.traces;
+    await waitFor(() => ids.every((id) => store.get(id) !== undefined), 'the traces');
+    shots = outputDir();
+    browser = await launchChromium(join(shots, 'profile'));
+    console.log(`console screenshots: ${shots}`);
+  });
+  after(async () => {
+    await browser?.close();
+    if (shots) rmSync(join(shots, 'profile'), { recursive: true, force: true });
+    await server?.close();
+  });
+
+  it('shows the workers, charts, SLO, finding and recent requests, with no console error and nothing off 127.0.0.1', E2E, async () => {
+    const page = await browser.newPage();
+    await page.goto(`${server.url}/console?refresh=500`);
+    await page.waitForSelector('body[data-ready]');
+    const engine = server.engine as unknown as { workerStats(): { workerId: string }[] };
+    const workerIds = engine.workerStats().map((w) => w.workerId);
+    assert.equal(workerIds.length, 2);
+    // Page-side checks are strings: they run in the browser, which this file's types do not describe.
+    await page.waitForFunction(`document.querySelectorAll('#workers tr[data-worker]').length === ${workerIds.length}`);
+    const workersText = await page.textContent('#workers');
+    for (const id of workerIds) assert.ok(workersText!.includes(id), `worker ${id} on the page`);
+    // Three uPlot charts, drawn on canvases, and the tables below them.
+    await page.waitForFunction("document.querySelectorAll('#charts canvas').length >= 3");
+    assert.equal(await page.locator('#charts .uplot').count(), 3);
+    assert.match((await page.textContent('#slo'))!, /TTFT/);
+    assert.match((await page.textContent('#analysis'))!, /requests in the last/);
+    for (const id of ids) assert.ok(await page.locator(`#requests a[href="/console/requests/${id}"]`).count() === 1, `request ${id} listed`);
+    // A refresh or two later the page is still whole.
+    await page.waitForFunction("/updated/.test(document.getElementById('refresh-state').textContent)");
+    await page.screenshot({ path: join(shots, 'overview.png'), fullPage: true });
+    assert.ok(statSync(join(shots, 'overview.png')).size > 10_000);
+    await page.close();
+    browser.assertClean();
+  });
+
+  it('draws a request\'s waterfall with every phase, numbers on hover and the diagnosis in words', E2E, async () => {
+    const page = await browser.newPage();
+    await page.goto(`${server.url}/console`);
+    await page.waitForSelector('#requests a');
+    // Follow the link, as a person would.
+    await page.click(`#requests a[href="/console/requests/${ids[0]}"]`);
+    await page.waitForURL(`**/console/requests/${ids[0]}`);
+    await page.waitForSelector('body[data-ready]');
+    const waterfall = page.locator('svg#waterfall');
+    assert.equal(await waterfall.count(), 1);
+    const box = await waterfall.boundingBox();
+    assert.ok(box && box.width > 500 && box.height > 150, `waterfall drawn: ${JSON.stringify(box)}`);
+    const bars = await page.locator('svg#waterfall rect.bar').count();
+    assert.ok(bars >= 8, `${bars} bars`);
+    const text = (await waterfall.textContent())!;
+    for (const name of ['http_receive', 'tokenize', 'router_lookup', 'scheduler_queue', 'prefill_execution', 'decode_execution', 'streaming_response']) {
+      assert.ok(text.includes(name), `phase ${name} in the waterfall`);
+    }
+    assert.ok(await page.locator('svg#waterfall path.tokens').count() === 1, 'token ticks');
+    assert.ok(await page.locator('svg#waterfall .mark[data-kind="first_token"]').count() === 1);
+    // Hovering a bar shows its numbers.
+    await page.hover('svg#waterfall rect.bar[data-phase="prefill_execution"]');
+    const tip = page.locator('#tooltip');
+    await tip.waitFor({ state: 'visible' });
+    assert.match((await tip.textContent())!, /prefill_execution\nstart .* ms, duration .* ms[\s\S]*batch: \d+ sequences/);
+    assert.ok(((await page.textContent('#diagnosis')) ?? '').length > 40, 'the diagnosis in words');
+    await page.mouse.move(0, 0);
+    await page.screenshot({ path: join(shots, 'request.png'), fullPage: true });
+    assert.ok(statSync(join(shots, 'request.png')).size > 10_000);
+    await page.close();
+    browser.assertClean();
+  });
+});
