@@ -378,6 +378,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? streamed.contentTokens;
 
   const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, validate?.n ?? 1, endMs);
+  placeHandOver(input, kvTransfer, engineFirstTokenMs);
   addStreamingPhase(input, streamed, engineFirstTokenMs);
   addResponseBodyPhase(input, engineLastTokenMs ?? engineFirstTokenMs, decode?.endMs);
   phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
@@ -584,6 +585,23 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
     bytes: transfers.reduce((s, e) => s + e.bytes, 0),
     blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
   };
+}
+
+/**
+ * A disaggregated request's hand-over, after the first token (the prefill worker samples and streams it): from that
+ * token to the transfer's start the prefill worker hands the request over and the decode worker takes it
+ * (decode_dispatch), then the KV moves (kv_transfer), then the decode worker decodes (decode_execution, from the
+ * transfer's end). Without this the decode phase would start at the first token and hold the transfer inside it.
+ */
+function placeHandOver({ events, phases }: BuildInput, kvTransfer: KvTransferSummary | undefined, firstTokenMs: number | undefined): void {
+  if (!kvTransfer || firstTokenMs === undefined || kvTransfer.startMs < firstTokenMs) return;
+  const decode = phases.find((p) => p.phase === 'decode_execution');
+  if (decode && decode.startMs < kvTransfer.endMs && kvTransfer.endMs <= decode.endMs) decode.startMs = kvTransfer.endMs;
+  if (firstOf(events, 'decode_dispatch') || !(kvTransfer.startMs > firstTokenMs)) return;
+  phases.push({
+    phase: 'decode_dispatch', startMs: firstTokenMs, endMs: kvTransfer.startMs, worker: kvTransfer.toWorker,
+    attributes: defined({ from_worker: kvTransfer.fromWorker, to_worker: kvTransfer.toWorker }),
+  });
 }
 
 interface StreamedWrites {
@@ -877,7 +895,13 @@ export interface PhaseBreakdown {
    * between chunks (requeued: they are queue time); 0 when prefill was skipped.
    */
   prefillMs: number;
+  /** The KV transfer's time before the first token (part of TTFT). */
   kvTransferMs: number;
+  /**
+   * The KV transfer's time after the first token: Conduit's prefill worker streams the first token, so the transfer
+   * and the hand-over around it are the start of decode (part of decodeMs).
+   */
+  decodeKvTransferMs: number;
   /** The first token (as TTFT counts it) to the end of the response; without a first token, the engine's decode. */
   decodeMs: number;
   ttftMs: number;
@@ -916,11 +940,21 @@ export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
     routingMs: (trace.routing ? trace.routing.endMs - trace.routing.startMs : 0) + dispatchMs,
     queueMs,
     prefillMs,
-    kvTransferMs: trace.kvTransfer ? trace.kvTransfer.endMs - trace.kvTransfer.startMs : 0,
+    ...kvTransferParts(trace, firstTokenMs),
     decodeMs,
     ttftMs: trace.ttftMs ?? 0,
     totalMs: trace.e2eMs,
   };
+}
+
+/** The KV transfer split at the first token: before it (TTFT's) and after it (decode's). */
+function kvTransferParts(trace: RequestTrace, firstTokenMs: number | undefined): { kvTransferMs: number; decodeKvTransferMs: number } {
+  const kv = trace.kvTransfer;
+  if (!kv) return { kvTransferMs: 0, decodeKvTransferMs: 0 };
+  // Begun after the engine's first token: all of it is decode's, even the part before the client got that token.
+  if (trace.engineFirstTokenMs !== undefined && kv.startMs >= trace.engineFirstTokenMs) return { kvTransferMs: 0, decodeKvTransferMs: kv.endMs - kv.startMs };
+  const split = Math.min(Math.max(firstTokenMs ?? kv.endMs, kv.startMs), kv.endMs);
+  return { kvTransferMs: split - kv.startMs, decodeKvTransferMs: kv.endMs - split };
 }
 
 /**
