@@ -213,6 +213,7 @@ export class CallTrace {
         phase: 'router_lookup', requestId: this.requestId, start: routing.decidedAt - us.total / 1000, time: routing.decidedAt,
         ...(routing.admissionQueuedAt !== undefined ? { admissionQueuedAt: routing.admissionQueuedAt } : {}),
         worker: routing.workerId, strategy: routing.strategy,
+        ...(routing.candidates !== undefined ? { candidates: routing.candidates } : {}),
         // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
         reason: routing.disaggregation
           ? `${routing.reason}; prefill ${routing.disaggregation.mode} (${routing.disaggregation.reason})` : routing.reason,

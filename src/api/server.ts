@@ -223,6 +223,9 @@ export class ApiServer {
 
   attach(backend: ModelBackend): void {
     this.gateway.attach(backend);
+    // A model just loaded: its requests are traced at the sampler's new-model rate for a while.
+    const model = this.gateway.servedModelName;
+    if (model !== undefined) this.telemetry.registerNewModel(model);
   }
 
   async listen(port: number, host = '127.0.0.1'): Promise<AddressInfo> {

@@ -135,6 +135,8 @@ export interface RoutingSummary {
   strategy: string;
   /** Prompt blocks the chosen worker already held. */
   overlapBlocks: number;
+  /** Workers the router chose among (those not busy). */
+  candidates?: number;
   reason: string;
   /** Time spent deciding (hashing, index lookup, selection), µs. */
   overheadUs: { hashing: number; lookup: number; selection: number; total: number };

@@ -284,7 +284,6 @@ export class Telemetry {
     record.headSampling ??= this.sampler.head({
       ...(record.model !== undefined ? { model: record.model } : {}),
       ...(record.promptTokens !== undefined ? { promptTokens: record.promptTokens } : {}),
-      ...(record.predictedTtftMs !== undefined ? { predictedTtftMs: record.predictedTtftMs } : {}),
       ...(record.parent ? { parentSampled: record.parent.sampled } : {}),
     }, this.now());
     return record.headSampling;

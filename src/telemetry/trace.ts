@@ -78,7 +78,7 @@ export interface DecodeBatchSummary {
 /** The router's decision: its router_lookup event's facts, over the event's interval. */
 export interface RoutingSummary extends Pick<RouterLookupEvent,
   'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason' | 'workerQueueDepth'
-  | 'predictedTtftMs' | 'subPhasesMs'> {
+  | 'subPhasesMs'> {
   startMs: number;
   endMs: number;
   /** Where the request went after losing its worker mid-stream, in order (request migration). */
@@ -96,8 +96,6 @@ export interface PrefillSummary {
    * between consecutive chunks on one worker, traced as scheduler_queue phases and counted as queue, not prefill.
    */
   requeuedMs: number;
-  kvAllocMs?: number;
-  samplingMs?: number;
   batchSizeMax?: number;
   worker?: string;
 }
@@ -222,7 +220,6 @@ export class RequestRecord {
   /** Filled from events as they arrive, for the head sampling decision before the end. */
   model: string | undefined;
   promptTokens: number | undefined;
-  predictedTtftMs: number | undefined;
 
   constructor(readonly requestId: string, readonly firstSeenMs: number) {}
 
@@ -248,9 +245,6 @@ export class RequestRecord {
         break;
       case 'tokenize':
         this.promptTokens = event.promptTokens;
-        break;
-      case 'router_lookup':
-        if (event.predictedTtftMs !== undefined) this.predictedTtftMs = event.predictedTtftMs;
         break;
       case 'finish':
       case 'error':
@@ -362,7 +356,6 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   addGatewayPhases(input);
   const routing = routingOf(input);
   const queue = queueOf(input, arrivalMs, endMs);
-  addDispatchPhases(input);
   addHandOff(input, queue.startMs);
   const prefill = prefillOf(input);
   const kvTransfer = kvTransferOf(input);
@@ -387,8 +380,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const ended = outcomeOf(terminal);
   const endedInPhase = ended.outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
-  const queueEvent = firstOf(events, 'scheduler_queue');
-  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker ?? queueEvent?.worker;
+  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
 
   return {
     requestId: record.requestId,
@@ -440,7 +432,7 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
     startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
     prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
     kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
-    predictedTtftMs: router.predictedTtftMs, subPhasesMs: router.subPhasesMs,
+    subPhasesMs: router.subPhasesMs,
   };
   const migrations = reports.flatMap((r) => r.migrations ?? []);
   if (migrations.length > 0) routing.migrations = migrations;
@@ -453,7 +445,9 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
   }
   phases.push({
     phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
-    attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),
+    attributes: defined({
+      strategy: router.strategy, candidates: router.candidates, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens,
+    }),
   });
   return routing;
 }
@@ -465,19 +459,14 @@ interface QueueFacts {
   budgetTokens?: number;
 }
 
-/**
- * The queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps, and the
- * queue depth and budget the worker reported with them.
- */
-function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arrivalMs: number, endMs: number): QueueFacts {
-  const queueEvent = firstOf(events, 'scheduler_queue');
+/** The queue: the engine's queued -> firstScheduled stamps, and the queue depth and budget the worker reported. */
+function queueOf({ router, firstWorkerReport, phases }: BuildInput, arrivalMs: number, endMs: number): QueueFacts {
   const firstTimestamps = firstWorkerReport?.timestamps;
-  const depthAtEntry = queueEvent?.queueDepth ?? firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
-  const queueStart = queueEvent?.start ?? firstTimestamps?.queued;
-  const queueEnd = queueEvent?.time ?? firstTimestamps?.firstScheduled;
+  const depthAtEntry = firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
+  const queueStart = firstTimestamps?.queued;
+  const queueEnd = firstTimestamps?.firstScheduled;
   const engineBudget = firstTimestamps?.budget;
-  const budgetMs = queueEvent?.budgetMs
-    ?? (engineBudget && queueEnd !== undefined ? Math.max(0, engineBudget.forwardStart - queueEnd) : undefined);
+  const budgetMs = engineBudget && queueEnd !== undefined ? Math.max(0, engineBudget.forwardStart - queueEnd) : undefined;
   const budgetTokens = engineBudget?.tokens;
   if (queueStart !== undefined || queueEnd !== undefined) {
     const start = queueStart ?? router?.time ?? arrivalMs;
@@ -486,7 +475,7 @@ function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arri
     phases.push({
       phase: 'scheduler_queue', startMs: start, endMs: queueEnd ?? endMs,
       incomplete: incomplete || undefined,
-      worker: queueEvent?.worker ?? firstWorkerReport?.worker,
+      worker: firstWorkerReport?.worker,
       attributes: Object.keys(attributes).length > 0 ? attributes : undefined,
     });
   }
@@ -498,10 +487,10 @@ function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arri
  * arrival in the worker's queue, as prefill_dispatch. It holds the tenant admission after tokenize and putting the
  * request in the worker's inbox. Behind a router it has a first leg too, from the gateway to the router (the
  * tenant admission, and the engine call reaching the router: a busy event loop shows there), marked
- * `leg: 'to_router'`. Only when no prefill_dispatch was reported.
+ * `leg: 'to_router'`.
  */
-function addHandOff({ events, router, phases, firstWorkerReport }: BuildInput, queueStartMs: number | undefined): void {
-  if (queueStartMs === undefined || phases.some((p) => p.phase === 'prefill_dispatch') || firstOf(events, 'scheduler_queue')) return;
+function addHandOff({ router, phases, firstWorkerReport }: BuildInput, queueStartMs: number | undefined): void {
+  if (queueStartMs === undefined) return;
   let gatewayEndMs: number | undefined;
   for (const p of phases) if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) gatewayEndMs = Math.max(gatewayEndMs ?? p.endMs, p.endMs);
   const worker = router?.worker ?? firstWorkerReport?.worker;
@@ -516,29 +505,15 @@ function addHandOff({ events, router, phases, firstWorkerReport }: BuildInput, q
   phases.push({ phase: 'prefill_dispatch', startMs: fromMs, endMs: queueStartMs, worker });
 }
 
-/** Dispatches to workers, sampling and detokenizing, as reported. */
-function addDispatchPhases({ events, phases }: BuildInput): void {
-  for (const phase of ['prefill_dispatch', 'decode_dispatch', 'sampling', 'detokenize'] as const) {
-    for (const e of allOf(events, phase)) {
-      phases.push({ phase, startMs: e.start, endMs: e.time, worker: 'worker' in e ? e.worker : undefined });
-    }
-  }
-}
-
 /**
- * Prefill chunks: the engine's events if it sent them, else its timestamps (every worker's, for a disaggregated pair
- * whose decode worker recomputed some tokens).
+ * Prefill chunks, from the engine's timestamps (every worker's, for a disaggregated pair whose decode worker
+ * recomputed some tokens).
  */
-function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | undefined {
-  const prefillEvents = allOf(events, 'prefill_execution');
+function prefillOf({ reports, phases }: BuildInput): PrefillSummary | undefined {
   const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number; batchTokens?: number }[] = [];
-  if (prefillEvents.length > 0) {
-    for (const e of prefillEvents) chunks.push({ start: e.start, end: e.time, tokens: e.tokens, worker: e.worker, batchSize: e.batchSize });
-  } else {
-    for (const r of reports) {
-      for (const c of r.timestamps.prefillChunks) {
-        chunks.push({ start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens });
-      }
+  for (const r of reports) {
+    for (const c of r.timestamps.prefillChunks) {
+      chunks.push({ start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens });
     }
   }
   chunks.sort((a, b) => a.start - b.start);
@@ -560,8 +535,6 @@ function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | un
   return {
     startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
     computedTokens: chunks.reduce((s, c) => s + c.tokens, 0), requeuedMs,
-    kvAllocMs: sumDefined(prefillEvents.map((e) => e.kvAllocMs)),
-    samplingMs: prefillEvents[prefillEvents.length - 1]?.samplingMs,
     batchSizeMax: maxDefined(chunks.map((c) => c.batchSize)),
     worker: chunks[0]!.worker,
   };
@@ -593,11 +566,11 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
  * (decode_dispatch), then the KV moves (kv_transfer), then the decode worker decodes (decode_execution, from the
  * transfer's end). Without this the decode phase would start at the first token and hold the transfer inside it.
  */
-function placeHandOver({ events, phases }: BuildInput, kvTransfer: KvTransferSummary | undefined, firstTokenMs: number | undefined): void {
+function placeHandOver({ phases }: BuildInput, kvTransfer: KvTransferSummary | undefined, firstTokenMs: number | undefined): void {
   if (!kvTransfer || firstTokenMs === undefined || kvTransfer.startMs < firstTokenMs) return;
   const decode = phases.find((p) => p.phase === 'decode_execution');
   if (decode && decode.startMs < kvTransfer.endMs && kvTransfer.endMs <= decode.endMs) decode.startMs = kvTransfer.endMs;
-  if (firstOf(events, 'decode_dispatch') || !(kvTransfer.startMs > firstTokenMs)) return;
+  if (!(kvTransfer.startMs > firstTokenMs)) return;
   phases.push({
     phase: 'decode_dispatch', startMs: firstTokenMs, endMs: kvTransfer.startMs, worker: kvTransfer.toWorker,
     attributes: defined({ from_worker: kvTransfer.fromWorker, to_worker: kvTransfer.toWorker }),
@@ -836,10 +809,8 @@ function phaseAtEnd(
 ): PhaseName {
   const ts = reports.map((r) => r.timestamps);
   if (record.emitTimes.length > 0 || record.stepEnds.length > 0 || ts.some((t) => t.firstToken !== undefined)) return 'decode_execution';
-  if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0) || events.some((e) => e.phase === 'prefill_execution')) {
-    return 'prefill_execution';
-  }
-  if (queued || events.some((e) => e.phase === 'scheduler_queue')) return 'scheduler_queue';
+  if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0)) return 'prefill_execution';
+  if (queued) return 'scheduler_queue';
   if (routed) return 'scheduler_queue';
   // Before the router: the gateway phase that refused it, or the one after the last that passed.
   let next: GatewayPhase | 'router_lookup' = 'http_receive';

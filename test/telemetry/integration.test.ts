@@ -569,6 +569,7 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
       assert.match(names(trace).join(','), /^http_receive,auth,rate_limit,validate,tokenize,(prefill_dispatch,)?router_lookup,(prefill_dispatch,)?scheduler_queue,(prefill_execution,)+decode_execution(,streaming_response)?$/);
       assert.match(trace.worker!, /^worker-[01]$/);
       assert.equal(phase(trace, 'router_lookup')!.worker, trace.worker);
+      assert.equal(phase(trace, 'router_lookup')!.attributes!.candidates, 2, 'the router chose among both workers');
     }
     assert.equal(warmTrace.worker, coldTrace.worker, 'KV-aware routing sends the repeat to the worker holding its blocks');
     assert.equal(phase(coldTrace, 'router_lookup')!.attributes!.kv_cache_hit, false);
