@@ -225,7 +225,11 @@ export class ApiServer {
     this.gateway.attach(backend);
     // A model just loaded: its requests are traced at the sampler's new-model rate for a while.
     const model = this.gateway.servedModelName;
-    if (model !== undefined) this.telemetry.registerNewModel(model);
+    if (model !== undefined) {
+      this.telemetry.registerNewModel(model);
+      const { quantization } = backend.engine.info;
+      this.telemetry.describeModel(model, quantization !== undefined ? { quantization } : {});
+    }
   }
 
   async listen(port: number, host = '127.0.0.1'): Promise<AddressInfo> {

@@ -166,6 +166,14 @@ export class Telemetry {
     return done ? responseTimings(done) : undefined;
   }
 
+  /**
+   * What is known of a served model when it is loaded: how its weights are stored (the prefill metrics'
+   * `quantization` label; 'none' until described).
+   */
+  describeModel(model: string, facts: { quantization?: string }): void {
+    if (facts.quantization !== undefined) this.metrics.setQuantization(model, facts.quantization);
+  }
+
   /** Raises trace sampling for a model just loaded (for the sampler's new-model window). */
   registerNewModel(model: string): void {
     this.sampler.registerNewModel(model, this.now());
