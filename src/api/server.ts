@@ -114,6 +114,8 @@ function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
 }
 
 const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
+/** W3C tracestate: printable ASCII list members, at most 512 characters (a longer one may be dropped whole). */
+const TRACESTATE = /^[\x20-\x7e]{1,512}$/;
 
 /** The route, for admin keys only (when keys are configured) when `only` holds. */
 function admin(route: Route, only = true): Route {
@@ -387,7 +389,7 @@ export class ApiServer {
     const id = newCompletionId(route.traced!);
     call.requestId = id;
     call.headers['x-request-id'] = id;
-    call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent);
+    call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent, call.tracestate);
     return call.trace;
   }
 
@@ -404,11 +406,14 @@ export class ApiServer {
     // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).
     if (this.stopping) res.setHeader('Connection', 'close');
     const traceparent = req.headers.traceparent;
+    const tracestate = req.headers.tracestate;
+    const validParent = typeof traceparent === 'string' && TRACEPARENT.test(traceparent);
     const call: Call = {
       res,
       tenant: { name: ANONYMOUS_TENANT, limits: {}, cacheSalt: undefined },
       arrivalMs: this.engineClock(),
-      ...(typeof traceparent === 'string' && TRACEPARENT.test(traceparent) ? { traceparent } : {}),
+      ...(validParent ? { traceparent } : {}),
+      ...(validParent && typeof tracestate === 'string' && TRACESTATE.test(tracestate) ? { tracestate } : {}),
       clientGone: clientGone.signal,
       headers: {},
     };

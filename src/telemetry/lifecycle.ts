@@ -118,6 +118,8 @@ export interface HttpReceiveEvent extends IntervalEvent {
   bodyBytes?: number;
   /** The client's W3C traceparent header, if any: the request's trace continues the client's. */
   traceparent?: string;
+  /** The client's W3C tracestate header, passed on with the request's trace context (only with a traceparent). */
+  tracestate?: string;
   /**
    * false: the body was not received (too large, or the client left while sending it), so the request ended in
    * http_receive. Unset when the body came, or when a later check refused the request before it was read.

@@ -23,7 +23,7 @@ import {
   ROOT_CONTEXT, SpanKind, SpanStatusCode, TraceFlags, trace as otelTrace,
   type Attributes, type Context, type Span, type SpanContext, type Tracer,
 } from '@opentelemetry/api';
-import { millisToHrTime } from '@opentelemetry/core';
+import { millisToHrTime, TraceState } from '@opentelemetry/core';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { ReservedIdGenerator } from './otel-provider.ts';
 import { mean, quantileOfSorted, round3 } from '../util/stats.ts';
@@ -79,6 +79,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     parentContext = otelTrace.setSpanContext(ROOT_CONTEXT, {
       traceId: trace.parent.traceId, spanId: trace.parent.parentSpanId, isRemote: true,
       traceFlags: trace.parent.sampled ? TraceFlags.SAMPLED : TraceFlags.NONE,
+      ...(trace.tracestate !== undefined ? { traceState: new TraceState(trace.tracestate) } : {}),
     });
   }
   const tbt = trace.tbtMs;

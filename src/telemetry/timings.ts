@@ -58,6 +58,8 @@ export interface TraceView {
   traceparent: string | null;
   /** The traceparent the engine handed back with the request's outputs (the context it ran under). */
   engine_traceparent: string | null;
+  /** The client's tracestate, passed on unchanged. */
+  tracestate: string | null;
   model: string;
   tenant: string | null;
   worker: string | null;
@@ -87,6 +89,7 @@ export function traceView(trace: RequestTrace): TraceView {
     trace_id: trace.traceId ?? null,
     traceparent: trace.traceId && trace.rootSpanId ? formatTraceparent(trace.traceId, trace.rootSpanId, trace.headSampling?.sampled ?? false) : null,
     engine_traceparent: trace.engineTraceparent ?? null,
+    tracestate: trace.tracestate ?? null,
     model: trace.model,
     tenant: trace.tenant ?? null,
     worker: trace.worker ?? null,

@@ -137,6 +137,8 @@ export interface RequestTrace {
   rootSpanId?: string;
   /** The client's span, parsed from its traceparent. */
   parent?: TraceParent;
+  /** The client's tracestate, passed on unchanged (vendors' entries: Conduit adds none). */
+  tracestate?: string;
   /** The head (arrival-time) sampling decision. */
   headSampling?: SamplingDecision;
 
@@ -216,6 +218,8 @@ export class RequestRecord {
   parent: TraceParent | undefined;
   /** The client's traceparent header as received, passed on unchanged when Conduit is not tracing. */
   parentHeader: string | undefined;
+  /** The client's tracestate header, passed on with whichever traceparent goes on. */
+  tracestate: string | undefined;
   headSampling: SamplingDecision | undefined;
   /** Filled from events as they arrive, for the head sampling decision before the end. */
   model: string | undefined;
@@ -385,6 +389,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   return {
     requestId: record.requestId,
     traceId: record.traceId, rootSpanId: record.rootSpanId, parent: record.parent, headSampling: record.headSampling,
+    ...(record.tracestate !== undefined ? { tracestate: record.tracestate } : {}),
     model: validate?.model ?? record.model ?? 'unknown',
     tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
     temperature: validate?.temperature, n: validate?.n,
