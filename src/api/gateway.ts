@@ -44,6 +44,11 @@ export interface ModelBackend {
    * worker). Default: worker-0, the name the worker pool gives its first worker.
    */
   workerId?: string;
+  /**
+   * The clock the engine's timestamps are on, when it is not the engine clock (simulated workers at a speed-up
+   * other than 1, WorkerPool.clock): the API server stamps arrivals and phases with it, so a request has one clock.
+   */
+  clock?: () => number;
 }
 
 export const DEFAULT_WORKER_ID = 'worker-0';

@@ -139,6 +139,8 @@ export class ApiServer {
   private readonly logger: Logger;
   private readonly maxBodyBytes: number;
   private readonly engineClock: Clock;
+  private clockSource: Clock;
+  private readonly defaultClock: Clock;
   /** Lower-cased, as node gives header names. */
   private readonly sessionHeader: string;
   private stopping: Promise<void> | undefined;
@@ -150,7 +152,11 @@ export class ApiServer {
     this.maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
     this.sessionHeader = (options.sessionHeader ?? DEFAULT_SESSION_HEADER).toLowerCase();
     // The engine's clock: epoch milliseconds at sub-millisecond resolution, the same scale in every thread.
-    this.engineClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
+    const defaultClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
+    this.clockSource = defaultClock;
+    this.defaultClock = defaultClock;
+    // Read through clockSource: an engine attached later may bring its own clock (ModelBackend.clock).
+    this.engineClock = () => this.clockSource();
     this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
     this.ownsTelemetry = options.telemetry === undefined;
     this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
@@ -224,6 +230,8 @@ export class ApiServer {
   }
 
   attach(backend: ModelBackend): void {
+    // Simulated workers at a speed-up other than 1 stamp on their own clock: the gateway stamps on it too.
+    this.clockSource = backend.clock ?? this.defaultClock;
     this.gateway.attach(backend);
     // A model just loaded: its requests are traced at the sampler's new-model rate for a while.
     const model = this.gateway.servedModelName;

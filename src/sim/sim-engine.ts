@@ -23,6 +23,11 @@ export interface SimEngineOptions extends SimWorkerConfig {
   speedUp?: number;
   /** The virtual clock at construction. Default: the engine clock (engineNow) for a finite speedUp, else 0. */
   startMs?: number;
+  /**
+   * performance.now() when the virtual clock read startMs (default: at construction). Workers of one pool share
+   * startMs and realStartMs so that, at a finite speed-up, their clocks are one clock.
+   */
+  realStartMs?: number;
 }
 
 /**
@@ -68,7 +73,7 @@ export class SimEngine implements Engine {
     if (!(this.speedUp > 0)) throw new RangeError(`speedUp must be > 0 (Infinity: as fast as possible), got ${options.speedUp}`);
     this.virtualStartMs = options.startMs ?? (Number.isFinite(this.speedUp) ? engineNow() : 0);
     this.virtualMs = this.virtualStartMs;
-    this.realStartMs = performance.now();
+    this.realStartMs = options.realStartMs ?? performance.now();
   }
 
   /** The engine clock: virtual milliseconds. Stamp EngineRequest.arrivalMs with it. */

@@ -217,3 +217,29 @@ describe('attribution with disaggregated prefill and decode (simulated workers, 
     }
   });
 });
+
+describe('attribution on the simulated engine at a speed-up other than 1 (one clock: the simulated one)', () => {
+  for (const simSpeedUp of [100, Infinity]) {
+    describe(`--sim-speed-up ${simSpeedUp}`, () => {
+      let server: LiveServer;
+      before(async () => {
+        server = await startLiveServer({ sim: true, simSpeedUp });
+      });
+      after(async () => {
+        await server?.close();
+      });
+
+      it('total >= TTFT >= its parts, and every ms attributed', LIVE, async () => {
+        for (const stream of [false, true]) {
+          const traces = await longThenShort(server, 1500, 3, stream);
+          for (const trace of traces) {
+            const t = trace.timings as Record<string, number>;
+            assert.ok(t.total_ms! >= t.ttft_ms! && t.ttft_ms! >= t.prefill_ms! && t.decode_ms! >= 0,
+              `one clock: ${JSON.stringify(t)}`);
+          }
+          assertAttributed(traces);
+        }
+      });
+    });
+  }
+});
