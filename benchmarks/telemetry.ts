@@ -87,6 +87,8 @@ function makeLevel(name: LevelName, otlpUrl: string): Level {
     return { name, bus: t.lifecycle, engineSteps: false, flush: () => t.flush(), close: () => t.shutdown(), spans: () => 0 };
   }
   if (name === 'otlp') {
+    // The OTLP exporter reads its endpoint from process.env itself (Conduit hands it nothing that would override it).
+    process.env.OTEL_EXPORTER_OTLP_ENDPOINT = otlpUrl;
     const t = new Telemetry({ ...common, env: { OTEL_EXPORTER_OTLP_ENDPOINT: otlpUrl }, sampling: { baseRate: 1 }, perTokenSpans: true });
     return { name, bus: t.lifecycle, engineSteps: true, flush: () => t.flush(), close: () => t.shutdown(), spans: () => 0 };
   }

@@ -96,6 +96,8 @@ export class CallTrace {
     private readonly now: () => number,
     /** The client's W3C traceparent, already checked for shape. */
     private readonly traceparent: string | undefined,
+    /** The client's W3C tracestate (only with a traceparent). */
+    private readonly tracestate?: string,
   ) {
     this.bus = telemetry.lifecycle;
     this.stepEvents = telemetry.wantsEngineSteps;
@@ -139,6 +141,7 @@ export class CallTrace {
     this.bus.emit({
       phase: 'http_receive', requestId: this.requestId, start: this.arrivalMs, time: this.bodyEndMs ?? this.now(),
       route: this.route, ...fields, ...(this.traceparent !== undefined ? { traceparent: this.traceparent } : {}),
+      ...(this.tracestate !== undefined ? { tracestate: this.tracestate } : {}),
     });
     for (const event of this.beforeReceive.splice(0)) this.bus.emit(event);
   }
@@ -213,6 +216,7 @@ export class CallTrace {
         phase: 'router_lookup', requestId: this.requestId, start: routing.decidedAt - us.total / 1000, time: routing.decidedAt,
         ...(routing.admissionQueuedAt !== undefined ? { admissionQueuedAt: routing.admissionQueuedAt } : {}),
         worker: routing.workerId, strategy: routing.strategy,
+        ...(routing.candidates !== undefined ? { candidates: routing.candidates } : {}),
         // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
         reason: routing.disaggregation
           ? `${routing.reason}; prefill ${routing.disaggregation.mode} (${routing.disaggregation.reason})` : routing.reason,

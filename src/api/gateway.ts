@@ -44,6 +44,11 @@ export interface ModelBackend {
    * worker). Default: worker-0, the name the worker pool gives its first worker.
    */
   workerId?: string;
+  /**
+   * The clock the engine's timestamps are on, when it is not the engine clock (simulated workers at a speed-up
+   * other than 1, WorkerPool.clock): the API server stamps arrivals and phases with it, so a request has one clock.
+   */
+  clock?: () => number;
 }
 
 export const DEFAULT_WORKER_ID = 'worker-0';
@@ -85,6 +90,8 @@ export interface Call {
   tenant: Tenant;
   arrivalMs: number;
   traceparent?: string;
+  /** The client's tracestate (with a valid traceparent only), passed on with the request's trace context. */
+  tracestate?: string;
   /** The conversation id from the session header, for the session routing policy. */
   sessionId?: string;
   /** The id the response will carry (chatcmpl-..., cmpl-...), chosen at arrival so every answer can name it. */
@@ -383,6 +390,12 @@ export class Gateway {
     request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
     // With telemetry the engine joins the request's own trace (its root span as parent); without, the client's.
     const traceparent = call.trace ? call.trace.context() : call.traceparent;
+    // The response names the trace context the request ran under (W3C Trace Context's response header), with the
+    // client's tracestate passed on beside it.
+    if (traceparent) {
+      call.headers.traceparent = traceparent;
+      if (call.tracestate !== undefined) call.headers.tracestate = call.tracestate;
+    }
     const run = new GenerationRun(backend.engine, id, prompts, request.n, {
       priority: request.priority,
       arrivalMs: call.arrivalMs,

@@ -114,6 +114,8 @@ function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
 }
 
 const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
+/** W3C tracestate: printable ASCII list members, at most 512 characters (a longer one may be dropped whole). */
+const TRACESTATE = /^[\x20-\x7e]{1,512}$/;
 
 /** The route, for admin keys only (when keys are configured) when `only` holds. */
 function admin(route: Route, only = true): Route {
@@ -139,6 +141,8 @@ export class ApiServer {
   private readonly logger: Logger;
   private readonly maxBodyBytes: number;
   private readonly engineClock: Clock;
+  private clockSource: Clock;
+  private readonly defaultClock: Clock;
   /** Lower-cased, as node gives header names. */
   private readonly sessionHeader: string;
   private stopping: Promise<void> | undefined;
@@ -150,7 +154,11 @@ export class ApiServer {
     this.maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
     this.sessionHeader = (options.sessionHeader ?? DEFAULT_SESSION_HEADER).toLowerCase();
     // The engine's clock: epoch milliseconds at sub-millisecond resolution, the same scale in every thread.
-    this.engineClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
+    const defaultClock = options.engineClock ?? (() => performance.timeOrigin + performance.now());
+    this.clockSource = defaultClock;
+    this.defaultClock = defaultClock;
+    // Read through clockSource: an engine attached later may bring its own clock (ModelBackend.clock).
+    this.engineClock = () => this.clockSource();
     this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
     this.ownsTelemetry = options.telemetry === undefined;
     this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
@@ -227,7 +235,16 @@ export class ApiServer {
   }
 
   attach(backend: ModelBackend): void {
+    // Simulated workers at a speed-up other than 1 stamp on their own clock: the gateway stamps on it too.
+    this.clockSource = backend.clock ?? this.defaultClock;
     this.gateway.attach(backend);
+    // A model just loaded: its requests are traced at the sampler's new-model rate for a while.
+    const model = this.gateway.servedModelName;
+    if (model !== undefined) {
+      this.telemetry.registerNewModel(model);
+      const { quantization } = backend.engine.info;
+      this.telemetry.describeModel(model, quantization !== undefined ? { quantization } : {});
+    }
   }
 
   async listen(port: number, host = '127.0.0.1'): Promise<AddressInfo> {
@@ -405,7 +422,7 @@ export class ApiServer {
     const id = newCompletionId(route.traced!);
     call.requestId = id;
     call.headers['x-request-id'] = id;
-    call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent);
+    call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent, call.tracestate);
     return call.trace;
   }
 
@@ -422,11 +439,14 @@ export class ApiServer {
     // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).
     if (this.stopping) res.setHeader('Connection', 'close');
     const traceparent = req.headers.traceparent;
+    const tracestate = req.headers.tracestate;
+    const validParent = typeof traceparent === 'string' && TRACEPARENT.test(traceparent);
     const call: Call = {
       res,
       tenant: { name: ANONYMOUS_TENANT, limits: {}, cacheSalt: undefined },
       arrivalMs: this.engineClock(),
-      ...(typeof traceparent === 'string' && TRACEPARENT.test(traceparent) ? { traceparent } : {}),
+      ...(validParent ? { traceparent } : {}),
+      ...(validParent && typeof tracestate === 'string' && TRACESTATE.test(tracestate) ? { tracestate } : {}),
       clientGone: clientGone.signal,
       headers: {},
     };

@@ -47,7 +47,9 @@ export async function main(argv: string[]): Promise<number> {
     const command = await load();
     return await command.run(rest);
   } catch (err) {
-    if (err instanceof UsageError) {
+    // A configuration the environment gave that Conduit refuses (OTEL_EXPORTER_OTLP_PROTOCOL=grpc): one line, by
+    // name, so this file need not load the telemetry modules.
+    if (err instanceof UsageError || (err instanceof Error && err.name === 'TracingConfigError')) {
       console.error(`conduit ${name}: ${err.message}`);
       return 2;
     }

@@ -397,6 +397,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       workerId: pool.workers[0]!.id,
       tokenizer: pool.tokenizer,
       chatTemplate: pool.chatTemplate,
+      ...(pool.clock ? { clock: pool.clock } : {}),
     };
     api.attach(backend);
     const workers = config.prefillWorkers !== undefined

@@ -135,6 +135,8 @@ export interface RoutingSummary {
   strategy: string;
   /** Prompt blocks the chosen worker already held. */
   overlapBlocks: number;
+  /** Workers the router chose among (those not busy). */
+  candidates?: number;
   reason: string;
   /** Time spent deciding (hashing, index lookup, selection), µs. */
   overheadUs: { hashing: number; lookup: number; selection: number; total: number };
@@ -204,6 +206,11 @@ export interface EngineInfo {
   blockSize: number;
   /** 'native' or 'reference' (or 'sim'). */
   backend: string;
+  /**
+   * How the weights are stored: the storage type holding most parameters (GGUF type names such as Q8_0, F32, BF16;
+   * the simulated engine's weight dtype). The `quantization` label of the prefill metrics.
+   */
+  quantization?: string;
   kernelVariants: Record<string, string>;
   threads: number;
 }

@@ -45,10 +45,18 @@ async function start(): Promise<EngineCore> {
     modelName: init.servedModelName, maxModelLen: core.scheduler.maxModelLen, vocabSize: config.vocabSize,
     kvCapacityTokens: numBlocks * init.blockSize, blockSize: init.blockSize,
     backend: backend.info.name, kernelVariants: backend.info.variants, threads: backend.info.threads,
+    quantization: dominantType(loaded.metadata.parametersByType),
   };
   const pool = core.kvPoolView;
   send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? [])], kvPool: pool.pool, kvLayout: pool.layout });
   return core;
+}
+
+/** The storage type that holds most of the model's parameters. */
+function dominantType(parametersByType: Record<string, number>): string | undefined {
+  let best: string | undefined;
+  for (const [type, count] of Object.entries(parametersByType)) if (best === undefined || count > parametersByType[best]!) best = type;
+  return best;
 }
 
 function run(core: EngineCore): void {

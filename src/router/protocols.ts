@@ -96,6 +96,8 @@ export interface RoutingDecision {
   newPrefillTokens: number;
   /** One entry per known worker, in registration order. */
   costTerms: WorkerCostTerms[];
+  /** Workers the choice was made among (the known ones that were not busy). */
+  candidates?: number;
   strategy: RoutingStrategy;
   /** Human-readable: why this worker (for logs and the decision trace). */
   reason: string;

@@ -359,7 +359,7 @@ export class Router {
     return {
       requestId: request.requestId, workerId: chosen.workerId, overlapBlocks: chosen.overlapBlocks,
       newPrefillTokens: request.tokenIds.length - chosen.overlapBlocks * this.blockSize, costTerms: terms,
-      strategy: choice.strategy, reason,
+      candidates: candidates.length, strategy: choice.strategy, reason,
       overhead: {
         hashingUs: 1000 * (hashedMs - startMs), lookupUs: 1000 * (lookedUpMs - hashedMs),
         selectionUs: 1000 * (selectedMs - lookedUpMs), totalUs: 1000 * (selectedMs - startMs),

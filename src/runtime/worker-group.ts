@@ -305,6 +305,7 @@ export function summarizeDecision(decision: RoutingDecision, decidedAt: number, 
   const { overhead } = decision;
   return {
     workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
+    ...(decision.candidates !== undefined ? { candidates: decision.candidates } : {}),
     reason: decision.reason, decidedAt, ...(admissionQueuedAt !== undefined ? { admissionQueuedAt } : {}),
     overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
   };

@@ -88,6 +88,11 @@ export interface WorkerPool {
   notices: string[];
   /** Set for one cpu worker with restarts on. */
   supervised?: SupervisedEngine;
+  /**
+   * The clock the engine's stamps are on, when it is not the engine clock (engineNow): simulated workers at a
+   * speed-up other than 1. The gateway must stamp with it too (ModelBackend.clock), so a request has one clock.
+   */
+  clock?: () => number;
   /** Set in a disaggregated pool (prefillWorkers/decodeWorkers): the engine, and its two routers. */
   disaggregated?: DisaggregatedEngine;
   prefillRouter?: Router;
@@ -102,16 +107,17 @@ export async function createWorkerPool(options: WorkerPoolOptions): Promise<Work
   const routedMode = options.workers > 1;
   const built = options.engine === 'sim' ? await simWorkers(options, routedMode) : await cpuWorkers(options, routedMode);
   const blockSize = built.workers[0]!.engine.info.blockSize;
+  const now = ('clock' in built ? built.clock : undefined) ?? engineNow;
   const policy = restartPolicy(options, built.start !== undefined);
   const restart = policy && built.start ? { ...policy, start: built.start } : undefined;
   if (!routedMode) {
     const only = built.workers[0]!;
     if (!restart) return { ...built, engine: only.engine };
-    const supervised = new SupervisedEngine(only.id, only.engine, makeRouter(options, blockSize, 0), engineNow, restart, options.log);
+    const supervised = new SupervisedEngine(only.id, only.engine, makeRouter(options, blockSize, 0), now, restart, options.log);
     return { ...built, engine: supervised, supervised };
   }
   const router = makeRouter(options, blockSize, 0);
-  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, engineNow, {
+  const routed = new RoutedEngine(built.workers as RoutedWorker[], router, now, {
     migration: migrationOptions(options, built.tokenizer),
     ...(restart ? { restart } : {}), ...(options.log ? { log: options.log } : {}),
   });
@@ -178,14 +184,29 @@ function simPool(options: WorkerPoolOptions) {
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
   const efficiency = calibrationEfficiency(calibration, hw);
-  const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => new SimEngine({
-    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, ...worker, ...vocabulary,
-    maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
-    maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
-  });
+  // At a speed-up other than 1 the simulated clock is not the engine clock: the workers share one origin, and the
+  // pool's clock (which the gateway stamps with, and the routers) is theirs, so a request's times are all simulated.
+  const speedUp = spec.speedUp;
+  const origin = speedUp === 1 ? {} : Number.isFinite(speedUp) ? { startMs: engineNow(), realStartMs: performance.now() } : { startMs: 0 };
+  const engines: SimEngine[] = [];
+  const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => {
+    const engine = new SimEngine({
+      model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin,
+      maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
+      maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
+    });
+    engines.push(engine);
+    return engine;
+  };
+  // Infinity: each worker's clock moves with its own steps; the latest of them (one worker: its clock exactly).
+  const clock = speedUp === 1 ? undefined : () => {
+    let latest = -Infinity;
+    for (const engine of engines) latest = Math.max(latest, engine.now());
+    return latest;
+  };
   const describe = `simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker`;
   const settings = `speed-up ${spec.speedUp}, ${calibration} calibration`;
-  return { tokenizer, chatTemplate, make, describe, settings };
+  return { tokenizer, chatTemplate, make, describe, settings, clock };
 }
 
 async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
@@ -194,7 +215,7 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
     (_, i) => ({ id: `sim-${i}`, engine: sim.make({ enableKvEvents: withKvEvents }) }));
   return {
     workers, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, start: undefined,
-    notices: [`${sim.describe} (${sim.settings})`],
+    notices: [`${sim.describe} (${sim.settings})`], ...(sim.clock ? { clock: sim.clock } : {}),
   };
 }
 
@@ -226,7 +247,7 @@ async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<Work
   const engine = new DisaggregatedEngine({
     prefill: built.prefill, decode: built.decode, prefillRouter, decodeRouter,
     channel: options.engine === 'sim' ? new SimulatedKvChannel() : new SharedMemoryKvChannel(),
-    policy: options.disaggregationPolicy, estimates: options.disaggregationEstimates, now: engineNow,
+    policy: options.disaggregationPolicy, estimates: options.disaggregationEstimates, now: built.clock ?? engineNow,
     migration: migrationOptions(options, built.tokenizer),
     ...(policy && start ? { restart: { ...policy, startPrefill: () => start('prefill'), startDecode: () => start('decode') } } : {}),
     ...(options.log ? { log: options.log } : {}),
@@ -237,7 +258,7 @@ async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<Work
   ];
   return {
     engine, tokenizer: built.tokenizer, chatTemplate: built.chatTemplate, workers, notices: built.notices,
-    disaggregated: engine, prefillRouter, decodeRouter,
+    disaggregated: engine, prefillRouter, decodeRouter, ...(built.clock ? { clock: built.clock } : {}),
   };
 }
 
@@ -247,6 +268,8 @@ interface RoleWorkers {
   tokenizer: Tokenizer;
   chatTemplate: ChatTemplate;
   notices: string[];
+  /** The simulated clock, at a speed-up other than 1. */
+  clock?: () => number;
   /** Starts one more worker of a role (cpu workers, for restarts). */
   start?(role: 'prefill' | 'decode'): Promise<LocalEngine>;
 }
@@ -290,7 +313,7 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const prefill = Array.from({ length: numPrefill }, (_, i) => ({ id: `sim-prefill-${i}`, engine: make('prefill') }));
   const decode = Array.from({ length: numDecode }, (_, i) => ({ id: `sim-decode-${i}`, engine: make('decode') }));
   return {
-    prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate,
+    prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(sim.clock ? { clock: sim.clock } : {}),
     notices: [`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
       + `${decode[0]!.engine.kvLink.name} (${sim.settings})`],
   };

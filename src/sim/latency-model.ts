@@ -213,9 +213,10 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
   };
   const none = (phase: LifecyclePhase, detail: string): PhaseTiming => ({ phase, ms: 0, detail });
 
-  // Cold: nothing cached. Aggregated, the prefill's last step samples the first token. Disaggregated, the prefill
-  // worker computes the prompt's KV, ships it, and the decode worker's first step recomputes the last prompt token
-  // to get its logits (what vLLM's connectors do) and samples the first token.
+  // Cold: nothing cached. The prefill's last step samples the first token, aggregated or not: disaggregated, as
+  // Conduit's engine runs it, the prefill worker samples and streams the first token, and only then hands the
+  // request over (the KV transfer and the decode worker's first step are on the path to the second token:
+  // simulateDisaggregatedPath).
   const coldPhases = front();
   coldPhases.push({
     phase: 'prefill_dispatch', ms: overheads.dispatchMs,
@@ -223,17 +224,12 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
   });
   if (opts.disaggregated) {
     const link = opts.disaggregated.link;
+    const transferMs = kvTransferTimeMs(promptTokens, model, link, { parallelLinks, efficiency: efficiency.commEfficiency });
     coldPhases.push(execution('prefill_execution', prefillSteps(0, promptTokens, budget), opts, efficiency,
-      `${promptTokens} tokens on the prefill worker`));
-    coldPhases.push({
-      phase: 'kv_transfer',
-      ms: kvTransferTimeMs(promptTokens, model, link, { parallelLinks, efficiency: efficiency.commEfficiency }),
-      detail: `${promptTokens} tokens of KV over ${parallelLinks} x ${link.name}`,
-    });
-    coldPhases.push({ phase: 'decode_dispatch', ms: overheads.dispatchMs, detail: 'to the decode worker' });
-    coldPhases.push(execution('decode_execution',
-      [{ prefillTokens: [{ newTokens: 1, contextLen: promptTokens - 1 }], decodeSeqs: [] }], opts, efficiency,
-      'decode worker recomputes the last prompt token, samples the first'));
+      `${promptTokens} tokens on the prefill worker, last step samples the first token`));
+    coldPhases.push(none('kv_transfer', `after the first token: ${transferMs.toFixed(2)} ms over ${parallelLinks} x ${link.name}`));
+    coldPhases.push(none('decode_dispatch', 'after the first token (hand-over to the decode worker)'));
+    coldPhases.push(none('decode_execution', 'first token comes from the prefill worker\'s last step'));
   } else {
     coldPhases.push(execution('prefill_execution', prefillSteps(0, promptTokens, budget), opts, efficiency,
       `${promptTokens} tokens, last step samples the first token`));

@@ -23,6 +23,11 @@ export interface SimEngineOptions extends SimWorkerConfig {
   speedUp?: number;
   /** The virtual clock at construction. Default: the engine clock (engineNow) for a finite speedUp, else 0. */
   startMs?: number;
+  /**
+   * performance.now() when the virtual clock read startMs (default: at construction). Workers of one pool share
+   * startMs and realStartMs so that, at a finite speed-up, their clocks are one clock.
+   */
+  realStartMs?: number;
 }
 
 /**
@@ -68,7 +73,7 @@ export class SimEngine implements Engine {
     if (!(this.speedUp > 0)) throw new RangeError(`speedUp must be > 0 (Infinity: as fast as possible), got ${options.speedUp}`);
     this.virtualStartMs = options.startMs ?? (Number.isFinite(this.speedUp) ? engineNow() : 0);
     this.virtualMs = this.virtualStartMs;
-    this.realStartMs = performance.now();
+    this.realStartMs = options.realStartMs ?? performance.now();
   }
 
   /** The engine clock: virtual milliseconds. Stamp EngineRequest.arrivalMs with it. */
@@ -304,23 +309,35 @@ export class SimEngine implements Engine {
       return;
     }
     const realDeadlineMs = this.realStartMs + (targetMs - this.virtualStartMs) / this.speedUp;
-    const waitMs = realDeadlineMs - performance.now();
-    if (waitMs <= 0) {
+    if (realDeadlineMs - performance.now() <= 0) {
       await new Promise<void>((resolve) => setImmediate(resolve));
       return;
     }
-    // Only an idle wait is cut short by a new arrival; a step's duration is not. close() cuts either.
-    this.idleWait = this.worker.currentStep === null;
-    await new Promise<void>((resolve) => {
-      const done = () => {
-        clearTimeout(timer);
-        this.cancelWait = undefined;
-        this.idleWait = false;
-        resolve();
-      };
-      const timer = setTimeout(done, waitMs);
-      this.cancelWait = done;
-    });
+    // Only an idle wait is cut short by a new arrival; a step's duration is not. close() cuts either. A timer may
+    // fire up to a millisecond early (the event loop counts whole ms), so a step's wait goes on until real time has
+    // reached its end: outputs stamped with the step's end are never delivered before that time on the engine clock,
+    // which a disaggregated pair's other worker (its own clock) stamps the hand-over with. Each round waits at least
+    // 1 ms, so it ends.
+    const idle = this.worker.currentStep === null;
+    for (;;) {
+      const waitMs = realDeadlineMs - performance.now();
+      if (waitMs <= 0 || this.closed) return;
+      this.idleWait = idle;
+      const cut = await new Promise<boolean>((resolve) => {
+        const timer = setTimeout(() => {
+          this.cancelWait = undefined;
+          this.idleWait = false;
+          resolve(false);
+        }, waitMs);
+        this.cancelWait = () => {
+          clearTimeout(timer);
+          this.cancelWait = undefined;
+          this.idleWait = false;
+          resolve(true);
+        };
+      });
+      if (cut || idle) return;
+    }
   }
 
   private deliver(outputs: EngineOutput[]): void {

@@ -182,7 +182,7 @@ export class SimWorker extends StepCore<number> {
     this.info = {
       modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize,
       kvCapacityTokens: this.kv.numBlocks * blockSize, blockSize, backend: 'sim',
-      kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1,
+      kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1, quantization: simWeightDtype(model.weightBytesPerParam),
     };
     this.role = config.role ?? 'both';
     this.kvLink = config.kvLink?.link ?? INFINIBAND_NDR;
@@ -321,3 +321,10 @@ class SimulatedTransfer implements KvImport {
   }
 }
 
+/** The simulated weights' dtype, by bytes per parameter (the prefill metrics' quantization label). */
+function simWeightDtype(bytesPerParam: number): string {
+  if (bytesPerParam === 2) return 'BF16';
+  if (bytesPerParam === 1) return 'FP8';
+  if (bytesPerParam === 0.5) return 'INT4';
+  return `${bytesPerParam * 8}bit`;
+}

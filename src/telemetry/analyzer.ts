@@ -250,7 +250,11 @@ export class TraceAnalyzer {
       requests++;
       const b = phaseBreakdown(trace);
       const total = Math.max(trace.e2eMs, 1e-9);
-      const parts = { gateway: b.gatewayMs, routing: b.routingMs, queue: b.queueMs, prefill: b.prefillMs, kv_transfer: b.kvTransferMs, decode: b.decodeMs };
+      // A transfer after the first token is inside decodeMs: its share is told apart, not counted twice.
+      const parts = {
+        gateway: b.gatewayMs, routing: b.routingMs, queue: b.queueMs, prefill: b.prefillMs,
+        kv_transfer: b.kvTransferMs + b.decodeKvTransferMs, decode: b.decodeMs - b.decodeKvTransferMs,
+      };
       let attributed = 0;
       for (const [k, v] of Object.entries(parts)) {
         shareSums[k as keyof typeof parts] += v / total;

@@ -18,8 +18,10 @@ export const GATEWAY_PHASES = ['http_receive', 'auth', 'rate_limit', 'validate',
 export const PHASES = [
   ...GATEWAY_PHASES,
   'router_lookup', 'scheduler_queue',
-  'prefill_dispatch', 'prefill_execution', 'kv_transfer',
-  'decode_dispatch', 'decode_execution', 'sampling', 'detokenize',
+  'prefill_dispatch', 'prefill_execution',
+  // Disaggregated only: the hand-over to the decode worker after the first token, then the KV transfer.
+  'decode_dispatch', 'kv_transfer',
+  'decode_execution',
   'streaming_response',
 ] as const;
 
@@ -30,7 +32,7 @@ export type PhaseName = (typeof PHASES)[number];
 export const TERMINAL_EVENTS = ['finish', 'error', 'abort'] as const;
 export type TerminalEventName = (typeof TERMINAL_EVENTS)[number];
 
-export type LifecycleEventName = PhaseName | TerminalEventName;
+export type LifecycleEventName = LifecycleEvent['phase'];
 
 // ---------------------------------------------------------------------------------------------------------------
 // Engine timestamps
@@ -116,6 +118,8 @@ export interface HttpReceiveEvent extends IntervalEvent {
   bodyBytes?: number;
   /** The client's W3C traceparent header, if any: the request's trace continues the client's. */
   traceparent?: string;
+  /** The client's W3C tracestate header, passed on with the request's trace context (only with a traceparent). */
+  tracestate?: string;
   /**
    * false: the body was not received (too large, or the client left while sending it), so the request ended in
    * http_receive. Unset when the body came, or when a later check refused the request before it was read.
@@ -180,37 +184,11 @@ export interface RouterLookupEvent extends IntervalEvent {
   reason?: string;
   /** Requests waiting on the chosen worker when it was chosen (the router's load view). */
   workerQueueDepth?: number;
-  /** The router's estimate of the request's time to first token, if it has a cost model. */
-  predictedTtftMs?: number;
   subPhasesMs?: RouterSubPhasesMs;
 }
 
-export interface SchedulerQueueEvent extends IntervalEvent {
-  phase: 'scheduler_queue';
-  worker?: string;
-  /** Requests waiting ahead of this one when it was enqueued. */
-  queueDepth?: number;
-  /** Time the scheduler spent planning the step that admitted it (token budget allocation). */
-  budgetMs?: number;
-}
 
-export interface PrefillDispatchEvent extends IntervalEvent {
-  phase: 'prefill_dispatch';
-  worker?: string;
-}
 
-export interface PrefillExecutionEvent extends IntervalEvent {
-  phase: 'prefill_execution';
-  /** Prompt tokens computed in this chunk. */
-  tokens: number;
-  chunk?: number;
-  batchSize?: number;
-  worker?: string;
-  /** KV block allocation for the chunk, within [start, time]. */
-  kvAllocMs?: number;
-  /** First-token sampling at the end of the last chunk, within [start, time]. */
-  samplingMs?: number;
-}
 
 export interface KvTransferEvent extends IntervalEvent {
   phase: 'kv_transfer';
@@ -220,10 +198,6 @@ export interface KvTransferEvent extends IntervalEvent {
   toWorker?: string;
 }
 
-export interface DecodeDispatchEvent extends IntervalEvent {
-  phase: 'decode_dispatch';
-  worker?: string;
-}
 
 /** One decode step's forward pass (start to sampled) that the request took part in, as the engine reported it. */
 export interface DecodeExecutionEvent extends IntervalEvent {
@@ -237,13 +211,7 @@ export interface DecodeExecutionEvent extends IntervalEvent {
   worker?: string;
 }
 
-export interface SamplingEvent extends IntervalEvent {
-  phase: 'sampling';
-}
 
-export interface DetokenizeEvent extends IntervalEvent {
-  phase: 'detokenize';
-}
 
 export interface StreamingResponseEvent extends PointEvent {
   phase: 'streaming_response';
@@ -289,11 +257,14 @@ export interface AbortEvent extends TerminalFields {
   reason?: string;
 }
 
+/**
+ * What is published. The engine's side (queue, prefill chunks, hand-offs) has one source, the engine's timestamps on
+ * the terminal event (EngineReport); the trace builder derives scheduler_queue, prefill_dispatch, prefill_execution
+ * and decode_dispatch phases from them, so there are no events for those.
+ */
 export type LifecycleEvent =
   | HttpReceiveEvent | AuthEvent | RateLimitEvent | ValidateEvent | TokenizeEvent
-  | RouterLookupEvent | SchedulerQueueEvent
-  | PrefillDispatchEvent | PrefillExecutionEvent | KvTransferEvent
-  | DecodeDispatchEvent | DecodeExecutionEvent | SamplingEvent | DetokenizeEvent
+  | RouterLookupEvent | KvTransferEvent | DecodeExecutionEvent
   | StreamingResponseEvent
   | FinishEvent | ErrorEvent | AbortEvent;
 

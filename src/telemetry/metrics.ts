@@ -25,6 +25,7 @@ export const ROUTING_BUCKETS_MS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 export const GATEWAY_BUCKETS_MS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250];
 export const KV_TRANSFER_BUCKETS_MS = [0.1, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000];
 export const RATIO_BUCKETS = [0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1];
+export const OUTPUT_TOKENS_BUCKETS = [1, 10, 50, 100, 200, 500, 1000, 2000, 4000, 8000, 16_000];
 
 
 export interface WorkerStatsSnapshot {
@@ -58,13 +59,14 @@ export class ConduitMetrics {
   readonly tbt: Histogram<'model' | 'worker'>;
   readonly e2e: Histogram<'model' | 'outcome'>;
   readonly queueWait: Histogram<'model' | 'worker'>;
-  readonly prefill: Histogram<'model' | 'worker'>;
+  readonly prefill: Histogram<'model' | 'worker' | 'quantization'>;
   readonly decode: Histogram<'model' | 'worker'>;
   readonly gatewayPhase: Histogram<'phase'>;
-  readonly routing: Histogram<'strategy'>;
-  readonly routingSubPhase: Histogram<'sub_phase'>;
+  readonly routing: Histogram<'model' | 'strategy'>;
+  readonly routingSubPhase: Histogram<'model' | 'sub_phase'>;
   readonly kvTransfer: Histogram<'worker'>;
   readonly prefixHitRatio: Histogram<'model' | 'worker'>;
+  readonly outputTokens: Histogram<'model'>;
 
   // Counts.
   readonly requests: Counter<'model' | 'tenant' | 'finish_reason'>;
@@ -91,6 +93,8 @@ export class ConduitMetrics {
   readonly bottlenecks: Counter<'category'>;
   readonly droppedRecords: Counter<'reason'>;
 
+  /** How each served model's weights are stored (EngineInfo.quantization), for the prefill histogram's label. */
+  private readonly quantization = new Map<string, string>();
   private readonly lastStats = new Map<string, { queries: number; hits: number; preemptions: number; evictions: number; migrations: number; model: string; tiers: string[] }>();
 
   constructor(options: MetricsOptions = {}) {
@@ -104,13 +108,14 @@ export class ConduitMetrics {
     this.tbt = h('conduit_time_between_tokens_milliseconds', 'Gap between consecutive streamed tokens of a request.', ['model', 'worker'], TBT_BUCKETS_MS);
     this.e2e = h('conduit_request_duration_milliseconds', 'Arrival to the last byte of the response.', ['model', 'outcome'], E2E_BUCKETS_MS);
     this.queueWait = h('conduit_queue_wait_milliseconds', 'Time in the worker scheduler\'s waiting queue before first scheduled.', ['model', 'worker'], QUEUE_BUCKETS_MS);
-    this.prefill = h('conduit_prefill_duration_milliseconds', 'First prefill chunk start to last prefill chunk end.', ['model', 'worker'], PREFILL_BUCKETS_MS);
+    this.prefill = h('conduit_prefill_duration_milliseconds', 'First prefill chunk start to last prefill chunk end, by how the weights are stored.', ['model', 'worker', 'quantization'], PREFILL_BUCKETS_MS);
     this.decode = h('conduit_decode_duration_milliseconds', 'First to last sampled token of a request.', ['model', 'worker'], E2E_BUCKETS_MS);
     this.gatewayPhase = h('conduit_gateway_phase_duration_milliseconds', 'Gateway phases: http_receive, auth, rate_limit, validate, tokenize.', ['phase'], GATEWAY_BUCKETS_MS);
-    this.routing = h('conduit_routing_duration_milliseconds', 'Router decision time (router_lookup), by strategy.', ['strategy'], ROUTING_BUCKETS_MS);
-    this.routingSubPhase = h('conduit_routing_sub_phase_duration_milliseconds', 'Router decision time by part: hashing, index_lookup, selection.', ['sub_phase'], ROUTING_BUCKETS_MS);
+    this.routing = h('conduit_routing_duration_milliseconds', 'Router decision time (router_lookup), by strategy.', ['model', 'strategy'], ROUTING_BUCKETS_MS);
+    this.routingSubPhase = h('conduit_routing_sub_phase_duration_milliseconds', 'Router decision time by part: hashing, index_lookup, selection.', ['model', 'sub_phase'], ROUTING_BUCKETS_MS);
     this.kvTransfer = h('conduit_kv_transfer_duration_milliseconds', 'KV cache transfer from prefill to decode worker, by decode worker.', ['worker'], KV_TRANSFER_BUCKETS_MS);
     this.prefixHitRatio = h('conduit_request_prefix_cache_hit_ratio', 'Share of a request\'s prompt tokens found in the prefix cache.', ['model', 'worker'], RATIO_BUCKETS);
+    this.outputTokens = h('conduit_output_tokens_per_request', 'Output tokens of each completed request (all its completions).', ['model'], OUTPUT_TOKENS_BUCKETS);
 
     this.requests = c('conduit_requests_total', 'Finished requests by finish reason (stop, length, abort, error).', ['model', 'tenant', 'finish_reason']);
     this.errors = c('conduit_request_errors_total', 'Failed requests by error type; origin=client for 4xx refusals, server otherwise.', ['model', 'error_type', 'origin']);
@@ -216,13 +221,16 @@ export class ConduitMetrics {
       else if (p.phase === 'scheduler_queue') this.queueWait.observe(mw, p.endMs - p.startMs);
     }
     if (trace.routing) {
-      this.routing.observe({ strategy: trace.routing.strategy }, trace.routing.endMs - trace.routing.startMs);
+      this.routing.observe({ model, strategy: trace.routing.strategy }, trace.routing.endMs - trace.routing.startMs);
       const sub = trace.routing.subPhasesMs;
-      if (sub?.hashing !== undefined) this.routingSubPhase.observe({ sub_phase: 'hashing' }, sub.hashing);
-      if (sub?.indexLookup !== undefined) this.routingSubPhase.observe({ sub_phase: 'index_lookup' }, sub.indexLookup);
-      if (sub?.selection !== undefined) this.routingSubPhase.observe({ sub_phase: 'selection' }, sub.selection);
+      if (sub?.hashing !== undefined) this.routingSubPhase.observe({ model, sub_phase: 'hashing' }, sub.hashing);
+      if (sub?.indexLookup !== undefined) this.routingSubPhase.observe({ model, sub_phase: 'index_lookup' }, sub.indexLookup);
+      if (sub?.selection !== undefined) this.routingSubPhase.observe({ model, sub_phase: 'selection' }, sub.selection);
     }
-    if (trace.prefill) this.prefill.observe(mw, trace.prefill.endMs - trace.prefill.startMs);
+    if (trace.prefill) {
+      this.prefill.observe({ ...mw, quantization: this.quantization.get(model) ?? 'none' }, trace.prefill.endMs - trace.prefill.startMs);
+    }
+    if (trace.outcome === 'ok') this.outputTokens.observe({ model }, trace.outputTokens);
     if (trace.decode && !trace.decode.incomplete) this.decode.observe(mw, trace.decode.endMs - trace.decode.startMs);
     if (trace.kvTransfer) {
       const kvWorker = trace.kvTransfer.toWorker ?? worker;
@@ -278,6 +286,11 @@ export class ConduitMetrics {
       queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,
       evictions: evictions ?? prev?.evictions ?? 0, migrations: stats.requestMigrations ?? prev?.migrations ?? 0, model, tiers,
     });
+  }
+
+  /** How a served model's weights are stored (EngineInfo.quantization): the prefill histogram's label for it. */
+  setQuantization(model: string, quantization: string): void {
+    this.quantization.set(model, quantization);
   }
 
   /** Drops a worker's load series (it left the pool), so its last values do not linger. */

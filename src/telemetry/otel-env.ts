@@ -11,8 +11,21 @@
 
 export type Env = Readonly<Record<string, string | undefined>>;
 
+/** The OTLP encodings Conduit sends: OTLP/HTTP with protobuf or JSON bodies. */
+export type OtlpProtocol = 'http/protobuf' | 'http/json';
+
+/** The environment asked for something Conduit cannot do and must not silently do otherwise (start-up fails). */
+export class TracingConfigError extends Error {
+  override readonly name = 'TracingConfigError';
+}
+
 export interface TracingEnvConfig {
   exporters: ('otlp' | 'console')[];
+  /**
+   * OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL: http/protobuf or http/json. Unset:
+   * http/json (what Conduit sent before the variable was read; every OTLP/HTTP receiver takes both).
+   */
+  protocol: OtlpProtocol;
   batch: { maxQueueSize: number; maxExportBatchSize: number; scheduledDelayMs: number; exportTimeoutMs: number };
   /** The head sampling rate, when OTEL_TRACES_SAMPLER asks for one. */
   sampleRate?: number;
@@ -59,6 +72,20 @@ function sampleRateFromEnv(env: Env, warnings: string[]): number | undefined {
 }
 
 /**
+ * The OTLP encoding asked for. Another protocol (grpc) is refused with a TracingConfigError: sending something else
+ * than was asked would look like a working export to a receiver that never gets it.
+ */
+function otlpProtocolFromEnv(env: Env, otlp: boolean): OtlpProtocol {
+  const name = env.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL !== undefined ? 'OTEL_EXPORTER_OTLP_TRACES_PROTOCOL' : 'OTEL_EXPORTER_OTLP_PROTOCOL';
+  const value = (env[name] ?? '').trim().toLowerCase();
+  if (value === '' || value === 'http/json') return 'http/json';
+  if (value === 'http/protobuf') return 'http/protobuf';
+  if (!otlp) return 'http/json';
+  throw new TracingConfigError(`${name}=${value} is not supported: Conduit exports OTLP over HTTP only; set it to `
+    + 'http/protobuf or http/json (and point OTEL_EXPORTER_OTLP_ENDPOINT at the receiver\'s HTTP port, usually 4318)');
+}
+
+/**
  * Returns undefined (no export) unless OTEL_TRACES_EXPORTER names an exporter or an OTLP endpoint is set, and always
  * when OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none.
  */
@@ -68,13 +95,12 @@ export function tracingConfigFromEnv(env: Env): TracingEnvConfig | undefined {
   const exporters = exportersFromEnv(env, warnings);
   if (exporters.length === 0) return undefined;
 
-  const protocol = (env.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL ?? env.OTEL_EXPORTER_OTLP_PROTOCOL ?? '').trim();
-  if (protocol === 'grpc') warnings.push('OTEL_EXPORTER_OTLP_PROTOCOL=grpc is not supported; exporting OTLP/HTTP with JSON bodies to the same endpoint');
-  else if (protocol === 'http/protobuf') warnings.push('OTLP spans are sent as http/json (OTLP/HTTP receivers accept both encodings)');
+  const protocol = otlpProtocolFromEnv(env, exporters.includes('otlp'));
 
   const sampleRate = sampleRateFromEnv(env, warnings);
   return {
     exporters,
+    protocol,
     batch: {
       maxQueueSize: positiveNumber(env.OTEL_BSP_MAX_QUEUE_SIZE, DEFAULT_BATCH.maxQueueSize),
       maxExportBatchSize: positiveNumber(env.OTEL_BSP_MAX_EXPORT_BATCH_SIZE, DEFAULT_BATCH.maxExportBatchSize),

@@ -5,6 +5,7 @@
 import type { Tracer } from '@opentelemetry/api';
 import { ExportResultCode } from '@opentelemetry/core';
 import { OTLPTraceExporter } from '@opentelemetry/exporter-trace-otlp-http';
+import { OTLPTraceExporter as OTLPProtoTraceExporter } from '@opentelemetry/exporter-trace-otlp-proto';
 import { detectResources, envDetector, resourceFromAttributes } from '@opentelemetry/resources';
 import {
   AlwaysOnSampler, BatchSpanProcessor, ConsoleSpanExporter, NodeTracerProvider, SimpleSpanProcessor,
@@ -132,7 +133,8 @@ export function createTracing(options: TracingOptions): Tracing | undefined {
     // limit, 30 by default, fewer than a full queue holds. Allow one request per batch a full queue makes.
     const concurrencyLimit = Math.ceil(env.batch.maxQueueSize / env.batch.maxExportBatchSize) + 2;
     // Endpoint, headers, timeout, compression and TLS files: the exporter reads them from the environment.
-    processors.push(wrap(new OTLPTraceExporter({ concurrencyLimit })));
+    const Exporter = env.protocol === 'http/protobuf' ? OTLPProtoTraceExporter : OTLPTraceExporter;
+    processors.push(wrap(new Exporter({ concurrencyLimit })));
   }
   if (env?.exporters.includes('console')) processors.push(new SimpleSpanProcessor(new CountingExporter(new ConsoleSpanExporter(), exported)));
   if (processors.length === 0) return undefined;

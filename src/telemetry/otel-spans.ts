@@ -6,9 +6,9 @@
 //   ├─ routing { kv_cache_lookup, load_balance }
 //   ├─ prefill_dispatch
 //   ├─ scheduling { queue_wait, budget_allocation }
-//   ├─ prefill { kv_cache_alloc, model_forward_prefill (one per chunk), sampling_prefill }
+//   ├─ prefill { model_forward_prefill (one per chunk) }
+//   ├─ decode_dispatch                (disaggregated only: the hand-over after the first token)
 //   ├─ kv_transfer                    (disaggregated only)
-//   ├─ decode_dispatch
 //   ├─ decode { decode_step ... }     (steps only with per-token spans; otherwise summarised on decode)
 //   └─ token_emit                     (one span over the streamed writes; one per write with per-token spans)
 //
@@ -23,7 +23,7 @@ import {
   ROOT_CONTEXT, SpanKind, SpanStatusCode, TraceFlags, trace as otelTrace,
   type Attributes, type Context, type Span, type SpanContext, type Tracer,
 } from '@opentelemetry/api';
-import { millisToHrTime } from '@opentelemetry/core';
+import { millisToHrTime, TraceState } from '@opentelemetry/core';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { ReservedIdGenerator } from './otel-provider.ts';
 import { mean, quantileOfSorted, round3 } from '../util/stats.ts';
@@ -79,6 +79,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     parentContext = otelTrace.setSpanContext(ROOT_CONTEXT, {
       traceId: trace.parent.traceId, spanId: trace.parent.parentSpanId, isRemote: true,
       traceFlags: trace.parent.sampled ? TraceFlags.SAMPLED : TraceFlags.NONE,
+      ...(trace.tracestate !== undefined ? { traceState: new TraceState(trace.tracestate) } : {}),
     });
   }
   const tbt = trace.tbtMs;
@@ -171,7 +172,6 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'routing.prefill_worker': routing.prefillWorker,
       'routing.selection_reason': routing.reason,
       'routing.worker_queue_depth': routing.workerQueueDepth,
-      'routing.predicted_ttft_ms': routing.predictedTtftMs,
       'routing.latency_ms': round3(routing.endMs - routing.startMs),
       // Request migration: how often the request lost its worker mid-stream, and where it went each time.
       'routing.migrations': routing.migrations?.length,
@@ -246,22 +246,14 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'prefill.batch_size_max': prefill.batchSizeMax,
       'prefill.worker': prefill.worker,
     }, (ctx) => {
-      if (prefill.kvAllocMs !== undefined) {
-        span(ctx, 'kv_cache_alloc', prefill.startMs, prefill.startMs + prefill.kvAllocMs, { 'conduit.phase': 'prefill_execution' });
-      }
       const chunks = trace.phases.filter((p) => p.phase === 'prefill_execution');
       chunks.forEach((c, i) => {
-        const last = i === chunks.length - 1;
-        const end = last && prefill.samplingMs !== undefined ? c.endMs - prefill.samplingMs : c.endMs;
-        span(ctx, 'model_forward_prefill', c.startMs, end, {
+        span(ctx, 'model_forward_prefill', c.startMs, c.endMs, {
           'conduit.phase': 'prefill_execution', 'prefill.chunk': i, 'prefill.chunk_tokens': c.attributes?.tokens as number | undefined,
           'prefill.batch_size': c.attributes?.batch_size as number | undefined,
           'prefill.batch_tokens': c.attributes?.batch_tokens as number | undefined, 'prefill.worker': c.worker,
         });
       });
-      if (prefill.samplingMs !== undefined) {
-        span(ctx, 'sampling_prefill', prefill.endMs - prefill.samplingMs, prefill.endMs, { 'conduit.phase': 'sampling' });
-      }
     });
   }
 

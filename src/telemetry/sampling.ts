@@ -1,9 +1,11 @@
 // Which requests get full span traces. Metrics cover every request; spans cost more (building, exporting, storing
 // at the collector), so they are kept for a sample plus the requests worth looking at:
 //
-//   head (at arrival, before any engine work): the client's sampled flag, a base rate, a higher rate for a model
-//        loaded recently, and always for requests predicted slow (a long prompt, or the router's TTFT estimate);
-//   tail (at the end): server errors, and requests slower than a fixed threshold or than the running p95 of TTFT.
+//   head (after tokenize, before any engine work and before routing): the client's sampled flag, a base rate, a
+//        higher rate for a model loaded recently (the API server registers its model when it attaches the engine),
+//        and always for requests predicted slow (a long prompt);
+//   tail (at the end): server errors, and requests slower than a fixed threshold (TTFT, end to end, or a gap
+//        between tokens) or than the running p95 of TTFT.
 //
 // Spans are built only when a request ends (src/telemetry/otel-spans.ts), so the tail decision needs no span buffering: a
 // request the head passed over costs nothing more than its metrics unless the tail keeps it. Memory is bounded: a
@@ -21,8 +23,6 @@ export interface TraceSamplingConfig {
   newModelWindowMs: number;
   /** Prompts at least this long are predicted slow and always traced. */
   slowPromptTokens: number;
-  /** A router TTFT estimate at least this high predicts a slow request. */
-  slowPredictedTtftMs: number;
   /** Trace when the client's traceparent says it sampled the trace (W3C parent-based sampling). */
   honourParentSampled: boolean;
   keepErrors: boolean;
@@ -31,6 +31,8 @@ export interface TraceSamplingConfig {
   slowTtftMs: number;
   /** Keep every request whose end-to-end time reaches this. */
   slowE2eMs: number;
+  /** Keep every request with a gap between tokens (as the client saw them) of at least this. */
+  slowTbtMs: number;
   /** Keep requests whose TTFT reaches this quantile of recent TTFTs... */
   slowQuantile: number;
   /** ...over this many recent requests... */
@@ -46,12 +48,12 @@ export const DEFAULT_TRACE_SAMPLING: Readonly<TraceSamplingConfig> = Object.free
   newModelRate: 0.1,
   newModelWindowMs: 60 * 60 * 1000,
   slowPromptTokens: 8192,
-  slowPredictedTtftMs: 500,
   honourParentSampled: true,
   keepErrors: true,
   keepAborts: false,
   slowTtftMs: 500,
   slowE2eMs: 60_000,
+  slowTbtMs: 100,
   slowQuantile: 0.95,
   quantileWindow: 512,
   quantileMinSamples: 50,
@@ -59,18 +61,21 @@ export const DEFAULT_TRACE_SAMPLING: Readonly<TraceSamplingConfig> = Object.free
 });
 
 export type HeadReason = 'parent' | 'predicted_slow' | 'new_model' | 'base_rate' | 'not_sampled';
-export type TailReason = 'head' | 'error' | 'abort' | 'slow_ttft' | 'slow_e2e' | 'slow_quantile' | 'dropped';
+export type TailReason = 'head' | 'error' | 'abort' | 'slow_ttft' | 'slow_e2e' | 'slow_tbt' | 'slow_quantile' | 'dropped';
 
 export interface HeadInput {
   model?: string;
   promptTokens?: number;
-  predictedTtftMs?: number;
   /** The client's sampled flag, when it sent a traceparent. */
   parentSampled?: boolean;
 }
 
 /** The parts of a finished request the tail decision reads. */
-export type TailInput = Pick<RequestTrace, 'outcome' | 'ttftMs' | 'e2eMs' | 'status'> & { headSampling?: SamplingDecision };
+export type TailInput = Pick<RequestTrace, 'outcome' | 'ttftMs' | 'e2eMs' | 'status'> & {
+  headSampling?: SamplingDecision;
+  /** Gaps between consecutive tokens as the client saw them (RequestTrace.tbtMs). */
+  tbtMs?: readonly number[];
+};
 
 /**
  * The last `capacity` values and their quantiles. Re-sorting on every query would cost O(n log n) per request, so
@@ -151,7 +156,7 @@ export class TraceSampler {
   head(input: HeadInput, nowMs: number): SamplingDecision {
     const c = this.config;
     if (c.honourParentSampled && input.parentSampled) return { sampled: true, reason: 'parent' };
-    if ((input.promptTokens ?? 0) >= c.slowPromptTokens || (input.predictedTtftMs ?? 0) >= c.slowPredictedTtftMs) {
+    if ((input.promptTokens ?? 0) >= c.slowPromptTokens) {
       return { sampled: true, reason: 'predicted_slow' };
     }
     if (input.model !== undefined && this.isNewModel(input.model, nowMs)) {
@@ -187,6 +192,9 @@ export class TraceSampler {
     if (trace.outcome === 'abort' && c.keepAborts) return { sampled: true, reason: 'abort' };
     if (trace.ttftMs !== undefined && trace.ttftMs >= c.slowTtftMs) return { sampled: true, reason: 'slow_ttft' };
     if (trace.e2eMs >= c.slowE2eMs) return { sampled: true, reason: 'slow_e2e' };
+    if (trace.tbtMs) {
+      for (const gap of trace.tbtMs) if (gap >= c.slowTbtMs) return { sampled: true, reason: 'slow_tbt' };
+    }
     if (trace.ttftMs !== undefined) {
       const threshold = this.runningTtftQuantile();
       if (!Number.isNaN(threshold) && trace.ttftMs > threshold) return { sampled: true, reason: 'slow_quantile' };

@@ -150,6 +150,11 @@ export class Telemetry {
     return formatTraceparent(record.traceId, record.rootSpanId, head?.sampled ?? false);
   }
 
+  /** The client's tracestate, to pass on with traceContext()'s traceparent (W3C: the two travel together). */
+  traceState(requestId: string): string | undefined {
+    return this.records.get(requestId)?.tracestate ?? this.traces.get(requestId)?.tracestate;
+  }
+
   /**
    * The timings object for a response: of the finished request if it has ended, else a preview up to `nowMs` with
    * the engine's latest timestamps (the final non-streaming body or the last SSE chunk is written before the
@@ -164,6 +169,14 @@ export class Telemetry {
     }
     const done = this.traces.get(requestId);
     return done ? responseTimings(done) : undefined;
+  }
+
+  /**
+   * What is known of a served model when it is loaded: how its weights are stored (the prefill metrics'
+   * `quantization` label; 'none' until described).
+   */
+  describeModel(model: string, facts: { quantization?: string }): void {
+    if (facts.quantization !== undefined) this.metrics.setQuantization(model, facts.quantization);
   }
 
   /** Raises trace sampling for a model just loaded (for the sampler's new-model window). */
@@ -265,10 +278,14 @@ export class Telemetry {
       record.parentHeader = event.traceparent;
       const parent = parseTraceparent(event.traceparent);
       if (parent) record.parent = parent;
+      if (parent && event.tracestate !== undefined) record.tracestate = event.tracestate;
     }
     if (this.tracing) {
       record.traceId = record.parent?.traceId ?? randomTraceId();
       record.rootSpanId = randomSpanId();
+    } else if (record.parent) {
+      // No spans of Conduit's own: the request belongs to the client's trace, under the client's id.
+      record.traceId = record.parent.traceId;
     }
     this.records.set(event.requestId, record);
     return record;
@@ -284,7 +301,6 @@ export class Telemetry {
     record.headSampling ??= this.sampler.head({
       ...(record.model !== undefined ? { model: record.model } : {}),
       ...(record.promptTokens !== undefined ? { promptTokens: record.promptTokens } : {}),
-      ...(record.predictedTtftMs !== undefined ? { predictedTtftMs: record.predictedTtftMs } : {}),
       ...(record.parent ? { parentSampled: record.parent.sampled } : {}),
     }, this.now());
     return record.headSampling;

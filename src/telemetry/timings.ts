@@ -18,7 +18,10 @@ export interface ResponseTimings {
   routing_ms: number;
   queue_ms: number;
   prefill_ms: number;
-  /** Only for a disaggregated request. */
+  /**
+   * Only for a disaggregated request: the prompt's KV moving to the decode worker. After the first token (the prefill
+   * worker streams it), so within decode_ms; a transfer before the first token would be within ttft_ms.
+   */
   kv_transfer_ms?: number;
   decode_ms: number;
   /** Median gap between streamed tokens. */
@@ -37,7 +40,7 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
     routing_ms: round3(b.routingMs),
     queue_ms: round3(b.queueMs),
     prefill_ms: round3(b.prefillMs),
-    ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs) } : {}),
+    ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs + b.decodeKvTransferMs) } : {}),
     decode_ms: round3(b.decodeMs),
     tbt_p50_ms: trace.tbtMs.length > 0 ? round3(quantile(trace.tbtMs, 0.5)) : null,
     cached_tokens: trace.cachedTokens,
@@ -55,6 +58,8 @@ export interface TraceView {
   traceparent: string | null;
   /** The traceparent the engine handed back with the request's outputs (the context it ran under). */
   engine_traceparent: string | null;
+  /** The client's tracestate, passed on unchanged. */
+  tracestate: string | null;
   model: string;
   tenant: string | null;
   worker: string | null;
@@ -84,6 +89,7 @@ export function traceView(trace: RequestTrace): TraceView {
     trace_id: trace.traceId ?? null,
     traceparent: trace.traceId && trace.rootSpanId ? formatTraceparent(trace.traceId, trace.rootSpanId, trace.headSampling?.sampled ?? false) : null,
     engine_traceparent: trace.engineTraceparent ?? null,
+    tracestate: trace.tracestate ?? null,
     model: trace.model,
     tenant: trace.tenant ?? null,
     worker: trace.worker ?? null,

@@ -78,7 +78,7 @@ export interface DecodeBatchSummary {
 /** The router's decision: its router_lookup event's facts, over the event's interval. */
 export interface RoutingSummary extends Pick<RouterLookupEvent,
   'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason' | 'workerQueueDepth'
-  | 'predictedTtftMs' | 'subPhasesMs'> {
+  | 'subPhasesMs'> {
   startMs: number;
   endMs: number;
   /** Where the request went after losing its worker mid-stream, in order (request migration). */
@@ -96,8 +96,6 @@ export interface PrefillSummary {
    * between consecutive chunks on one worker, traced as scheduler_queue phases and counted as queue, not prefill.
    */
   requeuedMs: number;
-  kvAllocMs?: number;
-  samplingMs?: number;
   batchSizeMax?: number;
   worker?: string;
 }
@@ -139,6 +137,8 @@ export interface RequestTrace {
   rootSpanId?: string;
   /** The client's span, parsed from its traceparent. */
   parent?: TraceParent;
+  /** The client's tracestate, passed on unchanged (vendors' entries: Conduit adds none). */
+  tracestate?: string;
   /** The head (arrival-time) sampling decision. */
   headSampling?: SamplingDecision;
 
@@ -218,11 +218,12 @@ export class RequestRecord {
   parent: TraceParent | undefined;
   /** The client's traceparent header as received, passed on unchanged when Conduit is not tracing. */
   parentHeader: string | undefined;
+  /** The client's tracestate header, passed on with whichever traceparent goes on. */
+  tracestate: string | undefined;
   headSampling: SamplingDecision | undefined;
   /** Filled from events as they arrive, for the head sampling decision before the end. */
   model: string | undefined;
   promptTokens: number | undefined;
-  predictedTtftMs: number | undefined;
 
   constructor(readonly requestId: string, readonly firstSeenMs: number) {}
 
@@ -248,9 +249,6 @@ export class RequestRecord {
         break;
       case 'tokenize':
         this.promptTokens = event.promptTokens;
-        break;
-      case 'router_lookup':
-        if (event.predictedTtftMs !== undefined) this.predictedTtftMs = event.predictedTtftMs;
         break;
       case 'finish':
       case 'error':
@@ -362,7 +360,6 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   addGatewayPhases(input);
   const routing = routingOf(input);
   const queue = queueOf(input, arrivalMs, endMs);
-  addDispatchPhases(input);
   addHandOff(input, queue.startMs);
   const prefill = prefillOf(input);
   const kvTransfer = kvTransferOf(input);
@@ -378,6 +375,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? streamed.contentTokens;
 
   const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, validate?.n ?? 1, endMs);
+  placeHandOver(input, kvTransfer, engineFirstTokenMs);
   addStreamingPhase(input, streamed, engineFirstTokenMs);
   addResponseBodyPhase(input, engineLastTokenMs ?? engineFirstTokenMs, decode?.endMs);
   phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
@@ -386,12 +384,12 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const ended = outcomeOf(terminal);
   const endedInPhase = ended.outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
-  const queueEvent = firstOf(events, 'scheduler_queue');
-  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker ?? queueEvent?.worker;
+  const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
 
   return {
     requestId: record.requestId,
     traceId: record.traceId, rootSpanId: record.rootSpanId, parent: record.parent, headSampling: record.headSampling,
+    ...(record.tracestate !== undefined ? { tracestate: record.tracestate } : {}),
     model: validate?.model ?? record.model ?? 'unknown',
     tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
     temperature: validate?.temperature, n: validate?.n,
@@ -439,7 +437,7 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
     startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
     prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
     kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
-    predictedTtftMs: router.predictedTtftMs, subPhasesMs: router.subPhasesMs,
+    subPhasesMs: router.subPhasesMs,
   };
   const migrations = reports.flatMap((r) => r.migrations ?? []);
   if (migrations.length > 0) routing.migrations = migrations;
@@ -452,7 +450,9 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
   }
   phases.push({
     phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
-    attributes: defined({ strategy: router.strategy, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens }),
+    attributes: defined({
+      strategy: router.strategy, candidates: router.candidates, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens,
+    }),
   });
   return routing;
 }
@@ -464,19 +464,14 @@ interface QueueFacts {
   budgetTokens?: number;
 }
 
-/**
- * The queue: the scheduler's own event if it sent one, else the engine's queued -> firstScheduled stamps, and the
- * queue depth and budget the worker reported with them.
- */
-function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arrivalMs: number, endMs: number): QueueFacts {
-  const queueEvent = firstOf(events, 'scheduler_queue');
+/** The queue: the engine's queued -> firstScheduled stamps, and the queue depth and budget the worker reported. */
+function queueOf({ router, firstWorkerReport, phases }: BuildInput, arrivalMs: number, endMs: number): QueueFacts {
   const firstTimestamps = firstWorkerReport?.timestamps;
-  const depthAtEntry = queueEvent?.queueDepth ?? firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
-  const queueStart = queueEvent?.start ?? firstTimestamps?.queued;
-  const queueEnd = queueEvent?.time ?? firstTimestamps?.firstScheduled;
+  const depthAtEntry = firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
+  const queueStart = firstTimestamps?.queued;
+  const queueEnd = firstTimestamps?.firstScheduled;
   const engineBudget = firstTimestamps?.budget;
-  const budgetMs = queueEvent?.budgetMs
-    ?? (engineBudget && queueEnd !== undefined ? Math.max(0, engineBudget.forwardStart - queueEnd) : undefined);
+  const budgetMs = engineBudget && queueEnd !== undefined ? Math.max(0, engineBudget.forwardStart - queueEnd) : undefined;
   const budgetTokens = engineBudget?.tokens;
   if (queueStart !== undefined || queueEnd !== undefined) {
     const start = queueStart ?? router?.time ?? arrivalMs;
@@ -485,7 +480,7 @@ function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arri
     phases.push({
       phase: 'scheduler_queue', startMs: start, endMs: queueEnd ?? endMs,
       incomplete: incomplete || undefined,
-      worker: queueEvent?.worker ?? firstWorkerReport?.worker,
+      worker: firstWorkerReport?.worker,
       attributes: Object.keys(attributes).length > 0 ? attributes : undefined,
     });
   }
@@ -497,10 +492,10 @@ function queueOf({ events, router, firstWorkerReport, phases }: BuildInput, arri
  * arrival in the worker's queue, as prefill_dispatch. It holds the tenant admission after tokenize and putting the
  * request in the worker's inbox. Behind a router it has a first leg too, from the gateway to the router (the
  * tenant admission, and the engine call reaching the router: a busy event loop shows there), marked
- * `leg: 'to_router'`. Only when no prefill_dispatch was reported.
+ * `leg: 'to_router'`.
  */
-function addHandOff({ events, router, phases, firstWorkerReport }: BuildInput, queueStartMs: number | undefined): void {
-  if (queueStartMs === undefined || phases.some((p) => p.phase === 'prefill_dispatch') || firstOf(events, 'scheduler_queue')) return;
+function addHandOff({ router, phases, firstWorkerReport }: BuildInput, queueStartMs: number | undefined): void {
+  if (queueStartMs === undefined) return;
   let gatewayEndMs: number | undefined;
   for (const p of phases) if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) gatewayEndMs = Math.max(gatewayEndMs ?? p.endMs, p.endMs);
   const worker = router?.worker ?? firstWorkerReport?.worker;
@@ -515,29 +510,15 @@ function addHandOff({ events, router, phases, firstWorkerReport }: BuildInput, q
   phases.push({ phase: 'prefill_dispatch', startMs: fromMs, endMs: queueStartMs, worker });
 }
 
-/** Dispatches to workers, sampling and detokenizing, as reported. */
-function addDispatchPhases({ events, phases }: BuildInput): void {
-  for (const phase of ['prefill_dispatch', 'decode_dispatch', 'sampling', 'detokenize'] as const) {
-    for (const e of allOf(events, phase)) {
-      phases.push({ phase, startMs: e.start, endMs: e.time, worker: 'worker' in e ? e.worker : undefined });
-    }
-  }
-}
-
 /**
- * Prefill chunks: the engine's events if it sent them, else its timestamps (every worker's, for a disaggregated pair
- * whose decode worker recomputed some tokens).
+ * Prefill chunks, from the engine's timestamps (every worker's, for a disaggregated pair whose decode worker
+ * recomputed some tokens).
  */
-function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | undefined {
-  const prefillEvents = allOf(events, 'prefill_execution');
+function prefillOf({ reports, phases }: BuildInput): PrefillSummary | undefined {
   const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number; batchTokens?: number }[] = [];
-  if (prefillEvents.length > 0) {
-    for (const e of prefillEvents) chunks.push({ start: e.start, end: e.time, tokens: e.tokens, worker: e.worker, batchSize: e.batchSize });
-  } else {
-    for (const r of reports) {
-      for (const c of r.timestamps.prefillChunks) {
-        chunks.push({ start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens });
-      }
+  for (const r of reports) {
+    for (const c of r.timestamps.prefillChunks) {
+      chunks.push({ start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens });
     }
   }
   chunks.sort((a, b) => a.start - b.start);
@@ -559,8 +540,6 @@ function prefillOf({ events, reports, phases }: BuildInput): PrefillSummary | un
   return {
     startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
     computedTokens: chunks.reduce((s, c) => s + c.tokens, 0), requeuedMs,
-    kvAllocMs: sumDefined(prefillEvents.map((e) => e.kvAllocMs)),
-    samplingMs: prefillEvents[prefillEvents.length - 1]?.samplingMs,
     batchSizeMax: maxDefined(chunks.map((c) => c.batchSize)),
     worker: chunks[0]!.worker,
   };
@@ -584,6 +563,23 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
     bytes: transfers.reduce((s, e) => s + e.bytes, 0),
     blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
   };
+}
+
+/**
+ * A disaggregated request's hand-over, after the first token (the prefill worker samples and streams it): from that
+ * token to the transfer's start the prefill worker hands the request over and the decode worker takes it
+ * (decode_dispatch), then the KV moves (kv_transfer), then the decode worker decodes (decode_execution, from the
+ * transfer's end). Without this the decode phase would start at the first token and hold the transfer inside it.
+ */
+function placeHandOver({ phases }: BuildInput, kvTransfer: KvTransferSummary | undefined, firstTokenMs: number | undefined): void {
+  if (!kvTransfer || firstTokenMs === undefined || kvTransfer.startMs < firstTokenMs) return;
+  const decode = phases.find((p) => p.phase === 'decode_execution');
+  if (decode && decode.startMs < kvTransfer.endMs && kvTransfer.endMs <= decode.endMs) decode.startMs = kvTransfer.endMs;
+  if (!(kvTransfer.startMs > firstTokenMs)) return;
+  phases.push({
+    phase: 'decode_dispatch', startMs: firstTokenMs, endMs: kvTransfer.startMs, worker: kvTransfer.toWorker,
+    attributes: defined({ from_worker: kvTransfer.fromWorker, to_worker: kvTransfer.toWorker }),
+  });
 }
 
 interface StreamedWrites {
@@ -818,10 +814,8 @@ function phaseAtEnd(
 ): PhaseName {
   const ts = reports.map((r) => r.timestamps);
   if (record.emitTimes.length > 0 || record.stepEnds.length > 0 || ts.some((t) => t.firstToken !== undefined)) return 'decode_execution';
-  if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0) || events.some((e) => e.phase === 'prefill_execution')) {
-    return 'prefill_execution';
-  }
-  if (queued || events.some((e) => e.phase === 'scheduler_queue')) return 'scheduler_queue';
+  if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0)) return 'prefill_execution';
+  if (queued) return 'scheduler_queue';
   if (routed) return 'scheduler_queue';
   // Before the router: the gateway phase that refused it, or the one after the last that passed.
   let next: GatewayPhase | 'router_lookup' = 'http_receive';
@@ -877,7 +871,13 @@ export interface PhaseBreakdown {
    * between chunks (requeued: they are queue time); 0 when prefill was skipped.
    */
   prefillMs: number;
+  /** The KV transfer's time before the first token (part of TTFT). */
   kvTransferMs: number;
+  /**
+   * The KV transfer's time after the first token: Conduit's prefill worker streams the first token, so the transfer
+   * and the hand-over around it are the start of decode (part of decodeMs).
+   */
+  decodeKvTransferMs: number;
   /** The first token (as TTFT counts it) to the end of the response; without a first token, the engine's decode. */
   decodeMs: number;
   ttftMs: number;
@@ -916,11 +916,21 @@ export function phaseBreakdown(trace: RequestTrace): PhaseBreakdown {
     routingMs: (trace.routing ? trace.routing.endMs - trace.routing.startMs : 0) + dispatchMs,
     queueMs,
     prefillMs,
-    kvTransferMs: trace.kvTransfer ? trace.kvTransfer.endMs - trace.kvTransfer.startMs : 0,
+    ...kvTransferParts(trace, firstTokenMs),
     decodeMs,
     ttftMs: trace.ttftMs ?? 0,
     totalMs: trace.e2eMs,
   };
+}
+
+/** The KV transfer split at the first token: before it (TTFT's) and after it (decode's). */
+function kvTransferParts(trace: RequestTrace, firstTokenMs: number | undefined): { kvTransferMs: number; decodeKvTransferMs: number } {
+  const kv = trace.kvTransfer;
+  if (!kv) return { kvTransferMs: 0, decodeKvTransferMs: 0 };
+  // Begun after the engine's first token: all of it is decode's, even the part before the client got that token.
+  if (trace.engineFirstTokenMs !== undefined && kv.startMs >= trace.engineFirstTokenMs) return { kvTransferMs: 0, decodeKvTransferMs: kv.endMs - kv.startMs };
+  const split = Math.min(Math.max(firstTokenMs ?? kv.endMs, kv.startMs), kv.endMs);
+  return { kvTransferMs: split - kv.startMs, decodeKvTransferMs: kv.endMs - split };
 }
 
 /**

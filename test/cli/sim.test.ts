@@ -63,7 +63,12 @@ test('conduit sim lifecycle, disaggregated with a partial-block hit, says which 
   const { code, out } = await run(['sim', 'lifecycle', '--prompt', '1024', '--cached', '1000', '--link', 'ib-ndr']);
   assert.equal(code, 0);
   assert.match(out, /disaggregated, KV over 4 x InfiniBand NDR/);
-  assert.match(out, /^kv_transfer +[1-9]/m);
+  // The lifecycle table: the transfer comes after the first token (the prefill worker streams it); the path table
+  // beside it puts the transfer on the way to the second token, and both tables have the one cold TTFT.
+  assert.match(out, /^kv_transfer +0\.00 +0\.00 +0\.00 /m);
+  assert.match(out, /^kv_transfer +0\.00 +[1-9][\d.]* +[1-9]/m);
+  const coldTtft = /^TTFT +([\d.]+) /m.exec(out)![1];
+  assert.match(out, new RegExp(`^TTFT +${coldTtft!.replace('.', '\\.')} +${coldTtft!.replace('.', '\\.')} +0\\.00 +first token written`, 'm'));
   assert.match(out, /warm: 992 cached tokens/); // 1000 rounded down to 62 whole blocks of 16
 });
 

@@ -2,6 +2,7 @@
 // (migration off, the default), the official `openai` client streaming a completion, and the prefill worker running
 // its prompt killed. The client reads one complete stream equal to an undisturbed one, the tenant's concurrency slot
 // is given back, no block is held, and the trace and the migration counter name the move.
+import { attributionProblems, type TraceBody } from '../telemetry/attribution-check.ts';
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
@@ -106,6 +107,8 @@ describe('a prefill worker lost mid-prefill, through the HTTP server', () => {
     const trace = await traceResponse.json() as { outcome: string; migrations: { from_worker: string; to_worker: string | null; after_tokens: number; reason: string }[] };
     assert.equal(trace.outcome, 'ok');
     assert.deepEqual(trace.migrations, [{ from_worker: lost, to_worker: survivor, after_tokens: 0, reason: PREFILL_WORKER_LOST }]);
+    // Prefilled again elsewhere, and still every millisecond attributed.
+    assert.deepEqual(attributionProblems(trace as unknown as TraceBody), [], JSON.stringify((trace as unknown as TraceBody).phases));
 
     const metrics = await (await fetch(`${running.url}/metrics`, { headers: { authorization: `Bearer ${ADMIN_KEY}` } })).text();
     const line = metrics.split('\n').find((l) => l.startsWith(`conduit_request_migrations_total{worker="${survivor}"}`));

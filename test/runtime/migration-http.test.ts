@@ -10,6 +10,7 @@ import { parseServeConfig, startServer, type RunningServer } from '../../src/cli
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
 import type { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { attributionProblems, type TraceBody } from '../telemetry/attribution-check.ts';
 
 const KEY = 'sk-migration-0001';
 /** /metrics is for the admin key when keys are configured. */
@@ -95,6 +96,9 @@ describe('request migration through the HTTP server', () => {
     assert.equal(trace.migrations[0]!.from_worker, victim);
     assert.equal(trace.migrations[0]!.to_worker, survivor);
     assert.ok(trace.migrations[0]!.after_tokens >= 20, `after ${trace.migrations[0]!.after_tokens} tokens`);
+    // Every millisecond of the migrated request is still attributed: the survivor's recompute is decode time.
+    assert.deepEqual(attributionProblems(trace as unknown as TraceBody), [],
+      JSON.stringify((trace as unknown as TraceBody).phases));
 
     const again = await stream();
     assert.equal(again.text, expected.text, 'the tenant\'s slot was given back; the survivor serves on');

@@ -154,6 +154,16 @@ describe('the disaggregated cold path in the lifecycle table', () => {
     assert.equal(warmDecode.transferBlocks, 2, '62 of 64 blocks already on the decode worker');
   });
 
+  test('the lifecycle table\'s disaggregated cold TTFT is the path the engine runs: the prefill worker\'s first token', () => {
+    const lifecycle = simulateLifecycle({ model, hw: H100_SXM, tp: 4, promptTokens: 1000, disaggregated: { link: INFINIBAND_NDR } });
+    const ms = (phase: string) => lifecycle.cold.phases.find((p) => p.phase === phase)!.ms;
+    const check = checkDisaggregatedPathWithEngine({ model, hw: H100_SXM, tp: 4, promptTokens: 1000, link: INFINIBAND_NDR });
+    // The simulated prefill and decode workers: first token when the prefill worker's prefill ends.
+    close(ms('prefill_execution'), check.engineTtftMs);
+    for (const after of ['kv_transfer', 'decode_dispatch', 'decode_execution']) assert.equal(ms(after), 0, `${after} comes after the first token`);
+    close(lifecycle.cold.ttftMs, simulateLifecycle({ model, hw: H100_SXM, tp: 4, promptTokens: 1000 }).cold.ttftMs);
+  });
+
   test('the simulated engine agrees with the table phase for phase', () => {
     const check = checkDisaggregatedPathWithEngine({ model, hw: H100_SXM, tp: 4, promptTokens: 1000, link: INFINIBAND_NDR });
     close(check.engineTtftMs, check.modelPrefillMs);

@@ -24,7 +24,7 @@ const dashboardFiles = readdirSync(dashboardsDir).filter((f) => f.endsWith('.jso
 interface Dashboard {
   uid: string;
   title: string;
-  panels: { id: number; type: string; title: string; gridPos: { h: number; w: number; x: number; y: number }; datasource?: unknown; targets?: { refId: string; expr: string }[] }[];
+  panels: { id: number; type: string; title: string; gridPos: { h: number; w: number; x: number; y: number }; datasource?: unknown; targets?: { refId: string; expr: string; legendFormat?: string }[] }[];
   templating: { list: { name: string; type: string; query?: unknown; definition?: string }[] };
 }
 
@@ -140,6 +140,11 @@ describe('Grafana dashboards', () => {
     const overview = dashboards.find((d) => d.json.uid === 'conduit-overview')!.json;
     const text = JSON.stringify(overview);
     for (const q of ['0.5', '0.95', '0.99']) assert.ok(text.includes(`histogram_quantile(${q}, sum by (le) (rate(conduit_time_to_first_token_milliseconds_bucket`));
+    // Mean time per phase: auth and the rate-limit precheck run inside http_receive, so the gateway's time is
+    // receive + validate + tokenize, never the sum over every gateway phase.
+    const perPhase = overview.panels.find((p) => p.title === 'Mean time per phase')!;
+    const gateway = perPhase.targets!.find((t) => t.legendFormat === 'gateway')!.expr;
+    assert.match(gateway, /conduit_gateway_phase_duration_milliseconds_sum\{phase=~"http_receive\|validate\|tokenize"\}/);
   });
 
   it('hold valid PromQL (checked by promtool as recording rules)', (t) => {

@@ -280,6 +280,10 @@ describe('engine spans from a disaggregated pair (prefill worker, then decode wo
     assert.equal(one(spans, 'scheduling').attributes['scheduling.worker'], 'prefill-0');
     assert.equal(one(spans, 'prefill').attributes['prefill.worker'], 'prefill-0');
     assert.ok(named(spans, 'kv_transfer').length === 1);
+    // The hand-over after the first token, then the transfer: decode_dispatch ends where kv_transfer starts.
+    const handOver = one(spans, 'decode_dispatch');
+    assert.equal(handOver.attributes['dispatch.worker'], 'decode-0');
+    assert.deepEqual(handOver.endTime, one(spans, 'kv_transfer').startTime);
     assert.equal(one(spans, 'decode').attributes['decode.worker'], 'decode-0', 'the decode steps are the decode worker\'s');
     const trace = server.telemetry.trace(body.id)!;
     assert.equal(trace.engineTraceparent, `00-${clientTrace}-${trace.rootSpanId}-01`);

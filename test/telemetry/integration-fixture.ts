@@ -51,7 +51,9 @@ export interface LiveServerOptions {
 export async function startLiveServer(options: LiveServerOptions = {}): Promise<LiveServer> {
   const exporter = new InMemorySpanExporter();
   // No OTEL_* from whoever runs the tests; spans exported as they end, for every request the head sampler keeps.
-  const telemetry = createTelemetry({ env: {}, exporters: [exporter], processor: 'simple', ...options.telemetry });
+  // The engine clock, or the simulated workers' at a speed-up other than 1 (the pool's clock, once it exists).
+  let clock = () => performance.timeOrigin + performance.now();
+  const telemetry = createTelemetry({ env: {}, exporters: [exporter], processor: 'simple', now: () => clock(), ...options.telemetry });
   const terminals = new Map<string, string[]>();
   telemetry.lifecycle.subscribe((event) => {
     if (!isTerminal(event)) return;
@@ -81,7 +83,8 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
         disaggregationEstimates: { transferBytesPerSec: 1e15, prefillTokensPerSec: 1, fixed: true },
       } : {}),
     });
-    api.attach({ engine: pool.engine, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate });
+    if (pool.clock) clock = pool.clock;
+    api.attach({ engine: pool.engine, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate, ...(pool.clock ? { clock: pool.clock } : {}) });
     return {
       url: api.url, api, engine: pool.engine, telemetry, exporter, terminals,
       async close() {

@@ -333,12 +333,17 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
   it('continues the client\'s traceparent: the request\'s spans join the client\'s trace under its span', LIVE, async () => {
     const clientTrace = '4bf92f3577b34da6a3ce929d0e0e4736';
     const clientSpan = '00f067aa0ba902b7';
+    const tracestate = 'vendor1=opaque,vendor2=x:y';
     const res = await post({ model, prompt: 'Follow the trace', max_tokens: 3, temperature: 0 }, KEY,
-      { traceparent: `00-${clientTrace}-${clientSpan}-01` });
+      { traceparent: `00-${clientTrace}-${clientSpan}-01`, tracestate });
     assert.equal(res.status, 200, res.text);
     const id = res.json().id;
     const trace = await traceOf(server.url, id);
     assert.equal(trace.trace_id, clientTrace);
+    // The response names the context the request ran under (its root span), and passes the client's tracestate on.
+    assert.equal(res.headers.traceparent, trace.traceparent);
+    assert.equal(res.headers.tracestate, tracestate);
+    assert.equal((trace as unknown as { tracestate: string }).tracestate, tracestate);
     const [, traceId, rootSpanId, flags] = trace.traceparent!.split('-');
     assert.equal(traceId, clientTrace);
     assert.equal(flags, '01', 'the client sampled it, so the request is traced');
@@ -347,6 +352,7 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     const root = spans.find((s) => s.name === 'request')!;
     assert.equal(root.attributes['request.id'], id);
     assert.equal(root.parentSpanContext?.spanId, clientSpan, 'the root span is the client\'s span\'s child');
+    assert.equal(root.parentSpanContext?.traceState?.serialize(), tracestate, 'the client\'s tracestate goes with its context');
     assert.equal(root.spanContext().spanId, rootSpanId, 'the traceparent handed out at arrival names the root span');
     const spanNames = new Set(spans.map((s) => s.name));
     for (const name of ['gateway', 'http_receive', 'tokenize', 'scheduling', 'prefill', 'decode']) assert.ok(spanNames.has(name), name);
@@ -569,6 +575,7 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
       assert.match(names(trace).join(','), /^http_receive,auth,rate_limit,validate,tokenize,(prefill_dispatch,)?router_lookup,(prefill_dispatch,)?scheduler_queue,(prefill_execution,)+decode_execution(,streaming_response)?$/);
       assert.match(trace.worker!, /^worker-[01]$/);
       assert.equal(phase(trace, 'router_lookup')!.worker, trace.worker);
+      assert.equal(phase(trace, 'router_lookup')!.attributes!.candidates, 2, 'the router chose among both workers');
     }
     assert.equal(warmTrace.worker, coldTrace.worker, 'KV-aware routing sends the repeat to the worker holding its blocks');
     assert.equal(phase(coldTrace, 'router_lookup')!.attributes!.kv_cache_hit, false);

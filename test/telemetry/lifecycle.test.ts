@@ -60,7 +60,7 @@ describe('LifecycleBus', () => {
   it('names the phases of docs/architecture.md in path order', () => {
     assert.deepEqual([...PHASES], [
       'http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'router_lookup', 'scheduler_queue', 'prefill_dispatch',
-      'prefill_execution', 'kv_transfer', 'decode_dispatch', 'decode_execution', 'sampling', 'detokenize', 'streaming_response',
+      'prefill_execution', 'decode_dispatch', 'kv_transfer', 'decode_execution', 'streaming_response',
     ]);
   });
 });

@@ -27,6 +27,24 @@ function feed(telemetry: Telemetry, ...timelines: readonly LifecycleEvent[][]): 
 const M = { model: 'llama-70b', worker: 'worker-1' };
 
 describe('request metrics', () => {
+  it('count output tokens per completed request, and label prefill with how the weights are stored', async () => {
+    const telemetry = telemetryAtT0();
+    telemetry.describeModel('llama-70b', { quantization: 'Q8_0' });
+    feed(telemetry, coldTimeline().events, warmTimeline({ at: T0 + 10 }).events, abortedInQueueTimeline('ab', T0 + 20));
+    const x = parseExposition(await telemetry.renderMetrics());
+    // Two completed requests of 8 tokens; the aborted one is not a completed request.
+    assert.equal(value(x, 'conduit_output_tokens_per_request_count', { model: 'llama-70b' }), 2);
+    near(value(x, 'conduit_output_tokens_per_request_sum', { model: 'llama-70b' }), 16);
+    assert.equal(value(x, 'conduit_output_tokens_per_request_bucket', { model: 'llama-70b', le: '1' }), 0);
+    assert.equal(value(x, 'conduit_output_tokens_per_request_bucket', { model: 'llama-70b', le: '10' }), 2);
+    assert.equal(value(x, 'conduit_prefill_duration_milliseconds_count', { ...M, quantization: 'Q8_0' }), 2);
+    // A model nobody described: 'none'.
+    const other = telemetryAtT0();
+    feed(other, coldTimeline().events);
+    const y = parseExposition(await other.renderMetrics());
+    assert.equal(value(y, 'conduit_prefill_duration_milliseconds_count', { ...M, quantization: 'none' }), 1);
+  });
+
   it('move by the right amounts after known requests', async () => {
     const telemetry = telemetryAtT0();
     feed(telemetry, coldTimeline().events, warmTimeline({ at: T0 + 10 }).events, abortedInQueueTimeline('ab', T0 + 20),
@@ -64,8 +82,8 @@ describe('request metrics', () => {
     assert.equal(value(x, 'conduit_request_duration_milliseconds_count', { model: 'llama-70b', outcome: 'abort' }), 1);
 
     // Routing and gateway phases.
-    assert.equal(value(x, 'conduit_routing_duration_milliseconds_count', { strategy: 'kv_aware' }), 4);
-    near(value(x, 'conduit_routing_duration_milliseconds_sum', { strategy: 'kv_aware' }), 4 * 0.8);
+    assert.equal(value(x, 'conduit_routing_duration_milliseconds_count', { model: 'llama-70b', strategy: 'kv_aware' }), 4);
+    near(value(x, 'conduit_routing_duration_milliseconds_sum', { model: 'llama-70b', strategy: 'kv_aware' }), 4 * 0.8);
     near(value(x, 'conduit_routing_sub_phase_duration_milliseconds_sum', { sub_phase: 'index_lookup' }), 4 * 0.3);
     assert.equal(value(x, 'conduit_gateway_phase_duration_milliseconds_count', { phase: 'auth' }), 5);
     assert.equal(value(x, 'conduit_gateway_phase_duration_milliseconds_count', { phase: 'tokenize' }), 4);

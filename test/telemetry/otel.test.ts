@@ -9,7 +9,7 @@ import { SpanStatusCode } from '@opentelemetry/api';
 import { hrTimeToMilliseconds, parseTraceParent as oracleParse } from '@opentelemetry/core';
 import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
 import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
-import { tracingConfigFromEnv } from '../../src/telemetry/otel-env.ts';
+import { TracingConfigError, tracingConfigFromEnv } from '../../src/telemetry/otel-env.ts';
 import { Telemetry, type TelemetryOptions } from '../../src/telemetry/telemetry.ts';
 import { formatTraceparent, parseTraceparent } from '../../src/telemetry/traceparent.ts';
 import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, warmTimeline } from './fixtures.ts';
@@ -323,11 +323,57 @@ describe('OTEL_* configuration', () => {
     assert.equal(base.batch.maxQueueSize, 4096);
     assert.equal(base.batch.maxExportBatchSize, 2048, 'Conduit\'s default where the environment says nothing');
     assert.equal(base.sampleRate, 0.05);
-    const specific = tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://c:9999/custom', OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' });
+    const specific = tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://c:9999/custom' });
     assert.deepEqual(specific?.exporters, ['otlp'], 'the traces endpoint alone turns export on');
-    assert.equal(specific?.warnings.length, 1);
+    assert.equal(specific?.protocol, 'http/json', 'JSON bodies unless the protocol says otherwise');
+    assert.deepEqual(specific?.warnings, []);
+    assert.equal(tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_ENDPOINT: 'http://c:4318', OTEL_EXPORTER_OTLP_PROTOCOL: 'http/protobuf' })?.protocol, 'http/protobuf');
+    assert.equal(tracingConfigFromEnv({
+      OTEL_EXPORTER_OTLP_ENDPOINT: 'http://c:4318', OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc', OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'http/json',
+    })?.protocol, 'http/json', 'the traces variable wins');
+    // grpc is refused, not quietly replaced: start-up fails with a message that says what to set instead.
+    const grpc = { OTEL_EXPORTER_OTLP_ENDPOINT: 'http://c:4317', OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' };
+    assert.throws(() => tracingConfigFromEnv(grpc), (err: Error) => err instanceof TracingConfigError
+      && /OTEL_EXPORTER_OTLP_PROTOCOL=grpc is not supported.*http\/protobuf or http\/json/.test(err.message));
+    assert.throws(() => new Telemetry({ env: grpc }), TracingConfigError);
+    assert.equal(tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' }), undefined, 'no export asked for: nothing to refuse');
     assert.deepEqual(tracingConfigFromEnv({ OTEL_TRACES_EXPORTER: 'otlp,console,zipkin' })?.exporters, ['otlp', 'console']);
     assert.equal(new Telemetry({ env: { OTEL_TRACES_EXPORTER: 'otlp', OTEL_TRACES_SAMPLER: 'always_on' } }).sampler.config.baseRate, 1);
+  });
+
+  it('exports protobuf bodies when OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf', async () => {
+    const bodies: { url: string; contentType: string; body: Buffer }[] = [];
+    const server = createServer((req, res) => {
+      const parts: Buffer[] = [];
+      req.on('data', (c: Buffer) => parts.push(c));
+      req.on('end', () => {
+        bodies.push({ url: req.url ?? '', contentType: String(req.headers['content-type']), body: Buffer.concat(parts) });
+        res.writeHead(200, { 'content-type': 'application/x-protobuf' }).end();
+      });
+    });
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+    const { port } = server.address() as AddressInfo;
+    const vars: Record<string, string> = { OTEL_EXPORTER_OTLP_ENDPOINT: `http://127.0.0.1:${port}`, OTEL_EXPORTER_OTLP_PROTOCOL: 'http/protobuf' };
+    const saved = Object.fromEntries(Object.keys(vars).map((k) => [k, process.env[k]]));
+    Object.assign(process.env, vars);
+    try {
+      const telemetry = new Telemetry({ env: vars, sampling: { baseRate: 1 } });
+      run(telemetry, coldTimeline({ id: 'exported-proto' }).events);
+      await telemetry.shutdown();
+      assert.ok(bodies.length >= 1);
+      assert.equal(bodies[0]!.url, '/v1/traces');
+      for (const b of bodies) assert.equal(b.contentType, 'application/x-protobuf');
+      const all = Buffer.concat(bodies.map((b) => b.body));
+      assert.notEqual(all[0], '{'.charCodeAt(0), 'not a JSON body');
+      // Protobuf keeps strings as UTF-8 bytes: the span names are in the payload.
+      for (const name of ['request', 'scheduling', 'token_emit']) assert.ok(all.includes(Buffer.from(name)), `${name} exported`);
+    } finally {
+      for (const [k, v] of Object.entries(saved)) {
+        if (v === undefined) delete process.env[k];
+        else process.env[k] = v;
+      }
+      server.close();
+    }
   });
 
   it('exports spans over OTLP/HTTP to the endpoint, with the headers and resource, the environment names', async () => {

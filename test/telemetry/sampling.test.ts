@@ -27,7 +27,6 @@ describe('TraceSampler.head', () => {
     assert.deepEqual(sampler.head({ parentSampled: false }, T0), { sampled: false, reason: 'not_sampled' });
     assert.deepEqual(sampler.head({ promptTokens: 8192 }, T0), { sampled: true, reason: 'predicted_slow' });
     assert.deepEqual(sampler.head({ promptTokens: 8191 }, T0), { sampled: false, reason: 'not_sampled' });
-    assert.deepEqual(sampler.head({ predictedTtftMs: 750 }, T0), { sampled: true, reason: 'predicted_slow' });
     assert.equal(new TraceSampler({ baseRate: 0, honourParentSampled: false }).head({ parentSampled: true }, T0).sampled, false);
   });
 
@@ -69,6 +68,9 @@ describe('TraceSampler.tail', () => {
     assert.deepEqual(new TraceSampler({ keepAborts: true }).tail({ outcome: 'abort', e2eMs: 5 }), { sampled: true, reason: 'abort' });
     assert.deepEqual(sampler.tail(ok(500)), { sampled: true, reason: 'slow_ttft' });
     assert.deepEqual(sampler.tail(ok(20, 25_000)), { sampled: true, reason: 'slow_e2e' });
+    // Slow only between tokens: a gap the client saw of the threshold or more.
+    assert.deepEqual(sampler.tail({ ...ok(20), tbtMs: [12, 99.9, 30] }), { sampled: false, reason: 'dropped' });
+    assert.deepEqual(sampler.tail({ ...ok(20), tbtMs: [12, 100, 30] }), { sampled: true, reason: 'slow_tbt' });
     assert.deepEqual(sampler.tail(ok(20)), { sampled: false, reason: 'dropped' });
   });
 
