@@ -12,8 +12,8 @@
 const GROUPS = {
   http_receive: 'gateway', auth: 'gateway', rate_limit: 'gateway', validate: 'gateway', tokenize: 'gateway',
   router_lookup: 'routing', prefill_dispatch: 'dispatch', decode_dispatch: 'dispatch', scheduler_queue: 'queue',
-  prefill_execution: 'prefill', sampling: 'prefill', kv_transfer: 'kv_transfer', decode_execution: 'decode',
-  detokenize: 'decode', streaming_response: 'streaming',
+  prefill_execution: 'prefill', kv_transfer: 'kv_transfer', decode_execution: 'decode',
+  streaming_response: 'streaming',
 };
 
 /** The group of a phase name ('other' for one this file does not know). */

@@ -289,7 +289,7 @@ export class WebConsole {
           strategy: routing.strategy, worker: routing.worker, prefill_worker: routing.prefillWorker ?? null,
           candidates: routing.candidates ?? null, overlap_tokens: routing.overlapTokens ?? null,
           kv_cache_hit: routing.kvCacheHit ?? null, reason: routing.reason ?? null,
-          worker_queue_depth: routing.workerQueueDepth ?? null, predicted_ttft_ms: routing.predictedTtftMs ?? null,
+          worker_queue_depth: routing.workerQueueDepth ?? null,
         } : null,
         token_times_ms: tokenTimes,
         token_times_stride: stride,
