@@ -155,9 +155,10 @@ export class AdminRequiredError extends ApiError {
 }
 
 export class ModelNotFoundError extends ApiError {
-  constructor(model: string, served: string) {
+  constructor(model: string, served: string | readonly string[]) {
+    const names = (typeof served === 'string' ? [served] : served).map((name) => `'${name}'`);
     super(404, 'model_not_found', INVALID_REQUEST,
-      `The model '${model}' does not exist on this server; it serves '${served}'.`, 'model');
+      `The model '${model}' does not exist on this server; it serves ${names.length === 1 ? names[0] : `${names.slice(0, -1).join(', ')} and ${names.at(-1)}`}.`, 'model');
   }
 }
 

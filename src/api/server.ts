@@ -19,7 +19,7 @@ import { CallTrace } from './call-trace.ts';
 import {
   AdminRequiredError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
-import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
+import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
@@ -225,6 +225,11 @@ export class ApiServer {
     this.gateway.attach(backend);
   }
 
+  /** Serves several models, each under its own name (the first is the default). */
+  attachModels(models: readonly ServedModel[]): void {
+    this.gateway.attachModels(models);
+  }
+
   async listen(port: number, host = '127.0.0.1'): Promise<AddressInfo> {
     await new Promise<void>((resolve, reject) => {
       this.server.once('error', reject);
@@ -270,7 +275,7 @@ export class ApiServer {
     // Closing the engine ends any stream it still holds, so no run can outlive it.
     await within(this.gateway.whenIdle(), 1000);
     this.gateway.state = 'stopped';
-    await this.gateway.engine?.close();
+    await Promise.all(this.gateway.servedModels.map(({ backend }) => backend.engine.close()));
     await this.gateway.close();
     await this.gateway.whenIdle();
     await closed;
@@ -325,9 +330,10 @@ export class ApiServer {
    * system. 409 when a worker had requests running (the workers that were idle still reset).
    */
   private async resetPrefixCache(): Promise<JsonReply> {
-    const engine = this.gateway.engine;
-    if (!engine) throw new NotReadyError('still loading its model');
-    if (!(await engine.resetPrefixCache())) throw new PrefixCacheInUseError();
+    const models = this.gateway.servedModels;
+    if (models.length === 0) throw new NotReadyError('still loading its model');
+    const results = await Promise.all(models.map(({ backend }) => backend.engine.resetPrefixCache()));
+    if (results.includes(false)) throw new PrefixCacheInUseError();
     return { status: 200, body: { reset: true } };
   }
 
@@ -362,14 +368,18 @@ export class ApiServer {
    * counters moved. Done at scrape time, so the gauges are as fresh as the scrape and cost nothing in between.
    */
   private refreshEngineStats(): void {
-    const engine = this.gateway.engine;
-    if (!engine) return;
-    const model = this.gateway.servedModelName;
-    const workers = isMultiWorker(engine) ? engine.workerStats() : [{ workerId: this.gateway.workerId, stats: engine.stats() }];
+    const models = this.gateway.servedModels;
     const seen = new Set<string>();
-    for (const { workerId, stats } of workers) {
-      seen.add(workerId);
-      this.telemetry.updateEngineStats({ worker: workerId, ...(model !== undefined ? { model } : {}), stats });
+    for (const { name: model, backend } of models) {
+      const { engine } = backend;
+      const workerId = backend.workerId ?? this.gateway.workerId;
+      const workers = isMultiWorker(engine) ? engine.workerStats() : [{ workerId, stats: engine.stats() }];
+      for (const { workerId: id, stats } of workers) {
+        // Every model's pool names its workers worker-0 ...: with several models the label says whose it is.
+        const worker = models.length > 1 ? `${model}:${id}` : id;
+        seen.add(worker);
+        this.telemetry.updateEngineStats({ worker, model, stats });
+      }
     }
     for (const worker of this.reportedWorkers) if (!seen.has(worker)) this.telemetry.metrics.forgetWorker(worker);
     this.reportedWorkers = seen;
