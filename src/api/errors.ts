@@ -162,6 +162,20 @@ export class ModelNotFoundError extends ApiError {
   }
 }
 
+/** POST /v1/load_lora_adapter or /v1/unload_lora_adapter that cannot be done (bad file, name taken or unknown, in use). */
+export class LoraAdapterError extends ApiError {
+  constructor(status: 400 | 404 | 409, code: string, message: string, param: string | null = 'lora_name') {
+    super(status, code, INVALID_REQUEST, sentence(message), param);
+  }
+}
+
+/** Every resident LoRA adapter (--max-loras) has requests in flight: none can make room for the one asked for. */
+export class LoraCapacityExceededError extends ApiError {
+  constructor(message: string) {
+    super(503, 'lora_capacity', SERVER_ERROR, `${sentence(message)} Please retry shortly.`, 'model', retryHeaders(1000));
+  }
+}
+
 /** No finished request with this id in the trace store (unknown, still running, or older than the store holds). */
 export class TraceNotFoundError extends ApiError {
   constructor(requestId: string, capacity: number) {

@@ -12,7 +12,7 @@ import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, TemplateRefusedMessagesError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
-  PromptTooLongError, TooManySequencesError,
+  PromptTooLongError, TooManySequencesError, LoraAdapterError, LoraCapacityExceededError, WrongTypeError,
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
@@ -44,6 +44,21 @@ export interface ModelBackend {
    * worker). Default: worker-0, the name the worker pool gives its first worker.
    */
   workerId?: string;
+  /** The model's LoRA adapters (runtime/lora-manager.ts fits), when it serves any. */
+  adapters?: AdapterHost;
+}
+
+/** The LoRA adapters of one served model, as the gateway uses them. */
+export interface AdapterHost {
+  /** Registered adapters, each with the file it came from. */
+  list(): { name: string; path: string; resident: boolean }[];
+  has(name: string): boolean;
+  /** Makes the adapter resident for a request and counts it until release; resolves the engine's key for it. */
+  acquire(name: string): Promise<string>;
+  release(name: string): void;
+  register(name: string, path: string): Promise<unknown>;
+  unregister(name: string): Promise<void>;
+  stats(): { registered: number; resident: number; loads: number; evictions: number };
 }
 
 /** One model the gateway serves, under the name clients send as "model". */
@@ -52,11 +67,15 @@ export interface ServedModel {
   backend: ModelBackend;
 }
 
-/** What a request is for: the served model it runs on. */
+/** What a request is for: the served model it runs on, and the LoRA adapter when it names one. */
 export interface ModelTarget {
   /** The name the request used (the id its responses carry). */
   name: string;
   backend: ModelBackend;
+  /** Set when the name is an adapter of the backend's model. */
+  adapter?: string;
+  /** The served name of the base model (the adapter's parent). */
+  baseName?: string;
 }
 
 export const DEFAULT_WORKER_ID = 'worker-0';
@@ -250,7 +269,50 @@ export class Gateway {
     if (model === undefined) return { name: this.servedModelName!, backend: this.backend! };
     const backend = this.served.get(model);
     if (backend) return { name: model, backend };
-    throw new ModelNotFoundError(model, [...this.served.keys()]);
+    for (const [baseName, candidate] of this.served) {
+      if (candidate.adapters?.has(model)) return { name: model, backend: candidate, adapter: model, baseName };
+    }
+    throw new ModelNotFoundError(model, this.servedNames());
+  }
+
+  /** Every name a request may use: the models, then their adapters. */
+  private servedNames(): string[] {
+    return [...this.served].flatMap(([name, backend]) => [name, ...(backend.adapters?.list().map((a) => a.name) ?? [])]);
+  }
+
+  // ---- LoRA adapters (vLLM's runtime API) ----
+
+  /** POST /v1/load_lora_adapter {lora_name, lora_path[, base_model_name]}: registers and loads an adapter. */
+  async loadLoraAdapter(body: unknown): Promise<string> {
+    this.ready();
+    const fields = loraBody(body, true);
+    const baseName = fields.baseModelName ?? this.servedModelName!;
+    const backend = this.served.get(baseName);
+    if (!backend) throw new LoraAdapterError(404, 'model_not_found', `base_model_name '${baseName}' is not served (${[...this.served.keys()].join(', ')})`, 'base_model_name');
+    if (!backend.adapters) throw new LoraAdapterError(400, 'lora_not_supported', `'${baseName}' runs no LoRA adapters`, 'base_model_name');
+    if (this.served.has(fields.name) || [...this.served.values()].some((b) => b.adapters?.has(fields.name))) {
+      throw new LoraAdapterError(400, 'lora_name_taken', `The lora adapter '${fields.name}' has already been loaded (or names a served model)`);
+    }
+    try {
+      await backend.adapters.register(fields.name, fields.path!);
+    } catch (error) {
+      throw loraApiError(error, 'lora_path');
+    }
+    return `Success: LoRA adapter '${fields.name}' added successfully.`;
+  }
+
+  /** POST /v1/unload_lora_adapter {lora_name}: unloads an adapter no request uses. */
+  async unloadLoraAdapter(body: unknown): Promise<string> {
+    this.ready();
+    const { name } = loraBody(body, false);
+    const backend = [...this.served.values()].find((b) => b.adapters?.has(name));
+    if (!backend) throw new LoraAdapterError(404, 'lora_not_found', `The lora adapter '${name}' cannot be found`);
+    try {
+      await backend.adapters!.unregister(name);
+    } catch (error) {
+      throw loraApiError(error, 'lora_name');
+    }
+    return `Success: LoRA adapter '${name}' removed successfully.`;
   }
 
   // ---- prompts ----
@@ -315,7 +377,7 @@ export class Gateway {
       throw err;
     }
     call.trace?.validated({
-      ok: true, model: target.name, stream: request.stream, temperature: request.temperature, n: request.n,
+      ok: true, model: target.baseName ?? target.name, ...(target.adapter !== undefined ? { adapter: target.adapter } : {}), stream: request.stream, temperature: request.temperature, n: request.n,
       ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),
     });
     return { request, target };
@@ -384,7 +446,11 @@ export class Gateway {
 
   models(): JsonReply {
     this.ready();
-    return { status: 200, body: { object: 'list', data: this.servedModels.map((m) => this.modelCard(m)) } };
+    const cards = this.servedModels.flatMap(({ name, backend }) => [
+      this.modelCard({ name, backend }),
+      ...(backend.adapters?.list() ?? []).map((adapter) => this.modelCard({ name: adapter.name, backend, adapter: adapter.name, baseName: name })),
+    ]);
+    return { status: 200, body: { object: 'list', data: cards } };
   }
 
   model(name: string): JsonReply {
@@ -434,19 +500,41 @@ export class Gateway {
     return { id, created: unixSeconds(), model: target.name, systemFingerprint: `conduit-${target.backend.engine.info.backend}` };
   }
 
-  private modelCard({ name, backend }: ModelTarget): object {
+  private modelCard({ name, backend, adapter, baseName }: ModelTarget): object {
+    // An adapter's card is vLLM's: root is the adapter's path, parent the base model it runs on.
+    const path = adapter !== undefined ? backend.adapters?.list().find((a) => a.name === adapter)?.path : undefined;
     return {
       id: name,
       object: 'model',
       created: this.startedAtSeconds,
       owned_by: 'conduit',
-      root: backend.engine.info.modelName,
+      root: path ?? backend.engine.info.modelName,
+      parent: adapter !== undefined ? baseName ?? null : null,
       max_model_len: backend.engine.info.maxModelLen,
     };
   }
 
   private async run(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
     request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
+    const { backend } = target;
+    // An adapter is made resident (loaded, or kept from eviction) for as long as the run lasts.
+    let loraKey: string | undefined;
+    if (target.adapter !== undefined) {
+      try {
+        loraKey = await backend.adapters!.acquire(target.adapter);
+      } catch (error) {
+        throw loraApiError(error, 'model');
+      }
+    }
+    try {
+      await this.runAcquired(call, target, id, prompts, request, logprobs, shape, loraKey);
+    } finally {
+      if (target.adapter !== undefined) backend.adapters!.release(target.adapter);
+    }
+  }
+
+  private async runAcquired(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
+    request: GenerationOptions, logprobs: number | null, shape: ResponseShape, loraKey: string | undefined): Promise<void> {
     const { backend } = target;
     // With telemetry the engine joins the request's own trace (its root span as parent); without, the client's.
     const traceparent = call.trace ? call.trace.context() : call.traceparent;
@@ -457,6 +545,7 @@ export class Gateway {
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
+      ...(loraKey !== undefined ? { lora: loraKey } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
     const trace = call.trace;
     if (trace) {
@@ -557,6 +646,32 @@ export class Gateway {
   private runEnded(run: GenerationRun): void {
     this.activeRuns.delete(run);
     if (this.activeRuns.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
+  }
+}
+
+/** The fields of a load/unload_lora_adapter body (vLLM's names; base_model_name is Conduit's, for several models). */
+function loraBody(body: unknown, load: boolean): { name: string; path?: string; baseModelName?: string } {
+  if (typeof body !== 'object' || body === null || Array.isArray(body)) throw new WrongTypeError('body', 'an object', body);
+  const o = body as Record<string, unknown>;
+  const name = o.lora_name;
+  if (typeof name !== 'string' || name.trim() === '') throw new LoraAdapterError(400, 'invalid_value', 'lora_name must be a non-empty string');
+  if (!load) return { name };
+  const path = o.lora_path;
+  if (typeof path !== 'string' || path === '') throw new LoraAdapterError(400, 'invalid_value', 'lora_path must be a non-empty string', 'lora_path');
+  const base = o.base_model_name;
+  if (base !== undefined && typeof base !== 'string') throw new LoraAdapterError(400, 'invalid_value', 'base_model_name must be a string', 'base_model_name');
+  return { name, path, ...(base !== undefined ? { baseModelName: base } : {}) };
+}
+
+/** A LoRA manager's error as the client's: a bad file 400, unknown 404, in use 409, no room 503. */
+function loraApiError(error: unknown, param: string): unknown {
+  const named = error as { name?: string; code?: string; message?: string };
+  if (named?.name === 'LoraCapacityError') return new LoraCapacityExceededError(named.message!);
+  if (named?.name !== 'LoraLoadError') return error;
+  switch (named.code) {
+    case 'lora_not_loaded': return new LoraAdapterError(404, 'lora_not_found', named.message!);
+    case 'lora_in_use': return new LoraAdapterError(409, 'lora_in_use', named.message!);
+    default: return new LoraAdapterError(400, 'invalid_lora_adapter', named.message!, param);
   }
 }
 

@@ -322,6 +322,13 @@ export class ApiServer {
       admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
       admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
       admin(route('reset_prefix_cache', exact('/reset_prefix_cache'), true, { POST: () => this.resetPrefixCache() })),
+      // vLLM's runtime LoRA API; a path on this machine is read, so only an admin may when keys are configured.
+      admin(route('load_lora_adapter', exact('/v1/load_lora_adapter'), true, {
+        POST: async ({ res, body, call }) => sendText(res, await g.loadLoraAdapter(body), call.headers),
+      })),
+      admin(route('unload_lora_adapter', exact('/v1/unload_lora_adapter'), true, {
+        POST: async ({ res, body, call }) => sendText(res, await g.unloadLoraAdapter(body), call.headers),
+      })),
     ];
   }
 
@@ -358,6 +365,7 @@ export class ApiServer {
   private async sendMetrics(res: ServerResponse): Promise<void> {
     this.refreshEngineStats();
     const engine = this.gateway.engine;
+    for (const { name, backend } of this.gateway.servedModels) if (backend.adapters) this.metrics.setLora(name, backend.adapters.stats());
     const text = await this.metrics.render(engine?.stats(), this.gateway.servedModelName);
     res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
     res.end(text);
@@ -531,6 +539,12 @@ export class ApiServer {
     if (!bodyFullyRead) headers.Connection = 'close';
     sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers);
   }
+}
+
+/** A 200 with a plain-text body, as vLLM answers its LoRA endpoints. */
+function sendText(res: ServerResponse, text: string, headers: Record<string, string>): void {
+  res.writeHead(200, { ...headers, 'Content-Type': 'text/plain; charset=utf-8', 'Content-Length': Buffer.byteLength(text) });
+  res.end(text);
 }
 
 /** A percent-encoded path segment as text; a malformed escape is the client's 400, not a URIError's 500. */

@@ -17,6 +17,7 @@ import {
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
+import { DEFAULT_MAX_LORAS, LoraManager } from '../runtime/lora-manager.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
@@ -25,6 +26,8 @@ import type { Command } from './main.ts';
 export const SERVE_FLAGS = {
   model: { type: 'string', help: 'GGUF file or Hugging Face folder, or NAME=PATH to serve it as NAME; repeat to serve several models, each with its own workers (default: the built-in synthetic model)', short: 'm', repeatable: true },
   'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name); repeated, the i-th names the i-th --model', repeatable: true },
+  'lora-modules': { type: 'string', help: 'LoRA adapters of the first model, NAME=PATH[,NAME=PATH] (a GGUF adapter or a PEFT folder); requests name an adapter as "model" (as vLLM\'s flag)', repeatable: true },
+  'max-loras': { type: 'number', help: 'LoRA adapters resident per model; loading one more evicts the least recently used idle one (it loads again when a request names it)', default: 8 },
   host: { type: 'string', help: 'address to listen on', default: '127.0.0.1' },
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
   'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
@@ -88,6 +91,10 @@ export interface ServeConfig {
   servedModelName?: string;
   /** Every --model after the first, each served by its own workers (cpu engine only). */
   extraModels?: ServedModelSpec[];
+  /** --lora-modules: adapters of the first model, loaded at start. */
+  loraModules?: { name: string; path: string }[];
+  /** Adapters resident per model (--max-loras). */
+  maxLoras?: number;
   host: string;
   port: number;
   keys: KeyConfig;
@@ -247,6 +254,19 @@ export function parseModelSpecs(models: readonly string[], names: readonly strin
   return specs;
 }
 
+/** --lora-modules values: NAME=PATH items, comma-separated within a value; names unique. */
+export function parseLoraModules(values: readonly string[]): { name: string; path: string }[] {
+  const modules: { name: string; path: string }[] = [];
+  for (const item of values.flatMap((value) => value.split(',')).map((item) => item.trim()).filter((item) => item !== '')) {
+    const eq = item.indexOf('=');
+    if (eq <= 0 || eq === item.length - 1) throw new UsageError(`--lora-modules expects NAME=PATH items, got "${item}"`);
+    const name = item.slice(0, eq);
+    if (modules.some((m) => m.name === name)) throw new UsageError(`--lora-modules names "${name}" twice`);
+    modules.push({ name, path: item.slice(eq + 1) });
+  }
+  return modules;
+}
+
 export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): ServeConfig | 'help' {
   // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
   // warning) when they come from an environment set up for another deployment, whatever their text.
@@ -358,6 +378,12 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     config.servedModelName = values['served-model-name'];
   }
   if (models.length > 1) config.extraModels = models.slice(1);
+  const loraModules = parseLoraModules(parsed.lists['lora-modules'] ?? []);
+  if (loraModules.length > 0) {
+    if (engine === 'sim') throw new UsageError('--lora-modules: simulated workers run no LoRA adapters');
+    config.loraModules = loraModules;
+  }
+  config.maxLoras = positiveInteger(values['max-loras'], 'max-loras')!;
   const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs');
   if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
@@ -445,8 +471,13 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           backend: config.backend,
         });
         const name = spec.servedModelName ?? modelIdFromName(pool.engine.info.modelName);
+        const adapters = pool.engine.loadLora
+          ? new LoraManager(pool.engine, config.maxLoras ?? DEFAULT_MAX_LORAS, (message) => logger.info(`${name}: ${message}`)) : undefined;
         served.push({
-          name, backend: { engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate },
+          name, backend: {
+            engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate,
+            ...(adapters ? { adapters } : {}),
+          },
         });
         if (served.slice(0, -1).some((other) => other.name === name)) {
           throw new UsageError(`two models would be served as "${name}": name them (--model NAME=PATH or --served-model-name)`);
@@ -456,6 +487,17 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : spec.path;
           logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `
             + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');
+        }
+      }
+      for (const { name, path } of config.loraModules ?? []) {
+        const adapters = served[0]!.backend.adapters;
+        if (!adapters) throw new UsageError('--lora-modules: these workers run no LoRA adapters');
+        if (served.some((model) => model.name === name)) throw new UsageError(`--lora-modules ${name}: a served model has that name`);
+        try {
+          const info = await adapters.register(name, path) as { format: string; rank: number };
+          logger.info(`LoRA adapter ${name} (${info.format}, rank ${info.rank}) loaded from ${path} for ${served[0]!.name}`);
+        } catch (error) {
+          throw new UsageError(`--lora-modules ${name}=${path}: ${(error as Error).message}`);
         }
       }
     } catch (error) {
