@@ -20,6 +20,7 @@ struct LoraMatrix {
   int64_t rank = 0, in = 0, out = 0;  // rank 0: the projection is not adapted
   std::vector<float> a;               // [rank x in]
   std::vector<float> b;               // [out x rank]
+  std::vector<float> bt;              // B transposed, [rank x out] (made by LoraSet::set): the kernel's reading order
 };
 
 struct LoraAdapter {
@@ -46,5 +47,19 @@ class LoraSet {
 // a row's result does not depend on the rows beside it (batch invariance).
 void lora_apply(ThreadPool& pool, const LoraSet& set, const int32_t* slots, int64_t rows, int64_t layer,
                 LoraTarget target, const float* x, int64_t ldx, float* y, int64_t ldy);
+
+// One projection's input and output for lora_apply_many.
+struct LoraOutput {
+  LoraTarget target;
+  const float* x;
+  int64_t ldx;
+  float* y;
+  int64_t ldy;
+};
+
+// lora_apply for several projections of the same rows in one parallel loop (rows x outputs items): Q, K and V, or
+// gate and up, cost one hand-over to the thread pool instead of one each.
+void lora_apply_many(ThreadPool& pool, const LoraSet& set, const int32_t* slots, int64_t rows, int64_t layer,
+                     const LoraOutput* outputs, int count);
 
 }  // namespace conduit

@@ -433,10 +433,9 @@ void Model::forward(const StepBatch& b, float* logits) {
     }
     if (lora) {
       scope.emplace(prof, "lora attn_qkv");
-      lora_apply(pool_, loras_, lora, T, l, kLoraK, xn, dim, k, kv_dim);
-      lora_apply(pool_, loras_, lora, T, l, kLoraV, xn, dim, v, kv_dim);
-      if (!select_rows) lora_apply(pool_, loras_, lora, T, l, kLoraQ, xn, dim, q, q_dim);
-      else lora_apply(pool_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
+      const LoraOutput qkv_lora[3] = {{kLoraK, xn, dim, k, kv_dim}, {kLoraV, xn, dim, v, kv_dim}, {kLoraQ, xn, dim, q, q_dim}};
+      lora_apply_many(pool_, loras_, lora, T, l, qkv_lora, select_rows ? 2 : 3);
+      if (select_rows) lora_apply(pool_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
     }
     const int64_t q_rows = select_rows ? L : T;
     scope.emplace(prof, "bias, rope, kv write");
@@ -493,8 +492,8 @@ void Model::forward(const StepBatch& b, float* logits) {
     matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2);
     if (lora) {
       scope.emplace(prof, "lora ffn_gate+up");
-      lora_apply(pool_, loras_, lora, rows, l, kLoraGate, xn, dim, gate, s.ffn_dim);
-      lora_apply(pool_, loras_, lora, rows, l, kLoraUp, xn, dim, up, s.ffn_dim);
+      const LoraOutput gate_up_lora[2] = {{kLoraGate, xn, dim, gate, s.ffn_dim}, {kLoraUp, xn, dim, up, s.ffn_dim}};
+      lora_apply_many(pool_, loras_, lora, rows, l, gate_up_lora, 2);
     }
     scope.emplace(prof, "swiglu");
     pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
