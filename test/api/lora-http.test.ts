@@ -127,6 +127,41 @@ describe('LoRA adapters over HTTP', () => {
   });
 });
 
+describe('LoRA adapters on disaggregated workers', () => {
+  it('gives the text of aggregated serving, the adapter loaded on prefill and decode workers', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-lora-disagg-'));
+    const servers: RunningServer[] = [];
+    try {
+      const modelPath = join(dir, 'base.gguf');
+      writeSyntheticModel({
+        name: 'lora disagg', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
+        dtype: 'F32', seed: 32, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+      }, modelPath);
+      const config = (await loadModel(modelPath)).config;
+      const adapterPath = join(dir, 'a.gguf');
+      writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed: 8, bScale: 1 }));
+      const texts: string[] = [];
+      for (const layout of [[], ['--prefill-workers', '1', '--decode-workers', '1', '--disagg-min-remote-prefill-tokens', '1']]) {
+        const parsed = parseServeConfig(['--port', '0', '--log-level', 'silent', '--kv-cache-memory', '8MiB', '--threads', '1',
+          '--model', `base=${modelPath}`, '--lora-modules', `a=${adapterPath}`, ...layout], {});
+        if (parsed === 'help') throw new Error('unexpected --help');
+        const server = await startServer(parsed, silentLogger);
+        servers.push(server);
+        const prompt = 'Once upon a time there was a little dog who liked to run in the park every day';
+        const res = await rawRequest(server.url, {
+          path: '/v1/completions', body: { model: 'a', prompt, max_tokens: 12, temperature: 0, ignore_eos: true },
+        });
+        assert.equal(res.status, 200, res.text);
+        texts.push(res.json().choices[0].text);
+      }
+      assert.equal(texts[1], texts[0]);
+    } finally {
+      for (const server of servers) await server.api.shutdown(0);
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
+
 describe('--lora-modules', () => {
   it('takes NAME=PATH items, comma-separated or repeated', () => {
     assert.deepEqual(parseLoraModules(['a=/x.gguf,b=/y', 'c=/z']), [
