@@ -69,6 +69,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("takeProfile", &NativeModel::TakeProfile),
                         InstanceMethod("releaseKvPool", &NativeModel::ReleaseKvPool),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
+                        InstanceMethod("setLora", &NativeModel::SetLora),
                         InstanceMethod("dispose", &NativeModel::Dispose)});
   }
 
@@ -193,6 +194,10 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     ArrayView logits_indices = typed_array(env, o.Get("logitsIndices"), napi_int32_array, "logitsIndices");
     b.logits_indices = static_cast<const int32_t*>(logits_indices.data);
     b.num_logits = static_cast<int64_t>(logits_indices.length);
+    const Napi::Value lora_slots = o.Get("loraSlots");
+    if (!lora_slots.IsUndefined() && !lora_slots.IsNull()) {
+      b.lora_slots = typed_data<int32_t>(env, lora_slots, napi_int32_array, "loraSlots", T);
+    }
 
     // Logits go into the caller's buffer when it is given and large enough (an engine reuses one: a fresh
     // Float32Array of a decode step's 128 KB of logits measured ~50 us to allocate), else into a new array.
@@ -244,6 +249,58 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       out.Set(name, o);
     }
     return out;
+  }
+
+  // setLora(slot, adapter | null): adapter { scale, layers: [{ wq?: { rank, a: Float32Array, b: Float32Array }, ...}] }
+  // (src/model/lora.ts LoraWeights); the matrices are copied.
+  Napi::Value SetLora(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Model& m = model(env);
+    const int slot = static_cast<int>(integer(env, info[0], "slot"));
+    std::unique_ptr<LoraAdapter> adapter;
+    if (info.Length() > 1 && info[1].IsObject()) {
+      Napi::Object o = info[1].As<Napi::Object>();
+      adapter = std::make_unique<LoraAdapter>();
+      adapter->scale = static_cast<float>(number(env, o.Get("scale"), "scale"));
+      if (!o.Get("layers").IsArray()) throw Napi::TypeError::New(env, "adapter.layers must be an array");
+      Napi::Array layers = o.Get("layers").As<Napi::Array>();
+      static const char* kNames[kLoraTargetCount] = {"wq", "wk", "wv", "wo", "wGate", "wUp", "wDown"};
+      const ModelSpec& s = m.spec();
+      const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
+      const int64_t in_of[kLoraTargetCount] = {s.dim, s.dim, s.dim, q_dim, s.dim, s.dim, s.ffn_dim};
+      const int64_t out_of[kLoraTargetCount] = {q_dim, kv_dim, kv_dim, s.dim, s.ffn_dim, s.ffn_dim, s.dim};
+      adapter->layers.resize(layers.Length());
+      for (uint32_t l = 0; l < layers.Length(); ++l) {
+        if (!layers.Get(l).IsObject()) continue;
+        Napi::Object layer = layers.Get(l).As<Napi::Object>();
+        for (int t = 0; t < kLoraTargetCount; ++t) {
+          const Napi::Value value = layer.Get(kNames[t]);
+          if (!value.IsObject()) continue;
+          const std::string name = "layers[" + std::to_string(l) + "]." + kNames[t];
+          Napi::Object mo = value.As<Napi::Object>();
+          LoraMatrix& mat = adapter->layers[l][t];
+          mat.rank = integer(env, mo.Get("rank"), name + ".rank", 1);
+          mat.in = in_of[t];
+          mat.out = out_of[t];
+          ArrayView a = typed_array(env, mo.Get("a"), napi_float32_array, name + ".a");
+          ArrayView bv = typed_array(env, mo.Get("b"), napi_float32_array, name + ".b");
+          if (a.length != static_cast<size_t>(mat.rank * mat.in) || bv.length != static_cast<size_t>(mat.out * mat.rank)) {
+            throw Napi::RangeError::New(env, name + ": a must hold rank x " + std::to_string(mat.in) + " and b " +
+                                                 std::to_string(mat.out) + " x rank floats");
+          }
+          const float* ap = static_cast<const float*>(a.data);
+          const float* bp = static_cast<const float*>(bv.data);
+          mat.a.assign(ap, ap + a.length);
+          mat.b.assign(bp, bp + bv.length);
+        }
+      }
+    }
+    try {
+      m.set_lora(slot, std::move(adapter));
+    } catch (const InvalidInput& e) {
+      throw Napi::RangeError::New(env, std::string("setLora: ") + e.what());
+    }
+    return env.Undefined();
   }
 
   // releaseKvPool() -> bytes of the pool given back to the system

@@ -204,6 +204,37 @@ Profile Model::take_profile() {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// LoRA adapters
+
+void Model::set_lora(int slot, std::unique_ptr<LoraAdapter> adapter) {
+  if (slot < 0 || slot > 4096) throw InvalidInput("LoRA slot " + std::to_string(slot) + " is outside [0, 4096]");
+  if (adapter) {
+    const ModelSpec& s = spec_;
+    const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
+    const int64_t in_of[kLoraTargetCount] = {s.dim, s.dim, s.dim, q_dim, s.dim, s.dim, s.ffn_dim};
+    const int64_t out_of[kLoraTargetCount] = {q_dim, kv_dim, kv_dim, s.dim, s.ffn_dim, s.ffn_dim, s.dim};
+    if (adapter->layers.size() > s.layers.size()) {
+      throw InvalidInput("LoRA adapter has " + std::to_string(adapter->layers.size()) + " layers, the model " +
+                         std::to_string(s.layers.size()));
+    }
+    for (size_t l = 0; l < adapter->layers.size(); ++l) {
+      for (int t = 0; t < kLoraTargetCount; ++t) {
+        const LoraMatrix& m = adapter->layers[l][t];
+        if (m.rank == 0) continue;
+        if (m.rank < 0 || m.in != in_of[t] || m.out != out_of[t] ||
+            m.a.size() != static_cast<size_t>(m.rank * m.in) || m.b.size() != static_cast<size_t>(m.out * m.rank)) {
+          throw InvalidInput("LoRA adapter layer " + std::to_string(l) + " target " + std::to_string(t) +
+                             " does not fit the model: rank " + std::to_string(m.rank) + ", in " +
+                             std::to_string(m.in) + " (model " + std::to_string(in_of[t]) + "), out " +
+                             std::to_string(m.out) + " (model " + std::to_string(out_of[t]) + ")");
+        }
+      }
+    }
+  }
+  loras_.set(slot, std::move(adapter));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Batch checks: a bad index here would read or write outside the pool, so every one is checked.
 
 void Model::validate(const StepBatch& b) const {
@@ -256,6 +287,15 @@ void Model::validate(const StepBatch& b) const {
         throw InvalidInput("slotMapping[" + std::to_string(r) + "] = " + std::to_string(slot) +
                            " is not the slot of position " + std::to_string(expected) +
                            " in sequence " + std::to_string(seq) + "'s block table");
+      }
+    }
+  }
+  if (b.lora_slots) {
+    for (int64_t i = 0; i < b.num_tokens; ++i) {
+      const int32_t slot = b.lora_slots[i];
+      if (slot != -1 && !loras_.get(slot)) {
+        throw InvalidInput("loraSlots[" + std::to_string(i) + "] = " + std::to_string(slot) +
+                           " names no loaded LoRA adapter");
       }
     }
   }
@@ -340,12 +380,14 @@ void Model::forward(const StepBatch& b, float* logits) {
   sel_query_start_.resize(L + 1);
   sel_seq_lens_.resize(L);
   sel_block_tables_.resize(L * static_cast<int64_t>(b.max_blocks_per_seq));
+  sel_lora_slots_.resize(L);
   sel_query_start_[0] = 0;
   for (int64_t i = 0; i < L; ++i) {
     const int32_t row = b.logits_indices[i];
     const int seq = static_cast<int>(std::upper_bound(b.query_start_loc, b.query_start_loc + b.num_seqs + 1, row) -
                                      b.query_start_loc) - 1;
     sel_positions_[i] = b.positions[row];
+    sel_lora_slots_[i] = b.lora_slots ? b.lora_slots[row] : -1;
     sel_query_start_[i + 1] = static_cast<int32_t>(i + 1);
     sel_seq_lens_[i] = b.positions[row] + 1;
     std::copy_n(b.block_tables + seq * static_cast<int64_t>(b.max_blocks_per_seq), b.max_blocks_per_seq,
@@ -369,6 +411,9 @@ void Model::forward(const StepBatch& b, float* logits) {
                           s.rope.neox};
 
   int64_t rows = T;  // rows carried through the residual stream (T, then L once rows are selected)
+  // Each row's LoRA slot (nullptr: no row has an adapter), of the rows carried (b's, then the selected rows').
+  const int32_t* lora = b.lora_slots;
+  const int32_t* sel_lora = b.lora_slots ? sel_lora_slots_.data() : nullptr;
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerRefs& W = s.layers[l];
     // The last layer continues with only the selected rows (unless they are all rows).
@@ -385,6 +430,12 @@ void Model::forward(const StepBatch& b, float* logits) {
       matmul(kt_, pool_, ws_, xn, T, dim, qkv, 2);
       for (int64_t i = 0; i < L; ++i) std::copy_n(xn + b.logits_indices[i] * dim, dim, sel_xn_.data() + i * dim);
       matmul(kt_, pool_, ws_, sel_xn_.data(), L, dim, qkv + 2, 1);
+    }
+    if (lora) {
+      scope.emplace(prof, "lora attn_qkv");
+      const LoraOutput qkv_lora[3] = {{kLoraK, xn, dim, k, kv_dim}, {kLoraV, xn, dim, v, kv_dim}, {kLoraQ, xn, dim, q, q_dim}};
+      lora_apply_many(pool_, loras_, lora, T, l, qkv_lora, select_rows ? 2 : 3);
+      if (select_rows) lora_apply(pool_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
     }
     const int64_t q_rows = select_rows ? L : T;
     scope.emplace(prof, "bias, rope, kv write");
@@ -419,12 +470,17 @@ void Model::forward(const StepBatch& b, float* logits) {
       x = sel_x_.data();
       xn = sel_xn_.data();
       rows = L;
+      lora = sel_lora;
     }
 
     // Attention output projection and residual.
     scope.emplace(prof, "matmul attn_output");
     const MatmulOutput wo = output_of(W.wo, tmp, dim);
     matmul(kt_, pool_, ws_, attn, rows, q_dim, &wo, 1);
+    if (lora) {
+      scope.emplace(prof, "lora attn_output");
+      lora_apply(pool_, loras_, lora, rows, l, kLoraO, attn, q_dim, tmp, dim);
+    }
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
 
@@ -434,6 +490,11 @@ void Model::forward(const StepBatch& b, float* logits) {
     scope.emplace(prof, "matmul ffn_gate+up");
     const MatmulOutput gate_up[2] = {output_of(W.w_gate, gate, s.ffn_dim), output_of(W.w_up, up, s.ffn_dim)};
     matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2);
+    if (lora) {
+      scope.emplace(prof, "lora ffn_gate+up");
+      const LoraOutput gate_up_lora[2] = {{kLoraGate, xn, dim, gate, s.ffn_dim}, {kLoraUp, xn, dim, up, s.ffn_dim}};
+      lora_apply_many(pool_, loras_, lora, rows, l, gate_up_lora, 2);
+    }
     scope.emplace(prof, "swiglu");
     pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
       const int64_t r0 = item * 16, r1 = min64(rows, r0 + 16);
@@ -442,6 +503,10 @@ void Model::forward(const StepBatch& b, float* logits) {
     scope.emplace(prof, "matmul ffn_down");
     const MatmulOutput down = output_of(W.w_down, tmp, dim);
     matmul(kt_, pool_, ws_, gate, rows, s.ffn_dim, &down, 1);
+    if (lora) {
+      scope.emplace(prof, "lora ffn_down");
+      lora_apply(pool_, loras_, lora, rows, l, kLoraDown, gate, s.ffn_dim, tmp, dim);
+    }
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "compute.h"
+#include "lora.h"
 #include "memory.h"
 
 namespace conduit {
@@ -59,6 +60,8 @@ struct StepBatch {
   int max_blocks_per_seq = 0;
   const int32_t* logits_indices = nullptr;
   int64_t num_logits = 0;
+  // [num_tokens] LoRA adapter slot of each row (-1: the base model), or nullptr when no row has one.
+  const int32_t* lora_slots = nullptr;
 };
 
 // Bad input from the caller: the binding turns it into a JavaScript error with this message.
@@ -89,6 +92,10 @@ class Model {
   size_t release_kv_pool() { return release_pages(spec_.kv_pool, spec_.kv_pool_bytes); }
   // Bytes of the KV pool resident in memory now.
   size_t kv_pool_resident_bytes() const { return resident_bytes(spec_.kv_pool, spec_.kv_pool_bytes); }
+
+  // Puts a LoRA adapter into a slot, or empties the slot (nullptr). The adapter's matrices must fit this model
+  // (checked here: InvalidInput names the mismatch).
+  void set_lora(int slot, std::unique_ptr<LoraAdapter> adapter);
 
   // Per-section wall time of forward passes (plus the pool's hand-over waits) while enabled; take_profile
   // returns what was gathered since the last call and starts again.
@@ -127,7 +134,8 @@ class Model {
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;
   // The last layer only needs the rows whose logits are wanted (plus K/V of every row).
   std::vector<float> sel_x_, sel_xn_;
-  std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_;
+  std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_, sel_lora_slots_;
+  LoraSet loras_;
   RopeTable rope_, sel_rope_;  // cos/sin of this step's rows, and of the selected rows
 };
 

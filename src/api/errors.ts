@@ -155,9 +155,24 @@ export class AdminRequiredError extends ApiError {
 }
 
 export class ModelNotFoundError extends ApiError {
-  constructor(model: string, served: string) {
+  constructor(model: string, served: string | readonly string[]) {
+    const names = (typeof served === 'string' ? [served] : served).map((name) => `'${name}'`);
     super(404, 'model_not_found', INVALID_REQUEST,
-      `The model '${model}' does not exist on this server; it serves '${served}'.`, 'model');
+      `The model '${model}' does not exist on this server; it serves ${names.length === 1 ? names[0] : `${names.slice(0, -1).join(', ')} and ${names.at(-1)}`}.`, 'model');
+  }
+}
+
+/** POST /v1/load_lora_adapter or /v1/unload_lora_adapter that cannot be done (bad file, name taken or unknown, in use). */
+export class LoraAdapterError extends ApiError {
+  constructor(status: 400 | 404 | 409, code: string, message: string, param: string | null = 'lora_name') {
+    super(status, code, INVALID_REQUEST, sentence(message), param);
+  }
+}
+
+/** Every resident LoRA adapter (--max-loras) has requests in flight: none can make room for the one asked for. */
+export class LoraCapacityExceededError extends ApiError {
+  constructor(message: string) {
+    super(503, 'lora_capacity', SERVER_ERROR, `${sentence(message)} Please retry shortly.`, 'model', retryHeaders(1000));
   }
 }
 

@@ -25,6 +25,12 @@ export class GatewayMetrics {
   private readonly kvUsed: Gauge<'model'>;
   private readonly kvCapacity: Gauge<'model'>;
   private readonly inFlightByTenant = new Map<string, number>();
+  private readonly loraActive: Gauge<'model'>;
+  private readonly loraRegistered: Gauge<'model'>;
+  private readonly loraLoads: Counter<'model'>;
+  private readonly loraEvictions: Counter<'model'>;
+  /** The adapter managers' cumulative counts at the last scrape, per model (the counters advance by the difference). */
+  private readonly loraSeen = new Map<string, { loads: number; evictions: number }>();
 
   /** Registers the gateway's families in `registry` (the telemetry's, in the server). */
   constructor(registry: Registry = new Registry()) {
@@ -49,6 +55,30 @@ export class GatewayMetrics {
     this.kvCapacity = family(registry, 'conduit_kv_cache_capacity_blocks', (registers) => new Gauge({
       name: 'conduit_kv_cache_capacity_blocks', help: 'KV cache blocks in the pool, over all workers.', labelNames: ['model'], registers,
     }));
+    this.loraActive = family(registry, 'conduit_lora_adapters_active', (registers) => new Gauge({
+      name: 'conduit_lora_adapters_active', help: 'LoRA adapters resident on the workers of a base model (at most --max-loras).', labelNames: ['model'], registers,
+    }));
+    this.loraRegistered = family(registry, 'conduit_lora_adapters_registered', (registers) => new Gauge({
+      name: 'conduit_lora_adapters_registered', help: 'LoRA adapters a base model serves (resident or loaded on demand).', labelNames: ['model'], registers,
+    }));
+    this.loraLoads = family(registry, 'conduit_lora_adapter_loads_total', (registers) => new Counter({
+      name: 'conduit_lora_adapter_loads_total', help: 'LoRA adapter loads onto the workers (at registration and on demand after an eviction).', labelNames: ['model'], registers,
+    }));
+    this.loraEvictions = family(registry, 'conduit_lora_adapter_evictions_total', (registers) => new Counter({
+      name: 'conduit_lora_adapter_evictions_total', help: 'LoRA adapters unloaded to make room for another (least recently used first).', labelNames: ['model'], registers,
+    }));
+  }
+
+  /** A base model's adapter figures at scrape time. */
+  setLora(model: string, stats: { registered: number; resident: number; loads: number; evictions: number }): void {
+    this.loraActive.set({ model }, stats.resident);
+    this.loraRegistered.set({ model }, stats.registered);
+    const seen = this.loraSeen.get(model) ?? { loads: 0, evictions: 0 };
+    if (stats.loads > seen.loads) this.loraLoads.inc({ model }, stats.loads - seen.loads);
+    else this.loraLoads.inc({ model }, 0);
+    if (stats.evictions > seen.evictions) this.loraEvictions.inc({ model }, stats.evictions - seen.evictions);
+    else this.loraEvictions.inc({ model }, 0);
+    this.loraSeen.set(model, { loads: stats.loads, evictions: stats.evictions });
   }
 
   countResponse(route: string, status: number, tenant: string): void {

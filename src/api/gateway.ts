@@ -12,7 +12,7 @@ import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, TemplateRefusedMessagesError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
-  PromptTooLongError, TooManySequencesError,
+  PromptTooLongError, TooManySequencesError, LoraAdapterError, LoraCapacityExceededError, WrongTypeError,
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
@@ -49,6 +49,38 @@ export interface ModelBackend {
    * other than 1, WorkerPool.clock): the API server stamps arrivals and phases with it, so a request has one clock.
    */
   clock?: () => number;
+  /** The model's LoRA adapters (runtime/lora-manager.ts fits), when it serves any. */
+  adapters?: AdapterHost;
+}
+
+/** The LoRA adapters of one served model, as the gateway uses them. */
+export interface AdapterHost {
+  /** Registered adapters, each with the file it came from. */
+  list(): { name: string; path: string; resident: boolean }[];
+  has(name: string): boolean;
+  /** Makes the adapter resident for a request and counts it until release; resolves the engine's key for it. */
+  acquire(name: string): Promise<string>;
+  release(name: string): void;
+  register(name: string, path: string): Promise<unknown>;
+  unregister(name: string): Promise<void>;
+  stats(): { registered: number; resident: number; loads: number; evictions: number };
+}
+
+/** One model the gateway serves, under the name clients send as "model". */
+export interface ServedModel {
+  name: string;
+  backend: ModelBackend;
+}
+
+/** What a request is for: the served model it runs on, and the LoRA adapter when it names one. */
+export interface ModelTarget {
+  /** The name the request used (the id its responses carry). */
+  name: string;
+  backend: ModelBackend;
+  /** Set when the name is an adapter of the backend's model. */
+  adapter?: string;
+  /** The served name of the base model (the adapter's parent). */
+  baseName?: string;
 }
 
 export const DEFAULT_WORKER_ID = 'worker-0';
@@ -113,7 +145,10 @@ function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
 
 export class Gateway {
   state: GatewayState = 'loading';
+  /** The first model served: what a request without "model", /health and the single-model getters refer to. */
   private backend: ModelBackend | undefined;
+  /** Every served model by name, the first one included (set by attach / attachModels). */
+  private readonly served = new Map<string, ModelBackend>();
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
   /** Sequences (prompts x n) of the runs in flight: what the pending bound counts. */
@@ -121,29 +156,59 @@ export class Gateway {
   /** Ends the grace period of drains under way. */
   private readonly graceCutters: (() => void)[] = [];
   private readonly startedAtSeconds = unixSeconds();
-  private encoder: PromptEncoder | undefined;
+  /** One prompt encoder per served model (each has its own tokenizer). */
+  private readonly encoders = new Map<ModelBackend, PromptEncoder>();
+  private primaryName: string | undefined;
 
   constructor(private readonly options: GatewayOptions) {}
 
   attach(backend: ModelBackend): void {
-    void this.encoder?.close();
-    this.backend = backend;
-    this.encoder = new PromptEncoder(backend.tokenizer, this.options.offThreadChars);
+    const name = this.options.servedModelName ?? modelIdFromName(backend.engine.info.modelName);
+    this.attachModels([{ name, backend }]);
+  }
+
+  /**
+   * Serves several models, each under its own name, each with its own engine, tokenizer and chat template. The
+   * first is the default for a request without "model".
+   */
+  attachModels(models: readonly ServedModel[]): void {
+    if (models.length === 0) throw new RangeError('attachModels needs at least one model');
+    const names = new Set<string>();
+    for (const { name } of models) {
+      if (names.has(name)) throw new RangeError(`two models are served as '${name}'`);
+      names.add(name);
+    }
+    for (const encoder of this.encoders.values()) void encoder.close();
+    this.encoders.clear();
+    this.served.clear();
+    for (const { name, backend } of models) {
+      this.served.set(name, backend);
+      this.encoders.set(backend, new PromptEncoder(backend.tokenizer, this.options.offThreadChars));
+    }
+    this.backend = models[0]!.backend;
+    this.primaryName = models[0]!.name;
     this.state = 'ready';
   }
 
-  /** Stops the tokenizer thread (if one was started). */
+  /** Every served model, in the order given (the default first). */
+  get servedModels(): ServedModel[] {
+    return [...this.served].map(([name, backend]) => ({ name, backend }));
+  }
+
+  /** Stops the tokenizer threads (if any were started). */
   async close(): Promise<void> {
-    await this.encoder?.close();
+    await Promise.all([...this.encoders.values()].map((encoder) => encoder.close()));
   }
 
   /** Prompts tokenized off the event loop so far. */
   get offThreadTokenizations(): number {
-    return this.encoder?.offThreadCount ?? 0;
+    let count = 0;
+    for (const encoder of this.encoders.values()) count += encoder.offThreadCount;
+    return count;
   }
 
-  private encode(text: string, options: EncodeOptions): Promise<number[]> {
-    return this.encoder!.encode(text, options);
+  private encode(backend: ModelBackend, text: string, options: EncodeOptions): Promise<number[]> {
+    return this.encoders.get(backend)!.encode(text, options);
   }
 
   /**
@@ -176,6 +241,7 @@ export class Gateway {
    * "Llama 3.1 8B" is served as "Llama-3.1-8B"; the name itself stays in /v1/models' root and the banner).
    */
   get servedModelName(): string | undefined {
+    if (this.primaryName !== undefined) return this.primaryName;
     if (this.options.servedModelName !== undefined) return this.options.servedModelName;
     const name = this.backend?.engine.info.modelName;
     return name === undefined ? undefined : modelIdFromName(name);
@@ -204,16 +270,64 @@ export class Gateway {
     return { vocabSize: Math.min(backend.engine.info.vocabSize, backend.tokenizer.vocabSize) };
   }
 
-  private checkModel(model: string | undefined): void {
-    const served = this.servedModelName!;
-    if (model !== undefined && model !== served) throw new ModelNotFoundError(model, served);
+  /** The served model a request names ("model"; none = the default one); an unknown name is a 404 naming those served. */
+  resolveModel(model: string | undefined): ModelTarget {
+    this.ready();
+    if (model === undefined) return { name: this.servedModelName!, backend: this.backend! };
+    const backend = this.served.get(model);
+    if (backend) return { name: model, backend };
+    for (const [baseName, candidate] of this.served) {
+      if (candidate.adapters?.has(model)) return { name: model, backend: candidate, adapter: model, baseName };
+    }
+    throw new ModelNotFoundError(model, this.servedNames());
+  }
+
+  /** Every name a request may use: the models, then their adapters. */
+  private servedNames(): string[] {
+    return [...this.served].flatMap(([name, backend]) => [name, ...(backend.adapters?.list().map((a) => a.name) ?? [])]);
+  }
+
+  // ---- LoRA adapters (vLLM's runtime API) ----
+
+  /** POST /v1/load_lora_adapter {lora_name, lora_path[, base_model_name]}: registers and loads an adapter. */
+  async loadLoraAdapter(body: unknown): Promise<string> {
+    this.ready();
+    const fields = loraBody(body, true);
+    const baseName = fields.baseModelName ?? this.servedModelName!;
+    const backend = this.served.get(baseName);
+    if (!backend) throw new LoraAdapterError(404, 'model_not_found', `base_model_name '${baseName}' is not served (${[...this.served.keys()].join(', ')})`, 'base_model_name');
+    if (!backend.adapters) throw new LoraAdapterError(400, 'lora_not_supported', `'${baseName}' runs no LoRA adapters`, 'base_model_name');
+    if (this.served.has(fields.name) || [...this.served.values()].some((b) => b.adapters?.has(fields.name))) {
+      throw new LoraAdapterError(400, 'lora_name_taken', `The lora adapter '${fields.name}' has already been loaded (or names a served model)`);
+    }
+    try {
+      await backend.adapters.register(fields.name, fields.path!);
+    } catch (error) {
+      throw loraApiError(error, 'lora_path');
+    }
+    return `Success: LoRA adapter '${fields.name}' added successfully.`;
+  }
+
+  /** POST /v1/unload_lora_adapter {lora_name}: unloads an adapter no request uses. */
+  async unloadLoraAdapter(body: unknown): Promise<string> {
+    this.ready();
+    const { name } = loraBody(body, false);
+    const backend = [...this.served.values()].find((b) => b.adapters?.has(name));
+    if (!backend) throw new LoraAdapterError(404, 'lora_not_found', `The lora adapter '${name}' cannot be found`);
+    try {
+      await backend.adapters!.unregister(name);
+    } catch (error) {
+      throw loraApiError(error, 'lora_name');
+    }
+    return `Success: LoRA adapter '${name}' removed successfully.`;
   }
 
   // ---- prompts ----
 
-  private async renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
+  private async renderChat(target: ModelTarget, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
     templateKwargs: JsonObject | undefined, checkLength: boolean): Promise<number[]> {
-    if (!backend.chatTemplate) throw new NoChatTemplateError(this.servedModelName!);
+    const { backend } = target;
+    if (!backend.chatTemplate) throw new NoChatTemplateError(target.name);
     let text: string;
     try {
       text = backend.chatTemplate.render(templateMessages(messages),
@@ -227,7 +341,7 @@ export class Gateway {
     // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
     // and the tokenizer put it there.
     if (checkLength) this.checkPromptBytes(backend, text, 'messages');
-    const ids = await this.encode(text, { addSpecialTokens: true, parseSpecial: true });
+    const ids = await this.encode(backend, text, { addSpecialTokens: true, parseSpecial: true });
     const bos = backend.tokenizer.bosId;
     return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
   }
@@ -255,11 +369,12 @@ export class Gateway {
   }
 
   /** Parses and checks a generation request, telling the request's trace how validation went. */
-  private validated<T extends GenerationOptions>(call: Call, parse: () => T, promptCount: (request: T) => number): T {
+  private validated<T extends GenerationOptions>(call: Call, parse: () => T, promptCount: (request: T) => number): { request: T; target: ModelTarget } {
     let request: T;
+    let target: ModelTarget;
     try {
       request = parse();
-      this.checkModel(request.model);
+      target = this.resolveModel(request.model);
       // Before any prompt is tokenized: the cap is on what the request asks for, whatever its prompts hold.
       const prompts = promptCount(request);
       if (prompts * request.n > this.sequenceLimit) throw new TooManySequencesError(prompts, request.n, this.sequenceLimit);
@@ -269,30 +384,33 @@ export class Gateway {
       throw err;
     }
     call.trace?.validated({
-      ok: true, model: this.servedModelName!, stream: request.stream, temperature: request.temperature, n: request.n,
+      ok: true, model: target.baseName ?? target.name, ...(target.adapter !== undefined ? { adapter: target.adapter } : {}), stream: request.stream, temperature: request.temperature, n: request.n,
       ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),
     });
-    return request;
+    return { request, target };
   }
 
   // ---- endpoints ----
 
   async chatCompletions(call: Call, body: unknown): Promise<void> {
-    const backend = this.ready();
-    const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)), () => 1);
-    const tokenIds = await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
+    this.ready();
+    const { request, target } = this.validated(call,
+      () => parseChatCompletionRequest(body, this.validationContext(this.backendFor(body))), () => 1);
+    const { backend } = target;
+    const tokenIds = await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
     const id = call.requestId ?? newCompletionId('chatcmpl');
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
-    const shape = new ChatShape(this.meta(backend, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
-    await this.run(call, backend, id, [prompt], request, topLogprobs, shape);
+    const shape = new ChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+    await this.run(call, target, id, [prompt], request, topLogprobs, shape);
   }
 
   async completions(call: Call, body: unknown): Promise<void> {
-    const backend = this.ready();
-    const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)),
-      (r) => r.prompts.length);
+    this.ready();
+    const { request, target } = this.validated(call,
+      () => parseCompletionRequest(body, this.validationContext(this.backendFor(body))), (r) => r.prompts.length);
+    const { backend } = target;
     const { tokenizer } = backend;
     const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
     // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
@@ -300,7 +418,7 @@ export class Gateway {
     const prompts: PreparedPrompt[] = [];
     for (const [i, input] of request.prompts.entries()) {
       if ('text' in input) {
-        const ids = await this.encode(input.text, { addSpecialTokens: true, parseSpecial: true });
+        const ids = await this.encode(backend, input.text, { addSpecialTokens: true, parseSpecial: true });
         prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), input.text));
         continue;
       }
@@ -310,37 +428,51 @@ export class Gateway {
     call.trace?.tokenized(prompts.reduce((sum, p) => sum + p.tokenIds.length, 0));
     const id = call.requestId ?? newCompletionId('cmpl');
     const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
-    const shape = new CompletionShape(this.meta(backend, id), prompts.length * request.n, new TokenTexts(tokenizer),
+    const shape = new CompletionShape(this.meta(target, id), prompts.length * request.n, new TokenTexts(tokenizer),
       request.logprobs, echoTexts);
-    await this.run(call, backend, id, prompts, request, request.logprobs, shape);
+    await this.run(call, target, id, prompts, request, request.logprobs, shape);
   }
 
   async tokenize(body: unknown): Promise<JsonReply> {
-    const backend = this.ready();
-    const request = parseTokenizeRequest(body, this.validationContext(backend));
-    this.checkModel(request.model);
+    this.ready();
+    const request = parseTokenizeRequest(body, this.validationContext(this.backendFor(body)));
+    const target = this.resolveModel(request.model);
+    const { backend } = target;
     const tokens = request.kind === 'prompt'
-      ? await this.encode(request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
-      : await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, false);
+      ? await this.encode(backend, request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
+      : await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, false);
     return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 
   detokenize(body: unknown): JsonReply {
-    const backend = this.ready();
-    const request = parseDetokenizeRequest(body, this.validationContext(backend));
-    this.checkModel(request.model);
+    this.ready();
+    const request = parseDetokenizeRequest(body, this.validationContext(this.backendFor(body)));
+    const { backend } = this.resolveModel(request.model);
     return { status: 200, body: { prompt: backend.tokenizer.decode(request.tokens) } };
   }
 
   models(): JsonReply {
-    const backend = this.ready();
-    return { status: 200, body: { object: 'list', data: [this.modelCard(backend)] } };
+    this.ready();
+    const cards = this.servedModels.flatMap(({ name, backend }) => [
+      this.modelCard({ name, backend }),
+      ...(backend.adapters?.list() ?? []).map((adapter) => this.modelCard({ name: adapter.name, backend, adapter: adapter.name, baseName: name })),
+    ]);
+    return { status: 200, body: { object: 'list', data: cards } };
   }
 
   model(name: string): JsonReply {
-    const backend = this.ready();
-    this.checkModel(name);
-    return { status: 200, body: this.modelCard(backend) };
+    this.ready();
+    const target = this.resolveModel(name);
+    return { status: 200, body: this.modelCard(target) };
+  }
+
+  /**
+   * The backend whose vocabulary a request's token ids are checked against while it is parsed: the model its
+   * "model" field names when that is served, else the default one (an unknown name is refused right after).
+   */
+  private backendFor(body: unknown): ModelBackend {
+    const model = typeof body === 'object' && body !== null ? (body as { model?: unknown }).model : undefined;
+    return (typeof model === 'string' ? this.served.get(model) : undefined) ?? this.backend!;
   }
 
   health(): JsonReply {
@@ -371,23 +503,46 @@ export class Gateway {
 
   // ---- running ----
 
-  private meta(backend: ModelBackend, id: string): ChatResponseMeta {
-    return { id, created: unixSeconds(), model: this.servedModelName!, systemFingerprint: `conduit-${backend.engine.info.backend}` };
+  private meta(target: ModelTarget, id: string): ChatResponseMeta {
+    return { id, created: unixSeconds(), model: target.name, systemFingerprint: `conduit-${target.backend.engine.info.backend}` };
   }
 
-  private modelCard(backend: ModelBackend): object {
+  private modelCard({ name, backend, adapter, baseName }: ModelTarget): object {
+    // An adapter's card is vLLM's: root is the adapter's path, parent the base model it runs on.
+    const path = adapter !== undefined ? backend.adapters?.list().find((a) => a.name === adapter)?.path : undefined;
     return {
-      id: this.servedModelName,
+      id: name,
       object: 'model',
       created: this.startedAtSeconds,
       owned_by: 'conduit',
-      root: backend.engine.info.modelName,
+      root: path ?? backend.engine.info.modelName,
+      parent: adapter !== undefined ? baseName ?? null : null,
       max_model_len: backend.engine.info.maxModelLen,
     };
   }
 
-  private async run(call: Call, backend: ModelBackend, id: string, prompts: PreparedPrompt[],
+  private async run(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
     request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
+    const { backend } = target;
+    // An adapter is made resident (loaded, or kept from eviction) for as long as the run lasts.
+    let loraKey: string | undefined;
+    if (target.adapter !== undefined) {
+      try {
+        loraKey = await backend.adapters!.acquire(target.adapter);
+      } catch (error) {
+        throw loraApiError(error, 'model');
+      }
+    }
+    try {
+      await this.runAcquired(call, target, id, prompts, request, logprobs, shape, loraKey);
+    } finally {
+      if (target.adapter !== undefined) backend.adapters!.release(target.adapter);
+    }
+  }
+
+  private async runAcquired(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
+    request: GenerationOptions, logprobs: number | null, shape: ResponseShape, loraKey: string | undefined): Promise<void> {
+    const { backend } = target;
     // With telemetry the engine joins the request's own trace (its root span as parent); without, the client's.
     const traceparent = call.trace ? call.trace.context() : call.traceparent;
     // The response names the trace context the request ran under (W3C Trace Context's response header), with the
@@ -403,10 +558,11 @@ export class Gateway {
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
+      ...(loraKey !== undefined ? { lora: loraKey } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
     const trace = call.trace;
     if (trace) {
-      trace.attachRun(run, backend.engine.info.blockSize, this.workerId);
+      trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID);
       run.onOutput = (output) => trace.output(output);
     }
     const timings = trace ? () => trace.timings() : undefined;
@@ -503,6 +659,32 @@ export class Gateway {
   private runEnded(run: GenerationRun): void {
     this.activeRuns.delete(run);
     if (this.activeRuns.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
+  }
+}
+
+/** The fields of a load/unload_lora_adapter body (vLLM's names; base_model_name is Conduit's, for several models). */
+function loraBody(body: unknown, load: boolean): { name: string; path?: string; baseModelName?: string } {
+  if (typeof body !== 'object' || body === null || Array.isArray(body)) throw new WrongTypeError('body', 'an object', body);
+  const o = body as Record<string, unknown>;
+  const name = o.lora_name;
+  if (typeof name !== 'string' || name.trim() === '') throw new LoraAdapterError(400, 'invalid_value', 'lora_name must be a non-empty string');
+  if (!load) return { name };
+  const path = o.lora_path;
+  if (typeof path !== 'string' || path === '') throw new LoraAdapterError(400, 'invalid_value', 'lora_path must be a non-empty string', 'lora_path');
+  const base = o.base_model_name;
+  if (base !== undefined && typeof base !== 'string') throw new LoraAdapterError(400, 'invalid_value', 'base_model_name must be a string', 'base_model_name');
+  return { name, path, ...(base !== undefined ? { baseModelName: base } : {}) };
+}
+
+/** A LoRA manager's error as the client's: a bad file 400, unknown 404, in use 409, no room 503. */
+function loraApiError(error: unknown, param: string): unknown {
+  const named = error as { name?: string; code?: string; message?: string };
+  if (named?.name === 'LoraCapacityError') return new LoraCapacityExceededError(named.message!);
+  if (named?.name !== 'LoraLoadError') return error;
+  switch (named.code) {
+    case 'lora_not_loaded': return new LoraAdapterError(404, 'lora_not_found', named.message!);
+    case 'lora_in_use': return new LoraAdapterError(409, 'lora_in_use', named.message!);
+    default: return new LoraAdapterError(400, 'invalid_lora_adapter', named.message!, param);
   }
 }
 

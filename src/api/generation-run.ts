@@ -27,6 +27,8 @@ export interface RunRequestTemplate {
   cacheSalt?: string;
   traceparent?: string;
   sessionId?: string;
+  /** The engine's key of the LoRA adapter the request runs with (EngineRequest.lora). */
+  lora?: string;
 }
 
 export class GenerationRun {

@@ -19,7 +19,7 @@ import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
   AdminRequiredError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
-import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend } from './gateway.ts';
+import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
@@ -238,13 +238,23 @@ export class ApiServer {
     // Simulated workers at a speed-up other than 1 stamp on their own clock: the gateway stamps on it too.
     this.clockSource = backend.clock ?? this.defaultClock;
     this.gateway.attach(backend);
-    // A model just loaded: its requests are traced at the sampler's new-model rate for a while.
     const model = this.gateway.servedModelName;
-    if (model !== undefined) {
-      this.telemetry.registerNewModel(model);
-      const { quantization } = backend.engine.info;
-      this.telemetry.describeModel(model, quantization !== undefined ? { quantization } : {});
-    }
+    if (model !== undefined) this.describeAttached(model, backend);
+  }
+
+  /** Serves several models, each under its own name (the first is the default). */
+  attachModels(models: readonly ServedModel[]): void {
+    // One clock per server: the first model's (several models are served only by real CPU workers or at speed-up 1).
+    this.clockSource = models[0]?.backend.clock ?? this.defaultClock;
+    this.gateway.attachModels(models);
+    for (const { name, backend } of models) this.describeAttached(name, backend);
+  }
+
+  /** A model just loaded: its requests are traced at the sampler's new-model rate for a while. */
+  private describeAttached(model: string, backend: ModelBackend): void {
+    this.telemetry.registerNewModel(model);
+    const { quantization } = backend.engine.info;
+    this.telemetry.describeModel(model, quantization !== undefined ? { quantization } : {});
   }
 
   async listen(port: number, host = '127.0.0.1'): Promise<AddressInfo> {
@@ -292,7 +302,7 @@ export class ApiServer {
     // Closing the engine ends any stream it still holds, so no run can outlive it.
     await within(this.gateway.whenIdle(), 1000);
     this.gateway.state = 'stopped';
-    await this.gateway.engine?.close();
+    await Promise.all(this.gateway.servedModels.map(({ backend }) => backend.engine.close()));
     await this.gateway.close();
     await this.gateway.whenIdle();
     await closed;
@@ -353,6 +363,13 @@ export class ApiServer {
         const m = /^\/console\/api\/requests\/([^/]+)$/.exec(p);
         return m ? [decodePathSegment(m[1]!, p)] : undefined;
       }, true, { GET: ({ params, call }) => this.webConsole.request(params[0]!, call.tenant) }),
+      // vLLM's runtime LoRA API; a path on this machine is read, so only an admin may when keys are configured.
+      admin(route('load_lora_adapter', exact('/v1/load_lora_adapter'), true, {
+        POST: async ({ res, body, call }) => sendText(res, await g.loadLoraAdapter(body), call.headers),
+      })),
+      admin(route('unload_lora_adapter', exact('/v1/unload_lora_adapter'), true, {
+        POST: async ({ res, body, call }) => sendText(res, await g.unloadLoraAdapter(body), call.headers),
+      })),
     ];
   }
 
@@ -361,9 +378,10 @@ export class ApiServer {
    * system. 409 when a worker had requests running (the workers that were idle still reset).
    */
   private async resetPrefixCache(): Promise<JsonReply> {
-    const engine = this.gateway.engine;
-    if (!engine) throw new NotReadyError('still loading its model');
-    if (!(await engine.resetPrefixCache())) throw new PrefixCacheInUseError();
+    const models = this.gateway.servedModels;
+    if (models.length === 0) throw new NotReadyError('still loading its model');
+    const results = await Promise.all(models.map(({ backend }) => backend.engine.resetPrefixCache()));
+    if (results.includes(false)) throw new PrefixCacheInUseError();
     return { status: 200, body: { reset: true } };
   }
 
@@ -388,6 +406,7 @@ export class ApiServer {
   private async sendMetrics(res: ServerResponse): Promise<void> {
     this.refreshEngineStats();
     const engine = this.gateway.engine;
+    for (const { name, backend } of this.gateway.servedModels) if (backend.adapters) this.metrics.setLora(name, backend.adapters.stats());
     const text = await this.metrics.render(engine?.stats(), this.gateway.servedModelName);
     res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
     res.end(text);
@@ -398,23 +417,27 @@ export class ApiServer {
    * counters moved. Done at scrape time, so the gauges are as fresh as the scrape and cost nothing in between.
    */
   private refreshEngineStats(): void {
-    const engine = this.gateway.engine;
-    if (!engine) return;
-    const model = this.gateway.servedModelName;
     const seen = new Set<string>();
-    for (const { workerId, stats } of this.workerSources()) {
+    for (const { workerId, model, stats } of this.workerSources()) {
       seen.add(workerId);
-      this.telemetry.updateEngineStats({ worker: workerId, ...(model !== undefined ? { model } : {}), stats });
+      this.telemetry.updateEngineStats({ worker: workerId, model, stats });
     }
     for (const worker of this.reportedWorkers) if (!seen.has(worker)) this.telemetry.metrics.forgetWorker(worker);
     this.reportedWorkers = seen;
   }
 
-  /** The workers serving now, each with its stats: what /metrics' per-worker series and the console list. */
-  private workerSources(): ConsoleWorkerSource[] {
-    const engine = this.gateway.engine;
-    if (!engine) return [];
-    return isMultiWorker(engine) ? engine.workerStats() : [{ workerId: this.gateway.workerId, stats: engine.stats(), info: engine.info }];
+  /**
+   * The workers serving now, each with its stats and model: what /metrics' per-worker series and the console list.
+   * Every model's pool names its workers worker-0 ...: with several models the worker's name says whose it is.
+   */
+  private workerSources(): (ConsoleWorkerSource & { model: string })[] {
+    const models = this.gateway.servedModels;
+    return models.flatMap(({ name: model, backend }) => {
+      const { engine } = backend;
+      const workers: ConsoleWorkerSource[] = isMultiWorker(engine) ? engine.workerStats()
+        : [{ workerId: backend.workerId ?? this.gateway.workerId, stats: engine.stats(), info: engine.info }];
+      return workers.map((w) => ({ ...w, model, workerId: models.length > 1 ? `${model}:${w.workerId}` : w.workerId }));
+    });
   }
 
   /** A generation request's id and trace, from arrival on. */
@@ -566,6 +589,12 @@ export class ApiServer {
     if (!bodyFullyRead) headers.Connection = 'close';
     sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers);
   }
+}
+
+/** A 200 with a plain-text body, as vLLM answers its LoRA endpoints. */
+function sendText(res: ServerResponse, text: string, headers: Record<string, string>): void {
+  res.writeHead(200, { ...headers, 'Content-Type': 'text/plain; charset=utf-8', 'Content-Length': Buffer.byteLength(text) });
+  res.end(text);
 }
 
 /** A percent-encoded path segment as text; a malformed escape is the client's 400, not a URIError's 500. */

@@ -12,6 +12,11 @@ export interface FlagSpec {
   env?: string;
   /** Short alias, e.g. 'p' for -p. */
   short?: string;
+  /**
+   * A string flag that may be given more than once (ParsedFlags.lists holds every value in order; values holds the
+   * last). Its environment twin is a comma-separated list.
+   */
+  repeatable?: boolean;
 }
 
 export type FlagTable = Record<string, FlagSpec>;
@@ -37,6 +42,8 @@ export interface ParsedFlags<T extends FlagTable> {
   environment: Partial<Record<keyof T & string, string>>;
   /** One line per environment variable ignored as inapplicable (ParseOptions.inapplicable). */
   warnings: string[];
+  /** Every value of each repeatable flag, in order (from the command line, else its environment twin's list). */
+  lists: Partial<Record<keyof T & string, string[]>>;
 }
 
 /** Flags that have no effect given the other values, and why (see ignoreInapplicable). */
@@ -92,6 +99,7 @@ export function parseFlags<T extends FlagTable>(
   const values: Record<string, string | number | boolean | undefined> = {};
   const sources: Record<string, FlagSource> = {};
   const fromArgs = new Set<string>();
+  const lists: Record<string, string[]> = {};
   const positionals: string[] = [];
   const byShort = new Map(Object.entries(table).filter(([, s]) => s.short).map(([n, s]) => [s.short!, n]));
 
@@ -131,6 +139,10 @@ export function parseFlags<T extends FlagTable>(
       i++;
     }
     values[name] = convert(name, spec, raw, 'option');
+    if (spec.repeatable) {
+      if (!fromArgs.has(name)) lists[name] = [];
+      lists[name]!.push(raw);
+    }
     sources[name] = 'command line';
     fromArgs.add(name);
   }
@@ -147,6 +159,7 @@ export function parseFlags<T extends FlagTable>(
     if (fromEnv === undefined || fromEnv === '') continue;
     sources[name] = 'environment';
     environment[name] = fromEnv;
+    if (spec.repeatable) lists[name] = fromEnv.split(',').map((item) => item.trim()).filter((item) => item !== '');
     try {
       values[name] = convert(name, spec, fromEnv, envName(name, spec));
     } catch (err) {
@@ -157,6 +170,7 @@ export function parseFlags<T extends FlagTable>(
   const parsed: ParsedFlags<T> = {
     values: values as FlagValues<T>, positionals, sources: sources as ParsedFlags<T>['sources'],
     environment: environment as ParsedFlags<T>['environment'], warnings: [],
+    lists: lists as ParsedFlags<T>['lists'],
   };
   const rule = options.inapplicable?.(parsed.values);
   if (rule) parsed.warnings.push(...ignoreInapplicable(table, parsed, rule.names, rule.why));
@@ -192,7 +206,7 @@ export function ignoreInapplicable<T extends FlagTable>(table: T, parsed: Parsed
 export function formatFlagHelp(table: FlagTable): string {
   const rows = Object.entries(table).map(([name, spec]) => {
     const left = `  --${name}${spec.short ? `, -${spec.short}` : ''}${spec.type === 'boolean' ? '' : ` <${spec.type}>`}`;
-    const def = spec.default !== undefined ? ` (default ${spec.default})` : '';
+    const def = (spec.default !== undefined ? ` (default ${spec.default})` : '') + (spec.repeatable ? ' (repeatable)' : '');
     return `${left.padEnd(34)} ${spec.help}${def} [env ${envName(name, spec)}]`;
   });
   return rows.join('\n');

@@ -2,11 +2,12 @@
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
 // requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
 
-import { readFileSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
+import { availableParallelism } from 'node:os';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
-import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, type ModelBackend } from '../api/gateway.ts';
+import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, modelIdFromName, type ServedModel } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
 import {
@@ -16,14 +17,17 @@ import {
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
+import { DEFAULT_MAX_LORAS, LoraManager } from '../runtime/lora-manager.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const SERVE_FLAGS = {
-  model: { type: 'string', help: 'GGUF file or Hugging Face folder (default: the built-in synthetic model)', short: 'm' },
-  'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name)' },
+  model: { type: 'string', help: 'GGUF file or Hugging Face folder, or NAME=PATH to serve it as NAME; repeat to serve several models, each with its own workers (default: the built-in synthetic model)', short: 'm', repeatable: true },
+  'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name); repeated, the i-th names the i-th --model', repeatable: true },
+  'lora-modules': { type: 'string', help: 'LoRA adapters of the first model, NAME=PATH[,NAME=PATH] (a GGUF adapter or a PEFT folder); requests name an adapter as "model" (as vLLM\'s flag)', repeatable: true },
+  'max-loras': { type: 'number', help: 'LoRA adapters resident per model; loading one more evicts the least recently used idle one (it loads again when a request names it)', default: 8 },
   host: { type: 'string', help: 'address to listen on', default: '127.0.0.1' },
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
   'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
@@ -75,9 +79,22 @@ const BACKENDS = ['auto', 'native', 'reference'] as const;
 const ENGINES = ['cpu', 'sim'] as const;
 type Backend = (typeof BACKENDS)[number];
 
+/** One model to serve: its file and, when given, the name it is served as. */
+export interface ServedModelSpec {
+  path: string;
+  servedModelName?: string;
+}
+
 export interface ServeConfig {
+  /** The first (default) model: the first --model. */
   modelPath?: string;
   servedModelName?: string;
+  /** Every --model after the first, each served by its own workers (cpu engine only). */
+  extraModels?: ServedModelSpec[];
+  /** --lora-modules: adapters of the first model, loaded at start. */
+  loraModules?: { name: string; path: string }[];
+  /** Adapters resident per model (--max-loras). */
+  maxLoras?: number;
   host: string;
   port: number;
   keys: KeyConfig;
@@ -207,6 +224,49 @@ function readKeys(file: string | undefined, list: string | undefined, adminKey: 
   }
 }
 
+/**
+ * The --model values with their names: NAME=PATH names a model in place (when the text before the first "=" has no
+ * path separator and the whole value is not an existing file), else the i-th --served-model-name names the i-th
+ * model. Two models served under one name are refused, and so are more names than models.
+ */
+export function parseModelSpecs(models: readonly string[], names: readonly string[],
+  exists: (path: string) => boolean = existsSync): ServedModelSpec[] {
+  if (names.length > Math.max(1, models.length)) {
+    throw new UsageError(`--served-model-name given ${names.length} times for ${models.length} --model`);
+  }
+  const specs = models.map((value, i): ServedModelSpec => {
+    const eq = value.indexOf('=');
+    const named = eq > 0 && !/[\\/]/.test(value.slice(0, eq)) && !exists(value);
+    const path = named ? value.slice(eq + 1) : value;
+    if (path === '') throw new UsageError(`--model ${value}: no path after "="`);
+    const name = named ? value.slice(0, eq) : names[i];
+    if (named && names[i] !== undefined && names[i] !== name) {
+      throw new UsageError(`--model ${value} is named "${name}" and --served-model-name names it "${names[i]}"`);
+    }
+    return { path, ...(name !== undefined ? { servedModelName: name } : {}) };
+  });
+  const seen = new Set<string>();
+  for (const spec of specs) {
+    if (spec.servedModelName === undefined) continue;
+    if (seen.has(spec.servedModelName)) throw new UsageError(`--model: two models are served as "${spec.servedModelName}"`);
+    seen.add(spec.servedModelName);
+  }
+  return specs;
+}
+
+/** --lora-modules values: NAME=PATH items, comma-separated within a value; names unique. */
+export function parseLoraModules(values: readonly string[]): { name: string; path: string }[] {
+  const modules: { name: string; path: string }[] = [];
+  for (const item of values.flatMap((value) => value.split(',')).map((item) => item.trim()).filter((item) => item !== '')) {
+    const eq = item.indexOf('=');
+    if (eq <= 0 || eq === item.length - 1) throw new UsageError(`--lora-modules expects NAME=PATH items, got "${item}"`);
+    const name = item.slice(0, eq);
+    if (modules.some((m) => m.name === name)) throw new UsageError(`--lora-modules names "${name}" twice`);
+    modules.push({ name, path: item.slice(eq + 1) });
+  }
+  return modules;
+}
+
 export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): ServeConfig | 'help' {
   // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
   // warning) when they come from an environment set up for another deployment, whatever their text.
@@ -309,8 +369,21 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     requestLog: values['request-log']!,
     ...(warnings.length > 0 ? { warnings } : {}),
   };
-  if (values.model !== undefined) config.modelPath = values.model;
-  if (values['served-model-name'] !== undefined) config.servedModelName = values['served-model-name'];
+  const models = parseModelSpecs(parsed.lists.model ?? [], parsed.lists['served-model-name'] ?? []);
+  if (models.length > 1 && engine === 'sim') throw new UsageError('--model: simulated workers (--engine sim) serve one profile; several models need --engine cpu');
+  if (models[0] !== undefined) {
+    config.modelPath = models[0].path;
+    if (models[0].servedModelName !== undefined) config.servedModelName = models[0].servedModelName;
+  } else if (values['served-model-name'] !== undefined) {
+    config.servedModelName = values['served-model-name'];
+  }
+  if (models.length > 1) config.extraModels = models.slice(1);
+  const loraModules = parseLoraModules(parsed.lists['lora-modules'] ?? []);
+  if (loraModules.length > 0) {
+    if (engine === 'sim') throw new UsageError('--lora-modules: simulated workers run no LoRA adapters');
+    config.loraModules = loraModules;
+  }
+  config.maxLoras = positiveInteger(values['max-loras'], 'max-loras')!;
   const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs');
   if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
@@ -366,44 +439,77 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     const modelPath = config.engine === 'sim' ? undefined
       : config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const { createWorkerPool } = await import('../runtime/worker-pool.ts');
-    const pool = await createWorkerPool({
-      engine: config.engine,
-      workers: config.workers,
-      ...(modelPath !== undefined ? { modelPath } : {}),
-      sim: config.sim,
-      routingPolicy: config.routingPolicy,
-      ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
-      ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
-      migrationLimit: config.migrationLimit,
-      workerRestartLimit: config.workerRestartLimit,
-      workerRestartDelayMs: config.workerRestartDelayMs,
-      log: (level, message) => logger[level](message),
-      ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
-      ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
-      ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
-      ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
-      kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
-      ...(config.threads !== undefined ? { threads: config.threads } : {}),
-      backend: config.backend,
-    });
-    for (const notice of pool.notices) logger.warn(notice);
-    if (pool.chatTemplate.isFallback) {
-      const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : modelPath;
-      logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `
-        + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');
+    const specs: { path?: string; servedModelName?: string }[] = [
+      { ...(modelPath !== undefined ? { path: modelPath } : {}), ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}) },
+      ...(config.extraModels ?? []),
+    ];
+    // The machine's cores are shared by every model's workers unless --threads says otherwise.
+    const threads = config.threads ?? (specs.length > 1
+      ? Math.max(1, Math.floor(availableParallelism() / (specs.length * (config.prefillWorkers !== undefined
+        ? config.prefillWorkers + config.decodeWorkers! : config.workers)))) : undefined);
+    const served: ServedModel[] = [];
+    try {
+      for (const spec of specs) {
+        const pool = await createWorkerPool({
+          engine: config.engine,
+          workers: config.workers,
+          ...(spec.path !== undefined ? { modelPath: spec.path } : {}),
+          sim: config.sim,
+          routingPolicy: config.routingPolicy,
+          ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
+          ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
+          migrationLimit: config.migrationLimit,
+          workerRestartLimit: config.workerRestartLimit,
+          workerRestartDelayMs: config.workerRestartDelayMs,
+          log: (level, message) => logger[level](specs.length > 1 ? `${spec.path}: ${message}` : message),
+          ...(spec.servedModelName !== undefined ? { servedModelName: spec.servedModelName } : {}),
+          ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
+          ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
+          ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
+          kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
+          ...(threads !== undefined ? { threads } : {}),
+          backend: config.backend,
+        });
+        const name = spec.servedModelName ?? modelIdFromName(pool.engine.info.modelName);
+        const adapters = pool.engine.loadLora
+          ? new LoraManager(pool.engine, config.maxLoras ?? DEFAULT_MAX_LORAS, (message) => logger.info(`${name}: ${message}`)) : undefined;
+        served.push({
+          name, backend: {
+            engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate,
+            ...(adapters ? { adapters } : {}), ...(pool.clock ? { clock: pool.clock } : {}),
+          },
+        });
+        if (served.slice(0, -1).some((other) => other.name === name)) {
+          throw new UsageError(`two models would be served as "${name}": name them (--model NAME=PATH or --served-model-name)`);
+        }
+        for (const notice of pool.notices) logger.warn(specs.length > 1 ? `${name}: ${notice}` : notice);
+        if (pool.chatTemplate.isFallback) {
+          const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : spec.path;
+          logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `
+            + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');
+        }
+      }
+      for (const { name, path } of config.loraModules ?? []) {
+        const adapters = served[0]!.backend.adapters;
+        if (!adapters) throw new UsageError('--lora-modules: these workers run no LoRA adapters');
+        if (served.some((model) => model.name === name)) throw new UsageError(`--lora-modules ${name}: a served model has that name`);
+        try {
+          const info = await adapters.register(name, path) as { format: string; rank: number };
+          logger.info(`LoRA adapter ${name} (${info.format}, rank ${info.rank}) loaded from ${path} for ${served[0]!.name}`);
+        } catch (error) {
+          throw new UsageError(`--lora-modules ${name}=${path}: ${(error as Error).message}`);
+        }
+      }
+    } catch (error) {
+      await Promise.all(served.map(({ backend }) => backend.engine.close()));
+      throw error;
     }
-    const backend: ModelBackend = {
-      engine: pool.engine,
-      workerId: pool.workers[0]!.id,
-      tokenizer: pool.tokenizer,
-      chatTemplate: pool.chatTemplate,
-      ...(pool.clock ? { clock: pool.clock } : {}),
-    };
-    api.attach(backend);
+    api.attachModels(served);
     const workers = config.prefillWorkers !== undefined
       ? `${config.prefillWorkers} prefill + ${config.decodeWorkers} decode (disaggregated)`
       : config.workers > 1 ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
-    const shownModel = modelPath ?? `simulated ${config.sim.model} profile, built-in Llama 2 tokenizer`;
+    const shownModel = specs.length > 1 ? specs.map((spec, i) => `${served[i]!.name}=${spec.path}`).join(', ')
+      : modelPath ?? `simulated ${config.sim.model} profile, built-in Llama 2 tokenizer`;
     return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
   } catch (err) {
     await api.shutdown(0);
@@ -427,7 +533,8 @@ export function startupBanner(running: RunningServer): string {
   // One sequence of N tokens keeps N - 1 in the KV cache: at kvCapacityTokens + 1 the pool, not the model, is the limit.
   const contextNote = info.maxModelLen === info.kvCapacityTokens + 1 ? ', limited by the KV cache' : '';
   return [
-    `Conduit is serving ${model}${display !== undefined && display !== model ? ` (${display})` : ''} at ${running.url}`,
+    `Conduit is serving ${running.api.gateway.servedModels.length > 1 ? running.api.gateway.servedModels.map((m) => m.name).join(', ')
+      : `${model}${display !== undefined && display !== model ? ` (${display})` : ''}`} at ${running.url}`,
     `  model      ${running.modelPath} (context ${info.maxModelLen} tokens${contextNote}, vocabulary ${info.vocabSize})`,
     `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
     `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,

@@ -28,6 +28,7 @@ export class BatchBuilder {
   private readonly seqLens: Int32Array;
   private readonly blockTables: Int32Array;
   private readonly logitsIndices: Int32Array;
+  private readonly loraSlots: Int32Array;
 
   constructor(options: BatchBuilderOptions) {
     for (const key of ['blockSize', 'maxNumBatchedTokens', 'maxNumSeqs', 'maxModelLen'] as const) {
@@ -43,6 +44,7 @@ export class BatchBuilder {
     this.blockTables = new Int32Array(options.maxNumSeqs * this.maxBlocksPerSeq);
     // A request forking into n samples reads its last row n times, but holds n seats, so rows <= maxNumSeqs.
     this.logitsIndices = new Int32Array(options.maxNumSeqs);
+    this.loraSlots = new Int32Array(options.maxNumBatchedTokens);
   }
 
   /** Sized for everything the scheduler can plan. */
@@ -53,7 +55,11 @@ export class BatchBuilder {
     });
   }
 
-  build(plan: StepPlan): ForwardBatch {
+  /**
+   * loraSlot: the backend's LoRA slot of a request's adapter (Request.adapterId), -1 for none; the batch carries
+   * loraSlots only when some row has an adapter.
+   */
+  build(plan: StepPlan, loraSlot?: (adapterId: string) => number): ForwardBatch {
     const { blockSize, maxBlocksPerSeq, tokenIds, positions, slotMapping, queryStartLoc, seqLens, blockTables, logitsIndices } = this;
     const numSeqs = plan.scheduled.length;
     if (numSeqs > seqLens.length) throw new RangeError(`plan has ${numSeqs} sequences; the builder holds ${seqLens.length}`);
@@ -65,6 +71,7 @@ export class BatchBuilder {
     }
     let row = 0;
     let numLogits = 0;
+    let anyLora = false;
     queryStartLoc[0] = 0;
     for (let s = 0; s < numSeqs; s++) {
       const { sequence, startPosition, numNewTokens, numSamples } = plan.scheduled[s]!;
@@ -79,6 +86,10 @@ export class BatchBuilder {
       if (numBlocks > maxBlocksPerSeq) throw new RangeError(`sequence ${sequence.request.id}/${sequence.index} needs ${numBlocks} blocks; rows hold ${maxBlocksPerSeq}`);
 
       const ids = table.blockIdArray(numBlocks);
+      const adapterId = sequence.request.adapterId;
+      const slot = adapterId !== undefined && loraSlot ? loraSlot(adapterId) : -1;
+      if (slot >= 0) anyLora = true;
+      this.loraSlots.fill(slot, row, row + (seqLen - startPosition));
       for (let position = startPosition; position < seqLen; position++, row++) {
         const blockIndex = Math.floor(position / blockSize);
         tokenIds[row] = sequenceTokens[position]!;
@@ -101,6 +112,7 @@ export class BatchBuilder {
       blockTables: blockTables.subarray(0, numSeqs * maxBlocksPerSeq),
       maxBlocksPerSeq,
       logitsIndices: logitsIndices.subarray(0, numLogits),
+      ...(anyLora ? { loraSlots: this.loraSlots.subarray(0, row) } : {}),
     };
   }
 }

@@ -17,6 +17,8 @@ import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, 
 import type { StepPlan } from './scheduler.ts';
 import { rowKey, StepCore, type KvImport, type TokenSource } from './step-core.ts';
 import type { EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob } from './types.ts';
+import type { LoraWeights } from '../model/lora.ts';
+import { InvalidRequestError, LoraLoadError } from './errors.ts';
 
 export interface EngineCoreOptions {
   backend: ModelRunnerBackend;
@@ -50,6 +52,8 @@ export class EngineCore extends StepCore<SequenceSampler> {
   private numStepsFailed = 0;
   /** Every step's logits, reused (the sampler is done with them before the step returns). */
   private logits = new Float32Array(0);
+  /** Loaded LoRA adapters: name -> backend slot. */
+  private readonly loraSlots = new Map<string, number>();
 
   constructor(options: EngineCoreOptions) {
     const { backend, tokenizer } = options;
@@ -76,7 +80,45 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * queuedMs: when the request reached this worker's inbox, if earlier than now (it waited there behind a step).
    */
   add(engineRequest: EngineRequest, options: { handoff?: boolean; queuedMs?: number } = {}): void {
+    this.checkLora(engineRequest);
     this.addRequest(engineRequest, this.now(), options);
+  }
+
+  /**
+   * Loads a LoRA adapter into the backend under `name` (replacing one of that name when no request uses it). Its
+   * requests (EngineRequest.lora) then run in the same steps as the base model's and other adapters'.
+   */
+  loadLora(name: string, weights: LoraWeights): void {
+    if (!this.backend.setLora) throw new LoraLoadError('invalid_adapter', `the ${this.backend.info.name} backend runs no LoRA adapters`);
+    let slot = this.loraSlots.get(name);
+    if (slot !== undefined && this.usesLora(name)) throw new LoraLoadError('lora_in_use', `LoRA adapter '${name}' is in use`);
+    if (slot === undefined) {
+      const used = new Set(this.loraSlots.values());
+      slot = 0;
+      while (used.has(slot)) slot++;
+    }
+    this.backend.setLora(slot, weights);
+    this.loraSlots.set(name, slot);
+  }
+
+  /** Unloads an adapter; refused while a request here runs with it. */
+  unloadLora(name: string): void {
+    const slot = this.loraSlots.get(name);
+    if (slot === undefined) throw new LoraLoadError('lora_not_loaded', `no LoRA adapter '${name}' is loaded`);
+    if (this.usesLora(name)) throw new LoraLoadError('lora_in_use', `LoRA adapter '${name}' is in use by running requests`);
+    this.backend.setLora!(slot, null);
+    this.loraSlots.delete(name);
+  }
+
+  /** Names of the loaded adapters. */
+  get loras(): string[] {
+    return [...this.loraSlots.keys()];
+  }
+
+  private checkLora(request: EngineRequest): void {
+    if (request.lora !== undefined && !this.loraSlots.has(request.lora)) {
+      throw new InvalidRequestError('lora_not_loaded', request.id, `LoRA adapter '${request.lora}' is not loaded on this worker`);
+    }
   }
 
   /** Stops a request in any state and frees its blocks; returns the closing output of each unfinished completion. */
@@ -88,7 +130,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
   step(): EngineOutput[] {
     const plan = this.planStep(this.now());
     if (plan === null) return [];
-    const batch = this.builder.build(plan);
+    const batch = this.builder.build(plan, this.loraSlots.size > 0 ? (name) => this.loraSlots.get(name) ?? -1 : undefined);
     const forwardStart = this.now();
     let logits: Float32Array;
     try {
@@ -113,6 +155,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * prompt is recomputed here ('recompute').
    */
   adopt(handoff: KvHandoff, source: KvSourceView | null): AdoptedResult | null {
+    this.checkLora(handoff.request);
     if (source === null) return this.adoptHandoff(handoff, this.now(), { recompute: 'no KV source for this prefill worker' });
     try {
       checkKvLayoutsMatch(source.layout, this.backend.kvLayout);

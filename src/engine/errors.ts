@@ -7,7 +7,9 @@
 export type RejectionCode =
   | 'invalid_request' | 'duplicate_request_id' | 'prompt_too_long' | 'prompt_exceeds_kv_pool' | 'too_many_samples'
   /** A decode worker could not continue a handed-off request. */
-  | 'handoff_failed';
+  | 'handoff_failed'
+  /** The request names a LoRA adapter this worker has not loaded. */
+  | 'lora_not_loaded';
 
 /** The code of every engine error, for logs and for the gateway's mapping. */
 export type EngineErrorCode = RejectionCode | 'engine_closed' | 'engine_overloaded' | 'worker_lost';
@@ -61,5 +63,16 @@ export class WorkerLostError extends Error {
   readonly code = 'worker_lost';
   constructor(readonly workerId: string, message: string) {
     super(message);
+  }
+}
+
+/** A LoRA adapter that could not be loaded (bad file, wrong shapes, another base model) or unloaded (in use). */
+export class LoraLoadError extends Error {
+  override name = 'LoraLoadError';
+  /** 'invalid_adapter': the file; 'lora_in_use': requests still run with it; 'lora_not_loaded': no such adapter. */
+  readonly code: 'invalid_adapter' | 'lora_in_use' | 'lora_not_loaded';
+  constructor(code: LoraLoadError['code'], message: string) {
+    super(message);
+    this.code = code;
   }
 }

@@ -11,12 +11,12 @@ import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
-import { EngineClosedError, InvalidRequestError } from './errors.ts';
+import { EngineClosedError, InvalidRequestError, LoraLoadError } from './errors.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { BackendPreference, FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
@@ -64,6 +64,7 @@ export class LocalEngine implements Engine {
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   private readonly syncs = new PendingReplies<EngineStats>();
   private readonly resets = new PendingReplies<boolean>();
+  private readonly loraReplies = new PendingReplies<Extract<FromWorker, { type: 'lora-done' }>>();
   /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
   readonly kvPool: SharedArrayBuffer | undefined;
   readonly kvLayout: KvPoolLayout | undefined;
@@ -208,6 +209,26 @@ export class LocalEngine implements Engine {
     return reply;
   }
 
+  /** Loads a LoRA adapter on the worker (see Engine.loadLora); rejects with a LoraLoadError. */
+  async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    const reply = await this.loraCall((loraId) => ({ type: 'load-lora', loraId, name, path }));
+    return reply.info!;
+  }
+
+  /** Unloads a LoRA adapter from the worker; rejects with a LoraLoadError (in use, not loaded). */
+  async unloadLora(name: string): Promise<void> {
+    await this.loraCall((loraId) => ({ type: 'unload-lora', loraId, name }));
+  }
+
+  private async loraCall(message: (loraId: number) => ToWorker): Promise<Extract<FromWorker, { type: 'lora-done' }>> {
+    if (this.closed || this.exitError) throw this.exitError ?? new EngineClosedError('engine is closed');
+    const { id, reply } = this.loraReplies.open();
+    this.post(message(id));
+    const done = await reply;
+    if (done.error) throw new LoraLoadError(done.error.code as LoraLoadError['code'], done.error.message);
+    return done;
+  }
+
   /** Subscribes to the worker's KV events (only sent when enableKvEvents); returns the unsubscribe function. */
   onKvEvents(listener: (events: KvEvent[]) => void): () => void {
     this.kvEventListeners.add(listener);
@@ -236,6 +257,7 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     this.syncs.rejectAll(new EngineClosedError('engine closed'));
     this.resets.rejectAll(new EngineClosedError('engine closed'));
+    this.loraReplies.rejectAll(new EngineClosedError('engine closed'));
     if (!this.exitError) {
       const exited = new Promise<void>((resolve) => this.worker.once('exit', () => resolve()));
       this.post({ type: 'close' });
@@ -281,6 +303,9 @@ export class LocalEngine implements Engine {
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
         this.resets.settle(message.resetId, message.reset);
         return;
+      case 'lora-done':
+        this.loraReplies.settle(message.loraId, message);
+        return;
       case 'rejected':
         this.streams.get(message.requestId)?.fail(InvalidRequestError.fromWorker(message.code, message.requestId, message.message));
         this.streams.delete(message.requestId);
@@ -304,6 +329,7 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     this.syncs.rejectAll(error);
     this.resets.rejectAll(error);
+    this.loraReplies.rejectAll(error);
     for (const listener of this.lostListeners) listener(error);
   }
 }

@@ -247,8 +247,9 @@ export class Scheduler {
   addRequest(engineRequest: EngineRequest, nowMs: number, options: { adapterId?: string; queuedMs?: number } = {}): Request {
     this.validate(engineRequest);
     const queuedMs = options.queuedMs !== undefined && Number.isFinite(options.queuedMs) ? Math.min(options.queuedMs, nowMs) : nowMs;
-    const request = new Request(engineRequest, this.nextArrivalOrder++, queuedMs, options.adapterId);
-    const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt, adapterId: options.adapterId });
+    const request = new Request(engineRequest, this.nextArrivalOrder++, queuedMs, options.adapterId ?? engineRequest.lora);
+    const adapterId = options.adapterId ?? engineRequest.lora;
+    const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt, adapterId });
     const sequence = new Sequence(request, 0, engineRequest.promptTokenIds.slice(), [], table);
     request.sequences.push(sequence);
     this.requests.set(request.id, request);
@@ -610,11 +611,11 @@ export class Scheduler {
       if (this.runningSeats + 1 > this.maxNumSeqs) return null;
     }
 
-    const request = new Request(engineRequest, this.nextArrivalOrder, nowMs);
+    const request = new Request(engineRequest, this.nextArrivalOrder, nowMs, engineRequest.lora);
     request.wasAdmitted = true;
     request.numCachedTokens = adopted.numCachedTokens;
     if (adopted.timestamps) Object.assign(request.timestamps, copyTimestamps(adopted.timestamps));
-    const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt });
+    const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt, adapterId: engineRequest.lora });
     const sequence = new Sequence(request, 0, tokenIds, outputTokenIds.slice(), table);
     request.sequences.push(sequence);
     if (kvImport === undefined) {

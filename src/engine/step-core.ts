@@ -133,6 +133,12 @@ export class StepCore<T> {
     return this.states.has(requestId);
   }
 
+  /** Whether a request here (or a handoff waiting for room) runs with this LoRA adapter. */
+  usesLora(name: string): boolean {
+    for (const state of this.states.values()) if (state.request.engineRequest.lora === name) return true;
+    return this.pendingAdoptions.some((pending) => pending.handoff.request.lora === name);
+  }
+
   /** The token state of one completion of a request in the batch (undefined once it left). */
   protected tokenState(requestId: string, index: number): T | undefined {
     return this.states.get(requestId)?.tokens[index];

@@ -53,6 +53,11 @@ export interface EngineRequest {
   traceparent?: string;
   /** The client's conversation id (the session header), which the session routing policy keeps on one worker. */
   sessionId?: string;
+  /**
+   * The LoRA adapter the request runs with (its name as loaded on the worker: Engine.loadLora), none = the base
+   * model. Its KV blocks are cached under the adapter: never shared with the base model or another adapter.
+   */
+  lora?: string;
   /** Engine-clock time the request arrived at the gateway (ms). */
   arrivalMs: number;
 }
@@ -238,5 +243,20 @@ export interface Engine {
    * Resolves false when a worker had blocks in use (running requests): that worker kept its cache.
    */
   resetPrefixCache(): Promise<boolean>;
+  /**
+   * Loads a LoRA adapter (a GGUF adapter file or a PEFT folder) onto every worker under `name`; rejects with a
+   * LoraLoadError naming the problem when it does not fit the model. Optional: engines without adapters lack it.
+   */
+  loadLora?(name: string, path: string): Promise<LoraLoadInfo>;
+  /** Unloads an adapter from every worker (no request may be using it). */
+  unloadLora?(name: string): Promise<void>;
   close(): Promise<void>;
+}
+
+/** What loading an adapter found (from the first worker). */
+export interface LoraLoadInfo {
+  format: 'gguf' | 'peft';
+  rank: number;
+  alpha: number;
+  bytes: number;
 }

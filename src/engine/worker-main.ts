@@ -10,7 +10,9 @@ import { createTokenizer } from '../model/tokenizer/index.ts';
 import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
 import { validateHandoff } from './handoff.ts';
-import { InvalidRequestError } from './errors.ts';
+import { InvalidRequestError, LoraLoadError } from './errors.ts';
+import type { ModelConfig } from '../model/config.ts';
+import { loadLoraAdapter } from '../model/lora.ts';
 import type { EngineInfo } from './types.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
@@ -18,11 +20,14 @@ const port = parentPort!;
 const init = (workerData as { data: WorkerInit }).data;
 const send = (message: FromWorker) => port.postMessage(message);
 
+let baseConfig: ModelConfig | undefined;
+
 async function start(): Promise<EngineCore> {
   const loaded = await loadModel(init.modelPath);
   const tokenizer = createTokenizer(loaded.tokenizerSource);
   const { factory, notices } = selectBackend(init.backend);
   const { config } = loaded;
+  baseConfig = config;
   const bytesPerBlock = kvPoolBytes({
     numLayers: config.numLayers, numBlocks: 1, blockSize: init.blockSize, numKvHeads: config.numKvHeads,
     headDim: config.headDim, dtype: init.kvDtype,
@@ -157,6 +162,24 @@ function run(core: EngineCore): void {
         if (reset) touchedSinceReset = false;
         const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
         send({ type: 'prefix-cache-reset', resetId: message.resetId, reset, stats: core.stats(), kvEvents });
+        return;
+      }
+      case 'load-lora':
+      case 'unload-lora': {
+        try {
+          if (message.type === 'unload-lora') {
+            core.unloadLora(message.name);
+            send({ type: 'lora-done', loraId: message.loraId });
+            return;
+          }
+          const adapter = loadLoraAdapter(message.path, baseConfig!);
+          core.loadLora(message.name, adapter.weights);
+          const { format, rank, alpha, bytes } = adapter;
+          send({ type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes } });
+        } catch (error) {
+          const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
+          send({ type: 'lora-done', loraId: message.loraId, error: { code, message: (error as Error).message } });
+        }
         return;
       }
       case 'close':

@@ -3,7 +3,7 @@
 
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
 import type { AdoptedResult, KvHandoff } from './handoff.ts';
-import type { EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 
@@ -49,6 +49,9 @@ export type ToWorker =
   | { type: 'sync'; syncId: number }
   /** Reply 'prefix-cache-reset': whether the prefix cache was dropped (and the pool's pages released). */
   | { type: 'reset-prefix-cache'; resetId: number }
+  /** Reply 'lora-done': loads the adapter at path (a GGUF adapter or PEFT folder) under name, or unloads it. */
+  | { type: 'load-lora'; loraId: number; name: string; path: string }
+  | { type: 'unload-lora'; loraId: number; name: string }
   | { type: 'close' };
 
 export type FromWorker =
@@ -60,5 +63,7 @@ export type FromWorker =
   | { type: 'synced'; syncId: number; stats: EngineStats }
   | { type: 'prefix-cache-reset'; resetId: number; reset: boolean; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'rejected'; requestId: string; code: string; message: string }
+  /** error: a LoraLoadError's code and message; info: what a load found. */
+  | { type: 'lora-done'; loraId: number; info?: LoraLoadInfo; error?: { code: string; message: string } }
   | { type: 'failed'; message: string }
   | { type: 'closed' };

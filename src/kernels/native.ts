@@ -2,6 +2,7 @@
 // `nativeBackend` factory that runs a model on it. The addon is loaded lazily on first use; when it is missing
 // (no compiler at install time) `nativeBackend.available()` is false and `unavailableReason()` says why, so the
 // engine can fall back to the TypeScript reference backend.
+import type { LoraWeights } from '../model/lora.ts';
 import { existsSync, readFileSync } from 'node:fs';
 import { freemem } from 'node:os';
 import { createRequire } from 'node:module';
@@ -155,6 +156,11 @@ export interface NativeModel {
   releaseKvPool(): number;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
+  /**
+   * Puts a LoRA adapter (its matrices copied) into a slot that ForwardBatch.loraSlots rows name, or empties the
+   * slot (null); native/lora.cc applies it. Throws a RangeError when a matrix does not fit the model.
+   */
+  setLora(slot: number, adapter: LoraWeights | null): void;
   dispose(): void;
 }
 
@@ -492,6 +498,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       releaseKvPool(): number {
         if (disposed) return 0;
         return model.releaseKvPool();
+      },
+      setLora(slot: number, adapter: LoraWeights | null): void {
+        if (disposed) throw new Error('native backend is disposed');
+        model.setLora(slot, adapter);
       },
       dispose(): void {
         if (disposed) return;

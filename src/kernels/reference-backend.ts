@@ -10,6 +10,7 @@ import type { ModelConfig } from '../model/config.ts';
 import { f16BitsToF32, f32ToF16Bits } from '../model/quant.ts';
 import { ReferenceTransformer } from '../model/reference-forward.ts';
 import type { ModelWeights } from '../model/weights.ts';
+import type { LoraWeights } from '../model/lora.ts';
 import { causalAttention } from '../model/reference-math.ts';
 import {
   type BackendFactory, type BackendInfo, type ForwardBatch, type KvPoolLayout, kvPoolBytes, type ModelRunnerBackend,
@@ -139,6 +140,7 @@ class ReferenceRunnerBackend implements ModelRunnerBackend {
   readonly kvLayout: KvPoolLayout;
   private readonly transformer: ReferenceTransformer;
   private readonly pool: PagedKvPool;
+  private readonly loras: (LoraWeights | undefined)[] = [];
   private disposed = false;
 
   constructor(config: ModelConfig, weights: ModelWeights, kv: Omit<KvPoolLayout, 'numLayers' | 'numKvHeads' | 'headDim'>) {
@@ -172,8 +174,24 @@ class ReferenceRunnerBackend implements ModelRunnerBackend {
       }
       for (let s = 0; s < batch.numSeqs; s++) this.attendSequence(layer, batch, s, q, out);
     };
+    let rowAdapters: (LoraWeights | undefined)[] | undefined;
+    if (batch.loraSlots) {
+      rowAdapters = [];
+      for (let r = 0; r < rows; r++) {
+        const slot = batch.loraSlots[r]!;
+        if (slot < 0) { rowAdapters.push(undefined); continue; }
+        const adapter = this.loras[slot];
+        if (!adapter) throw new InvalidBatchError(`forward batch: row ${r} names LoRA slot ${slot}, which holds no adapter`);
+        rowAdapters.push(adapter);
+      }
+    }
     return this.transformer.run(batch.tokenIds.subarray(0, rows), batch.positions.subarray(0, rows), attend,
-      batch.logitsIndices);
+      batch.logitsIndices, rowAdapters);
+  }
+
+  setLora(slot: number, weights: LoraWeights | null): void {
+    if (!Number.isInteger(slot) || slot < 0) throw new RangeError(`LoRA slot ${slot} is not a slot number`);
+    this.loras[slot] = weights ?? undefined;
   }
 
   /** Causal attention of sequence s's new rows over its whole context, read block by block from the pool. */

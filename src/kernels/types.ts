@@ -4,6 +4,7 @@
 // bookkeeping of (which block holds which tokens).
 
 import type { ModelConfig } from '../model/config.ts';
+import type { LoraWeights } from '../model/lora.ts';
 import type { ModelWeights } from '../model/weights.ts';
 
 export type KvDtype = 'f32' | 'f16';
@@ -57,6 +58,11 @@ export interface ForwardBatch {
   maxBlocksPerSeq: number;
   /** Batch rows whose logits are wanted, in output order (typically each sequence's last row). */
   logitsIndices: Int32Array;
+  /**
+   * [numTokens] the LoRA adapter slot of each row (ModelRunnerBackend.setLora), -1 for the base model; absent when
+   * no row has one. Rows of different adapters and of the base model run in the same step.
+   */
+  loraSlots?: Int32Array;
 }
 
 export interface BackendInfo {
@@ -87,6 +93,11 @@ export interface ModelRunnerBackend {
    * a later step reads (after a prefix-cache reset with no block in use). Optional: a backend without it keeps its pages.
    */
   releaseKvPool?(): number;
+  /**
+   * Puts a LoRA adapter in a slot (0 .. maxLoraSlots - 1), or empties the slot (null). Rows of a ForwardBatch name
+   * their slot in loraSlots: each row's projections get scale * B (A x) added to the base matmul's output.
+   */
+  setLora?(slot: number, weights: LoraWeights | null): void;
   dispose(): void;
 }
 

@@ -14,6 +14,7 @@
 // contiguous `ReferenceModel` below and the paged reference backend (src/kernels/reference-backend.ts) share one
 // implementation of the math and differ only in where K and V live.
 
+import { applyLoraRows, type LoraWeights } from './lora.ts';
 import {
   addBias, addInPlace, applyRope, type AttentionShape, causalAttention, matmul, rmsnorm, ropeAngles,
   ropeFrequencies, swiglu,
@@ -147,7 +148,7 @@ export class ReferenceTransformer {
    * rows listed in `logitRows`, [logitRows.length * vocabSize] in that order.
    */
   run(tokenIds: ArrayLike<number>, positions: ArrayLike<number>, attend: AttendFn,
-    logitRows: ArrayLike<number>): Float32Array {
+    logitRows: ArrayLike<number>, rowAdapters?: readonly (LoraWeights | undefined)[]): Float32Array {
     const { dim, vocabSize, ffnDim, headDim, numHeads, numKvHeads, rmsNormEps: eps } = this.config;
     const numRows = tokenIds.length;
     if (positions.length !== numRows) {
@@ -191,6 +192,11 @@ export class ReferenceTransformer {
       matmul(q, h, layer.wq, numRows, dim, qDim);
       matmul(k, h, layer.wk, numRows, dim, kvDim);
       matmul(v, h, layer.wv, numRows, dim, kvDim);
+      if (rowAdapters) {
+        applyLoraRows(q, h, numRows, dim, qDim, rowAdapters, l, 'wq');
+        applyLoraRows(k, h, numRows, dim, kvDim, rowAdapters, l, 'wk');
+        applyLoraRows(v, h, numRows, dim, kvDim, rowAdapters, l, 'wv');
+      }
       if (layer.bq) addBias(q, layer.bq, numRows, qDim);
       if (layer.bk) addBias(k, layer.bk, numRows, kvDim);
       if (layer.bv) addBias(v, layer.bv, numRows, kvDim);
@@ -201,14 +207,20 @@ export class ReferenceTransformer {
       }
       attend(l, q, k, v, attention);
       matmul(projected, attention, layer.wo, numRows, qDim, dim);
+      if (rowAdapters) applyLoraRows(projected, attention, numRows, qDim, dim, rowAdapters, l, 'wo');
       addInPlace(x, projected, numRows * dim);
 
       // Feed-forward block (SwiGLU).
       rmsnorm(h, x, layer.ffnNorm, numRows, dim, eps);
       matmul(gate, h, layer.wGate, numRows, dim, ffnDim);
       matmul(up, h, layer.wUp, numRows, dim, ffnDim);
+      if (rowAdapters) {
+        applyLoraRows(gate, h, numRows, dim, ffnDim, rowAdapters, l, 'wGate');
+        applyLoraRows(up, h, numRows, dim, ffnDim, rowAdapters, l, 'wUp');
+      }
       swiglu(gate, up, numRows * ffnDim);
       matmul(projected, gate, layer.wDown, numRows, ffnDim, dim);
+      if (rowAdapters) applyLoraRows(projected, gate, numRows, ffnDim, dim, rowAdapters, l, 'wDown');
       addInPlace(x, projected, numRows * dim);
     }
 

@@ -48,7 +48,19 @@ export interface RoutingRequest {
   cacheSalt?: string;
   /** Conversation id for the session policy. */
   sessionId?: string;
+  /** The LoRA adapter the engine hashes the request's blocks under (EngineRequest.lora). */
+  lora?: string;
+  /** The served model (or adapter) the request is for: only workers that hold it are candidates (servesModel). */
+  model?: string;
   override?: RoutingOverride;
+}
+
+/**
+ * Whether a worker that holds `models` may take a request for `model`. A worker that declared no models takes any
+ * request, and a request that names none goes anywhere: a deployment of one model needs no declarations.
+ */
+export function servesModel(models: ReadonlySet<string> | undefined, model: string | undefined): boolean {
+  return model === undefined || models === undefined || models.has(model);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import type { WorkerView } from './cost.ts';
 import { BitsetKvIndex } from './kv-index.ts';
 import type { KvIndex } from './kv-index.ts';
 import { pickLeastLoaded, pickPowerOfTwo, pickRandom, SessionAffinity } from './policies.ts';
-import { parsePolicyName } from './protocols.ts';
+import { parsePolicyName, servesModel } from './protocols.ts';
 import type {
   PolicyName, RouteOutcome, RoutingDecision, RoutingRequest, RoutingStrategy, WorkerCostTerms, WorkerId,
 } from './protocols.ts';
@@ -127,6 +127,8 @@ export class Router {
   /** Registration order: the order of cost terms in decisions and of the round-robin cycle. */
   private readonly workerIds: WorkerId[] = [];
   private readonly loads = new Map<WorkerId, WorkerLoad>();
+  /** The models each worker holds, for workers that declared them (addWorker). */
+  private readonly workerModels = new Map<WorkerId, ReadonlySet<string>>();
   /** Index in workerIds where the round-robin scan starts next. */
   private roundRobinNext = 0;
   private counters = { numRouted: 0, numEnqueued: 0, numRejected: 0, numExpired: 0 };
@@ -153,9 +155,14 @@ export class Router {
   // -------------------------------------------------------------------------------------------------------------
   // Membership and load
 
-  addWorker(workerId: WorkerId, load: WorkerLoad = IDLE_LOAD): void {
+  /**
+   * Adds (or updates) a worker. With `models`, it only takes requests for those models (RoutingRequest.model; see
+   * servesModel); without, any request.
+   */
+  addWorker(workerId: WorkerId, load: WorkerLoad = IDLE_LOAD, models?: readonly string[]): void {
     if (!this.loads.has(workerId)) this.workerIds.push(workerId);
     this.loads.set(workerId, load);
+    if (models !== undefined) this.workerModels.set(workerId, new Set(models));
   }
 
   /**
@@ -169,6 +176,7 @@ export class Router {
       if (at < this.roundRobinNext) this.roundRobinNext--;
     }
     this.loads.delete(workerId);
+    this.workerModels.delete(workerId);
     this.index.removeWorker(workerId);
     this.speculative.removeWorker(workerId);
     this.sessions.removeWorker(workerId);
@@ -230,7 +238,7 @@ export class Router {
       this.counters.numRejected++;
       return { kind: 'rejected', requestId, reason: 'no-workers', retryAfterMs: this.retryAfter.retryAfterMs(1, nowMs) };
     }
-    const hashes = hashTokenBlocks(request.tokenIds, this.blockSize, { cacheSalt: request.cacheSalt });
+    const hashes = hashTokenBlocks(request.tokenIds, this.blockSize, { cacheSalt: request.cacheSalt, adapterId: request.lora });
     const hashedMs = this.clock();
     const decision = this.decide(request, hashes, nowMs, startMs, hashedMs);
     if (decision === null) {
@@ -249,7 +257,7 @@ export class Router {
   onRouted(request: RoutingRequest, decision: RoutingDecision, nowMs: number): void {
     if (this.active.has(request.requestId)) throw new Error(`request ${request.requestId} is already routed`);
     if (!this.loads.has(decision.workerId)) throw new Error(`unknown worker ${decision.workerId}`);
-    const hashes = hashTokenBlocks(request.tokenIds, this.blockSize, { cacheSalt: request.cacheSalt });
+    const hashes = hashTokenBlocks(request.tokenIds, this.blockSize, { cacheSalt: request.cacheSalt, adapterId: request.lora });
     this.commit(request, hashes, decision, nowMs);
   }
 
@@ -334,6 +342,7 @@ export class Router {
     const terms: WorkerCostTerms[] = [];
     const candidates: number[] = [];
     for (const workerId of this.workerIds) {
+      if (!servesModel(this.workerModels.get(workerId), request.model)) continue;
       const reported = this.loads.get(workerId)!;
       const own = this.active.load(workerId);
       const indexedBlocks = indexed.get(workerId) ?? 0;

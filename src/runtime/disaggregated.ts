@@ -28,7 +28,7 @@ import { WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
-  DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, RoutingSummary, WorkerRole,
+  DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, RoutingSummary, WorkerRole, LoraLoadInfo,
 } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
@@ -208,6 +208,22 @@ export class DisaggregatedEngine implements Engine {
     return results.every(Boolean);
   }
 
+  /** Loads a LoRA adapter onto every decode worker, then every prefill worker (a request may run on either). */
+  async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    const info = await this.decodeWorkers.loadLora(name, path);
+    try {
+      if (this.prefillWorkers.size > 0) await this.prefillWorkers.loadLora(name, path);
+    } catch (error) {
+      await this.decodeWorkers.unloadLora(name).catch(() => {});
+      throw error;
+    }
+    return info;
+  }
+
+  async unloadLora(name: string): Promise<void> {
+    await Promise.all([this.prefillWorkers.unloadLora(name), this.decodeWorkers.unloadLora(name)]);
+  }
+
   stats(): EngineStats {
     return combinedStats([this.prefillWorkers, this.decodeWorkers]);
   }
@@ -359,7 +375,7 @@ export class DisaggregatedEngine implements Engine {
 
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
     const routing: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
     };
     const { decision: decodeDecision, queuedAt } = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
@@ -431,7 +447,7 @@ export class DisaggregatedEngine implements Engine {
       return (async function* () { throw lost; })();
     }
     const routing: RoutingRequest = {
-      requestId: attempt.id, tokenIds: attempt.promptTokenIds, cacheSalt: attempt.cacheSalt, sessionId: attempt.sessionId,
+      requestId: attempt.id, tokenIds: attempt.promptTokenIds, cacheSalt: attempt.cacheSalt, sessionId: attempt.sessionId, lora: attempt.lora,
     };
     const { choice, prefillDecision } = this.decide(attempt, routing, flight.decodeDecision!);
     const takenBy = prefillDecision?.workerId ?? decodeId;
@@ -509,7 +525,7 @@ export class DisaggregatedEngine implements Engine {
     flight.prefillId = prefillId;
     if (!prefillEngine) throw new WorkerLostError(prefillId, `prefill worker ${prefillId} left before request ${request.id} could start`);
     const routing: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
     };
     this.prefillRouter.onRouted(routing, decision, this.now());
     let handoff: KvHandoff | null = null;

@@ -4,7 +4,7 @@
 // The gateway holds it exactly as it would hold one engine.
 
 import { WorkerLostError } from '../engine/errors.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
@@ -72,7 +72,7 @@ export class RoutedEngine implements Engine {
   private async *follow(migration: RequestMigration): AsyncGenerator<EngineOutput> {
     const request = migration.request;
     const routingRequest: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
     };
     let { decision, queuedAt } = await this.group.admission.place(routingRequest);
     let engine = this.group.get(decision.workerId);
@@ -136,6 +136,15 @@ export class RoutedEngine implements Engine {
   /** Every worker resets its prefix cache; the router's index hears each worker's 'cleared' event. */
   resetPrefixCache(): Promise<boolean> {
     return this.group.resetPrefixCache();
+  }
+
+  /** Loads a LoRA adapter onto every worker (see WorkerGroup.loadLora). */
+  loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    return this.group.loadLora(name, path);
+  }
+
+  unloadLora(name: string): Promise<void> {
+    return this.group.unloadLora(name);
   }
 
   stats(): EngineStats {

@@ -3,7 +3,7 @@
 // EngineOverloadedError (503 + Retry-After) and readiness() says why. The restarts are the worker group's.
 
 import { EngineOverloadedError } from '../engine/errors.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { Router } from '../router/router.ts';
 import {
@@ -46,6 +46,15 @@ export class SupervisedEngine implements Engine {
 
   resetPrefixCache(): Promise<boolean> {
     return this.group.resetPrefixCache();
+  }
+
+  /** Loads a LoRA adapter onto every worker (see WorkerGroup.loadLora). */
+  loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    return this.group.loadLora(name, path);
+  }
+
+  unloadLora(name: string): Promise<void> {
+    return this.group.unloadLora(name);
   }
 
   stats(): EngineStats {

@@ -11,7 +11,8 @@
 // router learns from scratch, and a request still failing on the old one is told apart from one on the new.
 // Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
 
-import type { Engine, EngineInfo, RoutingSummary } from '../engine/types.ts';
+import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary } from '../engine/types.ts';
+import { LoraLoadError } from '../engine/errors.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import { workerLoadFromStats, type EngineStats } from '../protocols/worker.ts';
 import type { RoutingDecision } from '../router/protocols.ts';
@@ -90,6 +91,8 @@ export class WorkerGroup<E extends RoutableEngine> {
   private readonly migrationsTo = new Map<string, number>();
   private readonly now: () => number;
   private closed = false;
+  /** LoRA adapters loaded on every worker: name -> path (a restarted worker loads them too). */
+  private readonly loras = new Map<string, string>();
 
   constructor(private readonly options: WorkerGroupOptions<E>) {
     this.router = options.router;
@@ -138,7 +141,33 @@ export class WorkerGroup<E extends RoutableEngine> {
     return [...this.migrationsTo.values()].reduce((sum, n) => sum + n, 0);
   }
 
-  /** Per-worker stats, each with the requests it took over. */
+  /**
+   * Loads a LoRA adapter onto every worker (and onto workers started later in place of lost ones). When any worker
+   * refuses it, those that took it unload it again and the first refusal is thrown.
+   */
+  async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    const engines = [...this.workers.values()];
+    if (engines.length === 0) throw new LoraLoadError('invalid_adapter', `no ${this.label} is up to load LoRA adapter '${name}'`);
+    if (engines.some((engine) => !engine.loadLora)) throw new LoraLoadError('invalid_adapter', `these ${this.label}s run no LoRA adapters`);
+    const results = await Promise.allSettled(engines.map((engine) => engine.loadLora!(name, path)));
+    const refused = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
+    if (refused) {
+      await Promise.allSettled(engines.map((engine, i) => results[i]!.status === 'fulfilled' ? engine.unloadLora!(name) : undefined));
+      throw refused.reason;
+    }
+    this.loras.set(name, path);
+    return (results[0] as PromiseFulfilledResult<LoraLoadInfo>).value;
+  }
+
+  /** Unloads a LoRA adapter from every worker. */
+  async unloadLora(name: string): Promise<void> {
+    this.loras.delete(name);
+    const results = await Promise.allSettled([...this.workers.values()].map((engine) => engine.unloadLora?.(name)));
+    const refused = results.find((r): r is PromiseRejectedResult => r.status === 'rejected'
+      && !(r.reason instanceof LoraLoadError && r.reason.code === 'lora_not_loaded'));
+    if (refused) throw refused.reason;
+  }
+
   /** Every worker resets its prefix cache (see Engine.resetPrefixCache); true when all of them did. */
   async resetPrefixCache(): Promise<boolean> {
     const results = await Promise.all([...this.workers.values()].map((engine) => engine.resetPrefixCache()));
@@ -174,7 +203,7 @@ export class WorkerGroup<E extends RoutableEngine> {
     let decision: RoutingDecision;
     try {
       ({ decision } = await this.admission.place({
-        requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId,
+        requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
       }));
     } catch {
       if (aborted()) return null;
@@ -253,7 +282,11 @@ export class WorkerGroup<E extends RoutableEngine> {
     this.log('info', `${this.label} ${slot.name}: restart attempt ${slot.attempts} of ${restart.limit} in ${delay} ms (as ${id})`);
     slot.timer = setTimeout(() => {
       slot.timer = undefined;
-      restart.start(id).then((engine) => {
+      restart.start(id).then(async (engine) => {
+        // The new worker gets the adapters the group has loaded before it takes requests.
+        for (const [name, path] of this.loras) await engine.loadLora!(name, path);
+        return engine;
+      }).then((engine) => {
         if (this.closed) {
           void engine.close();
           return;

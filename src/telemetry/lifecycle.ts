@@ -145,6 +145,8 @@ export interface ValidateEvent extends IntervalEvent {
   phase: 'validate';
   ok: boolean;
   model?: string;
+  /** The LoRA adapter the request names as its model (model is then the adapter's base model). */
+  adapter?: string;
   stream?: boolean;
   maxTokens?: number;
   temperature?: number;

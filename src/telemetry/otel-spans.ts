@@ -91,6 +91,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     'conduit.phase': 'request',
     'request.id': trace.requestId,
     'request.model': trace.model,
+    'request.lora_adapter': trace.adapter,
     'request.tenant': trace.tenant,
     'request.worker': trace.worker,
     'request.prompt_tokens': trace.promptTokens,

@@ -29,6 +29,8 @@ export interface ResponseTimings {
   cached_tokens: number;
   /** The worker computed no prompt token beyond the one always recomputed (prefix-cache hit or KV transfer). */
   prefill_skipped: boolean;
+  /** The LoRA adapter the request ran with, when it named one. */
+  lora_adapter?: string;
 }
 
 export function responseTimings(trace: RequestTrace): ResponseTimings {
@@ -45,6 +47,7 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
     tbt_p50_ms: trace.tbtMs.length > 0 ? round3(quantile(trace.tbtMs, 0.5)) : null,
     cached_tokens: trace.cachedTokens,
     prefill_skipped: prefillSkipped(trace),
+    ...(trace.adapter !== undefined ? { lora_adapter: trace.adapter } : {}),
   };
 }
 
@@ -61,6 +64,8 @@ export interface TraceView {
   /** The client's tracestate, passed on unchanged. */
   tracestate: string | null;
   model: string;
+  /** The LoRA adapter the request ran with (model is then its base model). */
+  lora_adapter?: string;
   tenant: string | null;
   worker: string | null;
   outcome: RequestTrace['outcome'];
@@ -91,6 +96,7 @@ export function traceView(trace: RequestTrace): TraceView {
     engine_traceparent: trace.engineTraceparent ?? null,
     tracestate: trace.tracestate ?? null,
     model: trace.model,
+    ...(trace.adapter !== undefined ? { lora_adapter: trace.adapter } : {}),
     tenant: trace.tenant ?? null,
     worker: trace.worker ?? null,
     outcome: trace.outcome,

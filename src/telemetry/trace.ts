@@ -143,6 +143,8 @@ export interface RequestTrace {
   headSampling?: SamplingDecision;
 
   model: string;
+  /** The LoRA adapter the request ran with (model is its base model). */
+  adapter?: string;
   tenant?: string;
   worker?: string;
   stream?: boolean;
@@ -391,6 +393,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
     traceId: record.traceId, rootSpanId: record.rootSpanId, parent: record.parent, headSampling: record.headSampling,
     ...(record.tracestate !== undefined ? { tracestate: record.tracestate } : {}),
     model: validate?.model ?? record.model ?? 'unknown',
+    ...(validate?.adapter !== undefined ? { adapter: validate.adapter } : {}),
     tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
     temperature: validate?.temperature, n: validate?.n,
     ...ended, endedInPhase,

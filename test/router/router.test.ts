@@ -31,6 +31,23 @@ describe('Router (kv policy)', () => {
     assert.match(decision.reason, /overlap 6 blocks/);
   });
 
+  it('sends a request only to workers that hold its model', () => {
+    const router = makeRouter({}, []);
+    router.addWorker('a', load(), ['llama', 'llama:sql-lora']);
+    router.addWorker('b', load(), ['qwen']);
+    router.addWorker('any', load());
+    // Even holding the prompt's blocks, a worker without the model is no candidate.
+    router.applyKvEvents('b', [stored(1, hashes(prompt))]);
+    for (let i = 0; i < 5; i++) {
+      const decision = routed(router.route(request(prompt, { requestId: `r${i}`, model: 'llama' }), 0, { commit: false }));
+      assert.notEqual(decision.workerId, 'b');
+      assert.deepEqual(decision.costTerms.map((terms) => terms.workerId).sort(), ['a', 'any']);
+    }
+    assert.equal(routed(router.route(request(prompt, { model: 'qwen' }), 0, { commit: false })).workerId, 'b');
+    assert.deepEqual(routed(router.route(request(prompt, { model: 'other' }), 0, { commit: false })).costTerms
+      .map((terms) => terms.workerId), ['any']);
+  });
+
   it('matches only under the same cache salt', () => {
     const router = makeRouter({}, ['a', 'b']);
     router.applyKvEvents('a', [stored(1, hashes(prompt, 'tenant-1'))]);

@@ -1,0 +1,244 @@
+// LoRA adapters: low-rank corrections of a base model's projections, y = W x + scale * B (A x), read from llama.cpp's
+// GGUF adapter format or a Hugging Face PEFT folder, checked against the base model they are loaded onto, and the
+// reference math that applies them row by row (the native kernel, native/lora.cc, must give the same result).
+//
+// GGUF (llama.cpp's convert_lora_to_gguf): general.type = "adapter", adapter.type = "lora", adapter.lora.alpha, and
+// per adapted weight `<weight>.lora_a` (ggml shape [in, rank]) and `<weight>.lora_b` ([rank, out]); the scale is
+// alpha / rank (1 when alpha is 0), as llama.cpp applies it. PEFT: adapter_config.json (r, lora_alpha, use_rslora)
+// and adapter_model.safetensors with `...layers.N.self_attn.q_proj.lora_A.weight` ([rank, in]) and `lora_B` ([out,
+// rank]); scale lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). For a llama GGUF base, whose Q and K rows
+// llama.cpp's converter permuted for interleaved RoPE, the rows of q/k lora_B are permuted the same way.
+
+import { existsSync, readFileSync, statSync } from 'node:fs';
+import { join } from 'node:path';
+import type { ModelConfig } from './config.ts';
+import { GgmlType } from './ggml-types.ts';
+import { metaNumber, metaString, readGguf, type GgufFile } from './gguf.ts';
+import { interleavedRowOrder } from './hf.ts';
+import { dequantizeTensor } from './quant.ts';
+import { readSafetensors } from './safetensors.ts';
+
+/** The projections an adapter may correct (the names of LayerWeights). */
+export const LORA_TARGETS = ['wq', 'wk', 'wv', 'wo', 'wGate', 'wUp', 'wDown'] as const;
+export type LoraTarget = (typeof LORA_TARGETS)[number];
+
+/** One adapted projection: A [rank x in] and B [out x rank], row-major f32. */
+export interface LoraMatrix {
+  rank: number;
+  a: Float32Array;
+  b: Float32Array;
+}
+
+/** An adapter as the backends take it: the scale and, per layer, the projections it corrects. */
+export interface LoraWeights {
+  /** Multiplies B (A x): alpha / rank. */
+  scale: number;
+  layers: Partial<Record<LoraTarget, LoraMatrix>>[];
+}
+
+export interface LoadedLoraAdapter {
+  weights: LoraWeights;
+  format: 'gguf' | 'peft';
+  /** Largest rank of its matrices. */
+  rank: number;
+  alpha: number;
+  /** Bytes of its f32 matrices. */
+  bytes: number;
+}
+
+/** An adapter file that cannot be applied to this base (wrong format, shapes, architecture): the caller's 400. */
+export class LoraAdapterError extends Error {
+  override name = 'LoraAdapterError';
+}
+
+const GGUF_WEIGHTS: Record<string, LoraTarget> = {
+  attn_q: 'wq', attn_k: 'wk', attn_v: 'wv', attn_output: 'wo', ffn_gate: 'wGate', ffn_up: 'wUp', ffn_down: 'wDown',
+};
+const PEFT_WEIGHTS: Record<string, LoraTarget> = {
+  'self_attn.q_proj': 'wq', 'self_attn.k_proj': 'wk', 'self_attn.v_proj': 'wv', 'self_attn.o_proj': 'wo',
+  'mlp.gate_proj': 'wGate', 'mlp.up_proj': 'wUp', 'mlp.down_proj': 'wDown',
+};
+
+/** [in, out] of a projection of this model. */
+export function loraTargetShape(config: ModelConfig, target: LoraTarget): [number, number] {
+  const qDim = config.numHeads * config.headDim;
+  const kvDim = config.numKvHeads * config.headDim;
+  switch (target) {
+    case 'wq': return [config.dim, qDim];
+    case 'wk': case 'wv': return [config.dim, kvDim];
+    case 'wo': return [qDim, config.dim];
+    case 'wGate': case 'wUp': return [config.dim, config.ffnDim];
+    case 'wDown': return [config.ffnDim, config.dim];
+  }
+}
+
+/** Reads a GGUF adapter file or a PEFT folder and checks it against the base model's config. */
+export function loadLoraAdapter(path: string, base: ModelConfig): LoadedLoraAdapter {
+  if (!existsSync(path)) throw new LoraAdapterError(`${path} does not exist`);
+  if (statSync(path).isDirectory()) return loadPeftAdapter(path, base);
+  let file: GgufFile;
+  try {
+    file = readGguf(path);
+  } catch (error) {
+    throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
+  }
+  return ggufAdapter(file, path, base);
+}
+
+function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): LoadedLoraAdapter {
+  const type = metaString(file, 'general.type');
+  if (type !== 'adapter') throw new LoraAdapterError(`${path}: general.type is ${type === undefined ? 'missing' : `"${type}"`}, a LoRA adapter says "adapter"`);
+  const adapterType = metaString(file, 'adapter.type');
+  if (adapterType !== 'lora') throw new LoraAdapterError(`${path}: adapter.type is ${adapterType === undefined ? 'missing' : `"${adapterType}"`}, not "lora"`);
+  const arch = metaString(file, 'general.architecture');
+  if (arch !== base.architecture) {
+    throw new LoraAdapterError(`${path} is an adapter for ${arch === undefined ? 'an unnamed architecture' : `"${arch}"`}, the base model is "${base.architecture}"`);
+  }
+  const alpha = metaNumber(file, 'adapter.lora.alpha') ?? 0;
+  const pairs = new Map<string, { a?: string; b?: string }>();
+  for (const info of file.tensorInfos) {
+    const match = /^(.*)\.lora_(a|b)$/.exec(info.name);
+    if (!match) throw new LoraAdapterError(`${path}: tensor ${info.name} is not a lora_a / lora_b tensor`);
+    const entry = pairs.get(match[1]!) ?? {};
+    entry[match[2] as 'a' | 'b'] = info.name;
+    pairs.set(match[1]!, entry);
+  }
+  const layers = emptyLayers(base);
+  let rank = 0;
+  for (const [weight, { a, b }] of pairs) {
+    if (a === undefined || b === undefined) throw new LoraAdapterError(`${path}: ${weight} has lora_${a ? 'a' : 'b'} without lora_${a ? 'b' : 'a'}`);
+    const match = /^blk\.(\d+)\.([a-z_]+)\.weight$/.exec(weight);
+    const target = match ? GGUF_WEIGHTS[match[2]!] : undefined;
+    if (!match || target === undefined) throw new LoraAdapterError(`${path}: ${weight} is not a projection Conduit adapts (attn_q/k/v/output, ffn_gate/up/down of a layer)`);
+    const layer = Number(match[1]);
+    const ta = file.tensor(a);
+    const tb = file.tensor(b);
+    // lora_a: ggml [in, rank] = rank rows of `in`; lora_b: ggml [rank, out] = out rows of `rank`.
+    const [inDim, outDim] = checkedShape(path, base, layer, weight, target, ta.shape, tb.shape);
+    const matrix = { rank: ta.shape[1]!, a: toF32(ta), b: toF32(tb) };
+    if (matrix.a.length !== matrix.rank * inDim || matrix.b.length !== outDim * matrix.rank) {
+      throw new LoraAdapterError(`${path}: ${weight} has the wrong number of elements`);
+    }
+    layers[layer]![target] = matrix;
+    rank = Math.max(rank, matrix.rank);
+  }
+  return finish(layers, rank, alpha, alpha !== 0 ? alpha / rank : 1, 'gguf', path);
+}
+
+function toF32(t: { type: GgmlType; data: Uint8Array; shape: number[]; name: string }): Float32Array {
+  return Float32Array.from(dequantizeTensor(t));
+}
+
+function emptyLayers(base: ModelConfig): Partial<Record<LoraTarget, LoraMatrix>>[] {
+  return Array.from({ length: base.numLayers }, () => ({}));
+}
+
+/**
+ * Checks an adapted weight's A ([in, rank] in ggml order) and B ([rank, out]) against the base: the layer exists,
+ * in and out are the projection's, the ranks agree. Returns [in, out].
+ */
+function checkedShape(path: string, base: ModelConfig, layer: number, weight: string, target: LoraTarget,
+  aShape: readonly number[], bShape: readonly number[]): [number, number] {
+  if (layer >= base.numLayers) throw new LoraAdapterError(`${path}: ${weight} is in layer ${layer}, the base model has ${base.numLayers} layers`);
+  const [inDim, outDim] = loraTargetShape(base, target);
+  const describe = (shape: readonly number[]) => `[${shape.join(', ')}]`;
+  if (aShape.length !== 2 || bShape.length !== 2 || aShape[0] !== inDim || bShape[1] !== outDim || aShape[1] !== bShape[0] || !(aShape[1]! > 0)) {
+    throw new LoraAdapterError(`${path}: ${weight} has lora_a ${describe(aShape)} and lora_b ${describe(bShape)} (ggml order); `
+      + `the base model's ${weight} needs lora_a [${inDim}, r] and lora_b [r, ${outDim}]: the adapter was made for another base model`);
+  }
+  return [inDim, outDim];
+}
+
+function finish(layers: Partial<Record<LoraTarget, LoraMatrix>>[], rank: number, alpha: number, scale: number,
+  format: 'gguf' | 'peft', path: string): LoadedLoraAdapter {
+  if (rank === 0) throw new LoraAdapterError(`${path}: the adapter adapts no weight`);
+  if (!Number.isFinite(scale)) throw new LoraAdapterError(`${path}: alpha ${alpha} gives no finite scale`);
+  let bytes = 0;
+  for (const layer of layers) for (const m of Object.values(layer)) bytes += (m.a.length + m.b.length) * 4;
+  return { weights: { scale, layers }, format, rank, alpha, bytes };
+}
+
+function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
+  const configPath = join(dir, 'adapter_config.json');
+  const tensorsPath = join(dir, 'adapter_model.safetensors');
+  if (!existsSync(configPath)) throw new LoraAdapterError(`${dir} is a folder without adapter_config.json (a PEFT adapter has one)`);
+  if (!existsSync(tensorsPath)) throw new LoraAdapterError(`${dir} has no adapter_model.safetensors`);
+  let json: Record<string, unknown>;
+  try {
+    json = JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>;
+  } catch (error) {
+    throw new LoraAdapterError(`${configPath}: ${(error as Error).message}`);
+  }
+  if (json.peft_type !== undefined && json.peft_type !== 'LORA') throw new LoraAdapterError(`${configPath}: peft_type is ${JSON.stringify(json.peft_type)}, not "LORA"`);
+  if (json.fan_in_fan_out === true) throw new LoraAdapterError(`${configPath}: fan_in_fan_out adapters are not supported`);
+  const r = json.r;
+  const alpha = json.lora_alpha ?? r;
+  if (typeof r !== 'number' || !(r > 0) || typeof alpha !== 'number') throw new LoraAdapterError(`${configPath}: r and lora_alpha must be numbers, r > 0`);
+  const scale = json.use_rslora === true ? alpha / Math.sqrt(r) : alpha / r;
+  const file = readSafetensors(tensorsPath);
+  const layers = emptyLayers(base);
+  let rank = 0;
+  const pairs = new Map<string, { a?: string; b?: string }>();
+  for (const name of file.entries.keys()) {
+    const match = /^(.*)\.lora_(A|B)(?:\.default)?\.weight$/.exec(name);
+    if (!match) throw new LoraAdapterError(`${tensorsPath}: tensor ${name} is not a lora_A / lora_B weight (embedding and bias adapters are not supported)`);
+    const entry = pairs.get(match[1]!) ?? {};
+    entry[match[2] === 'A' ? 'a' : 'b'] = name;
+    pairs.set(match[1]!, entry);
+  }
+  for (const [weight, { a, b }] of pairs) {
+    if (a === undefined || b === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} has only one of lora_A and lora_B`);
+    const match = /(?:^|\.)layers\.(\d+)\.(self_attn\.[a-z]_proj|mlp\.[a-z]+_proj)$/.exec(weight);
+    const target = match ? PEFT_WEIGHTS[match[2]!] : undefined;
+    if (!match || target === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} is not a projection Conduit adapts (q/k/v/o_proj, gate/up/down_proj of a layer)`);
+    const layer = Number(match[1]);
+    const ta = file.tensor(a);
+    const tb = file.tensor(b);
+    // Tensor shapes are in ggml order: lora_A [rank, in] row-major is ggml [in, rank]; lora_B [out, rank] is [rank, out].
+    const [, outDim] = checkedShape(tensorsPath, base, layer, weight, target, ta.shape, tb.shape);
+    const matrixRank = ta.shape[1]!;
+    let bMatrix = toF32(tb);
+    if (base.ropeStyle === 'interleaved' && (target === 'wq' || target === 'wk')) {
+      const heads = target === 'wq' ? base.numHeads : base.numKvHeads;
+      const order = interleavedRowOrder(heads, base.headDim);
+      const permuted = new Float32Array(bMatrix.length);
+      for (let row = 0; row < outDim; row++) permuted.set(bMatrix.subarray(order[row]! * matrixRank, (order[row]! + 1) * matrixRank), row * matrixRank);
+      bMatrix = permuted;
+    }
+    layers[layer]![target] = { rank: matrixRank, a: toF32(ta), b: bMatrix };
+    rank = Math.max(rank, matrixRank);
+  }
+  return finish(layers, rank, alpha, scale, 'peft', dir);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reference math
+
+/**
+ * out[r] += scale * B (A x[r]) for every row r whose adapter (rowAdapters[r]) adapts `target` in `layer`; rows
+ * without an adapter are left as they are. Each row is computed on its own, in the same order whatever the batch.
+ */
+export function applyLoraRows(out: Float32Array, x: Float32Array, numRows: number, inDim: number, outDim: number,
+  rowAdapters: readonly (LoraWeights | undefined)[], layer: number, target: LoraTarget): void {
+  let u = new Float32Array(0);
+  for (let r = 0; r < numRows; r++) {
+    const adapter = rowAdapters[r];
+    const m = adapter?.layers[layer]?.[target];
+    if (!adapter || !m) continue;
+    if (u.length < m.rank) u = new Float32Array(m.rank);
+    const xBase = r * inDim;
+    for (let k = 0; k < m.rank; k++) {
+      let sum = 0;
+      const aBase = k * inDim;
+      for (let i = 0; i < inDim; i++) sum += m.a[aBase + i]! * x[xBase + i]!;
+      u[k] = sum;
+    }
+    const outBase = r * outDim;
+    for (let o = 0; o < outDim; o++) {
+      let sum = 0;
+      const bBase = o * m.rank;
+      for (let k = 0; k < m.rank; k++) sum += m.b[bBase + k]! * u[k]!;
+      out[outBase + o] = out[outBase + o]! + adapter.scale * sum;
+    }
+  }
+}

@@ -1,0 +1,153 @@
+// The LoRA adapters of one served model: which are registered (name -> file, from --lora-modules or
+// POST /v1/load_lora_adapter), which are resident on the workers (at most maxLoras, least recently used evicted
+// first, never one with requests in flight), and the loading of a registered adapter on demand when a request names
+// it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora).
+//
+// Each registration gets its own key, the name the workers know the adapter by and the one its KV blocks are hashed
+// under: an adapter evicted and loaded again from the same registration keeps its key (its cached prefixes stay
+// valid), while a name unloaded and registered again with another file gets a new one (no stale KV reuse).
+
+import { LoraLoadError } from '../engine/errors.ts';
+import type { Engine, LoraLoadInfo } from '../engine/types.ts';
+
+/** Adapters resident per model by default. */
+export const DEFAULT_MAX_LORAS = 8;
+
+/** Every resident adapter has requests in flight, so none can make room for another: retry later. */
+export class LoraCapacityError extends Error {
+  override name = 'LoraCapacityError';
+  constructor(readonly adapter: string, readonly maxLoras: number) {
+    super(`LoRA adapter '${adapter}' cannot be loaded now: all ${maxLoras} resident adapters (--max-loras) have requests in flight`);
+  }
+}
+
+export interface LoraManagerStats {
+  registered: number;
+  /** Resident on the workers now. */
+  resident: number;
+  loads: number;
+  evictions: number;
+}
+
+interface Registration {
+  name: string;
+  path: string;
+  key: string;
+  info?: LoraLoadInfo;
+  resident: boolean;
+  /** Set while its load runs: later acquirers wait for the same load. */
+  loading?: Promise<void>;
+  inFlight: number;
+  lastUsed: number;
+}
+
+export class LoraManager {
+  private readonly adapters = new Map<string, Registration>();
+  private generation = 0;
+  private useClock = 0;
+  private loads = 0;
+  private evictions = 0;
+
+  constructor(private readonly engine: Engine, readonly maxLoras: number = DEFAULT_MAX_LORAS,
+    private readonly log?: (message: string) => void) {
+    if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new RangeError(`maxLoras must be a whole number >= 1, got ${maxLoras}`);
+  }
+
+  /** Registered adapters in registration order, with whether each is resident. */
+  list(): { name: string; path: string; resident: boolean }[] {
+    return [...this.adapters.values()].map(({ name, path, resident }) => ({ name, path, resident }));
+  }
+
+  has(name: string): boolean {
+    return this.adapters.has(name);
+  }
+
+  stats(): LoraManagerStats {
+    let resident = 0;
+    for (const a of this.adapters.values()) if (a.resident) resident++;
+    return { registered: this.adapters.size, resident, loads: this.loads, evictions: this.evictions };
+  }
+
+  /**
+   * Registers an adapter and loads it now (so a bad file is refused at once, with the workers' reason), evicting
+   * the least recently used idle adapter when maxLoras are resident. Throws LoraLoadError (the file, a name taken)
+   * or LoraCapacityError.
+   */
+  async register(name: string, path: string): Promise<LoraLoadInfo> {
+    if (this.adapters.has(name)) throw new LoraLoadError('invalid_adapter', `The lora adapter '${name}' has already been loaded.`);
+    const registration: Registration = { name, path, key: `${name}#${++this.generation}`, resident: false, inFlight: 0, lastUsed: ++this.useClock };
+    this.adapters.set(name, registration);
+    try {
+      await this.makeResident(registration);
+    } catch (error) {
+      this.adapters.delete(name);
+      throw error;
+    }
+    return registration.info!;
+  }
+
+  /** Forgets an adapter and unloads it from the workers; refused while requests use it. */
+  async unregister(name: string): Promise<void> {
+    const registration = this.adapters.get(name);
+    if (!registration) throw new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`);
+    if (registration.inFlight > 0) throw new LoraLoadError('lora_in_use', `The lora adapter '${name}' has ${registration.inFlight} request(s) in flight.`);
+    await registration.loading?.catch(() => {});
+    this.adapters.delete(name);
+    if (registration.resident) {
+      registration.resident = false;
+      await this.engine.unloadLora!(registration.key);
+    }
+  }
+
+  /**
+   * A request is about to run with the adapter: loads it if it is not resident (evicting as needed) and counts the
+   * request until release(). Returns the key the engine knows the adapter by (EngineRequest.lora).
+   */
+  async acquire(name: string): Promise<string> {
+    const registration = this.adapters.get(name);
+    if (!registration) throw new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`);
+    registration.inFlight++;
+    registration.lastUsed = ++this.useClock;
+    try {
+      if (!registration.resident) await this.makeResident(registration);
+    } catch (error) {
+      registration.inFlight--;
+      throw error;
+    }
+    return registration.key;
+  }
+
+  release(name: string): void {
+    const registration = this.adapters.get(name);
+    if (registration && registration.inFlight > 0) registration.inFlight--;
+  }
+
+  private async makeResident(registration: Registration): Promise<void> {
+    if (registration.resident) return;
+    if (registration.loading) return registration.loading;
+    const load = async () => {
+      await this.makeRoom(registration);
+      if (!this.engine.loadLora) throw new LoraLoadError('invalid_adapter', 'this engine runs no LoRA adapters');
+      registration.info = await this.engine.loadLora(registration.key, registration.path);
+      registration.resident = true;
+      this.loads++;
+    };
+    registration.loading = load().finally(() => { registration.loading = undefined; });
+    return registration.loading;
+  }
+
+  /** Evicts least recently used idle adapters until one more fits. */
+  private async makeRoom(incoming: Registration): Promise<void> {
+    for (;;) {
+      const occupying = [...this.adapters.values()].filter((a) => a !== incoming && (a.resident || a.loading));
+      if (occupying.length < this.maxLoras) return;
+      const idle = occupying.filter((a) => a.resident && !a.loading && a.inFlight === 0).sort((x, y) => x.lastUsed - y.lastUsed);
+      const victim = idle[0];
+      if (!victim) throw new LoraCapacityError(incoming.name, this.maxLoras);
+      victim.resident = false;
+      this.evictions++;
+      this.log?.(`LoRA adapter '${victim.name}' evicted (least recently used) to load '${incoming.name}'`);
+      await this.engine.unloadLora!(victim.key);
+    }
+  }
+}

@@ -1,0 +1,121 @@
+// Several models behind one server: `--model NAME=PATH` and `--served-model-name` per model, /v1/models lists them
+// all, each request runs on the model it names (its own workers, tokenizer and template), an unknown name is a 404
+// naming the served ones.
+
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { silentLogger } from '../../src/api/log.ts';
+import { parseModelSpecs, parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
+import { UsageError } from '../../src/cli/flags.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { rawRequest } from './http-client.ts';
+
+function writeModel(dir: string, file: string, seed: number): string {
+  const path = join(dir, file);
+  writeSyntheticModel({
+    name: `multi ${seed}`, dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
+    dtype: 'F32', seed, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+  }, path);
+  return path;
+}
+
+async function serve(flags: string[]): Promise<RunningServer> {
+  const config = parseServeConfig(['--port', '0', '--log-level', 'silent', '--kv-cache-memory', '8MiB', '--threads', '1',
+    '--worker-restart-limit', '0', ...flags], {});
+  if (config === 'help') throw new Error('unexpected --help');
+  return startServer(config, silentLogger);
+}
+
+async function complete(url: string, model: string, prompt = 'Once upon a time'): Promise<{ status: number; body: any }> {
+  const res = await rawRequest(url, {
+    path: '/v1/completions', body: { model, prompt, max_tokens: 12, temperature: 0, ignore_eos: true },
+  });
+  return { status: res.status, body: res.json() };
+}
+
+describe('several models behind one server', () => {
+  let dir: string;
+  let pathA: string;
+  let pathB: string;
+  let server: RunningServer;
+
+  before(async () => {
+    dir = mkdtempSync(join(tmpdir(), 'conduit-multi-model-'));
+    pathA = writeModel(dir, 'a.gguf', 3);
+    pathB = writeModel(dir, 'b.gguf', 4);
+    server = await serve(['--model', `alpha=${pathA}`, '--model', pathB, '--served-model-name', 'alpha',
+      '--served-model-name', 'beta', '--workers', '2']);
+  });
+  after(async () => {
+    await server?.api.shutdown(0);
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('lists every model in /v1/models and answers /v1/models/{name} for each', async () => {
+    const list = (await rawRequest(server.url, { path: '/v1/models' })).json();
+    assert.deepEqual(list.data.map((m: { id: string }) => m.id), ['alpha', 'beta']);
+    assert.equal((await rawRequest(server.url, { path: '/v1/models/beta' })).json().id, 'beta');
+    assert.equal((await rawRequest(server.url, { path: '/v1/models/gamma' })).status, 404);
+  });
+
+  it('runs each request on the model it names, as that model alone would', async () => {
+    const [a, b] = await Promise.all([complete(server.url, 'alpha'), complete(server.url, 'beta')]);
+    assert.equal(a.status, 200);
+    assert.equal(b.status, 200);
+    assert.equal(a.body.model, 'alpha');
+    assert.equal(b.body.model, 'beta');
+    assert.notEqual(a.body.choices[0].text, b.body.choices[0].text, 'two different models gave the same text');
+    const alone = await serve(['--model', pathB, '--served-model-name', 'beta']);
+    try {
+      const solo = await complete(alone.url, 'beta');
+      assert.equal(b.body.choices[0].text, solo.body.choices[0].text);
+    } finally {
+      await alone.api.shutdown(0);
+    }
+    // No "model": the first one.
+    const res = await rawRequest(server.url, { path: '/v1/completions', body: { prompt: 'Hi', max_tokens: 2 } });
+    assert.equal(res.json().model, 'alpha');
+  });
+
+  it('refuses an unknown model with a 404 that names the served ones', async () => {
+    const res = await complete(server.url, 'gamma');
+    assert.equal(res.status, 404);
+    assert.equal(res.body.error.code, 'model_not_found');
+    assert.match(res.body.error.message, /'gamma'.*'alpha' and 'beta'/);
+  });
+
+  it('keeps every model\'s workers apart in /metrics', async () => {
+    const text = (await rawRequest(server.url, { path: '/metrics' })).text;
+    assert.match(text, /worker="beta:worker-1"/);
+    assert.match(text, /worker="alpha:worker-0"/);
+  });
+});
+
+describe('--model specs', () => {
+  const none = () => false;
+  it('takes NAME=PATH, names by position, and refuses clashes', () => {
+    assert.deepEqual(parseModelSpecs(['a=/m/a.gguf', '/m/b.gguf'], [], none),
+      [{ path: '/m/a.gguf', servedModelName: 'a' }, { path: '/m/b.gguf' }]);
+    assert.deepEqual(parseModelSpecs(['/m/a.gguf', '/m/b.gguf'], ['x', 'y'], none),
+      [{ path: '/m/a.gguf', servedModelName: 'x' }, { path: '/m/b.gguf', servedModelName: 'y' }]);
+    // A path with "=" in a folder name is a path.
+    assert.deepEqual(parseModelSpecs(['/m/k=v/a.gguf'], [], none), [{ path: '/m/k=v/a.gguf' }]);
+    assert.throws(() => parseModelSpecs(['a=/x', 'a=/y'], [], none), UsageError);
+    assert.throws(() => parseModelSpecs(['/x'], ['a', 'b'], none), UsageError);
+    assert.throws(() => parseModelSpecs(['a=/x'], ['b'], none), UsageError);
+  });
+
+  it('keeps every --model (a repeated --model is no longer the last one only)', () => {
+    const config = parseServeConfig(['--model', 'a=/x.gguf', '--model', 'b=/y.gguf'], {});
+    assert.notEqual(config, 'help');
+    if (config === 'help') return;
+    assert.equal(config.modelPath, '/x.gguf');
+    assert.equal(config.servedModelName, 'a');
+    assert.deepEqual(config.extraModels, [{ path: '/y.gguf', servedModelName: 'b' }]);
+    const fromEnv = parseServeConfig([], { CONDUIT_MODEL: 'a=/x.gguf,b=/y.gguf' });
+    assert.deepEqual(fromEnv !== 'help' && fromEnv.extraModels, [{ path: '/y.gguf', servedModelName: 'b' }]);
+  });
+});

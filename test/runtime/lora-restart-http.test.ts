@@ -1,0 +1,51 @@
+// A restarted worker loads the LoRA adapters its group has before it takes requests: with every worker killed and
+// restarted, a request naming an adapter is served again with the text it had before.
+import assert from 'node:assert/strict';
+import { rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { test } from 'node:test';
+import { silentLogger } from '../../src/api/log.ts';
+import { parseServeConfig, startServer } from '../../src/cli/serve.ts';
+import type { LocalEngine } from '../../src/engine/local-engine.ts';
+import { loadModel } from '../../src/model/loader.ts';
+import { randomLoraAdapter, writeGgufLoraAdapter } from '../../src/model/lora-writer.ts';
+import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
+import { waitUntil } from '../helpers/wait-until.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+
+test('restarted workers serve the adapters loaded before they were lost', { timeout: 120_000 }, async () => {
+  const fixture = writeWorkerLossFixture('lora-restart');
+  const adapterPath = join(fixture.dir, 'a.gguf');
+  const { config } = await loadModel(fixture.modelPath);
+  writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed: 12, bScale: 1 }));
+  const parsed = parseServeConfig(['--port', '0', '--model', `base=${fixture.modelPath}`, '--threads', '1', '--backend', 'reference',
+    '--kv-cache-memory', '16MiB', '--workers', '2', '--worker-restart-delay', '10', '--lora-modules', `a=${adapterPath}`], {});
+  assert.notEqual(parsed, 'help');
+  const running = await startServer(parsed as Exclude<typeof parsed, 'help'>, silentLogger);
+  const complete = async (model: string) => {
+    const res = await fetch(`${running.url}/v1/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify({ model, prompt: 'Once upon a time', max_tokens: 10, temperature: 0, ignore_eos: true }),
+    });
+    const body = await res.text();
+    return { status: res.status, body, text: res.status === 200 ? (JSON.parse(body) as { choices: { text: string }[] }).choices[0]!.text : '' };
+  };
+  try {
+    const routed = running.api.gateway.engine;
+    assert.ok(routed instanceof RoutedEngine);
+    const before = await complete('a');
+    assert.equal(before.status, 200, before.body);
+    assert.notEqual(before.text, (await complete('base')).text, 'the adapter changed nothing');
+    const killed = routed.workerIds;
+    await Promise.all(killed.map((id) => (routed.workerEngine(id) as LocalEngine).kill()));
+    await waitUntil(() => routed.workerIds.length === 2 && routed.workerIds.every((id) => id.endsWith('-r1')), 'both workers restarted', 60_000);
+    for (let i = 0; i < 4; i++) {
+      const after = await complete('a');
+      assert.equal(after.status, 200, after.body);
+      assert.equal(after.text, before.text);
+    }
+  } finally {
+    await running.api.shutdown(0);
+    rmSync(fixture.dir, { recursive: true, force: true });
+  }
+});
