@@ -15,6 +15,8 @@ const COMMANDS: Record<string, () => Promise<Command>> = {
   plan: async () => (await import('./plan.ts')).planCommand,
   bench: async () => (await import('./bench.ts')).benchCommand,
   trace: async () => (await import('./trace.ts')).traceCommand,
+  worker: async () => (await import('./worker.ts')).workerCommand,
+  frontend: async () => (await import('./frontend.ts')).frontendCommand,
 };
 
 const PLANNED: Record<string, string> = {

@@ -335,8 +335,8 @@ export interface RunningServer {
   modelPath: string;
 }
 
-/** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
-export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
+/** The gateway of a config (keys, limits, TLS, logging), not yet listening: what serve and frontend share. */
+export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clock): { api: ApiServer; keyStore: KeyStore } {
   for (const warning of config.warnings ?? []) logger.warn(warning);
   const keyStore = new KeyStore(config.keys, config.tenantDefaults);
   if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
@@ -360,6 +360,12 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     ...(clock ? { clock } : {}),
     logger,
   });
+  return { api, keyStore };
+}
+
+/** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
+export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
+  const { api, keyStore } = createApiServer(config, logger, clock);
   await api.listen(config.port, config.host);
   try {
     // Simulated workers run no model file: the built-in one is not even written for them.

@@ -52,6 +52,7 @@ export class RemoteEngine implements RoutableEngine {
   private lostError: Error | undefined;
   private closed = false;
   private drainingFlag = false;
+  private closeWhenIdle = false;
   private lastFrameAt = performance.now();
   private readonly watchdog: NodeJS.Timeout;
 
@@ -146,6 +147,7 @@ export class RemoteEngine implements RoutableEngine {
         remote.streams.delete(request.id);
         // The caller left early (abort, a stop string matched after a migration): the worker stops too.
         if (!ended && !queue.done) remote.abort(request.id);
+        if (remote.closeWhenIdle && remote.streams.size === 0) void remote.close();
       }
     })();
   }
@@ -194,6 +196,18 @@ export class RemoteEngine implements RoutableEngine {
   /** A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). */
   deliverStats(stats: EngineStats): void {
     this.latestStats = stats;
+  }
+
+  /**
+   * The worker left discovery (drains, or its lease lapsed while the connection still stands): it leaves the router
+   * now, and the connection closes once the streams it runs have ended (a dead worker's connection drops anyway).
+   */
+  retire(reason: string): void {
+    if (this.lostError || this.closed) return;
+    this.drainingFlag = true;
+    this.closeWhenIdle = true;
+    this.emitLost(new WorkerLostError(this.workerId, reason));
+    if (this.streams.size === 0) void this.close();
   }
 
   /** Ends the connection as if the worker were lost (its lease lapsed, or it left discovery). */
