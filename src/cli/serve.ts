@@ -41,6 +41,7 @@ export const SERVE_FLAGS = {
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
   workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler', default: 1 },
+  'worker-processes': { type: 'boolean', help: 'run the --workers as child processes (conduit worker) over the request plane on loopback instead of threads: a worker that crashes, natively included, takes only its process down and is restarted', default: false },
   'routing-policy': { type: 'string', help: `how the router places requests: ${POLICY_NAMES.join(', ')}`, default: 'kv' },
   'session-header': { type: 'string', help: 'request header carrying the session id that --routing-policy session keeps on one worker', default: DEFAULT_SESSION_HEADER },
   'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
@@ -93,6 +94,8 @@ export interface ServeConfig {
   backend: Backend;
   engine: (typeof ENGINES)[number];
   workers: number;
+  /** The workers are child processes instead of threads (--worker-processes). */
+  workerProcesses: boolean;
   routingPolicy: PolicyName;
   /** Lower-cased header name. */
   sessionHeader: string;
@@ -259,6 +262,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
+  if (values['worker-processes'] && prefillWorkers !== undefined) {
+    throw new UsageError('--worker-processes runs aggregated workers (--workers N); disaggregated workers are threads for now');
+  }
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
@@ -289,6 +295,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     backend: backend as Backend,
     engine: engine as ServeConfig['engine'],
     workers: positiveInteger(values.workers, 'workers')!,
+    workerProcesses: values['worker-processes']!,
     routingPolicy: routingPolicy as PolicyName,
     sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
@@ -372,7 +379,11 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     const modelPath = config.engine === 'sim' ? undefined
       : config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const { createWorkerPool } = await import('../runtime/worker-pool.ts');
-    const pool = await createWorkerPool({
+    const { createProcessWorkerPool } = await import('../cluster/process-pool.ts');
+    const create = config.workerProcesses
+      ? (options: Parameters<typeof createWorkerPool>[0]) => createProcessWorkerPool({ ...options, childLog: (line) => logger.info(line) }, options.log)
+      : createWorkerPool;
+    const pool = await create({
       engine: config.engine,
       workers: config.workers,
       ...(modelPath !== undefined ? { modelPath } : {}),
@@ -407,9 +418,10 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     api.attach(backend);
     const workers = config.prefillWorkers !== undefined
       ? `${config.prefillWorkers} prefill + ${config.decodeWorkers} decode (disaggregated)`
-      : config.workers > 1 ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
+      : config.workers > 1 || config.workerProcesses ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
+    const shownWorkers = config.workerProcesses ? `${workers}, as child processes` : workers;
     const shownModel = modelPath ?? `simulated ${config.sim.model} profile, built-in Llama 2 tokenizer`;
-    return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
+    return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${shownWorkers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
   } catch (err) {
     await api.shutdown(0);
     throw err;
