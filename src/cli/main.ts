@@ -17,6 +17,7 @@ const COMMANDS: Record<string, () => Promise<Command>> = {
   trace: async () => (await import('./trace.ts')).traceCommand,
   worker: async () => (await import('./worker.ts')).workerCommand,
   frontend: async () => (await import('./frontend.ts')).frontendCommand,
+  cluster: async () => (await import('./cluster.ts')).clusterCommand,
 };
 
 const PLANNED: Record<string, string> = {

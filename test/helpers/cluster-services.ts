@@ -78,27 +78,39 @@ export interface Etcd {
   restart(): Promise<void>;
 }
 
-export async function startEtcd(dir: string): Promise<Etcd> {
+/** Where a service runs: loopback by default, or an address inside a network namespace (`ip netns exec`). */
+export interface Placement {
+  host?: string;
+  netns?: string;
+}
+
+function placed(placement: Placement, command: string, args: string[]): [string, string[]] {
+  return placement.netns ? ['ip', ['netns', 'exec', placement.netns, command, ...args]] : [command, args];
+}
+
+export async function startEtcd(dir: string, placement: Placement = {}): Promise<Etcd> {
+  const host = placement.host ?? '127.0.0.1';
   const clientPort = await freePort();
   const peerPort = await freePort();
-  const url = `http://127.0.0.1:${clientPort}`;
+  const url = `http://${host}:${clientPort}`;
   const args = ['--data-dir', join(dir, 'etcd'), '--listen-client-urls', url, '--advertise-client-urls', url,
-    '--listen-peer-urls', `http://127.0.0.1:${peerPort}`, '--initial-advertise-peer-urls', `http://127.0.0.1:${peerPort}`,
-    '--initial-cluster', `default=http://127.0.0.1:${peerPort}`, '--log-level', 'error'];
+    '--listen-peer-urls', `http://${host}:${peerPort}`, '--initial-advertise-peer-urls', `http://${host}:${peerPort}`,
+    '--initial-cluster', `default=http://${host}:${peerPort}`, '--log-level', 'error'];
   const etcd: Etcd = {
     url,
-    proc: startProcess(ETCD_BIN, args, { ETCD_UNSUPPORTED_ARCH: process.arch === 'arm64' ? 'arm64' : '' }),
+    proc: startProcess(...placed(placement, ETCD_BIN, args)),
     async stop() {
       etcd.proc.kill('SIGKILL');
       await etcd.proc.exited;
     },
     async restart() {
       await etcd.stop();
-      etcd.proc = startProcess(ETCD_BIN, args);
+      etcd.proc = startProcess(...placed(placement, ETCD_BIN, args));
       await waitForPort(clientPort);
     },
   };
-  await waitForPort(clientPort);
+  // Inside another namespace the port cannot be reached from here: the clients retry until it answers.
+  if (!placement.netns) await waitForPort(clientPort);
   return etcd;
 }
 
@@ -109,28 +121,30 @@ export interface Nats {
   restart(): Promise<void>;
 }
 
-export async function startNats(): Promise<Nats> {
+export async function startNats(placement: Placement = {}): Promise<Nats> {
+  const host = placement.host ?? '127.0.0.1';
   const port = await freePort();
-  const args = ['-a', '127.0.0.1', '-p', String(port)];
+  const args = ['-a', host, '-p', String(port)];
   const nats: Nats = {
-    url: `nats://127.0.0.1:${port}`,
-    proc: startProcess(NATS_BIN, args),
+    url: `nats://${host}:${port}`,
+    proc: startProcess(...placed(placement, NATS_BIN, args)),
     async stop() {
       nats.proc.kill('SIGKILL');
       await nats.proc.exited;
     },
     async restart() {
       await nats.stop();
-      nats.proc = startProcess(NATS_BIN, args);
+      nats.proc = startProcess(...placed(placement, NATS_BIN, args));
       await waitForPort(port);
     },
   };
-  await waitForPort(port);
+  if (!placement.netns) await waitForPort(port);
   return nats;
 }
 
 /** `conduit <args>` as a child process. */
-export function startConduit(args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean } = {}): Proc {
+export function startConduit(args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean; netns?: string } = {}): Proc {
+  if (options.netns) return startProcess('ip', ['netns', 'exec', options.netns, process.execPath, CONDUIT, ...args], env);
   return startProcess(process.execPath, [CONDUIT, ...args], env, options);
 }
 
