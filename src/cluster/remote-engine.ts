@@ -67,12 +67,19 @@ export class RemoteEngine implements RoutableEngine {
     socket.on('data', (chunk: Buffer) => this.receive(chunk));
     socket.on('close', () => this.lose(`connection to worker ${this.workerId} at ${address} closed`));
     const timeout = options.heartbeatTimeoutMs ?? HEARTBEAT_TIMEOUT_MS;
+    const tickMs = Math.min(1000, timeout / 2);
+    let lastTick = performance.now();
     this.watchdog = setInterval(() => {
-      if (performance.now() - this.lastFrameAt > timeout) {
+      const now = performance.now();
+      // This process was stalled (a long synchronous task, a GC pause): the worker's frames may be waiting unread
+      // behind this timer, so the silence is ours, not the worker's. Count from now.
+      if (now - lastTick > 2 * tickMs) this.lastFrameAt = now;
+      lastTick = now;
+      if (now - this.lastFrameAt > timeout) {
         this.lose(`worker ${this.workerId} at ${address} sent nothing for ${timeout} ms`);
         socket.destroy();
       }
-    }, Math.min(1000, timeout / 2));
+    }, tickMs);
     this.watchdog.unref();
   }
 
