@@ -213,6 +213,12 @@ export class ClusterFrontend {
       await remote.close();
       return;
     }
+    if (remote.role !== 'both') {
+      // Disaggregated serving across processes is not built yet: such a worker is listed, not routed to.
+      this.options.log('warn', `worker ${id} has role ${remote.role}: this frontend routes to aggregated (both) workers only`);
+      await remote.close();
+      return;
+    }
     if (!this.engine) {
       const card = await remote.modelCard();
       if (this.engine) return this.join(member, remote);

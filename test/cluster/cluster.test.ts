@@ -90,6 +90,16 @@ async function placement(url: string, id: string): Promise<{ workerId: string; o
   return { workerId: json.worker, overlapBlocks: Math.floor((lookup.attributes?.overlap_tokens ?? 0) / 16), text: body };
 }
 
+/** The one worker running a request now, by the frontend's view (a stale count clears with the next heartbeat). */
+async function runningWorker(url: string): Promise<string> {
+  let running: string[] = [];
+  await until('exactly one worker runs a request', async () => {
+    running = ((await health(url)).workers ?? []).filter((w) => (w.running ?? 0) > 0).map((w) => w.id);
+    return running.length === 1;
+  }, 3000);
+  return running[0]!;
+}
+
 let nextPrompt = 0;
 /** A prompt no earlier request shared (so its blocks are cached nowhere yet). */
 function freshPrompt(words = 60): string {
@@ -189,14 +199,14 @@ describe('distributed runtime', { skip }, () => {
     let killed = '';
     const migrated = await stream(a.url, greedy(prompt, 120), async (_text, events) => {
       if (events !== 10) return;
-      const running = ((await health(a.url)).workers ?? []).find((w) => (w.running ?? 0) > 0);
-      assert.ok(running, 'a worker runs the request');
-      killed = running.id;
+      killed = await runningWorker(a.url);
       workers.get(killed)!.kill('SIGKILL');
     });
     assert.equal(migrated.error, undefined, `no error: ${JSON.stringify(migrated.error)}`);
     assert.equal(migrated.text, expected.text);
     assert.equal(migrated.finish, 'length');
+    const moved = JSON.parse((await placement(a.url, migrated.id)).text) as { migrations: { from_worker: string }[] };
+    assert.deepEqual(moved.migrations.map((m) => m.from_worker), [killed], 'the stream moved off the killed worker');
     await until('the killed worker left both frontends', async () =>
       !(await readyWorkers(a)).includes(killed) && !(await readyWorkers(b)).includes(killed), 10_000);
     // Back to two workers: the replacement is a new process (a late worker joining).
@@ -208,9 +218,7 @@ describe('distributed runtime', { skip }, () => {
     let victim = '';
     const failed = await stream(b.url, greedy(freshPrompt(), 120), async (_text, events) => {
       if (events !== 10) return;
-      const running = ((await health(b.url)).workers ?? []).find((w) => (w.running ?? 0) > 0);
-      assert.ok(running);
-      victim = running.id;
+      victim = await runningWorker(b.url);
       workers.get(victim)!.kill('SIGKILL');
     });
     assert.equal(failed.error?.code, 'worker_lost', JSON.stringify(failed));
@@ -232,12 +240,10 @@ describe('distributed runtime', { skip }, () => {
   test('SIGTERM drains a worker: it leaves discovery first, finishes its stream, then exits 0', async () => {
     let drained = '';
     const prompt = freshPrompt();
-    const expected = await complete(reference.url, greedy(prompt, 150));
-    const result = await stream(a.url, greedy(prompt, 150), async (_text, events) => {
+    const expected = await complete(reference.url, greedy(prompt, 700));
+    const result = await stream(a.url, greedy(prompt, 700), async (_text, events) => {
       if (events !== 5) return;
-      const running = ((await health(a.url)).workers ?? []).find((w) => (w.running ?? 0) > 0);
-      assert.ok(running);
-      drained = running.id;
+      drained = await runningWorker(a.url);
       workers.get(drained)!.kill('SIGTERM');
       await until('the draining worker takes no new requests', async () => !(await readyWorkers(a)).includes(drained), 5000);
       const meanwhile = await complete(a.url, greedy(freshPrompt(), 3));

@@ -69,7 +69,12 @@ describe('serve --worker-processes', () => {
         if (json.error) error = json.error;
         text += json.choices?.[0]?.text ?? '';
         if (++events === 10) {
-          crashed = (await health()).workers.find((w) => w.running > 0);
+          // Exactly one worker runs it (a count left from an earlier request clears with the next heartbeat).
+          for (let i = 0; i < 60; i++) {
+            const running = (await health()).workers.filter((w) => w.running > 0);
+            if (running.length === 1) { crashed = running[0]; break; }
+            await new Promise((resolve) => setTimeout(resolve, 50));
+          }
           assert.ok(crashed, 'a worker runs the stream');
           process.kill(crashed.pid, 'SIGSEGV');
         }
