@@ -482,6 +482,7 @@ export class Gateway {
     const ready = this.state === 'ready' && backend !== undefined && capacity?.ready !== false;
     const info = backend?.engine.info;
     const stats = backend?.engine.stats();
+    const workers = (backend?.engine as Partial<{ workerList(): object[] }> | undefined)?.workerList?.();
     return {
       status: ready ? 200 : 503,
       body: {
@@ -497,6 +498,8 @@ export class Gateway {
           threads: info.threads,
         } : {}),
         ...(stats ? { running: stats.numRunning, waiting: stats.numWaiting } : {}),
+        // An engine over worker processes (conduit frontend, serve --worker-processes) lists the workers it knows.
+        ...(workers ? { workers } : {}),
       },
     };
   }

@@ -15,6 +15,9 @@ const COMMANDS: Record<string, () => Promise<Command>> = {
   plan: async () => (await import('./plan.ts')).planCommand,
   bench: async () => (await import('./bench.ts')).benchCommand,
   trace: async () => (await import('./trace.ts')).traceCommand,
+  worker: async () => (await import('./worker.ts')).workerCommand,
+  frontend: async () => (await import('./frontend.ts')).frontendCommand,
+  cluster: async () => (await import('./cluster.ts')).clusterCommand,
 };
 
 const PLANNED: Record<string, string> = {

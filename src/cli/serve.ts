@@ -45,6 +45,7 @@ export const SERVE_FLAGS = {
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
   workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler', default: 1 },
+  'worker-processes': { type: 'boolean', help: 'run the --workers as child processes (conduit worker) over the request plane on loopback instead of threads: a worker that crashes, natively included, takes only its process down and is restarted', default: false },
   'routing-policy': { type: 'string', help: `how the router places requests: ${POLICY_NAMES.join(', ')}`, default: 'kv' },
   'session-header': { type: 'string', help: 'request header carrying the session id that --routing-policy session keeps on one worker', default: DEFAULT_SESSION_HEADER },
   'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
@@ -110,6 +111,8 @@ export interface ServeConfig {
   backend: Backend;
   engine: (typeof ENGINES)[number];
   workers: number;
+  /** The workers are child processes instead of threads (--worker-processes). */
+  workerProcesses: boolean;
   routingPolicy: PolicyName;
   /** Lower-cased header name. */
   sessionHeader: string;
@@ -319,6 +322,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
+  if (values['worker-processes'] && prefillWorkers !== undefined) {
+    throw new UsageError('--worker-processes runs aggregated workers (--workers N); disaggregated workers are threads for now');
+  }
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
@@ -349,6 +355,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     backend: backend as Backend,
     engine: engine as ServeConfig['engine'],
     workers: positiveInteger(values.workers, 'workers')!,
+    workerProcesses: values['worker-processes']!,
     routingPolicy: routingPolicy as PolicyName,
     sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
@@ -408,8 +415,8 @@ export interface RunningServer {
   modelPath: string;
 }
 
-/** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
-export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
+/** The gateway of a config (keys, limits, TLS, logging), not yet listening: what serve and frontend share. */
+export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clock): { api: ApiServer; keyStore: KeyStore } {
   for (const warning of config.warnings ?? []) logger.warn(warning);
   const keyStore = new KeyStore(config.keys, config.tenantDefaults);
   if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
@@ -433,12 +440,22 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     ...(clock ? { clock } : {}),
     logger,
   });
+  return { api, keyStore };
+}
+
+/** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
+export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
+  const { api, keyStore } = createApiServer(config, logger, clock);
   await api.listen(config.port, config.host);
   try {
     // Simulated workers run no model file: the built-in one is not even written for them.
     const modelPath = config.engine === 'sim' ? undefined
       : config.modelPath ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const { createWorkerPool } = await import('../runtime/worker-pool.ts');
+    const { createProcessWorkerPool } = await import('../cluster/process-pool.ts');
+    const create = config.workerProcesses
+      ? (options: Parameters<typeof createWorkerPool>[0]) => createProcessWorkerPool({ ...options, childLog: (line) => logger.info(line) }, options.log)
+      : createWorkerPool;
     const specs: { path?: string; servedModelName?: string }[] = [
       { ...(modelPath !== undefined ? { path: modelPath } : {}), ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}) },
       ...(config.extraModels ?? []),
@@ -450,7 +467,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     const served: ServedModel[] = [];
     try {
       for (const spec of specs) {
-        const pool = await createWorkerPool({
+        const pool = await create({
           engine: config.engine,
           workers: config.workers,
           ...(spec.path !== undefined ? { modelPath: spec.path } : {}),
@@ -507,10 +524,11 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     api.attachModels(served);
     const workers = config.prefillWorkers !== undefined
       ? `${config.prefillWorkers} prefill + ${config.decodeWorkers} decode (disaggregated)`
-      : config.workers > 1 ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
+      : config.workers > 1 || config.workerProcesses ? `${config.workers} behind the ${config.routingPolicy} router` : '1';
+    const shownWorkers = config.workerProcesses ? `${workers}, as child processes` : workers;
     const shownModel = specs.length > 1 ? specs.map((spec, i) => `${served[i]!.name}=${spec.path}`).join(', ')
       : modelPath ?? `simulated ${config.sim.model} profile, built-in Llama 2 tokenizer`;
-    return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${workers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
+    return { api, keyStore, url: api.url, modelPath: shownModel, workers: `${shownWorkers}${config.engine === 'sim' ? `, simulated ${config.sim.model} on ${config.sim.tp} x ${config.sim.gpu} each` : ''}` };
   } catch (err) {
     await api.shutdown(0);
     throw err;

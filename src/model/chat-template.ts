@@ -123,10 +123,13 @@ export class ChatTemplate {
   readonly isFallback: boolean;
   readonly bosToken: string;
   readonly eosToken: string;
+  /** What the template was built from (a frontend rebuilds a worker's template from it). */
+  readonly source: ChatTemplateSource;
   private readonly compiled = new Map<string, Template>();
 
   constructor(source: ChatTemplateSource, isFallback = false) {
     this.isFallback = isFallback;
+    this.source = source;
     this.bosToken = source.bosToken ?? '';
     this.eosToken = source.eosToken ?? '';
     const named = typeof source.templates === 'string' ? new Map([['default', source.templates]]) : source.templates;

@@ -55,6 +55,14 @@ export class RoutedEngine implements Engine {
     return this.group.ids;
   }
 
+  /**
+   * A worker that joins after the start (a worker process found by discovery): registered with the router and
+   * routed to from now on. It leaves as any worker does, through its onLost.
+   */
+  addWorker(id: string, engine: RoutableEngine): void {
+    this.group.add(id, engine);
+  }
+
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     const routed = this;
     return (async function* () {

@@ -176,7 +176,7 @@ function simTokenizer() {
 }
 
 /** What the simulated workers of one pool share: the profile, its calibration, the gateway's tokenizer, a maker. */
-function simPool(options: WorkerPoolOptions) {
+export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 'maxNumBatchedTokens' | 'policy' | 'maxModelLen' | 'enablePrefixCaching'>) {
   const spec = options.sim;
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
   const model = getModelProfile(spec.model);
@@ -222,7 +222,8 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
 // ---------------------------------------------------------------------------------------------------------------
 // Disaggregated pools
 
-function makeRouter(options: WorkerPoolOptions, blockSize: number, seedOffset: number): Router {
+/** The router of a pool (also a cluster frontend's): policy, admission bound and seed from the pool's options. */
+export function makeRouter(options: Pick<WorkerPoolOptions, 'routingPolicy' | 'maxQueued' | 'routerSeed'>, blockSize: number, seedOffset: number): Router {
   return new Router({
     blockSize, policy: options.routingPolicy ?? 'kv', maxQueued: options.maxQueued,
     random: seededRandom((options.routerSeed ?? Math.floor(Math.random() * 2 ** 32)) + seedOffset),

@@ -1,0 +1,129 @@
+// `conduit cluster`: the distributed runtime on this machine in one command, for trying it out: etcd and
+// nats-server (the Debian binaries, data in a temporary folder), N `conduit worker` processes and one
+// `conduit frontend`, all on loopback. Ctrl-C (or SIGTERM) stops them all: the frontend first, then the workers
+// (they drain), then NATS and etcd; the temporary folder is removed.
+
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import net from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+
+const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
+
+export const CLUSTER_DEMO_FLAGS = {
+  workers: { type: 'number', help: 'worker processes', default: 2 },
+  port: { type: 'number', help: 'port of the frontend\'s OpenAI API', default: 8000, short: 'p' },
+  engine: { type: 'string', help: 'the workers\' engine: cpu or sim', default: 'cpu' },
+  model: { type: 'string', help: 'the workers\' model (default: the built-in synthetic model)', short: 'm' },
+  'sim-model': { type: 'string', help: 'model profile of simulated workers', default: 'llama-3.1-8b' },
+  'migration-limit': { type: 'number', help: 'the frontend\'s --migration-limit', default: 1 },
+  'routing-policy': { type: 'string', help: 'the frontend\'s --routing-policy', default: 'kv' },
+  'etcd-bin': { type: 'string', help: 'the etcd binary', default: '/usr/bin/etcd' },
+  'nats-bin': { type: 'string', help: 'the nats-server binary', default: '/usr/sbin/nats-server' },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable;
+
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as net.AddressInfo;
+      server.close(() => resolve(port));
+    });
+  });
+}
+
+async function waitForPort(port: number, what: string, child: ChildProcess, maxMs = 30_000): Promise<void> {
+  const deadline = Date.now() + maxMs;
+  for (;;) {
+    if (child.exitCode !== null) throw new Error(`${what} exited (code ${child.exitCode}) before listening on ${port}`);
+    const ok = await new Promise<boolean>((resolve) => {
+      const socket = net.connect({ host: '127.0.0.1', port });
+      socket.once('connect', () => { socket.destroy(); resolve(true); });
+      socket.once('error', () => resolve(false));
+    });
+    if (ok) return;
+    if (Date.now() > deadline) throw new Error(`${what} did not listen on ${port} within ${maxMs / 1000} s`);
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+}
+
+export const clusterCommand: Command = {
+  summary: 'a local demo cluster: etcd, NATS, N workers and a frontend on this machine',
+  async run(argv) {
+    const { values } = parseFlags(CLUSTER_DEMO_FLAGS, argv);
+    if (values.help) {
+      console.log(`Usage: conduit cluster [options]\n\n${formatFlagHelp(CLUSTER_DEMO_FLAGS)}`);
+      return 0;
+    }
+    const count = values.workers!;
+    if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
+    const children: { name: string; child: ChildProcess }[] = [];
+    const start = (name: string, command: string, args: string[], env: NodeJS.ProcessEnv = {}): ChildProcess => {
+      const child = spawn(command, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'inherit', 'inherit'] });
+      child.on('error', (error) => console.error(`conduit cluster: ${name}: ${error.message}`));
+      children.push({ name, child });
+      return child;
+    };
+    const stopAll = async (): Promise<void> => {
+      // Frontend first (no new requests), workers (they drain), then the services.
+      for (const { child } of [...children].reverse()) {
+        if (child.exitCode !== null || child.signalCode !== null) continue;
+        const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
+        child.kill('SIGTERM');
+        const timer = setTimeout(() => child.kill('SIGKILL'), 10_000);
+        await exited;
+        clearTimeout(timer);
+      }
+      rmSync(dir, { recursive: true, force: true });
+    };
+    let stopping = false;
+    const stopped = new Promise<void>((resolve) => {
+      const handler = (): void => {
+        if (stopping) return;
+        stopping = true;
+        console.error('conduit cluster: stopping the frontend, the workers, NATS and etcd');
+        void stopAll().then(resolve);
+      };
+      process.on('SIGINT', handler);
+      process.on('SIGTERM', handler);
+    });
+    try {
+      const [etcdPort, peerPort, natsPort] = [await freePort(), await freePort(), await freePort()];
+      const etcdUrl = `http://127.0.0.1:${etcdPort}`;
+      const etcd = start('etcd', values['etcd-bin']!, ['--data-dir', join(dir, 'etcd'), '--listen-client-urls', etcdUrl,
+        '--advertise-client-urls', etcdUrl, '--listen-peer-urls', `http://127.0.0.1:${peerPort}`,
+        '--initial-advertise-peer-urls', `http://127.0.0.1:${peerPort}`, '--initial-cluster', `default=http://127.0.0.1:${peerPort}`,
+        '--log-level', 'error']);
+      const nats = start('nats-server', values['nats-bin']!, ['-a', '127.0.0.1', '-p', String(natsPort)]);
+      await waitForPort(etcdPort, 'etcd', etcd);
+      await waitForPort(natsPort, 'nats-server', nats);
+      const env = {
+        CONDUIT_ETCD_ENDPOINTS: etcdUrl, CONDUIT_NATS_SERVER: `nats://127.0.0.1:${natsPort}`,
+        CONDUIT_CLUSTER_TOKEN: randomBytes(16).toString('hex'),
+      };
+      const engineArgs = ['--engine', values.engine!,
+        ...(values.model !== undefined ? ['--model', values.model] : []),
+        ...(values.engine === 'sim' ? ['--sim-model', values['sim-model']!] : []),
+        '--threads', String(Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count)))];
+      for (let i = 0; i < count; i++) start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, ...engineArgs], env);
+      start('frontend', process.execPath, [CONDUIT_BIN, 'frontend', '--port', String(values.port), '--migration-limit',
+        String(values['migration-limit']), '--routing-policy', values['routing-policy']!], env);
+      console.error(`conduit cluster: etcd ${etcdUrl}, NATS nats://127.0.0.1:${natsPort}, ${count} worker(s), frontend on `
+        + `http://127.0.0.1:${values.port} (GET /health lists the workers); Ctrl-C stops everything`);
+    } catch (error) {
+      console.error(`conduit cluster: ${(error as Error).message}`);
+      await stopAll();
+      return 1;
+    }
+    await stopped;
+    return 0;
+  },
+};

@@ -1,0 +1,98 @@
+// `conduit frontend`: the OpenAI-compatible gateway and the KV-aware router over worker processes found through
+// etcd, with their KV events and load from NATS. It serves exactly the API of `conduit serve`; the model's tokenizer
+// and chat template come from the first worker (no model file here). /health lists the workers it knows.
+
+import { createLogger } from '../api/log.ts';
+import { etcdClient } from '../cluster/discovery.ts';
+import { EventSubscriber, natsConnect } from '../cluster/events.ts';
+import { ClusterFrontend } from '../cluster/frontend.ts';
+import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
+
+/** serve's options that build engines: the workers' business, not a frontend's. */
+const WORKER_ONLY = new Set([
+  'model', 'engine', 'backend', 'threads', 'workers', 'worker-processes', 'prefill-workers', 'decode-workers', 'kv-cache-memory',
+  'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
+  'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'disagg-min-remote-prefill-tokens',
+  'disagg-max-prefill-queue-tokens', 'disagg-transfer-overhead-ms',
+]);
+
+const GATEWAY_FLAGS = Object.fromEntries(Object.entries(SERVE_FLAGS).filter(([name]) => !WORKER_ONLY.has(name))) as FlagTable;
+
+/** Splits argv into the cluster flags and the rest (serve's gateway flags). */
+function splitArgs(argv: readonly string[]): { cluster: string[]; gateway: string[] } {
+  const cluster: string[] = [];
+  const gateway: string[] = [];
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]!;
+    const name = arg.startsWith('--') ? arg.slice(2).split('=')[0]! : undefined;
+    if (name !== undefined && WORKER_ONLY.has(name)) throw new UsageError(`--${name} is a worker option (conduit worker), not a frontend's`);
+    if (name !== undefined && name in CLUSTER_FLAGS) {
+      cluster.push(arg);
+      if (!arg.includes('=') && i + 1 < argv.length) cluster.push(argv[++i]!);
+    } else {
+      gateway.push(arg);
+    }
+  }
+  return { cluster, gateway };
+}
+
+export const frontendCommand: Command = {
+  summary: 'the gateway and router over worker processes found through etcd',
+  async run(argv) {
+    const { cluster: clusterArgs, gateway: gatewayArgs } = splitArgs(argv);
+    const config = parseServeConfig(gatewayArgs);
+    if (config === 'help') {
+      console.log(`Usage: conduit frontend --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n`
+        + `${formatFlagHelp(CLUSTER_FLAGS)}\n${formatFlagHelp(GATEWAY_FLAGS)}`);
+      return 0;
+    }
+    const { values } = parseFlags(CLUSTER_FLAGS, clusterArgs);
+    const cluster = parseClusterConfig(values, true);
+    const logger = createLogger(config.logLevel);
+    const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
+    const { api } = createApiServer(config, logger);
+    try {
+      await api.listen(config.port, config.host);
+    } catch (err) {
+      logger.error(`cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
+      return 1;
+    }
+    const nats = cluster.nats!;
+    const nc = await natsConnect({ ...nats, name: 'conduit-frontend' });
+    const frontend = new ClusterFrontend({
+      namespace: cluster.namespace, clusterToken: cluster.clusterToken, etcd: etcdClient(cluster.etcd!),
+      events: (handlers) => new EventSubscriber(nc, cluster.namespace, handlers, log),
+      routingPolicy: config.routingPolicy, migrationLimit: config.migrationLimit, maxFrameBytes: cluster.maxFrameBytes, log,
+    });
+    await frontend.start();
+    logger.info(`Conduit frontend listening at ${api.url}; waiting for workers under /${cluster.namespace}/workers/ `
+      + `(etcd ${cluster.etcd!.endpoints.join(',')}, NATS ${nats.servers.join(',')})`);
+    void frontend.ready().then((engine) => {
+      api.attach({ engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: engine.workerIds[0] });
+      logger.info(`serving ${engine.info.modelName} (context ${engine.info.maxModelLen}, blocks of ${engine.info.blockSize}) `
+        + `through the ${config.routingPolicy} router, migration limit ${config.migrationLimit}`);
+    });
+    let graceMs = config.shutdownGraceMs;
+    const signal = await new Promise<string>((resolve) => {
+      let received = false;
+      const handler = (name: string): void => {
+        if (received) {
+          graceMs = 0;
+          api.endGrace();
+        } else resolve(name);
+        received = true;
+      };
+      process.on('SIGINT', handler);
+      process.on('SIGTERM', handler);
+    });
+    logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
+    await api.shutdown(graceMs);
+    await frontend.close();
+    logger.info('stopped');
+    setTimeout(() => process.exit(0), 1000).unref();
+    return 0;
+  },
+};

@@ -1,0 +1,103 @@
+// `conduit worker`: one engine worker as a process of its own, serving the request plane, registered in etcd under
+// the namespace with a kept-alive lease, publishing its KV events and load on NATS. SIGINT/SIGTERM drain: deregister,
+// finish the running streams (up to --shutdown-grace), exit 0.
+
+import { createLogger, isLogLevel, LOG_LEVELS } from '../api/log.ts';
+import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
+import { defaultWorkerId, startClusterWorker } from '../cluster/worker-process.ts';
+import type { WorkerRole } from '../engine/types.ts';
+import { parseCalibration } from '../sim/calibration.ts';
+import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import type { Command } from './main.ts';
+import { parseByteSize, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
+
+const ENGINE_FLAG_NAMES = [
+  'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release', 'max-num-seqs',
+  'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
+] as const;
+
+const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, SERVE_FLAGS[name]])) as Pick<typeof SERVE_FLAGS, (typeof ENGINE_FLAG_NAMES)[number]>;
+
+export const WORKER_FLAGS = {
+  ...CLUSTER_FLAGS,
+  ...ENGINE_FLAGS,
+  host: { type: 'string', help: 'address the request endpoint listens on', default: '127.0.0.1' },
+  port: { type: 'number', help: 'port of the request endpoint (0 = any free port)', default: 0 },
+  'advertise-address': { type: 'string', help: 'host:port frontends reach this worker at (default: --host:port, or the host name when listening on all addresses)' },
+  'worker-id': { type: 'string', help: 'this worker\'s id in discovery (default: host name, process id and a random suffix)' },
+  role: { type: 'string', help: 'both (aggregated); prefill and decode register their role but are not routed to yet', default: 'both' },
+  'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
+  'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable;
+
+export const workerCommand: Command = {
+  summary: 'one engine worker as a process, found through etcd, KV events on NATS',
+  async run(argv) {
+    const { values, positionals } = parseFlags(WORKER_FLAGS, argv);
+    if (values.help) {
+      console.log(`Usage: conduit worker --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n${formatFlagHelp(WORKER_FLAGS)}`);
+      return 0;
+    }
+    if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+    const local = values['parent-ipc'];
+    const cluster = parseClusterConfig(values, !local);
+    const role = values.role!;
+    if (role !== 'both' && role !== 'prefill' && role !== 'decode') throw new UsageError(`--role must be both, prefill or decode, got "${role}"`);
+    const engineKind = values.engine!;
+    if (engineKind !== 'cpu' && engineKind !== 'sim') throw new UsageError('--engine must be cpu or sim');
+    const logLevel = values['log-level']!;
+    if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}`);
+    const port = values.port!;
+    if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
+    const ttl = values['lease-ttl']!;
+    if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
+    const backend = values.backend!;
+    if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') throw new UsageError('--backend must be auto, native or reference');
+    let calibration;
+    try {
+      calibration = parseCalibration(values['sim-calibration']!);
+    } catch (error) {
+      throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
+    }
+    const logger = createLogger(logLevel);
+    const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
+    const modelPath = engineKind === 'sim' ? undefined
+      : values.model ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
+    const workerId = values['worker-id'] ?? defaultWorkerId();
+    const running = await startClusterWorker({
+      workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
+      host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
+      ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
+      leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log,
+      pool: {
+        engine: engineKind, backend,
+        ...(modelPath !== undefined ? { modelPath } : {}),
+        ...(values['served-model-name'] !== undefined ? { servedModelName: values['served-model-name'] } : {}),
+        ...(values.threads !== undefined ? { threads: values.threads } : {}),
+        ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
+        kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
+        ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: values['max-num-seqs'] } : {}),
+        ...(values['max-num-batched-tokens'] !== undefined ? { maxNumBatchedTokens: values['max-num-batched-tokens'] } : {}),
+        sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration },
+      },
+    });
+    const graceMs = values['shutdown-grace']! * 1000;
+    if (local) {
+      // The parent reads the address; when the parent goes away (the IPC channel closes), so does this worker.
+      process.send?.({ type: 'ready', address: running.address, workerId });
+      process.on('disconnect', () => void running.shutdown(0).then(() => process.exit(0)));
+    }
+    const signal = await new Promise<string>((resolve) => {
+      process.once('SIGINT', () => resolve('SIGINT'));
+      process.once('SIGTERM', () => resolve('SIGTERM'));
+    });
+    logger.info(`${signal}: draining`);
+    process.once('SIGINT', () => process.exit(1));
+    process.once('SIGTERM', () => process.exit(1));
+    await running.shutdown(graceMs);
+    setTimeout(() => process.exit(0), 500).unref();
+    return 0;
+  },
+};

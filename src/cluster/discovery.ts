@@ -1,0 +1,240 @@
+// Discovery through etcd. A worker registers one key, `/<namespace>/workers/<id>`, bound to a lease of a few seconds
+// that the client keeps alive: the key lives while the worker does, and a worker that stops renewing (killed, cut
+// off) disappears when its lease lapses. A lost lease (etcd restarted without its data, or unreachable past the TTL)
+// is granted again and the key put again, so a worker outlives an etcd outage without restarting. Deregistering
+// revokes the lease (the key goes at once): a draining worker does that first.
+//
+// A frontend lists the prefix and watches it from the listed revision: workers appear and disappear live. When the
+// watch reconnects (etcd restarted), the prefix is listed again and the view reconciled (workers gone meanwhile are
+// removed, new ones added).
+
+import { Etcd3, type IOptions, type Lease } from 'etcd3';
+import type { WorkerRole } from '../engine/types.ts';
+import type { ClusterLog } from './worker-server.ts';
+
+/** What a worker's key holds: what the frontend needs to reach it and route to it. */
+export interface WorkerRecord {
+  id: string;
+  role: WorkerRole;
+  /** The served model name. */
+  model: string;
+  /** host:port of the worker's request endpoint. */
+  address: string;
+  blockSize: number;
+  /** KV capacity, tokens. */
+  capacityTokens: number;
+  maxModelLen: number;
+  /** Engine kind: cpu or sim. */
+  engine: string;
+  pid: number;
+  startedAt: string;
+}
+
+export const DEFAULT_NAMESPACE = 'conduit';
+export const DEFAULT_LEASE_TTL_SECONDS = 5;
+
+export interface EtcdConnectOptions {
+  endpoints: string[];
+  username?: string;
+  password?: string;
+  /** PEM CA, client certificate and key (TLS to etcd). */
+  caFile?: Buffer;
+  certFile?: Buffer;
+  keyFile?: Buffer;
+}
+
+export function etcdClient(options: EtcdConnectOptions): Etcd3 {
+  const config: IOptions = {
+    hosts: options.endpoints,
+    dialTimeout: 3000,
+    // The watch stream comes back quickly after an etcd restart (the default backs off up to 30 s).
+    faultHandling: { watchBackoff: constantBackoff(500) },
+  };
+  if (options.username !== undefined) config.auth = { username: options.username, password: options.password ?? '' };
+  if (options.caFile) {
+    config.credentials = {
+      rootCertificate: options.caFile, ...(options.keyFile ? { privateKey: options.keyFile } : {}),
+      ...(options.certFile ? { certChain: options.certFile } : {}),
+    };
+  }
+  return new Etcd3(config);
+}
+
+function constantBackoff(ms: number): NonNullable<NonNullable<IOptions['faultHandling']>['watchBackoff']> {
+  const backoff = { duration: ms, next: () => backoff };
+  return backoff;
+}
+
+export function workersPrefix(namespace: string): string {
+  return `/${namespace}/workers/`;
+}
+
+/** Parses a key's value; undefined (and the caller logs) when it is not a worker record. */
+export function parseWorkerRecord(text: string): WorkerRecord | undefined {
+  try {
+    const value = JSON.parse(text) as Partial<WorkerRecord>;
+    if (typeof value.id !== 'string' || typeof value.address !== 'string' || typeof value.model !== 'string'
+      || !Number.isInteger(value.blockSize)) return undefined;
+    if (value.role !== 'both' && value.role !== 'prefill' && value.role !== 'decode') return undefined;
+    return value as WorkerRecord;
+  } catch {
+    return undefined;
+  }
+}
+
+/** A worker's key under a kept-alive lease. */
+export class WorkerRegistration {
+  private lease: Lease | undefined;
+  private stopped = false;
+  private retry: NodeJS.Timeout | undefined;
+
+  constructor(private readonly client: Etcd3, private readonly namespace: string, private readonly record: WorkerRecord,
+    private readonly ttlSeconds: number, private readonly log: ClusterLog) {}
+
+  get key(): string {
+    return `${workersPrefix(this.namespace)}${this.record.id}`;
+  }
+
+  /** Registers; resolves once the key is in etcd (retrying until then, every second). */
+  async start(): Promise<void> {
+    for (;;) {
+      if (this.stopped) return;
+      try {
+        await this.register();
+        return;
+      } catch (error) {
+        this.log('warn', `etcd: cannot register ${this.key} yet (${(error as Error).message}); retrying in 1 s`);
+        await new Promise((resolve) => setTimeout(resolve, 1000));
+      }
+    }
+  }
+
+  /** Revokes the lease: the key is gone at once. */
+  async deregister(): Promise<void> {
+    this.stopped = true;
+    clearTimeout(this.retry);
+    const lease = this.lease;
+    this.lease = undefined;
+    if (!lease) return;
+    try {
+      await Promise.race([lease.revoke(), new Promise((_, reject) => setTimeout(() => reject(new Error('timed out')), 3000))]);
+    } catch (error) {
+      // etcd unreachable: the lease lapses by itself within its TTL.
+      this.log('warn', `etcd: could not revoke the lease of ${this.key} (${(error as Error).message}); it lapses within ${this.ttlSeconds} s`);
+      lease.release();
+    }
+  }
+
+  private async register(): Promise<void> {
+    const lease = this.client.lease(this.ttlSeconds, { autoKeepAlive: true });
+    lease.on('lost', (error) => {
+      if (this.stopped || this.lease !== lease) return;
+      this.log('warn', `etcd: lease of ${this.key} lost (${error.message}); registering again`);
+      this.lease = undefined;
+      this.retry = setTimeout(() => void this.start(), 200);
+    });
+    try {
+      await lease.put(this.key).value(JSON.stringify(this.record));
+    } catch (error) {
+      lease.release();
+      throw error;
+    }
+    this.lease = lease;
+    this.log('info', `etcd: registered ${this.key} (lease ${this.ttlSeconds} s)`);
+  }
+}
+
+export interface WorkerWatchHandlers {
+  put(record: WorkerRecord): void;
+  delete(id: string): void;
+}
+
+/** The frontend's live view of the workers under a namespace. */
+export class WorkerWatch {
+  private readonly known = new Map<string, WorkerRecord>();
+  private watcher: Awaited<ReturnType<ReturnType<Etcd3['watch']>['create']>> | undefined;
+  private stopped = false;
+  private relistTimer: NodeJS.Timeout | undefined;
+
+  constructor(private readonly client: Etcd3, private readonly namespace: string, private readonly handlers: WorkerWatchHandlers,
+    private readonly log: ClusterLog) {}
+
+  get records(): WorkerRecord[] {
+    return [...this.known.values()];
+  }
+
+  /** Lists and watches; keeps retrying in the background until etcd answers. */
+  async start(): Promise<void> {
+    await this.relist();
+  }
+
+  async stop(): Promise<void> {
+    this.stopped = true;
+    clearTimeout(this.relistTimer);
+    await this.watcher?.cancel().catch(() => {});
+  }
+
+  private async relist(): Promise<void> {
+    if (this.stopped) return;
+    const prefix = workersPrefix(this.namespace);
+    try {
+      const watcherBefore = this.watcher;
+      this.watcher = undefined;
+      await watcherBefore?.cancel().catch(() => {});
+      const response = await this.client.getAll().prefix(prefix).exec();
+      const seen = new Set<string>();
+      for (const kv of response.kvs) {
+        const record = parseWorkerRecord(kv.value.toString('utf8'));
+        if (!record) {
+          this.log('warn', `etcd: ignoring ${kv.key.toString()}: not a worker record`);
+          continue;
+        }
+        seen.add(record.id);
+        this.apply(record);
+      }
+      for (const id of [...this.known.keys()]) if (!seen.has(id)) this.remove(id);
+      const watcher = await this.client.watch().prefix(prefix).startRevision(String(Number(response.header.revision) + 1)).create();
+      if (this.stopped) {
+        await watcher.cancel();
+        return;
+      }
+      this.watcher = watcher;
+      watcher.on('put', (kv) => {
+        const record = parseWorkerRecord(kv.value.toString('utf8'));
+        if (record) this.apply(record);
+        else this.log('warn', `etcd: ignoring ${kv.key.toString()}: not a worker record`);
+      });
+      watcher.on('delete', (kv) => this.remove(kv.key.toString().slice(prefix.length)));
+      // After a reconnect the watch resumes where it was; the list is taken again anyway, in case the history it
+      // resumes from was compacted away (etcd restored from elsewhere).
+      let disconnected = false;
+      watcher.on('disconnected', () => {
+        disconnected = true;
+        this.log('warn', 'etcd: watch disconnected; reconnecting');
+      });
+      watcher.on('connected', () => {
+        if (disconnected && this.watcher === watcher && !this.stopped) {
+          disconnected = false;
+          clearTimeout(this.relistTimer);
+          this.relistTimer = setTimeout(() => void this.relist(), 100);
+        }
+      });
+      watcher.on('error', (error) => this.log('warn', `etcd: watch error: ${error.message}`));
+    } catch (error) {
+      this.log('warn', `etcd: cannot list ${prefix} (${(error as Error).message}); retrying in 1 s`);
+      clearTimeout(this.relistTimer);
+      this.relistTimer = setTimeout(() => void this.relist(), 1000);
+    }
+  }
+
+  private apply(record: WorkerRecord): void {
+    const before = this.known.get(record.id);
+    this.known.set(record.id, record);
+    if (!before || before.address !== record.address) this.handlers.put(record);
+  }
+
+  private remove(id: string): void {
+    if (!this.known.delete(id)) return;
+    this.handlers.delete(id);
+  }
+}

@@ -1,0 +1,192 @@
+// The event plane over NATS: each worker publishes its KV events (with the event ids the KV cache gives them) on
+// `<namespace>.kv.<worker id>` and a load snapshot (its stats) on `<namespace>.load.<worker id>` every second and
+// with every batch of events; it answers `<namespace>.snapshot.<worker id>` requests with a dump of its cached
+// block hashes and the id of its last event. Every frontend subscribes to all of it (core NATS fans a subject out to
+// every subscriber), so two frontends build the same KV view.
+//
+// Nothing is persisted: a frontend that starts late, reconnects to NATS, or sees an event-id gap asks the worker
+// for a snapshot and resyncs that worker's index (router.resyncWorker replays the events received since).
+
+import { connect, type NatsConnection, type Subscription } from '@nats-io/transport-node';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { EngineStats } from '../protocols/worker.ts';
+import { parseHashes, parseKvEvents, parseStats } from './request-plane.ts';
+import type { ClusterLog } from './worker-server.ts';
+
+export interface NatsConnectOptions {
+  servers: string[];
+  token?: string;
+  user?: string;
+  password?: string;
+  caFile?: string;
+  certFile?: string;
+  keyFile?: string;
+  name?: string;
+}
+
+/** Connects, retrying the first connection too, and reconnecting for ever after a loss. */
+export function natsConnect(options: NatsConnectOptions): Promise<NatsConnection> {
+  return connect({
+    servers: options.servers, waitOnFirstConnect: true, reconnect: true, maxReconnectAttempts: -1, reconnectTimeWait: 250,
+    reconnectJitter: 100, pingInterval: 2000, maxPingOut: 2, timeout: 3000,
+    ...(options.name ? { name: options.name } : {}),
+    ...(options.token ? { token: options.token } : {}),
+    ...(options.user ? { user: options.user, pass: options.password ?? '' } : {}),
+    ...(options.caFile || options.certFile ? {
+      tls: {
+        ...(options.caFile ? { caFile: options.caFile } : {}), ...(options.certFile ? { certFile: options.certFile } : {}),
+        ...(options.keyFile ? { keyFile: options.keyFile } : {}),
+      },
+    } : {}),
+  });
+}
+
+/** Worker ids become NATS subject tokens: letters, digits, '-' and '_' only. */
+export function checkWorkerId(id: string): string {
+  if (!/^[A-Za-z0-9_-]{1,128}$/.test(id)) throw new Error(`worker id must be 1-128 letters, digits, "-" or "_", got "${id}"`);
+  return id;
+}
+
+const subjects = (namespace: string) => ({
+  kv: (id: string) => `${namespace}.kv.${id}`,
+  load: (id: string) => `${namespace}.load.${id}`,
+  snapshot: (id: string) => `${namespace}.snapshot.${id}`,
+  allKv: `${namespace}.kv.*`,
+  allLoad: `${namespace}.load.*`,
+});
+
+export interface WorkerEventSource {
+  stats(): EngineStats;
+  snapshot(): { lastEventId: number; hashes: string[] };
+  onKvEvents(listener: (events: KvEvent[]) => void): () => void;
+}
+
+/** A worker's side of the event plane. */
+export class EventPublisher {
+  private readonly timer: NodeJS.Timeout;
+  private readonly off: () => void;
+  private readonly snapshotSub: Subscription;
+  /** Messages published (KV batches and load snapshots). */
+  published = 0;
+
+  constructor(private readonly nc: NatsConnection, namespace: string, workerId: string, source: WorkerEventSource, log: ClusterLog) {
+    const s = subjects(namespace);
+    this.off = source.onKvEvents((events) => {
+      this.publish(s.kv(workerId), { workerId, events, stats: source.stats() });
+    });
+    this.timer = setInterval(() => this.publish(s.load(workerId), { workerId, stats: source.stats() }), 1000);
+    this.timer.unref();
+    this.snapshotSub = nc.subscribe(s.snapshot(workerId), {
+      callback: (error, msg) => {
+        if (error) return log('warn', `nats: snapshot subscription: ${error.message}`);
+        msg.respond(JSON.stringify({ workerId, ...source.snapshot() }));
+      },
+    });
+    void (async () => {
+      for await (const status of nc.status()) {
+        if (status.type === 'disconnect') log('warn', `nats: disconnected from ${status.server}; reconnecting`);
+        else if (status.type === 'reconnect') log('info', `nats: reconnected to ${status.server}`);
+      }
+    })().catch(() => {});
+  }
+
+  private publish(subject: string, message: object): void {
+    if (this.nc.isClosed()) return;
+    try {
+      this.nc.publish(subject, JSON.stringify(message));
+      this.published++;
+    } catch {
+      // Closed or draining: the frontends resync when the worker is back.
+    }
+  }
+
+  async close(): Promise<void> {
+    clearInterval(this.timer);
+    this.off();
+    this.snapshotSub.unsubscribe();
+    await this.nc.drain().catch(() => {});
+  }
+}
+
+export interface EventSubscriberHandlers {
+  kv(workerId: string, events: KvEvent[], stats: EngineStats | undefined): void;
+  load(workerId: string, stats: EngineStats): void;
+  /** The subscription was re-established after a loss: every worker's view may have missed events. */
+  reconnected(): void;
+}
+
+/** A frontend's side of the event plane. */
+export class EventSubscriber {
+  private readonly subs: Subscription[] = [];
+  private readonly s: ReturnType<typeof subjects>;
+  /** Messages received and refused (bad JSON, bad events). */
+  received = 0;
+  refused = 0;
+
+  constructor(private readonly nc: NatsConnection, namespace: string, handlers: EventSubscriberHandlers, log: ClusterLog) {
+    this.s = subjects(namespace);
+    const prefixLength = namespace.length + 1;
+    const parse = (subject: string, data: Uint8Array): Record<string, unknown> | undefined => {
+      this.received++;
+      try {
+        const value = JSON.parse(Buffer.from(data).toString('utf8')) as Record<string, unknown>;
+        if (typeof value !== 'object' || value === null) throw new Error('not an object');
+        return value;
+      } catch (error) {
+        this.refused++;
+        log('warn', `nats: ignoring a message on ${subject}: ${(error as Error).message}`);
+        return undefined;
+      }
+    };
+    this.subs.push(nc.subscribe(this.s.allKv, {
+      callback: (error, msg) => {
+        if (error) return;
+        const value = parse(msg.subject, msg.data);
+        if (!value) return;
+        const workerId = msg.subject.slice(prefixLength + 'kv.'.length);
+        try {
+          handlers.kv(workerId, parseKvEvents(value.events), value.stats === undefined ? undefined : parseStats(value.stats));
+        } catch (e) {
+          this.refused++;
+          log('warn', `nats: ignoring KV events of ${workerId}: ${(e as Error).message}`);
+        }
+      },
+    }));
+    this.subs.push(nc.subscribe(this.s.allLoad, {
+      callback: (error, msg) => {
+        if (error) return;
+        const value = parse(msg.subject, msg.data);
+        if (!value) return;
+        try {
+          handlers.load(msg.subject.slice(prefixLength + 'load.'.length), parseStats(value.stats));
+        } catch (e) {
+          this.refused++;
+          log('warn', `nats: ignoring a load snapshot: ${(e as Error).message}`);
+        }
+      },
+    }));
+    void (async () => {
+      for await (const status of nc.status()) {
+        if (status.type === 'disconnect') log('warn', `nats: disconnected from ${status.server}; reconnecting`);
+        else if (status.type === 'reconnect') {
+          log('info', `nats: reconnected to ${status.server}; resyncing every worker's KV view`);
+          handlers.reconnected();
+        }
+      }
+    })().catch(() => {});
+  }
+
+  /** A worker's cached block hashes and last event id, asked over NATS. */
+  async snapshot(workerId: string): Promise<{ lastEventId: number; hashes: ReturnType<typeof parseHashes> }> {
+    const msg = await this.nc.request(this.s.snapshot(workerId), '', { timeout: 3000 });
+    const value = JSON.parse(msg.string()) as Record<string, unknown>;
+    const lastEventId = value.lastEventId;
+    if (!Number.isSafeInteger(lastEventId) || (lastEventId as number) < 0) throw new Error('snapshot without a valid lastEventId');
+    return { lastEventId: lastEventId as number, hashes: parseHashes(value.hashes) };
+  }
+
+  async close(): Promise<void> {
+    for (const sub of this.subs) sub.unsubscribe();
+    await this.nc.close().catch(() => {});
+  }
+}

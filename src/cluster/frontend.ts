@@ -1,0 +1,291 @@
+// A frontend's view of a cluster: the workers etcd lists under the namespace, each reached over the request plane,
+// behind one routed engine (the router, admission, migration of the single-process server), fed KV events and
+// load from NATS. The gateway holds the engine as it holds any other.
+//
+// A worker joins when its key appears (connect, authenticate, and for the first one read the model card: the
+// frontend needs no model file) and its KV view is resynced from a snapshot. It leaves when its connection drops
+// (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
+// goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
+
+import type { Etcd3 } from 'etcd3';
+import { engineNow } from '../engine/clock.ts';
+import type { EngineInfo } from '../engine/types.ts';
+import { ChatTemplate } from '../model/chat-template.ts';
+import { tokenizerFromWorkerSource } from '../model/tokenizer/worker-source.ts';
+import type { Tokenizer, TokenizerWorkerSource } from '../model/tokenizer/types.ts';
+import type { PolicyName } from '../router/protocols.ts';
+import type { Router } from '../router/router.ts';
+import { RoutedEngine } from '../runtime/routed-engine.ts';
+import type { EngineReadiness } from '../runtime/worker-group.ts';
+import { makeRouter } from '../runtime/worker-pool.ts';
+import { WorkerWatch, type WorkerRecord } from './discovery.ts';
+import { EventSubscriber } from './events.ts';
+import { RemoteEngine } from './remote-engine.ts';
+import type { ModelCard } from './request-plane.ts';
+import type { ClusterLog } from './worker-server.ts';
+
+export interface ClusterFrontendOptions {
+  namespace: string;
+  clusterToken: string;
+  etcd: Etcd3;
+  /** The event plane; without it KV events come on the request plane connections (events: true). */
+  events?: (handlers: ConstructorParameters<typeof EventSubscriber>[2]) => EventSubscriber;
+  routingPolicy?: PolicyName;
+  migrationLimit?: number;
+  maxQueued?: number;
+  maxFrameBytes?: number;
+  log: ClusterLog;
+}
+
+/** What /health lists per worker. */
+export interface ClusterWorkerView {
+  id: string;
+  role: string;
+  model: string;
+  address: string;
+  block_size: number;
+  capacity_tokens: number;
+  engine: string;
+  state: 'connecting' | 'ready' | 'draining' | 'lost';
+  running?: number;
+  waiting?: number;
+}
+
+/** The routed engine of a frontend: workers join and leave as discovery says; /health lists them. */
+export class ClusterEngine extends RoutedEngine {
+  constructor(first: RemoteEngine, router: Router, tokenizer: Tokenizer | undefined, migrationLimit: number,
+    private readonly view: () => ClusterWorkerView[], private readonly where: string, log: ClusterLog) {
+    super([{ id: first.workerId, engine: first }], router, engineNow, {
+      migration: { limit: migrationLimit, ...(tokenizer ? { tokenizer } : {}) },
+      // A worker that leaves is not restarted here: a new process registers by itself.
+      log: (level, message) => log(/restarts are off/.test(message) ? 'debug' : level, message),
+    });
+  }
+
+  workerList(): ClusterWorkerView[] {
+    return this.view();
+  }
+
+  override readiness(): EngineReadiness {
+    const readiness = super.readiness();
+    if (readiness.ready) return readiness;
+    return { ...readiness, reason: `no worker can serve: none is registered and reachable under ${this.where}` };
+  }
+}
+
+interface Member {
+  record: WorkerRecord;
+  remote?: RemoteEngine;
+  connecting: boolean;
+  retry?: NodeJS.Timeout;
+  retired: boolean;
+}
+
+export class ClusterFrontend {
+  engine: ClusterEngine | undefined;
+  tokenizer: Tokenizer | undefined;
+  chatTemplate: ChatTemplate | undefined;
+  router: Router | undefined;
+  private readonly members = new Map<string, Member>();
+  private readonly watch: WorkerWatch;
+  private events: EventSubscriber | undefined;
+  private readonly resyncing = new Set<string>();
+  private readonly readyWaiters: ((engine: ClusterEngine) => void)[] = [];
+  private closed = false;
+  /** Resyncs done (a worker joined, an event gap, a NATS reconnect). */
+  resyncs = 0;
+
+  constructor(private readonly options: ClusterFrontendOptions) {
+    this.watch = new WorkerWatch(options.etcd, options.namespace, {
+      put: (record) => this.onPut(record),
+      delete: (id) => this.onDelete(id),
+    }, options.log);
+  }
+
+  async start(): Promise<void> {
+    if (this.options.events) {
+      this.events = this.options.events({
+        kv: (workerId, events, stats) => {
+          const remote = this.members.get(workerId)?.remote;
+          if (!remote || remote.lost) return;
+          if (stats) remote.deliverStats(stats);
+          remote.deliverKvEvents(events);
+          if (this.router?.workersNeedingResync().includes(workerId)) void this.resync(workerId, 'event-id gap');
+        },
+        load: (workerId, stats) => {
+          const remote = this.members.get(workerId)?.remote;
+          if (remote && !remote.lost) remote.deliverStats(stats);
+        },
+        reconnected: () => {
+          for (const [id, member] of this.members) if (member.remote && !member.remote.lost) void this.resync(id, 'event plane reconnected');
+        },
+      });
+    }
+    await this.watch.start();
+  }
+
+  /** Resolves with the engine once the first worker has joined. */
+  ready(): Promise<ClusterEngine> {
+    if (this.engine) return Promise.resolve(this.engine);
+    return new Promise((resolve) => this.readyWaiters.push(resolve));
+  }
+
+  workerViews(): ClusterWorkerView[] {
+    return [...this.members.values()].map(({ record, remote, connecting }) => ({
+      id: record.id, role: record.role, model: record.model, address: record.address, block_size: record.blockSize,
+      capacity_tokens: record.capacityTokens, engine: record.engine,
+      state: !remote ? (connecting ? 'connecting' : 'lost') : remote.lost ? 'lost' : remote.draining ? 'draining' : 'ready',
+      ...(remote && !remote.lost ? { running: remote.stats().numRunning, waiting: remote.stats().numWaiting } : {}),
+    }));
+  }
+
+  async close(): Promise<void> {
+    this.closed = true;
+    await this.watch.stop();
+    for (const member of this.members.values()) clearTimeout(member.retry);
+    await this.events?.close();
+    if (this.engine) await this.engine.close();
+    else for (const member of this.members.values()) await member.remote?.close();
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+
+  private onPut(record: WorkerRecord): void {
+    const existing = this.members.get(record.id);
+    if (existing) {
+      existing.record = record;
+      existing.retired = false;
+      if (existing.remote && !existing.remote.lost && existing.remote.address === record.address) return;
+      existing.remote?.drop(`worker ${record.id} re-registered at ${record.address}`);
+      existing.remote = undefined;
+      this.connect(existing);
+      return;
+    }
+    const member: Member = { record, connecting: false, retired: false };
+    this.members.set(record.id, member);
+    this.options.log('info', `discovery: worker ${record.id} (${record.role}, ${record.model}) at ${record.address}`);
+    this.connect(member);
+  }
+
+  private onDelete(id: string): void {
+    const member = this.members.get(id);
+    if (!member) return;
+    this.options.log('info', `discovery: worker ${id} left (its key is gone)`);
+    member.retired = true;
+    clearTimeout(member.retry);
+    this.members.delete(id);
+    const remote = member.remote;
+    if (!remote || remote.lost) return;
+    // No new requests; the streams it runs (a draining worker) finish before the connection is closed.
+    remote.retire(`worker ${id} deregistered`);
+  }
+
+  private connect(member: Member): void {
+    if (this.closed || member.connecting || member.retired) return;
+    member.connecting = true;
+    const { record } = member;
+    void RemoteEngine.connect(record.address, {
+      clusterToken: this.options.clusterToken, events: !this.options.events, log: this.options.log,
+      ...(this.options.maxFrameBytes !== undefined ? { maxFrameBytes: this.options.maxFrameBytes } : {}),
+    }).then(async (remote) => {
+      member.connecting = false;
+      if (this.closed || member.retired || this.members.get(record.id) !== member) {
+        await remote.close();
+        return;
+      }
+      if (remote.workerId !== record.id) {
+        await remote.close();
+        throw new Error(`the worker at ${record.address} says it is ${remote.workerId}, not ${record.id}`);
+      }
+      await this.join(member, remote);
+    }).catch((error: Error) => {
+      member.connecting = false;
+      if (this.closed || member.retired) return;
+      this.options.log('warn', `request plane: ${error.message}; retrying in 1 s while ${record.id} is registered`);
+      clearTimeout(member.retry);
+      member.retry = setTimeout(() => this.connect(member), 1000);
+    });
+  }
+
+  private async join(member: Member, remote: RemoteEngine): Promise<void> {
+    const id = remote.workerId;
+    if (remote.draining) {
+      await remote.close();
+      return;
+    }
+    if (remote.role !== 'both') {
+      // Disaggregated serving across processes is not built yet: such a worker is listed, not routed to.
+      this.options.log('warn', `worker ${id} has role ${remote.role}: this frontend routes to aggregated (both) workers only`);
+      await remote.close();
+      return;
+    }
+    if (!this.engine) {
+      const card = await remote.modelCard();
+      if (this.engine) return this.join(member, remote);
+      this.adoptModel(card, remote.info);
+      this.router = makeRouter({
+        routingPolicy: this.options.routingPolicy ?? 'kv',
+        ...(this.options.maxQueued !== undefined ? { maxQueued: this.options.maxQueued } : {}),
+      }, remote.info.blockSize, 0);
+      member.remote = remote;
+      this.engine = new ClusterEngine(remote, this.router, member.record.engine === 'cpu' ? this.tokenizer : undefined,
+        this.options.migrationLimit ?? 0, () => this.workerViews(), `/${this.options.namespace}/workers/`, this.options.log);
+      for (const resolve of this.readyWaiters.splice(0)) resolve(this.engine);
+    } else {
+      const info = this.engine.info;
+      if (remote.info.modelName !== info.modelName || remote.info.blockSize !== info.blockSize) {
+        this.options.log('warn', `worker ${id} serves ${remote.info.modelName} with blocks of ${remote.info.blockSize} tokens; `
+          + `this frontend serves ${info.modelName} with blocks of ${info.blockSize}: not routed to`);
+        member.remote = undefined;
+        await remote.close();
+        return;
+      }
+      member.remote = remote;
+      this.engine.addWorker(id, remote);
+    }
+    remote.onLost((error) => {
+      this.options.log('warn', `worker ${id}: ${error.message}`);
+      // Still registered and not draining: the connection broke, not necessarily the worker. Try again.
+      if (!this.closed && !member.retired && !remote.draining && this.members.get(id) === member) {
+        member.remote = undefined;
+        clearTimeout(member.retry);
+        member.retry = setTimeout(() => this.connect(member), 500);
+      }
+    });
+    this.options.log('info', `worker ${id} joined (${remote.info.modelName}, blocks of ${remote.info.blockSize}, ${remote.info.kvCapacityTokens} KV tokens)`);
+    // The worker may hold cached blocks whose events this frontend never saw (it started later, or reconnected).
+    await this.resync(id, 'joined');
+  }
+
+  private adoptModel(card: ModelCard | null, info: EngineInfo): void {
+    if (!card) throw new Error(`the first worker (${info.modelName}) sent no model card: cannot tokenize for it`);
+    this.tokenizer = tokenizerFromWorkerSource(card.tokenizer as TokenizerWorkerSource);
+    const { templates, bosToken, eosToken, isFallback } = card.chatTemplate;
+    this.chatTemplate = new ChatTemplate({ templates: new Map(templates), bosToken, eosToken }, isFallback);
+  }
+
+  /** Replaces the router's view of a worker's KV cache with its snapshot (NATS request, else the request plane). */
+  private async resync(workerId: string, why: string): Promise<void> {
+    if (this.resyncing.has(workerId)) return;
+    const remote = this.members.get(workerId)?.remote;
+    if (!remote || !this.router) return;
+    this.resyncing.add(workerId);
+    try {
+      let snapshot;
+      try {
+        snapshot = this.events ? await this.events.snapshot(workerId) : await remote.snapshot();
+      } catch {
+        snapshot = await remote.snapshot();
+      }
+      if (remote.lost || !this.engine?.workerIds.includes(workerId)) return;
+      this.router.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId);
+      this.resyncs++;
+      this.options.log('debug', `KV view of ${workerId} resynced (${why}): ${snapshot.hashes.length} blocks, event ${snapshot.lastEventId}`);
+    } catch (error) {
+      this.options.log('warn', `KV view of ${workerId}: resync failed (${(error as Error).message})`);
+    } finally {
+      this.resyncing.delete(workerId);
+    }
+  }
+}
+

@@ -1,0 +1,180 @@
+// `conduit serve --workers N --worker-processes`: the N workers are child processes (`conduit worker --parent-ipc`)
+// reached over the request plane on loopback, instead of threads of the server's process. No etcd or NATS: each
+// child reports its address over the IPC channel, and its KV events come on its connection. A worker that dies, a
+// native crash included, takes only its own process down: its connection drops, its requests fail as worker_lost
+// at once (migrating when --migration-limit allows), and the worker group starts a new process in its place
+// (--worker-restart-limit, --worker-restart-delay), as it restarts a dead thread. A child whose parent goes away
+// (its IPC channel closes) exits.
+
+import { fork, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { fileURLToPath } from 'node:url';
+import { engineNow } from '../engine/clock.ts';
+import type { EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
+import { ChatTemplate } from '../model/chat-template.ts';
+import { tokenizerFromWorkerSource } from '../model/tokenizer/worker-source.ts';
+import type { Tokenizer, TokenizerWorkerSource } from '../model/tokenizer/types.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
+import type { EngineStats } from '../protocols/worker.ts';
+import type { Router } from '../router/router.ts';
+import { RoutedEngine } from '../runtime/routed-engine.ts';
+import type { RoutableEngine, WorkerGroupLog } from '../runtime/worker-group.ts';
+import { makeRouter, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { RemoteEngine } from './remote-engine.ts';
+
+const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
+/** A child has this long to load its model and report its address. */
+const CHILD_START_TIMEOUT_MS = 300_000;
+
+export interface ProcessPoolOptions extends WorkerPoolOptions {
+  /** Log lines of the children (stderr) go here, prefixed with the worker id. */
+  childLog?: (line: string) => void;
+}
+
+/** One child process and its connection, as the router holds a worker. */
+export class ChildWorker implements RoutableEngine {
+  constructor(readonly id: string, private readonly child: ChildProcess, private readonly remote: RemoteEngine) {}
+
+  get info(): EngineInfo { return this.remote.info; }
+  get pid(): number | undefined { return this.child.pid; }
+  get address(): string { return this.remote.address; }
+  get lost(): boolean { return this.remote.lost; }
+  generate(request: EngineRequest): AsyncIterable<EngineOutput> { return this.remote.generate(request); }
+  abort(requestId: string): void { this.remote.abort(requestId); }
+  stats(): EngineStats { return this.remote.stats(); }
+  resetPrefixCache(): Promise<boolean> { return this.remote.resetPrefixCache(); }
+  onKvEvents(listener: (events: KvEvent[]) => void): () => void { return this.remote.onKvEvents(listener); }
+  onLost(listener: (error: Error) => void): () => void { return this.remote.onLost(listener); }
+  modelCard(): ReturnType<RemoteEngine['modelCard']> { return this.remote.modelCard(); }
+
+  async close(): Promise<void> {
+    await this.remote.close();
+    if (this.child.exitCode === null && this.child.signalCode === null) {
+      const exited = new Promise<void>((resolve) => this.child.once('exit', () => resolve()));
+      this.child.kill('SIGTERM');
+      const timer = setTimeout(() => this.child.kill('SIGKILL'), 5000);
+      await exited;
+      clearTimeout(timer);
+    }
+  }
+}
+
+/** The worker flags of `conduit worker` that rebuild the pool's engine in a child. */
+function childArgs(options: ProcessPoolOptions, id: string, threads: number): string[] {
+  const args = ['worker', '--parent-ipc', '--worker-id', id, '--host', '127.0.0.1', '--port', '0', '--engine', options.engine,
+    '--threads', String(threads), '--shutdown-grace', '0'];
+  const add = (flag: string, value: string | number | undefined): void => {
+    if (value !== undefined) args.push(`--${flag}`, String(value));
+  };
+  add('model', options.modelPath);
+  add('served-model-name', options.servedModelName);
+  add('backend', options.backend);
+  add('kv-cache-memory', options.kvCacheMemoryBytes);
+  add('kv-cache-idle-release', options.kvCacheIdleReleaseSeconds);
+  add('max-num-seqs', options.maxNumSeqs);
+  add('max-num-batched-tokens', options.maxNumBatchedTokens);
+  if (options.sim) {
+    add('sim-model', options.sim.model);
+    add('sim-gpu', options.sim.gpu);
+    add('sim-tp', options.sim.tp);
+    add('sim-speed-up', options.sim.speedUp === Infinity ? 'inf' : options.sim.speedUp);
+    add('sim-calibration', options.sim.calibration);
+  }
+  return args;
+}
+
+/** Starts one child worker and connects to it. */
+export function startChildWorker(options: ProcessPoolOptions, id: string, token: string, threads: number): Promise<ChildWorker> {
+  const child = fork(CONDUIT_BIN, childArgs(options, id, threads), {
+    // The token travels in the environment, not on the command line (where ps shows it).
+    env: { ...process.env, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
+    stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
+  });
+  let tail = '';
+  const onOutput = (chunk: Buffer): void => {
+    const text = chunk.toString('utf8');
+    tail = (tail + text).slice(-4000);
+    for (const line of text.split('\n')) if (line.trim()) options.childLog?.(`[${id}] ${line}`);
+  };
+  child.stdout!.on('data', onOutput);
+  child.stderr!.on('data', onOutput);
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => {
+      child.kill('SIGKILL');
+      reject(new Error(`worker process ${id} did not start within ${CHILD_START_TIMEOUT_MS / 1000} s`));
+    }, CHILD_START_TIMEOUT_MS);
+    const onExit = (code: number | null, signal: string | null): void => {
+      clearTimeout(timer);
+      reject(new Error(`worker process ${id} exited (${signal ?? `code ${code}`}) before it was ready: ${tail.trim().split('\n').slice(-3).join(' | ')}`));
+    };
+    child.once('exit', onExit);
+    child.on('message', (message: { type?: string; address?: string }) => {
+      if (message?.type !== 'ready' || typeof message.address !== 'string') return;
+      clearTimeout(timer);
+      child.off('exit', onExit);
+      RemoteEngine.connect(message.address, { clusterToken: token, events: true }).then(
+        (remote) => resolve(new ChildWorker(id, child, remote)),
+        (error: Error) => {
+          child.kill('SIGKILL');
+          reject(error);
+        });
+    });
+  });
+}
+
+/** The routed engine over child processes; /health lists them with their process ids. */
+export class ProcessPoolEngine extends RoutedEngine {
+  workerList(): { id: string; pid: number | undefined; address: string; state: string; running: number; waiting: number }[] {
+    return this.workerIds.map((id) => {
+      const worker = this.workerEngine(id) as ChildWorker;
+      const stats = worker.stats();
+      return { id, pid: worker.pid, address: worker.address, state: worker.lost ? 'lost' : 'ready', running: stats.numRunning, waiting: stats.numWaiting };
+    });
+  }
+}
+
+export interface ProcessPool {
+  engine: ProcessPoolEngine;
+  router: Router;
+  tokenizer: Tokenizer;
+  chatTemplate: ChatTemplate;
+  workers: { id: string; engine: ChildWorker }[];
+  notices: string[];
+  /** Never set: WorkerPool.clock's shared simulated clock exists only for workers that live in one process. */
+  clock?: undefined;
+}
+
+export async function createProcessWorkerPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {
+  const count = options.workers;
+  if (!Number.isInteger(count) || count < 1) throw new RangeError(`workers must be a whole number >= 1, got ${count}`);
+  const token = randomBytes(32).toString('hex');
+  const threads = options.threads ?? Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count));
+  const settled = await Promise.allSettled(Array.from({ length: count }, (_, i) => startChildWorker(options, `worker-${i}`, token, threads)));
+  const workers = settled.flatMap((s, i) => s.status === 'fulfilled' ? [{ id: `worker-${i}`, engine: s.value }] : []);
+  const failure = settled.find((s): s is PromiseRejectedResult => s.status === 'rejected');
+  if (failure) {
+    await Promise.all(workers.map((w) => w.engine.close()));
+    throw failure.reason;
+  }
+  const card = await workers[0]!.engine.modelCard();
+  if (!card) throw new Error('the first worker process sent no model card');
+  const tokenizer = tokenizerFromWorkerSource(card.tokenizer as TokenizerWorkerSource);
+  const { templates, bosToken, eosToken, isFallback } = card.chatTemplate;
+  const chatTemplate = new ChatTemplate({ templates: new Map(templates), bosToken, eosToken }, isFallback);
+  const router = makeRouter(options, workers[0]!.engine.info.blockSize, 0);
+  const limit = options.workerRestartLimit ?? 0;
+  const engine = new ProcessPoolEngine(workers, router, engineNow, {
+    migration: { limit: options.migrationLimit ?? 0, ...(options.engine === 'cpu' ? { tokenizer } : {}) },
+    ...(limit > 0 ? {
+      restart: {
+        limit, start: (id: string) => startChildWorker(options, id, token, threads),
+        ...(options.workerRestartDelayMs !== undefined ? { baseDelayMs: options.workerRestartDelayMs } : {}),
+      },
+    } : {}),
+    ...(log ? { log } : {}),
+  });
+  return {
+    engine, router, tokenizer, chatTemplate, workers,
+    notices: [`${count} worker process${count === 1 ? '' : 'es'} (pids ${workers.map((w) => w.engine.pid).join(', ')}), request plane on loopback`],
+  };
+}

@@ -1,0 +1,349 @@
+// The frontend side of the request plane: one worker process behind the Engine interface. The routed engine holds it
+// exactly as it holds a worker thread (RoutableEngine): requests stream over the connection, abort travels as a
+// message, the worker's stats ride on every frame, and KV events arrive either on the connection (local child
+// workers) or from the event plane (deliverKvEvents).
+//
+// A lost connection (closed, reset, or silent past the heartbeat timeout) fails every request on it at once with
+// WorkerLostError and tells the onLost listeners, so the routed engine drops the worker and migrates what it can,
+// without waiting for the discovery lease to lapse. A worker that says it is draining is reported lost too (it takes
+// no new requests) while the streams it is finishing keep flowing.
+
+import net from 'node:net';
+import { EngineClosedError, EngineOverloadedError, InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
+import { AsyncQueue } from '../engine/streams.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
+import type { KvEvent, BlockHash } from '../protocols/kv-events.ts';
+import type { EngineStats } from '../protocols/worker.ts';
+import type { RoutableEngine } from '../runtime/worker-group.ts';
+import { v8Deserialize } from './blob.ts';
+import { DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, parseJsonMessage } from './frames.ts';
+import {
+  HEARTBEAT_TIMEOUT_MS, parseHashes, parseInfo, parseKvEvents, parseRole, parseStats, REQUEST_PLANE_VERSION,
+  toWireRequest, type ModelCard,
+} from './request-plane.ts';
+
+export interface RemoteEngineOptions {
+  clusterToken: string;
+  /** Ask the worker to send its KV events on this connection (local child workers; no event plane). */
+  events?: boolean;
+  maxFrameBytes?: number;
+  connectTimeoutMs?: number;
+  heartbeatTimeoutMs?: number;
+  log?: (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
+}
+
+interface Pending<T> {
+  resolve(value: T): void;
+  reject(error: Error): void;
+}
+
+export class RemoteEngine implements RoutableEngine {
+  readonly workerId: string;
+  readonly role: WorkerRole;
+  readonly info: EngineInfo;
+  readonly address: string;
+  private latestStats: EngineStats;
+  private readonly streams = new Map<string, AsyncQueue<EngineOutput>>();
+  private readonly kvListeners = new Set<(events: KvEvent[]) => void>();
+  private readonly lostListeners = new Set<(error: Error) => void>();
+  private readonly replies = new Map<number, Pending<unknown>>();
+  private cardWaiters: Pending<ModelCard | null>[] = [];
+  private nextReplyId = 1;
+  private lostError: Error | undefined;
+  private closed = false;
+  private drainingFlag = false;
+  private closeWhenIdle = false;
+  private lastFrameAt = performance.now();
+  private readonly watchdog: NodeJS.Timeout;
+
+  private constructor(private readonly socket: net.Socket, private readonly reader: FrameReader, welcome: Record<string, unknown>,
+    address: string, private readonly options: RemoteEngineOptions) {
+    this.address = address;
+    this.workerId = String(welcome.workerId);
+    this.role = parseRole(welcome.role);
+    this.info = parseInfo(welcome.info);
+    this.latestStats = parseStats(welcome.stats);
+    this.drainingFlag = welcome.draining === true;
+    socket.on('data', (chunk: Buffer) => this.receive(chunk));
+    socket.on('close', () => this.lose(`connection to worker ${this.workerId} at ${address} closed`));
+    const timeout = options.heartbeatTimeoutMs ?? HEARTBEAT_TIMEOUT_MS;
+    const tickMs = Math.min(1000, timeout / 2);
+    let lastTick = performance.now();
+    this.watchdog = setInterval(() => {
+      const now = performance.now();
+      // This process was stalled (a long synchronous task, a GC pause): the worker's frames may be waiting unread
+      // behind this timer, so the silence is ours, not the worker's. Count from now.
+      if (now - lastTick > 2 * tickMs) this.lastFrameAt = now;
+      lastTick = now;
+      if (now - this.lastFrameAt > timeout) {
+        this.lose(`worker ${this.workerId} at ${address} sent nothing for ${timeout} ms`);
+        socket.destroy();
+      }
+    }, tickMs);
+    this.watchdog.unref();
+  }
+
+  /** Connects to a worker's request endpoint ("host:port") and authenticates; resolves once welcomed. */
+  static connect(address: string, options: RemoteEngineOptions): Promise<RemoteEngine> {
+    const { host, port } = splitAddress(address);
+    return new Promise((resolve, reject) => {
+      const socket = net.connect({ host, port });
+      socket.setNoDelay(true);
+      socket.setKeepAlive(true, 1000);
+      const reader = new FrameReader(options.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES);
+      const fail = (error: Error): void => {
+        clearTimeout(timer);
+        socket.destroy();
+        reject(error);
+      };
+      const timer = setTimeout(() => fail(new Error(`worker at ${address} did not answer within ${options.connectTimeoutMs ?? 5000} ms`)),
+        options.connectTimeoutMs ?? 5000);
+      socket.once('error', (error) => fail(new Error(`cannot reach worker at ${address}: ${error.message}`)));
+      socket.once('close', () => fail(new Error(`worker at ${address} closed the connection before welcoming`)));
+      socket.once('connect', () => {
+        socket.write(encodeJsonFrame({ t: 'hello', v: REQUEST_PLANE_VERSION, token: options.clusterToken, events: options.events === true }));
+      });
+      const onData = (chunk: Buffer): void => {
+        try {
+          const frames = reader.push(chunk);
+          if (frames.length === 0) return;
+          const message = parseJsonMessage(frames[0]!.payload);
+          if (message.t === 'refused') throw new Error(`worker at ${address} refused the connection: ${String(message.reason)}`);
+          if (message.t !== 'welcome') throw new FrameError(`expected welcome, got ${message.t}`);
+          socket.off('data', onData);
+          socket.removeAllListeners('close');
+          socket.removeAllListeners('error');
+          socket.on('error', () => {});
+          clearTimeout(timer);
+          const engine = new RemoteEngine(socket, reader, message, address, options);
+          resolve(engine);
+          // Frames that came in the same chunk as the welcome.
+          for (const frame of frames.slice(1)) engine.handleFrame(frame.kind, frame.payload);
+        } catch (error) {
+          fail(error as Error);
+        }
+      };
+      socket.on('data', onData);
+    });
+  }
+
+  get draining(): boolean {
+    return this.drainingFlag;
+  }
+
+  get lost(): boolean {
+    return this.lostError !== undefined;
+  }
+
+  generate(request: EngineRequest): AsyncIterable<EngineOutput> {
+    if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
+    if (this.closed) throw new EngineClosedError('engine is closed');
+    if (this.streams.has(request.id)) {
+      throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
+    }
+    const queue = new AsyncQueue<EngineOutput>();
+    this.streams.set(request.id, queue);
+    this.socket.write(encodeJsonFrame({ t: 'gen', request: toWireRequest(request) }));
+    const remote = this;
+    return (async function* () {
+      let ended = false;
+      try {
+        for await (const output of queue.drain()) yield output;
+        ended = true;
+      } finally {
+        remote.streams.delete(request.id);
+        // The caller left early (abort, a stop string matched after a migration): the worker stops too.
+        if (!ended && !queue.done) remote.abort(request.id);
+        if (remote.closeWhenIdle && remote.streams.size === 0) void remote.close();
+      }
+    })();
+  }
+
+  abort(requestId: string): void {
+    if (!this.lostError && !this.socket.destroyed) this.socket.write(encodeJsonFrame({ t: 'abort', id: requestId }));
+  }
+
+  stats(): EngineStats {
+    return this.latestStats;
+  }
+
+  resetPrefixCache(): Promise<boolean> {
+    return this.ask<boolean>({ t: 'reset' });
+  }
+
+  /** The worker's cached block hashes and the id of its last KV event (for a router resync). */
+  snapshot(): Promise<{ lastEventId: number; hashes: BlockHash[] }> {
+    return this.ask({ t: 'snapshot' });
+  }
+
+  /** The tokenizer and chat template of the worker's model (null when the worker has none to give). */
+  modelCard(): Promise<ModelCard | null> {
+    if (this.lostError) return Promise.reject(this.lostError);
+    return new Promise((resolve, reject) => {
+      this.cardWaiters.push({ resolve, reject });
+      this.socket.write(encodeJsonFrame({ t: 'card' }));
+    });
+  }
+
+  onKvEvents(listener: (events: KvEvent[]) => void): () => void {
+    this.kvListeners.add(listener);
+    return () => this.kvListeners.delete(listener);
+  }
+
+  onLost(listener: (error: Error) => void): () => void {
+    this.lostListeners.add(listener);
+    return () => this.lostListeners.delete(listener);
+  }
+
+  /** KV events for this worker from the event plane. */
+  deliverKvEvents(events: KvEvent[]): void {
+    for (const listener of this.kvListeners) listener(events);
+  }
+
+  /** A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). */
+  deliverStats(stats: EngineStats): void {
+    this.latestStats = stats;
+  }
+
+  /**
+   * The worker left discovery (drains, or its lease lapsed while the connection still stands): it leaves the router
+   * now, and the connection closes once the streams it runs have ended (a dead worker's connection drops anyway).
+   */
+  retire(reason: string): void {
+    if (this.lostError || this.closed) return;
+    this.drainingFlag = true;
+    this.closeWhenIdle = true;
+    this.emitLost(new WorkerLostError(this.workerId, reason));
+    if (this.streams.size === 0) void this.close();
+  }
+
+  /** Ends the connection as if the worker were lost (its lease lapsed, or it left discovery). */
+  drop(reason: string): void {
+    this.lose(reason);
+    this.socket.destroy();
+  }
+
+  async close(): Promise<void> {
+    this.closed = true;
+    clearInterval(this.watchdog);
+    this.socket.end();
+    this.socket.destroy();
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+
+  private receive(chunk: Buffer): void {
+    this.lastFrameAt = performance.now();
+    try {
+      this.reader.write(chunk);
+      for (let frame = this.reader.next(); frame && !this.lostError; frame = this.reader.next()) this.handleFrame(frame.kind, frame.payload);
+    } catch (error) {
+      this.options.log?.('warn', `request plane: bad frame from worker ${this.workerId} at ${this.address}: ${(error as Error).message}; closing`);
+      this.drop(`worker ${this.workerId} sent a bad frame: ${(error as Error).message}`);
+    }
+  }
+
+  private handleFrame(kind: number, payload: Buffer): void {
+    if (kind === FRAME_BLOB) {
+      const waiter = this.cardWaiters.shift();
+      waiter?.resolve(v8Deserialize(payload) as ModelCard | null);
+      return;
+    }
+    const m = parseJsonMessage(payload);
+    switch (m.t) {
+      case 'out': {
+        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        const queue = this.streams.get(String(m.id));
+        if (!queue || !Array.isArray(m.outputs)) return;
+        for (const output of m.outputs as EngineOutput[]) queue.push(output);
+        return;
+      }
+      case 'end': {
+        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        this.streams.get(String(m.id))?.end();
+        return;
+      }
+      case 'err': {
+        this.streams.get(String(m.id))?.fail(this.rebuildError(m));
+        return;
+      }
+      case 'hb':
+        this.latestStats = parseStats(m.stats);
+        return;
+      case 'kv': {
+        const events = parseKvEvents(m.events);
+        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        this.deliverKvEvents(events);
+        return;
+      }
+      case 'reset':
+        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        this.settle(m.rid, m.ok === true);
+        return;
+      case 'snapshot':
+        this.settle(m.rid, { lastEventId: Number(m.lastEventId), hashes: parseHashes(m.hashes) });
+        return;
+      case 'draining':
+        this.drainingFlag = true;
+        this.emitLost(new WorkerLostError(this.workerId, `worker ${this.workerId} is draining`));
+        return;
+      case 'refused':
+        throw new FrameError(`worker refused: ${String(m.reason)}`);
+      default:
+        throw new FrameError(`unknown message type ${JSON.stringify(m.t).slice(0, 40)}`);
+    }
+  }
+
+  private rebuildError(m: Record<string, unknown>): Error {
+    const message = String(m.message ?? 'worker error');
+    switch (m.name) {
+      case 'InvalidRequestError': return InvalidRequestError.fromWorker(String(m.code), String(m.id), message);
+      case 'EngineOverloadedError': return new EngineOverloadedError(message, Number(m.retryAfterMs ?? 1000));
+      // The worker's engine closed under the request (it is stopping): for the frontend the worker is lost.
+      case 'EngineClosedError':
+      case 'WorkerLostError': return new WorkerLostError(this.workerId, `worker ${this.workerId}: ${message}`);
+      default: {
+        const error = new Error(message);
+        if (typeof m.name === 'string') error.name = m.name;
+        return error;
+      }
+    }
+  }
+
+  private ask<T>(message: Record<string, unknown>): Promise<T> {
+    if (this.lostError) return Promise.reject(this.lostError);
+    const rid = this.nextReplyId++;
+    return new Promise<T>((resolve, reject) => {
+      this.replies.set(rid, { resolve: resolve as (value: unknown) => void, reject });
+      this.socket.write(encodeJsonFrame({ ...message, rid }));
+    });
+  }
+
+  private settle(rid: unknown, value: unknown): void {
+    const pending = this.replies.get(Number(rid));
+    this.replies.delete(Number(rid));
+    pending?.resolve(value);
+  }
+
+  private lose(reason: string): void {
+    if (this.lostError) return;
+    clearInterval(this.watchdog);
+    const error = new WorkerLostError(this.workerId, reason);
+    this.lostError = error;
+    for (const queue of this.streams.values()) queue.fail(error);
+    for (const pending of this.replies.values()) pending.reject(error);
+    this.replies.clear();
+    for (const waiter of this.cardWaiters.splice(0)) waiter.reject(error);
+    if (!this.closed) this.emitLost(error);
+  }
+
+  private emitLost(error: Error): void {
+    for (const listener of [...this.lostListeners]) listener(error);
+  }
+}
+
+export function splitAddress(address: string): { host: string; port: number } {
+  const match = /^\[?([^\]]+?)\]?:(\d+)$/.exec(address);
+  if (!match) throw new Error(`worker address must be host:port, got "${address}"`);
+  return { host: match[1]!, port: Number(match[2]) };
+}

@@ -1,0 +1,192 @@
+// The request plane's messages: what a frontend and a worker say to each other over one TCP connection (frames.ts).
+// JSON, measured against Node's structured-clone serializer on a typical streamed output (docs/distributed.md):
+// about the same cost per message, and JSON is parsed into plain data only, which matters on a port reachable from
+// the network. Everything received is validated here before it reaches an engine.
+//
+// A connection starts with the frontend's `hello` carrying the cluster token; the worker answers `welcome` (its id,
+// engine info, role) or `refused` and closes. Then:
+//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump)
+//   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat), kv (KV events, only to a
+//                       connection that asked for them), snapshot, draining, and the model card as a blob frame.
+
+import { timingSafeEqual, createHash } from 'node:crypto';
+import type { EngineInfo, EngineRequest, SamplingParams, WorkerRole } from '../engine/types.ts';
+import { parseKvEvent, type BlockHash, type KvEvent, parseBlockHash } from '../protocols/kv-events.ts';
+import type { EngineStats } from '../protocols/worker.ts';
+import { FrameError } from './frames.ts';
+
+export const REQUEST_PLANE_VERSION = 1;
+/** The largest frame a connection may send before it authenticated (its hello). */
+export const MAX_HELLO_BYTES = 64 * 1024;
+/** A worker sends its stats at least this often; a connection silent for HEARTBEAT_TIMEOUT_MS is lost. */
+export const HEARTBEAT_MS = 500;
+export const HEARTBEAT_TIMEOUT_MS = 5000;
+
+/** An EngineRequest as JSON carries it: logitBias as [tokenId, bias] pairs. */
+export type WireRequest = Omit<EngineRequest, 'sampling'> & {
+  sampling: Omit<SamplingParams, 'logitBias'> & { logitBias?: [number, number][] };
+};
+
+export function toWireRequest(request: EngineRequest): WireRequest {
+  const { logitBias, ...sampling } = request.sampling;
+  return { ...request, sampling: { ...sampling, ...(logitBias ? { logitBias: [...logitBias] } : {}) } };
+}
+
+export interface Welcome {
+  t: 'welcome';
+  v: number;
+  workerId: string;
+  role: WorkerRole;
+  info: EngineInfo;
+  stats: EngineStats;
+  draining: boolean;
+}
+
+/** The chat template and tokenizer a frontend needs to serve the workers' model (blob frame). */
+export interface ModelCard {
+  tokenizer: unknown;
+  chatTemplate: { templates: [string, string][]; bosToken: string; eosToken: string; isFallback: boolean };
+}
+
+/** Compares the token in constant time (by digest, so lengths need not match). */
+export function tokenMatches(expected: string, given: unknown): boolean {
+  if (typeof given !== 'string') return false;
+  const a = createHash('sha256').update(expected).digest();
+  const b = createHash('sha256').update(given).digest();
+  return timingSafeEqual(a, b);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Validation
+
+function bad(what: string): never {
+  throw new FrameError(what);
+}
+
+function num(record: Record<string, unknown>, field: string, where: string): number {
+  const value = record[field];
+  if (typeof value !== 'number' || !Number.isFinite(value)) bad(`${where}.${field} must be a finite number`);
+  return value;
+}
+
+function int(record: Record<string, unknown>, field: string, where: string, min = 0): number {
+  const value = num(record, field, where);
+  if (!Number.isSafeInteger(value) || value < min) bad(`${where}.${field} must be an integer >= ${min}`);
+  return value;
+}
+
+function bool(record: Record<string, unknown>, field: string, where: string): boolean {
+  const value = record[field];
+  if (typeof value !== 'boolean') bad(`${where}.${field} must be true or false`);
+  return value;
+}
+
+function str(record: Record<string, unknown>, field: string, where: string, maxLength = 4096): string {
+  const value = record[field];
+  if (typeof value !== 'string' || value.length > maxLength) bad(`${where}.${field} must be a string of at most ${maxLength} characters`);
+  return value;
+}
+
+function optional<T>(record: Record<string, unknown>, field: string, read: () => T): T | undefined {
+  return record[field] === undefined || record[field] === null ? undefined : read();
+}
+
+function obj(value: unknown, where: string): Record<string, unknown> {
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) bad(`${where} must be an object`);
+  return value as Record<string, unknown>;
+}
+
+function intArray(value: unknown, where: string): number[] {
+  if (!Array.isArray(value)) bad(`${where} must be an array of token ids`);
+  for (const item of value) if (!Number.isSafeInteger(item) || (item as number) < 0) bad(`${where} holds a value that is not a token id`);
+  return value as number[];
+}
+
+/** A request from the wire as the engine takes it; FrameError names the first bad field. */
+export function parseWireRequest(value: unknown): EngineRequest {
+  const r = obj(value, 'request');
+  const s = obj(r.sampling, 'request.sampling');
+  const w = 'request.sampling';
+  const logprobs = s.logprobs === null ? null : int(s, 'logprobs', w);
+  let logitBias: Map<number, number> | undefined;
+  if (s.logitBias !== undefined) {
+    if (!Array.isArray(s.logitBias)) bad(`${w}.logitBias must be [tokenId, bias] pairs`);
+    logitBias = new Map();
+    for (const pair of s.logitBias) {
+      if (!Array.isArray(pair) || pair.length !== 2 || !Number.isSafeInteger(pair[0]) || typeof pair[1] !== 'number' || !Number.isFinite(pair[1])) {
+        bad(`${w}.logitBias must be [tokenId, bias] pairs`);
+      }
+      logitBias.set(pair[0] as number, pair[1] as number);
+    }
+  }
+  if (!Array.isArray(s.stop) || !s.stop.every((x) => typeof x === 'string')) bad(`${w}.stop must be an array of strings`);
+  const seed = optional(s, 'seed', () => num(s, 'seed', w));
+  const sampling: SamplingParams = {
+    temperature: num(s, 'temperature', w), topP: num(s, 'topP', w), topK: num(s, 'topK', w), minP: num(s, 'minP', w),
+    repetitionPenalty: num(s, 'repetitionPenalty', w), presencePenalty: num(s, 'presencePenalty', w),
+    frequencyPenalty: num(s, 'frequencyPenalty', w), n: int(s, 'n', w, 1), maxTokens: int(s, 'maxTokens', w),
+    minTokens: int(s, 'minTokens', w), ignoreEos: bool(s, 'ignoreEos', w), stopTokenIds: intArray(s.stopTokenIds, `${w}.stopTokenIds`),
+    stop: s.stop as string[], includeStopStrInOutput: bool(s, 'includeStopStrInOutput', w), logprobs,
+    skipSpecialTokens: bool(s, 'skipSpecialTokens', w),
+    ...(seed !== undefined ? { seed } : {}), ...(logitBias ? { logitBias } : {}),
+  };
+  const request: EngineRequest = {
+    id: str(r, 'id', 'request', 256), promptTokenIds: intArray(r.promptTokenIds, 'request.promptTokenIds'), sampling,
+    priority: num(r, 'priority', 'request'), arrivalMs: num(r, 'arrivalMs', 'request'),
+  };
+  const deadlineMs = optional(r, 'deadlineMs', () => num(r, 'deadlineMs', 'request'));
+  if (deadlineMs !== undefined) request.deadlineMs = deadlineMs;
+  for (const field of ['tenant', 'cacheSalt', 'traceparent', 'sessionId'] as const) {
+    const text = optional(r, field, () => str(r, field, 'request', 1024));
+    if (text !== undefined) request[field] = text;
+  }
+  return request;
+}
+
+/** KV events from the wire (JSON), each validated. */
+export function parseKvEvents(value: unknown): KvEvent[] {
+  if (!Array.isArray(value)) bad('events must be an array');
+  try {
+    return value.map((event) => parseKvEvent(event));
+  } catch (error) {
+    throw new FrameError((error as Error).message);
+  }
+}
+
+export function parseHashes(value: unknown): BlockHash[] {
+  if (!Array.isArray(value)) bad('hashes must be an array');
+  try {
+    return value.map((hash, i) => parseBlockHash(hash, `hashes[${i}]`));
+  } catch (error) {
+    throw new FrameError((error as Error).message);
+  }
+}
+
+/** Stats as a worker reports them; anything missing or not a count is refused. */
+export function parseStats(value: unknown): EngineStats {
+  const s = obj(value, 'stats');
+  const stats: EngineStats = {
+    numRunning: int(s, 'numRunning', 'stats'), numWaiting: int(s, 'numWaiting', 'stats'),
+    kvBlocksUsed: int(s, 'kvBlocksUsed', 'stats'), kvBlocksTotal: int(s, 'kvBlocksTotal', 'stats'),
+    prefixCacheQueries: int(s, 'prefixCacheQueries', 'stats'), prefixCacheHits: int(s, 'prefixCacheHits', 'stats'),
+    preemptions: int(s, 'preemptions', 'stats'),
+  };
+  if (s.kvEvictions !== undefined) stats.kvEvictions = int(s, 'kvEvictions', 'stats');
+  return stats;
+}
+
+/** Engine info as a worker reports it. */
+export function parseInfo(value: unknown): EngineInfo {
+  const i = obj(value, 'info');
+  const kernelVariants = obj(i.kernelVariants ?? {}, 'info.kernelVariants');
+  return {
+    modelName: str(i, 'modelName', 'info'), maxModelLen: int(i, 'maxModelLen', 'info', 1), vocabSize: int(i, 'vocabSize', 'info', 1),
+    kvCapacityTokens: int(i, 'kvCapacityTokens', 'info'), blockSize: int(i, 'blockSize', 'info', 1), backend: str(i, 'backend', 'info'),
+    kernelVariants: Object.fromEntries(Object.entries(kernelVariants).map(([k, v]) => [k, String(v)])), threads: int(i, 'threads', 'info'),
+  };
+}
+
+export function parseRole(value: unknown): WorkerRole {
+  if (value === 'both' || value === 'prefill' || value === 'decode') return value;
+  return bad(`role must be both, prefill or decode, got ${JSON.stringify(value)}`);
+}

@@ -1,0 +1,115 @@
+// One worker process: a local engine (cpu or sim) served on the request plane, registered in etcd and publishing
+// its KV events and load on NATS when those are given (`conduit worker`), or reporting its address to the parent
+// process that started it (`conduit serve --worker-processes N`: no services, KV events on the connection).
+//
+// Shutdown (SIGTERM) drains: the etcd key goes first (frontends stop sending), the frontends are told on every
+// connection, the running streams finish (up to the grace), then the event plane, the server and the engine close.
+
+import { hostname } from 'node:os';
+import { createLocalEngine } from '../engine/local-engine.ts';
+import type { WorkerRole } from '../engine/types.ts';
+import type { ChatTemplate } from '../model/chat-template.ts';
+import type { Tokenizer } from '../model/tokenizer/types.ts';
+import type { RoutableEngine } from '../runtime/worker-group.ts';
+import { simPool, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerRecord } from './discovery.ts';
+import { checkWorkerId, EventPublisher, natsConnect, type NatsConnectOptions } from './events.ts';
+import { WorkerServer, type ClusterLog } from './worker-server.ts';
+
+export interface ClusterWorkerOptions {
+  workerId: string;
+  role: WorkerRole;
+  namespace: string;
+  clusterToken: string;
+  /** Where the request endpoint listens, and the address given to frontends (default host:port, or the host name). */
+  host: string;
+  port: number;
+  advertiseAddress?: string;
+  etcd?: EtcdConnectOptions;
+  nats?: NatsConnectOptions;
+  leaseTtlSeconds: number;
+  maxFrameBytes?: number;
+  /** The engine: cpu (a model file) or sim; the rest of the pool options as `conduit serve` takes them. */
+  pool: Omit<WorkerPoolOptions, 'workers'>;
+  log: ClusterLog;
+}
+
+export interface RunningWorker {
+  server: WorkerServer;
+  address: string;
+  record: WorkerRecord;
+  /** Deregisters, drains for up to graceMs, closes everything. */
+  shutdown(graceMs: number): Promise<void>;
+}
+
+/** Unique enough across hosts and restarts: host name, process id, a random suffix. */
+export function defaultWorkerId(): string {
+  const host = hostname().replace(/[^A-Za-z0-9_-]/g, '-').slice(0, 40);
+  return `${host}-${process.pid}-${Math.floor(Math.random() * 0xffff).toString(16)}`;
+}
+
+async function startEngine(options: ClusterWorkerOptions): Promise<{ engine: RoutableEngine; tokenizer: Tokenizer; chatTemplate: ChatTemplate }> {
+  const pool = options.pool;
+  if (pool.engine === 'sim') {
+    const sim = simPool(pool);
+    return { engine: sim.make({ enableKvEvents: true, role: options.role }), tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate };
+  }
+  if (!pool.modelPath) throw new Error('cpu workers need a model path');
+  const bundle = await createLocalEngine({ ...pool, modelPath: pool.modelPath, enableKvEvents: true, role: options.role });
+  for (const notice of bundle.engine.notices) options.log('warn', notice);
+  return { engine: bundle.engine, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate };
+}
+
+export async function startClusterWorker(options: ClusterWorkerOptions): Promise<RunningWorker> {
+  const workerId = checkWorkerId(options.workerId);
+  const { log } = options;
+  const { engine, tokenizer, chatTemplate } = await startEngine(options);
+  const server = new WorkerServer({
+    workerId, engine, role: options.role, clusterToken: options.clusterToken, tokenizer, chatTemplate, log,
+    ...(options.maxFrameBytes !== undefined ? { maxFrameBytes: options.maxFrameBytes } : {}),
+  });
+  let port: number;
+  try {
+    port = await server.listen(options.port, options.host);
+  } catch (error) {
+    await engine.close();
+    throw error;
+  }
+  const host = options.host === '0.0.0.0' || options.host === '::' ? hostname() : options.host;
+  const address = options.advertiseAddress ?? `${host.includes(':') ? `[${host}]` : host}:${port}`;
+  const record: WorkerRecord = {
+    id: workerId, role: options.role, model: engine.info.modelName, address, blockSize: engine.info.blockSize,
+    capacityTokens: engine.info.kvCapacityTokens, maxModelLen: engine.info.maxModelLen, engine: options.pool.engine,
+    pid: process.pid, startedAt: new Date().toISOString(),
+  };
+  let publisher: EventPublisher | undefined;
+  if (options.nats) {
+    const nc = await natsConnect({ ...options.nats, name: `conduit-worker-${workerId}` });
+    publisher = new EventPublisher(nc, options.namespace, workerId, {
+      stats: () => engine.stats(),
+      snapshot: () => ({ lastEventId: server.kv.lastEventId, hashes: [...server.kv.hashes] }),
+      onKvEvents: (listener) => server.onKvEvents(listener),
+    }, log);
+  }
+  const etcd = options.etcd ? etcdClient(options.etcd) : undefined;
+  const registration = etcd ? new WorkerRegistration(etcd, options.namespace, record, options.leaseTtlSeconds, log) : undefined;
+  await registration?.start();
+  log('info', `worker ${workerId} serving ${record.model} on ${address}${registration ? ` (registered as ${registration.key})` : ''}`);
+  let shuttingDown: Promise<void> | undefined;
+  return {
+    server, address, record,
+    shutdown(graceMs: number): Promise<void> {
+      shuttingDown ??= (async () => {
+        await registration?.deregister();
+        log('info', `worker ${workerId}: deregistered; draining ${server.inFlight} request(s) (grace ${graceMs / 1000} s)`);
+        await server.drain(graceMs);
+        await publisher?.close();
+        await server.close();
+        await engine.close();
+        etcd?.close();
+        log('info', `worker ${workerId}: stopped`);
+      })();
+      return shuttingDown;
+    },
+  };
+}

@@ -1,0 +1,291 @@
+// The distributed runtime end to end: real etcd and nats-server on free loopback ports, CPU workers (a tiny synthetic
+// model with the Llama 2 vocabulary) as `conduit worker` processes, two `conduit frontend` processes. Greedy output
+// equals the single-process server's; kill -9 of a worker mid-stream migrates the stream (limit 2) or ends it with
+// worker_lost (limit 0); a late worker joins and takes traffic; the second frontend routes to where the first one's
+// request left its KV blocks (events fan out); SIGTERM drains a worker; etcd, NATS and a frontend restart without the
+// workers restarting. Every process is killed in the after hook.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { createLogger } from '../../src/api/log.ts';
+import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
+import {
+  freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort,
+  type Etcd, type Nats, type Proc,
+} from '../helpers/cluster-services.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+
+const skip = servicesMissing();
+const TOKEN = 'cluster-test-token';
+
+interface Frontend { proc: Proc; url: string; port: number }
+
+/** Reads an SSE completion stream; `onChunk` sees the text so far after each event. */
+async function stream(url: string, body: object, onChunk?: (text: string, events: number) => Promise<void> | void):
+  Promise<{ text: string; finish: string | null; error?: { code?: string; message?: string }; id: string }> {
+  const res = await fetch(`${url}/v1/completions`, {
+    method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body, stream: true }),
+  });
+  assert.equal(res.status, 200, await (res.status === 200 ? '' : res.clone().text()));
+  const reader = res.body!.getReader();
+  let buffer = '';
+  let text = '';
+  let finish: string | null = null;
+  let error: { code?: string; message?: string } | undefined;
+  let events = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    buffer += Buffer.from(value).toString('utf8');
+    let cut;
+    while ((cut = buffer.indexOf('\n\n')) >= 0) {
+      const event = buffer.slice(0, cut).split('\n').filter((line) => line.startsWith('data: ')).map((line) => line.slice(6)).join('\n');
+      buffer = buffer.slice(cut + 2);
+      if (event === '[DONE]') continue;
+      const json = JSON.parse(event);
+      if (json.error) { error = json.error; continue; }
+      text += json.choices?.[0]?.text ?? '';
+      finish = json.choices?.[0]?.finish_reason ?? finish;
+      events++;
+      await onChunk?.(text, events);
+    }
+  }
+  return { text, finish, ...(error ? { error } : {}), id: res.headers.get('x-request-id') ?? '' };
+}
+
+async function complete(url: string, body: object, headers: Record<string, string> = {}): Promise<{ text: string; id: string; finish: string }> {
+  const res = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body: JSON.stringify(body) });
+  const json = await res.json() as { id: string; choices: { text: string; finish_reason: string }[]; error?: unknown };
+  assert.equal(res.status, 200, JSON.stringify(json));
+  return { text: json.choices[0]!.text, id: json.id, finish: json.choices[0]!.finish_reason };
+}
+
+async function health(url: string): Promise<{ ready: boolean; workers?: { id: string; state: string; running?: number }[] }> {
+  try {
+    return await (await fetch(`${url}/health`)).json() as never;
+  } catch {
+    return { ready: false };
+  }
+}
+
+async function until(what: string, condition: () => Promise<boolean> | boolean, maxMs = 20_000): Promise<void> {
+  const deadline = Date.now() + maxMs;
+  while (!(await condition())) {
+    if (Date.now() > deadline) assert.fail(`timed out after ${maxMs} ms waiting until ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+/** The worker a request ran on (last), and the overlap the router saw, from the frontend's trace. */
+async function placement(url: string, id: string): Promise<{ workerId: string; overlapBlocks: number; text: string }> {
+  let body = '';
+  await until(`the trace of ${id}`, async () => {
+    const res = await fetch(`${url}/v1/requests/${id}/trace`);
+    body = await res.text();
+    return res.status === 200;
+  });
+  const json = JSON.parse(body) as { worker: string; phases: { phase: string; attributes?: { overlap_tokens?: number } }[] };
+  const lookup = json.phases.find((p) => p.phase === 'router_lookup');
+  assert.ok(json.worker && lookup, `trace of ${id} names the worker and the routing: ${body.slice(0, 400)}`);
+  // The test model's blocks hold 16 tokens.
+  return { workerId: json.worker, overlapBlocks: Math.floor((lookup.attributes?.overlap_tokens ?? 0) / 16), text: body };
+}
+
+/** The one worker running a request now, by the frontend's view (a stale count clears with the next heartbeat). */
+async function runningWorker(url: string): Promise<string> {
+  let running: string[] = [];
+  await until('exactly one worker runs a request', async () => {
+    running = ((await health(url)).workers ?? []).filter((w) => (w.running ?? 0) > 0).map((w) => w.id);
+    return running.length === 1;
+  }, 3000);
+  return running[0]!;
+}
+
+let nextPrompt = 0;
+/** A prompt no earlier request shared (so its blocks are cached nowhere yet). */
+function freshPrompt(words = 60): string {
+  const n = nextPrompt++;
+  return Array.from({ length: words }, (_, i) => `w${(n * 131 + i * 17) % 997}`).join(' ');
+}
+
+describe('distributed runtime', { skip }, () => {
+  let dir: string;
+  let modelPath: string;
+  let etcd: Etcd;
+  let nats: Nats;
+  const workers = new Map<string, Proc>();
+  let a: Frontend;
+  let b: Frontend;
+  let reference: RunningServer;
+  let env: NodeJS.ProcessEnv;
+
+  const startWorker = (id: string): Proc => {
+    const proc = startConduit(['worker', '--model', modelPath, '--worker-id', id, '--threads', '1', '--kv-cache-memory', '16MiB',
+      '--lease-ttl', '3', '--shutdown-grace', '20'], env);
+    workers.set(id, proc);
+    return proc;
+  };
+  const startFrontend = async (migrationLimit: number, port?: number): Promise<Frontend> => {
+    const p = port ?? await freePort();
+    const proc = startConduit(['frontend', '--port', String(p), '--migration-limit', String(migrationLimit), '--no-request-log'], env);
+    await waitForPort(p);
+    return { proc, url: `http://127.0.0.1:${p}`, port: p };
+  };
+  const readyWorkers = async (frontend: Frontend): Promise<string[]> =>
+    ((await health(frontend.url)).workers ?? []).filter((w) => w.state === 'ready').map((w) => w.id).sort();
+  const dump = (): string => [...workers].map(([id, p]) => `--- ${id}\n${p.output()}`).join('\n')
+    + `\n--- frontend a\n${a?.proc.output()}\n--- frontend b\n${b?.proc.output()}`;
+
+  before(async () => {
+    dir = tempDir('cluster');
+    ({ modelPath } = writeWorkerLossFixture('cluster'));
+    [etcd, nats] = await Promise.all([startEtcd(dir), startNats()]);
+    env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: TOKEN, CONDUIT_LOG_LEVEL: 'info' };
+    startWorker('w1');
+    startWorker('w2');
+    [a, b] = await Promise.all([startFrontend(2), startFrontend(0)]);
+    const config = parseServeConfig(['--model', modelPath, '--port', '0', '--threads', '1', '--kv-cache-memory', '16MiB', '--no-request-log'], {});
+    reference = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+    try {
+      await until('both frontends see both workers', async () =>
+        (await readyWorkers(a)).join() === 'w1,w2' && (await readyWorkers(b)).join() === 'w1,w2', 30_000);
+    } catch (error) {
+      console.error(dump());
+      throw error;
+    }
+  });
+
+  after(async () => {
+    await reference?.api.shutdown(0);
+    await stopAll();
+    removeDir(dir);
+  });
+
+  const greedy = (prompt: string, maxTokens = 40) => ({ prompt, max_tokens: maxTokens, temperature: 0, repetition_penalty: 1.3, ignore_eos: true });
+
+  test('greedy output through the frontend equals the single-process server\'s; the trace shows the worker and its phases', async () => {
+    for (const prompt of [freshPrompt(), freshPrompt(10)]) {
+      const expected = await complete(reference.url, greedy(prompt));
+      const traceId = '4bf92f3577b34da6a3ce929d0e0e4736';
+      const viaCluster = await complete(a.url, greedy(prompt), { traceparent: `00-${traceId}-00f067aa0ba902b7-01` });
+      assert.equal(viaCluster.text, expected.text);
+      const streamed = await stream(b.url, greedy(prompt));
+      assert.equal(streamed.text, expected.text);
+      const { workerId, text } = await placement(a.url, viaCluster.id);
+      assert.match(workerId, /^w[12]$/);
+      // The traceparent went to the worker process and came back with its outputs: same trace.
+      const trace = JSON.parse(text) as { engine_traceparent: string | null };
+      assert.equal(trace.engine_traceparent?.split('-')[1], traceId);
+      for (const phase of ['router_lookup', 'prefill_execution', 'decode_execution']) assert.ok(text.includes(phase), `trace has ${phase}`);
+    }
+  });
+
+  test('a second frontend routes to the worker holding the prefix the first one\'s request left (KV events fan out)', async () => {
+    for (let i = 0; i < 2; i++) {
+      const prompt = freshPrompt(120);
+      const first = await complete(a.url, greedy(prompt, 4));
+      const holder = (await placement(a.url, first.id)).workerId;
+      // The stored events reach the other frontend over NATS within a moment.
+      await new Promise((resolve) => setTimeout(resolve, 300));
+      const second = await complete(b.url, greedy(`${prompt} more`, 4));
+      const seen = await placement(b.url, second.id);
+      assert.equal(seen.workerId, holder);
+      assert.ok(seen.overlapBlocks >= 3, `frontend b saw ${seen.overlapBlocks} cached blocks on ${holder}`);
+    }
+  });
+
+  test('kill -9 of a worker mid-stream: migration limit 2 continues with the same greedy text, limit 0 ends with worker_lost', async () => {
+    const prompt = freshPrompt();
+    const expected = await complete(reference.url, greedy(prompt, 120));
+    let killed = '';
+    const migrated = await stream(a.url, greedy(prompt, 120), async (_text, events) => {
+      if (events !== 10) return;
+      killed = await runningWorker(a.url);
+      workers.get(killed)!.kill('SIGKILL');
+    });
+    assert.equal(migrated.error, undefined, `no error: ${JSON.stringify(migrated.error)}`);
+    assert.equal(migrated.text, expected.text);
+    assert.equal(migrated.finish, 'length');
+    const moved = JSON.parse((await placement(a.url, migrated.id)).text) as { migrations: { from_worker: string }[] };
+    assert.deepEqual(moved.migrations.map((m) => m.from_worker), [killed], 'the stream moved off the killed worker');
+    await until('the killed worker left both frontends', async () =>
+      !(await readyWorkers(a)).includes(killed) && !(await readyWorkers(b)).includes(killed), 10_000);
+    // Back to two workers: the replacement is a new process (a late worker joining).
+    const replacement = `${killed}x`;
+    startWorker(replacement);
+    await until('the replacement joined both frontends', async () =>
+      (await readyWorkers(a)).includes(replacement) && (await readyWorkers(b)).includes(replacement), 30_000);
+
+    let victim = '';
+    const failed = await stream(b.url, greedy(freshPrompt(), 120), async (_text, events) => {
+      if (events !== 10) return;
+      victim = await runningWorker(b.url);
+      workers.get(victim)!.kill('SIGKILL');
+    });
+    assert.equal(failed.error?.code, 'worker_lost', JSON.stringify(failed));
+    const survivor = (await readyWorkers(b)).find((id) => id !== victim);
+    assert.ok(survivor);
+    await until('the victim left frontend b', async () => !(await readyWorkers(b)).includes(victim), 10_000);
+    startWorker(`${victim}x`);
+    await until('two workers again', async () => (await readyWorkers(a)).length === 2 && (await readyWorkers(b)).length === 2, 30_000);
+  });
+
+  test('a late worker joins and takes traffic', async () => {
+    startWorker('late');
+    await until('the late worker joined', async () => (await readyWorkers(a)).includes('late'), 30_000);
+    const results = await Promise.all(Array.from({ length: 6 }, () => complete(a.url, greedy(freshPrompt(), 30))));
+    const placed = await Promise.all(results.map((r) => placement(a.url, r.id)));
+    assert.ok(placed.some((p) => p.workerId === 'late'), `placements: ${placed.map((p) => p.workerId).join()}`);
+  });
+
+  test('SIGTERM drains a worker: it leaves discovery first, finishes its stream, then exits 0', async () => {
+    let drained = '';
+    const prompt = freshPrompt();
+    const expected = await complete(reference.url, greedy(prompt, 700));
+    const result = await stream(a.url, greedy(prompt, 700), async (_text, events) => {
+      if (events !== 5) return;
+      drained = await runningWorker(a.url);
+      workers.get(drained)!.kill('SIGTERM');
+      await until('the draining worker takes no new requests', async () => !(await readyWorkers(a)).includes(drained), 5000);
+      const meanwhile = await complete(a.url, greedy(freshPrompt(), 3));
+      assert.notEqual((await placement(a.url, meanwhile.id)).workerId, drained);
+    });
+    assert.equal(result.error, undefined);
+    assert.equal(result.text, expected.text);
+    assert.equal(await workers.get(drained)!.exited, 0);
+    assert.match(workers.get(drained)!.output(), /deregistered; draining 1 request/);
+  });
+
+  test('etcd, NATS and a frontend restart without the workers restarting', async () => {
+    const before = (await readyWorkers(a)).join();
+    const pids = [...workers.values()].filter((p) => p.child.exitCode === null && p.child.signalCode === null).map((p) => p.child.pid);
+    await etcd.restart();
+    await complete(a.url, greedy(freshPrompt(), 5));
+    await until('the frontends see the same workers after the etcd restart', async () => (await readyWorkers(a)).join() === before
+      && (await readyWorkers(b)).join() === before, 20_000);
+    await nats.restart();
+    // After NATS is back, KV awareness is back: frontend b routes to the prefix frontend a left.
+    await until('KV events flow again', async () => {
+      const prompt = freshPrompt(120);
+      const first = await complete(a.url, greedy(prompt, 2));
+      const holder = (await placement(a.url, first.id)).workerId;
+      await new Promise((resolve) => setTimeout(resolve, 300));
+      const second = await complete(b.url, greedy(prompt, 2));
+      const seen = await placement(b.url, second.id);
+      return seen.workerId === holder && seen.overlapBlocks > 0;
+    }, 20_000);
+    // A frontend restarted finds the workers and their cached prefixes (snapshot resync).
+    const prompt = freshPrompt(120);
+    const first = await complete(a.url, greedy(prompt, 2));
+    const holder = (await placement(a.url, first.id)).workerId;
+    b.proc.kill('SIGKILL');
+    await b.proc.exited;
+    b = await startFrontend(0, b.port);
+    await until('the restarted frontend sees the workers', async () => (await readyWorkers(b)).join() === before, 20_000);
+    const second = await complete(b.url, greedy(prompt, 2));
+    const seen = await placement(b.url, second.id);
+    assert.equal(seen.workerId, holder);
+    assert.ok(seen.overlapBlocks > 0);
+    const pidsAfter = [...workers.values()].filter((p) => p.child.exitCode === null && p.child.signalCode === null).map((p) => p.child.pid);
+    assert.deepEqual(pidsAfter, pids, 'no worker restarted');
+  });
+});

@@ -1,0 +1,52 @@
+// Frames of the request plane: cut correctly whatever the chunking, limits checked on the length before buffering,
+// and the wire request round trip (logitBias as pairs) with its validation.
+import { describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, FRAME_JSON, parseJsonMessage } from '../../src/cluster/frames.ts';
+import { parseWireRequest, toWireRequest, tokenMatches } from '../../src/cluster/request-plane.ts';
+import { DEFAULT_SAMPLING, type EngineRequest } from '../../src/engine/types.ts';
+
+describe('request-plane frames', () => {
+  test('frames come out whole and in order however the bytes are chunked', () => {
+    const bytes = Buffer.concat([encodeJsonFrame({ t: 'a', n: 1 }), encodeBlobFrame(Buffer.from([1, 2, 3])), encodeJsonFrame({ t: 'b', s: 'é' })]);
+    for (const size of [1, 2, 5, 7, bytes.length]) {
+      const reader = new FrameReader();
+      const out = [];
+      for (let i = 0; i < bytes.length; i += size) out.push(...reader.push(bytes.subarray(i, i + size)));
+      assert.deepEqual(out.map((f) => f.kind), [FRAME_JSON, FRAME_BLOB, FRAME_JSON]);
+      assert.deepEqual(parseJsonMessage(out[2]!.payload), { t: 'b', s: 'é' });
+      assert.deepEqual([...out[1]!.payload], [1, 2, 3]);
+    }
+  });
+
+  test('an over-long length, an empty frame and an unknown kind are refused before buffering', () => {
+    const reader = new FrameReader(100);
+    const header = Buffer.alloc(4);
+    header.writeUInt32BE(101, 0);
+    assert.throws(() => reader.push(header), (e: Error) => e instanceof FrameError && /over the limit of 100/.test(e.message));
+    assert.throws(() => new FrameReader().push(Buffer.alloc(4)), /empty frame/);
+    assert.throws(() => new FrameReader().push(Buffer.from([0, 0, 0, 1, 9])), /unknown frame kind 9/);
+    assert.throws(() => parseJsonMessage(Buffer.from('[1,2]')), /not a message/);
+  });
+
+  test('a request survives the wire (logit bias as pairs) and a bad one names its field', () => {
+    const request: EngineRequest = {
+      id: 'r1', promptTokenIds: [1, 2, 3], priority: 0, arrivalMs: 5, traceparent: '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01',
+      sampling: { ...DEFAULT_SAMPLING, logitBias: new Map([[7, -1.5]]), seed: 3, stop: ['x'] },
+    };
+    const back = parseWireRequest(JSON.parse(JSON.stringify(toWireRequest(request))));
+    assert.deepEqual(back, request);
+    const bad = JSON.parse(JSON.stringify(toWireRequest(request)));
+    bad.promptTokenIds = [1, -2];
+    assert.throws(() => parseWireRequest(bad), /promptTokenIds/);
+    bad.promptTokenIds = [1];
+    bad.sampling.temperature = 'hot';
+    assert.throws(() => parseWireRequest(bad), /sampling.temperature/);
+  });
+
+  test('the token check is exact', () => {
+    assert.equal(tokenMatches('secret', 'secret'), true);
+    assert.equal(tokenMatches('secret', 'secreT'), false);
+    assert.equal(tokenMatches('secret', undefined), false);
+  });
+});

@@ -1,0 +1,110 @@
+// `conduit serve --workers 2 --worker-processes`: CPU workers as child processes over the request plane. A native
+// crash (SIGSEGV) of the child running a stream is survived: the stream migrates and ends with the same greedy
+// text, the child is replaced by a new process, and the server keeps serving. Closing the server ends the children.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { rmSync } from 'node:fs';
+import { createLogger } from '../../src/api/log.ts';
+import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+
+interface WorkerView { id: string; pid: number; state: string; running: number }
+
+describe('serve --worker-processes', () => {
+  let dir: string;
+  let server: RunningServer;
+  const pids = new Set<number>();
+
+  before(async () => {
+    const fixture = writeWorkerLossFixture('process-pool');
+    dir = fixture.dir;
+    const config = parseServeConfig(['--model', fixture.modelPath, '--port', '0', '--workers', '2', '--worker-processes', '--threads', '1',
+      '--kv-cache-memory', '16MiB', '--migration-limit', '2', '--worker-restart-delay', '50', '--no-request-log'], {});
+    assert.notEqual(config, 'help');
+    server = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+  });
+
+  after(async () => {
+    await server?.api.shutdown(0);
+    // Whatever the test did, no child outlives it.
+    for (const pid of pids) {
+      try { process.kill(pid, 'SIGKILL'); } catch { /* already gone */ }
+    }
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  const health = async (): Promise<{ ready: boolean; workers: WorkerView[] }> => (await fetch(`${server.url}/health`)).json() as never;
+  const body = (maxTokens: number) => ({ prompt: 'Once upon a time in a distributed system', max_tokens: maxTokens, temperature: 0, repetition_penalty: 1.3, ignore_eos: true });
+
+  test('a SIGSEGV in the child running a stream: the stream migrates with the same text, the child is replaced', async () => {
+    const first = await health();
+    assert.equal(first.workers.length, 2);
+    for (const w of first.workers) {
+      assert.ok(w.pid > 0 && w.pid !== process.pid, 'each worker is a process of its own');
+      pids.add(w.pid);
+    }
+    const expected = await (await fetch(`${server.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body(100)),
+    })).json() as { choices: { text: string }[] };
+
+    const res = await fetch(`${server.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body(100), stream: true }),
+    });
+    const reader = res.body!.getReader();
+    let buffer = '';
+    let text = '';
+    let events = 0;
+    let crashed: WorkerView | undefined;
+    let error: unknown;
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      buffer += Buffer.from(value).toString('utf8');
+      let cut;
+      while ((cut = buffer.indexOf('\n\n')) >= 0) {
+        const data = buffer.slice(0, cut).split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6)).join('');
+        buffer = buffer.slice(cut + 2);
+        if (data === '[DONE]' || data === '') continue;
+        const json = JSON.parse(data);
+        if (json.error) error = json.error;
+        text += json.choices?.[0]?.text ?? '';
+        if (++events === 10) {
+          // Exactly one worker runs it (a count left from an earlier request clears with the next heartbeat).
+          for (let i = 0; i < 60; i++) {
+            const running = (await health()).workers.filter((w) => w.running > 0);
+            if (running.length === 1) { crashed = running[0]; break; }
+            await new Promise((resolve) => setTimeout(resolve, 50));
+          }
+          assert.ok(crashed, 'a worker runs the stream');
+          process.kill(crashed.pid, 'SIGSEGV');
+        }
+      }
+    }
+    assert.equal(error, undefined);
+    assert.equal(text, expected.choices[0]!.text);
+    let replaced: WorkerView | undefined;
+    for (let i = 0; i < 300 && !replaced; i++) {
+      replaced = (await health()).workers.find((w) => w.id === `${crashed!.id}-r1` && w.state === 'ready');
+      if (!replaced) await new Promise((resolve) => setTimeout(resolve, 100));
+    }
+    assert.ok(replaced, `${crashed!.id} was replaced by a new process`);
+    pids.add(replaced.pid);
+    assert.notEqual(replaced.pid, crashed!.pid);
+    const after = await (await fetch(`${server.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body(20)),
+    })).json() as { choices: { text: string }[] };
+    assert.equal(after.choices[0]!.text, expected.choices[0]!.text.slice(0, after.choices[0]!.text.length));
+  });
+
+  test('closing the server ends the worker processes', async () => {
+    const { workers } = await health();
+    await server.api.shutdown(0);
+    for (const { pid } of workers) {
+      let alive = true;
+      for (let i = 0; i < 100 && alive; i++) {
+        try { process.kill(pid, 0); await new Promise((resolve) => setTimeout(resolve, 50)); } catch { alive = false; }
+      }
+      assert.equal(alive, false, `worker process ${pid} exited`);
+    }
+  });
+});

@@ -1,0 +1,181 @@
+// The request plane over real TCP on 127.0.0.1: a CPU worker (a worker thread running a tiny synthetic model) served
+// by WorkerServer, reached through RemoteEngine. Greedy output equals the engine's own, abort travels to the worker
+// and frees its blocks, a dropped connection fails the request as worker_lost at once and stops it on the worker,
+// and a wrong token, garbage, an oversized frame or a bad request are refused with a logged reason while the worker
+// keeps serving others. The model card carries the tokenizer and chat template to the frontend.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import net from 'node:net';
+import { rmSync } from 'node:fs';
+import { engineNow } from '../../src/engine/clock.ts';
+import { createLocalEngine, type LocalEngine } from '../../src/engine/local-engine.ts';
+import { DEFAULT_SAMPLING, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { tokenizerFromWorkerSource } from '../../src/model/tokenizer/worker-source.ts';
+import type { TokenizerWorkerSource } from '../../src/model/tokenizer/types.ts';
+import { encodeJsonFrame, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
+import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
+import { WorkerServer } from '../../src/cluster/worker-server.ts';
+import { collect, text, tokens } from '../helpers/outputs.ts';
+import { waitUntil } from '../helpers/wait-until.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+
+const TOKEN = 'test-cluster-token';
+let nextId = 0;
+function request(sampling: Partial<SamplingParams> = {}, promptLength = 24, group = 0): EngineRequest {
+  return {
+    id: `rp${nextId++}`, promptTokenIds: Array.from({ length: promptLength }, (_, i) => 200 + ((group * 7919 + i * 37) % 3000)), priority: 0,
+    arrivalMs: engineNow(), traceparent: '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01',
+    sampling: { ...DEFAULT_SAMPLING, maxTokens: 40, ignoreEos: true, temperature: 0, repetitionPenalty: 1.3, ...sampling },
+  };
+}
+
+/** Sends raw bytes to the worker and resolves with what it answered before closing. */
+function rawExchange(port: number, bytes: Buffer): Promise<{ messages: Record<string, unknown>[]; closed: boolean }> {
+  return new Promise((resolve) => {
+    const socket = net.connect({ host: '127.0.0.1', port });
+    const reader = new FrameReader();
+    const messages: Record<string, unknown>[] = [];
+    socket.on('data', (chunk) => { for (const f of reader.push(chunk)) messages.push(parseJsonMessage(f.payload)); });
+    socket.on('error', () => {});
+    socket.on('close', () => resolve({ messages, closed: true }));
+    socket.on('connect', () => socket.write(bytes));
+  });
+}
+
+describe('request plane', () => {
+  let dir: string;
+  let bundle: Awaited<ReturnType<typeof createLocalEngine>>;
+  let server: WorkerServer;
+  let port: number;
+  const logs: string[] = [];
+  const remotes: RemoteEngine[] = [];
+
+  before(async () => {
+    const fixture = writeWorkerLossFixture('request-plane');
+    dir = fixture.dir;
+    bundle = await createLocalEngine({ modelPath: fixture.modelPath, threads: 1, enableKvEvents: true, kvCacheMemoryBytes: 8 * 1024 * 1024 });
+    server = new WorkerServer({
+      workerId: 'w-test', engine: bundle.engine, clusterToken: TOKEN, maxFrameBytes: 1024 * 1024,
+      tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate, log: (level, message) => logs.push(`${level} ${message}`),
+    });
+    port = await server.listen(0, '127.0.0.1');
+  });
+
+  after(async () => {
+    for (const remote of remotes) await remote.close();
+    await server?.close();
+    await bundle?.engine.close();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  const connect = async (events = false): Promise<RemoteEngine> => {
+    const remote = await RemoteEngine.connect(`127.0.0.1:${port}`, { clusterToken: TOKEN, events });
+    remotes.push(remote);
+    return remote;
+  };
+
+  test('greedy output over the connection equals the engine\'s own, traceparent and timestamps carried', async () => {
+    const remote = await connect();
+    assert.equal(remote.workerId, 'w-test');
+    assert.equal(remote.info.blockSize, bundle.engine.info.blockSize);
+    const local = await collect(bundle.engine.generate(request()));
+    const req = request({ logitBias: new Map([[300, -2]]) });
+    const direct = await collect(bundle.engine.generate({ ...request({ logitBias: new Map([[300, -2]]) }) }));
+    const viaWire = await collect(remote.generate(req));
+    assert.deepEqual(tokens(viaWire), tokens(direct));
+    assert.equal(text(viaWire), text(direct));
+    assert.equal(tokens(local).length, 40);
+    const last = viaWire.at(-1)!;
+    assert.equal(last.finishReason, 'length');
+    assert.equal(last.traceparent, req.traceparent);
+    assert.ok(last.timestamps.firstToken! >= last.timestamps.arrival && last.timestamps.prefillChunks.length > 0);
+    assert.equal(remote.stats().numRunning, 0);
+  });
+
+  test('abort from the frontend stops the request on the worker and frees its blocks', async () => {
+    const remote = await connect();
+    const req = request({ maxTokens: 400 });
+    const outputs = [];
+    for await (const output of remote.generate(req)) {
+      outputs.push(output);
+      if (outputs.length === 3) remote.abort(req.id);
+    }
+    assert.equal(outputs.at(-1)!.finishReason, 'abort');
+    assert.ok(outputs.length < 50);
+    const stats = await (bundle.engine as LocalEngine).sync();
+    assert.equal(stats.kvBlocksUsed, 0);
+    assert.equal(server.inFlight, 0);
+  });
+
+  test('a dropped connection fails the stream as worker_lost at once and stops the request on the worker', async () => {
+    const remote = await connect();
+    let lost: Error | undefined;
+    remote.onLost((error) => { lost = error; });
+    const req = request({ maxTokens: 800 });
+    const seen: number[] = [];
+    await assert.rejects(async () => {
+      for await (const output of remote.generate(req)) {
+        seen.push(...output.newTokenIds);
+        // The worker end goes away, as when its process dies: the kernel closes the socket.
+        if (seen.length === 3) (remote as unknown as { socket: net.Socket }).socket.destroy();
+      }
+    }, (error: Error) => error.name === 'WorkerLostError');
+    assert.equal(lost?.name, 'WorkerLostError');
+    await waitUntil(() => server.inFlight === 0, 'the worker stopped the orphaned request');
+    const stats = await (bundle.engine as LocalEngine).sync();
+    assert.equal(stats.kvBlocksUsed, 0);
+  });
+
+  test('a wrong token, garbage, an oversized frame and a bad request are refused, logged, and the worker serves on', async () => {
+    const refusalsBefore = server.refusals;
+    const wrong = await rawExchange(port, encodeJsonFrame({ t: 'hello', v: 1, token: 'nope' }));
+    assert.equal(wrong.messages[0]?.t, 'refused');
+    assert.match(String(wrong.messages[0]?.reason), /wrong cluster token/);
+    await assert.rejects(RemoteEngine.connect(`127.0.0.1:${port}`, { clusterToken: 'nope' }), /refused the connection: wrong cluster token/);
+    const garbage = await rawExchange(port, Buffer.from('\x00\x00\x00\x05\x00{{{{GET / HTTP/1.1\r\n\r\n'));
+    assert.equal(garbage.messages[0]?.t, 'refused');
+    assert.match(String(garbage.messages[0]?.reason), /not JSON/);
+    const oversized = Buffer.alloc(8);
+    oversized.writeUInt32BE(0x7fffffff, 0);
+    const big = await rawExchange(port, oversized);
+    assert.match(String(big.messages[0]?.reason), /over the limit/);
+    // Authenticated, then a frame past the post-hello limit (1 MiB here) and, on another connection, a bad request.
+    const hello = encodeJsonFrame({ t: 'hello', v: 1, token: TOKEN });
+    const huge = Buffer.alloc(8);
+    huge.writeUInt32BE(2 * 1024 * 1024, 0);
+    const afterHello = await rawExchange(port, Buffer.concat([hello, huge]));
+    assert.equal(afterHello.messages[0]?.t, 'welcome');
+    assert.match(String(afterHello.messages.at(-1)?.reason), /over the limit of 1048576/);
+    const badRequest = await rawExchange(port, Buffer.concat([hello, encodeJsonFrame({ t: 'gen', request: { id: 'x' } }),
+      encodeJsonFrame({ t: 'nonsense' })]));
+    const err = badRequest.messages.find((m) => m.t === 'err');
+    assert.equal(err?.code, 'invalid_request');
+    assert.match(String(badRequest.messages.at(-1)?.reason), /unknown message type/);
+    assert.ok(server.refusals >= refusalsBefore + 6);
+    assert.ok(logs.some((line) => /wrong cluster token/.test(line)) && logs.some((line) => /over the limit/.test(line)));
+    // Still serving.
+    const remote = await connect();
+    const outputs = await collect(remote.generate(request({ maxTokens: 5 })));
+    assert.equal(tokens(outputs).length, 5);
+  });
+
+  test('the model card rebuilds the worker\'s tokenizer and chat template', async () => {
+    const remote = await connect();
+    const card = await remote.modelCard();
+    assert.ok(card);
+    const tokenizer = tokenizerFromWorkerSource(card.tokenizer as TokenizerWorkerSource);
+    assert.deepEqual(tokenizer.encode('Hello there, distributed world'), bundle.tokenizer.encode('Hello there, distributed world'));
+    assert.equal(card.chatTemplate.isFallback, bundle.chatTemplate.isFallback);
+  });
+
+  test('KV events reach a connection that asked for them, and a snapshot matches them', async () => {
+    const remote = await connect(true);
+    const seen = new Set<string>();
+    remote.onKvEvents((events) => { for (const e of events) if (e.type === 'stored') for (const h of e.blockHashes) seen.add(h); });
+    await collect(remote.generate(request({ maxTokens: 4 }, 70, 5)));
+    await waitUntil(() => seen.size >= 4, 'stored events arrived');
+    const snapshot = await remote.snapshot();
+    for (const hash of seen) assert.ok(snapshot.hashes.includes(hash as never));
+    assert.equal(snapshot.lastEventId, server.kv.lastEventId);
+  });
+});

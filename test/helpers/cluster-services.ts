@@ -1,0 +1,167 @@
+// Real etcd (/usr/bin/etcd) and nats-server (/usr/sbin/nats-server) for the distributed runtime's tests, on free
+// loopback ports with their data in a temporary folder; and `conduit` child processes (workers, frontends). Every
+// process started here is killed by stopAll() (tests call it in an after hook) and on process exit. Waits are bounded.
+import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import net from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+export const ETCD_BIN = '/usr/bin/etcd';
+export const NATS_BIN = '/usr/sbin/nats-server';
+const CONDUIT = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
+
+/** Why the services cannot run here (the binaries are missing), or undefined. */
+export function servicesMissing(): string | undefined {
+  const missing = [ETCD_BIN, NATS_BIN].filter((bin) => !existsSync(bin));
+  return missing.length > 0 ? `needs ${missing.join(' and ')} (Debian etcd-server, nats-server)` : undefined;
+}
+
+const children = new Set<ChildProcess>();
+process.once('exit', () => { for (const child of children) child.kill('SIGKILL'); });
+
+export async function freePort(host = '127.0.0.1'): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, host, () => {
+      const { port } = server.address() as net.AddressInfo;
+      server.close(() => resolve(port));
+    });
+  });
+}
+
+export async function waitForPort(port: number, host = '127.0.0.1', maxMs = 15_000): Promise<void> {
+  const deadline = Date.now() + maxMs;
+  for (;;) {
+    const ok = await new Promise<boolean>((resolve) => {
+      const socket = net.connect({ host, port });
+      socket.once('connect', () => { socket.destroy(); resolve(true); });
+      socket.once('error', () => resolve(false));
+    });
+    if (ok) return;
+    if (Date.now() > deadline) throw new Error(`nothing listens on ${host}:${port} after ${maxMs} ms`);
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+export interface Proc {
+  child: ChildProcess;
+  /** Everything it wrote to stdout and stderr so far. */
+  output(): string;
+  /** Resolves with the exit code (or signal) once it exited. */
+  exited: Promise<number | string>;
+  kill(signal?: NodeJS.Signals): void;
+}
+
+export function startProcess(command: string, args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean } = {}): Proc {
+  const child = spawn(command, args, {
+    env: { ...process.env, ...env }, stdio: options.ipc ? ['ignore', 'pipe', 'pipe', 'ipc'] : ['ignore', 'pipe', 'pipe'],
+  });
+  children.add(child);
+  let text = '';
+  child.stdout!.on('data', (chunk) => { text += chunk; });
+  child.stderr!.on('data', (chunk) => { text += chunk; });
+  const exited = new Promise<number | string>((resolve) => child.once('exit', (code, signal) => {
+    children.delete(child);
+    resolve(code ?? signal ?? -1);
+  }));
+  return { child, output: () => text, exited, kill: (signal = 'SIGKILL') => { if (child.exitCode === null && child.signalCode === null) child.kill(signal); } };
+}
+
+export interface Etcd {
+  url: string;
+  proc: Proc;
+  stop(): Promise<void>;
+  /** Starts it again on the same ports and data (an etcd restart). */
+  restart(): Promise<void>;
+}
+
+/** Where a service runs: loopback by default, or an address inside a network namespace (`ip netns exec`). */
+export interface Placement {
+  host?: string;
+  netns?: string;
+}
+
+function placed(placement: Placement, command: string, args: string[]): [string, string[]] {
+  return placement.netns ? ['ip', ['netns', 'exec', placement.netns, command, ...args]] : [command, args];
+}
+
+export async function startEtcd(dir: string, placement: Placement = {}): Promise<Etcd> {
+  const host = placement.host ?? '127.0.0.1';
+  const clientPort = await freePort();
+  const peerPort = await freePort();
+  const url = `http://${host}:${clientPort}`;
+  const args = ['--data-dir', join(dir, 'etcd'), '--listen-client-urls', url, '--advertise-client-urls', url,
+    '--listen-peer-urls', `http://${host}:${peerPort}`, '--initial-advertise-peer-urls', `http://${host}:${peerPort}`,
+    '--initial-cluster', `default=http://${host}:${peerPort}`, '--log-level', 'error'];
+  const etcd: Etcd = {
+    url,
+    proc: startProcess(...placed(placement, ETCD_BIN, args)),
+    async stop() {
+      etcd.proc.kill('SIGKILL');
+      await etcd.proc.exited;
+    },
+    async restart() {
+      await etcd.stop();
+      etcd.proc = startProcess(...placed(placement, ETCD_BIN, args));
+      await waitForPort(clientPort);
+    },
+  };
+  // Inside another namespace the port cannot be reached from here: the clients retry until it answers.
+  if (!placement.netns) await waitForPort(clientPort);
+  return etcd;
+}
+
+export interface Nats {
+  url: string;
+  proc: Proc;
+  stop(): Promise<void>;
+  restart(): Promise<void>;
+}
+
+export async function startNats(placement: Placement = {}): Promise<Nats> {
+  const host = placement.host ?? '127.0.0.1';
+  const port = await freePort();
+  const args = ['-a', host, '-p', String(port)];
+  const nats: Nats = {
+    url: `nats://${host}:${port}`,
+    proc: startProcess(...placed(placement, NATS_BIN, args)),
+    async stop() {
+      nats.proc.kill('SIGKILL');
+      await nats.proc.exited;
+    },
+    async restart() {
+      await nats.stop();
+      nats.proc = startProcess(...placed(placement, NATS_BIN, args));
+      await waitForPort(port);
+    },
+  };
+  if (!placement.netns) await waitForPort(port);
+  return nats;
+}
+
+/** `conduit <args>` as a child process. */
+export function startConduit(args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean; netns?: string } = {}): Proc {
+  if (options.netns) return startProcess('ip', ['netns', 'exec', options.netns, process.execPath, CONDUIT, ...args], env);
+  return startProcess(process.execPath, [CONDUIT, ...args], env, options);
+}
+
+export function tempDir(name: string): string {
+  return mkdtempSync(join(tmpdir(), `conduit-${name}-`));
+}
+
+/** Kills every process started here and waits for them (bounded). */
+export async function stopAll(): Promise<void> {
+  const waits = [...children].map((child) => new Promise<void>((resolve) => {
+    if (child.exitCode !== null || child.signalCode !== null) return resolve();
+    child.once('exit', () => resolve());
+    child.kill('SIGKILL');
+  }));
+  await Promise.race([Promise.all(waits), new Promise((resolve) => setTimeout(resolve, 5000))]);
+}
+
+export function removeDir(dir: string | undefined): void {
+  if (dir) rmSync(dir, { recursive: true, force: true });
+}
