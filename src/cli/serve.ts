@@ -37,6 +37,7 @@ export const SERVE_FLAGS = {
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
+  'kv-offload-memory': { type: 'string', help: 'RAM tier under the KV cache (bytes or with a unit, split evenly between the workers): cached blocks about to be evicted are copied there and brought back instead of recomputed (default 0 = none)' },
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
@@ -87,6 +88,8 @@ export interface ServeConfig {
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
   kvCacheMemoryBytes?: number;
+  /** RAM tier under the KV cache, bytes for all workers together (--kv-offload-memory). */
+  kvOffloadMemoryBytes?: number;
   /** Idle seconds before a cpu worker resets its prefix cache and releases its KV pool's pages (0 = never). */
   kvCacheIdleReleaseSeconds: number;
   threads?: number;
@@ -316,6 +319,10 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
   if (maxNumBatchedTokens !== undefined) config.maxNumBatchedTokens = maxNumBatchedTokens;
   if (values['kv-cache-memory'] !== undefined) config.kvCacheMemoryBytes = parseByteSize(values['kv-cache-memory'], 'kv-cache-memory');
+  if (values['kv-offload-memory'] !== undefined) {
+    const bytes = parseByteSize(values['kv-offload-memory'], 'kv-offload-memory');
+    if (bytes > 0) config.kvOffloadMemoryBytes = bytes;
+  }
   const threads = positiveInteger(values.threads, 'threads');
   if (threads !== undefined) config.threads = threads;
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
@@ -383,6 +390,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
       ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
       kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
+      ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: config.kvOffloadMemoryBytes } : {}),
       ...(config.threads !== undefined ? { threads: config.threads } : {}),
       backend: config.backend,
     });

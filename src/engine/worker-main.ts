@@ -3,13 +3,14 @@
 // that new requests and aborts are taken in before the next step is planned.
 
 import { parentPort, workerData } from 'node:worker_threads';
-import { kvPoolBytes } from '../kernels/types.ts';
+import { kvPoolBytes, type KvPoolLayout } from '../kernels/types.ts';
 import { selectBackend } from '../kernels/select.ts';
 import { loadModel } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
-import { validateHandoff } from './handoff.ts';
+import { kvBlockBytes, validateHandoff } from './handoff.ts';
+import { KvTiers } from './kv-cache/tiers.ts';
 import { InvalidRequestError } from './errors.ts';
 import type { EngineInfo } from './types.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
@@ -35,9 +36,11 @@ async function start(): Promise<EngineCore> {
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
     { threads: init.threads, releaseUnpackedWeights: true });
   const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
+  const kvTiers = await openKvTiers(backend.kvLayout);
   const core = new EngineCore({
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
     policy: init.policy, enablePrefixCaching: init.enablePrefixCaching, enableKvEvents: init.enableKvEvents,
+    ...(kvTiers !== undefined ? { kvTiers } : {}),
     now: engineNow,
   });
   const info: EngineInfo = {
@@ -49,6 +52,17 @@ async function start(): Promise<EngineCore> {
   const pool = core.kvPoolView;
   send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? [])], kvPool: pool.pool, kvLayout: pool.layout });
   return core;
+}
+
+/**
+ * The lower KV tiers of this worker, when configured. The offload window is twice the blocks one step can allocate,
+ * so what the next step may evict has been copied down before it runs (tiers.ts).
+ */
+async function openKvTiers(layout: KvPoolLayout): Promise<KvTiers | undefined> {
+  const offload = init.kvOffload;
+  if (offload === undefined || (offload.memoryBytes <= 0 && offload.diskDir === undefined)) return undefined;
+  const windowBlocks = 2 * Math.ceil(init.maxNumBatchedTokens / init.blockSize);
+  return new KvTiers({ blockBytes: kvBlockBytes(layout), ramBytes: offload.memoryBytes, windowBlocks });
 }
 
 function run(core: EngineCore): void {
@@ -85,18 +99,42 @@ function run(core: EngineCore): void {
   };
   const idleTimer = idleReleaseMs > 0 ? setInterval(releaseIfIdle, Math.max(10, Math.min(idleReleaseMs / 4, 1000))) : undefined;
 
+  // Lower KV tiers: after each step (its outputs already sent) the next blocks the pool would evict are copied down,
+  // a bounded number per gap; once idle, everything cached goes down chunk by chunk (one chunk per turn of the event
+  // loop, so a new request never waits for more than one chunk).
+  const tiers = core.kv.tiers;
+  let offloadQueued = false;
+  const offloadIdle = () => {
+    offloadQueued = false;
+    if (closing || core.hasWork) return;
+    const copied = core.offloadKv(undefined, Infinity);
+    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    if (kvEvents && kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+    if (copied > 0) queueOffloadIdle();
+  };
+  const queueOffloadIdle = () => {
+    if (tiers === undefined || offloadQueued || closing) return;
+    offloadQueued = true;
+    setImmediate(offloadIdle);
+  };
+
   const step = () => {
     stepQueued = false;
     if (closing) return;
     touchedSinceReset = true;
     const outputs = core.step();
     lastBusyMs = engineNow();
-    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    let kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
       send({ type: 'outputs', outputs, stats: core.stats(), kvEvents });
     }
     sendHandoffState();
+    if (tiers !== undefined && core.offloadKv() > 0 && init.enableKvEvents) {
+      kvEvents = core.takeKvEvents();
+      if (kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+    }
     queueStep();
+    if (!core.hasWork) queueOffloadIdle();
   };
   const queueStep = () => {
     if (!stepQueued && core.hasWork && !closing) {

@@ -38,7 +38,9 @@ export interface SimWorkerSpec {
   calibration?: CalibrationName;
 }
 
-export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents'> {
+export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents' | 'kvOffload'> {
+  /** RAM tier under the cpu workers' KV pools, bytes for all of them together (split evenly). */
+  kvOffloadMemoryBytes?: number;
   engine: 'cpu' | 'sim';
   workers: number;
   /** The model file for cpu workers. */
@@ -142,10 +144,11 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   if (!modelPath) throw new Error('cpu workers need a model path');
   // The machine's cores are shared: each worker gets its share unless told otherwise.
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / options.workers));
-  const first = await createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents });
+  const kvOffload = workerKvOffload(options, options.workers);
+  const first = await createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents, ...kvOffload });
   const workers: RoutedWorker[] = [{ id: 'worker-0', engine: first.engine }];
   const start = (): Promise<RoutableEngine> => LocalEngine.start({
-    ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: withKvEvents,
+    ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: withKvEvents, ...kvOffload,
   });
   try {
     for (let i = 1; i < options.workers; i++) workers.push({ id: `worker-${i}`, engine: await start() });
@@ -154,6 +157,12 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
     throw error;
   }
   return { workers, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate, notices: first.engine.notices, start };
+}
+
+/** One cpu worker's lower KV tiers: its even share of the RAM tier. */
+function workerKvOffload(options: WorkerPoolOptions, numWorkers: number): Pick<LocalEngineOptions, 'kvOffload'> {
+  const memoryBytes = Math.floor((options.kvOffloadMemoryBytes ?? 0) / numWorkers);
+  return memoryBytes > 0 ? { kvOffload: { memoryBytes } } : {};
 }
 
 /**
@@ -255,7 +264,7 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const modelPath = options.modelPath;
   if (!modelPath) throw new Error('cpu workers need a model path');
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / (numPrefill + numDecode)));
-  const common = { ...options, modelPath, threads, enableKvEvents: true };
+  const common = { ...options, modelPath, threads, enableKvEvents: true, ...workerKvOffload(options, numPrefill + numDecode) };
   const first = await createLocalEngine({ ...common, role: 'decode' });
   const started: LocalEngine[] = [first.engine];
   const decode = [{ id: 'decode-0', engine: first.engine }];
