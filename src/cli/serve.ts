@@ -38,6 +38,8 @@ export const SERVE_FLAGS = {
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
   'kv-offload-memory': { type: 'string', help: 'RAM tier under the KV cache (bytes or with a unit, split evenly between the workers): cached blocks about to be evicted are copied there and brought back instead of recomputed (default 0 = none)' },
+  'kv-offload-disk': { type: 'string', help: 'folder of a persistent disk tier under the KV cache (locked against a second process; a subfolder per worker): blocks of the same model are found again after a restart' },
+  'kv-offload-disk-size': { type: 'string', help: 'size of the disk tier (bytes or with a unit, split evenly between the workers)', default: '4GiB' },
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
@@ -90,6 +92,9 @@ export interface ServeConfig {
   kvCacheMemoryBytes?: number;
   /** RAM tier under the KV cache, bytes for all workers together (--kv-offload-memory). */
   kvOffloadMemoryBytes?: number;
+  /** Disk tier folder and size for all workers together (--kv-offload-disk, --kv-offload-disk-size). */
+  kvOffloadDiskDir?: string;
+  kvOffloadDiskBytes?: number;
   /** Idle seconds before a cpu worker resets its prefix cache and releases its KV pool's pages (0 = never). */
   kvCacheIdleReleaseSeconds: number;
   threads?: number;
@@ -323,6 +328,11 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     const bytes = parseByteSize(values['kv-offload-memory'], 'kv-offload-memory');
     if (bytes > 0) config.kvOffloadMemoryBytes = bytes;
   }
+  if (values['kv-offload-disk'] !== undefined && values['kv-offload-disk'] !== '') {
+    config.kvOffloadDiskDir = values['kv-offload-disk'];
+    config.kvOffloadDiskBytes = parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size');
+    if (config.kvOffloadDiskBytes <= 0) throw new UsageError('--kv-offload-disk-size must be more than 0 bytes');
+  }
   const threads = positiveInteger(values.threads, 'threads');
   if (threads !== undefined) config.threads = threads;
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
@@ -391,6 +401,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
       kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
       ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: config.kvOffloadMemoryBytes } : {}),
+      ...(config.kvOffloadDiskDir !== undefined ? { kvOffloadDiskDir: config.kvOffloadDiskDir, kvOffloadDiskBytes: config.kvOffloadDiskBytes } : {}),
       ...(config.threads !== undefined ? { threads: config.threads } : {}),
       backend: config.backend,
     });

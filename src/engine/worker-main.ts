@@ -11,6 +11,7 @@ import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
 import { kvBlockBytes, validateHandoff } from './handoff.ts';
 import { KvTiers } from './kv-cache/tiers.ts';
+import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError } from './errors.ts';
 import type { EngineInfo } from './types.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
@@ -32,11 +33,16 @@ async function start(): Promise<EngineCore> {
   if (numBlocks < 1) {
     throw new Error(`--kv-cache-memory ${init.kvCacheMemoryBytes} bytes holds no block of ${bytesPerBlock} bytes`);
   }
+  // Before the backend loads: it may give the weights' bytes back, and the disk tier's fingerprint samples them.
+  const fingerprint = init.kvOffload?.diskDir !== undefined
+    ? modelFingerprint(config, loaded.weights, { numLayers: config.numLayers, blockSize: init.blockSize, numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: init.kvDtype })
+    : undefined;
   const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: init.kvDtype },
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
     { threads: init.threads, releaseUnpackedWeights: true });
   const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
-  const kvTiers = await openKvTiers(backend.kvLayout);
+  const tierNotices: string[] = [];
+  const kvTiers = openKvTiers(backend.kvLayout, fingerprint, tierNotices);
   const core = new EngineCore({
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
     policy: init.policy, enablePrefixCaching: init.enablePrefixCaching, enableKvEvents: init.enableKvEvents,
@@ -50,7 +56,7 @@ async function start(): Promise<EngineCore> {
     backend: backend.info.name, kernelVariants: backend.info.variants, threads: backend.info.threads,
   };
   const pool = core.kvPoolView;
-  send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? [])], kvPool: pool.pool, kvLayout: pool.layout });
+  send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], kvPool: pool.pool, kvLayout: pool.layout });
   return core;
 }
 
@@ -58,11 +64,20 @@ async function start(): Promise<EngineCore> {
  * The lower KV tiers of this worker, when configured. The offload window is twice the blocks one step can allocate,
  * so what the next step may evict has been copied down before it runs (tiers.ts).
  */
-async function openKvTiers(layout: KvPoolLayout): Promise<KvTiers | undefined> {
+function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, notices: string[]): KvTiers | undefined {
   const offload = init.kvOffload;
   if (offload === undefined || (offload.memoryBytes <= 0 && offload.diskDir === undefined)) return undefined;
   const windowBlocks = 2 * Math.ceil(init.maxNumBatchedTokens / init.blockSize);
-  return new KvTiers({ blockBytes: kvBlockBytes(layout), ramBytes: offload.memoryBytes, windowBlocks });
+  const blockBytes = kvBlockBytes(layout);
+  let disk: DiskKvTier | undefined;
+  if (offload.diskDir !== undefined && fingerprint !== undefined) {
+    disk = new DiskKvTier({ dir: offload.diskDir, capacityBytes: offload.diskBytes ?? 0, blockBytes, fingerprint });
+    const found = disk.openReport;
+    notices.push(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
+      + (found.foreign > 0 ? `, ${found.foreign} of another model deleted` : '')
+      + (found.torn > 0 ? `, ${found.torn} torn or unfinished files deleted` : ''));
+  }
+  return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });
 }
 
 function run(core: EngineCore): void {
@@ -192,8 +207,12 @@ function run(core: EngineCore): void {
       case 'close':
         closing = true;
         clearInterval(idleTimer);
-        send({ type: 'closed' });
-        port.close();
+        // The disk tier's writes in flight finish first (bounded: at most its pending bytes), so a clean stop loses
+        // nothing it had started to write.
+        void (tiers?.flush() ?? Promise.resolve()).catch(() => {}).then(() => {
+          send({ type: 'closed' });
+          port.close();
+        });
         return;
     }
   });

@@ -3,6 +3,8 @@
 // way, plus the tokenizer and chat template it applies at the edge.
 
 import { availableParallelism } from 'node:os';
+import { join } from 'node:path';
+import { acquireDiskTierLock } from '../engine/kv-cache/disk-tier.ts';
 import { engineNow } from '../engine/clock.ts';
 import { createLocalEngine, LocalEngine, type LocalEngineOptions } from '../engine/local-engine.ts';
 import type { Engine, WorkerRole } from '../engine/types.ts';
@@ -41,6 +43,12 @@ export interface SimWorkerSpec {
 export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents' | 'kvOffload'> {
   /** RAM tier under the cpu workers' KV pools, bytes for all of them together (split evenly). */
   kvOffloadMemoryBytes?: number;
+  /**
+   * Disk tier folder (locked for this process; each cpu worker gets a subfolder worker-<slot>) and its size for all
+   * workers together (split evenly).
+   */
+  kvOffloadDiskDir?: string;
+  kvOffloadDiskBytes?: number;
   engine: 'cpu' | 'sim';
   workers: number;
   /** The model file for cpu workers. */
@@ -97,6 +105,29 @@ export interface WorkerPool {
 }
 
 export async function createWorkerPool(options: WorkerPoolOptions): Promise<WorkerPool> {
+  if (options.engine !== 'cpu' || options.kvOffloadDiskDir === undefined) return createPool(options);
+  // One process per disk tier folder: a second server pointed at it is refused before any worker starts.
+  const release = acquireDiskTierLock(options.kvOffloadDiskDir);
+  let pool: WorkerPool;
+  try {
+    pool = await createPool(options);
+  } catch (error) {
+    release();
+    throw error;
+  }
+  const engine = pool.engine;
+  const close = engine.close.bind(engine);
+  engine.close = async () => {
+    try {
+      await close();
+    } finally {
+      release();
+    }
+  };
+  return pool;
+}
+
+async function createPool(options: WorkerPoolOptions): Promise<WorkerPool> {
   if (options.prefillWorkers !== undefined || options.decodeWorkers !== undefined) return createDisaggregatedPool(options);
   if (!Number.isInteger(options.workers) || options.workers < 1) {
     throw new RangeError(`workers must be a whole number >= 1, got ${options.workers}`);
@@ -144,12 +175,13 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   if (!modelPath) throw new Error('cpu workers need a model path');
   // The machine's cores are shared: each worker gets its share unless told otherwise.
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / options.workers));
-  const kvOffload = workerKvOffload(options, options.workers);
-  const first = await createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents, ...kvOffload });
+  const slots = new DiskSlots(options, options.workers);
+  const first = await slots.start((kvOffload) => createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents, ...kvOffload }),
+    (bundle) => bundle.engine);
   const workers: RoutedWorker[] = [{ id: 'worker-0', engine: first.engine }];
-  const start = (): Promise<RoutableEngine> => LocalEngine.start({
+  const start = (): Promise<RoutableEngine> => slots.start((kvOffload) => LocalEngine.start({
     ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: withKvEvents, ...kvOffload,
-  });
+  }), (engine) => engine);
   try {
     for (let i = 1; i < options.workers; i++) workers.push({ id: `worker-${i}`, engine: await start() });
   } catch (error) {
@@ -159,10 +191,48 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   return { workers, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate, notices: first.engine.notices, start };
 }
 
-/** One cpu worker's lower KV tiers: its even share of the RAM tier. */
-function workerKvOffload(options: WorkerPoolOptions, numWorkers: number): Pick<LocalEngineOptions, 'kvOffload'> {
-  const memoryBytes = Math.floor((options.kvOffloadMemoryBytes ?? 0) / numWorkers);
-  return memoryBytes > 0 ? { kvOffload: { memoryBytes } } : {};
+/**
+ * The cpu workers' lower KV tiers: each worker's even share of the RAM tier and of the disk tier's size, and a disk
+ * subfolder of its own (worker-<slot>). A slot is held while its worker lives; a restarted worker takes the lowest
+ * free one, so it finds the blocks its predecessor wrote (the lost thread can no longer write there).
+ */
+class DiskSlots {
+  private readonly held = new Set<number>();
+
+  constructor(private readonly options: WorkerPoolOptions, private readonly numWorkers: number) {}
+
+  async start<T>(starter: (offload: Pick<LocalEngineOptions, 'kvOffload'>) => Promise<T>, engineOf: (started: T) => LocalEngine): Promise<T> {
+    const memoryBytes = Math.floor((this.options.kvOffloadMemoryBytes ?? 0) / this.numWorkers);
+    const dir = this.options.kvOffloadDiskDir;
+    if (memoryBytes <= 0 && dir === undefined) return starter({});
+    let slot = -1;
+    if (dir !== undefined) {
+      slot = 0;
+      while (this.held.has(slot)) slot++;
+      this.held.add(slot);
+    }
+    const free = () => this.held.delete(slot);
+    const disk = dir === undefined ? {} : {
+      diskDir: join(dir, `worker-${slot}`), diskBytes: Math.floor((this.options.kvOffloadDiskBytes ?? 0) / this.numWorkers),
+    };
+    let started: T;
+    try {
+      started = await starter({ kvOffload: { memoryBytes, ...disk } });
+    } catch (error) {
+      free();
+      throw error;
+    }
+    if (slot >= 0) {
+      const engine = engineOf(started);
+      engine.onLost(free);
+      const close = engine.close.bind(engine);
+      engine.close = async () => {
+        await close();
+        free();
+      };
+    }
+    return started;
+  }
 }
 
 /**
@@ -264,20 +334,23 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const modelPath = options.modelPath;
   if (!modelPath) throw new Error('cpu workers need a model path');
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / (numPrefill + numDecode)));
-  const common = { ...options, modelPath, threads, enableKvEvents: true, ...workerKvOffload(options, numPrefill + numDecode) };
-  const first = await createLocalEngine({ ...common, role: 'decode' });
+  const slots = new DiskSlots(options, numPrefill + numDecode);
+  const common = { ...options, modelPath, threads, enableKvEvents: true };
+  const startRole = (role: WorkerRole, servedModelName: string) =>
+    slots.start((kvOffload) => LocalEngine.start({ ...common, ...kvOffload, servedModelName, role }), (engine) => engine);
+  const first = await slots.start((kvOffload) => createLocalEngine({ ...common, ...kvOffload, role: 'decode' }), (bundle) => bundle.engine);
   const started: LocalEngine[] = [first.engine];
   const decode = [{ id: 'decode-0', engine: first.engine }];
   const prefill: RoleWorkers['prefill'] = [];
   try {
     const servedModelName = first.engine.info.modelName;
     for (let i = 1; i < numDecode; i++) {
-      const engine = await LocalEngine.start({ ...common, servedModelName, role: 'decode' });
+      const engine = await startRole('decode', servedModelName);
       started.push(engine);
       decode.push({ id: `decode-${i}`, engine });
     }
     for (let i = 0; i < numPrefill; i++) {
-      const engine = await LocalEngine.start({ ...common, servedModelName, role: 'prefill' });
+      const engine = await startRole('prefill', servedModelName);
       started.push(engine);
       prefill.push({ id: `prefill-${i}`, engine });
     }
@@ -288,7 +361,7 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const servedModelName = first.engine.info.modelName;
   return {
     prefill, decode, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate,
-    start: (role) => LocalEngine.start({ ...common, servedModelName, role }),
+    start: (role) => startRole(role, servedModelName),
     notices: [...first.engine.notices, `disaggregated: ${numPrefill} prefill + ${numDecode} decode workers, KV over shared memory`],
   };
 }

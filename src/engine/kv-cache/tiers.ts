@@ -55,6 +55,17 @@ export interface KvBlockStore {
   /** Hashes held, least recently used first. */
   hashes(): BlockHash[];
   clear(): void;
+  /** The parent hash stored with a block (a persistent tier announces what it found at start with it). */
+  parentOf?(hash: BlockHash): BlockHash | null | undefined;
+  /** A tier that stores asynchronously tells when a block is in place, and when its own bound pushed one out. */
+  listen?(listener: TierListener): void;
+  /** Resolves once writes in flight are done. */
+  flush?(): Promise<void>;
+}
+
+export interface TierListener {
+  stored(hash: BlockHash, parentHash: BlockHash | null, bytes: number, ms: number): void;
+  evicted(hash: BlockHash): void;
 }
 
 /** What a prefix lookup onboards: per block, the tier it comes from; and lower-tier blocks it chose to recompute. */
@@ -77,7 +88,7 @@ export interface KvTiersOptions {
   /** RAM tier capacity in bytes (0 or unset: no RAM tier). */
   ramBytes?: number;
   /** The disk tier (disk-tier.ts), already opened. */
-  disk?: KvBlockStore & { flush?(): Promise<void> };
+  disk?: KvBlockStore;
   /** Milliseconds, for timing copies (default performance.now). */
   now?: () => number;
   /** Fixed tier bandwidths in bytes per ms instead of measured ones (tests, and the simulator). */
@@ -162,7 +173,7 @@ export interface OffloadCandidate {
 export class KvTiers {
   readonly blockBytes: number;
   readonly ram: RamKvTier | undefined;
-  readonly disk: (KvBlockStore & { flush?(): Promise<void> }) | undefined;
+  readonly disk: KvBlockStore | undefined;
   readonly windowBlocks: number;
   readonly maxBlocksPerCall: number;
   private io: KvBlockIo | undefined;
@@ -200,6 +211,10 @@ export class KvTiers {
     if (options.disk !== undefined) {
       this.disk = options.disk;
       this.counters.disk = emptyStats(options.disk.capacityBlocks, this.blockBytes);
+      options.disk.listen?.({
+        stored: (hash, parentHash, bytes, ms) => this.diskStored(hash, parentHash, bytes, ms),
+        evicted: (hash) => this.diskRemoved(hash, 'evicted'),
+      });
     }
   }
 
@@ -211,6 +226,13 @@ export class KvTiers {
     this.io = io;
     this.emit = emit;
     this.blockSize = blockSize;
+    // What a persistent tier already held (a warm restart): announced once, oldest first.
+    for (const hash of this.disk?.hashes() ?? []) {
+      this.emit({
+        type: 'stored', eventId: 0, blockHashes: [hash], parentHash: this.disk!.parentOf?.(hash) ?? null,
+        tokenCount: blockSize, blockSize, tier: 'disk',
+      });
+    }
   }
 
   get enabled(): boolean {
