@@ -126,11 +126,14 @@ function run(core: EngineCore): void {
     const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (kvEvents && kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
     if (copied > 0) queueOffloadIdle();
+    // A disk tier at its bound of writes in flight: try again once some have landed.
+    else if (tiers!.diskBusy) queueOffloadIdle(10);
   };
-  const queueOffloadIdle = () => {
+  const queueOffloadIdle = (delayMs = 0) => {
     if (tiers === undefined || offloadQueued || closing) return;
     offloadQueued = true;
-    setImmediate(offloadIdle);
+    if (delayMs > 0) setTimeout(offloadIdle, delayMs);
+    else setImmediate(offloadIdle);
   };
 
   const step = () => {

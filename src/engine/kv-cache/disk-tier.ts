@@ -159,12 +159,23 @@ export class DiskKvTier implements KvBlockStore {
     return { bytes: new Uint8Array(file.buffer, file.byteOffset + HEADER_BYTES, this.blockBytes), parentHash };
   }
 
-  put(hash: BlockHash, block: TierBlock): void {
-    if (this.index.has(hash) || this.pending.has(hash)) return;
+  /** True while a block's write is in flight. */
+  writing(hash: BlockHash): boolean {
+    return this.pending.has(hash);
+  }
+
+  /** True while one more block would pass the bound on bytes in flight. */
+  get busy(): boolean {
+    return this.pendingBytes + this.fileBytes > this.maxPendingBytes;
+  }
+
+  /** Starts writing a block; false when refused (already here or being written, or the in-flight bound is reached). */
+  put(hash: BlockHash, block: TierBlock): boolean {
+    if (this.index.has(hash) || this.pending.has(hash)) return false;
     if (block.bytes.length !== this.blockBytes) throw new RangeError(`a disk block is ${this.blockBytes} bytes, got ${block.bytes.length}`);
-    if (this.pendingBytes + this.fileBytes > this.maxPendingBytes) {
+    if (this.busy) {
       this.skipped++;
-      return;
+      return false;
     }
     this.pendingBytes += this.fileBytes;
     const write = this.write(hash, block).finally(() => {
@@ -172,6 +183,7 @@ export class DiskKvTier implements KvBlockStore {
       this.pendingBytes -= this.fileBytes;
     });
     this.pending.set(hash, write);
+    return true;
   }
 
   /** Resolves once every write in flight has finished. */

@@ -50,8 +50,12 @@ export interface KvBlockStore {
   has(hash: BlockHash): boolean;
   /** The block, made most recently used; null when absent (or, on disk, unreadable: then dropped). */
   get(hash: BlockHash): TierBlock | null;
-  /** Stores (or refreshes) a block; may evict the least recently used. */
-  put(hash: BlockHash, block: TierBlock): void;
+  /** Stores (or refreshes) a block; may evict the least recently used. False when refused (a disk tier's writes in flight are at their bound). */
+  put(hash: BlockHash, block: TierBlock): boolean | void;
+  /** True while a block is being written (not yet has(), but not to be offered again). */
+  writing?(hash: BlockHash): boolean;
+  /** True while the tier refuses new blocks until writes in flight finish. */
+  readonly busy?: boolean;
   /** Hashes held, least recently used first. */
   hashes(): BlockHash[];
   clear(): void;
@@ -377,7 +381,12 @@ export class KvTiers {
       if (copied >= maxBlocks || seen >= window) break;
       seen++;
       const hash = block.hash;
-      if (hash === null || this.ram?.has(hash) || (this.ram === undefined && this.disk?.has(hash))) continue;
+      if (hash === null || this.ram?.has(hash)) continue;
+      const disk = this.disk;
+      const diskWants = disk !== undefined && !disk.has(hash) && !(disk.writing?.(hash) ?? false);
+      if (this.ram === undefined && !diskWants) continue;
+      // Without a RAM tier a saturated disk takes nothing now: stop, the blocks stay for a later call.
+      if (this.ram === undefined && disk!.busy) break;
       const start = this.now();
       const tierBlock: TierBlock = { bytes: this.io.read(block.id), parentHash: block.parentHash };
       if (this.ram !== undefined) {
@@ -386,7 +395,7 @@ export class KvTiers {
         s.offloadMs += Math.max(0, this.now() - start);
       }
       // Write-through to disk (asynchronous there; the stored event goes out when the write is durable).
-      if (this.disk !== undefined && !this.disk.has(hash)) this.disk.put(hash, tierBlock);
+      if (diskWants) disk!.put(hash, tierBlock);
       copied++;
     }
     return copied;
@@ -440,6 +449,11 @@ export class KvTiers {
       ...(this.ram !== undefined ? { ram: this.ram.hashes() } : {}),
       ...(this.disk !== undefined ? { disk: this.disk.hashes() } : {}),
     };
+  }
+
+  /** True while the disk tier refuses blocks until its writes in flight finish (an idle worker retries later). */
+  get diskBusy(): boolean {
+    return this.disk?.busy ?? false;
   }
 
   /** Resolves once the disk tier's writes in flight are done (tests, shutdown). */
