@@ -257,8 +257,14 @@ function simPool(options: WorkerPoolOptions) {
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
   const efficiency = calibrationEfficiency(calibration, hw);
+  // Lower KV tiers modelled (host RAM over PCIe, NVMe) from the same flags as cpu workers' real ones, split evenly;
+  // a simulated disk tier keeps nothing on disk (the folder is not used).
+  const numWorkers = (options.prefillWorkers ?? 0) + (options.decodeWorkers ?? 0) || options.workers;
+  const ramBytes = Math.floor((options.kvOffloadMemoryBytes ?? 0) / numWorkers);
+  const diskBytes = options.kvOffloadDiskDir !== undefined ? Math.floor((options.kvOffloadDiskBytes ?? 0) / numWorkers) : 0;
+  const kvTiers = ramBytes > 0 || diskBytes > 0 ? { kvTiers: { ramBytes, diskBytes } } : {};
   const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => new SimEngine({
-    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, ...worker, ...vocabulary,
+    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, ...worker, ...vocabulary, ...kvTiers,
     maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
     maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
   });

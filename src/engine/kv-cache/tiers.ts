@@ -99,6 +99,11 @@ export interface KvTiersOptions {
   bandwidth?: Partial<Record<KvLowerTier, number>>;
   /** A fixed prefill rate in tokens per ms instead of the measured one. */
   prefillTokensPerMs?: number;
+  /**
+   * The simulator's price of an onboard (ms for so many blocks per tier) instead of the measured copy time; the
+   * step that onboards takes that much longer (takeOnboardMs).
+   */
+  priceOnboard?: (blocks: { ram: number; disk: number }) => number;
   /** Blocks at the eviction end of the free queue offload() keeps copied below (default 64). */
   windowBlocks?: number;
   /** Blocks offload() copies per call at most (default windowBlocks). */
@@ -118,15 +123,29 @@ function emptyStats(capacityBlocks: number, blockBytes: number): KvTierStats {
   };
 }
 
-/** The RAM tier: a Map in insertion order is an LRU list (get re-inserts; the first key is the oldest). */
+/**
+ * The RAM tier: a Map in insertion order is an LRU list (get re-inserts; the first key is the oldest). The simulator
+ * also uses one, with tier 'disk' and a listener, as its model of a disk tier (no bytes, no files).
+ */
 export class RamKvTier implements KvBlockStore {
-  readonly tier = 'ram' as const;
+  readonly tier: KvLowerTier;
   readonly capacityBlocks: number;
   private readonly blocks = new Map<BlockHash, TierBlock>();
+  private listener: TierListener | undefined;
 
-  constructor(capacityBlocks: number, private readonly onEvict: (hash: BlockHash) => void) {
-    if (!Number.isSafeInteger(capacityBlocks) || capacityBlocks < 1) throw new RangeError(`RAM tier capacity must be >= 1 block, got ${capacityBlocks}`);
+  constructor(capacityBlocks: number, private readonly onEvict: (hash: BlockHash) => void = () => {}, tier: KvLowerTier = 'ram') {
+    if (!Number.isSafeInteger(capacityBlocks) || capacityBlocks < 1) throw new RangeError(`${tier} tier capacity must be >= 1 block, got ${capacityBlocks}`);
     this.capacityBlocks = capacityBlocks;
+    this.tier = tier;
+  }
+
+  /** Stored and evicted blocks reported to a listener instead (a tier plugged in as the disk tier). */
+  listen(listener: TierListener): void {
+    this.listener = listener;
+  }
+
+  parentOf(hash: BlockHash): BlockHash | null | undefined {
+    return this.blocks.get(hash)?.parentHash;
   }
 
   get numBlocks(): number {
@@ -153,9 +172,11 @@ export class RamKvTier implements KvBlockStore {
     while (this.blocks.size >= this.capacityBlocks) {
       const oldest = this.blocks.keys().next().value as BlockHash;
       this.blocks.delete(oldest);
-      this.onEvict(oldest);
+      if (this.listener !== undefined) this.listener.evicted(oldest);
+      else this.onEvict(oldest);
     }
     this.blocks.set(hash, block);
+    this.listener?.stored(hash, block.parentHash, block.bytes.length, 0);
   }
 
   hashes(): BlockHash[] {
@@ -189,6 +210,8 @@ export class KvTiers {
   private readonly counters: Partial<Record<KvLowerTier, KvTierStats>> = {};
   private missedOffloads = 0;
   private recomputedBlocks = 0;
+  private readonly priceOnboard: KvTiersOptions['priceOnboard'];
+  private onboardMsSinceTake = 0;
   private emit: (event: KvEvent) => void = () => {};
   private blockSize = 1;
 
@@ -201,6 +224,7 @@ export class KvTiers {
     this.fixedPrefillRate = options.prefillTokensPerMs !== undefined;
     this.windowBlocks = options.windowBlocks ?? 64;
     this.maxBlocksPerCall = options.maxBlocksPerCall ?? this.windowBlocks;
+    this.priceOnboard = options.priceOnboard;
     const ramBlocks = Math.floor((options.ramBytes ?? 0) / this.blockBytes);
     if ((options.ramBytes ?? 0) > 0 && ramBlocks < 1) {
       throw new RangeError(`--kv-offload-memory ${options.ramBytes} bytes holds no KV block of ${this.blockBytes} bytes`);
@@ -349,10 +373,11 @@ export class KvTiers {
       this.io?.write(blockIds[i]!, block.bytes);
       const tier = fetched.tiers[i]!;
       summary[tier]++;
-      summary.bytes += block.bytes.length;
+      summary.bytes += this.blockBytes;
       if (tier === 'disk' && this.ram !== undefined) this.putRam(hashes[i]!, block);
     });
-    summary.ms = Math.max(0, this.now() - startMs);
+    summary.ms = this.priceOnboard !== undefined ? this.priceOnboard(summary) : Math.max(0, this.now() - startMs);
+    this.onboardMsSinceTake += summary.ms;
     for (const tier of ['ram', 'disk'] as const) {
       if (summary[tier] === 0) continue;
       const share = summary[tier] * this.blockBytes / Math.max(1, summary.bytes);
@@ -360,7 +385,7 @@ export class KvTiers {
       s.onboardBlocks += summary[tier];
       s.onboardBytes += summary[tier] * this.blockBytes;
       s.onboardMs += summary.ms * share;
-      this.observeBandwidth(tier, summary[tier] * this.blockBytes, summary.ms * share);
+      if (this.priceOnboard === undefined) this.observeBandwidth(tier, summary[tier] * this.blockBytes, summary.ms * share);
     }
     return summary;
   }
@@ -408,7 +433,7 @@ export class KvTiers {
     if (!fresh) return;
     const s = this.stat('ram');
     s.offloadBlocks++;
-    s.offloadBytes += block.bytes.length;
+    s.offloadBytes += this.blockBytes;
     this.emit({
       type: 'stored', eventId: 0, blockHashes: [hash], parentHash: block.parentHash, tokenCount: this.blockSize, blockSize: this.blockSize, tier: 'ram',
     });
@@ -449,6 +474,13 @@ export class KvTiers {
       ...(this.ram !== undefined ? { ram: this.ram.hashes() } : {}),
       ...(this.disk !== undefined ? { disk: this.disk.hashes() } : {}),
     };
+  }
+
+  /** Onboard time (ms) since the last call: what the simulator adds to the step that onboarded. */
+  takeOnboardMs(): number {
+    const ms = this.onboardMsSinceTake;
+    this.onboardMsSinceTake = 0;
+    return ms;
   }
 
   /** True while the disk tier refuses blocks until its writes in flight finish (an idle worker retries later). */
