@@ -166,6 +166,28 @@ describe('disk tier: lock', () => {
 });
 
 describe('disk tier under the KV cache', () => {
+  test('without a RAM tier, a block whose write is in flight is not copied again, and a saturated disk takes nothing', async () => {
+    const dir = tempDir();
+    let reads = 0;
+    const io = { blockBytes: BLOCK_BYTES, read: () => { reads++; return bytes(9); }, write: () => {} };
+    const disk = new DiskKvTier({ dir, capacityBytes: 1 << 20, blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT, maxPendingBytes: 112 + BLOCK_BYTES });
+    const tiers = new KvTiers({ blockBytes: BLOCK_BYTES, disk });
+    const kv = new KvCacheManager({ numBlocks: 4, blockSize: 4, tiers, blockIo: io });
+    const scheduler = new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 4, maxModelLen: 64 }, kv);
+    scheduler.addRequest(makeRequest('a', prompt(0, 9), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    assert.equal(kv.offloadEvictable(), 1, 'one write fits the in-flight bound');
+    assert.equal(tiers.diskBusy, true);
+    assert.equal(kv.offloadEvictable(), 0, 'nothing while the disk is saturated');
+    assert.equal(reads, 1);
+    await tiers.flush();
+    assert.equal(kv.offloadEvictable(), 1, 'the other block once the write landed');
+    assert.equal(kv.offloadEvictable(), 0, 'its write is in flight: not copied again');
+    assert.equal(reads, 2);
+    await tiers.flush();
+    assert.equal(disk.numBlocks, 2);
+  });
+
   test('two tenants: the same prompt under another salt never hits the disk tier; its own salt does', async () => {
     const dir = tempDir();
     const io = { blockBytes: BLOCK_BYTES, read: () => bytes(9), written: [] as number[], write(id: number) { this.written.push(id); } };
