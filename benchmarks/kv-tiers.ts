@@ -77,7 +77,7 @@ function request(promptTokenIds: number[], maxTokens: number, cacheSalt?: string
 
 function ttft(core: EngineCore, prompt: number[]): { ms: number; cached: number; ram: number; disk: number } {
   const start = performance.now();
-  core.add(request(prompt, 2));
+  core.add(request(prompt, 1));
   let first: number | undefined;
   let cached = 0;
   let ram = 0;
@@ -123,8 +123,11 @@ const best = (xs: number[]) => Math.min(...xs);
 
 async function ttftTable(model: Model): Promise<void> {
   const vocab = model.loaded.config.vocabSize;
-  // Room for one prompt and two blocks: the evictor (the prompt's length + 24 tokens) takes every block of the pool.
-  const numBlocks = Math.ceil(PROMPT / BLOCK_SIZE) + 2;
+  // A prompt must leave room for one output token within the context (2048 for both models: 2047 tokens at most).
+  const promptTokens = Math.min(PROMPT, model.loaded.config.contextLength - 1);
+  // Room for one prompt and two blocks; two evictors of 60% of the pool each, one after the other, evict all of it.
+  const numBlocks = Math.ceil(promptTokens / BLOCK_SIZE) + 2;
+  const evictorTokens = Math.min(Math.ceil(0.6 * numBlocks * BLOCK_SIZE), promptTokens);
   const rows = new Map<string, { ms: number[]; note: string }>();
   const record = (name: string, run: { ms: number; cached: number; ram: number; disk: number }, note = '') => {
     const row = rows.get(name) ?? { ms: [], note: '' };
@@ -133,12 +136,15 @@ async function ttftTable(model: Model): Promise<void> {
     rows.set(name, row);
   };
   for (let r = 0; r < REPEAT; r++) {
-    const prompt = tokens(1000 + r, PROMPT, vocab);
-    const evictor = tokens(2000 + r, PROMPT + 24, vocab);
-    const ram = makeCore(model, numBlocks, (blockBytes) => new KvTiers({ blockBytes, ramBytes: 2 * numBlocks * blockBytes, windowBlocks: 2 * numBlocks }));
+    const prompt = tokens(1000 + r, promptTokens, vocab);
+    const evict = (core: EngineCore) => {
+      ttft(core, tokens(2000 + 2 * r, evictorTokens, vocab));
+      ttft(core, tokens(2001 + 2 * r, evictorTokens, vocab));
+    };
+    const ram = makeCore(model, numBlocks, (blockBytes) => new KvTiers({ blockBytes, ramBytes: 4 * numBlocks * blockBytes, windowBlocks: 2 * numBlocks }));
     record('cold', ttft(ram, prompt));
     record('primary pool', ttft(ram, prompt));
-    ttft(ram, evictor);
+    evict(ram);
     record('RAM tier', ttft(ram, prompt));
 
     const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-bench-'));
@@ -150,7 +156,7 @@ async function ttftTable(model: Model): Promise<void> {
       const disk = makeCore(model, numBlocks, diskTiers);
       ttft(disk, prompt);
       await disk.kv.tiers!.flush();
-      ttft(disk, evictor);
+      evict(disk);
       await disk.kv.tiers!.flush();
       const dropped = dropPageCache();
       record('disk tier', ttft(disk, prompt), `page cache ${dropped}`);
@@ -162,7 +168,7 @@ async function ttftTable(model: Model): Promise<void> {
       rmSync(dir, { recursive: true, force: true });
     }
   }
-  console.log(`\n## TTFT of a ${PROMPT}-token prompt, ${model.name} (${THREADS} threads, ${REPEAT} runs, load average ${loadavg()[0]!.toFixed(1)})\n`);
+  console.log(`\n## TTFT of a ${promptTokens}-token prompt, ${model.name} (${THREADS} threads, ${REPEAT} runs, load average ${loadavg()[0]!.toFixed(1)})\n`);
   console.log('| prefix from | best ms | median ms | |');
   console.log('|---|---:|---:|---|');
   for (const [name, row] of rows) console.log(`| ${name} | ${best(row.ms).toFixed(1)} | ${median(row.ms).toFixed(1)} | ${row.note} |`);
