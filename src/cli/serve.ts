@@ -488,7 +488,8 @@ export const serveCommand: Command = {
         return 1;
       }
       const { isModelLoadError } = await import('../model/loader.ts');
-      if (isModelLoadError(err)) {
+      const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
+      if (isModelLoadError(err) || err instanceof DiskTierLockedError) {
         console.error(`conduit serve: ${err.message}`);
         return 1;
       }

@@ -65,3 +65,22 @@ describe('KV tiers in a cpu worker pool', () => {
     }
   });
 });
+
+describe('engine stats summed over workers', () => {
+  test('keep the KV tiers, tier by tier (a single supervised worker reports through the sum too)', async () => {
+    const { sumEngineStats } = await import('../../src/runtime/engine-stats.ts');
+    const tier = (used: number, onboard: number) => ({
+      capacityBlocks: 10, usedBlocks: used, blockBytes: 100, offloadBlocks: 0, offloadBytes: 0, offloadMs: 0,
+      onboardBlocks: onboard, onboardBytes: 100 * onboard, onboardMs: 1, corruptBlocks: 0, evictedBlocks: 0,
+    });
+    const base = { numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 4, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 };
+    const sum = sumEngineStats([
+      { ...base, kvTiers: { tiers: { ram: tier(3, 1) }, missedOffloads: 1, recomputedBlocks: 0 } },
+      { ...base, kvTiers: { tiers: { ram: tier(4, 2), disk: tier(5, 0) }, missedOffloads: 2, recomputedBlocks: 3 } },
+      base,
+    ]);
+    assert.deepEqual(sum.kvTiers, {
+      tiers: { ram: { ...tier(7, 3), capacityBlocks: 20, onboardMs: 2 }, disk: tier(5, 0) }, missedOffloads: 3, recomputedBlocks: 3,
+    });
+  });
+});

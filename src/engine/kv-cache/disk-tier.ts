@@ -374,6 +374,11 @@ export function modelFingerprint(config: ModelConfig, weights: ModelWeights, lay
 // ---------------------------------------------------------------------------------------------------------------
 // The folder lock
 
+/** The disk tier's folder is held by another process (or already by this one): `conduit serve` says so in one line. */
+export class DiskTierLockedError extends Error {
+  override name = 'DiskTierLockedError';
+}
+
 /** Folders this process holds, so a second pool in the same process is refused too. */
 const heldHere = new Set<string>();
 const LOCK_FILE = 'conduit.lock';
@@ -386,7 +391,7 @@ const LOCK_FILE = 'conduit.lock';
 export function acquireDiskTierLock(dir: string): () => void {
   mkdirSync(dir, { recursive: true });
   const path = join(dir, LOCK_FILE);
-  if (heldHere.has(path)) throw new Error(`--kv-offload-disk ${dir} is already in use by this process`);
+  if (heldHere.has(path)) throw new DiskTierLockedError(`--kv-offload-disk ${dir} is already in use by this process`);
   for (let attempt = 0; attempt < 2; attempt++) {
     let fd: number;
     try {
@@ -395,7 +400,7 @@ export function acquireDiskTierLock(dir: string): () => void {
       if ((error as NodeJS.ErrnoException).code !== 'EEXIST') throw error;
       const holder = Number.parseInt(readFileSafe(path), 10);
       if (Number.isSafeInteger(holder) && holder > 0 && holder !== process.pid && processRuns(holder)) {
-        throw new Error(`--kv-offload-disk ${dir} is locked by process ${holder} (${path}); give each server its own folder`);
+        throw new DiskTierLockedError(`--kv-offload-disk ${dir} is locked by process ${holder} (${path}); give each server its own folder`);
       }
       unlinkQuietly(path); // stale: its process is gone
       continue;
