@@ -4,6 +4,7 @@
 
 import { existsSync, readFileSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
+import { join } from 'node:path';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
@@ -41,6 +42,9 @@ export const SERVE_FLAGS = {
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
+  'kv-offload-memory': { type: 'string', help: 'RAM tier under the KV cache (bytes or with a unit, split evenly between the workers): cached blocks about to be evicted are copied there and brought back instead of recomputed (default 0 = none)' },
+  'kv-offload-disk': { type: 'string', help: 'folder of a persistent disk tier under the KV cache (locked against a second process; a subfolder per worker): blocks of the same model are found again after a restart' },
+  'kv-offload-disk-size': { type: 'string', help: 'size of the disk tier (bytes or with a unit, split evenly between the workers)', default: '4GiB' },
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
@@ -105,6 +109,11 @@ export interface ServeConfig {
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
   kvCacheMemoryBytes?: number;
+  /** RAM tier under the KV cache, bytes for all workers together (--kv-offload-memory). */
+  kvOffloadMemoryBytes?: number;
+  /** Disk tier folder and size for all workers together (--kv-offload-disk, --kv-offload-disk-size). */
+  kvOffloadDiskDir?: string;
+  kvOffloadDiskBytes?: number;
   /** Idle seconds before a cpu worker resets its prefix cache and releases its KV pool's pages (0 = never). */
   kvCacheIdleReleaseSeconds: number;
   threads?: number;
@@ -396,6 +405,15 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
   if (maxNumBatchedTokens !== undefined) config.maxNumBatchedTokens = maxNumBatchedTokens;
   if (values['kv-cache-memory'] !== undefined) config.kvCacheMemoryBytes = parseByteSize(values['kv-cache-memory'], 'kv-cache-memory');
+  if (values['kv-offload-memory'] !== undefined) {
+    const bytes = parseByteSize(values['kv-offload-memory'], 'kv-offload-memory');
+    if (bytes > 0) config.kvOffloadMemoryBytes = bytes;
+  }
+  if (values['kv-offload-disk'] !== undefined && values['kv-offload-disk'] !== '') {
+    config.kvOffloadDiskDir = values['kv-offload-disk'];
+    config.kvOffloadDiskBytes = parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size');
+    if (config.kvOffloadDiskBytes <= 0) throw new UsageError('--kv-offload-disk-size must be more than 0 bytes');
+  }
   const threads = positiveInteger(values.threads, 'threads');
   if (threads !== undefined) config.threads = threads;
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
@@ -466,7 +484,10 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
         ? config.prefillWorkers + config.decodeWorkers! : config.workers)))) : undefined);
     const served: ServedModel[] = [];
     try {
-      for (const spec of specs) {
+      for (const [i, spec] of specs.entries()) {
+        // Several models cannot share one disk tier folder (its lock keeps a second pool out): each gets its own.
+        const diskDir = config.kvOffloadDiskDir === undefined ? undefined
+          : specs.length > 1 ? join(config.kvOffloadDiskDir, `model-${i}`) : config.kvOffloadDiskDir;
         const pool = await create({
           engine: config.engine,
           workers: config.workers,
@@ -484,6 +505,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
           ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
           kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
+          ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: config.kvOffloadMemoryBytes } : {}),
+          ...(diskDir !== undefined ? { kvOffloadDiskDir: diskDir, kvOffloadDiskBytes: config.kvOffloadDiskBytes } : {}),
           ...(threads !== undefined ? { threads } : {}),
           backend: config.backend,
         });
@@ -595,7 +618,8 @@ export const serveCommand: Command = {
         return 1;
       }
       const { isModelLoadError } = await import('../model/loader.ts');
-      if (isModelLoadError(err)) {
+      const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
+      if (isModelLoadError(err) || err instanceof DiskTierLockedError) {
         console.error(`conduit serve: ${err.message}`);
         return 1;
       }

@@ -18,6 +18,8 @@ import { formatPrefillLayerTable, prefillLayerTable, SEED_001_PREFILL_LAYER_US }
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { formatKvTierTtft, simulateKvTierTtft } from '../sim/kv-tier-ttft.ts';
+import { KV_TIER_PROFILES } from '../sim/hardware.ts';
 import type { Command } from './main.ts';
 
 /** Gives every flag of a table the environment twin `${prefix}<FLAG>`. */
@@ -124,10 +126,11 @@ export function simHelp(): string {
   const gpus = Object.values(HARDWARE_PROFILES).map((h) => `  ${h.id.padEnd(16)} ${h.name}, ${(h.hbmBytes / 2 ** 30).toFixed(0)} GiB, ${h.tpLink.name}`);
   const links = Object.values(LINK_PROFILES).map((l) => `  ${l.id.padEnd(16)} ${l.name}, ${(l.bytesPerSecPerDirection / 1e9).toFixed(1)} GB/s per direction`);
   return [
-    'Usage: conduit sim <lifecycle | decode-sweep> [options]',
+    'Usage: conduit sim <lifecycle | decode-sweep | kv-tiers> [options]',
     '',
     '  lifecycle      cold vs warm time to first token, phase by phase',
     '  decode-sweep   inter-token latency and throughput against batch size',
+    '  kv-tiers       time to first token with the prefix from HBM, host RAM (PCIe), NVMe, or computed',
     '',
     'Models:', ...models, '', 'GPUs:', ...gpus, '', 'Links (--link):', ...links, '',
     'conduit sim lifecycle options:', formatFlagHelp(LIFECYCLE_FLAGS), '',
@@ -249,6 +252,44 @@ async function sweep(argv: string[]): Promise<number> {
   return ok ? 0 : 1;
 }
 
+export const KV_TIERS_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
+  ...DEPLOYMENT_FLAGS,
+  model: { ...DEPLOYMENT_FLAGS.model, default: 'llama-3.1-70b' },
+  tp: { ...DEPLOYMENT_FLAGS.tp, default: 4 },
+  prompt: { type: 'number', help: 'prompt tokens', default: 8192 },
+  'host-tier': { type: 'string', help: `host RAM tier profile: ${Object.keys(KV_TIER_PROFILES).join(', ')} (default: the GPU's PCIe generation)` },
+  'disk-tier': { type: 'string', help: 'disk tier profile', default: 'nvme-gen4' },
+  help: { type: 'boolean', help: 'show this help', short: 'h' },
+} satisfies FlagTable);
+
+async function kvTiers(argv: string[]): Promise<number> {
+  const { values } = parseFlags(KV_TIERS_FLAGS, argv);
+  if (values.help) {
+    console.log(`Usage: conduit sim kv-tiers [options]\n\n${formatFlagHelp(KV_TIERS_FLAGS)}`);
+    return 0;
+  }
+  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
+  const promptTokens = wholeNumber('prompt', values.prompt, 1);
+  const profile = (flag: string, id: string | undefined) => {
+    if (id === undefined) return undefined;
+    const found = KV_TIER_PROFILES[id];
+    if (found === undefined) throw new UsageError(`--${flag} must be one of ${Object.keys(KV_TIER_PROFILES).join(', ')}, got "${id}"`);
+    return found;
+  };
+  const ram = profile('host-tier', values['host-tier']);
+  const disk = profile('disk-tier', values['disk-tier']);
+  let report;
+  try {
+    report = simulateKvTierTtft({ model, hw, tp, promptTokens, efficiency, ...(ram ? { ram } : {}), ...(disk ? { disk } : {}) });
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
+  console.log(`calibration: ${calibration}; TTFT of a ${promptTokens}-token prompt on one ${model.name} worker (${tp} x ${hw.name}), by where its prefix comes from:`);
+  console.log(formatKvTierTtft(report));
+  return 0;
+}
+
 export const simCommand: Command = {
   summary: 'simulated GPU cluster: TTFT lifecycle and decode sweep from the performance model',
   async run(argv) {
@@ -258,6 +299,8 @@ export const simCommand: Command = {
         return lifecycle(rest);
       case 'decode-sweep':
         return sweep(rest);
+      case 'kv-tiers':
+        return kvTiers(rest);
       case '--help': case '-h': case 'help':
         console.log(simHelp());
         return 0;
@@ -265,7 +308,7 @@ export const simCommand: Command = {
         console.log(simHelp());
         return 2;
       default:
-        throw new UsageError(`unknown subcommand "${sub}" (lifecycle, decode-sweep; see --help)`);
+        throw new UsageError(`unknown subcommand "${sub}" (lifecycle, decode-sweep, kv-tiers; see --help)`);
     }
   },
 };

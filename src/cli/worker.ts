@@ -13,7 +13,8 @@ import type { Command } from './main.ts';
 import { parseByteSize, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
-  'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release', 'max-num-seqs',
+  'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release',
+  'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'max-num-seqs',
   'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
@@ -78,6 +79,10 @@ export const workerCommand: Command = {
         ...(values.threads !== undefined ? { threads: values.threads } : {}),
         ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
         kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
+        ...(values['kv-offload-memory'] !== undefined ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory') } : {}),
+        ...(values['kv-offload-disk'] !== undefined ? {
+          kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),
+        } : {}),
         ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: values['max-num-seqs'] } : {}),
         ...(values['max-num-batched-tokens'] !== undefined ? { maxNumBatchedTokens: values['max-num-batched-tokens'] } : {}),
         sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration },

@@ -8,6 +8,7 @@
 
 import { fork, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
+import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
@@ -71,6 +72,13 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number): st
   add('backend', options.backend);
   add('kv-cache-memory', options.kvCacheMemoryBytes);
   add('kv-cache-idle-release', options.kvCacheIdleReleaseSeconds);
+  // A child is one worker: the pool's totals are split here as a pool of threads splits them, and each child's disk
+  // tier gets a folder of its own (the folder's lock keeps a second process out).
+  if (options.kvOffloadMemoryBytes !== undefined) add('kv-offload-memory', Math.floor(options.kvOffloadMemoryBytes / options.workers));
+  if (options.kvOffloadDiskDir !== undefined) {
+    add('kv-offload-disk', join(options.kvOffloadDiskDir, id));
+    add('kv-offload-disk-size', Math.floor((options.kvOffloadDiskBytes ?? 0) / options.workers));
+  }
   add('max-num-seqs', options.maxNumSeqs);
   add('max-num-batched-tokens', options.maxNumBatchedTokens);
   if (options.sim) {

@@ -8,10 +8,11 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { BatchBuilder } from './batch-builder.ts';
 import { IncrementalDetokenizer } from './detokenizer.ts';
 import {
-  checkKvLayoutsMatch, copyKvBlocks, kvBlockBytes, transferStats,
+  checkKvLayoutsMatch, copyKvBlocks, kvBlockBytes, readKvBlocks, transferStats, writeKvBlocks,
   type AdoptedResult, type KvHandoff, type KvPoolView, type KvTransferPlan,
 } from './handoff.ts';
 import type { BlockTable } from './kv-cache/manager.ts';
+import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { drawRandomSeed } from '../util/random.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, type SequenceSampler } from './sampler.ts';
 import type { StepPlan } from './scheduler.ts';
@@ -32,6 +33,8 @@ export interface EngineCoreOptions {
   enableKvEvents?: boolean;
   /** Longest prompt chunk one sequence gets per step (0 = no cap). */
   longPrefillTokenThreshold?: number;
+  /** Lower KV tiers under the pool (kv-cache/tiers.ts), sized for this backend's blocks (kvBlockBytes). */
+  kvTiers?: KvTiers;
   /** Engine clock in ms. */
   now: () => number;
 }
@@ -63,6 +66,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       policy: options.policy, maxNumBatchedTokens: options.maxNumBatchedTokens, maxNumSeqs: options.maxNumSeqs,
       maxModelLen: options.maxModelLen, eosTokenIds: tokenizer.stopTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
+      ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
       tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds),
       text: { open: (sampling) => IncrementalDetokenizer.forRequest(tokenizer, sampling) },
     });
@@ -141,7 +145,12 @@ export class EngineCore extends StepCore<SequenceSampler> {
       return this.failStep(plan, `forward pass failed: ${error instanceof Error ? error.message : String(error)}`, this.now());
     }
     const sampled = this.sampleRows(plan, logits);
-    return this.applyStep(plan, sampled.tokenIds, sampled.logprobs, forwardStart, this.now());
+    const end = this.now();
+    // The prefill rate the tiers' cost model weighs onboarding against: steps that computed a block's worth of prompt.
+    if (this.kv.tiers !== undefined && plan.stats.numPrefillTokens >= this.kv.blockSize) {
+      this.kv.tiers.observePrefill(plan.numScheduledTokens, end - forwardStart);
+    }
+    return this.applyStep(plan, sampled.tokenIds, sampled.logprobs, forwardStart, end);
   }
 
   /** This worker's pool, for a decode worker to read from (shared memory). */
@@ -240,6 +249,16 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[]): Token
     },
     handoffSeed: () => drawRandomSeed(),
     handoffState: (request, sampler) => ({ seed: request.sampling.seed!, rngState: sampler.rngState() }),
+  };
+}
+
+/** One block at a time of this worker's pool, for the lower KV tiers to copy out of and into. */
+function poolBlockIo(pool: SharedArrayBuffer, layout: KvPoolView['layout']): KvBlockIo {
+  const view: KvPoolView = { pool, layout };
+  return {
+    blockBytes: kvBlockBytes(layout),
+    read: (blockId) => readKvBlocks(view, [blockId]),
+    write: (blockId, bytes) => writeKvBlocks(view, [blockId], bytes),
   };
 }
 

@@ -18,7 +18,7 @@ import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
-import type { BackendPreference, FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
+import type { BackendPreference, FromWorker, KvOffloadConfig, ToWorker, WorkerInit } from './worker-protocol.ts';
 
 export interface LocalEngineOptions {
   modelPath: string;
@@ -44,6 +44,8 @@ export interface LocalEngineOptions {
    * pool's pages back to the system (default 0: never).
    */
   kvCacheIdleReleaseSeconds?: number;
+  /** Lower KV tiers under the worker's pool: RAM (its share of --kv-offload-memory) and a disk folder of its own. */
+  kvOffload?: KvOffloadConfig;
 }
 
 /** 1 GiB, or an eighth of RAM on a small machine: room for every request of a CPU-sized batch. */
@@ -102,6 +104,7 @@ export class LocalEngine implements Engine {
       enableKvEvents: options.enableKvEvents ?? false,
       role: options.role,
       kvCacheIdleReleaseSeconds: options.kvCacheIdleReleaseSeconds ?? 0,
+      ...(options.kvOffload !== undefined ? { kvOffload: options.kvOffload } : {}),
     };
     const worker = startTsWorker(new URL('./worker-main.ts', import.meta.url), init);
     const ready = await new Promise<Extract<FromWorker, { type: 'ready' }>>((resolve, reject) => {

@@ -338,6 +338,14 @@ export class Scheduler {
           blockCopies.push(copy);
           sequence.blockTable.pendingCopy = null;
         }
+        const onboarded = sequence.blockTable.onboarded;
+        if (onboarded !== null) {
+          sequence.blockTable.onboarded = null;
+          const seen = sequence.request.timestamps.kvOnboard;
+          sequence.request.timestamps.kvOnboard = seen === undefined ? onboarded : {
+            ram: seen.ram + onboarded.ram, disk: seen.disk + onboarded.disk, bytes: seen.bytes + onboarded.bytes, ms: seen.ms + onboarded.ms,
+          };
+        }
         sequence.numComputedTokens = prefix.numTokens;
         this.admit(sequence, prefix.numTokens, nowMs);
         entries.push(this.planEntry(sequence, numNewTokens));
@@ -636,7 +644,7 @@ export class Scheduler {
     }
     // The longest cached prefix, but never past the imported positions (blocks are cached whole).
     // No copy-on-write: the block a copy would fill is imported with the rest.
-    const found = this.kv.findCachedPrefix(table, tokenIds, { copyOnWrite: false });
+    const found = this.kv.findCachedPrefix(table, tokenIds, { copyOnWrite: false, lowerTiers: false });
     const maxHitBlocks = Math.floor(numTokens / this.kv.blockSize);
     const prefix = found.blocks.length <= maxHitBlocks ? found
       : { blocks: found.blocks.slice(0, maxHitBlocks), numTokens: maxHitBlocks * this.kv.blockSize, numQueryTokens: found.numQueryTokens };

@@ -10,6 +10,7 @@ import {
 } from './handoff.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import { KvCacheManager, type BlockTable } from './kv-cache/manager.ts';
+import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { copyTimestamps, type Request } from './request.ts';
 import { Scheduler, type AdoptedState, type SchedulerConfig, type StepPlan } from './scheduler.ts';
 import type {
@@ -75,6 +76,9 @@ export interface StepCoreOptions<T> extends SchedulerConfig {
   kvLayout: KvPoolLayout;
   enablePrefixCaching?: boolean;
   enableKvEvents?: boolean;
+  /** Lower KV tiers under the pool (RAM, disk), and the pool's bytes for them to copy (none in the simulator). */
+  kvTiers?: KvTiers;
+  kvBlockIo?: KvBlockIo;
   tokens: TokenSource<T>;
   text: TextSource;
 }
@@ -115,6 +119,8 @@ export class StepCore<T> {
     this.kv = new KvCacheManager({
       numBlocks: options.kvLayout.numBlocks, blockSize: options.kvLayout.blockSize,
       enablePrefixCaching: options.enablePrefixCaching ?? true, enableEvents: options.enableKvEvents ?? false,
+      ...(options.kvTiers !== undefined ? { tiers: options.kvTiers } : {}),
+      ...(options.kvBlockIo !== undefined ? { blockIo: options.kvBlockIo } : {}),
     });
     this.handoffs = new HandoffOutbox(this.kv);
     this.scheduler = new Scheduler({
@@ -388,7 +394,17 @@ export class StepCore<T> {
       kvBlocksUsed: kv.numUsedBlocks, kvBlocksTotal: kv.numBlocks,
       prefixCacheQueries: kv.prefixQueryTokens, prefixCacheHits: kv.prefixHitTokens,
       preemptions: scheduler.numPreemptions, kvEvictions: kv.evictions,
+      ...(kv.tiers !== undefined ? { kvTiers: kv.tiers } : {}),
     };
+  }
+
+  /**
+   * Copies the next cached blocks the pool would evict down to the lower KV tiers, at most their per-call bound
+   * (tiers.ts says why that bounds the time): the worker calls it between steps (window Infinity when idle: every
+   * cached free block, chunk by chunk). Returns how many were copied.
+   */
+  offloadKv(maxBlocks?: number, window?: number): number {
+    return this.kv.offloadEvictable(maxBlocks, window);
   }
 
   /** The router's load view of this worker: prompt tokens still to compute, decode blocks held, KV use. */

@@ -89,6 +89,12 @@ export interface RequestTimestamps {
    * stay put); the kv_transfer phase of traces and metrics.
    */
   kvTransfer?: { start: number; end: number; bytes: number; blocks: number };
+  /**
+   * Prompt blocks brought back from the worker's lower KV tiers instead of recomputed (--kv-offload-memory,
+   * --kv-offload-disk): blocks per tier, bytes, and the copy's duration in ms (it runs before the step's forward
+   * pass, inside the scheduler's admission).
+   */
+  kvOnboard?: { ram: number; disk: number; bytes: number; ms: number };
   /** Sequences already waiting in the worker's queue when the request joined it. */
   queueDepthAtEntry?: number;
   /**

@@ -3,13 +3,15 @@
 // that new requests and aborts are taken in before the next step is planned.
 
 import { parentPort, workerData } from 'node:worker_threads';
-import { kvPoolBytes } from '../kernels/types.ts';
+import { kvPoolBytes, type KvPoolLayout } from '../kernels/types.ts';
 import { selectBackend } from '../kernels/select.ts';
 import { loadModel } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
-import { validateHandoff } from './handoff.ts';
+import { kvBlockBytes, validateHandoff } from './handoff.ts';
+import { KvTiers } from './kv-cache/tiers.ts';
+import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import type { ModelConfig } from '../model/config.ts';
 import { loadLoraAdapter } from '../model/lora.ts';
@@ -36,13 +38,20 @@ async function start(): Promise<EngineCore> {
   if (numBlocks < 1) {
     throw new Error(`--kv-cache-memory ${init.kvCacheMemoryBytes} bytes holds no block of ${bytesPerBlock} bytes`);
   }
+  // Before the backend loads: it may give the weights' bytes back, and the disk tier's fingerprint samples them.
+  const fingerprint = init.kvOffload?.diskDir !== undefined
+    ? modelFingerprint(config, loaded.weights, { numLayers: config.numLayers, blockSize: init.blockSize, numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: init.kvDtype })
+    : undefined;
   const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: init.kvDtype },
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
     { threads: init.threads, releaseUnpackedWeights: true });
   const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
+  const tierNotices: string[] = [];
+  const kvTiers = openKvTiers(backend.kvLayout, fingerprint, tierNotices);
   const core = new EngineCore({
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
     policy: init.policy, enablePrefixCaching: init.enablePrefixCaching, enableKvEvents: init.enableKvEvents,
+    ...(kvTiers !== undefined ? { kvTiers } : {}),
     now: engineNow,
   });
   const info: EngineInfo = {
@@ -53,7 +62,7 @@ async function start(): Promise<EngineCore> {
     quantization: dominantType(loaded.metadata.parametersByType),
   };
   const pool = core.kvPoolView;
-  send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? [])], kvPool: pool.pool, kvLayout: pool.layout });
+  send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], kvPool: pool.pool, kvLayout: pool.layout });
   return core;
 }
 
@@ -62,6 +71,26 @@ function dominantType(parametersByType: Record<string, number>): string | undefi
   let best: string | undefined;
   for (const [type, count] of Object.entries(parametersByType)) if (best === undefined || count > parametersByType[best]!) best = type;
   return best;
+}
+
+/**
+ * The lower KV tiers of this worker, when configured. The offload window is twice the blocks one step can allocate,
+ * so what the next step may evict has been copied down before it runs (tiers.ts).
+ */
+function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, notices: string[]): KvTiers | undefined {
+  const offload = init.kvOffload;
+  if (offload === undefined || (offload.memoryBytes <= 0 && offload.diskDir === undefined)) return undefined;
+  const windowBlocks = 2 * Math.ceil(init.maxNumBatchedTokens / init.blockSize);
+  const blockBytes = kvBlockBytes(layout);
+  let disk: DiskKvTier | undefined;
+  if (offload.diskDir !== undefined && fingerprint !== undefined) {
+    disk = new DiskKvTier({ dir: offload.diskDir, capacityBytes: offload.diskBytes ?? 0, blockBytes, fingerprint });
+    const found = disk.openReport;
+    notices.push(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
+      + (found.foreign > 0 ? `, ${found.foreign} of another model deleted` : '')
+      + (found.torn > 0 ? `, ${found.torn} torn or unfinished files deleted` : ''));
+  }
+  return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });
 }
 
 function run(core: EngineCore): void {
@@ -98,18 +127,45 @@ function run(core: EngineCore): void {
   };
   const idleTimer = idleReleaseMs > 0 ? setInterval(releaseIfIdle, Math.max(10, Math.min(idleReleaseMs / 4, 1000))) : undefined;
 
+  // Lower KV tiers: after each step (its outputs already sent) the next blocks the pool would evict are copied down,
+  // a bounded number per gap; once idle, everything cached goes down chunk by chunk (one chunk per turn of the event
+  // loop, so a new request never waits for more than one chunk).
+  const tiers = core.kv.tiers;
+  let offloadQueued = false;
+  const offloadIdle = () => {
+    offloadQueued = false;
+    if (closing || core.hasWork) return;
+    const copied = core.offloadKv(undefined, Infinity);
+    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    if (kvEvents && kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+    if (copied > 0) queueOffloadIdle();
+    // A disk tier at its bound of writes in flight: try again once some have landed.
+    else if (tiers!.diskBusy) queueOffloadIdle(10);
+  };
+  const queueOffloadIdle = (delayMs = 0) => {
+    if (tiers === undefined || offloadQueued || closing) return;
+    offloadQueued = true;
+    if (delayMs > 0) setTimeout(offloadIdle, delayMs);
+    else setImmediate(offloadIdle);
+  };
+
   const step = () => {
     stepQueued = false;
     if (closing) return;
     touchedSinceReset = true;
     const outputs = core.step();
     lastBusyMs = engineNow();
-    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    let kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
       send({ type: 'outputs', outputs, stats: core.stats(), kvEvents });
     }
     sendHandoffState();
+    if (tiers !== undefined && core.offloadKv() > 0 && init.enableKvEvents) {
+      kvEvents = core.takeKvEvents();
+      if (kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+    }
     queueStep();
+    if (!core.hasWork) queueOffloadIdle();
   };
   const queueStep = () => {
     if (!stepQueued && core.hasWork && !closing) {
@@ -185,8 +241,12 @@ function run(core: EngineCore): void {
       case 'close':
         closing = true;
         clearInterval(idleTimer);
-        send({ type: 'closed' });
-        port.close();
+        // The disk tier's writes in flight finish first (bounded: at most its pending bytes), so a clean stop loses
+        // nothing it had started to write.
+        void (tiers?.flush() ?? Promise.resolve()).catch(() => {}).then(() => {
+          send({ type: 'closed' });
+          port.close();
+        });
         return;
     }
   });

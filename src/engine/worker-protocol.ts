@@ -9,6 +9,16 @@ import type { KvEvent } from '../protocols/kv-events.ts';
 
 export type BackendPreference = 'auto' | 'native' | 'reference';
 
+/** One worker's lower KV tiers: its share of --kv-offload-memory, and its own folder of the disk tier. */
+export interface KvOffloadConfig {
+  /** RAM tier bytes (0: none). */
+  memoryBytes: number;
+  /** Disk tier folder of this worker (created if missing); absent: no disk tier. */
+  diskDir?: string;
+  /** Disk tier bytes of this worker. */
+  diskBytes?: number;
+}
+
 export interface WorkerInit {
   modelPath: string;
   servedModelName: string;
@@ -29,6 +39,8 @@ export interface WorkerInit {
    * pool's pages back (0 or unset: never).
    */
   kvCacheIdleReleaseSeconds?: number;
+  /** Lower KV tiers under this worker's pool (kv-cache/tiers.ts); absent: none. */
+  kvOffload?: KvOffloadConfig;
   /** Disaggregated serving (default 'both'); only informs the worker's notices and info. */
   role?: WorkerRole;
 }

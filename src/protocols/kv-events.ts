@@ -30,6 +30,15 @@ export function parseBlockHash(value: unknown, where = 'block hash'): BlockHash 
 
 // ---------------------------------------------------------------------------------------------------------------
 // Events
+//
+// Tiers: a worker may keep blocks below its primary pool (RAM, disk; src/engine/kv-cache/tiers.ts). An event about
+// such a tier carries `tier`; an event without it is about the primary pool, as every event was before tiers
+// existed, so old producers and consumers of primary events are unaffected. The same hash can be held by several
+// tiers at once (tiers are inclusive): each tier's stored and removed events are independent.
+
+/** A tier below the primary pool; events without a tier are about the primary pool. */
+export type KvLowerTier = 'ram' | 'disk';
+export const KV_LOWER_TIERS: readonly KvLowerTier[] = ['ram', 'disk'];
 
 /** Full blocks became reusable on this worker. They extend the chain ending at parentHash (null: from the start). */
 export interface KvStoredEvent {
@@ -41,6 +50,8 @@ export interface KvStoredEvent {
   /** blockHashes.length * blockSize: only full blocks are ever stored. */
   tokenCount: number;
   blockSize: number;
+  /** Absent: the primary pool. */
+  tier?: KvLowerTier;
 }
 
 /** Blocks were evicted: the worker no longer holds these prefixes. */
@@ -48,12 +59,14 @@ export interface KvRemovedEvent {
   type: 'removed';
   eventId: number;
   blockHashes: BlockHash[];
+  tier?: KvLowerTier;
 }
 
-/** The worker dropped every cached block (prefix cache reset). */
+/** The worker dropped every cached block of a tier (prefix cache reset; absent tier: the primary pool). */
 export interface KvClearedEvent {
   type: 'cleared';
   eventId: number;
+  tier?: KvLowerTier;
 }
 
 export type KvEvent = KvStoredEvent | KvRemovedEvent | KvClearedEvent;
@@ -81,10 +94,17 @@ function parseCount(value: unknown, field: string, minimum: number): number {
   return value as number;
 }
 
+function parseTier(value: unknown): { tier?: KvLowerTier } {
+  if (value === undefined || value === null || value === 'primary') return {};
+  if (!(KV_LOWER_TIERS as readonly unknown[]).includes(value)) fail(`tier must be one of ${KV_LOWER_TIERS.join(', ')} (or absent), got ${JSON.stringify(value)}`);
+  return { tier: value as KvLowerTier };
+}
+
 export function parseKvEvent(value: unknown): KvEvent {
   if (typeof value !== 'object' || value === null) fail('not an object');
   const record = value as Record<string, unknown>;
   const eventId = parseCount(record.eventId, 'eventId', 0);
+  const tier = parseTier(record.tier);
   switch (record.type) {
     case 'stored': {
       const blockHashes = parseHashList(record.blockHashes, 'blockHashes');
@@ -95,12 +115,12 @@ export function parseKvEvent(value: unknown): KvEvent {
       if (tokenCount !== blockHashes.length * blockSize) {
         fail(`tokenCount ${tokenCount} is not ${blockHashes.length} blocks x blockSize ${blockSize}`);
       }
-      return { type: 'stored', eventId, blockHashes, parentHash, tokenCount, blockSize };
+      return { type: 'stored', eventId, blockHashes, parentHash, tokenCount, blockSize, ...tier };
     }
     case 'removed':
-      return { type: 'removed', eventId, blockHashes: parseHashList(record.blockHashes, 'blockHashes') };
+      return { type: 'removed', eventId, blockHashes: parseHashList(record.blockHashes, 'blockHashes'), ...tier };
     case 'cleared':
-      return { type: 'cleared', eventId };
+      return { type: 'cleared', eventId, ...tier };
     default:
       return fail(`unknown type ${JSON.stringify(record.type)} (expected stored, removed or cleared)`);
   }

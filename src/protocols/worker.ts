@@ -3,6 +3,8 @@
 // every output, read by telemetry). Plain data that survives structured clone and JSON; one definition here, used
 // by the engine that produces it and the router, runtime, sim and telemetry that consume it.
 
+import type { KvLowerTier } from './kv-events.ts';
+
 // ---------------------------------------------------------------------------------------------------------------
 // Engine statistics
 
@@ -18,6 +20,35 @@ export interface EngineStats {
   kvEvictions?: number;
   /** Requests this worker took over from a lost worker (cumulative); set by the routed and disaggregated engines. */
   requestMigrations?: number;
+  /** The KV tiers below the primary pool, when the worker has any (--kv-offload-memory, --kv-offload-disk). */
+  kvTiers?: KvTiersStats;
+}
+
+/** Per-tier figures for stats and metrics (cumulative counters and current sizes). */
+export interface KvTierStats {
+  capacityBlocks: number;
+  usedBlocks: number;
+  blockBytes: number;
+  /** Blocks copied into this tier and the time the copies took (disk: writes completed). */
+  offloadBlocks: number;
+  offloadBytes: number;
+  offloadMs: number;
+  /** Blocks copied from this tier into the primary pool, and the time it took. */
+  onboardBlocks: number;
+  onboardBytes: number;
+  onboardMs: number;
+  /** Blocks dropped as unreadable (disk: a torn or corrupted file). */
+  corruptBlocks: number;
+  /** Blocks pushed out by the tier's LRU bound. */
+  evictedBlocks: number;
+}
+
+export interface KvTiersStats {
+  tiers: Partial<Record<KvLowerTier, KvTierStats>>;
+  /** Cached primary blocks evicted before they had been copied below. */
+  missedOffloads: number;
+  /** Lookups that found lower-tier blocks but recomputed them because the cost model said it was faster. */
+  recomputedBlocks: number;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

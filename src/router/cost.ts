@@ -9,6 +9,10 @@
 // prefill term, so overlapWeight trades TTFT (high: chase cache hits) against ITL (low: spread the load); at 0 the
 // router ignores the cache.
 //
+// A block a worker holds only in a lower tier (RAM, disk: kv-cache/tiers.ts) is neither free nor full price: it is
+// copied back rather than computed, so it counts as lowerTierWeight.ram (or .disk) of a block to compute. Primary
+// hits therefore always beat lower-tier hits of the same depth, and a lower-tier hit beats a cold worker.
+//
 // A prefix counts once. Requests sharing a prefix on one worker share its KV blocks, so a request adds only the
 // blocks past those its worker's active requests already hold. Likewise, when another request on the worker is
 // computing this request's prefix right now, that queued prefill is not charged again: this request needs the
@@ -30,7 +34,17 @@ export interface RequestShape {
   numPromptTokens: number;
   blockSize: number;
   overlapWeight: number;
+  /** Cost of a block a worker holds only in its RAM / disk tier, as a fraction of computing it (default below). */
+  lowerTierWeight?: LowerTierWeight;
 }
+
+export interface LowerTierWeight {
+  ram: number;
+  disk: number;
+}
+
+/** Copying a block back from RAM costs about a quarter of computing it on a CPU worker, from disk about half. */
+export const DEFAULT_LOWER_TIER_WEIGHT: LowerTierWeight = { ram: 0.25, disk: 0.5 };
 
 export interface WorkerView {
   workerId: WorkerId;
@@ -44,6 +58,8 @@ export interface WorkerView {
   sharedActiveBlocks: number;
   /** Prompt blocks its prefilling requests are computing right now. */
   computingBlocks: number;
+  /** Prompt blocks right after matchedBlocks it holds below its primary pool, and how many of them only on disk. */
+  lowerTierBlocks?: { blocks: number; disk: number };
   busy: boolean;
 }
 
@@ -59,7 +75,14 @@ export function costTerms(request: RequestShape, worker: WorkerView): WorkerCost
   const { numPromptTokens, blockSize, overlapWeight } = request;
   const overlapBlocks = reusableBlocks(numPromptTokens, blockSize, worker.matchedBlocks);
   const speculativeBlocks = overlapBlocks - Math.min(worker.indexedBlocks, overlapBlocks);
-  const newPrefillTokens = numPromptTokens - overlapBlocks * blockSize;
+  // Lower-tier blocks continue the primary run only up to the blocks the engine may take from any cache.
+  const lower = worker.lowerTierBlocks;
+  const lowerBlocks = lower === undefined ? 0 : reusableBlocks(numPromptTokens, blockSize, overlapBlocks + lower.blocks) - overlapBlocks;
+  const diskBlocks = lower === undefined ? 0 : Math.min(lower.disk, lowerBlocks);
+  const weight = request.lowerTierWeight ?? DEFAULT_LOWER_TIER_WEIGHT;
+  const lowerTierSaving = lowerBlocks === 0 ? 0
+    : ((lowerBlocks - diskBlocks) * (1 - weight.ram) + diskBlocks * (1 - weight.disk)) * blockSize;
+  const newPrefillTokens = numPromptTokens - overlapBlocks * blockSize - lowerTierSaving;
   const queuedPrefillTokens = Math.max(worker.reported.activePrefillTokens, worker.own.prefillTokens);
   // Only blocks this request reuses can be the ones being computed for it.
   const sharedQueuedTokens = Math.min(worker.computingBlocks, overlapBlocks) * blockSize;
@@ -71,6 +94,7 @@ export function costTerms(request: RequestShape, worker: WorkerView): WorkerCost
   const decodeBlocks = Math.max(worker.reported.activeDecodeBlocks, worker.own.numBlocks) + newBlocks;
   return {
     workerId: worker.workerId, overlapBlocks, speculativeBlocks, prefillTokens, prefillBlocks, decodeBlocks,
+    ...(lowerBlocks > 0 ? { lowerTierBlocks: lowerBlocks } : {}),
     cost: overlapWeight * prefillBlocks + decodeBlocks, busy: worker.busy,
   };
 }

@@ -15,13 +15,17 @@
 //                   successor hint per slot; matching ANDs a few words per block. A lookup stays in microseconds
 //                   with hundreds of workers and a million blocks (benchmarks/router.ts).
 //
+// Lower tiers: events with a `tier` (a worker's RAM or disk tier, kv-events.ts) never touch the primary storage; a
+// plain map per worker records which tiers hold each hash, and lowerTierRun reads it for the router's cost. A
+// resync replaces only the primary blocks (a worker's dump holds those); lower-tier entries stay as events left them.
+//
 // Event ids: each worker numbers its events 1, 2, 3, ... A gap means lost events, after which this index may
 // believe a worker holds blocks it evicted (or miss blocks it stored). The index keeps applying what it receives,
 // reports the worker as needing a resync, and buffers the events that arrive meanwhile; the caller fetches the
 // worker's dump and calls resync(), which replaces the worker's blocks and replays the buffered events newer than
 // the dump.
 
-import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
+import type { BlockHash, KvEvent, KvLowerTier } from '../protocols/kv-events.ts';
 import type { WorkerId } from './protocols.ts';
 
 export type ApplyResult =
@@ -54,6 +58,11 @@ export interface KvIndex {
   /** Forgets a worker's blocks and event ids (it left, or restarted and will number its events from 1 again). */
   removeWorker(workerId: WorkerId): void;
   /**
+   * Of hashes[from], hashes[from + 1], ..., how many in a row the worker holds below its primary pool (events with a
+   * tier), and how many of those only on disk.
+   */
+  lowerTierRun(workerId: WorkerId, hashes: readonly BlockHash[], from: number): { blocks: number; disk: number };
+  /**
    * Replaces a worker's blocks with a dump of them and clears its resync flag. With lastEventId (the id of the last
    * event the dump reflects), buffered events newer than it are replayed; without, the next event id is accepted.
    */
@@ -82,8 +91,12 @@ interface WorkerEventState {
 export const DEFAULT_MAX_BUFFERED_EVENTS = 10_000;
 
 /** Event sequencing, resync and dumps, over block storage supplied by the implementation. */
+const TIER_BIT: Record<KvLowerTier, number> = { ram: 1, disk: 2 };
+
 export abstract class KvIndexBase implements KvIndex {
   private readonly states = new Map<WorkerId, WorkerEventState>();
+  /** Per worker: hash -> bits of the lower tiers holding it. */
+  private readonly lowerTiers = new Map<WorkerId, Map<BlockHash, number>>();
   private readonly maxBufferedEvents: number;
 
   constructor(options: { maxBufferedEvents?: number } = {}) {
@@ -136,6 +149,10 @@ export abstract class KvIndexBase implements KvIndex {
   }
 
   private applyToStorage(workerId: WorkerId, event: KvEvent): void {
+    if (event.tier !== undefined) {
+      this.applyToLowerTier(workerId, event, TIER_BIT[event.tier]);
+      return;
+    }
     switch (event.type) {
       case 'stored':
         this.addBlocks(workerId, event.blockHashes, event.parentHash);
@@ -147,6 +164,43 @@ export abstract class KvIndexBase implements KvIndex {
         this.clearBlocks(workerId);
         break;
     }
+  }
+
+  private applyToLowerTier(workerId: WorkerId, event: KvEvent, bit: number): void {
+    let held = this.lowerTiers.get(workerId);
+    if (held === undefined) this.lowerTiers.set(workerId, held = new Map());
+    switch (event.type) {
+      case 'stored':
+        for (const hash of event.blockHashes) held.set(hash, (held.get(hash) ?? 0) | bit);
+        break;
+      case 'removed':
+        for (const hash of event.blockHashes) {
+          const bits = (held.get(hash) ?? 0) & ~bit;
+          if (bits === 0) held.delete(hash);
+          else held.set(hash, bits);
+        }
+        break;
+      case 'cleared':
+        for (const [hash, bits] of held) {
+          if ((bits & ~bit) === 0) held.delete(hash);
+          else held.set(hash, bits & ~bit);
+        }
+        break;
+    }
+  }
+
+  lowerTierRun(workerId: WorkerId, hashes: readonly BlockHash[], from: number): { blocks: number; disk: number } {
+    const held = this.lowerTiers.get(workerId);
+    let blocks = 0;
+    let disk = 0;
+    if (held === undefined) return { blocks, disk };
+    for (let i = from; i < hashes.length; i++) {
+      const bits = held.get(hashes[i]!);
+      if (bits === undefined) break;
+      blocks++;
+      if (bits === TIER_BIT.disk) disk++;
+    }
+    return { blocks, disk };
   }
 
   resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number): void {
@@ -176,6 +230,7 @@ export abstract class KvIndexBase implements KvIndex {
 
   removeWorker(workerId: WorkerId): void {
     this.states.delete(workerId);
+    this.lowerTiers.delete(workerId);
     this.dropWorker(workerId);
   }
 

@@ -76,8 +76,13 @@ export interface WorkerCostTerms {
   overlapBlocks: number;
   /** Of overlapBlocks, how many only a speculative insert vouches for. */
   speculativeBlocks: number;
-  /** Prompt tokens it would compute for this request plus the prefill already queued on it. */
+  /**
+   * Prompt tokens it would compute for this request plus the prefill already queued on it; blocks it would copy back
+   * from a lower tier count at their tier's weight (cost.ts).
+   */
   prefillTokens: number;
+  /** Prompt blocks after overlapBlocks it holds in a lower tier (RAM, disk) and would copy back. */
+  lowerTierBlocks?: number;
   /** prefillTokens / blockSize. */
   prefillBlocks: number;
   /** Blocks its running requests hold plus the new blocks this request would add. */

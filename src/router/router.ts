@@ -353,6 +353,8 @@ export class Router {
           : this.matchedBlocks(workerId, hashes, indexedBlocks, speculativeBlocks, nowMs),
         sharedActiveBlocks: shared.get(workerId) ?? 0, computingBlocks: computing.get(workerId) ?? 0, busy: this.isBusy(reported, own.numPrefilling),
       };
+      const lower = this.index.lowerTierRun(workerId, hashes, view.matchedBlocks);
+      if (lower.blocks > 0) view.lowerTierBlocks = lower;
       if (!view.busy) candidates.push(views.length);
       views.push(view);
       terms.push(costTerms(shape, view));

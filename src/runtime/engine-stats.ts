@@ -1,5 +1,5 @@
 // The stats of several workers as one engine's: the routed and disaggregated engines report their workers' sums.
-import type { EngineStats } from '../protocols/worker.ts';
+import type { EngineStats, KvTierStats, KvTiersStats } from '../protocols/worker.ts';
 
 /** Field-by-field sum; the counters a worker may not keep (evictions) count as 0. */
 export function sumEngineStats(all: Iterable<EngineStats>): EngineStats {
@@ -16,6 +16,26 @@ export function sumEngineStats(all: Iterable<EngineStats>): EngineStats {
     total.prefixCacheHits += s.prefixCacheHits;
     total.preemptions += s.preemptions;
     total.kvEvictions! += s.kvEvictions ?? 0;
+    if (s.kvTiers !== undefined) total.kvTiers = addKvTiers(total.kvTiers, s.kvTiers);
   }
   return total;
+}
+
+/** Lower KV tiers summed tier by tier, every figure (sizes and counters alike). */
+function addKvTiers(sum: KvTiersStats | undefined, add: KvTiersStats): KvTiersStats {
+  const out: KvTiersStats = {
+    tiers: { ...sum?.tiers }, missedOffloads: (sum?.missedOffloads ?? 0) + add.missedOffloads,
+    recomputedBlocks: (sum?.recomputedBlocks ?? 0) + add.recomputedBlocks,
+  };
+  for (const [tier, stats] of Object.entries(add.tiers) as [keyof KvTiersStats['tiers'], KvTierStats][]) {
+    const before = out.tiers[tier];
+    if (before === undefined) {
+      out.tiers[tier] = { ...stats };
+      continue;
+    }
+    const merged = { ...before };
+    for (const key of Object.keys(stats) as (keyof KvTierStats)[]) merged[key] = key === 'blockBytes' ? stats[key] : before[key] + stats[key];
+    out.tiers[tier] = merged;
+  }
+  return out;
 }

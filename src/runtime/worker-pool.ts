@@ -3,6 +3,8 @@
 // way, plus the tokenizer and chat template it applies at the edge.
 
 import { availableParallelism } from 'node:os';
+import { join } from 'node:path';
+import { acquireDiskTierLock } from '../engine/kv-cache/disk-tier.ts';
 import { engineNow } from '../engine/clock.ts';
 import { createLocalEngine, LocalEngine, type LocalEngineOptions } from '../engine/local-engine.ts';
 import type { Engine, WorkerRole } from '../engine/types.ts';
@@ -38,7 +40,15 @@ export interface SimWorkerSpec {
   calibration?: CalibrationName;
 }
 
-export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents'> {
+export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents' | 'kvOffload'> {
+  /** RAM tier under the cpu workers' KV pools, bytes for all of them together (split evenly). */
+  kvOffloadMemoryBytes?: number;
+  /**
+   * Disk tier folder (locked for this process; each cpu worker gets a subfolder worker-<slot>) and its size for all
+   * workers together (split evenly).
+   */
+  kvOffloadDiskDir?: string;
+  kvOffloadDiskBytes?: number;
   engine: 'cpu' | 'sim';
   workers: number;
   /** The model file for cpu workers. */
@@ -100,6 +110,29 @@ export interface WorkerPool {
 }
 
 export async function createWorkerPool(options: WorkerPoolOptions): Promise<WorkerPool> {
+  if (options.engine !== 'cpu' || options.kvOffloadDiskDir === undefined) return createPool(options);
+  // One process per disk tier folder: a second server pointed at it is refused before any worker starts.
+  const release = acquireDiskTierLock(options.kvOffloadDiskDir);
+  let pool: WorkerPool;
+  try {
+    pool = await createPool(options);
+  } catch (error) {
+    release();
+    throw error;
+  }
+  const engine = pool.engine;
+  const close = engine.close.bind(engine);
+  engine.close = async () => {
+    try {
+      await close();
+    } finally {
+      release();
+    }
+  };
+  return pool;
+}
+
+async function createPool(options: WorkerPoolOptions): Promise<WorkerPool> {
   if (options.prefillWorkers !== undefined || options.decodeWorkers !== undefined) return createDisaggregatedPool(options);
   if (!Number.isInteger(options.workers) || options.workers < 1) {
     throw new RangeError(`workers must be a whole number >= 1, got ${options.workers}`);
@@ -148,11 +181,13 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   if (!modelPath) throw new Error('cpu workers need a model path');
   // The machine's cores are shared: each worker gets its share unless told otherwise.
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / options.workers));
-  const first = await createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents });
+  const slots = new DiskSlots(options, options.workers);
+  const first = await slots.start((kvOffload) => createLocalEngine({ ...options, modelPath, threads, enableKvEvents: withKvEvents, ...kvOffload }),
+    (bundle) => bundle.engine);
   const workers: RoutedWorker[] = [{ id: 'worker-0', engine: first.engine }];
-  const start = (): Promise<RoutableEngine> => LocalEngine.start({
-    ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: withKvEvents,
-  });
+  const start = (): Promise<RoutableEngine> => slots.start((kvOffload) => LocalEngine.start({
+    ...options, modelPath, threads, servedModelName: first.engine.info.modelName, enableKvEvents: withKvEvents, ...kvOffload,
+  }), (engine) => engine);
   try {
     for (let i = 1; i < options.workers; i++) workers.push({ id: `worker-${i}`, engine: await start() });
   } catch (error) {
@@ -160,6 +195,50 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
     throw error;
   }
   return { workers, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate, notices: first.engine.notices, start };
+}
+
+/**
+ * The cpu workers' lower KV tiers: each worker's even share of the RAM tier and of the disk tier's size, and a disk
+ * subfolder of its own (worker-<slot>). A slot is held while its worker lives; a restarted worker takes the lowest
+ * free one, so it finds the blocks its predecessor wrote (the lost thread can no longer write there).
+ */
+class DiskSlots {
+  private readonly held = new Set<number>();
+
+  constructor(private readonly options: WorkerPoolOptions, private readonly numWorkers: number) {}
+
+  async start<T>(starter: (offload: Pick<LocalEngineOptions, 'kvOffload'>) => Promise<T>, engineOf: (started: T) => LocalEngine): Promise<T> {
+    const memoryBytes = Math.floor((this.options.kvOffloadMemoryBytes ?? 0) / this.numWorkers);
+    const dir = this.options.kvOffloadDiskDir;
+    if (memoryBytes <= 0 && dir === undefined) return starter({});
+    let slot = -1;
+    if (dir !== undefined) {
+      slot = 0;
+      while (this.held.has(slot)) slot++;
+      this.held.add(slot);
+    }
+    const free = () => this.held.delete(slot);
+    const disk = dir === undefined ? {} : {
+      diskDir: join(dir, `worker-${slot}`), diskBytes: Math.floor((this.options.kvOffloadDiskBytes ?? 0) / this.numWorkers),
+    };
+    let started: T;
+    try {
+      started = await starter({ kvOffload: { memoryBytes, ...disk } });
+    } catch (error) {
+      free();
+      throw error;
+    }
+    if (slot >= 0) {
+      const engine = engineOf(started);
+      engine.onLost(free);
+      const close = engine.close.bind(engine);
+      engine.close = async () => {
+        await close();
+        free();
+      };
+    }
+    return started;
+  }
 }
 
 /**
@@ -176,7 +255,9 @@ function simTokenizer() {
 }
 
 /** What the simulated workers of one pool share: the profile, its calibration, the gateway's tokenizer, a maker. */
-export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 'maxNumBatchedTokens' | 'policy' | 'maxModelLen' | 'enablePrefixCaching'>) {
+export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 'maxNumBatchedTokens' | 'policy' | 'maxModelLen'
+  | 'enablePrefixCaching' | 'prefillWorkers' | 'decodeWorkers' | 'kvOffloadMemoryBytes' | 'kvOffloadDiskDir' | 'kvOffloadDiskBytes'>
+  & Partial<Pick<WorkerPoolOptions, 'workers'>>) {
   const spec = options.sim;
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
   const model = getModelProfile(spec.model);
@@ -184,6 +265,12 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
   const efficiency = calibrationEfficiency(calibration, hw);
+  // Lower KV tiers modelled (host RAM over PCIe, NVMe) from the same flags as cpu workers' real ones, split evenly;
+  // a simulated disk tier keeps nothing on disk (the folder is not used).
+  const numWorkers = (options.prefillWorkers ?? 0) + (options.decodeWorkers ?? 0) || options.workers || 1;
+  const ramBytes = Math.floor((options.kvOffloadMemoryBytes ?? 0) / numWorkers);
+  const diskBytes = options.kvOffloadDiskDir !== undefined ? Math.floor((options.kvOffloadDiskBytes ?? 0) / numWorkers) : 0;
+  const kvTiers = ramBytes > 0 || diskBytes > 0 ? { kvTiers: { ramBytes, diskBytes } } : {};
   // At a speed-up other than 1 the simulated clock is not the engine clock: the workers share one origin, and the
   // pool's clock (which the gateway stamps with, and the routers) is theirs, so a request's times are all simulated.
   const speedUp = spec.speedUp;
@@ -191,7 +278,7 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   const engines: SimEngine[] = [];
   const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => {
     const engine = new SimEngine({
-      model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin,
+      model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin, ...kvTiers,
       maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
       maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
     });
@@ -279,20 +366,23 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const modelPath = options.modelPath;
   if (!modelPath) throw new Error('cpu workers need a model path');
   const threads = options.threads ?? Math.max(1, Math.floor(availableParallelism() / (numPrefill + numDecode)));
+  const slots = new DiskSlots(options, numPrefill + numDecode);
   const common = { ...options, modelPath, threads, enableKvEvents: true };
-  const first = await createLocalEngine({ ...common, role: 'decode' });
+  const startRole = (role: WorkerRole, servedModelName: string) =>
+    slots.start((kvOffload) => LocalEngine.start({ ...common, ...kvOffload, servedModelName, role }), (engine) => engine);
+  const first = await slots.start((kvOffload) => createLocalEngine({ ...common, ...kvOffload, role: 'decode' }), (bundle) => bundle.engine);
   const started: LocalEngine[] = [first.engine];
   const decode = [{ id: 'decode-0', engine: first.engine }];
   const prefill: RoleWorkers['prefill'] = [];
   try {
     const servedModelName = first.engine.info.modelName;
     for (let i = 1; i < numDecode; i++) {
-      const engine = await LocalEngine.start({ ...common, servedModelName, role: 'decode' });
+      const engine = await startRole('decode', servedModelName);
       started.push(engine);
       decode.push({ id: `decode-${i}`, engine });
     }
     for (let i = 0; i < numPrefill; i++) {
-      const engine = await LocalEngine.start({ ...common, servedModelName, role: 'prefill' });
+      const engine = await startRole('prefill', servedModelName);
       started.push(engine);
       prefill.push({ id: `prefill-${i}`, engine });
     }
@@ -303,7 +393,7 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const servedModelName = first.engine.info.modelName;
   return {
     prefill, decode, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate,
-    start: (role) => LocalEngine.start({ ...common, servedModelName, role }),
+    start: (role) => startRole(role, servedModelName),
     notices: [...first.engine.notices, `disaggregated: ${numPrefill} prefill + ${numDecode} decode workers, KV over shared memory`],
   };
 }

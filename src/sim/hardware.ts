@@ -79,6 +79,44 @@ export const PCIE5_X16: LinkProfile = {
   bytesPerSecPerDirection: (32e9 * 16 * 128) / 130 / 8, bidirectionalBytesPerSec: 128 * GB_PER_SEC, hopLatencyUs: 2,
 };
 
+/**
+ * Where a simulated worker's lower KV tiers sit (src/engine/kv-cache/tiers.ts): host DRAM reached over each GPU's
+ * PCIe link (each GPU moves its own shard of a block, so tp links work side by side), and a local NVMe drive shared
+ * by the worker. Bandwidths are sustained figures each way, latency is per transfer (a block run).
+ */
+export interface KvTierProfile {
+  id: string;
+  name: string;
+  bytesPerSec: number;
+  latencyUs: number;
+  /** Each GPU has its own path (PCIe): a worker of tp GPUs moves tp shards at once. False: one path per worker. */
+  perGpu: boolean;
+}
+
+/** Host DRAM over PCIe 5.0 x16 (pinned memory, DMA): about 80% of the link's 63 GB/s each way. */
+export const HOST_RAM_PCIE5: KvTierProfile = {
+  id: 'pcie5-host', name: 'host DRAM over PCIe 5.0 x16', bytesPerSec: 0.8 * PCIE5_X16.bytesPerSecPerDirection, latencyUs: 10, perGpu: true,
+};
+
+/** Host DRAM over PCIe 4.0 x16 (A100 nodes): about 25 GB/s sustained each way. */
+export const HOST_RAM_PCIE4: KvTierProfile = {
+  id: 'pcie4-host', name: 'host DRAM over PCIe 4.0 x16', bytesPerSec: 25 * GB_PER_SEC, latencyUs: 10, perGpu: true,
+};
+
+/** One NVMe Gen4 x4 SSD (sequential read ~7 GB/s; ~5 GB/s sustained for block-sized reads), ~80 µs per read. */
+export const NVME_GEN4: KvTierProfile = {
+  id: 'nvme-gen4', name: 'NVMe Gen4 x4 SSD', bytesPerSec: 5 * GB_PER_SEC, latencyUs: 80, perGpu: false,
+};
+
+export const KV_TIER_PROFILES: Readonly<Record<string, KvTierProfile>> = {
+  'pcie5-host': HOST_RAM_PCIE5, 'pcie4-host': HOST_RAM_PCIE4, 'nvme-gen4': NVME_GEN4,
+};
+
+/** The host tier a GPU reaches: PCIe 4.0 on an A100, PCIe 5.0 on later GPUs. */
+export function hostTierFor(hw: HardwareProfile): KvTierProfile {
+  return hw.id.startsWith('a100') ? HOST_RAM_PCIE4 : HOST_RAM_PCIE5;
+}
+
 export const LINK_PROFILES: Readonly<Record<string, LinkProfile>> = {
   nvlink3: NVLINK3, nvlink4: NVLINK4, nvlink5: NVLINK5, 'ib-ndr': INFINIBAND_NDR, pcie5: PCIE5_X16,
 };

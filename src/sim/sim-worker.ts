@@ -13,7 +13,8 @@ import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
 import type {
   EngineInfo, EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob, WorkerRole,
 } from '../engine/types.ts';
-import { INFINIBAND_NDR, type HardwareProfile, type LinkProfile } from './hardware.ts';
+import { hostTierFor, INFINIBAND_NDR, NVME_GEN4, type HardwareProfile, type KvTierProfile, type LinkProfile } from './hardware.ts';
+import { KvTiers, RamKvTier, type KvBlockIo } from '../engine/kv-cache/tiers.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import {
   DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type StepShape,
@@ -71,6 +72,38 @@ export interface SimWorkerConfig {
    * the transfer side by side (default InfiniBand NDR, one per GPU of the worker).
    */
   kvLink?: { link: LinkProfile; parallelLinks?: number };
+  /**
+   * Lower KV tiers under the pool, as the cpu engine has them (--kv-offload-memory, --kv-offload-disk): bytes of
+   * host RAM and of local disk (NVMe) for this worker, and their profiles (default: host DRAM over the GPU's PCIe,
+   * NVMe Gen4). The scheduler, cache and events are the real ones; an onboard lengthens the step that does it by
+   * the bytes over the tier's bandwidth, and offloads cost nothing on the step (DMA beside compute).
+   */
+  kvTiers?: { ramBytes?: number; diskBytes?: number; ram?: KvTierProfile; disk?: KvTierProfile };
+}
+
+/** No bytes in a simulated pool: the tiers keep hashes and count blocks. */
+const NO_BYTES = new Uint8Array(0);
+
+/** A simulated worker's lower tiers, or undefined when it has none. */
+function simKvTiers(config: SimWorkerConfig, blockSize: number): { tiers: KvTiers; io: KvBlockIo } | undefined {
+  const spec = config.kvTiers;
+  if (spec === undefined || ((spec.ramBytes ?? 0) <= 0 && (spec.diskBytes ?? 0) <= 0)) return undefined;
+  const blockBytes = blockSize * kvBytesPerToken(config.model);
+  const ram = spec.ram ?? hostTierFor(config.hw);
+  const disk = spec.disk ?? NVME_GEN4;
+  const shards = (profile: KvTierProfile) => (profile.perGpu ? config.tp : 1);
+  const msPerBlock = (profile: KvTierProfile) => (blockBytes / shards(profile) / profile.bytesPerSec) * 1000;
+  const diskBlocks = Math.floor((spec.diskBytes ?? 0) / blockBytes);
+  const tiers = new KvTiers({
+    blockBytes, ramBytes: spec.ramBytes ?? 0,
+    ...(diskBlocks > 0 ? { disk: new RamKvTier(diskBlocks, undefined, 'disk') } : {}),
+    bandwidth: { ram: (ram.bytesPerSec * shards(ram)) / 1000, disk: (disk.bytesPerSec * shards(disk)) / 1000 },
+    // One transfer latency per tier touched, then the bytes.
+    priceOnboard: ({ ram: r, disk: d }) => (r > 0 ? ram.latencyUs / 1000 + r * msPerBlock(ram) : 0)
+      + (d > 0 ? disk.latencyUs / 1000 + d * msPerBlock(disk) : 0),
+    windowBlocks: 2 * Math.ceil((config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens) / blockSize),
+  });
+  return { tiers, io: { blockBytes, read: () => NO_BYTES, write: () => {} } };
 }
 
 /** One planned step, priced by the performance model. */
@@ -158,7 +191,9 @@ export class SimWorker extends StepCore<number> {
       throw new RangeError(`eosProbability must be in [0, 1], got ${config.eosProbability}`);
     }
     const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+    const tiers = simKvTiers(config, blockSize);
     super({
+      ...(tiers !== undefined ? { kvTiers: tiers.tiers, kvBlockIo: tiers.io } : {}),
       // The pool's shape as a transfer sees it (the sim has no bytes; the real engine's layout names the same
       // sizes). KV elements count as 2 bytes ('f16'): BF16, the profiles' usual kvBytesPerElement.
       kvLayout: {
@@ -225,7 +260,15 @@ export class SimWorker extends StepCore<number> {
     const plan = this.planStep(nowMs);
     if (plan === null) return null;
     const shape = planToStepShape(plan);
-    const durationMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency) + this.blockCopyMs(plan);
+    const computeMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency);
+    // Blocks onboarded from lower tiers while the step was planned arrive before its forward pass.
+    const onboardMs = this.kv.tiers?.takeOnboardMs() ?? 0;
+    if (this.kv.tiers !== undefined && shape.prefillTokens.length > 0) {
+      let tokens = 0;
+      for (const chunk of shape.prefillTokens) tokens += chunk.newTokens;
+      if (tokens >= this.kv.blockSize) this.kv.tiers.observePrefill(tokens, computeMs);
+    }
+    const durationMs = computeMs + this.blockCopyMs(plan) + onboardMs;
     this.inFlight = { plan, shape, startMs: nowMs, durationMs, endMs: nowMs + durationMs };
     return this.inFlight;
   }
@@ -261,7 +304,14 @@ export class SimWorker extends StepCore<number> {
       return tokenId;
     });
     // Planning takes no simulated time: the forward pass starts when the step does.
-    return this.applyStep(plan, tokenIds, logprobs, step.startMs, step.endMs);
+    const outputs = this.applyStep(plan, tokenIds, logprobs, step.startMs, step.endMs);
+    // Lower tiers: copied down between steps as the cpu worker does, at no step time (DMA beside compute); an idle
+    // worker copies everything down.
+    if (this.kv.tiers !== undefined) {
+      if (this.hasWork) this.offloadKv();
+      else while (this.offloadKv(undefined, Infinity) > 0) { /* every cached free block, chunk by chunk */ }
+    }
+    return outputs;
   }
 
   // -------------------------------------------------------------------------------------------------------------

@@ -64,6 +64,15 @@ export interface EngineTimestamps {
   budget?: { tokens: number; forwardStart: number };
   /** The decode steps (after the first token) the request took part in, summarised by the engine. */
   decodeSteps?: EngineStepSummary;
+  /** Prompt blocks copied back from the worker's lower KV tiers (RAM, disk) instead of computed, and the copy's ms. */
+  kvOnboard?: KvOnboardFacts;
+}
+
+export interface KvOnboardFacts {
+  ram: number;
+  disk: number;
+  bytes: number;
+  ms: number;
 }
 
 /** Counts, sums and extremes of a request's decode steps: what telemetry reads of the engine's summary. */

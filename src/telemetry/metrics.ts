@@ -11,7 +11,7 @@
 // its series by its bucket count). Missing values are 'none'.
 
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
-import type { EngineStats } from '../protocols/worker.ts';
+import type { EngineStats, KvTierStats } from '../protocols/worker.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { SloReport } from './slo.ts';
 import type { RequestTrace } from './trace.ts';
@@ -65,6 +65,7 @@ export class ConduitMetrics {
   readonly routing: Histogram<'model' | 'strategy'>;
   readonly routingSubPhase: Histogram<'model' | 'sub_phase'>;
   readonly kvTransfer: Histogram<'worker'>;
+  readonly kvOnboard: Histogram<'worker'>;
   readonly prefixHitRatio: Histogram<'model' | 'worker'>;
   readonly outputTokens: Histogram<'model'>;
 
@@ -82,6 +83,14 @@ export class ConduitMetrics {
   readonly queueDepth: Gauge<'model' | 'worker'>;
   readonly batchSize: Gauge<'model' | 'worker'>;
   readonly kvUtilization: Gauge<'worker' | 'tier'>;
+  readonly kvTierUsed: Gauge<'worker' | 'tier'>;
+  readonly kvTierCapacity: Gauge<'worker' | 'tier'>;
+  readonly kvOffloadBytes: Counter<'worker' | 'tier'>;
+  readonly kvOffloadMs: Counter<'worker' | 'tier'>;
+  readonly kvOnboardBytes: Counter<'worker' | 'tier'>;
+  readonly kvOnboardMs: Counter<'worker' | 'tier'>;
+  readonly kvTierHits: Counter<'worker' | 'tier'>;
+  readonly kvTierCorrupt: Counter<'worker' | 'tier'>;
   readonly prefixQueries: Counter<'worker'>;
   readonly prefixHits: Counter<'worker'>;
   readonly preemptions: Counter<'model' | 'worker'>;
@@ -95,7 +104,11 @@ export class ConduitMetrics {
 
   /** How each served model's weights are stored (EngineInfo.quantization), for the prefill histogram's label. */
   private readonly quantization = new Map<string, string>();
-  private readonly lastStats = new Map<string, { queries: number; hits: number; preemptions: number; evictions: number; migrations: number; model: string; tiers: string[] }>();
+  private readonly lastStats = new Map<string, {
+    queries: number; hits: number; preemptions: number; evictions: number; migrations: number; model: string; tiers: string[];
+    /** The lower tiers' cumulative counters at the previous snapshot, by tier. */
+    tierCounters: Record<string, KvTierStats>;
+  }>();
 
   constructor(options: MetricsOptions = {}) {
     const registers = [this.registry = options.registry ?? new Registry()];
@@ -114,6 +127,7 @@ export class ConduitMetrics {
     this.routing = h('conduit_routing_duration_milliseconds', 'Router decision time (router_lookup), by strategy.', ['model', 'strategy'], ROUTING_BUCKETS_MS);
     this.routingSubPhase = h('conduit_routing_sub_phase_duration_milliseconds', 'Router decision time by part: hashing, index_lookup, selection.', ['model', 'sub_phase'], ROUTING_BUCKETS_MS);
     this.kvTransfer = h('conduit_kv_transfer_duration_milliseconds', 'KV cache transfer from prefill to decode worker, by decode worker.', ['worker'], KV_TRANSFER_BUCKETS_MS);
+    this.kvOnboard = h('conduit_kv_onboard_duration_milliseconds', 'Copying a request\'s prompt blocks back from the worker\'s lower KV tiers (RAM, disk) into its pool, by worker.', ['worker'], KV_TRANSFER_BUCKETS_MS);
     this.prefixHitRatio = h('conduit_request_prefix_cache_hit_ratio', 'Share of a request\'s prompt tokens found in the prefix cache.', ['model', 'worker'], RATIO_BUCKETS);
     this.outputTokens = h('conduit_output_tokens_per_request', 'Output tokens of each completed request (all its completions).', ['model'], OUTPUT_TOKENS_BUCKETS);
 
@@ -129,6 +143,14 @@ export class ConduitMetrics {
     this.queueDepth = g('conduit_scheduler_queue_depth', 'Requests waiting in the worker scheduler.', ['model', 'worker']);
     this.batchSize = g('conduit_running_batch_size', 'Requests in the worker\'s running batch.', ['model', 'worker']);
     this.kvUtilization = g('conduit_kv_cache_utilization_ratio', 'Fraction of KV cache blocks in use, by tier.', ['worker', 'tier']);
+    this.kvTierUsed = g('conduit_kv_tier_used_blocks', 'KV blocks held, by tier (primary: in use; ram, disk: stored).', ['worker', 'tier']);
+    this.kvTierCapacity = g('conduit_kv_tier_capacity_blocks', 'KV blocks a tier can hold.', ['worker', 'tier']);
+    this.kvOffloadBytes = c('conduit_kv_offload_bytes_total', 'KV bytes copied down from the primary pool into a lower tier.', ['worker', 'tier']);
+    this.kvOffloadMs = c('conduit_kv_offload_milliseconds_total', 'Time spent copying KV blocks into a lower tier (disk: the asynchronous writes).', ['worker', 'tier']);
+    this.kvOnboardBytes = c('conduit_kv_onboard_bytes_total', 'KV bytes copied back from a lower tier into the primary pool.', ['worker', 'tier']);
+    this.kvOnboardMs = c('conduit_kv_onboard_milliseconds_total', 'Time spent copying KV blocks back from a lower tier.', ['worker', 'tier']);
+    this.kvTierHits = c('conduit_kv_tier_hit_blocks_total', 'Prompt blocks found in a lower tier and onboarded instead of computed.', ['worker', 'tier']);
+    this.kvTierCorrupt = c('conduit_kv_tier_corrupt_blocks_total', 'Blocks a lower tier found unreadable (torn or corrupted) and dropped.', ['worker', 'tier']);
     this.prefixQueries = c('conduit_prefix_cache_query_tokens_total', 'Prompt tokens looked up in the worker\'s prefix cache.', ['worker']);
     this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
     this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
@@ -232,6 +254,7 @@ export class ConduitMetrics {
     }
     if (trace.outcome === 'ok') this.outputTokens.observe({ model }, trace.outputTokens);
     if (trace.decode && !trace.decode.incomplete) this.decode.observe(mw, trace.decode.endMs - trace.decode.startMs);
+    if (trace.kvOnboard) this.kvOnboard.observe({ worker }, trace.kvOnboard.ms);
     if (trace.kvTransfer) {
       const kvWorker = trace.kvTransfer.toWorker ?? worker;
       this.kvTransfer.observe({ worker: kvWorker }, trace.kvTransfer.endMs - trace.kvTransfer.startMs);
@@ -264,13 +287,32 @@ export class ConduitMetrics {
     this.queueDepth.set({ model, worker }, stats.numWaiting);
     this.batchSize.set({ model, worker }, stats.numRunning);
     this.kvUtilization.set({ worker, tier: PRIMARY_KV_TIER }, stats.kvBlocksTotal > 0 ? stats.kvBlocksUsed / stats.kvBlocksTotal : 0);
-    const reportedTiers = Object.keys(snapshot.kvUtilizationByTier ?? {});
-    for (const tier of reportedTiers) this.kvUtilization.set({ worker, tier }, snapshot.kvUtilizationByTier![tier]!);
+    this.kvTierUsed.set({ worker, tier: PRIMARY_KV_TIER }, stats.kvBlocksUsed);
+    this.kvTierCapacity.set({ worker, tier: PRIMARY_KV_TIER }, stats.kvBlocksTotal);
+    const lowerTiers = stats.kvTiers?.tiers ?? {};
+    const byTier: Record<string, number> = { ...snapshot.kvUtilizationByTier };
+    for (const [tier, t] of Object.entries(lowerTiers)) byTier[tier] = t.capacityBlocks > 0 ? t.usedBlocks / t.capacityBlocks : 0;
+    const reportedTiers = Object.keys(byTier);
+    for (const tier of reportedTiers) this.kvUtilization.set({ worker, tier }, byTier[tier]!);
 
     const prev = this.lastStats.get(worker);
+    const delta = (now: number, before: number | undefined) => (before === undefined || now < before ? now : now - before);
+    const tierCounters: Record<string, KvTierStats> = {};
+    for (const [tier, t] of Object.entries(lowerTiers)) {
+      const before = prev?.tierCounters[tier];
+      const labels = { worker, tier };
+      this.kvTierUsed.set(labels, t.usedBlocks);
+      this.kvTierCapacity.set(labels, t.capacityBlocks);
+      this.kvOffloadBytes.inc(labels, delta(t.offloadBytes, before?.offloadBytes));
+      this.kvOffloadMs.inc(labels, delta(t.offloadMs, before?.offloadMs));
+      this.kvOnboardBytes.inc(labels, delta(t.onboardBytes, before?.onboardBytes));
+      this.kvOnboardMs.inc(labels, delta(t.onboardMs, before?.onboardMs));
+      this.kvTierHits.inc(labels, delta(t.onboardBlocks, before?.onboardBlocks));
+      this.kvTierCorrupt.inc(labels, delta(t.corruptBlocks, before?.corruptBlocks));
+      tierCounters[tier] = { ...t };
+    }
     // Every tier ever reported, so forgetWorker removes series a later snapshot no longer mentions.
     const tiers = [...new Set([...(prev?.tiers ?? []), ...reportedTiers])];
-    const delta = (now: number, before: number | undefined) => (before === undefined || now < before ? now : now - before);
     const dq = delta(stats.prefixCacheQueries, prev?.queries);
     const dh = delta(stats.prefixCacheHits, prev?.hits);
     const dp = delta(stats.preemptions, prev?.preemptions);
@@ -285,6 +327,7 @@ export class ConduitMetrics {
     this.lastStats.set(worker, {
       queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,
       evictions: evictions ?? prev?.evictions ?? 0, migrations: stats.requestMigrations ?? prev?.migrations ?? 0, model, tiers,
+      tierCounters: { ...prev?.tierCounters, ...tierCounters },
     });
   }
 
@@ -300,7 +343,11 @@ export class ConduitMetrics {
     this.lastStats.delete(worker);
     this.queueDepth.remove({ model: prev.model, worker });
     this.batchSize.remove({ model: prev.model, worker });
-    for (const tier of [PRIMARY_KV_TIER, ...prev.tiers]) this.kvUtilization.remove({ worker, tier });
+    for (const tier of [PRIMARY_KV_TIER, ...prev.tiers]) {
+      this.kvUtilization.remove({ worker, tier });
+      this.kvTierUsed.remove({ worker, tier });
+      this.kvTierCapacity.remove({ worker, tier });
+    }
   }
 
   recordSampling(kept: boolean, reason: string): void {

@@ -23,6 +23,8 @@ export interface ResponseTimings {
    * worker streams it), so within decode_ms; a transfer before the first token would be within ttft_ms.
    */
   kv_transfer_ms?: number;
+  /** Only when prompt blocks were copied back from the worker's lower KV tiers: blocks per tier and the copy's ms. */
+  kv_onboard?: { ram_blocks: number; disk_blocks: number; bytes: number; ms: number };
   decode_ms: number;
   /** Median gap between streamed tokens. */
   tbt_p50_ms: number | null;
@@ -43,6 +45,9 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
     queue_ms: round3(b.queueMs),
     prefill_ms: round3(b.prefillMs),
     ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs + b.decodeKvTransferMs) } : {}),
+    ...(trace.kvOnboard ? {
+      kv_onboard: { ram_blocks: trace.kvOnboard.ram, disk_blocks: trace.kvOnboard.disk, bytes: trace.kvOnboard.bytes, ms: round3(trace.kvOnboard.ms) },
+    } : {}),
     decode_ms: round3(b.decodeMs),
     tbt_p50_ms: trace.tbtMs.length > 0 ? round3(quantile(trace.tbtMs, 0.5)) : null,
     cached_tokens: trace.cachedTokens,

@@ -9,8 +9,8 @@
 // the first token, TBT to the decode steps' ends, when the engine reported them.
 
 import type {
-  EngineReport, EngineStepSummary, GatewayPhase, LifecycleEvent, MigrationFact, PhaseName, RouterLookupEvent, TerminalEvent,
-  FinishReasonName,
+  EngineReport, EngineStepSummary, GatewayPhase, KvOnboardFacts, LifecycleEvent, MigrationFact, PhaseName, RouterLookupEvent,
+  TerminalEvent, FinishReasonName,
 } from './lifecycle.ts';
 // Block size assumed when the engine did not report one (Conduit's engine default).
 import { DEFAULT_BLOCK_SIZE as DEFAULT_KV_BLOCK_SIZE } from '../protocols/block-hash.ts';
@@ -187,6 +187,8 @@ export interface RequestTrace {
   engineTraceparent?: string;
   prefill?: PrefillSummary;
   kvTransfer?: KvTransferSummary;
+  /** Prompt blocks the worker(s) copied back from lower KV tiers instead of computing them (summed over workers). */
+  kvOnboard?: KvOnboardFacts;
   decode?: DecodeSummary;
   emits: EmitSummary;
   engineFirstTokenMs?: number;
@@ -405,10 +407,22 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
     phases,
     routing, queueDepthAtEntry: queue.depthAtEntry, budgetMs: queue.budgetMs, budgetTokens: queue.budgetTokens,
     engineTraceparent: reports.find((r) => r.traceparent !== undefined)?.traceparent,
-    prefill, kvTransfer, decode,
+    prefill, kvTransfer, ...kvOnboardOf(reports), decode,
     emits,
     engineFirstTokenMs, engineLastTokenMs, blockSize: reports.find((r) => r.blockSize !== undefined)?.blockSize,
   };
+}
+
+/** The lower-tier onboards the workers reported, summed (absent when none onboarded anything). */
+function kvOnboardOf(reports: readonly EngineReport[]): { kvOnboard?: KvOnboardFacts } {
+  let sum: KvOnboardFacts | undefined;
+  for (const report of reports) {
+    const facts = report.timestamps.kvOnboard;
+    if (facts === undefined) continue;
+    sum = sum === undefined ? { ...facts }
+      : { ram: sum.ram + facts.ram, disk: sum.disk + facts.disk, bytes: sum.bytes + facts.bytes, ms: sum.ms + facts.ms };
+  }
+  return sum === undefined ? {} : { kvOnboard: sum };
 }
 
 /** Arrival (the gateway's first stamp, else the engine's, else the earliest seen) and end (the terminal event's, or

@@ -546,6 +546,7 @@ const NO_SERIES_HERE: Record<string, string> = {
   conduit_trace_sampling_decisions_total: 'the sampler decides only when tracing is configured',
   conduit_slow_request_bottlenecks_total: 'counted only for requests over the SLO targets',
   conduit_telemetry_dropped_records_total: 'counted only when a request never ends; none may here',
+  conduit_kv_onboard_duration_milliseconds: 'observed only for a request whose prefix came back from a lower KV tier',
 };
 
 describe('`conduit serve`\'s server, two workers behind the KV router', () => {
@@ -553,7 +554,8 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
   let model: string;
 
   before(async () => {
-    server = await startTestServer({ flags: ['--workers', '2'], keysFile: `${KEY} main\n${LIMITED_KEY} limited 1\n` });
+    // With a RAM tier under each pool, so the tier families have series (ram) from the first stats on.
+    server = await startTestServer({ flags: ['--workers', '2', '--kv-offload-memory', '16MiB'], keysFile: `${KEY} main\n${LIMITED_KEY} limited 1\n` });
     model = server.running.api.gateway.servedModelName!;
   });
 

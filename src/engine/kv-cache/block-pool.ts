@@ -17,6 +17,8 @@ export interface BlockPoolOptions {
   blockSize: number;
   /** Queue KV events for takeEvents(). Off by default: nobody draining them would grow the queue forever. */
   enableEvents?: boolean;
+  /** Told of each cached block evicted by an allocation (the lower tiers count those they never got). */
+  onEvict?: (hash: BlockHash) => void;
 }
 
 export class BlockPool {
@@ -29,6 +31,7 @@ export class BlockPool {
   private pendingEvents: KvEvent[] = [];
   private nextEventId = 1;
   private numEvictions = 0;
+  private readonly onEvict: ((hash: BlockHash) => void) | undefined;
 
   constructor(options: BlockPoolOptions) {
     const { numBlocks, blockSize } = options;
@@ -39,6 +42,7 @@ export class BlockPool {
     this.blocks = Array.from({ length: numBlocks }, (_, id) => new KvBlock(id));
     this.freeQueue = new FreeBlockQueue(this.blocks);
     this.enableEvents = options.enableEvents ?? false;
+    this.onEvict = options.onEvict;
   }
 
   get numFreeBlocks(): number {
@@ -61,6 +65,11 @@ export class BlockPool {
   /** Free blocks from next evicted to last evicted. */
   freeBlocksInEvictionOrder(): KvBlock[] {
     return [...this.freeQueue];
+  }
+
+  /** The same, lazily: what the lower tiers walk to copy down the next blocks to be evicted. */
+  freeBlocksFromHead(): Iterable<KvBlock> {
+    return this.freeQueue;
   }
 
   getCachedBlock(hash: BlockHash): KvBlock | undefined {
@@ -89,7 +98,9 @@ export class BlockPool {
       if (block.hash !== null) {
         evicted.push(block.hash);
         this.cachedBlocks.delete(block.hash);
+        this.onEvict?.(block.hash);
         block.hash = null;
+        block.parentHash = null;
       }
       block.refCount = 1;
       allocated.push(block);
@@ -140,6 +151,7 @@ export class BlockPool {
         continue;
       }
       block.hash = hash;
+      block.parentHash = i === 0 ? null : hashes[i - 1]!;
       this.cachedBlocks.set(hash, block);
       if (runStart < 0) runStart = i;
     }
@@ -165,7 +177,10 @@ export class BlockPool {
    */
   reset(): boolean {
     if (this.numUsedBlocks > 0) return false;
-    for (const block of this.cachedBlocks.values()) block.hash = null;
+    for (const block of this.cachedBlocks.values()) {
+      block.hash = null;
+      block.parentHash = null;
+    }
     this.cachedBlocks.clear();
     this.emit({ type: 'cleared', eventId: 0 });
     return true;
@@ -179,6 +194,11 @@ export class BlockPool {
     const events = this.pendingEvents;
     this.pendingEvents = [];
     return events;
+  }
+
+  /** Queues an event made outside the pool (the lower tiers'), in the same id sequence as the pool's own. */
+  emitExternal(event: KvEvent): void {
+    this.emit(event);
   }
 
   private emit(event: KvEvent): void {

@@ -14,6 +14,8 @@ export class KvBlock {
   refCount = 0;
   /** Set while the block is registered in the prefix cache (full, computed, and the first block with this hash). */
   hash: BlockHash | null = null;
+  /** The hash of the block before this one in its chain while registered (null: the first block, or unregistered). */
+  parentHash: BlockHash | null = null;
   /** Free-queue links, null while the block is in use. */
   prevFree: KvBlock | null = null;
   nextFree: KvBlock | null = null;

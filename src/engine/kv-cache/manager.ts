@@ -8,6 +8,7 @@ import { encodeExtraKeys, extendBlockHashes } from '../../protocols/block-hash.t
 import { DEFAULT_BLOCK_SIZE, type BlockHashExtraKeys, type EncodedExtraKeys } from '../../protocols/block-hash.ts';
 import type { BlockHash, KvEvent } from '../../protocols/kv-events.ts';
 import type { KvBlock } from './free-block-queue.ts';
+import type { KvBlockIo, KvTiers, KvTiersStats, OnboardPlan, OnboardSummary } from './tiers.ts';
 
 export interface KvCacheConfig {
   /** Blocks in the pool (the caller sizes it from a memory budget with kvPoolBytes). */
@@ -18,6 +19,10 @@ export interface KvCacheConfig {
   enablePrefixCaching?: boolean;
   /** Queue KV events for takeEvents() (default false). */
   enableEvents?: boolean;
+  /** Lower tiers (RAM, disk) under the pool: evicted blocks are copied down and onboarded back (tiers.ts). */
+  tiers?: KvTiers;
+  /** The pool's bytes, for the tiers to copy blocks out of and into (none in the simulator: nothing to copy). */
+  blockIo?: KvBlockIo;
 }
 
 export interface KvCacheStats {
@@ -34,6 +39,8 @@ export interface KvCacheStats {
   prefixHitTokens: number;
   /** Cached blocks overwritten by new allocations. */
   evictions: number;
+  /** The lower tiers' figures, when there are any. */
+  tiers?: KvTiersStats;
 }
 
 /** One sequence's blocks in position order: block i holds positions [i * blockSize, (i + 1) * blockSize). */
@@ -50,6 +57,8 @@ export class BlockTable {
   numCachedBlocks = 0;
   /** Set by allocateSlots when the table's last block is to start as a copy of a cached one; the scheduler takes it. */
   pendingCopy: KvBlockCopy | null = null;
+  /** Set by allocateSlots when blocks were onboarded from lower tiers; the scheduler takes it. */
+  onboarded: OnboardSummary | null = null;
   readonly extraKeys: EncodedExtraKeys;
 
   constructor(extraKeys: EncodedExtraKeys) {
@@ -87,6 +96,7 @@ export class BlockTable {
     this.list.length = 0;
     this.numCachedBlocks = 0;
     this.pendingCopy = null;
+    this.onboarded = null;
   }
 }
 
@@ -110,7 +120,15 @@ export interface CachedPrefix {
    * last token's KV into it, but its other positions need not be computed.
    */
   copySource?: KvBlock;
-  /** The tokens the sequence need not compute: blocks.length * blockSize, plus blockSize - 1 with a copy source. */
+  /**
+   * Blocks after `blocks` found in lower tiers and worth bringing back (cost model): allocateSlots reads them and
+   * writes them into fresh blocks, which then count as computed.
+   */
+  onboard?: OnboardPlan;
+  /**
+   * The tokens the sequence need not compute: blocks.length * blockSize, plus blockSize - 1 with a copy source,
+   * plus the onboarded blocks' tokens.
+   */
   numTokens: number;
   /** Tokens the sequence had when it looked (for hit-rate statistics). */
   numQueryTokens: number;
@@ -132,15 +150,22 @@ export class KvCacheManager {
   readonly numBlocks: number;
   readonly enablePrefixCaching: boolean;
   readonly pool: BlockPool;
+  readonly tiers: KvTiers | undefined;
   private prefixQueryTokens = 0;
   private prefixHitTokens = 0;
   private readonly pins = new Set<KvPin>();
 
   constructor(config: KvCacheConfig) {
     this.blockSize = config.blockSize ?? DEFAULT_BLOCK_SIZE;
-    this.pool = new BlockPool({ numBlocks: config.numBlocks, blockSize: this.blockSize, enableEvents: config.enableEvents });
+    const tiers = config.tiers?.enabled ? config.tiers : undefined;
+    this.pool = new BlockPool({
+      numBlocks: config.numBlocks, blockSize: this.blockSize, enableEvents: config.enableEvents,
+      ...(tiers !== undefined ? { onEvict: (hash: BlockHash) => tiers.primaryEvicted(hash) } : {}),
+    });
     this.numBlocks = this.pool.numBlocks;
     this.enablePrefixCaching = config.enablePrefixCaching ?? true;
+    this.tiers = this.enablePrefixCaching ? tiers : undefined;
+    this.tiers?.attach(config.blockIo, (event) => this.pool.emitExternal(event), this.blockSize);
   }
 
   /** An empty table for a new sequence; extra keys (cache salt, adapter) enter every block hash. */
@@ -163,9 +188,11 @@ export class KvCacheManager {
    * a fresh one (copy-on-write, unless copyOnWrite is false), so only the last token is computed rather than its
    * whole block. Nothing is reserved: pass the result to allocateSlots in the same step.
    */
-  findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>, options: { copyOnWrite?: boolean } = {}): CachedPrefix {
+  findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>,
+    options: { copyOnWrite?: boolean; lowerTiers?: boolean } = {}): CachedPrefix {
     const blocks: KvBlock[] = [];
     let copySource: KvBlock | undefined;
+    let onboard: OnboardPlan | undefined;
     if (this.enablePrefixCaching && tokenIds.length > 0) {
       const numFullBlocks = Math.floor(tokenIds.length / this.blockSize);
       const maxBlocks = Math.floor((tokenIds.length - 1) / this.blockSize);
@@ -178,9 +205,18 @@ export class KvCacheManager {
         if (i === maxBlocks) copySource = block;
         else blocks.push(block);
       }
+      // Past the primary hits, the lower tiers may hold the next blocks (never the last token's block: no copy-on-write
+      // from a lower tier, that block is computed).
+      if (this.tiers !== undefined && (options.lowerTiers ?? true) && copySource === undefined && blocks.length < maxBlocks) {
+        onboard = this.tiers.planOnboard(table.blockHashes, blocks.length, maxBlocks, this.blockSize);
+      }
     }
-    const numTokens = copySource === undefined ? blocks.length * this.blockSize : tokenIds.length - 1;
-    return { blocks, ...(copySource === undefined ? {} : { copySource }), numTokens, numQueryTokens: tokenIds.length };
+    const numOnboarded = onboard?.hashes.length ?? 0;
+    const numTokens = copySource === undefined ? (blocks.length + numOnboarded) * this.blockSize : tokenIds.length - 1;
+    return {
+      blocks, ...(copySource === undefined ? {} : { copySource }), ...(onboard === undefined ? {} : { onboard }),
+      numTokens, numQueryTokens: tokenIds.length,
+    };
   }
 
   /**
@@ -202,6 +238,9 @@ export class KvCacheManager {
       if (numComputedTokens !== prefix.numTokens) {
         throw new Error(`numComputedTokens ${numComputedTokens} differs from the cached prefix's ${prefix.numTokens}`);
       }
+      if (copySource === undefined && numComputedTokens !== (prefixBlocks.length + (prefix.onboard?.hashes.length ?? 0)) * this.blockSize) {
+        throw new Error(`numComputedTokens ${numComputedTokens} is not the cached prefix's blocks`);
+      }
       if (copySource !== undefined && (numNewTokens < 1 || numComputedTokens !== (prefixBlocks.length + 1) * this.blockSize - 1)) {
         throw new Error(`a copied block holds the ${this.blockSize - 1} positions before the last token: `
           + `${numComputedTokens} computed and ${numNewTokens} new tokens after ${prefixBlocks.length} shared blocks do not fit it`);
@@ -216,6 +255,12 @@ export class KvCacheManager {
     let numFreePrefixBlocks = copySource !== undefined && copySource.refCount === 0 ? 1 : 0;
     for (const block of prefixBlocks) if (block.refCount === 0) numFreePrefixBlocks++;
     if (numToAllocate > this.pool.numFreeBlocks - numFreePrefixBlocks) return null;
+    // Lower-tier blocks are read (and checked) before anything changes: one gone or unreadable meanwhile leaves the
+    // table as it was, and the next lookup plans without it.
+    const onboard = prefix?.onboard;
+    const onboardStart = onboard !== undefined && onboard.hashes.length > 0 ? this.tiers!.stamp() : 0;
+    const fetched = onboard !== undefined && onboard.hashes.length > 0 ? this.tiers!.fetch(onboard) : undefined;
+    if (fetched === null) return null;
 
     // Pinned before allocating: a free copy source would otherwise be the next block the allocation evicts.
     const copyPin = copySource !== undefined ? this.pinBlocks([copySource]) : null;
@@ -228,6 +273,17 @@ export class KvCacheManager {
     }
     const allocated = numToAllocate > 0 ? this.pool.allocate(numToAllocate)! : NO_BLOCKS;
     for (const block of allocated) table.append(block);
+    if (onboard !== undefined) this.tiers!.noteRecomputed(onboard.numRecomputed);
+    if (fetched !== undefined) {
+      // The onboarded blocks are the first allocated ones, right after the shared prefix: filled, then registered
+      // (their KV is there now), so they are as good as computed.
+      const numOnboarded = fetched.blocks.length;
+      const ids = allocated.slice(0, numOnboarded).map((block) => block.id);
+      table.onboarded = this.tiers!.writeOnboarded(fetched, onboard!.hashes, ids, onboardStart);
+      const end = prefixBlocks.length + numOnboarded;
+      this.pool.cacheBlocks(table.blocks, table.blockHashes, prefixBlocks.length, end);
+      table.numCachedBlocks = end;
+    }
     if (copyPin !== null) {
       // The copy is not marked cached: cacheComputedBlocks offers it under its hash once computed, and the pool
       // keeps it unregistered while the source still holds that hash (no duplicate, no extra KV event).
@@ -331,9 +387,19 @@ export class KvCacheManager {
     return this.pool.cachedBlockHashes();
   }
 
-  /** Forgets every cached prefix; false (and nothing done) while any block is in use. */
+  /** Forgets every cached prefix (and the RAM tier's blocks); false (and nothing done) while any block is in use. */
   resetPrefixCache(): boolean {
-    return this.pool.reset();
+    if (!this.pool.reset()) return false;
+    this.tiers?.resetMemory();
+    return true;
+  }
+
+  /**
+   * Copies the next cached blocks the pool would evict down to the lower tiers (at most the tiers' per-call bound);
+   * returns how many were copied. Called between steps, never inside one.
+   */
+  offloadEvictable(maxBlocks?: number, window?: number): number {
+    return this.tiers?.offload(this.pool.freeBlocksFromHead(), maxBlocks, window) ?? 0;
   }
 
   get numFreeBlocks(): number {
@@ -346,6 +412,7 @@ export class KvCacheManager {
       numBlocks: this.numBlocks, blockSize: this.blockSize, numUsedBlocks: pool.numUsedBlocks, numFreeBlocks: pool.numFreeBlocks,
       numCachedBlocks: pool.numCachedBlocks, usage: pool.numUsedBlocks / this.numBlocks,
       prefixQueryTokens: this.prefixQueryTokens, prefixHitTokens: this.prefixHitTokens, evictions: pool.evictions,
+      ...(this.tiers !== undefined ? { tiers: this.tiers.stats() } : {}),
     };
   }
 

@@ -1,0 +1,440 @@
+// The disk tier under a worker's KV pool (--kv-offload-disk DIR, --kv-offload-disk-size SIZE): one file per block,
+// persistent across restarts, checked on every read, LRU and bounded in blocks.
+//
+// File `<block hash>.kvb`, little-endian:
+//   0   "CKVB"            magic
+//   4   u32 version       1
+//   8   32 ASCII hex      model fingerprint (modelFingerprint below): KV of another model, block size or dtype is
+//                         never served; such files are deleted when the tier opens
+//   40  16 ASCII hex      the block's hash (must equal the file name)
+//   56  u32 hasParent, 60 16 ASCII hex parent hash (zeros when none): the stored event that announces the block
+//   76  u32 payload bytes (must equal the pool's block bytes)
+//   80  32 bytes          SHA-256 of bytes [0, 80) and the payload
+//   112 payload           the block's KV, as readKvBlocks lays it out
+// A write goes to a temporary name and is renamed into place, so a crash leaves either the old state or a stray
+// temporary (deleted at open), never a half-written .kvb; a file torn or altered anyway (a failing disk, a copy cut
+// short, a hand edit) fails the size check at open or the checksum at read, and is deleted, never served.
+//
+// Writes are asynchronous (fs.promises, libuv's thread pool; the checksum through WebCrypto, also off the thread):
+// the worker's step loop never waits for the disk. At most maxPendingBytes are in flight; blocks offered beyond
+// that are skipped (counted), which bounds memory when the disk is slower than eviction. A block is indexed (and
+// its stored event sent) only once its file is in place. Reads (onboarding) are synchronous: the request needs the
+// bytes before its step, and the cost model has already judged them worth it.
+//
+// The folder of one worker is used by that worker alone; the folder given on the command line is locked against a
+// second process (acquireDiskTierLock), and each worker gets a subfolder of it.
+
+import * as crypto from 'node:crypto';
+import {
+  closeSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, statSync, unlinkSync, writeSync,
+} from 'node:fs';
+import { rename, unlink, utimes, writeFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import type { KvPoolLayout } from '../../kernels/types.ts';
+import type { ModelConfig } from '../../model/config.ts';
+import type { ModelWeights, Tensor } from '../../model/weights.ts';
+import { isBlockHash, type BlockHash } from '../../protocols/kv-events.ts';
+import type { KvBlockStore, TierBlock, TierListener } from './tiers.ts';
+
+const MAGIC = 'CKVB';
+const VERSION = 1;
+const HEADER_BYTES = 112;
+const DIGEST_OFFSET = 80;
+const SUFFIX = '.kvb';
+const TEMP_MARK = '.tmp-';
+const NO_PARENT = '0'.repeat(16);
+/** Default bound on bytes being written at once. */
+export const DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024;
+
+export interface DiskKvTierOptions {
+  /** This worker's folder (created if missing). */
+  dir: string;
+  capacityBytes: number;
+  /** The pool's bytes per block; a file's payload must be exactly this. */
+  blockBytes: number;
+  /** modelFingerprint(...) of the model and KV layout the worker runs. */
+  fingerprint: string;
+  maxPendingBytes?: number;
+  now?: () => number;
+}
+
+/** What opening a folder found. */
+export interface DiskOpenReport {
+  /** Blocks found valid and indexed. */
+  blocks: number;
+  /** Files of another model (fingerprint), deleted. */
+  foreign: number;
+  /** Files torn (wrong size or header) or leftover temporaries, deleted. */
+  torn: number;
+}
+
+export class DiskKvTier implements KvBlockStore {
+  readonly tier = 'disk' as const;
+  readonly capacityBlocks: number;
+  readonly dir: string;
+  readonly fileBytes: number;
+  readonly openReport: DiskOpenReport;
+  private readonly blockBytes: number;
+  private readonly fingerprint: string;
+  private readonly maxPendingBytes: number;
+  /** Block hash -> parent hash, least recently used first. */
+  private readonly index = new Map<BlockHash, BlockHash | null>();
+  private readonly pending = new Map<BlockHash, Promise<void>>();
+  private pendingBytes = 0;
+  private tempCounter = 0;
+  private skipped = 0;
+  private failedWrites = 0;
+  private listener: TierListener | undefined;
+  private readonly now: () => number;
+
+  constructor(options: DiskKvTierOptions) {
+    this.dir = options.dir;
+    this.blockBytes = options.blockBytes;
+    this.fingerprint = options.fingerprint;
+    if (!/^[0-9a-f]{32}$/.test(this.fingerprint)) throw new RangeError(`a disk tier fingerprint is 32 hex digits, got ${JSON.stringify(this.fingerprint)}`);
+    this.fileBytes = HEADER_BYTES + this.blockBytes;
+    this.capacityBlocks = Math.floor(options.capacityBytes / this.fileBytes);
+    if (this.capacityBlocks < 1) {
+      throw new RangeError(`--kv-offload-disk-size ${options.capacityBytes} bytes holds no KV block file of ${this.fileBytes} bytes`);
+    }
+    this.maxPendingBytes = options.maxPendingBytes ?? DEFAULT_MAX_PENDING_BYTES;
+    this.now = options.now ?? (() => performance.now());
+    mkdirSync(this.dir, { recursive: true });
+    this.openReport = this.scan();
+  }
+
+  get numBlocks(): number {
+    return this.index.size;
+  }
+
+  /** Told when a write is in place and when the LRU bound pushes a block out (the tiers' events and stats). */
+  listen(listener: TierListener): void {
+    this.listener = listener;
+  }
+
+  /** Blocks not written because maxPendingBytes were already in flight, and writes that failed. */
+  get writeStats(): { skipped: number; failed: number; pending: number } {
+    return { skipped: this.skipped, failed: this.failedWrites, pending: this.pending.size };
+  }
+
+  has(hash: BlockHash): boolean {
+    return this.index.has(hash);
+  }
+
+  /** The parent hash recorded with a block (undefined when the tier does not hold it). */
+  parentOf(hash: BlockHash): BlockHash | null | undefined {
+    return this.index.get(hash);
+  }
+
+  hashes(): BlockHash[] {
+    return [...this.index.keys()];
+  }
+
+  get(hash: BlockHash): TierBlock | null {
+    if (!this.index.has(hash)) return null;
+    const path = this.pathOf(hash);
+    let file: Buffer;
+    try {
+      file = readFileSync(path);
+    } catch {
+      this.index.delete(hash);
+      return null;
+    }
+    const parsed = this.parse(file, hash);
+    if (parsed === null || !this.checksumOk(file)) {
+      this.index.delete(hash);
+      try {
+        unlinkSync(path);
+      } catch {
+        // already gone
+      }
+      return null;
+    }
+    const parentHash = this.index.get(hash)!;
+    this.index.delete(hash);
+    this.index.set(hash, parentHash);
+    // The LRU order survives a restart through the files' modification times; best effort, off the thread.
+    const nowSeconds = Date.now() / 1000;
+    utimes(path, nowSeconds, nowSeconds).catch(() => {});
+    return { bytes: new Uint8Array(file.buffer, file.byteOffset + HEADER_BYTES, this.blockBytes), parentHash };
+  }
+
+  /** True while a block's write is in flight. */
+  writing(hash: BlockHash): boolean {
+    return this.pending.has(hash);
+  }
+
+  /** True while one more block would pass the bound on bytes in flight. */
+  get busy(): boolean {
+    return this.pendingBytes + this.fileBytes > this.maxPendingBytes;
+  }
+
+  /** Starts writing a block; false when refused (already here or being written, or the in-flight bound is reached). */
+  put(hash: BlockHash, block: TierBlock): boolean {
+    if (this.index.has(hash) || this.pending.has(hash)) return false;
+    if (block.bytes.length !== this.blockBytes) throw new RangeError(`a disk block is ${this.blockBytes} bytes, got ${block.bytes.length}`);
+    if (this.busy) {
+      this.skipped++;
+      return false;
+    }
+    this.pendingBytes += this.fileBytes;
+    const write = this.write(hash, block).finally(() => {
+      this.pending.delete(hash);
+      this.pendingBytes -= this.fileBytes;
+    });
+    this.pending.set(hash, write);
+    return true;
+  }
+
+  /** Resolves once every write in flight has finished. */
+  async flush(): Promise<void> {
+    while (this.pending.size > 0) await Promise.all([...this.pending.values()]);
+  }
+
+  /** Deletes every block file (the folder stays). */
+  clear(): void {
+    for (const hash of this.index.keys()) {
+      try {
+        unlinkSync(this.pathOf(hash));
+      } catch {
+        // already gone
+      }
+    }
+    this.index.clear();
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+
+  private pathOf(hash: BlockHash): string {
+    return join(this.dir, hash + SUFFIX);
+  }
+
+  private header(hash: BlockHash, parentHash: BlockHash | null): Buffer {
+    const header = Buffer.alloc(HEADER_BYTES);
+    header.write(MAGIC, 0, 'latin1');
+    header.writeUInt32LE(VERSION, 4);
+    header.write(this.fingerprint, 8, 'latin1');
+    header.write(hash, 40, 'latin1');
+    header.writeUInt32LE(parentHash === null ? 0 : 1, 56);
+    header.write(parentHash ?? NO_PARENT, 60, 'latin1');
+    header.writeUInt32LE(this.blockBytes, 76);
+    return header;
+  }
+
+  private async write(hash: BlockHash, block: TierBlock): Promise<void> {
+    const start = this.now();
+    const header = this.header(hash, block.parentHash);
+    const file = Buffer.concat([header, block.bytes]);
+    const digest = await crypto.webcrypto.subtle.digest('SHA-256', Buffer.concat([file.subarray(0, DIGEST_OFFSET), file.subarray(HEADER_BYTES)]));
+    Buffer.from(digest).copy(file, DIGEST_OFFSET);
+    const temp = join(this.dir, `${hash}${SUFFIX}${TEMP_MARK}${process.pid}-${this.tempCounter++}`);
+    try {
+      await writeFile(temp, file);
+      await rename(temp, this.pathOf(hash));
+    } catch {
+      this.failedWrites++;
+      await unlink(temp).catch(() => {});
+      return;
+    }
+    this.index.set(hash, block.parentHash);
+    this.listener?.stored(hash, block.parentHash, file.length, Math.max(0, this.now() - start));
+    this.evictOverCapacity();
+  }
+
+  private evictOverCapacity(): void {
+    while (this.index.size > this.capacityBlocks) {
+      const oldest = this.index.keys().next().value as BlockHash;
+      this.index.delete(oldest);
+      unlink(this.pathOf(oldest)).catch(() => {});
+      this.listener?.evicted(oldest);
+    }
+  }
+
+  /** The header's fields if they fit this tier and the file's name and size; null otherwise. */
+  private parse(file: Buffer, hash: BlockHash): { parentHash: BlockHash | null } | null {
+    if (file.length !== this.fileBytes) return null;
+    if (file.toString('latin1', 0, 4) !== MAGIC || file.readUInt32LE(4) !== VERSION) return null;
+    if (file.toString('latin1', 8, 40) !== this.fingerprint || file.toString('latin1', 40, 56) !== hash) return null;
+    if (file.readUInt32LE(76) !== this.blockBytes) return null;
+    const hasParent = file.readUInt32LE(56);
+    const parent = file.toString('latin1', 60, 76);
+    if (hasParent > 1 || (hasParent === 1 && !isBlockHash(parent))) return null;
+    return { parentHash: hasParent === 1 ? parent as BlockHash : null };
+  }
+
+  private checksumOk(file: Buffer): boolean {
+    const digest = crypto.createHash('sha256').update(file.subarray(0, DIGEST_OFFSET)).update(file.subarray(HEADER_BYTES)).digest();
+    return digest.equals(file.subarray(DIGEST_OFFSET, HEADER_BYTES));
+  }
+
+  /**
+   * Indexes the folder's block files, least recently used (oldest modification) first: headers and sizes are
+   * checked here (the payload's checksum at each read), files of another model and torn ones deleted.
+   */
+  private scan(): DiskOpenReport {
+    const report: DiskOpenReport = { blocks: 0, foreign: 0, torn: 0 };
+    const found: { hash: BlockHash; parentHash: BlockHash | null; mtimeMs: number }[] = [];
+    const header = Buffer.alloc(HEADER_BYTES);
+    for (const name of readdirSync(this.dir)) {
+      const path = join(this.dir, name);
+      if (name.includes(SUFFIX + TEMP_MARK)) {
+        report.torn++;
+        unlinkQuietly(path);
+        continue;
+      }
+      if (!name.endsWith(SUFFIX)) continue;
+      const hash = name.slice(0, -SUFFIX.length);
+      if (!isBlockHash(hash)) continue;
+      let size: number;
+      let mtimeMs: number;
+      try {
+        const stat = statSync(path);
+        size = stat.size;
+        mtimeMs = stat.mtimeMs;
+        const fd = openSync(path, 'r');
+        try {
+          header.fill(0);
+          readSync(fd, header, 0, HEADER_BYTES, 0);
+        } finally {
+          closeSync(fd);
+        }
+      } catch {
+        continue;
+      }
+      const foreign = header.toString('latin1', 0, 4) === MAGIC && header.toString('latin1', 8, 40) !== this.fingerprint;
+      // The header's own checks on a buffer of the file's claimed size: the payload is read (and checked) later.
+      const claimed = size === this.fileBytes ? this.parse(Buffer.concat([header, Buffer.alloc(this.blockBytes)]), hash) : null;
+      if (claimed === null) {
+        if (foreign) report.foreign++;
+        else report.torn++;
+        unlinkQuietly(path);
+        continue;
+      }
+      found.push({ hash, parentHash: claimed.parentHash, mtimeMs });
+    }
+    found.sort((a, b) => a.mtimeMs - b.mtimeMs);
+    for (const block of found) this.index.set(block.hash, block.parentHash);
+    // A smaller size than last time: the least recently used go.
+    while (this.index.size > this.capacityBlocks) {
+      const oldest = this.index.keys().next().value as BlockHash;
+      this.index.delete(oldest);
+      unlinkQuietly(this.pathOf(oldest));
+    }
+    report.blocks = this.index.size;
+    return report;
+  }
+}
+
+function unlinkQuietly(path: string): void {
+  try {
+    unlinkSync(path);
+  } catch {
+    // already gone
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Model fingerprint
+
+/** Bytes hashed from each end of a tensor, and samples taken in between. */
+const EDGE_BYTES = 4096;
+const SAMPLES = 64;
+const SAMPLE_BYTES = 256;
+
+/**
+ * 32 hex digits identifying the KV a model computes: its configuration, the KV layout (block size, dtype, heads),
+ * and every tensor's name, type, shape and a sample of its bytes (both ends and 64 evenly spaced 256-byte pieces).
+ * Hashing every byte of a large model would take seconds at start; the sample catches another model, another
+ * quantization or another fine-tune, which change nearly every byte. Must be computed before the backend may
+ * release the weights' bytes.
+ */
+export function modelFingerprint(config: ModelConfig, weights: ModelWeights, layout: Omit<KvPoolLayout, 'numBlocks'>): string {
+  const hash = crypto.createHash('sha256');
+  hash.update(JSON.stringify(config));
+  hash.update(JSON.stringify([layout.numLayers, layout.blockSize, layout.numKvHeads, layout.headDim, layout.dtype]));
+  const tensors: Tensor[] = [weights.tokenEmbedding, weights.outputNorm, weights.output];
+  for (const layer of weights.layers) {
+    for (const tensor of Object.values(layer)) if (tensor !== undefined) tensors.push(tensor as Tensor);
+  }
+  for (const tensor of tensors) {
+    const { data } = tensor;
+    hash.update(`${tensor.name}|${tensor.type}|${tensor.shape.join('x')}|${data.length}|`);
+    hash.update(data.subarray(0, EDGE_BYTES));
+    hash.update(data.subarray(Math.max(0, data.length - EDGE_BYTES)));
+    if (data.length > 2 * EDGE_BYTES) {
+      for (let k = 1; k < SAMPLES; k++) {
+        const at = Math.floor((data.length - SAMPLE_BYTES) * k / SAMPLES);
+        hash.update(data.subarray(at, at + SAMPLE_BYTES));
+      }
+    }
+  }
+  return hash.digest('hex').slice(0, 32);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The folder lock
+
+/** The disk tier's folder is held by another process (or already by this one): `conduit serve` says so in one line. */
+export class DiskTierLockedError extends Error {
+  override name = 'DiskTierLockedError';
+}
+
+/** Folders this process holds, so a second pool in the same process is refused too. */
+const heldHere = new Set<string>();
+const LOCK_FILE = 'conduit.lock';
+
+/**
+ * Takes the disk tier's folder for this process: a lock file holding the pid, created exclusively. A lock left by
+ * a process that no longer runs is taken over; one held by a running process (or by this one already) is refused
+ * with an Error naming it. Returns the release function (also run at exit).
+ */
+export function acquireDiskTierLock(dir: string): () => void {
+  mkdirSync(dir, { recursive: true });
+  const path = join(dir, LOCK_FILE);
+  if (heldHere.has(path)) throw new DiskTierLockedError(`--kv-offload-disk ${dir} is already in use by this process`);
+  for (let attempt = 0; attempt < 2; attempt++) {
+    let fd: number;
+    try {
+      fd = openSync(path, 'wx');
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code !== 'EEXIST') throw error;
+      const holder = Number.parseInt(readFileSafe(path), 10);
+      if (Number.isSafeInteger(holder) && holder > 0 && holder !== process.pid && processRuns(holder)) {
+        throw new DiskTierLockedError(`--kv-offload-disk ${dir} is locked by process ${holder} (${path}); give each server its own folder`);
+      }
+      unlinkQuietly(path); // stale: its process is gone
+      continue;
+    }
+    writeSync(fd, `${process.pid}\n`);
+    closeSync(fd);
+    heldHere.add(path);
+    let released = false;
+    const release = () => {
+      if (released) return;
+      released = true;
+      heldHere.delete(path);
+      process.off('exit', release);
+      if (Number.parseInt(readFileSafe(path), 10) === process.pid) unlinkQuietly(path);
+    };
+    process.on('exit', release);
+    return release;
+  }
+  throw new Error(`--kv-offload-disk ${dir}: could not take the lock ${path}`);
+}
+
+function readFileSafe(path: string): string {
+  try {
+    return readFileSync(path, 'utf8');
+  } catch {
+    return '';
+  }
+}
+
+function processRuns(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (error) {
+    return (error as NodeJS.ErrnoException).code === 'EPERM';
+  }
+}

@@ -1,0 +1,269 @@
+// The disk tier (src/engine/kv-cache/disk-tier.ts): files that survive a restart, checksums that catch a torn or
+// altered file (dropped, never served), another model's files deleted, the LRU bound of a full tier, tenants apart,
+// and the folder lock against a second process. Then end to end: greedy tokens from disk equal the cold run's,
+// after a restart too, and a corrupted block is recomputed instead of served.
+import { afterEach, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { acquireDiskTierLock, DiskKvTier, modelFingerprint } from '../../src/engine/kv-cache/disk-tier.ts';
+import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
+import { KvTiers } from '../../src/engine/kv-cache/tiers.ts';
+import { Scheduler } from '../../src/engine/scheduler.ts';
+import type { BlockHash } from '../../src/protocols/kv-events.ts';
+import { nativeBackend } from '../../src/kernels/native.ts';
+import { engineBackends } from '../helpers/backends.ts';
+import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { makeRequest, prompt, step, summary } from './scheduler-fixtures.ts';
+import { flushPrimary, makeTieredCore, runGreedy, SLOW_PREFILL, TIER_TEST_BLOCK_SIZE, tierPrompt } from './kv-tiers-fixtures.ts';
+import { loadModel } from '../../src/model/loader.ts';
+import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
+
+const FINGERPRINT = 'ab'.repeat(16);
+const OTHER_MODEL = 'cd'.repeat(16);
+const BLOCK_BYTES = 64;
+
+const dirs: string[] = [];
+function tempDir(): string {
+  const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-disk-'));
+  dirs.push(dir);
+  return dir;
+}
+afterEach(() => {
+  while (dirs.length > 0) rmSync(dirs.pop()!, { recursive: true, force: true });
+});
+
+const hash = (n: number) => n.toString(16).padStart(16, '0') as BlockHash;
+const bytes = (n: number) => new Uint8Array(BLOCK_BYTES).fill(n);
+const files = (dir: string) => readdirSync(dir).filter((name) => name.endsWith('.kvb')).sort();
+
+function openDisk(dir: string, blocks = 8, fingerprint = FINGERPRINT): DiskKvTier {
+  return new DiskKvTier({ dir, capacityBytes: blocks * (112 + BLOCK_BYTES), blockBytes: BLOCK_BYTES, fingerprint });
+}
+
+describe('disk tier: files', () => {
+  test('blocks written are read back after a restart, in LRU order, with their parents', async () => {
+    const dir = tempDir();
+    const disk = openDisk(dir);
+    const stored: string[] = [];
+    disk.listen({ stored: (h) => stored.push(h), evicted: () => {} });
+    disk.put(hash(1), { bytes: bytes(1), parentHash: null });
+    disk.put(hash(2), { bytes: bytes(2), parentHash: hash(1) });
+    assert.equal(disk.has(hash(1)), false, 'indexed only once the file is in place');
+    await disk.flush();
+    assert.deepEqual(stored.sort(), [hash(1), hash(2)]);
+    assert.deepEqual(files(dir), [`${hash(1)}.kvb`, `${hash(2)}.kvb`]);
+
+    const again = openDisk(dir);
+    assert.deepEqual(again.openReport, { blocks: 2, foreign: 0, torn: 0 });
+    assert.deepEqual(again.get(hash(2)), { bytes: bytes(2), parentHash: hash(1) });
+    assert.deepEqual(again.get(hash(1))?.parentHash, null);
+    assert.equal(again.get(hash(3)), null);
+  });
+
+  test('a corrupted payload is detected at read, deleted and never served', async () => {
+    const dir = tempDir();
+    const disk = openDisk(dir);
+    disk.put(hash(1), { bytes: bytes(1), parentHash: null });
+    await disk.flush();
+    const path = join(dir, `${hash(1)}.kvb`);
+    const file = readFileSync(path);
+    file[112 + 5]! ^= 0xff;
+    writeFileSync(path, file);
+    const again = openDisk(dir);
+    assert.equal(again.openReport.blocks, 1, 'the header is fine: found at open');
+    assert.equal(again.get(hash(1)), null, 'the checksum fails: not served');
+    assert.equal(again.has(hash(1)), false);
+    assert.deepEqual(files(dir), [], 'and deleted');
+  });
+
+  test('a torn file, a leftover temporary and another model\'s file are deleted when the tier opens', async () => {
+    const dir = tempDir();
+    const disk = openDisk(dir);
+    for (const n of [1, 2]) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
+    await disk.flush();
+    truncateSync(join(dir, `${hash(1)}.kvb`), 100);
+    writeFileSync(join(dir, `${hash(3)}.kvb.tmp-1-0`), 'half');
+    const other = openDisk(tempDir(), 8, OTHER_MODEL);
+    other.put(hash(4), { bytes: bytes(4), parentHash: null });
+    await other.flush();
+    writeFileSync(join(dir, `${hash(4)}.kvb`), readFileSync(join(other.dir, `${hash(4)}.kvb`)));
+    const again = openDisk(dir);
+    assert.deepEqual(again.openReport, { blocks: 1, foreign: 1, torn: 2 });
+    assert.deepEqual(again.hashes(), [hash(2)]);
+    assert.deepEqual(readdirSync(dir).sort(), [`${hash(2)}.kvb`]);
+  });
+
+  test('a full disk tier evicts its least recently used block, file and all', async () => {
+    const dir = tempDir();
+    const disk = openDisk(dir, 2);
+    const evicted: string[] = [];
+    disk.listen({ stored: () => {}, evicted: (h) => evicted.push(h) });
+    disk.put(hash(1), { bytes: bytes(1), parentHash: null });
+    await disk.flush();
+    disk.put(hash(2), { bytes: bytes(2), parentHash: null });
+    await disk.flush();
+    assert.ok(disk.get(hash(1)), 'block 1 is used again');
+    disk.put(hash(3), { bytes: bytes(3), parentHash: null });
+    await disk.flush();
+    assert.deepEqual(evicted, [hash(2)]);
+    assert.deepEqual(disk.hashes(), [hash(1), hash(3)]);
+    await new Promise((resolve) => setTimeout(resolve, 20)); // the unlink is asynchronous
+    assert.deepEqual(files(dir), [`${hash(1)}.kvb`, `${hash(3)}.kvb`]);
+    assert.equal(openDisk(dir, 1).openReport.blocks, 1, 'reopened smaller: the older block goes');
+  });
+
+  test('writes beyond the in-flight bound are skipped, not queued without end', async () => {
+    const disk = new DiskKvTier({ dir: tempDir(), capacityBytes: 1 << 20, blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT, maxPendingBytes: 2 * (112 + BLOCK_BYTES) });
+    for (let n = 1; n <= 5; n++) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
+    assert.equal(disk.writeStats.skipped, 3);
+    await disk.flush();
+    assert.equal(disk.numBlocks, 2);
+  });
+
+  test('the model fingerprint changes with the model and the KV layout', async () => {
+    const skip = skipUnlessShared('stories260K.gguf');
+    if (skip) return;
+    const { loaded } = await loadSharedModel('stories260K.gguf');
+    const layout = { numLayers: loaded.config.numLayers, blockSize: 16, numKvHeads: loaded.config.numKvHeads, headDim: loaded.config.headDim, dtype: 'f32' as const };
+    const a = modelFingerprint(loaded.config, loaded.weights, layout);
+    assert.match(a, /^[0-9a-f]{32}$/);
+    assert.equal(modelFingerprint(loaded.config, loaded.weights, layout), a);
+    assert.notEqual(modelFingerprint(loaded.config, loaded.weights, { ...layout, blockSize: 32 }), a);
+    assert.notEqual(modelFingerprint(loaded.config, loaded.weights, { ...layout, dtype: 'f16' }), a);
+    const changed = { ...loaded.weights, outputNorm: { ...loaded.weights.outputNorm, data: loaded.weights.outputNorm.data.slice() } };
+    changed.outputNorm.data[0]! ^= 1;
+    assert.notEqual(modelFingerprint(loaded.config, changed, layout), a);
+  });
+});
+
+describe('disk tier: lock', () => {
+  test('a second holder in this process is refused; the lock is free again once released', () => {
+    const dir = tempDir();
+    const release = acquireDiskTierLock(dir);
+    assert.throws(() => acquireDiskTierLock(dir), /already in use by this process/);
+    release();
+    acquireDiskTierLock(dir)();
+  });
+
+  test('a lock held by another running process is refused; a stale one is taken over', async () => {
+    const dir = tempDir();
+    const child = spawn(process.execPath, ['-e', 'setTimeout(() => {}, 30000)'], { stdio: 'ignore' });
+    try {
+      writeFileSync(join(dir, 'conduit.lock'), `${child.pid}\n`);
+      assert.throws(() => acquireDiskTierLock(dir), new RegExp(`locked by process ${child.pid}`));
+    } finally {
+      child.kill();
+      await new Promise((resolve) => child.once('exit', resolve));
+    }
+    const release = acquireDiskTierLock(dir);
+    assert.equal(readFileSync(join(dir, 'conduit.lock'), 'utf8').trim(), String(process.pid));
+    release();
+    assert.deepEqual(readdirSync(dir), []);
+  });
+});
+
+describe('disk tier under the KV cache', () => {
+  test('without a RAM tier, a block whose write is in flight is not copied again, and a saturated disk takes nothing', async () => {
+    const dir = tempDir();
+    let reads = 0;
+    const io = { blockBytes: BLOCK_BYTES, read: () => { reads++; return bytes(9); }, write: () => {} };
+    const disk = new DiskKvTier({ dir, capacityBytes: 1 << 20, blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT, maxPendingBytes: 112 + BLOCK_BYTES });
+    const tiers = new KvTiers({ blockBytes: BLOCK_BYTES, disk });
+    const kv = new KvCacheManager({ numBlocks: 4, blockSize: 4, tiers, blockIo: io });
+    const scheduler = new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 4, maxModelLen: 64 }, kv);
+    scheduler.addRequest(makeRequest('a', prompt(0, 9), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    assert.equal(kv.offloadEvictable(), 1, 'one write fits the in-flight bound');
+    assert.equal(tiers.diskBusy, true);
+    assert.equal(kv.offloadEvictable(), 0, 'nothing while the disk is saturated');
+    assert.equal(reads, 1);
+    await tiers.flush();
+    assert.equal(kv.offloadEvictable(), 1, 'the other block once the write landed');
+    assert.equal(kv.offloadEvictable(), 0, 'its write is in flight: not copied again');
+    assert.equal(reads, 2);
+    await tiers.flush();
+    assert.equal(disk.numBlocks, 2);
+  });
+
+  test('two tenants: the same prompt under another salt never hits the disk tier; its own salt does', async () => {
+    const dir = tempDir();
+    const io = { blockBytes: BLOCK_BYTES, read: () => bytes(9), written: [] as number[], write(id: number) { this.written.push(id); } };
+    const tiers = new KvTiers({ blockBytes: BLOCK_BYTES, disk: openDisk(dir) });
+    const kv = new KvCacheManager({ numBlocks: 4, blockSize: 4, tiers, blockIo: io });
+    const scheduler = new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 4, maxModelLen: 64 }, kv);
+    const run = (id: string, tokens: number[], cacheSalt: string) => {
+      scheduler.addRequest(makeRequest(id, tokens, { cacheSalt, sampling: { maxTokens: 1 } }), 0);
+      return summary(step(scheduler).plan);
+    };
+    const a = prompt(0, 9);
+    run('a', a, 'tenant-a');
+    kv.offloadEvictable();
+    await tiers.flush();
+    assert.equal(tiers.disk!.numBlocks, 2);
+    run('b', prompt(1, 13), 'tenant-a'); // evicts a's blocks from the pool
+    assert.deepEqual(run('x', a, 'tenant-b'), ['x/0+9*1']);
+    assert.equal(io.written.length, 0);
+    run('c', prompt(2, 13), 'tenant-a');
+    assert.deepEqual(run('a2', a, 'tenant-a'), ['a2/0+1*1']);
+    assert.equal(io.written.length, 2);
+    assert.equal(tiers.stats().tiers.disk!.onboardBlocks, 2);
+  });
+});
+
+for (const [name, load, backends] of [
+  ['stories260K', async () => (await loadSharedModel('stories260K.gguf')).loaded, engineBackends],
+  ['the built-in model', async () => loadModel(await ensureBuiltinModel()), () => (nativeBackend.available() ? [nativeBackend] : [])],
+] as const) {
+  const skip = name === 'stories260K' ? skipUnlessShared('stories260K.gguf') : false;
+  for (const backend of backends()) {
+    describe(`disk tier end to end on ${name} (${backend.name})`, { skip }, () => {
+      test('greedy tokens from disk, after a restart, and with a corrupted block equal the cold run\'s', async () => {
+        const loaded = await load();
+        const vocab = loaded.config.vocabSize;
+        const dir = tempDir();
+        const layout = { numLayers: loaded.config.numLayers, blockSize: TIER_TEST_BLOCK_SIZE, numKvHeads: loaded.config.numKvHeads, headDim: loaded.config.headDim, dtype: 'f32' as const };
+        const fingerprint = modelFingerprint(loaded.config, loaded.weights, layout);
+        const diskTiers = (blockBytes: number) => new KvTiers({
+          blockBytes, ...SLOW_PREFILL, disk: new DiskKvTier({ dir, capacityBytes: 64 * (112 + blockBytes), blockBytes, fingerprint }),
+        });
+        const prompt = tierPrompt(3, 3 * TIER_TEST_BLOCK_SIZE + 5, vocab);
+
+        const core = makeTieredCore(backend, loaded, diskTiers);
+        const cold = runGreedy(core, prompt);
+        core.offloadKv(undefined, Infinity);
+        await core.kv.tiers!.flush();
+        flushPrimary(core, vocab, 20);
+        const fromDisk = runGreedy(core, prompt);
+        assert.deepEqual(fromDisk.onboard && [fromDisk.onboard.ram, fromDisk.onboard.disk], [0, 3]);
+        assert.deepEqual(fromDisk.tokens, cold.tokens, 'onboarded from disk');
+
+        // A restart: a new core (new pool, nothing cached) over the same folder.
+        const restarted = makeTieredCore(backend, loaded, diskTiers);
+        assert.ok(restarted.kv.tiers!.disk!.numBlocks >= 3);
+        const warm = runGreedy(restarted, prompt);
+        assert.deepEqual(warm.onboard?.disk, 3, 'found again after the restart');
+        assert.deepEqual(warm.tokens, cold.tokens);
+
+        // Corrupt the second block's file: the first is onboarded, the rest recomputed, the bad file deleted.
+        const hashes = restarted.kv.fullBlockHashes(restarted.kv.createTable(), prompt, prompt.length);
+        const path = join(dir, `${hashes[1]}.kvb`);
+        const file = readFileSync(path);
+        file[file.length - 3]! ^= 0x40;
+        writeFileSync(path, file);
+        const third = makeTieredCore(backend, loaded, diskTiers);
+        const damaged = runGreedy(third, prompt);
+        assert.deepEqual(damaged.onboard?.disk, 1, 'only the block before the corrupted one');
+        assert.equal(damaged.cachedTokens, TIER_TEST_BLOCK_SIZE);
+        assert.deepEqual(damaged.tokens, cold.tokens, 'the corrupted block was recomputed, not served');
+        assert.equal(third.stats().kvTiers!.tiers.disk!.corruptBlocks, 1);
+        assert.ok(!readdirSync(dir).includes(`${hashes[1]}.kvb`) || third.kv.tiers!.disk!.has(hashes[1]!),
+          'the corrupted file is gone (or rewritten from the recomputed block)');
+        await third.kv.tiers!.flush();
+        third.scheduler.checkInvariants();
+      });
+    });
+  }
+}

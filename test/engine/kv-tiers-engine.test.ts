@@ -1,0 +1,59 @@
+// Lower KV tiers end to end on real models: a prompt's greedy tokens are the same whether its prefix comes from the
+// primary pool, from the RAM tier (evicted, then onboarded) or is recomputed, on stories260K (every backend) and on
+// the built-in model (native backend).
+import { describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { KvTiers, type KvTiersOptions } from '../../src/engine/kv-cache/tiers.ts';
+import type { BackendFactory } from '../../src/kernels/types.ts';
+import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
+import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
+import { nativeBackend } from '../../src/kernels/native.ts';
+import { engineBackends } from '../helpers/backends.ts';
+import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { flushPrimary, makeTieredCore, runGreedy, SLOW_PREFILL, TIER_TEST_BLOCK_SIZE, tierPrompt } from './kv-tiers-fixtures.ts';
+
+function tierSuite(name: string, load: () => Promise<LoadedModel>, backends: () => BackendFactory[], skip: string | false): void {
+  for (const backend of backends()) {
+    describe(`KV tiers on ${name} (${backend.name})`, { skip }, () => {
+      test('greedy tokens are the same from the primary pool, the RAM tier and recompute', async () => {
+        const loaded = await load();
+        const vocab = loaded.config.vocabSize;
+        const ramOptions = (blockBytes: number): KvTiersOptions => ({ blockBytes, ramBytes: 64 * blockBytes, ...SLOW_PREFILL });
+        const prompt = tierPrompt(1, 3 * TIER_TEST_BLOCK_SIZE + 5, vocab);
+
+        const plain = makeTieredCore(backend, loaded, () => undefined);
+        const cold = runGreedy(plain, prompt);
+        assert.equal(cold.cachedTokens, 0);
+        const primary = runGreedy(plain, prompt);
+        assert.equal(primary.cachedTokens, 3 * TIER_TEST_BLOCK_SIZE);
+        assert.deepEqual(primary.tokens, cold.tokens, 'primary pool hit');
+        flushPrimary(plain, vocab, 10);
+        const recomputed = runGreedy(plain, prompt);
+        assert.equal(recomputed.cachedTokens, 0, 'evicted without tiers: recomputed');
+        assert.deepEqual(recomputed.tokens, cold.tokens);
+
+        const tiered = makeTieredCore(backend, loaded, (blockBytes) => new KvTiers(ramOptions(blockBytes)));
+        assert.deepEqual(runGreedy(tiered, prompt).tokens, cold.tokens);
+        tiered.offloadKv(undefined, Infinity);
+        flushPrimary(tiered, vocab, 10);
+        const hashes = tiered.kv.fullBlockHashes(tiered.kv.createTable(), prompt, prompt.length);
+        assert.ok(hashes.every((hash) => tiered.kv.pool.getCachedBlock(hash) === undefined), 'the prompt left the primary pool');
+        const fromRam = runGreedy(tiered, prompt);
+        assert.deepEqual(fromRam.onboard && { ram: fromRam.onboard.ram, disk: fromRam.onboard.disk }, { ram: 3, disk: 0 });
+        assert.equal(fromRam.cachedTokens, 3 * TIER_TEST_BLOCK_SIZE);
+        assert.deepEqual(fromRam.tokens, cold.tokens, 'onboarded from RAM');
+        const stats = tiered.stats().kvTiers!;
+        assert.equal(stats.tiers.ram!.onboardBlocks, 3);
+        assert.equal(tiered.stats().kvBlocksUsed, 0);
+        tiered.scheduler.checkInvariants();
+      });
+    });
+  }
+}
+
+let builtin: Promise<LoadedModel> | undefined;
+const loadBuiltin = () => (builtin ??= ensureBuiltinModel().then((path) => loadModel(path)));
+
+tierSuite('stories260K', async () => (await loadSharedModel('stories260K.gguf')).loaded, engineBackends, skipUnlessShared('stories260K.gguf'));
+tierSuite('the built-in model', loadBuiltin, () => [nativeBackend],
+  nativeBackend.available() ? false : 'needs the native addon (npm run build:native) to run the built-in model at test speed');

@@ -1,0 +1,86 @@
+// The lower KV tiers as `conduit serve` runs them: a cpu worker thread with a RAM and a disk tier, a pool closed and
+// started again over the same folder (a warm restart finds the prompt's blocks on disk), and a second pool refused
+// the folder while the first holds it.
+import { afterEach, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../src/engine/types.ts';
+import { createWorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';
+import { cpuTestModel } from '../helpers/cpu-model.ts';
+import { collect } from '../helpers/outputs.ts';
+import type { LocalEngine } from '../../src/engine/local-engine.ts';
+
+let nextId = 0;
+function request(promptTokenIds: number[]): EngineRequest {
+  return {
+    id: `tier-${nextId++}`, promptTokenIds, priority: 0, arrivalMs: performance.timeOrigin + performance.now(),
+    sampling: { ...DEFAULT_SAMPLING, maxTokens: 6, temperature: 0, ignoreEos: true },
+  };
+}
+
+const dirs: string[] = [];
+afterEach(() => {
+  while (dirs.length > 0) rmSync(dirs.pop()!, { recursive: true, force: true });
+});
+
+describe('KV tiers in a cpu worker pool', () => {
+  test('a restart over the same disk folder finds the prompt again; a second pool is refused the folder', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-pool-'));
+    dirs.push(dir);
+    const model = cpuTestModel();
+    const options: WorkerPoolOptions = {
+      engine: 'cpu', workers: 1, modelPath: model.path, threads: 1, kvOffloadMemoryBytes: 8 << 20,
+      kvOffloadDiskDir: dir, kvOffloadDiskBytes: 64 << 20, workerRestartLimit: 0,
+    };
+    const prompt = Array.from({ length: 70 }, (_, i) => 10 + ((i * 13) % 200));
+
+    const first = await createWorkerPool(options);
+    let cold: EngineOutput[];
+    try {
+      await assert.rejects(createWorkerPool(options), /already in use by this process/);
+      cold = await collect(first.engine.generate(request(prompt)));
+      // Once idle the worker writes its cached blocks down; the disk tier holds the prompt's 4 full blocks.
+      const worker = first.engine as LocalEngine;
+      for (let turns = 0; ((await worker.sync()).kvTiers?.tiers.disk?.usedBlocks ?? 0) < 4; turns++) {
+        assert.ok(turns < 2000, 'the disk tier got the prompt\'s blocks');
+        await new Promise((resolve) => setTimeout(resolve, 5));
+      }
+    } finally {
+      await first.engine.close();
+    }
+    assert.equal(readdirSync(join(dir, 'worker-0')).filter((name) => name.endsWith('.kvb')).length >= 4, true);
+    assert.ok(!readdirSync(dir).includes('conduit.lock'), 'the lock is released on close');
+
+    const second = await createWorkerPool(options);
+    try {
+      assert.ok(second.notices.some((notice) => /KV disk tier .*: [4-9]\d* blocks of this model found/.test(notice)), second.notices.join('\n'));
+      const warm = await collect(second.engine.generate(request(prompt)));
+      assert.equal(warm.at(-1)!.usage.cachedTokens, 64, 'four blocks onboarded from disk');
+      assert.equal(warm.at(-1)!.timestamps.kvOnboard?.disk, 4);
+      assert.deepEqual(warm.flatMap((o) => o.newTokenIds), cold.flatMap((o) => o.newTokenIds), 'same greedy tokens');
+    } finally {
+      await second.engine.close();
+    }
+  });
+});
+
+describe('engine stats summed over workers', () => {
+  test('keep the KV tiers, tier by tier (a single supervised worker reports through the sum too)', async () => {
+    const { sumEngineStats } = await import('../../src/runtime/engine-stats.ts');
+    const tier = (used: number, onboard: number) => ({
+      capacityBlocks: 10, usedBlocks: used, blockBytes: 100, offloadBlocks: 0, offloadBytes: 0, offloadMs: 0,
+      onboardBlocks: onboard, onboardBytes: 100 * onboard, onboardMs: 1, corruptBlocks: 0, evictedBlocks: 0,
+    });
+    const base = { numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 4, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 };
+    const sum = sumEngineStats([
+      { ...base, kvTiers: { tiers: { ram: tier(3, 1) }, missedOffloads: 1, recomputedBlocks: 0 } },
+      { ...base, kvTiers: { tiers: { ram: tier(4, 2), disk: tier(5, 0) }, missedOffloads: 2, recomputedBlocks: 3 } },
+      base,
+    ]);
+    assert.deepEqual(sum.kvTiers, {
+      tiers: { ram: { ...tier(7, 3), capacityBlocks: 20, onboardMs: 2 }, disk: tier(5, 0) }, missedOffloads: 3, recomputedBlocks: 3,
+    });
+  });
+});
