@@ -21,6 +21,7 @@ import { newCompletionId, TokenTexts, unixSeconds, type ChatResponseMeta } from 
 import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
 import { ChatShape, CompletionShape, type ResponseShape } from './response-shapes.ts';
+import { GuidedChecker } from './guided.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { parseCompletionRequest } from './schemas/completion.ts';
 import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
@@ -107,6 +108,8 @@ function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
 export class Gateway {
   state: GatewayState = 'loading';
   private backend: ModelBackend | undefined;
+  /** Compiles guided requests' grammars once without a vocabulary, so a bad one is a 400 before any work. */
+  private readonly guidedChecker = new GuidedChecker();
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
   /** Sequences (prompts x n) of the runs in flight: what the pending bound counts. */
@@ -273,6 +276,7 @@ export class Gateway {
   async chatCompletions(call: Call, body: unknown): Promise<void> {
     const backend = this.ready();
     const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)), () => 1);
+    if (request.guided) await this.guidedChecker.check(request.guided);
     const tokenIds = await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
@@ -286,6 +290,7 @@ export class Gateway {
     const backend = this.ready();
     const request = this.validated(call, () => parseCompletionRequest(body, this.validationContext(backend)),
       (r) => r.prompts.length);
+    if (request.guided) await this.guidedChecker.check(request.guided);
     const { tokenizer } = backend;
     const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
     // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.

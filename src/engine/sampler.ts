@@ -18,6 +18,7 @@
 // Scratch buffers belong to the Sampler and are reused for every row: sampling a row allocates nothing but its
 // result.
 
+import type { GuidedSequence } from './grammar/runtime.ts';
 import type { SamplingParams, TokenLogprob } from './types.ts';
 import { drawRandomSeed, Xoshiro128 } from '../util/random.ts';
 
@@ -99,6 +100,8 @@ export class SequenceSampler {
   private readonly promptTokenSet: ReadonlySet<number>;
   private readonly outputCounts = new Map<number, number>();
   private numOutputTokens = 0;
+  /** The grammar state of a guided request (params.guided), set by the engine that owns the grammars. */
+  guided: GuidedSequence | undefined;
 
   constructor(options: SequenceSamplerOptions) {
     const { params, vocabSize } = options;

@@ -9,6 +9,7 @@ import type { Engine, WorkerRole } from '../engine/types.ts';
 import { chatTemplateFromGguf, type ChatTemplate } from '../model/chat-template.ts';
 import { readGguf } from '../model/gguf.ts';
 import { LLAMA_SPM_TOKENIZER_PATH } from '../model/synthetic.ts';
+import { GrammarLoader } from '../engine/grammar/runtime.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { PolicyName } from '../router/protocols.ts';
@@ -178,8 +179,10 @@ function simPool(options: WorkerPoolOptions) {
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
   const efficiency = calibrationEfficiency(calibration, hw);
+  // Guided requests on simulated workers: the gateway's vocabulary under one grammar runtime for the pool.
+  const grammar = new GrammarLoader(tokenizer);
   const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => new SimEngine({
-    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, ...worker, ...vocabulary,
+    model, hw, tp: spec.tp, efficiency, speedUp: spec.speedUp, ...worker, ...vocabulary, tokenizer, grammar,
     maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
     maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
   });

@@ -129,14 +129,7 @@ function checkToolFields(fields: Fields): void {
 }
 
 function checkOutputFormat(fields: Fields): void {
-  const format = fields.fields('response_format');
-  if (format) {
-    const type = readString(format.path('type'), format.required('type'));
-    if (type === 'json_object' || type === 'json_schema') {
-      throw new UnsupportedFieldError('response_format', `'${type}' needs guided decoding, which is not implemented.`);
-    }
-    if (type !== 'text') throw new InvalidValueError(format.path('type'), `unknown response format '${type}'.`);
-  }
+  // response_format itself is read with the other output constraints (../guided.ts).
   const modalities = fields.array('modalities') ?? [];
   modalities.forEach((modality, i) => {
     const value = readString(childPath('modalities', i), modality);
