@@ -22,6 +22,7 @@ import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
 import { ChatShape, CompletionShape, type ResponseShape } from './response-shapes.ts';
 import { GuidedChecker } from './guided.ts';
+import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { parseCompletionRequest } from './schemas/completion.ts';
 import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
@@ -33,6 +34,8 @@ import type { JsonObject } from './validate.ts';
 /** The model's chat template (src/model/chat-template.ts's ChatTemplate fits). */
 export interface ChatTemplateRenderer {
   render(messages: readonly TemplateMessage[], options: RenderOptions): string;
+  /** The template's text, when known: the tool-call format is recognised from it. */
+  readonly sourceText?: string;
 }
 
 /** What the gateway serves: an engine plus the tokenizer and chat template of its model. */
@@ -78,6 +81,8 @@ export interface GatewayOptions {
   metrics: GatewayMetrics;
   /** The engine clock (epoch ms), for the stamps of the request's trace. */
   now: () => number;
+  /** How tool calls are found in the model's output under tool_choice "auto" (default: from the chat template). */
+  toolCallParser?: ToolCallParserName;
 }
 
 /** One HTTP request as the gateway sees it. */
@@ -208,12 +213,12 @@ export class Gateway {
   // ---- prompts ----
 
   private async renderChat(backend: ModelBackend, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
-    templateKwargs: JsonObject | undefined, checkLength: boolean): Promise<number[]> {
+    templateKwargs: JsonObject | undefined, checkLength: boolean, tools?: readonly unknown[]): Promise<number[]> {
     if (!backend.chatTemplate) throw new NoChatTemplateError(this.servedModelName!);
     let text: string;
     try {
       text = backend.chatTemplate.render(templateMessages(messages),
-        { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}) });
+        { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}), ...(tools ? { tools } : {}) });
     } catch (err) {
       // The template refusing these messages is the client's 400; a template that cannot render at all is ours.
       if (err instanceof ChatTemplateError && err.status === 400) throw new TemplateRefusedMessagesError(err.message);
@@ -277,12 +282,22 @@ export class Gateway {
     const backend = this.ready();
     const request = this.validated(call, () => parseChatCompletionRequest(body, this.validationContext(backend)), () => 1);
     if (request.guided) await this.guidedChecker.check(request.guided);
-    const tokenIds = await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
+    const { tools } = request;
+    const tokenIds = await this.renderChat(backend, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true,
+      tools?.raw);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
     const id = call.requestId ?? newCompletionId('chatcmpl');
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
-    const shape = new ChatShape(this.meta(backend, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+    let shape: ResponseShape;
+    if (tools && tools.choice.kind !== 'none') {
+      const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
+      // Mistral's [TOOL_CALLS] is a control token: the parser needs it in the text.
+      if (tools.choice.kind === 'auto' && parser === 'mistral') request.skipSpecialTokens = false;
+      shape = new ToolChatShape(this.meta(backend, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs, tools, parser);
+    } else {
+      shape = new ChatShape(this.meta(backend, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+    }
     await this.run(call, backend, id, [prompt], request, topLogprobs, shape);
   }
 
@@ -391,6 +406,7 @@ export class Gateway {
     const run = new GenerationRun(backend.engine, id, prompts, request.n, {
       priority: request.priority,
       arrivalMs: call.arrivalMs,
+      ...(request.deadlineMs !== undefined ? { deadlineMs: call.arrivalMs + request.deadlineMs } : {}),
       tenant: call.tenant.name,
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),

@@ -2,6 +2,9 @@
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
 // requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
 
+import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
+import type { SchedulingPolicy } from '../engine/types.ts';
+
 import { readFileSync } from 'node:fs';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
@@ -21,6 +24,8 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
+const SCHEDULING_POLICIES: readonly SchedulingPolicy[] = ['fcfs', 'priority', 'deadline'];
+
 export const SERVE_FLAGS = {
   model: { type: 'string', help: 'GGUF file or Hugging Face folder (default: the built-in synthetic model)', short: 'm' },
   'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name)' },
@@ -34,6 +39,8 @@ export const SERVE_FLAGS = {
   'tenant-tpm': { type: 'number', help: 'tokens per minute (prompt + max_tokens reserved) for tenants that set none' },
   'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
   'max-num-seqs': { type: 'number', help: 'most sequences in one engine batch' },
+  'scheduling-policy': { type: 'string', help: 'order in which each worker admits waiting requests and preempts running ones: fcfs (arrival), priority (the request\'s priority, lower first, as vLLM), deadline (the request\'s deadline_ms, earliest first)', default: 'fcfs' },
+  'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
@@ -77,6 +84,10 @@ type Backend = (typeof BACKENDS)[number];
 
 export interface ServeConfig {
   modelPath?: string;
+  /** Each worker's scheduling policy (default fcfs). */
+  schedulingPolicy?: SchedulingPolicy;
+  /** Tool-call format under tool_choice "auto" (default: recognised from the chat template). */
+  toolCallParser?: ToolCallParserName;
   servedModelName?: string;
   host: string;
   port: number;
@@ -249,6 +260,14 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
     throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}`);
   }
+  const schedulingPolicy = values['scheduling-policy']!;
+  if (!(SCHEDULING_POLICIES as readonly string[]).includes(schedulingPolicy)) {
+    throw new UsageError(`--scheduling-policy must be one of ${SCHEDULING_POLICIES.join(', ')}`);
+  }
+  const toolCallParser = values['tool-call-parser']!;
+  if (toolCallParser !== 'auto' && !(TOOL_CALL_PARSERS as readonly string[]).includes(toolCallParser)) {
+    throw new UsageError(`--tool-call-parser must be one of auto, ${TOOL_CALL_PARSERS.join(', ')}`);
+  }
   const sessionHeader = values['session-header']!;
   // An HTTP field name is an RFC 9110 token.
   if (!/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(sessionHeader)) {
@@ -290,6 +309,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     engine: engine as ServeConfig['engine'],
     workers: positiveInteger(values.workers, 'workers')!,
     routingPolicy: routingPolicy as PolicyName,
+    schedulingPolicy: schedulingPolicy as SchedulingPolicy,
+    ...(toolCallParser !== 'auto' ? { toolCallParser: toolCallParser as ToolCallParserName } : {}),
     sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
     ...(disaggregationPolicy !== undefined ? { disaggregationPolicy } : {}),
@@ -353,6 +374,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     maxConnections: config.maxConnections,
     headersTimeoutMs: config.headersTimeoutMs,
     sessionHeader: config.sessionHeader,
+    ...(config.toolCallParser !== undefined ? { toolCallParser: config.toolCallParser } : {}),
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     requestLog: config.requestLog,
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
@@ -372,6 +394,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ...(modelPath !== undefined ? { modelPath } : {}),
       sim: config.sim,
       routingPolicy: config.routingPolicy,
+      ...(config.schedulingPolicy !== undefined ? { policy: config.schedulingPolicy } : {}),
       ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
       ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
       migrationLimit: config.migrationLimit,

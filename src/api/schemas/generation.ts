@@ -33,6 +33,8 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   stop: string[];
   stopTokenIds: number[];
   priority: number;
+  /** deadline_ms: milliseconds after arrival by which the first token should be out (the deadline policy's key). */
+  deadlineMs?: number;
   user?: string;
   /** response_format json_object / json_schema, or vLLM's guided_* fields: the output's grammar. */
   guided?: GuidedRequest;
@@ -138,9 +140,15 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     includeStopStrInOutput: fields.boolean('include_stop_str_in_output') ?? false,
     skipSpecialTokens: fields.boolean('skip_special_tokens') ?? true,
     priority: fields.integer('priority') ?? 0,
+    ...deadlineOption(fields),
     user: fields.string('user'),
     ...guidedOption(fields),
   };
+}
+
+function deadlineOption(fields: Fields): { deadlineMs?: number } {
+  const deadlineMs = fields.number('deadline_ms', { min: 0, max: 7 * 24 * 3600 * 1000 });
+  return deadlineMs !== undefined ? { deadlineMs } : {};
 }
 
 function guidedOption(fields: Fields): { guided?: GuidedRequest } {

@@ -72,12 +72,20 @@ export class GrammarRuntime {
   /** Compiled grammars by key, least recently used first. */
   private readonly cache = new Map<string, XgHandle>();
   private readonly cacheLimit: number;
+  /**
+   * Tokens holding a control character JSON forbids raw inside strings (every byte below 0x20 but \n and \r, so
+   * tab too). XGrammar 0.1.27's rule for strings with minLength/maxLength lets them through ([^"\\\r\n]), which
+   * would make output JSON.parse refuses; a JSON grammar's matcher never allows them (spaces and newlines remain for
+   * whitespace between elements).
+   */
+  private readonly jsonForbidden: Int32Array;
 
-  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number) {
+  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array) {
     this.xg = xg;
     this.compiler = compiler;
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
+    this.jsonForbidden = jsonForbidden;
   }
 
   /**
@@ -89,17 +97,25 @@ export class GrammarRuntime {
     const xg = await XGrammar.load();
     const table = byteLevelChars();
     const encoded: string[] = new Array(vocabSize);
+    const jsonForbidden: number[] = [];
     for (let id = 0; id < vocabSize; id++) {
       let text = '';
-      if (id < tokenizer.vocabSize) for (const byte of tokenizer.tokenBytes(id, false)) text += table[byte];
+      let control = false;
+      if (id < tokenizer.vocabSize) {
+        for (const byte of tokenizer.tokenBytes(id, false)) {
+          text += table[byte];
+          if (byte < 0x20 && byte !== 0x0a && byte !== 0x0d) control = true;
+        }
+      }
       encoded[id] = text;
+      if (control) jsonForbidden.push(id);
     }
     const compiler = xg.run('vocabulary', (b) => {
       const info = new b.TokenizerInfo(b.vecStringFromJSArray(encoded), 'BYTE_LEVEL', vocabSize,
         b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
       return new b.GrammarCompiler(info, 1, false);
     });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit);
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden));
   }
 
   /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
@@ -107,7 +123,7 @@ export class GrammarRuntime {
     const source = grammarSource(spec);
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
-    return new GuidedSequence(this.xg, handle, this.vocabSize);
+    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined);
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -149,10 +165,14 @@ export class GuidedSequence {
   private handle: XgHandle;
   readonly vocabSize: number;
 
-  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number) {
+  /** Tokens never allowed whatever the grammar says (see GrammarRuntime.jsonForbidden). */
+  private readonly forbidden: Int32Array | undefined;
+
+  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array) {
     this.xg = xg;
     this.handle = handle;
     this.vocabSize = vocabSize;
+    this.forbidden = forbidden;
   }
 
   /** Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). */
@@ -167,6 +187,7 @@ export class GuidedSequence {
         for (let bit = 0; bit < end; bit++) if (((word >>> bit) & 1) === 0) row[base + bit] = -Infinity;
       }
     });
+    if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
   }
 
   /** The allowed token ids, in increasing order, into `out`; returns how many (the simulated engine draws from them). */
@@ -179,7 +200,7 @@ export class GuidedSequence {
         while (word !== 0) {
           const bit = 31 - Math.clz32(word & -word);
           const id = w * 32 + bit;
-          if (id < vocabSize) out[count++] = id;
+          if (id < vocabSize && !this.isForbidden(id)) out[count++] = id;
           word &= word - 1;
         }
       }
@@ -189,7 +210,24 @@ export class GuidedSequence {
 
   /** Advances with a sampled token; false (state unchanged) when the grammar does not allow it. */
   accept(tokenId: number): boolean {
+    if (this.isForbidden(tokenId)) return false;
     return this.handle.AcceptToken(tokenId, false) as boolean;
+  }
+
+  private isForbidden(tokenId: number): boolean {
+    const forbidden = this.forbidden;
+    if (forbidden === undefined) return false;
+    // Sorted ascending (built in id order): binary search.
+    let lo = 0;
+    let hi = forbidden.length - 1;
+    while (lo <= hi) {
+      const mid = (lo + hi) >>> 1;
+      const value = forbidden[mid]!;
+      if (value === tokenId) return true;
+      if (value < tokenId) lo = mid + 1;
+      else hi = mid - 1;
+    }
+    return false;
   }
 
   /** The grammar has accepted an end-of-generation token. */
