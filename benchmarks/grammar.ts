@@ -5,8 +5,11 @@
 //     matcher advances (accept). Vocabularies: Llama 2 (32k, the built-in), Llama 3 (128k) and Qwen2 (152k), read
 //     from ../shared/models' vocab-only GGUFs (skipped when absent).
 //   - decode: EngineCore decode steps of the 110M synthetic model (Q8_0, native backend) with B greedy requests.
-// Printed per vocabulary and batch: grammar ms per step, µs per token, and the share of the 110M model's decode
-// step at that batch.
+// Two grammar cases: "noise" (random logits: nearly every draw is refused, so every token pays for a mask: the
+// worst case, the synthetic model's) and "follows" (the logits peak at the next token of a valid document, as a
+// model that writes the format does: the engine's draw-first path takes the token with one advance and computes no
+// mask; EngineCore.guidedDrawFirst). Printed per vocabulary and batch: grammar ms per step, µs per token, and the
+// share of the 110M model's decode step at that batch.
 //
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48]
 
@@ -98,7 +101,13 @@ async function vocab(label: string, path: string): Promise<Vocab | undefined> {
   return { label, tokenizer, runtime: await GrammarRuntime.create(tokenizer) };
 }
 
-function grammarStepMs(v: Vocab, batch: number, seed: number): { stepMs: number; tokens: number } {
+type Case = 'noise' | 'follows';
+const CASES: Case[] = ['noise', 'follows'];
+const DOCUMENT = JSON.stringify({ name: 'Ada Lovelace', age: 36, tags: ['math', 'poet'], color: 'green' });
+
+function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { stepMs: number; tokens: number } {
+  const doc = v.tokenizer.encode(DOCUMENT, { addSpecialTokens: false });
+  const positions = new Array<number>(batch).fill(0);
   const size = v.runtime.vocabSize;
   const rng = Xoshiro128.fromSeed(seed, 0);
   const rows = new Float32Array(batch * size);
@@ -111,15 +120,22 @@ function grammarStepMs(v: Vocab, batch: number, seed: number): { stepMs: number;
     const start = performance.now();
     for (let b = 0; b < batch; b++) {
       let guided = matchers[b]!;
-      if (guided.isTerminated) {
+      if (guided.isTerminated || positions[b]! > doc.length) {
         guided.dispose();
         guided = matchers[b] = v.runtime.open(spec);
+        positions[b] = 0;
       }
       const row = rows.subarray(b * size, (b + 1) * size);
-      guided.maskRow(row);
+      if (mode === 'follows') row[doc[positions[b]!] ?? v.tokenizer.stopTokenIds[0]!] = 100;
+      positions[b]!++;
       let best = 0;
-      for (let id = 1; id < size; id++) if (row[id]! > row[best]!) best = id; // greedy over the allowed tokens
-      guided.accept(best);
+      for (let id = 1; id < size; id++) if (row[id]! > row[best]!) best = id; // greedy
+      if (!guided.accept(best)) {
+        guided.maskRow(row);
+        best = 0;
+        for (let id = 1; id < size; id++) if (row[id]! > row[best]!) best = id; // greedy over the allowed tokens
+        guided.accept(best);
+      }
       tokens++;
     }
     times.push(performance.now() - start);
@@ -139,17 +155,25 @@ console.log(`grammar (mask + advance, XGrammar WASM) vs decode step of ${file.la
 for (const batch of BATCHES) decodeStepMs(batch); // warm-up
 for (const batch of BATCHES) {
   const decode: number[] = [];
-  const grammar = new Map<string, number[]>(vocabs.map((v) => [v.label, []]));
+  const grammar = new Map<string, number[]>();
   for (let round = 0; round < ROUNDS; round++) {
     decode.push(decodeStepMs(batch));
-    for (const v of vocabs) grammar.get(v.label)!.push(grammarStepMs(v, batch, round + 1).stepMs);
+    for (const v of vocabs) {
+      for (const mode of CASES) {
+        const key = `${v.label}|${mode}`;
+        if (!grammar.has(key)) grammar.set(key, []);
+        grammar.get(key)!.push(grammarStepMs(v, batch, round + 1, mode).stepMs);
+      }
+    }
   }
   const decodeMs = median(decode);
   console.log(`batch ${String(batch).padStart(2)}: decode step ${decodeMs.toFixed(2)} ms`);
   for (const v of vocabs) {
-    const ms = median(grammar.get(v.label)!);
-    console.log(`  vocab ${v.label.padEnd(15)} grammar ${ms.toFixed(3)} ms/step  ${(ms * 1000 / batch).toFixed(0).padStart(5)} µs/token`
-      + `  ${(100 * ms / decodeMs).toFixed(1).padStart(5)}% of the decode step`);
+    for (const mode of CASES) {
+      const ms = median(grammar.get(`${v.label}|${mode}`)!);
+      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(7)} grammar ${ms.toFixed(3).padStart(8)} ms/step  `
+        + `${(ms * 1000 / batch).toFixed(0).padStart(5)} µs/token  ${(100 * ms / decodeMs).toFixed(1).padStart(5)}% of the decode step`);
+    }
   }
 }
 console.log(`load average after: ${loadavg().map((x) => x.toFixed(1)).join(' ')}`);

@@ -166,6 +166,21 @@ export class EngineCore extends StepCore<SequenceSampler> {
     return this.logits;
   }
 
+  /**
+   * Whether a guided row may be drawn from unmasked first, the mask computed only when the grammar refuses the draw.
+   * Exact where masking commutes with the draw: greedy (the argmax of the whole row, if allowed, is the masked
+   * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
+   * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
+   * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
+   * A model that follows the grammar then costs one advance per token instead of a mask.
+   */
+  private guidedDrawFirst(sequence: SequenceSampler): boolean {
+    const { params } = sequence;
+    if (params.logprobs !== null) return false;
+    if (params.temperature < GREEDY_TEMPERATURE) return true;
+    return params.topP >= 1 && params.topK <= 0 && params.minP === 0;
+  }
+
   private sampleRows(plan: StepPlan, logits: Float32Array): { tokenIds: number[]; logprobs: Map<string, TokenLogprob> } {
     const v = this.vocabSize;
     const tokenIds: number[] = new Array(plan.sampleTargets.length);
@@ -174,24 +189,33 @@ export class EngineCore extends StepCore<SequenceSampler> {
       const values = logits.subarray(row * v, (row + 1) * v);
       const sequence = this.tokenState(target.request.id, target.completionIndex)!;
       const guided = sequence.guided;
-      let sampled: SampledToken;
+      let sampled: SampledToken | undefined;
       if (guided === undefined || guided.isTerminated) {
         sampled = this.sampler.sampleRow(values, sequence);
       } else {
-        // The grammar's mask first (the logits buffer is this step's own), then the request's own processing.
-        guided.maskRow(values);
-        try {
+        let accepted = false;
+        if (this.guidedDrawFirst(sequence)) {
+          // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
           sampled = this.sampler.sampleRow(values, sequence);
-        } catch (error) {
-          // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends.
-          if (!(error instanceof RangeError)) throw error;
-          sampled = { tokenId: this.eosTokenIds.find((id) => values[id] !== -Infinity) ?? this.eosTokenIds[0] ?? 0 };
-          sequence.recordOutputToken(sampled.tokenId);
+          accepted = guided.accept(sampled.tokenId);
+          if (!accepted) sequence.unrecordOutputToken(sampled.tokenId);
         }
-        guided.accept(sampled.tokenId);
+        if (!accepted) {
+          // The grammar's mask first (the logits buffer is this step's own), then the request's own processing.
+          guided.maskRow(values);
+          try {
+            sampled = this.sampler.sampleRow(values, sequence);
+          } catch (error) {
+            // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends.
+            if (!(error instanceof RangeError)) throw error;
+            sampled = { tokenId: this.eosTokenIds.find((id) => values[id] !== -Infinity) ?? this.eosTokenIds[0] ?? 0 };
+            sequence.recordOutputToken(sampled.tokenId);
+          }
+          guided.accept(sampled.tokenId);
+        }
       }
-      tokenIds[row] = sampled.tokenId;
-      if (sampled.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled.logprobs);
+      tokenIds[row] = sampled!.tokenId;
+      if (sampled!.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled!.logprobs);
     });
     return { tokenIds, logprobs };
   }
@@ -233,6 +257,9 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
         for (let k = 0; k < drawsPerToken; k++) sampler.nextUniform();
         sampler.recordOutputToken(tokenId);
       }
+      // A guided request may have drawn twice for a token (drawn whole, refused by the grammar, drawn masked): its
+      // stream continues from the state the prefill worker sent instead of a replay.
+      if (params.guided !== undefined) sampler.restoreRngState(handoff.sampler.rngState);
       const resumed = sampler.rngState();
       if (resumed.some((word, i) => word !== handoff.sampler.rngState[i])) {
         throw new Error(`request ${handoff.requestId}: the sampler's random stream cannot be resumed where the prefill worker left it`);
