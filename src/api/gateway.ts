@@ -21,6 +21,8 @@ import { newCompletionId, TokenTexts, unixSeconds, type ChatResponseMeta } from 
 import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
 import { ChatShape, CompletionShape, type ResponseShape } from './response-shapes.ts';
+import { GuidedChecker } from './guided.ts';
+import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { parseCompletionRequest } from './schemas/completion.ts';
 import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
@@ -32,6 +34,8 @@ import type { JsonObject } from './validate.ts';
 /** The model's chat template (src/model/chat-template.ts's ChatTemplate fits). */
 export interface ChatTemplateRenderer {
   render(messages: readonly TemplateMessage[], options: RenderOptions): string;
+  /** The template's text, when known: the tool-call format is recognised from it. */
+  readonly sourceText?: string;
 }
 
 /** What the gateway serves: an engine plus the tokenizer and chat template of its model. */
@@ -114,6 +118,8 @@ export interface GatewayOptions {
   metrics: GatewayMetrics;
   /** The engine clock (epoch ms), for the stamps of the request's trace. */
   now: () => number;
+  /** How tool calls are found in the model's output under tool_choice "auto" (default: from the chat template). */
+  toolCallParser?: ToolCallParserName;
 }
 
 /** One HTTP request as the gateway sees it. */
@@ -149,6 +155,8 @@ export class Gateway {
   private backend: ModelBackend | undefined;
   /** Every served model by name, the first one included (set by attach / attachModels). */
   private readonly served = new Map<string, ModelBackend>();
+  /** Compiles guided requests' grammars once without a vocabulary, so a bad one is a 400 before any work. */
+  private readonly guidedChecker = new GuidedChecker();
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
   /** Sequences (prompts x n) of the runs in flight: what the pending bound counts. */
@@ -325,13 +333,13 @@ export class Gateway {
   // ---- prompts ----
 
   private async renderChat(target: ModelTarget, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
-    templateKwargs: JsonObject | undefined, checkLength: boolean): Promise<number[]> {
+    templateKwargs: JsonObject | undefined, checkLength: boolean, tools?: readonly unknown[]): Promise<number[]> {
     const { backend } = target;
     if (!backend.chatTemplate) throw new NoChatTemplateError(target.name);
     let text: string;
     try {
       text = backend.chatTemplate.render(templateMessages(messages),
-        { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}) });
+        { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}), ...(tools ? { tools } : {}) });
     } catch (err) {
       // The template refusing these messages is the client's 400; a template that cannot render at all is ours.
       if (err instanceof ChatTemplateError && err.status === 400) throw new TemplateRefusedMessagesError(err.message);
@@ -397,12 +405,23 @@ export class Gateway {
     const { request, target } = this.validated(call,
       () => parseChatCompletionRequest(body, this.validationContext(this.backendFor(body))), () => 1);
     const { backend } = target;
-    const tokenIds = await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true);
+    if (request.guided) await this.guidedChecker.check(request.guided);
+    const { tools } = request;
+    const tokenIds = await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true,
+      tools?.raw);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     call.trace?.tokenized(prompt.tokenIds.length);
     const id = call.requestId ?? newCompletionId('chatcmpl');
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
-    const shape = new ChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+    let shape: ResponseShape;
+    if (tools && tools.choice.kind !== 'none') {
+      const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
+      // Mistral's [TOOL_CALLS] is a control token: the parser needs it in the text.
+      if (tools.choice.kind === 'auto' && parser === 'mistral') request.skipSpecialTokens = false;
+      shape = new ToolChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs, tools, parser);
+    } else {
+      shape = new ChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+    }
     await this.run(call, target, id, [prompt], request, topLogprobs, shape);
   }
 
@@ -411,6 +430,7 @@ export class Gateway {
     const { request, target } = this.validated(call,
       () => parseCompletionRequest(body, this.validationContext(this.backendFor(body))), (r) => r.prompts.length);
     const { backend } = target;
+    if (request.guided) await this.guidedChecker.check(request.guided);
     const { tokenizer } = backend;
     const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
     // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
@@ -557,6 +577,7 @@ export class Gateway {
     const run = new GenerationRun(backend.engine, id, prompts, request.n, {
       priority: request.priority,
       arrivalMs: call.arrivalMs,
+      ...(request.deadlineMs !== undefined ? { deadlineMs: call.arrivalMs + request.deadlineMs } : {}),
       tenant: call.tenant.name,
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),

@@ -23,6 +23,8 @@ export interface RunEvent {
 export interface RunRequestTemplate {
   priority: number;
   arrivalMs: number;
+  /** Engine-clock time by which the first token should be out (the deadline policy orders by it). */
+  deadlineMs?: number;
   tenant?: string;
   cacheSalt?: string;
   traceparent?: string;

@@ -6,6 +6,7 @@
 // and a CallTrace that stamps its phases and ends it exactly once, whichever way it ends; /metrics appends the
 // telemetry's registry, and /v1/requests/{id}/trace, /v1/slo and /v1/analysis read what it collected.
 
+import type { ToolCallParserName } from './tool-calls.ts';
 import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { createServer as createHttpsServer } from 'node:https';
 import type { AddressInfo, Socket } from 'node:net';
@@ -38,6 +39,8 @@ export const MAX_SESSION_ID_LENGTH = 256;
 
 export interface ApiServerOptions {
   keyStore: KeyStore;
+  /** Tool-call format under tool_choice "auto" (default: recognised from the chat template). */
+  toolCallParser?: ToolCallParserName;
   servedModelName?: string;
   maxBodyBytes?: number;
   /** Sequences (prompts x n) in flight beyond which new requests get 503. */
@@ -172,6 +175,7 @@ export class ApiServer {
       limiter: this.limiter,
       metrics: this.metrics,
       now: this.engineClock,
+      ...(options.toolCallParser !== undefined ? { toolCallParser: options.toolCallParser } : {}),
     });
     this.webConsole = new WebConsole({
       telemetry: this.telemetry, keyStore: options.keyStore, workers: () => this.workerSources(), health: () => this.gateway.health().body,

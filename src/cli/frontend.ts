@@ -17,6 +17,7 @@ const WORKER_ONLY = new Set([
   'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
   'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'disagg-min-remote-prefill-tokens',
   'disagg-max-prefill-queue-tokens', 'disagg-transfer-overhead-ms', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
+  'scheduling-policy', 'lora-modules', 'max-loras',
 ]);
 
 const GATEWAY_FLAGS = Object.fromEntries(Object.entries(SERVE_FLAGS).filter(([name]) => !WORKER_ONLY.has(name))) as FlagTable;

@@ -5,6 +5,8 @@
 import { existsSync, readFileSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
 import { join } from 'node:path';
+import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
+import type { SchedulingPolicy } from '../engine/types.ts';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
@@ -24,6 +26,16 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
+const SCHEDULING_POLICIES: readonly SchedulingPolicy[] = ['fcfs', 'priority', 'deadline'];
+
+/** --scheduling-policy's value, checked (serve and worker). */
+export function parseSchedulingPolicy(value: string): SchedulingPolicy {
+  if (!(SCHEDULING_POLICIES as readonly string[]).includes(value)) {
+    throw new UsageError(`--scheduling-policy must be one of ${SCHEDULING_POLICIES.join(', ')}`);
+  }
+  return value as SchedulingPolicy;
+}
+
 export const SERVE_FLAGS = {
   model: { type: 'string', help: 'GGUF file or Hugging Face folder, or NAME=PATH to serve it as NAME; repeat to serve several models, each with its own workers (default: the built-in synthetic model)', short: 'm', repeatable: true },
   'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name); repeated, the i-th names the i-th --model', repeatable: true },
@@ -39,6 +51,8 @@ export const SERVE_FLAGS = {
   'tenant-tpm': { type: 'number', help: 'tokens per minute (prompt + max_tokens reserved) for tenants that set none' },
   'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
   'max-num-seqs': { type: 'number', help: 'most sequences in one engine batch' },
+  'scheduling-policy': { type: 'string', help: 'order in which each worker admits waiting requests and preempts running ones: fcfs (arrival), priority (the request\'s priority, lower first, as vLLM), deadline (the request\'s deadline_ms, earliest first)', default: 'fcfs' },
+  'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
@@ -93,6 +107,10 @@ export interface ServedModelSpec {
 export interface ServeConfig {
   /** The first (default) model: the first --model. */
   modelPath?: string;
+  /** Each worker's scheduling policy (default fcfs). */
+  schedulingPolicy?: SchedulingPolicy;
+  /** Tool-call format under tool_choice "auto" (default: recognised from the chat template). */
+  toolCallParser?: ToolCallParserName;
   servedModelName?: string;
   /** Every --model after the first, each served by its own workers (cpu engine only). */
   extraModels?: ServedModelSpec[];
@@ -321,6 +339,10 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
     throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}`);
   }
+  const toolCallParser = values['tool-call-parser']!;
+  if (toolCallParser !== 'auto' && !(TOOL_CALL_PARSERS as readonly string[]).includes(toolCallParser)) {
+    throw new UsageError(`--tool-call-parser must be one of auto, ${TOOL_CALL_PARSERS.join(', ')}`);
+  }
   const sessionHeader = values['session-header']!;
   // An HTTP field name is an RFC 9110 token.
   if (!/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(sessionHeader)) {
@@ -366,6 +388,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     workers: positiveInteger(values.workers, 'workers')!,
     workerProcesses: values['worker-processes']!,
     routingPolicy: routingPolicy as PolicyName,
+    schedulingPolicy: parseSchedulingPolicy(values['scheduling-policy']!),
+    ...(toolCallParser !== 'auto' ? { toolCallParser: toolCallParser as ToolCallParserName } : {}),
     sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
     ...(disaggregationPolicy !== undefined ? { disaggregationPolicy } : {}),
@@ -451,6 +475,7 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
     maxConnections: config.maxConnections,
     headersTimeoutMs: config.headersTimeoutMs,
     sessionHeader: config.sessionHeader,
+    ...(config.toolCallParser !== undefined ? { toolCallParser: config.toolCallParser } : {}),
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     requestLog: config.requestLog,
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
@@ -494,6 +519,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(spec.path !== undefined ? { modelPath: spec.path } : {}),
           sim: config.sim,
           routingPolicy: config.routingPolicy,
+          ...(config.schedulingPolicy !== undefined ? { policy: config.schedulingPolicy } : {}),
           ...(config.prefillWorkers !== undefined ? { prefillWorkers: config.prefillWorkers, decodeWorkers: config.decodeWorkers } : {}),
           ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
           migrationLimit: config.migrationLimit,

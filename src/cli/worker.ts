@@ -10,11 +10,11 @@ import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
-import { parseByteSize, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
+import { parseByteSize, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release',
-  'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'max-num-seqs',
+  'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
   'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
@@ -79,6 +79,7 @@ export const workerCommand: Command = {
         ...(values.threads !== undefined ? { threads: values.threads } : {}),
         ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
         kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
+        policy: parseSchedulingPolicy(values['scheduling-policy']!),
         ...(values['kv-offload-memory'] !== undefined ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory') } : {}),
         ...(values['kv-offload-disk'] !== undefined ? {
           kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),

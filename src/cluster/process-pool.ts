@@ -79,6 +79,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number): st
     add('kv-offload-disk', join(options.kvOffloadDiskDir, id));
     add('kv-offload-disk-size', Math.floor((options.kvOffloadDiskBytes ?? 0) / options.workers));
   }
+  add('scheduling-policy', options.policy);
   add('max-num-seqs', options.maxNumSeqs);
   add('max-num-batched-tokens', options.maxNumBatchedTokens);
   if (options.sim) {

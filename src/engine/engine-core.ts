@@ -14,6 +14,7 @@ import {
 import type { BlockTable } from './kv-cache/manager.ts';
 import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { drawRandomSeed } from '../util/random.ts';
+import { GrammarError, type GrammarRuntime } from './grammar/runtime.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, type SequenceSampler } from './sampler.ts';
 import type { StepPlan } from './scheduler.ts';
 import { rowKey, StepCore, type KvImport, type TokenSource } from './step-core.ts';
@@ -37,6 +38,11 @@ export interface EngineCoreOptions {
   kvTiers?: KvTiers;
   /** Engine clock in ms. */
   now: () => number;
+  /**
+   * The worker's grammars for guided requests (sampling.guided), once loaded; undefined before (a guided request is
+   * then refused). worker-main.ts loads them before it adds the first guided request.
+   */
+  grammar?: () => GrammarRuntime | undefined;
 }
 
 /** A prefill worker's pool as a decode worker reads it: shared memory, named for the stats. */
@@ -53,6 +59,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
   private readonly vocabSize: number;
   private readonly now: () => number;
   private numStepsFailed = 0;
+  private readonly eosTokenIds: readonly number[];
   /** Every step's logits, reused (the sampler is done with them before the step returns). */
   private logits = new Float32Array(0);
   /** Loaded LoRA adapters: name -> backend slot. */
@@ -67,7 +74,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       maxModelLen: options.maxModelLen, eosTokenIds: tokenizer.stopTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
-      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds),
+      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined)),
       text: { open: (sampling) => IncrementalDetokenizer.forRequest(tokenizer, sampling) },
     });
     this.backend = backend;
@@ -75,6 +82,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
     this.vocabSize = vocabSize;
     this.builder = BatchBuilder.forScheduler(this.scheduler);
     this.sampler = new Sampler(vocabSize);
+    this.eosTokenIds = tokenizer.stopTokenIds;
   }
 
   /**
@@ -209,29 +217,88 @@ export class EngineCore extends StepCore<SequenceSampler> {
     return this.logits;
   }
 
+  /**
+   * Whether a guided row may be drawn from unmasked first, the mask computed only when the grammar refuses the draw.
+   * Exact where masking commutes with the draw: greedy (the argmax of the whole row, if allowed, is the masked
+   * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
+   * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
+   * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
+   * A model that follows the grammar then costs one advance per token instead of a mask.
+   */
+  private guidedDrawFirst(sequence: SequenceSampler): boolean {
+    const { params } = sequence;
+    if (params.logprobs !== null) return false;
+    if (params.temperature < GREEDY_TEMPERATURE) return true;
+    return params.topP >= 1 && params.topK <= 0 && params.minP === 0;
+  }
+
   private sampleRows(plan: StepPlan, logits: Float32Array): { tokenIds: number[]; logprobs: Map<string, TokenLogprob> } {
     const v = this.vocabSize;
     const tokenIds: number[] = new Array(plan.sampleTargets.length);
     const logprobs = new Map<string, TokenLogprob>();
     plan.sampleTargets.forEach((target, row) => {
-      const sampled: SampledToken = this.sampler.sampleRow(logits.subarray(row * v, (row + 1) * v),
-        this.tokenState(target.request.id, target.completionIndex)!);
-      tokenIds[row] = sampled.tokenId;
-      if (sampled.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled.logprobs);
+      const values = logits.subarray(row * v, (row + 1) * v);
+      const sequence = this.tokenState(target.request.id, target.completionIndex)!;
+      const guided = sequence.guided;
+      let sampled: SampledToken | undefined;
+      if (guided === undefined || guided.isTerminated) {
+        sampled = this.sampler.sampleRow(values, sequence);
+      } else {
+        let accepted = false;
+        if (this.guidedDrawFirst(sequence)) {
+          // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
+          sampled = this.sampler.sampleRow(values, sequence);
+          accepted = guided.accept(sampled.tokenId);
+          if (!accepted) sequence.unrecordOutputToken(sampled.tokenId);
+        }
+        if (!accepted) {
+          // The grammar's mask first (the logits buffer is this step's own), then the request's own processing.
+          guided.maskRow(values);
+          try {
+            sampled = this.sampler.sampleRow(values, sequence);
+          } catch (error) {
+            // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends.
+            if (!(error instanceof RangeError)) throw error;
+            sampled = { tokenId: this.eosTokenIds.find((id) => values[id] !== -Infinity) ?? this.eosTokenIds[0] ?? 0 };
+            sequence.recordOutputToken(sampled.tokenId);
+          }
+          guided.accept(sampled.tokenId);
+        }
+      }
+      tokenIds[row] = sampled!.tokenId;
+      if (sampled!.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled!.logprobs);
     });
     return { tokenIds, logprobs };
   }
 }
 
 /** Tokens from the model: one seeded sampler per completion (see sampler.ts), resumable from a handoff. */
-function samplerTokens(vocabSize: number, eosTokenIds: readonly number[]): TokenSource<SequenceSampler> {
+function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined): TokenSource<SequenceSampler> {
+  /** A guided request's completions each get a matcher at the start of the output. */
+  const attachGrammar = (request: EngineRequest, samplers: SequenceSampler[]): void => {
+    const spec = request.sampling.guided;
+    if (spec === undefined) return;
+    const runtime = grammar();
+    if (runtime === undefined) throw new InvalidRequestError('invalid_request', request.id, 'guided decoding is not available on this worker');
+    try {
+      for (const sampler of samplers) sampler.guided = runtime.open(spec);
+    } catch (error) {
+      for (const sampler of samplers) sampler.guided?.dispose();
+      if (error instanceof GrammarError) throw new InvalidRequestError('invalid_request', request.id, error.message);
+      throw error;
+    }
+  };
   return {
-    open: (request) => createRequestSamplers({
-      params: request.sampling, promptTokenIds: request.promptTokenIds, vocabSize, eosTokenIds,
-    }),
+    open: (request) => {
+      const samplers = createRequestSamplers({
+        params: request.sampling, promptTokenIds: request.promptTokenIds, vocabSize, eosTokenIds,
+      });
+      attachGrammar(request, samplers);
+      return samplers;
+    },
     /**
      * The sampler as the prefill worker left it: the seeded stream replayed over the tokens it sampled (one uniform
-     * draw per token unless greedy), then checked against the state it sent.
+     * draw per token unless greedy), then checked against the state it sent; a grammar advanced over them too.
      */
     resume: (handoff) => {
       const params = handoff.request.sampling;
@@ -241,14 +308,20 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[]): Token
         for (let k = 0; k < drawsPerToken; k++) sampler.nextUniform();
         sampler.recordOutputToken(tokenId);
       }
+      // A guided request may have drawn twice for a token (drawn whole, refused by the grammar, drawn masked): its
+      // stream continues from the state the prefill worker sent instead of a replay.
+      if (params.guided !== undefined) sampler.restoreRngState(handoff.sampler.rngState);
       const resumed = sampler.rngState();
       if (resumed.some((word, i) => word !== handoff.sampler.rngState[i])) {
         throw new Error(`request ${handoff.requestId}: the sampler's random stream cannot be resumed where the prefill worker left it`);
       }
+      attachGrammar(handoff.request, [sampler]);
+      for (const tokenId of handoff.outputTokenIds) sampler.guided?.accept(tokenId);
       return sampler;
     },
     handoffSeed: () => drawRandomSeed(),
     handoffState: (request, sampler) => ({ seed: request.sampling.seed!, rngState: sampler.rngState() }),
+    close: (sampler) => sampler.guided?.dispose(),
   };
 }
 

@@ -18,6 +18,7 @@
 // Scratch buffers belong to the Sampler and are reused for every row: sampling a row allocates nothing but its
 // result.
 
+import type { GuidedSequence } from './grammar/runtime.ts';
 import type { SamplingParams, TokenLogprob } from './types.ts';
 import { drawRandomSeed, Xoshiro128 } from '../util/random.ts';
 
@@ -94,11 +95,13 @@ export class SequenceSampler {
   readonly vocabSize: number;
   /** Ids that end this sequence: its stop_token_ids plus the model's EOS ids unless ignore_eos. */
   readonly stopTokenIds: ReadonlySet<number>;
-  private readonly rng: Xoshiro128;
+  private rng: Xoshiro128;
   /** Distinct prompt ids, kept only when a repetition penalty applies. */
   private readonly promptTokenSet: ReadonlySet<number>;
   private readonly outputCounts = new Map<number, number>();
   private numOutputTokens = 0;
+  /** The grammar state of a guided request (params.guided), set by the engine that owns the grammars. */
+  guided: GuidedSequence | undefined;
 
   constructor(options: SequenceSamplerOptions) {
     const { params, vocabSize } = options;
@@ -130,9 +133,22 @@ export class SequenceSampler {
     this.numOutputTokens++;
   }
 
+  /** Takes back the last recordOutputToken(tokenId) (a token the engine drew but then refused). */
+  unrecordOutputToken(tokenId: number): void {
+    const count = this.outputCounts.get(tokenId) ?? 0;
+    if (count <= 1) this.outputCounts.delete(tokenId);
+    else this.outputCounts.set(tokenId, count - 1);
+    this.numOutputTokens--;
+  }
+
   /** Uniform draw in [0, 1) from this sequence's own stream. */
   nextUniform(): number {
     return this.rng.nextFloat();
+  }
+
+  /** Continues the stream from a state rngState() gave (a guided request's draws per token vary: it cannot be replayed). */
+  restoreRngState(state: readonly [number, number, number, number]): void {
+    this.rng = new Xoshiro128(state);
   }
 
   /** The RNG state, to resume the same stream elsewhere (preemption by swap, migration). */

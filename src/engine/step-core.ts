@@ -32,6 +32,8 @@ export interface TokenSource<T> {
   handoffSeed(request: EngineRequest): number;
   /** What a handoff carries of the state (the decode side's resume() takes it back). */
   handoffState(request: Request, state: T): KvHandoff['sampler'];
+  /** The request left this worker (finished, aborted, handed off): what its states hold outside the JS heap goes. */
+  close?(state: T): void;
 }
 
 /** One completion's text: token ids in, text out, stop strings checked and held back until decided. */
@@ -196,7 +198,7 @@ export class StepCore<T> {
     // Completions not yet forked (n > 1 before the prompt is done) end too.
     for (let index = state.request.sequences.length; index < state.tokens.length; index++) unfinished.push(index);
     this.scheduler.finish(requestId, reason, { nowMs });
-    this.states.delete(requestId);
+    this.forget(state);
     state.request.timestamps.finished = nowMs;
     return unfinished.map((index) => output(state.request, index, [], '', { finishReason: reason, error }));
   }
@@ -238,7 +240,7 @@ export class StepCore<T> {
       const state = this.states.get(out.requestId);
       if (state?.request.isFinished) {
         state.request.timestamps.finished ??= endMs;
-        this.states.delete(out.requestId);
+        this.forget(state);
       }
     }
     // A prefill-only request that got its first token and did not finish on it leaves now, before the next step
@@ -336,7 +338,7 @@ export class StepCore<T> {
   private handOff(state: RequestState<T>, nowMs: number): void {
     const { request } = state;
     const given = this.scheduler.handOff(request.id);
-    this.states.delete(request.id);
+    this.forget(state);
     this.handoffs.add({
       requestId: request.id, request: request.engineRequest, outputTokenIds: given.outputTokenIds.slice(),
       numComputedTokens: given.numComputedTokens, blockSize: this.kv.blockSize, sourceBlockIds: given.blockIds.slice(),
@@ -344,6 +346,12 @@ export class StepCore<T> {
       numCachedTokens: request.numCachedTokens, timestamps: copyTimestamps(request.timestamps),
       sourceLayout: this.kvLayout, createdMs: nowMs,
     }, given.pin);
+  }
+
+  /** Drops a request's state, closing its token states. */
+  private forget(state: RequestState<T>): void {
+    this.states.delete(state.request.id);
+    if (this.tokenSource.close) for (const tokens of state.tokens) this.tokenSource.close(tokens);
   }
 
   private tryAdopt(pending: PendingAdoption<T>, nowMs: number): AdoptedResult | null {

@@ -28,7 +28,23 @@ export interface SamplingParams {
   /** Return the chosen token's logprob and this many alternatives (null = none). */
   logprobs: number | null;
   skipSpecialTokens: boolean;
+  /**
+   * Constrained decoding: the output must follow this grammar (each logits row is masked to the tokens it allows,
+   * and it ends with an end-of-generation token once complete). Plain data, so it crosses threads and processes.
+   */
+  guided?: GuidedDecoding;
 }
+
+/**
+ * What a guided output must match. json_schema.schema is the schema's JSON text; a choice is one of the strings
+ * exactly; grammar is XGrammar's EBNF (root rule `root`); regex is matched whole.
+ */
+export type GuidedDecoding =
+  | { kind: 'json_object' }
+  | { kind: 'json_schema'; schema: string }
+  | { kind: 'regex'; pattern: string }
+  | { kind: 'choice'; choices: string[] }
+  | { kind: 'grammar'; ebnf: string };
 
 export const DEFAULT_SAMPLING: SamplingParams = {
   temperature: 1, topP: 1, topK: 0, minP: 0, repetitionPenalty: 1, presencePenalty: 0, frequencyPenalty: 0,

@@ -15,6 +15,8 @@ import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import type { ModelConfig } from '../model/config.ts';
 import { loadLoraAdapter } from '../model/lora.ts';
+import { GrammarRuntime } from './grammar/runtime.ts';
+import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { EngineInfo } from './types.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
@@ -23,8 +25,10 @@ const init = (workerData as { data: WorkerInit }).data;
 const send = (message: FromWorker) => port.postMessage(message);
 
 let baseConfig: ModelConfig | undefined;
+/** The worker's grammars, loaded when the first guided request arrives (most workers never need them). */
+let grammar: GrammarRuntime | undefined;
 
-async function start(): Promise<EngineCore> {
+async function start(): Promise<{ core: EngineCore; tokenizer: Tokenizer; vocabSize: number }> {
   const loaded = await loadModel(init.modelPath);
   const tokenizer = createTokenizer(loaded.tokenizerSource);
   const { factory, notices } = selectBackend(init.backend);
@@ -52,7 +56,7 @@ async function start(): Promise<EngineCore> {
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
     policy: init.policy, enablePrefixCaching: init.enablePrefixCaching, enableKvEvents: init.enableKvEvents,
     ...(kvTiers !== undefined ? { kvTiers } : {}),
-    now: engineNow,
+    now: engineNow, grammar: () => grammar,
   });
   const info: EngineInfo = {
     // What one sequence can reach: the context length, or less when one sequence of it would not fit the KV pool.
@@ -63,7 +67,7 @@ async function start(): Promise<EngineCore> {
   };
   const pool = core.kvPoolView;
   send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], kvPool: pool.pool, kvLayout: pool.layout });
-  return core;
+  return { core, tokenizer, vocabSize: config.vocabSize };
 }
 
 /** The storage type that holds most of the model's parameters. */
@@ -93,7 +97,7 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
   return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });
 }
 
-function run(core: EngineCore): void {
+function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Tokenizer; vocabSize: number }): void {
   let stepQueued = false;
   let closing = false;
   /** Prefill workers' pools this worker may read handed-off blocks from (decode role), by worker id. */
@@ -174,7 +178,38 @@ function run(core: EngineCore): void {
     }
   };
 
+  // A guided request needs the grammars: the first one loads them (tens to hundreds of ms, once), and every message
+  // that arrives meanwhile waits behind it, so the order of adds and aborts is kept. A failed load leaves the
+  // grammars undefined: guided requests are then refused with the reason, and the next one tries again.
+  let held: ToWorker[] | null = null;
+  let grammarFailure: string | undefined;
+  const needsGrammar = (message: ToWorker): boolean => grammar === undefined
+    && ((message.type === 'add' && message.request.sampling.guided !== undefined)
+      || (message.type === 'adopt' && message.handoff.request.sampling.guided !== undefined));
   port.on('message', (message: ToWorker) => {
+    if (held !== null) {
+      held.push(message);
+      return;
+    }
+    if (!needsGrammar(message)) {
+      handle(message);
+      return;
+    }
+    held = [message];
+    GrammarRuntime.create(tokenizer, vocabSize).then((runtime) => { grammar = runtime; }, (error: unknown) => {
+      grammarFailure = error instanceof Error ? error.message : String(error);
+    }).finally(() => {
+      const waiting = held ?? [];
+      held = null;
+      for (const next of waiting) handle(next);
+    });
+  });
+
+  const handle = (message: ToWorker): void => {
+    if (grammar === undefined && grammarFailure !== undefined && needsGrammar(message) && message.type === 'add') {
+      send({ type: 'rejected', requestId: message.request.id, code: 'invalid_request', message: `guided decoding is unavailable: ${grammarFailure}` });
+      return;
+    }
     switch (message.type) {
       case 'add':
         try {
@@ -249,7 +284,7 @@ function run(core: EngineCore): void {
         });
         return;
     }
-  });
+  };
 }
 
 start().then(run, (error: unknown) => {

@@ -126,6 +126,8 @@ export class ChatTemplate {
   /** What the template was built from (a frontend rebuilds a worker's template from it). */
   readonly source: ChatTemplateSource;
   private readonly compiled = new Map<string, Template>();
+  /** Every named template's text, joined (what a tool-call format is recognised from). */
+  readonly sourceText: string;
 
   constructor(source: ChatTemplateSource, isFallback = false) {
     this.isFallback = isFallback;
@@ -134,6 +136,7 @@ export class ChatTemplate {
     this.eosToken = source.eosToken ?? '';
     const named = typeof source.templates === 'string' ? new Map([['default', source.templates]]) : source.templates;
     if (named.size === 0) throw new ChatTemplateError('no chat template given', 'invalid_template', 500);
+    this.sourceText = [...named.values()].join('\n');
     for (const [name, text] of named) {
       try {
         this.compiled.set(name, compile(text));

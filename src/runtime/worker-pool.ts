@@ -11,6 +11,7 @@ import type { Engine, WorkerRole } from '../engine/types.ts';
 import { chatTemplateFromGguf, type ChatTemplate } from '../model/chat-template.ts';
 import { readGguf } from '../model/gguf.ts';
 import { LLAMA_SPM_TOKENIZER_PATH } from '../model/synthetic.ts';
+import { GrammarLoader } from '../engine/grammar/runtime.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { PolicyName } from '../router/protocols.ts';
@@ -275,10 +276,12 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   // pool's clock (which the gateway stamps with, and the routers) is theirs, so a request's times are all simulated.
   const speedUp = spec.speedUp;
   const origin = speedUp === 1 ? {} : Number.isFinite(speedUp) ? { startMs: engineNow(), realStartMs: performance.now() } : { startMs: 0 };
+  // Guided requests on simulated workers: the gateway's vocabulary under one grammar runtime for the pool.
+  const grammar = new GrammarLoader(tokenizer);
   const engines: SimEngine[] = [];
   const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => {
     const engine = new SimEngine({
-      model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin, ...kvTiers,
+      model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin, ...kvTiers, tokenizer, grammar,
       maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
       maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
     });

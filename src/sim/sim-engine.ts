@@ -2,6 +2,7 @@
 // runs `speedUp` times faster than real time (Infinity: as fast as the host can, and fully deterministic given
 // arrivals). Requests arrive at their arrivalMs on that clock; each step lasts what the performance model says.
 
+import type { GrammarLoader } from '../engine/grammar/runtime.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import { engineNow } from '../engine/clock.ts';
 import { followQueue, OutputStream } from '../engine/streams.ts';
@@ -62,9 +63,13 @@ export class SimEngine implements Engine {
   private readonly handoffIds = new Set<string>();
   private transfers: { handoff: KvHandoff; sourceId: string | null; startMs: number; endMs: number }[] = [];
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
+  private readonly grammar: GrammarLoader | undefined;
+  /** Guided requests waiting for the pool's grammars to load (not yet queued). */
+  private readonly awaitingGrammar = new Map<string, EngineRequest>();
 
   constructor(options: SimEngineOptions) {
     this.worker = new SimWorker(options);
+    this.grammar = options.grammar;
     this.info = this.worker.info;
     this.role = this.worker.role;
     this.kvLink = this.worker.kvLink;
@@ -89,12 +94,33 @@ export class SimEngine implements Engine {
     }
     const stream = new OutputStream(request.sampling.n);
     this.streams.set(request.id, stream);
-    this.enqueue(request);
+    const grammar = this.grammar;
+    if (request.sampling.guided !== undefined && grammar !== undefined && grammar.current === undefined) {
+      // The pool's grammars load on the first guided request; it joins the queue once they are there.
+      this.awaitingGrammar.set(request.id, request);
+      grammar.load().then(() => {
+        if (this.awaitingGrammar.delete(request.id) && !this.closed) this.enqueue(request);
+      }, (error: unknown) => {
+        if (!this.awaitingGrammar.delete(request.id)) return;
+        stream.fail(new InvalidRequestError('invalid_request', request.id, `guided decoding is unavailable: ${(error as Error).message}`));
+        this.streams.delete(request.id);
+      });
+    } else {
+      this.enqueue(request);
+    }
     return followQueue(this.streams, request.id, stream, (id) => this.abort(id));
   }
 
   abort(requestId: string): void {
     if (this.closed) return;
+    const awaiting = this.awaitingGrammar.get(requestId);
+    if (awaiting !== undefined) {
+      this.awaitingGrammar.delete(requestId);
+      const stream = this.streams.get(requestId);
+      for (let index = 0; index < awaiting.sampling.n; index++) stream?.push(notStartedOutput(awaiting, index, this.now()));
+      this.streams.delete(requestId);
+      return;
+    }
     const at = this.pending.findIndex((r) => r.id === requestId);
     if (at >= 0) {
       const [request] = this.pending.splice(at, 1);

@@ -20,6 +20,12 @@ import {
   DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type StepShape,
 } from './perf-model.ts';
 import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-tokens.ts';
+import { IncrementalDetokenizer } from '../engine/detokenizer.ts';
+import { InvalidRequestError } from '../engine/errors.ts';
+import { GrammarError, type GrammarLoader, type GuidedSequence } from '../engine/grammar/runtime.ts';
+import type { TextSource, TokenSource } from '../engine/step-core.ts';
+import type { Tokenizer } from '../model/tokenizer/types.ts';
+import { mix32, mixInto } from '../util/random.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Configuration
@@ -79,6 +85,13 @@ export interface SimWorkerConfig {
    * the bytes over the tier's bandwidth, and offloads cost nothing on the step (DMA beside compute).
    */
   kvTiers?: { ramBytes?: number; diskBytes?: number; ram?: KvTierProfile; disk?: KvTierProfile };
+  /**
+   * The vocabulary's tokenizer and its grammars, for guided requests (sampling.guided): their tokens are drawn
+   * among those the grammar allows and their text is the tokenizer's, not synthetic words. Without them a guided
+   * request is refused.
+   */
+  tokenizer?: Tokenizer;
+  grammar?: GrammarLoader;
 }
 
 /** No bytes in a simulated pool: the tiers keep hashes and count blocks. */
@@ -104,6 +117,48 @@ function simKvTiers(config: SimWorkerConfig, blockSize: number): { tiers: KvTier
     windowBlocks: 2 * Math.ceil((config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens) / blockSize),
   });
   return { tiers, io: { blockBytes, read: () => NO_BYTES, write: () => {} } };
+}
+
+/** A completion's synthetic-token state: its seed, and the grammar's state for a guided request. */
+interface SimTokenState {
+  seed: number;
+  guided?: GuidedSequence;
+}
+
+function simTokens(grammar: GrammarLoader | undefined): TokenSource<SimTokenState> {
+  const attach = (request: EngineRequest, states: SimTokenState[]): SimTokenState[] => {
+    const spec = request.sampling.guided;
+    if (spec === undefined) return states;
+    const runtime = grammar?.current;
+    if (runtime === undefined) throw new InvalidRequestError('invalid_request', request.id, 'guided decoding is not available on this worker');
+    try {
+      for (const state of states) state.guided = runtime.open(spec);
+    } catch (error) {
+      for (const state of states) state.guided?.dispose();
+      if (error instanceof GrammarError) throw new InvalidRequestError('invalid_request', request.id, error.message);
+      throw error;
+    }
+    return states;
+  };
+  return {
+    open: (request) => attach(request, SYNTHETIC_TOKENS.open(request).map((seed) => ({ seed }))),
+    resume: (handoff) => {
+      const [state] = attach(handoff.request, [{ seed: SYNTHETIC_TOKENS.resume(handoff) }]);
+      for (const tokenId of handoff.outputTokenIds) state!.guided?.accept(tokenId);
+      return state!;
+    },
+    handoffSeed: (request) => SYNTHETIC_TOKENS.handoffSeed(request),
+    handoffState: (request, state) => SYNTHETIC_TOKENS.handoffState(request, state.seed),
+    close: (state) => state.guided?.dispose(),
+  };
+}
+
+/** Synthetic words, except for guided requests: their tokens are real text under a grammar, so the tokenizer's. */
+function simText(tokenizer: Tokenizer | undefined): TextSource {
+  return {
+    open: (sampling) => (sampling.guided !== undefined && tokenizer !== undefined
+      ? IncrementalDetokenizer.forRequest(tokenizer, sampling) : SYNTHETIC_TEXT.open(sampling)),
+  };
 }
 
 /** One planned step, priced by the performance model. */
@@ -159,7 +214,7 @@ export interface SimTransferPlan {
   ms: number;
 }
 
-export class SimWorker extends StepCore<number> {
+export class SimWorker extends StepCore<SimTokenState> {
   readonly model: ModelProfile;
   readonly hw: HardwareProfile;
   readonly tp: number;
@@ -170,6 +225,8 @@ export class SimWorker extends StepCore<number> {
   private readonly eosProbability: number;
   private inFlight: SimStep | null = null;
   private numStepsRun = 0;
+  /** Scratch for the tokens a guided completion's grammar allows. */
+  private allowed = new Int32Array(0);
   private busyTimeMs = 0;
   readonly role: WorkerRole;
   readonly kvLink: LinkProfile;
@@ -205,7 +262,7 @@ export class SimWorker extends StepCore<number> {
       maxNumBatchedTokens: config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens,
       maxModelLen: config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, eosTokenIds: [eosTokenId],
       longPrefillTokenThreshold: config.longPrefillTokenThreshold,
-      tokens: SYNTHETIC_TOKENS, text: SYNTHETIC_TEXT,
+      tokens: simTokens(config.grammar), text: simText(config.tokenizer),
     });
     this.model = model;
     this.hw = hw;
@@ -283,6 +340,19 @@ export class SimWorker extends StepCore<number> {
     return (bytes / (this.hw.hbmBytesPerSec * this.efficiency.bandwidthUtilization)) * 1000;
   }
 
+  /**
+   * A guided completion's token: the synthetic one if the grammar takes it, else one of the tokens it allows, drawn
+   * as a pure function of (seed, completion, position) like the synthetic tokens themselves.
+   */
+  private guidedToken(guided: GuidedSequence, synthetic: number, seed: number, index: number, position: number): number {
+    if (guided.accept(synthetic)) return synthetic;
+    if (this.allowed.length < guided.vocabSize) this.allowed = new Int32Array(guided.vocabSize);
+    const count = guided.allowedTokens(this.allowed);
+    const tokenId = count > 0 ? this.allowed[mix32(mixInto(mixInto(seed >>> 0, index), position) ^ 0x5bd1e995) % count]! : this.eosTokenId;
+    guided.accept(tokenId);
+    return tokenId;
+  }
+
   /** Applies the step at its end time: one synthetic token per logits row, stop checks, outputs. */
   finishStep(step: SimStep): EngineOutput[] {
     if (step !== this.inFlight) throw new Error(`step ${step.plan.stepId} is not the step in flight`);
@@ -295,10 +365,13 @@ export class SimWorker extends StepCore<number> {
       const { request, completionIndex } = target;
       // The position the new token takes; a sample about to fork starts right after the prompt.
       const position = request.sequences[completionIndex]?.numTokens ?? request.promptTokenIds.length;
-      const tokenId = syntheticToken(this.tokenState(request.id, completionIndex) ?? 0, completionIndex, position, {
+      const state = this.tokenState(request.id, completionIndex);
+      const seed = state?.seed ?? 0;
+      let tokenId = syntheticToken(seed, completionIndex, position, {
         vocabSize: this.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
         avoid: request.sampling.stopTokenIds,
       });
+      if (state?.guided !== undefined && !state.guided.isTerminated) tokenId = this.guidedToken(state.guided, tokenId, seed, completionIndex, position);
       // The sim chooses each token with certainty, so its logprob is 0 and it has no alternatives.
       if (request.sampling.logprobs !== null) logprobs.set(rowKey(request.id, completionIndex), { tokenId, logprob: 0, top: [] });
       return tokenId;

@@ -3,6 +3,7 @@
 
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
+import { readTools, toolGuided, type ToolsRequest } from '../tool-calls.ts';
 import {
   MAX_LOGPROBS, readGenerationOptions, rejectUnsupported, unsupportedFields, type GenerationOptions,
   type ValidationContext,
@@ -33,6 +34,8 @@ export interface ChatCompletionRequest extends GenerationOptions {
   topLogprobs: number;
   addGenerationPrompt: boolean;
   chatTemplateKwargs?: JsonObject;
+  /** tools, tool_choice and parallel_tool_calls (absent without tools). */
+  tools?: ToolsRequest;
 }
 
 const TEXT_ONLY = 'this server runs text-only models; send text content parts only.';
@@ -113,30 +116,8 @@ function readMessage(index: number, value: unknown): ChatMessage {
   return message;
 }
 
-function checkToolFields(fields: Fields): void {
-  const toolChoice = fields.raw('tool_choice');
-  if (toolChoice !== undefined && toolChoice !== 'none' && toolChoice !== 'auto') {
-    if (toolChoice === 'required' || typeof toolChoice === 'object') {
-      throw new UnsupportedFieldError('tool_choice', 'forcing tool calls is not supported: this server has no tool-call parser.');
-    }
-    throw new InvalidValueError('tool_choice', 'expected "none", "auto", "required" or a named function.');
-  }
-  const tools = fields.array('tools');
-  if (tools && tools.length > 0 && toolChoice !== 'none') {
-    throw new UnsupportedFieldError('tools',
-      'tool calling is not supported: this server has no tool-call parser. Omit tools or set tool_choice to "none".');
-  }
-}
-
 function checkOutputFormat(fields: Fields): void {
-  const format = fields.fields('response_format');
-  if (format) {
-    const type = readString(format.path('type'), format.required('type'));
-    if (type === 'json_object' || type === 'json_schema') {
-      throw new UnsupportedFieldError('response_format', `'${type}' needs guided decoding, which is not implemented.`);
-    }
-    if (type !== 'text') throw new InvalidValueError(format.path('type'), `unknown response format '${type}'.`);
-  }
+  // response_format itself is read with the other output constraints (../guided.ts).
   const modalities = fields.array('modalities') ?? [];
   modalities.forEach((modality, i) => {
     const value = readString(childPath('modalities', i), modality);
@@ -147,8 +128,8 @@ function checkOutputFormat(fields: Fields): void {
 export function parseChatCompletionRequest(body: unknown, context: ValidationContext): ChatCompletionRequest {
   const fields = new Fields(readObject('body', body));
   rejectUnsupported(fields, UNSUPPORTED_CHAT);
-  checkToolFields(fields);
   checkOutputFormat(fields);
+  const tools = readTools(fields);
   fields.required('messages');
   const messages = fields.array('messages', { nonEmpty: true })!;
   const logprobs = fields.boolean('logprobs') ?? false;
@@ -157,8 +138,16 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
     throw new InvalidValueError('top_logprobs', 'top_logprobs needs logprobs set to true.');
   }
   const chatTemplateKwargs = fields.fields('chat_template_kwargs')?.object;
+  const options = readGenerationOptions(fields, context);
+  // "required" and named tool choices decode under a grammar, which leaves no room for another output constraint.
+  const toolGrammar = tools ? toolGuided(tools) : undefined;
+  if (toolGrammar && options.guided) {
+    throw new InvalidValueError(options.guided.param, `an output constraint cannot be combined with tool_choice '${tools!.choice.kind}'.`);
+  }
   return {
-    ...readGenerationOptions(fields, context),
+    ...options,
+    ...(toolGrammar ? { guided: toolGrammar } : {}),
+    ...(tools ? { tools } : {}),
     messages: messages.map((message, i) => readMessage(i, message)),
     logprobs,
     topLogprobs: topLogprobs ?? 0,

@@ -4,6 +4,7 @@
 import type { SamplingParams } from '../../engine/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, readInteger, readNumber, readString } from '../validate.ts';
+import { readGuided, type GuidedRequest } from '../guided.ts';
 
 /** What a request's field checks need to know about the model. */
 export interface ValidationContext {
@@ -32,16 +33,15 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   stop: string[];
   stopTokenIds: number[];
   priority: number;
+  /** deadline_ms: milliseconds after arrival by which the first token should be out (the deadline policy's key). */
+  deadlineMs?: number;
   user?: string;
+  /** response_format json_object / json_schema, or vLLM's guided_* fields: the output's grammar. */
+  guided?: GuidedRequest;
 }
 
 /** Fields from vLLM and others that name features this server does not have. */
 const UNSUPPORTED_EVERYWHERE: Record<string, string> = {
-  guided_json: 'guided decoding is not implemented.',
-  guided_regex: 'guided decoding is not implemented.',
-  guided_choice: 'guided decoding is not implemented.',
-  guided_grammar: 'guided decoding is not implemented.',
-  structured_outputs: 'guided decoding is not implemented.',
   prompt_logprobs: 'prompt logprobs are not implemented.',
 };
 
@@ -140,8 +140,20 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     includeStopStrInOutput: fields.boolean('include_stop_str_in_output') ?? false,
     skipSpecialTokens: fields.boolean('skip_special_tokens') ?? true,
     priority: fields.integer('priority') ?? 0,
+    ...deadlineOption(fields),
     user: fields.string('user'),
+    ...guidedOption(fields),
   };
+}
+
+function deadlineOption(fields: Fields): { deadlineMs?: number } {
+  const deadlineMs = fields.number('deadline_ms', { min: 0, max: 7 * 24 * 3600 * 1000 });
+  return deadlineMs !== undefined ? { deadlineMs } : {};
+}
+
+function guidedOption(fields: Fields): { guided?: GuidedRequest } {
+  const guided = readGuided(fields);
+  return guided ? { guided } : {};
 }
 
 /** The engine's sampling parameters once the prompt length has fixed max_tokens. */
@@ -165,5 +177,6 @@ export function toSamplingParams(options: GenerationOptions, maxTokens: number, 
     includeStopStrInOutput: options.includeStopStrInOutput,
     logprobs,
     skipSpecialTokens: options.skipSpecialTokens,
+    ...(options.guided ? { guided: options.guided.spec } : {}),
   };
 }

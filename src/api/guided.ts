@@ -1,0 +1,202 @@
+// Structured outputs at the edge: response_format (json_object, json_schema), vLLM's guided_json / guided_regex /
+// guided_choice / guided_grammar and its newer structured_outputs object, read into the engine's GuidedDecoding
+// (plain data), then checked by compiling the grammar without a vocabulary on the gateway's own XGrammar, so that
+// a schema the engine cannot follow is a 400 naming the field before any work is queued. Schema keywords XGrammar
+// would silently ignore (so the output could break them) are refused by name here too.
+
+import { GrammarError, XGrammar } from '../engine/grammar/xgrammar.ts';
+import { grammarSource, parseGrammar } from '../engine/grammar/runtime.ts';
+import type { GuidedDecoding } from '../engine/types.ts';
+import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
+import { childPath, Fields, isJsonObject, readArray, readObject, readString } from './validate.ts';
+
+/** A guided-decoding request and the field it came from (what a 400 names). */
+export interface GuidedRequest {
+  spec: GuidedDecoding;
+  param: string;
+}
+
+export const MAX_GUIDED_CHOICES = 1024;
+const MAX_SCHEMA_DEPTH = 64;
+
+/**
+ * JSON Schema keywords the grammar cannot enforce: XGrammar would accept the schema and ignore them, so an output
+ * could violate them. Refused, naming where they are.
+ */
+const UNSUPPORTED_KEYWORDS: Record<string, string> = {
+  not: "'not' cannot be enforced by a grammar",
+  if: "conditional schemas ('if'/'then'/'else') are not supported",
+  then: "conditional schemas ('if'/'then'/'else') are not supported",
+  else: "conditional schemas ('if'/'then'/'else') are not supported",
+  dependentSchemas: "'dependentSchemas' is not supported",
+  dependentRequired: "'dependentRequired' is not supported",
+  dependencies: "'dependencies' is not supported",
+  uniqueItems: "'uniqueItems' cannot be enforced by a grammar",
+  contains: "'contains' is not supported",
+  minContains: "'minContains' is not supported",
+  maxContains: "'maxContains' is not supported",
+  multipleOf: "'multipleOf' is not supported",
+  patternProperties: "'patternProperties' is not supported",
+  propertyNames: "'propertyNames' is not supported",
+  unevaluatedItems: "'unevaluatedItems' is not supported",
+  $dynamicRef: "'$dynamicRef' is not supported",
+  $recursiveRef: "'$recursiveRef' is not supported",
+};
+/** Keywords whose value is a schema, a list of schemas or a map of schemas: walked into. */
+const SCHEMA_VALUED = new Set(['items', 'additionalProperties', 'unevaluatedProperties', 'additionalItems']);
+const SCHEMA_LISTS = new Set(['anyOf', 'oneOf', 'allOf', 'prefixItems']);
+const SCHEMA_MAPS = new Set(['properties', '$defs', 'definitions']);
+const TYPES = new Set(['object', 'array', 'string', 'number', 'integer', 'boolean', 'null']);
+
+/** Throws a 400 naming the first part of `schema` (at JSON path `path`) the grammar cannot follow. */
+export function checkJsonSchema(schema: unknown, path: string, depth = 0): void {
+  if (typeof schema === 'boolean') return;
+  if (!isJsonObject(schema)) throw new InvalidValueError(path, 'a JSON schema must be an object or a boolean.');
+  if (depth > MAX_SCHEMA_DEPTH) throw new InvalidValueError(path, `the schema is nested more than ${MAX_SCHEMA_DEPTH} levels deep.`);
+  for (const [key, value] of Object.entries(schema)) {
+    const at = childPath(path, key);
+    const unsupported = UNSUPPORTED_KEYWORDS[key];
+    if (unsupported !== undefined) throw new UnsupportedFieldError(at, `${unsupported} in guided decoding.`);
+    if (key === 'type') {
+      const types = Array.isArray(value) ? value : [value];
+      for (const type of types) {
+        if (typeof type !== 'string' || !TYPES.has(type)) {
+          throw new InvalidValueError(at, `unknown type ${JSON.stringify(type)}; expected one of ${[...TYPES].join(', ')}.`);
+        }
+      }
+    } else if (key === '$ref') {
+      if (typeof value !== 'string' || !(value === '#' || value.startsWith('#/'))) {
+        throw new UnsupportedFieldError(at, `only references inside the schema ('#/...') are supported, not ${JSON.stringify(value)}.`);
+      }
+    } else if (key === 'required') {
+      if (!Array.isArray(value) || value.some((name) => typeof name !== 'string')) {
+        throw new InvalidValueError(at, "'required' must be an array of property names.");
+      }
+    } else if (SCHEMA_VALUED.has(key)) {
+      if (key === 'items' && Array.isArray(value)) value.forEach((item, i) => checkJsonSchema(item, childPath(at, i), depth + 1));
+      else checkJsonSchema(value, at, depth + 1);
+    } else if (SCHEMA_LISTS.has(key)) {
+      if (!Array.isArray(value)) throw new InvalidValueError(at, `'${key}' must be an array of schemas.`);
+      value.forEach((item, i) => checkJsonSchema(item, childPath(at, i), depth + 1));
+    } else if (SCHEMA_MAPS.has(key)) {
+      if (!isJsonObject(value)) throw new InvalidValueError(at, `'${key}' must be an object of schemas.`);
+      for (const [name, item] of Object.entries(value)) checkJsonSchema(item, childPath(at, name), depth + 1);
+    } else if (key === 'enum') {
+      if (!Array.isArray(value) || value.length === 0) throw new InvalidValueError(at, "'enum' must be a non-empty array.");
+    }
+  }
+}
+
+function jsonSchemaSpec(param: string, value: unknown): GuidedDecoding {
+  let schema = value;
+  if (typeof value === 'string') {
+    try {
+      schema = JSON.parse(value);
+    } catch (error) {
+      throw new InvalidValueError(param, `the schema is not valid JSON: ${(error as Error).message}`);
+    }
+  }
+  checkJsonSchema(schema, param);
+  return { kind: 'json_schema', schema: JSON.stringify(schema) };
+}
+
+function choiceSpec(param: string, value: unknown): GuidedDecoding {
+  const choices = readArray(param, value, { nonEmpty: true, maxItems: MAX_GUIDED_CHOICES })
+    .map((choice, i) => readString(childPath(param, i), choice, { nonEmpty: true }));
+  return { kind: 'choice', choices };
+}
+
+function readResponseFormat(fields: Fields): GuidedRequest | undefined {
+  const format = fields.fields('response_format');
+  if (!format) return undefined;
+  const type = readString(format.path('type'), format.required('type'));
+  switch (type) {
+    case 'text':
+      return undefined;
+    case 'json_object':
+      return { spec: { kind: 'json_object' }, param: format.path('type') };
+    case 'json_schema': {
+      const jsonSchema = format.fields('json_schema');
+      if (!jsonSchema) throw new InvalidValueError(format.path('json_schema'), "response_format of type 'json_schema' needs a json_schema object.");
+      readString(jsonSchema.path('name'), jsonSchema.required('name'), { nonEmpty: true, maxLength: 64 });
+      jsonSchema.boolean('strict');
+      // OpenAI's default schema is an empty one (any JSON); absent means that here too.
+      const schema = jsonSchema.has('schema') ? readObject(jsonSchema.path('schema'), jsonSchema.raw('schema')) : {};
+      return { spec: jsonSchemaSpec(jsonSchema.path('schema'), schema), param: jsonSchema.path('schema') };
+    }
+    default:
+      throw new InvalidValueError(format.path('type'), `unknown response format '${type}'; expected text, json_object or json_schema.`);
+  }
+}
+
+/** vLLM's guided_* fields and structured_outputs, each into a spec. */
+function readVllmGuided(fields: Fields): GuidedRequest[] {
+  const found: GuidedRequest[] = [];
+  if (fields.has('guided_json')) found.push({ spec: jsonSchemaSpec('guided_json', fields.raw('guided_json')), param: 'guided_json' });
+  if (fields.has('guided_regex')) {
+    found.push({ spec: { kind: 'regex', pattern: fields.string('guided_regex', { nonEmpty: true })! }, param: 'guided_regex' });
+  }
+  if (fields.has('guided_choice')) found.push({ spec: choiceSpec('guided_choice', fields.raw('guided_choice')), param: 'guided_choice' });
+  if (fields.has('guided_grammar')) {
+    found.push({ spec: { kind: 'grammar', ebnf: fields.string('guided_grammar', { nonEmpty: true })! }, param: 'guided_grammar' });
+  }
+  const structured = fields.fields('structured_outputs');
+  if (structured) {
+    if (structured.has('json')) found.push({ spec: jsonSchemaSpec(structured.path('json'), structured.raw('json')), param: structured.path('json') });
+    if (structured.has('regex')) {
+      found.push({ spec: { kind: 'regex', pattern: structured.string('regex', { nonEmpty: true })! }, param: structured.path('regex') });
+    }
+    if (structured.has('choice')) found.push({ spec: choiceSpec(structured.path('choice'), structured.raw('choice')), param: structured.path('choice') });
+    if (structured.has('grammar')) {
+      found.push({ spec: { kind: 'grammar', ebnf: structured.string('grammar', { nonEmpty: true })! }, param: structured.path('grammar') });
+    }
+    if (structured.boolean('json_object')) found.push({ spec: { kind: 'json_object' }, param: structured.path('json_object') });
+  }
+  return found;
+}
+
+/** The one guided-decoding constraint a request sets, if any; two at once is a 400 naming the second. */
+export function readGuided(fields: Fields): GuidedRequest | undefined {
+  const found = [readResponseFormat(fields), ...readVllmGuided(fields)].filter((g): g is GuidedRequest => g !== undefined);
+  if (found.length > 1) {
+    throw new InvalidValueError(found[1]!.param, `only one output constraint may be given; ${found[0]!.param} is set already.`);
+  }
+  return found[0];
+}
+
+/**
+ * Compiles guided requests' grammars (without a vocabulary) on the gateway's XGrammar, loaded on first use. A
+ * grammar XGrammar refuses is a 400 naming the field; a module that aborted on it is replaced for the next request.
+ */
+export class GuidedChecker {
+  private xg: Promise<XGrammar> | undefined;
+  /** Grammars already found good (by source), so a repeated schema costs a map lookup. */
+  private readonly known = new Set<string>();
+
+  async check(guided: GuidedRequest): Promise<void> {
+    const source = grammarSource(guided.spec);
+    const key = JSON.stringify(source);
+    if (this.known.has(key)) return;
+    this.xg ??= XGrammar.load();
+    let xg: XGrammar;
+    try {
+      xg = await this.xg;
+    } catch (error) {
+      this.xg = undefined;
+      throw new UnsupportedFieldError(guided.param, `guided decoding is unavailable: ${(error as Error).message}`);
+    }
+    if (!xg.usable) {
+      this.xg = XGrammar.load();
+      xg = await this.xg;
+    }
+    try {
+      parseGrammar(xg, source);
+    } catch (error) {
+      if (!xg.usable) this.xg = undefined;
+      if (error instanceof GrammarError) throw new InvalidValueError(guided.param, `${error.message}`);
+      throw error;
+    }
+    if (this.known.size >= 4096) this.known.clear();
+    this.known.add(key);
+  }
+}

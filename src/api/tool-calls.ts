@@ -1,0 +1,452 @@
+// Tool calling: the request's tools and tool_choice, the grammar that enforces "required" and named choices, the
+// parsers that find tool calls in a model's own output format under "auto" (Hermes/Qwen `<tool_call>` JSON, Llama
+// 3.x JSON, Mistral `[TOOL_CALLS]`), and the chat response shape that turns either into message.tool_calls and
+// streamed delta.tool_calls.
+
+import { randomBytes } from 'node:crypto';
+import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
+import { checkJsonSchema, type GuidedRequest } from './guided.ts';
+import {
+  chatChunkBody, chatCompletionBody, type ChatResponseMeta, type ChatTokenLogprob, type TokenTexts,
+  type WireFinishReason, type WireUsage,
+} from './openai-format.ts';
+import type { ChoiceUpdate, ResponseShape } from './response-shapes.ts';
+import { childPath, Fields, isJsonObject, readObject, readString, type JsonObject } from './validate.ts';
+
+export const TOOL_CALL_PARSERS = ['hermes', 'llama3_json', 'mistral'] as const;
+export type ToolCallParserName = typeof TOOL_CALL_PARSERS[number];
+export const MAX_TOOLS = 128;
+
+export interface ToolDefinition {
+  name: string;
+  description?: string;
+  /** The arguments' JSON schema (absent: any object). */
+  parameters?: JsonObject;
+}
+
+export type ToolChoice = { kind: 'none' } | { kind: 'auto' } | { kind: 'required' } | { kind: 'named'; name: string };
+
+export interface ToolsRequest {
+  /** The tools as the client sent them (OpenAI's shape), for the chat template. */
+  raw: unknown[];
+  tools: ToolDefinition[];
+  choice: ToolChoice;
+  parallel: boolean;
+}
+
+const NAME = /^[a-zA-Z0-9_-]{1,64}$/;
+
+/** tools, tool_choice and parallel_tool_calls; undefined when the request has no tools. */
+export function readTools(fields: Fields): ToolsRequest | undefined {
+  const list = fields.array('tools', { maxItems: MAX_TOOLS });
+  const choice = readToolChoice(fields);
+  const parallel = fields.boolean('parallel_tool_calls') ?? true;
+  if (!list || list.length === 0) {
+    if (choice !== undefined && choice.kind !== 'none' && choice.kind !== 'auto') {
+      throw new InvalidValueError('tool_choice', `tool_choice '${choice.kind}' needs tools.`);
+    }
+    return undefined;
+  }
+  const seen = new Set<string>();
+  const tools = list.map((item, i) => {
+    const path = childPath('tools', i);
+    const tool = new Fields(readObject(path, item), path);
+    const type = readString(tool.path('type'), tool.required('type'));
+    if (type !== 'function') throw new UnsupportedFieldError(tool.path('type'), `tools of type '${type}' are not supported; only 'function'.`);
+    const fn = tool.fields('function');
+    if (!fn) throw new InvalidValueError(tool.path('function'), 'a function tool needs a function object.');
+    const name = readString(fn.path('name'), fn.required('name'));
+    if (!NAME.test(name)) {
+      throw new InvalidValueError(fn.path('name'), `'${name}' is not a valid function name (letters, digits, _ and -, at most 64).`);
+    }
+    if (seen.has(name)) throw new InvalidValueError(fn.path('name'), `two tools are named '${name}'.`);
+    seen.add(name);
+    const definition: ToolDefinition = { name };
+    const description = fn.string('description');
+    if (description !== undefined) definition.description = description;
+    if (fn.has('parameters')) {
+      const parameters = readObject(fn.path('parameters'), fn.raw('parameters'));
+      checkJsonSchema(parameters, fn.path('parameters'));
+      if (parameters.type !== undefined && parameters.type !== 'object') {
+        throw new InvalidValueError(childPath(fn.path('parameters'), 'type'), "a function's parameters must be an object schema.");
+      }
+      definition.parameters = parameters;
+    }
+    fn.boolean('strict');
+    return definition;
+  });
+  const resolved = choice ?? { kind: 'auto' };
+  if (resolved.kind === 'named' && !seen.has(resolved.name)) {
+    throw new InvalidValueError('tool_choice.function.name', `no tool is named '${resolved.name}'.`);
+  }
+  return { raw: list, tools, choice: resolved, parallel };
+}
+
+function readToolChoice(fields: Fields): ToolChoice | undefined {
+  const raw = fields.raw('tool_choice');
+  if (raw === undefined) return undefined;
+  if (raw === 'none' || raw === 'auto' || raw === 'required') return { kind: raw };
+  if (isJsonObject(raw)) {
+    const choice = new Fields(raw, 'tool_choice');
+    const type = readString(choice.path('type'), choice.required('type'));
+    if (type !== 'function') throw new InvalidValueError(choice.path('type'), `expected 'function', got '${type}'.`);
+    const fn = choice.fields('function');
+    if (!fn) throw new InvalidValueError(choice.path('function'), 'a named tool choice needs function.name.');
+    return { kind: 'named', name: readString(fn.path('name'), fn.required('name'), { nonEmpty: true }) };
+  }
+  throw new InvalidValueError('tool_choice', 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.');
+}
+
+const ANY_OBJECT = { type: 'object' };
+
+/**
+ * The grammar "required" and named choices decode under (vLLM's): a named choice's output is the arguments object
+ * itself; "required" gives an array of {"name", "parameters"} items, one item unless parallel_tool_calls.
+ */
+export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
+  const { choice } = request;
+  if (choice.kind === 'named') {
+    const tool = request.tools.find((t) => t.name === choice.name)!;
+    return { spec: { kind: 'json_schema', schema: JSON.stringify(tool.parameters ?? ANY_OBJECT) }, param: 'tool_choice' };
+  }
+  if (choice.kind !== 'required') return undefined;
+  const item = {
+    anyOf: request.tools.map((tool) => ({
+      type: 'object',
+      properties: { name: { const: tool.name }, parameters: tool.parameters ?? ANY_OBJECT },
+      required: ['name', 'parameters'],
+      additionalProperties: false,
+    })),
+  };
+  const schema = { type: 'array', minItems: 1, ...(request.parallel ? {} : { maxItems: 1 }), items: item };
+  return { spec: { kind: 'json_schema', schema: JSON.stringify(schema) }, param: 'tools' };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The model's own tool-call formats (tool_choice "auto")
+
+export interface ParsedCall {
+  name: string;
+  /** JSON text of the arguments object. */
+  arguments: string;
+}
+
+export interface ParsedOutput {
+  content: string | null;
+  calls: ParsedCall[];
+}
+
+/** The parser a chat template's own format calls for (Hermes when it says nothing recognisable). */
+export function detectToolCallParser(templateText: string): ToolCallParserName {
+  if (templateText.includes('[TOOL_CALLS]')) return 'mistral';
+  if (templateText.includes('<tool_call>')) return 'hermes';
+  if (templateText.includes('<|python_tag|>') || templateText.includes('ipython')) return 'llama3_json';
+  return 'hermes';
+}
+
+/** The text a parser's tool calls begin with, for holding streamed content back (llama3_json: a leading '{'). */
+export function toolCallMarker(parser: ToolCallParserName): string {
+  switch (parser) {
+    case 'hermes': return '<tool_call>';
+    case 'mistral': return '[TOOL_CALLS]';
+    case 'llama3_json': return '<|python_tag|>';
+  }
+}
+
+/** One call object ({"name", "arguments" | "parameters"}) as a ParsedCall, or null if it is not one. */
+function toCall(value: unknown): ParsedCall | null {
+  if (!isJsonObject(value) || typeof value.name !== 'string' || value.name === '') return null;
+  const args = value.arguments ?? value.parameters ?? {};
+  if (typeof args === 'string') {
+    try {
+      JSON.parse(args);
+    } catch {
+      return null;
+    }
+    return { name: value.name, arguments: args };
+  }
+  if (!isJsonObject(args)) return null;
+  return { name: value.name, arguments: JSON.stringify(args) };
+}
+
+function parseJson(text: string): unknown {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+}
+
+/** Tool calls in a complete output; no calls (and the text as content) when it holds none that parse. */
+export function parseToolCalls(parser: ToolCallParserName, text: string): ParsedOutput {
+  const plain: ParsedOutput = { content: text, calls: [] };
+  switch (parser) {
+    case 'hermes': {
+      const start = text.indexOf('<tool_call>');
+      if (start < 0) return plain;
+      const calls: ParsedCall[] = [];
+      const pattern = /<tool_call>\s*([\s\S]*?)\s*(?:<\/tool_call>|$)/g;
+      for (const match of text.slice(start).matchAll(pattern)) {
+        const call = toCall(parseJson(match[1]!));
+        if (!call) return plain;
+        calls.push(call);
+      }
+      return { content: contentBefore(text, start), calls };
+    }
+    case 'mistral': {
+      const start = text.indexOf('[TOOL_CALLS]');
+      if (start < 0) return plain;
+      const value = parseJson(text.slice(start + '[TOOL_CALLS]'.length).trim());
+      const items = Array.isArray(value) ? value : [value];
+      const calls = items.map(toCall);
+      if (calls.length === 0 || calls.some((c) => c === null)) return plain;
+      return { content: contentBefore(text, start), calls: calls as ParsedCall[] };
+    }
+    case 'llama3_json': {
+      let body = text.trim();
+      if (body.startsWith('<|python_tag|>')) body = body.slice('<|python_tag|>'.length).trim();
+      if (!body.startsWith('{')) return plain;
+      const calls: ParsedCall[] = [];
+      for (const piece of splitJsonObjects(body)) {
+        const call = toCall(parseJson(piece));
+        if (!call) return plain;
+        calls.push(call);
+      }
+      return calls.length > 0 ? { content: null, calls } : plain;
+    }
+  }
+}
+
+function contentBefore(text: string, start: number): string | null {
+  const content = text.slice(0, start).trim();
+  return content === '' ? null : content;
+}
+
+/** Top-level JSON objects one after another, separated by ';', ',' or whitespace (Llama 3.x's parallel calls). */
+function splitJsonObjects(text: string): string[] {
+  const pieces: string[] = [];
+  let depth = 0;
+  let inString = false;
+  let escaped = false;
+  let start = -1;
+  for (let i = 0; i < text.length; i++) {
+    const c = text[i]!;
+    if (inString) {
+      if (escaped) escaped = false;
+      else if (c === '\\') escaped = true;
+      else if (c === '"') inString = false;
+      continue;
+    }
+    if (c === '"') inString = true;
+    else if (c === '{') {
+      if (depth === 0) start = i;
+      depth++;
+    } else if (c === '}') {
+      depth--;
+      if (depth === 0) pieces.push(text.slice(start, i + 1));
+      if (depth < 0) return [text];
+    } else if (depth === 0 && !/[\s;,]/.test(c)) {
+      return [text];
+    }
+  }
+  if (depth !== 0) return [text];
+  return pieces;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The chat response with tool calls
+
+export interface WireToolCall {
+  id: string;
+  type: 'function';
+  function: { name: string; arguments: string };
+}
+
+export function newToolCallId(): string {
+  return `call_${randomBytes(12).toString('hex')}`;
+}
+
+type Mode = { kind: 'named'; name: string } | { kind: 'required' } | { kind: 'auto'; parser: ToolCallParserName };
+
+interface ToolChoiceState {
+  text: string;
+  logprobs: ChatTokenLogprob[] | null;
+  finishReason: WireFinishReason | null;
+  stopReason: string | number | null;
+  /** Streaming: content already sent, and whether the rest is held for parsing. */
+  sentContent: number;
+  holding: boolean;
+  /** Streaming, named: the call's id once its first chunk is out. */
+  callId?: string;
+}
+
+/**
+ * Chat completions with tools. Named: the output is the arguments (streamed as argument pieces). Required: the
+ * output is a JSON array of {name, parameters}, parsed at the end. Auto: content streams until the parser's marker
+ * appears (text that could begin it is held back), the rest is parsed at the end. Choices with calls end with
+ * finish_reason "tool_calls".
+ */
+export class ToolChatShape implements ResponseShape {
+  private readonly choices: ToolChoiceState[];
+  private readonly mode: Mode;
+
+  constructor(
+    private readonly meta: ChatResponseMeta,
+    private readonly choiceCount: number,
+    private readonly texts: TokenTexts,
+    private readonly topLogprobs: number | null,
+    tools: ToolsRequest,
+    parser: ToolCallParserName,
+  ) {
+    const { choice } = tools;
+    this.mode = choice.kind === 'named' ? { kind: 'named', name: choice.name }
+      : choice.kind === 'required' ? { kind: 'required' } : { kind: 'auto', parser };
+    this.choices = Array.from({ length: choiceCount }, () => ({
+      text: '', logprobs: topLogprobs === null ? null : [], finishReason: null, stopReason: null, sentContent: 0,
+      holding: this.mode.kind !== 'auto',
+    }));
+  }
+
+  private logprobsOf(update: ChoiceUpdate): ChatTokenLogprob[] | null {
+    if (this.topLogprobs === null || !update.logprobs) return null;
+    return this.texts.chatLogprobs(update.logprobs, this.topLogprobs);
+  }
+
+  /** The calls a finished output holds, and its content. */
+  private result(text: string): ParsedOutput {
+    switch (this.mode.kind) {
+      case 'named':
+        return { content: null, calls: [{ name: this.mode.name, arguments: text }] };
+      case 'required': {
+        const value = parseJson(text);
+        const calls = Array.isArray(value) ? value.map(toCall) : [];
+        if (calls.length === 0 || calls.some((c) => c === null)) return { content: text, calls: [] };
+        return { content: null, calls: calls as ParsedCall[] };
+      }
+      case 'auto':
+        return parseToolCalls(this.mode.parser, text);
+    }
+  }
+
+  private finishReason(reason: WireFinishReason | null, calls: number): WireFinishReason | 'tool_calls' | null {
+    return reason === 'stop' && calls > 0 ? 'tool_calls' : reason;
+  }
+
+  openingChunks(usage: WireUsage | null | undefined): object[] {
+    return Array.from({ length: this.choiceCount }, (_, index) => chatChunkBody(this.meta,
+      [{ index, delta: { role: 'assistant', content: '' }, logprobs: null, finishReason: null }], usage));
+  }
+
+  updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
+    const state = this.choices[update.index]!;
+    state.text += update.textDelta;
+    const chunks: object[] = [];
+    const logprobs = this.logprobsOf(update);
+    const delta = (body: object, lp: ChatTokenLogprob[] | null = null) => chunks.push(chatChunkBody(this.meta,
+      [{ index: update.index, delta: body as never, logprobs: lp, finishReason: null }], usage));
+    if (this.mode.kind === 'named') {
+      if (update.textDelta) {
+        const first = state.callId === undefined;
+        state.callId ??= newToolCallId();
+        delta({ tool_calls: [first
+          ? { index: 0, id: state.callId, type: 'function', function: { name: this.mode.name, arguments: update.textDelta } }
+          : { index: 0, function: { arguments: update.textDelta } }] }, logprobs);
+      }
+      if (update.finishReason) chunks.push(this.finishChunk(update, state.callId ? 1 : 0, usage));
+      return chunks;
+    }
+    if (this.mode.kind === 'auto' && !state.holding) {
+      const marker = toolCallMarker(this.mode.parser);
+      const pending = state.text.slice(state.sentContent);
+      const at = state.text.indexOf(marker);
+      let sendUpTo: number;
+      if (at >= 0) {
+        state.holding = true;
+        sendUpTo = at;
+      } else if (this.mode.parser === 'llama3_json' && state.text.trimStart().startsWith('{')) {
+        state.holding = true;
+        sendUpTo = state.sentContent;
+      } else {
+        sendUpTo = state.text.length - heldSuffix(state.text, marker, this.mode.parser === 'llama3_json');
+      }
+      if (update.finishReason) sendUpTo = state.holding ? sendUpTo : state.text.length;
+      if (sendUpTo > state.sentContent) {
+        delta({ content: state.text.slice(state.sentContent, sendUpTo) }, logprobs);
+        state.sentContent = sendUpTo;
+      } else if (logprobs && logprobs.length > 0 && pending === '') {
+        delta({ content: '' }, logprobs);
+      }
+    }
+    if (update.finishReason) {
+      let calls = 0;
+      if (state.holding) {
+        const held = state.text.slice(state.sentContent);
+        const parsed = this.result(this.mode.kind === 'auto' ? state.text : held);
+        if (parsed.calls.length === 0) {
+          if (held) delta({ content: held });
+        } else {
+          if (this.mode.kind === 'auto' && parsed.content !== null) {
+            const unsent = parsed.content.slice(state.sentContent);
+            if (unsent.trim()) delta({ content: unsent });
+          }
+          parsed.calls.forEach((call, i) => delta({ tool_calls: [{
+            index: i, id: newToolCallId(), type: 'function', function: { name: call.name, arguments: call.arguments },
+          }] }));
+          calls = parsed.calls.length;
+        }
+      }
+      chunks.push(this.finishChunk(update, calls, usage));
+    }
+    return chunks;
+  }
+
+  private finishChunk(update: ChoiceUpdate, calls: number, usage: WireUsage | null | undefined): object {
+    return chatChunkBody(this.meta, [{
+      index: update.index, delta: {}, logprobs: null,
+      finishReason: this.finishReason(update.finishReason, calls) as WireFinishReason, stopReason: update.stopReason,
+    }], usage);
+  }
+
+  usageChunk(usage: WireUsage): object {
+    return chatChunkBody(this.meta, [], usage);
+  }
+
+  collect(update: ChoiceUpdate): void {
+    const choice = this.choices[update.index]!;
+    choice.text += update.textDelta;
+    const logprobs = this.logprobsOf(update);
+    if (logprobs) choice.logprobs!.push(...logprobs);
+    if (update.finishReason) {
+      choice.finishReason = update.finishReason;
+      choice.stopReason = update.stopReason;
+    }
+  }
+
+  body(usage: WireUsage): object {
+    const body = chatCompletionBody(this.meta, this.choices.map((choice, index) => ({
+      index, text: choice.text, logprobs: choice.logprobs, finishReason: choice.finishReason, stopReason: choice.stopReason,
+    })), usage) as { choices: { message: Record<string, unknown>; finish_reason: string | null }[] };
+    body.choices.forEach((wire, index) => {
+      const choice = this.choices[index]!;
+      // A cut-off output (length) is no call: its text is the content, as the model wrote it.
+      if (choice.finishReason !== 'stop') return;
+      const parsed = this.result(choice.text);
+      if (parsed.calls.length === 0) return;
+      wire.message.content = parsed.content;
+      wire.message.tool_calls = parsed.calls.map((call) => ({
+        id: newToolCallId(), type: 'function', function: { name: call.name, arguments: call.arguments },
+      } satisfies WireToolCall));
+      wire.finish_reason = 'tool_calls';
+    });
+    return body;
+  }
+}
+
+/** How much of the end of `text` could be the start of `marker` (held back from the stream until decided). */
+function heldSuffix(text: string, marker: string, alsoBrace: boolean): number {
+  for (let length = Math.min(marker.length - 1, text.length); length > 0; length--) {
+    if (marker.startsWith(text.slice(text.length - length))) return length;
+  }
+  return alsoBrace && text.trim() === '' ? text.length : 0;
+}
+

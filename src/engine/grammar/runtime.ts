@@ -1,0 +1,283 @@
+// Constrained decoding on one worker: the grammars requests name (SamplingParams.guided), compiled once per worker
+// against its vocabulary and kept in a small cache, and one matcher per completion that masks each logits row before
+// sampling and advances with each sampled token. XGrammar does the work (xgrammar.ts); this file is the engine's
+// view of it: plain-data specs in, synchronous calls out, so the step loop never awaits.
+//
+// Where the time goes: per token and sequence, one mask query (XGrammar's precomputed per-state token sets; a few
+// hundred µs for a 32k vocabulary in WASM, more for larger ones) and one pass over the mask's words here, which
+// touches only the 32-token words that are not all allowed; advancing with the sampled token is a few µs.
+// benchmarks/grammar.ts measures both against a decode step.
+
+import type { Tokenizer } from '../../model/tokenizer/types.ts';
+import type { GuidedDecoding } from '../types.ts';
+import { byteLevelChars, GrammarError, XGrammar, type XgHandle } from './xgrammar.ts';
+
+/** Whitespace characters XGrammar allows between JSON elements (bounded, so a grammar over a bounded schema ends). */
+export const JSON_MAX_WHITESPACE = 16;
+
+/** The EBNF, schema or pattern a spec compiles to, as XGrammar takes it. */
+export type GrammarSource =
+  | { kind: 'json_schema'; schema: string; strict: boolean }
+  | { kind: 'ebnf'; ebnf: string }
+  | { kind: 'regex'; pattern: string };
+
+/** What a spec asks XGrammar for (json_object is any JSON object; a choice is an EBNF alternation of literals). */
+export function grammarSource(spec: GuidedDecoding): GrammarSource {
+  switch (spec.kind) {
+    case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false };
+    case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true };
+    case 'regex': return { kind: 'regex', pattern: spec.pattern };
+    case 'choice': return { kind: 'ebnf', ebnf: `root ::= ${spec.choices.map(ebnfLiteral).join(' | ')}` };
+    case 'grammar': return { kind: 'ebnf', ebnf: spec.ebnf };
+  }
+}
+
+/** A string as an EBNF literal: JSON's escapes are XGrammar's (\" \\ \n \uXXXX). */
+function ebnfLiteral(text: string): string {
+  return JSON.stringify(text);
+}
+
+export function grammarKey(source: GrammarSource): string {
+  return JSON.stringify(source);
+}
+
+/** Compiles the grammar without a vocabulary (the gateway's check); throws GrammarError naming what failed. */
+export function parseGrammar(xg: XGrammar, source: GrammarSource): void {
+  xg.run(describe(source), (b) => {
+    const grammar = buildGrammar(b, source);
+    grammar.delete();
+  });
+}
+
+function describe(source: GrammarSource): string {
+  return source.kind === 'json_schema' ? 'JSON schema' : source.kind === 'regex' ? 'regex' : 'grammar';
+}
+
+function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
+  switch (source.kind) {
+    case 'json_schema':
+      return new b.Grammar.FromJSONSchema(source.schema, true, undefined, undefined, source.strict, JSON_MAX_WHITESPACE, false);
+    case 'ebnf':
+      return new b.Grammar.FromEBNF(source.ebnf, 'root');
+    case 'regex':
+      return b.Grammar.FromStructuralTag(JSON.stringify({ type: 'structural_tag', format: { type: 'regex', pattern: source.pattern } }));
+  }
+}
+
+/** A worker's grammars: its vocabulary as XGrammar sees it, a compiler and a cache of compiled grammars. */
+export class GrammarRuntime {
+  readonly vocabSize: number;
+  private readonly xg: XGrammar;
+  private readonly compiler: XgHandle;
+  /** Compiled grammars by key, least recently used first. */
+  private readonly cache = new Map<string, XgHandle>();
+  private readonly cacheLimit: number;
+  /**
+   * Tokens holding a control character JSON forbids raw inside strings (every byte below 0x20 but \n and \r, so
+   * tab too). XGrammar 0.1.27's rule for strings with minLength/maxLength lets them through ([^"\\\r\n]), which
+   * would make output JSON.parse refuses; a JSON grammar's matcher never allows them (spaces and newlines remain for
+   * whitespace between elements).
+   */
+  private readonly jsonForbidden: Int32Array;
+
+  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array) {
+    this.xg = xg;
+    this.compiler = compiler;
+    this.vocabSize = vocabSize;
+    this.cacheLimit = cacheLimit;
+    this.jsonForbidden = jsonForbidden;
+  }
+
+  /**
+   * Loads XGrammar and hands it the vocabulary: every token as its exact bytes (tokenBytes; special tokens give none
+   * and are never allowed), the model's end-of-generation ids as the tokens that end a grammar. `vocabSize` is the
+   * width of a logits row (it may exceed the tokenizer's).
+   */
+  static async create(tokenizer: Tokenizer, vocabSize = tokenizer.vocabSize, cacheLimit = 64): Promise<GrammarRuntime> {
+    const xg = await XGrammar.load();
+    const table = byteLevelChars();
+    const encoded: string[] = new Array(vocabSize);
+    const jsonForbidden: number[] = [];
+    for (let id = 0; id < vocabSize; id++) {
+      let text = '';
+      let control = false;
+      if (id < tokenizer.vocabSize) {
+        for (const byte of tokenizer.tokenBytes(id, false)) {
+          text += table[byte];
+          if (byte < 0x20 && byte !== 0x0a && byte !== 0x0d) control = true;
+        }
+      }
+      encoded[id] = text;
+      if (control) jsonForbidden.push(id);
+    }
+    const compiler = xg.run('vocabulary', (b) => {
+      const info = new b.TokenizerInfo(b.vecStringFromJSArray(encoded), 'BYTE_LEVEL', vocabSize,
+        b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
+      return new b.GrammarCompiler(info, 1, false);
+    });
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden));
+  }
+
+  /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
+  open(spec: GuidedDecoding): GuidedSequence {
+    const source = grammarSource(spec);
+    const compiled = this.compiled(source);
+    const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
+    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined);
+  }
+
+  private compiled(source: GrammarSource): XgHandle {
+    const key = grammarKey(source);
+    const hit = this.cache.get(key);
+    if (hit !== undefined) {
+      this.cache.delete(key);
+      this.cache.set(key, hit);
+      return hit;
+    }
+    const compiled = this.xg.run(describe(source), () => {
+      switch (source.kind) {
+        case 'json_schema':
+          return this.compiler.CompileJSONSchema(source.schema, true, undefined, undefined, source.strict, JSON_MAX_WHITESPACE);
+        case 'ebnf':
+        case 'regex': {
+          const grammar = buildGrammar(this.xg.binding, source);
+          try {
+            return this.compiler.CompileGrammar(grammar);
+          } finally {
+            grammar.delete();
+          }
+        }
+      }
+    });
+    this.cache.set(key, compiled);
+    if (this.cache.size > this.cacheLimit) {
+      const [oldestKey, oldest] = this.cache.entries().next().value as [string, XgHandle];
+      this.cache.delete(oldestKey);
+      oldest.delete(); // matchers hold their own reference to the compiled grammar
+    }
+    return compiled;
+  }
+}
+
+/** One completion's grammar state. */
+export class GuidedSequence {
+  private readonly xg: XGrammar;
+  private handle: XgHandle;
+  readonly vocabSize: number;
+
+  /** Tokens never allowed whatever the grammar says (see GrammarRuntime.jsonForbidden). */
+  private readonly forbidden: Int32Array | undefined;
+
+  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array) {
+    this.xg = xg;
+    this.handle = handle;
+    this.vocabSize = vocabSize;
+    this.forbidden = forbidden;
+  }
+
+  /** Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). */
+  maskRow(row: Float32Array): void {
+    const vocabSize = this.vocabSize;
+    this.withMask((words) => {
+      for (let w = 0; w < words.length; w++) {
+        const word = words[w]!;
+        if (word === -1) continue;
+        const base = w * 32;
+        const end = Math.min(32, vocabSize - base);
+        for (let bit = 0; bit < end; bit++) if (((word >>> bit) & 1) === 0) row[base + bit] = -Infinity;
+      }
+    });
+    if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
+  }
+
+  /** The allowed token ids, in increasing order, into `out`; returns how many (the simulated engine draws from them). */
+  allowedTokens(out: Int32Array): number {
+    let count = 0;
+    const vocabSize = this.vocabSize;
+    this.withMask((words) => {
+      for (let w = 0; w < words.length; w++) {
+        let word = words[w]!;
+        while (word !== 0) {
+          const bit = 31 - Math.clz32(word & -word);
+          const id = w * 32 + bit;
+          if (id < vocabSize && !this.isForbidden(id)) out[count++] = id;
+          word &= word - 1;
+        }
+      }
+    });
+    return count;
+  }
+
+  /** Advances with a sampled token; false (state unchanged) when the grammar does not allow it. */
+  accept(tokenId: number): boolean {
+    if (this.isForbidden(tokenId)) return false;
+    return this.handle.AcceptToken(tokenId, false) as boolean;
+  }
+
+  private isForbidden(tokenId: number): boolean {
+    const forbidden = this.forbidden;
+    if (forbidden === undefined) return false;
+    // Sorted ascending (built in id order): binary search.
+    let lo = 0;
+    let hi = forbidden.length - 1;
+    while (lo <= hi) {
+      const mid = (lo + hi) >>> 1;
+      const value = forbidden[mid]!;
+      if (value === tokenId) return true;
+      if (value < tokenId) lo = mid + 1;
+      else hi = mid - 1;
+    }
+    return false;
+  }
+
+  /** The grammar has accepted an end-of-generation token. */
+  get isTerminated(): boolean {
+    return this.handle.IsTerminated() as boolean;
+  }
+
+  /** The text the grammar forces next (empty when there is a choice). */
+  jumpForwardString(): string {
+    return this.handle.FindJumpForwardString() as string;
+  }
+
+  dispose(): void {
+    if (this.handle === null) return;
+    this.handle.delete();
+    this.handle = null;
+  }
+
+  private withMask(use: (words: Int32Array) => void): void {
+    const vector = this.xg.run('token mask', () => this.handle.GetNextTokenBitmask(this.vocabSize));
+    try {
+      use(this.xg.binding.vecIntToView(vector));
+    } finally {
+      vector.delete();
+    }
+  }
+}
+
+export { GrammarError };
+
+/** One runtime per vocabulary, loaded on first use and shared by whoever holds the loader (a pool's workers). */
+export class GrammarLoader {
+  private runtime: GrammarRuntime | undefined;
+  private loading: Promise<GrammarRuntime> | undefined;
+
+  constructor(private readonly tokenizer: Tokenizer, private readonly vocabSize = tokenizer.vocabSize) {}
+
+  /** The runtime once loaded (undefined before). */
+  get current(): GrammarRuntime | undefined {
+    return this.runtime;
+  }
+
+  load(): Promise<GrammarRuntime> {
+    this.loading ??= GrammarRuntime.create(this.tokenizer, this.vocabSize).then((runtime) => {
+      this.runtime = runtime;
+      return runtime;
+    }, (error: unknown) => {
+      this.loading = undefined;
+      throw error;
+    });
+    return this.loading;
+  }
+}

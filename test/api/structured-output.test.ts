@@ -1,0 +1,179 @@
+// Structured outputs through HTTP on the built-in synthetic model, whose free text is noise: only the grammar can
+// make its output parse, so every parse here is the grammar's doing.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import OpenAI from 'openai';
+import { rawRequest } from './http-client.ts';
+import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { assertPerson, PERSON_SCHEMA } from './guided-fixtures.ts';
+
+/** A hang guard, not a speed requirement. */
+const E2E = { timeout: 120_000 };
+const messages = [{ role: 'user' as const, content: 'Describe a person as JSON.' }];
+
+describe('structured outputs (response_format, guided_*)', () => {
+  let server: TestServer;
+  let client: OpenAI;
+  let model: string;
+
+  before(async () => {
+    server = await startTestServer();
+    client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 90_000 });
+    model = server.running.api.gateway.servedModelName!;
+  });
+
+  after(async () => {
+    await server?.close();
+  });
+
+  const post = (path: string, body: object) => rawRequest(server.url, { path, body });
+
+  it('json_schema output parses and fits the schema for several seeds and temperatures', E2E, async () => {
+    const seen = new Set<string>();
+    for (const [seed, temperature] of [[1, 0], [2, 0.7], [3, 1], [4, 1.5]] as const) {
+      const response = await client.chat.completions.create({
+        model, messages, seed, temperature, max_tokens: 200,
+        response_format: { type: 'json_schema', json_schema: { name: 'person', schema: PERSON_SCHEMA, strict: true } },
+      });
+      const choice = response.choices[0]!;
+      assert.equal(choice.finish_reason, 'stop', `seed ${seed} T ${temperature}: ${choice.message.content}`);
+      assertPerson(JSON.parse(choice.message.content!));
+      seen.add(choice.message.content!);
+    }
+    // Noise under a grammar: different seeds give different valid documents.
+    assert.ok(seen.size >= 3, `only ${seen.size} distinct outputs`);
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+  it('streamed json_schema output assembles to the same valid document as the non-streamed one', E2E, async () => {
+    const body = {
+      model, messages, seed: 11, temperature: 0.8, max_tokens: 200,
+      response_format: { type: 'json_schema' as const, json_schema: { name: 'person', schema: PERSON_SCHEMA } },
+    };
+    const whole = await client.chat.completions.create(body);
+    const stream = await client.chat.completions.create({ ...body, stream: true });
+    let text = '';
+    for await (const chunk of stream) text += chunk.choices[0]?.delta.content ?? '';
+    assert.equal(text, whole.choices[0]!.message.content);
+    assertPerson(JSON.parse(text));
+  });
+
+  it('json_object gives a JSON object (or, cut by max_tokens, the start of one)', E2E, async () => {
+    for (const seed of [1, 2, 3]) {
+      const response = await client.chat.completions.create({
+        model, messages, seed, temperature: 1, max_tokens: 64, response_format: { type: 'json_object' },
+      });
+      const { content } = response.choices[0]!.message;
+      assert.match(content!, /^\s*\{/);
+      if (response.choices[0]!.finish_reason === 'stop') {
+        const value = JSON.parse(content!);
+        assert.ok(typeof value === 'object' && !Array.isArray(value));
+      }
+    }
+  });
+
+  it("vLLM's guided_choice, guided_regex and guided_grammar, on both endpoints", E2E, async () => {
+    for (const seed of [1, 2, 3, 4]) {
+      const chat = await post('/v1/chat/completions', {
+        model, messages, seed, max_tokens: 16, guided_choice: ['yes', 'no', 'maybe not'],
+      });
+      assert.equal(chat.status, 200, chat.text);
+      assert.ok(['yes', 'no', 'maybe not'].includes(chat.json().choices[0].message.content), chat.text);
+      const regex = await post('/v1/completions', {
+        model, prompt: 'Phone:', seed, max_tokens: 32, guided_regex: '[0-9]{3}-[0-9]{4}',
+      });
+      assert.equal(regex.status, 200, regex.text);
+      assert.match(regex.json().choices[0].text, /^[0-9]{3}-[0-9]{4}$/);
+      const grammar = await post('/v1/completions', {
+        model, prompt: 'Sum:', seed, max_tokens: 32, temperature: 1,
+        guided_grammar: 'root ::= num " + " num\nnum ::= [1-9] [0-9]?',
+      });
+      assert.equal(grammar.status, 200, grammar.text);
+      assert.match(grammar.json().choices[0].text, /^[1-9][0-9]? \+ [1-9][0-9]?$/);
+    }
+    const json = await post('/v1/completions', {
+      model, prompt: '{', seed: 5, max_tokens: 200, guided_json: PERSON_SCHEMA,
+    });
+    assert.equal(json.status, 200, json.text);
+    assertPerson(JSON.parse(json.json().choices[0].text));
+  });
+
+  it('n > 1: every completion follows the grammar', E2E, async () => {
+    const response = await post('/v1/chat/completions', {
+      model, messages, n: 2, seed: 9, temperature: 1, max_tokens: 200, guided_json: PERSON_SCHEMA,
+    });
+    assert.equal(response.status, 200, response.text);
+    for (const choice of response.json().choices) assertPerson(JSON.parse(choice.message.content));
+  });
+
+  it('bad schemas and grammars are a 400 naming the field, and cost nothing', E2E, async () => {
+    const cases: [object, string, RegExp][] = [
+      [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'object', properties: { a: { not: { type: 'string' } } } } } } },
+        'response_format.json_schema.schema.properties.a.not', /not/],
+      [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'objekt' } } } },
+        'response_format.json_schema.schema.type', /unknown type/],
+      [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'array', uniqueItems: true } } } },
+        'response_format.json_schema.schema.uniqueItems', /uniqueItems/],
+      [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { $ref: 'https://example.com/s.json' } } } },
+        'response_format.json_schema.schema.$ref', /references/],
+      [{ response_format: { type: 'json_schema', json_schema: { schema: { type: 'object' } } } },
+        'response_format.json_schema.name', /missing/i],
+      [{ response_format: { type: 'yaml' } }, 'response_format.type', /unknown response format/],
+      [{ guided_json: '{not json' }, 'guided_json', /not valid JSON/],
+      [{ guided_regex: '[0-9' }, 'guided_regex', /Unclosed|regex/i],
+      [{ guided_grammar: 'root ::= "a" |' }, 'guided_grammar', /EBNF|grammar/i],
+      [{ guided_choice: [] }, 'guided_choice', /empty/],
+      [{ guided_choice: ['a'], guided_regex: 'a' }, 'guided_choice', /only one/],
+      [{ response_format: { type: 'json_object' }, guided_json: { type: 'object' } }, 'guided_json', /only one/],
+    ];
+    for (const [extra, param, message] of cases) {
+      const response = await post('/v1/chat/completions', { model, messages, max_tokens: 8, ...extra });
+      assert.equal(response.status, 400, `${JSON.stringify(extra)}: ${response.text}`);
+      const { error } = response.json();
+      assert.equal(error.param, param, response.text);
+      assert.match(error.message, message);
+    }
+    // The gateway's grammar engine survived the refusals: a good request still runs.
+    const ok = await post('/v1/chat/completions', { model, messages, max_tokens: 8, guided_regex: '(ab)+' });
+    assert.equal(ok.status, 200, ok.text);
+    assert.match(ok.json().choices[0].message.content, /^(ab)+a?$/, ok.text);
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+});
+
+for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-workers', '1']]) {
+  describe(`structured outputs on simulated workers (${layout.join(' ')})`, () => {
+    let server: TestServer;
+    let model: string;
+
+    before(async () => {
+      server = await startTestServer({ flags: ['--engine', 'sim', '--sim-speed-up', 'inf', ...layout] });
+      model = server.running.api.gateway.servedModelName!;
+    });
+    after(async () => {
+      await server?.close();
+    });
+
+    it('synthetic tokens follow the grammar: json_schema, choice; text is the vocabulary\'s, not synthetic words', E2E, async () => {
+      for (const seed of [1, 2, 3]) {
+        const json = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+          model, messages, seed, max_tokens: 300,
+          response_format: { type: 'json_schema', json_schema: { name: 'person', schema: PERSON_SCHEMA } },
+        } });
+        assert.equal(json.status, 200, json.text);
+        assert.equal(json.json().choices[0].finish_reason, 'stop', json.text);
+        assertPerson(JSON.parse(json.json().choices[0].message.content));
+        const choice = await rawRequest(server.url, { path: '/v1/completions', body: {
+          model, prompt: 'Pick:', seed, max_tokens: 8, guided_choice: ['alpha', 'beta'],
+        } });
+        assert.equal(choice.status, 200, choice.text);
+        assert.ok(['alpha', 'beta'].includes(choice.json().choices[0].text), choice.text);
+      }
+      // Unguided requests keep their synthetic words.
+      const plain = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'x', max_tokens: 3, seed: 1 } });
+      assert.match(plain.json().choices[0].text, /^( [a-z]{4}){3}$/);
+      await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+    });
+  });
+}

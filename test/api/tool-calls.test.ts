@@ -1,0 +1,259 @@
+// Tool calling: the parsers on hand-written model outputs in each supported format, and tools through HTTP on the
+// built-in synthetic model (noise): named and required choices are grammar-enforced, so even it makes valid calls.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import OpenAI from 'openai';
+import { makeParseableResponseFormat } from 'openai/lib/parser';
+import { detectToolCallParser, parseToolCalls } from '../../src/api/tool-calls.ts';
+import { ChatTemplate } from '../../src/model/chat-template.ts';
+import { rawRequest } from './http-client.ts';
+import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { assertPerson, PERSON_SCHEMA } from './guided-fixtures.ts';
+
+const E2E = { timeout: 120_000 };
+
+describe('tool-call parsers on model outputs', () => {
+  it('hermes / qwen: <tool_call> JSON blocks, content before them', () => {
+    const text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+      + '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>';
+    const parsed = parseToolCalls('hermes', text);
+    assert.equal(parsed.content, 'Let me check.');
+    assert.deepEqual(parsed.calls, [
+      { name: 'get_weather', arguments: '{"city":"Paris"}' }, { name: 'get_time', arguments: '{"zone":"CET"}' },
+    ]);
+    // No call, or a broken one: the text stays content.
+    assert.deepEqual(parseToolCalls('hermes', 'Just text.'), { content: 'Just text.', calls: [] });
+    assert.deepEqual(parseToolCalls('hermes', '<tool_call>{"name": "f", "argum'), { content: '<tool_call>{"name": "f", "argum', calls: [] });
+  });
+
+  it('llama 3.x JSON: {"name", "parameters"} objects, optionally after <|python_tag|>, several separated by ;', () => {
+    assert.deepEqual(parseToolCalls('llama3_json', '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+      { content: null, calls: [{ name: 'get_weather', arguments: '{"city":"Oslo"}' }] });
+    assert.deepEqual(parseToolCalls('llama3_json', '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": "}"}}').calls,
+      [{ name: 'a', arguments: '{}' }, { name: 'b', arguments: '{"x":"}"}' }]);
+    assert.deepEqual(parseToolCalls('llama3_json', 'The answer is {42}.'), { content: 'The answer is {42}.', calls: [] });
+    assert.deepEqual(parseToolCalls('llama3_json', '{"not": "a call"}').calls, []);
+  });
+
+  it('mistral: [TOOL_CALLS] then a JSON array', () => {
+    const parsed = parseToolCalls('mistral', '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "noop", "arguments": {}}]');
+    assert.equal(parsed.content, null);
+    assert.deepEqual(parsed.calls, [{ name: 'get_weather', arguments: '{"city":"Rome"}' }, { name: 'noop', arguments: '{}' }]);
+    assert.deepEqual(parseToolCalls('mistral', 'No tools needed.').calls, []);
+  });
+
+  it('the parser is chosen from the chat template', () => {
+    assert.equal(detectToolCallParser('{% for tool in tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endfor %}'), 'hermes');
+    assert.equal(detectToolCallParser('{{ "[AVAILABLE_TOOLS]" }}{{ "[TOOL_CALLS]" }}'), 'mistral');
+    assert.equal(detectToolCallParser('{%- if message.role == "ipython" %}<|python_tag|>{% endif %}'), 'llama3_json');
+    assert.equal(detectToolCallParser('{{ messages[0].content }}'), 'hermes');
+  });
+
+  it('tools, assistant tool_calls and tool results reach the chat template as HF passes them', () => {
+    const template = new ChatTemplate({ templates: '{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}'
+      + '{% for m in messages %}<{{ m.role }}>{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c.function.name }} '
+      + '{{ c.function.arguments.city }}{% endfor %}{% endif %}{{ m.content }}{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}{% endfor %}' });
+    const text = template.render([
+      { role: 'user', content: 'Weather?' },
+      { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Oslo"}' } }] },
+      { role: 'tool', content: 'sunny', tool_call_id: 'c1' },
+    ], { tools: [{ type: 'function', function: { name: 'get_weather' } }] });
+    assert.equal(text, '[tool get_weather]<user>Weather?<assistant>call get_weather Oslo<tool>sunny (c1)');
+  });
+});
+
+const WEATHER_TOOL = {
+  type: 'function' as const,
+  function: {
+    name: 'get_weather', description: 'Current weather',
+    parameters: {
+      type: 'object', properties: { city: { enum: ['Paris', 'Oslo', 'Rome'] }, days: { type: 'integer', minimum: 1, maximum: 7 } },
+      required: ['city', 'days'], additionalProperties: false,
+    },
+  },
+};
+const PERSON_TOOL = { type: 'function' as const, function: { name: 'save_person', parameters: PERSON_SCHEMA } };
+const FLAG_TOOL = {
+  type: 'function' as const,
+  function: { name: 'set_flag', parameters: { type: 'object', properties: { on: { type: 'boolean' } }, required: ['on'], additionalProperties: false } },
+};
+
+function assertWeatherArgs(args: string): void {
+  const value = JSON.parse(args);
+  assert.ok(['Paris', 'Oslo', 'Rome'].includes(value.city), args);
+  assert.ok(Number.isInteger(value.days) && value.days >= 1 && value.days <= 7, args);
+  assert.deepEqual(Object.keys(value).sort(), ['city', 'days']);
+}
+
+describe('tool calling through HTTP (synthetic model)', () => {
+  let server: TestServer;
+  let client: OpenAI;
+  let model: string;
+  const messages = [
+    { role: 'user' as const, content: 'What is the weather in Paris?' },
+  ];
+
+  before(async () => {
+    server = await startTestServer();
+    client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 90_000 });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('named tool choice: message.tool_calls with an id, the name and arguments fitting the schema', E2E, async () => {
+    for (const [seed, temperature] of [[1, 0], [2, 1]] as const) {
+      const response = await client.chat.completions.create({
+        model, messages, seed, temperature, max_tokens: 64, tools: [WEATHER_TOOL, PERSON_TOOL],
+        tool_choice: { type: 'function', function: { name: 'get_weather' } },
+      });
+      const choice = response.choices[0]!;
+      assert.equal(choice.finish_reason, 'tool_calls');
+      assert.equal(choice.message.content, null);
+      const calls = choice.message.tool_calls!;
+      assert.equal(calls.length, 1);
+      assert.match(calls[0]!.id, /^call_/);
+      assert.equal(calls[0]!.type, 'function');
+      assert.ok(calls[0]!.type === 'function');
+      assert.equal(calls[0]!.function.name, 'get_weather');
+      assertWeatherArgs(calls[0]!.function.arguments);
+    }
+  });
+
+  it('named tool choice streamed: delta.tool_calls assemble to the non-streamed call', E2E, async () => {
+    const body = {
+      model, messages, seed: 3, temperature: 0.9, max_tokens: 64, tools: [WEATHER_TOOL],
+      tool_choice: { type: 'function' as const, function: { name: 'get_weather' } },
+    };
+    const whole = await client.chat.completions.create(body);
+    const stream = await client.chat.completions.create({ ...body, stream: true });
+    const assembled = assembleToolCalls();
+    for await (const chunk of stream) assembled.add(chunk);
+    assert.equal(assembled.finishReason, 'tool_calls');
+    assert.equal(assembled.calls.length, 1);
+    assert.equal(assembled.calls[0]!.name, 'get_weather');
+    assert.equal(assembled.calls[0]!.arguments, whole.choices[0]!.message.tool_calls![0]!.type === 'function'
+      ? whole.choices[0]!.message.tool_calls![0]!.function.arguments : '');
+    assertWeatherArgs(assembled.calls[0]!.arguments);
+  });
+
+  it('required: one call (parallel_tool_calls false) to one of the tools, non-streamed and streamed', E2E, async () => {
+    for (const seed of [4, 5]) {
+      const body = { model, messages, seed, temperature: 1, max_tokens: 120, tools: [WEATHER_TOOL, FLAG_TOOL],
+        tool_choice: 'required' as const, parallel_tool_calls: false };
+      const response = await client.chat.completions.create(body);
+      const choice = response.choices[0]!;
+      assert.equal(choice.finish_reason, 'tool_calls', JSON.stringify(choice));
+      const calls = choice.message.tool_calls!;
+      assert.equal(calls.length, 1);
+      const call = calls[0]!;
+      assert.ok(call.type === 'function');
+      if (call.function.name === 'get_weather') assertWeatherArgs(call.function.arguments);
+      else { assert.equal(call.function.name, 'set_flag'); assert.equal(typeof JSON.parse(call.function.arguments).on, 'boolean'); }
+
+      const stream = await client.chat.completions.create({ ...body, stream: true });
+      const assembled = assembleToolCalls();
+      for await (const chunk of stream) assembled.add(chunk);
+      assert.equal(assembled.finishReason, 'tool_calls');
+      assert.deepEqual(assembled.calls, [{ name: call.function.name, arguments: call.function.arguments }]);
+    }
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+  it('auto on a model that writes no call: the text is content, finish_reason stop or length', E2E, async () => {
+    const response = await client.chat.completions.create({ model, messages, seed: 1, max_tokens: 12, tools: [WEATHER_TOOL] });
+    const choice = response.choices[0]!;
+    assert.ok(choice.finish_reason === 'stop' || choice.finish_reason === 'length');
+    assert.equal(typeof choice.message.content, 'string');
+    assert.equal(choice.message.tool_calls, undefined);
+    // tool_choice none: plain chat.
+    const none = await client.chat.completions.create({ model, messages, seed: 1, max_tokens: 12, tools: [WEATHER_TOOL], tool_choice: 'none' });
+    assert.equal(none.choices[0]!.message.tool_calls, undefined);
+  });
+
+  it("tool results go to the model's template: one without a tool role refuses them with a 400, and the server goes on", E2E, async () => {
+    // The built-in model has Llama 2's template, which raises on any role but system/user/assistant.
+    const response = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+      model, max_tokens: 4, tools: [WEATHER_TOOL], messages: [
+        ...messages,
+        { role: 'assistant', content: null, tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris","days":1}' } }] },
+        { role: 'tool', tool_call_id: 'call_1', content: '{"sky":"clear"}' },
+      ],
+    } });
+    assert.equal(response.status, 400, response.text);
+    assert.equal(response.json().error.param, 'messages');
+    assert.match(response.json().error.message, /chat template refused/);
+    const after = await client.chat.completions.create({ model, messages, max_tokens: 2 });
+    assert.equal(after.choices.length, 1);
+  });
+
+  it("the openai client's helpers: chat.completions.parse and runTools", E2E, async () => {
+    const format = makeParseableResponseFormat(
+      { type: 'json_schema', json_schema: { name: 'person', schema: PERSON_SCHEMA as unknown as Record<string, unknown>, strict: true } },
+      (content) => JSON.parse(content) as Record<string, unknown>);
+    const parsed = await client.chat.completions.parse({ model, messages, seed: 8, max_tokens: 300, response_format: format });
+    assertPerson(parsed.choices[0]!.message.parsed);
+
+    const seen: unknown[] = [];
+    const runner = client.chat.completions.runTools({
+      model, messages, seed: 9, max_tokens: 64,
+      tool_choice: { type: 'function', function: { name: 'get_weather' } },
+      tools: [{ type: 'function', function: {
+        name: 'get_weather', description: 'Current weather', parameters: WEATHER_TOOL.function.parameters,
+        parse: (args: string) => JSON.parse(args) as { city: string; days: number },
+        function: (args: { city: string; days: number }) => { seen.push(args); return { sky: 'clear' }; },
+      } }],
+    });
+    await runner.done();
+    assert.equal(seen.length, 1);
+    assertWeatherArgs(JSON.stringify(seen[0]));
+  });
+
+  it('bad tool definitions and choices are a 400 naming the field, and cost nothing', E2E, async () => {
+    const cases: [object, string][] = [
+      [{ tools: [{ type: 'function', function: {} }] }, 'tools[0].function.name'],
+      [{ tools: [{ type: 'function', function: { name: 'has space' } }] }, 'tools[0].function.name'],
+      [{ tools: [{ type: 'retrieval' }] }, 'tools[0].type'],
+      [{ tools: [{ type: 'function' }] }, 'tools[0].function'],
+      [{ tools: [WEATHER_TOOL, WEATHER_TOOL] }, 'tools[1].function.name'],
+      [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'array' } } }] }, 'tools[0].function.parameters.type'],
+      [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { not: {} } } } } }] },
+        'tools[0].function.parameters.properties.a.not'],
+      [{ tools: [WEATHER_TOOL], tool_choice: { type: 'function', function: { name: 'nope' } } }, 'tool_choice.function.name'],
+      [{ tool_choice: 'required' }, 'tool_choice'],
+      [{ tools: [WEATHER_TOOL], tool_choice: 'sometimes' }, 'tool_choice'],
+      [{ tools: [WEATHER_TOOL], tool_choice: 'required', response_format: { type: 'json_object' } }, 'response_format.type'],
+    ];
+    for (const [extra, param] of cases) {
+      const response = await rawRequest(server.url, { path: '/v1/chat/completions', body: { model, messages, max_tokens: 4, ...extra } });
+      assert.equal(response.status, 400, `${JSON.stringify(extra)}: ${response.text}`);
+      assert.equal(response.json().error.param, param, response.text);
+    }
+    await waitFor(() => engineIdle(server.engine), 'nothing running');
+  });
+});
+
+/** Assembles streamed delta.tool_calls by index, as clients do. */
+function assembleToolCalls() {
+  const calls: { name: string; arguments: string }[] = [];
+  const ids: string[] = [];
+  return {
+    calls,
+    finishReason: null as string | null,
+    add(chunk: OpenAI.ChatCompletionChunk) {
+      const choice = chunk.choices[0];
+      if (!choice) return;
+      for (const delta of choice.delta.tool_calls ?? []) {
+        if (delta.id !== undefined) {
+          assert.equal(calls[delta.index], undefined, 'an id opens each call once');
+          ids[delta.index] = delta.id;
+          calls[delta.index] = { name: delta.function?.name ?? '', arguments: '' };
+        }
+        calls[delta.index]!.arguments += delta.function?.arguments ?? '';
+      }
+      if (choice.finish_reason) this.finishReason = choice.finish_reason;
+    },
+  };
+}
