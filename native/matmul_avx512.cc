@@ -545,7 +545,7 @@ void int8_tile(const MatmulTile& t) {
   }
 }
 
-// Q4_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales, accumulated by AVX512-VNNI's VPDPWSSD.
+// Q4_K / Q5_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales, accumulated by AVX512-VNNI's VPDPWSSD.
 #define KQ_DOT16(acc, pairs, scales) _mm256_dpwssd_epi32((acc), (pairs), (scales))
 #include "matmul_kquant_simd.h"
 #undef KQ_DOT16
@@ -596,13 +596,17 @@ void register_matmul_avx512(KernelTable& t) {
   for (int type : {kF32, kF16, kBF16}) t.names[std::string("matmul_") + type_name(type)] = "avx512";
   if (kquant_dot_enabled()) {
     t.matmul[kQ4_K] = kq_kernel<kQ4_K>();
+    t.matmul[kQ5_K] = kq_kernel<kQ5_K>();
     t.matmul[kQ6_K] = kq_kernel<kQ6_K>();
     t.names["matmul_q4_k"] = "avx512_vnni";
+    t.names["matmul_q5_k"] = "avx512_vnni";
     t.names["matmul_q6_k"] = "avx512_vnni";
   } else {
     t.matmul[kQ4_K] = float_kernel<kQ4_K>();
+    t.matmul[kQ5_K] = float_kernel<kQ5_K>();
     t.matmul[kQ6_K] = float_kernel<kQ6_K>();
     t.names["matmul_q4_k"] = "avx512";
+    t.names["matmul_q5_k"] = "avx512";
     t.names["matmul_q6_k"] = "avx512";
   }
   t.names["matmul_q8_0"] = "avx512_vnni";

@@ -1,18 +1,18 @@
-// Q4_K and Q6_K integer-dot matmul, written once over 256-bit integer intrinsics and included inside the target
+// Q4_K, Q5_K and Q6_K integer-dot matmul, written once over 256-bit integer intrinsics and included inside the target
 // region of matmul_avx2.cc and matmul_avx512.cc (inside their anonymous namespace). The including file defines
 // KQ_DOT16(acc, pairs, scales): acc (8 x int32) += the int16 pairs of `pairs` times the int16 `scales`, summed by
 // pairs; avx2 with VPMADDWD + VPADDD, avx512 with AVX512-VNNI's VPDPWSSD (one instruction, the same exact int32).
 //
 // Activations: one f32 scale per super-block of 256 (amax / 127, round to nearest even, as ggml's Q8_K), 256
 // signed bytes and the 16 sums of its 16-element groups (int16). A K-quant weight is (super-block scale) x (small
-// integer sub-block scale) x (small integer quant) [- (super-block min scale) x (integer min), Q4_K], so with one
+// integer sub-block scale) x (small integer quant) [- (super-block min scale) x (integer min), Q4_K and Q5_K], so with one
 // activation scale per super-block the whole super-block's dot product is integer arithmetic: per 32 bytes
-// VPMADDUBSW (unsigned 4- or 6-bit weight x signed activation, pair sums at most 2 * 63 * 127, never saturating),
+// VPMADDUBSW (unsigned 4-, 5- or 6-bit weight x signed activation, pair sums at most 2 * 63 * 127, never saturating),
 // then KQ_DOT16 with the sub-blocks' scales. A scale per 32 activations (the Q8_0 path's format) would cost a float
 // conversion and multiply per sub-block instead of one per super-block and lane.
 //
 // Per super-block and row the 8 int32 lanes (exact integers) are converted to f32 and added, times (weight scale x
-// activation scale), into 8 f32 lane accumulators with FMA; the Q4_K mins term (dmin x sum of min x group sum) and
+// activation scale), into 8 f32 lane accumulators with FMA; the Q4_K / Q5_K mins term (dmin x sum of min x group sum) and
 // the Q6_K offset (quants are stored as 0..63 = value + 32, so 32 x scale x group sum is taken off) come from the
 // group sums with one VPMADDWD. The conversion rounds a lane only when it exceeds 2^24 (Q6_K's can reach ~2^25): a
 // relative 2^-24, below the FMA's own rounding. The lanes are summed once at the end of the row by a fixed tree.
@@ -85,15 +85,17 @@ inline __m256i kq_scale_pair(int lo, int hi) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Q4_K: one weight row against MR activation rows.
+// Q4_K and Q5_K (Block = BlockQ5_K: the fifth bit of element l of sub-block s is bit s of qh[l], added as 16 to the
+// nibble): one weight row against MR activation rows.
 
-template <int MR>
+template <int MR, class Block>
 inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float* y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  constexpr bool kFive = sizeof(Block) == sizeof(BlockQ5_K);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   __m256 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const BlockQ4_K* blk = reinterpret_cast<const BlockQ4_K*>(w) + sb;
+    const Block* blk = reinterpret_cast<const Block*>(w) + sb;
     // The 8 scales and 8 mins (6 bits each) of the 12 packed bytes, 4 at a time (q4k_scale_min, bytewise).
     uint32_t words[3];
     std::memcpy(words, blk->scales, 12);
@@ -110,7 +112,13 @@ inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {  // 64 values: low nibbles are sub-block 2g, high nibbles 2g + 1
       const __m256i packed = kq_load(blk->qs + 32 * g);
-      const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      if (kFive) {
+        // Bits 2g and 2g + 1 of each qh byte, moved to bit 4 (16-bit shifts: the bits taken stay in their byte).
+        const __m256i h = _mm256_srli_epi16(kq_load(reinterpret_cast<const BlockQ5_K*>(blk)->qh), 2 * g);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+      }
       const __m256i s_lo = _mm256_set1_epi16(sc[2 * g]), s_hi = _mm256_set1_epi16(sc[2 * g + 1]);
       for (int i = 0; i < MR; ++i) {
         const int8_t* a = act[i].q + 256 * sb + 64 * g;
@@ -190,7 +198,9 @@ constexpr int64_t kKqRowBlock = 16;
 template <int MR, int Type>
 inline void kq_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float* y, int64_t ldy) {
   if (Type == kQ4_K) {
-    q4k_row_dots<MR>(w, act, K, y, ldy);
+    q4k_row_dots<MR, BlockQ4_K>(w, act, K, y, ldy);
+  } else if (Type == kQ5_K) {
+    q4k_row_dots<MR, BlockQ5_K>(w, act, K, y, ldy);
   } else {
     q6k_row_dots<MR>(w, act, K, y, ldy);
   }

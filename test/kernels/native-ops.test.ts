@@ -54,7 +54,7 @@ function referenceRope(x: Float32Array, positions: Int32Array, numHeads: number,
 
 const FLOAT_TYPES = [GgmlType.F32, GgmlType.F16, GgmlType.BF16];
 const INT8_TYPES = [GgmlType.Q8_0, GgmlType.Q4_0];
-const K_QUANT_TYPES = [GgmlType.Q4_K, GgmlType.Q6_K];
+const K_QUANT_TYPES = [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K];
 
 // [m, k, n]: single rows (decode GEMV), a few rows, many rows (prefill GEMM); n not a multiple of any tile width.
 const SHAPES: Record<string, [number, number, number][]> = {
@@ -219,7 +219,7 @@ describe('native ops: embedding', { skip: skipNative }, () => {
   for (const type of [...FLOAT_TYPES, ...INT8_TYPES, ...K_QUANT_TYPES]) {
     it(`${ggmlTypeName(type)}: rows decode as quant.ts decodes them`, () => {
       const rand = seeded(100 + type);
-      const dim = type === GgmlType.Q4_K || type === GgmlType.Q6_K ? 512 : type === GgmlType.F32 ? 33 : 96;
+      const dim = K_QUANT_TYPES.includes(type) ? 512 : type === GgmlType.F32 ? 33 : 96;
       const rows = 9;
       const table = quantize(type, randomArray(rows * dim, rand));
       const decoded = new Float32Array(rows * dim);
