@@ -566,7 +566,7 @@ MatmulKernel kq_kernel() {
   return k;
 }
 
-// Q4_K / Q5_K also have the load-time packed layout (matmul_kquant_packed_avx512.h).
+// The K-quants also have the load-time packed layout (matmul_kquant_packed_avx512.h).
 template <int Type>
 MatmulKernel kq_packed_kernel() {
   MatmulKernel k = kq_kernel<Type>();
@@ -609,7 +609,7 @@ void register_matmul_avx512(KernelTable& t) {
   if (kquant_dot_enabled()) {
     t.matmul[kQ4_K] = kq_packed_kernel<kQ4_K>();
     t.matmul[kQ5_K] = kq_packed_kernel<kQ5_K>();
-    t.matmul[kQ6_K] = kq_kernel<kQ6_K>();
+    t.matmul[kQ6_K] = kq_packed_kernel<kQ6_K>();
     t.names["matmul_q4_k"] = "avx512_vnni";
     t.names["matmul_q5_k"] = "avx512_vnni";
     t.names["matmul_q6_k"] = "avx512_vnni";

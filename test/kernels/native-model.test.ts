@@ -18,6 +18,7 @@ import { nativeBackend, nativeModelSpec, type KernelVariant, type NativeModel } 
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import { kvPoolBytes, type ForwardBatch, type KvDtype, type KvPoolLayout } from '../../src/kernels/types.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { ensureLlamaQuantized, llamaQuantizeMissing } from '../../benchmarks/model-files.ts';
 import {
   assertClose, native, randomArray, roundsBf16Activations, seeded, skipNative, variants,
 } from './native-harness.ts';
@@ -248,6 +249,37 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
         rmSync(dir, { recursive: true, force: true });
       }
     });
+  }
+
+  // The same from files llama.cpp's llama-quantize made (its own scale search and type mix: Q4_K_M and Q5_K_M put
+  // Q6_K in some layers and the output), from an F32 model the writer made. Needs the llama.cpp build
+  // (scripts/build-llama-cpp.sh, or CONDUIT_LLAMA_CPP_BIN).
+  const quantizeMissing = llamaQuantizeMissing();
+  for (const type of ['Q4_K_M', 'Q5_K_M', 'Q6_K'] as const) {
+    it(`synthetic ${type} GGUF from llama-quantize: native == reference, packed or not`,
+      { skip: quantizeMissing ? `llama-quantize unavailable: ${quantizeMissing}` : false }, async () => {
+        const dir = mkdtempSync(join(tmpdir(), 'conduit-llama-quantize-'));
+        try {
+          const f32 = join(dir, 'synthetic-llq-F32.gguf');
+          writeSyntheticModel({
+            name: 'synthetic-llq', dim: 256, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 512,
+            contextLength: 256, dtype: 'F32', seed: 23, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+          }, f32);
+          const { config, weights } = await loadModel(ensureLlamaQuantized(f32, type));
+          const main = type === 'Q4_K_M' ? GgmlType.Q4_K : type === 'Q5_K_M' ? GgmlType.Q5_K : GgmlType.Q6_K;
+          assert.equal(weights.layers[0]!.wq.type, main, `${type}: attn_q`);
+          const steps = makeSteps(5).map((b) => ({ ...b, tokenIds: b.tokenIds.map((t) => (t * 101) % config.vocabSize) }));
+          const expected = runReference(config, weights, 'f16', steps);
+          for (const variant of variants) {
+            const packed = runNative(config, weights, 'f16', variant, 2, steps);
+            packed.forEach((logits, s) => assertClose(logits, expected[s]!, bound(main, variant), `${type} ${variant} step ${s}`));
+            assert.deepEqual(runNative(config, weights, 'f16', variant, 1, steps, false), packed,
+              `${type} ${variant}: ggml rows on 1 thread differ from packed on 2`);
+          }
+        } finally {
+          rmSync(dir, { recursive: true, force: true });
+        }
+      });
   }
 
   it('logits are identical for 1, 2 and 3 threads', () => {
