@@ -1,4 +1,4 @@
-// Conduit against llama.cpp on the same GGUF files, side by side in one run (bench:peer).
+// Conduit against llama.cpp through node-llama-cpp and its C API on the same GGUF files, side by side in one run
 //
 //   npm run bench:peer:engines, or: cd benchmarks/peer && npm install --no-audit --no-fund && node --import tsx bench.ts [options]
 //
