@@ -1,6 +1,7 @@
 // Where single-stream decode time goes at a long context: a model file, prefilled to CONTEXT tokens in steps of 512,
 // then 16 decode steps with the native model's section profile on (wall time per section, and the step's CPU time
-// over all threads, which a busy machine leaves meaningful when wall times are not).
+// over all threads, which a busy machine leaves meaningful when wall times are not). CONDUIT_PACK_WEIGHTS=0 reads
+// the ggml rows instead of the load-time packed copy.
 //
 //   node --import tsx benchmarks/decode-context-profile.ts <model.gguf> [CONTEXT=8192] [THREADS=1]
 import { loadNativeAddon, nativeModelSpec, supportedVariants } from '../src/kernels/native.ts';
@@ -16,7 +17,8 @@ const addon = loadNativeAddon();
 const { config, weights } = await loadModel(path!);
 const maxBlocks = Math.ceil((ctx + 64) / BS);
 const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: maxBlocks, blockSize: BS, numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f16' };
-const model = new addon.NativeModel(nativeModelSpec(config, weights, { layout, bytes: new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout))) }, supportedVariants(addon.cpuInfo()).at(-1)!, threads));
+const model = new addon.NativeModel({ ...nativeModelSpec(config, weights, { layout, bytes: new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout))) }, supportedVariants(addon.cpuInfo()).at(-1)!, threads),
+  packWeights: process.env.CONDUIT_PACK_WEIGHTS !== "0" });
 const table = Int32Array.from({ length: maxBlocks }, (_, i) => i);
 const batch = (start: number, count: number): ForwardBatch => ({
   numTokens: count, tokenIds: Int32Array.from({ length: count }, (_, i) => (start + i) * 7919 % config.vocabSize),
