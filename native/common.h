@@ -35,6 +35,7 @@ enum GgmlType : int {
   kQ4_0 = 2,
   kQ8_0 = 8,
   kQ4_K = 12,
+  kQ5_K = 13,
   kQ6_K = 14,
   kBF16 = 30,
 };
@@ -74,6 +75,15 @@ struct BlockQ4_K {
 };
 static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block is 144 bytes");
 
+struct BlockQ5_K {
+  uint16_t d;             // f16 super-block scale of the 6-bit sub-block scales
+  uint16_t dmin;          // f16 super-block scale of the 6-bit sub-block mins
+  uint8_t scales[12];     // as Q4_K
+  uint8_t qh[kQK_K / 8];  // bit s of qh[l]: fifth bit of element l of sub-block s
+  uint8_t qs[kQK_K / 2];  // low 4 bits, as Q4_K's nibbles
+};
+static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block is 176 bytes");
+
 struct BlockQ6_K {
   uint8_t ql[kQK_K / 2];      // low 4 bits
   uint8_t qh[kQK_K / 4];      // high 2 bits
@@ -82,7 +92,7 @@ struct BlockQ6_K {
 };
 static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block is 210 bytes");
 
-// Q4_K packs its eight 6-bit (scale, min) pairs into 12 bytes; j in 0..7.
+// Q4_K (and Q5_K) pack their eight 6-bit (scale, min) pairs into 12 bytes; j in 0..7.
 inline void q4k_scale_min(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
   if (j < 4) {
     *scale = q[j] & 63;

@@ -106,7 +106,7 @@ void int8_tile(const MatmulTile& t) {
 
 size_t int8_scratch_bytes(int64_t) { return 64; }
 
-// Q4_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales with VPMADDWD.
+// Q4_K / Q5_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales with VPMADDWD.
 #define KQ_DOT16(acc, pairs, scales) _mm256_add_epi32((acc), _mm256_madd_epi16((pairs), (scales)))
 #include "matmul_kquant_simd.h"
 #undef KQ_DOT16
@@ -148,14 +148,16 @@ void register_matmul_avx2(KernelTable& t) {
   t.matmul[kF16] = float_kernel<kF16>();
   t.matmul[kBF16] = float_kernel<kBF16>();
   t.matmul[kQ4_K] = kquant_dot_enabled() ? kq_kernel<kQ4_K>() : float_kernel<kQ4_K>();
+  t.matmul[kQ5_K] = kquant_dot_enabled() ? kq_kernel<kQ5_K>() : float_kernel<kQ5_K>();
   t.matmul[kQ6_K] = kquant_dot_enabled() ? kq_kernel<kQ6_K>() : float_kernel<kQ6_K>();
   t.matmul[kQ8_0] = int8_kernel<kQ8_0>();
   t.matmul[kQ4_0] = int8_kernel<kQ4_0>();
-  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K}) {
+  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("matmul_") + type_name(type)] = "avx2";
   }
   if (kquant_dot_enabled()) {
     t.names["matmul_q4_k"] = "avx2_int8";
+    t.names["matmul_q5_k"] = "avx2_int8";
     t.names["matmul_q6_k"] = "avx2_int8";
   }
 }

@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -545,10 +546,11 @@ void int8_tile(const MatmulTile& t) {
   }
 }
 
-// Q4_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales, accumulated by AVX512-VNNI's VPDPWSSD.
+// Q4_K / Q5_K / Q6_K: VPMADDUBSW pair sums times the sub-block scales, accumulated by AVX512-VNNI's VPDPWSSD.
 #define KQ_DOT16(acc, pairs, scales) _mm256_dpwssd_epi32((acc), (pairs), (scales))
 #include "matmul_kquant_simd.h"
 #undef KQ_DOT16
+#include "matmul_kquant_packed_avx512.h"
 
 #pragma GCC pop_options
 
@@ -561,6 +563,16 @@ MatmulKernel kq_kernel() {
   k.quantize_act = kq_quantize_act;
   k.scratch_bytes = kq_scratch_bytes;
   k.tile = kq_tile<Type>;
+  return k;
+}
+
+// The K-quants also have the load-time packed layout (matmul_kquant_packed_avx512.h).
+template <int Type>
+MatmulKernel kq_packed_kernel() {
+  MatmulKernel k = kq_kernel<Type>();
+  k.packed_bytes = kq_packed_bytes<Type>;
+  k.pack = kq_pack<Type>;
+  k.packed_tile = kq_packed_tile<Type>;
   return k;
 }
 
@@ -595,14 +607,18 @@ void register_matmul_avx512(KernelTable& t) {
   t.matmul[kQ4_0] = int8_kernel<kQ4_0>();
   for (int type : {kF32, kF16, kBF16}) t.names[std::string("matmul_") + type_name(type)] = "avx512";
   if (kquant_dot_enabled()) {
-    t.matmul[kQ4_K] = kq_kernel<kQ4_K>();
-    t.matmul[kQ6_K] = kq_kernel<kQ6_K>();
+    t.matmul[kQ4_K] = kq_packed_kernel<kQ4_K>();
+    t.matmul[kQ5_K] = kq_packed_kernel<kQ5_K>();
+    t.matmul[kQ6_K] = kq_packed_kernel<kQ6_K>();
     t.names["matmul_q4_k"] = "avx512_vnni";
+    t.names["matmul_q5_k"] = "avx512_vnni";
     t.names["matmul_q6_k"] = "avx512_vnni";
   } else {
     t.matmul[kQ4_K] = float_kernel<kQ4_K>();
+    t.matmul[kQ5_K] = float_kernel<kQ5_K>();
     t.matmul[kQ6_K] = float_kernel<kQ6_K>();
     t.names["matmul_q4_k"] = "avx512";
+    t.names["matmul_q5_k"] = "avx512";
     t.names["matmul_q6_k"] = "avx512";
   }
   t.names["matmul_q8_0"] = "avx512_vnni";

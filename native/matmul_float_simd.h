@@ -1,4 +1,4 @@
-// Float-weight matmul (F32, F16, BF16, and Q4_K / Q6_K decoded to f32) over a vector traits type V. Include
+// Float-weight matmul (F32, F16, BF16, and Q4_K / Q5_K / Q6_K decoded to f32) over a vector traits type V. Include
 // inside an anonymous namespace of the ISA's file, after its traits and ops_simd.h.
 //
 // One register-blocked dot-product kernel serves every M: MR activation rows x NR weight rows of accumulators,
@@ -25,7 +25,7 @@ struct WeightRow {
   }
 };
 
-constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ6_K; }
+constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 // y[MR x NR] = x[MR rows] . w[NR rows]; rows past the tile's end are clamped to its last row (computed, not stored).
 template <class V, int LoadType, int MR, int NR>

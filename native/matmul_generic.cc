@@ -115,10 +115,11 @@ void register_matmul_generic(KernelTable& t) {
   t.matmul[kF16] = float_kernel<kF16>();
   t.matmul[kBF16] = float_kernel<kBF16>();
   t.matmul[kQ4_K] = float_kernel<kQ4_K>();
+  t.matmul[kQ5_K] = float_kernel<kQ5_K>();
   t.matmul[kQ6_K] = float_kernel<kQ6_K>();
   t.matmul[kQ8_0] = int8_kernel(tile_q8_0);
   t.matmul[kQ4_0] = int8_kernel(tile_q4_0);
-  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K}) {
+  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("matmul_") + type_name(type)] = "generic";
   }
 }

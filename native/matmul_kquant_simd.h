@@ -1,24 +1,27 @@
-// Q4_K and Q6_K integer-dot matmul, written once over 256-bit integer intrinsics and included inside the target
+// Q4_K, Q5_K and Q6_K integer-dot matmul, written once over 256-bit integer intrinsics and included inside the target
 // region of matmul_avx2.cc and matmul_avx512.cc (inside their anonymous namespace). The including file defines
 // KQ_DOT16(acc, pairs, scales): acc (8 x int32) += the int16 pairs of `pairs` times the int16 `scales`, summed by
 // pairs; avx2 with VPMADDWD + VPADDD, avx512 with AVX512-VNNI's VPDPWSSD (one instruction, the same exact int32).
 //
 // Activations: one f32 scale per super-block of 256 (amax / 127, round to nearest even, as ggml's Q8_K), 256
 // signed bytes and the 16 sums of its 16-element groups (int16). A K-quant weight is (super-block scale) x (small
-// integer sub-block scale) x (small integer quant) [- (super-block min scale) x (integer min), Q4_K], so with one
+// integer sub-block scale) x (small integer quant) [- (super-block min scale) x (integer min), Q4_K and Q5_K], so with one
 // activation scale per super-block the whole super-block's dot product is integer arithmetic: per 32 bytes
-// VPMADDUBSW (unsigned 4- or 6-bit weight x signed activation, pair sums at most 2 * 63 * 127, never saturating),
+// VPMADDUBSW (unsigned 4-, 5- or 6-bit weight x signed activation, pair sums at most 2 * 63 * 127, never saturating),
 // then KQ_DOT16 with the sub-blocks' scales. A scale per 32 activations (the Q8_0 path's format) would cost a float
 // conversion and multiply per sub-block instead of one per super-block and lane.
 //
-// Per super-block and row the 8 int32 lanes (exact integers) are converted to f32 and added, times (weight scale x
-// activation scale), into 8 f32 lane accumulators with FMA; the Q4_K mins term (dmin x sum of min x group sum) and
-// the Q6_K offset (quants are stored as 0..63 = value + 32, so 32 x scale x group sum is taken off) come from the
-// group sums with one VPMADDWD. The conversion rounds a lane only when it exceeds 2^24 (Q6_K's can reach ~2^25): a
-// relative 2^-24, below the FMA's own rounding. The lanes are summed once at the end of the row by a fixed tree.
-// Every output is one (weight row, activation row) pair computed by the same code in the same order for every M
-// (activation rows only share the weight loads and the scale decoding), so the kernel is batch invariant, and the
-// avx2 and avx512 builds give the same bits.
+// The arithmetic of one output (the rule every Q4_K / Q5_K / Q6_K kernel follows, the load-time packed ones of
+// matmul_kquant_packed_avx512.h included): per super-block, the exact int32 S = sum over sub-blocks of (integer
+// scale x integer dot product) and, for Q4_K / Q5_K, Mn = sum over sub-blocks of (integer min x activation sum of
+// the sub-block); for Q6_K S already has the offset taken off (quants are stored as 0..63 = value + 32, so 32 x
+// scale x group sum is subtracted). Then, super-block by super-block from zero, acc = fma(f32(S), d x da, acc) and
+// acc = fnma(f32(Mn), dmin x da, acc), each one rounding. S needs no more than 2^31 (Q6_K's largest is 256 x 63 x
+// 127 x 127 < 2^28); its conversion rounds only beyond 2^24, a relative 2^-24. Here the 8 int32 lanes of a
+// super-block are summed exactly (integers: order-free) and the float steps are scalar; a packed kernel keeps 16
+// outputs in the lanes of a vector and does the same float steps per lane. Every output is one (weight row,
+// activation row) pair computed by that rule whatever M, so the kernels are batch invariant, and the avx2 and
+// avx512 builds (and the packed layout) give the same bits.
 
 // ---------------------------------------------------------------------------------------------------------------
 // Activations: [K int8][K/16 int16 group sums][K/256 f32 scales]
@@ -28,9 +31,10 @@ size_t kq_act_row_bytes(int64_t K) {
 }
 
 struct KqActRow {
-  const int8_t* q;
-  const int16_t* bsums;
-  const float* d;
+  const int8_t* q = nullptr;
+  const int16_t* bsums = nullptr;
+  const float* d = nullptr;
+  KqActRow() = default;
   KqActRow(const uint8_t* row, int64_t K)
       : q(reinterpret_cast<const int8_t*>(row)),
         bsums(reinterpret_cast<const int16_t*>(row + K)),
@@ -70,11 +74,21 @@ void kq_quantize_act(const float* x, int64_t K, uint8_t* out) {
   }
 }
 
-inline float kq_reduce(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+// The exact sums of the 8 lanes of a and of b.
+inline void kq_hsum2(__m256i a, __m256i b, int32_t* sa, int32_t* sb) {
+  const __m256i h = _mm256_hadd_epi32(a, b);  // a01 a23 b01 b23 | a45 a67 b45 b67
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  s = _mm_hadd_epi32(s, s);
+  *sa = _mm_cvtsi128_si32(s);
+  *sb = _mm_extract_epi32(s, 1);
+}
+
+// acc + f32(s) x scale, one rounding.
+inline __m128 kq_fma(int32_t s, float scale, __m128 acc) {
+  return _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), s), _mm_set_ss(scale), acc);
+}
+inline __m128 kq_fnma(int32_t s, float scale, __m128 acc) {
+  return _mm_fnmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), s), _mm_set_ss(scale), acc);
 }
 
 inline __m256i kq_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -85,15 +99,17 @@ inline __m256i kq_scale_pair(int lo, int hi) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Q4_K: one weight row against MR activation rows.
+// Q4_K and Q5_K (Block = BlockQ5_K: the fifth bit of element l of sub-block s is bit s of qh[l], added as 16 to the
+// nibble): one weight row against MR activation rows.
 
-template <int MR>
+template <int MR, class Block>
 inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float* y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  constexpr bool kFive = sizeof(Block) == sizeof(BlockQ5_K);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  __m128 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const BlockQ4_K* blk = reinterpret_cast<const BlockQ4_K*>(w) + sb;
+    const Block* blk = reinterpret_cast<const Block*>(w) + sb;
     // The 8 scales and 8 mins (6 bits each) of the 12 packed bytes, 4 at a time (q4k_scale_min, bytewise).
     uint32_t words[3];
     std::memcpy(words, blk->scales, 12);
@@ -110,7 +126,13 @@ inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {  // 64 values: low nibbles are sub-block 2g, high nibbles 2g + 1
       const __m256i packed = kq_load(blk->qs + 32 * g);
-      const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      if (kFive) {
+        // Bits 2g and 2g + 1 of each qh byte, moved to bit 4 (16-bit shifts: the bits taken stay in their byte).
+        const __m256i h = _mm256_srli_epi16(kq_load(reinterpret_cast<const BlockQ5_K*>(blk)->qh), 2 * g);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+      }
       const __m256i s_lo = _mm256_set1_epi16(sc[2 * g]), s_hi = _mm256_set1_epi16(sc[2 * g + 1]);
       for (int i = 0; i < MR; ++i) {
         const int8_t* a = act[i].q + 256 * sb + 64 * g;
@@ -124,12 +146,12 @@ inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
     const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(dminh);  // F16C: the bits of fp16_to_fp32
     for (int i = 0; i < MR; ++i) {
       const float da = act[i].d[sb];
-      const __m256i imin = _mm256_madd_epi16(kq_load(act[i].bsums + 16 * sb), mins);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * da), acc[i]);
-      acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_set1_ps(dmin * da), acc[i]);
+      int32_t s, mn;
+      kq_hsum2(isum[i], _mm256_madd_epi16(kq_load(act[i].bsums + 16 * sb), mins), &s, &mn);
+      acc[i] = kq_fnma(mn, dmin * da, kq_fma(s, d * da, acc[i]));
     }
   }
-  for (int i = 0; i < MR; ++i) y[i * ldy] = kq_reduce(acc[i]);
+  for (int i = 0; i < MR; ++i) y[i * ldy] = _mm_cvtss_f32(acc[i]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -138,8 +160,8 @@ inline void q4k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
 template <int MR>
 inline void q6k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float* y, int64_t ldy) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  __m128 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const BlockQ6_K* blk = reinterpret_cast<const BlockQ6_K*>(w) + sb;
     const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk->scales)));
@@ -175,10 +197,12 @@ inline void q6k_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float
     std::memcpy(&dh, &blk->d, 2);
     const float d = _cvtsh_ss(dh);
     for (int i = 0; i < MR; ++i) {
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * act[i].d[sb]), acc[i]);
+      int32_t s, unused;
+      kq_hsum2(isum[i], _mm256_setzero_si256(), &s, &unused);
+      acc[i] = kq_fma(s, d * act[i].d[sb], acc[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) y[i * ldy] = kq_reduce(acc[i]);
+  for (int i = 0; i < MR; ++i) y[i * ldy] = _mm_cvtss_f32(acc[i]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -190,7 +214,9 @@ constexpr int64_t kKqRowBlock = 16;
 template <int MR, int Type>
 inline void kq_row_dots(const uint8_t* w, const KqActRow* act, int64_t K, float* y, int64_t ldy) {
   if (Type == kQ4_K) {
-    q4k_row_dots<MR>(w, act, K, y, ldy);
+    q4k_row_dots<MR, BlockQ4_K>(w, act, K, y, ldy);
+  } else if (Type == kQ5_K) {
+    q4k_row_dots<MR, BlockQ5_K>(w, act, K, y, ldy);
   } else {
     q6k_row_dots<MR>(w, act, K, y, ldy);
   }

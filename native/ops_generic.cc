@@ -124,6 +124,28 @@ void dequantize_q4_k(const uint8_t* src, float* dst, int64_t n) {
   }
 }
 
+// Q5_K: Q4_K's nibbles and scales, plus a fifth bit per element: bit s of qh[l] for element l of sub-block s.
+void dequantize_q5_k(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(src);
+  for (int64_t b = 0; b < n / kQK_K; ++b) {
+    const BlockQ5_K& blk = blocks[b];
+    const float d = fp16_to_fp32(blk.d), dmin = fp16_to_fp32(blk.dmin);
+    float* out = dst + b * kQK_K;
+    for (int g = 0; g < 4; ++g) {
+      uint8_t sc_lo, m_lo, sc_hi, m_hi;
+      q4k_scale_min(2 * g, blk.scales, &sc_lo, &m_lo);
+      q4k_scale_min(2 * g + 1, blk.scales, &sc_hi, &m_hi);
+      const float d_lo = d * sc_lo, min_lo = dmin * m_lo, d_hi = d * sc_hi, min_hi = dmin * m_hi;
+      const uint8_t* q = blk.qs + 32 * g;
+      for (int i = 0; i < 32; ++i) {
+        const int h = blk.qh[i] >> (2 * g);
+        out[64 * g + i] = d_lo * static_cast<float>((q[i] & 0xF) | ((h & 1) << 4)) - min_lo;
+        out[64 * g + 32 + i] = d_hi * static_cast<float>((q[i] >> 4) | ((h & 2) << 3)) - min_hi;
+      }
+    }
+  }
+}
+
 void dequantize_q6_k(const uint8_t* src, float* dst, int64_t n) {
   const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(src);
   for (int64_t b = 0; b < n / kQK_K; ++b) {
@@ -161,6 +183,7 @@ void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n)
     case kQ8_0: return dequantize_q8_0(src, dst, n);
     case kQ4_0: return dequantize_q4_0(src, dst, n);
     case kQ4_K: return dequantize_q4_k(src, dst, n);
+    case kQ5_K: return dequantize_q5_k(src, dst, n);
     case kQ6_K: return dequantize_q6_k(src, dst, n);
     default: break;
   }
@@ -179,9 +202,10 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kQ8_0] = dequantize_q8_0;
   t.dequantize_row[kQ4_0] = dequantize_q4_0;
   t.dequantize_row[kQ4_K] = dequantize_q4_k;
+  t.dequantize_row[kQ5_K] = dequantize_q5_k;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
   for (const char* kind : {"rmsnorm", "add", "swiglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
-  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K}) {
+  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("dequantize_") + type_name(type)] = "generic";
   }
 }

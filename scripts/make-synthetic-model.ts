@@ -1,6 +1,6 @@
 // Writes a synthetic Llama GGUF from a named spec:
 //   node --import tsx scripts/make-synthetic-model.ts <spec-name> <dtype> <out.gguf>
-// spec-name: conduit-synthetic-22m | synthetic-110m; dtype: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K.
+// spec-name: conduit-synthetic-22m | synthetic-110m; dtype: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q5_K Q6_K.
 
 import { renameSync, rmSync, statSync } from 'node:fs';
 import { SYNTHETIC_DTYPES, syntheticSpec, writeSyntheticModel } from '../src/model/synthetic.ts';

@@ -1,6 +1,6 @@
-// Conduit against llama.cpp on the same GGUF files, side by side in one run (bench:peer).
+// Conduit against llama.cpp through node-llama-cpp and its C API on the same GGUF files, side by side in one run
 //
-//   cd benchmarks/peer && npm install --no-audit --no-fund && node --import tsx bench.ts [options]
+//   npm run bench:peer:engines, or: cd benchmarks/peer && npm install --no-audit --no-fund && node --import tsx bench.ts [options]
 //
 // (needs git and g++ for the C API driver, built on first use into build/)
 //   --models Q8_0,F32   which synthetic 110M models (default both; written into the cache on first use)

@@ -8,6 +8,9 @@
 //   Q4_K  (256 elements, 144 bytes): f16 d | f16 dmin | 12 bytes of eight 6-bit scales and eight 6-bit mins |
 //                                   128 bytes of nibbles. Sub-block s (32 elements) has x = d*sc[s]*q - dmin*m[s].
 //                                   Each 64 elements share 32 bytes: low nibbles are the first 32, high the next 32.
+//   Q5_K  (256 elements, 176 bytes): f16 d | f16 dmin | 12 bytes of scales and mins as Q4_K | 32 bytes qh | 128 bytes
+//                                   of nibbles as Q4_K. Element l of sub-block s takes 16 more when bit s of qh[l]
+//                                   is set: x = d*sc[s]*q - dmin*m[s], q in 0..31.
 //   Q6_K  (256 elements, 210 bytes): 128 bytes ql (low 4 bits) | 64 bytes qh (high 2 bits) | 16 x i8 scales | f16 d.
 //                                   Sub-block s (16 elements) has x = d * scales[s] * (q - 32), q in 0..63.
 // The quantizers here pick scales by simple rules (absolute maximum, min/max range), not llama.cpp's error-
@@ -193,6 +196,30 @@ function decodeQ4_K(src: Uint8Array, offset: number, numBlocks: number, out: Flo
   }
 }
 
+function decodeQ5_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+  for (let b = 0; b < numBlocks; b++) {
+    const o = offset + b * 176;
+    const d = halfAt(src, o);
+    const dmin = halfAt(src, o + 2);
+    const scales = o + 4;
+    const qh = o + 16;
+    const qs = o + 48;
+    const y = outOffset + b * 256;
+    for (let pair = 0; pair < 4; pair++) {
+      const [sc0, m0] = q4kScaleMin(src, scales, 2 * pair);
+      const [sc1, m1] = q4kScaleMin(src, scales, 2 * pair + 1);
+      const d0 = d * sc0, min0 = dmin * m0, d1 = d * sc1, min1 = dmin * m1;
+      const q = qs + 32 * pair;
+      const base = y + 64 * pair;
+      for (let l = 0; l < 32; l++) {
+        const byte = src[q + l]!, high = src[qh + l]! >>> (2 * pair);
+        out[base + l] = d0 * ((byte & 0x0f) | ((high & 1) << 4)) - min0;
+        out[base + 32 + l] = d1 * ((byte >>> 4) | ((high & 2) << 3)) - min1;
+      }
+    }
+  }
+}
+
 function decodeQ6_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
   for (let b = 0; b < numBlocks; b++) {
     const o = offset + b * 210;
@@ -231,6 +258,7 @@ const DEQUANTIZERS: ReadonlyMap<GgmlType, BlockDecoder> = new Map<GgmlType, Bloc
   [GgmlType.Q8_0, decodeQ8_0],
   [GgmlType.Q4_0, decodeQ4_0],
   [GgmlType.Q4_K, decodeQ4_K],
+  [GgmlType.Q5_K, decodeQ5_K],
   [GgmlType.Q6_K, decodeQ6_K],
 ]);
 
@@ -342,9 +370,10 @@ function encodeQ4_0(values: Float32Array, offset: number, dst: Uint8Array, dstOf
   }
 }
 
-// Each 32-element sub-block gets range (max - min) / 15 and offset -min (min clamped to <= 0); the eight scales and
-// eight offsets are then quantized to 6 bits against their own maxima (d and dmin).
-function encodeQ4_K(values: Float32Array, offset: number, dst: Uint8Array, dstOffset: number): void {
+// Each 32-element sub-block gets range (max - min) / top and offset -min (min clamped to <= 0), top = 15 (Q4_K) or
+// 31 (Q5_K); the eight scales and eight offsets are then quantized to 6 bits against their own maxima (d and dmin),
+// stored as Q4_K's 12 packed bytes. The levels (0..top) go to scratchLevels.
+function encodeKScalesMins(values: Float32Array, offset: number, top: number, dst: Uint8Array, dstOffset: number): void {
   const subScale = scratchScales;
   const subMin = scratchMins;
   let maxScale = 0, maxMin = 0;
@@ -355,7 +384,7 @@ function encodeQ4_K(values: Float32Array, offset: number, dst: Uint8Array, dstOf
       if (v < lo) lo = v;
       if (v > hi) hi = v;
     }
-    subScale[s] = (hi - lo) / 15;
+    subScale[s] = (hi - lo) / top;
     subMin[s] = -lo;
     if (subScale[s]! > maxScale) maxScale = subScale[s]!;
     if (subMin[s]! > maxMin) maxMin = subMin[s]!;
@@ -384,12 +413,35 @@ function encodeQ4_K(values: Float32Array, offset: number, dst: Uint8Array, dstOf
     const shift = dmin * m[s]!;
     for (let l = 0; l < 32; l++) {
       const i = 32 * s + l;
-      levels[i] = Math.max(0, Math.min(15, Math.round((values[offset + i]! + shift) * inverse)));
+      levels[i] = Math.max(0, Math.min(top, Math.round((values[offset + i]! + shift) * inverse)));
     }
   }
+}
+
+function encodeQ4_K(values: Float32Array, offset: number, dst: Uint8Array, dstOffset: number): void {
+  encodeKScalesMins(values, offset, 15, dst, dstOffset);
+  const levels = scratchLevels;
   const qs = dstOffset + 16;
   for (let pair = 0; pair < 4; pair++) {
     for (let l = 0; l < 32; l++) dst[qs + 32 * pair + l] = levels[64 * pair + l]! | (levels[64 * pair + 32 + l]! << 4);
+  }
+}
+
+// As Q4_K with 32 levels: the low 4 bits as Q4_K's nibbles, bit 4 of sub-block s's element l in bit s of qh[l].
+function encodeQ5_K(values: Float32Array, offset: number, dst: Uint8Array, dstOffset: number): void {
+  encodeKScalesMins(values, offset, 31, dst, dstOffset);
+  const levels = scratchLevels;
+  const qh = dstOffset + 16;
+  const qs = dstOffset + 48;
+  for (let l = 0; l < 32; l++) {
+    let high = 0;
+    for (let s = 0; s < 8; s++) high |= (levels[32 * s + l]! >>> 4) << s;
+    dst[qh + l] = high;
+  }
+  for (let pair = 0; pair < 4; pair++) {
+    for (let l = 0; l < 32; l++) {
+      dst[qs + 32 * pair + l] = (levels[64 * pair + l]! & 0x0f) | ((levels[64 * pair + 32 + l]! & 0x0f) << 4);
+    }
   }
 }
 
@@ -448,6 +500,7 @@ const QUANTIZERS: ReadonlyMap<GgmlType, BlockEncoder> = new Map<GgmlType, BlockE
   [GgmlType.Q8_0, encodeQ8_0],
   [GgmlType.Q4_0, encodeQ4_0],
   [GgmlType.Q4_K, encodeQ4_K],
+  [GgmlType.Q5_K, encodeQ5_K],
   [GgmlType.Q6_K, encodeQ6_K],
 ]);
 

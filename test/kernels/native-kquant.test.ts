@@ -1,4 +1,4 @@
-// Q4_K / Q6_K integer-dot matmuls (kernels avx2_int8, avx512_vnni): every variant this CPU runs, odd shapes, 1 and 2
+// Q4_K / Q5_K / Q6_K integer-dot matmuls (kernels avx2_int8, avx512_vnni): every variant this CPU runs, odd shapes, 1 and 2
 // threads, guard values around the outputs, against the exact product of the decoded weights within a bound derived
 // from the activation quantization and the kernel's float operations (not fitted to observed errors), bit for bit
 // across batch sizes, and bit for bit between the SIMD variants.
@@ -13,7 +13,7 @@ import {
   assertClose, guarded, native, randomArray, referenceMatmul, seeded, skipNative, variants,
 } from './native-harness.ts';
 
-const TYPES = [GgmlType.Q4_K, GgmlType.Q6_K];
+const TYPES = [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K];
 const U = 2 ** -24; // unit roundoff of f32
 
 /** Variants whose matmul for `type` takes 8-bit activations (the generic one decodes to f32: the oracle). */
@@ -24,21 +24,22 @@ function intDotVariants(type: GgmlType): KernelVariant[] {
 
 /**
  * Per weight element, an upper bound of the magnitudes of the integer terms the kernel multiplies and adds before
- * scaling (Q4_K: d * scale * q and dmin * min; Q6_K: d * |scale| * (q + 32) and d * |scale| * 32, q + 32 being the
+ * scaling (Q4_K: d * scale * q and dmin * min, q <= 15; Q5_K the same with q <= 31; Q6_K: d * |scale| * (q + 32) and d * |scale| * 32, q + 32 being the
  * stored 0..63).
  */
 function termMagnitudes(type: GgmlType, w: Uint8Array, elements: number): Float64Array {
   const out = new Float64Array(elements);
   const blocks = elements / 256;
   for (let b = 0; b < blocks; b++) {
-    if (type === GgmlType.Q4_K) {
-      const o = b * 144;
+    if (type === GgmlType.Q4_K || type === GgmlType.Q5_K) {
+      const o = b * (type === GgmlType.Q4_K ? 144 : 176);
+      const top = type === GgmlType.Q4_K ? 15 : 31;
       const d = f16BitsToF32(w[o]! | (w[o + 1]! << 8)), dmin = f16BitsToF32(w[o + 2]! | (w[o + 3]! << 8));
       const s = o + 4;
       for (let j = 0; j < 8; j++) {
         const sc = j < 4 ? w[s + j]! & 63 : (w[s + j + 4]! & 15) | ((w[s + j - 4]! >>> 6) << 4);
         const mn = j < 4 ? w[s + j + 4]! & 63 : (w[s + j + 4]! >>> 4) | ((w[s + j]! >>> 6) << 4);
-        for (let i = 0; i < 32; i++) out[b * 256 + 32 * j + i] = Math.abs(d) * sc * 15 + Math.abs(dmin) * mn;
+        for (let i = 0; i < 32; i++) out[b * 256 + 32 * j + i] = Math.abs(d) * sc * top + Math.abs(dmin) * mn;
       }
     } else {
       const o = b * 210;

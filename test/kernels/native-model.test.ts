@@ -18,6 +18,7 @@ import { nativeBackend, nativeModelSpec, type KernelVariant, type NativeModel } 
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import { kvPoolBytes, type ForwardBatch, type KvDtype, type KvPoolLayout } from '../../src/kernels/types.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { ensureLlamaQuantized, llamaQuantizeMissing } from '../../benchmarks/model-files.ts';
 import {
   assertClose, native, randomArray, roundsBf16Activations, seeded, skipNative, variants,
 } from './native-harness.ts';
@@ -163,7 +164,7 @@ function runReference(config: ModelConfig, weights: ModelWeights, dtype: KvDtype
 
 /** Whether `variant` multiplies K-quant `type` weights with 8-bit activations (kernels avx2_int8, avx512_vnni). */
 function kQuantIntDot(variant: KernelVariant, type: GgmlType): boolean {
-  const kind = `matmul_${type === GgmlType.Q4_K ? 'q4_k' : 'q6_k'}`;
+  const kind = `matmul_${ggmlTypeName(type).toLowerCase()}`;
   return ['avx2_int8', 'avx512_vnni'].includes(native().kernelVariants(variant)[kind] ?? '');
 }
 
@@ -177,7 +178,7 @@ function bound(type: GgmlType, variant: KernelVariant): number {
   if (type === GgmlType.Q8_0 || type === GgmlType.Q4_0) return int8Activations;
   // K-quants on 8-bit activations with one scale per 256 values instead of 32: the rounding's mean square grows with
   // the square of the block's largest magnitude, E[max^2] of 256 |N(0,1)| values over that of 32 (9.40 / 5.71).
-  if ((type === GgmlType.Q4_K || type === GgmlType.Q6_K) && kQuantIntDot(variant, type)) {
+  if ([GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K].includes(type) && kQuantIntDot(variant, type)) {
     return int8Activations * (9.40 / 5.71);
   }
   if (type === GgmlType.BF16 && roundsBf16Activations(variant)) {
@@ -200,6 +201,7 @@ const MODELS: { name: string; kv: KvDtype; options: ModelOptions }[] = [
     ropeScaling: { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 64 },
   } },
   { name: 'Q4_K, partial RoPE', kv: 'f16', options: { type: GgmlType.Q4_K, edgeType: GgmlType.Q6_K, ropeDim: 32, ffnDim: 256 } },
+  { name: 'Q5_K with Q6_K edges', kv: 'f16', options: { type: GgmlType.Q5_K, edgeType: GgmlType.Q6_K, ffnDim: 256 } },
   { name: 'Q6_K, linear RoPE scaling', kv: 'f32',
     options: { type: GgmlType.Q6_K, ffnDim: 256, ropeScaling: { type: 'linear', factor: 2 } } },
 ];
@@ -221,8 +223,9 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
   });
 
   // Models written to GGUF by the project's writer (src/model/synthetic.ts: tied embeddings, the real 32000-token
-  // vocabulary) and read back by the loader: Q4_K and Q6_K matmuls on every variant, packed and ggml-row weights.
-  for (const dtype of ['Q4_K', 'Q6_K'] as const) {
+  // vocabulary) and read back by the loader: Q4_K, Q5_K and Q6_K matmuls on every variant, packed and ggml-row
+  // weights.
+  for (const dtype of ['Q4_K', 'Q5_K', 'Q6_K'] as const) {
     it(`synthetic ${dtype} GGUF from the writer: native == reference, packed or not, 1 or 2 threads`, async () => {
       const dir = mkdtempSync(join(tmpdir(), 'conduit-kquant-model-'));
       try {
@@ -232,7 +235,7 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
           contextLength: 256, dtype, seed: 19, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
         }, path);
         const { config, weights } = await loadModel(path);
-        assert.equal(weights.layers[0]!.wq.type, dtype === 'Q4_K' ? GgmlType.Q4_K : GgmlType.Q6_K);
+        assert.equal(weights.layers[0]!.wq.type, GgmlType[dtype]);
         const steps = makeSteps(5).map((b) => ({ ...b, tokenIds: b.tokenIds.map((t) => (t * 101) % config.vocabSize) }));
         const expected = runReference(config, weights, 'f16', steps);
         for (const variant of variants) {
@@ -246,6 +249,37 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
         rmSync(dir, { recursive: true, force: true });
       }
     });
+  }
+
+  // The same from files llama.cpp's llama-quantize made (its own scale search and type mix: Q4_K_M and Q5_K_M put
+  // Q6_K in some layers and the output), from an F32 model the writer made. Needs the llama.cpp build
+  // (scripts/build-llama-cpp.sh, or CONDUIT_LLAMA_CPP_BIN).
+  const quantizeMissing = llamaQuantizeMissing();
+  for (const type of ['Q4_K_M', 'Q5_K_M', 'Q6_K'] as const) {
+    it(`synthetic ${type} GGUF from llama-quantize: native == reference, packed or not`,
+      { skip: quantizeMissing ? `llama-quantize unavailable: ${quantizeMissing}` : false }, async () => {
+        const dir = mkdtempSync(join(tmpdir(), 'conduit-llama-quantize-'));
+        try {
+          const f32 = join(dir, 'synthetic-llq-F32.gguf');
+          writeSyntheticModel({
+            name: 'synthetic-llq', dim: 256, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 512,
+            contextLength: 256, dtype: 'F32', seed: 23, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+          }, f32);
+          const { config, weights } = await loadModel(ensureLlamaQuantized(f32, type));
+          const main = type === 'Q4_K_M' ? GgmlType.Q4_K : type === 'Q5_K_M' ? GgmlType.Q5_K : GgmlType.Q6_K;
+          assert.equal(weights.layers[0]!.wq.type, main, `${type}: attn_q`);
+          const steps = makeSteps(5).map((b) => ({ ...b, tokenIds: b.tokenIds.map((t) => (t * 101) % config.vocabSize) }));
+          const expected = runReference(config, weights, 'f16', steps);
+          for (const variant of variants) {
+            const packed = runNative(config, weights, 'f16', variant, 2, steps);
+            packed.forEach((logits, s) => assertClose(logits, expected[s]!, bound(main, variant), `${type} ${variant} step ${s}`));
+            assert.deepEqual(runNative(config, weights, 'f16', variant, 1, steps, false), packed,
+              `${type} ${variant}: ggml rows on 1 thread differ from packed on 2`);
+          }
+        } finally {
+          rmSync(dir, { recursive: true, force: true });
+        }
+      });
   }
 
   it('logits are identical for 1, 2 and 3 threads', () => {

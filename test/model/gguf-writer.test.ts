@@ -89,7 +89,8 @@ describe('GGUF metadata round trip', () => {
 // ---------------------------------------------------------------------------------------------------------------
 describe('GGUF tensor round trip', () => {
   const random = new SeededRandom(3);
-  const types = [GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q6_K];
+  const types = [GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K,
+    GgmlType.Q6_K];
   const tensors: GgufTensorToWrite[] = types.map((type, i) => {
     const shape = [256, 3];
     const values = new Float32Array(768).map(() => random.normal());

@@ -98,9 +98,9 @@ describe('GGUF models written here', () => {
     const path = tempPath();
     const dims = { ...TINY_DIMS, dim: 256 };
     writeTinyGguf(path, makeTinyModel(dims), {
-      tensors: { 'blk.1.ffn_up.weight': { name: 'blk.1.ffn_up.weight', type: GgmlType.Q5_K, shape: [256, 64], data: new Uint8Array(176 * 64) } },
+      tensors: { 'blk.1.ffn_up.weight': { name: 'blk.1.ffn_up.weight', type: GgmlType.Q3_K, shape: [256, 64], data: new Uint8Array(110 * 64) } },
     });
-    await assert.rejects(loadModel(path), /tensor blk\.1\.ffn_up\.weight has type Q5_K, which Conduit cannot compute with/);
+    await assert.rejects(loadModel(path), /tensor blk\.1\.ffn_up\.weight has type Q3_K, which Conduit cannot compute with/);
   });
 
   it('names the tensor whose shape disagrees with the config', async () => {

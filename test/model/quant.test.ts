@@ -143,6 +143,29 @@ describe('dequantization of hand-made blocks', () => {
     assert.deepEqual(plain(out), plain(expected));
   });
 
+  it('Q5_K: Q4_K scales and nibbles, the fifth bit of sub-block s in bit s of qh', () => {
+    const block = new Uint8Array(176);
+    block[0] = 0x00; block[1] = 0x3c; // d = 1
+    block[2] = 0x00; block[3] = 0x38; // dmin = 0.5
+    const scales = block.subarray(4, 16);
+    scales[0] = 2; scales[4] = 4; // sub-block 0: scale 2, min 4
+    scales[9] = 0x01 | (0x02 << 4); scales[1] = 0b10 << 6; scales[5] = 0b11 << 6; // sub-block 5: scale 33, min 50
+    const qh = block.subarray(16, 48);
+    const qs = block.subarray(48);
+    qs[0] = 0x07; qh[0] = 0b1; // element 0 (sub-block 0, low nibble, bit 0 of qh[0]) = 7 + 16
+    qs[64 + 3] = 0x30; qh[3] = 0b10_0000; // element 163 (sub-block 5: high nibbles of bytes 64..95, bit 5) = 3 + 16
+    qh[4] = 0b1_0000; // element 132 (sub-block 4: low nibbles of bytes 64..95, bit 4) = 0 + 16
+    const out = dequantizeTensor(tensor(GgmlType.Q5_K, [256], block));
+    const expected = new Float32Array(256);
+    for (let i = 0; i < 32; i++) expected[i] = -0.5 * 4;
+    expected[0] = 1 * 2 * 23 - 0.5 * 4;
+    for (let i = 160; i < 192; i++) expected[i] = -0.5 * 50;
+    expected[163] = 1 * 33 * 19 - 0.5 * 50;
+    // Sub-block 4 has scale and min 0 (byte 8 is 0): its fifth bit still decodes to 0.
+    expected[132] = 0;
+    assert.deepEqual(plain(out), plain(expected));
+  });
+
   it('Q6_K: ql low/high nibbles, qh 2-bit pairs, int8 scales per 16 elements', () => {
     const block = new Uint8Array(210);
     block[208] = 0x00; block[209] = 0x34; // d = 0.25
@@ -175,8 +198,8 @@ describe('dequantization of hand-made blocks', () => {
   });
 
   it('names unsupported types', () => {
-    assert.throws(() => dequantizeTensor(tensor(GgmlType.Q5_K, [256], new Uint8Array(176))), (e: Error) =>
-      e instanceof UnsupportedTypeError && /Q5_K/.test(e.message) && /tensor test.weight/.test(e.message));
+    assert.throws(() => dequantizeTensor(tensor(GgmlType.Q3_K, [256], new Uint8Array(110))), (e: Error) =>
+      e instanceof UnsupportedTypeError && /Q3_K/.test(e.message) && /tensor test.weight/.test(e.message));
     assert.throws(() => quantize(GgmlType.Q2_K, new Float32Array(256)), /Q2_K is not supported/);
     assert.throws(() => dequantize(GgmlType.Q8_0, new Uint8Array(33), 32, new Float32Array(32)), /need 34 bytes/);
   });
@@ -212,10 +235,11 @@ describe('quantize -> dequantize', () => {
   // The largest magnitude maps to -8 * d; its opposite can only reach 7 * d, one full step away.
   it('Q4_0 within one step of amax/8', () => checkBound(GgmlType.Q4_0, 32, (b) => (amax(b) / 8) * 1.01));
   it('Q4_K within one step of the super-block range / 15', () => checkBound(GgmlType.Q4_K, 256, (b) => range(b) / 15));
+  it('Q5_K within one step of the super-block range / 31', () => checkBound(GgmlType.Q5_K, 256, (b) => range(b) / 31));
   it('Q6_K within one step of amax/31', () => checkBound(GgmlType.Q6_K, 256, (b) => amax(b) / 31));
 
   it('quantizes an all-zero block to zeros', () => {
-    for (const type of [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q6_K]) {
+    for (const type of [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K]) {
       const out = new Float32Array(256);
       dequantize(type, quantize(type, new Float32Array(256)), 256, out);
       assert.ok(out.every((v) => v === 0), GgmlType[type]);

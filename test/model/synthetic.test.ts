@@ -113,7 +113,7 @@ describe('writeSyntheticModel', () => {
   it('rejects inconsistent specs and unknown names', () => {
     assert.throws(() => writeSyntheticModel({ ...small, numKvHeads: 3 }, join(dir, 'x.gguf')), /not a multiple of numKvHeads 3/);
     assert.throws(() => syntheticSpec('nope'), /unknown synthetic model "nope"/);
-    assert.throws(() => syntheticSpec(BUILTIN_MODEL_NAME, 'Q5_K'), /unknown dtype "Q5_K"/);
+    assert.throws(() => syntheticSpec(BUILTIN_MODEL_NAME, 'Q3_K'), /unknown dtype "Q3_K"/);
     assert.equal(syntheticSpec('synthetic-110m', 'Q8_0').dtype, SYNTHETIC_110M_Q8_0.dtype);
   });
 });

@@ -1,0 +1,268 @@
+// Conduit served over HTTP against llama.cpp built natively on this machine (`llama-bench`), on the GGUFs people
+// download: Q8_0, Q4_K_M, Q5_K_M and Q6_K files made by llama.cpp's own `llama-quantize` from the F32 synthetic 110M
+// Llama (dim 768, 12 layers, 12 / 4 heads, FFN 2048, vocabulary 32000, written by Conduit's GGUF writer with a
+// context length of 16384), plus decode at long context. The default table of `npm run bench:peer`.
+//
+//   node --import tsx benchmarks/peer/native.ts [options]
+//     --types Q8_0,Q4_K_M,Q5_K_M,Q6_K   files to compare (llama-quantize type names)
+//     --contexts 4096                   decode rows at these context lengths (tokens already in the sequence)
+//     --runs 3                          rounds; each round measures every figure on both engines, order alternating
+//     --threads 2                       compute threads of both engines
+//     --llama-bin DIR                   llama.cpp binaries (default: CONDUIT_LLAMA_CPP_BIN, else
+//                                       benchmarks/peer/llama.cpp/build/bin as scripts/build-llama-cpp.sh leaves them)
+//     --json FILE                       every sample as JSON
+//
+// llama.cpp: `llama-bench -t THREADS -fa 0,1` per round: pp512 (prefill of 512 tokens), tg128 (decode of 128 from an
+// empty context) and tg64 at depth N (decode of 64 tokens after N tokens of context); a round's figure is the better
+// of flash attention off and on. Conduit: `conduit serve` on 127.0.0.1 (f16 KV, THREADS threads), /v1/completions
+// streaming with token-id prompts (fresh each time, so no prefix-cache hit): prefill = 512 / time to the first
+// token of a 512-token prompt with max_tokens 1; decode = (tokens - 1) / (last token - first token) of 128 tokens
+// after a 16-token prompt; context N = the same over 64 tokens after an N-token prompt. Figures are medians over
+// rounds; ratios are Conduit / llama.cpp medians. The memory bandwidth (the addon's STREAM-like read, THREADS
+// threads) is read before every round; the decode roofline is the best reading over the weight bytes one decode
+// step reads (every matrix, the output projection included).
+import { execFileSync, spawn, type ChildProcess } from 'node:child_process';
+import { existsSync, mkdirSync, statSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { parseArgs } from 'node:util';
+
+import { loadNativeAddon } from '../../src/kernels/native.ts';
+import { loadModel } from '../../src/model/loader.ts';
+import { ensureSyntheticModel } from '../../src/model/synthetic.ts';
+import { benchModelDir, ensureLlamaQuantized, llamaCppBinDir, LONG_CONTEXT_110M } from '../model-files.ts';
+import { decodeWeightBytes } from './conduit-runner.ts';
+import { loadLine, minMedMax, num, promptTokens, summarize, table } from './harness.ts';
+
+const REPO = fileURLToPath(new URL('../../', import.meta.url));
+
+const { values: args } = parseArgs({
+  options: {
+    types: { type: 'string', default: 'Q8_0,Q4_K_M,Q5_K_M,Q6_K' },
+    contexts: { type: 'string', default: '4096' },
+    runs: { type: 'string', default: '3' },
+    threads: { type: 'string', default: '2' },
+    'llama-bin': { type: 'string' },
+    json: { type: 'string' },
+  },
+});
+
+const TYPES = args.types.split(',').map((t) => t.trim()).filter(Boolean);
+const CONTEXTS = args.contexts.split(',').map(Number).filter((n) => n > 0);
+const RUNS = Number(args.runs);
+const THREADS = Number(args.threads);
+const PROMPT = 512;
+const DECODE = 128;
+const DECODE_SHORT_PROMPT = 16;
+const CONTEXT_DECODE = 64;
+const LLAMA_BIN = args['llama-bin'] ? resolve(args['llama-bin']) : llamaCppBinDir();
+
+// ---------------------------------------------------------------------------------------------------------------
+// llama.cpp: llama-bench
+
+interface LlamaBenchRow {
+  n_prompt: number;
+  n_gen: number;
+  n_depth?: number;
+  flash_attn: boolean | number;
+  avg_ts: number;
+}
+
+/** One llama-bench run: figure -> best tok/s over flash attention off and on. */
+function llamaBench(model: string): Record<string, number> {
+  const run = (extra: string[]): LlamaBenchRow[] => JSON.parse(execFileSync(join(LLAMA_BIN, 'llama-bench'),
+    ['-m', model, '-t', String(THREADS), '-fa', '0,1', '-r', '1', '-o', 'json', ...extra],
+    { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'], maxBuffer: 1 << 24 })) as LlamaBenchRow[];
+  const out: Record<string, number> = {};
+  const keep = (key: string, value: number) => { out[key] = Math.max(out[key] ?? 0, value); };
+  for (const row of run(['-p', String(PROMPT), '-n', String(DECODE)])) {
+    keep(row.n_prompt > 0 ? 'prefill' : 'decode', row.avg_ts);
+  }
+  for (const context of CONTEXTS) {
+    for (const row of run(['-p', '0', '-n', String(CONTEXT_DECODE), '-d', String(context)])) keep(`ctx${context}`, row.avg_ts);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Conduit: `conduit serve`, measured through /v1/completions
+
+function freePort(): Promise<number> {
+  return new Promise((resolvePort, reject) => {
+    const server = createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as { port: number };
+      server.close(() => resolvePort(port));
+    });
+  });
+}
+
+class ConduitServer {
+  private constructor(private readonly child: ChildProcess, readonly url: string) {}
+
+  static async start(model: string): Promise<ConduitServer> {
+    const port = await freePort();
+    const child = spawn(process.execPath, [join(REPO, 'bin/conduit.js'), 'serve', '--model', model, '--port', String(port),
+      '--threads', String(THREADS), '--kv-cache-memory', '640MiB', '--no-request-log', '--log-level', 'warn'],
+    { stdio: ['ignore', 'ignore', 'inherit'], cwd: REPO });
+    const server = new ConduitServer(child, `http://127.0.0.1:${port}`);
+    const deadline = performance.now() + 180_000;
+    for (;;) {
+      if (child.exitCode !== null) throw new Error(`conduit serve exited with ${child.exitCode}`);
+      try {
+        if ((await fetch(`${server.url}/health`)).status === 200) return server;
+      } catch { /* not listening yet */ }
+      if (performance.now() > deadline) {
+        await server.close();
+        throw new Error('conduit serve did not become healthy within 180 s');
+      }
+      await new Promise((r) => setTimeout(r, 250));
+    }
+  }
+
+  /** Streams one completion; returns when each token event arrived (ms from submission) and the token count. */
+  async complete(prompt: number[], maxTokens: number): Promise<{ eventMs: number[]; tokens: number }> {
+    const started = performance.now();
+    const response = await fetch(`${this.url}/v1/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify({ prompt, max_tokens: maxTokens, stream: true, ignore_eos: true, temperature: 0,
+        stream_options: { include_usage: true } }),
+    });
+    if (!response.ok || !response.body) throw new Error(`completion failed: ${response.status} ${await response.text()}`);
+    const eventMs: number[] = [];
+    let tokens = 0;
+    let buffered = '';
+    const decoder = new TextDecoder();
+    for await (const chunk of response.body) {
+      const now = performance.now() - started;
+      buffered += decoder.decode(chunk as Uint8Array, { stream: true });
+      let end: number;
+      while ((end = buffered.indexOf('\n\n')) >= 0) {
+        const event = buffered.slice(0, end);
+        buffered = buffered.slice(end + 2);
+        if (!event.startsWith('data: ') || event === 'data: [DONE]') continue;
+        const body = JSON.parse(event.slice(6)) as { choices?: unknown[]; usage?: { completion_tokens: number } };
+        if (body.usage) tokens = body.usage.completion_tokens;
+        if (body.choices && body.choices.length > 0) eventMs.push(now);
+      }
+    }
+    if (tokens !== maxTokens) throw new Error(`asked for ${maxTokens} tokens, got ${tokens}`);
+    return { eventMs, tokens };
+  }
+
+  async close(): Promise<void> {
+    if (this.child.exitCode !== null) return;
+    const exited = new Promise((r) => this.child.once('exit', r));
+    this.child.kill('SIGTERM');
+    await exited;
+  }
+}
+
+let nextSeed = 1;
+
+/** One round of Conduit's figures: figure -> tok/s. */
+async function conduitRound(server: ConduitServer): Promise<Record<string, number>> {
+  const out: Record<string, number> = {};
+  const prefill = await server.complete(promptTokens(nextSeed++, PROMPT), 1);
+  out.prefill = PROMPT / (prefill.eventMs[0]! / 1000);
+  const rate = (r: { eventMs: number[]; tokens: number }) => (r.tokens - 1) / ((r.eventMs.at(-1)! - r.eventMs[0]!) / 1000);
+  out.decode = rate(await server.complete(promptTokens(nextSeed++, DECODE_SHORT_PROMPT), DECODE));
+  for (const context of CONTEXTS) {
+    out[`ctx${context}`] = rate(await server.complete(promptTokens(nextSeed++, context), CONTEXT_DECODE + 1));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+interface TypeResults {
+  type: string;
+  path: string;
+  fileMB: number;
+  decodeBytes: number;
+  conduit: Record<string, number[]>;
+  llama: Record<string, number[]>;
+  loadBefore: string;
+  loadAfter: string;
+}
+
+const FIGURES = [
+  { key: 'prefill', label: `prefill ${PROMPT}`, target: 1.2 },
+  { key: 'decode', label: `decode ${DECODE}`, target: 1.1 },
+  ...CONTEXTS.map((c) => ({ key: `ctx${c}`, label: `decode ${CONTEXT_DECODE} at ${c} context`, target: c >= 16384 ? 1.0 : 1.1 })),
+];
+
+const bandwidth: number[] = [];
+function readBandwidth(): void {
+  bandwidth.push(loadNativeAddon().bench.memoryBandwidth('read', 256 << 20, 5, THREADS));
+}
+
+if (!existsSync(join(LLAMA_BIN, 'llama-bench')) || !existsSync(join(LLAMA_BIN, 'llama-quantize'))) {
+  console.error(`llama.cpp binaries not found in ${LLAMA_BIN}: run scripts/build-llama-cpp.sh or pass --llama-bin`);
+  process.exit(2);
+}
+const cpu = loadNativeAddon().cpuInfo();
+console.log(`# Conduit (HTTP) vs llama.cpp native (llama-bench), ${new Date().toISOString()}, node ${process.version}`);
+console.log(`CPU: ${cpu.defaultThreads} cores, best kernel variant ${cpu.bestVariant}${cpu.avx512vnni ? ', AVX-512 VNNI' : ''}; ` +
+  `${THREADS} threads per engine; llama.cpp ${LLAMA_BIN}; ${loadLine()}`);
+const dir = benchModelDir();
+mkdirSync(dir, { recursive: true });
+const f32 = await ensureSyntheticModel(LONG_CONTEXT_110M, dir);
+const results: TypeResults[] = [];
+for (const type of TYPES) {
+  const path = ensureLlamaQuantized(f32, type, LLAMA_BIN, THREADS);
+  const model = await loadModel(path);
+  const r: TypeResults = { type, path, fileMB: statSync(path).size / 1e6, decodeBytes: decodeWeightBytes(model), conduit: {},
+    llama: {}, loadBefore: loadLine(), loadAfter: '' };
+  process.stderr.write(`${type}: ${path} (${r.fileMB.toFixed(1)} MB), ${r.loadBefore}\n`);
+  const server = await ConduitServer.start(path);
+  try {
+    await server.complete(promptTokens(nextSeed++, 64), 8); // warm-up: page faults, scratch buffers, JIT
+    for (let round = 0; round < RUNS; round++) {
+      readBandwidth();
+      const order = round % 2 === 0 ? ['conduit', 'llama'] as const : ['llama', 'conduit'] as const;
+      for (const engine of order) {
+        const figures = engine === 'conduit' ? await conduitRound(server) : llamaBench(path);
+        for (const [key, value] of Object.entries(figures)) (r[engine][key] ??= []).push(value);
+        process.stderr.write(`  ${type} round ${round + 1} ${engine}: ${Object.entries(figures).map(([k, v]) => `${k} ${num(v)}`).join(', ')}\n`);
+      }
+    }
+  } finally {
+    await server.close();
+  }
+  r.loadAfter = loadLine();
+  results.push(r);
+}
+readBandwidth();
+
+const reads = summarize(bandwidth);
+console.log(`\nMemory bandwidth (read, ${THREADS} threads, ${reads.n} readings): min/median/max ${minMedMax(reads)} GB/s; ` +
+  'the roofline takes the best reading');
+const median = (values: number[] | undefined): number => (values ? summarize(values).median : NaN);
+const ratio = (a: number, b: number): string => (Number.isFinite(a) && Number.isFinite(b) && b > 0 ? `${(a / b).toFixed(2)}x` : '-');
+const rows: string[][] = [];
+for (const r of results) {
+  for (const f of FIGURES) {
+    const c = median(r.conduit[f.key]), l = median(r.llama[f.key]);
+    rows.push([`${r.type} ${f.label}`, minMedMax(summarize(r.conduit[f.key] ?? [])), minMedMax(summarize(r.llama[f.key] ?? [])),
+      ratio(c, l), `${f.target}x ${c / l >= f.target ? 'met' : 'NOT met'}`]);
+  }
+}
+console.log(`\ntok/s, min/median/max of ${RUNS} rounds; ratio = Conduit median / llama.cpp median`);
+console.log(table(['figure', 'Conduit (HTTP)', 'llama.cpp native (best of fa off/on)', 'ratio', 'target'], rows));
+console.log(`\nDecode roofline: weight bytes per decode step at the best read bandwidth (${reads.max.toFixed(1)} GB/s)`);
+console.log(table(['file', 'MB', 'decode MB/token', 'roofline tok/s', 'Conduit decode', '% roofline', 'llama.cpp decode', '% roofline'],
+  results.map((r) => {
+    const roof = (reads.max * 1e9) / r.decodeBytes;
+    const c = median(r.conduit.decode), l = median(r.llama.decode);
+    return [r.type, r.fileMB.toFixed(1), (r.decodeBytes / 1e6).toFixed(1), roof.toFixed(0), num(c), `${((c / roof) * 100).toFixed(0)}%`,
+      num(l), `${((l / roof) * 100).toFixed(0)}%`];
+  })));
+console.log(`\n${results.map((r) => `${r.type}: ${r.loadBefore} before, ${r.loadAfter} after`).join('\n')}`);
+
+if (args.json) {
+  writeFileSync(args.json, JSON.stringify({ date: new Date().toISOString(), threads: THREADS, runs: RUNS, cpu,
+    bandwidthGBs: bandwidth, results }, null, 2));
+}

@@ -1,0 +1,280 @@
+// Load-time packed Q4_K / Q5_K / Q6_K for AVX512-VNNI, included inside matmul_avx512.cc's target region after
+// matmul_kquant_simd.h (whose activation format and arithmetic rule it shares).
+//
+// Layout: slabs of 32 weight rows (kPackedPanelRows), two halves of 16; per super-block of 256 columns, in order:
+//   quants: for each pair p (0..3) of sub-blocks and each dword i (0..7) of the pair's 32 ggml nibble bytes, the
+//           vector of rows 0-15 (lane r = dword i of row r: the low nibbles are elements 64p + 4i .. + 3 of
+//           sub-block 2p, the high nibbles elements 64p + 32 + 4i .. + 3 of sub-block 2p + 1), then rows 16-31;
+//           4096 bytes
+//   Q5_K only, fifth bits: for each dword i of the 32 qh bytes, the vector of rows 0-15 then 16-31 (bit 2p / 2p + 1
+//           of byte t of lane r: element 4i + t of sub-blocks 2p / 2p + 1); 1024 bytes
+//   the 8 sub-block scales, one byte per row: [sub-block][row 0..31]; 256 bytes; then the 8 mins likewise; 256 bytes
+//   d then dmin of the 32 rows in f16; 128 bytes
+// 148 bytes per row and super-block for Q4_K (ggml: 144), 180 for Q5_K (176).
+// Q6_K, per super-block: for each half h2 (0, 1) of the 256 columns, each 32-byte run c (0, 1) of the half's 64 ql
+// bytes and each dword i (0..7) of the run, the vector of rows 0-15 then 16-31 (low nibbles: elements 128 h2 + 32 c
+// + 4i .. + 3, high nibbles: the same + 64), 4096 bytes; for each h2 and dword i of the half's 32 qh bytes, rows
+// 0-15 then 16-31 (bit pair k of byte t: element 128 h2 + 32 k + 4i + t), 2048 bytes; the 16 int8 scales,
+// [group][row 0..31], 512 bytes; d of the 32 rows in f16, 64 bytes: 210 bytes per row and super-block, as ggml.
+// Every line is read once, in address order, by the microkernel: one stream per thread, as the Q8_0 slabs.
+//
+// The microkernel takes MR activation rows x 32 weight rows: per dword of a sub-block pair, VPDPBUSD of the
+// unsigned 4- or 5-bit quants of 16 rows with the broadcast 4 activation bytes advances 16 sub-block dot products
+// by 4 multiply-adds (the ggml-row kernel's VPMADDUBSW + VPMADDWD take two instructions for 32 multiply-adds of one
+// row); the sub-block dot products are multiplied by the rows' integer scales (VPMULLD) into the exact super-block
+// sum S, the mins against the activation sums of the sub-blocks into Mn, and per super-block the float steps of
+// the rule in matmul_kquant_simd.h run on 16 lanes at once: the bits of the ggml-row kernel for every output.
+
+template <int Type>
+constexpr size_t kq_slab_block_bytes() {
+  return Type == kQ6_K ? 4096 + 2048 + 512 + 64 : (Type == kQ5_K ? 4096 + 1024 : 4096) + 256 + 256 + 128;
+}
+
+void q6k_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t slab_end, uint8_t* out) {
+  constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
+  const int64_t nsb = K / 256;
+  const size_t row_bytes_ = static_cast<size_t>(nsb) * sizeof(BlockQ6_K);
+  for (int64_t slab = slab_begin; slab < slab_end; ++slab) {
+    uint8_t* dst = out + static_cast<size_t>(slab) * nsb * kBlock;
+    for (int64_t sb = 0; sb < nsb; ++sb, dst += kBlock) {
+      std::memset(dst, 0, kBlock);
+      for (int r = 0; r < kPackedPanelRows; ++r) {
+        const int64_t row = slab * kPackedPanelRows + r;
+        if (row >= N) break;
+        const BlockQ6_K* blk = reinterpret_cast<const BlockQ6_K*>(w + row * row_bytes_) + sb;
+        const size_t lane = 64 * (r / 16) + 4 * (r % 16);
+        for (int h2 = 0; h2 < 2; ++h2) {
+          for (int c = 0; c < 2; ++c) {
+            for (int i = 0; i < 8; ++i) {
+              std::memcpy(dst + 128 * (16 * h2 + 8 * c + i) + lane, blk->ql + 64 * h2 + 32 * c + 4 * i, 4);
+            }
+          }
+          for (int i = 0; i < 8; ++i) std::memcpy(dst + 4096 + 128 * (8 * h2 + i) + lane, blk->qh + 32 * h2 + 4 * i, 4);
+        }
+        for (int g = 0; g < 16; ++g) dst[6144 + 32 * g + r] = static_cast<uint8_t>(blk->scales[g]);
+        std::memcpy(dst + 6656 + 2 * r, &blk->d, 2);
+      }
+    }
+  }
+}
+
+// Q6_K: MR activation rows x the 32 rows of one slab. Each 16-element group's dot product starts from -32 x the
+// group's activation sum (the stored quants are value + 32), so times the group's scale it is the group's exact
+// share of S.
+// (Unrolled by pragma: measured 11% less CPU time per prefill matmul than the compiler's own choice. The same
+// pragmas on the Q4_K / Q5_K microkernel cost it 30-45%.)
+template <int MR>
+inline void q6k_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
+                                   int64_t ldy, int64_t cols) {
+  constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
+  const int64_t nsb = K / 256;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  __m512 acc[MR][2];
+  KqActRow rows[MR];
+  #pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    rows[i] = KqActRow(act + i * act_stride, K);
+    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  }
+  for (int64_t sb = 0; sb < nsb; ++sb, slab += kBlock) {
+    #pragma GCC unroll 8
+    for (int h = 0; h < 2; ++h) {
+      __m512i s[MR];
+      #pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
+      #pragma GCC unroll 8
+      for (int h2 = 0; h2 < 2; ++h2) {
+        #pragma GCC unroll 8
+        for (int c = 0; c < 2; ++c) {
+          // Elements k = c (low nibbles) and k = c + 2 (high nibbles) of the half: groups 8 h2 + 2k + (0, 1).
+          __m512i dot[MR][4];
+          #pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            #pragma GCC unroll 8
+            for (int u = 0; u < 4; ++u) {
+              const int g = 8 * h2 + 2 * (c + 2 * (u / 2)) + (u % 2);
+              dot[i][u] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g]);
+            }
+          }
+          #pragma GCC unroll 8
+          for (int q = 0; q < 8; ++q) {
+            const __m512i x = _mm512_load_si512(slab + 128 * (16 * h2 + 8 * c + q) + 64 * h);
+            const __m512i bits = _mm512_load_si512(slab + 4096 + 128 * (8 * h2 + q) + 64 * h);
+            const __m512i lo = _mm512_or_si512(
+                _mm512_and_si512(x, low4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), low2), 4));
+            const __m512i hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 4), low2), 4));
+            #pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+              const int8_t* a = rows[i].q + 256 * sb + 128 * h2 + 32 * c + 4 * q;
+              int32_t a_lo, a_hi;
+              std::memcpy(&a_lo, a, 4);
+              std::memcpy(&a_hi, a + 64, 4);
+              dot[i][q / 4] = _mm512_dpbusd_epi32(dot[i][q / 4], lo, _mm512_set1_epi32(a_lo));
+              dot[i][2 + q / 4] = _mm512_dpbusd_epi32(dot[i][2 + q / 4], hi, _mm512_set1_epi32(a_hi));
+            }
+          }
+          #pragma GCC unroll 8
+          for (int u = 0; u < 4; ++u) {
+            const int g = 8 * h2 + 2 * (c + 2 * (u / 2)) + (u % 2);
+            const __m512i sc = _mm512_cvtepi8_epi32(
+                _mm_load_si128(reinterpret_cast<const __m128i*>(slab + 6144 + 32 * g + 16 * h)));
+            #pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) s[i] = _mm512_add_epi32(s[i], _mm512_mullo_epi32(dot[i][u], sc));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + 6656 + 32 * h)));
+      #pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[sb])), acc[i][h]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    Avx512::store_partial(y + i * ldy, acc[i][0], cols);
+    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, acc[i][1], cols - 16);
+  }
+}
+
+template <int Type>
+size_t kq_packed_bytes(int64_t N, int64_t K) {
+  return static_cast<size_t>(packed_panel_count(N)) * static_cast<size_t>(K / 256) * kq_slab_block_bytes<Type>();
+}
+
+template <int Type>
+void kq_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t slab_end, uint8_t* out) {
+  if (Type == kQ6_K) return q6k_pack(w, N, K, slab_begin, slab_end, out);
+  using Block = typename std::conditional<Type == kQ5_K, BlockQ5_K, BlockQ4_K>::type;
+  constexpr size_t kBlock = kq_slab_block_bytes<Type>();
+  constexpr size_t kScales = Type == kQ5_K ? 5120 : 4096;
+  const int64_t nsb = K / 256;
+  const size_t row_bytes_ = static_cast<size_t>(nsb) * sizeof(Block);
+  for (int64_t slab = slab_begin; slab < slab_end; ++slab) {
+    uint8_t* dst = out + static_cast<size_t>(slab) * nsb * kBlock;
+    for (int64_t sb = 0; sb < nsb; ++sb, dst += kBlock) {
+      std::memset(dst, 0, kBlock);  // rows past the matrix stay zero (scales 0)
+      for (int r = 0; r < kPackedPanelRows; ++r) {
+        const int64_t row = slab * kPackedPanelRows + r;
+        if (row >= N) break;
+        const Block* blk = reinterpret_cast<const Block*>(w + row * row_bytes_) + sb;
+        const size_t lane = 64 * (r / 16) + 4 * (r % 16);
+        for (int p = 0; p < 4; ++p) {
+          for (int i = 0; i < 8; ++i) std::memcpy(dst + 128 * (8 * p + i) + lane, blk->qs + 32 * p + 4 * i, 4);
+        }
+        if (Type == kQ5_K) {
+          const BlockQ5_K* b5 = reinterpret_cast<const BlockQ5_K*>(blk);
+          for (int i = 0; i < 8; ++i) std::memcpy(dst + 4096 + 128 * i + lane, b5->qh + 4 * i, 4);
+        }
+        for (int j = 0; j < 8; ++j) {
+          uint8_t sc, mn;
+          q4k_scale_min(j, blk->scales, &sc, &mn);
+          dst[kScales + 32 * j + r] = sc;
+          dst[kScales + 256 + 32 * j + r] = mn;
+        }
+        std::memcpy(dst + kScales + 512 + 2 * r, &blk->d, 2);
+        std::memcpy(dst + kScales + 576 + 2 * r, &blk->dmin, 2);
+      }
+    }
+  }
+}
+
+// MR activation rows x the 32 rows of one slab, all super-blocks; cols (<= 32) outputs of each row are stored.
+template <int Type, int MR>
+inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
+                                  int64_t ldy, int64_t cols) {
+  if (Type == kQ6_K) return q6k_packed_microkernel<MR>(act, act_stride, K, slab, y, ldy, cols);
+  constexpr size_t kBlock = kq_slab_block_bytes<Type>();
+  constexpr size_t kScales = Type == kQ5_K ? 5120 : 4096;
+  const int64_t nsb = K / 256;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  __m512 acc[MR][2];
+  KqActRow rows[MR];
+  for (int i = 0; i < MR; ++i) {
+    rows[i] = KqActRow(act + i * act_stride, K);
+    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  }
+  for (int64_t sb = 0; sb < nsb; ++sb, slab += kBlock) {
+    for (int h = 0; h < 2; ++h) {
+      __m512i s[MR];
+      for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        __m512i lo_dot[MR], hi_dot[MR];
+        for (int i = 0; i < MR; ++i) lo_dot[i] = hi_dot[i] = _mm512_setzero_si512();
+        for (int q = 0; q < 8; ++q) {
+          const __m512i x = _mm512_load_si512(slab + 128 * (8 * p + q) + 64 * h);
+          __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+          if (Type == kQ5_K) {
+            const __m512i bits = _mm512_srli_epi16(_mm512_load_si512(slab + 4096 + 128 * q + 64 * h), 2 * p);
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
+          }
+          for (int i = 0; i < MR; ++i) {
+            int32_t a_lo, a_hi;
+            std::memcpy(&a_lo, rows[i].q + 256 * sb + 64 * p + 4 * q, 4);
+            std::memcpy(&a_hi, rows[i].q + 256 * sb + 64 * p + 32 + 4 * q, 4);
+            lo_dot[i] = _mm512_dpbusd_epi32(lo_dot[i], lo, _mm512_set1_epi32(a_lo));
+            hi_dot[i] = _mm512_dpbusd_epi32(hi_dot[i], hi, _mm512_set1_epi32(a_hi));
+          }
+        }
+        const __m512i sc_lo = _mm512_cvtepu8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(slab + kScales + 32 * (2 * p) + 16 * h)));
+        const __m512i sc_hi = _mm512_cvtepu8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(slab + kScales + 32 * (2 * p + 1) + 16 * h)));
+        for (int i = 0; i < MR; ++i) {
+          s[i] = _mm512_add_epi32(s[i], _mm512_add_epi32(_mm512_mullo_epi32(lo_dot[i], sc_lo),
+                                                         _mm512_mullo_epi32(hi_dot[i], sc_hi)));
+        }
+      }
+      __m512i mn[MR];
+      for (int i = 0; i < MR; ++i) mn[i] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i m = _mm512_cvtepu8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(slab + kScales + 256 + 32 * j + 16 * h)));
+        for (int i = 0; i < MR; ++i) {
+          const int32_t a = rows[i].bsums[16 * sb + 2 * j] + rows[i].bsums[16 * sb + 2 * j + 1];
+          mn[i] = _mm512_add_epi32(mn[i], _mm512_mullo_epi32(m, _mm512_set1_epi32(a)));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + kScales + 512 + 32 * h)));
+      const __m512 dmin =
+          _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + kScales + 576 + 32 * h)));
+      for (int i = 0; i < MR; ++i) {
+        const __m512 da = _mm512_set1_ps(rows[i].d[sb]);
+        acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, da), acc[i][h]);
+        acc[i][h] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mn[i]), _mm512_mul_ps(dmin, da), acc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    Avx512::store_partial(y + i * ldy, acc[i][0], cols);
+    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, acc[i][1], cols - 16);
+  }
+}
+
+constexpr int kKqPackedMR = 4;
+
+// A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab.
+template <int Type>
+void kq_packed_tile(const MatmulTile& t) {
+  const size_t slab_bytes = static_cast<size_t>(t.K / 256) * kq_slab_block_bytes<Type>();
+  for (int64_t c0 = t.n0; c0 < t.n1; c0 += kPackedPanelRows) {
+    const uint8_t* slab = t.w + (c0 / kPackedPanelRows) * slab_bytes;
+    const int64_t cols = t.n1 - c0 < kPackedPanelRows ? t.n1 - c0 : kPackedPanelRows;
+    int64_t m = 0;
+    for (; m + kKqPackedMR <= t.M; m += kKqPackedMR) {
+      kq_packed_microkernel<Type, kKqPackedMR>(t.act + m * t.act_stride, t.act_stride, t.K, slab,
+                                               t.y + m * t.ldy + c0, t.ldy, cols);
+    }
+    const uint8_t* act = t.act + m * t.act_stride;
+    float* y = t.y + m * t.ldy + c0;
+    switch (t.M - m) {
+      case 3: kq_packed_microkernel<Type, 3>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+      case 2: kq_packed_microkernel<Type, 2>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+      case 1: kq_packed_microkernel<Type, 1>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+      default: break;
+    }
+  }
+}
