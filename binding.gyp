@@ -12,6 +12,7 @@
         "native/crash_handler.cc",
         "native/memory.cc",
         "native/model.cc",
+        "native/moe.cc",
         "native/thread_pool.cc",
         "native/ops_generic.cc",
         "native/matmul_generic.cc",
