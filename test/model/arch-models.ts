@@ -37,6 +37,8 @@ export interface ArchModelSpec {
   headDim: number;
   ffnDim: number;
   moe?: { numExperts: number; numExpertsUsed: number; expertFfnDim: number };
+  /** Router weights' std times sqrt(dim) (default 2): larger keeps the top-k far from ties. */
+  routerGain?: number;
   tied: boolean;
   seed: number;
   contextLength: number;
@@ -63,6 +65,19 @@ export const ARCH_MODELS: readonly ArchModelSpec[] = [
     moe: { numExperts: 4, numExpertsUsed: 2, expertFfnDim: 64 },
   },
 ];
+
+/**
+ * A mixture-of-experts model for the kernel tests (no llama.cpp recording): rows of 256 so that every quant type of
+ * the dense path (Q8_0, Q4_0, Q4_K, Q6_K) can store the experts, the Llama 2 vocabulary shipped in assets/.
+ */
+export const MOE_KERNEL_MODEL: ArchModelSpec = {
+  name: 'moe-kernels', architecture: 'qwen3moe', vocab: 'llama-spm', dim: 256, numLayers: 2, numHeads: 4,
+  numKvHeads: 2, headDim: 64, ffnDim: 512, contextLength: 256, ropeTheta: 1000000, rmsNormEps: 1e-6, tied: true,
+  seed: 305, moe: { numExperts: 8, numExpertsUsed: 3, expertFfnDim: 256 },
+  // Router scores of std 8: 8-bit activations move them by about 1e-2, far less than the gaps between experts, so
+  // the native kernels pick the reference's experts and a logit comparison measures the matmuls, not a flipped choice.
+  routerGain: 8,
+};
 
 export function archModel(name: string): ArchModelSpec {
   const spec = ARCH_MODELS.find((m) => m.name === name);
@@ -131,7 +146,7 @@ export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string,
     add(`${p}ffn_norm.weight`, [dim], 0.1, 1);
     if (moe) {
       const { numExperts: e, expertFfnDim: f } = moe;
-      add(`${p}ffn_gate_inp.weight`, [dim, e], 2 / Math.sqrt(dim));
+      add(`${p}ffn_gate_inp.weight`, [dim, e], (spec.routerGain ?? 2) / Math.sqrt(dim));
       add(`${p}ffn_gate_exps.weight`, [dim, f, e], 1 / Math.sqrt(dim));
       add(`${p}ffn_up_exps.weight`, [dim, f, e], 1 / Math.sqrt(dim));
       add(`${p}ffn_down_exps.weight`, [f, dim, e], 4 / Math.sqrt(f));
@@ -186,7 +201,7 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
     types.set(key, vocab.metadataTypes.get(key)!);
   }
   // Qwen's converted files say so; without the key llama.cpp would add a BOS to every prompt.
-  if (spec.vocab === 'qwen2') metadata.push(['tokenizer.ggml.add_bos_token', false]);
+  if (spec.vocab === 'qwen2' && spec.architecture !== 'llama') metadata.push(['tokenizer.ggml.add_bos_token', false]);
   const tensors: GgufTensorToWrite[] = [];
   for (const [name, t] of archTensors(spec, tokens.length)) {
     const tensorType = t.shape.length === 1 || name.includes('ffn_gate_inp') ? GgmlType.F32 : type;
