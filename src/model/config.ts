@@ -1,9 +1,9 @@
 // The architecture description every backend computes from. One shape covers the Llama family (Llama 2/3,
-// TinyLlama, SmolLM, Mixtral), Qwen2 (QKV bias), Qwen3 (per-head RMS norm on Q and K, a head size of its own) and
-// Qwen3-MoE; differences are flags, never separate forward passes.
+// TinyLlama, SmolLM, Mixtral), Qwen2 (QKV bias), Qwen3 (per-head RMS norm on Q and K, a head size of its own),
+// Qwen3-MoE and Phi-3 (fused QKV and gate/up, split at load); differences are flags, never separate forward passes.
 
 /** GGUF's general.architecture names. Mixtral is `llama` with experts (llama.cpp writes it so). */
-export type Architecture = 'llama' | 'qwen2' | 'qwen3' | 'qwen3moe';
+export type Architecture = 'llama' | 'qwen2' | 'qwen3' | 'qwen3moe' | 'phi3';
 
 /**
  * How RoPE pairs the dimensions of a head.

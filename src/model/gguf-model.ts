@@ -19,7 +19,7 @@ export class ModelFormatError extends Error {
   override name = 'ModelFormatError';
 }
 
-export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2', 'qwen3', 'qwen3moe'];
+export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2', 'qwen3', 'qwen3moe', 'phi3'];
 
 /** The default RoPE base of llama.cpp when `<arch>.rope.freq_base` is absent. */
 export const DEFAULT_ROPE_THETA = 10000;
@@ -88,6 +88,10 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
   const moe = ggufMoeConfig(file, arch, config.ffnDim, source);
   if (moe) config.moe = moe;
   if (arch === 'qwen3moe' && !moe) throw new ModelFormatError(`${source}: qwen3moe without ${key('expert_count')}`);
+  if (arch === 'phi3' && (file.hasTensor('rope_factors_long.weight') || file.hasTensor('blk.0.rope_factors_long.weight'))) {
+    throw new ModelFormatError(`${source}: Phi-3 with LongRoPE scaling (rope_factors_long.weight, the 128k-context ` +
+      'models) is not supported; the 4k-context models are');
+  }
   const ropeScaling = ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
@@ -280,15 +284,21 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
       throw new ModelFormatError(`${source}: experts stored one tensor each (${p}ffn_gate.0.weight, an old ` +
         'Mixtral conversion) are not supported; convert the model again with llama.cpp for merged ffn_*_exps tensors');
     }
+    // Phi-3 fuses Q, K, V into attn_qkv and gate and up into ffn_up (gate first): split into row ranges, no copy.
+    const qkDim = config.numHeads * config.headDim;
+    const kvDim = config.numKvHeads * config.headDim;
+    const fusedQkv = file.hasTensor(`${p}attn_qkv.weight`) ? splitRows(get(`${p}attn_qkv.weight`), [qkDim, kvDim, kvDim], source) : undefined;
+    const fusedUp = !config.moe && !file.hasTensor(`${p}ffn_gate.weight`) && file.hasTensor(`${p}ffn_up.weight`)
+      ? splitRows(get(`${p}ffn_up.weight`), [config.ffnDim, config.ffnDim], source) : undefined;
     const layer: LayerWeights = {
       attnNorm: get(`${p}attn_norm.weight`),
-      wq: get(`${p}attn_q.weight`),
-      wk: get(`${p}attn_k.weight`),
-      wv: get(`${p}attn_v.weight`),
+      wq: fusedQkv?.[0] ?? get(`${p}attn_q.weight`),
+      wk: fusedQkv?.[1] ?? get(`${p}attn_k.weight`),
+      wv: fusedQkv?.[2] ?? get(`${p}attn_v.weight`),
       wo: get(`${p}attn_output.weight`),
       ffnNorm: get(`${p}ffn_norm.weight`),
-      wGate: get(`${p}ffn_gate${ffn}.weight`),
-      wUp: get(`${p}ffn_up${ffn}.weight`),
+      wGate: fusedUp?.[0] ?? get(`${p}ffn_gate${ffn}.weight`),
+      wUp: fusedUp?.[1] ?? get(`${p}ffn_up${ffn}.weight`),
       wDown: get(`${p}ffn_down${ffn}.weight`),
     };
     if (config.qkvBias) {
@@ -311,6 +321,26 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
   };
   checkWeights(config, weights, source);
   return weights;
+}
+
+/**
+ * A fused matrix (rows of several projections one after the other) as one tensor per projection: views of its
+ * bytes, `rows[i]` rows each. Throws when the fused tensor does not have exactly that many rows.
+ */
+export function splitRows(t: Tensor, rows: number[], source: string): Tensor[] {
+  const total = rows.reduce((a, b) => a + b, 0);
+  if (t.shape.length !== 2 || t.shape[1] !== total) {
+    throw new ModelFormatError(`${source}: fused tensor ${t.name} has shape [${t.shape.join(', ')}], expected ` +
+      `[${t.shape[0]}, ${total}] from the model config`);
+  }
+  const rowBytes = t.data.byteLength / total;
+  let first = 0;
+  return rows.map((n, i) => {
+    const part: Tensor = { name: `${t.name}[${i}]`, type: t.type, shape: [t.shape[0]!, n],
+      data: t.data.subarray(first * rowBytes, (first + n) * rowBytes) };
+    first += n;
+    return part;
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------

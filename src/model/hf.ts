@@ -11,7 +11,7 @@ import { existsSync } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
-import { checkWeights, DEFAULT_ROPE_THETA, ModelFormatError } from './gguf-model.ts';
+import { checkWeights, DEFAULT_ROPE_THETA, ModelFormatError, splitRows } from './gguf-model.ts';
 import { readSafetensorsAsync } from './safetensors.ts';
 import type { SafetensorsFile } from './safetensors.ts';
 import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
@@ -23,6 +23,7 @@ const ARCHITECTURES: Readonly<Record<string, Architecture>> = {
   Qwen3MoeForCausalLM: 'qwen3moe',
   // Mixtral is the llama layout with experts (llama.cpp converts it to a `llama` GGUF).
   MixtralForCausalLM: 'llama',
+  Phi3ForCausalLM: 'phi3',
 };
 
 export interface HfModel {
@@ -184,7 +185,7 @@ function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined 
       originalContextLength: num('original_max_position_embeddings'),
     };
     default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
-      '(supported: default, linear, llama3)');
+      '(supported: default, linear, llama3; not longrope, the 128k-context Phi-3 models)');
   }
 }
 
@@ -295,7 +296,16 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const layer: Partial<LayerWeights> = {};
+    const p = `model.layers.${i}.`;
+    if (config.architecture === 'phi3') {
+      // Fused Q/K/V and gate/up (gate first), split into views.
+      const kvDim = config.numKvHeads * config.headDim;
+      [layer.wq, layer.wk, layer.wv] = splitRows(get(`${p}self_attn.qkv_proj.weight`),
+        [config.numHeads * config.headDim, kvDim, kvDim], source);
+      [layer.wGate, layer.wUp] = splitRows(get(`${p}mlp.gate_up_proj.weight`), [config.ffnDim, config.ffnDim], source);
+    }
     for (const [field, suffix] of Object.entries(LAYER_TENSORS) as [keyof LayerWeights, string][]) {
+      if (layer[field]) continue;
       if (BIAS_FIELDS.has(field) && !config.qkvBias) continue;
       if (QK_NORM_FIELDS.has(field) && !config.qkNorm) continue;
       if (FFN_FIELDS.has(field) && (config.moe || field === 'ffnGateInp')) continue;

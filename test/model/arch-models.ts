@@ -27,9 +27,9 @@ import { invert, reorderRows } from './loader-fixtures.ts';
 
 export interface ArchModelSpec {
   name: string;
-  architecture: 'qwen3' | 'qwen3moe' | 'llama';
-  /** The vocabulary: Qwen2's (also Qwen3's) from ../shared/models, or the Llama 2 one shipped in assets/. */
-  vocab: 'qwen2' | 'llama-spm';
+  architecture: 'qwen3' | 'qwen3moe' | 'llama' | 'phi3';
+  /** The vocabulary: Qwen2's (also Qwen3's) or Phi-3's from ../shared/models, or the Llama 2 one shipped in assets/. */
+  vocab: 'qwen2' | 'llama-spm' | 'phi-3';
   dim: number;
   numLayers: number;
   numHeads: number;
@@ -63,6 +63,11 @@ export const ARCH_MODELS: readonly ArchModelSpec[] = [
     name: 'mixtral', architecture: 'llama', vocab: 'llama-spm', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
     headDim: 16, ffnDim: 64, contextLength: 512, ropeTheta: 1000000, rmsNormEps: 1e-5, tied: true, seed: 304,
     moe: { numExperts: 4, numExpertsUsed: 2, expertFfnDim: 64 },
+  },
+  {
+    // Phi-3 (4k context): fused QKV and gate/up, neox RoPE, untied; GQA as in Phi-3-medium.
+    name: 'phi3', architecture: 'phi3', vocab: 'phi-3', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+    headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 306,
   },
 ];
 
@@ -98,12 +103,12 @@ export const ARCH_PROMPTS: readonly string[] = [
 export const ARCH_NEW_TOKENS = 24;
 
 export function vocabPath(spec: ArchModelSpec): string | undefined {
-  return spec.vocab === 'llama-spm' ? LLAMA_SPM_TOKENIZER_PATH : sharedModel('ggml-vocab-qwen2.gguf');
+  return spec.vocab === 'llama-spm' ? LLAMA_SPM_TOKENIZER_PATH : sharedModel(`ggml-vocab-${spec.vocab}.gguf`);
 }
 
 /** The `skip` option of a suite that needs this model's vocabulary. */
 export function skipUnlessVocabFor(spec: ArchModelSpec): string | false {
-  return spec.vocab === 'llama-spm' ? false : skipUnlessShared('ggml-vocab-qwen2.gguf');
+  return spec.vocab === 'llama-spm' ? false : skipUnlessShared(`ggml-vocab-${spec.vocab}.gguf`);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -138,7 +143,7 @@ export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string,
     add(`${p}attn_q.weight`, [dim, qDim], 1 / Math.sqrt(dim));
     add(`${p}attn_k.weight`, [dim, kvDim], 1 / Math.sqrt(dim));
     add(`${p}attn_v.weight`, [dim, kvDim], 1 / Math.sqrt(dim));
-    if (spec.architecture !== 'llama') {
+    if (spec.architecture === 'qwen3' || spec.architecture === 'qwen3moe') {
       add(`${p}attn_q_norm.weight`, [headDim], 0.3, 1);
       add(`${p}attn_k_norm.weight`, [headDim], 0.3, 1);
     }
@@ -189,6 +194,7 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
     [`${a}.rope.freq_base`, spec.ropeTheta],
     [`${a}.attention.layer_norm_rms_epsilon`, spec.rmsNormEps],
   ];
+  if (a === 'phi3') metadata.push([`${a}.rope.scaling.original_context_length`, spec.contextLength]);
   if (spec.moe) {
     metadata.push([`${a}.expert_count`, spec.moe.numExperts], [`${a}.expert_used_count`, spec.moe.numExpertsUsed]);
     if (a === 'qwen3moe') metadata.push([`${a}.expert_feed_forward_length`, spec.moe.expertFfnDim]);
@@ -203,7 +209,7 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
   // Qwen's converted files say so; without the key llama.cpp would add a BOS to every prompt.
   if (spec.vocab === 'qwen2' && spec.architecture !== 'llama') metadata.push(['tokenizer.ggml.add_bos_token', false]);
   const tensors: GgufTensorToWrite[] = [];
-  for (const [name, t] of archTensors(spec, tokens.length)) {
+  for (const [name, t] of ggufLayout(spec, archTensors(spec, tokens.length))) {
     const tensorType = t.shape.length === 1 || name.includes('ffn_gate_inp') ? GgmlType.F32 : type;
     tensors.push({
       name, type: tensorType, shape: t.shape,
@@ -213,10 +219,34 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
   writeGguf(path, { metadata, types, tensors });
 }
 
+/** Phi-3's files fuse Q, K, V into attn_qkv and gate, up into ffn_up (gate first): rows one after the other. */
+function ggufLayout(spec: ArchModelSpec, tensors: Map<string, Values>): Map<string, Values> {
+  if (spec.architecture !== 'phi3') return tensors;
+  const out = new Map<string, Values>();
+  const fuse = (parts: Values[]): Values => {
+    const values = new Float32Array(parts.reduce((n, p) => n + p.values.length, 0));
+    let at = 0;
+    for (const p of parts) { values.set(p.values, at); at += p.values.length; }
+    return { shape: [parts[0]!.shape[0]!, parts.reduce((n, p) => n + p.shape[1]!, 0)], values };
+  };
+  for (const [name, t] of tensors) {
+    const m = /^(blk\.\d+\.)(attn_[qkv]|ffn_gate|ffn_up)\.weight$/.exec(name);
+    if (!m) { out.set(name, t); continue; }
+    if (m[2] === 'attn_q') {
+      out.set(`${m[1]}attn_qkv.weight`, fuse(['q', 'k', 'v'].map((x) => tensors.get(`${m[1]}attn_${x}.weight`)!)));
+    } else if (m[2] === 'ffn_gate') {
+      out.set(`${m[1]}ffn_up.weight`, fuse([t, tensors.get(`${m[1]}ffn_up.weight`)!]));
+    }
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Hugging Face folder
 
-const HF_ARCHITECTURES = { qwen3: 'Qwen3ForCausalLM', qwen3moe: 'Qwen3MoeForCausalLM', llama: 'MixtralForCausalLM' };
+const HF_ARCHITECTURES = {
+  qwen3: 'Qwen3ForCausalLM', qwen3moe: 'Qwen3MoeForCausalLM', llama: 'MixtralForCausalLM', phi3: 'Phi3ForCausalLM',
+};
 
 function hfLayerName(spec: ArchModelSpec, part: string): string | undefined {
   const names: Record<string, string> = {
@@ -227,6 +257,9 @@ function hfLayerName(spec: ArchModelSpec, part: string): string | undefined {
     'ffn_norm.weight': 'post_attention_layernorm.weight',
     'ffn_gate.weight': 'mlp.gate_proj.weight', 'ffn_up.weight': 'mlp.up_proj.weight',
     'ffn_down.weight': 'mlp.down_proj.weight',
+    'attn_qkv.weight': 'self_attn.qkv_proj.weight',
+    // Phi-3's fused gate/up is ffn_up in GGUF.
+    ...(spec.architecture === 'phi3' ? { 'ffn_up.weight': 'mlp.gate_up_proj.weight' } : {}),
     'ffn_gate_inp.weight': spec.architecture === 'llama' ? 'block_sparse_moe.gate.weight' : 'mlp.gate.weight',
   };
   return names[part];
@@ -250,7 +283,7 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
   const push = (name: string, shape: number[], values: Float32Array): void => {
     out.push({ name, dtype: 'F32', shape: [...shape].reverse(), data: f32Bytes(values) });
   };
-  for (const [name, t] of archTensors(spec, vocabSize)) {
+  for (const [name, t] of ggufLayout(spec, archTensors(spec, vocabSize))) {
     if (name === 'token_embd.weight') { push('model.embed_tokens.weight', t.shape, t.values); continue; }
     if (name === 'output_norm.weight') { push('model.norm.weight', t.shape, t.values); continue; }
     if (name === 'output.weight') { push('lm_head.weight', t.shape, t.values); continue; }
@@ -275,13 +308,14 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
   writeSafetensors(join(dir, 'model.safetensors'), out, { format: 'pt' });
   const config: Record<string, unknown> = {
     architectures: [HF_ARCHITECTURES[spec.architecture]],
-    model_type: spec.architecture === 'llama' ? 'mixtral' : spec.architecture === 'qwen3' ? 'qwen3' : 'qwen3_moe',
+    model_type: { llama: 'mixtral', qwen3: 'qwen3', qwen3moe: 'qwen3_moe', phi3: 'phi3' }[spec.architecture],
     hidden_size: spec.dim,
     num_hidden_layers: spec.numLayers,
     num_attention_heads: spec.numHeads,
     num_key_value_heads: spec.numKvHeads,
     head_dim: spec.headDim,
     intermediate_size: spec.architecture === 'llama' ? spec.moe!.expertFfnDim : spec.ffnDim,
+    ...(spec.architecture === 'phi3' ? { original_max_position_embeddings: spec.contextLength, rope_scaling: null } : {}),
     max_position_embeddings: spec.contextLength,
     rms_norm_eps: spec.rmsNormEps,
     rope_theta: spec.ropeTheta,
@@ -299,5 +333,7 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
   writeFileSync(join(dir, 'config.json'), JSON.stringify(config, null, 2));
   const tokenizerJson = spec.vocab === 'qwen2' ? byteLevelJson('qwen2', vocab) : sentencePieceJson(vocab);
   writeFileSync(join(dir, 'tokenizer.json'), JSON.stringify(tokenizerJson));
-  writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(HF_TOKENIZER_CONFIGS[spec.vocab]));
+  // Phi-3's GGUF vocabulary adds BOS (tokenizer.ggml.add_bos_token), so its folder says so too.
+  const tokenizerConfig = { ...HF_TOKENIZER_CONFIGS[spec.vocab], ...(spec.vocab === 'phi-3' ? { add_bos_token: true } : {}) };
+  writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(tokenizerConfig));
 }
