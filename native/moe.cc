@@ -90,6 +90,8 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
     }
   }
   if (rows == 1) matmul(kt, pool, ws, xn, 1, dim, outs.data(), static_cast<int>(outs.size()));
+  // The profile counts the experts streamed (its "calls"; no time of its own).
+  if (prof && prof->enabled) prof->sections["moe experts streamed"].calls += last_active_;
 
   scope.emplace(prof, "moe swiglu");
   pool.parallel_for(div_ceil(pairs, 16), [&](int64_t item, int) {
