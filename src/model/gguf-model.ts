@@ -287,8 +287,10 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
     // Phi-3 fuses Q, K, V into attn_qkv and gate and up into ffn_up (gate first): split into row ranges, no copy.
     const qkDim = config.numHeads * config.headDim;
     const kvDim = config.numKvHeads * config.headDim;
-    const fusedQkv = file.hasTensor(`${p}attn_qkv.weight`) ? splitRows(get(`${p}attn_qkv.weight`), [qkDim, kvDim, kvDim], source) : undefined;
-    const fusedUp = !config.moe && !file.hasTensor(`${p}ffn_gate.weight`) && file.hasTensor(`${p}ffn_up.weight`)
+    const phi3 = config.architecture === 'phi3';
+    const fusedQkv = phi3 && file.hasTensor(`${p}attn_qkv.weight`)
+      ? splitRows(get(`${p}attn_qkv.weight`), [qkDim, kvDim, kvDim], source) : undefined;
+    const fusedUp = phi3 && !file.hasTensor(`${p}ffn_gate.weight`)
       ? splitRows(get(`${p}ffn_up.weight`), [config.ffnDim, config.ffnDim], source) : undefined;
     const layer: LayerWeights = {
       attnNorm: get(`${p}attn_norm.weight`),
