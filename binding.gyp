@@ -13,6 +13,7 @@
         "native/memory.cc",
         "native/model.cc",
         "native/lora.cc",
+        "native/moe.cc",
         "native/thread_pool.cc",
         "native/ops_generic.cc",
         "native/matmul_generic.cc",

@@ -87,6 +87,15 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     s.ffn_dim = integer(env, spec.Get("ffnDim"), "ffnDim", 1);
     s.rms_norm_eps = static_cast<float>(number(env, spec.Get("rmsNormEps"), "rmsNormEps"));
     s.qkv_bias = spec.Get("qkvBias").ToBoolean();
+    s.qk_norm = spec.Get("qkNorm").ToBoolean();
+    if (!spec.Get("moe").IsUndefined()) {
+      if (!spec.Get("moe").IsObject()) throw Napi::TypeError::New(env, "moe must be an object");
+      Napi::Object moe = spec.Get("moe").As<Napi::Object>();
+      s.n_expert = integer(env, moe.Get("numExperts"), "moe.numExperts", 1);
+      s.n_expert_used = integer(env, moe.Get("numExpertsUsed"), "moe.numExpertsUsed", 1);
+      s.expert_ffn_dim = integer(env, moe.Get("expertFfnDim"), "moe.expertFfnDim", 1);
+      s.expert_normalize = moe.Get("normalizeTopK").ToBoolean();
+    }
     s.rope.theta = number(env, spec.Get("ropeTheta"), "ropeTheta");
     s.rope.rope_dim = static_cast<int>(integer(env, spec.Get("ropeDim"), "ropeDim", 2));
     s.rope.neox = spec.Get("ropeNeox").ToBoolean();
@@ -112,6 +121,11 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
         r.bk = tensor(env, l.Get("bk"), p + "bk");
         r.bv = tensor(env, l.Get("bv"), p + "bv");
       }
+      if (s.qk_norm) {
+        r.q_norm = tensor(env, l.Get("qNorm"), p + "qNorm");
+        r.k_norm = tensor(env, l.Get("kNorm"), p + "kNorm");
+      }
+      if (s.n_expert > 0) r.gate_inp = tensor(env, l.Get("ffnGateInp"), p + "ffnGateInp");
       r.ffn_norm = tensor(env, l.Get("ffnNorm"), p + "ffnNorm");
       r.w_gate = tensor(env, l.Get("wGate"), p + "wGate");
       r.w_up = tensor(env, l.Get("wUp"), p + "wUp");

@@ -5,8 +5,11 @@
 #include <optional>
 
 #include "memory.h"
+#include "moe.h"
 
 namespace conduit {
+
+void Model::FreeMoe::operator()(MoeBlock* p) const { delete p; }
 
 namespace {
 
@@ -59,6 +62,11 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
                        std::to_string(s.head_dim));
   }
   if (s.num_blocks <= 0 || s.block_size <= 0) throw InvalidInput("numBlocks and blockSize must be positive");
+  if (s.n_expert < 0 || (s.n_expert > 0 && (s.n_expert_used <= 0 || s.n_expert_used > s.n_expert ||
+                                            s.expert_ffn_dim <= 0))) {
+    throw InvalidInput("experts: need 0 < nExpertsUsed <= nExperts and a positive expertFfnDim");
+  }
+  if (s.n_expert > 0) moe_.reset(new MoeBlock());
   const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
   const size_t pool_bytes = 2 * s.layers.size() * static_cast<size_t>(s.num_blocks * s.block_size * kv_dim) *
                             (s.kv_f16 ? 2 : 4);
@@ -77,9 +85,36 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     check_matrix((p + "attn_k").c_str(), L.wk, s.dim, kv_dim);
     check_matrix((p + "attn_v").c_str(), L.wv, s.dim, kv_dim);
     check_matrix((p + "attn_output").c_str(), L.wo, q_dim, s.dim);
-    check_matrix((p + "ffn_gate").c_str(), L.w_gate, s.dim, s.ffn_dim);
-    check_matrix((p + "ffn_up").c_str(), L.w_up, s.dim, s.ffn_dim);
-    check_matrix((p + "ffn_down").c_str(), L.w_down, s.ffn_dim, s.dim);
+    if (s.n_expert == 0) {
+      check_matrix((p + "ffn_gate").c_str(), L.w_gate, s.dim, s.ffn_dim);
+      check_matrix((p + "ffn_up").c_str(), L.w_up, s.dim, s.ffn_dim);
+      check_matrix((p + "ffn_down").c_str(), L.w_down, s.ffn_dim, s.dim);
+    } else {
+      const int64_t E = s.n_expert, F = s.expert_ffn_dim;
+      check_matrix((p + "ffn_gate_inp").c_str(), L.gate_inp, s.dim, E);
+      check_matrix((p + "ffn_gate_exps").c_str(), L.w_gate, s.dim, F * E);
+      check_matrix((p + "ffn_up_exps").c_str(), L.w_up, s.dim, F * E);
+      check_matrix((p + "ffn_down_exps").c_str(), L.w_down, F, s.dim * E);
+      LayerRefs& M = spec_.layers[l];
+      M.gate_exps.clear();
+      M.up_exps.clear();
+      M.down_exps.clear();
+      for (int64_t e = 0; e < E; ++e) {
+        auto slice = [&](const TensorRef& t, int64_t rows) {
+          TensorRef r = t;
+          r.rows = rows;
+          r.data = t.data + row_bytes(t.type, t.cols) * static_cast<size_t>(e * rows);
+          return r;
+        };
+        M.gate_exps.push_back(slice(L.w_gate, F));
+        M.up_exps.push_back(slice(L.w_up, F));
+        M.down_exps.push_back(slice(L.w_down, s.dim));
+      }
+    }
+    if (s.qk_norm) {
+      q_norm_.push_back(to_f32((p + "attn_q_norm").c_str(), L.q_norm, s.head_dim));
+      k_norm_.push_back(to_f32((p + "attn_k_norm").c_str(), L.k_norm, s.head_dim));
+    }
     attn_norm_.push_back(to_f32((p + "attn_norm").c_str(), L.attn_norm, s.dim));
     ffn_norm_.push_back(to_f32((p + "ffn_norm").c_str(), L.ffn_norm, s.dim));
     if (s.qkv_bias) {
@@ -105,6 +140,9 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     release(s.output);
     for (const LayerRefs& L : s.layers) {
       for (const TensorRef* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) release(*t);
+      for (const auto* experts : {&L.gate_exps, &L.up_exps, &L.down_exps}) {
+        for (const TensorRef& t : *experts) release(t);
+      }
     }
   }
 
@@ -139,7 +177,14 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
 void Model::pack_weights() {
   std::vector<TensorRef*> matrices{&spec_.output};
   for (LayerRefs& L : spec_.layers) {
-    for (TensorRef* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) matrices.push_back(t);
+    for (TensorRef* t : {&L.wq, &L.wk, &L.wv, &L.wo}) matrices.push_back(t);
+    if (spec_.n_expert == 0) {
+      for (TensorRef* t : {&L.w_gate, &L.w_up, &L.w_down}) matrices.push_back(t);
+    }
+    // Experts are packed one by one (each is a matmul of its own).
+    for (auto* experts : {&L.gate_exps, &L.up_exps, &L.down_exps}) {
+      for (TensorRef& t : *experts) matrices.push_back(&t);
+    }
   }
   constexpr size_t kMatrixAlign = 4096;
   std::vector<std::pair<TensorRef*, size_t>> packed;  // matrix, offset in the allocation
@@ -322,8 +367,20 @@ void Model::ensure_buffers(int64_t tokens) {
   attn_.resize(tokens * q_dim);
   k_.resize(tokens * kv_dim);
   v_.resize(tokens * kv_dim);
-  gate_.resize(tokens * s.ffn_dim);
-  up_.resize(tokens * s.ffn_dim);
+  if (s.n_expert == 0) {
+    gate_.resize(tokens * s.ffn_dim);
+    up_.resize(tokens * s.ffn_dim);
+  }
+}
+
+void Model::rmsnorm_heads(float* x, const std::vector<float>& weight, int64_t rows, int64_t heads) {
+  const int64_t hd = spec_.head_dim, vectors = rows * heads;
+  const float eps = spec_.rms_norm_eps;
+  pool_.parallel_for(div_ceil(vectors, 64), [&](int64_t item, int) {
+    for (int64_t v = item * 64; v < min64(vectors, item * 64 + 64); ++v) {
+      kt_.rmsnorm(x + v * hd, weight.data(), x + v * hd, hd, eps);
+    }
+  });
 }
 
 void Model::rmsnorm_rows(const float* x, const float* weight, float* out, int64_t rows) {
@@ -444,6 +501,10 @@ void Model::forward(const StepBatch& b, float* logits) {
       add_bias(k, bk_[l], T);
       add_bias(v, bv_[l], T);
     }
+    if (s.qk_norm) {
+      rmsnorm_heads(q, q_norm_[l], q_rows, s.num_heads);
+      rmsnorm_heads(k, k_norm_[l], T, s.num_kv_heads);
+    }
     apply_rope(kt_, pool_, select_rows ? sel_rope_ : rope_, rope_q, q, q_rows);
     apply_rope(kt_, pool_, rope_, rope_k, k, T);
 
@@ -484,9 +545,17 @@ void Model::forward(const StepBatch& b, float* logits) {
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
 
-    // SwiGLU feed-forward and residual.
+    // SwiGLU feed-forward (or the experts') and residual.
     scope.emplace(prof, "rmsnorm");
     rmsnorm_rows(x, ffn_norm_[l].data(), xn, rows);
+    if (moe_) {
+      scope.reset();
+      const MoeShape shape{dim, s.expert_ffn_dim, s.n_expert, s.n_expert_used, s.expert_normalize};
+      moe_->forward(kt_, pool_, ws_, shape, W, xn, rows, tmp);
+      scope.emplace(prof, "residual add");
+      add_rows(x, tmp, rows, dim);
+      continue;
+    }
     scope.emplace(prof, "matmul ffn_gate+up");
     const MatmulOutput gate_up[2] = {output_of(W.w_gate, gate, s.ffn_dim), output_of(W.w_up, up, s.ffn_dim)};
     matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2);

@@ -15,6 +15,8 @@
 
 namespace conduit {
 
+class MoeBlock;
+
 // A weight matrix [rows x cols] (cols contiguous, ggml shape [cols, rows]) or a vector (rows = 1).
 struct TensorRef {
   const uint8_t* data = nullptr;
@@ -25,6 +27,11 @@ struct TensorRef {
 
 struct LayerRefs {
   TensorRef attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, w_gate, w_up, w_down;
+  TensorRef q_norm, k_norm;  // per-head RMS norm weights of Q and K (qk_norm)
+  // Mixture of experts: the router [dim -> n_expert], and w_gate / w_up / w_down hold every expert's matrix stacked
+  // (rows = n_expert * rows of one expert); the model slices them into one TensorRef per expert at load.
+  TensorRef gate_inp;
+  std::vector<TensorRef> gate_exps, up_exps, down_exps;
 };
 
 struct ModelSpec {
@@ -32,6 +39,10 @@ struct ModelSpec {
   float rms_norm_eps = 1e-5f;
   RopeConfig rope;
   bool qkv_bias = false;
+  bool qk_norm = false;
+  // Experts per layer (0: the dense SwiGLU block), used per row, each expert's intermediate size, top-k renormalized.
+  int64_t n_expert = 0, n_expert_used = 0, expert_ffn_dim = 0;
+  bool expert_normalize = true;
   TensorRef token_embedding, output_norm, output;
   std::vector<LayerRefs> layers;
   // Paged KV pool (see src/kernels/types.ts KvPoolLayout).
@@ -127,7 +138,13 @@ class Model {
   Workspace ws_;
   std::vector<double> inv_freq_;
   // Norm weights and biases in f32 (tiny; whatever type the file stored them in).
-  std::vector<std::vector<float>> attn_norm_, ffn_norm_, bq_, bk_, bv_;
+  std::vector<std::vector<float>> attn_norm_, ffn_norm_, bq_, bk_, bv_, q_norm_, k_norm_;
+  // Per-head RMS norm of rows x heads vectors of head_dim, in place.
+  void rmsnorm_heads(float* x, const std::vector<float>& weight, int64_t rows, int64_t heads);
+  struct FreeMoe {
+    void operator()(MoeBlock* p) const;
+  };
+  std::unique_ptr<MoeBlock, FreeMoe> moe_;
   std::vector<float> output_norm_;
   // Activations, sized for the largest step so far.
   int64_t capacity_tokens_ = 0;

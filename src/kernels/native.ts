@@ -69,10 +69,15 @@ export interface NativeLayerSpec {
   bq?: NativeTensor;
   bk?: NativeTensor;
   bv?: NativeTensor;
+  qNorm?: NativeTensor;
+  kNorm?: NativeTensor;
   ffnNorm: NativeTensor;
+  /** With experts: every expert's matrix stacked, as 2-D [cols, rows * numExperts]. */
   wGate: NativeTensor;
   wUp: NativeTensor;
   wDown: NativeTensor;
+  /** The router [dim, numExperts] (with experts). */
+  ffnGateInp?: NativeTensor;
 }
 
 /**
@@ -92,6 +97,10 @@ export interface NativeModelSpec {
   ropeNeox: boolean;
   ropeScaling?: ModelConfig['ropeScaling'];
   qkvBias: boolean;
+  /** Per-head RMS norm of Q and K (layers carry qNorm and kNorm). */
+  qkNorm?: boolean;
+  /** Mixture of experts in every layer (layers carry ffnGateInp and stacked expert matrices). */
+  moe?: ModelConfig['moe'];
   tokenEmbedding: NativeTensor;
   outputNorm: NativeTensor;
   output: NativeTensor;
@@ -326,6 +335,11 @@ function nativeTensor(t: Tensor): NativeTensor {
   return { type: t.type, shape: t.shape, data: t.data };
 }
 
+/** A stacked expert tensor [cols, rows, experts] as the 2-D [cols, rows * experts] the addon takes. */
+function stackedTensor(t: Tensor): NativeTensor {
+  return { type: t.type, shape: [t.shape[0]!, (t.shape[1] ?? 1) * (t.shape[2] ?? 1)], data: t.data };
+}
+
 export function nativeModelSpec(
   config: ModelConfig,
   weights: ModelWeights,
@@ -349,11 +363,16 @@ export function nativeModelSpec(
     ropeNeox: config.ropeStyle === 'neox',
     ropeScaling: config.ropeScaling,
     qkvBias: config.qkvBias,
+    ...(config.qkNorm ? { qkNorm: true } : {}),
+    ...(config.moe ? { moe: config.moe } : {}),
     tokenEmbedding: nativeTensor(weights.tokenEmbedding),
     outputNorm: nativeTensor(weights.outputNorm),
     output: nativeTensor(weights.output),
     layers: weights.layers.map((l, i) => {
       if (config.qkvBias && !(l.bq && l.bk && l.bv)) throw new Error(`layer ${i}: qkvBias is set but a bias is missing`);
+      if (config.qkNorm && !(l.qNorm && l.kNorm)) throw new Error(`layer ${i}: qkNorm is set but a norm is missing`);
+      if (config.moe && !l.ffnGateInp) throw new Error(`layer ${i}: the config has experts but the router is missing`);
+      const ffn = config.moe ? stackedTensor : nativeTensor;
       return {
         attnNorm: nativeTensor(l.attnNorm),
         wq: nativeTensor(l.wq),
@@ -361,10 +380,12 @@ export function nativeModelSpec(
         wv: nativeTensor(l.wv),
         wo: nativeTensor(l.wo),
         ...(config.qkvBias ? { bq: nativeTensor(l.bq!), bk: nativeTensor(l.bk!), bv: nativeTensor(l.bv!) } : {}),
+        ...(config.qkNorm ? { qNorm: nativeTensor(l.qNorm!), kNorm: nativeTensor(l.kNorm!) } : {}),
+        ...(config.moe ? { ffnGateInp: nativeTensor(l.ffnGateInp!) } : {}),
         ffnNorm: nativeTensor(l.ffnNorm),
-        wGate: nativeTensor(l.wGate),
-        wUp: nativeTensor(l.wUp),
-        wDown: nativeTensor(l.wDown),
+        wGate: ffn(l.wGate),
+        wUp: ffn(l.wUp),
+        wDown: ffn(l.wDown),
       };
     }),
     kvPool: pool.bytes,
@@ -389,7 +410,8 @@ const PACK_HEADROOM_BYTES = 1024 ** 3;
 export function packedWeightBytes(ops: NativeOps, variant: KernelVariant, weights: ModelWeights): number {
   const matrices = [weights.output, ...weights.layers.flatMap((l) => [l.wq, l.wk, l.wv, l.wo, l.wGate, l.wUp, l.wDown])];
   let total = 0;
-  for (const t of matrices) total += ops.packedBytes(variant, t.type, t.shape[0]!, t.shape[1] ?? 1);
+  // A stacked expert tensor is packed expert by expert.
+  for (const t of matrices) total += ops.packedBytes(variant, t.type, t.shape[0]!, t.shape[1] ?? 1) * (t.shape[2] ?? 1);
   return total;
 }
 

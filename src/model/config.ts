@@ -1,7 +1,9 @@
 // The architecture description every backend computes from. One shape covers the Llama family (Llama 2/3,
-// TinyLlama, SmolLM) and Qwen2 (QKV bias); differences are flags, never separate forward passes.
+// TinyLlama, SmolLM, Mixtral), Qwen2 (QKV bias), Qwen3 (per-head RMS norm on Q and K, a head size of its own),
+// Qwen3-MoE and Phi-3 (fused QKV and gate/up, split at load); differences are flags, never separate forward passes.
 
-export type Architecture = 'llama' | 'qwen2';
+/** GGUF's general.architecture names. Mixtral is `llama` with experts (llama.cpp writes it so). */
+export type Architecture = 'llama' | 'qwen2' | 'qwen3' | 'qwen3moe' | 'phi3';
 
 /**
  * How RoPE pairs the dimensions of a head.
@@ -52,4 +54,21 @@ export interface ModelConfig {
   qkvBias: boolean;
   /** The output projection is the token embedding matrix. */
   tiedEmbeddings: boolean;
+  /** Q and K get an RMS norm per head (weights of headDim) after the projection, before RoPE (Qwen3); absent = no. */
+  qkNorm?: boolean;
+  /** A mixture-of-experts feed-forward block in every layer instead of the dense SwiGLU one (ffnDim is then unused). */
+  moe?: MoeConfig;
+}
+
+/**
+ * Mixture of experts (Mixtral, Qwen3-MoE): a router matrix gives each token a score per expert; the softmax of the
+ * scores picks the top `numExpertsUsed` experts; the token's feed-forward output is their SwiGLU outputs weighted by
+ * those probabilities (renormalized to sum to 1 when `normalizeTopK`).
+ */
+export interface MoeConfig {
+  numExperts: number;
+  numExpertsUsed: number;
+  /** Intermediate size of each expert's SwiGLU block. */
+  expertFfnDim: number;
+  normalizeTopK: boolean;
 }

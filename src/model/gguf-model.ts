@@ -8,7 +8,7 @@
 // backend needs the tensor.
 
 import { basename } from 'node:path';
-import type { Architecture, Llama3RopeScaling, ModelConfig, RopeScaling } from './config.ts';
+import type { Architecture, Llama3RopeScaling, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
 import { ggmlTypeName, SUPPORTED_TYPES } from './ggml-types.ts';
 import { metaNumber, metaString } from './gguf.ts';
 import type { GgufFile, GgufValue } from './gguf.ts';
@@ -19,7 +19,7 @@ export class ModelFormatError extends Error {
   override name = 'ModelFormatError';
 }
 
-export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2'];
+export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2', 'qwen3', 'qwen3moe', 'phi3'];
 
 /** The default RoPE base of llama.cpp when `<arch>.rope.freq_base` is absent. */
 export const DEFAULT_ROPE_THETA = 10000;
@@ -56,7 +56,8 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
     throw new ModelFormatError(`${source}: key length ${headDim} and value length ${valueDim} differ, which is not supported`);
   }
   if (!Number.isInteger(headDim)) {
-    throw new ModelFormatError(`${source}: embedding_length ${dim} is not divisible by head_count ${numHeads}`);
+    throw new ModelFormatError(`${source}: embedding_length ${dim} is not divisible by head_count ${numHeads} ` +
+      `(and ${key('attention.key_length')} is absent)`);
   }
   if (numHeads % numKvHeads !== 0) {
     throw new ModelFormatError(`${source}: head_count ${numHeads} is not a multiple of head_count_kv ${numKvHeads}`);
@@ -72,19 +73,46 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
     numHeads,
     numKvHeads,
     headDim,
-    ffnDim: required('feed_forward_length'),
+    // Qwen3-MoE files may carry only the experts' size.
+    ffnDim: optional('feed_forward_length') ?? optional('expert_feed_forward_length') ?? required('feed_forward_length'),
     contextLength: required('context_length'),
     rmsNormEps: shortestF32Decimal(required('attention.layer_norm_rms_epsilon')),
     ropeTheta,
     ropeDim,
-    // llama.cpp's converter permutes llama Q/K rows so that adjacent pairs rotate together; qwen2 keeps HF order.
+    // llama.cpp's converter permutes llama Q/K rows so that adjacent pairs rotate together; the Qwens keep HF order.
     ropeStyle: arch === 'llama' ? 'interleaved' : 'neox',
     qkvBias: file.hasTensor('blk.0.attn_q.bias'),
     tiedEmbeddings: !file.hasTensor('output.weight'),
   };
+  if (arch === 'qwen3' || arch === 'qwen3moe') config.qkNorm = true;
+  const moe = ggufMoeConfig(file, arch, config.ffnDim, source);
+  if (moe) config.moe = moe;
+  if (arch === 'qwen3moe' && !moe) throw new ModelFormatError(`${source}: qwen3moe without ${key('expert_count')}`);
+  if (arch === 'phi3' && (file.hasTensor('rope_factors_long.weight') || file.hasTensor('blk.0.rope_factors_long.weight'))) {
+    throw new ModelFormatError(`${source}: Phi-3 with LongRoPE scaling (rope_factors_long.weight, the 128k-context ` +
+      'models) is not supported; the 4k-context models are');
+  }
   const ropeScaling = ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
+}
+
+/**
+ * Experts from `<arch>.expert_count` / `expert_used_count` / `expert_feed_forward_length` (Mixtral: the dense
+ * feed_forward_length is the expert's). llama.cpp renormalizes the top-k router weights for Mixtral and Qwen3-MoE
+ * whatever the file says, so a GGUF model does too.
+ */
+function ggufMoeConfig(file: GgufFile, arch: Architecture, ffnDim: number, source: string): MoeConfig | undefined {
+  const numExperts = uniformNumber(file, `${arch}.expert_count`, source) ?? 0;
+  if (numExperts === 0) return undefined;
+  const numExpertsUsed = uniformNumber(file, `${arch}.expert_used_count`, source);
+  if (numExpertsUsed === undefined || !(numExpertsUsed > 0 && numExpertsUsed <= numExperts)) {
+    throw new ModelFormatError(`${source}: ${arch}.expert_used_count must be between 1 and expert_count ${numExperts}`);
+  }
+  const expertFfnDim = uniformNumber(file, `${arch}.expert_feed_forward_length`, source) ??
+    (arch === 'llama' ? ffnDim : 0);
+  if (!(expertFfnDim > 0)) throw new ModelFormatError(`${source}: ${arch}.expert_feed_forward_length is missing`);
+  return { numExperts, numExpertsUsed, expertFfnDim, normalizeTopK: true };
 }
 
 /** A numeric key that may also be stored per layer (an array); per-layer values must all be equal. */
@@ -250,22 +278,41 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const p = `blk.${i}.`;
+    // Experts: every expert's matrix in one tensor with a third dimension (llama.cpp's ffn_*_exps).
+    const ffn = config.moe ? '_exps' : '';
+    if (config.moe && file.hasTensor(`${p}ffn_gate.0.weight`)) {
+      throw new ModelFormatError(`${source}: experts stored one tensor each (${p}ffn_gate.0.weight, an old ` +
+        'Mixtral conversion) are not supported; convert the model again with llama.cpp for merged ffn_*_exps tensors');
+    }
+    // Phi-3 fuses Q, K, V into attn_qkv and gate and up into ffn_up (gate first): split into row ranges, no copy.
+    const qkDim = config.numHeads * config.headDim;
+    const kvDim = config.numKvHeads * config.headDim;
+    const phi3 = config.architecture === 'phi3';
+    const fusedQkv = phi3 && file.hasTensor(`${p}attn_qkv.weight`)
+      ? splitRows(get(`${p}attn_qkv.weight`), [qkDim, kvDim, kvDim], source) : undefined;
+    const fusedUp = phi3 && !file.hasTensor(`${p}ffn_gate.weight`)
+      ? splitRows(get(`${p}ffn_up.weight`), [config.ffnDim, config.ffnDim], source) : undefined;
     const layer: LayerWeights = {
       attnNorm: get(`${p}attn_norm.weight`),
-      wq: get(`${p}attn_q.weight`),
-      wk: get(`${p}attn_k.weight`),
-      wv: get(`${p}attn_v.weight`),
+      wq: fusedQkv?.[0] ?? get(`${p}attn_q.weight`),
+      wk: fusedQkv?.[1] ?? get(`${p}attn_k.weight`),
+      wv: fusedQkv?.[2] ?? get(`${p}attn_v.weight`),
       wo: get(`${p}attn_output.weight`),
       ffnNorm: get(`${p}ffn_norm.weight`),
-      wGate: get(`${p}ffn_gate.weight`),
-      wUp: get(`${p}ffn_up.weight`),
-      wDown: get(`${p}ffn_down.weight`),
+      wGate: fusedUp?.[0] ?? get(`${p}ffn_gate${ffn}.weight`),
+      wUp: fusedUp?.[1] ?? get(`${p}ffn_up${ffn}.weight`),
+      wDown: get(`${p}ffn_down${ffn}.weight`),
     };
     if (config.qkvBias) {
       layer.bq = get(`${p}attn_q.bias`);
       layer.bk = get(`${p}attn_k.bias`);
       layer.bv = get(`${p}attn_v.bias`);
     }
+    if (config.qkNorm) {
+      layer.qNorm = get(`${p}attn_q_norm.weight`);
+      layer.kNorm = get(`${p}attn_k_norm.weight`);
+    }
+    if (config.moe) layer.ffnGateInp = get(`${p}ffn_gate_inp.weight`);
     layers.push(layer);
   }
   const weights: ModelWeights = {
@@ -278,6 +325,26 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
   return weights;
 }
 
+/**
+ * A fused matrix (rows of several projections one after the other) as one tensor per projection: views of its
+ * bytes, `rows[i]` rows each. Throws when the fused tensor does not have exactly that many rows.
+ */
+export function splitRows(t: Tensor, rows: number[], source: string): Tensor[] {
+  const total = rows.reduce((a, b) => a + b, 0);
+  if (t.shape.length !== 2 || t.shape[1] !== total) {
+    throw new ModelFormatError(`${source}: fused tensor ${t.name} has shape [${t.shape.join(', ')}], expected ` +
+      `[${t.shape[0]}, ${total}] from the model config`);
+  }
+  const rowBytes = t.data.byteLength / total;
+  let first = 0;
+  return rows.map((n, i) => {
+    const part: Tensor = { name: `${t.name}[${i}]`, type: t.type, shape: [t.shape[0]!, n],
+      data: t.data.subarray(first * rowBytes, (first + n) * rowBytes) };
+    first += n;
+    return part;
+  });
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Checks shared by every format
 
@@ -285,17 +352,20 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
 export function expectedShapes(config: ModelConfig): {
   tokenEmbedding: number[]; outputNorm: number[]; output: number[]; layer: Record<keyof LayerWeights, number[]>;
 } {
-  const { dim, vocabSize, numHeads, numKvHeads, headDim, ffnDim } = config;
+  const { dim, vocabSize, numHeads, numKvHeads, headDim, moe } = config;
   const qDim = numHeads * headDim;
   const kvDim = numKvHeads * headDim;
+  const ffnDim = moe ? moe.expertFfnDim : config.ffnDim;
+  const experts = moe ? [moe.numExperts] : [];
   return {
     tokenEmbedding: [dim, vocabSize],
     outputNorm: [dim],
     output: [dim, vocabSize],
     layer: {
       attnNorm: [dim], wq: [dim, qDim], wk: [dim, kvDim], wv: [dim, kvDim], wo: [qDim, dim],
-      bq: [qDim], bk: [kvDim], bv: [kvDim],
-      ffnNorm: [dim], wGate: [dim, ffnDim], wUp: [dim, ffnDim], wDown: [ffnDim, dim],
+      bq: [qDim], bk: [kvDim], bv: [kvDim], qNorm: [headDim], kNorm: [headDim],
+      ffnNorm: [dim], wGate: [dim, ffnDim, ...experts], wUp: [dim, ffnDim, ...experts],
+      wDown: [ffnDim, dim, ...experts], ffnGateInp: [dim, moe?.numExperts ?? 0],
     },
   };
 }

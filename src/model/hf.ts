@@ -10,8 +10,8 @@
 import { existsSync } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
-import type { Architecture, ModelConfig, RopeScaling } from './config.ts';
-import { checkWeights, DEFAULT_ROPE_THETA, ModelFormatError } from './gguf-model.ts';
+import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
+import { checkWeights, DEFAULT_ROPE_THETA, ModelFormatError, splitRows } from './gguf-model.ts';
 import { readSafetensorsAsync } from './safetensors.ts';
 import type { SafetensorsFile } from './safetensors.ts';
 import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
@@ -19,6 +19,11 @@ import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
 const ARCHITECTURES: Readonly<Record<string, Architecture>> = {
   LlamaForCausalLM: 'llama',
   Qwen2ForCausalLM: 'qwen2',
+  Qwen3ForCausalLM: 'qwen3',
+  Qwen3MoeForCausalLM: 'qwen3moe',
+  // Mixtral is the llama layout with experts (llama.cpp converts it to a `llama` GGUF).
+  MixtralForCausalLM: 'llama',
+  Phi3ForCausalLM: 'phi3',
 };
 
 export interface HfModel {
@@ -125,13 +130,38 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
     ropeDim: headDim,
     ropeStyle: 'neox',
-    // Qwen2 always has Q/K/V biases; Llama has them only when attention_bias says so.
+    // Qwen2 always has Q/K/V biases; Llama and Qwen3 have them only when attention_bias says so.
     qkvBias: architecture === 'qwen2' || json['attention_bias'] === true,
     tiedEmbeddings: json['tie_word_embeddings'] === true,
   };
+  if (architecture === 'qwen3' || architecture === 'qwen3moe') config.qkNorm = true;
+  const moe = hfMoeConfig(json, declared!, source);
+  if (moe) config.moe = moe;
   const ropeScaling = hfRopeScaling(json['rope_scaling'], source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
+}
+
+/** Experts of Qwen3-MoE (every layer sparse) and Mixtral; undefined for a dense architecture. */
+function hfMoeConfig(json: Record<string, unknown>, declared: string, source: string): MoeConfig | undefined {
+  const num = (key: string): number => {
+    const v = json[key];
+    if (typeof v !== 'number') throw new ModelFormatError(`${source}: config.json ${key} is missing or not a number`);
+    return v;
+  };
+  if (declared === 'MixtralForCausalLM') {
+    return { numExperts: num('num_local_experts'), numExpertsUsed: num('num_experts_per_tok'),
+      expertFfnDim: num('intermediate_size'), normalizeTopK: true };
+  }
+  if (declared !== 'Qwen3MoeForCausalLM') return undefined;
+  const denseLayers = json['mlp_only_layers'];
+  const sparseStep = json['decoder_sparse_step'] ?? 1;
+  if ((Array.isArray(denseLayers) && denseLayers.length > 0) || sparseStep !== 1) {
+    throw new ModelFormatError(`${source}: Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not ` +
+      'supported');
+  }
+  return { numExperts: num('num_experts'), numExpertsUsed: num('num_experts_per_tok'),
+    expertFfnDim: num('moe_intermediate_size'), normalizeTopK: json['norm_topk_prob'] !== false };
 }
 
 function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined {
@@ -155,7 +185,7 @@ function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined 
       originalContextLength: num('original_max_position_embeddings'),
     };
     default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
-      '(supported: default, linear, llama3)');
+      '(supported: default, linear, llama3; not longrope, the 128k-context Phi-3 models)');
   }
 }
 
@@ -214,13 +244,47 @@ const LAYER_TENSORS: Readonly<Record<keyof LayerWeights, string>> = {
   bq: 'self_attn.q_proj.bias',
   bk: 'self_attn.k_proj.bias',
   bv: 'self_attn.v_proj.bias',
+  qNorm: 'self_attn.q_norm.weight',
+  kNorm: 'self_attn.k_norm.weight',
   ffnNorm: 'post_attention_layernorm.weight',
   wGate: 'mlp.gate_proj.weight',
   wUp: 'mlp.up_proj.weight',
   wDown: 'mlp.down_proj.weight',
+  ffnGateInp: 'mlp.gate.weight',
 };
 
 const BIAS_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['bq', 'bk', 'bv']);
+const QK_NORM_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['qNorm', 'kNorm']);
+const FFN_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['wGate', 'wUp', 'wDown', 'ffnGateInp']);
+
+/** HF names of a layer's experts: the router, and expert e's gate, up and down matrices. */
+function expertNames(mixtral: boolean, layer: number): {
+  router: string; gate: (e: number) => string; up: (e: number) => string; down: (e: number) => string;
+} {
+  const p = `model.layers.${layer}.`;
+  if (mixtral) {
+    return { router: `${p}block_sparse_moe.gate.weight`, gate: (e) => `${p}block_sparse_moe.experts.${e}.w1.weight`,
+      up: (e) => `${p}block_sparse_moe.experts.${e}.w3.weight`, down: (e) => `${p}block_sparse_moe.experts.${e}.w2.weight` };
+  }
+  return { router: `${p}mlp.gate.weight`, gate: (e) => `${p}mlp.experts.${e}.gate_proj.weight`,
+    up: (e) => `${p}mlp.experts.${e}.up_proj.weight`, down: (e) => `${p}mlp.experts.${e}.down_proj.weight` };
+}
+
+/**
+ * One expert matrix per expert (HF) as one tensor with a third dimension (llama.cpp's ffn_*_exps layout, what the
+ * backends take): the experts' bytes copied back to back. Every expert must have the same type and shape.
+ */
+function stackExperts(name: string, experts: Tensor[], source: string): Tensor {
+  const first = experts[0]!;
+  for (const t of experts) {
+    if (t.type !== first.type || t.shape.join() !== first.shape.join()) {
+      throw new ModelFormatError(`${source}: expert tensor ${t.name} differs in type or shape from ${first.name}`);
+    }
+  }
+  const data = new Uint8Array(first.data.byteLength * experts.length);
+  experts.forEach((t, e) => data.set(t.data, e * first.data.byteLength));
+  return { name, type: first.type, shape: [...first.shape, experts.length], data };
+}
 
 export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: string): ModelWeights {
   const get = (name: string): Tensor => {
@@ -232,9 +296,28 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const layer: Partial<LayerWeights> = {};
+    const p = `model.layers.${i}.`;
+    if (config.architecture === 'phi3') {
+      // Fused Q/K/V and gate/up (gate first), split into views.
+      const kvDim = config.numKvHeads * config.headDim;
+      [layer.wq, layer.wk, layer.wv] = splitRows(get(`${p}self_attn.qkv_proj.weight`),
+        [config.numHeads * config.headDim, kvDim, kvDim], source);
+      [layer.wGate, layer.wUp] = splitRows(get(`${p}mlp.gate_up_proj.weight`), [config.ffnDim, config.ffnDim], source);
+    }
     for (const [field, suffix] of Object.entries(LAYER_TENSORS) as [keyof LayerWeights, string][]) {
+      if (layer[field]) continue;
       if (BIAS_FIELDS.has(field) && !config.qkvBias) continue;
+      if (QK_NORM_FIELDS.has(field) && !config.qkNorm) continue;
+      if (FFN_FIELDS.has(field) && (config.moe || field === 'ffnGateInp')) continue;
       layer[field] = get(`model.layers.${i}.${suffix}`);
+    }
+    if (config.moe) {
+      const names = expertNames(index.has(expertNames(true, i).router), i);
+      const experts = Array.from({ length: config.moe.numExperts }, (_, e) => e);
+      layer.ffnGateInp = get(names.router);
+      layer.wGate = stackExperts(`blk.${i}.ffn_gate_exps`, experts.map((e) => get(names.gate(e))), source);
+      layer.wUp = stackExperts(`blk.${i}.ffn_up_exps`, experts.map((e) => get(names.up(e))), source);
+      layer.wDown = stackExperts(`blk.${i}.ffn_down_exps`, experts.map((e) => get(names.down(e))), source);
     }
     layers.push(layer as LayerWeights);
   }

@@ -140,6 +140,10 @@ function emptyLayers(base: ModelConfig): Partial<Record<LoraTarget, LoraMatrix>>
 function checkedShape(path: string, base: ModelConfig, layer: number, weight: string, target: LoraTarget,
   aShape: readonly number[], bShape: readonly number[]): [number, number] {
   if (layer >= base.numLayers) throw new LoraAdapterError(`${path}: ${weight} is in layer ${layer}, the base model has ${base.numLayers} layers`);
+  // A mixture-of-experts base has no single gate/up/down matrix for a low-rank product to join.
+  if (base.moe && (target === 'wGate' || target === 'wUp' || target === 'wDown')) {
+    throw new LoraAdapterError(`${path}: ${weight} adapts a feed-forward matrix, but the base model's feed-forward layers are experts (adapters of expert weights are not supported)`);
+  }
   const [inDim, outDim] = loraTargetShape(base, target);
   const describe = (shape: readonly number[]) => `[${shape.join(', ')}]`;
   if (aShape.length !== 2 || bShape.length !== 2 || aShape[0] !== inDim || bShape[1] !== outDim || aShape[1] !== bShape[0] || !(aShape[1]! > 0)) {

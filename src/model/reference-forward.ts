@@ -1,13 +1,15 @@
-// The reference forward pass of the Llama family (Llama 2/3, Qwen2): readable f32 math, the oracle that the
-// native kernels and the paged reference backend are tested against.
+// The reference forward pass of the Llama family (Llama 2/3, Mixtral, Qwen2, Qwen3, Qwen3-MoE): readable f32 math,
+// the oracle that the native kernels and the paged reference backend are tested against.
 //
 // Per token x (one row of `dim` floats), for each layer:
 //   h   = rmsnorm(x) * attnNorm
 //   q,k,v = Wq h (+bq), Wk h (+bk), Wv h (+bv)      Qwen2 has the biases
+//   q,k = rmsnorm(each head of q) * qNorm, ... kNorm  Qwen3 only
 //   q,k = rope(q, k, position)
 //   x  += Wo attention(q, cached k and v of positions 0..position)
 //   h   = rmsnorm(x) * ffnNorm
 //   x  += Wdown( silu(Wgate h) * (Wup h) )
+//         or, with experts: sum over the router's top-k experts e of weight_e * Wdown_e( silu(Wgate_e h) * (Wup_e h) )
 // logits = Wout (rmsnorm(x) * outputNorm)
 //
 // `ReferenceTransformer` runs that over a flat batch of token rows and leaves the KV cache to its caller, so the
@@ -17,7 +19,7 @@
 import { applyLoraRows, type LoraWeights } from './lora.ts';
 import {
   addBias, addInPlace, applyRope, type AttentionShape, causalAttention, matmul, rmsnorm, ropeAngles,
-  ropeFrequencies, swiglu,
+  ropeFrequencies, routeExperts, swiglu,
 } from './reference-math.ts';
 import type { ModelConfig } from './config.ts';
 import { dequantizeTensor } from './quant.ts';
@@ -35,10 +37,15 @@ export interface DenseLayerWeights {
   bq?: Float32Array;
   bk?: Float32Array;
   bv?: Float32Array;
+  qNorm?: Float32Array;
+  kNorm?: Float32Array;
   ffnNorm: Float32Array;
+  /** With experts, every expert's matrix back to back (expert e at e * rows * cols). */
   wGate: Float32Array;
   wUp: Float32Array;
   wDown: Float32Array;
+  /** The router, [numExperts rows of dim]. */
+  ffnGateInp?: Float32Array;
 }
 
 export interface DenseModelWeights {
@@ -87,7 +94,9 @@ function dense(tensor: Tensor | undefined, expected: number[], what: string): Fl
 
 export function dequantizeModelWeights(config: ModelConfig, weights: ModelWeights): DenseModelWeights {
   checkConfig(config);
-  const { dim, vocabSize, ffnDim } = config;
+  const { dim, vocabSize, headDim, moe } = config;
+  const ffnDim = moe ? moe.expertFfnDim : config.ffnDim;
+  const experts = moe ? [moe.numExperts] : [];
   const qDim = config.numHeads * config.headDim;
   const kvDim = config.numKvHeads * config.headDim;
   if (weights.layers.length !== config.numLayers) {
@@ -107,10 +116,13 @@ export function dequantizeModelWeights(config: ModelConfig, weights: ModelWeight
       bq: bias(layer.bq, qDim, 'query bias'),
       bk: bias(layer.bk, kvDim, 'key bias'),
       bv: bias(layer.bv, kvDim, 'value bias'),
+      qNorm: config.qkNorm ? dense(layer.qNorm, [headDim], `layer ${l} query norm`) : undefined,
+      kNorm: config.qkNorm ? dense(layer.kNorm, [headDim], `layer ${l} key norm`) : undefined,
       ffnNorm: dense(layer.ffnNorm, [dim], `layer ${l} feed-forward norm`),
-      wGate: dense(layer.wGate, [dim, ffnDim], `layer ${l} feed-forward gate`),
-      wUp: dense(layer.wUp, [dim, ffnDim], `layer ${l} feed-forward up projection`),
-      wDown: dense(layer.wDown, [ffnDim, dim], `layer ${l} feed-forward down projection`),
+      wGate: dense(layer.wGate, [dim, ffnDim, ...experts], `layer ${l} feed-forward gate`),
+      wUp: dense(layer.wUp, [dim, ffnDim, ...experts], `layer ${l} feed-forward up projection`),
+      wDown: dense(layer.wDown, [ffnDim, dim, ...experts], `layer ${l} feed-forward down projection`),
+      ffnGateInp: moe ? dense(layer.ffnGateInp, [dim, moe.numExperts], `layer ${l} expert router`) : undefined,
     };
   });
   const tokenEmbedding = dense(weights.tokenEmbedding, [dim, vocabSize], 'token embedding');
@@ -149,7 +161,8 @@ export class ReferenceTransformer {
    */
   run(tokenIds: ArrayLike<number>, positions: ArrayLike<number>, attend: AttendFn,
     logitRows: ArrayLike<number>, rowAdapters?: readonly (LoraWeights | undefined)[]): Float32Array {
-    const { dim, vocabSize, ffnDim, headDim, numHeads, numKvHeads, rmsNormEps: eps } = this.config;
+    const { dim, vocabSize, headDim, numHeads, numKvHeads, rmsNormEps: eps, moe } = this.config;
+    const ffnDim = moe ? moe.expertFfnDim : this.config.ffnDim;
     const numRows = tokenIds.length;
     if (positions.length !== numRows) {
       throw new RangeError(`forward: ${numRows} tokens but ${positions.length} positions`);
@@ -200,6 +213,8 @@ export class ReferenceTransformer {
       if (layer.bq) addBias(q, layer.bq, numRows, qDim);
       if (layer.bk) addBias(k, layer.bk, numRows, kvDim);
       if (layer.bv) addBias(v, layer.bv, numRows, kvDim);
+      if (layer.qNorm) rmsnorm(q, q, layer.qNorm, numRows * numHeads, headDim, eps);
+      if (layer.kNorm) rmsnorm(k, k, layer.kNorm, numRows * numKvHeads, headDim, eps);
       for (let r = 0; r < numRows; r++) {
         ropeAngles(positions[r]!, this.frequencies, cos, sin);
         applyRope(q, r * qDim, numHeads, headDim, this.config.ropeStyle, cos, sin);
@@ -212,6 +227,10 @@ export class ReferenceTransformer {
 
       // Feed-forward block (SwiGLU).
       rmsnorm(h, x, layer.ffnNorm, numRows, dim, eps);
+      if (moe) {
+        this.experts(layer, h, x, numRows);
+        continue;
+      }
       matmul(gate, h, layer.wGate, numRows, dim, ffnDim);
       matmul(up, h, layer.wUp, numRows, dim, ffnDim);
       if (rowAdapters) {
@@ -238,6 +257,32 @@ export class ReferenceTransformer {
     const logits = new Float32Array(numLogitRows * vocabSize);
     matmul(logits, finalRows, w.output, numLogitRows, dim, vocabSize);
     return logits;
+  }
+
+  /** x += the mixture-of-experts block of h, token by token (the plain way; the native backend groups by expert). */
+  private experts(layer: DenseLayerWeights, h: Float32Array, x: Float32Array, numRows: number): void {
+    const { dim } = this.config;
+    const { numExperts, numExpertsUsed, expertFfnDim: ffnDim, normalizeTopK } = this.config.moe!;
+    const scores = new Float32Array(numExperts);
+    const row = new Float32Array(dim);
+    const gate = new Float32Array(ffnDim);
+    const up = new Float32Array(ffnDim);
+    const out = new Float32Array(dim);
+    const gateUpSize = ffnDim * dim;
+    for (let r = 0; r < numRows; r++) {
+      row.set(h.subarray(r * dim, (r + 1) * dim));
+      matmul(scores, row, layer.ffnGateInp!, 1, dim, numExperts);
+      const { experts, weights } = routeExperts(scores, 0, numExperts, numExpertsUsed, normalizeTopK);
+      const sum = new Float64Array(dim);
+      experts.forEach((e, i) => {
+        matmul(gate, row, layer.wGate.subarray(e * gateUpSize, (e + 1) * gateUpSize), 1, dim, ffnDim);
+        matmul(up, row, layer.wUp.subarray(e * gateUpSize, (e + 1) * gateUpSize), 1, dim, ffnDim);
+        swiglu(gate, up, ffnDim);
+        matmul(out, gate, layer.wDown.subarray(e * gateUpSize, (e + 1) * gateUpSize), 1, ffnDim, dim);
+        for (let d = 0; d < dim; d++) sum[d] = sum[d]! + weights[i]! * out[d]!;
+      });
+      for (let d = 0; d < dim; d++) x[r * dim + d] = x[r * dim + d]! + sum[d]!;
+    }
   }
 }
 

@@ -86,6 +86,26 @@ export function swiglu(gate: Float32Array, up: Float32Array, length: number): vo
   for (let i = 0; i < length; i++) gate[i] = silu(gate[i]!) * up[i]!;
 }
 
+/**
+ * Mixture-of-experts routing of one token: softmax over the router's `numExperts` scores at scores[offset ..], the
+ * `numUsed` most probable experts (the lower index first on ties) in descending order, and their weights: the
+ * probabilities, divided by their sum when `normalize`.
+ */
+export function routeExperts(scores: Float32Array, offset: number, numExperts: number, numUsed: number,
+  normalize: boolean): { experts: number[]; weights: number[] } {
+  const probabilities = Float64Array.from(scores.subarray(offset, offset + numExperts));
+  softmax(probabilities, 0, numExperts);
+  const order = Array.from({ length: numExperts }, (_, e) => e)
+    .sort((a, b) => probabilities[b]! - probabilities[a]! || a - b)
+    .slice(0, numUsed);
+  const weights = order.map((e) => probabilities[e]!);
+  if (normalize) {
+    const sum = weights.reduce((a, b) => a + b, 0);
+    for (let i = 0; i < weights.length; i++) weights[i] = weights[i]! / sum;
+  }
+  return { experts: order, weights };
+}
+
 /** Index of the largest of x[offset .. offset+length); the first one on ties. */
 export function argmax(x: Float32Array, offset: number, length: number): number {
   let best = 0;

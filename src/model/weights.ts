@@ -23,10 +23,20 @@ export interface LayerWeights {
   bq?: Tensor;
   bk?: Tensor;
   bv?: Tensor;
+  /** Per-head RMS norm weights of Q and K ([headDim]), when the config has qkNorm. */
+  qNorm?: Tensor;
+  kNorm?: Tensor;
   ffnNorm: Tensor;
+  /**
+   * The SwiGLU matrices. With experts (config.moe) each holds every expert's matrix back to back, a third ggml
+   * dimension: gate and up [dim, expertFfnDim, numExperts], down [expertFfnDim, dim, numExperts] (llama.cpp's
+   * ffn_*_exps layout).
+   */
   wGate: Tensor;
   wUp: Tensor;
   wDown: Tensor;
+  /** The router of a mixture-of-experts layer, [dim, numExperts]. */
+  ffnGateInp?: Tensor;
 }
 
 export interface ModelWeights {

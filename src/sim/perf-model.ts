@@ -18,7 +18,7 @@ import type { HardwareProfile, LinkProfile } from './hardware.ts';
 import { matmulPeakFlopsPerSec } from './hardware.ts';
 import type { ModelProfile } from './models.ts';
 import {
-  kvBytesPerToken, layerMatmulParamCount, lmHeadParamCount, paramCount, streamedParamCount,
+  activeMatmulParamCount, kvBytesPerToken, lmHeadParamCount, paramCount, streamedParamCount,
 } from './models.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -159,6 +159,12 @@ function checkShape(step: StepShape): void {
   }
 }
 
+/** Intermediate width one token's FFN pass goes through (its experts' together with experts). */
+function activeFfnDim(model: ModelProfile): number {
+  if (!model.moe) return model.ffnDim;
+  return (model.moe.numExpertsUsed + model.moe.numSharedExperts) * model.moe.expertFfnDim;
+}
+
 /** The work one GPU does in a step, before any hardware speed is applied. */
 export function stepWork(step: StepShape, model: ModelProfile, tp: number): StepWork {
   checkShape(step);
@@ -175,10 +181,11 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
   }
   // Every token goes through every layer; only sampled positions go through the LM head (engines slice the hidden
   // states to those rows before it).
-  const matmulFlops = (2 * (model.numLayers * layerMatmulParamCount(model) * newTokens
+  // With experts a token multiplies by its top-k only, and the step streams the experts its tokens chose.
+  const matmulFlops = (2 * (activeMatmulParamCount(model) * newTokens
     + lmHeadParamCount(model) * sampledTokens)) / tp;
   // Norm scales are replicated rather than sharded, but they are under 0.01% of the bytes: divide everything by tp.
-  const weightBytes = (streamedParamCount(model) * model.weightBytesPerParam) / tp;
+  const weightBytes = (streamedParamCount(model, newTokens) * model.weightBytesPerParam) / tp;
 
   // Attention FLOPs per attended key: 4 x headDim per query head per layer; query heads split evenly over the group.
   const attnFlopsPerKey = (4 * model.numLayers * model.numHeads * model.headDim) / tp;
@@ -206,7 +213,7 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
     logitsGatherPayloadBytes: tpComm ? sampledTokens * model.vocabSize * model.activationBytesPerElement : 0,
     // Norms and residuals run on the whole hidden state on every GPU; the FFN intermediate is split tp ways.
     hiddenPassBytes: newTokens * model.numLayers * model.hiddenDim * model.activationBytesPerElement,
-    ffnPassBytes: newTokens * model.numLayers * (model.ffnDim / tp) * model.activationBytesPerElement,
+    ffnPassBytes: newTokens * model.numLayers * (activeFfnDim(model) / tp) * model.activationBytesPerElement,
   };
 }
 

@@ -122,7 +122,7 @@ describe('Hugging Face folder variants', () => {
   it('names what it cannot load', async () => {
     const mistral = tempDir();
     writeTinyHf(mistral, makeTinyModel(), { configOverrides: { architectures: ['MistralForCausalLM'] } });
-    await assert.rejects(loadModel(mistral), /architecture MistralForCausalLM is not supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM\)/);
+    await assert.rejects(loadModel(mistral), /architecture MistralForCausalLM is not supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM\)/);
 
     const yarn = tempDir();
     writeTinyHf(yarn, makeTinyModel(), { configOverrides: { rope_scaling: { rope_type: 'yarn', factor: 4 } } });

@@ -1,0 +1,339 @@
+// Random-weight models of each supported architecture beyond Llama 2 (Qwen3 with tied and untied embeddings,
+// Qwen3-MoE, Mixtral), written by the project's GGUF writer with a real vocabulary, and the same weights as a Hugging
+// Face folder (safetensors, config.json, a tokenizer.json built from the vocabulary). The bytes depend only on the
+// spec and the vocabulary file, so llama.cpp's greedy outputs recorded once for a file (test/data/arch/, by
+// record-llama-cpp.ts there) hold for the file a test writes again; the recording keeps each file's sha256.
+//
+// Values are generated in GGUF row order. For a llama-architecture file that is llama.cpp's interleaved RoPE order
+// of the Q/K rows, so the HF writer moves those rows back to neox order as a real checkpoint has them; the Qwens keep
+// HF order in GGUF.
+
+import { mkdirSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { GgmlType } from '../../src/model/ggml-types.ts';
+import { GgufValueType, readGguf } from '../../src/model/gguf.ts';
+import type { GgufValue } from '../../src/model/gguf.ts';
+import { writeGguf } from '../../src/model/gguf-writer.ts';
+import type { GgufTensorToWrite, GgufValueTypeSpec } from '../../src/model/gguf-writer.ts';
+import { interleavedRowOrder } from '../../src/model/hf.ts';
+import { quantize } from '../../src/model/quant.ts';
+import { writeSafetensors } from '../../src/model/safetensors.ts';
+import type { SafetensorsTensorData } from '../../src/model/safetensors.ts';
+import { LLAMA_SPM_TOKENIZER_PATH, SeededRandom } from '../../src/model/synthetic.ts';
+import { hashString } from '../../src/util/random.ts';
+import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { byteLevelJson, HF_TOKENIZER_CONFIGS, sentencePieceJson } from './hf-tokenizer-json.ts';
+import { invert, reorderRows } from './loader-fixtures.ts';
+
+export interface ArchModelSpec {
+  name: string;
+  architecture: 'qwen3' | 'qwen3moe' | 'llama' | 'phi3';
+  /** The vocabulary: Qwen2's (also Qwen3's) or Phi-3's from ../shared/models, or the Llama 2 one shipped in assets/. */
+  vocab: 'qwen2' | 'llama-spm' | 'phi-3';
+  dim: number;
+  numLayers: number;
+  numHeads: number;
+  numKvHeads: number;
+  headDim: number;
+  ffnDim: number;
+  moe?: { numExperts: number; numExpertsUsed: number; expertFfnDim: number };
+  /** Router weights' std times sqrt(dim) (default 2): larger keeps the top-k far from ties. */
+  routerGain?: number;
+  tied: boolean;
+  seed: number;
+  contextLength: number;
+  ropeTheta: number;
+  rmsNormEps: number;
+}
+
+const QWEN3_BASE = {
+  architecture: 'qwen3', vocab: 'qwen2', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+  // Qwen3's head size is its own: 32 here, not dim / numHeads = 16.
+  headDim: 32, ffnDim: 128, contextLength: 512, ropeTheta: 1000000, rmsNormEps: 1e-6,
+} as const;
+
+export const ARCH_MODELS: readonly ArchModelSpec[] = [
+  { ...QWEN3_BASE, name: 'qwen3-tied', tied: true, seed: 301 },
+  { ...QWEN3_BASE, name: 'qwen3-untied', tied: false, seed: 302 },
+  {
+    ...QWEN3_BASE, name: 'qwen3moe', architecture: 'qwen3moe', tied: false, seed: 303, ffnDim: 96,
+    moe: { numExperts: 8, numExpertsUsed: 2, expertFfnDim: 32 },
+  },
+  {
+    name: 'mixtral', architecture: 'llama', vocab: 'llama-spm', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+    headDim: 16, ffnDim: 64, contextLength: 512, ropeTheta: 1000000, rmsNormEps: 1e-5, tied: true, seed: 304,
+    moe: { numExperts: 4, numExpertsUsed: 2, expertFfnDim: 64 },
+  },
+  {
+    // Phi-3 (4k context): fused QKV and gate/up, neox RoPE, untied; GQA as in Phi-3-medium.
+    name: 'phi3', architecture: 'phi3', vocab: 'phi-3', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+    headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 306,
+  },
+];
+
+/**
+ * A mixture-of-experts model for the kernel tests (no llama.cpp recording): rows of 256 so that every quant type of
+ * the dense path (Q8_0, Q4_0, Q4_K, Q6_K) can store the experts, the Llama 2 vocabulary shipped in assets/.
+ */
+export const MOE_KERNEL_MODEL: ArchModelSpec = {
+  name: 'moe-kernels', architecture: 'qwen3moe', vocab: 'llama-spm', dim: 256, numLayers: 2, numHeads: 4,
+  numKvHeads: 2, headDim: 64, ffnDim: 512, contextLength: 256, ropeTheta: 1000000, rmsNormEps: 1e-6, tied: true,
+  seed: 305, moe: { numExperts: 8, numExpertsUsed: 3, expertFfnDim: 256 },
+  // Router scores of std 8: 8-bit activations move them by about 1e-2, far less than the gaps between experts, so
+  // the native kernels pick the reference's experts and a logit comparison measures the matmuls, not a flipped choice.
+  routerGain: 8,
+};
+
+export function archModel(name: string): ArchModelSpec {
+  const spec = ARCH_MODELS.find((m) => m.name === name);
+  if (!spec) throw new Error(`no architecture test model ${name}`);
+  return spec;
+}
+
+/** Prompts of the golden tests: English, code, numbers, and text outside ASCII. */
+export const ARCH_PROMPTS: readonly string[] = [
+  'Once upon a time',
+  'The capital of France is',
+  'def fibonacci(n):\n    return',
+  '1, 2, 3, 5, 8,',
+  'Größe und 日本語のテキスト',
+];
+
+/** Tokens generated per prompt. */
+export const ARCH_NEW_TOKENS = 24;
+
+export function vocabPath(spec: ArchModelSpec): string | undefined {
+  return spec.vocab === 'llama-spm' ? LLAMA_SPM_TOKENIZER_PATH : sharedModel(`ggml-vocab-${spec.vocab}.gguf`);
+}
+
+/** The `skip` option of a suite that needs this model's vocabulary. */
+export function skipUnlessVocabFor(spec: ArchModelSpec): string | false {
+  return spec.vocab === 'llama-spm' ? false : skipUnlessShared(`ggml-vocab-${spec.vocab}.gguf`);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Values
+
+interface Values {
+  /** ggml order. */
+  shape: number[];
+  values: Float32Array;
+}
+
+/** Every tensor by GGUF name, in GGUF row order. */
+export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string, Values> {
+  const { dim, numHeads, numKvHeads, headDim, moe } = spec;
+  const tensors = new Map<string, Values>();
+  const add = (name: string, shape: number[], std: number, mean = 0): void => {
+    const random = new SeededRandom((spec.seed ^ hashString(name)) >>> 0);
+    const values = random.fillNormal(new Float32Array(shape.reduce((a, b) => a * b, 1)), std);
+    if (mean !== 0) for (let i = 0; i < values.length; i++) values[i] = values[i]! + mean;
+    tensors.set(name, { shape, values });
+  };
+  const qDim = numHeads * headDim;
+  const kvDim = numKvHeads * headDim;
+  // Scales as in src/model/synthetic.ts (unit-RMS inputs, large FFN gain) so greedy text wanders instead of looping,
+  // with logits peaked enough that the argmax is far from a tie.
+  add('token_embd.weight', [dim, vocabSize], 0.5);
+  add('output_norm.weight', [dim], 0.1, 1);
+  if (!spec.tied) add('output.weight', [dim, vocabSize], 0.5);
+  for (let i = 0; i < spec.numLayers; i++) {
+    const p = `blk.${i}.`;
+    add(`${p}attn_norm.weight`, [dim], 0.1, 1);
+    add(`${p}attn_q.weight`, [dim, qDim], 1 / Math.sqrt(dim));
+    add(`${p}attn_k.weight`, [dim, kvDim], 1 / Math.sqrt(dim));
+    add(`${p}attn_v.weight`, [dim, kvDim], 1 / Math.sqrt(dim));
+    if (spec.architecture === 'qwen3' || spec.architecture === 'qwen3moe') {
+      add(`${p}attn_q_norm.weight`, [headDim], 0.3, 1);
+      add(`${p}attn_k_norm.weight`, [headDim], 0.3, 1);
+    }
+    add(`${p}attn_output.weight`, [qDim, dim], 0.5 / Math.sqrt(qDim));
+    add(`${p}ffn_norm.weight`, [dim], 0.1, 1);
+    if (moe) {
+      const { numExperts: e, expertFfnDim: f } = moe;
+      add(`${p}ffn_gate_inp.weight`, [dim, e], (spec.routerGain ?? 2) / Math.sqrt(dim));
+      add(`${p}ffn_gate_exps.weight`, [dim, f, e], 1 / Math.sqrt(dim));
+      add(`${p}ffn_up_exps.weight`, [dim, f, e], 1 / Math.sqrt(dim));
+      add(`${p}ffn_down_exps.weight`, [f, dim, e], 4 / Math.sqrt(f));
+    } else {
+      add(`${p}ffn_gate.weight`, [dim, spec.ffnDim], 1 / Math.sqrt(dim));
+      add(`${p}ffn_up.weight`, [dim, spec.ffnDim], 1 / Math.sqrt(dim));
+      add(`${p}ffn_down.weight`, [spec.ffnDim, dim], 4 / Math.sqrt(spec.ffnDim));
+    }
+  }
+  return tensors;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GGUF
+
+/** Hyperparameters llama.cpp reads only as FLOAT32. */
+const FLOAT_KEYS = ['rope.freq_base', 'attention.layer_norm_rms_epsilon'];
+
+/**
+ * Writes the model as GGUF. `type` is the storage type of the 2-D and 3-D weights (norms and the router stay F32, as
+ * llama-quantize keeps them).
+ */
+export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType = GgmlType.F32): void {
+  const vocab = readGguf(vocabPath(spec)!);
+  const tokens = vocab.metadata.get('tokenizer.ggml.tokens') as string[];
+  const a = spec.architecture;
+  const metadata: [string, GgufValue][] = [
+    ['general.architecture', a],
+    ['general.name', spec.name],
+    ['general.file_type', type === GgmlType.F32 ? 0 : type === GgmlType.Q8_0 ? 7 : 1],
+    [`${a}.context_length`, spec.contextLength],
+    [`${a}.embedding_length`, spec.dim],
+    [`${a}.block_count`, spec.numLayers],
+    [`${a}.feed_forward_length`, spec.ffnDim],
+    [`${a}.attention.head_count`, spec.numHeads],
+    [`${a}.attention.head_count_kv`, spec.numKvHeads],
+    [`${a}.attention.key_length`, spec.headDim],
+    [`${a}.attention.value_length`, spec.headDim],
+    [`${a}.rope.dimension_count`, spec.headDim],
+    [`${a}.rope.freq_base`, spec.ropeTheta],
+    [`${a}.attention.layer_norm_rms_epsilon`, spec.rmsNormEps],
+  ];
+  if (a === 'phi3') metadata.push([`${a}.rope.scaling.original_context_length`, spec.contextLength]);
+  if (spec.moe) {
+    metadata.push([`${a}.expert_count`, spec.moe.numExperts], [`${a}.expert_used_count`, spec.moe.numExpertsUsed]);
+    if (a === 'qwen3moe') metadata.push([`${a}.expert_feed_forward_length`, spec.moe.expertFfnDim]);
+  }
+  const types = new Map<string, GgufValueTypeSpec>();
+  for (const key of FLOAT_KEYS) types.set(`${a}.${key}`, { type: GgufValueType.FLOAT32 });
+  for (const [key, value] of vocab.metadata) {
+    if (!key.startsWith('tokenizer.')) continue;
+    metadata.push([key, value]);
+    types.set(key, vocab.metadataTypes.get(key)!);
+  }
+  // Qwen's converted files say so; without the key llama.cpp would add a BOS to every prompt.
+  if (spec.vocab === 'qwen2' && spec.architecture !== 'llama') metadata.push(['tokenizer.ggml.add_bos_token', false]);
+  const tensors: GgufTensorToWrite[] = [];
+  for (const [name, t] of ggufLayout(spec, archTensors(spec, tokens.length))) {
+    const tensorType = t.shape.length === 1 || name.includes('ffn_gate_inp') ? GgmlType.F32 : type;
+    tensors.push({
+      name, type: tensorType, shape: t.shape,
+      data: tensorType === GgmlType.F32 ? new Uint8Array(t.values.buffer) : quantize(tensorType, t.values),
+    });
+  }
+  writeGguf(path, { metadata, types, tensors });
+}
+
+/** Phi-3's files fuse Q, K, V into attn_qkv and gate, up into ffn_up (gate first): rows one after the other. */
+function ggufLayout(spec: ArchModelSpec, tensors: Map<string, Values>): Map<string, Values> {
+  if (spec.architecture !== 'phi3') return tensors;
+  const out = new Map<string, Values>();
+  const fuse = (parts: Values[]): Values => {
+    const values = new Float32Array(parts.reduce((n, p) => n + p.values.length, 0));
+    let at = 0;
+    for (const p of parts) { values.set(p.values, at); at += p.values.length; }
+    return { shape: [parts[0]!.shape[0]!, parts.reduce((n, p) => n + p.shape[1]!, 0)], values };
+  };
+  for (const [name, t] of tensors) {
+    const m = /^(blk\.\d+\.)(attn_[qkv]|ffn_gate|ffn_up)\.weight$/.exec(name);
+    if (!m) { out.set(name, t); continue; }
+    if (m[2] === 'attn_q') {
+      out.set(`${m[1]}attn_qkv.weight`, fuse(['q', 'k', 'v'].map((x) => tensors.get(`${m[1]}attn_${x}.weight`)!)));
+    } else if (m[2] === 'ffn_gate') {
+      out.set(`${m[1]}ffn_up.weight`, fuse([t, tensors.get(`${m[1]}ffn_up.weight`)!]));
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Hugging Face folder
+
+const HF_ARCHITECTURES = {
+  qwen3: 'Qwen3ForCausalLM', qwen3moe: 'Qwen3MoeForCausalLM', llama: 'MixtralForCausalLM', phi3: 'Phi3ForCausalLM',
+};
+
+function hfLayerName(spec: ArchModelSpec, part: string): string | undefined {
+  const names: Record<string, string> = {
+    'attn_norm.weight': 'input_layernorm.weight',
+    'attn_q.weight': 'self_attn.q_proj.weight', 'attn_k.weight': 'self_attn.k_proj.weight',
+    'attn_v.weight': 'self_attn.v_proj.weight', 'attn_output.weight': 'self_attn.o_proj.weight',
+    'attn_q_norm.weight': 'self_attn.q_norm.weight', 'attn_k_norm.weight': 'self_attn.k_norm.weight',
+    'ffn_norm.weight': 'post_attention_layernorm.weight',
+    'ffn_gate.weight': 'mlp.gate_proj.weight', 'ffn_up.weight': 'mlp.up_proj.weight',
+    'ffn_down.weight': 'mlp.down_proj.weight',
+    'attn_qkv.weight': 'self_attn.qkv_proj.weight',
+    // Phi-3's fused gate/up is ffn_up in GGUF.
+    ...(spec.architecture === 'phi3' ? { 'ffn_up.weight': 'mlp.gate_up_proj.weight' } : {}),
+    'ffn_gate_inp.weight': spec.architecture === 'llama' ? 'block_sparse_moe.gate.weight' : 'mlp.gate.weight',
+  };
+  return names[part];
+}
+
+function expertName(spec: ArchModelSpec, part: 'gate' | 'up' | 'down', e: number): string {
+  if (spec.architecture === 'llama') return `block_sparse_moe.experts.${e}.${{ gate: 'w1', up: 'w3', down: 'w2' }[part]}.weight`;
+  return `mlp.experts.${e}.${part}_proj.weight`;
+}
+
+function f32Bytes(values: Float32Array): Uint8Array {
+  return new Uint8Array(values.slice().buffer);
+}
+
+/** Writes the same weights (F32) as a Hugging Face folder with a tokenizer.json built from the vocabulary. */
+export function writeArchHf(spec: ArchModelSpec, dir: string): void {
+  mkdirSync(dir, { recursive: true });
+  const vocab = readGguf(vocabPath(spec)!);
+  const vocabSize = (vocab.metadata.get('tokenizer.ggml.tokens') as string[]).length;
+  const out: SafetensorsTensorData[] = [];
+  const push = (name: string, shape: number[], values: Float32Array): void => {
+    out.push({ name, dtype: 'F32', shape: [...shape].reverse(), data: f32Bytes(values) });
+  };
+  for (const [name, t] of ggufLayout(spec, archTensors(spec, vocabSize))) {
+    if (name === 'token_embd.weight') { push('model.embed_tokens.weight', t.shape, t.values); continue; }
+    if (name === 'output_norm.weight') { push('model.norm.weight', t.shape, t.values); continue; }
+    if (name === 'output.weight') { push('lm_head.weight', t.shape, t.values); continue; }
+    const [, layer, part] = /^blk\.(\d+)\.(.+)$/.exec(name)!;
+    const prefix = `model.layers.${layer}.`;
+    const experts = /^ffn_(gate|up|down)_exps\.weight$/.exec(part!);
+    if (experts) {
+      const [cols, rows, count] = t.shape as [number, number, number];
+      for (let e = 0; e < count; e++) {
+        push(prefix + expertName(spec, experts[1] as 'gate' | 'up' | 'down', e), [cols, rows],
+          t.values.subarray(e * cols * rows, (e + 1) * cols * rows));
+      }
+      continue;
+    }
+    let values = t.values;
+    if (spec.architecture === 'llama' && /^attn_[qk]\.weight$/.test(part!)) {
+      const heads = part!.startsWith('attn_q') ? spec.numHeads : spec.numKvHeads;
+      values = reorderRows(values, t.shape[0]!, invert(interleavedRowOrder(heads, spec.headDim)));
+    }
+    push(prefix + hfLayerName(spec, part!)!, t.shape, values);
+  }
+  writeSafetensors(join(dir, 'model.safetensors'), out, { format: 'pt' });
+  const config: Record<string, unknown> = {
+    architectures: [HF_ARCHITECTURES[spec.architecture]],
+    model_type: { llama: 'mixtral', qwen3: 'qwen3', qwen3moe: 'qwen3_moe', phi3: 'phi3' }[spec.architecture],
+    hidden_size: spec.dim,
+    num_hidden_layers: spec.numLayers,
+    num_attention_heads: spec.numHeads,
+    num_key_value_heads: spec.numKvHeads,
+    head_dim: spec.headDim,
+    intermediate_size: spec.architecture === 'llama' ? spec.moe!.expertFfnDim : spec.ffnDim,
+    ...(spec.architecture === 'phi3' ? { original_max_position_embeddings: spec.contextLength, rope_scaling: null } : {}),
+    max_position_embeddings: spec.contextLength,
+    rms_norm_eps: spec.rmsNormEps,
+    rope_theta: spec.ropeTheta,
+    attention_bias: false,
+    tie_word_embeddings: spec.tied,
+    vocab_size: vocabSize,
+    torch_dtype: 'float32',
+  };
+  if (spec.architecture === 'qwen3moe') {
+    Object.assign(config, { num_experts: spec.moe!.numExperts, num_experts_per_tok: spec.moe!.numExpertsUsed,
+      moe_intermediate_size: spec.moe!.expertFfnDim, norm_topk_prob: true, decoder_sparse_step: 1, mlp_only_layers: [] });
+  } else if (spec.moe) {
+    Object.assign(config, { num_local_experts: spec.moe.numExperts, num_experts_per_tok: spec.moe.numExpertsUsed });
+  }
+  writeFileSync(join(dir, 'config.json'), JSON.stringify(config, null, 2));
+  const tokenizerJson = spec.vocab === 'qwen2' ? byteLevelJson('qwen2', vocab) : sentencePieceJson(vocab);
+  writeFileSync(join(dir, 'tokenizer.json'), JSON.stringify(tokenizerJson));
+  // Phi-3's GGUF vocabulary adds BOS (tokenizer.ggml.add_bos_token), so its folder says so too.
+  const tokenizerConfig = { ...HF_TOKENIZER_CONFIGS[spec.vocab], ...(spec.vocab === 'phi-3' ? { add_bos_token: true } : {}) };
+  writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(tokenizerConfig));
+}
