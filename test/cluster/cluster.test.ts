@@ -91,6 +91,14 @@ async function placement(url: string, id: string): Promise<{ workerId: string; o
 }
 
 /** The one worker running a request now, by the frontend's view (a stale count clears with the next heartbeat). */
+/**
+ * Waits until no worker reports a running request: a worker's load reaches /health up to 500 ms late, so a request
+ * that just finished can still show as running and be taken for the next one.
+ */
+async function allIdle(url: string): Promise<void> {
+  await until('no worker runs a request', async () => ((await health(url)).workers ?? []).every((w) => (w.running ?? 0) === 0), 5000);
+}
+
 async function runningWorker(url: string): Promise<string> {
   let running: string[] = [];
   await until('exactly one worker runs a request', async () => {
@@ -197,6 +205,7 @@ describe('distributed runtime', { skip }, () => {
     const prompt = freshPrompt();
     const expected = await complete(reference.url, greedy(prompt, 120));
     let killed = '';
+    await allIdle(a.url);
     const migrated = await stream(a.url, greedy(prompt, 120), async (_text, events) => {
       if (events !== 10) return;
       killed = await runningWorker(a.url);
@@ -216,6 +225,7 @@ describe('distributed runtime', { skip }, () => {
       (await readyWorkers(a)).includes(replacement) && (await readyWorkers(b)).includes(replacement), 30_000);
 
     let victim = '';
+    await allIdle(b.url);
     const failed = await stream(b.url, greedy(freshPrompt(), 120), async (_text, events) => {
       if (events !== 10) return;
       victim = await runningWorker(b.url);
@@ -241,6 +251,7 @@ describe('distributed runtime', { skip }, () => {
     let drained = '';
     const prompt = freshPrompt();
     const expected = await complete(reference.url, greedy(prompt, 700));
+    await allIdle(a.url);
     const result = await stream(a.url, greedy(prompt, 700), async (_text, events) => {
       if (events !== 5) return;
       drained = await runningWorker(a.url);
