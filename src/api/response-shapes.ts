@@ -30,11 +30,22 @@ export interface ResponseShape {
   body(usage: WireUsage): object;
 }
 
-interface CollectedChoice<L> {
+export interface CollectedChoice<L> {
   text: string;
   logprobs: L | null;
   finishReason: WireFinishReason | null;
   stopReason: string | number | null;
+}
+
+/** A chat choice's non-streamed answer takes one update: its text, its tokens' logprobs, how it finished. */
+export function collectChatUpdate(choice: CollectedChoice<ChatTokenLogprob[]>, update: ChoiceUpdate,
+  logprobs: ChatTokenLogprob[] | null): void {
+  choice.text += update.textDelta;
+  if (logprobs) choice.logprobs!.push(...logprobs);
+  if (update.finishReason) {
+    choice.finishReason = update.finishReason;
+    choice.stopReason = update.stopReason;
+  }
 }
 
 export class ChatShape implements ResponseShape {
@@ -83,14 +94,7 @@ export class ChatShape implements ResponseShape {
   }
 
   collect(update: ChoiceUpdate): void {
-    const choice = this.choices[update.index]!;
-    choice.text += update.textDelta;
-    const logprobs = this.logprobsOf(update);
-    if (logprobs) choice.logprobs!.push(...logprobs);
-    if (update.finishReason) {
-      choice.finishReason = update.finishReason;
-      choice.stopReason = update.stopReason;
-    }
+    collectChatUpdate(this.choices[update.index]!, update, this.logprobsOf(update));
   }
 
   body(usage: WireUsage): object {

@@ -10,7 +10,7 @@ import {
   chatChunkBody, chatCompletionBody, type ChatResponseMeta, type ChatTokenLogprob, type TokenTexts,
   type WireFinishReason, type WireUsage,
 } from './openai-format.ts';
-import type { ChoiceUpdate, ResponseShape } from './response-shapes.ts';
+import { collectChatUpdate, type ChoiceUpdate, type ResponseShape } from './response-shapes.ts';
 import { childPath, Fields, isJsonObject, readObject, readString, type JsonObject } from './validate.ts';
 
 export const TOOL_CALL_PARSERS = ['hermes', 'llama3_json', 'mistral'] as const;
@@ -412,14 +412,7 @@ export class ToolChatShape implements ResponseShape {
   }
 
   collect(update: ChoiceUpdate): void {
-    const choice = this.choices[update.index]!;
-    choice.text += update.textDelta;
-    const logprobs = this.logprobsOf(update);
-    if (logprobs) choice.logprobs!.push(...logprobs);
-    if (update.finishReason) {
-      choice.finishReason = update.finishReason;
-      choice.stopReason = update.stopReason;
-    }
+    collectChatUpdate(this.choices[update.index]!, update, this.logprobsOf(update));
   }
 
   body(usage: WireUsage): object {

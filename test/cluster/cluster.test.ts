@@ -13,6 +13,7 @@ import {
   type Etcd, type Nats, type Proc,
 } from '../helpers/cluster-services.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 
 const skip = servicesMissing();
 const TOKEN = 'cluster-test-token';
@@ -26,29 +27,17 @@ async function stream(url: string, body: object, onChunk?: (text: string, events
     method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body, stream: true }),
   });
   assert.equal(res.status, 200, await (res.status === 200 ? '' : res.clone().text()));
-  const reader = res.body!.getReader();
-  let buffer = '';
   let text = '';
   let finish: string | null = null;
   let error: { code?: string; message?: string } | undefined;
   let events = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    buffer += Buffer.from(value).toString('utf8');
-    let cut;
-    while ((cut = buffer.indexOf('\n\n')) >= 0) {
-      const event = buffer.slice(0, cut).split('\n').filter((line) => line.startsWith('data: ')).map((line) => line.slice(6)).join('\n');
-      buffer = buffer.slice(cut + 2);
-      if (event === '[DONE]') continue;
-      const json = JSON.parse(event);
-      if (json.error) { error = json.error; continue; }
-      text += json.choices?.[0]?.text ?? '';
-      finish = json.choices?.[0]?.finish_reason ?? finish;
-      events++;
-      await onChunk?.(text, events);
-    }
-  }
+  await forEachStreamEvent(res, async (json) => {
+    if (json.error) { error = json.error; return; }
+    text += json.choices?.[0]?.text ?? '';
+    finish = json.choices?.[0]?.finish_reason ?? finish;
+    events++;
+    await onChunk?.(text, events);
+  });
   return { text, finish, ...(error ? { error } : {}), id: res.headers.get('x-request-id') ?? '' };
 }
 

@@ -7,6 +7,7 @@ import { rmSync } from 'node:fs';
 import { createLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 
 interface WorkerView { id: string; pid: number; state: string; running: number }
 
@@ -50,36 +51,24 @@ describe('serve --worker-processes', () => {
     const res = await fetch(`${server.url}/v1/completions`, {
       method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body(100), stream: true }),
     });
-    const reader = res.body!.getReader();
-    let buffer = '';
     let text = '';
     let events = 0;
     let crashed: WorkerView | undefined;
     let error: unknown;
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      buffer += Buffer.from(value).toString('utf8');
-      let cut;
-      while ((cut = buffer.indexOf('\n\n')) >= 0) {
-        const data = buffer.slice(0, cut).split('\n').filter((l) => l.startsWith('data: ')).map((l) => l.slice(6)).join('');
-        buffer = buffer.slice(cut + 2);
-        if (data === '[DONE]' || data === '') continue;
-        const json = JSON.parse(data);
-        if (json.error) error = json.error;
-        text += json.choices?.[0]?.text ?? '';
-        if (++events === 10) {
-          // Exactly one worker runs it (a count left from an earlier request clears with the next heartbeat).
-          for (let i = 0; i < 60; i++) {
-            const running = (await health()).workers.filter((w) => w.running > 0);
-            if (running.length === 1) { crashed = running[0]; break; }
-            await new Promise((resolve) => setTimeout(resolve, 50));
-          }
-          assert.ok(crashed, 'a worker runs the stream');
-          process.kill(crashed.pid, 'SIGSEGV');
+    await forEachStreamEvent(res, async (json) => {
+      if (json.error) error = json.error;
+      text += json.choices?.[0]?.text ?? '';
+      if (++events === 10) {
+        // Exactly one worker runs it (a count left from an earlier request clears with the next heartbeat).
+        for (let i = 0; i < 60; i++) {
+          const running = (await health()).workers.filter((w) => w.running > 0);
+          if (running.length === 1) { crashed = running[0]; break; }
+          await new Promise((resolve) => setTimeout(resolve, 50));
         }
+        assert.ok(crashed, 'a worker runs the stream');
+        process.kill(crashed.pid, 'SIGSEGV');
       }
-    }
+    });
     assert.equal(error, undefined);
     assert.equal(text, expected.choices[0]!.text);
     let replaced: WorkerView | undefined;
