@@ -19,9 +19,10 @@
 
 import net from 'node:net';
 import { crc32 } from 'node:zlib';
-import { kvBlockRunBytes, type KvPoolView } from '../engine/handoff.ts';
+import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
-import { tokenMatches } from './request-plane.ts';
+import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
+import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
 
 export const KV_TCP_VERSION = 1;
 /** Frame kind of a KV run (the request plane's kinds are 0 and 1). */
@@ -327,4 +328,34 @@ export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOption
       }
     });
   });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The handoff on the request plane
+
+/** A handoff as JSON carries it (its request's logit bias as pairs). */
+export function toWireHandoff(handoff: KvHandoff): unknown {
+  return { ...handoff, request: toWireRequest(handoff.request) };
+}
+
+/** A handoff received from the network, checked before an engine sees it. */
+export function parseWireHandoff(value: unknown): KvHandoff {
+  if (typeof value !== 'object' || value === null) throw new TypeError('invalid KV handoff: not an object');
+  const raw = value as Record<string, unknown>;
+  return validateHandoff({ ...raw, request: parseWireRequest(raw.request) });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The channel a frontend pairs remote workers with
+
+/**
+ * Prefill and decode worker processes: nothing is attached ahead of time. The decode worker pulls the blocks from
+ * the prefill worker's KV port (its RemoteEngine's kvSourceAddress says where) when it adopts a request.
+ */
+export class TcpKvChannel extends PairedChannel {
+  readonly kind = 'tcp';
+
+  connect(prefill: KvSourceEndpoint, decode: KvSinkEndpoint): void {
+    this.addPair(prefill.id, decode.id);
+  }
 }

@@ -44,7 +44,7 @@ export interface KvTransferChannel {
 }
 
 /** Workers connected pairwise, the bookkeeping every channel needs. */
-abstract class PairedChannel implements KvTransferChannel {
+export abstract class PairedChannel implements KvTransferChannel {
   abstract readonly kind: string;
   readonly log = new KvTransferLog();
   private readonly pairs = new Set<string>();
