@@ -19,9 +19,22 @@ export interface RemoteDisaggregatedOptions {
   estimates?: DisaggregatedEngineOptions['estimates'];
   migration?: DisaggregatedEngineOptions['migration'];
   log?: DisaggregatedEngineOptions['log'];
+  /** What /health lists (the frontend's view of the cluster). */
+  workerList?: () => object[];
 }
 
-export function remoteDisaggregatedEngine(options: RemoteDisaggregatedOptions): DisaggregatedEngine {
+/** The disaggregated engine of a frontend: /health lists the workers the frontend knows. */
+export class RemoteDisaggregatedEngine extends DisaggregatedEngine {
+  constructor(options: DisaggregatedEngineOptions, private readonly list: () => object[]) {
+    super(options);
+  }
+
+  workerList(): object[] {
+    return this.list();
+  }
+}
+
+export function remoteDisaggregatedEngine(options: RemoteDisaggregatedOptions): RemoteDisaggregatedEngine {
   const blockSize = options.decode[0]?.info.blockSize;
   if (blockSize === undefined) throw new Error('a disaggregated engine needs at least one decode worker');
   const prefillById = new Map(options.prefill.map((p) => [p.workerId, p]));
@@ -30,13 +43,14 @@ export function remoteDisaggregatedEngine(options: RemoteDisaggregatedOptions): 
     if (!prefill || prefill.kvPort === undefined || prefill.lost) return undefined;
     return { host: splitAddress(prefill.address).host, port: prefill.kvPort };
   };
-  for (const decode of options.decode) decode.kvSourceAddress = kvSourceAddress;
+  // A resolver already set (a frontend's, which knows workers that join later) is kept.
+  for (const decode of options.decode) decode.kvSourceAddress ??= kvSourceAddress;
   const routerOptions = {
     routingPolicy: options.routingPolicy ?? 'kv',
     ...(options.maxQueued !== undefined ? { maxQueued: options.maxQueued } : {}),
     ...(options.routerSeed !== undefined ? { routerSeed: options.routerSeed } : {}),
   };
-  return new DisaggregatedEngine({
+  return new RemoteDisaggregatedEngine({
     prefill: options.prefill.map((engine) => ({ id: engine.workerId, engine })),
     decode: options.decode.map((engine) => ({ id: engine.workerId, engine })),
     prefillRouter: makeRouter(routerOptions, blockSize, 0),
@@ -47,5 +61,5 @@ export function remoteDisaggregatedEngine(options: RemoteDisaggregatedOptions): 
     ...(options.estimates ? { estimates: options.estimates } : {}),
     ...(options.migration ? { migration: options.migration } : {}),
     ...(options.log ? { log: options.log } : {}),
-  });
+  }, options.workerList ?? (() => [...options.prefill, ...options.decode].map((r) => ({ id: r.workerId, role: r.role }))));
 }
