@@ -228,7 +228,7 @@ export class WorkerServer {
       clearTimeout(helloTimer);
       this.connections.delete(connection);
       // The frontend is gone: what it started stops here.
-      for (const id of connection.requests) this.options.engine.abort(id);
+      for (const id of connection.requests) this.abortRequest(id);
     });
   }
 
@@ -268,7 +268,7 @@ export class WorkerServer {
       }
       case 'abort': {
         const id = message.id;
-        if (typeof id === 'string' && connection.requests.has(id)) this.options.engine.abort(id);
+        if (typeof id === 'string' && connection.requests.has(id)) this.abortRequest(id);
         return;
       }
       case 'reset': {
@@ -388,7 +388,7 @@ export class WorkerServer {
     const id = request.id;
     const source = message.source as { host?: unknown; port?: unknown } | null;
     const staging = this.staging;
-    const start = async (): Promise<AsyncIterable<EngineOutput>> => {
+    const start = async (): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> => {
       const count = handoff.sourceBlockIds.length;
       if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port) || count > staging.free.length) {
         this.countTransfer(source ? 'no-staging-space' : 'no-source');
@@ -397,15 +397,23 @@ export class WorkerServer {
       const ids = staging.free.splice(staging.free.length - count, count).reverse();
       staging.held.set(id, ids);
       const started = performance.now();
+      this.pulling.add(id);
       try {
         const pulled = await pullKvBlocks(
           { requestId: id, sourceBlockIds: handoff.sourceBlockIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
           { clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging });
         this.countTransfer('ok');
+        if (this.pulling.delete(id) && this.abortedPulls.delete(id)) {
+          // Aborted while its KV was on the way: nothing to adopt.
+          this.freeStaging(id);
+          return [];
+        }
         this.pulls.set(id, { bytes: pulled.bytes, ms: performance.now() - started });
         return engine.adopt!({ ...handoff, sourceBlockIds: ids, sourceLayout: staging.layout }, STAGING_SOURCE);
       } catch (error) {
         this.freeStaging(id);
+        this.pulling.delete(id);
+        if (this.abortedPulls.delete(id)) return [];
         const reason = error instanceof KvTransferError ? error.reason : 'error';
         this.countTransfer(reason);
         this.log('warn', `KV transfer of ${id} from ${source.host}:${String(source.port)} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
@@ -417,6 +425,14 @@ export class WorkerServer {
   }
 
   private readonly pulls = new Map<string, { bytes: number; ms: number }>();
+  /** Requests whose KV pull is under way, and those of them aborted meanwhile (the engine does not know them yet). */
+  private readonly pulling = new Set<string>();
+  private readonly abortedPulls = new Set<string>();
+
+  private abortRequest(id: string): void {
+    if (this.pulling.has(id)) this.abortedPulls.add(id);
+    else this.options.engine.abort(id);
+  }
   private readonly adoptedTo = new Map<string, Connection>();
 
   private countTransfer(outcome: string): void {
@@ -446,7 +462,7 @@ export class WorkerServer {
     if (connection) this.send(connection, { t: 'adopted', result: out });
   }
 
-  private async stream(connection: Connection, id: string, start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<AsyncIterable<EngineOutput>>,
+  private async stream(connection: Connection, id: string, start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<Iterable<EngineOutput> | AsyncIterable<EngineOutput>>,
     onHandoff?: (handoff: KvHandoff) => void): Promise<void> {
     try {
       for await (const item of await start()) {
