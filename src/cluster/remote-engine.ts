@@ -17,7 +17,7 @@ import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { v8Deserialize } from './blob.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
-import type { KvPoolLayout } from '../kernels/types.ts';
+import type { KvPoolLayout } from '../engine/handoff.ts';
 import { parseWireHandoff, toWireHandoff } from './kv-tcp.ts';
 import { DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, parseJsonMessage } from './frames.ts';
 import {

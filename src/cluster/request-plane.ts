@@ -9,7 +9,7 @@
 //   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat), kv (KV events, only to a
 //                       connection that asked for them), snapshot, draining, and the model card as a blob frame.
 
-import type { KvPoolLayout } from '../kernels/types.ts';
+import type { KvPoolLayout } from '../engine/handoff.ts';
 import { timingSafeEqual, createHash } from 'node:crypto';
 import type { EngineInfo, EngineRequest, SamplingParams, WorkerRole } from '../engine/types.ts';
 import { parseKvEvent, type BlockHash, type KvEvent, parseBlockHash } from '../protocols/kv-events.ts';

@@ -19,7 +19,7 @@ import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
-import { kvPoolBytes, type KvPoolLayout } from '../kernels/types.ts';
+import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
 import { KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, toWireHandoff } from './kv-tcp.ts';
 import {
   DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
@@ -121,7 +121,7 @@ export class WorkerServer {
     }
     if (this.role === 'decode' && engine.kvLayout && engine.attachKvSource && engine.onAdopted) {
       const layout = engine.kvLayout;
-      const pool = new SharedArrayBuffer(kvPoolBytes(layout));
+      const pool = new SharedArrayBuffer(kvBlockBytes(layout) * layout.numBlocks);
       this.staging = { pool, layout, free: Array.from({ length: layout.numBlocks }, (_, i) => layout.numBlocks - 1 - i), held: new Map() };
       engine.attachKvSource(STAGING_SOURCE, pool, layout);
       this.offAdopted = engine.onAdopted((result) => this.adopted(result));
