@@ -280,16 +280,17 @@ export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOption
       buffered += chunk.length;
       try {
         while (!settled && buffered >= 5) {
-          const all = chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks);
-          chunks = [all];
-          const length = all.readUInt32BE(0);
-          const kind = all[4]!;
+          // Only the header is looked at until the whole frame is in: no copying per chunk of a large run.
+          if (chunks[0]!.length < 5) chunks = [Buffer.concat(chunks)];
+          const length = chunks[0]!.readUInt32BE(0);
+          const kind = chunks[0]![4]!;
           const run = expected[next];
           const limit = kind === FRAME_KV_RUN ? 1 + RUN_HEADER_BYTES + (run ? run.count * runBytes : 0) : MAX_CONTROL_BYTES;
           if (length < 1 || length > limit) {
             throw new KvTransferError(kind === FRAME_KV_RUN ? 'length' : 'unexpected-run', `frame of ${length} bytes (kind ${kind}) is not what the descriptor allows`);
           }
           if (buffered < 4 + length) return;
+          const all = chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, buffered);
           const frame = all.subarray(5, 4 + length);
           const rest = all.subarray(4 + length);
           chunks = rest.length > 0 ? [rest] : [];
