@@ -15,8 +15,7 @@ import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
 const WORKER_ONLY = new Set([
   'model', 'engine', 'backend', 'threads', 'workers', 'worker-processes', 'prefill-workers', 'decode-workers', 'kv-cache-memory',
   'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
-  'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'disagg-min-remote-prefill-tokens',
-  'disagg-max-prefill-queue-tokens', 'disagg-transfer-overhead-ms', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
+  'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
   'scheduling-policy', 'lora-modules', 'max-loras',
 ]);
 
@@ -44,7 +43,8 @@ export const frontendCommand: Command = {
   summary: 'the gateway and router over worker processes found through etcd',
   async run(argv) {
     const { cluster: clusterArgs, gateway: gatewayArgs } = splitArgs(argv);
-    const config = parseServeConfig(gatewayArgs);
+    // The disaggregation thresholds apply when the workers found are prefill and decode workers.
+    const config = parseServeConfig(gatewayArgs, process.env, { disaggregation: true });
     if (config === 'help') {
       console.log(`Usage: conduit frontend --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n`
         + `${formatFlagHelp(CLUSTER_FLAGS)}\n${formatFlagHelp(GATEWAY_FLAGS)}`);
@@ -67,12 +67,13 @@ export const frontendCommand: Command = {
       namespace: cluster.namespace, clusterToken: cluster.clusterToken, etcd: etcdClient(cluster.etcd!),
       events: (handlers) => new EventSubscriber(nc, cluster.namespace, handlers, log),
       routingPolicy: config.routingPolicy, migrationLimit: config.migrationLimit, maxFrameBytes: cluster.maxFrameBytes, log,
+      ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
     });
     await frontend.start();
     logger.info(`Conduit frontend listening at ${api.url}; waiting for workers under /${cluster.namespace}/workers/ `
       + `(etcd ${cluster.etcd!.endpoints.join(',')}, NATS ${nats.servers.join(',')})`);
     void frontend.ready().then((engine) => {
-      api.attach({ engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: engine.workerIds[0] });
+      api.attach({ engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: 'workerIds' in engine ? engine.workerIds[0] : engine.decodeWorkerIds[0] });
       logger.info(`serving ${engine.info.modelName} (context ${engine.info.maxModelLen}, blocks of ${engine.info.blockSize}) `
         + `through the ${config.routingPolicy} router, migration limit ${config.migrationLimit}`);
     });

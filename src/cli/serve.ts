@@ -297,11 +297,12 @@ export function parseLoraModules(values: readonly string[]): { name: string; pat
   return modules;
 }
 
-export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): ServeConfig | 'help' {
+export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env,
+  options: { disaggregation?: boolean } = {}): ServeConfig | 'help' {
   // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
   // warning) when they come from an environment set up for another deployment, whatever their text.
   const parsed = parseFlags(SERVE_FLAGS, argv, env, {
-    inapplicable: (v) => v['prefill-workers'] !== undefined ? undefined : {
+    inapplicable: (v) => options.disaggregation || v['prefill-workers'] !== undefined ? undefined : {
       names: Object.values(POLICY_FLAGS),
       why: 'only for disaggregated serving (--prefill-workers with --decode-workers)',
     },

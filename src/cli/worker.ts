@@ -27,7 +27,7 @@ export const WORKER_FLAGS = {
   port: { type: 'number', help: 'port of the request endpoint (0 = any free port)', default: 0 },
   'advertise-address': { type: 'string', help: 'host:port frontends reach this worker at (default: --host:port, or the host name when listening on all addresses)' },
   'worker-id': { type: 'string', help: 'this worker\'s id in discovery (default: host name, process id and a random suffix)' },
-  role: { type: 'string', help: 'both (aggregated); prefill and decode register their role but are not routed to yet', default: 'both' },
+  role: { type: 'string', help: 'both (aggregated), prefill or decode (disaggregated: a frontend over prefill and decode workers prefills on one and decodes on the other, the KV pulled over TCP)', default: 'both' },
   'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
   'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false },
   help: { type: 'boolean', help: 'show this help', short: 'h' },

@@ -19,6 +19,10 @@ import { RoutedEngine } from '../runtime/routed-engine.ts';
 import type { EngineReadiness } from '../runtime/worker-group.ts';
 import { makeRouter } from '../runtime/worker-pool.ts';
 import { WorkerWatch, type WorkerRecord } from './discovery.ts';
+import type { DisaggregatedEngine } from '../runtime/disaggregated.ts';
+import type { DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
+import { remoteDisaggregatedEngine } from './remote-disagg.ts';
+import { splitAddress } from './remote-engine.ts';
 import { EventSubscriber } from './events.ts';
 import { RemoteEngine } from './remote-engine.ts';
 import type { ModelCard } from './request-plane.ts';
@@ -34,8 +38,13 @@ export interface ClusterFrontendOptions {
   migrationLimit?: number;
   maxQueued?: number;
   maxFrameBytes?: number;
+  /** Prefill and decode workers: the conditional-disaggregation thresholds (as `conduit serve` takes them). */
+  disaggregationPolicy?: Partial<DisaggregationPolicy>;
   log: ClusterLog;
 }
+
+/** What a frontend serves: the routed engine over aggregated workers, or the disaggregated one over prefill + decode. */
+export type FrontendEngine = ClusterEngine | DisaggregatedEngine;
 
 /** What /health lists per worker. */
 export interface ClusterWorkerView {
@@ -83,6 +92,10 @@ interface Member {
 
 export class ClusterFrontend {
   engine: ClusterEngine | undefined;
+  /** Prefill and decode workers, once a decode worker has joined. */
+  disaggregated: DisaggregatedEngine | undefined;
+  /** Prefill workers that joined before any decode worker. */
+  private readonly waitingPrefill: RemoteEngine[] = [];
   tokenizer: Tokenizer | undefined;
   chatTemplate: ChatTemplate | undefined;
   router: Router | undefined;
@@ -90,7 +103,7 @@ export class ClusterFrontend {
   private readonly watch: WorkerWatch;
   private events: EventSubscriber | undefined;
   private readonly resyncing = new Set<string>();
-  private readonly readyWaiters: ((engine: ClusterEngine) => void)[] = [];
+  private readonly readyWaiters: ((engine: FrontendEngine) => void)[] = [];
   private closed = false;
   /** Resyncs done (a worker joined, an event gap, a NATS reconnect). */
   resyncs = 0;
@@ -125,8 +138,9 @@ export class ClusterFrontend {
   }
 
   /** Resolves with the engine once the first worker has joined. */
-  ready(): Promise<ClusterEngine> {
-    if (this.engine) return Promise.resolve(this.engine);
+  ready(): Promise<FrontendEngine> {
+    const engine = this.engine ?? this.disaggregated;
+    if (engine) return Promise.resolve(engine);
     return new Promise((resolve) => this.readyWaiters.push(resolve));
   }
 
@@ -145,7 +159,9 @@ export class ClusterFrontend {
     for (const member of this.members.values()) clearTimeout(member.retry);
     await this.events?.close();
     if (this.engine) await this.engine.close();
+    else if (this.disaggregated) await this.disaggregated.close();
     else for (const member of this.members.values()) await member.remote?.close();
+    for (const remote of this.waitingPrefill.splice(0)) await remote.close();
   }
 
   // -------------------------------------------------------------------------------------------------------------
@@ -213,13 +229,9 @@ export class ClusterFrontend {
       await remote.close();
       return;
     }
-    if (remote.role !== 'both') {
-      // Disaggregated serving across processes is not built yet: such a worker is listed, not routed to.
-      this.options.log('warn', `worker ${id} has role ${remote.role}: this frontend routes to aggregated (both) workers only`);
-      await remote.close();
-      return;
-    }
-    if (!this.engine) {
+    if (remote.role !== 'both' || this.disaggregated || this.waitingPrefill.length > 0) {
+      if (!(await this.joinDisaggregated(member, remote))) return;
+    } else if (!this.engine) {
       const card = await remote.modelCard();
       if (this.engine) return this.join(member, remote);
       this.adoptModel(card, remote.info);
@@ -255,6 +267,55 @@ export class ClusterFrontend {
     this.options.log('info', `worker ${id} joined (${remote.info.modelName}, blocks of ${remote.info.blockSize}, ${remote.info.kvCapacityTokens} KV tokens)`);
     // The worker may hold cached blocks whose events this frontend never saw (it started later, or reconnected).
     await this.resync(id, 'joined');
+  }
+
+  /**
+   * A prefill or decode worker: the frontend serves disaggregated (an aggregated worker then is not routed to, nor
+   * are prefill and decode workers once the frontend serves aggregated ones). The engine is built when the first
+   * decode worker joins; prefill workers found before wait for it. False when the worker is not taken.
+   */
+  private async joinDisaggregated(member: Member, remote: RemoteEngine): Promise<boolean> {
+    const id = remote.workerId;
+    const refuse = async (why: string) => {
+      this.options.log('warn', `worker ${id}: ${why}: not routed to`);
+      member.remote = undefined;
+      await remote.close();
+      return false;
+    };
+    if (this.engine || remote.role === 'both') return refuse(`role ${remote.role}, but this frontend serves ${this.engine ? 'aggregated (both)' : 'prefill and decode'} workers`);
+    const first = this.disaggregated?.info ?? this.waitingPrefill[0]?.info;
+    if (first && (remote.info.modelName !== first.modelName || remote.info.blockSize !== first.blockSize)) {
+      return refuse(`serves ${remote.info.modelName} with blocks of ${remote.info.blockSize} tokens; this frontend serves ${first.modelName} with blocks of ${first.blockSize}`);
+    }
+    if (!this.tokenizer) this.adoptModel(await remote.modelCard(), remote.info);
+    member.remote = remote;
+    // A decode worker finds a prefill worker's KV port through the frontend's view of the cluster.
+    remote.kvSourceAddress = (prefillId) => {
+      const prefill = this.members.get(prefillId)?.remote;
+      if (!prefill || prefill.lost || prefill.kvPort === undefined) return undefined;
+      return { host: splitAddress(prefill.address).host, port: prefill.kvPort };
+    };
+    if (this.disaggregated) {
+      if (remote.role === 'prefill') this.disaggregated.addPrefillWorker(id, remote);
+      else this.disaggregated.addDecodeWorker(id, remote);
+      return true;
+    }
+    if (remote.role === 'prefill') {
+      this.waitingPrefill.push(remote);
+      this.options.log('info', `prefill worker ${id} waits for a decode worker`);
+      return true;
+    }
+    const prefill = this.waitingPrefill.splice(0).filter((p) => !p.lost);
+    this.disaggregated = remoteDisaggregatedEngine({
+      prefill, decode: [remote], routingPolicy: this.options.routingPolicy ?? 'kv',
+      ...(this.options.maxQueued !== undefined ? { maxQueued: this.options.maxQueued } : {}),
+      ...(this.options.disaggregationPolicy ? { policy: this.options.disaggregationPolicy } : {}),
+      migration: { limit: this.options.migrationLimit ?? 0, ...(this.tokenizer ? { tokenizer: this.tokenizer } : {}) },
+      log: (level, message) => this.options.log(/restarts are off/.test(message) ? 'debug' : level, message),
+      workerList: () => this.workerViews(),
+    });
+    for (const resolve of this.readyWaiters.splice(0)) resolve(this.disaggregated);
+    return true;
   }
 
   private adoptModel(card: ModelCard | null, info: EngineInfo): void {

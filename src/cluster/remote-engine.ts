@@ -16,6 +16,9 @@ import type { KvEvent, BlockHash } from '../protocols/kv-events.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { v8Deserialize } from './blob.ts';
+import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import type { KvPoolLayout } from '../engine/handoff.ts';
+import { parseWireHandoff, toWireHandoff } from './kv-tcp.ts';
 import { DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, parseJsonMessage } from './frames.ts';
 import {
   HEARTBEAT_TIMEOUT_MS, parseHashes, parseInfo, parseKvEvents, parseRole, parseStats, REQUEST_PLANE_VERSION,
@@ -44,6 +47,13 @@ export class RemoteEngine implements RoutableEngine {
   readonly address: string;
   private latestStats: EngineStats;
   private readonly streams = new Map<string, AsyncQueue<EngineOutput>>();
+  private readonly prefills = new Map<string, AsyncQueue<PrefillEvent>>();
+  private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
+  /** A prefill worker's KV port, on the host of its request-plane address. */
+  readonly kvPort: number | undefined;
+  readonly kvLayout: KvPoolLayout | undefined;
+  /** Decode worker: where the KV port of a prefill worker is, by its id (set by whoever pairs the workers). */
+  kvSourceAddress: ((prefillId: string) => { host: string; port: number } | undefined) | undefined;
   private readonly kvListeners = new Set<(events: KvEvent[]) => void>();
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly replies = new Map<number, Pending<unknown>>();
@@ -64,6 +74,8 @@ export class RemoteEngine implements RoutableEngine {
     this.info = parseInfo(welcome.info);
     this.latestStats = parseStats(welcome.stats);
     this.drainingFlag = welcome.draining === true;
+    this.kvPort = Number.isInteger(welcome.kvPort) ? Number(welcome.kvPort) : undefined;
+    this.kvLayout = welcome.kvLayout as KvPoolLayout | undefined;
     socket.on('data', (chunk: Buffer) => this.receive(chunk));
     socket.on('close', () => this.lose(`connection to worker ${this.workerId} at ${address} closed`));
     const timeout = options.heartbeatTimeoutMs ?? HEARTBEAT_TIMEOUT_MS;
@@ -155,6 +167,54 @@ export class RemoteEngine implements RoutableEngine {
         // The caller left early (abort, a stop string matched after a migration): the worker stops too.
         if (!ended && !queue.done) remote.abort(request.id);
         if (remote.closeWhenIdle && remote.streams.size === 0) void remote.close();
+      }
+    })();
+  }
+
+  /** Prefill worker: the request's first token, then its handoff (blocks pinned there until releaseHandoff). */
+  prefill(request: EngineRequest): AsyncIterable<PrefillEvent> {
+    if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
+    if (this.closed) throw new EngineClosedError('engine is closed');
+    if (this.prefills.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
+    const queue = new AsyncQueue<PrefillEvent>();
+    this.prefills.set(request.id, queue);
+    this.socket.write(encodeJsonFrame({ t: 'prefill', request: toWireRequest(request) }));
+    return this.follow(this.prefills, request.id, queue);
+  }
+
+  releaseHandoff(requestId: string): void {
+    if (!this.lostError && !this.socket.destroyed) this.socket.write(encodeJsonFrame({ t: 'release', id: requestId }));
+  }
+
+  /** Decode worker: continues a handed-off request, pulling its blocks from `sourceId`'s KV port over TCP. */
+  adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput> {
+    const request = handoff.request;
+    if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
+    if (this.closed) throw new EngineClosedError('engine is closed');
+    if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
+    const queue = new AsyncQueue<EngineOutput>();
+    this.streams.set(request.id, queue);
+    const source = sourceId !== null ? this.kvSourceAddress?.(sourceId) ?? null : null;
+    this.socket.write(encodeJsonFrame({ t: 'adopt', handoff: toWireHandoff(handoff), source }));
+    return this.follow(this.streams, request.id, queue);
+  }
+
+  onAdopted(listener: (result: AdoptedResult) => void): () => void {
+    this.adoptedListeners.add(listener);
+    return () => this.adoptedListeners.delete(listener);
+  }
+
+  private follow<T>(map: Map<string, AsyncQueue<T>>, id: string, queue: AsyncQueue<T>): AsyncIterable<T> {
+    const remote = this;
+    return (async function* () {
+      let ended = false;
+      try {
+        for await (const item of queue.drain()) yield item;
+        ended = true;
+      } finally {
+        map.delete(id);
+        if (!ended && !queue.done) remote.abort(id);
+        if (remote.closeWhenIdle && remote.streams.size === 0 && remote.prefills.size === 0) void remote.close();
       }
     })();
   }
@@ -253,18 +313,33 @@ export class RemoteEngine implements RoutableEngine {
     switch (m.t) {
       case 'out': {
         if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (!Array.isArray(m.outputs)) return;
         const queue = this.streams.get(String(m.id));
-        if (!queue || !Array.isArray(m.outputs)) return;
-        for (const output of m.outputs as EngineOutput[]) queue.push(output);
+        const prefill = this.prefills.get(String(m.id));
+        for (const output of m.outputs as EngineOutput[]) {
+          if (queue) queue.push(output);
+          else prefill?.push({ type: 'output', output });
+        }
+        return;
+      }
+      case 'handoff': {
+        this.prefills.get(String(m.id))?.push({ type: 'handoff', handoff: parseWireHandoff(m.handoff) });
+        return;
+      }
+      case 'adopted': {
+        const result = m.result as AdoptedResult;
+        for (const listener of this.adoptedListeners) listener(result);
         return;
       }
       case 'end': {
         if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
         this.streams.get(String(m.id))?.end();
+        this.prefills.get(String(m.id))?.end();
         return;
       }
       case 'err': {
         this.streams.get(String(m.id))?.fail(this.rebuildError(m));
+        this.prefills.get(String(m.id))?.fail(this.rebuildError(m));
         return;
       }
       case 'hb':
@@ -331,6 +406,7 @@ export class RemoteEngine implements RoutableEngine {
     const error = new WorkerLostError(this.workerId, reason);
     this.lostError = error;
     for (const queue of this.streams.values()) queue.fail(error);
+    for (const queue of this.prefills.values()) queue.fail(error);
     for (const pending of this.replies.values()) pending.reject(error);
     this.replies.clear();
     for (const waiter of this.cardWaiters.splice(0)) waiter.reject(error);

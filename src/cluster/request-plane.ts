@@ -9,6 +9,7 @@
 //   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat), kv (KV events, only to a
 //                       connection that asked for them), snapshot, draining, and the model card as a blob frame.
 
+import type { KvPoolLayout } from '../engine/handoff.ts';
 import { timingSafeEqual, createHash } from 'node:crypto';
 import type { EngineInfo, EngineRequest, SamplingParams, WorkerRole } from '../engine/types.ts';
 import { parseKvEvent, type BlockHash, type KvEvent, parseBlockHash } from '../protocols/kv-events.ts';
@@ -40,6 +41,10 @@ export interface Welcome {
   info: EngineInfo;
   stats: EngineStats;
   draining: boolean;
+  /** A prefill worker's KV port (src/cluster/kv-tcp.ts), on the host of its request-plane address. */
+  kvPort?: number;
+  /** The worker's KV pool layout (prefill and decode workers). */
+  kvLayout?: KvPoolLayout;
 }
 
 /** The chat template and tokenizer a frontend needs to serve the workers' model (blob frame). */

@@ -17,6 +17,10 @@ import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
+import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
+import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
+import { KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, toWireHandoff } from './kv-tcp.ts';
 import {
   DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
 } from './frames.ts';
@@ -36,7 +40,12 @@ export interface WorkerServerOptions {
   tokenizer?: Tokenizer;
   chatTemplate?: ChatTemplate;
   log?: ClusterLog;
+  /** Fault injection on a prefill worker's KV port, for tests (see KvTransferServerOptions.faults). */
+  kvFaults?: { corruptRun?: number; truncateAfterRuns?: number };
 }
+
+/** The source id a decode worker's engine knows its TCP staging pool by. */
+const STAGING_SOURCE = 'tcp-staging';
 
 interface Connection {
   socket: net.Socket;
@@ -77,6 +86,15 @@ export class WorkerServer {
   private readonly idleWaiters: (() => void)[] = [];
   /** Connections refused and why (for tests and /health of the worker). */
   refusals = 0;
+  /** Prefill role: serves pulls of handed-off blocks over TCP; their requests, pinned until released. */
+  private kvServer: KvTransferServer | undefined;
+  private kvPort: number | undefined;
+  private readonly pinned = new Set<string>();
+  /** Decode role: the staging pool KV pulled over TCP lands in before the engine copies it into its own pool. */
+  private staging: { pool: SharedArrayBuffer; layout: KvPoolLayout; free: number[]; held: Map<string, number[]> } | undefined;
+  private readonly offAdopted: (() => void) | undefined;
+  /** KV pulls over TCP by outcome: 'ok', or the failure reason (checksum, truncated, connect, ...). */
+  readonly kvTransfers = new Map<string, number>();
 
   constructor(private readonly options: WorkerServerOptions) {
     this.workerId = options.workerId;
@@ -93,6 +111,21 @@ export class WorkerServer {
       for (const c of this.connections) if (c.authenticated) c.socket.write(frame);
     }, HEARTBEAT_MS);
     this.heartbeat.unref();
+    const engine = options.engine as Partial<PrefillWorkerEngine & DecodeWorkerEngine>;
+    if (this.role === 'prefill' && engine.kvPool && engine.kvLayout) {
+      this.kvServer = new KvTransferServer({
+        clusterToken: options.clusterToken, pool: { pool: engine.kvPool, layout: engine.kvLayout },
+        isPinned: (id) => this.pinned.has(id), ...(options.log ? { log: options.log } : {}),
+        ...(options.kvFaults ? { faults: options.kvFaults } : {}),
+      });
+    }
+    if (this.role === 'decode' && engine.kvLayout && engine.attachKvSource && engine.onAdopted) {
+      const layout = engine.kvLayout;
+      const pool = new SharedArrayBuffer(kvBlockBytes(layout) * layout.numBlocks);
+      this.staging = { pool, layout, free: Array.from({ length: layout.numBlocks }, (_, i) => layout.numBlocks - 1 - i), held: new Map() };
+      engine.attachKvSource(STAGING_SOURCE, pool, layout);
+      this.offAdopted = engine.onAdopted((result) => this.adopted(result));
+    }
   }
 
   get engine(): Engine {
@@ -114,7 +147,10 @@ export class WorkerServer {
       this.server.once('error', reject);
       this.server.listen(port, host, () => {
         this.server.off('error', reject);
-        resolve((this.server.address() as net.AddressInfo).port);
+        const bound = (this.server.address() as net.AddressInfo).port;
+        if (!this.kvServer) return resolve(bound);
+        // The KV port: any free port on the same interface, told to frontends in the welcome.
+        this.kvServer.listen(0, host).then((kvPort) => { this.kvPort = kvPort; resolve(bound); }, reject);
       });
     });
   }
@@ -150,6 +186,8 @@ export class WorkerServer {
   async close(): Promise<void> {
     clearInterval(this.heartbeat);
     this.offEvents?.();
+    this.offAdopted?.();
+    await this.kvServer?.close();
     for (const c of this.connections) c.socket.destroy();
     await new Promise<void>((resolve) => this.server.close(() => resolve()));
   }
@@ -190,7 +228,7 @@ export class WorkerServer {
       clearTimeout(helloTimer);
       this.connections.delete(connection);
       // The frontend is gone: what it started stops here.
-      for (const id of connection.requests) this.options.engine.abort(id);
+      for (const id of connection.requests) this.abortRequest(id);
     });
   }
 
@@ -212,6 +250,8 @@ export class WorkerServer {
     const welcome: Welcome = {
       t: 'welcome', v: REQUEST_PLANE_VERSION, workerId: this.workerId, role: this.role, info: this.options.engine.info,
       stats: this.options.engine.stats(), draining: this.draining,
+      ...(this.kvPort !== undefined ? { kvPort: this.kvPort } : {}),
+      ...((this.options.engine as Partial<PrefillWorkerEngine>).kvLayout ? { kvLayout: (this.options.engine as Partial<PrefillWorkerEngine>).kvLayout } : {}),
     };
     connection.socket.write(encodeJsonFrame(welcome));
   }
@@ -219,9 +259,16 @@ export class WorkerServer {
   private handle(connection: Connection, message: { t: string } & Record<string, unknown>): void {
     switch (message.t) {
       case 'gen': return this.generate(connection, message.request);
+      case 'prefill': return this.prefill(connection, message.request);
+      case 'adopt': return this.adopt(connection, message);
+      case 'release': {
+        const id = message.id;
+        if (typeof id === 'string' && this.pinned.delete(id)) (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
+        return;
+      }
       case 'abort': {
         const id = message.id;
-        if (typeof id === 'string' && connection.requests.has(id)) this.options.engine.abort(id);
+        if (typeof id === 'string' && connection.requests.has(id)) this.abortRequest(id);
         return;
       }
       case 'reset': {
@@ -281,11 +328,151 @@ export class WorkerServer {
     void this.stream(connection, id, () => this.options.engine.generate(request));
   }
 
-  private async stream(connection: Connection, id: string, start: () => AsyncIterable<EngineOutput>): Promise<void> {
+  /** Checks a request message and registers it on the connection; undefined when refused (answered already). */
+  private admit(connection: Connection, raw: unknown): ReturnType<typeof parseWireRequest> | undefined {
+    let request;
     try {
-      for await (const output of start()) {
+      request = parseWireRequest(raw);
+    } catch (error) {
+      const id = typeof (raw as { id?: unknown } | null)?.id === 'string' ? (raw as { id: string }).id : undefined;
+      if (id === undefined) throw error;
+      this.send(connection, { t: 'err', id, name: 'InvalidRequestError', code: 'invalid_request', message: (error as Error).message });
+      return undefined;
+    }
+    const id = request.id;
+    if (this.draining) {
+      this.send(connection, { t: 'err', id, name: 'EngineOverloadedError', code: 'engine_overloaded', message: `worker ${this.workerId} is draining`, retryAfterMs: 1000 });
+      return undefined;
+    }
+    if (this.running.has(id)) {
+      this.send(connection, { t: 'err', id, name: 'InvalidRequestError', code: 'duplicate_request_id', message: `request ${JSON.stringify(id)}: a request with this id is already running` });
+      return undefined;
+    }
+    this.running.set(id, connection);
+    connection.requests.add(id);
+    return request;
+  }
+
+  /** Prefill role: the request's first token, then its handoff (blocks pinned here until `release`). */
+  private prefill(connection: Connection, raw: unknown): void {
+    const engine = this.options.engine as Partial<PrefillWorkerEngine>;
+    if (this.role !== 'prefill' || !engine.prefill) throw new FrameError(`worker ${this.workerId} is not a prefill worker`);
+    const request = this.admit(connection, raw);
+    if (!request) return;
+    const id = request.id;
+    void this.stream(connection, id, () => engine.prefill!(request), (handoff) => {
+      this.pinned.add(id);
+      this.send(connection, { t: 'handoff', id, handoff: toWireHandoff(handoff) });
+    });
+  }
+
+  /**
+   * Decode role: pulls the handed-off blocks from the prefill worker's KV port into the staging pool, then lets the
+   * engine adopt them from there; a failed pull (checksum, truncation, prefill worker gone) is logged and counted,
+   * and the engine recomputes the prompt itself (adopt with no source).
+   */
+  private adopt(connection: Connection, message: Record<string, unknown>): void {
+    const engine = this.options.engine as Partial<DecodeWorkerEngine>;
+    if (this.role !== 'decode' || !engine.adopt || !this.staging) throw new FrameError(`worker ${this.workerId} is not a decode worker`);
+    let handoff: KvHandoff;
+    try {
+      handoff = parseWireHandoff(message.handoff);
+    } catch (error) {
+      const id = (message.handoff as { requestId?: unknown } | null)?.requestId;
+      if (typeof id !== 'string') throw error;
+      this.send(connection, { t: 'err', id, name: 'InvalidRequestError', code: 'invalid_request', message: (error as Error).message });
+      return;
+    }
+    const request = this.admit(connection, (message.handoff as { request: unknown }).request);
+    if (!request) return;
+    const id = request.id;
+    const source = message.source as { host?: unknown; port?: unknown } | null;
+    const staging = this.staging;
+    const start = async (): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> => {
+      const count = handoff.sourceBlockIds.length;
+      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port) || count > staging.free.length) {
+        this.countTransfer(source ? 'no-staging-space' : 'no-source');
+        return engine.adopt!(handoff, null);
+      }
+      const ids = staging.free.splice(staging.free.length - count, count).reverse();
+      staging.held.set(id, ids);
+      const started = performance.now();
+      this.pulling.add(id);
+      try {
+        const pulled = await pullKvBlocks(
+          { requestId: id, sourceBlockIds: handoff.sourceBlockIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
+          { clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging });
+        this.countTransfer('ok');
+        if (this.pulling.delete(id) && this.abortedPulls.delete(id)) {
+          // Aborted while its KV was on the way: nothing to adopt.
+          this.freeStaging(id);
+          return [];
+        }
+        this.pulls.set(id, { bytes: pulled.bytes, ms: performance.now() - started });
+        return engine.adopt!({ ...handoff, sourceBlockIds: ids, sourceLayout: staging.layout }, STAGING_SOURCE);
+      } catch (error) {
+        this.freeStaging(id);
+        this.pulling.delete(id);
+        if (this.abortedPulls.delete(id)) return [];
+        const reason = error instanceof KvTransferError ? error.reason : 'error';
+        this.countTransfer(reason);
+        this.log('warn', `KV transfer of ${id} from ${source.host}:${String(source.port)} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
+        return engine.adopt!(handoff, null);
+      }
+    };
+    this.adoptedTo.set(id, connection);
+    void this.stream(connection, id, start);
+  }
+
+  private readonly pulls = new Map<string, { bytes: number; ms: number }>();
+  /** Requests whose KV pull is under way, and those of them aborted meanwhile (the engine does not know them yet). */
+  private readonly pulling = new Set<string>();
+  private readonly abortedPulls = new Set<string>();
+
+  private abortRequest(id: string): void {
+    if (this.pulling.has(id)) this.abortedPulls.add(id);
+    else this.options.engine.abort(id);
+  }
+  private readonly adoptedTo = new Map<string, Connection>();
+
+  private countTransfer(outcome: string): void {
+    this.kvTransfers.set(outcome, (this.kvTransfers.get(outcome) ?? 0) + 1);
+  }
+
+  private freeStaging(id: string): void {
+    const ids = this.staging?.held.get(id);
+    if (!ids) return;
+    this.staging!.held.delete(id);
+    this.staging!.free.push(...ids);
+  }
+
+  /** The engine copied the blocks out of staging (or recomputes): free them, tell the frontend (tcp, pull time included). */
+  private adopted(result: AdoptedResult): void {
+    this.freeStaging(result.requestId);
+    const pull = this.pulls.get(result.requestId);
+    this.pulls.delete(result.requestId);
+    const connection = this.adoptedTo.get(result.requestId);
+    this.adoptedTo.delete(result.requestId);
+    let out = result;
+    if (result.transfer && pull) {
+      const ms = result.transfer.ms + pull.ms;
+      const transfer = { ...result.transfer, channel: 'tcp', startMs: result.transfer.endMs - ms, ms, gbPerSec: ms > 0 ? result.transfer.bytes / ms / 1e6 : 0 };
+      out = { ...result, transfer };
+    }
+    if (connection) this.send(connection, { t: 'adopted', result: out });
+  }
+
+  private async stream(connection: Connection, id: string, start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<Iterable<EngineOutput> | AsyncIterable<EngineOutput>>,
+    onHandoff?: (handoff: KvHandoff) => void): Promise<void> {
+    try {
+      for await (const item of await start()) {
         if (connection.socket.destroyed) break;
-        this.send(connection, { t: 'out', id, outputs: [output], stats: this.options.engine.stats() });
+        if ('type' in item && (item.type === 'handoff' || item.type === 'output')) {
+          if (item.type === 'handoff') onHandoff?.(item.handoff);
+          else this.send(connection, { t: 'out', id, outputs: [item.output], stats: this.options.engine.stats() });
+          continue;
+        }
+        this.send(connection, { t: 'out', id, outputs: [item as EngineOutput], stats: this.options.engine.stats() });
       }
       this.send(connection, { t: 'end', id, stats: this.options.engine.stats() });
     } catch (error) {
@@ -296,6 +483,7 @@ export class WorkerServer {
       });
     } finally {
       this.running.delete(id);
+      this.adoptedTo.delete(id);
       connection.requests.delete(id);
       if (this.running.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
     }

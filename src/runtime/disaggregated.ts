@@ -163,6 +163,16 @@ export class DisaggregatedEngine implements Engine {
     this.info = combinedInfo(options.decode[0]!.engine.info, infos);
   }
 
+  /** A prefill worker joins (a worker process found after the start); it is connected to every decode worker. */
+  addPrefillWorker(id: string, engine: PrefillWorkerEngine): void {
+    this.prefillWorkers.add(id, engine);
+  }
+
+  /** A decode worker joins; it is connected to every prefill worker. */
+  addDecodeWorker(id: string, engine: DecodeWorkerEngine): void {
+    this.decodeWorkers.add(id, engine);
+  }
+
   private connect(prefillId: string, prefill: PrefillWorkerEngine, decodeId: string, decode: DecodeWorkerEngine): void {
     this.channel.connect({ id: prefillId, kvPool: prefill.kvPool, kvLayout: prefill.kvLayout },
       { id: decodeId, attachKvSource: decode.attachKvSource?.bind(decode) });

@@ -8,9 +8,9 @@
 //                          copying block runs out of that pool with typed-array set(), no serialisation, while the
 //                          prefill worker keeps the blocks pinned.
 //   SimulatedKvChannel     simulated workers: no bytes; the decode worker charges the time the link would take.
-// A TCP channel for workers in different processes fits the same interface: connect() would exchange addresses,
-// the decode worker would pull the runs the handoff names (readKvBlocks on the prefill side, writeKvBlocks on its
-// own, both in src/engine/handoff.ts), and the prefill worker would release its pin when the last byte is acked.
+//   TcpKvChannel           worker processes (src/cluster/kv-tcp.ts): nothing attached ahead; the decode worker
+//                          pulls the handed-off runs from the prefill worker's KV port into a staging pool its
+//                          engine adopts from, and the prefill worker unpins when told the decode worker has them.
 //
 // Every completed transfer is recorded in a KvTransferLog: bytes, blocks, ms, GB/s, for metrics, benchmarks and
 // the disaggregation policy's estimate of what a transfer costs.
@@ -44,7 +44,7 @@ export interface KvTransferChannel {
 }
 
 /** Workers connected pairwise, the bookkeeping every channel needs. */
-abstract class PairedChannel implements KvTransferChannel {
+export abstract class PairedChannel implements KvTransferChannel {
   abstract readonly kind: string;
   readonly log = new KvTransferLog();
   private readonly pairs = new Set<string>();

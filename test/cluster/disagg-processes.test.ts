@@ -1,0 +1,98 @@
+// Disaggregated prefill/decode across processes end to end: real etcd and nats-server, `conduit worker --role
+// prefill` and `--role decode` processes, one `conduit frontend`. Greedy output equals the single-process server's
+// with the prompt prefilled on the prefill worker (its KV pulled over TCP by the decode worker); with the prefill
+// worker killed, the decode worker prefills itself and the greedy text is the same.
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { createLogger } from '../../src/api/log.ts';
+import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
+import {
+  freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort, type Proc,
+} from '../helpers/cluster-services.ts';
+import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+
+const skip = servicesMissing();
+const TOKEN = 'disagg-cluster-token';
+
+async function complete(url: string, body: object): Promise<{ text: string; id: string }> {
+  const res = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+  const json = await res.json() as { id: string; choices: { text: string }[] };
+  assert.equal(res.status, 200, JSON.stringify(json));
+  return { text: json.choices[0]!.text, id: json.id };
+}
+
+async function until(what: string, condition: () => Promise<boolean>, maxMs = 30_000): Promise<void> {
+  const deadline = Date.now() + maxMs;
+  while (!(await condition())) {
+    if (Date.now() > deadline) assert.fail(`timed out after ${maxMs} ms waiting until ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+async function trace(url: string, id: string): Promise<string> {
+  let body = '';
+  await until(`the trace of ${id}`, async () => {
+    const res = await fetch(`${url}/v1/requests/${id}/trace`);
+    body = await res.text();
+    return res.status === 200;
+  });
+  return body;
+}
+
+describe('disaggregated prefill/decode across worker processes', { skip }, () => {
+  let dir: string;
+  let reference: RunningServer;
+  const procs = new Map<string, Proc>();
+  let url: string;
+
+  before(async () => {
+    dir = tempDir('cluster-disagg');
+    const { modelPath } = writeWorkerLossFixture('cluster-disagg');
+    const [etcd, nats] = await Promise.all([startEtcd(dir), startNats()]);
+    const env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: TOKEN, CONDUIT_LOG_LEVEL: 'info' };
+    for (const [id, role] of [['p1', 'prefill'], ['d1', 'decode']] as const) {
+      procs.set(id, startConduit(['worker', '--model', modelPath, '--worker-id', id, '--role', role, '--threads', '1',
+        '--kv-cache-memory', '16MiB', '--lease-ttl', '3'], env));
+    }
+    const port = await freePort();
+    procs.set('frontend', startConduit(['frontend', '--port', String(port), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], env));
+    await waitForPort(port);
+    url = `http://127.0.0.1:${port}`;
+    const config = parseServeConfig(['--model', modelPath, '--port', '0', '--threads', '1', '--kv-cache-memory', '16MiB', '--no-request-log'], {});
+    reference = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+    try {
+      await until('the frontend serves', async () => (await fetch(`${url}/health`).then((r) => r.json() as Promise<{ ready?: boolean }>, () => ({ ready: false }))).ready === true
+        && (await fetch(`${url}/health`).then((r) => r.text())).includes('"p1"'));
+    } catch (error) {
+      console.error([...procs].map(([id, p]) => `--- ${id}\n${p.output()}`).join('\n'));
+      throw error;
+    }
+  });
+
+  after(async () => {
+    await reference?.api.shutdown(0);
+    await stopAll();
+    removeDir(dir);
+  });
+
+  const greedy = (prompt: string) => ({ prompt, max_tokens: 24, temperature: 0, repetition_penalty: 1.3, ignore_eos: true });
+  const prompt = (n: number) => Array.from({ length: 60 }, (_, i) => `w${(n * 131 + i * 17) % 997}`).join(' ');
+
+  test('greedy output equals the single-process server\'s, prefilled on the prefill worker', async () => {
+    for (const n of [1, 2]) {
+      const expected = await complete(reference.url, greedy(prompt(n)));
+      const got = await complete(url, greedy(prompt(n)));
+      assert.equal(got.text, expected.text);
+      const body = await trace(url, got.id);
+      assert.match(body, /"p1"/, `the trace names the prefill worker: ${body.slice(0, 600)}`);
+    }
+  });
+
+  test('the prefill worker killed: the decode worker prefills itself, same greedy text', async () => {
+    procs.get('p1')!.kill('SIGKILL');
+    await procs.get('p1')!.exited;
+    const expected = await complete(reference.url, greedy(prompt(3)));
+    const got = await complete(url, greedy(prompt(3)));
+    assert.equal(got.text, expected.text);
+  });
+});
