@@ -12,7 +12,7 @@ import {
   freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort,
   type Etcd, type Nats, type Proc,
 } from '../helpers/cluster-services.ts';
-import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { SLOW_DECODE_SHAPE, writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 
 const skip = servicesMissing();
@@ -134,7 +134,7 @@ describe('distributed runtime', { skip }, () => {
 
   before(async () => {
     dir = tempDir('cluster');
-    ({ modelPath } = writeWorkerLossFixture('cluster'));
+    ({ modelPath } = writeWorkerLossFixture('cluster', undefined, SLOW_DECODE_SHAPE));
     [etcd, nats] = await Promise.all([startEtcd(dir), startNats()]);
     env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: TOKEN, CONDUIT_LOG_LEVEL: 'info' };
     startWorker('w1');
@@ -192,10 +192,10 @@ describe('distributed runtime', { skip }, () => {
 
   test('kill -9 of a worker mid-stream: migration limit 2 continues with the same greedy text, limit 0 ends with worker_lost', async () => {
     const prompt = freshPrompt();
-    const expected = await complete(reference.url, greedy(prompt, 120));
+    const expected = await complete(reference.url, greedy(prompt, 400));
     let killed = '';
     await allIdle(a.url);
-    const migrated = await stream(a.url, greedy(prompt, 120), async (_text, events) => {
+    const migrated = await stream(a.url, greedy(prompt, 400), async (_text, events) => {
       if (events !== 10) return;
       killed = await runningWorker(a.url);
       workers.get(killed)!.kill('SIGKILL');
@@ -215,7 +215,7 @@ describe('distributed runtime', { skip }, () => {
 
     let victim = '';
     await allIdle(b.url);
-    const failed = await stream(b.url, greedy(freshPrompt(), 120), async (_text, events) => {
+    const failed = await stream(b.url, greedy(freshPrompt(), 400), async (_text, events) => {
       if (events !== 10) return;
       victim = await runningWorker(b.url);
       workers.get(victim)!.kill('SIGKILL');
@@ -239,9 +239,9 @@ describe('distributed runtime', { skip }, () => {
   test('SIGTERM drains a worker: it leaves discovery first, finishes its stream, then exits 0', async () => {
     let drained = '';
     const prompt = freshPrompt();
-    const expected = await complete(reference.url, greedy(prompt, 700));
+    const expected = await complete(reference.url, greedy(prompt, 600));
     await allIdle(a.url);
-    const result = await stream(a.url, greedy(prompt, 700), async (_text, events) => {
+    const result = await stream(a.url, greedy(prompt, 600), async (_text, events) => {
       if (events !== 5) return;
       drained = await runningWorker(a.url);
       workers.get(drained)!.kill('SIGTERM');

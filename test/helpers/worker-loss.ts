@@ -13,11 +13,28 @@ export interface WorkerLossFixture {
   keysPath: string;
 }
 
-export function writeWorkerLossFixture(name: string, key?: string): WorkerLossFixture {
+/** The model's shape: tiny by default; tests that must act while a stream still runs on the server take a larger one. */
+export interface FixtureShape {
+  dim: number;
+  numLayers: number;
+  numHeads: number;
+  numKvHeads: number;
+  ffnDim: number;
+}
+
+const TINY: FixtureShape = { dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96 };
+
+/**
+ * Big enough that one thread decodes on the order of 10 ms per token: a client reading events can lag far behind
+ * the server, and with the tiny model a whole stream is often generated before the client has read ten events.
+ */
+export const SLOW_DECODE_SHAPE: FixtureShape = { dim: 512, numLayers: 8, numHeads: 8, numKvHeads: 4, ffnDim: 1536 };
+
+export function writeWorkerLossFixture(name: string, key?: string, shape: FixtureShape = TINY): WorkerLossFixture {
   const dir = mkdtempSync(join(tmpdir(), `conduit-${name}-`));
   const modelPath = join(dir, 'synthetic.gguf');
   writeSyntheticModel({
-    name: `${name}-synthetic`, dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 1024,
+    name: `${name}-synthetic`, ...shape, contextLength: 1024,
     dtype: 'Q8_0', seed: 13, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
   }, modelPath);
   const keysPath = join(dir, 'keys.txt');
