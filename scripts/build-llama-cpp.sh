@@ -7,6 +7,8 @@
 #
 # Prints the directory holding the binaries (llama-bench, llama-server, llama-quantize, llama-cli,
 # llama-batched-bench, llama-simple) on its last line. Rebuilds only what changed on a second run.
+# CONDUIT_LLAMA_CPP_TARGETS="llama-quantize" builds only the listed targets (CI builds llama-quantize alone, for the
+# tests that compare Conduit with files llama.cpp quantized itself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -21,13 +23,14 @@ if [ ! -d "$DIR/src/.git" ]; then
   mkdir -p "$DIR"
   git clone -q "$BUNDLE" "$DIR/src" 2>/dev/null
 fi
-TARGETS=(llama-bench llama-server llama-quantize llama-cli llama-batched-bench llama-simple)
+read -r -a TARGETS <<< "${CONDUIT_LLAMA_CPP_TARGETS:-llama-bench llama-server llama-quantize llama-cli llama-batched-bench llama-simple}"
 cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$DIR/build" -j "$(nproc)" --target "${TARGETS[@]}" >&2
 # The version recorded next to reference outputs: what the binary says of itself (the bundle's commit) and the
 # node-llama-cpp release that shipped the bundle.
 NLC=$(node -e "console.log(require('./benchmarks/peer/node_modules/node-llama-cpp/package.json').version)")
-echo "llama.cpp $("$DIR/build/bin/llama-cli" --version 2>&1 | head -1) from node-llama-cpp $NLC's source bundle, GGML_NATIVE=ON" > "$DIR/VERSION"
+if [ -x "$DIR/build/bin/llama-cli" ]; then SELF=$("$DIR/build/bin/llama-cli" --version 2>&1 | head -1); else SELF="commit $(git -C "$DIR/src" rev-parse --short HEAD)"; fi
+echo "llama.cpp $SELF from node-llama-cpp $NLC's source bundle, GGML_NATIVE=ON" > "$DIR/VERSION"
 cat "$DIR/VERSION" >&2
 echo "$DIR/build/bin"
