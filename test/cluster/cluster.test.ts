@@ -81,20 +81,16 @@ async function placement(url: string, id: string): Promise<{ workerId: string; o
 
 /** The one worker running a request now, by the frontend's view (a stale count clears with the next heartbeat). */
 /**
- * Waits until no worker reports a running request: a worker's load reaches /health up to 500 ms late, so a request
- * that just finished can still show as running and be taken for the next one.
+ * The worker a stream of `prompt` will run on, chosen before it starts: a one-token request leaves the prompt's
+ * blocks on a worker, and once its KV events reached the frontend's router (NATS; a moment), the same prompt goes
+ * there again. Acting on this worker right after the stream's first event does not depend on when /health's load
+ * figures catch up, nor on how far the client's reading lags behind the server's generating.
  */
-async function allIdle(url: string): Promise<void> {
-  await until('no worker runs a request', async () => ((await health(url)).workers ?? []).every((w) => (w.running ?? 0) === 0), 5000);
-}
-
-async function runningWorker(url: string): Promise<string> {
-  let running: string[] = [];
-  await until('exactly one worker runs a request', async () => {
-    running = ((await health(url)).workers ?? []).filter((w) => (w.running ?? 0) > 0).map((w) => w.id);
-    return running.length === 1;
-  }, 3000);
-  return running[0]!;
+async function pinnedWorker(url: string, prompt: string): Promise<string> {
+  const warm = await complete(url, { prompt, max_tokens: 1, temperature: 0 });
+  const { workerId } = await placement(url, warm.id);
+  await new Promise((resolve) => setTimeout(resolve, 1000));
+  return workerId;
 }
 
 let nextPrompt = 0;
@@ -193,12 +189,9 @@ describe('distributed runtime', { skip }, () => {
   test('kill -9 of a worker mid-stream: migration limit 2 continues with the same greedy text, limit 0 ends with worker_lost', async () => {
     const prompt = freshPrompt();
     const expected = await complete(reference.url, greedy(prompt, 400));
-    let killed = '';
-    await allIdle(a.url);
-    const migrated = await stream(a.url, greedy(prompt, 400), async (_text, events) => {
-      if (events !== 10) return;
-      killed = await runningWorker(a.url);
-      workers.get(killed)!.kill('SIGKILL');
+    const killed = await pinnedWorker(a.url, prompt);
+    const migrated = await stream(a.url, greedy(prompt, 400), (_text, events) => {
+      if (events === 3) workers.get(killed)!.kill('SIGKILL');
     });
     assert.equal(migrated.error, undefined, `no error: ${JSON.stringify(migrated.error)}`);
     assert.equal(migrated.text, expected.text);
@@ -213,12 +206,10 @@ describe('distributed runtime', { skip }, () => {
     await until('the replacement joined both frontends', async () =>
       (await readyWorkers(a)).includes(replacement) && (await readyWorkers(b)).includes(replacement), 30_000);
 
-    let victim = '';
-    await allIdle(b.url);
-    const failed = await stream(b.url, greedy(freshPrompt(), 400), async (_text, events) => {
-      if (events !== 10) return;
-      victim = await runningWorker(b.url);
-      workers.get(victim)!.kill('SIGKILL');
+    const lostPrompt = freshPrompt();
+    const victim = await pinnedWorker(b.url, lostPrompt);
+    const failed = await stream(b.url, greedy(lostPrompt, 400), (_text, events) => {
+      if (events === 3) workers.get(victim)!.kill('SIGKILL');
     });
     assert.equal(failed.error?.code, 'worker_lost', JSON.stringify(failed));
     const survivor = (await readyWorkers(b)).find((id) => id !== victim);
@@ -237,13 +228,11 @@ describe('distributed runtime', { skip }, () => {
   });
 
   test('SIGTERM drains a worker: it leaves discovery first, finishes its stream, then exits 0', async () => {
-    let drained = '';
     const prompt = freshPrompt();
     const expected = await complete(reference.url, greedy(prompt, 600));
-    await allIdle(a.url);
+    const drained = await pinnedWorker(a.url, prompt);
     const result = await stream(a.url, greedy(prompt, 600), async (_text, events) => {
-      if (events !== 5) return;
-      drained = await runningWorker(a.url);
+      if (events !== 1) return;
       workers.get(drained)!.kill('SIGTERM');
       await until('the draining worker takes no new requests', async () => !(await readyWorkers(a)).includes(drained), 5000);
       const meanwhile = await complete(a.url, greedy(freshPrompt(), 3));
