@@ -5,7 +5,8 @@
 // per-request timeout); Ctrl-C stops it early and still reports. Each run draws fresh prompts unless --seed is given.
 
 import { randomInt } from 'node:crypto';
-import { writeFileSync } from 'node:fs';
+import { accessSync, constants, statSync, writeFileSync } from 'node:fs';
+import { dirname, resolve } from 'node:path';
 import { renderHtmlReport } from '../bench/html-report.ts';
 import { runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
@@ -144,11 +145,30 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     ...(requests !== undefined ? { requests } : {}),
     ...(durationSec !== undefined ? { durationSec } : {}),
   };
+  if (outputFile !== undefined) checkWritable(values['result-file'] !== undefined ? 'result-file' : 'output', outputFile);
+  if (values.html !== undefined) checkWritable('html', values.html);
   return {
     load, json: values.json, progress: values.progress,
     ...(outputFile !== undefined ? { outputFile } : {}),
     ...(values.html !== undefined ? { htmlFile: values.html } : {}),
   };
+}
+
+/** Refuses, before any load is sent, a report file that could not be written when the run ends (a missing folder, a
+ *  read-only place, a directory), so a long run's results are not lost to a typo. */
+function checkWritable(flag: string, file: string): void {
+  const path = resolve(file);
+  let reason: string | undefined;
+  try {
+    const existing = statSync(path, { throwIfNoEntry: false });
+    if (existing?.isDirectory()) reason = 'it is a directory';
+    else if (existing) accessSync(path, constants.W_OK);
+    else if (!statSync(dirname(path), { throwIfNoEntry: false })?.isDirectory()) reason = `no directory ${dirname(path)}`;
+    else accessSync(dirname(path), constants.W_OK);
+  } catch (err) {
+    reason = (err as NodeJS.ErrnoException).code === 'EACCES' ? 'permission denied' : (err as Error).message;
+  }
+  if (reason !== undefined) throw new UsageError(`--${flag} ${file}: cannot write the report there (${reason})`);
 }
 
 /** One progress line: time, requests done of the bound, errors, in flight, output tokens per second so far. */
@@ -180,9 +200,20 @@ export async function runBench(config: BenchConfig, io: BenchIo | ((text: string
   if (tty && wrote) out!.write('\n');
   const text = formatReport(result);
   write(config.json ? reportJson(result) : text);
-  if (config.outputFile !== undefined) writeFileSync(config.outputFile, `${reportJson(result, { includeRequests: true })}\n`);
-  if (config.htmlFile !== undefined) writeFileSync(config.htmlFile, renderHtmlReport(result, text));
-  return { code: result.summary.numOk > 0 ? 0 : 1, result };
+  // Checked writable before the run; should the place change meanwhile, the report above is out and one line says
+  // which file is missing (exit 1), rather than a stack trace.
+  let writeFailed = false;
+  const save = (file: string, content: () => string): void => {
+    try {
+      writeFileSync(file, content());
+    } catch (err) {
+      writeFailed = true;
+      (out ?? process.stderr).write(`conduit bench: could not write ${file}: ${(err as Error).message}\n`);
+    }
+  };
+  if (config.outputFile !== undefined) save(config.outputFile, () => `${reportJson(result, { includeRequests: true })}\n`);
+  if (config.htmlFile !== undefined) save(config.htmlFile, () => renderHtmlReport(result, text));
+  return { code: result.summary.numOk > 0 && !writeFailed ? 0 : 1, result };
 }
 
 export const benchCommand: Command = {

@@ -114,6 +114,9 @@ describe('conduit bench flags (vLLM names)', () => {
       [['--burstiness', '2'], /--burstiness/], [['--request-rate', '1', '--burstiness', '0'], /--burstiness/],
       [['--request-rate', '1', '--rate', '2'], /not both/], [['--goodput', 'ttft'], /--goodput/], [['--goodput', 'itl:5'], /--goodput/],
       [['--goodput', 'ttft:-1'], /--goodput/], [['--goodput', 'ttft:1,ttft:2'], /twice/], [['--result-file', 'a', '--output', 'b'], /not both/],
+      // Files the run could not write at its end are refused before any request is sent.
+      [['--result-file', '/nonexistent-dir/r.json'], /--result-file .*no directory/], [['--html', tmpdir()], /--html .*directory/],
+      [['--output', '/nonexistent-dir/r.json'], /--output .*no directory/],
     ];
     for (const [argv, message] of bad) {
       assert.throws(() => parseBenchConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message), argv.join(' '));
