@@ -409,8 +409,9 @@ export class Gateway {
     const { tools } = request;
     const tokenIds = await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true,
       tools?.raw);
+    // Told before the length checks, so a refused prompt's log line and trace still say how long it was.
+    call.trace?.tokenized(tokenIds.length);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
-    call.trace?.tokenized(prompt.tokenIds.length);
     const id = call.requestId ?? newCompletionId('chatcmpl');
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
     let shape: ResponseShape;
@@ -436,16 +437,19 @@ export class Gateway {
     // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
     request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i)); });
     const prompts: PreparedPrompt[] = [];
-    for (const [i, input] of request.prompts.entries()) {
-      if ('text' in input) {
-        const ids = await this.encode(backend, input.text, { addSpecialTokens: true, parseSpecial: true });
-        prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), input.text));
-        continue;
+    let promptTokens = 0;
+    try {
+      for (const [i, input] of request.prompts.entries()) {
+        const ids = 'text' in input ? await this.encode(backend, input.text, { addSpecialTokens: true, parseSpecial: true }) : input.tokenIds;
+        promptTokens += ids.length;
+        const text = 'text' in input ? input.text
+          : request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
+        prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), text));
       }
-      const text = request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
-      prompts.push(this.fitPrompt(backend, input.tokenIds, request.maxTokens, param(i), text));
+    } finally {
+      // Refused or not, the request's log line and trace say how many prompt tokens it brought (up to the refusal).
+      call.trace?.tokenized(promptTokens);
     }
-    call.trace?.tokenized(prompts.reduce((sum, p) => sum + p.tokenIds.length, 0));
     const id = call.requestId ?? newCompletionId('cmpl');
     const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
     const shape = new CompletionShape(this.meta(target, id), prompts.length * request.n, new TokenTexts(tokenizer),

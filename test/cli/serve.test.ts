@@ -359,15 +359,21 @@ describe('conduit serve request log', () => {
       usage = body.usage;
       id = body.id;
       assert.equal((await post(url, '/v1/completions', { prompt: 'Hello', max_tokens: -1 })).status, 400);
+      // Refused for its length after tokenizing: the line still says how long the prompt was.
+      const models = await (await fetch(`${url}/v1/models`)).json() as { data: { max_model_len: number }[] };
+      const tooLong = await post(url, '/v1/completions', { prompt: [100, 101, 102], max_tokens: models.data[0]!.max_model_len });
+      assert.equal(((await tooLong.json()) as { error: { code: string } }).error.code, 'context_length_exceeded');
       assert.equal((await fetch(`${url}/health`)).status, 200);
       assert.equal((await fetch(`${url}/v1/models`)).status, 200);
     });
     const requestLines = lines.filter((line) => / INFO {2}(GET|POST) \//.test(line));
-    assert.equal(requestLines.length, 3, `the completion, the refused one and /v1/models (not /health):\n${lines.join('')}`);
+    assert.equal(requestLines.length, 5, `the completion, /v1/models, the two refused ones and /v1/models (not /health):\n${lines.join('')}`);
     assert.match(requestLines[0]!, new RegExp(`INFO {2}POST /v1/completions 200 tenant=anonymous prompt_tokens=${usage!.prompt_tokens} `
       + `output_tokens=${usage!.completion_tokens} ttft_ms=\\d+\\.\\d total_ms=\\d+\\.\\d id=${id}\\n$`));
     assert.match(requestLines[1]!, /POST \/v1\/completions 400 tenant=anonymous prompt_tokens=- output_tokens=- ttft_ms=- total_ms=/);
-    assert.match(requestLines[2]!, /GET \/v1\/models 200 tenant=anonymous total_ms=\d+\.\d\n$/);
+    assert.match(requestLines[2]!, /GET \/v1\/models 200 /);
+    assert.match(requestLines[3]!, /POST \/v1\/completions 400 tenant=anonymous prompt_tokens=3 output_tokens=- ttft_ms=- total_ms=/);
+    assert.match(requestLines[4]!, /GET \/v1\/models 200 tenant=anonymous total_ms=\d+\.\d\n$/);
   });
 
   it('is off with --no-request-log or CONDUIT_REQUEST_LOG=false', async () => {
