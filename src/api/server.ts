@@ -101,6 +101,8 @@ interface Route {
   rateLimited: boolean;
   /** Generates: traced, under an id with this prefix chosen at arrival. */
   traced?: 'chatcmpl' | 'cmpl';
+  /** A POST that takes no body: an empty one is fine (curl -X POST), one that is there must still be JSON. */
+  bodyOptional?: boolean;
   methods: Partial<Record<'GET' | 'POST', Handler>>;
 }
 
@@ -353,7 +355,7 @@ export class ApiServer {
       }, true, { GET: ({ params, call }) => this.traceReply(params[0]!, call.tenant) }),
       admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
       admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
-      admin(route('reset_prefix_cache', exact('/reset_prefix_cache'), true, { POST: () => this.resetPrefixCache() })),
+      admin({ ...route('reset_prefix_cache', exact('/reset_prefix_cache'), true, { POST: () => this.resetPrefixCache() }), bodyOptional: true }),
       // The web console (src/api/console.ts): pages and assets hold no data; its JSON follows the traces' rule.
       route('console', (p) => (p === '/console' || p === '/console/' || /^\/console\/requests\/[^/]+$/.test(p) ? [] : undefined), false,
         { GET: ({ req, res }) => this.webConsole.sendPage(req, res) }),
@@ -510,7 +512,7 @@ export class ApiServer {
         bodyFullyRead = true;
         trace?.bodyRead(bytes.length);
         try {
-          body = parseJsonBytes(bytes);
+          body = found.route.bodyOptional && bytes.toString('utf8').trim() === '' ? undefined : parseJsonBytes(bytes);
         } catch (err) {
           const model = this.gateway.servedModelName;
           trace?.validated({ ok: false, ...(model !== undefined ? { model } : {}) });

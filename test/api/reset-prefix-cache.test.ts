@@ -45,6 +45,18 @@ describe('POST /reset_prefix_cache', () => {
     assert.ok(await cachedTokens() > 0, 'and cached again after that');
   });
 
+  it('takes no body, as vLLM\'s (curl -X POST), while a body that is there must be JSON', E2E, async () => {
+    const post = (body?: string) => fetch(`${server.url}/reset_prefix_cache`, {
+      method: 'POST', headers: auth(ADMIN_KEY), ...(body !== undefined ? { body } : {}),
+    });
+    const bare = await post();
+    assert.equal(bare.status, 200, await bare.clone().text());
+    assert.deepEqual(await bare.json(), { reset: true });
+    const broken = await post('{');
+    assert.equal(broken.status, 400);
+    assert.equal(((await broken.json()) as { error: { code: string } }).error.code, 'invalid_json');
+  });
+
   it('refuses with 409 while a request holds KV blocks, and the server stays up', E2E, async () => {
     await cachedTokens();
     const stream = await openCompletionStream(server.url, { model, prompt: 'Keep going', max_tokens: 1500, ignore_eos: true }, { key: KEY });

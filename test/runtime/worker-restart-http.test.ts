@@ -70,6 +70,8 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       assert.match(down.body.reason ?? '', /^no worker can serve: all 2 workers were lost, restarting$/);
       const refused = await complete(running);
       assert.equal(refused.status, 503, refused.body);
+      const reset = await fetch(`${running.url}/reset_prefix_cache`, { method: 'POST' });
+      assert.equal(reset.status, 200, `a reset with no live worker has nothing to forget: ${await reset.text()}`);
 
       await waitUntil(() => routed.workerIds.length === 2, 'both workers were restarted', 60_000);
       assert.deepEqual(routed.workerIds.sort(), killed.map((id) => `${id}-r1`).sort(), 'new workers, new ids');
