@@ -21,12 +21,12 @@
 // rounds; ratios are Conduit / llama.cpp medians. The memory bandwidth (the addon's STREAM-like read, THREADS
 // threads) is read before every round; the decode roofline is the best reading over the weight bytes one decode
 // step reads (every matrix, the output projection included).
-import { execFileSync, spawn, type ChildProcess } from 'node:child_process';
+import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync, mkdirSync, statSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { parseArgs } from 'node:util';
+import { parseArgs, promisify } from 'node:util';
 
 import { loadNativeAddon } from '../../src/kernels/native.ts';
 import { loadModel } from '../../src/model/loader.ts';
@@ -69,18 +69,24 @@ interface LlamaBenchRow {
   avg_ts: number;
 }
 
-/** One llama-bench run: figure -> best tok/s over flash attention off and on. */
-function llamaBench(model: string): Record<string, number> {
-  const run = (extra: string[]): LlamaBenchRow[] => JSON.parse(execFileSync(join(LLAMA_BIN, 'llama-bench'),
+const execFileAsync = promisify(execFile);
+
+/**
+ * One llama-bench run: figure -> best tok/s over flash attention off and on. Run without blocking the event loop:
+ * a loop blocked for minutes keeps the HTTP client's idle keep-alive socket to Conduit, which the server closed
+ * meanwhile, and the next request on it fails ("other side closed").
+ */
+async function llamaBench(model: string): Promise<Record<string, number>> {
+  const run = async (extra: string[]): Promise<LlamaBenchRow[]> => JSON.parse((await execFileAsync(join(LLAMA_BIN, 'llama-bench'),
     ['-m', model, '-t', String(THREADS), '-fa', '0,1', '-r', '1', '-o', 'json', ...extra],
-    { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'], maxBuffer: 1 << 24 })) as LlamaBenchRow[];
+    { encoding: 'utf8', maxBuffer: 1 << 24 })).stdout) as LlamaBenchRow[];
   const out: Record<string, number> = {};
   const keep = (key: string, value: number) => { out[key] = Math.max(out[key] ?? 0, value); };
-  for (const row of run(['-p', String(PROMPT), '-n', String(DECODE)])) {
+  for (const row of await run(['-p', String(PROMPT), '-n', String(DECODE)])) {
     keep(row.n_prompt > 0 ? 'prefill' : 'decode', row.avg_ts);
   }
   for (const context of CONTEXTS) {
-    for (const row of run(['-p', '0', '-n', String(CONTEXT_DECODE), '-d', String(context)])) keep(`ctx${context}`, row.avg_ts);
+    for (const row of await run(['-p', '0', '-n', String(CONTEXT_DECODE), '-d', String(context)])) keep(`ctx${context}`, row.avg_ts);
   }
   return out;
 }
@@ -224,7 +230,7 @@ for (const type of TYPES) {
       readBandwidth();
       const order = round % 2 === 0 ? ['conduit', 'llama'] as const : ['llama', 'conduit'] as const;
       for (const engine of order) {
-        const figures = engine === 'conduit' ? await conduitRound(server) : llamaBench(path);
+        const figures = engine === 'conduit' ? await conduitRound(server) : await llamaBench(path);
         for (const [key, value] of Object.entries(figures)) (r[engine][key] ??= []).push(value);
         process.stderr.write(`  ${type} round ${round + 1} ${engine}: ${Object.entries(figures).map(([k, v]) => `${k} ${num(v)}`).join(', ')}\n`);
       }
