@@ -94,7 +94,10 @@ export interface WorkerPool {
   /** Set when more than one worker: the router and the workers' ids. */
   routed?: RoutedEngine;
   router?: Router;
-  /** The individual workers (one entry when not routed); role is set in a disaggregated pool. */
+  /**
+   * The individual workers as built (one entry when not routed); role is set in a disaggregated pool. A restarted
+   * worker replaces its entry in the routed engine, not here: ask the engine (workerIds, workerStats) for the live ones.
+   */
   workers: { id: string; engine: Engine; role?: WorkerRole }[];
   notices: string[];
   /** Set for one cpu worker with restarts on. */
