@@ -360,6 +360,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
+  if (engine === 'sim' && idleRelease > 0) {
+    warnings.push('--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it');
+  }
   let calibration: CalibrationName;
   try {
     calibration = parseCalibration(values['sim-calibration']!);

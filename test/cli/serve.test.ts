@@ -226,6 +226,13 @@ describe('conduit serve disaggregation thresholds', () => {
       (err: unknown) => err instanceof UsageError && /--disagg-max-prefill-queue-tokens must be a whole number >= 0, got -3/.test(err.message));
   });
 
+  it('says that simulated workers ignore --kv-cache-idle-release (their KV pools hold no host memory)', () => {
+    assert.deepEqual(config(['--engine', 'sim', '--kv-cache-idle-release', '30']).warnings,
+      ['--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it']);
+    assert.equal(config(['--kv-cache-idle-release', '30']).warnings, undefined, 'cpu workers use it');
+    assert.equal(config(['--engine', 'sim']).warnings, undefined, 'off by default: nothing to say');
+  });
+
   it('ignores a stray threshold whose text is not even a number, and refuses it once it applies', () => {
     const env = { CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: 'fast' };
     assert.deepEqual(config([], env).warnings, [
