@@ -63,7 +63,7 @@ export const SERVE_FLAGS = {
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
   workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler', default: 1 },
-  'worker-processes': { type: 'boolean', help: 'run the --workers as child processes (conduit worker) over the request plane on loopback instead of threads: a worker that crashes, natively included, takes only its process down and is restarted', default: false },
+  'worker-processes': { type: 'boolean', help: 'run the --workers (or --prefill-workers and --decode-workers, cpu) as child processes (conduit worker) over the request plane on loopback instead of threads: a worker that crashes, natively included, takes only its process down (aggregated workers are restarted)', default: false },
   'routing-policy': { type: 'string', help: `how the router places requests: ${POLICY_NAMES.join(', ')}`, default: 'kv' },
   'session-header': { type: 'string', help: 'request header carrying the session id that --routing-policy session keeps on one worker', default: DEFAULT_SESSION_HEADER },
   'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
@@ -354,8 +354,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
-  if (values['worker-processes'] && prefillWorkers !== undefined) {
-    throw new UsageError('--worker-processes runs aggregated workers (--workers N); disaggregated workers are threads for now');
+  if (values['worker-processes'] && prefillWorkers !== undefined && values.engine === 'sim') {
+    throw new UsageError('--worker-processes with --prefill-workers runs cpu workers (simulated workers have no KV to move between processes)');
   }
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);

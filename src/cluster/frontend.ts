@@ -123,7 +123,8 @@ export class ClusterFrontend {
           if (!remote || remote.lost) return;
           if (stats) remote.deliverStats(stats);
           remote.deliverKvEvents(events);
-          if (this.router?.workersNeedingResync().includes(workerId)) void this.resync(workerId, 'event-id gap');
+          const gaps = this.engine ? this.router?.workersNeedingResync() : this.disaggregated?.workersNeedingResync();
+          if (gaps?.includes(workerId)) void this.resync(workerId, 'event-id gap');
         },
         load: (workerId, stats) => {
           const remote = this.members.get(workerId)?.remote;
@@ -315,6 +316,8 @@ export class ClusterFrontend {
       workerList: () => this.workerViews(),
     });
     for (const resolve of this.readyWaiters.splice(0)) resolve(this.disaggregated);
+    // The prefill workers that waited for this one joined no router then: their views start from a snapshot now.
+    for (const p of prefill) void this.resync(p.workerId, 'joined');
     return true;
   }
 
@@ -329,7 +332,7 @@ export class ClusterFrontend {
   private async resync(workerId: string, why: string): Promise<void> {
     if (this.resyncing.has(workerId)) return;
     const remote = this.members.get(workerId)?.remote;
-    if (!remote || !this.router) return;
+    if (!remote || (!this.router && !this.disaggregated)) return;
     this.resyncing.add(workerId);
     try {
       let snapshot;
@@ -338,8 +341,13 @@ export class ClusterFrontend {
       } catch {
         snapshot = await remote.snapshot();
       }
-      if (remote.lost || !this.engine?.workerIds.includes(workerId)) return;
-      this.router.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId);
+      if (remote.lost) return;
+      if (this.engine && this.router) {
+        if (!this.engine.workerIds.includes(workerId)) return;
+        this.router.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId);
+      } else if (!this.disaggregated?.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId)) {
+        return;
+      }
       this.resyncs++;
       this.options.log('debug', `KV view of ${workerId} resynced (${why}): ${snapshot.hashes.length} blocks, event ${snapshot.lastEventId}`);
     } catch (error) {

@@ -30,7 +30,7 @@ export const FRAME_KV_RUN = 2;
 const RUN_HEADER_BYTES = 24;
 const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
 
-export type KvTransferFailure = 'checksum' | 'length' | 'truncated' | 'refused' | 'unexpected-run' | 'connect' | 'timeout';
+export type KvTransferFailure = 'checksum' | 'length' | 'truncated' | 'refused' | 'unexpected-run' | 'connect' | 'timeout' | 'aborted';
 
 export class KvTransferError extends Error {
   override name = 'KvTransferError';
@@ -115,17 +115,22 @@ export interface KvTransferServerOptions {
   /** Whether the request's blocks are still pinned here; a pull for any other request is refused. */
   isPinned?: (requestId: string) => boolean;
   log?: (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
-  /** Fault injection for tests: flip a byte of run `corruptRun`, or close the connection after `truncateAfterRuns`. */
-  faults?: { corruptRun?: number; truncateAfterRuns?: number };
+  /**
+   * Fault injection for tests: flip a byte of run `corruptRun`, close the connection after `truncateAfterRuns`, or
+   * send nothing after `stallAfterRuns` runs and keep the connection open (a transfer in flight, as long as a test
+   * needs it).
+   */
+  faults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
 }
 
 /** Serves pulls of pinned blocks from this worker's pool. */
 export class KvTransferServer {
   private readonly server: net.Server;
   private readonly sockets = new Set<net.Socket>();
-  /** Transfers served, refused. */
+  /** Transfers served, refused; runs written. */
   served = 0;
   refused = 0;
+  runsSent = 0;
 
   constructor(private readonly options: KvTransferServerOptions) {
     this.server = net.createServer((socket) => this.accept(socket));
@@ -200,6 +205,7 @@ export class KvTransferServer {
         socket.destroy();
         return;
       }
+      if (faults?.stallAfterRuns !== undefined && sent === faults.stallAfterRuns) return;
       const at = runOffset(view, run.layer, run.kv, run.source);
       const length = run.count * runBytes;
       // A copy: the pool is shared memory, and the socket may send after this function returns.
@@ -217,6 +223,7 @@ export class KvTransferServer {
       socket.write(header);
       socket.write(body);
       sent++;
+      this.runsSent++;
       total += length;
     }
     this.served++;
@@ -235,6 +242,8 @@ export interface KvPullOptions {
   /** Where the blocks go: the decode worker's pool (or a staging pool handed to its engine). */
   destination: KvPoolView;
   timeoutMs?: number;
+  /** Stops the transfer (the connection is closed): rejects with reason 'aborted'. */
+  signal?: AbortSignal;
 }
 
 /**
@@ -267,6 +276,10 @@ export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOption
     };
     const timer = setTimeout(() => finish(new KvTransferError('timeout', `KV transfer of ${descriptor.requestId} took over ${options.timeoutMs ?? 30_000} ms`)),
       options.timeoutMs ?? 30_000);
+    const onAbort = () => finish(new KvTransferError('aborted', `KV transfer of ${descriptor.requestId} aborted after ${next} of ${expected.length} runs`));
+    if (options.signal?.aborted) onAbort();
+    options.signal?.addEventListener('abort', onAbort, { once: true });
+    socket.once('close', () => options.signal?.removeEventListener('abort', onAbort));
     socket.on('connect', () => {
       socket.write(encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }));
       socket.write(encodeJsonFrame({ t: 'kv-pull', ...descriptor }));

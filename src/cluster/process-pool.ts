@@ -5,13 +5,19 @@
 // at once (migrating when --migration-limit allows), and the worker group starts a new process in its place
 // (--worker-restart-limit, --worker-restart-delay), as it restarts a dead thread. A child whose parent goes away
 // (its IPC channel closes) exits.
+//
+// With --prefill-workers P --decode-workers D (cpu workers) the children run `--role prefill` and `--role decode`, and
+// the server's engine is the disaggregated one of a frontend (remote-disagg.ts): each decode worker pulls the KV of a
+// handed-off request straight from the prefill worker's KV port over loopback TCP. A lost child is not restarted
+// there; a decode worker lost mid-stream migrates its requests (--migration-limit), a lost prefill worker's requests
+// are prefilled again.
 
 import { fork, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { engineNow } from '../engine/clock.ts';
-import type { EngineInfo, EngineOutput, EngineRequest } from '../engine/types.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
 import { tokenizerFromWorkerSource } from '../model/tokenizer/worker-source.ts';
 import type { Tokenizer, TokenizerWorkerSource } from '../model/tokenizer/types.ts';
@@ -22,6 +28,7 @@ import { RoutedEngine } from '../runtime/routed-engine.ts';
 import type { RoutableEngine, WorkerGroupLog } from '../runtime/worker-group.ts';
 import { makeRouter, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
 import { RemoteEngine } from './remote-engine.ts';
+import { remoteDisaggregatedEngine, type RemoteDisaggregatedEngine } from './remote-disagg.ts';
 
 const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
 /** A child has this long to load its model and report its address. */
@@ -34,7 +41,7 @@ export interface ProcessPoolOptions extends WorkerPoolOptions {
 
 /** One child process and its connection, as the router holds a worker. */
 export class ChildWorker implements RoutableEngine {
-  constructor(readonly id: string, private readonly child: ChildProcess, private readonly remote: RemoteEngine) {}
+  constructor(readonly id: string, private readonly child: ChildProcess, readonly remote: RemoteEngine) {}
 
   get info(): EngineInfo { return this.remote.info; }
   get pid(): number | undefined { return this.child.pid; }
@@ -61,9 +68,10 @@ export class ChildWorker implements RoutableEngine {
 }
 
 /** The worker flags of `conduit worker` that rebuild the pool's engine in a child. */
-function childArgs(options: ProcessPoolOptions, id: string, threads: number): string[] {
+function childArgs(options: ProcessPoolOptions, id: string, threads: number, role: WorkerRole): string[] {
   const args = ['worker', '--parent-ipc', '--worker-id', id, '--host', '127.0.0.1', '--port', '0', '--engine', options.engine,
-    '--threads', String(threads), '--shutdown-grace', '0'];
+    '--threads', String(threads), '--shutdown-grace', '0', '--role', role];
+  const workers = (options.prefillWorkers ?? 0) + (options.decodeWorkers ?? 0) || options.workers;
   const add = (flag: string, value: string | number | undefined): void => {
     if (value !== undefined) args.push(`--${flag}`, String(value));
   };
@@ -74,10 +82,10 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number): st
   add('kv-cache-idle-release', options.kvCacheIdleReleaseSeconds);
   // A child is one worker: the pool's totals are split here as a pool of threads splits them, and each child's disk
   // tier gets a folder of its own (the folder's lock keeps a second process out).
-  if (options.kvOffloadMemoryBytes !== undefined) add('kv-offload-memory', Math.floor(options.kvOffloadMemoryBytes / options.workers));
+  if (options.kvOffloadMemoryBytes !== undefined) add('kv-offload-memory', Math.floor(options.kvOffloadMemoryBytes / workers));
   if (options.kvOffloadDiskDir !== undefined) {
     add('kv-offload-disk', join(options.kvOffloadDiskDir, id));
-    add('kv-offload-disk-size', Math.floor((options.kvOffloadDiskBytes ?? 0) / options.workers));
+    add('kv-offload-disk-size', Math.floor((options.kvOffloadDiskBytes ?? 0) / workers));
   }
   add('scheduling-policy', options.policy);
   add('max-num-seqs', options.maxNumSeqs);
@@ -93,8 +101,8 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number): st
 }
 
 /** Starts one child worker and connects to it. */
-export function startChildWorker(options: ProcessPoolOptions, id: string, token: string, threads: number): Promise<ChildWorker> {
-  const child = fork(CONDUIT_BIN, childArgs(options, id, threads), {
+export function startChildWorker(options: ProcessPoolOptions, id: string, token: string, threads: number, role: WorkerRole = 'both'): Promise<ChildWorker> {
+  const child = fork(CONDUIT_BIN, childArgs(options, id, threads, role), {
     // The token travels in the environment, not on the command line (where ps shows it).
     env: { ...process.env, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
     stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
@@ -143,33 +151,102 @@ export class ProcessPoolEngine extends RoutedEngine {
 }
 
 export interface ProcessPool {
-  engine: ProcessPoolEngine;
-  router: Router;
+  engine: ProcessPoolEngine | RemoteDisaggregatedEngine;
+  router?: Router;
   tokenizer: Tokenizer;
   chatTemplate: ChatTemplate;
-  workers: { id: string; engine: ChildWorker }[];
+  workers: { id: string; engine: ChildWorker; role?: WorkerRole }[];
   notices: string[];
   /** Never set: WorkerPool.clock's shared simulated clock exists only for workers that live in one process. */
   clock?: undefined;
 }
 
-export async function createProcessWorkerPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {
-  const count = options.workers;
-  if (!Number.isInteger(count) || count < 1) throw new RangeError(`workers must be a whole number >= 1, got ${count}`);
-  const token = randomBytes(32).toString('hex');
-  const threads = options.threads ?? Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count));
-  const settled = await Promise.allSettled(Array.from({ length: count }, (_, i) => startChildWorker(options, `worker-${i}`, token, threads)));
-  const workers = settled.flatMap((s, i) => s.status === 'fulfilled' ? [{ id: `worker-${i}`, engine: s.value }] : []);
+/** The tokenizer and chat template of the children's model, from the first child's model card. */
+async function modelOf(worker: ChildWorker): Promise<{ tokenizer: Tokenizer; chatTemplate: ChatTemplate }> {
+  const card = await worker.modelCard();
+  if (!card) throw new Error('the first worker process sent no model card');
+  const tokenizer = tokenizerFromWorkerSource(card.tokenizer as TokenizerWorkerSource);
+  const { templates, bosToken, eosToken, isFallback } = card.chatTemplate;
+  return { tokenizer, chatTemplate: new ChatTemplate({ templates: new Map(templates), bosToken, eosToken }, isFallback) };
+}
+
+/** Starts every child (ids and roles given); if one fails, the others are stopped and its error is thrown. */
+async function startChildren(options: ProcessPoolOptions, specs: { id: string; role: WorkerRole }[], token: string, threads: number):
+  Promise<{ id: string; engine: ChildWorker; role: WorkerRole }[]> {
+  const settled = await Promise.allSettled(specs.map(({ id, role }) => startChildWorker(options, id, token, threads, role)));
+  const workers = settled.flatMap((s, i) => s.status === 'fulfilled' ? [{ ...specs[i]!, engine: s.value }] : []);
   const failure = settled.find((s): s is PromiseRejectedResult => s.status === 'rejected');
   if (failure) {
     await Promise.all(workers.map((w) => w.engine.close()));
     throw failure.reason;
   }
-  const card = await workers[0]!.engine.modelCard();
-  if (!card) throw new Error('the first worker process sent no model card');
-  const tokenizer = tokenizerFromWorkerSource(card.tokenizer as TokenizerWorkerSource);
-  const { templates, bosToken, eosToken, isFallback } = card.chatTemplate;
-  const chatTemplate = new ChatTemplate({ templates: new Map(templates), bosToken, eosToken }, isFallback);
+  return workers;
+}
+
+/** Prefill and decode workers as child processes behind the disaggregated engine a frontend uses. */
+async function createProcessDisaggregatedPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {
+  const numPrefill = options.prefillWorkers ?? 0;
+  const numDecode = options.decodeWorkers ?? 0;
+  for (const [name, value] of [['prefillWorkers', numPrefill], ['decodeWorkers', numDecode]] as const) {
+    if (!Number.isInteger(value) || value < 1) throw new RangeError(`${name} must be a whole number >= 1, got ${value}`);
+  }
+  if (options.engine !== 'cpu') throw new Error('disaggregated worker processes run cpu workers (simulated ones have no KV to move)');
+  const token = randomBytes(32).toString('hex');
+  const threads = options.threads ?? Math.max(1, Math.floor((await import('node:os')).availableParallelism() / (numPrefill + numDecode)));
+  const workers = await startChildren(options, [
+    ...Array.from({ length: numPrefill }, (_, i) => ({ id: `prefill-${i}`, role: 'prefill' as const })),
+    ...Array.from({ length: numDecode }, (_, i) => ({ id: `decode-${i}`, role: 'decode' as const })),
+  ], token, threads);
+  let engine: RemoteDisaggregatedEngine;
+  let model: { tokenizer: Tokenizer; chatTemplate: ChatTemplate };
+  try {
+    model = await modelOf(workers[0]!.engine);
+    const remotes = (role: WorkerRole) => workers.filter((w) => w.role === role).map((w) => w.engine.remote);
+    engine = remoteDisaggregatedEngine({
+      prefill: remotes('prefill'), decode: remotes('decode'),
+      ...(options.routingPolicy !== undefined ? { routingPolicy: options.routingPolicy } : {}),
+      ...(options.routerSeed !== undefined ? { routerSeed: options.routerSeed } : {}),
+      ...(options.maxQueued !== undefined ? { maxQueued: options.maxQueued } : {}),
+      ...(options.disaggregationPolicy ? { policy: options.disaggregationPolicy } : {}),
+      ...(options.disaggregationEstimates ? { estimates: options.disaggregationEstimates } : {}),
+      migration: { limit: options.migrationLimit ?? 0, tokenizer: model.tokenizer },
+      ...(log ? { log } : {}),
+      workerList: () => workers.map(({ id, role, engine: w }) => {
+        const stats = w.stats();
+        return { id, role, pid: w.pid, address: w.address, state: w.lost ? 'lost' : 'ready', running: stats.numRunning, waiting: stats.numWaiting };
+      }),
+    });
+  } catch (error) {
+    await Promise.all(workers.map((w) => w.engine.close()));
+    throw error;
+  }
+  // Closing the engine closes the connections; the children are stopped after them.
+  const close = engine.close.bind(engine);
+  engine.close = async () => {
+    try {
+      await close();
+    } finally {
+      await Promise.all(workers.map((w) => w.engine.close()));
+    }
+  };
+  const restarts = (options.workerRestartLimit ?? 0) > 0
+    ? ['--worker-restart-limit: lost prefill or decode worker processes are not restarted (their requests migrate)'] : [];
+  return {
+    engine, ...model, workers,
+    notices: [...restarts, `${numPrefill} prefill + ${numDecode} decode worker processes (pids ${workers.map((w) => w.engine.pid).join(', ')}), `
+      + 'request plane and KV transfers on loopback'],
+  };
+}
+
+export async function createProcessWorkerPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {
+  if (options.prefillWorkers !== undefined || options.decodeWorkers !== undefined) return createProcessDisaggregatedPool(options, log);
+  const count = options.workers;
+  if (!Number.isInteger(count) || count < 1) throw new RangeError(`workers must be a whole number >= 1, got ${count}`);
+  const token = randomBytes(32).toString('hex');
+  const threads = options.threads ?? Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count));
+  const workers = (await startChildren(options, Array.from({ length: count }, (_, i) => ({ id: `worker-${i}`, role: 'both' as const })), token, threads))
+    .map(({ id, engine }) => ({ id, engine }));
+  const { tokenizer, chatTemplate } = await modelOf(workers[0]!.engine);
   const router = makeRouter(options, workers[0]!.engine.info.blockSize, 0);
   const limit = options.workerRestartLimit ?? 0;
   const engine = new ProcessPoolEngine(workers, router, engineNow, {

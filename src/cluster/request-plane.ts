@@ -177,6 +177,17 @@ export function parseStats(value: unknown): EngineStats {
     preemptions: int(s, 'preemptions', 'stats'),
   };
   if (s.kvEvictions !== undefined) stats.kvEvictions = int(s, 'kvEvictions', 'stats');
+  if (s.kvTransferLinks !== undefined) {
+    const links = obj(s.kvTransferLinks, 'stats.kvTransferLinks');
+    stats.kvTransferLinks = Object.fromEntries(Object.entries(links).map(([link, value]) => {
+      const l = obj(value, `stats.kvTransferLinks.${link}`);
+      const failures = obj(l.failures, `stats.kvTransferLinks.${link}.failures`);
+      return [link, {
+        failures: Object.fromEntries(Object.keys(failures).map((reason) => [reason, int(failures, reason, `stats.kvTransferLinks.${link}.failures`)])),
+        fallbacks: int(l, 'fallbacks', `stats.kvTransferLinks.${link}`),
+      }];
+    }));
+  }
   return stats;
 }
 

@@ -86,7 +86,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
   if (options.nats) {
     const nc = await natsConnect({ ...options.nats, name: `conduit-worker-${workerId}` });
     publisher = new EventPublisher(nc, options.namespace, workerId, {
-      stats: () => engine.stats(),
+      stats: () => server.stats(),
       snapshot: () => ({ lastEventId: server.kv.lastEventId, hashes: [...server.kv.hashes] }),
       onKvEvents: (listener) => server.onKvEvents(listener),
     }, log);

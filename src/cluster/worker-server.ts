@@ -18,8 +18,10 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
-import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent } from '../engine/handoff.ts';
 import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
+import { engineNow } from '../engine/clock.ts';
+import type { EngineStats, KvLinkStats } from '../protocols/worker.ts';
 import { KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, toWireHandoff } from './kv-tcp.ts';
 import {
   DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
@@ -41,11 +43,25 @@ export interface WorkerServerOptions {
   chatTemplate?: ChatTemplate;
   log?: ClusterLog;
   /** Fault injection on a prefill worker's KV port, for tests (see KvTransferServerOptions.faults). */
-  kvFaults?: { corruptRun?: number; truncateAfterRuns?: number };
+  kvFaults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
 }
 
 /** The source id a decode worker's engine knows its TCP staging pool by. */
 const STAGING_SOURCE = 'tcp-staging';
+/** The link label of KV pulled over the TCP transfer engine (kv-tcp.ts). */
+const KV_LINK_TCP = 'tcp';
+
+/** One request's KV pull, as its kv_transfer reports it. */
+interface PullFacts {
+  /** Engine clock, ms. */
+  startMs: number;
+  bytes: number;
+  /** Blocks that moved, and blocks this worker already held (not moved). */
+  blocks: number;
+  reused: number;
+  runs: number;
+  link: string;
+}
 
 interface Connection {
   socket: net.Socket;
@@ -95,6 +111,8 @@ export class WorkerServer {
   private readonly offAdopted: (() => void) | undefined;
   /** KV pulls over TCP by outcome: 'ok', or the failure reason (checksum, truncated, connect, ...). */
   readonly kvTransfers = new Map<string, number>();
+  /** Imports that fell back to a prefill here, by link: what the stats carry to frontends (their /metrics). */
+  private linkStats: Record<string, KvLinkStats> = {};
 
   constructor(private readonly options: WorkerServerOptions) {
     this.workerId = options.workerId;
@@ -102,12 +120,12 @@ export class WorkerServer {
     this.server = net.createServer((socket) => this.accept(socket));
     this.offEvents = options.engine.onKvEvents?.((events) => {
       this.kv.apply(events);
-      const frame = encodeJsonFrame({ t: 'kv', events, stats: this.options.engine.stats() });
+      const frame = encodeJsonFrame({ t: 'kv', events, stats: this.stats() });
       for (const c of this.connections) if (c.authenticated && c.wantsEvents) c.socket.write(frame);
       for (const listener of this.kvListeners) listener(events);
     });
     this.heartbeat = setInterval(() => {
-      const frame = encodeJsonFrame({ t: 'hb', stats: this.options.engine.stats() });
+      const frame = encodeJsonFrame({ t: 'hb', stats: this.stats() });
       for (const c of this.connections) if (c.authenticated) c.socket.write(frame);
     }, HEARTBEAT_MS);
     this.heartbeat.unref();
@@ -139,6 +157,21 @@ export class WorkerServer {
   /** Requests running now. */
   get inFlight(): number {
     return this.running.size;
+  }
+
+  /** Prefill role: KV runs written to decode workers since the start. */
+  get kvRunsSent(): number {
+    return this.kvServer?.runsSent ?? 0;
+  }
+
+  /** Decode role: KV pulls (or the prefix holds before them) under way now. */
+  get pullsInFlight(): number {
+    return this.pulling.size;
+  }
+
+  /** Decode role: staging blocks held by pulls and adoptions not done yet. */
+  get stagingBlocksHeld(): number {
+    return this.staging ? this.staging.layout.numBlocks - this.staging.free.length : 0;
   }
 
   /** Listens; resolves with the bound port. */
@@ -249,7 +282,7 @@ export class WorkerServer {
     connection.wantsEvents = message.events === true;
     const welcome: Welcome = {
       t: 'welcome', v: REQUEST_PLANE_VERSION, workerId: this.workerId, role: this.role, info: this.options.engine.info,
-      stats: this.options.engine.stats(), draining: this.draining,
+      stats: this.stats(), draining: this.draining,
       ...(this.kvPort !== undefined ? { kvPort: this.kvPort } : {}),
       ...((this.options.engine as Partial<PrefillWorkerEngine>).kvLayout ? { kvLayout: (this.options.engine as Partial<PrefillWorkerEngine>).kvLayout } : {}),
     };
@@ -274,8 +307,8 @@ export class WorkerServer {
       case 'reset': {
         const rid = message.rid;
         void this.options.engine.resetPrefixCache().then(
-          (ok) => this.send(connection, { t: 'reset', rid, ok, stats: this.options.engine.stats() }),
-          () => this.send(connection, { t: 'reset', rid, ok: false, stats: this.options.engine.stats() }));
+          (ok) => this.send(connection, { t: 'reset', rid, ok, stats: this.stats() }),
+          () => this.send(connection, { t: 'reset', rid, ok: false, stats: this.stats() }));
         return;
       }
       case 'snapshot':
@@ -367,9 +400,10 @@ export class WorkerServer {
   }
 
   /**
-   * Decode role: pulls the handed-off blocks from the prefill worker's KV port into the staging pool, then lets the
-   * engine adopt them from there; a failed pull (checksum, truncation, prefill worker gone) is logged and counted,
-   * and the engine recomputes the prompt itself (adopt with no source).
+   * Decode role: holds the prompt's blocks this worker's prefix cache already has (pinned, so nothing evicts them),
+   * pulls only the others from the prefill worker's KV port into the staging pool, then lets the engine adopt the
+   * request from there. A failed pull (checksum, truncation, prefill worker gone) is logged and counted, and the
+   * engine recomputes the prompt itself (adopt with no source). An abort stops the pull at once.
    */
   private adopt(connection: Connection, message: Record<string, unknown>): void {
     const engine = this.options.engine as Partial<DecodeWorkerEngine>;
@@ -387,56 +421,106 @@ export class WorkerServer {
     if (!request) return;
     const id = request.id;
     const source = message.source as { host?: unknown; port?: unknown } | null;
-    const staging = this.staging;
     const start = async (): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> => {
-      const count = handoff.sourceBlockIds.length;
-      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port) || count > staging.free.length) {
-        this.countTransfer(source ? 'no-staging-space' : 'no-source');
-        return engine.adopt!(handoff, null);
-      }
-      const ids = staging.free.splice(staging.free.length - count, count).reverse();
-      staging.held.set(id, ids);
-      const started = performance.now();
-      this.pulling.add(id);
+      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port)) return this.fallBack(handoff, KV_LINK_TCP, 'no-source');
+      const controller = new AbortController();
+      this.pulling.set(id, controller);
       try {
-        const pulled = await pullKvBlocks(
-          { requestId: id, sourceBlockIds: handoff.sourceBlockIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
-          { clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging });
-        this.countTransfer('ok');
-        if (this.pulling.delete(id) && this.abortedPulls.delete(id)) {
-          // Aborted while its KV was on the way: nothing to adopt.
-          this.freeStaging(id);
-          return [];
-        }
-        this.pulls.set(id, { bytes: pulled.bytes, ms: performance.now() - started });
-        return engine.adopt!({ ...handoff, sourceBlockIds: ids, sourceLayout: staging.layout }, STAGING_SOURCE);
-      } catch (error) {
-        this.freeStaging(id);
+        return await this.pullAndAdopt(handoff, { host: source.host, port: source.port as number }, controller.signal);
+      } finally {
         this.pulling.delete(id);
-        if (this.abortedPulls.delete(id)) return [];
-        const reason = error instanceof KvTransferError ? error.reason : 'error';
-        this.countTransfer(reason);
-        this.log('warn', `KV transfer of ${id} from ${source.host}:${String(source.port)} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
-        return engine.adopt!(handoff, null);
       }
     };
     this.adoptedTo.set(id, connection);
     void this.stream(connection, id, start);
   }
 
-  private readonly pulls = new Map<string, { bytes: number; ms: number }>();
-  /** Requests whose KV pull is under way, and those of them aborted meanwhile (the engine does not know them yet). */
-  private readonly pulling = new Set<string>();
-  private readonly abortedPulls = new Set<string>();
+  private async pullAndAdopt(handoff: KvHandoff, source: { host: string; port: number }, signal: AbortSignal): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> {
+    const engine = this.options.engine as DecodeWorkerEngine;
+    const staging = this.staging!;
+    const id = handoff.requestId;
+    const link = KV_LINK_TCP;
+    // Aborted meanwhile: the engine drops what it holds for the request (the held prefix), the staging blocks go,
+    // and the stream ends as an aborted one does.
+    const stopped = (): boolean => {
+      if (!signal.aborted) return false;
+      engine.abort(id);
+      this.freeStaging(id);
+      return true;
+    };
+    const closing = (): EngineOutput[] => [{
+      requestId: id, index: 0, newTokenIds: [], textDelta: '', finishReason: 'abort',
+      usage: { promptTokens: handoff.request.promptTokenIds.length, completionTokens: handoff.outputTokenIds.length, cachedTokens: handoff.numCachedTokens },
+      timestamps: { ...handoff.timestamps, prefillChunks: handoff.timestamps.prefillChunks.slice(), finished: engineNow() },
+      ...(handoff.request.traceparent !== undefined ? { traceparent: handoff.request.traceparent } : {}),
+    }];
+    let held = 0;
+    if (engine.holdCachedPrefix && handoff.blockHashes.length > 0) {
+      try {
+        held = await engine.holdCachedPrefix(id, handoff.blockHashes);
+      } catch {
+        held = 0;
+      }
+    }
+    if (stopped()) return closing();
+    const sourceIds = handoff.sourceBlockIds.slice(held);
+    if (sourceIds.length > staging.free.length) return this.fallBack(handoff, link, 'no-staging-space');
+    const ids = staging.free.splice(staging.free.length - sourceIds.length, sourceIds.length).reverse();
+    staging.held.set(id, ids);
+    const startMs = engineNow();
+    let pulled = { bytes: 0, runs: 0 };
+    if (ids.length > 0) {
+      try {
+        pulled = await pullKvBlocks(
+          { requestId: id, sourceBlockIds: sourceIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
+          { clusterToken: this.options.clusterToken, host: source.host, port: source.port, destination: staging, signal });
+      } catch (error) {
+        this.freeStaging(id);
+        if (stopped()) return closing();
+        const reason = error instanceof KvTransferError ? error.reason : 'error';
+        this.log('warn', `KV transfer of ${id} from ${source.host}:${source.port} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
+        return this.fallBack(handoff, link, reason);
+      }
+    }
+    if (stopped()) return closing();
+    this.countTransfer('ok');
+    this.pulls.set(id, { startMs, bytes: pulled.bytes, blocks: ids.length, reused: held, runs: pulled.runs, link });
+    // The held blocks are not in staging: the engine finds them in its own cache and copies only those after them.
+    const sourceBlockIds = [...new Array<number>(held).fill(ids[0] ?? 0), ...ids];
+    return engine.adopt({ ...handoff, sourceBlockIds, sourceLayout: staging.layout }, STAGING_SOURCE);
+  }
+
+  /** The KV cannot be imported: counted by link and reason, and the engine recomputes the prompt here. */
+  private fallBack(handoff: KvHandoff, link: string, reason: string): AsyncIterable<EngineOutput> {
+    this.countTransfer(reason);
+    this.countLink(link, reason);
+    return (this.options.engine as DecodeWorkerEngine).adopt(handoff, null);
+  }
+
+  /** Pulls done, by request, until the request's stream ends: what its kv_transfer reports. */
+  private readonly pulls = new Map<string, PullFacts>();
+  /** Requests whose KV pull (or the hold before it) is under way: an abort stops it. */
+  private readonly pulling = new Map<string, AbortController>();
 
   private abortRequest(id: string): void {
-    if (this.pulling.has(id)) this.abortedPulls.add(id);
+    const pull = this.pulling.get(id);
+    if (pull) pull.abort();
     else this.options.engine.abort(id);
   }
   private readonly adoptedTo = new Map<string, Connection>();
 
   private countTransfer(outcome: string): void {
     this.kvTransfers.set(outcome, (this.kvTransfers.get(outcome) ?? 0) + 1);
+  }
+
+  /** A request the decode worker prefills itself instead of importing its KV over `link`, and why. */
+  private countLink(link: string, reason: string): void {
+    const before = this.linkStats[link] ?? { failures: {}, fallbacks: 0 };
+    // A new object each time: the stats sent with every output share it until the next change.
+    this.linkStats = {
+      ...this.linkStats,
+      [link]: { failures: { ...before.failures, [reason]: (before.failures[reason] ?? 0) + 1 }, fallbacks: before.fallbacks + 1 },
+    };
   }
 
   private freeStaging(id: string): void {
@@ -446,20 +530,55 @@ export class WorkerServer {
     this.staging!.free.push(...ids);
   }
 
-  /** The engine copied the blocks out of staging (or recomputes): free them, tell the frontend (tcp, pull time included). */
+  /**
+   * A request's stream ended with staging blocks still held (it was never adopted: aborted while waiting for room,
+   * or refused): they are free once the engine is done with it. It is, when the stream ended by itself; when it was
+   * left early (the connection closed), the engine's abort has just been posted and a pending adoption could still
+   * copy out of staging before it is handled, so the blocks are freed after the engine has caught up.
+   */
+  private releaseStagingAfter(id: string, connection: Connection): void {
+    if (!this.staging?.held.has(id)) return;
+    const engine = this.options.engine as Partial<{ sync(): Promise<unknown> }>;
+    if (!connection.socket.destroyed || !engine.sync) return this.freeStaging(id);
+    void engine.sync().catch(() => {}).finally(() => this.freeStaging(id));
+  }
+
+  /** What the pull moved, in place of the engine's copy out of staging: link, bytes and blocks over the network. */
+  private pulledTransfer(transfer: KvTransferStats, pull: PullFacts): KvTransferStats {
+    const ms = Math.max(0, transfer.endMs - pull.startMs);
+    return {
+      ...transfer, channel: pull.link, blocks: pull.blocks, reusedBlocks: Math.max(pull.reused, transfer.reusedBlocks),
+      bytes: pull.bytes, runs: pull.runs, startMs: pull.startMs, ms, gbPerSec: ms > 0 ? pull.bytes / ms / 1e6 : 0,
+    };
+  }
+
+  /** An output's kv_transfer as the pull saw it (the engine only saw the copy out of staging). */
+  private withPull(id: string, output: EngineOutput): EngineOutput {
+    const pull = this.pulls.get(id);
+    const kv = output.timestamps.kvTransfer;
+    if (!pull || !kv) return output;
+    return {
+      ...output,
+      timestamps: { ...output.timestamps, kvTransfer: { start: pull.startMs, end: kv.end, bytes: pull.bytes, blocks: pull.blocks, link: pull.link } },
+    };
+  }
+
+  /** The engine copied the blocks out of staging (or recomputes): free them, tell the frontend (the pull's figures). */
   private adopted(result: AdoptedResult): void {
     this.freeStaging(result.requestId);
     const pull = this.pulls.get(result.requestId);
-    this.pulls.delete(result.requestId);
     const connection = this.adoptedTo.get(result.requestId);
     this.adoptedTo.delete(result.requestId);
     let out = result;
-    if (result.transfer && pull) {
-      const ms = result.transfer.ms + pull.ms;
-      const transfer = { ...result.transfer, channel: 'tcp', startMs: result.transfer.endMs - ms, ms, gbPerSec: ms > 0 ? result.transfer.bytes / ms / 1e6 : 0 };
-      out = { ...result, transfer };
-    }
+    if (result.transfer && pull) out = { ...result, transfer: this.pulledTransfer(result.transfer, pull) };
+    if (result.status === 'recompute' && pull) this.countLink(pull.link, 'import');
     if (connection) this.send(connection, { t: 'adopted', result: out });
+  }
+
+  /** The stats this worker reports: its engine's, and on a decode worker its KV imports that fell back, per link. */
+  stats(): EngineStats {
+    const stats = this.options.engine.stats();
+    return Object.keys(this.linkStats).length > 0 ? { ...stats, kvTransferLinks: this.linkStats } : stats;
   }
 
   private async stream(connection: Connection, id: string, start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<Iterable<EngineOutput> | AsyncIterable<EngineOutput>>,
@@ -469,12 +588,12 @@ export class WorkerServer {
         if (connection.socket.destroyed) break;
         if ('type' in item && (item.type === 'handoff' || item.type === 'output')) {
           if (item.type === 'handoff') onHandoff?.(item.handoff);
-          else this.send(connection, { t: 'out', id, outputs: [item.output], stats: this.options.engine.stats() });
+          else this.send(connection, { t: 'out', id, outputs: [item.output], stats: this.stats() });
           continue;
         }
-        this.send(connection, { t: 'out', id, outputs: [item as EngineOutput], stats: this.options.engine.stats() });
+        this.send(connection, { t: 'out', id, outputs: [this.withPull(id, item as EngineOutput)], stats: this.stats() });
       }
-      this.send(connection, { t: 'end', id, stats: this.options.engine.stats() });
+      this.send(connection, { t: 'end', id, stats: this.stats() });
     } catch (error) {
       const e = error as Error & { code?: string; retryAfterMs?: number };
       this.send(connection, {
@@ -484,6 +603,8 @@ export class WorkerServer {
     } finally {
       this.running.delete(id);
       this.adoptedTo.delete(id);
+      this.pulls.delete(id);
+      this.releaseStagingAfter(id, connection);
       connection.requests.delete(id);
       if (this.running.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
     }

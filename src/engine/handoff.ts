@@ -153,6 +153,11 @@ export interface KvTransferStats {
   gbPerSec: number;
 }
 
+/** The link label of a channel in traces and metrics: 'shm' for shared memory, else the channel's name (tcp, simulated). */
+export function kvLinkName(channel: string): string {
+  return channel === 'shared-memory' ? 'shm' : channel;
+}
+
 export function transferStats(plan: KvTransferPlan, sourceId: string, channel: string, runs: number, startMs: number,
   endMs: number): KvTransferStats {
   const ms = Math.max(0, endMs - startMs);

@@ -15,7 +15,7 @@ import { EngineClosedError, InvalidRequestError, LoraLoadError } from './errors.
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
-import type { KvEvent } from '../protocols/kv-events.ts';
+import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { BackendPreference, FromWorker, KvOffloadConfig, ToWorker, WorkerInit } from './worker-protocol.ts';
@@ -65,6 +65,7 @@ export class LocalEngine implements Engine {
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   private readonly syncs = new PendingReplies<EngineStats>();
+  private readonly holds = new PendingReplies<number>();
   private readonly resets = new PendingReplies<boolean>();
   private readonly loraReplies = new PendingReplies<Extract<FromWorker, { type: 'lora-done' }>>();
   /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
@@ -186,6 +187,19 @@ export class LocalEngine implements Engine {
     return followQueue(this.streams, request.id, stream, (id) => this.abort(id));
   }
 
+  /**
+   * Decode worker, before fetching a handed-off request's KV from another process: pins the leading blocks of
+   * `blockHashes` this worker's prefix cache holds and resolves with their number; only the blocks after them need
+   * to move. The pin lasts until the request is adopted (adopt, imported or recomputed) or aborted (abort, also
+   * before adopt was called).
+   */
+  holdCachedPrefix(requestId: string, blockHashes: readonly BlockHash[]): Promise<number> {
+    if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
+    const { id, reply } = this.holds.open();
+    this.post({ type: 'hold-prefix', holdId: id, requestId, blockHashes: [...blockHashes] });
+    return reply;
+  }
+
   /** Decode worker: called once per adopted request when its source blocks are no longer needed. */
   onAdopted(listener: (result: AdoptedResult) => void): () => void {
     this.adoptedListeners.add(listener);
@@ -259,6 +273,7 @@ export class LocalEngine implements Engine {
     for (const [id, stream] of this.prefills) stream.fail(new EngineClosedError(`engine closed while request ${id} was prefilling`));
     this.prefills.clear();
     this.syncs.rejectAll(new EngineClosedError('engine closed'));
+    this.holds.rejectAll(new EngineClosedError('engine closed'));
     this.resets.rejectAll(new EngineClosedError('engine closed'));
     this.loraReplies.rejectAll(new EngineClosedError('engine closed'));
     if (!this.exitError) {
@@ -301,6 +316,10 @@ export class LocalEngine implements Engine {
         this.latestStats = message.stats;
         this.syncs.settle(message.syncId, message.stats);
         return;
+      case 'prefix-held':
+        this.latestStats = message.stats;
+        this.holds.settle(message.holdId, message.blocks);
+        return;
       case 'prefix-cache-reset':
         this.latestStats = message.stats;
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
@@ -331,6 +350,7 @@ export class LocalEngine implements Engine {
     for (const stream of this.prefills.values()) stream.fail(error);
     this.prefills.clear();
     this.syncs.rejectAll(error);
+    this.holds.rejectAll(error);
     this.resets.rejectAll(error);
     this.loraReplies.rejectAll(error);
     for (const listener of this.lostListeners) listener(error);

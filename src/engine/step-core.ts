@@ -6,10 +6,10 @@
 
 import { InvalidRequestError } from './errors.ts';
 import {
-  HandoffOutbox, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats,
+  HandoffOutbox, kvLinkName, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats,
 } from './handoff.ts';
-import type { KvEvent } from '../protocols/kv-events.ts';
-import { KvCacheManager, type BlockTable } from './kv-cache/manager.ts';
+import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
+import { KvCacheManager, type BlockTable, type KvPin } from './kv-cache/manager.ts';
 import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { copyTimestamps, type Request } from './request.ts';
 import { Scheduler, type AdoptedState, type SchedulerConfig, type StepPlan } from './scheduler.ts';
@@ -113,6 +113,11 @@ export class StepCore<T> {
   /** Decode side: handoffs waiting for room, oldest first, and adoptions not yet reported. */
   private pendingAdoptions: PendingAdoption<T>[] = [];
   private adoptedOut: AdoptedResult[] = [];
+  /**
+   * Decode side: cached blocks of a handed-off prompt pinned before its KV is fetched (holdCachedPrefix), by request;
+   * kept until the request is adopted, recomputed or aborted.
+   */
+  private readonly prefixHolds = new Map<string, KvPin>();
 
   constructor(options: StepCoreOptions<T>) {
     this.kvLayout = options.kvLayout;
@@ -187,6 +192,7 @@ export class StepCore<T> {
    */
   protected abortRequest(requestId: string, nowMs: number, reason: FinishReason = 'abort', error?: string): EngineOutput[] {
     this.releaseHandoff(requestId);
+    this.releasePrefixHold(requestId);
     const pendingAt = this.pendingAdoptions.findIndex((p) => p.handoff.requestId === requestId);
     if (pendingAt >= 0) {
       const [pending] = this.pendingAdoptions.splice(pendingAt, 1);
@@ -305,6 +311,27 @@ export class StepCore<T> {
     return this.pendingAdoptions.length;
   }
 
+  /**
+   * Decode side, before a handed-off request's KV is fetched from another process: pins the leading blocks of its
+   * full-block hashes this pool already holds, so that only the rest need to move and nothing evicts these
+   * meanwhile. Returns how many blocks are held. The adoption (imported or recomputed) or an abort of the request
+   * drops the pin; the import must then cover at least the blocks after those held.
+   */
+  holdCachedPrefix(requestId: string, blockHashes: readonly BlockHash[]): number {
+    this.releasePrefixHold(requestId);
+    const pin = this.kv.pinCachedPrefix(blockHashes);
+    if (pin === null) return 0;
+    this.prefixHolds.set(requestId, pin);
+    return pin.blocks.length;
+  }
+
+  private releasePrefixHold(requestId: string): void {
+    const pin = this.prefixHolds.get(requestId);
+    if (pin === undefined) return;
+    this.prefixHolds.delete(requestId);
+    this.kv.unpin(pin);
+  }
+
   /** Adoptions completed since the last call (decode side): the source blocks they name can be released. */
   takeAdopted(): AdoptedResult[] {
     const adopted = this.adoptedOut;
@@ -356,19 +383,30 @@ export class StepCore<T> {
 
   private tryAdopt(pending: PendingAdoption<T>, nowMs: number): AdoptedResult | null {
     const { handoff, kvImport } = pending;
+    // The source was filled only after the blocks held here: an import must not reach below them.
+    const held = this.prefixHolds.get(handoff.requestId)?.blocks.length ?? 0;
     let request: Request | null;
     try {
       request = this.scheduler.adoptRequest(handoff.request, nowMs, adoptedState(handoff), {
         numTokens: handoff.numComputedTokens, blockHashes: handoff.blockHashes,
-        fill: (table, fromBlock, toBlock) => kvImport.fill(table, fromBlock, toBlock),
+        fill: (table, fromBlock, toBlock) => {
+          if (fromBlock < held) throw new Error(`${held} blocks were held as cached, but only ${fromBlock} were found`);
+          kvImport.fill(table, fromBlock, toBlock);
+        },
       });
     } catch (error) {
-      if (error instanceof InvalidRequestError) throw error;
+      if (error instanceof InvalidRequestError) {
+        this.releasePrefixHold(handoff.requestId);
+        throw error;
+      }
       return this.adoptByRecompute(handoff, pending.tokens, pending.text, nowMs, `KV import failed: ${(error as Error).message}`);
     }
     if (request === null) return null;
+    this.releasePrefixHold(request.id);
     const transfer = kvImport.stats(request.id, nowMs);
-    request.timestamps.kvTransfer = { start: transfer.startMs, end: transfer.endMs, bytes: transfer.bytes, blocks: transfer.blocks };
+    request.timestamps.kvTransfer = {
+      start: transfer.startMs, end: transfer.endMs, bytes: transfer.bytes, blocks: transfer.blocks, link: kvLinkName(transfer.channel),
+    };
     this.states.set(request.id, { request, tokens: [pending.tokens], texts: [pending.text] });
     const result: AdoptedResult = { requestId: request.id, status: 'imported', transfer };
     this.adoptedOut.push(result);
@@ -376,6 +414,7 @@ export class StepCore<T> {
   }
 
   private adoptByRecompute(handoff: KvHandoff, tokens: T, text: TextStream, nowMs: number, error: string): AdoptedResult {
+    this.releasePrefixHold(handoff.requestId);
     const request = this.scheduler.adoptRequest(handoff.request, nowMs, adoptedState(handoff))!;
     this.states.set(request.id, { request, tokens: [tokens], texts: [text] });
     const result: AdoptedResult = { requestId: request.id, status: 'recompute', error };

@@ -104,7 +104,7 @@ export interface RequestTimestamps {
    * between start and end (engine clock, ms). blocks and bytes count only what moved (its own prefix-cache hits
    * stay put); the kv_transfer phase of traces and metrics.
    */
-  kvTransfer?: { start: number; end: number; bytes: number; blocks: number };
+  kvTransfer?: { start: number; end: number; bytes: number; blocks: number; link?: string };
   /**
    * Prompt blocks brought back from the worker's lower KV tiers instead of recomputed (--kv-offload-memory,
    * --kv-offload-disk): blocks per tier, bytes, and the copy's duration in ms (it runs before the step's forward

@@ -245,6 +245,11 @@ function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Toke
         queueStep();
         return;
       }
+      case 'hold-prefix': {
+        const blocks = core.holdCachedPrefix(message.requestId, message.blockHashes);
+        send({ type: 'prefix-held', holdId: message.holdId, blocks, stats: core.stats() });
+        return;
+      }
       case 'sync':
         send({ type: 'synced', syncId: message.syncId, stats: core.stats() });
         return;

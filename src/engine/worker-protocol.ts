@@ -5,7 +5,7 @@ import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
 import type { AdoptedResult, KvHandoff } from './handoff.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
-import type { KvEvent } from '../protocols/kv-events.ts';
+import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 
 export type BackendPreference = 'auto' | 'native' | 'reference';
 
@@ -48,8 +48,9 @@ export interface WorkerInit {
 // Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply 'handoffs'),
 // 'release-handoff' (the decode worker has the blocks), 'attach-kv-source' (once per prefill worker: its pool,
 // shared memory, posted without copying), 'adopt' (decode worker: continue a handed-off request, reply 'adopted'
-// once the source blocks are no longer needed) and 'sync' (reply 'synced' with fresh stats after everything
-// posted before it).
+// once the source blocks are no longer needed), 'hold-prefix' (decode worker, before fetching a handed-off
+// request's KV from another process: pin the prompt's blocks cached here, reply 'prefix-held' with their number)
+// and 'sync' (reply 'synced' with fresh stats after everything posted before it).
 export type ToWorker =
   /** sentMs: engine-clock time the request was put in the worker's inbox, where its queue time starts (a step running
    *  then delays only when the worker reads it). */
@@ -58,6 +59,7 @@ export type ToWorker =
   | { type: 'release-handoff'; requestId: string }
   | { type: 'attach-kv-source'; sourceId: string; pool: SharedArrayBuffer; layout: KvPoolLayout }
   | { type: 'adopt'; handoff: KvHandoff; sourceId: string | null }
+  | { type: 'hold-prefix'; holdId: number; requestId: string; blockHashes: BlockHash[] }
   | { type: 'sync'; syncId: number }
   /** Reply 'prefix-cache-reset': whether the prefix cache was dropped (and the pool's pages released). */
   | { type: 'reset-prefix-cache'; resetId: number }
@@ -73,6 +75,7 @@ export type FromWorker =
   | { type: 'handoffs'; handoffs: KvHandoff[] }
   | { type: 'adopted'; adopted: AdoptedResult[]; stats: EngineStats }
   | { type: 'synced'; syncId: number; stats: EngineStats }
+  | { type: 'prefix-held'; holdId: number; blocks: number; stats: EngineStats }
   | { type: 'prefix-cache-reset'; resetId: number; reset: boolean; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'rejected'; requestId: string; code: string; message: string }
   /** error: a LoraLoadError's code and message; info: what a load found. */

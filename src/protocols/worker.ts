@@ -22,6 +22,19 @@ export interface EngineStats {
   requestMigrations?: number;
   /** The KV tiers below the primary pool, when the worker has any (--kv-offload-memory, --kv-offload-disk). */
   kvTiers?: KvTiersStats;
+  /**
+   * A decode worker process: handed-off requests whose KV it could not import over a link (tcp, shm) and prefilled
+   * itself instead, by link (cumulative). Set once the first has happened.
+   */
+  kvTransferLinks?: Record<string, KvLinkStats>;
+}
+
+/** One link's failed KV imports on a decode worker (cumulative). */
+export interface KvLinkStats {
+  /** By reason: checksum, length, truncated, refused, unexpected-run, connect, timeout, no-source, no-staging-space, import. */
+  failures: Record<string, number>;
+  /** Requests prefilled on the decode worker instead (every failure leads to one). */
+  fallbacks: number;
 }
 
 /** Per-tier figures for stats and metrics (cumulative counters and current sizes). */

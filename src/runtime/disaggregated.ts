@@ -26,6 +26,7 @@ import {
 } from './migration.ts';
 import { WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import type { BlockHash } from '../protocols/kv-events.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
   DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, RoutingSummary, WorkerRole, LoraLoadInfo,
@@ -55,6 +56,8 @@ export interface DecodeWorkerEngine extends RoutableEngine {
   adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput>;
   onAdopted(listener: (result: AdoptedResult) => void): () => void;
   attachKvSource?(sourceId: string, pool: SharedArrayBuffer, layout: KvHandoff['sourceLayout']): void;
+  /** Pins this worker's cached blocks of a handed-off prompt before its KV is fetched (LocalEngine.holdCachedPrefix). */
+  holdCachedPrefix?(requestId: string, blockHashes: readonly KvHandoff['blockHashes'][number][]): Promise<number>;
 }
 
 export interface DisaggregatedEngineOptions {
@@ -290,6 +293,22 @@ export class DisaggregatedEngine implements Engine {
       ...(flight.prefillId !== undefined ? { prefillWorkerId: flight.prefillId } : {}),
       ...(flight.decodeId !== undefined ? { decodeWorkerId: flight.decodeId } : {}),
     };
+  }
+
+  /**
+   * Replaces the router's view of a worker's KV cache (the prefill or the decode router, whichever routes to it)
+   * with a snapshot of its cached block hashes: a worker that joins with blocks cached, or that lost events.
+   * False when no router knows the worker.
+   */
+  resyncWorker(workerId: string, blockHashes: readonly BlockHash[], lastEventId?: number): boolean {
+    const router = this.prefillWorkers.has(workerId) ? this.prefillRouter : this.decodeWorkers.has(workerId) ? this.decodeRouter : undefined;
+    router?.resyncWorker(workerId, blockHashes, lastEventId);
+    return router !== undefined;
+  }
+
+  /** Workers whose KV events had a gap: their views need a resync. */
+  workersNeedingResync(): string[] {
+    return [...this.prefillRouter.workersNeedingResync(), ...this.decodeRouter.workersNeedingResync()];
   }
 
   /** One worker's engine, prefill or decode (for drills that kill it); undefined once it left. */

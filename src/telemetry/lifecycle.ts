@@ -205,6 +205,8 @@ export interface KvTransferEvent extends IntervalEvent {
   phase: 'kv_transfer';
   bytes: number;
   blocks?: number;
+  /** The link the blocks moved over: shm (shared memory), tcp, or a simulated link. */
+  link?: string;
   fromWorker?: string;
   toWorker?: string;
 }

@@ -11,7 +11,7 @@
 // its series by its bucket count). Missing values are 'none'.
 
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
-import type { EngineStats, KvTierStats } from '../protocols/worker.ts';
+import type { EngineStats, KvLinkStats, KvTierStats } from '../protocols/worker.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { SloReport } from './slo.ts';
 import type { RequestTrace } from './trace.ts';
@@ -64,7 +64,7 @@ export class ConduitMetrics {
   readonly gatewayPhase: Histogram<'phase'>;
   readonly routing: Histogram<'model' | 'strategy'>;
   readonly routingSubPhase: Histogram<'model' | 'sub_phase'>;
-  readonly kvTransfer: Histogram<'worker'>;
+  readonly kvTransfer: Histogram<'worker' | 'link'>;
   readonly kvOnboard: Histogram<'worker'>;
   readonly prefixHitRatio: Histogram<'model' | 'worker'>;
   readonly outputTokens: Histogram<'model'>;
@@ -77,7 +77,10 @@ export class ConduitMetrics {
   readonly promptTokens: Counter<'model' | 'worker' | 'tenant'>;
   readonly generationTokens: Counter<'model' | 'worker' | 'tenant'>;
   readonly cachedPromptTokens: Counter<'model' | 'worker' | 'tenant'>;
-  readonly kvTransferBytes: Counter<'worker'>;
+  readonly kvTransferBytes: Counter<'worker' | 'link'>;
+  readonly kvTransferBlocks: Counter<'worker' | 'link'>;
+  readonly kvTransferFailures: Counter<'worker' | 'link' | 'reason'>;
+  readonly kvTransferFallbacks: Counter<'worker' | 'link'>;
 
   // Engine load, from stats snapshots.
   readonly queueDepth: Gauge<'model' | 'worker'>;
@@ -108,6 +111,8 @@ export class ConduitMetrics {
     queries: number; hits: number; preemptions: number; evictions: number; migrations: number; model: string; tiers: string[];
     /** The lower tiers' cumulative counters at the previous snapshot, by tier. */
     tierCounters: Record<string, KvTierStats>;
+    /** The decode worker's failed KV imports per link at the previous snapshot. */
+    kvLinks: Record<string, KvLinkStats>;
   }>();
 
   constructor(options: MetricsOptions = {}) {
@@ -126,7 +131,7 @@ export class ConduitMetrics {
     this.gatewayPhase = h('conduit_gateway_phase_duration_milliseconds', 'Gateway phases: http_receive, auth, rate_limit, validate, tokenize.', ['phase'], GATEWAY_BUCKETS_MS);
     this.routing = h('conduit_routing_duration_milliseconds', 'Router decision time (router_lookup), by strategy.', ['model', 'strategy'], ROUTING_BUCKETS_MS);
     this.routingSubPhase = h('conduit_routing_sub_phase_duration_milliseconds', 'Router decision time by part: hashing, index_lookup, selection.', ['model', 'sub_phase'], ROUTING_BUCKETS_MS);
-    this.kvTransfer = h('conduit_kv_transfer_duration_milliseconds', 'KV cache transfer from prefill to decode worker, by decode worker.', ['worker'], KV_TRANSFER_BUCKETS_MS);
+    this.kvTransfer = h('conduit_kv_transfer_duration_milliseconds', 'KV cache transfer from prefill to decode worker, by decode worker and link (shm, tcp).', ['worker', 'link'], KV_TRANSFER_BUCKETS_MS);
     this.kvOnboard = h('conduit_kv_onboard_duration_milliseconds', 'Copying a request\'s prompt blocks back from the worker\'s lower KV tiers (RAM, disk) into its pool, by worker.', ['worker'], KV_TRANSFER_BUCKETS_MS);
     this.prefixHitRatio = h('conduit_request_prefix_cache_hit_ratio', 'Share of a request\'s prompt tokens found in the prefix cache.', ['model', 'worker'], RATIO_BUCKETS);
     this.outputTokens = h('conduit_output_tokens_per_request', 'Output tokens of each completed request (all its completions).', ['model'], OUTPUT_TOKENS_BUCKETS);
@@ -138,7 +143,10 @@ export class ConduitMetrics {
     this.promptTokens = c('conduit_request_prompt_tokens_total', 'Prompt tokens of finished requests.', ['model', 'worker', 'tenant']);
     this.generationTokens = c('conduit_request_generation_tokens_total', 'Output tokens of finished requests.', ['model', 'worker', 'tenant']);
     this.cachedPromptTokens = c('conduit_request_cached_tokens_total', 'Prompt tokens of finished requests served from the prefix cache.', ['model', 'worker', 'tenant']);
-    this.kvTransferBytes = c('conduit_kv_transfer_bytes_total', 'KV cache bytes moved to decode workers.', ['worker']);
+    this.kvTransferBytes = c('conduit_kv_transfer_bytes_total', 'KV cache bytes moved to decode workers, by link.', ['worker', 'link']);
+    this.kvTransferBlocks = c('conduit_kv_transfer_blocks_total', 'KV cache blocks moved to decode workers, by link (blocks the decode worker held already do not move).', ['worker', 'link']);
+    this.kvTransferFailures = c('conduit_kv_transfer_failures_total', 'KV transfers to a decode worker that failed or could not start, by link and reason (checksum, truncated, connect, ...).', ['worker', 'link', 'reason']);
+    this.kvTransferFallbacks = c('conduit_kv_transfer_fallbacks_total', 'Handed-off requests the decode worker prefilled itself because their KV could not be imported, by link.', ['worker', 'link']);
 
     this.queueDepth = g('conduit_scheduler_queue_depth', 'Requests waiting in the worker scheduler.', ['model', 'worker']);
     this.batchSize = g('conduit_running_batch_size', 'Requests in the worker\'s running batch.', ['model', 'worker']);
@@ -256,9 +264,10 @@ export class ConduitMetrics {
     if (trace.decode && !trace.decode.incomplete) this.decode.observe(mw, trace.decode.endMs - trace.decode.startMs);
     if (trace.kvOnboard) this.kvOnboard.observe({ worker }, trace.kvOnboard.ms);
     if (trace.kvTransfer) {
-      const kvWorker = trace.kvTransfer.toWorker ?? worker;
-      this.kvTransfer.observe({ worker: kvWorker }, trace.kvTransfer.endMs - trace.kvTransfer.startMs);
-      this.kvTransferBytes.inc({ worker: kvWorker }, trace.kvTransfer.bytes);
+      const labels = { worker: trace.kvTransfer.toWorker ?? worker, link: trace.kvTransfer.link ?? 'none' };
+      this.kvTransfer.observe(labels, trace.kvTransfer.endMs - trace.kvTransfer.startMs);
+      this.kvTransferBytes.inc(labels, trace.kvTransfer.bytes);
+      this.kvTransferBlocks.inc(labels, trace.kvTransfer.blocks ?? 0);
     }
 
     const reachedEngine = trace.prefill !== undefined || trace.engineFirstTokenMs !== undefined;
@@ -324,10 +333,18 @@ export class ConduitMetrics {
     this.preemptions.inc({ model, worker }, dp);
     if (evictions !== undefined) this.evictions.inc({ worker }, de);
     if (stats.requestMigrations !== undefined) this.migrations.inc({ worker }, delta(stats.requestMigrations, prev?.migrations));
+    for (const [link, now] of Object.entries(stats.kvTransferLinks ?? {})) {
+      const before = prev?.kvLinks[link];
+      this.kvTransferFallbacks.inc({ worker, link }, delta(now.fallbacks, before?.fallbacks));
+      for (const [reason, count] of Object.entries(now.failures)) {
+        this.kvTransferFailures.inc({ worker, link, reason }, delta(count, before?.failures[reason]));
+      }
+    }
     this.lastStats.set(worker, {
       queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,
       evictions: evictions ?? prev?.evictions ?? 0, migrations: stats.requestMigrations ?? prev?.migrations ?? 0, model, tiers,
       tierCounters: { ...prev?.tierCounters, ...tierCounters },
+      kvLinks: { ...prev?.kvLinks, ...stats.kvTransferLinks },
     });
   }
 

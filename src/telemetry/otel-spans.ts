@@ -263,7 +263,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   if (kv) {
     const ms = kv.endMs - kv.startMs;
     span(engineContext, 'kv_transfer', kv.startMs, kv.endMs, {
-      'conduit.phase': 'kv_transfer', 'kv_transfer.bytes': kv.bytes, 'kv_transfer.blocks': kv.blocks,
+      'conduit.phase': 'kv_transfer', 'kv_transfer.bytes': kv.bytes, 'kv_transfer.blocks': kv.blocks, 'kv_transfer.link': kv.link,
       'kv_transfer.from_worker': kv.fromWorker, 'kv_transfer.to_worker': kv.toWorker, 'kv_transfer.time_ms': round3(ms),
       'kv_transfer.bytes_per_sec': ms > 0 ? Math.round(kv.bytes / (ms / 1000)) : undefined,
     });

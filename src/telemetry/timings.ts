@@ -23,6 +23,11 @@ export interface ResponseTimings {
    * worker streams it), so within decode_ms; a transfer before the first token would be within ttft_ms.
    */
   kv_transfer_ms?: number;
+  /**
+   * Only for a disaggregated request: what moved, over which link (shm, tcp), and the rate (bytes / transfer time;
+   * 0 when nothing moved because the decode worker held every block).
+   */
+  kv_transfer?: { bytes: number; blocks: number; link: string | null; ms: number; bytes_per_sec: number };
   /** Only when prompt blocks were copied back from the worker's lower KV tiers: blocks per tier and the copy's ms. */
   kv_onboard?: { ram_blocks: number; disk_blocks: number; bytes: number; ms: number };
   decode_ms: number;
@@ -35,6 +40,14 @@ export interface ResponseTimings {
   lora_adapter?: string;
 }
 
+function kvTransferTimings(kv: NonNullable<RequestTrace['kvTransfer']>): NonNullable<ResponseTimings['kv_transfer']> {
+  const ms = Math.max(0, kv.endMs - kv.startMs);
+  return {
+    bytes: kv.bytes, blocks: kv.blocks ?? 0, link: kv.link ?? null, ms: round3(ms),
+    bytes_per_sec: ms > 0 ? Math.round(kv.bytes / (ms / 1000)) : 0,
+  };
+}
+
 export function responseTimings(trace: RequestTrace): ResponseTimings {
   const b = phaseBreakdown(trace);
   return {
@@ -44,7 +57,7 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
     routing_ms: round3(b.routingMs),
     queue_ms: round3(b.queueMs),
     prefill_ms: round3(b.prefillMs),
-    ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs + b.decodeKvTransferMs) } : {}),
+    ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs + b.decodeKvTransferMs), kv_transfer: kvTransferTimings(trace.kvTransfer) } : {}),
     ...(trace.kvOnboard ? {
       kv_onboard: { ram_blocks: trace.kvOnboard.ram, disk_blocks: trace.kvOnboard.disk, bytes: trace.kvOnboard.bytes, ms: round3(trace.kvOnboard.ms) },
     } : {}),

@@ -105,6 +105,8 @@ export interface KvTransferSummary {
   endMs: number;
   bytes: number;
   blocks?: number;
+  /** shm, tcp, or a simulated link (the first transfer's, when a migration made several). */
+  link?: string;
   fromWorker?: string;
   toWorker?: string;
 }
@@ -571,14 +573,17 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
   for (const e of transfers) {
     phases.push({
       phase: 'kv_transfer', startMs: e.start, endMs: e.time, worker: e.toWorker,
-      attributes: defined({ bytes: e.bytes, blocks: e.blocks, from_worker: e.fromWorker, to_worker: e.toWorker }),
+      attributes: defined({
+        bytes: e.bytes, blocks: e.blocks, link: e.link, from_worker: e.fromWorker, to_worker: e.toWorker,
+        bytes_per_sec: e.time > e.start ? Math.round(e.bytes / ((e.time - e.start) / 1000)) : undefined,
+      }),
     });
   }
   if (transfers.length === 0) return undefined;
   return {
     startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),
     bytes: transfers.reduce((s, e) => s + e.bytes, 0),
-    blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
+    blocks: sumDefined(transfers.map((e) => e.blocks)), link: transfers[0]!.link, fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
   };
 }
 

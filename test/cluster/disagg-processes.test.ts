@@ -14,11 +14,13 @@ import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 const skip = servicesMissing();
 const TOKEN = 'disagg-cluster-token';
 
-async function complete(url: string, body: object): Promise<{ text: string; id: string }> {
+interface KvTransferTimings { bytes: number; blocks: number; link: string | null; ms: number; bytes_per_sec: number }
+
+async function complete(url: string, body: object): Promise<{ text: string; id: string; kvTransfer?: KvTransferTimings }> {
   const res = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
-  const json = await res.json() as { id: string; choices: { text: string }[] };
+  const json = await res.json() as { id: string; choices: { text: string }[]; timings?: { kv_transfer?: KvTransferTimings } };
   assert.equal(res.status, 200, JSON.stringify(json));
-  return { text: json.choices[0]!.text, id: json.id };
+  return { text: json.choices[0]!.text, id: json.id, ...(json.timings?.kv_transfer ? { kvTransfer: json.timings.kv_transfer } : {}) };
 }
 
 async function until(what: string, condition: () => Promise<boolean>, maxMs = 30_000): Promise<void> {
@@ -44,12 +46,13 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
   let reference: RunningServer;
   const procs = new Map<string, Proc>();
   let url: string;
+  let env: NodeJS.ProcessEnv;
 
   before(async () => {
     dir = tempDir('cluster-disagg');
     const { modelPath } = writeWorkerLossFixture('cluster-disagg');
     const [etcd, nats] = await Promise.all([startEtcd(dir), startNats()]);
-    const env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: TOKEN, CONDUIT_LOG_LEVEL: 'info' };
+    env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: TOKEN, CONDUIT_LOG_LEVEL: 'info' };
     for (const [id, role] of [['p1', 'prefill'], ['d1', 'decode']] as const) {
       procs.set(id, startConduit(['worker', '--model', modelPath, '--worker-id', id, '--role', role, '--threads', '1',
         '--kv-cache-memory', '16MiB', '--lease-ttl', '3'], env));
@@ -85,7 +88,34 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
       assert.equal(got.text, expected.text);
       const body = await trace(url, got.id);
       assert.match(body, /"p1"/, `the trace names the prefill worker: ${body.slice(0, 600)}`);
+      // The transfer as the response's timings and the trace show it: over TCP, what moved and how fast.
+      assert.equal(got.kvTransfer?.link, 'tcp', JSON.stringify(got.kvTransfer));
+      assert.ok(got.kvTransfer!.blocks > 0 && got.kvTransfer!.bytes > 0);
+      const phase = (JSON.parse(body) as { phases: { phase: string; attributes?: Record<string, unknown> }[] }).phases.find((p) => p.phase === 'kv_transfer');
+      assert.equal(phase?.attributes?.link, 'tcp', body.slice(0, 600));
+      assert.equal(phase?.attributes?.bytes, got.kvTransfer!.bytes);
     }
+    // The frontend's /metrics: the transfers under the decode worker and the link.
+    const metrics = await fetch(`${url}/metrics`).then((r) => r.text());
+    assert.match(metrics, /conduit_kv_transfer_bytes_total\{worker="d1",link="tcp"\} [1-9]/);
+    assert.match(metrics, /conduit_kv_transfer_blocks_total\{worker="d1",link="tcp"\} [1-9]/);
+    assert.match(metrics, /conduit_kv_transfer_duration_milliseconds_count\{worker="d1",link="tcp"\} 2/);
+  });
+
+  test('a frontend started later sees the decode worker\'s cached prefixes (its router view is resynced, not empty)', async () => {
+    const port = await freePort();
+    const frontend2 = startConduit(['frontend', '--port', String(port), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'],
+      { ...env, CONDUIT_LOG_LEVEL: 'debug' });
+    procs.set('frontend2', frontend2);
+    await waitForPort(port);
+    const url2 = `http://127.0.0.1:${port}`;
+    await until('the second frontend has resynced its view of d1', async () => frontend2.output().includes('KV view of d1 resynced'));
+    const expected = await complete(reference.url, greedy(prompt(1)));
+    const got = await complete(url2, greedy(prompt(1)));
+    assert.equal(got.text, expected.text);
+    const body = JSON.parse(await trace(url2, got.id)) as { phases: { phase: string; attributes?: { overlap_tokens?: number } }[] };
+    const lookup = body.phases.find((p) => p.phase === 'router_lookup');
+    assert.ok((lookup?.attributes?.overlap_tokens ?? 0) > 0, `the decode router knows the blocks d1 cached before this frontend started: ${JSON.stringify(lookup)}`);
   });
 
   test('the prefill worker killed: the decode worker prefills itself, same greedy text', async () => {

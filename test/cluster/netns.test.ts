@@ -1,9 +1,13 @@
 // Nothing assumes 127.0.0.1: the frontend runs in one network namespace, etcd, NATS and a worker in another, joined by
-// a veth pair (10.231.<n>.1 and .2). Requests are sent from inside the frontend's namespace. Needs root and
-// `ip netns`; skipped with a message elsewhere.
+// a veth pair (10.231.<n>.1 and .2). Requests are sent from inside the frontend's namespace. Then disaggregated: a
+// prefill worker in one namespace, a decode worker in the other, the KV pulled over the veth pair (link tcp), greedy
+// text as an aggregated server's. Needs root and `ip netns`; skipped with a message elsewhere.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
+import { join } from 'node:path';
+import { createLogger } from '../../src/api/log.ts';
+import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, type Proc } from '../helpers/cluster-services.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
@@ -43,6 +47,7 @@ describe('frontend and workers in two network namespaces', { skip }, () => {
   let dir: string;
   let modelDir: string;
   const procs: Proc[] = [];
+  let reference: RunningServer | undefined;
 
   before(() => {
     dir = tempDir('netns');
@@ -60,6 +65,7 @@ describe('frontend and workers in two network namespaces', { skip }, () => {
   });
 
   after(async () => {
+    await reference?.api.shutdown(0);
     await stopAll();
     for (const ns of [NS_FE, NS_WK]) {
       try { ip('netns', 'del', ns); } catch { /* gone */ }
@@ -92,5 +98,40 @@ describe('frontend and workers in two network namespaces', { skip }, () => {
     assert.equal(JSON.parse(res.text).usage.completion_tokens, 6);
     // The frontend's namespace has no route to the workers' loopback: nothing here used 127.0.0.1 across.
     assert.equal(fetchIn(NS_FE, 'http://127.0.0.1:7100/').status, 0);
+  });
+  test('disaggregated across the namespaces: prefill worker in one, decode worker in the other, KV over TCP on the veth pair', async () => {
+    // An etcd of its own (the first test's still holds its data folder).
+    const etcd = await startEtcd(join(dir, 'disagg'), { host: `${NET}.2`, netns: NS_WK });
+    const nats = await startNats({ host: `${NET}.2`, netns: NS_WK });
+    procs.push(etcd.proc, nats.proc);
+    const fixture = writeWorkerLossFixture('netns-disagg');
+    const env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: 'netns-disagg-token' };
+    const common = ['--model', fixture.modelPath, '--threads', '1', '--kv-cache-memory', '16MiB'];
+    const prefill = startConduit(['worker', ...common, '--worker-id', 'np', '--role', 'prefill', '--host', `${NET}.1`, '--port', '7101'], env, { netns: NS_FE });
+    const decode = startConduit(['worker', ...common, '--worker-id', 'nd', '--role', 'decode', '--host', `${NET}.2`, '--port', '7102'], env, { netns: NS_WK });
+    const frontend = startConduit(['frontend', '--host', `${NET}.1`, '--port', '8101', '--disagg-min-remote-prefill-tokens', '16'], env, { netns: NS_FE });
+    procs.push(prefill, decode, frontend);
+    const logs = () => `frontend:\n${frontend.output()}\nprefill:\n${prefill.output()}\ndecode:\n${decode.output()}`;
+    let health: { ready?: boolean; workers?: { id: string; state: string }[] } = {};
+    const ready = () => health.ready === true && ['np', 'nd'].every((id) => health.workers?.some((w) => w.id === id && w.state === 'ready'));
+    for (let i = 0; i < 80 && !ready(); i++) {
+      await new Promise((resolve) => setTimeout(resolve, 500));
+      const res = fetchIn(NS_FE, `http://${NET}.1:8101/health`);
+      if (res.status > 0) health = JSON.parse(res.text);
+    }
+    assert.ok(ready(), `both workers ready; ${logs()}`);
+    const config = parseServeConfig(['--model', fixture.modelPath, '--port', '0', '--threads', '1', '--kv-cache-memory', '16MiB', '--no-request-log'], {});
+    reference = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+    const body = { prompt: Array.from({ length: 50 }, (_, i) => `n${(i * 37) % 211}`).join(' '), max_tokens: 16, temperature: 0, ignore_eos: true };
+    const expected = await fetch(`${reference.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
+    }).then((r) => r.json() as Promise<{ choices: { text: string }[] }>);
+    const res = fetchIn(NS_FE, `http://${NET}.1:8101/v1/completions`, body);
+    assert.equal(res.status, 200, `${res.text}\n${logs()}`);
+    const got = JSON.parse(res.text) as { choices: { text: string }[]; timings?: { kv_transfer?: { link: string; blocks: number } } };
+    assert.equal(got.choices[0]!.text, expected.choices[0]!.text);
+    assert.equal(got.timings?.kv_transfer?.link, 'tcp', `the KV moved between the namespaces: ${res.text}`);
+    assert.ok(got.timings!.kv_transfer!.blocks > 0);
+    removeDir(fixture.dir);
   });
 });

@@ -29,6 +29,27 @@ function computeSequence(kv: KvCacheManager, tokens: number[], extraKeys = {}): 
 }
 
 describe('KvCacheManager', () => {
+  it('pins the leading cached blocks of a hash chain, which nothing evicts until unpinned', () => {
+    const kv = makeManager(4);
+    const tokens = range(100, 12);
+    const { table } = computeSequence(kv, tokens);
+    kv.free(table);
+    const hashes = hashTokenBlocks([...range(100, 8), 5, 5, 5, 5], BLOCK_SIZE);
+    const pin = kv.pinCachedPrefix(hashes)!;
+    assert.deepEqual(pin.blocks.map((block) => block.id), [0, 1], 'the first two blocks match; the chain stops at the third');
+    assert.equal(kv.stats().numUsedBlocks, 2);
+    // The pool needs room: only the unpinned cached block and the free one can be taken.
+    const other = kv.createTable();
+    assert.equal(kv.allocateSlots(other, 0, 12), null);
+    assert.notEqual(kv.allocateSlots(other, 0, 8), null);
+    kv.checkInvariants([other]);
+    assert.equal(kv.unpin(pin), true);
+    kv.free(other);
+    assert.equal(kv.stats().numUsedBlocks, 0);
+    assert.equal(kv.pinCachedPrefix(hashTokenBlocks(range(500, 8), BLOCK_SIZE)), null, 'nothing cached: nothing pinned');
+    kv.checkInvariants([]);
+  });
+
   it('allocates exactly the blocks the tokens need and registers the full ones', () => {
     const kv = makeManager(8);
     const tokens = range(100, 10);

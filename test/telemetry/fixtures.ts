@@ -30,7 +30,7 @@ export interface TimelineOptions {
   /** Emit one decode_execution event per step (the engine's own step stamps). */
   engineSteps?: boolean;
   queueDepth?: number;
-  kvTransfer?: { ms: number; bytes: number; from: string; to: string };
+  kvTransfer?: { ms: number; bytes: number; from: string; to: string; blocks?: number; link?: string };
 }
 
 export interface Timeline {
@@ -81,7 +81,10 @@ export function requestTimeline(o: TimelineOptions = {}): Timeline {
     t += ms;
   }
   if (o.kvTransfer) {
-    events.push({ phase: 'kv_transfer', requestId: id, start: t, time: t + o.kvTransfer.ms, bytes: o.kvTransfer.bytes, fromWorker: o.kvTransfer.from, toWorker: o.kvTransfer.to });
+    events.push({
+      phase: 'kv_transfer', requestId: id, start: t, time: t + o.kvTransfer.ms, bytes: o.kvTransfer.bytes, fromWorker: o.kvTransfer.from, toWorker: o.kvTransfer.to,
+      ...(o.kvTransfer.blocks !== undefined ? { blocks: o.kvTransfer.blocks } : {}), ...(o.kvTransfer.link !== undefined ? { link: o.kvTransfer.link } : {}),
+    });
     t += o.kvTransfer.ms;
   }
   const firstToken = t;

@@ -482,10 +482,14 @@ describe('telemetry on a live server: disaggregated prefill and decode', () => {
     assert.ok(Number(transfer.attributes!.blocks) > 0 && Number(transfer.attributes!.bytes) > 0);
     assert.ok(transfer.start_ms >= chunks.at(-1)!.start_ms + chunks.at(-1)!.duration_ms - ROUNDING, 'after the prompt was computed');
     assert.equal(body.timings.kv_transfer_ms, transfer.duration_ms);
+    assert.equal(transfer.attributes!.link, 'shm', 'the workers share memory: one process');
+    assert.equal(body.timings.kv_transfer.link, 'shm');
+    assert.equal(body.timings.kv_transfer.bytes, transfer.attributes!.bytes);
     assert.deepEqual(withoutTotal(body.timings), withoutTotal(trace.timings));
 
     assert.equal(moved(before, after, 'conduit_kv_transfer_bytes_total', { worker: 'decode-0' }), transfer.attributes!.bytes);
-    assert.equal(moved(before, after, 'conduit_kv_transfer_duration_milliseconds_count', { worker: 'decode-0' }), 1);
+    assert.equal(moved(before, after, 'conduit_kv_transfer_duration_milliseconds_count', { worker: 'decode-0', link: 'shm' }), 1);
+    assert.equal(moved(before, after, 'conduit_kv_transfer_blocks_total', { worker: 'decode-0', link: 'shm' }), transfer.attributes!.blocks);
     assert.equal(moved(before, after, 'conduit_request_prompt_tokens_total', { worker: 'decode-0' }), body.usage.prompt_tokens);
     for (const worker of ['prefill-0', 'decode-0']) {
       assert.notEqual(value(after, 'conduit_running_batch_size', { model, worker }), undefined, `${worker} reports its load`);
@@ -543,6 +547,9 @@ function familyOf(series: string, exposition: Exposition): string | undefined {
 const NO_SERIES_HERE: Record<string, string> = {
   conduit_kv_transfer_duration_milliseconds: 'KV transfer happens in disaggregated serving only',
   conduit_kv_transfer_bytes_total: 'KV transfer happens in disaggregated serving only',
+  conduit_kv_transfer_blocks_total: 'KV transfer happens in disaggregated serving only',
+  conduit_kv_transfer_failures_total: 'counted only when a decode worker process fails to import a handed-off request\'s KV',
+  conduit_kv_transfer_fallbacks_total: 'counted only when a decode worker process fails to import a handed-off request\'s KV',
   conduit_trace_sampling_decisions_total: 'the sampler decides only when tracing is configured',
   conduit_slow_request_bottlenecks_total: 'counted only for requests over the SLO targets',
   conduit_telemetry_dropped_records_total: 'counted only when a request never ends; none may here',

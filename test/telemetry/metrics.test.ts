@@ -114,6 +114,23 @@ describe('request metrics', () => {
     near(value(x, 'conduit_kv_transfer_duration_milliseconds_sum', { worker: 'decode-1' }), 10);
   });
 
+  it('count KV transfers per link, and a decode worker\'s failed imports by reason from its stats', async () => {
+    const metrics = new ConduitMetrics();
+    metrics.observeTrace(buildRequestTrace(coldTimeline({ kvTransfer: { ms: 2, bytes: 4096, blocks: 4, link: 'tcp', from: 'p', to: 'd' } }).events));
+    metrics.observeTrace(buildRequestTrace(coldTimeline({ id: 'shm', kvTransfer: { ms: 1, bytes: 2048, blocks: 2, link: 'shm', from: 'p', to: 'd' } }).events));
+    const base = { numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 8, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 };
+    metrics.updateFromEngineStats({ worker: 'd', stats: { ...base, kvTransferLinks: { tcp: { failures: { checksum: 1 }, fallbacks: 1 } } } });
+    metrics.updateFromEngineStats({ worker: 'd', stats: { ...base, kvTransferLinks: { tcp: { failures: { checksum: 2, connect: 1 }, fallbacks: 3 } } } });
+    const x = parseExposition(await metrics.render());
+    assert.equal(value(x, 'conduit_kv_transfer_bytes_total', { worker: 'd', link: 'tcp' }), 4096);
+    assert.equal(value(x, 'conduit_kv_transfer_blocks_total', { worker: 'd', link: 'tcp' }), 4);
+    assert.equal(value(x, 'conduit_kv_transfer_blocks_total', { worker: 'd', link: 'shm' }), 2);
+    assert.equal(value(x, 'conduit_kv_transfer_duration_milliseconds_count', { worker: 'd', link: 'shm' }), 1);
+    assert.equal(value(x, 'conduit_kv_transfer_failures_total', { worker: 'd', link: 'tcp', reason: 'checksum' }), 2);
+    assert.equal(value(x, 'conduit_kv_transfer_failures_total', { worker: 'd', link: 'tcp', reason: 'connect' }), 1);
+    assert.equal(value(x, 'conduit_kv_transfer_fallbacks_total', { worker: 'd', link: 'tcp' }), 3);
+  });
+
   it('classify requests over the SLO target by bottleneck', async () => {
     const telemetry = telemetryAtT0();
     feed(telemetry, coldTimeline({ id: 'q', queueMs: 400 }).events, coldTimeline({ id: 'fine', at: T0 + 1 }).events);

@@ -32,6 +32,10 @@ describe('responseTimings', () => {
     const t = responseTimings(buildRequestTrace(requestTimeline({ kvTransfer: { ms: 6.5, bytes: 1, from: 'a', to: 'b' } }).events));
     assert.equal(t.kv_transfer_ms, 6.5);
     assert.equal('kv_transfer_ms' in responseTimings(buildRequestTrace(coldTimeline().events)), false);
+    assert.equal('kv_transfer' in responseTimings(buildRequestTrace(coldTimeline().events)), false);
+    // What moved, over which link, and how fast.
+    const tcp = responseTimings(buildRequestTrace(requestTimeline({ kvTransfer: { ms: 4, bytes: 8_000_000, blocks: 5, link: 'tcp', from: 'a', to: 'b' } }).events));
+    assert.deepEqual(tcp.kv_transfer, { bytes: 8_000_000, blocks: 5, link: 'tcp', ms: 4, bytes_per_sec: 2_000_000_000 });
   });
 });
 

@@ -348,6 +348,22 @@ export class KvCacheManager {
     return this.pinBlocks(table.blocks.slice(0, numBlocks));
   }
 
+  /**
+   * Pins the leading blocks of `hashes` this pool holds cached (stopping at the first it lacks), so nothing evicts
+   * them until unpin; null when the first is not cached (or prefix caching is off). A decode worker holds its own
+   * hits on a handed-off prompt this way while the rest of the prompt's KV comes over the network.
+   */
+  pinCachedPrefix(hashes: readonly BlockHash[]): KvPin | null {
+    if (!this.enablePrefixCaching) return null;
+    const blocks: KvBlock[] = [];
+    for (const hash of hashes) {
+      const block = this.pool.getCachedBlock(hash);
+      if (block === undefined) break;
+      blocks.push(block);
+    }
+    return blocks.length > 0 ? this.pinBlocks(blocks) : null;
+  }
+
   private pinBlocks(blocks: readonly KvBlock[]): KvPin {
     const pin: KvPin = { blocks };
     this.pool.touch(pin.blocks);
