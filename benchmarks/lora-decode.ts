@@ -4,7 +4,7 @@
 // cost of the low-rank products against the base step.
 //
 //   node --import tsx benchmarks/lora-decode.ts [--rounds 5] [--threads 2] [--streams 16] [--adapters 0,1,4,16]
-//       [--rank 8] [--tokens 48]
+//       [--rank 8] [--tokens 48] [--lora-dtype q8|bf16|f32]
 //
 // Each run: the streams (16-token prompts, --tokens generated, ignore_eos) prefill in one step, which is left out;
 // the run's figure is the median of its decode steps. Configurations alternate within each round (rotated order),
@@ -21,7 +21,7 @@ import { EngineCore } from '../src/engine/engine-core.ts';
 import { DEFAULT_SAMPLING } from '../src/engine/types.ts';
 import { nativeBackend } from '../src/kernels/native.ts';
 import { loadModel } from '../src/model/loader.ts';
-import { loadLoraAdapter } from '../src/model/lora.ts';
+import { loadLoraAdapter, type LoraDtype, resolveLoraDtype } from '../src/model/lora.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter } from '../src/model/lora-writer.ts';
 import { createTokenizer } from '../src/model/tokenizer/index.ts';
 import { quantile } from '../src/util/stats.ts';
@@ -35,6 +35,7 @@ const { values: args } = parseArgs({
     adapters: { type: 'string', default: '0,1,4,16' },
     rank: { type: 'string', default: '8' },
     tokens: { type: 'string', default: '48' },
+    'lora-dtype': { type: 'string' },
   },
 });
 const ROUNDS = Number(args.rounds);
@@ -49,7 +50,7 @@ const file = await ensureBenchModel('Q8_0');
 const model = await loadModel(file.path);
 const backend = nativeBackend.load(model.config, model.weights,
   { numBlocks: Math.ceil((STREAMS * (PROMPT_TOKENS + OUTPUT_TOKENS)) / BLOCK_SIZE) + STREAMS, blockSize: BLOCK_SIZE, dtype: 'f16' },
-  { threads: Number(args.threads) });
+  { threads: Number(args.threads), loraDtype: resolveLoraDtype(args['lora-dtype'] as LoraDtype | undefined) });
 const tokenizer = createTokenizer(model.tokenizerSource);
 const dir = mkdtempSync(join(tmpdir(), 'conduit-lora-bench-'));
 const maxAdapters = Math.max(...COUNTS);
@@ -90,7 +91,7 @@ function run(count: number): number {
 }
 
 console.log(`LoRA decode, ${file.label}, native matmul_q8_0 ${backend.info.variants?.matmul_q8_0 ?? '?'}, threads ${args.threads}, `
-  + `${STREAMS} streams, rank ${RANK} on q/k/v/o/gate/up/down, ${OUTPUT_TOKENS} tokens, ${ROUNDS} rounds, load average ${loadavg()[0]!.toFixed(1)}`);
+  + `${STREAMS} streams, rank ${RANK} on q/k/v/o/gate/up/down stored as ${resolveLoraDtype(args['lora-dtype'] as LoraDtype | undefined)}, ${OUTPUT_TOKENS} tokens, ${ROUNDS} rounds, load average ${loadavg()[0]!.toFixed(1)}`);
 for (const count of COUNTS) run(count); // warm-up
 const figures = new Map<number, number[]>(COUNTS.map((c) => [c, []]));
 for (let round = 0; round < ROUNDS; round++) {
