@@ -7,9 +7,9 @@
 //       [--rank 8] [--tokens 48] [--lora-dtype q8|bf16|f32]
 //
 // Each run: the streams (16-token prompts, --tokens generated, ignore_eos) prefill in one step, which is left out;
-// the run's figure is the median of its decode steps. Configurations alternate within each round (rotated order),
-// so drift in the machine's load falls on all. Printed per adapter count: median step ms over rounds, output tok/s,
-// and tok/s relative to the base model.
+// the run's figures are the medians of its decode steps' wall and CPU times. Configurations alternate within each
+// round (rotated order), so drift in the machine's load falls on all. Printed per adapter count: median step ms over
+// rounds, output tok/s, and tok/s relative to the base model; then the same from CPU time.
 
 import { mkdtempSync, rmSync } from 'node:fs';
 import { loadavg, tmpdir } from 'node:os';
@@ -68,8 +68,12 @@ const core = new EngineCore({
 adapters.forEach((weights, i) => core.loadLora(`lora-${i}`, weights));
 
 let nextId = 0;
-/** Median decode step time (ms) of one run with `count` distinct adapters (0: base model). */
-function run(count: number): number {
+/**
+ * Median decode step time (ms) of one run with `count` distinct adapters (0: base model), wall and CPU (all threads
+ * of the process: on a machine shared with other work, the wall time counts the time others hold the cores, the CPU
+ * time does not, though it still counts the pool's spinning between loops).
+ */
+function run(count: number): { wall: number; cpu: number } {
   for (let i = 0; i < STREAMS; i++) {
     const id = nextId++;
     core.add({
@@ -79,32 +83,41 @@ function run(count: number): number {
     });
   }
   const stepMs: number[] = [];
+  const cpuMs: number[] = [];
   core.step(); // the prefill step
   for (let guard = 0; core.hasWork && guard < OUTPUT_TOKENS * 4; guard++) {
     const start = performance.now();
+    const cpuStart = process.cpuUsage();
     const outputs = core.step();
+    const cpu = process.cpuUsage(cpuStart);
     const ms = performance.now() - start;
-    if (outputs.length === STREAMS) stepMs.push(ms);
+    if (outputs.length === STREAMS) {
+      stepMs.push(ms);
+      cpuMs.push((cpu.user + cpu.system) / 1000);
+    }
   }
   if (core.hasWork) throw new Error('requests did not finish');
-  return quantile(stepMs, 0.5);
+  return { wall: quantile(stepMs, 0.5), cpu: quantile(cpuMs, 0.5) };
 }
 
 console.log(`LoRA decode, ${file.label}, native matmul_q8_0 ${backend.info.variants?.matmul_q8_0 ?? '?'}, threads ${args.threads}, `
   + `${STREAMS} streams, rank ${RANK} on q/k/v/o/gate/up/down stored as ${resolveLoraDtype(args['lora-dtype'] as LoraDtype | undefined)}, ${OUTPUT_TOKENS} tokens, ${ROUNDS} rounds, load average ${loadavg()[0]!.toFixed(1)}`);
 for (const count of COUNTS) run(count); // warm-up
-const figures = new Map<number, number[]>(COUNTS.map((c) => [c, []]));
+const figures = new Map<number, { wall: number; cpu: number }[]>(COUNTS.map((c) => [c, []]));
 for (let round = 0; round < ROUNDS; round++) {
   for (let k = 0; k < COUNTS.length; k++) {
     const count = COUNTS[(k + round) % COUNTS.length]!;
     figures.get(count)!.push(run(count));
   }
 }
-const baseMs = quantile(figures.get(0) ?? figures.get(COUNTS[0]!)!, 0.5);
+const median = (count: number, key: 'wall' | 'cpu') => quantile(figures.get(count)!.map((f) => f[key]), 0.5);
+const baseCount = figures.has(0) ? 0 : COUNTS[0]!;
 for (const count of COUNTS) {
-  const ms = quantile(figures.get(count)!, 0.5);
+  const ms = median(count, 'wall');
+  const cpu = median(count, 'cpu');
   console.log(`adapters ${String(count).padStart(2)}  ${ms.toFixed(2)} ms/step  ${(STREAMS / ms * 1000).toFixed(0)} tok/s  `
-    + `${(baseMs / ms * 100).toFixed(1)}% of base`);
+    + `${(median(baseCount, 'wall') / ms * 100).toFixed(1)}% of base   CPU ${cpu.toFixed(2)} ms/step  `
+    + `${(median(baseCount, 'cpu') / cpu * 100).toFixed(1)}% of base`);
 }
 console.log(`load average at the end ${loadavg()[0]!.toFixed(1)}`);
 backend.dispose();

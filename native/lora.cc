@@ -154,14 +154,22 @@ void lora_apply_many(const KernelTable& kt, ThreadPool& pool, const LoraSet& set
   const Down* down_items = downs.data();
   const Up* up_items = ups.data();
 
-  // Down-projections: each adapter's A read once for all its rows (once per 32 rows in a long prefill).
-  pool.parallel_for(static_cast<int64_t>(downs.size()), [&](int64_t i, int) {
+  // Down-projections: each adapter's A read once for all its rows (once per 32 rows in a long prefill). A decode
+  // step's are a few hundred thousand multiply-adds: the caller runs them, sparing the pool a hand-over.
+  auto down = [&](int64_t i, int) {
     const Down& d = down_items[i];
     const Job& j = job_items[d.job];
     const int dtype = j.adapter->dtype;
     kt.lora_down[dtype](j.m->view(dtype), j.out->x, j.out->ldx, order + d.r0, d.r1 - d.r0,
                         u_data + j.u_offset + (d.r0 - j.begin) * j.m->rank);
-  });
+  };
+  int64_t down_macs = 0;
+  for (const Down& d : downs) down_macs += (d.r1 - d.r0) * jobs[d.job].m->rank * jobs[d.job].m->in;
+  if (down_macs <= (int64_t{1} << 20)) {
+    for (int64_t i = 0; i < static_cast<int64_t>(downs.size()); ++i) down(i, 0);
+  } else {
+    pool.parallel_for(static_cast<int64_t>(downs.size()), [&](int64_t i, int thread) { down(i, thread); });
+  }
   // Up-projections: each adapter's B read once for all its rows, its outputs split in chunks over the threads.
   pool.parallel_for(static_cast<int64_t>(ups.size()), [&](int64_t i, int) {
     const Up& up = up_items[i];
