@@ -79,7 +79,8 @@ struct LoraOutput {
 };
 
 // lora_apply for several projections of the same rows: Q, K and V, or gate and up, share the hand-overs to the
-// thread pool (one for the down-projections of all of them, one for the up-projections).
+// thread pool (one for the down-projections of all of them, none when they are small enough for the calling
+// thread, and one for the up-projections).
 void lora_apply_many(const KernelTable& kt, ThreadPool& pool, const LoraSet& set, const int32_t* slots, int64_t rows,
                      int64_t layer, const LoraOutput* outputs, int count);
 
