@@ -265,7 +265,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     return out;
   }
 
-  // setLora(slot, adapter | null): adapter { scale, layers: [{ wq?: { rank, a: Float32Array, b: Float32Array }, ...}] }
+  // setLora(slot, adapter | null): adapter { scale, dtype?, layers: [{ wq?: { rank, a: Float32Array, b: Float32Array }, ...}] }
   // (src/model/lora.ts LoraWeights); the matrices are copied.
   Napi::Value SetLora(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
@@ -276,6 +276,15 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       Napi::Object o = info[1].As<Napi::Object>();
       adapter = std::make_unique<LoraAdapter>();
       adapter->scale = static_cast<float>(number(env, o.Get("scale"), "scale"));
+      // dtype: how the matrices are stored ('f32' | 'bf16' | 'q8', default 'f32'; native/lora.h).
+      const Napi::Value dtype = o.Get("dtype");
+      if (!dtype.IsUndefined()) {
+        const std::string name = dtype.IsString() ? dtype.As<Napi::String>().Utf8Value() : "";
+        if (name == "f32") adapter->dtype = kLoraF32;
+        else if (name == "bf16") adapter->dtype = kLoraBF16;
+        else if (name == "q8") adapter->dtype = kLoraQ8;
+        else throw Napi::TypeError::New(env, "adapter.dtype must be 'f32', 'bf16' or 'q8'");
+      }
       if (!o.Get("layers").IsArray()) throw Napi::TypeError::New(env, "adapter.layers must be an array");
       Napi::Array layers = o.Get("layers").As<Napi::Array>();
       static const char* kNames[kLoraTargetCount] = {"wq", "wk", "wv", "wo", "wGate", "wUp", "wDown"};

@@ -139,6 +139,51 @@ Napi::Value OpMatmul(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
+// lora(variant, dtype, adapters: [{ rank, a: Float32Array [rank x in], b: Float32Array [out x rank], scale }], in,
+// out, x: Float32Array [rows x in], slots: Int32Array [rows] (-1: no adapter), y: Float32Array [rows x out], threads):
+// y[r] += scale * B (A x[r]) through lora_apply with the adapters packed in dtype ('f32' | 'bf16' | 'q8').
+Napi::Value OpLora(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = run_variant_arg(env, info[0]);
+  const std::string dtype_name = info[1].IsString() ? info[1].As<Napi::String>().Utf8Value() : "";
+  const int dtype = dtype_name == "f32" ? kLoraF32 : dtype_name == "bf16" ? kLoraBF16 : dtype_name == "q8" ? kLoraQ8 : -1;
+  if (dtype < 0) throw Napi::TypeError::New(env, "dtype must be 'f32', 'bf16' or 'q8'");
+  if (!info[2].IsArray()) throw Napi::TypeError::New(env, "adapters must be an array");
+  const int64_t in = integer(env, info[3], "in", 1), out = integer(env, info[4], "out", 1);
+  Napi::Array list = info[2].As<Napi::Array>();
+  LoraSet set;
+  for (uint32_t i = 0; i < list.Length(); ++i) {
+    if (!list.Get(i).IsObject()) throw Napi::TypeError::New(env, "adapters[" + std::to_string(i) + "] must be an object");
+    Napi::Object o = list.Get(i).As<Napi::Object>();
+    auto adapter = std::make_unique<LoraAdapter>();
+    adapter->scale = static_cast<float>(number(env, o.Get("scale"), "scale"));
+    adapter->dtype = dtype;
+    adapter->layers.resize(1);
+    LoraMatrix& m = adapter->layers[0][kLoraQ];
+    m.rank = integer(env, o.Get("rank"), "rank", 1);
+    m.in = in;
+    m.out = out;
+    const float* a = typed_data<float>(env, o.Get("a"), napi_float32_array, "a", m.rank * in);
+    const float* b = typed_data<float>(env, o.Get("b"), napi_float32_array, "b", out * m.rank);
+    m.a.assign(a, a + m.rank * in);
+    m.b.assign(b, b + out * m.rank);
+    set.set(static_cast<int>(i), std::move(adapter));
+  }
+  ArrayView slots_view = typed_array(env, info[6], napi_int32_array, "slots");
+  const int64_t rows = static_cast<int64_t>(slots_view.length);
+  const int32_t* slots = static_cast<const int32_t*>(slots_view.data);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (slots[r] != -1 && !set.get(slots[r])) throw Napi::RangeError::New(env, "slots[" + std::to_string(r) + "] names no adapter");
+  }
+  const float* x = typed_data<float>(env, info[5], napi_float32_array, "x", rows * in);
+  float* y = typed_data<float>(env, info[7], napi_float32_array, "y", rows * out);
+  const int threads = static_cast<int>(integer(env, info[8], "threads", 1));
+  std::lock_guard<std::mutex> lock(ops_mutex);
+  OpsContext& c = ops_context(threads);
+  lora_apply(kernel_table(v), *c.pool, set, slots, rows, 0, kLoraQ, x, in, y, out);
+  return env.Undefined();
+}
+
 // embedding(variant, type, table: Uint8Array, dim, tokenIds: Int32Array, out: Float32Array)
 Napi::Value OpEmbedding(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -394,6 +439,7 @@ Napi::Object ops_object(Napi::Env env) {
   ops.Set("pack", Napi::Function::New(env, OpPack));
   ops.Set("guardedBytes", Napi::Function::New(env, OpGuardedBytes));
   ops.Set("embedding", Napi::Function::New(env, OpEmbedding));
+  ops.Set("lora", Napi::Function::New(env, OpLora));
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));
   ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));

@@ -123,6 +123,26 @@ inline size_t attention_chunk_scratch_floats(int num_heads, int head_dim) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// LoRA (lora.h describes the storage and the batched driver). A matrix as the kernels read it: A [rank x in] and B
+// transposed [rank x out] in one storage type, each row with its scale (1 unless q8).
+enum LoraDtype { kLoraF32 = 0, kLoraBF16 = 1, kLoraQ8 = 2, kLoraDtypeCount = 3 };
+inline size_t lora_dtype_bytes(int dtype) { return dtype == kLoraF32 ? 4 : dtype == kLoraBF16 ? 2 : 1; }
+
+struct LoraMatrixView {
+  int dtype;
+  int64_t rank, in, out;
+  const uint8_t* a;   // rank rows of `in` elements
+  const uint8_t* bt;  // rank rows of `out` elements
+  const float* a_scale;
+  const float* bt_scale;
+};
+
+// Output columns per up-projection work item: items of one adapter's matrix split its outputs over threads.
+constexpr int64_t kLoraUpChunk = 256;
+// Scratch floats an up-projection item needs (a converted [rank x kLoraUpChunk] slice of Bt and rank factors).
+inline size_t lora_up_scratch_floats(int64_t rank) { return static_cast<size_t>(rank) * (kLoraUpChunk + 1) + 16; }
+
+// ---------------------------------------------------------------------------------------------------------------
 struct RopeParams {
   int num_heads, head_dim, rope_dim;
   bool neox;  // pairs (i, i + rope_dim/2); otherwise (2i, 2i+1)
@@ -152,6 +172,14 @@ struct KernelTable {
   // Folds row `row`'s partials (chunk c at partials + c * attention_partial_floats()) in order and writes its
   // normalised output: the same arithmetic as the fold in attention_chunks.
   void (*attention_merge)(const AttentionArgs& a, int seq, int row, const float* partials, float* scratch) = nullptr;
+
+  // LoRA, per storage type (LoraDtype). Down: u[r * rank + k] = a_scale[k] * (A[k] . x[rows[r] * ldx ...]) for the
+  // n rows listed, every k; each dot product in the variant's fixed order whatever n. Up: for o in [o0, o1) (at most
+  // kLoraUpChunk), y[rows[r] * ldy + o] += scale * sum_k Bt[k][o] * (bt_scale[k] * u[r * rank + k]), k ascending.
+  void (*lora_down[kLoraDtypeCount])(const LoraMatrixView& m, const float* x, int64_t ldx, const int32_t* rows,
+                                     int64_t n, float* u) = {};
+  void (*lora_up[kLoraDtypeCount])(const LoraMatrixView& m, const float* u, const int32_t* rows, int64_t n,
+                                   float scale, float* y, int64_t ldy, int64_t o0, int64_t o1, float* scratch) = {};
 
   // Kernel kind -> variant serving it, e.g. "matmul_q8_0" -> "avx512".
   std::map<std::string, std::string> names;

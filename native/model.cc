@@ -491,8 +491,8 @@ void Model::forward(const StepBatch& b, float* logits) {
     if (lora) {
       scope.emplace(prof, "lora attn_qkv");
       const LoraOutput qkv_lora[3] = {{kLoraK, xn, dim, k, kv_dim}, {kLoraV, xn, dim, v, kv_dim}, {kLoraQ, xn, dim, q, q_dim}};
-      lora_apply_many(pool_, loras_, lora, T, l, qkv_lora, select_rows ? 2 : 3);
-      if (select_rows) lora_apply(pool_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
+      lora_apply_many(kt_, pool_, loras_, lora, T, l, qkv_lora, select_rows ? 2 : 3);
+      if (select_rows) lora_apply(kt_, pool_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
     }
     const int64_t q_rows = select_rows ? L : T;
     scope.emplace(prof, "bias, rope, kv write");
@@ -540,7 +540,7 @@ void Model::forward(const StepBatch& b, float* logits) {
     matmul(kt_, pool_, ws_, attn, rows, q_dim, &wo, 1);
     if (lora) {
       scope.emplace(prof, "lora attn_output");
-      lora_apply(pool_, loras_, lora, rows, l, kLoraO, attn, q_dim, tmp, dim);
+      lora_apply(kt_, pool_, loras_, lora, rows, l, kLoraO, attn, q_dim, tmp, dim);
     }
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
@@ -562,7 +562,7 @@ void Model::forward(const StepBatch& b, float* logits) {
     if (lora) {
       scope.emplace(prof, "lora ffn_gate+up");
       const LoraOutput gate_up_lora[2] = {{kLoraGate, xn, dim, gate, s.ffn_dim}, {kLoraUp, xn, dim, up, s.ffn_dim}};
-      lora_apply_many(pool_, loras_, lora, rows, l, gate_up_lora, 2);
+      lora_apply_many(kt_, pool_, loras_, lora, rows, l, gate_up_lora, 2);
     }
     scope.emplace(prof, "swiglu");
     pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
@@ -574,7 +574,7 @@ void Model::forward(const StepBatch& b, float* logits) {
     matmul(kt_, pool_, ws_, gate, rows, s.ffn_dim, &down, 1);
     if (lora) {
       scope.emplace(prof, "lora ffn_down");
-      lora_apply(pool_, loras_, lora, rows, l, kLoraDown, gate, s.ffn_dim, tmp, dim);
+      lora_apply(kt_, pool_, loras_, lora, rows, l, kLoraDown, gate, s.ffn_dim, tmp, dim);
     }
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);

@@ -13,12 +13,20 @@ namespace {
 #pragma GCC target("avx2,fma,f16c")
 #include "simd_avx2.h"
 #include "ops_simd.h"
+#include "lora_simd.h"
 #pragma GCC pop_options
 
 }  // namespace
 
 // Registration runs on every CPU, so it stays outside the target region.
 void register_ops_avx2(KernelTable& t) {
+  t.lora_down[kLoraF32] = simd_lora_down<Avx2, kLoraF32>;
+  t.lora_down[kLoraBF16] = simd_lora_down<Avx2, kLoraBF16>;
+  t.lora_down[kLoraQ8] = simd_lora_down<Avx2, kLoraQ8>;
+  t.lora_up[kLoraF32] = simd_lora_up<Avx2, kLoraF32>;
+  t.lora_up[kLoraBF16] = simd_lora_up<Avx2, kLoraBF16>;
+  t.lora_up[kLoraQ8] = simd_lora_up<Avx2, kLoraQ8>;
+  for (const char* kind : {"lora_f32", "lora_bf16", "lora_q8"}) t.names[kind] = "avx2";
   t.rmsnorm = simd_rmsnorm<Avx2>;
   t.add = simd_add<Avx2>;
   t.swiglu = simd_swiglu<Avx2>;

@@ -173,6 +173,59 @@ void dequantize_q6_k(const uint8_t* src, float* dst, int64_t n) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// LoRA: eight partial sums per dot product (element i in lane i mod 8), added in a fixed order at the end, so the
+// result is the same whatever the batch or the thread; the up-projection adds k in ascending order per output.
+
+template <int D>
+inline float lora_element(const uint8_t* row, int64_t i) {
+  if constexpr (D == kLoraF32) return reinterpret_cast<const float*>(row)[i];
+  else if constexpr (D == kLoraBF16) return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
+  else return static_cast<float>(reinterpret_cast<const int8_t*>(row)[i]);
+}
+
+template <int D>
+void lora_down(const LoraMatrixView& m, const float* x, int64_t ldx, const int32_t* rows, int64_t n, float* u) {
+  constexpr int kLanes = 8;
+  const int64_t in = m.in;
+  const int64_t body = in - in % kLanes;
+  const size_t row_bytes = static_cast<size_t>(in) * lora_dtype_bytes(D);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<int64_t>(rows[r]) * ldx;
+    for (int64_t k = 0; k < m.rank; ++k) {
+      const uint8_t* a = m.a + k * row_bytes;
+      float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < body; i += kLanes) {
+        for (int j = 0; j < kLanes; ++j) acc[j] += lora_element<D>(a, i + j) * xr[i + j];
+      }
+      for (int64_t i = body; i < in; ++i) acc[i - body] += lora_element<D>(a, i) * xr[i];
+      const float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      u[r * m.rank + k] = m.a_scale[k] * s;
+    }
+  }
+}
+
+template <int D>
+void lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, int64_t n, float scale, float* y,
+             int64_t ldy, int64_t o0, int64_t o1, float* scratch) {
+  const int64_t width = o1 - o0;
+  const size_t row_bytes = static_cast<size_t>(m.out) * lora_dtype_bytes(D);
+  float* bt = scratch;
+  float* factor = scratch + m.rank * kLoraUpChunk;
+  for (int64_t k = 0; k < m.rank; ++k) {
+    for (int64_t j = 0; j < width; ++j) bt[k * kLoraUpChunk + j] = lora_element<D>(m.bt + k * row_bytes, o0 + j);
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t k = 0; k < m.rank; ++k) factor[k] = m.bt_scale[k] * u[r * m.rank + k];
+    float* yr = y + static_cast<int64_t>(rows[r]) * ldy + o0;
+    for (int64_t j = 0; j < width; ++j) {
+      float acc = bt[j] * factor[0];
+      for (int64_t k = 1; k < m.rank; ++k) acc += bt[k * kLoraUpChunk + j] * factor[k];
+      yr[j] += scale * acc;
+    }
+  }
+}
+
 }  // namespace
 
 void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n) {
@@ -190,6 +243,13 @@ void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n)
 }
 
 void register_ops_generic(KernelTable& t) {
+  t.lora_down[kLoraF32] = lora_down<kLoraF32>;
+  t.lora_down[kLoraBF16] = lora_down<kLoraBF16>;
+  t.lora_down[kLoraQ8] = lora_down<kLoraQ8>;
+  t.lora_up[kLoraF32] = lora_up<kLoraF32>;
+  t.lora_up[kLoraBF16] = lora_up<kLoraBF16>;
+  t.lora_up[kLoraQ8] = lora_up<kLoraQ8>;
+  for (const char* kind : {"lora_f32", "lora_bf16", "lora_q8"}) t.names[kind] = "generic";
   t.rmsnorm = rmsnorm;
   t.add = add;
   t.swiglu = swiglu;

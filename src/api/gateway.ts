@@ -64,9 +64,11 @@ export interface AdapterHost {
   has(name: string): boolean;
   /** Makes the adapter resident for a request and counts it until release; resolves the engine's key for it. */
   acquire(name: string): Promise<string>;
-  release(name: string): void;
+  /** Ends what acquire counted, by the key it resolved. */
+  release(key: string): void;
   register(name: string, path: string): Promise<unknown>;
-  unregister(name: string): Promise<void>;
+  /** Forgets the adapter now; unloads it once its requests in flight (resolved) finish. */
+  unregister(name: string): Promise<{ inFlight: number }>;
   stats(): { registered: number; resident: number; loads: number; evictions: number };
 }
 
@@ -316,18 +318,23 @@ export class Gateway {
     return `Success: LoRA adapter '${fields.name}' added successfully.`;
   }
 
-  /** POST /v1/unload_lora_adapter {lora_name}: unloads an adapter no request uses. */
+  /**
+   * POST /v1/unload_lora_adapter {lora_name}: removes an adapter. Requests already running with it finish with it
+   * (it is unloaded from the workers after the last one); requests naming it from now on get 404.
+   */
   async unloadLoraAdapter(body: unknown): Promise<string> {
     this.ready();
     const { name } = loraBody(body, false);
     const backend = [...this.served.values()].find((b) => b.adapters?.has(name));
     if (!backend) throw new LoraAdapterError(404, 'lora_not_found', `The lora adapter '${name}' cannot be found`);
+    let inFlight: number;
     try {
-      await backend.adapters!.unregister(name);
+      ({ inFlight } = await backend.adapters!.unregister(name));
     } catch (error) {
       throw loraApiError(error, 'lora_name');
     }
-    return `Success: LoRA adapter '${name}' removed successfully.`;
+    return `Success: LoRA adapter '${name}' removed successfully.`
+      + (inFlight > 0 ? ` Its ${inFlight} request(s) in flight finish with it; it is unloaded after them.` : '');
   }
 
   // ---- prompts ----
@@ -563,7 +570,7 @@ export class Gateway {
     try {
       await this.runAcquired(call, target, id, prompts, request, logprobs, shape, loraKey);
     } finally {
-      if (target.adapter !== undefined) backend.adapters!.release(target.adapter);
+      if (loraKey !== undefined) backend.adapters!.release(loraKey);
     }
   }
 

@@ -159,7 +159,7 @@ export function parseFlags<T extends FlagTable>(
     if (fromEnv === undefined || fromEnv === '') continue;
     sources[name] = 'environment';
     environment[name] = fromEnv;
-    if (spec.repeatable) lists[name] = fromEnv.split(',').map((item) => item.trim()).filter((item) => item !== '');
+    if (spec.repeatable) lists[name] = splitRepeatableEnv(fromEnv);
     try {
       values[name] = convert(name, spec, fromEnv, envName(name, spec));
     } catch (err) {
@@ -210,4 +210,28 @@ export function formatFlagHelp(table: FlagTable): string {
     return `${left.padEnd(34)} ${spec.help}${def} [env ${envName(name, spec)}]`;
   });
   return rows.join('\n');
+}
+
+/**
+ * The values of a repeatable flag's environment twin: comma-separated, except that JSON objects (`{...}`, as
+ * --lora-modules takes) stay whole, commas inside them included.
+ */
+export function splitRepeatableEnv(value: string): string[] {
+  const items: string[] = [];
+  let depth = 0, inString = false, start = 0;
+  for (let i = 0; i < value.length; i++) {
+    const c = value[i];
+    if (inString) {
+      if (c === '\\') i++;
+      else if (c === '"') inString = false;
+    } else if (c === '"' && depth > 0) inString = true;
+    else if (c === '{') depth++;
+    else if (c === '}') depth = Math.max(0, depth - 1);
+    else if (c === ',' && depth === 0) {
+      items.push(value.slice(start, i));
+      start = i + 1;
+    }
+  }
+  items.push(value.slice(start));
+  return items.map((item) => item.trim()).filter((item) => item !== '');
 }

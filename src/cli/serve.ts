@@ -21,6 +21,7 @@ import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
 import { DEFAULT_MAX_LORAS, LoraManager } from '../runtime/lora-manager.ts';
+import { LORA_DTYPES, type LoraDtype } from '../model/lora.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
@@ -39,7 +40,8 @@ export function parseSchedulingPolicy(value: string): SchedulingPolicy {
 export const SERVE_FLAGS = {
   model: { type: 'string', help: 'GGUF file or Hugging Face folder, or NAME=PATH to serve it as NAME; repeat to serve several models, each with its own workers (default: the built-in synthetic model)', short: 'm', repeatable: true },
   'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name); repeated, the i-th names the i-th --model', repeatable: true },
-  'lora-modules': { type: 'string', help: 'LoRA adapters of the first model, NAME=PATH[,NAME=PATH] (a GGUF adapter or a PEFT folder); requests name an adapter as "model" (as vLLM\'s flag)', repeatable: true },
+  'lora-modules': { type: 'string', help: 'LoRA adapters loaded at start, NAME=PATH[@BASE][,...] or vLLM\'s JSON {"name":..,"path":..,"base_model_name":..} (a GGUF adapter or a PEFT folder; BASE: the served model it adapts, default the first); requests name an adapter as "model" (as vLLM\'s flag)', repeatable: true },
+  'lora-dtype': { type: 'string', help: 'how the cpu engine stores LoRA adapters for its batched kernel: q8 (int8 with a scale per row, default), bf16, or f32 (exact); vLLM\'s flag of that name picks the adapters\' float type' },
   'max-loras': { type: 'number', help: 'LoRA adapters resident per model; loading one more evicts the least recently used idle one (it loads again when a request names it)', default: 8 },
   host: { type: 'string', help: 'address to listen on', default: '127.0.0.1' },
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
@@ -77,6 +79,7 @@ export const SERVE_FLAGS = {
   'sim-model': { type: 'string', help: 'model profile of simulated workers (llama-3.1-8b, llama-3.1-70b, ...)', default: 'llama-3.1-8b' },
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
+  'sim-lora-rank': { type: 'number', help: 'rank of a LoRA adapter simulated workers serve without a file (--lora-modules NAME=PATH with a PATH that does not exist; an existing GGUF adapter or PEFT folder gives its own rank)', default: 16 },
   'sim-calibration': { type: 'string', help: `efficiency factors of simulated workers: ${CALIBRATIONS.join(' | ')} (see docs/simulator.md)`, default: DEFAULT_CALIBRATION },
   'sim-speed-up': { type: 'string', help: 'simulated ms per real ms: 1 = real time, inf = no waiting (each request\'s steps run back to back as fast as the CPU allows; timings are the simulated ones)', default: '1' },
   'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
@@ -114,8 +117,10 @@ export interface ServeConfig {
   servedModelName?: string;
   /** Every --model after the first, each served by its own workers (cpu engine only). */
   extraModels?: ServedModelSpec[];
-  /** --lora-modules: adapters of the first model, loaded at start. */
-  loraModules?: { name: string; path: string }[];
+  /** --lora-modules: adapters loaded at start, each for its base model (default: the first model). */
+  loraModules?: LoraModuleSpec[];
+  /** How the cpu engine stores adapters (--lora-dtype; default: the native backend's, model/lora.ts). */
+  loraDtype?: LoraDtype;
   /** Adapters resident per model (--max-loras). */
   maxLoras?: number;
   host: string;
@@ -284,17 +289,68 @@ export function parseModelSpecs(models: readonly string[], names: readonly strin
   return specs;
 }
 
-/** --lora-modules values: NAME=PATH items, comma-separated within a value; names unique. */
-export function parseLoraModules(values: readonly string[]): { name: string; path: string }[] {
-  const modules: { name: string; path: string }[] = [];
-  for (const item of values.flatMap((value) => value.split(',')).map((item) => item.trim()).filter((item) => item !== '')) {
-    const eq = item.indexOf('=');
-    if (eq <= 0 || eq === item.length - 1) throw new UsageError(`--lora-modules expects NAME=PATH items, got "${item}"`);
-    const name = item.slice(0, eq);
-    if (modules.some((m) => m.name === name)) throw new UsageError(`--lora-modules names "${name}" twice`);
-    modules.push({ name, path: item.slice(eq + 1) });
+/** --lora-dtype: q8, bf16 or f32. */
+export function parseLoraDtype(value: string): LoraDtype {
+  const dtype = value.trim().toLowerCase();
+  if (!(LORA_DTYPES as readonly string[]).includes(dtype)) throw new UsageError(`--lora-dtype must be one of ${LORA_DTYPES.join(', ')}, got "${value}"`);
+  return dtype as LoraDtype;
+}
+
+/** One --lora-modules item: the adapter's name, its file, and the served model it adapts (default: the first). */
+export interface LoraModuleSpec {
+  name: string;
+  path: string;
+  base?: string;
+}
+
+/**
+ * --lora-modules values, names unique. A value is either vLLM's JSON form, {"name": .., "path": ..,
+ * "base_model_name": ..} (base_model_name optional), or NAME=PATH[@BASE] items separated by commas, where BASE (the
+ * text after the last '@') is the served name of the model the adapter is for; a path containing '@' or ',' needs
+ * the JSON form.
+ */
+export function parseLoraModules(values: readonly string[]): LoraModuleSpec[] {
+  const modules: LoraModuleSpec[] = [];
+  const add = (module: LoraModuleSpec) => {
+    if (modules.some((m) => m.name === module.name)) throw new UsageError(`--lora-modules names "${module.name}" twice`);
+    modules.push(module);
+  };
+  for (const value of values) {
+    const trimmed = value.trim();
+    if (trimmed.startsWith('{')) {
+      add(jsonLoraModule(trimmed));
+      continue;
+    }
+    for (const item of trimmed.split(',').map((item) => item.trim()).filter((item) => item !== '')) {
+      const eq = item.indexOf('=');
+      if (eq <= 0 || eq === item.length - 1) throw new UsageError(`--lora-modules expects NAME=PATH[@BASE] items or a JSON object, got "${item}"`);
+      const target = item.slice(eq + 1);
+      const at = target.lastIndexOf('@');
+      if (at === 0 || at === target.length - 1) throw new UsageError(`--lora-modules ${item}: expected NAME=PATH@BASE with a path and a base model name`);
+      add(at > 0 ? { name: item.slice(0, eq), path: target.slice(0, at), base: target.slice(at + 1) } : { name: item.slice(0, eq), path: target });
+    }
   }
   return modules;
+}
+
+function jsonLoraModule(text: string): LoraModuleSpec {
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(text);
+  } catch (error) {
+    throw new UsageError(`--lora-modules: ${text} is not valid JSON: ${(error as Error).message}`);
+  }
+  const o = parsed as Record<string, unknown>;
+  if (typeof o !== 'object' || o === null || Array.isArray(o)) throw new UsageError(`--lora-modules: ${text} is not a JSON object`);
+  const known = new Set(['name', 'path', 'base_model_name']);
+  const unknown = Object.keys(o).filter((key) => !known.has(key));
+  if (unknown.length > 0) throw new UsageError(`--lora-modules: unknown field(s) ${unknown.join(', ')} in ${text} (expected name, path, base_model_name)`);
+  if (typeof o.name !== 'string' || o.name === '') throw new UsageError(`--lora-modules: "name" must be a non-empty string in ${text}`);
+  if (typeof o.path !== 'string' || o.path === '') throw new UsageError(`--lora-modules: "path" must be a non-empty string in ${text}`);
+  if (o.base_model_name !== undefined && o.base_model_name !== null && (typeof o.base_model_name !== 'string' || o.base_model_name === '')) {
+    throw new UsageError(`--lora-modules: "base_model_name" must be a non-empty string in ${text}`);
+  }
+  return { name: o.name, path: o.path, ...(typeof o.base_model_name === 'string' ? { base: o.base_model_name } : {}) };
 }
 
 export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env,
@@ -400,7 +456,10 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     migrationLimit,
     workerRestartLimit,
     workerRestartDelayMs,
-    sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp, calibration },
+    sim: {
+      model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp, calibration,
+      loraRank: positiveInteger(values['sim-lora-rank'], 'sim-lora-rank')!,
+    },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxSequencesPerRequest: positiveInteger(values['max-sequences-per-request'], 'max-sequences-per-request')!,
     maxConnections: positiveInteger(values['max-connections'], 'max-connections') ?? defaultMaxConnections(),
@@ -424,10 +483,10 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (models.length > 1) config.extraModels = models.slice(1);
   const loraModules = parseLoraModules(parsed.lists['lora-modules'] ?? []);
   if (loraModules.length > 0) {
-    if (engine === 'sim') throw new UsageError('--lora-modules: simulated workers run no LoRA adapters');
     config.loraModules = loraModules;
   }
   config.maxLoras = positiveInteger(values['max-loras'], 'max-loras')!;
+  if (values['lora-dtype'] !== undefined) config.loraDtype = parseLoraDtype(values['lora-dtype']);
   const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs');
   if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
@@ -538,6 +597,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: config.kvOffloadMemoryBytes } : {}),
           ...(diskDir !== undefined ? { kvOffloadDiskDir: diskDir, kvOffloadDiskBytes: config.kvOffloadDiskBytes } : {}),
           ...(threads !== undefined ? { threads } : {}),
+          ...(config.loraDtype !== undefined ? { loraDtype: config.loraDtype } : {}),
           backend: config.backend,
         });
         const name = spec.servedModelName ?? modelIdFromName(pool.engine.info.modelName);
@@ -559,13 +619,15 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
             + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');
         }
       }
-      for (const { name, path } of config.loraModules ?? []) {
-        const adapters = served[0]!.backend.adapters;
-        if (!adapters) throw new UsageError('--lora-modules: these workers run no LoRA adapters');
-        if (served.some((model) => model.name === name)) throw new UsageError(`--lora-modules ${name}: a served model has that name`);
+      for (const { name, path, base } of config.loraModules ?? []) {
+        const model = base === undefined ? served[0]! : served.find((m) => m.name === base);
+        if (!model) throw new UsageError(`--lora-modules ${name}: base model "${base}" is not served (${served.map((m) => m.name).join(', ')})`);
+        const adapters = model.backend.adapters;
+        if (!adapters) throw new UsageError(`--lora-modules ${name}: the workers of ${model.name} run no LoRA adapters`);
+        if (served.some((m) => m.name === name)) throw new UsageError(`--lora-modules ${name}: a served model has that name`);
         try {
           const info = await adapters.register(name, path) as { format: string; rank: number };
-          logger.info(`LoRA adapter ${name} (${info.format}, rank ${info.rank}) loaded from ${path} for ${served[0]!.name}`);
+          logger.info(`LoRA adapter ${name} (${info.format}, rank ${info.rank}) loaded from ${path} for ${model.name}`);
         } catch (error) {
           throw new UsageError(`--lora-modules ${name}=${path}: ${(error as Error).message}`);
         }

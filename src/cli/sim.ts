@@ -74,6 +74,8 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   tp: { ...DEPLOYMENT_FLAGS.tp, default: 4 },
   context: { type: 'number', help: 'tokens in each sequence\'s KV cache', default: 1024 },
   batches: { type: 'string', help: 'comma-separated batch sizes', default: DEFAULT_BATCH_SIZES.join(',') },
+  'lora-adapters': { type: 'number', help: 'distinct LoRA adapters the batch\'s sequences use (sequence i on adapter i mod N; 0 = the base model only); each adds its weights\' read and its tokens\' low-rank FLOPs to the step (S-LoRA / Punica batching)', default: 0 },
+  'lora-rank': { type: 'number', help: 'rank of those adapters (on q, k, v, o, gate, up, down)', default: 16 },
   'block-size': { type: 'number', help: 'KV block size in tokens (engine check)', default: 16 },
   check: { type: 'boolean', help: 'cross-check against the simulated engine (--no-check to skip)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -227,9 +229,11 @@ async function sweep(argv: string[]): Promise<number> {
     if (!Number.isSafeInteger(batch) || batch < 1) throw new UsageError(`--batches expects whole numbers >= 1, got "${text}"`);
     return batch;
   });
+  const loraAdapters = wholeNumber('lora-adapters', values['lora-adapters'], 0);
+  const lora = loraAdapters > 0 ? { adapters: loraAdapters, rank: wholeNumber('lora-rank', values['lora-rank'], 1) } : undefined;
   let table;
   try {
-    table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency });
+    table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency, ...(lora ? { lora } : {}) });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -238,7 +242,7 @@ async function sweep(argv: string[]): Promise<number> {
   console.log(formatDecodeSweep(table));
   if (!values.check) return 0;
 
-  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize, efficiency });
+  const rows = await checkDecodeSweepWithEngine({ model, hw, tp, contextLen, batchSizes, blockSize, efficiency, ...(lora ? { lora } : {}) });
   let ok = true;
   const lines = ['simulated engine: the batch prefilled in one step, then one decode step of all of it:',
     'batch  model ITL ms  engine ITL ms  check', '-----  ------------  -------------  -----'];

@@ -10,12 +10,12 @@ import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
-import { parseByteSize, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
+import { parseByteSize, parseLoraDtype, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release',
   'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
-  'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
+  'max-num-batched-tokens', 'lora-dtype', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
 const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, SERVE_FLAGS[name]])) as Pick<typeof SERVE_FLAGS, (typeof ENGINE_FLAG_NAMES)[number]>;
@@ -77,6 +77,7 @@ export const workerCommand: Command = {
         ...(modelPath !== undefined ? { modelPath } : {}),
         ...(values['served-model-name'] !== undefined ? { servedModelName: values['served-model-name'] } : {}),
         ...(values.threads !== undefined ? { threads: values.threads } : {}),
+        ...(values['lora-dtype'] !== undefined ? { loraDtype: parseLoraDtype(values['lora-dtype']) } : {}),
         ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
         kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
         policy: parseSchedulingPolicy(values['scheduling-policy']!),
@@ -86,7 +87,7 @@ export const workerCommand: Command = {
         } : {}),
         ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: values['max-num-seqs'] } : {}),
         ...(values['max-num-batched-tokens'] !== undefined ? { maxNumBatchedTokens: values['max-num-batched-tokens'] } : {}),
-        sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration },
+        sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: values['sim-lora-rank']! },
       },
     });
     const graceMs = values['shutdown-grace']! * 1000;

@@ -78,6 +78,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   add('model', options.modelPath);
   add('served-model-name', options.servedModelName);
   add('backend', options.backend);
+  add('lora-dtype', options.loraDtype);
   add('kv-cache-memory', options.kvCacheMemoryBytes);
   add('kv-cache-idle-release', options.kvCacheIdleReleaseSeconds);
   // A child is one worker: the pool's totals are split here as a pool of threads splits them, and each child's disk
@@ -94,6 +95,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
     add('sim-model', options.sim.model);
     add('sim-gpu', options.sim.gpu);
     add('sim-tp', options.sim.tp);
+    add('sim-lora-rank', options.sim.loraRank);
     add('sim-speed-up', options.sim.speedUp === Infinity ? 'inf' : options.sim.speedUp);
     add('sim-calibration', options.sim.calibration);
   }

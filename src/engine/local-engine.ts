@@ -19,6 +19,7 @@ import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { BackendPreference, FromWorker, KvOffloadConfig, ToWorker, WorkerInit } from './worker-protocol.ts';
+import type { LoraDtype } from '../model/lora.ts';
 
 export interface LocalEngineOptions {
   modelPath: string;
@@ -26,6 +27,8 @@ export interface LocalEngineOptions {
   backend?: BackendPreference;
   /** Compute threads of the native backend (default: all cores). */
   threads?: number;
+  /** How the native backend stores LoRA adapters (default: CONDUIT_LORA_DTYPE, else q8; model/lora.ts). */
+  loraDtype?: LoraDtype;
   /** Bytes of KV pool (default: DEFAULT_KV_CACHE_MEMORY). */
   kvCacheMemoryBytes?: number;
   kvDtype?: KvDtype;
@@ -94,6 +97,7 @@ export class LocalEngine implements Engine {
       servedModelName: options.servedModelName ?? '',
       backend: options.backend ?? 'auto',
       threads: options.threads ?? availableParallelism(),
+      ...(options.loraDtype !== undefined ? { loraDtype: options.loraDtype } : {}),
       kvCacheMemoryBytes: options.kvCacheMemoryBytes ?? DEFAULT_KV_CACHE_MEMORY,
       kvDtype: options.kvDtype ?? 'f32',
       blockSize: options.blockSize ?? DEFAULT_BLOCK_SIZE,

@@ -277,7 +277,8 @@ export interface Engine {
 
 /** What loading an adapter found (from the first worker). */
 export interface LoraLoadInfo {
-  format: 'gguf' | 'peft';
+  /** 'synthetic': a simulated worker's adapter without a file (src/sim/sim-lora.ts). */
+  format: 'gguf' | 'peft' | 'synthetic';
   rank: number;
   alpha: number;
   bytes: number;

@@ -48,7 +48,7 @@ async function start(): Promise<{ core: EngineCore; tokenizer: Tokenizer; vocabS
     : undefined;
   const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: init.kvDtype },
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
-    { threads: init.threads, releaseUnpackedWeights: true });
+    { threads: init.threads, releaseUnpackedWeights: true, ...(init.loraDtype !== undefined ? { loraDtype: init.loraDtype } : {}) });
   const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
   const tierNotices: string[] = [];
   const kvTiers = openKvTiers(backend.kvLayout, fingerprint, tierNotices);

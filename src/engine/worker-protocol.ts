@@ -4,6 +4,7 @@
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
 import type { AdoptedResult, KvHandoff } from './handoff.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { LoraDtype } from '../model/lora.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 
@@ -24,6 +25,8 @@ export interface WorkerInit {
   servedModelName: string;
   backend: BackendPreference;
   threads?: number;
+  /** How the native backend stores LoRA adapters (default: its own, model/lora.ts resolveLoraDtype). */
+  loraDtype?: LoraDtype;
   kvCacheMemoryBytes: number;
   kvDtype: KvDtype;
   blockSize: number;

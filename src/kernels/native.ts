@@ -2,7 +2,7 @@
 // `nativeBackend` factory that runs a model on it. The addon is loaded lazily on first use; when it is missing
 // (no compiler at install time) `nativeBackend.available()` is false and `unavailableReason()` says why, so the
 // engine can fall back to the TypeScript reference backend.
-import type { LoraWeights } from '../model/lora.ts';
+import { type LoraDtype, type LoraWeights, resolveLoraDtype } from '../model/lora.ts';
 import { existsSync, readFileSync } from 'node:fs';
 import { freemem } from 'node:os';
 import { createRequire } from 'node:module';
@@ -169,7 +169,7 @@ export interface NativeModel {
    * Puts a LoRA adapter (its matrices copied) into a slot that ForwardBatch.loraSlots rows name, or empties the
    * slot (null); native/lora.cc applies it. Throws a RangeError when a matrix does not fit the model.
    */
-  setLora(slot: number, adapter: LoraWeights | null): void;
+  setLora(slot: number, adapter: (LoraWeights & { dtype?: LoraDtype }) | null): void;
   dispose(): void;
 }
 
@@ -195,6 +195,13 @@ export interface NativeOps {
    */
   matmul(variant: KernelVariant, type: GgmlType, w: Uint8Array, x: Float32Array, m: number, k: number, n: number,
     y: Float32Array, threads: number, packed?: boolean): void;
+  /**
+   * y[r] += scale * B (A x[r]) for every row r whose slot names an adapter (slots[r] = -1: none), through the
+   * batched LoRA driver with the adapters' matrices stored as `dtype` (native/lora.h); x [rows x inDim], y [rows x
+   * outDim], each adapter's a [rank x inDim] and b [outDim x rank] row-major.
+   */
+  lora(variant: KernelVariant, dtype: LoraDtype, adapters: { rank: number; a: Float32Array; b: Float32Array; scale: number }[],
+    inDim: number, outDim: number, x: Float32Array, slots: Int32Array, y: Float32Array, threads: number): void;
   /** Bytes of the load-time packed layout of an [n x k] matrix of `type` in `variant`; 0 when it has none. */
   packedBytes(variant: KernelVariant, type: GgmlType, k: number, n: number): number;
   /**
@@ -489,6 +496,7 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
     if (kv.dtype !== 'f32' && kv.dtype !== 'f16') throw new RangeError(`KV dtype must be f32 or f16, got ${kv.dtype}`);
     const threads = options.threads ?? cpu.defaultThreads;
     checkPositiveInteger('threads', threads);
+    const loraDtype = resolveLoraDtype(options.loraDtype);
     const kvLayout: KvPoolLayout = {
       numLayers: config.numLayers, numBlocks: kv.numBlocks, blockSize: kv.blockSize,
       numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: kv.dtype,
@@ -523,7 +531,7 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       },
       setLora(slot: number, adapter: LoraWeights | null): void {
         if (disposed) throw new Error('native backend is disposed');
-        model.setLora(slot, adapter);
+        model.setLora(slot, adapter ? { ...adapter, dtype: loraDtype } : null);
       },
       dispose(): void {
         if (disposed) return;

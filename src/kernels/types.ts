@@ -4,7 +4,7 @@
 // bookkeeping of (which block holds which tokens).
 
 import type { ModelConfig } from '../model/config.ts';
-import type { LoraWeights } from '../model/lora.ts';
+import type { LoraDtype, LoraWeights } from '../model/lora.ts';
 import type { ModelWeights } from '../model/weights.ts';
 
 export type KvDtype = 'f32' | 'f16';
@@ -110,6 +110,11 @@ export interface BackendFactory {
 
 export interface BackendLoadOptions {
   threads?: number;
+  /**
+   * Native backend: how LoRA adapters' matrices are stored for the batched kernel ('q8': int8 with a scale per row,
+   * 'bf16', or 'f32', exact; native/lora.h). Default: CONDUIT_LORA_DTYPE if set, else DEFAULT_LORA_DTYPE.
+   */
+  loraDtype?: LoraDtype;
   /**
    * Native backend: keep a copy of the quantized matrices repacked for its kernels (faster decode, about the
    * matrices' size again in memory). Default: CONDUIT_PACK_WEIGHTS if set, else only when the copy fits in the

@@ -22,6 +22,26 @@ import { readSafetensors } from './safetensors.ts';
 export const LORA_TARGETS = ['wq', 'wk', 'wv', 'wo', 'wGate', 'wUp', 'wDown'] as const;
 export type LoraTarget = (typeof LORA_TARGETS)[number];
 
+/**
+ * How the native backend stores adapters' matrices for its batched kernel (native/lora.h): 'f32' exact, 'bf16', or
+ * 'q8', int8 with one scale per row of A and of B transposed (each value within absmax(row) / 254 of its f32 value).
+ * The reference backend always computes in f32.
+ */
+export type LoraDtype = 'f32' | 'bf16' | 'q8';
+export const LORA_DTYPES: readonly LoraDtype[] = ['f32', 'bf16', 'q8'];
+/** The native backend's storage when neither the load option nor CONDUIT_LORA_DTYPE says otherwise. */
+export const DEFAULT_LORA_DTYPE: LoraDtype = 'q8';
+
+/** The storage to use: the explicit choice, else CONDUIT_LORA_DTYPE, else DEFAULT_LORA_DTYPE. */
+export function resolveLoraDtype(explicit?: LoraDtype, env: NodeJS.ProcessEnv = process.env): LoraDtype {
+  const requested = explicit ?? env.CONDUIT_LORA_DTYPE?.trim().toLowerCase();
+  if (requested === undefined || requested === '') return DEFAULT_LORA_DTYPE;
+  if (!(LORA_DTYPES as readonly string[]).includes(requested)) {
+    throw new RangeError(`CONDUIT_LORA_DTYPE must be one of ${LORA_DTYPES.join(', ')}, got "${requested}"`);
+  }
+  return requested as LoraDtype;
+}
+
 /** One adapted projection: A [rank x in] and B [out x rank], row-major f32. */
 export interface LoraMatrix {
   rank: number;

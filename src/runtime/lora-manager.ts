@@ -3,6 +3,10 @@
 // first, never one with requests in flight), and the loading of a registered adapter on demand when a request names
 // it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora).
 //
+// Unregistering an adapter that requests still use does not refuse (as vLLM does not): its name is gone at once
+// (new requests get 404, the name can be registered again), and it stays resident, draining, until the last of its
+// requests releases it; then the workers unload it.
+//
 // Each registration gets its own key, the name the workers know the adapter by and the one its KV blocks are hashed
 // under: an adapter evicted and loaded again from the same registration keeps its key (its cached prefixes stay
 // valid), while a name unloaded and registered again with another file gets a new one (no stale KV reuse).
@@ -43,6 +47,8 @@ interface Registration {
 
 export class LoraManager {
   private readonly adapters = new Map<string, Registration>();
+  /** Unregistered adapters whose requests are still in flight: resident until the last one releases. */
+  private readonly draining = new Set<Registration>();
   private generation = 0;
   private useClock = 0;
   private loads = 0;
@@ -64,7 +70,7 @@ export class LoraManager {
 
   stats(): LoraManagerStats {
     let resident = 0;
-    for (const a of this.adapters.values()) if (a.resident) resident++;
+    for (const a of [...this.adapters.values(), ...this.draining]) if (a.resident) resident++;
     return { registered: this.adapters.size, resident, loads: this.loads, evictions: this.evictions };
   }
 
@@ -86,13 +92,27 @@ export class LoraManager {
     return registration.info!;
   }
 
-  /** Forgets an adapter and unloads it from the workers; refused while requests use it. */
-  async unregister(name: string): Promise<void> {
+  /**
+   * Forgets an adapter: new requests no longer find it. With no request in flight it is unloaded from the workers
+   * now; otherwise when the last of them releases it (drained). Resolves the requests still in flight.
+   */
+  async unregister(name: string): Promise<{ inFlight: number }> {
     const registration = this.adapters.get(name);
     if (!registration) throw new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`);
-    if (registration.inFlight > 0) throw new LoraLoadError('lora_in_use', `The lora adapter '${name}' has ${registration.inFlight} request(s) in flight.`);
-    await registration.loading?.catch(() => {});
     this.adapters.delete(name);
+    if (registration.inFlight > 0) {
+      this.draining.add(registration);
+      this.log?.(`LoRA adapter '${name}' unregistered; unloaded once its ${registration.inFlight} request(s) in flight finish`);
+      return { inFlight: registration.inFlight };
+    }
+    await this.unloadDetached(registration);
+    return { inFlight: 0 };
+  }
+
+  /** Unloads a registration no longer in the table from the workers (after a load under way settles). */
+  private async unloadDetached(registration: Registration): Promise<void> {
+    this.draining.delete(registration);
+    await registration.loading?.catch(() => {});
     if (registration.resident) {
       registration.resident = false;
       await this.engine.unloadLora!(registration.key);
@@ -117,9 +137,16 @@ export class LoraManager {
     return registration.key;
   }
 
-  release(name: string): void {
-    const registration = this.adapters.get(name);
-    if (registration && registration.inFlight > 0) registration.inFlight--;
+  /** A request that acquire() returned `key` for is done with the adapter. */
+  release(key: string): void {
+    const registration = [...this.adapters.values(), ...this.draining].find((r) => r.key === key);
+    if (!registration || registration.inFlight === 0) return;
+    registration.inFlight--;
+    if (registration.inFlight === 0 && this.draining.has(registration)) {
+      this.unloadDetached(registration).catch((error: unknown) => {
+        this.log?.(`LoRA adapter '${registration.name}' (unregistered) failed to unload: ${(error as Error).message}`);
+      });
+    }
   }
 
   private async makeResident(registration: Registration): Promise<void> {
@@ -139,7 +166,7 @@ export class LoraManager {
   /** Evicts least recently used idle adapters until one more fits. */
   private async makeRoom(incoming: Registration): Promise<void> {
     for (;;) {
-      const occupying = [...this.adapters.values()].filter((a) => a !== incoming && (a.resident || a.loading));
+      const occupying = [...this.adapters.values(), ...this.draining].filter((a) => a !== incoming && (a.resident || a.loading));
       if (occupying.length < this.maxLoras) return;
       const idle = occupying.filter((a) => a.resident && !a.loading && a.inFlight === 0).sort((x, y) => x.lastUsed - y.lastUsed);
       const victim = idle[0];

@@ -39,6 +39,8 @@ export interface SimWorkerSpec {
   speedUp: number;
   /** Efficiency factors of the performance model (default DEFAULT_CALIBRATION, src/sim/calibration.ts). */
   calibration?: CalibrationName;
+  /** Rank of LoRA adapters named without a file (src/sim/sim-lora.ts; default 16). */
+  loraRank?: number;
 }
 
 export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' | 'enableKvEvents' | 'kvOffload'> {
@@ -285,6 +287,7 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => {
     const engine = new SimEngine({
       model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin, ...kvTiers, tokenizer, grammar,
+      ...(spec.loraRank !== undefined ? { loraRank: spec.loraRank } : {}),
       maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
       maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
     });

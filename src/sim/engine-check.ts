@@ -4,7 +4,7 @@
 
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../engine/types.ts';
 import type { HardwareProfile } from './hardware.ts';
-import { decodeSweep, DEFAULT_BATCH_SIZES, simulateLifecycle } from './latency-model.ts';
+import { decodeSweep, DEFAULT_BATCH_SIZES, simulateLifecycle, type SweepLora } from './latency-model.ts';
 import type { ModelProfile } from './models.ts';
 import type { Efficiency } from './perf-model.ts';
 import { SimEngine } from './sim-engine.ts';
@@ -107,13 +107,15 @@ export interface DecodeCheckRow {
  * takes them all in one prefill step, so the next step decodes exactly B sequences at contextLen, as the sweep does.
  */
 export async function checkDecodeSweepWithEngine(opts: EngineCheckOptions & {
-  contextLen: number; batchSizes?: readonly number[];
+  contextLen: number; batchSizes?: readonly number[]; lora?: SweepLora;
 }): Promise<DecodeCheckRow[]> {
   const { model, contextLen } = opts;
   if (!Number.isSafeInteger(contextLen) || contextLen < 1) throw new RangeError(`contextLen must be an integer >= 1, got ${contextLen}`);
   const blockSize = opts.blockSize ?? SIM_DEFAULTS.blockSize;
   const batchSizes = opts.batchSizes ?? DEFAULT_BATCH_SIZES;
-  const sweep = decodeSweep({ model, hw: opts.hw, tp: opts.tp, contextLen, batchSizes, efficiency: opts.efficiency });
+  const sweep = decodeSweep({ model, hw: opts.hw, tp: opts.tp, contextLen, batchSizes, efficiency: opts.efficiency,
+    ...(opts.lora ? { lora: opts.lora } : {}) });
+  const adapters = opts.lora?.adapters ?? 0;
   const numBlocks = simKvBlocks({ model, hw: opts.hw, tp: opts.tp, blockSize });
   const rows: DecodeCheckRow[] = [];
   for (const row of sweep.rows) {
@@ -125,10 +127,18 @@ export async function checkDecodeSweepWithEngine(opts: EngineCheckOptions & {
     const engine = new SimEngine({
       model, hw: opts.hw, tp: opts.tp, efficiency: opts.efficiency, blockSize, maxNumSeqs: batch,
       maxNumBatchedTokens: batch * contextLen, speedUp: Infinity, numKvBlocks: numBlocks,
+      ...(opts.lora ? { loraRank: opts.lora.rank } : {}),
     });
     try {
+      // Adapters without files: synthetic ones of the sweep's rank (sim-lora.ts), sequence i on adapter i mod N.
+      for (let a = 0; a < Math.min(adapters, batch); a++) {
+        await engine.loadLora(`lora-${a}`, `synthetic adapter ${a} (no file)`);
+      }
       const outs = await Promise.all(Array.from({ length: batch }, (_, i) =>
-        collect(engine.generate(request(`b${batch}-${i}`, syntheticPrompt(contextLen, model.vocabSize, i), 2, 0)))));
+        collect(engine.generate({
+          ...request(`b${batch}-${i}`, syntheticPrompt(contextLen, model.vocabSize, i), 2, 0),
+          ...(adapters > 0 ? { lora: `lora-${i % adapters}` } : {}),
+        }))));
       const gaps = outs.map((o) => o.timestamps.lastToken! - o.timestamps.firstToken!);
       // Every request must have seen the same decode step; report the slowest if not.
       rows.push({ batch, engineItlMs: Math.max(...gaps), modelItlMs: row.itlMs });

@@ -6,7 +6,7 @@
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { HardwareProfile, LinkProfile } from './hardware.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
-import type { Efficiency, StepBreakdown, StepShape } from './perf-model.ts';
+import type { Efficiency, StepBreakdown, StepLora, StepShape } from './perf-model.ts';
 import {
   DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepBreakdown,
 } from './perf-model.ts';
@@ -395,6 +395,24 @@ export interface DecodeSweepOptions {
   efficiency?: Efficiency;
   /** Fraction of HBM the engine may use (default 0.9), for the KV capacity check. */
   memoryUtilization?: number;
+  /**
+   * LoRA: the batch's sequences use `adapters` distinct adapters of this rank (sequence i adapter i mod adapters;
+   * a batch smaller than `adapters` has one per sequence). Default none: the base model.
+   */
+  lora?: SweepLora;
+}
+
+export interface SweepLora {
+  adapters: number;
+  rank: number;
+}
+
+/** The distinct adapters of a decode batch of `batch` sequences spread over lora.adapters (one token each). */
+export function sweepLoras(batch: number, lora: SweepLora | undefined): StepLora[] | undefined {
+  if (lora === undefined || lora.adapters <= 0) return undefined;
+  return Array.from({ length: Math.min(batch, lora.adapters) }, (_, a) => ({
+    tokens: Math.floor(batch / lora.adapters) + (a < batch % lora.adapters ? 1 : 0), rank: lora.rank,
+  }));
 }
 
 export interface DecodeSweepRow {
@@ -417,6 +435,7 @@ export interface DecodeSweep {
   contextLen: number;
   kvCapacityTokens: number;
   efficiency: Efficiency;
+  lora?: SweepLora;
   rows: DecodeSweepRow[];
 }
 
@@ -432,7 +451,8 @@ export function decodeSweep(opts: DecodeSweepOptions): DecodeSweep {
   const rows = (opts.batchSizes ?? DEFAULT_BATCH_SIZES).map((batch): DecodeSweepRow => {
     checkCount('batch size', batch, 1);
     const decodeSeqs = Array.from({ length: batch }, () => ({ contextLen }));
-    const breakdown = stepBreakdown({ prefillTokens: [], decodeSeqs }, model, hw, tp, efficiency);
+    const loras = sweepLoras(batch, opts.lora);
+    const breakdown = stepBreakdown({ prefillTokens: [], decodeSeqs, ...(loras ? { loras } : {}) }, model, hw, tp, efficiency);
     const tokensPerSec = (batch / breakdown.totalMs) * 1000;
     const kvTokens = batch * (contextLen + 1);
     return {
@@ -441,7 +461,8 @@ export function decodeSweep(opts: DecodeSweepOptions): DecodeSweep {
     };
   });
   return {
-    modelName: model.name, hardwareName: hw.name, tp, contextLen, kvCapacityTokens: capacity, efficiency, rows,
+    modelName: model.name, hardwareName: hw.name, tp, contextLen, kvCapacityTokens: capacity, efficiency,
+    ...(opts.lora && opts.lora.adapters > 0 ? { lora: opts.lora } : {}), rows,
   };
 }
 
@@ -515,9 +536,11 @@ export function formatLifecycleTable(report: LifecycleReport): string {
 export function formatDecodeSweep(sweep: DecodeSweep): string {
   const title = [
     `${sweep.modelName} on ${sweep.tp} x ${sweep.hardwareName} (tp ${sweep.tp}), decode at context ` +
-      `${sweep.contextLen} tokens; KV capacity ${sweep.kvCapacityTokens} tokens`,
+      `${sweep.contextLen} tokens; KV capacity ${sweep.kvCapacityTokens} tokens`
+      + (sweep.lora ? `; ${sweep.lora.adapters} LoRA adapters of rank ${sweep.lora.rank} (sequence i on adapter i mod ${sweep.lora.adapters})` : ''),
     efficiencyLine(sweep.efficiency),
   ];
+  const lora = sweep.lora !== undefined;
   // The elementwise column only for calibrations that model it (measured); the roofline table stays as it was.
   const unfused = sweep.rows.some((r) => r.breakdown.elementwiseMs + r.breakdown.layerOverheadMs > 0);
   const rows = sweep.rows.map((r) => {
@@ -525,11 +548,13 @@ export function formatDecodeSweep(sweep: DecodeSweep): string {
     return [
       String(r.batch), fmt(r.itlMs), r.tokensPerSec.toFixed(0), r.tokensPerSecPerGpu.toFixed(0),
       fmt(b.matmul.timeMs), b.matmul.bound, fmt(b.decodeAttention.timeMs),
+      ...(lora ? [fmt(b.lora.timeMs)] : []),
       ...(unfused ? [fmt(b.elementwiseMs + b.layerOverheadMs)] : []), fmt(b.commMs), fmt(b.overheadMs),
       r.kvFits ? 'yes' : 'no',
     ];
   });
   const header = ['batch', 'ITL ms', 'tok/s', 'tok/s/GPU', 'matmul ms', 'bound', 'KV read ms',
+    ...(lora ? ['LoRA ms'] : []),
     ...(unfused ? ['elementwise ms'] : []), 'comm ms', 'overhead ms', 'KV fits'];
   return `${title.join('\n')}\n\n${table(header, rows, [])}\n`;
 }

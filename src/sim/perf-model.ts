@@ -40,10 +40,48 @@ export interface DecodeSeq {
   contextLen: number;
 }
 
+/** The projections of a layer a LoRA adapter can adapt (src/model/lora.ts LORA_TARGETS). */
+export type SimLoraTarget = 'wq' | 'wk' | 'wv' | 'wo' | 'wGate' | 'wUp' | 'wDown';
+export const SIM_LORA_TARGETS: readonly SimLoraTarget[] = ['wq', 'wk', 'wv', 'wo', 'wGate', 'wUp', 'wDown'];
+
+/**
+ * A LoRA adapter whose tokens run in a step. Batched LoRA kernels (S-LoRA / Punica's SGMV) read each adapter's A
+ * and B once per step whatever the number of its tokens, and multiply every token of it: 2 x rank x (in + out)
+ * FLOPs per token per adapted projection.
+ */
+export interface StepLora {
+  /** Tokens of the step computed with this adapter. */
+  tokens: number;
+  rank: number;
+  /** The projections it adapts in every layer. Default: all seven (q, k, v, o only for a mixture-of-experts model). */
+  targets?: readonly SimLoraTarget[];
+}
+
 /** What one engine step computes, as the performance model sees it. */
 export interface StepShape {
   prefillTokens: readonly PrefillChunk[];
   decodeSeqs: readonly DecodeSeq[];
+  /** The distinct LoRA adapters of the step's tokens (none: the base model only). */
+  loras?: readonly StepLora[];
+}
+
+/** in + out of one projection of one layer, the width a rank-r adapter of it multiplies by r (0: not adaptable). */
+export function loraProjectionWidth(model: ModelProfile, target: SimLoraTarget): number {
+  const q = model.numHeads * model.headDim;
+  const kv = model.numKvHeads * model.headDim;
+  switch (target) {
+    case 'wq': case 'wo': return model.hiddenDim + q;
+    case 'wk': case 'wv': return model.hiddenDim + kv;
+    // Adapters of experts are not modelled (as the native engine refuses them).
+    default: return model.moe ? 0 : model.hiddenDim + model.ffnDim;
+  }
+}
+
+/** Elements of a rank-`rank` adapter of these projections over all layers (A and B together). */
+export function loraParamCount(model: ModelProfile, rank: number, targets: readonly SimLoraTarget[] = SIM_LORA_TARGETS): number {
+  let width = 0;
+  for (const target of targets) width += loraProjectionWidth(model, target);
+  return rank * width * model.numLayers;
 }
 
 /** Fractions of the datasheet peaks that real kernels reach, and the fixed cost of a step. */
@@ -114,6 +152,10 @@ export interface StepWork {
   hiddenPassBytes: number;
   /** Bytes of one pass over every new token's share of the FFN intermediate, all layers. */
   ffnPassBytes: number;
+  /** FLOPs of the step's LoRA products (StepShape.loras). */
+  loraFlops: number;
+  /** Bytes of LoRA weights the step streams: each adapter present once, in activationBytesPerElement (BF16). */
+  loraBytes: number;
 }
 
 /**
@@ -157,6 +199,11 @@ function checkShape(step: StepShape): void {
   for (const d of step.decodeSeqs) {
     if (bad(d.contextLen)) throw new RangeError(`decode sequence needs finite contextLen >= 0, got ${d.contextLen}`);
   }
+  for (const l of step.loras ?? []) {
+    if (bad(l.tokens) || !Number.isInteger(l.rank) || l.rank < 1) {
+      throw new RangeError(`LoRA adapter needs finite tokens >= 0 and a whole rank >= 1, got ${JSON.stringify(l)}`);
+    }
+  }
 }
 
 /** Intermediate width one token's FFN pass goes through (its experts' together with experts). */
@@ -176,8 +223,17 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
     return {
       newTokens: 0, sampledTokens: 0, matmulFlops: 0, weightBytes: 0, prefillAttentionFlops: 0, prefillKvBytes: 0,
       decodeAttentionFlops: 0, decodeKvBytes: 0, allReduceCount: 0, allReducePayloadBytes: 0,
-      logitsGatherPayloadBytes: 0, hiddenPassBytes: 0, ffnPassBytes: 0,
+      logitsGatherPayloadBytes: 0, hiddenPassBytes: 0, ffnPassBytes: 0, loraFlops: 0, loraBytes: 0,
     };
+  }
+  // LoRA weights shard with the projections they adapt (A row-parallel, B column-parallel): divide by tp.
+  let loraFlops = 0;
+  let loraBytes = 0;
+  for (const lora of step.loras ?? []) {
+    if (lora.tokens <= 0) continue;
+    const params = loraParamCount(model, lora.rank, lora.targets);
+    loraFlops += (2 * params * lora.tokens) / tp;
+    loraBytes += (params * model.activationBytesPerElement) / tp;
   }
   // Every token goes through every layer; only sampled positions go through the LM head (engines slice the hidden
   // states to those rows before it).
@@ -214,6 +270,8 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
     // Norms and residuals run on the whole hidden state on every GPU; the FFN intermediate is split tp ways.
     hiddenPassBytes: newTokens * model.numLayers * model.hiddenDim * model.activationBytesPerElement,
     ffnPassBytes: newTokens * model.numLayers * (activeFfnDim(model) / tp) * model.activationBytesPerElement,
+    loraFlops,
+    loraBytes,
   };
 }
 
@@ -283,6 +341,8 @@ export interface StepBreakdown {
   matmul: RooflineTerm;
   prefillAttention: RooflineTerm;
   decodeAttention: RooflineTerm;
+  /** The batched LoRA kernels (compute at the GEMMs' MFU, the adapters' weights at HBM speed); idle without adapters. */
+  lora: RooflineTerm;
   allReduceMs: number;
   logitsGatherMs: number;
   /** allReduceMs + logitsGatherMs. */
@@ -328,6 +388,8 @@ export function stepBreakdown(step: StepShape, model: ModelProfile, hw: Hardware
     ms(work.prefillKvBytes, bytesPerSec));
   const decodeAttention = roofline(ms(work.decodeAttentionFlops, attentionFlopsPerSec),
     ms(work.decodeKvBytes, bytesPerSec));
+  // Rank-r GEMMs are thin: they run at the BF16 tensor peak's matmul fraction, usually bound by reading the weights.
+  const lora = roofline(ms(work.loraFlops, hw.bf16FlopsPerSec * efficiency.matmulMfu), ms(work.loraBytes, bytesPerSec));
   const allReduceMs = work.allReduceCount
     * ringAllReduceTimeMs(work.allReducePayloadBytes, tp, hw.tpLink, efficiency.commEfficiency);
   const logitsGatherMs = ringAllGatherTimeMs(work.logitsGatherPayloadBytes, tp, hw.tpLink, efficiency.commEfficiency);
@@ -336,10 +398,10 @@ export function stepBreakdown(step: StepShape, model: ModelProfile, hw: Hardware
     + (efficiency.ffnPasses ?? 0) * work.ffnPassBytes, bytesPerSec);
   const layerOverheadMs = work.newTokens > 0 ? (model.numLayers * (efficiency.layerOverheadUs ?? 0)) / 1000 : 0;
   const overheadMs = work.newTokens > 0 ? efficiency.stepOverheadMs : 0;
-  const totalMs = matmul.timeMs + prefillAttention.timeMs + decodeAttention.timeMs + elementwiseMs + layerOverheadMs
-    + commMs + overheadMs;
+  const totalMs = matmul.timeMs + prefillAttention.timeMs + decodeAttention.timeMs + lora.timeMs + elementwiseMs
+    + layerOverheadMs + commMs + overheadMs;
   return {
-    work, matmul, prefillAttention, decodeAttention, allReduceMs, logitsGatherMs, commMs, elementwiseMs,
+    work, matmul, prefillAttention, decodeAttention, lora, allReduceMs, logitsGatherMs, commMs, elementwiseMs,
     layerOverheadMs, overheadMs, totalMs,
   };
 }

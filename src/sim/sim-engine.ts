@@ -10,7 +10,8 @@ import {
   PrefillStream, type AdoptedResult, type KvHandoff, type KvPoolLayout, type PrefillEvent,
 } from '../engine/handoff.ts';
 import { EngineClosedError, InvalidRequestError } from '../engine/errors.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
+import { DEFAULT_SIM_LORA_RANK, simLoraAdapter } from './sim-lora.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { LinkProfile } from './hardware.ts';
 import type { WorkerLoad } from '../protocols/worker.ts';
@@ -29,6 +30,8 @@ export interface SimEngineOptions extends SimWorkerConfig {
    * startMs and realStartMs so that, at a finite speed-up, their clocks are one clock.
    */
   realStartMs?: number;
+  /** Rank of an adapter loaded from a path that does not exist (a synthetic one; sim-lora.ts). Default 16. */
+  loraRank?: number;
 }
 
 /**
@@ -46,6 +49,7 @@ export class SimEngine implements Engine {
   /** The pool's shape (there are no bytes: a simulated pool is not shared). */
   readonly kvLayout: KvPoolLayout;
   readonly speedUp: number;
+  private readonly loraRank: number;
   private virtualMs: number;
   private readonly realStartMs: number;
   private readonly virtualStartMs: number;
@@ -75,6 +79,8 @@ export class SimEngine implements Engine {
     this.kvLink = this.worker.kvLink;
     this.kvLayout = this.worker.kvLayout;
     this.speedUp = options.speedUp ?? 1;
+    this.loraRank = options.loraRank ?? DEFAULT_SIM_LORA_RANK;
+    if (!Number.isInteger(this.loraRank) || this.loraRank < 1) throw new RangeError(`loraRank must be a whole number >= 1, got ${options.loraRank}`);
     if (!(this.speedUp > 0)) throw new RangeError(`speedUp must be > 0 (Infinity: as fast as possible), got ${options.speedUp}`);
     this.virtualStartMs = options.startMs ?? (Number.isFinite(this.speedUp) ? engineNow() : 0);
     this.virtualMs = this.virtualStartMs;
@@ -206,6 +212,21 @@ export class SimEngine implements Engine {
   onKvEvents(listener: (events: KvEvent[]) => void): () => void {
     this.kvEventListeners.add(listener);
     return () => this.kvEventListeners.delete(listener);
+  }
+
+  /**
+   * Holds a LoRA adapter's shape under `name` (sim-lora.ts: read from the file or folder, or synthetic when the path
+   * does not exist); its requests then cost what their adapter adds to each step.
+   */
+  async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    if (this.closed) throw new EngineClosedError('engine is closed');
+    const { adapter, info } = simLoraAdapter(path, this.loraRank);
+    this.worker.loadLora(name, adapter);
+    return info;
+  }
+
+  async unloadLora(name: string): Promise<void> {
+    this.worker.unloadLora(name);
   }
 
   /** Drops the simulated worker's prefix cache unless blocks are in use (false); there are no pages to release. */

@@ -17,11 +17,12 @@ import { hostTierFor, INFINIBAND_NDR, NVME_GEN4, type HardwareProfile, type KvTi
 import { KvTiers, RamKvTier, type KvBlockIo } from '../engine/kv-cache/tiers.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import {
-  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type StepShape,
+  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type SimLoraTarget,
+  type StepLora, type StepShape,
 } from './perf-model.ts';
 import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-tokens.ts';
 import { IncrementalDetokenizer } from '../engine/detokenizer.ts';
-import { InvalidRequestError } from '../engine/errors.ts';
+import { InvalidRequestError, LoraLoadError } from '../engine/errors.ts';
 import { GrammarError, type GrammarLoader, type GuidedSequence } from '../engine/grammar/runtime.ts';
 import type { TextSource, TokenSource } from '../engine/step-core.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
@@ -178,14 +179,30 @@ export interface SimStep {
  * else (a prompt chunk, the recompute after preemption, a forked sample's partial block) is a prefill chunk whose
  * context is the tokens already in the KV cache, sampled only when it reaches the end of the sequence.
  */
-export function planToStepShape(plan: StepPlan): StepShape {
+export function planToStepShape(plan: StepPlan, adapters?: ReadonlyMap<string, SimLoraAdapter>): StepShape {
   const prefillTokens: { newTokens: number; contextLen: number; sampled: boolean }[] = [];
   const decodeSeqs: { contextLen: number }[] = [];
+  // Tokens per distinct adapter of the step (the batched LoRA kernels read each adapter once).
+  const loraTokens = new Map<string, number>();
   for (const entry of plan.scheduled) {
     if (entry.isDecode) decodeSeqs.push({ contextLen: entry.startPosition });
     else prefillTokens.push({ newTokens: entry.numNewTokens, contextLen: entry.startPosition, sampled: entry.numSamples > 0 });
+    const adapterId = entry.sequence.request.adapterId;
+    if (adapterId !== undefined && adapters?.has(adapterId)) loraTokens.set(adapterId, (loraTokens.get(adapterId) ?? 0) + entry.numNewTokens);
   }
-  return { prefillTokens, decodeSeqs };
+  if (loraTokens.size === 0) return { prefillTokens, decodeSeqs };
+  const loras: StepLora[] = [...loraTokens].map(([id, tokens]) => {
+    const { rank, targets } = adapters!.get(id)!;
+    return { tokens, rank, ...(targets !== undefined ? { targets } : {}) };
+  });
+  return { prefillTokens, decodeSeqs, loras };
+}
+
+/** A LoRA adapter as a simulated worker holds it: only its shape, for the cost of its tokens. */
+export interface SimLoraAdapter {
+  rank: number;
+  /** The projections it adapts (default: all). */
+  targets?: readonly SimLoraTarget[];
 }
 
 /** KV blocks a worker of this configuration gets: HBM left after its weight shard, per GPU, in whole blocks. */
@@ -228,6 +245,8 @@ export class SimWorker extends StepCore<SimTokenState> {
   /** Scratch for the tokens a guided completion's grammar allows. */
   private allowed = new Int32Array(0);
   private busyTimeMs = 0;
+  /** LoRA adapters held, by the name requests give (EngineRequest.lora). */
+  private readonly loras = new Map<string, SimLoraAdapter>();
   readonly role: WorkerRole;
   readonly kvLink: LinkProfile;
   readonly kvParallelLinks: number;
@@ -300,7 +319,29 @@ export class SimWorker extends StepCore<SimTokenState> {
    * (a prefill worker's request), it stops after its first token and takeHandoffs() returns it for a decode worker.
    */
   add(engineRequest: EngineRequest, nowMs: number, options: { handoff?: boolean; queuedMs?: number } = {}): void {
+    if (engineRequest.lora !== undefined && !this.loras.has(engineRequest.lora)) {
+      throw new InvalidRequestError('lora_not_loaded', engineRequest.id, `LoRA adapter '${engineRequest.lora}' is not loaded on this worker`);
+    }
     this.addRequest(engineRequest, nowMs, options);
+  }
+
+  /** Holds an adapter (its shape) under `name`, as EngineCore.loadLora holds its weights. */
+  loadLora(name: string, adapter: SimLoraAdapter): void {
+    if (!Number.isInteger(adapter.rank) || adapter.rank < 1) throw new RangeError(`LoRA rank must be a whole number >= 1, got ${adapter.rank}`);
+    if (this.loras.has(name) && this.usesLora(name)) throw new LoraLoadError('lora_in_use', `LoRA adapter '${name}' is in use`);
+    this.loras.set(name, adapter);
+  }
+
+  /** Drops an adapter; refused while a request here runs with it. */
+  unloadLora(name: string): void {
+    if (!this.loras.has(name)) throw new LoraLoadError('lora_not_loaded', `no LoRA adapter '${name}' is loaded`);
+    if (this.usesLora(name)) throw new LoraLoadError('lora_in_use', `LoRA adapter '${name}' is in use by running requests`);
+    this.loras.delete(name);
+  }
+
+  /** Names of the adapters held. */
+  get loraNames(): string[] {
+    return [...this.loras.keys()];
   }
 
   /** Stops a request in any state and frees its blocks; returns the closing output of each unfinished completion. */
@@ -316,7 +357,7 @@ export class SimWorker extends StepCore<SimTokenState> {
     if (this.inFlight) throw new Error(`step ${this.inFlight.plan.stepId} is still in flight`);
     const plan = this.planStep(nowMs);
     if (plan === null) return null;
-    const shape = planToStepShape(plan);
+    const shape = planToStepShape(plan, this.loras);
     const computeMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency);
     // Blocks onboarded from lower tiers while the step was planned arrive before its forward pass.
     const onboardMs = this.kv.tiers?.takeOnboardMs() ?? 0;

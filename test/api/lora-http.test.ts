@@ -1,7 +1,8 @@
-// LoRA adapters through the HTTP API: --lora-modules at start, vLLM's /v1/load_lora_adapter and
-// /v1/unload_lora_adapter, /v1/models with each adapter's parent, a request naming an adapter as its model, LRU
-// eviction under --max-loras (an evicted adapter loads again on demand), the metrics, and refusals that name the
-// problem while the server stays up.
+// LoRA adapters through the HTTP API: --lora-modules at start (NAME=PATH[@BASE] or vLLM's JSON, for the first of
+// several models or the one named), vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (an unload while
+// requests run lets them finish, new ones get 404), /v1/models with each adapter's parent, a request naming an
+// adapter as its model, LRU eviction under --max-loras (an evicted adapter loads again on demand), the metrics,
+// refusals that name the problem while the server stays up, and adapters on simulated workers.
 
 import assert from 'node:assert/strict';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -16,6 +17,7 @@ import { loadModel } from '../../src/model/loader.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter, writePeftLoraAdapter } from '../../src/model/lora-writer.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { rawRequest } from './http-client.ts';
+import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 
 describe('LoRA adapters over HTTP', () => {
   let dir: string;
@@ -172,5 +174,128 @@ describe('--lora-modules', () => {
     assert.ok(fromEnv !== 'help');
     assert.deepEqual(fromEnv.loraModules, [{ name: 'a', path: '/x.gguf' }]);
     assert.equal(fromEnv.maxLoras, 3);
+  });
+
+  it('--lora-dtype (and CONDUIT_LORA_DTYPE) picks q8, bf16 or f32 adapter storage', () => {
+    const config = (argv: string[], env: NodeJS.ProcessEnv = {}) => {
+      const parsed = parseServeConfig(argv, env);
+      assert.ok(parsed !== 'help');
+      return parsed;
+    };
+    assert.equal(config([]).loraDtype, undefined);
+    assert.equal(config(['--lora-dtype', 'bf16']).loraDtype, 'bf16');
+    assert.equal(config([], { CONDUIT_LORA_DTYPE: 'f32' }).loraDtype, 'f32');
+    assert.throws(() => config(['--lora-dtype', 'fp8']), /--lora-dtype must be one of f32, bf16, q8, got "fp8"/);
+  });
+
+  it('names the base model with NAME=PATH@BASE or vLLM\'s JSON form, also through the environment', () => {
+    assert.deepEqual(parseLoraModules(['a=/x.gguf@second,b=/y', '{"name": "c", "path": "/z,1", "base_model_name": "first"}', '{"name":"d","path":"/w"}']), [
+      { name: 'a', path: '/x.gguf', base: 'second' }, { name: 'b', path: '/y' }, { name: 'c', path: '/z,1', base: 'first' },
+      { name: 'd', path: '/w' }]);
+    assert.throws(() => parseLoraModules(['a=/x@']), UsageError);
+    assert.throws(() => parseLoraModules(['{"name":"a"}']), /"path" must be a non-empty string/);
+    assert.throws(() => parseLoraModules(['{"name":"a","path":"/x","base":"m"}']), /unknown field\(s\) base/);
+    assert.throws(() => parseLoraModules(['{"name":"a",']), /not valid JSON/);
+    const fromEnv = parseServeConfig([], { CONDUIT_LORA_MODULES: '{"name":"c","path":"/z","base_model_name":"m2"},a=/x@m1' });
+    assert.ok(fromEnv !== 'help');
+    assert.deepEqual(fromEnv.loraModules, [{ name: 'c', path: '/z', base: 'm2' }, { name: 'a', path: '/x', base: 'm1' }]);
+  });
+});
+
+describe('LoRA adapters of the second of two models', () => {
+  it('attaches each adapter to the model --lora-modules names, and refuses an unknown base', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-lora-two-'));
+    let server: RunningServer | undefined;
+    try {
+      // Two bases of different widths: an adapter loads only onto the one it was made for.
+      const paths: Record<string, string> = {};
+      const configs: Record<string, ModelConfig> = {};
+      for (const [name, dim, seed] of [['m1', 64, 41], ['m2', 48, 42]] as const) {
+        paths[name] = join(dir, `${name}.gguf`);
+        writeSyntheticModel({ name, dim, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
+          dtype: 'F32', seed, tokenizer: LLAMA_SPM_TOKENIZER_PATH }, paths[name]);
+        configs[name] = (await loadModel(paths[name])).config;
+      }
+      const forM2 = join(dir, 'for-m2.gguf');
+      writeGgufLoraAdapter(forM2, configs.m2!, randomLoraAdapter(configs.m2!, { rank: 4, seed: 5, bScale: 1 }));
+      const forM1 = join(dir, 'for-m1.gguf');
+      writeGgufLoraAdapter(forM1, configs.m1!, randomLoraAdapter(configs.m1!, { rank: 4, seed: 6, bScale: 1 }));
+      const flags = (modules: string[]) => {
+        const parsed = parseServeConfig(['--port', '0', '--log-level', 'silent', '--kv-cache-memory', '8MiB', '--threads', '1',
+          '--model', `m1=${paths.m1}`, '--model', `m2=${paths.m2}`, ...modules.flatMap((m) => ['--lora-modules', m])], {});
+        if (parsed === 'help') throw new Error('unexpected --help');
+        return parsed;
+      };
+      await assert.rejects(startServer(flags([`x=${forM2}@m3`]), silentLogger), /base model "m3" is not served \(m1, m2\)/);
+      // Without @m2 the adapter goes to the first model, whose shapes it does not fit.
+      await assert.rejects(startServer(flags([`x=${forM2}`]), silentLogger), /another base model/);
+      server = await startServer(flags([`a=${forM2}@m2`, JSON.stringify({ name: 'b', path: forM1, base_model_name: 'm1' })]), silentLogger);
+      const models = (await rawRequest(server.url, { path: '/v1/models' })).json().data;
+      assert.deepEqual(models.map((m: { id: string; parent: string | null }) => [m.id, m.parent]),
+        [['m1', null], ['b', 'm1'], ['m2', null], ['a', 'm2']]);
+      const complete = async (model: string) => {
+        const res = await rawRequest(server!.url, {
+          path: '/v1/completions', body: { model, prompt: 'Once upon a time', max_tokens: 8, temperature: 0, ignore_eos: true },
+        });
+        assert.equal(res.status, 200, res.text);
+        return res.json().choices[0].text as string;
+      };
+      assert.notEqual(await complete('a'), await complete('m2'), 'adapter a changed nothing on m2');
+      assert.notEqual(await complete('b'), await complete('m1'), 'adapter b changed nothing on m1');
+    } finally {
+      await server?.api.shutdown(0);
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
+
+describe('unloading an adapter while requests run with it', () => {
+  it('lets them finish (as vLLM), refuses new ones with 404, and unloads it after them', { timeout: 60_000 }, async () => {
+    // Simulated workers at real time (a few ms per decode step) keep a 64-token stream in flight long enough; the
+    // adapter has no file (a synthetic one of --sim-lora-rank).
+    const parsed = parseServeConfig(['--port', '0', '--log-level', 'silent', '--engine', 'sim', '--sim-speed-up', '1',
+      '--lora-modules', 'sql=/adapters/sql-lora', '--sim-lora-rank', '8'], {});
+    if (parsed === 'help') throw new Error('unexpected --help');
+    const server = await startServer(parsed, silentLogger);
+    try {
+      const models = (await rawRequest(server.url, { path: '/v1/models' })).json().data;
+      assert.deepEqual(models.map((m: { id: string; parent: string | null }) => [m.id, m.parent]), [['Llama-3.1-8B', null], ['sql', 'Llama-3.1-8B']]);
+      assert.equal((await rawRequest(server.url, { path: '/v1/completions', body: { model: 'nope', prompt: 'x', max_tokens: 1 } })).status, 404);
+      const metric = async () => Number(/conduit_lora_adapters_active\{model="Llama-3.1-8B"\} (\d+)/.exec((await rawRequest(server.url, { path: '/metrics' })).text)?.[1]);
+      const res = await fetch(`${server.url}/v1/completions`, {
+        method: 'POST', headers: { 'Content-Type': 'application/json' },
+        body: JSON.stringify({ model: 'sql', prompt: 'SELECT', max_tokens: 64, ignore_eos: true, stream: true }),
+      });
+      assert.equal(res.status, 200);
+      let events = 0;
+      let finish: string | null | undefined;
+      let unloaded = false;
+      await forEachStreamEvent(res, async (event) => {
+        assert.equal(event.error, undefined, JSON.stringify(event.error));
+        events++;
+        finish = event.choices?.[0]?.finish_reason ?? finish;
+        if (unloaded) return;
+        unloaded = true;
+        const removed = await rawRequest(server.url, { path: '/v1/unload_lora_adapter', body: { lora_name: 'sql' } });
+        assert.equal(removed.status, 200, removed.text);
+        assert.match(removed.text, /removed successfully\. Its 1 request\(s\) in flight finish with it/);
+        const refused = await rawRequest(server.url, { path: '/v1/completions', body: { model: 'sql', prompt: 'x', max_tokens: 1 } });
+        assert.equal(refused.status, 404);
+        assert.equal(await metric(), 1, 'the adapter left the workers while its request ran');
+      });
+      assert.equal(finish, 'length');
+      assert.ok(events >= 64, `the stream ended after ${events} events`);
+      for (let polls = 0; (await metric()) !== 0; polls++) {
+        assert.ok(polls < 200, 'the drained adapter was not unloaded after its request');
+        await new Promise((resolve) => setTimeout(resolve, 25));
+      }
+      // The name is free again.
+      const again = await rawRequest(server.url, { path: '/v1/load_lora_adapter', body: { lora_name: 'sql', lora_path: '/adapters/sql-lora' } });
+      assert.equal(again.status, 200, again.text);
+      const done = await rawRequest(server.url, { path: '/v1/completions', body: { model: 'sql', prompt: 'SELECT', max_tokens: 2 } });
+      assert.equal(done.status, 200, done.text);
+    } finally {
+      await server.api.shutdown(0);
+    }
   });
 });

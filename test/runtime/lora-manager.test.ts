@@ -1,0 +1,60 @@
+// The LoRA adapter table of one served model with a stand-in engine: unregistering an adapter with requests in
+// flight does not refuse (as vLLM does not): the name is gone at once (new requests get 404, it can be registered
+// again under a new key), the workers keep the adapter until the last of its requests releases it, and it still
+// counts against --max-loras until then.
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import type { Engine, LoraLoadInfo } from '../../src/engine/types.ts';
+import { LoraCapacityError, LoraManager } from '../../src/runtime/lora-manager.ts';
+
+function fakeEngine() {
+  const calls: string[] = [];
+  const resident = new Set<string>();
+  const engine = {
+    async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+      calls.push(`load ${name} ${path}`);
+      resident.add(name);
+      return { format: 'gguf', rank: 4, alpha: 8, bytes: 1 };
+    },
+    async unloadLora(name: string): Promise<void> {
+      calls.push(`unload ${name}`);
+      resident.delete(name);
+    },
+  } as unknown as Engine;
+  return { engine, calls, resident };
+}
+
+describe('LoraManager', () => {
+  it('unloads an unregistered adapter after its requests in flight release it', async () => {
+    const { engine, calls, resident } = fakeEngine();
+    const manager = new LoraManager(engine, 2);
+    await manager.register('a', '/a.gguf');
+    const first = await manager.acquire('a');
+    const second = await manager.acquire('a');
+    assert.deepEqual(await manager.unregister('a'), { inFlight: 2 });
+    // Gone for new requests at once, still on the workers for the two running.
+    assert.equal(manager.has('a'), false);
+    await assert.rejects(manager.acquire('a'), { code: 'lora_not_loaded' });
+    assert.deepEqual([...resident], [first]);
+    assert.equal(manager.stats().resident, 1);
+    // The name can be registered again: a new key, while the old one drains.
+    await manager.register('a', '/a2.gguf');
+    const again = await manager.acquire('a');
+    assert.notEqual(again, first);
+    // Both resident count against maxLoras 2: a third adapter finds no idle one to evict.
+    await assert.rejects(manager.register('b', '/b.gguf'), LoraCapacityError);
+    manager.release(first);
+    assert.ok(resident.has(first), 'unloaded while a request still ran with it');
+    manager.release(second);
+    await new Promise((resolve) => setImmediate(resolve));
+    assert.equal(resident.has(first), false, 'not unloaded after its last request');
+    assert.ok(resident.has(again));
+    assert.equal(calls.filter((c) => c === `unload ${first}`).length, 1);
+    // Releasing again changes nothing; the new registration is untouched.
+    manager.release(first);
+    manager.release(again);
+    assert.deepEqual(await manager.unregister('a'), { inFlight: 0 });
+    assert.equal(resident.size, 0);
+    await assert.rejects(manager.unregister('a'), { code: 'lora_not_loaded' });
+  });
+});
