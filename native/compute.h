@@ -29,6 +29,8 @@ class Scratch {
     }
     return data_.get();
   }
+  // Bytes allocated now (the largest request so far, rounded up to 4 KiB).
+  size_t capacity() const { return capacity_; }
 
  private:
   struct Free {
@@ -114,6 +116,7 @@ std::vector<double> rope_inverse_frequencies(const RopeConfig& c);
 struct RopeTable {
   std::vector<float> cos, sin;
   int half = 0;
+  size_t allocated_bytes() const { return (cos.capacity() + sin.capacity()) * sizeof(float); }
   void compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions, int64_t rows);
 };
 

@@ -177,6 +177,18 @@ export function parseStats(value: unknown): EngineStats {
     preemptions: int(s, 'preemptions', 'stats'),
   };
   if (s.kvEvictions !== undefined) stats.kvEvictions = int(s, 'kvEvictions', 'stats');
+  if (s.memory !== undefined) {
+    const m = obj(s.memory, 'stats.memory');
+    stats.memory = { weightsBytes: int(m, 'weightsBytes', 'stats.memory'), kvCacheBytes: int(m, 'kvCacheBytes', 'stats.memory') };
+    const activations = optional(m, 'activationsBytes', () => int(m, 'activationsBytes', 'stats.memory'));
+    if (activations !== undefined) stats.memory.activationsBytes = activations;
+  }
+  if (s.allocationFailures !== undefined) {
+    const f = obj(s.allocationFailures, 'stats.allocationFailures');
+    stats.allocationFailures = { kvBlocks: int(f, 'kvBlocks', 'stats.allocationFailures') };
+    const scratch = optional(f, 'scratch', () => int(f, 'scratch', 'stats.allocationFailures'));
+    if (scratch !== undefined) stats.allocationFailures.scratch = scratch;
+  }
   return stats;
 }
 
