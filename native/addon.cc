@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("takeProfile", &NativeModel::TakeProfile),
                         InstanceMethod("releaseKvPool", &NativeModel::ReleaseKvPool),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
+                        InstanceMethod("memoryInfo", &NativeModel::MemoryInfo),
                         InstanceMethod("setLora", &NativeModel::SetLora),
                         InstanceMethod("dispose", &NativeModel::Dispose)});
   }
@@ -144,6 +146,9 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     s.kv_f16 = dtype == "f16";
     s.pack_weights = spec.Get("packWeights").IsUndefined() || spec.Get("packWeights").ToBoolean();
     s.release_unpacked = spec.Get("releaseUnpackedWeights").ToBoolean();
+    if (!spec.Get("scratchLimitBytes").IsUndefined()) {
+      s.scratch_limit_bytes = static_cast<size_t>(integer(env, spec.Get("scratchLimitBytes"), "scratchLimitBytes", 0));
+    }
 
     const Variant variant = run_variant_arg(env, spec.Get("variant"));
     const int threads = static_cast<int>(integer(env, spec.Get("threads"), "threads", 1));
@@ -151,6 +156,8 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       model_ = std::make_unique<Model>(std::move(s), variant, threads);
     } catch (const InvalidInput& e) {
       throw Napi::Error::New(env, e.what());
+    } catch (const std::bad_alloc&) {
+      throw allocation_failed(env, "NativeModel: out of memory while loading the model (the packed weight copy)");
     }
   }
 
@@ -229,6 +236,10 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       m.forward(b, logits.Data());
     } catch (const InvalidInput& e) {
       throw Napi::RangeError::New(env, std::string("forward: ") + e.what());
+    } catch (const std::bad_alloc&) {
+      // The step's scratch could not grow. The model stays usable for steps no larger than those it ran before.
+      throw allocation_failed(env, "forward: out of memory growing the step's scratch buffers for " +
+                                       std::to_string(b.num_tokens) + " rows");
     }
     return logits;
   }
@@ -322,6 +333,8 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       m.set_lora(slot, std::move(adapter));
     } catch (const InvalidInput& e) {
       throw Napi::RangeError::New(env, std::string("setLora: ") + e.what());
+    } catch (const std::bad_alloc&) {
+      throw allocation_failed(env, "setLora: out of memory copying the adapter");
     }
     return env.Undefined();
   }
@@ -329,6 +342,23 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
   // releaseKvPool() -> bytes of the pool given back to the system
   Napi::Value ReleaseKvPool(const Napi::CallbackInfo& info) {
     return Napi::Number::New(info.Env(), static_cast<double>(model(info.Env()).release_kv_pool()));
+  }
+
+  // memoryInfo() -> { activationBytes, workspaceBytes }: the per-step buffers the model holds now (model.h)
+  Napi::Value MemoryInfo(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Model& m = model(env);
+    Napi::Object out = Napi::Object::New(env);
+    out.Set("activationBytes", static_cast<double>(m.activation_bytes()));
+    out.Set("workspaceBytes", static_cast<double>(m.workspace_bytes()));
+    return out;
+  }
+
+  // An Error with code 'native_allocation_failed', so callers can tell running out of memory from other failures.
+  static Napi::Error allocation_failed(const Napi::Env& env, const std::string& message) {
+    Napi::Error error = Napi::Error::New(env, message);
+    error.Value().Set("code", Napi::String::New(env, "native_allocation_failed"));
+    return error;
   }
 
   // kvPoolResidentBytes() -> bytes of the pool resident in memory now

@@ -21,14 +21,19 @@ namespace conduit {
 // Scratch memory that grows to the largest request and is reused across steps (64-byte aligned).
 class Scratch {
  public:
+  // Throws std::bad_alloc when it cannot grow, keeping the buffer it had (a later smaller request still gets it).
   uint8_t* get(size_t bytes) {
     if (bytes > capacity_) {
-      capacity_ = (bytes + 4095) & ~static_cast<size_t>(4095);
-      data_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity_)));
-      if (!data_) throw std::bad_alloc();
+      const size_t capacity = (bytes + 4095) & ~static_cast<size_t>(4095);
+      uint8_t* grown = static_cast<uint8_t*>(std::aligned_alloc(64, capacity));
+      if (!grown) throw std::bad_alloc();
+      data_.reset(grown);
+      capacity_ = capacity;
     }
     return data_.get();
   }
+  // Bytes allocated now (the largest request so far, rounded up to 4 KiB).
+  size_t capacity() const { return capacity_; }
 
  private:
   struct Free {
@@ -114,6 +119,7 @@ std::vector<double> rope_inverse_frequencies(const RopeConfig& c);
 struct RopeTable {
   std::vector<float> cos, sin;
   int half = 0;
+  size_t allocated_bytes() const { return (cos.capacity() + sin.capacity()) * sizeof(float); }
   void compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions, int64_t rows);
 };
 

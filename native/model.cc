@@ -355,11 +355,17 @@ void Model::validate(const StepBatch& b) const {
 // ---------------------------------------------------------------------------------------------------------------
 // Forward
 
+// capacity_tokens_ moves only once every buffer has grown: an allocation that fails part-way (std::bad_alloc, which
+// the binding reports as an error) leaves the model usable for steps no larger than before.
 void Model::ensure_buffers(int64_t tokens) {
   if (tokens <= capacity_tokens_) return;
   const ModelSpec& s = spec_;
   const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
-  capacity_tokens_ = tokens;
+  if (s.scratch_limit_bytes > 0) {
+    const int64_t per_token = 3 * s.dim + 2 * q_dim + 2 * kv_dim + (s.n_expert == 0 ? 2 * s.ffn_dim : 0);
+    const size_t wanted = static_cast<size_t>(tokens * per_token) * sizeof(float);
+    if (wanted + workspace_bytes() > s.scratch_limit_bytes) throw std::bad_alloc();
+  }
   x_.resize(tokens * s.dim);
   xn_.resize(tokens * s.dim);
   tmp_.resize(tokens * s.dim);
@@ -371,6 +377,24 @@ void Model::ensure_buffers(int64_t tokens) {
     gate_.resize(tokens * s.ffn_dim);
     up_.resize(tokens * s.ffn_dim);
   }
+  capacity_tokens_ = tokens;
+}
+
+size_t Model::activation_bytes() const {
+  size_t floats = 0;
+  for (const std::vector<float>* v : {&x_, &xn_, &tmp_, &q_, &attn_, &k_, &v_, &gate_, &up_}) floats += v->capacity();
+  return floats * sizeof(float);
+}
+
+size_t Model::workspace_bytes() const {
+  size_t bytes = ws_.activations.capacity() + ws_.per_thread.capacity() + rope_.allocated_bytes() +
+                 sel_rope_.allocated_bytes() + (sel_x_.capacity() + sel_xn_.capacity()) * sizeof(float);
+  for (const std::vector<int32_t>* v : {&sel_positions_, &sel_query_start_, &sel_seq_lens_, &sel_block_tables_,
+                                        &sel_lora_slots_}) {
+    bytes += v->capacity() * sizeof(int32_t);
+  }
+  if (moe_) bytes += moe_->scratch_bytes();
+  return bytes;
 }
 
 void Model::rmsnorm_heads(float* x, const std::vector<float>& weight, int64_t rows, int64_t heads) {

@@ -56,6 +56,9 @@ struct ModelSpec {
   // Once packed, give the ggml bytes of the packed matrices back to the system (the caller promises nothing reads
   // them again; the embedding table is kept, also when the output matrix shares it). Halves the weights' memory.
   bool release_unpacked = false;
+  // For tests only: scratch growth that would take the model's per-step buffers past this many bytes fails as an
+  // allocation failure (std::bad_alloc) would. 0: no limit.
+  size_t scratch_limit_bytes = 0;
 };
 
 // One engine step (src/kernels/types.ts ForwardBatch), lengths already checked by the caller.
@@ -97,6 +100,13 @@ class Model {
   size_t packed_weight_bytes() const { return packed_bytes_; }
   // ggml bytes of packed matrices given back to the system at load (release_unpacked).
   size_t released_weight_bytes() const { return released_bytes_; }
+
+  // Bytes of the per-step buffers, which grow to the largest step so far and are kept: the layer activations (the
+  // residual stream, normed copy, Q, K, V, attention output, FFN gate and up, for every row of the step) and the
+  // rest of the scratch (quantized matmul inputs, per-thread kernel scratch, RoPE tables, the last layer's
+  // selected rows, MoE grouping buffers).
+  size_t activation_bytes() const;
+  size_t workspace_bytes() const;
 
   // Gives the KV pool's pages back to the system (see memory.h release_pages); the caller promises no block holds
   // K/V a later forward reads (a forward writes a slot before any step reads it). Returns the bytes released.

@@ -123,4 +123,12 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
   });
 }
 
+size_t MoeBlock::scratch_bytes() const {
+  const size_t floats = scores_.capacity() + weights_.capacity() + xg_.capacity() + gate_.capacity() + up_.capacity() +
+                        down_.capacity();
+  const size_t ints = chosen_.capacity() + counts_.capacity() + starts_.capacity() + fill_.capacity() +
+                      pair_of_.capacity() + row_of_.capacity();
+  return floats * sizeof(float) + ints * sizeof(int32_t);
+}
+
 }  // namespace conduit

@@ -30,6 +30,9 @@ class MoeBlock {
   // Experts that had rows in the last forward (for the profile / tests).
   int64_t last_active_experts() const { return last_active_; }
 
+  // Bytes its per-step buffers hold now (they grow to the largest step and are kept).
+  size_t scratch_bytes() const;
+
  private:
   std::vector<float> scores_;         // rows x n_expert
   std::vector<int32_t> chosen_;       // rows x n_used expert ids, rank order

@@ -213,7 +213,7 @@ export class CallTrace {
       this.routingEmitted = true;
       const us = routing.overheadUs;
       this.bus.emit({
-        phase: 'router_lookup', requestId: this.requestId, start: routing.decidedAt - us.total / 1000, time: routing.decidedAt,
+        phase: 'router_lookup', requestId: this.requestId, start: routing.startedAt ?? routing.decidedAt - us.total / 1000, time: routing.decidedAt,
         ...(routing.admissionQueuedAt !== undefined ? { admissionQueuedAt: routing.admissionQueuedAt } : {}),
         worker: routing.workerId, strategy: routing.strategy,
         ...(routing.candidates !== undefined ? { candidates: routing.candidates } : {}),

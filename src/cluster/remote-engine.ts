@@ -11,6 +11,7 @@
 import net from 'node:net';
 import { EngineClosedError, EngineOverloadedError, InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
 import { AsyncQueue } from '../engine/streams.ts';
+import { engineNow } from '../engine/clock.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { KvEvent, BlockHash } from '../protocols/kv-events.ts';
 import type { EngineStats } from '../protocols/worker.ts';
@@ -155,7 +156,8 @@ export class RemoteEngine implements RoutableEngine {
     }
     const queue = new AsyncQueue<EngineOutput>();
     this.streams.set(request.id, queue);
-    this.socket.write(encodeJsonFrame({ t: 'gen', request: toWireRequest(request) }));
+    // sentAt: this process's clock, from which the worker takes the request's clock offset (clock-offset.ts).
+    this.socket.write(encodeJsonFrame({ t: 'gen', request: toWireRequest(request), sentAt: engineNow() }));
     const remote = this;
     return (async function* () {
       let ended = false;
@@ -178,7 +180,7 @@ export class RemoteEngine implements RoutableEngine {
     if (this.prefills.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     const queue = new AsyncQueue<PrefillEvent>();
     this.prefills.set(request.id, queue);
-    this.socket.write(encodeJsonFrame({ t: 'prefill', request: toWireRequest(request) }));
+    this.socket.write(encodeJsonFrame({ t: 'prefill', request: toWireRequest(request), sentAt: engineNow() }));
     return this.follow(this.prefills, request.id, queue);
   }
 
@@ -195,7 +197,7 @@ export class RemoteEngine implements RoutableEngine {
     const queue = new AsyncQueue<EngineOutput>();
     this.streams.set(request.id, queue);
     const source = sourceId !== null ? this.kvSourceAddress?.(sourceId) ?? null : null;
-    this.socket.write(encodeJsonFrame({ t: 'adopt', handoff: toWireHandoff(handoff), source }));
+    this.socket.write(encodeJsonFrame({ t: 'adopt', handoff: toWireHandoff(handoff), source, sentAt: engineNow() }));
     return this.follow(this.streams, request.id, queue);
   }
 

@@ -5,7 +5,8 @@
 //
 // A connection starts with the frontend's `hello` carrying the cluster token; the worker answers `welcome` (its id,
 // engine info, role) or `refused` and closes. Then:
-//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump)
+//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump);
+//                       gen, prefill and adopt carry `sentAt`, the frontend's clock when sent (clock-offset.ts)
 //   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat), kv (KV events, only to a
 //                       connection that asked for them), snapshot, draining, and the model card as a blob frame.
 
@@ -187,6 +188,18 @@ export function parseStats(value: unknown): EngineStats {
         fallbacks: int(l, 'fallbacks', `stats.kvTransferLinks.${link}`),
       }];
     }));
+  }
+  if (s.memory !== undefined) {
+    const m = obj(s.memory, 'stats.memory');
+    stats.memory = { weightsBytes: int(m, 'weightsBytes', 'stats.memory'), kvCacheBytes: int(m, 'kvCacheBytes', 'stats.memory') };
+    const activations = optional(m, 'activationsBytes', () => int(m, 'activationsBytes', 'stats.memory'));
+    if (activations !== undefined) stats.memory.activationsBytes = activations;
+  }
+  if (s.allocationFailures !== undefined) {
+    const f = obj(s.allocationFailures, 'stats.allocationFailures');
+    stats.allocationFailures = { kvBlocks: int(f, 'kvBlocks', 'stats.allocationFailures') };
+    const scratch = optional(f, 'scratch', () => int(f, 'scratch', 'stats.allocationFailures'));
+    if (scratch !== undefined) stats.allocationFailures.scratch = scratch;
   }
   return stats;
 }

@@ -22,6 +22,7 @@ import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent } from '..
 import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineStats, KvLinkStats } from '../protocols/worker.ts';
+import { shiftAdopted, shiftHandoff, shiftOutput, shiftRequest, tightenClockOffset } from './clock-offset.ts';
 import { KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, toWireHandoff } from './kv-tcp.ts';
 import {
   DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
@@ -70,6 +71,8 @@ interface Connection {
   wantsEvents: boolean;
   /** Requests this connection started and that have not ended. */
   requests: Set<string>;
+  /** The frontend's clock minus this worker's, as estimated so far (clock-offset.ts); undefined before any estimate. */
+  clockOffset?: number;
 }
 
 /** The worker's KV cache as its events describe it: what a snapshot sends for a resync. */
@@ -291,9 +294,10 @@ export class WorkerServer {
 
   private handle(connection: Connection, message: { t: string } & Record<string, unknown>): void {
     switch (message.t) {
-      case 'gen': return this.generate(connection, message.request);
-      case 'prefill': return this.prefill(connection, message.request);
-      case 'adopt': return this.adopt(connection, message);
+      // Each request's clock offset is fixed here, at receipt (clock-offset.ts).
+      case 'gen': return this.generate(connection, message.request, this.clockOffset(connection, message.sentAt));
+      case 'prefill': return this.prefill(connection, message.request, this.clockOffset(connection, message.sentAt));
+      case 'adopt': return this.adopt(connection, message, this.clockOffset(connection, message.sentAt));
       case 'release': {
         const id = message.id;
         if (typeof id === 'string' && this.pinned.delete(id)) (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
@@ -336,7 +340,13 @@ export class WorkerServer {
     };
   }
 
-  private generate(connection: Connection, raw: unknown): void {
+  /** The connection's clock offset, tightened by this frame's send time (0 when the frontend sends none). */
+  private clockOffset(connection: Connection, sentAt: unknown): number {
+    connection.clockOffset = tightenClockOffset(connection.clockOffset, sentAt, engineNow());
+    return connection.clockOffset ?? 0;
+  }
+
+  private generate(connection: Connection, raw: unknown, offset: number): void {
     let request;
     try {
       request = parseWireRequest(raw);
@@ -358,7 +368,8 @@ export class WorkerServer {
     }
     this.running.set(id, connection);
     connection.requests.add(id);
-    void this.stream(connection, id, () => this.options.engine.generate(request));
+    const onWorkerClock = shiftRequest(request, -offset);
+    void this.stream(connection, id, offset, () => this.options.engine.generate(onWorkerClock));
   }
 
   /** Checks a request message and registers it on the connection; undefined when refused (answered already). */
@@ -387,15 +398,16 @@ export class WorkerServer {
   }
 
   /** Prefill role: the request's first token, then its handoff (blocks pinned here until `release`). */
-  private prefill(connection: Connection, raw: unknown): void {
+  private prefill(connection: Connection, raw: unknown, offset: number): void {
     const engine = this.options.engine as Partial<PrefillWorkerEngine>;
     if (this.role !== 'prefill' || !engine.prefill) throw new FrameError(`worker ${this.workerId} is not a prefill worker`);
     const request = this.admit(connection, raw);
     if (!request) return;
     const id = request.id;
-    void this.stream(connection, id, () => engine.prefill!(request), (handoff) => {
+    const onWorkerClock = shiftRequest(request, -offset);
+    void this.stream(connection, id, offset, () => engine.prefill!(onWorkerClock), (handoff) => {
       this.pinned.add(id);
-      this.send(connection, { t: 'handoff', id, handoff: toWireHandoff(handoff) });
+      this.send(connection, { t: 'handoff', id, handoff: toWireHandoff(shiftHandoff(handoff, offset)) });
     });
   }
 
@@ -405,12 +417,12 @@ export class WorkerServer {
    * request from there. A failed pull (checksum, truncation, prefill worker gone) is logged and counted, and the
    * engine recomputes the prompt itself (adopt with no source). An abort stops the pull at once.
    */
-  private adopt(connection: Connection, message: Record<string, unknown>): void {
+  private adopt(connection: Connection, message: Record<string, unknown>, offset: number): void {
     const engine = this.options.engine as Partial<DecodeWorkerEngine>;
     if (this.role !== 'decode' || !engine.adopt || !this.staging) throw new FrameError(`worker ${this.workerId} is not a decode worker`);
     let handoff: KvHandoff;
     try {
-      handoff = parseWireHandoff(message.handoff);
+      handoff = shiftHandoff(parseWireHandoff(message.handoff), -offset);
     } catch (error) {
       const id = (message.handoff as { requestId?: unknown } | null)?.requestId;
       if (typeof id !== 'string') throw error;
@@ -431,8 +443,8 @@ export class WorkerServer {
         this.pulling.delete(id);
       }
     };
-    this.adoptedTo.set(id, connection);
-    void this.stream(connection, id, start);
+    this.adoptedTo.set(id, { connection, offset });
+    void this.stream(connection, id, offset, start);
   }
 
   private async pullAndAdopt(handoff: KvHandoff, source: { host: string; port: number }, signal: AbortSignal): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> {
@@ -507,7 +519,8 @@ export class WorkerServer {
     if (pull) pull.abort();
     else this.options.engine.abort(id);
   }
-  private readonly adoptedTo = new Map<string, Connection>();
+  /** Decode role: where to tell each adoption's outcome, and that request's clock offset. */
+  private readonly adoptedTo = new Map<string, { connection: Connection; offset: number }>();
 
   private countTransfer(outcome: string): void {
     this.kvTransfers.set(outcome, (this.kvTransfers.get(outcome) ?? 0) + 1);
@@ -567,12 +580,12 @@ export class WorkerServer {
   private adopted(result: AdoptedResult): void {
     this.freeStaging(result.requestId);
     const pull = this.pulls.get(result.requestId);
-    const connection = this.adoptedTo.get(result.requestId);
+    const target = this.adoptedTo.get(result.requestId);
     this.adoptedTo.delete(result.requestId);
     let out = result;
     if (result.transfer && pull) out = { ...result, transfer: this.pulledTransfer(result.transfer, pull) };
     if (result.status === 'recompute' && pull) this.countLink(pull.link, 'import');
-    if (connection) this.send(connection, { t: 'adopted', result: out });
+    if (target) this.send(target.connection, { t: 'adopted', result: shiftAdopted(out, target.offset) });
   }
 
   /** The stats this worker reports: its engine's, and on a decode worker its KV imports that fell back, per link. */
@@ -581,17 +594,19 @@ export class WorkerServer {
     return Object.keys(this.linkStats).length > 0 ? { ...stats, kvTransferLinks: this.linkStats } : stats;
   }
 
-  private async stream(connection: Connection, id: string, start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<Iterable<EngineOutput> | AsyncIterable<EngineOutput>>,
+  /** Sends a request's outputs as they come, their times moved onto the frontend's clock by the request's offset. */
+  private async stream(connection: Connection, id: string, offset: number,
+    start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<Iterable<EngineOutput> | AsyncIterable<EngineOutput>>,
     onHandoff?: (handoff: KvHandoff) => void): Promise<void> {
     try {
       for await (const item of await start()) {
         if (connection.socket.destroyed) break;
         if ('type' in item && (item.type === 'handoff' || item.type === 'output')) {
           if (item.type === 'handoff') onHandoff?.(item.handoff);
-          else this.send(connection, { t: 'out', id, outputs: [item.output], stats: this.stats() });
+          else this.send(connection, { t: 'out', id, outputs: [shiftOutput(item.output, offset)], stats: this.stats() });
           continue;
         }
-        this.send(connection, { t: 'out', id, outputs: [this.withPull(id, item as EngineOutput)], stats: this.stats() });
+        this.send(connection, { t: 'out', id, outputs: [shiftOutput(this.withPull(id, item as EngineOutput), offset)], stats: this.stats() });
       }
       this.send(connection, { t: 'end', id, stats: this.stats() });
     } catch (error) {

@@ -47,6 +47,12 @@ export class BatchBuilder {
     this.loraSlots = new Int32Array(options.maxNumBatchedTokens);
   }
 
+  /** Bytes of the arrays it fills every step (allocated once, sized for the largest step). */
+  get bytes(): number {
+    return [this.tokenIds, this.positions, this.slotMapping, this.queryStartLoc, this.seqLens, this.blockTables,
+      this.logitsIndices, this.loraSlots].reduce((sum, array) => sum + array.byteLength, 0);
+  }
+
   /** Sized for everything the scheduler can plan. */
   static forScheduler(scheduler: Scheduler): BatchBuilder {
     return new BatchBuilder({

@@ -3,7 +3,8 @@
 // at construction; src/engine/worker-main.ts runs it in a worker thread and src/engine/local-engine.ts is the
 // async face the gateway sees.
 
-import type { ModelRunnerBackend } from '../kernels/types.ts';
+import { NATIVE_ALLOCATION_FAILED, type ModelRunnerBackend } from '../kernels/types.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { BatchBuilder } from './batch-builder.ts';
 import { IncrementalDetokenizer } from './detokenizer.ts';
@@ -59,6 +60,8 @@ export class EngineCore extends StepCore<SequenceSampler> {
   private readonly vocabSize: number;
   private readonly now: () => number;
   private numStepsFailed = 0;
+  /** Steps whose scratch memory could not be allocated (the backend's, or the logits buffer). */
+  private numScratchAllocationFailures = 0;
   private readonly eosTokenIds: readonly number[];
   /** Every step's logits, reused (the sampler is done with them before the step returns). */
   private logits = new Float32Array(0);
@@ -150,6 +153,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       logits = this.backend.forward(batch, this.logitsBuffer(plan.sampleTargets.length));
     } catch (error) {
       this.numStepsFailed++;
+      if (isAllocationFailure(error)) this.numScratchAllocationFailures++;
       return this.failStep(plan, `forward pass failed: ${error instanceof Error ? error.message : String(error)}`, this.now());
     }
     const sampled = this.sampleRows(plan, logits);
@@ -195,6 +199,20 @@ export class EngineCore extends StepCore<SequenceSampler> {
 
   get stepsFailed(): number {
     return this.numStepsFailed;
+  }
+
+  /** The step core's stats plus this worker's memory by category and its scratch allocation failures. */
+  override stats(): EngineStats {
+    const stats = super.stats();
+    const memory = this.backend.memory?.();
+    if (memory !== undefined) {
+      stats.memory = {
+        weightsBytes: memory.weightsBytes, kvCacheBytes: memory.kvCacheBytes,
+        activationsBytes: (memory.scratchBytes ?? 0) + this.logits.byteLength + this.builder.bytes,
+      };
+    }
+    stats.allocationFailures = { kvBlocks: stats.allocationFailures?.kvBlocks ?? 0, scratch: this.numScratchAllocationFailures };
+    return stats;
   }
 
   // -------------------------------------------------------------------------------------------------------------
@@ -361,4 +379,14 @@ class PoolCopy implements KvImport {
   stats(): ReturnType<KvImport['stats']> {
     return transferStats(this.plan!, this.source.id, this.source.channel, this.runs, this.startMs, this.endMs);
   }
+}
+
+/**
+ * Whether a forward pass failed for lack of memory: the native addon's allocation failure, or V8 refusing an array
+ * buffer (the logits buffer grows with the step).
+ */
+function isAllocationFailure(error: unknown): boolean {
+  if (!(error instanceof Error)) return false;
+  if ((error as { code?: unknown }).code === NATIVE_ALLOCATION_FAILED) return true;
+  return error instanceof RangeError && /Array buffer allocation failed/.test(error.message);
 }

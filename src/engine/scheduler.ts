@@ -158,6 +158,8 @@ export interface SchedulerStats {
   numRequests: number;
   numSteps: number;
   numPreemptions: number;
+  /** Times a running sequence needed KV blocks the pool did not have (each such shortfall preempted at least one sequence). */
+  numKvAllocationFailures: number;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -216,6 +218,7 @@ export class Scheduler {
   private nextStepId = 1;
   private nextArrivalOrder = 0;
   private numPreemptions = 0;
+  private numKvAllocationFailures = 0;
 
   constructor(config: SchedulerConfig, kv: KvCacheManager) {
     const positive = (name: string, value: number): number => {
@@ -307,6 +310,7 @@ export class Scheduler {
       if (sequence.status !== 'running') continue; // preempted by an earlier sequence of this loop
       const numNewTokens = this.chunkSize(sequence.numTokens - sequence.numComputedTokens, tokenBudget);
       let fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;
+      if (!fits) this.numKvAllocationFailures++;
       while (!fits) {
         const victim = this.lastRankedRunning();
         const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
@@ -756,6 +760,7 @@ export class Scheduler {
     return {
       numRunning: this.running.length, numWaiting: this.waiting.length, numRequests: this.requests.size,
       numSteps: this.nextStepId - 1, numPreemptions: this.numPreemptions,
+      numKvAllocationFailures: this.numKvAllocationFailures,
     };
   }
 

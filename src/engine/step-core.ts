@@ -442,6 +442,7 @@ export class StepCore<T> {
       prefixCacheQueries: kv.prefixQueryTokens, prefixCacheHits: kv.prefixHitTokens,
       preemptions: scheduler.numPreemptions, kvEvictions: kv.evictions,
       ...(kv.tiers !== undefined ? { kvTiers: kv.tiers } : {}),
+      allocationFailures: { kvBlocks: scheduler.numKvAllocationFailures },
     };
   }
 

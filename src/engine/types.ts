@@ -170,6 +170,13 @@ export interface RoutingSummary {
   /** Engine-clock time the decision was made. */
   decidedAt: number;
   /**
+   * Engine-clock time the decision began: when the request reached the router or, after a wait in its admission
+   * queue, the later of the entry there and decidedAt less the measured overhead. On the same clock as decidedAt,
+   * so the router_lookup phase is consistent whatever that clock is (a simulated one does not move with the
+   * router's real cost). Absent: the phase starts at decidedAt less the overhead.
+   */
+  startedAt?: number;
+  /**
    * Engine-clock time the request entered the router's admission queue, set only when it had to wait there for a
    * worker with room: that wait, up to the decision, is queue time.
    */

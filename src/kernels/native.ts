@@ -10,9 +10,10 @@ import { fileURLToPath } from 'node:url';
 
 import type { ModelConfig } from '../model/config.ts';
 import type { GgmlType } from '../model/ggml-types.ts';
-import type { Tensor, ModelWeights } from '../model/weights.ts';
+import { weightBytes, type Tensor, type ModelWeights } from '../model/weights.ts';
 import { kvPoolBytes } from './types.ts';
-import type { BackendFactory, BackendInfo, ForwardBatch, KvPoolLayout, ModelRunnerBackend } from './types.ts';
+export { NATIVE_ALLOCATION_FAILED } from './types.ts';
+import type { BackendFactory, BackendInfo, BackendMemory, ForwardBatch, KvPoolLayout, ModelRunnerBackend } from './types.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // What the addon exports
@@ -123,7 +124,21 @@ export interface NativeModelSpec {
    * kept. Default false.
    */
   releaseUnpackedWeights?: boolean;
+  /**
+   * For tests only: growing the per-step buffers past this many bytes fails as running out of memory does (forward
+   * throws an Error with code 'native_allocation_failed'). Default: no limit.
+   */
+  scratchLimitBytes?: number;
 }
+
+/** The per-step buffers a native model holds now (they grow to the largest step so far and are kept). */
+export interface NativeMemoryInfo {
+  /** Layer activations of every row of the largest step: residual stream, normed copy, Q, K, V, attention output, FFN gate and up. */
+  activationBytes: number;
+  /** The rest of the scratch: quantized matmul inputs, per-thread kernel scratch, RoPE tables, selected rows, MoE buffers. */
+  workspaceBytes: number;
+}
+
 
 export interface NativeModelInfo {
   variant: KernelVariant;
@@ -165,6 +180,8 @@ export interface NativeModel {
   releaseKvPool(): number;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
+  /** The per-step buffers held now. */
+  memoryInfo(): NativeMemoryInfo;
   /**
    * Puts a LoRA adapter (its matrices copied) into a slot that ForwardBatch.loraSlots rows name, or empties the
    * slot (null); native/lora.cc applies it. Throws a RangeError when a matrix does not fit the model.
@@ -508,8 +525,11 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       ...nativeModelSpec(config, weights, { layout: kvLayout, bytes: new Uint8Array(kvPool) }, variant, threads),
       packWeights: packing.pack,
       releaseUnpackedWeights: packing.pack && (options.releaseUnpackedWeights ?? false),
+      ...(options.scratchLimitBytes !== undefined ? { scratchLimitBytes: options.scratchLimitBytes } : {}),
     });
     const modelInfo = model.info();
+    // The ggml bytes the model reads (views of the loaded file), plus the packed copies, less the pages given back.
+    const weightsBytes = weightBytes(weights) + modelInfo.packedWeightBytes - modelInfo.releasedWeightBytes;
     const notices = [packing.notice, amxNotice(cpu, variant)].filter((n): n is string => n !== undefined);
     const info: BackendInfo = {
       name: 'native', variants: modelInfo.variants, threads: modelInfo.threads,
@@ -528,6 +548,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       releaseKvPool(): number {
         if (disposed) return 0;
         return model.releaseKvPool();
+      },
+      memory(): BackendMemory {
+        const scratch = disposed ? { activationBytes: 0, workspaceBytes: 0 } : model.memoryInfo();
+        return { weightsBytes, kvCacheBytes: kvPool.byteLength, scratchBytes: scratch.activationBytes + scratch.workspaceBytes };
       },
       setLora(slot: number, adapter: LoraWeights | null): void {
         if (disposed) throw new Error('native backend is disposed');

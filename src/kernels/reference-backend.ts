@@ -13,7 +13,7 @@ import type { ModelWeights } from '../model/weights.ts';
 import type { LoraWeights } from '../model/lora.ts';
 import { causalAttention } from '../model/reference-math.ts';
 import {
-  type BackendFactory, type BackendInfo, type ForwardBatch, type KvPoolLayout, kvPoolBytes, type ModelRunnerBackend,
+  type BackendFactory, type BackendInfo, type BackendMemory, type ForwardBatch, type KvPoolLayout, kvPoolBytes, type ModelRunnerBackend,
 } from './types.ts';
 
 export class DisposedBackendError extends Error {
@@ -157,6 +157,16 @@ class ReferenceRunnerBackend implements ModelRunnerBackend {
       numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: kv.dtype,
     };
     this.pool = new PagedKvPool(this.kvLayout);
+  }
+
+  /** The dequantized f32 copies it computes with, and the pool; its per-step arrays are allocated per step, not kept. */
+  memory(): BackendMemory {
+    const { tokenEmbedding, outputNorm, output, layers } = this.transformer.weights;
+    const arrays = new Set<Float32Array>([tokenEmbedding, outputNorm, output]);
+    for (const layer of layers) for (const array of Object.values(layer)) if (array instanceof Float32Array) arrays.add(array);
+    let weightsBytes = 0;
+    for (const array of arrays) weightsBytes += array.byteLength;
+    return { weightsBytes, kvCacheBytes: this.pool.bytes.byteLength };
   }
 
   get kvPool(): SharedArrayBuffer {

@@ -98,7 +98,25 @@ export interface ModelRunnerBackend {
    * their slot in loraSlots: each row's projections get scale * B (A x) added to the base matmul's output.
    */
   setLora?(slot: number, weights: LoraWeights | null): void;
+  /** What the backend holds in memory now, measured from its own allocations (the worker's memory gauge). */
+  memory?(): BackendMemory;
   dispose(): void;
+}
+
+/**
+ * The code of the Error a backend throws when memory for a step cannot be allocated (the native addon's std::bad_alloc
+ * surfaces as this instead of aborting the process).
+ */
+export const NATIVE_ALLOCATION_FAILED = 'native_allocation_failed';
+
+/** A backend's memory by category, bytes. */
+export interface BackendMemory {
+  /** The weight tensors it reads: views of the loaded file and any copies it made (packed, dequantized). */
+  weightsBytes: number;
+  /** The paged KV pool. */
+  kvCacheBytes: number;
+  /** Per-step buffers (activations and kernel scratch), when the backend keeps any between steps. */
+  scratchBytes?: number;
 }
 
 export interface BackendFactory {
@@ -127,4 +145,6 @@ export interface BackendLoadOptions {
    * worker that loaded the model for this backend alone. Default false.
    */
   releaseUnpackedWeights?: boolean;
+  /** Native backend, for tests only: per-step buffers past this many bytes fail as out of memory (NativeModelSpec). */
+  scratchLimitBytes?: number;
 }

@@ -46,3 +46,26 @@ export interface ModelWeights {
   /** The logits projection; the same object as tokenEmbedding when the model ties them. */
   output: Tensor;
 }
+
+/**
+ * Bytes of the model's tensors, each byte range counted once (a tied output matrix is the token embedding; fused
+ * matrices split into row views add up to the fused tensor).
+ */
+export function weightBytes(weights: ModelWeights): number {
+  const seen = new Map<ArrayBufferLike, Set<string>>();
+  let total = 0;
+  const add = (t: Tensor | undefined): void => {
+    if (t === undefined) return;
+    const ranges = seen.get(t.data.buffer) ?? new Set<string>();
+    seen.set(t.data.buffer, ranges);
+    const key = `${t.data.byteOffset}:${t.data.byteLength}`;
+    if (ranges.has(key)) return;
+    ranges.add(key);
+    total += t.data.byteLength;
+  };
+  add(weights.tokenEmbedding);
+  add(weights.outputNorm);
+  add(weights.output);
+  for (const layer of weights.layers) for (const tensor of Object.values(layer)) add(tensor as Tensor | undefined);
+  return total;
+}

@@ -27,6 +27,10 @@ export interface EngineStats {
    * itself instead, by link (cumulative). Set once the first has happened.
    */
   kvTransferLinks?: Record<string, KvLinkStats>;
+  /** What the worker holds in memory now, by category (CPU workers; the simulated engine reports none). */
+  memory?: WorkerMemory;
+  /** Allocations that failed, by kind (cumulative). */
+  allocationFailures?: AllocationFailures;
 }
 
 /** One link's failed KV imports on a decode worker (cumulative). */
@@ -35,6 +39,24 @@ export interface KvLinkStats {
   failures: Record<string, number>;
   /** Requests prefilled on the decode worker instead (every failure leads to one). */
   fallbacks: number;
+}
+
+/** A worker's memory by category, bytes, each measured from the allocations themselves. */
+export interface WorkerMemory {
+  /** The weight tensors the compute backend reads (views of the loaded file, packed or dequantized copies). */
+  weightsBytes: number;
+  /** The primary KV pool. */
+  kvCacheBytes: number;
+  /** Per-step buffers: the backend's activations and kernel scratch, the step's logits and batch arrays. */
+  activationsBytes?: number;
+}
+
+/** Allocation failures of one worker since it started. */
+export interface AllocationFailures {
+  /** A running sequence needed KV blocks the pool did not have (it or another sequence was preempted). */
+  kvBlocks: number;
+  /** A step's scratch memory could not be allocated (the step's requests failed; the worker goes on). */
+  scratch?: number;
 }
 
 /** Per-tier figures for stats and metrics (cumulative counters and current sizes). */

@@ -406,6 +406,7 @@ export class DisaggregatedEngine implements Engine {
     const routing: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
     };
+    const routeStartedAt = this.now();
     const { decision: decodeDecision, queuedAt } = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
     flight.decodeDecision = decodeDecision;
@@ -418,7 +419,7 @@ export class DisaggregatedEngine implements Engine {
     }
 
     const { choice, prefillDecision } = this.decide(request, routing, decodeDecision);
-    flight.summary = { ...summarizeDecision(decodeDecision, this.now(), queuedAt), disaggregation: choice };
+    flight.summary = { ...summarizeDecision(decodeDecision, this.now(), queuedAt, routeStartedAt), disaggregation: choice };
     if (choice.mode === 'local' || prefillDecision === null) {
       this.counts.local++;
       yield* this.runLocal(request, flight, decodeEngine);

@@ -17,6 +17,22 @@ export function sumEngineStats(all: Iterable<EngineStats>): EngineStats {
     total.preemptions += s.preemptions;
     total.kvEvictions! += s.kvEvictions ?? 0;
     if (s.kvTiers !== undefined) total.kvTiers = addKvTiers(total.kvTiers, s.kvTiers);
+    if (s.memory !== undefined) {
+      const before = total.memory;
+      total.memory = {
+        weightsBytes: (before?.weightsBytes ?? 0) + s.memory.weightsBytes,
+        kvCacheBytes: (before?.kvCacheBytes ?? 0) + s.memory.kvCacheBytes,
+      };
+      const activations = (before?.activationsBytes ?? 0) + (s.memory.activationsBytes ?? 0);
+      if (before?.activationsBytes !== undefined || s.memory.activationsBytes !== undefined) total.memory.activationsBytes = activations;
+    }
+    if (s.allocationFailures !== undefined) {
+      const before = total.allocationFailures;
+      total.allocationFailures = { kvBlocks: (before?.kvBlocks ?? 0) + s.allocationFailures.kvBlocks };
+      if (before?.scratch !== undefined || s.allocationFailures.scratch !== undefined) {
+        total.allocationFailures.scratch = (before?.scratch ?? 0) + (s.allocationFailures.scratch ?? 0);
+      }
+    }
   }
   return total;
 }

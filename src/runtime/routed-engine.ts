@@ -82,11 +82,12 @@ export class RoutedEngine implements Engine {
     const routingRequest: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
     };
+    let routeStartedAt: number | undefined = this.now();
     let { decision, queuedAt } = await this.group.admission.place(routingRequest);
     let engine = this.group.get(decision.workerId);
     for (;;) {
       const workerId = decision.workerId;
-      const summary = migration.summarize(summarizeDecision(decision, this.now(), queuedAt));
+      const summary = migration.summarize(summarizeDecision(decision, this.now(), queuedAt, routeStartedAt));
       this.placement.set(request.id, workerId);
       let first = true;
       let lost: WorkerLostError;
@@ -124,6 +125,7 @@ export class RoutedEngine implements Engine {
         this.group.admission.drain();
       }
       queuedAt = undefined;  // a move after a loss is a migration, not an admission wait
+      routeStartedAt = undefined;
       const next = await this.group.placeAfterLoss(migration, lost);
       if (next === null) {
         yield migration.closingOutput(this.now());

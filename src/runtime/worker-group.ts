@@ -334,12 +334,16 @@ export function combinedStats(groups: readonly WorkerGroup<RoutableEngine>[]): E
 }
 
 /** The router's decision as it travels on the request's outputs (trace and timings). */
-export function summarizeDecision(decision: RoutingDecision, decidedAt: number, admissionQueuedAt?: number): RoutingSummary {
+export function summarizeDecision(decision: RoutingDecision, decidedAt: number, admissionQueuedAt?: number, routeStartedAt?: number): RoutingSummary {
   const { overhead } = decision;
+  // After an admission wait the decision came at a re-offer: it began its measured overhead before decidedAt, but
+  // not before the wait (on a simulated clock real microseconds do not pass).
+  const startedAt = admissionQueuedAt !== undefined ? Math.max(admissionQueuedAt, decidedAt - overhead.totalUs / 1000) : routeStartedAt;
   return {
     workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
     ...(decision.candidates !== undefined ? { candidates: decision.candidates } : {}),
     reason: decision.reason, decidedAt, ...(admissionQueuedAt !== undefined ? { admissionQueuedAt } : {}),
+    ...(startedAt !== undefined ? { startedAt } : {}),
     overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
   };
 }

@@ -43,6 +43,12 @@ export const PRIMARY_KV_TIER = 'primary';
 
 const STATUS_VALUE = { ok: 0, warning: 1, violated: 2 } as const;
 
+/**
+ * Refusals of a request that could never fit the memory it needs: the gateway's check against the KV pool's
+ * capacity, and the worker's own (a prompt larger than its pool).
+ */
+const KV_CAPACITY_ERRORS: ReadonlySet<string> = new Set(['kv_capacity_exceeded', 'prompt_exceeds_kv_pool']);
+
 export interface MetricsOptions {
   registry?: Registry;
   /** For the SLO gauges: the tracker's report at scrape time. */
@@ -99,6 +105,8 @@ export class ConduitMetrics {
   readonly preemptions: Counter<'model' | 'worker'>;
   readonly evictions: Counter<'worker'>;
   readonly migrations: Counter<'worker'>;
+  readonly memory: Gauge<'worker' | 'category'>;
+  readonly allocationFailures: Counter<'worker' | 'kind'>;
 
   // Telemetry about telemetry.
   readonly samplingDecisions: Counter<'kept' | 'reason'>;
@@ -109,6 +117,10 @@ export class ConduitMetrics {
   private readonly quantization = new Map<string, string>();
   private readonly lastStats = new Map<string, {
     queries: number; hits: number; preemptions: number; evictions: number; migrations: number; model: string; tiers: string[];
+    /** Memory categories reported so far, and the allocation-failure counters at the previous snapshot. */
+    memoryCategories: string[];
+    kvBlockFailures: number;
+    scratchFailures: number;
     /** The lower tiers' cumulative counters at the previous snapshot, by tier. */
     tierCounters: Record<string, KvTierStats>;
     /** The decode worker's failed KV imports per link at the previous snapshot. */
@@ -163,6 +175,8 @@ export class ConduitMetrics {
     this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
     this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
     this.evictions = c('conduit_kv_cache_evictions_total', 'Cached KV blocks evicted to make room.', ['worker']);
+    this.memory = g('conduit_memory_bytes', 'Memory a worker holds, by category: weights, kv_cache (the primary pool), activations (per-step buffers), kv_offload_ram (blocks in the RAM tier).', ['worker', 'category']);
+    this.allocationFailures = c('conduit_allocation_failures_total', 'Allocations that failed: kv_blocks (a running sequence found no free KV block and preemption followed), scratch (a step\'s buffers could not be allocated; its requests failed), kv_capacity (a request refused because it could never fit the KV pool).', ['worker', 'kind']);
     this.migrations = c('conduit_request_migrations_total', 'Requests the worker took over after the worker running them was lost (mid-stream, or a prefill lost before its hand-over).', ['worker']);
 
     this.samplingDecisions = c('conduit_trace_sampling_decisions_total', 'Requests whose spans were kept or dropped, by reason.', ['kept', 'reason']);
@@ -280,6 +294,7 @@ export class ConduitMetrics {
     if (trace.outcome === 'error') {
       const origin = trace.status !== undefined && trace.status < 500 ? 'client' : 'server';
       this.errors.inc({ model, error_type: trace.errorType ?? 'unknown', origin });
+      if (trace.errorType !== undefined && KV_CAPACITY_ERRORS.has(trace.errorType)) this.allocationFailures.inc({ worker, kind: 'kv_capacity' });
     } else if (trace.outcome === 'abort') {
       this.cancellations.inc({ model, tenant, phase: trace.endedInPhase ?? 'unknown' });
     }
@@ -340,11 +355,29 @@ export class ConduitMetrics {
         this.kvTransferFailures.inc({ worker, link, reason }, delta(count, before?.failures[reason]));
       }
     }
+
+    const memory: Record<string, number> = {};
+    if (stats.memory !== undefined) {
+      memory.weights = stats.memory.weightsBytes;
+      memory.kv_cache = stats.memory.kvCacheBytes;
+      if (stats.memory.activationsBytes !== undefined) memory.activations = stats.memory.activationsBytes;
+    }
+    const ram = stats.kvTiers?.tiers.ram;
+    if (ram !== undefined) memory.kv_offload_ram = ram.usedBlocks * ram.blockBytes;
+    for (const [category, bytes] of Object.entries(memory)) this.memory.set({ worker, category }, bytes);
+    const failures = stats.allocationFailures;
+    if (failures !== undefined) {
+      this.allocationFailures.inc({ worker, kind: 'kv_blocks' }, delta(failures.kvBlocks, prev?.kvBlockFailures));
+      if (failures.scratch !== undefined) this.allocationFailures.inc({ worker, kind: 'scratch' }, delta(failures.scratch, prev?.scratchFailures));
+    }
     this.lastStats.set(worker, {
       queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,
       evictions: evictions ?? prev?.evictions ?? 0, migrations: stats.requestMigrations ?? prev?.migrations ?? 0, model, tiers,
       tierCounters: { ...prev?.tierCounters, ...tierCounters },
       kvLinks: { ...prev?.kvLinks, ...stats.kvTransferLinks },
+      memoryCategories: [...new Set([...(prev?.memoryCategories ?? []), ...Object.keys(memory)])],
+      kvBlockFailures: failures?.kvBlocks ?? prev?.kvBlockFailures ?? 0,
+      scratchFailures: failures?.scratch ?? prev?.scratchFailures ?? 0,
     });
   }
 
@@ -365,6 +398,7 @@ export class ConduitMetrics {
       this.kvTierUsed.remove({ worker, tier });
       this.kvTierCapacity.remove({ worker, tier });
     }
+    for (const category of prev.memoryCategories) this.memory.remove({ worker, category });
   }
 
   recordSampling(kept: boolean, reason: string): void {

@@ -242,4 +242,33 @@ describe('attribution on the simulated engine at a speed-up other than 1 (one cl
       });
     });
   }
+
+  describe('--sim-speed-up inf, two workers (each worker\'s clock moves with its own steps)', () => {
+    let server: LiveServer;
+    before(async () => {
+      server = await startLiveServer({ sim: true, simSpeedUp: Infinity, workers: 2 });
+    });
+    after(async () => {
+      await server?.close();
+    });
+
+    it('every ms attributed, the router\'s real cost not put on the simulated clock', LIVE, async () => {
+      const model = server.api.gateway.servedModelName!;
+      // Requests of different lengths at once, so the two workers' clocks run apart.
+      const results = await Promise.all(Array.from({ length: 12 }, (_, i) => rawRequest(server.url, {
+        path: '/v1/completions',
+        body: { model, prompt: words(10 + 40 * (i % 3)), max_tokens: 20 + 30 * (i % 4), temperature: 0, ignore_eos: true, stream: i % 2 === 0 },
+      })));
+      const traces = await Promise.all(results.map((r) => {
+        assert.equal(r.status, 200, r.text);
+        return traceOf(server.url, r.headers['x-request-id'] as string);
+      }));
+      assert.equal(new Set(traces.map((t) => (t as unknown as { worker: string }).worker)).size, 2, 'both workers served');
+      for (const trace of traces) {
+        const lookup = trace.phases.find((p) => p.phase === 'router_lookup')!;
+        assert.ok(lookup.start_ms >= 0, `${trace.request_id}: the router's decision starts after arrival (${lookup.start_ms})`);
+      }
+      assertAttributed(traces);
+    });
+  });
 });
