@@ -43,6 +43,11 @@ export interface EngineCoreOptions {
    * then refused). worker-main.ts loads them before it adds the first guided request.
    */
   grammar?: () => GrammarRuntime | undefined;
+  /**
+   * Jump-forward decoding for guided requests (default on): text the grammar forces after a sampled token is
+   * appended as tokens without sampling and computed in the next step with it (see GuidedSequence.forcedTokens).
+   */
+  jumpForward?: boolean;
 }
 
 /** A prefill worker's pool as a decode worker reads it: shared memory, named for the stats. */
@@ -74,7 +79,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       maxModelLen: options.maxModelLen, eosTokenIds: tokenizer.stopTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
-      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined)),
+      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? true),
       text: { open: (sampling) => IncrementalDetokenizer.forRequest(tokenizer, sampling) },
     });
     this.backend = backend;
@@ -272,8 +277,11 @@ export class EngineCore extends StepCore<SequenceSampler> {
   }
 }
 
+const NO_TOKENS: readonly number[] = [];
+
 /** Tokens from the model: one seeded sampler per completion (see sampler.ts), resumable from a handoff. */
-function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined): TokenSource<SequenceSampler> {
+function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined,
+  jumpForward: boolean): TokenSource<SequenceSampler> {
   /** A guided request's completions each get a matcher at the start of the output. */
   const attachGrammar = (request: EngineRequest, samplers: SequenceSampler[]): void => {
     const spec = request.sampling.guided;
@@ -322,6 +330,16 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
     handoffSeed: () => drawRandomSeed(),
     handoffState: (request, sampler) => ({ seed: request.sampling.seed!, rngState: sampler.rngState() }),
     close: (sampler) => sampler.guided?.dispose(),
+    // Not with logprobs: a forced token has no distribution to report.
+    ...(jumpForward ? {
+      forced: (sampler: SequenceSampler): readonly number[] => {
+        const guided = sampler.guided;
+        if (guided === undefined || sampler.params.logprobs !== null || guided.isTerminated) return NO_TOKENS;
+        const tokens = guided.forcedTokens();
+        for (const tokenId of tokens) sampler.recordOutputToken(tokenId);
+        return tokens;
+      },
+    } : {}),
   };
 }
 

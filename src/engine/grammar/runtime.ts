@@ -80,12 +80,17 @@ export class GrammarRuntime {
    */
   private readonly jsonForbidden: Int32Array;
 
-  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array) {
+  /** Token ids by their text (byte-level, as XGrammar sees them), for turning forced text into tokens. */
+  private readonly pieces: TokenPieces;
+
+  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array,
+    pieces: TokenPieces) {
     this.xg = xg;
     this.compiler = compiler;
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
     this.jsonForbidden = jsonForbidden;
+    this.pieces = pieces;
   }
 
   /**
@@ -110,12 +115,22 @@ export class GrammarRuntime {
       encoded[id] = text;
       if (control) jsonForbidden.push(id);
     }
+    // One id per text; a byte-fallback token (<0x41>) gives way to the ordinary token of the same byte.
+    const pieces: TokenPieces = { idByText: new Map(), maxLength: 0 };
+    for (let id = 0; id < Math.min(vocabSize, tokenizer.vocabSize); id++) {
+      const text = encoded[id]!;
+      if (text === '' || tokenizer.isSpecial(id)) continue;
+      const held = pieces.idByText.get(text);
+      if (held !== undefined && !isByteFallback(tokenizer, held)) continue;
+      pieces.idByText.set(text, id);
+      if (text.length > pieces.maxLength) pieces.maxLength = text.length;
+    }
     const compiler = xg.run('vocabulary', (b) => {
       const info = new b.TokenizerInfo(b.vecStringFromJSArray(encoded), 'BYTE_LEVEL', vocabSize,
         b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
       return new b.GrammarCompiler(info, 1, false);
     });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden));
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces);
   }
 
   /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
@@ -123,7 +138,7 @@ export class GrammarRuntime {
     const source = grammarSource(spec);
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
-    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined);
+    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces);
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -159,6 +174,21 @@ export class GrammarRuntime {
   }
 }
 
+/** A vocabulary's tokens by text, for jump-forward. */
+interface TokenPieces {
+  /** Byte-level text (byteLevelChars) -> token id. */
+  idByText: Map<string, number>;
+  /** The longest text, in characters. */
+  maxLength: number;
+}
+
+function isByteFallback(tokenizer: Tokenizer, id: number): boolean {
+  return /^<0x[0-9A-Fa-f]{2}>$/.test(tokenizer.idToToken(id) ?? '');
+}
+
+/** Longest forced run turned into tokens per call (a bound on one step's appended tokens). */
+export const MAX_FORCED_TOKENS = 64;
+
 /** One completion's grammar state. */
 export class GuidedSequence {
   private readonly xg: XGrammar;
@@ -167,24 +197,77 @@ export class GuidedSequence {
 
   /** Tokens never allowed whatever the grammar says (see GrammarRuntime.jsonForbidden). */
   private readonly forbidden: Int32Array | undefined;
+  private readonly pieces: TokenPieces | undefined;
 
-  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array) {
+  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces) {
     this.xg = xg;
     this.handle = handle;
     this.vocabSize = vocabSize;
     this.forbidden = forbidden;
+    this.pieces = pieces;
   }
 
-  /** Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). */
+  /**
+   * Jump-forward: the tokens spelling the text the grammar forces next (XGrammar's jump-forward string), each
+   * accepted, so the state is past them. The text is cut greedily into the longest vocabulary tokens; the last
+   * piece is left to the model, since the text after it could join it into a longer token (so a forced text of one
+   * token gives none). At most MAX_FORCED_TOKENS.
+   */
+  forcedTokens(): number[] {
+    const pieces = this.pieces;
+    if (pieces === undefined) return [];
+    const forced = this.jumpForwardString();
+    if (forced === '') return [];
+    const table = byteLevelChars();
+    let text = '';
+    for (const byte of Buffer.from(forced, 'utf8')) text += table[byte];
+    const ids: number[] = [];
+    let at = 0;
+    while (at < text.length && ids.length <= MAX_FORCED_TOKENS) {
+      let id: number | undefined;
+      let length = Math.min(pieces.maxLength, text.length - at);
+      for (; length > 0; length--) {
+        id = pieces.idByText.get(text.slice(at, at + length));
+        if (id !== undefined) break;
+      }
+      if (id === undefined) break;
+      ids.push(id);
+      at += length;
+    }
+    ids.pop();
+    const tokens: number[] = [];
+    for (const id of ids) {
+      if (tokens.length === MAX_FORCED_TOKENS || !this.accept(id)) break;
+      tokens.push(id);
+    }
+    return tokens;
+  }
+
+  /**
+   * Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). Words
+   * of the mask that allow all 32 tokens are skipped, words that allow none fill 32 entries, the rest visit only
+   * their refused bits.
+   */
   maskRow(row: Float32Array): void {
     const vocabSize = this.vocabSize;
     this.withMask((words) => {
-      for (let w = 0; w < words.length; w++) {
+      const full = vocabSize >>> 5;
+      for (let w = 0; w < full; w++) {
         const word = words[w]!;
         if (word === -1) continue;
-        const base = w * 32;
-        const end = Math.min(32, vocabSize - base);
-        for (let bit = 0; bit < end; bit++) if (((word >>> bit) & 1) === 0) row[base + bit] = -Infinity;
+        const base = w << 5;
+        if (word === 0) {
+          row.fill(-Infinity, base, base + 32);
+          continue;
+        }
+        let refused = ~word;
+        while (refused !== 0) {
+          row[base + 31 - Math.clz32(refused & -refused)] = -Infinity;
+          refused &= refused - 1;
+        }
+      }
+      for (let id = full << 5; id < vocabSize; id++) {
+        if (((words[id >>> 5]! >>> (id & 31)) & 1) === 0) row[id] = -Infinity;
       }
     });
     if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
