@@ -228,7 +228,8 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
    * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
    * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
-   * A model that follows the grammar then costs one advance per token instead of a mask.
+   * A model that follows the grammar then costs one advance per token instead of a mask. Skipping the draw (after
+   * repeated refusals) is exact too: the masked row is what either path draws from.
    */
   private guidedDrawFirst(sequence: SequenceSampler): boolean {
     const { params } = sequence;
@@ -250,11 +251,21 @@ export class EngineCore extends StepCore<SequenceSampler> {
         sampled = this.sampler.sampleRow(values, sequence);
       } else {
         let accepted = false;
-        if (this.guidedDrawFirst(sequence)) {
+        if (guided.skipDraws > 0) {
+          guided.skipDraws--;
+        } else if (this.guidedDrawFirst(sequence)) {
           // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
           sampled = this.sampler.sampleRow(values, sequence);
           accepted = guided.accept(sampled.tokenId);
-          if (!accepted) sequence.unrecordOutputToken(sampled.tokenId);
+          if (accepted) {
+            guided.refusedRun = 0;
+          } else {
+            sequence.unrecordOutputToken(sampled.tokenId);
+            // After k refusals in a row, the next k - 1 tokens (at most 7) go straight to the mask: an isolated
+            // refusal costs nothing more, a row the grammar keeps refusing is tried again ever more rarely.
+            guided.refusedRun++;
+            guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
+          }
         }
         if (!accepted) {
           // The grammar's mask first (the logits buffer is this step's own), then the request's own processing.
@@ -278,6 +289,8 @@ export class EngineCore extends StepCore<SequenceSampler> {
 }
 
 const NO_TOKENS: readonly number[] = [];
+/** Most guided tokens sampled straight from the masked row after repeated refusals (see sampleRows). */
+const MAX_SKIPPED_DRAWS = 7;
 
 /** Tokens from the model: one seeded sampler per completion (see sampler.ts), resumable from a handoff. */
 function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined,

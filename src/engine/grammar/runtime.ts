@@ -198,6 +198,13 @@ export class GuidedSequence {
   /** Tokens never allowed whatever the grammar says (see GrammarRuntime.jsonForbidden). */
   private readonly forbidden: Int32Array | undefined;
   private readonly pieces: TokenPieces | undefined;
+  /**
+   * Consecutive tokens for which a draw from the whole row was refused, and how many draws to skip still: a model
+   * whose draws the grammar keeps refusing (noise, or a format it does not know) stops paying for a refused advance
+   * before each mask, and is tried again now and then (EngineCore.sampleRows).
+   */
+  refusedRun = 0;
+  skipDraws = 0;
 
   constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces) {
     this.xg = xg;
@@ -245,19 +252,26 @@ export class GuidedSequence {
 
   /**
    * Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). Words
-   * of the mask that allow all 32 tokens are skipped, words that allow none fill 32 entries, the rest visit only
-   * their refused bits.
+   * of the mask that allow all 32 tokens are skipped, a run of words that allow none is one fill (a JSON grammar
+   * between elements refuses nearly everything), the rest visit only their refused bits.
    */
   maskRow(row: Float32Array): void {
     const vocabSize = this.vocabSize;
     this.withMask((words) => {
       const full = vocabSize >>> 5;
-      for (let w = 0; w < full; w++) {
+      let w = 0;
+      while (w < full) {
         const word = words[w]!;
-        if (word === -1) continue;
+        if (word === -1) {
+          w++;
+          continue;
+        }
         const base = w << 5;
         if (word === 0) {
-          row.fill(-Infinity, base, base + 32);
+          let end = w + 1;
+          while (end < full && words[end] === 0) end++;
+          row.fill(-Infinity, base, end << 5);
+          w = end;
           continue;
         }
         let refused = ~word;
@@ -265,6 +279,7 @@ export class GuidedSequence {
           row[base + 31 - Math.clz32(refused & -refused)] = -Infinity;
           refused &= refused - 1;
         }
+        w++;
       }
       for (let id = full << 5; id < vocabSize; id++) {
         if (((words[id >>> 5]! >>> (id & 31)) & 1) === 0) row[id] = -Infinity;
