@@ -155,13 +155,21 @@ function readVllmGuided(fields: Fields): GuidedRequest[] {
   return found;
 }
 
-/** The one guided-decoding constraint a request sets, if any; two at once is a 400 naming the second. */
+/**
+ * The one guided-decoding constraint a request sets, if any; two at once is a 400 naming the second. vLLM's
+ * structured_outputs.disable_any_whitespace makes JSON compact (no whitespace but a space after ',' and ':').
+ */
 export function readGuided(fields: Fields): GuidedRequest | undefined {
   const found = [readResponseFormat(fields), ...readVllmGuided(fields)].filter((g): g is GuidedRequest => g !== undefined);
   if (found.length > 1) {
     throw new InvalidValueError(found[1]!.param, `only one output constraint may be given; ${found[0]!.param} is set already.`);
   }
-  return found[0];
+  const guided = found[0];
+  const compact = fields.fields('structured_outputs')?.boolean('disable_any_whitespace') ?? false;
+  if (guided && compact && (guided.spec.kind === 'json_schema' || guided.spec.kind === 'json_object')) {
+    return { ...guided, spec: { ...guided.spec, compact: true } };
+  }
+  return guided;
 }
 
 /**

@@ -82,6 +82,17 @@ describe('jump-forward decoding', () => {
     }
   });
 
+  it('compact JSON (no free whitespace): most of the structure is forced', () => {
+    const guided: GuidedDecoding = { kind: 'json_schema', schema: JSON.stringify(PERSON_SCHEMA), compact: true };
+    for (const sampling of [{ temperature: 0 }, { temperature: 1, seed: 7 }]) {
+      const result = run(guided, sampling, true);
+      assert.equal(result.finish, 'stop', result.text);
+      assertPerson(JSON.parse(result.text));
+      assert.ok(result.forced >= result.tokens / 4, `${result.forced} forced of ${result.tokens}: ${result.text}`);
+      assert.equal(result.steps, result.tokens - result.forced);
+    }
+  });
+
   it('a choice: after the first token the rest of the only choice left is forced (but its last piece)', () => {
     const choice = 'the quick brown fox jumps over the lazy dog';
     const result = run({ kind: 'choice', choices: [choice] }, { temperature: 0 }, true);

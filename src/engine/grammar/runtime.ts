@@ -17,15 +17,15 @@ export const JSON_MAX_WHITESPACE = 16;
 
 /** The EBNF, schema or pattern a spec compiles to, as XGrammar takes it. */
 export type GrammarSource =
-  | { kind: 'json_schema'; schema: string; strict: boolean }
+  | { kind: 'json_schema'; schema: string; strict: boolean; anyWhitespace: boolean }
   | { kind: 'ebnf'; ebnf: string }
   | { kind: 'regex'; pattern: string };
 
 /** What a spec asks XGrammar for (json_object is any JSON object; a choice is an EBNF alternation of literals). */
 export function grammarSource(spec: GuidedDecoding): GrammarSource {
   switch (spec.kind) {
-    case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false };
-    case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true };
+    case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false, anyWhitespace: !spec.compact };
+    case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true, anyWhitespace: !spec.compact };
     case 'regex': return { kind: 'regex', pattern: spec.pattern };
     case 'choice': return { kind: 'ebnf', ebnf: `root ::= ${spec.choices.map(ebnfLiteral).join(' | ')}` };
     case 'grammar': return { kind: 'ebnf', ebnf: spec.ebnf };
@@ -56,7 +56,8 @@ function describe(source: GrammarSource): string {
 function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
   switch (source.kind) {
     case 'json_schema':
-      return new b.Grammar.FromJSONSchema(source.schema, true, undefined, undefined, source.strict, JSON_MAX_WHITESPACE, false);
+      return new b.Grammar.FromJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict,
+        source.anyWhitespace ? JSON_MAX_WHITESPACE : undefined, false);
     case 'ebnf':
       return new b.Grammar.FromEBNF(source.ebnf, 'root');
     case 'regex':
@@ -152,7 +153,8 @@ export class GrammarRuntime {
     const compiled = this.xg.run(describe(source), () => {
       switch (source.kind) {
         case 'json_schema':
-          return this.compiler.CompileJSONSchema(source.schema, true, undefined, undefined, source.strict, JSON_MAX_WHITESPACE);
+          return this.compiler.CompileJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict,
+            source.anyWhitespace ? JSON_MAX_WHITESPACE : undefined);
         case 'ebnf':
         case 'regex': {
           const grammar = buildGrammar(this.xg.binding, source);
