@@ -97,22 +97,23 @@ describe('grammar runtime', () => {
     // instance is only started by the next grammar to compile).
     for (let i = 0; i < 20; i++) await assert.rejects(checker.check(bad(0)), InvalidValueError);
     assert.equal(XGrammar.stats().instances - start.instances, 0);
-    // Forty different ones, all at once: one instance each (each aborts its own), started one after another.
-    const results = await Promise.allSettled(Array.from({ length: 40 }, (_, i) => checker.check(bad(i + 1))));
+    // Twelve different ones, all at once: one instance each (each aborts its own), started one after another.
+    const results = await Promise.allSettled(Array.from({ length: 12 }, (_, i) => checker.check(bad(i + 1))));
     assert.ok(results.every((r) => r.status === 'rejected' && r.reason instanceof InvalidValueError && r.reason.param === 'guided_regex'));
     const end = XGrammar.stats();
     assert.equal(end.bundles, start.bundles, 'the bundle is evaluated and compiled once');
-    assert.ok(end.instances - start.instances <= 40, `${end.instances - start.instances} instances`);
+    assert.ok(end.instances - start.instances <= 12, `${end.instances - start.instances} instances`);
     // A good grammar still passes afterwards.
     await checker.check({ spec: { kind: 'regex', pattern: '[0-9]+' }, param: 'guided_regex' });
-    // The aborted instances are garbage: after collection, no more than a few are alive.
+    // The aborted instances are garbage: after collection, no more are alive than before them (others in this
+    // process, e.g. this file's runtime, are counted too) but the checker's current one.
     let live = XGrammar.stats().live;
-    for (let round = 0; round < 20 && live > 4; round++) {
+    for (let round = 0; round < 20 && live > start.live + 1; round++) {
       gc();
       await new Promise((resolve) => setTimeout(resolve, 20));
       live = XGrammar.stats().live;
     }
-    assert.ok(live <= 4, `${live} XGrammar instances still alive`);
+    assert.ok(live <= start.live + 1, `${live} XGrammar instances alive, ${start.live} before`);
   });
 
   it('a bad grammar is a GrammarError with XGrammar\'s reason, and a fresh module serves after an abort', async () => {
