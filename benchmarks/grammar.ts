@@ -19,8 +19,9 @@
 // jump-forward query and the advances) is timed with the rest, per sampled token, and the forced tokens per step are
 // printed (they need no mask and no decode step of their own).
 //
-// Then jump-forward in the engine: B guided requests (the bounded JSON schema) on the 110M model (noise, greedy and
-// sampled) with jump-forward off and on: output tokens, tokens appended without sampling, engine steps and wall time.
+// Then jump-forward in the engine: B guided requests (the bounded JSON schema, with any whitespace and compact) on
+// the 110M model (noise, greedy and sampled) with jump-forward off and on: output tokens, tokens appended without
+// sampling, engine steps and wall time.
 //
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
 
@@ -228,7 +229,7 @@ const jfBatch = Number(args['jf-batch']);
 const builtin = vocabs.find((v) => v.label.startsWith('32k'));
 if (builtin !== undefined && jfBatch > 0) {
   const grammarRuntime = await GrammarRuntime.create(modelTokenizer, model.config.vocabSize);
-  const run = (jumpForward: boolean, temperature: number) => {
+  const run = (jumpForward: boolean, temperature: number, compact: boolean) => {
     const core = new EngineCore({
       backend, tokenizer: modelTokenizer, maxNumSeqs: maxBatch, maxNumBatchedTokens: Math.max(2048, maxBatch * 16),
       maxModelLen: model.config.contextLength, now: engineNow, grammar: () => grammarRuntime, jumpForward,
@@ -238,7 +239,7 @@ if (builtin !== undefined && jfBatch > 0) {
         id: `jf${nextId++}`, priority: 0, arrivalMs: engineNow(),
         promptTokenIds: modelTokenizer.encode(`Describe person number ${i} as JSON.`),
         sampling: { ...DEFAULT_SAMPLING, temperature, seed: 100 + i, maxTokens: 256,
-          guided: { kind: 'json_schema', schema: JSON.stringify(SCHEMA) } },
+          guided: { kind: 'json_schema', schema: JSON.stringify(SCHEMA), compact } },
       });
     }
     let tokens = 0;
@@ -261,14 +262,14 @@ if (builtin !== undefined && jfBatch > 0) {
     return { ms: performance.now() - start, tokens, steps, forced: core.forcedTokens, valid };
   };
   console.log(`jump-forward in the engine: ${jfBatch} requests (bounded JSON schema, max 256 tokens) on ${file.label}; median of ${ROUNDS}`);
-  for (const temperature of [0, 1]) {
+  for (const [temperature, compact] of [[0, false], [1, false], [0, true], [1, true]] as const) {
     const results = new Map<boolean, ReturnType<typeof run>[]>([[false, []], [true, []]]);
-    for (let round = 0; round < ROUNDS; round++) for (const jf of [false, true]) results.get(jf)!.push(run(jf, temperature));
+    for (let round = 0; round < ROUNDS; round++) for (const jf of [false, true]) results.get(jf)!.push(run(jf, temperature, compact));
     for (const jf of [false, true]) {
       const list = results.get(jf)!;
       const ms = median(list.map((r) => r.ms));
       const last = list.at(-1)!;
-      console.log(`  T=${temperature} jump-forward ${jf ? 'on ' : 'off'}: ${last.tokens} tokens (${last.forced} forced, `
+      console.log(`  T=${temperature} ${compact ? 'compact JSON' : 'any whitespace'} jump-forward ${jf ? 'on ' : 'off'}: ${last.tokens} tokens (${last.forced} forced, `
         + `${(100 * last.forced / last.tokens).toFixed(0)}%), ${last.steps} steps, ${last.valid}/${jfBatch} valid JSON; `
         + `${ms.toFixed(0)} ms, ${(1000 * ms / last.tokens).toFixed(0)} µs per output token`);
     }
