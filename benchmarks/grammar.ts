@@ -8,12 +8,22 @@
 // Two grammar cases: "noise" (random logits: nearly every draw is refused, so every token pays for a mask: the
 // worst case, the synthetic model's) and "follows" (the logits peak at the next token of a valid document, as a
 // model that writes the format does: the engine's draw-first path takes the token with one advance and computes no
-// mask; EngineCore.guidedDrawFirst). Only the grammar's own calls (advance, mask) are timed, not the sampler's
-// passes. Printed per vocabulary and batch: grammar ms per step, µs per token, and the share of the 110M model's
-// decode step at that batch. (The Llama 2 "follows" case still masks now and then: its SentencePiece encoding of the
+// mask; EngineCore.guidedDrawFirst; after repeated refusals the draw is skipped for a while, as the engine does).
+// Only the grammar's own calls (advance, mask) are timed, not the sampler's
+// passes. Printed per vocabulary and batch: grammar ms per step (the mean over a round's steps, the median over
+// rounds), µs per token, and the share of the 110M model's decode step (median) at that batch. (The Llama 2 "follows" case still masks now and then: its SentencePiece encoding of the
 // document starts with a space-prefixed token the grammar refuses.)
 //
-//   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48]
+// A third case, "noise+jf", is noise with jump-forward as the engine does it by default: after each accepted token the
+// text the grammar forces is turned into tokens and accepted (GuidedSequence.forcedTokens); its cost (the
+// jump-forward query and the advances) is timed with the rest, per sampled token, and the forced tokens per step are
+// printed (they need no mask and no decode step of their own).
+//
+// Then jump-forward in the engine: B guided requests (the bounded JSON schema, with any whitespace and compact) on
+// the 110M model (noise, greedy and sampled) with jump-forward off and on: output tokens, tokens appended without
+// sampling, engine steps and wall time.
+//
+//   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
 
 import { existsSync } from 'node:fs';
 import { join } from 'node:path';
@@ -40,6 +50,7 @@ const { values: args } = parseArgs({
     threads: { type: 'string', default: '2' },
     batch: { type: 'string', default: '1,16,64' },
     steps: { type: 'string', default: '48' },
+    'jf-batch': { type: 'string', default: '16' },
   },
 });
 const ROUNDS = Number(args.rounds);
@@ -109,11 +120,11 @@ function argmax(row: Float32Array): number {
   return best;
 }
 
-type Case = 'noise' | 'follows';
-const CASES: Case[] = ['noise', 'follows'];
+type Case = 'noise' | 'noise+jf' | 'follows';
+const CASES: Case[] = ['noise', 'noise+jf', 'follows'];
 const DOCUMENT = JSON.stringify({ name: 'Ada Lovelace', age: 36, tags: ['math', 'poet'], color: 'green' });
 
-function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { stepMs: number; tokens: number } {
+function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { stepMs: number; tokens: number; forced: number } {
   const doc = v.tokenizer.encode(DOCUMENT, { addSpecialTokens: false });
   const positions = new Array<number>(batch).fill(0);
   const size = v.runtime.vocabSize;
@@ -123,6 +134,7 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { ste
   const matchers: GuidedSequence[] = Array.from({ length: batch }, () => v.runtime.open(spec));
   const times: number[] = [];
   let tokens = 0;
+  let forced = 0;
   for (let step = 0; step < STEPS; step++) {
     for (let i = 0; i < rows.length; i++) rows[i] = rng.nextFloat() * 8; // logits stand-in, filled outside the timing
     // Only the grammar's own calls are timed (advance, mask); the argmax passes are the sampler's, which the step
@@ -140,7 +152,15 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { ste
       positions[b]!++;
       let best = argmax(row);
       let start = performance.now();
-      const accepted = guided.accept(best);
+      // The engine's draw-first path, skipped after repeated refusals as EngineCore.sampleRows does.
+      let accepted = false;
+      if (guided.skipDraws > 0) {
+        guided.skipDraws--;
+      } else {
+        accepted = guided.accept(best);
+        if (accepted) guided.refusedRun = 0;
+        else guided.skipDraws = Math.min(++guided.refusedRun - 1, 7);
+      }
       stepMs += performance.now() - start;
       if (!accepted) {
         start = performance.now();
@@ -151,12 +171,18 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { ste
         guided.accept(best);
         stepMs += performance.now() - start;
       }
+      if (mode === 'noise+jf' && !guided.isTerminated) {
+        start = performance.now();
+        forced += guided.forcedTokens().length;
+        stepMs += performance.now() - start;
+      }
       tokens++;
     }
     times.push(stepMs);
   }
   for (const matcher of matchers) matcher.dispose();
-  return { stepMs: median(times), tokens };
+  // The mean: a step pays for masks only now and then (at batch 1 the median step may have none).
+  return { stepMs: times.reduce((sum, ms) => sum + ms, 0) / times.length, tokens, forced };
 }
 
 const vocabs = (await Promise.all([
@@ -171,13 +197,16 @@ for (const batch of BATCHES) decodeStepMs(batch); // warm-up
 for (const batch of BATCHES) {
   const decode: number[] = [];
   const grammar = new Map<string, number[]>();
+  const forcedPerStep = new Map<string, number>();
   for (let round = 0; round < ROUNDS; round++) {
     decode.push(decodeStepMs(batch));
     for (const v of vocabs) {
       for (const mode of CASES) {
         const key = `${v.label}|${mode}`;
         if (!grammar.has(key)) grammar.set(key, []);
-        grammar.get(key)!.push(grammarStepMs(v, batch, round + 1, mode).stepMs);
+        const result = grammarStepMs(v, batch, round + 1, mode);
+        grammar.get(key)!.push(result.stepMs);
+        forcedPerStep.set(key, (forcedPerStep.get(key) ?? 0) + result.forced / STEPS / ROUNDS);
       }
     }
   }
@@ -185,9 +214,64 @@ for (const batch of BATCHES) {
   console.log(`batch ${String(batch).padStart(2)}: decode step ${decodeMs.toFixed(2)} ms`);
   for (const v of vocabs) {
     for (const mode of CASES) {
-      const ms = median(grammar.get(`${v.label}|${mode}`)!);
-      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(7)} grammar ${ms.toFixed(3).padStart(8)} ms/step  `
-        + `${(ms * 1000 / batch).toFixed(0).padStart(5)} µs/token  ${(100 * ms / decodeMs).toFixed(1).padStart(5)}% of the decode step`);
+      const key = `${v.label}|${mode}`;
+      const ms = median(grammar.get(key)!);
+      const forced = mode === 'noise+jf' ? `  +${(forcedPerStep.get(key)! / batch).toFixed(2)} forced tokens per sampled one` : '';
+      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(8)} grammar ${ms.toFixed(3).padStart(8)} ms/step  `
+        + `${(ms * 1000 / batch).toFixed(0).padStart(5)} µs/token  ${(100 * ms / decodeMs).toFixed(1).padStart(5)}% of the decode step${forced}`);
+    }
+  }
+}
+
+// ---- jump-forward in the engine: B guided requests on the 110M model, off vs on
+
+const jfBatch = Number(args['jf-batch']);
+const builtin = vocabs.find((v) => v.label.startsWith('32k'));
+if (builtin !== undefined && jfBatch > 0) {
+  const grammarRuntime = await GrammarRuntime.create(modelTokenizer, model.config.vocabSize);
+  const run = (jumpForward: boolean, temperature: number, compact: boolean) => {
+    const core = new EngineCore({
+      backend, tokenizer: modelTokenizer, maxNumSeqs: maxBatch, maxNumBatchedTokens: Math.max(2048, maxBatch * 16),
+      maxModelLen: model.config.contextLength, now: engineNow, grammar: () => grammarRuntime, jumpForward,
+    });
+    for (let i = 0; i < jfBatch; i++) {
+      core.add({
+        id: `jf${nextId++}`, priority: 0, arrivalMs: engineNow(),
+        promptTokenIds: modelTokenizer.encode(`Describe person number ${i} as JSON.`),
+        sampling: { ...DEFAULT_SAMPLING, temperature, seed: 100 + i, maxTokens: 256,
+          guided: { kind: 'json_schema', schema: JSON.stringify(SCHEMA), compact } },
+      });
+    }
+    let tokens = 0;
+    let steps = 0;
+    let valid = 0;
+    const texts = new Map<string, string>();
+    const start = performance.now();
+    for (; core.hasWork && steps < 4096; steps++) {
+      for (const output of core.step()) {
+        tokens += output.newTokenIds.length;
+        texts.set(output.requestId, (texts.get(output.requestId) ?? '') + output.textDelta);
+        if (output.finishReason === 'stop') {
+          try {
+            JSON.parse(texts.get(output.requestId)!);
+            valid++;
+          } catch { /* counted as not valid */ }
+        }
+      }
+    }
+    return { ms: performance.now() - start, tokens, steps, forced: core.forcedTokens, valid };
+  };
+  console.log(`jump-forward in the engine: ${jfBatch} requests (bounded JSON schema, max 256 tokens) on ${file.label}; median of ${ROUNDS}`);
+  for (const [temperature, compact] of [[0, false], [1, false], [0, true], [1, true]] as const) {
+    const results = new Map<boolean, ReturnType<typeof run>[]>([[false, []], [true, []]]);
+    for (let round = 0; round < ROUNDS; round++) for (const jf of [false, true]) results.get(jf)!.push(run(jf, temperature, compact));
+    for (const jf of [false, true]) {
+      const list = results.get(jf)!;
+      const ms = median(list.map((r) => r.ms));
+      const last = list.at(-1)!;
+      console.log(`  T=${temperature} ${compact ? 'compact JSON' : 'any whitespace'} jump-forward ${jf ? 'on ' : 'off'}: ${last.tokens} tokens (${last.forced} forced, `
+        + `${(100 * last.forced / last.tokens).toFixed(0)}%), ${last.steps} steps, ${last.valid}/${jfBatch} valid JSON; `
+        + `${ms.toFixed(0)} ms, ${(1000 * ms / last.tokens).toFixed(0)} µs per output token`);
     }
   }
 }

@@ -155,48 +155,70 @@ function readVllmGuided(fields: Fields): GuidedRequest[] {
   return found;
 }
 
-/** The one guided-decoding constraint a request sets, if any; two at once is a 400 naming the second. */
+/**
+ * The one guided-decoding constraint a request sets, if any; two at once is a 400 naming the second. vLLM's
+ * structured_outputs.disable_any_whitespace makes JSON compact (no whitespace but a space after ',' and ':').
+ */
 export function readGuided(fields: Fields): GuidedRequest | undefined {
   const found = [readResponseFormat(fields), ...readVllmGuided(fields)].filter((g): g is GuidedRequest => g !== undefined);
   if (found.length > 1) {
     throw new InvalidValueError(found[1]!.param, `only one output constraint may be given; ${found[0]!.param} is set already.`);
   }
-  return found[0];
+  const guided = found[0];
+  const compact = fields.fields('structured_outputs')?.boolean('disable_any_whitespace') ?? false;
+  if (guided && compact && (guided.spec.kind === 'json_schema' || guided.spec.kind === 'json_object')) {
+    return { ...guided, spec: { ...guided.spec, compact: true } };
+  }
+  return guided;
 }
 
 /**
- * Compiles guided requests' grammars (without a vocabulary) on the gateway's XGrammar, loaded on first use. A
- * grammar XGrammar refuses is a 400 naming the field; a module that aborted on it is replaced for the next request.
+ * Compiles guided requests' grammars (without a vocabulary) on the gateway's XGrammar instance, started on first use.
+ * A grammar XGrammar refuses is a 400 naming the field. Such a refusal aborts the instance, so the next check starts
+ * a fresh one (a new instance of the module compiled once); checks run one at a time, so concurrent bad
+ * grammars never hold more than one instance between them, and verdicts are remembered by grammar (bounded), so a
+ * repeated bad grammar is refused without touching XGrammar.
  */
 export class GuidedChecker {
   private xg: Promise<XGrammar> | undefined;
-  /** Grammars already found good (by source), so a repeated schema costs a map lookup. */
-  private readonly known = new Set<string>();
+  /** Verdicts by grammar source: undefined for good, XGrammar's message for bad; oldest first. */
+  private readonly verdicts = new Map<string, string | undefined>();
+  /** The check in progress (each waits for the one before it). */
+  private queue: Promise<unknown> = Promise.resolve();
+  static readonly MAX_VERDICTS = 4096;
 
   async check(guided: GuidedRequest): Promise<void> {
     const source = grammarSource(guided.spec);
     const key = JSON.stringify(source);
-    if (this.known.has(key)) return;
-    this.xg ??= XGrammar.load();
+    if (!this.verdicts.has(key)) {
+      const run = this.queue.then(() => this.verdicts.has(key) ? undefined : this.compile(key, source, guided.param));
+      this.queue = run.catch(() => {});
+      await run;
+    }
+    const verdict = this.verdicts.get(key);
+    if (verdict !== undefined) throw new InvalidValueError(guided.param, verdict);
+  }
+
+  /** Compiles one grammar and records the verdict; throws only when XGrammar itself is unavailable. */
+  private async compile(key: string, source: ReturnType<typeof grammarSource>, param: string): Promise<void> {
     let xg: XGrammar;
     try {
+      this.xg ??= XGrammar.load();
       xg = await this.xg;
     } catch (error) {
       this.xg = undefined;
-      throw new UnsupportedFieldError(guided.param, `guided decoding is unavailable: ${(error as Error).message}`);
+      throw new UnsupportedFieldError(param, `guided decoding is unavailable: ${(error as Error).message}`);
     }
-    if (!xg.usable) {
-      this.xg = XGrammar.load();
-      xg = await this.xg;
-    }
+    let verdict: string | undefined;
     try {
       parseGrammar(xg, source);
     } catch (error) {
-      if (!xg.usable) this.xg = undefined;
-      if (error instanceof GrammarError) throw new InvalidValueError(guided.param, `${error.message}`);
-      throw error;
+      if (!(error instanceof GrammarError)) throw error;
+      verdict = error.message;
+    } finally {
+      if (!xg.usable) this.xg = undefined; // aborted: dropped, the next compile starts a fresh instance
     }
-    if (this.known.size >= 4096) this.known.clear();
-    this.known.add(key);
+    if (this.verdicts.size >= GuidedChecker.MAX_VERDICTS) this.verdicts.delete(this.verdicts.keys().next().value!);
+    this.verdicts.set(key, verdict);
   }
 }

@@ -98,6 +98,7 @@ function readToolChoice(fields: Fields): ToolChoice | undefined {
 }
 
 const ANY_OBJECT = { type: 'object' };
+const NO_CALLS: ParsedOutput = { content: null, calls: [] };
 
 /**
  * The grammar "required" and named choices decode under (vLLM's): a named choice's output is the arguments object
@@ -153,8 +154,11 @@ export function toolCallMarker(parser: ToolCallParserName): string {
   }
 }
 
-/** One call object ({"name", "arguments" | "parameters"}) as a ParsedCall, or null if it is not one. */
-function toCall(value: unknown): ParsedCall | null {
+/**
+ * One call object ({"name", "arguments" | "parameters"}) as a ParsedCall, or null if it is not one. Object arguments
+ * keep the text the model wrote (`raw`: the scanned call, see scanToolCalls), as streaming sends it.
+ */
+function toCall(value: unknown, raw: ScannedCall | undefined): ParsedCall | null {
   if (!isJsonObject(value) || typeof value.name !== 'string' || value.name === '') return null;
   const args = value.arguments ?? value.parameters ?? {};
   if (typeof args === 'string') {
@@ -166,7 +170,99 @@ function toCall(value: unknown): ParsedCall | null {
     return { name: value.name, arguments: args };
   }
   if (!isJsonObject(args)) return null;
-  return { name: value.name, arguments: JSON.stringify(args) };
+  const text = raw?.argsDone && raw.name === value.name ? raw.args : undefined;
+  return { name: value.name, arguments: text ?? JSON.stringify(args) };
+}
+
+/** A tool-call object found in (possibly partial) output text. */
+export interface ScannedCall {
+  /** The name, once its string is complete. */
+  name: string | undefined;
+  /**
+   * The arguments as far as written: an object's text from its '{' as the model wrote it (partial until argsDone),
+   * or a string's value once the string is complete.
+   */
+  args: string;
+  argsDone: boolean;
+  /** The call object is closed. */
+  done: boolean;
+}
+
+const ARGUMENT_KEYS = new Set(['arguments', 'parameters']);
+
+/**
+ * The tool-call objects in JSON text that may still be growing: the objects at depth 1, or at depth 2 inside a
+ * top-level array ("required"'s array, Mistral's list); text between them at depth 0 (tags, separators) is skipped.
+ * Scanning a longer text of the same prefix only extends what a shorter one found, so a stream can send each
+ * call's name once it is complete and its arguments piece by piece.
+ */
+export function scanToolCalls(text: string): ScannedCall[] {
+  const calls: ScannedCall[] = [];
+  const stack: string[] = [];
+  let call: ScannedCall | undefined;
+  let callDepth = 0;
+  /** Within the call object: 'key' (expecting a key), 'colon', 'value' (expecting or inside a value). */
+  let expecting: 'key' | 'colon' | 'value' = 'key';
+  let key = '';
+  let argsStart = -1;
+  const n = text.length;
+  for (let i = 0; i < n; i++) {
+    const c = text[i]!;
+    if (c === '"') {
+      let end = i + 1;
+      while (end < n && text[end] !== '"') end += text[end] === '\\' ? 2 : 1;
+      if (end >= n) break; // the string is still being written
+      const atMembers = call !== undefined && stack.length === callDepth;
+      if (atMembers && expecting === 'key') {
+        key = parseJsonString(text.slice(i, end + 1)) ?? '';
+        expecting = 'colon';
+      } else if (atMembers && expecting === 'value') {
+        const value = parseJsonString(text.slice(i, end + 1));
+        if (key === 'name' && value !== undefined) call!.name = value;
+        else if (ARGUMENT_KEYS.has(key) && value !== undefined) {
+          call!.args = value;
+          call!.argsDone = true;
+        }
+      }
+      i = end;
+      continue;
+    }
+    if (c === '{' || c === '[') {
+      stack.push(c);
+      if (call === undefined && c === '{' && (stack.length === 1 || (stack.length === 2 && stack[0] === '['))) {
+        call = { name: undefined, args: '', argsDone: false, done: false };
+        calls.push(call);
+        callDepth = stack.length;
+        expecting = 'key';
+      } else if (call !== undefined && stack.length === callDepth + 1 && expecting === 'value' && ARGUMENT_KEYS.has(key) && c === '{') {
+        argsStart = i;
+      }
+      continue;
+    }
+    if (c === '}' || c === ']') {
+      stack.pop();
+      if (call !== undefined && stack.length === callDepth && argsStart >= 0) {
+        call.args = text.slice(argsStart, i + 1);
+        call.argsDone = true;
+        argsStart = -1;
+      } else if (call !== undefined && stack.length === callDepth - 1) {
+        call.done = true;
+        call = undefined;
+      }
+      continue;
+    }
+    if (call !== undefined && stack.length === callDepth) {
+      if (c === ':' && expecting === 'colon') expecting = 'value';
+      else if (c === ',') expecting = 'key';
+    }
+  }
+  if (call !== undefined && argsStart >= 0) call.args = text.slice(argsStart);
+  return calls;
+}
+
+function parseJsonString(literal: string): string | undefined {
+  const value = parseJson(literal);
+  return typeof value === 'string' ? value : undefined;
 }
 
 function parseJson(text: string): unknown {
@@ -187,7 +283,7 @@ export function parseToolCalls(parser: ToolCallParserName, text: string): Parsed
       const calls: ParsedCall[] = [];
       const pattern = /<tool_call>\s*([\s\S]*?)\s*(?:<\/tool_call>|$)/g;
       for (const match of text.slice(start).matchAll(pattern)) {
-        const call = toCall(parseJson(match[1]!));
+        const call = toCall(parseJson(match[1]!), scanToolCalls(match[1]!)[0]);
         if (!call) return plain;
         calls.push(call);
       }
@@ -196,9 +292,11 @@ export function parseToolCalls(parser: ToolCallParserName, text: string): Parsed
     case 'mistral': {
       const start = text.indexOf('[TOOL_CALLS]');
       if (start < 0) return plain;
-      const value = parseJson(text.slice(start + '[TOOL_CALLS]'.length).trim());
+      const rest = text.slice(start + '[TOOL_CALLS]'.length).trim();
+      const value = parseJson(rest);
       const items = Array.isArray(value) ? value : [value];
-      const calls = items.map(toCall);
+      const scanned = scanToolCalls(rest);
+      const calls = items.map((item, i) => toCall(item, scanned[i]));
       if (calls.length === 0 || calls.some((c) => c === null)) return plain;
       return { content: contentBefore(text, start), calls: calls as ParsedCall[] };
     }
@@ -208,7 +306,7 @@ export function parseToolCalls(parser: ToolCallParserName, text: string): Parsed
       if (!body.startsWith('{')) return plain;
       const calls: ParsedCall[] = [];
       for (const piece of splitJsonObjects(body)) {
-        const call = toCall(parseJson(piece));
+        const call = toCall(parseJson(piece), scanToolCalls(piece)[0]);
         if (!call) return plain;
         calls.push(call);
       }
@@ -278,13 +376,19 @@ interface ToolChoiceState {
   holding: boolean;
   /** Streaming, named: the call's id once its first chunk is out. */
   callId?: string;
+  /** Streaming, required and auto: where the calls' JSON starts in text (-1: not yet), and the calls sent so far. */
+  callsFrom: number;
+  sent: { id: string; name: string; args: string }[];
 }
 
 /**
  * Chat completions with tools. Named: the output is the arguments (streamed as argument pieces). Required: the
- * output is a JSON array of {name, parameters}, parsed at the end. Auto: content streams until the parser's marker
- * appears (text that could begin it is held back), the rest is parsed at the end. Choices with calls end with
- * finish_reason "tool_calls".
+ * output is a JSON array of {name, parameters}. Auto: content streams until the parser's marker appears (text that
+ * could begin it is held back), the calls follow it. Required and auto calls stream as OpenAI's do: a call's first
+ * delta carries its index, id and name once the name is written, then its arguments come in fragments as written
+ * (scanToolCalls); the finished output is parsed at the end, and whatever of the calls had not gone out yet follows.
+ * A call's arguments are the text the model wrote, streamed or not. Choices with calls end with finish_reason
+ * "tool_calls".
  */
 export class ToolChatShape implements ResponseShape {
   private readonly choices: ToolChoiceState[];
@@ -303,7 +407,7 @@ export class ToolChatShape implements ResponseShape {
       : choice.kind === 'required' ? { kind: 'required' } : { kind: 'auto', parser };
     this.choices = Array.from({ length: choiceCount }, () => ({
       text: '', logprobs: topLogprobs === null ? null : [], finishReason: null, stopReason: null, sentContent: 0,
-      holding: this.mode.kind !== 'auto',
+      holding: this.mode.kind !== 'auto', callsFrom: this.mode.kind === 'required' ? 0 : -1, sent: [],
     }));
   }
 
@@ -319,7 +423,8 @@ export class ToolChatShape implements ResponseShape {
         return { content: null, calls: [{ name: this.mode.name, arguments: text }] };
       case 'required': {
         const value = parseJson(text);
-        const calls = Array.isArray(value) ? value.map(toCall) : [];
+        const scanned = scanToolCalls(text);
+        const calls = Array.isArray(value) ? value.map((item, i) => toCall(item, scanned[i])) : [];
         if (calls.length === 0 || calls.some((c) => c === null)) return { content: text, calls: [] };
         return { content: null, calls: calls as ParsedCall[] };
       }
@@ -362,9 +467,11 @@ export class ToolChatShape implements ResponseShape {
       let sendUpTo: number;
       if (at >= 0) {
         state.holding = true;
+        state.callsFrom = at + marker.length;
         sendUpTo = at;
       } else if (this.mode.parser === 'llama3_json' && state.text.trimStart().startsWith('{')) {
         state.holding = true;
+        state.callsFrom = state.text.indexOf('{');
         sendUpTo = state.sentContent;
       } else {
         sendUpTo = state.text.length - heldSuffix(state.text, marker, this.mode.parser === 'llama3_json');
@@ -377,27 +484,55 @@ export class ToolChatShape implements ResponseShape {
         delta({ content: '' }, logprobs);
       }
     }
+    // The calls as they are written: each name once complete, then its arguments piece by piece.
+    if (state.callsFrom >= 0) {
+      for (const piece of this.callPieces(state, scanToolCalls(state.text.slice(state.callsFrom)))) delta(piece);
+    }
     if (update.finishReason) {
-      let calls = 0;
+      let calls = state.sent.length;
       if (state.holding) {
         const held = state.text.slice(state.sentContent);
-        const parsed = this.result(this.mode.kind === 'auto' ? state.text : held);
+        const parsed = update.finishReason === 'stop' ? this.result(this.mode.kind === 'auto' ? state.text : held) : NO_CALLS;
         if (parsed.calls.length === 0) {
-          if (held) delta({ content: held });
+          // A cut-off or malformed call: what was not sent as calls goes out as content.
+          if (state.sent.length === 0 && held) delta({ content: held });
         } else {
           if (this.mode.kind === 'auto' && parsed.content !== null) {
             const unsent = parsed.content.slice(state.sentContent);
             if (unsent.trim()) delta({ content: unsent });
           }
-          parsed.calls.forEach((call, i) => delta({ tool_calls: [{
-            index: i, id: newToolCallId(), type: 'function', function: { name: call.name, arguments: call.arguments },
-          }] }));
-          calls = parsed.calls.length;
+          const finished = parsed.calls.map((call): ScannedCall => ({ name: call.name, args: call.arguments, argsDone: true, done: true }));
+          for (const piece of this.callPieces(state, finished)) delta(piece);
+          calls = state.sent.length;
         }
       }
       chunks.push(this.finishChunk(update, calls, usage));
     }
     return chunks;
+  }
+
+  /**
+   * The stream pieces that bring the sent calls up to `calls`: a new call's first piece carries its index, id, type
+   * and name (OpenAI's shape, arguments ""), later ones an arguments fragment. Calls go out in order, each once its
+   * name is known.
+   */
+  private callPieces(state: ToolChoiceState, calls: readonly ScannedCall[]): object[] {
+    const pieces: object[] = [];
+    for (let index = 0; index < calls.length; index++) {
+      const call = calls[index]!;
+      let sent = state.sent[index];
+      if (sent === undefined) {
+        if (call.name === undefined || index !== state.sent.length) break;
+        sent = { id: newToolCallId(), name: call.name, args: '' };
+        state.sent.push(sent);
+        pieces.push({ tool_calls: [{ index, id: sent.id, type: 'function', function: { name: call.name, arguments: '' } }] });
+      }
+      if (call.args.length > sent.args.length && call.args.startsWith(sent.args)) {
+        pieces.push({ tool_calls: [{ index, function: { arguments: call.args.slice(sent.args.length) } }] });
+        sent.args = call.args;
+      }
+    }
+    return pieces;
   }
 
   private finishChunk(update: ChoiceUpdate, calls: number, usage: WireUsage | null | undefined): object {

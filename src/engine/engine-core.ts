@@ -44,6 +44,11 @@ export interface EngineCoreOptions {
    * then refused). worker-main.ts loads them before it adds the first guided request.
    */
   grammar?: () => GrammarRuntime | undefined;
+  /**
+   * Jump-forward decoding for guided requests (default on): text the grammar forces after a sampled token is
+   * appended as tokens without sampling and computed in the next step with it (see GuidedSequence.forcedTokens).
+   */
+  jumpForward?: boolean;
 }
 
 /** A prefill worker's pool as a decode worker reads it: shared memory, named for the stats. */
@@ -77,7 +82,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       maxModelLen: options.maxModelLen, eosTokenIds: tokenizer.stopTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
-      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined)),
+      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? true),
       text: { open: (sampling) => IncrementalDetokenizer.forRequest(tokenizer, sampling) },
     });
     this.backend = backend;
@@ -241,7 +246,8 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
    * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
    * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
-   * A model that follows the grammar then costs one advance per token instead of a mask.
+   * A model that follows the grammar then costs one advance per token instead of a mask. Skipping the draw (after
+   * repeated refusals) is exact too: the masked row is what either path draws from.
    */
   private guidedDrawFirst(sequence: SequenceSampler): boolean {
     const { params } = sequence;
@@ -263,11 +269,21 @@ export class EngineCore extends StepCore<SequenceSampler> {
         sampled = this.sampler.sampleRow(values, sequence);
       } else {
         let accepted = false;
-        if (this.guidedDrawFirst(sequence)) {
+        if (guided.skipDraws > 0) {
+          guided.skipDraws--;
+        } else if (this.guidedDrawFirst(sequence)) {
           // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
           sampled = this.sampler.sampleRow(values, sequence);
           accepted = guided.accept(sampled.tokenId);
-          if (!accepted) sequence.unrecordOutputToken(sampled.tokenId);
+          if (accepted) {
+            guided.refusedRun = 0;
+          } else {
+            sequence.unrecordOutputToken(sampled.tokenId);
+            // After k refusals in a row, the next k - 1 tokens (at most 7) go straight to the mask: an isolated
+            // refusal costs nothing more, a row the grammar keeps refusing is tried again ever more rarely.
+            guided.refusedRun++;
+            guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
+          }
         }
         if (!accepted) {
           // The grammar's mask first (the logits buffer is this step's own), then the request's own processing.
@@ -290,8 +306,13 @@ export class EngineCore extends StepCore<SequenceSampler> {
   }
 }
 
+const NO_TOKENS: readonly number[] = [];
+/** Most guided tokens sampled straight from the masked row after repeated refusals (see sampleRows). */
+const MAX_SKIPPED_DRAWS = 7;
+
 /** Tokens from the model: one seeded sampler per completion (see sampler.ts), resumable from a handoff. */
-function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined): TokenSource<SequenceSampler> {
+function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined,
+  jumpForward: boolean): TokenSource<SequenceSampler> {
   /** A guided request's completions each get a matcher at the start of the output. */
   const attachGrammar = (request: EngineRequest, samplers: SequenceSampler[]): void => {
     const spec = request.sampling.guided;
@@ -340,6 +361,16 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
     handoffSeed: () => drawRandomSeed(),
     handoffState: (request, sampler) => ({ seed: request.sampling.seed!, rngState: sampler.rngState() }),
     close: (sampler) => sampler.guided?.dispose(),
+    // Not with logprobs: a forced token has no distribution to report.
+    ...(jumpForward ? {
+      forced: (sampler: SequenceSampler): readonly number[] => {
+        const guided = sampler.guided;
+        if (guided === undefined || sampler.params.logprobs !== null || guided.isTerminated) return NO_TOKENS;
+        const tokens = guided.forcedTokens();
+        for (const tokenId of tokens) sampler.recordOutputToken(tokenId);
+        return tokens;
+      },
+    } : {}),
   };
 }
 

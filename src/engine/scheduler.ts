@@ -330,13 +330,43 @@ export class Scheduler {
     if (preempted.length > 0) this.running = this.running.filter((sequence) => sequence.status === 'running');
 
     // 2. Waiting sequences. Not after a preemption: the room just freed would readmit the victim at once.
+    // Under priority and deadline, a waiting sequence that finds no seat or no room takes them from the running
+    // sequence ranked last, if it ranks strictly before it (that one is preempted); admission then stops before
+    // anyone not ranked before every such victim, which would otherwise take the room back.
     let numAdmitted = 0;
     if (preempted.length === 0) {
-      for (const sequence of this.waiting) {
-        if (tokenBudget === 0 || this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
+      const preemptive = this.policy !== 'fcfs';
+      /** The best-ranked sequence preempted for a waiting one: admission stops at it. */
+      let bound: Sequence | null = null;
+      const makeRoom = (sequence: Sequence): boolean => {
+        if (!preemptive) return false;
+        const victim = this.lastRankedRunningOrNull();
+        if (victim === null || this.order(sequence, victim) >= 0) return false;
+        const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
+        if (victimEntry !== undefined) {
+          victimEntry.cancelled = true;
+          tokenBudget += victimEntry.numNewTokens;
+        }
+        this.preempt(victim);
+        preempted.push(victim);
+        if (bound === null || this.order(victim, bound) < 0) bound = victim;
+        return true;
+      };
+      for (let at = 0; at < this.waiting.length; at++) {
+        const sequence = this.waiting[at]!;
+        if (tokenBudget === 0 || (bound !== null && this.order(sequence, bound) >= 0)) break;
+        while (this.runningSeats + sequence.numSeats > this.maxNumSeqs && makeRoom(sequence));
+        if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
         const prefix = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds);
         const numNewTokens = this.chunkSize(sequence.numTokens - prefix.numTokens, tokenBudget);
-        if (this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) === null) break;
+        let fits = this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) !== null;
+        // Only when the victims' blocks could be enough: nobody is preempted for a request that would wait anyway.
+        if (!fits && preemptive && this.reclaimableFor(sequence) >= this.kv.blocksFor(prefix.numTokens + numNewTokens) - prefix.blocks.length) {
+          while (!fits && makeRoom(sequence)) {
+            fits = this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) !== null;
+          }
+        }
+        if (!fits) break;
         const copy = sequence.blockTable.pendingCopy;
         if (copy !== null) {
           blockCopies.push(copy);
@@ -356,7 +386,9 @@ export class Scheduler {
         tokenBudget -= numNewTokens;
         numAdmitted++;
       }
+      // The admitted are the queue's first numAdmitted: a victim ranks after every one of them.
       this.waiting.splice(0, numAdmitted);
+      if (preempted.length > 0) this.running = this.running.filter((sequence) => sequence.status === 'running');
     }
 
     return this.finishPlan(nowMs, entries, preempted, numAdmitted, blockCopies);
@@ -490,6 +522,38 @@ export class Scheduler {
       finishReason: sequence.finishReason, stopReason: sequence.stopReason,
     });
     return stop !== null;
+  }
+
+  /**
+   * Appends tokens no one sampled to a running sequence that was just given one (jump-forward: text a grammar
+   * forces), checking the stop conditions after each; the next step computes them with the token before them, as a
+   * prompt chunk. Call after updateFromOutput and before the next schedule. Returns how many were appended (fewer
+   * when one ends the sequence) and how the sequence ended, if it did; a finished request is forgotten.
+   */
+  appendTokens(requestId: string, index: number, tokenIds: readonly number[], nowMs: number): SequenceOutput & { numAppended: number } {
+    const request = this.requests.get(requestId);
+    const sequence = request?.sequences[index];
+    if (request === undefined || sequence === undefined || sequence.status !== 'running' || this.outstandingPlan !== null) {
+      throw new Error(`cannot append tokens to ${requestId}/${index} now`);
+    }
+    let numAppended = 0;
+    let stop: ReturnType<typeof checkStop> = null;
+    for (const tokenId of tokenIds) {
+      if (!Number.isInteger(tokenId) || tokenId < 0) throw new RangeError(`token id ${tokenId} is not a token id`);
+      sequence.appendToken(tokenId);
+      numAppended++;
+      stop = checkStop(sequence, this.eosTokenIds, this.maxModelLen);
+      if (stop !== null) break;
+    }
+    if (stop !== null) {
+      this.finishSequence(sequence, stop.reason, stop.stopReason);
+      this.running = this.running.filter((s) => s.status === 'running');
+      if (stopIfFinished(request, nowMs)) this.requests.delete(requestId);
+    }
+    return {
+      requestId, index, newTokenIds: tokenIds.slice(0, numAppended), finishReason: sequence.finishReason,
+      stopReason: sequence.stopReason, numAppended,
+    };
   }
 
   /** Forgets a plan whose forward pass failed (or that was empty): nothing it scheduled counts as computed. */
@@ -723,11 +787,25 @@ export class Scheduler {
   }
 
   private lastRankedRunning(): Sequence {
+    const victim = this.lastRankedRunningOrNull();
+    if (victim === null) throw new Error('no running sequence to preempt');
+    return victim;
+  }
+
+  /** Free blocks plus those of the running sequences ranked after `sequence` (an upper bound: some may be shared). */
+  private reclaimableFor(sequence: Sequence): number {
+    let blocks = this.kv.numFreeBlocks;
+    for (const other of this.running) {
+      if (other.status === 'running' && this.order(sequence, other) < 0) blocks += other.blockTable.blocks.length;
+    }
+    return blocks;
+  }
+
+  private lastRankedRunningOrNull(): Sequence | null {
     let victim: Sequence | null = null;
     for (const sequence of this.running) {
       if (sequence.status === 'running' && (victim === null || this.order(sequence, victim) > 0)) victim = sequence;
     }
-    if (victim === null) throw new Error('no running sequence to preempt');
     return victim;
   }
 

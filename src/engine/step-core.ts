@@ -34,6 +34,12 @@ export interface TokenSource<T> {
   handoffState(request: Request, state: T): KvHandoff['sampler'];
   /** The request left this worker (finished, aborted, handed off): what its states hold outside the JS heap goes. */
   close?(state: T): void;
+  /**
+   * Tokens the completion must produce next whatever is sampled (jump-forward: text its grammar forces), after the
+   * token just given; the state has already advanced over them. They are appended without sampling and computed
+   * together in the next step. None when absent.
+   */
+  forced?(state: T): readonly number[];
 }
 
 /** One completion's text: token ids in, text out, stop strings checked and held back until decided. */
@@ -118,6 +124,8 @@ export class StepCore<T> {
    * kept until the request is adopted, recomputed or aborted.
    */
   private readonly prefixHolds = new Map<string, KvPin>();
+  /** Tokens appended without sampling (TokenSource.forced) since start. */
+  private numForcedTokens = 0;
 
   constructor(options: StepCoreOptions<T>) {
     this.kvLayout = options.kvLayout;
@@ -235,7 +243,16 @@ export class StepCore<T> {
     for (const out of result.outputs) {
       const state = this.states.get(out.requestId);
       if (!state) continue;
-      const emitted = this.emitToken(state, out.index, out.newTokenIds[0]!, out.finishReason, out.stopReason,
+      let { newTokenIds, finishReason, stopReason } = out;
+      // Forced tokens follow the sampled one in the same output (a request to hand off leaves with one token).
+      const forced = finishReason === null && !state.handoff ? this.tokenSource.forced?.(state.tokens[out.index]!) : undefined;
+      if (forced !== undefined && forced.length > 0) {
+        const appended = this.scheduler.appendTokens(out.requestId, out.index, forced, endMs);
+        newTokenIds = [...newTokenIds, ...appended.newTokenIds];
+        ({ finishReason, stopReason } = appended);
+        this.numForcedTokens += appended.numAppended;
+      }
+      const emitted = this.emitTokens(state, out.index, newTokenIds, finishReason, stopReason,
         logprobs?.get(rowKey(out.requestId, out.index)), endMs);
       emitted.step = step;
       outputs.push(emitted);
@@ -262,23 +279,31 @@ export class StepCore<T> {
     return [...ids].flatMap((id) => this.abortRequest(id, nowMs, 'error', message));
   }
 
-  /** Detokenizes one token, applies stop strings, and shapes the output. */
-  private emitToken(state: RequestState<T>, index: number, tokenId: number, finish: FinishReason | null,
+  /**
+   * Detokenizes a step's tokens of one completion (the sampled one, then any forced ones), applies stop strings,
+   * and shapes the output. A stop string ends it at the token that completes it.
+   */
+  private emitTokens(state: RequestState<T>, index: number, tokenIds: readonly number[], finish: FinishReason | null,
     stopTokenId: number | null, logprob: TokenLogprob | undefined, nowMs: number): EngineOutput {
     const { request } = state;
     const text = state.texts[index]!;
     let delta = '';
     let finishReason: FinishReason | undefined = finish ?? undefined;
     let stopReason: string | number | undefined = stopTokenId ?? undefined;
-    // A stop token's own text is left out unless asked for, as vLLM does.
-    const endsOnStopToken = finish === 'stop' && stopTokenId === tokenId;
-    if (!endsOnStopToken || request.sampling.includeStopStrInOutput) {
+    let emitted = tokenIds.length;
+    for (let i = 0; i < tokenIds.length; i++) {
+      const tokenId = tokenIds[i]!;
+      // A stop token's own text is left out unless asked for, as vLLM does.
+      const endsOnStopToken = finish === 'stop' && stopTokenId === tokenId && i === tokenIds.length - 1;
+      if (endsOnStopToken && !request.sampling.includeStopStrInOutput) break;
       const piece = text.push(tokenId);
       delta += piece.delta;
       if (piece.stopped !== undefined) {
         finishReason = 'stop';
         stopReason = piece.stopped;
-        this.scheduler.finish(request.id, 'stop', { index, nowMs });
+        emitted = i + 1;
+        if (!request.isFinished) this.scheduler.finish(request.id, 'stop', { index, nowMs });
+        break;
       }
     }
     if (finishReason !== undefined && !text.done) {
@@ -286,7 +311,8 @@ export class StepCore<T> {
       delta += tail.delta;
       if (tail.stopped !== undefined) stopReason = tail.stopped;
     }
-    return output(request, index, [tokenId], delta, { finishReason, stopReason, logprobs: logprob ? [logprob] : undefined });
+    return output(request, index, emitted === tokenIds.length ? tokenIds.slice() : tokenIds.slice(0, emitted), delta,
+      { finishReason, stopReason, logprobs: logprob ? [logprob] : undefined });
   }
 
   // -------------------------------------------------------------------------------------------------------------
@@ -300,6 +326,11 @@ export class StepCore<T> {
   /** The decode worker has the blocks (or gave up on them): unpin them. False if nothing was pinned for the request. */
   releaseHandoff(requestId: string): boolean {
     return this.handoffs.release(requestId);
+  }
+
+  /** Tokens appended without sampling since start (jump-forward over text a grammar forces). */
+  get forcedTokens(): number {
+    return this.numForcedTokens;
   }
 
   /** Handed-off requests whose blocks are still pinned here. */

@@ -37,11 +37,12 @@ export interface SamplingParams {
 
 /**
  * What a guided output must match. json_schema.schema is the schema's JSON text; a choice is one of the strings
- * exactly; grammar is XGrammar's EBNF (root rule `root`); regex is matched whole.
+ * exactly; grammar is XGrammar's EBNF (root rule `root`); regex is matched whole. JSON is compact when asked (no
+ * whitespace but one space after ',' and ':'), else any whitespace between elements (bounded).
  */
 export type GuidedDecoding =
-  | { kind: 'json_object' }
-  | { kind: 'json_schema'; schema: string }
+  | { kind: 'json_object'; compact?: boolean }
+  | { kind: 'json_schema'; schema: string; compact?: boolean }
   | { kind: 'regex'; pattern: string }
   | { kind: 'choice'; choices: string[] }
   | { kind: 'grammar'; ebnf: string };

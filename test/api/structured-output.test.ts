@@ -99,6 +99,28 @@ describe('structured outputs (response_format, guided_*)', () => {
     assertPerson(JSON.parse(json.json().choices[0].text));
   });
 
+  it('structured_outputs.disable_any_whitespace: compact JSON (a space after , and : only), still fitting the schema', E2E, async () => {
+    for (const [seed, temperature] of [[1, 0], [2, 1]] as const) {
+      const response = await post('/v1/chat/completions', {
+        model, messages, seed, temperature, max_tokens: 200,
+        structured_outputs: { json: PERSON_SCHEMA, disable_any_whitespace: true },
+      });
+      assert.equal(response.status, 200, response.text);
+      const text = response.json().choices[0].message.content as string;
+      const value = JSON.parse(text);
+      assertPerson(value);
+      // Outside its strings (which may escape characters either way), the text is the value re-serialized with
+      // those separators.
+      const skeleton = (json: string) => json.replace(/"(?:[^"\\]|\\.)*"/g, '""');
+      assert.equal(skeleton(text), skeleton(JSON.stringify(value)).replace(/[,:]/g, '$& '));
+    }
+    const bad = await post('/v1/chat/completions', {
+      model, messages, max_tokens: 4, response_format: { type: 'json_object' }, structured_outputs: { disable_any_whitespace: 'yes' },
+    });
+    assert.equal(bad.status, 400, bad.text);
+    assert.equal(bad.json().error.param, 'structured_outputs.disable_any_whitespace');
+  });
+
   it('n > 1: every completion follows the grammar', E2E, async () => {
     const response = await post('/v1/chat/completions', {
       model, messages, n: 2, seed: 9, temperature: 1, max_tokens: 200, guided_json: PERSON_SCHEMA,

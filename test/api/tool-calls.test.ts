@@ -5,7 +5,8 @@ import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import OpenAI from 'openai';
 import { makeParseableResponseFormat } from 'openai/lib/parser';
-import { detectToolCallParser, parseToolCalls } from '../../src/api/tool-calls.ts';
+import { detectToolCallParser, parseToolCalls, scanToolCalls, ToolChatShape, type ToolCallParserName, type ToolsRequest } from '../../src/api/tool-calls.ts';
+import type { TokenTexts } from '../../src/api/openai-format.ts';
 import { ChatTemplate } from '../../src/model/chat-template.ts';
 import { rawRequest } from './http-client.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
@@ -20,7 +21,7 @@ describe('tool-call parsers on model outputs', () => {
     const parsed = parseToolCalls('hermes', text);
     assert.equal(parsed.content, 'Let me check.');
     assert.deepEqual(parsed.calls, [
-      { name: 'get_weather', arguments: '{"city":"Paris"}' }, { name: 'get_time', arguments: '{"zone":"CET"}' },
+      { name: 'get_weather', arguments: '{"city": "Paris"}' }, { name: 'get_time', arguments: '{"zone": "CET"}' },
     ]);
     // No call, or a broken one: the text stays content.
     assert.deepEqual(parseToolCalls('hermes', 'Just text.'), { content: 'Just text.', calls: [] });
@@ -29,9 +30,9 @@ describe('tool-call parsers on model outputs', () => {
 
   it('llama 3.x JSON: {"name", "parameters"} objects, optionally after <|python_tag|>, several separated by ;', () => {
     assert.deepEqual(parseToolCalls('llama3_json', '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
-      { content: null, calls: [{ name: 'get_weather', arguments: '{"city":"Oslo"}' }] });
+      { content: null, calls: [{ name: 'get_weather', arguments: '{"city": "Oslo"}' }] });
     assert.deepEqual(parseToolCalls('llama3_json', '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": "}"}}').calls,
-      [{ name: 'a', arguments: '{}' }, { name: 'b', arguments: '{"x":"}"}' }]);
+      [{ name: 'a', arguments: '{}' }, { name: 'b', arguments: '{"x": "}"}' }]);
     assert.deepEqual(parseToolCalls('llama3_json', 'The answer is {42}.'), { content: 'The answer is {42}.', calls: [] });
     assert.deepEqual(parseToolCalls('llama3_json', '{"not": "a call"}').calls, []);
   });
@@ -39,8 +40,92 @@ describe('tool-call parsers on model outputs', () => {
   it('mistral: [TOOL_CALLS] then a JSON array', () => {
     const parsed = parseToolCalls('mistral', '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "noop", "arguments": {}}]');
     assert.equal(parsed.content, null);
-    assert.deepEqual(parsed.calls, [{ name: 'get_weather', arguments: '{"city":"Rome"}' }, { name: 'noop', arguments: '{}' }]);
+    assert.deepEqual(parsed.calls, [{ name: 'get_weather', arguments: '{"city": "Rome"}' }, { name: 'noop', arguments: '{}' }]);
     assert.deepEqual(parseToolCalls('mistral', 'No tools needed.').calls, []);
+  });
+
+  it('scanning a growing text only extends what a shorter prefix found (names once complete, arguments as written)', () => {
+    const text = '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, {"x": 2}]}}, {"parameters": {"on": true}, "name": "set_flag"}]';
+    let previous = scanToolCalls('');
+    for (let end = 1; end <= text.length; end++) {
+      const calls = scanToolCalls(text.slice(0, end));
+      assert.ok(calls.length >= previous.length, `at ${end}`);
+      previous.forEach((call, i) => {
+        if (call.name !== undefined) assert.equal(calls[i]!.name, call.name, `at ${end}`);
+        assert.ok(calls[i]!.args.startsWith(call.args), `at ${end}: ${JSON.stringify(calls[i]!.args)} after ${JSON.stringify(call.args)}`);
+      });
+      previous = calls;
+    }
+    assert.deepEqual(previous, [
+      { name: 'get_weather', args: '{"city": "Pa\\"ris}", "days": [1, {"x": 2}]}', argsDone: true, done: true },
+      { name: 'set_flag', args: '{"on": true}', argsDone: true, done: true },
+    ]);
+    assert.deepEqual(scanToolCalls('{"name": "f", "arguments": "{\\"a\\": 1}"}'), [{ name: 'f', args: '{"a": 1}', argsDone: true, done: true }]);
+  });
+
+  it('auto and required calls stream argument by argument: id and name first, then fragments; assembled == parsed', () => {
+    const weather = { type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } };
+    const flag = { type: 'function', function: { name: 'set_flag', parameters: { type: 'object' } } };
+    const tools = (choice: ToolsRequest['choice']): ToolsRequest => ({
+      raw: [weather, flag], tools: [{ name: 'get_weather', parameters: { type: 'object' } }, { name: 'set_flag', parameters: { type: 'object' } }],
+      choice, parallel: true,
+    });
+    const cases: { parser: ToolCallParserName; choice: ToolsRequest['choice']; text: string; content: string | null }[] = [
+      { parser: 'hermes', choice: { kind: 'auto' }, content: 'Checking.',
+        text: 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+          + '<tool_call>\n{"name": "set_flag", "arguments": {"on": true}}\n</tool_call>' },
+      { parser: 'mistral', choice: { kind: 'auto' }, content: null,
+        text: '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "set_flag", "arguments": {}}]' },
+      { parser: 'llama3_json', choice: { kind: 'auto' }, content: null,
+        text: '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "set_flag", "parameters": {"on": false}}' },
+      { parser: 'hermes', choice: { kind: 'required' }, content: null,
+        text: '[{"name": "get_weather", "parameters": {"city": "Lima", "days": 3}}, {"name": "set_flag", "parameters": {"on": true}}]' },
+    ];
+    const meta = { id: 'chatcmpl-1', created: 0, model: 'm', systemFingerprint: 'fp' };
+    for (const c of cases) {
+      const label = `${c.parser}/${c.choice.kind}`;
+      const shape = new ToolChatShape(meta, 1, {} as TokenTexts, null, tools(c.choice), c.parser);
+      const deltas: Record<string, unknown>[] = [];
+      let finish: string | null = null;
+      // Three characters per update, as a detokenizer hands out text.
+      for (let at = 0; at < c.text.length; at += 3) {
+        const last = at + 3 >= c.text.length;
+        const chunks = shape.updateChunks({ index: 0, textDelta: c.text.slice(at, at + 3), logprobs: undefined,
+          finishReason: last ? 'stop' : null, stopReason: null, tokens: 1 }, undefined) as { choices: { delta: Record<string, unknown>; finish_reason: string | null }[] }[];
+        for (const chunk of chunks) {
+          deltas.push(chunk.choices[0]!.delta);
+          finish = chunk.choices[0]!.finish_reason ?? finish;
+        }
+      }
+      const collected = new ToolChatShape(meta, 1, {} as TokenTexts, null, tools(c.choice), c.parser);
+      collected.collect({ index: 0, textDelta: c.text, logprobs: undefined, finishReason: 'stop', stopReason: null, tokens: 1 });
+      const body = collected.body({ prompt_tokens: 1, completion_tokens: 1, total_tokens: 2, prompt_tokens_details: { cached_tokens: 0 } }) as
+        { choices: { message: { content: string | null; tool_calls: { function: { name: string; arguments: string } }[] } }[] };
+      const expected = body.choices[0]!.message.tool_calls.map((call) => ({ name: call.function.name, arguments: call.function.arguments }));
+      assert.equal(expected.length, 2, label);
+      const calls: { name: string; arguments: string }[] = [];
+      let fragments = 0;
+      let content = '';
+      for (const delta of deltas) {
+        if (typeof delta.content === 'string') content += delta.content;
+        for (const piece of (delta.tool_calls ?? []) as { index: number; id?: string; function: { name?: string; arguments: string } }[]) {
+          if (piece.id !== undefined) {
+            assert.equal(piece.index, calls.length, `${label}: calls open in order`);
+            assert.equal(piece.function.arguments, '', `${label}: the opening delta names the call`);
+            calls.push({ name: piece.function.name!, arguments: '' });
+          } else {
+            assert.ok(piece.function.name === undefined);
+            calls[piece.index]!.arguments += piece.function.arguments;
+            fragments++;
+          }
+        }
+      }
+      assert.deepEqual(calls, expected, label);
+      assert.ok(fragments > 4, `${label}: arguments in ${fragments} fragments`);
+      assert.equal(finish, 'tool_calls', label);
+      assert.equal(content === '' ? null : content.trim(), c.content, label);
+      assert.equal(body.choices[0]!.message.content, c.content, label);
+    }
   });
 
   it('the parser is chosen from the chat template', () => {
@@ -160,6 +245,31 @@ describe('tool calling through HTTP (synthetic model)', () => {
       assert.deepEqual(assembled.calls, [{ name: call.function.name, arguments: call.function.arguments }]);
     }
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+  it("required streamed through the openai client's stream helper: the call opens with its name, its arguments follow in fragments", E2E, async () => {
+    const body = { model, messages, seed: 6, temperature: 1, max_tokens: 120, tools: [WEATHER_TOOL, FLAG_TOOL],
+      tool_choice: 'required' as const, parallel_tool_calls: false };
+    const whole = await client.chat.completions.create(body);
+    assert.equal(whole.choices[0]!.finish_reason, 'tool_calls', JSON.stringify(whole.choices[0]));
+    const stream = client.chat.completions.stream(body);
+    let fragments = 0;
+    let named = false;
+    stream.on('chunk', (chunk) => {
+      for (const delta of chunk.choices[0]?.delta.tool_calls ?? []) {
+        if (delta.id !== undefined) named = true;
+        else if (delta.function?.arguments) {
+          assert.ok(named, 'arguments only after the call was named');
+          fragments++;
+        }
+      }
+    });
+    const final = await stream.finalChatCompletion();
+    const simplify = (calls: OpenAI.ChatCompletionMessageToolCall[] | undefined) =>
+      (calls ?? []).map((call) => call.type === 'function' ? { name: call.function.name, arguments: call.function.arguments } : call);
+    assert.equal(final.choices[0]!.finish_reason, 'tool_calls');
+    assert.deepEqual(simplify(final.choices[0]!.message.tool_calls), simplify(whole.choices[0]!.message.tool_calls));
+    assert.ok(fragments >= 2, `arguments in ${fragments} fragments`);
   });
 
   it('auto on a model that writes no call: the text is content, finish_reason stop or length', E2E, async () => {

@@ -2,6 +2,10 @@
 
 import assert from 'node:assert/strict';
 import { before, describe, it } from 'node:test';
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
+import { GuidedChecker } from '../../src/api/guided.ts';
+import { InvalidValueError } from '../../src/api/errors.ts';
 import { GrammarRuntime, grammarSource, parseGrammar } from '../../src/engine/grammar/runtime.ts';
 import { GrammarError, XGrammar } from '../../src/engine/grammar/xgrammar.ts';
 import { readGguf } from '../../src/model/gguf.ts';
@@ -62,6 +66,54 @@ describe('grammar runtime', () => {
     const control = allowedIds(guided).filter((id) => tokenizer.tokenBytes(id).some((b) => b < 0x20 && b !== 0x0a && b !== 0x0d));
     assert.deepEqual(control, []);
     guided.dispose();
+  });
+
+  it('forcedTokens: the forced text as vocabulary tokens, accepted, its last piece left to the model', () => {
+    const text = 'the quick brown fox jumps over the lazy dog';
+    const guided = runtime.open({ kind: 'choice', choices: [text, 'zebra'] });
+    assert.deepEqual(guided.forcedTokens(), [], 'two choices: nothing forced yet');
+    const t = tokenizer.tokenToId('t');
+    const decode = (ids: number[]) => new TextDecoder().decode(Buffer.concat(ids.map((id) => tokenizer.tokenBytes(id))));
+    const rest = text.slice(decode([t!]).length);
+    assert.equal(guided.accept(t!), true);
+    const forced = guided.forcedTokens();
+    const spelled = decode(forced);
+    assert.ok(forced.length >= 4 && spelled.length < rest.length && rest.startsWith(spelled), JSON.stringify(spelled));
+    // The state is past them: what is allowed now continues the rest.
+    const left = rest.slice(spelled.length);
+    const allowed = allowedIds(guided);
+    assert.ok(allowed.length > 0 && allowed.every((id) => left.startsWith(decode([id]))), JSON.stringify(allowed.map((id) => decode([id]))));
+    guided.dispose();
+  });
+
+  it('bad grammars in the gateway: one instance at a time, a fresh one only per new bad grammar, none kept alive', async () => {
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const checker = new GuidedChecker();
+    const bad = (i: number) => ({ spec: { kind: 'regex' as const, pattern: `[${i}` }, param: 'guided_regex' });
+    await checker.check({ spec: { kind: 'choice', choices: ['a'] }, param: 'guided_choice' });
+    const start = XGrammar.stats();
+    // The same bad grammar again and again: it aborts the instance once, then is refused from memory (the next
+    // instance is only started by the next grammar to compile).
+    for (let i = 0; i < 20; i++) await assert.rejects(checker.check(bad(0)), InvalidValueError);
+    assert.equal(XGrammar.stats().instances - start.instances, 0);
+    // Twelve different ones, all at once: one instance each (each aborts its own), started one after another.
+    const results = await Promise.allSettled(Array.from({ length: 12 }, (_, i) => checker.check(bad(i + 1))));
+    assert.ok(results.every((r) => r.status === 'rejected' && r.reason instanceof InvalidValueError && r.reason.param === 'guided_regex'));
+    const end = XGrammar.stats();
+    assert.equal(end.bundles, start.bundles, 'the bundle is evaluated and compiled once');
+    assert.ok(end.instances - start.instances <= 12, `${end.instances - start.instances} instances`);
+    // A good grammar still passes afterwards.
+    await checker.check({ spec: { kind: 'regex', pattern: '[0-9]+' }, param: 'guided_regex' });
+    // The aborted instances are garbage: after collection, no more are alive than before them (others in this
+    // process, e.g. this file's runtime, are counted too) but the checker's current one.
+    let live = XGrammar.stats().live;
+    for (let round = 0; round < 20 && live > start.live + 1; round++) {
+      gc();
+      await new Promise((resolve) => setTimeout(resolve, 20));
+      live = XGrammar.stats().live;
+    }
+    assert.ok(live <= start.live + 1, `${live} XGrammar instances alive, ${start.live} before`);
   });
 
   it('a bad grammar is a GrammarError with XGrammar\'s reason, and a fresh module serves after an abort', async () => {

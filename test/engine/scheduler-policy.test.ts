@@ -116,3 +116,62 @@ describe('Scheduler preemption', () => {
     assert.deepEqual(summary(step(scheduler).plan), ['high/0+1*1', 'tiny/0+1*1']);
   });
 });
+
+describe('Scheduler preemption for a more urgent waiting request', () => {
+  it('priority, no free seat: the running request ranked last is preempted and the waiting one admitted in its place', () => {
+    const scheduler = makeScheduler({ policy: 'priority', maxNumSeqs: 1, enablePrefixCaching: false });
+    scheduler.addRequest(makeRequest('low', prompt(0, 5), { priority: 5, sampling: { maxTokens: 4 } }), 0);
+    step(scheduler);
+    step(scheduler);
+    scheduler.addRequest(makeRequest('high', prompt(1, 3), { priority: 0, arrivalMs: 1, sampling: { maxTokens: 2 } }), 0);
+    const { plan } = step(scheduler);
+    assert.deepEqual(summary(plan), ['high/0+3*1'], 'the victim\'s decode left the step');
+    assert.deepEqual(plan.preempted.map((sequence) => sequence.request.id), ['low']);
+    assert.equal(scheduler.getRequest('low')!.sequences[0]!.status, 'preempted');
+    scheduler.checkInvariants();
+    assert.deepEqual(summary(step(scheduler).plan), ['high/0+1*1']);
+    // high finished; low recomputes its prompt and its two outputs, then finishes its four tokens.
+    assert.deepEqual(summary(step(scheduler).plan), ['low/0+7*1']);
+    step(scheduler);
+    assert.equal(scheduler.getRequest('low'), undefined, 'low finished');
+    assert.equal(scheduler.stats().numPreemptions, 1);
+    assert.equal(scheduler.kv.pool.numUsedBlocks, 0);
+  });
+
+  it('deadline, no free KV block: the later deadline is preempted for the earlier one', () => {
+    // 4 blocks of 4: 'late' holds 3 (a 10-token prompt); 'soon' needs 2.
+    const scheduler = makeScheduler({ policy: 'deadline', numBlocks: 4 });
+    scheduler.addRequest(makeRequest('late', prompt(0, 10), { deadlineMs: 500 }), 0);
+    step(scheduler);
+    scheduler.addRequest(makeRequest('soon', prompt(1, 6), { deadlineMs: 100, arrivalMs: 1 }), 0);
+    const { plan } = step(scheduler);
+    assert.deepEqual(summary(plan), ['soon/0+6*1']);
+    assert.deepEqual(plan.preempted.map((sequence) => sequence.request.id), ['late']);
+    scheduler.checkInvariants();
+  });
+
+  it('fcfs never preempts for a waiting request, nor does priority for an equal or lower one; admission stops at a victim', () => {
+    for (const [policy, priority] of [['fcfs', -5], ['priority', 0], ['priority', 3]] as const) {
+      const scheduler = makeScheduler({ policy, maxNumSeqs: 1 });
+      scheduler.addRequest(makeRequest('running', prompt(0, 3), { priority: 0 }), 0);
+      step(scheduler);
+      scheduler.addRequest(makeRequest('waiting', prompt(1, 3), { priority, arrivalMs: 1 }), 0);
+      const { plan } = step(scheduler);
+      assert.deepEqual(summary(plan), ['running/0+1*1'], `${policy} ${priority}`);
+      assert.equal(plan.preempted.length, 0);
+    }
+    // Two seats, two running (priority 4 and 5), two waiting (0 and 6): 0 takes 5's seat; 6 ranks after the
+    // victim, so it is not admitted (and the victim is not readmitted at once).
+    const scheduler = makeScheduler({ policy: 'priority', maxNumSeqs: 2 });
+    scheduler.addRequest(makeRequest('p4', prompt(0, 3), { priority: 4 }), 0);
+    scheduler.addRequest(makeRequest('p5', prompt(1, 3), { priority: 5 }), 0);
+    step(scheduler);
+    scheduler.addRequest(makeRequest('p0', prompt(2, 3), { priority: 0 }), 0);
+    scheduler.addRequest(makeRequest('p6', prompt(3, 3), { priority: 6 }), 0);
+    const { plan } = step(scheduler);
+    assert.deepEqual(summary(plan), ['p4/0+1*1', 'p0/0+3*1']);
+    assert.deepEqual(plan.preempted.map((sequence) => sequence.request.id), ['p5']);
+    assert.deepEqual(scheduler.sequences().waiting.map((sequence) => sequence.request.id), ['p5', 'p6']);
+    scheduler.checkInvariants();
+  });
+});

@@ -3,10 +3,10 @@
 // sampling and advances with each sampled token. XGrammar does the work (xgrammar.ts); this file is the engine's
 // view of it: plain-data specs in, synchronous calls out, so the step loop never awaits.
 //
-// Where the time goes: per token and sequence, one mask query (XGrammar's precomputed per-state token sets; a few
-// hundred µs for a 32k vocabulary in WASM, more for larger ones) and one pass over the mask's words here, which
-// touches only the 32-token words that are not all allowed; advancing with the sampled token is a few µs.
-// benchmarks/grammar.ts measures both against a decode step.
+// Where the time goes: per token and sequence that needs a mask, one mask query (XGrammar's precomputed per-state
+// token sets; a few hundred µs for a 32k vocabulary in WASM, more for larger ones) and one pass over the mask's
+// words here (runs of refused words filled at once, mixed words bit by bit); advancing with the sampled token is a
+// few µs, the jump-forward query tens. benchmarks/grammar.ts measures them against a decode step.
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
@@ -17,15 +17,15 @@ export const JSON_MAX_WHITESPACE = 16;
 
 /** The EBNF, schema or pattern a spec compiles to, as XGrammar takes it. */
 export type GrammarSource =
-  | { kind: 'json_schema'; schema: string; strict: boolean }
+  | { kind: 'json_schema'; schema: string; strict: boolean; anyWhitespace: boolean }
   | { kind: 'ebnf'; ebnf: string }
   | { kind: 'regex'; pattern: string };
 
 /** What a spec asks XGrammar for (json_object is any JSON object; a choice is an EBNF alternation of literals). */
 export function grammarSource(spec: GuidedDecoding): GrammarSource {
   switch (spec.kind) {
-    case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false };
-    case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true };
+    case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false, anyWhitespace: !spec.compact };
+    case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true, anyWhitespace: !spec.compact };
     case 'regex': return { kind: 'regex', pattern: spec.pattern };
     case 'choice': return { kind: 'ebnf', ebnf: `root ::= ${spec.choices.map(ebnfLiteral).join(' | ')}` };
     case 'grammar': return { kind: 'ebnf', ebnf: spec.ebnf };
@@ -56,7 +56,8 @@ function describe(source: GrammarSource): string {
 function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
   switch (source.kind) {
     case 'json_schema':
-      return new b.Grammar.FromJSONSchema(source.schema, true, undefined, undefined, source.strict, JSON_MAX_WHITESPACE, false);
+      return new b.Grammar.FromJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict,
+        source.anyWhitespace ? JSON_MAX_WHITESPACE : undefined, false);
     case 'ebnf':
       return new b.Grammar.FromEBNF(source.ebnf, 'root');
     case 'regex':
@@ -80,12 +81,17 @@ export class GrammarRuntime {
    */
   private readonly jsonForbidden: Int32Array;
 
-  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array) {
+  /** Token ids by their text (byte-level, as XGrammar sees them), for turning forced text into tokens. */
+  private readonly pieces: TokenPieces;
+
+  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array,
+    pieces: TokenPieces) {
     this.xg = xg;
     this.compiler = compiler;
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
     this.jsonForbidden = jsonForbidden;
+    this.pieces = pieces;
   }
 
   /**
@@ -110,12 +116,22 @@ export class GrammarRuntime {
       encoded[id] = text;
       if (control) jsonForbidden.push(id);
     }
+    // One id per text; a byte-fallback token (<0x41>) gives way to the ordinary token of the same byte.
+    const pieces: TokenPieces = { idByText: new Map(), maxLength: 0 };
+    for (let id = 0; id < Math.min(vocabSize, tokenizer.vocabSize); id++) {
+      const text = encoded[id]!;
+      if (text === '' || tokenizer.isSpecial(id)) continue;
+      const held = pieces.idByText.get(text);
+      if (held !== undefined && !isByteFallback(tokenizer, held)) continue;
+      pieces.idByText.set(text, id);
+      if (text.length > pieces.maxLength) pieces.maxLength = text.length;
+    }
     const compiler = xg.run('vocabulary', (b) => {
       const info = new b.TokenizerInfo(b.vecStringFromJSArray(encoded), 'BYTE_LEVEL', vocabSize,
         b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
       return new b.GrammarCompiler(info, 1, false);
     });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden));
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces);
   }
 
   /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
@@ -123,7 +139,7 @@ export class GrammarRuntime {
     const source = grammarSource(spec);
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
-    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined);
+    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces);
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -137,7 +153,8 @@ export class GrammarRuntime {
     const compiled = this.xg.run(describe(source), () => {
       switch (source.kind) {
         case 'json_schema':
-          return this.compiler.CompileJSONSchema(source.schema, true, undefined, undefined, source.strict, JSON_MAX_WHITESPACE);
+          return this.compiler.CompileJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict,
+            source.anyWhitespace ? JSON_MAX_WHITESPACE : undefined);
         case 'ebnf':
         case 'regex': {
           const grammar = buildGrammar(this.xg.binding, source);
@@ -159,6 +176,21 @@ export class GrammarRuntime {
   }
 }
 
+/** A vocabulary's tokens by text, for jump-forward. */
+interface TokenPieces {
+  /** Byte-level text (byteLevelChars) -> token id. */
+  idByText: Map<string, number>;
+  /** The longest text, in characters. */
+  maxLength: number;
+}
+
+function isByteFallback(tokenizer: Tokenizer, id: number): boolean {
+  return /^<0x[0-9A-Fa-f]{2}>$/.test(tokenizer.idToToken(id) ?? '');
+}
+
+/** Longest forced run turned into tokens per call (a bound on one step's appended tokens). */
+export const MAX_FORCED_TOKENS = 64;
+
 /** One completion's grammar state. */
 export class GuidedSequence {
   private readonly xg: XGrammar;
@@ -167,24 +199,92 @@ export class GuidedSequence {
 
   /** Tokens never allowed whatever the grammar says (see GrammarRuntime.jsonForbidden). */
   private readonly forbidden: Int32Array | undefined;
+  private readonly pieces: TokenPieces | undefined;
+  /**
+   * Consecutive tokens for which a draw from the whole row was refused, and how many draws to skip still: a model
+   * whose draws the grammar keeps refusing (noise, or a format it does not know) stops paying for a refused advance
+   * before each mask, and is tried again now and then (EngineCore.sampleRows).
+   */
+  refusedRun = 0;
+  skipDraws = 0;
 
-  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array) {
+  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces) {
     this.xg = xg;
     this.handle = handle;
     this.vocabSize = vocabSize;
     this.forbidden = forbidden;
+    this.pieces = pieces;
   }
 
-  /** Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). */
+  /**
+   * Jump-forward: the tokens spelling the text the grammar forces next (XGrammar's jump-forward string), each
+   * accepted, so the state is past them. The text is cut greedily into the longest vocabulary tokens; the last
+   * piece is left to the model, since the text after it could join it into a longer token (so a forced text of one
+   * token gives none). At most MAX_FORCED_TOKENS.
+   */
+  forcedTokens(): number[] {
+    const pieces = this.pieces;
+    if (pieces === undefined) return [];
+    const forced = this.jumpForwardString();
+    if (forced === '') return [];
+    const table = byteLevelChars();
+    let text = '';
+    for (const byte of Buffer.from(forced, 'utf8')) text += table[byte];
+    const ids: number[] = [];
+    let at = 0;
+    while (at < text.length && ids.length <= MAX_FORCED_TOKENS) {
+      let id: number | undefined;
+      let length = Math.min(pieces.maxLength, text.length - at);
+      for (; length > 0; length--) {
+        id = pieces.idByText.get(text.slice(at, at + length));
+        if (id !== undefined) break;
+      }
+      if (id === undefined) break;
+      ids.push(id);
+      at += length;
+    }
+    ids.pop();
+    const tokens: number[] = [];
+    for (const id of ids) {
+      if (tokens.length === MAX_FORCED_TOKENS || !this.accept(id)) break;
+      tokens.push(id);
+    }
+    return tokens;
+  }
+
+  /**
+   * Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). Words
+   * of the mask that allow all 32 tokens are skipped, a run of words that allow none is one fill (a JSON grammar
+   * between elements refuses nearly everything), the rest visit only their refused bits.
+   */
   maskRow(row: Float32Array): void {
     const vocabSize = this.vocabSize;
     this.withMask((words) => {
-      for (let w = 0; w < words.length; w++) {
+      const full = vocabSize >>> 5;
+      let w = 0;
+      while (w < full) {
         const word = words[w]!;
-        if (word === -1) continue;
-        const base = w * 32;
-        const end = Math.min(32, vocabSize - base);
-        for (let bit = 0; bit < end; bit++) if (((word >>> bit) & 1) === 0) row[base + bit] = -Infinity;
+        if (word === -1) {
+          w++;
+          continue;
+        }
+        const base = w << 5;
+        if (word === 0) {
+          let end = w + 1;
+          while (end < full && words[end] === 0) end++;
+          row.fill(-Infinity, base, end << 5);
+          w = end;
+          continue;
+        }
+        let refused = ~word;
+        while (refused !== 0) {
+          row[base + 31 - Math.clz32(refused & -refused)] = -Infinity;
+          refused &= refused - 1;
+        }
+        w++;
+      }
+      for (let id = full << 5; id < vocabSize; id++) {
+        if (((words[id >>> 5]! >>> (id & 31)) & 1) === 0) row[id] = -Infinity;
       }
     });
     if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;

@@ -1,15 +1,15 @@
 // XGrammar (the constrained-decoding engine vLLM and SGLang use), from its WebAssembly build @mlc-ai/web-xgrammar.
 //
 // Its bundle is UMD and its JavaScript wrappers are async (each awaits the module's start-up), while an engine step
-// is synchronous. So the bundle is evaluated here with the three names a UMD script under CommonJS expects
-// (exports, module, require, __filename: a small shim, no global is touched), and two lines of it are widened so
-// that, once the module has started, this file calls the embind classes directly and synchronously:
-//   - the module object (`binding`) is handed out, for the classes and the vector helpers;
-//   - the module's stderr printer is ours, so a FATAL check's message (XGrammar reports a bad schema, regex or EBNF
-//     by aborting) reaches the caller as the error's text instead of the console.
-// An abort leaves the WASM instance unusable in principle (the C++ stack was not unwound), so a module that aborted
-// is thrown away and the next call loads a fresh one. Inputs are checked in the gateway (src/api/guided.ts) on its own
-// instance; a worker compiles only what passed there.
+// is synchronous. So the bundle is evaluated here, once per thread, with the names a UMD script under CommonJS
+// expects (exports, module, require, __filename: a small shim, no global is touched), one line of it widened to hand
+// out the Emscripten module factory, and its inline WebAssembly binary compiled once. Each XGrammar below is an
+// instance of that module started through the factory (its own memory), whose embind classes this file
+// calls directly and synchronously; its stderr printer is ours, so a FATAL check's message (XGrammar reports a bad
+// schema, regex or EBNF by aborting) reaches the caller as the error's text instead of the console.
+// An abort leaves the WASM instance unusable in principle (the C++ stack was not unwound), so an instance that
+// aborted is thrown away and the next call starts a fresh one. Inputs are checked in the gateway (src/api/guided.ts)
+// on its own instance; a worker compiles only what passed there.
 
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
@@ -41,9 +41,26 @@ export class GrammarError extends Error {
 const PACKAGE = '@mlc-ai/web-xgrammar';
 const require = createRequire(import.meta.url);
 
-let bundle: { file: string; source: string } | undefined;
+/** The bundle evaluated once per thread: its module factory and its WebAssembly module, compiled once. */
+interface Bundle {
+  factory: (moduleArg: Record<string, unknown>) => Promise<XgBinding>;
+  wasm: Promise<WasmModule>;
+}
 
-function bundleSource(): { file: string; source: string } {
+/** The two WebAssembly calls used here (the project's TypeScript libs declare no WebAssembly types). */
+type WasmModule = object;
+type WasmInstance = object;
+const wasmApi = (globalThis as unknown as {
+  WebAssembly: { compile(bytes: Uint8Array): Promise<WasmModule>; instantiate(module: WasmModule, imports: object): Promise<WasmInstance> };
+}).WebAssembly;
+
+let bundle: Bundle | undefined;
+const counts = { bundles: 0, instances: 0 };
+/** Instances started and not yet garbage-collected (see XGrammar.stats). */
+const live = new Set<number>();
+const finalizer = new FinalizationRegistry<number>((id) => live.delete(id));
+
+function loadBundle(): Bundle {
   if (bundle) return bundle;
   const file = require.resolve(PACKAGE);
   let source = readFileSync(file, 'utf8');
@@ -51,9 +68,21 @@ function bundleSource(): { file: string; source: string } {
     if (!source.includes(from)) throw new GrammarError(`${PACKAGE}: unexpected bundle (no "${from}"); version 0.1.27 is expected`);
     source = source.replace(from, to);
   };
-  widen('let binding = null;', 'let binding = null; exports.__binding = () => binding;');
-  widen('binding = await Module();', 'binding = await Module(exports.__moduleArg || {});');
-  bundle = { file, source };
+  widen('let binding = null;', 'let binding = null; exports.__factory = Module;');
+  // The module's WebAssembly binary is inlined as base64: compiled here once, every instance reuses it.
+  const prefix = 'wasmBinaryFile="data:application/octet-stream;base64,';
+  const start = source.indexOf(prefix);
+  if (start < 0) throw new GrammarError(`${PACKAGE}: unexpected bundle (no inline WebAssembly binary); version 0.1.27 is expected`);
+  const end = source.indexOf('"', start + prefix.length);
+  const bytes = Buffer.from(source.slice(start + prefix.length, end), 'base64');
+  const exportsObject: Record<string, unknown> = {};
+  new Function('exports', 'module', 'require', '__filename', source)(exportsObject, { exports: exportsObject }, require, file);
+  counts.bundles++;
+  bundle = {
+    factory: exportsObject.__factory as Bundle['factory'],
+    wasm: wasmApi.compile(bytes),
+  };
+  bundle.wasm.catch(() => { bundle = undefined; });
   return bundle;
 }
 
@@ -68,21 +97,37 @@ export class XGrammar {
     this.messages = messages;
   }
 
-  /** Evaluates the bundle and starts its WASM module (tens of ms). */
+  /**
+   * Starts a fresh module: a new instance (its own memory) of the WebAssembly module compiled once per thread; only
+   * the first load evaluates the bundle and compiles the binary.
+   */
   static async load(): Promise<XGrammar> {
-    const { file, source } = bundleSource();
-    const exportsObject: Record<string, unknown> = {};
+    const { factory, wasm } = loadBundle();
+    const compiled = await wasm;
     const messages: string[] = [];
-    exportsObject.__moduleArg = {
+    let failed!: (error: unknown) => void;
+    const instantiation = new Promise<never>((_, reject) => { failed = reject; });
+    const binding = await Promise.race([factory({
       print: () => {},
       printErr: (text: string) => { if (messages.length < 20) messages.push(String(text)); },
-    };
-    new Function('exports', 'module', 'require', '__filename', source)(exportsObject, { exports: exportsObject }, require, file);
-    // Any async wrapper starts the module; this one is the cheapest.
-    const grammar = await (exportsObject.Grammar as { builtinJSONGrammar(): Promise<{ dispose(): void }> }).builtinJSONGrammar();
-    grammar.dispose();
-    const binding = (exportsObject.__binding as () => XgBinding)();
-    return new XGrammar(binding, messages);
+      instantiateWasm: (imports: object, receive: (instance: WasmInstance, module: WasmModule) => void) => {
+        wasmApi.instantiate(compiled, imports).then((instance) => receive(instance, compiled), failed);
+        return {};
+      },
+    }), instantiation]);
+    const xg = new XGrammar(binding, messages);
+    const id = ++counts.instances;
+    live.add(id);
+    finalizer.register(binding, id); // the module object: it holds the instance and its memory
+    return xg;
+  }
+
+  /**
+   * Bundles evaluated and instances started in this thread so far, and instances not yet garbage-collected (a
+   * finalizer counts them down some time after collection).
+   */
+  static stats(): { bundles: number; instances: number; live: number } {
+    return { bundles: counts.bundles, instances: counts.instances, live: live.size };
   }
 
   get usable(): boolean {
