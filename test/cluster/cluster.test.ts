@@ -140,7 +140,7 @@ describe('distributed runtime', { skip }, () => {
     reference = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
     try {
       await until('both frontends see both workers', async () =>
-        (await readyWorkers(a)).join() === 'w1,w2' && (await readyWorkers(b)).join() === 'w1,w2', 30_000);
+        (await readyWorkers(a)).join() === 'w1,w2' && (await readyWorkers(b)).join() === 'w1,w2', 90_000);
     } catch (error) {
       console.error(dump());
       throw error;
@@ -204,7 +204,7 @@ describe('distributed runtime', { skip }, () => {
     const replacement = `${killed}x`;
     startWorker(replacement);
     await until('the replacement joined both frontends', async () =>
-      (await readyWorkers(a)).includes(replacement) && (await readyWorkers(b)).includes(replacement), 30_000);
+      (await readyWorkers(a)).includes(replacement) && (await readyWorkers(b)).includes(replacement), 90_000);
 
     const lostPrompt = freshPrompt();
     const victim = await pinnedWorker(b.url, lostPrompt);
@@ -216,12 +216,12 @@ describe('distributed runtime', { skip }, () => {
     assert.ok(survivor);
     await until('the victim left frontend b', async () => !(await readyWorkers(b)).includes(victim), 10_000);
     startWorker(`${victim}x`);
-    await until('two workers again', async () => (await readyWorkers(a)).length === 2 && (await readyWorkers(b)).length === 2, 30_000);
+    await until('two workers again', async () => (await readyWorkers(a)).length === 2 && (await readyWorkers(b)).length === 2, 90_000);
   });
 
   test('a late worker joins and takes traffic', async () => {
     startWorker('late');
-    await until('the late worker joined', async () => (await readyWorkers(a)).includes('late'), 30_000);
+    await until('the late worker joined', async () => (await readyWorkers(a)).includes('late'), 90_000);
     const results = await Promise.all(Array.from({ length: 6 }, () => complete(a.url, greedy(freshPrompt(), 30))));
     const placed = await Promise.all(results.map((r) => placement(a.url, r.id)));
     assert.ok(placed.some((p) => p.workerId === 'late'), `placements: ${placed.map((p) => p.workerId).join()}`);

@@ -32,7 +32,7 @@ export async function freePort(host = '127.0.0.1'): Promise<number> {
   });
 }
 
-export async function waitForPort(port: number, host = '127.0.0.1', maxMs = 15_000): Promise<void> {
+export async function waitForPort(port: number, host = '127.0.0.1', maxMs = 60_000): Promise<void> {
   const deadline = Date.now() + maxMs;
   for (;;) {
     const ok = await new Promise<boolean>((resolve) => {
