@@ -28,11 +28,13 @@
 // sum S, the mins against the activation sums of the sub-blocks into Mn, and per super-block the float steps of
 // the rule in matmul_kquant_simd.h run on 16 lanes at once: the bits of the ggml-row kernel for every output.
 
-// Decode (one or two activation rows) is bound by the weights' arrival from DRAM, but a K-quant super-block costs
-// 30-40 instructions per cache line, so the out-of-order window covers too few lines to keep enough misses in flight
-// (Q8_0's slabs cost ~3 per line). The decode kernels therefore request, spread over a super-block's work in `parts`
-// pieces, the lines of the super-block kKqPrefetchBlocks ahead into L2. Past a slab's end that is the next slab,
-// which the same thread reads next within its tile range (and past the matrix, a harmless request).
+// Decode (one or two activation rows) is bound by the weights' arrival from DRAM, but a Q5_K / Q6_K super-block
+// costs 30-40 instructions per cache line, so the out-of-order window covers too few lines to keep enough misses in
+// flight (Q8_0's slabs cost ~3 per line). Their decode kernels therefore request, spread over a super-block's work
+// in `parts` pieces, the lines of the super-block kKqPrefetchBlocks ahead into L2. Past a slab's end that is the
+// next slab, which the same thread reads next within its tile range (and past the matrix, a harmless request).
+// Q4_K, cheaper per line, streamed slower with the requests (one thread from DRAM: 16-18 GB/s against 21) and is
+// left to the hardware prefetchers.
 constexpr int kKqPrefetchBlocks = 2;
 template <size_t kBlock, int parts>
 inline void kq_prefetch_part(const uint8_t* block, int part) {
@@ -211,7 +213,7 @@ inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t
       __m512i s[MR];
       for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
-        if (MR <= kKqPrefetchMaxRows) kq_prefetch_part<kBlock, 8>(slab, 4 * h + p);
+        if (MR <= kKqPrefetchMaxRows && Type != kQ4_K) kq_prefetch_part<kBlock, 8>(slab, 4 * h + p);
         __m512i lo_dot[MR], hi_dot[MR];
         for (int i = 0; i < MR; ++i) lo_dot[i] = hi_dot[i] = _mm512_setzero_si512();
         for (int q = 0; q < 8; ++q) {
