@@ -29,7 +29,7 @@
 // the rule in matmul_kquant_simd.h run on 16 lanes at once: the bits of the ggml-row kernel for every output.
 
 // Decode (one or two activation rows) is bound by the weights' arrival from DRAM, but a Q5_K / Q6_K super-block
-// costs 30-40 instructions per cache line, so the out-of-order window covers too few lines to keep enough misses in
+// costs 10-12 instructions per cache line, so the out-of-order window covers too few lines to keep enough misses in
 // flight (Q8_0's slabs cost ~3 per line). Their decode kernels therefore request, spread over a super-block's work
 // in `parts` pieces, the lines of the super-block kKqPrefetchBlocks ahead into L2. Past a slab's end that is the
 // next slab, which the same thread reads next within its tile range (and past the matrix, a harmless request).
