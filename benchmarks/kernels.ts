@@ -209,19 +209,26 @@ function benchAttention(variant: KernelVariant): void {
   if (!selected('attention')) return;
   const numHeads = 12, numKvHeads = 4, headDim = 64, blockSize = 16;
   // The single-stream decode of the 110M model (--model) runs `decode 1 seq ctx 700` once per layer, with the KV
-  // cache in DRAM: the weights streamed since the previous step have evicted it. The cold case times that by
-  // giving each repetition the next of 96 layers (70 MB of K and V, twice the last-level cache), back to back so
-  // the pool's workers stay awake as they do within a step.
+  // cache in DRAM: the weights streamed since the previous step have evicted it. The cold cases time that by
+  // giving each repetition the next of enough layers for ~70 MB of K and V (96 at context 700; twice the last-level
+  // cache), back to back so the pool's workers stay awake as they do within a step.
   const cases = [
     { name: 'decode 16 seqs ctx 512', seqs: 16, ctx: 512, newTokens: 1, cold: false },
     { name: 'decode 1 seq ctx 700', seqs: 1, ctx: 700, newTokens: 1, cold: false },
     { name: 'decode 1 seq ctx 700 cold', seqs: 1, ctx: 700, newTokens: 1, cold: true },
+    // Long-context decode (bench:peer's 4096 and 16384 rows): one layer's K and V are 4 / 16 MB, from DRAM.
+    ...(quick ? [] : [
+      { name: 'decode 1 seq ctx 4096 cold', seqs: 1, ctx: 4096, newTokens: 1, cold: true },
+      { name: 'decode 1 seq ctx 16384 cold', seqs: 1, ctx: 16384, newTokens: 1, cold: true },
+    ]),
     { name: 'prefill 512', seqs: 1, ctx: quick ? 256 : 512, newTokens: quick ? 256 : 512, cold: false },
   ];
-  const coldLayers = 96;
   for (const dtype of ['f16', 'f32'] as const) {
     for (const c of cases) {
+      if (dtype === 'f32' && c.ctx > 4096) continue; // the f16 KV cache is the default; keep the pool small
       const blocksPerSeq = Math.ceil(c.ctx / blockSize);
+      // Cold: about 70 MB of K and V over the layers the repetitions rotate through (96 at context 700).
+      const coldLayers = Math.max(4, Math.round((96 * 700) / c.ctx));
       const layout: KvPoolLayout = {
         numLayers: c.cold ? coldLayers : 1, numBlocks: c.seqs * blocksPerSeq, blockSize, numKvHeads, headDim, dtype,
       };

@@ -57,8 +57,11 @@ export async function ensureBenchModel(dtype: BenchModelDtype, cacheDir = defaul
 // ---------------------------------------------------------------------------------------------------------------
 // Files made by llama.cpp's llama-quantize (bench:peer, and tests that check Conduit on llama.cpp's own encodings)
 
-/** The 110M spec with room for the long-context rows (16384 tokens); the same weights as SYNTHETIC_110M_F32. */
-export const LONG_CONTEXT_110M: SyntheticModelSpec = { ...synthetic110mSpec('F32'), name: 'synthetic-110m-16k', contextLength: 16384 };
+/**
+ * The 110M spec with room for the long-context rows: 32768 tokens, so a row at 16384 tokens of context plus the
+ * tokens it decodes fits on both engines; the same weights as SYNTHETIC_110M_F32.
+ */
+export const LONG_CONTEXT_110M: SyntheticModelSpec = { ...synthetic110mSpec('F32'), name: 'synthetic-110m-32k', contextLength: 32768 };
 
 const REPO = fileURLToPath(new URL('../', import.meta.url));
 

@@ -33,6 +33,9 @@ enum GgmlType : int {
   kF32 = 0,
   kF16 = 1,
   kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
   kQ4_K = 12,
   kQ5_K = 13,
@@ -65,6 +68,38 @@ struct BlockQ4_0 {
   uint8_t qs[kQK4_0 / 2];    // low nibbles: elements 0..15, high nibbles: 16..31; value = (q - 8) * d
 };
 static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block is 18 bytes");
+
+struct BlockQ4_1 {
+  uint16_t d;                // f16 scale
+  uint16_t m;                // f16 offset
+  uint8_t qs[kQK4_0 / 2];    // as Q4_0's nibbles; value = q * d + m
+};
+static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block is 20 bytes");
+
+struct BlockQ5_0 {
+  uint16_t d;                // f16 scale
+  uint8_t qh[4];             // bit j of the little-endian u32: fifth bit of element j
+  uint8_t qs[kQK4_0 / 2];    // low 4 bits as Q4_0's nibbles; value = (q - 16) * d
+};
+static_assert(sizeof(BlockQ5_0) == 22, "Q5_0 block is 22 bytes");
+
+struct BlockQ5_1 {
+  uint16_t d;                // f16 scale
+  uint16_t m;                // f16 offset
+  uint8_t qh[4];             // as Q5_0
+  uint8_t qs[kQK4_0 / 2];    // as Q5_0; value = q * d + m
+};
+static_assert(sizeof(BlockQ5_1) == 24, "Q5_1 block is 24 bytes");
+
+// The 32 levels (0..31) of a Q5_0 / Q5_1 block, element order, from its qh and qs.
+inline void q5_levels(const uint8_t* qh_bytes, const uint8_t* qs, int* q) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = (qs[i] & 0xF) | static_cast<int>(((qh >> i) & 1) << 4);
+    q[i + 16] = (qs[i] >> 4) | static_cast<int>(((qh >> (i + 16)) & 1) << 4);
+  }
+}
 
 constexpr int kQK_K = 256;
 struct BlockQ4_K {

@@ -260,7 +260,15 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     }
     any_split = true;
   }
-  std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
+  // When every range is split (a few decode rows at a long context), the units are listed range by range, chunk by
+  // chunk, and each thread takes a contiguous share of them (parallel_for_ranges): its K and V reads are one
+  // sequential stream over its part of the context, which the prefetchers follow across chunk boundaries, instead
+  // of every other chunk. Otherwise the costliest units go first so the dynamic hand-out ends with small ones.
+  bool all_split = true;
+  for (const Range& r : ranges) all_split = all_split && r.split;
+  if (!all_split) {
+    std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
+  }
   const size_t floats = align_up(attention_chunk_scratch_floats(a.num_heads, a.head_dim) * 4) / 4;
   float* scratch = reinterpret_cast<float*>(ws.per_thread.get((floats * pool.size() + partial_total) * sizeof(float)));
   float* partials = scratch + floats * pool.size();
@@ -272,7 +280,7 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     chunks_left.reset(new std::atomic<int>[ranges.size()]);
     for (size_t i = 0; i < ranges.size(); ++i) chunks_left[i].store(ranges[i].chunks, std::memory_order_relaxed);
   }
-  pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) {
+  auto run_unit = [&](int64_t i, int thread) {
     const Unit& u = units[i];
     const Range& r = ranges[u.range];
     const size_t row_stride = static_cast<size_t>(r.chunks) * partial_floats;
@@ -283,7 +291,12 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     for (int row = r.row_begin; row < r.row_end; ++row) {
       kt.attention_merge(a, r.seq, row, partials + r.partials + (row - r.row_begin) * row_stride, thread_scratch);
     }
-  });
+  };
+  if (all_split) {
+    pool.parallel_for_ranges(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) { run_unit(i, thread); });
+  } else {
+    pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t i, int thread) { run_unit(i, thread); });
+  }
 }
 
 }  // namespace conduit

@@ -153,7 +153,8 @@ bool parse_variant(const char* name, Variant* out) {
 
 bool is_supported_type(int type) {
   switch (type) {
-    case kF32: case kF16: case kBF16: case kQ8_0: case kQ4_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kF32: case kF16: case kBF16: case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ4_K: case kQ5_K: case kQ6_K:
+      return true;
     default: return false;
   }
 }
@@ -165,6 +166,9 @@ const char* type_name(int type) {
     case kBF16: return "bf16";
     case kQ8_0: return "q8_0";
     case kQ4_0: return "q4_0";
+    case kQ4_1: return "q4_1";
+    case kQ5_0: return "q5_0";
+    case kQ5_1: return "q5_1";
     case kQ4_K: return "q4_k";
     case kQ5_K: return "q5_k";
     case kQ6_K: return "q6_k";
@@ -174,7 +178,7 @@ const char* type_name(int type) {
 
 int type_block_elements(int type) {
   switch (type) {
-    case kQ8_0: case kQ4_0: return 32;
+    case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return 32;
     case kQ4_K: case kQ5_K: case kQ6_K: return kQK_K;
     default: return 1;
   }
@@ -186,6 +190,9 @@ int type_block_bytes(int type) {
     case kF16: case kBF16: return 2;
     case kQ8_0: return sizeof(BlockQ8_0);
     case kQ4_0: return sizeof(BlockQ4_0);
+    case kQ4_1: return sizeof(BlockQ4_1);
+    case kQ5_0: return sizeof(BlockQ5_0);
+    case kQ5_1: return sizeof(BlockQ5_1);
     case kQ4_K: return sizeof(BlockQ4_K);
     case kQ5_K: return sizeof(BlockQ5_K);
     case kQ6_K: return sizeof(BlockQ6_K);

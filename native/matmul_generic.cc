@@ -1,8 +1,10 @@
 // Plain C++ matmul tiles. Float-weight types (F32, F16, BF16 and the K-quants) dequantize one weight row at a
-// time and take float dot products. Q8_0 and Q4_0 follow the integer scheme every variant uses: activations are
-// quantized to 8-bit blocks of 32 with one float scale (round to nearest even), each block's integer dot product
-// is exact, and the float result is the sum over blocks of idot * (weight scale * activation scale).
+// time and take float dot products. Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 follow the integer scheme every variant uses:
+// activations are quantized to 8-bit blocks of 32 with one float scale (round to nearest even), each block's integer
+// dot product is exact, and the float result is the sum over blocks of idot * (weight scale * activation scale)
+// (Q4_1 and Q5_1 add the block's activation sum times its offset m times the activation scale).
 #include <cmath>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -91,6 +93,48 @@ void tile_q4_0(const MatmulTile& t) {
   }
 }
 
+// Q4_1 / Q5_1: value = q * d + m, so a block adds idot(q, a) * (d * da) + (sum of a) * (m * da). Q5_0: (q - 16) * d.
+template <int Type>
+void tile_q4_1_q5(const MatmulTile& t) {
+  using Block = typename std::conditional<Type == kQ4_1, BlockQ4_1,
+                                          typename std::conditional<Type == kQ5_0, BlockQ5_0, BlockQ5_1>::type>::type;
+  const int64_t nb = t.K / 32;
+  int q[32];
+  for (int64_t n = t.n0; n < t.n1; ++n) {
+    const Block* w = reinterpret_cast<const Block*>(t.w + n * t.w_row_bytes);
+    for (int64_t m = 0; m < t.M; ++m) {
+      const ActBlock* a = reinterpret_cast<const ActBlock*>(t.act + m * t.act_stride);
+      float sum = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = reinterpret_cast<const uint8_t*>(w + b);
+        if (Type == kQ4_1) {
+          for (int i = 0; i < 16; ++i) {
+            q[i] = blk[4 + i] & 0xF;
+            q[i + 16] = blk[4 + i] >> 4;
+          }
+        } else {
+          q5_levels(blk + (Type == kQ5_0 ? 2 : 4), blk + (Type == kQ5_0 ? 6 : 8), q);
+        }
+        int32_t idot = 0, asum = 0;
+        for (int i = 0; i < 32; ++i) {
+          idot += (Type == kQ5_0 ? q[i] - 16 : q[i]) * a[b].qs[i];
+          asum += a[b].qs[i];
+        }
+        uint16_t dh, mh = 0;
+        std::memcpy(&dh, blk, 2);
+        if (Type != kQ5_0) std::memcpy(&mh, blk + 2, 2);
+        if (Type == kQ5_0) {
+          sum += static_cast<float>(idot) * (fp16_to_fp32(dh) * a[b].d);
+        } else {
+          sum += static_cast<float>(idot) * (fp16_to_fp32(dh) * a[b].d) +
+                 static_cast<float>(asum) * (fp16_to_fp32(mh) * a[b].d);
+        }
+      }
+      t.y[m * t.ldy + n] = sum;
+    }
+  }
+}
+
 template <int Type>
 MatmulKernel float_kernel() {
   MatmulKernel k;
@@ -119,7 +163,10 @@ void register_matmul_generic(KernelTable& t) {
   t.matmul[kQ6_K] = float_kernel<kQ6_K>();
   t.matmul[kQ8_0] = int8_kernel(tile_q8_0);
   t.matmul[kQ4_0] = int8_kernel(tile_q4_0);
-  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K}) {
+  t.matmul[kQ4_1] = int8_kernel(tile_q4_1_q5<kQ4_1>);
+  t.matmul[kQ5_0] = int8_kernel(tile_q4_1_q5<kQ5_0>);
+  t.matmul[kQ5_1] = int8_kernel(tile_q4_1_q5<kQ5_1>);
+  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("matmul_") + type_name(type)] = "generic";
   }
 }

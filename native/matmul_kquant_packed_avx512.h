@@ -16,7 +16,10 @@
 // + 4i .. + 3, high nibbles: the same + 64), 4096 bytes; for each h2 and dword i of the half's 32 qh bytes, rows
 // 0-15 then 16-31 (bit pair k of byte t: element 128 h2 + 32 k + 4i + t), 2048 bytes; the 16 int8 scales,
 // [group][row 0..31], 512 bytes; d of the 32 rows in f16, 64 bytes: 210 bytes per row and super-block, as ggml.
-// Every line is read once, in address order, by the microkernel: one stream per thread, as the Q8_0 slabs.
+// The kernels take one half's lines (rows 0-15) over a super-block, then the other's: the slab is one stream per
+// thread in address order at the granularity of super-blocks, not of lines. (Kernels reading both halves' lines of
+// a dword together, in strict address order, measured slower for Q5_K and Q6_K decode from DRAM, 10-11 GB/s against
+// 13-16 on one thread, and within noise for Q4_K.)
 //
 // The microkernel takes MR activation rows x 32 weight rows: per dword of a sub-block pair, VPDPBUSD of the
 // unsigned 4- or 5-bit quants of 16 rows with the broadcast 4 activation bytes advances 16 sub-block dot products
@@ -25,10 +28,26 @@
 // sum S, the mins against the activation sums of the sub-blocks into Mn, and per super-block the float steps of
 // the rule in matmul_kquant_simd.h run on 16 lanes at once: the bits of the ggml-row kernel for every output.
 
+// Decode (one or two activation rows) is bound by the weights' arrival from DRAM, but a Q5_K / Q6_K super-block
+// costs 10-12 instructions per cache line, so the out-of-order window covers too few lines to keep enough misses in
+// flight (Q8_0's slabs cost ~3 per line). Their decode kernels therefore request, spread over a super-block's work
+// in `parts` pieces, the lines of the super-block kKqPrefetchBlocks ahead into L2. Past a slab's end that is the
+// next slab, which the same thread reads next within its tile range (and past the matrix, a harmless request).
+// Q4_K, cheaper per line, streamed slower with the requests (one thread from DRAM: 16-18 GB/s against 21) and is
+// left to the hardware prefetchers.
+constexpr int kKqPrefetchBlocks = 2;
+template <size_t kBlock, int parts>
+inline void kq_prefetch_part(const uint8_t* block, int part) {
+  constexpr size_t kPart = (kBlock / parts + 63) / 64 * 64;
+  const char* p = reinterpret_cast<const char*>(block) + kKqPrefetchBlocks * kBlock + part * kPart;
+  for (size_t off = 0; off < kPart; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 template <int Type>
 constexpr size_t kq_slab_block_bytes() {
   return Type == kQ6_K ? 4096 + 2048 + 512 + 64 : (Type == kQ5_K ? 4096 + 1024 : 4096) + 256 + 256 + 128;
 }
+constexpr int kKqPrefetchMaxRows = 2;
 
 void q6k_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t slab_end, uint8_t* out) {
   constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
@@ -58,81 +77,75 @@ void q6k_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_
   }
 }
 
-// Q6_K: MR activation rows x the 32 rows of one slab. Each 16-element group's dot product starts from -32 x the
-// group's activation sum (the stored quants are value + 32), so times the group's scale it is the group's exact
-// share of S.
-// (Unrolled by pragma: measured 11% less CPU time per prefill matmul than the compiler's own choice. The same
-// pragmas on the Q4_K / Q5_K microkernel cost it 30-45%.)
+// Q6_K with up to 8 activation rows: the unpacking of a weight vector (about 11 instructions for its low and high
+// quants) is shared by MR rows of VPDPBUSD, so more rows per pass cost fewer instructions per multiply-add. To keep
+// 2 x MR dot products in registers, each sub-block pair's 8 dwords go in two passes of 4 (one 16-element group of
+// the low quants and one of the high quants per pass) rather than one pass over four groups. S is the same exact
+// int32 sum (integer additions in another order), so every output keeps its bits.
 template <int MR>
-inline void q6k_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
-                                   int64_t ldy, int64_t cols) {
+inline void q6k_packed_microkernel_wide(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab,
+                                        float* y, int64_t ldy, int64_t cols) {
   constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
   const int64_t nsb = K / 256;
   const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
   __m512 acc[MR][2];
   KqActRow rows[MR];
-  #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     rows[i] = KqActRow(act + i * act_stride, K);
     acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   }
   for (int64_t sb = 0; sb < nsb; ++sb, slab += kBlock) {
-    #pragma GCC unroll 8
     for (int h = 0; h < 2; ++h) {
       __m512i s[MR];
-      #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
-      #pragma GCC unroll 8
       for (int h2 = 0; h2 < 2; ++h2) {
-        #pragma GCC unroll 8
         for (int c = 0; c < 2; ++c) {
-          // Elements k = c (low nibbles) and k = c + 2 (high nibbles) of the half: groups 8 h2 + 2k + (0, 1).
-          __m512i dot[MR][4];
-          #pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i) {
-            #pragma GCC unroll 8
-            for (int u = 0; u < 4; ++u) {
-              const int g = 8 * h2 + 2 * (c + 2 * (u / 2)) + (u % 2);
-              dot[i][u] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g]);
-            }
-          }
-          #pragma GCC unroll 8
-          for (int q = 0; q < 8; ++q) {
-            const __m512i x = _mm512_load_si512(slab + 128 * (16 * h2 + 8 * c + q) + 64 * h);
-            const __m512i bits = _mm512_load_si512(slab + 4096 + 128 * (8 * h2 + q) + 64 * h);
-            const __m512i lo = _mm512_or_si512(
-                _mm512_and_si512(x, low4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), low2), 4));
-            const __m512i hi = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 4), low2), 4));
-            #pragma GCC unroll 8
+          #pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {
+            // Groups g (low quants, elements 128 h2 + 32 c + 16 half ..) and g + 4 (high quants, the same + 64).
+            const int g = 8 * h2 + 2 * c + half;
+            if (MR <= kKqPrefetchMaxRows) kq_prefetch_part<kBlock, 16>(slab, 8 * h + 4 * h2 + 2 * c + half);
+            __m512i dot_lo[MR], dot_hi[MR];
             for (int i = 0; i < MR; ++i) {
-              const int8_t* a = rows[i].q + 256 * sb + 128 * h2 + 32 * c + 4 * q;
-              int32_t a_lo, a_hi;
-              std::memcpy(&a_lo, a, 4);
-              std::memcpy(&a_hi, a + 64, 4);
-              dot[i][q / 4] = _mm512_dpbusd_epi32(dot[i][q / 4], lo, _mm512_set1_epi32(a_lo));
-              dot[i][2 + q / 4] = _mm512_dpbusd_epi32(dot[i][2 + q / 4], hi, _mm512_set1_epi32(a_hi));
+              dot_lo[i] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g]);
+              dot_hi[i] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g + 4]);
             }
-          }
-          #pragma GCC unroll 8
-          for (int u = 0; u < 4; ++u) {
-            const int g = 8 * h2 + 2 * (c + 2 * (u / 2)) + (u % 2);
-            const __m512i sc = _mm512_cvtepi8_epi32(
-                _mm_load_si128(reinterpret_cast<const __m128i*>(slab + 6144 + 32 * g + 16 * h)));
-            #pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) s[i] = _mm512_add_epi32(s[i], _mm512_mullo_epi32(dot[i][u], sc));
+            #pragma GCC unroll 4
+            for (int q4 = 0; q4 < 4; ++q4) {
+              const int q = 4 * half + q4;
+              const __m512i x = _mm512_load_si512(slab + 128 * (16 * h2 + 8 * c + q) + 64 * h);
+              const __m512i bits = _mm512_load_si512(slab + 4096 + 128 * (8 * h2 + q) + 64 * h);
+              const __m512i lo = _mm512_or_si512(_mm512_and_si512(x, low4),
+                                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), low2), 4));
+              const __m512i hi = _mm512_or_si512(
+                  _mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
+                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 4), low2), 4));
+              for (int i = 0; i < MR; ++i) {
+                const int8_t* a = rows[i].q + 256 * sb + 128 * h2 + 32 * c + 4 * q;
+                int32_t a_lo, a_hi;
+                std::memcpy(&a_lo, a, 4);
+                std::memcpy(&a_hi, a + 64, 4);
+                dot_lo[i] = _mm512_dpbusd_epi32(dot_lo[i], lo, _mm512_set1_epi32(a_lo));
+                dot_hi[i] = _mm512_dpbusd_epi32(dot_hi[i], hi, _mm512_set1_epi32(a_hi));
+              }
+            }
+            const __m512i sc_lo =
+                _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(slab + 6144 + 32 * g + 16 * h)));
+            const __m512i sc_hi = _mm512_cvtepi8_epi32(
+                _mm_load_si128(reinterpret_cast<const __m128i*>(slab + 6144 + 32 * (g + 4) + 16 * h)));
+            for (int i = 0; i < MR; ++i) {
+              s[i] = _mm512_add_epi32(s[i], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[i], sc_lo),
+                                                             _mm512_mullo_epi32(dot_hi[i], sc_hi)));
+            }
           }
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + 6656 + 32 * h)));
-      #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[sb])), acc[i][h]);
       }
     }
   }
-  #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     Avx512::store_partial(y + i * ldy, acc[i][0], cols);
     if (cols > 16) Avx512::store_partial(y + i * ldy + 16, acc[i][1], cols - 16);
@@ -185,7 +198,6 @@ void kq_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t
 template <int Type, int MR>
 inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
                                   int64_t ldy, int64_t cols) {
-  if (Type == kQ6_K) return q6k_packed_microkernel<MR>(act, act_stride, K, slab, y, ldy, cols);
   constexpr size_t kBlock = kq_slab_block_bytes<Type>();
   constexpr size_t kScales = Type == kQ5_K ? 5120 : 4096;
   const int64_t nsb = K / 256;
@@ -201,6 +213,7 @@ inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t
       __m512i s[MR];
       for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
+        if (MR <= kKqPrefetchMaxRows && Type != kQ4_K) kq_prefetch_part<kBlock, 8>(slab, 4 * h + p);
         __m512i lo_dot[MR], hi_dot[MR];
         for (int i = 0; i < MR; ++i) lo_dot[i] = hi_dot[i] = _mm512_setzero_si512();
         for (int q = 0; q < 8; ++q) {
@@ -255,6 +268,25 @@ inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t
 }
 
 constexpr int kKqPackedMR = 4;
+constexpr int kQ6kPackedMR = 8;
+
+// Q6_K slabs against M activation rows: 8 at a time, then 4, then the remainder.
+inline void q6k_packed_rows(const MatmulTile& t, const uint8_t* slab, int64_t c0, int64_t cols) {
+  int64_t m = 0;
+  auto run = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    q6k_packed_microkernel_wide<R>(t.act + m * t.act_stride, t.act_stride, t.K, slab, t.y + m * t.ldy + c0, t.ldy, cols);
+    m += R;
+  };
+  while (t.M - m >= kQ6kPackedMR) run(std::integral_constant<int, kQ6kPackedMR>());
+  if (t.M - m >= 4) run(std::integral_constant<int, 4>());
+  switch (t.M - m) {
+    case 3: run(std::integral_constant<int, 3>()); break;
+    case 2: run(std::integral_constant<int, 2>()); break;
+    case 1: run(std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
 
 // A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab.
 template <int Type>
@@ -263,18 +295,22 @@ void kq_packed_tile(const MatmulTile& t) {
   for (int64_t c0 = t.n0; c0 < t.n1; c0 += kPackedPanelRows) {
     const uint8_t* slab = t.w + (c0 / kPackedPanelRows) * slab_bytes;
     const int64_t cols = t.n1 - c0 < kPackedPanelRows ? t.n1 - c0 : kPackedPanelRows;
-    int64_t m = 0;
-    for (; m + kKqPackedMR <= t.M; m += kKqPackedMR) {
-      kq_packed_microkernel<Type, kKqPackedMR>(t.act + m * t.act_stride, t.act_stride, t.K, slab,
-                                               t.y + m * t.ldy + c0, t.ldy, cols);
-    }
-    const uint8_t* act = t.act + m * t.act_stride;
-    float* y = t.y + m * t.ldy + c0;
-    switch (t.M - m) {
-      case 3: kq_packed_microkernel<Type, 3>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
-      case 2: kq_packed_microkernel<Type, 2>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
-      case 1: kq_packed_microkernel<Type, 1>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
-      default: break;
+    if constexpr (Type == kQ6_K) {
+      q6k_packed_rows(t, slab, c0, cols);
+    } else {
+      int64_t m = 0;
+      for (; m + kKqPackedMR <= t.M; m += kKqPackedMR) {
+        kq_packed_microkernel<Type, kKqPackedMR>(t.act + m * t.act_stride, t.act_stride, t.K, slab,
+                                                 t.y + m * t.ldy + c0, t.ldy, cols);
+      }
+      const uint8_t* act = t.act + m * t.act_stride;
+      float* y = t.y + m * t.ldy + c0;
+      switch (t.M - m) {
+        case 3: kq_packed_microkernel<Type, 3>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+        case 2: kq_packed_microkernel<Type, 2>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+        case 1: kq_packed_microkernel<Type, 1>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
+        default: break;
+      }
     }
   }
 }

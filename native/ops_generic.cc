@@ -103,6 +103,39 @@ void dequantize_q4_0(const uint8_t* src, float* dst, int64_t n) {
   }
 }
 
+void dequantize_q4_1(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ4_1* blocks = reinterpret_cast<const BlockQ4_1*>(src);
+  for (int64_t b = 0; b < n / kQK4_0; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d), m = fp16_to_fp32(blocks[b].m);
+    float* out = dst + b * kQK4_0;
+    for (int i = 0; i < kQK4_0 / 2; ++i) {
+      // q * d is exact in f32 (4 x 11 significant bits): one rounding, as the fused form would give.
+      out[i] = static_cast<float>(blocks[b].qs[i] & 0xF) * d + m;
+      out[i + kQK4_0 / 2] = static_cast<float>(blocks[b].qs[i] >> 4) * d + m;
+    }
+  }
+}
+
+void dequantize_q5_0(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ5_0* blocks = reinterpret_cast<const BlockQ5_0*>(src);
+  int q[kQK4_0];
+  for (int64_t b = 0; b < n / kQK4_0; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    q5_levels(blocks[b].qh, blocks[b].qs, q);
+    for (int i = 0; i < kQK4_0; ++i) dst[b * kQK4_0 + i] = d * static_cast<float>(q[i] - 16);
+  }
+}
+
+void dequantize_q5_1(const uint8_t* src, float* dst, int64_t n) {
+  const BlockQ5_1* blocks = reinterpret_cast<const BlockQ5_1*>(src);
+  int q[kQK4_0];
+  for (int64_t b = 0; b < n / kQK4_0; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d), m = fp16_to_fp32(blocks[b].m);
+    q5_levels(blocks[b].qh, blocks[b].qs, q);
+    for (int i = 0; i < kQK4_0; ++i) dst[b * kQK4_0 + i] = static_cast<float>(q[i]) * d + m;  // q * d exact
+  }
+}
+
 void dequantize_q4_k(const uint8_t* src, float* dst, int64_t n) {
   const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(src);
   for (int64_t b = 0; b < n / kQK_K; ++b) {
@@ -235,6 +268,9 @@ void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n)
     case kBF16: return dequantize_bf16(src, dst, n);
     case kQ8_0: return dequantize_q8_0(src, dst, n);
     case kQ4_0: return dequantize_q4_0(src, dst, n);
+    case kQ4_1: return dequantize_q4_1(src, dst, n);
+    case kQ5_0: return dequantize_q5_0(src, dst, n);
+    case kQ5_1: return dequantize_q5_1(src, dst, n);
     case kQ4_K: return dequantize_q4_k(src, dst, n);
     case kQ5_K: return dequantize_q5_k(src, dst, n);
     case kQ6_K: return dequantize_q6_k(src, dst, n);
@@ -261,11 +297,14 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kBF16] = dequantize_bf16;
   t.dequantize_row[kQ8_0] = dequantize_q8_0;
   t.dequantize_row[kQ4_0] = dequantize_q4_0;
+  t.dequantize_row[kQ4_1] = dequantize_q4_1;
+  t.dequantize_row[kQ5_0] = dequantize_q5_0;
+  t.dequantize_row[kQ5_1] = dequantize_q5_1;
   t.dequantize_row[kQ4_K] = dequantize_q4_k;
   t.dequantize_row[kQ5_K] = dequantize_q5_k;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
   for (const char* kind : {"rmsnorm", "add", "swiglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
-  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K}) {
+  for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("dequantize_") + type_name(type)] = "generic";
   }
 }

@@ -1,11 +1,11 @@
 // Conduit served over HTTP against llama.cpp built natively on this machine (`llama-bench`), on the GGUFs people
 // download: Q8_0, Q4_K_M, Q5_K_M and Q6_K files made by llama.cpp's own `llama-quantize` from the F32 synthetic 110M
 // Llama (dim 768, 12 layers, 12 / 4 heads, FFN 2048, vocabulary 32000, written by Conduit's GGUF writer with a
-// context length of 16384), plus decode at long context. The default table of `npm run bench:peer`.
+// context length of 32768, so a 16384-token context row and the tokens it decodes fit), plus decode at long context. The default table of `npm run bench:peer`.
 //
 //   node --import tsx benchmarks/peer/native.ts [options]
 //     --types Q8_0,Q4_K_M,Q5_K_M,Q6_K   files to compare (llama-quantize type names)
-//     --contexts 4096                   decode rows at these context lengths (tokens already in the sequence)
+//     --contexts 4096,16384             decode rows at these context lengths (tokens already in the sequence)
 //     --runs 3                          rounds; each round measures every figure on both engines, order alternating
 //     --threads 2                       compute threads of both engines
 //     --llama-bin DIR                   llama.cpp binaries (default: CONDUIT_LLAMA_CPP_BIN, else
@@ -40,7 +40,7 @@ const REPO = fileURLToPath(new URL('../../', import.meta.url));
 const { values: args } = parseArgs({
   options: {
     types: { type: 'string', default: 'Q8_0,Q4_K_M,Q5_K_M,Q6_K' },
-    contexts: { type: 'string', default: '4096' },
+    contexts: { type: 'string', default: '4096,16384' },
     runs: { type: 'string', default: '3' },
     threads: { type: 'string', default: '2' },
     'llama-bin': { type: 'string' },
@@ -216,6 +216,14 @@ console.log(`CPU: ${cpu.defaultThreads} cores, best kernel variant ${cpu.bestVar
 const dir = benchModelDir();
 mkdirSync(dir, { recursive: true });
 const f32 = await ensureSyntheticModel(LONG_CONTEXT_110M, dir);
+// A context row is its prompt plus CONTEXT_DECODE + 1 tokens: refuse up front what the model's context cannot hold
+// (Conduit rejects such a request; llama-bench would run it past the trained length).
+const tooLong = CONTEXTS.filter((c) => c + CONTEXT_DECODE + 1 > LONG_CONTEXT_110M.contextLength);
+if (tooLong.length > 0) {
+  console.error(`--contexts ${tooLong.join(',')}: a row needs context + ${CONTEXT_DECODE + 1} tokens; the model holds ` +
+    `${LONG_CONTEXT_110M.contextLength}`);
+  process.exit(2);
+}
 const results: TypeResults[] = [];
 for (const type of TYPES) {
   const path = ensureLlamaQuantized(f32, type, LLAMA_BIN, THREADS);

@@ -29,7 +29,9 @@ export interface GgmlTypeInfo {
 
 // Layouts (ggml-common.h): Q8_0 = f16 d + 32 x i8; Q4_0 = f16 d + 16 bytes of nibbles (low nibbles are elements
 // 0..15, high nibbles 16..31), value = (q - 8) * d; Q4_K = f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes
-// of nibbles per 256; Q5_K = Q4_K's header, 32 bytes of fifth bits, 128 bytes of nibbles per 256; Q6_K = 128 bytes low nibbles, 64 bytes high 2-bits, 16 x i8 scales, f16 d per 256.
+// of nibbles per 256; Q4_1 = f16 d, f16 m + Q4_0's nibbles, value = q * d + m; Q5_0 = f16 d, 32 fifth bits (bit j of
+// a little-endian u32 for element j) + Q4_0's nibbles, value = (q - 16) * d; Q5_1 = f16 d, f16 m + Q5_0's bits, value =
+// q * d + m; Q5_K = Q4_K's header, 32 bytes of fifth bits, 128 bytes of nibbles per 256; Q6_K = 128 bytes low nibbles, 64 bytes high 2-bits, 16 x i8 scales, f16 d per 256.
 export const GGML_TYPES: ReadonlyMap<GgmlType, GgmlTypeInfo> = new Map([
   [GgmlType.F32, { name: 'F32', blockSize: 1, typeSize: 4 }],
   [GgmlType.F16, { name: 'F16', blockSize: 1, typeSize: 2 }],
@@ -50,8 +52,8 @@ export const GGML_TYPES: ReadonlyMap<GgmlType, GgmlTypeInfo> = new Map([
 
 /** The types Conduit can compute with (dequantize in the reference path, native kernels). */
 export const SUPPORTED_TYPES: readonly GgmlType[] = [
-  GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K,
-  GgmlType.Q6_K,
+  GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0,
+  GgmlType.Q5_1, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K,
 ];
 
 export function ggmlTypeName(type: number): string {

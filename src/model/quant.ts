@@ -161,6 +161,48 @@ function decodeQ4_0(src: Uint8Array, offset: number, numBlocks: number, out: Flo
   }
 }
 
+function decodeQ4_1(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+  for (let b = 0; b < numBlocks; b++) {
+    const o = offset + b * 20;
+    const d = halfAt(src, o), m = halfAt(src, o + 2);
+    const y = outOffset + b * 32;
+    for (let j = 0; j < 16; j++) {
+      const byte = src[o + 4 + j]!;
+      out[y + j] = (byte & 0x0f) * d + m;
+      out[y + j + 16] = (byte >>> 4) * d + m;
+    }
+  }
+}
+
+// Q5_0 / Q5_1: bit j of the little-endian 32-bit qh is the fifth bit of element j; the low 4 bits as Q4_0's nibbles.
+function decodeQ5(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number,
+  withMin: boolean): void {
+  const size = withMin ? 24 : 22, qhAt = withMin ? 4 : 2;
+  for (let b = 0; b < numBlocks; b++) {
+    const o = offset + b * size;
+    const d = halfAt(src, o);
+    const m = withMin ? halfAt(src, o + 2) : 0;
+    const h = o + qhAt;
+    const qh = (src[h]! | (src[h + 1]! << 8) | (src[h + 2]! << 16) | (src[h + 3]! << 24)) >>> 0;
+    const y = outOffset + b * 32;
+    for (let j = 0; j < 16; j++) {
+      const byte = src[h + 4 + j]!;
+      const q0 = (byte & 0x0f) | (((qh >>> j) & 1) << 4);
+      const q1 = (byte >>> 4) | (((qh >>> (j + 16)) & 1) << 4);
+      out[y + j] = withMin ? q0 * d + m : (q0 - 16) * d;
+      out[y + j + 16] = withMin ? q1 * d + m : (q1 - 16) * d;
+    }
+  }
+}
+
+function decodeQ5_0(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+  decodeQ5(src, offset, numBlocks, out, outOffset, false);
+}
+
+function decodeQ5_1(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+  decodeQ5(src, offset, numBlocks, out, outOffset, true);
+}
+
 /**
  * The 6-bit scale and min of Q4_K sub-block `j` (0..7) from the 12 packed bytes at `p`. Sub-blocks 0..3 keep their
  * scale and min in the low 6 bits of bytes j and j+4; sub-blocks 4..7 keep the low 4 bits in byte j+4 (scale low
@@ -257,6 +299,9 @@ const DEQUANTIZERS: ReadonlyMap<GgmlType, BlockDecoder> = new Map<GgmlType, Bloc
   [GgmlType.BF16, decodeBf16],
   [GgmlType.Q8_0, decodeQ8_0],
   [GgmlType.Q4_0, decodeQ4_0],
+  [GgmlType.Q4_1, decodeQ4_1],
+  [GgmlType.Q5_0, decodeQ5_0],
+  [GgmlType.Q5_1, decodeQ5_1],
   [GgmlType.Q4_K, decodeQ4_K],
   [GgmlType.Q5_K, decodeQ5_K],
   [GgmlType.Q6_K, decodeQ6_K],
@@ -368,6 +413,64 @@ function encodeQ4_0(values: Float32Array, offset: number, dst: Uint8Array, dstOf
     const hi = Math.max(0, Math.min(15, Math.round(values[offset + j + 16]! * inv) + 8));
     dst[dstOffset + 2 + j] = lo | (hi << 4);
   }
+}
+
+// d = (max - min) / 15 and m = min, both as halves; levels round against them.
+function encodeQ4_1(values: Float32Array, offset: number, dst: Uint8Array, dstOffset: number): void {
+  let lo = Infinity, hi = -Infinity;
+  for (let j = 0; j < 32; j++) {
+    lo = Math.min(lo, values[offset + j]!);
+    hi = Math.max(hi, values[offset + j]!);
+  }
+  const d = f16Round((hi - lo) / 15), m = f16Round(lo);
+  const inv = d === 0 ? 0 : 1 / d;
+  writeHalf(dst, dstOffset, d);
+  writeHalf(dst, dstOffset + 2, m);
+  for (let j = 0; j < 16; j++) {
+    const a = Math.max(0, Math.min(15, Math.round((values[offset + j]! - m) * inv)));
+    const b = Math.max(0, Math.min(15, Math.round((values[offset + j + 16]! - m) * inv)));
+    dst[dstOffset + 4 + j] = a | (b << 4);
+  }
+}
+
+// 32 levels (0..31) of a Q5_0 / Q5_1 block into its qh (4 bytes) and nibbles (16 bytes) at `at`.
+function writeQ5Levels(levels: Uint8Array, dst: Uint8Array, at: number): void {
+  let qh = 0;
+  for (let j = 0; j < 16; j++) {
+    const a = levels[j]!, b = levels[j + 16]!;
+    dst[at + 4 + j] = (a & 0x0f) | ((b & 0x0f) << 4);
+    qh |= ((a >>> 4) << j) | ((b >>> 4) << (j + 16));
+  }
+  for (let i = 0; i < 4; i++) dst[at + i] = (qh >>> (8 * i)) & 0xff;
+}
+
+// As Q4_0 with 32 levels: the element of largest magnitude maps to -16; the fifth bits go to qh.
+function encodeQ5_0(values: Float32Array, offset: number, dst: Uint8Array, dstOffset: number): void {
+  let extreme = 0;
+  for (let j = 0; j < 32; j++) {
+    const v = values[offset + j]!;
+    if (Math.abs(v) > Math.abs(extreme)) extreme = v;
+  }
+  const d = f16Round(extreme / -16);
+  const inv = d === 0 ? 0 : 1 / d;
+  writeHalf(dst, dstOffset, d);
+  for (let j = 0; j < 32; j++) scratchLevels[j] = Math.max(0, Math.min(31, Math.round(values[offset + j]! * inv) + 16));
+  writeQ5Levels(scratchLevels, dst, dstOffset + 2);
+}
+
+// As Q4_1 with 32 levels: d = (max - min) / 31, m = min.
+function encodeQ5_1(values: Float32Array, offset: number, dst: Uint8Array, dstOffset: number): void {
+  let lo = Infinity, hi = -Infinity;
+  for (let j = 0; j < 32; j++) {
+    lo = Math.min(lo, values[offset + j]!);
+    hi = Math.max(hi, values[offset + j]!);
+  }
+  const d = f16Round((hi - lo) / 31), m = f16Round(lo);
+  const inv = d === 0 ? 0 : 1 / d;
+  writeHalf(dst, dstOffset, d);
+  writeHalf(dst, dstOffset + 2, m);
+  for (let j = 0; j < 32; j++) scratchLevels[j] = Math.max(0, Math.min(31, Math.round((values[offset + j]! - m) * inv)));
+  writeQ5Levels(scratchLevels, dst, dstOffset + 4);
 }
 
 // Each 32-element sub-block gets range (max - min) / top and offset -min (min clamped to <= 0), top = 15 (Q4_K) or
@@ -499,6 +602,9 @@ const QUANTIZERS: ReadonlyMap<GgmlType, BlockEncoder> = new Map<GgmlType, BlockE
   [GgmlType.BF16, encodeBf16],
   [GgmlType.Q8_0, encodeQ8_0],
   [GgmlType.Q4_0, encodeQ4_0],
+  [GgmlType.Q4_1, encodeQ4_1],
+  [GgmlType.Q5_0, encodeQ5_0],
+  [GgmlType.Q5_1, encodeQ5_1],
   [GgmlType.Q4_K, encodeQ4_K],
   [GgmlType.Q5_K, encodeQ5_K],
   [GgmlType.Q6_K, encodeQ6_K],

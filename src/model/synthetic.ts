@@ -63,12 +63,13 @@ const SQRT3 = Math.sqrt(3);
 // ---------------------------------------------------------------------------------------------------------------
 // Specs
 
-export type SyntheticDtype = 'F32' | 'F16' | 'BF16' | 'Q8_0' | 'Q4_0' | 'Q4_K' | 'Q5_K' | 'Q6_K';
+export type SyntheticDtype = 'F32' | 'F16' | 'BF16' | 'Q8_0' | 'Q4_0' | 'Q4_1' | 'Q5_0' | 'Q5_1'
+  | 'Q4_K' | 'Q5_K' | 'Q6_K';
 
 export const SYNTHETIC_DTYPES: Readonly<Record<SyntheticDtype, GgmlType>> = {
   F32: GgmlType.F32, F16: GgmlType.F16, BF16: GgmlType.BF16,
-  Q8_0: GgmlType.Q8_0, Q4_0: GgmlType.Q4_0, Q4_K: GgmlType.Q4_K, Q5_K: GgmlType.Q5_K,
-  Q6_K: GgmlType.Q6_K,
+  Q8_0: GgmlType.Q8_0, Q4_0: GgmlType.Q4_0, Q4_1: GgmlType.Q4_1, Q5_0: GgmlType.Q5_0, Q5_1: GgmlType.Q5_1,
+  Q4_K: GgmlType.Q4_K, Q5_K: GgmlType.Q5_K, Q6_K: GgmlType.Q6_K,
 };
 
 export interface SyntheticModelSpec {
@@ -188,7 +189,7 @@ function sortKeys(o: Record<string, unknown>): Record<string, unknown> {
 
 // llama.cpp's `general.file_type` (enum llama_ftype) for the dominant tensor type.
 const FILE_TYPES: Readonly<Record<SyntheticDtype, number>> = {
-  F32: 0, F16: 1, Q4_0: 2, Q8_0: 7, Q4_K: 15, Q5_K: 17, Q6_K: 18, BF16: 32,
+  F32: 0, F16: 1, Q4_0: 2, Q4_1: 3, Q8_0: 7, Q5_0: 8, Q5_1: 9, Q4_K: 15, Q5_K: 17, Q6_K: 18, BF16: 32,
 };
 
 /**

@@ -175,7 +175,7 @@ function kQuantIntDot(variant: KernelVariant, type: GgmlType): boolean {
 // amax^2 / 3; real activations, less uniform, fare worse). Its bound is the 8-bit one scaled by that ratio, 0.14.
 function bound(type: GgmlType, variant: KernelVariant): number {
   const int8Activations = 3e-3;
-  if (type === GgmlType.Q8_0 || type === GgmlType.Q4_0) return int8Activations;
+  if ([GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1].includes(type)) return int8Activations;
   // K-quants on 8-bit activations with one scale per 256 values instead of 32: the rounding's mean square grows with
   // the square of the block's largest magnitude, E[max^2] of 256 |N(0,1)| values over that of 32 (9.40 / 5.71).
   if ([GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K].includes(type) && kQuantIntDot(variant, type)) {
@@ -200,6 +200,8 @@ const MODELS: { name: string; kv: KvDtype; options: ModelOptions }[] = [
     type: GgmlType.Q4_0, edgeType: GgmlType.Q8_0, dim: 128, ffnDim: 192,
     ropeScaling: { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 64 },
   } },
+  { name: 'Q5_0 with Q4_1 edges', kv: 'f16', options: { type: GgmlType.Q5_0, edgeType: GgmlType.Q4_1, dim: 128, ffnDim: 160 } },
+  { name: 'Q5_1', kv: 'f32', options: { type: GgmlType.Q5_1, dim: 128, ffnDim: 96 } },
   { name: 'Q4_K, partial RoPE', kv: 'f16', options: { type: GgmlType.Q4_K, edgeType: GgmlType.Q6_K, ropeDim: 32, ffnDim: 256 } },
   { name: 'Q5_K with Q6_K edges', kv: 'f16', options: { type: GgmlType.Q5_K, edgeType: GgmlType.Q6_K, ffnDim: 256 } },
   { name: 'Q6_K, linear RoPE scaling', kv: 'f32',
@@ -255,6 +257,37 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
   // Q6_K in some layers and the output), from an F32 model the writer made. Needs the llama.cpp build
   // (scripts/build-llama-cpp.sh, or CONDUIT_LLAMA_CPP_BIN).
   const quantizeMissing = llamaQuantizeMissing();
+  // An FFN of 320 (not whole super-blocks): llama-quantize stores ffn_down (rows of 320) as Q5_0 in a Q4_K_M file
+  // and as Q5_1 in a Q5_K_M one, which files of real models with such FFN widths carry.
+  for (const [type, fallback] of [['Q4_K_M', GgmlType.Q5_0], ['Q5_K_M', GgmlType.Q5_1]] as const) {
+    it(`synthetic ${type} GGUF from llama-quantize with ${ggmlTypeName(fallback)} fallback rows: native == reference`,
+      { skip: quantizeMissing ? `llama-quantize unavailable: ${quantizeMissing}` : false }, async () => {
+        const dir = mkdtempSync(join(tmpdir(), 'conduit-llama-quantize-'));
+        try {
+          const f32 = join(dir, 'synthetic-llq320-F32.gguf');
+          writeSyntheticModel({
+            name: 'synthetic-llq320', dim: 256, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 320,
+            contextLength: 256, dtype: 'F32', seed: 29, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+          }, f32);
+          const { config, weights } = await loadModel(ensureLlamaQuantized(f32, type));
+          assert.ok(weights.layers.some((l) => l.wDown.type === fallback), `${type}: some ffn_down is ${ggmlTypeName(fallback)} ` +
+            `(types: ${weights.layers.map((l) => ggmlTypeName(l.wDown.type)).join(', ')})`);
+          const steps = makeSteps(5).map((b) => ({ ...b, tokenIds: b.tokenIds.map((t) => (t * 101) % config.vocabSize) }));
+          const expected = runReference(config, weights, 'f16', steps);
+          for (const variant of variants) {
+            const packed = runNative(config, weights, 'f16', variant, 2, steps);
+            // The fallback matrices take 8-bit activations on every variant, the K-quant ones on the SIMD variants.
+            const limit = Math.max(bound(GgmlType.Q4_K, variant), bound(fallback, variant));
+            packed.forEach((logits, s) => assertClose(logits, expected[s]!, limit, `${type} ${variant} step ${s}`));
+            assert.deepEqual(runNative(config, weights, 'f16', variant, 1, steps, false), packed,
+              `${type} ${variant}: ggml rows on 1 thread differ from packed on 2`);
+          }
+        } finally {
+          rmSync(dir, { recursive: true, force: true });
+        }
+      });
+  }
+
   for (const type of ['Q4_K_M', 'Q5_K_M', 'Q6_K'] as const) {
     it(`synthetic ${type} GGUF from llama-quantize: native == reference, packed or not`,
       { skip: quantizeMissing ? `llama-quantize unavailable: ${quantizeMissing}` : false }, async () => {

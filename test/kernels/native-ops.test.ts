@@ -53,7 +53,7 @@ function referenceRope(x: Float32Array, positions: Int32Array, numHeads: number,
 // matmul
 
 const FLOAT_TYPES = [GgmlType.F32, GgmlType.F16, GgmlType.BF16];
-const INT8_TYPES = [GgmlType.Q8_0, GgmlType.Q4_0];
+const INT8_TYPES = [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1];
 const K_QUANT_TYPES = [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K];
 
 // [m, k, n]: single rows (decode GEMV), a few rows, many rows (prefill GEMM); n not a multiple of any tile width.

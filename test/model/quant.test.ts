@@ -119,6 +119,44 @@ describe('dequantization of hand-made blocks', () => {
     assert.deepEqual([...dequantizeTensor(tensor(GgmlType.Q4_0, [32], block))], expected);
   });
 
+  it('Q4_1: q * d + m, nibbles as Q4_0', () => {
+    const block = new Uint8Array(20);
+    block[0] = 0x00; block[1] = 0x38; // d = 0.5
+    block[2] = 0x00; block[3] = 0xbc; // m = -1
+    block[4] = 0x0f; // element 0: 15 * 0.5 - 1 = 6.5, element 16: -1
+    block[19] = 0xa3; // element 15: 3 * 0.5 - 1 = 0.5, element 31: 10 * 0.5 - 1 = 4
+    const expected = new Array(32).fill(-1);
+    expected[0] = 6.5; expected[15] = 0.5; expected[31] = 4;
+    assert.deepEqual([...dequantizeTensor(tensor(GgmlType.Q4_1, [32], block))], expected);
+  });
+
+  it('Q5_0: bit j of the little-endian qh is the fifth bit of element j, offset 16', () => {
+    const block = new Uint8Array(22);
+    block[0] = 0x00; block[1] = 0x38; // d = 0.5
+    block.fill(0x00, 6); // every nibble 0 and no fifth bit -> (0 - 16) * 0.5 = -8
+    block[2] = 0b1; // element 0's fifth bit
+    block[5] = 0b1000_0000; // bit 31: element 31's fifth bit
+    block[4] = 0b1; // bit 16: element 16's fifth bit
+    block[6] = 0x3f; // element 0: (15 + 16 - 16) * 0.5 = 7.5, element 16: (3 + 16 - 16) * 0.5 = 1.5
+    block[21] = 0x20; // element 15: -8, element 31: (2 + 16 - 16) * 0.5 = 1
+    const expected = new Array(32).fill(-8);
+    expected[0] = 7.5; expected[16] = 1.5; expected[31] = 1;
+    assert.deepEqual([...dequantizeTensor(tensor(GgmlType.Q5_0, [32], block))], expected);
+  });
+
+  it('Q5_1: q * d + m with Q5_0\'s bits', () => {
+    const block = new Uint8Array(24);
+    block[0] = 0x00; block[1] = 0x38; // d = 0.5
+    block[2] = 0x00; block[3] = 0xbc; // m = -1
+    block[4] = 0b1; // element 0's fifth bit
+    block[7] = 0b1000_0000; // element 31's fifth bit
+    block[8] = 0x3f; // element 0: (15 + 16) * 0.5 - 1 = 14.5, element 16: 3 * 0.5 - 1 = 0.5
+    block[23] = 0x20; // element 31: (2 + 16) * 0.5 - 1 = 8
+    const expected = new Array(32).fill(-1);
+    expected[0] = 14.5; expected[16] = 0.5; expected[31] = 8;
+    assert.deepEqual([...dequantizeTensor(tensor(GgmlType.Q5_1, [32], block))], expected);
+  });
+
   it('Q4_K: 6-bit packed scales and mins, nibble order per 64 elements', () => {
     const block = new Uint8Array(144);
     block[0] = 0x00; block[1] = 0x3c; // d = 1
@@ -234,12 +272,19 @@ describe('quantize -> dequantize', () => {
   it('Q8_0 within half a step of amax/127', () => checkBound(GgmlType.Q8_0, 32, (b) => (amax(b) / 127) * 0.51));
   // The largest magnitude maps to -8 * d; its opposite can only reach 7 * d, one full step away.
   it('Q4_0 within one step of amax/8', () => checkBound(GgmlType.Q4_0, 32, (b) => (amax(b) / 8) * 1.01));
+  it('Q4_1 within one step of the block range / 15', () => checkBound(GgmlType.Q4_1, 32,
+    (b) => (Math.max(...b) - Math.min(...b)) / 15 + amax(b) * 2 ** -10));
+  it('Q5_1 within one step of the block range / 31', () => checkBound(GgmlType.Q5_1, 32,
+    (b) => (Math.max(...b) - Math.min(...b)) / 31 + amax(b) * 2 ** -10));
+  // As Q4_0: the largest magnitude maps to -16 * d, its opposite reaches 15 * d.
+  it('Q5_0 within one step of amax/16', () => checkBound(GgmlType.Q5_0, 32, (b) => (amax(b) / 16) * 1.01));
   it('Q4_K within one step of the super-block range / 15', () => checkBound(GgmlType.Q4_K, 256, (b) => range(b) / 15));
   it('Q5_K within one step of the super-block range / 31', () => checkBound(GgmlType.Q5_K, 256, (b) => range(b) / 31));
   it('Q6_K within one step of amax/31', () => checkBound(GgmlType.Q6_K, 256, (b) => amax(b) / 31));
 
   it('quantizes an all-zero block to zeros', () => {
-    for (const type of [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K]) {
+    for (const type of [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q4_K,
+      GgmlType.Q5_K, GgmlType.Q6_K]) {
       const out = new Float32Array(256);
       dequantize(type, quantize(type, new Float32Array(256)), 256, out);
       assert.ok(out.every((v) => v === 0), GgmlType[type]);
