@@ -278,7 +278,7 @@ Napi::Value OpKvWrite(const Napi::CallbackInfo& info) {
 }
 
 // attention(variant, q, out, pool, layout, layer, queryStartLoc, seqLens, blockTables, maxBlocksPerSeq, numHeads,
-//           threads)
+//           threads, window?)
 Napi::Value OpAttention(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   const Variant v = run_variant_arg(env, info[0]);
@@ -323,6 +323,7 @@ Napi::Value OpAttention(const Napi::CallbackInfo& info) {
   a.block_tables = tables;
   a.max_blocks_per_seq = max_blocks;
   a.scale = 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  a.window = info[12].IsUndefined() ? 0 : static_cast<int>(integer(env, info[12], "window", 0));
   std::lock_guard<std::mutex> lock(ops_mutex);
   OpsContext& c = ops_context(threads);
   attention(kernel_table(v), *c.pool, c.ws, a, num_seqs);
