@@ -223,12 +223,15 @@ Napi::Value OpRope(const Napi::CallbackInfo& info) {
   c.theta = number(env, info[7], "theta");
   c.rope_dim = p.rope_dim;
   read_rope_scaling(env, info[8], &c);
+  if (c.scaling == RopeConfig::Scaling::LongRope && c.freq_factors.size() != static_cast<size_t>(c.rope_dim / 2)) {
+    throw Napi::RangeError::New(env, "LongRoPE needs ropeDim / 2 factors");
+  }
   const int64_t rows = static_cast<int64_t>(positions.length);
   float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * p.num_heads * p.head_dim);
   std::lock_guard<std::mutex> lock(ops_mutex);
   OpsContext& ctx = ops_context(1);
   RopeTable table;
-  table.compute(*ctx.pool, rope_inverse_frequencies(c), static_cast<const int32_t*>(positions.data), rows);
+  table.compute(*ctx.pool, rope_inverse_frequencies(c), static_cast<const int32_t*>(positions.data), rows, c.mscale);
   apply_rope(kernel_table(v), *ctx.pool, table, p, x, rows);
   return env.Undefined();
 }

@@ -101,7 +101,9 @@ std::vector<double> rope_inverse_frequencies(const RopeConfig& c) {
   std::vector<double> inv(half);
   for (int i = 0; i < half; ++i) {
     double freq = std::pow(c.theta, -2.0 * i / c.rope_dim);
-    if (c.scaling == RopeConfig::Scaling::Linear) {
+    if (c.scaling == RopeConfig::Scaling::LongRope) {
+      freq /= c.freq_factors[i];
+    } else if (c.scaling == RopeConfig::Scaling::Linear) {
       freq /= c.factor;
     } else if (c.scaling == RopeConfig::Scaling::Llama3) {
       // Llama 3.1: long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
@@ -122,7 +124,7 @@ std::vector<double> rope_inverse_frequencies(const RopeConfig& c) {
 }
 
 void RopeTable::compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions,
-                        int64_t rows) {
+                        int64_t rows, double mscale) {
   half = static_cast<int>(inv_freq.size());
   cos.resize(static_cast<size_t>(rows) * half);
   sin.resize(static_cast<size_t>(rows) * half);
@@ -131,8 +133,8 @@ void RopeTable::compute(ThreadPool& pool, const std::vector<double>& inv_freq, c
     for (int64_t r = item * kRowsPerItem; r < min64(rows, (item + 1) * kRowsPerItem); ++r) {
       for (int i = 0; i < half; ++i) {
         const double angle = static_cast<double>(positions[r]) * inv_freq[i];
-        cos[r * half + i] = static_cast<float>(std::cos(angle));
-        sin[r * half + i] = static_cast<float>(std::sin(angle));
+        cos[r * half + i] = static_cast<float>(std::cos(angle) * mscale);
+        sin[r * half + i] = static_cast<float>(std::sin(angle) * mscale);
       }
     }
   });

@@ -57,6 +57,11 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     throw InvalidInput("numHeads " + std::to_string(s.num_heads) + " is not a multiple of numKvHeads " +
                        std::to_string(s.num_kv_heads));
   }
+  if (s.rope.scaling == RopeConfig::Scaling::LongRope &&
+      s.rope.freq_factors.size() != static_cast<size_t>(s.rope.rope_dim / 2)) {
+    throw InvalidInput("LongRoPE needs ropeDim / 2 = " + std::to_string(s.rope.rope_dim / 2) + " factors, got " +
+                       std::to_string(s.rope.freq_factors.size()));
+  }
   if (s.rope.rope_dim <= 0 || s.rope.rope_dim % 2 != 0 || s.rope.rope_dim > s.head_dim) {
     throw InvalidInput("ropeDim " + std::to_string(s.rope.rope_dim) + " must be even and at most headDim " +
                        std::to_string(s.head_dim));
@@ -470,8 +475,8 @@ void Model::forward(const StepBatch& b, float* logits) {
   }
   sel_x_.resize(L * dim);
   sel_xn_.resize(L * dim);
-  rope_.compute(pool_, inv_freq_, b.positions, T);
-  sel_rope_.compute(pool_, inv_freq_, sel_positions_.data(), L);
+  rope_.compute(pool_, inv_freq_, b.positions, T, s.rope.mscale);
+  sel_rope_.compute(pool_, inv_freq_, sel_positions_.data(), L, s.rope.mscale);
   if (s.has_local_rope) {
     rope_local_.compute(pool_, inv_freq_local_, b.positions, T);
     sel_rope_local_.compute(pool_, inv_freq_local_, sel_positions_.data(), L);

@@ -191,11 +191,15 @@ export interface NativeModel {
 }
 
 export interface RopeScalingArg {
-  type: 'linear' | 'llama3';
-  factor: number;
+  type: 'linear' | 'llama3' | 'longrope';
+  /** linear and llama3. */
+  factor?: number;
   lowFreqFactor?: number;
   highFreqFactor?: number;
   originalContextLength?: number;
+  /** longrope: one divisor per frequency, and the scale of the rotated dimensions. */
+  factors?: number[];
+  attentionFactor?: number;
 }
 
 /** Pool layout as the ops entry points take it (the same fields as KvPoolLayout). */

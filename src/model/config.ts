@@ -32,7 +32,21 @@ export interface LinearRopeScaling {
   factor: number;
 }
 
-export type RopeScaling = Llama3RopeScaling | LinearRopeScaling;
+/**
+ * Phi-3's LongRoPE (`rope_scaling.type = "longrope"`, GGUF rope_factors_long / rope_factors_short): each frequency
+ * divided by its own factor, and the rotated dimensions of Q and K multiplied by attentionFactor. A model has a long
+ * and a short set; as llama.cpp does, the long one is used when the context served (here the model's context
+ * length) is longer than originalContextLength, else the short one, and `factors` is that set.
+ */
+export interface LongRopeScaling {
+  type: 'longrope';
+  /** ropeDim / 2 divisors, one per frequency. */
+  factors: number[];
+  attentionFactor: number;
+  originalContextLength: number;
+}
+
+export type RopeScaling = Llama3RopeScaling | LinearRopeScaling | LongRopeScaling;
 
 export interface ModelConfig {
   architecture: Architecture;

@@ -104,11 +104,8 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
   const moe = ggufMoeConfig(file, arch, config.ffnDim, source);
   if (moe) config.moe = moe;
   if (arch === 'qwen3moe' && !moe) throw new ModelFormatError(`${source}: qwen3moe without ${key('expert_count')}`);
-  if (arch === 'phi3' && (file.hasTensor('rope_factors_long.weight') || file.hasTensor('blk.0.rope_factors_long.weight'))) {
-    throw new ModelFormatError(`${source}: Phi-3 with LongRoPE scaling (rope_factors_long.weight, the 128k-context ` +
-      'models) is not supported; the 4k-context models are');
-  }
-  const ropeScaling = ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
+  const ropeScaling = ggufLongRope(file, arch, ropeDim, config.contextLength, source) ??
+    ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
 }
@@ -226,6 +223,33 @@ function ggufVocabSize(file: GgufFile, arch: Architecture, source: string): numb
 
 // ---------------------------------------------------------------------------------------------------------------
 // RoPE scaling
+
+/**
+ * LongRoPE as llama.cpp's converter writes it (Phi-3 128k, Phi-4-mini): rope_factors_long.weight and
+ * rope_factors_short.weight (ropeDim / 2 divisors each), `rope.scaling.attn_factor`, and the context the short set is
+ * for, `rope.scaling.original_context_length`. The long set is used when the context length is longer than that (what
+ * llama.cpp does for a context of the model's length).
+ */
+function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, contextLength: number,
+  source: string): RopeScaling | undefined {
+  const name = (kind: string): string | undefined =>
+    [`rope_factors_${kind}.weight`, `blk.0.rope_factors_${kind}.weight`].find((n) => file.hasTensor(n));
+  const longName = name('long');
+  if (longName === undefined) return undefined;
+  const shortName = name('short');
+  const originalContextLength = metaNumber(file, `${arch}.rope.scaling.original_context_length`);
+  if (shortName === undefined || originalContextLength === undefined) {
+    throw new ModelFormatError(`${source}: LongRoPE needs rope_factors_short.weight and ` +
+      `${arch}.rope.scaling.original_context_length besides ${longName}`);
+  }
+  const chosen = contextLength > originalContextLength ? longName : shortName;
+  const factors = Array.from(dequantizeTensor(file.tensor(chosen)));
+  if (factors.length !== ropeDim / 2) {
+    throw new ModelFormatError(`${source}: ${chosen} has ${factors.length} entries, expected ropeDim / 2 = ${ropeDim / 2}`);
+  }
+  const attentionFactor = metaNumber(file, `${arch}.rope.scaling.attn_factor`) ?? 1;
+  return { type: 'longrope', factors, attentionFactor, originalContextLength };
+}
 
 function ggufRopeScaling(
   file: GgufFile, arch: Architecture, ropeTheta: number, ropeDim: number, source: string,

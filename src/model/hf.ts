@@ -136,7 +136,9 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     contextLength: num('max_position_embeddings'),
     rmsNormEps: num('rms_norm_eps'),
     ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
-    ropeDim: headDim,
+    // Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75).
+    ropeDim: typeof json['partial_rotary_factor'] === 'number' && json['partial_rotary_factor'] < 1
+      ? 2 * Math.floor((json['partial_rotary_factor'] * headDim) / 2) : headDim,
     ropeStyle: 'neox',
     // Qwen2 always has Q/K/V biases; Llama and Qwen3 have them only when attention_bias says so.
     qkvBias: architecture === 'qwen2' || json['attention_bias'] === true,
@@ -150,7 +152,7 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
   if (architecture === 'gemma3') hfGemma3Config(json, config, source);
   const moe = hfMoeConfig(json, declared!, source);
   if (moe) config.moe = moe;
-  const ropeScaling = hfRopeScaling(json['rope_scaling'], source);
+  const ropeScaling = hfRopeScaling(json['rope_scaling'], json, config.ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
 }
@@ -216,7 +218,8 @@ function hfMoeConfig(json: Record<string, unknown>, declared: string, source: st
     expertFfnDim: num('moe_intermediate_size'), normalizeTopK: json['norm_topk_prob'] !== false };
 }
 
-function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined {
+function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: number,
+  source: string): RopeScaling | undefined {
   if (value === undefined || value === null) return undefined;
   if (typeof value !== 'object') throw new ModelFormatError(`${source}: rope_scaling is not an object`);
   const s = value as Record<string, unknown>;
@@ -236,9 +239,39 @@ function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined 
       highFreqFactor: num('high_freq_factor'),
       originalContextLength: num('original_max_position_embeddings'),
     };
+    case 'longrope':
+    case 'su': return hfLongRope(s, json, ropeDim, source);
     default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
-      '(supported: default, linear, llama3; not longrope, the 128k-context Phi-3 models)');
+      '(supported: default, linear, llama3, longrope)');
   }
+}
+
+/**
+ * Phi-3's LongRoPE (transformers' longrope): long_factor for a context longer than original_max_position_embeddings
+ * (here: max_position_embeddings, the context served), else short_factor; attention_factor, or
+ * sqrt(1 + ln(s) / ln(original)) with s = max / original. Factors and attention factor are rounded to f32 as
+ * llama.cpp's converter stores them, so a folder and its GGUF give the same config.
+ */
+function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, ropeDim: number,
+  source: string): RopeScaling {
+  const numbers = (key: string): number[] => {
+    const v = s[key];
+    if (!Array.isArray(v) || v.length !== ropeDim / 2 || !v.every((x) => typeof x === 'number' && x > 0)) {
+      throw new ModelFormatError(`${source}: rope_scaling.${key} must be ${ropeDim / 2} positive numbers`);
+    }
+    return v.map((x) => Math.fround(x as number));
+  };
+  const original = s['original_max_position_embeddings'] ?? json['original_max_position_embeddings'];
+  const max = json['max_position_embeddings'];
+  if (typeof original !== 'number' || typeof max !== 'number') {
+    throw new ModelFormatError(`${source}: LongRoPE needs original_max_position_embeddings and max_position_embeddings`);
+  }
+  const scale = max / original;
+  const given = s['attention_factor'];
+  const attentionFactor = Math.fround(typeof given === 'number' ? given
+    : scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(original)) : 1);
+  return { type: 'longrope', factors: numbers(max > original ? 'long_factor' : 'short_factor'), attentionFactor,
+    originalContextLength: original };
 }
 
 // ---------------------------------------------------------------------------------------------------------------

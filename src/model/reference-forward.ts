@@ -157,6 +157,8 @@ export class ReferenceTransformer {
   private readonly localFrequencies: Float64Array | undefined;
   /** The sliding window of each layer (0: full causal attention). */
   readonly layerWindows: readonly number[];
+  /** LongRoPE's scale of the rotated dimensions (1 otherwise). */
+  private readonly ropeAttentionFactor: number;
 
   constructor(config: ModelConfig, weights: ModelWeights) {
     this.config = config;
@@ -169,6 +171,7 @@ export class ReferenceTransformer {
     this.localFrequencies = config.ropeLocalTheta !== undefined
       ? ropeFrequencies(config.ropeDim, config.ropeLocalTheta) : undefined;
     this.layerWindows = Array.from({ length: config.numLayers }, (_, l) => layerWindow(config, l));
+    this.ropeAttentionFactor = config.ropeScaling?.type === 'longrope' ? config.ropeScaling.attentionFactor : 1;
   }
 
   /**
@@ -239,6 +242,13 @@ export class ReferenceTransformer {
         ? this.localFrequencies : this.frequencies;
       for (let r = 0; r < numRows; r++) {
         ropeAngles(positions[r]!, frequencies, cos, sin);
+        if (frequencies === this.frequencies && this.ropeAttentionFactor !== 1) {
+          // LongRoPE: the rotated dimensions of Q and K are scaled (cos and sin both).
+          for (let i = 0; i < cos.length; i++) {
+            cos[i] = cos[i]! * this.ropeAttentionFactor;
+            sin[i] = sin[i]! * this.ropeAttentionFactor;
+          }
+        }
         applyRope(q, r * qDim, numHeads, headDim, this.config.ropeStyle, cos, sin);
         applyRope(k, r * kvDim, numKvHeads, headDim, this.config.ropeStyle, cos, sin);
       }

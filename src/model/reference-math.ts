@@ -142,6 +142,13 @@ export function ropeFrequencies(ropeDim: number, base: number, scaling?: RopeSca
   const frequencies = new Float64Array(ropeDim / 2);
   for (let i = 0; i < ropeDim / 2; i++) frequencies[i] = Math.pow(base, (-2 * i) / ropeDim);
   if (!scaling) return frequencies;
+  if (scaling.type === 'longrope') {
+    if (scaling.factors.length !== frequencies.length || !scaling.factors.every((f) => f > 0)) {
+      throw new RangeError(`LongRoPE needs ${frequencies.length} positive factors, got ${scaling.factors.length}`);
+    }
+    for (let i = 0; i < frequencies.length; i++) frequencies[i] = frequencies[i]! / scaling.factors[i]!;
+    return frequencies;
+  }
   if (!(scaling.factor > 0)) throw new RangeError(`RoPE scaling factor must be positive, got ${scaling.factor}`);
 
   if (scaling.type === 'linear') {

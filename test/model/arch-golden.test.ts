@@ -1,5 +1,6 @@
 // Golden tests of the architectures beyond Llama 2: for each random-weight model of test/model/arch-models.ts
-// (Qwen3 tied and untied, Qwen3-MoE, Mixtral, Phi-3, Gemma 3 with its sliding-window layers), the greedy continuation of several prompts equals llama.cpp's,
+// (Qwen3 tied and untied, Qwen3-MoE, Mixtral, Phi-3 with and without LongRoPE, Gemma 3 with its sliding-window
+// layers), the greedy continuation of several prompts equals llama.cpp's,
 // recorded in test/data/arch/llama-cpp-greedy.json by the script beside it (llama.cpp's version is in that file).
 // The same holds for the reference forward, the native backend (each prompt alone and all in one batch), and a
 // Hugging Face folder of the same weights with a tokenizer.json.
@@ -96,6 +97,9 @@ function describeModel(spec: ArchModelSpec): void {
       assert.equal(model.config.tiedEmbeddings, spec.tied);
       assert.equal(model.config.qkNorm ?? false, ['qwen3', 'qwen3moe', 'gemma3'].includes(spec.architecture));
       assert.equal(model.config.slidingWindow, spec.slidingWindow);
+      // LongRoPE: the long factors (the context, 512, is longer than the 128 the short ones are for).
+      assert.deepEqual(model.config.ropeScaling?.type === 'longrope' ? model.config.ropeScaling.factors : undefined,
+        spec.longRope?.long);
       assert.deepEqual(model.config.moe, spec.moe ? { ...spec.moe, normalizeTopK: true } : undefined);
     });
 

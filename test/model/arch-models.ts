@@ -51,6 +51,17 @@ export interface ArchModelSpec {
   ropeLocalTheta?: number;
   /** Gemma 3: final_logit_softcapping. */
   finalLogitSoftcap?: number;
+  /**
+   * Phi-3 LongRoPE: a long and a short set of ropeDim / 2 frequency divisors, and the context the short set is for
+   * (shorter than contextLength, so the long set is the one used, by llama.cpp at a context of contextLength too).
+   */
+  longRope?: { long: number[]; short: number[]; originalContextLength: number };
+}
+
+/** LongRoPE's attention factor when the config gives none (transformers, llama.cpp's converter). */
+export function longRopeAttentionFactor(contextLength: number, originalContextLength: number): number {
+  const scale = contextLength / originalContextLength;
+  return scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(originalContextLength)) : 1;
 }
 
 const QWEN3_BASE = {
@@ -75,6 +86,15 @@ export const ARCH_MODELS: readonly ArchModelSpec[] = [
     // Phi-3 (4k context): fused QKV and gate/up, neox RoPE, untied; GQA as in Phi-3-medium.
     name: 'phi3', architecture: 'phi3', vocab: 'phi-3', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
     headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 306,
+  },
+  {
+    // Phi-3 with LongRoPE (the 128k-context models, Phi-4-mini): factors growing with the wavelength as the real
+    // ones do, trained for 128 positions and served at 512.
+    name: 'phi3-longrope', architecture: 'phi3', vocab: 'phi-3', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+    headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 310,
+    longRope: {
+      long: [1, 1.5, 2.5, 4, 7, 12, 20, 32], short: [1, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2, 3], originalContextLength: 128,
+    },
   },
   {
     // Gemma 3 as its files are: six layers, so the default pattern makes layers 0-4 local (a window of 4 positions,
@@ -268,7 +288,8 @@ export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string,
 // GGUF
 
 /** Hyperparameters llama.cpp reads only as FLOAT32. */
-const FLOAT_KEYS = ['rope.freq_base', 'attention.layer_norm_rms_epsilon', 'rope.freq_base_swa', 'final_logit_softcapping'];
+const FLOAT_KEYS = ['rope.freq_base', 'attention.layer_norm_rms_epsilon', 'rope.freq_base_swa', 'final_logit_softcapping',
+  'rope.scaling.attn_factor'];
 
 /**
  * Writes the model as GGUF. `type` is the storage type of the 2-D and 3-D weights (norms and the router stay F32, as
@@ -294,7 +315,13 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
     [`${a}.rope.freq_base`, spec.ropeTheta],
     [`${a}.attention.layer_norm_rms_epsilon`, spec.rmsNormEps],
   ];
-  if (a === 'phi3') metadata.push([`${a}.rope.scaling.original_context_length`, spec.contextLength]);
+  if (a === 'phi3') {
+    metadata.push([`${a}.rope.scaling.original_context_length`, spec.longRope?.originalContextLength ?? spec.contextLength]);
+  }
+  if (spec.longRope) {
+    metadata.push([`${a}.rope.scaling.attn_factor`,
+      longRopeAttentionFactor(spec.contextLength, spec.longRope.originalContextLength)]);
+  }
   if (spec.slidingWindow !== undefined) metadata.push([`${a}.attention.sliding_window`, spec.slidingWindow]);
   if (spec.ropeLocalTheta !== undefined) metadata.push([`${a}.rope.freq_base_swa`, spec.ropeLocalTheta]);
   if (spec.finalLogitSoftcap !== undefined) metadata.push([`${a}.final_logit_softcapping`, spec.finalLogitSoftcap]);
@@ -315,6 +342,12 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
   // Qwen's converted files say so; without the key llama.cpp would add a BOS to every prompt.
   if (spec.vocab === 'qwen2' && spec.architecture !== 'llama') metadata.push(['tokenizer.ggml.add_bos_token', false]);
   const tensors: GgufTensorToWrite[] = [];
+  if (spec.longRope) {
+    for (const kind of ['long', 'short'] as const) {
+      const values = Float32Array.from(spec.longRope[kind]);
+      tensors.push({ name: `rope_factors_${kind}.weight`, type: GgmlType.F32, shape: [values.length], data: new Uint8Array(values.buffer) });
+    }
+  }
   for (const [name, t] of ggufLayout(spec, archTensors(spec, tokens.length))) {
     const tensorType = t.shape.length === 1 || name.includes('ffn_gate_inp') ? GgmlType.F32 : type;
     tensors.push({
@@ -426,7 +459,10 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
     num_key_value_heads: spec.numKvHeads,
     head_dim: spec.headDim,
     intermediate_size: spec.moe && spec.architecture === 'llama' ? spec.moe.expertFfnDim : spec.ffnDim,
-    ...(spec.architecture === 'phi3' ? { original_max_position_embeddings: spec.contextLength, rope_scaling: null } : {}),
+    ...(spec.architecture === 'phi3' ? {
+      original_max_position_embeddings: spec.longRope?.originalContextLength ?? spec.contextLength,
+      rope_scaling: spec.longRope ? { type: 'longrope', long_factor: spec.longRope.long, short_factor: spec.longRope.short } : null,
+    } : {}),
     max_position_embeddings: spec.contextLength,
     rms_norm_eps: spec.rmsNormEps,
     rope_theta: spec.ropeTheta,
