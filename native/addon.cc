@@ -102,6 +102,31 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     s.rope.rope_dim = static_cast<int>(integer(env, spec.Get("ropeDim"), "ropeDim", 2));
     s.rope.neox = spec.Get("ropeNeox").ToBoolean();
     read_rope_scaling(env, spec.Get("ropeScaling"), &s.rope);
+    if (!spec.Get("layerWindows").IsUndefined()) {
+      if (!spec.Get("layerWindows").IsArray()) throw Napi::TypeError::New(env, "layerWindows must be an array");
+      Napi::Array windows = spec.Get("layerWindows").As<Napi::Array>();
+      for (uint32_t i = 0; i < windows.Length(); ++i) {
+        s.layer_window.push_back(static_cast<int>(integer(env, windows.Get(i), "layerWindows[]", 0)));
+      }
+    }
+    if (!spec.Get("ropeLocalTheta").IsUndefined()) {
+      // The local layers' RoPE: the same pairing and dimensions, their own base, no scaling.
+      s.has_local_rope = true;
+      s.rope_local.theta = number(env, spec.Get("ropeLocalTheta"), "ropeLocalTheta");
+      s.rope_local.rope_dim = s.rope.rope_dim;
+      s.rope_local.neox = s.rope.neox;
+    }
+    if (!spec.Get("embeddingScale").IsUndefined()) {
+      s.embedding_scale = static_cast<float>(number(env, spec.Get("embeddingScale"), "embeddingScale"));
+    }
+    s.post_norms = spec.Get("postNorms").ToBoolean();
+    s.gelu = spec.Get("geluFfn").ToBoolean();
+    if (!spec.Get("attentionScale").IsUndefined()) {
+      s.attention_scale = static_cast<float>(number(env, spec.Get("attentionScale"), "attentionScale"));
+    }
+    if (!spec.Get("finalLogitSoftcap").IsUndefined()) {
+      s.final_logit_softcap = static_cast<float>(number(env, spec.Get("finalLogitSoftcap"), "finalLogitSoftcap"));
+    }
 
     s.token_embedding = tensor(env, spec.Get("tokenEmbedding"), "tokenEmbedding");
     s.output_norm = tensor(env, spec.Get("outputNorm"), "outputNorm");
@@ -128,6 +153,10 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
         r.k_norm = tensor(env, l.Get("kNorm"), p + "kNorm");
       }
       if (s.n_expert > 0) r.gate_inp = tensor(env, l.Get("ffnGateInp"), p + "ffnGateInp");
+      if (s.post_norms) {
+        r.attn_post_norm = tensor(env, l.Get("attnPostNorm"), p + "attnPostNorm");
+        r.ffn_post_norm = tensor(env, l.Get("ffnPostNorm"), p + "ffnPostNorm");
+      }
       r.ffn_norm = tensor(env, l.Get("ffnNorm"), p + "ffnNorm");
       r.w_gate = tensor(env, l.Get("wGate"), p + "wGate");
       r.w_up = tensor(env, l.Get("wUp"), p + "wUp");

@@ -115,6 +115,19 @@ inline void read_rope_scaling(const Napi::Env& env, const Napi::Value& value, Ro
   if (!value.IsObject()) throw Napi::TypeError::New(env, "ropeScaling must be an object");
   Napi::Object o = value.As<Napi::Object>();
   const std::string type = o.Get("type").ToString().Utf8Value();
+  if (type == "longrope") {
+    rope->scaling = RopeConfig::Scaling::LongRope;
+    if (!o.Get("factors").IsArray()) throw Napi::TypeError::New(env, "ropeScaling.factors must be an array");
+    Napi::Array factors = o.Get("factors").As<Napi::Array>();
+    rope->freq_factors.clear();
+    for (uint32_t i = 0; i < factors.Length(); ++i) {
+      const double f = number(env, factors.Get(i), "ropeScaling.factors[]");
+      if (!(f > 0)) throw Napi::RangeError::New(env, "ropeScaling.factors must be positive");
+      rope->freq_factors.push_back(f);
+    }
+    rope->mscale = number(env, o.Get("attentionFactor"), "ropeScaling.attentionFactor");
+    return;
+  }
   rope->factor = number(env, o.Get("factor"), "ropeScaling.factor");
   if (type == "linear") {
     rope->scaling = RopeConfig::Scaling::Linear;
@@ -124,7 +137,7 @@ inline void read_rope_scaling(const Napi::Env& env, const Napi::Value& value, Ro
     rope->high_freq_factor = number(env, o.Get("highFreqFactor"), "ropeScaling.highFreqFactor");
     rope->original_context = number(env, o.Get("originalContextLength"), "ropeScaling.originalContextLength");
   } else {
-    throw Napi::TypeError::New(env, "ropeScaling.type must be 'linear' or 'llama3', got '" + type + "'");
+    throw Napi::TypeError::New(env, "ropeScaling.type must be 'linear', 'llama3' or 'longrope', got '" + type + "'");
   }
 }
 

@@ -268,12 +268,15 @@ Napi::Value OpRope(const Napi::CallbackInfo& info) {
   c.theta = number(env, info[7], "theta");
   c.rope_dim = p.rope_dim;
   read_rope_scaling(env, info[8], &c);
+  if (c.scaling == RopeConfig::Scaling::LongRope && c.freq_factors.size() != static_cast<size_t>(c.rope_dim / 2)) {
+    throw Napi::RangeError::New(env, "LongRoPE needs ropeDim / 2 factors");
+  }
   const int64_t rows = static_cast<int64_t>(positions.length);
   float* x = typed_data<float>(env, info[1], napi_float32_array, "x", rows * p.num_heads * p.head_dim);
   std::lock_guard<std::mutex> lock(ops_mutex);
   OpsContext& ctx = ops_context(1);
   RopeTable table;
-  table.compute(*ctx.pool, rope_inverse_frequencies(c), static_cast<const int32_t*>(positions.data), rows);
+  table.compute(*ctx.pool, rope_inverse_frequencies(c), static_cast<const int32_t*>(positions.data), rows, c.mscale);
   apply_rope(kernel_table(v), *ctx.pool, table, p, x, rows);
   return env.Undefined();
 }
@@ -323,7 +326,7 @@ Napi::Value OpKvWrite(const Napi::CallbackInfo& info) {
 }
 
 // attention(variant, q, out, pool, layout, layer, queryStartLoc, seqLens, blockTables, maxBlocksPerSeq, numHeads,
-//           threads)
+//           threads, window?)
 Napi::Value OpAttention(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   const Variant v = run_variant_arg(env, info[0]);
@@ -368,6 +371,7 @@ Napi::Value OpAttention(const Napi::CallbackInfo& info) {
   a.block_tables = tables;
   a.max_blocks_per_seq = max_blocks;
   a.scale = 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  a.window = info[12].IsUndefined() ? 0 : static_cast<int>(integer(env, info[12], "window", 0));
   std::lock_guard<std::mutex> lock(ops_mutex);
   OpsContext& c = ops_context(threads);
   attention(kernel_table(v), *c.pool, c.ws, a, num_seqs);

@@ -35,28 +35,30 @@ void attention(const AttentionArgs& a, int seq, int kv_head, int row_begin, int 
   float* scores = scratch;
   for (int r = row_begin; r < row_end; ++r) {
     const int context = seq_len - num_new + r + 1;  // positions 0 .. this row's own position
+    const int t0 = attention_first_position(a, context);  // the window's first position (0 without one)
     const int64_t token = first_row + r;
     for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
       const float* q = a.q + token * q_stride + static_cast<int64_t>(h) * a.head_dim;
-      for (int t = 0; t < context; ++t) {
+      for (int t = t0; t < context; ++t) {
         const int64_t base = element_index(t);
         float dot = 0.0f;
         for (int d = 0; d < a.head_dim; ++d) dot += q[d] * load_element(a.k_cache, base + d, a.kv_f16);
-        scores[t] = dot * a.scale;
+        scores[t - t0] = dot * a.scale;
       }
+      const int n = context - t0;
       float max = -INFINITY;
-      for (int t = 0; t < context; ++t) max = scores[t] > max ? scores[t] : max;
+      for (int t = 0; t < n; ++t) max = scores[t] > max ? scores[t] : max;
       float sum = 0.0f;
-      for (int t = 0; t < context; ++t) {
+      for (int t = 0; t < n; ++t) {
         scores[t] = std::exp(scores[t] - max);
         sum += scores[t];
       }
       const float inv_sum = 1.0f / sum;
       float* out = a.out + token * q_stride + static_cast<int64_t>(h) * a.head_dim;
       for (int d = 0; d < a.head_dim; ++d) out[d] = 0.0f;
-      for (int t = 0; t < context; ++t) {
+      for (int t = t0; t < context; ++t) {
         const int64_t base = element_index(t);
-        const float p = scores[t] * inv_sum;
+        const float p = scores[t - t0] * inv_sum;
         for (int d = 0; d < a.head_dim; ++d) out[d] += p * load_element(a.v_cache, base + d, a.kv_f16);
       }
     }

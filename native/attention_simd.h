@@ -350,7 +350,10 @@ void chunk_unit(const AttentionArgs& a, int seq, int row_begin, int row_end, int
   float* partial = scratch + static_cast<size_t>(nh) * score_stride + 2 * kAttentionChunk;
   float* state = partial + partial_floats;
 
-  const int c_begin = partials ? chunk : 0, c_end = partials ? chunk + 1 : attention_chunks(max_context);
+  // With a sliding window a row starts at its window's first position: chunks before it are skipped, and the chunk
+  // holding it is read from there (the rows of a unit are in position order, so the first row's chunk comes first).
+  const int c_first = attention_first_position(a, cached + row_begin + 1) / kAttentionChunk;
+  const int c_begin = partials ? chunk : c_first, c_end = partials ? chunk + 1 : attention_chunks(max_context);
   for (int c = c_begin; c < c_end; ++c) {
     const int t_begin = c * kAttentionChunk;
     const int t_end = max_context - t_begin < kAttentionChunk ? max_context : t_begin + kAttentionChunk;
@@ -358,11 +361,16 @@ void chunk_unit(const AttentionArgs& a, int seq, int row_begin, int row_end, int
     for (int r = row_begin; r < row_end; ++r) {
       const int context = cached + r + 1;
       if (context <= t_begin) continue;
-      const int n = context - t_begin < kAttentionChunk ? context - t_begin : kAttentionChunk;
+      const int t0 = attention_first_position(a, context);
+      if (t0 >= t_begin + kAttentionChunk) continue;
+      const int skip = t0 > t_begin ? t0 - t_begin : 0;
+      const int n = (context - t_begin < kAttentionChunk ? context - t_begin : kAttentionChunk) - skip;
       const int64_t token = first_row + r;
       float* dst = partials ? partials + (r - row_begin) * partial_row_stride + c * partial_floats : partial;
-      chunk_partial<V, F16>(a, a.q + token * q_stride, offsets, n, scores, score_stride, dst);
-      if (!partials) fold_partial<V>(nh, hd, dst, c == 0, a.out + token * q_stride, state + (r - row_begin) * 2 * nh);
+      chunk_partial<V, F16>(a, a.q + token * q_stride, offsets + skip, n, scores, score_stride, dst);
+      if (!partials) {
+        fold_partial<V>(nh, hd, dst, c == t0 / kAttentionChunk, a.out + token * q_stride, state + (r - row_begin) * 2 * nh);
+      }
     }
   }
   if (partials) return;
@@ -390,8 +398,9 @@ void simd_attention_merge(const AttentionArgs& a, int seq, int row, const float*
   const int context = a.seq_lens[seq] - num_new + row + 1;
   const size_t partial_floats = attention_partial_floats(nh, hd);
   float* out = a.out + (first_row + row) * static_cast<int64_t>(nh) * hd;
-  for (int c = 0; c < attention_chunks(context); ++c) {
-    fold_partial<V>(nh, hd, partials + c * partial_floats, c == 0, out, scratch);
+  const int c_first = attention_first_position(a, context) / kAttentionChunk;
+  for (int c = c_first; c < attention_chunks(context); ++c) {
+    fold_partial<V>(nh, hd, partials + c * partial_floats, c == c_first, out, scratch);
   }
   finish_row<V>(nh, hd, scratch, out);
 }

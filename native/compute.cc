@@ -101,7 +101,9 @@ std::vector<double> rope_inverse_frequencies(const RopeConfig& c) {
   std::vector<double> inv(half);
   for (int i = 0; i < half; ++i) {
     double freq = std::pow(c.theta, -2.0 * i / c.rope_dim);
-    if (c.scaling == RopeConfig::Scaling::Linear) {
+    if (c.scaling == RopeConfig::Scaling::LongRope) {
+      freq /= c.freq_factors[i];
+    } else if (c.scaling == RopeConfig::Scaling::Linear) {
       freq /= c.factor;
     } else if (c.scaling == RopeConfig::Scaling::Llama3) {
       // Llama 3.1: long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
@@ -122,7 +124,7 @@ std::vector<double> rope_inverse_frequencies(const RopeConfig& c) {
 }
 
 void RopeTable::compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions,
-                        int64_t rows) {
+                        int64_t rows, double mscale) {
   half = static_cast<int>(inv_freq.size());
   cos.resize(static_cast<size_t>(rows) * half);
   sin.resize(static_cast<size_t>(rows) * half);
@@ -131,8 +133,8 @@ void RopeTable::compute(ThreadPool& pool, const std::vector<double>& inv_freq, c
     for (int64_t r = item * kRowsPerItem; r < min64(rows, (item + 1) * kRowsPerItem); ++r) {
       for (int i = 0; i < half; ++i) {
         const double angle = static_cast<double>(positions[r]) * inv_freq[i];
-        cos[r * half + i] = static_cast<float>(std::cos(angle));
-        sin[r * half + i] = static_cast<float>(std::sin(angle));
+        cos[r * half + i] = static_cast<float>(std::cos(angle) * mscale);
+        sin[r * half + i] = static_cast<float>(std::sin(angle) * mscale);
       }
     }
   });
@@ -221,6 +223,7 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
   // same bits (kernels.h), so this choice may depend on the batch and the pool.
   struct Range {
     int seq, row_begin, row_end, chunks;
+    int first_chunk;  // chunks before it are outside every row's sliding window
     size_t partials;  // offset of its partials in the partial buffer (split ranges)
     bool split;
   };
@@ -234,7 +237,8 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     const int cached = a.seq_lens[s] - rows;
     for (int r1 = rows; r1 > 0; r1 -= kAttentionRowsPerUnit) {
       const int r0 = std::max(0, r1 - kAttentionRowsPerUnit);
-      ranges.push_back({s, r0, r1, attention_chunks(cached + r1), 0, false});
+      const int first_chunk = attention_first_position(a, cached + r0 + 1) / kAttentionChunk;
+      ranges.push_back({s, r0, r1, attention_chunks(cached + r1), first_chunk, 0, false});
     }
   }
   const bool few = ranges.size() < static_cast<size_t>(4 * pool.size());
@@ -246,15 +250,16 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
     Range& r = ranges[i];
     const int cached = a.seq_lens[r.seq] - (a.query_start_loc[r.seq + 1] - a.query_start_loc[r.seq]);
     const size_t need = static_cast<size_t>(r.row_end - r.row_begin) * r.chunks * partial_floats;
-    r.split = few && pool.size() > 1 && r.chunks > 1 && r.row_end - r.row_begin <= kAttentionSplitMaxRows &&
-              partial_total + need <= kAttentionPartialBudget;
+    r.split = few && pool.size() > 1 && r.chunks - r.first_chunk > 1 &&
+              r.row_end - r.row_begin <= kAttentionSplitMaxRows && partial_total + need <= kAttentionPartialBudget;
     if (!r.split) {
-      units.push_back({i, -1, static_cast<int64_t>(cached + r.row_end) * (r.row_end - r.row_begin)});
+      const int64_t positions = cached + r.row_end - static_cast<int64_t>(r.first_chunk) * kAttentionChunk;
+      units.push_back({i, -1, positions * (r.row_end - r.row_begin)});
       continue;
     }
     r.partials = partial_total;
     partial_total += need;
-    for (int c = 0; c < r.chunks; ++c) {
+    for (int c = r.first_chunk; c < r.chunks; ++c) {
       const int positions = std::min(kAttentionChunk, cached + r.row_end - c * kAttentionChunk);
       units.push_back({i, c, static_cast<int64_t>(positions) * (r.row_end - r.row_begin)});
     }
@@ -278,7 +283,9 @@ void attention(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const Att
   std::unique_ptr<std::atomic<int>[]> chunks_left;
   if (any_split) {
     chunks_left.reset(new std::atomic<int>[ranges.size()]);
-    for (size_t i = 0; i < ranges.size(); ++i) chunks_left[i].store(ranges[i].chunks, std::memory_order_relaxed);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      chunks_left[i].store(ranges[i].chunks - ranges[i].first_chunk, std::memory_order_relaxed);
+    }
   }
   auto run_unit = [&](int64_t i, int thread) {
     const Unit& u = units[i];

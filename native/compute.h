@@ -106,8 +106,11 @@ struct RopeConfig {
   double theta = 10000.0;
   int rope_dim = 0;
   bool neox = false;
-  enum class Scaling { None, Linear, Llama3 } scaling = Scaling::None;
+  enum class Scaling { None, Linear, Llama3, LongRope } scaling = Scaling::None;
   double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0, original_context = 8192.0;
+  // LongRoPE (Phi-3): a divisor per frequency, and the scale of the rotated dimensions (cos and sin times it).
+  std::vector<double> freq_factors;
+  double mscale = 1.0;
 };
 
 // rope_dim/2 inverse frequencies with the scaling applied.
@@ -120,7 +123,9 @@ struct RopeTable {
   std::vector<float> cos, sin;
   int half = 0;
   size_t allocated_bytes() const { return (cos.capacity() + sin.capacity()) * sizeof(float); }
-  void compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions, int64_t rows);
+  // mscale multiplies cos and sin (LongRoPE's attention factor; 1 otherwise).
+  void compute(ThreadPool& pool, const std::vector<double>& inv_freq, const int32_t* positions, int64_t rows,
+               double mscale = 1.0);
 };
 
 // Rotates x [rows x num_heads*head_dim] in place, row i with row first_row + i of the table.

@@ -89,7 +89,14 @@ struct AttentionArgs {
   const int32_t* block_tables;     // [numSeqs x max_blocks_per_seq]
   int max_blocks_per_seq;
   float scale;
+  // Sliding window (0: none): the row at position p attends to positions max(0, p - window + 1) .. p only.
+  int window = 0;
 };
+
+// First position a row whose context is positions [0, context) attends to.
+inline int attention_first_position(const AttentionArgs& a, int context) {
+  return a.window > 0 && context > a.window ? context - a.window : 0;
+}
 
 // A unit covers at most this many rows of one sequence.
 constexpr int kAttentionRowsPerUnit = 16;

@@ -57,11 +57,26 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     throw InvalidInput("numHeads " + std::to_string(s.num_heads) + " is not a multiple of numKvHeads " +
                        std::to_string(s.num_kv_heads));
   }
+  if (s.rope.scaling == RopeConfig::Scaling::LongRope &&
+      s.rope.freq_factors.size() != static_cast<size_t>(s.rope.rope_dim / 2)) {
+    throw InvalidInput("LongRoPE needs ropeDim / 2 = " + std::to_string(s.rope.rope_dim / 2) + " factors, got " +
+                       std::to_string(s.rope.freq_factors.size()));
+  }
   if (s.rope.rope_dim <= 0 || s.rope.rope_dim % 2 != 0 || s.rope.rope_dim > s.head_dim) {
     throw InvalidInput("ropeDim " + std::to_string(s.rope.rope_dim) + " must be even and at most headDim " +
                        std::to_string(s.head_dim));
   }
   if (s.num_blocks <= 0 || s.block_size <= 0) throw InvalidInput("numBlocks and blockSize must be positive");
+  if (!s.layer_window.empty() && s.layer_window.size() != s.layers.size()) {
+    throw InvalidInput("layerWindows has " + std::to_string(s.layer_window.size()) + " entries for " +
+                       std::to_string(s.layers.size()) + " layers");
+  }
+  for (int w : s.layer_window) {
+    if (w < 0) throw InvalidInput("a sliding window must be >= 0, got " + std::to_string(w));
+  }
+  if (s.has_local_rope && s.rope_local.rope_dim != s.rope.rope_dim) {
+    throw InvalidInput("the local RoPE must rotate as many dimensions as the global one");
+  }
   if (s.n_expert < 0 || (s.n_expert > 0 && (s.n_expert_used <= 0 || s.n_expert_used > s.n_expert ||
                                             s.expert_ffn_dim <= 0))) {
     throw InvalidInput("experts: need 0 < nExpertsUsed <= nExperts and a positive expertFfnDim");
@@ -117,6 +132,10 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     }
     attn_norm_.push_back(to_f32((p + "attn_norm").c_str(), L.attn_norm, s.dim));
     ffn_norm_.push_back(to_f32((p + "ffn_norm").c_str(), L.ffn_norm, s.dim));
+    if (s.post_norms) {
+      attn_post_norm_.push_back(to_f32((p + "post_attention_norm").c_str(), L.attn_post_norm, s.dim));
+      ffn_post_norm_.push_back(to_f32((p + "post_ffw_norm").c_str(), L.ffn_post_norm, s.dim));
+    }
     if (s.qkv_bias) {
       bq_.push_back(to_f32((p + "attn_q.bias").c_str(), L.bq, q_dim));
       bk_.push_back(to_f32((p + "attn_k.bias").c_str(), L.bk, kv_dim));
@@ -124,6 +143,7 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
     }
   }
   inv_freq_ = rope_inverse_frequencies(s.rope);
+  if (s.has_local_rope) inv_freq_local_ = rope_inverse_frequencies(s.rope_local);
   if (s.pack_weights) pack_weights();
   if (s.release_unpacked) {
     // Only the ggml bytes of packed matrices whose pages no embedding row lives on: the embedding lookup reads them.
@@ -448,6 +468,9 @@ void Model::forward(const StepBatch& b, float* logits) {
   pool_.parallel_for(T, [&](int64_t r, int) {
     kt_.dequantize_row[s.token_embedding.type](s.token_embedding.data + b.token_ids[r] * embd_row_bytes,
                                                x + r * dim, dim);
+    if (s.embedding_scale != 0.0f) {
+      for (int64_t i = 0; i < dim; ++i) x[r * dim + i] *= s.embedding_scale;
+    }
   });
 
   // The last layer computes attention, output projection and FFN only for the rows whose logits are wanted: each
@@ -476,8 +499,12 @@ void Model::forward(const StepBatch& b, float* logits) {
   }
   sel_x_.resize(L * dim);
   sel_xn_.resize(L * dim);
-  rope_.compute(pool_, inv_freq_, b.positions, T);
-  sel_rope_.compute(pool_, inv_freq_, sel_positions_.data(), L);
+  rope_.compute(pool_, inv_freq_, b.positions, T, s.rope.mscale);
+  sel_rope_.compute(pool_, inv_freq_, sel_positions_.data(), L, s.rope.mscale);
+  if (s.has_local_rope) {
+    rope_local_.compute(pool_, inv_freq_local_, b.positions, T);
+    sel_rope_local_.compute(pool_, inv_freq_local_, sel_positions_.data(), L);
+  }
 
   AttentionArgs att;
   att.kv_f16 = s.kv_f16;
@@ -486,7 +513,7 @@ void Model::forward(const StepBatch& b, float* logits) {
   att.head_dim = static_cast<int>(s.head_dim);
   att.block_size = static_cast<int>(s.block_size);
   att.max_blocks_per_seq = b.max_blocks_per_seq;
-  att.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  att.scale = s.attention_scale != 0.0f ? s.attention_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
   const RopeParams rope_q{static_cast<int>(s.num_heads), static_cast<int>(s.head_dim), s.rope.rope_dim, s.rope.neox};
   const RopeParams rope_k{static_cast<int>(s.num_kv_heads), static_cast<int>(s.head_dim), s.rope.rope_dim,
                           s.rope.neox};
@@ -529,8 +556,12 @@ void Model::forward(const StepBatch& b, float* logits) {
       rmsnorm_heads(q, q_norm_[l], q_rows, s.num_heads);
       rmsnorm_heads(k, k_norm_[l], T, s.num_kv_heads);
     }
-    apply_rope(kt_, pool_, select_rows ? sel_rope_ : rope_, rope_q, q, q_rows);
-    apply_rope(kt_, pool_, rope_, rope_k, k, T);
+    att.window = s.layer_window.empty() ? 0 : s.layer_window[l];
+    const bool local_rope = s.has_local_rope && att.window > 0;
+    const RopeTable& rope_rows = local_rope ? rope_local_ : rope_;
+    const RopeTable& rope_sel = local_rope ? sel_rope_local_ : sel_rope_;
+    apply_rope(kt_, pool_, select_rows ? rope_sel : rope_rows, rope_q, q, q_rows);
+    apply_rope(kt_, pool_, rope_rows, rope_k, k, T);
 
     uint8_t* k_region = s.kv_pool + (2 * l) * region_bytes;
     uint8_t* v_region = s.kv_pool + (2 * l + 1) * region_bytes;
@@ -566,6 +597,10 @@ void Model::forward(const StepBatch& b, float* logits) {
       scope.emplace(prof, "lora attn_output");
       lora_apply(kt_, pool_, loras_, lora, rows, l, kLoraO, attn, q_dim, tmp, dim);
     }
+    if (s.post_norms) {
+      scope.emplace(prof, "rmsnorm");
+      rmsnorm_rows(tmp, attn_post_norm_[l].data(), tmp, rows);
+    }
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
 
@@ -588,10 +623,21 @@ void Model::forward(const StepBatch& b, float* logits) {
       const LoraOutput gate_up_lora[2] = {{kLoraGate, xn, dim, gate, s.ffn_dim}, {kLoraUp, xn, dim, up, s.ffn_dim}};
       lora_apply_many(kt_, pool_, loras_, lora, rows, l, gate_up_lora, 2);
     }
-    scope.emplace(prof, "swiglu");
+    scope.emplace(prof, s.gelu ? "geglu" : "swiglu");
     pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
       const int64_t r0 = item * 16, r1 = min64(rows, r0 + 16);
-      kt_.swiglu(gate + r0 * s.ffn_dim, up + r0 * s.ffn_dim, gate + r0 * s.ffn_dim, (r1 - r0) * s.ffn_dim);
+      float* g = gate + r0 * s.ffn_dim;
+      const float* u = up + r0 * s.ffn_dim;
+      const int64_t n = (r1 - r0) * s.ffn_dim;
+      if (!s.gelu) {
+        kt_.swiglu(g, u, g, n);
+        return;
+      }
+      // GELU, tanh approximation (Gemma); elementwise and small next to the matmuls, so plain C++.
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = g[i];
+        g[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * v * (1.0f + 0.044715f * v * v))) * u[i];
+      }
     });
     scope.emplace(prof, "matmul ffn_down");
     const MatmulOutput down = output_of(W.w_down, tmp, dim);
@@ -599,6 +645,10 @@ void Model::forward(const StepBatch& b, float* logits) {
     if (lora) {
       scope.emplace(prof, "lora ffn_down");
       lora_apply(kt_, pool_, loras_, lora, rows, l, kLoraDown, gate, s.ffn_dim, tmp, dim);
+    }
+    if (s.post_norms) {
+      scope.emplace(prof, "rmsnorm");
+      rmsnorm_rows(tmp, ffn_post_norm_[l].data(), tmp, rows);
     }
     scope.emplace(prof, "residual add");
     add_rows(x, tmp, rows, dim);
@@ -610,6 +660,10 @@ void Model::forward(const StepBatch& b, float* logits) {
   scope.emplace(prof, "matmul output");
   const MatmulOutput out = output_of(s.output, logits, s.vocab_size);
   matmul(kt_, pool_, ws_, xn, L, dim, &out, 1);
+  if (s.final_logit_softcap != 0.0f) {
+    const float cap = s.final_logit_softcap;
+    for (int64_t i = 0; i < L * s.vocab_size; ++i) logits[i] = cap * std::tanh(logits[i] / cap);
+  }
 }
 
 }  // namespace conduit

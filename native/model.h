@@ -28,6 +28,7 @@ struct TensorRef {
 struct LayerRefs {
   TensorRef attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, w_gate, w_up, w_down;
   TensorRef q_norm, k_norm;  // per-head RMS norm weights of Q and K (qk_norm)
+  TensorRef attn_post_norm, ffn_post_norm;  // norms of the attention and feed-forward outputs (post_norms)
   // Mixture of experts: the router [dim -> n_expert], and w_gate / w_up / w_down hold every expert's matrix stacked
   // (rows = n_expert * rows of one expert); the model slices them into one TensorRef per expert at load.
   TensorRef gate_inp;
@@ -43,6 +44,19 @@ struct ModelSpec {
   // Experts per layer (0: the dense SwiGLU block), used per row, each expert's intermediate size, top-k renormalized.
   int64_t n_expert = 0, n_expert_used = 0, expert_ffn_dim = 0;
   bool expert_normalize = true;
+  // Sliding window of each layer (0: full causal attention); empty: no layer has one.
+  std::vector<int> layer_window;
+  // The sliding-window layers rotate with their own RoPE (Gemma 3's local layers), the others with `rope`.
+  bool has_local_rope = false;
+  RopeConfig rope_local;
+  // Gemma: embeddings times embedding_scale (0: not scaled), RMS norms of each block's output before its residual
+  // add, GELU-tanh instead of SiLU in the gated feed-forward, the score scale (0: 1 / sqrt(head_dim)) and the final
+  // logit softcap (0: none).
+  float embedding_scale = 0.0f;
+  bool post_norms = false;
+  bool gelu = false;
+  float attention_scale = 0.0f;
+  float final_logit_softcap = 0.0f;
   TensorRef token_embedding, output_norm, output;
   std::vector<LayerRefs> layers;
   // Paged KV pool (see src/kernels/types.ts KvPoolLayout).
@@ -148,7 +162,8 @@ class Model {
   Workspace ws_;
   std::vector<double> inv_freq_;
   // Norm weights and biases in f32 (tiny; whatever type the file stored them in).
-  std::vector<std::vector<float>> attn_norm_, ffn_norm_, bq_, bk_, bv_, q_norm_, k_norm_;
+  std::vector<std::vector<float>> attn_norm_, ffn_norm_, bq_, bk_, bv_, q_norm_, k_norm_, attn_post_norm_, ffn_post_norm_;
+  std::vector<double> inv_freq_local_;
   // Per-head RMS norm of rows x heads vectors of head_dim, in place.
   void rmsnorm_heads(float* x, const std::vector<float>& weight, int64_t rows, int64_t heads);
   struct FreeMoe {
@@ -164,6 +179,7 @@ class Model {
   std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_, sel_lora_slots_;
   LoraSet loras_;
   RopeTable rope_, sel_rope_;  // cos/sin of this step's rows, and of the selected rows
+  RopeTable rope_local_, sel_rope_local_;  // the same for the sliding-window layers' own RoPE (has_local_rope)
 };
 
 }  // namespace conduit

@@ -5,6 +5,7 @@
 
 import { NATIVE_ALLOCATION_FAILED, type ModelRunnerBackend } from '../kernels/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
+import { uniformWindow } from '../model/config.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { BatchBuilder } from './batch-builder.ts';
 import { IncrementalDetokenizer } from './detokenizer.ts';
@@ -82,6 +83,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       maxModelLen: options.maxModelLen, eosTokenIds: tokenizer.stopTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
+      ...(uniformWindow(backend.config) !== undefined ? { slidingWindow: uniformWindow(backend.config)! } : {}),
       tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? true),
       text: { open: (sampling) => IncrementalDetokenizer.forRequest(tokenizer, sampling) },
     });

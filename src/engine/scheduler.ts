@@ -309,6 +309,11 @@ export class Scheduler {
       const sequence = this.running[i]!;
       if (sequence.status !== 'running') continue; // preempted by an earlier sequence of this loop
       const numNewTokens = this.chunkSize(sequence.numTokens - sequence.numComputedTokens, tokenBudget);
+      // Sliding window: blocks before the next token's window go back to the pool once the sequence's prompt is
+      // computed (the step that computed it has forked its samples and handed a prefill-only request off).
+      if (this.kv.slidingWindow !== undefined && sequence.numComputedTokens >= sequence.numPromptTokens) {
+        this.kv.releaseOutsideWindow(sequence.blockTable, sequence.numComputedTokens);
+      }
       let fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;
       if (!fits) this.numKvAllocationFailures++;
       while (!fits) {

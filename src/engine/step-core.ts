@@ -87,6 +87,8 @@ export interface StepCoreOptions<T> extends SchedulerConfig {
   /** Lower KV tiers under the pool (RAM, disk), and the pool's bytes for them to copy (none in the simulator). */
   kvTiers?: KvTiers;
   kvBlockIo?: KvBlockIo;
+  /** The model's sliding window when every layer has one: the KV cache gives back blocks that fall out of it. */
+  slidingWindow?: number;
   tokens: TokenSource<T>;
   text: TextSource;
 }
@@ -136,6 +138,7 @@ export class StepCore<T> {
       enablePrefixCaching: options.enablePrefixCaching ?? true, enableEvents: options.enableKvEvents ?? false,
       ...(options.kvTiers !== undefined ? { tiers: options.kvTiers } : {}),
       ...(options.kvBlockIo !== undefined ? { blockIo: options.kvBlockIo } : {}),
+      ...(options.slidingWindow !== undefined ? { slidingWindow: options.slidingWindow } : {}),
     });
     this.handoffs = new HandoffOutbox(this.kv);
     this.scheduler = new Scheduler({
@@ -495,7 +498,7 @@ export class StepCore<T> {
     for (const sequence of running) {
       const remaining = sequence.numTokens - sequence.numComputedTokens;
       if (remaining > 1) activePrefillTokens += remaining;
-      activeDecodeBlocks += sequence.blockTable.blocks.length;
+      activeDecodeBlocks += sequence.blockTable.heldBlocks.length;
     }
     return {
       numRunning: running.length, numWaiting: waiting.length, activePrefillTokens, activeDecodeBlocks,

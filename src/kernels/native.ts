@@ -8,7 +8,7 @@ import { freemem } from 'node:os';
 import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
 
-import type { ModelConfig } from '../model/config.ts';
+import { layerWindow, type ModelConfig } from '../model/config.ts';
 import type { GgmlType } from '../model/ggml-types.ts';
 import { weightBytes, type Tensor, type ModelWeights } from '../model/weights.ts';
 import { kvPoolBytes } from './types.ts';
@@ -79,6 +79,9 @@ export interface NativeLayerSpec {
   wDown: NativeTensor;
   /** The router [dim, numExperts] (with experts). */
   ffnGateInp?: NativeTensor;
+  /** Norms of the attention and feed-forward outputs [dim] (postNorms). */
+  attnPostNorm?: NativeTensor;
+  ffnPostNorm?: NativeTensor;
 }
 
 /**
@@ -102,6 +105,20 @@ export interface NativeModelSpec {
   qkNorm?: boolean;
   /** Mixture of experts in every layer (layers carry ffnGateInp and stacked expert matrices). */
   moe?: ModelConfig['moe'];
+  /** The sliding window of each layer (0: full causal attention); absent: none anywhere. */
+  layerWindows?: number[];
+  /** RoPE base of the sliding-window layers, which rotate without ropeScaling (Gemma 3's local layers). */
+  ropeLocalTheta?: number;
+  /** Gemma: embeddings times this. */
+  embeddingScale?: number;
+  /** Gemma 3: layers carry attnPostNorm and ffnPostNorm, applied to each block's output before its residual add. */
+  postNorms?: boolean;
+  /** GELU-tanh instead of SiLU in the gated feed-forward. */
+  geluFfn?: boolean;
+  /** Score scale; absent: 1 / sqrt(headDim). */
+  attentionScale?: number;
+  /** Final logits become cap * tanh(logits / cap). */
+  finalLogitSoftcap?: number;
   tokenEmbedding: NativeTensor;
   outputNorm: NativeTensor;
   output: NativeTensor;
@@ -191,11 +208,15 @@ export interface NativeModel {
 }
 
 export interface RopeScalingArg {
-  type: 'linear' | 'llama3';
-  factor: number;
+  type: 'linear' | 'llama3' | 'longrope';
+  /** linear and llama3. */
+  factor?: number;
   lowFreqFactor?: number;
   highFreqFactor?: number;
   originalContextLength?: number;
+  /** longrope: one divisor per frequency, and the scale of the rotated dimensions. */
+  factors?: number[];
+  attentionFactor?: number;
 }
 
 /** Pool layout as the ops entry points take it (the same fields as KvPoolLayout). */
@@ -243,10 +264,13 @@ export interface NativeOps {
   /** Writes K and V rows [slots.length x numKvHeads*headDim] into the pool at the given slots of `layer`. */
   kvWrite(variant: KernelVariant, k: Float32Array, v: Float32Array, slots: Int32Array, pool: Uint8Array,
     layout: NativePoolLayout, layer: number): void;
-  /** Paged attention of q [tokens x numHeads*headDim] over the pool, as in ForwardBatch. */
+  /**
+   * Paged attention of q [tokens x numHeads*headDim] over the pool, as in ForwardBatch; with a sliding window (> 0)
+   * a row at position p attends to positions p - window + 1 .. p only.
+   */
   attention(variant: KernelVariant, q: Float32Array, out: Float32Array, pool: Uint8Array, layout: NativePoolLayout,
     layer: number, queryStartLoc: Int32Array, seqLens: Int32Array, blockTables: Int32Array,
-    maxBlocksPerSeq: number, numHeads: number, threads: number): void;
+    maxBlocksPerSeq: number, numHeads: number, threads: number, window?: number): void;
   /**
    * Runs tile instructions on a fresh instance of the software AMX model the amx-model kernels use (a test aid). A
    * fault the hardware would raise throws an Error "<INSTRUCTION>: #GP|#UD (<why>)".
@@ -389,6 +413,13 @@ export function nativeModelSpec(
     qkvBias: config.qkvBias,
     ...(config.qkNorm ? { qkNorm: true } : {}),
     ...(config.moe ? { moe: config.moe } : {}),
+    ...(config.slidingWindow ? { layerWindows: Array.from({ length: config.numLayers }, (_, l) => layerWindow(config, l)) } : {}),
+    ...(config.ropeLocalTheta !== undefined ? { ropeLocalTheta: config.ropeLocalTheta } : {}),
+    ...(config.embeddingScale !== undefined ? { embeddingScale: config.embeddingScale } : {}),
+    ...(config.postNorms ? { postNorms: true } : {}),
+    ...(config.ffnActivation === 'gelu_tanh' ? { geluFfn: true } : {}),
+    ...(config.attentionScale !== undefined ? { attentionScale: config.attentionScale } : {}),
+    ...(config.finalLogitSoftcap !== undefined ? { finalLogitSoftcap: config.finalLogitSoftcap } : {}),
     tokenEmbedding: nativeTensor(weights.tokenEmbedding),
     outputNorm: nativeTensor(weights.outputNorm),
     output: nativeTensor(weights.output),
@@ -406,6 +437,7 @@ export function nativeModelSpec(
         ...(config.qkvBias ? { bq: nativeTensor(l.bq!), bk: nativeTensor(l.bk!), bv: nativeTensor(l.bv!) } : {}),
         ...(config.qkNorm ? { qNorm: nativeTensor(l.qNorm!), kNorm: nativeTensor(l.kNorm!) } : {}),
         ...(config.moe ? { ffnGateInp: nativeTensor(l.ffnGateInp!) } : {}),
+        ...(config.postNorms ? { attnPostNorm: nativeTensor(l.attnPostNorm!), ffnPostNorm: nativeTensor(l.ffnPostNorm!) } : {}),
         ffnNorm: nativeTensor(l.ffnNorm),
         wGate: ffn(l.wGate),
         wUp: ffn(l.wUp),

@@ -204,22 +204,28 @@ class ReferenceRunnerBackend implements ModelRunnerBackend {
     this.loras[slot] = weights ?? undefined;
   }
 
-  /** Causal attention of sequence s's new rows over its whole context, read block by block from the pool. */
+  /**
+   * Causal attention of sequence s's new rows over its context, read block by block from the pool. With a sliding
+   * window only the blocks from the first row's window on are read: the engine may have given earlier ones back
+   * (their block table entries then name no block of this sequence).
+   */
   private attendSequence(layer: number, batch: ForwardBatch, s: number, q: Float32Array, out: Float32Array): void {
     const firstRow = batch.queryStartLoc[s]!;
     const numNew = batch.queryStartLoc[s + 1]! - firstRow;
     if (numNew === 0) return;
     const seqLen = batch.seqLens[s]!;
     const { blockSize, numKvHeads, headDim } = this.kvLayout;
+    const window = this.transformer.layerWindows[layer]!;
+    const firstNeeded = window > 0 ? Math.max(0, seqLen - numNew + 1 - window) : 0;
     const keys = new Float32Array(seqLen * numKvHeads * headDim);
     const values = new Float32Array(seqLen * numKvHeads * headDim);
-    for (let start = 0; start < seqLen; start += blockSize) {
+    for (let start = firstNeeded - (firstNeeded % blockSize); start < seqLen; start += blockSize) {
       const block = batch.blockTables[s * batch.maxBlocksPerSeq + start / blockSize]!;
       const count = Math.min(blockSize, seqLen - start);
       this.pool.read(layer, 0, block * blockSize, count, keys, start);
       this.pool.read(layer, 1, block * blockSize, count, values, start);
     }
-    causalAttention(out, q, firstRow, numNew, seqLen - numNew, keys, values, this.transformer.attentionShape);
+    causalAttention(out, q, firstRow, numNew, seqLen - numNew, keys, values, this.transformer.attentionShape, window);
   }
 
   dispose(): void {

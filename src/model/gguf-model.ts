@@ -19,7 +19,21 @@ export class ModelFormatError extends Error {
   override name = 'ModelFormatError';
 }
 
-export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2', 'qwen3', 'qwen3moe', 'phi3'];
+export const SUPPORTED_ARCHITECTURES: readonly Architecture[] = ['llama', 'qwen2', 'qwen3', 'qwen3moe', 'phi3', 'gemma3'];
+
+/** Gemma 3's layer pattern when the file does not say: five sliding-window layers, then a global one. */
+export const GEMMA3_DEFAULT_WINDOW_PATTERN = 6;
+
+/** The RoPE base of Gemma 3's sliding-window layers when the file does not say (llama.cpp's default too). */
+export const GEMMA3_DEFAULT_LOCAL_ROPE_THETA = 10000;
+
+/**
+ * Gemma 3's sliding-window layers for a pattern of n: every n-th layer (n - 1, 2n - 1 ...) is global, the others
+ * windowed; n = 0 makes every layer windowed (llama.cpp's reading of the key).
+ */
+export function gemma3WindowLayers(numLayers: number, pattern: number): boolean[] {
+  return Array.from({ length: numLayers }, (_, l) => pattern === 0 || l % pattern < pattern - 1);
+}
 
 /** The default RoPE base of llama.cpp when `<arch>.rope.freq_base` is absent. */
 export const DEFAULT_ROPE_THETA = 10000;
@@ -84,17 +98,72 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
     qkvBias: file.hasTensor('blk.0.attn_q.bias'),
     tiedEmbeddings: !file.hasTensor('output.weight'),
   };
-  if (arch === 'qwen3' || arch === 'qwen3moe') config.qkNorm = true;
+  if (arch === 'qwen3' || arch === 'qwen3moe' || arch === 'gemma3') config.qkNorm = true;
+  ggufSlidingWindow(file, arch, config, source);
+  if (arch === 'gemma3') ggufGemma3(file, config, source);
   const moe = ggufMoeConfig(file, arch, config.ffnDim, source);
   if (moe) config.moe = moe;
   if (arch === 'qwen3moe' && !moe) throw new ModelFormatError(`${source}: qwen3moe without ${key('expert_count')}`);
-  if (arch === 'phi3' && (file.hasTensor('rope_factors_long.weight') || file.hasTensor('blk.0.rope_factors_long.weight'))) {
-    throw new ModelFormatError(`${source}: Phi-3 with LongRoPE scaling (rope_factors_long.weight, the 128k-context ` +
-      'models) is not supported; the 4k-context models are');
-  }
-  const ropeScaling = ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
+  const ropeScaling = ggufLongRope(file, arch, ropeDim, config.contextLength, source) ??
+    ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
+}
+
+/**
+ * `<arch>.attention.sliding_window`: Mistral-style (llama: every layer) or Gemma 3's interleaved layers
+ * (`attention.sliding_window_pattern`, a number or one flag per layer). Only for those two: Phi-3 files carry the key
+ * too, but llama.cpp ignores it for Phi-3 (its 4k models' window is the whole context), so do we.
+ */
+function ggufSlidingWindow(file: GgufFile, arch: Architecture, config: ModelConfig, source: string): void {
+  if (arch !== 'llama' && arch !== 'gemma3') return;
+  const window = uniformNumber(file, `${arch}.attention.sliding_window`, source) ?? 0;
+  if (window === 0) return;
+  if (!Number.isInteger(window) || window < 0) {
+    throw new ModelFormatError(`${source}: ${arch}.attention.sliding_window ${window} is not a token count`);
+  }
+  if (arch !== 'gemma3') {
+    config.slidingWindow = window;
+    return;
+  }
+  const pattern = file.metadata.get(`${arch}.attention.sliding_window_pattern`);
+  let layers: boolean[];
+  if (Array.isArray(pattern) || (ArrayBuffer.isView(pattern) && !(pattern instanceof DataView))) {
+    layers = Array.from(pattern as ArrayLike<unknown>, (v) => Boolean(v));
+    if (layers.length !== config.numLayers) {
+      throw new ModelFormatError(`${source}: ${arch}.attention.sliding_window_pattern has ${layers.length} entries ` +
+        `for ${config.numLayers} layers`);
+    }
+  } else {
+    const n = pattern === undefined ? GEMMA3_DEFAULT_WINDOW_PATTERN : Number(pattern);
+    if (!Number.isInteger(n) || n < 0) {
+      throw new ModelFormatError(`${source}: ${arch}.attention.sliding_window_pattern ${String(pattern)} is not a count`);
+    }
+    layers = gemma3WindowLayers(config.numLayers, n);
+  }
+  if (!layers.some((w) => w)) return;
+  config.slidingWindow = window;
+  if (!layers.every((w) => w)) config.slidingWindowLayers = layers;
+}
+
+/**
+ * Gemma 3 as llama.cpp runs it: embeddings times sqrt(dim), post-norms, GeGLU, the local layers' RoPE base
+ * (`rope.freq_base_swa`, 10000 by default), scores scaled by 1 / sqrt(headDim) except for the 27B model (62
+ * layers: 1 / sqrt(dim / heads)), and the optional final logit softcap. Its norm weights are stored with the 1 that
+ * Hugging Face's Gemma3RMSNorm adds at run time already added (llama.cpp's converter does it), so they are used as
+ * they are.
+ */
+function ggufGemma3(file: GgufFile, config: ModelConfig, source: string): void {
+  config.embeddingScale = Math.sqrt(config.dim);
+  config.postNorms = true;
+  config.ffnActivation = 'gelu_tanh';
+  if (config.slidingWindow) {
+    const local = uniformNumber(file, 'gemma3.rope.freq_base_swa', source);
+    config.ropeLocalTheta = local === undefined ? GEMMA3_DEFAULT_LOCAL_ROPE_THETA : shortestF32Decimal(local);
+  }
+  if (config.numLayers === 62) config.attentionScale = 1 / Math.sqrt(config.dim / config.numHeads);
+  const softcap = uniformNumber(file, 'gemma3.final_logit_softcapping', source);
+  if (softcap !== undefined && softcap > 0) config.finalLogitSoftcap = shortestF32Decimal(softcap);
 }
 
 /**
@@ -154,6 +223,33 @@ function ggufVocabSize(file: GgufFile, arch: Architecture, source: string): numb
 
 // ---------------------------------------------------------------------------------------------------------------
 // RoPE scaling
+
+/**
+ * LongRoPE as llama.cpp's converter writes it (Phi-3 128k, Phi-4-mini): rope_factors_long.weight and
+ * rope_factors_short.weight (ropeDim / 2 divisors each), `rope.scaling.attn_factor`, and the context the short set is
+ * for, `rope.scaling.original_context_length`. The long set is used when the context length is longer than that (what
+ * llama.cpp does for a context of the model's length).
+ */
+function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, contextLength: number,
+  source: string): RopeScaling | undefined {
+  const name = (kind: string): string | undefined =>
+    [`rope_factors_${kind}.weight`, `blk.0.rope_factors_${kind}.weight`].find((n) => file.hasTensor(n));
+  const longName = name('long');
+  if (longName === undefined) return undefined;
+  const shortName = name('short');
+  const originalContextLength = metaNumber(file, `${arch}.rope.scaling.original_context_length`);
+  if (shortName === undefined || originalContextLength === undefined) {
+    throw new ModelFormatError(`${source}: LongRoPE needs rope_factors_short.weight and ` +
+      `${arch}.rope.scaling.original_context_length besides ${longName}`);
+  }
+  const chosen = contextLength > originalContextLength ? longName : shortName;
+  const factors = Array.from(dequantizeTensor(file.tensor(chosen)));
+  if (factors.length !== ropeDim / 2) {
+    throw new ModelFormatError(`${source}: ${chosen} has ${factors.length} entries, expected ropeDim / 2 = ${ropeDim / 2}`);
+  }
+  const attentionFactor = metaNumber(file, `${arch}.rope.scaling.attn_factor`) ?? 1;
+  return { type: 'longrope', factors, attentionFactor, originalContextLength };
+}
 
 function ggufRopeScaling(
   file: GgufFile, arch: Architecture, ropeTheta: number, ropeDim: number, source: string,
@@ -313,6 +409,10 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
       layer.kNorm = get(`${p}attn_k_norm.weight`);
     }
     if (config.moe) layer.ffnGateInp = get(`${p}ffn_gate_inp.weight`);
+    if (config.postNorms) {
+      layer.attnPostNorm = get(`${p}post_attention_norm.weight`);
+      layer.ffnPostNorm = get(`${p}post_ffw_norm.weight`);
+    }
     layers.push(layer);
   }
   const weights: ModelWeights = {
@@ -364,7 +464,7 @@ export function expectedShapes(config: ModelConfig): {
     layer: {
       attnNorm: [dim], wq: [dim, qDim], wk: [dim, kvDim], wv: [dim, kvDim], wo: [qDim, dim],
       bq: [qDim], bk: [kvDim], bv: [kvDim], qNorm: [headDim], kNorm: [headDim],
-      ffnNorm: [dim], wGate: [dim, ffnDim, ...experts], wUp: [dim, ffnDim, ...experts],
+      ffnNorm: [dim], attnPostNorm: [dim], ffnPostNorm: [dim], wGate: [dim, ffnDim, ...experts], wUp: [dim, ffnDim, ...experts],
       wDown: [ffnDim, dim, ...experts], ffnGateInp: [dim, moe?.numExperts ?? 0],
     },
   };

@@ -11,7 +11,12 @@ import { existsSync } from 'node:fs';
 import { readdir, readFile, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
-import { checkWeights, DEFAULT_ROPE_THETA, ModelFormatError, splitRows } from './gguf-model.ts';
+import {
+  checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA, GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers,
+  ModelFormatError, splitRows,
+} from './gguf-model.ts';
+import { GgmlType } from './ggml-types.ts';
+import { dequantizeTensor } from './quant.ts';
 import { readSafetensorsAsync } from './safetensors.ts';
 import type { SafetensorsFile } from './safetensors.ts';
 import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
@@ -23,7 +28,10 @@ const ARCHITECTURES: Readonly<Record<string, Architecture>> = {
   Qwen3MoeForCausalLM: 'qwen3moe',
   // Mixtral is the llama layout with experts (llama.cpp converts it to a `llama` GGUF).
   MixtralForCausalLM: 'llama',
+  // Mistral is the llama layout, with a sliding window when config.json gives one.
+  MistralForCausalLM: 'llama',
   Phi3ForCausalLM: 'phi3',
+  Gemma3ForCausalLM: 'gemma3',
 };
 
 export interface HfModel {
@@ -128,18 +136,64 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     contextLength: num('max_position_embeddings'),
     rmsNormEps: num('rms_norm_eps'),
     ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
-    ropeDim: headDim,
+    // Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75).
+    ropeDim: typeof json['partial_rotary_factor'] === 'number' && json['partial_rotary_factor'] < 1
+      ? 2 * Math.floor((json['partial_rotary_factor'] * headDim) / 2) : headDim,
     ropeStyle: 'neox',
     // Qwen2 always has Q/K/V biases; Llama and Qwen3 have them only when attention_bias says so.
     qkvBias: architecture === 'qwen2' || json['attention_bias'] === true,
-    tiedEmbeddings: json['tie_word_embeddings'] === true,
+    // Gemma 3's configuration class ties them unless told otherwise.
+    tiedEmbeddings: architecture === 'gemma3' ? json['tie_word_embeddings'] !== false : json['tie_word_embeddings'] === true,
   };
-  if (architecture === 'qwen3' || architecture === 'qwen3moe') config.qkNorm = true;
+  if (architecture === 'qwen3' || architecture === 'qwen3moe' || architecture === 'gemma3') config.qkNorm = true;
+  if (declared === 'MistralForCausalLM' && typeof json['sliding_window'] === 'number' && json['sliding_window'] > 0) {
+    config.slidingWindow = json['sliding_window'];
+  }
+  if (architecture === 'gemma3') hfGemma3Config(json, config, source);
   const moe = hfMoeConfig(json, declared!, source);
   if (moe) config.moe = moe;
-  const ropeScaling = hfRopeScaling(json['rope_scaling'], source);
+  const ropeScaling = hfRopeScaling(json['rope_scaling'], json, config.ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
+}
+
+/**
+ * Gemma 3 (Gemma3TextConfig): sliding-window layers from layer_types, else every sliding_window_pattern-th layer
+ * global; the local layers' RoPE base rope_local_base_freq; scores scaled by query_pre_attn_scalar^-0.5; GELU-tanh;
+ * the optional final logit softcap. The same fields as a GGUF of the model gives (gguf-model.ts ggufGemma3).
+ */
+function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, source: string): void {
+  const activation = json['hidden_activation'] ?? 'gelu_pytorch_tanh';
+  if (activation !== 'gelu_pytorch_tanh' && activation !== 'gelu') {
+    throw new ModelFormatError(`${source}: Gemma 3 with hidden_activation ${JSON.stringify(activation)} is not supported`);
+  }
+  if (json['attn_logit_softcapping'] !== undefined && json['attn_logit_softcapping'] !== null) {
+    throw new ModelFormatError(`${source}: attn_logit_softcapping is not supported (Gemma 3 has none)`);
+  }
+  config.embeddingScale = Math.sqrt(config.dim);
+  config.postNorms = true;
+  config.ffnActivation = 'gelu_tanh';
+  const window = json['sliding_window'];
+  if (typeof window === 'number' && window > 0) {
+    const types = json['layer_types'];
+    const layers = Array.isArray(types)
+      ? types.map((t) => t === 'sliding_attention')
+      : gemma3WindowLayers(config.numLayers, typeof json['sliding_window_pattern'] === 'number'
+        ? json['sliding_window_pattern'] : GEMMA3_DEFAULT_WINDOW_PATTERN);
+    if (layers.length !== config.numLayers) {
+      throw new ModelFormatError(`${source}: layer_types has ${layers.length} entries for ${config.numLayers} layers`);
+    }
+    if (layers.some((w) => w)) {
+      config.slidingWindow = window;
+      if (!layers.every((w) => w)) config.slidingWindowLayers = layers;
+      const local = json['rope_local_base_freq'];
+      config.ropeLocalTheta = typeof local === 'number' ? local : GEMMA3_DEFAULT_LOCAL_ROPE_THETA;
+    }
+  }
+  const scalar = json['query_pre_attn_scalar'];
+  if (typeof scalar === 'number' && scalar !== config.headDim) config.attentionScale = 1 / Math.sqrt(scalar);
+  const softcap = json['final_logit_softcapping'];
+  if (typeof softcap === 'number' && softcap > 0) config.finalLogitSoftcap = softcap;
 }
 
 /** Experts of Qwen3-MoE (every layer sparse) and Mixtral; undefined for a dense architecture. */
@@ -164,7 +218,8 @@ function hfMoeConfig(json: Record<string, unknown>, declared: string, source: st
     expertFfnDim: num('moe_intermediate_size'), normalizeTopK: json['norm_topk_prob'] !== false };
 }
 
-function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined {
+function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: number,
+  source: string): RopeScaling | undefined {
   if (value === undefined || value === null) return undefined;
   if (typeof value !== 'object') throw new ModelFormatError(`${source}: rope_scaling is not an object`);
   const s = value as Record<string, unknown>;
@@ -184,9 +239,39 @@ function hfRopeScaling(value: unknown, source: string): RopeScaling | undefined 
       highFreqFactor: num('high_freq_factor'),
       originalContextLength: num('original_max_position_embeddings'),
     };
+    case 'longrope':
+    case 'su': return hfLongRope(s, json, ropeDim, source);
     default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
-      '(supported: default, linear, llama3; not longrope, the 128k-context Phi-3 models)');
+      '(supported: default, linear, llama3, longrope)');
   }
+}
+
+/**
+ * Phi-3's LongRoPE (transformers' longrope): long_factor for a context longer than original_max_position_embeddings
+ * (here: max_position_embeddings, the context served), else short_factor; attention_factor, or
+ * sqrt(1 + ln(s) / ln(original)) with s = max / original. Factors and attention factor are rounded to f32 as
+ * llama.cpp's converter stores them, so a folder and its GGUF give the same config.
+ */
+function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, ropeDim: number,
+  source: string): RopeScaling {
+  const numbers = (key: string): number[] => {
+    const v = s[key];
+    if (!Array.isArray(v) || v.length !== ropeDim / 2 || !v.every((x) => typeof x === 'number' && x > 0)) {
+      throw new ModelFormatError(`${source}: rope_scaling.${key} must be ${ropeDim / 2} positive numbers`);
+    }
+    return v.map((x) => Math.fround(x as number));
+  };
+  const original = s['original_max_position_embeddings'] ?? json['original_max_position_embeddings'];
+  const max = json['max_position_embeddings'];
+  if (typeof original !== 'number' || typeof max !== 'number') {
+    throw new ModelFormatError(`${source}: LongRoPE needs original_max_position_embeddings and max_position_embeddings`);
+  }
+  const scale = max / original;
+  const given = s['attention_factor'];
+  const attentionFactor = Math.fround(typeof given === 'number' ? given
+    : scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(original)) : 1);
+  return { type: 'longrope', factors: numbers(max > original ? 'long_factor' : 'short_factor'), attentionFactor,
+    originalContextLength: original };
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -247,6 +332,8 @@ const LAYER_TENSORS: Readonly<Record<keyof LayerWeights, string>> = {
   qNorm: 'self_attn.q_norm.weight',
   kNorm: 'self_attn.k_norm.weight',
   ffnNorm: 'post_attention_layernorm.weight',
+  attnPostNorm: 'post_attention_layernorm.weight',
+  ffnPostNorm: 'post_feedforward_layernorm.weight',
   wGate: 'mlp.gate_proj.weight',
   wUp: 'mlp.up_proj.weight',
   wDown: 'mlp.down_proj.weight',
@@ -256,6 +343,18 @@ const LAYER_TENSORS: Readonly<Record<keyof LayerWeights, string>> = {
 const BIAS_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['bq', 'bk', 'bv']);
 const QK_NORM_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['qNorm', 'kNorm']);
 const FFN_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['wGate', 'wUp', 'wDown', 'ffnGateInp']);
+const POST_NORM_FIELDS: ReadonlySet<keyof LayerWeights> = new Set(['attnPostNorm', 'ffnPostNorm']);
+
+/**
+ * Gemma 3's RMS norms compute x * (1 + weight) and its checkpoints store `weight`; the backends multiply by the
+ * stored vector, as llama.cpp does with the converted files (which hold 1 + weight). So the folder's norms are
+ * loaded as f32 copies with the 1 added.
+ */
+function plusOne(t: Tensor): Tensor {
+  const values = dequantizeTensor(t);
+  for (let i = 0; i < values.length; i++) values[i] = values[i]! + 1;
+  return { name: t.name, type: GgmlType.F32, shape: t.shape, data: new Uint8Array(values.buffer) };
+}
 
 /** HF names of a layer's experts: the router, and expert e's gate, up and down matrices. */
 function expertNames(mixtral: boolean, layer: number): {
@@ -308,8 +407,17 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
       if (layer[field]) continue;
       if (BIAS_FIELDS.has(field) && !config.qkvBias) continue;
       if (QK_NORM_FIELDS.has(field) && !config.qkNorm) continue;
+      if (POST_NORM_FIELDS.has(field) && !config.postNorms) continue;
       if (FFN_FIELDS.has(field) && (config.moe || field === 'ffnGateInp')) continue;
-      layer[field] = get(`model.layers.${i}.${suffix}`);
+      // Gemma 3: post_attention_layernorm is the attention block's post-norm, the feed-forward's pre-norm has a name
+      // of its own.
+      const name = config.postNorms && field === 'ffnNorm' ? 'pre_feedforward_layernorm.weight' : suffix;
+      layer[field] = get(`model.layers.${i}.${name}`);
+    }
+    if (config.architecture === 'gemma3') {
+      for (const field of ['attnNorm', 'ffnNorm', 'attnPostNorm', 'ffnPostNorm', 'qNorm', 'kNorm'] as const) {
+        layer[field] = plusOne(layer[field]!);
+      }
     }
     if (config.moe) {
       const names = expertNames(index.has(expertNames(true, i).router), i);
@@ -324,7 +432,8 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
   // Checkpoints that tie embeddings usually omit lm_head; some store a copy anyway, which we ignore.
   const output = config.tiedEmbeddings || !index.has('lm_head.weight') ? tokenEmbedding : get('lm_head.weight');
   if (output === tokenEmbedding) config.tiedEmbeddings = true;
-  return { tokenEmbedding, layers, outputNorm: get('model.norm.weight'), output };
+  const outputNorm = get('model.norm.weight');
+  return { tokenEmbedding, layers, outputNorm: config.architecture === 'gemma3' ? plusOne(outputNorm) : outputNorm, output };
 }
 
 // ---------------------------------------------------------------------------------------------------------------

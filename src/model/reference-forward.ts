@@ -1,16 +1,18 @@
-// The reference forward pass of the Llama family (Llama 2/3, Mixtral, Qwen2, Qwen3, Qwen3-MoE): readable f32 math,
-// the oracle that the native kernels and the paged reference backend are tested against.
+// The reference forward pass of the Llama family (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3,
+// Gemma 3): readable f32 math, the oracle that the native kernels and the paged reference backend are tested against.
 //
-// Per token x (one row of `dim` floats), for each layer:
+// Per token x (one row of `dim` floats), x = embedding (* embeddingScale, Gemma), for each layer:
 //   h   = rmsnorm(x) * attnNorm
 //   q,k,v = Wq h (+bq), Wk h (+bk), Wv h (+bv)      Qwen2 has the biases
-//   q,k = rmsnorm(each head of q) * qNorm, ... kNorm  Qwen3 only
-//   q,k = rope(q, k, position)
-//   x  += Wo attention(q, cached k and v of positions 0..position)
+//   q,k = rmsnorm(each head of q) * qNorm, ... kNorm  Qwen3, Gemma 3
+//   q,k = rope(q, k, position)                       Gemma 3's sliding-window layers with a RoPE base of their own
+//   a   = Wo attention(q, cached k and v of positions 0..position, or of the layer's sliding window)
+//   x  += a                                          Gemma 3: x += rmsnorm(a) * attnPostNorm
 //   h   = rmsnorm(x) * ffnNorm
-//   x  += Wdown( silu(Wgate h) * (Wup h) )
+//   f   = Wdown( silu(Wgate h) * (Wup h) )           Gemma: gelu_tanh instead of silu
 //         or, with experts: sum over the router's top-k experts e of weight_e * Wdown_e( silu(Wgate_e h) * (Wup_e h) )
-// logits = Wout (rmsnorm(x) * outputNorm)
+//   x  += f                                          Gemma 3: x += rmsnorm(f) * ffnPostNorm
+// logits = Wout (rmsnorm(x) * outputNorm)            then cap * tanh(logits / cap) with a final softcap
 //
 // `ReferenceTransformer` runs that over a flat batch of token rows and leaves the KV cache to its caller, so the
 // contiguous `ReferenceModel` below and the paged reference backend (src/kernels/reference-backend.ts) share one
@@ -18,10 +20,10 @@
 
 import { applyLoraRows, type LoraWeights } from './lora.ts';
 import {
-  addBias, addInPlace, applyRope, type AttentionShape, causalAttention, matmul, rmsnorm, ropeAngles,
+  addBias, addInPlace, applyRope, type AttentionShape, causalAttention, geglu, matmul, rmsnorm, ropeAngles,
   ropeFrequencies, routeExperts, swiglu,
 } from './reference-math.ts';
-import type { ModelConfig } from './config.ts';
+import { layerWindow, type ModelConfig } from './config.ts';
 import { dequantizeTensor } from './quant.ts';
 import type { ModelWeights, Tensor } from './weights.ts';
 
@@ -40,6 +42,8 @@ export interface DenseLayerWeights {
   qNorm?: Float32Array;
   kNorm?: Float32Array;
   ffnNorm: Float32Array;
+  attnPostNorm?: Float32Array;
+  ffnPostNorm?: Float32Array;
   /** With experts, every expert's matrix back to back (expert e at e * rows * cols). */
   wGate: Float32Array;
   wUp: Float32Array;
@@ -119,6 +123,8 @@ export function dequantizeModelWeights(config: ModelConfig, weights: ModelWeight
       qNorm: config.qkNorm ? dense(layer.qNorm, [headDim], `layer ${l} query norm`) : undefined,
       kNorm: config.qkNorm ? dense(layer.kNorm, [headDim], `layer ${l} key norm`) : undefined,
       ffnNorm: dense(layer.ffnNorm, [dim], `layer ${l} feed-forward norm`),
+      attnPostNorm: config.postNorms ? dense(layer.attnPostNorm, [dim], `layer ${l} attention post-norm`) : undefined,
+      ffnPostNorm: config.postNorms ? dense(layer.ffnPostNorm, [dim], `layer ${l} feed-forward post-norm`) : undefined,
       wGate: dense(layer.wGate, [dim, ffnDim, ...experts], `layer ${l} feed-forward gate`),
       wUp: dense(layer.wUp, [dim, ffnDim, ...experts], `layer ${l} feed-forward up projection`),
       wDown: dense(layer.wDown, [ffnDim, dim, ...experts], `layer ${l} feed-forward down projection`),
@@ -147,12 +153,25 @@ export class ReferenceTransformer {
   readonly weights: DenseModelWeights;
   readonly attentionShape: AttentionShape;
   private readonly frequencies: Float64Array;
+  /** RoPE frequencies of the sliding-window layers when they have a base of their own (Gemma 3), else undefined. */
+  private readonly localFrequencies: Float64Array | undefined;
+  /** The sliding window of each layer (0: full causal attention). */
+  readonly layerWindows: readonly number[];
+  /** LongRoPE's scale of the rotated dimensions (1 otherwise). */
+  private readonly ropeAttentionFactor: number;
 
   constructor(config: ModelConfig, weights: ModelWeights) {
     this.config = config;
     this.weights = dequantizeModelWeights(config, weights);
-    this.attentionShape = { numHeads: config.numHeads, numKvHeads: config.numKvHeads, headDim: config.headDim };
+    this.attentionShape = {
+      numHeads: config.numHeads, numKvHeads: config.numKvHeads, headDim: config.headDim,
+      ...(config.attentionScale !== undefined ? { scale: config.attentionScale } : {}),
+    };
     this.frequencies = ropeFrequencies(config.ropeDim, config.ropeTheta, config.ropeScaling);
+    this.localFrequencies = config.ropeLocalTheta !== undefined
+      ? ropeFrequencies(config.ropeDim, config.ropeLocalTheta) : undefined;
+    this.layerWindows = Array.from({ length: config.numLayers }, (_, l) => layerWindow(config, l));
+    this.ropeAttentionFactor = config.ropeScaling?.type === 'longrope' ? config.ropeScaling.attentionFactor : 1;
   }
 
   /**
@@ -179,6 +198,10 @@ export class ReferenceTransformer {
         throw new RangeError(`forward: token id ${token} is outside the vocabulary (0..${vocabSize - 1})`);
       }
       x.set(w.tokenEmbedding.subarray(token * dim, (token + 1) * dim), r * dim);
+      const embeddingScale = this.config.embeddingScale;
+      if (embeddingScale !== undefined) {
+        for (let i = r * dim; i < (r + 1) * dim; i++) x[i] = x[i]! * embeddingScale;
+      }
       const position = positions[r]!;
       if (!Number.isInteger(position) || position < 0 || position >= this.config.contextLength) {
         throw new RangeError(`forward: position ${position} is outside the model's context ` +
@@ -215,14 +238,24 @@ export class ReferenceTransformer {
       if (layer.bv) addBias(v, layer.bv, numRows, kvDim);
       if (layer.qNorm) rmsnorm(q, q, layer.qNorm, numRows * numHeads, headDim, eps);
       if (layer.kNorm) rmsnorm(k, k, layer.kNorm, numRows * numKvHeads, headDim, eps);
+      const frequencies = this.localFrequencies !== undefined && this.layerWindows[l]! > 0
+        ? this.localFrequencies : this.frequencies;
       for (let r = 0; r < numRows; r++) {
-        ropeAngles(positions[r]!, this.frequencies, cos, sin);
+        ropeAngles(positions[r]!, frequencies, cos, sin);
+        if (frequencies === this.frequencies && this.ropeAttentionFactor !== 1) {
+          // LongRoPE: the rotated dimensions of Q and K are scaled (cos and sin both).
+          for (let i = 0; i < cos.length; i++) {
+            cos[i] = cos[i]! * this.ropeAttentionFactor;
+            sin[i] = sin[i]! * this.ropeAttentionFactor;
+          }
+        }
         applyRope(q, r * qDim, numHeads, headDim, this.config.ropeStyle, cos, sin);
         applyRope(k, r * kvDim, numKvHeads, headDim, this.config.ropeStyle, cos, sin);
       }
       attend(l, q, k, v, attention);
       matmul(projected, attention, layer.wo, numRows, qDim, dim);
       if (rowAdapters) applyLoraRows(projected, attention, numRows, qDim, dim, rowAdapters, l, 'wo');
+      if (layer.attnPostNorm) rmsnorm(projected, projected, layer.attnPostNorm, numRows, dim, eps);
       addInPlace(x, projected, numRows * dim);
 
       // Feed-forward block (SwiGLU).
@@ -237,9 +270,11 @@ export class ReferenceTransformer {
         applyLoraRows(gate, h, numRows, dim, ffnDim, rowAdapters, l, 'wGate');
         applyLoraRows(up, h, numRows, dim, ffnDim, rowAdapters, l, 'wUp');
       }
-      swiglu(gate, up, numRows * ffnDim);
+      if (this.config.ffnActivation === 'gelu_tanh') geglu(gate, up, numRows * ffnDim);
+      else swiglu(gate, up, numRows * ffnDim);
       matmul(projected, gate, layer.wDown, numRows, ffnDim, dim);
       if (rowAdapters) applyLoraRows(projected, gate, numRows, ffnDim, dim, rowAdapters, l, 'wDown');
+      if (layer.ffnPostNorm) rmsnorm(projected, projected, layer.ffnPostNorm, numRows, dim, eps);
       addInPlace(x, projected, numRows * dim);
     }
 
@@ -256,6 +291,8 @@ export class ReferenceTransformer {
     rmsnorm(finalRows, finalRows, w.outputNorm, numLogitRows, dim, eps);
     const logits = new Float32Array(numLogitRows * vocabSize);
     matmul(logits, finalRows, w.output, numLogitRows, dim, vocabSize);
+    const softcap = this.config.finalLogitSoftcap;
+    if (softcap !== undefined) for (let i = 0; i < logits.length; i++) logits[i] = softcap * Math.tanh(logits[i]! / softcap);
     return logits;
   }
 
@@ -337,7 +374,7 @@ export class ReferenceModel {
       this.keys[layer]!.set(k, startPos * kvDim);
       this.values[layer]!.set(v, startPos * kvDim);
       causalAttention(out, q, 0, numTokens, startPos, this.keys[layer]!, this.values[layer]!,
-        this.transformer.attentionShape);
+        this.transformer.attentionShape, this.transformer.layerWindows[layer]);
     };
     const logitRows = options.allLogits ? positions.map((_, i) => i) : [numTokens - 1];
     const logits = this.transformer.run(tokenIds, positions, attend, logitRows);

@@ -86,6 +86,16 @@ export function swiglu(gate: Float32Array, up: Float32Array, length: number): vo
   for (let i = 0; i < length; i++) gate[i] = silu(gate[i]!) * up[i]!;
 }
 
+/** GELU, tanh approximation: 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))). */
+export function geluTanh(v: number): number {
+  return 0.5 * v * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (v + 0.044715 * v * v * v)));
+}
+
+/** In place: gate[i] = geluTanh(gate[i]) * up[i], the gated activation of a GeGLU feed-forward block (Gemma). */
+export function geglu(gate: Float32Array, up: Float32Array, length: number): void {
+  for (let i = 0; i < length; i++) gate[i] = geluTanh(gate[i]!) * up[i]!;
+}
+
 /**
  * Mixture-of-experts routing of one token: softmax over the router's `numExperts` scores at scores[offset ..], the
  * `numUsed` most probable experts (the lower index first on ties) in descending order, and their weights: the
@@ -132,6 +142,13 @@ export function ropeFrequencies(ropeDim: number, base: number, scaling?: RopeSca
   const frequencies = new Float64Array(ropeDim / 2);
   for (let i = 0; i < ropeDim / 2; i++) frequencies[i] = Math.pow(base, (-2 * i) / ropeDim);
   if (!scaling) return frequencies;
+  if (scaling.type === 'longrope') {
+    if (scaling.factors.length !== frequencies.length || !scaling.factors.every((f) => f > 0)) {
+      throw new RangeError(`LongRoPE needs ${frequencies.length} positive factors, got ${scaling.factors.length}`);
+    }
+    for (let i = 0; i < frequencies.length; i++) frequencies[i] = frequencies[i]! / scaling.factors[i]!;
+    return frequencies;
+  }
   if (!(scaling.factor > 0)) throw new RangeError(`RoPE scaling factor must be positive, got ${scaling.factor}`);
 
   if (scaling.type === 'linear') {
@@ -195,6 +212,8 @@ export interface AttentionShape {
   numHeads: number;
   numKvHeads: number;
   headDim: number;
+  /** Scale of the scores; absent = 1 / sqrt(headDim). */
+  scale?: number;
 }
 
 /**
@@ -204,9 +223,10 @@ export interface AttentionShape {
  * firstPosition + i; it attends to key positions 0 .. firstPosition + i of `keys` and `values`
  * ([positions, numKvHeads * headDim], position-major). Its result goes to the same row of `out`.
  * Grouped-query attention: query head h reads KV head floor(h / (numHeads / numKvHeads)).
+ * With a sliding window (window > 0) the query at position p attends to positions max(0, p - window + 1) .. p only.
  */
 export function causalAttention(out: Float32Array, queries: Float32Array, firstRow: number, numQueries: number,
-  firstPosition: number, keys: Float32Array, values: Float32Array, shape: AttentionShape): void {
+  firstPosition: number, keys: Float32Array, values: Float32Array, shape: AttentionShape, window = 0): void {
   const { numHeads, numKvHeads, headDim } = shape;
   if (numHeads % numKvHeads !== 0) {
     throw new RangeError(`attention: ${numHeads} query heads do not divide into ${numKvHeads} KV heads`);
@@ -214,21 +234,25 @@ export function causalAttention(out: Float32Array, queries: Float32Array, firstR
   const headsPerKvHead = numHeads / numKvHeads;
   const qDim = numHeads * headDim;
   const kvDim = numKvHeads * headDim;
-  const scale = 1 / Math.sqrt(headDim);
+  const scale = shape.scale ?? 1 / Math.sqrt(headDim);
   const scores = new Float64Array(firstPosition + numQueries);
   const accumulator = new Float64Array(headDim);
 
   for (let i = 0; i < numQueries; i++) {
     const row = firstRow + i;
     const numKeys = firstPosition + i + 1;
+    const firstKey = window > 0 ? Math.max(0, numKeys - window) : 0;
+    const numVisible = numKeys - firstKey;
     for (let h = 0; h < numHeads; h++) {
       const q = row * qDim + h * headDim;
       const kvHead = Math.floor(h / headsPerKvHead) * headDim;
-      for (let p = 0; p < numKeys; p++) scores[p] = dot(queries, q, keys, p * kvDim + kvHead, headDim) * scale;
-      softmax(scores, 0, numKeys);
+      for (let p = firstKey; p < numKeys; p++) {
+        scores[p - firstKey] = dot(queries, q, keys, p * kvDim + kvHead, headDim) * scale;
+      }
+      softmax(scores, 0, numVisible);
       accumulator.fill(0);
-      for (let p = 0; p < numKeys; p++) {
-        const weight = scores[p]!;
+      for (let p = firstKey; p < numKeys; p++) {
+        const weight = scores[p - firstKey]!;
         const v = p * kvDim + kvHead;
         for (let d = 0; d < headDim; d++) accumulator[d] = accumulator[d]! + weight * values[v + d]!;
       }

@@ -27,6 +27,9 @@ export interface LayerWeights {
   qNorm?: Tensor;
   kNorm?: Tensor;
   ffnNorm: Tensor;
+  /** Gemma 3's norms of the attention output and the feed-forward output ([dim]), when the config has postNorms. */
+  attnPostNorm?: Tensor;
+  ffnPostNorm?: Tensor;
   /**
    * The SwiGLU matrices. With experts (config.moe) each holds every expert's matrix back to back, a third ggml
    * dimension: gate and up [dim, expertFfnDim, numExperts], down [expertFfnDim, dim, numExperts] (llama.cpp's

@@ -25,10 +25,12 @@ interface Scenario {
   queryStartLoc: Int32Array;
   seqLens: Int32Array;
   maxBlocksPerSeq: number;
+  /** Sliding window (0: none). */
+  window: number;
 }
 
 function makeScenario(seed: number, dtype: KvDtype, seqs: Sequence[], blockSize: number, numHeads: number,
-  numKvHeads: number, headDim: number, qScale = 1): Scenario {
+  numKvHeads: number, headDim: number, qScale = 1, window = 0): Scenario {
   const rand = seeded(seed);
   const width = numKvHeads * headDim;
   const maxBlocksPerSeq = Math.max(...seqs.map((s) => Math.ceil(s.seqLen / blockSize)));
@@ -42,7 +44,7 @@ function makeScenario(seed: number, dtype: KvDtype, seqs: Sequence[], blockSize:
   seqs.forEach((s, i) => { queryStartLoc[i + 1] = queryStartLoc[i]! + s.newTokens; });
   const q = randomArray(queryStartLoc[seqs.length]! * numHeads * headDim, rand, qScale);
   return {
-    layout, numHeads, seqs, keys, values, q, queryStartLoc, maxBlocksPerSeq,
+    layout, numHeads, seqs, keys, values, q, queryStartLoc, maxBlocksPerSeq, window,
     seqLens: Int32Array.from(seqs, (s) => s.seqLen),
   };
 }
@@ -68,7 +70,7 @@ function fillPool(sc: Scenario, tables: Int32Array, variant: KernelVariant): Uin
   return pool;
 }
 
-/** Causal attention over contiguous K/V, in double; f16 pools see K/V rounded to f16. */
+/** Causal attention (within the window, if any) over contiguous K/V, in double; f16 pools see K/V rounded to f16. */
 function referenceAttention(sc: Scenario): Float64Array {
   const { headDim, numKvHeads, dtype } = sc.layout;
   const group = sc.numHeads / numKvHeads;
@@ -81,18 +83,19 @@ function referenceAttention(sc: Scenario): Float64Array {
     for (let r = 0; r < s.newTokens; r++) {
       const token = sc.queryStartLoc[i]! + r;
       const context = s.seqLen - s.newTokens + r + 1;
+      const first = sc.window > 0 ? Math.max(0, context - sc.window) : 0;
       for (let h = 0; h < sc.numHeads; h++) {
         const g = Math.floor(h / group);
-        const scores = new Float64Array(context);
-        for (let t = 0; t < context; t++) {
+        const scores = new Float64Array(context).fill(-Infinity);
+        for (let t = first; t < context; t++) {
           let dot = 0;
           for (let d = 0; d < headDim; d++) dot += sc.q[token * width + h * headDim + d]! * k[(t * numKvHeads + g) * headDim + d]!;
           scores[t] = dot / Math.sqrt(headDim);
         }
         const max = Math.max(...scores);
         let sum = 0;
-        for (let t = 0; t < context; t++) sum += (scores[t] = Math.exp(scores[t]! - max));
-        for (let t = 0; t < context; t++) {
+        for (let t = first; t < context; t++) sum += (scores[t] = Math.exp(scores[t]! - max));
+        for (let t = first; t < context; t++) {
           for (let d = 0; d < headDim; d++) {
             out[token * width + h * headDim + d]! += (scores[t]! / sum) * v[(t * numKvHeads + g) * headDim + d]!;
           }
@@ -106,7 +109,7 @@ function referenceAttention(sc: Scenario): Float64Array {
 function runAttention(sc: Scenario, pool: Uint8Array, tables: Int32Array, variant: KernelVariant, threads: number) {
   const out = guarded(sc.q.length, NaN);
   native().ops.attention(variant, sc.q, out.view, pool, sc.layout, 1, sc.queryStartLoc, sc.seqLens,
-    tables, sc.maxBlocksPerSeq, sc.numHeads, threads);
+    tables, sc.maxBlocksPerSeq, sc.numHeads, threads, sc.window);
   out.checkGuards(`attention ${variant}`);
   return out.view;
 }
@@ -125,6 +128,7 @@ function shuffled(n: number, rand: () => number): number[] {
 // correctly when folded.
 const SCENARIOS: {
   name: string; seqs: Sequence[]; blockSize: number; heads: number; kvHeads: number; headDim: number; qScale?: number;
+  window?: number;
 }[] = [
   { name: 'prefill from empty', seqs: [{ seqLen: 37, newTokens: 37 }], blockSize: 16, heads: 4, kvHeads: 2, headDim: 64 },
   { name: 'prefill chunk over a cached prefix', seqs: [{ seqLen: 50, newTokens: 13 }], blockSize: 8, heads: 6, kvHeads: 2, headDim: 32 },
@@ -152,6 +156,18 @@ const SCENARIOS: {
     seqs: [{ seqLen: 200, newTokens: 1 }, { seqLen: 150, newTokens: 30 }],
     blockSize: 12, heads: 3, kvHeads: 1, headDim: 20, qScale: 3,
   },
+  {
+    // Windows starting inside a chunk, spanning a chunk boundary, and a prefill chunk whose rows start in different
+    // chunks; the lone long decode rows are split over threads from their window's first chunk.
+    name: 'sliding window (prefill over a cached prefix and decode, across chunks)',
+    seqs: [{ seqLen: 300, newTokens: 40 }, { seqLen: 260, newTokens: 1 }, { seqLen: 20, newTokens: 20 }],
+    blockSize: 16, heads: 4, kvHeads: 2, headDim: 32, qScale: 3, window: 100,
+  },
+  {
+    name: 'sliding window of a few positions, decode split over threads',
+    seqs: [{ seqLen: 400, newTokens: 1 }, { seqLen: 131, newTokens: 2 }],
+    blockSize: 8, heads: 6, kvHeads: 2, headDim: 20, qScale: 3, window: 7,
+  },
 ];
 
 describe('native paged attention', { skip: skipNative }, () => {
@@ -159,7 +175,7 @@ describe('native paged attention', { skip: skipNative }, () => {
     for (const s of SCENARIOS) {
       it(`${s.name} (${dtype} KV)`, () => {
         const sc = makeScenario(s.seqs.length * 31 + s.headDim, dtype, s.seqs, s.blockSize, s.heads, s.kvHeads, s.headDim,
-          s.qScale);
+          s.qScale, s.window);
         const rand = seeded(5);
         const used = sc.seqs.reduce((n, q) => n + Math.ceil(q.seqLen / s.blockSize), 0);
         const inOrder = blockTables(sc, Array.from({ length: used }, (_, i) => i));
@@ -172,6 +188,26 @@ describe('native paged attention', { skip: skipNative }, () => {
           const paged = runAttention(sc, scatteredPool, scattered, variant, 2);
           assert.deepEqual(paged, contiguous, `${variant}: scattered blocks differ from contiguous ones`);
           assertClose(paged, expected, 1e-10, `${variant} vs TypeScript`);
+          if (sc.window > 0) {
+            // Blocks before every row's window are not read: the engine gives them back, and their table entries
+            // then name a block another sequence may be writing (here: the pool's spare blocks, filled with NaN).
+            const freed = scattered.slice();
+            const spare = Array.from({ length: sc.layout.numBlocks }, (_, id) => id).find((id) => !scattered.includes(id))!;
+            sc.seqs.forEach((q, i) => {
+              const firstNeeded = Math.max(0, q.seqLen - q.newTokens + 1 - sc.window);
+              for (let b = 0; b < Math.floor(firstNeeded / s.blockSize); b++) freed[i * sc.maxBlocksPerSeq + b] = spare;
+            });
+            const nanPool = scatteredPool.slice();
+            const layerBytes = kvPoolBytes(sc.layout) / (2 * sc.layout.numLayers);
+            const blockBytes = layerBytes / sc.layout.numBlocks;
+            for (const kv of [2, 3]) {
+              const at = kv * layerBytes + spare * blockBytes;
+              if (dtype === 'f32') new Float32Array(nanPool.buffer, at, blockBytes / 4).fill(NaN);
+              else new Uint16Array(nanPool.buffer, at, blockBytes / 2).fill(0x7e00);
+            }
+            assert.ok(freed.some((id, i) => id !== scattered[i]), 'the scenario frees blocks');
+            assert.deepEqual(runAttention(sc, nanPool, freed, variant, 2), paged, `${variant}: read a block before the window`);
+          }
         }
       });
     }

@@ -23,17 +23,20 @@ function referenceRope(x: Float32Array, positions: Int32Array, numHeads: number,
   const invFreq = Array.from({ length: half }, (_, i) => {
     const freq = theta ** (-(2 * i) / ropeDim);
     if (!scaling) return freq;
-    if (scaling.type === 'linear') return freq / scaling.factor;
+    if (scaling.type === 'linear') return freq / scaling.factor!;
+    if (scaling.type === 'longrope') return freq / scaling.factors![i]!;
     // Llama 3.1 (Hugging Face `_compute_llama3_parameters`).
     const lowWavelen = scaling.originalContextLength! / scaling.lowFreqFactor!;
     const highWavelen = scaling.originalContextLength! / scaling.highFreqFactor!;
     const wavelen = (2 * Math.PI) / freq;
     if (wavelen < highWavelen) return freq;
-    if (wavelen > lowWavelen) return freq / scaling.factor;
+    if (wavelen > lowWavelen) return freq / scaling.factor!;
     const smooth = (scaling.originalContextLength! / wavelen - scaling.lowFreqFactor!) /
       (scaling.highFreqFactor! - scaling.lowFreqFactor!);
-    return ((1 - smooth) * freq) / scaling.factor + smooth * freq;
+    return ((1 - smooth) * freq) / scaling.factor! + smooth * freq;
   });
+  // LongRoPE scales the rotated dimensions (cos and sin).
+  const mscale = scaling?.type === 'longrope' ? scaling.attentionFactor! : 1;
   for (let r = 0; r < positions.length; r++) {
     for (let h = 0; h < numHeads; h++) {
       const base = (r * numHeads + h) * headDim;
@@ -41,8 +44,8 @@ function referenceRope(x: Float32Array, positions: Int32Array, numHeads: number,
         const angle = positions[r]! * invFreq[i]!;
         const [a, b] = neox ? [i, i + half] : [2 * i, 2 * i + 1];
         const x0 = x[base + a]!, x1 = x[base + b]!;
-        out[base + a] = x0 * Math.cos(angle) - x1 * Math.sin(angle);
-        out[base + b] = x0 * Math.sin(angle) + x1 * Math.cos(angle);
+        out[base + a] = (x0 * Math.cos(angle) - x1 * Math.sin(angle)) * mscale;
+        out[base + b] = (x0 * Math.sin(angle) + x1 * Math.cos(angle)) * mscale;
       }
     }
   }
@@ -340,6 +343,10 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
     {
       name: 'llama3 scaling', heads: 2, headDim: 128, ropeDim: 128, neox: false,
       scaling: { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 8192 },
+    },
+    {
+      name: 'LongRoPE (partial, as Phi-4-mini)', heads: 2, headDim: 24, ropeDim: 16, neox: true,
+      scaling: { type: 'longrope', factors: [1, 1.25, 1.5, 2, 3, 5.5, 9, 16], attentionFactor: 1.19 },
     },
   ];
   for (const c of ropeCases) {

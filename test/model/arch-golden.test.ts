@@ -1,5 +1,6 @@
 // Golden tests of the architectures beyond Llama 2: for each random-weight model of test/model/arch-models.ts
-// (Qwen3 tied and untied, Qwen3-MoE, Mixtral), the greedy continuation of several prompts equals llama.cpp's,
+// (Qwen3 tied and untied, Qwen3-MoE, Mixtral, Phi-3 with and without LongRoPE, Gemma 3 with its sliding-window
+// layers), the greedy continuation of several prompts equals llama.cpp's,
 // recorded in test/data/arch/llama-cpp-greedy.json by the script beside it (llama.cpp's version is in that file).
 // The same holds for the reference forward, the native backend (each prompt alone and all in one batch), and a
 // Hugging Face folder of the same weights with a tokenizer.json.
@@ -14,6 +15,9 @@ import { fileURLToPath } from 'node:url';
 import { nativeBackend } from '../../src/kernels/native.ts';
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import type { BackendFactory } from '../../src/kernels/types.ts';
+import {
+  chatTemplateFromConfig, chatTemplateFromGguf, encodeChatPrompt, type ChatMessage, type ChatTemplate,
+} from '../../src/model/chat-template.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import type { LoadedModel } from '../../src/model/loader.ts';
 import { createTokenizer } from '../../src/model/tokenizer/index.ts';
@@ -31,7 +35,12 @@ interface RecordedPrompt {
 }
 
 const RECORDED = JSON.parse(readFileSync(fileURLToPath(new URL('../data/arch/llama-cpp-greedy.json', import.meta.url)),
-  'utf8')) as { llamaCpp: string; newTokens: number; models: Record<string, { sha256: string; prompts: RecordedPrompt[] }> };
+  'utf8')) as {
+  llamaCpp: string; newTokens: number;
+  models: Record<string, {
+    sha256: string; prompts: RecordedPrompt[]; chat?: { messages: ChatMessage[]; prompt: string; promptTokens: number[] };
+  }>;
+};
 
 let dir: string;
 before(() => { dir = mkdtempSync(join(tmpdir(), 'conduit-arch-')); });
@@ -86,9 +95,32 @@ function describeModel(spec: ArchModelSpec): void {
       assert.equal(model.config.architecture, spec.architecture);
       assert.equal(model.config.headDim, spec.headDim);
       assert.equal(model.config.tiedEmbeddings, spec.tied);
-      assert.equal(model.config.qkNorm ?? false, spec.architecture === 'qwen3' || spec.architecture === 'qwen3moe');
+      assert.equal(model.config.qkNorm ?? false, ['qwen3', 'qwen3moe', 'gemma3'].includes(spec.architecture));
+      assert.equal(model.config.slidingWindow, spec.slidingWindow);
+      // LongRoPE: the long factors (the context, 512, is longer than the 128 the short ones are for).
+      assert.deepEqual(model.config.ropeScaling?.type === 'longrope' ? model.config.ropeScaling.factors : undefined,
+        spec.longRope?.long);
       assert.deepEqual(model.config.moe, spec.moe ? { ...spec.moe, normalizeTopK: true } : undefined);
     });
+
+    if (recorded.chat) {
+      it('renders its chat template to llama.cpp\'s prompt tokens (from the GGUF and from the folder)', () => {
+        const source = model.tokenizerSource;
+        assert.equal(source.kind, 'gguf');
+        const { messages, prompt, promptTokens } = recorded.chat!;
+        const hfDir = join(dir, `${spec.name}-hf-template`);
+        writeArchHf(spec, hfDir);
+        const config = JSON.parse(readFileSync(join(hfDir, 'tokenizer_config.json'), 'utf8')) as Record<string, unknown>;
+        const templates: ChatTemplate[] = [chatTemplateFromConfig(config, tokenizer)];
+        if (source.kind === 'gguf') templates.push(chatTemplateFromGguf(source.file, tokenizer));
+        for (const template of templates) {
+          // llama.cpp drops the template's leading BOS text (its tokenizer adds BOS); the rest is the same text.
+          const { text, ids } = encodeChatPrompt(template, tokenizer, messages);
+          assert.equal(text, template.bosToken + prompt);
+          assert.deepEqual(ids, promptTokens);
+        }
+      });
+    }
 
     it('tokenizes each prompt as llama.cpp does', () => {
       recorded.prompts.forEach((p, i) => assert.deepEqual(prompts[i], p.promptTokens, JSON.stringify(p.prompt)));

@@ -1,12 +1,13 @@
 // Random-weight models of each supported architecture beyond Llama 2 (Qwen3 with tied and untied embeddings,
-// Qwen3-MoE, Mixtral), written by the project's GGUF writer with a real vocabulary, and the same weights as a Hugging
+// Qwen3-MoE, Mixtral, Phi-3, Gemma 3, and Mistral with a sliding window in every layer), written by the project's GGUF writer with a real vocabulary, and the same weights as a Hugging
 // Face folder (safetensors, config.json, a tokenizer.json built from the vocabulary). The bytes depend only on the
 // spec and the vocabulary file, so llama.cpp's greedy outputs recorded once for a file (test/data/arch/, by
 // record-llama-cpp.ts there) hold for the file a test writes again; the recording keeps each file's sha256.
 //
 // Values are generated in GGUF row order. For a llama-architecture file that is llama.cpp's interleaved RoPE order
 // of the Q/K rows, so the HF writer moves those rows back to neox order as a real checkpoint has them; the Qwens keep
-// HF order in GGUF.
+// HF order in GGUF. Gemma 3's norm weights are drawn around 0 as its checkpoints store them; its GGUF holds them
+// plus 1, as llama.cpp's converter writes them.
 
 import { mkdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -27,7 +28,7 @@ import { invert, reorderRows } from './loader-fixtures.ts';
 
 export interface ArchModelSpec {
   name: string;
-  architecture: 'qwen3' | 'qwen3moe' | 'llama' | 'phi3';
+  architecture: 'qwen3' | 'qwen3moe' | 'llama' | 'phi3' | 'gemma3';
   /** The vocabulary: Qwen2's (also Qwen3's) or Phi-3's from ../shared/models, or the Llama 2 one shipped in assets/. */
   vocab: 'qwen2' | 'llama-spm' | 'phi-3';
   dim: number;
@@ -44,6 +45,23 @@ export interface ArchModelSpec {
   contextLength: number;
   ropeTheta: number;
   rmsNormEps: number;
+  /** Sliding-window attention: Gemma 3's local layers (five of every six), every layer of a llama (Mistral). */
+  slidingWindow?: number;
+  /** Gemma 3: the local layers' RoPE base, written as rope.freq_base_swa (absent: not written, 10000 by default). */
+  ropeLocalTheta?: number;
+  /** Gemma 3: final_logit_softcapping. */
+  finalLogitSoftcap?: number;
+  /**
+   * Phi-3 LongRoPE: a long and a short set of ropeDim / 2 frequency divisors, and the context the short set is for
+   * (shorter than contextLength, so the long set is the one used, by llama.cpp at a context of contextLength too).
+   */
+  longRope?: { long: number[]; short: number[]; originalContextLength: number };
+}
+
+/** LongRoPE's attention factor when the config gives none (transformers, llama.cpp's converter). */
+export function longRopeAttentionFactor(contextLength: number, originalContextLength: number): number {
+  const scale = contextLength / originalContextLength;
+  return scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(originalContextLength)) : 1;
 }
 
 const QWEN3_BASE = {
@@ -69,7 +87,43 @@ export const ARCH_MODELS: readonly ArchModelSpec[] = [
     name: 'phi3', architecture: 'phi3', vocab: 'phi-3', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
     headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 306,
   },
+  {
+    // Phi-3 with LongRoPE (the 128k-context models, Phi-4-mini): factors growing with the wavelength as the real
+    // ones do, trained for 128 positions and served at 512.
+    name: 'phi3-longrope', architecture: 'phi3', vocab: 'phi-3', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+    headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 310,
+    longRope: {
+      long: [1, 1.5, 2.5, 4, 7, 12, 20, 32], short: [1, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2, 3], originalContextLength: 128,
+    },
+  },
+  {
+    // Gemma 3 as its files are: six layers, so the default pattern makes layers 0-4 local (a window of 4 positions,
+    // shorter than every prompt, RoPE base 10000 by default) and layer 5 global (base 1e6); tied embeddings, a head
+    // size of its own. No Gemma vocabulary is in ../shared/models, so Llama 2's (SentencePiece) stands in.
+    name: 'gemma3', architecture: 'gemma3', vocab: 'llama-spm', dim: 64, numLayers: 6, numHeads: 4, numKvHeads: 1,
+    headDim: 32, ffnDim: 128, contextLength: 512, ropeTheta: 1000000, rmsNormEps: 1e-6, tied: true, seed: 307,
+    slidingWindow: 4,
+  },
+  {
+    // Untied, the local base written in the file, a final logit softcap (Gemma 2's 30, which Gemma 3 dropped but its
+    // code keeps), two local layers and one global (sliding_window_pattern 3).
+    name: 'gemma3-softcap', architecture: 'gemma3', vocab: 'llama-spm', dim: 64, numLayers: 3, numHeads: 2,
+    numKvHeads: 2, headDim: 16, ffnDim: 96, contextLength: 512, ropeTheta: 1000000, rmsNormEps: 1e-6, tied: false,
+    seed: 308, slidingWindow: 6, ropeLocalTheta: 20000, finalLogitSoftcap: 30,
+  },
 ];
+
+/**
+ * Mistral's layout: a llama with a sliding window in every layer (what lets the paged KV cache free blocks). llama.cpp
+ * ignores the window of a llama file, so this model has no llama.cpp recording: its tests compare the backends, the
+ * Hugging Face folder and the engine with and without freed blocks, and Gemma 3's recordings cover the window's
+ * masking.
+ */
+export const MISTRAL_SWA_MODEL: ArchModelSpec = {
+  name: 'mistral-swa', architecture: 'llama', vocab: 'llama-spm', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2,
+  headDim: 16, ffnDim: 128, contextLength: 512, ropeTheta: 10000, rmsNormEps: 1e-5, tied: false, seed: 309,
+  slidingWindow: 5,
+};
 
 /**
  * A mixture-of-experts model for the kernel tests (no llama.cpp recording): rows of 256 so that every quant type of
@@ -85,10 +139,66 @@ export const MOE_KERNEL_MODEL: ArchModelSpec = {
 };
 
 export function archModel(name: string): ArchModelSpec {
-  const spec = ARCH_MODELS.find((m) => m.name === name);
+  const spec = [...ARCH_MODELS, MISTRAL_SWA_MODEL].find((m) => m.name === name);
   if (!spec) throw new Error(`no architecture test model ${name}`);
   return spec;
 }
+
+/**
+ * Gemma 3's chat template as its instruction-tuned models publish it (tokenizer_config.json of google/gemma-3-*-it;
+ * llama.cpp's converter copies it into tokenizer.chat_template). The Gemma 3 test models carry it.
+ */
+export const GEMMA3_CHAT_TEMPLATE = [
+  "{{ bos_token }}",
+  "{%- if messages[0]['role'] == 'system' -%}",
+  "    {%- if messages[0]['content'] is string -%}",
+  "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}",
+  "    {%- else -%}",
+  "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}",
+  "    {%- endif -%}",
+  "    {%- set loop_messages = messages[1:] -%}",
+  "{%- else -%}",
+  "    {%- set first_user_prefix = \"\" -%}",
+  "    {%- set loop_messages = messages -%}",
+  "{%- endif -%}",
+  "{%- for message in loop_messages -%}",
+  "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}",
+  "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}",
+  "    {%- endif -%}",
+  "    {%- if (message['role'] == 'assistant') -%}",
+  "        {%- set role = \"model\" -%}",
+  "    {%- else -%}",
+  "        {%- set role = message['role'] -%}",
+  "    {%- endif -%}",
+  "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}",
+  "    {%- if message['content'] is string -%}",
+  "        {{ message['content'] | trim }}",
+  "    {%- elif message['content'] is iterable -%}",
+  "        {%- for item in message['content'] -%}",
+  "            {%- if item['type'] == 'image' -%}",
+  "                {{ '<start_of_image>' }}",
+  "            {%- elif item['type'] == 'text' -%}",
+  "                {{ item['text'] | trim }}",
+  "            {%- endif -%}",
+  "        {%- endfor -%}",
+  "    {%- else -%}",
+  "        {{ raise_exception(\"Invalid content type\") }}",
+  "    {%- endif -%}",
+  "    {{ '<end_of_turn>\\n' }}",
+  "{%- endfor -%}",
+  "{%- if add_generation_prompt -%}",
+  "    {{'<start_of_turn>model\\n'}}",
+  "{%- endif -%}",
+  '',
+].join('\n');
+
+/** A conversation whose rendering by each Gemma 3 model's template is recorded from llama.cpp. */
+export const ARCH_CHAT: readonly { role: 'system' | 'user' | 'assistant'; content: string }[] = [
+  { role: 'system', content: 'You are terse.' },
+  { role: 'user', content: 'Hi!' },
+  { role: 'assistant', content: 'Hello. ' },
+  { role: 'user', content: '  Name a color.' },
+];
 
 /** Prompts of the golden tests: English, code, numbers, and text outside ASCII. */
 export const ARCH_PROMPTS: readonly string[] = [
@@ -118,7 +228,12 @@ interface Values {
   /** ggml order. */
   shape: number[];
   values: Float32Array;
+  /** The Hugging Face checkpoint's values when they differ (Gemma 3's norms, stored without the 1 GGUF adds). */
+  hf?: Float32Array;
 }
+
+/** The layer's norms that Gemma 3 computes as x * (1 + weight). */
+const GEMMA_NORMS = /(^|\.)(attn_norm|ffn_norm|post_attention_norm|post_ffw_norm|attn_q_norm|attn_k_norm|output_norm)\.weight$/;
 
 /** Every tensor by GGUF name, in GGUF row order. */
 export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string, Values> {
@@ -127,14 +242,17 @@ export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string,
   const add = (name: string, shape: number[], std: number, mean = 0): void => {
     const random = new SeededRandom((spec.seed ^ hashString(name)) >>> 0);
     const values = random.fillNormal(new Float32Array(shape.reduce((a, b) => a * b, 1)), std);
+    const hf = spec.architecture === 'gemma3' && GEMMA_NORMS.test(name) ? values.slice() : undefined;
     if (mean !== 0) for (let i = 0; i < values.length; i++) values[i] = values[i]! + mean;
-    tensors.set(name, { shape, values });
+    tensors.set(name, { shape, values, ...(hf ? { hf } : {}) });
   };
   const qDim = numHeads * headDim;
   const kvDim = numKvHeads * headDim;
   // Scales as in src/model/synthetic.ts (unit-RMS inputs, large FFN gain) so greedy text wanders instead of looping,
   // with logits peaked enough that the argmax is far from a tie.
-  add('token_embd.weight', [dim, vocabSize], 0.5);
+  // Gemma multiplies embeddings by sqrt(dim): drawn that much smaller, the residual stream starts at unit RMS as in
+  // the other models instead of drowning every layer's (post-normed, unit-RMS) output.
+  add('token_embd.weight', [dim, vocabSize], spec.architecture === 'gemma3' ? 1 / Math.sqrt(dim) : 0.5);
   add('output_norm.weight', [dim], 0.1, 1);
   if (!spec.tied) add('output.weight', [dim, vocabSize], 0.5);
   for (let i = 0; i < spec.numLayers; i++) {
@@ -143,12 +261,14 @@ export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string,
     add(`${p}attn_q.weight`, [dim, qDim], 1 / Math.sqrt(dim));
     add(`${p}attn_k.weight`, [dim, kvDim], 1 / Math.sqrt(dim));
     add(`${p}attn_v.weight`, [dim, kvDim], 1 / Math.sqrt(dim));
-    if (spec.architecture === 'qwen3' || spec.architecture === 'qwen3moe') {
+    if (spec.architecture === 'qwen3' || spec.architecture === 'qwen3moe' || spec.architecture === 'gemma3') {
       add(`${p}attn_q_norm.weight`, [headDim], 0.3, 1);
       add(`${p}attn_k_norm.weight`, [headDim], 0.3, 1);
     }
     add(`${p}attn_output.weight`, [qDim, dim], 0.5 / Math.sqrt(qDim));
+    if (spec.architecture === 'gemma3') add(`${p}post_attention_norm.weight`, [dim], 0.1, 1);
     add(`${p}ffn_norm.weight`, [dim], 0.1, 1);
+    if (spec.architecture === 'gemma3') add(`${p}post_ffw_norm.weight`, [dim], 0.1, 1);
     if (moe) {
       const { numExperts: e, expertFfnDim: f } = moe;
       add(`${p}ffn_gate_inp.weight`, [dim, e], (spec.routerGain ?? 2) / Math.sqrt(dim));
@@ -168,7 +288,8 @@ export function archTensors(spec: ArchModelSpec, vocabSize: number): Map<string,
 // GGUF
 
 /** Hyperparameters llama.cpp reads only as FLOAT32. */
-const FLOAT_KEYS = ['rope.freq_base', 'attention.layer_norm_rms_epsilon'];
+const FLOAT_KEYS = ['rope.freq_base', 'attention.layer_norm_rms_epsilon', 'rope.freq_base_swa', 'final_logit_softcapping',
+  'rope.scaling.attn_factor'];
 
 /**
  * Writes the model as GGUF. `type` is the storage type of the 2-D and 3-D weights (norms and the router stay F32, as
@@ -194,7 +315,18 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
     [`${a}.rope.freq_base`, spec.ropeTheta],
     [`${a}.attention.layer_norm_rms_epsilon`, spec.rmsNormEps],
   ];
-  if (a === 'phi3') metadata.push([`${a}.rope.scaling.original_context_length`, spec.contextLength]);
+  if (a === 'phi3') {
+    metadata.push([`${a}.rope.scaling.original_context_length`, spec.longRope?.originalContextLength ?? spec.contextLength]);
+  }
+  if (spec.longRope) {
+    metadata.push([`${a}.rope.scaling.attn_factor`,
+      longRopeAttentionFactor(spec.contextLength, spec.longRope.originalContextLength)]);
+  }
+  if (spec.slidingWindow !== undefined) metadata.push([`${a}.attention.sliding_window`, spec.slidingWindow]);
+  if (spec.ropeLocalTheta !== undefined) metadata.push([`${a}.rope.freq_base_swa`, spec.ropeLocalTheta]);
+  if (spec.finalLogitSoftcap !== undefined) metadata.push([`${a}.final_logit_softcapping`, spec.finalLogitSoftcap]);
+  // Gemma 3's converter writes no pattern (llama.cpp then takes 6); the three-layer model says its own.
+  if (a === 'gemma3' && spec.numLayers !== 6) metadata.push([`${a}.attention.sliding_window_pattern`, spec.numLayers]);
   if (spec.moe) {
     metadata.push([`${a}.expert_count`, spec.moe.numExperts], [`${a}.expert_used_count`, spec.moe.numExpertsUsed]);
     if (a === 'qwen3moe') metadata.push([`${a}.expert_feed_forward_length`, spec.moe.expertFfnDim]);
@@ -202,13 +334,20 @@ export function writeArchGguf(spec: ArchModelSpec, path: string, type: GgmlType 
   const types = new Map<string, GgufValueTypeSpec>();
   for (const key of FLOAT_KEYS) types.set(`${a}.${key}`, { type: GgufValueType.FLOAT32 });
   for (const [key, value] of vocab.metadata) {
-    if (!key.startsWith('tokenizer.')) continue;
+    if (!key.startsWith('tokenizer.') || (a === 'gemma3' && key === 'tokenizer.chat_template')) continue;
     metadata.push([key, value]);
     types.set(key, vocab.metadataTypes.get(key)!);
   }
+  if (a === 'gemma3') metadata.push(['tokenizer.chat_template', GEMMA3_CHAT_TEMPLATE]);
   // Qwen's converted files say so; without the key llama.cpp would add a BOS to every prompt.
   if (spec.vocab === 'qwen2' && spec.architecture !== 'llama') metadata.push(['tokenizer.ggml.add_bos_token', false]);
   const tensors: GgufTensorToWrite[] = [];
+  if (spec.longRope) {
+    for (const kind of ['long', 'short'] as const) {
+      const values = Float32Array.from(spec.longRope[kind]);
+      tensors.push({ name: `rope_factors_${kind}.weight`, type: GgmlType.F32, shape: [values.length], data: new Uint8Array(values.buffer) });
+    }
+  }
   for (const [name, t] of ggufLayout(spec, archTensors(spec, tokens.length))) {
     const tensorType = t.shape.length === 1 || name.includes('ffn_gate_inp') ? GgmlType.F32 : type;
     tensors.push({
@@ -244,9 +383,11 @@ function ggufLayout(spec: ArchModelSpec, tensors: Map<string, Values>): Map<stri
 // ---------------------------------------------------------------------------------------------------------------
 // Hugging Face folder
 
-const HF_ARCHITECTURES = {
-  qwen3: 'Qwen3ForCausalLM', qwen3moe: 'Qwen3MoeForCausalLM', llama: 'MixtralForCausalLM', phi3: 'Phi3ForCausalLM',
-};
+function hfArchitecture(spec: ArchModelSpec): string {
+  if (spec.architecture === 'llama') return spec.moe ? 'MixtralForCausalLM' : 'MistralForCausalLM';
+  return { qwen3: 'Qwen3ForCausalLM', qwen3moe: 'Qwen3MoeForCausalLM', phi3: 'Phi3ForCausalLM',
+    gemma3: 'Gemma3ForCausalLM' }[spec.architecture];
+}
 
 function hfLayerName(spec: ArchModelSpec, part: string): string | undefined {
   const names: Record<string, string> = {
@@ -254,7 +395,9 @@ function hfLayerName(spec: ArchModelSpec, part: string): string | undefined {
     'attn_q.weight': 'self_attn.q_proj.weight', 'attn_k.weight': 'self_attn.k_proj.weight',
     'attn_v.weight': 'self_attn.v_proj.weight', 'attn_output.weight': 'self_attn.o_proj.weight',
     'attn_q_norm.weight': 'self_attn.q_norm.weight', 'attn_k_norm.weight': 'self_attn.k_norm.weight',
-    'ffn_norm.weight': 'post_attention_layernorm.weight',
+    'ffn_norm.weight': spec.architecture === 'gemma3' ? 'pre_feedforward_layernorm.weight' : 'post_attention_layernorm.weight',
+    'post_attention_norm.weight': 'post_attention_layernorm.weight',
+    'post_ffw_norm.weight': 'post_feedforward_layernorm.weight',
     'ffn_gate.weight': 'mlp.gate_proj.weight', 'ffn_up.weight': 'mlp.up_proj.weight',
     'ffn_down.weight': 'mlp.down_proj.weight',
     'attn_qkv.weight': 'self_attn.qkv_proj.weight',
@@ -285,7 +428,7 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
   };
   for (const [name, t] of ggufLayout(spec, archTensors(spec, vocabSize))) {
     if (name === 'token_embd.weight') { push('model.embed_tokens.weight', t.shape, t.values); continue; }
-    if (name === 'output_norm.weight') { push('model.norm.weight', t.shape, t.values); continue; }
+    if (name === 'output_norm.weight') { push('model.norm.weight', t.shape, t.hf ?? t.values); continue; }
     if (name === 'output.weight') { push('lm_head.weight', t.shape, t.values); continue; }
     const [, layer, part] = /^blk\.(\d+)\.(.+)$/.exec(name)!;
     const prefix = `model.layers.${layer}.`;
@@ -298,7 +441,7 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
       }
       continue;
     }
-    let values = t.values;
+    let values = t.hf ?? t.values;
     if (spec.architecture === 'llama' && /^attn_[qk]\.weight$/.test(part!)) {
       const heads = part!.startsWith('attn_q') ? spec.numHeads : spec.numKvHeads;
       values = reorderRows(values, t.shape[0]!, invert(interleavedRowOrder(heads, spec.headDim)));
@@ -307,15 +450,19 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
   }
   writeSafetensors(join(dir, 'model.safetensors'), out, { format: 'pt' });
   const config: Record<string, unknown> = {
-    architectures: [HF_ARCHITECTURES[spec.architecture]],
-    model_type: { llama: 'mixtral', qwen3: 'qwen3', qwen3moe: 'qwen3_moe', phi3: 'phi3' }[spec.architecture],
+    architectures: [hfArchitecture(spec)],
+    model_type: { llama: spec.moe ? 'mixtral' : 'mistral', qwen3: 'qwen3', qwen3moe: 'qwen3_moe', phi3: 'phi3',
+      gemma3: 'gemma3_text' }[spec.architecture],
     hidden_size: spec.dim,
     num_hidden_layers: spec.numLayers,
     num_attention_heads: spec.numHeads,
     num_key_value_heads: spec.numKvHeads,
     head_dim: spec.headDim,
-    intermediate_size: spec.architecture === 'llama' ? spec.moe!.expertFfnDim : spec.ffnDim,
-    ...(spec.architecture === 'phi3' ? { original_max_position_embeddings: spec.contextLength, rope_scaling: null } : {}),
+    intermediate_size: spec.moe && spec.architecture === 'llama' ? spec.moe.expertFfnDim : spec.ffnDim,
+    ...(spec.architecture === 'phi3' ? {
+      original_max_position_embeddings: spec.longRope?.originalContextLength ?? spec.contextLength,
+      rope_scaling: spec.longRope ? { type: 'longrope', long_factor: spec.longRope.long, short_factor: spec.longRope.short } : null,
+    } : {}),
     max_position_embeddings: spec.contextLength,
     rms_norm_eps: spec.rmsNormEps,
     rope_theta: spec.ropeTheta,
@@ -324,6 +471,17 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
     vocab_size: vocabSize,
     torch_dtype: 'float32',
   };
+  if (spec.slidingWindow !== undefined) config['sliding_window'] = spec.slidingWindow;
+  if (spec.architecture === 'gemma3') {
+    // The newer form of the layer pattern (layer_types); the GGUF gives it as a count or not at all.
+    const period = spec.numLayers === 6 ? 6 : spec.numLayers;
+    Object.assign(config, {
+      layer_types: Array.from({ length: spec.numLayers }, (_, l) => (l % period < period - 1 ? 'sliding_attention' : 'full_attention')),
+      rope_local_base_freq: spec.ropeLocalTheta ?? 10000, query_pre_attn_scalar: spec.headDim,
+      hidden_activation: 'gelu_pytorch_tanh', final_logit_softcapping: spec.finalLogitSoftcap ?? null,
+      attn_logit_softcapping: null, rope_scaling: null,
+    });
+  }
   if (spec.architecture === 'qwen3moe') {
     Object.assign(config, { num_experts: spec.moe!.numExperts, num_experts_per_tok: spec.moe!.numExpertsUsed,
       moe_intermediate_size: spec.moe!.expertFfnDim, norm_topk_prob: true, decoder_sparse_step: 1, mlp_only_layers: [] });
@@ -334,6 +492,9 @@ export function writeArchHf(spec: ArchModelSpec, dir: string): void {
   const tokenizerJson = spec.vocab === 'qwen2' ? byteLevelJson('qwen2', vocab) : sentencePieceJson(vocab);
   writeFileSync(join(dir, 'tokenizer.json'), JSON.stringify(tokenizerJson));
   // Phi-3's GGUF vocabulary adds BOS (tokenizer.ggml.add_bos_token), so its folder says so too.
-  const tokenizerConfig = { ...HF_TOKENIZER_CONFIGS[spec.vocab], ...(spec.vocab === 'phi-3' ? { add_bos_token: true } : {}) };
+  const tokenizerConfig = {
+    ...HF_TOKENIZER_CONFIGS[spec.vocab], ...(spec.vocab === 'phi-3' ? { add_bos_token: true } : {}),
+    ...(spec.architecture === 'gemma3' ? { chat_template: GEMMA3_CHAT_TEMPLATE } : {}),
+  };
   writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(tokenizerConfig));
 }

@@ -1,4 +1,4 @@
-// Chat templates: real public templates (Llama 3, Llama 2, ChatML/Qwen2, Phi-3) rendered for short conversations,
+// Chat templates: real public templates (Llama 3, Llama 2, ChatML/Qwen2, Phi-3, Gemma 3) rendered for short conversations,
 // each expected prompt written out by hand from the template's rules.
 
 import assert from 'node:assert/strict';
@@ -10,6 +10,7 @@ import {
 import type { ChatMessage } from '../../src/model/chat-template.ts';
 import { metaString } from '../../src/model/gguf.ts';
 import { ggufTokenizer, skipUnlessVocab, vocabFile } from './tokenizer-fixtures.ts';
+import { GEMMA3_CHAT_TEMPLATE } from './arch-models.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Public templates, as published in the models' tokenizer_config.json
@@ -61,6 +62,17 @@ describe('chat templates: rendering real templates', () => {
       '<|im_start|>assistant\n');
     assert.equal(qwen2().render(conversation, { addGenerationPrompt: false }),
       '<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n');
+  });
+
+  it('Gemma 3: system folded into the first user turn, assistant as "model", trimmed turns', () => {
+    const gemma3 = new ChatTemplate({ templates: GEMMA3_CHAT_TEMPLATE, bosToken: '<bos>', eosToken: '<eos>' });
+    assert.equal(gemma3.render([...conversation, { role: 'assistant', content: ' Hello. ' }, { role: 'user', content: 'Bye' }]),
+      '<bos><start_of_turn>user\nYou are terse.\n\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n' +
+      '<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n');
+    assert.equal(gemma3.render([{ role: 'user', content: [{ type: 'text', text: 'Hi' }] }], { addGenerationPrompt: false }),
+      '<bos><start_of_turn>user\nHi<end_of_turn>\n');
+    assert.throws(() => gemma3.render([{ role: 'user', content: 'a' }, { role: 'user', content: 'b' }]),
+      (error: unknown) => error instanceof ChatTemplateError && error.status === 400);
   });
 
   it('joins text parts and renders tool results and null content', () => {

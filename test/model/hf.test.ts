@@ -120,9 +120,14 @@ describe('Hugging Face folder variants', () => {
   });
 
   it('names what it cannot load', async () => {
+    const gemma2 = tempDir();
+    writeTinyHf(gemma2, makeTinyModel(), { configOverrides: { architectures: ['Gemma2ForCausalLM'] } });
+    await assert.rejects(loadModel(gemma2), /architecture Gemma2ForCausalLM is not supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM\)/);
+
+    // Mistral loads (the llama layout), with its window when config.json gives one.
     const mistral = tempDir();
-    writeTinyHf(mistral, makeTinyModel(), { configOverrides: { architectures: ['MistralForCausalLM'] } });
-    await assert.rejects(loadModel(mistral), /architecture MistralForCausalLM is not supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM\)/);
+    writeTinyHf(mistral, makeTinyModel(), { configOverrides: { architectures: ['MistralForCausalLM'], sliding_window: 4096 } });
+    assert.equal((await loadModel(mistral)).config.slidingWindow, 4096);
 
     const yarn = tempDir();
     writeTinyHf(yarn, makeTinyModel(), { configOverrides: { rope_scaling: { rope_type: 'yarn', factor: 4 } } });

@@ -91,7 +91,7 @@ describe('GGUF models written here', () => {
   it('names an unsupported architecture', async () => {
     const path = tempPath();
     writeTinyGguf(path, makeTinyModel(), { metadata: { 'general.architecture': 'gpt2' } });
-    await assert.rejects(loadModel(path), /architecture "gpt2" is not supported \(supported: llama, qwen2, qwen3, qwen3moe, phi3\)/);
+    await assert.rejects(loadModel(path), /architecture "gpt2" is not supported \(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3\)/);
   });
 
   it('names the tensor whose type cannot be computed with', async () => {

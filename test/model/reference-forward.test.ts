@@ -44,6 +44,7 @@ function ropeAngle(config: ModelConfig, position: number, j: number): number {
   const scaling = config.ropeScaling;
   if (!scaling) return position * frequency;
   if (scaling.type === 'linear') return (position / scaling.factor) * frequency;
+  if (scaling.type === 'longrope') return (position * frequency) / scaling.factors[j]!;
   const wavelength = (2 * Math.PI) / frequency;
   const { factor, lowFreqFactor: low, highFreqFactor: high, originalContextLength: original } = scaling;
   let scaled: number;

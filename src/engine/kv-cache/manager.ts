@@ -2,6 +2,13 @@
 // block table), finds the longest cached prefix on admission, registers blocks in the prefix cache once they are
 // computed, shares prompt blocks between the n samples of a request, and gives blocks back on finish or
 // preemption. Below it, the block pool owns reference counts and the hash map; below that, the free queue.
+//
+// Sliding-window attention (a model whose every layer attends only to its last `slidingWindow` positions): a
+// sequence's leading blocks that fall before the window of its next token are read by no later step, so
+// releaseOutsideWindow gives them back while the sequence runs. They stay in its table as released entries (the
+// table still maps positions to blocks by index; the backends never read a position outside the window, so those
+// ids are never dereferenced). A released block keeps its hash and KV until the pool reuses it, so a later prefix
+// hit on it is as valid as on any free cached block; once reused its hash is gone and lookups stop before it.
 
 import { BlockPool } from './block-pool.ts';
 import { encodeExtraKeys, extendBlockHashes } from '../../protocols/block-hash.ts';
@@ -23,6 +30,11 @@ export interface KvCacheConfig {
   tiers?: KvTiers;
   /** The pool's bytes, for the tiers to copy blocks out of and into (none in the simulator: nothing to copy). */
   blockIo?: KvBlockIo;
+  /**
+   * The model's sliding window when every layer has one (ModelConfig uniformWindow): blocks before it can be given
+   * back (releaseOutsideWindow). Absent: full attention somewhere, every block is kept.
+   */
+  slidingWindow?: number;
 }
 
 export interface KvCacheStats {
@@ -55,6 +67,11 @@ export class BlockTable {
   readonly blockHashes: BlockHash[] = [];
   /** Leading blocks already offered to the prefix cache (hit, registered, or lost to a duplicate). */
   numCachedBlocks = 0;
+  /**
+   * Leading blocks given back because they fell out of the sliding window (releaseOutsideWindow): their entries stay
+   * for the position arithmetic but the table holds no reference on them.
+   */
+  numReleasedBlocks = 0;
   /** Set by allocateSlots when the table's last block is to start as a copy of a cached one; the scheduler takes it. */
   pendingCopy: KvBlockCopy | null = null;
   /** Set by allocateSlots when blocks were onboarded from lower tiers; the scheduler takes it. */
@@ -72,6 +89,11 @@ export class BlockTable {
 
   get blockIds(): number[] {
     return this.blocks.map((block) => block.id);
+  }
+
+  /** The blocks the table holds a reference on: all of them, less the released leading ones. */
+  get heldBlocks(): readonly KvBlock[] {
+    return this.numReleasedBlocks === 0 ? this.list : this.list.slice(this.numReleasedBlocks);
   }
 
   /** Ids of the first numBlocks blocks, as a view valid until the table changes. */
@@ -95,6 +117,7 @@ export class BlockTable {
   clear(): void {
     this.list.length = 0;
     this.numCachedBlocks = 0;
+    this.numReleasedBlocks = 0;
     this.pendingCopy = null;
     this.onboarded = null;
   }
@@ -151,6 +174,7 @@ export class KvCacheManager {
   readonly enablePrefixCaching: boolean;
   readonly pool: BlockPool;
   readonly tiers: KvTiers | undefined;
+  readonly slidingWindow: number | undefined;
   private prefixQueryTokens = 0;
   private prefixHitTokens = 0;
   private readonly pins = new Set<KvPin>();
@@ -164,6 +188,10 @@ export class KvCacheManager {
     });
     this.numBlocks = this.pool.numBlocks;
     this.enablePrefixCaching = config.enablePrefixCaching ?? true;
+    if (config.slidingWindow !== undefined && !(Number.isSafeInteger(config.slidingWindow) && config.slidingWindow > 0)) {
+      throw new RangeError(`slidingWindow must be a positive integer, got ${config.slidingWindow}`);
+    }
+    this.slidingWindow = config.slidingWindow;
     this.tiers = this.enablePrefixCaching ? tiers : undefined;
     this.tiers?.attach(config.blockIo, (event) => this.pool.emitExternal(event), this.blockSize);
   }
@@ -312,6 +340,31 @@ export class KvCacheManager {
   }
 
   // -------------------------------------------------------------------------------------------------------------
+  // Sliding window
+
+  /**
+   * Gives back the table's leading blocks that hold only positions before the window of the token at
+   * numComputedTokens (the next one computed), which no later step of this sequence reads; returns how many were
+   * released now. Nothing without a sliding window. With prefix caching, only blocks already offered to the cache are
+   * released (a released block must not be registered later). The caller decides when a sequence may release: not
+   * while another table will still be made from its blocks (a fork of its prompt, a handoff of its KV). The pool
+   * still bounds a sequence's length (Scheduler.maxModelLen): a preempted sequence is recomputed whole.
+   */
+  releaseOutsideWindow(table: BlockTable, numComputedTokens: number): number {
+    if (this.slidingWindow === undefined) return 0;
+    const firstNeeded = numComputedTokens - this.slidingWindow + 1;
+    let end = Math.min(Math.floor(Math.max(0, firstNeeded) / this.blockSize), table.blocks.length);
+    if (this.enablePrefixCaching) end = Math.min(end, table.numCachedBlocks);
+    const start = table.numReleasedBlocks;
+    if (end <= start) return 0;
+    // Last block first, as free() does: a prefix hit needs the blocks from the start on, so the earliest one should
+    // be the last evicted.
+    this.pool.free(table.blocks.slice(start, end).reverse());
+    table.numReleasedBlocks = end;
+    return end - start;
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
   // Sharing and release
 
   /** A new table sharing the first numSharedBlocks blocks of `table` (one more reference each). */
@@ -321,7 +374,8 @@ export class KvCacheManager {
     }
     const child = new BlockTable(table.extraKeys);
     const shared = table.blocks.slice(0, numSharedBlocks);
-    this.pool.touch(shared);
+    child.numReleasedBlocks = Math.min(table.numReleasedBlocks, numSharedBlocks);
+    this.pool.touch(shared.slice(child.numReleasedBlocks));
     for (const block of shared) child.append(block);
     for (const hash of table.blockHashes.slice(0, numSharedBlocks)) child.blockHashes.push(hash);
     child.numCachedBlocks = Math.min(table.numCachedBlocks, numSharedBlocks);
@@ -333,7 +387,7 @@ export class KvCacheManager {
    * is far more likely to share a sequence's beginning (system prompt, conversation so far) than its end.
    */
   free(table: BlockTable): void {
-    this.pool.free(table.blocks.slice().reverse());
+    this.pool.free(table.heldBlocks.slice().reverse());
     table.clear();
   }
 
@@ -344,6 +398,9 @@ export class KvCacheManager {
   pin(table: BlockTable, numBlocks = table.blocks.length): KvPin {
     if (!Number.isSafeInteger(numBlocks) || numBlocks < 0 || numBlocks > table.blocks.length) {
       throw new RangeError(`cannot pin ${numBlocks} blocks of a table holding ${table.blocks.length}`);
+    }
+    if (numBlocks > 0 && table.numReleasedBlocks > 0) {
+      throw new Error(`cannot pin blocks of a table that released ${table.numReleasedBlocks} blocks outside its window`);
     }
     return this.pinBlocks(table.blocks.slice(0, numBlocks));
   }
@@ -440,7 +497,10 @@ export class KvCacheManager {
       if (table.numCachedBlocks > table.blocks.length) {
         throw new Error(`table marks ${table.numCachedBlocks} cached blocks but holds ${table.blocks.length}`);
       }
-      for (const block of table.blocks) references[block.id]! += 1;
+      if (table.numReleasedBlocks > table.blocks.length) {
+        throw new Error(`table released ${table.numReleasedBlocks} blocks but has ${table.blocks.length}`);
+      }
+      for (const block of table.heldBlocks) references[block.id]! += 1;
     }
     for (const pin of this.pins) for (const block of pin.blocks) references[block.id]! += 1;
     for (const block of this.pool.blocks) {

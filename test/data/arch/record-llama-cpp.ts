@@ -7,7 +7,9 @@
 // For each model: the GGUF is written to a temporary folder (its sha256 is recorded; the test writes it again and
 // checks the bytes are the same), llama-server serves it on 127.0.0.1 with an f32 KV cache, and for each prompt we
 // record the prompt's tokens (/tokenize with special tokens added as llama.cpp adds them) and the greedy completion
-// (/completion, top_k 1, temperature 0): its token ids, text and why it stopped.
+// (/completion, top_k 1, temperature 0): its token ids, text and why it stopped. For the models that carry a chat
+// template (Gemma 3), llama-server runs with --jinja and /apply-template's rendering of a conversation is recorded,
+// with its tokens (/tokenize, special tokens added and parsed).
 
 import { spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
@@ -15,7 +17,7 @@ import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'no
 import { tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { ARCH_MODELS, ARCH_NEW_TOKENS, ARCH_PROMPTS, vocabPath, writeArchGguf } from '../../model/arch-models.ts';
+import { ARCH_CHAT, ARCH_MODELS, ARCH_NEW_TOKENS, ARCH_PROMPTS, vocabPath, writeArchGguf } from '../../model/arch-models.ts';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const bin = resolve(process.argv[2] ?? '/work/main/benchmarks/peer/llama.cpp/build/bin');
@@ -49,9 +51,10 @@ try {
     const path = join(dir, `${spec.name}.gguf`);
     writeArchGguf(spec, path);
     const sha256 = createHash('sha256').update(readFileSync(path)).digest('hex');
+    const withTemplate = spec.architecture === 'gemma3';
     const server = spawn(join(bin, 'llama-server'), ['-m', path, '--host', '127.0.0.1', '--port', String(PORT),
       '-c', String(spec.contextLength), '-np', '1', '-t', '2', '-ctk', 'f32', '-ctv', 'f32', '-fa', 'off',
-      '--no-warmup'], { stdio: ['ignore', 'ignore', 'pipe'] });
+      '--no-warmup', ...(withTemplate ? ['--jinja'] : [])], { stdio: ['ignore', 'ignore', 'pipe'] });
     let log = '';
     server.stderr.on('data', (d: Buffer) => { log += d.toString(); });
     try {
@@ -68,7 +71,13 @@ try {
           stopType: completion.stop_type,
         });
       }
-      models[spec.name] = { sha256, prompts };
+      let chat: { messages: typeof ARCH_CHAT; prompt: string; promptTokens: number[] } | undefined;
+      if (withTemplate) {
+        const prompt = (await post('/apply-template', { messages: ARCH_CHAT })).prompt as string;
+        const promptTokens = (await post('/tokenize', { content: prompt, add_special: true, parse_special: true })).tokens as number[];
+        chat = { messages: ARCH_CHAT, prompt, promptTokens };
+      }
+      models[spec.name] = { sha256, prompts, ...(chat ? { chat } : {}) };
       console.log(`${spec.name}: ${prompts.map((p) => (p.tokens as number[]).length).join(', ')} tokens`);
     } catch (error) {
       console.error(log);

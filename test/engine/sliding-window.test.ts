@@ -1,0 +1,219 @@
+// Sliding-window attention in the paged KV cache: a sequence's blocks that fall before every layer's window are given
+// back while it runs, so a long generation holds a bounded number of blocks; a released block keeps its hash and KV
+// until the pool reuses it, so prefix hits stay correct (they stop at the first reused block). Checked on the
+// scheduler with exact block counts, then end to end on a Mistral-layout model (a window in every layer) on every
+// backend: the engine, which releases blocks, gives the greedy tokens of a run that keeps every block, and the
+// window changes the text (so the comparison can fail).
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import { EngineCore } from '../../src/engine/engine-core.ts';
+import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
+import { Scheduler } from '../../src/engine/scheduler.ts';
+import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
+import type { BackendFactory } from '../../src/kernels/types.ts';
+import { uniformWindow } from '../../src/model/config.ts';
+import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
+import { createTokenizer } from '../../src/model/tokenizer/index.ts';
+import { greedyOnBackend } from '../helpers/backend-greedy.ts';
+import { engineBackends } from '../helpers/backends.ts';
+import { MISTRAL_SWA_MODEL, writeArchGguf, writeArchHf } from '../model/arch-models.ts';
+import { EOS, makeRequest, prompt, step } from './scheduler-fixtures.ts';
+
+const BLOCK = 4;
+const WINDOW = 8;
+
+function makeScheduler(numBlocks: number, slidingWindow: number | null = WINDOW): Scheduler {
+  const kv = new KvCacheManager({ numBlocks, blockSize: BLOCK, ...(slidingWindow !== null ? { slidingWindow } : {}) });
+  return new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 8, maxModelLen: 1024, eosTokenIds: [EOS] }, kv);
+}
+
+/** Blocks a decoding sequence can hold: its window's positions (at most ceil((W - 1) / B) + 1 blocks) and the next one. */
+const HELD_BOUND = Math.ceil((WINDOW - 1) / BLOCK) + 2;
+
+describe('KV cache with a sliding window in every layer', () => {
+  test('a long generation holds a bounded number of blocks', () => {
+    // 6 + 200 tokens would hold 52 blocks.
+    const scheduler = makeScheduler(64);
+    scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 200, ignoreEos: true } }), 0);
+    let maxUsed = 0;
+    for (let i = 0; scheduler.numRequests > 0; i++) {
+      assert.ok(i < 1000, 'bounded');
+      step(scheduler, i);
+      scheduler.checkInvariants();
+      maxUsed = Math.max(maxUsed, scheduler.kv.pool.numUsedBlocks);
+      const sequence = scheduler.getRequest('a')?.sequences[0];
+      if (sequence) {
+        assert.ok(sequence.blockTable.heldBlocks.length <= HELD_BOUND, `step ${i}: ${sequence.blockTable.heldBlocks.length} blocks held`);
+        assert.equal(sequence.numPreemptions, 0);
+      }
+    }
+    assert.ok(maxUsed <= HELD_BOUND, `at most ${HELD_BOUND} blocks in use, saw ${maxUsed}`);
+    assert.equal(scheduler.kv.pool.numUsedBlocks, 0, 'every block is back');
+  });
+
+  test('the released blocks are exactly those before the next token\'s window, and stay cached', () => {
+    const scheduler = makeScheduler(64);
+    scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 30, ignoreEos: true } }), 0);
+    for (let i = 0; i < 20; i++) step(scheduler, i);
+    const sequence = scheduler.getRequest('a')!.sequences[0]!;
+    // The next token's position is numComputedTokens; its window starts WINDOW - 1 positions before it. Blocks are
+    // released when the sequence is scheduled, so the last step released up to the window of the token it computed.
+    const lastComputed = sequence.numComputedTokens - 1;
+    const expectedReleased = Math.floor((lastComputed - WINDOW + 1) / BLOCK);
+    assert.equal(sequence.blockTable.numReleasedBlocks, expectedReleased);
+    const released = sequence.blockTable.blocks.slice(0, expectedReleased);
+    for (const block of released) {
+      assert.equal(block.refCount, 0, `block ${block.id} is free`);
+      assert.notEqual(block.hash, null, `block ${block.id} keeps its hash`);
+    }
+    scheduler.checkInvariants();
+  });
+
+  test('a prefix hit on a finished sequence takes its released blocks while they are cached', () => {
+    const scheduler = makeScheduler(64);
+    scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 40, ignoreEos: true } }), 0);
+    let tokens: number[] = [];
+    let aBlocks: number[] = [];
+    for (let i = 0; scheduler.numRequests > 0; i++) {
+      const sequence = scheduler.getRequest('a')?.sequences[0];
+      if (sequence) { tokens = sequence.tokenIds.slice(); aBlocks = sequence.blockTable.blockIds; }
+      step(scheduler, i);
+    }
+    // Nothing reused the blocks (64 of them): the whole computed run of 'a' is found, in a's own blocks.
+    scheduler.addRequest(makeRequest('b', tokens, { sampling: { maxTokens: 1 } }), 100);
+    scheduler.schedule(100);
+    const b = scheduler.getRequest('b')!;
+    const numFull = Math.floor((tokens.length - 1) / BLOCK);
+    assert.equal(b.numCachedTokens, numFull * BLOCK);
+    assert.deepEqual(b.sequences[0]!.blockTable.blockIds.slice(0, numFull), aBlocks.slice(0, numFull));
+    scheduler.checkInvariants();
+  });
+
+  test('a prefix hit stops at the first released block the pool has reused', () => {
+    // 20 blocks: a (66 tokens) takes 17 fresh ones and gives its early ones back as it goes; c then takes the 3 never
+    // used and 2 of a's released ones (the first released first), so a lookup of a's tokens must stop at a's first
+    // block, although most of a's later blocks are still cached.
+    const scheduler = makeScheduler(20);
+    scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 60, ignoreEos: true } }), 0);
+    let tokens: number[] = [];
+    for (let i = 0; scheduler.numRequests > 0; i++) {
+      const sequence = scheduler.getRequest('a')?.sequences[0];
+      if (sequence) tokens = sequence.tokenIds.slice();
+      step(scheduler, i);
+    }
+    scheduler.addRequest(makeRequest('c', prompt(1, 20), { sampling: { maxTokens: 1 } }), 50);
+    step(scheduler, 50);
+    assert.equal(scheduler.numRequests, 0);
+    const hashes = scheduler.kv.fullBlockHashes(scheduler.kv.createTable(), tokens, tokens.length);
+    const cached = hashes.map((hash) => scheduler.kv.pool.getCachedBlock(hash) !== undefined);
+    const firstMissing = cached.indexOf(false);
+    assert.ok(firstMissing >= 0 && cached.slice(firstMissing).some((c) => c), 'some early block reused, a later one cached');
+    scheduler.addRequest(makeRequest('b', tokens, { sampling: { maxTokens: 1 } }), 100);
+    scheduler.schedule(100);
+    assert.equal(scheduler.getRequest('b')!.numCachedTokens, firstMissing * BLOCK);
+    scheduler.checkInvariants();
+  });
+
+  test('n = 2: the samples share the prompt and each releases its own blocks; preemption gives back the rest', () => {
+    const scheduler = makeScheduler(12);
+    scheduler.addRequest(makeRequest('a', prompt(0, 10), { sampling: { n: 2, maxTokens: 30, ignoreEos: true } }), 0);
+    for (let i = 0; i < 15; i++) {
+      step(scheduler, i, (target) => 10 + target.completionIndex);
+      scheduler.checkInvariants();
+    }
+    const [s0, s1] = scheduler.getRequest('a')!.sequences;
+    assert.ok(s0!.blockTable.numReleasedBlocks > 0 && s1!.blockTable.numReleasedBlocks > 0);
+    assert.ok(scheduler.abort('a', 20));
+    assert.equal(scheduler.kv.pool.numUsedBlocks, 0);
+    scheduler.checkInvariants();
+  });
+
+  test('without a window nothing is released', () => {
+    const scheduler = makeScheduler(64, null);
+    scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 30, ignoreEos: true } }), 0);
+    for (let i = 0; i < 20; i++) step(scheduler, i);
+    assert.equal(scheduler.getRequest('a')!.sequences[0]!.blockTable.numReleasedBlocks, 0);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+// End to end: Mistral's layout with a window of 5 positions in every layer
+
+describe('a Mistral-layout model (sliding window in every layer) end to end', () => {
+  const spec = MISTRAL_SWA_MODEL;
+  const NEW_TOKENS = 40;
+  let dir: string;
+  let model: LoadedModel;
+  let promptIds: number[];
+
+  before(async () => {
+    dir = mkdtempSync(join(tmpdir(), 'conduit-swa-'));
+    writeArchGguf(spec, join(dir, 'model.gguf'));
+    model = await loadModel(join(dir, 'model.gguf'));
+    promptIds = createTokenizer(model.tokenizerSource).encode('Once upon a time, in a land far away, there lived');
+  });
+  after(() => rmSync(dir, { recursive: true, force: true }));
+
+  test('the GGUF and the Hugging Face folder give the same config, with the window in every layer', async () => {
+    assert.equal(model.config.slidingWindow, spec.slidingWindow);
+    assert.equal(uniformWindow(model.config), spec.slidingWindow);
+    writeArchHf(spec, join(dir, 'hf'));
+    const hf = await loadModel(join(dir, 'hf'));
+    assert.deepEqual({ ...hf.config, name: '', ropeStyle: '' }, { ...model.config, name: '', ropeStyle: '' });
+  });
+
+  function keepAllBlocks(factory: BackendFactory, config = model.config): number[] {
+    const backend = factory.load(config, model.weights, { numBlocks: 32, blockSize: BLOCK, dtype: 'f32' }, { threads: 2 });
+    try {
+      return greedyOnBackend(backend, [promptIds], NEW_TOKENS)[0]!;
+    } finally {
+      backend.dispose();
+    }
+  }
+
+  const results = new Map<string, number[]>();
+  for (const factory of engineBackends()) {
+    test(`${factory.name}: the engine, giving blocks back, generates the tokens of a run that keeps them all`, () => {
+      const expected = keepAllBlocks(factory);
+      const numBlocks = 20;
+      const backend = factory.load(model.config, model.weights, { numBlocks, blockSize: BLOCK, dtype: 'f32' }, { threads: 2 });
+      try {
+        let clock = 0;
+        const core = new EngineCore({
+          backend, tokenizer: createTokenizer(model.tokenizerSource), maxNumSeqs: 4, maxNumBatchedTokens: 8,
+          maxModelLen: model.config.contextLength, now: () => clock++,
+        });
+        core.add({
+          id: 'a', promptTokenIds: promptIds, priority: 0, arrivalMs: 0,
+          sampling: { ...DEFAULT_SAMPLING, temperature: 0, maxTokens: NEW_TOKENS, ignoreEos: true },
+        });
+        const tokens: number[] = [];
+        let maxUsed = 0;
+        for (let steps = 0; core.hasWork; steps++) {
+          assert.ok(steps < 1000, 'bounded');
+          for (const output of core.step()) tokens.push(...output.newTokenIds);
+          maxUsed = Math.max(maxUsed, core.kv.pool.numUsedBlocks);
+        }
+        assert.deepEqual(tokens, expected);
+        // The prompt's blocks until its prefill ends, then the window's: far fewer than the 14 of the whole sequence.
+        const bound = Math.max(Math.ceil(promptIds.length / BLOCK), Math.ceil((spec.slidingWindow! - 1) / BLOCK) + 2);
+        assert.ok(maxUsed <= bound, `used ${maxUsed} blocks, at most ${bound} expected`);
+        core.scheduler.checkInvariants();
+        results.set(factory.name, tokens);
+      } finally {
+        backend.dispose();
+      }
+    });
+  }
+
+  test('the backends agree, and the window changes the text', () => {
+    const runs = [...results.values()];
+    for (const run of runs.slice(1)) assert.deepEqual(run, runs[0]);
+    const { slidingWindow: _, ...full } = model.config;
+    const factory = engineBackends()[0]!;
+    assert.notDeepEqual(keepAllBlocks(factory, full), runs[0] ?? keepAllBlocks(factory));
+  });
+});
