@@ -6,10 +6,14 @@
 //   node --import tsx benchmarks/moe.ts [--llama-bin DIR] [--runs N] [--types Q8_0,Q4_K_M] [--threads N] [--keep DIR]
 //
 // Figures: prefill of 512 tokens (one sequence, one step), decode of one stream and of 16 streams (each after a
-// 128-token prompt, tokens/s over 32 steps), best of --runs runs each, with the load average at each run. For Conduit
-// the decode profile splits a step into the experts' matmuls and the rest, and sets the expert matmuls' time
-// against their roofline: the bytes of the experts the step streamed (counted by the native profile) over this
-// machine's read bandwidth (measured by the addon in the same run).
+// 128-token prompt, tokens/s over 32 steps), per round (Conduit then llama.cpp, with the load average after each) and
+// the best of --runs rounds; the ratios are given per round too, since on a shared machine two runs far apart in
+// time meet different loads. For Conduit the decode profile splits a step into the experts' work (one parallel job
+// per layer: gate+up, SwiGLU, down) and the rest, and sets the experts' time against their roofline: the bytes of
+// the experts the step streamed (counted by the native profile) over this machine's read bandwidth (measured by the
+// addon in the same run). Last, a CPU-time profile of single-stream decode on one thread (each section's CPU time,
+// which time slices taken by other processes do not inflate, unlike wall time), the experts' CPU time against the
+// one-thread read bandwidth.
 import { spawnSync } from 'node:child_process';
 import { existsSync, mkdirSync, mkdtempSync, rmSync } from 'node:fs';
 import { loadavg, tmpdir } from 'node:os';
@@ -178,7 +182,7 @@ function runConduit(model: LoadedModel, native: NativeModel, blockSize: number):
     const elapsed = performance.now() - t;
     const sections = native.takeProfile();
     native.setProfiling(false);
-    const expert = (sections['moe matmul gate+up']?.seconds ?? 0) + (sections['moe matmul down']?.seconds ?? 0);
+    const expert = sections['moe experts']?.seconds ?? 0;
     return {
       tps: (streams * DECODE_STEPS) / (elapsed / 1000), expertMs: (expert * 1000) / DECODE_STEPS,
       stepMs: elapsed / DECODE_STEPS, experts: (sections['moe experts streamed']?.calls ?? 0) / DECODE_STEPS,
@@ -191,6 +195,55 @@ function runConduit(model: LoadedModel, native: NativeModel, blockSize: number):
     prefillTps, decode1Tps: one.tps, decode16Tps: sixteen.tps,
     expertMs: profiled.expertMs, stepMs: profiled.stepMs, expertsPerStep: profiled.experts,
   };
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// CPU-time profile: single-stream decode on one thread. The model is loaded again (the timed instance gave the ggml
+// bytes of its packed matrices back to the system).
+
+async function cpuProfile(path: string, expertBytes: number): Promise<void> {
+  const model = await loadModel(path);
+  const blockSize = 16;
+  const blocksPerSeq = Math.ceil((PREFILL + 8) / blockSize);
+  const layout: KvPoolLayout = {
+    numLayers: model.config.numLayers, numBlocks: blocksPerSeq + 1, blockSize,
+    numKvHeads: model.config.numKvHeads, headDim: model.config.headDim, dtype: 'f16',
+  };
+  const pool = new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout)));
+  const native = new addon.NativeModel({
+    ...nativeModelSpec(model.config, model.weights, { layout, bytes: pool }, resolveKernelVariant(), 1),
+    releaseUnpackedWeights: true,
+  });
+  const oneThread = addon.bench.memoryBandwidth('read', 256 << 20, 3, 1) * 1e9;
+  const vocab = model.config.vocabSize;
+  const seq = { tokens: Array.from({ length: PROMPT }, (_, i) => (i * 7919 + 13) % 150000), cached: 0, block: 0 };
+  const next = (logits: Float32Array): void => { seq.cached = seq.tokens.length; seq.tokens.push(argmax(logits, 0, vocab)); };
+  next(native.forward(batchOf([seq], blocksPerSeq, blockSize)));
+  for (let i = 0; i < 4; i++) next(native.forward(batchOf([seq], blocksPerSeq, blockSize)));  // warm-up
+  native.setProfiling(true);
+  native.takeProfile();
+  const cpu0 = process.cpuUsage();
+  const t0 = performance.now();
+  for (let step = 0; step < DECODE_STEPS; step++) next(native.forward(batchOf([seq], blocksPerSeq, blockSize)));
+  const wallMs = (performance.now() - t0) / DECODE_STEPS;
+  const cpu = process.cpuUsage(cpu0);
+  const processCpuMs = (cpu.user + cpu.system) / 1000 / DECODE_STEPS;
+  const sections = native.takeProfile();
+  native.dispose();
+  const perStep = (x: number): number => (x * 1000) / DECODE_STEPS;
+  const rows = Object.entries(sections).filter(([, v]) => v.seconds > 0).sort((a, b) => b[1].cpuSeconds - a[1].cpuSeconds);
+  console.log(`single-stream decode, 1 thread, CPU time per step (process: ${processCpuMs.toFixed(2)} ms CPU, ` +
+    `${wallMs.toFixed(2)} ms wall; load ${load()}); nested sections are also inside their parents:`);
+  for (const [name, v] of rows.slice(0, 14)) {
+    console.log(`  ${name.padEnd(40)} ${perStep(v.cpuSeconds).toFixed(2).padStart(7)} ms CPU ` +
+      `${perStep(v.seconds).toFixed(2).padStart(7)} ms wall  ${(v.calls / DECODE_STEPS).toFixed(0).padStart(4)} calls`);
+  }
+  const experts = (sections['moe experts streamed']?.calls ?? 0) / DECODE_STEPS;
+  const expertCpuMs = perStep(sections['moe experts']?.cpuSeconds ?? 0);
+  const rooflineMs = ((experts * expertBytes) / oneThread) * 1000;
+  console.log(`  experts: ${expertCpuMs.toFixed(2)} ms CPU per step for ${(experts * expertBytes / 1e6).toFixed(1)} MB ` +
+    `(${experts.toFixed(0)} experts): ${((experts * expertBytes) / (expertCpuMs / 1000) / 1e9).toFixed(1)} GB/s, ` +
+    `${((100 * rooflineMs) / expertCpuMs).toFixed(0)}% of the one-thread read bandwidth (${(oneThread / 1e9).toFixed(1)} GB/s)`);
 }
 
 function argmax(x: Float32Array, offset: number, n: number): number {
@@ -281,7 +334,9 @@ for (const type of types) {
     best.llama = keep(best.llama as unknown as Record<string, number> | undefined, l as unknown as Record<string, number>) as unknown as LlamaRun;
     console.log(`run ${run + 1}: conduit prefill ${c.prefillTps.toFixed(1)} t/s, decode ${c.decode1Tps.toFixed(2)} / ` +
       `${c.decode16Tps.toFixed(2)} t/s; llama.cpp prefill ${l.prefillTps.toFixed(1)}, decode ${l.decode1Tps.toFixed(2)} / ` +
-      `${l.decode16Tps.toFixed(2)} t/s (load ${loads.slice(-2).join(', ')})`);
+      `${l.decode16Tps.toFixed(2)} t/s (load ${loads.slice(-2).join(', ')}); ratios prefill ` +
+      `${(c.prefillTps / l.prefillTps).toFixed(2)}x, decode ${(c.decode1Tps / l.decode1Tps).toFixed(2)}x / ` +
+      `${(c.decode16Tps / l.decode16Tps).toFixed(2)}x`);
   }
   const c = best.conduit!;
   const l = best.llama!;
@@ -296,5 +351,6 @@ for (const type of types) {
     `(${(c.expertsPerStep * expertBytes / 1e6).toFixed(1)} MB): roofline ${rooflineMs.toFixed(2)} ms at ` +
     `${(bandwidth / 1e9).toFixed(1)} GB/s, expert matmuls at ${((100 * rooflineMs) / c.expertMs).toFixed(0)}% of it`);
   native.dispose();
+  await cpuProfile(path, expertBytes);
 }
 if (!args.keep) rmSync(dir, { recursive: true, force: true });

@@ -3,11 +3,12 @@
 // preloaded, reads their stderr and exits non-zero when a sanitizer reported anything, a child failed, or a result
 // check failed. Children:
 //   --role=steps      random engine steps on several models: 1..8 sequences per batch, prefill chunks and decode
-//                     rows mixed, shuffled pool blocks, 1-4 threads, kernel variants at random, a new model (and
-//                     thread pool) every few dozen steps, the old one disposed. Results are checked for batch
-//                     invariance (a sequence's logits in the mixed batch equal, bit for bit, those of its whole
-//                     history run alone as one prefill on another model instance with another thread count), and
-//                     on the small models against the TypeScript reference forward.
+//                     rows mixed, shuffled pool blocks, 1-4 threads, kernel variants at random, packed weights or
+//                     ggml rows, LoRA adapters on some instances (rows of up to two adapters and of the base model
+//                     mixed), a new model (and thread pool) every few dozen steps, the old one disposed. Results are
+//                     checked for batch invariance (a sequence's logits in the mixed batch equal, bit for bit, those
+//                     of its whole history run alone as one prefill on another model instance with another thread
+//                     count), and on the small models against the TypeScript reference forward.
 //   --role=terminate  worker_threads running forward passes (and the ops pools) are terminated at random moments
 //                     while a native call runs, each worker loading and disposing its own models; the survivors'
 //                     logits must stay equal to the first run's.
@@ -16,9 +17,11 @@
 //       [--big-steps N|address=N,thread=M] [--terminations N] [--threads 1,2,3,4] [--models list] [--seed N]
 //       [--addon PATH] [--cache-dir DIR]
 // --build builds the sanitized addons first when stale; --addon runs another build (e.g. a scratch tree's).
-// Models: odd (random, odd vocabulary, 3 heads, F32/F16/BF16/Q8_0/Q4_0/Q6_K at random), stories260K
-// (../shared/models, skipped when absent), builtin (the built-in 22M synthetic model), 110m-like (the 110M
-// synthetic model's shapes, 2 layers, written with the repository's GGUF writer).
+// Models: odd (random, odd vocabulary, 3 heads, F32/F16/BF16/Q8_0/Q4_0 at random), kquant (random, rows of 256,
+// each matrix Q4_K/Q5_K/Q6_K at random, as Q4_K_M mixes them), moe (a random mixture of experts: 3-6 experts, 1-3
+// per token, expert sizes that cut the kernel tiles short, float or 32-block types, or K-quants on rows of 256),
+// stories260K (../shared/models, skipped when absent), builtin (the built-in 22M synthetic model), 110m-like (the
+// 110M synthetic model's shapes, 2 layers, written with the repository's GGUF writer).
 import { spawn, spawnSync } from 'node:child_process';
 import { existsSync, mkdirSync } from 'node:fs';
 import { cpus, tmpdir } from 'node:os';
@@ -27,6 +30,7 @@ import { fileURLToPath } from 'node:url';
 import { isMainThread, parentPort, Worker, workerData } from 'node:worker_threads';
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '..');
+const DEFAULT_MODELS = 'odd,kquant,moe,stories260K,builtin,110m-like';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Arguments
@@ -145,7 +149,7 @@ async function driver(): Promise<void> {
   const rounds = argValue('rounds', '40');
   const terminations = argValue('terminations', '40');
   const threads = argValue('threads', '1,2,3,4');
-  const models = argValue('models', 'odd,stories260K,builtin,110m-like');
+  const models = argValue('models', DEFAULT_MODELS);
   const seed = argValue('seed', String(Date.now() % 1_000_000));
   const cacheDir = argValue('cache-dir', join(tmpdir(), 'conduit-stress-models'));
   // Steps of each big model (builtin, 110m-like): N, or per sanitizer as address=N,thread=M (default steps / 10).
@@ -276,8 +280,130 @@ async function oddModel(rand: () => number): Promise<Loaded> {
   return { name, config, weights, small: true };
 }
 
+/** Random weights of a shape in a type, as a Tensor (ggml shape: columns first). */
+async function randomTensor(rand: () => number, type: number, shape: number[], scale: number) {
+  const { quantize } = await import('../src/model/quant.ts');
+  const n = shape.reduce((a, b) => a * b, 1);
+  return { name: 'w', type, shape, data: quantize(type, Float32Array.from({ length: n }, () => (rand() * 2 - 1) * scale)) };
+}
+
+function normTensor(rand: () => number, n: number) {
+  const v = Float32Array.from({ length: n }, () => 1 + (rand() - 0.5) * 0.2);
+  return { name: 'norm', type: 0, shape: [n], data: new Uint8Array(v.buffer) };
+}
+
+/**
+ * A random Llama-layout model with rows of 256 in K-quants, each matrix Q4_K, Q5_K or Q6_K at random (the embedding
+ * too): the K-quant kernels, packed and on ggml rows, beside each other in one forward.
+ */
+async function kquantModel(rand: () => number): Promise<Loaded> {
+  const { GgmlType } = await import('../src/model/ggml-types.ts');
+  const kinds = [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K];
+  const pick = () => kinds[Math.floor(rand() * kinds.length)]!;
+  const numHeads = 4, numKvHeads = 2, headDim = 64, dim = 256, vocab = 77;
+  const ffnDim = rand() < 0.5 ? 256 : 512;
+  const config = {
+    architecture: 'llama', name: 'kquant', vocabSize: vocab, dim, numLayers: 2, numHeads, numKvHeads, headDim, ffnDim,
+    contextLength: 512, rmsNormEps: 1e-5, ropeTheta: 10000, ropeDim: headDim, ropeStyle: 'neox', qkvBias: false,
+    tiedEmbeddings: false,
+  } as Loaded['config'];
+  const used = new Set<string>();
+  const t = async (cols: number, rows: number, scale: number) => {
+    const type = pick();
+    used.add(GgmlType[type]!);
+    return randomTensor(rand, type, [cols, rows], scale);
+  };
+  const layers = [];
+  for (let l = 0; l < config.numLayers; l++) {
+    layers.push({
+      attnNorm: normTensor(rand, dim),
+      wq: await t(dim, dim, Math.sqrt(3 / dim)), wk: await t(dim, numKvHeads * headDim, Math.sqrt(3 / dim)),
+      wv: await t(dim, numKvHeads * headDim, Math.sqrt(3 / dim)), wo: await t(dim, dim, Math.sqrt(3 / dim)),
+      ffnNorm: normTensor(rand, dim),
+      wGate: await t(dim, ffnDim, Math.sqrt(3 / dim)), wUp: await t(dim, ffnDim, Math.sqrt(3 / dim)),
+      wDown: await t(ffnDim, dim, Math.sqrt(3 / ffnDim)),
+    });
+  }
+  const weights = {
+    tokenEmbedding: await t(dim, vocab, 1), layers, outputNorm: normTensor(rand, dim),
+    output: await t(dim, vocab, Math.sqrt(3 / dim)),
+  } as unknown as Loaded['weights'];
+  return { name: `kquant(${[...used].sort().join('/')}, ffn ${ffnDim})`, config, weights, small: true };
+}
+
+/**
+ * A random mixture of experts: 3-6 experts, 1-3 per token, top-k renormalized or not, expert sizes that leave the
+ * kernels' 64-row tiles short (32, 96, 160) over a hidden size of 96 in F32/F16/BF16/Q8_0/Q4_0, or rows of 256 in
+ * K-quants. The router is scaled up so that the top-k is far from ties (the reference check compares logits).
+ */
+async function moeModel(rand: () => number): Promise<Loaded> {
+  const { GgmlType } = await import('../src/model/ggml-types.ts');
+  const kquant = rand() < 0.35;
+  const kinds = kquant ? [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K]
+    : [GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0];
+  const type = kinds[Math.floor(rand() * kinds.length)]!;
+  const numHeads = kquant ? 4 : 3, numKvHeads = 1, headDim = kquant ? 64 : 32, dim = numHeads * headDim, vocab = 77;
+  const numExperts = 3 + Math.floor(rand() * 4);
+  const numExpertsUsed = 1 + Math.floor(rand() * Math.min(3, numExperts));
+  const expertFfnDim = kquant ? 256 : [32, 96, 160][Math.floor(rand() * 3)]!;
+  const normalizeTopK = rand() < 0.5;
+  const config = {
+    architecture: 'llama', name: 'moe', vocabSize: vocab, dim, numLayers: 2, numHeads, numKvHeads, headDim,
+    ffnDim: expertFfnDim * numExpertsUsed, contextLength: 512, rmsNormEps: 1e-5, ropeTheta: 10000, ropeDim: headDim,
+    ropeStyle: 'interleaved', qkvBias: false, tiedEmbeddings: false,
+    moe: { numExperts, numExpertsUsed, expertFfnDim, normalizeTopK },
+  } as Loaded['config'];
+  const s = (n: number) => Math.sqrt(3 / n);
+  const layers = [];
+  for (let l = 0; l < config.numLayers; l++) {
+    layers.push({
+      attnNorm: normTensor(rand, dim),
+      wq: await randomTensor(rand, type, [dim, dim], s(dim)),
+      wk: await randomTensor(rand, type, [dim, numKvHeads * headDim], s(dim)),
+      wv: await randomTensor(rand, type, [dim, numKvHeads * headDim], s(dim)),
+      wo: await randomTensor(rand, type, [dim, dim], s(dim)),
+      ffnNorm: normTensor(rand, dim),
+      ffnGateInp: await randomTensor(rand, GgmlType.F32, [dim, numExperts], 8 * s(dim)),
+      wGate: await randomTensor(rand, type, [dim, expertFfnDim, numExperts], s(dim)),
+      wUp: await randomTensor(rand, type, [dim, expertFfnDim, numExperts], s(dim)),
+      wDown: await randomTensor(rand, type, [expertFfnDim, dim, numExperts], s(expertFfnDim)),
+    });
+  }
+  const weights = {
+    tokenEmbedding: await randomTensor(rand, type, [dim, vocab], 1), layers, outputNorm: normTensor(rand, dim),
+    output: await randomTensor(rand, type, [dim, vocab], s(dim)),
+  } as unknown as Loaded['weights'];
+  const name = `moe(${GgmlType[type]}, ${numExperts} experts x ${expertFfnDim}, ${numExpertsUsed} per token` +
+    `${normalizeTopK ? ', renormalized' : ''})`;
+  return { name, config, weights, small: true };
+}
+
+/**
+ * A random LoRA adapter for some of the model's projections (attention only on a mixture of experts: adapters of
+ * its experts are refused), rank 1-8.
+ */
+async function randomLora(config: Loaded['config'], rand: () => number) {
+  const { LORA_TARGETS, loraTargetShape } = await import('../src/model/lora.ts');
+  const targets = LORA_TARGETS.filter((t) => (!config.moe || ['wq', 'wk', 'wv', 'wo'].includes(t)) && rand() < 0.6);
+  if (targets.length === 0) targets.push('wq');
+  const values = (n: number, scale: number) => Float32Array.from({ length: n }, () => (rand() * 2 - 1) * scale);
+  const layers = Array.from({ length: config.numLayers }, () => {
+    const layer: Record<string, { rank: number; a: Float32Array; b: Float32Array }> = {};
+    for (const target of targets) {
+      if (rand() < 0.2) continue;
+      const [inDim, outDim] = loraTargetShape(config, target);
+      const rank = 1 + Math.floor(rand() * 8);
+      layer[target] = { rank, a: values(rank * inDim, 1 / Math.sqrt(inDim)), b: values(outDim * rank, 0.5) };
+    }
+    return layer;
+  });
+  return { scale: 0.5 + rand(), layers } as import('../src/model/lora.ts').LoraWeights;
+}
+
 async function loadNamed(name: string, cacheDir: string, rand: () => number): Promise<Loaded | undefined> {
   if (name === 'odd') return oddModel(rand);
+  if (name === 'kquant') return kquantModel(rand);
+  if (name === 'moe') return moeModel(rand);
   const path = await modelFile(name, cacheDir);
   if (!path) return undefined;
   const { loadModel } = await import('../src/model/loader.ts');
@@ -288,7 +414,7 @@ async function loadNamed(name: string, cacheDir: string, rand: () => number): Pr
 // ---------------------------------------------------------------------------------------------------------------
 // Random engine steps
 
-interface Seq { tokens: number[]; cached: number; promptLen: number; targetLen: number; blocks: number[] }
+interface Seq { tokens: number[]; cached: number; promptLen: number; targetLen: number; blocks: number[]; lora: number }
 
 function nmse(actual: Float32Array, expected: Float32Array): number {
   let err = 0, ref = 0;
@@ -317,7 +443,7 @@ async function stepsRole(): Promise<void> {
   const variants = supportedVariants(addon.cpuInfo());
 
   const models: Loaded[] = [];
-  for (const name of argValue('models', 'odd,stories260K,builtin,110m-like').split(',')) {
+  for (const name of argValue('models', DEFAULT_MODELS).split(',')) {
     const m = await loadNamed(name, cacheDir, rand);
     if (m) models.push(m);
     else console.log(`skipping ${name}: not available (../shared/models absent?)`);
@@ -326,13 +452,14 @@ async function stepsRole(): Promise<void> {
   // The small models share --steps; each big one (a step costs ~100x more, far more under TSan) runs --big-steps.
   const bigSteps = Number(argValue('big-steps', String(Math.ceil(totalSteps / 10))));
   const smallModels = models.filter((m) => m.small).length;
-  let checks = 0, referenceChecks = 0, stepsRun = 0, rows = 0, instances = 0;
+  let checks = 0, referenceChecks = 0, stepsRun = 0, rows = 0, instances = 0, loraInstances = 0, loraRows = 0;
 
   for (const model of models) {
     const modelSteps = model.small ? Math.ceil(totalSteps / smallModels) : bigSteps;
     const started = performance.now();
     const { config, weights } = model;
-    const maxLen = model.small ? 160 : 48;
+    // The K-quant models' steps cost several times the others' under a sanitizer: shorter sequences.
+    const maxLen = !model.small ? 48 : /Q[456]_K/.test(model.name) ? 64 : 160;
     for (let done = 0; done < modelSteps;) {
       // A new model instance (and thread pool) per round; the previous one is disposed.
       const variant = pick(variants);
@@ -356,19 +483,31 @@ async function stepsRole(): Promise<void> {
       const native = make(threads, numBlocks);
       const shadow = make(shadowThreads, maxBlocksPerSeq);
       instances += 2;
+      // LoRA on some instances: adapters in slots 0 and 2 (slot 1 left empty), the same on the shadow instance.
+      const adapters = new Map<number, import('../src/model/lora.ts').LoraWeights>();
+      if (rand() < 0.35) {
+        for (const slot of rand() < 0.5 ? [0] : [0, 2]) adapters.set(slot, await randomLora(config, rand));
+        for (const [slot, adapter] of adapters) {
+          native.setLora(slot, adapter);
+          shadow.setLora(slot, adapter);
+        }
+        loraInstances++;
+      }
+      const slotChoices = [-1, ...adapters.keys()];
       const free = Array.from({ length: numBlocks }, (_, i) => i).sort(() => rand() - 0.5);
       const live: Seq[] = [];
       const steps = Math.min(roundSteps, modelSteps - done);
       for (let s = 0; s < steps; s++) {
         while (live.length < maxSeqs && rand() < 0.6) {
           const targetLen = int(2, maxLen);
-          live.push({ tokens: [], cached: 0, promptLen: int(1, targetLen - 1), targetLen, blocks: [] });
+          live.push({ tokens: [], cached: 0, promptLen: int(1, targetLen - 1), targetLen, blocks: [], lora: pick(slotChoices) });
         }
         if (live.length === 0) continue;
         // Scheduled sequences and their new tokens: the rest of a chunk of the prompt, or one decode token.
         const scheduled = live.filter(() => rand() < 0.8);
         if (scheduled.length === 0) scheduled.push(live[0]!);
         const tokenIds: number[] = [], positions: number[] = [], slots: number[] = [], seqLens: number[] = [];
+        const loraSlots: number[] = [];
         const qsl = [0];
         const table = new Int32Array(scheduled.length * maxBlocksPerSeq).fill(-1);
         for (const [i, q] of scheduled.entries()) {
@@ -378,6 +517,7 @@ async function stepsRole(): Promise<void> {
             if (pos === q.tokens.length) q.tokens.push(int(0, config.vocabSize - 1));
             while (q.blocks.length * blockSize <= pos) q.blocks.push(free.pop()!);
             tokenIds.push(q.tokens[pos]!);
+            loraSlots.push(q.lora);
             positions.push(pos);
             slots.push(q.blocks[Math.floor(pos / blockSize)]! * blockSize + (pos % blockSize));
           }
@@ -391,10 +531,12 @@ async function stepsRole(): Promise<void> {
           slotMapping: Int32Array.from(slots), numSeqs: scheduled.length, queryStartLoc: Int32Array.from(qsl),
           seqLens: Int32Array.from(seqLens), blockTables: table, maxBlocksPerSeq,
           logitsIndices: Int32Array.from(qsl.slice(1), (e) => e - 1),
+          ...(loraSlots.some((l) => l >= 0) ? { loraSlots: Int32Array.from(loraSlots) } : {}),
         };
         const logits = native.forward(batch);
         stepsRun++;
         rows += tokenIds.length;
+        loraRows += loraSlots.filter((l) => l >= 0).length;
         // Batch invariance: some sequences' whole history, alone, in one prefill, on the shadow instance.
         for (const [i, q] of scheduled.entries()) {
           if (rand() >= (model.small ? 0.15 : 0.05)) continue;
@@ -406,6 +548,7 @@ async function stepsRole(): Promise<void> {
             seqLens: Int32Array.of(len),
             blockTables: Int32Array.from({ length: maxBlocksPerSeq }, (_, b) => b), maxBlocksPerSeq,
             logitsIndices: Int32Array.of(len - 1),
+            ...(q.lora >= 0 ? { loraSlots: new Int32Array(len).fill(q.lora) } : {}),
           };
           const alone = shadow.forward(solo);
           const mixed = logits.subarray(i * config.vocabSize, (i + 1) * config.vocabSize);
@@ -418,12 +561,17 @@ async function stepsRole(): Promise<void> {
           }
           checks++;
           // An independent implementation on the small models, a few times per instance.
-          if (model.small && referenceChecks < 40 && rand() < 0.3) {
+          // Not on a mixture of experts with rounded activations: a router score within the rounding of the top-k
+          // boundary picks another expert, a different (not a wrong) result.
+          const referenceComparable = !model.name.startsWith('moe(') || /^moe\((F32|F16),/.test(model.name);
+          if (model.small && referenceComparable && referenceChecks < 40 && rand() < 0.3) {
             const ref = referenceBackend.load(config, weights, { numBlocks: maxBlocksPerSeq, blockSize, dtype });
+            for (const [slot, adapter] of adapters) ref.setLora!(slot, adapter);
             const e = nmse(alone, ref.forward(solo));
             ref.dispose();
+            // K-quants carry one activation scale per 256 values (as in the kernel tests' bounds).
             const quantized = /Q8_0|Q4_0|BF16|stories/.test(model.name);
-            const bound = quantized ? 5e-3 : 1e-6;
+            const bound = /Q[456]_K/.test(model.name) ? 2e-2 : quantized ? 5e-3 : 1e-6;
             if (!(e <= bound)) {
               throw new Error(`${model.name} ${variant}: NMSE ${e} against the reference forward exceeds ${bound}`);
             }
@@ -448,19 +596,21 @@ async function stepsRole(): Promise<void> {
   const { GgmlType } = await import('../src/model/ggml-types.ts');
   const { quantize } = await import('../src/model/quant.ts');
   for (let i = 0; i < 50; i++) {
-    const m = int(1, 40), k = 32 * int(1, 6), n = int(1, 70);
-    const w = quantize(GgmlType.Q8_0, Float32Array.from({ length: n * k }, () => rand() - 0.5));
+    const type = pick([GgmlType.Q8_0, GgmlType.Q8_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K]);
+    const m = int(1, 40), k = type === GgmlType.Q8_0 ? 32 * int(1, 6) : 256 * int(1, 2), n = int(1, 70);
+    const w = quantize(type, Float32Array.from({ length: n * k }, () => rand() - 0.5));
     const x = Float32Array.from({ length: m * k }, () => rand() - 0.5);
     const y1 = new Float32Array(m * n), y2 = new Float32Array(m * n);
     const variant = pick(variants);
-    addon.ops.matmul(variant, GgmlType.Q8_0, w, x, m, k, n, y1, 1);
-    addon.ops.matmul(variant, GgmlType.Q8_0, w, x, m, k, n, y2, pick(threadChoices));
+    addon.ops.matmul(variant, type, w, x, m, k, n, y1, 1);
+    addon.ops.matmul(variant, type, w, x, m, k, n, y2, pick(threadChoices));
     if (!y1.every((v, j) => Object.is(v, y2[j]))) {
-      throw new Error(`ops.matmul ${variant} ${m}x${k}x${n}: the thread count changed the result`);
+      throw new Error(`ops.matmul ${variant} ${GgmlType[type]} ${m}x${k}x${n}: the thread count changed the result`);
     }
   }
-  console.log(`PASS steps: ${stepsRun} steps, ${rows} rows, ${instances} model instances, ${checks} batch-invariance ` +
-    `checks, ${referenceChecks} reference checks, ${models.map((m) => m.name).join('; ')}`);
+  console.log(`PASS steps: ${stepsRun} steps, ${rows} rows (${loraRows} with a LoRA adapter), ${instances} model ` +
+    `instances (${loraInstances} pairs with adapters), ${checks} batch-invariance checks, ${referenceChecks} ` +
+    `reference checks, ${models.map((m) => m.name).join('; ')}`);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -549,7 +699,7 @@ async function prepareRole(): Promise<void> {
   const cacheDir = argValue('cache-dir', join(tmpdir(), 'conduit-stress-models'));
   mkdirSync(cacheDir, { recursive: true });
   for (const name of argValue('models', '').split(',')) {
-    if (name === 'odd') continue;
+    if (name === 'odd' || name === 'kquant' || name === 'moe') continue;  // made in memory by the steps role
     const path = await modelFile(name, cacheDir);
     console.log(path ? `model ${name}: ${path}` : `model ${name}: not available, skipped`);
   }

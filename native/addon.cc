@@ -291,7 +291,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     return info.Env().Undefined();
   }
 
-  // takeProfile() -> { [section]: { seconds, calls } } gathered since the last call
+  // takeProfile() -> { [section]: { seconds, calls, cpuSeconds } } gathered since the last call
   Napi::Value TakeProfile(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     const Profile p = model(env).take_profile();
@@ -300,6 +300,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       Napi::Object o = Napi::Object::New(env);
       o.Set("seconds", section.seconds);
       o.Set("calls", static_cast<double>(section.calls));
+      o.Set("cpuSeconds", section.cpu_seconds);
       out.Set(name, o);
     }
     return out;

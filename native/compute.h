@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <map>
 #include <memory>
 #include <new>
@@ -45,29 +46,44 @@ class Scratch {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Wall time per named section of forward passes, for the kernel benchmark's profile (off unless enabled: a
-// disabled scope costs one branch).
+// disabled scope costs one branch), and the CPU time the calling thread spent in it. With one thread the caller runs
+// every kernel itself, so cpu_seconds is each section's own CPU cost, which time slices lost to other processes do
+// not inflate (wall time does); with more threads it is the caller's share only.
 struct Profile {
   struct Section {
     double seconds = 0;
     int64_t calls = 0;
+    double cpu_seconds = 0;
   };
   bool enabled = false;
   std::map<std::string, Section> sections;
-  void add(const char* name, double seconds) {
+  void add(const char* name, double seconds, double cpu_seconds) {
     Section& s = sections[name];
     s.seconds += seconds;
+    s.cpu_seconds += cpu_seconds;
     ++s.calls;
   }
 };
 
+// CPU time of the calling thread, in seconds.
+inline double thread_cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 class ProfileScope {
  public:
   ProfileScope(Profile* p, const char* name) : profile_(p && p->enabled ? p : nullptr), name_(name) {
-    if (profile_) start_ = std::chrono::steady_clock::now();
+    if (profile_) {
+      start_ = std::chrono::steady_clock::now();
+      cpu_start_ = thread_cpu_seconds();
+    }
   }
   ~ProfileScope() {
     if (profile_) {
-      profile_->add(name_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+      profile_->add(name_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(),
+                    thread_cpu_seconds() - cpu_start_);
     }
   }
   ProfileScope(const ProfileScope&) = delete;
@@ -77,6 +93,7 @@ class ProfileScope {
   Profile* profile_;
   const char* name_;
   std::chrono::steady_clock::time_point start_;
+  double cpu_start_ = 0;
 };
 
 struct Workspace {

@@ -2,12 +2,23 @@
 //
 // Per row: router scores (one matmul over the step's rows), softmax, the top-k experts and their weights
 // (renormalized when the model says so). Then the rows are grouped by expert so that each selected expert's three
-// matrices are streamed once per step whatever the number of rows that chose it: gather that expert's rows,
-// gate+up in one matmul call, SwiGLU, down. Each row's output is the weighted sum of its experts' outputs taken in
-// its own rank order (best expert first), so a row gets the same bits whatever else is in the batch.
+// matrices are streamed once per step whatever the number of rows that chose it, and all the experts' work of the
+// layer runs as one parallel job over work items:
+//   - gate+up items (expert, tile of kMatmulTileRows intermediate columns): the gate and up tiles of every row that
+//     chose the expert, then SwiGLU on those columns; the thread finishing an expert's last gate+up item quantizes
+//     the expert's intermediate rows for the down matmul and marks the expert ready;
+//   - down items (expert, tile of kMatmulTileRows output columns), after every gate+up item: they wait (spin, then
+//     yield) for their expert to be ready, which only ever means waiting for gate+up items other threads hold.
+// Items are handed out in that order, so the waits end: every item a down item depends on was claimed before it by
+// a thread that is running it, and gate+up items wait for nothing. Each row's output is then the weighted sum of its
+// experts' outputs taken in its own rank order (best expert first). Every tile kernel gives a row the same bits
+// whatever rows it shares the tile with, each input row is quantized on its own, and the sum's order is the row's:
+// a row gets the same bits whatever else is in the batch and however the items fall on the threads.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "compute.h"
@@ -24,6 +35,12 @@ class MoeBlock {
  public:
   // out[r] (rows x dim) = the block's output for xn[r]; out is overwritten. W.gate_exps/up_exps/down_exps hold one
   // TensorRef per expert (slices of the file's stacked tensors, packed copies where the kernel has them).
+  //
+  // With a profile enabled (ws.profile), besides the sections' times it counts, as the "calls" of sections that take
+  // no time: "moe experts streamed" (experts with rows), "moe expert tiles" (tile kernel calls on expert matrices),
+  // "moe expert tile rows" (their activation rows summed), "moe expert weight bytes" (the ggml bytes of the weight
+  // rows those calls read) and "moe expert tiles revisited" (calls on an expert matrix tile already read in the same
+  // layer of the same step: 0 when every expert's weights stream once per step).
   void forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const MoeShape& shape, const LayerRefs& W,
                const float* xn, int64_t rows, float* out);
 
@@ -34,13 +51,38 @@ class MoeBlock {
   size_t scratch_bytes() const;
 
  private:
+  // A work item: an expert and a tile; tiles [0, gate_up_tiles) are gate+up tiles, the rest down tiles.
+  struct Item {
+    int32_t expert, tile;
+  };
+  // An activation format of the expert matmuls' inputs (the quantizer of a weight type; null: float rows).
+  struct Format {
+    void (*quantize)(const float* x, int64_t K, uint8_t* out) = nullptr;
+    size_t stride = 0;  // bytes per row, 64-byte aligned
+    size_t offset = 0;  // in act_
+  };
+
+  void route(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const MoeShape& s, const LayerRefs& W,
+             const float* xn, int64_t rows);
+  void resize_sync(int64_t n_expert, int64_t visit_slots);
+
   std::vector<float> scores_;         // rows x n_expert
   std::vector<int32_t> chosen_;       // rows x n_used expert ids, rank order
   std::vector<float> weights_;        // rows x n_used
+  std::vector<uint8_t> taken_;        // per thread x n_expert: top-k selection flags
   std::vector<int32_t> counts_, starts_, fill_;  // per expert
+  std::vector<int32_t> active_;       // experts with rows, ascending
   std::vector<int32_t> pair_of_;      // rows x n_used -> position in the grouped order
   std::vector<int32_t> row_of_;       // grouped position -> row
-  std::vector<float> xg_, gate_, up_, down_;  // grouped inputs, activations, outputs
+  std::vector<float> xg_;             // grouped float inputs (float gate/up weights only)
+  std::vector<float> gate_, up_, down_;  // grouped activations (gate_ holds SwiGLU's output) and outputs
+  Scratch act_;                       // grouped quantized inputs of gate/up, then of down
+  std::vector<Item> items_;
+  // Per expert: gate+up items not finished yet, and whether its intermediate rows are complete (and quantized).
+  std::unique_ptr<std::atomic<int32_t>[]> pending_, ready_;
+  // Per expert matrix tile (profile only): kernel calls on it in this layer.
+  std::unique_ptr<std::atomic<int32_t>[]> visits_;
+  int64_t sync_size_ = 0, visit_size_ = 0;
   int64_t last_active_ = 0;
 };
 

@@ -174,6 +174,11 @@ export interface NativeModelInfo {
 export interface NativeProfileSection {
   seconds: number;
   calls: number;
+  /**
+   * CPU time of the thread that called forward() in the section: with one thread, the section's own CPU cost,
+   * which other processes taking the cores do not inflate; with more, the caller's share only.
+   */
+  cpuSeconds: number;
 }
 
 export interface NativeModel {
