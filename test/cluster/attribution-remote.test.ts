@@ -13,7 +13,7 @@ import { rawRequest } from '../api/http-client.ts';
 import {
   freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort, type Proc,
 } from '../helpers/cluster-services.ts';
-import { attributionProblems, type TraceBody } from '../telemetry/attribution-check.ts';
+import { assertAttributed, type TraceBody } from '../telemetry/attribution-check.ts';
 import { parseExposition, value } from '../telemetry/exposition.ts';
 
 const skip = servicesMissing();
@@ -38,12 +38,6 @@ async function traceOf(url: string, id: string): Promise<TraceBody> {
   }
   assert.equal(res.status, 200, `trace of ${id}: ${res.text}`);
   return res.json() as TraceBody;
-}
-
-function assertAttributed(traces: readonly TraceBody[]): void {
-  const bad = traces.map((tr) => ({ id: tr.request_id, problems: attributionProblems(tr), phases: tr.phases.map((p) => `${p.phase}@${p.start_ms}+${p.duration_ms}`).join(' ') }))
-    .filter((x) => x.problems.length > 0);
-  assert.deepEqual(bad, [], 'every request\'s time is attributed to its phases');
 }
 
 const words = (n: number) => `Request ${randomUUID()}: ${'the lighthouse keeper counted ships '.repeat(n)}`;

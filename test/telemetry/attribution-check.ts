@@ -2,6 +2,8 @@
 // queue + prefill (+ the KV transfer's part before the first token) = TTFT and TTFT + decode = total, within
 // max(1 ms, 2%), and the phases tile the request from arrival to its end with no gap over 1 ms.
 
+import assert from 'node:assert/strict';
+
 /** The largest unattributed gap allowed between phases, ms. */
 const MAX_GAP_MS = 1;
 
@@ -43,3 +45,10 @@ export function attributionProblems(trace: TraceBody): string[] {
   return problems;
 }
 
+
+/** Asserts every trace is attributed, listing each failing request with its problems and its phases. */
+export function assertAttributed(traces: readonly TraceBody[]): void {
+  const bad = traces.map((tr) => ({ id: tr.request_id, problems: attributionProblems(tr), phases: tr.phases.map((p) => `${p.phase}@${p.start_ms}+${p.duration_ms}`).join(' ') }))
+    .filter((x) => x.problems.length > 0);
+  assert.deepEqual(bad, [], 'every request\'s time is attributed to its phases');
+}

@@ -12,7 +12,7 @@ import { randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
 import { rawRequest } from '../api/http-client.ts';
 import { total } from './exposition.ts';
-import { attributionProblems, type TraceBody } from './attribution-check.ts';
+import { assertAttributed, type TraceBody } from './attribution-check.ts';
 import { scrape, startLiveServer, type LiveServer } from './integration-fixture.ts';
 
 /** A hang guard, not a speed requirement. */
@@ -21,12 +21,6 @@ async function traceOf(url: string, id: string): Promise<TraceBody> {
   const res = await rawRequest(url, { path: `/v1/requests/${encodeURIComponent(id)}/trace` });
   assert.equal(res.status, 200, `trace of ${id}: ${res.text}`);
   return res.json() as TraceBody;
-}
-
-function assertAttributed(traces: readonly TraceBody[]): void {
-  const bad = traces.map((tr) => ({ id: tr.request_id, problems: attributionProblems(tr), phases: tr.phases.map((p) => `${p.phase}@${p.start_ms}+${p.duration_ms}`).join(' ') }))
-    .filter((x) => x.problems.length > 0);
-  assert.deepEqual(bad, [], 'every request\'s time is attributed to its phases');
 }
 
 const words = (n: number) => `Request ${randomUUID()}: ${'the lighthouse keeper counted ships '.repeat(n)}`;
