@@ -235,6 +235,8 @@ export class CallTrace {
       this.bus.emit({
         phase: 'kv_transfer', requestId: this.requestId, start: transfer.start, time: transfer.end, bytes: transfer.bytes,
         blocks: transfer.blocks, ...(prefillWorker !== undefined ? { fromWorker: prefillWorker } : {}),
+        ...(transfer.link !== undefined ? { link: transfer.link } : {}),
+        ...(transfer.overlapMs !== undefined ? { overlapMs: transfer.overlapMs } : {}),
         ...(routing ? { toWorker: routing.workerId } : {}),
       });
     }

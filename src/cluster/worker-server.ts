@@ -18,9 +18,14 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
-import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import type { AdoptedResult, KvHandoff, PrefillEvent, PrefillProgress } from '../engine/handoff.ts';
 import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
-import { KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, toWireHandoff } from './kv-tcp.ts';
+import { engineNow } from '../engine/clock.ts';
+import {
+  KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, streamKvBlocks, toWireHandoff, type KvLink,
+  type KvPullResult, type KvTransferHandle,
+} from './kv-tcp.ts';
+import type { KvLinkPreference } from './kv-shm.ts';
 import {
   DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
 } from './frames.ts';
@@ -42,6 +47,25 @@ export interface WorkerServerOptions {
   log?: ClusterLog;
   /** Fault injection on a prefill worker's KV port, for tests (see KvTransferServerOptions.faults). */
   kvFaults?: { corruptRun?: number; truncateAfterRuns?: number };
+  /** 'tcp': KV transfers never use shared memory, even between workers on one host (default 'auto'). */
+  kvLink?: KvLinkPreference;
+}
+
+/** How long a KV stream started before its handoff may wait for it (the prefill's queue and compute). */
+const STREAM_UNCLAIMED_MS = 10 * 60_000;
+/** Stream failures that mean the KV cannot be trusted, as opposed to a stream nobody needed any more. */
+const INTEGRITY_FAILURES: ReadonlySet<string> = new Set(['checksum', 'length', 'unexpected-run', 'truncated', 'link']);
+/** How long the rest of a transfer may take once the handoff is here. */
+const TRANSFER_TIMEOUT_MS = 30_000;
+
+/** A KV stream a decode worker started when told a request would prefill elsewhere (see expect()). */
+interface IncomingStream {
+  handle: KvTransferHandle;
+  ids: number[];
+  host: string;
+  port: number;
+  connection: Connection;
+  claimed: boolean;
 }
 
 /** The source id a decode worker's engine knows its TCP staging pool by. */
@@ -95,6 +119,11 @@ export class WorkerServer {
   private readonly offAdopted: (() => void) | undefined;
   /** KV pulls over TCP by outcome: 'ok', or the failure reason (checksum, truncated, connect, ...). */
   readonly kvTransfers = new Map<string, number>();
+  /** Decode role: KV streams started before their handoff, by request id. */
+  private readonly incoming = new Map<string, IncomingStream>();
+  /** Streams that failed a check before their handoff came: the adopt counts the failure and prefills here. */
+  private readonly failedStreams = new Map<string, KvTransferError>();
+  private readonly offProgress: (() => void) | undefined;
 
   constructor(private readonly options: WorkerServerOptions) {
     this.workerId = options.workerId;
@@ -116,7 +145,15 @@ export class WorkerServer {
       this.kvServer = new KvTransferServer({
         clusterToken: options.clusterToken, pool: { pool: engine.kvPool, layout: engine.kvLayout },
         isPinned: (id) => this.pinned.has(id), ...(options.log ? { log: options.log } : {}),
-        ...(options.kvFaults ? { faults: options.kvFaults } : {}),
+        ...(options.kvFaults ? { faults: options.kvFaults } : {}), ...(options.kvLink ? { link: options.kvLink } : {}),
+      });
+      const kvServer = this.kvServer;
+      const withProgress = engine as { onPrefillProgress?(listener: (progress: PrefillProgress[]) => void): () => void };
+      this.offProgress = withProgress.onPrefillProgress?.((progress) => {
+        for (const p of progress) {
+          if (p.fullBlockIds) kvServer.progress(p.requestId, p.fullBlockIds);
+          else kvServer.reset(p.requestId);
+        }
       });
     }
     if (this.role === 'decode' && engine.kvLayout && engine.attachKvSource && engine.onAdopted) {
@@ -187,6 +224,8 @@ export class WorkerServer {
     clearInterval(this.heartbeat);
     this.offEvents?.();
     this.offAdopted?.();
+    this.offProgress?.();
+    for (const id of [...this.incoming.keys()]) this.cancelIncoming(id, 'the worker is closing');
     await this.kvServer?.close();
     for (const c of this.connections) c.socket.destroy();
     await new Promise<void>((resolve) => this.server.close(() => resolve()));
@@ -229,6 +268,7 @@ export class WorkerServer {
       this.connections.delete(connection);
       // The frontend is gone: what it started stops here.
       for (const id of connection.requests) this.abortRequest(id);
+      for (const [id, stream] of this.incoming) if (stream.connection === connection) this.cancelIncoming(id, 'the frontend is gone');
     });
   }
 
@@ -261,14 +301,20 @@ export class WorkerServer {
       case 'gen': return this.generate(connection, message.request);
       case 'prefill': return this.prefill(connection, message.request);
       case 'adopt': return this.adopt(connection, message);
+      case 'expect': return this.expect(connection, message);
       case 'release': {
         const id = message.id;
-        if (typeof id === 'string' && this.pinned.delete(id)) (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
+        if (typeof id === 'string' && this.pinned.delete(id)) {
+          (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
+          this.kvServer?.ended(id, 'was released');
+        }
         return;
       }
       case 'abort': {
         const id = message.id;
-        if (typeof id === 'string' && connection.requests.has(id)) this.abortRequest(id);
+        if (typeof id !== 'string') return;
+        if (this.incoming.get(id)?.connection === connection) this.cancelIncoming(id, 'aborted');
+        if (connection.requests.has(id)) this.abortRequest(id);
         return;
       }
       case 'reset': {
@@ -325,6 +371,8 @@ export class WorkerServer {
     }
     this.running.set(id, connection);
     connection.requests.add(id);
+    // Prefilled here after all (a local fallback): a KV stream started for it is not needed.
+    this.cancelIncoming(id, 'the request is prefilled here');
     void this.stream(connection, id, () => this.options.engine.generate(request));
   }
 
@@ -360,10 +408,66 @@ export class WorkerServer {
     const request = this.admit(connection, raw);
     if (!request) return;
     const id = request.id;
+    let handedOff = false;
+    this.kvServer?.started(id);
     void this.stream(connection, id, () => engine.prefill!(request), (handoff) => {
+      handedOff = true;
       this.pinned.add(id);
+      this.kvServer?.handedOff(id, handoff.sourceBlockIds);
       this.send(connection, { t: 'handoff', id, handoff: toWireHandoff(handoff) });
+    }).then(() => {
+      if (!handedOff) this.kvServer?.ended(id, 'ended without a handoff');
     });
+  }
+
+  /**
+   * Decode role: a request is about to prefill on another worker; its blocks are streamed into staging as that
+   * worker computes them, and the adopt that follows waits only for the rest. Without room in staging nothing
+   * starts (the adopt pulls, or recomputes).
+   */
+  private expect(connection: Connection, message: Record<string, unknown>): void {
+    // Not a decode worker with a staging pool (a simulated one): the adopt will say what happens.
+    if (this.role !== 'decode' || !this.staging) return;
+    const { id, promptTokens, source } = message as { id?: unknown; promptTokens?: unknown; source?: { host?: unknown; port?: unknown } | null };
+    if (typeof id !== 'string' || id.length === 0 || !Number.isSafeInteger(promptTokens) || (promptTokens as number) < 1
+      || !source || typeof source.host !== 'string' || !Number.isInteger(source.port)) {
+      throw new FrameError('expect needs a request id, its prompt length and the prefill worker\'s KV address');
+    }
+    this.cancelIncoming(id, 'expected again');
+    const staging = this.staging;
+    const count = Math.ceil((promptTokens as number) / staging.layout.blockSize);
+    if (count > staging.free.length || staging.held.has(id) || this.running.has(id)) return;
+    const ids = staging.free.splice(staging.free.length - count, count).reverse();
+    staging.held.set(id, ids);
+    const handle = streamKvBlocks({ requestId: id, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] }, {
+      clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging,
+      ...(this.options.kvLink ? { link: this.options.kvLink } : {}),
+    });
+    handle.deadline(STREAM_UNCLAIMED_MS);
+    const stream: IncomingStream = { handle, ids, host: source.host, port: source.port as number, connection, claimed: false };
+    this.incoming.set(id, stream);
+    handle.result.catch((error: unknown) => {
+      // Claimed: the adopt deals with it. Not: the request ended elsewhere (finished on its first token, aborted,
+      // prefilled here) or the prefill worker is gone; its staging goes back.
+      if (stream.claimed || this.incoming.get(id) !== stream) return;
+      this.incoming.delete(id);
+      if (staging.held.get(id) === ids) this.freeStaging(id);
+      this.log('debug', `KV stream of ${id} ended before its handoff: ${(error as Error).message}`);
+      // A corrupted or cut stream is a failed transfer (the adopt falls back to prefilling here), kept a bounded time.
+      if (error instanceof KvTransferError && INTEGRITY_FAILURES.has(error.reason)) {
+        this.failedStreams.set(id, error);
+        setTimeout(() => { if (this.failedStreams.get(id) === error) this.failedStreams.delete(id); }, STREAM_UNCLAIMED_MS).unref();
+      }
+    });
+  }
+
+  private cancelIncoming(id: string, why: string): void {
+    this.failedStreams.delete(id);
+    const stream = this.incoming.get(id);
+    if (!stream) return;
+    this.incoming.delete(id);
+    stream.handle.cancel(why);
+    if (this.staging?.held.get(id) === stream.ids) this.freeStaging(id);
   }
 
   /**
@@ -390,25 +494,61 @@ export class WorkerServer {
     const staging = this.staging;
     const start = async (): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> => {
       const count = handoff.sourceBlockIds.length;
-      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port) || count > staging.free.length) {
+      const failed = this.failedStreams.get(id);
+      if (failed) {
+        this.failedStreams.delete(id);
+        this.countTransfer(failed.reason);
+        this.log('warn', `KV transfer of ${id} failed (${failed.reason}): ${failed.message}; prefilling here instead`);
+        return engine.adopt!(handoff, null);
+      }
+      // A stream started at expect() from this very source: the adopt waits for its rest. Any other is dropped.
+      const streamed = this.incoming.get(id);
+      const usable = streamed !== undefined && source !== null && streamed.host === source.host && streamed.port === source.port
+        && streamed.ids.length === count;
+      if (streamed && !usable) this.cancelIncoming(id, 'the handoff names another source');
+      else this.incoming.delete(id);
+      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port) || (!usable && count > staging.free.length)) {
         this.countTransfer(source ? 'no-staging-space' : 'no-source');
         return engine.adopt!(handoff, null);
       }
-      const ids = staging.free.splice(staging.free.length - count, count).reverse();
-      staging.held.set(id, ids);
+      let ids: number[];
+      if (usable) {
+        ids = streamed.ids;
+        streamed.claimed = true;
+      } else {
+        ids = staging.free.splice(staging.free.length - count, count).reverse();
+        staging.held.set(id, ids);
+      }
       const started = performance.now();
+      const startedEngineMs = engineNow();
       this.pulling.add(id);
       try {
-        const pulled = await pullKvBlocks(
-          { requestId: id, sourceBlockIds: handoff.sourceBlockIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
-          { clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging });
+        let pulled: KvPullResult;
+        if (usable) {
+          streamed.handle.deadline(TRANSFER_TIMEOUT_MS);
+          pulled = await streamed.handle.result;
+          if (pulled.sourceBlockIds.some((block, i) => block !== handoff.sourceBlockIds[i])) {
+            throw new KvTransferError('unexpected-run', `KV stream of ${id}: the prefill side sent other blocks than it handed off`);
+          }
+        } else {
+          pulled = await pullKvBlocks(
+            { requestId: id, sourceBlockIds: handoff.sourceBlockIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
+            { clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging,
+              ...(this.options.kvLink ? { link: this.options.kvLink } : {}) });
+        }
         this.countTransfer('ok');
         if (this.pulling.delete(id) && this.abortedPulls.delete(id)) {
           // Aborted while its KV was on the way: nothing to adopt.
           this.freeStaging(id);
           return [];
         }
-        this.pulls.set(id, { bytes: pulled.bytes, ms: performance.now() - started });
+        // Exposed: from the handoff reaching this worker to the last block checked; hidden: the link's time before.
+        const exposedMs = performance.now() - started;
+        this.pulls.set(id, {
+          bytes: pulled.bytes, ms: exposedMs, link: pulled.link, overlapMs: pulled.overlapMs,
+          hiddenShare: pulled.overlapMs + exposedMs > 0 ? pulled.overlapMs / (pulled.overlapMs + exposedMs) : 0,
+        });
+        this.transferFacts.set(id, { startMs: startedEngineMs, link: pulled.link, overlapMs: pulled.overlapMs });
         return engine.adopt!({ ...handoff, sourceBlockIds: ids, sourceLayout: staging.layout }, STAGING_SOURCE);
       } catch (error) {
         this.freeStaging(id);
@@ -424,12 +564,27 @@ export class WorkerServer {
     void this.stream(connection, id, start);
   }
 
-  private readonly pulls = new Map<string, { bytes: number; ms: number }>();
+  /** Each adopted request's transfer: ms from the handoff's arrival to the last block checked (what it waited). */
+  private readonly pulls = new Map<string, { bytes: number; ms: number; link: KvLink; overlapMs: number; hiddenShare: number }>();
+  /** What an adopted request's first output says of its transfer: from the handoff's arrival, its link, its overlap. */
+  private readonly transferFacts = new Map<string, { startMs: number; link: KvLink; overlapMs: number }>();
+
+  /** The output that carries the engine's copy out of staging carries the whole transfer instead (for the trace). */
+  private withTransfer(id: string, output: EngineOutput): EngineOutput {
+    const facts = this.transferFacts.get(id);
+    const copied = output.timestamps.kvTransfer;
+    if (!facts || !copied) return output;
+    this.transferFacts.delete(id);
+    const kvTransfer = { ...copied, start: Math.min(facts.startMs, copied.start), link: facts.link, overlapMs: facts.overlapMs };
+    return { ...output, timestamps: { ...output.timestamps, kvTransfer } };
+  }
+
   /** Requests whose KV pull is under way, and those of them aborted meanwhile (the engine does not know them yet). */
   private readonly pulling = new Set<string>();
   private readonly abortedPulls = new Set<string>();
 
   private abortRequest(id: string): void {
+    if (this.pinned.delete(id)) this.kvServer?.ended(id, 'was aborted');
     if (this.pulling.has(id)) this.abortedPulls.add(id);
     else this.options.engine.abort(id);
   }
@@ -456,7 +611,12 @@ export class WorkerServer {
     let out = result;
     if (result.transfer && pull) {
       const ms = result.transfer.ms + pull.ms;
-      const transfer = { ...result.transfer, channel: 'tcp', startMs: result.transfer.endMs - ms, ms, gbPerSec: ms > 0 ? result.transfer.bytes / ms / 1e6 : 0 };
+      // A streamed transfer's rate is over all of the link's time, hidden behind the prefill or not.
+      const rateMs = ms + pull.overlapMs;
+      const transfer = {
+        ...result.transfer, channel: pull.link, startMs: result.transfer.endMs - ms, ms,
+        gbPerSec: rateMs > 0 ? result.transfer.bytes / rateMs / 1e6 : 0, overlapMs: pull.overlapMs, hiddenShare: pull.hiddenShare,
+      };
       out = { ...result, transfer };
     }
     if (connection) this.send(connection, { t: 'adopted', result: out });
@@ -472,7 +632,7 @@ export class WorkerServer {
           else this.send(connection, { t: 'out', id, outputs: [item.output], stats: this.options.engine.stats() });
           continue;
         }
-        this.send(connection, { t: 'out', id, outputs: [item as EngineOutput], stats: this.options.engine.stats() });
+        this.send(connection, { t: 'out', id, outputs: [this.withTransfer(id, item as EngineOutput)], stats: this.options.engine.stats() });
       }
       this.send(connection, { t: 'end', id, stats: this.options.engine.stats() });
     } catch (error) {
@@ -484,6 +644,7 @@ export class WorkerServer {
     } finally {
       this.running.delete(id);
       this.adoptedTo.delete(id);
+      this.transferFacts.delete(id);
       connection.requests.delete(id);
       if (this.running.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
     }

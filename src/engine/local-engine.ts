@@ -12,7 +12,7 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
 import { EngineClosedError, InvalidRequestError, LoraLoadError } from './errors.ts';
-import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
+import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent, type PrefillProgress } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
@@ -64,6 +64,7 @@ export class LocalEngine implements Engine {
   private readonly kvEventListeners = new Set<(events: KvEvent[]) => void>();
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
+  private readonly progressListeners = new Set<(progress: PrefillProgress[]) => void>();
   private readonly syncs = new PendingReplies<EngineStats>();
   private readonly resets = new PendingReplies<boolean>();
   private readonly loraReplies = new PendingReplies<Extract<FromWorker, { type: 'lora-done' }>>();
@@ -159,6 +160,12 @@ export class LocalEngine implements Engine {
     this.prefills.set(request.id, stream);
     this.post({ type: 'add', request, handoff: true, sentMs: engineNow() });
     return followQueue(this.prefills, request.id, stream, (id) => this.abort(id));
+  }
+
+  /** Prefill worker: the complete blocks of each prefill to hand off, after each step (what a KV stream sends early). */
+  onPrefillProgress(listener: (progress: PrefillProgress[]) => void): () => void {
+    this.progressListeners.add(listener);
+    return () => this.progressListeners.delete(listener);
   }
 
   /** Prefill worker: the decode worker has the handed-off blocks (or gave up on them); unpin them. */
@@ -284,6 +291,9 @@ export class LocalEngine implements Engine {
           else this.prefills.get(output.requestId)?.pushOutput(output);
         }
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        return;
+      case 'prefill-progress':
+        for (const listener of this.progressListeners) listener(message.progress);
         return;
       case 'handoffs':
         for (const handoff of message.handoffs) {

@@ -2,7 +2,7 @@
 // are plain data (Maps are fine, class instances are not).
 
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
-import type { AdoptedResult, KvHandoff } from './handoff.ts';
+import type { AdoptedResult, KvHandoff, PrefillProgress } from './handoff.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
@@ -45,8 +45,8 @@ export interface WorkerInit {
   role?: WorkerRole;
 }
 
-// Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply 'handoffs'),
-// 'release-handoff' (the decode worker has the blocks), 'attach-kv-source' (once per prefill worker: its pool,
+// Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply
+// 'prefill-progress' after each of its prompt chunks, then 'handoffs'), 'release-handoff' (the decode worker has the blocks), 'attach-kv-source' (once per prefill worker: its pool,
 // shared memory, posted without copying), 'adopt' (decode worker: continue a handed-off request, reply 'adopted'
 // once the source blocks are no longer needed) and 'sync' (reply 'synced' with fresh stats after everything
 // posted before it).
@@ -71,6 +71,8 @@ export type FromWorker =
   | { type: 'ready'; info: EngineInfo; notices: string[]; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
   | { type: 'outputs'; outputs: EngineOutput[]; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'handoffs'; handoffs: KvHandoff[] }
+  /** Prefill worker, after a step: blocks of prefills to hand off that are complete (before their handoffs). */
+  | { type: 'prefill-progress'; progress: PrefillProgress[] }
   | { type: 'adopted'; adopted: AdoptedResult[]; stats: EngineStats }
   | { type: 'synced'; syncId: number; stats: EngineStats }
   | { type: 'prefix-cache-reset'; resetId: number; reset: boolean; stats: EngineStats; kvEvents?: KvEvent[] }

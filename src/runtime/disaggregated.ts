@@ -55,6 +55,8 @@ export interface DecodeWorkerEngine extends RoutableEngine {
   adopt(handoff: KvHandoff, sourceId: string | null): AsyncIterable<EngineOutput>;
   onAdopted(listener: (result: AdoptedResult) => void): () => void;
   attachKvSource?(sourceId: string, pool: SharedArrayBuffer, layout: KvHandoff['sourceLayout']): void;
+  /** The request is about to prefill on `prefillId`: a worker process may start taking its KV as it is computed. */
+  expectHandoff?(request: EngineRequest, prefillId: string): void;
 }
 
 export interface DisaggregatedEngineOptions {
@@ -414,6 +416,7 @@ export class DisaggregatedEngine implements Engine {
   /** Prefill on a prefill worker, then decode on the decode worker with the KV it hands over. */
   private async *runRemote(request: EngineRequest, flight: Flight, prefillDecision: RoutingDecision,
     decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput> {
+    decodeEngine.expectHandoff?.(request, prefillDecision.workerId);
     const handoff = yield* this.runPrefill(request, flight, prefillDecision, decodeEngine);
     if (handoff === null) return;
     const prefillId = flight.prefillId!;

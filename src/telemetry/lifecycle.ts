@@ -207,6 +207,10 @@ export interface KvTransferEvent extends IntervalEvent {
   blocks?: number;
   fromWorker?: string;
   toWorker?: string;
+  /** Between worker processes: 'tcp' or 'shm'. */
+  link?: string;
+  /** The transfer's busy time hidden behind the prefill (streamed while it ran); start..time is what came after. */
+  overlapMs?: number;
 }
 
 

@@ -23,6 +23,11 @@ export interface ResponseTimings {
    * worker streams it), so within decode_ms; a transfer before the first token would be within ttft_ms.
    */
   kv_transfer_ms?: number;
+  /**
+   * Only for a transfer streamed while the prefill ran (worker processes): its time hidden behind the prefill, not
+   * in kv_transfer_ms.
+   */
+  kv_transfer_overlap_ms?: number;
   /** Only when prompt blocks were copied back from the worker's lower KV tiers: blocks per tier and the copy's ms. */
   kv_onboard?: { ram_blocks: number; disk_blocks: number; bytes: number; ms: number };
   decode_ms: number;
@@ -45,6 +50,7 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
     queue_ms: round3(b.queueMs),
     prefill_ms: round3(b.prefillMs),
     ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs + b.decodeKvTransferMs) } : {}),
+    ...(trace.kvTransfer?.overlapMs !== undefined ? { kv_transfer_overlap_ms: round3(trace.kvTransfer.overlapMs) } : {}),
     ...(trace.kvOnboard ? {
       kv_onboard: { ram_blocks: trace.kvOnboard.ram, disk_blocks: trace.kvOnboard.disk, bytes: trace.kvOnboard.bytes, ms: round3(trace.kvOnboard.ms) },
     } : {}),

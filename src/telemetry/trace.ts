@@ -107,6 +107,9 @@ export interface KvTransferSummary {
   blocks?: number;
   fromWorker?: string;
   toWorker?: string;
+  link?: string;
+  /** Transfer time hidden behind the prefill (streamed while it ran), on top of startMs..endMs. */
+  overlapMs?: number;
 }
 
 export interface EmitSummary {
@@ -571,7 +574,10 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
   for (const e of transfers) {
     phases.push({
       phase: 'kv_transfer', startMs: e.start, endMs: e.time, worker: e.toWorker,
-      attributes: defined({ bytes: e.bytes, blocks: e.blocks, from_worker: e.fromWorker, to_worker: e.toWorker }),
+      attributes: defined({
+        bytes: e.bytes, blocks: e.blocks, from_worker: e.fromWorker, to_worker: e.toWorker, link: e.link,
+        overlap_ms: e.overlapMs, hidden_share: hiddenShare(e),
+      }),
     });
   }
   if (transfers.length === 0) return undefined;
@@ -579,7 +585,16 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
     startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),
     bytes: transfers.reduce((s, e) => s + e.bytes, 0),
     blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
+    ...(transfers[0]!.link !== undefined ? { link: transfers[0]!.link } : {}),
+    ...(transfers[0]!.overlapMs !== undefined ? { overlapMs: transfers[0]!.overlapMs } : {}),
   };
+}
+
+/** Share of a streamed transfer hidden behind the prefill: overlap / (overlap + what came after); rounded to 0.001. */
+function hiddenShare(e: { start: number; time: number; overlapMs?: number }): number | undefined {
+  if (e.overlapMs === undefined) return undefined;
+  const total = e.overlapMs + Math.max(0, e.time - e.start);
+  return total > 0 ? Math.round((e.overlapMs / total) * 1000) / 1000 : 0;
 }
 
 /**

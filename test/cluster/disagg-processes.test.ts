@@ -1,7 +1,9 @@
 // Disaggregated prefill/decode across processes end to end: real etcd and nats-server, `conduit worker --role
 // prefill` and `--role decode` processes, one `conduit frontend`. Greedy output equals the single-process server's
 // with the prompt prefilled on the prefill worker (its KV pulled over TCP by the decode worker); with the prefill
-// worker killed, the decode worker prefills itself and the greedy text is the same.
+// worker killed, the decode worker prefills itself and the greedy text is the same. Workers on one host move the KV
+// through shared memory unless set to tcp: a second pair, in a namespace of its own behind a second frontend, runs
+// with CONDUIT_KV_TRANSFER_LINK=tcp, and both give the same greedy text.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { createLogger } from '../../src/api/log.ts';
@@ -10,6 +12,7 @@ import {
   freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort, type Proc,
 } from '../helpers/cluster-services.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { kvHostId } from '../../src/cluster/kv-shm.ts';
 
 const skip = servicesMissing();
 const TOKEN = 'disagg-cluster-token';
@@ -44,6 +47,7 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
   let reference: RunningServer;
   const procs = new Map<string, Proc>();
   let url: string;
+  let tcpUrl: string;
 
   before(async () => {
     dir = tempDir('cluster-disagg');
@@ -54,15 +58,26 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
       procs.set(id, startConduit(['worker', '--model', modelPath, '--worker-id', id, '--role', role, '--threads', '1',
         '--kv-cache-memory', '16MiB', '--lease-ttl', '3'], env));
     }
+    const tcpEnv = { ...env, CONDUIT_NAMESPACE: 'forced-tcp', CONDUIT_KV_TRANSFER_LINK: 'tcp' };
+    for (const [id, role] of [['p2', 'prefill'], ['d2', 'decode']] as const) {
+      procs.set(id, startConduit(['worker', '--model', modelPath, '--worker-id', id, '--role', role, '--threads', '1',
+        '--kv-cache-memory', '16MiB', '--lease-ttl', '3'], tcpEnv));
+    }
     const port = await freePort();
     procs.set('frontend', startConduit(['frontend', '--port', String(port), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], env));
+    const tcpPort = await freePort();
+    procs.set('frontend-tcp', startConduit(['frontend', '--port', String(tcpPort), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], tcpEnv));
     await waitForPort(port);
+    await waitForPort(tcpPort);
     url = `http://127.0.0.1:${port}`;
+    tcpUrl = `http://127.0.0.1:${tcpPort}`;
     const config = parseServeConfig(['--model', modelPath, '--port', '0', '--threads', '1', '--kv-cache-memory', '16MiB', '--no-request-log'], {});
     reference = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
     try {
-      await until('the frontend serves', async () => (await fetch(`${url}/health`).then((r) => r.json() as Promise<{ ready?: boolean }>, () => ({ ready: false }))).ready === true
-        && (await fetch(`${url}/health`).then((r) => r.text())).includes('"p1"'));
+      for (const [at, prefill] of [[url, 'p1'], [tcpUrl, 'p2']] as const) {
+        await until(`the frontend at ${at} serves`, async () => (await fetch(`${at}/health`).then((r) => r.json() as Promise<{ ready?: boolean }>, () => ({ ready: false }))).ready === true
+          && (await fetch(`${at}/health`).then((r) => r.text())).includes(`"${prefill}"`));
+      }
     } catch (error) {
       console.error([...procs].map(([id, p]) => `--- ${id}\n${p.output()}`).join('\n'));
       throw error;
@@ -85,6 +100,16 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
       assert.equal(got.text, expected.text);
       const body = await trace(url, got.id);
       assert.match(body, /"p1"/, `the trace names the prefill worker: ${body.slice(0, 600)}`);
+    }
+  });
+
+  test('workers on one host use shared memory, workers set to tcp use TCP: the same greedy text, the link in the trace', async () => {
+    const expected = await complete(reference.url, greedy(prompt(5)));
+    for (const [at, link] of [[url, kvHostId() !== null ? 'shm' : 'tcp'], [tcpUrl, 'tcp']] as const) {
+      const got = await complete(at, greedy(prompt(5)));
+      assert.equal(got.text, expected.text, `via ${at}`);
+      const body = await trace(at, got.id);
+      assert.match(body, new RegExp(`"link":"${link}"`), `the kv_transfer phase names the ${link} link: ${body.slice(0, 800)}`);
     }
   });
 
