@@ -2,7 +2,7 @@
 // the prefill side writes each block run into a file on the host's shared-memory file system (/dev/shm, a tmpfs:
 // the file's pages are memory, never a disk) and sends only the run's header over the TCP connection, with the
 // file offset where the bytes are; the decode side reads them from the file straight into its destination blocks
-// and checks the same length and CRC-32 as for a run that came over TCP. Descriptor, order and checks are the TCP
+// and checks the same length and CRC-32C as for a run that came over TCP. Descriptor, order and checks are the TCP
 // link's; only where the bytes travel differs.
 //
 // Same host is decided by a host id both sides announce, not by address: a hash of the kernel's boot id and the

@@ -67,8 +67,9 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
     procs.set('frontend', startConduit(['frontend', '--port', String(port), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], env));
     const tcpPort = await freePort();
     procs.set('frontend-tcp', startConduit(['frontend', '--port', String(tcpPort), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], tcpEnv));
-    await waitForPort(port);
-    await waitForPort(tcpPort);
+    // Six processes start at once on a shared machine: the frontends may take a while to listen.
+    await waitForPort(port, '127.0.0.1', 60_000);
+    await waitForPort(tcpPort, '127.0.0.1', 60_000);
     url = `http://127.0.0.1:${port}`;
     tcpUrl = `http://127.0.0.1:${tcpPort}`;
     const config = parseServeConfig(['--model', modelPath, '--port', '0', '--threads', '1', '--kv-cache-memory', '16MiB', '--no-request-log'], {});
