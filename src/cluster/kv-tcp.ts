@@ -25,7 +25,8 @@
 //   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to), hostId?}
 //                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, hostId?}
 //   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', file?}
-//   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run)
+//   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run;
+//                                                                      a run over 256 KiB goes as several)
 //                      SHM   header (24 bytes) + file offset (8 bytes) (shm)
 //   prefill -> decode  JSON  {t: 'kv-done', runs, bytes, sourceBlockIds, overlapMs} | {t: 'kv-error', reason}
 // A run header: layer u16, kv u8 (0 K, 1 V), reserved u8, destination block u32, count u32, byte length u32, CRC-32C
@@ -35,7 +36,8 @@
 // the caller then prefills on the decode worker instead.
 //
 // Copies: the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
-// blocks of a running prefill, which nobody rewrites), corked into few large writes; the decode side reads headers
+// blocks of a running prefill, which nobody rewrites), each checksummed just before it is written and small ones
+// corked together, at most 4 MiB ahead of the kernel; the decode side reads headers
 // into one reused buffer and a run's bytes straight from the socket into its destination block (read(2) on the
 // socket once the buffer is used up inside a run), checksumming each piece as it lands.
 
@@ -56,13 +58,21 @@ export const FRAME_KV_SHM_RUN = 3;
 const RUN_HEADER_BYTES = 24;
 const SHM_OFFSET_BYTES = 8;
 const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
-/** The decode side's read buffer: the kernel hands over up to this much per read. */
-const READ_BUFFER_BYTES = 1 << 20;
 /** Reads of a run's bytes go straight into the destination block (POSIX sockets; CONDUIT_KV_DIRECT_READ=0: never). */
 const DIRECT_READ = process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ !== '0';
+/**
+ * The decode side's read buffer, for headers and control frames: small, since a run's bytes past what it holds are
+ * read straight into their block.
+ */
+const READ_BUFFER_BYTES = DIRECT_READ ? 16 << 10 : 1 << 20;
 const DIRECT_READ_BUDGET = 8 << 20;
-/** The prefill side hands the kernel its runs at least this much at a time. */
-const SEND_WRITE_BYTES = 1 << 20;
+/** The prefill side's frames: a longer run of consecutive blocks goes as several (each checksummed while in cache). */
+const SEND_FRAME_BYTES = 256 << 10;
+/**
+ * Bytes the prefill side lets wait for the kernel before it waits for the socket to drain: enough to keep the kernel
+ * fed across a scheduling delay, few enough to stay in cache between their checksum and the kernel's copy.
+ */
+const SEND_AHEAD_BYTES = 4 << 20;
 /** How long, and for how many requests at most, the prefill side remembers requests that ended. */
 const ENDED_MEMORY_MS = 60_000;
 const ENDED_MEMORY_MAX = 10_000;
@@ -180,6 +190,26 @@ function runOffset(view: KvPoolView, layer: number, kv: number, block: number): 
   return ((2 * layer + kv) * view.layout.numBlocks + block) * kvBlockRunBytes(view.layout);
 }
 
+/** Resolves when the socket has handed the kernel everything written to it, or closed. */
+function drained(socket: net.Socket): Promise<void> {
+  return new Promise((resolve) => {
+    const done = () => {
+      socket.off('drain', done);
+      socket.off('close', done);
+      resolve();
+    };
+    socket.on('drain', done);
+    socket.on('close', done);
+  });
+}
+
+/** Hands the kernel what a corked socket holds, then corks it again as deep as it was. */
+function flushCorked(socket: net.Socket): void {
+  const depth = socket.writableCorked;
+  for (let i = 0; i < depth; i++) socket.uncork();
+  for (let i = 0; i < depth; i++) socket.cork();
+}
+
 /**
  * A link's busy time before one instant (the end of the prefill): batches from their first write until the kernel
  * took their last byte; overlapping batches count once. A batch still in flight counts up to the instant.
@@ -260,6 +290,8 @@ interface Transfer {
   bytes: number;
   busy: BusyClock;
   done: boolean;
+  /** A batch is on its way (flush waits for it, then sends what is new). */
+  sending: boolean;
   /** When the prefill ended (performance.now()): busy time after it is not hidden. A pull's is -Infinity. */
   handedOffAt?: number;
   timer?: NodeJS.Timeout;
@@ -410,8 +442,11 @@ export class KvTransferServer {
     } else {
       throw new FrameError(`unknown message type ${JSON.stringify(message.t).slice(0, 40)}`);
     }
+    // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows.
+    socket.cork();
     socket.write(encodeJsonFrame({ t: 'kv-link', link: transfer.writer ? 'shm' : 'tcp', ...(transfer.writer ? { file: transfer.writer.name } : {}) }));
     this.flush(transfer);
+    if (!socket.destroyed) socket.uncork();
     return transfer;
   }
 
@@ -419,13 +454,13 @@ export class KvTransferServer {
     const sameHost = this.options.link !== 'tcp' && typeof hostId === 'string' && hostId === kvHostId();
     return {
       socket, requestId, destinations, layers, sent: new Int32Array(destinations.length).fill(-1),
-      writer: sameHost ? ShmRunWriter.create() : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false,
+      writer: sameHost ? ShmRunWriter.create() : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
     };
   }
 
   /** Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. */
   private flush(transfer: Transfer): void {
-    if (transfer.done || transfer.socket.destroyed) return;
+    if (transfer.done || transfer.sending || transfer.socket.destroyed) return;
     const known = transfer.pullSources ? undefined : this.known.get(transfer.requestId);
     const sources = transfer.pullSources ?? known?.final ?? known?.full;
     if (!sources) return;
@@ -443,7 +478,15 @@ export class KvTransferServer {
       to.push(transfer.destinations[p]!);
     }
     if (known?.handedOffAt !== undefined) transfer.handedOffAt = known.handedOffAt;
-    if (from.length > 0 && !this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers))) return;
+    if (from.length > 0) {
+      // Paced by the socket (see send); whatever became known meanwhile goes after it, then kv-done if final.
+      transfer.sending = true;
+      void this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers)).then((ok) => {
+        transfer.sending = false;
+        if (ok) this.flush(transfer);
+      });
+      return;
+    }
     if (!final) return;
     transfer.done = true;
     clearTimeout(transfer.timer);
@@ -453,10 +496,16 @@ export class KvTransferServer {
     transfer.socket.end(encodeJsonFrame({ t: 'kv-done', runs: transfer.runs, bytes: transfer.bytes, sourceBlockIds: sources, overlapMs }));
   }
 
-  /** One batch of runs, corked into one write. False when the transfer failed (faults) meanwhile. */
-  private send(transfer: Transfer, runs: PlannedRun[]): boolean {
+  /**
+   * One batch of runs, in frames of at most SEND_FRAME_BYTES (a long run of consecutive blocks is cut into runs of
+   * fewer blocks), each checksummed just before it is written, so the kernel copies it while it is still in cache;
+   * small frames share a write. Past SEND_AHEAD_BYTES not yet taken by the kernel, the next frames wait for the
+   * socket to drain. Resolves false when the transfer failed (a fault, a closed socket) meanwhile.
+   */
+  private async send(transfer: Transfer, runs: PlannedRun[]): Promise<boolean> {
     const view = this.options.pool;
     const runBytes = kvBlockRunBytes(view.layout);
+    const perFrame = Math.max(1, Math.floor(SEND_FRAME_BYTES / runBytes));
     const { socket, writer } = transfer;
     const { faults } = this.options;
     const batch = transfer.busy.begin();
@@ -464,51 +513,58 @@ export class KvTransferServer {
     socket.cork();
     try {
       for (const run of runs) {
-        if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
-          socket.uncork();
-          socket.destroySoon();
-          transfer.done = true;
-          return false;
-        }
-        const at = runOffset(view, run.layer, run.kv, run.source);
-        const length = run.count * runBytes;
-        // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode side
-        // has them, so nothing rewrites them while the kernel copies.
-        let body: Uint8Array = Buffer.from(view.pool, at, length);
-        const checksum = kvChecksum(body);
-        if (faults?.corruptRun === this.runsSent) {
-          body = Buffer.from(body);
-          body[length >> 1] = body[length >> 1]! ^ 0xff;
-        }
-        const header = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + (writer ? SHM_OFFSET_BYTES : 0));
-        header.writeUInt32BE(header.length - 4 + (writer ? 0 : length), 0);
-        header[4] = writer ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
-        header.writeUInt16BE(run.layer, 5);
-        header[7] = run.kv;
-        header[8] = 0;
-        header.writeUInt32BE(run.destination, 9);
-        header.writeUInt32BE(run.count, 13);
-        header.writeUInt32BE(length, 17);
-        header.writeUInt32BE(checksum, 21);
-        header.writeUInt32BE(0, 25);
-        if (writer) {
-          const offset = writer.write(body);
-          header.writeUInt32BE(Math.floor(offset / 2 ** 32), 29);
-          header.writeUInt32BE(offset % 2 ** 32, 33);
-          socket.write(header);
-        } else {
-          socket.write(header);
-          socket.write(body);
-        }
-        this.runsSent++;
-        transfer.runs++;
-        transfer.bytes += length;
-        // Small runs share a write; past a megabyte the kernel gets what is there while the next checksums run.
-        corked += length;
-        if (corked >= SEND_WRITE_BYTES) {
-          socket.uncork();
-          socket.cork();
-          corked = 0;
+        for (let offset = 0; offset < run.count; offset += perFrame) {
+          if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
+            socket.uncork();
+            socket.destroySoon();
+            transfer.done = true;
+            return false;
+          }
+          const count = Math.min(perFrame, run.count - offset);
+          const at = runOffset(view, run.layer, run.kv, run.source + offset);
+          const length = count * runBytes;
+          // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
+          // side has them, so nothing rewrites them while the kernel copies.
+          let body: Uint8Array = Buffer.from(view.pool, at, length);
+          const checksum = kvChecksum(body);
+          if (faults?.corruptRun === this.runsSent) {
+            body = Buffer.from(body);
+            body[length >> 1] = body[length >> 1]! ^ 0xff;
+          }
+          const header = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + (writer ? SHM_OFFSET_BYTES : 0));
+          header.writeUInt32BE(header.length - 4 + (writer ? 0 : length), 0);
+          header[4] = writer ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
+          header.writeUInt16BE(run.layer, 5);
+          header[7] = run.kv;
+          header[8] = 0;
+          header.writeUInt32BE(run.destination + offset, 9);
+          header.writeUInt32BE(count, 13);
+          header.writeUInt32BE(length, 17);
+          header.writeUInt32BE(checksum, 21);
+          header.writeUInt32BE(0, 25);
+          if (writer) {
+            const fileOffset = writer.write(body);
+            header.writeUInt32BE(Math.floor(fileOffset / 2 ** 32), 29);
+            header.writeUInt32BE(fileOffset % 2 ** 32, 33);
+            socket.write(header);
+          } else {
+            socket.write(header);
+            socket.write(body);
+            corked += length;
+          }
+          this.runsSent++;
+          transfer.runs++;
+          transfer.bytes += length;
+          if (corked >= SEND_FRAME_BYTES) {
+            flushCorked(socket);
+            corked = 0;
+            if (socket.writableLength >= SEND_AHEAD_BYTES) {
+              socket.uncork();
+              await drained(socket);
+              if (socket.destroyed || transfer.done) return false;
+              socket.cork();
+            }
+          }
         }
       }
     } catch (error) {
@@ -521,6 +577,7 @@ export class KvTransferServer {
     socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
     return true;
   }
+
 
   private fail(transfer: Transfer, reason: string): void {
     transfer.done = true;
@@ -737,11 +794,16 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
     // Bounded per turn of the event loop: the rest comes at the next.
     for (let budget = DIRECT_READ_BUDGET; bodyLeft > 0 && budget > 0;) {
       let n: number;
+      // The usual end of this loop is EAGAIN, an exception: without a stack trace it costs little.
+      const stackTraceLimit = Error.stackTraceLimit;
+      Error.stackTraceLimit = 0;
       try {
         n = readSync(fd, pool, bodyAt, bodyLeft, null);
-      } catch (error) {
+      } catch {
         // EAGAIN: nothing more now. Anything else (a reset): the socket's own read reports it.
         return;
+      } finally {
+        Error.stackTraceLimit = stackTraceLimit;
       }
       if (n === 0) return; // end of stream: the socket's own read sees it too
       bodyCrc = kvChecksum(pool.subarray(bodyAt, bodyAt + n), bodyCrc);
@@ -828,8 +890,11 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
   });
   socket.setNoDelay(true);
   socket.on('connect', () => {
-    socket.write(encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }));
-    socket.write(encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) }));
+    // One write: the prefill side reads both at once.
+    socket.write(Buffer.concat([
+      encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }),
+      encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) }),
+    ]));
   });
   socket.on('error', (error) => finish(new KvTransferError(runs === 0 && bytes === 0 ? 'connect' : 'truncated',
     `KV transfer of ${requestId}: ${error.message}`)));
