@@ -28,7 +28,18 @@ import { engineNow } from '../src/engine/clock.ts';
 import { LocalEngine } from '../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type WorkerRole } from '../src/engine/types.ts';
 import { kvPoolBytes, type KvPoolLayout } from '../src/kernels/types.ts';
-import { ensureBenchModel } from './model-files.ts';
+import { ensureSyntheticModel } from '../src/model/synthetic.ts';
+import { benchModelDir, ensureLlamaQuantized, LONG_CONTEXT_110M, llamaQuantizeMissing } from './model-files.ts';
+
+/**
+ * The 110M model with room for a 2048-token prompt and its output (the plain benchmark file stops at 2048 positions):
+ * its 16k-context twin, Q8_0 when llama-quantize is there to make it, else F32.
+ */
+async function model110m(): Promise<{ path: string; label: string }> {
+  const f32 = await ensureSyntheticModel(LONG_CONTEXT_110M, benchModelDir());
+  if (llamaQuantizeMissing()) return { path: f32, label: `${LONG_CONTEXT_110M.name} F32` };
+  return { path: ensureLlamaQuantized(f32, 'Q8_0'), label: `${LONG_CONTEXT_110M.name} Q8_0` };
+}
 
 const TOKEN = 'kv-transfer-bench';
 const SELF = fileURLToPath(import.meta.url);
@@ -258,7 +269,7 @@ async function disaggregated(modelPath: string, chunk: number) {
 export async function overlapPart(): Promise<void> {
   const chunk = Number(argument('chunk', '256'));
   const reps = Number(argument('overlap-reps', '3'));
-  const model = await ensureBenchModel('Q8_0');
+  const model = await model110m();
   const cluster = await disaggregated(model.path, chunk);
   try {
     const rows: string[][] = [];
@@ -280,8 +291,9 @@ export async function overlapPart(): Promise<void> {
     console.log(`\n5. transfer hidden behind the prefill: ${model.label}, a prefill and a decode worker process (1 thread each),`);
     console.log(`   chunked prefill of ${chunk} tokens; blocks of each chunk stream while the next computes\n`);
     console.log(table(['prompt', 'run', 'link', 'TTFT ms', 'MiB', 'hidden ms', 'after ms', 'hidden share', '1st->2nd token ms'], rows));
-    console.log('   hidden ms: link busy time before the prefill ended; after ms: from the handoff reaching the decode worker to the');
-    console.log('   blocks in its pool (what the second token waits for); hidden share = hidden / (hidden + busy after the prefill)');
+    console.log('   hidden ms: the prefill worker\'s link time before the prefill ended; after ms: from the handoff reaching the decode');
+    console.log('   worker to the blocks in its engine\'s pool (the last chunk\'s blocks, then the copy out of staging: what the second');
+    console.log('   token waits for); hidden share = hidden / (hidden + after)');
   } finally {
     await cluster.close();
   }
@@ -291,7 +303,7 @@ export async function ttftPart(): Promise<void> {
   const chunk = Number(argument('chunk', '256'));
   const reps = Number(argument('ttft-reps', '3'));
   const length = 2048;
-  const model = await ensureBenchModel('Q8_0');
+  const model = await model110m();
   const aggregated = await workers(model.path, ['both'], chunk);
   const cluster = await disaggregated(model.path, chunk);
   const agg: Timed[] = [];

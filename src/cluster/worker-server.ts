@@ -542,12 +542,8 @@ export class WorkerServer {
           this.freeStaging(id);
           return [];
         }
-        // Exposed: from the handoff reaching this worker to the last block checked; hidden: the link's time before.
-        const exposedMs = performance.now() - started;
-        this.pulls.set(id, {
-          bytes: pulled.bytes, ms: exposedMs, link: pulled.link, overlapMs: pulled.overlapMs,
-          hiddenShare: pulled.overlapMs + exposedMs > 0 ? pulled.overlapMs / (pulled.overlapMs + exposedMs) : 0,
-        });
+        // From the handoff reaching this worker to the last block checked; the engine's copy out of staging adds to it.
+        this.pulls.set(id, { bytes: pulled.bytes, ms: performance.now() - started, link: pulled.link, overlapMs: pulled.overlapMs });
         this.transferFacts.set(id, { startMs: startedEngineMs, link: pulled.link, overlapMs: pulled.overlapMs });
         return engine.adopt!({ ...handoff, sourceBlockIds: ids, sourceLayout: staging.layout }, STAGING_SOURCE);
       } catch (error) {
@@ -565,7 +561,7 @@ export class WorkerServer {
   }
 
   /** Each adopted request's transfer: ms from the handoff's arrival to the last block checked (what it waited). */
-  private readonly pulls = new Map<string, { bytes: number; ms: number; link: KvLink; overlapMs: number; hiddenShare: number }>();
+  private readonly pulls = new Map<string, { bytes: number; ms: number; link: KvLink; overlapMs: number }>();
   /** What an adopted request's first output says of its transfer: from the handoff's arrival, its link, its overlap. */
   private readonly transferFacts = new Map<string, { startMs: number; link: KvLink; overlapMs: number }>();
 
@@ -615,7 +611,9 @@ export class WorkerServer {
       const rateMs = ms + pull.overlapMs;
       const transfer = {
         ...result.transfer, channel: pull.link, startMs: result.transfer.endMs - ms, ms,
-        gbPerSec: rateMs > 0 ? result.transfer.bytes / rateMs / 1e6 : 0, overlapMs: pull.overlapMs, hiddenShare: pull.hiddenShare,
+        // Hidden: the link's time before the prefill ended; exposed: everything the request waited for after it.
+        gbPerSec: rateMs > 0 ? result.transfer.bytes / rateMs / 1e6 : 0, overlapMs: pull.overlapMs,
+        hiddenShare: pull.overlapMs + ms > 0 ? pull.overlapMs / (pull.overlapMs + ms) : 0,
       };
       out = { ...result, transfer };
     }
