@@ -208,7 +208,7 @@ export class RemoteEngine implements RoutableEngine {
   expectHandoff(request: EngineRequest, prefillId: string): void {
     const source = this.kvSourceAddress?.(prefillId);
     if (!source || this.lostError || this.closed || this.socket.destroyed) return;
-    this.socket.write(encodeJsonFrame({ t: 'expect', id: request.id, promptTokens: request.promptTokenIds.length, source }));
+    this.socket.write(encodeJsonFrame({ t: 'expect', id: request.id, promptTokens: request.promptTokenIds.length, source, sentAt: engineNow() }));
   }
 
   onAdopted(listener: (result: AdoptedResult) => void): () => void {
