@@ -7,6 +7,7 @@
         "native/addon.cc",
         "native/addon_ops.cc",
         "native/bench.cc",
+        "native/checksum.cc",
         "native/compute.cc",
         "native/cpu.cc",
         "native/crash_handler.cc",

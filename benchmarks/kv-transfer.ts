@@ -8,9 +8,14 @@
 //              TTFT (prefill on the prefill worker) and the time to the second token;
 //   3. cluster the simulated cluster (SimCluster, Llama 3.1 70B on H100s, tp 4): TTFT and ITL p50/p99 for a mix of
 //              long and short prompts, aggregated vs disaggregated on the same number of GPUs.
+//   4. link    worker processes: KV transfer throughput on loopback, tcp and shm links, vs raw TCP in the same run;
+//   5. overlap worker processes: share of a streamed transfer hidden behind a chunked prefill (512, 2048 tokens);
+//   6. ttft    worker processes: TTFT of a 2048-token prompt on the 110M model, aggregated vs disaggregated
+//              (4-6: benchmarks/kv-transfer-processes.ts).
 //
-//   node --import tsx benchmarks/kv-transfer.ts [--parts copy,workers,cluster] [--requests 10] [--rates 4,8]
-//                                               [--sim-requests 400]
+//   node --import tsx benchmarks/kv-transfer.ts [--parts copy,workers,cluster,link,overlap,ttft] [--requests 10]
+//     [--rates 4,8] [--sim-requests 400] [--link-reps 7] [--link-sizes 64KiB,1MiB,16MiB,64MiB] [--overlap-reps 3]
+//     [--ttft-reps 3] [--chunk 256] [--threads 1]
 
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -28,13 +33,14 @@ import { getModelProfile, kvBytesPerToken } from '../src/sim/models.ts';
 import { DEFAULT_EFFICIENCY, kvTransferTimeMs, stepTimeMs } from '../src/sim/perf-model.ts';
 import type { SimWorker, SimWorkerConfig } from '../src/sim/sim-worker.ts';
 import { poissonWorkload } from '../src/sim/workload.ts';
+import { linkPart, overlapPart, ttftPart } from './kv-transfer-processes.ts';
 
 function argument(name: string, fallback: string): string {
   const at = process.argv.indexOf(`--${name}`);
   return at >= 0 ? process.argv[at + 1]! : fallback;
 }
 
-const PARTS = new Set(argument('parts', 'copy,workers,cluster').split(','));
+const PARTS = new Set(argument('parts', 'copy,workers,cluster,link,overlap,ttft').split(','));
 const gb = (bytes: number, ms: number) => (ms > 0 ? bytes / ms / 1e6 : NaN);
 const fmt = (value: number, digits = 2) => (Number.isFinite(value) ? value.toFixed(digits) : '-');
 
@@ -225,3 +231,6 @@ function clusterRun(rate: number): void {
 if (PARTS.has('copy')) copyPart();
 if (PARTS.has('workers')) await workersPart();
 if (PARTS.has('cluster')) clusterPart();
+if (PARTS.has('link')) await linkPart();
+if (PARTS.has('overlap')) await overlapPart();
+if (PARTS.has('ttft')) await ttftPart();

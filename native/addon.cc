@@ -6,6 +6,7 @@
 //   ops.*                           one entry per kernel with an explicit variant, for the test harness, and the
 //                                   software AMX model on its own (amxModel): addon_ops.cc
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
+//   crc32c(bytes, crc?, portable?)  CRC-32C of a Uint8Array (continuing crc), the KV transfer's checksum
 #include <napi.h>
 
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include "addon_args.h"
 #include "addon_ops.h"
 #include "bench.h"
+#include "checksum.h"
 #include "cpu.h"
 #include "crash_handler.h"
 #include "model.h"
@@ -28,6 +30,21 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Module functions
+
+// crc32c(bytes: Uint8Array, crc = 0, portable = false): CRC-32C continuing `crc`; portable forces the table version.
+Napi::Value Crc32c(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  ArrayView bytes = typed_array(env, info[0], napi_uint8_array, "bytes");
+  uint32_t crc = 0;
+  if (info.Length() > 1 && !info[1].IsUndefined()) {
+    const int64_t value = integer(env, info[1], "crc");
+    if (value > 0xFFFFFFFFll) throw Napi::RangeError::New(env, "crc must be a 32-bit unsigned integer");
+    crc = static_cast<uint32_t>(value);
+  }
+  const bool portable = info.Length() > 2 && info[2].ToBoolean().Value();
+  const uint8_t* data = static_cast<const uint8_t*>(bytes.data);
+  return Napi::Number::New(env, portable ? crc32c_portable(crc, data, bytes.length) : crc32c(crc, data, bytes.length));
+}
 
 Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
   const CpuFeatures& f = cpu_features();
@@ -467,6 +484,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("crashHandlerStatus", Napi::Function::New(env, CrashHandlerStatus));
   exports.Set("crashForTesting", Napi::Function::New(env, CrashForTesting));
   exports.Set("cpuInfo", Napi::Function::New(env, CpuInfo));
+  exports.Set("crc32c", Napi::Function::New(env, Crc32c));
   exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));
   exports.Set("NativeModel", NativeModel::Define(env));
   exports.Set("ops", ops_object(env));

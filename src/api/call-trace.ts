@@ -234,8 +234,9 @@ export class CallTrace {
       const prefillWorker = routing?.disaggregation?.prefillWorkerId;
       this.bus.emit({
         phase: 'kv_transfer', requestId: this.requestId, start: transfer.start, time: transfer.end, bytes: transfer.bytes,
-        blocks: transfer.blocks, ...(transfer.link !== undefined ? { link: transfer.link } : {}),
-        ...(prefillWorker !== undefined ? { fromWorker: prefillWorker } : {}),
+        blocks: transfer.blocks, ...(prefillWorker !== undefined ? { fromWorker: prefillWorker } : {}),
+        ...(transfer.link !== undefined ? { link: transfer.link } : {}),
+        ...(transfer.overlapMs !== undefined ? { overlapMs: transfer.overlapMs } : {}),
         ...(routing ? { toWorker: routing.workerId } : {}),
       });
     }

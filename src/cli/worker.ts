@@ -28,6 +28,7 @@ export const WORKER_FLAGS = {
   'advertise-address': { type: 'string', help: 'host:port frontends reach this worker at (default: --host:port, or the host name when listening on all addresses)' },
   'worker-id': { type: 'string', help: 'this worker\'s id in discovery (default: host name, process id and a random suffix)' },
   role: { type: 'string', help: 'both (aggregated), prefill or decode (disaggregated: a frontend over prefill and decode workers prefills on one and decodes on the other, the KV pulled over TCP)', default: 'both' },
+  'kv-transfer-link': { type: 'string', help: 'how KV blocks move between prefill and decode workers: auto (shared memory, /dev/shm, when both run on one host, else TCP) or tcp (always TCP)', default: 'auto' },
   'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
   'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -52,6 +53,8 @@ export const workerCommand: Command = {
     if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}`);
     const port = values.port!;
     if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
+    const kvLink = values['kv-transfer-link']!;
+    if (kvLink !== 'auto' && kvLink !== 'tcp') throw new UsageError(`--kv-transfer-link must be auto or tcp, got "${kvLink}"`);
     const ttl = values['lease-ttl']!;
     if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
     const backend = values.backend!;
@@ -71,7 +74,7 @@ export const workerCommand: Command = {
       workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
       host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
       ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
-      leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log,
+      leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink,
       pool: {
         engine: engineKind, backend,
         ...(modelPath !== undefined ? { modelPath } : {}),

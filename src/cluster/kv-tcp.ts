@@ -1,48 +1,109 @@
-// KV blocks between worker processes over a direct TCP connection: the byte channel for disaggregated prefill and
+// KV blocks between worker processes over a direct connection: the byte channel for disaggregated prefill and
 // decode when the two workers are separate processes (src/runtime/kv-transfer.ts has the in-process ones). Neither
 // NATS nor the frontend carries a byte of KV.
 //
 // The shape is NIXL's: the decode side has allocated the destination blocks and sends the prefill side a
-// descriptor (the request, which source blocks, which destination blocks, which layers); the prefill side writes
-// the blocks into those destinations, layer by layer, K then V, consecutive blocks merged into one run. Only the
-// blocks the decode worker lacks are named in the descriptor, so only they move.
+// descriptor (the request, which destination blocks, which layers, and for a pull which source blocks); the prefill
+// side writes the blocks into those destinations, layer by layer, K then V, consecutive blocks merged into one run.
+// Only the blocks the decode worker lacks are named in the descriptor, so only they move.
+//
+// Two ways to ask:
+//   pull    after the handoff: the decode side names the source blocks (the handoff's) and gets them all at once.
+//   stream  as soon as the request is placed, before its prefill has run: the decode side names the destinations
+//           of every block of the prompt, and the prefill side sends each block as soon as the prefill has computed
+//           it (every layer of each finished chunk, while the next chunk computes), the rest after the handoff, and
+//           then which source blocks they were. Most of the transfer hides behind the prefill (kv-done says how
+//           much: the link's busy time before the handoff).
+//
+// Two links, chosen per transfer: 'tcp' (the bytes follow their run headers on this connection) and 'shm' (both
+// workers on one host: the bytes go through a file in /dev/shm, src/cluster/kv-shm.ts, and only the headers come
+// over the connection). The decode side announces its host id; the prefill side picks shm when the ids match and
+// neither side is set to tcp (--kv-transfer-link tcp, CONDUIT_KV_TRANSFER_LINK=tcp), and says which in kv-link.
 //
 // Wire (one connection per transfer, both directions in frames: 4-byte big-endian length, kind byte, payload):
 //   decode -> prefill  JSON  {t: 'kv-hello', v, token}             the cluster token, compared in constant time
-//   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to)}
-//   prefill -> decode  RUN   header (24 bytes) + bytes, one per (layer, K|V, merged run), in layer order
-//   prefill -> decode  JSON  {t: 'kv-done', runs, bytes} | {t: 'kv-error', reason}
-// A RUN header: layer u16, kv u8 (0 K, 1 V), reserved u8, destination block u32, count u32, byte length u32, CRC-32
-// of the bytes u32, reserved u32. The receiver checks each run against the descriptor (the run it expects next,
-// its length) and its checksum before writing it, and at kv-done that every run came. A corrupted, truncated or
-// out-of-order transfer rejects with KvTransferError; the caller then prefills on the decode worker instead.
+//   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to), hostId?}
+//                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, hostId?}
+//   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', file?}
+//   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run;
+//                                                                      a run over 256 KiB goes as several)
+//                      SHM   header (24 bytes) + file offset (8 bytes) (shm)
+//   prefill -> decode  JSON  {t: 'kv-done', runs, bytes, sourceBlockIds, overlapMs} | {t: 'kv-error', reason}
+// A run header: layer u16, kv u8 (0 K, 1 V), reserved u8, destination block u32, count u32, byte length u32, CRC-32C
+// of the bytes u32, reserved u32. The receiver checks each run against the descriptor (its layer, that its
+// destination blocks are consecutive destinations of the descriptor, its length) and its checksum, and at kv-done
+// that every (block, layer, K|V) came. A corrupted, truncated or misdirected transfer rejects with KvTransferError;
+// the caller then prefills on the decode worker instead.
+//
+// Copies: the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
+// blocks of a running prefill, which nobody rewrites), each checksummed just before it is written and small ones
+// corked together, at most 4 MiB ahead of the kernel; the decode side reads headers
+// into one reused buffer and a run's bytes straight from the socket into its destination block (read(2) on the
+// socket once the buffer is used up inside a run), checksumming each piece as it lands.
 
+import { readSync } from 'node:fs';
 import net from 'node:net';
-import { crc32 } from 'node:zlib';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
+import { kvChecksum } from './kv-checksum.ts';
+import { kvHostId, ShmRunReader, ShmRunWriter, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
 
-export const KV_TCP_VERSION = 1;
-/** Frame kind of a KV run (the request plane's kinds are 0 and 1). */
+export const KV_TCP_VERSION = 2;
+/** Frame kind of a KV run with its bytes (the request plane's kinds are 0 and 1). */
 export const FRAME_KV_RUN = 2;
+/** Frame kind of a KV run whose bytes are in the transfer's shared-memory file. */
+export const FRAME_KV_SHM_RUN = 3;
 const RUN_HEADER_BYTES = 24;
+const SHM_OFFSET_BYTES = 8;
 const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
+/** Reads of a run's bytes go straight into the destination block (POSIX sockets; CONDUIT_KV_DIRECT_READ=0: never). */
+const DIRECT_READ = process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ !== '0';
+/**
+ * The decode side's read buffer, for headers and control frames: small, since a run's bytes past what it holds are
+ * read straight into their block.
+ */
+const READ_BUFFER_BYTES = DIRECT_READ ? 16 << 10 : 1 << 20;
+const DIRECT_READ_BUDGET = 8 << 20;
+/** The prefill side's frames: a longer run of consecutive blocks goes as several (each checksummed while in cache). */
+const SEND_FRAME_BYTES = 256 << 10;
+/**
+ * Bytes the prefill side lets wait for the kernel before it waits for the socket to drain: enough to keep the kernel
+ * fed across a scheduling delay, few enough to stay in cache between their checksum and the kernel's copy.
+ */
+const SEND_AHEAD_BYTES = 4 << 20;
+/** How long, and for how many requests at most, the prefill side remembers requests that ended. */
+const ENDED_MEMORY_MS = 60_000;
+const ENDED_MEMORY_MAX = 10_000;
+/** How long a stream waits for the prefill side to learn of its request before giving up. */
+const UNKNOWN_REQUEST_MS = 30_000;
 
-export type KvTransferFailure = 'checksum' | 'length' | 'truncated' | 'refused' | 'unexpected-run' | 'connect' | 'timeout' | 'aborted';
+export type KvLink = 'tcp' | 'shm';
+
+export type KvTransferFailure =
+  | 'checksum' | 'length' | 'truncated' | 'refused' | 'unexpected-run' | 'connect' | 'timeout' | 'link' | 'cancelled' | 'aborted';
 
 export class KvTransferError extends Error {
   override name = 'KvTransferError';
+  /** The link the transfer was on (the decode side sets it; 'tcp' before the prefill side named one). */
+  link?: KvLink;
   constructor(readonly reason: KvTransferFailure, message: string) {
     super(message);
   }
 }
 
-/** What the decode side asks for. Source and destination ids pair up; layers is [from, to). */
+/** What the decode side asks for after the handoff. Source and destination ids pair up; layers is [from, to). */
 export interface KvPullDescriptor {
   requestId: string;
   sourceBlockIds: number[];
+  destinationBlockIds: number[];
+  layers: [number, number];
+}
+
+/** What the decode side asks for before the prefill: a destination for each block of the prompt, in position order. */
+export interface KvStreamDescriptor {
+  requestId: string;
   destinationBlockIds: number[];
   layers: [number, number];
 }
@@ -51,8 +112,16 @@ export interface KvPullResult {
   bytes: number;
   blocks: number;
   runs: number;
+  /** From the connection's start to the last run checked. */
   ms: number;
-  link: 'tcp';
+  link: KvLink;
+  /** The source blocks the runs came from, in position order (a stream learns them at the end). */
+  sourceBlockIds: number[];
+  /**
+   * The prefill side's link busy time (its writes until the kernel took them) before the prefill ended: hidden
+   * behind it. 0 for a pull.
+   */
+  overlapMs: number;
 }
 
 interface PlannedRun {
@@ -63,17 +132,20 @@ interface PlannedRun {
   count: number;
 }
 
-/** The runs a descriptor means, in the order the prefill side sends them: layer, then K and V, then block order. */
-export function planRuns(descriptor: KvPullDescriptor): PlannedRun[] {
+/** [source, destination, count]: consecutive ids on both sides merge into one run. */
+function mergeRuns(sources: readonly number[], destinations: readonly number[]): [number, number, number][] {
   const merged: [number, number, number][] = [];
-  const { sourceBlockIds: s, destinationBlockIds: d } = descriptor;
-  for (let i = 0; i < s.length; i++) {
+  for (let i = 0; i < sources.length; i++) {
     const last = merged[merged.length - 1];
-    if (last && s[i] === last[0] + last[2] && d[i] === last[1] + last[2]) last[2]++;
-    else merged.push([s[i]!, d[i]!, 1]);
+    if (last && sources[i] === last[0] + last[2] && destinations[i] === last[1] + last[2]) last[2]++;
+    else merged.push([sources[i]!, destinations[i]!, 1]);
   }
+  return merged;
+}
+
+function layerRuns(merged: readonly [number, number, number][], layers: readonly [number, number]): PlannedRun[] {
   const runs: PlannedRun[] = [];
-  for (let layer = descriptor.layers[0]; layer < descriptor.layers[1]; layer++) {
+  for (let layer = layers[0]; layer < layers[1]; layer++) {
     for (let kv = 0; kv < 2; kv++) {
       for (const [source, destination, count] of merged) runs.push({ layer, kv, source, destination, count });
     }
@@ -81,28 +153,103 @@ export function planRuns(descriptor: KvPullDescriptor): PlannedRun[] {
   return runs;
 }
 
-function checkDescriptor(value: Record<string, unknown>, view: KvPoolView, side: 'source' | 'destination'): KvPullDescriptor {
-  const ids = (list: unknown, name: string): number[] => {
-    if (!Array.isArray(list) || list.some((id) => !Number.isInteger(id) || id < 0)) throw new FrameError(`${name} must be block ids`);
-    return list as number[];
-  };
-  const requestId = value.requestId;
-  if (typeof requestId !== 'string' || requestId.length === 0) throw new FrameError('requestId must be a non-empty string');
-  const sourceBlockIds = ids(value.sourceBlockIds, 'sourceBlockIds');
-  const destinationBlockIds = ids(value.destinationBlockIds, 'destinationBlockIds');
-  if (sourceBlockIds.length !== destinationBlockIds.length) throw new FrameError('sourceBlockIds and destinationBlockIds must pair up');
-  const mine = side === 'source' ? sourceBlockIds : destinationBlockIds;
-  if (mine.some((id) => id >= view.layout.numBlocks)) throw new FrameError(`a ${side} block id is outside the pool (${view.layout.numBlocks} blocks)`);
-  const layers = value.layers;
+/** The runs a descriptor means, in the order the prefill side sends them: layer, then K and V, then block order. */
+export function planRuns(descriptor: KvPullDescriptor): PlannedRun[] {
+  return layerRuns(mergeRuns(descriptor.sourceBlockIds, descriptor.destinationBlockIds), descriptor.layers);
+}
+
+function blockIds(list: unknown, name: string, view: KvPoolView | null): number[] {
+  if (!Array.isArray(list) || list.some((id) => !Number.isInteger(id) || id < 0)) throw new FrameError(`${name} must be block ids`);
+  if (view && list.some((id: number) => id >= view.layout.numBlocks)) {
+    throw new FrameError(`a ${name === 'sourceBlockIds' ? 'source' : 'destination'} block id is outside the pool (${view.layout.numBlocks} blocks)`);
+  }
+  return list as number[];
+}
+
+function checkLayers(value: unknown, view: KvPoolView): [number, number] {
+  const layers = value;
   if (!Array.isArray(layers) || layers.length !== 2 || !Number.isInteger(layers[0]) || !Number.isInteger(layers[1])
     || layers[0] < 0 || layers[1] > view.layout.numLayers || layers[0] > layers[1]) {
     throw new FrameError(`layers must be [from, to) within ${view.layout.numLayers} layers`);
   }
-  return { requestId, sourceBlockIds, destinationBlockIds, layers: [layers[0], layers[1]] };
+  return [layers[0], layers[1]];
+}
+
+function checkRequestId(value: unknown): string {
+  if (typeof value !== 'string' || value.length === 0) throw new FrameError('requestId must be a non-empty string');
+  return value;
+}
+
+function checkDescriptor(value: Record<string, unknown>, view: KvPoolView, side: 'source' | 'destination'): KvPullDescriptor {
+  const requestId = checkRequestId(value.requestId);
+  const sourceBlockIds = blockIds(value.sourceBlockIds, 'sourceBlockIds', side === 'source' ? view : null);
+  const destinationBlockIds = blockIds(value.destinationBlockIds, 'destinationBlockIds', side === 'destination' ? view : null);
+  if (sourceBlockIds.length !== destinationBlockIds.length) throw new FrameError('sourceBlockIds and destinationBlockIds must pair up');
+  return { requestId, sourceBlockIds, destinationBlockIds, layers: checkLayers(value.layers, view) };
 }
 
 function runOffset(view: KvPoolView, layer: number, kv: number, block: number): number {
   return ((2 * layer + kv) * view.layout.numBlocks + block) * kvBlockRunBytes(view.layout);
+}
+
+/** Resolves when the socket has handed the kernel everything written to it, or closed. */
+function drained(socket: net.Socket): Promise<void> {
+  return new Promise((resolve) => {
+    const done = () => {
+      socket.off('drain', done);
+      socket.off('close', done);
+      resolve();
+    };
+    socket.on('drain', done);
+    socket.on('close', done);
+  });
+}
+
+/** Hands the kernel what a corked socket holds, then corks it again as deep as it was. */
+function flushCorked(socket: net.Socket): void {
+  const depth = socket.writableCorked;
+  for (let i = 0; i < depth; i++) socket.uncork();
+  for (let i = 0; i < depth; i++) socket.cork();
+}
+
+/**
+ * A link's busy time before one instant (the end of the prefill): batches from their first write until the kernel
+ * took their last byte; overlapping batches count once. A batch still in flight counts up to the instant.
+ */
+class BusyClock {
+  private before = 0;
+  private lastEnd = -Infinity;
+  private readonly inFlight = new Set<{ start: number }>();
+
+  begin(): { start: number } {
+    const batch = { start: performance.now() };
+    this.inFlight.add(batch);
+    return batch;
+  }
+
+  end(batch: { start: number }, split: number | undefined): void {
+    if (!this.inFlight.delete(batch)) return;
+    const from = Math.max(batch.start, this.lastEnd);
+    const end = Math.min(performance.now(), split ?? Infinity);
+    if (end > from) {
+      this.before += end - from;
+      this.lastEnd = end;
+    }
+  }
+
+  /** Busy time before `split`, counting the batches in flight (they started before it, or count nothing). */
+  beforeAt(split: number): number {
+    let total = this.before;
+    let lastEnd = this.lastEnd;
+    for (const { start } of [...this.inFlight].sort((a, b) => a.start - b.start)) {
+      const from = Math.max(start, lastEnd);
+      if (split > from) {
+        total += split - from;
+        lastEnd = split;
+      }
+    }
+    return total;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -114,22 +261,60 @@ export interface KvTransferServerOptions {
   pool: KvPoolView;
   /** Whether the request's blocks are still pinned here; a pull for any other request is refused. */
   isPinned?: (requestId: string) => boolean;
+  /** 'tcp' never offers shared memory (default 'auto'). */
+  link?: KvLinkPreference;
   log?: (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
   /**
    * Fault injection for tests: flip a byte of run `corruptRun`, close the connection after `truncateAfterRuns`, or
    * send nothing after `stallAfterRuns` runs and keep the connection open (a transfer in flight, as long as a test
-   * needs it).
+   * needs it). Runs are counted over the server's life (runsSent).
    */
   faults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
 }
 
-/** Serves pulls of pinned blocks from this worker's pool. */
+/** What the prefill side knows of a request's blocks: the full ones so far, all of them once handed off. */
+interface KnownRequest {
+  /** Source block ids of the computed full blocks, in position order (prefill running). */
+  full: number[];
+  /** Every block, once handed off (the blocks are pinned). */
+  final?: number[];
+  /** performance.now() at the handoff. */
+  handedOffAt?: number;
+}
+
+interface Transfer {
+  socket: net.Socket;
+  requestId: string;
+  destinations: number[];
+  layers: [number, number];
+  /** Which source block each position was sent from (-1: not sent). */
+  sent: Int32Array;
+  /** A pull: its source blocks, fixed. */
+  pullSources?: number[];
+  writer: ShmRunWriter | null;
+  runs: number;
+  bytes: number;
+  busy: BusyClock;
+  done: boolean;
+  /** A batch is on its way (flush waits for it, then sends what is new). */
+  sending: boolean;
+  /** When the prefill ended (performance.now()): busy time after it is not hidden. A pull's is -Infinity. */
+  handedOffAt?: number;
+  timer?: NodeJS.Timeout;
+}
+
+/** Serves pulls and streams of this worker's blocks. */
 export class KvTransferServer {
   private readonly server: net.Server;
   private readonly sockets = new Set<net.Socket>();
-  /** Transfers served, refused; runs written. */
+  private readonly known = new Map<string, KnownRequest>();
+  private readonly streams = new Map<string, Set<Transfer>>();
+  /** Requests that ended lately, and why: a stream that comes after the end is refused at once. */
+  private readonly endedLately = new Map<string, { why: string; at: number }>();
+  /** Transfers served, refused. */
   served = 0;
   refused = 0;
+  /** Runs written since the start (fault injection counts them). */
   runsSent = 0;
 
   constructor(private readonly options: KvTransferServerOptions) {
@@ -151,11 +336,66 @@ export class KvTransferServer {
     await new Promise<void>((resolve) => this.server.close(() => resolve()));
   }
 
+  // -------------------------------------------------------------------------------------------------------------
+  // What the engine tells: a prefill's progress, its handoff, its end
+
+  /** A request to hand off arrived: a stream for it waits for its blocks however long it queues. */
+  started(requestId: string): void {
+    this.endedLately.delete(requestId);
+    if (!this.known.has(requestId)) this.known.set(requestId, { full: [] });
+  }
+
+  /** A running prefill has computed these full blocks (position order, from the first): streams send the new ones. */
+  progress(requestId: string, fullBlockIds: readonly number[]): void {
+    const known = this.known.get(requestId) ?? { full: [] };
+    if (known.final) return;
+    known.full = fullBlockIds.slice();
+    this.known.set(requestId, known);
+    for (const transfer of this.streams.get(requestId) ?? []) this.flush(transfer);
+  }
+
+  /** A running prefill was preempted: its blocks may be rewritten, so whatever was sent of it is sent again. */
+  reset(requestId: string): void {
+    const known = this.known.get(requestId);
+    if (known && !known.final) known.full = [];
+    for (const transfer of this.streams.get(requestId) ?? []) transfer.sent.fill(-1);
+  }
+
+  /** The request is handed off, its blocks pinned: streams get the rest and end. */
+  handedOff(requestId: string, sourceBlockIds: readonly number[]): void {
+    const known = this.known.get(requestId) ?? { full: [] };
+    known.final = sourceBlockIds.slice();
+    known.handedOffAt = performance.now();
+    this.known.set(requestId, known);
+    for (const transfer of this.streams.get(requestId) ?? []) this.flush(transfer);
+  }
+
+  /** The request is over here (released after its handoff, aborted, or finished on its first token). */
+  ended(requestId: string, why: string): void {
+    this.known.delete(requestId);
+    const now = performance.now();
+    this.endedLately.delete(requestId);
+    this.endedLately.set(requestId, { why, at: now });
+    for (const [id, { at }] of this.endedLately) {
+      if (now - at < ENDED_MEMORY_MS && this.endedLately.size <= ENDED_MEMORY_MAX) break;
+      this.endedLately.delete(id);
+    }
+    for (const transfer of this.streams.get(requestId) ?? []) {
+      if (!transfer.done) this.fail(transfer, `request ${requestId} ${why} before its blocks were all sent`);
+    }
+  }
+
+  // -------------------------------------------------------------------------------------------------------------
+
   private accept(socket: net.Socket): void {
     this.sockets.add(socket);
     socket.setNoDelay(true);
     socket.on('error', () => {});
-    socket.on('close', () => this.sockets.delete(socket));
+    let transfer: Transfer | undefined;
+    socket.on('close', () => {
+      this.sockets.delete(socket);
+      if (transfer) this.forget(transfer);
+    });
     const reader = new FrameReader(64 * 1024);
     let authenticated = false;
     const timer = setTimeout(() => this.refuse(socket, 'no hello within 10 s'), 10_000);
@@ -172,12 +412,8 @@ export class KvTransferServer {
             reader.maxFrameBytes = MAX_CONTROL_BYTES;
             continue;
           }
-          if (message.t !== 'kv-pull') throw new FrameError(`unknown message type ${JSON.stringify(message.t).slice(0, 40)}`);
-          const descriptor = checkDescriptor(message, this.options.pool, 'source');
-          if (this.options.isPinned && !this.options.isPinned(descriptor.requestId)) {
-            throw new FrameError(`request ${descriptor.requestId} has no pinned blocks here`);
-          }
-          this.send(socket, descriptor);
+          if (transfer) throw new FrameError('one transfer per connection');
+          transfer = this.start(socket, message);
         }
       } catch (error) {
         this.refuse(socket, (error as Error).message);
@@ -185,49 +421,194 @@ export class KvTransferServer {
     });
   }
 
+  private start(socket: net.Socket, message: { t: string } & Record<string, unknown>): Transfer {
+    const view = this.options.pool;
+    let transfer: Transfer;
+    if (message.t === 'kv-pull') {
+      const descriptor = checkDescriptor(message, view, 'source');
+      if (this.options.isPinned && !this.options.isPinned(descriptor.requestId)) {
+        throw new FrameError(`request ${descriptor.requestId} has no pinned blocks here`);
+      }
+      transfer = this.transfer(socket, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId);
+      transfer.pullSources = descriptor.sourceBlockIds;
+      transfer.handedOffAt = -Infinity;
+    } else if (message.t === 'kv-stream') {
+      const requestId = checkRequestId(message.requestId);
+      const ended = this.endedLately.get(requestId);
+      if (ended && !this.known.has(requestId)) throw new FrameError(`request ${requestId} ${ended.why}`);
+      const destinations = blockIds(message.destinationBlockIds, 'destinationBlockIds', null);
+      transfer = this.transfer(socket, requestId, destinations, checkLayers(message.layers, view), message.hostId);
+      let set = this.streams.get(requestId);
+      if (!set) this.streams.set(requestId, set = new Set());
+      set.add(transfer);
+      transfer.timer = setTimeout(() => {
+        if (!this.known.has(requestId)) this.fail(transfer, `request ${requestId} is not prefilling here`);
+      }, UNKNOWN_REQUEST_MS);
+      transfer.timer.unref();
+    } else {
+      throw new FrameError(`unknown message type ${JSON.stringify(message.t).slice(0, 40)}`);
+    }
+    // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows.
+    socket.cork();
+    socket.write(encodeJsonFrame({ t: 'kv-link', link: transfer.writer ? 'shm' : 'tcp', ...(transfer.writer ? { file: transfer.writer.name } : {}) }));
+    this.flush(transfer);
+    if (!socket.destroyed) socket.uncork();
+    return transfer;
+  }
+
+  private transfer(socket: net.Socket, requestId: string, destinations: number[], layers: [number, number], hostId: unknown): Transfer {
+    const sameHost = this.options.link !== 'tcp' && typeof hostId === 'string' && hostId === kvHostId();
+    return {
+      socket, requestId, destinations, layers, sent: new Int32Array(destinations.length).fill(-1),
+      writer: sameHost ? ShmRunWriter.create() : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
+    };
+  }
+
+  /** Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. */
+  private flush(transfer: Transfer): void {
+    if (transfer.done || transfer.sending || transfer.socket.destroyed) return;
+    const known = transfer.pullSources ? undefined : this.known.get(transfer.requestId);
+    const sources = transfer.pullSources ?? known?.final ?? known?.full;
+    if (!sources) return;
+    const final = transfer.pullSources !== undefined || known?.final !== undefined;
+    if (sources.length > transfer.destinations.length || (final && sources.length !== transfer.destinations.length)) {
+      this.fail(transfer, `request ${transfer.requestId} has ${final ? '' : 'at least '}${sources.length} blocks here, the decode side named ${transfer.destinations.length} destinations`);
+      return;
+    }
+    const from: number[] = [];
+    const to: number[] = [];
+    for (let p = 0; p < sources.length; p++) {
+      if (transfer.sent[p] === sources[p]) continue;
+      transfer.sent[p] = sources[p]!;
+      from.push(sources[p]!);
+      to.push(transfer.destinations[p]!);
+    }
+    if (known?.handedOffAt !== undefined) transfer.handedOffAt = known.handedOffAt;
+    if (from.length > 0) {
+      // Paced by the socket (see send); whatever became known meanwhile goes after it, then kv-done if final.
+      transfer.sending = true;
+      void this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers)).then((ok) => {
+        transfer.sending = false;
+        if (ok) this.flush(transfer);
+      });
+      return;
+    }
+    if (!final) return;
+    transfer.done = true;
+    clearTimeout(transfer.timer);
+    this.served++;
+    // Right behind the last run: what the link did before the prefill ended (a pull: nothing).
+    const overlapMs = transfer.pullSources ? 0 : transfer.busy.beforeAt(transfer.handedOffAt ?? performance.now());
+    transfer.socket.end(encodeJsonFrame({ t: 'kv-done', runs: transfer.runs, bytes: transfer.bytes, sourceBlockIds: sources, overlapMs }));
+  }
+
+  /**
+   * One batch of runs, in frames of at most SEND_FRAME_BYTES (a long run of consecutive blocks is cut into runs of
+   * fewer blocks), each checksummed just before it is written, so the kernel copies it while it is still in cache;
+   * small frames share a write. Past SEND_AHEAD_BYTES not yet taken by the kernel, the next frames wait for the
+   * socket to drain. Resolves false when the transfer failed (a fault, a closed socket) meanwhile.
+   */
+  private async send(transfer: Transfer, runs: PlannedRun[]): Promise<boolean> {
+    const view = this.options.pool;
+    const runBytes = kvBlockRunBytes(view.layout);
+    const perFrame = Math.max(1, Math.floor(SEND_FRAME_BYTES / runBytes));
+    const { socket, writer } = transfer;
+    const { faults } = this.options;
+    const batch = transfer.busy.begin();
+    let corked = 0;
+    socket.cork();
+    try {
+      for (const run of runs) {
+        for (let offset = 0; offset < run.count; offset += perFrame) {
+          if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
+            socket.uncork();
+            socket.destroySoon();
+            transfer.done = true;
+            return false;
+          }
+          if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
+            // Nothing more on this transfer, the connection stays open until the decode side closes it.
+            socket.uncork();
+            transfer.done = true;
+            return false;
+          }
+          const count = Math.min(perFrame, run.count - offset);
+          const at = runOffset(view, run.layer, run.kv, run.source + offset);
+          const length = count * runBytes;
+          // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
+          // side has them, so nothing rewrites them while the kernel copies.
+          let body: Uint8Array = Buffer.from(view.pool, at, length);
+          const checksum = kvChecksum(body);
+          if (faults?.corruptRun === this.runsSent) {
+            body = Buffer.from(body);
+            body[length >> 1] = body[length >> 1]! ^ 0xff;
+          }
+          const header = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + (writer ? SHM_OFFSET_BYTES : 0));
+          header.writeUInt32BE(header.length - 4 + (writer ? 0 : length), 0);
+          header[4] = writer ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
+          header.writeUInt16BE(run.layer, 5);
+          header[7] = run.kv;
+          header[8] = 0;
+          header.writeUInt32BE(run.destination + offset, 9);
+          header.writeUInt32BE(count, 13);
+          header.writeUInt32BE(length, 17);
+          header.writeUInt32BE(checksum, 21);
+          header.writeUInt32BE(0, 25);
+          if (writer) {
+            const fileOffset = writer.write(body);
+            header.writeUInt32BE(Math.floor(fileOffset / 2 ** 32), 29);
+            header.writeUInt32BE(fileOffset % 2 ** 32, 33);
+            socket.write(header);
+          } else {
+            socket.write(header);
+            socket.write(body);
+            corked += length;
+          }
+          this.runsSent++;
+          transfer.runs++;
+          transfer.bytes += length;
+          if (corked >= SEND_FRAME_BYTES) {
+            flushCorked(socket);
+            corked = 0;
+            if (socket.writableLength >= SEND_AHEAD_BYTES) {
+              socket.uncork();
+              await drained(socket);
+              if (socket.destroyed || transfer.done) return false;
+              socket.cork();
+            }
+          }
+        }
+      }
+    } catch (error) {
+      socket.uncork();
+      this.fail(transfer, `writing the runs failed: ${(error as Error).message}`);
+      return false;
+    }
+    socket.uncork();
+    // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end counts).
+    socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
+    return true;
+  }
+
+
+  private fail(transfer: Transfer, reason: string): void {
+    transfer.done = true;
+    clearTimeout(transfer.timer);
+    this.refuse(transfer.socket, reason);
+  }
+
+  private forget(transfer: Transfer): void {
+    clearTimeout(transfer.timer);
+    transfer.writer?.close();
+    const set = this.streams.get(transfer.requestId);
+    if (set?.delete(transfer) && set.size === 0) this.streams.delete(transfer.requestId);
+  }
+
   private refuse(socket: net.Socket, reason: string): void {
     if (socket.destroyed) return;
     this.refused++;
     this.options.log?.('warn', `KV transfer: refusing ${socket.remoteAddress}:${socket.remotePort}: ${reason}`);
     socket.end(encodeJsonFrame({ t: 'kv-error', reason }));
-  }
-
-  /** Writes the runs layer by layer; each run one frame, its header carrying length and CRC-32. */
-  private send(socket: net.Socket, descriptor: KvPullDescriptor): void {
-    const view = this.options.pool;
-    const bytes = new Uint8Array(view.pool);
-    const runBytes = kvBlockRunBytes(view.layout);
-    const { faults } = this.options;
-    let sent = 0;
-    let total = 0;
-    for (const run of planRuns(descriptor)) {
-      if (faults?.truncateAfterRuns !== undefined && sent === faults.truncateAfterRuns) {
-        socket.destroy();
-        return;
-      }
-      if (faults?.stallAfterRuns !== undefined && sent === faults.stallAfterRuns) return;
-      const at = runOffset(view, run.layer, run.kv, run.source);
-      const length = run.count * runBytes;
-      // A copy: the pool is shared memory, and the socket may send after this function returns.
-      const body = Buffer.from(bytes.subarray(at, at + length));
-      const header = Buffer.alloc(5 + RUN_HEADER_BYTES);
-      header.writeUInt32BE(1 + RUN_HEADER_BYTES + length, 0);
-      header[4] = FRAME_KV_RUN;
-      header.writeUInt16BE(run.layer, 5);
-      header[7] = run.kv;
-      header.writeUInt32BE(run.destination, 9);
-      header.writeUInt32BE(run.count, 13);
-      header.writeUInt32BE(length, 17);
-      header.writeUInt32BE(crc32(body), 21);
-      if (faults?.corruptRun === sent) body[length >> 1] = body[length >> 1]! ^ 0xff;
-      socket.write(header);
-      socket.write(body);
-      sent++;
-      this.runsSent++;
-      total += length;
-    }
-    this.served++;
-    socket.end(encodeJsonFrame({ t: 'kv-done', runs: sent, bytes: total }));
   }
 }
 
@@ -241,9 +622,20 @@ export interface KvPullOptions {
   port: number;
   /** Where the blocks go: the decode worker's pool (or a staging pool handed to its engine). */
   destination: KvPoolView;
+  /** Rejects with 'timeout' after this long (default 30 s for a pull; a stream waits for its prefill unless set). */
   timeoutMs?: number;
-  /** Stops the transfer (the connection is closed): rejects with reason 'aborted'. */
+  /** 'tcp' does not offer shared memory (default 'auto'). */
+  link?: KvLinkPreference;
+  /** Stops the transfer (the connection is closed): rejects with reason 'aborted' (not a failed transfer). */
   signal?: AbortSignal;
+}
+
+/** A transfer under way; cancel() rejects it with 'cancelled' and closes the connection. */
+export interface KvTransferHandle {
+  result: Promise<KvPullResult>;
+  cancel(why: string): void;
+  /** Starts (or restarts) a deadline: rejects with 'timeout' unless done within ms. */
+  deadline(ms: number): void;
 }
 
 /**
@@ -252,96 +644,289 @@ export interface KvPullOptions {
  * or overwrites by prefilling).
  */
 export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOptions): Promise<KvPullResult> {
+  checkDescriptor(descriptor as unknown as Record<string, unknown>, options.destination, 'destination');
+  const handle = receive({ t: 'kv-pull', ...descriptor }, descriptor, options);
+  handle.deadline(options.timeoutMs ?? 30_000);
+  return handle.result.then((result) => {
+    if (result.sourceBlockIds.some((id, i) => id !== descriptor.sourceBlockIds[i])) {
+      throw new KvTransferError('unexpected-run', `KV transfer of ${descriptor.requestId}: the prefill side sent other source blocks`);
+    }
+    return result;
+  });
+}
+
+/**
+ * Streams a prompt's blocks into the destination pool while the prefill side computes them. The result comes after
+ * the prefill side's handoff; the caller checks its sourceBlockIds against the handoff's.
+ */
+export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
+  blockIds(descriptor.destinationBlockIds, 'destinationBlockIds', options.destination);
+  checkLayers(descriptor.layers, options.destination);
+  const handle = receive({ t: 'kv-stream', ...descriptor }, descriptor, options);
+  if (options.timeoutMs !== undefined) handle.deadline(options.timeoutMs);
+  return handle;
+}
+
+function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
   const view = options.destination;
-  checkDescriptor(descriptor as unknown as Record<string, unknown>, view, 'destination');
-  const expected = planRuns(descriptor);
+  const { requestId, destinationBlockIds: destinations, layers } = descriptor;
   const runBytes = kvBlockRunBytes(view.layout);
   const pool = new Uint8Array(view.pool);
+  const positions = destinations.length;
+  const numLayers = layers[1] - layers[0];
+  const covered = new Uint8Array(positions * numLayers * 2);
+  let numCovered = 0;
+  const positionOf = new Map<number, number>();
+  destinations.forEach((id, p) => positionOf.set(id, p));
   const started = performance.now();
-  return new Promise((resolve, reject) => {
-    const socket = net.connect({ host: options.host, port: options.port });
-    socket.setNoDelay(true);
-    let next = 0;
-    let bytes = 0;
-    let settled = false;
-    let chunks: Buffer[] = [];
-    let buffered = 0;
-    const finish = (error: KvTransferError | null) => {
-      if (settled) return;
-      settled = true;
-      clearTimeout(timer);
-      socket.destroy();
-      if (error) reject(error);
-      else resolve({ bytes, blocks: descriptor.sourceBlockIds.length, runs: next, ms: performance.now() - started, link: 'tcp' });
-    };
-    const timer = setTimeout(() => finish(new KvTransferError('timeout', `KV transfer of ${descriptor.requestId} took over ${options.timeoutMs ?? 30_000} ms`)),
-      options.timeoutMs ?? 30_000);
-    const onAbort = () => finish(new KvTransferError('aborted', `KV transfer of ${descriptor.requestId} aborted after ${next} of ${expected.length} runs`));
-    if (options.signal?.aborted) onAbort();
-    options.signal?.addEventListener('abort', onAbort, { once: true });
-    socket.once('close', () => options.signal?.removeEventListener('abort', onAbort));
-    socket.on('connect', () => {
-      socket.write(encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }));
-      socket.write(encodeJsonFrame({ t: 'kv-pull', ...descriptor }));
-    });
-    socket.on('error', (error) => finish(new KvTransferError(next === 0 && bytes === 0 ? 'connect' : 'truncated',
-      `KV transfer of ${descriptor.requestId}: ${error.message}`)));
-    socket.on('close', () => finish(new KvTransferError('truncated',
-      `KV transfer of ${descriptor.requestId} ended after ${next} of ${expected.length} runs`)));
-    socket.on('data', (chunk: Buffer) => {
-      chunks.push(chunk);
-      buffered += chunk.length;
-      try {
-        while (!settled && buffered >= 5) {
-          // Only the header is looked at until the whole frame is in: no copying per chunk of a large run.
-          if (chunks[0]!.length < 5) chunks = [Buffer.concat(chunks)];
-          const length = chunks[0]!.readUInt32BE(0);
-          const kind = chunks[0]![4]!;
-          const run = expected[next];
-          const limit = kind === FRAME_KV_RUN ? 1 + RUN_HEADER_BYTES + (run ? run.count * runBytes : 0) : MAX_CONTROL_BYTES;
-          if (length < 1 || length > limit) {
-            throw new KvTransferError(kind === FRAME_KV_RUN ? 'length' : 'unexpected-run', `frame of ${length} bytes (kind ${kind}) is not what the descriptor allows`);
-          }
-          if (buffered < 4 + length) return;
-          const all = chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, buffered);
-          const frame = all.subarray(5, 4 + length);
-          const rest = all.subarray(4 + length);
-          chunks = rest.length > 0 ? [rest] : [];
-          buffered = rest.length;
-          if (kind === FRAME_JSON) {
-            const message = parseJsonMessage(frame);
-            if (message.t === 'kv-error') throw new KvTransferError('refused', `KV transfer of ${descriptor.requestId} refused: ${String(message.reason)}`);
-            if (message.t !== 'kv-done') throw new KvTransferError('unexpected-run', `unexpected message ${message.t}`);
-            if (next !== expected.length || message.bytes !== bytes) {
-              throw new KvTransferError('truncated', `KV transfer of ${descriptor.requestId}: done after ${next} of ${expected.length} runs`);
-            }
-            finish(null);
-            return;
-          }
-          if (kind !== FRAME_KV_RUN || !run) throw new KvTransferError('unexpected-run', `unexpected frame of kind ${kind} after ${next} runs`);
-          const layer = frame.readUInt16BE(0);
-          const kv = frame[2]!;
-          const destination = frame.readUInt32BE(4);
-          const count = frame.readUInt32BE(8);
-          const byteLength = frame.readUInt32BE(12);
-          const checksum = frame.readUInt32BE(16);
-          const body = frame.subarray(RUN_HEADER_BYTES);
-          if (layer !== run.layer || kv !== run.kv || destination !== run.destination || count !== run.count) {
-            throw new KvTransferError('unexpected-run', `run ${next} is layer ${layer}/${kv} block ${destination}x${count}, expected ${run.layer}/${run.kv} block ${run.destination}x${run.count}`);
-          }
-          if (byteLength !== count * runBytes || body.length !== byteLength) {
-            throw new KvTransferError('length', `run ${next}: ${body.length} bytes, header says ${byteLength}, expected ${count * runBytes}`);
-          }
-          if (crc32(body) !== checksum) throw new KvTransferError('checksum', `run ${next} (layer ${layer}) of ${descriptor.requestId}: checksum mismatch`);
-          pool.set(body, runOffset(view, layer, kv, destination));
-          bytes += byteLength;
-          next++;
-        }
-      } catch (error) {
-        finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
+  const hostId = options.link === 'tcp' ? null : kvHostId();
+  let settle!: { resolve: (r: KvPullResult) => void; reject: (e: Error) => void };
+  const result = new Promise<KvPullResult>((resolve, reject) => { settle = { resolve, reject }; });
+  let settled = false;
+  let timer: NodeJS.Timeout | undefined;
+  let link: KvLink = 'tcp';
+  let shm: ShmRunReader | null = null;
+  let runs = 0;
+  let bytes = 0;
+
+  // Parser state: a frame header (5 bytes, then a run's header), a run's bytes, or a JSON frame.
+  const head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
+  let headHave = 0;
+  let headNeed = 5;
+  let state: 'head' | 'body' | 'json' = 'head';
+  let frameLength = 0;
+  let bodyAt = 0;
+  let bodyLeft = 0;
+  let bodyCrc = 0;
+  let bodyChecksum = 0;
+  let bodyMark = 0;
+  let json: Buffer[] = [];
+  let jsonLeft = 0;
+
+  const finish = (error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }) => {
+    if (settled) return;
+    settled = true;
+    clearTimeout(timer);
+    options.signal?.removeEventListener('abort', onAbort);
+    socket.destroy();
+    if (shm) {
+      try { shm.close(); } catch { /* gone already */ }
+    }
+    if (error) {
+      error.link ??= link;
+      settle.reject(error);
+    } else {
+      settle.resolve({
+        bytes, blocks: positions, runs, ms: performance.now() - started, link, sourceBlockIds: done!.sourceBlockIds,
+        overlapMs: done!.overlapMs,
+      });
+    }
+  };
+  const fail = (reason: KvTransferFailure, message: string): never => {
+    throw new KvTransferError(reason, `KV transfer of ${requestId}: ${message}`);
+  };
+
+  /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or read them (shm). */
+  const startRun = (): void => {
+    const layer = head.readUInt16BE(5);
+    const kv = head[7]!;
+    const destination = head.readUInt32BE(9);
+    const count = head.readUInt32BE(13);
+    const byteLength = head.readUInt32BE(17);
+    const position = positionOf.get(destination);
+    if (layer < layers[0] || layer >= layers[1] || kv > 1 || count < 1 || position === undefined || position + count > positions) {
+      fail('unexpected-run', `run ${runs} (layer ${layer}/${kv}, block ${destination}x${count}) is not in the descriptor`);
+    }
+    for (let i = 1; i < count; i++) {
+      if (destinations[position! + i] !== destination + i) fail('unexpected-run', `run ${runs}: blocks ${destination}x${count} are not consecutive destinations`);
+    }
+    if (byteLength !== count * runBytes) fail('length', `run ${runs}: header says ${byteLength} bytes, expected ${count * runBytes}`);
+    bodyMark = ((layer - layers[0]) * 2 + kv) * positions + position!;
+    bodyAt = runOffset(view, layer, kv, destination);
+    bodyLeft = byteLength;
+    bodyChecksum = head.readUInt32BE(21);
+    bodyCrc = 0;
+    if (head[4] === FRAME_KV_RUN) {
+      if (frameLength !== 1 + RUN_HEADER_BYTES + byteLength) fail('length', `run ${runs}: frame of ${frameLength} bytes for ${byteLength} bytes of KV`);
+      state = 'body';
+      return;
+    }
+    if (!shm) fail('unexpected-run', 'a shared-memory run on the tcp link');
+    const offset = head.readUInt32BE(29) * 2 ** 32 + head.readUInt32BE(33);
+    const into = pool.subarray(bodyAt, bodyAt + byteLength);
+    if (!shm!.read(into, offset)) fail('truncated', `run ${runs}: the shared-memory file ends before offset ${offset + byteLength}`);
+    bodyCrc = kvChecksum(into);
+    bodyLeft = 0;
+    endRun(count);
+  };
+  const endRun = (count = head.readUInt32BE(13)): void => {
+    if (bodyCrc !== bodyChecksum) fail('checksum', `run ${runs} (layer ${head.readUInt16BE(5)}): checksum mismatch`);
+    for (let i = 0; i < count; i++) {
+      if (covered[bodyMark + i] === 0) {
+        covered[bodyMark + i] = 1;
+        numCovered++;
       }
-    });
+    }
+    bytes += count * runBytes;
+    runs++;
+    state = 'head';
+  };
+  const control = (payload: Buffer): void => {
+    const message = parseJsonMessage(payload);
+    if (message.t === 'kv-error') fail('refused', `refused: ${String(message.reason)}`);
+    if (message.t === 'kv-link') {
+      if (message.link === 'shm') {
+        if (typeof message.file !== 'string') fail('link', 'kv-link names no file');
+        try {
+          shm = ShmRunReader.open(message.file as string);
+        } catch (error) {
+          // Gone already: the prefill side ended the transfer (and removed its file) right after naming it.
+          const gone = (error as NodeJS.ErrnoException).code === 'ENOENT';
+          fail(gone ? 'truncated' : 'link', `cannot open the shared-memory file: ${(error as Error).message}`);
+        }
+        link = 'shm';
+      }
+      return;
+    }
+    if (message.t !== 'kv-done') fail('unexpected-run', `unexpected message ${String(message.t)}`);
+    if (numCovered !== covered.length || message.bytes !== bytes) {
+      fail('truncated', `done with ${numCovered} of ${covered.length} block layers (${bytes} bytes, the prefill side says ${String(message.bytes)})`);
+    }
+    const sources = message.sourceBlockIds;
+    if (!Array.isArray(sources) || sources.length !== positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
+      fail('unexpected-run', 'kv-done does not name a source block per destination');
+    }
+    const number = (value: unknown) => (typeof value === 'number' && Number.isFinite(value) && value >= 0 ? value : 0);
+    finish(null, { sourceBlockIds: sources as number[], overlapMs: number(message.overlapMs) });
+  };
+
+  /**
+   * Reads the rest of the current run from the socket straight into its destination block, as far as the kernel
+   * has bytes (the next bytes of the stream are the run's: the read buffer was used up). No copy through the read
+   * buffer; the checksum is taken of what landed, while it is in cache.
+   */
+  const readDirect = (): void => {
+    const fd = directFd();
+    if (fd < 0) return;
+    // Bounded per turn of the event loop: the rest comes at the next.
+    for (let budget = DIRECT_READ_BUDGET; bodyLeft > 0 && budget > 0;) {
+      let n: number;
+      // The usual end of this loop is EAGAIN, an exception: without a stack trace it costs little.
+      const stackTraceLimit = Error.stackTraceLimit;
+      Error.stackTraceLimit = 0;
+      try {
+        n = readSync(fd, pool, bodyAt, bodyLeft, null);
+      } catch {
+        // EAGAIN: nothing more now. Anything else (a reset): the socket's own read reports it.
+        return;
+      } finally {
+        Error.stackTraceLimit = stackTraceLimit;
+      }
+      if (n === 0) return; // end of stream: the socket's own read sees it too
+      bodyCrc = kvChecksum(pool.subarray(bodyAt, bodyAt + n), bodyCrc);
+      bodyAt += n;
+      bodyLeft -= n;
+      budget -= n;
+    }
+  };
+  let fdCache: number | undefined;
+  const directFd = (): number => {
+    if (fdCache === undefined) {
+      const fd = DIRECT_READ ? (socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
+      fdCache = typeof fd === 'number' && Number.isInteger(fd) && fd >= 0 ? fd : -1;
+    }
+    return fdCache;
+  };
+
+  const onBytes = (chunk: Buffer): void => {
+    let i = 0;
+    try {
+      while (i < chunk.length && !settled) {
+        if (state === 'body') {
+          const take = Math.min(bodyLeft, chunk.length - i);
+          const part = chunk.subarray(i, i + take);
+          bodyCrc = kvChecksum(part, bodyCrc);
+          pool.set(part, bodyAt);
+          bodyAt += take;
+          bodyLeft -= take;
+          i += take;
+          // The chunk is used up inside a run: what the socket holds next is this run's, read straight into its block.
+          if (bodyLeft > 0) readDirect();
+          if (bodyLeft === 0) endRun();
+          continue;
+        }
+        if (state === 'json') {
+          const take = Math.min(jsonLeft, chunk.length - i);
+          json.push(Buffer.from(chunk.subarray(i, i + take)));
+          jsonLeft -= take;
+          i += take;
+          if (jsonLeft === 0) {
+            state = 'head';
+            control(Buffer.concat(json));
+            json = [];
+          }
+          continue;
+        }
+        const take = Math.min(headNeed - headHave, chunk.length - i);
+        chunk.copy(head, headHave, i, i + take);
+        headHave += take;
+        i += take;
+        if (headHave < headNeed) break;
+        if (headNeed === 5) {
+          frameLength = head.readUInt32BE(0);
+          const kind = head[4]!;
+          if (kind === FRAME_KV_RUN) {
+            if (frameLength < 1 + RUN_HEADER_BYTES) fail('length', `run frame of ${frameLength} bytes`);
+            headNeed = 5 + RUN_HEADER_BYTES;
+          } else if (kind === FRAME_KV_SHM_RUN) {
+            if (frameLength !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) fail('length', `shared-memory run frame of ${frameLength} bytes`);
+            headNeed = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
+          } else if (kind === FRAME_JSON) {
+            if (frameLength < 2 || frameLength > MAX_CONTROL_BYTES) fail('length', `control frame of ${frameLength} bytes`);
+            jsonLeft = frameLength - 1;
+            headHave = 0;
+            state = 'json';
+          } else {
+            fail('unexpected-run', `unexpected frame of kind ${kind} after ${runs} runs`);
+          }
+          continue;
+        }
+        headHave = 0;
+        headNeed = 5;
+        startRun();
+      }
+    } catch (error) {
+      finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
+    }
+  };
+
+  // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
+  const socket = net.connect({
+    host: options.host, port: options.port,
+    onread: { buffer: Buffer.allocUnsafe(READ_BUFFER_BYTES), callback: (n: number, buffer: Uint8Array) => { onBytes((buffer as Buffer).subarray(0, n)); return true; } },
   });
+  socket.setNoDelay(true);
+  socket.on('connect', () => {
+    // One write: the prefill side reads both at once.
+    socket.write(Buffer.concat([
+      encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }),
+      encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) }),
+    ]));
+  });
+  socket.on('error', (error) => finish(new KvTransferError(runs === 0 && bytes === 0 ? 'connect' : 'truncated',
+    `KV transfer of ${requestId}: ${error.message}`)));
+  socket.on('close', () => finish(new KvTransferError('truncated', `KV transfer of ${requestId} ended after ${runs} runs (${numCovered} of ${covered.length} block layers)`)));
+  const onAbort = () => finish(new KvTransferError('aborted', `KV transfer of ${requestId} aborted after ${runs} runs`));
+  if (options.signal?.aborted) onAbort();
+  else options.signal?.addEventListener('abort', onAbort, { once: true });
+  return {
+    result,
+    cancel: (why) => finish(new KvTransferError('cancelled', `KV transfer of ${requestId} cancelled: ${why}`)),
+    deadline: (ms) => {
+      clearTimeout(timer);
+      timer = setTimeout(() => finish(new KvTransferError('timeout', `KV transfer of ${requestId} took over ${ms} ms`)), ms);
+    },
+  };
 }
 
 // ---------------------------------------------------------------------------------------------------------------

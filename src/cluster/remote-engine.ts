@@ -201,6 +201,16 @@ export class RemoteEngine implements RoutableEngine {
     return this.follow(this.streams, request.id, queue);
   }
 
+  /**
+   * Decode worker: the request is about to prefill on `prefillId`; the worker starts streaming its blocks from that
+   * worker's KV port as they are computed (the adopt that follows finds them there).
+   */
+  expectHandoff(request: EngineRequest, prefillId: string): void {
+    const source = this.kvSourceAddress?.(prefillId);
+    if (!source || this.lostError || this.closed || this.socket.destroyed) return;
+    this.socket.write(encodeJsonFrame({ t: 'expect', id: request.id, promptTokens: request.promptTokenIds.length, source, sentAt: engineNow() }));
+  }
+
   onAdopted(listener: (result: AdoptedResult) => void): () => void {
     this.adoptedListeners.add(listener);
     return () => this.adoptedListeners.delete(listener);

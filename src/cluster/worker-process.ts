@@ -14,6 +14,7 @@ import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { simPool, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
 import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerRecord } from './discovery.ts';
 import { checkWorkerId, EventPublisher, natsConnect, type NatsConnectOptions } from './events.ts';
+import type { KvLinkPreference } from './kv-shm.ts';
 import { WorkerServer, type ClusterLog } from './worker-server.ts';
 
 export interface ClusterWorkerOptions {
@@ -29,6 +30,8 @@ export interface ClusterWorkerOptions {
   nats?: NatsConnectOptions;
   leaseTtlSeconds: number;
   maxFrameBytes?: number;
+  /** 'tcp': KV transfers with workers on this host go over TCP too, not shared memory (default 'auto'). */
+  kvLink?: KvLinkPreference;
   /** The engine: cpu (a model file) or sim; the rest of the pool options as `conduit serve` takes them. */
   pool: Omit<WorkerPoolOptions, 'workers'>;
   log: ClusterLog;
@@ -67,6 +70,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
   const server = new WorkerServer({
     workerId, engine, role: options.role, clusterToken: options.clusterToken, tokenizer, chatTemplate, log,
     ...(options.maxFrameBytes !== undefined ? { maxFrameBytes: options.maxFrameBytes } : {}),
+    ...(options.kvLink ? { kvLink: options.kvLink } : {}),
   });
   let port: number;
   try {

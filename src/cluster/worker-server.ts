@@ -18,12 +18,16 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
-import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent } from '../engine/handoff.ts';
+import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent, PrefillProgress } from '../engine/handoff.ts';
 import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineStats, KvLinkStats } from '../protocols/worker.ts';
 import { shiftAdopted, shiftHandoff, shiftOutput, shiftRequest, tightenClockOffset } from './clock-offset.ts';
-import { KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, toWireHandoff } from './kv-tcp.ts';
+import {
+  KvTransferError, KvTransferServer, parseWireHandoff, pullKvBlocks, streamKvBlocks, toWireHandoff, type KvLink,
+  type KvPullResult, type KvTransferHandle,
+} from './kv-tcp.ts';
+import type { KvLinkPreference } from './kv-shm.ts';
 import {
   DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
 } from './frames.ts';
@@ -45,11 +49,30 @@ export interface WorkerServerOptions {
   log?: ClusterLog;
   /** Fault injection on a prefill worker's KV port, for tests (see KvTransferServerOptions.faults). */
   kvFaults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
+  /** 'tcp': KV transfers never use shared memory, even between workers on one host (default 'auto'). */
+  kvLink?: KvLinkPreference;
+}
+
+/** How long a KV stream started before its handoff may wait for it (the prefill's queue and compute). */
+const STREAM_UNCLAIMED_MS = 10 * 60_000;
+/** Stream failures that mean the KV cannot be trusted, as opposed to a stream nobody needed any more. */
+const INTEGRITY_FAILURES: ReadonlySet<string> = new Set(['checksum', 'length', 'unexpected-run', 'truncated', 'link']);
+/** How long the rest of a transfer may take once the handoff is here. */
+const TRANSFER_TIMEOUT_MS = 30_000;
+
+/** A KV stream a decode worker started when told a request would prefill elsewhere (see expect()). */
+interface IncomingStream {
+  handle: KvTransferHandle;
+  ids: number[];
+  host: string;
+  port: number;
+  connection: Connection;
+  claimed: boolean;
 }
 
 /** The source id a decode worker's engine knows its TCP staging pool by. */
 const STAGING_SOURCE = 'tcp-staging';
-/** The link label of KV pulled over the TCP transfer engine (kv-tcp.ts). */
+/** The link label of KV moved over the TCP transfer engine (kv-tcp.ts) when the link it took is not known. */
 const KV_LINK_TCP = 'tcp';
 
 /** One request's KV pull, as its kv_transfer reports it. */
@@ -62,6 +85,8 @@ interface PullFacts {
   reused: number;
   runs: number;
   link: string;
+  /** A streamed transfer: the link's busy ms before the prefill ended (hidden behind it). */
+  overlapMs?: number;
 }
 
 interface Connection {
@@ -116,6 +141,11 @@ export class WorkerServer {
   readonly kvTransfers = new Map<string, number>();
   /** Imports that fell back to a prefill here, by link: what the stats carry to frontends (their /metrics). */
   private linkStats: Record<string, KvLinkStats> = {};
+  /** Decode role: KV streams started before their handoff, by request id. */
+  private readonly incoming = new Map<string, IncomingStream>();
+  /** Streams that failed a check before their handoff came: the adopt counts the failure and prefills here. */
+  private readonly failedStreams = new Map<string, KvTransferError>();
+  private readonly offProgress: (() => void) | undefined;
 
   constructor(private readonly options: WorkerServerOptions) {
     this.workerId = options.workerId;
@@ -137,7 +167,15 @@ export class WorkerServer {
       this.kvServer = new KvTransferServer({
         clusterToken: options.clusterToken, pool: { pool: engine.kvPool, layout: engine.kvLayout },
         isPinned: (id) => this.pinned.has(id), ...(options.log ? { log: options.log } : {}),
-        ...(options.kvFaults ? { faults: options.kvFaults } : {}),
+        ...(options.kvFaults ? { faults: options.kvFaults } : {}), ...(options.kvLink ? { link: options.kvLink } : {}),
+      });
+      const kvServer = this.kvServer;
+      const withProgress = engine as { onPrefillProgress?(listener: (progress: PrefillProgress[]) => void): () => void };
+      this.offProgress = withProgress.onPrefillProgress?.((progress) => {
+        for (const p of progress) {
+          if (p.fullBlockIds) kvServer.progress(p.requestId, p.fullBlockIds);
+          else kvServer.reset(p.requestId);
+        }
       });
     }
     if (this.role === 'decode' && engine.kvLayout && engine.attachKvSource && engine.onAdopted) {
@@ -223,6 +261,8 @@ export class WorkerServer {
     clearInterval(this.heartbeat);
     this.offEvents?.();
     this.offAdopted?.();
+    this.offProgress?.();
+    for (const id of [...this.incoming.keys()]) this.cancelIncoming(id, 'the worker is closing');
     await this.kvServer?.close();
     for (const c of this.connections) c.socket.destroy();
     await new Promise<void>((resolve) => this.server.close(() => resolve()));
@@ -265,6 +305,7 @@ export class WorkerServer {
       this.connections.delete(connection);
       // The frontend is gone: what it started stops here.
       for (const id of connection.requests) this.abortRequest(id);
+      for (const [id, stream] of this.incoming) if (stream.connection === connection) this.cancelIncoming(id, 'the frontend is gone');
     });
   }
 
@@ -298,14 +339,23 @@ export class WorkerServer {
       case 'gen': return this.generate(connection, message.request, this.clockOffset(connection, message.sentAt));
       case 'prefill': return this.prefill(connection, message.request, this.clockOffset(connection, message.sentAt));
       case 'adopt': return this.adopt(connection, message, this.clockOffset(connection, message.sentAt));
+      // An expect carries no times: its sentAt only tightens the connection's offset estimate.
+      case 'expect':
+        this.clockOffset(connection, message.sentAt);
+        return this.expect(connection, message);
       case 'release': {
         const id = message.id;
-        if (typeof id === 'string' && this.pinned.delete(id)) (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
+        if (typeof id === 'string' && this.pinned.delete(id)) {
+          (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
+          this.kvServer?.ended(id, 'was released');
+        }
         return;
       }
       case 'abort': {
         const id = message.id;
-        if (typeof id === 'string' && connection.requests.has(id)) this.abortRequest(id);
+        if (typeof id !== 'string') return;
+        if (this.incoming.get(id)?.connection === connection) this.cancelIncoming(id, 'aborted');
+        if (connection.requests.has(id)) this.abortRequest(id);
         return;
       }
       case 'reset': {
@@ -368,6 +418,8 @@ export class WorkerServer {
     }
     this.running.set(id, connection);
     connection.requests.add(id);
+    // Prefilled here after all (a local fallback): a KV stream started for it is not needed.
+    this.cancelIncoming(id, 'the request is prefilled here');
     const onWorkerClock = shiftRequest(request, -offset);
     void this.stream(connection, id, offset, () => this.options.engine.generate(onWorkerClock));
   }
@@ -404,18 +456,75 @@ export class WorkerServer {
     const request = this.admit(connection, raw);
     if (!request) return;
     const id = request.id;
+    let handedOff = false;
+    this.kvServer?.started(id);
     const onWorkerClock = shiftRequest(request, -offset);
     void this.stream(connection, id, offset, () => engine.prefill!(onWorkerClock), (handoff) => {
+      handedOff = true;
       this.pinned.add(id);
+      this.kvServer?.handedOff(id, handoff.sourceBlockIds);
       this.send(connection, { t: 'handoff', id, handoff: toWireHandoff(shiftHandoff(handoff, offset)) });
+    }).then(() => {
+      if (!handedOff) this.kvServer?.ended(id, 'ended without a handoff');
     });
   }
 
   /**
-   * Decode role: holds the prompt's blocks this worker's prefix cache already has (pinned, so nothing evicts them),
-   * pulls only the others from the prefill worker's KV port into the staging pool, then lets the engine adopt the
-   * request from there. A failed pull (checksum, truncation, prefill worker gone) is logged and counted, and the
-   * engine recomputes the prompt itself (adopt with no source). An abort stops the pull at once.
+   * Decode role: a request is about to prefill on another worker; its blocks are streamed into staging as that
+   * worker computes them, and the adopt that follows waits only for the rest. Without room in staging nothing
+   * starts (the adopt pulls, or recomputes).
+   */
+  private expect(connection: Connection, message: Record<string, unknown>): void {
+    // Not a decode worker with a staging pool (a simulated one): the adopt will say what happens.
+    if (this.role !== 'decode' || !this.staging) return;
+    const { id, promptTokens, source } = message as { id?: unknown; promptTokens?: unknown; source?: { host?: unknown; port?: unknown } | null };
+    if (typeof id !== 'string' || id.length === 0 || !Number.isSafeInteger(promptTokens) || (promptTokens as number) < 1
+      || !source || typeof source.host !== 'string' || !Number.isInteger(source.port)) {
+      throw new FrameError('expect needs a request id, its prompt length and the prefill worker\'s KV address');
+    }
+    this.cancelIncoming(id, 'expected again');
+    const staging = this.staging;
+    const count = Math.ceil((promptTokens as number) / staging.layout.blockSize);
+    if (count > staging.free.length || staging.held.has(id) || this.running.has(id)) return;
+    const ids = staging.free.splice(staging.free.length - count, count).reverse();
+    staging.held.set(id, ids);
+    const handle = streamKvBlocks({ requestId: id, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] }, {
+      clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging,
+      ...(this.options.kvLink ? { link: this.options.kvLink } : {}),
+    });
+    handle.deadline(STREAM_UNCLAIMED_MS);
+    const stream: IncomingStream = { handle, ids, host: source.host, port: source.port as number, connection, claimed: false };
+    this.incoming.set(id, stream);
+    handle.result.catch((error: unknown) => {
+      // Claimed: the adopt deals with it. Not: the request ended elsewhere (finished on its first token, aborted,
+      // prefilled here) or the prefill worker is gone; its staging goes back.
+      if (stream.claimed || this.incoming.get(id) !== stream) return;
+      this.incoming.delete(id);
+      if (staging.held.get(id) === ids) this.freeStaging(id);
+      this.log('debug', `KV stream of ${id} ended before its handoff: ${(error as Error).message}`);
+      // A corrupted or cut stream is a failed transfer (the adopt falls back to prefilling here), kept a bounded time.
+      if (error instanceof KvTransferError && INTEGRITY_FAILURES.has(error.reason)) {
+        this.failedStreams.set(id, error);
+        setTimeout(() => { if (this.failedStreams.get(id) === error) this.failedStreams.delete(id); }, STREAM_UNCLAIMED_MS).unref();
+      }
+    });
+  }
+
+  private cancelIncoming(id: string, why: string): void {
+    this.failedStreams.delete(id);
+    const stream = this.incoming.get(id);
+    if (!stream) return;
+    this.incoming.delete(id);
+    stream.handle.cancel(why);
+    if (this.staging?.held.get(id) === stream.ids) this.freeStaging(id);
+  }
+
+  /**
+   * Decode role: if a stream started at expect() from the handoff's source is under way, waits for its rest (every
+   * block moves). Otherwise holds the prompt's blocks this worker's prefix cache already has (pinned, so nothing
+   * evicts them), pulls only the others from the prefill worker's KV port into the staging pool, then lets the engine
+   * adopt the request from there. A failed transfer (checksum, truncation, prefill worker gone) is logged and counted,
+   * and the engine recomputes the prompt itself (adopt with no source). An abort stops the transfer at once.
    */
   private adopt(connection: Connection, message: Record<string, unknown>, offset: number): void {
     const engine = this.options.engine as Partial<DecodeWorkerEngine>;
@@ -434,7 +543,16 @@ export class WorkerServer {
     const id = request.id;
     const source = message.source as { host?: unknown; port?: unknown } | null;
     const start = async (): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> => {
-      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port)) return this.fallBack(handoff, KV_LINK_TCP, 'no-source');
+      const failed = this.failedStreams.get(id);
+      if (failed) {
+        this.failedStreams.delete(id);
+        this.log('warn', `KV transfer of ${id} failed (${failed.reason}): ${failed.message}; prefilling here instead`);
+        return this.fallBack(handoff, failed.link ?? KV_LINK_TCP, failed.reason);
+      }
+      if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port)) {
+        this.cancelIncoming(id, 'the handoff names no source');
+        return this.fallBack(handoff, KV_LINK_TCP, 'no-source');
+      }
       const controller = new AbortController();
       this.pulling.set(id, controller);
       try {
@@ -451,7 +569,6 @@ export class WorkerServer {
     const engine = this.options.engine as DecodeWorkerEngine;
     const staging = this.staging!;
     const id = handoff.requestId;
-    const link = KV_LINK_TCP;
     // Aborted meanwhile: the engine drops what it holds for the request (the held prefix), the staging blocks go,
     // and the stream ends as an aborted one does.
     const stopped = (): boolean => {
@@ -466,6 +583,12 @@ export class WorkerServer {
       timestamps: { ...handoff.timestamps, prefillChunks: handoff.timestamps.prefillChunks.slice(), finished: engineNow() },
       ...(handoff.request.traceparent !== undefined ? { traceparent: handoff.request.traceparent } : {}),
     }];
+    // A stream started at expect() from this very source: the adopt waits for its rest. Any other is dropped.
+    const streamed = this.incoming.get(id);
+    if (streamed && streamed.host === source.host && streamed.port === source.port && streamed.ids.length === handoff.sourceBlockIds.length) {
+      return this.adoptStreamed(handoff, streamed, signal, stopped, closing);
+    }
+    if (streamed) this.cancelIncoming(id, 'the handoff names another source');
     let held = 0;
     if (engine.holdCachedPrefix && handoff.blockHashes.length > 0) {
       try {
@@ -476,30 +599,74 @@ export class WorkerServer {
     }
     if (stopped()) return closing();
     const sourceIds = handoff.sourceBlockIds.slice(held);
-    if (sourceIds.length > staging.free.length) return this.fallBack(handoff, link, 'no-staging-space');
+    if (sourceIds.length > staging.free.length) return this.fallBack(handoff, KV_LINK_TCP, 'no-staging-space');
     const ids = staging.free.splice(staging.free.length - sourceIds.length, sourceIds.length).reverse();
     staging.held.set(id, ids);
     const startMs = engineNow();
-    let pulled = { bytes: 0, runs: 0 };
+    let pulled: Pick<KvPullResult, 'bytes' | 'runs'> & { link?: KvLink; overlapMs?: number } = { bytes: 0, runs: 0 };
     if (ids.length > 0) {
       try {
         pulled = await pullKvBlocks(
           { requestId: id, sourceBlockIds: sourceIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
-          { clusterToken: this.options.clusterToken, host: source.host, port: source.port, destination: staging, signal });
+          { clusterToken: this.options.clusterToken, host: source.host, port: source.port, destination: staging, signal,
+            ...(this.options.kvLink ? { link: this.options.kvLink } : {}) });
       } catch (error) {
         this.freeStaging(id);
         if (stopped()) return closing();
-        const reason = error instanceof KvTransferError ? error.reason : 'error';
-        this.log('warn', `KV transfer of ${id} from ${source.host}:${source.port} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
-        return this.fallBack(handoff, link, reason);
+        return this.transferFailed(handoff, source, error);
       }
     }
     if (stopped()) return closing();
     this.countTransfer('ok');
-    this.pulls.set(id, { startMs, bytes: pulled.bytes, blocks: ids.length, reused: held, runs: pulled.runs, link });
+    this.pulls.set(id, {
+      startMs, bytes: pulled.bytes, blocks: ids.length, reused: held, runs: pulled.runs, link: pulled.link ?? KV_LINK_TCP,
+      ...(pulled.overlapMs !== undefined ? { overlapMs: pulled.overlapMs } : {}),
+    });
     // The held blocks are not in staging: the engine finds them in its own cache and copies only those after them.
     const sourceBlockIds = [...new Array<number>(held).fill(ids[0] ?? 0), ...ids];
     return engine.adopt({ ...handoff, sourceBlockIds, sourceLayout: staging.layout }, STAGING_SOURCE);
+  }
+
+  /** Waits for the rest of a stream started at expect() (it moves every block of the prompt), then adopts from staging. */
+  private async adoptStreamed(handoff: KvHandoff, streamed: IncomingStream, signal: AbortSignal, stopped: () => boolean,
+    closing: () => EngineOutput[]): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> {
+    const engine = this.options.engine as DecodeWorkerEngine;
+    const staging = this.staging!;
+    const id = handoff.requestId;
+    this.incoming.delete(id);
+    streamed.claimed = true;
+    const startMs = engineNow();
+    const onAbort = () => streamed.handle.cancel('aborted');
+    signal.addEventListener('abort', onAbort, { once: true });
+    let pulled: KvPullResult;
+    try {
+      streamed.handle.deadline(TRANSFER_TIMEOUT_MS);
+      pulled = await streamed.handle.result;
+      if (pulled.sourceBlockIds.some((block, i) => block !== handoff.sourceBlockIds[i])) {
+        throw Object.assign(new KvTransferError('unexpected-run', `KV stream of ${id}: the prefill side sent other blocks than it handed off`),
+          { link: pulled.link });
+      }
+    } catch (error) {
+      this.freeStaging(id);
+      if (stopped()) return closing();
+      return this.transferFailed(handoff, streamed, error);
+    } finally {
+      signal.removeEventListener('abort', onAbort);
+    }
+    if (stopped()) return closing();
+    this.countTransfer('ok');
+    this.pulls.set(id, {
+      startMs, bytes: pulled.bytes, blocks: streamed.ids.length, reused: 0, runs: pulled.runs, link: pulled.link, overlapMs: pulled.overlapMs,
+    });
+    return engine.adopt({ ...handoff, sourceBlockIds: streamed.ids, sourceLayout: staging.layout }, STAGING_SOURCE);
+  }
+
+  /** A pull or stream failed (not aborted): logged, counted by its link and reason, and the prompt is prefilled here. */
+  private transferFailed(handoff: KvHandoff, source: { host: string; port: number }, error: unknown): AsyncIterable<EngineOutput> {
+    const reason = error instanceof KvTransferError ? error.reason : 'error';
+    const link = (error instanceof KvTransferError ? error.link : undefined) ?? KV_LINK_TCP;
+    this.log('warn', `KV transfer of ${handoff.requestId} from ${source.host}:${source.port} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
+    return this.fallBack(handoff, link, reason);
   }
 
   /** The KV cannot be imported: counted by link and reason, and the engine recomputes the prompt here. */
@@ -515,6 +682,7 @@ export class WorkerServer {
   private readonly pulling = new Map<string, AbortController>();
 
   private abortRequest(id: string): void {
+    if (this.pinned.delete(id)) this.kvServer?.ended(id, 'was aborted');
     const pull = this.pulling.get(id);
     if (pull) pull.abort();
     else this.options.engine.abort(id);
@@ -559,9 +727,14 @@ export class WorkerServer {
   /** What the pull moved, in place of the engine's copy out of staging: link, bytes and blocks over the network. */
   private pulledTransfer(transfer: KvTransferStats, pull: PullFacts): KvTransferStats {
     const ms = Math.max(0, transfer.endMs - pull.startMs);
+    const overlapMs = pull.overlapMs ?? 0;
+    // A streamed transfer's rate is over all of the link's time, hidden behind the prefill or not.
+    const rateMs = ms + overlapMs;
     return {
       ...transfer, channel: pull.link, blocks: pull.blocks, reusedBlocks: Math.max(pull.reused, transfer.reusedBlocks),
-      bytes: pull.bytes, runs: pull.runs, startMs: pull.startMs, ms, gbPerSec: ms > 0 ? pull.bytes / ms / 1e6 : 0,
+      bytes: pull.bytes, runs: pull.runs, startMs: pull.startMs, ms, gbPerSec: rateMs > 0 ? pull.bytes / rateMs / 1e6 : 0,
+      // Hidden: the link's time before the prefill ended; exposed (ms): everything the request waited for after it.
+      ...(pull.overlapMs !== undefined ? { overlapMs, hiddenShare: rateMs > 0 ? overlapMs / rateMs : 0 } : {}),
     };
   }
 
@@ -572,7 +745,13 @@ export class WorkerServer {
     if (!pull || !kv) return output;
     return {
       ...output,
-      timestamps: { ...output.timestamps, kvTransfer: { start: pull.startMs, end: kv.end, bytes: pull.bytes, blocks: pull.blocks, link: pull.link } },
+      timestamps: {
+        ...output.timestamps,
+        kvTransfer: {
+          start: pull.startMs, end: kv.end, bytes: pull.bytes, blocks: pull.blocks, link: pull.link,
+          ...(pull.overlapMs !== undefined ? { overlapMs: pull.overlapMs } : {}),
+        },
+      },
     };
   }
 

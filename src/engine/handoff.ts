@@ -138,7 +138,7 @@ export interface KvTransferStats {
   requestId: string;
   /** Which prefill worker the blocks came from. */
   sourceId: string;
-  /** 'shared-memory', 'simulated', ... */
+  /** 'shared-memory', 'simulated', 'tcp', 'shm' (worker processes on one host), ... */
   channel: string;
   blocks: number;
   reusedBlocks: number;
@@ -151,6 +151,12 @@ export interface KvTransferStats {
   ms: number;
   /** bytes / ms / 1e6 (decimal GB per second); 0 when nothing moved. */
   gbPerSec: number;
+  /**
+   * A transfer streamed during the prefill (worker processes): the link's busy time before the prefill ended,
+   * hidden behind it (ms above counts only what came after), and the hidden share of all the busy time.
+   */
+  overlapMs?: number;
+  hiddenShare?: number;
 }
 
 /** The link label of a channel in traces and metrics: 'shm' for shared memory, else the channel's name (tcp, simulated). */
@@ -308,6 +314,16 @@ export class HandoffOutbox {
   get numParked(): number {
     return this.parked.size;
   }
+}
+
+/**
+ * A prefill to hand off, after a step: the blocks whose KV is complete (every position computed), in position order,
+ * or null when it was preempted (blocks reported before may be rewritten). The KV transfer streams these blocks to
+ * the decode worker while the rest of the prompt computes.
+ */
+export interface PrefillProgress {
+  requestId: string;
+  fullBlockIds: number[] | null;
 }
 
 /** What a prefill worker's stream yields: the request's outputs (the first token), then the handoff. */

@@ -12,7 +12,7 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
 import { EngineClosedError, InvalidRequestError, LoraLoadError } from './errors.ts';
-import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from './handoff.ts';
+import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent, type PrefillProgress } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
@@ -67,6 +67,7 @@ export class LocalEngine implements Engine {
   private readonly kvEventListeners = new Set<(events: KvEvent[]) => void>();
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
+  private readonly progressListeners = new Set<(progress: PrefillProgress[]) => void>();
   private readonly syncs = new PendingReplies<EngineStats>();
   private readonly holds = new PendingReplies<number>();
   private readonly resets = new PendingReplies<boolean>();
@@ -164,6 +165,12 @@ export class LocalEngine implements Engine {
     this.prefills.set(request.id, stream);
     this.post({ type: 'add', request, handoff: true, sentMs: engineNow() });
     return followQueue(this.prefills, request.id, stream, (id) => this.abort(id));
+  }
+
+  /** Prefill worker: the complete blocks of each prefill to hand off, after each step (what a KV stream sends early). */
+  onPrefillProgress(listener: (progress: PrefillProgress[]) => void): () => void {
+    this.progressListeners.add(listener);
+    return () => this.progressListeners.delete(listener);
   }
 
   /** Prefill worker: the decode worker has the handed-off blocks (or gave up on them); unpin them. */
@@ -303,6 +310,9 @@ export class LocalEngine implements Engine {
           else this.prefills.get(output.requestId)?.pushOutput(output);
         }
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        return;
+      case 'prefill-progress':
+        for (const listener of this.progressListeners) listener(message.progress);
         return;
       case 'handoffs':
         for (const handoff of message.handoffs) {

@@ -6,7 +6,7 @@
 
 import { InvalidRequestError } from './errors.ts';
 import {
-  HandoffOutbox, kvLinkName, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats,
+  HandoffOutbox, kvLinkName, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillProgress,
 } from './handoff.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import { KvCacheManager, type BlockTable, type KvPin } from './kv-cache/manager.ts';
@@ -128,6 +128,8 @@ export class StepCore<T> {
   private readonly prefixHolds = new Map<string, KvPin>();
   /** Tokens appended without sampling (TokenSource.forced) since start. */
   private numForcedTokens = 0;
+  /** Prefill side: what the prefills to hand off have computed since the last take (the KV transfer streams it). */
+  private prefillProgress: PrefillProgress[] = [];
 
   constructor(options: StepCoreOptions<T>) {
     this.kvLayout = options.kvLayout;
@@ -269,6 +271,7 @@ export class StepCore<T> {
         this.forget(state);
       }
     }
+    this.notePrefillProgress(plan);
     // A prefill-only request that got its first token and did not finish on it leaves now, before the next step
     // would feed that token.
     if (handOffs) for (const state of handOffs) if (this.states.get(state.request.id) === state) this.handOff(state, endMs);
@@ -320,6 +323,30 @@ export class StepCore<T> {
 
   // -------------------------------------------------------------------------------------------------------------
   // Disaggregated serving
+
+  /**
+   * Prefill side, after a step: each request to hand off whose prompt chunk ended short of its first token reports
+   * its full blocks so far (their KV is final: the transfer may send them while the next chunk computes); a
+   * preempted one reports a reset (its blocks may be rewritten).
+   */
+  private notePrefillProgress(plan: StepPlan): void {
+    const { blockSize } = this.kv;
+    for (const sequence of plan.preempted) {
+      if (this.states.get(sequence.request.id)?.handoff) this.prefillProgress.push({ requestId: sequence.request.id, fullBlockIds: null });
+    }
+    for (const { sequence, isDecode, numSamples } of plan.scheduled) {
+      if (isDecode || numSamples > 0 || sequence.status !== 'running' || !this.states.get(sequence.request.id)?.handoff) continue;
+      const full = Math.floor(sequence.numComputedTokens / blockSize);
+      if (full > 0) this.prefillProgress.push({ requestId: sequence.request.id, fullBlockIds: sequence.blockTable.blockIds.slice(0, full) });
+    }
+  }
+
+  /** Prefill progress since the last call, in order. */
+  takePrefillProgress(): PrefillProgress[] {
+    const progress = this.prefillProgress;
+    this.prefillProgress = [];
+    return progress;
+  }
 
   /** Handoffs made since the last call (prefill side), in order. */
   takeHandoffs(): KvHandoff[] {

@@ -103,9 +103,11 @@ export interface RequestTimestamps {
   /**
    * Disaggregated serving only: the decode worker copied the prompt's KV blocks it lacked from the prefill worker
    * between start and end (engine clock, ms). blocks and bytes count only what moved (its own prefix-cache hits
-   * stay put); the kv_transfer phase of traces and metrics.
+   * stay put); the kv_transfer phase of traces and metrics. Between worker processes: link is 'tcp' or 'shm', and
+   * overlapMs the transfer's busy time hidden behind the prefill (streamed as chunks completed; start..end is what
+   * came after the prefill's end).
    */
-  kvTransfer?: { start: number; end: number; bytes: number; blocks: number; link?: string };
+  kvTransfer?: { start: number; end: number; bytes: number; blocks: number; link?: string; overlapMs?: number };
   /**
    * Prompt blocks brought back from the worker's lower KV tiers instead of recomputed (--kv-offload-memory,
    * --kv-offload-disk): blocks per tier, bytes, and the copy's duration in ms (it runs before the step's forward

@@ -105,6 +105,8 @@ function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Toke
 
   /** Handoffs and adoptions go out after the outputs of the same step: the first token reaches the caller first. */
   const sendHandoffState = () => {
+    const progress = core.takePrefillProgress();
+    if (progress.length > 0) send({ type: 'prefill-progress', progress });
     const handoffs = core.takeHandoffs();
     if (handoffs.length > 0) send({ type: 'handoffs', handoffs });
     const adopted = core.takeAdopted();

@@ -2,7 +2,7 @@
 // are plain data (Maps are fine, class instances are not).
 
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
-import type { AdoptedResult, KvHandoff } from './handoff.ts';
+import type { AdoptedResult, KvHandoff, PrefillProgress } from './handoff.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { LoraDtype } from '../model/lora.ts';
 import type { EngineStats } from '../protocols/worker.ts';
@@ -48,8 +48,8 @@ export interface WorkerInit {
   role?: WorkerRole;
 }
 
-// Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply 'handoffs'),
-// 'release-handoff' (the decode worker has the blocks), 'attach-kv-source' (once per prefill worker: its pool,
+// Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply
+// 'prefill-progress' after each of its prompt chunks, then 'handoffs'), 'release-handoff' (the decode worker has the blocks), 'attach-kv-source' (once per prefill worker: its pool,
 // shared memory, posted without copying), 'adopt' (decode worker: continue a handed-off request, reply 'adopted'
 // once the source blocks are no longer needed), 'hold-prefix' (decode worker, before fetching a handed-off
 // request's KV from another process: pin the prompt's blocks cached here, reply 'prefix-held' with their number)
@@ -76,6 +76,8 @@ export type FromWorker =
   | { type: 'ready'; info: EngineInfo; notices: string[]; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
   | { type: 'outputs'; outputs: EngineOutput[]; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'handoffs'; handoffs: KvHandoff[] }
+  /** Prefill worker, after a step: blocks of prefills to hand off that are complete (before their handoffs). */
+  | { type: 'prefill-progress'; progress: PrefillProgress[] }
   | { type: 'adopted'; adopted: AdoptedResult[]; stats: EngineStats }
   | { type: 'synced'; syncId: number; stats: EngineStats }
   | { type: 'prefix-held'; holdId: number; blocks: number; stats: EngineStats }

@@ -304,6 +304,8 @@ export interface NativeBench {
 
 export interface NativeAddon {
   cpuInfo(): CpuInfo;
+  /** CRC-32C of bytes, continuing crc (default 0); portable: the table version even where SSE4.2 is there. */
+  crc32c(bytes: Uint8Array, crc?: number, portable?: boolean): number;
   kernelVariants(variant: KernelVariant): Record<string, string>;
   NativeModel: new (spec: NativeModelSpec) => NativeModel;
   ops: NativeOps;

@@ -58,6 +58,8 @@ export interface DecodeWorkerEngine extends RoutableEngine {
   attachKvSource?(sourceId: string, pool: SharedArrayBuffer, layout: KvHandoff['sourceLayout']): void;
   /** Pins this worker's cached blocks of a handed-off prompt before its KV is fetched (LocalEngine.holdCachedPrefix). */
   holdCachedPrefix?(requestId: string, blockHashes: readonly KvHandoff['blockHashes'][number][]): Promise<number>;
+  /** The request is about to prefill on `prefillId`: a worker process may start taking its KV as it is computed. */
+  expectHandoff?(request: EngineRequest, prefillId: string): void;
 }
 
 export interface DisaggregatedEngineOptions {
@@ -434,6 +436,7 @@ export class DisaggregatedEngine implements Engine {
   /** Prefill on a prefill worker, then decode on the decode worker with the KV it hands over. */
   private async *runRemote(request: EngineRequest, flight: Flight, prefillDecision: RoutingDecision,
     decodeEngine: DecodeWorkerEngine): AsyncGenerator<EngineOutput> {
+    decodeEngine.expectHandoff?.(request, prefillDecision.workerId);
     const handoff = yield* this.runPrefill(request, flight, prefillDecision, decodeEngine);
     if (handoff === null) return;
     const prefillId = flight.prefillId!;

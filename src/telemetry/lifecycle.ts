@@ -209,6 +209,8 @@ export interface KvTransferEvent extends IntervalEvent {
   link?: string;
   fromWorker?: string;
   toWorker?: string;
+  /** The transfer's busy time hidden behind the prefill (streamed while it ran); start..time is what came after. */
+  overlapMs?: number;
 }
 
 

@@ -266,6 +266,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'conduit.phase': 'kv_transfer', 'kv_transfer.bytes': kv.bytes, 'kv_transfer.blocks': kv.blocks, 'kv_transfer.link': kv.link,
       'kv_transfer.from_worker': kv.fromWorker, 'kv_transfer.to_worker': kv.toWorker, 'kv_transfer.time_ms': round3(ms),
       'kv_transfer.bytes_per_sec': ms > 0 ? Math.round(kv.bytes / (ms / 1000)) : undefined,
+      'kv_transfer.overlap_ms': kv.overlapMs !== undefined ? round3(kv.overlapMs) : undefined,
     });
   }
 

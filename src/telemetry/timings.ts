@@ -28,6 +28,11 @@ export interface ResponseTimings {
    * 0 when nothing moved because the decode worker held every block).
    */
   kv_transfer?: { bytes: number; blocks: number; link: string | null; ms: number; bytes_per_sec: number };
+  /**
+   * Only for a transfer streamed while the prefill ran (worker processes): its time hidden behind the prefill, not
+   * in kv_transfer_ms.
+   */
+  kv_transfer_overlap_ms?: number;
   /** Only when prompt blocks were copied back from the worker's lower KV tiers: blocks per tier and the copy's ms. */
   kv_onboard?: { ram_blocks: number; disk_blocks: number; bytes: number; ms: number };
   decode_ms: number;
@@ -58,6 +63,7 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
     queue_ms: round3(b.queueMs),
     prefill_ms: round3(b.prefillMs),
     ...(trace.kvTransfer ? { kv_transfer_ms: round3(b.kvTransferMs + b.decodeKvTransferMs), kv_transfer: kvTransferTimings(trace.kvTransfer) } : {}),
+    ...(trace.kvTransfer?.overlapMs !== undefined ? { kv_transfer_overlap_ms: round3(trace.kvTransfer.overlapMs) } : {}),
     ...(trace.kvOnboard ? {
       kv_onboard: { ram_blocks: trace.kvOnboard.ram, disk_blocks: trace.kvOnboard.disk, bytes: trace.kvOnboard.bytes, ms: round3(trace.kvOnboard.ms) },
     } : {}),

@@ -109,6 +109,8 @@ export interface KvTransferSummary {
   link?: string;
   fromWorker?: string;
   toWorker?: string;
+  /** Transfer time hidden behind the prefill (streamed while it ran), on top of startMs..endMs. */
+  overlapMs?: number;
 }
 
 export interface EmitSummary {
@@ -576,6 +578,7 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
       attributes: defined({
         bytes: e.bytes, blocks: e.blocks, link: e.link, from_worker: e.fromWorker, to_worker: e.toWorker,
         bytes_per_sec: e.time > e.start ? Math.round(e.bytes / ((e.time - e.start) / 1000)) : undefined,
+        overlap_ms: e.overlapMs, hidden_share: hiddenShare(e),
       }),
     });
   }
@@ -583,8 +586,17 @@ function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undef
   return {
     startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),
     bytes: transfers.reduce((s, e) => s + e.bytes, 0),
-    blocks: sumDefined(transfers.map((e) => e.blocks)), link: transfers[0]!.link, fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
+    blocks: sumDefined(transfers.map((e) => e.blocks)), fromWorker: transfers[0]!.fromWorker, toWorker: transfers[0]!.toWorker,
+    ...(transfers[0]!.link !== undefined ? { link: transfers[0]!.link } : {}),
+    ...(transfers[0]!.overlapMs !== undefined ? { overlapMs: transfers[0]!.overlapMs } : {}),
   };
+}
+
+/** Share of a streamed transfer hidden behind the prefill: overlap / (overlap + what came after); rounded to 0.001. */
+function hiddenShare(e: { start: number; time: number; overlapMs?: number }): number | undefined {
+  if (e.overlapMs === undefined) return undefined;
+  const total = e.overlapMs + Math.max(0, e.time - e.start);
+  return total > 0 ? Math.round((e.overlapMs / total) * 1000) / 1000 : 0;
 }
 
 /**

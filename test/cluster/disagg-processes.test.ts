@@ -1,7 +1,9 @@
 // Disaggregated prefill/decode across processes end to end: real etcd and nats-server, `conduit worker --role
 // prefill` and `--role decode` processes, one `conduit frontend`. Greedy output equals the single-process server's
 // with the prompt prefilled on the prefill worker (its KV pulled over TCP by the decode worker); with the prefill
-// worker killed, the decode worker prefills itself and the greedy text is the same.
+// worker killed, the decode worker prefills itself and the greedy text is the same. Workers on one host move the KV
+// through shared memory unless set to tcp: a second pair, in a namespace of its own behind a second frontend, runs
+// with CONDUIT_KV_TRANSFER_LINK=tcp, and both give the same greedy text.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { createLogger } from '../../src/api/log.ts';
@@ -10,8 +12,11 @@ import {
   freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort, type Proc,
 } from '../helpers/cluster-services.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { kvHostId } from '../../src/cluster/kv-shm.ts';
 
 const skip = servicesMissing();
+/** The link two workers on this host use unless set to tcp. */
+const SAME_HOST_LINK = kvHostId() !== null ? 'shm' : 'tcp';
 const TOKEN = 'disagg-cluster-token';
 
 interface KvTransferTimings { bytes: number; blocks: number; link: string | null; ms: number; bytes_per_sec: number }
@@ -47,6 +52,7 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
   const procs = new Map<string, Proc>();
   let url: string;
   let env: NodeJS.ProcessEnv;
+  let tcpUrl: string;
 
   before(async () => {
     dir = tempDir('cluster-disagg');
@@ -57,15 +63,27 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
       procs.set(id, startConduit(['worker', '--model', modelPath, '--worker-id', id, '--role', role, '--threads', '1',
         '--kv-cache-memory', '16MiB', '--lease-ttl', '3'], env));
     }
+    const tcpEnv = { ...env, CONDUIT_NAMESPACE: 'forced-tcp', CONDUIT_KV_TRANSFER_LINK: 'tcp' };
+    for (const [id, role] of [['p2', 'prefill'], ['d2', 'decode']] as const) {
+      procs.set(id, startConduit(['worker', '--model', modelPath, '--worker-id', id, '--role', role, '--threads', '1',
+        '--kv-cache-memory', '16MiB', '--lease-ttl', '3'], tcpEnv));
+    }
     const port = await freePort();
     procs.set('frontend', startConduit(['frontend', '--port', String(port), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], env));
-    await waitForPort(port);
+    const tcpPort = await freePort();
+    procs.set('frontend-tcp', startConduit(['frontend', '--port', String(tcpPort), '--no-request-log', '--disagg-min-remote-prefill-tokens', '16'], tcpEnv));
+    // Six processes start at once on a shared machine: the frontends may take a while to listen.
+    await waitForPort(port, '127.0.0.1', 60_000);
+    await waitForPort(tcpPort, '127.0.0.1', 60_000);
     url = `http://127.0.0.1:${port}`;
+    tcpUrl = `http://127.0.0.1:${tcpPort}`;
     const config = parseServeConfig(['--model', modelPath, '--port', '0', '--threads', '1', '--kv-cache-memory', '16MiB', '--no-request-log'], {});
     reference = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
     try {
-      await until('the frontend serves', async () => (await fetch(`${url}/health`).then((r) => r.json() as Promise<{ ready?: boolean }>, () => ({ ready: false }))).ready === true
-        && (await fetch(`${url}/health`).then((r) => r.text())).includes('"p1"'));
+      for (const [at, prefill] of [[url, 'p1'], [tcpUrl, 'p2']] as const) {
+        await until(`the frontend at ${at} serves`, async () => (await fetch(`${at}/health`).then((r) => r.json() as Promise<{ ready?: boolean }>, () => ({ ready: false }))).ready === true
+          && (await fetch(`${at}/health`).then((r) => r.text())).includes(`"${prefill}"`));
+      }
     } catch (error) {
       console.error([...procs].map(([id, p]) => `--- ${id}\n${p.output()}`).join('\n'));
       throw error;
@@ -88,18 +106,18 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
       assert.equal(got.text, expected.text);
       const body = await trace(url, got.id);
       assert.match(body, /"p1"/, `the trace names the prefill worker: ${body.slice(0, 600)}`);
-      // The transfer as the response's timings and the trace show it: over TCP, what moved and how fast.
-      assert.equal(got.kvTransfer?.link, 'tcp', JSON.stringify(got.kvTransfer));
+      // The transfer as the response's timings and the trace show it: over its link, what moved and how fast.
+      assert.equal(got.kvTransfer?.link, SAME_HOST_LINK, JSON.stringify(got.kvTransfer));
       assert.ok(got.kvTransfer!.blocks > 0 && got.kvTransfer!.bytes > 0);
       const phase = (JSON.parse(body) as { phases: { phase: string; attributes?: Record<string, unknown> }[] }).phases.find((p) => p.phase === 'kv_transfer');
-      assert.equal(phase?.attributes?.link, 'tcp', body.slice(0, 600));
+      assert.equal(phase?.attributes?.link, SAME_HOST_LINK, body.slice(0, 600));
       assert.equal(phase?.attributes?.bytes, got.kvTransfer!.bytes);
     }
     // The frontend's /metrics: the transfers under the decode worker and the link.
     const metrics = await fetch(`${url}/metrics`).then((r) => r.text());
-    assert.match(metrics, /conduit_kv_transfer_bytes_total\{worker="d1",link="tcp"\} [1-9]/);
-    assert.match(metrics, /conduit_kv_transfer_blocks_total\{worker="d1",link="tcp"\} [1-9]/);
-    assert.match(metrics, /conduit_kv_transfer_duration_milliseconds_count\{worker="d1",link="tcp"\} 2/);
+    assert.match(metrics, new RegExp(`conduit_kv_transfer_bytes_total\\{worker="d1",link="${SAME_HOST_LINK}"\\} [1-9]`));
+    assert.match(metrics, new RegExp(`conduit_kv_transfer_blocks_total\\{worker="d1",link="${SAME_HOST_LINK}"\\} [1-9]`));
+    assert.match(metrics, new RegExp(`conduit_kv_transfer_duration_milliseconds_count\\{worker="d1",link="${SAME_HOST_LINK}"\\} 2`));
   });
 
   test('a frontend started later sees the decode worker\'s cached prefixes (its router view is resynced, not empty)', async () => {
@@ -116,6 +134,16 @@ describe('disaggregated prefill/decode across worker processes', { skip }, () =>
     const body = JSON.parse(await trace(url2, got.id)) as { phases: { phase: string; attributes?: { overlap_tokens?: number } }[] };
     const lookup = body.phases.find((p) => p.phase === 'router_lookup');
     assert.ok((lookup?.attributes?.overlap_tokens ?? 0) > 0, `the decode router knows the blocks d1 cached before this frontend started: ${JSON.stringify(lookup)}`);
+  });
+
+  test('workers on one host use shared memory, workers set to tcp use TCP: the same greedy text, the link in the trace', async () => {
+    const expected = await complete(reference.url, greedy(prompt(5)));
+    for (const [at, link] of [[url, SAME_HOST_LINK], [tcpUrl, 'tcp']] as const) {
+      const got = await complete(at, greedy(prompt(5)));
+      assert.equal(got.text, expected.text, `via ${at}`);
+      const body = await trace(at, got.id);
+      assert.match(body, new RegExp(`"link":"${link}"`), `the kv_transfer phase names the ${link} link: ${body.slice(0, 800)}`);
+    }
   });
 
   test('the prefill worker killed: the decode worker prefills itself, same greedy text', async () => {

@@ -105,7 +105,12 @@ describe('frontend and workers in two network namespaces', { skip }, () => {
     const nats = await startNats({ host: `${NET}.2`, netns: NS_WK });
     procs.push(etcd.proc, nats.proc);
     const fixture = writeWorkerLossFixture('netns-disagg');
-    const env = { CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: 'netns-disagg-token' };
+    // Namespaces of the network only: the two workers still share /dev/shm (one host to the shm link), so they are
+    // set to tcp to move the KV over the veth pair.
+    const env = {
+      CONDUIT_ETCD_ENDPOINTS: etcd.url, CONDUIT_NATS_SERVER: nats.url, CONDUIT_CLUSTER_TOKEN: 'netns-disagg-token',
+      CONDUIT_KV_TRANSFER_LINK: 'tcp',
+    };
     const common = ['--model', fixture.modelPath, '--threads', '1', '--kv-cache-memory', '16MiB'];
     const prefill = startConduit(['worker', ...common, '--worker-id', 'np', '--role', 'prefill', '--host', `${NET}.1`, '--port', '7101'], env, { netns: NS_FE });
     const decode = startConduit(['worker', ...common, '--worker-id', 'nd', '--role', 'decode', '--host', `${NET}.2`, '--port', '7102'], env, { netns: NS_WK });

@@ -12,6 +12,7 @@ import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../s
 import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
 import { remoteDisaggregatedEngine } from '../../src/cluster/remote-disagg.ts';
 import { WorkerServer } from '../../src/cluster/worker-server.ts';
+import { kvHostId } from '../../src/cluster/kv-shm.ts';
 import type { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
@@ -45,29 +46,47 @@ function prompt(group: number, length: number): number[] {
 
 interface Served { engine: LocalEngine; server: WorkerServer; address: string }
 
-type Faults = { corruptRun?: number; stallAfterRuns?: number };
+interface BuildOptions {
+  faults?: { corruptRun?: number; stallAfterRuns?: number };
+  /** Both workers' --kv-transfer-link. */
+  kvLink?: 'auto' | 'tcp';
+  /** The prefill worker's token budget per step: a longer prompt prefills in chunks of this. */
+  prefillChunk?: number;
+  decodeWorkers?: number;
+  migrationLimit?: number;
+  /** false: the frontend does not tell the decode worker ahead (no stream during the prefill): the adopt pulls. */
+  stream?: boolean;
+}
 
-async function serve(id: string, role: 'prefill' | 'decode', path: string, faults?: Faults, maxNumBatchedTokens?: number): Promise<Served> {
+async function serve(id: string, role: 'prefill' | 'decode', path: string, options: BuildOptions = {}): Promise<Served> {
   const engine = await LocalEngine.start({
     modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role,
-    ...(maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens } : {}),
+    ...(role === 'prefill' && options.prefillChunk ? { maxNumBatchedTokens: options.prefillChunk } : {}),
   });
-  const server = new WorkerServer({ workerId: id, engine, role, clusterToken: TOKEN, ...(faults ? { kvFaults: faults } : {}) });
+  const server = new WorkerServer({
+    workerId: id, engine, role, clusterToken: TOKEN, ...(options.faults ? { kvFaults: options.faults } : {}),
+    ...(options.kvLink ? { kvLink: options.kvLink } : {}),
+  });
   const port = await server.listen(0, '127.0.0.1');
   return { engine, server, address: `127.0.0.1:${port}` };
 }
 
-describe('disaggregated prefill/decode across worker servers (KV over TCP)', () => {
+/** The link two workers on this host use when neither is set to tcp. */
+const SAME_HOST_LINK = kvHostId() !== null ? 'shm' : 'tcp';
+
+describe('disaggregated prefill/decode across worker servers (KV over TCP or shared memory)', () => {
   const model = cpuTestModel();
   let aggregated: LocalEngine;
   const served: Served[] = [];
   const remotes: RemoteEngine[] = [];
   const engines: DisaggregatedEngine[] = [];
 
-  async function build(faults?: Faults, options: { decodeWorkers?: number; migrationLimit?: number; prefillChunk?: number } = {}) {
-    const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path, faults, options.prefillChunk);
+  async function build(options: BuildOptions = {}) {
+    const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path, options);
     const decodes: Served[] = [];
-    for (let i = 0; i < (options.decodeWorkers ?? 1); i++) decodes.push(await serve(`decode-${served.length + 1 + i}`, 'decode', model.path));
+    for (let i = 0; i < (options.decodeWorkers ?? 1); i++) {
+      decodes.push(await serve(`decode-${served.length + 1 + i}`, 'decode', model.path, { ...(options.kvLink ? { kvLink: options.kvLink } : {}) }));
+    }
     served.push(prefill, ...decodes);
     const connect = async (s: Served) => {
       const remote = await RemoteEngine.connect(s.address, { clusterToken: TOKEN, events: true });
@@ -75,7 +94,11 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
       return remote;
     };
     const decodeRemotes: RemoteEngine[] = [];
-    for (const d of decodes) decodeRemotes.push(await connect(d));
+    for (const d of decodes) {
+      const remote = await connect(d);
+      if (options.stream === false) (remote as { expectHandoff?: unknown }).expectHandoff = undefined;
+      decodeRemotes.push(remote);
+    }
     const engine = remoteDisaggregatedEngine({
       prefill: [await connect(prefill)], decode: decodeRemotes, routerSeed: 3,
       policy: { minRemotePrefillTokens: 32 },
@@ -130,27 +153,57 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
     await aggregated.close();
   });
 
-  test(`greedy output equals an aggregated worker's, the KV pulled over TCP (${model.name})`, async () => {
-    const { engine, prefill, decode } = await build();
-    for (const length of [40, 75, 130]) {
-      const ids = prompt(length, length);
-      const expected = await collect(aggregated.generate(request(ids)));
+  for (const kvLink of ['auto', 'tcp'] as const) {
+    const link = kvLink === 'tcp' ? 'tcp' : SAME_HOST_LINK;
+    test(`greedy output equals an aggregated worker's, the KV over ${link}${kvLink === 'tcp' ? ' (forced)' : ' (chosen: one host)'} (${model.name})`, async () => {
+      const { engine, prefill, decode } = await build({ kvLink });
+      for (const length of [40, 75, 130]) {
+        const ids = prompt(length, length);
+        const expected = await collect(aggregated.generate(request(ids)));
+        const outputs = await collect(engine.generate(request(ids)));
+        assert.deepEqual(tokens(outputs), tokens(expected), `prompt of ${length}`);
+        assert.equal(text(outputs), text(expected));
+        assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'disaggregated', outputs.at(-1)!.routing?.disaggregation?.detail);
+        // The output that reports the transfer names its link.
+        const reported = outputs.find((o) => o.timestamps.kvTransfer)?.timestamps.kvTransfer;
+        assert.equal(reported?.link, link);
+      }
+      assert.equal(decode.server.kvTransfers.get('ok'), 3);
+      const last = engine.channel.log.recent().at(-1)!;
+      assert.equal(last.channel, link);
+      assert.equal(last.blocks, Math.ceil(130 / BLOCK));
+      assert.ok(last.bytes > 0);
+      // Every pin released on the prefill worker, every block free on both.
+      for (const s of [prefill, decode]) await assertFree(s);
+    });
+  }
+
+  test('a prompt prefilled in chunks streams its blocks while the next chunk computes: same greedy text, overlap reported', async () => {
+    const chunked = await LocalEngine.start({ modelPath: model.path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, maxNumBatchedTokens: 32 });
+    try {
+      const { engine, prefill, decode } = await build({ prefillChunk: 32 });
+      const ids = prompt(11, 200);
+      const expected = await collect(chunked.generate(request(ids)));
       const outputs = await collect(engine.generate(request(ids)));
-      assert.deepEqual(tokens(outputs), tokens(expected), `prompt of ${length}`);
-      assert.equal(text(outputs), text(expected));
+      assert.deepEqual(tokens(outputs), tokens(expected));
       assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'disaggregated', outputs.at(-1)!.routing?.disaggregation?.detail);
+      // The prompt's first token came after 7 chunks: blocks of the first six went before the handoff.
+      assert.ok(expected[0]!.timestamps.prefillChunks.length > 1, 'the reference prefilled in chunks');
+      const last = engine.channel.log.recent().at(-1)!;
+      assert.equal(last.blocks, Math.ceil(200 / BLOCK));
+      assert.ok((last.overlapMs ?? 0) > 0, `busy time hidden behind the prefill: ${last.overlapMs} ms`);
+      assert.ok((last.hiddenShare ?? 0) > 0 && (last.hiddenShare ?? 0) <= 1);
+      const reported = outputs.find((o) => o.timestamps.kvTransfer)?.timestamps.kvTransfer;
+      assert.ok((reported?.overlapMs ?? 0) > 0);
+      assert.equal(decode.server.kvTransfers.get('ok'), 1);
+      for (const s of [prefill, decode]) await assertFree(s);
+    } finally {
+      await chunked.close();
     }
-    assert.equal(decode.server.kvTransfers.get('ok'), 3);
-    const last = engine.channel.log.recent().at(-1)!;
-    assert.equal(last.channel, 'tcp');
-    assert.equal(last.blocks, Math.ceil(130 / BLOCK));
-    assert.ok(last.bytes > 0);
-    // Every pin released on the prefill worker, every block free on both.
-    for (const s of [prefill, decode]) await assertFree(s);
   });
 
   test('a corrupted transfer is detected and the decode worker prefills itself: same greedy text', async () => {
-    const { engine, prefill, decode } = await build({ corruptRun: 1 });
+    const { engine, prefill, decode } = await build({ faults: { corruptRun: 1 } });
     const ids = prompt(7, 90);
     const expected = await collect(aggregated.generate(request(ids)));
     const outputs = await collect(engine.generate(request(ids)));
@@ -158,6 +211,17 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
     assert.equal(decode.server.kvTransfers.get('checksum'), 1);
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
     assert.equal(engine.decisionCounts().fallbacks, 1);
+    for (const s of [prefill, decode]) await assertFree(s);
+  });
+
+  test('a run corrupted while streaming, before the handoff, is detected too: the decode worker prefills itself', async () => {
+    const { engine, prefill, decode } = await build({ faults: { corruptRun: 1 }, prefillChunk: 32 });
+    const ids = prompt(12, 200);
+    const expected = await collect(aggregated.generate(request(ids)));
+    const outputs = await collect(engine.generate(request(ids)));
+    assert.deepEqual(tokens(outputs), tokens(expected));
+    assert.equal(decode.server.kvTransfers.get('checksum'), 1);
+    assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
     for (const s of [prefill, decode]) await assertFree(s);
   });
 
@@ -177,7 +241,8 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
     await assertFree(decode);
   });
   test('blocks the decode worker holds in its prefix cache are not pulled: only the rest moves, same greedy text', async () => {
-    const { engine, prefill, decode } = await build();
+    // Pulled after the handoff (a stream started during the prefill moves every block; see the test after this one).
+    const { engine, prefill, decode } = await build({ stream: false });
     const shared = prompt(11, 4 * BLOCK);
     const first = [...shared, ...prompt(12, 40)];
     const second = [...shared, ...prompt(13, 70)];
@@ -190,19 +255,35 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'disaggregated', outputs.at(-1)!.routing?.disaggregation?.detail);
     const transfer = engine.channel.log.recent().at(-1)!;
     const blocks = Math.ceil(second.length / BLOCK);
-    assert.equal(transfer.channel, 'tcp');
+    assert.equal(transfer.channel, SAME_HOST_LINK);
     assert.equal(transfer.reusedBlocks, 4, 'the 4 shared blocks stayed on the decode worker');
     assert.equal(transfer.blocks, blocks - 4, 'only the blocks the decode worker lacked were pulled');
     assert.equal(transfer.bytes, (blocks - 4) * kvBlockBytes(decode.engine.kvLayout!));
     // The output's kv_transfer (what traces, timings and metrics show) says the same, and the link.
     const kv = outputs.at(-1)!.timestamps.kvTransfer!;
-    assert.deepEqual({ blocks: kv.blocks, bytes: kv.bytes, link: kv.link }, { blocks: blocks - 4, bytes: transfer.bytes, link: 'tcp' });
+    assert.deepEqual({ blocks: kv.blocks, bytes: kv.bytes, link: kv.link }, { blocks: blocks - 4, bytes: transfer.bytes, link: SAME_HOST_LINK });
+    await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
+  });
+
+  test('with prefix hits on the decode side and a stream during the prefill: every block moves, same greedy text', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(14, 4 * BLOCK);
+    const first = [...shared, ...prompt(15, 40)];
+    const second = [...shared, ...prompt(16, 70)];
+    assert.deepEqual(tokens(await collect(engine.generate(request(first)))), tokens(await collect(aggregated.generate(request(first)))));
+    const expected = await collect(aggregated.generate(request(second)));
+    const outputs = await collect(engine.generate(request(second)));
+    assert.deepEqual(tokens(outputs), tokens(expected));
+    assert.equal(text(outputs), text(expected));
+    assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'disaggregated', outputs.at(-1)!.routing?.disaggregation?.detail);
+    const transfer = engine.channel.log.recent().at(-1)!;
+    assert.equal(transfer.bytes, Math.ceil(second.length / BLOCK) * kvBlockBytes(decode.engine.kvLayout!), 'the stream moved every block');
     await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
   test('abort while the prefill runs: nothing held on either worker, and the next request is served', async () => {
     // The prompt in chunks of 32 tokens (one step each), and the abort sent as soon as the prefill worker starts it.
-    const { engine, prefill, decode } = await build(undefined, { prefillChunk: 32 });
+    const { engine, prefill, decode } = await build({ prefillChunk: 32 });
     const req = request(prompt(20, 300), 8);
     const prefillOf = prefill.engine.prefill.bind(prefill.engine);
     let stage: string | undefined;
@@ -220,21 +301,25 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
     assert.deepEqual(tokens(await collect(engine.generate(request(ids)))), tokens(await collect(aggregated.generate(request(ids)))));
   });
 
-  test('abort while the KV pull is in flight: the pull stops at once, nothing held, the next request is served', async () => {
-    const { engine, prefill, decode } = await build({ stallAfterRuns: 1 });
-    const req = request(prompt(22, 90), 8);
-    const run = start(engine, req);
-    await until('the prefill worker has sent the first run and stalls', () => prefill.server.kvRunsSent === 1);
-    assert.equal(decode.server.pullsInFlight, 1);
-    assert.equal(engine.requestStage(req.id), 'transfer');
-    engine.abort(req.id);
-    const outputs = await run.done;
-    assert.equal(outputs.at(-1)?.finishReason, 'abort');
-    assert.equal(tokens(outputs).length, 1, 'only the first token (from the prefill worker) was streamed');
-    await assertClean(engine, req.id, [prefill, decode]);
-    assert.equal(decode.server.kvTransfers.get('aborted'), undefined, 'an abort is not a failed transfer');
-    assert.equal(decode.server.stats().kvTransferLinks, undefined, 'nor a fallback');
-  });
+  for (const stream of [true, false]) {
+    const how = stream ? 'streamed during the prefill' : 'pulled after the handoff';
+    test(`abort while the KV transfer (${how}) is in flight: it stops at once, nothing held, the next request is served`, async () => {
+      const { engine, prefill, decode } = await build({ faults: { stallAfterRuns: 1 }, stream });
+      const req = request(prompt(22, 90), 8);
+      const run = start(engine, req);
+      // The run may go (streamed) before the handoff reaches the decode worker: wait for both.
+      await until('the prefill worker has sent the first run and stalls, the decode worker waits for the rest',
+        () => prefill.server.kvRunsSent === 1 && decode.server.pullsInFlight === 1);
+      assert.equal(engine.requestStage(req.id), 'transfer');
+      engine.abort(req.id);
+      const outputs = await run.done;
+      assert.equal(outputs.at(-1)?.finishReason, 'abort');
+      assert.equal(tokens(outputs).length, 1, 'only the first token (from the prefill worker) was streamed');
+      await assertClean(engine, req.id, [prefill, decode]);
+      assert.equal(decode.server.kvTransfers.get('aborted') ?? decode.server.kvTransfers.get('cancelled'), undefined, 'an abort is not a failed transfer');
+      assert.equal(decode.server.stats().kvTransferLinks, undefined, 'nor a fallback');
+    });
+  }
 
   test('abort after the hand-over, while the decode worker streams: nothing held', async () => {
     const { engine, prefill, decode } = await build();
@@ -249,27 +334,31 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP)', () 
     await assertClean(engine, req.id, [prefill, decode]);
   });
 
-  test('the prefill worker gone mid-transfer: the decode worker prefills itself, same greedy text, counted by link and reason', async () => {
-    const { engine, prefill, decode } = await build({ stallAfterRuns: 1 });
-    const ids = prompt(24, 90);
-    const expected = await collect(aggregated.generate(request(ids)));
-    const req = request(ids);
-    const run = start(engine, req);
-    await until('the prefill worker has sent the first run and stalls', () => prefill.server.kvRunsSent === 1);
-    assert.equal(decode.server.pullsInFlight, 1);
-    // As a killed process: every connection of the prefill worker drops (its KV port's too).
-    await prefill.server.close();
-    const outputs = await run.done;
-    assert.deepEqual(tokens(outputs), tokens(expected));
-    assert.equal(text(outputs), text(expected));
-    assert.equal(decode.server.kvTransfers.get('truncated'), 1, JSON.stringify([...decode.server.kvTransfers]));
-    assert.deepEqual(decode.server.stats().kvTransferLinks, { tcp: { failures: { truncated: 1 }, fallbacks: 1 } });
-    // The prefill worker's engine is left as a killed process would leave it; the decode worker holds nothing.
-    await assertClean(engine, req.id, [decode]);
-  });
+  for (const stream of [true, false]) {
+    const how = stream ? 'streamed during the prefill' : 'pulled after the handoff';
+    test(`the prefill worker gone mid-transfer (${how}): the decode worker prefills itself, same greedy text, counted by link and reason`, async () => {
+      const { engine, prefill, decode } = await build({ faults: { stallAfterRuns: 1 }, stream });
+      const ids = prompt(24, 90);
+      const expected = await collect(aggregated.generate(request(ids)));
+      const req = request(ids);
+      const run = start(engine, req);
+      // The run may go (streamed) before the handoff reaches the decode worker: wait for both.
+      await until('the prefill worker has sent the first run and stalls, the decode worker waits for the rest',
+        () => prefill.server.kvRunsSent === 1 && decode.server.pullsInFlight === 1);
+      // As a killed process: every connection of the prefill worker drops (its KV port's too).
+      await prefill.server.close();
+      const outputs = await run.done;
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.equal(text(outputs), text(expected));
+      assert.equal(decode.server.kvTransfers.get('truncated'), 1, JSON.stringify([...decode.server.kvTransfers]));
+      assert.deepEqual(decode.server.stats().kvTransferLinks, { [SAME_HOST_LINK]: { failures: { truncated: 1 }, fallbacks: 1 } });
+      // The prefill worker's engine is left as a killed process would leave it; the decode worker holds nothing.
+      await assertClean(engine, req.id, [decode]);
+    });
+  }
 
   test('the decode worker lost mid-stream: the request moves to the other decode worker, same greedy text, nothing held', async () => {
-    const { engine, prefill, decodes } = await build(undefined, { decodeWorkers: 2, migrationLimit: 1 });
+    const { engine, prefill, decodes } = await build({ decodeWorkers: 2, migrationLimit: 1 });
     const ids = prompt(25, 90);
     const expected = await collect(aggregated.generate(request(ids, 300)));
     const req = request(ids, 300);

@@ -1,0 +1,333 @@
+// The KV transfer between worker processes (src/cluster/kv-tcp.ts), the parts of benchmarks/kv-transfer.ts that
+// need more than one process:
+//
+//   link     transfer throughput on loopback: a child process serves its pool on a KV port (and a raw TCP port that
+//            writes the same number of bytes from one buffer); this process, the decode side, pulls 64 KiB, 1, 16
+//            and 64 MiB of KV over the tcp link and the shm link and reads the same bytes raw, alternating, best of
+//            N each. Layout: 8 layers, 2 KV heads x 64, f16, blocks of 16 tokens: 64 KiB per block, 4 KiB per run
+//            of one block; consecutive blocks, so a (layer, K|V) run is size / 16.
+//   overlap  how much of a streamed transfer hides behind the prefill: a prefill and a decode worker process
+//            (the synthetic 110M model, chunked prefill) serve 512- and 2048-token prompts; per request the link's
+//            busy time before the prefill ended (hidden) and after it (exposed).
+//   ttft     TTFT (and time to the second token, which waits for the transfer) of a 2048-token prompt on the 110M
+//            model: one aggregated worker process vs a prefill and a decode worker process, alternating.
+//
+// Run through benchmarks/kv-transfer.ts (--parts link,overlap,ttft); this file is also the child processes' entry
+// (--child kv | worker).
+
+import { spawn, type ChildProcess } from 'node:child_process';
+import { createInterface } from 'node:readline';
+import net from 'node:net';
+import { fileURLToPath } from 'node:url';
+import { pullKvBlocks, KvTransferServer } from '../src/cluster/kv-tcp.ts';
+import { kvHostId } from '../src/cluster/kv-shm.ts';
+import { RemoteEngine } from '../src/cluster/remote-engine.ts';
+import { remoteDisaggregatedEngine } from '../src/cluster/remote-disagg.ts';
+import { WorkerServer } from '../src/cluster/worker-server.ts';
+import { engineNow } from '../src/engine/clock.ts';
+import { LocalEngine } from '../src/engine/local-engine.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type WorkerRole } from '../src/engine/types.ts';
+import { kvPoolBytes, type KvPoolLayout } from '../src/kernels/types.ts';
+import { ensureSyntheticModel } from '../src/model/synthetic.ts';
+import { benchModelDir, ensureLlamaQuantized, LONG_CONTEXT_110M, llamaQuantizeMissing } from './model-files.ts';
+
+/**
+ * The 110M model with room for a 2048-token prompt and its output (the plain benchmark file stops at 2048 positions):
+ * its 16k-context twin, Q8_0 when llama-quantize is there to make it, else F32.
+ */
+async function model110m(): Promise<{ path: string; label: string }> {
+  const f32 = await ensureSyntheticModel(LONG_CONTEXT_110M, benchModelDir());
+  if (llamaQuantizeMissing()) return { path: f32, label: `${LONG_CONTEXT_110M.name} F32` };
+  return { path: ensureLlamaQuantized(f32, 'Q8_0'), label: `${LONG_CONTEXT_110M.name} Q8_0` };
+}
+
+const TOKEN = 'kv-transfer-bench';
+const SELF = fileURLToPath(import.meta.url);
+
+function argument(name: string, fallback: string): string {
+  const at = process.argv.indexOf(`--${name}`);
+  return at >= 0 ? process.argv[at + 1]! : fallback;
+}
+
+const fmt = (value: number, digits = 2) => (Number.isFinite(value) ? value.toFixed(digits) : '-');
+const gb = (bytes: number, ms: number) => (ms > 0 ? bytes / ms / 1e6 : NaN);
+
+function table(header: string[], rows: string[][]): string {
+  const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => r[i]!.length)));
+  const line = (cells: string[]) => cells.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  ');
+  return [line(header), line(widths.map((w) => '-'.repeat(w))), ...rows.map(line)].join('\n');
+}
+
+function median(values: number[]): number {
+  const sorted = values.slice().sort((a, b) => a - b);
+  return sorted[Math.floor(sorted.length / 2)]!;
+}
+
+// 64 KiB per block: 8 layers x K/V x 4 KiB.
+const LINK_LAYOUT = (numBlocks: number): KvPoolLayout => ({ numLayers: 8, numBlocks, blockSize: 16, numKvHeads: 2, headDim: 64, dtype: 'f16' });
+const BLOCK_BYTES = 64 * 1024;
+const MAX_BLOCKS = 1024;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Child processes
+
+/** A child: prints one JSON line (its ports) and runs until its stdin closes. */
+async function child(kind: string): Promise<void> {
+  const stop: (() => Promise<void>)[] = [];
+  if (kind === 'kv') {
+    const layout = LINK_LAYOUT(MAX_BLOCKS);
+    const pool = new SharedArrayBuffer(kvPoolBytes(layout));
+    const bytes = new Uint8Array(pool);
+    for (let i = 0; i < bytes.length; i += 4096) bytes[i] = (i >> 12) & 0xff;
+    const server = new KvTransferServer({ clusterToken: TOKEN, pool: { pool, layout } });
+    const kvPort = await server.listen(0, '127.0.0.1');
+    // Raw: the client sends the byte count (8 bytes); the server writes that many bytes from one buffer and ends.
+    const payload = Buffer.from(pool);
+    const raw = net.createServer((socket) => {
+      socket.once('data', (chunk) => socket.end(payload.subarray(0, Number(chunk.readBigUInt64BE(0)))));
+      socket.on('error', () => {});
+    });
+    await new Promise<void>((resolve) => raw.listen(0, '127.0.0.1', resolve));
+    stop.push(() => server.close(), () => new Promise((resolve) => raw.close(() => resolve())));
+    process.stdout.write(`${JSON.stringify({ kvPort, rawPort: (raw.address() as net.AddressInfo).port })}\n`);
+  } else {
+    const role = argument('role', 'both') as WorkerRole;
+    const engine = await LocalEngine.start({
+      modelPath: argument('model', ''), threads: Number(argument('threads', '1')), kvCacheMemoryBytes: 256 << 20, blockSize: 16,
+      maxNumBatchedTokens: Number(argument('chunk', '256')), enableKvEvents: true, role,
+    });
+    const server = new WorkerServer({ workerId: argument('id', role), engine, role, clusterToken: TOKEN });
+    const port = await server.listen(0, '127.0.0.1');
+    stop.push(() => server.close(), () => engine.close());
+    process.stdout.write(`${JSON.stringify({ port })}\n`);
+  }
+  process.stdin.resume();
+  process.stdin.on('end', () => {
+    void (async () => {
+      for (const s of stop) await s();
+      process.exit(0);
+    })();
+  });
+}
+
+interface Child {
+  proc: ChildProcess;
+  info: Record<string, number>;
+}
+
+async function startChild(args: string[]): Promise<Child> {
+  const proc = spawn(process.execPath, ['--import', 'tsx', SELF, '--child', ...args], { stdio: ['pipe', 'pipe', 'inherit'] });
+  const line = await new Promise<string>((resolve, reject) => {
+    const lines = createInterface({ input: proc.stdout! });
+    lines.once('line', resolve);
+    proc.once('exit', (code) => reject(new Error(`child ${args.join(' ')} exited with code ${code}`)));
+  });
+  return { proc, info: JSON.parse(line) as Record<string, number> };
+}
+
+async function stopChild(c: Child): Promise<void> {
+  const exited = new Promise((resolve) => c.proc.once('exit', resolve));
+  c.proc.stdin!.end();
+  const timer = setTimeout(() => c.proc.kill('SIGKILL'), 10_000);
+  await exited;
+  clearTimeout(timer);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// link: throughput vs raw TCP
+
+function rawRead(port: number, bytes: number): Promise<number> {
+  const started = performance.now();
+  return new Promise((resolve, reject) => {
+    let got = 0;
+    const socket = net.connect({
+      host: '127.0.0.1', port,
+      onread: {
+        buffer: Buffer.allocUnsafe(1 << 20),
+        callback: (n: number) => {
+          got += n;
+          if (got >= bytes) {
+            resolve(performance.now() - started);
+            socket.destroy();
+          }
+          return true;
+        },
+      },
+    });
+    socket.on('connect', () => {
+      const ask = Buffer.alloc(8);
+      ask.writeBigUInt64BE(BigInt(bytes));
+      socket.write(ask);
+    });
+    socket.on('error', reject);
+  });
+}
+
+export async function linkPart(): Promise<void> {
+  const reps = Number(argument('link-reps', '7'));
+  const sizes = argument('link-sizes', '64KiB,1MiB,16MiB,64MiB').split(',');
+  const kv = await startChild(['kv']);
+  const layout = LINK_LAYOUT(MAX_BLOCKS);
+  const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
+  const shm = kvHostId() !== null;
+  const pull = async (blocks: number, link: 'tcp' | 'auto') => {
+    const ids = Array.from({ length: blocks }, (_, i) => i);
+    const started = performance.now();
+    const result = await pullKvBlocks({ requestId: `bench-${blocks}`, sourceBlockIds: ids, destinationBlockIds: ids, layers: [0, layout.numLayers] },
+      { clusterToken: TOKEN, host: '127.0.0.1', port: kv.info.kvPort!, destination, link });
+    if (result.link !== (link === 'tcp' || !shm ? 'tcp' : 'shm')) throw new Error(`expected the ${link} link, got ${result.link}`);
+    return performance.now() - started;
+  };
+  try {
+    // Warm-up: the destination's pages touched once, both sides' code paths compiled.
+    for (let i = 0; i < 2; i++) {
+      await pull(MAX_BLOCKS, 'tcp');
+      if (shm) await pull(MAX_BLOCKS, 'auto');
+      await rawRead(kv.info.rawPort!, MAX_BLOCKS * BLOCK_BYTES);
+    }
+    const rows: string[][] = [];
+    for (const size of sizes) {
+      const bytes = parseSize(size);
+      const blocks = Math.max(1, Math.round(bytes / BLOCK_BYTES));
+      const total = blocks * BLOCK_BYTES;
+      const best = { raw: Infinity, tcp: Infinity, shm: Infinity };
+      for (let rep = 0; rep < reps; rep++) {
+        const order = rep % 2 === 0 ? ['raw', 'tcp', 'shm'] as const : ['shm', 'tcp', 'raw'] as const;
+        for (const what of order) {
+          if (what === 'shm' && !shm) continue;
+          const ms = what === 'raw' ? await rawRead(kv.info.rawPort!, total) : await pull(blocks, what === 'tcp' ? 'tcp' : 'auto');
+          best[what] = Math.min(best[what], ms);
+        }
+      }
+      const rawGb = gb(total, best.raw);
+      rows.push([
+        size, String(blocks), String(2 * layout.numLayers), fmt(rawGb), fmt(gb(total, best.tcp)), `${fmt((100 * gb(total, best.tcp)) / rawGb, 0)}%`,
+        shm ? fmt(gb(total, best.shm)) : '-', shm ? `${fmt((100 * gb(total, best.shm)) / rawGb, 0)}%` : '-',
+      ]);
+    }
+    console.log(`\n4. KV transfer between two processes on loopback (${reps} alternating runs per row, best of each; GB/s = 1e9 B/s;`);
+    console.log('   connection set-up, hello and descriptor included in the KV rows, connection set-up in the raw row)\n');
+    console.log(table(['KV', 'blocks', 'runs', 'raw TCP', 'tcp link', 'of raw', 'shm link', 'of raw'], rows));
+  } finally {
+    await stopChild(kv);
+  }
+}
+
+function parseSize(text: string): number {
+  const match = /^(\d+)(KiB|MiB)$/.exec(text);
+  if (!match) throw new Error(`size ${text}: use e.g. 64KiB or 16MiB`);
+  return Number(match[1]) * (match[2] === 'KiB' ? 1024 : 1 << 20);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// overlap and ttft: real worker processes on the 110M model
+
+function promptOf(length: number, seed: number): number[] {
+  return Array.from({ length }, (_, t) => 3 + ((seed * 7919 + t * 104_729) % 31_000));
+}
+
+function requestOf(id: string, promptTokenIds: number[], maxTokens: number): EngineRequest {
+  return { id, promptTokenIds, priority: 0, arrivalMs: engineNow(), sampling: { ...DEFAULT_SAMPLING, maxTokens, temperature: 0, ignoreEos: true } };
+}
+
+interface Timed { ttftMs: number; secondMs: number; outputs: EngineOutput[] }
+
+async function timed(stream: AsyncIterable<EngineOutput>): Promise<Timed> {
+  const started = performance.now();
+  const outputs: EngineOutput[] = [];
+  const times: number[] = [];
+  for await (const output of stream) {
+    if (output.newTokenIds.length > 0) times.push(performance.now() - started);
+    outputs.push(output);
+  }
+  return { ttftMs: times[0]!, secondMs: times[1]!, outputs };
+}
+
+async function workers(modelPath: string, roles: WorkerRole[], chunk: number): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
+  const threads = argument('threads', '1');
+  const children: Child[] = [];
+  for (const role of roles) children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads, '--chunk', String(chunk)]));
+  const remotes = await Promise.all(children.map((c) => RemoteEngine.connect(`127.0.0.1:${c.info.port}`, { clusterToken: TOKEN, events: true })));
+  return { children, remotes };
+}
+
+async function disaggregated(modelPath: string, chunk: number) {
+  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk);
+  const engine = remoteDisaggregatedEngine({
+    prefill: [remotes[0]!], decode: [remotes[1]!], routerSeed: 1, policy: { minRemotePrefillTokens: 1 },
+    estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
+  });
+  return {
+    engine,
+    close: async () => {
+      await engine.close();
+      for (const c of children) await stopChild(c);
+    },
+  };
+}
+
+export async function overlapPart(): Promise<void> {
+  const chunk = Number(argument('chunk', '256'));
+  const reps = Number(argument('overlap-reps', '3'));
+  const model = await model110m();
+  const cluster = await disaggregated(model.path, chunk);
+  try {
+    const rows: string[][] = [];
+    let seed = 100;
+    await timed(cluster.engine.generate(requestOf('warm', promptOf(64, seed++), 2)));
+    for (const length of [512, 2048]) {
+      for (let rep = 0; rep < reps; rep++) {
+        const run = await timed(cluster.engine.generate(requestOf(`ov-${length}-${rep}`, promptOf(length, seed++), 2)));
+        const transfer = cluster.engine.channel.log.recent().at(-1)!;
+        const hidden = transfer.overlapMs ?? 0;
+        // ms: from the handoff's arrival to the blocks in the decode pool (waited for); the link's busy time after the
+        // prefill is within it.
+        rows.push([
+          String(length), String(rep + 1), transfer.channel, fmt(run.ttftMs, 0), fmt(transfer.bytes / 2 ** 20, 1), fmt(hidden, 1),
+          fmt(transfer.ms, 1), `${fmt(100 * (transfer.hiddenShare ?? 0), 0)}%`, fmt(run.secondMs - run.ttftMs, 1),
+        ]);
+      }
+    }
+    console.log(`\n5. transfer hidden behind the prefill: ${model.label}, a prefill and a decode worker process (1 thread each),`);
+    console.log(`   chunked prefill of ${chunk} tokens; blocks of each chunk stream while the next computes\n`);
+    console.log(table(['prompt', 'run', 'link', 'TTFT ms', 'MiB', 'hidden ms', 'after ms', 'hidden share', '1st->2nd token ms'], rows));
+    console.log('   hidden ms: the prefill worker\'s link time before the prefill ended; after ms: from the handoff reaching the decode');
+    console.log('   worker to the blocks in its engine\'s pool (the last chunk\'s blocks, then the copy out of staging: what the second');
+    console.log('   token waits for); hidden share = hidden / (hidden + after)');
+  } finally {
+    await cluster.close();
+  }
+}
+
+export async function ttftPart(): Promise<void> {
+  const chunk = Number(argument('chunk', '256'));
+  const reps = Number(argument('ttft-reps', '3'));
+  const length = 2048;
+  const model = await model110m();
+  const aggregated = await workers(model.path, ['both'], chunk);
+  const cluster = await disaggregated(model.path, chunk);
+  const agg: Timed[] = [];
+  const dis: Timed[] = [];
+  try {
+    let seed = 500;
+    await timed(aggregated.remotes[0]!.generate(requestOf('warm-a', promptOf(64, seed++), 2)));
+    await timed(cluster.engine.generate(requestOf('warm-d', promptOf(64, seed++), 2)));
+    for (let rep = 0; rep < reps; rep++) {
+      // Alternating, each with a prompt of its own (no prefix-cache hit).
+      const a = () => timed(aggregated.remotes[0]!.generate(requestOf(`agg-${rep}`, promptOf(length, seed++), 4)));
+      const d = () => timed(cluster.engine.generate(requestOf(`dis-${rep}`, promptOf(length, seed++), 4)));
+      if (rep % 2 === 0) { agg.push(await a()); dis.push(await d()); } else { dis.push(await d()); agg.push(await a()); }
+    }
+  } finally {
+    await cluster.close();
+    await aggregated.remotes[0]!.close();
+    for (const c of aggregated.children) await stopChild(c);
+  }
+  const row = (name: string, runs: Timed[]) => [name, fmt(median(runs.map((r) => r.ttftMs)), 0), fmt(Math.min(...runs.map((r) => r.ttftMs)), 0),
+    fmt(median(runs.map((r) => r.secondMs)), 0), fmt(median(runs.map((r) => r.secondMs - r.ttftMs)), 1)];
+  console.log(`\n6. TTFT of a ${length}-token prompt, ${model.label}, chunked prefill of ${chunk} tokens, 1 thread per worker process,`);
+  console.log(`   ${reps} alternating runs each (median; min TTFT)\n`);
+  console.log(table(['deployment', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], [row('aggregated (1 worker)', agg), row('disaggregated (prefill + decode)', dis)]));
+}
+
+if (process.argv.includes('--child')) await child(argument('child', ''));

@@ -1,0 +1,50 @@
+// The checksum of each block run of a KV transfer between worker processes: CRC-32C (Castagnoli). The native addon
+// computes it with the CPU's crc32 instruction (native/checksum.cc: tens of GB/s, so the check costs the link little);
+// a process without the addon uses the table version below, slower but giving the same values, so either side may
+// lack the addon.
+
+import { tryLoadNativeAddon } from '../kernels/native.ts';
+
+const POLY = 0x82f63b78; // 0x1EDC6F41 reflected
+
+let table: Uint32Array | undefined;
+
+function crcTable(): Uint32Array {
+  if (table) return table;
+  table = new Uint32Array(256 * 8);
+  for (let i = 0; i < 256; i++) {
+    let c = i;
+    for (let k = 0; k < 8; k++) c = c & 1 ? (c >>> 1) ^ POLY : c >>> 1;
+    table[i] = c >>> 0;
+  }
+  for (let i = 0; i < 256; i++) {
+    for (let s = 1; s < 8; s++) table[s * 256 + i] = ((table[(s - 1) * 256 + i]! >>> 8) ^ table[table[(s - 1) * 256 + i]! & 0xff]!) >>> 0;
+  }
+  return table;
+}
+
+/** CRC-32C in TypeScript (slice-by-8): the fallback, and the reference the native one is tested against. */
+export function crc32cPortable(bytes: Uint8Array, crc = 0): number {
+  const t = crcTable();
+  let c = ~crc >>> 0;
+  let i = 0;
+  const n = bytes.length;
+  for (; i + 8 <= n; i += 8) {
+    const lo = (bytes[i]! | (bytes[i + 1]! << 8) | (bytes[i + 2]! << 16) | (bytes[i + 3]! << 24)) ^ c;
+    c = t[7 * 256 + (lo & 0xff)]! ^ t[6 * 256 + ((lo >>> 8) & 0xff)]! ^ t[5 * 256 + ((lo >>> 16) & 0xff)]! ^ t[4 * 256 + (lo >>> 24)]!
+      ^ t[3 * 256 + bytes[i + 4]!]! ^ t[2 * 256 + bytes[i + 5]!]! ^ t[256 + bytes[i + 6]!]! ^ t[bytes[i + 7]!]!;
+  }
+  for (; i < n; i++) c = (c >>> 8) ^ t[(c ^ bytes[i]!) & 0xff]!;
+  return ~c >>> 0;
+}
+
+const native = tryLoadNativeAddon();
+const nativeCrc = typeof native?.crc32c === 'function' ? native.crc32c.bind(native) : undefined;
+
+/** Where this process computes it: 'native' (the addon) or 'typescript'. */
+export const KV_CHECKSUM_IMPLEMENTATION: 'native' | 'typescript' = nativeCrc ? 'native' : 'typescript';
+
+/** CRC-32C of bytes, continuing crc (0 to start): kvChecksum(b, kvChecksum(a)) is the checksum of a then b. */
+export function kvChecksum(bytes: Uint8Array, crc = 0): number {
+  return nativeCrc ? nativeCrc(bytes, crc) : crc32cPortable(bytes, crc);
+}
