@@ -36,6 +36,8 @@ const Tables& tables() {
   return instance;
 }
 
+#if CONDUIT_X86
+// Only the SSE4.2 path joins independent streams, and so needs these (an arm64 build would warn them unused).
 // Multiplication of two bit-reflected polynomials modulo the CRC polynomial.
 uint32_t gf2_multiply(uint32_t a, uint32_t b) {
   uint32_t product = 0;
@@ -58,7 +60,6 @@ uint32_t shift_operator(size_t n) {
   return result;
 }
 
-#if CONDUIT_X86
 bool has_sse42() {
   static const bool has = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
