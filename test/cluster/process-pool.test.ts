@@ -6,7 +6,7 @@ import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
 import { createLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
-import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
+import { SLOW_DECODE_SHAPE, writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 
 interface WorkerView { id: string; pid: number; state: string; running: number }
@@ -17,7 +17,7 @@ describe('serve --worker-processes', () => {
   const pids = new Set<number>();
 
   before(async () => {
-    const fixture = writeWorkerLossFixture('process-pool');
+    const fixture = writeWorkerLossFixture('process-pool', undefined, SLOW_DECODE_SHAPE);
     dir = fixture.dir;
     const config = parseServeConfig(['--model', fixture.modelPath, '--port', '0', '--workers', '2', '--worker-processes', '--threads', '1',
       '--kv-cache-memory', '16MiB', '--migration-limit', '2', '--worker-restart-delay', '50', '--no-request-log'], {});
@@ -45,22 +45,26 @@ describe('serve --worker-processes', () => {
       pids.add(w.pid);
     }
     const expected = await (await fetch(`${server.url}/v1/completions`, {
-      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body(100)),
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body(300)),
     })).json() as { choices: { text: string }[] };
 
     const res = await fetch(`${server.url}/v1/completions`, {
-      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body(100), stream: true }),
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body(300), stream: true }),
     });
     let text = '';
     let events = 0;
     let crashed: WorkerView | undefined;
     let error: unknown;
+    let streamId = '';
     await forEachStreamEvent(res, async (json) => {
       if (json.error) error = json.error;
+      const { id } = json as { id?: unknown };
+      if (typeof id === 'string') streamId = id;
       text += json.choices?.[0]?.text ?? '';
       if (++events === 10) {
-        // Exactly one worker runs it (a count left from an earlier request clears with the next heartbeat).
-        for (let i = 0; i < 60; i++) {
+        // Exactly one worker runs it (a count left from an earlier request clears with the next heartbeat); the
+        // model decodes slowly enough (SLOW_DECODE_SHAPE) that the stream outlasts the wait.
+        for (let i = 0; i < 100; i++) {
           const running = (await health()).workers.filter((w) => w.running > 0);
           if (running.length === 1) { crashed = running[0]; break; }
           await new Promise((resolve) => setTimeout(resolve, 50));
@@ -71,6 +75,15 @@ describe('serve --worker-processes', () => {
     });
     assert.equal(error, undefined);
     assert.equal(text, expected.choices[0]!.text);
+    assert.ok(crashed, 'the stream ran past ten events');
+    // The trace is stored once the response's last byte is out, which the client may see a moment before.
+    let traced = await fetch(`${server.url}/v1/requests/${streamId}/trace`);
+    for (let i = 0; i < 100 && traced.status === 404; i++) {
+      await new Promise((resolve) => setTimeout(resolve, 20));
+      traced = await fetch(`${server.url}/v1/requests/${streamId}/trace`);
+    }
+    const moved = await traced.json() as { migrations?: { from_worker: string }[] };
+    assert.deepEqual(moved.migrations?.map((m) => m.from_worker), [crashed.id], `the stream moved off the crashed worker: ${JSON.stringify(moved).slice(0, 300)}`);
     let replaced: WorkerView | undefined;
     for (let i = 0; i < 300 && !replaced; i++) {
       replaced = (await health()).workers.find((w) => w.id === `${crashed!.id}-r1` && w.state === 'ready');
