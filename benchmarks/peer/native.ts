@@ -17,7 +17,8 @@
 // of flash attention off and on. Conduit: `conduit serve` on 127.0.0.1 (f16 KV, THREADS threads), /v1/completions
 // streaming with token-id prompts (fresh each time, so no prefix-cache hit): prefill = 512 / time to the first
 // token of a 512-token prompt with max_tokens 1; decode = (tokens - 1) / (last token - first token) of 128 tokens
-// after a 16-token prompt; context N = the same over 64 tokens after an N-token prompt. Figures are medians over
+// after a 16-token prompt (each round also prints the rate from the server's median gap between tokens,
+// `timings.tbt_p50_ms`, as a check on the client's clock); context N = the same over 64 tokens after an N-token prompt. Figures are medians over
 // rounds; ratios are Conduit / llama.cpp medians. The memory bandwidth (the addon's STREAM-like read, THREADS
 // threads) is read before every round; the decode roofline is the best reading over the weight bytes one decode
 // step reads (every matrix, the output projection included).
@@ -129,7 +130,7 @@ class ConduitServer {
   }
 
   /** Streams one completion; returns when each token event arrived (ms from submission) and the token count. */
-  async complete(prompt: number[], maxTokens: number): Promise<{ eventMs: number[]; tokens: number }> {
+  async complete(prompt: number[], maxTokens: number): Promise<{ eventMs: number[]; tokens: number; serverTbtMs?: number }> {
     const started = performance.now();
     const response = await fetch(`${this.url}/v1/completions`, {
       method: 'POST', headers: { 'Content-Type': 'application/json' },
@@ -139,6 +140,7 @@ class ConduitServer {
     if (!response.ok || !response.body) throw new Error(`completion failed: ${response.status} ${await response.text()}`);
     const eventMs: number[] = [];
     let tokens = 0;
+    let serverTbtMs: number | undefined;
     let buffered = '';
     const decoder = new TextDecoder();
     for await (const chunk of response.body) {
@@ -149,13 +151,15 @@ class ConduitServer {
         const event = buffered.slice(0, end);
         buffered = buffered.slice(end + 2);
         if (!event.startsWith('data: ') || event === 'data: [DONE]') continue;
-        const body = JSON.parse(event.slice(6)) as { choices?: unknown[]; usage?: { completion_tokens: number } };
+        const body = JSON.parse(event.slice(6)) as
+          { choices?: unknown[]; usage?: { completion_tokens: number }; timings?: { tbt_p50_ms: number | null } };
         if (body.usage) tokens = body.usage.completion_tokens;
+        if (body.timings?.tbt_p50_ms) serverTbtMs = body.timings.tbt_p50_ms;
         if (body.choices && body.choices.length > 0) eventMs.push(now);
       }
     }
     if (tokens !== maxTokens) throw new Error(`asked for ${maxTokens} tokens, got ${tokens}`);
-    return { eventMs, tokens };
+    return { eventMs, tokens, ...(serverTbtMs !== undefined ? { serverTbtMs } : {}) };
   }
 
   async close(): Promise<void> {
@@ -174,7 +178,11 @@ async function conduitRound(server: ConduitServer): Promise<Record<string, numbe
   const prefill = await server.complete(promptTokens(nextSeed++, PROMPT), 1);
   out.prefill = PROMPT / (prefill.eventMs[0]! / 1000);
   const rate = (r: { eventMs: number[]; tokens: number }) => (r.tokens - 1) / ((r.eventMs.at(-1)! - r.eventMs[0]!) / 1000);
-  out.decode = rate(await server.complete(promptTokens(nextSeed++, DECODE_SHORT_PROMPT), DECODE));
+  const decode = await server.complete(promptTokens(nextSeed++, DECODE_SHORT_PROMPT), DECODE);
+  out.decode = rate(decode);
+  // A diagnostic, not in the table: the rate from the server's own median gap between tokens, which a late first
+  // event at the client (two tokens in one read) cannot inflate.
+  if (decode.serverTbtMs !== undefined) out['decode (server p50 gap)'] = 1000 / decode.serverTbtMs;
   for (const context of CONTEXTS) {
     out[`ctx${context}`] = rate(await server.complete(promptTokens(nextSeed++, context), CONTEXT_DECODE + 1));
   }
