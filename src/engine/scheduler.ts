@@ -608,10 +608,22 @@ export class Scheduler {
   /**
    * Finishes a request from outside (e.g. the detokenizer found a stop string): only sample `index` when given,
    * else all. Returns true when this call finished the whole request, which the scheduler then forgets.
+   * dropTokens (with index): the sequence's last output tokens are dropped first, so that they do not count as
+   * output: tokens appended unsampled (appendTokens) after the one a stop string ended on. They must not have been
+   * computed yet.
    */
-  finish(requestId: string, reason: FinishReason, options: { index?: number; nowMs?: number } = {}): boolean {
+  finish(requestId: string, reason: FinishReason, options: { index?: number; nowMs?: number; dropTokens?: number } = {}): boolean {
     const request = this.requests.get(requestId);
     if (request === undefined) return false;
+    const dropTokens = options.dropTokens ?? 0;
+    if (dropTokens > 0) {
+      const sequence = options.index === undefined ? undefined : request.sequences[options.index];
+      if (sequence === undefined || sequence.isFinished || !Number.isSafeInteger(dropTokens)
+        || dropTokens > sequence.outputTokenIds.length || sequence.numTokens - dropTokens < sequence.numComputedTokens) {
+        throw new RangeError(`cannot drop ${dropTokens} tokens of ${requestId}/${options.index}: only output tokens not yet computed of one unfinished sequence can be dropped`);
+      }
+      sequence.dropLastTokens(dropTokens);
+    }
     let anyRunning = false;
     for (const sequence of request.sequences) {
       if (sequence.isFinished || (options.index !== undefined && sequence.index !== options.index)) continue;
