@@ -80,6 +80,12 @@ export class Sequence {
     this.tokenIds.push(tokenId);
     this.outputTokenIds.push(tokenId);
   }
+
+  /** Takes back the last `count` output tokens (the caller checks that none was computed). */
+  dropLastTokens(count: number): void {
+    this.tokenIds.length -= count;
+    this.outputTokenIds.length -= count;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -318,13 +318,7 @@ export class Scheduler {
       if (!fits) this.numKvAllocationFailures++;
       while (!fits) {
         const victim = this.lastRankedRunning();
-        const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
-        if (victimEntry !== undefined) {
-          victimEntry.cancelled = true;
-          tokenBudget += victimEntry.numNewTokens;
-        }
-        this.preempt(victim);
-        preempted.push(victim);
+        tokenBudget += this.preemptFromPlan(victim, entries, preempted);
         if (victim === sequence) break;
         fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;
       }
@@ -347,13 +341,7 @@ export class Scheduler {
         if (!preemptive) return false;
         const victim = this.lastRankedRunningOrNull();
         if (victim === null || this.order(sequence, victim) >= 0) return false;
-        const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
-        if (victimEntry !== undefined) {
-          victimEntry.cancelled = true;
-          tokenBudget += victimEntry.numNewTokens;
-        }
-        this.preempt(victim);
-        preempted.push(victim);
+        tokenBudget += this.preemptFromPlan(victim, entries, preempted);
         if (bound === null || this.order(victim, bound) < 0) bound = victim;
         return true;
       };
@@ -397,6 +385,22 @@ export class Scheduler {
     }
 
     return this.finishPlan(nowMs, entries, preempted, numAdmitted, blockCopies);
+  }
+
+  /**
+   * Preempts a running sequence while a plan is being made: its entry in the plan so far, if any, is cancelled, and
+   * it joins the step's preempted. Returns the tokens its cancelled entry gives back to the step's budget.
+   */
+  private preemptFromPlan(victim: Sequence, entries: readonly PlanEntry[], preempted: Sequence[]): number {
+    const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
+    let tokensBack = 0;
+    if (victimEntry !== undefined) {
+      victimEntry.cancelled = true;
+      tokensBack = victimEntry.numNewTokens;
+    }
+    this.preempt(victim);
+    preempted.push(victim);
+    return tokensBack;
   }
 
   private chunkSize(numRemainingTokens: number, tokenBudget: number): number {
@@ -604,10 +608,22 @@ export class Scheduler {
   /**
    * Finishes a request from outside (e.g. the detokenizer found a stop string): only sample `index` when given,
    * else all. Returns true when this call finished the whole request, which the scheduler then forgets.
+   * dropTokens (with index): the sequence's last output tokens are dropped first, so that they do not count as
+   * output: tokens appended unsampled (appendTokens) after the one a stop string ended on. They must not have been
+   * computed yet.
    */
-  finish(requestId: string, reason: FinishReason, options: { index?: number; nowMs?: number } = {}): boolean {
+  finish(requestId: string, reason: FinishReason, options: { index?: number; nowMs?: number; dropTokens?: number } = {}): boolean {
     const request = this.requests.get(requestId);
     if (request === undefined) return false;
+    const dropTokens = options.dropTokens ?? 0;
+    if (dropTokens > 0) {
+      const sequence = options.index === undefined ? undefined : request.sequences[options.index];
+      if (sequence === undefined || sequence.isFinished || !Number.isSafeInteger(dropTokens)
+        || dropTokens > sequence.outputTokenIds.length || sequence.numTokens - dropTokens < sequence.numComputedTokens) {
+        throw new RangeError(`cannot drop ${dropTokens} tokens of ${requestId}/${options.index}: only output tokens not yet computed of one unfinished sequence can be dropped`);
+      }
+      sequence.dropLastTokens(dropTokens);
+    }
     let anyRunning = false;
     for (const sequence of request.sequences) {
       if (sequence.isFinished || (options.index !== undefined && sequence.index !== options.index)) continue;

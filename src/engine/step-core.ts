@@ -259,6 +259,8 @@ export class StepCore<T> {
       }
       const emitted = this.emitTokens(state, out.index, newTokenIds, finishReason, stopReason,
         logprobs?.get(rowKey(out.requestId, out.index)), endMs);
+      // Forced tokens after a stop string are dropped (emitTokens): they were never output.
+      this.numForcedTokens -= newTokenIds.length - emitted.newTokenIds.length;
       emitted.step = step;
       outputs.push(emitted);
       if (state.handoff) (handOffs ??= []).push(state);
@@ -308,7 +310,12 @@ export class StepCore<T> {
         finishReason = 'stop';
         stopReason = piece.stopped;
         emitted = i + 1;
-        if (!request.isFinished) this.scheduler.finish(request.id, 'stop', { index, nowMs });
+        // Tokens after this one (appended unsampled: jump-forward) are not output: the sequence gives them back, so
+        // usage counts only the tokens up to the stop, as it does when the stop falls on a sampled token.
+        const dropTokens = tokenIds.length - emitted;
+        const sequence = request.sequences[index];
+        if (sequence !== undefined && !sequence.isFinished) this.scheduler.finish(request.id, 'stop', { index, nowMs, dropTokens });
+        else if (dropTokens > 0) sequence?.dropLastTokens(dropTokens); // it ended on a later one (EOS, length): no KV left
         break;
       }
     }

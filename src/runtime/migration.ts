@@ -136,8 +136,10 @@ export class RequestMigration {
       this.generated.push(...output.newTokenIds);
       return { output, stopped: false };
     }
-    let { textDelta, finishReason, stopReason } = output;
+    let { textDelta, finishReason, stopReason, newTokenIds } = output;
     let stopped = false;
+    /** Tokens of the output after the one a stop string ended on (appended unsampled): not output, not counted. */
+    let dropped = 0;
     const detokenizer = this.detokenizer;
     if (detokenizer) {
       textDelta = '';
@@ -152,6 +154,8 @@ export class RequestMigration {
           finishReason = 'stop';
           stopReason = piece.stopped;
           stopped = output.finishReason === undefined;
+          dropped = output.newTokenIds.length - (i + 1);
+          if (dropped > 0) newTokenIds = output.newTokenIds.slice(0, i + 1);
           break;
         }
       }
@@ -164,17 +168,17 @@ export class RequestMigration {
         }
       }
     }
-    this.generated.push(...output.newTokenIds);
+    this.generated.push(...newTokenIds);
     if (finishReason !== undefined) this.finished = true;
     const first = this.firstOutput;
     const promptTokens = this.request.promptTokenIds.length;
     return {
       stopped,
       output: {
-        ...output, textDelta, finishReason, stopReason,
+        ...output, newTokenIds, textDelta, finishReason, stopReason,
         usage: {
           promptTokens,
-          completionTokens: this.migrations.at(-1)!.afterTokens + output.usage.completionTokens,
+          completionTokens: this.migrations.at(-1)!.afterTokens + output.usage.completionTokens - dropped,
           cachedTokens: first ? first.usage.cachedTokens : Math.min(promptTokens, output.usage.cachedTokens),
         },
         timestamps: first

@@ -99,6 +99,39 @@ describe('structured outputs (response_format, guided_*)', () => {
     assertPerson(JSON.parse(json.json().choices[0].text));
   });
 
+  it('a stop string inside jump-forward text: the output ends there and usage counts only the tokens up to it', E2E, async () => {
+    const choice = 'the quick brown fox jumps over the lazy dog';
+    const body = { model, prompt: 'Pick:', temperature: 0, guided_choice: [choice] };
+    const whole = await post('/v1/completions', { ...body, max_tokens: 32 });
+    assert.equal(whole.status, 200, whole.text);
+    assert.equal(whole.json().choices[0].text, choice);
+    // Greedy under a one-choice grammar, the tokens are the same whatever max_tokens; max_tokens k cuts them after
+    // the k-th (forced ones included), so the fewest that show "fox" are the tokens up to the stop.
+    const total = whole.json().usage.completion_tokens as number;
+    let upToStop: number | undefined;
+    for (let k = 1; k <= total && upToStop === undefined; k++) {
+      const cut = await post('/v1/completions', { ...body, max_tokens: k });
+      assert.equal(cut.json().usage.completion_tokens, k, cut.text);
+      if ((cut.json().choices[0].text as string).includes('fox')) upToStop = k;
+    }
+    assert.ok(upToStop !== undefined && upToStop < total - 2, `"fox" after ${upToStop} of ${total} tokens`);
+    const stopped = await post('/v1/completions', { ...body, max_tokens: 32, stop: ['fox'] });
+    assert.equal(stopped.status, 200, stopped.text);
+    const stoppedChoice = stopped.json().choices[0];
+    assert.equal(stoppedChoice.text, 'the quick brown ');
+    assert.equal(stoppedChoice.finish_reason, 'stop');
+    assert.equal(stoppedChoice.stop_reason, 'fox');
+    assert.equal(stopped.json().usage.completion_tokens, upToStop, stopped.text);
+    // Streamed, with usage on every chunk: the same count.
+    const streamed = await post('/v1/completions', {
+      ...body, max_tokens: 32, stop: ['fox'], stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+    });
+    const chunks = streamed.text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+    assert.equal(chunks.map((chunk) => chunk.choices[0]?.text ?? '').join(''), 'the quick brown ');
+    assert.equal(chunks.at(-1).usage.completion_tokens, upToStop, streamed.text);
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
   it('structured_outputs.disable_any_whitespace: compact JSON (a space after , and : only), still fitting the schema', E2E, async () => {
     for (const [seed, temperature] of [[1, 0], [2, 1]] as const) {
       const response = await post('/v1/chat/completions', {

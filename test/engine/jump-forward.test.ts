@@ -50,19 +50,25 @@ describe('jump-forward decoding', () => {
       sampling: { ...DEFAULT_SAMPLING, maxTokens: 300, ...sampling, guided } });
     let text = '';
     let finish: string | undefined;
+    let stopReason: string | number | undefined;
     let tokens = 0;
     let steps = 0;
+    let usage: EngineOutput['usage'] | undefined;
     for (; core.hasWork; steps++) {
       assert.ok(steps < 1000, 'the engine did not finish');
       for (const output of core.step() as EngineOutput[]) {
         text += output.textDelta;
         tokens += output.newTokenIds.length;
         finish = output.finishReason ?? finish;
+        stopReason = output.stopReason ?? stopReason;
+        usage = output.usage;
       }
     }
     assert.equal(core.kv.pool.numUsedBlocks, 0);
+    // The engine's own count of output tokens is the tokens it gave out.
+    assert.equal(usage?.completionTokens, tokens);
     runner.dispose();
-    return { text, finish, steps, tokens, forced: core.forcedTokens };
+    return { text, finish, stopReason, steps, tokens, forced: core.forcedTokens };
   }
 
   it('json_schema: valid documents fitting the schema, with forced tokens appended and fewer steps', () => {
@@ -102,5 +108,18 @@ describe('jump-forward decoding', () => {
     assert.ok(result.forced >= 5, `${result.forced} forced of ${result.tokens}`);
     assert.equal(result.steps, result.tokens - result.forced);
     assert.ok(result.steps <= 6, `${result.steps} steps`);
+  });
+
+  it('a stop string inside the forced run ends the output at the token completing it; the rest is not output', () => {
+    const choice = 'the quick brown fox jumps over the lazy dog';
+    const whole = run({ kind: 'choice', choices: [choice] }, { temperature: 0 }, true);
+    const stopped = run({ kind: 'choice', choices: [choice] }, { temperature: 0, stop: ['fox'] }, true);
+    assert.equal(stopped.text, 'the quick brown ');
+    assert.equal(stopped.finish, 'stop');
+    assert.equal(stopped.stopReason, 'fox');
+    // The same run of tokens, cut after the one that completes "fox" (run() checks usage against the tokens out).
+    assert.ok(stopped.tokens >= 3 && stopped.tokens < whole.tokens - 2, `${stopped.tokens} of ${whole.tokens} tokens`);
+    assert.equal(stopped.steps, 1, 'the stop string is in the first step\'s forced run');
+    assert.equal(stopped.forced, stopped.tokens - 1);
   });
 });

@@ -77,4 +77,23 @@ describe('Scheduler abort', () => {
     assert.deepEqual(request.outputTokenIds, [FILLER]);
     assertNothingHeld(scheduler);
   });
+
+  it('a stop inside appended (jump-forward) tokens drops those after it, and never a computed token', () => {
+    const scheduler = makeScheduler();
+    const first = scheduler.addRequest(makeRequest('r0', prompt(0, 5)), 0);
+    const second = scheduler.addRequest(makeRequest('r1', prompt(1, 5)), 0);
+    step(scheduler);
+    scheduler.appendTokens('r0', 0, [11, 12, 13], 1);
+    scheduler.appendTokens('r1', 0, [11, 12], 1);
+    assert.throws(() => scheduler.finish('r0', 'stop', { index: 0, dropTokens: 5 }), RangeError); // more than its output
+    assert.throws(() => scheduler.finish('r0', 'stop', { dropTokens: 1 }), RangeError); // which sequence?
+    assert.equal(scheduler.finish('r0', 'stop', { index: 0, nowMs: 2, dropTokens: 2 }), true);
+    assert.deepEqual(first.outputTokenIds, [FILLER, 11]);
+    step(scheduler, 3); // r1 computes FILLER, 11, 12 and samples one more
+    assert.throws(() => scheduler.finish('r1', 'stop', { index: 0, dropTokens: 2 }), RangeError); // 12 is computed now
+    assert.deepEqual(second.outputTokenIds, [FILLER, 11, 12, FILLER]);
+    assert.equal(scheduler.finish('r1', 'stop', { index: 0, nowMs: 4, dropTokens: 1 }), true);
+    assert.deepEqual(second.outputTokenIds, [FILLER, 11, 12]);
+    assertNothingHeld(scheduler);
+  });
 });

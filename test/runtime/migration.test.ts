@@ -13,6 +13,7 @@ import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingP
 import { BitsetKvIndex } from '../../src/router/kv-index.ts';
 import { seededRandom } from '../../src/util/random.ts';
 import { Router } from '../../src/router/router.ts';
+import { RequestMigration } from '../../src/runtime/migration.ts';
 import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { createWorkerPool, type WorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
@@ -280,5 +281,28 @@ describe('request migration between decode workers', () => {
     } finally {
       await pool.engine.close();
     }
+  });
+});
+
+describe('request migration: text and usage carried on this side', () => {
+  /** Token id k is the letter 'a' + k: enough to detokenize outputs here. */
+  const letters = { tokenBytes: (id: number) => new Uint8Array([97 + id]), stripsLeadingSpace: false };
+  const output = (newTokenIds: number[], completionTokens: number, fields: Partial<EngineOutput> = {}): EngineOutput => ({
+    requestId: 'r', index: 0, newTokenIds, textDelta: '', timestamps: { arrival: 0, prefillChunks: [] },
+    usage: { promptTokens: 2, completionTokens, cachedTokens: 0 }, ...fields,
+  });
+
+  test('a stop string in the middle of a multi-token output (jump-forward) after a migration: the rest is not output or counted', () => {
+    const migration = new RequestMigration(request([1, 2], { stop: ['cde'], maxTokens: 20 }), { limit: 1, tokenizer: letters });
+    migration.adapt(output([0, 1], 2)); // "ab", before the worker is lost
+    migration.migrateFrom('w0', 'lost');
+    // The new worker (no stop strings) sends one sampled token and forced ones after it: "cdefg".
+    const { output: adapted, stopped } = migration.adapt(output([2, 3, 4, 5, 6], 5));
+    assert.equal(stopped, true);
+    assert.equal(adapted.finishReason, 'stop');
+    assert.equal(adapted.stopReason, 'cde');
+    assert.deepEqual(adapted.newTokenIds, [2, 3, 4]);
+    assert.equal(adapted.usage.completionTokens, 5);
+    assert.deepEqual(migration.generated, [0, 1, 2, 3, 4]);
   });
 });
