@@ -12,7 +12,7 @@
 
 import type { KvPoolLayout } from '../engine/handoff.ts';
 import { timingSafeEqual, createHash } from 'node:crypto';
-import type { EngineInfo, EngineRequest, SamplingParams, WorkerRole } from '../engine/types.ts';
+import type { EngineInfo, EngineRequest, GuidedDecoding, SamplingParams, WorkerRole } from '../engine/types.ts';
 import { parseKvEvent, type BlockHash, type KvEvent, parseBlockHash } from '../protocols/kv-events.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import { FrameError } from './frames.ts';
@@ -136,6 +136,8 @@ export function parseWireRequest(value: unknown): EngineRequest {
     skipSpecialTokens: bool(s, 'skipSpecialTokens', w),
     ...(seed !== undefined ? { seed } : {}), ...(logitBias ? { logitBias } : {}),
   };
+  const guided = optional(s, 'guided', () => parseGuided(s.guided));
+  if (guided !== undefined) sampling.guided = guided;
   const request: EngineRequest = {
     id: str(r, 'id', 'request', 256), promptTokenIds: intArray(r.promptTokenIds, 'request.promptTokenIds'), sampling,
     priority: num(r, 'priority', 'request'), arrivalMs: num(r, 'arrivalMs', 'request'),
@@ -146,7 +148,37 @@ export function parseWireRequest(value: unknown): EngineRequest {
     const text = optional(r, field, () => str(r, field, 'request', 1024));
     if (text !== undefined) request[field] = text;
   }
+  const prior = optional(r, 'priorOutputTokenIds', () => intArray(r.priorOutputTokenIds, 'request.priorOutputTokenIds'));
+  if (prior !== undefined) request.priorOutputTokenIds = prior;
   return request;
+}
+
+/** The longest grammar text (a JSON schema, a regex, EBNF) a request may carry: the frame limit is the real bound. */
+const MAX_GRAMMAR_CHARS = 1 << 20;
+
+/** sampling.guided from the wire; the worker compiles it (and refuses what its grammar library cannot). */
+function parseGuided(value: unknown): GuidedDecoding {
+  const where = 'request.sampling.guided';
+  const g = obj(value, where);
+  const compact = optional(g, 'compact', () => bool(g, 'compact', where));
+  const withCompact = compact !== undefined ? { compact } : {};
+  switch (g.kind) {
+    case 'json_object':
+      return { kind: 'json_object', ...withCompact };
+    case 'json_schema':
+      return { kind: 'json_schema', schema: str(g, 'schema', where, MAX_GRAMMAR_CHARS), ...withCompact };
+    case 'regex':
+      return { kind: 'regex', pattern: str(g, 'pattern', where, MAX_GRAMMAR_CHARS) };
+    case 'grammar':
+      return { kind: 'grammar', ebnf: str(g, 'ebnf', where, MAX_GRAMMAR_CHARS) };
+    case 'choice':
+      if (!Array.isArray(g.choices) || g.choices.length === 0 || !g.choices.every((c) => typeof c === 'string')) {
+        bad(`${where}.choices must be a non-empty array of strings`);
+      }
+      return { kind: 'choice', choices: g.choices as string[] };
+    default:
+      return bad(`${where}.kind must be one of json_object, json_schema, regex, grammar, choice`);
+  }
 }
 
 /** KV events from the wire (JSON), each validated. */

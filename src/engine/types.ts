@@ -75,6 +75,12 @@ export interface EngineRequest {
    * model. Its KV blocks are cached under the adapter: never shared with the base model or another adapter.
    */
   lora?: string;
+  /**
+   * A request continued on this worker after its first worker was lost (runtime/migration.ts): the output tokens it
+   * had, which now end promptTokenIds. A guided request's grammar is advanced over them before the first new token,
+   * so the output stays one valid whole instead of the grammar starting again mid-output.
+   */
+  priorOutputTokenIds?: readonly number[];
   /** Engine-clock time the request arrived at the gateway (ms). */
   arrivalMs: number;
 }

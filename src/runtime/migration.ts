@@ -71,6 +71,7 @@ export class RequestMigration {
     return {
       ...this.request,
       promptTokenIds: [...this.request.promptTokenIds, ...this.generated],
+      ...(sampling.guided !== undefined ? { priorOutputTokenIds: [...this.generated] } : {}),
       sampling: {
         ...sampling,
         maxTokens: sampling.maxTokens - done,

@@ -44,6 +44,27 @@ describe('request-plane frames', () => {
     assert.throws(() => parseWireRequest(bad), /sampling.temperature/);
   });
 
+  test('a guided request and a migrated one\'s prior output cross the wire whole; a bad grammar spec is refused', () => {
+    const guided = [
+      { kind: 'json_object', compact: true }, { kind: 'json_schema', schema: '{"type":"object"}' },
+      { kind: 'regex', pattern: '[a-z]+' }, { kind: 'choice', choices: ['yes', 'no'] }, { kind: 'grammar', ebnf: 'root ::= "a"' },
+    ] as const;
+    for (const spec of guided) {
+      const request: EngineRequest = {
+        id: 'g1', promptTokenIds: [1, 2, 3, 9, 8], priority: 0, arrivalMs: 5, priorOutputTokenIds: [9, 8],
+        sampling: { ...DEFAULT_SAMPLING, guided: spec },
+      };
+      assert.deepEqual(parseWireRequest(JSON.parse(JSON.stringify(toWireRequest(request)))), request);
+    }
+    const wire = (guidedSpec: unknown) => ({ ...JSON.parse(JSON.stringify(toWireRequest({
+      id: 'g2', promptTokenIds: [1], priority: 0, arrivalMs: 5, sampling: { ...DEFAULT_SAMPLING },
+    }))), sampling: { ...DEFAULT_SAMPLING, guided: guidedSpec } });
+    assert.throws(() => parseWireRequest(wire({ kind: 'ebnf' })), /guided.kind must be one of/);
+    assert.throws(() => parseWireRequest(wire({ kind: 'choice', choices: [] })), /guided.choices/);
+    assert.throws(() => parseWireRequest(wire({ kind: 'regex' })), /guided.pattern/);
+    assert.throws(() => parseWireRequest(wire({ kind: 'json_object', compact: 'yes' })), /guided.compact/);
+  });
+
   test('the token check is exact', () => {
     assert.equal(tokenMatches('secret', 'secret'), true);
     assert.equal(tokenMatches('secret', 'secreT'), false);

@@ -98,6 +98,21 @@ describe('serve --worker-processes', () => {
     assert.equal(after.choices[0]!.text, expected.choices[0]!.text.slice(0, after.choices[0]!.text.length));
   });
 
+  test('a guided request runs under its grammar in a worker process', async () => {
+    // The random model's free text is never exactly twelve lowercase letters and a full stop: only the grammar,
+    // which must have crossed the request plane, makes it so.
+    for (const temperature of [0, 1]) {
+      const res = await fetch(`${server.url}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ prompt: 'Spell a word:', max_tokens: 40, temperature, seed: 5, guided_regex: '[a-z]{12}\\.' }),
+      });
+      const json = await res.json() as { choices: { text: string; finish_reason: string }[] };
+      assert.equal(res.status, 200, JSON.stringify(json));
+      assert.match(json.choices[0]!.text, /^[a-z]{12}\.$/, `temperature ${temperature}`);
+      assert.equal(json.choices[0]!.finish_reason, 'stop');
+    }
+  });
+
   test('closing the server ends the worker processes', async () => {
     const { workers } = await health();
     await server.api.shutdown(0);

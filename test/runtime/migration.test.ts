@@ -161,6 +161,28 @@ describe('request migration between routed workers', () => {
     }
   });
 
+  test('a guided request keeps its grammar across the migration: the output is one match, as an uninterrupted run', async () => {
+    const pool = await routedPool(2, 1);
+    try {
+      // Free choice at every character (no forced text, so no jump-forward) and a fixed length: a grammar started
+      // again on the new worker would allow another 60 letters after the first worker's.
+      const guided = { kind: 'regex', pattern: '[a-z]{60}\\.' } as const;
+      const expected = await collect(pool.engine.generate(request(prompt(3), { guided, ignoreEos: false })));
+      assert.match(text(expected), /^[a-z]{60}\.$/);
+      const killAfter = 6;
+      assert.ok(expected.length > killAfter + 3, `${expected.length} outputs: the kill lands mid-output`);
+
+      const outputs = await runWithKill(pool.engine, request(prompt(3), { guided, ignoreEos: false }), killAfter, killer(pool));
+      assert.equal(outputs.at(-1)!.routing!.migrations!.length, 1, 'one migration');
+      assert.equal(text(outputs), text(expected));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.equal(outputs.at(-1)!.finishReason, 'stop', 'the grammar ended the output');
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
   test('migration off (the default): the stream fails with WorkerLostError as before', async () => {
     const pool = await routedPool(2);
     try {
