@@ -335,9 +335,10 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
         params: request.sampling, promptTokenIds: request.promptTokenIds, vocabSize, eosTokenIds,
       });
       attachGrammar(request, samplers);
-      // A migrated request: the grammar resumes after the output its lost worker produced.
+      // A migrated request: the penalties and the grammar resume after the output its lost worker produced.
       for (const tokenId of request.priorOutputTokenIds ?? []) {
         for (const sampler of samplers) {
+          sampler.recordPriorOutputToken(tokenId);
           if (sampler.guided !== undefined && !sampler.guided.accept(tokenId)) {
             for (const s of samplers) s.guided?.dispose();
             throw new InvalidRequestError('invalid_request', request.id, 'the output so far does not follow the request\'s grammar');

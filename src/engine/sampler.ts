@@ -133,6 +133,14 @@ export class SequenceSampler {
     this.numOutputTokens++;
   }
 
+  /**
+   * Counts, for the frequency and presence penalties only, an output token from before a migration (it now ends the
+   * prompt; min_tokens was already reduced by it), so the penalties go on as on the lost worker.
+   */
+  recordPriorOutputToken(tokenId: number): void {
+    this.outputCounts.set(tokenId, (this.outputCounts.get(tokenId) ?? 0) + 1);
+  }
+
   /** Takes back the last recordOutputToken(tokenId) (a token the engine drew but then refused). */
   unrecordOutputToken(tokenId: number): void {
     const count = this.outputCounts.get(tokenId) ?? 0;

@@ -77,8 +77,9 @@ export interface EngineRequest {
   lora?: string;
   /**
    * A request continued on this worker after its first worker was lost (runtime/migration.ts): the output tokens it
-   * had, which now end promptTokenIds. A guided request's grammar is advanced over them before the first new token,
-   * so the output stays one valid whole instead of the grammar starting again mid-output.
+   * had, which now end promptTokenIds. The frequency and presence penalties count them as output, and a guided
+   * request's grammar is advanced over them before the first new token, so the output goes on as one whole instead
+   * of the grammar starting again mid-output.
    */
   priorOutputTokenIds?: readonly number[];
   /** Engine-clock time the request arrived at the gateway (ms). */

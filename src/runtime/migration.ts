@@ -11,12 +11,13 @@
 //   same tokens) and then takes the new worker's tokens, while the new worker runs without stop strings. A stop
 //   string spanning the migration point is found, and no text is repeated or dropped.
 // - Budgets: max_tokens and min_tokens shrink by what was already generated.
+// - The output so far (priorOutputTokenIds): the new worker counts it for the presence and frequency penalties and
+//   advances a guided request's grammar over it, so neither starts again at the migration point.
 // - Usage and timestamps: the prompt stays the caller's prompt, completion tokens continue, arrival, queueing and
 //   the first token keep the first worker's stamps.
 //
 // Not reproduced: a seeded sampler's position (the new worker starts its random stream afresh, so seeded sampling
-// draws different tokens after the migration; greedy decoding is unaffected), and presence/frequency penalties,
-// which the new worker applies to output tokens only and so no longer to the migrated ones.
+// draws different tokens after the migration; greedy decoding is unaffected).
 //
 // n > 1 is not migrated: its completions share the prompt's blocks and run as one request; continuing them would
 // take n different prompts, i.e. n new requests, on a path nothing else uses. It fails as without migration.
@@ -71,7 +72,7 @@ export class RequestMigration {
     return {
       ...this.request,
       promptTokenIds: [...this.request.promptTokenIds, ...this.generated],
-      ...(sampling.guided !== undefined ? { priorOutputTokenIds: [...this.generated] } : {}),
+      priorOutputTokenIds: [...this.generated],
       sampling: {
         ...sampling,
         maxTokens: sampling.maxTokens - done,

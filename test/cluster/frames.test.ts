@@ -4,7 +4,7 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, FRAME_JSON, parseJsonMessage } from '../../src/cluster/frames.ts';
 import { parseWireRequest, toWireRequest, tokenMatches } from '../../src/cluster/request-plane.ts';
-import { DEFAULT_SAMPLING, type EngineRequest } from '../../src/engine/types.ts';
+import { DEFAULT_SAMPLING, type EngineRequest, type GuidedDecoding } from '../../src/engine/types.ts';
 
 describe('request-plane frames', () => {
   test('frames come out whole and in order however the bytes are chunked', () => {
@@ -45,10 +45,10 @@ describe('request-plane frames', () => {
   });
 
   test('a guided request and a migrated one\'s prior output cross the wire whole; a bad grammar spec is refused', () => {
-    const guided = [
+    const guided: GuidedDecoding[] = [
       { kind: 'json_object', compact: true }, { kind: 'json_schema', schema: '{"type":"object"}' },
       { kind: 'regex', pattern: '[a-z]+' }, { kind: 'choice', choices: ['yes', 'no'] }, { kind: 'grammar', ebnf: 'root ::= "a"' },
-    ] as const;
+    ];
     for (const spec of guided) {
       const request: EngineRequest = {
         id: 'g1', promptTokenIds: [1, 2, 3, 9, 8], priority: 0, arrivalMs: 5, priorOutputTokenIds: [9, 8],

@@ -161,6 +161,20 @@ describe('request migration between routed workers', () => {
     }
   });
 
+  test('frequency and presence penalties go on across the migration: the tokens of an uninterrupted run', async () => {
+    const pool = await routedPool(2, 1);
+    try {
+      const sampling = { repetitionPenalty: 1, frequencyPenalty: 2, presencePenalty: 2, maxTokens: 150 };
+      const expected = await collect(pool.engine.generate(request(prompt(4), sampling)));
+      const outputs = await runWithKill(pool.engine, request(prompt(4), sampling), 20, killer(pool));
+      assert.equal(outputs.at(-1)!.routing!.migrations!.length, 1, 'one migration');
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
   test('a guided request keeps its grammar across the migration: the output is one match, as an uninterrupted run', async () => {
     const pool = await routedPool(2, 1);
     try {
