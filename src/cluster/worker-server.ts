@@ -250,6 +250,13 @@ export class WorkerServer {
   /** Decode role: adoptions whose KV came by a stream started at expect (the others were pulled after the handoff). */
   streamsAdopted = 0;
 
+  /** Decode role: streams started at expect whose connection is open (their destination blocks prepared). */
+  get streamsOpen(): number {
+    let open = 0;
+    for (const stream of this.incoming.values()) if (stream.handle) open++;
+    return open;
+  }
+
   /** Decode role: engine import preparations (held prefixes, reserved blocks) no adoption has taken yet. */
   get importsPrepared(): number {
     return this.reservations.size;

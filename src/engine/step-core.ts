@@ -410,14 +410,17 @@ export class StepCore<T> {
   /**
    * Decode side, before a handed-off prompt's KV comes from another process: holds its cached prefix (as
    * holdCachedPrefix) and reserves fresh blocks of this pool for the other numBlocks - held blocks, so the transfer
-   * can write them where the request will read them and the adoption (adopt with inPlace) copies nothing. Without
-   * room for them (or with reserve false), blockIds is null and only the hold is made. Dropped, with the hold, by the
-   * adoption (the table takes the blocks), an abort, or releaseKvImport.
+   * can write them where the request will read them and the adoption (adopt with inPlace) copies nothing. The
+   * reservation is made only if the pool keeps a free block per running sequence after it (their next decode
+   * blocks: a transfer must not make the running requests preempt each other); without that room (or with reserve
+   * false), blockIds is null and only the hold is made. Dropped, with the hold, by the adoption (the table takes the
+   * blocks), an abort, or releaseKvImport.
    */
   prepareKvImport(requestId: string, blockHashes: readonly BlockHash[], numBlocks: number, reserve = true): KvImportPreparation {
     if (!Number.isSafeInteger(numBlocks) || numBlocks < 1) throw new RangeError(`numBlocks must be >= 1, got ${numBlocks}`);
     const held = Math.min(this.holdCachedPrefix(requestId, blockHashes.slice(0, numBlocks)), numBlocks);
-    const pin = reserve ? this.kv.reserveBlocks(numBlocks - held) : null;
+    const room = this.kv.numFreeBlocks - this.scheduler.sequences().running.length;
+    const pin = reserve && numBlocks - held <= room ? this.kv.reserveBlocks(numBlocks - held) : null;
     const ticket = this.nextImportTicket++;
     this.importReservations.set(requestId, { ticket, pin });
     return { ticket, held, blockIds: pin === null ? null : pin.blocks.map((block) => block.id) };

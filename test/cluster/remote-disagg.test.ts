@@ -196,6 +196,13 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     const chunked = await LocalEngine.start({ modelPath: model.path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, maxNumBatchedTokens: 32 });
     try {
       const { engine, prefill, decode } = await build({ prefillChunk: 32 });
+      // The prompt starts once the decode worker's stream is open (it prepares its blocks first, a round trip to its
+      // engine): the tiny model's whole prefill could otherwise end before, and nothing would go early.
+      const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+      prefill.engine.prefill = (r) => (async function* () {
+        await until('the decode worker has opened its stream', () => decode.server.streamsOpen === 1);
+        yield* prefillOf(r);
+      })();
       const ids = prompt(11, 200);
       const expected = await collect(chunked.generate(request(ids)));
       const outputs = await collect(engine.generate(request(ids)));

@@ -441,6 +441,17 @@ for (const model of models) {
       assert.equal(decode.stats().kvBlocksUsed, 6);
       decode.abort('r');
       assertAllFree(decode);
+      // No reservation that would leave a running request without a free block for its next one: the hold only.
+      const small = makeCore(f, { numBlocks: 8 });
+      small.add(request('running', ids.slice(0, 20), { maxTokens: 8 }));
+      small.step();
+      const used = small.stats().kvBlocksUsed;
+      assert.equal(small.prepareKvImport('t', [], 8 - used).blockIds, null, 'all the free blocks would leave none for the running request');
+      assert.equal(small.stats().kvBlocksUsed, used);
+      assert.equal(small.prepareKvImport('t', [], 8 - used - 1).blockIds!.length, 8 - used - 1);
+      small.abort('t');
+      drain(small);
+      assertAllFree(small);
       // An in-place adopt without a reservation, or one that does not cover the prompt, recomputes.
       prefill.add(request('s', ids, { temperature: 0 }), { handoff: true });
       drain(prefill);
