@@ -4,19 +4,26 @@
 //   link     transfer throughput on loopback: a child process serves its pool on a KV port (and a raw TCP port that
 //            writes the same number of bytes from one buffer); this process, the decode side, pulls 64 KiB, 1, 16
 //            and 64 MiB of KV over the tcp link and the shm link and reads the same bytes raw, alternating, best of
-//            N each. Layout: 8 layers, 2 KV heads x 64, f16, blocks of 16 tokens: 64 KiB per block, 4 KiB per run
-//            of one block; consecutive blocks, so a (layer, K|V) run is size / 16.
+//            N each, with the CPU time each side spent per transfer (median). With --link-compare (default on) a
+//            second child runs the previous settings (4 MiB queued ahead of the kernel, CONDUIT_KV_SEND_AHEAD_BYTES)
+//            and this process reads its runs the previous way (read(2) into the block, then the checksum:
+//            CONDUIT_KV_DIRECT_READ=1), alternated with the others. Layout: 8 layers, 2 KV heads x 64, f16, blocks
+//            of 16 tokens: 64 KiB per block, 4 KiB per run of one block; consecutive blocks, so a (layer, K|V) run
+//            is size / 16.
 //   overlap  how much of a streamed transfer hides behind the prefill: a prefill and a decode worker process
 //            (the synthetic 110M model, chunked prefill) serve 512- and 2048-token prompts; per request the link's
-//            busy time before the prefill ended (hidden) and after it (exposed).
+//            busy time before the prefill ended (hidden) and after it (exposed). With --overlap-compare (default
+//            on) a second pair whose decode worker adopts from staging (CONDUIT_KV_ADOPT_STAGING=1) alternates.
 //   ttft     TTFT (and time to the second token, which waits for the transfer) of a 2048-token prompt on the 110M
-//            model: one aggregated worker process vs a prefill and a decode worker process, alternating.
+//            model: one aggregated worker process vs a prefill and a decode worker process (and, --ttft-compare,
+//            the same adopting from staging), alternating.
 //
 // Run through benchmarks/kv-transfer.ts (--parts link,overlap,ttft); this file is also the child processes' entry
 // (--child kv | worker).
 
 import { spawn, type ChildProcess } from 'node:child_process';
-import { createInterface } from 'node:readline';
+import { loadavg } from 'node:os';
+import { createInterface, type Interface } from 'node:readline';
 import net from 'node:net';
 import { fileURLToPath } from 'node:url';
 import { pullKvBlocks, KvTransferServer } from '../src/cluster/kv-tcp.ts';
@@ -101,8 +108,14 @@ async function child(kind: string): Promise<void> {
     stop.push(() => server.close(), () => engine.close());
     process.stdout.write(`${JSON.stringify({ port })}\n`);
   }
-  process.stdin.resume();
-  process.stdin.on('end', () => {
+  // 'cpu' on stdin: this process's CPU time so far (ms) on stdout; the end of stdin: stop.
+  const input = createInterface({ input: process.stdin });
+  input.on('line', (line) => {
+    if (line.trim() !== 'cpu') return;
+    const { user, system } = process.cpuUsage();
+    process.stdout.write(`${JSON.stringify({ cpuMs: (user + system) / 1000 })}\n`);
+  });
+  input.on('close', () => {
     void (async () => {
       for (const s of stop) await s();
       process.exit(0);
@@ -113,16 +126,32 @@ async function child(kind: string): Promise<void> {
 interface Child {
   proc: ChildProcess;
   info: Record<string, number>;
+  lines: Interface;
 }
 
-async function startChild(args: string[]): Promise<Child> {
-  const proc = spawn(process.execPath, ['--import', 'tsx', SELF, '--child', ...args], { stdio: ['pipe', 'pipe', 'inherit'] });
+async function startChild(args: string[], env?: Record<string, string>): Promise<Child> {
+  const proc = spawn(process.execPath, ['--import', 'tsx', SELF, '--child', ...args], {
+    stdio: ['pipe', 'pipe', 'inherit'], ...(env ? { env: { ...process.env, ...env } } : {}),
+  });
+  const lines = createInterface({ input: proc.stdout! });
   const line = await new Promise<string>((resolve, reject) => {
-    const lines = createInterface({ input: proc.stdout! });
     lines.once('line', resolve);
     proc.once('exit', (code) => reject(new Error(`child ${args.join(' ')} exited with code ${code}`)));
   });
-  return { proc, info: JSON.parse(line) as Record<string, number> };
+  return { proc, info: JSON.parse(line) as Record<string, number>, lines };
+}
+
+/** A child's CPU time so far, ms. */
+function childCpuMs(c: Child): Promise<number> {
+  return new Promise((resolve) => {
+    c.lines.once('line', (line) => resolve((JSON.parse(line) as { cpuMs: number }).cpuMs));
+    c.proc.stdin!.write('cpu\n');
+  });
+}
+
+function ownCpuMs(): number {
+  const { user, system } = process.cpuUsage();
+  return (user + system) / 1000;
 }
 
 async function stopChild(c: Child): Promise<void> {
@@ -166,50 +195,74 @@ function rawRead(port: number, bytes: number): Promise<number> {
 export async function linkPart(): Promise<void> {
   const reps = Number(argument('link-reps', '7'));
   const sizes = argument('link-sizes', '64KiB,1MiB,16MiB,64MiB').split(',');
+  const compare = argument('link-compare', 'on') !== 'off';
+  const loadBefore = loadavg();
   const kv = await startChild(['kv']);
+  // The previous settings: 4 MiB queued ahead of the kernel on the prefill side (and runs read with read(2) into
+  // their block on this side, set per pull below).
+  const kvOld = compare ? await startChild(['kv'], { CONDUIT_KV_SEND_AHEAD_BYTES: String(4 << 20) }) : undefined;
   const layout = LINK_LAYOUT(MAX_BLOCKS);
   const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
   const shm = kvHostId() !== null;
-  const pull = async (blocks: number, link: 'tcp' | 'auto') => {
+  const pull = async (blocks: number, link: 'tcp' | 'auto', from: Child, direct: boolean) => {
     const ids = Array.from({ length: blocks }, (_, i) => i);
-    const started = performance.now();
-    const result = await pullKvBlocks({ requestId: `bench-${blocks}`, sourceBlockIds: ids, destinationBlockIds: ids, layers: [0, layout.numLayers] },
-      { clusterToken: TOKEN, host: '127.0.0.1', port: kv.info.kvPort!, destination, link });
-    if (result.link !== (link === 'tcp' || !shm ? 'tcp' : 'shm')) throw new Error(`expected the ${link} link, got ${result.link}`);
-    return performance.now() - started;
+    if (direct) process.env.CONDUIT_KV_DIRECT_READ = '1';
+    try {
+      const started = performance.now();
+      const result = await pullKvBlocks({ requestId: `bench-${blocks}`, sourceBlockIds: ids, destinationBlockIds: ids, layers: [0, layout.numLayers] },
+        { clusterToken: TOKEN, host: '127.0.0.1', port: from.info.kvPort!, destination, link });
+      if (result.link !== (link === 'tcp' || !shm ? 'tcp' : 'shm')) throw new Error(`expected the ${link} link, got ${result.link}`);
+      return performance.now() - started;
+    } finally {
+      delete process.env.CONDUIT_KV_DIRECT_READ;
+    }
   };
+  type Way = 'raw' | 'tcp' | 'old' | 'shm';
+  const ways: Way[] = ['raw', 'tcp', ...(kvOld ? ['old' as const] : []), ...(shm ? ['shm' as const] : [])];
+  const once = (what: Way, blocks: number) => what === 'raw' ? rawRead(kv.info.rawPort!, blocks * BLOCK_BYTES)
+    : what === 'old' ? pull(blocks, 'tcp', kvOld!, true) : pull(blocks, what === 'tcp' ? 'tcp' : 'auto', kv, false);
   try {
     // Warm-up: the destination's pages touched once, both sides' code paths compiled.
-    for (let i = 0; i < 2; i++) {
-      await pull(MAX_BLOCKS, 'tcp');
-      if (shm) await pull(MAX_BLOCKS, 'auto');
-      await rawRead(kv.info.rawPort!, MAX_BLOCKS * BLOCK_BYTES);
-    }
+    for (let i = 0; i < 2; i++) for (const what of ways) await once(what, MAX_BLOCKS);
     const rows: string[][] = [];
+    const cpuRows: string[][] = [];
     for (const size of sizes) {
       const bytes = parseSize(size);
       const blocks = Math.max(1, Math.round(bytes / BLOCK_BYTES));
       const total = blocks * BLOCK_BYTES;
-      const best = { raw: Infinity, tcp: Infinity, shm: Infinity };
+      const best: Record<Way, number> = { raw: Infinity, tcp: Infinity, old: Infinity, shm: Infinity };
+      const send: Record<Way, number[]> = { raw: [], tcp: [], old: [], shm: [] };
+      const receive: Record<Way, number[]> = { raw: [], tcp: [], old: [], shm: [] };
       for (let rep = 0; rep < reps; rep++) {
-        const order = rep % 2 === 0 ? ['raw', 'tcp', 'shm'] as const : ['shm', 'tcp', 'raw'] as const;
+        const order = rep % 2 === 0 ? ways : ways.slice().reverse();
         for (const what of order) {
-          if (what === 'shm' && !shm) continue;
-          const ms = what === 'raw' ? await rawRead(kv.info.rawPort!, total) : await pull(blocks, what === 'tcp' ? 'tcp' : 'auto');
+          const sender = what === 'old' ? kvOld! : kv;
+          const childBefore = await childCpuMs(sender);
+          const ownBefore = ownCpuMs();
+          const ms = await once(what, blocks);
+          receive[what].push(ownCpuMs() - ownBefore);
+          send[what].push(await childCpuMs(sender) - childBefore);
           best[what] = Math.min(best[what], ms);
         }
       }
       const rawGb = gb(total, best.raw);
-      rows.push([
-        size, String(blocks), String(2 * layout.numLayers), fmt(rawGb), fmt(gb(total, best.tcp)), `${fmt((100 * gb(total, best.tcp)) / rawGb, 0)}%`,
-        shm ? fmt(gb(total, best.shm)) : '-', shm ? `${fmt((100 * gb(total, best.shm)) / rawGb, 0)}%` : '-',
-      ]);
+      const share = (way: Way) => ways.includes(way) ? `${fmt((100 * gb(total, best[way])) / rawGb, 0)}%` : '-';
+      const rate = (way: Way) => ways.includes(way) ? fmt(gb(total, best[way])) : '-';
+      rows.push([size, String(blocks), String(2 * layout.numLayers), rate('raw'), rate('tcp'), share('tcp'), rate('old'), share('old'), rate('shm'), share('shm')]);
+      const cpu = (way: Way) => ways.includes(way) ? `${fmt(median(send[way]), 1)} / ${fmt(median(receive[way]), 1)}` : '-';
+      cpuRows.push([size, cpu('raw'), cpu('tcp'), cpu('old'), cpu('shm')]);
     }
     console.log(`\n4. KV transfer between two processes on loopback (${reps} alternating runs per row, best of each; GB/s = 1e9 B/s;`);
-    console.log('   connection set-up, hello and descriptor included in the KV rows, connection set-up in the raw row)\n');
-    console.log(table(['KV', 'blocks', 'runs', 'raw TCP', 'tcp link', 'of raw', 'shm link', 'of raw'], rows));
+    console.log('   connection set-up, hello and descriptor included in the KV rows, connection set-up in the raw row;');
+    console.log('   old: the previous settings, 4 MiB queued ahead of the kernel and runs read into their block, then checksummed)\n');
+    console.log(table(['KV', 'blocks', 'runs', 'raw TCP', 'tcp link', 'of raw', 'tcp old', 'of raw', 'shm link', 'of raw'], rows));
+    console.log('\n   CPU ms per transfer, sending process / receiving process (median; the sender\'s includes answering the query)\n');
+    console.log(table(['KV', 'raw TCP', 'tcp link', 'tcp old', 'shm link'], cpuRows));
+    const loadAfter = loadavg();
+    console.log(`\n   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
   } finally {
     await stopChild(kv);
+    if (kvOld) await stopChild(kvOld);
   }
 }
 
@@ -243,16 +296,21 @@ async function timed(stream: AsyncIterable<EngineOutput>): Promise<Timed> {
   return { ttftMs: times[0]!, secondMs: times[1]!, outputs };
 }
 
-async function workers(modelPath: string, roles: WorkerRole[], chunk: number): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
+async function workers(modelPath: string, roles: WorkerRole[], chunk: number, env?: Record<string, string>): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
   const threads = argument('threads', '1');
   const children: Child[] = [];
-  for (const role of roles) children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads, '--chunk', String(chunk)]));
+  for (const role of roles) children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads, '--chunk', String(chunk)], env));
   const remotes = await Promise.all(children.map((c) => RemoteEngine.connect(`127.0.0.1:${c.info.port}`, { clusterToken: TOKEN, events: true })));
   return { children, remotes };
 }
 
-async function disaggregated(modelPath: string, chunk: number) {
-  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk);
+/**
+ * A prefill and a decode worker process behind a disaggregated engine. staging: the decode worker lands the KV in its
+ * staging pool and its engine copies it from there (CONDUIT_KV_ADOPT_STAGING=1, the previous way) instead of having
+ * it written into the blocks the request will own.
+ */
+async function disaggregated(modelPath: string, chunk: number, staging = false) {
+  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk, staging ? { CONDUIT_KV_ADOPT_STAGING: '1' } : undefined);
   const engine = remoteDisaggregatedEngine({
     prefill: [remotes[0]!], decode: [remotes[1]!], routerSeed: 1, policy: { minRemotePrefillTokens: 1 },
     estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
@@ -269,65 +327,84 @@ async function disaggregated(modelPath: string, chunk: number) {
 export async function overlapPart(): Promise<void> {
   const chunk = Number(argument('chunk', '256'));
   const reps = Number(argument('overlap-reps', '3'));
+  const compare = argument('overlap-compare', 'on') !== 'off';
   const model = await model110m();
-  const cluster = await disaggregated(model.path, chunk);
+  const loadBefore = loadavg();
+  const clusters = [{ name: 'in place', cluster: await disaggregated(model.path, chunk) }];
+  if (compare) clusters.push({ name: 'staging', cluster: await disaggregated(model.path, chunk, true) });
   try {
     const rows: string[][] = [];
     let seed = 100;
-    await timed(cluster.engine.generate(requestOf('warm', promptOf(64, seed++), 2)));
+    for (const { cluster } of clusters) await timed(cluster.engine.generate(requestOf(`warm-${seed}`, promptOf(64, seed++), 2)));
     for (const length of [512, 2048]) {
       for (let rep = 0; rep < reps; rep++) {
-        const run = await timed(cluster.engine.generate(requestOf(`ov-${length}-${rep}`, promptOf(length, seed++), 2)));
-        const transfer = cluster.engine.channel.log.recent().at(-1)!;
-        const hidden = transfer.overlapMs ?? 0;
-        // ms: from the handoff's arrival to the blocks in the decode pool (waited for); the link's busy time after the
-        // prefill is within it.
-        rows.push([
-          String(length), String(rep + 1), transfer.channel, fmt(run.ttftMs, 0), fmt(transfer.bytes / 2 ** 20, 1), fmt(hidden, 1),
-          fmt(transfer.ms, 1), `${fmt(100 * (transfer.hiddenShare ?? 0), 0)}%`, fmt(run.secondMs - run.ttftMs, 1),
-        ]);
+        for (const { name, cluster } of rep % 2 === 0 ? clusters : clusters.slice().reverse()) {
+          const run = await timed(cluster.engine.generate(requestOf(`ov-${length}-${rep}-${name}`, promptOf(length, seed++), 2)));
+          const transfer = cluster.engine.channel.log.recent().at(-1)!;
+          const hidden = transfer.overlapMs ?? 0;
+          // ms: from the handoff's arrival to the blocks in the decode pool (waited for); the link's busy time after
+          // the prefill is within it.
+          rows.push([
+            String(length), String(rep + 1), name, transfer.channel, fmt(run.ttftMs, 0), fmt(transfer.bytes / 2 ** 20, 1), fmt(hidden, 1),
+            fmt(transfer.ms, 1), `${fmt(100 * (transfer.hiddenShare ?? 0), 0)}%`, fmt(run.secondMs - run.ttftMs, 1),
+          ]);
+        }
       }
     }
     console.log(`\n5. transfer hidden behind the prefill: ${model.label}, a prefill and a decode worker process (1 thread each),`);
-    console.log(`   chunked prefill of ${chunk} tokens; blocks of each chunk stream while the next computes\n`);
-    console.log(table(['prompt', 'run', 'link', 'TTFT ms', 'MiB', 'hidden ms', 'after ms', 'hidden share', '1st->2nd token ms'], rows));
+    console.log(`   chunked prefill of ${chunk} tokens; blocks of each chunk stream while the next computes; decode: the KV written`);
+    console.log('   into the blocks the request will own (in place) or into staging and copied from there (staging), alternating\n');
+    console.log(table(['prompt', 'run', 'decode', 'link', 'TTFT ms', 'MiB', 'hidden ms', 'after ms', 'hidden share', '1st->2nd token ms'], rows));
     console.log('   hidden ms: the prefill worker\'s link time before the prefill ended; after ms: from the handoff reaching the decode');
-    console.log('   worker to the blocks in its engine\'s pool (the last chunk\'s blocks, then the copy out of staging: what the second');
-    console.log('   token waits for); hidden share = hidden / (hidden + after)');
+    console.log('   worker to the blocks in its engine\'s pool (the last chunk\'s blocks, and for staging the copy out of it: what the');
+    console.log('   second token waits for); hidden share = hidden / (hidden + after)');
+    const loadAfter = loadavg();
+    console.log(`   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
   } finally {
-    await cluster.close();
+    for (const { cluster } of clusters) await cluster.close();
   }
 }
 
 export async function ttftPart(): Promise<void> {
   const chunk = Number(argument('chunk', '256'));
   const reps = Number(argument('ttft-reps', '3'));
+  const compare = argument('ttft-compare', 'on') !== 'off';
   const length = 2048;
   const model = await model110m();
+  const loadBefore = loadavg();
   const aggregated = await workers(model.path, ['both'], chunk);
-  const cluster = await disaggregated(model.path, chunk);
-  const agg: Timed[] = [];
-  const dis: Timed[] = [];
+  const deployments: { name: string; generate: (r: EngineRequest) => AsyncIterable<EngineOutput>; close: () => Promise<void>; runs: Timed[] }[] = [{
+    name: 'aggregated (1 worker)', generate: (r) => aggregated.remotes[0]!.generate(r), runs: [],
+    close: async () => {
+      await aggregated.remotes[0]!.close();
+      for (const c of aggregated.children) await stopChild(c);
+    },
+  }];
+  const inPlace = await disaggregated(model.path, chunk);
+  deployments.push({ name: 'disaggregated (prefill + decode)', generate: (r) => inPlace.engine.generate(r), close: inPlace.close, runs: [] });
+  if (compare) {
+    const staging = await disaggregated(model.path, chunk, true);
+    deployments.push({ name: 'disaggregated, adopted from staging', generate: (r) => staging.engine.generate(r), close: staging.close, runs: [] });
+  }
   try {
     let seed = 500;
-    await timed(aggregated.remotes[0]!.generate(requestOf('warm-a', promptOf(64, seed++), 2)));
-    await timed(cluster.engine.generate(requestOf('warm-d', promptOf(64, seed++), 2)));
+    for (const d of deployments) await timed(d.generate(requestOf(`warm-${seed}`, promptOf(64, seed++), 2)));
     for (let rep = 0; rep < reps; rep++) {
       // Alternating, each with a prompt of its own (no prefix-cache hit).
-      const a = () => timed(aggregated.remotes[0]!.generate(requestOf(`agg-${rep}`, promptOf(length, seed++), 4)));
-      const d = () => timed(cluster.engine.generate(requestOf(`dis-${rep}`, promptOf(length, seed++), 4)));
-      if (rep % 2 === 0) { agg.push(await a()); dis.push(await d()); } else { dis.push(await d()); agg.push(await a()); }
+      for (const d of rep % 2 === 0 ? deployments : deployments.slice().reverse()) {
+        d.runs.push(await timed(d.generate(requestOf(`ttft-${rep}-${seed}`, promptOf(length, seed++), 4))));
+      }
     }
   } finally {
-    await cluster.close();
-    await aggregated.remotes[0]!.close();
-    for (const c of aggregated.children) await stopChild(c);
+    for (const d of deployments) await d.close();
   }
   const row = (name: string, runs: Timed[]) => [name, fmt(median(runs.map((r) => r.ttftMs)), 0), fmt(Math.min(...runs.map((r) => r.ttftMs)), 0),
     fmt(median(runs.map((r) => r.secondMs)), 0), fmt(median(runs.map((r) => r.secondMs - r.ttftMs)), 1)];
   console.log(`\n6. TTFT of a ${length}-token prompt, ${model.label}, chunked prefill of ${chunk} tokens, 1 thread per worker process,`);
   console.log(`   ${reps} alternating runs each (median; min TTFT)\n`);
-  console.log(table(['deployment', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], [row('aggregated (1 worker)', agg), row('disaggregated (prefill + decode)', dis)]));
+  console.log(table(['deployment', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], deployments.map((d) => row(d.name, d.runs))));
+  const loadAfter = loadavg();
+  console.log(`   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
 }
 
 if (process.argv.includes('--child')) await child(argument('child', ''));

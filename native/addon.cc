@@ -7,6 +7,7 @@
 //                                   software AMX model on its own (amxModel): addon_ops.cc
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 //   crc32c(bytes, crc?, portable?)  CRC-32C of a Uint8Array (continuing crc), the KV transfer's checksum
+//   crc32cCopy(src, dst, off, crc?, uncached?)  the same of src, copying it into dst at off in the same pass
 #include <napi.h>
 
 #include <cstdlib>
@@ -44,6 +45,32 @@ Napi::Value Crc32c(const Napi::CallbackInfo& info) {
   const bool portable = info.Length() > 2 && info[2].ToBoolean().Value();
   const uint8_t* data = static_cast<const uint8_t*>(bytes.data);
   return Napi::Number::New(env, portable ? crc32c_portable(crc, data, bytes.length) : crc32c(crc, data, bytes.length));
+}
+
+// crc32cCopy(src: Uint8Array, dst: Uint8Array, dstOffset: number, crc = 0, uncached = false): copies src into dst at
+// dstOffset and returns CRC-32C of src continuing `crc`, in one pass (checksum.h).
+Napi::Value Crc32cCopy(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  ArrayView src = typed_array(env, info[0], napi_uint8_array, "src");
+  ArrayView dst = typed_array(env, info[1], napi_uint8_array, "dst");
+  const int64_t offset = integer(env, info[2], "dstOffset");
+  if (offset < 0 || static_cast<uint64_t>(offset) > dst.length || src.length > dst.length - static_cast<size_t>(offset)) {
+    throw Napi::RangeError::New(env, "src does not fit in dst at dstOffset");
+  }
+  uint32_t crc = 0;
+  if (info.Length() > 3 && !info[3].IsUndefined()) {
+    const int64_t value = integer(env, info[3], "crc");
+    if (value > 0xFFFFFFFFll) throw Napi::RangeError::New(env, "crc must be a 32-bit unsigned integer");
+    crc = static_cast<uint32_t>(value);
+  }
+  const uint8_t* from = static_cast<const uint8_t*>(src.data);
+  uint8_t* to = static_cast<uint8_t*>(dst.data) + offset;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(from), b = reinterpret_cast<uintptr_t>(to);
+  if (src.length > 0 && a < b + src.length && b < a + src.length) {
+    throw Napi::RangeError::New(env, "src and dst overlap");
+  }
+  const bool uncached = info.Length() > 4 && info[4].ToBoolean().Value();
+  return Napi::Number::New(env, crc32c_copy(crc, from, to, src.length, uncached));
 }
 
 Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
@@ -485,6 +512,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("crashForTesting", Napi::Function::New(env, CrashForTesting));
   exports.Set("cpuInfo", Napi::Function::New(env, CpuInfo));
   exports.Set("crc32c", Napi::Function::New(env, Crc32c));
+  exports.Set("crc32cCopy", Napi::Function::New(env, Crc32cCopy));
   exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));
   exports.Set("NativeModel", NativeModel::Define(env));
   exports.Set("ops", ops_object(env));

@@ -9,6 +9,7 @@
 
 #if CONDUIT_X86
 #include <cpuid.h>
+#include <emmintrin.h>
 #include <nmmintrin.h>
 #endif
 
@@ -127,6 +128,57 @@ uint32_t crc32c(uint32_t crc, const uint8_t* p, size_t n) {
   if (has_sse42()) return crc32c_sse42(crc, p, n);
 #endif
   return crc32c_portable(crc, p, n);
+}
+
+namespace {
+
+#if CONDUIT_X86
+// memcpy with non-temporal stores (SSE2, every x86-64): the destination lines are not read first nor kept in cache.
+void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 64; dst += 64, src += 64, n -= 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+  }
+  std::memcpy(dst, src, n);
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32c_copy(uint32_t crc, const uint8_t* src, uint8_t* dst, size_t n, bool uncached) {
+  // Pieces of three lanes of the SSE4.2 loop (24 KiB): checksummed, then copied from L1.
+  constexpr size_t kPiece = 3 * 8192;
+#if !CONDUIT_X86
+  uncached = false;  // no streaming stores here: a plain copy
+#endif
+  while (n > 0) {
+    const size_t take = n < kPiece ? n : kPiece;
+    crc = crc32c(crc, src, take);
+#if CONDUIT_X86
+    if (uncached) copy_streaming(dst, src, take);
+    else
+#endif
+      std::memcpy(dst, src, take);
+    src += take;
+    dst += take;
+    n -= take;
+  }
+#if CONDUIT_X86
+  if (uncached) _mm_sfence();  // the streamed stores are ordered before whatever the caller does next
+#endif
+  return crc;
 }
 
 }  // namespace conduit

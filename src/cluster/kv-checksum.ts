@@ -40,6 +40,7 @@ export function crc32cPortable(bytes: Uint8Array, crc = 0): number {
 
 const native = tryLoadNativeAddon();
 const nativeCrc = typeof native?.crc32c === 'function' ? native.crc32c.bind(native) : undefined;
+const nativeCrcCopy = typeof native?.crc32cCopy === 'function' ? native.crc32cCopy.bind(native) : undefined;
 
 /** Where this process computes it: 'native' (the addon) or 'typescript'. */
 export const KV_CHECKSUM_IMPLEMENTATION: 'native' | 'typescript' = nativeCrc ? 'native' : 'typescript';
@@ -47,4 +48,17 @@ export const KV_CHECKSUM_IMPLEMENTATION: 'native' | 'typescript' = nativeCrc ? '
 /** CRC-32C of bytes, continuing crc (0 to start): kvChecksum(b, kvChecksum(a)) is the checksum of a then b. */
 export function kvChecksum(bytes: Uint8Array, crc = 0): number {
   return nativeCrc ? nativeCrc(bytes, crc) : crc32cPortable(bytes, crc);
+}
+
+/**
+ * Copies bytes into target at offset and returns their CRC-32C continuing crc: kvChecksum(bytes, crc) with the copy
+ * made in the same pass (the addon checksums a few KiB, then copies them while they are in L1), so bytes that just
+ * landed in a small buffer are read from cache once instead of twice. uncached: the addon's stores bypass the cache
+ * (for a transfer larger than it; elsewhere a plain copy).
+ */
+export function kvChecksumCopy(bytes: Uint8Array, target: Uint8Array, offset: number, crc = 0, uncached = false): number {
+  if (nativeCrcCopy) return nativeCrcCopy(bytes, target, offset, crc, uncached);
+  const result = kvChecksum(bytes, crc);
+  target.set(bytes, offset);
+  return result;
 }

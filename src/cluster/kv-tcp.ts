@@ -10,7 +10,8 @@
 // Two ways to ask:
 //   pull    after the handoff: the decode side names the source blocks (the handoff's) and gets them all at once.
 //   stream  as soon as the request is placed, before its prefill has run: the decode side names the destinations
-//           of every block of the prompt, and the prefill side sends each block as soon as the prefill has computed
+//           of every block of the prompt from firstBlock on (those before it it holds cached), and the prefill side
+//           sends each of them as soon as the prefill has computed
 //           it (every layer of each finished chunk, while the next chunk computes), the rest after the handoff, and
 //           then which source blocks they were. Most of the transfer hides behind the prefill (kv-done says how
 //           much: the link's busy time before the handoff).
@@ -23,7 +24,7 @@
 // Wire (one connection per transfer, both directions in frames: 4-byte big-endian length, kind byte, payload):
 //   decode -> prefill  JSON  {t: 'kv-hello', v, token}             the cluster token, compared in constant time
 //   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to), hostId?}
-//                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, hostId?}
+//                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, firstBlock?, hostId?}
 //   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', file?}
 //   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run;
 //                                                                      a run over 256 KiB goes as several)
@@ -36,21 +37,23 @@
 // the caller then prefills on the decode worker instead.
 //
 // Copies: the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
-// blocks of a running prefill, which nobody rewrites), each checksummed just before it is written and small ones
-// corked together, at most 4 MiB ahead of the kernel; the decode side reads headers
-// into one reused buffer and a run's bytes straight from the socket into its destination block (read(2) on the
-// socket once the buffer is used up inside a run), checksumming each piece as it lands.
+// blocks of a running prefill, which nobody rewrites), each frame checksummed just before it is written and small
+// ones corked together, at most SEND_AHEAD_BYTES queued ahead of the kernel (so the kernel copies a frame soon after
+// its checksum, from cache). The decode side lets the kernel copy what arrives into one small reused read buffer and
+// moves each run's bytes into its destination block with one native pass that checksums them on the way
+// (kvChecksumCopy): the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks
+// its engine reserved for the request, so nothing copies them again.
 
 import { readSync } from 'node:fs';
 import net from 'node:net';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
-import { kvChecksum } from './kv-checksum.ts';
+import { kvChecksum, kvChecksumCopy } from './kv-checksum.ts';
 import { kvHostId, ShmRunReader, ShmRunWriter, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
 
-export const KV_TCP_VERSION = 2;
+export const KV_TCP_VERSION = 3;
 /** Frame kind of a KV run with its bytes (the request plane's kinds are 0 and 1). */
 export const FRAME_KV_RUN = 2;
 /** Frame kind of a KV run whose bytes are in the transfer's shared-memory file. */
@@ -58,21 +61,46 @@ export const FRAME_KV_SHM_RUN = 3;
 const RUN_HEADER_BYTES = 24;
 const SHM_OFFSET_BYTES = 8;
 const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
-/** Reads of a run's bytes go straight into the destination block (POSIX sockets; CONDUIT_KV_DIRECT_READ=0: never). */
-const DIRECT_READ = process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ !== '0';
 /**
- * The decode side's read buffer, for headers and control frames: small, since a run's bytes past what it holds are
- * read straight into their block.
+ * How the decode side takes a run's bytes off the socket. 'copy' (the default): the kernel copies them into one
+ * small reused read buffer, which stays in cache (as a plain TCP reader's does), and one native pass checksums
+ * each piece and copies it on into its block (kvChecksumCopy), so the bytes are read from cache once. 'direct'
+ * (CONDUIT_KV_DIRECT_READ=1, POSIX only): read(2) straight into the destination block, then the checksum over what
+ * landed; kept to compare against. Read per transfer, so one process can measure both.
  */
-const READ_BUFFER_BYTES = DIRECT_READ ? 16 << 10 : 1 << 20;
+function receiveMode(): 'copy' | 'direct' {
+  return process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ === '1' ? 'direct' : 'copy';
+}
+/**
+ * The decode side's read buffer in 'copy' mode: one per process (a read is consumed before the callback returns),
+ * as large as a read worth one system call, small enough to stay in L2 with the block lines it is copied into.
+ */
+const COPY_READ_BUFFER_BYTES = 256 << 10;
+let copyReadBuffer: Buffer | undefined;
+/**
+ * A transfer of at least this many bytes is copied into its blocks with stores that bypass the cache: it would not
+ * stay there anyway, and the destination lines are then neither read from memory first nor evict the read buffer.
+ * CONDUIT_KV_UNCACHED_COPY=0 or 1: never or always (to compare).
+ */
+const UNCACHED_COPY_BYTES = 8 << 20;
+function uncachedCopy(bytes: number): boolean {
+  const setting = process.env.CONDUIT_KV_UNCACHED_COPY;
+  return setting === '1' || (setting !== '0' && bytes >= UNCACHED_COPY_BYTES);
+}
+/** In 'direct' mode the read buffer holds headers and control frames only: a run's bytes are read into the block. */
+const DIRECT_READ_BUFFER_BYTES = 16 << 10;
 const DIRECT_READ_BUDGET = 8 << 20;
 /** The prefill side's frames: a longer run of consecutive blocks goes as several (each checksummed while in cache). */
 const SEND_FRAME_BYTES = 256 << 10;
 /**
- * Bytes the prefill side lets wait for the kernel before it waits for the socket to drain: enough to keep the kernel
- * fed across a scheduling delay, few enough to stay in cache between their checksum and the kernel's copy.
+ * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain. The
+ * kernel's send buffer (megabytes on loopback) is what keeps the link fed; bytes queued here past it would be copied
+ * by the kernel only later, out of cache, after their checksum. CONDUIT_KV_SEND_AHEAD_BYTES sets it (to compare).
  */
-const SEND_AHEAD_BYTES = 4 << 20;
+const SEND_AHEAD_BYTES = (() => {
+  const value = Number(process.env.CONDUIT_KV_SEND_AHEAD_BYTES);
+  return Number.isSafeInteger(value) && value > 0 ? value : 512 << 10;
+})();
 /** How long, and for how many requests at most, the prefill side remembers requests that ended. */
 const ENDED_MEMORY_MS = 60_000;
 const ENDED_MEMORY_MAX = 10_000;
@@ -101,11 +129,16 @@ export interface KvPullDescriptor {
   layers: [number, number];
 }
 
-/** What the decode side asks for before the prefill: a destination for each block of the prompt, in position order. */
+/**
+ * What the decode side asks for before the prefill: a destination for each block of the prompt from firstBlock on, in
+ * position order (the blocks before firstBlock it holds already, cached: they do not move).
+ */
 export interface KvStreamDescriptor {
   requestId: string;
   destinationBlockIds: number[];
   layers: [number, number];
+  /** Default 0. */
+  firstBlock?: number;
 }
 
 export interface KvPullResult {
@@ -287,7 +320,9 @@ interface Transfer {
   requestId: string;
   destinations: number[];
   layers: [number, number];
-  /** Which source block each position was sent from (-1: not sent). */
+  /** The position of destinations[0]: positions before it are not sent (the decode side holds them). */
+  first: number;
+  /** Which source block each destination was sent from (-1: not sent). */
   sent: Int32Array;
   /** A pull: its source blocks, fixed. */
   pullSources?: number[];
@@ -437,7 +472,9 @@ export class KvTransferServer {
       const ended = this.endedLately.get(requestId);
       if (ended && !this.known.has(requestId)) throw new FrameError(`request ${requestId} ${ended.why}`);
       const destinations = blockIds(message.destinationBlockIds, 'destinationBlockIds', null);
-      transfer = this.transfer(socket, requestId, destinations, checkLayers(message.layers, view), message.hostId);
+      const first = message.firstBlock ?? 0;
+      if (!Number.isSafeInteger(first) || (first as number) < 0) throw new FrameError('firstBlock must be a block position');
+      transfer = this.transfer(socket, requestId, destinations, checkLayers(message.layers, view), message.hostId, first as number);
       let set = this.streams.get(requestId);
       if (!set) this.streams.set(requestId, set = new Set());
       set.add(transfer);
@@ -456,10 +493,11 @@ export class KvTransferServer {
     return transfer;
   }
 
-  private transfer(socket: net.Socket, requestId: string, destinations: number[], layers: [number, number], hostId: unknown): Transfer {
+  private transfer(socket: net.Socket, requestId: string, destinations: number[], layers: [number, number], hostId: unknown,
+    first = 0): Transfer {
     const sameHost = this.options.link !== 'tcp' && typeof hostId === 'string' && hostId === kvHostId();
     return {
-      socket, requestId, destinations, layers, sent: new Int32Array(destinations.length).fill(-1),
+      socket, requestId, destinations, layers, first, sent: new Int32Array(destinations.length).fill(-1),
       writer: sameHost ? ShmRunWriter.create() : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
     };
   }
@@ -471,17 +509,20 @@ export class KvTransferServer {
     const sources = transfer.pullSources ?? known?.final ?? known?.full;
     if (!sources) return;
     const final = transfer.pullSources !== undefined || known?.final !== undefined;
-    if (sources.length > transfer.destinations.length || (final && sources.length !== transfer.destinations.length)) {
-      this.fail(transfer, `request ${transfer.requestId} has ${final ? '' : 'at least '}${sources.length} blocks here, the decode side named ${transfer.destinations.length} destinations`);
+    const { first } = transfer;
+    const wanted = first + transfer.destinations.length;
+    if (sources.length > wanted || (final && sources.length !== wanted)) {
+      this.fail(transfer, `request ${transfer.requestId} has ${final ? '' : 'at least '}${sources.length} blocks here, the decode side named `
+        + `${transfer.destinations.length} destinations${first > 0 ? ` after the ${first} blocks it holds` : ''}`);
       return;
     }
     const from: number[] = [];
     const to: number[] = [];
-    for (let p = 0; p < sources.length; p++) {
-      if (transfer.sent[p] === sources[p]) continue;
-      transfer.sent[p] = sources[p]!;
+    for (let p = first; p < sources.length; p++) {
+      if (transfer.sent[p - first] === sources[p]) continue;
+      transfer.sent[p - first] = sources[p]!;
       from.push(sources[p]!);
-      to.push(transfer.destinations[p]!);
+      to.push(transfer.destinations[p - first]!);
     }
     if (known?.handedOffAt !== undefined) transfer.handedOffAt = known.handedOffAt;
     if (from.length > 0) {
@@ -662,6 +703,9 @@ export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOption
 export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
   blockIds(descriptor.destinationBlockIds, 'destinationBlockIds', options.destination);
   checkLayers(descriptor.layers, options.destination);
+  if (descriptor.firstBlock !== undefined && !(Number.isSafeInteger(descriptor.firstBlock) && descriptor.firstBlock >= 0)) {
+    throw new RangeError(`firstBlock must be a block position, got ${descriptor.firstBlock}`);
+  }
   const handle = receive({ t: 'kv-stream', ...descriptor }, descriptor, options);
   if (options.timeoutMs !== undefined) handle.deadline(options.timeoutMs);
   return handle;
@@ -670,6 +714,7 @@ export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOp
 function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
   const view = options.destination;
   const { requestId, destinationBlockIds: destinations, layers } = descriptor;
+  const first = descriptor.firstBlock ?? 0;
   const runBytes = kvBlockRunBytes(view.layout);
   const pool = new Uint8Array(view.pool);
   const positions = destinations.length;
@@ -680,6 +725,8 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
   destinations.forEach((id, p) => positionOf.set(id, p));
   const started = performance.now();
   const hostId = options.link === 'tcp' ? null : kvHostId();
+  const direct = receiveMode() === 'direct';
+  const uncached = !direct && uncachedCopy(destinations.length * (layers[1] - layers[0]) * 2 * kvBlockRunBytes(view.layout));
   let settle!: { resolve: (r: KvPullResult) => void; reject: (e: Error) => void };
   const result = new Promise<KvPullResult>((resolve, reject) => { settle = { resolve, reject }; });
   let settled = false;
@@ -793,8 +840,8 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
       fail('truncated', `done with ${numCovered} of ${covered.length} block layers (${bytes} bytes, the prefill side says ${String(message.bytes)})`);
     }
     const sources = message.sourceBlockIds;
-    if (!Array.isArray(sources) || sources.length !== positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
-      fail('unexpected-run', 'kv-done does not name a source block per destination');
+    if (!Array.isArray(sources) || sources.length !== first + positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
+      fail('unexpected-run', 'kv-done does not name a source block per position');
     }
     const number = (value: unknown) => (typeof value === 'number' && Number.isFinite(value) && value >= 0 ? value : 0);
     finish(null, { sourceBlockIds: sources as number[], overlapMs: number(message.overlapMs) });
@@ -832,7 +879,7 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
   let fdCache: number | undefined;
   const directFd = (): number => {
     if (fdCache === undefined) {
-      const fd = DIRECT_READ ? (socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
+      const fd = direct ? (socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
       fdCache = typeof fd === 'number' && Number.isInteger(fd) && fd >= 0 ? fd : -1;
     }
     return fdCache;
@@ -844,14 +891,14 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
       while (i < chunk.length && !settled) {
         if (state === 'body') {
           const take = Math.min(bodyLeft, chunk.length - i);
-          const part = chunk.subarray(i, i + take);
-          bodyCrc = kvChecksum(part, bodyCrc);
-          pool.set(part, bodyAt);
+          // Checksummed and copied into its block in one pass, while the read buffer is in cache.
+          bodyCrc = kvChecksumCopy(chunk.subarray(i, i + take), pool, bodyAt, bodyCrc, uncached);
           bodyAt += take;
           bodyLeft -= take;
           i += take;
-          // The chunk is used up inside a run: what the socket holds next is this run's, read straight into its block.
-          if (bodyLeft > 0) readDirect();
+          // 'direct': the chunk is used up inside a run, so what the socket holds next is this run's, read straight
+          // into its block.
+          if (bodyLeft > 0 && direct) readDirect();
           if (bodyLeft === 0) endRun();
           continue;
         }
@@ -901,9 +948,10 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
   };
 
   // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
+  const readBuffer = direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
   const socket = net.connect({
     host: options.host, port: options.port,
-    onread: { buffer: Buffer.allocUnsafe(READ_BUFFER_BYTES), callback: (n: number, buffer: Uint8Array) => { onBytes((buffer as Buffer).subarray(0, n)); return true; } },
+    onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { onBytes((buffer as Buffer).subarray(0, n)); return true; } },
   });
   socket.setNoDelay(true);
   socket.on('connect', () => {

@@ -14,6 +14,7 @@ import { AsyncQueue } from '../engine/streams.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { KvEvent, BlockHash } from '../protocols/kv-events.ts';
+import { hashTokenBlocks } from '../protocols/block-hash.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { v8Deserialize } from './blob.ts';
@@ -203,12 +204,16 @@ export class RemoteEngine implements RoutableEngine {
 
   /**
    * Decode worker: the request is about to prefill on `prefillId`; the worker starts streaming its blocks from that
-   * worker's KV port as they are computed (the adopt that follows finds them there).
+   * worker's KV port as they are computed (the adopt that follows finds them there), all but those it caches.
    */
   expectHandoff(request: EngineRequest, prefillId: string): void {
     const source = this.kvSourceAddress?.(prefillId);
     if (!source || this.lostError || this.closed || this.socket.destroyed) return;
-    this.socket.write(encodeJsonFrame({ t: 'expect', id: request.id, promptTokens: request.promptTokenIds.length, source, sentAt: engineNow() }));
+    // The prompt's full-block hashes, as the decode worker's engine computes them: the blocks it caches do not move.
+    const blockHashes = hashTokenBlocks(request.promptTokenIds, this.info.blockSize, { cacheSalt: request.cacheSalt, adapterId: request.lora });
+    this.socket.write(encodeJsonFrame({
+      t: 'expect', id: request.id, promptTokens: request.promptTokenIds.length, blockHashes, source, sentAt: engineNow(),
+    }));
   }
 
   onAdopted(listener: (result: AdoptedResult) => void): () => void {

@@ -15,11 +15,11 @@ import { v8Serialize } from './blob.ts';
 import type { Engine, EngineOutput, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
-import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
+import { isBlockHash, type BlockHash, type KvEvent } from '../protocols/kv-events.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
 import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent, PrefillProgress } from '../engine/handoff.ts';
-import { kvBlockBytes, type KvPoolLayout } from '../engine/handoff.ts';
+import { KV_IN_PLACE_SOURCE, kvBlockBytes, type KvPoolLayout, type KvPoolView } from '../engine/handoff.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineStats, KvLinkStats } from '../protocols/worker.ts';
 import { shiftAdopted, shiftHandoff, shiftOutput, shiftRequest, tightenClockOffset } from './clock-offset.ts';
@@ -62,12 +62,33 @@ const TRANSFER_TIMEOUT_MS = 30_000;
 
 /** A KV stream a decode worker started when told a request would prefill elsewhere (see expect()). */
 interface IncomingStream {
-  handle: KvTransferHandle;
+  /** Resolves once the destination blocks are known and the connection is open (handle set), or it gave up. */
+  ready: Promise<void>;
+  handle?: KvTransferHandle;
+  /** Blocks of the prompt. */
+  numBlocks: number;
+  /** The prompt's full-block hashes as the frontend sent them, and how many leading blocks this worker holds cached. */
+  hashes: BlockHash[];
+  held: number;
+  /** Destinations of the blocks after the held ones. */
   ids: number[];
+  /** The destinations are blocks the engine reserved in its own pool (else staging blocks). */
+  inPlace: boolean;
+  /** The engine's preparation (hold, reservation) to release if the stream is not adopted. */
+  ticket?: number;
   host: string;
   port: number;
   connection: Connection;
   claimed: boolean;
+}
+
+/** Where a handed-off request's KV is to be written on a decode worker (prepareImport). */
+interface ImportTarget {
+  /** Leading blocks of the prompt held from this worker's prefix cache: they do not move. */
+  held: number;
+  /** Blocks of the engine's own pool reserved for the others (written in place), or null: staging. */
+  blockIds: number[] | null;
+  ticket?: number;
 }
 
 /** The source id a decode worker's engine knows its TCP staging pool by. */
@@ -136,6 +157,14 @@ export class WorkerServer {
   private readonly pinned = new Set<string>();
   /** Decode role: the staging pool KV pulled over TCP lands in before the engine copies it into its own pool. */
   private staging: { pool: SharedArrayBuffer; layout: KvPoolLayout; free: number[]; held: Map<string, number[]> } | undefined;
+  /**
+   * Decode role: the engine's own pool, when KV from other processes is written straight into blocks the engine
+   * reserved for it (prepareKvImport), so the adoption copies nothing; staging is then used only when the pool has
+   * no room. CONDUIT_KV_ADOPT_STAGING=1: always through staging (to compare).
+   */
+  private readonly inPlace: KvPoolView | undefined;
+  /** Decode role: the engine's import preparations (holds, reservations) not yet handed to an adoption, by request. */
+  private readonly reservations = new Map<string, number>();
   private readonly offAdopted: (() => void) | undefined;
   /** KV pulls over TCP by outcome: 'ok', or the failure reason (checksum, truncated, connect, ...). */
   readonly kvTransfers = new Map<string, number>();
@@ -184,6 +213,9 @@ export class WorkerServer {
       this.staging = { pool, layout, free: Array.from({ length: layout.numBlocks }, (_, i) => layout.numBlocks - 1 - i), held: new Map() };
       engine.attachKvSource(STAGING_SOURCE, pool, layout);
       this.offAdopted = engine.onAdopted((result) => this.adopted(result));
+      if (engine.kvPool && engine.prepareKvImport && engine.releaseKvImport && process.env.CONDUIT_KV_ADOPT_STAGING !== '1') {
+        this.inPlace = { pool: engine.kvPool, layout };
+      }
     }
   }
 
@@ -213,6 +245,26 @@ export class WorkerServer {
   /** Decode role: staging blocks held by pulls and adoptions not done yet. */
   get stagingBlocksHeld(): number {
     return this.staging ? this.staging.layout.numBlocks - this.staging.free.length : 0;
+  }
+
+  /** Decode role: adoptions whose KV came by a stream started at expect (the others were pulled after the handoff). */
+  streamsAdopted = 0;
+
+  /** Decode role: streams started at expect whose connection is open (their destination blocks prepared). */
+  get streamsOpen(): number {
+    let open = 0;
+    for (const stream of this.incoming.values()) if (stream.handle) open++;
+    return open;
+  }
+
+  /** Decode role: engine import preparations (held prefixes, reserved blocks) no adoption has taken yet. */
+  get importsPrepared(): number {
+    return this.reservations.size;
+  }
+
+  /** Decode role: whether KV from other processes is written straight into the engine's pool. */
+  get adoptsInPlace(): boolean {
+    return this.inPlace !== undefined;
   }
 
   /** Listens; resolves with the bound port. */
@@ -477,30 +529,68 @@ export class WorkerServer {
   private expect(connection: Connection, message: Record<string, unknown>): void {
     // Not a decode worker with a staging pool (a simulated one): the adopt will say what happens.
     if (this.role !== 'decode' || !this.staging) return;
-    const { id, promptTokens, source } = message as { id?: unknown; promptTokens?: unknown; source?: { host?: unknown; port?: unknown } | null };
+    const { id, promptTokens, source, blockHashes } = message as {
+      id?: unknown; promptTokens?: unknown; source?: { host?: unknown; port?: unknown } | null; blockHashes?: unknown;
+    };
     if (typeof id !== 'string' || id.length === 0 || !Number.isSafeInteger(promptTokens) || (promptTokens as number) < 1
       || !source || typeof source.host !== 'string' || !Number.isInteger(source.port)) {
       throw new FrameError('expect needs a request id, its prompt length and the prefill worker\'s KV address');
     }
+    const numBlocks = Math.ceil((promptTokens as number) / this.staging.layout.blockSize);
+    if (blockHashes !== undefined && (!Array.isArray(blockHashes) || blockHashes.length > numBlocks || !blockHashes.every(isBlockHash))) {
+      throw new FrameError('expect: blockHashes must be the prompt\'s full-block hashes');
+    }
     this.cancelIncoming(id, 'expected again');
-    const staging = this.staging;
-    const count = Math.ceil((promptTokens as number) / staging.layout.blockSize);
-    if (count > staging.free.length || staging.held.has(id) || this.running.has(id)) return;
-    const ids = staging.free.splice(staging.free.length - count, count).reverse();
-    staging.held.set(id, ids);
-    const handle = streamKvBlocks({ requestId: id, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] }, {
-      clusterToken: this.options.clusterToken, host: source.host, port: source.port as number, destination: staging,
+    if (this.staging.held.has(id) || this.running.has(id)) return;
+    const stream: IncomingStream = {
+      ready: Promise.resolve(), numBlocks, hashes: (blockHashes ?? []) as BlockHash[], held: 0, ids: [], inPlace: false,
+      host: source.host, port: source.port as number, connection, claimed: false,
+    };
+    this.incoming.set(id, stream);
+    stream.ready = this.openStream(id, stream);
+  }
+
+  /**
+   * Opens an expected request's stream: holds the blocks this worker caches of its prompt (they do not move),
+   * reserves the engine's blocks for the others (staging blocks when the pool has no room; without room there
+   * either nothing starts and the adopt pulls or recomputes), then asks the prefill worker for them.
+   */
+  private async openStream(id: string, stream: IncomingStream): Promise<void> {
+    const target = await this.prepareImport(id, stream.hashes, stream.numBlocks, true);
+    if (target.ticket !== undefined) stream.ticket = target.ticket;
+    // Cancelled meanwhile (cancelIncoming left the preparation to this): it goes.
+    if (this.incoming.get(id) !== stream) return this.releaseImport(id, target.ticket);
+    stream.held = target.held;
+    const staging = this.staging!;
+    let destination: KvPoolView;
+    if (target.blockIds !== null) {
+      stream.inPlace = true;
+      stream.ids = target.blockIds;
+      destination = this.inPlace!;
+    } else {
+      const count = stream.numBlocks - stream.held;
+      if (count > staging.free.length || staging.held.has(id)) {
+        this.incoming.delete(id);
+        return this.releaseImport(id, target.ticket);
+      }
+      stream.ids = staging.free.splice(staging.free.length - count, count).reverse();
+      staging.held.set(id, stream.ids);
+      destination = staging;
+    }
+    const handle = streamKvBlocks({
+      requestId: id, destinationBlockIds: stream.ids, layers: [0, staging.layout.numLayers], firstBlock: stream.held,
+    }, {
+      clusterToken: this.options.clusterToken, host: stream.host, port: stream.port, destination,
       ...(this.options.kvLink ? { link: this.options.kvLink } : {}),
     });
     handle.deadline(STREAM_UNCLAIMED_MS);
-    const stream: IncomingStream = { handle, ids, host: source.host, port: source.port as number, connection, claimed: false };
-    this.incoming.set(id, stream);
+    stream.handle = handle;
     handle.result.catch((error: unknown) => {
       // Claimed: the adopt deals with it. Not: the request ended elsewhere (finished on its first token, aborted,
-      // prefilled here) or the prefill worker is gone; its staging goes back.
+      // prefilled here) or the prefill worker is gone; its blocks go back.
       if (stream.claimed || this.incoming.get(id) !== stream) return;
       this.incoming.delete(id);
-      if (staging.held.get(id) === ids) this.freeStaging(id);
+      this.dropStreamBlocks(id, stream);
       this.log('debug', `KV stream of ${id} ended before its handoff: ${(error as Error).message}`);
       // A corrupted or cut stream is a failed transfer (the adopt falls back to prefilling here), kept a bounded time.
       if (error instanceof KvTransferError && INTEGRITY_FAILURES.has(error.reason)) {
@@ -510,13 +600,53 @@ export class WorkerServer {
     });
   }
 
+  /** A stream that will not be adopted: its staging blocks, or the engine's hold and reserved blocks, go back. */
+  private dropStreamBlocks(id: string, stream: IncomingStream): void {
+    if (!stream.inPlace && this.staging?.held.get(id) === stream.ids) this.freeStaging(id);
+    this.releaseImport(id, stream.ticket);
+  }
+
+  /**
+   * Gets the engine ready for the KV of a prompt of numBlocks blocks: holds the blocks its prefix cache has (by the
+   * prompt's hashes) and, writing in place, reserves blocks of its pool for the rest; releaseImport undoes both if
+   * no adoption takes them. An engine without prepareKvImport only holds, for a pull (an adoption follows it), by
+   * holdCachedPrefix.
+   */
+  private async prepareImport(id: string, hashes: readonly BlockHash[], numBlocks: number, forStream = false): Promise<ImportTarget> {
+    const engine = this.options.engine as DecodeWorkerEngine;
+    if (engine.prepareKvImport) {
+      try {
+        const prepared = await engine.prepareKvImport(id, hashes, numBlocks, this.inPlace !== undefined);
+        this.reservations.set(id, prepared.ticket);
+        return { held: prepared.held, blockIds: this.inPlace ? prepared.blockIds : null, ticket: prepared.ticket };
+      } catch {
+        return { held: 0, blockIds: null };
+      }
+    }
+    if (forStream || !engine.holdCachedPrefix || hashes.length === 0) return { held: 0, blockIds: null };
+    try {
+      return { held: await engine.holdCachedPrefix(id, hashes), blockIds: null };
+    } catch {
+      return { held: 0, blockIds: null };
+    }
+  }
+
+  /** The engine's preparation `ticket` for the request will not be adopted: its hold and reserved blocks go. */
+  private releaseImport(id: string, ticket: number | undefined): void {
+    if (ticket === undefined || this.reservations.get(id) !== ticket) return;
+    this.reservations.delete(id);
+    (this.options.engine as DecodeWorkerEngine).releaseKvImport?.(id, ticket);
+  }
+
   private cancelIncoming(id: string, why: string): void {
     this.failedStreams.delete(id);
     const stream = this.incoming.get(id);
     if (!stream) return;
     this.incoming.delete(id);
+    // Not open yet: openStream releases what it prepared once the engine answers.
+    if (!stream.handle) return;
     stream.handle.cancel(why);
-    if (this.staging?.held.get(id) === stream.ids) this.freeStaging(id);
+    this.dropStreamBlocks(id, stream);
   }
 
   /**
@@ -569,11 +699,12 @@ export class WorkerServer {
     const engine = this.options.engine as DecodeWorkerEngine;
     const staging = this.staging!;
     const id = handoff.requestId;
-    // Aborted meanwhile: the engine drops what it holds for the request (the held prefix), the staging blocks go,
-    // and the stream ends as an aborted one does.
+    // Aborted meanwhile: the engine drops what it holds for the request (the held prefix, reserved blocks), the
+    // staging blocks go, and the stream ends as an aborted one does.
     const stopped = (): boolean => {
       if (!signal.aborted) return false;
       engine.abort(id);
+      this.reservations.delete(id);
       this.freeStaging(id);
       return true;
     };
@@ -585,34 +716,43 @@ export class WorkerServer {
     }];
     // A stream started at expect() from this very source: the adopt waits for its rest. Any other is dropped.
     const streamed = this.incoming.get(id);
-    if (streamed && streamed.host === source.host && streamed.port === source.port && streamed.ids.length === handoff.sourceBlockIds.length) {
-      return this.adoptStreamed(handoff, streamed, signal, stopped, closing);
+    if (streamed && streamed.host === source.host && streamed.port === source.port && streamed.numBlocks === handoff.sourceBlockIds.length) {
+      await streamed.ready;
+      if (signal.aborted) this.cancelIncoming(id, 'aborted');
+      if (stopped()) return closing();
+      if (this.incoming.get(id) === streamed && streamed.handle) return this.adoptStreamed(handoff, streamed, signal, stopped, closing);
     }
-    if (streamed) this.cancelIncoming(id, 'the handoff names another source');
-    let held = 0;
-    if (engine.holdCachedPrefix && handoff.blockHashes.length > 0) {
-      try {
-        held = await engine.holdCachedPrefix(id, handoff.blockHashes);
-      } catch {
-        held = 0;
-      }
-    }
+    this.cancelIncoming(id, 'the handoff names another source');
+    const target = await this.prepareImport(id, handoff.blockHashes, handoff.sourceBlockIds.length);
     if (stopped()) return closing();
+    const held = target.held;
     const sourceIds = handoff.sourceBlockIds.slice(held);
-    if (sourceIds.length > staging.free.length) return this.fallBack(handoff, KV_LINK_TCP, 'no-staging-space');
-    const ids = staging.free.splice(staging.free.length - sourceIds.length, sourceIds.length).reverse();
-    staging.held.set(id, ids);
+    let ids: number[];
+    let destination: KvPoolView;
+    if (target.blockIds !== null) {
+      ids = target.blockIds;
+      destination = this.inPlace!;
+    } else {
+      if (sourceIds.length > staging.free.length) {
+        this.releaseImport(id, target.ticket);
+        return this.fallBack(handoff, KV_LINK_TCP, 'no-staging-space');
+      }
+      ids = staging.free.splice(staging.free.length - sourceIds.length, sourceIds.length).reverse();
+      staging.held.set(id, ids);
+      destination = staging;
+    }
     const startMs = engineNow();
     let pulled: Pick<KvPullResult, 'bytes' | 'runs'> & { link?: KvLink; overlapMs?: number } = { bytes: 0, runs: 0 };
     if (ids.length > 0) {
       try {
         pulled = await pullKvBlocks(
           { requestId: id, sourceBlockIds: sourceIds, destinationBlockIds: ids, layers: [0, staging.layout.numLayers] },
-          { clusterToken: this.options.clusterToken, host: source.host, port: source.port, destination: staging, signal,
+          { clusterToken: this.options.clusterToken, host: source.host, port: source.port, destination, signal,
             ...(this.options.kvLink ? { link: this.options.kvLink } : {}) });
       } catch (error) {
         this.freeStaging(id);
         if (stopped()) return closing();
+        this.releaseImport(id, target.ticket);
         return this.transferFailed(handoff, source, error);
       }
     }
@@ -622,33 +762,45 @@ export class WorkerServer {
       startMs, bytes: pulled.bytes, blocks: ids.length, reused: held, runs: pulled.runs, link: pulled.link ?? KV_LINK_TCP,
       ...(pulled.overlapMs !== undefined ? { overlapMs: pulled.overlapMs } : {}),
     });
+    // The adoption takes over the hold and the reserved blocks.
+    this.reservations.delete(id);
+    if (target.blockIds !== null) return engine.adopt(handoff, KV_IN_PLACE_SOURCE);
     // The held blocks are not in staging: the engine finds them in its own cache and copies only those after them.
     const sourceBlockIds = [...new Array<number>(held).fill(ids[0] ?? 0), ...ids];
     return engine.adopt({ ...handoff, sourceBlockIds, sourceLayout: staging.layout }, STAGING_SOURCE);
   }
 
-  /** Waits for the rest of a stream started at expect() (it moves every block of the prompt), then adopts from staging. */
+  /**
+   * Waits for the rest of a stream started at expect() (every block of the prompt this worker does not hold), then
+   * adopts: in place, or from staging.
+   */
   private async adoptStreamed(handoff: KvHandoff, streamed: IncomingStream, signal: AbortSignal, stopped: () => boolean,
     closing: () => EngineOutput[]): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> {
     const engine = this.options.engine as DecodeWorkerEngine;
     const staging = this.staging!;
     const id = handoff.requestId;
+    const handle = streamed.handle!;
     this.incoming.delete(id);
     streamed.claimed = true;
     const startMs = engineNow();
-    const onAbort = () => streamed.handle.cancel('aborted');
+    const onAbort = () => handle.cancel('aborted');
     signal.addEventListener('abort', onAbort, { once: true });
     let pulled: KvPullResult;
     try {
-      streamed.handle.deadline(TRANSFER_TIMEOUT_MS);
-      pulled = await streamed.handle.result;
+      handle.deadline(TRANSFER_TIMEOUT_MS);
+      pulled = await handle.result;
       if (pulled.sourceBlockIds.some((block, i) => block !== handoff.sourceBlockIds[i])) {
         throw Object.assign(new KvTransferError('unexpected-run', `KV stream of ${id}: the prefill side sent other blocks than it handed off`),
           { link: pulled.link });
       }
+      if (streamed.hashes.slice(0, streamed.held).some((hash, i) => hash !== handoff.blockHashes[i])) {
+        throw Object.assign(new KvTransferError('unexpected-run', `KV stream of ${id}: the blocks held here are not the handoff's`),
+          { link: pulled.link });
+      }
     } catch (error) {
-      this.freeStaging(id);
+      if (!streamed.inPlace) this.freeStaging(id);
       if (stopped()) return closing();
+      this.releaseImport(id, streamed.ticket);
       return this.transferFailed(handoff, streamed, error);
     } finally {
       signal.removeEventListener('abort', onAbort);
@@ -656,9 +808,14 @@ export class WorkerServer {
     if (stopped()) return closing();
     this.countTransfer('ok');
     this.pulls.set(id, {
-      startMs, bytes: pulled.bytes, blocks: streamed.ids.length, reused: 0, runs: pulled.runs, link: pulled.link, overlapMs: pulled.overlapMs,
+      startMs, bytes: pulled.bytes, blocks: streamed.ids.length, reused: streamed.held, runs: pulled.runs, link: pulled.link,
+      overlapMs: pulled.overlapMs,
     });
-    return engine.adopt({ ...handoff, sourceBlockIds: streamed.ids, sourceLayout: staging.layout }, STAGING_SOURCE);
+    this.reservations.delete(id);
+    this.streamsAdopted++;
+    if (streamed.inPlace) return engine.adopt(handoff, KV_IN_PLACE_SOURCE);
+    const sourceBlockIds = [...new Array<number>(streamed.held).fill(streamed.ids[0] ?? 0), ...streamed.ids];
+    return engine.adopt({ ...handoff, sourceBlockIds, sourceLayout: staging.layout }, STAGING_SOURCE);
   }
 
   /** A pull or stream failed (not aborted): logged, counted by its link and reason, and the prompt is prefilled here. */
@@ -799,6 +956,8 @@ export class WorkerServer {
       this.adoptedTo.delete(id);
       this.pulls.delete(id);
       this.releaseStagingAfter(id, connection);
+      // Prepared for an adoption that never took it (an expect stream of its own releases its preparation).
+      if (!this.incoming.has(id)) this.releaseImport(id, this.reservations.get(id));
       connection.requests.delete(id);
       if (this.running.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
     }

@@ -10,7 +10,7 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { BatchBuilder } from './batch-builder.ts';
 import { IncrementalDetokenizer } from './detokenizer.ts';
 import {
-  checkKvLayoutsMatch, copyKvBlocks, kvBlockBytes, readKvBlocks, transferStats, writeKvBlocks,
+  checkKvLayoutsMatch, copyKvBlocks, KV_IN_PLACE_SOURCE, kvBlockBytes, readKvBlocks, transferStats, writeKvBlocks,
   type AdoptedResult, type KvHandoff, type KvPoolView, type KvTransferPlan,
 } from './handoff.ts';
 import type { BlockTable } from './kv-cache/manager.ts';
@@ -182,9 +182,17 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * blocks this pool lacks are copied from it; without one, or when its layout differs or the copy fails, the
    * prompt is recomputed here ('recompute').
    */
-  adopt(handoff: KvHandoff, source: KvSourceView | null): AdoptedResult | null {
+  adopt(handoff: KvHandoff, source: KvSourceView | typeof KV_IN_PLACE_SOURCE | null): AdoptedResult | null {
     this.checkLora(handoff.request);
     if (source === null) return this.adoptHandoff(handoff, this.now(), { recompute: 'no KV source for this prefill worker' });
+    if (source === KV_IN_PLACE_SOURCE) {
+      try {
+        checkKvLayoutsMatch(handoff.sourceLayout, this.backend.kvLayout);
+      } catch (error) {
+        return this.adoptHandoff(handoff, this.now(), { recompute: (error as Error).message });
+      }
+      return this.adoptHandoff(handoff, this.now(), new InPlaceImport(handoff, this.kvPoolView.layout, this.now));
+    }
     try {
       checkKvLayoutsMatch(source.layout, this.backend.kvLayout);
     } catch (error) {
@@ -421,6 +429,32 @@ class PoolCopy implements KvImport {
 
   stats(): ReturnType<KvImport['stats']> {
     return transferStats(this.plan!, this.source.id, this.source.channel, this.runs, this.startMs, this.endMs);
+  }
+}
+
+/**
+ * A handed-off request's missing blocks already written into the blocks this pool reserved for them (by a transfer
+ * from another process, prepareKvImport): the table takes those blocks, nothing is copied.
+ */
+class InPlaceImport implements KvImport {
+  readonly inPlace = true;
+  private plan: KvTransferPlan | undefined;
+  private at = 0;
+
+  constructor(private readonly handoff: KvHandoff, private readonly layout: KvPoolView['layout'], private readonly now: () => number) {}
+
+  fill(table: BlockTable, fromBlock: number, toBlock: number): void {
+    this.plan = {
+      requestId: this.handoff.requestId, numReusedBlocks: fromBlock,
+      sourceBlockIds: this.handoff.sourceBlockIds.slice(fromBlock, toBlock),
+      destinationBlockIds: table.blockIds.slice(fromBlock, toBlock),
+      bytes: (toBlock - fromBlock) * kvBlockBytes(this.layout),
+    };
+    this.at = this.now();
+  }
+
+  stats(): ReturnType<KvImport['stats']> {
+    return transferStats(this.plan!, KV_IN_PLACE_SOURCE, KV_IN_PLACE_SOURCE, 0, this.at, this.at);
   }
 }
 

@@ -110,6 +110,22 @@ function bytesPerElement(layout: { dtype: KvPoolLayout['dtype'] }): number {
 }
 
 /** Throws unless KV copied block for block from `source` means the same in `destination` (numBlocks may differ). */
+/** What prepareKvImport did: the leading blocks held from the prefix cache, and where the rest is to be written. */
+export interface KvImportPreparation {
+  /** Identifies this preparation: releaseKvImport of an older one for the same request does nothing. */
+  ticket: number;
+  /** Leading blocks of the prompt this pool holds cached, now pinned: they need not move. */
+  held: number;
+  /** Blocks reserved for the rest, in position order (from block `held` on); null when the pool has too few free. */
+  blockIds: number[] | null;
+}
+
+/**
+ * The source id of an adoption whose KV was written in place, into the blocks the decode worker's engine reserved
+ * for it (LocalEngine.prepareKvImport): nothing is copied. No attached pool may be named so.
+ */
+export const KV_IN_PLACE_SOURCE = 'in-place';
+
 export function checkKvLayoutsMatch(source: KvPoolLayout, destination: KvPoolLayout): void {
   for (const key of ['numLayers', 'blockSize', 'numKvHeads', 'headDim', 'dtype'] as const) {
     if (source[key] !== destination[key]) {

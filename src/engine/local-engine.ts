@@ -12,7 +12,7 @@ import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
 import { EngineClosedError, InvalidRequestError, LoraLoadError } from './errors.ts';
-import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent, type PrefillProgress } from './handoff.ts';
+import { KV_IN_PLACE_SOURCE, PrefillStream, type AdoptedResult, type KvImportPreparation, type KvHandoff, type PrefillEvent, type PrefillProgress } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
@@ -70,6 +70,7 @@ export class LocalEngine implements Engine {
   private readonly progressListeners = new Set<(progress: PrefillProgress[]) => void>();
   private readonly syncs = new PendingReplies<EngineStats>();
   private readonly holds = new PendingReplies<number>();
+  private readonly preparations = new PendingReplies<KvImportPreparation>();
   private readonly resets = new PendingReplies<boolean>();
   private readonly loraReplies = new PendingReplies<Extract<FromWorker, { type: 'lora-done' }>>();
   /** The worker's KV pool (shared memory) and its layout: what a decode worker reads handed-off blocks from. */
@@ -180,6 +181,7 @@ export class LocalEngine implements Engine {
 
   /** Decode worker: lets the worker read `sourceId`'s handed-off blocks from its pool (shared, not copied). */
   attachKvSource(sourceId: string, pool: SharedArrayBuffer, layout: KvPoolLayout): void {
+    if (sourceId === KV_IN_PLACE_SOURCE) throw new Error(`${KV_IN_PLACE_SOURCE} names in-place imports, not a KV source`);
     if (!this.closed && !this.exitError) this.post({ type: 'attach-kv-source', sourceId, pool, layout });
   }
 
@@ -209,6 +211,25 @@ export class LocalEngine implements Engine {
     const { id, reply } = this.holds.open();
     this.post({ type: 'hold-prefix', holdId: id, requestId, blockHashes: [...blockHashes] });
     return reply;
+  }
+
+  /**
+   * Decode worker, before a handed-off request's KV comes from another process: holds the cached prefix as
+   * holdCachedPrefix does and reserves blocks of this worker's pool (kvPool) for the other numBlocks - held blocks
+   * (blockIds, in position order; null when the pool lacks room, or reserve is false: the hold only). The transfer
+   * writes the KV into them, and adopt(handoff, KV_IN_PLACE_SOURCE) makes them the request's own: no copy. The hold
+   * and the reservation last until an adoption, an abort, or releaseKvImport(requestId, ticket).
+   */
+  prepareKvImport(requestId: string, blockHashes: readonly BlockHash[], numBlocks: number, reserve = true): Promise<KvImportPreparation> {
+    if (this.closed || this.exitError) return Promise.reject(this.exitError ?? new EngineClosedError('engine is closed'));
+    const { id, reply } = this.preparations.open();
+    this.post({ type: 'prepare-import', holdId: id, requestId, blockHashes: [...blockHashes], numBlocks, reserve });
+    return reply;
+  }
+
+  /** Decode worker: the blocks of prepareKvImport's `ticket` will not be written after all; they and the hold go. */
+  releaseKvImport(requestId: string, ticket: number): void {
+    if (!this.closed && !this.exitError) this.post({ type: 'release-import', requestId, ticket });
   }
 
   /** Decode worker: called once per adopted request when its source blocks are no longer needed. */
@@ -285,6 +306,7 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     this.syncs.rejectAll(new EngineClosedError('engine closed'));
     this.holds.rejectAll(new EngineClosedError('engine closed'));
+    this.preparations.rejectAll(new EngineClosedError('engine closed'));
     this.resets.rejectAll(new EngineClosedError('engine closed'));
     this.loraReplies.rejectAll(new EngineClosedError('engine closed'));
     if (!this.exitError) {
@@ -334,6 +356,11 @@ export class LocalEngine implements Engine {
         this.latestStats = message.stats;
         this.holds.settle(message.holdId, message.blocks);
         return;
+      case 'import-prepared':
+        this.latestStats = message.stats;
+        if (message.preparation) this.preparations.settle(message.holdId, message.preparation);
+        else this.preparations.reject(message.holdId, new Error(message.error ?? 'the KV import could not be prepared'));
+        return;
       case 'prefix-cache-reset':
         this.latestStats = message.stats;
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
@@ -365,6 +392,7 @@ export class LocalEngine implements Engine {
     this.prefills.clear();
     this.syncs.rejectAll(error);
     this.holds.rejectAll(error);
+    this.preparations.rejectAll(error);
     this.resets.rejectAll(error);
     this.loraReplies.rejectAll(error);
     for (const listener of this.lostListeners) listener(error);
@@ -408,6 +436,11 @@ class PendingReplies<T> {
 
   settle(id: number, value: T): void {
     this.waiting.get(id)?.resolve(value);
+    this.waiting.delete(id);
+  }
+
+  reject(id: number, error: Error): void {
+    this.waiting.get(id)?.reject(error);
     this.waiting.delete(id);
   }
 

@@ -19,6 +19,7 @@
 
 import { KvCacheManager } from './kv-cache/manager.ts';
 import type { BlockTable, KvBlockCopy, KvPin } from './kv-cache/manager.ts';
+import type { KvBlock } from './kv-cache/free-block-queue.ts';
 import type { BlockHash } from '../protocols/kv-events.ts';
 import { InvalidRequestError, type RejectionCode } from './errors.ts';
 import { Request, Sequence, checkStop, copyTimestamps, finishedStatus } from './request.ts';
@@ -150,6 +151,13 @@ export interface KvImport {
    * prefix cache did not already hold. Throws if it cannot; the adoption then leaves nothing behind.
    */
   fill(table: BlockTable, fromBlock: number, toBlock: number): void;
+  /**
+   * Blocks of this pool that already hold the KV of the positions after the cached prefix (written in place,
+   * KvCacheManager.reserveBlocks): the table takes them instead of fresh blocks, after exactly the
+   * blocksFor(numTokens) - filled.length leading blocks of the prefix cache; fill is still called for them (nothing
+   * to copy). Throws when the prefix cache holds fewer.
+   */
+  filled?: readonly KvBlock[];
 }
 
 export interface SchedulerStats {
@@ -737,7 +745,16 @@ export class Scheduler {
     const maxHitBlocks = Math.floor(numTokens / this.kv.blockSize);
     const prefix = found.blocks.length <= maxHitBlocks ? found
       : { blocks: found.blocks.slice(0, maxHitBlocks), numTokens: maxHitBlocks * this.kv.blockSize, numQueryTokens: found.numQueryTokens };
-    if (this.kv.allocateSlots(table, prefix.numTokens, numTokens - prefix.numTokens, prefix) === null) return null;
+    if (kvImport.filled !== undefined) {
+      const numShared = this.kv.blocksFor(numTokens) - kvImport.filled.length;
+      if (numShared < 0 || prefix.blocks.length < numShared) {
+        throw new Error(`request ${id}: ${kvImport.filled.length} filled blocks need ${numShared} cached ones before them, `
+          + `${prefix.blocks.length} are cached here`);
+      }
+      this.kv.adoptFilledBlocks(table, {
+        blocks: prefix.blocks.slice(0, numShared), numTokens: numShared * this.kv.blockSize, numQueryTokens: prefix.numQueryTokens,
+      }, kvImport.filled);
+    } else if (this.kv.allocateSlots(table, prefix.numTokens, numTokens - prefix.numTokens, prefix) === null) return null;
     try {
       kvImport.fill(table, prefix.blocks.length, table.blocks.length);
     } catch (error) {

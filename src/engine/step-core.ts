@@ -6,7 +6,7 @@
 
 import { InvalidRequestError } from './errors.ts';
 import {
-  HandoffOutbox, kvLinkName, type AdoptedResult, type KvHandoff, type KvPoolLayout, type KvTransferStats, type PrefillProgress,
+  HandoffOutbox, kvLinkName, type AdoptedResult, type KvHandoff, type KvImportPreparation, type KvPoolLayout, type KvTransferStats, type PrefillProgress,
 } from './handoff.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import { KvCacheManager, type BlockTable, type KvPin } from './kv-cache/manager.ts';
@@ -70,7 +70,13 @@ export interface KvImport {
   fill(table: BlockTable, fromBlock: number, toBlock: number): void;
   /** The transfer's figures once the request is in (nowMs: the time it joined). */
   stats(requestId: string, nowMs: number): KvTransferStats;
+  /**
+   * The KV was written in place, into the blocks prepareKvImport reserved for the request: the request's table takes
+   * those (after its held prefix) and fill has nothing to copy.
+   */
+  inPlace?: boolean;
 }
+
 
 /** The logprob entries of one step's rows, by rowKey(requestId, completion index). */
 export type StepLogprobs = ReadonlyMap<string, TokenLogprob>;
@@ -126,6 +132,9 @@ export class StepCore<T> {
    * kept until the request is adopted, recomputed or aborted.
    */
   private readonly prefixHolds = new Map<string, KvPin>();
+  /** Decode side: blocks reserved for a handed-off prompt's KV to be written in place (prepareKvImport), by request. */
+  private readonly importReservations = new Map<string, { ticket: number; pin: KvPin | null }>();
+  private nextImportTicket = 1;
   /** Tokens appended without sampling (TokenSource.forced) since start. */
   private numForcedTokens = 0;
   /** Prefill side: what the prefills to hand off have computed since the last take (the KV transfer streams it). */
@@ -394,10 +403,51 @@ export class StepCore<T> {
   }
 
   private releasePrefixHold(requestId: string): void {
+    const reservation = this.importReservations.get(requestId);
+    if (reservation !== undefined) {
+      this.importReservations.delete(requestId);
+      if (reservation.pin !== null) this.kv.unpin(reservation.pin);
+    }
     const pin = this.prefixHolds.get(requestId);
     if (pin === undefined) return;
     this.prefixHolds.delete(requestId);
     this.kv.unpin(pin);
+  }
+
+  /**
+   * Decode side, before a handed-off prompt's KV comes from another process: holds its cached prefix (as
+   * holdCachedPrefix) and reserves fresh blocks of this pool for the other numBlocks - held blocks, so the transfer
+   * can write them where the request will read them and the adoption (adopt with inPlace) copies nothing. The
+   * reservation is made only if the pool keeps a free block per running sequence after it (their next decode
+   * blocks: a transfer must not make the running requests preempt each other); without that room (or with reserve
+   * false), blockIds is null and only the hold is made. Dropped, with the hold, by the adoption (the table takes the
+   * blocks), an abort, or releaseKvImport.
+   */
+  prepareKvImport(requestId: string, blockHashes: readonly BlockHash[], numBlocks: number, reserve = true): KvImportPreparation {
+    if (!Number.isSafeInteger(numBlocks) || numBlocks < 1) throw new RangeError(`numBlocks must be >= 1, got ${numBlocks}`);
+    const held = Math.min(this.holdCachedPrefix(requestId, blockHashes.slice(0, numBlocks)), numBlocks);
+    const room = this.kv.numFreeBlocks - this.scheduler.sequences().running.length;
+    const pin = reserve && numBlocks - held <= room ? this.kv.reserveBlocks(numBlocks - held) : null;
+    const ticket = this.nextImportTicket++;
+    this.importReservations.set(requestId, { ticket, pin });
+    return { ticket, held, blockIds: pin === null ? null : pin.blocks.map((block) => block.id) };
+  }
+
+  /**
+   * The KV prepared for will not come after all (the transfer failed or is not needed): the reservation and the
+   * hold go, unless a later preparation for the request replaced them (ticket). False if there
+   * was nothing to release.
+   */
+  releaseKvImport(requestId: string, ticket: number): boolean {
+    const reservation = this.importReservations.get(requestId);
+    if (reservation === undefined || reservation.ticket !== ticket) return false;
+    this.releasePrefixHold(requestId);
+    return true;
+  }
+
+  /** Blocks reserved for in-place imports (tests check none outlives its request). */
+  get numImportReservations(): number {
+    return this.importReservations.size;
   }
 
   /** Adoptions completed since the last call (decode side): the source blocks they name can be released. */
@@ -453,10 +503,19 @@ export class StepCore<T> {
     const { handoff, kvImport } = pending;
     // The source was filled only after the blocks held here: an import must not reach below them.
     const held = this.prefixHolds.get(handoff.requestId)?.blocks.length ?? 0;
+    const reservation = kvImport.inPlace ? this.importReservations.get(handoff.requestId)?.pin ?? undefined : undefined;
+    if (kvImport.inPlace && reservation === undefined) {
+      return this.adoptByRecompute(handoff, pending.tokens, pending.text, nowMs, 'no blocks were reserved here for its KV');
+    }
+    if (reservation !== undefined && this.kv.blocksFor(handoff.numComputedTokens) !== held + reservation.blocks.length) {
+      return this.adoptByRecompute(handoff, pending.tokens, pending.text, nowMs,
+        `${held} held and ${reservation.blocks.length} reserved blocks do not cover its ${handoff.numComputedTokens} positions`);
+    }
     let request: Request | null;
     try {
       request = this.scheduler.adoptRequest(handoff.request, nowMs, adoptedState(handoff), {
         numTokens: handoff.numComputedTokens, blockHashes: handoff.blockHashes,
+        ...(reservation !== undefined ? { filled: reservation.blocks } : {}),
         fill: (table, fromBlock, toBlock) => {
           if (fromBlock < held) throw new Error(`${held} blocks were held as cached, but only ${fromBlock} were found`);
           kvImport.fill(table, fromBlock, toBlock);

@@ -9,7 +9,7 @@ import { loadModel } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
-import { kvBlockBytes, validateHandoff } from './handoff.ts';
+import { KV_IN_PLACE_SOURCE, kvBlockBytes, validateHandoff } from './handoff.ts';
 import { KvTiers } from './kv-cache/tiers.ts';
 import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError, LoraLoadError } from './errors.ts';
@@ -235,7 +235,8 @@ function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Toke
         kvSources.set(message.sourceId, { id: message.sourceId, channel: 'shared-memory', pool: message.pool, layout: message.layout });
         return;
       case 'adopt': {
-        const source = message.sourceId === null ? null : kvSources.get(message.sourceId) ?? null;
+        const source = message.sourceId === null ? null
+          : message.sourceId === KV_IN_PLACE_SOURCE ? KV_IN_PLACE_SOURCE : kvSources.get(message.sourceId) ?? null;
         try {
           core.adopt(validateHandoff(message.handoff), source);
         } catch (error) {
@@ -252,6 +253,20 @@ function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Toke
         send({ type: 'prefix-held', holdId: message.holdId, blocks, stats: core.stats() });
         return;
       }
+      case 'prepare-import': {
+        let preparation: ReturnType<typeof core.prepareKvImport> | null = null;
+        let error: string | undefined;
+        try {
+          preparation = core.prepareKvImport(message.requestId, message.blockHashes, message.numBlocks, message.reserve);
+        } catch (e) {
+          error = (e as Error).message;
+        }
+        send({ type: 'import-prepared', holdId: message.holdId, preparation, ...(error !== undefined ? { error } : {}), stats: core.stats() });
+        return;
+      }
+      case 'release-import':
+        if (core.releaseKvImport(message.requestId, message.ticket)) send({ type: 'outputs', outputs: [], stats: core.stats() });
+        return;
       case 'sync':
         send({ type: 'synced', syncId: message.syncId, stats: core.stats() });
         return;

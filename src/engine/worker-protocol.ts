@@ -2,7 +2,7 @@
 // are plain data (Maps are fine, class instances are not).
 
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
-import type { AdoptedResult, KvHandoff, PrefillProgress } from './handoff.ts';
+import type { AdoptedResult, KvHandoff, KvImportPreparation, PrefillProgress } from './handoff.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { LoraDtype } from '../model/lora.ts';
 import type { EngineStats } from '../protocols/worker.ts';
@@ -53,7 +53,9 @@ export interface WorkerInit {
 // shared memory, posted without copying), 'adopt' (decode worker: continue a handed-off request, reply 'adopted'
 // once the source blocks are no longer needed), 'hold-prefix' (decode worker, before fetching a handed-off
 // request's KV from another process: pin the prompt's blocks cached here, reply 'prefix-held' with their number)
-// and 'sync' (reply 'synced' with fresh stats after everything posted before it).
+// 'prepare-import' (the same, and blocks reserved for the rest of the KV to be written in place: reply
+// 'import-prepared'), 'release-import' (those no longer needed) and 'sync' (reply 'synced' with fresh stats after
+// everything posted before it). An adopt naming the source 'in-place' takes the reserved blocks.
 export type ToWorker =
   /** sentMs: engine-clock time the request was put in the worker's inbox, where its queue time starts (a step running
    *  then delays only when the worker reads it). */
@@ -63,6 +65,9 @@ export type ToWorker =
   | { type: 'attach-kv-source'; sourceId: string; pool: SharedArrayBuffer; layout: KvPoolLayout }
   | { type: 'adopt'; handoff: KvHandoff; sourceId: string | null }
   | { type: 'hold-prefix'; holdId: number; requestId: string; blockHashes: BlockHash[] }
+  /** Reply 'import-prepared': the held prefix and the blocks reserved for the rest (StepCore.prepareKvImport). */
+  | { type: 'prepare-import'; holdId: number; requestId: string; blockHashes: BlockHash[]; numBlocks: number; reserve: boolean }
+  | { type: 'release-import'; requestId: string; ticket: number }
   | { type: 'sync'; syncId: number }
   /** Reply 'prefix-cache-reset': whether the prefix cache was dropped (and the pool's pages released). */
   | { type: 'reset-prefix-cache'; resetId: number }
@@ -81,6 +86,7 @@ export type FromWorker =
   | { type: 'adopted'; adopted: AdoptedResult[]; stats: EngineStats }
   | { type: 'synced'; syncId: number; stats: EngineStats }
   | { type: 'prefix-held'; holdId: number; blocks: number; stats: EngineStats }
+  | { type: 'import-prepared'; holdId: number; preparation: KvImportPreparation | null; error?: string; stats: EngineStats }
   | { type: 'prefix-cache-reset'; resetId: number; reset: boolean; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'rejected'; requestId: string; code: string; message: string }
   /** error: a LoraLoadError's code and message; info: what a load found. */

@@ -306,6 +306,11 @@ export interface NativeAddon {
   cpuInfo(): CpuInfo;
   /** CRC-32C of bytes, continuing crc (default 0); portable: the table version even where SSE4.2 is there. */
   crc32c(bytes: Uint8Array, crc?: number, portable?: boolean): number;
+  /**
+   * Copies src into dst at dstOffset and returns CRC-32C of src continuing crc, in one pass over the bytes; uncached:
+   * with stores that bypass the cache (x86).
+   */
+  crc32cCopy?(src: Uint8Array, dst: Uint8Array, dstOffset: number, crc?: number, uncached?: boolean): number;
   kernelVariants(variant: KernelVariant): Record<string, string>;
   NativeModel: new (spec: NativeModelSpec) => NativeModel;
   ops: NativeOps;

@@ -25,7 +25,7 @@ import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
 import { WorkerLostError } from '../engine/errors.ts';
-import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import type { AdoptedResult, KvHandoff, KvImportPreparation, PrefillEvent } from '../engine/handoff.ts';
 import type { BlockHash } from '../protocols/kv-events.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
@@ -58,6 +58,13 @@ export interface DecodeWorkerEngine extends RoutableEngine {
   attachKvSource?(sourceId: string, pool: SharedArrayBuffer, layout: KvHandoff['sourceLayout']): void;
   /** Pins this worker's cached blocks of a handed-off prompt before its KV is fetched (LocalEngine.holdCachedPrefix). */
   holdCachedPrefix?(requestId: string, blockHashes: readonly KvHandoff['blockHashes'][number][]): Promise<number>;
+  /**
+   * Holds the cached prefix and reserves blocks of this worker's pool (kvPool) for the rest of a handed-off prompt's
+   * KV, written there in place (LocalEngine.prepareKvImport); adopt(handoff, KV_IN_PLACE_SOURCE) then takes them.
+   */
+  prepareKvImport?(requestId: string, blockHashes: readonly KvHandoff['blockHashes'][number][], numBlocks: number, reserve?: boolean): Promise<KvImportPreparation>;
+  releaseKvImport?(requestId: string, ticket: number): void;
+  kvPool?: SharedArrayBuffer;
   /** The request is about to prefill on `prefillId`: a worker process may start taking its KV as it is computed. */
   expectHandoff?(request: EngineRequest, prefillId: string): void;
 }

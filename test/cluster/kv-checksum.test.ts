@@ -3,7 +3,7 @@
 // worker with the addon and one without check each other's runs.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { crc32cPortable, kvChecksum } from '../../src/cluster/kv-checksum.ts';
+import { crc32cPortable, kvChecksum, kvChecksumCopy } from '../../src/cluster/kv-checksum.ts';
 import { addon, skipNative } from '../kernels/native-harness.ts';
 
 function bytes(n: number, seed: number): Uint8Array {
@@ -44,5 +44,26 @@ describe('KV transfer checksum (CRC-32C)', () => {
     }
     assert.throws(() => addon!.crc32c(new Float32Array(4) as unknown as Uint8Array), /Uint8Array/);
     assert.throws(() => addon!.crc32c(new Uint8Array(4), 2 ** 32), /32-bit/);
+  });
+
+  test('checksum-and-copy gives the checksum of its source and leaves exactly it at the offset', () => {
+    for (const [n, uncached] of [0, 1, 9, 63, 64, 24_575, 24_576, 24_577, 100_003].flatMap((n) => [[n, false], [n, true]] as const)) {
+      const data = bytes(n, n + 1);
+      const target = bytes(n + 64, 7);
+      const before = target.slice();
+      const crc = kvChecksumCopy(data, target, 17, 0x1234, uncached);
+      assert.equal(crc, kvChecksum(data, 0x1234), `${n} bytes${uncached ? ', uncached' : ''}`);
+      assert.deepEqual(target.subarray(17, 17 + n), data, `${n} bytes copied`);
+      assert.deepEqual(target.subarray(0, 17), before.subarray(0, 17), `${n} bytes: nothing before the offset`);
+      assert.deepEqual(target.subarray(17 + n), before.subarray(17 + n), `${n} bytes: nothing after`);
+    }
+  });
+
+  test('the addon\'s checksum-and-copy refuses a source that does not fit, or overlaps', { skip: skipNative }, () => {
+    const target = new Uint8Array(100);
+    assert.throws(() => addon!.crc32cCopy!(new Uint8Array(10), target, 91), /does not fit/);
+    assert.throws(() => addon!.crc32cCopy!(new Uint8Array(10), target, -1), /dstOffset/);
+    assert.throws(() => addon!.crc32cCopy!(target.subarray(0, 10), target, 5), /overlap/);
+    assert.equal(addon!.crc32cCopy!(new Uint8Array(10), target, 90), kvChecksum(new Uint8Array(10)));
   });
 });

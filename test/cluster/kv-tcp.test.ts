@@ -147,6 +147,26 @@ describe('KV transfer between workers', () => {
     });
   }
 
+  for (const link of LINKS) {
+    test(`${link}: a stream from firstBlock on leaves the blocks before it alone (the decode side holds them)`, async () => {
+      const destination = pool(8, () => 0);
+      const stream = { requestId: 'h1', destinationBlockIds: [6, 2], layers: [0, 3] as [number, number], firstBlock: 2 };
+      await withServer(source, undefined, async (port, server) => {
+        server.started('h1');
+        const handle = streamKvBlocks(stream, { clusterToken: TOKEN, host: '127.0.0.1', port, destination, link: link === 'tcp' ? 'tcp' : 'auto' });
+        server.progress('h1', [3, 4]);
+        server.handedOff('h1', [3, 4, 5, 9]);
+        const result = await handle.result;
+        assert.deepEqual(result.sourceBlockIds, [3, 4, 5, 9], 'kv-done names the source of every position');
+        assert.equal(result.blocks, 2);
+        assert.equal(result.bytes, 2 * 2 * 3 * kvBlockRunBytes(source.layout), 'only the blocks from position 2 on moved');
+        assert.deepEqual(readKvBlocks(destination, [6, 2]), readKvBlocks(source, [5, 9]));
+        assert.ok(readKvBlocks(destination, [0, 1, 3, 4, 5, 7]).every((b) => b === 0), 'nothing else was written');
+      });
+      assert.deepEqual(leftoverShmFiles(), []);
+    });
+  }
+
   test('a stream ends with a refusal when its request ends without a handoff, or has other blocks than destinations', async () => {
     const destination = pool(8, () => 0);
     await withServer(source, undefined, async (port, server) => {
@@ -175,14 +195,20 @@ describe('KV transfer between workers', () => {
     const bytes = new Uint8Array(big.pool);
     for (let i = 0; i < bytes.length; i += 4093) bytes[i] = (i >> 12) & 0xff;
     const ids = Array.from({ length: 64 }, (_, i) => i + 8);
-    for (const link of LINKS) {
+    // Both ways of taking a run's bytes off the socket: through the read buffer (default) and read(2) into the block.
+    for (const [link, direct] of [...LINKS.map((l) => [l, false] as const), ['tcp', true] as const]) {
       const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
-      const result = await withServer(big, undefined, (port) => pullKvBlocks(
-        { requestId: 'big', sourceBlockIds: ids, destinationBlockIds: ids.map((i) => i + 40), layers: [0, 4] },
-        { clusterToken: TOKEN, host: '127.0.0.1', port, destination, link: link === 'tcp' ? 'tcp' : 'auto' }));
-      assert.equal(result.link, link);
-      assert.equal(result.bytes, 64 * 2 * 4 * kvBlockRunBytes(layout));
-      assert.ok(Buffer.from(readKvBlocks(destination, ids.map((i) => i + 40))).equals(Buffer.from(readKvBlocks(big, ids))));
+      if (direct) process.env.CONDUIT_KV_DIRECT_READ = '1';
+      try {
+        const result = await withServer(big, undefined, (port) => pullKvBlocks(
+          { requestId: 'big', sourceBlockIds: ids, destinationBlockIds: ids.map((i) => i + 40), layers: [0, 4] },
+          { clusterToken: TOKEN, host: '127.0.0.1', port, destination, link: link === 'tcp' ? 'tcp' : 'auto' }));
+        assert.equal(result.link, link);
+        assert.equal(result.bytes, 64 * 2 * 4 * kvBlockRunBytes(layout));
+        assert.ok(Buffer.from(readKvBlocks(destination, ids.map((i) => i + 40))).equals(Buffer.from(readKvBlocks(big, ids))), `${link}${direct ? ', direct' : ''}`);
+      } finally {
+        delete process.env.CONDUIT_KV_DIRECT_READ;
+      }
     }
   });
 });

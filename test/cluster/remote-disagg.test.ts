@@ -56,6 +56,8 @@ interface BuildOptions {
   migrationLimit?: number;
   /** false: the frontend does not tell the decode worker ahead (no stream during the prefill): the adopt pulls. */
   stream?: boolean;
+  /** The decode workers take KV through their staging pool and copy it from there (CONDUIT_KV_ADOPT_STAGING=1). */
+  staging?: boolean;
 }
 
 async function serve(id: string, role: 'prefill' | 'decode', path: string, options: BuildOptions = {}): Promise<Served> {
@@ -63,10 +65,18 @@ async function serve(id: string, role: 'prefill' | 'decode', path: string, optio
     modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role,
     ...(role === 'prefill' && options.prefillChunk ? { maxNumBatchedTokens: options.prefillChunk } : {}),
   });
-  const server = new WorkerServer({
-    workerId: id, engine, role, clusterToken: TOKEN, ...(options.faults ? { kvFaults: options.faults } : {}),
-    ...(options.kvLink ? { kvLink: options.kvLink } : {}),
-  });
+  // The server reads the switch when it is made.
+  if (options.staging) process.env.CONDUIT_KV_ADOPT_STAGING = '1';
+  let server: WorkerServer;
+  try {
+    server = new WorkerServer({
+      workerId: id, engine, role, clusterToken: TOKEN, ...(options.faults ? { kvFaults: options.faults } : {}),
+      ...(options.kvLink ? { kvLink: options.kvLink } : {}),
+    });
+  } finally {
+    if (options.staging) delete process.env.CONDUIT_KV_ADOPT_STAGING;
+  }
+  assert.equal(server.adoptsInPlace, role === 'decode' && !options.staging);
   const port = await server.listen(0, '127.0.0.1');
   return { engine, server, address: `127.0.0.1:${port}` };
 }
@@ -85,7 +95,9 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path, options);
     const decodes: Served[] = [];
     for (let i = 0; i < (options.decodeWorkers ?? 1); i++) {
-      decodes.push(await serve(`decode-${served.length + 1 + i}`, 'decode', model.path, { ...(options.kvLink ? { kvLink: options.kvLink } : {}) }));
+      decodes.push(await serve(`decode-${served.length + 1 + i}`, 'decode', model.path, {
+        ...(options.kvLink ? { kvLink: options.kvLink } : {}), ...(options.staging ? { staging: true } : {}),
+      }));
     }
     served.push(prefill, ...decodes);
     const connect = async (s: Served) => {
@@ -117,6 +129,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
       assert.equal(s.server.inFlight, 0, `${s.server.workerId}: no request running`);
       await assertFree(s);
       assert.equal(s.server.stagingBlocksHeld, 0, `${s.server.workerId}: no staging block held`);
+      assert.equal(s.server.importsPrepared, 0, `${s.server.workerId}: no held prefix or reserved block left for an adoption`);
       const stats = await s.engine.sync();
       assert.equal(stats.numRunning + stats.numWaiting, 0, `${s.server.workerId}: no request queued or running`);
     }
@@ -153,10 +166,11 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     await aggregated.close();
   });
 
-  for (const kvLink of ['auto', 'tcp'] as const) {
+  for (const [kvLink, staging] of [['auto', false], ['tcp', false], ['tcp', true]] as const) {
     const link = kvLink === 'tcp' ? 'tcp' : SAME_HOST_LINK;
-    test(`greedy output equals an aggregated worker's, the KV over ${link}${kvLink === 'tcp' ? ' (forced)' : ' (chosen: one host)'} (${model.name})`, async () => {
-      const { engine, prefill, decode } = await build({ kvLink });
+    const into = staging ? ', adopted from staging' : ', written into the decode engine\'s own blocks';
+    test(`greedy output equals an aggregated worker's, the KV over ${link}${kvLink === 'tcp' ? ' (forced)' : ' (chosen: one host)'}${into} (${model.name})`, async () => {
+      const { engine, prefill, decode } = await build({ kvLink, staging });
       for (const length of [40, 75, 130]) {
         const ids = prompt(length, length);
         const expected = await collect(aggregated.generate(request(ids)));
@@ -182,6 +196,13 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     const chunked = await LocalEngine.start({ modelPath: model.path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, maxNumBatchedTokens: 32 });
     try {
       const { engine, prefill, decode } = await build({ prefillChunk: 32 });
+      // The prompt starts once the decode worker's stream is open (it prepares its blocks first, a round trip to its
+      // engine): the tiny model's whole prefill could otherwise end before, and nothing would go early.
+      const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+      prefill.engine.prefill = (r) => (async function* () {
+        await until('the decode worker has opened its stream', () => decode.server.streamsOpen === 1);
+        yield* prefillOf(r);
+      })();
       const ids = prompt(11, 200);
       const expected = await collect(chunked.generate(request(ids)));
       const outputs = await collect(engine.generate(request(ids)));
@@ -265,8 +286,9 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
-  test('with prefix hits on the decode side and a stream during the prefill: every block moves, same greedy text', async () => {
-    const { engine, prefill, decode } = await build();
+  for (const staging of [false, true]) {
+  test(`with prefix hits on the decode side and a stream during the prefill: only the blocks it lacks are streamed, same greedy text${staging ? ' (staging)' : ''}`, async () => {
+    const { engine, prefill, decode } = await build({ staging });
     const shared = prompt(14, 4 * BLOCK);
     const first = [...shared, ...prompt(15, 40)];
     const second = [...shared, ...prompt(16, 70)];
@@ -277,9 +299,16 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(text(outputs), text(expected));
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'disaggregated', outputs.at(-1)!.routing?.disaggregation?.detail);
     const transfer = engine.channel.log.recent().at(-1)!;
-    assert.equal(transfer.bytes, Math.ceil(second.length / BLOCK) * kvBlockBytes(decode.engine.kvLayout!), 'the stream moved every block');
+    const blocks = Math.ceil(second.length / BLOCK);
+    // The frontend sent the prompt's block hashes with expect: the decode worker held its 4 cached blocks, the stream
+    // named only the others.
+    assert.equal(transfer.reusedBlocks, 4, 'the 4 shared blocks stayed on the decode worker');
+    assert.equal(transfer.blocks, blocks - 4);
+    assert.equal(transfer.bytes, (blocks - 4) * kvBlockBytes(decode.engine.kvLayout!), 'the stream moved only the missing blocks');
+    assert.equal(decode.server.streamsAdopted, 2, 'both came by streams started at expect');
     await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
+  }
 
   test('abort while the prefill runs: nothing held on either worker, and the next request is served', async () => {
     // The prompt in chunks of 32 tokens (one step each), and the abort sent as soon as the prefill worker starts it.

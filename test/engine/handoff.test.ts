@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { EngineCore, type KvSourceView } from '../../src/engine/engine-core.ts';
 import {
-  copyKvBlocks, kvBlockBytes, readKvBlocks, validateHandoff, writeKvBlocks, type KvHandoff, type KvPoolView,
+  copyKvBlocks, KV_IN_PLACE_SOURCE, kvBlockBytes, readKvBlocks, validateHandoff, writeKvBlocks, type KvHandoff, type KvPoolView,
 } from '../../src/engine/handoff.ts';
 import type { KvStoredEvent } from '../../src/protocols/kv-events.ts';
 import { Xoshiro128 } from '../../src/util/random.ts';
@@ -399,6 +399,69 @@ for (const model of models) {
       assert.equal(outputs.at(-1)!.finishReason, 'length');
       assert.deepEqual(prefill.takeHandoffs(), []);
       assertAllFree(prefill);
+    });
+
+    test('KV written in place into blocks reserved for it: the table takes them (nothing copied), same tokens; release and abort free them', (t) => {
+      if (!f) return t.skip('model absent');
+      const ids = prompts()[2]!; // 45 tokens: 5 full blocks of 8 and a partial one
+      const prefill = makeCore(f);
+      const decode = makeCore(f);
+      // The first 3 blocks cached on the decode core: held there, not reserved.
+      decode.add(request('warm', [...ids.slice(0, 24), 1, 2, 3], { maxTokens: 1 }));
+      drain(decode);
+      prefill.add(request('p', ids, { temperature: 0 }), { handoff: true });
+      const outputs = drain(prefill);
+      const [handoff] = prefill.takeHandoffs();
+      const prepared = decode.prepareKvImport('p', handoff!.blockHashes, handoff!.sourceBlockIds.length);
+      assert.equal(prepared.held, 3);
+      assert.equal(prepared.blockIds!.length, 3);
+      assert.equal(decode.stats().kvBlocksUsed, 6, '3 held and 3 reserved');
+      // The transfer (over the network, between processes) writes the missing blocks straight into the reserved ones.
+      copyKvBlocks(prefill.kvPoolView, decode.kvPoolView, handoff!.sourceBlockIds.slice(3), prepared.blockIds!);
+      const adopted = decode.adopt(structuredClone(handoff!), KV_IN_PLACE_SOURCE)!;
+      assert.equal(adopted.status, 'imported', adopted.error);
+      assert.deepEqual({ blocks: adopted.transfer!.blocks, reused: adopted.transfer!.reusedBlocks, runs: adopted.transfer!.runs }, { blocks: 3, reused: 3, runs: 0 });
+      assert.equal(decode.numImportReservations, 0, 'the request\'s table took the reserved blocks');
+      assert.equal(decode.stats().kvBlocksUsed, 6, 'no block was allocated to copy into');
+      assert.equal(prefill.releaseHandoff('p'), true);
+      drain(decode, outputs);
+      const alone = makeCore(f);
+      alone.add(request('p', ids, { temperature: 0 }));
+      assert.deepEqual(tokensOf(outputs, 'p'), tokensOf(drain(alone), 'p'));
+      assertAllFree(prefill, decode);
+      // Not adopted after all: a release (of the current preparation only) or an abort gives everything back.
+      const first = decode.prepareKvImport('q', handoff!.blockHashes, 6);
+      const second = decode.prepareKvImport('q', handoff!.blockHashes, 6);
+      assert.equal(second.held, 5, 'the adopted prompt\'s full blocks are cached now');
+      assert.equal(decode.releaseKvImport('q', first.ticket), false, 'a replaced preparation is not released');
+      assert.ok(decode.stats().kvBlocksUsed > 0);
+      assert.equal(decode.releaseKvImport('q', second.ticket), true);
+      assertAllFree(decode);
+      decode.prepareKvImport('r', [], 6);
+      assert.equal(decode.stats().kvBlocksUsed, 6);
+      decode.abort('r');
+      assertAllFree(decode);
+      // No reservation that would leave a running request without a free block for its next one: the hold only.
+      const small = makeCore(f, { numBlocks: 8 });
+      small.add(request('running', ids.slice(0, 20), { maxTokens: 8 }));
+      small.step();
+      const used = small.stats().kvBlocksUsed;
+      assert.equal(small.prepareKvImport('t', [], 8 - used).blockIds, null, 'all the free blocks would leave none for the running request');
+      assert.equal(small.stats().kvBlocksUsed, used);
+      assert.equal(small.prepareKvImport('t', [], 8 - used - 1).blockIds!.length, 8 - used - 1);
+      small.abort('t');
+      drain(small);
+      assertAllFree(small);
+      // An in-place adopt without a reservation, or one that does not cover the prompt, recomputes.
+      prefill.add(request('s', ids, { temperature: 0 }), { handoff: true });
+      drain(prefill);
+      const [handoffS] = prefill.takeHandoffs();
+      decode.prepareKvImport('s', [], 2);
+      assert.equal(decode.adopt(structuredClone(handoffS!), KV_IN_PLACE_SOURCE)!.status, 'recompute');
+      assert.equal(decode.numImportReservations, 0);
+      prefill.releaseHandoff('s');
+      drain(decode);
+      assertAllFree(prefill, decode);
     });
 
     test('aborts free blocks at every stage on both cores', (t) => {

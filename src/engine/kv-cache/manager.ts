@@ -320,6 +320,24 @@ export class KvCacheManager {
     return allocated;
   }
 
+  /**
+   * Starts an empty table with blocks that already hold KV: the cached prefix (shared, as allocateSlots would take
+   * it, counted as prefix hits) and then `filled`, blocks of this pool reserved earlier (reserveBlocks) whose KV was
+   * written in place, one more reference each. The caller drops the reservation afterwards; the filled blocks are
+   * not cached yet (cacheComputedBlocks offers them under their hashes).
+   */
+  adoptFilledBlocks(table: BlockTable, prefix: CachedPrefix, filled: readonly KvBlock[]): void {
+    if (table.blocks.length !== 0) throw new Error('filled blocks can only start an empty block table');
+    if (prefix.copySource !== undefined || prefix.onboard !== undefined) throw new Error('filled blocks follow shared prefix blocks only');
+    this.pool.touch(prefix.blocks);
+    for (const block of prefix.blocks) table.append(block);
+    table.numCachedBlocks = prefix.blocks.length;
+    this.prefixQueryTokens += prefix.numQueryTokens;
+    this.prefixHitTokens += prefix.numTokens;
+    this.pool.touch(filled);
+    for (const block of filled) table.append(block);
+  }
+
   /** The copy is made (or no longer needed): the source's pin goes, and the block is evictable again once free. */
   releaseBlockCopy(copy: KvBlockCopy): void {
     this.unpin(copy.pin);
@@ -419,6 +437,20 @@ export class KvCacheManager {
       blocks.push(block);
     }
     return blocks.length > 0 ? this.pinBlocks(blocks) : null;
+  }
+
+  /**
+   * `count` fresh blocks (evicting cached free ones as an allocation does), pinned until unpin: a decode worker has
+   * a handed-off prompt's KV written straight into them, and its adoption then takes them (adoptFilledBlocks).
+   * Null when fewer are free.
+   */
+  reserveBlocks(count: number): KvPin | null {
+    if (!Number.isSafeInteger(count) || count < 0) throw new RangeError(`count must be >= 0, got ${count}`);
+    const blocks = count > 0 ? this.pool.allocate(count) : [];
+    if (blocks === null) return null;
+    const pin: KvPin = { blocks };
+    this.pins.add(pin);
+    return pin;
   }
 
   private pinBlocks(blocks: readonly KvBlock[]): KvPin {
