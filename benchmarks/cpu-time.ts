@@ -8,8 +8,15 @@
 //       prefill of 512 tokens (min of 3) and decode steps at CONTEXT tokens (min and 25th percentile of 40)
 //   node --import tsx benchmarks/cpu-time.ts attention [CONTEXT=4096] [THREADS=2]
 //       one layer of single-stream decode attention (12 / 4 heads, head_dim 64, f16 KV) from DRAM, median of 40
+//   node --import tsx benchmarks/cpu-time.ts threads <model.gguf> [THREADS=1,2] [ROUNDS=5] [STEPS=16]
+//       single-stream decode (after a 128-token prompt) on each thread count, one model instance per count, the
+//       counts alternated round by round: wall and process CPU per step (the CPU of every thread, spinning included),
+//       the best round of each count and the load average; then one profiled round per count (the mixture-of-experts
+//       job's wall, its ready waits and the items threads took from another's share, the pool's hand-over wait)
 //
 // CONDUIT_NATIVE_ADDON points at another build (to compare two), CONDUIT_PACK_WEIGHTS=0 reads the ggml rows.
+import { loadavg } from 'node:os';
+
 import { loadNativeAddon, nativeModelSpec, supportedVariants } from '../src/kernels/native.ts';
 import { GgmlType } from '../src/model/ggml-types.ts';
 import { loadModel } from '../src/model/loader.ts';
@@ -84,7 +91,68 @@ if (mode === 'matmul') {
   const med = times[reps >> 1]!;
   console.log(`decode attention, context ${ctx}, ${threads} threads: min ${times[0]!.toFixed(3)} median ${med.toFixed(3)} ms ` +
     `(${((ctx * 1024) / 1e6 / med).toFixed(1)} GB of K and V per CPU-second)`);
+} else if (mode === 'threads' && rest[0]) {
+  const path = rest[0], counts = (rest[1] ?? '1,2').split(',').map(Number), rounds = Number(rest[2] ?? 5);
+  const steps = Number(rest[3] ?? 16), prompt = 128, BS = 16;
+  const { config, weights } = await loadModel(path);
+  const maxBlocks = Math.ceil((prompt + rounds * (steps + 4) + 4 * steps + 64) / BS);
+  const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: maxBlocks, blockSize: BS,
+    numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f16' };
+  const table = Int32Array.from({ length: maxBlocks }, (_, i) => i);
+  const batch = (start: number, count: number): ForwardBatch => ({
+    numTokens: count, tokenIds: Int32Array.from({ length: count }, (_, i) => ((start + i) * 7919) % config.vocabSize),
+    positions: Int32Array.from({ length: count }, (_, i) => start + i),
+    slotMapping: Int32Array.from({ length: count }, (_, i) => start + i), numSeqs: 1,
+    queryStartLoc: Int32Array.from([0, count]), seqLens: Int32Array.from([start + count]), blockTables: table,
+    maxBlocksPerSeq: maxBlocks, logitsIndices: Int32Array.from([count - 1]),
+  });
+  const variant = supportedVariants(addon.cpuInfo()).at(-1)!;
+  const runs = counts.map((threads) => {
+    const model = new addon.NativeModel({ ...nativeModelSpec(config, weights,
+      { layout, bytes: new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout))) }, variant, threads),
+    packWeights: process.env.CONDUIT_PACK_WEIGHTS !== '0' });
+    model.forward(batch(0, prompt));
+    return { threads, model, pos: prompt, best: { wall: Infinity, cpu: Infinity, load: '' } };
+  });
+  const load = (): string => loadavg()[0]!.toFixed(1);
+  const decode = (r: (typeof runs)[number]): { wall: number; cpu: number } => {
+    r.model.forward(batch(r.pos++, 1)); // warm-up step
+    const c = process.cpuUsage();
+    const t = performance.now();
+    for (let i = 0; i < steps; i++) r.model.forward(batch(r.pos++, 1));
+    const wall = (performance.now() - t) / steps;
+    const u = process.cpuUsage(c);
+    return { wall, cpu: (u.user + u.system) / 1000 / steps };
+  };
+  for (let round = 0; round < rounds; round++) {
+    const line: string[] = [];
+    for (const r of round % 2 === 0 ? runs : [...runs].reverse()) {
+      const { wall, cpu } = decode(r);
+      if (wall < r.best.wall) r.best = { wall, cpu, load: load() };
+      line.push(`${r.threads}t ${wall.toFixed(2)} ms wall ${cpu.toFixed(2)} ms CPU`);
+    }
+    console.log(`round ${round + 1}: ${line.join(', ')} (load ${load()})`);
+  }
+  for (const r of runs) {
+    console.log(`${path.replace(/^.*\//, '')}, ${r.threads} thread(s): best ${r.best.wall.toFixed(2)} ms/step wall, ` +
+      `${r.best.cpu.toFixed(2)} ms CPU (load ${r.best.load})`);
+  }
+  for (const r of runs) {
+    r.model.setProfiling(true);
+    r.model.takeProfile();
+    const { wall } = decode(r);
+    const p = r.model.takeProfile();
+    r.model.setProfiling(false);
+    const per = (name: string): string => `${(((p[name]?.seconds ?? 0) * 1000) / (steps + 1)).toFixed(2)} ms`;
+    const calls = (name: string): string => ((p[name]?.calls ?? 0) / (steps + 1)).toFixed(1);
+    console.log(`profiled, ${r.threads} thread(s): ${wall.toFixed(2)} ms/step; per step: moe experts ${per('moe experts')}, ` +
+      `moe router ${per('moe router')}, ready waits ${calls('moe expert ready waits')} (${per('moe expert ready waits')} ` +
+      `summed over threads), items helped ${calls('moe expert items helped')}, pool hand-over wait ` +
+      `${per('pool hand-over wait')} over ${calls('pool hand-over wait')} jobs (load ${load()})`);
+    r.model.dispose();
+  }
 } else {
-  console.error('usage: cpu-time.ts matmul [TYPES] [M] [THREADS] | model <file.gguf> [THREADS] [CONTEXT] | attention [CONTEXT] [THREADS]');
+  console.error('usage: cpu-time.ts matmul [TYPES] [M] [THREADS] | model <file.gguf> [THREADS] [CONTEXT] | attention [CONTEXT] [THREADS]'
+    + ' | threads <file.gguf> [THREADS] [ROUNDS] [STEPS]');
   process.exit(2);
 }

@@ -241,6 +241,17 @@ Napi::Value OpSwiglu(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
+// geglu(variant, gate, up, out) over gate.length elements
+Napi::Value OpGeglu(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = run_variant_arg(env, info[0]);
+  ArrayView gate = typed_array(env, info[1], napi_float32_array, "gate");
+  const float* up = typed_data<float>(env, info[2], napi_float32_array, "up", gate.length);
+  float* out = typed_data<float>(env, info[3], napi_float32_array, "out", gate.length);
+  kernel_table(v).geglu(static_cast<const float*>(gate.data), up, out, static_cast<int64_t>(gate.length));
+  return env.Undefined();
+}
+
 // softmax(variant, x, rows, n): each row of n in place
 Napi::Value OpSoftmax(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -447,6 +458,7 @@ Napi::Object ops_object(Napi::Env env) {
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));
   ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));
+  ops.Set("geglu", Napi::Function::New(env, OpGeglu));
   ops.Set("softmax", Napi::Function::New(env, OpSoftmax));
   ops.Set("rope", Napi::Function::New(env, OpRope));
   ops.Set("kvWrite", Napi::Function::New(env, OpKvWrite));

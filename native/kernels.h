@@ -162,6 +162,8 @@ struct KernelTable {
   void (*rmsnorm)(const float* x, const float* weight, float* out, int64_t dim, float eps) = nullptr;
   void (*add)(float* acc, const float* x, int64_t n) = nullptr;  // acc += x
   void (*swiglu)(const float* gate, const float* up, float* out, int64_t n) = nullptr;  // silu(gate) * up
+  // gelu_tanh(gate) * up (Gemma's GeGLU), gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+  void (*geglu)(const float* gate, const float* up, float* out, int64_t n) = nullptr;
   void (*softmax)(float* x, int64_t n) = nullptr;  // in place
   // Rotates one token's heads in place; cos/sin hold rope_dim/2 values for this token's position.
   void (*rope)(float* x, const RopeParams& p, const float* cos, const float* sin) = nullptr;

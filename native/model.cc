@@ -629,14 +629,10 @@ void Model::forward(const StepBatch& b, float* logits) {
       float* g = gate + r0 * s.ffn_dim;
       const float* u = up + r0 * s.ffn_dim;
       const int64_t n = (r1 - r0) * s.ffn_dim;
-      if (!s.gelu) {
+      if (s.gelu) {
+        kt_.geglu(g, u, g, n);  // GELU, tanh approximation (Gemma)
+      } else {
         kt_.swiglu(g, u, g, n);
-        return;
-      }
-      // GELU, tanh approximation (Gemma); elementwise and small next to the matmuls, so plain C++.
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = g[i];
-        g[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * v * (1.0f + 0.044715f * v * v))) * u[i];
       }
     });
     scope.emplace(prof, "matmul ffn_down");

@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <optional>
 
@@ -70,6 +71,7 @@ void MoeBlock::resize_sync(int64_t n_expert, int64_t visit_slots) {
   if (n_expert > sync_size_) {
     pending_.reset(new std::atomic<int32_t>[n_expert]);
     ready_.reset(new std::atomic<int32_t>[n_expert]);
+    cursors_.reset(new Cursor[n_expert]);
     sync_size_ = n_expert;
   }
   if (visit_slots > visit_size_) {
@@ -204,25 +206,24 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
   up_.resize(pairs * ffn);
   down_.resize(pairs * dim);
 
-  // The work items: gate+up tiles of every active expert, then their down tiles.
+  // The experts' job: each active expert's gate+up tiles, then its down tiles, claimed from its own counter.
   scope.emplace(prof, "moe experts");
   const int32_t gu_tiles = static_cast<int32_t>(div_ceil(ffn, kMatmulTileRows));
   const int32_t d_tiles = static_cast<int32_t>(div_ceil(dim, kMatmulTileRows));
+  const int32_t expert_items = gu_tiles + d_tiles;
   const int64_t slots = static_cast<int64_t>(2 * gu_tiles + d_tiles);
+  const int64_t n_active = static_cast<int64_t>(active_.size());
   resize_sync(E, counting ? E * slots : 0);
-  items_.clear();
-  for (const int32_t e : active_) {
+  for (int64_t a = 0; a < n_active; ++a) {
+    const int32_t e = active_[a];
     pending_[e].store(gu_tiles, std::memory_order_relaxed);
     ready_[e].store(0, std::memory_order_relaxed);
-    for (int32_t t = 0; t < gu_tiles; ++t) items_.push_back({e, t});
-  }
-  for (const int32_t e : active_) {
-    for (int32_t t = 0; t < d_tiles; ++t) items_.push_back({e, gu_tiles + t});
+    cursors_[a].next.store(0, std::memory_order_relaxed);
   }
   if (counting) {
     for (int64_t i = 0; i < E * slots; ++i) visits_[i].store(0, std::memory_order_relaxed);
   }
-  std::atomic<int64_t> tiles{0}, tile_rows{0}, weight_bytes{0}, revisits{0};
+  std::atomic<int64_t> tiles{0}, tile_rows{0}, weight_bytes{0}, revisits{0}, waits{0}, wait_ns{0}, helped{0};
   auto count = [&](int32_t e, int64_t slot, int64_t m, int64_t n, const TensorRef& w, int64_t k) {
     tiles.fetch_add(1, std::memory_order_relaxed);
     tile_rows.fetch_add(m, std::memory_order_relaxed);
@@ -235,13 +236,11 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
   const size_t scratch_bytes = std::max({align_up(gk.scratch_bytes(dim)), align_up(uk.scratch_bytes(dim)),
                                          align_up(dk.scratch_bytes(ffn)), kAlign});
   uint8_t* scratch = ws.per_thread.get(scratch_bytes * static_cast<size_t>(pool.size()));
-  pool.parallel_for(static_cast<int64_t>(items_.size()), [&](int64_t index, int thread) {
-    const Item it = items_[index];
-    const int32_t e = it.expert;
+  auto run_item = [&](int32_t e, int32_t item, int thread) {
     const int64_t n = counts_[e], at = starts_[e];
     uint8_t* my_scratch = scratch + scratch_bytes * static_cast<size_t>(thread);
-    if (it.tile < gu_tiles) {
-      const int64_t n0 = static_cast<int64_t>(it.tile) * kMatmulTileRows, n1 = min64(ffn, n0 + kMatmulTileRows);
+    if (item < gu_tiles) {
+      const int64_t n0 = static_cast<int64_t>(item) * kMatmulTileRows, n1 = min64(ffn, n0 + kMatmulTileRows);
       const int64_t src = rows == 1 ? 0 : at;
       const float* x = rows == 1 ? xn : (float_input ? xg_.data() + at * dim : nullptr);
       float* g = gate_.data() + at * ffn;
@@ -251,8 +250,8 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
       run_tile(kt, W.up_exps[e], dim, x, act + fmt[1].offset + src * fmt[1].stride, fmt[1].stride, n, n0, n1, u,
                ffn, my_scratch);
       if (counting) {
-        count(e, it.tile, n, n1 - n0, W.gate_exps[e], dim);
-        count(e, gu_tiles + it.tile, n, n1 - n0, W.up_exps[e], dim);
+        count(e, item, n, n1 - n0, W.gate_exps[e], dim);
+        count(e, gu_tiles + item, n, n1 - n0, W.up_exps[e], dim);
       }
       for (int64_t r = 0; r < n; ++r) kt.swiglu(g + r * ffn + n0, u + r * ffn + n0, g + r * ffn + n0, n1 - n0);
       // The last gate+up item of the expert sees every other one's SwiGLU output (acq_rel on the count) and
@@ -266,13 +265,60 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
         ready_[e].store(1, std::memory_order_release);
       }
     } else {
-      const int32_t tile = it.tile - gu_tiles;
+      const int32_t tile = item - gu_tiles;
       const int64_t n0 = static_cast<int64_t>(tile) * kMatmulTileRows, n1 = min64(dim, n0 + kMatmulTileRows);
-      wait_ready(ready_[e]);
+      if (ready_[e].load(std::memory_order_acquire) == 0) {
+        const auto t0 = counting ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+        wait_ready(ready_[e]);
+        if (counting) {
+          waits.fetch_add(1, std::memory_order_relaxed);
+          wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                                .count(),
+                            std::memory_order_relaxed);
+        }
+      }
       run_tile(kt, W.down_exps[e], ffn, gate_.data() + at * ffn, act + fmt[2].offset + at * fmt[2].stride,
                fmt[2].stride, n, n0, n1, down_.data() + at * dim, dim, my_scratch);
       if (counting) count(e, 2 * gu_tiles + tile, n, n1 - n0, W.down_exps[e], ffn);
     }
+  };
+  // Runs the unclaimed items of active expert a; returns how many this thread ran. With `pass_unready` it leaves
+  // the expert when its next item is a down item and the expert is not ready (another thread still runs one of its
+  // gate+up items, or was descheduled holding one): the thread does other work instead of waiting.
+  auto drain = [&](int64_t a, int thread, bool pass_unready) {
+    const int32_t e = active_[a];
+    std::atomic<int32_t>& next = cursors_[a].next;
+    int64_t ran = 0;
+    for (int32_t i = next.load(std::memory_order_relaxed); i < expert_items;) {
+      if (pass_unready && i >= gu_tiles && ready_[e].load(std::memory_order_acquire) == 0) break;
+      if (!next.compare_exchange_weak(i, i + 1, std::memory_order_relaxed)) continue;  // i reloaded
+      run_item(e, i, thread);
+      ++ran;
+      i = next.load(std::memory_order_relaxed);
+    }
+    return ran;
+  };
+  // One loop item per thread's share (an empty share when there are fewer active experts than threads): whoever
+  // runs share s drains its experts in order, then helps with the other shares' experts, last first, passing over
+  // experts not ready for their down items; last, it takes whatever is left, waiting for readiness only then. A
+  // thread that starts late finds its share taken over and returns.
+  const int shares = pool.size();
+  auto share_begin = [&](int64_t s) { return n_active * s / shares; };
+  pool.parallel_for(shares, [&](int64_t share, int thread) {
+    for (int64_t a = share_begin(share); a < share_begin(share + 1); ++a) drain(a, thread, true);
+    int64_t others = 0;
+    for (int k = 1; k < shares; ++k) {
+      const int64_t victim = (share + k) % shares;
+      for (int64_t a = share_begin(victim + 1) - 1; a >= share_begin(victim); --a) others += drain(a, thread, true);
+    }
+    for (int k = 0; k < shares; ++k) {
+      const int64_t s = (share + k) % shares;
+      for (int64_t a = share_begin(s); a < share_begin(s + 1); ++a) {
+        const int64_t ran = drain(a, thread, false);
+        if (k > 0) others += ran;
+      }
+    }
+    if (counting) helped.fetch_add(others, std::memory_order_relaxed);
   });
   if (counting) {
     prof->sections["moe experts streamed"].calls += last_active_;
@@ -280,6 +326,10 @@ void MoeBlock::forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, c
     prof->sections["moe expert tile rows"].calls += tile_rows.load();
     prof->sections["moe expert weight bytes"].calls += weight_bytes.load();
     prof->sections["moe expert tiles revisited"].calls += revisits.load();
+    Profile::Section& w = prof->sections["moe expert ready waits"];
+    w.calls += waits.load();
+    w.seconds += 1e-9 * static_cast<double>(wait_ns.load());
+    prof->sections["moe expert items helped"].calls += helped.load();
   }
 
   // Weighted sum per row in rank order.

@@ -7,13 +7,19 @@
 //   - gate+up items (expert, tile of kMatmulTileRows intermediate columns): the gate and up tiles of every row that
 //     chose the expert, then SwiGLU on those columns; the thread finishing an expert's last gate+up item quantizes
 //     the expert's intermediate rows for the down matmul and marks the expert ready;
-//   - down items (expert, tile of kMatmulTileRows output columns), after every gate+up item: they wait (spin, then
-//     yield) for their expert to be ready, which only ever means waiting for gate+up items other threads hold.
-// Items are handed out in that order, so the waits end: every item a down item depends on was claimed before it by
-// a thread that is running it, and gate+up items wait for nothing. Each row's output is then the weighted sum of its
-// experts' outputs taken in its own rank order (best expert first). Every tile kernel gives a row the same bits
-// whatever rows it shares the tile with, each input row is quantized on its own, and the sum's order is the row's:
-// a row gets the same bits whatever else is in the batch and however the items fall on the threads.
+//   - down items (expert, tile of kMatmulTileRows output columns): they wait (spin, then yield) for their expert to
+//     be ready.
+// Each expert's items are claimed in that order from the expert's own counter. Each thread first drains the experts
+// of its share (a contiguous run of the active experts), one after the other, so it streams whole experts' weights
+// front to back and the two threads read different experts; then it helps with the others' experts, from the last
+// one back (the one their owner reaches last). In both passes a thread leaves an expert whose next item is a down
+// item while the expert is not ready, and does other work; only a last pass over whatever is left waits. The waits
+// end: a down item waits only for its expert's gate+up items, all claimed before it from the same counter by threads
+// that are running them, and gate+up items wait for nothing.
+// Each row's output is then the weighted sum of its experts' outputs taken in its own rank order (best expert first).
+// Every tile kernel gives a row the same bits whatever rows it shares the tile with, each input row is quantized on
+// its own, and the sum's order is the row's: a row gets the same bits whatever else is in the batch and however the
+// items fall on the threads.
 #pragma once
 
 #include <atomic>
@@ -40,7 +46,10 @@ class MoeBlock {
   // no time: "moe experts streamed" (experts with rows), "moe expert tiles" (tile kernel calls on expert matrices),
   // "moe expert tile rows" (their activation rows summed), "moe expert weight bytes" (the ggml bytes of the weight
   // rows those calls read) and "moe expert tiles revisited" (calls on an expert matrix tile already read in the same
-  // layer of the same step: 0 when every expert's weights stream once per step).
+  // layer of the same step: 0 when every expert's weights stream once per step); and the experts' job's scheduling:
+  // "moe expert ready waits" (down items that found their expert not ready yet: their number, and the seconds the
+  // threads spent waiting, summed over threads) and "moe expert items helped" (items a thread ran from another
+  // thread's share).
   void forward(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const MoeShape& shape, const LayerRefs& W,
                const float* xn, int64_t rows, float* out);
 
@@ -51,9 +60,9 @@ class MoeBlock {
   size_t scratch_bytes() const;
 
  private:
-  // A work item: an expert and a tile; tiles [0, gate_up_tiles) are gate+up tiles, the rest down tiles.
-  struct Item {
-    int32_t expert, tile;
+  // An active expert's claim counter: items [0, gate_up_tiles) are its gate+up tiles, the rest its down tiles.
+  struct alignas(64) Cursor {
+    std::atomic<int32_t> next{0};
   };
   // An activation format of the expert matmuls' inputs (the quantizer of a weight type; null: float rows).
   struct Format {
@@ -77,9 +86,10 @@ class MoeBlock {
   std::vector<float> xg_;             // grouped float inputs (float gate/up weights only)
   std::vector<float> gate_, up_, down_;  // grouped activations (gate_ holds SwiGLU's output) and outputs
   Scratch act_;                       // grouped quantized inputs of gate/up, then of down
-  std::vector<Item> items_;
   // Per expert: gate+up items not finished yet, and whether its intermediate rows are complete (and quantized).
   std::unique_ptr<std::atomic<int32_t>[]> pending_, ready_;
+  // Per active expert (in active_ order): its claim counter.
+  std::unique_ptr<Cursor[]> cursors_;
   // Per expert matrix tile (profile only): kernel calls on it in this layer.
   std::unique_ptr<std::atomic<int32_t>[]> visits_;
   int64_t sync_size_ = 0, visit_size_ = 0;

@@ -27,6 +27,13 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+void geglu(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * g * (1.0f + 0.044715f * g * g))) * up[i];
+  }
+}
+
 void softmax(float* x, int64_t n) {
   float max = -INFINITY;
   for (int64_t i = 0; i < n; ++i) max = x[i] > max ? x[i] : max;
@@ -289,6 +296,7 @@ void register_ops_generic(KernelTable& t) {
   t.rmsnorm = rmsnorm;
   t.add = add;
   t.swiglu = swiglu;
+  t.geglu = geglu;
   t.softmax = softmax;
   t.rope = rope;
   t.kv_store = kv_store;
@@ -303,7 +311,7 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kQ4_K] = dequantize_q4_k;
   t.dequantize_row[kQ5_K] = dequantize_q5_k;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
-  for (const char* kind : {"rmsnorm", "add", "swiglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
   for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("dequantize_") + type_name(type)] = "generic";
   }

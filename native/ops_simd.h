@@ -1,5 +1,5 @@
-// Row kernels written once over a vector traits type V (Avx2 or Avx512): RMSNorm, residual add, SwiGLU, softmax,
-// RoPE, KV store, and row dequantization of the float types, Q8_0 and Q4_0. Include inside an anonymous
+// Row kernels written once over a vector traits type V (Avx2 or Avx512): RMSNorm, residual add, SwiGLU, GeGLU,
+// softmax, RoPE, KV store, and row dequantization of the float types, Q8_0 and Q4_0. Include inside an anonymous
 // namespace of the ISA's file, after its traits (see simd_avx512.h). Every loop handles its tail with masked
 // loads and stores, so any length works and nothing past the row is touched.
 
@@ -67,6 +67,26 @@ void simd_swiglu(const float* gate, const float* up, float* out, int64_t n) {
   for (; i + W <= n; i += W) V::store(out + i, silu_times<V>(V::load(gate + i), V::load(up + i)));
   if (i < n) {
     V::store_partial(out + i, silu_times<V>(V::load_partial(gate + i, n - i), V::load_partial(up + i, n - i)), n - i);
+  }
+}
+
+// GELU-tanh times up, as a sigmoid: g/2 (1 + tanh(z)) = g / (1 + e^(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3). No
+// cancellation where tanh(z) nears -1 (very negative g), and e^(-2z) clamped by vexp leaves g / (1 + e^88) there,
+// which is the ~0 the exact value is.
+template <class V>
+inline typename V::F gelu_times(typename V::F g, typename V::F u) {
+  const auto z2 = V::mul(V::mul(g, V::set1(-2.0f * 0.7978845608028654f)),
+                         V::fmadd(V::mul(g, g), V::set1(0.044715f), V::set1(1.0f)));
+  return V::mul(V::div(g, V::add(V::set1(1.0f), vexp<V>(z2))), u);
+}
+
+template <class V>
+void simd_geglu(const float* gate, const float* up, float* out, int64_t n) {
+  constexpr int W = V::kWidth;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) V::store(out + i, gelu_times<V>(V::load(gate + i), V::load(up + i)));
+  if (i < n) {
+    V::store_partial(out + i, gelu_times<V>(V::load_partial(gate + i, n - i), V::load_partial(up + i, n - i)), n - i);
   }
 }
 

@@ -110,6 +110,11 @@ export class Request {
   /** Prompt tokens found in the prefix cache on first admission (usage.cachedTokens). */
   numCachedTokens = 0;
   wasAdmitted = false;
+  /**
+   * A prefill-only request: once its prompt is computed its KV blocks are pinned and copied to another worker
+   * (Scheduler.handOff), so none of them is given back before then, sliding window or not.
+   */
+  handsOff = false;
   readonly timestamps: RequestTimestamps;
 
   constructor(engineRequest: EngineRequest, arrivalOrder: number, queuedMs: number, adapterId?: string) {

@@ -253,12 +253,15 @@ export class Scheduler {
 
   /**
    * Queues a request; throws InvalidRequestError for one that could never run. queuedMs (at most nowMs) is when it
-   * reached the worker, where its queue time starts, when that was before the worker could take it in.
+   * reached the worker, where its queue time starts, when that was before the worker could take it in. handOff marks
+   * a prefill-only request (handOff() takes it once its prompt is computed): its prompt blocks are all kept until then.
    */
-  addRequest(engineRequest: EngineRequest, nowMs: number, options: { adapterId?: string; queuedMs?: number } = {}): Request {
+  addRequest(engineRequest: EngineRequest, nowMs: number,
+    options: { adapterId?: string; queuedMs?: number; handOff?: boolean } = {}): Request {
     this.validate(engineRequest);
     const queuedMs = options.queuedMs !== undefined && Number.isFinite(options.queuedMs) ? Math.min(options.queuedMs, nowMs) : nowMs;
     const request = new Request(engineRequest, this.nextArrivalOrder++, queuedMs, options.adapterId ?? engineRequest.lora);
+    request.handsOff = options.handOff === true;
     const adapterId = options.adapterId ?? engineRequest.lora;
     const table = this.kv.createTable({ cacheSalt: engineRequest.cacheSalt, adapterId });
     const sequence = new Sequence(request, 0, engineRequest.promptTokenIds.slice(), [], table);
@@ -317,9 +320,12 @@ export class Scheduler {
       const sequence = this.running[i]!;
       if (sequence.status !== 'running') continue; // preempted by an earlier sequence of this loop
       const numNewTokens = this.chunkSize(sequence.numTokens - sequence.numComputedTokens, tokenBudget);
-      // Sliding window: blocks before the next token's window go back to the pool once the sequence's prompt is
-      // computed (the step that computed it has forked its samples and handed a prefill-only request off).
-      if (this.kv.slidingWindow !== undefined && sequence.numComputedTokens >= sequence.numPromptTokens) {
+      // Sliding window: blocks before the window of the next token (the first of this step's chunk) go back to the
+      // pool, already while a long prompt is computed chunk by chunk; a prompt that forks into n samples or is handed
+      // off to another worker keeps all its blocks until it is computed (the step that computed it has forked the
+      // samples and handed the request off).
+      if (this.kv.slidingWindow !== undefined && (sequence.numComputedTokens >= sequence.numPromptTokens
+        || (!sequence.willFork && !sequence.request.handsOff))) {
         this.kv.releaseOutsideWindow(sequence.blockTable, sequence.numComputedTokens);
       }
       let fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;

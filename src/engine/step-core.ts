@@ -202,7 +202,7 @@ export class StepCore<T> {
       }
     }
     const tokens = this.tokenSource.open(accepted);
-    const request = this.scheduler.addRequest(accepted, nowMs, { queuedMs: options.queuedMs });
+    const request = this.scheduler.addRequest(accepted, nowMs, { queuedMs: options.queuedMs, handOff: options.handoff });
     const texts = tokens.map(() => this.textSource.open(accepted.sampling));
     this.states.set(request.id, { request, tokens, texts, handoff: options.handoff });
   }

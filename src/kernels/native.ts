@@ -261,6 +261,8 @@ export interface NativeOps {
   add(variant: KernelVariant, acc: Float32Array, x: Float32Array): void;
   /** out = silu(gate) * up over gate.length elements. */
   swiglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
+  /** out = gelu_tanh(gate) * up (Gemma's gated feed-forward). */
+  geglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
   /** Softmax of each of `rows` rows of n, in place. */
   softmax(variant: KernelVariant, x: Float32Array, rows: number, n: number): void;
   /** Rotates x [positions.length x numHeads*headDim] in place. */

@@ -1,9 +1,10 @@
 // Sliding-window attention in the paged KV cache: a sequence's blocks that fall before every layer's window are given
 // back while it runs, so a long generation holds a bounded number of blocks; a released block keeps its hash and KV
 // until the pool reuses it, so prefix hits stay correct (they stop at the first reused block). Checked on the
-// scheduler with exact block counts, then end to end on a Mistral-layout model (a window in every layer) on every
-// backend: the engine, which releases blocks, gives the greedy tokens of a run that keeps every block, and the
-// window changes the text (so the comparison can fail).
+// scheduler with exact block counts (a long prompt computed in chunks gives blocks back as it goes, unless it forks or
+// is handed off), then end to end on a Mistral-layout model (a window in every layer) on every backend: the engine,
+// which releases blocks, also while it computes the prompt, gives the greedy tokens of a run that keeps every block,
+// and the window changes the text (so the comparison can fail).
 import assert from 'node:assert/strict';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -131,6 +132,76 @@ describe('KV cache with a sliding window in every layer', () => {
     scheduler.checkInvariants();
   });
 
+  /** A scheduler whose steps take at most `chunk` tokens: a longer prompt is computed in chunks of that size. */
+  function chunkedScheduler(chunk: number): Scheduler {
+    const kv = new KvCacheManager({ numBlocks: 64, blockSize: BLOCK, slidingWindow: WINDOW });
+    return new Scheduler({ maxNumBatchedTokens: chunk, maxNumSeqs: 8, maxModelLen: 1024, eosTokenIds: [EOS] }, kv);
+  }
+
+  test('a long prompt computed in chunks gives back the blocks before each chunk\'s window as it goes', () => {
+    // 64 prompt tokens in chunks of 8: kept whole until the prefill ends, they would take 16 blocks.
+    const CHUNK = 8;
+    const PROMPT = 64;
+    const scheduler = chunkedScheduler(CHUNK);
+    scheduler.addRequest(makeRequest('a', prompt(0, PROMPT), { sampling: { maxTokens: 4, ignoreEos: true } }), 0);
+    // The window before a chunk's first token (at most ceil((W - 1) / B) + 1 blocks) and the chunk's own blocks.
+    const bound = Math.ceil((WINDOW - 1) / BLOCK) + 1 + CHUNK / BLOCK;
+    let maxUsed = 0;
+    let chunks = 0;
+    for (let i = 0; scheduler.numRequests > 0; i++) {
+      assert.ok(i < 100, 'bounded');
+      const { plan } = step(scheduler, i);
+      scheduler.checkInvariants();
+      maxUsed = Math.max(maxUsed, scheduler.kv.pool.numUsedBlocks);
+      const sequence = scheduler.getRequest('a')?.sequences[0];
+      if (!sequence) continue;
+      const first = plan.scheduled[0]!.startPosition;
+      if (first < PROMPT) {
+        chunks++;
+        assert.equal(plan.scheduled[0]!.numNewTokens, CHUNK);
+      }
+      // Released when the step was planned: every block wholly before the window of its first token.
+      assert.equal(sequence.blockTable.numReleasedBlocks, Math.max(0, Math.floor((first - WINDOW + 1) / BLOCK)),
+        `step ${i} from position ${first}`);
+      assert.ok(sequence.blockTable.heldBlocks.length <= bound, `step ${i}: ${sequence.blockTable.heldBlocks.length} blocks held`);
+    }
+    assert.equal(chunks, PROMPT / CHUNK);
+    assert.ok(maxUsed <= bound, `at most ${bound} blocks in use, saw ${maxUsed}`);
+    assert.equal(scheduler.kv.pool.numUsedBlocks, 0, 'every block is back');
+  });
+
+  test('a prompt that forks into samples or is prefilled for a handoff keeps its blocks until it is computed', () => {
+    const PROMPT = 40;
+    for (const handOff of [false, true]) {
+      const label = handOff ? 'handoff' : 'n = 2';
+      const scheduler = chunkedScheduler(8);
+      scheduler.addRequest(makeRequest('a', prompt(0, PROMPT),
+        { sampling: { n: handOff ? 1 : 2, maxTokens: 8, ignoreEos: true } }), 0, { handOff });
+      const sequence = scheduler.getRequest('a')!.sequences[0]!;
+      for (let i = 0; sequence.numComputedTokens < PROMPT; i++) {
+        assert.ok(i < 20, 'bounded');
+        step(scheduler, i, (target) => 10 + target.completionIndex);
+        assert.equal(sequence.blockTable.numReleasedBlocks, 0, `${label}: after ${sequence.numComputedTokens} tokens`);
+        scheduler.checkInvariants();
+      }
+      if (handOff) {
+        // The handoff pins every block of the prompt for the copy (it could not, had any been given back).
+        const given = scheduler.handOff('a');
+        assert.equal(given.blockIds.length, PROMPT / BLOCK);
+        scheduler.kv.unpin(given.pin);
+      } else {
+        // Forked: the samples give back what falls out of their windows from their next step on.
+        const samples = scheduler.getRequest('a')!.sequences;
+        assert.equal(samples.length, 2);
+        step(scheduler, 30, (target) => 10 + target.completionIndex);
+        for (const sample of samples) assert.ok(sample.blockTable.numReleasedBlocks > 0, `${label}: sample ${sample.index}`);
+        assert.ok(scheduler.abort('a', 40));
+      }
+      assert.equal(scheduler.kv.pool.numUsedBlocks, 0, `${label}: every block is back`);
+      scheduler.checkInvariants();
+    }
+  });
+
   test('without a window nothing is released', () => {
     const scheduler = makeScheduler(64, null);
     scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 30, ignoreEos: true } }), 0);
@@ -153,7 +224,8 @@ describe('a Mistral-layout model (sliding window in every layer) end to end', ()
     dir = mkdtempSync(join(tmpdir(), 'conduit-swa-'));
     writeArchGguf(spec, join(dir, 'model.gguf'));
     model = await loadModel(join(dir, 'model.gguf'));
-    promptIds = createTokenizer(model.tokenizerSource).encode('Once upon a time, in a land far away, there lived');
+    promptIds = createTokenizer(model.tokenizerSource).encode(
+      'Once upon a time, in a land far away, there lived a king who had three daughters, and the youngest of them');
   });
   after(() => rmSync(dir, { recursive: true, force: true }));
 
@@ -198,8 +270,10 @@ describe('a Mistral-layout model (sliding window in every layer) end to end', ()
           maxUsed = Math.max(maxUsed, core.kv.pool.numUsedBlocks);
         }
         assert.deepEqual(tokens, expected);
-        // The prompt's blocks until its prefill ends, then the window's: far fewer than the 14 of the whole sequence.
-        const bound = Math.max(Math.ceil(promptIds.length / BLOCK), Math.ceil((spec.slidingWindow! - 1) / BLOCK) + 2);
+        // While the prompt is computed in chunks of 8, the window before a chunk and the chunk's blocks; then the
+        // window's and the next token's: fewer than the prompt alone fills, far fewer than the whole sequence's.
+        const bound = Math.ceil((spec.slidingWindow! - 1 + 8) / BLOCK) + 1;
+        assert.ok(Math.ceil(promptIds.length / BLOCK) > bound, 'the prompt is longer than the bound');
         assert.ok(maxUsed <= bound, `used ${maxUsed} blocks, at most ${bound} expected`);
         core.scheduler.checkInvariants();
         results.set(factory.name, tokens);

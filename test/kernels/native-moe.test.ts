@@ -210,7 +210,12 @@ describe('mixture of experts: one job per layer over every (expert, tile)', { sk
       // The experts' job is timed in wall and in the calling thread's CPU time (all of the work on one thread).
       const job = prefill['moe experts']!;
       assert.ok(job.seconds > 0 && job.cpuSeconds >= 0 && job.cpuSeconds <= job.seconds + 1e-3, JSON.stringify(job));
-      if (threads === 1) assert.ok(job.cpuSeconds > 0, 'one thread: the caller did the work');
+      if (threads === 1) {
+        assert.ok(job.cpuSeconds > 0, 'one thread: the caller did the work');
+        // Alone, a thread runs each expert's gate+up items before its down items: nothing to wait for, nobody to help.
+        assert.equal(prefill['moe expert ready waits']!.calls, 0);
+        assert.equal(prefill['moe expert items helped']!.calls, 0);
+      }
       assert.equal(prefill['moe expert tiles']!.calls, streamed * tilesPerExpert);
       assert.equal(prefill['moe expert weight bytes']!.calls, streamed * expertBytes,
         'the weight bytes read are the active experts\' bytes, once each');

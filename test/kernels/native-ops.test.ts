@@ -6,6 +6,7 @@ import { describe, it } from 'node:test';
 
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
+import { geluTanh } from '../../src/model/reference-math.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
 import {
   assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, referenceMatmul, roundsBf16Activations,
@@ -305,6 +306,29 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         native().ops.swiglu(variant, gate, up, out.view);
         out.checkGuards(`swiglu n=${n} ${variant}`);
         assertClose(out.view, expected, 1e-11, `swiglu n=${n} ${variant}`);
+      }
+    }
+  });
+
+  it('geglu against the reference GELU-tanh, far into both tails', () => {
+    const rand = seeded(19);
+    for (const n of ROW_LENGTHS) {
+      const gate = randomArray(n, rand, 12);
+      const up = randomArray(n, rand, 3);
+      // Where tanh saturates (both ways), where the exp clamps, and around zero.
+      [0, -1e-3, 1e-3, -6, 6, -20, 20, -100, 100].slice(0, n).forEach((g, i) => { gate[i] = g; });
+      const expected = Float64Array.from(gate, (g, i) => geluTanh(g) * up[i]!);
+      for (const variant of variants) {
+        const out = guarded(n, NaN);
+        native().ops.geglu(variant, gate, up, out.view);
+        out.checkGuards(`geglu n=${n} ${variant}`);
+        assertClose(out.view, expected, 1e-11, `geglu n=${n} ${variant}`);
+        // Per element: a few float roundings of the value, or of g * up where 1 + tanh cancels (the plain C++ form).
+        out.view.forEach((v, i) => {
+          const e = expected[i]!;
+          assert.ok(Math.abs(v - e) <= 1e-6 * Math.abs(e) + 1e-7 * Math.abs(gate[i]! * up[i]!),
+            `geglu n=${n} ${variant} [${i}]: gate ${gate[i]}, got ${v}, expected ${e}`);
+        });
       }
     }
   });
