@@ -222,8 +222,13 @@ export class WorkerGroup<E extends RoutableEngine> {
     return { decision, engine };
   }
 
-  /** Reports the worker's latest load to the router (after each of its outputs). */
+  /**
+   * Reports the worker's latest load to the router (after each of its outputs). A worker that left the group is the
+   * router's no more, yet its streams may still be flowing (a draining worker finishes what it runs): their outputs
+   * report nothing, and the streams go on.
+   */
   updateLoad(workerId: string, engine: E): void {
+    if (this.workers.get(workerId) !== engine) return;
     this.router.updateLoad(workerId, workerLoadFromStats(engine.stats()));
   }
 
