@@ -57,6 +57,7 @@ export class RemoteEngine implements RoutableEngine {
   kvSourceAddress: ((prefillId: string) => { host: string; port: number } | undefined) | undefined;
   private readonly kvListeners = new Set<(events: KvEvent[]) => void>();
   private readonly lostListeners = new Set<(error: Error) => void>();
+  private readonly statsListeners = new Set<(stats: EngineStats) => void>();
   private readonly replies = new Map<number, Pending<unknown>>();
   private cardWaiters: Pending<ModelCard | null>[] = [];
   private nextReplyId = 1;
@@ -274,7 +275,16 @@ export class RemoteEngine implements RoutableEngine {
 
   /** A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). */
   deliverStats(stats: EngineStats): void {
-    this.latestStats = stats;
+    this.setStats(stats);
+  }
+
+  /**
+   * Every stats report of the worker, whatever brought it (outputs, the end of a stream, heartbeats, KV events, the
+   * event plane): its load as it is now, requests other frontends sent it included.
+   */
+  onStats(listener: (stats: EngineStats) => void): () => void {
+    this.statsListeners.add(listener);
+    return () => this.statsListeners.delete(listener);
   }
 
   /**
@@ -324,7 +334,7 @@ export class RemoteEngine implements RoutableEngine {
     const m = parseJsonMessage(payload);
     switch (m.t) {
       case 'out': {
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         if (!Array.isArray(m.outputs)) return;
         const queue = this.streams.get(String(m.id));
         const prefill = this.prefills.get(String(m.id));
@@ -344,7 +354,7 @@ export class RemoteEngine implements RoutableEngine {
         return;
       }
       case 'end': {
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.streams.get(String(m.id))?.end();
         this.prefills.get(String(m.id))?.end();
         return;
@@ -355,16 +365,16 @@ export class RemoteEngine implements RoutableEngine {
         return;
       }
       case 'hb':
-        this.latestStats = parseStats(m.stats);
+        this.setStats(parseStats(m.stats));
         return;
       case 'kv': {
         const events = parseKvEvents(m.events);
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.deliverKvEvents(events);
         return;
       }
       case 'reset':
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.settle(m.rid, m.ok === true);
         return;
       case 'snapshot':
@@ -410,6 +420,11 @@ export class RemoteEngine implements RoutableEngine {
     const pending = this.replies.get(Number(rid));
     this.replies.delete(Number(rid));
     pending?.resolve(value);
+  }
+
+  private setStats(stats: EngineStats): void {
+    this.latestStats = stats;
+    for (const listener of this.statsListeners) listener(stats);
   }
 
   private lose(reason: string): void {
