@@ -273,14 +273,19 @@ export class RemoteEngine implements RoutableEngine {
     for (const listener of this.kvListeners) listener(events);
   }
 
-  /** A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). */
+  /**
+   * A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). It
+   * is not passed to onStats listeners: it travels apart from the connection's frames and can arrive after a newer
+   * report there (one taken while a request ran, after the heartbeat that said it ended).
+   */
   deliverStats(stats: EngineStats): void {
-    this.setStats(stats);
+    this.latestStats = stats;
   }
 
   /**
-   * Every stats report of the worker, whatever brought it (outputs, the end of a stream, heartbeats, KV events, the
-   * event plane): its load as it is now, requests other frontends sent it included.
+   * Every stats report on the connection, in the order the worker sent them (on outputs and stream ends, on KV
+   * event frames, its heartbeat every HEARTBEAT_MS and after each stream that ends): its load as it is now,
+   * requests other frontends sent it included.
    */
   onStats(listener: (stats: EngineStats) => void): () => void {
     this.statsListeners.add(listener);

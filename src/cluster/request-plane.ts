@@ -7,8 +7,9 @@
 // engine info, role) or `refused` and closes. Then:
 //   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump);
 //                       gen, prefill and adopt carry `sentAt`, the frontend's clock when sent (clock-offset.ts)
-//   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat), kv (KV events, only to a
-//                       connection that asked for them), snapshot, draining, and the model card as a blob frame.
+//   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat and after each stream's
+//                       end), kv (KV events, only to a connection that asked for them), snapshot, draining, and the
+//                       model card as a blob frame.
 
 import type { KvPoolLayout } from '../engine/handoff.ts';
 import { timingSafeEqual, createHash } from 'node:crypto';
