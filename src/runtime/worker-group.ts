@@ -28,7 +28,7 @@ import { RouterAdmission } from './router-admission.ts';
 export interface RoutableEngine extends Engine {
   onKvEvents?(listener: (events: KvEvent[]) => void): () => void;
   onLost?(listener: (error: Error) => void): () => void;
-  /** Each stats report the worker sends by itself (a worker process's heartbeat, its event-plane load snapshot). */
+  /** Each stats report the worker sends, in order (a worker process: those on its request-plane connection). */
   onStats?(listener: (stats: EngineStats) => void): () => void;
 }
 

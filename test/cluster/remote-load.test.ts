@@ -1,5 +1,5 @@
-// A frontend's router sees the load other frontends put on a worker process: every stats report the worker sends
-// (on any stream's outputs, its heartbeat, the event plane) reaches the router, not only those riding on outputs of
+// A frontend's router sees the load other frontends put on a worker process: every stats report on the worker's
+// request-plane connection (on any frame, its heartbeat) reaches the router, not only those riding on outputs of
 // requests this router sent. Two real CPU workers (a synthetic model decoding in milliseconds per token, each a
 // worker thread behind a WorkerServer on 127.0.0.1) behind the routed engine a frontend uses; a second connection
 // to one of them plays the other frontend.
