@@ -53,6 +53,7 @@ export class ChildWorker implements RoutableEngine {
   resetPrefixCache(): Promise<boolean> { return this.remote.resetPrefixCache(); }
   onKvEvents(listener: (events: KvEvent[]) => void): () => void { return this.remote.onKvEvents(listener); }
   onLost(listener: (error: Error) => void): () => void { return this.remote.onLost(listener); }
+  onStats(listener: (stats: EngineStats) => void): () => void { return this.remote.onStats(listener); }
   modelCard(): ReturnType<RemoteEngine['modelCard']> { return this.remote.modelCard(); }
 
   async close(): Promise<void> {

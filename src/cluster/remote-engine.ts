@@ -58,6 +58,7 @@ export class RemoteEngine implements RoutableEngine {
   kvSourceAddress: ((prefillId: string) => { host: string; port: number } | undefined) | undefined;
   private readonly kvListeners = new Set<(events: KvEvent[]) => void>();
   private readonly lostListeners = new Set<(error: Error) => void>();
+  private readonly statsListeners = new Set<(stats: EngineStats) => void>();
   private readonly replies = new Map<number, Pending<unknown>>();
   private cardWaiters: Pending<ModelCard | null>[] = [];
   private nextReplyId = 1;
@@ -277,9 +278,23 @@ export class RemoteEngine implements RoutableEngine {
     for (const listener of this.kvListeners) listener(events);
   }
 
-  /** A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). */
+  /**
+   * A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). It
+   * is not passed to onStats listeners: it travels apart from the connection's frames and can arrive after a newer
+   * report there (one taken while a request ran, after the heartbeat that said it ended).
+   */
   deliverStats(stats: EngineStats): void {
     this.latestStats = stats;
+  }
+
+  /**
+   * Every stats report on the connection, in the order the worker sent them (on outputs and stream ends, on KV
+   * event frames, its heartbeat every HEARTBEAT_MS and after each stream that ends): its load as it is now,
+   * requests other frontends sent it included.
+   */
+  onStats(listener: (stats: EngineStats) => void): () => void {
+    this.statsListeners.add(listener);
+    return () => this.statsListeners.delete(listener);
   }
 
   /**
@@ -329,7 +344,7 @@ export class RemoteEngine implements RoutableEngine {
     const m = parseJsonMessage(payload);
     switch (m.t) {
       case 'out': {
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         if (!Array.isArray(m.outputs)) return;
         const queue = this.streams.get(String(m.id));
         const prefill = this.prefills.get(String(m.id));
@@ -349,7 +364,7 @@ export class RemoteEngine implements RoutableEngine {
         return;
       }
       case 'end': {
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.streams.get(String(m.id))?.end();
         this.prefills.get(String(m.id))?.end();
         return;
@@ -360,16 +375,16 @@ export class RemoteEngine implements RoutableEngine {
         return;
       }
       case 'hb':
-        this.latestStats = parseStats(m.stats);
+        this.setStats(parseStats(m.stats));
         return;
       case 'kv': {
         const events = parseKvEvents(m.events);
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.deliverKvEvents(events);
         return;
       }
       case 'reset':
-        if (m.stats !== undefined) this.latestStats = parseStats(m.stats);
+        if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.settle(m.rid, m.ok === true);
         return;
       case 'snapshot':
@@ -415,6 +430,11 @@ export class RemoteEngine implements RoutableEngine {
     const pending = this.replies.get(Number(rid));
     this.replies.delete(Number(rid));
     pending?.resolve(value);
+  }
+
+  private setStats(stats: EngineStats): void {
+    this.latestStats = stats;
+    for (const listener of this.statsListeners) listener(stats);
   }
 
   private lose(reason: string): void {

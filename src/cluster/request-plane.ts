@@ -7,14 +7,15 @@
 // engine info, role) or `refused` and closes. Then:
 //   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump);
 //                       gen, prefill and adopt carry `sentAt`, the frontend's clock when sent (clock-offset.ts)
-//   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat), kv (KV events, only to a
-//                       connection that asked for them), snapshot, draining, and the model card as a blob frame.
+//   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat and after each stream's
+//                       end), kv (KV events, only to a connection that asked for them), snapshot, draining, and the
+//                       model card as a blob frame.
 
 import type { KvPoolLayout } from '../engine/handoff.ts';
 import { timingSafeEqual, createHash } from 'node:crypto';
 import type { EngineInfo, EngineRequest, GuidedDecoding, SamplingParams, WorkerRole } from '../engine/types.ts';
-import { parseKvEvent, type BlockHash, type KvEvent, parseBlockHash } from '../protocols/kv-events.ts';
-import type { EngineStats } from '../protocols/worker.ts';
+import { KV_LOWER_TIERS, parseKvEvent, type BlockHash, type KvEvent, type KvLowerTier, parseBlockHash } from '../protocols/kv-events.ts';
+import type { EngineStats, KvTiersStats } from '../protocols/worker.ts';
 import { FrameError } from './frames.ts';
 
 export const REQUEST_PLANE_VERSION = 1;
@@ -210,6 +211,8 @@ export function parseStats(value: unknown): EngineStats {
     preemptions: int(s, 'preemptions', 'stats'),
   };
   if (s.kvEvictions !== undefined) stats.kvEvictions = int(s, 'kvEvictions', 'stats');
+  if (s.requestMigrations !== undefined) stats.requestMigrations = int(s, 'requestMigrations', 'stats');
+  if (s.kvTiers !== undefined) stats.kvTiers = parseKvTiers(s.kvTiers);
   if (s.kvTransferLinks !== undefined) {
     const links = obj(s.kvTransferLinks, 'stats.kvTransferLinks');
     stats.kvTransferLinks = Object.fromEntries(Object.entries(links).map(([link, value]) => {
@@ -234,6 +237,30 @@ export function parseStats(value: unknown): EngineStats {
     if (scratch !== undefined) stats.allocationFailures.scratch = scratch;
   }
   return stats;
+}
+
+const TIER_COUNTS = ['capacityBlocks', 'usedBlocks', 'blockBytes', 'offloadBlocks', 'offloadBytes', 'onboardBlocks', 'onboardBytes',
+  'corruptBlocks', 'evictedBlocks'] as const;
+
+/** A worker's lower KV tiers (RAM, disk) as its stats carry them: counts, and the copies' times in ms. */
+function parseKvTiers(value: unknown): KvTiersStats {
+  const where = 'stats.kvTiers';
+  const t = obj(value, where);
+  const tiers = obj(t.tiers, `${where}.tiers`);
+  const parsed: KvTiersStats = { tiers: {}, missedOffloads: int(t, 'missedOffloads', where), recomputedBlocks: int(t, 'recomputedBlocks', where) };
+  for (const [name, tierValue] of Object.entries(tiers)) {
+    if (!(KV_LOWER_TIERS as readonly string[]).includes(name)) bad(`${where}.tiers.${name.slice(0, 40)} is not a KV tier (${KV_LOWER_TIERS.join(', ')})`);
+    const at = `${where}.tiers.${name}`;
+    const tier = obj(tierValue, at);
+    const counts = Object.fromEntries(TIER_COUNTS.map((field) => [field, int(tier, field, at)])) as Record<typeof TIER_COUNTS[number], number>;
+    const ms = (field: string): number => {
+      const v = num(tier, field, at);
+      if (v < 0) bad(`${at}.${field} must be >= 0`);
+      return v;
+    };
+    parsed.tiers[name as KvLowerTier] = { ...counts, offloadMs: ms('offloadMs'), onboardMs: ms('onboardMs') };
+  }
+  return parsed;
 }
 
 /** Engine info as a worker reports it. */

@@ -186,10 +186,7 @@ export class WorkerServer {
       for (const c of this.connections) if (c.authenticated && c.wantsEvents) c.socket.write(frame);
       for (const listener of this.kvListeners) listener(events);
     });
-    this.heartbeat = setInterval(() => {
-      const frame = encodeJsonFrame({ t: 'hb', stats: this.stats() });
-      for (const c of this.connections) if (c.authenticated) c.socket.write(frame);
-    }, HEARTBEAT_MS);
+    this.heartbeat = setInterval(() => this.sendHeartbeat(), HEARTBEAT_MS);
     this.heartbeat.unref();
     const engine = options.engine as Partial<PrefillWorkerEngine & DecodeWorkerEngine>;
     if (this.role === 'prefill' && engine.kvPool && engine.kvLayout) {
@@ -960,7 +957,16 @@ export class WorkerServer {
       if (!this.incoming.has(id)) this.releaseImport(id, this.reservations.get(id));
       connection.requests.delete(id);
       if (this.running.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
+      // Every frontend's router learns at once that this load is gone, not at the next heartbeat: a report taken
+      // while the request ran would otherwise make the worker look busy (and its cached prefixes not worth it).
+      this.sendHeartbeat();
     }
+  }
+
+  /** The worker's stats to every connection (each frontend's router takes them as the worker's load). */
+  private sendHeartbeat(): void {
+    const frame = encodeJsonFrame({ t: 'hb', stats: this.stats() });
+    for (const c of this.connections) if (c.authenticated && !c.socket.destroyed) c.socket.write(frame);
   }
 
   private send(connection: Connection, message: object): void {

@@ -21,10 +21,15 @@ import { sumEngineStats } from './engine-stats.ts';
 import type { RequestMigration } from './migration.ts';
 import { RouterAdmission } from './router-admission.ts';
 
-/** A worker as the routed engines need it: any Engine, plus KV events and loss notices when it has them. */
+/**
+ * A worker as the routed engines need it: any Engine, plus KV events, loss notices and stats reports between its
+ * outputs when it has them.
+ */
 export interface RoutableEngine extends Engine {
   onKvEvents?(listener: (events: KvEvent[]) => void): () => void;
   onLost?(listener: (error: Error) => void): () => void;
+  /** Each stats report the worker sends, in order (a worker process: those on its request-plane connection). */
+  onStats?(listener: (stats: EngineStats) => void): () => void;
 }
 
 /** Whether an engine can serve now; `reason` says why not (what /health answers with its 503). */
@@ -222,8 +227,13 @@ export class WorkerGroup<E extends RoutableEngine> {
     return { decision, engine };
   }
 
-  /** Reports the worker's latest load to the router (after each of its outputs). */
+  /**
+   * Reports the worker's latest load to the router (after each of its outputs). A worker that left the group is the
+   * router's no more, yet its streams may still be flowing (a draining worker finishes what it runs): their outputs
+   * report nothing, and the streams go on.
+   */
   updateLoad(workerId: string, engine: E): void {
+    if (this.workers.get(workerId) !== engine) return;
     this.router.updateLoad(workerId, workerLoadFromStats(engine.stats()));
   }
 
@@ -247,8 +257,13 @@ export class WorkerGroup<E extends RoutableEngine> {
     const offs = [...(this.options.onJoin?.(id, engine) ?? [])];
     const offEvents = engine.onKvEvents?.((events) => this.router.applyKvEvents(id, events));
     const offLost = engine.onLost?.((error) => this.lose(id, error));
+    // Reports between this router's outputs carry the load other routers (frontends) put on the worker too.
+    const offStats = engine.onStats?.((stats) => {
+      if (this.workers.get(id) === engine) this.router.updateLoad(id, workerLoadFromStats(stats));
+    });
     if (offEvents) offs.push(offEvents);
     if (offLost) offs.push(offLost);
+    if (offStats) offs.push(offStats);
     this.leave.set(id, offs);
   }
 

@@ -79,12 +79,12 @@ async function placement(url: string, id: string): Promise<{ workerId: string; o
   return { workerId: json.worker, overlapBlocks: Math.floor((lookup.attributes?.overlap_tokens ?? 0) / 16), text: body };
 }
 
-/** The one worker running a request now, by the frontend's view (a stale count clears with the next heartbeat). */
 /**
  * The worker a stream of `prompt` will run on, chosen before it starts: a one-token request leaves the prompt's
  * blocks on a worker, and once its KV events reached the frontend's router (NATS; a moment), the same prompt goes
  * there again. Acting on this worker right after the stream's first event does not depend on when /health's load
- * figures catch up, nor on how far the client's reading lags behind the server's generating.
+ * figures catch up, nor on how far the client's reading lags behind the server's generating. Each test that acts
+ * on it checks afterwards, from the stream's own trace, that the stream did run there.
  */
 async function pinnedWorker(url: string, prompt: string): Promise<string> {
   const warm = await complete(url, { prompt, max_tokens: 1, temperature: 0 });
@@ -212,6 +212,7 @@ describe('distributed runtime', { skip }, () => {
       if (events === 3) workers.get(victim)!.kill('SIGKILL');
     });
     assert.equal(failed.error?.code, 'worker_lost', JSON.stringify(failed));
+    assert.equal((await placement(b.url, failed.id)).workerId, victim, 'the failed stream ran on the killed worker');
     const survivor = (await readyWorkers(b)).find((id) => id !== victim);
     assert.ok(survivor);
     await until('the victim left frontend b', async () => !(await readyWorkers(b)).includes(victim), 10_000);
@@ -240,6 +241,10 @@ describe('distributed runtime', { skip }, () => {
     });
     assert.equal(result.error, undefined);
     assert.equal(result.text, expected.text);
+    // The stream ran on the drained worker from start to end: its trace names it, and it never moved.
+    const ran = JSON.parse((await placement(a.url, result.id)).text) as { worker: string; migrations: unknown[] };
+    assert.equal(ran.worker, drained, 'the stream ran on the drained worker');
+    assert.deepEqual(ran.migrations, [], 'the stream did not move off the draining worker');
     assert.equal(await workers.get(drained)!.exited, 0);
     assert.match(workers.get(drained)!.output(), /deregistered; draining 1 request/);
   });
