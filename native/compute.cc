@@ -28,7 +28,7 @@ constexpr size_t kAlign = 64;
 inline size_t align_up(size_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 // Activation rows quantized per work item: enough to amortise the hand-out, small enough to balance.
 constexpr int64_t kQuantizeRowsPerItem = 16;
-static_assert(kMatmulTileRows <= kLoraUpChunk, "a tile's LoRA up-projection is one kernel call");
+static_assert(kMatmulTileRows <= kLoraUpChunk && kMatmulTileRows % kLoraBtBlock == 0, "a tile's LoRA up-projection is one kernel call on whole Bt blocks");
 // Pauses a thread spins waiting for the LoRA down-projections before it yields its core.
 constexpr int kDownsSpins = 20000;
 
@@ -93,24 +93,22 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
     });
   }
 
-  // Few down-projections run in the tiles' job: the calling thread takes them before its first tile (while the
-  // other threads start on theirs), and a thread about to add a tile's up-projection waits until they are done, or
-  // runs them itself when nobody has started them (its share may have been taken whole). State: 0 not started,
-  // 1 running, 2 done.
-  std::atomic<int> downs_state{downs_in_tiles ? 0 : 2};
+  // Few down-projections run in the tiles' job, ahead of the tiles: every thread, on its first tile, takes down items
+  // until none is left and then waits for the ones still running on other threads (one item at most each, a few
+  // microseconds), so the threads share them and none sits idle while another runs them all.
+  std::atomic<int64_t> downs_next{0}, downs_done{downs_in_tiles ? 0 : lora_downs};
   auto ensure_downs = [&] {
-    if (downs_state.load(std::memory_order_acquire) == 2) return;
-    int expected = 0;
-    if (downs_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
-      for (int64_t d = 0; d < lora_downs; ++d) lora->down(kt, d);
-      downs_state.store(2, std::memory_order_release);
-      return;
+    if (downs_done.load(std::memory_order_acquire) == lora_downs) return;
+    for (int64_t d = downs_next.fetch_add(1, std::memory_order_relaxed); d < lora_downs;
+         d = downs_next.fetch_add(1, std::memory_order_relaxed)) {
+      lora->down(kt, d);
+      downs_done.fetch_add(1, std::memory_order_release);
     }
-    for (int spins = 0; downs_state.load(std::memory_order_acquire) != 2; ++spins) {
+    for (int spins = 0; downs_done.load(std::memory_order_acquire) != lora_downs; ++spins) {
       if (spins < kDownsSpins) {
         spin_pause();
       } else {
-        std::this_thread::yield();  // the thread running them was descheduled
+        std::this_thread::yield();  // a thread running one was descheduled
       }
     }
   };
@@ -121,7 +119,7 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
   pool.parallel_for_ranges(tile_start[count], [&](int64_t tile, int thread) {
     int i = 0;
     while (tile >= tile_start[i + 1]) ++i;
-    if (downs_in_tiles && thread == 0) ensure_downs();
+    if (downs_in_tiles) ensure_downs();
     const MatmulOutput& o = outputs[i];
     const MatmulKernel& mk = kt.matmul[o.type];
     MatmulTile t;
@@ -146,7 +144,6 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
     // The tile's columns are final: add the LoRA products of every adapted row to them (kMatmulTileRows <=
     // kLoraUpChunk, so one up-projection call per adapter).
     if (lora && lora->adapts(i)) {
-      if (downs_in_tiles) ensure_downs();
       lora->up(kt, i, t.n0, t.n1, reinterpret_cast<float*>(t.scratch + tile_scratch_bytes));
     }
   });

@@ -17,29 +17,30 @@ uint16_t fp32_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7FFF + ((x >> 16) & 1)) >> 16);                 // round to nearest even
 }
 
-// Writes `rows` rows of `cols` values (value(r, c)) in `dtype` into bytes, with per-row scales.
-template <typename Value>
-void pack_rows(int64_t rows, int64_t cols, int dtype, Value value, std::vector<uint8_t>& bytes,
-               std::vector<float>& scales) {
-  bytes.assign(static_cast<size_t>(rows * cols) * lora_dtype_bytes(dtype), 0);
+// Writes `rows` rows of `cols` values (value(r, c)) in `dtype` into bytes, with per-row scales: element (r, c) at
+// element index index(r, c) of `elements` (the rest zeros).
+template <typename Value, typename Index>
+void pack_rows(int64_t rows, int64_t cols, int dtype, Value value, Index index, int64_t elements,
+               std::vector<uint8_t>& bytes, std::vector<float>& scales) {
+  bytes.assign(static_cast<size_t>(elements) * lora_dtype_bytes(dtype), 0);
   scales.assign(static_cast<size_t>(rows), 1.0f);
   for (int64_t r = 0; r < rows; ++r) {
     if (dtype == kLoraF32) {
-      float* dst = reinterpret_cast<float*>(bytes.data()) + r * cols;
-      for (int64_t c = 0; c < cols; ++c) dst[c] = value(r, c);
+      float* dst = reinterpret_cast<float*>(bytes.data());
+      for (int64_t c = 0; c < cols; ++c) dst[index(r, c)] = value(r, c);
     } else if (dtype == kLoraBF16) {
-      uint16_t* dst = reinterpret_cast<uint16_t*>(bytes.data()) + r * cols;
-      for (int64_t c = 0; c < cols; ++c) dst[c] = fp32_to_bf16(value(r, c));
+      uint16_t* dst = reinterpret_cast<uint16_t*>(bytes.data());
+      for (int64_t c = 0; c < cols; ++c) dst[index(r, c)] = fp32_to_bf16(value(r, c));
     } else {
       float absmax = 0.0f;
       for (int64_t c = 0; c < cols; ++c) absmax = std::max(absmax, std::fabs(value(r, c)));
       const float scale = absmax / 127.0f;
       scales[r] = scale;
-      int8_t* dst = reinterpret_cast<int8_t*>(bytes.data()) + r * cols;
+      int8_t* dst = reinterpret_cast<int8_t*>(bytes.data());
       if (scale == 0.0f) continue;
       for (int64_t c = 0; c < cols; ++c) {
         const float q = std::nearbyint(value(r, c) / scale);
-        dst[c] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
+        dst[index(r, c)] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
       }
     }
   }
@@ -52,8 +53,13 @@ void lora_pack(LoraMatrix& m, int dtype) {
   const float* a = m.a.data();
   const float* b = m.b.data();
   const int64_t in = m.in, rank = m.rank;
-  pack_rows(rank, in, dtype, [&](int64_t k, int64_t i) { return a[k * in + i]; }, m.a_packed, m.a_scale);
-  pack_rows(rank, m.out, dtype, [&](int64_t k, int64_t o) { return b[o * rank + k]; }, m.bt_packed, m.bt_scale);
+  pack_rows(
+      rank, in, dtype, [&](int64_t k, int64_t i) { return a[k * in + i]; }, [&](int64_t k, int64_t i) { return k * in + i; },
+      rank * in, m.a_packed, m.a_scale);
+  pack_rows(
+      rank, m.out, dtype, [&](int64_t k, int64_t o) { return b[o * rank + k]; },
+      [&](int64_t k, int64_t o) { return lora_bt_index(rank, k, o); }, lora_bt_elements(rank, m.out), m.bt_packed,
+      m.bt_scale);
   std::vector<float>().swap(m.a);
   std::vector<float>().swap(m.b);
 }

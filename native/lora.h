@@ -29,8 +29,9 @@ struct LoraMatrix {
   int64_t rank = 0, in = 0, out = 0;  // rank 0: the projection is not adapted
   std::vector<float> a;               // [rank x in] f32 as given; released once packed
   std::vector<float> b;               // [out x rank] f32 as given; released once packed
-  // Made by LoraSet::set in the adapter's dtype: A [rank x in] and B transposed [rank x out], rows of
-  // lora_dtype_bytes each, and per row the q8 scale (1 for f32 and bf16).
+  // Made by LoraSet::set in the adapter's dtype: A [rank x in] and B transposed [rank x out] (in blocks of
+  // kLoraBtBlock columns: kernels.h lora_bt_index), elements of lora_dtype_bytes each, and per row the q8 scale (1
+  // for f32 and bf16).
   std::vector<uint8_t> a_packed, bt_packed;
   std::vector<float> a_scale, bt_scale;
 
@@ -147,7 +148,8 @@ class LoraPlan {
 bool lora_fuse_enabled();
 
 // A plan whose down items all together are at most this many multiply-adds (a decode step's are a few hundred
-// thousand) has them run by one thread: lora_apply runs them on the calling thread, matmul in its tiles' job.
+// thousand) gets no job of its own for them: lora_apply runs them on the calling thread, matmul ahead of the tiles
+// in its tiles' job.
 constexpr int64_t kLoraInlineDownMacs = int64_t{1} << 20;
 
 // y[r * ldy + o] += scale * sum_k B[o][k] * (sum_i A[k][i] * x[r * ldx + i]) for each row r in [0, rows) whose slot
