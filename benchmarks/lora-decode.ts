@@ -6,6 +6,9 @@
 //   node --import tsx benchmarks/lora-decode.ts [--rounds 5] [--threads 2] [--streams 16] [--adapters 0,1,4,16]
 //       [--rank 8] [--tokens 48] [--lora-dtype q8|bf16|f32]
 //
+// CONDUIT_LORA_FUSE=0 in the environment runs the LoRA products in jobs of their own after each matmul (the
+// baseline of their fusion into the matmuls' jobs; native/lora.h): alternate processes with and without it.
+//
 // Each run: the streams (16-token prompts, --tokens generated, ignore_eos) prefill in one step, which is left out;
 // the run's figures are the medians of its decode steps' wall and CPU times. Configurations alternate within each
 // round (rotated order), so drift in the machine's load falls on all. Printed per adapter count: median step ms over
@@ -101,7 +104,9 @@ function run(count: number): { wall: number; cpu: number } {
 }
 
 console.log(`LoRA decode, ${file.label}, native matmul_q8_0 ${backend.info.variants?.matmul_q8_0 ?? '?'}, threads ${args.threads}, `
-  + `${STREAMS} streams, rank ${RANK} on q/k/v/o/gate/up/down stored as ${resolveLoraDtype(args['lora-dtype'] as LoraDtype | undefined)}, ${OUTPUT_TOKENS} tokens, ${ROUNDS} rounds, load average ${loadavg()[0]!.toFixed(1)}`);
+  + `${STREAMS} streams, rank ${RANK} on q/k/v/o/gate/up/down stored as ${resolveLoraDtype(args['lora-dtype'] as LoraDtype | undefined)}, `
+  + `products ${process.env.CONDUIT_LORA_FUSE === '0' ? 'in jobs of their own (CONDUIT_LORA_FUSE=0)' : 'in the matmuls\' jobs'}, `
+  + `${OUTPUT_TOKENS} tokens, ${ROUNDS} rounds, load average ${loadavg()[0]!.toFixed(1)}`);
 for (const count of COUNTS) run(count); // warm-up
 const figures = new Map<number, { wall: number; cpu: number }[]>(COUNTS.map((c) => [c, []]));
 for (let round = 0; round < ROUNDS; round++) {

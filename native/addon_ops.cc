@@ -180,7 +180,8 @@ Napi::Value OpLora(const Napi::CallbackInfo& info) {
   const int threads = static_cast<int>(integer(env, info[8], "threads", 1));
   std::lock_guard<std::mutex> lock(ops_mutex);
   OpsContext& c = ops_context(threads);
-  lora_apply(kernel_table(v), *c.pool, set, slots, rows, 0, kLoraQ, x, in, y, out);
+  LoraPlan plan;
+  lora_apply(kernel_table(v), *c.pool, plan, set, slots, rows, 0, kLoraQ, x, in, y, out);
   return env.Undefined();
 }
 

@@ -1,11 +1,17 @@
 #include "compute.h"
 
+#include "lora.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
+#if CONDUIT_X86
+#include <immintrin.h>
+#endif
 
 namespace conduit {
 
@@ -22,10 +28,21 @@ constexpr size_t kAlign = 64;
 inline size_t align_up(size_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 // Activation rows quantized per work item: enough to amortise the hand-out, small enough to balance.
 constexpr int64_t kQuantizeRowsPerItem = 16;
+static_assert(kMatmulTileRows <= kLoraUpChunk && kMatmulTileRows % kLoraBtBlock == 0, "a tile's LoRA up-projection is one kernel call on whole Bt blocks");
+// Pauses a thread spins waiting for the LoRA down-projections before it yields its core.
+constexpr int kDownsSpins = 20000;
+
+inline void spin_pause() {
+#if CONDUIT_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
 }  // namespace
 
 void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float* x, int64_t m, int64_t k,
-            const MatmulOutput* outputs, int count) {
+            const MatmulOutput* outputs, int count, const LoraPlan* lora) {
   if (m == 0 || count == 0) return;
 
   // One activation buffer per distinct quantizer among the outputs (in practice at most one).
@@ -50,18 +67,51 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
       act_bytes += stride * static_cast<size_t>(m);
     }
   }
+  // Each thread's slice of the scratch: the tile kernels' bytes, then the LoRA up-projection's floats.
+  const size_t tile_scratch_bytes = scratch_bytes;
+  if (lora) scratch_bytes += align_up(lora->up_scratch_floats() * sizeof(float));
   uint8_t* act = formats.empty() ? nullptr : ws.activations.get(act_bytes);
   uint8_t* scratch = ws.per_thread.get(scratch_bytes * static_cast<size_t>(pool.size()));
 
-  if (!formats.empty()) {
+  // The LoRA down-projections (u = A x of each adapted row) must be done before any tile's up-projection. Many (a
+  // prefill's) are items of the quantization's job; few (a decode step's) run in the tiles' job, below.
+  const int64_t lora_downs = lora ? lora->down_items() : 0;
+  const bool downs_in_tiles = lora_downs > 0 && lora->down_macs() <= kLoraInlineDownMacs;
+  const int64_t pooled_downs = downs_in_tiles ? 0 : lora_downs;
+  if (!formats.empty() || pooled_downs > 0) {
     ProfileScope scope(ws.profile, "quantize activations");
     const int64_t items = div_ceil(m, kQuantizeRowsPerItem);
-    pool.parallel_for(items * static_cast<int64_t>(formats.size()), [&](int64_t item, int) {
+    const int64_t quantize_items = items * static_cast<int64_t>(formats.size());
+    pool.parallel_for(quantize_items + pooled_downs, [&](int64_t item, int) {
+      if (item >= quantize_items) {
+        lora->down(kt, item - quantize_items);
+        return;
+      }
       const Format& f = formats[item / items];
       const int64_t r0 = (item % items) * kQuantizeRowsPerItem, r1 = min64(m, r0 + kQuantizeRowsPerItem);
       for (int64_t r = r0; r < r1; ++r) f.kernel->quantize_act(x + r * k, k, act + f.offset + r * f.stride);
     });
   }
+
+  // Few down-projections run in the tiles' job, ahead of the tiles: every thread, on its first tile, takes down items
+  // until none is left and then waits for the ones still running on other threads (one item at most each, a few
+  // microseconds), so the threads share them and none sits idle while another runs them all.
+  std::atomic<int64_t> downs_next{0}, downs_done{downs_in_tiles ? 0 : lora_downs};
+  auto ensure_downs = [&] {
+    if (downs_done.load(std::memory_order_acquire) == lora_downs) return;
+    for (int64_t d = downs_next.fetch_add(1, std::memory_order_relaxed); d < lora_downs;
+         d = downs_next.fetch_add(1, std::memory_order_relaxed)) {
+      lora->down(kt, d);
+      downs_done.fetch_add(1, std::memory_order_release);
+    }
+    for (int spins = 0; downs_done.load(std::memory_order_acquire) != lora_downs; ++spins) {
+      if (spins < kDownsSpins) {
+        spin_pause();
+      } else {
+        std::this_thread::yield();  // a thread running one was descheduled
+      }
+    }
+  };
 
   // Tiles of all outputs in one list: tile_start[i] is the first tile of output i.
   std::vector<int64_t> tile_start(count + 1, 0);
@@ -69,6 +119,7 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
   pool.parallel_for_ranges(tile_start[count], [&](int64_t tile, int thread) {
     int i = 0;
     while (tile >= tile_start[i + 1]) ++i;
+    if (downs_in_tiles) ensure_downs();
     const MatmulOutput& o = outputs[i];
     const MatmulKernel& mk = kt.matmul[o.type];
     MatmulTile t;
@@ -89,6 +140,11 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
       mk.packed_tile(t);
     } else {
       mk.tile(t);
+    }
+    // The tile's columns are final: add the LoRA products of every adapted row to them (kMatmulTileRows <=
+    // kLoraUpChunk, so one up-projection call per adapter).
+    if (lora && lora->adapts(i)) {
+      lora->up(kt, i, t.n0, t.n1, reinterpret_cast<float*>(t.scratch + tile_scratch_bytes));
     }
   });
 }

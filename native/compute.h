@@ -114,8 +114,14 @@ struct MatmulOutput {
   bool packed = false;  // w is the kernel's load-time packed layout (MatmulKernel::pack), not ggml rows
 };
 
+// With `lora` (planned for these rows and outputs, output c of the plan being outputs[c]), the LoRA products are
+// added in the same jobs: the plan's down-projections as items of the activation quantization's job, or, when
+// small (a decode step's), in the tiles' job, taken by every thread before its first tile; each tile's
+// up-projection right after the tile, on the thread that wrote it. A row's result is bit for bit lora_apply's after a plain
+// matmul.
+class LoraPlan;
 void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float* x, int64_t m, int64_t k,
-            const MatmulOutput* outputs, int count);
+            const MatmulOutput* outputs, int count, const LoraPlan* lora = nullptr);
 
 // ---------------------------------------------------------------------------------------------------------------
 // RoPE

@@ -131,7 +131,10 @@ inline size_t attention_chunk_scratch_floats(int num_heads, int head_dim) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // LoRA (lora.h describes the storage and the batched driver). A matrix as the kernels read it: A [rank x in] and B
-// transposed [rank x out] in one storage type, each row with its scale (1 unless q8).
+// transposed [rank x out] in one storage type, each row with its scale (1 unless q8). Bt is stored in blocks of
+// kLoraBtBlock columns, each block holding its columns of every row k in turn (the last block padded with zeros):
+// the up-projection of one matmul tile (kMatmulTileRows columns) then reads one contiguous run per adapter instead
+// of one short piece per row.
 enum LoraDtype { kLoraF32 = 0, kLoraBF16 = 1, kLoraQ8 = 2, kLoraDtypeCount = 3 };
 inline size_t lora_dtype_bytes(int dtype) { return dtype == kLoraF32 ? 4 : dtype == kLoraBF16 ? 2 : 1; }
 
@@ -146,6 +149,15 @@ struct LoraMatrixView {
 
 // Output columns per up-projection work item: items of one adapter's matrix split its outputs over threads.
 constexpr int64_t kLoraUpChunk = 256;
+constexpr int64_t kLoraBtBlock = 64;
+static_assert(kLoraUpChunk % kLoraBtBlock == 0 && kLoraBtBlock % 16 == 0, "vectors and chunks stay within Bt blocks");
+// Index of element (k, o) of Bt in its blocked storage; a vector of up to 16 columns from a multiple of its width
+// stays in one block.
+inline int64_t lora_bt_index(int64_t rank, int64_t k, int64_t o) {
+  return ((o / kLoraBtBlock) * rank + k) * kLoraBtBlock + o % kLoraBtBlock;
+}
+// Elements of a blocked Bt of `rank` rows of `out` columns.
+inline int64_t lora_bt_elements(int64_t rank, int64_t out) { return div_ceil(out, kLoraBtBlock) * kLoraBtBlock * rank; }
 // Scratch floats an up-projection item needs (a converted [rank x kLoraUpChunk] slice of Bt and rank factors).
 inline size_t lora_up_scratch_floats(int64_t rank) { return static_cast<size_t>(rank) * (kLoraUpChunk + 1) + 16; }
 
@@ -184,7 +196,8 @@ struct KernelTable {
 
   // LoRA, per storage type (LoraDtype). Down: u[r * rank + k] = a_scale[k] * (A[k] . x[rows[r] * ldx ...]) for the
   // n rows listed, every k; each dot product in the variant's fixed order whatever n. Up: for o in [o0, o1) (at most
-  // kLoraUpChunk), y[rows[r] * ldy + o] += scale * sum_k Bt[k][o] * (bt_scale[k] * u[r * rank + k]), k ascending.
+  // kLoraUpChunk, o0 a multiple of kLoraBtBlock), y[rows[r] * ldy + o] += scale * sum_k Bt[k][o] * (bt_scale[k] *
+  // u[r * rank + k]), k ascending.
   void (*lora_down[kLoraDtypeCount])(const LoraMatrixView& m, const float* x, int64_t ldx, const int32_t* rows,
                                      int64_t n, float* u) = {};
   void (*lora_up[kLoraDtypeCount])(const LoraMatrixView& m, const float* u, const int32_t* rows, int64_t n,

@@ -29,8 +29,9 @@ struct LoraMatrix {
   int64_t rank = 0, in = 0, out = 0;  // rank 0: the projection is not adapted
   std::vector<float> a;               // [rank x in] f32 as given; released once packed
   std::vector<float> b;               // [out x rank] f32 as given; released once packed
-  // Made by LoraSet::set in the adapter's dtype: A [rank x in] and B transposed [rank x out], rows of
-  // lora_dtype_bytes each, and per row the q8 scale (1 for f32 and bf16).
+  // Made by LoraSet::set in the adapter's dtype: A [rank x in] and B transposed [rank x out] (in blocks of
+  // kLoraBtBlock columns: kernels.h lora_bt_index), elements of lora_dtype_bytes each, and per row the q8 scale (1
+  // for f32 and bf16).
   std::vector<uint8_t> a_packed, bt_packed;
   std::vector<float> a_scale, bt_scale;
 
@@ -62,14 +63,7 @@ class LoraSet {
   std::vector<std::unique_ptr<LoraAdapter>> slots_;
 };
 
-// y[r * ldy + o] += scale * sum_k B[o][k] * (sum_i A[k][i] * x[r * ldx + i]) for each row r in [0, rows) whose slot
-// (slots[r]) holds an adapter that adapts `target` in `layer`. Rows are grouped by adapter so each adapter's
-// matrices are read once per call whatever the number of its rows; every row is still computed by itself in a fixed
-// order, so its result does not depend on the rows beside it (batch invariance).
-void lora_apply(const KernelTable& kt, ThreadPool& pool, const LoraSet& set, const int32_t* slots, int64_t rows,
-                int64_t layer, LoraTarget target, const float* x, int64_t ldx, float* y, int64_t ldy);
-
-// One projection's input and output for lora_apply_many.
+// One projection's input and output for the LoRA products.
 struct LoraOutput {
   LoraTarget target;
   const float* x;
@@ -78,10 +72,95 @@ struct LoraOutput {
   int64_t ldy;
 };
 
+// The LoRA products of one call, planned before it runs: the rows of each adapter (slot ascending, rows ascending
+// within), one job per (output, adapter) that adapts the output's target in the layer, the jobs' down-projection
+// items (up to 32 rows of one job each: a decode step's few rows per adapter stay one item) and u = A x of every
+// job's rows. Every row is computed by itself in a fixed order, so its result does not depend on the rows beside it
+// or on how the items are spread over threads (batch invariance). Run the down items first (any order, any
+// threads), then the up-projections (any column ranges, each column of each output once).
+//
+// matmul (compute.h) takes a plan and runs its down items and each tile's up-projection (right after the tile) in
+// the matmul's own jobs; lora_apply runs one in jobs of its own.
+class LoraPlan {
+ public:
+  // Plans the products of `outputs` for rows [0, rows) with slots[r] (-1 or an empty slot: not adapted) in
+  // `layer`. Returns false when there is nothing to do (the plan must not be run then). Reuses its buffers; the
+  // previous plan is gone.
+  bool plan(const LoraSet& set, const int32_t* slots, int64_t rows, int64_t layer, const LoraOutput* outputs,
+            int count);
+
+  int64_t down_items() const { return static_cast<int64_t>(downs_.size()); }
+  // Multiply-adds of all down items (what decides whether the caller runs them alone).
+  int64_t down_macs() const { return down_macs_; }
+  void down(const KernelTable& kt, int64_t item) const;
+
+  // Up-projections of output `output` (an index into the planned outputs), columns [o0, o1) (at most
+  // kLoraUpChunk) for every adapted row; scratch: up_scratch_floats() floats.
+  void up(const KernelTable& kt, int output, int64_t o0, int64_t o1, float* scratch) const;
+  size_t up_scratch_floats() const { return up_scratch_floats_; }
+  // Bytes its buffers hold (u, the row order and the item lists).
+  size_t allocated_bytes() const {
+    return u_.capacity() * sizeof(float) + rows_by_slot_.capacity() * sizeof(int32_t) +
+           slot_count_.capacity() * sizeof(int64_t) + groups_.capacity() * sizeof(Group) +
+           outputs_.capacity() * sizeof(LoraOutput) + jobs_.capacity() * sizeof(Job) +
+           job_start_.capacity() * sizeof(int64_t) + downs_.capacity() * sizeof(Down);
+  }
+  // Whether any job adapts output `output`.
+  bool adapts(int output) const { return job_start_[output + 1] > job_start_[output]; }
+
+  // The same work one job (one adapter's matrix for one output) at a time: jobs() of them, job j's outputs
+  // [0, up_job_columns(j)), up_job adding columns [o0, o1) (at most kLoraUpChunk) of its rows.
+  int64_t jobs() const { return static_cast<int64_t>(jobs_.size()); }
+  int64_t up_job_columns(int64_t job) const { return jobs_[job].m->out; }
+  void up_job(const KernelTable& kt, int64_t job, int64_t o0, int64_t o1, float* scratch) const;
+
+ private:
+  struct Job {
+    const LoraAdapter* adapter;
+    const LoraMatrix* m;
+    const LoraOutput* out;
+    int64_t begin, end;  // into rows_by_slot_
+    size_t u_offset;
+  };
+  struct Down {
+    int64_t job;
+    int64_t r0, r1;  // into rows_by_slot_
+  };
+  struct Group {
+    const LoraAdapter* adapter;
+    int64_t begin, end;
+  };
+  std::vector<int32_t> rows_by_slot_;
+  std::vector<int64_t> slot_count_;
+  std::vector<Group> groups_;
+  std::vector<LoraOutput> outputs_;
+  std::vector<Job> jobs_;
+  std::vector<int64_t> job_start_;  // jobs of output c: [job_start_[c], job_start_[c + 1])
+  std::vector<Down> downs_;
+  mutable std::vector<float> u_;  // written by down(), each item its own rows' slice
+  int64_t down_macs_ = 0;
+  size_t up_scratch_floats_ = 0;
+};
+
+// Whether the LoRA products run inside the base matmuls' jobs (the default) or as lora_apply's jobs after them
+// (CONDUIT_LORA_FUSE=0, the baseline the benchmark compares with; read when a model is made). Both give the same
+// bits.
+bool lora_fuse_enabled();
+
+// A plan whose down items all together are at most this many multiply-adds (a decode step's are a few hundred
+// thousand) gets no job of its own for them: lora_apply runs them on the calling thread, matmul ahead of the tiles
+// in its tiles' job.
+constexpr int64_t kLoraInlineDownMacs = int64_t{1} << 20;
+
+// y[r * ldy + o] += scale * sum_k B[o][k] * (sum_i A[k][i] * x[r * ldx + i]) for each row r in [0, rows) whose slot
+// (slots[r]) holds an adapter that adapts `target` in `layer`, in jobs of its own: the down-projections (on the
+// calling thread when small), then one job for the up-projections. `plan` is the caller's, reused.
+void lora_apply(const KernelTable& kt, ThreadPool& pool, LoraPlan& plan, const LoraSet& set, const int32_t* slots,
+                int64_t rows, int64_t layer, LoraTarget target, const float* x, int64_t ldx, float* y, int64_t ldy);
+
 // lora_apply for several projections of the same rows: Q, K and V, or gate and up, share the hand-overs to the
-// thread pool (one for the down-projections of all of them, none when they are small enough for the calling
-// thread, and one for the up-projections).
-void lora_apply_many(const KernelTable& kt, ThreadPool& pool, const LoraSet& set, const int32_t* slots, int64_t rows,
-                     int64_t layer, const LoraOutput* outputs, int count);
+// thread pool.
+void lora_apply_many(const KernelTable& kt, ThreadPool& pool, LoraPlan& plan, const LoraSet& set,
+                     const int32_t* slots, int64_t rows, int64_t layer, const LoraOutput* outputs, int count);
 
 }  // namespace conduit

@@ -59,7 +59,6 @@ void simd_lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, 
   constexpr int W = V::kWidth;
   const int64_t width = o1 - o0;
   const int64_t body = width - width % W;
-  const size_t row_bytes = static_cast<size_t>(m.out) * lora_dtype_bytes(D);
   float* factor = scratch + m.rank * kLoraUpChunk;
   const auto vscale = V::set1(scale);
   if (n <= 2) {
@@ -69,15 +68,17 @@ void simd_lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, 
       for (int64_t k = 0; k < m.rank; ++k) factor[k] = m.bt_scale[k] * u[r * m.rank + k];
       float* yr = y + static_cast<int64_t>(rows[r]) * ldy + o0;
       for (int64_t j = 0; j < body; j += W) {
-        auto acc = V::mul(lora_load<V, D>(m.bt, o0 + j), V::set1(factor[0]));
-        for (int64_t k = 1; k < m.rank; ++k) acc = V::fmadd(lora_load<V, D>(m.bt + k * row_bytes, o0 + j), V::set1(factor[k]), acc);
+        auto acc = V::mul(lora_load<V, D>(m.bt, lora_bt_index(m.rank, 0, o0 + j)), V::set1(factor[0]));
+        for (int64_t k = 1; k < m.rank; ++k) {
+          acc = V::fmadd(lora_load<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + j)), V::set1(factor[k]), acc);
+        }
         V::store(yr + j, V::add(V::load(yr + j), V::mul(vscale, acc)));
       }
       if (body < width) {
         const int64_t lanes = width - body;
-        auto acc = V::mul(lora_load_partial<V, D>(m.bt, o0 + body, lanes), V::set1(factor[0]));
+        auto acc = V::mul(lora_load_partial<V, D>(m.bt, lora_bt_index(m.rank, 0, o0 + body), lanes), V::set1(factor[0]));
         for (int64_t k = 1; k < m.rank; ++k) {
-          acc = V::fmadd(lora_load_partial<V, D>(m.bt + k * row_bytes, o0 + body, lanes), V::set1(factor[k]), acc);
+          acc = V::fmadd(lora_load_partial<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + body), lanes), V::set1(factor[k]), acc);
         }
         V::store_partial(yr + body, V::add(V::load_partial(yr + body, lanes), V::mul(vscale, acc)), lanes);
       }
@@ -87,10 +88,11 @@ void simd_lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, 
   // Bt[k][o0 .. o1) as f32, row k at scratch + k * kLoraUpChunk: converted once, read for every row.
   float* bt = scratch;
   for (int64_t k = 0; k < m.rank; ++k) {
-    const uint8_t* src = m.bt + k * row_bytes;
     float* dst = bt + k * kLoraUpChunk;
-    for (int64_t j = 0; j < body; j += W) V::store(dst + j, lora_load<V, D>(src, o0 + j));
-    if (body < width) V::store_partial(dst + body, lora_load_partial<V, D>(src, o0 + body, width - body), width - body);
+    for (int64_t j = 0; j < body; j += W) V::store(dst + j, lora_load<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + j)));
+    if (body < width) {
+      V::store_partial(dst + body, lora_load_partial<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + body), width - body), width - body);
+    }
   }
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t k = 0; k < m.rank; ++k) factor[k] = m.bt_scale[k] * u[r * m.rank + k];

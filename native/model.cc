@@ -271,6 +271,12 @@ Profile Model::take_profile() {
 // ---------------------------------------------------------------------------------------------------------------
 // LoRA adapters
 
+const LoraPlan* Model::fused_lora(const int32_t* slots, int64_t rows, int64_t layer, const LoraOutput* outputs,
+                                  int count) {
+  if (!lora_fuse_ || !slots) return nullptr;
+  return lora_plan_.plan(loras_, slots, rows, layer, outputs, count) ? &lora_plan_ : nullptr;
+}
+
 void Model::set_lora(int slot, std::unique_ptr<LoraAdapter> adapter) {
   if (slot < 0 || slot > 4096) throw InvalidInput("LoRA slot " + std::to_string(slot) + " is outside [0, 4096]");
   if (adapter) {
@@ -414,6 +420,7 @@ size_t Model::workspace_bytes() const {
     bytes += v->capacity() * sizeof(int32_t);
   }
   if (moe_) bytes += moe_->scratch_bytes();
+  bytes += lora_plan_.allocated_bytes();
   return bytes;
 }
 
@@ -530,20 +537,22 @@ void Model::forward(const StepBatch& b, float* logits) {
     rmsnorm_rows(x, attn_norm_[l].data(), xn, T);
 
     // Q, K, V; with row selection Q is needed only for the selected rows.
+    // The LoRA products go into the matmuls' jobs (fused_lora), or run after them (CONDUIT_LORA_FUSE=0).
     scope.emplace(prof, "matmul attn_qkv");
     MatmulOutput qkv[3] = {output_of(W.wk, k, kv_dim), output_of(W.wv, v, kv_dim), output_of(W.wq, q, q_dim)};
+    const LoraOutput qkv_lora[3] = {{kLoraK, xn, dim, k, kv_dim}, {kLoraV, xn, dim, v, kv_dim}, {kLoraQ, xn, dim, q, q_dim}};
     if (!select_rows) {
-      matmul(kt_, pool_, ws_, xn, T, dim, qkv, 3);
+      matmul(kt_, pool_, ws_, xn, T, dim, qkv, 3, fused_lora(lora, T, l, qkv_lora, 3));
     } else {
-      matmul(kt_, pool_, ws_, xn, T, dim, qkv, 2);
+      matmul(kt_, pool_, ws_, xn, T, dim, qkv, 2, fused_lora(lora, T, l, qkv_lora, 2));
       for (int64_t i = 0; i < L; ++i) std::copy_n(xn + b.logits_indices[i] * dim, dim, sel_xn_.data() + i * dim);
-      matmul(kt_, pool_, ws_, sel_xn_.data(), L, dim, qkv + 2, 1);
+      const LoraOutput q_lora{kLoraQ, sel_xn_.data(), dim, q, q_dim};
+      matmul(kt_, pool_, ws_, sel_xn_.data(), L, dim, qkv + 2, 1, fused_lora(sel_lora, L, l, &q_lora, 1));
     }
-    if (lora) {
+    if (lora && !lora_fuse_) {
       scope.emplace(prof, "lora attn_qkv");
-      const LoraOutput qkv_lora[3] = {{kLoraK, xn, dim, k, kv_dim}, {kLoraV, xn, dim, v, kv_dim}, {kLoraQ, xn, dim, q, q_dim}};
-      lora_apply_many(kt_, pool_, loras_, lora, T, l, qkv_lora, select_rows ? 2 : 3);
-      if (select_rows) lora_apply(kt_, pool_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
+      lora_apply_many(kt_, pool_, lora_plan_, loras_, lora, T, l, qkv_lora, select_rows ? 2 : 3);
+      if (select_rows) lora_apply(kt_, pool_, lora_plan_, loras_, sel_lora, L, l, kLoraQ, sel_xn_.data(), dim, q, q_dim);
     }
     const int64_t q_rows = select_rows ? L : T;
     scope.emplace(prof, "bias, rope, kv write");
@@ -592,10 +601,11 @@ void Model::forward(const StepBatch& b, float* logits) {
     // Attention output projection and residual.
     scope.emplace(prof, "matmul attn_output");
     const MatmulOutput wo = output_of(W.wo, tmp, dim);
-    matmul(kt_, pool_, ws_, attn, rows, q_dim, &wo, 1);
-    if (lora) {
+    const LoraOutput wo_lora{kLoraO, attn, q_dim, tmp, dim};
+    matmul(kt_, pool_, ws_, attn, rows, q_dim, &wo, 1, fused_lora(lora, rows, l, &wo_lora, 1));
+    if (lora && !lora_fuse_) {
       scope.emplace(prof, "lora attn_output");
-      lora_apply(kt_, pool_, loras_, lora, rows, l, kLoraO, attn, q_dim, tmp, dim);
+      lora_apply(kt_, pool_, lora_plan_, loras_, lora, rows, l, kLoraO, attn, q_dim, tmp, dim);
     }
     if (s.post_norms) {
       scope.emplace(prof, "rmsnorm");
@@ -617,11 +627,11 @@ void Model::forward(const StepBatch& b, float* logits) {
     }
     scope.emplace(prof, "matmul ffn_gate+up");
     const MatmulOutput gate_up[2] = {output_of(W.w_gate, gate, s.ffn_dim), output_of(W.w_up, up, s.ffn_dim)};
-    matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2);
-    if (lora) {
+    const LoraOutput gate_up_lora[2] = {{kLoraGate, xn, dim, gate, s.ffn_dim}, {kLoraUp, xn, dim, up, s.ffn_dim}};
+    matmul(kt_, pool_, ws_, xn, rows, dim, gate_up, 2, fused_lora(lora, rows, l, gate_up_lora, 2));
+    if (lora && !lora_fuse_) {
       scope.emplace(prof, "lora ffn_gate+up");
-      const LoraOutput gate_up_lora[2] = {{kLoraGate, xn, dim, gate, s.ffn_dim}, {kLoraUp, xn, dim, up, s.ffn_dim}};
-      lora_apply_many(kt_, pool_, loras_, lora, rows, l, gate_up_lora, 2);
+      lora_apply_many(kt_, pool_, lora_plan_, loras_, lora, rows, l, gate_up_lora, 2);
     }
     scope.emplace(prof, s.gelu ? "geglu" : "swiglu");
     pool_.parallel_for(div_ceil(rows, 16), [&](int64_t item, int) {
@@ -637,10 +647,11 @@ void Model::forward(const StepBatch& b, float* logits) {
     });
     scope.emplace(prof, "matmul ffn_down");
     const MatmulOutput down = output_of(W.w_down, tmp, dim);
-    matmul(kt_, pool_, ws_, gate, rows, s.ffn_dim, &down, 1);
-    if (lora) {
+    const LoraOutput down_lora{kLoraDown, gate, s.ffn_dim, tmp, dim};
+    matmul(kt_, pool_, ws_, gate, rows, s.ffn_dim, &down, 1, fused_lora(lora, rows, l, &down_lora, 1));
+    if (lora && !lora_fuse_) {
       scope.emplace(prof, "lora ffn_down");
-      lora_apply(kt_, pool_, loras_, lora, rows, l, kLoraDown, gate, s.ffn_dim, tmp, dim);
+      lora_apply(kt_, pool_, lora_plan_, loras_, lora, rows, l, kLoraDown, gate, s.ffn_dim, tmp, dim);
     }
     if (s.post_norms) {
       scope.emplace(prof, "rmsnorm");

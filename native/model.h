@@ -178,6 +178,12 @@ class Model {
   std::vector<float> sel_x_, sel_xn_;
   std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_, sel_lora_slots_;
   LoraSet loras_;
+  // The LoRA products of the matmul being run (reused), and whether they run in its jobs (lora.h lora_fuse_enabled).
+  LoraPlan lora_plan_;
+  bool lora_fuse_ = lora_fuse_enabled();
+  // Plans the LoRA products of a matmul's outputs for the rows' slots (null slots: none); the plan to pass to
+  // matmul, or null when the products are not fused or there are none.
+  const LoraPlan* fused_lora(const int32_t* slots, int64_t rows, int64_t layer, const LoraOutput* outputs, int count);
   RopeTable rope_, sel_rope_;  // cos/sin of this step's rows, and of the selected rows
   RopeTable rope_local_, sel_rope_local_;  // the same for the sliding-window layers' own RoPE (has_local_rope)
 };

@@ -249,11 +249,10 @@ template <int D>
 void lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, int64_t n, float scale, float* y,
              int64_t ldy, int64_t o0, int64_t o1, float* scratch) {
   const int64_t width = o1 - o0;
-  const size_t row_bytes = static_cast<size_t>(m.out) * lora_dtype_bytes(D);
   float* bt = scratch;
   float* factor = scratch + m.rank * kLoraUpChunk;
   for (int64_t k = 0; k < m.rank; ++k) {
-    for (int64_t j = 0; j < width; ++j) bt[k * kLoraUpChunk + j] = lora_element<D>(m.bt + k * row_bytes, o0 + j);
+    for (int64_t j = 0; j < width; ++j) bt[k * kLoraUpChunk + j] = lora_element<D>(m.bt, lora_bt_index(m.rank, k, o0 + j));
   }
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t k = 0; k < m.rank; ++k) factor[k] = m.bt_scale[k] * u[r * m.rank + k];

@@ -16,7 +16,7 @@ const WORKER_ONLY = new Set([
   'model', 'engine', 'backend', 'threads', 'workers', 'worker-processes', 'prefill-workers', 'decode-workers', 'kv-cache-memory',
   'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
   'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
-  'scheduling-policy', 'lora-modules', 'max-loras',
+  'scheduling-policy', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank',
 ]);
 
 const GATEWAY_FLAGS = Object.fromEntries(Object.entries(SERVE_FLAGS).filter(([name]) => !WORKER_ONLY.has(name))) as FlagTable;

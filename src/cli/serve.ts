@@ -6,7 +6,7 @@ import { existsSync, readFileSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
 import { join } from 'node:path';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
-import type { SchedulingPolicy } from '../engine/types.ts';
+import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
@@ -20,7 +20,7 @@ import {
 import { POLICY_NAMES, type PolicyName } from '../router/protocols.ts';
 import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
-import { DEFAULT_MAX_LORAS, LoraManager } from '../runtime/lora-manager.ts';
+import { DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraManager } from '../runtime/lora-manager.ts';
 import { LORA_DTYPES, type LoraDtype } from '../model/lora.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
@@ -43,6 +43,7 @@ export const SERVE_FLAGS = {
   'lora-modules': { type: 'string', help: 'LoRA adapters loaded at start, NAME=PATH[@BASE][,...] or vLLM\'s JSON {"name":..,"path":..,"base_model_name":..} (a GGUF adapter or a PEFT folder; BASE: the served model it adapts, default the first); requests name an adapter as "model" (as vLLM\'s flag)', repeatable: true },
   'lora-dtype': { type: 'string', help: 'how the cpu engine stores LoRA adapters for its batched kernel: q8 (int8 with a scale per row, default), bf16, or f32 (exact); vLLM\'s flag of that name picks the adapters\' float type' },
   'max-loras': { type: 'number', help: 'LoRA adapters resident per model; loading one more evicts the least recently used idle one (it loads again when a request names it)', default: 8 },
+  'max-lora-rank': { type: 'number', help: 'the highest LoRA adapter rank accepted: an adapter of a higher rank is refused when it is loaded (--lora-modules at start, POST /v1/load_lora_adapter with 400), as vLLM\'s flag', default: DEFAULT_MAX_LORA_RANK },
   host: { type: 'string', help: 'address to listen on', default: '127.0.0.1' },
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
   'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
@@ -123,6 +124,8 @@ export interface ServeConfig {
   loraDtype?: LoraDtype;
   /** Adapters resident per model (--max-loras). */
   maxLoras?: number;
+  /** The highest adapter rank accepted (--max-lora-rank). */
+  maxLoraRank?: number;
   host: string;
   port: number;
   keys: KeyConfig;
@@ -486,6 +489,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     config.loraModules = loraModules;
   }
   config.maxLoras = positiveInteger(values['max-loras'], 'max-loras')!;
+  config.maxLoraRank = positiveInteger(values['max-lora-rank'], 'max-lora-rank')!;
   if (values['lora-dtype'] !== undefined) config.loraDtype = parseLoraDtype(values['lora-dtype']);
   const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs');
   if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
@@ -602,7 +606,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
         });
         const name = spec.servedModelName ?? modelIdFromName(pool.engine.info.modelName);
         const adapters = pool.engine.loadLora
-          ? new LoraManager(pool.engine, config.maxLoras ?? DEFAULT_MAX_LORAS, (message) => logger.info(`${name}: ${message}`)) : undefined;
+          ? new LoraManager(pool.engine, config.maxLoras ?? DEFAULT_MAX_LORAS, (message) => logger.info(`${name}: ${message}`),
+            config.maxLoraRank ?? DEFAULT_MAX_LORA_RANK) : undefined;
         served.push({
           name, backend: {
             engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate,
@@ -626,8 +631,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
         if (!adapters) throw new UsageError(`--lora-modules ${name}: the workers of ${model.name} run no LoRA adapters`);
         if (served.some((m) => m.name === name)) throw new UsageError(`--lora-modules ${name}: a served model has that name`);
         try {
-          const info = await adapters.register(name, path) as { format: string; rank: number };
-          logger.info(`LoRA adapter ${name} (${info.format}, rank ${info.rank}) loaded from ${path} for ${model.name}`);
+          const info = await adapters.register(name, path) as LoraLoadInfo;
+          logger.info(`LoRA adapter ${name} (${info.format}, rank ${info.rank}${info.dtype ? `, stored as ${info.dtype}` : ''}) loaded from ${path} for ${model.name}`);
         } catch (error) {
           throw new UsageError(`--lora-modules ${name}=${path}: ${(error as Error).message}`);
         }

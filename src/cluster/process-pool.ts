@@ -17,7 +17,7 @@ import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { engineNow } from '../engine/clock.ts';
-import type { EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
 import { tokenizerFromWorkerSource } from '../model/tokenizer/worker-source.ts';
 import type { Tokenizer, TokenizerWorkerSource } from '../model/tokenizer/types.ts';
@@ -51,6 +51,8 @@ export class ChildWorker implements RoutableEngine {
   abort(requestId: string): void { this.remote.abort(requestId); }
   stats(): EngineStats { return this.remote.stats(); }
   resetPrefixCache(): Promise<boolean> { return this.remote.resetPrefixCache(); }
+  loadLora(name: string, path: string): Promise<LoraLoadInfo> { return this.remote.loadLora(name, path); }
+  unloadLora(name: string): Promise<void> { return this.remote.unloadLora(name); }
   onKvEvents(listener: (events: KvEvent[]) => void): () => void { return this.remote.onKvEvents(listener); }
   onLost(listener: (error: Error) => void): () => void { return this.remote.onLost(listener); }
   onStats(listener: (stats: EngineStats) => void): () => void { return this.remote.onStats(listener); }

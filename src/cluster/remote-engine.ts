@@ -9,10 +9,10 @@
 // no new requests) while the streams it is finishing keep flowing.
 
 import net from 'node:net';
-import { EngineClosedError, EngineOverloadedError, InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
+import { EngineClosedError, EngineOverloadedError, InvalidRequestError, LoraLoadError, WorkerLostError } from '../engine/errors.ts';
 import { AsyncQueue } from '../engine/streams.ts';
 import { engineNow } from '../engine/clock.ts';
-import type { EngineInfo, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
+import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
 import type { KvEvent, BlockHash } from '../protocols/kv-events.ts';
 import { hashTokenBlocks } from '../protocols/block-hash.ts';
 import type { EngineStats } from '../protocols/worker.ts';
@@ -249,6 +249,22 @@ export class RemoteEngine implements RoutableEngine {
     return this.ask<boolean>({ t: 'reset' });
   }
 
+  /** Loads a LoRA adapter on the worker (Engine.loadLora; the path is the worker's); rejects with a LoraLoadError. */
+  async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+    return (await this.loraCall({ t: 'lora-load', name, path })).info!;
+  }
+
+  /** Unloads a LoRA adapter from the worker; rejects with a LoraLoadError (in use, not loaded). */
+  async unloadLora(name: string): Promise<void> {
+    await this.loraCall({ t: 'lora-unload', name });
+  }
+
+  private async loraCall(message: Record<string, unknown>): Promise<{ info?: LoraLoadInfo }> {
+    const reply = await this.ask<{ info?: LoraLoadInfo; error?: { code: string; message: string } }>(message);
+    if (reply.error) throw new LoraLoadError(reply.error.code as LoraLoadError['code'], reply.error.message);
+    return reply;
+  }
+
   /** The worker's cached block hashes and the id of its last KV event (for a router resync). */
   snapshot(): Promise<{ lastEventId: number; hashes: BlockHash[] }> {
     return this.ask({ t: 'snapshot' });
@@ -390,6 +406,9 @@ export class RemoteEngine implements RoutableEngine {
       case 'snapshot':
         this.settle(m.rid, { lastEventId: Number(m.lastEventId), hashes: parseHashes(m.hashes) });
         return;
+      case 'lora':
+        this.settle(m.rid, { info: parseLoraInfo(m.info), error: parseLoraError(m.error) });
+        return;
       case 'draining':
         this.drainingFlag = true;
         this.emitLost(new WorkerLostError(this.workerId, `worker ${this.workerId} is draining`));
@@ -459,4 +478,26 @@ export function splitAddress(address: string): { host: string; port: number } {
   const match = /^\[?([^\]]+?)\]?:(\d+)$/.exec(address);
   if (!match) throw new Error(`worker address must be host:port, got "${address}"`);
   return { host: match[1]!, port: Number(match[2]) };
+}
+
+/** A LoRA load's info from the wire (undefined when absent). */
+function parseLoraInfo(value: unknown): LoraLoadInfo | undefined {
+  if (typeof value !== 'object' || value === null) return undefined;
+  const v = value as Record<string, unknown>;
+  const format = v.format === 'gguf' || v.format === 'peft' || v.format === 'synthetic' ? v.format : undefined;
+  if (format === undefined || typeof v.rank !== 'number' || typeof v.alpha !== 'number' || typeof v.bytes !== 'number') {
+    throw new FrameError('lora reply: info must have format, rank, alpha and bytes');
+  }
+  const dtype = v.dtype === 'f32' || v.dtype === 'bf16' || v.dtype === 'q8' ? v.dtype : undefined;
+  return { format, rank: v.rank, alpha: v.alpha, bytes: v.bytes, ...(dtype ? { dtype } : {}) };
+}
+
+/** A LoRA refusal from the wire (undefined when absent). */
+function parseLoraError(value: unknown): { code: string; message: string } | undefined {
+  if (value === undefined || value === null) return undefined;
+  const v = value as Record<string, unknown>;
+  if (typeof v !== 'object' || typeof v.code !== 'string' || typeof v.message !== 'string') {
+    throw new FrameError('lora reply: error must have a code and a message');
+  }
+  return { code: v.code, message: v.message };
 }

@@ -145,7 +145,7 @@ export function parseWireRequest(value: unknown): EngineRequest {
   };
   const deadlineMs = optional(r, 'deadlineMs', () => num(r, 'deadlineMs', 'request'));
   if (deadlineMs !== undefined) request.deadlineMs = deadlineMs;
-  for (const field of ['tenant', 'cacheSalt', 'traceparent', 'sessionId'] as const) {
+  for (const field of ['tenant', 'cacheSalt', 'traceparent', 'sessionId', 'lora'] as const) {
     const text = optional(r, field, () => str(r, field, 'request', 1024));
     if (text !== undefined) request[field] = text;
   }

@@ -12,6 +12,7 @@
 
 import net from 'node:net';
 import { v8Serialize } from './blob.ts';
+import { LoraLoadError } from '../engine/errors.ts';
 import type { Engine, EngineOutput, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
@@ -417,12 +418,37 @@ export class WorkerServer {
       case 'snapshot':
         this.send(connection, { t: 'snapshot', rid: message.rid, lastEventId: this.kv.lastEventId, hashes: [...this.kv.hashes] });
         return;
+      case 'lora-load':
+      case 'lora-unload':
+        return this.lora(connection, message);
       case 'card':
         connection.socket.write(encodeBlobFrame(v8Serialize(this.modelCard())));
         return;
       default:
         throw new FrameError(`unknown message type ${JSON.stringify(message.t).slice(0, 40)}`);
     }
+  }
+
+  /** Loads or unloads a LoRA adapter on this worker's engine; the reply carries what loading found, or the refusal. */
+  private lora(connection: Connection, message: Record<string, unknown>): void {
+    const { rid, name, path } = message;
+    const engine = this.options.engine;
+    const refuse = (error: unknown) => {
+      const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
+      this.send(connection, { t: 'lora', rid, error: { code, message: (error as Error).message } });
+    };
+    if (typeof name !== 'string' || (message.t === 'lora-load' && typeof path !== 'string')) {
+      refuse(new LoraLoadError('invalid_adapter', `${String(message.t)}: name${message.t === 'lora-load' ? ' and path' : ''} must be strings`));
+      return;
+    }
+    if (!engine.loadLora || !engine.unloadLora) {
+      refuse(new LoraLoadError('invalid_adapter', `worker ${this.workerId} runs no LoRA adapters`));
+      return;
+    }
+    const done = message.t === 'lora-load'
+      ? engine.loadLora(name, path as string).then((info) => this.send(connection, { t: 'lora', rid, info }))
+      : engine.unloadLora(name).then(() => this.send(connection, { t: 'lora', rid }));
+    done.catch(refuse);
   }
 
   private modelCard(): ModelCard | null {

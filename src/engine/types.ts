@@ -2,6 +2,7 @@
 // sees raw JSON. Names follow vLLM's SamplingParams where OpenAI is silent.
 
 import type { EngineStats, StepBatchSummary } from '../protocols/worker.ts';
+import type { LoraDtype } from '../model/lora.ts';
 
 export interface SamplingParams {
   /** 0 = greedy. */
@@ -299,4 +300,6 @@ export interface LoraLoadInfo {
   rank: number;
   alpha: number;
   bytes: number;
+  /** How the worker's backend stores the adapter (--lora-dtype; the native backend), absent elsewhere. */
+  dtype?: LoraDtype;
 }

@@ -14,7 +14,7 @@ import { KvTiers } from './kv-cache/tiers.ts';
 import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import type { ModelConfig } from '../model/config.ts';
-import { loadLoraAdapter } from '../model/lora.ts';
+import { loadLoraAdapter, type LoraDtype } from '../model/lora.ts';
 import { GrammarRuntime } from './grammar/runtime.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { EngineInfo } from './types.ts';
@@ -28,7 +28,15 @@ let baseConfig: ModelConfig | undefined;
 /** The worker's grammars, loaded when the first guided request arrives (most workers never need them). */
 let grammar: GrammarRuntime | undefined;
 
-async function start(): Promise<{ core: EngineCore; tokenizer: Tokenizer; vocabSize: number }> {
+/** What the step loop needs of the loaded model: the core, the tokenizer, and how the backend stores adapters. */
+interface Started {
+  core: EngineCore;
+  tokenizer: Tokenizer;
+  vocabSize: number;
+  loraDtype?: LoraDtype;
+}
+
+async function start(): Promise<Started> {
   const loaded = await loadModel(init.modelPath);
   const tokenizer = createTokenizer(loaded.tokenizerSource);
   const { factory, notices } = selectBackend(init.backend);
@@ -67,7 +75,7 @@ async function start(): Promise<{ core: EngineCore; tokenizer: Tokenizer; vocabS
   };
   const pool = core.kvPoolView;
   send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], kvPool: pool.pool, kvLayout: pool.layout });
-  return { core, tokenizer, vocabSize: config.vocabSize };
+  return { core, tokenizer, vocabSize: config.vocabSize, ...(backend.info.loraDtype ? { loraDtype: backend.info.loraDtype } : {}) };
 }
 
 /** The storage type that holds most of the model's parameters. */
@@ -97,7 +105,7 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
   return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });
 }
 
-function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Tokenizer; vocabSize: number }): void {
+function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
   let stepQueued = false;
   let closing = false;
   /** Prefill workers' pools this worker may read handed-off blocks from (decode role), by worker id. */
@@ -288,7 +296,7 @@ function run({ core, tokenizer, vocabSize }: { core: EngineCore; tokenizer: Toke
           const adapter = loadLoraAdapter(message.path, baseConfig!);
           core.loadLora(message.name, adapter.weights);
           const { format, rank, alpha, bytes } = adapter;
-          send({ type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes } });
+          send({ type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes, ...(loraDtype ? { dtype: loraDtype } : {}) } });
         } catch (error) {
           const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
           send({ type: 'lora-done', loraId: message.loraId, error: { code, message: (error as Error).message } });

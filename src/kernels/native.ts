@@ -578,7 +578,7 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
     const weightsBytes = weightBytes(weights) + modelInfo.packedWeightBytes - modelInfo.releasedWeightBytes;
     const notices = [packing.notice, amxNotice(cpu, variant)].filter((n): n is string => n !== undefined);
     const info: BackendInfo = {
-      name: 'native', variants: modelInfo.variants, threads: modelInfo.threads,
+      name: 'native', variants: modelInfo.variants, threads: modelInfo.threads, loraDtype,
       ...(notices.length > 0 ? { notices } : {}),
     };
     let disposed = false;

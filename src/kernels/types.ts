@@ -73,6 +73,8 @@ export interface BackendInfo {
   threads: number;
   /** What the backend decided at load that an operator should know (logged once at start). */
   notices?: readonly string[];
+  /** How the backend stores LoRA adapters (BackendLoadOptions.loraDtype); absent where it keeps them as given. */
+  loraDtype?: LoraDtype;
 }
 
 /** A model loaded into a backend, with its KV pool. */

@@ -1,7 +1,8 @@
 // The LoRA adapters of one served model: which are registered (name -> file, from --lora-modules or
 // POST /v1/load_lora_adapter), which are resident on the workers (at most maxLoras, least recently used evicted
 // first, never one with requests in flight), and the loading of a registered adapter on demand when a request names
-// it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora).
+// it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora). An adapter whose rank
+// is above maxLoraRank (--max-lora-rank) is refused when it is loaded (unloaded again from the workers that read it).
 //
 // Unregistering an adapter that requests still use does not refuse (as vLLM does not): its name is gone at once
 // (new requests get 404, the name can be registered again), and it stays resident, draining, until the last of its
@@ -16,6 +17,8 @@ import type { Engine, LoraLoadInfo } from '../engine/types.ts';
 
 /** Adapters resident per model by default. */
 export const DEFAULT_MAX_LORAS = 8;
+/** The highest adapter rank loaded by default (vLLM's --max-lora-rank default). */
+export const DEFAULT_MAX_LORA_RANK = 16;
 
 /** Every resident adapter has requests in flight, so none can make room for another: retry later. */
 export class LoraCapacityError extends Error {
@@ -55,8 +58,9 @@ export class LoraManager {
   private evictions = 0;
 
   constructor(private readonly engine: Engine, readonly maxLoras: number = DEFAULT_MAX_LORAS,
-    private readonly log?: (message: string) => void) {
+    private readonly log?: (message: string) => void, readonly maxLoraRank: number = DEFAULT_MAX_LORA_RANK) {
     if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new RangeError(`maxLoras must be a whole number >= 1, got ${maxLoras}`);
+    if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new RangeError(`maxLoraRank must be a whole number >= 1, got ${maxLoraRank}`);
   }
 
   /** Registered adapters in registration order, with whether each is resident. */
@@ -155,7 +159,14 @@ export class LoraManager {
     const load = async () => {
       await this.makeRoom(registration);
       if (!this.engine.loadLora) throw new LoraLoadError('invalid_adapter', 'this engine runs no LoRA adapters');
-      registration.info = await this.engine.loadLora(registration.key, registration.path);
+      const info = await this.engine.loadLora(registration.key, registration.path);
+      // The rank is known once a worker has read the adapter (the path is the workers', which may be elsewhere).
+      if (info.rank > this.maxLoraRank) {
+        await this.engine.unloadLora!(registration.key).catch(() => {});
+        throw new LoraLoadError('invalid_adapter',
+          `LoRA adapter '${registration.name}' has rank ${info.rank}, greater than the maximum LoRA rank ${this.maxLoraRank} (--max-lora-rank)`);
+      }
+      registration.info = info;
       registration.resident = true;
       this.loads++;
     };

@@ -164,6 +164,63 @@ describe('LoRA adapters on disaggregated workers', () => {
   });
 });
 
+describe('LoRA adapters on simulated disaggregated workers', () => {
+  it('loads them on the prefill and the decode workers, runs a request for one through both, and applies --max-lora-rank', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-lora-sim-disagg-'));
+    let server: RunningServer | undefined;
+    try {
+      // A GGUF adapter of rank 32 on a small model: simulated workers read only its shape.
+      const modelPath = join(dir, 'base.gguf');
+      writeSyntheticModel({
+        name: 'lora sim', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
+        dtype: 'F32', seed: 34, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
+      }, modelPath);
+      const bigPath = join(dir, 'big.gguf');
+      writeGgufLoraAdapter(bigPath, (await loadModel(modelPath)).config, randomLoraAdapter((await loadModel(modelPath)).config, { rank: 32, seed: 4 }));
+      const parsed = parseServeConfig(['--port', '0', '--log-level', 'silent', '--engine', 'sim', '--sim-speed-up', 'inf',
+        '--prefill-workers', '1', '--decode-workers', '1', '--disagg-min-remote-prefill-tokens', '1',
+        '--lora-modules', 'sql=/adapters/sql-lora', '--sim-lora-rank', '8'], { CONDUIT_MAX_LORA_RANK: '16' });
+      if (parsed === 'help') throw new Error('unexpected --help');
+      assert.equal(parsed.maxLoraRank, 16);
+      server = await startServer(parsed, silentLogger);
+      const url = server.url;
+      const models = (await rawRequest(url, { path: '/v1/models' })).json().data;
+      assert.deepEqual(models.map((m: { id: string; parent: string | null }) => m.id), ['Llama-3.1-8B', 'sql']);
+      const prompt = 'SELECT name FROM users WHERE the account was opened before the end of last year';
+      const res = await rawRequest(url, { path: '/v1/completions', body: { model: 'sql', prompt, max_tokens: 8, ignore_eos: true } });
+      assert.equal(res.status, 200, res.text);
+      assert.equal(res.json().model, 'sql');
+      const trace = (await rawRequest(url, { path: `/v1/requests/${res.json().id}/trace` })).json();
+      assert.equal(trace.lora_adapter, 'sql');
+      const ranOn = (phase: string) => trace.phases.find((p: { phase: string }) => p.phase === phase)?.worker;
+      assert.equal(ranOn('prefill_execution'), 'sim-prefill-0', 'the request was not prefilled on the prefill worker');
+      assert.equal(ranOn('decode_execution'), 'sim-decode-0');
+      // Both workers ran it, so both hold the adapter (a worker refuses a request for one it lacks); one resident
+      // adapter for the model.
+      assert.match((await rawRequest(url, { path: '/metrics' })).text, /conduit_lora_adapters_active\{model="Llama-3.1-8B"\} 1/);
+      const big = await rawRequest(url, { path: '/v1/load_lora_adapter', body: { lora_name: 'big', lora_path: bigPath } });
+      assert.equal(big.status, 400, big.text);
+      assert.match(big.json().error.message, /'big' has rank 32, greater than the maximum LoRA rank 16/);
+      assert.equal((await rawRequest(url, { path: '/v1/completions', body: { model: 'big', prompt: 'x', max_tokens: 1 } })).status, 404);
+      assert.equal((await rawRequest(url, { path: '/v1/unload_lora_adapter', body: { lora_name: 'sql' } })).status, 200);
+      assert.equal((await rawRequest(url, { path: '/v1/completions', body: { model: 'sql', prompt, max_tokens: 1 } })).status, 404);
+      assert.equal((await rawRequest(url, { path: '/v1/completions', body: { model: 'Llama-3.1-8B', prompt, max_tokens: 2 } })).status, 200);
+    } finally {
+      await server?.api.shutdown(0);
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('refuses a --lora-modules adapter above --max-lora-rank at start', async () => {
+    const parsed = parseServeConfig(['--port', '0', '--log-level', 'silent', '--engine', 'sim', '--sim-speed-up', 'inf',
+      '--lora-modules', 'sql=/adapters/sql-lora', '--sim-lora-rank', '64', '--max-lora-rank', '32'], {});
+    if (parsed === 'help') throw new Error('unexpected --help');
+    await assert.rejects(startServer(parsed, silentLogger),
+      (error: Error) => error instanceof UsageError && /--lora-modules sql=\/adapters\/sql-lora: .*rank 64, greater than the maximum LoRA rank 32/.test(error.message));
+    assert.throws(() => parseServeConfig(['--max-lora-rank', '0'], {}), /--max-lora-rank must be a whole number > 0/);
+  });
+});
+
 describe('--lora-modules', () => {
   it('takes NAME=PATH items, comma-separated or repeated', () => {
     assert.deepEqual(parseLoraModules(['a=/x.gguf,b=/y', 'c=/z']), [

@@ -9,9 +9,9 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, it } from 'node:test';
-import { nativeBackend } from '../../src/kernels/native.ts';
+import { loadNativeAddon, nativeBackend, nativeModelSpec } from '../../src/kernels/native.ts';
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
-import type { BackendFactory, ForwardBatch, ModelRunnerBackend } from '../../src/kernels/types.ts';
+import { kvPoolBytes, type BackendFactory, type ForwardBatch, type KvPoolLayout, type ModelRunnerBackend } from '../../src/kernels/types.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { loadLoraAdapter } from '../../src/model/lora.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter } from '../../src/model/lora-writer.ts';
@@ -84,6 +84,91 @@ describe('native LoRA kernel', { skip: skipNative }, () => {
       assert.throws(() => native.forward(prefillBatch([prompts[0]!], [5])), /loraSlots\[0\] = 5 names no loaded LoRA adapter/);
       native.setLora!(1, null);
       assert.throws(() => native.forward(batch), /names no loaded LoRA adapter/);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});
+
+describe('LoRA products inside the base matmuls\' jobs', { skip: skipNative }, () => {
+  it('give the bits of the products run in jobs of their own (CONDUIT_LORA_FUSE=0), on 1 and 2 threads', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-lora-fuse-'));
+    /** Loads with CONDUIT_LORA_FUSE set as given (the native model reads it when it is made). */
+    const withFuse = <T>(fuse: string, make: () => T): T => {
+      const previous = process.env.CONDUIT_LORA_FUSE;
+      process.env.CONDUIT_LORA_FUSE = fuse;
+      try {
+        return make();
+      } finally {
+        if (previous === undefined) delete process.env.CONDUIT_LORA_FUSE;
+        else process.env.CONDUIT_LORA_FUSE = previous;
+      }
+    };
+    try {
+      // Q8_0 weights quantize the activations (the down-projections then share that job when they are many); F32
+      // weights have no quantization job.
+      for (const dtype of ['Q8_0', 'F32'] as const) {
+        const path = join(dir, `model-${dtype}.gguf`);
+        writeSyntheticModel({ name: 'f', dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 128,
+          dtype, seed: 10, tokenizer: LLAMA_SPM_TOKENIZER_PATH }, path);
+        const { config, weights } = await loadModel(path);
+        // Rank 64 on two 60-row prompts: 2 x 60 x 64 x 64 x 3 multiply-adds for Q, K and V, past the 2^20 the
+        // calling thread takes alone; rank 3 on a few projections; and a row of the base model.
+        const adapters = [{ rank: 64, seed: 50 }, { rank: 3, seed: 51, targets: ['wq', 'wv', 'wDown'] as const }].map((spec, i) => {
+          const file = join(dir, `${dtype}-${i}.gguf`);
+          writeGgufLoraAdapter(file, config, randomLoraAdapter(config, { ...spec, bScale: 1 }));
+          return loadLoraAdapter(file, config).weights;
+        });
+        const random = seeded(7);
+        const prompt = (n: number) => Array.from({ length: n }, () => 1 + Math.floor(random() * 31000));
+        const batches = [
+          prefillBatch([prompt(60), prompt(60), prompt(40), prompt(30)], [0, 0, 1, -1]),
+          prefillBatch([prompt(2), prompt(1), prompt(2), prompt(1)], [1, 0, -1, 0]),
+        ];
+        for (const loraDtype of ['q8', 'f32'] as const) {
+          const logits = (fuse: string, threads: number) => withFuse(fuse, () => {
+            const backend = nativeBackend.load(config, weights, { numBlocks: 16, blockSize: BLOCK, dtype: 'f32' }, { threads, loraDtype });
+            try {
+              adapters.forEach((a, slot) => backend.setLora!(slot, a));
+              return batches.map((batch) => backend.forward(batch).slice());
+            } finally {
+              backend.dispose();
+            }
+          });
+          const separate = logits('0', 2);
+          for (const threads of [1, 2]) {
+            const fused = logits('1', threads);
+            for (let b = 0; b < batches.length; b++) {
+              assert.deepEqual(fused[b], separate[b], `${dtype} weights, ${loraDtype} adapters, ${threads} thread(s), batch ${b}`);
+            }
+          }
+          const base = withFuse('1', () => {
+            const backend = nativeBackend.load(config, weights, { numBlocks: 16, blockSize: BLOCK, dtype: 'f32' }, { threads: 2, loraDtype });
+            try {
+              return backend.forward({ ...batches[0]!, loraSlots: undefined }).slice();
+            } finally {
+              backend.dispose();
+            }
+          });
+          assert.notDeepEqual(base.subarray(0, config.vocabSize), separate[0]!.subarray(0, config.vocabSize), 'the adapter changed nothing');
+        }
+        // The switch takes effect: only CONDUIT_LORA_FUSE=0 has profile sections of LoRA jobs of their own.
+        const sections = (fuse: string) => withFuse(fuse, () => {
+          const addon = loadNativeAddon();
+          const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: 16, blockSize: BLOCK, numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f32' };
+          const model = new addon.NativeModel(nativeModelSpec(config, weights, { layout, bytes: new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout))) }, variants.at(-1)!, 2));
+          try {
+            adapters.forEach((a, slot) => model.setLora(slot, a));
+            model.setProfiling(true);
+            model.forward(batches[1]!);
+            return Object.keys(model.takeProfile());
+          } finally {
+            model.dispose();
+          }
+        });
+        assert.ok(sections('0').includes('lora attn_qkv'), 'CONDUIT_LORA_FUSE=0 ran no LoRA job of its own');
+        assert.deepEqual(sections('1').filter((name) => name.startsWith('lora ')), [], 'the fused path ran LoRA jobs of their own');
+      }
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

@@ -7,6 +7,7 @@ import { describe, it } from 'node:test';
 import type { Engine, LoraLoadInfo } from '../../src/engine/types.ts';
 import { LoraCapacityError, LoraManager } from '../../src/runtime/lora-manager.ts';
 
+/** A stand-in engine; an adapter's rank is the number after "r" in its path (/x-r32.gguf), 4 without one. */
 function fakeEngine() {
   const calls: string[] = [];
   const resident = new Set<string>();
@@ -14,7 +15,7 @@ function fakeEngine() {
     async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
       calls.push(`load ${name} ${path}`);
       resident.add(name);
-      return { format: 'gguf', rank: 4, alpha: 8, bytes: 1 };
+      return { format: 'gguf', rank: Number(/-r(\d+)\./.exec(path)?.[1] ?? 4), alpha: 8, bytes: 1 };
     },
     async unloadLora(name: string): Promise<void> {
       calls.push(`unload ${name}`);
@@ -56,5 +57,19 @@ describe('LoraManager', () => {
     assert.deepEqual(await manager.unregister('a'), { inFlight: 0 });
     assert.equal(resident.size, 0);
     await assert.rejects(manager.unregister('a'), { code: 'lora_not_loaded' });
+  });
+
+  it('refuses an adapter above --max-lora-rank, unloading it from the workers, and takes one at the limit', async () => {
+    const { engine, calls, resident } = fakeEngine();
+    const manager = new LoraManager(engine, 2, undefined, 16);
+    await assert.rejects(manager.register('big', '/big-r32.gguf'), (error: Error & { code?: string }) =>
+      error.name === 'LoraLoadError' && error.code === 'invalid_adapter' && /rank 32/.test(error.message) && /maximum LoRA rank 16/.test(error.message));
+    assert.equal(manager.has('big'), false, 'the refused adapter stayed registered');
+    assert.equal(resident.size, 0, 'the refused adapter stayed on the workers');
+    assert.equal(manager.stats().loads, 0);
+    assert.equal((await manager.register('edge', '/edge-r16.gguf')).rank, 16);
+    assert.ok(manager.has('edge'));
+    assert.deepEqual(calls.filter((c) => c.startsWith('unload')).length, 1);
+    assert.throws(() => new LoraManager(engine, 2, undefined, 0), RangeError);
   });
 });
