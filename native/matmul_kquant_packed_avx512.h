@@ -276,7 +276,7 @@ inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t
 // Activation rows per pass. Q6_K's unpacking (about 11 instructions per weight vector) and Q5_K's (7) are shared by
 // 8 rows of VPDPBUSD; Q4_K's (3) costs little next to the compiler's spills around 2 x 8 dot products, so it takes
 // 4 (512 x 768 x 8192 on one thread, CPU ms: Q4_K 21.6-22.5 with 4 rows, 22.8-24.0 with 6, 26.8-27.3 with 8;
-// Q5_K 28.2-28.6 with 8, 29.6-30.8 with 4).
+// Q5_K 28.2-30.0 with 8, 29.6-31.6 with 4).
 template <int Type>
 constexpr int kq_packed_mr() {
   return Type == kQ4_K ? 4 : 8;
