@@ -282,12 +282,21 @@ constexpr int kq_packed_mr() {
   return Type == kQ4_K ? 4 : 8;
 }
 
+// Q6_K's passes, one function per row count: inlined into the tile loop together (one function of ~3000
+// instructions), the decode pass streamed a few percent slower from DRAM (docs/benchmarks.md). Q4_K's passes are
+// faster inlined.
+template <int MR>
+__attribute__((noinline)) void q6k_packed_pass(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab,
+                                               float* y, int64_t ldy, int64_t cols) {
+  q6k_packed_microkernel_wide<MR>(act, act_stride, K, slab, y, ldy, cols);
+}
+
 template <int Type, int MR>
 inline void kq_packed_pass(const MatmulTile& t, const uint8_t* slab, int64_t m, int64_t c0, int64_t cols) {
   const uint8_t* act = t.act + m * t.act_stride;
   float* y = t.y + m * t.ldy + c0;
   if constexpr (Type == kQ6_K) {
-    q6k_packed_microkernel_wide<MR>(act, t.act_stride, t.K, slab, y, t.ldy, cols);
+    q6k_packed_pass<MR>(act, t.act_stride, t.K, slab, y, t.ldy, cols);
   } else {
     kq_packed_microkernel<Type, MR>(act, t.act_stride, t.K, slab, y, t.ldy, cols);
   }
