@@ -1,11 +1,13 @@
 // CPU time (process.cpuUsage around each call) of native kernels and model steps: what a machine shared with other
 // work still measures when wall times do not (every figure is the calling process's CPU, all its threads; with
-// 1 thread it is that thread's). Three modes:
+// 1 thread it is that thread's). Four modes:
 //
 //   node --import tsx benchmarks/cpu-time.ts matmul [TYPES=Q8_0,Q4_K,Q5_K,Q6_K] [M=1] [THREADS=1]
 //       packed avx512 matmul M x 768 x 8192 from DRAM (rotating over ~128 MB of copies) and from cache
-//   node --import tsx benchmarks/cpu-time.ts model <model.gguf> [THREADS=1] [CONTEXT=512]
-//       prefill of 512 tokens (min of 3) and decode steps at CONTEXT tokens (min and 25th percentile of 40)
+//   node --import tsx benchmarks/cpu-time.ts model <model.gguf> [THREADS=1] [CONTEXT=512] [profile]
+//       prefill of 512 tokens (min of 3) and decode steps at CONTEXT tokens (min and 25th percentile of 40); with
+//       `profile`, then 3 prefills and 40 decode steps more with the model's section timers on: per section, the
+//       calling thread's CPU time and the wall time per pass (with 1 thread the CPU time is the section's whole cost)
 //   node --import tsx benchmarks/cpu-time.ts attention [CONTEXT=4096] [THREADS=2]
 //       one layer of single-stream decode attention (12 / 4 heads, head_dim 64, f16 KV) from DRAM, median of 40
 //   node --import tsx benchmarks/cpu-time.ts threads <model.gguf> [THREADS=1,2] [ROUNDS=5] [STEPS=16]
@@ -54,7 +56,7 @@ if (mode === 'matmul') {
 } else if (mode === 'model' && rest[0]) {
   const path = rest[0], threads = Number(rest[1] ?? 1), ctx = Number(rest[2] ?? 512), BS = 16;
   const { config, weights } = await loadModel(path);
-  const maxBlocks = Math.ceil((Math.max(ctx, 512) + 64) / BS);
+  const maxBlocks = Math.ceil((Math.max(ctx, 512) + 128) / BS); // room for the 40 + 40 decode steps
   const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: maxBlocks, blockSize: BS,
     numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f16' };
   const model = new addon.NativeModel({ ...nativeModelSpec(config, weights,
@@ -72,9 +74,29 @@ if (mode === 'matmul') {
   let pos = 512;
   while (pos < ctx) { const n = Math.min(512, ctx - pos); model.forward(batch(pos, n)); pos += n; }
   pos = ctx;
-  const decode = sorted(Array.from({ length: 40 }, () => cpuMs(() => model.forward(batch(pos++, 1)))));
+  // Decode steps write their logits into one reused buffer, as the engine's steps do (a fresh 128 KB array per step
+  // is the allocation the engine avoids).
+  const logits = new Float32Array(config.vocabSize);
+  const decode = sorted(Array.from({ length: 40 }, () => cpuMs(() => model.forward(batch(pos++, 1), logits))));
   console.log(`${path.replace(/^.*\//, '')}, ${threads} thread(s): prefill 512 min ${prefill[0]!.toFixed(0)} ms; ` +
     `decode at context ${ctx} min ${decode[0]!.toFixed(2)} ms, 25th percentile ${decode[10]!.toFixed(2)} ms`);
+  if (rest[3] === 'profile') {
+    const profile = (what: string, passes: number, pass: () => void): void => {
+      model.setProfiling(true);
+      model.takeProfile();
+      const total = cpuMs(() => { for (let i = 0; i < passes; i++) pass(); });
+      const sections = Object.entries(model.takeProfile()).sort((a, b) => b[1].cpuSeconds - a[1].cpuSeconds);
+      model.setProfiling(false);
+      console.log(`${what} profile (${passes} passes, process CPU ${(total / passes).toFixed(3)} ms per pass; nested ` +
+        `sections are inside their parents too):`);
+      for (const [name, v] of sections) {
+        console.log(`  ${name.padEnd(40)} ${((v.cpuSeconds * 1000) / passes).toFixed(3).padStart(8)} ms CPU ` +
+          `${((v.seconds * 1000) / passes).toFixed(3).padStart(8)} ms wall ${(v.calls / passes).toFixed(1).padStart(6)} calls`);
+      }
+    };
+    profile('prefill 512', 3, () => model.forward(batch(0, 512)));
+    profile(`decode step at context ${pos}`, 40, () => model.forward(batch(pos++, 1), logits));
+  }
   model.dispose();
 } else if (mode === 'attention') {
   const ctx = Number(rest[0] ?? 4096), threads = Number(rest[1] ?? 2), reps = 40;
@@ -152,7 +174,7 @@ if (mode === 'matmul') {
     r.model.dispose();
   }
 } else {
-  console.error('usage: cpu-time.ts matmul [TYPES] [M] [THREADS] | model <file.gguf> [THREADS] [CONTEXT] | attention [CONTEXT] [THREADS]'
-    + ' | threads <file.gguf> [THREADS] [ROUNDS] [STEPS]');
+  console.error('usage: cpu-time.ts matmul [TYPES] [M] [THREADS] | model <file.gguf> [THREADS] [CONTEXT] [profile]'
+    + ' | attention [CONTEXT] [THREADS] | threads <file.gguf> [THREADS] [ROUNDS] [STEPS]');
   process.exit(2);
 }

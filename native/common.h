@@ -119,6 +119,11 @@ struct BlockQ5_K {
 };
 static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block is 176 bytes");
 
+// The fifth-bit plane of a Q4_K / Q5_K block: Q5_K is Q4_K plus this plane, so one decoder serves both, taking
+// the plane when there is one (null for Q4_K).
+inline const uint8_t* k4_high_bits(const BlockQ4_K&) { return nullptr; }
+inline const uint8_t* k4_high_bits(const BlockQ5_K& b) { return b.qh; }
+
 struct BlockQ6_K {
   uint8_t ql[kQK_K / 2];      // low 4 bits
   uint8_t qh[kQK_K / 4];      // high 2 bits

@@ -8,7 +8,8 @@
 //           4096 bytes
 //   Q5_K only, fifth bits: for each dword i of the 32 qh bytes, the vector of rows 0-15 then 16-31 (bit 2p / 2p + 1
 //           of byte t of lane r: element 4i + t of sub-blocks 2p / 2p + 1); 1024 bytes
-//   the 8 sub-block scales, one byte per row: [sub-block][row 0..31]; 256 bytes; then the 8 mins likewise; 256 bytes
+//   the 8 sub-block scales, one byte per row: [sub-block][row 0..31]; 256 bytes; then the 8 mins, one byte per row
+//           and sub-block, by pairs of sub-blocks: [pair jp 0..3][row 0..31][min 2jp, min 2jp + 1]; 256 bytes
 //   d then dmin of the 32 rows in f16; 128 bytes
 // 148 bytes per row and super-block for Q4_K (ggml: 144), 180 for Q5_K (176).
 // Q6_K, per super-block: for each half h2 (0, 1) of the 256 columns, each 32-byte run c (0, 1) of the half's 64 ql
@@ -25,8 +26,12 @@
 // unsigned 4- or 5-bit quants of 16 rows with the broadcast 4 activation bytes advances 16 sub-block dot products
 // by 4 multiply-adds (the ggml-row kernel's VPMADDUBSW + VPMADDWD take two instructions for 32 multiply-adds of one
 // row); the sub-block dot products are multiplied by the rows' integer scales (VPMULLD) into the exact super-block
-// sum S, the mins against the activation sums of the sub-blocks into Mn, and per super-block the float steps of
-// the rule in matmul_kquant_simd.h run on 16 lanes at once: the bits of the ggml-row kernel for every output.
+// sum S, and per super-block the float steps of the rule in matmul_kquant_simd.h run on 16 lanes at once: the bits
+// of the ggml-row kernel for every output. The mins term Mn = sum over sub-blocks j of min_j x (activation sum of
+// sub-block j) is one small dot product per super-block, half and activation row: four VPDPWSSD of the 16 rows'
+// int16 pairs (min 2jp, min 2jp + 1), widened from the pair-interleaved bytes, against the broadcast int16 pair of
+// the activation's sub-block sums (stored with the quantized activations, so they are computed once per row, not
+// per weight slab). Mn <= 8 x 63 x 32 x 127 is exact in int32, the same integer as the ggml-row kernel's.
 
 // Decode (one or two activation rows) is bound by the weights' arrival from DRAM, but a Q5_K / Q6_K super-block
 // costs 10-12 instructions per cache line, so the out-of-order window covers too few lines to keep enough misses in
@@ -48,6 +53,28 @@ constexpr size_t kq_slab_block_bytes() {
   return Type == kQ6_K ? 4096 + 2048 + 512 + 64 : (Type == kQ5_K ? 4096 + 1024 : 4096) + 256 + 256 + 128;
 }
 constexpr int kKqPrefetchMaxRows = 2;
+
+// The loops every packed microkernel shares: MR activation rows against the 32 rows of one slab, super-block by
+// super-block and, within one, the half of rows 0-15 then the half of rows 16-31. block(b, sb, h, rows, acc) adds
+// super-block sb (its slab bytes at b) of half h to the 16 accumulators acc[i] of activation row i by the rule of
+// matmul_kquant_simd.h. cols (<= 32) outputs of each activation row are stored.
+template <int MR, size_t kBlock, class Block>
+inline void kq_slab_rows(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y, int64_t ldy,
+                         int64_t cols, Block&& block) {
+  __m512 acc[2][MR];
+  KqActRow rows[MR];
+  for (int i = 0; i < MR; ++i) {
+    rows[i] = KqActRow(act + i * act_stride, K);
+    acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+  }
+  for (int64_t sb = 0; sb < K / 256; ++sb, slab += kBlock) {
+    for (int h = 0; h < 2; ++h) block(slab, sb, h, rows, acc[h]);
+  }
+  for (int i = 0; i < MR; ++i) {
+    Avx512::store_partial(y + i * ldy, acc[0][i], cols);
+    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, acc[1][i], cols - 16);
+  }
+}
 
 void q6k_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t slab_end, uint8_t* out) {
   constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
@@ -86,70 +113,58 @@ template <int MR>
 inline void q6k_packed_microkernel_wide(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab,
                                         float* y, int64_t ldy, int64_t cols) {
   constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
-  const int64_t nsb = K / 256;
   const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-  __m512 acc[MR][2];
-  KqActRow rows[MR];
-  for (int i = 0; i < MR; ++i) {
-    rows[i] = KqActRow(act + i * act_stride, K);
-    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  }
-  for (int64_t sb = 0; sb < nsb; ++sb, slab += kBlock) {
-    for (int h = 0; h < 2; ++h) {
-      __m512i s[MR];
-      for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
-      for (int h2 = 0; h2 < 2; ++h2) {
-        for (int c = 0; c < 2; ++c) {
-          #pragma GCC unroll 2
-          for (int half = 0; half < 2; ++half) {
-            // Groups g (low quants, elements 128 h2 + 32 c + 16 half ..) and g + 4 (high quants, the same + 64).
-            const int g = 8 * h2 + 2 * c + half;
-            if (MR <= kKqPrefetchMaxRows) kq_prefetch_part<kBlock, 16>(slab, 8 * h + 4 * h2 + 2 * c + half);
-            __m512i dot_lo[MR], dot_hi[MR];
+  kq_slab_rows<MR, kBlock>(act, act_stride, K, slab, y, ldy, cols, [&](const uint8_t* blk, int64_t sb, int h,
+                                                                       const KqActRow* rows, __m512* acc) {
+    __m512i s[MR];
+    for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
+    for (int h2 = 0; h2 < 2; ++h2) {
+      for (int c = 0; c < 2; ++c) {
+        #pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          // Groups g (low quants, elements 128 h2 + 32 c + 16 half ..) and g + 4 (high quants, the same + 64).
+          const int g = 8 * h2 + 2 * c + half;
+          if (MR <= kKqPrefetchMaxRows) kq_prefetch_part<kBlock, 16>(blk, 8 * h + 4 * h2 + 2 * c + half);
+          __m512i dot_lo[MR], dot_hi[MR];
+          for (int i = 0; i < MR; ++i) {
+            dot_lo[i] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g]);
+            dot_hi[i] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g + 4]);
+          }
+          #pragma GCC unroll 4
+          for (int q4 = 0; q4 < 4; ++q4) {
+            const int q = 4 * half + q4;
+            const __m512i x = _mm512_load_si512(blk + 128 * (16 * h2 + 8 * c + q) + 64 * h);
+            const __m512i bits = _mm512_load_si512(blk + 4096 + 128 * (8 * h2 + q) + 64 * h);
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(x, low4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), low2), 4));
+            const __m512i hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 4), low2), 4));
             for (int i = 0; i < MR; ++i) {
-              dot_lo[i] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g]);
-              dot_hi[i] = _mm512_set1_epi32(-32 * rows[i].bsums[16 * sb + g + 4]);
+              const int8_t* a = rows[i].q + 256 * sb + 128 * h2 + 32 * c + 4 * q;
+              int32_t a_lo, a_hi;
+              std::memcpy(&a_lo, a, 4);
+              std::memcpy(&a_hi, a + 64, 4);
+              dot_lo[i] = _mm512_dpbusd_epi32(dot_lo[i], lo, _mm512_set1_epi32(a_lo));
+              dot_hi[i] = _mm512_dpbusd_epi32(dot_hi[i], hi, _mm512_set1_epi32(a_hi));
             }
-            #pragma GCC unroll 4
-            for (int q4 = 0; q4 < 4; ++q4) {
-              const int q = 4 * half + q4;
-              const __m512i x = _mm512_load_si512(slab + 128 * (16 * h2 + 8 * c + q) + 64 * h);
-              const __m512i bits = _mm512_load_si512(slab + 4096 + 128 * (8 * h2 + q) + 64 * h);
-              const __m512i lo = _mm512_or_si512(_mm512_and_si512(x, low4),
-                                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), low2), 4));
-              const __m512i hi = _mm512_or_si512(
-                  _mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
-                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 4), low2), 4));
-              for (int i = 0; i < MR; ++i) {
-                const int8_t* a = rows[i].q + 256 * sb + 128 * h2 + 32 * c + 4 * q;
-                int32_t a_lo, a_hi;
-                std::memcpy(&a_lo, a, 4);
-                std::memcpy(&a_hi, a + 64, 4);
-                dot_lo[i] = _mm512_dpbusd_epi32(dot_lo[i], lo, _mm512_set1_epi32(a_lo));
-                dot_hi[i] = _mm512_dpbusd_epi32(dot_hi[i], hi, _mm512_set1_epi32(a_hi));
-              }
-            }
-            const __m512i sc_lo =
-                _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(slab + 6144 + 32 * g + 16 * h)));
-            const __m512i sc_hi = _mm512_cvtepi8_epi32(
-                _mm_load_si128(reinterpret_cast<const __m128i*>(slab + 6144 + 32 * (g + 4) + 16 * h)));
-            for (int i = 0; i < MR; ++i) {
-              s[i] = _mm512_add_epi32(s[i], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[i], sc_lo),
-                                                             _mm512_mullo_epi32(dot_hi[i], sc_hi)));
-            }
+          }
+          const __m512i sc_lo =
+              _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 6144 + 32 * g + 16 * h)));
+          const __m512i sc_hi = _mm512_cvtepi8_epi32(
+              _mm_load_si128(reinterpret_cast<const __m128i*>(blk + 6144 + 32 * (g + 4) + 16 * h)));
+          for (int i = 0; i < MR; ++i) {
+            s[i] = _mm512_add_epi32(s[i], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[i], sc_lo),
+                                                           _mm512_mullo_epi32(dot_hi[i], sc_hi)));
           }
         }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + 6656 + 32 * h)));
-      for (int i = 0; i < MR; ++i) {
-        acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[sb])), acc[i][h]);
-      }
     }
-  }
-  for (int i = 0; i < MR; ++i) {
-    Avx512::store_partial(y + i * ldy, acc[i][0], cols);
-    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, acc[i][1], cols - 16);
-  }
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 6656 + 32 * h)));
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[sb])), acc[i]);
+    }
+  });
 }
 
 template <int Type>
@@ -185,7 +200,7 @@ void kq_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_t
           uint8_t sc, mn;
           q4k_scale_min(j, blk->scales, &sc, &mn);
           dst[kScales + 32 * j + r] = sc;
-          dst[kScales + 256 + 32 * j + r] = mn;
+          dst[kScales + 256 + 64 * (j / 2) + 2 * r + j % 2] = mn;
         }
         std::memcpy(dst + kScales + 512 + 2 * r, &blk->d, 2);
         std::memcpy(dst + kScales + 576 + 2 * r, &blk->dmin, 2);
@@ -200,117 +215,113 @@ inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t
                                   int64_t ldy, int64_t cols) {
   constexpr size_t kBlock = kq_slab_block_bytes<Type>();
   constexpr size_t kScales = Type == kQ5_K ? 5120 : 4096;
-  const int64_t nsb = K / 256;
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
-  __m512 acc[MR][2];
-  KqActRow rows[MR];
-  for (int i = 0; i < MR; ++i) {
-    rows[i] = KqActRow(act + i * act_stride, K);
-    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  }
-  for (int64_t sb = 0; sb < nsb; ++sb, slab += kBlock) {
-    for (int h = 0; h < 2; ++h) {
-      __m512i s[MR];
-      for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        if (MR <= kKqPrefetchMaxRows && Type != kQ4_K) kq_prefetch_part<kBlock, 8>(slab, 4 * h + p);
-        __m512i lo_dot[MR], hi_dot[MR];
-        for (int i = 0; i < MR; ++i) lo_dot[i] = hi_dot[i] = _mm512_setzero_si512();
-        for (int q = 0; q < 8; ++q) {
-          const __m512i x = _mm512_load_si512(slab + 128 * (8 * p + q) + 64 * h);
-          __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
-          if (Type == kQ5_K) {
-            const __m512i bits = _mm512_srli_epi16(_mm512_load_si512(slab + 4096 + 128 * q + 64 * h), 2 * p);
-            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
-          }
-          for (int i = 0; i < MR; ++i) {
-            int32_t a_lo, a_hi;
-            std::memcpy(&a_lo, rows[i].q + 256 * sb + 64 * p + 4 * q, 4);
-            std::memcpy(&a_hi, rows[i].q + 256 * sb + 64 * p + 32 + 4 * q, 4);
-            lo_dot[i] = _mm512_dpbusd_epi32(lo_dot[i], lo, _mm512_set1_epi32(a_lo));
-            hi_dot[i] = _mm512_dpbusd_epi32(hi_dot[i], hi, _mm512_set1_epi32(a_hi));
-          }
+  kq_slab_rows<MR, kBlock>(act, act_stride, K, slab, y, ldy, cols, [&](const uint8_t* blk, int64_t sb, int h,
+                                                                       const KqActRow* rows, __m512* acc) {
+    __m512i s[MR];
+    for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      if (MR <= kKqPrefetchMaxRows && Type != kQ4_K) kq_prefetch_part<kBlock, 8>(blk, 4 * h + p);
+      __m512i lo_dot[MR], hi_dot[MR];
+      for (int i = 0; i < MR; ++i) lo_dot[i] = hi_dot[i] = _mm512_setzero_si512();
+      for (int q = 0; q < 8; ++q) {
+        const __m512i x = _mm512_load_si512(blk + 128 * (8 * p + q) + 64 * h);
+        __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+        if (Type == kQ5_K) {
+          const __m512i bits = _mm512_srli_epi16(_mm512_load_si512(blk + 4096 + 128 * q + 64 * h), 2 * p);
+          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
         }
-        const __m512i sc_lo = _mm512_cvtepu8_epi32(
-            _mm_load_si128(reinterpret_cast<const __m128i*>(slab + kScales + 32 * (2 * p) + 16 * h)));
-        const __m512i sc_hi = _mm512_cvtepu8_epi32(
-            _mm_load_si128(reinterpret_cast<const __m128i*>(slab + kScales + 32 * (2 * p + 1) + 16 * h)));
         for (int i = 0; i < MR; ++i) {
-          s[i] = _mm512_add_epi32(s[i], _mm512_add_epi32(_mm512_mullo_epi32(lo_dot[i], sc_lo),
-                                                         _mm512_mullo_epi32(hi_dot[i], sc_hi)));
+          int32_t a_lo, a_hi;
+          std::memcpy(&a_lo, rows[i].q + 256 * sb + 64 * p + 4 * q, 4);
+          std::memcpy(&a_hi, rows[i].q + 256 * sb + 64 * p + 32 + 4 * q, 4);
+          lo_dot[i] = _mm512_dpbusd_epi32(lo_dot[i], lo, _mm512_set1_epi32(a_lo));
+          hi_dot[i] = _mm512_dpbusd_epi32(hi_dot[i], hi, _mm512_set1_epi32(a_hi));
         }
       }
-      __m512i mn[MR];
-      for (int i = 0; i < MR; ++i) mn[i] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        const __m512i m = _mm512_cvtepu8_epi32(
-            _mm_load_si128(reinterpret_cast<const __m128i*>(slab + kScales + 256 + 32 * j + 16 * h)));
-        for (int i = 0; i < MR; ++i) {
-          const int32_t a = rows[i].bsums[16 * sb + 2 * j] + rows[i].bsums[16 * sb + 2 * j + 1];
-          mn[i] = _mm512_add_epi32(mn[i], _mm512_mullo_epi32(m, _mm512_set1_epi32(a)));
-        }
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + kScales + 512 + 32 * h)));
-      const __m512 dmin =
-          _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(slab + kScales + 576 + 32 * h)));
+      const __m512i sc_lo = _mm512_cvtepu8_epi32(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(blk + kScales + 32 * (2 * p) + 16 * h)));
+      const __m512i sc_hi = _mm512_cvtepu8_epi32(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(blk + kScales + 32 * (2 * p + 1) + 16 * h)));
       for (int i = 0; i < MR; ++i) {
-        const __m512 da = _mm512_set1_ps(rows[i].d[sb]);
-        acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, da), acc[i][h]);
-        acc[i][h] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mn[i]), _mm512_mul_ps(dmin, da), acc[i][h]);
+        s[i] = _mm512_add_epi32(s[i], _mm512_add_epi32(_mm512_mullo_epi32(lo_dot[i], sc_lo),
+                                                       _mm512_mullo_epi32(hi_dot[i], sc_hi)));
       }
     }
-  }
-  for (int i = 0; i < MR; ++i) {
-    Avx512::store_partial(y + i * ldy, acc[i][0], cols);
-    if (cols > 16) Avx512::store_partial(y + i * ldy + 16, acc[i][1], cols - 16);
+    // Mn: per pair jp of sub-blocks, the 16 rows' int16 (min 2jp, min 2jp + 1) against the activation's int16
+    // (sum 2jp, sum 2jp + 1), one VPDPWSSD per activation row.
+    __m512i mn[MR];
+    for (int i = 0; i < MR; ++i) mn[i] = _mm512_setzero_si512();
+    for (int jp = 0; jp < 4; ++jp) {
+      const __m512i m = _mm512_cvtepu8_epi16(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + kScales + 256 + 64 * jp + 32 * h)));
+      for (int i = 0; i < MR; ++i) {
+        int32_t sums;
+        std::memcpy(&sums, rows[i].ssums + 8 * sb + 2 * jp, 4);
+        mn[i] = _mm512_dpwssd_epi32(mn[i], m, _mm512_set1_epi32(sums));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + kScales + 512 + 32 * h)));
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + kScales + 576 + 32 * h)));
+    for (int i = 0; i < MR; ++i) {
+      const __m512 da = _mm512_set1_ps(rows[i].d[sb]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, da), acc[i]);
+      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mn[i]), _mm512_mul_ps(dmin, da), acc[i]);
+    }
+  });
+}
+
+// Activation rows per pass. Q6_K's unpacking (about 11 instructions per weight vector) and Q5_K's (7) are shared by
+// 8 rows of VPDPBUSD; Q4_K's (3) costs little next to the compiler's spills around 2 x 8 dot products, so it takes
+// 4 (512 x 768 x 8192 on one thread, CPU ms: Q4_K 21.6-22.5 with 4 rows, 22.8-24.0 with 6, 26.8-27.3 with 8;
+// Q5_K 28.2-30.0 with 8, 29.6-31.6 with 4).
+template <int Type>
+constexpr int kq_packed_mr() {
+  return Type == kQ4_K ? 4 : 8;
+}
+
+// Q6_K's passes, one function per row count: inlined into the tile loop together (one function of ~3000
+// instructions), the decode pass streamed a few percent slower from DRAM (docs/benchmarks.md). Q4_K's passes are
+// faster inlined.
+template <int MR>
+__attribute__((noinline)) void q6k_packed_pass(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab,
+                                               float* y, int64_t ldy, int64_t cols) {
+  q6k_packed_microkernel_wide<MR>(act, act_stride, K, slab, y, ldy, cols);
+}
+
+template <int Type, int MR>
+inline void kq_packed_pass(const MatmulTile& t, const uint8_t* slab, int64_t m, int64_t c0, int64_t cols) {
+  const uint8_t* act = t.act + m * t.act_stride;
+  float* y = t.y + m * t.ldy + c0;
+  if constexpr (Type == kQ6_K) {
+    q6k_packed_pass<MR>(act, t.act_stride, t.K, slab, y, t.ldy, cols);
+  } else {
+    kq_packed_microkernel<Type, MR>(act, t.act_stride, t.K, slab, y, t.ldy, cols);
   }
 }
 
-constexpr int kKqPackedMR = 4;
-constexpr int kQ6kPackedMR = 8;
-
-// Q6_K slabs against M activation rows: 8 at a time, then 4, then the remainder.
-inline void q6k_packed_rows(const MatmulTile& t, const uint8_t* slab, int64_t c0, int64_t cols) {
-  int64_t m = 0;
-  auto run = [&](auto rows) {
-    constexpr int R = decltype(rows)::value;
-    q6k_packed_microkernel_wide<R>(t.act + m * t.act_stride, t.act_stride, t.K, slab, t.y + m * t.ldy + c0, t.ldy, cols);
-    m += R;
-  };
-  while (t.M - m >= kQ6kPackedMR) run(std::integral_constant<int, kQ6kPackedMR>());
-  if (t.M - m >= 4) run(std::integral_constant<int, 4>());
-  switch (t.M - m) {
-    case 3: run(std::integral_constant<int, 3>()); break;
-    case 2: run(std::integral_constant<int, 2>()); break;
-    case 1: run(std::integral_constant<int, 1>()); break;
-    default: break;
-  }
-}
-
-// A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab.
+// A tile of a packed matrix: t.w is the packed layout, [n0, n1) starts on a slab. Per slab, the activation rows
+// kq_packed_mr at a time, then 4, then the remainder.
 template <int Type>
 void kq_packed_tile(const MatmulTile& t) {
+  constexpr int kMR = kq_packed_mr<Type>();
   const size_t slab_bytes = static_cast<size_t>(t.K / 256) * kq_slab_block_bytes<Type>();
   for (int64_t c0 = t.n0; c0 < t.n1; c0 += kPackedPanelRows) {
     const uint8_t* slab = t.w + (c0 / kPackedPanelRows) * slab_bytes;
     const int64_t cols = t.n1 - c0 < kPackedPanelRows ? t.n1 - c0 : kPackedPanelRows;
-    if constexpr (Type == kQ6_K) {
-      q6k_packed_rows(t, slab, c0, cols);
-    } else {
-      int64_t m = 0;
-      for (; m + kKqPackedMR <= t.M; m += kKqPackedMR) {
-        kq_packed_microkernel<Type, kKqPackedMR>(t.act + m * t.act_stride, t.act_stride, t.K, slab,
-                                                 t.y + m * t.ldy + c0, t.ldy, cols);
-      }
-      const uint8_t* act = t.act + m * t.act_stride;
-      float* y = t.y + m * t.ldy + c0;
-      switch (t.M - m) {
-        case 3: kq_packed_microkernel<Type, 3>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
-        case 2: kq_packed_microkernel<Type, 2>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
-        case 1: kq_packed_microkernel<Type, 1>(act, t.act_stride, t.K, slab, y, t.ldy, cols); break;
-        default: break;
-      }
+    int64_t m = 0;
+    for (; t.M - m >= kMR; m += kMR) kq_packed_pass<Type, kMR>(t, slab, m, c0, cols);
+    if (kMR > 4 && t.M - m >= 4) {
+      kq_packed_pass<Type, 4>(t, slab, m, c0, cols);
+      m += 4;
+    }
+    switch (t.M - m) {
+      case 3: kq_packed_pass<Type, 3>(t, slab, m, c0, cols); break;
+      case 2: kq_packed_pass<Type, 2>(t, slab, m, c0, cols); break;
+      case 1: kq_packed_pass<Type, 1>(t, slab, m, c0, cols); break;
+      default: break;
     }
   }
 }

@@ -4,7 +4,9 @@
 // pairs; avx2 with VPMADDWD + VPADDD, avx512 with AVX512-VNNI's VPDPWSSD (one instruction, the same exact int32).
 //
 // Activations: one f32 scale per super-block of 256 (amax / 127, round to nearest even, as ggml's Q8_K), 256
-// signed bytes and the 16 sums of its 16-element groups (int16). A K-quant weight is (super-block scale) x (small
+// signed bytes, the 16 sums of its 16-element groups and the 8 sums of its 32-element sub-blocks (int16; Q6_K's
+// scales cover 16 elements, Q4_K's and Q5_K's mins 32, and a packed kernel takes each min's activation sum as it is
+// stored instead of adding two group sums per sub-block, output row and weight slab). A K-quant weight is (super-block scale) x (small
 // integer sub-block scale) x (small integer quant) [- (super-block min scale) x (integer min), Q4_K and Q5_K], so with one
 // activation scale per super-block the whole super-block's dot product is integer arithmetic: per 32 bytes
 // VPMADDUBSW (unsigned 4-, 5- or 6-bit weight x signed activation, pair sums at most 2 * 63 * 127, never saturating),
@@ -24,27 +26,32 @@
 // avx512 builds (and the packed layout) give the same bits.
 
 // ---------------------------------------------------------------------------------------------------------------
-// Activations: [K int8][K/16 int16 group sums][K/256 f32 scales]
+// Activations: [K int8][K/16 int16 group sums][K/32 int16 sub-block sums][K/256 f32 scales] (K a multiple of 256:
+// every part starts 16-byte aligned in a 64-byte aligned row).
 
 size_t kq_act_row_bytes(int64_t K) {
-  return static_cast<size_t>(K) + static_cast<size_t>(K / 16) * 2 + static_cast<size_t>(K / 256) * 4;
+  return static_cast<size_t>(K) + static_cast<size_t>(K / 16) * 2 + static_cast<size_t>(K / 32) * 2 +
+         static_cast<size_t>(K / 256) * 4;
 }
 
 struct KqActRow {
   const int8_t* q = nullptr;
-  const int16_t* bsums = nullptr;
+  const int16_t* bsums = nullptr;  // [K/16]: group g of 16 elements
+  const int16_t* ssums = nullptr;  // [K/32]: sub-block j of 32 elements (groups 2j and 2j + 1)
   const float* d = nullptr;
   KqActRow() = default;
   KqActRow(const uint8_t* row, int64_t K)
       : q(reinterpret_cast<const int8_t*>(row)),
         bsums(reinterpret_cast<const int16_t*>(row + K)),
-        d(reinterpret_cast<const float*>(row + K + K / 16 * 2)) {}
+        ssums(reinterpret_cast<const int16_t*>(row + K + K / 16 * 2)),
+        d(reinterpret_cast<const float*>(row + K + K / 16 * 2 + K / 32 * 2)) {}
 };
 
 void kq_quantize_act(const float* x, int64_t K, uint8_t* out) {
   int8_t* q = reinterpret_cast<int8_t*>(out);
   int16_t* bsums = reinterpret_cast<int16_t*>(out + K);
-  float* scales = reinterpret_cast<float*>(out + K + K / 16 * 2);
+  int16_t* ssums = reinterpret_cast<int16_t*>(out + K + K / 16 * 2);
+  float* scales = reinterpret_cast<float*>(out + K + K / 16 * 2 + K / 32 * 2);
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const float* xs = x + 256 * sb;
@@ -63,8 +70,10 @@ void kq_quantize_act(const float* x, int64_t K, uint8_t* out) {
       __m128i h = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1)),
                                  _mm_add_epi32(_mm256_castsi256_si128(s23), _mm256_extracti128_si256(s23, 1)));
       h = _mm_hadd_epi32(h, h);
-      bsums[16 * sb + 2 * c] = static_cast<int16_t>(_mm_cvtsi128_si32(h));
-      bsums[16 * sb + 2 * c + 1] = static_cast<int16_t>(_mm_extract_epi32(h, 1));
+      const int32_t g0 = _mm_cvtsi128_si32(h), g1 = _mm_extract_epi32(h, 1);
+      bsums[16 * sb + 2 * c] = static_cast<int16_t>(g0);
+      bsums[16 * sb + 2 * c + 1] = static_cast<int16_t>(g1);
+      ssums[8 * sb + c] = static_cast<int16_t>(g0 + g1);  // |sum| <= 32 x 127
       const __m256i q16a = _mm256_packs_epi32(v[0], v[1]), q16b = _mm256_packs_epi32(v[2], v[3]);
       const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));

@@ -38,8 +38,8 @@ void register_ops_avx512(KernelTable& t) {
   t.dequantize_row[kBF16] = simd_dequantize_bf16<Avx512>;
   t.dequantize_row[kQ8_0] = simd_dequantize_q8_0<Avx512>;
   t.dequantize_row[kQ4_0] = simd_dequantize_q4_0<Avx512>;
-  t.dequantize_row[kQ4_K] = simd_dequantize_q4_k<Avx512>;
-  t.dequantize_row[kQ5_K] = simd_dequantize_q5_k<Avx512>;
+  t.dequantize_row[kQ4_K] = simd_dequantize_q4_q5_k<Avx512, BlockQ4_K>;
+  t.dequantize_row[kQ5_K] = simd_dequantize_q4_q5_k<Avx512, BlockQ5_K>;
   t.dequantize_row[kQ6_K] = simd_dequantize_q6_k<Avx512>;
   for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "rope", "kv_store", "dequantize_f16",
                            "dequantize_bf16", "dequantize_q8_0", "dequantize_q4_0", "dequantize_q4_k",

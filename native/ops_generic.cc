@@ -143,32 +143,14 @@ void dequantize_q5_1(const uint8_t* src, float* dst, int64_t n) {
   }
 }
 
-void dequantize_q4_k(const uint8_t* src, float* dst, int64_t n) {
-  const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(src);
+// Q4_K and Q5_K: four groups of 64, the low nibbles of 32 bytes are sub-block 2g, the high nibbles sub-block 2g+1;
+// Q5_K adds a fifth bit per element (bit s of qh[l] for element l of sub-block s), as 16 on the nibble.
+template <class Block>
+void dequantize_q4_q5_k(const uint8_t* src, float* dst, int64_t n) {
+  const Block* blocks = reinterpret_cast<const Block*>(src);
   for (int64_t b = 0; b < n / kQK_K; ++b) {
-    const BlockQ4_K& blk = blocks[b];
-    const float d = fp16_to_fp32(blk.d), dmin = fp16_to_fp32(blk.dmin);
-    float* out = dst + b * kQK_K;
-    // Four groups of 64: the low nibbles of 32 bytes are sub-block 2g, the high nibbles sub-block 2g+1.
-    for (int g = 0; g < 4; ++g) {
-      uint8_t sc_lo, m_lo, sc_hi, m_hi;
-      q4k_scale_min(2 * g, blk.scales, &sc_lo, &m_lo);
-      q4k_scale_min(2 * g + 1, blk.scales, &sc_hi, &m_hi);
-      const float d_lo = d * sc_lo, min_lo = dmin * m_lo, d_hi = d * sc_hi, min_hi = dmin * m_hi;
-      const uint8_t* q = blk.qs + 32 * g;
-      for (int i = 0; i < 32; ++i) {
-        out[64 * g + i] = d_lo * static_cast<float>(q[i] & 0xF) - min_lo;
-        out[64 * g + 32 + i] = d_hi * static_cast<float>(q[i] >> 4) - min_hi;
-      }
-    }
-  }
-}
-
-// Q5_K: Q4_K's nibbles and scales, plus a fifth bit per element: bit s of qh[l] for element l of sub-block s.
-void dequantize_q5_k(const uint8_t* src, float* dst, int64_t n) {
-  const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(src);
-  for (int64_t b = 0; b < n / kQK_K; ++b) {
-    const BlockQ5_K& blk = blocks[b];
+    const Block& blk = blocks[b];
+    const uint8_t* qh = k4_high_bits(blk);
     const float d = fp16_to_fp32(blk.d), dmin = fp16_to_fp32(blk.dmin);
     float* out = dst + b * kQK_K;
     for (int g = 0; g < 4; ++g) {
@@ -178,7 +160,7 @@ void dequantize_q5_k(const uint8_t* src, float* dst, int64_t n) {
       const float d_lo = d * sc_lo, min_lo = dmin * m_lo, d_hi = d * sc_hi, min_hi = dmin * m_hi;
       const uint8_t* q = blk.qs + 32 * g;
       for (int i = 0; i < 32; ++i) {
-        const int h = blk.qh[i] >> (2 * g);
+        const int h = qh ? qh[i] >> (2 * g) : 0;
         out[64 * g + i] = d_lo * static_cast<float>((q[i] & 0xF) | ((h & 1) << 4)) - min_lo;
         out[64 * g + 32 + i] = d_hi * static_cast<float>((q[i] >> 4) | ((h & 2) << 3)) - min_hi;
       }
@@ -277,8 +259,8 @@ void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n)
     case kQ4_1: return dequantize_q4_1(src, dst, n);
     case kQ5_0: return dequantize_q5_0(src, dst, n);
     case kQ5_1: return dequantize_q5_1(src, dst, n);
-    case kQ4_K: return dequantize_q4_k(src, dst, n);
-    case kQ5_K: return dequantize_q5_k(src, dst, n);
+    case kQ4_K: return dequantize_q4_q5_k<BlockQ4_K>(src, dst, n);
+    case kQ5_K: return dequantize_q4_q5_k<BlockQ5_K>(src, dst, n);
     case kQ6_K: return dequantize_q6_k(src, dst, n);
     default: break;
   }
@@ -307,8 +289,8 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kQ4_1] = dequantize_q4_1;
   t.dequantize_row[kQ5_0] = dequantize_q5_0;
   t.dequantize_row[kQ5_1] = dequantize_q5_1;
-  t.dequantize_row[kQ4_K] = dequantize_q4_k;
-  t.dequantize_row[kQ5_K] = dequantize_q5_k;
+  t.dequantize_row[kQ4_K] = dequantize_q4_q5_k<BlockQ4_K>;
+  t.dequantize_row[kQ5_K] = dequantize_q4_q5_k<BlockQ5_K>;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
   for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
   for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {

@@ -228,15 +228,17 @@ void simd_dequantize_q4_0(const uint8_t* src, float* dst, int64_t n) {
   }
 }
 
-// Q4_K: per group of 64, the low nibbles of 32 bytes are sub-block 2g, the high nibbles sub-block 2g+1;
-// value = d * scale * q - dmin * min, computed in the generic kernel's order.
-template <class V>
-void simd_dequantize_q4_k(const uint8_t* src, float* dst, int64_t n) {
+// Q4_K and Q5_K: per group of 64, the low nibbles of 32 bytes are sub-block 2g, the high nibbles sub-block 2g+1;
+// Q5_K adds a fifth bit per element (bit s of qh[l] for element l of sub-block s; k4_high_bits). value = d * scale
+// * q - dmin * min, computed in the generic kernel's order.
+template <class V, class Block>
+void simd_dequantize_q4_q5_k(const uint8_t* src, float* dst, int64_t n) {
   constexpr int W = V::kWidth;
-  const BlockQ4_K* blocks = reinterpret_cast<const BlockQ4_K*>(src);
-  const auto low4 = V::set1_i(0xF);
+  const Block* blocks = reinterpret_cast<const Block*>(src);
+  const auto low4 = V::set1_i(0xF), one = V::set1_i(1);
   for (int64_t b = 0; b < n / kQK_K; ++b) {
-    const BlockQ4_K& blk = blocks[b];
+    const Block& blk = blocks[b];
+    const uint8_t* qh = k4_high_bits(blk);  // null for Q4_K: known at compile time, the branch folds away
     const float d = fp16_to_fp32(blk.d), dmin = fp16_to_fp32(blk.dmin);
     float* out = dst + b * kQK_K;
     for (int g = 0; g < 4; ++g) {
@@ -247,34 +249,12 @@ void simd_dequantize_q4_k(const uint8_t* src, float* dst, int64_t n) {
       const auto d_hi = V::set1(d * sc_hi), min_hi = V::set1(dmin * m_hi);
       for (int i = 0; i < 32; i += W) {
         const auto q = V::load_u8(blk.qs + 32 * g + i);
-        V::store(out + 64 * g + i, V::sub(V::mul(d_lo, V::to_float(V::and_i(q, low4))), min_lo));
-        V::store(out + 64 * g + 32 + i, V::sub(V::mul(d_hi, V::to_float(V::srli_i(q, 4))), min_hi));
-      }
-    }
-  }
-}
-
-// Q5_K: Q4_K with a fifth bit per element (bit s of qh[l] for element l of sub-block s), in the generic kernel's
-// order.
-template <class V>
-void simd_dequantize_q5_k(const uint8_t* src, float* dst, int64_t n) {
-  constexpr int W = V::kWidth;
-  const BlockQ5_K* blocks = reinterpret_cast<const BlockQ5_K*>(src);
-  const auto low4 = V::set1_i(0xF), one = V::set1_i(1);
-  for (int64_t b = 0; b < n / kQK_K; ++b) {
-    const BlockQ5_K& blk = blocks[b];
-    const float d = fp16_to_fp32(blk.d), dmin = fp16_to_fp32(blk.dmin);
-    float* out = dst + b * kQK_K;
-    for (int g = 0; g < 4; ++g) {
-      uint8_t sc_lo, m_lo, sc_hi, m_hi;
-      q4k_scale_min(2 * g, blk.scales, &sc_lo, &m_lo);
-      q4k_scale_min(2 * g + 1, blk.scales, &sc_hi, &m_hi);
-      const auto d_lo = V::set1(d * sc_lo), min_lo = V::set1(dmin * m_lo);
-      const auto d_hi = V::set1(d * sc_hi), min_hi = V::set1(dmin * m_hi);
-      for (int i = 0; i < 32; i += W) {
-        const auto q = V::load_u8(blk.qs + 32 * g + i), h = V::srli_i(V::load_u8(blk.qh + i), 2 * g);
-        const auto q_lo = V::or_i(V::and_i(q, low4), V::slli_i(V::and_i(h, one), 4));
-        const auto q_hi = V::or_i(V::srli_i(q, 4), V::slli_i(V::and_i(V::srli_i(h, 1), one), 4));
+        auto q_lo = V::and_i(q, low4), q_hi = V::srli_i(q, 4);
+        if (qh) {
+          const auto h = V::srli_i(V::load_u8(qh + i), 2 * g);
+          q_lo = V::or_i(q_lo, V::slli_i(V::and_i(h, one), 4));
+          q_hi = V::or_i(q_hi, V::slli_i(V::and_i(V::srli_i(h, 1), one), 4));
+        }
         V::store(out + 64 * g + i, V::sub(V::mul(d_lo, V::to_float(q_lo)), min_lo));
         V::store(out + 64 * g + 32 + i, V::sub(V::mul(d_hi, V::to_float(q_hi)), min_hi));
       }
@@ -317,9 +297,9 @@ void simd_dequantize_q6_k(const uint8_t* src, float* dst, int64_t n) {
 template <class V>
 inline void simd_dequantize_row(int type, const uint8_t* src, float* dst, int64_t n) {
   if (type == kQ4_K) {
-    simd_dequantize_q4_k<V>(src, dst, n);
+    simd_dequantize_q4_q5_k<V, BlockQ4_K>(src, dst, n);
   } else if (type == kQ5_K) {
-    simd_dequantize_q5_k<V>(src, dst, n);
+    simd_dequantize_q4_q5_k<V, BlockQ5_K>(src, dst, n);
   } else {
     simd_dequantize_q6_k<V>(src, dst, n);
   }

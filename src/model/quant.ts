@@ -215,37 +215,21 @@ function q4kScaleMin(src: Uint8Array, p: number, j: number): [scale: number, min
   return [scale, min];
 }
 
-function decodeQ4_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+/**
+ * Q4_K (144-byte blocks: d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles) and Q5_K (176: the same with
+ * a 32-byte plane of fifth bits before the nibbles; bit s of its byte l is the fifth bit of element l of sub-block
+ * s). Per pair of sub-blocks, the low nibbles of 32 bytes are sub-block 2 pair, the high nibbles 2 pair + 1.
+ */
+function decodeQ4_5K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number,
+  withHighBits: boolean): void {
+  const size = withHighBits ? 176 : 144;
   for (let b = 0; b < numBlocks; b++) {
-    const o = offset + b * 144;
-    const d = halfAt(src, o);
-    const dmin = halfAt(src, o + 2);
-    const scales = o + 4;
-    const qs = o + 16;
-    const y = outOffset + b * 256;
-    for (let pair = 0; pair < 4; pair++) {
-      const [sc0, m0] = q4kScaleMin(src, scales, 2 * pair);
-      const [sc1, m1] = q4kScaleMin(src, scales, 2 * pair + 1);
-      const d0 = d * sc0, min0 = dmin * m0, d1 = d * sc1, min1 = dmin * m1;
-      const q = qs + 32 * pair;
-      const base = y + 64 * pair;
-      for (let l = 0; l < 32; l++) {
-        const byte = src[q + l]!;
-        out[base + l] = d0 * (byte & 0x0f) - min0;
-        out[base + 32 + l] = d1 * (byte >>> 4) - min1;
-      }
-    }
-  }
-}
-
-function decodeQ5_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
-  for (let b = 0; b < numBlocks; b++) {
-    const o = offset + b * 176;
+    const o = offset + b * size;
     const d = halfAt(src, o);
     const dmin = halfAt(src, o + 2);
     const scales = o + 4;
     const qh = o + 16;
-    const qs = o + 48;
+    const qs = withHighBits ? o + 48 : o + 16;
     const y = outOffset + b * 256;
     for (let pair = 0; pair < 4; pair++) {
       const [sc0, m0] = q4kScaleMin(src, scales, 2 * pair);
@@ -254,12 +238,20 @@ function decodeQ5_K(src: Uint8Array, offset: number, numBlocks: number, out: Flo
       const q = qs + 32 * pair;
       const base = y + 64 * pair;
       for (let l = 0; l < 32; l++) {
-        const byte = src[q + l]!, high = src[qh + l]! >>> (2 * pair);
+        const byte = src[q + l]!, high = withHighBits ? src[qh + l]! >>> (2 * pair) : 0;
         out[base + l] = d0 * ((byte & 0x0f) | ((high & 1) << 4)) - min0;
         out[base + 32 + l] = d1 * ((byte >>> 4) | ((high & 2) << 3)) - min1;
       }
     }
   }
+}
+
+function decodeQ4_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+  decodeQ4_5K(src, offset, numBlocks, out, outOffset, false);
+}
+
+function decodeQ5_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
+  decodeQ4_5K(src, offset, numBlocks, out, outOffset, true);
 }
 
 function decodeQ6_K(src: Uint8Array, offset: number, numBlocks: number, out: Float32Array, outOffset: number): void {
