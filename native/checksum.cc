@@ -161,7 +161,7 @@ uint32_t crc32c_copy(uint32_t crc, const uint8_t* src, uint8_t* dst, size_t n, b
   // Pieces of three lanes of the SSE4.2 loop (24 KiB): checksummed, then copied from L1.
   constexpr size_t kPiece = 3 * 8192;
 #if !CONDUIT_X86
-  uncached = false;  // no streaming stores here: a plain copy
+  (void)uncached;  // no streaming stores here: a plain copy
 #endif
   while (n > 0) {
     const size_t take = n < kPiece ? n : kPiece;
