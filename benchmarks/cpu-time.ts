@@ -35,6 +35,26 @@ const cpuMs = (f: () => void): number => {
 };
 const sorted = (xs: number[]): number[] => [...xs].sort((a, b) => a - b);
 
+type ModelConfig = Awaited<ReturnType<typeof loadModel>>['config'];
+
+/**
+ * One sequence's KV pool of `maxBlocks` f16 blocks laid out in order, and its batches: `count` tokens from
+ * position `start` (deterministic ids), logits of the last.
+ */
+function singleSequence(config: ModelConfig, maxBlocks: number, blockSize: number) {
+  const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: maxBlocks, blockSize,
+    numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f16' };
+  const table = Int32Array.from({ length: maxBlocks }, (_, i) => i);
+  const batch = (start: number, count: number): ForwardBatch => ({
+    numTokens: count, tokenIds: Int32Array.from({ length: count }, (_, i) => ((start + i) * 7919) % config.vocabSize),
+    positions: Int32Array.from({ length: count }, (_, i) => start + i),
+    slotMapping: Int32Array.from({ length: count }, (_, i) => start + i), numSeqs: 1,
+    queryStartLoc: Int32Array.from([0, count]), seqLens: Int32Array.from([start + count]), blockTables: table,
+    maxBlocksPerSeq: maxBlocks, logitsIndices: Int32Array.from([count - 1]),
+  });
+  return { layout, batch };
+}
+
 if (mode === 'matmul') {
   const M = Number(rest[1] ?? 1), threads = Number(rest[2] ?? 1), K = 768, N = 8192;
   for (const name of (rest[0] ?? 'Q8_0,Q4_K,Q5_K,Q6_K').split(',')) {
@@ -57,19 +77,10 @@ if (mode === 'matmul') {
   const path = rest[0], threads = Number(rest[1] ?? 1), ctx = Number(rest[2] ?? 512), BS = 16;
   const { config, weights } = await loadModel(path);
   const maxBlocks = Math.ceil((Math.max(ctx, 512) + 128) / BS); // room for the 40 + 40 decode steps
-  const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: maxBlocks, blockSize: BS,
-    numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f16' };
+  const { layout, batch } = singleSequence(config, maxBlocks, BS);
   const model = new addon.NativeModel({ ...nativeModelSpec(config, weights,
     { layout, bytes: new Uint8Array(new SharedArrayBuffer(kvPoolBytes(layout))) }, supportedVariants(addon.cpuInfo()).at(-1)!,
     threads), packWeights: process.env.CONDUIT_PACK_WEIGHTS !== '0' });
-  const table = Int32Array.from({ length: maxBlocks }, (_, i) => i);
-  const batch = (start: number, count: number): ForwardBatch => ({
-    numTokens: count, tokenIds: Int32Array.from({ length: count }, (_, i) => ((start + i) * 7919) % config.vocabSize),
-    positions: Int32Array.from({ length: count }, (_, i) => start + i),
-    slotMapping: Int32Array.from({ length: count }, (_, i) => start + i), numSeqs: 1,
-    queryStartLoc: Int32Array.from([0, count]), seqLens: Int32Array.from([start + count]), blockTables: table,
-    maxBlocksPerSeq: maxBlocks, logitsIndices: Int32Array.from([count - 1]),
-  });
   const prefill = sorted(Array.from({ length: 3 }, () => cpuMs(() => model.forward(batch(0, 512)))));
   let pos = 512;
   while (pos < ctx) { const n = Math.min(512, ctx - pos); model.forward(batch(pos, n)); pos += n; }
@@ -118,16 +129,7 @@ if (mode === 'matmul') {
   const steps = Number(rest[3] ?? 16), prompt = 128, BS = 16;
   const { config, weights } = await loadModel(path);
   const maxBlocks = Math.ceil((prompt + rounds * (steps + 4) + 4 * steps + 64) / BS);
-  const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: maxBlocks, blockSize: BS,
-    numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f16' };
-  const table = Int32Array.from({ length: maxBlocks }, (_, i) => i);
-  const batch = (start: number, count: number): ForwardBatch => ({
-    numTokens: count, tokenIds: Int32Array.from({ length: count }, (_, i) => ((start + i) * 7919) % config.vocabSize),
-    positions: Int32Array.from({ length: count }, (_, i) => start + i),
-    slotMapping: Int32Array.from({ length: count }, (_, i) => start + i), numSeqs: 1,
-    queryStartLoc: Int32Array.from([0, count]), seqLens: Int32Array.from([start + count]), blockTables: table,
-    maxBlocksPerSeq: maxBlocks, logitsIndices: Int32Array.from([count - 1]),
-  });
+  const { layout, batch } = singleSequence(config, maxBlocks, BS);
   const variant = supportedVariants(addon.cpuInfo()).at(-1)!;
   const runs = counts.map((threads) => {
     const model = new addon.NativeModel({ ...nativeModelSpec(config, weights,

@@ -231,27 +231,20 @@ Napi::Value OpAdd(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
-// swiglu(variant, gate, up, out) over gate.length elements
-Napi::Value OpSwiglu(const Napi::CallbackInfo& info) {
+// (variant, gate, up, out) over gate.length elements, through the kernel table entry `fn` (swiglu, geglu)
+template <typename Fn>
+Napi::Value gated_op(const Napi::CallbackInfo& info, Fn KernelTable::*fn) {
   Napi::Env env = info.Env();
   const Variant v = run_variant_arg(env, info[0]);
   ArrayView gate = typed_array(env, info[1], napi_float32_array, "gate");
   const float* up = typed_data<float>(env, info[2], napi_float32_array, "up", gate.length);
   float* out = typed_data<float>(env, info[3], napi_float32_array, "out", gate.length);
-  kernel_table(v).swiglu(static_cast<const float*>(gate.data), up, out, static_cast<int64_t>(gate.length));
+  (kernel_table(v).*fn)(static_cast<const float*>(gate.data), up, out, static_cast<int64_t>(gate.length));
   return env.Undefined();
 }
 
-// geglu(variant, gate, up, out) over gate.length elements
-Napi::Value OpGeglu(const Napi::CallbackInfo& info) {
-  Napi::Env env = info.Env();
-  const Variant v = run_variant_arg(env, info[0]);
-  ArrayView gate = typed_array(env, info[1], napi_float32_array, "gate");
-  const float* up = typed_data<float>(env, info[2], napi_float32_array, "up", gate.length);
-  float* out = typed_data<float>(env, info[3], napi_float32_array, "out", gate.length);
-  kernel_table(v).geglu(static_cast<const float*>(gate.data), up, out, static_cast<int64_t>(gate.length));
-  return env.Undefined();
-}
+Napi::Value OpSwiglu(const Napi::CallbackInfo& info) { return gated_op(info, &KernelTable::swiglu); }
+Napi::Value OpGeglu(const Napi::CallbackInfo& info) { return gated_op(info, &KernelTable::geglu); }
 
 // softmax(variant, x, rows, n): each row of n in place
 Napi::Value OpSoftmax(const Napi::CallbackInfo& info) {

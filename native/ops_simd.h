@@ -60,14 +60,18 @@ inline typename V::F silu_times(typename V::F g, typename V::F u) {
   return V::mul(V::div(g, V::add(one, vexp<V>(V::sub(V::zero(), g)))), u);
 }
 
-template <class V>
-void simd_swiglu(const float* gate, const float* up, float* out, int64_t n) {
+// out = act(gate) * up elementwise, full vectors then one partial one: the gated FFNs' shared loop.
+template <class V, typename V::F (*Act)(typename V::F, typename V::F)>
+void simd_gated(const float* gate, const float* up, float* out, int64_t n) {
   constexpr int W = V::kWidth;
   int64_t i = 0;
-  for (; i + W <= n; i += W) V::store(out + i, silu_times<V>(V::load(gate + i), V::load(up + i)));
-  if (i < n) {
-    V::store_partial(out + i, silu_times<V>(V::load_partial(gate + i, n - i), V::load_partial(up + i, n - i)), n - i);
-  }
+  for (; i + W <= n; i += W) V::store(out + i, Act(V::load(gate + i), V::load(up + i)));
+  if (i < n) V::store_partial(out + i, Act(V::load_partial(gate + i, n - i), V::load_partial(up + i, n - i)), n - i);
+}
+
+template <class V>
+void simd_swiglu(const float* gate, const float* up, float* out, int64_t n) {
+  simd_gated<V, silu_times<V>>(gate, up, out, n);
 }
 
 // GELU-tanh times up, as a sigmoid: g/2 (1 + tanh(z)) = g / (1 + e^(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3). No
@@ -82,12 +86,7 @@ inline typename V::F gelu_times(typename V::F g, typename V::F u) {
 
 template <class V>
 void simd_geglu(const float* gate, const float* up, float* out, int64_t n) {
-  constexpr int W = V::kWidth;
-  int64_t i = 0;
-  for (; i + W <= n; i += W) V::store(out + i, gelu_times<V>(V::load(gate + i), V::load(up + i)));
-  if (i < n) {
-    V::store_partial(out + i, gelu_times<V>(V::load_partial(gate + i, n - i), V::load_partial(up + i, n - i)), n - i);
-  }
+  simd_gated<V, gelu_times<V>>(gate, up, out, n);
 }
 
 // x[0, n) <- exp(x - max), returning the max and the sum: the softmax without its normalisation (attention
