@@ -320,6 +320,31 @@ describe('request migration between decode workers', () => {
   });
 });
 
+describe('request migration between decode workers, guided', () => {
+  test('a guided request whose decode worker is lost goes on under its grammar: the text of an uninterrupted run', async () => {
+    const pool = await createWorkerPool({
+      engine: 'cpu', workers: 1, prefillWorkers: 1, decodeWorkers: 2, ...WORKER, modelPath, routerSeed: 9, migrationLimit: 1,
+      disaggregationPolicy: { minRemotePrefillTokens: 1 },
+    });
+    try {
+      const guided = { kind: 'regex', pattern: '[a-z]{60}\\.' } as const;
+      const reference = (pool.workers.find((w) => w.role === 'decode')!.engine as LocalEngine);
+      const expected = await collect(reference.generate(request(prompt(10, 64), { guided, ignoreEos: false })));
+      assert.match(text(expected), /^[a-z]{60}\.$/);
+      const outputs = await runWithKill(pool.engine, request(prompt(10, 64), { guided, ignoreEos: false }), 6, async (output) => {
+        const decodeId = output.routing!.disaggregation!.decodeWorkerId;
+        await (pool.workers.find((w) => w.id === decodeId)!.engine as LocalEngine).kill();
+      });
+      assert.equal(outputs.at(-1)!.routing!.migrations!.length, 1, 'one migration');
+      assert.equal(text(outputs), text(expected));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+    }
+  });
+});
+
 describe('request migration: text and usage carried on this side', () => {
   /** Token id k is the letter 'a' + k: enough to detokenize outputs here. */
   const letters = { tokenBytes: (id: number) => new Uint8Array([97 + id]), stripsLeadingSpace: false };
