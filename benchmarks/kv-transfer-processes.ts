@@ -56,16 +56,17 @@ function argument(name: string, fallback: string): string {
   return at >= 0 ? process.argv[at + 1]! : fallback;
 }
 
-const fmt = (value: number, digits = 2) => (Number.isFinite(value) ? value.toFixed(digits) : '-');
-const gb = (bytes: number, ms: number) => (ms > 0 ? bytes / ms / 1e6 : NaN);
+export const fmt = (value: number, digits = 2) => (Number.isFinite(value) ? value.toFixed(digits) : '-');
+/** GB/s of `bytes` moved in `ms`. */
+export const gb = (bytes: number, ms: number) => (ms > 0 ? bytes / ms / 1e6 : NaN);
 
-function table(header: string[], rows: string[][]): string {
+export function table(header: string[], rows: string[][]): string {
   const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => r[i]!.length)));
   const line = (cells: string[]) => cells.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  ');
   return [line(header), line(widths.map((w) => '-'.repeat(w))), ...rows.map(line)].join('\n');
 }
 
-function median(values: number[]): number {
+export function median(values: number[]): number {
   const sorted = values.slice().sort((a, b) => a - b);
   return sorted[Math.floor(sorted.length / 2)]!;
 }

@@ -33,7 +33,7 @@ import { getModelProfile, kvBytesPerToken } from '../src/sim/models.ts';
 import { DEFAULT_EFFICIENCY, kvTransferTimeMs, stepTimeMs } from '../src/sim/perf-model.ts';
 import type { SimWorker, SimWorkerConfig } from '../src/sim/sim-worker.ts';
 import { poissonWorkload } from '../src/sim/workload.ts';
-import { linkPart, overlapPart, ttftPart } from './kv-transfer-processes.ts';
+import { fmt, gb, linkPart, median, overlapPart, table, ttftPart } from './kv-transfer-processes.ts';
 
 function argument(name: string, fallback: string): string {
   const at = process.argv.indexOf(`--${name}`);
@@ -41,19 +41,6 @@ function argument(name: string, fallback: string): string {
 }
 
 const PARTS = new Set(argument('parts', 'copy,workers,cluster,link,overlap,ttft').split(','));
-const gb = (bytes: number, ms: number) => (ms > 0 ? bytes / ms / 1e6 : NaN);
-const fmt = (value: number, digits = 2) => (Number.isFinite(value) ? value.toFixed(digits) : '-');
-
-function table(header: string[], rows: string[][]): string {
-  const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => r[i]!.length)));
-  const line = (cells: string[]) => cells.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  ');
-  return [line(header), line(widths.map((w) => '-'.repeat(w))), ...rows.map(line)].join('\n');
-}
-
-function median(values: number[]): number {
-  const sorted = values.slice().sort((a, b) => a - b);
-  return sorted[Math.floor(sorted.length / 2)]!;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // 1. Block copies vs memcpy
