@@ -223,6 +223,7 @@ export class CallTrace {
         ...(routing.disaggregation?.prefillWorkerId !== undefined ? { prefillWorker: routing.disaggregation.prefillWorkerId } : {}),
         kvCacheHit: routing.overlapBlocks > 0,
         ...(this.blockSize !== undefined ? { overlapTokens: routing.overlapBlocks * this.blockSize } : {}),
+        ...(routing.costs !== undefined ? { costs: routing.costs } : {}),
         subPhasesMs: { hashing: us.hashing / 1000, indexLookup: us.lookup / 1000, selection: us.selection / 1000 },
       });
     }

@@ -167,6 +167,20 @@ export interface EngineOutput {
   traceparent?: string;
 }
 
+/** One worker's terms in the router's cost (router/cost.ts), as a trace shows them. */
+export interface WorkerCostSummary {
+  workerId: string;
+  /** Leading prompt blocks it holds and would reuse. */
+  overlapBlocks: number;
+  /** Prompt tokens it would compute plus the prefill already queued on it. */
+  prefillTokens: number;
+  /** Blocks its running requests hold plus those this request adds. */
+  decodeBlocks: number;
+  cost: number;
+  /** Over the busy threshold: weighed only when no worker was below it. */
+  busy: boolean;
+}
+
 /** The router's decision as the request's trace and timings show it. */
 export interface RoutingSummary {
   workerId: string;
@@ -176,6 +190,11 @@ export interface RoutingSummary {
   /** Workers the router chose among (those not busy). */
   candidates?: number;
   reason: string;
+  /**
+   * The cost policy's terms for the cheapest workers it weighed (at most MAX_TRACED_COSTS, the chosen one always
+   * among them), cheapest first: why this worker and not another, as the trace shows it.
+   */
+  costs?: WorkerCostSummary[];
   /** Time spent deciding (hashing, index lookup, selection), µs. */
   overheadUs: { hashing: number; lookup: number; selection: number; total: number };
   /** Engine-clock time the decision was made. */

@@ -11,11 +11,11 @@
 // router learns from scratch, and a request still failing on the old one is told apart from one on the new.
 // Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
 
-import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary } from '../engine/types.ts';
+import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary, WorkerCostSummary } from '../engine/types.ts';
 import { LoraLoadError } from '../engine/errors.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import { workerLoadFromStats, type EngineStats } from '../protocols/worker.ts';
-import type { RoutingDecision } from '../router/protocols.ts';
+import type { RoutingDecision, WorkerCostTerms } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import { sumEngineStats } from './engine-stats.ts';
 import type { RequestMigration } from './migration.ts';
@@ -348,6 +348,23 @@ export function combinedStats(groups: readonly WorkerGroup<RoutableEngine>[]): E
   return total;
 }
 
+/** Cost terms kept on a decision's trace: enough to see the runners-up without a 64-worker list on every request. */
+export const MAX_TRACED_COSTS = 8;
+
+/** The cheapest MAX_TRACED_COSTS workers' terms, cheapest first, the chosen worker always included. */
+function tracedCosts(terms: readonly WorkerCostTerms[], chosen: string): WorkerCostSummary[] {
+  const sorted = [...terms].sort((a, b) => a.cost - b.cost);
+  const kept = sorted.slice(0, MAX_TRACED_COSTS);
+  if (!kept.some((t) => t.workerId === chosen)) {
+    const own = sorted.find((t) => t.workerId === chosen);
+    if (own) kept[kept.length - 1] = own;
+  }
+  return kept.map((t) => ({
+    workerId: t.workerId, overlapBlocks: t.overlapBlocks, prefillTokens: t.prefillTokens, decodeBlocks: t.decodeBlocks,
+    cost: Math.round(t.cost * 1000) / 1000, busy: t.busy,
+  }));
+}
+
 /** The router's decision as it travels on the request's outputs (trace and timings). */
 export function summarizeDecision(decision: RoutingDecision, decidedAt: number, admissionQueuedAt?: number, routeStartedAt?: number): RoutingSummary {
   const { overhead } = decision;
@@ -358,6 +375,7 @@ export function summarizeDecision(decision: RoutingDecision, decidedAt: number, 
     workerId: decision.workerId, strategy: decision.strategy, overlapBlocks: decision.overlapBlocks,
     ...(decision.candidates !== undefined ? { candidates: decision.candidates } : {}),
     reason: decision.reason, decidedAt, ...(admissionQueuedAt !== undefined ? { admissionQueuedAt } : {}),
+    ...(decision.costTerms.length > 0 ? { costs: tracedCosts(decision.costTerms, decision.workerId) } : {}),
     ...(startedAt !== undefined ? { startedAt } : {}),
     overheadUs: { hashing: overhead.hashingUs, lookup: overhead.lookupUs, selection: overhead.selectionUs, total: overhead.totalUs },
   };

@@ -7,6 +7,7 @@
 // the gateway thread and in worker threads line up.
 
 import type { StepBatchSummary } from '../protocols/worker.ts';
+import type { WorkerCostSummary } from '../engine/types.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Phase names
@@ -193,6 +194,8 @@ export interface RouterLookupEvent extends IntervalEvent {
   overlapTokens?: number;
   kvCacheHit?: boolean;
   reason?: string;
+  /** The cost terms of the cheapest workers weighed, cheapest first (RoutingSummary.costs). */
+  costs?: readonly WorkerCostSummary[];
   /** Requests waiting on the chosen worker when it was chosen (the router's load view). */
   workerQueueDepth?: number;
   subPhasesMs?: RouterSubPhasesMs;

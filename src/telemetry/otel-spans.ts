@@ -27,7 +27,7 @@ import { millisToHrTime, TraceState } from '@opentelemetry/core';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { ReservedIdGenerator } from './otel-provider.ts';
 import { mean, quantileOfSorted, round3 } from '../util/stats.ts';
-import { prefillSkipped, type RequestTrace } from './trace.ts';
+import { formatWorkerCosts, prefillSkipped, type RequestTrace } from './trace.ts';
 import { parseTraceparent } from './traceparent.ts';
 
 /**
@@ -172,6 +172,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'routing.selected_worker': routing.worker,
       'routing.prefill_worker': routing.prefillWorker,
       'routing.selection_reason': routing.reason,
+      'routing.worker_costs': formatWorkerCosts(routing.costs),
       'routing.worker_queue_depth': routing.workerQueueDepth,
       'routing.latency_ms': round3(routing.endMs - routing.startMs),
       // Request migration: how often the request lost its worker mid-stream, and where it went each time.

@@ -13,6 +13,7 @@ import type {
   TerminalEvent, FinishReasonName,
 } from './lifecycle.ts';
 // Block size assumed when the engine did not report one (Conduit's engine default).
+import type { WorkerCostSummary } from '../engine/types.ts';
 import { DEFAULT_BLOCK_SIZE as DEFAULT_KV_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { TraceParent } from './traceparent.ts';
@@ -78,7 +79,7 @@ export interface DecodeBatchSummary {
 /** The router's decision: its router_lookup event's facts, over the event's interval. */
 export interface RoutingSummary extends Pick<RouterLookupEvent,
   'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason' | 'workerQueueDepth'
-  | 'subPhasesMs'> {
+  | 'subPhasesMs' | 'costs'> {
   startMs: number;
   endMs: number;
   /** Where the request went after losing its worker mid-stream, in order (request migration). */
@@ -451,6 +452,15 @@ function addGatewayPhases({ events, phases }: BuildInput): void {
   }
 }
 
+/**
+ * The router's cost terms for the workers it weighed, cheapest first, as one attribute value:
+ * "worker-1 3.5 (overlap 4, prefill 40, decode 1); worker-0 ...". Undefined when the decision carried none.
+ */
+export function formatWorkerCosts(costs: readonly WorkerCostSummary[] | undefined): string | undefined {
+  return costs?.map((c) => `${c.workerId} ${c.cost} (overlap ${c.overlapBlocks}, prefill ${c.prefillTokens}, ` +
+    `decode ${c.decodeBlocks}${c.busy ? ', busy' : ''})`).join('; ');
+}
+
 /** The router's decision, with the migrations the engine reported. */
 function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | undefined {
   if (!router) return undefined;
@@ -458,7 +468,7 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
     startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
     prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
     kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
-    subPhasesMs: router.subPhasesMs,
+    subPhasesMs: router.subPhasesMs, costs: router.costs,
   };
   const migrations = reports.flatMap((r) => r.migrations ?? []);
   if (migrations.length > 0) routing.migrations = migrations;
@@ -473,6 +483,7 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
     phase: 'router_lookup', startMs: router.start, endMs: router.time, worker: router.worker,
     attributes: defined({
       strategy: router.strategy, candidates: router.candidates, kv_cache_hit: router.kvCacheHit, overlap_tokens: router.overlapTokens,
+      reason: router.reason, worker_costs: formatWorkerCosts(router.costs),
     }),
   });
   return routing;

@@ -590,6 +590,17 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
     assert.equal(phase(coldTrace, 'router_lookup')!.attributes!.kv_cache_hit, false);
     assert.equal(phase(warmTrace, 'router_lookup')!.attributes!.kv_cache_hit, true);
     assert.equal(phase(warmTrace, 'router_lookup')!.attributes!.overlap_tokens, warm.usage.prompt_tokens_details.cached_tokens);
+    // Why that worker: both workers' cost terms, cheapest first, the holder first with the overlap the router counted.
+    const costs = String(phase(warmTrace, 'router_lookup')!.attributes!.worker_costs).split('; ');
+    assert.equal(costs.length, 2, `both workers weighed: ${costs.join('; ')}`);
+    const [first, second] = costs.map((c) => c.match(/^(worker-[01]) ([\d.]+) \(overlap (\d+), prefill (\d+), decode (\d+)\)$/)!);
+    assert.ok(first && second, `cost terms: ${costs.join('; ')}`);
+    assert.equal(first[1], warmTrace.worker, 'the chosen worker is the cheapest');
+    assert.equal(Number(first[3]) * server.engine.info.blockSize, warm.usage.prompt_tokens_details.cached_tokens);
+    assert.equal(Number(second[3]), 0, 'the other worker holds none of the prompt');
+    assert.ok(Number(first[2]) < Number(second[2]), `the holder costs less: ${costs.join('; ')}`);
+    assert.ok(Number(first[4]) < Number(second[4]), 'it has fewer prompt tokens to compute');
+    assert.match(String(phase(warmTrace, 'router_lookup')!.attributes!.reason), /lowest cost/);
     assert.ok(warm.timings.routing_ms > 0);
     const { exposition } = await scrape(server.url);
     assert.ok(total(exposition, 'conduit_routing_duration_milliseconds_count') >= 2);
