@@ -137,11 +137,13 @@ export function drawRandomSeed(): number {
 
 /**
  * mulberry32: 32 bits of state, one multiply-xorshift round per draw. Routing and load generation need
- * independent-looking draws, not cryptographic ones, and this is small enough to read at a glance.
+ * independent-looking draws, not cryptographic ones, and this is small enough to read at a glance. A seed's bits
+ * above 32 are hashed into the state (`seed >>> 0` alone made seeds 2^32 apart one stream); a seed below 2^32
+ * starts from itself, as it always did (mix32(0) is 0).
  */
 export function seededRandom(seed: number): RandomSource {
   if (!Number.isSafeInteger(seed)) throw new RangeError(`seed must be a safe integer, got ${seed}`);
-  let state = seed >>> 0;
+  let state = ((seed >>> 0) ^ mix32(Math.floor(seed / TWO_POW_32))) >>> 0;
   return () => {
     state = (state + 0x6d2b79f5) >>> 0;
     let t = state;
