@@ -295,11 +295,14 @@ export class RemoteEngine implements RoutableEngine {
   }
 
   /**
-   * A load snapshot from the event plane (newer than nothing the connection said: both are the worker's now). It
-   * is not passed to onStats listeners: it travels apart from the connection's frames and can arrive after a newer
-   * report there (one taken while a request ran, after the heartbeat that said it ended).
+   * A load snapshot from the event plane. It travels apart from the connection's frames and can arrive after a
+   * newer report there (one taken while a request ran, after the heartbeat that said it ended), so it replaces the
+   * latest stats only when the worker numbered it after them; nor is it passed to onStats listeners (the router
+   * takes the connection's reports, in their order).
    */
   deliverStats(stats: EngineStats): void {
+    const latest = this.latestStats.reportSeq;
+    if (latest !== undefined && (stats.reportSeq === undefined || stats.reportSeq <= latest)) return;
     this.latestStats = stats;
   }
 

@@ -212,6 +212,7 @@ export function parseStats(value: unknown): EngineStats {
   };
   if (s.kvEvictions !== undefined) stats.kvEvictions = int(s, 'kvEvictions', 'stats');
   if (s.requestMigrations !== undefined) stats.requestMigrations = int(s, 'requestMigrations', 'stats');
+  if (s.reportSeq !== undefined) stats.reportSeq = int(s, 'reportSeq', 'stats');
   if (s.kvTiers !== undefined) stats.kvTiers = parseKvTiers(s.kvTiers);
   if (s.kvTransferLinks !== undefined) {
     const links = obj(s.kvTransferLinks, 'stats.kvTransferLinks');

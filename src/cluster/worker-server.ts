@@ -171,6 +171,8 @@ export class WorkerServer {
   readonly kvTransfers = new Map<string, number>();
   /** Imports that fell back to a prefill here, by link: what the stats carry to frontends (their /metrics). */
   private linkStats: Record<string, KvLinkStats> = {};
+  /** The last report's sequence number (stats()). */
+  private reportSeq = 0;
   /** Decode role: KV streams started before their handoff, by request id. */
   private readonly incoming = new Map<string, IncomingStream>();
   /** Streams that failed a check before their handoff came: the adopt counts the failure and prefills here. */
@@ -947,10 +949,14 @@ export class WorkerServer {
     if (target) this.send(target.connection, { t: 'adopted', result: shiftAdopted(out, target.offset) });
   }
 
-  /** The stats this worker reports: its engine's, and on a decode worker its KV imports that fell back, per link. */
+  /**
+   * The stats this worker reports: its engine's, on a decode worker its KV imports that fell back, per link, and the
+   * report's sequence number (each call is a report, on a frame or a NATS load snapshot).
+   */
   stats(): EngineStats {
     const stats = this.options.engine.stats();
-    return Object.keys(this.linkStats).length > 0 ? { ...stats, kvTransferLinks: this.linkStats } : stats;
+    const reportSeq = ++this.reportSeq;
+    return Object.keys(this.linkStats).length > 0 ? { ...stats, kvTransferLinks: this.linkStats, reportSeq } : { ...stats, reportSeq };
   }
 
   /** Sends a request's outputs as they come, their times moved onto the frontend's clock by the request's offset. */

@@ -31,6 +31,11 @@ export interface EngineStats {
   memory?: WorkerMemory;
   /** Allocations that failed, by kind (cumulative). */
   allocationFailures?: AllocationFailures;
+  /**
+   * Set by a worker process on each report it sends, increasing: orders its reports across the request plane and
+   * the NATS load snapshots, which travel apart (remote-engine.ts keeps the newest).
+   */
+  reportSeq?: number;
 }
 
 /** One link's failed KV imports on a decode worker (cumulative). */

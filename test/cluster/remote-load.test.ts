@@ -87,4 +87,22 @@ describe('a frontend\'s router and the load other frontends put on a worker proc
     assert.equal(mine.at(-1)!.routing!.workerId, 'wb', 'a new request goes to the idle worker');
     await stream.return?.();
   });
+
+  test('a NATS load snapshot older than the connection\'s latest report does not replace it', async () => {
+    const remote = await RemoteEngine.connect(`127.0.0.1:${ports.get('wb')}`, { clusterToken: TOKEN });
+    others.push(remote);
+    const outputs = remote.generate(request(3, 40))[Symbol.asyncIterator]();
+    assert.equal((await outputs.next()).done, false);
+    await waitUntil(() => remote.stats().numRunning === 1, 'wb reports the running stream', 5000);
+    // What the worker's NATS publisher would have sent while the stream ran: a report numbered then.
+    const whileRunning = remote.stats();
+    assert.ok(whileRunning.reportSeq !== undefined, 'a worker process numbers its reports');
+    while (!(await outputs.next()).done) { /* to the end */ }
+    await waitUntil(() => remote.stats().numRunning === 0, 'the stream\'s end reaches the connection', 5000);
+    remote.deliverStats(whileRunning);
+    assert.equal(remote.stats().numRunning, 0, 'the late snapshot is older than the report that said the stream ended');
+    const newer = { ...whileRunning, numWaiting: 7, reportSeq: remote.stats().reportSeq! + 1 };
+    remote.deliverStats(newer);
+    assert.equal(remote.stats().numWaiting, 7, 'a snapshot numbered after the latest report replaces it');
+  });
 });
