@@ -109,6 +109,15 @@ const DIRECT_READ_BUFFER_BYTES = 16 << 10;
 const DIRECT_READ_BUDGET = 8 << 20;
 /** The prefill side's frames: a longer run of consecutive blocks goes as several (each checksummed while in cache). */
 const SEND_FRAME_BYTES = 256 << 10;
+/** A tcp frame of at most this many bytes is packed with its neighbours into one buffer (one copy, checksummed in it). */
+const PACK_RUN_BYTES = 16 << 10;
+/**
+ * The buffers small frames are packed into, reused (a fresh one per write would be faulted in page by page): one is
+ * free again once the kernel has taken it (its write's callback). A few are kept per process.
+ */
+const PACK_BUFFER_BYTES = SEND_FRAME_BYTES + (SEND_FRAME_BYTES >> 2);
+const freePackBuffers: Buffer[] = [];
+const MAX_FREE_PACK_BUFFERS = 8;
 /**
  * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain. The
  * kernel's send buffer (megabytes on loopback) is what keeps the link fed; bytes queued here past it would be copied
@@ -608,7 +617,14 @@ export class KvTransferServer {
     if (from.length > 0) {
       // Paced by the socket (see send); whatever became known meanwhile goes after it, then kv-done if final.
       transfer.sending = true;
-      void this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers)).then((ok) => {
+      const sent = this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers));
+      if (typeof sent === 'boolean') {
+        // All written without waiting (a small batch): kv-done, if final, joins the same write.
+        transfer.sending = false;
+        if (sent) this.flush(transfer);
+        return;
+      }
+      void sent.then((ok) => {
         transfer.sending = false;
         if (ok) this.flush(transfer);
       });
@@ -627,98 +643,158 @@ export class KvTransferServer {
 
   /**
    * One batch of runs, in frames of at most SEND_FRAME_BYTES (a long run of consecutive blocks is cut into runs of
-   * fewer blocks), each checksummed just before it is written, so the kernel copies it while it is still in cache;
-   * small frames share a write. Past SEND_AHEAD_BYTES not yet taken by the kernel, the next frames wait for the
-   * socket to drain. Resolves false when the transfer failed (a fault, a closed socket) meanwhile.
+   * fewer blocks; shm: of at most a quarter ring), each checksummed just before it is written (tcp: so the kernel
+   * copies it while it is still in cache; shm: in the same pass as its copy into the ring); small frames share a
+   * write. Past SEND_AHEAD_BYTES not yet taken by the kernel, the next frames wait for the socket to drain; a frame
+   * without room in the ring waits for the decode side's credit. Returns true or false at once when it never waited
+   * (false: the transfer failed, by a fault or a closed socket), else a promise of the same.
    */
-  private async send(transfer: Transfer, runs: PlannedRun[]): Promise<boolean> {
+  private send(transfer: Transfer, runs: PlannedRun[]): boolean | Promise<boolean> {
+    const runBytes = kvBlockRunBytes(this.options.pool.layout);
+    // A shared-memory frame is at most a quarter of the ring, so a writer waiting for room always gets it back.
+    const perFrame = Math.max(1, Math.floor(Math.min(SEND_FRAME_BYTES, transfer.ring ? transfer.ring.size / 4 : Infinity) / runBytes));
+    const frames: PlannedRun[] = [];
+    for (const run of runs) {
+      for (let offset = 0; offset < run.count; offset += perFrame) {
+        frames.push({ ...run, source: run.source + offset, destination: run.destination + offset, count: Math.min(perFrame, run.count - offset) });
+      }
+    }
+    transfer.socket.cork();
+    return this.sendFrames(transfer, frames, 0, transfer.busy.begin());
+  }
+
+  /** send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. */
+  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number }): boolean | Promise<boolean> {
     const view = this.options.pool;
     const runBytes = kvBlockRunBytes(view.layout);
     const { socket, ring } = transfer;
-    // A shared-memory frame is at most a quarter of the ring, so a writer waiting for room always gets it back.
-    const perFrame = Math.max(1, Math.floor(Math.min(SEND_FRAME_BYTES, ring ? ring.size / 4 : Infinity) / runBytes));
     const { faults } = this.options;
-    const batch = transfer.busy.begin();
     let corked = 0;
-    socket.cork();
+    // Small frames (tcp: header and bytes; shm: the header) are packed into one buffer, so a small transfer is one
+    // write of one buffer instead of a gather of many pieces.
+    const out: { pack: Buffer | null; packed: number } = { pack: null, packed: 0 };
+    const writePack = () => {
+      const { pack } = out;
+      if (pack) {
+        const free = () => { if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack); };
+        if (out.packed > 0) socket.write(pack.subarray(0, out.packed), free);
+        else free();
+      }
+      out.pack = null;
+      out.packed = 0;
+    };
+    const newPack = (): Buffer => {
+      out.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
+      out.packed = 0;
+      return out.pack;
+    };
+    const resume = (wait: Promise<void>, from: number) => wait.then(() => {
+      if (socket.destroyed || transfer.done || transfer.peer.closed) return false;
+      socket.cork();
+      return this.sendFrames(transfer, frames, from, batch);
+    });
     try {
-      for (const run of runs) {
-        for (let offset = 0; offset < run.count; offset += perFrame) {
-          if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
+      for (; i < frames.length; i++) {
+        const frame = frames[i]!;
+        if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
+          writePack();
+          socket.uncork();
+          socket.destroySoon();
+          transfer.done = true;
+          return false;
+        }
+        if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
+          // Nothing more on this transfer, the connection stays open until the decode side closes it.
+          writePack();
+          socket.uncork();
+          transfer.done = true;
+          return false;
+        }
+        const { count } = frame;
+        const at = runOffset(view, frame.layer, frame.kv, frame.source);
+        const length = count * runBytes;
+        // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
+        // side has them, so nothing rewrites them while the kernel (or the copy into the ring) reads them.
+        const body: Uint8Array = Buffer.from(view.pool, at, length);
+        let checksum: number;
+        let position = 0;
+        if (ring) {
+          position = ring.head;
+          if ((position % ring.size) + length > ring.size) position += ring.size - (position % ring.size);
+          if (position + length - ring.tail > ring.size) {
+            // No room until the decode side credits what it copied out: it needs the doorbells sent so far.
+            writePack();
             socket.uncork();
-            socket.destroySoon();
-            transfer.done = true;
-            return false;
+            return resume(new Promise<void>((resolve) => {
+              ring.wake = () => {
+                ring.wake = undefined;
+                resolve();
+              };
+            }), i);
           }
-          if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
-            // Nothing more on this transfer, the connection stays open until the decode side closes it.
-            socket.uncork();
-            transfer.done = true;
-            return false;
-          }
-          const count = Math.min(perFrame, run.count - offset);
-          const at = runOffset(view, run.layer, run.kv, run.source + offset);
-          const length = count * runBytes;
-          // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
-          // side has them, so nothing rewrites them while the kernel (or the copy into the ring) reads them.
-          const body: Uint8Array = Buffer.from(view.pool, at, length);
-          let checksum: number;
-          let position = 0;
-          if (ring) {
-            position = ring.head;
-            if ((position % ring.size) + length > ring.size) position += ring.size - (position % ring.size);
-            while (position + length - ring.tail > ring.size) {
-              // No room until the decode side credits what it copied out: it needs the doorbells sent so far.
-              socket.uncork();
-              await new Promise<void>((resolve) => { ring.wake = resolve; });
-              ring.wake = undefined;
-              if (socket.destroyed || transfer.done || transfer.peer.closed) return false;
-              socket.cork();
-            }
-            checksum = kvChecksumCopy(body, ring.region.bytes, position % ring.size);
-            if (faults?.corruptRun === this.runsSent) ring.region.bytes[(position % ring.size) + (length >> 1)]! ^= 0xff;
-            ring.head = position + length;
+          checksum = kvChecksumCopy(body, ring.region.bytes, position % ring.size);
+          if (faults?.corruptRun === this.runsSent) ring.region.bytes[(position % ring.size) + (length >> 1)]! ^= 0xff;
+          ring.head = position + length;
+        } else {
+          checksum = 0; // below: in the same pass as the copy into the pack, or of the pool's bytes
+        }
+        const small = ring !== null || length <= PACK_RUN_BYTES;
+        const headerBytes = 5 + RUN_HEADER_BYTES + (ring ? SHM_OFFSET_BYTES : 0);
+        let pack: Buffer | null = null;
+        if (!small) writePack();
+        else if (!out.pack || out.packed + headerBytes + (ring ? 0 : length) > out.pack.length) {
+          writePack();
+          pack = newPack();
+        } else {
+          pack = out.pack;
+        }
+        const at0 = out.packed;
+        const header = pack ? pack.subarray(at0, at0 + headerBytes) : Buffer.allocUnsafe(headerBytes);
+        if (!ring) {
+          if (pack) {
+            checksum = kvChecksumCopy(body, pack, at0 + headerBytes);
+            if (faults?.corruptRun === this.runsSent) pack[at0 + headerBytes + (length >> 1)]! ^= 0xff;
           } else {
             checksum = kvChecksum(body);
           }
-          const header = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + (ring ? SHM_OFFSET_BYTES : 0));
-          header.writeUInt32BE(header.length - 4 + (ring ? 0 : length), 0);
-          header[4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
-          header.writeUInt16BE(run.layer, 5);
-          header[7] = run.kv;
-          header[8] = 0;
-          header.writeUInt32BE(run.destination + offset, 9);
-          header.writeUInt32BE(count, 13);
-          header.writeUInt32BE(length, 17);
-          header.writeUInt32BE(checksum, 21);
-          header.writeUInt32BE(0, 25);
-          if (ring) {
-            header.writeUInt32BE(Math.floor(position / 2 ** 32), 29);
-            header.writeUInt32BE(position % 2 ** 32, 33);
-            socket.write(header);
-          } else if (faults?.corruptRun === this.runsSent) {
-            const corrupted = Buffer.from(body);
-            corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
-            socket.write(header);
-            socket.write(corrupted);
-          } else {
-            socket.write(header);
-            socket.write(body);
-          }
-          corked += length;
-          this.runsSent++;
-          transfer.runs++;
-          transfer.bytes += length;
-          if (corked >= SEND_FRAME_BYTES || (ring && corked >= ring.size / 4)) {
-            // A ring's doorbells go at once: the decode side copies this frame out while the next one is copied in.
-            flushCorked(socket);
-            corked = 0;
-            if (socket.writableLength >= SEND_AHEAD_BYTES) {
-              socket.uncork();
-              await drained(socket);
-              if (socket.destroyed || transfer.done) return false;
-              socket.cork();
-            }
+        }
+        header.writeUInt32BE(headerBytes - 4 + (ring ? 0 : length), 0);
+        header[4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
+        header.writeUInt16BE(frame.layer, 5);
+        header[7] = frame.kv;
+        header[8] = 0;
+        header.writeUInt32BE(frame.destination, 9);
+        header.writeUInt32BE(count, 13);
+        header.writeUInt32BE(length, 17);
+        header.writeUInt32BE(checksum, 21);
+        header.writeUInt32BE(0, 25);
+        if (ring) {
+          header.writeUInt32BE(Math.floor(position / 2 ** 32), 29);
+          header.writeUInt32BE(position % 2 ** 32, 33);
+          out.packed += headerBytes;
+        } else if (pack) {
+          out.packed += headerBytes + length;
+        } else if (faults?.corruptRun === this.runsSent) {
+          const corrupted = Buffer.from(body);
+          corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
+          socket.write(header);
+          socket.write(corrupted);
+        } else {
+          socket.write(header);
+          socket.write(body);
+        }
+        corked += length;
+        this.runsSent++;
+        transfer.runs++;
+        transfer.bytes += length;
+        if (corked >= SEND_FRAME_BYTES || (ring && corked >= ring.size / 4)) {
+          // A ring's doorbells go at once: the decode side copies this frame out while the next one is copied in.
+          writePack();
+          flushCorked(socket);
+          corked = 0;
+          if (socket.writableLength >= SEND_AHEAD_BYTES) {
+            socket.uncork();
+            return resume(drained(socket), i + 1);
           }
         }
       }
@@ -727,9 +803,11 @@ export class KvTransferServer {
       this.fail(transfer, `writing the runs failed: ${(error as Error).message}`);
       return false;
     }
+    writePack();
     socket.uncork();
-    // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end counts).
-    socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
+    // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end
+    // counts; a pull's is all after it).
+    if (!transfer.pullSources) socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
     return true;
   }
 
@@ -901,9 +979,13 @@ function takeIdle(key: string): KvConnection | undefined {
   return connection;
 }
 
-/** Closes every kept-alive KV connection of this process (a worker shutting down; tests). */
-export function closeIdleKvConnections(): void {
-  for (const list of [...idleConnections.values()]) for (const connection of [...list]) connection.destroy();
+/** Closes the kept-alive KV connections of this process, or only those to one prefill worker's KV port. */
+export function closeIdleKvConnections(to?: { host: string; port: number }): void {
+  for (const list of [...idleConnections.values()]) {
+    for (const connection of [...list]) {
+      if (!to || connection.key.startsWith(`${to.host}:${to.port}:`)) connection.destroy();
+    }
+  }
 }
 
 function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
