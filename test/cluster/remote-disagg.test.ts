@@ -310,6 +310,52 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
   });
   }
 
+  test('blocks cached on the decode worker after expect was sent are not streamed: its cache is checked when the destinations are allocated', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(17, 4 * BLOCK);
+    const first = [...shared, ...prompt(18, 40)];
+    const second = [...shared, ...prompt(19, 70)];
+    const expected = await collect(aggregated.generate(request(second)));
+    // The prefill waits until the decode worker has opened its stream (so the KV comes by the stream, not a pull).
+    const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+    let letPrefill!: () => void;
+    const prefillGate = new Promise<void>((resolve) => { letPrefill = resolve; });
+    prefill.engine.prefill = (r) => (async function* () {
+      await prefillGate;
+      yield* prefillOf(r);
+    })();
+    // The expect reaches the decode worker only after its prefix cache got the shared blocks (from a request run on
+    // its engine directly, which the frontend knew nothing of when it sent expect).
+    const server = decode.server as unknown as { expect(connection: unknown, message: unknown): void; incoming: Map<string, { ready: Promise<void> }> };
+    const expectOf = server.expect.bind(server);
+    let held: (() => void) | undefined;
+    server.expect = (connection, message) => { held = () => expectOf(connection, message); };
+    try {
+      const req = request(second);
+      const run = start(engine, req);
+      await until('the frontend sent expect', () => held !== undefined);
+      assert.equal(server.incoming.size, 0, 'no stream opened yet');
+      await collect(decode.engine.generate(request(first)));
+      held!();
+      await server.incoming.get(req.id)?.ready;
+      letPrefill();
+      const outputs = await run.done;
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.equal(text(outputs), text(expected));
+      const transfer = engine.channel.log.recent().at(-1)!;
+      const blocks = Math.ceil(second.length / BLOCK);
+      assert.equal(decode.server.streamsAdopted, 1, 'the KV came by the stream opened at expect');
+      assert.equal(transfer.reusedBlocks, 4, 'the 4 blocks cached after expect was sent stayed on the decode worker');
+      assert.equal(transfer.blocks, blocks - 4);
+      assert.equal(transfer.bytes, (blocks - 4) * kvBlockBytes(decode.engine.kvLayout!), 'the stream moved only the blocks missing then');
+      await assertClean(engine, req.id, [prefill, decode]);
+    } finally {
+      server.expect = expectOf;
+      letPrefill();
+      prefill.engine.prefill = prefillOf;
+    }
+  });
+
   test('abort while the prefill runs: nothing held on either worker, and the next request is served', async () => {
     // The prompt in chunks of 32 tokens (one step each), and the abort sent as soon as the prefill worker starts it.
     const { engine, prefill, decode } = await build({ prefillChunk: 32 });
