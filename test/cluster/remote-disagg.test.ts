@@ -356,6 +356,48 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     }
   });
 
+  test('two requests with the same leading blocks at once: the second\'s stream waits for the first\'s blocks and moves only the rest', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(26, 4 * BLOCK);
+    const reqA = request([...shared, ...prompt(27, 40)]);
+    const reqB = request([...shared, ...prompt(28, 70)]);
+    const expectedA = await collect(aggregated.generate(request([...reqA.promptTokenIds])));
+    const expectedB = await collect(aggregated.generate(request([...reqB.promptTokenIds])));
+    const deferredBefore = decode.server.streamsDeferred;
+    const [outA, outB] = await Promise.all([collect(engine.generate(reqA)), collect(engine.generate(reqB))]);
+    assert.deepEqual(tokens(outA), tokens(expectedA));
+    assert.deepEqual(tokens(outB), tokens(expectedB));
+    assert.equal(text(outB), text(expectedB));
+    const log = engine.channel.log.recent();
+    const a = log.find((t) => t.requestId === reqA.id)!;
+    const b = log.find((t) => t.requestId === reqB.id)!;
+    assert.equal(a.reusedBlocks, 0);
+    assert.equal(a.blocks, Math.ceil(reqA.promptTokenIds.length / BLOCK));
+    assert.equal(decode.server.streamsDeferred, deferredBefore + 1, 'the second expect waited for the first import');
+    assert.equal(b.reusedBlocks, 4, 'the 4 shared blocks came once, with the first request');
+    assert.equal(b.blocks, Math.ceil(reqB.promptTokenIds.length / BLOCK) - 4);
+    assert.equal(b.bytes, b.blocks * kvBlockBytes(decode.engine.kvLayout!));
+    await assertClean(engine, reqA.id, [prefill, decode]);
+    await assertClean(engine, reqB.id, [prefill, decode]);
+  });
+
+  test('a request aborted while its stream waits for another import\'s blocks: nothing held, the other completes', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(29, 4 * BLOCK);
+    const reqA = request([...shared, ...prompt(30, 40)]);
+    const reqB = request([...shared, ...prompt(31, 70)], 8);
+    const expectedA = await collect(aggregated.generate(request([...reqA.promptTokenIds])));
+    const deferredBefore = decode.server.streamsDeferred;
+    const runA = start(engine, reqA);
+    const runB = start(engine, reqB);
+    await until('the second expect waits for the first import', () => decode.server.streamsDeferred === deferredBefore + 1);
+    engine.abort(reqB.id);
+    assert.equal((await runB.done).at(-1)?.finishReason, 'abort');
+    assert.deepEqual(tokens(await runA.done), tokens(expectedA));
+    await assertClean(engine, reqB.id, [prefill, decode]);
+    await assertClean(engine, reqA.id, [prefill, decode]);
+  });
+
   test('abort while the prefill runs: nothing held on either worker, and the next request is served', async () => {
     // The prompt in chunks of 32 tokens (one step each), and the abort sent as soon as the prefill worker starts it.
     const { engine, prefill, decode } = await build({ prefillChunk: 32 });
