@@ -16,7 +16,7 @@
 //            on) a second pair whose decode worker adopts from staging (CONDUIT_KV_ADOPT_STAGING=1) alternates.
 //   ttft     TTFT (and time to the second token, which waits for the transfer) of a 2048-token prompt on the 110M
 //            model: one aggregated worker process vs a prefill and a decode worker process (and, --ttft-compare,
-//            the same adopting from staging), alternating.
+//            the same adopting from staging; --ttft-tcp on, the same with both workers on the tcp link), alternating.
 //
 // Run through benchmarks/kv-transfer.ts (--parts link,overlap,ttft); this file is also the child processes' entry
 // (--child kv | worker).
@@ -113,7 +113,8 @@ async function child(kind: string): Promise<void> {
       modelPath: argument('model', ''), threads: Number(argument('threads', '1')), kvCacheMemoryBytes: 256 << 20, blockSize: 16,
       maxNumBatchedTokens: Number(argument('chunk', '256')), enableKvEvents: true, role,
     });
-    const server = new WorkerServer({ workerId: argument('id', role), engine, role, clusterToken: TOKEN });
+    const kvLink = argument('kv-link', 'auto') === 'tcp' ? 'tcp' as const : 'auto' as const;
+    const server = new WorkerServer({ workerId: argument('id', role), engine, role, clusterToken: TOKEN, kvLink });
     const port = await server.listen(0, '127.0.0.1');
     stop.push(() => server.close(), () => engine.close());
     process.stdout.write(`${JSON.stringify({ port })}\n`);
@@ -312,10 +313,14 @@ async function timed(stream: AsyncIterable<EngineOutput>): Promise<Timed> {
   return { ttftMs: times[0]!, secondMs: times[1]!, outputs };
 }
 
-async function workers(modelPath: string, roles: WorkerRole[], chunk: number, env?: Record<string, string>): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
+async function workers(modelPath: string, roles: WorkerRole[], chunk: number, env?: Record<string, string>,
+  link: 'auto' | 'tcp' = 'auto'): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
   const threads = argument('threads', '1');
   const children: Child[] = [];
-  for (const role of roles) children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads, '--chunk', String(chunk)], env));
+  for (const role of roles) {
+    children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads,
+      '--chunk', String(chunk), '--kv-link', link], env));
+  }
   const remotes = await Promise.all(children.map((c) => RemoteEngine.connect(`127.0.0.1:${c.info.port}`, { clusterToken: TOKEN, events: true })));
   return { children, remotes };
 }
@@ -325,8 +330,8 @@ async function workers(modelPath: string, roles: WorkerRole[], chunk: number, en
  * staging pool and its engine copies it from there (CONDUIT_KV_ADOPT_STAGING=1, the previous way) instead of having
  * it written into the blocks the request will own.
  */
-async function disaggregated(modelPath: string, chunk: number, staging = false) {
-  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk, staging ? { CONDUIT_KV_ADOPT_STAGING: '1' } : undefined);
+async function disaggregated(modelPath: string, chunk: number, staging = false, link: 'auto' | 'tcp' = 'auto') {
+  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk, staging ? { CONDUIT_KV_ADOPT_STAGING: '1' } : undefined, link);
   const engine = remoteDisaggregatedEngine({
     prefill: [remotes[0]!], decode: [remotes[1]!], routerSeed: 1, policy: { minRemotePrefillTokens: 1 },
     estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
@@ -398,6 +403,11 @@ export async function ttftPart(): Promise<void> {
   }];
   const inPlace = await disaggregated(model.path, chunk);
   deployments.push({ name: 'disaggregated (prefill + decode)', generate: (r) => inPlace.engine.generate(r), close: inPlace.close, runs: [] });
+  if (argument('ttft-tcp', 'off') === 'on') {
+    // The same with both workers set to tcp (loopback TCP where they would use shared memory).
+    const tcp = await disaggregated(model.path, chunk, false, 'tcp');
+    deployments.push({ name: 'disaggregated, tcp link', generate: (r) => tcp.engine.generate(r), close: tcp.close, runs: [] });
+  }
   if (compare) {
     const staging = await disaggregated(model.path, chunk, true);
     deployments.push({ name: 'disaggregated, adopted from staging', generate: (r) => staging.engine.generate(r), close: staging.close, runs: [] });
@@ -414,11 +424,12 @@ export async function ttftPart(): Promise<void> {
   } finally {
     for (const d of deployments) await d.close();
   }
-  const row = (name: string, runs: Timed[]) => [name, fmt(median(runs.map((r) => r.ttftMs)), 0), fmt(Math.min(...runs.map((r) => r.ttftMs)), 0),
+  const linkOf = (runs: Timed[]) => [...new Set(runs.map((r) => r.outputs.find((o) => o.timestamps.kvTransfer)?.timestamps.kvTransfer?.link ?? '-'))].join(',');
+  const row = (name: string, runs: Timed[]) => [name, linkOf(runs), fmt(median(runs.map((r) => r.ttftMs)), 0), fmt(Math.min(...runs.map((r) => r.ttftMs)), 0),
     fmt(median(runs.map((r) => r.secondMs)), 0), fmt(median(runs.map((r) => r.secondMs - r.ttftMs)), 1)];
   console.log(`\n6. TTFT of a ${length}-token prompt, ${model.label}, chunked prefill of ${chunk} tokens, 1 thread per worker process,`);
   console.log(`   ${reps} alternating runs each (median; min TTFT)\n`);
-  console.log(table(['deployment', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], deployments.map((d) => row(d.name, d.runs))));
+  console.log(table(['deployment', 'link', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], deployments.map((d) => row(d.name, d.runs))));
   const loadAfter = loadavg();
   console.log(`   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
 }

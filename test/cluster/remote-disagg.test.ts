@@ -232,7 +232,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(decode.server.kvTransfers.get('checksum'), 1);
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
     assert.equal(engine.decisionCounts().fallbacks, 1);
-    for (const s of [prefill, decode]) await assertFree(s);
+    await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
   test('a run corrupted while streaming, before the handoff, is detected too: the decode worker prefills itself', async () => {
@@ -243,7 +243,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.deepEqual(tokens(outputs), tokens(expected));
     assert.equal(decode.server.kvTransfers.get('checksum'), 1);
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
-    for (const s of [prefill, decode]) await assertFree(s);
+    await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
   test('a prefill worker gone: the decode worker prefills the request itself, same greedy text', async () => {
@@ -259,7 +259,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     const outputs = await collect(engine.generate(request(ids)));
     assert.deepEqual(tokens(outputs), tokens(expected));
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'local');
-    await assertFree(decode);
+    await assertClean(engine, outputs[0]!.requestId, [decode]);
   });
   test('blocks the decode worker holds in its prefix cache are not pulled: only the rest moves, same greedy text', async () => {
     // Pulled after the handoff (a stream started during the prefill moves every block; see the test after this one).
