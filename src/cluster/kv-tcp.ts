@@ -676,15 +676,24 @@ export class KvTransferServer {
     const writePack = () => {
       const { pack } = out;
       if (pack) {
-        const free = () => { if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack); };
+        // tcp's packs are reused; shm's (headers only) are small, from Node's own pool.
+        const free = ring ? undefined : () => { if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack); };
         if (out.packed > 0) socket.write(pack.subarray(0, out.packed), free);
-        else free();
+        else free?.();
       }
       out.pack = null;
       out.packed = 0;
     };
-    const newPack = (): Buffer => {
-      out.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
+    const newPack = (from: number): Buffer => {
+      if (ring) {
+        // The headers up to the next doorbell flush (below: a quarter ring, or a frame's worth, of runs).
+        const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
+        let count = 0;
+        for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * runBytes;
+        out.pack = Buffer.allocUnsafe(Math.max(1, count) * (5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES));
+      } else {
+        out.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
+      }
       out.packed = 0;
       return out.pack;
     };
@@ -744,7 +753,7 @@ export class KvTransferServer {
         if (!small) writePack();
         else if (!out.pack || out.packed + headerBytes + (ring ? 0 : length) > out.pack.length) {
           writePack();
-          pack = newPack();
+          pack = newPack(i);
         } else {
           pack = out.pack;
         }
@@ -787,8 +796,10 @@ export class KvTransferServer {
         this.runsSent++;
         transfer.runs++;
         transfer.bytes += length;
-        if (corked >= SEND_FRAME_BYTES || (ring && corked >= ring.size / 4)) {
-          // A ring's doorbells go at once: the decode side copies this frame out while the next one is copied in.
+        // tcp: a frame's worth goes to the kernel while it is in cache. shm: the doorbells of a quarter ring go in
+        // one write (each write costs the loopback's delivery, some 20 us), so the decode side copies that quarter out
+        // while the next is copied in.
+        if (corked >= (ring ? ring.size / 4 : SEND_FRAME_BYTES)) {
           writePack();
           flushCorked(socket);
           corked = 0;
