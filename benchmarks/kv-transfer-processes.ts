@@ -3,11 +3,11 @@
 //
 //   link     transfer throughput on loopback: a child process serves its pool on a KV port (and a raw TCP port that
 //            writes the same number of bytes from one buffer); this process, the decode side, pulls 64 KiB, 1, 16
-//            and 64 MiB of KV over the tcp link and the shm link and reads the same bytes raw, alternating, best of
-//            N each, with the CPU time each side spent per transfer (median). With --link-compare (default on) a
-//            second child runs the previous settings (4 MiB queued ahead of the kernel, CONDUIT_KV_SEND_AHEAD_BYTES)
-//            and this process reads its runs the previous way (read(2) into the block, then the checksum:
-//            CONDUIT_KV_DIRECT_READ=1), alternated with the others. Layout: 8 layers, 2 KV heads x 64, f16, blocks
+//            and 64 MiB of KV over the tcp link and the shm link (on their kept-alive connection) and reads the same
+//            bytes raw (on a new connection per transfer, and on one kept alive), alternating, best and median of N
+//            each, with the CPU time each side spent per transfer (median). With --link-compare (default on) the
+//            links also go on a new connection per transfer (shm: a new ring), as every transfer did before
+//            connections were kept. Layout: 8 layers, 2 KV heads x 64, f16, blocks
 //            of 16 tokens: 64 KiB per block, 4 KiB per run of one block; consecutive blocks, so a (layer, K|V) run
 //            is size / 16.
 //   overlap  how much of a streamed transfer hides behind the prefill: a prefill and a decode worker process
@@ -16,7 +16,7 @@
 //            on) a second pair whose decode worker adopts from staging (CONDUIT_KV_ADOPT_STAGING=1) alternates.
 //   ttft     TTFT (and time to the second token, which waits for the transfer) of a 2048-token prompt on the 110M
 //            model: one aggregated worker process vs a prefill and a decode worker process (and, --ttft-compare,
-//            the same adopting from staging), alternating.
+//            the same adopting from staging; --ttft-tcp on, the same with both workers on the tcp link), alternating.
 //
 // Run through benchmarks/kv-transfer.ts (--parts link,overlap,ttft); this file is also the child processes' entry
 // (--child kv | worker).
@@ -26,7 +26,7 @@ import { loadavg } from 'node:os';
 import { createInterface, type Interface } from 'node:readline';
 import net from 'node:net';
 import { fileURLToPath } from 'node:url';
-import { pullKvBlocks, KvTransferServer } from '../src/cluster/kv-tcp.ts';
+import { closeIdleKvConnections, pullKvBlocks, KvTransferServer } from '../src/cluster/kv-tcp.ts';
 import { kvHostId } from '../src/cluster/kv-shm.ts';
 import { RemoteEngine } from '../src/cluster/remote-engine.ts';
 import { remoteDisaggregatedEngine } from '../src/cluster/remote-disagg.ts';
@@ -89,22 +89,32 @@ async function child(kind: string): Promise<void> {
     for (let i = 0; i < bytes.length; i += 4096) bytes[i] = (i >> 12) & 0xff;
     const server = new KvTransferServer({ clusterToken: TOKEN, pool: { pool, layout } });
     const kvPort = await server.listen(0, '127.0.0.1');
-    // Raw: the client sends the byte count (8 bytes); the server writes that many bytes from one buffer and ends.
+    // A second KV port on the same pool: the transfers measured on a new connection each go there, so they leave
+    // the first port's kept-alive connection (and its ring) alone.
+    const second = new KvTransferServer({ clusterToken: TOKEN, pool: { pool, layout } });
+    const kvPortNew = await second.listen(0, '127.0.0.1');
+    // Raw: the client sends a byte count (8 bytes); the server writes that many bytes from one buffer, and again
+    // for each count that follows on the connection (kept alive, as the KV link's are).
     const payload = Buffer.from(pool);
     const raw = net.createServer((socket) => {
-      socket.once('data', (chunk) => socket.end(payload.subarray(0, Number(chunk.readBigUInt64BE(0)))));
+      let pending = Buffer.alloc(0);
+      socket.on('data', (chunk) => {
+        pending = Buffer.concat([pending, chunk]);
+        for (; pending.length >= 8; pending = pending.subarray(8)) socket.write(payload.subarray(0, Number(pending.readBigUInt64BE(0))));
+      });
       socket.on('error', () => {});
     });
     await new Promise<void>((resolve) => raw.listen(0, '127.0.0.1', resolve));
-    stop.push(() => server.close(), () => new Promise((resolve) => raw.close(() => resolve())));
-    process.stdout.write(`${JSON.stringify({ kvPort, rawPort: (raw.address() as net.AddressInfo).port })}\n`);
+    stop.push(() => server.close(), () => second.close(), () => new Promise((resolve) => raw.close(() => resolve())));
+    process.stdout.write(`${JSON.stringify({ kvPort, kvPortNew, rawPort: (raw.address() as net.AddressInfo).port })}\n`);
   } else {
     const role = argument('role', 'both') as WorkerRole;
     const engine = await LocalEngine.start({
       modelPath: argument('model', ''), threads: Number(argument('threads', '1')), kvCacheMemoryBytes: 256 << 20, blockSize: 16,
       maxNumBatchedTokens: Number(argument('chunk', '256')), enableKvEvents: true, role,
     });
-    const server = new WorkerServer({ workerId: argument('id', role), engine, role, clusterToken: TOKEN });
+    const kvLink = argument('kv-link', 'auto') === 'tcp' ? 'tcp' as const : 'auto' as const;
+    const server = new WorkerServer({ workerId: argument('id', role), engine, role, clusterToken: TOKEN, kvLink });
     const port = await server.listen(0, '127.0.0.1');
     stop.push(() => server.close(), () => engine.close());
     process.stdout.write(`${JSON.stringify({ port })}\n`);
@@ -166,32 +176,37 @@ async function stopChild(c: Child): Promise<void> {
 // ---------------------------------------------------------------------------------------------------------------
 // link: throughput vs raw TCP
 
-function rawRead(port: number, bytes: number): Promise<number> {
+/** Raw TCP: `bytes` read from the child's raw port into one reused buffer; ms. kept: on one connection kept alive. */
+function rawRead(port: number, bytes: number, kept: boolean): Promise<number> {
   const started = performance.now();
   return new Promise((resolve, reject) => {
+    let socket = kept ? keptRaw : undefined;
+    const ask = Buffer.alloc(8);
+    ask.writeBigUInt64BE(BigInt(bytes));
     let got = 0;
-    const socket = net.connect({
-      host: '127.0.0.1', port,
-      onread: {
-        buffer: Buffer.allocUnsafe(1 << 20),
-        callback: (n: number) => {
-          got += n;
-          if (got >= bytes) {
-            resolve(performance.now() - started);
-            socket.destroy();
-          }
-          return true;
-        },
-      },
-    });
-    socket.on('connect', () => {
-      const ask = Buffer.alloc(8);
-      ask.writeBigUInt64BE(BigInt(bytes));
+    rawWant = (n: number) => {
+      got += n;
+      if (got < bytes) return;
+      rawWant = undefined;
+      resolve(performance.now() - started);
+      if (!kept) socket!.destroy();
+    };
+    if (socket) {
       socket.write(ask);
+      return;
+    }
+    socket = net.connect({
+      host: '127.0.0.1', port,
+      onread: { buffer: rawBuffer, callback: (n: number) => { rawWant?.(n); return true; } },
     });
+    if (kept) keptRaw = socket;
+    socket.on('connect', () => socket!.write(ask));
     socket.on('error', reject);
   });
 }
+const rawBuffer = Buffer.allocUnsafe(1 << 20);
+let rawWant: ((n: number) => void) | undefined;
+let keptRaw: net.Socket | undefined;
 
 export async function linkPart(): Promise<void> {
   const reps = Number(argument('link-reps', '7'));
@@ -199,29 +214,26 @@ export async function linkPart(): Promise<void> {
   const compare = argument('link-compare', 'on') !== 'off';
   const loadBefore = loadavg();
   const kv = await startChild(['kv']);
-  // The previous settings: 4 MiB queued ahead of the kernel on the prefill side (and runs read with read(2) into
-  // their block on this side, set per pull below).
-  const kvOld = compare ? await startChild(['kv'], { CONDUIT_KV_SEND_AHEAD_BYTES: String(4 << 20) }) : undefined;
   const layout = LINK_LAYOUT(MAX_BLOCKS);
   const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
   const shm = kvHostId() !== null;
-  const pull = async (blocks: number, link: 'tcp' | 'auto', from: Child, direct: boolean) => {
+  const pull = async (blocks: number, link: 'tcp' | 'auto', fresh: boolean) => {
     const ids = Array.from({ length: blocks }, (_, i) => i);
-    if (direct) process.env.CONDUIT_KV_DIRECT_READ = '1';
-    try {
-      const started = performance.now();
-      const result = await pullKvBlocks({ requestId: `bench-${blocks}`, sourceBlockIds: ids, destinationBlockIds: ids, layers: [0, layout.numLayers] },
-        { clusterToken: TOKEN, host: '127.0.0.1', port: from.info.kvPort!, destination, link });
-      if (result.link !== (link === 'tcp' || !shm ? 'tcp' : 'shm')) throw new Error(`expected the ${link} link, got ${result.link}`);
-      return performance.now() - started;
-    } finally {
-      delete process.env.CONDUIT_KV_DIRECT_READ;
-    }
+    // A new connection (and, shm, a new ring): what every transfer paid before connections were kept alive.
+    const port = fresh ? kv.info.kvPortNew! : kv.info.kvPort!;
+    if (fresh) closeIdleKvConnections({ host: '127.0.0.1', port });
+    const started = performance.now();
+    const result = await pullKvBlocks({ requestId: `bench-${blocks}`, sourceBlockIds: ids, destinationBlockIds: ids, layers: [0, layout.numLayers] },
+      { clusterToken: TOKEN, host: '127.0.0.1', port, destination, link });
+    if (result.link !== (link === 'tcp' || !shm ? 'tcp' : 'shm')) throw new Error(`expected the ${link} link, got ${result.link}`);
+    return performance.now() - started;
   };
-  type Way = 'raw' | 'tcp' | 'old' | 'shm';
-  const ways: Way[] = ['raw', 'tcp', ...(kvOld ? ['old' as const] : []), ...(shm ? ['shm' as const] : [])];
-  const once = (what: Way, blocks: number) => what === 'raw' ? rawRead(kv.info.rawPort!, blocks * BLOCK_BYTES)
-    : what === 'old' ? pull(blocks, 'tcp', kvOld!, true) : pull(blocks, what === 'tcp' ? 'tcp' : 'auto', kv, false);
+  type Way = 'raw' | 'rawKept' | 'tcp' | 'tcpNew' | 'shm' | 'shmNew';
+  const ways: Way[] = ['raw', 'rawKept', 'tcp', ...(compare ? ['tcpNew' as const] : []), ...(shm ? ['shm' as const] : []),
+    ...(shm && compare ? ['shmNew' as const] : [])];
+  const once = (what: Way, blocks: number) => what === 'raw' || what === 'rawKept' ? rawRead(kv.info.rawPort!, blocks * BLOCK_BYTES, what === 'rawKept')
+    : pull(blocks, what === 'tcp' || what === 'tcpNew' ? 'tcp' : 'auto', what === 'tcpNew' || what === 'shmNew');
+  const record = <T>(fill: () => T): Record<Way, T> => ({ raw: fill(), rawKept: fill(), tcp: fill(), tcpNew: fill(), shm: fill(), shmNew: fill() });
   try {
     // Warm-up: the destination's pages touched once, both sides' code paths compiled.
     for (let i = 0; i < 2; i++) for (const what of ways) await once(what, MAX_BLOCKS);
@@ -231,39 +243,43 @@ export async function linkPart(): Promise<void> {
       const bytes = parseSize(size);
       const blocks = Math.max(1, Math.round(bytes / BLOCK_BYTES));
       const total = blocks * BLOCK_BYTES;
-      const best: Record<Way, number> = { raw: Infinity, tcp: Infinity, old: Infinity, shm: Infinity };
-      const send: Record<Way, number[]> = { raw: [], tcp: [], old: [], shm: [] };
-      const receive: Record<Way, number[]> = { raw: [], tcp: [], old: [], shm: [] };
+      const times = record<number[]>(() => []);
+      const send = record<number[]>(() => []);
+      const receive = record<number[]>(() => []);
       for (let rep = 0; rep < reps; rep++) {
         const order = rep % 2 === 0 ? ways : ways.slice().reverse();
         for (const what of order) {
-          const sender = what === 'old' ? kvOld! : kv;
-          const childBefore = await childCpuMs(sender);
+          const childBefore = await childCpuMs(kv);
           const ownBefore = ownCpuMs();
           const ms = await once(what, blocks);
           receive[what].push(ownCpuMs() - ownBefore);
-          send[what].push(await childCpuMs(sender) - childBefore);
-          best[what] = Math.min(best[what], ms);
+          send[what].push(await childCpuMs(kv) - childBefore);
+          times[what].push(ms);
         }
       }
-      const rawGb = gb(total, best.raw);
-      const share = (way: Way) => ways.includes(way) ? `${fmt((100 * gb(total, best[way])) / rawGb, 0)}%` : '-';
-      const rate = (way: Way) => ways.includes(way) ? fmt(gb(total, best[way])) : '-';
-      rows.push([size, String(blocks), String(2 * layout.numLayers), rate('raw'), rate('tcp'), share('tcp'), rate('old'), share('old'), rate('shm'), share('shm')]);
+      // Best and median of the alternated runs.
+      const best = (way: Way) => Math.min(...times[way]);
+      const rate = (way: Way) => ways.includes(way) ? `${fmt(gb(total, best(way)))} (${fmt(gb(total, median(times[way])))})` : '-';
+      const share = (way: Way, of: Way) => ways.includes(way) ? `${fmt((100 * best(of)) / best(way), 0)}%` : '-';
+      rows.push([size, String(blocks), rate('raw'), rate('rawKept'), rate('tcp'), share('tcp', 'raw'), share('tcp', 'rawKept'),
+        rate('shm'), share('shm', 'raw'), share('shm', 'rawKept'), rate('tcpNew'), rate('shmNew')]);
       const cpu = (way: Way) => ways.includes(way) ? `${fmt(median(send[way]), 1)} / ${fmt(median(receive[way]), 1)}` : '-';
-      cpuRows.push([size, cpu('raw'), cpu('tcp'), cpu('old'), cpu('shm')]);
+      cpuRows.push([size, cpu('raw'), cpu('rawKept'), cpu('tcp'), cpu('shm'), cpu('tcpNew'), cpu('shmNew')]);
     }
-    console.log(`\n4. KV transfer between two processes on loopback (${reps} alternating runs per row, best of each; GB/s = 1e9 B/s;`);
-    console.log('   connection set-up, hello and descriptor included in the KV rows, connection set-up in the raw row;');
-    console.log('   old: the previous settings, 4 MiB queued ahead of the kernel and runs read into their block, then checksummed)\n');
-    console.log(table(['KV', 'blocks', 'runs', 'raw TCP', 'tcp link', 'of raw', 'tcp old', 'of raw', 'shm link', 'of raw'], rows));
+    console.log(`\n4. KV transfer between two processes on loopback (${reps} alternating runs per row; GB/s = 1e9 B/s, best (median);`);
+    console.log('   raw: raw TCP on a new connection per transfer (set-up included) and on one kept-alive connection; tcp, shm:');
+    console.log('   the links on their kept-alive connection (descriptor, checksums, copies into the blocks included), with their');
+    console.log('   share of raw; new conn: the same on a new connection (and, shm, a new ring) per transfer)\n');
+    console.log(table(['KV', 'blocks', 'raw new', 'raw kept', 'tcp link', 'of raw new', 'of raw kept', 'shm link', 'of raw new',
+      'of raw kept', 'tcp new conn', 'shm new conn'], rows));
     console.log('\n   CPU ms per transfer, sending process / receiving process (median; the sender\'s includes answering the query)\n');
-    console.log(table(['KV', 'raw TCP', 'tcp link', 'tcp old', 'shm link'], cpuRows));
+    console.log(table(['KV', 'raw new', 'raw kept', 'tcp link', 'shm link', 'tcp new conn', 'shm new conn'], cpuRows));
     const loadAfter = loadavg();
     console.log(`\n   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
   } finally {
+    keptRaw?.destroy();
+    closeIdleKvConnections();
     await stopChild(kv);
-    if (kvOld) await stopChild(kvOld);
   }
 }
 
@@ -297,10 +313,14 @@ async function timed(stream: AsyncIterable<EngineOutput>): Promise<Timed> {
   return { ttftMs: times[0]!, secondMs: times[1]!, outputs };
 }
 
-async function workers(modelPath: string, roles: WorkerRole[], chunk: number, env?: Record<string, string>): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
+async function workers(modelPath: string, roles: WorkerRole[], chunk: number, env?: Record<string, string>,
+  link: 'auto' | 'tcp' = 'auto'): Promise<{ children: Child[]; remotes: RemoteEngine[] }> {
   const threads = argument('threads', '1');
   const children: Child[] = [];
-  for (const role of roles) children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads, '--chunk', String(chunk)], env));
+  for (const role of roles) {
+    children.push(await startChild(['worker', '--role', role, '--id', `${role}-1`, '--model', modelPath, '--threads', threads,
+      '--chunk', String(chunk), '--kv-link', link], env));
+  }
   const remotes = await Promise.all(children.map((c) => RemoteEngine.connect(`127.0.0.1:${c.info.port}`, { clusterToken: TOKEN, events: true })));
   return { children, remotes };
 }
@@ -310,8 +330,8 @@ async function workers(modelPath: string, roles: WorkerRole[], chunk: number, en
  * staging pool and its engine copies it from there (CONDUIT_KV_ADOPT_STAGING=1, the previous way) instead of having
  * it written into the blocks the request will own.
  */
-async function disaggregated(modelPath: string, chunk: number, staging = false) {
-  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk, staging ? { CONDUIT_KV_ADOPT_STAGING: '1' } : undefined);
+async function disaggregated(modelPath: string, chunk: number, staging = false, link: 'auto' | 'tcp' = 'auto') {
+  const { children, remotes } = await workers(modelPath, ['prefill', 'decode'], chunk, staging ? { CONDUIT_KV_ADOPT_STAGING: '1' } : undefined, link);
   const engine = remoteDisaggregatedEngine({
     prefill: [remotes[0]!], decode: [remotes[1]!], routerSeed: 1, policy: { minRemotePrefillTokens: 1 },
     estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
@@ -383,6 +403,11 @@ export async function ttftPart(): Promise<void> {
   }];
   const inPlace = await disaggregated(model.path, chunk);
   deployments.push({ name: 'disaggregated (prefill + decode)', generate: (r) => inPlace.engine.generate(r), close: inPlace.close, runs: [] });
+  if (argument('ttft-tcp', 'off') === 'on') {
+    // The same with both workers set to tcp (loopback TCP where they would use shared memory).
+    const tcp = await disaggregated(model.path, chunk, false, 'tcp');
+    deployments.push({ name: 'disaggregated, tcp link', generate: (r) => tcp.engine.generate(r), close: tcp.close, runs: [] });
+  }
   if (compare) {
     const staging = await disaggregated(model.path, chunk, true);
     deployments.push({ name: 'disaggregated, adopted from staging', generate: (r) => staging.engine.generate(r), close: staging.close, runs: [] });
@@ -399,11 +424,12 @@ export async function ttftPart(): Promise<void> {
   } finally {
     for (const d of deployments) await d.close();
   }
-  const row = (name: string, runs: Timed[]) => [name, fmt(median(runs.map((r) => r.ttftMs)), 0), fmt(Math.min(...runs.map((r) => r.ttftMs)), 0),
+  const linkOf = (runs: Timed[]) => [...new Set(runs.map((r) => r.outputs.find((o) => o.timestamps.kvTransfer)?.timestamps.kvTransfer?.link ?? '-'))].join(',');
+  const row = (name: string, runs: Timed[]) => [name, linkOf(runs), fmt(median(runs.map((r) => r.ttftMs)), 0), fmt(Math.min(...runs.map((r) => r.ttftMs)), 0),
     fmt(median(runs.map((r) => r.secondMs)), 0), fmt(median(runs.map((r) => r.secondMs - r.ttftMs)), 1)];
   console.log(`\n6. TTFT of a ${length}-token prompt, ${model.label}, chunked prefill of ${chunk} tokens, 1 thread per worker process,`);
   console.log(`   ${reps} alternating runs each (median; min TTFT)\n`);
-  console.log(table(['deployment', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], deployments.map((d) => row(d.name, d.runs))));
+  console.log(table(['deployment', 'link', 'TTFT ms', 'min TTFT', '2nd token ms', '1st->2nd ms'], deployments.map((d) => row(d.name, d.runs))));
   const loadAfter = loadavg();
   console.log(`   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
 }

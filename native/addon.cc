@@ -8,6 +8,7 @@
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 //   crc32c(bytes, crc?, portable?)  CRC-32C of a Uint8Array (continuing crc), the KV transfer's checksum
 //   crc32cCopy(src, dst, off, crc?, uncached?)  the same of src, copying it into dst at off in the same pass
+//   shmMap(path, bytes, create), shmUnmap(buffer)  a shared-memory file mapped as an ArrayBuffer (shm_region.h)
 #include <napi.h>
 
 #include <cstdlib>
@@ -23,6 +24,7 @@
 #include "cpu.h"
 #include "crash_handler.h"
 #include "model.h"
+#include "shm_region.h"
 
 using namespace conduit;
 using namespace conduit::addon;
@@ -513,6 +515,8 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("cpuInfo", Napi::Function::New(env, CpuInfo));
   exports.Set("crc32c", Napi::Function::New(env, Crc32c));
   exports.Set("crc32cCopy", Napi::Function::New(env, Crc32cCopy));
+  exports.Set("shmMap", Napi::Function::New(env, ShmMap));
+  exports.Set("shmUnmap", Napi::Function::New(env, ShmUnmap));
   exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));
   exports.Set("NativeModel", NativeModel::Define(env));
   exports.Set("ops", ops_object(env));

@@ -17,46 +17,63 @@
 //           much: the link's busy time before the handoff).
 //
 // Two links, chosen per transfer: 'tcp' (the bytes follow their run headers on this connection) and 'shm' (both
-// workers on one host: the bytes go through a file in /dev/shm, src/cluster/kv-shm.ts, and only the headers come
-// over the connection). The decode side announces its host id; the prefill side picks shm when the ids match and
-// neither side is set to tcp (--kv-transfer-link tcp, CONDUIT_KV_TRANSFER_LINK=tcp), and says which in kv-link.
+// workers on one host: the bytes go through a ring in shared memory that the connection keeps, src/cluster/kv-shm.ts,
+// and only the headers come over the connection, each the doorbell of its run). The decode side announces its host
+// id; the prefill side picks shm when the ids match and neither side is set to tcp (--kv-transfer-link tcp,
+// CONDUIT_KV_TRANSFER_LINK=tcp), and says which in kv-link.
 //
-// Wire (one connection per transfer, both directions in frames: 4-byte big-endian length, kind byte, payload):
-//   decode -> prefill  JSON  {t: 'kv-hello', v, token}             the cluster token, compared in constant time
+// Connections are kept alive between a worker pair: the decode side keeps the ones whose transfer ended cleanly
+// (up to MAX_IDLE_PER_PEER per prefill worker, IDLE_MS each) and sends its next descriptor on one of them, so a
+// transfer is one descriptor and its bytes (no connection, no hello), and a shared-memory ring, once mapped, serves
+// every transfer of its connection. One transfer at a time per connection; concurrent transfers take more
+// connections. A transfer that fails or is cancelled closes its connection (nothing of it can arrive on another).
+//
+// Wire (both directions in frames: 4-byte big-endian length, kind byte, payload):
+//   decode -> prefill  JSON  {t: 'kv-hello', v, token}             once per connection; the cluster token, compared
+//                                                                    in constant time
 //   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to), hostId?}
 //                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, firstBlock?, hostId?}
-//   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', file?}
+//   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', region?, regionBytes?}  (shm: the ring's file and size)
 //   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run;
 //                                                                      a run over 256 KiB goes as several)
-//                      SHM   header (24 bytes) + file offset (8 bytes) (shm)
+//                      SHM   header (24 bytes) + ring position (8 bytes) (shm: the bytes are at position mod size)
+//   decode -> prefill  JSON  {t: 'kv-credit', upTo}                   (shm) the ring is free up to this position
 //   prefill -> decode  JSON  {t: 'kv-done', runs, bytes, sourceBlockIds, overlapMs} | {t: 'kv-error', reason}
+//   ... then the next descriptor on the same connection, or the connection closes.
 // A run header: layer u16, kv u8 (0 K, 1 V), reserved u8, destination block u32, count u32, byte length u32, CRC-32C
 // of the bytes u32, reserved u32. The receiver checks each run against the descriptor (its layer, that its
 // destination blocks are consecutive destinations of the descriptor, its length) and its checksum, and at kv-done
 // that every (block, layer, K|V) came. A corrupted, truncated or misdirected transfer rejects with KvTransferError;
 // the caller then prefills on the decode worker instead.
 //
-// Copies: the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
+// The ring: positions count bytes written since the ring was made; a run sits at position mod size, whole (one that
+// would cross the end starts at the next lap instead), and the prefill side writes one only while it fits in the
+// size after the last credited position. The decode side credits once a quarter of the ring is consumed, and frames
+// are at most a quarter of it, so a writer that waits always gets the credit it waits for.
+//
+// Copies (tcp): the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
 // blocks of a running prefill, which nobody rewrites), each frame checksummed just before it is written and small
 // ones corked together, at most SEND_AHEAD_BYTES queued ahead of the kernel (so the kernel copies a frame soon after
 // its checksum, from cache). The decode side lets the kernel copy what arrives into one small reused read buffer and
 // moves each run's bytes into its destination block with one native pass that checksums them on the way
 // (kvChecksumCopy): the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks
-// its engine reserved for the request, so nothing copies them again.
+// its engine reserved for the request, so nothing copies them again. Copies (shm): the prefill side copies each
+// frame from its pool into the ring and the decode side from the ring into its blocks, each in one native pass that
+// checksums on the way: two copies, no system call but the header's.
 
 import { readSync } from 'node:fs';
 import net from 'node:net';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
 import { kvChecksum, kvChecksumCopy } from './kv-checksum.ts';
-import { kvHostId, ShmRunReader, ShmRunWriter, type KvLinkPreference } from './kv-shm.ts';
+import { kvHostId, ShmRegion, shmRingBytes, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
 
-export const KV_TCP_VERSION = 3;
+export const KV_TCP_VERSION = 4;
 /** Frame kind of a KV run with its bytes (the request plane's kinds are 0 and 1). */
 export const FRAME_KV_RUN = 2;
-/** Frame kind of a KV run whose bytes are in the transfer's shared-memory file. */
+/** Frame kind of a KV run whose bytes are in the connection's shared-memory ring. */
 export const FRAME_KV_SHM_RUN = 3;
 const RUN_HEADER_BYTES = 24;
 const SHM_OFFSET_BYTES = 8;
@@ -92,6 +109,15 @@ const DIRECT_READ_BUFFER_BYTES = 16 << 10;
 const DIRECT_READ_BUDGET = 8 << 20;
 /** The prefill side's frames: a longer run of consecutive blocks goes as several (each checksummed while in cache). */
 const SEND_FRAME_BYTES = 256 << 10;
+/** A tcp frame of at most this many bytes is packed with its neighbours into one buffer (one copy, checksummed in it). */
+const PACK_RUN_BYTES = 16 << 10;
+/**
+ * The buffers small frames are packed into, reused (a fresh one per write would be faulted in page by page): one is
+ * free again once the kernel has taken it (its write's callback). A few are kept per process.
+ */
+const PACK_BUFFER_BYTES = SEND_FRAME_BYTES + (SEND_FRAME_BYTES >> 2);
+const freePackBuffers: Buffer[] = [];
+const MAX_FREE_PACK_BUFFERS = 8;
 /**
  * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain. The
  * kernel's send buffer (megabytes on loopback) is what keeps the link fed; bytes queued here past it would be copied
@@ -106,6 +132,9 @@ const ENDED_MEMORY_MS = 60_000;
 const ENDED_MEMORY_MAX = 10_000;
 /** How long a stream waits for the prefill side to learn of its request before giving up. */
 const UNKNOWN_REQUEST_MS = 30_000;
+/** Idle connections the decode side keeps per prefill worker, and how long each. */
+const MAX_IDLE_PER_PEER = 4;
+const IDLE_MS = 30_000;
 
 export type KvLink = 'tcp' | 'shm';
 
@@ -303,6 +332,27 @@ export interface KvTransferServerOptions {
    * needs it). Runs are counted over the server's life (runsSent).
    */
   faults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
+  /** Bytes of each connection's shared-memory ring (default CONDUIT_KV_SHM_RING_BYTES or 4 MiB). */
+  shmRingBytes?: number;
+}
+
+/** The prefill side's end of a connection's shared-memory ring. */
+interface WriterRing {
+  region: ShmRegion;
+  size: number;
+  /** Position after the last run written, and up to which the decode side has credited the ring back. */
+  head: number;
+  tail: number;
+  /** Wakes a writer waiting for room (a credit came, or the connection closed). */
+  wake?: () => void;
+}
+
+/** A connection from a decode worker: its transfers one after the other, and its ring once a transfer needs it. */
+interface Peer {
+  socket: net.Socket;
+  transfer?: Transfer;
+  ring?: WriterRing;
+  closed: boolean;
 }
 
 /** What the prefill side knows of a request's blocks: the full ones so far, all of them once handed off. */
@@ -317,6 +367,7 @@ interface KnownRequest {
 
 interface Transfer {
   socket: net.Socket;
+  peer: Peer;
   requestId: string;
   destinations: number[];
   layers: [number, number];
@@ -326,7 +377,8 @@ interface Transfer {
   sent: Int32Array;
   /** A pull: its source blocks, fixed. */
   pullSources?: number[];
-  writer: ShmRunWriter | null;
+  /** The shared-memory link: the connection's ring (else tcp). */
+  ring: WriterRing | null;
   runs: number;
   bytes: number;
   busy: BusyClock;
@@ -351,6 +403,9 @@ export class KvTransferServer {
   refused = 0;
   /** Runs written since the start (fault injection counts them). */
   runsSent = 0;
+  /** Connections accepted, and transfers started on a connection that had served one before. */
+  connections = 0;
+  reusedConnections = 0;
 
   constructor(private readonly options: KvTransferServerOptions) {
     this.server = net.createServer((socket) => this.accept(socket));
@@ -424,12 +479,18 @@ export class KvTransferServer {
 
   private accept(socket: net.Socket): void {
     this.sockets.add(socket);
+    this.connections++;
     socket.setNoDelay(true);
     socket.on('error', () => {});
-    let transfer: Transfer | undefined;
+    const peer: Peer = { socket, closed: false };
     socket.on('close', () => {
       this.sockets.delete(socket);
-      if (transfer) this.forget(transfer);
+      peer.closed = true;
+      if (peer.transfer) this.forget(peer.transfer);
+      if (peer.ring) {
+        peer.ring.region.close();
+        peer.ring.wake?.();
+      }
     });
     const reader = new FrameReader(64 * 1024);
     let authenticated = false;
@@ -447,8 +508,22 @@ export class KvTransferServer {
             reader.maxFrameBytes = MAX_CONTROL_BYTES;
             continue;
           }
-          if (transfer) throw new FrameError('one transfer per connection');
-          transfer = this.start(socket, message);
+          if (message.t === 'kv-credit') {
+            const ring = peer.ring;
+            const upTo = message.upTo;
+            if (!ring || typeof upTo !== 'number' || !Number.isSafeInteger(upTo) || upTo < ring.tail || upTo > ring.head) {
+              throw new FrameError('kv-credit beyond the ring\'s runs');
+            }
+            ring.tail = upTo;
+            ring.wake?.();
+            continue;
+          }
+          if (peer.transfer && !peer.transfer.done) throw new FrameError('one transfer at a time per connection');
+          if (peer.transfer) {
+            this.reusedConnections++;
+            this.forget(peer.transfer);
+          }
+          peer.transfer = this.start(peer, message);
         }
       } catch (error) {
         this.refuse(socket, (error as Error).message);
@@ -456,7 +531,8 @@ export class KvTransferServer {
     });
   }
 
-  private start(socket: net.Socket, message: { t: string } & Record<string, unknown>): Transfer {
+  private start(peer: Peer, message: { t: string } & Record<string, unknown>): Transfer {
+    const { socket } = peer;
     const view = this.options.pool;
     let transfer: Transfer;
     if (message.t === 'kv-pull') {
@@ -464,7 +540,7 @@ export class KvTransferServer {
       if (this.options.isPinned && !this.options.isPinned(descriptor.requestId)) {
         throw new FrameError(`request ${descriptor.requestId} has no pinned blocks here`);
       }
-      transfer = this.transfer(socket, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId);
+      transfer = this.transfer(peer, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId);
       transfer.pullSources = descriptor.sourceBlockIds;
       transfer.handedOffAt = -Infinity;
     } else if (message.t === 'kv-stream') {
@@ -474,7 +550,7 @@ export class KvTransferServer {
       const destinations = blockIds(message.destinationBlockIds, 'destinationBlockIds', null);
       const first = message.firstBlock ?? 0;
       if (!Number.isSafeInteger(first) || (first as number) < 0) throw new FrameError('firstBlock must be a block position');
-      transfer = this.transfer(socket, requestId, destinations, checkLayers(message.layers, view), message.hostId, first as number);
+      transfer = this.transfer(peer, requestId, destinations, checkLayers(message.layers, view), message.hostId, first as number);
       let set = this.streams.get(requestId);
       if (!set) this.streams.set(requestId, set = new Set());
       set.add(transfer);
@@ -487,19 +563,32 @@ export class KvTransferServer {
     }
     // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows.
     socket.cork();
-    socket.write(encodeJsonFrame({ t: 'kv-link', link: transfer.writer ? 'shm' : 'tcp', ...(transfer.writer ? { file: transfer.writer.name } : {}) }));
+    const { ring } = transfer;
+    socket.write(encodeJsonFrame({ t: 'kv-link', link: ring ? 'shm' : 'tcp', ...(ring ? { region: ring.region.name, regionBytes: ring.size } : {}) }));
     this.flush(transfer);
     if (!socket.destroyed) socket.uncork();
     return transfer;
   }
 
-  private transfer(socket: net.Socket, requestId: string, destinations: number[], layers: [number, number], hostId: unknown,
+  private transfer(peer: Peer, requestId: string, destinations: number[], layers: [number, number], hostId: unknown,
     first = 0): Transfer {
     const sameHost = this.options.link !== 'tcp' && typeof hostId === 'string' && hostId === kvHostId();
     return {
-      socket, requestId, destinations, layers, first, sent: new Int32Array(destinations.length).fill(-1),
-      writer: sameHost ? ShmRunWriter.create() : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
+      socket: peer.socket, peer, requestId, destinations, layers, first, sent: new Int32Array(destinations.length).fill(-1),
+      ring: sameHost ? this.ring(peer) : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
     };
+  }
+
+  /** The connection's ring, made at its first shared-memory transfer; null when none can be made (then tcp). */
+  private ring(peer: Peer): WriterRing | null {
+    if (peer.ring) return peer.ring;
+    const size = shmRingBytes(this.options.shmRingBytes);
+    // A frame is at most a quarter of the ring (see send): one block's run must fit in it.
+    if (kvBlockRunBytes(this.options.pool.layout) > size / 4) return null;
+    const region = ShmRegion.create(size);
+    if (!region) return null;
+    peer.ring = { region, size, head: 0, tail: 0 };
+    return peer.ring;
   }
 
   /** Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. */
@@ -528,7 +617,14 @@ export class KvTransferServer {
     if (from.length > 0) {
       // Paced by the socket (see send); whatever became known meanwhile goes after it, then kv-done if final.
       transfer.sending = true;
-      void this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers)).then((ok) => {
+      const sent = this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers));
+      if (typeof sent === 'boolean') {
+        // All written without waiting (a small batch): kv-done, if final, joins the same write.
+        transfer.sending = false;
+        if (sent) this.flush(transfer);
+        return;
+      }
+      void sent.then((ok) => {
         transfer.sending = false;
         if (ok) this.flush(transfer);
       });
@@ -540,83 +636,176 @@ export class KvTransferServer {
     this.served++;
     // Right behind the last run: what the link did before the prefill ended (a pull: nothing).
     const overlapMs = transfer.pullSources ? 0 : transfer.busy.beforeAt(transfer.handedOffAt ?? performance.now());
-    transfer.socket.end(encodeJsonFrame({ t: 'kv-done', runs: transfer.runs, bytes: transfer.bytes, sourceBlockIds: sources, overlapMs }));
+    // The connection stays open for the decode side's next descriptor.
+    transfer.socket.write(encodeJsonFrame({ t: 'kv-done', runs: transfer.runs, bytes: transfer.bytes, sourceBlockIds: sources, overlapMs }));
+    this.forget(transfer);
   }
 
   /**
    * One batch of runs, in frames of at most SEND_FRAME_BYTES (a long run of consecutive blocks is cut into runs of
-   * fewer blocks), each checksummed just before it is written, so the kernel copies it while it is still in cache;
-   * small frames share a write. Past SEND_AHEAD_BYTES not yet taken by the kernel, the next frames wait for the
-   * socket to drain. Resolves false when the transfer failed (a fault, a closed socket) meanwhile.
+   * fewer blocks; shm: of at most a quarter ring), each checksummed just before it is written (tcp: so the kernel
+   * copies it while it is still in cache; shm: in the same pass as its copy into the ring); small frames share a
+   * write. Past SEND_AHEAD_BYTES not yet taken by the kernel, the next frames wait for the socket to drain; a frame
+   * without room in the ring waits for the decode side's credit. Returns true or false at once when it never waited
+   * (false: the transfer failed, by a fault or a closed socket), else a promise of the same.
    */
-  private async send(transfer: Transfer, runs: PlannedRun[]): Promise<boolean> {
+  private send(transfer: Transfer, runs: PlannedRun[]): boolean | Promise<boolean> {
+    const runBytes = kvBlockRunBytes(this.options.pool.layout);
+    // A shared-memory frame is at most a quarter of the ring, so a writer waiting for room always gets it back.
+    const perFrame = Math.max(1, Math.floor(Math.min(SEND_FRAME_BYTES, transfer.ring ? transfer.ring.size / 4 : Infinity) / runBytes));
+    const frames: PlannedRun[] = [];
+    for (const run of runs) {
+      for (let offset = 0; offset < run.count; offset += perFrame) {
+        frames.push({ ...run, source: run.source + offset, destination: run.destination + offset, count: Math.min(perFrame, run.count - offset) });
+      }
+    }
+    transfer.socket.cork();
+    return this.sendFrames(transfer, frames, 0, transfer.busy.begin());
+  }
+
+  /** send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. */
+  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number }): boolean | Promise<boolean> {
     const view = this.options.pool;
     const runBytes = kvBlockRunBytes(view.layout);
-    const perFrame = Math.max(1, Math.floor(SEND_FRAME_BYTES / runBytes));
-    const { socket, writer } = transfer;
+    const { socket, ring } = transfer;
     const { faults } = this.options;
-    const batch = transfer.busy.begin();
     let corked = 0;
-    socket.cork();
+    // Small frames (tcp: header and bytes; shm: the header) are packed into one buffer, so a small transfer is one
+    // write of one buffer instead of a gather of many pieces.
+    const out: { pack: Buffer | null; packed: number } = { pack: null, packed: 0 };
+    const writePack = () => {
+      const { pack } = out;
+      if (pack) {
+        // tcp's packs are reused; shm's (headers only) are small, from Node's own pool.
+        const free = ring ? undefined : () => { if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack); };
+        if (out.packed > 0) socket.write(pack.subarray(0, out.packed), free);
+        else free?.();
+      }
+      out.pack = null;
+      out.packed = 0;
+    };
+    const newPack = (from: number): Buffer => {
+      if (ring) {
+        // The headers up to the next doorbell flush (below: a quarter ring, or a frame's worth, of runs).
+        const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
+        let count = 0;
+        for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * runBytes;
+        out.pack = Buffer.allocUnsafe(Math.max(1, count) * (5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES));
+      } else {
+        out.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
+      }
+      out.packed = 0;
+      return out.pack;
+    };
+    const resume = (wait: Promise<void>, from: number) => wait.then(() => {
+      if (socket.destroyed || transfer.done || transfer.peer.closed) return false;
+      socket.cork();
+      return this.sendFrames(transfer, frames, from, batch);
+    });
     try {
-      for (const run of runs) {
-        for (let offset = 0; offset < run.count; offset += perFrame) {
-          if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
+      for (; i < frames.length; i++) {
+        const frame = frames[i]!;
+        if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
+          writePack();
+          socket.uncork();
+          socket.destroySoon();
+          transfer.done = true;
+          return false;
+        }
+        if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
+          // Nothing more on this transfer, the connection stays open until the decode side closes it.
+          writePack();
+          socket.uncork();
+          transfer.done = true;
+          return false;
+        }
+        const { count } = frame;
+        const at = runOffset(view, frame.layer, frame.kv, frame.source);
+        const length = count * runBytes;
+        // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
+        // side has them, so nothing rewrites them while the kernel (or the copy into the ring) reads them.
+        const body: Uint8Array = Buffer.from(view.pool, at, length);
+        let checksum: number;
+        let position = 0;
+        if (ring) {
+          position = ring.head;
+          if ((position % ring.size) + length > ring.size) position += ring.size - (position % ring.size);
+          if (position + length - ring.tail > ring.size) {
+            // No room until the decode side credits what it copied out: it needs the doorbells sent so far.
+            writePack();
             socket.uncork();
-            socket.destroySoon();
-            transfer.done = true;
-            return false;
+            return resume(new Promise<void>((resolve) => {
+              ring.wake = () => {
+                ring.wake = undefined;
+                resolve();
+              };
+            }), i);
           }
-          if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
-            // Nothing more on this transfer, the connection stays open until the decode side closes it.
-            socket.uncork();
-            transfer.done = true;
-            return false;
-          }
-          const count = Math.min(perFrame, run.count - offset);
-          const at = runOffset(view, run.layer, run.kv, run.source + offset);
-          const length = count * runBytes;
-          // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
-          // side has them, so nothing rewrites them while the kernel copies.
-          let body: Uint8Array = Buffer.from(view.pool, at, length);
-          const checksum = kvChecksum(body);
-          if (faults?.corruptRun === this.runsSent) {
-            body = Buffer.from(body);
-            body[length >> 1] = body[length >> 1]! ^ 0xff;
-          }
-          const header = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + (writer ? SHM_OFFSET_BYTES : 0));
-          header.writeUInt32BE(header.length - 4 + (writer ? 0 : length), 0);
-          header[4] = writer ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
-          header.writeUInt16BE(run.layer, 5);
-          header[7] = run.kv;
-          header[8] = 0;
-          header.writeUInt32BE(run.destination + offset, 9);
-          header.writeUInt32BE(count, 13);
-          header.writeUInt32BE(length, 17);
-          header.writeUInt32BE(checksum, 21);
-          header.writeUInt32BE(0, 25);
-          if (writer) {
-            const fileOffset = writer.write(body);
-            header.writeUInt32BE(Math.floor(fileOffset / 2 ** 32), 29);
-            header.writeUInt32BE(fileOffset % 2 ** 32, 33);
-            socket.write(header);
+          checksum = kvChecksumCopy(body, ring.region.bytes, position % ring.size);
+          if (faults?.corruptRun === this.runsSent) ring.region.bytes[(position % ring.size) + (length >> 1)]! ^= 0xff;
+          ring.head = position + length;
+        } else {
+          checksum = 0; // below: in the same pass as the copy into the pack, or of the pool's bytes
+        }
+        const small = ring !== null || length <= PACK_RUN_BYTES;
+        const headerBytes = 5 + RUN_HEADER_BYTES + (ring ? SHM_OFFSET_BYTES : 0);
+        let pack: Buffer | null = null;
+        if (!small) writePack();
+        else if (!out.pack || out.packed + headerBytes + (ring ? 0 : length) > out.pack.length) {
+          writePack();
+          pack = newPack(i);
+        } else {
+          pack = out.pack;
+        }
+        const at0 = out.packed;
+        const header = pack ? pack.subarray(at0, at0 + headerBytes) : Buffer.allocUnsafe(headerBytes);
+        if (!ring) {
+          if (pack) {
+            checksum = kvChecksumCopy(body, pack, at0 + headerBytes);
+            if (faults?.corruptRun === this.runsSent) pack[at0 + headerBytes + (length >> 1)]! ^= 0xff;
           } else {
-            socket.write(header);
-            socket.write(body);
-            corked += length;
+            checksum = kvChecksum(body);
           }
-          this.runsSent++;
-          transfer.runs++;
-          transfer.bytes += length;
-          if (corked >= SEND_FRAME_BYTES) {
-            flushCorked(socket);
-            corked = 0;
-            if (socket.writableLength >= SEND_AHEAD_BYTES) {
-              socket.uncork();
-              await drained(socket);
-              if (socket.destroyed || transfer.done) return false;
-              socket.cork();
-            }
+        }
+        header.writeUInt32BE(headerBytes - 4 + (ring ? 0 : length), 0);
+        header[4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
+        header.writeUInt16BE(frame.layer, 5);
+        header[7] = frame.kv;
+        header[8] = 0;
+        header.writeUInt32BE(frame.destination, 9);
+        header.writeUInt32BE(count, 13);
+        header.writeUInt32BE(length, 17);
+        header.writeUInt32BE(checksum, 21);
+        header.writeUInt32BE(0, 25);
+        if (ring) {
+          header.writeUInt32BE(Math.floor(position / 2 ** 32), 29);
+          header.writeUInt32BE(position % 2 ** 32, 33);
+          out.packed += headerBytes;
+        } else if (pack) {
+          out.packed += headerBytes + length;
+        } else if (faults?.corruptRun === this.runsSent) {
+          const corrupted = Buffer.from(body);
+          corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
+          socket.write(header);
+          socket.write(corrupted);
+        } else {
+          socket.write(header);
+          socket.write(body);
+        }
+        corked += length;
+        this.runsSent++;
+        transfer.runs++;
+        transfer.bytes += length;
+        // tcp: a frame's worth goes to the kernel while it is in cache. shm: the doorbells of a quarter ring go in
+        // one write (each write costs the loopback's delivery, some 20 us), so the decode side copies that quarter out
+        // while the next is copied in.
+        if (corked >= (ring ? ring.size / 4 : SEND_FRAME_BYTES)) {
+          writePack();
+          flushCorked(socket);
+          corked = 0;
+          if (socket.writableLength >= SEND_AHEAD_BYTES) {
+            socket.uncork();
+            return resume(drained(socket), i + 1);
           }
         }
       }
@@ -625,12 +814,13 @@ export class KvTransferServer {
       this.fail(transfer, `writing the runs failed: ${(error as Error).message}`);
       return false;
     }
+    writePack();
     socket.uncork();
-    // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end counts).
-    socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
+    // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end
+    // counts; a pull's is all after it).
+    if (!transfer.pullSources) socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
     return true;
   }
-
 
   private fail(transfer: Transfer, reason: string): void {
     transfer.done = true;
@@ -640,7 +830,6 @@ export class KvTransferServer {
 
   private forget(transfer: Transfer): void {
     clearTimeout(transfer.timer);
-    transfer.writer?.close();
     const set = this.streams.get(transfer.requestId);
     if (set?.delete(transfer) && set.size === 0) this.streams.delete(transfer.requestId);
   }
@@ -711,6 +900,105 @@ export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOp
   return handle;
 }
 
+/**
+ * The decode side's end of a connection to a prefill worker's KV port, kept alive between transfers. Its bytes go
+ * to the transfer using it (sink); an idle one is unreferenced (it keeps no process alive) and closed after IDLE_MS.
+ */
+class KvConnection {
+  readonly socket: net.Socket;
+  /** The current transfer's parser, and what it does when the connection fails. */
+  sink: ((chunk: Buffer) => void) | null = null;
+  onEnd: ((error: Error | null) => void) | null = null;
+  /** The connection's shared-memory ring, once a transfer named it; positions consumed and credited so far. */
+  ring: ShmRegion | null = null;
+  ringSize = 0;
+  consumed = 0;
+  credited = 0;
+  /** Transfers it carried (a reused one has carried at least one before). */
+  transfers = 0;
+  idleTimer: NodeJS.Timeout | undefined;
+  closed = false;
+
+  constructor(readonly key: string, host: string, port: number, readBuffer: Buffer) {
+    this.socket = net.connect({
+      host, port,
+      onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { this.bytes((buffer as Buffer).subarray(0, n)); return true; } },
+    });
+    this.socket.setNoDelay(true);
+    this.socket.on('error', (error) => this.end(error));
+    this.socket.on('close', () => this.end(null));
+  }
+
+  private bytes(chunk: Buffer): void {
+    if (this.sink) this.sink(chunk);
+    else this.destroy(); // nothing may come between transfers
+  }
+
+  private end(error: Error | null): void {
+    if (this.closed) return;
+    this.closed = true;
+    clearTimeout(this.idleTimer);
+    dropIdle(this);
+    this.ring?.close();
+    this.ring = null;
+    const onEnd = this.onEnd;
+    this.onEnd = null;
+    this.sink = null;
+    onEnd?.(error ?? new Error('the connection closed'));
+  }
+
+  destroy(): void {
+    this.socket.destroy();
+    this.end(null);
+  }
+}
+
+const idleConnections = new Map<string, KvConnection[]>();
+/** Connections the decode side opened, and transfers that went on a kept-alive one (since the process started). */
+export const kvConnectionStats = { opened: 0, reused: 0 };
+
+function dropIdle(connection: KvConnection): void {
+  const list = idleConnections.get(connection.key);
+  const at = list?.indexOf(connection) ?? -1;
+  if (at < 0) return;
+  list!.splice(at, 1);
+  if (list!.length === 0) idleConnections.delete(connection.key);
+}
+
+/** A transfer ended cleanly on the connection: kept for the next one to the same worker (or closed, past the limit). */
+function keepIdle(connection: KvConnection): void {
+  connection.sink = null;
+  connection.onEnd = null;
+  if (connection.closed) return;
+  const list = idleConnections.get(connection.key) ?? [];
+  if (list.length >= MAX_IDLE_PER_PEER) return connection.destroy();
+  list.push(connection);
+  idleConnections.set(connection.key, list);
+  connection.socket.unref();
+  connection.idleTimer = setTimeout(() => connection.destroy(), IDLE_MS);
+  connection.idleTimer.unref();
+}
+
+/** The most recently idle connection to the worker, taken out of the pool; undefined when none. */
+function takeIdle(key: string): KvConnection | undefined {
+  const list = idleConnections.get(key);
+  const connection = list?.pop();
+  if (list?.length === 0) idleConnections.delete(key);
+  if (!connection) return undefined;
+  clearTimeout(connection.idleTimer);
+  connection.socket.ref();
+  return connection;
+}
+
+/** Closes the kept-alive KV connections of this process, or only those to one prefill worker's KV port. */
+export function closeIdleKvConnections(to?: { host: string; port: number }): void {
+  for (const list of [...idleConnections.values()]) {
+    for (const connection of [...list]) {
+      if (!to || connection.key.startsWith(`${to.host}:${to.port}:`)) connection.destroy();
+    }
+  }
+}
+
 function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
   const view = options.destination;
   const { requestId, destinationBlockIds: destinations, layers } = descriptor;
@@ -732,9 +1020,10 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
   let settled = false;
   let timer: NodeJS.Timeout | undefined;
   let link: KvLink = 'tcp';
-  let shm: ShmRunReader | null = null;
   let runs = 0;
   let bytes = 0;
+  /** Anything came back on this connection for this transfer (a kept-alive one that closed before: retried once). */
+  let answered = false;
 
   // Parser state: a frame header (5 bytes, then a run's header), a run's bytes, or a JSON frame.
   const head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
@@ -749,20 +1038,22 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
   let bodyMark = 0;
   let json: Buffer[] = [];
   let jsonLeft = 0;
+  /** Set by kv-done: the connection goes back to the pool once the chunk that carried it is used up. */
+  let doneCleanly = false;
 
   const finish = (error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }) => {
     if (settled) return;
     settled = true;
     clearTimeout(timer);
     options.signal?.removeEventListener('abort', onAbort);
-    socket.destroy();
-    if (shm) {
-      try { shm.close(); } catch { /* gone already */ }
-    }
     if (error) {
+      // Whatever of the transfer is still on its way must not reach another: the connection goes.
+      connection.onEnd = null;
+      connection.destroy();
       error.link ??= link;
       settle.reject(error);
     } else {
+      doneCleanly = true;
       settle.resolve({
         bytes, blocks: positions, runs, ms: performance.now() - started, link, sourceBlockIds: done!.sourceBlockIds,
         overlapMs: done!.overlapMs,
@@ -773,7 +1064,7 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
     throw new KvTransferError(reason, `KV transfer of ${requestId}: ${message}`);
   };
 
-  /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or read them (shm). */
+  /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or copy them from the ring (shm). */
   const startRun = (): void => {
     const layer = head.readUInt16BE(5);
     const kv = head[7]!;
@@ -798,12 +1089,21 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
       state = 'body';
       return;
     }
-    if (!shm) fail('unexpected-run', 'a shared-memory run on the tcp link');
-    const offset = head.readUInt32BE(29) * 2 ** 32 + head.readUInt32BE(33);
-    const into = pool.subarray(bodyAt, bodyAt + byteLength);
-    if (!shm!.read(into, offset)) fail('truncated', `run ${runs}: the shared-memory file ends before offset ${offset + byteLength}`);
-    bodyCrc = kvChecksum(into);
+    const ring = connection.ring;
+    if (link !== 'shm' || !ring) fail('unexpected-run', 'a shared-memory run on the tcp link');
+    const at = head.readUInt32BE(29) * 2 ** 32 + head.readUInt32BE(33);
+    const size = connection.ringSize;
+    if (at < connection.consumed || (at % size) + byteLength > size) {
+      fail('unexpected-run', `run ${runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
+    }
+    // Checksummed on the way from the ring into the block: the bytes are read once.
+    bodyCrc = kvChecksumCopy(ring!.bytes.subarray(at % size, (at % size) + byteLength), pool, bodyAt, 0, uncached);
     bodyLeft = 0;
+    connection.consumed = at + byteLength;
+    if (connection.consumed - connection.credited >= size / 4) {
+      connection.credited = connection.consumed;
+      connection.socket.write(encodeJsonFrame({ t: 'kv-credit', upTo: connection.consumed }));
+    }
     endRun(count);
   };
   const endRun = (count = head.readUInt32BE(13)): void => {
@@ -823,15 +1123,26 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
     if (message.t === 'kv-error') fail('refused', `refused: ${String(message.reason)}`);
     if (message.t === 'kv-link') {
       if (message.link === 'shm') {
-        if (typeof message.file !== 'string') fail('link', 'kv-link names no file');
-        try {
-          shm = ShmRunReader.open(message.file as string);
-        } catch (error) {
-          // Gone already: the prefill side ended the transfer (and removed its file) right after naming it.
-          const gone = (error as NodeJS.ErrnoException).code === 'ENOENT';
-          fail(gone ? 'truncated' : 'link', `cannot open the shared-memory file: ${(error as Error).message}`);
+        const name = message.region;
+        const size = message.regionBytes;
+        if (typeof name !== 'string' || typeof size !== 'number') fail('link', 'kv-link names no region');
+        if (connection.ring?.name !== name) {
+          connection.ring?.close();
+          connection.ring = null;
+          try {
+            connection.ring = ShmRegion.open(name as string, size as number);
+          } catch (error) {
+            // Gone already: the prefill side closed the connection (and removed its region) right after naming it.
+            const gone = (error as NodeJS.ErrnoException).code === 'ENOENT';
+            fail(gone ? 'truncated' : 'link', `cannot map the shared-memory ring: ${(error as Error).message}`);
+          }
+          connection.ringSize = size as number;
+          connection.consumed = 0;
+          connection.credited = 0;
         }
         link = 'shm';
+      } else {
+        link = 'tcp';
       }
       return;
     }
@@ -876,16 +1187,13 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
       budget -= n;
     }
   };
-  let fdCache: number | undefined;
   const directFd = (): number => {
-    if (fdCache === undefined) {
-      const fd = direct ? (socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
-      fdCache = typeof fd === 'number' && Number.isInteger(fd) && fd >= 0 ? fd : -1;
-    }
-    return fdCache;
+    const fd = direct ? (connection.socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
+    return typeof fd === 'number' && Number.isInteger(fd) && fd >= 0 ? fd : -1;
   };
 
   const onBytes = (chunk: Buffer): void => {
+    answered = true;
     let i = 0;
     try {
       while (i < chunk.length && !settled) {
@@ -944,26 +1252,56 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
       }
     } catch (error) {
       finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
+      return;
+    }
+    if (doneCleanly) {
+      // Nothing may follow kv-done before the next descriptor: a connection that says more is not kept.
+      // ('direct' connections have the small read buffer: not kept for others.)
+      if (i < chunk.length || direct) connection.destroy();
+      else keepIdle(connection);
     }
   };
 
-  // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
-  const readBuffer = direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
-  const socket = net.connect({
-    host: options.host, port: options.port,
-    onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { onBytes((buffer as Buffer).subarray(0, n)); return true; } },
-  });
-  socket.setNoDelay(true);
-  socket.on('connect', () => {
-    // One write: the prefill side reads both at once.
-    socket.write(Buffer.concat([
-      encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }),
-      encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) }),
-    ]));
-  });
-  socket.on('error', (error) => finish(new KvTransferError(runs === 0 && bytes === 0 ? 'connect' : 'truncated',
-    `KV transfer of ${requestId}: ${error.message}`)));
-  socket.on('close', () => finish(new KvTransferError('truncated', `KV transfer of ${requestId} ended after ${runs} runs (${numCovered} of ${covered.length} block layers)`)));
+  const onEnd = (error: Error | null): void => {
+    // A kept-alive connection the prefill side had closed meanwhile: the same descriptor once more on a new one.
+    if (!settled && !answered && reused) {
+      reused = false;
+      connection = open();
+      return;
+    }
+    finish(new KvTransferError(runs === 0 && bytes === 0 && !answered ? 'connect' : 'truncated',
+      `KV transfer of ${requestId}: ${error?.message ?? 'the connection closed'} after ${runs} runs (${numCovered} of ${covered.length} block layers)`));
+  };
+  const key = `${options.host}:${options.port}:${options.clusterToken}`;
+  const ask2 = encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) });
+  /** A new connection, the hello and the descriptor in one write (the prefill side reads both at once). */
+  const open = (): KvConnection => {
+    // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
+    const readBuffer = direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
+    const fresh = new KvConnection(key, options.host, options.port, readBuffer);
+    kvConnectionStats.opened++;
+    fresh.sink = onBytes;
+    fresh.onEnd = onEnd;
+    fresh.transfers++;
+    fresh.socket.on('connect', () => {
+      fresh.socket.write(Buffer.concat([encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }), ask2]));
+    });
+    return fresh;
+  };
+  // 'direct' reads need a connection of their own (its read buffer is the small one).
+  const idle = direct ? undefined : takeIdle(key);
+  let reused = idle !== undefined;
+  let connection: KvConnection;
+  if (idle) {
+    connection = idle;
+    kvConnectionStats.reused++;
+    connection.sink = onBytes;
+    connection.onEnd = onEnd;
+    connection.transfers++;
+    connection.socket.write(ask2);
+  } else {
+    connection = open();
+  }
   const onAbort = () => finish(new KvTransferError('aborted', `KV transfer of ${requestId} aborted after ${runs} runs`));
   if (options.signal?.aborted) onAbort();
   else options.signal?.addEventListener('abort', onAbort, { once: true });

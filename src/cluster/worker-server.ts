@@ -56,6 +56,11 @@ export interface WorkerServerOptions {
 
 /** How long a KV stream started before its handoff may wait for it (the prefill's queue and compute). */
 const STREAM_UNCLAIMED_MS = 10 * 60_000;
+/**
+ * How long an expected request's stream waits, at most, for another import under way here that brings the leading
+ * blocks of its prompt (they are then held from the cache instead of moved again).
+ */
+const SHARED_PREFIX_WAIT_MS = 5_000;
 /** Stream failures that mean the KV cannot be trusted, as opposed to a stream nobody needed any more. */
 const INTEGRITY_FAILURES: ReadonlySet<string> = new Set(['checksum', 'length', 'unexpected-run', 'truncated', 'link']);
 /** How long the rest of a transfer may take once the handoff is here. */
@@ -177,6 +182,15 @@ export class WorkerServer {
   private readonly incoming = new Map<string, IncomingStream>();
   /** Streams that failed a check before their handoff came: the adopt counts the failure and prefills here. */
   private readonly failedStreams = new Map<string, KvTransferError>();
+  /**
+   * Decode role: requests expected here whose KV is on its way (from expect until the request ends or its stream
+   * fails): their prompt's block hashes, so that a later request with the same leading blocks waits for them to be
+   * cached here instead of moving them again. Woken (endImport) when one ends.
+   */
+  private readonly importing = new Map<string, { hashes: readonly BlockHash[]; at: number }>();
+  private readonly importEnded = new Set<() => void>();
+  /** Decode role: streams that waited for another import's blocks before naming their destinations. */
+  streamsDeferred = 0;
   private readonly offProgress: (() => void) | undefined;
 
   constructor(private readonly options: WorkerServerOptions) {
@@ -572,7 +586,60 @@ export class WorkerServer {
       host: source.host, port: source.port as number, connection, claimed: false,
     };
     this.incoming.set(id, stream);
-    stream.ready = this.openStream(id, stream);
+    this.importing.set(id, { hashes: stream.hashes, at: performance.now() });
+    // Another request under way here brings some of the prompt's leading blocks: the destinations are named once
+    // those are cached (then held, not moved), or that import ends, or a bounded wait passes.
+    const ahead = this.sharedPrefixAhead(id, stream.hashes);
+    stream.ready = ahead ? ahead.then(() => this.openStream(id, stream)) : this.openStream(id, stream);
+  }
+
+  /**
+   * A promise that resolves when the leading blocks of `hashes` that another import under way here brings are
+   * cached here (the KV mirror has them), that import ends, or SHARED_PREFIX_WAIT_MS passes; null when no import
+   * under way brings a block this worker lacks now.
+   */
+  private sharedPrefixAhead(id: string, hashes: readonly BlockHash[]): Promise<void> | null {
+    let shared = 0;
+    let from: string | undefined;
+    const now = performance.now();
+    for (const [other, entry] of this.importing) {
+      if (now - entry.at > STREAM_UNCLAIMED_MS) {
+        this.endImport(other);
+        continue;
+      }
+      if (other === id) continue;
+      let k = 0;
+      while (k < hashes.length && k < entry.hashes.length && hashes[k] === entry.hashes[k]) k++;
+      if (k > shared) {
+        shared = k;
+        from = other;
+      }
+    }
+    const needed = hashes.slice(0, shared);
+    const cached = () => needed.every((hash) => this.kv.hashes.has(hash));
+    if (from === undefined || cached()) return null;
+    this.streamsDeferred++;
+    return new Promise<void>((resolve) => {
+      const done = () => {
+        clearTimeout(timer);
+        this.kvListeners.delete(check);
+        this.importEnded.delete(check);
+        resolve();
+      };
+      const check = () => {
+        if (cached() || !this.importing.has(from!) || this.incoming.get(id) === undefined) done();
+      };
+      const timer = setTimeout(done, SHARED_PREFIX_WAIT_MS);
+      timer.unref();
+      this.kvListeners.add(check);
+      this.importEnded.add(check);
+    });
+  }
+
+  /** The request's import here is over (adopted and ended, failed, cancelled): streams waiting for it go on. */
+  private endImport(id: string): void {
+    if (!this.importing.delete(id)) return;
+    for (const wake of [...this.importEnded]) wake();
   }
 
   /**
@@ -581,6 +648,8 @@ export class WorkerServer {
    * either nothing starts and the adopt pulls or recomputes), then asks the prefill worker for them.
    */
   private async openStream(id: string, stream: IncomingStream): Promise<void> {
+    // Cancelled while it waited for another import's blocks: nothing was prepared.
+    if (this.incoming.get(id) !== stream) return;
     const target = await this.prepareImport(id, stream.hashes, stream.numBlocks, true);
     if (target.ticket !== undefined) stream.ticket = target.ticket;
     // Cancelled meanwhile (cancelIncoming left the preparation to this): it goes.
@@ -615,6 +684,7 @@ export class WorkerServer {
       // prefilled here) or the prefill worker is gone; its blocks go back.
       if (stream.claimed || this.incoming.get(id) !== stream) return;
       this.incoming.delete(id);
+      this.endImport(id);
       this.dropStreamBlocks(id, stream);
       this.log('debug', `KV stream of ${id} ended before its handoff: ${(error as Error).message}`);
       // A corrupted or cut stream is a failed transfer (the adopt falls back to prefilling here), kept a bounded time.
@@ -668,6 +738,7 @@ export class WorkerServer {
     const stream = this.incoming.get(id);
     if (!stream) return;
     this.incoming.delete(id);
+    if (!this.running.has(id)) this.endImport(id);
     // Not open yet: openStream releases what it prepared once the engine answers.
     if (!stream.handle) return;
     stream.handle.cancel(why);
@@ -985,6 +1056,7 @@ export class WorkerServer {
       this.adoptedTo.delete(id);
       this.pulls.delete(id);
       this.releaseStagingAfter(id, connection);
+      this.endImport(id);
       // Prepared for an adoption that never took it (an expect stream of its own releases its preparation).
       if (!this.incoming.has(id)) this.releaseImport(id, this.reservations.get(id));
       connection.requests.delete(id);

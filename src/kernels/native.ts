@@ -313,6 +313,13 @@ export interface NativeAddon {
    * with stores that bypass the cache (x86).
    */
   crc32cCopy?(src: Uint8Array, dst: Uint8Array, dstOffset: number, crc?: number, uncached?: boolean): number;
+  /**
+   * A file of the shared-memory file system mapped (MAP_SHARED) as an ArrayBuffer: create makes it (mode 0600, must
+   * not exist) and sizes it to bytes; otherwise it must exist with exactly bytes. POSIX only (throws elsewhere).
+   */
+  shmMap?(path: string, bytes: number, create: boolean): ArrayBuffer;
+  /** Detaches a shmMap buffer and unmaps its region. */
+  shmUnmap?(buffer: ArrayBuffer): void;
   kernelVariants(variant: KernelVariant): Record<string, string>;
   NativeModel: new (spec: NativeModelSpec) => NativeModel;
   ops: NativeOps;

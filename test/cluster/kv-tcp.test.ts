@@ -4,7 +4,10 @@
 // handoff.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { readdirSync } from 'node:fs';
+import { spawn } from 'node:child_process';
+import { readdirSync, readFileSync } from 'node:fs';
+import { createInterface } from 'node:readline';
+import { fileURLToPath } from 'node:url';
 import {
   KvTransferError, KvTransferServer, pullKvBlocks, planRuns, streamKvBlocks, type KvPullDescriptor,
 } from '../../src/cluster/kv-tcp.ts';
@@ -22,9 +25,13 @@ function pool(numBlocks: number, fill: (i: number) => number): KvPoolView {
   return { pool: buffer, layout };
 }
 
-async function withServer<T>(source: KvPoolView, faults: { corruptRun?: number; truncateAfterRuns?: number } | undefined,
-  run: (port: number, server: KvTransferServer) => Promise<T>, link: 'auto' | 'tcp' = 'auto'): Promise<T> {
-  const server = new KvTransferServer({ clusterToken: TOKEN, pool: source, isPinned: (id) => id !== 'unpinned', link, ...(faults ? { faults } : {}) });
+async function withServer<T>(source: KvPoolView,
+  faults: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number } | undefined,
+  run: (port: number, server: KvTransferServer) => Promise<T>, link: 'auto' | 'tcp' = 'auto', shmRingBytes?: number): Promise<T> {
+  const server = new KvTransferServer({
+    clusterToken: TOKEN, pool: source, isPinned: (id) => id !== 'unpinned', link, ...(faults ? { faults } : {}),
+    ...(shmRingBytes ? { shmRingBytes } : {}),
+  });
   const port = await server.listen(0, '127.0.0.1');
   try {
     return await run(port, server);
@@ -33,12 +40,26 @@ async function withServer<T>(source: KvPoolView, faults: { corruptRun?: number; 
   }
 }
 
-/** Transfer files of this process's servers left in /dev/shm. */
-function leftoverShmFiles(): string[] {
+/** Ring files of this process's servers (or of another pid's) left in /dev/shm. */
+function leftoverShmFiles(pid = process.pid): string[] {
   try {
-    return readdirSync(SHM_DIR).filter((name) => name.startsWith(`conduit-kv-${process.pid}-`));
+    return readdirSync(SHM_DIR).filter((name) => name.startsWith(`conduit-kv-${pid}-`));
   } catch {
     return [];
+  }
+}
+
+/** The shared-memory rings this process has mapped (inode and file), of one pid's servers or of any. */
+function mappedRings(pid?: number): string[] {
+  return readFileSync('/proc/self/maps', 'utf8').split('\n').filter((line) => line.includes(`/conduit-kv-${pid ?? ''}`))
+    .map((line) => line.split(/\s+/).slice(4, 6).join(' ')).sort();
+}
+
+/** Until the condition holds (bounded). */
+async function until(what: string, condition: () => boolean): Promise<void> {
+  for (let turn = 0; !condition(); turn++) {
+    if (turn > 1000) assert.fail(`timed out waiting until ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 5));
   }
 }
 
@@ -211,4 +232,159 @@ describe('KV transfer between workers', () => {
       }
     }
   });
+
+  for (const link of LINKS) {
+    const opts = (port: number, destination: KvPoolView) => ({ clusterToken: TOKEN, host: '127.0.0.1', port, destination, link: link === 'tcp' ? 'tcp' as const : 'auto' as const });
+
+    test(`${link}: transfers to one prefill worker go one after another on one kept-alive connection`, async () => {
+      const before = new Set(mappedRings());
+      let ringsOfFirst: string[] = [];
+      await withServer(source, undefined, async (port, server) => {
+        for (let i = 0; i < 4; i++) {
+          const destination = pool(8, () => 0);
+          const ids = [[3, 4, 5, 9], [0, 1, 2, 3], [9], [15, 14, 13, 12]][i]!;
+          const result = await pullKvBlocks({ requestId: `k${i}`, sourceBlockIds: ids, destinationBlockIds: ids.map((_, j) => j + 2), layers: [0, 3] },
+            opts(port, destination));
+          assert.equal(result.link, link);
+          assert.deepEqual(readKvBlocks(destination, ids.map((_, j) => j + 2)), readKvBlocks(source, ids), `transfer ${i}`);
+          if (i === 0) ringsOfFirst = mappedRings().filter((ring) => !before.has(ring));
+        }
+        // A stream after the pulls, on the same connection.
+        server.started('k-stream');
+        const destination = pool(8, () => 0);
+        const handle = streamKvBlocks({ requestId: 'k-stream', destinationBlockIds: [5, 6], layers: [0, 3] }, opts(port, destination));
+        server.progress('k-stream', [7]);
+        server.handedOff('k-stream', [7, 8]);
+        assert.deepEqual((await handle.result).sourceBlockIds, [7, 8]);
+        assert.deepEqual(readKvBlocks(destination, [5, 6]), readKvBlocks(source, [7, 8]));
+        assert.equal(server.connections, 1, 'one connection for all five');
+        assert.equal(server.reusedConnections, 4);
+        assert.equal(server.served, 5);
+        const rings = mappedRings().filter((ring) => !before.has(ring));
+        assert.equal(ringsOfFirst.length, link === 'shm' ? 2 : 0, `shm: one ring, mapped by each side: ${ringsOfFirst.join(', ')}`);
+        assert.deepEqual(rings, ringsOfFirst, 'the same ring served every transfer');
+      });
+      assert.deepEqual(leftoverShmFiles(), []);
+    });
+
+    test(`${link}: a transfer cancelled or aborted mid-way closes its connection; the next one goes on a new connection`, async () => {
+      await withServer(source, { stallAfterRuns: 3 }, async (port, server) => {
+        const first = await pullKvBlocks({ requestId: 'a0', sourceBlockIds: [1], destinationBlockIds: [1], layers: [0, 1] }, opts(port, pool(8, () => 0)));
+        assert.equal(first.runs, 2, 'the first transfer (2 runs) is whole');
+        // The second stalls after its first run (runs counted over the server's life): cancelled mid-way.
+        const destination = pool(8, () => 0);
+        server.started('a1');
+        const stalled = streamKvBlocks({ requestId: 'a1', destinationBlockIds: [0, 1], layers: [0, 3] }, opts(port, destination));
+        server.handedOff('a1', [3, 4]);
+        await until('the first run of the stalled transfer was sent', () => server.runsSent === 3);
+        assert.equal(server.connections, 1, 'it went on the kept-alive connection');
+        stalled.cancel('test');
+        await assert.rejects(stalled.result, (e: unknown) => e instanceof KvTransferError && e.reason === 'cancelled');
+        await until('the prefill side saw the connection close', () => (server as unknown as { sockets: Set<unknown> }).sockets.size === 0);
+        // An aborted one (the signal) on a new connection: closed too.
+        const controller = new AbortController();
+        const aborted = pullKvBlocks({ requestId: 'a2', sourceBlockIds: [3, 4], destinationBlockIds: [0, 1], layers: [0, 3] },
+          { ...opts(port, pool(8, () => 0)), signal: controller.signal });
+        await until('the aborted transfer is under way', () => server.connections === 2);
+        controller.abort();
+        await assert.rejects(aborted, (e: unknown) => e instanceof KvTransferError && e.reason === 'aborted');
+        assert.equal(server.connections, 2, 'a new connection after the cancelled one');
+      });
+      // Without the fault, the next transfer goes on a fresh connection and lands whole.
+      await withServer(source, undefined, async (port, server) => {
+        const destination = pool(8, () => 0);
+        await pullKvBlocks(descriptor, opts(port, destination));
+        assert.deepEqual(readKvBlocks(destination, descriptor.destinationBlockIds), readKvBlocks(source, descriptor.sourceBlockIds));
+        assert.equal(server.connections, 1);
+      });
+      assert.deepEqual(leftoverShmFiles(), []);
+    });
+
+    test(`${link}: a kept-alive connection the prefill worker closed meanwhile is replaced without failing the transfer`, async () => {
+      await withServer(source, undefined, async (port, server) => {
+        await pullKvBlocks(descriptor, opts(port, pool(8, () => 0)));
+        // The server drops its end; the decode side's idle connection may not have seen it yet when the next starts.
+        for (const socket of (server as unknown as { sockets: Set<{ destroy(): void }> }).sockets) socket.destroy();
+        const destination = pool(8, () => 0);
+        await pullKvBlocks(descriptor, opts(port, destination));
+        assert.deepEqual(readKvBlocks(destination, descriptor.destinationBlockIds), readKvBlocks(source, descriptor.sourceBlockIds));
+        assert.equal(server.connections, 2);
+      });
+    });
+  }
+
+  if (shm) {
+    // A pool with 16 KiB per block run: 8 layers x K/V x 64 blocks = 8 MiB per transfer of all of them.
+    const bigLayout: KvPoolLayout = { numLayers: 8, numBlocks: 64, blockSize: 16, numKvHeads: 4, headDim: 64, dtype: 'f32' };
+    const bigSource = { pool: new SharedArrayBuffer(kvPoolBytes(bigLayout)), layout: bigLayout };
+    const sourceBytes = new Uint8Array(bigSource.pool);
+    for (let i = 0; i < sourceBytes.length; i += 1021) sourceBytes[i] = (i * 7 + (i >> 14)) & 0xff;
+    const all = Array.from({ length: 64 }, (_, i) => i);
+
+    test('shm: a transfer many times larger than the ring goes round it, credit by credit, and arrives whole', async () => {
+      await withServer(bigSource, undefined, async (port, server) => {
+        const destination = { pool: new SharedArrayBuffer(kvPoolBytes(bigLayout)), layout: bigLayout };
+        const reversed = all.slice().reverse();
+        // 8 MiB through a 64 KiB ring (frames of 16 KiB, a quarter of it): 128 laps.
+        const result = await pullKvBlocks({ requestId: 'lap', sourceBlockIds: all, destinationBlockIds: reversed, layers: [0, 8] },
+          { clusterToken: TOKEN, host: '127.0.0.1', port, destination });
+        assert.equal(result.link, 'shm');
+        assert.equal(result.bytes, 64 * 16 * kvBlockRunBytes(bigLayout));
+        assert.ok(Buffer.from(readKvBlocks(destination, reversed)).equals(Buffer.from(readKvBlocks(bigSource, all))));
+        // Again on the same connection and ring (positions go on from where the first transfer left them).
+        const again = { pool: new SharedArrayBuffer(kvPoolBytes(bigLayout)), layout: bigLayout };
+        await pullKvBlocks({ requestId: 'lap2', sourceBlockIds: all, destinationBlockIds: all, layers: [0, 8] },
+          { clusterToken: TOKEN, host: '127.0.0.1', port, destination: again });
+        assert.ok(Buffer.from(readKvBlocks(again, all)).equals(Buffer.from(readKvBlocks(bigSource, all))));
+        assert.equal(server.connections, 1);
+      }, 'auto', 64 << 10);
+      assert.deepEqual(leftoverShmFiles(), []);
+    });
+
+    test('shm: concurrent transfers each get a connection and a ring of their own, and all arrive whole', async () => {
+      await withServer(bigSource, undefined, async (port, server) => {
+        const destinations = Array.from({ length: 4 }, () => ({ pool: new SharedArrayBuffer(kvPoolBytes(bigLayout)), layout: bigLayout }));
+        const results = await Promise.all(destinations.map((destination, k) => pullKvBlocks(
+          { requestId: `c${k}`, sourceBlockIds: all.slice(k * 16, k * 16 + 16), destinationBlockIds: all.slice(0, 16), layers: [0, 8] },
+          { clusterToken: TOKEN, host: '127.0.0.1', port, destination })));
+        for (const [k, result] of results.entries()) {
+          assert.equal(result.link, 'shm');
+          assert.ok(Buffer.from(readKvBlocks(destinations[k]!, all.slice(0, 16))).equals(Buffer.from(readKvBlocks(bigSource, all.slice(k * 16, k * 16 + 16)))), `transfer ${k}`);
+        }
+        assert.equal(server.connections, 4, 'one connection per concurrent transfer');
+        // Kept alive, they serve the next ones: no new connection.
+        await Promise.all(destinations.map((destination, k) => pullKvBlocks(
+          { requestId: `d${k}`, sourceBlockIds: [k], destinationBlockIds: [k], layers: [0, 8] }, { clusterToken: TOKEN, host: '127.0.0.1', port, destination })));
+        assert.equal(server.connections, 4);
+      }, 'auto', 256 << 10);
+      assert.deepEqual(leftoverShmFiles(), []);
+    });
+
+    test('shm: the prefill process killed mid-transfer: the transfer fails as truncated, its ring leaves no file behind', async () => {
+      const child = spawn(process.execPath, ['--import', 'tsx', fileURLToPath(import.meta.url).replace(/kv-tcp\.test\.ts$/, 'kv-tcp-child.ts')],
+        { stdio: ['pipe', 'pipe', 'inherit'] });
+      try {
+        const line = await new Promise<string>((resolve, reject) => {
+          createInterface({ input: child.stdout! }).once('line', resolve);
+          child.once('exit', (code) => reject(new Error(`the child exited with ${code}`)));
+        });
+        const { port, layout } = JSON.parse(line) as { port: number; layout: KvPoolLayout };
+        const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
+        const written = new Uint8Array(destination.pool);
+        const transfer = pullKvBlocks({ requestId: 'killed', sourceBlockIds: [0, 1, 2, 3], destinationBlockIds: [0, 1, 2, 3], layers: [0, layout.numLayers] },
+          { clusterToken: TOKEN, host: '127.0.0.1', port, destination, timeoutMs: 30_000 });
+        // The child stalls after its first runs: they landed, the rest never comes.
+        await until('the first runs arrived', () => written.some((b) => b !== 0));
+        assert.equal(mappedRings(child.pid).length, 1, 'this side mapped the child\'s ring');
+        assert.deepEqual(leftoverShmFiles(child.pid), [], 'and removed its name at once');
+        child.kill('SIGKILL');
+        await assert.rejects(transfer, (e: unknown) => e instanceof KvTransferError && e.reason === 'truncated' && e.link === 'shm');
+      } finally {
+        child.kill('SIGKILL');
+      }
+      await new Promise((resolve) => setImmediate(resolve));
+      assert.deepEqual(mappedRings(child.pid), [], 'the ring is unmapped with its connection');
+      assert.deepEqual(leftoverShmFiles(child.pid), []);
+    });
+  }
 });

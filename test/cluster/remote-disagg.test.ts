@@ -232,7 +232,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(decode.server.kvTransfers.get('checksum'), 1);
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
     assert.equal(engine.decisionCounts().fallbacks, 1);
-    for (const s of [prefill, decode]) await assertFree(s);
+    await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
   test('a run corrupted while streaming, before the handoff, is detected too: the decode worker prefills itself', async () => {
@@ -243,7 +243,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.deepEqual(tokens(outputs), tokens(expected));
     assert.equal(decode.server.kvTransfers.get('checksum'), 1);
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
-    for (const s of [prefill, decode]) await assertFree(s);
+    await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
   test('a prefill worker gone: the decode worker prefills the request itself, same greedy text', async () => {
@@ -259,7 +259,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     const outputs = await collect(engine.generate(request(ids)));
     assert.deepEqual(tokens(outputs), tokens(expected));
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'local');
-    await assertFree(decode);
+    await assertClean(engine, outputs[0]!.requestId, [decode]);
   });
   test('blocks the decode worker holds in its prefix cache are not pulled: only the rest moves, same greedy text', async () => {
     // Pulled after the handoff (a stream started during the prefill moves every block; see the test after this one).
@@ -309,6 +309,94 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
   }
+
+  test('blocks cached on the decode worker after expect was sent are not streamed: its cache is checked when the destinations are allocated', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(17, 4 * BLOCK);
+    const first = [...shared, ...prompt(18, 40)];
+    const second = [...shared, ...prompt(19, 70)];
+    const expected = await collect(aggregated.generate(request(second)));
+    // The prefill waits until the decode worker has opened its stream (so the KV comes by the stream, not a pull).
+    const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+    let letPrefill!: () => void;
+    const prefillGate = new Promise<void>((resolve) => { letPrefill = resolve; });
+    prefill.engine.prefill = (r) => (async function* () {
+      await prefillGate;
+      yield* prefillOf(r);
+    })();
+    // The expect reaches the decode worker only after its prefix cache got the shared blocks (from a request run on
+    // its engine directly, which the frontend knew nothing of when it sent expect).
+    const server = decode.server as unknown as { expect(connection: unknown, message: unknown): void; incoming: Map<string, { ready: Promise<void> }> };
+    const expectOf = server.expect.bind(server);
+    let held: (() => void) | undefined;
+    server.expect = (connection, message) => { held = () => expectOf(connection, message); };
+    try {
+      const req = request(second);
+      const run = start(engine, req);
+      await until('the frontend sent expect', () => held !== undefined);
+      assert.equal(server.incoming.size, 0, 'no stream opened yet');
+      await collect(decode.engine.generate(request(first)));
+      held!();
+      await server.incoming.get(req.id)?.ready;
+      letPrefill();
+      const outputs = await run.done;
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      assert.equal(text(outputs), text(expected));
+      const transfer = engine.channel.log.recent().at(-1)!;
+      const blocks = Math.ceil(second.length / BLOCK);
+      assert.equal(decode.server.streamsAdopted, 1, 'the KV came by the stream opened at expect');
+      assert.equal(transfer.reusedBlocks, 4, 'the 4 blocks cached after expect was sent stayed on the decode worker');
+      assert.equal(transfer.blocks, blocks - 4);
+      assert.equal(transfer.bytes, (blocks - 4) * kvBlockBytes(decode.engine.kvLayout!), 'the stream moved only the blocks missing then');
+      await assertClean(engine, req.id, [prefill, decode]);
+    } finally {
+      server.expect = expectOf;
+      letPrefill();
+      prefill.engine.prefill = prefillOf;
+    }
+  });
+
+  test('two requests with the same leading blocks at once: the second\'s stream waits for the first\'s blocks and moves only the rest', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(26, 4 * BLOCK);
+    const reqA = request([...shared, ...prompt(27, 40)]);
+    const reqB = request([...shared, ...prompt(28, 70)]);
+    const expectedA = await collect(aggregated.generate(request([...reqA.promptTokenIds])));
+    const expectedB = await collect(aggregated.generate(request([...reqB.promptTokenIds])));
+    const deferredBefore = decode.server.streamsDeferred;
+    const [outA, outB] = await Promise.all([collect(engine.generate(reqA)), collect(engine.generate(reqB))]);
+    assert.deepEqual(tokens(outA), tokens(expectedA));
+    assert.deepEqual(tokens(outB), tokens(expectedB));
+    assert.equal(text(outB), text(expectedB));
+    const log = engine.channel.log.recent();
+    const a = log.find((t) => t.requestId === reqA.id)!;
+    const b = log.find((t) => t.requestId === reqB.id)!;
+    assert.equal(a.reusedBlocks, 0);
+    assert.equal(a.blocks, Math.ceil(reqA.promptTokenIds.length / BLOCK));
+    assert.equal(decode.server.streamsDeferred, deferredBefore + 1, 'the second expect waited for the first import');
+    assert.equal(b.reusedBlocks, 4, 'the 4 shared blocks came once, with the first request');
+    assert.equal(b.blocks, Math.ceil(reqB.promptTokenIds.length / BLOCK) - 4);
+    assert.equal(b.bytes, b.blocks * kvBlockBytes(decode.engine.kvLayout!));
+    await assertClean(engine, reqA.id, [prefill, decode]);
+    await assertClean(engine, reqB.id, [prefill, decode]);
+  });
+
+  test('a request aborted while its stream waits for another import\'s blocks: nothing held, the other completes', async () => {
+    const { engine, prefill, decode } = await build();
+    const shared = prompt(29, 4 * BLOCK);
+    const reqA = request([...shared, ...prompt(30, 40)]);
+    const reqB = request([...shared, ...prompt(31, 70)], 8);
+    const expectedA = await collect(aggregated.generate(request([...reqA.promptTokenIds])));
+    const deferredBefore = decode.server.streamsDeferred;
+    const runA = start(engine, reqA);
+    const runB = start(engine, reqB);
+    await until('the second expect waits for the first import', () => decode.server.streamsDeferred === deferredBefore + 1);
+    engine.abort(reqB.id);
+    assert.equal((await runB.done).at(-1)?.finishReason, 'abort');
+    assert.deepEqual(tokens(await runA.done), tokens(expectedA));
+    await assertClean(engine, reqB.id, [prefill, decode]);
+    await assertClean(engine, reqA.id, [prefill, decode]);
+  });
 
   test('abort while the prefill runs: nothing held on either worker, and the next request is served', async () => {
     // The prompt in chunks of 32 tokens (one step each), and the abort sent as soon as the prefill worker starts it.
