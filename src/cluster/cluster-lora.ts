@@ -13,7 +13,6 @@
 
 import { LoraLoadError } from '../engine/errors.ts';
 import type { LoraLoadInfo } from '../engine/types.ts';
-import type { AdapterHost } from '../api/gateway.ts';
 import type { WorkerLora } from './discovery.ts';
 import type { RemoteEngine } from './remote-engine.ts';
 
@@ -24,7 +23,8 @@ export interface AdapterWorker {
   remote: RemoteEngine;
 }
 
-export class ClusterAdapters implements AdapterHost {
+/** The gateway's AdapterHost (api/gateway.ts) for a frontend's model, by shape: cluster/ does not import api/. */
+export class ClusterAdapters {
   private loads = 0;
 
   /**
