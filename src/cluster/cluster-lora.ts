@@ -33,13 +33,13 @@ export class ClusterAdapters {
    */
   constructor(private readonly workers: () => AdapterWorker[], private readonly changed: (id: string, loras: WorkerLora[]) => void) {}
 
-  /** Every adapter some worker holds, once per name (the first worker's path). */
+  /** Every adapter some worker holds, once per name (the first worker's path), by name: the same whichever worker joined first. */
   list(): { name: string; path: string; resident: boolean; key: string }[] {
     const seen = new Map<string, { name: string; path: string; resident: boolean; key: string }>();
     for (const worker of this.workers()) {
       for (const { name, path, key } of worker.loras) if (!seen.has(name)) seen.set(name, { name, path, resident: true, key });
     }
-    return [...seen.values()];
+    return [...seen.values()].sort((x, y) => (x.name < y.name ? -1 : x.name > y.name ? 1 : 0));
   }
 
   has(name: string): boolean {

@@ -10,6 +10,7 @@
 
 import net from 'node:net';
 import { EngineClosedError, EngineOverloadedError, InvalidRequestError, LoraLoadError, WorkerLostError } from '../engine/errors.ts';
+import { LoraCapacityError } from '../runtime/lora-manager.ts';
 import { AsyncQueue } from '../engine/streams.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
@@ -275,6 +276,7 @@ export class RemoteEngine implements RoutableEngine {
 
   private async loraCall(message: Record<string, unknown>): Promise<LoraReply> {
     const reply = await this.ask<LoraReply & { error?: { code: string; message: string } }>(message);
+    if (reply.error?.code === 'lora_capacity') throw new LoraCapacityError(String(message.name), 0, reply.error.message);
     if (reply.error) throw new LoraLoadError(reply.error.code as LoraLoadError['code'], reply.error.message);
     return reply;
   }

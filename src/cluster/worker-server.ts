@@ -12,12 +12,12 @@
 
 import net from 'node:net';
 import { v8Serialize } from './blob.ts';
-import { LoraLoadError } from '../engine/errors.ts';
+import { EngineOverloadedError, LoraLoadError } from '../engine/errors.ts';
 import type { Engine, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { isBlockHash, type BlockHash, type KvEvent } from '../protocols/kv-events.ts';
-import type { LoraManager } from '../runtime/lora-manager.ts';
+import { LoraCapacityError, type LoraManager } from '../runtime/lora-manager.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
 import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent, PrefillProgress } from '../engine/handoff.ts';
@@ -444,7 +444,7 @@ export class WorkerServer {
     const { rid, name, path } = message;
     const engine = this.options.engine;
     const refuse = (error: unknown) => {
-      const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
+      const code = error instanceof LoraLoadError ? error.code : error instanceof LoraCapacityError ? 'lora_capacity' : 'invalid_adapter';
       this.send(connection, { t: 'lora', rid, error: { code, message: (error as Error).message } });
     };
     if (typeof name !== 'string' || (message.t === 'lora-load' && typeof path !== 'string')) {
@@ -537,6 +537,8 @@ export class WorkerServer {
       key = await adapters.acquireKey(request.lora!);
     } catch (error) {
       this.abortedEarly.delete(request.id);
+      // Every resident adapter has requests in flight: busy for now, as an overloaded worker is (503, Retry-After).
+      if (error instanceof LoraCapacityError) throw new EngineOverloadedError(error.message, 1000);
       throw error;
     } finally {
       this.awaitingAdapter.delete(request.id);

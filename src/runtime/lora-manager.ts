@@ -32,8 +32,9 @@ export const DEFAULT_MAX_LORA_RANK = 16;
 /** Every resident adapter has requests in flight, so none can make room for another: retry later. */
 export class LoraCapacityError extends Error {
   override name = 'LoraCapacityError';
-  constructor(readonly adapter: string, readonly maxLoras: number) {
-    super(`LoRA adapter '${adapter}' cannot be loaded now: all ${maxLoras} resident adapters (--max-loras) have requests in flight`);
+  /** `message`: a worker's own words, when the refusal came from one over the request plane. */
+  constructor(readonly adapter: string, readonly maxLoras: number, message?: string) {
+    super(message ?? `LoRA adapter '${adapter}' cannot be loaded now: all ${maxLoras} resident adapters (--max-loras) have requests in flight`);
   }
 }
 
