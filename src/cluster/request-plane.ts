@@ -5,7 +5,9 @@
 //
 // A connection starts with the frontend's `hello` carrying the cluster token; the worker answers `welcome` (its id,
 // engine info, role) or `refused` and closes. Then:
-//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump);
+//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump),
+//                       lora-load / lora-unload (answered by lora: what loading found, and from a worker that keeps
+//                       its own adapters the key it gave the adapter, or how many requests an unload waits for);
 //                       gen, prefill and adopt carry `sentAt`, the frontend's clock when sent (clock-offset.ts)
 //   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat and after each stream's
 //                       end), kv (KV events, only to a connection that asked for them), snapshot, draining, and the
