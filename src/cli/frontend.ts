@@ -18,6 +18,8 @@ const WORKER_ONLY = new Set([
   'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
   'scheduling-policy', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank',
 ]);
+// The workers hold the LoRA adapters (conduit worker --lora-modules); a frontend lists them, routes requests for
+// them to the workers that hold them, and passes /v1/load_lora_adapter and /v1/unload_lora_adapter on to them.
 
 const GATEWAY_FLAGS = Object.fromEntries(Object.entries(SERVE_FLAGS).filter(([name]) => !WORKER_ONLY.has(name))) as FlagTable;
 
@@ -73,7 +75,11 @@ export const frontendCommand: Command = {
     logger.info(`Conduit frontend listening at ${api.url}; waiting for workers under /${cluster.namespace}/workers/ `
       + `(etcd ${cluster.etcd!.endpoints.join(',')}, NATS ${nats.servers.join(',')})`);
     void frontend.ready().then((engine) => {
-      api.attach({ engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: 'workerIds' in engine ? engine.workerIds[0] : engine.decodeWorkerIds[0] });
+      api.attach({
+        engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: 'workerIds' in engine ? engine.workerIds[0] : engine.decodeWorkerIds[0],
+        // The adapters the aggregated workers hold (their --lora-modules, and those loaded through this API).
+        ...(frontend.adapters && engine === frontend.engine ? { adapters: frontend.adapters } : {}),
+      });
       logger.info(`serving ${engine.info.modelName} (context ${engine.info.maxModelLen}, blocks of ${engine.info.blockSize}) `
         + `through the ${config.routingPolicy} router, migration limit ${config.migrationLimit}`);
     });

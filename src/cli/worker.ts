@@ -1,21 +1,24 @@
 // `conduit worker`: one engine worker as a process of its own, serving the request plane, registered in etcd under
 // the namespace with a kept-alive lease, publishing its KV events and load on NATS. SIGINT/SIGTERM drain: deregister,
-// finish the running streams (up to --shutdown-grace), exit 0.
+// finish the running streams (up to --shutdown-grace), exit 0. An aggregated worker keeps its own LoRA adapters
+// (--lora-modules at start, --max-loras resident, --max-lora-rank; frontends load more) and publishes them in its
+// etcd record.
 
+import { modelIdFromName } from '../api/gateway.ts';
 import { createLogger, isLogLevel, LOG_LEVELS } from '../api/log.ts';
 import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
-import { defaultWorkerId, startClusterWorker } from '../cluster/worker-process.ts';
+import { defaultWorkerId, LoraModuleError, startClusterWorker } from '../cluster/worker-process.ts';
 import type { WorkerRole } from '../engine/types.ts';
 import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
-import { parseByteSize, parseLoraDtype, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
+import { parseByteSize, parseLoraDtype, parseLoraModules, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release',
   'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
-  'max-num-batched-tokens', 'lora-dtype', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
+  'max-num-batched-tokens', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
 const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, SERVE_FLAGS[name]])) as Pick<typeof SERVE_FLAGS, (typeof ENGINE_FLAG_NAMES)[number]>;
@@ -37,7 +40,7 @@ export const WORKER_FLAGS = {
 export const workerCommand: Command = {
   summary: 'one engine worker as a process, found through etcd, KV events on NATS',
   async run(argv) {
-    const { values, positionals } = parseFlags(WORKER_FLAGS, argv);
+    const { values, positionals, lists } = parseFlags(WORKER_FLAGS, argv);
     if (values.help) {
       console.log(`Usage: conduit worker --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n${formatFlagHelp(WORKER_FLAGS)}`);
       return 0;
@@ -65,16 +68,32 @@ export const workerCommand: Command = {
     } catch (error) {
       throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
     }
+    // The worker's own adapters (a --parent-ipc child's are its parent's to load).
+    const loraModules = parseLoraModules(lists['lora-modules'] ?? []);
+    if (local && loraModules.length > 0) throw new UsageError('--lora-modules is the parent\'s option under `conduit serve --worker-processes`');
+    if (role !== 'both' && loraModules.length > 0) throw new UsageError(`--lora-modules: LoRA adapters run on aggregated cluster workers (--role both), not ${role} workers`);
+    const maxLoras = values['max-loras']!;
+    const maxLoraRank = values['max-lora-rank']!;
+    if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new UsageError(`--max-loras must be a whole number > 0, got ${maxLoras}`);
+    if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new UsageError(`--max-lora-rank must be a whole number > 0, got ${maxLoraRank}`);
     const logger = createLogger(logLevel);
     const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
     const modelPath = engineKind === 'sim' ? undefined
       : values.model ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const workerId = values['worker-id'] ?? defaultWorkerId();
+    const servedName = values['served-model-name'];
+    for (const { name, base } of loraModules) {
+      // A worker serves one model: an adapter's @BASE, when given, must be it (checked again once the name is known).
+      if (base !== undefined && servedName !== undefined && base !== servedName) {
+        throw new UsageError(`--lora-modules ${name}: base model "${base}" is not this worker's (${servedName})`);
+      }
+    }
     const running = await startClusterWorker({
       workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
       host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
       ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
       leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink,
+      ...(!local && role === 'both' ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
       pool: {
         engine: engineKind, backend,
         ...(modelPath !== undefined ? { modelPath } : {}),
@@ -92,7 +111,14 @@ export const workerCommand: Command = {
         ...(values['max-num-batched-tokens'] !== undefined ? { maxNumBatchedTokens: values['max-num-batched-tokens'] } : {}),
         sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: values['sim-lora-rank']! },
       },
+    }).catch((error: unknown) => {
+      throw error instanceof LoraModuleError ? new UsageError(error.message) : error;
     });
+    const misnamed = loraModules.find((m) => m.base !== undefined && m.base !== running.record.model && m.base !== modelIdFromName(running.record.model));
+    if (misnamed) {
+      await running.shutdown(0);
+      throw new UsageError(`--lora-modules ${misnamed.name}: base model "${misnamed.base}" is not this worker's (${running.record.model})`);
+    }
     const graceMs = values['shutdown-grace']! * 1000;
     if (local) {
       // The parent reads the address; when the parent goes away (the IPC channel closes), so does this worker.

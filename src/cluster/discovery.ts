@@ -28,6 +28,20 @@ export interface WorkerRecord {
   engine: string;
   pid: number;
   startedAt: string;
+  /**
+   * The LoRA adapters the worker holds (registered; resident or loaded again on demand), of `model`: its
+   * --lora-modules and those loaded at run time. A frontend lists them and routes a request naming one only to
+   * workers that hold it, under `key` (the name and a digest of its bytes: the same on every worker holding them).
+   */
+  loras?: WorkerLora[];
+}
+
+export interface WorkerLora {
+  name: string;
+  key: string;
+  /** The file or folder, as the worker was given it (/v1/models shows it as the adapter's root). */
+  path: string;
+  rank?: number;
 }
 
 export const DEFAULT_NAMESPACE = 'conduit';
@@ -76,6 +90,9 @@ export function parseWorkerRecord(text: string): WorkerRecord | undefined {
     if (typeof value.id !== 'string' || typeof value.address !== 'string' || typeof value.model !== 'string'
       || !Number.isInteger(value.blockSize)) return undefined;
     if (value.role !== 'both' && value.role !== 'prefill' && value.role !== 'decode') return undefined;
+    if (value.loras !== undefined && !(Array.isArray(value.loras) && value.loras.every((l: Partial<WorkerLora>) =>
+      typeof l === 'object' && l !== null && typeof l.name === 'string' && typeof l.key === 'string' && typeof l.path === 'string'
+      && (l.rank === undefined || Number.isInteger(l.rank))))) return undefined;
     return value as WorkerRecord;
   } catch {
     return undefined;
@@ -88,7 +105,7 @@ export class WorkerRegistration {
   private stopped = false;
   private retry: NodeJS.Timeout | undefined;
 
-  constructor(private readonly client: Etcd3, private readonly namespace: string, private readonly record: WorkerRecord,
+  constructor(private readonly client: Etcd3, private readonly namespace: string, private record: WorkerRecord,
     private readonly ttlSeconds: number, private readonly log: ClusterLog) {}
 
   get key(): string {
@@ -106,6 +123,21 @@ export class WorkerRegistration {
         this.log('warn', `etcd: cannot register ${this.key} yet (${(error as Error).message}); retrying in 1 s`);
         await new Promise((resolve) => setTimeout(resolve, 1000));
       }
+    }
+  }
+
+  /**
+   * Puts a changed record (the adapters it holds) under the same lease; when the lease is being granted again
+   * meanwhile, that registration puts this record.
+   */
+  async update(record: WorkerRecord): Promise<void> {
+    this.record = record;
+    const lease = this.lease;
+    if (!lease || this.stopped) return;
+    try {
+      await lease.put(this.key).value(JSON.stringify(record));
+    } catch (error) {
+      this.log('warn', `etcd: could not update ${this.key} (${(error as Error).message}); the lease's next registration puts it`);
     }
   }
 
@@ -230,7 +262,8 @@ export class WorkerWatch {
   private apply(record: WorkerRecord): void {
     const before = this.known.get(record.id);
     this.known.set(record.id, record);
-    if (!before || before.address !== record.address) this.handlers.put(record);
+    // A new address is a new connection; a changed record at the same one (its adapters) is news too.
+    if (!before || JSON.stringify(before) !== JSON.stringify(record)) this.handlers.put(record);
   }
 
   private remove(id: string): void {

@@ -6,6 +6,9 @@
 // frontend needs no model file) and its KV view is resynced from a snapshot. It leaves when its connection drops
 // (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
+//
+// LoRA: aggregated workers publish the adapters they hold in their records; the router takes a request naming one
+// only to workers holding it, and the gateway's load/unload API reaches the workers (cluster-lora.ts).
 
 import type { Etcd3 } from 'etcd3';
 import { engineNow } from '../engine/clock.ts';
@@ -24,6 +27,7 @@ import type { DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { remoteDisaggregatedEngine } from './remote-disagg.ts';
 import { splitAddress } from './remote-engine.ts';
 import { EventSubscriber } from './events.ts';
+import { ClusterAdapters, type AdapterWorker } from './cluster-lora.ts';
 import { RemoteEngine } from './remote-engine.ts';
 import type { ModelCard } from './request-plane.ts';
 import type { ClusterLog } from './worker-server.ts';
@@ -99,6 +103,8 @@ export class ClusterFrontend {
   tokenizer: Tokenizer | undefined;
   chatTemplate: ChatTemplate | undefined;
   router: Router | undefined;
+  /** The LoRA adapters the aggregated workers hold (cluster-lora.ts), once the engine is built. */
+  adapters: ClusterAdapters | undefined;
   private readonly members = new Map<string, Member>();
   private readonly watch: WorkerWatch;
   private events: EventSubscriber | undefined;
@@ -172,7 +178,11 @@ export class ClusterFrontend {
     if (existing) {
       existing.record = record;
       existing.retired = false;
-      if (existing.remote && !existing.remote.lost && existing.remote.address === record.address) return;
+      if (existing.remote && !existing.remote.lost && existing.remote.address === record.address) {
+        // The same worker with a changed record: the adapters it holds.
+        this.routeAdapters(record.id);
+        return;
+      }
       existing.remote?.drop(`worker ${record.id} re-registered at ${record.address}`);
       existing.remote = undefined;
       this.connect(existing);
@@ -243,6 +253,13 @@ export class ClusterFrontend {
       member.remote = remote;
       this.engine = new ClusterEngine(remote, this.router, member.record.engine === 'cpu' ? this.tokenizer : undefined,
         this.options.migrationLimit ?? 0, () => this.workerViews(), `/${this.options.namespace}/workers/`, this.options.log);
+      this.adapters = new ClusterAdapters(() => this.adapterWorkers(), (workerId, loras) => {
+        const held = this.members.get(workerId);
+        if (!held) return;
+        held.record = { ...held.record, loras };
+        this.routeAdapters(workerId);
+      });
+      this.routeAdapters(id);
       for (const resolve of this.readyWaiters.splice(0)) resolve(this.engine);
     } else {
       const info = this.engine.info;
@@ -255,6 +272,7 @@ export class ClusterFrontend {
       }
       member.remote = remote;
       this.engine.addWorker(id, remote);
+      this.routeAdapters(id);
     }
     remote.onLost((error) => {
       this.options.log('warn', `worker ${id}: ${error.message}`);
@@ -319,6 +337,26 @@ export class ClusterFrontend {
     // The prefill workers that waited for this one joined no router then: their views start from a snapshot now.
     for (const p of prefill) void this.resync(p.workerId, 'joined');
     return true;
+  }
+
+  /** The aggregated workers routed to now, with the adapters their records (or load replies) say they hold. */
+  private adapterWorkers(): AdapterWorker[] {
+    const routed = new Set(this.engine?.workerIds ?? []);
+    const workers: AdapterWorker[] = [];
+    for (const [id, { record, remote }] of this.members) {
+      if (remote && !remote.lost && !remote.draining && routed.has(id)) workers.push({ id, loras: record.loras ?? [], remote });
+    }
+    return workers;
+  }
+
+  /**
+   * Tells the router which adapters a worker holds (their keys): a request naming one goes only to those workers.
+   * Requests for the base model go to any.
+   */
+  private routeAdapters(workerId: string): void {
+    const member = this.members.get(workerId);
+    if (!member || !this.engine || !this.router) return;
+    this.router.setWorkerModels(workerId, (member.record.loras ?? []).map((l) => l.key));
   }
 
   private adoptModel(card: ModelCard | null, info: EngineInfo): void {

@@ -10,6 +10,7 @@
 
 import net from 'node:net';
 import { EngineClosedError, EngineOverloadedError, InvalidRequestError, LoraLoadError, WorkerLostError } from '../engine/errors.ts';
+import { LoraCapacityError } from '../runtime/lora-manager.ts';
 import { AsyncQueue } from '../engine/streams.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
@@ -259,8 +260,23 @@ export class RemoteEngine implements RoutableEngine {
     await this.loraCall({ t: 'lora-unload', name });
   }
 
-  private async loraCall(message: Record<string, unknown>): Promise<{ info?: LoraLoadInfo }> {
-    const reply = await this.ask<{ info?: LoraLoadInfo; error?: { code: string; message: string } }>(message);
+  /**
+   * A `conduit worker`'s own adapters (it keeps its own LoRA manager): registers the adapter there and resolves what
+   * loading found and the key the worker knows it by (what requests for it carry as `lora`).
+   */
+  async registerLora(name: string, path: string): Promise<{ info: LoraLoadInfo; key?: string }> {
+    const reply = await this.loraCall({ t: 'lora-load', name, path });
+    return { info: reply.info!, ...(reply.key !== undefined ? { key: reply.key } : {}) };
+  }
+
+  /** Unregisters an adapter of a `conduit worker`; resolves how many of its requests were still running there. */
+  async unregisterLora(name: string): Promise<{ inFlight: number }> {
+    return { inFlight: (await this.loraCall({ t: 'lora-unload', name })).inFlight ?? 0 };
+  }
+
+  private async loraCall(message: Record<string, unknown>): Promise<LoraReply> {
+    const reply = await this.ask<LoraReply & { error?: { code: string; message: string } }>(message);
+    if (reply.error?.code === 'lora_capacity') throw new LoraCapacityError(String(message.name), 0, reply.error.message);
     if (reply.error) throw new LoraLoadError(reply.error.code as LoraLoadError['code'], reply.error.message);
     return reply;
   }
@@ -410,7 +426,11 @@ export class RemoteEngine implements RoutableEngine {
         this.settle(m.rid, { lastEventId: Number(m.lastEventId), hashes: parseHashes(m.hashes) });
         return;
       case 'lora':
-        this.settle(m.rid, { info: parseLoraInfo(m.info), error: parseLoraError(m.error) });
+        this.settle(m.rid, {
+          info: parseLoraInfo(m.info), error: parseLoraError(m.error),
+          ...(typeof m.key === 'string' && m.key.length <= 1024 ? { key: m.key } : {}),
+          ...(Number.isSafeInteger(m.inFlight) && (m.inFlight as number) >= 0 ? { inFlight: m.inFlight as number } : {}),
+        });
         return;
       case 'draining':
         this.drainingFlag = true;
@@ -481,6 +501,13 @@ export function splitAddress(address: string): { host: string; port: number } {
   const match = /^\[?([^\]]+?)\]?:(\d+)$/.exec(address);
   if (!match) throw new Error(`worker address must be host:port, got "${address}"`);
   return { host: match[1]!, port: Number(match[2]) };
+}
+
+/** A `lora` reply: what a load found, the key a worker's own manager gave it, the requests an unload waits for. */
+interface LoraReply {
+  info?: LoraLoadInfo;
+  key?: string;
+  inFlight?: number;
 }
 
 /** A LoRA load's info from the wire (undefined when absent). */

@@ -5,7 +5,9 @@
 //
 // A connection starts with the frontend's `hello` carrying the cluster token; the worker answers `welcome` (its id,
 // engine info, role) or `refused` and closes. Then:
-//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump);
+//   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump),
+//                       lora-load / lora-unload (answered by lora: what loading found, and from a worker that keeps
+//                       its own adapters the key it gave the adapter, or how many requests an unload waits for);
 //                       gen, prefill and adopt carry `sentAt`, the frontend's clock when sent (clock-offset.ts)
 //   worker -> frontend: out (outputs + stats), end, err, reset, hb (stats, every heartbeat and after each stream's
 //                       end), kv (KV events, only to a connection that asked for them), snapshot, draining, and the
@@ -18,7 +20,13 @@ import { KV_LOWER_TIERS, parseKvEvent, type BlockHash, type KvEvent, type KvLowe
 import type { EngineStats, KvTiersStats } from '../protocols/worker.ts';
 import { FrameError } from './frames.ts';
 
-export const REQUEST_PLANE_VERSION = 1;
+/**
+ * The protocol's version, checked at hello: a worker refuses a frontend of another version (and says which it
+ * speaks) before any request is sent, rather than closing the connection on a message it does not know.
+ *   1: requests, KV events, snapshots, the model card, disaggregation (prefill, expect, adopt, release);
+ *   2: lora-load / lora-unload (LoRA adapters loaded and unloaded on a worker).
+ */
+export const REQUEST_PLANE_VERSION = 2;
 /** The largest frame a connection may send before it authenticated (its hello). */
 export const MAX_HELLO_BYTES = 64 * 1024;
 /** A worker sends its stats at least this often; a connection silent for HEARTBEAT_TIMEOUT_MS is lost. */

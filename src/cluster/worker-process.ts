@@ -12,7 +12,8 @@ import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { simPool, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
-import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerRecord } from './discovery.ts';
+import { LoraManager } from '../runtime/lora-manager.ts';
+import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerLora, type WorkerRecord } from './discovery.ts';
 import { checkWorkerId, EventPublisher, natsConnect, type NatsConnectOptions } from './events.ts';
 import type { KvLinkPreference } from './kv-shm.ts';
 import { WorkerServer, type ClusterLog } from './worker-server.ts';
@@ -32,6 +33,12 @@ export interface ClusterWorkerOptions {
   maxFrameBytes?: number;
   /** 'tcp': KV transfers with workers on this host go over TCP too, not shared memory (default 'auto'). */
   kvLink?: KvLinkPreference;
+  /**
+   * The worker's own LoRA adapters (`conduit worker`; not a `conduit serve --worker-processes` child, whose parent
+   * manages them): loaded at start from `modules`, at most `maxLoras` resident, none above `maxLoraRank`; frontends
+   * load and unload more over the request plane. The worker publishes what it holds in its etcd record.
+   */
+  lora?: { modules: { name: string; path: string }[]; maxLoras: number; maxLoraRank: number };
   /** The engine: cpu (a model file) or sim; the rest of the pool options as `conduit serve` takes them. */
   pool: Omit<WorkerPoolOptions, 'workers'>;
   log: ClusterLog;
@@ -63,12 +70,42 @@ async function startEngine(options: ClusterWorkerOptions): Promise<{ engine: Rou
   return { engine: bundle.engine, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate };
 }
 
+/** A --lora-modules adapter the worker could not load: it does not start (the message says which and why). */
+export class LoraModuleError extends Error {
+  override name = 'LoraModuleError';
+}
+
+/** The adapters a worker holds, as its record publishes them. */
+function workerLoras(adapters: LoraManager): WorkerLora[] {
+  return adapters.list().map(({ name, key, path, rank }) => ({ name, key, path, ...(rank !== undefined ? { rank } : {}) }));
+}
+
 export async function startClusterWorker(options: ClusterWorkerOptions): Promise<RunningWorker> {
   const workerId = checkWorkerId(options.workerId);
   const { log } = options;
   const { engine, tokenizer, chatTemplate } = await startEngine(options);
+  let adapters: LoraManager | undefined;
+  if (options.lora) {
+    if (!engine.loadLora) {
+      await engine.close();
+      throw new Error('this engine runs no LoRA adapters');
+    }
+    adapters = new LoraManager(engine, options.lora.maxLoras, (message) => log('info', message), options.lora.maxLoraRank, { contentKeys: true });
+    for (const { name, path } of options.lora.modules) {
+      try {
+        const info = await adapters.register(name, path);
+        log('info', `LoRA adapter ${name} (${info.format}, rank ${info.rank}${info.dtype ? `, stored as ${info.dtype}` : ''}) loaded from ${path}`);
+      } catch (error) {
+        await engine.close();
+        throw new LoraModuleError(`--lora-modules ${name}=${path}: ${(error as Error).message}`);
+      }
+    }
+  }
+  // Set once the record exists: lora-load / lora-unload publish the adapters the worker holds.
+  let publishAdapters: (() => void) | undefined;
   const server = new WorkerServer({
     workerId, engine, role: options.role, clusterToken: options.clusterToken, tokenizer, chatTemplate, log,
+    ...(adapters ? { adapters, onAdaptersChanged: () => publishAdapters?.() } : {}),
     ...(options.maxFrameBytes !== undefined ? { maxFrameBytes: options.maxFrameBytes } : {}),
     ...(options.kvLink ? { kvLink: options.kvLink } : {}),
   });
@@ -85,6 +122,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     id: workerId, role: options.role, model: engine.info.modelName, address, blockSize: engine.info.blockSize,
     capacityTokens: engine.info.kvCapacityTokens, maxModelLen: engine.info.maxModelLen, engine: options.pool.engine,
     pid: process.pid, startedAt: new Date().toISOString(),
+    ...(adapters ? { loras: workerLoras(adapters) } : {}),
   };
   let publisher: EventPublisher | undefined;
   if (options.nats) {
@@ -98,6 +136,14 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
   const etcd = options.etcd ? etcdClient(options.etcd) : undefined;
   const registration = etcd ? new WorkerRegistration(etcd, options.namespace, record, options.leaseTtlSeconds, log) : undefined;
   await registration?.start();
+  if (adapters) {
+    publishAdapters = () => {
+      const loras = workerLoras(adapters);
+      if (JSON.stringify(loras) === JSON.stringify(record.loras)) return;
+      record.loras = loras;
+      void registration?.update({ ...record });
+    };
+  }
   log('info', `worker ${workerId} serving ${record.model} on ${address}${registration ? ` (registered as ${registration.key})` : ''}`);
   let shuttingDown: Promise<void> | undefined;
   return {

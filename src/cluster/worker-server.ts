@@ -12,11 +12,12 @@
 
 import net from 'node:net';
 import { v8Serialize } from './blob.ts';
-import { LoraLoadError } from '../engine/errors.ts';
-import type { Engine, EngineOutput, WorkerRole } from '../engine/types.ts';
+import { EngineOverloadedError, LoraLoadError } from '../engine/errors.ts';
+import type { Engine, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { isBlockHash, type BlockHash, type KvEvent } from '../protocols/kv-events.ts';
+import { LoraCapacityError, type LoraManager } from '../runtime/lora-manager.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
 import type { AdoptedResult, KvHandoff, KvTransferStats, PrefillEvent, PrefillProgress } from '../engine/handoff.ts';
@@ -52,6 +53,15 @@ export interface WorkerServerOptions {
   kvFaults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
   /** 'tcp': KV transfers never use shared memory, even between workers on one host (default 'auto'). */
   kvLink?: KvLinkPreference;
+  /**
+   * The worker's own LoRA adapters (`conduit worker`): lora-load / lora-unload register and unregister them here,
+   * and a request's `lora` is the key this manager gave the adapter (acquired, so loaded again if it was evicted,
+   * for as long as the request runs). Without it (a `conduit serve --worker-processes` child) the parent's
+   * manager decides, and lora-load / lora-unload reach the engine as they are.
+   */
+  adapters?: LoraManager;
+  /** Called after lora-load / lora-unload changed `adapters` (the worker publishes the new list). */
+  onAdaptersChanged?: () => void;
 }
 
 /** How long a KV stream started before its handoff may wait for it (the prefill's queue and compute). */
@@ -450,7 +460,7 @@ export class WorkerServer {
     const { rid, name, path } = message;
     const engine = this.options.engine;
     const refuse = (error: unknown) => {
-      const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
+      const code = error instanceof LoraLoadError ? error.code : error instanceof LoraCapacityError ? 'lora_capacity' : 'invalid_adapter';
       this.send(connection, { t: 'lora', rid, error: { code, message: (error as Error).message } });
     };
     if (typeof name !== 'string' || (message.t === 'lora-load' && typeof path !== 'string')) {
@@ -459,6 +469,23 @@ export class WorkerServer {
     }
     if (!engine.loadLora || !engine.unloadLora) {
       refuse(new LoraLoadError('invalid_adapter', `worker ${this.workerId} runs no LoRA adapters`));
+      return;
+    }
+    const adapters = this.options.adapters;
+    if (adapters) {
+      const changed = () => this.options.onAdaptersChanged?.();
+      const done = message.t === 'lora-load'
+        ? adapters.register(name, path as string).then((info) => {
+          changed();
+          this.log('info', `LoRA adapter ${name} (${info.format}, rank ${info.rank}) loaded from ${String(path)}`);
+          this.send(connection, { t: 'lora', rid, info, key: adapters.list().find((a) => a.name === name)?.key });
+        })
+        : adapters.unregister(name).then(({ inFlight }) => {
+          changed();
+          this.log('info', `LoRA adapter ${name} unloaded${inFlight > 0 ? ` once its ${inFlight} request(s) in flight finish` : ''}`);
+          this.send(connection, { t: 'lora', rid, inFlight });
+        });
+      done.catch(refuse);
       return;
     }
     const done = message.t === 'lora-load'
@@ -512,7 +539,33 @@ export class WorkerServer {
     // Prefilled here after all (a local fallback): a KV stream started for it is not needed.
     this.cancelIncoming(id, 'the request is prefilled here');
     const onWorkerClock = shiftRequest(request, -offset);
-    void this.stream(connection, id, offset, () => this.options.engine.generate(onWorkerClock));
+    const adapters = this.options.adapters;
+    void this.stream(connection, id, offset, () => adapters && onWorkerClock.lora !== undefined
+      ? this.withAdapter(adapters, connection, onWorkerClock)
+      : this.options.engine.generate(onWorkerClock));
+  }
+
+  /** Runs a request on an adapter of this worker's own: made resident first, held until the request ends. */
+  private async *withAdapter(adapters: LoraManager, connection: Connection, request: EngineRequest): AsyncGenerator<EngineOutput> {
+    this.awaitingAdapter.add(request.id);
+    let key: string;
+    try {
+      key = await adapters.acquireKey(request.lora!);
+    } catch (error) {
+      this.abortedEarly.delete(request.id);
+      // Every resident adapter has requests in flight: busy for now, as an overloaded worker is (503, Retry-After).
+      if (error instanceof LoraCapacityError) throw new EngineOverloadedError(error.message, 1000);
+      throw error;
+    } finally {
+      this.awaitingAdapter.delete(request.id);
+    }
+    try {
+      // Aborted (or its frontend gone) while the adapter loaded: it does not start.
+      if (this.abortedEarly.delete(request.id) || connection.socket.destroyed) return;
+      yield* this.options.engine.generate(request);
+    } finally {
+      adapters.release(key);
+    }
   }
 
   /** Checks a request message and registers it on the connection; undefined when refused (answered already). */
@@ -934,7 +987,12 @@ export class WorkerServer {
   /** Requests whose KV pull (or the hold before it) is under way: an abort stops it. */
   private readonly pulling = new Map<string, AbortController>();
 
+  /** Requests waiting for their adapter to load (withAdapter), and those of them aborted meanwhile. */
+  private readonly awaitingAdapter = new Set<string>();
+  private readonly abortedEarly = new Set<string>();
+
   private abortRequest(id: string): void {
+    if (this.awaitingAdapter.has(id)) this.abortedEarly.add(id);
     if (this.pinned.delete(id)) this.kvServer?.ended(id, 'was aborted');
     const pull = this.pulling.get(id);
     if (pull) pull.abort();

@@ -9,14 +9,16 @@
 // rank]); scale lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). For a llama GGUF base, whose Q and K rows
 // llama.cpp's converter permuted for interleaved RoPE, the rows of q/k lora_B are permuted the same way.
 
+import { createHash } from 'node:crypto';
 import { existsSync, readFileSync, statSync } from 'node:fs';
+import { readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { ModelConfig } from './config.ts';
 import { GgmlType } from './ggml-types.ts';
-import { metaNumber, metaString, readGguf, type GgufFile } from './gguf.ts';
+import { metaNumber, metaString, parseGguf, readGguf, type GgufFile } from './gguf.ts';
 import { interleavedRowOrder } from './hf.ts';
 import { dequantizeTensor } from './quant.ts';
-import { readSafetensors } from './safetensors.ts';
+import { readSafetensors, readSafetensorsAsync } from './safetensors.ts';
 
 /** The projections an adapter may correct (the names of LayerWeights). */
 export const LORA_TARGETS = ['wq', 'wk', 'wv', 'wo', 'wGate', 'wUp', 'wDown'] as const;
@@ -90,6 +92,51 @@ export function loraTargetShape(config: ModelConfig, target: LoraTarget): [numbe
     case 'wGate': case 'wUp': return [config.dim, config.ffnDim];
     case 'wDown': return [config.ffnDim, config.dim];
   }
+}
+
+/** What can be known of an adapter without a base model: its rank, and a digest of its bytes. */
+export interface LoraAdapterHeader {
+  /** Largest rank of its matrices, from the tensors' shapes (as loading finds it). */
+  rank: number;
+  /** SHA-256 (hex) of the GGUF file, or of a PEFT folder's adapter_config.json and adapter_model.safetensors. */
+  digest: string;
+}
+
+/**
+ * Reads an adapter's rank and digest without loading it, off the JS thread's hot path (async reads): what the
+ * --max-lora-rank check needs before an idle adapter is evicted to make room, and what a worker keys an adapter by.
+ * Undefined when nothing is at `path` (a simulated worker's adapter named without a file); LoraAdapterError when
+ * something is there and is not an adapter.
+ */
+export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeader | undefined> {
+  let isDirectory: boolean;
+  try {
+    isDirectory = (await stat(path)).isDirectory();
+  } catch {
+    return undefined;
+  }
+  const digest = createHash('sha256');
+  let rank = 0;
+  try {
+    if (isDirectory) {
+      const configPath = join(path, 'adapter_config.json');
+      const tensorsPath = join(path, 'adapter_model.safetensors');
+      digest.update(await readFile(configPath));
+      const file = await readSafetensorsAsync(tensorsPath);
+      digest.update(file.bytes);
+      // lora_A is [rank, in], outermost first.
+      for (const entry of file.entries.values()) if (/\.lora_A(?:\.default)?\.weight$/.test(entry.name)) rank = Math.max(rank, entry.shape[0] ?? 0);
+    } else {
+      const bytes = await readFile(path);
+      digest.update(bytes);
+      // lora_a is ggml [in, rank].
+      for (const info of parseGguf(bytes, path).tensorInfos) if (info.name.endsWith('.lora_a')) rank = Math.max(rank, info.shape[1] ?? 0);
+    }
+  } catch (error) {
+    throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
+  }
+  if (rank === 0) throw new LoraAdapterError(`${path}: the adapter adapts no weight`);
+  return { rank, digest: digest.digest('hex') };
 }
 
 /** Reads a GGUF adapter file or a PEFT folder and checks it against the base model's config. */

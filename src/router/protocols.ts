@@ -125,5 +125,8 @@ export type RouteOutcome =
   | { kind: 'routed'; decision: RoutingDecision }
   /** Every worker is busy: the request waits in the router's admission queue (drainQueue routes it later). */
   | { kind: 'queued'; requestId: string; numQueued: number }
-  /** Shed: the queue is full, or no worker is registered. retryAfterMs is the hint for a Retry-After header. */
-  | { kind: 'rejected'; requestId: string; reason: 'overloaded' | 'no-workers'; retryAfterMs: number };
+  /**
+   * Shed: the queue is full, no worker is registered, or none holds the request's model (no-model-workers: waiting
+   * in the queue would not help). retryAfterMs is the hint for a Retry-After header.
+   */
+  | { kind: 'rejected'; requestId: string; reason: 'overloaded' | 'no-workers' | 'no-model-workers'; retryAfterMs: number };

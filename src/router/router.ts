@@ -165,6 +165,13 @@ export class Router {
     if (models !== undefined) this.workerModels.set(workerId, new Set(models));
   }
 
+  /** Replaces the models a worker holds (its adapters changed); undefined: it takes any request again. */
+  setWorkerModels(workerId: WorkerId, models: readonly string[] | undefined): void {
+    if (!this.loads.has(workerId)) return;
+    if (models === undefined) this.workerModels.delete(workerId);
+    else this.workerModels.set(workerId, new Set(models));
+  }
+
   /**
    * Forgets the worker everywhere. Returns the ids of requests routed to it and not finished: they are lost with
    * it, and the caller fails or retries them.
@@ -237,6 +244,10 @@ export class Router {
     if (this.workerIds.length === 0) {
       this.counters.numRejected++;
       return { kind: 'rejected', requestId, reason: 'no-workers', retryAfterMs: this.retryAfter.retryAfterMs(1, nowMs) };
+    }
+    if (request.model !== undefined && !this.workerIds.some((id) => servesModel(this.workerModels.get(id), request.model))) {
+      this.counters.numRejected++;
+      return { kind: 'rejected', requestId, reason: 'no-model-workers', retryAfterMs: this.retryAfter.retryAfterMs(1, nowMs) };
     }
     const hashes = hashTokenBlocks(request.tokenIds, this.blockSize, { cacheSalt: request.cacheSalt, adapterId: request.lora });
     const hashedMs = this.clock();

@@ -1,19 +1,28 @@
 // The LoRA adapters of one served model: which are registered (name -> file, from --lora-modules or
 // POST /v1/load_lora_adapter), which are resident on the workers (at most maxLoras, least recently used evicted
 // first, never one with requests in flight), and the loading of a registered adapter on demand when a request names
-// it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora). An adapter whose rank
-// is above maxLoraRank (--max-lora-rank) is refused when it is loaded (unloaded again from the workers that read it).
+// it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora).
+//
+// An adapter whose rank is above maxLoraRank (--max-lora-rank) is refused before anything is evicted for it: its rank
+// is read from the file's header (inspectLoraAdapter) first. Only when nothing is at the path here (a simulated
+// worker's adapter named without a file) is the rank known after a worker loaded it; it is then checked and the
+// adapter unloaded again.
 //
 // Unregistering an adapter that requests still use does not refuse (as vLLM does not): its name is gone at once
 // (new requests get 404, the name can be registered again), and it stays resident, draining, until the last of its
 // requests releases it; then the workers unload it.
 //
-// Each registration gets its own key, the name the workers know the adapter by and the one its KV blocks are hashed
+// Each registration gets a key, the name the workers know the adapter by and the one its KV blocks are hashed
 // under: an adapter evicted and loaded again from the same registration keeps its key (its cached prefixes stay
-// valid), while a name unloaded and registered again with another file gets a new one (no stale KV reuse).
+// valid). By default a name unloaded and registered again gets a new key (no stale KV reuse). With contentKeys (a
+// `conduit worker`, whose keys a frontend's router must hash with too) the key is the name and a digest of the
+// adapter's bytes: every worker that holds the same adapter under the same name has the same key, and a name
+// registered again with other bytes gets another.
 
+import { createHash } from 'node:crypto';
 import { LoraLoadError } from '../engine/errors.ts';
 import type { Engine, LoraLoadInfo } from '../engine/types.ts';
+import { inspectLoraAdapter, type LoraAdapterHeader } from '../model/lora.ts';
 
 /** Adapters resident per model by default. */
 export const DEFAULT_MAX_LORAS = 8;
@@ -23,8 +32,9 @@ export const DEFAULT_MAX_LORA_RANK = 16;
 /** Every resident adapter has requests in flight, so none can make room for another: retry later. */
 export class LoraCapacityError extends Error {
   override name = 'LoraCapacityError';
-  constructor(readonly adapter: string, readonly maxLoras: number) {
-    super(`LoRA adapter '${adapter}' cannot be loaded now: all ${maxLoras} resident adapters (--max-loras) have requests in flight`);
+  /** `message`: a worker's own words, when the refusal came from one over the request plane. */
+  constructor(readonly adapter: string, readonly maxLoras: number, message?: string) {
+    super(message ?? `LoRA adapter '${adapter}' cannot be loaded now: all ${maxLoras} resident adapters (--max-loras) have requests in flight`);
   }
 }
 
@@ -36,11 +46,30 @@ export interface LoraManagerStats {
   evictions: number;
 }
 
+export interface LoraManagerOptions {
+  /** Reads an adapter's rank and digest before it is loaded (default inspectLoraAdapter). */
+  inspect?: (path: string) => Promise<LoraAdapterHeader | undefined>;
+  /** Keys from the adapter's bytes rather than a registration count (see the top of this file). */
+  contentKeys?: boolean;
+}
+
+/** One registered adapter as list() gives it. */
+export interface LoraAdapterEntry {
+  name: string;
+  path: string;
+  resident: boolean;
+  /** The key the workers know it by (EngineRequest.lora). */
+  key: string;
+  /** Its rank, once known (from the header, or from a load). */
+  rank?: number;
+}
+
 interface Registration {
   name: string;
   path: string;
   key: string;
   info?: LoraLoadInfo;
+  rank?: number;
   resident: boolean;
   /** Set while its load runs: later acquirers wait for the same load. */
   loading?: Promise<void>;
@@ -57,15 +86,19 @@ export class LoraManager {
   private loads = 0;
   private evictions = 0;
 
+  private readonly inspect: (path: string) => Promise<LoraAdapterHeader | undefined>;
+
   constructor(private readonly engine: Engine, readonly maxLoras: number = DEFAULT_MAX_LORAS,
-    private readonly log?: (message: string) => void, readonly maxLoraRank: number = DEFAULT_MAX_LORA_RANK) {
+    private readonly log?: (message: string) => void, readonly maxLoraRank: number = DEFAULT_MAX_LORA_RANK,
+    private readonly options: LoraManagerOptions = {}) {
+    this.inspect = options.inspect ?? inspectLoraAdapter;
     if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new RangeError(`maxLoras must be a whole number >= 1, got ${maxLoras}`);
     if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new RangeError(`maxLoraRank must be a whole number >= 1, got ${maxLoraRank}`);
   }
 
   /** Registered adapters in registration order, with whether each is resident. */
-  list(): { name: string; path: string; resident: boolean }[] {
-    return [...this.adapters.values()].map(({ name, path, resident }) => ({ name, path, resident }));
+  list(): LoraAdapterEntry[] {
+    return [...this.adapters.values()].map(({ name, path, resident, key, rank }) => ({ name, path, resident, key, ...(rank !== undefined ? { rank } : {}) }));
   }
 
   has(name: string): boolean {
@@ -84,8 +117,32 @@ export class LoraManager {
    * or LoraCapacityError.
    */
   async register(name: string, path: string): Promise<LoraLoadInfo> {
-    if (this.adapters.has(name)) throw new LoraLoadError('invalid_adapter', `The lora adapter '${name}' has already been loaded.`);
-    const registration: Registration = { name, path, key: `${name}#${++this.generation}`, resident: false, inFlight: 0, lastUsed: ++this.useClock };
+    const taken = () => new LoraLoadError('invalid_adapter', `The lora adapter '${name}' has already been loaded.`);
+    if (this.adapters.has(name)) throw taken();
+    // The rank first, from the file: a refusal must not have evicted anything.
+    let header: LoraAdapterHeader | undefined;
+    try {
+      header = await this.inspect(path);
+    } catch (error) {
+      throw new LoraLoadError('invalid_adapter', (error as Error).message);
+    }
+    if (header) this.checkRank(name, header.rank);
+    if (this.adapters.has(name)) throw taken();
+    const key = this.options.contentKeys
+      ? `${name}#${(header?.digest ?? createHash('sha256').update(path).digest('hex')).slice(0, 16)}`
+      : `${name}#${++this.generation}`;
+    // The same adapter under the same name, unregistered while its requests still run: it is taken back as it is.
+    const drained = [...this.draining].find((r) => r.key === key);
+    if (drained) {
+      this.draining.delete(drained);
+      drained.path = path;
+      this.adapters.set(name, drained);
+      await this.makeResident(drained);
+      return drained.info!;
+    }
+    const registration: Registration = {
+      name, path, key, resident: false, inFlight: 0, lastUsed: ++this.useClock, ...(header ? { rank: header.rank } : {}),
+    };
     this.adapters.set(name, registration);
     try {
       await this.makeResident(registration);
@@ -94,6 +151,13 @@ export class LoraManager {
       throw error;
     }
     return registration.info!;
+  }
+
+  private checkRank(name: string, rank: number): void {
+    if (rank > this.maxLoraRank) {
+      throw new LoraLoadError('invalid_adapter',
+        `LoRA adapter '${name}' has rank ${rank}, greater than the maximum LoRA rank ${this.maxLoraRank} (--max-lora-rank)`);
+    }
   }
 
   /**
@@ -141,6 +205,16 @@ export class LoraManager {
     return registration.key;
   }
 
+  /**
+   * acquire() by the key a request carries (a worker: the frontend names the adapter by the key the worker
+   * published). Throws LoraLoadError lora_not_loaded when no registered adapter has that key.
+   */
+  acquireKey(key: string): Promise<string> {
+    const registration = [...this.adapters.values()].find((r) => r.key === key);
+    if (!registration) return Promise.reject(new LoraLoadError('lora_not_loaded', `no LoRA adapter with key '${key}' is loaded here`));
+    return this.acquire(registration.name);
+  }
+
   /** A request that acquire() returned `key` for is done with the adapter. */
   release(key: string): void {
     const registration = [...this.adapters.values(), ...this.draining].find((r) => r.key === key);
@@ -160,13 +234,15 @@ export class LoraManager {
       await this.makeRoom(registration);
       if (!this.engine.loadLora) throw new LoraLoadError('invalid_adapter', 'this engine runs no LoRA adapters');
       const info = await this.engine.loadLora(registration.key, registration.path);
-      // The rank is known once a worker has read the adapter (the path is the workers', which may be elsewhere).
-      if (info.rank > this.maxLoraRank) {
+      // Checked again as loaded: a file with no header here (a simulated adapter), or one changed since.
+      try {
+        this.checkRank(registration.name, info.rank);
+      } catch (error) {
         await this.engine.unloadLora!(registration.key).catch(() => {});
-        throw new LoraLoadError('invalid_adapter',
-          `LoRA adapter '${registration.name}' has rank ${info.rank}, greater than the maximum LoRA rank ${this.maxLoraRank} (--max-lora-rank)`);
+        throw error;
       }
       registration.info = info;
+      registration.rank = info.rank;
       registration.resident = true;
       this.loads++;
     };

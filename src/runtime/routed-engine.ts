@@ -81,6 +81,8 @@ export class RoutedEngine implements Engine {
     const request = migration.request;
     const routingRequest: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
+      // Only workers holding the adapter take it (those that declared what they hold; see Router.setWorkerModels).
+      ...(request.lora !== undefined ? { model: request.lora } : {}),
     };
     let routeStartedAt: number | undefined = this.now();
     let { decision, queuedAt } = await this.group.admission.place(routingRequest);

@@ -41,7 +41,9 @@ export class RouterAdmission {
         return Promise.resolve({ decision: outcome.decision });
       case 'rejected':
         return Promise.reject(new EngineOverloadedError(
-          outcome.reason === 'no-workers' ? `no ${this.workers} is available` : `every ${this.workers} is busy and the queue is full`,
+          outcome.reason === 'no-workers' ? `no ${this.workers} is available`
+            : outcome.reason === 'no-model-workers' ? `no ${this.workers} holds ${request.model}`
+            : `every ${this.workers} is busy and the queue is full`,
           outcome.retryAfterMs));
       case 'queued':
         return new Promise<Admitted>((resolve, reject) => {

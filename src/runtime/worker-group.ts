@@ -209,6 +209,8 @@ export class WorkerGroup<E extends RoutableEngine> {
     try {
       ({ decision } = await this.admission.place({
         requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
+        // Only a worker holding the adapter takes it over (see Router.setWorkerModels); none: the loss stands.
+        ...(request.lora !== undefined ? { model: request.lora } : {}),
       }));
     } catch {
       if (aborted()) return null;

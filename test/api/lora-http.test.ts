@@ -127,6 +127,31 @@ describe('LoRA adapters over HTTP', () => {
     assert.ok(loads >= 5, `expected at least 5 loads, got ${loads}`);
     assert.equal((await rawRequest(server.url, { path: '/health' })).status, 200);
   });
+
+  it('refuses an adapter above --max-lora-rank from its header, before evicting a resident idle one', async () => {
+    const big = join(dir, 'big-r32.gguf');
+    writeGgufLoraAdapter(big, config, randomLoraAdapter(config, { rank: 32, seed: 7 }));
+    // Both slots of --max-loras 2 hold idle adapters.
+    assert.equal((await complete('c')).status, 200);
+    assert.equal((await complete('c-peft')).status, 200);
+    const counters = async () => {
+      const text = (await rawRequest(server.url, { path: '/metrics' })).text;
+      const value = (name: string) => Number(new RegExp(`${name}\\{model="base"\\} (\\d+)`).exec(text)?.[1]);
+      return { active: value('conduit_lora_adapters_active'), loads: value('conduit_lora_adapter_loads_total'), evictions: value('conduit_lora_adapter_evictions_total') };
+    };
+    const before = await counters();
+    assert.equal(before.active, 2);
+    const refused = await load({ lora_name: 'big', lora_path: big });
+    assert.equal(refused.status, 400);
+    assert.equal(refused.json().error.code, 'invalid_lora_adapter');
+    assert.match(refused.json().error.message, /rank 32, greater than the maximum LoRA rank 16/);
+    // Nothing was evicted for it, and both adapters run without being loaded again.
+    assert.deepEqual(await counters(), before);
+    assert.equal((await complete('c')).status, 200);
+    assert.equal((await complete('c-peft')).status, 200);
+    assert.deepEqual(await counters(), before);
+    assert.equal((await complete('big')).status, 404);
+  });
 });
 
 describe('LoRA adapters on disaggregated workers', () => {

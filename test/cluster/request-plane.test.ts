@@ -14,6 +14,7 @@ import { tokenizerFromWorkerSource } from '../../src/model/tokenizer/worker-sour
 import type { TokenizerWorkerSource } from '../../src/model/tokenizer/types.ts';
 import { encodeJsonFrame, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
 import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
+import { REQUEST_PLANE_VERSION } from '../../src/cluster/request-plane.ts';
 import { WorkerServer } from '../../src/cluster/worker-server.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
@@ -128,10 +129,15 @@ describe('request plane', () => {
 
   test('a wrong token, garbage, an oversized frame and a bad request are refused, logged, and the worker serves on', async () => {
     const refusalsBefore = server.refusals;
-    const wrong = await rawExchange(port, encodeJsonFrame({ t: 'hello', v: 1, token: 'nope' }));
+    const wrong = await rawExchange(port, encodeJsonFrame({ t: 'hello', v: REQUEST_PLANE_VERSION, token: 'nope' }));
     assert.equal(wrong.messages[0]?.t, 'refused');
     assert.match(String(wrong.messages[0]?.reason), /wrong cluster token/);
     await assert.rejects(RemoteEngine.connect(`127.0.0.1:${port}`, { clusterToken: 'nope' }), /refused the connection: wrong cluster token/);
+    // A peer of another protocol version (one from before lora-load / lora-unload) is refused at hello, by name.
+    const older = await rawExchange(port, encodeJsonFrame({ t: 'hello', v: 1, token: TOKEN }));
+    assert.equal(older.messages[0]?.t, 'refused');
+    assert.equal(older.messages[0]?.reason, `request plane version 1 (this worker speaks ${REQUEST_PLANE_VERSION})`);
+    assert.equal(REQUEST_PLANE_VERSION, 2);
     const garbage = await rawExchange(port, Buffer.from('\x00\x00\x00\x05\x00{{{{GET / HTTP/1.1\r\n\r\n'));
     assert.equal(garbage.messages[0]?.t, 'refused');
     assert.match(String(garbage.messages[0]?.reason), /not JSON/);
@@ -140,7 +146,7 @@ describe('request plane', () => {
     const big = await rawExchange(port, oversized);
     assert.match(String(big.messages[0]?.reason), /over the limit/);
     // Authenticated, then a frame past the post-hello limit (1 MiB here) and, on another connection, a bad request.
-    const hello = encodeJsonFrame({ t: 'hello', v: 1, token: TOKEN });
+    const hello = encodeJsonFrame({ t: 'hello', v: REQUEST_PLANE_VERSION, token: TOKEN });
     const huge = Buffer.alloc(8);
     huge.writeUInt32BE(2 * 1024 * 1024, 0);
     const afterHello = await rawExchange(port, Buffer.concat([hello, huge]));
@@ -151,7 +157,7 @@ describe('request plane', () => {
     const err = badRequest.messages.find((m) => m.t === 'err');
     assert.equal(err?.code, 'invalid_request');
     assert.match(String(badRequest.messages.at(-1)?.reason), /unknown message type/);
-    assert.ok(server.refusals >= refusalsBefore + 6);
+    assert.ok(server.refusals >= refusalsBefore + 7);
     assert.ok(logs.some((line) => /wrong cluster token/.test(line)) && logs.some((line) => /over the limit/.test(line)));
     // Still serving.
     const remote = await connect();

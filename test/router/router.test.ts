@@ -48,6 +48,22 @@ describe('Router (kv policy)', () => {
       .map((terms) => terms.workerId), ['any']);
   });
 
+  it('rejects at once a request for a model no worker holds (no queue wait), and follows a worker\'s changed models', () => {
+    const router = makeRouter({}, []);
+    router.addWorker('a', load(), ['sql#1']);
+    router.addWorker('b', load(), []);
+    const outcome = router.route(request(prompt, { requestId: 'x', model: 'chat#1' }), 0);
+    assert.equal(outcome.kind, 'rejected');
+    assert.equal(outcome.kind === 'rejected' && outcome.reason, 'no-model-workers');
+    assert.equal(router.stats().numQueued, 0);
+    router.setWorkerModels('b', ['chat#1']);
+    assert.equal(routed(router.route(request(prompt, { requestId: 'y', model: 'chat#1' }), 0, { commit: false })).workerId, 'b');
+    router.setWorkerModels('a', []);
+    assert.equal(router.route(request(prompt, { requestId: 'z', model: 'sql#1' }), 0).kind, 'rejected');
+    // A request naming no model goes to any of them.
+    assert.equal(router.route(request(prompt, { requestId: 'w' }), 0, { commit: false }).kind, 'routed');
+  });
+
   it('matches only under the same cache salt', () => {
     const router = makeRouter({}, ['a', 'b']);
     router.applyKvEvents('a', [stored(1, hashes(prompt, 'tenant-1'))]);

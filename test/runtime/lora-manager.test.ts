@@ -72,4 +72,35 @@ describe('LoraManager', () => {
     assert.deepEqual(calls.filter((c) => c.startsWith('unload')).length, 1);
     assert.throws(() => new LoraManager(engine, 2, undefined, 0), RangeError);
   });
+
+  it('reads the rank from the header first: a refused adapter evicts nothing when --max-loras are resident', async () => {
+    const { engine, calls, resident } = fakeEngine();
+    const inspect = async (path: string) => ({ rank: Number(/-r(\d+)\./.exec(path)?.[1] ?? 4), digest: path });
+    const manager = new LoraManager(engine, 1, undefined, 16, { inspect });
+    const idle = await manager.register('idle', '/idle-r8.gguf');
+    assert.equal(idle.rank, 8);
+    await assert.rejects(manager.register('big', '/big-r32.gguf'), { code: 'invalid_adapter', message: /rank 32, greater than the maximum LoRA rank 16/ });
+    assert.deepEqual(calls, ['load idle#1 /idle-r8.gguf'], 'the refused adapter was loaded or the idle one evicted');
+    assert.equal(resident.size, 1);
+    assert.deepEqual(manager.stats(), { registered: 1, resident: 1, loads: 1, evictions: 0 });
+  });
+
+  it('keys by content when asked: the same bytes under the same name give the same key, other bytes another', async () => {
+    const { engine } = fakeEngine();
+    const digests: Record<string, string> = { '/a.gguf': 'aaaa', '/a-copy.gguf': 'aaaa', '/b.gguf': 'bbbb' };
+    const inspect = async (path: string) => ({ rank: 4, digest: digests[path]! });
+    const one = new LoraManager(engine, 2, undefined, 16, { inspect, contentKeys: true });
+    const two = new LoraManager(engine, 2, undefined, 16, { inspect, contentKeys: true });
+    await one.register('x', '/a.gguf');
+    await two.register('x', '/a-copy.gguf');
+    assert.equal(one.list()[0]!.key, two.list()[0]!.key);
+    assert.equal(one.list()[0]!.key, 'x#aaaa');
+    await one.unregister('x');
+    await one.register('x', '/b.gguf');
+    assert.equal(one.list()[0]!.key, 'x#bbbb');
+    // A request carrying the key finds the adapter; an unknown key is lora_not_loaded.
+    assert.equal(await one.acquireKey('x#bbbb'), 'x#bbbb');
+    one.release('x#bbbb');
+    await assert.rejects(one.acquireKey('x#aaaa'), { code: 'lora_not_loaded' });
+  });
 });

@@ -1,0 +1,34 @@
+// `conduit worker`'s LoRA options are checked before anything starts: --lora-modules (or CONDUIT_LORA_MODULES) on a
+// prefill or decode worker, or on a `conduit serve --worker-processes` child, is refused by name, as are bad
+// --max-loras / --max-lora-rank values.
+import assert from 'node:assert/strict';
+import { describe, it } from 'node:test';
+import { UsageError } from '../../src/cli/flags.ts';
+import { workerCommand } from '../../src/cli/worker.ts';
+
+// Unreachable services: every case is refused before a connection is tried.
+const SERVICES = ['--cluster-token', 't', '--etcd-endpoints', 'http://127.0.0.1:1', '--nats-server', 'nats://127.0.0.1:1'];
+
+describe('conduit worker: LoRA options', () => {
+  const refused = (args: string[], pattern: RegExp) =>
+    assert.rejects(workerCommand.run([...SERVICES, ...args]), (error: unknown) => error instanceof UsageError && pattern.test(error.message));
+
+  it('refuses --lora-modules on prefill and decode workers and on a serve child, and bad caps', async () => {
+    await refused(['--role', 'prefill', '--lora-modules', 'a=/adapters/a.gguf'], /--lora-modules: LoRA adapters run on aggregated cluster workers \(--role both\), not prefill workers/);
+    await refused(['--role', 'decode', '--lora-modules', 'a=/adapters/a.gguf'], /not decode workers/);
+    await refused(['--parent-ipc', '--lora-modules', 'a=/adapters/a.gguf'], /parent's option/);
+    await refused(['--lora-modules', 'a=/x.gguf,a=/y.gguf'], /names "a" twice/);
+    await refused(['--max-loras', '0'], /--max-loras must be a whole number > 0/);
+    await refused(['--max-lora-rank', '-1'], /--max-lora-rank must be a whole number > 0/);
+    await refused(['--served-model-name', 'llama', '--lora-modules', 'a=/x.gguf@qwen'], /base model "qwen" is not this worker's \(llama\)/);
+  });
+
+  it('takes them from the environment too (CONDUIT_LORA_MODULES)', async () => {
+    process.env.CONDUIT_LORA_MODULES = 'a=/adapters/a.gguf';
+    try {
+      await refused(['--role', 'decode'], /not decode workers/);
+    } finally {
+      delete process.env.CONDUIT_LORA_MODULES;
+    }
+  });
+});
