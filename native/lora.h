@@ -90,6 +90,9 @@ class LoraPlan {
             int count);
 
   int64_t down_items() const { return static_cast<int64_t>(downs_.size()); }
+  // Asks for the bytes down item `item` reads (A and its scales) to be brought into cache (L2), ahead of the kernel:
+  // a decode step's items are one row each, so their A comes from DRAM with nothing to hide the latency behind.
+  void prefetch_down(int64_t item) const;
   // Multiply-adds of all down items (what decides whether the caller runs them alone).
   int64_t down_macs() const { return down_macs_; }
   void down(const KernelTable& kt, int64_t item) const;
@@ -98,6 +101,9 @@ class LoraPlan {
   // kLoraUpChunk) for every adapted row; scratch: up_scratch_floats() floats.
   void up(const KernelTable& kt, int output, int64_t o0, int64_t o1, float* scratch) const;
   size_t up_scratch_floats() const { return up_scratch_floats_; }
+  // Asks for the Bt blocks (and scales) that up(output, o0, o1) reads to be brought into cache (L2): matmul issues it
+  // before the tile whose columns they are, so the reads arrive while the tile runs.
+  void prefetch_up(int output, int64_t o0, int64_t o1) const;
   // Bytes its buffers hold (u, the row order and the item lists).
   size_t allocated_bytes() const {
     return u_.capacity() * sizeof(float) + rows_by_slot_.capacity() * sizeof(int32_t) +
