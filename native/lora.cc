@@ -92,6 +92,8 @@ bool LoraPlan::plan(const LoraSet& set, const int32_t* slots, int64_t rows, int6
                     int count) {
   jobs_.clear();
   downs_.clear();
+  next_.clear();
+  next_end_.clear();
   down_macs_ = 0;
   up_scratch_floats_ = 0;
   if (!slots || set.size() == 0 || count <= 0 || rows <= 0) return false;
@@ -155,6 +157,42 @@ void LoraPlan::prefetch_down(int64_t item) const {
   const LoraMatrix& m = *jobs_[downs_[item].job].m;
   prefetch_range(m.a_packed.data(), m.a_packed.size());
   prefetch_range(m.a_scale.data(), m.a_scale.size() * sizeof(float));
+}
+
+void LoraPlan::set_next(int64_t layer, const LoraTarget* targets, int count) {
+  next_.clear();
+  next_end_.clear();
+  if (jobs_.empty()) return;
+  size_t total = 0;
+  auto add = [&](const void* p, size_t bytes) {
+    if (bytes == 0) return;
+    next_.push_back({static_cast<const uint8_t*>(p), bytes});
+    next_end_.push_back(total += bytes);
+  };
+  for (const Group& g : groups_) {
+    if (layer < 0 || layer >= static_cast<int64_t>(g.adapter->layers.size())) continue;
+    for (int c = 0; c < count; ++c) {
+      const LoraMatrix& m = g.adapter->layers[layer][targets[c]];
+      if (m.rank == 0) continue;
+      add(m.a_packed.data(), m.a_packed.size());
+      add(m.a_scale.data(), m.a_scale.size() * sizeof(float));
+    }
+  }
+}
+
+void LoraPlan::prefetch_next(int64_t part, int64_t parts) const {
+  if (next_.empty() || parts <= 0 || part < 0 || part >= parts) return;
+  const size_t total = next_end_.back();
+  // total * parts stays far from overflow: an adapter's matrices are megabytes, a matmul's tiles thousands.
+  size_t begin = total * static_cast<size_t>(part) / static_cast<size_t>(parts);
+  const size_t end = total * static_cast<size_t>(part + 1) / static_cast<size_t>(parts);
+  size_t i = static_cast<size_t>(std::upper_bound(next_end_.begin(), next_end_.end(), begin) - next_end_.begin());
+  for (; begin < end && i < next_.size(); ++i) {
+    const size_t range_begin = next_end_[i] - next_[i].bytes;
+    const size_t stop = std::min(end, next_end_[i]);
+    prefetch_range(next_[i].p + (begin - range_begin), stop - begin);
+    begin = stop;
+  }
 }
 
 void LoraPlan::prefetch_up(int output, int64_t o0, int64_t o1) const {

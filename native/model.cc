@@ -274,7 +274,19 @@ Profile Model::take_profile() {
 const LoraPlan* Model::fused_lora(const int32_t* slots, int64_t rows, int64_t layer, const LoraOutput* outputs,
                                   int count) {
   if (!lora_fuse_ || !slots) return nullptr;
-  return lora_plan_.plan(loras_, slots, rows, layer, outputs, count) ? &lora_plan_ : nullptr;
+  if (!lora_plan_.plan(loras_, slots, rows, layer, outputs, count)) return nullptr;
+  // The adapted matmul that follows this one in the forward pass (K, V, Q -> O -> gate, up -> down -> the next
+  // layer's K, V, Q), whose A matrices this one's tiles prefetch.
+  static constexpr LoraTarget kQkv[3] = {kLoraK, kLoraV, kLoraQ}, kGateUp[2] = {kLoraGate, kLoraUp};
+  static constexpr LoraTarget kO = kLoraO, kDown = kLoraDown;
+  switch (outputs[0].target) {
+    case kLoraK: case kLoraV: case kLoraQ: lora_plan_.set_next(layer, &kO, 1); break;
+    case kLoraO: lora_plan_.set_next(layer, kGateUp, 2); break;
+    case kLoraGate: case kLoraUp: lora_plan_.set_next(layer, &kDown, 1); break;
+    case kLoraDown: lora_plan_.set_next(layer + 1, kQkv, 3); break;
+    default: break;
+  }
+  return &lora_plan_;
 }
 
 void Model::set_lora(int slot, std::unique_ptr<LoraAdapter> adapter) {
