@@ -105,6 +105,7 @@ class LoraPlan {
   // (the caller's forward pass knows which matmul comes next; any layer or target without data is skipped). Only a
   // hint for prefetch_next; set after plan(), which clears it.
   void set_next(int64_t layer, const LoraTarget* targets, int count);
+  bool has_next() const { return !next_.empty(); }
   // Prefetches part `part` of `parts` of the next call's A bytes: matmul spreads them over its tiles, so the next
   // call's down-projections find them in cache (L2, or L3 once the base weights' stream has pushed them out).
   void prefetch_next(int64_t part, int64_t parts) const;
