@@ -1,10 +1,11 @@
 // CPU time of a 16-row decode step of the 110M Q8_0 model with 16 distinct rank-8 q8 adapters (one per row) and
 // without, driving the native model directly (no engine): per configuration, a 16-token prefill, 4 warm-up steps,
-// then 24 timed steps; printed: the process's CPU time per step and the profile's sections (wall / caller's CPU ms
-// per step). With THREADS=1 (the default) the caller runs everything, so the sections' CPU time is their own cost;
-// CONDUIT_LORA_FUSE=0 runs the LoRA products in jobs of their own (their sections are then listed apart).
+// then 24 timed steps, PAIRS times over (base then adapters, alternating); printed: the process's CPU time per step
+// and the profile's sections (wall / caller's CPU ms per step). With THREADS=1 (the default) the caller runs
+// everything, so the sections' CPU time is their own cost; CONDUIT_LORA_FUSE=0 runs the LoRA products in jobs of
+// their own (their sections are then listed apart).
 //
-//   [CONDUIT_LORA_FUSE=0] [THREADS=1] node --import tsx benchmarks/lora-step-cpu.ts
+//   [CONDUIT_LORA_FUSE=0] [THREADS=1] [PAIRS=2] node --import tsx benchmarks/lora-step-cpu.ts
 
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -20,6 +21,7 @@ const dir = mkdtempSync(join(tmpdir(), 'conduit-lora-step-'));
 
 const THREADS = Number(process.env.THREADS ?? 1);
 const STEPS = 24;
+const PAIRS = Number(process.env.PAIRS ?? 2);
 const S = 16, BS = 16, BPS = 8;  // sequences (one adapter each), block size, blocks per sequence
 const file = await ensureBenchModel('Q8_0');
 const { config, weights } = await loadModel(file.path);
@@ -51,7 +53,7 @@ function batch(pos: number, rows: number, lora: boolean): ForwardBatch {
   }
   return b;
 }
-for (const lora of [false, true, false, true]) {
+for (const lora of Array.from({ length: 2 * PAIRS }, (_, i) => i % 2 === 1)) {
   model.forward(batch(0, 16, lora));
   for (let i = 0; i < 4; i++) model.forward(batch(16 + i, 1, lora));
   model.setProfiling(true); model.takeProfile();

@@ -101,6 +101,7 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
     if (downs_done.load(std::memory_order_acquire) == lora_downs) return;
     for (int64_t d = downs_next.fetch_add(1, std::memory_order_relaxed); d < lora_downs;
          d = downs_next.fetch_add(1, std::memory_order_relaxed)) {
+      lora->prefetch_down(d + 1);
       lora->down(kt, d);
       downs_done.fetch_add(1, std::memory_order_release);
     }
@@ -136,6 +137,10 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
     t.y = o.y;
     t.ldy = o.ldy;
     t.scratch = scratch + scratch_bytes * static_cast<size_t>(thread);
+    if (lora) {
+      if (lora->adapts(i)) lora->prefetch_up(i, t.n0, t.n1);
+      lora->prefetch_next(tile, tile_start[count]);
+    }
     if (o.packed) {
       mk.packed_tile(t);
     } else {

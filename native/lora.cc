@@ -46,6 +46,15 @@ void pack_rows(int64_t rows, int64_t cols, int dtype, Value value, Index index, 
   }
 }
 
+// Prefetches [p, p + bytes) into L2 (a no-op where the compiler has no prefetch).
+inline void prefetch_range(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  const uintptr_t first = reinterpret_cast<uintptr_t>(c) & ~uintptr_t{63};
+  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(c) + bytes; a += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+  }
+}
+
 }  // namespace
 
 void lora_pack(LoraMatrix& m, int dtype) {
@@ -83,6 +92,8 @@ bool LoraPlan::plan(const LoraSet& set, const int32_t* slots, int64_t rows, int6
                     int count) {
   jobs_.clear();
   downs_.clear();
+  next_.clear();
+  next_end_.clear();
   down_macs_ = 0;
   up_scratch_floats_ = 0;
   if (!slots || set.size() == 0 || count <= 0 || rows <= 0) return false;
@@ -139,6 +150,61 @@ void LoraPlan::down(const KernelTable& kt, int64_t item) const {
   const int dtype = j.adapter->dtype;
   float* u = u_.data() + j.u_offset + (d.r0 - j.begin) * j.m->rank;
   kt.lora_down[dtype](j.m->view(dtype), j.out->x, j.out->ldx, rows_by_slot_.data() + d.r0, d.r1 - d.r0, u);
+}
+
+void LoraPlan::prefetch_down(int64_t item) const {
+  if (item < 0 || item >= down_items()) return;
+  const LoraMatrix& m = *jobs_[downs_[item].job].m;
+  prefetch_range(m.a_packed.data(), m.a_packed.size());
+  prefetch_range(m.a_scale.data(), m.a_scale.size() * sizeof(float));
+}
+
+void LoraPlan::set_next(int64_t layer, const LoraTarget* targets, int count) {
+  next_.clear();
+  next_end_.clear();
+  if (jobs_.empty()) return;
+  size_t total = 0;
+  auto add = [&](const void* p, size_t bytes) {
+    if (bytes == 0) return;
+    next_.push_back({static_cast<const uint8_t*>(p), bytes});
+    next_end_.push_back(total += bytes);
+  };
+  for (const Group& g : groups_) {
+    if (layer < 0 || layer >= static_cast<int64_t>(g.adapter->layers.size())) continue;
+    for (int c = 0; c < count; ++c) {
+      const LoraMatrix& m = g.adapter->layers[layer][targets[c]];
+      if (m.rank == 0) continue;
+      add(m.a_packed.data(), m.a_packed.size());
+      add(m.a_scale.data(), m.a_scale.size() * sizeof(float));
+    }
+  }
+}
+
+void LoraPlan::prefetch_next(int64_t part, int64_t parts) const {
+  if (next_.empty() || parts <= 0 || part < 0 || part >= parts) return;
+  const size_t total = next_end_.back();
+  // total * parts stays far from overflow: an adapter's matrices are megabytes, a matmul's tiles thousands.
+  size_t begin = total * static_cast<size_t>(part) / static_cast<size_t>(parts);
+  const size_t end = total * static_cast<size_t>(part + 1) / static_cast<size_t>(parts);
+  size_t i = static_cast<size_t>(std::upper_bound(next_end_.begin(), next_end_.end(), begin) - next_end_.begin());
+  for (; begin < end && i < next_.size(); ++i) {
+    const size_t range_begin = next_end_[i] - next_[i].bytes;
+    const size_t stop = std::min(end, next_end_[i]);
+    prefetch_range(next_[i].p + (begin - range_begin), stop - begin);
+    begin = stop;
+  }
+}
+
+void LoraPlan::prefetch_up(int output, int64_t o0, int64_t o1) const {
+  for (int64_t job = job_start_[output]; job < job_start_[output + 1]; ++job) {
+    const LoraMatrix& m = *jobs_[job].m;
+    const size_t bytes = lora_dtype_bytes(jobs_[job].adapter->dtype);
+    const int64_t b0 = o0 / kLoraBtBlock, b1 = div_ceil(min64(o1, m.out), kLoraBtBlock);
+    if (b1 <= b0) continue;
+    prefetch_range(m.bt_packed.data() + static_cast<size_t>(b0 * m.rank * kLoraBtBlock) * bytes,
+                   static_cast<size_t>((b1 - b0) * m.rank * kLoraBtBlock) * bytes);
+    prefetch_range(m.bt_scale.data(), m.bt_scale.size() * sizeof(float));
+  }
 }
 
 void LoraPlan::up_job(const KernelTable& kt, int64_t job, int64_t o0, int64_t o1, float* scratch) const {

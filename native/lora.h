@@ -90,6 +90,9 @@ class LoraPlan {
             int count);
 
   int64_t down_items() const { return static_cast<int64_t>(downs_.size()); }
+  // Asks for the bytes down item `item` reads (A and its scales) to be brought into cache (L2), ahead of the kernel:
+  // a decode step's items are one row each, so their A comes from DRAM with nothing to hide the latency behind.
+  void prefetch_down(int64_t item) const;
   // Multiply-adds of all down items (what decides whether the caller runs them alone).
   int64_t down_macs() const { return down_macs_; }
   void down(const KernelTable& kt, int64_t item) const;
@@ -98,12 +101,24 @@ class LoraPlan {
   // kLoraUpChunk) for every adapted row; scratch: up_scratch_floats() floats.
   void up(const KernelTable& kt, int output, int64_t o0, int64_t o1, float* scratch) const;
   size_t up_scratch_floats() const { return up_scratch_floats_; }
+  // The A matrices (and scales) the next planned call will read, for this plan's adapters: `targets` of `layer`
+  // (the caller's forward pass knows which matmul comes next; any layer or target without data is skipped). Only a
+  // hint for prefetch_next; set after plan(), which clears it.
+  void set_next(int64_t layer, const LoraTarget* targets, int count);
+  bool has_next() const { return !next_.empty(); }
+  // Prefetches part `part` of `parts` of the next call's A bytes: matmul spreads them over its tiles, so the next
+  // call's down-projections find them in cache (L2, or L3 once the base weights' stream has pushed them out).
+  void prefetch_next(int64_t part, int64_t parts) const;
+  // Asks for the Bt blocks (and scales) that up(output, o0, o1) reads to be brought into cache (L2): matmul issues it
+  // before the tile whose columns they are, so the reads arrive while the tile runs.
+  void prefetch_up(int output, int64_t o0, int64_t o1) const;
   // Bytes its buffers hold (u, the row order and the item lists).
   size_t allocated_bytes() const {
     return u_.capacity() * sizeof(float) + rows_by_slot_.capacity() * sizeof(int32_t) +
            slot_count_.capacity() * sizeof(int64_t) + groups_.capacity() * sizeof(Group) +
            outputs_.capacity() * sizeof(LoraOutput) + jobs_.capacity() * sizeof(Job) +
-           job_start_.capacity() * sizeof(int64_t) + downs_.capacity() * sizeof(Down);
+           job_start_.capacity() * sizeof(int64_t) + downs_.capacity() * sizeof(Down) +
+           next_.capacity() * sizeof(Range) + next_end_.capacity() * sizeof(size_t);
   }
   // Whether any job adapts output `output`.
   bool adapts(int output) const { return job_start_[output + 1] > job_start_[output]; }
@@ -137,6 +152,12 @@ class LoraPlan {
   std::vector<Job> jobs_;
   std::vector<int64_t> job_start_;  // jobs of output c: [job_start_[c], job_start_[c + 1])
   std::vector<Down> downs_;
+  struct Range {
+    const uint8_t* p;
+    size_t bytes;
+  };
+  std::vector<Range> next_;
+  std::vector<size_t> next_end_;  // next_end_[i]: bytes of next_[0 .. i]
   mutable std::vector<float> u_;  // written by down(), each item its own rows' slice
   int64_t down_macs_ = 0;
   size_t up_scratch_floats_ = 0;

@@ -274,7 +274,24 @@ Profile Model::take_profile() {
 const LoraPlan* Model::fused_lora(const int32_t* slots, int64_t rows, int64_t layer, const LoraOutput* outputs,
                                   int count) {
   if (!lora_fuse_ || !slots) return nullptr;
-  return lora_plan_.plan(loras_, slots, rows, layer, outputs, count) ? &lora_plan_ : nullptr;
+  if (!lora_plan_.plan(loras_, slots, rows, layer, outputs, count)) return nullptr;
+  // The adapted matmul that follows this one in the forward pass, whose A matrices this one's tiles prefetch: the
+  // cycle K, V, Q -> O -> gate, up -> down -> the next layer's K, V, Q, skipping stages these adapters do not adapt
+  // (q and v only, attention only on a mixture of experts).
+  struct Stage {
+    LoraTarget targets[3];
+    int count;
+  };
+  static constexpr Stage kStages[4] = {
+      {{kLoraK, kLoraV, kLoraQ}, 3}, {{kLoraO}, 1}, {{kLoraGate, kLoraUp}, 2}, {{kLoraDown}, 1}};
+  const LoraTarget t = outputs[0].target;
+  const int stage = t == kLoraO ? 1 : t == kLoraGate || t == kLoraUp ? 2 : t == kLoraDown ? 3 : 0;
+  for (int step = 1; step <= 4; ++step) {
+    const Stage& next = kStages[(stage + step) % 4];
+    lora_plan_.set_next(layer + (stage + step) / 4, next.targets, next.count);
+    if (lora_plan_.has_next()) break;
+  }
+  return &lora_plan_;
 }
 
 void Model::set_lora(int slot, std::unique_ptr<LoraAdapter> adapter) {
