@@ -290,6 +290,43 @@ export class GuidedSequence {
     if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
   }
 
+  /**
+   * The allowed token with the largest value in `row` (ties to the lowest id), or -1 when every allowed token is
+   * -Infinity: the argmax of the row maskRow would leave, without writing the mask into the row. The row must hold no
+   * NaN (the caller has scanned it).
+   */
+  maskedArgmax(row: Float32Array): number {
+    const vocabSize = this.vocabSize;
+    const forbidden = this.forbidden;
+    let best = -1;
+    let bestValue = -Infinity;
+    this.withMask((words) => {
+      // The mask's vector is this call's own copy: the forbidden tokens are cleared in it.
+      if (forbidden) for (const id of forbidden) words[id >>> 5]! &= ~(1 << (id & 31));
+      const numWords = (vocabSize + 31) >>> 5;
+      for (let w = 0; w < numWords; w++) {
+        let word = words[w]!;
+        if (word === 0) continue;
+        const base = w << 5;
+        if (word === -1 && base + 32 <= vocabSize) {
+          for (let id = base; id < base + 32; id++) {
+            const value = row[id]!;
+            if (value > bestValue) { bestValue = value; best = id; }
+          }
+          continue;
+        }
+        while (word !== 0) {
+          const id = base + 31 - Math.clz32(word & -word);
+          word &= word - 1;
+          if (id >= vocabSize) break;
+          const value = row[id]!;
+          if (value > bestValue) { bestValue = value; best = id; }
+        }
+      }
+    });
+    return best;
+  }
+
   /** The allowed token ids, in increasing order, into `out`; returns how many (the simulated engine draws from them). */
   allowedTokens(out: Int32Array): number {
     let count = 0;

@@ -24,6 +24,12 @@ export function guidedDrawFirst(sequence: SequenceSampler): boolean {
   return params.topP >= 1 && params.topK <= 0 && params.minP === 0;
 }
 
+/** A greedy row the sampler reads as it is (no penalties, bias or min_tokens), without logprobs. */
+function greedyUnprocessed(sequence: SequenceSampler): boolean {
+  const { params } = sequence;
+  return params.temperature < GREEDY_TEMPERATURE && params.logprobs === null && !sequence.hasLogitProcessors;
+}
+
 /**
  * Samples a guided row whose grammar has not ended, advances the grammar with the token and returns it (recorded
  * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask is written into it.
@@ -33,7 +39,8 @@ export function guidedDrawFirst(sequence: SequenceSampler): boolean {
  * straight to the mask, since each refused draw wastes a sampler pass (exp over the vocabulary) and a random draw.
  * A greedy row always draws first: its draw takes no randomness, so drawing or not never changes its output, a
  * refused draw costs one argmax pass, and skipping it would pay for masks where the draw is mostly taken (inside a
- * string, whose masks are the dearest: milliseconds for a bounded length).
+ * string, whose masks are the dearest: milliseconds for a bounded length). A refused greedy row whose values the
+ * sampler takes as they are gets the argmax of the allowed tokens from the mask (GuidedSequence.maskedArgmax).
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
@@ -51,6 +58,16 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
     if (sequence.params.temperature >= GREEDY_TEMPERATURE) {
       guided.refusedRun++;
       guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
+    }
+  }
+  if (sampled !== undefined && greedyUnprocessed(sequence)) {
+    // The row's argmax among the allowed tokens, read straight from the mask: what the masked row's pass would
+    // give, without writing the mask into the row nor a second pass over it (the first one found no NaN in it).
+    const tokenId = guided.maskedArgmax(values);
+    if (tokenId >= 0) {
+      sequence.recordOutputToken(tokenId);
+      guided.accept(tokenId);
+      return { tokenId };
     }
   }
   // The grammar's mask first (the logits buffer is the step's own), then the request's own processing.
