@@ -45,6 +45,7 @@ describe('grammar runtime', () => {
     }
     assert.equal(rest, '');
     assert.deepEqual(allowedIds(guided), [...tokenizer.stopTokenIds]);
+    assert.equal(guided.isTerminated, false);
     assert.equal(guided.accept(tokenizer.stopTokenIds[0]!), true);
     assert.equal(guided.isTerminated, true);
     guided.dispose();
@@ -89,6 +90,8 @@ describe('grammar runtime', () => {
         if (fill === 'random') walk = best;
       }
       assert.equal(guided.accept(walk), true);
+      // The ending kept by the sequence is the matcher's own.
+      assert.equal(guided.isTerminated, (guided as unknown as { handle: { IsTerminated(): boolean } }).handle.IsTerminated());
     }
     assert.ok(states > 5, `only ${states} states visited`);
     guided.dispose();

@@ -84,14 +84,18 @@ export class GrammarRuntime {
   /** Token ids by their text (byte-level, as XGrammar sees them), for turning forced text into tokens. */
   private readonly pieces: TokenPieces;
 
+  /** The ids that end a grammar (the matcher's stop tokens), undefined when the tokenizer names none. */
+  private readonly stopTokens: ReadonlySet<number> | undefined;
+
   private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array,
-    pieces: TokenPieces) {
+    pieces: TokenPieces, stopTokens: readonly number[]) {
     this.xg = xg;
     this.compiler = compiler;
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
     this.jsonForbidden = jsonForbidden;
     this.pieces = pieces;
+    this.stopTokens = stopTokens.length > 0 ? new Set(stopTokens) : undefined;
   }
 
   /**
@@ -131,7 +135,7 @@ export class GrammarRuntime {
         b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
       return new b.GrammarCompiler(info, 1, false);
     });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces);
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces, tokenizer.stopTokenIds);
   }
 
   /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
@@ -139,7 +143,8 @@ export class GrammarRuntime {
     const source = grammarSource(spec);
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
-    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces);
+    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces,
+      this.stopTokens);
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -203,17 +208,28 @@ export class GuidedSequence {
   /**
    * Consecutive tokens for which a draw from the whole row was refused, and how many draws to skip still: a model
    * whose draws the grammar keeps refusing (noise, or a format it does not know) stops paying for a refused advance
-   * before each mask, and is tried again now and then (EngineCore.sampleRows).
+   * before each mask, and is tried again now and then (sampleGuidedRow in sampling.ts; sampled rows only).
    */
   refusedRun = 0;
   skipDraws = 0;
 
-  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces) {
+  /**
+   * Whether the matcher has ended, kept here: with the matcher's stop tokens given (and no termination without
+   * one), XGrammar ends only by accepting a stop token, so it is asked again only after one (after every token when
+   * the stop set is not known here).
+   */
+  private terminated: boolean;
+  private readonly stopTokens: ReadonlySet<number> | undefined;
+
+  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces,
+    stopTokens?: ReadonlySet<number>) {
     this.xg = xg;
     this.handle = handle;
     this.vocabSize = vocabSize;
     this.forbidden = forbidden;
     this.pieces = pieces;
+    this.stopTokens = stopTokens;
+    this.terminated = handle.IsTerminated() as boolean;
   }
 
   /**
@@ -348,7 +364,9 @@ export class GuidedSequence {
   /** Advances with a sampled token; false (state unchanged) when the grammar does not allow it. */
   accept(tokenId: number): boolean {
     if (this.isForbidden(tokenId)) return false;
-    return this.handle.AcceptToken(tokenId, false) as boolean;
+    if (!(this.handle.AcceptToken(tokenId, false) as boolean)) return false;
+    if (this.stopTokens === undefined || this.stopTokens.has(tokenId)) this.terminated = this.handle.IsTerminated() as boolean;
+    return true;
   }
 
   private isForbidden(tokenId: number): boolean {
@@ -369,7 +387,7 @@ export class GuidedSequence {
 
   /** The grammar has accepted an end-of-generation token. */
   get isTerminated(): boolean {
-    return this.handle.IsTerminated() as boolean;
+    return this.terminated;
   }
 
   /** The text the grammar forces next (empty when there is a choice). */
