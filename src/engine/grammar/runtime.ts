@@ -3,10 +3,12 @@
 // sampling and advances with each sampled token. XGrammar does the work (xgrammar.ts); this file is the engine's
 // view of it: plain-data specs in, synchronous calls out, so the step loop never awaits.
 //
-// Where the time goes: per token and sequence that needs a mask, one mask query (XGrammar's precomputed per-state
-// token sets; a few hundred µs for a 32k vocabulary in WASM, more for larger ones) and one pass over the mask's
-// words here (runs of refused words filled at once, mixed words bit by bit); advancing with the sampled token is a
-// few µs, the jump-forward query tens. benchmarks/grammar.ts measures them against a decode step.
+// Where the time goes: per token and sequence that needs a mask, one mask query (XGrammar's per-state token sets;
+// in WASM, tens of µs between JSON elements to milliseconds inside a string of bounded length at a 32k vocabulary,
+// more for larger ones; returned as a fresh vector, about a tenth more in embind's copying) and one pass over the
+// mask's words here (maskRow: runs of refused words filled at once, mixed words bit by bit; maskedArgmax: only the
+// allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each.
+// benchmarks/grammar.ts measures them against a decode step.
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
