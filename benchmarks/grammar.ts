@@ -1,23 +1,21 @@
 // Constrained decoding's cost per token against a decode step. Two measurements, alternated per round so machine
 // load falls on both:
-//   - grammar: B matchers (XGrammar WASM, one per sequence) walk a bounded JSON schema; per step, each sequence's
-//     mask is applied to a logits row (GuidedSequence.maskRow), a token is drawn among the allowed ones and the
-//     matcher advances (accept). Vocabularies: Llama 2 (32k, the built-in), Llama 3 (128k) and Qwen2 (152k), read
-//     from ../shared/models' vocab-only GGUFs (skipped when absent).
+//   - grammar: B sequences under a bounded JSON schema (XGrammar WASM, one matcher each) on logits rows, each row
+//     sampled as the engine samples a guided greedy row (sampleGuidedRow, the engine's Sampler) and followed by the
+//     jump-forward hook (on by default). Its cost is all of that less the one sampler pass that draws the row's
+//     token (an unguided row pays it too): the advances, a refused draw's wasted pass, the mask (query, then the
+//     row fill or the argmax read from it), the termination checks, the jump-forward query and the forced tokens'
+//     advances. Printed in this thread's CPU time (the batch's, less that of one plain pass per row over a copy)
+//     and in wall time (summed per row, less the drawing pass). Vocabularies: Llama 2 (32k, the built-in),
+//     Llama 3 (128k) and Qwen2 (152k), read from ../shared/models' vocab-only GGUFs (skipped when absent).
 //   - decode: EngineCore decode steps of the 110M synthetic model (Q8_0, native backend) with B greedy requests.
-// Two grammar cases: "noise" (random logits: nearly every draw is refused, so every token pays for a mask: the
-// worst case, the synthetic model's) and "follows" (the logits peak at the next token of a valid document, as a
-// model that writes the format does: the engine's draw-first path takes the token with one advance and computes no
-// mask; EngineCore.guidedDrawFirst; after repeated refusals the draw is skipped for a while, as the engine does).
-// Only the grammar's own calls (advance, mask) are timed, not the sampler's
-// passes. Printed per vocabulary and batch: grammar ms per step (the mean over a round's steps, the median over
-// rounds), µs per token, and the share of the 110M model's decode step (median) at that batch. (The Llama 2 "follows" case still masks now and then: its SentencePiece encoding of the
-// document starts with a space-prefixed token the grammar refuses.)
-//
-// A third case, "noise+jf", is noise with jump-forward as the engine does it by default: after each accepted token the
-// text the grammar forces is turned into tokens and accepted (GuidedSequence.forcedTokens); its cost (the
-// jump-forward query and the advances) is timed with the rest, per sampled token, and the forced tokens per step are
-// printed (they need no mask and no decode step of their own).
+// Two grammar cases: "noise" (random logits: most draws are refused, so most tokens pay for a mask: the synthetic
+// model's case, the worst) and "follows" (the logits peak at the next token of the document a model that writes the
+// format would write: the longest vocabulary token spelling the document's bytes from where the output stands, so
+// every draw is taken with one advance; the tokenizer's own encoding is not used, since SentencePiece starts it
+// with a space-prefixed token a JSON grammar refuses). A sequence is replaced by a new one when its grammar ends
+// (or after 256 tokens). Printed per vocabulary and batch: µs per sampled token and the share of the 110M model's
+// decode step (median) at that batch, with masks, refused draws and forced tokens per sampled token.
 //
 // Then jump-forward in the engine: B guided requests (the bounded JSON schema, with any whitespace and compact) on
 // the 110M model (noise, greedy and sampled) with jump-forward off and on: output tokens, tokens appended without
@@ -25,7 +23,7 @@
 //
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
 
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
@@ -33,6 +31,8 @@ import { parseArgs } from 'node:util';
 import { engineNow } from '../src/engine/clock.ts';
 import { EngineCore } from '../src/engine/engine-core.ts';
 import { GrammarRuntime, type GuidedSequence } from '../src/engine/grammar/runtime.ts';
+import { sampleGuidedRow } from '../src/engine/grammar/sampling.ts';
+import { createRequestSamplers, Sampler, type SequenceSampler } from '../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../src/engine/types.ts';
 import { nativeBackend } from '../src/kernels/native.ts';
 import { readGguf } from '../src/model/gguf.ts';
@@ -59,6 +59,15 @@ const STEPS = Number(args.steps);
 const SHARED = process.env.CONDUIT_SHARED_MODELS ?? join(import.meta.dirname, '..', '..', 'shared', 'models');
 const median = (values: readonly number[]): number => quantile(values, 0.5);
 
+/** This thread's CPU time in ms (Linux's schedstat), undefined where it cannot be read. */
+function threadCpuMs(): number | undefined {
+  try {
+    return Number(readFileSync('/proc/thread-self/schedstat', 'utf8').split(' ')[0]) / 1e6;
+  } catch {
+    return undefined;
+  }
+}
+
 const SCHEMA = {
   type: 'object',
   properties: {
@@ -78,7 +87,8 @@ const backend = nativeBackend.load(model.config, model.weights,
 const modelTokenizer = createTokenizer(model.tokenizerSource);
 let nextId = 0;
 
-function decodeStepMs(batch: number): number {
+/** The median decode step (wall ms) and the mean CPU time per step over the process's threads. */
+function decodeStepMs(batch: number): { wallMs: number; cpuMs: number } {
   const core = new EngineCore({
     backend, tokenizer: modelTokenizer, maxNumSeqs: maxBatch, maxNumBatchedTokens: Math.max(2048, maxBatch * 16),
     maxModelLen: model.config.contextLength, now: engineNow,
@@ -92,18 +102,31 @@ function decodeStepMs(batch: number): number {
     });
   }
   const stepMs: number[] = [];
+  let cpuMs = 0;
   core.step();
   for (let guard = 0; core.hasWork && guard < STEPS * 4; guard++) {
     const start = performance.now();
+    const cpu = process.cpuUsage();
     const outputs = core.step();
-    if (outputs.length === batch) stepMs.push(performance.now() - start);
+    const used = process.cpuUsage(cpu);
+    if (outputs.length === batch) {
+      stepMs.push(performance.now() - start);
+      cpuMs += (used.user + used.system) / 1000;
+    }
   }
-  return median(stepMs);
+  return { wallMs: median(stepMs), cpuMs: cpuMs / stepMs.length };
 }
 
 // ---- the grammar's work per step
 
-interface Vocab { label: string; tokenizer: Tokenizer; runtime: GrammarRuntime }
+interface Vocab {
+  label: string;
+  tokenizer: Tokenizer;
+  runtime: GrammarRuntime;
+  /** Ordinary tokens by their bytes (a latin1 string), for the following model (followToken). */
+  pieces: Map<string, number>;
+  maxPiece: number;
+}
 
 async function vocab(label: string, path: string): Promise<Vocab | undefined> {
   if (!existsSync(path)) {
@@ -111,78 +134,140 @@ async function vocab(label: string, path: string): Promise<Vocab | undefined> {
     return undefined;
   }
   const tokenizer = createTokenizer({ kind: 'gguf', file: readGguf(path) });
-  return { label, tokenizer, runtime: await GrammarRuntime.create(tokenizer) };
+  // Every ordinary token by its bytes (latin1 string), for the following model's longest-match cut.
+  const pieces = new Map<string, number>();
+  let maxPiece = 0;
+  for (let id = 0; id < tokenizer.vocabSize; id++) {
+    if (tokenizer.isSpecial(id)) continue;
+    const text = Buffer.from(tokenizer.tokenBytes(id, false)).toString('latin1');
+    if (text === '' || pieces.has(text)) continue;
+    pieces.set(text, id);
+    maxPiece = Math.max(maxPiece, text.length);
+  }
+  return { label, tokenizer, runtime: await GrammarRuntime.create(tokenizer), pieces, maxPiece };
 }
 
-function argmax(row: Float32Array): number {
-  let best = 0;
-  for (let id = 1; id < row.length; id++) if (row[id]! > row[best]!) best = id;
-  return best;
+type Case = 'noise' | 'follows';
+const CASES: Case[] = ['noise', 'follows'];
+const DOCUMENT = Buffer.from(JSON.stringify({ name: 'Ada Lovelace', age: 36, tags: ['math', 'poet'], color: 'green' }), 'utf8').toString('latin1');
+/** A request's longest output here (max_tokens): a noise sequence the grammar has not ended by then is replaced. */
+const MAX_OUTPUT = 256;
+
+/**
+ * The token the following model puts its peak on: the longest vocabulary token spelling the document at `offset`
+ * (the model writes the document's bytes, cut greedily; the tokenizer's own encoding may not be one the grammar
+ * takes: SentencePiece starts it with a space-prefixed token, which a JSON grammar refuses), the end-of-generation
+ * token after the document.
+ */
+function followToken(v: Vocab, offset: number): number {
+  for (let length = Math.min(v.maxPiece, DOCUMENT.length - offset); length > 0; length--) {
+    const id = v.pieces.get(DOCUMENT.slice(offset, offset + length));
+    if (id !== undefined) return id;
+  }
+  return v.tokenizer.stopTokenIds[0]!;
 }
 
-type Case = 'noise' | 'noise+jf' | 'follows';
-const CASES: Case[] = ['noise', 'noise+jf', 'follows'];
-const DOCUMENT = JSON.stringify({ name: 'Ada Lovelace', age: 36, tags: ['math', 'poet'], color: 'green' });
+interface GrammarStep {
+  /** Mean per step: the grammar's wall time (summed per row) and its CPU time (this thread's, per batch). */
+  stepMs: number; cpuMs: number;
+  tokens: number; masks: number; refused: number; forced: number;
+}
 
-function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): { stepMs: number; tokens: number; forced: number } {
-  const doc = v.tokenizer.encode(DOCUMENT, { addSpecialTokens: false });
-  const positions = new Array<number>(batch).fill(0);
+/**
+ * B sequences, STEPS steps: per step and sequence a logits row, sampled as the engine samples a guided greedy row
+ * (sampleGuidedRow, with the engine's Sampler) followed by the jump-forward hook (forcedTokens, on by default). The
+ * grammar's cost is that time less one sampler pass (the pass an unguided row pays too): the advances, a refused
+ * draw's second pass if any, the mask (query, then the row fill or the argmax read from it), the termination checks
+ * and the jump-forward query with the forced tokens' advances.
+ */
+function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): GrammarStep {
   const size = v.runtime.vocabSize;
+  const eos = v.tokenizer.stopTokenIds;
+  const sampler = new Sampler(size);
   const rng = Xoshiro128.fromSeed(seed, 0);
   const rows = new Float32Array(batch * size);
-  const spec = { kind: 'json_schema' as const, schema: JSON.stringify(SCHEMA) };
-  const matchers: GuidedSequence[] = Array.from({ length: batch }, () => v.runtime.open(spec));
-  const times: number[] = [];
+  const guidedSpec = { kind: 'json_schema' as const, schema: JSON.stringify(SCHEMA) };
+  const params = { ...DEFAULT_SAMPLING, temperature: 0, maxTokens: MAX_OUTPUT };
+  const sequence = (guided: typeof guidedSpec) => createRequestSamplers({
+    params: { ...params, guided }, promptTokenIds: [1], vocabSize: size, eosTokenIds: eos,
+  })[0]!;
+  const counts = { masks: 0, refused: 0 };
+  // The row's last pass is taken out of its wall time (an unguided row pays one too).
+  const pass = sampler.sampleRow.bind(sampler);
+  let passMs = 0;
+  sampler.sampleRow = (row, sequence) => {
+    const start = performance.now();
+    const sampled = pass(row, sequence);
+    passMs = performance.now() - start;
+    return sampled;
+  };
+  interface Seq { sampling: SequenceSampler; guided: GuidedSequence; offset: number; outputs: number }
+  const open = (): Seq => {
+    const guided = v.runtime.open(guidedSpec);
+    // Counted, not changed: the masks computed and the draws refused.
+    const maskRow = guided.maskRow.bind(guided);
+    guided.maskRow = (row) => { counts.masks++; maskRow(row); };
+    const maskedArgmax = guided.maskedArgmax.bind(guided);
+    guided.maskedArgmax = (row) => { counts.masks++; return maskedArgmax(row); };
+    const accept = guided.accept.bind(guided);
+    guided.accept = (id) => { const ok = accept(id); if (!ok) counts.refused++; return ok; };
+    return { sampling: sequence(guidedSpec), guided, offset: 0, outputs: 0 };
+  };
+  const textLength = (ids: readonly number[]) => ids.reduce((sum, id) => sum + v.tokenizer.tokenBytes(id, false).length, 0);
+  const seqs = Array.from({ length: batch }, open);
+  const plain = Array.from({ length: batch }, () => createRequestSamplers({ params, promptTokenIds: [1], vocabSize: size, eosTokenIds: eos })[0]!);
+  const copies = new Float32Array(rows.length);
+  const sampled = new Array<{ tokenId: number; forcedIds: number[] }>(batch);
+  const wall: number[] = [];
+  const cpu: number[] = [];
   let tokens = 0;
   let forced = 0;
   for (let step = 0; step < STEPS; step++) {
-    for (let i = 0; i < rows.length; i++) rows[i] = rng.nextFloat() * 8; // logits stand-in, filled outside the timing
-    // Only the grammar's own calls are timed (advance, mask); the argmax passes are the sampler's, which the step
-    // pays with or without a grammar (a refused draw does cost it one more pass over the masked row, not counted).
-    let stepMs = 0;
+    // Outside the timing: the logits stand-in, a finished sequence replaced by a new request, the following
+    // model's peak.
+    for (let i = 0; i < rows.length; i++) rows[i] = rng.nextFloat() * 8;
     for (let b = 0; b < batch; b++) {
-      let guided = matchers[b]!;
-      if (guided.isTerminated || positions[b]! > doc.length) {
-        guided.dispose();
-        guided = matchers[b] = v.runtime.open(spec);
-        positions[b] = 0;
+      let seq = seqs[b]!;
+      if (seq.guided.isTerminated || seq.outputs >= MAX_OUTPUT) {
+        seq.guided.dispose();
+        seq = seqs[b] = open();
       }
-      const row = rows.subarray(b * size, (b + 1) * size);
-      if (mode === 'follows') row[doc[positions[b]!] ?? v.tokenizer.stopTokenIds[0]!] = 100;
-      positions[b]!++;
-      let best = argmax(row);
-      let start = performance.now();
-      // The engine's draw-first path, skipped after repeated refusals as EngineCore.sampleRows does.
-      let accepted = false;
-      if (guided.skipDraws > 0) {
-        guided.skipDraws--;
-      } else {
-        accepted = guided.accept(best);
-        if (accepted) guided.refusedRun = 0;
-        else guided.skipDraws = Math.min(++guided.refusedRun - 1, 7);
-      }
-      stepMs += performance.now() - start;
-      if (!accepted) {
-        start = performance.now();
-        guided.maskRow(row);
-        stepMs += performance.now() - start;
-        best = argmax(row);
-        start = performance.now();
-        guided.accept(best);
-        stepMs += performance.now() - start;
-      }
-      if (mode === 'noise+jf' && !guided.isTerminated) {
-        start = performance.now();
-        forced += guided.forcedTokens().length;
-        stepMs += performance.now() - start;
-      }
+      if (mode === 'follows') rows[b * size + followToken(v, seq.offset)] = 100;
+    }
+    copies.set(rows);
+    const refusedBefore = counts.refused;
+    // EngineCore.sampleRows for each guided row, then the jump-forward hook (samplerTokens' forced). Wall time per
+    // row less the drawing pass; CPU time for the batch less that of one plain pass per row, below.
+    let wallMs = 0;
+    const cpuStart = threadCpuMs();
+    for (let b = 0; b < batch; b++) {
+      const { guided, sampling } = seqs[b]!;
+      const start = performance.now();
+      const { tokenId } = sampleGuidedRow(sampler, rows.subarray(b * size, (b + 1) * size), sampling, guided, eos);
+      const forcedIds = guided.isTerminated ? [] : guided.forcedTokens();
+      for (const id of forcedIds) sampling.recordOutputToken(id);
+      wallMs += performance.now() - start - passMs;
+      sampled[b] = { tokenId, forcedIds };
+    }
+    const cpuMid = threadCpuMs();
+    for (let b = 0; b < batch; b++) pass(copies.subarray(b * size, (b + 1) * size), plain[b]!);
+    const cpuEnd = threadCpuMs();
+    wall.push(wallMs);
+    if (cpuStart !== undefined) cpu.push((cpuMid! - cpuStart) - (cpuEnd! - cpuMid!));
+    if (mode === 'follows' && counts.refused !== refusedBefore) throw new Error(`${v.label}: the grammar refused the following model's token`);
+    for (let b = 0; b < batch; b++) {
+      const seq = seqs[b]!;
+      const { tokenId, forcedIds } = sampled[b]!;
+      if (mode === 'follows') seq.offset += textLength([tokenId, ...forcedIds]);
+      seq.outputs += 1 + forcedIds.length;
+      forced += forcedIds.length;
       tokens++;
     }
-    times.push(stepMs);
   }
-  for (const matcher of matchers) matcher.dispose();
+  for (const seq of seqs) seq.guided.dispose();
   // The mean: a step pays for masks only now and then (at batch 1 the median step may have none).
-  return { stepMs: times.reduce((sum, ms) => sum + ms, 0) / times.length, tokens, forced };
+  const mean = (values: number[]) => values.length === 0 ? NaN : values.reduce((sum, ms) => sum + ms, 0) / values.length;
+  return { stepMs: mean(wall), cpuMs: mean(cpu), tokens, forced, ...counts };
 }
 
 const vocabs = (await Promise.all([
@@ -191,34 +276,45 @@ const vocabs = (await Promise.all([
   vocab('152k (Qwen2)', join(SHARED, 'ggml-vocab-qwen2.gguf')),
 ])).filter((v): v is Vocab => v !== undefined);
 
-console.log(`grammar (mask + advance, XGrammar WASM) vs decode step of ${file.label} (native ${backend.info.variants?.matmul_q8_0 ?? '?'}, `
+console.log(`grammar (advance, mask, jump-forward; XGrammar WASM) vs decode step of ${file.label} (native ${backend.info.variants?.matmul_q8_0 ?? '?'}, `
   + `threads ${args.threads}); ${ROUNDS} rounds x ${STEPS} steps; load average ${loadavg().map((x) => x.toFixed(1)).join(' ')}`);
 for (const batch of BATCHES) decodeStepMs(batch); // warm-up
 for (const batch of BATCHES) {
   const decode: number[] = [];
-  const grammar = new Map<string, number[]>();
-  const forcedPerStep = new Map<string, number>();
+  const decodeCpu: number[] = [];
+  const wall = new Map<string, number[]>();
+  const cpu = new Map<string, number[]>();
+  const counts = new Map<string, GrammarStep>();
   for (let round = 0; round < ROUNDS; round++) {
-    decode.push(decodeStepMs(batch));
+    const step = decodeStepMs(batch);
+    decode.push(step.wallMs);
+    decodeCpu.push(step.cpuMs);
     for (const v of vocabs) {
       for (const mode of CASES) {
         const key = `${v.label}|${mode}`;
-        if (!grammar.has(key)) grammar.set(key, []);
         const result = grammarStepMs(v, batch, round + 1, mode);
-        grammar.get(key)!.push(result.stepMs);
-        forcedPerStep.set(key, (forcedPerStep.get(key) ?? 0) + result.forced / STEPS / ROUNDS);
+        wall.set(key, [...wall.get(key) ?? [], result.stepMs]);
+        cpu.set(key, [...cpu.get(key) ?? [], result.cpuMs]);
+        const sum = counts.get(key);
+        counts.set(key, sum === undefined ? result : { ...sum, tokens: sum.tokens + result.tokens, masks: sum.masks + result.masks,
+          refused: sum.refused + result.refused, forced: sum.forced + result.forced });
       }
     }
   }
   const decodeMs = median(decode);
-  console.log(`batch ${String(batch).padStart(2)}: decode step ${decodeMs.toFixed(2)} ms`);
+  console.log(`batch ${String(batch).padStart(2)}: decode step ${decodeMs.toFixed(2)} ms (CPU ${median(decodeCpu).toFixed(2)} ms over its threads)`);
   for (const v of vocabs) {
     for (const mode of CASES) {
       const key = `${v.label}|${mode}`;
-      const ms = median(grammar.get(key)!);
-      const forced = mode === 'noise+jf' ? `  +${(forcedPerStep.get(key)! / batch).toFixed(2)} forced tokens per sampled one` : '';
-      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(8)} grammar ${ms.toFixed(3).padStart(8)} ms/step  `
-        + `${(ms * 1000 / batch).toFixed(0).padStart(5)} µs/token  ${(100 * ms / decodeMs).toFixed(1).padStart(5)}% of the decode step${forced}`);
+      const wallMs = median(wall.get(key)!);
+      const cpuMs = median(cpu.get(key)!);
+      const c = counts.get(key)!;
+      const per = (n: number) => (n / c.tokens).toFixed(2);
+      const us = (ms: number) => (ms * 1000 / batch).toFixed(1).padStart(6);
+      const share = (ms: number) => (100 * ms / decodeMs).toFixed(1).padStart(5);
+      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(8)} grammar CPU ${us(cpuMs)} µs/token ${share(cpuMs)}%, `
+        + `wall ${us(wallMs)} µs/token ${share(wallMs)}% of the decode step  `
+        + `(per sampled token: ${per(c.masks)} masks, ${per(c.refused)} refused draws, +${per(c.forced)} forced tokens)`);
     }
   }
 }
@@ -226,8 +322,7 @@ for (const batch of BATCHES) {
 // ---- jump-forward in the engine: B guided requests on the 110M model, off vs on
 
 const jfBatch = Number(args['jf-batch']);
-const builtin = vocabs.find((v) => v.label.startsWith('32k'));
-if (builtin !== undefined && jfBatch > 0) {
+if (jfBatch > 0) {
   const grammarRuntime = await GrammarRuntime.create(modelTokenizer, model.config.vocabSize);
   const run = (jumpForward: boolean, temperature: number, compact: boolean) => {
     const core = new EngineCore({

@@ -17,7 +17,8 @@ import type { BlockTable } from './kv-cache/manager.ts';
 import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { drawRandomSeed } from '../util/random.ts';
 import { GrammarError, type GrammarRuntime } from './grammar/runtime.ts';
-import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SampledToken, type SequenceSampler } from './sampler.ts';
+import { sampleGuidedRow } from './grammar/sampling.ts';
+import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SequenceSampler } from './sampler.ts';
 import type { StepPlan } from './scheduler.ts';
 import { rowKey, StepCore, type KvImport, type TokenSource } from './step-core.ts';
 import type { EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob } from './types.ts';
@@ -250,22 +251,6 @@ export class EngineCore extends StepCore<SequenceSampler> {
     return this.logits;
   }
 
-  /**
-   * Whether a guided row may be drawn from unmasked first, the mask computed only when the grammar refuses the draw.
-   * Exact where masking commutes with the draw: greedy (the argmax of the whole row, if allowed, is the masked
-   * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
-   * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
-   * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
-   * A model that follows the grammar then costs one advance per token instead of a mask. Skipping the draw (after
-   * repeated refusals) is exact too: the masked row is what either path draws from.
-   */
-  private guidedDrawFirst(sequence: SequenceSampler): boolean {
-    const { params } = sequence;
-    if (params.logprobs !== null) return false;
-    if (params.temperature < GREEDY_TEMPERATURE) return true;
-    return params.topP >= 1 && params.topK <= 0 && params.minP === 0;
-  }
-
   private sampleRows(plan: StepPlan, logits: Float32Array): { tokenIds: number[]; logprobs: Map<string, TokenLogprob> } {
     const v = this.vocabSize;
     const tokenIds: number[] = new Array(plan.sampleTargets.length);
@@ -274,51 +259,17 @@ export class EngineCore extends StepCore<SequenceSampler> {
       const values = logits.subarray(row * v, (row + 1) * v);
       const sequence = this.tokenState(target.request.id, target.completionIndex)!;
       const guided = sequence.guided;
-      let sampled: SampledToken | undefined;
-      if (guided === undefined || guided.isTerminated) {
-        sampled = this.sampler.sampleRow(values, sequence);
-      } else {
-        let accepted = false;
-        if (guided.skipDraws > 0) {
-          guided.skipDraws--;
-        } else if (this.guidedDrawFirst(sequence)) {
-          // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
-          sampled = this.sampler.sampleRow(values, sequence);
-          accepted = guided.accept(sampled.tokenId);
-          if (accepted) {
-            guided.refusedRun = 0;
-          } else {
-            sequence.unrecordOutputToken(sampled.tokenId);
-            // After k refusals in a row, the next k - 1 tokens (at most 7) go straight to the mask: an isolated
-            // refusal costs nothing more, a row the grammar keeps refusing is tried again ever more rarely.
-            guided.refusedRun++;
-            guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
-          }
-        }
-        if (!accepted) {
-          // The grammar's mask first (the logits buffer is this step's own), then the request's own processing.
-          guided.maskRow(values);
-          try {
-            sampled = this.sampler.sampleRow(values, sequence);
-          } catch (error) {
-            // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends.
-            if (!(error instanceof RangeError)) throw error;
-            sampled = { tokenId: this.eosTokenIds.find((id) => values[id] !== -Infinity) ?? this.eosTokenIds[0] ?? 0 };
-            sequence.recordOutputToken(sampled.tokenId);
-          }
-          guided.accept(sampled.tokenId);
-        }
-      }
-      tokenIds[row] = sampled!.tokenId;
-      if (sampled!.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled!.logprobs);
+      const sampled = guided === undefined || guided.isTerminated
+        ? this.sampler.sampleRow(values, sequence)
+        : sampleGuidedRow(this.sampler, values, sequence, guided, this.eosTokenIds);
+      tokenIds[row] = sampled.tokenId;
+      if (sampled.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled.logprobs);
     });
     return { tokenIds, logprobs };
   }
 }
 
 const NO_TOKENS: readonly number[] = [];
-/** Most guided tokens sampled straight from the masked row after repeated refusals (see sampleRows). */
-const MAX_SKIPPED_DRAWS = 7;
 
 /** Tokens from the model: one seeded sampler per completion (see sampler.ts), resumable from a handoff. */
 function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], grammar: () => GrammarRuntime | undefined,

@@ -45,6 +45,7 @@ describe('grammar runtime', () => {
     }
     assert.equal(rest, '');
     assert.deepEqual(allowedIds(guided), [...tokenizer.stopTokenIds]);
+    assert.equal(guided.isTerminated, false);
     assert.equal(guided.accept(tokenizer.stopTokenIds[0]!), true);
     assert.equal(guided.isTerminated, true);
     guided.dispose();
@@ -57,6 +58,42 @@ describe('grammar runtime', () => {
     const allowed = new Set(allowedIds(guided));
     for (let id = 0; id < row.length; id++) assert.equal(row[id] === 1, allowed.has(id), `token ${id}`);
     assert.ok(allowed.size > 0);
+    guided.dispose();
+  });
+
+  it('maskedArgmax is the argmax of the row maskRow leaves (ties to the lowest id, forbidden tokens out, -1 when none is finite)', () => {
+    const schema = JSON.stringify({ type: 'object', properties: { note: { type: 'string', maxLength: 12 }, n: { type: 'integer' } },
+      required: ['note', 'n'] });
+    // The states a greedy walk over random rows passes through (keys, strings with forbidden tokens, numbers, the end).
+    const guided = runtime.open({ kind: 'json_schema', schema });
+    let random = 7;
+    const next = () => (random = (random * 1103515245 + 12345) % 2147483648) / 2147483648;
+    let states = 0;
+    for (; states < 60 && !guided.isTerminated; states++) {
+      let walk = -1;
+      for (const fill of ['random', 'ties', 'refused-only', 'empty'] as const) {
+        const row = new Float32Array(runtime.vocabSize);
+        for (let k = 0; k < row.length; k++) row[k] = fill === 'ties' ? Math.floor(next() * 3) : next() * 10;
+        const masked = row.slice();
+        guided.maskRow(masked);
+        if (fill === 'refused-only' || fill === 'empty') {
+          // Every allowed token at -Infinity: no argmax.
+          for (let k = 0; k < row.length; k++) if (masked[k] !== -Infinity) row[k] = -Infinity;
+          if (fill === 'empty') row.fill(-Infinity);
+          assert.equal(guided.maskedArgmax(row), -1);
+          continue;
+        }
+        let best = -1;
+        for (let k = 0; k < masked.length; k++) if (masked[k]! !== -Infinity && (best < 0 || masked[k]! > masked[best]!)) best = k;
+        assert.notEqual(best, -1);
+        assert.equal(guided.maskedArgmax(row), best, `${fill} row, state ${states}`);
+        if (fill === 'random') walk = best;
+      }
+      assert.equal(guided.accept(walk), true);
+      // The ending kept by the sequence is the matcher's own.
+      assert.equal(guided.isTerminated, (guided as unknown as { handle: { IsTerminated(): boolean } }).handle.IsTerminated());
+    }
+    assert.ok(states > 5, `only ${states} states visited`);
     guided.dispose();
   });
 

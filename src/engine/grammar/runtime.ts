@@ -3,10 +3,12 @@
 // sampling and advances with each sampled token. XGrammar does the work (xgrammar.ts); this file is the engine's
 // view of it: plain-data specs in, synchronous calls out, so the step loop never awaits.
 //
-// Where the time goes: per token and sequence that needs a mask, one mask query (XGrammar's precomputed per-state
-// token sets; a few hundred µs for a 32k vocabulary in WASM, more for larger ones) and one pass over the mask's
-// words here (runs of refused words filled at once, mixed words bit by bit); advancing with the sampled token is a
-// few µs, the jump-forward query tens. benchmarks/grammar.ts measures them against a decode step.
+// Where the time goes: per token and sequence that needs a mask, one mask query (XGrammar's per-state token sets;
+// in WASM, tens of µs between JSON elements to milliseconds inside a string of bounded length at a 32k vocabulary,
+// more for larger ones; returned as a fresh vector, about a tenth more in embind's copying) and one pass over the
+// mask's words here (maskRow: runs of refused words filled at once, mixed words bit by bit; maskedArgmax: only the
+// allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each.
+// benchmarks/grammar.ts measures them against a decode step.
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
@@ -84,14 +86,18 @@ export class GrammarRuntime {
   /** Token ids by their text (byte-level, as XGrammar sees them), for turning forced text into tokens. */
   private readonly pieces: TokenPieces;
 
+  /** The ids that end a grammar (the matcher's stop tokens), undefined when the tokenizer names none. */
+  private readonly stopTokens: ReadonlySet<number> | undefined;
+
   private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array,
-    pieces: TokenPieces) {
+    pieces: TokenPieces, stopTokens: readonly number[]) {
     this.xg = xg;
     this.compiler = compiler;
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
     this.jsonForbidden = jsonForbidden;
     this.pieces = pieces;
+    this.stopTokens = stopTokens.length > 0 ? new Set(stopTokens) : undefined;
   }
 
   /**
@@ -131,7 +137,7 @@ export class GrammarRuntime {
         b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
       return new b.GrammarCompiler(info, 1, false);
     });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces);
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces, tokenizer.stopTokenIds);
   }
 
   /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
@@ -139,7 +145,8 @@ export class GrammarRuntime {
     const source = grammarSource(spec);
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
-    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces);
+    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces,
+      this.stopTokens);
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -203,17 +210,28 @@ export class GuidedSequence {
   /**
    * Consecutive tokens for which a draw from the whole row was refused, and how many draws to skip still: a model
    * whose draws the grammar keeps refusing (noise, or a format it does not know) stops paying for a refused advance
-   * before each mask, and is tried again now and then (EngineCore.sampleRows).
+   * before each mask, and is tried again now and then (sampleGuidedRow in sampling.ts; sampled rows only).
    */
   refusedRun = 0;
   skipDraws = 0;
 
-  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces) {
+  /**
+   * Whether the matcher has ended, kept here: with the matcher's stop tokens given (and no termination without
+   * one), XGrammar ends only by accepting a stop token, so it is asked again only after one (after every token when
+   * the stop set is not known here).
+   */
+  private terminated: boolean;
+  private readonly stopTokens: ReadonlySet<number> | undefined;
+
+  constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces,
+    stopTokens?: ReadonlySet<number>) {
     this.xg = xg;
     this.handle = handle;
     this.vocabSize = vocabSize;
     this.forbidden = forbidden;
     this.pieces = pieces;
+    this.stopTokens = stopTokens;
+    this.terminated = handle.IsTerminated() as boolean;
   }
 
   /**
@@ -290,6 +308,43 @@ export class GuidedSequence {
     if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
   }
 
+  /**
+   * The allowed token with the largest value in `row` (ties to the lowest id), or -1 when every allowed token is
+   * -Infinity: the argmax of the row maskRow would leave, without writing the mask into the row. The row must hold no
+   * NaN (the caller has scanned it).
+   */
+  maskedArgmax(row: Float32Array): number {
+    const vocabSize = this.vocabSize;
+    const forbidden = this.forbidden;
+    let best = -1;
+    let bestValue = -Infinity;
+    this.withMask((words) => {
+      // The mask's vector is this call's own copy: the forbidden tokens are cleared in it.
+      if (forbidden) for (const id of forbidden) words[id >>> 5]! &= ~(1 << (id & 31));
+      const numWords = (vocabSize + 31) >>> 5;
+      for (let w = 0; w < numWords; w++) {
+        let word = words[w]!;
+        if (word === 0) continue;
+        const base = w << 5;
+        if (word === -1 && base + 32 <= vocabSize) {
+          for (let id = base; id < base + 32; id++) {
+            const value = row[id]!;
+            if (value > bestValue) { bestValue = value; best = id; }
+          }
+          continue;
+        }
+        while (word !== 0) {
+          const id = base + 31 - Math.clz32(word & -word);
+          word &= word - 1;
+          if (id >= vocabSize) break;
+          const value = row[id]!;
+          if (value > bestValue) { bestValue = value; best = id; }
+        }
+      }
+    });
+    return best;
+  }
+
   /** The allowed token ids, in increasing order, into `out`; returns how many (the simulated engine draws from them). */
   allowedTokens(out: Int32Array): number {
     let count = 0;
@@ -311,7 +366,9 @@ export class GuidedSequence {
   /** Advances with a sampled token; false (state unchanged) when the grammar does not allow it. */
   accept(tokenId: number): boolean {
     if (this.isForbidden(tokenId)) return false;
-    return this.handle.AcceptToken(tokenId, false) as boolean;
+    if (!(this.handle.AcceptToken(tokenId, false) as boolean)) return false;
+    if (this.stopTokens === undefined || this.stopTokens.has(tokenId)) this.terminated = this.handle.IsTerminated() as boolean;
+    return true;
   }
 
   private isForbidden(tokenId: number): boolean {
@@ -332,7 +389,7 @@ export class GuidedSequence {
 
   /** The grammar has accepted an end-of-generation token. */
   get isTerminated(): boolean {
-    return this.handle.IsTerminated() as boolean;
+    return this.terminated;
   }
 
   /** The text the grammar forces next (empty when there is a choice). */
