@@ -153,6 +153,21 @@ describe('grammar runtime', () => {
     assert.ok(live <= start.live + 1, `${live} XGrammar instances alive, ${start.live} before`);
   });
 
+  it('an abort inside a matcher call is a GrammarError and leaves the module marked unusable', async () => {
+    // Its own runtime: the abort spoils the module it happens in.
+    const own = await GrammarRuntime.create(tokenizer);
+    const guided = own.open({ kind: 'choice', choices: ['a'] });
+    for (let guard = 0; !guided.isTerminated && guard < 8; guard++) {
+      const out = new Int32Array(own.vocabSize);
+      const allowed = out.subarray(0, guided.allowedTokens(out));
+      assert.ok(guided.accept(allowed.includes(tokenizer.eosId!) ? tokenizer.eosId! : allowed[0]!));
+    }
+    assert.equal(guided.isTerminated, true);
+    // XGrammar aborts when asked for the forced text of a matcher that has ended.
+    assert.throws(() => guided.jumpForwardString(), GrammarError);
+    assert.throws(() => guided.accept(tokenizer.eosId!), /aborted earlier/);
+  });
+
   it('a bad grammar is a GrammarError with XGrammar\'s reason, and a fresh module serves after an abort', async () => {
     const xg = await XGrammar.load();
     assert.throws(() => parseGrammar(xg, grammarSource({ kind: 'regex', pattern: '[0-9' })), (error: unknown) =>

@@ -366,9 +366,13 @@ export class GuidedSequence {
   /** Advances with a sampled token; false (state unchanged) when the grammar does not allow it. */
   accept(tokenId: number): boolean {
     if (this.isForbidden(tokenId)) return false;
-    if (!(this.handle.AcceptToken(tokenId, false) as boolean)) return false;
-    if (this.stopTokens === undefined || this.stopTokens.has(tokenId)) this.terminated = this.handle.IsTerminated() as boolean;
-    return true;
+    // Through run(), as every call into the module: an abort there becomes a GrammarError and marks the module
+    // unusable, instead of escaping as a bare RuntimeError with the module taken for sound.
+    return this.xg.run('accept token', () => {
+      if (!(this.handle.AcceptToken(tokenId, false) as boolean)) return false;
+      if (this.stopTokens === undefined || this.stopTokens.has(tokenId)) this.terminated = this.handle.IsTerminated() as boolean;
+      return true;
+    });
   }
 
   private isForbidden(tokenId: number): boolean {
@@ -394,7 +398,8 @@ export class GuidedSequence {
 
   /** The text the grammar forces next (empty when there is a choice). */
   jumpForwardString(): string {
-    return this.handle.FindJumpForwardString() as string;
+    // XGrammar aborts on a matcher that has ended; callers check isTerminated first.
+    return this.xg.run('jump-forward string', () => this.handle.FindJumpForwardString() as string);
   }
 
   dispose(): void {
