@@ -76,6 +76,12 @@ describe('attribution on the real engine (built-in model, one compute thread)', 
           const dispatch = short.phases.find((p) => p.phase === 'prefill_dispatch');
           assert.ok(!dispatch || dispatch.duration_ms < stepEnd - queuedAt, 'the wait is queue, not hand-off');
           assert.ok((short.timings.queue_ms as number) >= stepEnd - queuedAt - 0.01, 'queue_ms holds the wait behind the step');
+          // The analyzer names the wait behind the step: queueing, not 'balanced' (it names the queue past 60% of TTFT).
+          const t = short.timings as Record<string, number>;
+          if (t.queue_ms! > 0.6 * t.ttft_ms!) {
+            const { analysis } = short as unknown as { analysis: { category: string } };
+            assert.equal(analysis.category, 'queue_saturation', JSON.stringify(short.timings));
+          }
         }
       }
       assert.ok(during > 0, 'a short request arrived while the long prompt\'s step ran');
