@@ -18,7 +18,7 @@ import { nativeBackend } from '../src/kernels/native.ts';
 import type { ModelRunnerBackend } from '../src/kernels/types.ts';
 import { loadModel } from '../src/model/loader.ts';
 import { createTokenizer } from '../src/model/tokenizer/index.ts';
-import { quantile } from '../src/util/stats.ts';
+import { percentileOf } from '../src/util/stats.ts';
 import { ensureBenchModel } from './model-files.ts';
 
 const { values: args } = parseArgs({
@@ -46,7 +46,7 @@ const tokenizer = createTokenizer(model.tokenizerSource);
 /** The same backend called without the caller's buffer: the native forward then allocates the logits. */
 const freshBackend: ModelRunnerBackend = { ...backend, forward: (batch) => backend.forward(batch) };
 
-const median = (values: readonly number[]): number => quantile(values, 0.5);
+const median = (values: readonly number[]): number => percentileOf(values, 0.5);
 
 let nextId = 0;
 /** Median decode step time (ms) of one run of n requests. */

@@ -40,7 +40,7 @@ import { loadModel } from '../src/model/loader.ts';
 import { LLAMA_SPM_TOKENIZER_PATH } from '../src/model/synthetic.ts';
 import { createTokenizer } from '../src/model/tokenizer/index.ts';
 import type { Tokenizer } from '../src/model/tokenizer/types.ts';
-import { quantile } from '../src/util/stats.ts';
+import { percentileOf } from '../src/util/stats.ts';
 import { Xoshiro128 } from '../src/util/random.ts';
 import { ensureBenchModel } from './model-files.ts';
 
@@ -57,7 +57,7 @@ const ROUNDS = Number(args.rounds);
 const BATCHES = args.batch.split(',').map(Number);
 const STEPS = Number(args.steps);
 const SHARED = process.env.CONDUIT_SHARED_MODELS ?? join(import.meta.dirname, '..', '..', 'shared', 'models');
-const median = (values: readonly number[]): number => quantile(values, 0.5);
+const median = (values: readonly number[]): number => percentileOf(values, 0.5);
 
 /** This thread's CPU time in ms (Linux's schedstat), undefined where it cannot be read. */
 function threadCpuMs(): number | undefined {

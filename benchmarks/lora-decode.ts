@@ -27,7 +27,7 @@ import { loadModel } from '../src/model/loader.ts';
 import { loadLoraAdapter, type LoraDtype, resolveLoraDtype } from '../src/model/lora.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter } from '../src/model/lora-writer.ts';
 import { createTokenizer } from '../src/model/tokenizer/index.ts';
-import { quantile } from '../src/util/stats.ts';
+import { percentileOf } from '../src/util/stats.ts';
 import { ensureBenchModel } from './model-files.ts';
 
 const { values: args } = parseArgs({
@@ -100,7 +100,7 @@ function run(count: number): { wall: number; cpu: number } {
     }
   }
   if (core.hasWork) throw new Error('requests did not finish');
-  return { wall: quantile(stepMs, 0.5), cpu: quantile(cpuMs, 0.5) };
+  return { wall: percentileOf(stepMs, 0.5), cpu: percentileOf(cpuMs, 0.5) };
 }
 
 console.log(`LoRA decode, ${file.label}, native matmul_q8_0 ${backend.info.variants?.matmul_q8_0 ?? '?'}, threads ${args.threads}, `
@@ -115,7 +115,7 @@ for (let round = 0; round < ROUNDS; round++) {
     figures.get(count)!.push(run(count));
   }
 }
-const median = (count: number, key: 'wall' | 'cpu') => quantile(figures.get(count)!.map((f) => f[key]), 0.5);
+const median = (count: number, key: 'wall' | 'cpu') => percentileOf(figures.get(count)!.map((f) => f[key]), 0.5);
 const baseCount = figures.has(0) ? 0 : COUNTS[0]!;
 for (const count of COUNTS) {
   const ms = median(count, 'wall');

@@ -420,13 +420,15 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     return Napi::Number::New(info.Env(), static_cast<double>(model(info.Env()).release_kv_pool()));
   }
 
-  // memoryInfo() -> { activationBytes, workspaceBytes }: the per-step buffers the model holds now (model.h)
+  // memoryInfo() -> { activationBytes, workspaceBytes, loraBytes }: the per-step buffers the model holds now and
+  // the LoRA adapters in its slots (model.h)
   Napi::Value MemoryInfo(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     Model& m = model(env);
     Napi::Object out = Napi::Object::New(env);
     out.Set("activationBytes", static_cast<double>(m.activation_bytes()));
     out.Set("workspaceBytes", static_cast<double>(m.workspace_bytes()));
+    out.Set("loraBytes", static_cast<double>(m.lora_bytes()));
     return out;
   }
 

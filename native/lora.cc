@@ -83,6 +83,20 @@ void LoraSet::set(int slot, std::unique_ptr<LoraAdapter> adapter) {
   slots_[slot] = std::move(adapter);
 }
 
+size_t LoraSet::bytes() const {
+  size_t total = 0;
+  for (const std::unique_ptr<LoraAdapter>& adapter : slots_) {
+    if (!adapter) continue;
+    for (const auto& layer : adapter->layers) {
+      for (const LoraMatrix& m : layer) {
+        total += m.a_packed.capacity() + m.bt_packed.capacity() +
+                 (m.a.capacity() + m.b.capacity() + m.a_scale.capacity() + m.bt_scale.capacity()) * sizeof(float);
+      }
+    }
+  }
+  return total;
+}
+
 bool lora_fuse_enabled() {
   const char* v = std::getenv("CONDUIT_LORA_FUSE");
   return v == nullptr || std::strcmp(v, "0") != 0;

@@ -58,6 +58,8 @@ class LoraSet {
     return slot >= 0 && slot < static_cast<int>(slots_.size()) ? slots_[slot].get() : nullptr;
   }
   int size() const { return static_cast<int>(slots_.size()); }
+  // Bytes the adapters in the slots hold: their packed matrices and scales (and any f32 copy not yet packed).
+  size_t bytes() const;
 
  private:
   std::vector<std::unique_ptr<LoraAdapter>> slots_;

@@ -121,6 +121,8 @@ class Model {
   // selected rows, MoE grouping buffers).
   size_t activation_bytes() const;
   size_t workspace_bytes() const;
+  // Bytes of the LoRA adapters loaded into slots (setLora).
+  size_t lora_bytes() const { return loras_.bytes(); }
 
   // Gives the KV pool's pages back to the system (see memory.h release_pages); the caller promises no block holds
   // K/V a later forward reads (a forward writes a slot before any step reads it). Returns the bytes released.

@@ -137,12 +137,20 @@ function workersTable(workers) {
       td(w.id), td(w.role), el('td', { class: w.state === 'idle' ? 'muted' : 'ok', text: w.state }),
       el('td', {}, el('span', { class: 'kvbar' }, el('span', { style: `width:${(share * 100).toFixed(1)}%` })), `${used} / ${total} blocks${tokens}`),
       tdNum(w.running), tdNum(w.waiting), tdNum(pct(w.prefix_cache_hit_rate)), tdNum(w.preemptions),
-      el('td', {}, sparkline(w.recent_batch_sizes)));
+      memoryCell(w.memory_bytes), el('td', {}, sparkline(w.recent_batch_sizes)));
   });
   return el('table', { id: 'workers' },
-    el('thead', {}, el('tr', {}, ['worker', 'role', 'state', 'KV cache used', 'running', 'waiting', 'prefix hit rate', 'preemptions', 'recent decode batch (seqs)']
-      .map((h, i) => el('th', { class: i >= 4 && i <= 7 ? 'num' : undefined, text: h })))),
-    el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 9, class: 'muted', text: 'no worker is serving' }))]));
+    el('thead', {}, el('tr', {}, ['worker', 'role', 'state', 'KV cache used', 'running', 'waiting', 'prefix hit rate', 'preemptions', 'memory', 'recent decode batch (seqs)']
+      .map((h, i) => el('th', { class: i >= 4 && i <= 8 ? 'num' : undefined, text: h })))),
+    el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 10, class: 'muted', text: 'no worker is serving' }))]));
+}
+
+/** A worker's memory (conduit_memory_used_bytes): the total, each category in the tooltip. */
+function memoryCell(memory) {
+  if (!memory) return tdNum('-');
+  const parts = Object.entries(memory);
+  const total = parts.reduce((sum, [, bytes]) => sum + bytes, 0);
+  return el('td', { class: 'num', title: parts.map(([category, bytes]) => `${category} ${formatBytes(bytes)}`).join(', '), text: formatBytes(total) });
 }
 
 function sloTable(slo) {

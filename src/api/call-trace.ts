@@ -86,6 +86,8 @@ export class CallTrace {
   private lastStepId = -1;
   private lastStepWorker: string | undefined;
   private decodeSteps = 0;
+  /** Gives back the simulated clock's hold (ModelBackend.holdClock) once the prompt is tokenized or the request ends. */
+  private releaseClock: (() => void) | undefined;
 
   constructor(
     private readonly telemetry: Telemetry,
@@ -101,6 +103,17 @@ export class CallTrace {
   ) {
     this.bus = telemetry.lifecycle;
     this.stepEvents = telemetry.wantsEngineSteps;
+  }
+
+  /** Keeps a hold on the simulated clock (ModelBackend.holdClock) until the prompt is tokenized or the request ends. */
+  holdClockUntilTokenized(release: () => void): void {
+    this.releaseClock = release;
+  }
+
+  private giveBackClock(): void {
+    const release = this.releaseClock;
+    this.releaseClock = undefined;
+    release?.();
   }
 
   // ---- gateway phases ----
@@ -158,6 +171,7 @@ export class CallTrace {
     this.promptTokens = promptTokens;
     const start = this.validateEndMs ?? this.now();
     if (this.bus.active) this.bus.emit({ phase: 'tokenize', requestId: this.requestId, start, time: this.now(), promptTokens });
+    this.giveBackClock();
   }
 
   /**
@@ -335,6 +349,7 @@ export class CallTrace {
    * error when the request was refused or failed, finish otherwise. Call after the response's last byte.
    */
   end(end: CallEnd): void {
+    this.giveBackClock();
     if (this.ended) return;
     this.ended = true;
     // Refused before its body was read (or while reading it): the receive phase ends here.

@@ -18,7 +18,7 @@ import { createRequire } from 'node:module';
 import { fileURLToPath } from 'node:url';
 import { gzipSync } from 'node:zlib';
 import type { EngineInfo } from '../engine/types.ts';
-import type { EngineStats } from '../protocols/worker.ts';
+import type { EngineStats, WorkerMemory } from '../protocols/worker.ts';
 import type { Diagnosis, RequestTrace, Telemetry, WindowAnalysis } from '../telemetry/index.ts';
 import { round3 } from '../util/stats.ts';
 import type { KeyStore, Tenant } from './auth.ts';
@@ -236,6 +236,8 @@ export class WebConsole {
         prefix_cache_hit_rate: stats.prefixCacheQueries > 0 ? round3(stats.prefixCacheHits / stats.prefixCacheQueries) : null,
         preemptions: stats.preemptions,
         ...(stats.requestMigrations !== undefined ? { migrations_in: stats.requestMigrations } : {}),
+        // The worker's memory by category (conduit_memory_used_bytes): measured on CPU workers, modelled on simulated ones.
+        ...(stats.memory !== undefined ? { memory_bytes: memoryByCategory(stats.memory, stats) } : {}),
         recent_batch_sizes: this.batches.get(workerId) ?? [],
       };
     });
@@ -301,4 +303,16 @@ export class WebConsole {
       },
     };
   }
+}
+
+/** EngineStats.memory under the categories of conduit_memory_used_bytes (those the worker reports). */
+function memoryByCategory(memory: WorkerMemory, stats: EngineStats): Record<string, number> {
+  const ram = stats.kvTiers?.tiers.ram;
+  return {
+    weights: memory.weightsBytes,
+    ...(memory.loraAdaptersBytes !== undefined ? { lora_adapters: memory.loraAdaptersBytes } : {}),
+    kv_cache: memory.kvCacheBytes,
+    ...(memory.activationsBytes !== undefined ? { activations: memory.activationsBytes } : {}),
+    ...(ram !== undefined ? { kv_offload_ram: ram.usedBlocks * ram.blockBytes } : {}),
+  };
 }

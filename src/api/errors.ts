@@ -320,6 +320,16 @@ export class EngineError extends ApiError {
   }
 }
 
+/**
+ * The worker could not allocate the memory a step of this request needed (EngineOutput.errorCode 'out_of_memory').
+ * The worker goes on; the same request may fit once fewer run beside it (a step's buffers grow with its tokens).
+ */
+export class OutOfMemoryError extends ApiError {
+  constructor(detail: string) {
+    super(503, 'out_of_memory', SERVER_ERROR, `The engine worker ran out of memory for this request: ${detail}`);
+  }
+}
+
 export class BrokenChatTemplateError extends ApiError {
   constructor(detail: string) {
     super(500, 'chat_template_broken', SERVER_ERROR, `The model's chat template is broken: ${detail}`);

@@ -53,6 +53,11 @@ export interface ModelBackend {
    * other than 1, WorkerPool.clock): the API server stamps arrivals and phases with it, so a request has one clock.
    */
   clock?: () => number;
+  /**
+   * Simulated workers at speed-up Infinity (WorkerPool.holdClock): the API server holds their clock from a request's
+   * arrival until its prompt is tokenized, so the gateway's real work takes no simulated time.
+   */
+  holdClock?: () => () => void;
   /** The model's LoRA adapters (runtime/lora-manager.ts fits), when it serves any. */
   adapters?: AdapterHost;
 }

@@ -3,7 +3,7 @@
 // event followed by [DONE]. The final body, or the stream's last chunk, carries the request's `timings`.
 
 import type { EngineOutput } from '../engine/types.ts';
-import { EngineError, toApiError, type ApiError } from './errors.ts';
+import { EngineError, OutOfMemoryError, toApiError, type ApiError } from './errors.ts';
 import type { GenerationRun, RunEvent } from './generation-run.ts';
 import { wireFinishReason, wireUsage, type WireUsage } from './openai-format.ts';
 import type { ChoiceUpdate, ResponseShape } from './response-shapes.ts';
@@ -16,7 +16,10 @@ function usageOf(run: GenerationRun): WireUsage {
 /** An event as a choice update; an engine error or an abort the client did not cause becomes an exception. */
 function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
   const output: EngineOutput = event.output;
-  if (output.finishReason === 'error') throw new EngineError(output.error ?? 'unknown error');
+  if (output.finishReason === 'error') {
+    const detail = output.error ?? 'unknown error';
+    throw output.errorCode === 'out_of_memory' ? new OutOfMemoryError(detail) : new EngineError(detail);
+  }
   if (output.finishReason === 'abort' && run.abortReason) throw run.abortReason;
   return {
     index: event.promptIndex * run.n + output.index,

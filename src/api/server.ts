@@ -147,6 +147,8 @@ export class ApiServer {
   private readonly maxBodyBytes: number;
   private readonly engineClock: Clock;
   private clockSource: Clock;
+  /** Holds the simulated clock while the gateway works on a request (ModelBackend.holdClock), when there is one. */
+  private clockHold: (() => () => void) | undefined;
   private readonly defaultClock: Clock;
   /** Lower-cased, as node gives header names. */
   private readonly sessionHeader: string;
@@ -243,6 +245,7 @@ export class ApiServer {
   attach(backend: ModelBackend): void {
     // Simulated workers at a speed-up other than 1 stamp on their own clock: the gateway stamps on it too.
     this.clockSource = backend.clock ?? this.defaultClock;
+    this.clockHold = backend.holdClock;
     this.gateway.attach(backend);
     const model = this.gateway.servedModelName;
     if (model !== undefined) this.describeAttached(model, backend);
@@ -252,6 +255,7 @@ export class ApiServer {
   attachModels(models: readonly ServedModel[]): void {
     // One clock per server: the first model's (several models are served only by real CPU workers or at speed-up 1).
     this.clockSource = models[0]?.backend.clock ?? this.defaultClock;
+    this.clockHold = models[0]?.backend.holdClock;
     this.gateway.attachModels(models);
     for (const { name, backend } of models) this.describeAttached(name, backend);
   }
@@ -452,6 +456,8 @@ export class ApiServer {
     call.requestId = id;
     call.headers['x-request-id'] = id;
     call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent, call.tracestate);
+    const release = this.clockHold?.();
+    if (release) call.trace.holdClockUntilTokenized(release);
     return call.trace;
   }
 

@@ -612,6 +612,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           name, backend: {
             engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate,
             ...(adapters ? { adapters } : {}), ...(pool.clock ? { clock: pool.clock } : {}),
+            ...(pool.holdClock ? { holdClock: pool.holdClock } : {}),
           },
         });
         if (served.slice(0, -1).some((other) => other.name === name)) {

@@ -164,6 +164,7 @@ export interface ProcessPool {
   notices: string[];
   /** Never set: WorkerPool.clock's shared simulated clock exists only for workers that live in one process. */
   clock?: undefined;
+  holdClock?: undefined;
 }
 
 /** The tokenizer and chat template of the children's model, from the first child's model card. */

@@ -238,6 +238,8 @@ export function parseStats(value: unknown): EngineStats {
     stats.memory = { weightsBytes: int(m, 'weightsBytes', 'stats.memory'), kvCacheBytes: int(m, 'kvCacheBytes', 'stats.memory') };
     const activations = optional(m, 'activationsBytes', () => int(m, 'activationsBytes', 'stats.memory'));
     if (activations !== undefined) stats.memory.activationsBytes = activations;
+    const lora = optional(m, 'loraAdaptersBytes', () => int(m, 'loraAdaptersBytes', 'stats.memory'));
+    if (lora !== undefined) stats.memory.loraAdaptersBytes = lora;
   }
   if (s.allocationFailures !== undefined) {
     const f = obj(s.allocationFailures, 'stats.allocationFailures');

@@ -161,8 +161,15 @@ export class EngineCore extends StepCore<SequenceSampler> {
       logits = this.backend.forward(batch, this.logitsBuffer(plan.sampleTargets.length));
     } catch (error) {
       this.numStepsFailed++;
-      if (isAllocationFailure(error)) this.numScratchAllocationFailures++;
-      return this.failStep(plan, `forward pass failed: ${error instanceof Error ? error.message : String(error)}`, this.now());
+      const message = error instanceof Error ? error.message : String(error);
+      if (isAllocationFailure(error)) {
+        // Counted (EngineStats.allocationFailures.scratch, conduit_oom_events_total); the step's requests fail with
+        // their blocks given back, and the worker runs the next step with the buffers it has.
+        this.numScratchAllocationFailures++;
+        return this.failStep(plan, `out of memory: the step's ${plan.numScheduledTokens} tokens needed buffers that could not be allocated (${message})`,
+          this.now(), 'out_of_memory');
+      }
+      return this.failStep(plan, `forward pass failed: ${message}`, this.now());
     }
     const sampled = this.sampleRows(plan, logits);
     const end = this.now();
@@ -225,6 +232,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       stats.memory = {
         weightsBytes: memory.weightsBytes, kvCacheBytes: memory.kvCacheBytes,
         activationsBytes: (memory.scratchBytes ?? 0) + this.logits.byteLength + this.builder.bytes,
+        ...(memory.loraAdaptersBytes !== undefined ? { loraAdaptersBytes: memory.loraAdaptersBytes } : {}),
       };
     }
     stats.allocationFailures = { kvBlocks: stats.allocationFailures?.kvBlocks ?? 0, scratch: this.numScratchAllocationFailures };

@@ -14,7 +14,7 @@ import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { copyTimestamps, type Request } from './request.ts';
 import { Scheduler, type AdoptedState, type SchedulerConfig, type StepPlan } from './scheduler.ts';
 import type {
-  EngineOutput, EngineRequest, EngineStepFacts, FinishReason, SamplingParams, TokenLogprob,
+  EngineErrorCode, EngineOutput, EngineRequest, EngineStepFacts, FinishReason, SamplingParams, TokenLogprob,
 } from './types.ts';
 import type { EngineStats, WorkerLoad } from '../protocols/worker.ts';
 
@@ -212,7 +212,8 @@ export class StepCore<T> {
    * A request handed off from here only has its pinned blocks freed (its stream continues on the decode worker);
    * one waiting here for room to adopt is dropped with a closing output.
    */
-  protected abortRequest(requestId: string, nowMs: number, reason: FinishReason = 'abort', error?: string): EngineOutput[] {
+  protected abortRequest(requestId: string, nowMs: number, reason: FinishReason = 'abort', error?: string,
+    errorCode?: EngineErrorCode): EngineOutput[] {
     this.releaseHandoff(requestId);
     this.releasePrefixHold(requestId);
     const pendingAt = this.pendingAdoptions.findIndex((p) => p.handoff.requestId === requestId);
@@ -228,7 +229,7 @@ export class StepCore<T> {
     this.scheduler.finish(requestId, reason, { nowMs });
     this.forget(state);
     state.request.timestamps.finished = nowMs;
-    return unfinished.map((index) => output(state.request, index, [], '', { finishReason: reason, error }));
+    return unfinished.map((index) => output(state.request, index, [], '', { finishReason: reason, error, ...(errorCode ? { errorCode } : {}) }));
   }
 
   /** The next step's plan at nowMs (adoptions waiting for room retried first); null when nothing can run. */
@@ -290,10 +291,10 @@ export class StepCore<T> {
   }
 
   /** A step could not run (the forward pass threw): every request in it fails with the reason. */
-  protected failStep(plan: StepPlan, message: string, nowMs: number): EngineOutput[] {
+  protected failStep(plan: StepPlan, message: string, nowMs: number, errorCode?: EngineErrorCode): EngineOutput[] {
     this.scheduler.discardPlan(plan);
     const ids = new Set(plan.scheduled.map((s) => s.sequence.request.id));
-    return [...ids].flatMap((id) => this.abortRequest(id, nowMs, 'error', message));
+    return [...ids].flatMap((id) => this.abortRequest(id, nowMs, 'error', message, errorCode));
   }
 
   /**
@@ -621,12 +622,12 @@ function adoptedState(handoff: KvHandoff): AdoptedState {
  * handed out (in this thread, or until a worker thread posts it).
  */
 function output(request: Request, index: number, newTokenIds: number[], textDelta: string, fields: {
-  finishReason?: FinishReason; stopReason?: string | number; logprobs?: TokenLogprob[]; error?: string;
+  finishReason?: FinishReason; stopReason?: string | number; logprobs?: TokenLogprob[]; error?: string; errorCode?: EngineErrorCode;
 }): EngineOutput {
   const sequence = request.sequences[index];
   const result: EngineOutput = {
     requestId: request.id, index, newTokenIds, textDelta, logprobs: fields.logprobs, finishReason: fields.finishReason,
-    stopReason: fields.stopReason, error: fields.error,
+    stopReason: fields.stopReason, error: fields.error, ...(fields.errorCode ? { errorCode: fields.errorCode } : {}),
     usage: {
       promptTokens: request.promptTokenIds.length,
       completionTokens: sequence ? sequence.outputTokenIds.length : 0,

@@ -146,6 +146,9 @@ export interface EngineStepFacts {
   batchTokens: number;
 }
 
+/** Kinds of engine failure a request's error output can name (EngineOutput.errorCode). */
+export type EngineErrorCode = 'out_of_memory';
+
 export interface EngineOutput {
   requestId: string;
   /** Which of the n completions this output belongs to. */
@@ -159,6 +162,11 @@ export interface EngineOutput {
   usage: { promptTokens: number; completionTokens: number; cachedTokens: number };
   timestamps: RequestTimestamps;
   error?: string;
+  /**
+   * With finishReason 'error': what kind of failure, when a client can act on it. 'out_of_memory': the worker could
+   * not allocate the memory the request's step needed (the API answers 503 out_of_memory; the worker goes on).
+   */
+  errorCode?: EngineErrorCode;
   /** Where the request was placed, when a router placed it (set on every output of a routed request). */
   routing?: RoutingSummary;
   /** The step that produced this output (absent on outputs no step produced: aborts, rejections). */

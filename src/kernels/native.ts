@@ -154,6 +154,8 @@ export interface NativeMemoryInfo {
   activationBytes: number;
   /** The rest of the scratch: quantized matmul inputs, per-thread kernel scratch, RoPE tables, selected rows, MoE buffers. */
   workspaceBytes: number;
+  /** The LoRA adapters in the model's slots: packed matrices and scales. */
+  loraBytes: number;
 }
 
 
@@ -603,8 +605,11 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
         return model.releaseKvPool();
       },
       memory(): BackendMemory {
-        const scratch = disposed ? { activationBytes: 0, workspaceBytes: 0 } : model.memoryInfo();
-        return { weightsBytes, kvCacheBytes: kvPool.byteLength, scratchBytes: scratch.activationBytes + scratch.workspaceBytes };
+        const now = disposed ? { activationBytes: 0, workspaceBytes: 0, loraBytes: 0 } : model.memoryInfo();
+        return {
+          weightsBytes, kvCacheBytes: kvPool.byteLength, scratchBytes: now.activationBytes + now.workspaceBytes,
+          loraAdaptersBytes: now.loraBytes,
+        };
       },
       setLora(slot: number, adapter: LoraWeights | null): void {
         if (disposed) throw new Error('native backend is disposed');

@@ -159,14 +159,21 @@ class ReferenceRunnerBackend implements ModelRunnerBackend {
     this.pool = new PagedKvPool(this.kvLayout);
   }
 
-  /** The dequantized f32 copies it computes with, and the pool; its per-step arrays are allocated per step, not kept. */
+  /**
+   * The dequantized f32 copies it computes with, the adapters in its slots (held as given) and the pool; its
+   * per-step arrays are allocated per step, not kept.
+   */
   memory(): BackendMemory {
     const { tokenEmbedding, outputNorm, output, layers } = this.transformer.weights;
     const arrays = new Set<Float32Array>([tokenEmbedding, outputNorm, output]);
     for (const layer of layers) for (const array of Object.values(layer)) if (array instanceof Float32Array) arrays.add(array);
     let weightsBytes = 0;
     for (const array of arrays) weightsBytes += array.byteLength;
-    return { weightsBytes, kvCacheBytes: this.pool.bytes.byteLength };
+    let loraAdaptersBytes = 0;
+    for (const adapter of this.loras) {
+      for (const layer of adapter?.layers ?? []) for (const m of Object.values(layer)) loraAdaptersBytes += m.a.byteLength + m.b.byteLength;
+    }
+    return { weightsBytes, kvCacheBytes: this.pool.bytes.byteLength, loraAdaptersBytes };
   }
 
   get kvPool(): SharedArrayBuffer {

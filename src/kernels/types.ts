@@ -119,6 +119,8 @@ export interface BackendMemory {
   kvCacheBytes: number;
   /** Per-step buffers (activations and kernel scratch), when the backend keeps any between steps. */
   scratchBytes?: number;
+  /** LoRA adapters loaded into the backend (setLora), as it holds them. */
+  loraAdaptersBytes?: number;
 }
 
 export interface BackendFactory {

@@ -27,7 +27,7 @@ export interface EngineStats {
    * itself instead, by link (cumulative). Set once the first has happened.
    */
   kvTransferLinks?: Record<string, KvLinkStats>;
-  /** What the worker holds in memory now, by category (CPU workers; the simulated engine reports none). */
+  /** What the worker holds in memory now, by category (CPU workers: measured; simulated ones: the modelled GPU memory). */
   memory?: WorkerMemory;
   /** Allocations that failed, by kind (cumulative). */
   allocationFailures?: AllocationFailures;
@@ -52,8 +52,13 @@ export interface WorkerMemory {
   weightsBytes: number;
   /** The primary KV pool. */
   kvCacheBytes: number;
-  /** Per-step buffers: the backend's activations and kernel scratch, the step's logits and batch arrays. */
+  /**
+   * Per-step buffers: the backend's activations and kernel scratch, the step's logits and batch arrays. Absent on
+   * simulated workers (the performance model keeps no activation memory: HBM after the weights is all KV).
+   */
   activationsBytes?: number;
+  /** LoRA adapters loaded (CPU: the backend's packed copies; simulated: their parameters in BF16). Absent: none can be. */
+  loraAdaptersBytes?: number;
 }
 
 /** Allocation failures of one worker since it started. */

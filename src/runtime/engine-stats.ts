@@ -25,6 +25,8 @@ export function sumEngineStats(all: Iterable<EngineStats>): EngineStats {
       };
       const activations = (before?.activationsBytes ?? 0) + (s.memory.activationsBytes ?? 0);
       if (before?.activationsBytes !== undefined || s.memory.activationsBytes !== undefined) total.memory.activationsBytes = activations;
+      const lora = (before?.loraAdaptersBytes ?? 0) + (s.memory.loraAdaptersBytes ?? 0);
+      if (before?.loraAdaptersBytes !== undefined || s.memory.loraAdaptersBytes !== undefined) total.memory.loraAdaptersBytes = lora;
     }
     if (s.allocationFailures !== undefined) {
       const before = total.allocationFailures;

@@ -21,7 +21,7 @@ import { BitsetKvIndex } from '../router/kv-index.ts';
 import { getHardwareProfile } from '../sim/hardware.ts';
 import { calibrationEfficiency, DEFAULT_CALIBRATION, type CalibrationName } from '../sim/calibration.ts';
 import { getModelProfile } from '../sim/models.ts';
-import { SimEngine } from '../sim/sim-engine.ts';
+import { SimClockHolds, SimEngine } from '../sim/sim-engine.ts';
 import type { DisaggregationPolicy } from './disaggregation-policy.ts';
 import { DisaggregatedEngine, type DecodeWorkerEngine, type PrefillWorkerEngine } from './disaggregated.ts';
 import { SharedMemoryKvChannel, SimulatedKvChannel } from './kv-transfer.ts';
@@ -109,6 +109,11 @@ export interface WorkerPool {
    * speed-up other than 1. The gateway must stamp with it too (ModelBackend.clock), so a request has one clock.
    */
   clock?: () => number;
+  /**
+   * Simulated workers at speed-up Infinity: holds the pool's clock until the function returned is called
+   * (SimClockHolds). The gateway holds it while it works on a request (ModelBackend.holdClock).
+   */
+  holdClock?: () => () => void;
   /** Set in a disaggregated pool (prefillWorkers/decodeWorkers): the engine, and its two routers. */
   disaggregated?: DisaggregatedEngine;
   prefillRouter?: Router;
@@ -284,9 +289,18 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   // Guided requests on simulated workers: the gateway's vocabulary under one grammar runtime for the pool.
   const grammar = new GrammarLoader(tokenizer);
   const engines: SimEngine[] = [];
+  // Infinity: the gateway holds the clock while it works on a request (SimClockHolds).
+  const clockHolds = Number.isFinite(speedUp) ? undefined : new SimClockHolds();
+  // Infinity: each worker's clock moves with its own steps; the latest of them (one worker: its clock exactly).
+  const clock = speedUp === 1 ? undefined : () => {
+    let latest = -Infinity;
+    for (const engine of engines) latest = Math.max(latest, engine.now());
+    return latest;
+  };
   const make = (worker: { enableKvEvents: boolean; role?: WorkerRole }) => {
     const engine = new SimEngine({
       model, hw, tp: spec.tp, efficiency, speedUp, ...worker, ...vocabulary, ...origin, ...kvTiers, tokenizer, grammar,
+      ...(clock ? { poolClock: clock } : {}), ...(clockHolds ? { clockHolds } : {}),
       ...(spec.loraRank !== undefined ? { loraRank: spec.loraRank } : {}),
       maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
       maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
@@ -294,15 +308,10 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
     engines.push(engine);
     return engine;
   };
-  // Infinity: each worker's clock moves with its own steps; the latest of them (one worker: its clock exactly).
-  const clock = speedUp === 1 ? undefined : () => {
-    let latest = -Infinity;
-    for (const engine of engines) latest = Math.max(latest, engine.now());
-    return latest;
-  };
   const describe = `simulated engine: ${spec.model} on ${spec.tp} x ${spec.gpu} per worker`;
   const settings = `speed-up ${spec.speedUp}, ${calibration} calibration`;
-  return { tokenizer, chatTemplate, make, describe, settings, clock };
+  const holdClock = clockHolds ? () => clockHolds.hold() : undefined;
+  return { tokenizer, chatTemplate, make, describe, settings, clock, holdClock };
 }
 
 async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
@@ -312,6 +321,7 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
   return {
     workers, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, start: undefined,
     notices: [`${sim.describe} (${sim.settings})`], ...(sim.clock ? { clock: sim.clock } : {}),
+    ...(sim.holdClock ? { holdClock: sim.holdClock } : {}),
   };
 }
 
@@ -356,6 +366,7 @@ async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<Work
   return {
     engine, tokenizer: built.tokenizer, chatTemplate: built.chatTemplate, workers, notices: built.notices,
     disaggregated: engine, prefillRouter, decodeRouter, ...(built.clock ? { clock: built.clock } : {}),
+    ...(built.holdClock ? { holdClock: built.holdClock } : {}),
   };
 }
 
@@ -367,6 +378,8 @@ interface RoleWorkers {
   notices: string[];
   /** The simulated clock, at a speed-up other than 1. */
   clock?: () => number;
+  /** The simulated clock's holds, at speed-up Infinity (WorkerPool.holdClock). */
+  holdClock?: () => () => void;
   /** Starts one more worker of a role (cpu workers, for restarts). */
   start?(role: 'prefill' | 'decode'): Promise<LocalEngine>;
 }
@@ -414,6 +427,7 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   const decode = Array.from({ length: numDecode }, (_, i) => ({ id: `sim-decode-${i}`, engine: make('decode') }));
   return {
     prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(sim.clock ? { clock: sim.clock } : {}),
+    ...(sim.holdClock ? { holdClock: sim.holdClock } : {}),
     notices: [`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
       + `${decode[0]!.engine.kvLink.name} (${sim.settings})`],
   };

@@ -32,6 +32,60 @@ export interface SimEngineOptions extends SimWorkerConfig {
   realStartMs?: number;
   /** Rank of an adapter loaded from a path that does not exist (a synthetic one; sim-lora.ts). Default 16. */
   loraRank?: number;
+  /**
+   * The clock of the pool this worker is part of (WorkerPool.clock: the latest of its workers' clocks), which the
+   * gateway and the routers stamp a request with before it gets here. A request, or a hand-over, reaches this worker
+   * no earlier than that clock reads when it is submitted: at --sim-speed-up inf each worker's clock moves with its
+   * own steps, and a worker behind the others would otherwise start the request before the times already stamped
+   * on it. Default: this worker's own clock only.
+   */
+  poolClock?: () => number;
+  /** The pool's clock holds (speed-up Infinity): the clock moves on only while none is held. */
+  clockHolds?: SimClockHolds;
+}
+
+/**
+ * Holds on a simulated pool's clock at --sim-speed-up inf: while any is held, the pool's workers do not move their
+ * clocks on. The API server holds it for each request from its arrival until its prompt is tokenized (or it is
+ * refused), so the gateway's real work takes no simulated time, as the engine's host work takes none: otherwise the
+ * workers, which step as fast as the host can, run ahead while the tokenizer works and the gateway's phases would
+ * absorb their steps. Nothing the gateway awaits in that span waits for a simulated worker.
+ */
+export class SimClockHolds {
+  private count = 0;
+  private waiters: (() => void)[] = [];
+
+  /** Takes a hold; the function returned gives it back (once; later calls do nothing). */
+  hold(): () => void {
+    this.count++;
+    let released = false;
+    return () => {
+      if (released) return;
+      released = true;
+      if (--this.count > 0) return;
+      const waiters = this.waiters;
+      this.waiters = [];
+      for (const resolve of waiters) resolve();
+    };
+  }
+
+  get held(): boolean {
+    return this.count > 0;
+  }
+
+  /** Resolves once nothing is held (at once when nothing is), or when `cancel` is called. */
+  whenFree(): { done: Promise<void>; cancel: () => void } {
+    if (this.count === 0) return { done: Promise.resolve(), cancel: () => {} };
+    let cancel = () => {};
+    const done = new Promise<void>((resolve) => {
+      this.waiters.push(resolve);
+      cancel = () => {
+        this.waiters = this.waiters.filter((w) => w !== resolve);
+        resolve();
+      };
+    });
+    return { done, cancel };
+  }
 }
 
 /**
@@ -50,6 +104,10 @@ export class SimEngine implements Engine {
   readonly kvLayout: KvPoolLayout;
   readonly speedUp: number;
   private readonly loraRank: number;
+  private readonly poolClock: (() => number) | undefined;
+  private readonly clockHolds: SimClockHolds | undefined;
+  /** Ends a wait for the pool's clock holds (close). */
+  private cancelHoldWait: (() => void) | undefined;
   private virtualMs: number;
   private readonly realStartMs: number;
   private readonly virtualStartMs: number;
@@ -85,6 +143,14 @@ export class SimEngine implements Engine {
     this.virtualStartMs = options.startMs ?? (Number.isFinite(this.speedUp) ? engineNow() : 0);
     this.virtualMs = this.virtualStartMs;
     this.realStartMs = options.realStartMs ?? performance.now();
+    this.poolClock = options.poolClock;
+    this.clockHolds = options.clockHolds;
+  }
+
+  /** When something submitted now reaches this worker: its own clock, or the pool's when that is ahead. */
+  private submittedAt(): number {
+    const own = this.now();
+    return this.poolClock === undefined ? own : Math.max(own, this.poolClock());
   }
 
   /** The engine clock: virtual milliseconds. Stamp EngineRequest.arrivalMs with it. */
@@ -186,7 +252,8 @@ export class SimEngine implements Engine {
     }
     const stream = new OutputStream(1);
     this.streams.set(requestId, stream);
-    const startMs = this.now();
+    // Not before the prefill worker's first token, which the pool's clock has reached (this worker's may lag).
+    const startMs = this.submittedAt();
     const endMs = startMs + this.worker.planTransfer(handoff).ms;
     let at = this.transfers.length;
     while (at > 0 && this.transfers[at - 1]!.endMs > endMs) at--;
@@ -252,15 +319,17 @@ export class SimEngine implements Engine {
     this.transfers = [];
     this.pending = [];
     this.cancelWait?.();
+    this.cancelHoldWait?.();
     await this.loop;
   }
 
   // -------------------------------------------------------------------------------------------------------------
 
   private enqueue(submitted: EngineRequest): void {
-    // An arrival stamped before now on this clock comes from another clock or was submitted late: it arrives now,
-    // so its timings count only what the simulated worker did. (One that waits for a step in flight keeps its time.)
-    const nowMs = this.now();
+    // An arrival stamped before now on this clock (or the pool's) comes from another clock or was submitted late: it
+    // arrives now, so its timings count only what the simulated worker did, after every stamp the gateway and the
+    // routers put on it. (One that waits for a step in flight keeps its time.)
+    const nowMs = this.submittedAt();
     const request = submitted.arrivalMs < nowMs ? { ...submitted, arrivalMs: nowMs } : submitted;
     // Stable insertion by arrival: equal arrivals keep submission order, which the scheduler then keeps too.
     let at = this.pending.length;
@@ -344,12 +413,22 @@ export class SimEngine implements Engine {
   }
 
   /**
-   * Lets virtual time reach targetMs. Infinity: jump, yielding to the event loop once so consumers and aborts run.
-   * Finite: sleep until real time catches up with it (a new request may wake an idle wait early).
+   * Lets virtual time reach targetMs. Infinity: jump, yielding to the event loop once so consumers and aborts run,
+   * and waiting while the pool's clock is held (SimClockHolds). Finite: sleep until real time catches up with it (a
+   * new request may wake an idle wait early).
    */
   private async advanceTo(targetMs: number): Promise<void> {
     if (!Number.isFinite(this.speedUp)) {
       await new Promise<void>((resolve) => setImmediate(resolve));
+      while (this.clockHolds?.held && !this.closed) {
+        const wait = this.clockHolds.whenFree();
+        this.cancelHoldWait = wait.cancel;
+        await wait.done;
+        this.cancelHoldWait = undefined;
+        // A request whose hold just ended may be about to arrive: let its submission run first.
+        await new Promise<void>((resolve) => setImmediate(resolve));
+      }
+      if (this.closed) return;
       const nextMs = this.nextArrivalMs();
       if (this.worker.currentStep === null && nextMs !== undefined && nextMs < targetMs) return;
       this.virtualMs = Math.max(this.virtualMs, targetMs);

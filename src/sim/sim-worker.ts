@@ -8,6 +8,7 @@
 import type { AdoptedResult, KvHandoff, KvTransferStats } from '../engine/handoff.ts';
 import type { BlockTable } from '../engine/kv-cache/manager.ts';
 import type { StepPlan } from '../engine/scheduler.ts';
+import type { EngineStats } from '../protocols/worker.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
 import type {
@@ -15,9 +16,10 @@ import type {
 } from '../engine/types.ts';
 import { hostTierFor, INFINIBAND_NDR, NVME_GEN4, type HardwareProfile, type KvTierProfile, type LinkProfile } from './hardware.ts';
 import { KvTiers, RamKvTier, type KvBlockIo } from '../engine/kv-cache/tiers.ts';
-import { kvBytesPerToken, type ModelProfile } from './models.ts';
+import { kvBytesPerToken, paramCount, type ModelProfile } from './models.ts';
 import {
-  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepTimeMs, type Efficiency, type SimLoraTarget,
+  DEFAULT_EFFICIENCY, checkTensorParallel, kvBytesPerTokenPerGpu, kvCapacityTokens, kvTransferTimeMs, loraParamCount, stepTimeMs,
+  type Efficiency, type SimLoraTarget,
   type StepLora, type StepShape,
 } from './perf-model.ts';
 import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-tokens.ts';
@@ -337,6 +339,24 @@ export class SimWorker extends StepCore<SimTokenState> {
     if (!this.loras.has(name)) throw new LoraLoadError('lora_not_loaded', `no LoRA adapter '${name}' is loaded`);
     if (this.usesLora(name)) throw new LoraLoadError('lora_in_use', `LoRA adapter '${name}' is in use by running requests`);
     this.loras.delete(name);
+  }
+
+  /**
+   * The step core's stats plus the modelled GPU memory of the worker's tp GPUs together: the weights
+   * (paramCount x weightBytesPerParam), the KV pool (its blocks x the bytes a token takes on each GPU x tp, KV heads
+   * replicated where tp exceeds them) and the adapters held (their parameters in BF16, as the perf model streams
+   * them). No activations: the perf model reserves none (the HBM the weights leave, at memoryUtilization, is all KV).
+   */
+  override stats(): EngineStats {
+    const stats = super.stats();
+    let loraParams = 0;
+    for (const adapter of this.loras.values()) loraParams += loraParamCount(this.model, adapter.rank, adapter.targets);
+    stats.memory = {
+      weightsBytes: paramCount(this.model) * this.model.weightBytesPerParam,
+      kvCacheBytes: this.kv.numBlocks * this.kv.blockSize * kvBytesPerTokenPerGpu(this.model, this.tp) * this.tp,
+      loraAdaptersBytes: loraParams * this.model.activationBytesPerElement,
+    };
+    return stats;
   }
 
   /** Names of the adapters held. */

@@ -12,4 +12,4 @@ export * from './slo.ts';
 export * from './analyzer.ts';
 export * from './timings.ts';
 export * from './telemetry.ts';
-export { quantile } from '../util/stats.ts';
+export { percentile, percentileOf } from '../util/stats.ts';

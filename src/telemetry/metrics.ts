@@ -106,7 +106,8 @@ export class ConduitMetrics {
   readonly evictions: Counter<'worker'>;
   readonly migrations: Counter<'worker'>;
   readonly memory: Gauge<'worker' | 'category'>;
-  readonly allocationFailures: Counter<'worker' | 'kind'>;
+  readonly oomEvents: Counter<'worker' | 'kind'>;
+  readonly kvBlockShortfalls: Counter<'worker'>;
 
   // Telemetry about telemetry.
   readonly samplingDecisions: Counter<'kept' | 'reason'>;
@@ -175,8 +176,9 @@ export class ConduitMetrics {
     this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
     this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
     this.evictions = c('conduit_kv_cache_evictions_total', 'Cached KV blocks evicted to make room.', ['worker']);
-    this.memory = g('conduit_memory_bytes', 'Memory a worker holds, by category: weights, kv_cache (the primary pool), activations (per-step buffers), kv_offload_ram (blocks in the RAM tier).', ['worker', 'category']);
-    this.allocationFailures = c('conduit_allocation_failures_total', 'Allocations that failed: kv_blocks (a running sequence found no free KV block and preemption followed), scratch (a step\'s buffers could not be allocated; its requests failed), kv_capacity (a request refused because it could never fit the KV pool).', ['worker', 'kind']);
+    this.memory = g('conduit_memory_used_bytes', 'Memory a worker holds, by category: weights, lora_adapters, kv_cache (the primary pool), activations (per-step buffers), kv_offload_ram (blocks in the RAM tier). Simulated workers: the modelled GPU memory of the worker.', ['worker', 'category']);
+    this.oomEvents = c('conduit_oom_events_total', 'Out-of-memory events: scratch (a step\'s buffers could not be allocated; its requests failed with out_of_memory), kv_capacity (a request refused because it could never fit the KV pool).', ['worker', 'kind']);
+    this.kvBlockShortfalls = c('conduit_kv_block_shortfalls_total', 'Times a running sequence found no free KV block and the scheduler preempted (normal under load; see conduit_scheduler_preemptions_total).', ['worker']);
     this.migrations = c('conduit_request_migrations_total', 'Requests the worker took over after the worker running them was lost (mid-stream, or a prefill lost before its hand-over).', ['worker']);
 
     this.samplingDecisions = c('conduit_trace_sampling_decisions_total', 'Requests whose spans were kept or dropped, by reason.', ['kept', 'reason']);
@@ -294,7 +296,7 @@ export class ConduitMetrics {
     if (trace.outcome === 'error') {
       const origin = trace.status !== undefined && trace.status < 500 ? 'client' : 'server';
       this.errors.inc({ model, error_type: trace.errorType ?? 'unknown', origin });
-      if (trace.errorType !== undefined && KV_CAPACITY_ERRORS.has(trace.errorType)) this.allocationFailures.inc({ worker, kind: 'kv_capacity' });
+      if (trace.errorType !== undefined && KV_CAPACITY_ERRORS.has(trace.errorType)) this.oomEvents.inc({ worker, kind: 'kv_capacity' });
     } else if (trace.outcome === 'abort') {
       this.cancellations.inc({ model, tenant, phase: trace.endedInPhase ?? 'unknown' });
     }
@@ -361,14 +363,15 @@ export class ConduitMetrics {
       memory.weights = stats.memory.weightsBytes;
       memory.kv_cache = stats.memory.kvCacheBytes;
       if (stats.memory.activationsBytes !== undefined) memory.activations = stats.memory.activationsBytes;
+      if (stats.memory.loraAdaptersBytes !== undefined) memory.lora_adapters = stats.memory.loraAdaptersBytes;
     }
     const ram = stats.kvTiers?.tiers.ram;
     if (ram !== undefined) memory.kv_offload_ram = ram.usedBlocks * ram.blockBytes;
     for (const [category, bytes] of Object.entries(memory)) this.memory.set({ worker, category }, bytes);
     const failures = stats.allocationFailures;
     if (failures !== undefined) {
-      this.allocationFailures.inc({ worker, kind: 'kv_blocks' }, delta(failures.kvBlocks, prev?.kvBlockFailures));
-      if (failures.scratch !== undefined) this.allocationFailures.inc({ worker, kind: 'scratch' }, delta(failures.scratch, prev?.scratchFailures));
+      this.kvBlockShortfalls.inc({ worker }, delta(failures.kvBlocks, prev?.kvBlockFailures));
+      if (failures.scratch !== undefined) this.oomEvents.inc({ worker, kind: 'scratch' }, delta(failures.scratch, prev?.scratchFailures));
     }
     this.lastStats.set(worker, {
       queries: stats.prefixCacheQueries, hits: stats.prefixCacheHits, preemptions: stats.preemptions,

@@ -26,7 +26,7 @@ import {
 import { millisToHrTime, TraceState } from '@opentelemetry/core';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { ReservedIdGenerator } from './otel-provider.ts';
-import { mean, quantileOfSorted, round3 } from '../util/stats.ts';
+import { mean, percentile, round3 } from '../util/stats.ts';
 import { formatWorkerCosts, prefillSkipped, type RequestTrace } from './trace.ts';
 import { parseTraceparent } from './traceparent.ts';
 
@@ -64,7 +64,7 @@ function clean(attrs: Record<string, string | number | boolean | undefined>): At
   return out;
 }
 
-/** Sorted copy, for several quantiles of one array at the price of one sort. */
+/** Sorted copy, for several percentiles of one array at the price of one sort. */
 function sortedOf(values: readonly number[]): Float64Array {
   return Float64Array.from(values).sort();
 }
@@ -84,8 +84,8 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   }
   const tbt = trace.tbtMs;
   const tbtSorted = sortedOf(tbt);
-  const tbtP50 = quantileOfSorted(tbtSorted, 0.5);
-  const tbtP99 = quantileOfSorted(tbtSorted, 0.99);
+  const tbtP50 = percentile(tbtSorted, 0.5);
+  const tbtP99 = percentile(tbtSorted, 0.99);
   const e2eSec = trace.e2eMs / 1000;
   const rootAttributes = clean({
     'conduit.phase': 'request',
@@ -282,7 +282,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'conduit.phase': 'decode_execution',
       'decode.total_steps': decode.steps,
       'decode.step_source': decode.source,
-      'decode.step_p50_ms': stepSorted.length > 0 ? round3(quantileOfSorted(stepSorted, 0.5)) : undefined,
+      'decode.step_p50_ms': stepSorted.length > 0 ? round3(percentile(stepSorted, 0.5)) : undefined,
       'decode.step_max_ms': stepSorted.length > 0 ? round3(stepSorted[stepSorted.length - 1]!) : undefined,
       'decode.avg_tbt_ms': tbt.length > 0 ? round3(mean(tbt)) : (decode.steps > 0 ? round3((decode.endMs - decode.startMs) / decode.steps) : undefined),
       'decode.p99_tbt_ms': tbt.length > 0 ? round3(tbtP99) : undefined,

@@ -13,7 +13,7 @@
 // in.
 
 import type { RequestTrace, SamplingDecision } from './trace.ts';
-import { quantileOfSorted } from '../util/stats.ts';
+import { percentile } from '../util/stats.ts';
 
 export interface TraceSamplingConfig {
   /** Fraction of requests traced from the head. */
@@ -110,7 +110,7 @@ export class RecentQuantile {
       this.sorted = this.ring.slice(0, this.count).sort();
       this.sinceSort = 0;
     }
-    return quantileOfSorted(this.sorted, q);
+    return percentile(this.sorted, q);
   }
 }
 

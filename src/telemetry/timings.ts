@@ -1,7 +1,7 @@
 // Per-request views: the `timings` object a response carries, the JSON of GET /v1/requests/{id}/trace, a bounded
 // store of recent traces behind it, and the text waterfall `conduit trace <id>` prints.
 
-import { max, quantile, round3 } from '../util/stats.ts';
+import { max, percentileOf, round3 } from '../util/stats.ts';
 import { phaseBreakdown, prefillSkipped, type RequestTrace } from './trace.ts';
 import { formatTraceparent } from './traceparent.ts';
 
@@ -68,7 +68,7 @@ export function responseTimings(trace: RequestTrace): ResponseTimings {
       kv_onboard: { ram_blocks: trace.kvOnboard.ram, disk_blocks: trace.kvOnboard.disk, bytes: trace.kvOnboard.bytes, ms: round3(trace.kvOnboard.ms) },
     } : {}),
     decode_ms: round3(b.decodeMs),
-    tbt_p50_ms: trace.tbtMs.length > 0 ? round3(quantile(trace.tbtMs, 0.5)) : null,
+    tbt_p50_ms: trace.tbtMs.length > 0 ? round3(percentileOf(trace.tbtMs, 0.5)) : null,
     cached_tokens: trace.cachedTokens,
     prefill_skipped: prefillSkipped(trace),
     ...(trace.adapter !== undefined ? { lora_adapter: trace.adapter } : {}),
@@ -139,13 +139,13 @@ export function traceView(trace: RequestTrace): TraceView {
     })),
     decode: trace.decode ? {
       steps: trace.decode.steps, source: trace.decode.source,
-      step_p50_ms: steps.length > 0 ? round3(quantile(steps, 0.5)) : null,
+      step_p50_ms: steps.length > 0 ? round3(percentileOf(steps, 0.5)) : null,
       step_max_ms: steps.length > 0 ? round3(max(steps)) : null,
     } : null,
     tbt: {
       count: tbt.length,
-      p50_ms: tbt.length > 0 ? round3(quantile(tbt, 0.5)) : null,
-      p99_ms: tbt.length > 0 ? round3(quantile(tbt, 0.99)) : null,
+      p50_ms: tbt.length > 0 ? round3(percentileOf(tbt, 0.5)) : null,
+      p99_ms: tbt.length > 0 ? round3(percentileOf(tbt, 0.99)) : null,
       max_ms: tbt.length > 0 ? round3(max(tbt)) : null,
     },
     sampling: trace.headSampling?.reason ?? null,
@@ -300,11 +300,11 @@ export function formatWaterfall(trace: RequestTrace, options: WaterfallOptions =
   const d = trace.decode;
   if (d) {
     const steps = d.stepMs;
-    const stepText = steps.length > 0 ? `, step p50 ${fmt(quantile(steps, 0.5))} ms, max ${fmt(max(steps))} ms` : '';
+    const stepText = steps.length > 0 ? `, step p50 ${fmt(percentileOf(steps, 0.5))} ms, max ${fmt(max(steps))} ms` : '';
     lines.push(`decode: ${d.steps} steps${stepText} (from ${d.source.replace('_', ' ')})`);
   }
   if (trace.tbtMs.length > 0) {
-    lines.push(`time between tokens: p50 ${fmt(quantile(trace.tbtMs, 0.5))} ms, p99 ${fmt(quantile(trace.tbtMs, 0.99))} ms, max ${fmt(max(trace.tbtMs))} ms over ${trace.tbtMs.length} gaps`);
+    lines.push(`time between tokens: p50 ${fmt(percentileOf(trace.tbtMs, 0.5))} ms, p99 ${fmt(percentileOf(trace.tbtMs, 0.99))} ms, max ${fmt(max(trace.tbtMs))} ms over ${trace.tbtMs.length} gaps`);
   }
   if (trace.outcome === 'error' && trace.errorMessage) lines.push(`error: ${trace.errorMessage}`);
   return `${lines.join('\n')}\n`;

@@ -1,28 +1,7 @@
-// Small numeric helpers: quantiles, means, rounding to microseconds, latency distributions. Two quantiles:
-// `percentile` is nearest-rank (the smallest value with at least q of the data at or below it), the definition of
-// every latency percentile reported against a target (load tests, the simulator, the SLO tracker, the analyzer),
-// so a percentile is always a value that was measured and a tail cannot fall between ranks; `quantile`
-// interpolates between closest ranks (numpy's default) for the descriptive figures of one request's trace.
-
-/**
- * The q-quantile (0..1) of values by linear interpolation between closest ranks (numpy's default), so p50 of
- * [1, 2, 3, 4] is 2.5. NaN for no values. Sorts a copy.
- */
-export function quantile(values: readonly number[], q: number): number {
-  if (values.length === 0) return Number.NaN;
-  const sorted = Float64Array.from(values).sort();
-  return quantileOfSorted(sorted, q);
-}
-
-export function quantileOfSorted(sorted: ArrayLike<number>, q: number): number {
-  const n = sorted.length;
-  if (n === 0) return Number.NaN;
-  const clamped = Math.min(1, Math.max(0, q));
-  const rank = clamped * (n - 1);
-  const lo = Math.floor(rank);
-  const hi = Math.min(n - 1, lo + 1);
-  return sorted[lo]! + (sorted[hi]! - sorted[lo]!) * (rank - lo);
-}
+// Small numeric helpers: percentiles, means, rounding to microseconds, latency distributions. One percentile
+// definition everywhere: nearest rank (the smallest value with at least q of the data at or below it), for load
+// tests, the simulator, the SLO tracker, the analyzer, the trace sampler and each request's own timings alike, so a
+// percentile is always a value that was measured and a tail cannot fall between ranks.
 
 export function mean(values: readonly number[]): number {
   if (values.length === 0) return Number.NaN;
@@ -59,6 +38,11 @@ export function percentile(sortedValues: ArrayLike<number>, q: number): number {
   const n = sortedValues.length;
   if (n === 0) return NaN;
   return sortedValues[nearestRank(n, q) - 1]!;
+}
+
+/** Nearest-rank percentile of values in any order (sorts a copy); NaN for no data. */
+export function percentileOf(values: readonly number[], q: number): number {
+  return percentile(Float64Array.from(values).sort(), q);
 }
 
 /** Count, mean, least, nearest-rank p50 / p90 / p99 and most of a sample. */

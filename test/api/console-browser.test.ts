@@ -71,6 +71,9 @@ describe('web console in Chromium (two CPU workers)', { skip: existsSync(CHROMIU
     await page.waitForFunction(`document.querySelectorAll('#workers tr[data-worker]').length === ${workerIds.length}`);
     const workersText = await page.textContent('#workers');
     for (const id of workerIds) assert.ok(workersText!.includes(id), `worker ${id} on the page`);
+    // Each CPU worker's memory: tens of MiB (weights, KV pool, activations), by category in the cell's tooltip.
+    const memoryTitle = await page.getAttribute(`#workers tr[data-worker="${workerIds[0]}"] td:nth-child(9)`, 'title');
+    assert.match(memoryTitle ?? '', /^weights [\d.]+ MiB, lora_adapters 0 B, kv_cache [\d.]+ [MG]iB, activations [\d.]+ [KM]iB/);
     // Three uPlot charts, drawn on canvases, and the tables below them.
     await page.waitForFunction("document.querySelectorAll('#charts canvas').length >= 3");
     assert.equal(await page.locator('#charts .uplot').count(), 3);

@@ -30,7 +30,7 @@ interface Overview {
   scope: string;
   tenant: string;
   requests: { id: string; tenant: string | null; output_tokens: number; bottleneck: string | null; outcome: string }[];
-  workers?: { id: string; role: string; kv_total_blocks: number; recent_batch_sizes: number[] }[];
+  workers?: { id: string; role: string; kv_total_blocks: number; recent_batch_sizes: number[]; memory_bytes?: Record<string, number> }[];
   series?: { t: number[]; output_tokens_per_s: number[]; ttft_p50_ms: (number | null)[] };
   slo?: { models: { model: string }[] };
   analysis?: { requests: number };
@@ -107,6 +107,11 @@ describe('web console routes (two simulated workers, keys configured)', () => {
     assert.equal(body.workers!.length, 2);
     assert.ok(body.workers!.every((w) => w.kv_total_blocks > 0 && w.role === 'worker'));
     assert.ok(body.workers!.some((w) => w.recent_batch_sizes.length > 0), 'a worker that decoded shows its batches');
+    // Simulated workers show their modelled GPU memory: weights and KV pool, no activations figure.
+    for (const w of body.workers!) {
+      assert.deepEqual(Object.keys(w.memory_bytes ?? {}), ['weights', 'lora_adapters', 'kv_cache'], JSON.stringify(w.memory_bytes));
+      assert.ok(w.memory_bytes!.weights! > 0 && w.memory_bytes!.kv_cache! > 0);
+    }
     assert.deepEqual(body.requests.map((r) => r.id).sort(), [idA, idB].sort());
     const a = body.requests.find((r) => r.id === idA)!;
     assert.equal(a.tenant, 'acme');

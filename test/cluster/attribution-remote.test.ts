@@ -132,10 +132,10 @@ describe('attribution across processes: a worker whose clock is 7 s ahead of the
     const metrics = parseExposition(res.text);
     // The built-in model: 6 layers, 2 KV heads of 64; 16-token f32 blocks of K and V; --kv-cache-memory 32MiB.
     const blockBytes = 2 * 6 * 16 * 2 * 64 * 4;
-    assert.equal(value(metrics, 'conduit_memory_bytes', { worker: 'w1', category: 'kv_cache' }), Math.floor(32 * 1024 * 1024 / blockBytes) * blockBytes);
-    assert.ok((value(metrics, 'conduit_memory_bytes', { worker: 'w1', category: 'weights' }) ?? 0) > 0);
-    assert.ok((value(metrics, 'conduit_memory_bytes', { worker: 'w1', category: 'activations' }) ?? 0) > 0);
-    assert.equal(value(metrics, 'conduit_allocation_failures_total', { worker: 'w1', kind: 'scratch' }), 0);
+    assert.equal(value(metrics, 'conduit_memory_used_bytes', { worker: 'w1', category: 'kv_cache' }), Math.floor(32 * 1024 * 1024 / blockBytes) * blockBytes);
+    assert.ok((value(metrics, 'conduit_memory_used_bytes', { worker: 'w1', category: 'weights' }) ?? 0) > 0);
+    assert.ok((value(metrics, 'conduit_memory_used_bytes', { worker: 'w1', category: 'activations' }) ?? 0) > 0);
+    assert.equal(value(metrics, 'conduit_oom_events_total', { worker: 'w1', kind: 'scratch' }), 0);
   });
 });
 

@@ -56,7 +56,7 @@ describe('worker stats over the request plane', () => {
     assert.deepEqual(remote.stats().kvTiers, server.stats().kvTiers);
   });
 
-  test('parseStats keeps request migrations and tiers, and refuses a malformed tier', () => {
+  test('parseStats keeps request migrations, tiers, memory and allocation failures, and refuses a malformed tier', () => {
     const tier = {
       capacityBlocks: 64, usedBlocks: 3, blockBytes: 4096, offloadBlocks: 5, offloadBytes: 20480, offloadMs: 0.25,
       onboardBlocks: 2, onboardBytes: 8192, onboardMs: 0.5, corruptBlocks: 0, evictedBlocks: 1,
@@ -64,8 +64,14 @@ describe('worker stats over the request plane', () => {
     const stats: EngineStats = {
       numRunning: 1, numWaiting: 0, kvBlocksUsed: 4, kvBlocksTotal: 128, prefixCacheQueries: 10, prefixCacheHits: 4, preemptions: 0,
       kvEvictions: 2, requestMigrations: 3, kvTiers: { tiers: { ram: tier, disk: { ...tier, capacityBlocks: 512 } }, missedOffloads: 1, recomputedBlocks: 0 },
+      memory: { weightsBytes: 1 << 24, kvCacheBytes: 1 << 22, activationsBytes: 1 << 20, loraAdaptersBytes: 65_536 },
+      allocationFailures: { kvBlocks: 4, scratch: 1 },
     };
     assert.deepEqual(parseStats(JSON.parse(JSON.stringify(stats))), stats);
+    // A simulated worker's memory has no activations figure.
+    const sim = { ...stats, memory: { weightsBytes: 1 << 24, kvCacheBytes: 1 << 22, loraAdaptersBytes: 0 } };
+    assert.deepEqual(parseStats(JSON.parse(JSON.stringify(sim))), sim);
+    assert.throws(() => parseStats({ ...JSON.parse(JSON.stringify(stats)), memory: { ...stats.memory, loraAdaptersBytes: -1 } }), FrameError);
     const withTiers = (tiers: unknown) => JSON.parse(JSON.stringify({ ...stats, kvTiers: { ...stats.kvTiers, tiers } }));
     assert.throws(() => parseStats(withTiers({ tape: tier })), FrameError);
     assert.throws(() => parseStats(withTiers({ ram: { ...tier, usedBlocks: -1 } })), FrameError);

@@ -1,5 +1,5 @@
 // A worker's memory by category and its allocation failures, as EngineCore.stats() reports them and the metrics
-// module exports them (conduit_memory_bytes, conduit_allocation_failures_total): KV blocks the pool did not have
+// module exports them (conduit_memory_used_bytes, conduit_oom_events_total, conduit_kv_block_shortfalls_total): KV blocks the pool did not have
 // (a tiny pool forces preemption), and a step whose native scratch could not be allocated (the test-only scratch
 // limit): its request fails, the worker goes on serving.
 import assert from 'node:assert/strict';
@@ -67,17 +67,17 @@ describe('memory and allocation failures in a worker\'s stats and metrics', () =
     metrics.updateFromEngineStats({ worker: 'w0', stats });
     metrics.updateFromEngineStats({ worker: 'w0', stats: core.stats() });
     const e = await exposition(metrics);
-    assert.equal(value(e, 'conduit_allocation_failures_total', { worker: 'w0', kind: 'kv_blocks' }), shortfalls, 'counted once, not per snapshot');
-    assert.equal(value(e, 'conduit_allocation_failures_total', { worker: 'w0', kind: 'scratch' }), 0);
+    assert.equal(value(e, 'conduit_kv_block_shortfalls_total', { worker: 'w0' }), shortfalls, 'counted once, not per snapshot');
+    assert.equal(value(e, 'conduit_oom_events_total', { worker: 'w0', kind: 'scratch' }), 0, 'a shortfall is not an OOM event');
     // The reference backend: its f32 weights and the pool; no buffers kept between steps, only the engine's own.
     const memory = stats.memory!;
-    assert.equal(value(e, 'conduit_memory_bytes', { worker: 'w0', category: 'weights' }), memory.weightsBytes);
-    assert.equal(value(e, 'conduit_memory_bytes', { worker: 'w0', category: 'kv_cache' }), 6 * 16 * 2 * model.config.numLayers * model.config.numKvHeads * model.config.headDim * 4);
-    assert.equal(value(e, 'conduit_memory_bytes', { worker: 'w0', category: 'activations' }), memory.activationsBytes);
+    assert.equal(value(e, 'conduit_memory_used_bytes', { worker: 'w0', category: 'weights' }), memory.weightsBytes);
+    assert.equal(value(e, 'conduit_memory_used_bytes', { worker: 'w0', category: 'kv_cache' }), 6 * 16 * 2 * model.config.numLayers * model.config.numKvHeads * model.config.headDim * 4);
+    assert.equal(value(e, 'conduit_memory_used_bytes', { worker: 'w0', category: 'activations' }), memory.activationsBytes);
     assert.ok(memory.activationsBytes! >= 4 * model.config.vocabSize * 4, 'the logits of four rows');
 
     metrics.forgetWorker('w0');
-    assert.equal(value(await exposition(metrics), 'conduit_memory_bytes', { worker: 'w0', category: 'weights' }), undefined,
+    assert.equal(value(await exposition(metrics), 'conduit_memory_used_bytes', { worker: 'w0', category: 'weights' }), undefined,
       'a departed worker\'s memory series are removed');
   });
 
@@ -89,7 +89,8 @@ describe('memory and allocation failures in a worker\'s stats and metrics', () =
     const failed = drain(core);
     assert.equal(failed.length, 1);
     assert.equal(failed[0]!.finishReason, 'error');
-    assert.match(failed[0]!.error ?? '', /forward pass failed: forward: out of memory/);
+    assert.match(failed[0]!.error ?? '', /^out of memory: .*forward: out of memory/);
+    assert.equal(failed[0]!.errorCode, 'out_of_memory');
     core.add(request('short', 4, 6));
     const served = drain(core);
     assert.equal(served.at(-1)!.finishReason, 'length');
@@ -102,7 +103,7 @@ describe('memory and allocation failures in a worker\'s stats and metrics', () =
     const metrics = new ConduitMetrics();
     metrics.updateFromEngineStats({ worker: 'w1', stats });
     const e = await exposition(metrics);
-    assert.equal(value(e, 'conduit_allocation_failures_total', { worker: 'w1', kind: 'scratch' }), 1);
-    assert.equal(value(e, 'conduit_memory_bytes', { worker: 'w1', category: 'activations' }), stats.memory!.activationsBytes);
+    assert.equal(value(e, 'conduit_oom_events_total', { worker: 'w1', kind: 'scratch' }), 1);
+    assert.equal(value(e, 'conduit_memory_used_bytes', { worker: 'w1', category: 'activations' }), stats.memory!.activationsBytes);
   });
 });

@@ -1,4 +1,4 @@
-// What a backend reports about its memory (the worker's conduit_memory_bytes gauge), checked against sizes computed
+// What a backend reports about its memory (the worker's conduit_memory_used_bytes gauge), checked against sizes computed
 // here from the file and the config alone; and a native allocation failure (made to happen by the test-only scratch
 // limit) surfacing as an Error with a code, the model still usable afterwards.
 import assert from 'node:assert/strict';
@@ -7,6 +7,7 @@ import { NATIVE_ALLOCATION_FAILED, nativeBackend, nativeModelSpec, resolveKernel
 import { referenceBackend } from '../../src/kernels/reference-backend.ts';
 import type { ForwardBatch, KvPoolLayout } from '../../src/kernels/types.ts';
 import { byteSize } from '../../src/model/ggml-types.ts';
+import type { LoraWeights } from '../../src/model/lora.ts';
 import { readGguf } from '../../src/model/gguf.ts';
 import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
 import { tinySyntheticModel } from '../helpers/cpu-model.ts';
@@ -43,6 +44,17 @@ function prefillBatch(rows: number, maxBlocks: number): ForwardBatch {
   };
 }
 
+/** A rank-4 adapter of the first layer's Q and down projections, random values. */
+function loraAdapter(model: LoadedModel): { weights: LoraWeights; bytes: number } {
+  const { dim, numHeads, headDim, ffnDim } = model.config;
+  const rank = 4;
+  const matrix = (inDim: number, outDim: number) => ({
+    rank, a: Float32Array.from({ length: rank * inDim }, (_, i) => Math.sin(i) / 8), b: Float32Array.from({ length: outDim * rank }, (_, i) => Math.cos(i) / 8),
+  });
+  const weights: LoraWeights = { scale: 2, layers: [{ wq: matrix(dim, numHeads * headDim), wDown: matrix(ffnDim, dim) }] };
+  return { weights, bytes: 4 * rank * (dim + numHeads * headDim + ffnDim + dim) };
+}
+
 describe('backend memory by category', () => {
   let model: LoadedModel;
   let path: string;
@@ -59,6 +71,36 @@ describe('backend memory by category', () => {
     assert.equal(memory.weightsBytes, 4 * params);
     assert.equal(memory.kvCacheBytes, poolBytes(model, 7, 16, 4));
     assert.equal(memory.scratchBytes, undefined, 'it keeps no buffers between steps');
+  });
+
+  it('LoRA adapters: their own category, from loading to unloading (reference: as given; native: its packed copies)', { skip: skipNative }, () => {
+    const { weights, bytes } = loraAdapter(model);
+    const reference = referenceBackend.load(model.config, model.weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' });
+    assert.equal(reference.memory!().loraAdaptersBytes, 0);
+    reference.setLora!(0, weights);
+    assert.equal(reference.memory!().loraAdaptersBytes, bytes);
+    reference.setLora!(0, null);
+    assert.equal(reference.memory!().loraAdaptersBytes, 0);
+    for (const [loraDtype, elementBytes] of [['f32', 4], ['bf16', 2], ['q8', 1]] as const) {
+      const runner = nativeBackend.load(model.config, model.weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' }, { threads: 1, packWeights: false, loraDtype });
+      try {
+        const before = runner.memory!();
+        assert.equal(before.loraAdaptersBytes, 0);
+        runner.setLora!(0, weights);
+        runner.setLora!(3, weights);
+        const held = runner.memory!().loraAdaptersBytes!;
+        // Two copies, each its matrices in the adapter dtype (B's columns padded to whole blocks) plus a scale per row.
+        const elements = 2 * (bytes / 4);
+        assert.ok(held >= elements * elementBytes && held <= 2 * elements * elementBytes + 64 * 1024, `${loraDtype}: ${held} bytes for ${elements} elements`);
+        assert.equal(runner.memory!().weightsBytes, before.weightsBytes, 'adapters are not weights');
+        runner.setLora!(3, null);
+        assert.equal(runner.memory!().loraAdaptersBytes, held / 2, `${loraDtype}: one adapter unloaded`);
+        runner.setLora!(0, null);
+        assert.equal(runner.memory!().loraAdaptersBytes, 0);
+      } finally {
+        runner.dispose();
+      }
+    }
   });
 
   it('native backend: weights are the file\'s tensor bytes (not packed), KV the pool (f32 and f16)', { skip: skipNative }, () => {
@@ -96,7 +138,7 @@ describe('backend memory by category', () => {
       ...nativeModelSpec(model.config, model.weights, { layout, bytes: pool }, resolveKernelVariant(undefined, addon.cpuInfo()), 1), packWeights: false,
     });
     try {
-      assert.deepEqual(m.memoryInfo(), { activationBytes: 0, workspaceBytes: 0 });
+      assert.deepEqual(m.memoryInfo(), { activationBytes: 0, workspaceBytes: 0, loraBytes: 0 });
       m.forward(prefillBatch(40, 8));
       const after40 = m.memoryInfo();
       assert.equal(after40.activationBytes, 40 * activationBytesPerRow(model));

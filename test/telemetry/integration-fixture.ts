@@ -84,7 +84,10 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
       } : {}),
     });
     if (pool.clock) clock = pool.clock;
-    api.attach({ engine: pool.engine, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate, ...(pool.clock ? { clock: pool.clock } : {}) });
+    api.attach({
+      engine: pool.engine, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate, ...(pool.clock ? { clock: pool.clock } : {}),
+      ...(pool.holdClock ? { holdClock: pool.holdClock } : {}),
+    });
     return {
       url: api.url, api, engine: pool.engine, telemetry, exporter, terminals,
       async close() {

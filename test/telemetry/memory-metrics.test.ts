@@ -1,8 +1,8 @@
-// conduit_memory_bytes and conduit_allocation_failures_total on a live server (the built-in model on a CPU worker
+// conduit_memory_used_bytes, conduit_oom_events_total and conduit_kv_block_shortfalls_total on a live server (the built-in model on a CPU worker
 // with a 1 MiB KV pool): the KV pool's bytes as computed from the model's config and --kv-cache-memory, the weights
 // within the file's tensor bytes and their packed copy, the activations at least those of the largest step; a
 // request refused because it could never fit the pool (kind kv_capacity); requests preempted for KV blocks
-// (kind kv_blocks).
+// (conduit_kv_block_shortfalls_total, not an OOM event).
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
@@ -44,14 +44,14 @@ describe('memory by category and allocation failures on a live CPU worker', () =
     const ffn = Number(file.metadata.get('llama.feed_forward_length'));
     const headDim = dim / heads;
     const blockBytes = 2 * numLayers * 16 * kvHeads * headDim * 4;  // K and V, 16-token blocks, f32
-    assert.equal(value(exposition, 'conduit_memory_bytes', { worker, category: 'kv_cache' }), Math.floor(KV_BYTES / blockBytes) * blockBytes);
+    assert.equal(value(exposition, 'conduit_memory_used_bytes', { worker, category: 'kv_cache' }), Math.floor(KV_BYTES / blockBytes) * blockBytes);
 
     const tensorBytes = file.tensorInfos.reduce((sum, t) => sum + byteSize(t.type, t.shape.reduce((a, b) => a * b, 1)), 0);
-    const weights = value(exposition, 'conduit_memory_bytes', { worker, category: 'weights' })!;
+    const weights = value(exposition, 'conduit_memory_used_bytes', { worker, category: 'weights' })!;
     // The file's tensors, plus the packed copy of its matrices less the pages of theirs given back (at most all again).
     assert.ok(weights >= 0.9 * tensorBytes && weights <= 2 * tensorBytes, `weights ${weights} bytes, the file's tensors ${tensorBytes}`);
 
-    const activations = value(exposition, 'conduit_memory_bytes', { worker, category: 'activations' })!;
+    const activations = value(exposition, 'conduit_memory_used_bytes', { worker, category: 'activations' })!;
     const vocab = Number(file.metadata.get('llama.vocab_size') ?? (file.metadata.get('tokenizer.ggml.tokens') as unknown[]).length);
     const logits = vocab * 4;
     if (server.engine.info.backend === 'native') {
@@ -65,22 +65,23 @@ describe('memory by category and allocation failures on a live CPU worker', () =
   it('a request that can never fit the KV pool is refused and counted (kv_capacity)', LIVE, async () => {
     const capacity = server.engine.info.kvCapacityTokens;
     assert.ok(capacity < server.engine.info.maxModelLen, 'the pool, not the context, limits a sequence here');
-    const before = total((await scrape(server.url)).exposition, 'conduit_allocation_failures_total', { kind: 'kv_capacity' });
+    const before = total((await scrape(server.url)).exposition, 'conduit_oom_events_total', { kind: 'kv_capacity' });
     const res = await rawRequest(server.url, {
       path: '/v1/completions', body: { model, prompt: Array.from({ length: capacity }, (_, i) => 100 + (i % 500)), max_tokens: 1 },
     });
     assert.equal(res.status, 400, res.text);
     assert.equal(res.json().error.code, 'kv_capacity_exceeded');
     const after = (await scrape(server.url)).exposition;
-    assert.equal(total(after, 'conduit_allocation_failures_total', { kind: 'kv_capacity' }) - before, 1);
-    assert.equal(value(after, 'conduit_allocation_failures_total', { kind: 'kv_capacity', worker: 'none' }), 1, 'refused before any worker');
+    assert.equal(total(after, 'conduit_oom_events_total', { kind: 'kv_capacity' }) - before, 1);
+    assert.equal(value(after, 'conduit_oom_events_total', { kind: 'kv_capacity', worker: 'none' }), 1, 'refused before any worker');
   });
 
-  it('requests preempted for KV blocks: the shortfalls are counted (kv_blocks), no more than the preemptions', LIVE, async () => {
+  it('requests preempted for KV blocks: the shortfalls are counted, no more than the preemptions, and are not OOM events', LIVE, async () => {
     const scrapeBoth = async () => {
       const { exposition } = await scrape(server.url);
       return {
-        failures: total(exposition, 'conduit_allocation_failures_total', { kind: 'kv_blocks' }),
+        failures: total(exposition, 'conduit_kv_block_shortfalls_total'),
+        oom: total(exposition, 'conduit_oom_events_total', { kind: 'scratch' }),
         preemptions: total(exposition, 'conduit_scheduler_preemptions_total'),
       };
     };
@@ -95,5 +96,6 @@ describe('memory by category and allocation failures on a live CPU worker', () =
     const preemptions = after.preemptions - before.preemptions;
     assert.ok(failures > 0, 'the pool ran out of blocks');
     assert.ok(failures <= preemptions, `${failures} shortfalls, ${preemptions} preemptions`);
+    assert.equal(after.oom - before.oom, 0);
   });
 });
