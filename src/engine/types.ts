@@ -1,7 +1,7 @@
 // What the engine takes and gives back. The gateway converts OpenAI JSON to these at the edge; the engine never
 // sees raw JSON. Names follow vLLM's SamplingParams where OpenAI is silent.
 
-import type { EngineStats, StepBatchSummary } from '../protocols/worker.ts';
+import type { EngineStats, StepBatchSummary, WorkerCostSummary } from '../protocols/worker.ts';
 import type { LoraDtype } from '../model/lora.ts';
 
 export interface SamplingParams {
@@ -173,20 +173,6 @@ export interface EngineOutput {
   step?: EngineStepFacts;
   /** The request's traceparent as the engine was given it, handed back so its facts join the right trace. */
   traceparent?: string;
-}
-
-/** One worker's terms in the router's cost (router/cost.ts), as a trace shows them. */
-export interface WorkerCostSummary {
-  workerId: string;
-  /** Leading prompt blocks it holds and would reuse. */
-  overlapBlocks: number;
-  /** Prompt tokens it would compute plus the prefill already queued on it. */
-  prefillTokens: number;
-  /** Blocks its running requests hold plus those this request adds. */
-  decodeBlocks: number;
-  cost: number;
-  /** Over the busy threshold: weighed only when no worker was below it. */
-  busy: boolean;
 }
 
 /** The router's decision as the request's trace and timings show it. */

@@ -168,3 +168,17 @@ export function workerLoadFromStats(stats: EngineStats): WorkerLoad {
     kvUsage: stats.kvBlocksTotal > 0 ? Math.min(1, stats.kvBlocksUsed / stats.kvBlocksTotal) : 0,
   };
 }
+
+/** One worker's terms in the router's cost (router/cost.ts), as a trace shows them. */
+export interface WorkerCostSummary {
+  workerId: string;
+  /** Leading prompt blocks it holds and would reuse. */
+  overlapBlocks: number;
+  /** Prompt tokens it would compute plus the prefill already queued on it. */
+  prefillTokens: number;
+  /** Blocks its running requests hold plus those this request adds. */
+  decodeBlocks: number;
+  cost: number;
+  /** Over the busy threshold: weighed only when no worker was below it. */
+  busy: boolean;
+}

@@ -11,10 +11,10 @@
 // router learns from scratch, and a request still failing on the old one is told apart from one on the new.
 // Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
 
-import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary, WorkerCostSummary } from '../engine/types.ts';
+import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary } from '../engine/types.ts';
 import { LoraLoadError } from '../engine/errors.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
-import { workerLoadFromStats, type EngineStats } from '../protocols/worker.ts';
+import { workerLoadFromStats, type EngineStats, type WorkerCostSummary } from '../protocols/worker.ts';
 import type { RoutingDecision, WorkerCostTerms } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import { sumEngineStats } from './engine-stats.ts';

@@ -6,8 +6,7 @@
 // Times are the engine clock: epoch milliseconds with a fractional part (src/engine/clock.ts), so stamps taken in
 // the gateway thread and in worker threads line up.
 
-import type { StepBatchSummary } from '../protocols/worker.ts';
-import type { WorkerCostSummary } from '../engine/types.ts';
+import type { StepBatchSummary, WorkerCostSummary } from '../protocols/worker.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Phase names

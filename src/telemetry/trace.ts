@@ -13,7 +13,7 @@ import type {
   TerminalEvent, FinishReasonName,
 } from './lifecycle.ts';
 // Block size assumed when the engine did not report one (Conduit's engine default).
-import type { WorkerCostSummary } from '../engine/types.ts';
+import type { WorkerCostSummary } from '../protocols/worker.ts';
 import { DEFAULT_BLOCK_SIZE as DEFAULT_KV_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { TraceParent } from './traceparent.ts';
