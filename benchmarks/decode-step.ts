@@ -4,11 +4,16 @@
 // load falls on both.
 //
 //   node --import tsx benchmarks/decode-step.ts [--rounds 7] [--threads 2] [--concurrency 1,16,64] [--tokens 48]
+//                                               [--model FILE.gguf]
+//
+// --model runs another GGUF (default: the synthetic 110M Q8_0 benchmark model); each line also gives the weight
+// bytes one step reads over the reused step time, the rate a decode-roofline comparison needs.
 //
 // Each run: N greedy requests (16-token prompts, --tokens generated, ignore_eos) decode together; the prefill step
 // is left out and the median step time of the rest is the run's figure. Printed: per mode, the median over rounds
 // of those figures, as ms per step and output tok/s (N / step time).
 
+import { basename } from 'node:path';
 import { parseArgs } from 'node:util';
 
 import { engineNow } from '../src/engine/clock.ts';
@@ -20,6 +25,7 @@ import { loadModel } from '../src/model/loader.ts';
 import { createTokenizer } from '../src/model/tokenizer/index.ts';
 import { percentileOf } from '../src/util/stats.ts';
 import { ensureBenchModel } from './model-files.ts';
+import { decodeWeightBytes } from './peer/conduit-runner.ts';
 
 const { values: args } = parseArgs({
   options: {
@@ -27,6 +33,7 @@ const { values: args } = parseArgs({
     threads: { type: 'string', default: '2' },
     concurrency: { type: 'string', default: '1,16,64' },
     tokens: { type: 'string', default: '48' },
+    model: { type: 'string' },
   },
 });
 const ROUNDS = Number(args.rounds);
@@ -36,8 +43,9 @@ const PROMPT_TOKENS = 16;
 const BLOCK_SIZE = 16;
 type Mode = 'fresh' | 'reused';
 
-const file = await ensureBenchModel('Q8_0');
+const file = args.model ? { path: args.model, label: basename(args.model) } : await ensureBenchModel('Q8_0');
 const model = await loadModel(file.path);
+const weightBytes = decodeWeightBytes(model);
 const maxSeqs = Math.max(...CONCURRENCY);
 const backend = nativeBackend.load(model.config, model.weights,
   { numBlocks: Math.ceil((maxSeqs * (PROMPT_TOKENS + OUTPUT_TOKENS)) / BLOCK_SIZE) + maxSeqs, blockSize: BLOCK_SIZE, dtype: 'f16' },
@@ -88,6 +96,7 @@ for (const n of CONCURRENCY) {
   const reused = median(figures.reused);
   console.log(`N=${String(n).padStart(3)}  fresh ${fresh.toFixed(3)} ms/step (${(n / fresh * 1000).toFixed(0)} tok/s)`
     + `  reused ${reused.toFixed(3)} ms/step (${(n / reused * 1000).toFixed(0)} tok/s)`
-    + `  reused/fresh step time ${(reused / fresh).toFixed(3)}`);
+    + `  reused/fresh step time ${(reused / fresh).toFixed(3)}`
+    + `; weights ${(weightBytes / 1e6).toFixed(1)} MB a step = ${(weightBytes / reused / 1e6).toFixed(1)} GB/s reused`);
 }
 backend.dispose();
