@@ -218,7 +218,7 @@ const FIGURES = [
   ...CONTEXTS.map((c) => ({ key: `ctx${c}`, label: `decode ${CONTEXT_DECODE} at ${c} context`, target: c >= 16384 ? 1.0 : 1.1 })),
 ];
 
-/** GB/s of a THREADS-thread read over `bytes` (best of five passes: the first faults nothing in, the buffer is fresh). */
+/** GB/s of a THREADS-thread read over `bytes` (best of five passes over a fresh buffer, so the first pass faulting its pages in does not count). */
 function readBandwidth(bytes: number): number {
   return loadNativeAddon().bench.memoryBandwidth('read', Math.round(bytes), 5, THREADS);
 }

@@ -188,6 +188,8 @@ export class WorkerServer {
   private linkStats: Record<string, KvLinkStats> = {};
   /** The last report's sequence number (stats()). */
   private reportSeq = 0;
+  /** The last report stats() built, and the engine stats and link counts it was built from. */
+  private lastReport: { engine: EngineStats; links: Record<string, KvLinkStats>; stats: EngineStats } | undefined;
   /** Decode role: KV streams started before their handoff, by request id. */
   private readonly incoming = new Map<string, IncomingStream>();
   /** Streams that failed a check before their handoff came: the adopt counts the failure and prefills here. */
@@ -1079,13 +1081,18 @@ export class WorkerServer {
   }
 
   /**
-   * The stats this worker reports: its engine's, on a decode worker its KV imports that fell back, per link, and the
-   * report's sequence number (each call is a report, on a frame or a NATS load snapshot).
+   * The stats this worker reports: its engine's, on a decode worker its KV imports that fell back, per link, and a
+   * sequence number that grows whenever either may have changed (a new engine stats object or new link counts). One
+   * object per change, shared by every output sent until the next, as the engine's own stats are.
    */
   stats(): EngineStats {
-    const stats = this.options.engine.stats();
+    const engine = this.options.engine.stats();
+    const report = this.lastReport;
+    if (report && report.engine === engine && report.links === this.linkStats) return report.stats;
     const reportSeq = ++this.reportSeq;
-    return Object.keys(this.linkStats).length > 0 ? { ...stats, kvTransferLinks: this.linkStats, reportSeq } : { ...stats, reportSeq };
+    const stats = Object.keys(this.linkStats).length > 0 ? { ...engine, kvTransferLinks: this.linkStats, reportSeq } : { ...engine, reportSeq };
+    this.lastReport = { engine, links: this.linkStats, stats };
+    return stats;
   }
 
   /** Sends a request's outputs as they come, their times moved onto the frontend's clock by the request's offset. */
