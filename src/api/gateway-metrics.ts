@@ -29,6 +29,7 @@ export class GatewayMetrics {
   private readonly loraRegistered: Gauge<'model'>;
   private readonly loraLoads: Counter<'model'>;
   private readonly loraEvictions: Counter<'model'>;
+  private readonly loraWaiting: Gauge<'model'>;
   /** The adapter managers' cumulative counts at the last scrape, per model (the counters advance by the difference). */
   private readonly loraSeen = new Map<string, { loads: number; evictions: number }>();
 
@@ -67,11 +68,15 @@ export class GatewayMetrics {
     this.loraEvictions = family(registry, 'conduit_lora_adapter_evictions_total', (registers) => new Counter({
       name: 'conduit_lora_adapter_evictions_total', help: 'LoRA adapters unloaded to make room for another (least recently used first).', labelNames: ['model'], registers,
     }));
+    this.loraWaiting = family(registry, 'conduit_lora_requests_waiting', (registers) => new Gauge({
+      name: 'conduit_lora_requests_waiting', help: 'Requests waiting for their LoRA adapter to get a slot (every one of --max-loras busy).', labelNames: ['model'], registers,
+    }));
   }
 
   /** A base model's adapter figures at scrape time. */
-  setLora(model: string, stats: { registered: number; resident: number; loads: number; evictions: number }): void {
+  setLora(model: string, stats: { registered: number; resident: number; loads: number; evictions: number; waiting?: number }): void {
     this.loraActive.set({ model }, stats.resident);
+    this.loraWaiting.set({ model }, stats.waiting ?? 0);
     this.loraRegistered.set({ model }, stats.registered);
     const seen = this.loraSeen.get(model) ?? { loads: 0, evictions: 0 };
     if (stats.loads > seen.loads) this.loraLoads.inc({ model }, stats.loads - seen.loads);

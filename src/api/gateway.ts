@@ -67,14 +67,17 @@ export interface AdapterHost {
   /** Registered adapters, each with the file it came from. */
   list(): { name: string; path: string; resident: boolean }[];
   has(name: string): boolean;
-  /** Makes the adapter resident for a request and counts it until release; resolves the engine's key for it. */
-  acquire(name: string): Promise<string>;
+  /**
+   * Makes the adapter resident for a request and counts it until release; resolves the engine's key for it. May
+   * wait for a slot (every resident adapter busy) until `signal` aborts.
+   */
+  acquire(name: string, signal?: AbortSignal): Promise<string>;
   /** Ends what acquire counted, by the key it resolved. */
   release(key: string): void;
   register(name: string, path: string): Promise<unknown>;
   /** Forgets the adapter now; unloads it once its requests in flight (resolved) finish. */
   unregister(name: string): Promise<{ inFlight: number }>;
-  stats(): { registered: number; resident: number; loads: number; evictions: number };
+  stats(): { registered: number; resident: number; loads: number; evictions: number; waiting?: number };
 }
 
 /** One model the gateway serves, under the name clients send as "model". */
@@ -563,25 +566,6 @@ export class Gateway {
   private async run(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
     request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
     const { backend } = target;
-    // An adapter is made resident (loaded, or kept from eviction) for as long as the run lasts.
-    let loraKey: string | undefined;
-    if (target.adapter !== undefined) {
-      try {
-        loraKey = await backend.adapters!.acquire(target.adapter);
-      } catch (error) {
-        throw loraApiError(error, 'model');
-      }
-    }
-    try {
-      await this.runAcquired(call, target, id, prompts, request, logprobs, shape, loraKey);
-    } finally {
-      if (loraKey !== undefined) backend.adapters!.release(loraKey);
-    }
-  }
-
-  private async runAcquired(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
-    request: GenerationOptions, logprobs: number | null, shape: ResponseShape, loraKey: string | undefined): Promise<void> {
-    const { backend } = target;
     // With telemetry the engine joins the request's own trace (its root span as parent); without, the client's.
     const traceparent = call.trace ? call.trace.context() : call.traceparent;
     // The response names the trace context the request ran under (W3C Trace Context's response header), with the
@@ -598,7 +582,6 @@ export class Gateway {
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
-      ...(loraKey !== undefined ? { lora: loraKey } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
     const trace = call.trace;
     if (trace) {
@@ -619,7 +602,24 @@ export class Gateway {
     const timer = this.options.requestTimeoutMs === undefined ? undefined
       : setTimeout(() => run.abort(new RequestTimeoutError(this.options.requestTimeoutMs! / 1000)), this.options.requestTimeoutMs);
     let refused = false;
+    // An adapter is made resident (loaded, or kept from eviction) for as long as the run lasts. When every resident
+    // adapter is busy the run waits here for a slot (runtime/lora-manager.ts), as a pending request that holds
+    // nothing of the engine's: requests behind it for the base model or a resident adapter go on meanwhile.
+    let loraKey: string | undefined;
+    let started = false;
     try {
+      if (target.adapter !== undefined) {
+        try {
+          loraKey = await backend.adapters!.acquire(target.adapter, run.signal);
+        } catch (error) {
+          if (run.signal.aborted) throw run.abortReason ?? new ClientClosedRequestError();
+          throw loraApiError(error, 'model');
+        }
+        // Aborted as the adapter became resident: it does not start.
+        if (run.signal.aborted) throw run.abortReason ?? new ClientClosedRequestError();
+        run.useLora(loraKey);
+      }
+      started = true;
       if (request.stream) {
         const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined);
         await streamRun(run, shape, writer, {
@@ -631,10 +631,12 @@ export class Gateway {
         if (!call.clientGone.aborted) sendJsonReply(call.res, { status: 200, body }, call.headers);
       }
     } catch (err) {
-      // Refused by the engine before it produced anything: the request cost nothing and is not counted.
-      refused = run.completionTokens === 0 && (err instanceof EngineRejectedError || err instanceof OverloadedError);
+      // Refused by the engine before it produced anything, or ended while it waited for its adapter: the request cost
+      // nothing and is not counted.
+      refused = !started || (run.completionTokens === 0 && (err instanceof EngineRejectedError || err instanceof OverloadedError));
       throw err;
     } finally {
+      if (loraKey !== undefined) backend.adapters!.release(loraKey);
       clearTimeout(timer);
       call.clientGone.removeEventListener('abort', onGone);
       this.runEnded(run);

@@ -43,6 +43,7 @@ export class GenerationRun {
   private readonly generatedTokens: number[];
   private readonly cachedTokens: number[];
   private aborted = false;
+  private readonly aborter = new AbortController();
 
   constructor(
     private readonly engine: Engine,
@@ -61,6 +62,16 @@ export class GenerationRun {
     this.finishedCompletions = prompts.map(() => 0);
     this.generatedTokens = prompts.map(() => 0);
     this.cachedTokens = prompts.map(() => 0);
+  }
+
+  /** Aborts when the run is aborted (the client left, a timeout, shutdown): ends waits before the engine takes it. */
+  get signal(): AbortSignal {
+    return this.aborter.signal;
+  }
+
+  /** The run's engine requests use the LoRA adapter the engine knows by `key`; before events(). */
+  useLora(key: string): void {
+    for (const request of this.engineRequests) request.lora = key;
   }
 
   /** Sequences this run generates: n per prompt. */
@@ -94,6 +105,7 @@ export class GenerationRun {
     if (reason && !this.abortReason) this.abortReason = reason;
     if (this.aborted) return;
     this.aborted = true;
+    this.aborter.abort(this.abortReason);
     this.engineRequests.forEach((request, i) => {
       if (this.finishedCompletions[i]! < this.n) this.engine.abort(request.id);
     });

@@ -12,7 +12,7 @@
 
 import net from 'node:net';
 import { v8Serialize } from './blob.ts';
-import { EngineOverloadedError, LoraLoadError } from '../engine/errors.ts';
+import { LoraLoadError } from '../engine/errors.ts';
 import type { Engine, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
@@ -547,23 +547,26 @@ export class WorkerServer {
       : this.options.engine.generate(onWorkerClock));
   }
 
-  /** Runs a request on an adapter of this worker's own: made resident first, held until the request ends. */
+  /**
+   * Runs a request on an adapter of this worker's own: made resident first (waiting its turn when every resident
+   * adapter is busy, while other requests run), held until the request ends.
+   */
   private async *withAdapter(adapters: LoraManager, connection: Connection, request: EngineRequest): AsyncGenerator<EngineOutput> {
-    this.awaitingAdapter.add(request.id);
+    const wait = new AbortController();
+    this.awaitingAdapter.set(request.id, wait);
     let key: string;
     try {
-      key = await adapters.acquireKey(request.lora!);
+      key = await adapters.acquireKey(request.lora!, wait.signal);
     } catch (error) {
-      this.abortedEarly.delete(request.id);
-      // Every resident adapter has requests in flight: busy for now, as an overloaded worker is (503, Retry-After).
-      if (error instanceof LoraCapacityError) throw new EngineOverloadedError(error.message, 1000);
+      // Aborted (or its frontend gone) while it waited: it ends without starting.
+      if (wait.signal.aborted) return;
       throw error;
     } finally {
       this.awaitingAdapter.delete(request.id);
     }
     try {
-      // Aborted (or its frontend gone) while the adapter loaded: it does not start.
-      if (this.abortedEarly.delete(request.id) || connection.socket.destroyed) return;
+      // Aborted (or its frontend gone) as the adapter became resident: it does not start.
+      if (wait.signal.aborted || connection.socket.destroyed) return;
       yield* this.options.engine.generate(request);
     } finally {
       adapters.release(key);
@@ -989,12 +992,11 @@ export class WorkerServer {
   /** Requests whose KV pull (or the hold before it) is under way: an abort stops it. */
   private readonly pulling = new Map<string, AbortController>();
 
-  /** Requests waiting for their adapter to load (withAdapter), and those of them aborted meanwhile. */
-  private readonly awaitingAdapter = new Set<string>();
-  private readonly abortedEarly = new Set<string>();
+  /** Requests waiting for their adapter (withAdapter): an abort ends the wait. */
+  private readonly awaitingAdapter = new Map<string, AbortController>();
 
   private abortRequest(id: string): void {
-    if (this.awaitingAdapter.has(id)) this.abortedEarly.add(id);
+    this.awaitingAdapter.get(id)?.abort();
     if (this.pinned.delete(id)) this.kvServer?.ended(id, 'was aborted');
     const pull = this.pulling.get(id);
     if (pull) pull.abort();

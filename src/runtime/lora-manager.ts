@@ -8,6 +8,16 @@
 // worker's adapter named without a file) is the rank known after a worker loaded it; it is then checked and the
 // adapter unloaded again.
 //
+// A request for an adapter that is not resident while every resident one has requests in flight waits here (as a
+// request vLLM's scheduler cannot give a LoRA slot stays in its waiting queue while the ones behind it run): base-model
+// requests and requests for resident adapters go on meanwhile, since the engine never sees the waiting one. The waiters
+// are served first come, first served; so that a resident adapter kept busy by a steady stream of requests cannot keep
+// them waiting forever, one busy resident adapter (the least recently used) is asked to yield its slot while anyone
+// waits for one: it takes no new requests (they wait too, in the same queue), and once its requests in flight end it is
+// evicted for the first waiter. A waiter therefore waits at most for the queue ahead of it and for the requests in
+// flight on one adapter, each bounded by its max_tokens. A wait ends early when its signal aborts (the client left, a
+// timeout) or its adapter is unregistered.
+//
 // Unregistering an adapter that requests still use does not refuse (as vLLM does not): its name is gone at once
 // (new requests get 404, the name can be registered again), and it stays resident, draining, until the last of its
 // requests releases it; then the workers unload it.
@@ -44,6 +54,8 @@ export interface LoraManagerStats {
   resident: number;
   loads: number;
   evictions: number;
+  /** Requests waiting for their adapter to get a slot (every resident one busy). */
+  waiting: number;
 }
 
 export interface LoraManagerOptions {
@@ -75,12 +87,25 @@ interface Registration {
   loading?: Promise<void>;
   inFlight: number;
   lastUsed: number;
+  /** Chosen to give its slot to a waiter: takes no new requests until it is evicted or nobody waits for a slot. */
+  yielding: boolean;
+}
+
+/** A request waiting for its adapter (acquire); settled by grant() or an abort. */
+interface Waiter {
+  registration: Registration;
+  resolve: () => void;
+  reject: (error: unknown) => void;
+  /** Detaches the abort listener. */
+  done: () => void;
 }
 
 export class LoraManager {
   private readonly adapters = new Map<string, Registration>();
   /** Unregistered adapters whose requests are still in flight: resident until the last one releases. */
   private readonly draining = new Set<Registration>();
+  /** Requests waiting for their adapter, first come first served. */
+  private readonly waiters: Waiter[] = [];
   private generation = 0;
   private useClock = 0;
   private loads = 0;
@@ -108,7 +133,7 @@ export class LoraManager {
   stats(): LoraManagerStats {
     let resident = 0;
     for (const a of [...this.adapters.values(), ...this.draining]) if (a.resident) resident++;
-    return { registered: this.adapters.size, resident, loads: this.loads, evictions: this.evictions };
+    return { registered: this.adapters.size, resident, loads: this.loads, evictions: this.evictions, waiting: this.waiters.length };
   }
 
   /**
@@ -141,7 +166,7 @@ export class LoraManager {
       return drained.info!;
     }
     const registration: Registration = {
-      name, path, key, resident: false, inFlight: 0, lastUsed: ++this.useClock, ...(header ? { rank: header.rank } : {}),
+      name, path, key, resident: false, inFlight: 0, lastUsed: ++this.useClock, yielding: false, ...(header ? { rank: header.rank } : {}),
     };
     this.adapters.set(name, registration);
     try {
@@ -168,6 +193,8 @@ export class LoraManager {
     const registration = this.adapters.get(name);
     if (!registration) throw new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`);
     this.adapters.delete(name);
+    registration.yielding = false;
+    this.rejectWaiters(registration, () => new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`));
     if (registration.inFlight > 0) {
       this.draining.add(registration);
       this.log?.(`LoRA adapter '${name}' unregistered; unloaded once its ${registration.inFlight} request(s) in flight finish`);
@@ -183,36 +210,159 @@ export class LoraManager {
     await registration.loading?.catch(() => {});
     if (registration.resident) {
       registration.resident = false;
-      await this.engine.unloadLora!(registration.key);
+      try {
+        await this.engine.unloadLora!(registration.key);
+      } finally {
+        this.pump();
+      }
     }
   }
 
   /**
    * A request is about to run with the adapter: loads it if it is not resident (evicting as needed) and counts the
-   * request until release(). Returns the key the engine knows the adapter by (EngineRequest.lora).
+   * request until release(). Returns the key the engine knows the adapter by (EngineRequest.lora). When every
+   * resident adapter is busy (or this one yields its slot), it waits its turn (see the top of this file) until
+   * `signal` aborts: then it rejects with the signal's reason.
    */
-  async acquire(name: string): Promise<string> {
+  async acquire(name: string, signal?: AbortSignal): Promise<string> {
     const registration = this.adapters.get(name);
     if (!registration) throw new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`);
+    signal?.throwIfAborted();
+    // Not past those already waiting for a slot, nor onto an adapter that yields its slot.
+    const queue = registration.yielding || (this.waiters.length > 0 && !registration.resident && registration.loading === undefined);
+    if (!queue) {
+      registration.inFlight++;
+      registration.lastUsed = ++this.useClock;
+      try {
+        if (!registration.resident) await this.makeResident(registration);
+        return registration.key;
+      } catch (error) {
+        registration.inFlight--;
+        if (!(error instanceof LoraCapacityError)) throw error;
+      }
+    }
+    await this.wait(registration, signal);
+    return registration.key;
+  }
+
+  /** Queues a request for the registration; resolves once grant() counted it in flight with the adapter resident. */
+  private wait(registration: Registration, signal: AbortSignal | undefined): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      const onAbort = () => {
+        const at = this.waiters.indexOf(waiter);
+        if (at < 0) return;
+        this.waiters.splice(at, 1);
+        waiter.done();
+        reject(signal!.reason);
+        this.pump();
+      };
+      const waiter: Waiter = {
+        registration, resolve, reject,
+        done: () => signal?.removeEventListener('abort', onAbort),
+      };
+      signal?.addEventListener('abort', onAbort);
+      this.waiters.push(waiter);
+      if (this.waiters.length === 1) this.log?.(`a request for LoRA adapter '${registration.name}' waits: all ${this.maxLoras} resident adapters (--max-loras) have requests in flight`);
+      this.pump();
+    });
+  }
+
+  /**
+   * Serves the waiters that can be served now, in order: those whose adapter is resident (and not yielding) or
+   * loading, and those that find a slot (free, or an idle adapter to evict) while nobody ahead of them still needs
+   * one. When someone is left needing a slot, one busy adapter is asked to yield it; when nobody is, none yields.
+   */
+  private pump(): void {
+    for (let pass = 0; pass < 2; pass++) {
+      let blocked = false;
+      for (let i = 0; i < this.waiters.length;) {
+        const waiter = this.waiters[i]!;
+        const { registration } = waiter;
+        const ready = (registration.resident && !registration.yielding) || registration.loading !== undefined;
+        if (ready || (!blocked && !registration.resident && this.hasRoomFor(registration))) {
+          this.waiters.splice(i, 1);
+          this.grant(waiter);
+          continue;
+        }
+        if (!registration.resident) blocked = true;
+        i++;
+      }
+      if (blocked) {
+        this.chooseYielding();
+        return;
+      }
+      const yielding = [...this.adapters.values()].filter((r) => r.yielding);
+      if (yielding.length === 0) return;
+      // Nobody needs a slot any more: the yielding adapter takes requests again, those queued for it first.
+      for (const registration of yielding) registration.yielding = false;
+    }
+  }
+
+  /** A waiter's turn: counted in flight, and the adapter loaded when it is not resident. */
+  private grant(waiter: Waiter): void {
+    const { registration } = waiter;
     registration.inFlight++;
     registration.lastUsed = ++this.useClock;
-    try {
-      if (!registration.resident) await this.makeResident(registration);
-    } catch (error) {
-      registration.inFlight--;
-      throw error;
+    if (registration.resident) {
+      waiter.done();
+      waiter.resolve();
+      return;
     }
-    return registration.key;
+    this.makeResident(registration).then(() => {
+      waiter.done();
+      waiter.resolve();
+    }, (error: unknown) => {
+      registration.inFlight--;
+      if (error instanceof LoraCapacityError && this.adapters.get(registration.name) === registration) {
+        // Another load took the slot meanwhile: first in the queue again.
+        this.waiters.unshift(waiter);
+      } else {
+        waiter.done();
+        waiter.reject(error);
+      }
+      this.pump();
+    });
+  }
+
+  /** Whether a load of `incoming` finds a slot now: a free one, or an idle resident adapter to evict. */
+  private hasRoomFor(incoming: Registration): boolean {
+    const occupying = [...this.adapters.values(), ...this.draining].filter((a) => a !== incoming && (a.resident || a.loading));
+    return occupying.length < this.maxLoras || occupying.some((a) => a.resident && !a.loading && a.inFlight === 0);
+  }
+
+  /** Asks the least recently used busy adapter to give its slot up, unless one already does (or drains). */
+  private chooseYielding(): void {
+    if ([...this.adapters.values()].some((r) => r.yielding && r.resident) || [...this.draining].some((r) => r.resident)) return;
+    const busy = [...this.adapters.values()].filter((r) => r.resident && !r.loading && r.inFlight > 0).sort((x, y) => x.lastUsed - y.lastUsed);
+    const victim = busy[0];
+    if (!victim) return;
+    victim.yielding = true;
+    this.log?.(`LoRA adapter '${victim.name}' takes no new requests until its ${victim.inFlight} in flight end: its slot goes to a waiting adapter`);
+  }
+
+  /** Rejects the waiters for a registration (unregistered). */
+  private rejectWaiters(registration: Registration, error: () => Error): void {
+    for (let i = 0; i < this.waiters.length;) {
+      const waiter = this.waiters[i]!;
+      if (waiter.registration !== registration) {
+        i++;
+        continue;
+      }
+      this.waiters.splice(i, 1);
+      waiter.done();
+      waiter.reject(error());
+    }
+    this.pump();
   }
 
   /**
    * acquire() by the key a request carries (a worker: the frontend names the adapter by the key the worker
    * published). Throws LoraLoadError lora_not_loaded when no registered adapter has that key.
    */
-  acquireKey(key: string): Promise<string> {
+  acquireKey(key: string, signal?: AbortSignal): Promise<string> {
     const registration = [...this.adapters.values()].find((r) => r.key === key);
     if (!registration) return Promise.reject(new LoraLoadError('lora_not_loaded', `no LoRA adapter with key '${key}' is loaded here`));
-    return this.acquire(registration.name);
+    return this.acquire(registration.name, signal);
   }
 
   /** A request that acquire() returned `key` for is done with the adapter. */
@@ -224,6 +374,8 @@ export class LoraManager {
       this.unloadDetached(registration).catch((error: unknown) => {
         this.log?.(`LoRA adapter '${registration.name}' (unregistered) failed to unload: ${(error as Error).message}`);
       });
+    } else if (registration.inFlight === 0 && this.waiters.length > 0) {
+      this.pump();
     }
   }
 
@@ -246,7 +398,10 @@ export class LoraManager {
       registration.resident = true;
       this.loads++;
     };
-    registration.loading = load().finally(() => { registration.loading = undefined; });
+    registration.loading = load().finally(() => {
+      registration.loading = undefined;
+      if (this.waiters.length > 0) this.pump();
+    });
     return registration.loading;
   }
 
@@ -259,6 +414,7 @@ export class LoraManager {
       const victim = idle[0];
       if (!victim) throw new LoraCapacityError(incoming.name, this.maxLoras);
       victim.resident = false;
+      victim.yielding = false;
       this.evictions++;
       this.log?.(`LoRA adapter '${victim.name}' evicted (least recently used) to load '${incoming.name}'`);
       await this.engine.unloadLora!(victim.key);

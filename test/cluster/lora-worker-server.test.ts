@@ -1,8 +1,9 @@
 // A worker's own LoRA adapters over the request plane (what `conduit worker` runs): lora-load registers with the
 // worker's LoRA manager and answers with the content key, a request carrying the key runs with the adapter (loaded
 // again after an eviction), and when every resident adapter (--max-loras) has a request in flight a load is refused
-// as lora_capacity (LoraCapacityError on the frontend) and a request for another adapter as engine_overloaded; an
-// unknown key is lora_not_loaded. The worker serves on.
+// as lora_capacity (LoraCapacityError on the frontend) while a request for another adapter waits for the slot (a
+// base request behind it runs meanwhile; an abort ends the wait); an unknown key is lora_not_loaded. The worker
+// serves on.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { join } from 'node:path';
@@ -34,6 +35,7 @@ describe('a worker\'s own LoRA adapters over the request plane', () => {
   let server: WorkerServer;
   let remote: RemoteEngine;
   let changes = 0;
+  let adapters: LoraManager;
   const paths: Record<string, string> = {};
 
   before(async () => {
@@ -45,7 +47,7 @@ describe('a worker\'s own LoRA adapters over the request plane', () => {
       writeGgufLoraAdapter(paths[name], config, randomLoraAdapter(config, { rank: 4, seed, bScale: 1 }));
     }
     bundle = await createLocalEngine({ modelPath: fixture.modelPath, threads: 1, enableKvEvents: true, kvCacheMemoryBytes: 8 * 1024 * 1024 });
-    const adapters = new LoraManager(bundle.engine, 1, undefined, 16, { contentKeys: true });
+    adapters = new LoraManager(bundle.engine, 1, undefined, 16, { contentKeys: true });
     server = new WorkerServer({
       workerId: 'w-lora', engine: bundle.engine, clusterToken: TOKEN, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate,
       adapters, onAdaptersChanged: () => { changes++; },
@@ -61,7 +63,7 @@ describe('a worker\'s own LoRA adapters over the request plane', () => {
     rmSync(dir, { recursive: true, force: true });
   });
 
-  test('load answers the content key; requests with it run the adapter; a busy --max-loras refuses by name; unload', async () => {
+  test('load answers the content key; requests with it run the adapter; a busy --max-loras refuses a load and queues a request; unload', async () => {
     const a = await remote.registerLora('a', paths.a!);
     assert.equal(a.info.rank, 4);
     assert.match(a.key ?? '', /^a#[0-9a-f]{16}$/);
@@ -76,10 +78,28 @@ describe('a worker\'s own LoRA adapters over the request plane', () => {
     // 'b' runs a long request: the one resident slot is busy.
     const long = collect(remote.generate(request(b.key, 900)));
     await waitUntil(() => server.inFlight === 1, 'the long request runs');
-    await assert.rejects(collect(remote.generate(request(a.key))), { name: 'EngineOverloadedError', message: /all 1 resident adapters/ });
+    let longDone = false;
+    void long.then(() => { longDone = true; }, () => {});
+    // A request for 'a' waits for the slot; one aborted while it waits ends without output and leaves no waiter.
+    let waitingDone = false;
+    const waiting = collect(remote.generate(request(a.key))).finally(() => { waitingDone = true; });
+    const dropped = request(a.key);
+    const droppedRun = collect(remote.generate(dropped));
+    await waitUntil(() => adapters.stats().waiting === 2, 'both requests for a wait');
+    remote.abort(dropped.id);
+    assert.deepEqual(tokens(await droppedRun), []);
+    assert.equal(adapters.stats().waiting, 1);
+    // The base request behind them runs now, while the long one still does.
+    assert.equal(text(await collect(remote.generate(request(undefined)))), base);
+    assert.equal(longDone, false, 'the base request waited for the long one');
+    assert.equal(waitingDone, false);
     await assert.rejects(remote.registerLora('c', paths.a!), { name: 'LoraCapacityError', message: /all 1 resident adapters/ });
     await assert.rejects(collect(remote.generate(request('nope#0000'))), { name: 'LoraLoadError', message: /no LoRA adapter with key 'nope#0000'/ });
     assert.equal(tokens(await long).length, 900);
+    // Then 'a' takes the slot and runs as before.
+    assert.deepEqual(tokens(await waiting), tokens(withA));
+    assert.equal(adapters.stats().waiting, 0);
+    await waitUntil(() => server.inFlight === 0, 'every request ended');
     // Unloading while idle answers 0 in flight; the name is gone.
     assert.deepEqual(await remote.unregisterLora('a'), { inFlight: 0 });
     await assert.rejects(remote.unregisterLora('a'), { code: 'lora_not_loaded' });

@@ -1,7 +1,8 @@
 // The LoRA adapter table of one served model with a stand-in engine: unregistering an adapter with requests in
 // flight does not refuse (as vLLM does not): the name is gone at once (new requests get 404, it can be registered
 // again under a new key), the workers keep the adapter until the last of its requests releases it, and it still
-// counts against --max-loras until then.
+// counts against --max-loras until then. A request for an adapter that finds every slot busy waits its turn (first
+// come, first served) instead of being refused, and a resident adapter kept busy yields its slot to it.
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import type { Engine, LoraLoadInfo } from '../../src/engine/types.ts';
@@ -82,7 +83,7 @@ describe('LoraManager', () => {
     await assert.rejects(manager.register('big', '/big-r32.gguf'), { code: 'invalid_adapter', message: /rank 32, greater than the maximum LoRA rank 16/ });
     assert.deepEqual(calls, ['load idle#1 /idle-r8.gguf'], 'the refused adapter was loaded or the idle one evicted');
     assert.equal(resident.size, 1);
-    assert.deepEqual(manager.stats(), { registered: 1, resident: 1, loads: 1, evictions: 0 });
+    assert.deepEqual(manager.stats(), { registered: 1, resident: 1, loads: 1, evictions: 0, waiting: 0 });
   });
 
   it('keys by content when asked: the same bytes under the same name give the same key, other bytes another', async () => {
@@ -102,5 +103,68 @@ describe('LoraManager', () => {
     assert.equal(await one.acquireKey('x#bbbb'), 'x#bbbb');
     one.release('x#bbbb');
     await assert.rejects(one.acquireKey('x#aaaa'), { code: 'lora_not_loaded' });
+  });
+
+  it('queues a request for an adapter while every slot is busy and serves it when one frees, in arrival order', async () => {
+    const { engine, resident } = fakeEngine();
+    const manager = new LoraManager(engine, 1);
+    await manager.register('a', '/a.gguf');
+    await manager.register('b', '/b.gguf');  // 'a' evicted (idle)
+    await manager.register('c', '/c.gguf');  // 'b' evicted
+    const order: string[] = [];
+    const c1 = await manager.acquire('c');
+    const forA = manager.acquire('a').then((key) => { order.push('a'); return key; });
+    const forB = manager.acquire('b').then((key) => { order.push('b'); return key; });
+    await new Promise((resolve) => setImmediate(resolve));
+    assert.equal(manager.stats().waiting, 2);
+    assert.equal(order.length, 0);
+    // 'c' yields its slot: a new request for it waits too, behind the others.
+    const c2 = manager.acquire('c').then((key) => { order.push('c'); return key; });
+    await new Promise((resolve) => setImmediate(resolve));
+    assert.equal(manager.stats().waiting, 3);
+    manager.release(c1);
+    const a = await forA;
+    assert.deepEqual([...resident], [a]);
+    assert.deepEqual(order, ['a']);
+    manager.release(a);
+    const b = await forB;
+    manager.release(b);
+    const c = await c2;
+    assert.deepEqual(order, ['a', 'b', 'c']);
+    manager.release(c);
+    assert.deepEqual(manager.stats(), { registered: 3, resident: 1, loads: 6, evictions: 5, waiting: 0 });
+  });
+
+  it('lets requests for other resident adapters through while one waits, and ends a wait on abort or unregister', async () => {
+    const { engine } = fakeEngine();
+    const manager = new LoraManager(engine, 2);
+    await manager.register('x', '/x.gguf');
+    await manager.register('y', '/y.gguf');
+    await manager.register('z', '/z.gguf');  // 'x' evicted
+    const y = await manager.acquire('y');
+    const z = await manager.acquire('z');
+    // 'x' waits; 'y', the least recently used busy one, yields; 'z' takes new requests.
+    const aborter = new AbortController();
+    const abortedWait = manager.acquire('x', aborter.signal);
+    const unregisteredWait = manager.acquire('x');
+    await new Promise((resolve) => setImmediate(resolve));
+    assert.equal(await manager.acquire('z'), z);
+    manager.release(z);
+    let yAgain = false;
+    const forY = manager.acquire('y').then((key) => { yAgain = true; return key; });
+    await new Promise((resolve) => setImmediate(resolve));
+    assert.equal(yAgain, false, "a new request joined the yielding adapter");
+    assert.equal(manager.stats().waiting, 3);
+    aborter.abort(new Error('client gone'));
+    await assert.rejects(abortedWait, /client gone/);
+    await assert.rejects(manager.acquire('x', aborter.signal), /client gone/);
+    await manager.unregister('x');
+    await assert.rejects(unregisteredWait, { code: 'lora_not_loaded' });
+    // Nobody waits for a slot any more: 'y' takes requests again.
+    assert.equal(await forY, y);
+    assert.equal(manager.stats().waiting, 0);
+    manager.release(y);
+    manager.release(y);
+    manager.release(z);
   });
 });
