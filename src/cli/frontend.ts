@@ -77,8 +77,8 @@ export const frontendCommand: Command = {
     void frontend.ready().then((engine) => {
       api.attach({
         engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: 'workerIds' in engine ? engine.workerIds[0] : engine.decodeWorkerIds[0],
-        // The adapters the aggregated workers hold (their --lora-modules, and those loaded through this API).
-        ...(frontend.adapters && engine === frontend.engine ? { adapters: frontend.adapters } : {}),
+        // The adapters the workers hold (their --lora-modules, and those loaded through this API).
+        ...(frontend.adapters ? { adapters: frontend.adapters } : {}),
       });
       logger.info(`serving ${engine.info.modelName} (context ${engine.info.maxModelLen}, blocks of ${engine.info.blockSize}) `
         + `through the ${config.routingPolicy} router, migration limit ${config.migrationLimit}`);

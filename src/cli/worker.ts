@@ -1,6 +1,6 @@
 // `conduit worker`: one engine worker as a process of its own, serving the request plane, registered in etcd under
 // the namespace with a kept-alive lease, publishing its KV events and load on NATS. SIGINT/SIGTERM drain: deregister,
-// finish the running streams (up to --shutdown-grace), exit 0. An aggregated worker keeps its own LoRA adapters
+// finish the running streams (up to --shutdown-grace), exit 0. A worker of any role keeps its own LoRA adapters
 // (--lora-modules at start, --max-loras resident, --max-lora-rank; frontends load more) and publishes them in its
 // etcd record.
 
@@ -71,7 +71,6 @@ export const workerCommand: Command = {
     // The worker's own adapters (a --parent-ipc child's are its parent's to load).
     const loraModules = parseLoraModules(lists['lora-modules'] ?? []);
     if (local && loraModules.length > 0) throw new UsageError('--lora-modules is the parent\'s option under `conduit serve --worker-processes`');
-    if (role !== 'both' && loraModules.length > 0) throw new UsageError(`--lora-modules: LoRA adapters run on aggregated cluster workers (--role both), not ${role} workers`);
     const maxLoras = values['max-loras']!;
     const maxLoraRank = values['max-lora-rank']!;
     if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new UsageError(`--max-loras must be a whole number > 0, got ${maxLoras}`);
@@ -93,7 +92,7 @@ export const workerCommand: Command = {
       host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
       ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
       leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink,
-      ...(!local && role === 'both' ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
+      ...(!local ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
       pool: {
         engine: engineKind, backend,
         ...(modelPath !== undefined ? { modelPath } : {}),

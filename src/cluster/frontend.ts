@@ -7,8 +7,9 @@
 // (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
 //
-// LoRA: aggregated workers publish the adapters they hold in their records; the router takes a request naming one
-// only to workers holding it, and the gateway's load/unload API reaches the workers (cluster-lora.ts).
+// LoRA: workers publish the adapters they hold in their records; the router (aggregated), or the prefill and the
+// decode router (disaggregated), takes a request naming one only to workers holding it, and the gateway's
+// load/unload API reaches the workers (cluster-lora.ts).
 
 import type { Etcd3 } from 'etcd3';
 import { engineNow } from '../engine/clock.ts';
@@ -103,7 +104,7 @@ export class ClusterFrontend {
   tokenizer: Tokenizer | undefined;
   chatTemplate: ChatTemplate | undefined;
   router: Router | undefined;
-  /** The LoRA adapters the aggregated workers hold (cluster-lora.ts), once the engine is built. */
+  /** The LoRA adapters the workers hold (cluster-lora.ts), once the engine (aggregated or disaggregated) is built. */
   adapters: ClusterAdapters | undefined;
   private readonly members = new Map<string, Member>();
   private readonly watch: WorkerWatch;
@@ -253,12 +254,7 @@ export class ClusterFrontend {
       member.remote = remote;
       this.engine = new ClusterEngine(remote, this.router, member.record.engine === 'cpu' ? this.tokenizer : undefined,
         this.options.migrationLimit ?? 0, () => this.workerViews(), `/${this.options.namespace}/workers/`, this.options.log);
-      this.adapters = new ClusterAdapters(() => this.adapterWorkers(), (workerId, loras) => {
-        const held = this.members.get(workerId);
-        if (!held) return;
-        held.record = { ...held.record, loras };
-        this.routeAdapters(workerId);
-      });
+      this.adapters = this.clusterAdapters();
       this.routeAdapters(id);
       for (const resolve of this.readyWaiters.splice(0)) resolve(this.engine);
     } else {
@@ -317,6 +313,7 @@ export class ClusterFrontend {
     if (this.disaggregated) {
       if (remote.role === 'prefill') this.disaggregated.addPrefillWorker(id, remote);
       else this.disaggregated.addDecodeWorker(id, remote);
+      this.routeAdapters(id);
       return true;
     }
     if (remote.role === 'prefill') {
@@ -333,15 +330,31 @@ export class ClusterFrontend {
       log: (level, message) => this.options.log(/restarts are off/.test(message) ? 'debug' : level, message),
       workerList: () => this.workerViews(),
     });
+    this.adapters = this.clusterAdapters();
+    for (const worker of [remote, ...prefill]) this.routeAdapters(worker.workerId);
     for (const resolve of this.readyWaiters.splice(0)) resolve(this.disaggregated);
     // The prefill workers that waited for this one joined no router then: their views start from a snapshot now.
     for (const p of prefill) void this.resync(p.workerId, 'joined');
     return true;
   }
 
-  /** The aggregated workers routed to now, with the adapters their records (or load replies) say they hold. */
+  /** The adapter host over this frontend's workers; a load or unload reply updates the worker's record here. */
+  private clusterAdapters(): ClusterAdapters {
+    return new ClusterAdapters(() => this.adapterWorkers(), (workerId, loras) => {
+      const held = this.members.get(workerId);
+      if (!held) return;
+      held.record = { ...held.record, loras };
+      this.routeAdapters(workerId);
+    });
+  }
+
+  /**
+   * The workers routed to now (aggregated; or prefill and decode), with the adapters their records (or load replies)
+   * say they hold.
+   */
   private adapterWorkers(): AdapterWorker[] {
-    const routed = new Set(this.engine?.workerIds ?? []);
+    const routed = new Set(this.engine?.workerIds
+      ?? [...this.disaggregated?.prefillWorkerIds ?? [], ...this.disaggregated?.decodeWorkerIds ?? []]);
     const workers: AdapterWorker[] = [];
     for (const [id, { record, remote }] of this.members) {
       if (remote && !remote.lost && !remote.draining && routed.has(id)) workers.push({ id, loras: record.loras ?? [], remote });
@@ -350,13 +363,15 @@ export class ClusterFrontend {
   }
 
   /**
-   * Tells the router which adapters a worker holds (their keys): a request naming one goes only to those workers.
-   * Requests for the base model go to any.
+   * Tells the router(s) which adapters a worker holds (their keys): a request naming one goes only to those workers
+   * (disaggregated: to prefill and decode workers holding it). Requests for the base model go to any.
    */
   private routeAdapters(workerId: string): void {
     const member = this.members.get(workerId);
-    if (!member || !this.engine || !this.router) return;
-    this.router.setWorkerModels(workerId, (member.record.loras ?? []).map((l) => l.key));
+    if (!member) return;
+    const keys = (member.record.loras ?? []).map((l) => l.key);
+    if (this.engine && this.router) this.router.setWorkerModels(workerId, keys);
+    else this.disaggregated?.setWorkerModels(workerId, keys);
   }
 
   private adoptModel(card: ModelCard | null, info: EngineInfo): void {

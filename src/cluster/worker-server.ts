@@ -13,7 +13,7 @@
 import net from 'node:net';
 import { v8Serialize } from './blob.ts';
 import { LoraLoadError } from '../engine/errors.ts';
-import type { Engine, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
+import type { Engine, EngineOutput, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { isBlockHash, type BlockHash, type KvEvent } from '../protocols/kv-events.ts';
@@ -38,6 +38,9 @@ import {
 } from './request-plane.ts';
 
 export type ClusterLog = (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
+
+/** What starts a request's stream: its events, or a promise of them. */
+type Startable<T> = AsyncIterable<T> | Promise<Iterable<T> | AsyncIterable<T>>;
 
 export interface WorkerServerOptions {
   workerId: string;
@@ -541,33 +544,39 @@ export class WorkerServer {
     // Prefilled here after all (a local fallback): a KV stream started for it is not needed.
     this.cancelIncoming(id, 'the request is prefilled here');
     const onWorkerClock = shiftRequest(request, -offset);
-    const adapters = this.options.adapters;
-    void this.stream(connection, id, offset, () => adapters && onWorkerClock.lora !== undefined
-      ? this.withAdapter(adapters, connection, onWorkerClock)
-      : this.options.engine.generate(onWorkerClock));
+    void this.stream(connection, id, offset, this.holdingAdapter(connection, id, onWorkerClock.lora, () => this.options.engine.generate(onWorkerClock)));
   }
 
   /**
-   * Runs a request on an adapter of this worker's own: made resident first (waiting its turn when every resident
-   * adapter is busy, while other requests run), held until the request ends.
+   * `start` with the request's LoRA adapter held on this worker's own manager: made resident first (waiting its turn
+   * when every resident adapter is busy, while other requests run), released when the stream ends; aborted while it
+   * waits, nothing starts and the stream ends. `start` as it is for a request without an adapter, or on a worker
+   * that manages none (a `conduit serve --worker-processes` child: its parent holds the adapter for the request).
    */
-  private async *withAdapter(adapters: LoraManager, connection: Connection, request: EngineRequest): AsyncGenerator<EngineOutput> {
+  private holdingAdapter<T>(connection: Connection, id: string, lora: string | undefined, start: () => Startable<T>): () => Startable<T> {
+    const adapters = this.options.adapters;
+    if (!adapters || lora === undefined) return start;
+    return () => this.withAdapter(adapters, connection, id, lora, start);
+  }
+
+  private async *withAdapter<T>(adapters: LoraManager, connection: Connection, id: string, lora: string,
+    start: () => Startable<T>): AsyncGenerator<T> {
     const wait = new AbortController();
-    this.awaitingAdapter.set(request.id, wait);
+    this.awaitingAdapter.set(id, wait);
     let key: string;
     try {
-      key = await adapters.acquireKey(request.lora!, wait.signal);
+      key = await adapters.acquireKey(lora, wait.signal);
     } catch (error) {
       // Aborted (or its frontend gone) while it waited: it ends without starting.
       if (wait.signal.aborted) return;
       throw error;
     } finally {
-      this.awaitingAdapter.delete(request.id);
+      this.awaitingAdapter.delete(id);
     }
     try {
       // Aborted (or its frontend gone) as the adapter became resident: it does not start.
       if (wait.signal.aborted || connection.socket.destroyed) return;
-      yield* this.options.engine.generate(request);
+      yield* await start();
     } finally {
       adapters.release(key);
     }
@@ -608,7 +617,7 @@ export class WorkerServer {
     let handedOff = false;
     this.kvServer?.started(id);
     const onWorkerClock = shiftRequest(request, -offset);
-    void this.stream(connection, id, offset, () => engine.prefill!(onWorkerClock), (handoff) => {
+    void this.stream(connection, id, offset, this.holdingAdapter(connection, id, onWorkerClock.lora, () => engine.prefill!(onWorkerClock)), (handoff) => {
       handedOff = true;
       this.pinned.add(id);
       this.kvServer?.handedOff(id, handoff.sourceBlockIds);
@@ -846,7 +855,7 @@ export class WorkerServer {
       }
     };
     this.adoptedTo.set(id, { connection, offset });
-    void this.stream(connection, id, offset, start);
+    void this.stream(connection, id, offset, this.holdingAdapter(connection, id, handoff.request.lora, start));
   }
 
   private async pullAndAdopt(handoff: KvHandoff, source: { host: string; port: number }, signal: AbortSignal): Promise<AsyncIterable<EngineOutput> | Iterable<EngineOutput>> {
@@ -992,7 +1001,7 @@ export class WorkerServer {
   /** Requests whose KV pull (or the hold before it) is under way: an abort stops it. */
   private readonly pulling = new Map<string, AbortController>();
 
-  /** Requests waiting for their adapter (withAdapter): an abort ends the wait. */
+  /** Requests waiting for their adapter (holdingAdapter): an abort ends the wait. */
   private readonly awaitingAdapter = new Map<string, AbortController>();
 
   private abortRequest(id: string): void {
@@ -1099,7 +1108,7 @@ export class WorkerServer {
 
   /** Sends a request's outputs as they come, their times moved onto the frontend's clock by the request's offset. */
   private async stream(connection: Connection, id: string, offset: number,
-    start: () => AsyncIterable<EngineOutput | PrefillEvent> | Promise<Iterable<EngineOutput> | AsyncIterable<EngineOutput>>,
+    start: () => Startable<EngineOutput | PrefillEvent>,
     onHandoff?: (handoff: KvHandoff) => void): Promise<void> {
     try {
       for await (const item of await start()) {

@@ -246,6 +246,16 @@ export class DisaggregatedEngine implements Engine {
     await Promise.all([this.prefillWorkers.unloadLora(name), this.decodeWorkers.unloadLora(name)]);
   }
 
+  /**
+   * The adapters (their keys) a worker holds, when workers hold different ones (a frontend's `conduit worker`s): a
+   * request for one is routed only to prefill and decode workers that hold it (none among the prefill workers: the
+   * decode worker prefills it; none among the decode workers: refused). Undefined: the worker takes any request.
+   */
+  setWorkerModels(workerId: string, models: readonly string[] | undefined): void {
+    if (this.prefillWorkers.has(workerId)) this.prefillRouter.setWorkerModels(workerId, models);
+    if (this.decodeWorkers.has(workerId)) this.decodeRouter.setWorkerModels(workerId, models);
+  }
+
   stats(): EngineStats {
     return combinedStats([this.prefillWorkers, this.decodeWorkers]);
   }
@@ -414,6 +424,7 @@ export class DisaggregatedEngine implements Engine {
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
     const routing: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
+      ...(request.lora !== undefined ? { model: request.lora } : {}),
     };
     const routeStartedAt = this.now();
     const { decision: decodeDecision, queuedAt } = await this.admission.place(routing);
@@ -488,6 +499,7 @@ export class DisaggregatedEngine implements Engine {
     }
     const routing: RoutingRequest = {
       requestId: attempt.id, tokenIds: attempt.promptTokenIds, cacheSalt: attempt.cacheSalt, sessionId: attempt.sessionId, lora: attempt.lora,
+      ...(attempt.lora !== undefined ? { model: attempt.lora } : {}),
     };
     const { choice, prefillDecision } = this.decide(attempt, routing, flight.decodeDecision!);
     const takenBy = prefillDecision?.workerId ?? decodeId;
@@ -566,6 +578,7 @@ export class DisaggregatedEngine implements Engine {
     if (!prefillEngine) throw new WorkerLostError(prefillId, `prefill worker ${prefillId} left before request ${request.id} could start`);
     const routing: RoutingRequest = {
       requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
+      ...(request.lora !== undefined ? { model: request.lora } : {}),
     };
     this.prefillRouter.onRouted(routing, decision, this.now());
     let handoff: KvHandoff | null = null;

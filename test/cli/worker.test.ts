@@ -1,6 +1,6 @@
 // `conduit worker`'s LoRA options are checked before anything starts: --lora-modules (or CONDUIT_LORA_MODULES) on a
-// prefill or decode worker, or on a `conduit serve --worker-processes` child, is refused by name, as are bad
-// --max-loras / --max-lora-rank values.
+// `conduit serve --worker-processes` child is refused by name, as are bad --max-loras / --max-lora-rank values.
+// (Workers of every role take --lora-modules: test/cluster/lora-disagg.test.ts.)
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
@@ -13,9 +13,7 @@ describe('conduit worker: LoRA options', () => {
   const refused = (args: string[], pattern: RegExp) =>
     assert.rejects(workerCommand.run([...SERVICES, ...args]), (error: unknown) => error instanceof UsageError && pattern.test(error.message));
 
-  it('refuses --lora-modules on prefill and decode workers and on a serve child, and bad caps', async () => {
-    await refused(['--role', 'prefill', '--lora-modules', 'a=/adapters/a.gguf'], /--lora-modules: LoRA adapters run on aggregated cluster workers \(--role both\), not prefill workers/);
-    await refused(['--role', 'decode', '--lora-modules', 'a=/adapters/a.gguf'], /not decode workers/);
+  it('refuses --lora-modules on a serve child, and bad caps', async () => {
     await refused(['--parent-ipc', '--lora-modules', 'a=/adapters/a.gguf'], /parent's option/);
     await refused(['--lora-modules', 'a=/x.gguf,a=/y.gguf'], /names "a" twice/);
     await refused(['--max-loras', '0'], /--max-loras must be a whole number > 0/);
@@ -26,7 +24,7 @@ describe('conduit worker: LoRA options', () => {
   it('takes them from the environment too (CONDUIT_LORA_MODULES)', async () => {
     process.env.CONDUIT_LORA_MODULES = 'a=/adapters/a.gguf';
     try {
-      await refused(['--role', 'decode'], /not decode workers/);
+      await refused(['--parent-ipc'], /parent's option/);
     } finally {
       delete process.env.CONDUIT_LORA_MODULES;
     }
