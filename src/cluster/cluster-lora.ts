@@ -6,10 +6,14 @@
 // workers that hold it: Router.setWorkerModels), and turns vLLM's load/unload API into lora-load/lora-unload on
 // the workers:
 //   load:   on every worker this frontend routes to (all of them serve the base model), all or none: when one
-//           refuses, those that took the adapter unregister it again and the refusal is the answer. A worker that
-//           joins later holds only its own --lora-modules (start it with the same ones to serve the adapter there).
+//           refuses, those that took the adapter unregister it again and the refusal is the answer.
 //   unload: on every worker that holds the adapter; each lets its requests in flight finish with it (as vLLM).
-// Nothing is held here between requests: several frontends over the same workers see the same adapters.
+// The adapters themselves are the workers' (several frontends over the same workers see the same ones), but each
+// frontend remembers what its own load and unload calls did (name -> path, or unloaded) and repeats it on a worker
+// that joins later (syncWorker, before the router learns the worker holds the adapter, so no request for it goes
+// there first): a runtime load reaches it too, and an adapter unloaded here is unloaded from it when its own
+// --lora-modules brought it. That memory is this frontend's, kept in no shared store: a restarted frontend, or
+// another one, does not have it.
 
 import { LoraLoadError } from '../engine/errors.ts';
 import type { LoraLoadInfo } from '../engine/types.ts';
@@ -26,12 +30,15 @@ export interface AdapterWorker {
 /** The gateway's AdapterHost (api/gateway.ts) for a frontend's model, by shape: cluster/ does not import api/. */
 export class ClusterAdapters {
   private loads = 0;
+  /** What this frontend's load (the path) and unload (null) calls did, by name, in the order of the last call. */
+  private readonly runtime = new Map<string, string | null>();
 
   /**
    * `workers`: those this frontend routes to now. `changed(id, loras)`: a load or unload changed what a worker
    * holds (known from its reply before its etcd record says so).
    */
-  constructor(private readonly workers: () => AdapterWorker[], private readonly changed: (id: string, loras: WorkerLora[]) => void) {}
+  constructor(private readonly workers: () => AdapterWorker[], private readonly changed: (id: string, loras: WorkerLora[]) => void,
+    private readonly log?: (level: 'info' | 'warn', message: string) => void) {}
 
   /** Every adapter some worker holds, once per name (the first worker's path), by name: the same whichever worker joined first. */
   list(): { name: string; path: string; resident: boolean; key: string }[] {
@@ -80,6 +87,10 @@ export class ClusterAdapters {
       this.changed(worker.id, [...worker.loras.filter((l) => l.name !== name), { name, key: loaded.key, path, rank: loaded.info.rank }]);
     }
     this.loads++;
+    this.remember(name, path);
+    // Workers that joined while the load ran were not among the targets.
+    const loadedOn = new Set(targets.map((w) => w.id));
+    for (const worker of this.workers()) if (!loadedOn.has(worker.id)) void this.syncWorker(worker.id);
     return info!;
   }
 
@@ -99,7 +110,45 @@ export class ClusterAdapters {
       this.changed(worker.id, worker.loras.filter((l) => l.name !== name));
     }
     if (refusal !== undefined) throw refusal;
+    this.remember(name, null);
     return { inFlight };
+  }
+
+  private remember(name: string, path: string | null): void {
+    this.runtime.delete(name);
+    this.runtime.set(name, path);
+  }
+
+  /**
+   * Repeats this frontend's load and unload calls on a worker (one that joined after them): loads each adapter
+   * loaded here that it does not hold by name, unloads each unloaded here that it holds. A refusal is logged and
+   * leaves the worker as it is (its requests for that adapter then go to other workers).
+   */
+  async syncWorker(workerId: string): Promise<void> {
+    for (const [name, path] of [...this.runtime]) {
+      const worker = this.workers().find((w) => w.id === workerId);
+      if (!worker) return;
+      const held = worker.loras.find((l) => l.name === name);
+      try {
+        if (path !== null && !held) {
+          const loaded = await worker.remote.registerLora(name, path);
+          this.log?.('info', `LoRA adapter '${name}' (loaded through this frontend) loaded on worker ${workerId}, which joined after it`);
+          if (loaded.key !== undefined) {
+            const now = this.workers().find((w) => w.id === workerId)?.loras ?? worker.loras;
+            this.changed(workerId, [...now.filter((l) => l.name !== name), { name, key: loaded.key, path, rank: loaded.info.rank }]);
+          }
+        } else if (path === null && held) {
+          await worker.remote.unregisterLora(name);
+          this.log?.('info', `LoRA adapter '${name}' (unloaded through this frontend) unloaded from worker ${workerId}, which joined after it`);
+          const now = this.workers().find((w) => w.id === workerId)?.loras ?? worker.loras;
+          this.changed(workerId, now.filter((l) => l.name !== name));
+        }
+      } catch (error) {
+        // Loaded or unloaded meanwhile by another call: nothing to repeat.
+        if (error instanceof LoraLoadError && (error.code === 'lora_not_loaded' || /already been loaded/.test(error.message))) continue;
+        this.log?.('warn', `LoRA adapter '${name}': could not ${path !== null ? 'load it on' : 'unload it from'} worker ${workerId}, which joined after it was ${path !== null ? 'loaded' : 'unloaded'} through this frontend: ${(error as Error).message}`);
+      }
+    }
   }
 
   /** Adapters the workers hold count as registered and resident; loads are this frontend's; evictions the workers'. */

@@ -9,7 +9,7 @@
 //
 // LoRA: workers publish the adapters they hold in their records; the router (aggregated), or the prefill and the
 // decode router (disaggregated), takes a request naming one only to workers holding it, and the gateway's
-// load/unload API reaches the workers (cluster-lora.ts).
+// load/unload API reaches the workers (cluster-lora.ts), a worker that joins later included.
 
 import type { Etcd3 } from 'etcd3';
 import { engineNow } from '../engine/clock.ts';
@@ -269,6 +269,8 @@ export class ClusterFrontend {
       member.remote = remote;
       this.engine.addWorker(id, remote);
       this.routeAdapters(id);
+      // The adapters loaded (or unloaded) through this frontend before it joined.
+      void this.adapters?.syncWorker(id);
     }
     remote.onLost((error) => {
       this.options.log('warn', `worker ${id}: ${error.message}`);
@@ -314,6 +316,7 @@ export class ClusterFrontend {
       if (remote.role === 'prefill') this.disaggregated.addPrefillWorker(id, remote);
       else this.disaggregated.addDecodeWorker(id, remote);
       this.routeAdapters(id);
+      void this.adapters?.syncWorker(id);
       return true;
     }
     if (remote.role === 'prefill') {
@@ -345,7 +348,7 @@ export class ClusterFrontend {
       if (!held) return;
       held.record = { ...held.record, loras };
       this.routeAdapters(workerId);
-    });
+    }, (level, message) => this.options.log(level, message));
   }
 
   /**
