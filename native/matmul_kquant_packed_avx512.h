@@ -104,7 +104,25 @@ void q6k_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64_
   }
 }
 
-// Q6_K with up to 8 activation rows: the unpacking of a weight vector (about 11 instructions for its low and high
+// Q6_K unpacking. Bit pair k (0..3) of each high-bits byte moved to bits 4-5 of its byte and the rest cleared: one
+// 16-bit shift (none for k = 2) and one AND, no bit crossing a byte on the way. (Shifting the pair down to bits
+// 0-1, masking and shifting it back up took two shifts and, for the high quants, three.)
+inline __m512i q6k_high_pair(__m512i bits, int k) {
+  const __m512i pair = _mm512_set1_epi8(0x30);
+  switch (k) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(bits, 4), pair);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(bits, 2), pair);
+    case 2: return _mm512_and_si512(bits, pair);
+    default: return _mm512_and_si512(_mm512_srli_epi16(bits, 2), pair);
+  }
+}
+// The 6-bit quants: bits 0-3 from nib (its low nibbles), bits 4-7 from high (bits 6-7 clear), one VPTERNLOGD
+// (0xE4: C ? A : B with C = 0x0F in every byte).
+inline __m512i q6k_join(__m512i nib, __m512i high, __m512i low4) {
+  return _mm512_ternarylogic_epi32(nib, high, low4, 0xE4);
+}
+
+// Q6_K with up to 8 activation rows: the unpacking of a weight vector (6-7 instructions for its low and high
 // quants) is shared by MR rows of VPDPBUSD, so more rows per pass cost fewer instructions per multiply-add. To keep
 // 2 x MR dot products in registers, each sub-block pair's 8 dwords go in two passes of 4 (one 16-element group of
 // the low quants and one of the high quants per pass) rather than one pass over four groups. S is the same exact
@@ -113,7 +131,7 @@ template <int MR>
 inline void q6k_packed_microkernel_wide(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab,
                                         float* y, int64_t ldy, int64_t cols) {
   constexpr size_t kBlock = kq_slab_block_bytes<kQ6_K>();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   kq_slab_rows<MR, kBlock>(act, act_stride, K, slab, y, ldy, cols, [&](const uint8_t* blk, int64_t sb, int h,
                                                                        const KqActRow* rows, __m512* acc) {
     __m512i s[MR];
@@ -135,11 +153,8 @@ inline void q6k_packed_microkernel_wide(const uint8_t* act, size_t act_stride, i
             const int q = 4 * half + q4;
             const __m512i x = _mm512_load_si512(blk + 128 * (16 * h2 + 8 * c + q) + 64 * h);
             const __m512i bits = _mm512_load_si512(blk + 4096 + 128 * (8 * h2 + q) + 64 * h);
-            const __m512i lo = _mm512_or_si512(_mm512_and_si512(x, low4),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), low2), 4));
-            const __m512i hi = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 4), low2), 4));
+            const __m512i lo = q6k_join(x, q6k_high_pair(bits, c), low4);
+            const __m512i hi = q6k_join(_mm512_srli_epi16(x, 4), q6k_high_pair(bits, c + 2), low4);
             for (int i = 0; i < MR; ++i) {
               const int8_t* a = rows[i].q + 256 * sb + 128 * h2 + 32 * c + 4 * q;
               int32_t a_lo, a_hi;
@@ -273,7 +288,7 @@ inline void kq_packed_microkernel(const uint8_t* act, size_t act_stride, int64_t
   });
 }
 
-// Activation rows per pass. Q6_K's unpacking (about 11 instructions per weight vector) and Q5_K's (7) are shared by
+// Activation rows per pass. Q6_K's unpacking (11 instructions per weight vector when this was measured; 6-7 now) and Q5_K's (7) are shared by
 // 8 rows of VPDPBUSD; Q4_K's (3) costs little next to the compiler's spills around 2 x 8 dot products, so it takes
 // 4 (512 x 768 x 8192 on one thread, CPU ms: Q4_K 21.6-22.5 with 4 rows, 22.8-24.0 with 6, 26.8-27.3 with 8;
 // Q5_K 28.2-30.0 with 8, 29.6-31.6 with 4).
