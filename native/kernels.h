@@ -4,8 +4,11 @@
 // actually serves each kernel kind.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <string>
 
@@ -134,7 +137,8 @@ inline size_t attention_chunk_scratch_floats(int num_heads, int head_dim) {
 // transposed [rank x out] in one storage type, each row with its scale (1 unless q8). Bt is stored in blocks of
 // kLoraBtBlock columns, each block holding its columns of every row k in turn (the last block padded with zeros):
 // the up-projection of one matmul tile (kMatmulTileRows columns) then reads one contiguous run per adapter instead
-// of one short piece per row.
+// of one short piece per row. q8 keeps each column's k in groups of four within a block (rank rounded up to a
+// multiple of 4, zeros after): the four bytes one 32-bit lane of an 8-bit dot product (VPDPBUSD) takes.
 enum LoraDtype { kLoraF32 = 0, kLoraBF16 = 1, kLoraQ8 = 2, kLoraDtypeCount = 3 };
 inline size_t lora_dtype_bytes(int dtype) { return dtype == kLoraF32 ? 4 : dtype == kLoraBF16 ? 2 : 1; }
 
@@ -142,7 +146,7 @@ struct LoraMatrixView {
   int dtype;
   int64_t rank, in, out;
   const uint8_t* a;   // rank rows of `in` elements
-  const uint8_t* bt;  // rank rows of `out` elements
+  const uint8_t* bt;  // rank rows of `out` elements (lora_bt_index)
   const float* a_scale;
   const float* bt_scale;
 };
@@ -151,15 +155,62 @@ struct LoraMatrixView {
 constexpr int64_t kLoraUpChunk = 256;
 constexpr int64_t kLoraBtBlock = 64;
 static_assert(kLoraUpChunk % kLoraBtBlock == 0 && kLoraBtBlock % 16 == 0, "vectors and chunks stay within Bt blocks");
+// Rows of Bt as stored: the rank, rounded up to a multiple of 4 for q8.
+inline int64_t lora_bt_rows(int dtype, int64_t rank) { return dtype == kLoraQ8 ? div_ceil(rank, 4) * 4 : rank; }
 // Index of element (k, o) of Bt in its blocked storage; a vector of up to 16 columns from a multiple of its width
 // stays in one block.
-inline int64_t lora_bt_index(int64_t rank, int64_t k, int64_t o) {
-  return ((o / kLoraBtBlock) * rank + k) * kLoraBtBlock + o % kLoraBtBlock;
+inline int64_t lora_bt_index(int dtype, int64_t rank, int64_t k, int64_t o) {
+  const int64_t block = (o / kLoraBtBlock) * lora_bt_rows(dtype, rank) * kLoraBtBlock;
+  if (dtype == kLoraQ8) return block + (k & ~int64_t{3}) * kLoraBtBlock + (o % kLoraBtBlock) * 4 + (k & 3);
+  return block + k * kLoraBtBlock + o % kLoraBtBlock;
 }
 // Elements of a blocked Bt of `rank` rows of `out` columns.
-inline int64_t lora_bt_elements(int64_t rank, int64_t out) { return div_ceil(out, kLoraBtBlock) * kLoraBtBlock * rank; }
+inline int64_t lora_bt_elements(int dtype, int64_t rank, int64_t out) {
+  return div_ceil(out, kLoraBtBlock) * kLoraBtBlock * lora_bt_rows(dtype, rank);
+}
 // Scratch floats an up-projection item needs (a converted [rank x kLoraUpChunk] slice of Bt and rank factors).
 inline size_t lora_up_scratch_floats(int64_t rank) { return static_cast<size_t>(rank) * (kLoraUpChunk + 1) + 16; }
+
+// q8 multiplies 8-bit weights by 8-bit activations with exact 32-bit sums, as a Q8_0 matmul does: x in blocks of
+// kLoraQ8Block elements, and the rank values B reads (bt_scale[k] * u[k]) in blocks of kLoraQ8Block too, each block
+// with scale absmax / 127 and elements nearbyint(v * (127 / absmax)) (an all-zero block: scale 0, zeros).
+constexpr int64_t kLoraQ8Block = 32;
+// Quantizes n <= kLoraQ8Block values; returns the block's scale. The SIMD variants compute the same bits.
+inline float lora_quantize_block(const float* v, int64_t n, int8_t* q) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(v[i]));
+  const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+  return absmax / 127.0f;
+}
+
+// Floats per row of the down-projection's output u: its rank values, and for q8 after them what the
+// up-projection reads of the row (lora_q8_prepare_row), so each up-projection call (one per matmul tile when
+// fused) starts from it instead of quantizing again.
+inline int64_t lora_u_stride(int dtype, int64_t rank) {
+  return dtype == kLoraQ8 ? rank + div_ceil(rank, 4) + 2 * div_ceil(rank, kLoraQ8Block) : rank;
+}
+// After u[0, rank) of a row: bt_scale[k] * u[k] quantized per block of kLoraQ8Block k, as div_ceil(rank, 4)
+// groups of four bytes (k ascending, zeros past the rank), then per block minus 128 times the sum of its values
+// (int32: Bt is stored offset by 128) and its scale. Plain C++ for every variant: the same bits for all.
+inline void lora_q8_prepare_row(const float* bt_scale, int64_t rank, float* u) {
+  const int64_t groups = div_ceil(rank, 4), blocks = div_ceil(rank, kLoraQ8Block);
+  float f[kLoraQ8Block];
+  int8_t q[kLoraQ8Block];
+  uint8_t* tail = reinterpret_cast<uint8_t*>(u + rank);  // bytes, copied in and out: no aliasing of floats
+  std::memset(tail, 0, static_cast<size_t>(groups) * 4);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kLoraQ8Block, count = std::min(kLoraQ8Block, rank - k0);
+    for (int64_t k = 0; k < count; ++k) f[k] = bt_scale[k0 + k] * u[k0 + k];
+    const float scale = lora_quantize_block(f, count, q);
+    std::memcpy(tail + k0, q, static_cast<size_t>(count));
+    int32_t sum = 0;
+    for (int64_t k = 0; k < count; ++k) sum += q[k];
+    const int32_t offset = -128 * sum;
+    std::memcpy(tail + (groups + b) * 4, &offset, 4);
+    std::memcpy(tail + (groups + blocks + b) * 4, &scale, 4);
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 struct RopeParams {
@@ -194,10 +245,11 @@ struct KernelTable {
   // normalised output: the same arithmetic as the fold in attention_chunks.
   void (*attention_merge)(const AttentionArgs& a, int seq, int row, const float* partials, float* scratch) = nullptr;
 
-  // LoRA, per storage type (LoraDtype). Down: u[r * rank + k] = a_scale[k] * (A[k] . x[rows[r] * ldx ...]) for the
-  // n rows listed, every k; each dot product in the variant's fixed order whatever n. Up: for o in [o0, o1) (at most
-  // kLoraUpChunk, o0 a multiple of kLoraBtBlock), y[rows[r] * ldy + o] += scale * sum_k Bt[k][o] * (bt_scale[k] *
-  // u[r * rank + k]), k ascending.
+  // LoRA, per storage type (LoraDtype), u's rows lora_u_stride apart. Down: u[r * stride + k] = a_scale[k] * (A[k] .
+  // x[rows[r] * ldx ...]) for the n rows listed, every k; each dot product in the variant's fixed order whatever n.
+  // Up: for o in [o0, o1) (at most kLoraUpChunk, o0 a multiple of kLoraBtBlock), y[rows[r] * ldy + o] += scale *
+  // sum_k Bt[k][o] * (bt_scale[k] * u[r * stride + k]), k ascending. q8 quantizes x and bt_scale[k] * u[k] as
+  // kLoraQ8Block says (the latter in its down-projection: lora_q8_prepare_row).
   void (*lora_down[kLoraDtypeCount])(const LoraMatrixView& m, const float* x, int64_t ldx, const int32_t* rows,
                                      int64_t n, float* u) = {};
   void (*lora_up[kLoraDtypeCount])(const LoraMatrixView& m, const float* u, const int32_t* rows, int64_t n,

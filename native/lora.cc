@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "common.h"
+#include "memory.h"
 
 namespace conduit {
 
@@ -17,26 +19,24 @@ uint16_t fp32_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7FFF + ((x >> 16) & 1)) >> 16);                 // round to nearest even
 }
 
-// Writes `rows` rows of `cols` values (value(r, c)) in `dtype` into bytes, with per-row scales: element (r, c) at
-// element index index(r, c) of `elements` (the rest zeros).
+// Writes `rows` rows of `cols` values (value(r, c)) in `dtype` into bytes (zeroed), with per-row scales: element
+// (r, c) at element index index(r, c).
 template <typename Value, typename Index>
-void pack_rows(int64_t rows, int64_t cols, int dtype, Value value, Index index, int64_t elements,
-               std::vector<uint8_t>& bytes, std::vector<float>& scales) {
-  bytes.assign(static_cast<size_t>(elements) * lora_dtype_bytes(dtype), 0);
-  scales.assign(static_cast<size_t>(rows), 1.0f);
+void pack_rows(int64_t rows, int64_t cols, int dtype, Value value, Index index, uint8_t* bytes, float* scales) {
   for (int64_t r = 0; r < rows; ++r) {
+    scales[r] = 1.0f;
     if (dtype == kLoraF32) {
-      float* dst = reinterpret_cast<float*>(bytes.data());
+      float* dst = reinterpret_cast<float*>(bytes);
       for (int64_t c = 0; c < cols; ++c) dst[index(r, c)] = value(r, c);
     } else if (dtype == kLoraBF16) {
-      uint16_t* dst = reinterpret_cast<uint16_t*>(bytes.data());
+      uint16_t* dst = reinterpret_cast<uint16_t*>(bytes);
       for (int64_t c = 0; c < cols; ++c) dst[index(r, c)] = fp32_to_bf16(value(r, c));
     } else {
       float absmax = 0.0f;
       for (int64_t c = 0; c < cols; ++c) absmax = std::max(absmax, std::fabs(value(r, c)));
       const float scale = absmax / 127.0f;
       scales[r] = scale;
-      int8_t* dst = reinterpret_cast<int8_t*>(bytes.data());
+      int8_t* dst = reinterpret_cast<int8_t*>(bytes);
       if (scale == 0.0f) continue;
       for (int64_t c = 0; c < cols; ++c) {
         const float q = std::nearbyint(value(r, c) / scale);
@@ -44,6 +44,16 @@ void pack_rows(int64_t rows, int64_t cols, int dtype, Value value, Index index, 
       }
     }
   }
+}
+
+constexpr size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+// The packed pieces of m: A, Bt, A's scales, Bt's scales.
+std::array<size_t, 4> packed_piece_bytes(const LoraMatrix& m, int dtype) {
+  const size_t element = lora_dtype_bytes(dtype);
+  return {align64(static_cast<size_t>(m.rank * m.in) * element),
+          align64(static_cast<size_t>(lora_bt_elements(dtype, m.rank, m.out)) * element),
+          align64(static_cast<size_t>(m.rank) * sizeof(float)), align64(static_cast<size_t>(m.rank) * sizeof(float))};
 }
 
 // Prefetches [p, p + bytes) into L2 (a no-op where the compiler has no prefetch).
@@ -57,26 +67,58 @@ inline void prefetch_range(const void* p, size_t bytes) {
 
 }  // namespace
 
-void lora_pack(LoraMatrix& m, int dtype) {
+size_t lora_packed_bytes(const LoraMatrix& m, int dtype) {
+  if (m.rank == 0) return 0;
+  const std::array<size_t, 4> pieces = packed_piece_bytes(m, dtype);
+  return pieces[0] + pieces[1] + pieces[2] + pieces[3];
+}
+
+void lora_pack(LoraMatrix& m, int dtype, uint8_t* at) {
   if (m.rank == 0) return;
+  const std::array<size_t, 4> pieces = packed_piece_bytes(m, dtype);
   const float* a = m.a.data();
   const float* b = m.b.data();
   const int64_t in = m.in, rank = m.rank;
+  m.a_packed = {at, static_cast<size_t>(rank * in) * lora_dtype_bytes(dtype)};
+  m.bt_packed = {at + pieces[0], static_cast<size_t>(lora_bt_elements(dtype, rank, m.out)) * lora_dtype_bytes(dtype)};
+  m.a_scale = {reinterpret_cast<float*>(at + pieces[0] + pieces[1]), static_cast<size_t>(rank)};
+  m.bt_scale = {reinterpret_cast<float*>(at + pieces[0] + pieces[1] + pieces[2]), static_cast<size_t>(rank)};
   pack_rows(
       rank, in, dtype, [&](int64_t k, int64_t i) { return a[k * in + i]; }, [&](int64_t k, int64_t i) { return k * in + i; },
-      rank * in, m.a_packed, m.a_scale);
+      m.a_packed.data(), m.a_scale.data());
   pack_rows(
       rank, m.out, dtype, [&](int64_t k, int64_t o) { return b[o * rank + k]; },
-      [&](int64_t k, int64_t o) { return lora_bt_index(rank, k, o); }, lora_bt_elements(rank, m.out), m.bt_packed,
-      m.bt_scale);
+      [&](int64_t k, int64_t o) { return lora_bt_index(dtype, rank, k, o); }, m.bt_packed.data(), m.bt_scale.data());
+  if (dtype == kLoraQ8) {
+    // Offset by 128 (unsigned bytes: the operand VPDPBUSD takes unsigned); Bt's padding becomes 128, a zero weight.
+    for (size_t i = 0; i < m.a_packed.size(); ++i) m.a_packed.data()[i] ^= 0x80;
+    for (size_t i = 0; i < m.bt_packed.size(); ++i) m.bt_packed.data()[i] ^= 0x80;
+  }
   std::vector<float>().swap(m.a);
   std::vector<float>().swap(m.b);
 }
 
 void LoraSet::set(int slot, std::unique_ptr<LoraAdapter> adapter) {
   if (adapter) {
+    size_t total = 0;
+    for (const auto& layer : adapter->layers) {
+      for (const LoraMatrix& m : layer) total += lora_packed_bytes(m, adapter->dtype);
+    }
+    constexpr size_t kHugePage = size_t{2} << 20;
+    const bool huge = total >= (size_t{1} << 20);
+    const size_t bytes = huge ? (total + kHugePage - 1) & ~(kHugePage - 1) : std::max<size_t>(align64(total), 64);
+    uint8_t* arena = static_cast<uint8_t*>(std::aligned_alloc(huge ? kHugePage : 64, bytes));
+    if (!arena) throw std::bad_alloc();
+    adapter->arena.reset(arena);
+    adapter->arena_bytes = bytes;
+    if (huge) advise_huge_pages(arena, bytes, false);  // before the first touch, so the faults take huge pages
+    std::memset(arena, 0, bytes);
+    size_t offset = 0;
     for (auto& layer : adapter->layers) {
-      for (LoraMatrix& m : layer) lora_pack(m, adapter->dtype);
+      for (LoraMatrix& m : layer) {
+        lora_pack(m, adapter->dtype, arena + offset);
+        offset += lora_packed_bytes(m, adapter->dtype);
+      }
     }
   }
   if (slot >= static_cast<int>(slots_.size())) slots_.resize(slot + 1);
@@ -87,11 +129,9 @@ size_t LoraSet::bytes() const {
   size_t total = 0;
   for (const std::unique_ptr<LoraAdapter>& adapter : slots_) {
     if (!adapter) continue;
+    total += adapter->arena_bytes;
     for (const auto& layer : adapter->layers) {
-      for (const LoraMatrix& m : layer) {
-        total += m.a_packed.capacity() + m.bt_packed.capacity() +
-                 (m.a.capacity() + m.b.capacity() + m.a_scale.capacity() + m.bt_scale.capacity()) * sizeof(float);
-      }
+      for (const LoraMatrix& m : layer) total += (m.a.capacity() + m.b.capacity()) * sizeof(float);
     }
   }
   return total;
@@ -143,7 +183,7 @@ bool LoraPlan::plan(const LoraSet& set, const int32_t* slots, int64_t rows, int6
       if (m.rank == 0) continue;
       const int64_t job = static_cast<int64_t>(jobs_.size());
       jobs_.push_back({g.adapter, &m, &outputs_[c], g.begin, g.end, u_floats});
-      u_floats += static_cast<size_t>((g.end - g.begin) * m.rank);
+      u_floats += static_cast<size_t>((g.end - g.begin) * lora_u_stride(g.adapter->dtype, m.rank));
       for (int64_t r0 = g.begin; r0 < g.end; r0 += kDownRows) {
         const int64_t r1 = std::min(g.end, r0 + kDownRows);
         downs_.push_back({job, r0, r1});
@@ -162,7 +202,7 @@ void LoraPlan::down(const KernelTable& kt, int64_t item) const {
   const Down& d = downs_[item];
   const Job& j = jobs_[d.job];
   const int dtype = j.adapter->dtype;
-  float* u = u_.data() + j.u_offset + (d.r0 - j.begin) * j.m->rank;
+  float* u = u_.data() + j.u_offset + (d.r0 - j.begin) * lora_u_stride(dtype, j.m->rank);
   kt.lora_down[dtype](j.m->view(dtype), j.out->x, j.out->ldx, rows_by_slot_.data() + d.r0, d.r1 - d.r0, u);
 }
 
@@ -212,11 +252,12 @@ void LoraPlan::prefetch_next(int64_t part, int64_t parts) const {
 void LoraPlan::prefetch_up(int output, int64_t o0, int64_t o1) const {
   for (int64_t job = job_start_[output]; job < job_start_[output + 1]; ++job) {
     const LoraMatrix& m = *jobs_[job].m;
-    const size_t bytes = lora_dtype_bytes(jobs_[job].adapter->dtype);
+    const int dtype = jobs_[job].adapter->dtype;
+    const size_t bytes = lora_dtype_bytes(dtype);
+    const int64_t block = lora_bt_rows(dtype, m.rank) * kLoraBtBlock;
     const int64_t b0 = o0 / kLoraBtBlock, b1 = div_ceil(min64(o1, m.out), kLoraBtBlock);
     if (b1 <= b0) continue;
-    prefetch_range(m.bt_packed.data() + static_cast<size_t>(b0 * m.rank * kLoraBtBlock) * bytes,
-                   static_cast<size_t>((b1 - b0) * m.rank * kLoraBtBlock) * bytes);
+    prefetch_range(m.bt_packed.data() + static_cast<size_t>(b0 * block) * bytes, static_cast<size_t>((b1 - b0) * block) * bytes);
     prefetch_range(m.bt_scale.data(), m.bt_scale.size() * sizeof(float));
   }
 }

@@ -6,13 +6,19 @@
 // Storage (LoraDtype, chosen per adapter when it is loaded): A and B transposed (Bt [rank x out], the reading order
 // of the up-projection) are kept as f32 (exact), bf16 (8-bit mantissa, round to nearest even) or q8: int8 with one
 // f32 scale per row (row k of A and row k of Bt: the scale is the row's largest magnitude / 127, a value is
-// round(w / scale)). Each element of a q8 row is then within scale/2 = absmax_row/254 of its f32 value; for one
-// output that bounds the error against the f32 product by
-//   |dy_o| <= |s| * sum_k ( |B_ok| * |du_k| + (bt_scale_k / 2) * |u_k| ),  |du_k| <= (a_scale_k / 2) * sum_i |x_i|
-// (plus f32 rounding), which test/kernels/lora-kernel.test.ts checks for every variant.
+// round(w / scale)), stored offset by 128 as unsigned bytes (the operand VPDPBUSD takes unsigned). Each element of a
+// q8 row is within scale/2 = absmax_row/254 of its f32 value. q8 also multiplies 8-bit activations, as a Q8_0
+// matmul does (kernels.h kLoraQ8Block): x in blocks of 32, each element within dx_i = absmax_block/254 of its
+// value, and f_k = bt_scale_k * u_k in blocks of 32 k, within df = max_block |f_k| / 254; the integer sums are
+// exact. For one output that bounds the error against the f32 product by
+//   |dy_o| <= |s| * sum_k ( |B_ok| * |du_k| + (bt_scale_k / 2) * |u_k| + |Bq_ko| * df ),
+//   |du_k| <= sum_i ( (a_scale_k / 2) * |x_i| + |A_ki| * dx_i ),  Bq_ko = B_ok / bt_scale_k the stored integer
+// (plus f32 rounding), which test/kernels/lora-kernel.test.ts checks for every variant (f32 and bf16: without the
+// activation terms).
 #pragma once
 
 #include <array>
+#include <cstdlib>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -29,11 +35,18 @@ struct LoraMatrix {
   int64_t rank = 0, in = 0, out = 0;  // rank 0: the projection is not adapted
   std::vector<float> a;               // [rank x in] f32 as given; released once packed
   std::vector<float> b;               // [out x rank] f32 as given; released once packed
-  // Made by LoraSet::set in the adapter's dtype: A [rank x in] and B transposed [rank x out] (in blocks of
-  // kLoraBtBlock columns: kernels.h lora_bt_index), elements of lora_dtype_bytes each, and per row the q8 scale (1
-  // for f32 and bf16).
-  std::vector<uint8_t> a_packed, bt_packed;
-  std::vector<float> a_scale, bt_scale;
+  // Made by LoraSet::set in the adapter's dtype, in its arena: A [rank x in] and B transposed [rank x out] (in
+  // blocks of kLoraBtBlock columns: kernels.h lora_bt_index), elements of lora_dtype_bytes each (q8: offset by 128,
+  // unsigned), and per row the q8 scale (1 for f32 and bf16).
+  template <typename T>
+  struct Span {
+    T* p = nullptr;
+    size_t n = 0;
+    T* data() const { return p; }
+    size_t size() const { return n; }
+  };
+  Span<uint8_t> a_packed, bt_packed;
+  Span<float> a_scale, bt_scale;
 
   LoraMatrixView view(int dtype) const {
     return LoraMatrixView{dtype, rank, in, out, a_packed.data(), bt_packed.data(), a_scale.data(), bt_scale.data()};
@@ -44,10 +57,18 @@ struct LoraAdapter {
   float scale = 1.0f;
   int dtype = kLoraF32;  // LoraDtype of the packed matrices
   std::vector<std::array<LoraMatrix, kLoraTargetCount>> layers;
+  // One allocation for all the packed matrices, layer by layer in the order the forward pass reads them. From a
+  // megabyte up it is whole 2 MiB pages advised huge (memory.h): a step that reads many adapters then walks a few
+  // huge pages per adapter instead of hundreds of 4 KiB ones (the TLB misses cost as much as the bytes).
+  std::unique_ptr<uint8_t, void (*)(void*)> arena{nullptr, std::free};
+  size_t arena_bytes = 0;
 };
 
-// Packs a matrix's f32 A and B into `dtype` (A rows, B transposed) and releases the f32 copies.
-void lora_pack(LoraMatrix& m, int dtype);
+// Bytes matrix m takes packed in `dtype`: A, Bt and their scales, each 64-byte aligned.
+size_t lora_packed_bytes(const LoraMatrix& m, int dtype);
+// Packs m's f32 A and B into `dtype` (A rows, B transposed) at `at` (lora_packed_bytes of zeroed memory) and
+// releases the f32 copies.
+void lora_pack(LoraMatrix& m, int dtype, uint8_t* at);
 
 // The adapters a model holds, by slot.
 class LoraSet {

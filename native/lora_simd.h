@@ -1,29 +1,23 @@
 // LoRA down- and up-projection kernels written once over a vector traits type V (Avx2 or Avx512) and a storage type
-// (LoraDtype). Include inside an anonymous namespace of the ISA's file, after its traits (see simd_avx512.h).
+// (LoraDtype: f32, bf16). Include inside an anonymous namespace of the ISA's file, after its traits (see simd_avx512.h).
 //
 // Down: every (row, k) dot product has its own accumulator vector, element i in lane i mod W, the tail through a
 // zero-padded copy, the lanes summed by V::reduce_add: the same bits whatever the other rows or the thread.
 // Up: vectorized across outputs, k ascending for each output: no reduction across lanes at all.
 
+// f32 and bf16 only: q8 multiplies 8-bit activations and has kernels of its own (lora_q8_avx512.h, ops_generic.cc).
 template <class V, int D>
 inline typename V::F lora_load(const uint8_t* row, int64_t i) {
+  static_assert(D == kLoraF32 || D == kLoraBF16, "q8 has kernels of its own");
   if constexpr (D == kLoraF32) return V::load(reinterpret_cast<const float*>(row) + i);
-  else if constexpr (D == kLoraBF16) return V::load_bf16(reinterpret_cast<const uint16_t*>(row) + i);
-  else return V::load_i8(reinterpret_cast<const int8_t*>(row) + i);
+  else return V::load_bf16(reinterpret_cast<const uint16_t*>(row) + i);
 }
 
 // Elements [i, i + n) (n < W) of a row, zeros past them; nothing past the row is read.
 template <class V, int D>
 inline typename V::F lora_load_partial(const uint8_t* row, int64_t i, int64_t n) {
-  if constexpr (D == kLoraF32) {
-    return V::load_partial(reinterpret_cast<const float*>(row) + i, n);
-  } else if constexpr (D == kLoraBF16) {
-    return V::load_bf16_partial(reinterpret_cast<const uint16_t*>(row) + i, n);
-  } else {
-    alignas(64) int8_t buf[V::kWidth] = {};
-    std::memcpy(buf, row + i, static_cast<size_t>(n));
-    return V::load_i8(buf);
-  }
+  if constexpr (D == kLoraF32) return V::load_partial(reinterpret_cast<const float*>(row) + i, n);
+  else return V::load_bf16_partial(reinterpret_cast<const uint16_t*>(row) + i, n);
 }
 
 template <class V, int D>
@@ -68,17 +62,17 @@ void simd_lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, 
       for (int64_t k = 0; k < m.rank; ++k) factor[k] = m.bt_scale[k] * u[r * m.rank + k];
       float* yr = y + static_cast<int64_t>(rows[r]) * ldy + o0;
       for (int64_t j = 0; j < body; j += W) {
-        auto acc = V::mul(lora_load<V, D>(m.bt, lora_bt_index(m.rank, 0, o0 + j)), V::set1(factor[0]));
+        auto acc = V::mul(lora_load<V, D>(m.bt, lora_bt_index(D, m.rank, 0, o0 + j)), V::set1(factor[0]));
         for (int64_t k = 1; k < m.rank; ++k) {
-          acc = V::fmadd(lora_load<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + j)), V::set1(factor[k]), acc);
+          acc = V::fmadd(lora_load<V, D>(m.bt, lora_bt_index(D, m.rank, k, o0 + j)), V::set1(factor[k]), acc);
         }
         V::store(yr + j, V::add(V::load(yr + j), V::mul(vscale, acc)));
       }
       if (body < width) {
         const int64_t lanes = width - body;
-        auto acc = V::mul(lora_load_partial<V, D>(m.bt, lora_bt_index(m.rank, 0, o0 + body), lanes), V::set1(factor[0]));
+        auto acc = V::mul(lora_load_partial<V, D>(m.bt, lora_bt_index(D, m.rank, 0, o0 + body), lanes), V::set1(factor[0]));
         for (int64_t k = 1; k < m.rank; ++k) {
-          acc = V::fmadd(lora_load_partial<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + body), lanes), V::set1(factor[k]), acc);
+          acc = V::fmadd(lora_load_partial<V, D>(m.bt, lora_bt_index(D, m.rank, k, o0 + body), lanes), V::set1(factor[k]), acc);
         }
         V::store_partial(yr + body, V::add(V::load_partial(yr + body, lanes), V::mul(vscale, acc)), lanes);
       }
@@ -89,9 +83,9 @@ void simd_lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, 
   float* bt = scratch;
   for (int64_t k = 0; k < m.rank; ++k) {
     float* dst = bt + k * kLoraUpChunk;
-    for (int64_t j = 0; j < body; j += W) V::store(dst + j, lora_load<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + j)));
+    for (int64_t j = 0; j < body; j += W) V::store(dst + j, lora_load<V, D>(m.bt, lora_bt_index(D, m.rank, k, o0 + j)));
     if (body < width) {
-      V::store_partial(dst + body, lora_load_partial<V, D>(m.bt, lora_bt_index(m.rank, k, o0 + body), width - body), width - body);
+      V::store_partial(dst + body, lora_load_partial<V, D>(m.bt, lora_bt_index(D, m.rank, k, o0 + body), width - body), width - body);
     }
   }
   for (int64_t r = 0; r < n; ++r) {

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -14,6 +15,7 @@ namespace {
 #include "simd_avx2.h"
 #include "ops_simd.h"
 #include "lora_simd.h"
+#include "lora_q8_avx2.h"
 #pragma GCC pop_options
 
 }  // namespace
@@ -22,10 +24,10 @@ namespace {
 void register_ops_avx2(KernelTable& t) {
   t.lora_down[kLoraF32] = simd_lora_down<Avx2, kLoraF32>;
   t.lora_down[kLoraBF16] = simd_lora_down<Avx2, kLoraBF16>;
-  t.lora_down[kLoraQ8] = simd_lora_down<Avx2, kLoraQ8>;
   t.lora_up[kLoraF32] = simd_lora_up<Avx2, kLoraF32>;
   t.lora_up[kLoraBF16] = simd_lora_up<Avx2, kLoraBF16>;
-  t.lora_up[kLoraQ8] = simd_lora_up<Avx2, kLoraQ8>;
+  t.lora_down[kLoraQ8] = avx2_lora_down_q8;
+  t.lora_up[kLoraQ8] = avx2_lora_up_q8;
   for (const char* kind : {"lora_f32", "lora_bf16", "lora_q8"}) t.names[kind] = "avx2";
   t.rmsnorm = simd_rmsnorm<Avx2>;
   t.add = simd_add<Avx2>;

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -16,16 +17,22 @@ namespace {
 #include "lora_simd.h"
 #pragma GCC pop_options
 
+// The avx512 variant requires VNNI (cpu.cc), which only the q8 LoRA kernels here use.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#include "lora_q8_avx512.h"
+#pragma GCC pop_options
+
 }  // namespace
 
 // Registration runs on every CPU, so it stays outside the target region.
 void register_ops_avx512(KernelTable& t) {
   t.lora_down[kLoraF32] = simd_lora_down<Avx512, kLoraF32>;
   t.lora_down[kLoraBF16] = simd_lora_down<Avx512, kLoraBF16>;
-  t.lora_down[kLoraQ8] = simd_lora_down<Avx512, kLoraQ8>;
+  t.lora_down[kLoraQ8] = avx512_lora_down_q8;
   t.lora_up[kLoraF32] = simd_lora_up<Avx512, kLoraF32>;
   t.lora_up[kLoraBF16] = simd_lora_up<Avx512, kLoraBF16>;
-  t.lora_up[kLoraQ8] = simd_lora_up<Avx512, kLoraQ8>;
+  t.lora_up[kLoraQ8] = avx512_lora_up_q8;
   for (const char* kind : {"lora_f32", "lora_bf16", "lora_q8"}) t.names[kind] = "avx512";
   t.rmsnorm = simd_rmsnorm<Avx512>;
   t.add = simd_add<Avx512>;

@@ -1,7 +1,10 @@
 // Plain C++ versions of the row kernels (RMSNorm, residual add, SwiGLU, softmax, RoPE, KV store) and of row
 // dequantization for every supported type. They are the reference the SIMD variants are tested against, so they
 // favour the obvious loop over speed.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -199,11 +202,10 @@ void dequantize_q6_k(const uint8_t* src, float* dst, int64_t n) {
 // LoRA: eight partial sums per dot product (element i in lane i mod 8), added in a fixed order at the end, so the
 // result is the same whatever the batch or the thread; the up-projection adds k in ascending order per output.
 
-template <int D>
+template <int D>  // f32 and bf16; q8 below
 inline float lora_element(const uint8_t* row, int64_t i) {
   if constexpr (D == kLoraF32) return reinterpret_cast<const float*>(row)[i];
-  else if constexpr (D == kLoraBF16) return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
-  else return static_cast<float>(reinterpret_cast<const int8_t*>(row)[i]);
+  else return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
 }
 
 template <int D>
@@ -234,7 +236,7 @@ void lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, int64
   float* bt = scratch;
   float* factor = scratch + m.rank * kLoraUpChunk;
   for (int64_t k = 0; k < m.rank; ++k) {
-    for (int64_t j = 0; j < width; ++j) bt[k * kLoraUpChunk + j] = lora_element<D>(m.bt, lora_bt_index(m.rank, k, o0 + j));
+    for (int64_t j = 0; j < width; ++j) bt[k * kLoraUpChunk + j] = lora_element<D>(m.bt, lora_bt_index(D, m.rank, k, o0 + j));
   }
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t k = 0; k < m.rank; ++k) factor[k] = m.bt_scale[k] * u[r * m.rank + k];
@@ -243,6 +245,63 @@ void lora_up(const LoraMatrixView& m, const float* u, const int32_t* rows, int64
       float acc = bt[j] * factor[0];
       for (int64_t k = 1; k < m.rank; ++k) acc += bt[k * kLoraUpChunk + j] * factor[k];
       yr[j] += scale * acc;
+    }
+  }
+}
+
+// q8: 8-bit weights times 8-bit activations (kernels.h kLoraQ8Block), exact 32-bit sums per block, the blocks'
+// scaled sums added in ascending order.
+void lora_down_q8(const LoraMatrixView& m, const float* x, int64_t ldx, const int32_t* rows, int64_t n, float* u) {
+  const int64_t in = m.in, blocks = div_ceil(in, kLoraQ8Block), stride = lora_u_stride(kLoraQ8, m.rank);
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  xq.resize(static_cast<size_t>(in));
+  xs.resize(static_cast<size_t>(blocks));
+  const uint8_t* a = m.a;  // weights offset by 128 (lora.h)
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = x + static_cast<int64_t>(rows[r]) * ldx;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i0 = b * kLoraQ8Block;
+      xs[b] = lora_quantize_block(xr + i0, std::min(kLoraQ8Block, in - i0), xq.data() + i0);
+    }
+    for (int64_t k = 0; k < m.rank; ++k) {
+      const uint8_t* ak = a + k * in;
+      float acc = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t sum = 0;
+        for (int64_t i = b * kLoraQ8Block; i < std::min(in, (b + 1) * kLoraQ8Block); ++i) sum += (int32_t{ak[i]} - 128) * xq[i];
+        acc += xs[b] * static_cast<float>(sum);
+      }
+      u[r * stride + k] = m.a_scale[k] * acc;
+    }
+    lora_q8_prepare_row(m.bt_scale, m.rank, u + r * stride);
+  }
+}
+
+void lora_up_q8(const LoraMatrixView& m, const float* u, const int32_t* rows, int64_t n, float scale, float* y,
+                int64_t ldy, int64_t o0, int64_t o1, float* scratch) {
+  const int64_t rank = m.rank, stride = lora_u_stride(kLoraQ8, rank);
+  const int64_t groups = div_ceil(rank, 4), blocks = div_ceil(rank, kLoraQ8Block);
+  const uint8_t* bt = m.bt;  // weights offset by 128 (lora.h)
+  for (int64_t r = 0; r < n; ++r) {
+    // The row as its down-projection prepared it (lora_q8_prepare_row).
+    const uint8_t* prepared = reinterpret_cast<const uint8_t*>(u + r * stride + rank);
+    const int8_t* q = reinterpret_cast<const int8_t*>(prepared);
+    float* yr = y + static_cast<int64_t>(rows[r]) * ldy;
+    for (int64_t o = o0; o < o1; ++o) {
+      float acc = yr[o];
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t sum, offset;
+        float block_scale;
+        std::memcpy(&offset, prepared + (groups + b) * 4, 4);
+        std::memcpy(&block_scale, prepared + (groups + blocks + b) * 4, 4);
+        sum = offset;
+        for (int64_t k = b * kLoraQ8Block; k < std::min(groups * 4, (b + 1) * kLoraQ8Block); ++k) {
+          sum += int32_t{bt[lora_bt_index(kLoraQ8, rank, k, o)]} * q[k];
+        }
+        acc += static_cast<float>(sum) * (scale * block_scale);
+      }
+      yr[o] = acc;
     }
   }
 }
@@ -269,10 +328,10 @@ void dequantize_row_generic(int type, const uint8_t* src, float* dst, int64_t n)
 void register_ops_generic(KernelTable& t) {
   t.lora_down[kLoraF32] = lora_down<kLoraF32>;
   t.lora_down[kLoraBF16] = lora_down<kLoraBF16>;
-  t.lora_down[kLoraQ8] = lora_down<kLoraQ8>;
+  t.lora_down[kLoraQ8] = lora_down_q8;
   t.lora_up[kLoraF32] = lora_up<kLoraF32>;
   t.lora_up[kLoraBF16] = lora_up<kLoraBF16>;
-  t.lora_up[kLoraQ8] = lora_up<kLoraQ8>;
+  t.lora_up[kLoraQ8] = lora_up_q8;
   for (const char* kind : {"lora_f32", "lora_bf16", "lora_q8"}) t.names[kind] = "generic";
   t.rmsnorm = rmsnorm;
   t.add = add;

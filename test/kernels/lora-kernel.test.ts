@@ -190,6 +190,17 @@ function storageError(m: Float32Array, rows: number, cols: number, dtype: LoraDt
   return out;
 }
 
+/** Per element of an activation row, the largest change q8's quantization (blocks of 32) may make to it. */
+function activationError(x: Float32Array): Float64Array {
+  const out = new Float64Array(x.length);
+  for (let b = 0; b < x.length; b += 32) {
+    let absmax = 0;
+    for (let i = b; i < Math.min(x.length, b + 32); i++) absmax = Math.max(absmax, Math.abs(x[i]!));
+    for (let i = b; i < Math.min(x.length, b + 32); i++) out[i] = (absmax / 127 / 2) * (1 + 1e-6);
+  }
+  return out;
+}
+
 describe('ops.lora: the batched LoRA kernels over variants, storage types and odd shapes', { skip: skipNative }, () => {
   const shapes = [
     { inDim: 37, outDim: 301, ranks: [3, 1, 8] },   // in below a vector, out past one up-chunk (256) with a tail
@@ -234,13 +245,30 @@ describe('ops.lora: the batched LoRA kernels over variants, storage types and od
             for (let o = 0; o < outDim; o++) for (let k = 0; k < rank; k++) bt[k * outDim + o] = b[o * rank + k]!;
             const da = storageError(a, rank, inDim, dtype);
             const db = storageError(bt, rank, outDim, dtype);
+            // q8 also quantizes the activations (native/kernels.h kLoraQ8Block): x per block of 32, each element
+            // within half a step (block absmax / 127) of its value; then, per block of 32 k, bt_scale[k] * u[k].
+            const dx = dtype === 'q8' ? activationError(x.subarray(r * inDim, (r + 1) * inDim)) : new Float64Array(inDim);
             const u = new Float64Array(rank), du = new Float64Array(rank), mag = new Float64Array(rank);
             for (let k = 0; k < rank; k++) {
               for (let i = 0; i < inDim; i++) {
-                const xi = x[r * inDim + i]!;
+                const xi = x[r * inDim + i]!, aki = Math.abs(a[k * inDim + i]!), dak = da[k * inDim + i]!;
                 u[k] = u[k]! + a[k * inDim + i]! * xi;
-                du[k] = du[k]! + da[k * inDim + i]! * Math.abs(xi);
-                mag[k] = mag[k]! + (Math.abs(a[k * inDim + i]!) + da[k * inDim + i]!) * Math.abs(xi);
+                du[k] = du[k]! + dak * Math.abs(xi) + (aki + dak) * dx[i]!;
+                mag[k] = mag[k]! + (aki + dak) * (Math.abs(xi) + dx[i]!);
+              }
+            }
+            // q8: |Bt_q[k][o]| = |Bt'[k][o]| / bt_scale[k] times half a step of the block of bt_scale[k] * u[k].
+            const btScale = Array.from({ length: rank }, (_, k) => {
+              let absmax = 0;
+              for (let o = 0; o < outDim; o++) absmax = Math.max(absmax, Math.abs(bt[k * outDim + o]!));
+              return Math.fround(absmax / 127);
+            });
+            const df = new Float64Array(rank);
+            if (dtype === 'q8') {
+              for (let k0 = 0; k0 < rank; k0 += 32) {
+                let fmax = 0;
+                for (let k = k0; k < Math.min(rank, k0 + 32); k++) fmax = Math.max(fmax, btScale[k]! * (Math.abs(u[k]!) + du[k]!));
+                for (let k = k0; k < Math.min(rank, k0 + 32); k++) df[k] = (fmax / 127 / 2) * (1 + 1e-6);
               }
             }
             for (let o = 0; o < outDim; o++) {
@@ -249,6 +277,7 @@ describe('ops.lora: the batched LoRA kernels over variants, storage types and od
                 const bko = bt[k * outDim + o]!;
                 exact += bko * u[k]!;
                 bound += Math.abs(bko) * du[k]! + db[k * outDim + o]! * (Math.abs(u[k]!) + du[k]!);
+                if (btScale[k]! > 0) bound += (Math.abs(bko) + db[k * outDim + o]!) / btScale[k]! * df[k]!;
                 magnitude += (Math.abs(bko) + db[k * outDim + o]!) * mag[k]!;
               }
               const expected = y0[r * outDim + o]! + scale * exact;
