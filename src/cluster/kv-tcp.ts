@@ -1215,6 +1215,14 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
         }
         if (state === 'json') {
           const take = Math.min(jsonLeft, chunk.length - i);
+          if (json.length === 0 && take === jsonLeft) {
+            // The whole message is in this read (the usual case): parsed from the read buffer, before its next read.
+            jsonLeft = 0;
+            i += take;
+            state = 'head';
+            control(chunk.subarray(i - take, i));
+            continue;
+          }
           json.push(Buffer.from(chunk.subarray(i, i + take)));
           jsonLeft -= take;
           i += take;
