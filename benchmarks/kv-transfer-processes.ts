@@ -4,8 +4,9 @@
 //   link     transfer throughput on loopback: a child process serves its pool on a KV port (and a raw TCP port that
 //            writes the same number of bytes from one buffer); this process, the decode side, pulls 64 KiB, 1, 16
 //            and 64 MiB of KV over the tcp link and the shm link (on their kept-alive connection) and reads the same
-//            bytes raw (on a new connection per transfer, and on one kept alive), alternating, best and median of N
-//            each, with the CPU time each side spent per transfer (median). With --link-compare (default on) the
+//            number of bytes raw (on a new connection per transfer and on one kept alive, into one reused buffer; and
+//            on another kept alive with each read landing in a destination pool at the bytes' place, as a transfer's
+//            must), alternating, best and median of N each, with the CPU time each side spent per transfer (median). With --link-compare (default on) the
 //            links also go on a new connection per transfer (shm: a new ring), as every transfer did before
 //            connections were kept. Layout: 8 layers, 2 KV heads x 64, f16, blocks
 //            of 16 tokens: 64 KiB per block, 4 KiB per run of one block; consecutive blocks, so a (layer, K|V) run
@@ -176,30 +177,51 @@ async function stopChild(c: Child): Promise<void> {
 // ---------------------------------------------------------------------------------------------------------------
 // link: throughput vs raw TCP
 
-/** Raw TCP: `bytes` read from the child's raw port into one reused buffer; ms. kept: on one connection kept alive. */
-function rawRead(port: number, bytes: number, kept: boolean): Promise<number> {
+/**
+ * Raw TCP: `bytes` read from the child's raw port into one reused buffer; ms. kept: on one connection kept alive.
+ * into: on a second kept-alive connection, each read lands straight in this array at the bytes' place (a raw
+ * transfer into the destination pool: the kernel's copy is the only one, nothing checked).
+ */
+function rawRead(port: number, bytes: number, kept: boolean, into?: Uint8Array): Promise<number> {
   const started = performance.now();
   return new Promise((resolve, reject) => {
-    let socket = kept ? keptRaw : undefined;
+    if (into) {
+      rawInto = { target: into, at: 0, end: bytes };
+      rawWant = (n: number) => {
+        rawInto!.at += n;
+        if (rawInto!.at < bytes) return;
+        rawInto = undefined;
+        rawWant = undefined;
+        resolve(performance.now() - started);
+      };
+    }
+    let socket = into ? keptRawInto : kept ? keptRaw : undefined;
     const ask = Buffer.alloc(8);
     ask.writeBigUInt64BE(BigInt(bytes));
     let got = 0;
-    rawWant = (n: number) => {
-      got += n;
-      if (got < bytes) return;
-      rawWant = undefined;
-      resolve(performance.now() - started);
-      if (!kept) socket!.destroy();
-    };
+    if (!into) {
+      rawWant = (n: number) => {
+        got += n;
+        if (got < bytes) return;
+        rawWant = undefined;
+        resolve(performance.now() - started);
+        if (!kept) socket!.destroy();
+      };
+    }
     if (socket) {
       socket.write(ask);
       return;
     }
     socket = net.connect({
       host: '127.0.0.1', port,
-      onread: { buffer: rawBuffer, callback: (n: number) => { rawWant?.(n); return true; } },
+      onread: {
+        // into: the next read goes where the next bytes belong (at most the rest of this transfer).
+        buffer: into ? () => (rawInto ? rawInto.target.subarray(rawInto.at, rawInto.end) : rawBuffer) : rawBuffer,
+        callback: (n: number) => { rawWant?.(n); return true; },
+      },
     });
-    if (kept) keptRaw = socket;
+    if (into) keptRawInto = socket;
+    else if (kept) keptRaw = socket;
     socket.on('connect', () => socket!.write(ask));
     socket.on('error', reject);
   });
@@ -207,6 +229,8 @@ function rawRead(port: number, bytes: number, kept: boolean): Promise<number> {
 const rawBuffer = Buffer.allocUnsafe(1 << 20);
 let rawWant: ((n: number) => void) | undefined;
 let keptRaw: net.Socket | undefined;
+let keptRawInto: net.Socket | undefined;
+let rawInto: { target: Uint8Array; at: number; end: number } | undefined;
 
 export async function linkPart(): Promise<void> {
   const reps = Number(argument('link-reps', '7'));
@@ -216,6 +240,8 @@ export async function linkPart(): Promise<void> {
   const kv = await startChild(['kv']);
   const layout = LINK_LAYOUT(MAX_BLOCKS);
   const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
+  // Raw TCP into a pool of its own, as large as the links' destination (its pages touched by the warm-up, as theirs).
+  const rawDestination = new SharedArrayBuffer(kvPoolBytes(layout));
   const shm = kvHostId() !== null;
   const pull = async (blocks: number, link: 'tcp' | 'auto', fresh: boolean) => {
     const ids = Array.from({ length: blocks }, (_, i) => i);
@@ -228,12 +254,16 @@ export async function linkPart(): Promise<void> {
     if (result.link !== (link === 'tcp' || !shm ? 'tcp' : 'shm')) throw new Error(`expected the ${link} link, got ${result.link}`);
     return performance.now() - started;
   };
-  type Way = 'raw' | 'rawKept' | 'tcp' | 'tcpNew' | 'shm' | 'shmNew';
-  const ways: Way[] = ['raw', 'rawKept', 'tcp', ...(compare ? ['tcpNew' as const] : []), ...(shm ? ['shm' as const] : []),
+  type Way = 'raw' | 'rawKept' | 'rawInto' | 'tcp' | 'tcpNew' | 'shm' | 'shmNew';
+  const ways: Way[] = ['raw', 'rawKept', 'rawInto', 'tcp', ...(compare ? ['tcpNew' as const] : []), ...(shm ? ['shm' as const] : []),
     ...(shm && compare ? ['shmNew' as const] : [])];
-  const once = (what: Way, blocks: number) => what === 'raw' || what === 'rawKept' ? rawRead(kv.info.rawPort!, blocks * BLOCK_BYTES, what === 'rawKept')
+  const rawTarget = new Uint8Array(rawDestination);
+  const once = (what: Way, blocks: number) => what === 'raw' || what === 'rawKept' || what === 'rawInto'
+    ? rawRead(kv.info.rawPort!, blocks * BLOCK_BYTES, what !== 'raw', what === 'rawInto' ? rawTarget : undefined)
     : pull(blocks, what === 'tcp' || what === 'tcpNew' ? 'tcp' : 'auto', what === 'tcpNew' || what === 'shmNew');
-  const record = <T>(fill: () => T): Record<Way, T> => ({ raw: fill(), rawKept: fill(), tcp: fill(), tcpNew: fill(), shm: fill(), shmNew: fill() });
+  const record = <T>(fill: () => T): Record<Way, T> => ({
+    raw: fill(), rawKept: fill(), rawInto: fill(), tcp: fill(), tcpNew: fill(), shm: fill(), shmNew: fill(),
+  });
   try {
     // Warm-up: the destination's pages touched once, both sides' code paths compiled.
     for (let i = 0; i < 2; i++) for (const what of ways) await once(what, MAX_BLOCKS);
@@ -261,23 +291,25 @@ export async function linkPart(): Promise<void> {
       const best = (way: Way) => Math.min(...times[way]);
       const rate = (way: Way) => ways.includes(way) ? `${fmt(gb(total, best(way)))} (${fmt(gb(total, median(times[way])))})` : '-';
       const share = (way: Way, of: Way) => ways.includes(way) ? `${fmt((100 * best(of)) / best(way), 0)}%` : '-';
-      rows.push([size, String(blocks), rate('raw'), rate('rawKept'), rate('tcp'), share('tcp', 'raw'), share('tcp', 'rawKept'),
-        rate('shm'), share('shm', 'raw'), share('shm', 'rawKept'), rate('tcpNew'), rate('shmNew')]);
-      const cpu = (way: Way) => ways.includes(way) ? `${fmt(median(send[way]), 1)} / ${fmt(median(receive[way]), 1)}` : '-';
-      cpuRows.push([size, cpu('raw'), cpu('rawKept'), cpu('tcp'), cpu('shm'), cpu('tcpNew'), cpu('shmNew')]);
+      rows.push([size, String(blocks), rate('raw'), rate('rawKept'), rate('rawInto'), rate('tcp'), share('tcp', 'raw'), share('tcp', 'rawKept'),
+        share('tcp', 'rawInto'), rate('shm'), share('shm', 'raw'), share('shm', 'rawKept'), share('shm', 'rawInto'), rate('tcpNew'), rate('shmNew')]);
+      const cpu = (way: Way) => ways.includes(way) ? `${fmt(median(send[way]), 2)} / ${fmt(median(receive[way]), 2)}` : '-';
+      cpuRows.push([size, cpu('raw'), cpu('rawKept'), cpu('rawInto'), cpu('tcp'), cpu('shm'), cpu('tcpNew'), cpu('shmNew')]);
     }
     console.log(`\n4. KV transfer between two processes on loopback (${reps} alternating runs per row; GB/s = 1e9 B/s, best (median);`);
-    console.log('   raw: raw TCP on a new connection per transfer (set-up included) and on one kept-alive connection; tcp, shm:');
-    console.log('   the links on their kept-alive connection (descriptor, checksums, copies into the blocks included), with their');
-    console.log('   share of raw; new conn: the same on a new connection (and, shm, a new ring) per transfer)\n');
-    console.log(table(['KV', 'blocks', 'raw new', 'raw kept', 'tcp link', 'of raw new', 'of raw kept', 'shm link', 'of raw new',
-      'of raw kept', 'tcp new conn', 'shm new conn'], rows));
+    console.log('   raw: raw TCP on a new connection per transfer (set-up included) and on one kept-alive connection, read into one');
+    console.log('   reused 1 MiB buffer; raw into: on a kept-alive connection, each read landing in a destination pool at its place;');
+    console.log('   tcp, shm: the links on their kept-alive connection (descriptor, checksums, copies into the blocks included), with');
+    console.log('   their share of raw; new conn: the same on a new connection (and, shm, a new ring) per transfer)\n');
+    console.log(table(['KV', 'blocks', 'raw new', 'raw kept', 'raw into', 'tcp link', 'of new', 'of kept', 'of into', 'shm link',
+      'of new', 'of kept', 'of into', 'tcp new conn', 'shm new conn'], rows));
     console.log('\n   CPU ms per transfer, sending process / receiving process (median; the sender\'s includes answering the query)\n');
-    console.log(table(['KV', 'raw new', 'raw kept', 'tcp link', 'shm link', 'tcp new conn', 'shm new conn'], cpuRows));
+    console.log(table(['KV', 'raw new', 'raw kept', 'raw into', 'tcp link', 'shm link', 'tcp new conn', 'shm new conn'], cpuRows));
     const loadAfter = loadavg();
     console.log(`\n   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
   } finally {
     keptRaw?.destroy();
+    keptRawInto?.destroy();
     closeIdleKvConnections();
     await stopChild(kv);
   }

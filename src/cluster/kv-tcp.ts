@@ -53,10 +53,10 @@
 //
 // Copies (tcp): the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
 // blocks of a running prefill, which nobody rewrites), each frame checksummed just before it is written and small
-// ones corked together, at most SEND_AHEAD_BYTES queued ahead of the kernel (so the kernel copies a frame soon after
-// its checksum, from cache). The decode side lets the kernel copy what arrives into one small reused read buffer and
-// moves each run's bytes into its destination block with one native pass that checksums them on the way
-// (kvChecksumCopy): the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks
+// ones corked together, at most SEND_AHEAD_BYTES queued ahead of the kernel (about its send buffer, so a frame is
+// copied by the kernel within a few MiB of its checksum, from the shared cache). The decode side lets the kernel copy
+// what arrives into one small reused read buffer and moves each run's bytes into its destination block with one
+// native pass that checksums them on the way (kvChecksumCopy): the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks
 // its engine reserved for the request, so nothing copies them again. Copies (shm): the prefill side copies each
 // frame from its pool into the ring and the decode side from the ring into its blocks, each in one native pass that
 // checksums on the way: two copies, no system call but the header's.
@@ -119,13 +119,16 @@ const PACK_BUFFER_BYTES = SEND_FRAME_BYTES + (SEND_FRAME_BYTES >> 2);
 const freePackBuffers: Buffer[] = [];
 const MAX_FREE_PACK_BUFFERS = 8;
 /**
- * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain. The
- * kernel's send buffer (megabytes on loopback) is what keeps the link fed; bytes queued here past it would be copied
- * by the kernel only later, out of cache, after their checksum. CONDUIT_KV_SEND_AHEAD_BYTES sets it (to compare).
+ * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain: about
+ * the kernel's largest send buffer (4 MiB by default on Linux), so each wait for the socket lets the kernel take
+ * megabytes before the next one. Queued bytes are views of the pool (pinned blocks) or reused pack buffers, not
+ * copies. Against 512 KiB (the previous value) the sending process spends less CPU on a large transfer (fewer
+ * waits, each an event-loop turn and system calls; docs/benchmarks.md).
+ * CONDUIT_KV_SEND_AHEAD_BYTES sets it (to compare).
  */
 const SEND_AHEAD_BYTES = (() => {
   const value = Number(process.env.CONDUIT_KV_SEND_AHEAD_BYTES);
-  return Number.isSafeInteger(value) && value > 0 ? value : 512 << 10;
+  return Number.isSafeInteger(value) && value > 0 ? value : 4 << 20;
 })();
 /** How long, and for how many requests at most, the prefill side remembers requests that ended. */
 const ENDED_MEMORY_MS = 60_000;
@@ -1212,6 +1215,14 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
         }
         if (state === 'json') {
           const take = Math.min(jsonLeft, chunk.length - i);
+          if (json.length === 0 && take === jsonLeft) {
+            // The whole message is in this read (the usual case): parsed from the read buffer, before its next read.
+            jsonLeft = 0;
+            i += take;
+            state = 'head';
+            control(chunk.subarray(i - take, i));
+            continue;
+          }
           json.push(Buffer.from(chunk.subarray(i, i + take)));
           jsonLeft -= take;
           i += take;
