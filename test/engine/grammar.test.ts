@@ -6,7 +6,10 @@ import { setFlagsFromString } from 'node:v8';
 import { runInNewContext } from 'node:vm';
 import { GuidedChecker } from '../../src/api/guided.ts';
 import { InvalidValueError } from '../../src/api/errors.ts';
-import { GrammarRuntime, grammarSource, parseGrammar } from '../../src/engine/grammar/runtime.ts';
+import { GrammarRuntime, grammarSource, parseGrammar, type GuidedSequence } from '../../src/engine/grammar/runtime.ts';
+import { greedyGuidedToken, NARROW_CANDIDATES, sampleGuidedRow, topCandidates, WIDE_CANDIDATES } from '../../src/engine/grammar/sampling.ts';
+import { createRequestSamplers, Sampler } from '../../src/engine/sampler.ts';
+import { DEFAULT_SAMPLING, type GuidedDecoding } from '../../src/engine/types.ts';
 import { GrammarError, XGrammar } from '../../src/engine/grammar/xgrammar.ts';
 import { readGguf } from '../../src/model/gguf.ts';
 import { LLAMA_SPM_TOKENIZER_PATH } from '../../src/model/synthetic.ts';
@@ -95,6 +98,179 @@ describe('grammar runtime', () => {
     }
     assert.ok(states > 5, `only ${states} states visited`);
     guided.dispose();
+  });
+
+  /** A seeded stream of floats in [0, 1). */
+  const randomStream = (seed: number) => {
+    let state = seed;
+    return () => (state = (state * 1103515245 + 12345) % 2147483648) / 2147483648;
+  };
+
+  const BOUNDED_SCHEMA = JSON.stringify({
+    type: 'object',
+    properties: {
+      name: { type: 'string', maxLength: 16 }, age: { type: 'integer', minimum: 0, maximum: 120 },
+      tags: { type: 'array', items: { type: 'string', maxLength: 8 }, maxItems: 4 }, color: { enum: ['red', 'green', 'blue'] },
+    },
+    required: ['name', 'age', 'tags', 'color'], additionalProperties: false,
+  });
+
+  it('a refused token leaves the matcher as it was: the same mask and forced text after it (JSON, all kinds of states)', () => {
+    const guided = runtime.open({ kind: 'json_schema', schema: BOUNDED_SCHEMA });
+    const next = randomStream(11);
+    let states = 0;
+    let refusals = 0;
+    for (; states < 80 && !guided.isTerminated; states++) {
+      const before = allowedIds(guided);
+      const forcedBefore = guided.jumpForwardString();
+      const allowed = new Set(before);
+      for (let tries = 0; tries < 12; tries++) {
+        const id = Math.floor(next() * runtime.vocabSize);
+        if (allowed.has(id)) continue;
+        assert.equal(guided.accept(id), false);
+        refusals++;
+      }
+      assert.deepEqual(allowedIds(guided), before, `state ${states}`);
+      assert.equal(guided.jumpForwardString(), forcedBefore);
+      // On along a random allowed token (mostly the short ones, so strings fill up and close).
+      assert.equal(guided.accept(before[Math.floor(next() * Math.min(before.length, 64))]!), true);
+    }
+    assert.ok(states > 20 && refusals > 200, `${states} states, ${refusals} refusals`);
+    guided.dispose();
+  });
+
+  it('topCandidates: the k best finite values, best first, ties to the lower id; NaN throws', () => {
+    const next = randomStream(5);
+    const ids = new Int32Array(WIDE_CANDIDATES);
+    const values = new Float32Array(WIDE_CANDIDATES);
+    for (let trial = 0; trial < 200; trial++) {
+      const n = 1 + Math.floor(next() * 300);
+      const row = new Float32Array(n);
+      for (let i = 0; i < n; i++) row[i] = next() < 0.2 ? -Infinity : Math.floor(next() * (trial % 2 === 0 ? 4 : 1000));
+      const k = 1 + Math.floor(next() * WIDE_CANDIDATES);
+      const expected = Array.from(row.keys()).filter((i) => row[i] !== -Infinity)
+        .sort((a, b) => row[b]! - row[a]! || a - b).slice(0, k);
+      const count = topCandidates(row, k, ids, values);
+      assert.deepEqual(Array.from(ids.subarray(0, count)), expected, `trial ${trial}`);
+    }
+    assert.throws(() => topCandidates(Float32Array.of(1, 2, NaN, 0, 5), 2, ids, values), /NaN at token id 2/);
+  });
+
+  /**
+   * Two matchers of one spec walked in step: on each row the reference takes the argmax of the row maskRow leaves,
+   * the other greedyGuidedToken; they must agree on every row. Rows: noise, rows whose masked argmax is planted at a
+   * chosen rank (0 to 40, across both candidate widths) behind refused tokens, some tied with it at lower ids, and
+   * rows with every allowed token at -Infinity.
+   */
+  const compareGreedy = (spec: GuidedDecoding, seed: number, maxStates: number) => {
+    const reference = runtime.open(spec);
+    const tried = runtime.open(spec);
+    const next = randomStream(seed);
+    const outcome = { states: 0, hits: 0, masks: 0, none: 0 };
+    const maskedArgmaxOf = (guided: GuidedSequence, row: Float32Array): number => {
+      const masked = row.slice();
+      guided.maskRow(masked);
+      let best = -1;
+      for (let k = 0; k < masked.length; k++) if (masked[k]! !== -Infinity && (best < 0 || masked[k]! > masked[best]!)) best = k;
+      return best;
+    };
+    for (; outcome.states < maxStates && !reference.isTerminated; outcome.states++) {
+      const allowed = allowedIds(reference);
+      assert.deepEqual(allowedIds(tried), allowed, 'the two matchers are in the same state');
+      const allowedSet = new Set(allowed);
+      // First a row with every allowed token at -Infinity (nothing taken, nothing advanced), then one that advances.
+      const kinds = ['noise', 'planted', 'planted-ties'] as const;
+      for (const fill of ['none-finite', kinds[Math.floor(next() * kinds.length)]!]) {
+        const row = new Float32Array(runtime.vocabSize);
+        for (let k = 0; k < row.length; k++) row[k] = next() * 8;
+        if (fill === 'planted' || fill === 'planted-ties') {
+          const target = allowed[Math.floor(next() * allowed.length)]!;
+          const rank = Math.floor(next() * 41);
+          row[target] = 20;
+          for (let placed = 0; placed < rank;) {
+            const id = Math.floor(next() * runtime.vocabSize);
+            if (allowedSet.has(id) || row[id]! >= 20) continue;
+            // A tie with the target only where the lower id wins it, so the target stays the masked argmax.
+            row[id] = fill === 'planted-ties' && id > target ? 20 : 20 + 1 + Math.floor(next() * 8);
+            placed++;
+          }
+        }
+        if (fill === 'none-finite') for (const id of allowed) row[id] = -Infinity;
+        const expected = maskedArgmaxOf(reference, row);
+        // The width as the walk left it, or a chosen one.
+        if (fill !== 'noise') tried.candidateWidth = [1, NARROW_CANDIDATES, WIDE_CANDIDATES][Math.floor(next() * 3)]!;
+        const masksBefore = counted.masks;
+        const got = greedyGuidedToken(row, tried);
+        assert.equal(got, expected, `${fill} row, state ${outcome.states}`);
+        if (fill === 'none-finite') {
+          assert.equal(got, -1);
+          outcome.none++;
+          continue;
+        }
+        if (counted.masks === masksBefore) outcome.hits++;
+        else outcome.masks++;
+        // The tried matcher advanced; so does the reference (and the next rows see the state after it).
+        assert.equal(reference.accept(got), true);
+      }
+    }
+    reference.dispose();
+    tried.dispose();
+    return outcome;
+  };
+  /** Masks computed by greedyGuidedToken's matchers (counted by wrapping maskedArgmax on the prototype). */
+  const counted = { masks: 0 };
+
+  it('greedyGuidedToken is the masked argmax: candidates tried before the mask give the same token as the mask', () => {
+    const proto = Object.getPrototypeOf(runtime.open({ kind: 'choice', choices: ['x'] })) as GuidedSequence;
+    const maskedArgmax = proto.maskedArgmax;
+    proto.maskedArgmax = function (this: GuidedSequence, row: Float32Array) {
+      counted.masks++;
+      return maskedArgmax.call(this, row);
+    };
+    try {
+      const total = { states: 0, hits: 0, masks: 0, none: 0 };
+      const specs: GuidedDecoding[] = [
+        { kind: 'json_schema', schema: BOUNDED_SCHEMA },
+        { kind: 'json_schema', schema: BOUNDED_SCHEMA, compact: true },
+        { kind: 'json_object' },
+        { kind: 'regex', pattern: '[a-z]{1,12}@[a-z]{2,8}\\.(com|org)' },
+        { kind: 'choice', choices: ['alpha', 'beta', 'gamma delta'] },
+      ];
+      specs.forEach((spec, i) => {
+        const outcome = compareGreedy(spec, 100 + i, 80);
+        for (const key of Object.keys(total) as (keyof typeof total)[]) total[key] += outcome[key];
+      });
+      // Both ways to the token were taken, many times each.
+      assert.ok(total.states > 150 && total.hits > 40 && total.masks > 40, JSON.stringify(total));
+    } finally {
+      proto.maskedArgmax = maskedArgmax;
+    }
+  });
+
+  it('sampleGuidedRow on a greedy row: the masked argmax, recorded once in the sequence, for any candidate width', () => {
+    const spec: GuidedDecoding = { kind: 'json_schema', schema: BOUNDED_SCHEMA };
+    const sampler = new Sampler(runtime.vocabSize);
+    const sequence = createRequestSamplers({
+      params: { ...DEFAULT_SAMPLING, temperature: 0, maxTokens: 256, guided: spec }, promptTokenIds: [1],
+      vocabSize: runtime.vocabSize, eosTokenIds: tokenizer.stopTokenIds,
+    })[0]!;
+    const guided = runtime.open(spec);
+    const reference = runtime.open(spec);
+    const next = randomStream(3);
+    let tokens = 0;
+    for (; tokens < 120 && !guided.isTerminated; tokens++) {
+      const row = new Float32Array(runtime.vocabSize);
+      for (let k = 0; k < row.length; k++) row[k] = next() * 8;
+      const expected = reference.maskedArgmax(row);
+      guided.candidateWidth = 1 + (tokens % WIDE_CANDIDATES);
+      const { tokenId } = sampleGuidedRow(sampler, row, sequence, guided, tokenizer.stopTokenIds);
+      assert.equal(tokenId, expected, `token ${tokens}`);
+      assert.equal(sequence.outputTokenCount, tokens + 1);
+      assert.equal(reference.accept(tokenId), true);
+    }
+    assert.ok(tokens > 20);
+    guided.dispose();
+    reference.dispose();
   });
 
   it('JSON grammars never allow tokens with raw control characters (tab included)', () => {

@@ -7,11 +7,13 @@
 // in WASM, tens of µs between JSON elements to milliseconds inside a string of bounded length at a 32k vocabulary,
 // more for larger ones; returned as a fresh vector, about a tenth more in embind's copying) and one pass over the
 // mask's words here (maskRow: runs of refused words filled at once, mixed words bit by bit; maskedArgmax: only the
-// allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each.
+// allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each, a refused
+// advance about 2 µs (so a greedy row tries its best few tokens before paying for a mask: sampling.ts).
 // benchmarks/grammar.ts measures them against a decode step.
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
+import { NARROW_CANDIDATES } from './sampling.ts';
 import { byteLevelChars, GrammarError, XGrammar, type XgHandle } from './xgrammar.ts';
 
 /** Whitespace characters XGrammar allows between JSON elements (bounded, so a grammar over a bounded schema ends). */
@@ -214,6 +216,11 @@ export class GuidedSequence {
    */
   refusedRun = 0;
   skipDraws = 0;
+  /**
+   * How many of a greedy row's best tokens are tried before the mask (greedyGuidedToken in sampling.ts): narrow at
+   * the start and after a mask, wide after a token taken without one.
+   */
+  candidateWidth = NARROW_CANDIDATES;
 
   /**
    * Whether the matcher has ended, kept here: with the matcher's stop tokens given (and no termination without

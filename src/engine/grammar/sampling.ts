@@ -1,6 +1,6 @@
-// One guided row's token: the sampler's draw checked by the grammar, the grammar's mask when it refuses. The engine
-// samples every guided row through sampleGuidedRow (EngineCore.sampleRows); benchmarks/grammar.ts times it against
-// a plain sampler pass.
+// One guided row's token: the row's best tokens (greedy) or the sampler's draw checked by the grammar, the grammar's
+// mask when it refuses them. The engine samples every guided row through sampleGuidedRow (EngineCore.sampleRows);
+// benchmarks/grammar.ts times it against a plain sampler pass.
 
 import { GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
 import type { GuidedSequence } from './runtime.ts';
@@ -31,21 +31,104 @@ function greedyUnprocessed(sequence: SequenceSampler): boolean {
 }
 
 /**
+ * Candidates a greedy guided row tries, best first, before the mask: WIDE_CANDIDATES after a token the grammar took
+ * without a mask (the model is writing where the grammar allows much: inside a string, the dearest masks, whose
+ * masked argmax is nearly always among the row's few best), NARROW_CANDIDATES after a mask (between JSON elements the
+ * grammar allows a few dozen tokens, the masked argmax is far down the row, and a refused try costs about 2 µs
+ * against a mask of tens of µs). Either way the token is the masked argmax; the width only moves the cost.
+ */
+export const WIDE_CANDIDATES = 16;
+export const NARROW_CANDIDATES = 2;
+
+const candidateIds = new Int32Array(WIDE_CANDIDATES);
+const candidateValues = new Float32Array(WIDE_CANDIDATES);
+
+/**
+ * The `k` best tokens of `row` into ids[0, count), best first (higher value, then lower id: the order of the argmax's
+ * ties), -Infinity left out; returns count (< k when fewer tokens are finite). One pass at about an argmax's cost:
+ * four values per iteration, each compared with the worst kept value, and only a better one inserted. A NaN throws
+ * the RangeError the sampler's argmax throws.
+ */
+export function topCandidates(row: Float32Array, k: number, ids: Int32Array, values: Float32Array): number {
+  const n = row.length;
+  let count = 0;
+  let floor = -Infinity; // the worst kept value once k are kept: only a greater one gets in
+  const admit = (id: number, value: number): void => {
+    if (value !== value) throw new RangeError(`logits row holds NaN at token id ${id}`);
+    if (value === -Infinity) return;
+    // Behind every kept value >= value: an equal one has a lower id (ids arrive in increasing order).
+    let at = count < k ? count++ : k - 1;
+    while (at > 0 && values[at - 1]! < value) {
+      values[at] = values[at - 1]!;
+      ids[at] = ids[at - 1]!;
+      at--;
+    }
+    values[at] = value;
+    ids[at] = id;
+    if (count === k) floor = values[k - 1]!;
+  };
+  let i = 0;
+  for (; i + 3 < n; i += 4) {
+    const v0 = row[i]!, v1 = row[i + 1]!, v2 = row[i + 2]!, v3 = row[i + 3]!;
+    // A NaN fails `<=` and is caught in admit.
+    if (!(v0 <= floor)) admit(i, v0);
+    if (!(v1 <= floor)) admit(i + 1, v1);
+    if (!(v2 <= floor)) admit(i + 2, v2);
+    if (!(v3 <= floor)) admit(i + 3, v3);
+  }
+  for (; i < n; i++) {
+    const value = row[i]!;
+    if (!(value <= floor)) admit(i, value);
+  }
+  return count;
+}
+
+/**
+ * The greedy token of a guided row the sampler would read as it is (greedyUnprocessed), the grammar advanced with
+ * it; -1 (nothing advanced) when no allowed token has a finite value. The row's best few tokens (guided's candidate
+ * width) are tried best first: the first the grammar takes is the masked argmax, since every token ranked before it
+ * was refused (a refused token leaves the matcher as it was). Only when all are refused is the mask computed, and
+ * the argmax of the allowed tokens read from it (GuidedSequence.maskedArgmax). The row is not written.
+ */
+export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence): number {
+  const count = topCandidates(values, guided.candidateWidth, candidateIds, candidateValues);
+  if (count === 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+  for (let j = 0; j < count; j++) {
+    const tokenId = candidateIds[j]!;
+    if (guided.accept(tokenId)) {
+      guided.candidateWidth = WIDE_CANDIDATES;
+      return tokenId;
+    }
+  }
+  guided.candidateWidth = NARROW_CANDIDATES;
+  const tokenId = guided.maskedArgmax(values);
+  if (tokenId >= 0 && !guided.accept(tokenId)) throw new Error(`the grammar refused token ${tokenId}, which its mask allows`);
+  return tokenId;
+}
+
+/**
  * Samples a guided row whose grammar has not ended, advances the grammar with the token and returns it (recorded
- * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask is written into it.
+ * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask may be written into it.
  *
- * Draw first (guidedDrawFirst), else or when refused the mask. A sampled row that keeps being refused stops
- * drawing first for a while: after k refusals in a row the next k - 1 tokens (at most MAX_SKIPPED_DRAWS) go
- * straight to the mask, since each refused draw wastes a sampler pass (exp over the vocabulary) and a random draw.
- * A greedy row always draws first: its draw takes no randomness, so drawing or not never changes its output, a
- * refused draw costs one argmax pass, and skipping it would pay for masks where the draw is mostly taken (inside a
- * string, whose masks are the dearest: milliseconds for a bounded length). A refused greedy row whose values the
- * sampler takes as they are gets the argmax of the allowed tokens from the mask (GuidedSequence.maskedArgmax).
+ * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken:
+ * its best few tokens tried in order, the mask only when all are refused. Any other row: a draw from the whole row
+ * first (guidedDrawFirst), else or when refused the mask written into the row and the sampler's pass over it. A
+ * sampled row that keeps being refused stops drawing first for a while: after k refusals in a row the next k - 1
+ * tokens (at most MAX_SKIPPED_DRAWS) go straight to the mask, since each refused draw wastes a sampler pass (exp
+ * over the vocabulary) and a random draw. A greedy row with penalties, bias or min_tokens always draws first: its draw
+ * takes no randomness, so drawing or not never changes its output, and a refused draw costs one argmax pass.
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
   let sampled: SampledToken | undefined;
-  if (guided.skipDraws > 0) {
+  if (greedyUnprocessed(sequence)) {
+    const tokenId = greedyGuidedToken(values, guided);
+    if (tokenId >= 0) {
+      sequence.recordOutputToken(tokenId);
+      return { tokenId };
+    }
+    // No allowed token has a finite value: the masked row's pass below finds nothing and ends the output.
+  } else if (guided.skipDraws > 0) {
     guided.skipDraws--;
   } else if (guidedDrawFirst(sequence)) {
     // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
@@ -58,16 +141,6 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
     if (sequence.params.temperature >= GREEDY_TEMPERATURE) {
       guided.refusedRun++;
       guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
-    }
-  }
-  if (sampled !== undefined && greedyUnprocessed(sequence)) {
-    // The row's argmax among the allowed tokens, read straight from the mask: what the masked row's pass would
-    // give, without writing the mask into the row nor a second pass over it (the first one found no NaN in it).
-    const tokenId = guided.maskedArgmax(values);
-    if (tokenId >= 0) {
-      sequence.recordOutputToken(tokenId);
-      guided.accept(tokenId);
-      return { tokenId };
     }
   }
   // The grammar's mask first (the logits buffer is the step's own), then the request's own processing.
