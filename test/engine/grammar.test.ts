@@ -7,7 +7,9 @@ import { runInNewContext } from 'node:vm';
 import { GuidedChecker } from '../../src/api/guided.ts';
 import { InvalidValueError } from '../../src/api/errors.ts';
 import { GrammarRuntime, grammarSource, parseGrammar, type GuidedSequence } from '../../src/engine/grammar/runtime.ts';
-import { greedyGuidedToken, NARROW_CANDIDATES, sampleGuidedRow, topCandidates, WIDE_CANDIDATES } from '../../src/engine/grammar/sampling.ts';
+import {
+  drawGuidedToken, greedyGuidedToken, NARROW_CANDIDATES, sampleGuidedRow, topCandidates, WIDE_CANDIDATES,
+} from '../../src/engine/grammar/sampling.ts';
 import { createRequestSamplers, Sampler } from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING, type GuidedDecoding } from '../../src/engine/types.ts';
 import { GrammarError, XGrammar } from '../../src/engine/grammar/xgrammar.ts';
@@ -273,11 +275,118 @@ describe('grammar runtime', () => {
     reference.dispose();
   });
 
-  it('JSON grammars never allow tokens with raw control characters (tab included)', () => {
+  const samplerFor = (seed: number, params: Partial<typeof DEFAULT_SAMPLING> = {}, guided?: GuidedDecoding) => createRequestSamplers({
+    params: { ...DEFAULT_SAMPLING, maxTokens: 256, seed, ...params, ...(guided ? { guided } : {}) }, promptTokenIds: [1, 2, 3],
+    vocabSize: runtime.vocabSize, eosTokenIds: tokenizer.stopTokenIds,
+  })[0]!;
+
+  it('Sampler.weighRow + drawWeighed: the first draw is sampleRow\'s for the same stream (temperatures, penalties)', () => {
+    const sampler = new Sampler(runtime.vocabSize);
+    const next = randomStream(21);
+    for (let trial = 0; trial < 60; trial++) {
+      const params = { temperature: [0.5, 1, 1.7][trial % 3]!, ...(trial % 4 === 0 ? { frequencyPenalty: 0.5, repetitionPenalty: 1.2 } : {}) };
+      const a = samplerFor(trial, params);
+      const b = samplerFor(trial, params);
+      for (const id of [5, 9, 5]) { a.recordOutputToken(id); b.recordOutputToken(id); }
+      const row = new Float32Array(runtime.vocabSize);
+      for (let k = 0; k < row.length; k++) row[k] = next() * (trial % 2 === 0 ? 8 : 30);
+      if (trial % 5 === 0) for (let k = 0; k < row.length; k += 3) row[k] = -Infinity;
+      const expected = sampler.sampleRow(row, a).tokenId;
+      const total = sampler.weighRow(row, b);
+      assert.equal(sampler.drawWeighed(total, b.nextUniform()), expected, `trial ${trial}`);
+      assert.equal(b.outputTokenCount, 3, 'nothing recorded');
+    }
+    assert.throws(() => sampler.weighRow(new Float32Array(runtime.vocabSize), samplerFor(1, { temperature: 0 })), RangeError);
+    assert.throws(() => sampler.weighRow(new Float32Array(runtime.vocabSize), samplerFor(1, { topP: 0.9 })), RangeError);
+  });
+
+  it('drawGuidedToken draws from the masked distribution, whether a try or the mask gives the token', () => {
+    // One state (the start of a choice), one row: its allowed tokens at varied values, a few refused tokens above
+    // them (the allowed mass about 0.4), the rest negligible. Many seeded draws, each from a fresh matcher.
+    const spec: GuidedDecoding = { kind: 'choice', choices: ['alpha', 'beta', 'gamma', 'delta'] };
+    const probe = runtime.open(spec);
+    const allowed = allowedIds(probe);
+    probe.dispose();
+    const next = randomStream(8);
+    const row = new Float32Array(runtime.vocabSize).fill(-30);
+    for (const id of allowed) row[id] = next() * 2;
+    const allowedSet = new Set(allowed);
+    for (let placed = 0; placed < allowed.length / 2;) {
+      const id = Math.floor(next() * runtime.vocabSize);
+      if (allowedSet.has(id) || row[id] !== -30) continue;
+      row[id] = 1.5;
+      placed++;
+    }
+    const weightOf = (id: number) => Math.exp(row[id]!);
+    const allowedMass = allowed.reduce((sum, id) => sum + weightOf(id), 0);
+    const sampler = new Sampler(runtime.vocabSize);
+    const counts = new Map<number, number>();
+    const ways = { tried: 0, masked: 0 };
+    const trials = 2000;
+    for (let trial = 0; trial < trials; trial++) {
+      const sequence = samplerFor(1000 + trial, { temperature: 1 }, spec);
+      const guided = runtime.open(spec);
+      guided.candidateWidth = [1, NARROW_CANDIDATES, WIDE_CANDIDATES][trial % 3]!;
+      const tokenId = drawGuidedToken(sampler, row, sequence, guided);
+      assert.ok(allowedSet.has(tokenId), `token ${tokenId} is not allowed`);
+      if (guided.candidateWidth === WIDE_CANDIDATES) ways.tried++;
+      else ways.masked++;
+      counts.set(tokenId, (counts.get(tokenId) ?? 0) + 1);
+      guided.dispose();
+    }
+    assert.ok(ways.tried > 300 && ways.masked > 300, JSON.stringify(ways));
+    // Pearson's chi-square against p(x) / Z over the allowed tokens (those expected under 5 times pooled).
+    let chi = 0;
+    let degrees = -1;
+    let pooledExpected = 0;
+    let pooledObserved = 0;
+    for (const id of allowed) {
+      const expected = trials * weightOf(id) / allowedMass;
+      const observed = counts.get(id) ?? 0;
+      if (expected < 5) {
+        pooledExpected += expected;
+        pooledObserved += observed;
+        continue;
+      }
+      chi += (observed - expected) ** 2 / expected;
+      degrees++;
+    }
+    if (pooledExpected > 0) {
+      chi += (pooledObserved - pooledExpected) ** 2 / pooledExpected;
+      degrees++;
+    }
+    assert.ok(degrees >= 4, `${degrees} degrees of freedom`);
+    // Far above the 1e-4 tail for these degrees of freedom (about 3 per degree plus 10) would be a wrong distribution.
+    assert.ok(chi < 10 + 3 * degrees, `chi-square ${chi.toFixed(1)} with ${degrees} degrees of freedom`);
+  });
+
+  it('a sampled row whose allowed tokens weigh nothing beside its max is drawn from the masked row', () => {
+    const spec: GuidedDecoding = { kind: 'choice', choices: ['alpha', 'beta'] };
+    const guided = runtime.open(spec);
+    const allowed = allowedIds(guided);
+    const row = new Float32Array(runtime.vocabSize).fill(-5000);
+    row[allowed[0]! === 0 ? 1 : 0] = 1000; // refused, and 5000+ above every allowed token: exp underflows to 0
+    row[allowed[allowed.length - 1]!] = -4000; // the allowed token the masked row puts all its weight on
+    const sequence = samplerFor(4, { temperature: 1 }, spec);
+    const { tokenId } = sampleGuidedRow(new Sampler(runtime.vocabSize), row, sequence, guided, tokenizer.stopTokenIds);
+    assert.equal(tokenId, allowed[allowed.length - 1]);
+    assert.equal(sequence.outputTokenCount, 1);
+    guided.dispose();
+  });
+
+  it('JSON grammars never allow tokens with raw control characters (tab included) nor bytes never in UTF-8', () => {
     const guided = runtime.open({ kind: 'json_schema', schema: JSON.stringify({ type: 'object', properties: { a: { type: 'string', maxLength: 4 } }, required: ['a'] }) });
-    for (const text of ['{"a":"']) for (const id of tokenizer.encode(text, { addSpecialTokens: false }).slice(1)) guided.accept(id);
-    const control = allowedIds(guided).filter((id) => tokenizer.tokenBytes(id).some((b) => b < 0x20 && b !== 0x0a && b !== 0x0d));
+    const byteToken = (byte: number) => tokenizer.tokenToId(`<0x${byte.toString(16).toUpperCase().padStart(2, '0')}>`)!;
+    for (const char of '{"a":"') assert.equal(guided.accept(byteToken(char.charCodeAt(0))), true);
+    const allowed = allowedIds(guided);
+    const control = allowed.filter((id) => tokenizer.tokenBytes(id).some((b) => b < 0x20 && b !== 0x0a && b !== 0x0d));
     assert.deepEqual(control, []);
+    // XGrammar alone takes 0xC0, 0xC1 and 0xF5-0xF7 as lead bytes inside a string; they never occur in UTF-8.
+    const neverUtf8 = (id: number) => tokenizer.tokenBytes(id).some((b) => b === 0xc0 || b === 0xc1 || b >= 0xf5);
+    assert.deepEqual(allowed.filter(neverUtf8), []);
+    assert.equal(guided.accept(byteToken(0xf6)), false);
+    // The other lead bytes are allowed (a character of 2-4 bytes begins), 0xC2 and 0xF4 among them.
+    assert.ok(allowed.includes(byteToken(0xc2)) && allowed.includes(byteToken(0xf4)));
     guided.dispose();
   });
 

@@ -81,7 +81,9 @@ export class GrammarRuntime {
    * Tokens holding a control character JSON forbids raw inside strings (every byte below 0x20 but \n and \r, so
    * tab too). XGrammar 0.1.27's rule for strings with minLength/maxLength lets them through ([^"\\\r\n]), which
    * would make output JSON.parse refuses; a JSON grammar's matcher never allows them (spaces and newlines remain for
-   * whitespace between elements).
+   * whitespace between elements). Also tokens holding a byte that never occurs in UTF-8 (0xC0, 0xC1, 0xF5-0xFF):
+   * XGrammar takes 0xF5-0xF7 as the lead of a 4-byte character and 0xC0-0xC1 as that of a 2-byte one, so inside a
+   * string such bytes count as one character and decode as several U+FFFD, breaking maxLength.
    */
   private readonly jsonForbidden: Int32Array;
 
@@ -114,11 +116,11 @@ export class GrammarRuntime {
     const jsonForbidden: number[] = [];
     for (let id = 0; id < vocabSize; id++) {
       let text = '';
-      let control = false;
+      let control = false; // or a byte never in UTF-8 (see jsonForbidden)
       if (id < tokenizer.vocabSize) {
         for (const byte of tokenizer.tokenBytes(id, false)) {
           text += table[byte];
-          if (byte < 0x20 && byte !== 0x0a && byte !== 0x0d) control = true;
+          if ((byte < 0x20 && byte !== 0x0a && byte !== 0x0d) || byte === 0xc0 || byte === 0xc1 || byte >= 0xf5) control = true;
         }
       }
       encoded[id] = text;
@@ -197,6 +199,12 @@ function isByteFallback(tokenizer: Tokenizer, id: number): boolean {
   return /^<0x[0-9A-Fa-f]{2}>$/.test(tokenizer.idToToken(id) ?? '');
 }
 
+/**
+ * The least allowed weight GuidedSequence.maskedDraw draws from (the row's max weighs 1): far above float64's
+ * smallest normal numbers, so no allowed token's share is lost to underflow beyond its rounding.
+ */
+export const MIN_MASKED_WEIGHT = 1e-250;
+
 /** Longest forced run turned into tokens per call (a bound on one step's appended tokens). */
 export const MAX_FORCED_TOKENS = 64;
 
@@ -210,15 +218,9 @@ export class GuidedSequence {
   private readonly forbidden: Int32Array | undefined;
   private readonly pieces: TokenPieces | undefined;
   /**
-   * Consecutive tokens for which a draw from the whole row was refused, and how many draws to skip still: a model
-   * whose draws the grammar keeps refusing (noise, or a format it does not know) stops paying for a refused advance
-   * before each mask, and is tried again now and then (sampleGuidedRow in sampling.ts; sampled rows only).
-   */
-  refusedRun = 0;
-  skipDraws = 0;
-  /**
-   * How many of a greedy row's best tokens are tried before the mask (greedyGuidedToken in sampling.ts): narrow at
-   * the start and after a mask, wide after a token taken without one.
+   * How many of a greedy row's best tokens, or of a sampled row's draws, are tried before the mask
+   * (greedyGuidedToken and drawGuidedToken in sampling.ts): narrow at the start and after a mask, wide after a token
+   * taken without one.
    */
   candidateWidth = NARROW_CANDIDATES;
 
@@ -350,6 +352,52 @@ export class GuidedSequence {
       }
     });
     return best;
+  }
+
+  /**
+   * A draw from `weights` (one per token, as Sampler.weighRow leaves them) restricted to the allowed tokens, for a
+   * uniform in [0, 1) taken from `uniform`: what a draw from the masked row gives (the same distribution, its weights
+   * relative to the row's max instead of the allowed tokens' max, to float64 precision), without writing the mask
+   * into the row nor weighing it again. -1, no uniform taken, when the allowed tokens' weight is below
+   * MIN_MASKED_WEIGHT (none allowed, or all far below the row's max, where float64 would lose them): the caller then
+   * masks the row and draws from it.
+   */
+  maskedDraw(weights: Float64Array, uniform: () => number): number {
+    const vocabSize = this.vocabSize;
+    const forbidden = this.forbidden;
+    let drawn = -1;
+    this.withMask((words) => {
+      // The mask's vector is this call's own copy: the forbidden tokens are cleared in it.
+      if (forbidden) for (const id of forbidden) words[id >>> 5]! &= ~(1 << (id & 31));
+      const numWords = (vocabSize + 31) >>> 5;
+      let mass = 0;
+      for (let w = 0; w < numWords; w++) {
+        let word = words[w]!;
+        while (word !== 0) {
+          const id = (w << 5) + 31 - Math.clz32(word & -word);
+          word &= word - 1;
+          if (id < vocabSize) mass += weights[id]!;
+        }
+      }
+      if (!(mass >= MIN_MASKED_WEIGHT)) return;
+      const target = uniform() * mass;
+      let cumulative = 0;
+      for (let w = 0; w < numWords; w++) {
+        let word = words[w]!;
+        while (word !== 0) {
+          const id = (w << 5) + 31 - Math.clz32(word & -word);
+          word &= word - 1;
+          if (id >= vocabSize) break;
+          const weight = weights[id]!;
+          if (weight === 0) continue;
+          cumulative += weight;
+          drawn = id;
+          if (cumulative > target) return;
+        }
+      }
+      // Rounding left the target at the very top of the mass: the last allowed token with a weight.
+    });
+    return drawn;
   }
 
   /** The allowed token ids, in increasing order, into `out`; returns how many (the simulated engine draws from them). */

@@ -5,17 +5,14 @@
 import { GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
 import type { GuidedSequence } from './runtime.ts';
 
-/** Most sampled (not greedy) guided tokens drawn straight from the masked row after repeated refusals. */
-export const MAX_SKIPPED_DRAWS = 7;
-
 /**
  * Whether a guided row may be drawn from unmasked first, the mask computed only when the grammar refuses the draw.
  * Exact where masking commutes with the draw: greedy (the argmax of the whole row, if allowed, is the masked
  * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
- * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
+ * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution; with d draws tried
+ * before the mask, sum over k < d of (1 - Z)^k p(x), plus (1 - Z)^d p(x) / Z, is p(x) / Z too). Not with
  * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
- * A model that follows the grammar then costs one advance per token instead of a mask. Skipping the draw (after
- * repeated refusals) is exact too: the masked row is what either path draws from.
+ * A model that follows the grammar then costs one advance per token instead of a mask.
  */
 export function guidedDrawFirst(sequence: SequenceSampler): boolean {
   const { params } = sequence;
@@ -31,11 +28,12 @@ function greedyUnprocessed(sequence: SequenceSampler): boolean {
 }
 
 /**
- * Candidates a greedy guided row tries, best first, before the mask: WIDE_CANDIDATES after a token the grammar took
- * without a mask (the model is writing where the grammar allows much: inside a string, the dearest masks, whose
- * masked argmax is nearly always among the row's few best), NARROW_CANDIDATES after a mask (between JSON elements the
- * grammar allows a few dozen tokens, the masked argmax is far down the row, and a refused try costs about 2 µs
- * against a mask of tens of µs). Either way the token is the masked argmax; the width only moves the cost.
+ * Candidates a guided row tries before the mask (a greedy row its best tokens, best first; a sampled row its draws):
+ * WIDE_CANDIDATES after a token the grammar took without a mask (the model is writing where the grammar allows much:
+ * inside a string, the dearest masks, whose masked argmax is nearly always among the row's few best),
+ * NARROW_CANDIDATES after a mask (between JSON elements the grammar allows a few dozen tokens, the masked argmax is
+ * far down the row, and a refused try costs about 2 µs against a mask of tens of µs). Either way the token is the
+ * masked argmax, or a draw from the masked row; the width only moves the cost.
  */
 export const WIDE_CANDIDATES = 16;
 export const NARROW_CANDIDATES = 2;
@@ -107,40 +105,55 @@ export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence):
 }
 
 /**
+ * A plain sampled row's token (guidedDrawFirst, temperature > 0), the grammar advanced with it; -1 (nothing advanced,
+ * no uniform taken after the tries) when the allowed tokens weigh too little for the row's weights (maskedDraw): the
+ * caller then masks the row and draws from it. The row is weighed once (Sampler.weighRow; its first draw is the one
+ * sampleRow would make), then up to guided's candidate width draws from it are tried, each a fresh uniform and a
+ * binary search; the first the grammar takes is the token. When all are refused, one draw from the same weights
+ * restricted to the mask's allowed tokens: the masked row's distribution, without writing the mask into the row nor
+ * weighing it again. The row is not written.
+ */
+export function drawGuidedToken(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence): number {
+  const total = sampler.weighRow(values, sequence);
+  for (let d = 0; d < guided.candidateWidth; d++) {
+    const tokenId = sampler.drawWeighed(total, sequence.nextUniform());
+    if (guided.accept(tokenId)) {
+      guided.candidateWidth = WIDE_CANDIDATES;
+      return tokenId;
+    }
+  }
+  guided.candidateWidth = NARROW_CANDIDATES;
+  const tokenId = guided.maskedDraw(sampler.rowWeights, () => sequence.nextUniform());
+  if (tokenId >= 0 && !guided.accept(tokenId)) throw new Error(`the grammar refused token ${tokenId}, which its mask allows`);
+  return tokenId;
+}
+
+/**
  * Samples a guided row whose grammar has not ended, advances the grammar with the token and returns it (recorded
  * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask may be written into it.
  *
- * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken:
- * its best few tokens tried in order, the mask only when all are refused. Any other row: a draw from the whole row
- * first (guidedDrawFirst), else or when refused the mask written into the row and the sampler's pass over it. A
- * sampled row that keeps being refused stops drawing first for a while: after k refusals in a row the next k - 1
- * tokens (at most MAX_SKIPPED_DRAWS) go straight to the mask, since each refused draw wastes a sampler pass (exp
- * over the vocabulary) and a random draw. A greedy row with penalties, bias or min_tokens always draws first: its draw
- * takes no randomness, so drawing or not never changes its output, and a refused draw costs one argmax pass.
+ * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken,
+ * a plain sampled row (no top-k/top-p/min-p, no logprobs) drawGuidedToken: a few candidates tried, the mask only
+ * when all are refused. A greedy row with penalties, bias or min_tokens draws from the whole row first and, refused,
+ * goes to the mask. Any other row (truncated sampling, logprobs), and a row whose allowed tokens have no weight in
+ * the unmasked row: the mask written into the row and the sampler's pass over it.
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
   let sampled: SampledToken | undefined;
-  if (greedyUnprocessed(sequence)) {
-    const tokenId = greedyGuidedToken(values, guided);
-    if (tokenId >= 0) {
-      sequence.recordOutputToken(tokenId);
-      return { tokenId };
-    }
-    // No allowed token has a finite value: the masked row's pass below finds nothing and ends the output.
-  } else if (guided.skipDraws > 0) {
-    guided.skipDraws--;
-  } else if (guidedDrawFirst(sequence)) {
-    // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
-    sampled = sampler.sampleRow(values, sequence);
-    if (guided.accept(sampled.tokenId)) {
-      guided.refusedRun = 0;
-      return sampled;
-    }
-    sequence.unrecordOutputToken(sampled.tokenId);
-    if (sequence.params.temperature >= GREEDY_TEMPERATURE) {
-      guided.refusedRun++;
-      guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
+  if (guidedDrawFirst(sequence)) {
+    if (greedyUnprocessed(sequence) || sequence.params.temperature >= GREEDY_TEMPERATURE) {
+      const tokenId = greedyUnprocessed(sequence) ? greedyGuidedToken(values, guided) : drawGuidedToken(sampler, values, sequence, guided);
+      if (tokenId >= 0) {
+        sequence.recordOutputToken(tokenId);
+        return { tokenId };
+      }
+      // No allowed token has a finite value, or any weight in the unmasked row: the masked row's own pass below.
+    } else {
+      // Greedy with processing: the argmax of the processed row, if allowed, is the masked one.
+      sampled = sampler.sampleRow(values, sequence);
+      if (guided.accept(sampled.tokenId)) return sampled;
+      sequence.unrecordOutputToken(sampled.tokenId);
     }
   }
   // The grammar's mask first (the logits buffer is the step's own), then the request's own processing.
