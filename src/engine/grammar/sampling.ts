@@ -43,41 +43,45 @@ const candidateValues = new Float32Array(WIDE_CANDIDATES);
 
 /**
  * The `k` best tokens of `row` into ids[0, count), best first (higher value, then lower id: the order of the argmax's
- * ties), -Infinity left out; returns count (< k when fewer tokens are finite). One pass at about an argmax's cost:
- * four values per iteration, each compared with the worst kept value, and only a better one inserted. A NaN throws
- * the RangeError the sampler's argmax throws.
+ * ties), -Infinity left out; returns count (< k when fewer tokens are finite). One pass: four values per iteration
+ * checked against the worst kept value at once, and only a better one inserted (insertCandidate), so the loop keeps
+ * its variables in registers. A NaN throws the RangeError the sampler's argmax throws.
  */
 export function topCandidates(row: Float32Array, k: number, ids: Int32Array, values: Float32Array): number {
   const n = row.length;
   let count = 0;
   let floor = -Infinity; // the worst kept value once k are kept: only a greater one gets in
-  const admit = (id: number, value: number): void => {
-    if (value !== value) throw new RangeError(`logits row holds NaN at token id ${id}`);
-    if (value === -Infinity) return;
-    // Behind every kept value >= value: an equal one has a lower id (ids arrive in increasing order).
-    let at = count < k ? count++ : k - 1;
-    while (at > 0 && values[at - 1]! < value) {
-      values[at] = values[at - 1]!;
-      ids[at] = ids[at - 1]!;
-      at--;
-    }
-    values[at] = value;
-    ids[at] = id;
-    if (count === k) floor = values[k - 1]!;
-  };
   let i = 0;
   for (; i + 3 < n; i += 4) {
     const v0 = row[i]!, v1 = row[i + 1]!, v2 = row[i + 2]!, v3 = row[i + 3]!;
-    // A NaN fails `<=` and is caught in admit.
-    if (!(v0 <= floor)) admit(i, v0);
-    if (!(v1 <= floor)) admit(i + 1, v1);
-    if (!(v2 <= floor)) admit(i + 2, v2);
-    if (!(v3 <= floor)) admit(i + 3, v3);
+    // A NaN fails `<=` and is caught in insertCandidate.
+    if (!(v0 <= floor) || !(v1 <= floor) || !(v2 <= floor) || !(v3 <= floor)) {
+      if (!(v0 <= floor)) { count = insertCandidate(ids, values, count, k, i, v0); if (count === k) floor = values[k - 1]!; }
+      if (!(v1 <= floor)) { count = insertCandidate(ids, values, count, k, i + 1, v1); if (count === k) floor = values[k - 1]!; }
+      if (!(v2 <= floor)) { count = insertCandidate(ids, values, count, k, i + 2, v2); if (count === k) floor = values[k - 1]!; }
+      if (!(v3 <= floor)) { count = insertCandidate(ids, values, count, k, i + 3, v3); if (count === k) floor = values[k - 1]!; }
+    }
   }
   for (; i < n; i++) {
     const value = row[i]!;
-    if (!(value <= floor)) admit(i, value);
+    if (!(value <= floor)) { count = insertCandidate(ids, values, count, k, i, value); if (count === k) floor = values[k - 1]!; }
   }
+  return count;
+}
+
+/** Inserts token `id` into the kept ids[0, count) (the worst dropped when k are kept); returns the new count. */
+function insertCandidate(ids: Int32Array, values: Float32Array, count: number, k: number, id: number, value: number): number {
+  if (value !== value) throw new RangeError(`logits row holds NaN at token id ${id}`);
+  if (value === -Infinity) return count;
+  // Behind every kept value >= value: an equal one has a lower id (ids arrive in increasing order).
+  let at = count < k ? count++ : k - 1;
+  while (at > 0 && values[at - 1]! < value) {
+    values[at] = values[at - 1]!;
+    ids[at] = ids[at - 1]!;
+    at--;
+  }
+  values[at] = value;
+  ids[at] = id;
   return count;
 }
 
