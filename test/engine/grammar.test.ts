@@ -161,8 +161,8 @@ describe('grammar runtime', () => {
   /**
    * Two matchers of one spec walked in step: on each row the reference takes the argmax of the row maskRow leaves,
    * the other greedyGuidedToken; they must agree on every row. Rows: noise, rows whose masked argmax is planted at a
-   * chosen rank (0 to 40, across both candidate widths) behind refused tokens, some tied with it at lower ids, and
-   * rows with every allowed token at -Infinity.
+   * chosen rank (0 to 40, across both candidate widths, half of them below 4) behind refused tokens, some tied with it
+   * at lower ids, and rows with every allowed token at -Infinity.
    */
   const compareGreedy = (spec: GuidedDecoding, seed: number, maxStates: number) => {
     const reference = runtime.open(spec);
@@ -187,7 +187,8 @@ describe('grammar runtime', () => {
         for (let k = 0; k < row.length; k++) row[k] = next() * 8;
         if (fill === 'planted' || fill === 'planted-ties') {
           const target = allowed[Math.floor(next() * allowed.length)]!;
-          const rank = Math.floor(next() * 41);
+          // Half of them among the first few ranks, where the tries' edges are (the argmax tried alone, width 2).
+          const rank = Math.floor(next() * (next() < 0.5 ? 4 : 41));
           row[target] = 20;
           for (let placed = 0; placed < rank;) {
             const id = Math.floor(next() * runtime.vocabSize);
@@ -199,8 +200,11 @@ describe('grammar runtime', () => {
         }
         if (fill === 'none-finite') for (const id of allowed) row[id] = -Infinity;
         const expected = maskedArgmaxOf(reference, row);
-        // The width as the walk left it, or a chosen one.
-        if (fill !== 'noise') tried.candidateWidth = [1, NARROW_CANDIDATES, WIDE_CANDIDATES][Math.floor(next() * 3)]!;
+        // The width (and whether the row's argmax is tried alone first) as the walk left it, or chosen.
+        if (fill !== 'noise') {
+          tried.candidateWidth = [1, NARROW_CANDIDATES, WIDE_CANDIDATES][Math.floor(next() * 3)]!;
+          tried.argmaxTaken = next() < 0.5;
+        }
         const masksBefore = counted.masks;
         const got = greedyGuidedToken(row, tried);
         assert.equal(got, expected, `${fill} row, state ${outcome.states}`);
@@ -265,6 +269,7 @@ describe('grammar runtime', () => {
       for (let k = 0; k < row.length; k++) row[k] = next() * 8;
       const expected = reference.maskedArgmax(row);
       guided.candidateWidth = 1 + (tokens % WIDE_CANDIDATES);
+      guided.argmaxTaken = tokens % 3 === 0;
       const { tokenId } = sampleGuidedRow(sampler, row, sequence, guided, tokenizer.stopTokenIds);
       assert.equal(tokenId, expected, `token ${tokens}`);
       assert.equal(sequence.outputTokenCount, tokens + 1);

@@ -223,6 +223,8 @@ export class GuidedSequence {
    * taken without one.
    */
   candidateWidth = NARROW_CANDIDATES;
+  /** The last greedy token was its row's argmax (greedyGuidedToken then tries the argmax alone first). */
+  argmaxTaken = false;
 
   /**
    * Whether the matcher has ended, kept here: with the matcher's stop tokens given (and no termination without

@@ -2,7 +2,7 @@
 // mask when it refuses them. The engine samples every guided row through sampleGuidedRow (EngineCore.sampleRows);
 // benchmarks/grammar.ts times it against a plain sampler pass.
 
-import { GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
+import { argmax, GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
 import type { GuidedSequence } from './runtime.ts';
 
 /**
@@ -90,19 +90,30 @@ function insertCandidate(ids: Int32Array, values: Float32Array, count: number, k
  * it; -1 (nothing advanced) when no allowed token has a finite value. The row's best few tokens (guided's candidate
  * width) are tried best first: the first the grammar takes is the masked argmax, since every token ranked before it
  * was refused (a refused token leaves the matcher as it was). Only when all are refused is the mask computed, and
- * the argmax of the allowed tokens read from it (GuidedSequence.maskedArgmax). The row is not written.
+ * the argmax of the allowed tokens read from it (GuidedSequence.maskedArgmax). After a token that was its row's
+ * argmax (guided.argmaxTaken: a model writing the format, where that is the rule), the row's argmax is tried alone
+ * first, by the sampler's argmax pass (cheaper than the candidates' pass, by up to a quarter at 152k), and the
+ * candidates' pass is made only if it is refused. The row is not written.
  */
 export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence): number {
+  let first = 0;
+  if (guided.argmaxTaken && guided.candidateWidth > 1) {
+    const best = argmax(values); // throws on a NaN or a row of -Infinity, as topCandidates does
+    if (guided.accept(best)) return best;
+    first = 1; // the candidates' pass puts the same token first (ties to the lower id in both)
+  }
   const count = topCandidates(values, guided.candidateWidth, candidateIds, candidateValues);
   if (count === 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
-  for (let j = 0; j < count; j++) {
+  for (let j = first; j < count; j++) {
     const tokenId = candidateIds[j]!;
     if (guided.accept(tokenId)) {
       guided.candidateWidth = WIDE_CANDIDATES;
+      guided.argmaxTaken = j === 0;
       return tokenId;
     }
   }
   guided.candidateWidth = NARROW_CANDIDATES;
+  guided.argmaxTaken = false;
   const tokenId = guided.maskedArgmax(values);
   if (tokenId >= 0 && !guided.accept(tokenId)) throw new Error(`the grammar refused token ${tokenId}, which its mask allows`);
   return tokenId;
