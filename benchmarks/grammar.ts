@@ -206,7 +206,7 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, caseName: Case): G
     const guided = v.runtime.open(guidedSpec);
     // Counted, not changed: the masks computed and the tokens refused.
     const maskRow = guided.maskRow.bind(guided);
-    guided.maskRow = (row) => { counts.masks++; maskRow(row); };
+    guided.maskRow = (row) => { counts.masks++; return maskRow(row); };
     const maskedArgmax = guided.maskedArgmax.bind(guided);
     guided.maskedArgmax = (row) => { counts.masks++; return maskedArgmax(row); };
     const accept = guided.accept.bind(guided);

@@ -365,6 +365,35 @@ describe('grammar runtime', () => {
     assert.ok(chi < 10 + 3 * degrees, `chi-square ${chi.toFixed(1)} with ${degrees} degrees of freedom`);
   });
 
+  it('sampleGuidedRow on sampled rows: tokens the grammar takes, draws tried or the mask first by the state, a seed replays', () => {
+    const spec: GuidedDecoding = { kind: 'json_schema', schema: BOUNDED_SCHEMA };
+    const sampler = new Sampler(runtime.vocabSize);
+    const walk = (seed: number) => {
+      const sequence = samplerFor(seed, { temperature: 1 }, spec);
+      const guided = runtime.open(spec);
+      const reference = runtime.open(spec);
+      const next = randomStream(seed);
+      const tokens: number[] = [];
+      const widths = new Set<number>();
+      for (let t = 0; t < 200 && !guided.isTerminated; t++) {
+        widths.add(guided.candidateWidth);
+        const row = new Float32Array(runtime.vocabSize);
+        for (let k = 0; k < row.length; k++) row[k] = next() * 8;
+        const { tokenId } = sampleGuidedRow(sampler, row, sequence, guided, tokenizer.stopTokenIds);
+        assert.equal(reference.accept(tokenId), true, `token ${t}`);
+        tokens.push(tokenId);
+        assert.equal(sequence.outputTokenCount, tokens.length);
+      }
+      assert.equal(guided.isTerminated, true, 'the bounded grammar ends');
+      guided.dispose();
+      reference.dispose();
+      return { tokens, widths };
+    };
+    const first = walk(31);
+    assert.deepEqual([...first.widths].sort((a, b) => a - b), [NARROW_CANDIDATES, WIDE_CANDIDATES]);
+    assert.deepEqual(walk(31).tokens, first.tokens);
+  });
+
   it('a sampled row whose allowed tokens weigh nothing beside its max is drawn from the masked row', () => {
     const spec: GuidedDecoding = { kind: 'choice', choices: ['alpha', 'beta'] };
     const guided = runtime.open(spec);

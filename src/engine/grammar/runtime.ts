@@ -284,16 +284,19 @@ export class GuidedSequence {
   /**
    * Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). Words
    * of the mask that allow all 32 tokens are skipped, a run of words that allow none is one fill (a JSON grammar
-   * between elements refuses nearly everything), the rest visit only their refused bits.
+   * between elements refuses nearly everything), the rest visit only their refused bits. Returns how many tokens the
+   * grammar allows (the tokens never allowed, GrammarRuntime.jsonForbidden, counted in: a measure of the state).
    */
-  maskRow(row: Float32Array): void {
+  maskRow(row: Float32Array): number {
     const vocabSize = this.vocabSize;
+    let allowed = 0;
     this.withMask((words) => {
       const full = vocabSize >>> 5;
       let w = 0;
       while (w < full) {
         const word = words[w]!;
         if (word === -1) {
+          allowed += 32;
           w++;
           continue;
         }
@@ -306,17 +309,21 @@ export class GuidedSequence {
           continue;
         }
         let refused = ~word;
+        allowed += 32;
         while (refused !== 0) {
           row[base + 31 - Math.clz32(refused & -refused)] = -Infinity;
           refused &= refused - 1;
+          allowed--;
         }
         w++;
       }
       for (let id = full << 5; id < vocabSize; id++) {
         if (((words[id >>> 5]! >>> (id & 31)) & 1) === 0) row[id] = -Infinity;
+        else allowed++;
       }
     });
     if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
+    return allowed;
   }
 
   /**

@@ -37,6 +37,8 @@ function greedyUnprocessed(sequence: SequenceSampler): boolean {
  */
 export const WIDE_CANDIDATES = 16;
 export const NARROW_CANDIDATES = 2;
+/** A sampled row goes back to trying draws after a mask that allows at least 1/WIDE_STATE_SHARE of the vocabulary. */
+export const WIDE_STATE_SHARE = 16;
 
 const candidateIds = new Int32Array(WIDE_CANDIDATES);
 const candidateValues = new Float32Array(WIDE_CANDIDATES);
@@ -147,17 +149,25 @@ export function drawGuidedToken(sampler: Sampler, values: Float32Array, sequence
  * Samples a guided row whose grammar has not ended, advances the grammar with the token and returns it (recorded
  * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask may be written into it.
  *
- * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken,
- * a plain sampled row (no top-k/top-p/min-p, no logprobs) drawGuidedToken: a few candidates tried, the mask only
- * when all are refused. A greedy row with penalties, bias or min_tokens draws from the whole row first and, refused,
- * goes to the mask. Any other row (truncated sampling, logprobs), and a row whose allowed tokens have no weight in
- * the unmasked row: the mask written into the row and the sampler's pass over it.
+ * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken: a
+ * few candidates tried, the mask only when all are refused. A plain sampled row (no top-k/top-p/min-p, no logprobs)
+ * takes drawGuidedToken likewise while its candidate width is wide; after a mask (narrow) it goes to the mask first,
+ * since weighing the whole row (an exp per token) for draws the grammar mostly refuses costs more than the masked
+ * row's pass, which meets -Infinity nearly everywhere between JSON elements, and it goes back to drawing first once a
+ * mask allows at least 1/WIDE_STATE_SHARE of the vocabulary (inside a string). A greedy row with penalties, bias or
+ * min_tokens draws from the whole row first and, refused, goes to the mask. Any other row (truncated sampling,
+ * logprobs), and a row whose allowed tokens have no weight in the unmasked row: the mask written into the row and
+ * the sampler's pass over it.
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
   let sampled: SampledToken | undefined;
-  if (guidedDrawFirst(sequence)) {
-    if (greedyUnprocessed(sequence) || sequence.params.temperature >= GREEDY_TEMPERATURE) {
+  const sampledPlain = guidedDrawFirst(sequence) && sequence.params.temperature >= GREEDY_TEMPERATURE;
+  if (sampledPlain && guided.candidateWidth === NARROW_CANDIDATES) {
+    // A sampled row after a mask goes to the mask first (below): between JSON elements the weighing pass (an exp
+    // per token) would mostly be wasted, while the masked row's pass meets -Infinity nearly everywhere.
+  } else if (guidedDrawFirst(sequence)) {
+    if (greedyUnprocessed(sequence) || sampledPlain) {
       const tokenId = greedyUnprocessed(sequence) ? greedyGuidedToken(values, guided) : drawGuidedToken(sampler, values, sequence, guided);
       if (tokenId >= 0) {
         sequence.recordOutputToken(tokenId);
@@ -172,7 +182,9 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
     }
   }
   // The grammar's mask first (the logits buffer is the step's own), then the request's own processing.
-  guided.maskRow(values);
+  const allowed = guided.maskRow(values);
+  // A sampled row tries draws again once a mask allows a good share of the vocabulary (inside a string).
+  if (sampledPlain) guided.candidateWidth = allowed * WIDE_STATE_SHARE >= guided.vocabSize ? WIDE_CANDIDATES : NARROW_CANDIDATES;
   try {
     sampled = sampler.sampleRow(values, sequence);
   } catch (error) {
