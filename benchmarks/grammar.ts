@@ -2,26 +2,30 @@
 // load falls on both:
 //   - grammar: B sequences under a bounded JSON schema (XGrammar WASM, one matcher each) on logits rows, each row
 //     sampled as the engine samples a guided greedy row (sampleGuidedRow, the engine's Sampler) and followed by the
-//     jump-forward hook (on by default). Its cost is all of that less the one sampler pass that draws the row's
-//     token (an unguided row pays it too): the advances, a refused draw's wasted pass, the mask (query, then the
-//     row fill or the argmax read from it), the termination checks, the jump-forward query and the forced tokens'
-//     advances. Printed in this thread's CPU time (the batch's, less that of one plain pass per row over a copy)
-//     and in wall time (summed per row, less the drawing pass). Vocabularies: Llama 2 (32k, the built-in),
+//     jump-forward hook (on by default). Its cost is all of that less one plain sampler pass over the same row (an
+//     unguided row pays it too): the tries of the row's best tokens and the pass that finds them, the mask (query,
+//     then the argmax read from it), the advances, the termination checks, the jump-forward query and the forced
+//     tokens' advances. Printed in this thread's CPU time (the batch's, less that of one plain pass per row over a
+//     copy) and in wall time (summed per row, less the plain pass's). Vocabularies: Llama 2 (32k, the built-in),
 //     Llama 3 (128k) and Qwen2 (152k), read from ../shared/models' vocab-only GGUFs (skipped when absent).
+//     --baseline adds each case without the tries (one candidate: the argmax, then the mask; the engine before
+//     greedy rows tried their best few tokens), alternated with it in the same rounds.
 //   - decode: EngineCore decode steps of the 110M synthetic model (Q8_0, native backend) with B greedy requests.
-// Two grammar cases: "noise" (random logits: most draws are refused, so most tokens pay for a mask: the synthetic
-// model's case, the worst) and "follows" (the logits peak at the next token of the document a model that writes the
+// Two grammar cases: "noise" (random logits: the row's best token is mostly refused, and between JSON elements the
+// next few too, so most tokens pay for a mask: the synthetic model's case, the worst) and "follows" (the logits peak at the next token of the document a model that writes the
 // format would write: the longest vocabulary token spelling the document's bytes from where the output stands, so
 // every draw is taken with one advance; the tokenizer's own encoding is not used, since SentencePiece starts it
 // with a space-prefixed token a JSON grammar refuses). A sequence is replaced by a new one when its grammar ends
 // (or after 256 tokens). Printed per vocabulary and batch: µs per sampled token and the share of the 110M model's
-// decode step (median) at that batch, with masks, refused draws and forced tokens per sampled token.
+// decode step (median) at that batch, with masks, refused tries (the row's tokens the grammar refused before the
+// one it took) and forced tokens per sampled token.
 //
 // Then jump-forward in the engine: B guided requests (the bounded JSON schema, with any whitespace and compact) on
 // the 110M model (noise, greedy and sampled) with jump-forward off and on: output tokens, tokens appended without
 // sampling, engine steps and wall time.
 //
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
+//     [--baseline]
 
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -51,6 +55,7 @@ const { values: args } = parseArgs({
     batch: { type: 'string', default: '1,16,64' },
     steps: { type: 'string', default: '48' },
     'jf-batch': { type: 'string', default: '16' },
+    baseline: { type: 'boolean', default: false },
   },
 });
 const ROUNDS = Number(args.rounds);
@@ -147,8 +152,8 @@ async function vocab(label: string, path: string): Promise<Vocab | undefined> {
   return { label, tokenizer, runtime: await GrammarRuntime.create(tokenizer), pieces, maxPiece };
 }
 
-type Case = 'noise' | 'follows';
-const CASES: Case[] = ['noise', 'follows'];
+type Case = 'noise' | 'follows' | 'noise, no tries' | 'follows, no tries';
+const CASES: Case[] = args.baseline ? ['noise', 'noise, no tries', 'follows', 'follows, no tries'] : ['noise', 'follows'];
 const DOCUMENT = Buffer.from(JSON.stringify({ name: 'Ada Lovelace', age: 36, tags: ['math', 'poet'], color: 'green' }), 'utf8').toString('latin1');
 /** A request's longest output here (max_tokens): a noise sequence the grammar has not ended by then is replaced. */
 const MAX_OUTPUT = 256;
@@ -176,11 +181,14 @@ interface GrammarStep {
 /**
  * B sequences, STEPS steps: per step and sequence a logits row, sampled as the engine samples a guided greedy row
  * (sampleGuidedRow, with the engine's Sampler) followed by the jump-forward hook (forcedTokens, on by default). The
- * grammar's cost is that time less one sampler pass (the pass an unguided row pays too): the advances, a refused
- * draw's second pass if any, the mask (query, then the row fill or the argmax read from it), the termination checks
- * and the jump-forward query with the forced tokens' advances.
+ * grammar's cost is that time less one plain sampler pass over the row (the pass an unguided row pays too): the
+ * candidates' pass beyond it and their tries, the mask (query, then the argmax read from it), the advances, the
+ * termination checks and the jump-forward query with the forced tokens' advances. A "no tries" case sets the
+ * candidate width to one before each row.
  */
-function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): GrammarStep {
+function grammarStepMs(v: Vocab, batch: number, seed: number, caseName: Case): GrammarStep {
+  const mode = caseName.startsWith('noise') ? 'noise' : 'follows';
+  const tries = !caseName.endsWith('no tries');
   const size = v.runtime.vocabSize;
   const eos = v.tokenizer.stopTokenIds;
   const sampler = new Sampler(size);
@@ -192,21 +200,13 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): Gramm
     params: { ...params, guided }, promptTokenIds: [1], vocabSize: size, eosTokenIds: eos,
   })[0]!;
   const counts = { masks: 0, refused: 0 };
-  // The row's last pass is taken out of its wall time (an unguided row pays one too).
   const pass = sampler.sampleRow.bind(sampler);
-  let passMs = 0;
-  sampler.sampleRow = (row, sequence) => {
-    const start = performance.now();
-    const sampled = pass(row, sequence);
-    passMs = performance.now() - start;
-    return sampled;
-  };
   interface Seq { sampling: SequenceSampler; guided: GuidedSequence; offset: number; outputs: number }
   const open = (): Seq => {
     const guided = v.runtime.open(guidedSpec);
-    // Counted, not changed: the masks computed and the draws refused.
+    // Counted, not changed: the masks computed and the tokens refused.
     const maskRow = guided.maskRow.bind(guided);
-    guided.maskRow = (row) => { counts.masks++; maskRow(row); };
+    guided.maskRow = (row) => { counts.masks++; return maskRow(row); };
     const maskedArgmax = guided.maskedArgmax.bind(guided);
     guided.maskedArgmax = (row) => { counts.masks++; return maskedArgmax(row); };
     const accept = guided.accept.bind(guided);
@@ -236,21 +236,24 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, mode: Case): Gramm
     }
     copies.set(rows);
     const refusedBefore = counts.refused;
-    // EngineCore.sampleRows for each guided row, then the jump-forward hook (samplerTokens' forced). Wall time per
-    // row less the drawing pass; CPU time for the batch less that of one plain pass per row, below.
+    // EngineCore.sampleRows for each guided row, then the jump-forward hook (samplerTokens' forced). Wall time and
+    // CPU time for the batch, each less that of one plain pass per row over a copy, below.
     let wallMs = 0;
     const cpuStart = threadCpuMs();
     for (let b = 0; b < batch; b++) {
       const { guided, sampling } = seqs[b]!;
+      if (!tries) guided.candidateWidth = 1;
       const start = performance.now();
       const { tokenId } = sampleGuidedRow(sampler, rows.subarray(b * size, (b + 1) * size), sampling, guided, eos);
       const forcedIds = guided.isTerminated ? [] : guided.forcedTokens();
       for (const id of forcedIds) sampling.recordOutputToken(id);
-      wallMs += performance.now() - start - passMs;
+      wallMs += performance.now() - start;
       sampled[b] = { tokenId, forcedIds };
     }
     const cpuMid = threadCpuMs();
+    const plainStart = performance.now();
     for (let b = 0; b < batch; b++) pass(copies.subarray(b * size, (b + 1) * size), plain[b]!);
+    wallMs -= performance.now() - plainStart;
     const cpuEnd = threadCpuMs();
     wall.push(wallMs);
     if (cpuStart !== undefined) cpu.push((cpuMid! - cpuStart) - (cpuEnd! - cpuMid!));
@@ -312,9 +315,9 @@ for (const batch of BATCHES) {
       const per = (n: number) => (n / c.tokens).toFixed(2);
       const us = (ms: number) => (ms * 1000 / batch).toFixed(1).padStart(6);
       const share = (ms: number) => (100 * ms / decodeMs).toFixed(1).padStart(5);
-      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(8)} grammar CPU ${us(cpuMs)} µs/token ${share(cpuMs)}%, `
+      console.log(`  vocab ${v.label.padEnd(15)} ${mode.padEnd(17)} grammar CPU ${us(cpuMs)} µs/token ${share(cpuMs)}%, `
         + `wall ${us(wallMs)} µs/token ${share(wallMs)}% of the decode step  `
-        + `(per sampled token: ${per(c.masks)} masks, ${per(c.refused)} refused draws, +${per(c.forced)} forced tokens)`);
+        + `(per sampled token: ${per(c.masks)} masks, ${per(c.refused)} refused tries, +${per(c.forced)} forced tokens)`);
     }
   }
 }

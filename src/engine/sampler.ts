@@ -224,6 +224,9 @@ export class Sampler {
   private readonly weights: Float64Array;
   /** Candidate token ids, rearranged by the selections. */
   private readonly order: Int32Array;
+  /** weighRow's running sums of `weights` in id order, and the last id with a weight above 0. */
+  private readonly cumulative: Float64Array;
+  private lastWeighed = 0;
   /** top_p's weight and token count per distance below the max (see selectTopP). */
   private readonly binMass = new Float64Array(MASS_BINS);
   private readonly binCount = new Int32Array(MASS_BINS);
@@ -235,6 +238,7 @@ export class Sampler {
     this.logits = new Float32Array(vocabSize);
     this.weights = new Float64Array(vocabSize);
     this.order = new Int32Array(vocabSize);
+    this.cumulative = new Float64Array(vocabSize);
   }
 
   /** Samples one token per row; row i of `logits` ([sequences.length x vocabSize]) belongs to sequences[i]. */
@@ -280,6 +284,72 @@ export class Sampler {
     if (numTop === null) return { tokenId };
     const source = this.logprobsMode === 'raw' ? row : values;
     return { tokenId, logprobs: this.logprobsOf(source, tokenId, numTop) };
+  }
+
+  // ---- an untruncated row drawn from more than once (guided rows)
+
+  /**
+   * Weighs a row for plain sampling (temperature > 0, no top-k/top-p/min-p) as sampleRow draws from it: processed,
+   * scaled by 1/T, each token's weight exp(value - max) into `weights` and their running sums in id order into
+   * `cumulative`. Returns the total weight. drawWeighed then gives, for a uniform,
+   * the token sampleRow's draw gives for it; so the first draw from a weighed row is sampleRow's, and further draws
+   * cost a binary search each. Nothing is recorded in the sequence. The weights stay valid until the next call on
+   * this Sampler.
+   */
+  weighRow(row: Float32Array, sequence: SequenceSampler): number {
+    if (row.length !== this.vocabSize) throw new RangeError(`logits row has ${row.length} values; vocabSize is ${this.vocabSize}`);
+    const { params } = sequence;
+    if (params.temperature < GREEDY_TEMPERATURE || (params.topK > 0 && params.topK < this.vocabSize) || params.topP < 1 || params.minP !== 0) {
+      throw new RangeError('weighRow is for plain sampling (temperature > 0, no top-k, top-p or min-p)');
+    }
+    let values = row;
+    const scale = params.temperature !== 1;
+    if (sequence.hasLogitProcessors) {
+      values = this.logits;
+      values.set(row);
+      sequence.applyLogitProcessors(values);
+      if (scale) scaleInPlace(values, 1 / params.temperature);
+    } else if (scale) {
+      values = this.logits;
+      scaleInto(values, row, 1 / params.temperature);
+    }
+    const { weights, cumulative } = this;
+    // Throws as sampleRow does on a NaN or a row of -Infinity only.
+    const max = values[argmax(values)]!;
+    let total = 0;
+    let last = 0;
+    for (let i = 0; i < values.length; i++) {
+      const weight = Math.exp(values[i]! - max);
+      weights[i] = weight;
+      total += weight;
+      cumulative[i] = total;
+      if (weight !== 0) last = i;
+    }
+    this.lastWeighed = last;
+    return total;
+  }
+
+  /**
+   * The token of weighRow's row for a uniform draw in [0, 1): the first id whose running sum exceeds uniform x total
+   * (drawTruncated's scan, by binary search), the last weighed id when rounding leaves none.
+   */
+  drawWeighed(total: number, uniform: number): number {
+    const { cumulative } = this;
+    const target = uniform * total;
+    let lo = 0;
+    let hi = this.lastWeighed;
+    if (!(cumulative[hi]! > target)) return hi;
+    while (lo < hi) {
+      const mid = (lo + hi) >>> 1;
+      if (cumulative[mid]! > target) hi = mid;
+      else lo = mid + 1;
+    }
+    return lo;
+  }
+
+  /** weighRow's weights (read-only to callers). */
+  get rowWeights(): Float64Array {
+    return this.weights;
   }
 
   // ---- random sampling with min_p / top_k / top_p

@@ -7,11 +7,13 @@
 // in WASM, tens of µs between JSON elements to milliseconds inside a string of bounded length at a 32k vocabulary,
 // more for larger ones; returned as a fresh vector, about a tenth more in embind's copying) and one pass over the
 // mask's words here (maskRow: runs of refused words filled at once, mixed words bit by bit; maskedArgmax: only the
-// allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each.
+// allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each, a refused
+// advance about 2 µs (so a greedy row tries its best few tokens before paying for a mask: sampling.ts).
 // benchmarks/grammar.ts measures them against a decode step.
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
+import { NARROW_CANDIDATES } from './sampling.ts';
 import { byteLevelChars, GrammarError, XGrammar, type XgHandle } from './xgrammar.ts';
 
 /** Whitespace characters XGrammar allows between JSON elements (bounded, so a grammar over a bounded schema ends). */
@@ -79,7 +81,9 @@ export class GrammarRuntime {
    * Tokens holding a control character JSON forbids raw inside strings (every byte below 0x20 but \n and \r, so
    * tab too). XGrammar 0.1.27's rule for strings with minLength/maxLength lets them through ([^"\\\r\n]), which
    * would make output JSON.parse refuses; a JSON grammar's matcher never allows them (spaces and newlines remain for
-   * whitespace between elements).
+   * whitespace between elements). Also tokens holding a byte that never occurs in UTF-8 (0xC0, 0xC1, 0xF5-0xFF):
+   * XGrammar takes 0xF5-0xF7 as the lead of a 4-byte character and 0xC0-0xC1 as that of a 2-byte one, so inside a
+   * string such bytes count as one character and decode as several U+FFFD, breaking maxLength.
    */
   private readonly jsonForbidden: Int32Array;
 
@@ -112,11 +116,11 @@ export class GrammarRuntime {
     const jsonForbidden: number[] = [];
     for (let id = 0; id < vocabSize; id++) {
       let text = '';
-      let control = false;
+      let control = false; // or a byte never in UTF-8 (see jsonForbidden)
       if (id < tokenizer.vocabSize) {
         for (const byte of tokenizer.tokenBytes(id, false)) {
           text += table[byte];
-          if (byte < 0x20 && byte !== 0x0a && byte !== 0x0d) control = true;
+          if ((byte < 0x20 && byte !== 0x0a && byte !== 0x0d) || byte === 0xc0 || byte === 0xc1 || byte >= 0xf5) control = true;
         }
       }
       encoded[id] = text;
@@ -195,6 +199,12 @@ function isByteFallback(tokenizer: Tokenizer, id: number): boolean {
   return /^<0x[0-9A-Fa-f]{2}>$/.test(tokenizer.idToToken(id) ?? '');
 }
 
+/**
+ * The least allowed weight GuidedSequence.maskedDraw draws from (the row's max weighs 1): far above float64's
+ * smallest normal numbers, so no allowed token's share is lost to underflow beyond its rounding.
+ */
+export const MIN_MASKED_WEIGHT = 1e-250;
+
 /** Longest forced run turned into tokens per call (a bound on one step's appended tokens). */
 export const MAX_FORCED_TOKENS = 64;
 
@@ -208,12 +218,13 @@ export class GuidedSequence {
   private readonly forbidden: Int32Array | undefined;
   private readonly pieces: TokenPieces | undefined;
   /**
-   * Consecutive tokens for which a draw from the whole row was refused, and how many draws to skip still: a model
-   * whose draws the grammar keeps refusing (noise, or a format it does not know) stops paying for a refused advance
-   * before each mask, and is tried again now and then (sampleGuidedRow in sampling.ts; sampled rows only).
+   * How many of a greedy row's best tokens, or of a sampled row's draws, are tried before the mask
+   * (greedyGuidedToken and drawGuidedToken in sampling.ts): narrow at the start and after a mask, wide after a token
+   * taken without one.
    */
-  refusedRun = 0;
-  skipDraws = 0;
+  candidateWidth = NARROW_CANDIDATES;
+  /** The last greedy token was its row's argmax (greedyGuidedToken then tries the argmax alone first). */
+  argmaxTaken = false;
 
   /**
    * Whether the matcher has ended, kept here: with the matcher's stop tokens given (and no termination without
@@ -273,16 +284,19 @@ export class GuidedSequence {
   /**
    * Sets every token the grammar does not allow next to -Infinity in `row` (one logits row, vocabSize wide). Words
    * of the mask that allow all 32 tokens are skipped, a run of words that allow none is one fill (a JSON grammar
-   * between elements refuses nearly everything), the rest visit only their refused bits.
+   * between elements refuses nearly everything), the rest visit only their refused bits. Returns how many tokens the
+   * grammar allows (the tokens never allowed, GrammarRuntime.jsonForbidden, counted in: a measure of the state).
    */
-  maskRow(row: Float32Array): void {
+  maskRow(row: Float32Array): number {
     const vocabSize = this.vocabSize;
+    let allowed = 0;
     this.withMask((words) => {
       const full = vocabSize >>> 5;
       let w = 0;
       while (w < full) {
         const word = words[w]!;
         if (word === -1) {
+          allowed += 32;
           w++;
           continue;
         }
@@ -295,17 +309,21 @@ export class GuidedSequence {
           continue;
         }
         let refused = ~word;
+        allowed += 32;
         while (refused !== 0) {
           row[base + 31 - Math.clz32(refused & -refused)] = -Infinity;
           refused &= refused - 1;
+          allowed--;
         }
         w++;
       }
       for (let id = full << 5; id < vocabSize; id++) {
         if (((words[id >>> 5]! >>> (id & 31)) & 1) === 0) row[id] = -Infinity;
+        else allowed++;
       }
     });
     if (this.forbidden) for (const id of this.forbidden) row[id] = -Infinity;
+    return allowed;
   }
 
   /**
@@ -343,6 +361,52 @@ export class GuidedSequence {
       }
     });
     return best;
+  }
+
+  /**
+   * A draw from `weights` (one per token, as Sampler.weighRow leaves them) restricted to the allowed tokens, for a
+   * uniform in [0, 1) taken from `uniform`: what a draw from the masked row gives (the same distribution, its weights
+   * relative to the row's max instead of the allowed tokens' max, to float64 precision), without writing the mask
+   * into the row nor weighing it again. -1, no uniform taken, when the allowed tokens' weight is below
+   * MIN_MASKED_WEIGHT (none allowed, or all far below the row's max, where float64 would lose them): the caller then
+   * masks the row and draws from it.
+   */
+  maskedDraw(weights: Float64Array, uniform: () => number): number {
+    const vocabSize = this.vocabSize;
+    const forbidden = this.forbidden;
+    let drawn = -1;
+    this.withMask((words) => {
+      // The mask's vector is this call's own copy: the forbidden tokens are cleared in it.
+      if (forbidden) for (const id of forbidden) words[id >>> 5]! &= ~(1 << (id & 31));
+      const numWords = (vocabSize + 31) >>> 5;
+      let mass = 0;
+      for (let w = 0; w < numWords; w++) {
+        let word = words[w]!;
+        while (word !== 0) {
+          const id = (w << 5) + 31 - Math.clz32(word & -word);
+          word &= word - 1;
+          if (id < vocabSize) mass += weights[id]!;
+        }
+      }
+      if (!(mass >= MIN_MASKED_WEIGHT)) return;
+      const target = uniform() * mass;
+      let cumulative = 0;
+      for (let w = 0; w < numWords; w++) {
+        let word = words[w]!;
+        while (word !== 0) {
+          const id = (w << 5) + 31 - Math.clz32(word & -word);
+          word &= word - 1;
+          if (id >= vocabSize) break;
+          const weight = weights[id]!;
+          if (weight === 0) continue;
+          cumulative += weight;
+          drawn = id;
+          if (cumulative > target) return;
+        }
+      }
+      // Rounding left the target at the very top of the mass: the last allowed token with a weight.
+    });
+    return drawn;
   }
 
   /** The allowed token ids, in increasing order, into `out`; returns how many (the simulated engine draws from them). */

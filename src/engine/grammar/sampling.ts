@@ -1,21 +1,18 @@
-// One guided row's token: the sampler's draw checked by the grammar, the grammar's mask when it refuses. The engine
-// samples every guided row through sampleGuidedRow (EngineCore.sampleRows); benchmarks/grammar.ts times it against
-// a plain sampler pass.
+// One guided row's token: the row's best tokens (greedy) or the sampler's draw checked by the grammar, the grammar's
+// mask when it refuses them. The engine samples every guided row through sampleGuidedRow (EngineCore.sampleRows);
+// benchmarks/grammar.ts times it against a plain sampler pass.
 
-import { GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
+import { argmax, GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
 import type { GuidedSequence } from './runtime.ts';
-
-/** Most sampled (not greedy) guided tokens drawn straight from the masked row after repeated refusals. */
-export const MAX_SKIPPED_DRAWS = 7;
 
 /**
  * Whether a guided row may be drawn from unmasked first, the mask computed only when the grammar refuses the draw.
  * Exact where masking commutes with the draw: greedy (the argmax of the whole row, if allowed, is the masked
  * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
- * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution). Not with
+ * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution; with d draws tried
+ * before the mask, sum over k < d of (1 - Z)^k p(x), plus (1 - Z)^d p(x) / Z, is p(x) / Z too). Not with
  * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
- * A model that follows the grammar then costs one advance per token instead of a mask. Skipping the draw (after
- * repeated refusals) is exact too: the masked row is what either path draws from.
+ * A model that follows the grammar then costs one advance per token instead of a mask.
  */
 export function guidedDrawFirst(sequence: SequenceSampler): boolean {
   const { params } = sequence;
@@ -31,47 +28,163 @@ function greedyUnprocessed(sequence: SequenceSampler): boolean {
 }
 
 /**
+ * Candidates a guided row tries before the mask (a greedy row its best tokens, best first; a sampled row its draws):
+ * WIDE_CANDIDATES after a token the grammar took without a mask (the model is writing where the grammar allows much:
+ * inside a string, the dearest masks, whose masked argmax is nearly always among the row's few best),
+ * NARROW_CANDIDATES after a mask (between JSON elements the grammar allows a few dozen tokens, the masked argmax is
+ * far down the row, and a refused try costs about 2 µs against a mask of tens of µs). Either way the token is the
+ * masked argmax, or a draw from the masked row; the width only moves the cost.
+ */
+export const WIDE_CANDIDATES = 16;
+export const NARROW_CANDIDATES = 2;
+/** A sampled row goes back to trying draws after a mask that allows at least 1/WIDE_STATE_SHARE of the vocabulary. */
+export const WIDE_STATE_SHARE = 16;
+
+const candidateIds = new Int32Array(WIDE_CANDIDATES);
+const candidateValues = new Float32Array(WIDE_CANDIDATES);
+
+/**
+ * The `k` best tokens of `row` into ids[0, count), best first (higher value, then lower id: the order of the argmax's
+ * ties), -Infinity left out; returns count (< k when fewer tokens are finite). One pass: four values per iteration
+ * checked against the worst kept value at once, and only a better one inserted (insertCandidate), so the loop keeps
+ * its variables in registers. A NaN throws the RangeError the sampler's argmax throws.
+ */
+export function topCandidates(row: Float32Array, k: number, ids: Int32Array, values: Float32Array): number {
+  const n = row.length;
+  let count = 0;
+  let floor = -Infinity; // the worst kept value once k are kept: only a greater one gets in
+  let i = 0;
+  for (; i + 3 < n; i += 4) {
+    const v0 = row[i]!, v1 = row[i + 1]!, v2 = row[i + 2]!, v3 = row[i + 3]!;
+    // A NaN fails `<=` and is caught in insertCandidate.
+    if (!(v0 <= floor) || !(v1 <= floor) || !(v2 <= floor) || !(v3 <= floor)) {
+      if (!(v0 <= floor)) { count = insertCandidate(ids, values, count, k, i, v0); if (count === k) floor = values[k - 1]!; }
+      if (!(v1 <= floor)) { count = insertCandidate(ids, values, count, k, i + 1, v1); if (count === k) floor = values[k - 1]!; }
+      if (!(v2 <= floor)) { count = insertCandidate(ids, values, count, k, i + 2, v2); if (count === k) floor = values[k - 1]!; }
+      if (!(v3 <= floor)) { count = insertCandidate(ids, values, count, k, i + 3, v3); if (count === k) floor = values[k - 1]!; }
+    }
+  }
+  for (; i < n; i++) {
+    const value = row[i]!;
+    if (!(value <= floor)) { count = insertCandidate(ids, values, count, k, i, value); if (count === k) floor = values[k - 1]!; }
+  }
+  return count;
+}
+
+/** Inserts token `id` into the kept ids[0, count) (the worst dropped when k are kept); returns the new count. */
+function insertCandidate(ids: Int32Array, values: Float32Array, count: number, k: number, id: number, value: number): number {
+  if (value !== value) throw new RangeError(`logits row holds NaN at token id ${id}`);
+  if (value === -Infinity) return count;
+  // Behind every kept value >= value: an equal one has a lower id (ids arrive in increasing order).
+  let at = count < k ? count++ : k - 1;
+  while (at > 0 && values[at - 1]! < value) {
+    values[at] = values[at - 1]!;
+    ids[at] = ids[at - 1]!;
+    at--;
+  }
+  values[at] = value;
+  ids[at] = id;
+  return count;
+}
+
+/**
+ * The greedy token of a guided row the sampler would read as it is (greedyUnprocessed), the grammar advanced with
+ * it; -1 (nothing advanced) when no allowed token has a finite value. The row's best few tokens (guided's candidate
+ * width) are tried best first: the first the grammar takes is the masked argmax, since every token ranked before it
+ * was refused (a refused token leaves the matcher as it was). Only when all are refused is the mask computed, and
+ * the argmax of the allowed tokens read from it (GuidedSequence.maskedArgmax). After a token that was its row's
+ * argmax (guided.argmaxTaken: a model writing the format, where that is the rule), the row's argmax is tried alone
+ * first, by the sampler's argmax pass (cheaper than the candidates' pass, by up to a quarter at 152k), and the
+ * candidates' pass is made only if it is refused. The row is not written.
+ */
+export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence): number {
+  let first = 0;
+  if (guided.argmaxTaken && guided.candidateWidth > 1) {
+    const best = argmax(values); // throws on a NaN or a row of -Infinity, as topCandidates does
+    if (guided.accept(best)) return best;
+    first = 1; // the candidates' pass puts the same token first (ties to the lower id in both)
+  }
+  const count = topCandidates(values, guided.candidateWidth, candidateIds, candidateValues);
+  if (count === 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+  for (let j = first; j < count; j++) {
+    const tokenId = candidateIds[j]!;
+    if (guided.accept(tokenId)) {
+      guided.candidateWidth = WIDE_CANDIDATES;
+      guided.argmaxTaken = j === 0;
+      return tokenId;
+    }
+  }
+  guided.candidateWidth = NARROW_CANDIDATES;
+  guided.argmaxTaken = false;
+  const tokenId = guided.maskedArgmax(values);
+  if (tokenId >= 0 && !guided.accept(tokenId)) throw new Error(`the grammar refused token ${tokenId}, which its mask allows`);
+  return tokenId;
+}
+
+/**
+ * A plain sampled row's token (guidedDrawFirst, temperature > 0), the grammar advanced with it; -1 (nothing advanced,
+ * no uniform taken after the tries) when the allowed tokens weigh too little for the row's weights (maskedDraw): the
+ * caller then masks the row and draws from it. The row is weighed once (Sampler.weighRow; its first draw is the one
+ * sampleRow would make), then up to guided's candidate width draws from it are tried, each a fresh uniform and a
+ * binary search; the first the grammar takes is the token. When all are refused, one draw from the same weights
+ * restricted to the mask's allowed tokens: the masked row's distribution, without writing the mask into the row nor
+ * weighing it again. The row is not written.
+ */
+export function drawGuidedToken(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence): number {
+  const total = sampler.weighRow(values, sequence);
+  for (let d = 0; d < guided.candidateWidth; d++) {
+    const tokenId = sampler.drawWeighed(total, sequence.nextUniform());
+    if (guided.accept(tokenId)) {
+      guided.candidateWidth = WIDE_CANDIDATES;
+      return tokenId;
+    }
+  }
+  guided.candidateWidth = NARROW_CANDIDATES;
+  const tokenId = guided.maskedDraw(sampler.rowWeights, () => sequence.nextUniform());
+  if (tokenId >= 0 && !guided.accept(tokenId)) throw new Error(`the grammar refused token ${tokenId}, which its mask allows`);
+  return tokenId;
+}
+
+/**
  * Samples a guided row whose grammar has not ended, advances the grammar with the token and returns it (recorded
- * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask is written into it.
+ * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask may be written into it.
  *
- * Draw first (guidedDrawFirst), else or when refused the mask. A sampled row that keeps being refused stops
- * drawing first for a while: after k refusals in a row the next k - 1 tokens (at most MAX_SKIPPED_DRAWS) go
- * straight to the mask, since each refused draw wastes a sampler pass (exp over the vocabulary) and a random draw.
- * A greedy row always draws first: its draw takes no randomness, so drawing or not never changes its output, a
- * refused draw costs one argmax pass, and skipping it would pay for masks where the draw is mostly taken (inside a
- * string, whose masks are the dearest: milliseconds for a bounded length). A refused greedy row whose values the
- * sampler takes as they are gets the argmax of the allowed tokens from the mask (GuidedSequence.maskedArgmax).
+ * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken: a
+ * few candidates tried, the mask only when all are refused. A plain sampled row (no top-k/top-p/min-p, no logprobs)
+ * takes drawGuidedToken likewise while its candidate width is wide; after a mask (narrow) it goes to the mask first,
+ * since weighing the whole row (an exp per token) for draws the grammar mostly refuses costs more than the masked
+ * row's pass, which meets -Infinity nearly everywhere between JSON elements, and it goes back to drawing first once a
+ * mask allows at least 1/WIDE_STATE_SHARE of the vocabulary (inside a string). A greedy row with penalties, bias or
+ * min_tokens draws from the whole row first and, refused, goes to the mask. Any other row (truncated sampling,
+ * logprobs), and a row whose allowed tokens have no weight in the unmasked row: the mask written into the row and
+ * the sampler's pass over it.
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
   let sampled: SampledToken | undefined;
-  if (guided.skipDraws > 0) {
-    guided.skipDraws--;
+  const sampledPlain = guidedDrawFirst(sequence) && sequence.params.temperature >= GREEDY_TEMPERATURE;
+  if (sampledPlain && guided.candidateWidth === NARROW_CANDIDATES) {
+    // A sampled row after a mask goes to the mask first (below): between JSON elements the weighing pass (an exp
+    // per token) would mostly be wasted, while the masked row's pass meets -Infinity nearly everywhere.
   } else if (guidedDrawFirst(sequence)) {
-    // Drawn from the whole row; if the grammar takes it, that is what a draw from the masked row gives.
-    sampled = sampler.sampleRow(values, sequence);
-    if (guided.accept(sampled.tokenId)) {
-      guided.refusedRun = 0;
-      return sampled;
-    }
-    sequence.unrecordOutputToken(sampled.tokenId);
-    if (sequence.params.temperature >= GREEDY_TEMPERATURE) {
-      guided.refusedRun++;
-      guided.skipDraws = Math.min(guided.refusedRun - 1, MAX_SKIPPED_DRAWS);
-    }
-  }
-  if (sampled !== undefined && greedyUnprocessed(sequence)) {
-    // The row's argmax among the allowed tokens, read straight from the mask: what the masked row's pass would
-    // give, without writing the mask into the row nor a second pass over it (the first one found no NaN in it).
-    const tokenId = guided.maskedArgmax(values);
-    if (tokenId >= 0) {
-      sequence.recordOutputToken(tokenId);
-      guided.accept(tokenId);
-      return { tokenId };
+    if (greedyUnprocessed(sequence) || sampledPlain) {
+      const tokenId = greedyUnprocessed(sequence) ? greedyGuidedToken(values, guided) : drawGuidedToken(sampler, values, sequence, guided);
+      if (tokenId >= 0) {
+        sequence.recordOutputToken(tokenId);
+        return { tokenId };
+      }
+      // No allowed token has a finite value, or any weight in the unmasked row: the masked row's own pass below.
+    } else {
+      // Greedy with processing: the argmax of the processed row, if allowed, is the masked one.
+      sampled = sampler.sampleRow(values, sequence);
+      if (guided.accept(sampled.tokenId)) return sampled;
+      sequence.unrecordOutputToken(sampled.tokenId);
     }
   }
   // The grammar's mask first (the logits buffer is the step's own), then the request's own processing.
-  guided.maskRow(values);
+  const allowed = guided.maskRow(values);
+  // A sampled row tries draws again once a mask allows a good share of the vocabulary (inside a string).
+  if (sampledPlain) guided.candidateWidth = allowed * WIDE_STATE_SHARE >= guided.vocabSize ? WIDE_CANDIDATES : NARROW_CANDIDATES;
   try {
     sampled = sampler.sampleRow(values, sequence);
   } catch (error) {
