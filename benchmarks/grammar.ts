@@ -25,9 +25,9 @@
 // sampling, engine steps and wall time.
 //
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
-//     [--baseline]
+//     [--baseline] [--vocabs 32k,128k,152k]
 
-import { existsSync, readFileSync } from 'node:fs';
+import { existsSync } from 'node:fs';
 import { join } from 'node:path';
 import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
@@ -38,7 +38,7 @@ import { GrammarRuntime, type GuidedSequence } from '../src/engine/grammar/runti
 import { sampleGuidedRow } from '../src/engine/grammar/sampling.ts';
 import { createRequestSamplers, Sampler, type SequenceSampler } from '../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../src/engine/types.ts';
-import { nativeBackend } from '../src/kernels/native.ts';
+import { loadNativeAddon, nativeBackend } from '../src/kernels/native.ts';
 import { readGguf } from '../src/model/gguf.ts';
 import { loadModel } from '../src/model/loader.ts';
 import { LLAMA_SPM_TOKENIZER_PATH } from '../src/model/synthetic.ts';
@@ -56,6 +56,7 @@ const { values: args } = parseArgs({
     steps: { type: 'string', default: '48' },
     'jf-batch': { type: 'string', default: '16' },
     baseline: { type: 'boolean', default: false },
+    vocabs: { type: 'string', default: '32k,128k,152k' },
   },
 });
 const ROUNDS = Number(args.rounds);
@@ -63,14 +64,14 @@ const BATCHES = args.batch.split(',').map(Number);
 const STEPS = Number(args.steps);
 const SHARED = process.env.CONDUIT_SHARED_MODELS ?? join(import.meta.dirname, '..', '..', 'shared', 'models');
 const median = (values: readonly number[]): number => percentileOf(values, 0.5);
+const nativeAddon = loadNativeAddon();
 
-/** This thread's CPU time in ms (Linux's schedstat), undefined where it cannot be read. */
-function threadCpuMs(): number | undefined {
-  try {
-    return Number(readFileSync('/proc/thread-self/schedstat', 'utf8').split(' ')[0]) / 1e6;
-  } catch {
-    return undefined;
-  }
+/**
+ * This thread's CPU time in ms, exact (the native addon's CLOCK_THREAD_CPUTIME_ID: a step's grammar work is well
+ * under a scheduler tick, which is all /proc's schedstat resolves for a running thread).
+ */
+function threadCpuMs(): number {
+  return nativeAddon.bench.threadCpuSeconds() * 1000;
 }
 
 const SCHEMA = {
@@ -256,7 +257,7 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, caseName: Case): G
     wallMs -= performance.now() - plainStart;
     const cpuEnd = threadCpuMs();
     wall.push(wallMs);
-    if (cpuStart !== undefined) cpu.push((cpuMid! - cpuStart) - (cpuEnd! - cpuMid!));
+    cpu.push((cpuMid - cpuStart) - (cpuEnd - cpuMid));
     if (mode === 'follows' && counts.refused !== refusedBefore) throw new Error(`${v.label}: the grammar refused the following model's token`);
     for (let b = 0; b < batch; b++) {
       const seq = seqs[b]!;
@@ -273,11 +274,14 @@ function grammarStepMs(v: Vocab, batch: number, seed: number, caseName: Case): G
   return { stepMs: mean(wall), cpuMs: mean(cpu), tokens, forced, ...counts };
 }
 
-const vocabs = (await Promise.all([
-  vocab('32k (Llama 2)', LLAMA_SPM_TOKENIZER_PATH),
-  vocab('128k (Llama 3)', join(SHARED, 'ggml-vocab-llama-bpe.gguf')),
-  vocab('152k (Qwen2)', join(SHARED, 'ggml-vocab-qwen2.gguf')),
-])).filter((v): v is Vocab => v !== undefined);
+const VOCABS: [size: string, label: string, path: string][] = [
+  ['32k', '32k (Llama 2)', LLAMA_SPM_TOKENIZER_PATH],
+  ['128k', '128k (Llama 3)', join(SHARED, 'ggml-vocab-llama-bpe.gguf')],
+  ['152k', '152k (Qwen2)', join(SHARED, 'ggml-vocab-qwen2.gguf')],
+];
+const wanted = new Set(args.vocabs.split(','));
+const vocabs = (await Promise.all(VOCABS.filter(([size]) => wanted.has(size)).map(([, label, path]) => vocab(label, path))))
+  .filter((v): v is Vocab => v !== undefined);
 
 console.log(`grammar (advance, mask, jump-forward; XGrammar WASM) vs decode step of ${file.label} (native ${backend.info.variants?.matmul_q8_0 ?? '?'}, `
   + `threads ${args.threads}); ${ROUNDS} rounds x ${STEPS} steps; load average ${loadavg().map((x) => x.toFixed(1)).join(' ')}`);

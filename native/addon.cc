@@ -488,6 +488,12 @@ Napi::Value BenchPeak(const Napi::CallbackInfo& info) {
   return Napi::Number::New(env, kind == "f32" ? peak_f32_gflops(pool, variant) : peak_int8_gops(pool, variant));
 }
 
+// threadCpuSeconds() -> the calling thread's CPU time in seconds (CLOCK_THREAD_CPUTIME_ID: exact to the
+// nanosecond, where Linux's /proc schedstat counts only up to the last tick or switch)
+Napi::Value BenchThreadCpu(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), thread_cpu_seconds());
+}
+
 // crashHandlerStatus() -> 'installed' or why not (a sanitizer build or runtime)
 Napi::Value CrashHandlerStatus(const Napi::CallbackInfo& info) {
   return Napi::String::New(info.Env(), crash_handler_status());
@@ -525,6 +531,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   Napi::Object bench = Napi::Object::New(env);
   bench.Set("memoryBandwidth", Napi::Function::New(env, BenchMemory));
   bench.Set("peakFlops", Napi::Function::New(env, BenchPeak));
+  bench.Set("threadCpuSeconds", Napi::Function::New(env, BenchThreadCpu));
   exports.Set("bench", bench);
   return exports;
 }

@@ -304,6 +304,8 @@ export interface NativeBench {
    * (default: the best), in G ops/s; 0 for generic, and for bf16 where the CPU lacks AVX512-BF16.
    */
   peakFlops(kind: 'f32' | 'int8' | 'bf16', threads: number, variant?: KernelVariant): number;
+  /** The calling thread's CPU time in seconds, exact (CLOCK_THREAD_CPUTIME_ID; /proc's schedstat lags to the last tick). */
+  threadCpuSeconds(): number;
 }
 
 export interface NativeAddon {
