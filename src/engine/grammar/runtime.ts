@@ -4,7 +4,7 @@
 // view of it: plain-data specs in, synchronous calls out, so the step loop never awaits.
 //
 // Where the time goes: per token and sequence that needs a mask, one mask query (XGrammar's per-state token sets;
-// in WASM, tens of µs between JSON elements to milliseconds inside a string of bounded length at a 32k vocabulary,
+// in WASM, 5-6 µs between JSON elements to milliseconds inside a string of bounded length at a 32k vocabulary,
 // more for larger ones; returned as a fresh vector, about a tenth more in embind's copying) and one pass over the
 // mask's words here (maskRow: runs of refused words filled at once, mixed words bit by bit; maskedArgmax: only the
 // allowed tokens' values read); advancing with a token, and the jump-forward query, are a few µs each, a refused
@@ -13,10 +13,15 @@
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
+import { JsonTokenBytes, JsonWhitespaceBound } from './json-whitespace.ts';
 import { NARROW_CANDIDATES } from './sampling.ts';
 import { byteLevelChars, GrammarError, XGrammar, type XgHandle } from './xgrammar.ts';
 
-/** Whitespace characters XGrammar allows between JSON elements (bounded, so a grammar over a bounded schema ends). */
+/**
+ * Whitespace characters allowed in a run between JSON elements (bounded, so a grammar over a bounded schema ends).
+ * Enforced beside XGrammar, not by it (json-whitespace.ts says why): JSON grammars are compiled with unbounded
+ * whitespace.
+ */
 export const JSON_MAX_WHITESPACE = 16;
 
 /** The EBNF, schema or pattern a spec compiles to, as XGrammar takes it. */
@@ -60,8 +65,7 @@ function describe(source: GrammarSource): string {
 function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
   switch (source.kind) {
     case 'json_schema':
-      return new b.Grammar.FromJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict,
-        source.anyWhitespace ? JSON_MAX_WHITESPACE : undefined, false);
+      return new b.Grammar.FromJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict, undefined, false);
     case 'ebnf':
       return new b.Grammar.FromEBNF(source.ebnf, 'root');
     case 'regex':
@@ -89,18 +93,21 @@ export class GrammarRuntime {
 
   /** Token ids by their text (byte-level, as XGrammar sees them), for turning forced text into tokens. */
   private readonly pieces: TokenPieces;
+  /** Every token's bytes, for the whitespace bound of JSON grammars (JsonWhitespaceBound). */
+  private readonly jsonBytes: JsonTokenBytes;
 
   /** The ids that end a grammar (the matcher's stop tokens), undefined when the tokenizer names none. */
   private readonly stopTokens: ReadonlySet<number> | undefined;
 
   private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array,
-    pieces: TokenPieces, stopTokens: readonly number[]) {
+    pieces: TokenPieces, jsonBytes: JsonTokenBytes, stopTokens: readonly number[]) {
     this.xg = xg;
     this.compiler = compiler;
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
     this.jsonForbidden = jsonForbidden;
     this.pieces = pieces;
+    this.jsonBytes = jsonBytes;
     this.stopTokens = stopTokens.length > 0 ? new Set(stopTokens) : undefined;
   }
 
@@ -113,12 +120,14 @@ export class GrammarRuntime {
     const xg = await XGrammar.load();
     const table = byteLevelChars();
     const encoded: string[] = new Array(vocabSize);
+    const bytes: Uint8Array[] = new Array(vocabSize);
     const jsonForbidden: number[] = [];
     for (let id = 0; id < vocabSize; id++) {
       let text = '';
       let control = false; // or a byte never in UTF-8 (see jsonForbidden)
+      bytes[id] = id < tokenizer.vocabSize ? tokenizer.tokenBytes(id, false) : new Uint8Array(0);
       if (id < tokenizer.vocabSize) {
-        for (const byte of tokenizer.tokenBytes(id, false)) {
+        for (const byte of bytes[id]!) {
           text += table[byte];
           if ((byte < 0x20 && byte !== 0x0a && byte !== 0x0d) || byte === 0xc0 || byte === 0xc1 || byte >= 0xf5) control = true;
         }
@@ -141,7 +150,8 @@ export class GrammarRuntime {
         b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
       return new b.GrammarCompiler(info, 1, false);
     });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces, tokenizer.stopTokenIds);
+    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces, new JsonTokenBytes(bytes),
+      tokenizer.stopTokenIds);
   }
 
   /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
@@ -149,8 +159,9 @@ export class GrammarRuntime {
     const source = grammarSource(spec);
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
-    return new GuidedSequence(this.xg, handle, this.vocabSize, source.kind === 'json_schema' ? this.jsonForbidden : undefined, this.pieces,
-      this.stopTokens);
+    const json = source.kind === 'json_schema';
+    return new GuidedSequence(this.xg, handle, this.vocabSize, json ? this.jsonForbidden : undefined, this.pieces, this.stopTokens,
+      json && source.anyWhitespace ? new JsonWhitespaceBound(this.jsonBytes, JSON_MAX_WHITESPACE) : undefined);
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -164,8 +175,7 @@ export class GrammarRuntime {
     const compiled = this.xg.run(describe(source), () => {
       switch (source.kind) {
         case 'json_schema':
-          return this.compiler.CompileJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict,
-            source.anyWhitespace ? JSON_MAX_WHITESPACE : undefined);
+          return this.compiler.CompileJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict, undefined);
         case 'ebnf':
         case 'regex': {
           const grammar = buildGrammar(this.xg.binding, source);
@@ -233,15 +243,18 @@ export class GuidedSequence {
    */
   private terminated: boolean;
   private readonly stopTokens: ReadonlySet<number> | undefined;
+  /** A JSON grammar's bound on whitespace runs, kept beside the matcher (JsonWhitespaceBound). */
+  private readonly whitespace: JsonWhitespaceBound | undefined;
 
   constructor(xg: XGrammar, handle: XgHandle, vocabSize: number, forbidden?: Int32Array, pieces?: TokenPieces,
-    stopTokens?: ReadonlySet<number>) {
+    stopTokens?: ReadonlySet<number>, whitespace?: JsonWhitespaceBound) {
     this.xg = xg;
     this.handle = handle;
     this.vocabSize = vocabSize;
     this.forbidden = forbidden;
     this.pieces = pieces;
     this.stopTokens = stopTokens;
+    this.whitespace = whitespace;
     this.terminated = handle.IsTerminated() as boolean;
   }
 
@@ -430,10 +443,12 @@ export class GuidedSequence {
   /** Advances with a sampled token; false (state unchanged) when the grammar does not allow it. */
   accept(tokenId: number): boolean {
     if (this.isForbidden(tokenId)) return false;
+    if (this.whitespace !== undefined && !this.whitespace.fits(tokenId)) return false;
     // Through run(), as every call into the module: an abort there becomes a GrammarError and marks the module
     // unusable, instead of escaping as a bare RuntimeError with the module taken for sound.
     return this.xg.run('accept token', () => {
       if (!(this.handle.AcceptToken(tokenId, false) as boolean)) return false;
+      this.whitespace?.advance(tokenId);
       if (this.stopTokens === undefined || this.stopTokens.has(tokenId)) this.terminated = this.handle.IsTerminated() as boolean;
       return true;
     });
@@ -475,7 +490,9 @@ export class GuidedSequence {
   private withMask(use: (words: Int32Array) => void): void {
     const vector = this.xg.run('token mask', () => this.handle.GetNextTokenBitmask(this.vocabSize));
     try {
-      use(this.xg.binding.vecIntToView(vector));
+      const words = this.xg.binding.vecIntToView(vector);
+      this.whitespace?.restrict(words);
+      use(words);
     } finally {
       vector.delete();
     }
