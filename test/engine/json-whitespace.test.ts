@@ -86,6 +86,7 @@ describe('JSON whitespace bound', () => {
     const unbounded = referenceMatcher(source, undefined);
     const bounded = compareBounded ? referenceMatcher(source, JSON_MAX_WHITESPACE) : undefined;
     const rng = Xoshiro128.fromSeed(seed, 0);
+    const row = new Float32Array(runtime.vocabSize);
     const stops = new Set(tokenizer.stopTokenIds);
     let text = '';
     let runsAtBound = 0;
@@ -103,6 +104,12 @@ describe('JSON whitespace bound', () => {
         if (reference.length < grammarAllows.length) refusedAtBound++;
         // A token the bound refuses is refused by accept too, the state unchanged.
         const kept = new Set(reference);
+        // maskedArgmax checks the bound per token instead of on the mask: the best allowed token of a row whose top
+        // values sit on the tokens only the bound refuses.
+        for (let id = 0; id < row.length; id++) row[id] = rng.nextFloat();
+        for (const id of grammarAllows) if (!kept.has(id)) row[id] = 100;
+        const best = ours.reduce((at, id) => (at < 0 || row[id]! > row[at]! ? id : at), -1);
+        assert.equal(guided.maskedArgmax(row), best, `after ${JSON.stringify(text)}: maskedArgmax`);
         const over = grammarAllows.find((id) => !kept.has(id));
         if (over !== undefined) assert.equal(guided.accept(over), false);
         const candidates = ours.filter((id) => !stops.has(id));

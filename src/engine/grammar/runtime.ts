@@ -347,8 +347,11 @@ export class GuidedSequence {
   maskedArgmax(row: Float32Array): number {
     const vocabSize = this.vocabSize;
     const forbidden = this.forbidden;
+    const whitespace = this.whitespace;
     let best = -1;
     let bestValue = -Infinity;
+    // The whitespace bound is checked only on a token that would become the best (a few per row, where restrict()
+    // would look at every allowed token with whitespace).
     this.withMask((words) => {
       // The mask's vector is this call's own copy: the forbidden tokens are cleared in it.
       if (forbidden) for (const id of forbidden) words[id >>> 5]! &= ~(1 << (id & 31));
@@ -360,7 +363,7 @@ export class GuidedSequence {
         if (word === -1 && base + 32 <= vocabSize) {
           for (let id = base; id < base + 32; id++) {
             const value = row[id]!;
-            if (value > bestValue) { bestValue = value; best = id; }
+            if (value > bestValue && (whitespace === undefined || whitespace.fits(id))) { bestValue = value; best = id; }
           }
           continue;
         }
@@ -369,10 +372,10 @@ export class GuidedSequence {
           word &= word - 1;
           if (id >= vocabSize) break;
           const value = row[id]!;
-          if (value > bestValue) { bestValue = value; best = id; }
+          if (value > bestValue && (whitespace === undefined || whitespace.fits(id))) { bestValue = value; best = id; }
         }
       }
-    });
+    }, false);
     return best;
   }
 
@@ -487,11 +490,13 @@ export class GuidedSequence {
     this.handle = null;
   }
 
-  private withMask(use: (words: Int32Array) => void): void {
+  /** Calls `use` with the grammar's mask, the whitespace bound applied to it unless `bounded` is false (the caller
+   * then checks it per token). */
+  private withMask(use: (words: Int32Array) => void, bounded = true): void {
     const vector = this.xg.run('token mask', () => this.handle.GetNextTokenBitmask(this.vocabSize));
     try {
       const words = this.xg.binding.vecIntToView(vector);
-      this.whitespace?.restrict(words);
+      if (bounded) this.whitespace?.restrict(words);
       use(words);
     } finally {
       vector.delete();
