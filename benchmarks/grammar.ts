@@ -27,8 +27,9 @@
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
 //     [--baseline] [--vocabs 32k,128k,152k]
 //
-// --vocabs 32k runs one vocabulary, as a worker holds one: with all three the process's heap is about 200 MB and the
-// 32k case measured 20-50% dearer on noise (more and longer garbage collections during its steps).
+// --vocabs 32k runs one vocabulary, as a worker holds one: with all three loaded (a heap of about 200 MB) the 32k
+// noise case measured 20-50% dearer in the same quiet minutes; the cause was not isolated (the grammar calls timed
+// alone did not slow down beside a second vocabulary's runtime).
 
 import { existsSync } from 'node:fs';
 import { join } from 'node:path';
