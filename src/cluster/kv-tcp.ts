@@ -65,7 +65,7 @@ import { readSync } from 'node:fs';
 import net from 'node:net';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
-import { kvChecksum, kvChecksumCopy } from './kv-checksum.ts';
+import { KvChecksumBatch, kvChecksum, kvChecksumCopy } from './kv-checksum.ts';
 import { kvHostId, ShmRegion, shmRingBytes, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
@@ -905,13 +905,13 @@ export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOp
 
 /**
  * The decode side's end of a connection to a prefill worker's KV port, kept alive between transfers. Its bytes go
- * to the transfer using it (sink); an idle one is unreferenced (it keeps no process alive) and closed after IDLE_MS.
+ * to the transfer using it (receiver); an idle one is unreferenced (it keeps no process alive) and closed after
+ * IDLE_MS.
  */
 class KvConnection {
   readonly socket: net.Socket;
-  /** The current transfer's parser, and what it does when the connection fails. */
-  sink: ((chunk: Buffer) => void) | null = null;
-  onEnd: ((error: Error | null) => void) | null = null;
+  /** The current transfer: it parses the bytes, and learns when the connection fails. */
+  receiver: Receiver | null = null;
   /** The connection's shared-memory ring, once a transfer named it; positions consumed and credited so far. */
   ring: ShmRegion | null = null;
   ringSize = 0;
@@ -925,15 +925,15 @@ class KvConnection {
   constructor(readonly key: string, host: string, port: number, readBuffer: Buffer) {
     this.socket = net.connect({
       host, port,
-      onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { this.bytes((buffer as Buffer).subarray(0, n)); return true; } },
+      onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { this.bytes(buffer as Buffer, n); return true; } },
     });
     this.socket.setNoDelay(true);
     this.socket.on('error', (error) => this.end(error));
     this.socket.on('close', () => this.end(null));
   }
 
-  private bytes(chunk: Buffer): void {
-    if (this.sink) this.sink(chunk);
+  private bytes(buffer: Buffer, n: number): void {
+    if (this.receiver) this.receiver.bytes(buffer, n);
     else this.destroy(); // nothing may come between transfers
   }
 
@@ -944,10 +944,9 @@ class KvConnection {
     dropIdle(this);
     this.ring?.close();
     this.ring = null;
-    const onEnd = this.onEnd;
-    this.onEnd = null;
-    this.sink = null;
-    onEnd?.(error ?? new Error('the connection closed'));
+    const receiver = this.receiver;
+    this.receiver = null;
+    receiver?.connectionEnded(error ?? new Error('the connection closed'));
   }
 
   destroy(): void {
@@ -970,8 +969,7 @@ function dropIdle(connection: KvConnection): void {
 
 /** A transfer ended cleanly on the connection: kept for the next one to the same worker (or closed, past the limit). */
 function keepIdle(connection: KvConnection): void {
-  connection.sink = null;
-  connection.onEnd = null;
+  connection.receiver = null;
   if (connection.closed) return;
   const list = idleConnections.get(connection.key) ?? [];
   if (list.length >= MAX_IDLE_PER_PEER) return connection.destroy();
@@ -1002,181 +1000,340 @@ export function closeIdleKvConnections(to?: { host: string; port: number }): voi
   }
 }
 
-function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
-  const view = options.destination;
-  const { requestId, destinationBlockIds: destinations, layers } = descriptor;
-  const first = descriptor.firstBlock ?? 0;
-  const runBytes = kvBlockRunBytes(view.layout);
-  const pool = new Uint8Array(view.pool);
-  const positions = destinations.length;
-  const numLayers = layers[1] - layers[0];
-  const covered = new Uint8Array(positions * numLayers * 2);
-  let numCovered = 0;
-  const positionOf = new Map<number, number>();
-  destinations.forEach((id, p) => positionOf.set(id, p));
-  const started = performance.now();
-  const hostId = options.link === 'tcp' ? null : kvHostId();
-  const direct = receiveMode() === 'direct';
-  const uncached = !direct && uncachedCopy(destinations.length * (layers[1] - layers[0]) * 2 * kvBlockRunBytes(view.layout));
-  let settle!: { resolve: (r: KvPullResult) => void; reject: (e: Error) => void };
-  const result = new Promise<KvPullResult>((resolve, reject) => { settle = { resolve, reject }; });
-  let settled = false;
-  let timer: NodeJS.Timeout | undefined;
-  let link: KvLink = 'tcp';
-  let runs = 0;
-  let bytes = 0;
+/**
+ * The checksum-and-copy of the run pieces one read holds, made in one native call at the end of the read (or before a
+ * control frame, or a credit): from the read buffer into the pool, and from the ring into the pool. A read is used
+ * up before the callback returns, so one pair serves every transfer of the process.
+ */
+const readBatch = new KvChecksumBatch();
+const ringBatch = new KvChecksumBatch();
+/**
+ * The runs whose last piece is in the batches, to check once they ran: per run its batch (0 read, 1 ring), index
+ * there, expected CRC-32C, run number and layer.
+ */
+const pendingChecks: number[] = [];
+
+/** What the decode side's parser waits for. */
+type ReceiveState = 0 | 1 | 2; // 0 a frame's header, 1 a run's bytes, 2 a control frame
+const HEAD = 0;
+const BODY = 1;
+const JSON_BODY = 2;
+
+/** A transfer on the decode side: parses its connection's bytes into the destination blocks, checking each run. */
+class Receiver implements KvTransferHandle {
+  readonly result: Promise<KvPullResult>;
+  private resolve!: (result: KvPullResult) => void;
+  private reject!: (error: Error) => void;
+  private readonly requestId: string;
+  private readonly destinations: readonly number[];
+  private readonly layers: readonly [number, number];
+  private readonly first: number;
+  private readonly view: KvPoolView;
+  private readonly pool: Uint8Array;
+  private readonly runBytes: number;
+  private readonly positions: number;
+  /** A (position, layer, K|V) came: 1. */
+  private readonly covered: Uint8Array;
+  private numCovered = 0;
+  /** Destination id -> position, made only for a run that is not where the descriptor's order puts it. */
+  private positionOf: Map<number, number> | undefined;
+  /** The position after the last run: the next run's, in the order the prefill side sends them. */
+  private nextPosition = 0;
+  private readonly started = performance.now();
+  private readonly direct: boolean;
+  private readonly uncached: boolean;
+  private settled = false;
+  private timer: NodeJS.Timeout | undefined;
+  private link: KvLink = 'tcp';
+  private runs = 0;
+  private bytesIn = 0;
   /** Anything came back on this connection for this transfer (a kept-alive one that closed before: retried once). */
-  let answered = false;
+  private answered = false;
+  private reused: boolean;
+  private connection: KvConnection;
+  private readonly key: string;
+  private readonly askFrame: Buffer;
+  private readonly options: KvPullOptions;
+  private readonly signal: AbortSignal | undefined;
+  private abortListener: (() => void) | undefined;
 
-  // Parser state: a frame header (5 bytes, then a run's header), a run's bytes, or a JSON frame.
-  const head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
-  let headHave = 0;
-  let headNeed = 5;
-  let state: 'head' | 'body' | 'json' = 'head';
-  let frameLength = 0;
-  let bodyAt = 0;
-  let bodyLeft = 0;
-  let bodyCrc = 0;
-  let bodyChecksum = 0;
-  let bodyMark = 0;
-  let json: Buffer[] = [];
-  let jsonLeft = 0;
-  /** Set by kv-done: the connection goes back to the pool once the chunk that carried it is used up. */
-  let doneCleanly = false;
+  // Parser state: a frame header (5 bytes, then a run's header), a run's bytes, or a control frame.
+  private readonly head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
+  private headHave = 0;
+  private headNeed = 5;
+  private state: ReceiveState = HEAD;
+  private frameLength = 0;
+  private bodyAt = 0;
+  private bodyLeft = 0;
+  private bodyCrc = 0;
+  private bodyChecksum = 0;
+  private json: Buffer[] = [];
+  private jsonLeft = 0;
+  /** Set by kv-done: the connection goes back to the pool once the read that carried it is used up. */
+  private doneCleanly = false;
 
-  const finish = (error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }) => {
-    if (settled) return;
-    settled = true;
-    clearTimeout(timer);
-    options.signal?.removeEventListener('abort', onAbort);
+  constructor(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions) {
+    this.options = options;
+    this.view = options.destination;
+    this.requestId = descriptor.requestId;
+    this.destinations = descriptor.destinationBlockIds;
+    this.layers = descriptor.layers;
+    this.first = descriptor.firstBlock ?? 0;
+    this.runBytes = kvBlockRunBytes(this.view.layout);
+    this.pool = new Uint8Array(this.view.pool);
+    this.positions = this.destinations.length;
+    this.covered = new Uint8Array(this.positions * (this.layers[1] - this.layers[0]) * 2);
+    this.direct = receiveMode() === 'direct';
+    this.uncached = !this.direct && uncachedCopy(this.covered.length * this.runBytes);
+    this.result = new Promise<KvPullResult>((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
+    const hostId = options.link === 'tcp' ? null : kvHostId();
+    this.key = `${options.host}:${options.port}:${options.clusterToken}`;
+    this.askFrame = encodeJsonFrame(hostId ? { ...ask, hostId } : ask);
+    // 'direct' reads need a connection of their own (its read buffer is the small one).
+    const idle = this.direct ? undefined : takeIdle(this.key);
+    this.reused = idle !== undefined;
+    if (idle) {
+      this.connection = idle;
+      kvConnectionStats.reused++;
+      idle.receiver = this;
+      idle.transfers++;
+      idle.socket.write(this.askFrame);
+    } else {
+      this.connection = this.open();
+    }
+    this.signal = options.signal;
+    if (this.signal?.aborted) this.aborted();
+    else if (this.signal) {
+      this.abortListener = () => this.aborted();
+      this.signal.addEventListener('abort', this.abortListener, { once: true });
+    }
+  }
+
+  cancel(why: string): void {
+    this.finish(new KvTransferError('cancelled', `KV transfer of ${this.requestId} cancelled: ${why}`));
+  }
+
+  deadline(ms: number): void {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.finish(new KvTransferError('timeout', `KV transfer of ${this.requestId} took over ${ms} ms`)), ms);
+  }
+
+  private aborted(): void {
+    this.finish(new KvTransferError('aborted', `KV transfer of ${this.requestId} aborted after ${this.runs} runs`));
+  }
+
+  /** A new connection, the hello and the descriptor in one write (the prefill side reads both at once). */
+  private open(): KvConnection {
+    // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
+    const readBuffer = this.direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
+    const fresh = new KvConnection(this.key, this.options.host, this.options.port, readBuffer);
+    kvConnectionStats.opened++;
+    fresh.receiver = this;
+    fresh.transfers++;
+    fresh.socket.on('connect', () => {
+      fresh.socket.write(Buffer.concat([encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: this.options.clusterToken }), this.askFrame]));
+    });
+    return fresh;
+  }
+
+  private finish(error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }): void {
+    if (this.settled) return;
+    this.settled = true;
+    clearTimeout(this.timer);
+    if (this.abortListener) this.signal!.removeEventListener('abort', this.abortListener);
     if (error) {
       // Whatever of the transfer is still on its way must not reach another: the connection goes.
-      connection.onEnd = null;
-      connection.destroy();
-      error.link ??= link;
-      settle.reject(error);
+      this.connection.receiver = null;
+      this.connection.destroy();
+      error.link ??= this.link;
+      this.reject(error);
     } else {
-      doneCleanly = true;
-      settle.resolve({
-        bytes, blocks: positions, runs, ms: performance.now() - started, link, sourceBlockIds: done!.sourceBlockIds,
-        overlapMs: done!.overlapMs,
+      this.doneCleanly = true;
+      this.resolve({
+        bytes: this.bytesIn, blocks: this.positions, runs: this.runs, ms: performance.now() - this.started, link: this.link,
+        sourceBlockIds: done!.sourceBlockIds, overlapMs: done!.overlapMs,
       });
     }
-  };
-  const fail = (reason: KvTransferFailure, message: string): never => {
-    throw new KvTransferError(reason, `KV transfer of ${requestId}: ${message}`);
-  };
+  }
+
+  private fail(reason: KvTransferFailure, message: string): never {
+    throw new KvTransferError(reason, `KV transfer of ${this.requestId}: ${message}`);
+  }
+
+  /** The connection closed or failed. */
+  connectionEnded(error: Error): void {
+    // A kept-alive connection the prefill side had closed meanwhile: the same descriptor once more on a new one.
+    if (!this.settled && !this.answered && this.reused) {
+      this.reused = false;
+      this.connection = this.open();
+      return;
+    }
+    this.finish(new KvTransferError(this.runs === 0 && this.bytesIn === 0 && !this.answered ? 'connect' : 'truncated',
+      `KV transfer of ${this.requestId}: ${error.message} after ${this.runs} runs (${this.numCovered} of ${this.covered.length} block layers)`));
+  }
+
+  /** Where destination block `destination` is in the descriptor: where the order says, else looked up. */
+  private positionOfBlock(destination: number): number | undefined {
+    const destinations = this.destinations;
+    if (destinations[this.nextPosition] === destination) return this.nextPosition;
+    if (destinations[0] === destination) return 0;
+    if (!this.positionOf) {
+      this.positionOf = new Map();
+      for (let p = 0; p < destinations.length; p++) this.positionOf.set(destinations[p]!, p);
+    }
+    return this.positionOf.get(destination);
+  }
 
   /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or copy them from the ring (shm). */
-  const startRun = (): void => {
+  private startRun(): void {
+    const head = this.head;
     const layer = head.readUInt16BE(5);
     const kv = head[7]!;
     const destination = head.readUInt32BE(9);
     const count = head.readUInt32BE(13);
     const byteLength = head.readUInt32BE(17);
-    const position = positionOf.get(destination);
+    const { layers, positions, destinations } = this;
+    const position = this.positionOfBlock(destination);
     if (layer < layers[0] || layer >= layers[1] || kv > 1 || count < 1 || position === undefined || position + count > positions) {
-      fail('unexpected-run', `run ${runs} (layer ${layer}/${kv}, block ${destination}x${count}) is not in the descriptor`);
+      this.fail('unexpected-run', `run ${this.runs} (layer ${layer}/${kv}, block ${destination}x${count}) is not in the descriptor`);
     }
     for (let i = 1; i < count; i++) {
-      if (destinations[position! + i] !== destination + i) fail('unexpected-run', `run ${runs}: blocks ${destination}x${count} are not consecutive destinations`);
+      if (destinations[position + i] !== destination + i) this.fail('unexpected-run', `run ${this.runs}: blocks ${destination}x${count} are not consecutive destinations`);
     }
-    if (byteLength !== count * runBytes) fail('length', `run ${runs}: header says ${byteLength} bytes, expected ${count * runBytes}`);
-    bodyMark = ((layer - layers[0]) * 2 + kv) * positions + position!;
-    bodyAt = runOffset(view, layer, kv, destination);
-    bodyLeft = byteLength;
-    bodyChecksum = head.readUInt32BE(21);
-    bodyCrc = 0;
+    if (byteLength !== count * this.runBytes) this.fail('length', `run ${this.runs}: header says ${byteLength} bytes, expected ${count * this.runBytes}`);
+    this.nextPosition = position + count;
+    // Covered now, checked when its bytes are (before anything reads the coverage: a control frame, or the end).
+    const mark = ((layer - layers[0]) * 2 + kv) * positions + position;
+    for (let i = 0; i < count; i++) {
+      if (this.covered[mark + i] === 0) {
+        this.covered[mark + i] = 1;
+        this.numCovered++;
+      }
+    }
+    this.bodyAt = runOffset(this.view, layer, kv, destination);
+    this.bodyLeft = byteLength;
+    this.bodyChecksum = head.readUInt32BE(21);
+    this.bodyCrc = 0;
     if (head[4] === FRAME_KV_RUN) {
-      if (frameLength !== 1 + RUN_HEADER_BYTES + byteLength) fail('length', `run ${runs}: frame of ${frameLength} bytes for ${byteLength} bytes of KV`);
-      state = 'body';
+      if (this.frameLength !== 1 + RUN_HEADER_BYTES + byteLength) this.fail('length', `run ${this.runs}: frame of ${this.frameLength} bytes for ${byteLength} bytes of KV`);
+      this.state = BODY;
       return;
     }
+    const connection = this.connection;
     const ring = connection.ring;
-    if (link !== 'shm' || !ring) fail('unexpected-run', 'a shared-memory run on the tcp link');
+    if (this.link !== 'shm' || !ring) this.fail('unexpected-run', 'a shared-memory run on the tcp link');
     const at = head.readUInt32BE(29) * 2 ** 32 + head.readUInt32BE(33);
     const size = connection.ringSize;
     if (at < connection.consumed || (at % size) + byteLength > size) {
-      fail('unexpected-run', `run ${runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
+      this.fail('unexpected-run', `run ${this.runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
     }
-    // Checksummed on the way from the ring into the block: the bytes are read once.
-    bodyCrc = kvChecksumCopy(ring!.bytes.subarray(at % size, (at % size) + byteLength), pool, bodyAt, 0, uncached);
-    bodyLeft = 0;
+    // Checksummed on the way from the ring into the block (the bytes are read once), with the read's other runs.
+    this.endRun(1, ringBatch.add(at % size, this.bodyAt, byteLength), byteLength);
+    this.bodyLeft = 0;
     connection.consumed = at + byteLength;
     if (connection.consumed - connection.credited >= size / 4) {
+      // The space goes back only once its runs are copied out.
+      this.runBatches();
       connection.credited = connection.consumed;
       connection.socket.write(encodeJsonFrame({ t: 'kv-credit', upTo: connection.consumed }));
     }
-    endRun(count);
-  };
-  const endRun = (count = head.readUInt32BE(13)): void => {
-    if (bodyCrc !== bodyChecksum) fail('checksum', `run ${runs} (layer ${head.readUInt16BE(5)}): checksum mismatch`);
-    for (let i = 0; i < count; i++) {
-      if (covered[bodyMark + i] === 0) {
-        covered[bodyMark + i] = 1;
-        numCovered++;
-      }
+  }
+
+  /** A run's last piece is in a batch: its checksum is checked when the batch has run. */
+  private endRun(batch: 0 | 1, index: number, byteLength: number): void {
+    pendingChecks.push(batch, index, this.bodyChecksum, this.runs, this.head.readUInt16BE(5));
+    this.bytesIn += byteLength;
+    this.runs++;
+    this.state = HEAD;
+  }
+
+  /** Copies what the batches hold into the blocks and checks the runs that ended in them. */
+  private runBatches(): void {
+    if (readBatch.count > 0) readBatch.run(this.readSource!, this.pool, this.uncached);
+    if (ringBatch.count > 0) ringBatch.run(this.connection.ring!.bytes, this.pool, this.uncached);
+    if (this.partialIndex >= 0) this.bodyCrc = readBatch.crc(this.partialIndex);
+    this.partialIndex = -1;
+    let mismatch = -1;
+    for (let i = 0; i < pendingChecks.length && mismatch < 0; i += 5) {
+      const crc = (pendingChecks[i] === 0 ? readBatch : ringBatch).crc(pendingChecks[i + 1]!);
+      if (crc !== pendingChecks[i + 2]) mismatch = i;
     }
-    bytes += count * runBytes;
-    runs++;
-    state = 'head';
-  };
-  const control = (payload: Buffer): void => {
+    readBatch.clear();
+    ringBatch.clear();
+    const run = pendingChecks[mismatch + 3];
+    const layer = pendingChecks[mismatch + 4];
+    pendingChecks.length = 0;
+    if (mismatch >= 0) this.fail('checksum', `run ${run} (layer ${layer}): checksum mismatch`);
+  }
+
+  /** The read being parsed (the batches' source), and the batch index of a run's piece that does not end it. */
+  private readSource: Buffer | undefined;
+  private partialIndex = -1;
+
+  private control(payload: Buffer): void {
     const message = parseJsonMessage(payload);
-    if (message.t === 'kv-error') fail('refused', `refused: ${String(message.reason)}`);
+    if (message.t === 'kv-error') this.fail('refused', `refused: ${String(message.reason)}`);
     if (message.t === 'kv-link') {
+      const connection = this.connection;
       if (message.link === 'shm') {
         const name = message.region;
         const size = message.regionBytes;
-        if (typeof name !== 'string' || typeof size !== 'number') fail('link', 'kv-link names no region');
+        if (typeof name !== 'string' || typeof size !== 'number') this.fail('link', 'kv-link names no region');
         if (connection.ring?.name !== name) {
           connection.ring?.close();
           connection.ring = null;
           try {
-            connection.ring = ShmRegion.open(name as string, size as number);
+            connection.ring = ShmRegion.open(name, size);
           } catch (error) {
             // Gone already: the prefill side closed the connection (and removed its region) right after naming it.
             const gone = (error as NodeJS.ErrnoException).code === 'ENOENT';
-            fail(gone ? 'truncated' : 'link', `cannot map the shared-memory ring: ${(error as Error).message}`);
+            this.fail(gone ? 'truncated' : 'link', `cannot map the shared-memory ring: ${(error as Error).message}`);
           }
-          connection.ringSize = size as number;
+          connection.ringSize = size;
           connection.consumed = 0;
           connection.credited = 0;
         }
-        link = 'shm';
+        this.link = 'shm';
       } else {
-        link = 'tcp';
+        this.link = 'tcp';
       }
       return;
     }
-    if (message.t !== 'kv-done') fail('unexpected-run', `unexpected message ${String(message.t)}`);
-    if (numCovered !== covered.length || message.bytes !== bytes) {
-      fail('truncated', `done with ${numCovered} of ${covered.length} block layers (${bytes} bytes, the prefill side says ${String(message.bytes)})`);
+    if (message.t !== 'kv-done') this.fail('unexpected-run', `unexpected message ${String(message.t)}`);
+    if (this.numCovered !== this.covered.length || message.bytes !== this.bytesIn) {
+      this.fail('truncated', `done with ${this.numCovered} of ${this.covered.length} block layers (${this.bytesIn} bytes, the prefill side says ${String(message.bytes)})`);
     }
     const sources = message.sourceBlockIds;
-    if (!Array.isArray(sources) || sources.length !== first + positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
-      fail('unexpected-run', 'kv-done does not name a source block per position');
+    if (!Array.isArray(sources) || sources.length !== this.first + this.positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
+      this.fail('unexpected-run', 'kv-done does not name a source block per position');
     }
-    const number = (value: unknown) => (typeof value === 'number' && Number.isFinite(value) && value >= 0 ? value : 0);
-    finish(null, { sourceBlockIds: sources as number[], overlapMs: number(message.overlapMs) });
-  };
+    const overlapMs = message.overlapMs;
+    this.finish(null, {
+      sourceBlockIds: sources as number[],
+      overlapMs: typeof overlapMs === 'number' && Number.isFinite(overlapMs) && overlapMs >= 0 ? overlapMs : 0,
+    });
+  }
 
   /**
    * Reads the rest of the current run from the socket straight into its destination block, as far as the kernel
    * has bytes (the next bytes of the stream are the run's: the read buffer was used up). No copy through the read
    * buffer; the checksum is taken of what landed, while it is in cache.
    */
-  const readDirect = (): void => {
-    const fd = directFd();
-    if (fd < 0) return;
+  private readDirect(): void {
+    const fd = (this.connection.socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd;
+    if (typeof fd !== 'number' || !Number.isInteger(fd) || fd < 0) return;
+    const pool = this.pool;
     // Bounded per turn of the event loop: the rest comes at the next.
-    for (let budget = DIRECT_READ_BUDGET; bodyLeft > 0 && budget > 0;) {
+    for (let budget = DIRECT_READ_BUDGET; this.bodyLeft > 0 && budget > 0;) {
       let n: number;
       // The usual end of this loop is EAGAIN, an exception: without a stack trace it costs little.
       const stackTraceLimit = Error.stackTraceLimit;
       Error.stackTraceLimit = 0;
       try {
-        n = readSync(fd, pool, bodyAt, bodyLeft, null);
+        n = readSync(fd, pool, this.bodyAt, this.bodyLeft, null);
       } catch {
         // EAGAIN: nothing more now. Anything else (a reset): the socket's own read reports it.
         return;
@@ -1184,146 +1341,119 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
         Error.stackTraceLimit = stackTraceLimit;
       }
       if (n === 0) return; // end of stream: the socket's own read sees it too
-      bodyCrc = kvChecksum(pool.subarray(bodyAt, bodyAt + n), bodyCrc);
-      bodyAt += n;
-      bodyLeft -= n;
+      this.bodyCrc = kvChecksum(pool.subarray(this.bodyAt, this.bodyAt + n), this.bodyCrc);
+      this.bodyAt += n;
+      this.bodyLeft -= n;
       budget -= n;
     }
-  };
-  const directFd = (): number => {
-    const fd = direct ? (connection.socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
-    return typeof fd === 'number' && Number.isInteger(fd) && fd >= 0 ? fd : -1;
-  };
+  }
 
-  const onBytes = (chunk: Buffer): void => {
-    answered = true;
+  /** n bytes arrived at the start of buffer (the connection's read buffer, or a direct one). */
+  bytes(buffer: Buffer, n: number): void {
+    this.answered = true;
+    readBatch.clear();
+    ringBatch.clear();
+    pendingChecks.length = 0;
+    this.readSource = buffer;
+    this.partialIndex = -1;
     let i = 0;
     try {
-      while (i < chunk.length && !settled) {
-        if (state === 'body') {
-          const take = Math.min(bodyLeft, chunk.length - i);
-          // Checksummed and copied into its block in one pass, while the read buffer is in cache.
-          bodyCrc = kvChecksumCopy(chunk.subarray(i, i + take), pool, bodyAt, bodyCrc, uncached);
-          bodyAt += take;
-          bodyLeft -= take;
+      while (i < n && !this.settled) {
+        if (this.state === BODY) {
+          const take = Math.min(this.bodyLeft, n - i);
+          const index = readBatch.add(i, this.bodyAt, take, this.bodyCrc);
+          this.bodyAt += take;
+          this.bodyLeft -= take;
           i += take;
-          // 'direct': the chunk is used up inside a run, so what the socket holds next is this run's, read straight
-          // into its block.
-          if (bodyLeft > 0 && direct) readDirect();
-          if (bodyLeft === 0) endRun();
+          if (this.bodyLeft > 0) {
+            // The read is used up inside a run: its CRC so far comes out of the batch, for the next read's piece.
+            this.partialIndex = index;
+            if (this.direct) {
+              // 'direct': what the socket holds next is this run's, read straight into its block.
+              this.runBatches();
+              this.readDirect();
+              if (this.bodyLeft === 0) {
+                pendingChecks.push(0, readBatch.add(0, 0, 0, this.bodyCrc), this.bodyChecksum, this.runs, this.head.readUInt16BE(5));
+                this.bytesIn += this.head.readUInt32BE(17);
+                this.runs++;
+                this.state = HEAD;
+              }
+            }
+          } else {
+            this.endRun(0, index, this.head.readUInt32BE(17));
+          }
           continue;
         }
-        if (state === 'json') {
-          const take = Math.min(jsonLeft, chunk.length - i);
-          if (json.length === 0 && take === jsonLeft) {
+        if (this.state === JSON_BODY) {
+          const take = Math.min(this.jsonLeft, n - i);
+          // Everything before the control frame is copied and checked first (kv-done reads the coverage).
+          this.runBatches();
+          if (this.json.length === 0 && take === this.jsonLeft) {
             // The whole message is in this read (the usual case): parsed from the read buffer, before its next read.
-            jsonLeft = 0;
+            this.jsonLeft = 0;
             i += take;
-            state = 'head';
-            control(chunk.subarray(i - take, i));
+            this.state = HEAD;
+            this.control(buffer.subarray(i - take, i));
             continue;
           }
-          json.push(Buffer.from(chunk.subarray(i, i + take)));
-          jsonLeft -= take;
+          this.json.push(Buffer.from(buffer.subarray(i, i + take)));
+          this.jsonLeft -= take;
           i += take;
-          if (jsonLeft === 0) {
-            state = 'head';
-            control(Buffer.concat(json));
-            json = [];
+          if (this.jsonLeft === 0) {
+            this.state = HEAD;
+            const payload = Buffer.concat(this.json);
+            this.json = [];
+            this.control(payload);
           }
           continue;
         }
-        const take = Math.min(headNeed - headHave, chunk.length - i);
-        chunk.copy(head, headHave, i, i + take);
-        headHave += take;
+        const take = Math.min(this.headNeed - this.headHave, n - i);
+        buffer.copy(this.head, this.headHave, i, i + take);
+        this.headHave += take;
         i += take;
-        if (headHave < headNeed) break;
-        if (headNeed === 5) {
-          frameLength = head.readUInt32BE(0);
-          const kind = head[4]!;
+        if (this.headHave < this.headNeed) break;
+        if (this.headNeed === 5) {
+          this.frameLength = this.head.readUInt32BE(0);
+          const kind = this.head[4]!;
           if (kind === FRAME_KV_RUN) {
-            if (frameLength < 1 + RUN_HEADER_BYTES) fail('length', `run frame of ${frameLength} bytes`);
-            headNeed = 5 + RUN_HEADER_BYTES;
+            if (this.frameLength < 1 + RUN_HEADER_BYTES) this.fail('length', `run frame of ${this.frameLength} bytes`);
+            this.headNeed = 5 + RUN_HEADER_BYTES;
           } else if (kind === FRAME_KV_SHM_RUN) {
-            if (frameLength !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) fail('length', `shared-memory run frame of ${frameLength} bytes`);
-            headNeed = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
+            if (this.frameLength !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) this.fail('length', `shared-memory run frame of ${this.frameLength} bytes`);
+            this.headNeed = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
           } else if (kind === FRAME_JSON) {
-            if (frameLength < 2 || frameLength > MAX_CONTROL_BYTES) fail('length', `control frame of ${frameLength} bytes`);
-            jsonLeft = frameLength - 1;
-            headHave = 0;
-            state = 'json';
+            if (this.frameLength < 2 || this.frameLength > MAX_CONTROL_BYTES) this.fail('length', `control frame of ${this.frameLength} bytes`);
+            this.jsonLeft = this.frameLength - 1;
+            this.headHave = 0;
+            this.state = JSON_BODY;
           } else {
-            fail('unexpected-run', `unexpected frame of kind ${kind} after ${runs} runs`);
+            this.fail('unexpected-run', `unexpected frame of kind ${kind} after ${this.runs} runs`);
           }
           continue;
         }
-        headHave = 0;
-        headNeed = 5;
-        startRun();
+        this.headHave = 0;
+        this.headNeed = 5;
+        this.startRun();
       }
+      if (!this.settled) this.runBatches();
     } catch (error) {
-      finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
+      readBatch.clear();
+      ringBatch.clear();
+      pendingChecks.length = 0;
+      this.finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
       return;
     }
-    if (doneCleanly) {
+    if (this.doneCleanly) {
       // Nothing may follow kv-done before the next descriptor: a connection that says more is not kept.
       // ('direct' connections have the small read buffer: not kept for others.)
-      if (i < chunk.length || direct) connection.destroy();
-      else keepIdle(connection);
+      if (i < n || this.direct) this.connection.destroy();
+      else keepIdle(this.connection);
     }
-  };
-
-  const onEnd = (error: Error | null): void => {
-    // A kept-alive connection the prefill side had closed meanwhile: the same descriptor once more on a new one.
-    if (!settled && !answered && reused) {
-      reused = false;
-      connection = open();
-      return;
-    }
-    finish(new KvTransferError(runs === 0 && bytes === 0 && !answered ? 'connect' : 'truncated',
-      `KV transfer of ${requestId}: ${error?.message ?? 'the connection closed'} after ${runs} runs (${numCovered} of ${covered.length} block layers)`));
-  };
-  const key = `${options.host}:${options.port}:${options.clusterToken}`;
-  const ask2 = encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) });
-  /** A new connection, the hello and the descriptor in one write (the prefill side reads both at once). */
-  const open = (): KvConnection => {
-    // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
-    const readBuffer = direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
-    const fresh = new KvConnection(key, options.host, options.port, readBuffer);
-    kvConnectionStats.opened++;
-    fresh.sink = onBytes;
-    fresh.onEnd = onEnd;
-    fresh.transfers++;
-    fresh.socket.on('connect', () => {
-      fresh.socket.write(Buffer.concat([encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }), ask2]));
-    });
-    return fresh;
-  };
-  // 'direct' reads need a connection of their own (its read buffer is the small one).
-  const idle = direct ? undefined : takeIdle(key);
-  let reused = idle !== undefined;
-  let connection: KvConnection;
-  if (idle) {
-    connection = idle;
-    kvConnectionStats.reused++;
-    connection.sink = onBytes;
-    connection.onEnd = onEnd;
-    connection.transfers++;
-    connection.socket.write(ask2);
-  } else {
-    connection = open();
   }
-  const onAbort = () => finish(new KvTransferError('aborted', `KV transfer of ${requestId} aborted after ${runs} runs`));
-  if (options.signal?.aborted) onAbort();
-  else options.signal?.addEventListener('abort', onAbort, { once: true });
-  return {
-    result,
-    cancel: (why) => finish(new KvTransferError('cancelled', `KV transfer of ${requestId} cancelled: ${why}`)),
-    deadline: (ms) => {
-      clearTimeout(timer);
-      timer = setTimeout(() => finish(new KvTransferError('timeout', `KV transfer of ${requestId} took over ${ms} ms`)), ms);
-    },
-  };
+}
+
+function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
+  return new Receiver(ask, descriptor, options);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
