@@ -65,7 +65,7 @@ import { readSync } from 'node:fs';
 import net from 'node:net';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
-import { KvChecksumBatch, kvChecksum, kvChecksumCopy } from './kv-checksum.ts';
+import { KvChecksumBatch, kvChecksum } from './kv-checksum.ts';
 import { kvHostId, ShmRegion, shmRingBytes, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
@@ -77,6 +77,8 @@ export const FRAME_KV_RUN = 2;
 export const FRAME_KV_SHM_RUN = 3;
 const RUN_HEADER_BYTES = 24;
 const SHM_OFFSET_BYTES = 8;
+/** A shared-memory run's frame: frame header, run header, ring position. */
+const SHM_RUN_FRAME_BYTES = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
 const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
 /**
  * How the decode side takes a run's bytes off the socket. 'copy' (the default): the kernel copies them into one
@@ -118,6 +120,15 @@ const PACK_RUN_BYTES = 16 << 10;
 const PACK_BUFFER_BYTES = SEND_FRAME_BYTES + (SEND_FRAME_BYTES >> 2);
 const freePackBuffers: Buffer[] = [];
 const MAX_FREE_PACK_BUFFERS = 8;
+function releasePack(pack: Buffer): void {
+  if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack);
+}
+/**
+ * The checksum-and-copy of a pack's runs, made in one native call when the pack is written: one per process (a
+ * pack is written before its sender returns or waits).
+ */
+const packBatch = new KvChecksumBatch();
+const EMPTY = Buffer.alloc(0);
 /**
  * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain: about
  * the kernel's largest send buffer (4 MiB by default on Linux), so each wait for the socket lets the kernel take
@@ -409,8 +420,17 @@ export class KvTransferServer {
   /** Connections accepted, and transfers started on a connection that had served one before. */
   connections = 0;
   reusedConnections = 0;
+  /** The pool as bytes (the source of every run), and one run's bytes. */
+  private readonly poolBytes: Uint8Array;
+  private readonly runBytes: number;
+  /** The pack being filled by sendFrames: written (and emptied) before sendFrames returns or waits. */
+  private readonly packer: { pack: Buffer | null; packed: number; crcAt: number[]; corruptAt: number } = {
+    pack: null, packed: 0, crcAt: [], corruptAt: -1,
+  };
 
   constructor(private readonly options: KvTransferServerOptions) {
+    this.poolBytes = new Uint8Array(options.pool.pool);
+    this.runBytes = kvBlockRunBytes(options.pool.layout);
     this.server = net.createServer((socket) => this.accept(socket));
   }
 
@@ -653,63 +673,90 @@ export class KvTransferServer {
    * (false: the transfer failed, by a fault or a closed socket), else a promise of the same.
    */
   private send(transfer: Transfer, runs: PlannedRun[]): boolean | Promise<boolean> {
-    const runBytes = kvBlockRunBytes(this.options.pool.layout);
+    const runBytes = this.runBytes;
     // A shared-memory frame is at most a quarter of the ring, so a writer waiting for room always gets it back.
     const perFrame = Math.max(1, Math.floor(Math.min(SEND_FRAME_BYTES, transfer.ring ? transfer.ring.size / 4 : Infinity) / runBytes));
-    const frames: PlannedRun[] = [];
-    for (const run of runs) {
-      for (let offset = 0; offset < run.count; offset += perFrame) {
-        frames.push({ ...run, source: run.source + offset, destination: run.destination + offset, count: Math.min(perFrame, run.count - offset) });
+    let frames = runs;
+    if (runs.some((run) => run.count > perFrame)) {
+      frames = [];
+      for (const run of runs) {
+        if (run.count <= perFrame) {
+          frames.push(run);
+          continue;
+        }
+        for (let offset = 0; offset < run.count; offset += perFrame) {
+          frames.push({ layer: run.layer, kv: run.kv, source: run.source + offset, destination: run.destination + offset, count: Math.min(perFrame, run.count - offset) });
+        }
       }
     }
     transfer.socket.cork();
-    return this.sendFrames(transfer, frames, 0, transfer.busy.begin());
+    return this.sendFrames(transfer, frames, 0, transfer.pullSources ? null : transfer.busy.begin());
   }
 
-  /** send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. */
-  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number }): boolean | Promise<boolean> {
-    const view = this.options.pool;
-    const runBytes = kvBlockRunBytes(view.layout);
-    const { socket, ring } = transfer;
-    const { faults } = this.options;
-    let corked = 0;
-    // Small frames (tcp: header and bytes; shm: the header) are packed into one buffer, so a small transfer is one
-    // write of one buffer instead of a gather of many pieces.
-    const out: { pack: Buffer | null; packed: number } = { pack: null, packed: 0 };
-    const writePack = () => {
-      const { pack } = out;
-      if (pack) {
-        // tcp's packs are reused; shm's (headers only) are small, from Node's own pool.
-        const free = ring ? undefined : () => { if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack); };
-        if (out.packed > 0) socket.write(pack.subarray(0, out.packed), free);
-        else free?.();
-      }
-      out.pack = null;
-      out.packed = 0;
-    };
-    const newPack = (from: number): Buffer => {
-      if (ring) {
-        // The headers up to the next doorbell flush (below: a quarter ring, or a frame's worth, of runs).
-        const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
-        let count = 0;
-        for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * runBytes;
-        out.pack = Buffer.allocUnsafe(Math.max(1, count) * (5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES));
-      } else {
-        out.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
-      }
-      out.packed = 0;
-      return out.pack;
-    };
-    const resume = (wait: Promise<void>, from: number) => wait.then(() => {
-      if (socket.destroyed || transfer.done || transfer.peer.closed) return false;
-      socket.cork();
+  /**
+   * Writes the pack being filled, if any: first the checksum-and-copy of its runs (one native call for all of them:
+   * tcp from the pool into the pack, shm into the ring), then each run's CRC-32C into its header.
+   */
+  private writePack(socket: net.Socket, ring: WriterRing | null): void {
+    const packer = this.packer;
+    const pack = packer.pack;
+    if (!pack) return;
+    const target = ring ? ring.region.bytes : pack;
+    packBatch.run(this.poolBytes, target);
+    for (let j = 0; j < packBatch.count; j++) pack.writeUInt32BE(packBatch.crc(j), packer.crcAt[j]!);
+    if (packer.corruptAt >= 0) target[packer.corruptAt]! ^= 0xff;
+    packBatch.clear();
+    packer.crcAt.length = 0;
+    packer.corruptAt = -1;
+    // tcp's packs are reused once the kernel took them; shm's (headers only) are small, from Node's own pool.
+    if (packer.packed > 0) socket.write(pack.subarray(0, packer.packed), ring ? undefined : () => releasePack(pack));
+    else if (!ring) releasePack(pack);
+    packer.pack = null;
+    packer.packed = 0;
+  }
+
+  /** A pack for frames[from] on: tcp a reused one; shm one for the headers up to the next doorbell flush. */
+  private newPack(frames: readonly PlannedRun[], from: number, ring: WriterRing | null): Buffer {
+    const packer = this.packer;
+    if (ring) {
+      // The headers up to the next doorbell flush (below: a quarter ring, or a frame's worth, of runs).
+      const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
+      let count = 0;
+      for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * this.runBytes;
+      packer.pack = Buffer.allocUnsafe(Math.max(1, count) * (5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES));
+    } else {
+      packer.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
+    }
+    packer.packed = 0;
+    return packer.pack;
+  }
+
+  private resume(transfer: Transfer, wait: Promise<void>, frames: PlannedRun[], from: number, batch: { start: number } | null): Promise<boolean> {
+    return wait.then(() => {
+      if (transfer.socket.destroyed || transfer.done || transfer.peer.closed) return false;
+      transfer.socket.cork();
       return this.sendFrames(transfer, frames, from, batch);
     });
+  }
+
+  /**
+   * send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. Small frames (tcp:
+   * header and bytes; shm: the header) are packed into one buffer, so a small transfer is one write of one buffer
+   * instead of a gather of many pieces, and their bytes are checksummed and copied in one native call when the pack
+   * is written. The pack is always written before this returns or waits.
+   */
+  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number } | null): boolean | Promise<boolean> {
+    const view = this.options.pool;
+    const runBytes = this.runBytes;
+    const { socket, ring } = transfer;
+    const { faults } = this.options;
+    const packer = this.packer;
+    let corked = 0;
     try {
       for (; i < frames.length; i++) {
         const frame = frames[i]!;
         if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
-          writePack();
+          this.writePack(socket, ring);
           socket.uncork();
           socket.destroySoon();
           transfer.done = true;
@@ -717,58 +764,53 @@ export class KvTransferServer {
         }
         if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
           // Nothing more on this transfer, the connection stays open until the decode side closes it.
-          writePack();
+          this.writePack(socket, ring);
           socket.uncork();
           transfer.done = true;
           return false;
         }
         const { count } = frame;
-        const at = runOffset(view, frame.layer, frame.kv, frame.source);
-        const length = count * runBytes;
         // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
         // side has them, so nothing rewrites them while the kernel (or the copy into the ring) reads them.
-        const body: Uint8Array = Buffer.from(view.pool, at, length);
-        let checksum: number;
+        const at = runOffset(view, frame.layer, frame.kv, frame.source);
+        const length = count * runBytes;
+        const corrupt = faults?.corruptRun === this.runsSent;
         let position = 0;
         if (ring) {
           position = ring.head;
           if ((position % ring.size) + length > ring.size) position += ring.size - (position % ring.size);
           if (position + length - ring.tail > ring.size) {
             // No room until the decode side credits what it copied out: it needs the doorbells sent so far.
-            writePack();
+            this.writePack(socket, ring);
             socket.uncork();
-            return resume(new Promise<void>((resolve) => {
+            return this.resume(transfer, new Promise<void>((resolve) => {
               ring.wake = () => {
                 ring.wake = undefined;
                 resolve();
               };
-            }), i);
+            }), frames, i, batch);
           }
-          checksum = kvChecksumCopy(body, ring.region.bytes, position % ring.size);
-          if (faults?.corruptRun === this.runsSent) ring.region.bytes[(position % ring.size) + (length >> 1)]! ^= 0xff;
           ring.head = position + length;
-        } else {
-          checksum = 0; // below: in the same pass as the copy into the pack, or of the pool's bytes
         }
-        const small = ring !== null || length <= PACK_RUN_BYTES;
-        const headerBytes = 5 + RUN_HEADER_BYTES + (ring ? SHM_OFFSET_BYTES : 0);
-        let pack: Buffer | null = null;
-        if (!small) writePack();
-        else if (!out.pack || out.packed + headerBytes + (ring ? 0 : length) > out.pack.length) {
-          writePack();
-          pack = newPack(i);
-        } else {
-          pack = out.pack;
-        }
-        const at0 = out.packed;
-        const header = pack ? pack.subarray(at0, at0 + headerBytes) : Buffer.allocUnsafe(headerBytes);
-        if (!ring) {
-          if (pack) {
-            checksum = kvChecksumCopy(body, pack, at0 + headerBytes);
-            if (faults?.corruptRun === this.runsSent) pack[at0 + headerBytes + (length >> 1)]! ^= 0xff;
-          } else {
-            checksum = kvChecksum(body);
+        const headerBytes = ring ? SHM_RUN_FRAME_BYTES : 5 + RUN_HEADER_BYTES;
+        let header: Buffer;
+        if (ring || length <= PACK_RUN_BYTES) {
+          let pack = packer.pack;
+          if (!pack || packer.packed + headerBytes + (ring ? 0 : length) > pack.length) {
+            this.writePack(socket, ring);
+            pack = this.newPack(frames, i, ring);
           }
+          const at0 = packer.packed;
+          header = pack.subarray(at0, at0 + headerBytes);
+          // The CRC-32C goes in when the pack is written (writePack), of the bytes copied then.
+          packer.crcAt.push(at0 + 21);
+          const to = ring ? position % ring.size : at0 + headerBytes;
+          packBatch.add(at, to, length);
+          if (corrupt) packer.corruptAt = to + (length >> 1);
+          packer.packed += headerBytes + (ring ? 0 : length);
+        } else {
+          this.writePack(socket, ring);
+          header = Buffer.allocUnsafe(headerBytes);
         }
         header.writeUInt32BE(headerBytes - 4 + (ring ? 0 : length), 0);
         header[4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
@@ -778,22 +820,22 @@ export class KvTransferServer {
         header.writeUInt32BE(frame.destination, 9);
         header.writeUInt32BE(count, 13);
         header.writeUInt32BE(length, 17);
-        header.writeUInt32BE(checksum, 21);
         header.writeUInt32BE(0, 25);
         if (ring) {
           header.writeUInt32BE(Math.floor(position / 2 ** 32), 29);
           header.writeUInt32BE(position % 2 ** 32, 33);
-          out.packed += headerBytes;
-        } else if (pack) {
-          out.packed += headerBytes + length;
-        } else if (faults?.corruptRun === this.runsSent) {
-          const corrupted = Buffer.from(body);
-          corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
+        } else if (length > PACK_RUN_BYTES) {
+          // A large frame goes from the pool itself, checksummed just before the kernel copies it.
+          const body = Buffer.from(view.pool, at, length);
+          header.writeUInt32BE(kvChecksum(body), 21);
           socket.write(header);
-          socket.write(corrupted);
-        } else {
-          socket.write(header);
-          socket.write(body);
+          if (corrupt) {
+            const corrupted = Buffer.from(body);
+            corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
+            socket.write(corrupted);
+          } else {
+            socket.write(body);
+          }
         }
         corked += length;
         this.runsSent++;
@@ -803,25 +845,30 @@ export class KvTransferServer {
         // one write (each write costs the loopback's delivery, some 20 us), so the decode side copies that quarter out
         // while the next is copied in.
         if (corked >= (ring ? ring.size / 4 : SEND_FRAME_BYTES)) {
-          writePack();
+          this.writePack(socket, ring);
           flushCorked(socket);
           corked = 0;
           if (socket.writableLength >= SEND_AHEAD_BYTES) {
             socket.uncork();
-            return resume(drained(socket), i + 1);
+            return this.resume(transfer, drained(socket), frames, i + 1, batch);
           }
         }
       }
+      this.writePack(socket, ring);
     } catch (error) {
+      packBatch.clear();
+      packer.crcAt.length = 0;
+      packer.corruptAt = -1;
+      packer.pack = null;
+      packer.packed = 0;
       socket.uncork();
       this.fail(transfer, `writing the runs failed: ${(error as Error).message}`);
       return false;
     }
-    writePack();
     socket.uncork();
     // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end
     // counts; a pull's is all after it).
-    if (!transfer.pullSources) socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
+    if (batch) socket.write(EMPTY, () => transfer.busy.end(batch, transfer.handedOffAt));
     return true;
   }
 
