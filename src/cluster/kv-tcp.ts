@@ -28,17 +28,18 @@
 // every transfer of its connection. One transfer at a time per connection; concurrent transfers take more
 // connections. A transfer that fails or is cancelled closes its connection (nothing of it can arrive on another).
 //
-// Wire (both directions in frames: 4-byte big-endian length, kind byte, payload):
+// Wire, version 5 (both directions in frames: 4-byte big-endian length, kind byte, payload; the control messages
+// other than kv-hello and kv-error are binary, kind FRAME_KV_CONTROL, their layout in src/cluster/kv-wire.ts):
 //   decode -> prefill  JSON  {t: 'kv-hello', v, token}             once per connection; the cluster token, compared
 //                                                                    in constant time
-//   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to), hostId?}
-//                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, firstBlock?, hostId?}
-//   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', region?, regionBytes?}  (shm: the ring's file and size)
+//   decode -> prefill  CTRL  pull (requestId, layers [from, to), hostId?, source and destination block ids)
+//                         or stream (requestId, layers, hostId?, firstBlock, destination block ids)
+//   prefill -> decode  CTRL  link (tcp | shm, and for shm the ring's file and size)
 //   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run;
 //                                                                      a run over 256 KiB goes as several)
 //                      SHM   header (24 bytes) + ring position (8 bytes) (shm: the bytes are at position mod size)
-//   decode -> prefill  JSON  {t: 'kv-credit', upTo}                   (shm) the ring is free up to this position
-//   prefill -> decode  JSON  {t: 'kv-done', runs, bytes, sourceBlockIds, overlapMs} | {t: 'kv-error', reason}
+//   decode -> prefill  CTRL  credit (upTo)                           (shm) the ring is free up to this position
+//   prefill -> decode  CTRL  done (runs, bytes, overlapMs, source block ids) | JSON {t: 'kv-error', reason}
 //   ... then the next descriptor on the same connection, or the connection closes.
 // A run header: layer u16, kv u8 (0 K, 1 V), reserved u8, destination block u32, count u32, byte length u32, CRC-32C
 // of the bytes u32, reserved u32. The receiver checks each run against the descriptor (its layer, that its
@@ -54,23 +55,29 @@
 // Copies (tcp): the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
 // blocks of a running prefill, which nobody rewrites), each frame checksummed just before it is written and small
 // ones corked together, at most SEND_AHEAD_BYTES queued ahead of the kernel (about its send buffer, so a frame is
-// copied by the kernel within a few MiB of its checksum, from the shared cache). The decode side lets the kernel copy
-// what arrives into one small reused read buffer and moves each run's bytes into its destination block with one
-// native pass that checksums them on the way (kvChecksumCopy): the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks
-// its engine reserved for the request, so nothing copies them again. Copies (shm): the prefill side copies each
-// frame from its pool into the ring and the decode side from the ring into its blocks, each in one native pass that
-// checksums on the way: two copies, no system call but the header's.
+// copied by the kernel within a few MiB of its checksum, from the shared cache); the small frames of a pack are
+// checksummed and copied into it in one native call (KvChecksumBatch) when it is written. The decode side lets the
+// kernel copy what arrives into one small reused read buffer and moves each run's bytes into its destination block
+// with a native pass that checksums them on the way, one call for all the run pieces of a read (KvChecksumBatch):
+// the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks its engine
+// reserved for the request, so nothing copies them again. Copies (shm): the prefill side copies each frame from its
+// pool into the ring and the decode side from the ring into its blocks, each in a native pass that checksums on the
+// way (again one call per pack, and per read of doorbells): two copies, no system call but the header's.
 
 import { readSync } from 'node:fs';
 import net from 'node:net';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
+import {
+  encodeCredit, encodeDescriptor, encodeDone, encodeShmLink, FRAME_KV_CONTROL, KV_CREDIT, KV_DONE, KV_LINK, KV_LINK_TCP_FRAME, KV_PULL,
+  KV_STREAM, parseControl, type KvDescriptorMessage,
+} from './kv-wire.ts';
 import { KvChecksumBatch, kvChecksum } from './kv-checksum.ts';
 import { kvHostId, ShmRegion, shmRingBytes, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
 
-export const KV_TCP_VERSION = 4;
+export const KV_TCP_VERSION = 5;
 /** Frame kind of a KV run with its bytes (the request plane's kinds are 0 and 1). */
 export const FRAME_KV_RUN = 2;
 /** Frame kind of a KV run whose bytes are in the connection's shared-memory ring. */
@@ -359,6 +366,8 @@ interface WriterRing {
   tail: number;
   /** Wakes a writer waiting for room (a credit came, or the connection closed). */
   wake?: () => void;
+  /** The kv-link message naming it (the same for every transfer of the connection). */
+  linkFrame: Buffer;
 }
 
 /** A connection from a decode worker: its transfers one after the other, and its ring once a transfer needs it. */
@@ -515,32 +524,32 @@ export class KvTransferServer {
         peer.ring.wake?.();
       }
     });
-    const reader = new FrameReader(64 * 1024);
+    const reader = new FrameReader(64 * 1024, [FRAME_KV_CONTROL]);
     let authenticated = false;
     const timer = setTimeout(() => this.refuse(socket, 'no hello within 10 s'), 10_000);
     socket.on('data', (chunk: Buffer) => {
       try {
         for (const frame of reader.push(chunk)) {
-          if (frame.kind !== FRAME_JSON) throw new FrameError('the KV port accepts JSON frames only');
-          const message = parseJsonMessage(frame.payload);
           if (!authenticated) {
             clearTimeout(timer);
-            if (message.t !== 'kv-hello' || message.v !== KV_TCP_VERSION) throw new FrameError('expected kv-hello');
+            const message = frame.kind === FRAME_JSON ? parseJsonMessage(frame.payload) : undefined;
+            if (message?.t !== 'kv-hello' || message.v !== KV_TCP_VERSION) throw new FrameError(`expected kv-hello, version ${KV_TCP_VERSION}`);
             if (!tokenMatches(this.options.clusterToken, message.token)) throw new FrameError('wrong cluster token');
             authenticated = true;
             reader.maxFrameBytes = MAX_CONTROL_BYTES;
             continue;
           }
-          if (message.t === 'kv-credit') {
+          if (frame.kind !== FRAME_KV_CONTROL) throw new FrameError('after kv-hello the KV port accepts binary control frames only');
+          const message = parseControl(frame.payload);
+          if (message.type === KV_CREDIT) {
             const ring = peer.ring;
             const upTo = message.upTo;
-            if (!ring || typeof upTo !== 'number' || !Number.isSafeInteger(upTo) || upTo < ring.tail || upTo > ring.head) {
-              throw new FrameError('kv-credit beyond the ring\'s runs');
-            }
+            if (!ring || upTo < ring.tail || upTo > ring.head) throw new FrameError('kv-credit beyond the ring\'s runs');
             ring.tail = upTo;
             ring.wake?.();
             continue;
           }
+          if (message.type !== KV_PULL && message.type !== KV_STREAM) throw new FrameError(`control message ${message.type} is not the decode side's`);
           if (peer.transfer && !peer.transfer.done) throw new FrameError('one transfer at a time per connection');
           if (peer.transfer) {
             this.reusedConnections++;
@@ -554,26 +563,25 @@ export class KvTransferServer {
     });
   }
 
-  private start(peer: Peer, message: { t: string } & Record<string, unknown>): Transfer {
+  private start(peer: Peer, message: KvDescriptorMessage): Transfer {
     const { socket } = peer;
     const view = this.options.pool;
     let transfer: Transfer;
-    if (message.t === 'kv-pull') {
-      const descriptor = checkDescriptor(message, view, 'source');
+    if (message.type === KV_PULL) {
+      const descriptor = checkDescriptor(message as unknown as Record<string, unknown>, view, 'source');
       if (this.options.isPinned && !this.options.isPinned(descriptor.requestId)) {
         throw new FrameError(`request ${descriptor.requestId} has no pinned blocks here`);
       }
       transfer = this.transfer(peer, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId);
       transfer.pullSources = descriptor.sourceBlockIds;
       transfer.handedOffAt = -Infinity;
-    } else if (message.t === 'kv-stream') {
+    } else {
       const requestId = checkRequestId(message.requestId);
       const ended = this.endedLately.get(requestId);
       if (ended && !this.known.has(requestId)) throw new FrameError(`request ${requestId} ${ended.why}`);
-      const destinations = blockIds(message.destinationBlockIds, 'destinationBlockIds', null);
-      const first = message.firstBlock ?? 0;
-      if (!Number.isSafeInteger(first) || (first as number) < 0) throw new FrameError('firstBlock must be a block position');
-      transfer = this.transfer(peer, requestId, destinations, checkLayers(message.layers, view), message.hostId, first as number);
+      const destinations = message.destinationBlockIds;
+      const first = message.firstBlock;
+      transfer = this.transfer(peer, requestId, destinations, checkLayers(message.layers, view), message.hostId, first);
       let set = this.streams.get(requestId);
       if (!set) this.streams.set(requestId, set = new Set());
       set.add(transfer);
@@ -581,21 +589,19 @@ export class KvTransferServer {
         if (!this.known.has(requestId)) this.fail(transfer, `request ${requestId} is not prefilling here`);
       }, UNKNOWN_REQUEST_MS);
       transfer.timer.unref();
-    } else {
-      throw new FrameError(`unknown message type ${JSON.stringify(message.t).slice(0, 40)}`);
     }
     // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows.
     socket.cork();
     const { ring } = transfer;
-    socket.write(encodeJsonFrame({ t: 'kv-link', link: ring ? 'shm' : 'tcp', ...(ring ? { region: ring.region.name, regionBytes: ring.size } : {}) }));
+    socket.write(ring ? ring.linkFrame : KV_LINK_TCP_FRAME);
     this.flush(transfer);
     if (!socket.destroyed) socket.uncork();
     return transfer;
   }
 
-  private transfer(peer: Peer, requestId: string, destinations: number[], layers: [number, number], hostId: unknown,
+  private transfer(peer: Peer, requestId: string, destinations: number[], layers: [number, number], hostId: string | null,
     first = 0): Transfer {
-    const sameHost = this.options.link !== 'tcp' && typeof hostId === 'string' && hostId === kvHostId();
+    const sameHost = this.options.link !== 'tcp' && hostId !== null && hostId === kvHostId();
     return {
       socket: peer.socket, peer, requestId, destinations, layers, first, sent: new Int32Array(destinations.length).fill(-1),
       ring: sameHost ? this.ring(peer) : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
@@ -610,7 +616,7 @@ export class KvTransferServer {
     if (kvBlockRunBytes(this.options.pool.layout) > size / 4) return null;
     const region = ShmRegion.create(size);
     if (!region) return null;
-    peer.ring = { region, size, head: 0, tail: 0 };
+    peer.ring = { region, size, head: 0, tail: 0, linkFrame: encodeShmLink(region.name, size) };
     return peer.ring;
   }
 
@@ -660,7 +666,7 @@ export class KvTransferServer {
     // Right behind the last run: what the link did before the prefill ended (a pull: nothing).
     const overlapMs = transfer.pullSources ? 0 : transfer.busy.beforeAt(transfer.handedOffAt ?? performance.now());
     // The connection stays open for the decode side's next descriptor.
-    transfer.socket.write(encodeJsonFrame({ t: 'kv-done', runs: transfer.runs, bytes: transfer.bytes, sourceBlockIds: sources, overlapMs }));
+    transfer.socket.write(encodeDone(transfer.runs, transfer.bytes, overlapMs, sources));
     this.forget(transfer);
   }
 
@@ -925,7 +931,7 @@ export interface KvTransferHandle {
  */
 export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOptions): Promise<KvPullResult> {
   checkDescriptor(descriptor as unknown as Record<string, unknown>, options.destination, 'destination');
-  const handle = receive({ t: 'kv-pull', ...descriptor }, descriptor, options);
+  const handle = new Receiver(KV_PULL, descriptor.sourceBlockIds, descriptor, options);
   handle.deadline(options.timeoutMs ?? 30_000);
   return handle.result.then((result) => {
     if (result.sourceBlockIds.some((id, i) => id !== descriptor.sourceBlockIds[i])) {
@@ -945,7 +951,7 @@ export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOp
   if (descriptor.firstBlock !== undefined && !(Number.isSafeInteger(descriptor.firstBlock) && descriptor.firstBlock >= 0)) {
     throw new RangeError(`firstBlock must be a block position, got ${descriptor.firstBlock}`);
   }
-  const handle = receive({ t: 'kv-stream', ...descriptor }, descriptor, options);
+  const handle = new Receiver(KV_STREAM, null, descriptor, options);
   if (options.timeoutMs !== undefined) handle.deadline(options.timeoutMs);
   return handle;
 }
@@ -1064,7 +1070,7 @@ const pendingChecks: number[] = [];
 type ReceiveState = 0 | 1 | 2; // 0 a frame's header, 1 a run's bytes, 2 a control frame
 const HEAD = 0;
 const BODY = 1;
-const JSON_BODY = 2;
+const CONTROL = 2;
 
 /** A transfer on the decode side: parses its connection's bytes into the destination blocks, checking each run. */
 class Receiver implements KvTransferHandle {
@@ -1114,12 +1120,14 @@ class Receiver implements KvTransferHandle {
   private bodyLeft = 0;
   private bodyCrc = 0;
   private bodyChecksum = 0;
-  private json: Buffer[] = [];
-  private jsonLeft = 0;
+  /** A control frame's kind (binary or JSON), the pieces of it so far (when split over reads), and what is left of it. */
+  private controlKind = FRAME_KV_CONTROL;
+  private controlPieces: Buffer[] = [];
+  private controlLeft = 0;
   /** Set by kv-done: the connection goes back to the pool once the read that carried it is used up. */
   private doneCleanly = false;
 
-  constructor(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions) {
+  constructor(type: KvDescriptorMessage['type'], sourceBlockIds: number[] | null, descriptor: KvStreamDescriptor, options: KvPullOptions) {
     this.options = options;
     this.view = options.destination;
     this.requestId = descriptor.requestId;
@@ -1138,7 +1146,9 @@ class Receiver implements KvTransferHandle {
     });
     const hostId = options.link === 'tcp' ? null : kvHostId();
     this.key = `${options.host}:${options.port}:${options.clusterToken}`;
-    this.askFrame = encodeJsonFrame(hostId ? { ...ask, hostId } : ask);
+    this.askFrame = encodeDescriptor({
+      type, requestId: this.requestId, layers: descriptor.layers, hostId, sourceBlockIds, destinationBlockIds: this.destinations, firstBlock: this.first,
+    });
     // 'direct' reads need a connection of their own (its read buffer is the small one).
     const idle = this.direct ? undefined : takeIdle(this.key);
     this.reused = idle !== undefined;
@@ -1285,7 +1295,7 @@ class Receiver implements KvTransferHandle {
       // The space goes back only once its runs are copied out.
       this.runBatches();
       connection.credited = connection.consumed;
-      connection.socket.write(encodeJsonFrame({ t: 'kv-credit', upTo: connection.consumed }));
+      connection.socket.write(encodeCredit(connection.consumed));
     }
   }
 
@@ -1320,15 +1330,19 @@ class Receiver implements KvTransferHandle {
   private readSource: Buffer | undefined;
   private partialIndex = -1;
 
-  private control(payload: Buffer): void {
-    const message = parseJsonMessage(payload);
-    if (message.t === 'kv-error') this.fail('refused', `refused: ${String(message.reason)}`);
-    if (message.t === 'kv-link') {
+  /** A control frame's payload: binary (kv-link, kv-done) or, kv-error, JSON. */
+  private control(kind: number, payload: Buffer): void {
+    if (kind === FRAME_JSON) {
+      const message = parseJsonMessage(payload);
+      if (message.t === 'kv-error') this.fail('refused', `refused: ${String(message.reason)}`);
+      this.fail('unexpected-run', `unexpected message ${String(message.t).slice(0, 40)}`);
+    }
+    const message = parseControl(payload);
+    if (message.type === KV_LINK) {
       const connection = this.connection;
       if (message.link === 'shm') {
-        const name = message.region;
+        const name = message.region!;
         const size = message.regionBytes;
-        if (typeof name !== 'string' || typeof size !== 'number') this.fail('link', 'kv-link names no region');
         if (connection.ring?.name !== name) {
           connection.ring?.close();
           connection.ring = null;
@@ -1349,19 +1363,14 @@ class Receiver implements KvTransferHandle {
       }
       return;
     }
-    if (message.t !== 'kv-done') this.fail('unexpected-run', `unexpected message ${String(message.t)}`);
+    if (message.type !== KV_DONE) this.fail('unexpected-run', `unexpected control message ${message.type}`);
     if (this.numCovered !== this.covered.length || message.bytes !== this.bytesIn) {
-      this.fail('truncated', `done with ${this.numCovered} of ${this.covered.length} block layers (${this.bytesIn} bytes, the prefill side says ${String(message.bytes)})`);
+      this.fail('truncated', `done with ${this.numCovered} of ${this.covered.length} block layers (${this.bytesIn} bytes, the prefill side says ${message.bytes})`);
     }
     const sources = message.sourceBlockIds;
-    if (!Array.isArray(sources) || sources.length !== this.first + this.positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
-      this.fail('unexpected-run', 'kv-done does not name a source block per position');
-    }
+    if (sources.length !== this.first + this.positions) this.fail('unexpected-run', 'kv-done does not name a source block per position');
     const overlapMs = message.overlapMs;
-    this.finish(null, {
-      sourceBlockIds: sources as number[],
-      overlapMs: typeof overlapMs === 'number' && Number.isFinite(overlapMs) && overlapMs >= 0 ? overlapMs : 0,
-    });
+    this.finish(null, { sourceBlockIds: sources, overlapMs: Number.isFinite(overlapMs) && overlapMs >= 0 ? overlapMs : 0 });
   }
 
   /**
@@ -1431,26 +1440,26 @@ class Receiver implements KvTransferHandle {
           }
           continue;
         }
-        if (this.state === JSON_BODY) {
-          const take = Math.min(this.jsonLeft, n - i);
+        if (this.state === CONTROL) {
+          const take = Math.min(this.controlLeft, n - i);
           // Everything before the control frame is copied and checked first (kv-done reads the coverage).
           this.runBatches();
-          if (this.json.length === 0 && take === this.jsonLeft) {
+          if (this.controlPieces.length === 0 && take === this.controlLeft) {
             // The whole message is in this read (the usual case): parsed from the read buffer, before its next read.
-            this.jsonLeft = 0;
+            this.controlLeft = 0;
             i += take;
             this.state = HEAD;
-            this.control(buffer.subarray(i - take, i));
+            this.control(this.controlKind, buffer.subarray(i - take, i));
             continue;
           }
-          this.json.push(Buffer.from(buffer.subarray(i, i + take)));
-          this.jsonLeft -= take;
+          this.controlPieces.push(Buffer.from(buffer.subarray(i, i + take)));
+          this.controlLeft -= take;
           i += take;
-          if (this.jsonLeft === 0) {
+          if (this.controlLeft === 0) {
             this.state = HEAD;
-            const payload = Buffer.concat(this.json);
-            this.json = [];
-            this.control(payload);
+            const payload = Buffer.concat(this.controlPieces);
+            this.controlPieces = [];
+            this.control(this.controlKind, payload);
           }
           continue;
         }
@@ -1468,11 +1477,12 @@ class Receiver implements KvTransferHandle {
           } else if (kind === FRAME_KV_SHM_RUN) {
             if (this.frameLength !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) this.fail('length', `shared-memory run frame of ${this.frameLength} bytes`);
             this.headNeed = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
-          } else if (kind === FRAME_JSON) {
+          } else if (kind === FRAME_KV_CONTROL || kind === FRAME_JSON) {
             if (this.frameLength < 2 || this.frameLength > MAX_CONTROL_BYTES) this.fail('length', `control frame of ${this.frameLength} bytes`);
-            this.jsonLeft = this.frameLength - 1;
+            this.controlKind = kind;
+            this.controlLeft = this.frameLength - 1;
             this.headHave = 0;
-            this.state = JSON_BODY;
+            this.state = CONTROL;
           } else {
             this.fail('unexpected-run', `unexpected frame of kind ${kind} after ${this.runs} runs`);
           }
@@ -1499,9 +1509,6 @@ class Receiver implements KvTransferHandle {
   }
 }
 
-function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
-  return new Receiver(ask, descriptor, options);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The handoff on the request plane
