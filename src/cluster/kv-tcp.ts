@@ -92,11 +92,10 @@ const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
  * small reused read buffer, which stays in cache (as a plain TCP reader's does), and one native pass checksums
  * each piece and copies it on into its block (kvChecksumCopy), so the bytes are read from cache once. 'direct'
  * (CONDUIT_KV_DIRECT_READ=1, POSIX only): read(2) straight into the destination block, then the checksum over what
- * landed; kept to compare against. Read per transfer, so one process can measure both.
+ * landed; kept to compare against. Read once per process (an environment read costs a transfer a microsecond);
+ * setKvReceiveSettings changes it within one (tests, and measuring both in one process).
  */
-function receiveMode(): 'copy' | 'direct' {
-  return process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ === '1' ? 'direct' : 'copy';
-}
+let receiveMode: 'copy' | 'direct' = process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ === '1' ? 'direct' : 'copy';
 /**
  * The decode side's read buffer in 'copy' mode: one per process (a read is consumed before the callback returns),
  * as large as a read worth one system call, small enough to stay in L2 with the block lines it is copied into.
@@ -109,9 +108,18 @@ let copyReadBuffer: Buffer | undefined;
  * CONDUIT_KV_UNCACHED_COPY=0 or 1: never or always (to compare).
  */
 const UNCACHED_COPY_BYTES = 8 << 20;
+let uncachedSetting = process.env.CONDUIT_KV_UNCACHED_COPY;
 function uncachedCopy(bytes: number): boolean {
-  const setting = process.env.CONDUIT_KV_UNCACHED_COPY;
-  return setting === '1' || (setting !== '0' && bytes >= UNCACHED_COPY_BYTES);
+  return uncachedSetting === '1' || (uncachedSetting !== '0' && bytes >= UNCACHED_COPY_BYTES);
+}
+
+/**
+ * The decode side's ways of landing bytes, as CONDUIT_KV_DIRECT_READ and CONDUIT_KV_UNCACHED_COPY set them at start
+ * (read once): for transfers from now on. Undefined fields are left as they are.
+ */
+export function setKvReceiveSettings(settings: { directRead?: boolean; uncachedCopy?: '0' | '1' | 'auto' }): void {
+  if (settings.directRead !== undefined) receiveMode = settings.directRead && process.platform !== 'win32' ? 'direct' : 'copy';
+  if (settings.uncachedCopy !== undefined) uncachedSetting = settings.uncachedCopy === 'auto' ? undefined : settings.uncachedCopy;
 }
 /** In 'direct' mode the read buffer holds headers and control frames only: a run's bytes are read into the block. */
 const DIRECT_READ_BUFFER_BYTES = 16 << 10;
@@ -135,6 +143,8 @@ function releasePack(pack: Buffer): void {
  * pack is written before its sender returns or waits).
  */
 const packBatch = new KvChecksumBatch();
+/** Room a shared-memory pack keeps after its headers for a pull's kv-done (up to a few hundred source blocks). */
+const PACK_DONE_ROOM = 2048;
 const EMPTY = Buffer.alloc(0);
 /**
  * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain: about
@@ -432,9 +442,12 @@ export class KvTransferServer {
   /** The pool as bytes (the source of every run), and one run's bytes. */
   private readonly poolBytes: Uint8Array;
   private readonly runBytes: number;
-  /** The pack being filled by sendFrames: written (and emptied) before sendFrames returns or waits. */
-  private readonly packer: { pack: Buffer | null; packed: number; crcAt: number[]; corruptAt: number } = {
-    pack: null, packed: 0, crcAt: [], corruptAt: -1,
+  /**
+   * The pack being filled by sendFrames, and the kv-link waiting to start the next one (lead): written (and emptied)
+   * before sendFrames waits and before flush returns, so nothing of one transfer is left here across a wait.
+   */
+  private readonly packer: { pack: Buffer | null; packed: number; crcAt: number[]; corruptAt: number; lead: Buffer | null } = {
+    pack: null, packed: 0, crcAt: [], corruptAt: -1, lead: null,
   };
 
   constructor(private readonly options: KvTransferServerOptions) {
@@ -590,10 +603,11 @@ export class KvTransferServer {
       }, UNKNOWN_REQUEST_MS);
       transfer.timer.unref();
     }
-    // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows.
+    // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows: a small pull's
+    // in one buffer (the pack: kv-link at its start, kv-done after its runs).
     socket.cork();
     const { ring } = transfer;
-    socket.write(ring ? ring.linkFrame : KV_LINK_TCP_FRAME);
+    this.packer.lead = ring ? ring.linkFrame : KV_LINK_TCP_FRAME;
     this.flush(transfer);
     if (!socket.destroyed) socket.uncork();
     return transfer;
@@ -620,8 +634,16 @@ export class KvTransferServer {
     return peer.ring;
   }
 
-  /** Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. */
+  /**
+   * Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. Whatever it
+   * leaves in the pack (kv-link, a pull's runs and kv-done) is written before it returns.
+   */
   private flush(transfer: Transfer): void {
+    this.flushKnown(transfer);
+    this.writePack(transfer.socket, transfer.ring);
+  }
+
+  private flushKnown(transfer: Transfer): void {
     if (transfer.done || transfer.sending || transfer.socket.destroyed) return;
     const known = transfer.pullSources ? undefined : this.known.get(transfer.requestId);
     const sources = transfer.pullSources ?? known?.final ?? known?.full;
@@ -648,9 +670,9 @@ export class KvTransferServer {
       transfer.sending = true;
       const sent = this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers));
       if (typeof sent === 'boolean') {
-        // All written without waiting (a small batch): kv-done, if final, joins the same write.
+        // All written without waiting (a small batch): kv-done, if final, joins the same write (a pull's, the pack).
         transfer.sending = false;
-        if (sent) this.flush(transfer);
+        if (sent) this.flushKnown(transfer);
         return;
       }
       void sent.then((ok) => {
@@ -666,7 +688,13 @@ export class KvTransferServer {
     // Right behind the last run: what the link did before the prefill ended (a pull: nothing).
     const overlapMs = transfer.pullSources ? 0 : transfer.busy.beforeAt(transfer.handedOffAt ?? performance.now());
     // The connection stays open for the decode side's next descriptor.
-    transfer.socket.write(encodeDone(transfer.runs, transfer.bytes, overlapMs, sources));
+    const done = encodeDone(transfer.runs, transfer.bytes, overlapMs, sources);
+    const { pack } = this.packer;
+    if (pack && this.packer.packed + done.length <= pack.length) this.packer.packed += done.copy(pack, this.packer.packed);
+    else {
+      this.writePack(transfer.socket, transfer.ring);
+      transfer.socket.write(done);
+    }
     this.forget(transfer);
   }
 
@@ -696,7 +724,8 @@ export class KvTransferServer {
       }
     }
     transfer.socket.cork();
-    return this.sendFrames(transfer, frames, 0, transfer.pullSources ? null : transfer.busy.begin());
+    // A pull's last pack stays open for kv-done (flush writes it); a stream's is written, then its busy clock's mark.
+    return this.sendFrames(transfer, frames, 0, transfer.pullSources ? null : transfer.busy.begin(), transfer.pullSources !== undefined);
   }
 
   /**
@@ -706,7 +735,13 @@ export class KvTransferServer {
   private writePack(socket: net.Socket, ring: WriterRing | null): void {
     const packer = this.packer;
     const pack = packer.pack;
-    if (!pack) return;
+    if (!pack) {
+      // Nothing packed: the kv-link waiting for a pack goes alone (a stream before its first blocks).
+      const lead = packer.lead;
+      packer.lead = null;
+      if (lead && !socket.writableEnded) socket.write(lead);
+      return;
+    }
     const target = ring ? ring.region.bytes : pack;
     packBatch.run(this.poolBytes, target);
     for (let j = 0; j < packBatch.count; j++) pack.writeUInt32BE(packBatch.crc(j), packer.crcAt[j]!);
@@ -729,11 +764,13 @@ export class KvTransferServer {
       const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
       let count = 0;
       for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * this.runBytes;
-      packer.pack = Buffer.allocUnsafe(Math.max(1, count) * (5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES));
+      // Room for the kv-link before the headers and a pull's kv-done after them.
+      packer.pack = Buffer.allocUnsafe((packer.lead?.length ?? 0) + Math.max(1, count) * SHM_RUN_FRAME_BYTES + PACK_DONE_ROOM);
     } else {
       packer.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
     }
-    packer.packed = 0;
+    packer.packed = packer.lead ? packer.lead.copy(packer.pack, 0) : 0;
+    packer.lead = null;
     return packer.pack;
   }
 
@@ -741,7 +778,8 @@ export class KvTransferServer {
     return wait.then(() => {
       if (transfer.socket.destroyed || transfer.done || transfer.peer.closed) return false;
       transfer.socket.cork();
-      return this.sendFrames(transfer, frames, from, batch);
+      // After a wait, the pack is written before sendFrames returns: nothing may stay open across the promise.
+      return this.sendFrames(transfer, frames, from, batch, false);
     });
   }
 
@@ -749,9 +787,11 @@ export class KvTransferServer {
    * send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. Small frames (tcp:
    * header and bytes; shm: the header) are packed into one buffer, so a small transfer is one write of one buffer
    * instead of a gather of many pieces, and their bytes are checksummed and copied in one native call when the pack
-   * is written. The pack is always written before this returns or waits.
+   * is written. The pack is written before this waits, and before it returns unless leaveOpen (then the caller,
+   * synchronously, appends kv-done and writes it: flush).
    */
-  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number } | null): boolean | Promise<boolean> {
+  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number } | null,
+    leaveOpen: boolean): boolean | Promise<boolean> {
     const view = this.options.pool;
     const runBytes = this.runBytes;
     const { socket, ring } = transfer;
@@ -860,13 +900,14 @@ export class KvTransferServer {
           }
         }
       }
-      this.writePack(socket, ring);
+      if (!leaveOpen) this.writePack(socket, ring);
     } catch (error) {
       packBatch.clear();
       packer.crcAt.length = 0;
       packer.corruptAt = -1;
       packer.pack = null;
       packer.packed = 0;
+      packer.lead = null;
       socket.uncork();
       this.fail(transfer, `writing the runs failed: ${(error as Error).message}`);
       return false;
@@ -933,12 +974,7 @@ export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOption
   checkDescriptor(descriptor as unknown as Record<string, unknown>, options.destination, 'destination');
   const handle = new Receiver(KV_PULL, descriptor.sourceBlockIds, descriptor, options);
   handle.deadline(options.timeoutMs ?? 30_000);
-  return handle.result.then((result) => {
-    if (result.sourceBlockIds.some((id, i) => id !== descriptor.sourceBlockIds[i])) {
-      throw new KvTransferError('unexpected-run', `KV transfer of ${descriptor.requestId}: the prefill side sent other source blocks`);
-    }
-    return result;
-  });
+  return handle.result;
 }
 
 /**
@@ -972,6 +1008,8 @@ class KvConnection {
   credited = 0;
   /** Transfers it carried (a reused one has carried at least one before). */
   transfers = 0;
+  /** In the idle pool; its timer closes it IDLE_MS after it went there (made once, re-armed each time). */
+  idle = false;
   idleTimer: NodeJS.Timeout | undefined;
   closed = false;
 
@@ -1029,8 +1067,12 @@ function keepIdle(connection: KvConnection): void {
   list.push(connection);
   idleConnections.set(connection.key, list);
   connection.socket.unref();
-  connection.idleTimer = setTimeout(() => connection.destroy(), IDLE_MS);
-  connection.idleTimer.unref();
+  connection.idle = true;
+  if (connection.idleTimer) connection.idleTimer.refresh();
+  else {
+    connection.idleTimer = setTimeout(() => { if (connection.idle) connection.destroy(); }, IDLE_MS);
+    connection.idleTimer.unref();
+  }
 }
 
 /** The most recently idle connection to the worker, taken out of the pool; undefined when none. */
@@ -1039,7 +1081,8 @@ function takeIdle(key: string): KvConnection | undefined {
   const connection = list?.pop();
   if (list?.length === 0) idleConnections.delete(key);
   if (!connection) return undefined;
-  clearTimeout(connection.idleTimer);
+  // Its timer stays armed: it does nothing to a connection in use, and is re-armed when the connection is idle again.
+  connection.idle = false;
   connection.socket.ref();
   return connection;
 }
@@ -1107,6 +1150,8 @@ class Receiver implements KvTransferHandle {
   private readonly key: string;
   private readonly askFrame: Buffer;
   private readonly options: KvPullOptions;
+  /** A pull's source blocks: kv-done must name exactly these. */
+  private readonly pullSources: readonly number[] | null;
   private readonly signal: AbortSignal | undefined;
   private abortListener: (() => void) | undefined;
 
@@ -1127,8 +1172,9 @@ class Receiver implements KvTransferHandle {
   /** Set by kv-done: the connection goes back to the pool once the read that carried it is used up. */
   private doneCleanly = false;
 
-  constructor(type: KvDescriptorMessage['type'], sourceBlockIds: number[] | null, descriptor: KvStreamDescriptor, options: KvPullOptions) {
+  constructor(type: KvDescriptorMessage['type'], sourceBlockIds: readonly number[] | null, descriptor: KvStreamDescriptor, options: KvPullOptions) {
     this.options = options;
+    this.pullSources = sourceBlockIds;
     this.view = options.destination;
     this.requestId = descriptor.requestId;
     this.destinations = descriptor.destinationBlockIds;
@@ -1138,7 +1184,7 @@ class Receiver implements KvTransferHandle {
     this.pool = new Uint8Array(this.view.pool);
     this.positions = this.destinations.length;
     this.covered = new Uint8Array(this.positions * (this.layers[1] - this.layers[0]) * 2);
-    this.direct = receiveMode() === 'direct';
+    this.direct = receiveMode === 'direct';
     this.uncached = !this.direct && uncachedCopy(this.covered.length * this.runBytes);
     this.result = new Promise<KvPullResult>((resolve, reject) => {
       this.resolve = resolve;
@@ -1369,6 +1415,10 @@ class Receiver implements KvTransferHandle {
     }
     const sources = message.sourceBlockIds;
     if (sources.length !== this.first + this.positions) this.fail('unexpected-run', 'kv-done does not name a source block per position');
+    const asked = this.pullSources;
+    if (asked) {
+      for (let i = 0; i < sources.length; i++) if (sources[i] !== asked[i]) this.fail('unexpected-run', 'the prefill side sent other source blocks');
+    }
     const overlapMs = message.overlapMs;
     this.finish(null, { sourceBlockIds: sources, overlapMs: Number.isFinite(overlapMs) && overlapMs >= 0 ? overlapMs : 0 });
   }
