@@ -1159,6 +1159,9 @@ class Receiver implements KvTransferHandle {
   private readonly head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
   private headHave = 0;
   private headNeed = 5;
+  /** The current run's layer and byte length (from its header). */
+  private runLayer = 0;
+  private runByteLength = 0;
   private state: ReceiveState = HEAD;
   private frameLength = 0;
   private bodyAt = 0;
@@ -1278,6 +1281,32 @@ class Receiver implements KvTransferHandle {
       `KV transfer of ${this.requestId}: ${error.message} after ${this.runs} runs (${this.numCovered} of ${this.covered.length} block layers)`));
   }
 
+  /**
+   * A frame's first 5 bytes at head[h]: checks its length for its kind; a control frame's payload comes next (state
+   * CONTROL). Returns the bytes of the frame's header: 5 for a control frame, a run's with its run header.
+   */
+  private frameStart(head: Buffer, h: number): number {
+    const length = head.readUInt32BE(h);
+    const kind = head[h + 4]!;
+    this.frameLength = length;
+    if (kind === FRAME_KV_RUN) {
+      if (length < 1 + RUN_HEADER_BYTES) this.fail('length', `run frame of ${length} bytes`);
+      return 5 + RUN_HEADER_BYTES;
+    }
+    if (kind === FRAME_KV_SHM_RUN) {
+      if (length !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) this.fail('length', `shared-memory run frame of ${length} bytes`);
+      return SHM_RUN_FRAME_BYTES;
+    }
+    if (kind === FRAME_KV_CONTROL || kind === FRAME_JSON) {
+      if (length < 2 || length > MAX_CONTROL_BYTES) this.fail('length', `control frame of ${length} bytes`);
+      this.controlKind = kind;
+      this.controlLeft = length - 1;
+      this.state = CONTROL;
+      return 5;
+    }
+    return this.fail('unexpected-run', `unexpected frame of kind ${kind} after ${this.runs} runs`);
+  }
+
   /** Where destination block `destination` is in the descriptor: where the order says, else looked up. */
   private positionOfBlock(destination: number): number | undefined {
     const destinations = this.destinations;
@@ -1291,13 +1320,14 @@ class Receiver implements KvTransferHandle {
   }
 
   /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or copy them from the ring (shm). */
-  private startRun(): void {
-    const head = this.head;
-    const layer = head.readUInt16BE(5);
-    const kv = head[7]!;
-    const destination = head.readUInt32BE(9);
-    const count = head.readUInt32BE(13);
-    const byteLength = head.readUInt32BE(17);
+  private startRun(head: Buffer, h: number): void {
+    const layer = head.readUInt16BE(h + 5);
+    const kv = head[h + 7]!;
+    const destination = head.readUInt32BE(h + 9);
+    const count = head.readUInt32BE(h + 13);
+    const byteLength = head.readUInt32BE(h + 17);
+    this.runLayer = layer;
+    this.runByteLength = byteLength;
     const { layers, positions, destinations } = this;
     const position = this.positionOfBlock(destination);
     if (layer < layers[0] || layer >= layers[1] || kv > 1 || count < 1 || position === undefined || position + count > positions) {
@@ -1318,9 +1348,9 @@ class Receiver implements KvTransferHandle {
     }
     this.bodyAt = runOffset(this.view, layer, kv, destination);
     this.bodyLeft = byteLength;
-    this.bodyChecksum = head.readUInt32BE(21);
+    this.bodyChecksum = head.readUInt32BE(h + 21);
     this.bodyCrc = 0;
-    if (head[4] === FRAME_KV_RUN) {
+    if (head[h + 4] === FRAME_KV_RUN) {
       if (this.frameLength !== 1 + RUN_HEADER_BYTES + byteLength) this.fail('length', `run ${this.runs}: frame of ${this.frameLength} bytes for ${byteLength} bytes of KV`);
       this.state = BODY;
       return;
@@ -1328,7 +1358,7 @@ class Receiver implements KvTransferHandle {
     const connection = this.connection;
     const ring = connection.ring;
     if (this.link !== 'shm' || !ring) this.fail('unexpected-run', 'a shared-memory run on the tcp link');
-    const at = head.readUInt32BE(29) * 2 ** 32 + head.readUInt32BE(33);
+    const at = head.readUInt32BE(h + 29) * 2 ** 32 + head.readUInt32BE(h + 33);
     const size = connection.ringSize;
     if (at < connection.consumed || (at % size) + byteLength > size) {
       this.fail('unexpected-run', `run ${this.runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
@@ -1347,7 +1377,7 @@ class Receiver implements KvTransferHandle {
 
   /** A run's last piece is in a batch: its checksum is checked when the batch has run. */
   private endRun(batch: 0 | 1, index: number, byteLength: number): void {
-    pendingChecks.push(batch, index, this.bodyChecksum, this.runs, this.head.readUInt16BE(5));
+    pendingChecks.push(batch, index, this.bodyChecksum, this.runs, this.runLayer);
     this.bytesIn += byteLength;
     this.runs++;
     this.state = HEAD;
@@ -1479,14 +1509,14 @@ class Receiver implements KvTransferHandle {
               this.runBatches();
               this.readDirect();
               if (this.bodyLeft === 0) {
-                pendingChecks.push(0, readBatch.add(0, 0, 0, this.bodyCrc), this.bodyChecksum, this.runs, this.head.readUInt16BE(5));
-                this.bytesIn += this.head.readUInt32BE(17);
+                pendingChecks.push(0, readBatch.add(0, 0, 0, this.bodyCrc), this.bodyChecksum, this.runs, this.runLayer);
+                this.bytesIn += this.runByteLength;
                 this.runs++;
                 this.state = HEAD;
               }
             }
           } else {
-            this.endRun(0, index, this.head.readUInt32BE(17));
+            this.endRun(0, index, this.runByteLength);
           }
           continue;
         }
@@ -1513,34 +1543,34 @@ class Receiver implements KvTransferHandle {
           }
           continue;
         }
+        if (this.headHave === 0 && n - i >= 5) {
+          // The usual case: the whole header is in this read, parsed where it lies (no copy).
+          const need = this.frameStart(buffer, i);
+          if (need === 5) {
+            i += 5;
+            continue;
+          }
+          if (n - i >= need) {
+            this.startRun(buffer, i);
+            i += need;
+            continue;
+          }
+        }
+        // A header split over reads: gathered in this.head first.
         const take = Math.min(this.headNeed - this.headHave, n - i);
         buffer.copy(this.head, this.headHave, i, i + take);
         this.headHave += take;
         i += take;
         if (this.headHave < this.headNeed) break;
         if (this.headNeed === 5) {
-          this.frameLength = this.head.readUInt32BE(0);
-          const kind = this.head[4]!;
-          if (kind === FRAME_KV_RUN) {
-            if (this.frameLength < 1 + RUN_HEADER_BYTES) this.fail('length', `run frame of ${this.frameLength} bytes`);
-            this.headNeed = 5 + RUN_HEADER_BYTES;
-          } else if (kind === FRAME_KV_SHM_RUN) {
-            if (this.frameLength !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) this.fail('length', `shared-memory run frame of ${this.frameLength} bytes`);
-            this.headNeed = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
-          } else if (kind === FRAME_KV_CONTROL || kind === FRAME_JSON) {
-            if (this.frameLength < 2 || this.frameLength > MAX_CONTROL_BYTES) this.fail('length', `control frame of ${this.frameLength} bytes`);
-            this.controlKind = kind;
-            this.controlLeft = this.frameLength - 1;
-            this.headHave = 0;
-            this.state = CONTROL;
-          } else {
-            this.fail('unexpected-run', `unexpected frame of kind ${kind} after ${this.runs} runs`);
-          }
+          const need = this.frameStart(this.head, 0);
+          if (need === 5) this.headHave = 0;
+          else this.headNeed = need;
           continue;
         }
         this.headHave = 0;
         this.headNeed = 5;
-        this.startRun();
+        this.startRun(this.head, 0);
       }
       if (!this.settled) this.runBatches();
     } catch (error) {

@@ -5,12 +5,13 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import { FrameError, FrameReader, FRAME_HEADER_BYTES, FRAME_JSON, encodeJsonFrame, parseJsonMessage } from '../../src/cluster/frames.ts';
-import { KvTransferError, KvTransferServer, KV_TCP_VERSION, pullKvBlocks } from '../../src/cluster/kv-tcp.ts';
+import { FRAME_KV_RUN, KvTransferError, KvTransferServer, KV_TCP_VERSION, pullKvBlocks } from '../../src/cluster/kv-tcp.ts';
+import { kvChecksum } from '../../src/cluster/kv-checksum.ts';
 import {
   encodeCredit, encodeDescriptor, encodeDone, encodeShmLink, FRAME_KV_CONTROL, KV_CREDIT, KV_DONE, KV_LINK, KV_LINK_TCP_FRAME, KV_PULL,
   KV_STREAM, parseControl,
 } from '../../src/cluster/kv-wire.ts';
-import type { KvPoolView } from '../../src/engine/handoff.ts';
+import { kvBlockRunBytes, readKvBlocks, type KvPoolView } from '../../src/engine/handoff.ts';
 import { kvPoolBytes, type KvPoolLayout } from '../../src/kernels/types.ts';
 
 const TOKEN = 'kv-wire-token';
@@ -158,6 +159,65 @@ describe('KV transfer control messages (binary)', () => {
       const result = await pullKvBlocks(descriptor, { clusterToken: TOKEN, host: '127.0.0.1', port, destination, link: 'tcp' });
       assert.equal(result.runs, 0);
       assert.equal(result.link, 'tcp');
+    });
+  });
+
+  test('a transfer whose bytes arrive one read at a time, every header and message split, lands whole; a flipped byte fails it', async () => {
+    const small: KvPoolLayout = { numLayers: 2, numBlocks: 4, blockSize: 1, numKvHeads: 1, headDim: 8, dtype: 'f16' };
+    const runBytes = kvBlockRunBytes(small);
+    const source = { pool: new SharedArrayBuffer(kvPoolBytes(small)), layout: small };
+    new Uint8Array(source.pool).forEach((_, i, a) => { a[i] = (i * 37 + 5) & 0xff; });
+    const sourceBytes = new Uint8Array(source.pool);
+    // Source block 1 -> destination block 2, both layers, K and V: four runs of one block.
+    const runs: Buffer[] = [];
+    for (let layer = 0; layer < 2; layer++) {
+      for (let kv = 0; kv < 2; kv++) {
+        const at = ((2 * layer + kv) * small.numBlocks + 1) * runBytes;
+        const body = sourceBytes.subarray(at, at + runBytes);
+        const header = Buffer.alloc(29);
+        header.writeUInt32BE(25 + runBytes, 0);
+        header[4] = FRAME_KV_RUN;
+        header.writeUInt16BE(layer, 5);
+        header[7] = kv;
+        header.writeUInt32BE(2, 9);
+        header.writeUInt32BE(1, 13);
+        header.writeUInt32BE(runBytes, 17);
+        header.writeUInt32BE(kvChecksum(body), 21);
+        runs.push(header, Buffer.from(body));
+      }
+    }
+    const answer = Buffer.concat([KV_LINK_TCP_FRAME, ...runs, encodeDone(4, 4 * runBytes, 0, [1])]);
+    const byteByByte = async (bytes: Buffer, run: (port: number) => Promise<void>) => {
+      const server = net.createServer((socket) => {
+        socket.setNoDelay(true);
+        socket.on('error', () => {});
+        socket.once('data', async () => {
+          for (let i = 0; i < bytes.length && !socket.destroyed; i++) {
+            socket.write(bytes.subarray(i, i + 1));
+            await new Promise((resolve) => setTimeout(resolve, 1));
+          }
+          socket.end();
+        });
+      });
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+      try {
+        await run((server.address() as net.AddressInfo).port);
+      } finally {
+        await new Promise<void>((resolve) => server.close(() => resolve()));
+      }
+    };
+    const descriptor = { requestId: 's', sourceBlockIds: [1], destinationBlockIds: [2], layers: [0, 2] as [number, number] };
+    const destination = { pool: new SharedArrayBuffer(kvPoolBytes(small)), layout: small };
+    await byteByByte(answer, async (port) => {
+      const result = await pullKvBlocks(descriptor, { clusterToken: TOKEN, host: '127.0.0.1', port, destination, link: 'tcp' });
+      assert.equal(result.runs, 4);
+      assert.deepEqual(readKvBlocks(destination, [2]), readKvBlocks(source, [1]));
+    });
+    const corrupted = Buffer.from(answer);
+    corrupted[KV_LINK_TCP_FRAME.length + 29 + 29 + runBytes + 3]! ^= 0x40; // the second run's bytes
+    await byteByByte(corrupted, async (port) => {
+      await assert.rejects(pullKvBlocks(descriptor, { clusterToken: TOKEN, host: '127.0.0.1', port, destination: { pool: new SharedArrayBuffer(kvPoolBytes(small)), layout: small }, link: 'tcp' }),
+        (error: unknown) => error instanceof KvTransferError && error.reason === 'checksum' && /run 1 \(layer 0\)/.test(error.message));
     });
   });
 });
