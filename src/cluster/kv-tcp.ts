@@ -843,7 +843,8 @@ export class KvTransferServer {
         if (ring || length <= PACK_RUN_BYTES) {
           let pack = packer.pack;
           if (!pack || packer.packed + headerBytes + (ring ? 0 : length) > pack.length) {
-            this.writePack(socket, ring);
+            // (Without a pack, a kv-link waiting to go starts the new one instead of going alone.)
+            if (pack) this.writePack(socket, ring);
             pack = this.newPack(frames, i, ring);
           }
           const at0 = packer.packed;
