@@ -158,6 +158,17 @@ const SEND_AHEAD_BYTES = (() => {
   const value = Number(process.env.CONDUIT_KV_SEND_AHEAD_BYTES);
   return Number.isSafeInteger(value) && value > 0 ? value : 4 << 20;
 })();
+/**
+ * The prefill side hands the kernel its corked frames every this many bytes (tcp): one write(2) of 1 MiB instead of
+ * four of 256 KiB (the frame size). Each write on a socket costs a system call and, on loopback, the receiving
+ * side's TCP processing and wake-up; with 1 MiB the sending process spent 15-20% less CPU per transfer of 1, 16 and
+ * 64 MiB, and the receiving one 10-15% less (docs/benchmarks.md), and a MiB just checksummed is still in cache when
+ * the kernel copies it. CONDUIT_KV_FLUSH_BYTES sets it (to compare).
+ */
+const FLUSH_BYTES = (() => {
+  const value = Number(process.env.CONDUIT_KV_FLUSH_BYTES);
+  return Number.isSafeInteger(value) && value > 0 ? value : 1 << 20;
+})();
 /** How long, and for how many requests at most, the prefill side remembers requests that ended. */
 const ENDED_MEMORY_MS = 60_000;
 const ENDED_MEMORY_MAX = 10_000;
@@ -888,10 +899,10 @@ export class KvTransferServer {
         this.runsSent++;
         transfer.runs++;
         transfer.bytes += length;
-        // tcp: a frame's worth goes to the kernel while it is in cache. shm: the doorbells of a quarter ring go in
-        // one write (each write costs the loopback's delivery, some 20 us), so the decode side copies that quarter out
-        // while the next is copied in.
-        if (corked >= (ring ? ring.size / 4 : SEND_FRAME_BYTES)) {
+        // tcp: every FLUSH_BYTES of frames go to the kernel in one write, while they are still in cache. shm: the
+        // doorbells of a quarter ring go in one write (each write costs the loopback's delivery, some 20 us), so the
+        // decode side copies that quarter out while the next is copied in.
+        if (corked >= (ring ? ring.size / 4 : FLUSH_BYTES)) {
           this.writePack(socket, ring);
           flushCorked(socket);
           corked = 0;
