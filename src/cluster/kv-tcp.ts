@@ -161,9 +161,9 @@ const SEND_AHEAD_BYTES = (() => {
 /**
  * The prefill side hands the kernel its corked frames every this many bytes (tcp): one write(2) of 1 MiB instead of
  * four of 256 KiB (the frame size). Each write on a socket costs a system call and, on loopback, the receiving
- * side's TCP processing and wake-up; with 1 MiB the sending process spent 15-20% less CPU per transfer of 1, 16 and
- * 64 MiB, and the receiving one 10-15% less (docs/benchmarks.md), and a MiB just checksummed is still in cache when
- * the kernel copies it. CONDUIT_KV_FLUSH_BYTES sets it (to compare).
+ * side's TCP processing and wake-up. Measured under load (docs/benchmarks.md): a 1 MiB pull cost the sending
+ * process about 25% less CPU; at 16 and 64 MiB 15-20% less in one period and no difference in others. A MiB just
+ * checksummed is still in cache when the kernel copies it. CONDUIT_KV_FLUSH_BYTES sets it (to compare).
  */
 const FLUSH_BYTES = (() => {
   const value = Number(process.env.CONDUIT_KV_FLUSH_BYTES);
