@@ -8,7 +8,9 @@
 //            on another kept alive with each read landing in a destination pool at the bytes' place, as a transfer's
 //            must), alternating, best and median of N each, with the CPU time each side spent per transfer (median). With --link-compare (default on) the
 //            links also go on a new connection per transfer (shm: a new ring), as every transfer did before
-//            connections were kept. Layout: 8 layers, 2 KV heads x 64, f16, blocks
+//            connections were kept. With --link-loop N (default 0: off), each size's raw kept, tcp and shm also run as
+//            about N / blocks transfers back to back, for the CPU each side spends per transfer with its code hot.
+//            Layout: 8 layers, 2 KV heads x 64, f16, blocks
 //            of 16 tokens: 64 KiB per block, 4 KiB per run of one block; consecutive blocks, so a (layer, K|V) run
 //            is size / 16.
 //   overlap  how much of a streamed transfer hides behind the prefill: a prefill and a decode worker process
@@ -305,6 +307,38 @@ export async function linkPart(): Promise<void> {
       'of new', 'of kept', 'of into', 'tcp new conn', 'shm new conn'], rows));
     console.log('\n   CPU ms per transfer, sending process / receiving process (median; the sender\'s includes answering the query)\n');
     console.log(table(['KV', 'raw new', 'raw kept', 'raw into', 'tcp link', 'shm link', 'tcp new conn', 'shm new conn'], cpuRows));
+    const loops = Number(argument('link-loop', '0'));
+    if (loops > 0) {
+      // Back to back: the fixed cost of a transfer with both processes' code and data hot, without the CPU queries
+      // around each transfer (the table above measures single transfers, cold).
+      const loopRows: string[][] = [];
+      const loopWays: Way[] = ways.filter((way) => way === 'rawKept' || way === 'tcp' || way === 'shm');
+      for (const size of sizes) {
+        const blocks = Math.max(1, Math.round(parseSize(size) / BLOCK_BYTES));
+        const n = Math.max(3, Math.round(loops / blocks));
+        const best = record<{ send: number; receive: number; wall: number }>(() => ({ send: Infinity, receive: Infinity, wall: Infinity }));
+        for (let rep = 0; rep < 3; rep++) {
+          for (const what of rep % 2 === 0 ? loopWays : loopWays.slice().reverse()) {
+            const childBefore = await childCpuMs(kv);
+            const ownBefore = ownCpuMs();
+            const started = performance.now();
+            for (let i = 0; i < n; i++) await once(what, blocks);
+            const wall = (performance.now() - started) / n;
+            const receive = (ownCpuMs() - ownBefore) / n;
+            const send = (await childCpuMs(kv) - childBefore) / n;
+            const b = best[what];
+            best[what] = { send: Math.min(b.send, send), receive: Math.min(b.receive, receive), wall: Math.min(b.wall, wall) };
+          }
+        }
+        const cell = (way: Way) => loopWays.includes(way)
+          ? `${fmt(1000 * best[way].send, 0)} / ${fmt(1000 * best[way].receive, 0)} / ${fmt(1000 * best[way].wall, 0)}` : '-';
+        const share = (way: Way) => loopWays.includes(way) ? `${fmt((100 * best.rawKept.wall) / best[way].wall, 0)}%` : '-';
+        loopRows.push([size, String(n), cell('rawKept'), cell('tcp'), share('tcp'), cell('shm'), share('shm')]);
+      }
+      console.log('\n   Back to back (--link-loop): n transfers in a row on the kept-alive connection, best of 3 alternated loops;');
+      console.log('   us per transfer: sending process CPU / receiving process CPU / wall, and the link\'s share of raw kept\'s wall\n');
+      console.log(table(['KV', 'n', 'raw kept', 'tcp link', 'of kept', 'shm link', 'of kept'], loopRows));
+    }
     const loadAfter = loadavg();
     console.log(`\n   load average (1/5/15 min) before: ${loadBefore.map((l) => l.toFixed(2)).join(' ')}, after: ${loadAfter.map((l) => l.toFixed(2)).join(' ')}`);
   } finally {

@@ -8,6 +8,7 @@
 //   bench.*                         machine limits (memory bandwidth, peak FLOP/s) for the roofline
 //   crc32c(bytes, crc?, portable?)  CRC-32C of a Uint8Array (continuing crc), the KV transfer's checksum
 //   crc32cCopy(src, dst, off, crc?, uncached?)  the same of src, copying it into dst at off in the same pass
+//   crc32cCopyRuns(src, dst, plan, count, uncached?)  crc32cCopy of `count` ranges of src in one call
 //   shmMap(path, bytes, create), shmUnmap(buffer)  a shared-memory file mapped as an ArrayBuffer (shm_region.h)
 #include <napi.h>
 
@@ -73,6 +74,41 @@ Napi::Value Crc32cCopy(const Napi::CallbackInfo& info) {
   }
   const bool uncached = info.Length() > 4 && info[4].ToBoolean().Value();
   return Napi::Number::New(env, crc32c_copy(crc, from, to, src.length, uncached));
+}
+
+// crc32cCopyRuns(src: Uint8Array, dst: Uint8Array, plan: Float64Array, count: number, uncached = false): for each of
+// the first `count` entries of plan, [srcOffset, dstOffset, length, crc], copies src[srcOffset, +length) into dst at
+// dstOffset and replaces the entry's crc with CRC-32C of those bytes continuing it: the block runs of a KV transfer's
+// read, or of a pack being written, in one call instead of one each. Every entry is checked before any is copied.
+Napi::Value Crc32cCopyRuns(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  ArrayView src = typed_array(env, info[0], napi_uint8_array, "src");
+  ArrayView dst = typed_array(env, info[1], napi_uint8_array, "dst");
+  ArrayView plan_view = typed_array(env, info[2], napi_float64_array, "plan");
+  const int64_t count = integer(env, info[3], "count");
+  if (static_cast<uint64_t>(count) > plan_view.length / 4) throw Napi::RangeError::New(env, "count is over the plan's entries");
+  const bool uncached = info.Length() > 4 && info[4].ToBoolean().Value();
+  double* plan = static_cast<double*>(plan_view.data);
+  const uint8_t* from = static_cast<const uint8_t*>(src.data);
+  uint8_t* to = static_cast<uint8_t*>(dst.data);
+  auto whole = [](double d, double limit) { return d >= 0 && d <= limit && d == static_cast<double>(static_cast<uint64_t>(d)); };
+  for (int64_t i = 0; i < count; i++) {
+    const double* e = plan + 4 * i;
+    if (!whole(e[2], 9.0e15) || !whole(e[0], static_cast<double>(src.length) - e[2]) || !whole(e[1], static_cast<double>(dst.length) - e[2])) {
+      throw Napi::RangeError::New(env, "plan entry " + std::to_string(i) + " does not fit in src and dst");
+    }
+    if (!whole(e[3], 4294967295.0)) throw Napi::RangeError::New(env, "plan entry " + std::to_string(i) + ": crc must be a 32-bit unsigned integer");
+    const size_t n = static_cast<size_t>(e[2]);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(from + static_cast<size_t>(e[0]));
+    const uintptr_t b = reinterpret_cast<uintptr_t>(to + static_cast<size_t>(e[1]));
+    if (n > 0 && a < b + n && b < a + n) throw Napi::RangeError::New(env, "plan entry " + std::to_string(i) + ": src and dst overlap");
+  }
+  for (int64_t i = 0; i < count; i++) {
+    double* e = plan + 4 * i;
+    e[3] = static_cast<double>(crc32c_copy(static_cast<uint32_t>(e[3]), from + static_cast<size_t>(e[0]),
+                                           to + static_cast<size_t>(e[1]), static_cast<size_t>(e[2]), uncached));
+  }
+  return env.Undefined();
 }
 
 Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
@@ -523,6 +559,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("cpuInfo", Napi::Function::New(env, CpuInfo));
   exports.Set("crc32c", Napi::Function::New(env, Crc32c));
   exports.Set("crc32cCopy", Napi::Function::New(env, Crc32cCopy));
+  exports.Set("crc32cCopyRuns", Napi::Function::New(env, Crc32cCopyRuns));
   exports.Set("shmMap", Napi::Function::New(env, ShmMap));
   exports.Set("shmUnmap", Napi::Function::New(env, ShmUnmap));
   exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));

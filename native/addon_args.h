@@ -28,6 +28,7 @@ inline const char* typed_array_name(napi_typedarray_type t) {
     case napi_uint8_array: return "Uint8Array";
     case napi_int32_array: return "Int32Array";
     case napi_float32_array: return "Float32Array";
+    case napi_float64_array: return "Float64Array";
     default: return "typed array";
   }
 }

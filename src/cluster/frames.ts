@@ -4,6 +4,8 @@
 //   kind 1: a Node structured-clone blob (v8.serialize), used for one thing only: the model card a worker sends the
 //           frontend (the tokenizer's vocabulary holds typed arrays, Maps and Sets that JSON cannot carry). A worker
 //           never deserializes one: what reaches the worker's port from the network is parsed as JSON only.
+//   kinds 2-4: the KV transfer's runs and binary control messages (src/cluster/kv-tcp.ts, kv-wire.ts), on the KV
+//           port only.
 // The length counts the kind byte and the payload. A frame longer than the reader's limit is refused before any of
 // its bytes are buffered, so a peer cannot make the reader allocate what the length claims.
 
@@ -47,7 +49,8 @@ export class FrameReader {
   private chunks: Buffer[] = [];
   private buffered = 0;
 
-  constructor(public maxFrameBytes: number = DEFAULT_MAX_FRAME_BYTES) {}
+  /** extraKinds: frame kinds a protocol adds (the KV port's binary control messages), passed through unread. */
+  constructor(public maxFrameBytes: number = DEFAULT_MAX_FRAME_BYTES, private readonly extraKinds: readonly number[] = []) {}
 
   /** Takes in bytes; frames come out of next(). */
   write(chunk: Buffer): void {
@@ -66,7 +69,7 @@ export class FrameReader {
     if (this.buffered < 4 + length) return undefined;
     const bytes = this.take(4 + length);
     const kind = bytes[4]!;
-    if (kind !== FRAME_JSON && kind !== FRAME_BLOB) throw new FrameError(`unknown frame kind ${kind}`);
+    if (kind !== FRAME_JSON && kind !== FRAME_BLOB && !this.extraKinds.includes(kind)) throw new FrameError(`unknown frame kind ${kind}`);
     return { kind, payload: bytes.subarray(FRAME_HEADER_BYTES) };
   }
 

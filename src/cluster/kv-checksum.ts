@@ -41,6 +41,7 @@ export function crc32cPortable(bytes: Uint8Array, crc = 0): number {
 const native = tryLoadNativeAddon();
 const nativeCrc = typeof native?.crc32c === 'function' ? native.crc32c.bind(native) : undefined;
 const nativeCrcCopy = typeof native?.crc32cCopy === 'function' ? native.crc32cCopy.bind(native) : undefined;
+const nativeCrcCopyRuns = typeof native?.crc32cCopyRuns === 'function' ? native.crc32cCopyRuns.bind(native) : undefined;
 
 /** Where this process computes it: 'native' (the addon) or 'typescript'. */
 export const KV_CHECKSUM_IMPLEMENTATION: 'native' | 'typescript' = nativeCrc ? 'native' : 'typescript';
@@ -61,4 +62,58 @@ export function kvChecksumCopy(bytes: Uint8Array, target: Uint8Array, offset: nu
   const result = kvChecksum(bytes, crc);
   target.set(bytes, offset);
   return result;
+}
+
+/**
+ * Checksum-and-copy of many ranges between one source and one destination, made in one call: the block runs of a
+ * KV transfer's read (from the read buffer into the pool) or of a pack being written (from the pool into the pack,
+ * or the ring). add() notes a range and returns its index; run() copies every noted range and leaves each one's
+ * CRC-32C (continuing the crc it was added with) for crc(index); clear() starts over. One object is reused for every
+ * transfer of a process side: no allocation per range or per transfer.
+ */
+export class KvChecksumBatch {
+  /** [srcOffset, dstOffset, length, crc] per range. */
+  private plan: Float64Array;
+  count = 0;
+
+  constructor(capacity = 64) {
+    this.plan = new Float64Array(4 * capacity);
+  }
+
+  add(srcOffset: number, dstOffset: number, length: number, crc = 0): number {
+    if (4 * this.count === this.plan.length) {
+      const grown = new Float64Array(2 * this.plan.length);
+      grown.set(this.plan);
+      this.plan = grown;
+    }
+    const at = 4 * this.count;
+    this.plan[at] = srcOffset;
+    this.plan[at + 1] = dstOffset;
+    this.plan[at + 2] = length;
+    this.plan[at + 3] = crc;
+    return this.count++;
+  }
+
+  /** Copies every range added since clear() from src to dst, each checksummed on the way (in one native call). */
+  run(src: Uint8Array, dst: Uint8Array, uncached = false): void {
+    if (this.count === 0) return;
+    if (nativeCrcCopyRuns) {
+      nativeCrcCopyRuns(src, dst, this.plan, this.count, uncached);
+      return;
+    }
+    for (let i = 0, at = 0; i < this.count; i++, at += 4) {
+      const from = this.plan[at]!;
+      const length = this.plan[at + 2]!;
+      this.plan[at + 3] = kvChecksumCopy(src.subarray(from, from + length), dst, this.plan[at + 1]!, this.plan[at + 3]!, uncached);
+    }
+  }
+
+  /** The CRC-32C of range `index` after run(). */
+  crc(index: number): number {
+    return this.plan[4 * index + 3]!;
+  }
+
+  clear(): void {
+    this.count = 0;
+  }
 }

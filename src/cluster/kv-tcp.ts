@@ -28,17 +28,18 @@
 // every transfer of its connection. One transfer at a time per connection; concurrent transfers take more
 // connections. A transfer that fails or is cancelled closes its connection (nothing of it can arrive on another).
 //
-// Wire (both directions in frames: 4-byte big-endian length, kind byte, payload):
+// Wire, version 5 (both directions in frames: 4-byte big-endian length, kind byte, payload; the control messages
+// other than kv-hello and kv-error are binary, kind FRAME_KV_CONTROL, their layout in src/cluster/kv-wire.ts):
 //   decode -> prefill  JSON  {t: 'kv-hello', v, token}             once per connection; the cluster token, compared
 //                                                                    in constant time
-//   decode -> prefill  JSON  {t: 'kv-pull', requestId, sourceBlockIds, destinationBlockIds, layers: [from, to), hostId?}
-//                         or {t: 'kv-stream', requestId, destinationBlockIds, layers, firstBlock?, hostId?}
-//   prefill -> decode  JSON  {t: 'kv-link', link: 'tcp' | 'shm', region?, regionBytes?}  (shm: the ring's file and size)
+//   decode -> prefill  CTRL  pull (requestId, layers [from, to), hostId?, source and destination block ids)
+//                         or stream (requestId, layers, hostId?, firstBlock, destination block ids)
+//   prefill -> decode  CTRL  link (tcp | shm, and for shm the ring's file and size)
 //   prefill -> decode  RUN   header (24 bytes) + bytes                 (tcp), one per (layer, K|V, merged run;
 //                                                                      a run over 256 KiB goes as several)
 //                      SHM   header (24 bytes) + ring position (8 bytes) (shm: the bytes are at position mod size)
-//   decode -> prefill  JSON  {t: 'kv-credit', upTo}                   (shm) the ring is free up to this position
-//   prefill -> decode  JSON  {t: 'kv-done', runs, bytes, sourceBlockIds, overlapMs} | {t: 'kv-error', reason}
+//   decode -> prefill  CTRL  credit (upTo)                           (shm) the ring is free up to this position
+//   prefill -> decode  CTRL  done (runs, bytes, overlapMs, source block ids) | JSON {t: 'kv-error', reason}
 //   ... then the next descriptor on the same connection, or the connection closes.
 // A run header: layer u16, kv u8 (0 K, 1 V), reserved u8, destination block u32, count u32, byte length u32, CRC-32C
 // of the bytes u32, reserved u32. The receiver checks each run against the descriptor (its layer, that its
@@ -54,40 +55,47 @@
 // Copies (tcp): the prefill side writes runs straight from its pool (the blocks are pinned, or, while streaming, full
 // blocks of a running prefill, which nobody rewrites), each frame checksummed just before it is written and small
 // ones corked together, at most SEND_AHEAD_BYTES queued ahead of the kernel (about its send buffer, so a frame is
-// copied by the kernel within a few MiB of its checksum, from the shared cache). The decode side lets the kernel copy
-// what arrives into one small reused read buffer and moves each run's bytes into its destination block with one
-// native pass that checksums them on the way (kvChecksumCopy): the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks
-// its engine reserved for the request, so nothing copies them again. Copies (shm): the prefill side copies each
-// frame from its pool into the ring and the decode side from the ring into its blocks, each in one native pass that
-// checksums on the way: two copies, no system call but the header's.
+// copied by the kernel within a few MiB of its checksum, from the shared cache); the small frames of a pack are
+// checksummed and copied into it in one native call (KvChecksumBatch) when it is written. The decode side lets the
+// kernel copy what arrives into one small reused read buffer and moves each run's bytes into its destination block
+// with a native pass that checksums them on the way, one call for all the run pieces of a read (KvChecksumBatch):
+// the bytes are read from memory once. The destination blocks are, on a decode worker, the blocks its engine
+// reserved for the request, so nothing copies them again. Copies (shm): the prefill side copies each frame from its
+// pool into the ring and the decode side from the ring into its blocks, each in a native pass that checksums on the
+// way (again one call per pack, and per read of doorbells): two copies, no system call but the header's.
 
 import { readSync } from 'node:fs';
 import net from 'node:net';
 import { kvBlockRunBytes, validateHandoff, type KvHandoff, type KvPoolView } from '../engine/handoff.ts';
 import { encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage } from './frames.ts';
-import { kvChecksum, kvChecksumCopy } from './kv-checksum.ts';
+import {
+  encodeCredit, encodeDescriptor, encodeDone, encodeShmLink, FRAME_KV_CONTROL, KV_CREDIT, KV_DONE, KV_LINK, KV_LINK_TCP_FRAME, KV_PULL,
+  KV_STREAM, parseControl, type KvDescriptorMessage,
+} from './kv-wire.ts';
+import { KvChecksumBatch, kvChecksum } from './kv-checksum.ts';
 import { kvHostId, ShmRegion, shmRingBytes, type KvLinkPreference } from './kv-shm.ts';
 import { parseWireRequest, tokenMatches, toWireRequest } from './request-plane.ts';
 import { PairedChannel, type KvSinkEndpoint, type KvSourceEndpoint } from '../runtime/kv-transfer.ts';
 
-export const KV_TCP_VERSION = 4;
+export const KV_TCP_VERSION = 5;
 /** Frame kind of a KV run with its bytes (the request plane's kinds are 0 and 1). */
 export const FRAME_KV_RUN = 2;
 /** Frame kind of a KV run whose bytes are in the connection's shared-memory ring. */
 export const FRAME_KV_SHM_RUN = 3;
 const RUN_HEADER_BYTES = 24;
 const SHM_OFFSET_BYTES = 8;
+/** A shared-memory run's frame: frame header, run header, ring position. */
+const SHM_RUN_FRAME_BYTES = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
 const MAX_CONTROL_BYTES = 16 * 1024 * 1024;
 /**
  * How the decode side takes a run's bytes off the socket. 'copy' (the default): the kernel copies them into one
  * small reused read buffer, which stays in cache (as a plain TCP reader's does), and one native pass checksums
  * each piece and copies it on into its block (kvChecksumCopy), so the bytes are read from cache once. 'direct'
  * (CONDUIT_KV_DIRECT_READ=1, POSIX only): read(2) straight into the destination block, then the checksum over what
- * landed; kept to compare against. Read per transfer, so one process can measure both.
+ * landed; kept to compare against. Read once per process (an environment read costs a transfer a microsecond);
+ * setKvReceiveSettings changes it within one (tests, and measuring both in one process).
  */
-function receiveMode(): 'copy' | 'direct' {
-  return process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ === '1' ? 'direct' : 'copy';
-}
+let receiveMode: 'copy' | 'direct' = process.platform !== 'win32' && process.env.CONDUIT_KV_DIRECT_READ === '1' ? 'direct' : 'copy';
 /**
  * The decode side's read buffer in 'copy' mode: one per process (a read is consumed before the callback returns),
  * as large as a read worth one system call, small enough to stay in L2 with the block lines it is copied into.
@@ -100,9 +108,18 @@ let copyReadBuffer: Buffer | undefined;
  * CONDUIT_KV_UNCACHED_COPY=0 or 1: never or always (to compare).
  */
 const UNCACHED_COPY_BYTES = 8 << 20;
+let uncachedSetting = process.env.CONDUIT_KV_UNCACHED_COPY;
 function uncachedCopy(bytes: number): boolean {
-  const setting = process.env.CONDUIT_KV_UNCACHED_COPY;
-  return setting === '1' || (setting !== '0' && bytes >= UNCACHED_COPY_BYTES);
+  return uncachedSetting === '1' || (uncachedSetting !== '0' && bytes >= UNCACHED_COPY_BYTES);
+}
+
+/**
+ * The decode side's ways of landing bytes, as CONDUIT_KV_DIRECT_READ and CONDUIT_KV_UNCACHED_COPY set them at start
+ * (read once): for transfers from now on. Undefined fields are left as they are.
+ */
+export function setKvReceiveSettings(settings: { directRead?: boolean; uncachedCopy?: '0' | '1' | 'auto' }): void {
+  if (settings.directRead !== undefined) receiveMode = settings.directRead && process.platform !== 'win32' ? 'direct' : 'copy';
+  if (settings.uncachedCopy !== undefined) uncachedSetting = settings.uncachedCopy === 'auto' ? undefined : settings.uncachedCopy;
 }
 /** In 'direct' mode the read buffer holds headers and control frames only: a run's bytes are read into the block. */
 const DIRECT_READ_BUFFER_BYTES = 16 << 10;
@@ -118,6 +135,17 @@ const PACK_RUN_BYTES = 16 << 10;
 const PACK_BUFFER_BYTES = SEND_FRAME_BYTES + (SEND_FRAME_BYTES >> 2);
 const freePackBuffers: Buffer[] = [];
 const MAX_FREE_PACK_BUFFERS = 8;
+function releasePack(pack: Buffer): void {
+  if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack);
+}
+/**
+ * The checksum-and-copy of a pack's runs, made in one native call when the pack is written: one per process (a
+ * pack is written before its sender returns or waits).
+ */
+const packBatch = new KvChecksumBatch();
+/** Room a shared-memory pack keeps after its headers for a pull's kv-done (up to a few hundred source blocks). */
+const PACK_DONE_ROOM = 2048;
+const EMPTY = Buffer.alloc(0);
 /**
  * Bytes the prefill side lets wait in the process for the kernel before it waits for the socket to drain: about
  * the kernel's largest send buffer (4 MiB by default on Linux), so each wait for the socket lets the kernel take
@@ -129,6 +157,17 @@ const MAX_FREE_PACK_BUFFERS = 8;
 const SEND_AHEAD_BYTES = (() => {
   const value = Number(process.env.CONDUIT_KV_SEND_AHEAD_BYTES);
   return Number.isSafeInteger(value) && value > 0 ? value : 4 << 20;
+})();
+/**
+ * The prefill side hands the kernel its corked frames every this many bytes (tcp): one write(2) of 1 MiB instead of
+ * four of 256 KiB (the frame size). Each write on a socket costs a system call and, on loopback, the receiving
+ * side's TCP processing and wake-up. Measured under load (docs/benchmarks.md): a 1 MiB pull cost the sending
+ * process about 25% less CPU; at 16 and 64 MiB 15-20% less in one period and no difference in others. A MiB just
+ * checksummed is still in cache when the kernel copies it. CONDUIT_KV_FLUSH_BYTES sets it (to compare).
+ */
+const FLUSH_BYTES = (() => {
+  const value = Number(process.env.CONDUIT_KV_FLUSH_BYTES);
+  return Number.isSafeInteger(value) && value > 0 ? value : 1 << 20;
 })();
 /** How long, and for how many requests at most, the prefill side remembers requests that ended. */
 const ENDED_MEMORY_MS = 60_000;
@@ -348,6 +387,8 @@ interface WriterRing {
   tail: number;
   /** Wakes a writer waiting for room (a credit came, or the connection closed). */
   wake?: () => void;
+  /** The kv-link message naming it (the same for every transfer of the connection). */
+  linkFrame: Buffer;
 }
 
 /** A connection from a decode worker: its transfers one after the other, and its ring once a transfer needs it. */
@@ -409,8 +450,20 @@ export class KvTransferServer {
   /** Connections accepted, and transfers started on a connection that had served one before. */
   connections = 0;
   reusedConnections = 0;
+  /** The pool as bytes (the source of every run), and one run's bytes. */
+  private readonly poolBytes: Uint8Array;
+  private readonly runBytes: number;
+  /**
+   * The pack being filled by sendFrames, and the kv-link waiting to start the next one (lead): written (and emptied)
+   * before sendFrames waits and before flush returns, so nothing of one transfer is left here across a wait.
+   */
+  private readonly packer: { pack: Buffer | null; packed: number; crcAt: number[]; corruptAt: number; lead: Buffer | null } = {
+    pack: null, packed: 0, crcAt: [], corruptAt: -1, lead: null,
+  };
 
   constructor(private readonly options: KvTransferServerOptions) {
+    this.poolBytes = new Uint8Array(options.pool.pool);
+    this.runBytes = kvBlockRunBytes(options.pool.layout);
     this.server = net.createServer((socket) => this.accept(socket));
   }
 
@@ -495,32 +548,32 @@ export class KvTransferServer {
         peer.ring.wake?.();
       }
     });
-    const reader = new FrameReader(64 * 1024);
+    const reader = new FrameReader(64 * 1024, [FRAME_KV_CONTROL]);
     let authenticated = false;
     const timer = setTimeout(() => this.refuse(socket, 'no hello within 10 s'), 10_000);
     socket.on('data', (chunk: Buffer) => {
       try {
         for (const frame of reader.push(chunk)) {
-          if (frame.kind !== FRAME_JSON) throw new FrameError('the KV port accepts JSON frames only');
-          const message = parseJsonMessage(frame.payload);
           if (!authenticated) {
             clearTimeout(timer);
-            if (message.t !== 'kv-hello' || message.v !== KV_TCP_VERSION) throw new FrameError('expected kv-hello');
+            const message = frame.kind === FRAME_JSON ? parseJsonMessage(frame.payload) : undefined;
+            if (message?.t !== 'kv-hello' || message.v !== KV_TCP_VERSION) throw new FrameError(`expected kv-hello, version ${KV_TCP_VERSION}`);
             if (!tokenMatches(this.options.clusterToken, message.token)) throw new FrameError('wrong cluster token');
             authenticated = true;
             reader.maxFrameBytes = MAX_CONTROL_BYTES;
             continue;
           }
-          if (message.t === 'kv-credit') {
+          if (frame.kind !== FRAME_KV_CONTROL) throw new FrameError('after kv-hello the KV port accepts binary control frames only');
+          const message = parseControl(frame.payload);
+          if (message.type === KV_CREDIT) {
             const ring = peer.ring;
             const upTo = message.upTo;
-            if (!ring || typeof upTo !== 'number' || !Number.isSafeInteger(upTo) || upTo < ring.tail || upTo > ring.head) {
-              throw new FrameError('kv-credit beyond the ring\'s runs');
-            }
+            if (!ring || upTo < ring.tail || upTo > ring.head) throw new FrameError('kv-credit beyond the ring\'s runs');
             ring.tail = upTo;
             ring.wake?.();
             continue;
           }
+          if (message.type !== KV_PULL && message.type !== KV_STREAM) throw new FrameError(`control message ${message.type} is not the decode side's`);
           if (peer.transfer && !peer.transfer.done) throw new FrameError('one transfer at a time per connection');
           if (peer.transfer) {
             this.reusedConnections++;
@@ -534,26 +587,25 @@ export class KvTransferServer {
     });
   }
 
-  private start(peer: Peer, message: { t: string } & Record<string, unknown>): Transfer {
+  private start(peer: Peer, message: KvDescriptorMessage): Transfer {
     const { socket } = peer;
     const view = this.options.pool;
     let transfer: Transfer;
-    if (message.t === 'kv-pull') {
-      const descriptor = checkDescriptor(message, view, 'source');
+    if (message.type === KV_PULL) {
+      const descriptor = checkDescriptor(message as unknown as Record<string, unknown>, view, 'source');
       if (this.options.isPinned && !this.options.isPinned(descriptor.requestId)) {
         throw new FrameError(`request ${descriptor.requestId} has no pinned blocks here`);
       }
       transfer = this.transfer(peer, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId);
       transfer.pullSources = descriptor.sourceBlockIds;
       transfer.handedOffAt = -Infinity;
-    } else if (message.t === 'kv-stream') {
+    } else {
       const requestId = checkRequestId(message.requestId);
       const ended = this.endedLately.get(requestId);
       if (ended && !this.known.has(requestId)) throw new FrameError(`request ${requestId} ${ended.why}`);
-      const destinations = blockIds(message.destinationBlockIds, 'destinationBlockIds', null);
-      const first = message.firstBlock ?? 0;
-      if (!Number.isSafeInteger(first) || (first as number) < 0) throw new FrameError('firstBlock must be a block position');
-      transfer = this.transfer(peer, requestId, destinations, checkLayers(message.layers, view), message.hostId, first as number);
+      const destinations = message.destinationBlockIds;
+      const first = message.firstBlock;
+      transfer = this.transfer(peer, requestId, destinations, checkLayers(message.layers, view), message.hostId, first);
       let set = this.streams.get(requestId);
       if (!set) this.streams.set(requestId, set = new Set());
       set.add(transfer);
@@ -561,21 +613,20 @@ export class KvTransferServer {
         if (!this.known.has(requestId)) this.fail(transfer, `request ${requestId} is not prefilling here`);
       }, UNKNOWN_REQUEST_MS);
       transfer.timer.unref();
-    } else {
-      throw new FrameError(`unknown message type ${JSON.stringify(message.t).slice(0, 40)}`);
     }
-    // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows.
+    // kv-link, the runs known now and (a pull) kv-done leave in as few writes as their size allows: a small pull's
+    // in one buffer (the pack: kv-link at its start, kv-done after its runs).
     socket.cork();
     const { ring } = transfer;
-    socket.write(encodeJsonFrame({ t: 'kv-link', link: ring ? 'shm' : 'tcp', ...(ring ? { region: ring.region.name, regionBytes: ring.size } : {}) }));
+    this.packer.lead = ring ? ring.linkFrame : KV_LINK_TCP_FRAME;
     this.flush(transfer);
     if (!socket.destroyed) socket.uncork();
     return transfer;
   }
 
-  private transfer(peer: Peer, requestId: string, destinations: number[], layers: [number, number], hostId: unknown,
+  private transfer(peer: Peer, requestId: string, destinations: number[], layers: [number, number], hostId: string | null,
     first = 0): Transfer {
-    const sameHost = this.options.link !== 'tcp' && typeof hostId === 'string' && hostId === kvHostId();
+    const sameHost = this.options.link !== 'tcp' && hostId !== null && hostId === kvHostId();
     return {
       socket: peer.socket, peer, requestId, destinations, layers, first, sent: new Int32Array(destinations.length).fill(-1),
       ring: sameHost ? this.ring(peer) : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
@@ -590,12 +641,20 @@ export class KvTransferServer {
     if (kvBlockRunBytes(this.options.pool.layout) > size / 4) return null;
     const region = ShmRegion.create(size);
     if (!region) return null;
-    peer.ring = { region, size, head: 0, tail: 0 };
+    peer.ring = { region, size, head: 0, tail: 0, linkFrame: encodeShmLink(region.name, size) };
     return peer.ring;
   }
 
-  /** Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. */
+  /**
+   * Sends what the transfer lacks of what is known now; ends it once every block went after the handoff. Whatever it
+   * leaves in the pack (kv-link, a pull's runs and kv-done) is written before it returns.
+   */
   private flush(transfer: Transfer): void {
+    this.flushKnown(transfer);
+    this.writePack(transfer.socket, transfer.ring);
+  }
+
+  private flushKnown(transfer: Transfer): void {
     if (transfer.done || transfer.sending || transfer.socket.destroyed) return;
     const known = transfer.pullSources ? undefined : this.known.get(transfer.requestId);
     const sources = transfer.pullSources ?? known?.final ?? known?.full;
@@ -622,9 +681,9 @@ export class KvTransferServer {
       transfer.sending = true;
       const sent = this.send(transfer, layerRuns(mergeRuns(from, to), transfer.layers));
       if (typeof sent === 'boolean') {
-        // All written without waiting (a small batch): kv-done, if final, joins the same write.
+        // All written without waiting (a small batch): kv-done, if final, joins the same write (a pull's, the pack).
         transfer.sending = false;
-        if (sent) this.flush(transfer);
+        if (sent) this.flushKnown(transfer);
         return;
       }
       void sent.then((ok) => {
@@ -640,7 +699,13 @@ export class KvTransferServer {
     // Right behind the last run: what the link did before the prefill ended (a pull: nothing).
     const overlapMs = transfer.pullSources ? 0 : transfer.busy.beforeAt(transfer.handedOffAt ?? performance.now());
     // The connection stays open for the decode side's next descriptor.
-    transfer.socket.write(encodeJsonFrame({ t: 'kv-done', runs: transfer.runs, bytes: transfer.bytes, sourceBlockIds: sources, overlapMs }));
+    const done = encodeDone(transfer.runs, transfer.bytes, overlapMs, sources);
+    const { pack } = this.packer;
+    if (pack && this.packer.packed + done.length <= pack.length) this.packer.packed += done.copy(pack, this.packer.packed);
+    else {
+      this.writePack(transfer.socket, transfer.ring);
+      transfer.socket.write(done);
+    }
     this.forget(transfer);
   }
 
@@ -653,63 +718,102 @@ export class KvTransferServer {
    * (false: the transfer failed, by a fault or a closed socket), else a promise of the same.
    */
   private send(transfer: Transfer, runs: PlannedRun[]): boolean | Promise<boolean> {
-    const runBytes = kvBlockRunBytes(this.options.pool.layout);
+    const runBytes = this.runBytes;
     // A shared-memory frame is at most a quarter of the ring, so a writer waiting for room always gets it back.
     const perFrame = Math.max(1, Math.floor(Math.min(SEND_FRAME_BYTES, transfer.ring ? transfer.ring.size / 4 : Infinity) / runBytes));
-    const frames: PlannedRun[] = [];
-    for (const run of runs) {
-      for (let offset = 0; offset < run.count; offset += perFrame) {
-        frames.push({ ...run, source: run.source + offset, destination: run.destination + offset, count: Math.min(perFrame, run.count - offset) });
+    let frames = runs;
+    if (runs.some((run) => run.count > perFrame)) {
+      frames = [];
+      for (const run of runs) {
+        if (run.count <= perFrame) {
+          frames.push(run);
+          continue;
+        }
+        for (let offset = 0; offset < run.count; offset += perFrame) {
+          frames.push({ layer: run.layer, kv: run.kv, source: run.source + offset, destination: run.destination + offset, count: Math.min(perFrame, run.count - offset) });
+        }
       }
     }
     transfer.socket.cork();
-    return this.sendFrames(transfer, frames, 0, transfer.busy.begin());
+    // A pull's last pack stays open for kv-done (flush writes it); a stream's is written, then its busy clock's mark.
+    return this.sendFrames(transfer, frames, 0, transfer.pullSources ? null : transfer.busy.begin(), transfer.pullSources !== undefined);
   }
 
-  /** send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. */
-  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number }): boolean | Promise<boolean> {
+  /**
+   * Writes the pack being filled, if any: first the checksum-and-copy of its runs (one native call for all of them:
+   * tcp from the pool into the pack, shm into the ring), then each run's CRC-32C into its header.
+   */
+  private writePack(socket: net.Socket, ring: WriterRing | null): void {
+    const packer = this.packer;
+    const pack = packer.pack;
+    if (!pack) {
+      // Nothing packed: the kv-link waiting for a pack goes alone (a stream before its first blocks).
+      const lead = packer.lead;
+      packer.lead = null;
+      if (lead && !socket.writableEnded) socket.write(lead);
+      return;
+    }
+    const target = ring ? ring.region.bytes : pack;
+    packBatch.run(this.poolBytes, target);
+    for (let j = 0; j < packBatch.count; j++) pack.writeUInt32BE(packBatch.crc(j), packer.crcAt[j]!);
+    if (packer.corruptAt >= 0) target[packer.corruptAt]! ^= 0xff;
+    packBatch.clear();
+    packer.crcAt.length = 0;
+    packer.corruptAt = -1;
+    // tcp's packs are reused once the kernel took them; shm's (headers only) are small, from Node's own pool.
+    if (packer.packed > 0) socket.write(pack.subarray(0, packer.packed), ring ? undefined : () => releasePack(pack));
+    else if (!ring) releasePack(pack);
+    packer.pack = null;
+    packer.packed = 0;
+  }
+
+  /** A pack for frames[from] on: tcp a reused one; shm one for the headers up to the next doorbell flush. */
+  private newPack(frames: readonly PlannedRun[], from: number, ring: WriterRing | null): Buffer {
+    const packer = this.packer;
+    if (ring) {
+      // The headers up to the next doorbell flush (below: a quarter ring, or a frame's worth, of runs).
+      const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
+      let count = 0;
+      for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * this.runBytes;
+      // Room for the kv-link before the headers and a pull's kv-done after them.
+      packer.pack = Buffer.allocUnsafe((packer.lead?.length ?? 0) + Math.max(1, count) * SHM_RUN_FRAME_BYTES + PACK_DONE_ROOM);
+    } else {
+      packer.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
+    }
+    packer.packed = packer.lead ? packer.lead.copy(packer.pack, 0) : 0;
+    packer.lead = null;
+    return packer.pack;
+  }
+
+  private resume(transfer: Transfer, wait: Promise<void>, frames: PlannedRun[], from: number, batch: { start: number } | null): Promise<boolean> {
+    return wait.then(() => {
+      if (transfer.socket.destroyed || transfer.done || transfer.peer.closed) return false;
+      transfer.socket.cork();
+      // After a wait, the pack is written before sendFrames returns: nothing may stay open across the promise.
+      return this.sendFrames(transfer, frames, from, batch, false);
+    });
+  }
+
+  /**
+   * send() from frames[i] on; the socket is corked once on entry and uncorked on every way out. Small frames (tcp:
+   * header and bytes; shm: the header) are packed into one buffer, so a small transfer is one write of one buffer
+   * instead of a gather of many pieces, and their bytes are checksummed and copied in one native call when the pack
+   * is written. The pack is written before this waits, and before it returns unless leaveOpen (then the caller,
+   * synchronously, appends kv-done and writes it: flush).
+   */
+  private sendFrames(transfer: Transfer, frames: PlannedRun[], i: number, batch: { start: number } | null,
+    leaveOpen: boolean): boolean | Promise<boolean> {
     const view = this.options.pool;
-    const runBytes = kvBlockRunBytes(view.layout);
+    const runBytes = this.runBytes;
     const { socket, ring } = transfer;
     const { faults } = this.options;
+    const packer = this.packer;
     let corked = 0;
-    // Small frames (tcp: header and bytes; shm: the header) are packed into one buffer, so a small transfer is one
-    // write of one buffer instead of a gather of many pieces.
-    const out: { pack: Buffer | null; packed: number } = { pack: null, packed: 0 };
-    const writePack = () => {
-      const { pack } = out;
-      if (pack) {
-        // tcp's packs are reused; shm's (headers only) are small, from Node's own pool.
-        const free = ring ? undefined : () => { if (freePackBuffers.length < MAX_FREE_PACK_BUFFERS) freePackBuffers.push(pack); };
-        if (out.packed > 0) socket.write(pack.subarray(0, out.packed), free);
-        else free?.();
-      }
-      out.pack = null;
-      out.packed = 0;
-    };
-    const newPack = (from: number): Buffer => {
-      if (ring) {
-        // The headers up to the next doorbell flush (below: a quarter ring, or a frame's worth, of runs).
-        const limit = Math.min(SEND_FRAME_BYTES, ring.size / 4);
-        let count = 0;
-        for (let j = from, payload = 0; j < frames.length && payload < limit; j++, count++) payload += frames[j]!.count * runBytes;
-        out.pack = Buffer.allocUnsafe(Math.max(1, count) * (5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES));
-      } else {
-        out.pack = freePackBuffers.pop() ?? Buffer.allocUnsafeSlow(PACK_BUFFER_BYTES);
-      }
-      out.packed = 0;
-      return out.pack;
-    };
-    const resume = (wait: Promise<void>, from: number) => wait.then(() => {
-      if (socket.destroyed || transfer.done || transfer.peer.closed) return false;
-      socket.cork();
-      return this.sendFrames(transfer, frames, from, batch);
-    });
     try {
       for (; i < frames.length; i++) {
         const frame = frames[i]!;
         if (faults?.truncateAfterRuns !== undefined && this.runsSent === faults.truncateAfterRuns) {
-          writePack();
+          this.writePack(socket, ring);
           socket.uncork();
           socket.destroySoon();
           transfer.done = true;
@@ -717,58 +821,54 @@ export class KvTransferServer {
         }
         if (faults?.stallAfterRuns !== undefined && this.runsSent === faults.stallAfterRuns) {
           // Nothing more on this transfer, the connection stays open until the decode side closes it.
-          writePack();
+          this.writePack(socket, ring);
           socket.uncork();
           transfer.done = true;
           return false;
         }
         const { count } = frame;
-        const at = runOffset(view, frame.layer, frame.kv, frame.source);
-        const length = count * runBytes;
         // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
         // side has them, so nothing rewrites them while the kernel (or the copy into the ring) reads them.
-        const body: Uint8Array = Buffer.from(view.pool, at, length);
-        let checksum: number;
+        const at = runOffset(view, frame.layer, frame.kv, frame.source);
+        const length = count * runBytes;
+        const corrupt = faults?.corruptRun === this.runsSent;
         let position = 0;
         if (ring) {
           position = ring.head;
           if ((position % ring.size) + length > ring.size) position += ring.size - (position % ring.size);
           if (position + length - ring.tail > ring.size) {
             // No room until the decode side credits what it copied out: it needs the doorbells sent so far.
-            writePack();
+            this.writePack(socket, ring);
             socket.uncork();
-            return resume(new Promise<void>((resolve) => {
+            return this.resume(transfer, new Promise<void>((resolve) => {
               ring.wake = () => {
                 ring.wake = undefined;
                 resolve();
               };
-            }), i);
+            }), frames, i, batch);
           }
-          checksum = kvChecksumCopy(body, ring.region.bytes, position % ring.size);
-          if (faults?.corruptRun === this.runsSent) ring.region.bytes[(position % ring.size) + (length >> 1)]! ^= 0xff;
           ring.head = position + length;
-        } else {
-          checksum = 0; // below: in the same pass as the copy into the pack, or of the pool's bytes
         }
-        const small = ring !== null || length <= PACK_RUN_BYTES;
-        const headerBytes = 5 + RUN_HEADER_BYTES + (ring ? SHM_OFFSET_BYTES : 0);
-        let pack: Buffer | null = null;
-        if (!small) writePack();
-        else if (!out.pack || out.packed + headerBytes + (ring ? 0 : length) > out.pack.length) {
-          writePack();
-          pack = newPack(i);
-        } else {
-          pack = out.pack;
-        }
-        const at0 = out.packed;
-        const header = pack ? pack.subarray(at0, at0 + headerBytes) : Buffer.allocUnsafe(headerBytes);
-        if (!ring) {
-          if (pack) {
-            checksum = kvChecksumCopy(body, pack, at0 + headerBytes);
-            if (faults?.corruptRun === this.runsSent) pack[at0 + headerBytes + (length >> 1)]! ^= 0xff;
-          } else {
-            checksum = kvChecksum(body);
+        const headerBytes = ring ? SHM_RUN_FRAME_BYTES : 5 + RUN_HEADER_BYTES;
+        let header: Buffer;
+        if (ring || length <= PACK_RUN_BYTES) {
+          let pack = packer.pack;
+          if (!pack || packer.packed + headerBytes + (ring ? 0 : length) > pack.length) {
+            // (Without a pack, a kv-link waiting to go starts the new one instead of going alone.)
+            if (pack) this.writePack(socket, ring);
+            pack = this.newPack(frames, i, ring);
           }
+          const at0 = packer.packed;
+          header = pack.subarray(at0, at0 + headerBytes);
+          // The CRC-32C goes in when the pack is written (writePack), of the bytes copied then.
+          packer.crcAt.push(at0 + 21);
+          const to = ring ? position % ring.size : at0 + headerBytes;
+          packBatch.add(at, to, length);
+          if (corrupt) packer.corruptAt = to + (length >> 1);
+          packer.packed += headerBytes + (ring ? 0 : length);
+        } else {
+          this.writePack(socket, ring);
+          header = Buffer.allocUnsafe(headerBytes);
         }
         header.writeUInt32BE(headerBytes - 4 + (ring ? 0 : length), 0);
         header[4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
@@ -778,50 +878,56 @@ export class KvTransferServer {
         header.writeUInt32BE(frame.destination, 9);
         header.writeUInt32BE(count, 13);
         header.writeUInt32BE(length, 17);
-        header.writeUInt32BE(checksum, 21);
         header.writeUInt32BE(0, 25);
         if (ring) {
           header.writeUInt32BE(Math.floor(position / 2 ** 32), 29);
           header.writeUInt32BE(position % 2 ** 32, 33);
-          out.packed += headerBytes;
-        } else if (pack) {
-          out.packed += headerBytes + length;
-        } else if (faults?.corruptRun === this.runsSent) {
-          const corrupted = Buffer.from(body);
-          corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
+        } else if (length > PACK_RUN_BYTES) {
+          // A large frame goes from the pool itself, checksummed just before the kernel copies it.
+          const body = Buffer.from(view.pool, at, length);
+          header.writeUInt32BE(kvChecksum(body), 21);
           socket.write(header);
-          socket.write(corrupted);
-        } else {
-          socket.write(header);
-          socket.write(body);
+          if (corrupt) {
+            const corrupted = Buffer.from(body);
+            corrupted[length >> 1] = corrupted[length >> 1]! ^ 0xff;
+            socket.write(corrupted);
+          } else {
+            socket.write(body);
+          }
         }
         corked += length;
         this.runsSent++;
         transfer.runs++;
         transfer.bytes += length;
-        // tcp: a frame's worth goes to the kernel while it is in cache. shm: the doorbells of a quarter ring go in
-        // one write (each write costs the loopback's delivery, some 20 us), so the decode side copies that quarter out
-        // while the next is copied in.
-        if (corked >= (ring ? ring.size / 4 : SEND_FRAME_BYTES)) {
-          writePack();
+        // tcp: every FLUSH_BYTES of frames go to the kernel in one write, while they are still in cache. shm: the
+        // doorbells of a quarter ring go in one write (each write costs the loopback's delivery, some 20 us), so the
+        // decode side copies that quarter out while the next is copied in.
+        if (corked >= (ring ? ring.size / 4 : FLUSH_BYTES)) {
+          this.writePack(socket, ring);
           flushCorked(socket);
           corked = 0;
           if (socket.writableLength >= SEND_AHEAD_BYTES) {
             socket.uncork();
-            return resume(drained(socket), i + 1);
+            return this.resume(transfer, drained(socket), frames, i + 1, batch);
           }
         }
       }
+      if (!leaveOpen) this.writePack(socket, ring);
     } catch (error) {
+      packBatch.clear();
+      packer.crcAt.length = 0;
+      packer.corruptAt = -1;
+      packer.pack = null;
+      packer.packed = 0;
+      packer.lead = null;
       socket.uncork();
       this.fail(transfer, `writing the runs failed: ${(error as Error).message}`);
       return false;
     }
-    writePack();
     socket.uncork();
     // The batch's busy time ends when the kernel has taken its last byte (only what was before the prefill's end
     // counts; a pull's is all after it).
-    if (!transfer.pullSources) socket.write(Buffer.alloc(0), () => transfer.busy.end(batch, transfer.handedOffAt));
+    if (batch) socket.write(EMPTY, () => transfer.busy.end(batch, transfer.handedOffAt));
     return true;
   }
 
@@ -878,14 +984,9 @@ export interface KvTransferHandle {
  */
 export function pullKvBlocks(descriptor: KvPullDescriptor, options: KvPullOptions): Promise<KvPullResult> {
   checkDescriptor(descriptor as unknown as Record<string, unknown>, options.destination, 'destination');
-  const handle = receive({ t: 'kv-pull', ...descriptor }, descriptor, options);
+  const handle = new Receiver(KV_PULL, descriptor.sourceBlockIds, descriptor, options);
   handle.deadline(options.timeoutMs ?? 30_000);
-  return handle.result.then((result) => {
-    if (result.sourceBlockIds.some((id, i) => id !== descriptor.sourceBlockIds[i])) {
-      throw new KvTransferError('unexpected-run', `KV transfer of ${descriptor.requestId}: the prefill side sent other source blocks`);
-    }
-    return result;
-  });
+  return handle.result;
 }
 
 /**
@@ -898,20 +999,20 @@ export function streamKvBlocks(descriptor: KvStreamDescriptor, options: KvPullOp
   if (descriptor.firstBlock !== undefined && !(Number.isSafeInteger(descriptor.firstBlock) && descriptor.firstBlock >= 0)) {
     throw new RangeError(`firstBlock must be a block position, got ${descriptor.firstBlock}`);
   }
-  const handle = receive({ t: 'kv-stream', ...descriptor }, descriptor, options);
+  const handle = new Receiver(KV_STREAM, null, descriptor, options);
   if (options.timeoutMs !== undefined) handle.deadline(options.timeoutMs);
   return handle;
 }
 
 /**
  * The decode side's end of a connection to a prefill worker's KV port, kept alive between transfers. Its bytes go
- * to the transfer using it (sink); an idle one is unreferenced (it keeps no process alive) and closed after IDLE_MS.
+ * to the transfer using it (receiver); an idle one is unreferenced (it keeps no process alive) and closed after
+ * IDLE_MS.
  */
 class KvConnection {
   readonly socket: net.Socket;
-  /** The current transfer's parser, and what it does when the connection fails. */
-  sink: ((chunk: Buffer) => void) | null = null;
-  onEnd: ((error: Error | null) => void) | null = null;
+  /** The current transfer: it parses the bytes, and learns when the connection fails. */
+  receiver: Receiver | null = null;
   /** The connection's shared-memory ring, once a transfer named it; positions consumed and credited so far. */
   ring: ShmRegion | null = null;
   ringSize = 0;
@@ -919,21 +1020,23 @@ class KvConnection {
   credited = 0;
   /** Transfers it carried (a reused one has carried at least one before). */
   transfers = 0;
+  /** In the idle pool; its timer closes it IDLE_MS after it went there (made once, re-armed each time). */
+  idle = false;
   idleTimer: NodeJS.Timeout | undefined;
   closed = false;
 
   constructor(readonly key: string, host: string, port: number, readBuffer: Buffer) {
     this.socket = net.connect({
       host, port,
-      onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { this.bytes((buffer as Buffer).subarray(0, n)); return true; } },
+      onread: { buffer: readBuffer, callback: (n: number, buffer: Uint8Array) => { this.bytes(buffer as Buffer, n); return true; } },
     });
     this.socket.setNoDelay(true);
     this.socket.on('error', (error) => this.end(error));
     this.socket.on('close', () => this.end(null));
   }
 
-  private bytes(chunk: Buffer): void {
-    if (this.sink) this.sink(chunk);
+  private bytes(buffer: Buffer, n: number): void {
+    if (this.receiver) this.receiver.bytes(buffer, n);
     else this.destroy(); // nothing may come between transfers
   }
 
@@ -944,10 +1047,9 @@ class KvConnection {
     dropIdle(this);
     this.ring?.close();
     this.ring = null;
-    const onEnd = this.onEnd;
-    this.onEnd = null;
-    this.sink = null;
-    onEnd?.(error ?? new Error('the connection closed'));
+    const receiver = this.receiver;
+    this.receiver = null;
+    receiver?.connectionEnded(error ?? new Error('the connection closed'));
   }
 
   destroy(): void {
@@ -970,16 +1072,19 @@ function dropIdle(connection: KvConnection): void {
 
 /** A transfer ended cleanly on the connection: kept for the next one to the same worker (or closed, past the limit). */
 function keepIdle(connection: KvConnection): void {
-  connection.sink = null;
-  connection.onEnd = null;
+  connection.receiver = null;
   if (connection.closed) return;
   const list = idleConnections.get(connection.key) ?? [];
   if (list.length >= MAX_IDLE_PER_PEER) return connection.destroy();
   list.push(connection);
   idleConnections.set(connection.key, list);
   connection.socket.unref();
-  connection.idleTimer = setTimeout(() => connection.destroy(), IDLE_MS);
-  connection.idleTimer.unref();
+  connection.idle = true;
+  if (connection.idleTimer) connection.idleTimer.refresh();
+  else {
+    connection.idleTimer = setTimeout(() => { if (connection.idle) connection.destroy(); }, IDLE_MS);
+    connection.idleTimer.unref();
+  }
 }
 
 /** The most recently idle connection to the worker, taken out of the pool; undefined when none. */
@@ -988,7 +1093,8 @@ function takeIdle(key: string): KvConnection | undefined {
   const connection = list?.pop();
   if (list?.length === 0) idleConnections.delete(key);
   if (!connection) return undefined;
-  clearTimeout(connection.idleTimer);
+  // Its timer stays armed: it does nothing to a connection in use, and is re-armed when the connection is idle again.
+  connection.idle = false;
   connection.socket.ref();
   return connection;
 }
@@ -1002,181 +1108,380 @@ export function closeIdleKvConnections(to?: { host: string; port: number }): voi
   }
 }
 
-function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOptions): KvTransferHandle {
-  const view = options.destination;
-  const { requestId, destinationBlockIds: destinations, layers } = descriptor;
-  const first = descriptor.firstBlock ?? 0;
-  const runBytes = kvBlockRunBytes(view.layout);
-  const pool = new Uint8Array(view.pool);
-  const positions = destinations.length;
-  const numLayers = layers[1] - layers[0];
-  const covered = new Uint8Array(positions * numLayers * 2);
-  let numCovered = 0;
-  const positionOf = new Map<number, number>();
-  destinations.forEach((id, p) => positionOf.set(id, p));
-  const started = performance.now();
-  const hostId = options.link === 'tcp' ? null : kvHostId();
-  const direct = receiveMode() === 'direct';
-  const uncached = !direct && uncachedCopy(destinations.length * (layers[1] - layers[0]) * 2 * kvBlockRunBytes(view.layout));
-  let settle!: { resolve: (r: KvPullResult) => void; reject: (e: Error) => void };
-  const result = new Promise<KvPullResult>((resolve, reject) => { settle = { resolve, reject }; });
-  let settled = false;
-  let timer: NodeJS.Timeout | undefined;
-  let link: KvLink = 'tcp';
-  let runs = 0;
-  let bytes = 0;
+/**
+ * The checksum-and-copy of the run pieces one read holds, made in one native call at the end of the read (or before a
+ * control frame, or a credit): from the read buffer into the pool, and from the ring into the pool. A read is used
+ * up before the callback returns, so one pair serves every transfer of the process.
+ */
+const readBatch = new KvChecksumBatch();
+const ringBatch = new KvChecksumBatch();
+/**
+ * The runs whose last piece is in the batches, to check once they ran: per run its batch (0 read, 1 ring), index
+ * there, expected CRC-32C, run number and layer.
+ */
+const pendingChecks: number[] = [];
+
+/** What the decode side's parser waits for. */
+type ReceiveState = 0 | 1 | 2; // 0 a frame's header, 1 a run's bytes, 2 a control frame
+const HEAD = 0;
+const BODY = 1;
+const CONTROL = 2;
+
+/** A transfer on the decode side: parses its connection's bytes into the destination blocks, checking each run. */
+class Receiver implements KvTransferHandle {
+  readonly result: Promise<KvPullResult>;
+  private resolve!: (result: KvPullResult) => void;
+  private reject!: (error: Error) => void;
+  private readonly requestId: string;
+  private readonly destinations: readonly number[];
+  private readonly layers: readonly [number, number];
+  private readonly first: number;
+  private readonly view: KvPoolView;
+  private readonly pool: Uint8Array;
+  private readonly runBytes: number;
+  private readonly positions: number;
+  /** A (position, layer, K|V) came: 1. */
+  private readonly covered: Uint8Array;
+  private numCovered = 0;
+  /** Destination id -> position, made only for a run that is not where the descriptor's order puts it. */
+  private positionOf: Map<number, number> | undefined;
+  /** The position after the last run: the next run's, in the order the prefill side sends them. */
+  private nextPosition = 0;
+  private readonly started = performance.now();
+  private readonly direct: boolean;
+  private readonly uncached: boolean;
+  private settled = false;
+  private timer: NodeJS.Timeout | undefined;
+  private link: KvLink = 'tcp';
+  private runs = 0;
+  private bytesIn = 0;
   /** Anything came back on this connection for this transfer (a kept-alive one that closed before: retried once). */
-  let answered = false;
+  private answered = false;
+  private reused: boolean;
+  private connection: KvConnection;
+  private readonly key: string;
+  private readonly askFrame: Buffer;
+  private readonly options: KvPullOptions;
+  /** A pull's source blocks: kv-done must name exactly these. */
+  private readonly pullSources: readonly number[] | null;
+  private readonly signal: AbortSignal | undefined;
+  private abortListener: (() => void) | undefined;
 
-  // Parser state: a frame header (5 bytes, then a run's header), a run's bytes, or a JSON frame.
-  const head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
-  let headHave = 0;
-  let headNeed = 5;
-  let state: 'head' | 'body' | 'json' = 'head';
-  let frameLength = 0;
-  let bodyAt = 0;
-  let bodyLeft = 0;
-  let bodyCrc = 0;
-  let bodyChecksum = 0;
-  let bodyMark = 0;
-  let json: Buffer[] = [];
-  let jsonLeft = 0;
-  /** Set by kv-done: the connection goes back to the pool once the chunk that carried it is used up. */
-  let doneCleanly = false;
+  // Parser state: a frame header (5 bytes, then a run's header), a run's bytes, or a control frame.
+  private readonly head = Buffer.allocUnsafe(5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES);
+  private headHave = 0;
+  private headNeed = 5;
+  /** The current run's layer and byte length (from its header). */
+  private runLayer = 0;
+  private runByteLength = 0;
+  private state: ReceiveState = HEAD;
+  private frameLength = 0;
+  private bodyAt = 0;
+  private bodyLeft = 0;
+  private bodyCrc = 0;
+  private bodyChecksum = 0;
+  /** A control frame's kind (binary or JSON), the pieces of it so far (when split over reads), and what is left of it. */
+  private controlKind = FRAME_KV_CONTROL;
+  private controlPieces: Buffer[] = [];
+  private controlLeft = 0;
+  /** Set by kv-done: the connection goes back to the pool once the read that carried it is used up. */
+  private doneCleanly = false;
 
-  const finish = (error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }) => {
-    if (settled) return;
-    settled = true;
-    clearTimeout(timer);
-    options.signal?.removeEventListener('abort', onAbort);
+  constructor(type: KvDescriptorMessage['type'], sourceBlockIds: readonly number[] | null, descriptor: KvStreamDescriptor, options: KvPullOptions) {
+    this.options = options;
+    this.pullSources = sourceBlockIds;
+    this.view = options.destination;
+    this.requestId = descriptor.requestId;
+    this.destinations = descriptor.destinationBlockIds;
+    this.layers = descriptor.layers;
+    this.first = descriptor.firstBlock ?? 0;
+    this.runBytes = kvBlockRunBytes(this.view.layout);
+    this.pool = new Uint8Array(this.view.pool);
+    this.positions = this.destinations.length;
+    this.covered = new Uint8Array(this.positions * (this.layers[1] - this.layers[0]) * 2);
+    this.direct = receiveMode === 'direct';
+    this.uncached = !this.direct && uncachedCopy(this.covered.length * this.runBytes);
+    this.result = new Promise<KvPullResult>((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
+    const hostId = options.link === 'tcp' ? null : kvHostId();
+    this.key = `${options.host}:${options.port}:${options.clusterToken}`;
+    this.askFrame = encodeDescriptor({
+      type, requestId: this.requestId, layers: descriptor.layers, hostId, sourceBlockIds, destinationBlockIds: this.destinations, firstBlock: this.first,
+    });
+    // 'direct' reads need a connection of their own (its read buffer is the small one).
+    const idle = this.direct ? undefined : takeIdle(this.key);
+    this.reused = idle !== undefined;
+    if (idle) {
+      this.connection = idle;
+      kvConnectionStats.reused++;
+      idle.receiver = this;
+      idle.transfers++;
+      idle.socket.write(this.askFrame);
+    } else {
+      this.connection = this.open();
+    }
+    this.signal = options.signal;
+    if (this.signal?.aborted) this.aborted();
+    else if (this.signal) {
+      this.abortListener = () => this.aborted();
+      this.signal.addEventListener('abort', this.abortListener, { once: true });
+    }
+  }
+
+  cancel(why: string): void {
+    this.finish(new KvTransferError('cancelled', `KV transfer of ${this.requestId} cancelled: ${why}`));
+  }
+
+  deadline(ms: number): void {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.finish(new KvTransferError('timeout', `KV transfer of ${this.requestId} took over ${ms} ms`)), ms);
+  }
+
+  private aborted(): void {
+    this.finish(new KvTransferError('aborted', `KV transfer of ${this.requestId} aborted after ${this.runs} runs`));
+  }
+
+  /** A new connection, the hello and the descriptor in one write (the prefill side reads both at once). */
+  private open(): KvConnection {
+    // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
+    const readBuffer = this.direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
+    const fresh = new KvConnection(this.key, this.options.host, this.options.port, readBuffer);
+    kvConnectionStats.opened++;
+    fresh.receiver = this;
+    fresh.transfers++;
+    fresh.socket.on('connect', () => {
+      fresh.socket.write(Buffer.concat([encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: this.options.clusterToken }), this.askFrame]));
+    });
+    return fresh;
+  }
+
+  private finish(error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }): void {
+    if (this.settled) return;
+    this.settled = true;
+    clearTimeout(this.timer);
+    if (this.abortListener) this.signal!.removeEventListener('abort', this.abortListener);
     if (error) {
       // Whatever of the transfer is still on its way must not reach another: the connection goes.
-      connection.onEnd = null;
-      connection.destroy();
-      error.link ??= link;
-      settle.reject(error);
+      this.connection.receiver = null;
+      this.connection.destroy();
+      error.link ??= this.link;
+      this.reject(error);
     } else {
-      doneCleanly = true;
-      settle.resolve({
-        bytes, blocks: positions, runs, ms: performance.now() - started, link, sourceBlockIds: done!.sourceBlockIds,
-        overlapMs: done!.overlapMs,
+      this.doneCleanly = true;
+      this.resolve({
+        bytes: this.bytesIn, blocks: this.positions, runs: this.runs, ms: performance.now() - this.started, link: this.link,
+        sourceBlockIds: done!.sourceBlockIds, overlapMs: done!.overlapMs,
       });
     }
-  };
-  const fail = (reason: KvTransferFailure, message: string): never => {
-    throw new KvTransferError(reason, `KV transfer of ${requestId}: ${message}`);
-  };
+  }
 
-  /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or copy them from the ring (shm). */
-  const startRun = (): void => {
-    const layer = head.readUInt16BE(5);
-    const kv = head[7]!;
-    const destination = head.readUInt32BE(9);
-    const count = head.readUInt32BE(13);
-    const byteLength = head.readUInt32BE(17);
-    const position = positionOf.get(destination);
-    if (layer < layers[0] || layer >= layers[1] || kv > 1 || count < 1 || position === undefined || position + count > positions) {
-      fail('unexpected-run', `run ${runs} (layer ${layer}/${kv}, block ${destination}x${count}) is not in the descriptor`);
-    }
-    for (let i = 1; i < count; i++) {
-      if (destinations[position! + i] !== destination + i) fail('unexpected-run', `run ${runs}: blocks ${destination}x${count} are not consecutive destinations`);
-    }
-    if (byteLength !== count * runBytes) fail('length', `run ${runs}: header says ${byteLength} bytes, expected ${count * runBytes}`);
-    bodyMark = ((layer - layers[0]) * 2 + kv) * positions + position!;
-    bodyAt = runOffset(view, layer, kv, destination);
-    bodyLeft = byteLength;
-    bodyChecksum = head.readUInt32BE(21);
-    bodyCrc = 0;
-    if (head[4] === FRAME_KV_RUN) {
-      if (frameLength !== 1 + RUN_HEADER_BYTES + byteLength) fail('length', `run ${runs}: frame of ${frameLength} bytes for ${byteLength} bytes of KV`);
-      state = 'body';
+  private fail(reason: KvTransferFailure, message: string): never {
+    throw new KvTransferError(reason, `KV transfer of ${this.requestId}: ${message}`);
+  }
+
+  /** The connection closed or failed. */
+  connectionEnded(error: Error): void {
+    // A kept-alive connection the prefill side had closed meanwhile: the same descriptor once more on a new one.
+    if (!this.settled && !this.answered && this.reused) {
+      this.reused = false;
+      this.connection = this.open();
       return;
     }
-    const ring = connection.ring;
-    if (link !== 'shm' || !ring) fail('unexpected-run', 'a shared-memory run on the tcp link');
-    const at = head.readUInt32BE(29) * 2 ** 32 + head.readUInt32BE(33);
-    const size = connection.ringSize;
-    if (at < connection.consumed || (at % size) + byteLength > size) {
-      fail('unexpected-run', `run ${runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
+    this.finish(new KvTransferError(this.runs === 0 && this.bytesIn === 0 && !this.answered ? 'connect' : 'truncated',
+      `KV transfer of ${this.requestId}: ${error.message} after ${this.runs} runs (${this.numCovered} of ${this.covered.length} block layers)`));
+  }
+
+  /**
+   * A frame's first 5 bytes at head[h]: checks its length for its kind; a control frame's payload comes next (state
+   * CONTROL). Returns the bytes of the frame's header: 5 for a control frame, a run's with its run header.
+   */
+  private frameStart(head: Buffer, h: number): number {
+    const length = head.readUInt32BE(h);
+    const kind = head[h + 4]!;
+    this.frameLength = length;
+    if (kind === FRAME_KV_RUN) {
+      if (length < 1 + RUN_HEADER_BYTES) this.fail('length', `run frame of ${length} bytes`);
+      return 5 + RUN_HEADER_BYTES;
     }
-    // Checksummed on the way from the ring into the block: the bytes are read once.
-    bodyCrc = kvChecksumCopy(ring!.bytes.subarray(at % size, (at % size) + byteLength), pool, bodyAt, 0, uncached);
-    bodyLeft = 0;
-    connection.consumed = at + byteLength;
-    if (connection.consumed - connection.credited >= size / 4) {
-      connection.credited = connection.consumed;
-      connection.socket.write(encodeJsonFrame({ t: 'kv-credit', upTo: connection.consumed }));
+    if (kind === FRAME_KV_SHM_RUN) {
+      if (length !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) this.fail('length', `shared-memory run frame of ${length} bytes`);
+      return SHM_RUN_FRAME_BYTES;
     }
-    endRun(count);
-  };
-  const endRun = (count = head.readUInt32BE(13)): void => {
-    if (bodyCrc !== bodyChecksum) fail('checksum', `run ${runs} (layer ${head.readUInt16BE(5)}): checksum mismatch`);
+    if (kind === FRAME_KV_CONTROL || kind === FRAME_JSON) {
+      if (length < 2 || length > MAX_CONTROL_BYTES) this.fail('length', `control frame of ${length} bytes`);
+      this.controlKind = kind;
+      this.controlLeft = length - 1;
+      this.state = CONTROL;
+      return 5;
+    }
+    return this.fail('unexpected-run', `unexpected frame of kind ${kind} after ${this.runs} runs`);
+  }
+
+  /** Where destination block `destination` is in the descriptor: where the order says, else looked up. */
+  private positionOfBlock(destination: number): number | undefined {
+    const destinations = this.destinations;
+    if (destinations[this.nextPosition] === destination) return this.nextPosition;
+    if (destinations[0] === destination) return 0;
+    if (!this.positionOf) {
+      this.positionOf = new Map();
+      for (let p = 0; p < destinations.length; p++) this.positionOf.set(destinations[p]!, p);
+    }
+    return this.positionOf.get(destination);
+  }
+
+  /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or copy them from the ring (shm). */
+  private startRun(head: Buffer, h: number): void {
+    const layer = head.readUInt16BE(h + 5);
+    const kv = head[h + 7]!;
+    const destination = head.readUInt32BE(h + 9);
+    const count = head.readUInt32BE(h + 13);
+    const byteLength = head.readUInt32BE(h + 17);
+    this.runLayer = layer;
+    this.runByteLength = byteLength;
+    const { layers, positions, destinations } = this;
+    const position = this.positionOfBlock(destination);
+    if (layer < layers[0] || layer >= layers[1] || kv > 1 || count < 1 || position === undefined || position + count > positions) {
+      this.fail('unexpected-run', `run ${this.runs} (layer ${layer}/${kv}, block ${destination}x${count}) is not in the descriptor`);
+    }
+    for (let i = 1; i < count; i++) {
+      if (destinations[position + i] !== destination + i) this.fail('unexpected-run', `run ${this.runs}: blocks ${destination}x${count} are not consecutive destinations`);
+    }
+    if (byteLength !== count * this.runBytes) this.fail('length', `run ${this.runs}: header says ${byteLength} bytes, expected ${count * this.runBytes}`);
+    this.nextPosition = position + count;
+    // Covered now, checked when its bytes are (before anything reads the coverage: a control frame, or the end).
+    const mark = ((layer - layers[0]) * 2 + kv) * positions + position;
     for (let i = 0; i < count; i++) {
-      if (covered[bodyMark + i] === 0) {
-        covered[bodyMark + i] = 1;
-        numCovered++;
+      if (this.covered[mark + i] === 0) {
+        this.covered[mark + i] = 1;
+        this.numCovered++;
       }
     }
-    bytes += count * runBytes;
-    runs++;
-    state = 'head';
-  };
-  const control = (payload: Buffer): void => {
-    const message = parseJsonMessage(payload);
-    if (message.t === 'kv-error') fail('refused', `refused: ${String(message.reason)}`);
-    if (message.t === 'kv-link') {
+    this.bodyAt = runOffset(this.view, layer, kv, destination);
+    this.bodyLeft = byteLength;
+    this.bodyChecksum = head.readUInt32BE(h + 21);
+    this.bodyCrc = 0;
+    if (head[h + 4] === FRAME_KV_RUN) {
+      if (this.frameLength !== 1 + RUN_HEADER_BYTES + byteLength) this.fail('length', `run ${this.runs}: frame of ${this.frameLength} bytes for ${byteLength} bytes of KV`);
+      this.state = BODY;
+      return;
+    }
+    const connection = this.connection;
+    const ring = connection.ring;
+    if (this.link !== 'shm' || !ring) this.fail('unexpected-run', 'a shared-memory run on the tcp link');
+    const at = head.readUInt32BE(h + 29) * 2 ** 32 + head.readUInt32BE(h + 33);
+    const size = connection.ringSize;
+    if (at < connection.consumed || (at % size) + byteLength > size) {
+      this.fail('unexpected-run', `run ${this.runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
+    }
+    // Checksummed on the way from the ring into the block (the bytes are read once), with the read's other runs.
+    this.endRun(1, ringBatch.add(at % size, this.bodyAt, byteLength), byteLength);
+    this.bodyLeft = 0;
+    connection.consumed = at + byteLength;
+    if (connection.consumed - connection.credited >= size / 4) {
+      // The space goes back only once its runs are copied out.
+      this.runBatches();
+      connection.credited = connection.consumed;
+      connection.socket.write(encodeCredit(connection.consumed));
+    }
+  }
+
+  /** A run's last piece is in a batch: its checksum is checked when the batch has run. */
+  private endRun(batch: 0 | 1, index: number, byteLength: number): void {
+    pendingChecks.push(batch, index, this.bodyChecksum, this.runs, this.runLayer);
+    this.bytesIn += byteLength;
+    this.runs++;
+    this.state = HEAD;
+  }
+
+  /** Copies what the batches hold into the blocks and checks the runs that ended in them. */
+  private runBatches(): void {
+    if (readBatch.count > 0) readBatch.run(this.readSource!, this.pool, this.uncached);
+    if (ringBatch.count > 0) ringBatch.run(this.connection.ring!.bytes, this.pool, this.uncached);
+    if (this.partialIndex >= 0) this.bodyCrc = readBatch.crc(this.partialIndex);
+    this.partialIndex = -1;
+    let mismatch = -1;
+    for (let i = 0; i < pendingChecks.length && mismatch < 0; i += 5) {
+      const crc = (pendingChecks[i] === 0 ? readBatch : ringBatch).crc(pendingChecks[i + 1]!);
+      if (crc !== pendingChecks[i + 2]) mismatch = i;
+    }
+    readBatch.clear();
+    ringBatch.clear();
+    const run = pendingChecks[mismatch + 3];
+    const layer = pendingChecks[mismatch + 4];
+    pendingChecks.length = 0;
+    if (mismatch >= 0) this.fail('checksum', `run ${run} (layer ${layer}): checksum mismatch`);
+  }
+
+  /** The read being parsed (the batches' source), and the batch index of a run's piece that does not end it. */
+  private readSource: Buffer | undefined;
+  private partialIndex = -1;
+
+  /** A control frame's payload: binary (kv-link, kv-done) or, kv-error, JSON. */
+  private control(kind: number, payload: Buffer): void {
+    if (kind === FRAME_JSON) {
+      const message = parseJsonMessage(payload);
+      if (message.t === 'kv-error') this.fail('refused', `refused: ${String(message.reason)}`);
+      this.fail('unexpected-run', `unexpected message ${String(message.t).slice(0, 40)}`);
+    }
+    const message = parseControl(payload);
+    if (message.type === KV_LINK) {
+      const connection = this.connection;
       if (message.link === 'shm') {
-        const name = message.region;
+        const name = message.region!;
         const size = message.regionBytes;
-        if (typeof name !== 'string' || typeof size !== 'number') fail('link', 'kv-link names no region');
         if (connection.ring?.name !== name) {
           connection.ring?.close();
           connection.ring = null;
           try {
-            connection.ring = ShmRegion.open(name as string, size as number);
+            connection.ring = ShmRegion.open(name, size);
           } catch (error) {
             // Gone already: the prefill side closed the connection (and removed its region) right after naming it.
             const gone = (error as NodeJS.ErrnoException).code === 'ENOENT';
-            fail(gone ? 'truncated' : 'link', `cannot map the shared-memory ring: ${(error as Error).message}`);
+            this.fail(gone ? 'truncated' : 'link', `cannot map the shared-memory ring: ${(error as Error).message}`);
           }
-          connection.ringSize = size as number;
+          connection.ringSize = size;
           connection.consumed = 0;
           connection.credited = 0;
         }
-        link = 'shm';
+        this.link = 'shm';
       } else {
-        link = 'tcp';
+        this.link = 'tcp';
       }
       return;
     }
-    if (message.t !== 'kv-done') fail('unexpected-run', `unexpected message ${String(message.t)}`);
-    if (numCovered !== covered.length || message.bytes !== bytes) {
-      fail('truncated', `done with ${numCovered} of ${covered.length} block layers (${bytes} bytes, the prefill side says ${String(message.bytes)})`);
+    if (message.type !== KV_DONE) this.fail('unexpected-run', `unexpected control message ${message.type}`);
+    if (this.numCovered !== this.covered.length || message.bytes !== this.bytesIn) {
+      this.fail('truncated', `done with ${this.numCovered} of ${this.covered.length} block layers (${this.bytesIn} bytes, the prefill side says ${message.bytes})`);
     }
     const sources = message.sourceBlockIds;
-    if (!Array.isArray(sources) || sources.length !== first + positions || sources.some((id) => !Number.isInteger(id) || id < 0)) {
-      fail('unexpected-run', 'kv-done does not name a source block per position');
+    if (sources.length !== this.first + this.positions) this.fail('unexpected-run', 'kv-done does not name a source block per position');
+    const asked = this.pullSources;
+    if (asked) {
+      for (let i = 0; i < sources.length; i++) if (sources[i] !== asked[i]) this.fail('unexpected-run', 'the prefill side sent other source blocks');
     }
-    const number = (value: unknown) => (typeof value === 'number' && Number.isFinite(value) && value >= 0 ? value : 0);
-    finish(null, { sourceBlockIds: sources as number[], overlapMs: number(message.overlapMs) });
-  };
+    const overlapMs = message.overlapMs;
+    this.finish(null, { sourceBlockIds: sources, overlapMs: Number.isFinite(overlapMs) && overlapMs >= 0 ? overlapMs : 0 });
+  }
 
   /**
    * Reads the rest of the current run from the socket straight into its destination block, as far as the kernel
    * has bytes (the next bytes of the stream are the run's: the read buffer was used up). No copy through the read
    * buffer; the checksum is taken of what landed, while it is in cache.
    */
-  const readDirect = (): void => {
-    const fd = directFd();
-    if (fd < 0) return;
+  private readDirect(): void {
+    const fd = (this.connection.socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd;
+    if (typeof fd !== 'number' || !Number.isInteger(fd) || fd < 0) return;
+    const pool = this.pool;
     // Bounded per turn of the event loop: the rest comes at the next.
-    for (let budget = DIRECT_READ_BUDGET; bodyLeft > 0 && budget > 0;) {
+    for (let budget = DIRECT_READ_BUDGET; this.bodyLeft > 0 && budget > 0;) {
       let n: number;
       // The usual end of this loop is EAGAIN, an exception: without a stack trace it costs little.
       const stackTraceLimit = Error.stackTraceLimit;
       Error.stackTraceLimit = 0;
       try {
-        n = readSync(fd, pool, bodyAt, bodyLeft, null);
+        n = readSync(fd, pool, this.bodyAt, this.bodyLeft, null);
       } catch {
         // EAGAIN: nothing more now. Anything else (a reset): the socket's own read reports it.
         return;
@@ -1184,147 +1489,118 @@ function receive(ask: object, descriptor: KvStreamDescriptor, options: KvPullOpt
         Error.stackTraceLimit = stackTraceLimit;
       }
       if (n === 0) return; // end of stream: the socket's own read sees it too
-      bodyCrc = kvChecksum(pool.subarray(bodyAt, bodyAt + n), bodyCrc);
-      bodyAt += n;
-      bodyLeft -= n;
+      this.bodyCrc = kvChecksum(pool.subarray(this.bodyAt, this.bodyAt + n), this.bodyCrc);
+      this.bodyAt += n;
+      this.bodyLeft -= n;
       budget -= n;
     }
-  };
-  const directFd = (): number => {
-    const fd = direct ? (connection.socket as unknown as { _handle?: { fd?: unknown } })._handle?.fd : undefined;
-    return typeof fd === 'number' && Number.isInteger(fd) && fd >= 0 ? fd : -1;
-  };
+  }
 
-  const onBytes = (chunk: Buffer): void => {
-    answered = true;
+  /** n bytes arrived at the start of buffer (the connection's read buffer, or a direct one). */
+  bytes(buffer: Buffer, n: number): void {
+    this.answered = true;
+    readBatch.clear();
+    ringBatch.clear();
+    pendingChecks.length = 0;
+    this.readSource = buffer;
+    this.partialIndex = -1;
     let i = 0;
     try {
-      while (i < chunk.length && !settled) {
-        if (state === 'body') {
-          const take = Math.min(bodyLeft, chunk.length - i);
-          // Checksummed and copied into its block in one pass, while the read buffer is in cache.
-          bodyCrc = kvChecksumCopy(chunk.subarray(i, i + take), pool, bodyAt, bodyCrc, uncached);
-          bodyAt += take;
-          bodyLeft -= take;
+      while (i < n && !this.settled) {
+        if (this.state === BODY) {
+          const take = Math.min(this.bodyLeft, n - i);
+          const index = readBatch.add(i, this.bodyAt, take, this.bodyCrc);
+          this.bodyAt += take;
+          this.bodyLeft -= take;
           i += take;
-          // 'direct': the chunk is used up inside a run, so what the socket holds next is this run's, read straight
-          // into its block.
-          if (bodyLeft > 0 && direct) readDirect();
-          if (bodyLeft === 0) endRun();
+          if (this.bodyLeft > 0) {
+            // The read is used up inside a run: its CRC so far comes out of the batch, for the next read's piece.
+            this.partialIndex = index;
+            if (this.direct) {
+              // 'direct': what the socket holds next is this run's, read straight into its block.
+              this.runBatches();
+              this.readDirect();
+              if (this.bodyLeft === 0) {
+                pendingChecks.push(0, readBatch.add(0, 0, 0, this.bodyCrc), this.bodyChecksum, this.runs, this.runLayer);
+                this.bytesIn += this.runByteLength;
+                this.runs++;
+                this.state = HEAD;
+              }
+            }
+          } else {
+            this.endRun(0, index, this.runByteLength);
+          }
           continue;
         }
-        if (state === 'json') {
-          const take = Math.min(jsonLeft, chunk.length - i);
-          if (json.length === 0 && take === jsonLeft) {
+        if (this.state === CONTROL) {
+          const take = Math.min(this.controlLeft, n - i);
+          // Everything before the control frame is copied and checked first (kv-done reads the coverage).
+          this.runBatches();
+          if (this.controlPieces.length === 0 && take === this.controlLeft) {
             // The whole message is in this read (the usual case): parsed from the read buffer, before its next read.
-            jsonLeft = 0;
+            this.controlLeft = 0;
             i += take;
-            state = 'head';
-            control(chunk.subarray(i - take, i));
+            this.state = HEAD;
+            this.control(this.controlKind, buffer.subarray(i - take, i));
             continue;
           }
-          json.push(Buffer.from(chunk.subarray(i, i + take)));
-          jsonLeft -= take;
+          this.controlPieces.push(Buffer.from(buffer.subarray(i, i + take)));
+          this.controlLeft -= take;
           i += take;
-          if (jsonLeft === 0) {
-            state = 'head';
-            control(Buffer.concat(json));
-            json = [];
+          if (this.controlLeft === 0) {
+            this.state = HEAD;
+            const payload = Buffer.concat(this.controlPieces);
+            this.controlPieces = [];
+            this.control(this.controlKind, payload);
           }
           continue;
         }
-        const take = Math.min(headNeed - headHave, chunk.length - i);
-        chunk.copy(head, headHave, i, i + take);
-        headHave += take;
+        if (this.headHave === 0 && n - i >= 5) {
+          // The usual case: the whole header is in this read, parsed where it lies (no copy).
+          const need = this.frameStart(buffer, i);
+          if (need === 5) {
+            i += 5;
+            continue;
+          }
+          if (n - i >= need) {
+            this.startRun(buffer, i);
+            i += need;
+            continue;
+          }
+        }
+        // A header split over reads: gathered in this.head first.
+        const take = Math.min(this.headNeed - this.headHave, n - i);
+        buffer.copy(this.head, this.headHave, i, i + take);
+        this.headHave += take;
         i += take;
-        if (headHave < headNeed) break;
-        if (headNeed === 5) {
-          frameLength = head.readUInt32BE(0);
-          const kind = head[4]!;
-          if (kind === FRAME_KV_RUN) {
-            if (frameLength < 1 + RUN_HEADER_BYTES) fail('length', `run frame of ${frameLength} bytes`);
-            headNeed = 5 + RUN_HEADER_BYTES;
-          } else if (kind === FRAME_KV_SHM_RUN) {
-            if (frameLength !== 1 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES) fail('length', `shared-memory run frame of ${frameLength} bytes`);
-            headNeed = 5 + RUN_HEADER_BYTES + SHM_OFFSET_BYTES;
-          } else if (kind === FRAME_JSON) {
-            if (frameLength < 2 || frameLength > MAX_CONTROL_BYTES) fail('length', `control frame of ${frameLength} bytes`);
-            jsonLeft = frameLength - 1;
-            headHave = 0;
-            state = 'json';
-          } else {
-            fail('unexpected-run', `unexpected frame of kind ${kind} after ${runs} runs`);
-          }
+        if (this.headHave < this.headNeed) break;
+        if (this.headNeed === 5) {
+          const need = this.frameStart(this.head, 0);
+          if (need === 5) this.headHave = 0;
+          else this.headNeed = need;
           continue;
         }
-        headHave = 0;
-        headNeed = 5;
-        startRun();
+        this.headHave = 0;
+        this.headNeed = 5;
+        this.startRun(this.head, 0);
       }
+      if (!this.settled) this.runBatches();
     } catch (error) {
-      finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
+      readBatch.clear();
+      ringBatch.clear();
+      pendingChecks.length = 0;
+      this.finish(error instanceof KvTransferError ? error : new KvTransferError('unexpected-run', (error as Error).message));
       return;
     }
-    if (doneCleanly) {
+    if (this.doneCleanly) {
       // Nothing may follow kv-done before the next descriptor: a connection that says more is not kept.
       // ('direct' connections have the small read buffer: not kept for others.)
-      if (i < chunk.length || direct) connection.destroy();
-      else keepIdle(connection);
+      if (i < n || this.direct) this.connection.destroy();
+      else keepIdle(this.connection);
     }
-  };
-
-  const onEnd = (error: Error | null): void => {
-    // A kept-alive connection the prefill side had closed meanwhile: the same descriptor once more on a new one.
-    if (!settled && !answered && reused) {
-      reused = false;
-      connection = open();
-      return;
-    }
-    finish(new KvTransferError(runs === 0 && bytes === 0 && !answered ? 'connect' : 'truncated',
-      `KV transfer of ${requestId}: ${error?.message ?? 'the connection closed'} after ${runs} runs (${numCovered} of ${covered.length} block layers)`));
-  };
-  const key = `${options.host}:${options.port}:${options.clusterToken}`;
-  const ask2 = encodeJsonFrame({ ...ask, ...(hostId ? { hostId } : {}) });
-  /** A new connection, the hello and the descriptor in one write (the prefill side reads both at once). */
-  const open = (): KvConnection => {
-    // Reads land in one reused buffer (no allocation per read); each piece is copied on to its block at once.
-    const readBuffer = direct ? Buffer.allocUnsafe(DIRECT_READ_BUFFER_BYTES) : (copyReadBuffer ??= Buffer.allocUnsafe(COPY_READ_BUFFER_BYTES));
-    const fresh = new KvConnection(key, options.host, options.port, readBuffer);
-    kvConnectionStats.opened++;
-    fresh.sink = onBytes;
-    fresh.onEnd = onEnd;
-    fresh.transfers++;
-    fresh.socket.on('connect', () => {
-      fresh.socket.write(Buffer.concat([encodeJsonFrame({ t: 'kv-hello', v: KV_TCP_VERSION, token: options.clusterToken }), ask2]));
-    });
-    return fresh;
-  };
-  // 'direct' reads need a connection of their own (its read buffer is the small one).
-  const idle = direct ? undefined : takeIdle(key);
-  let reused = idle !== undefined;
-  let connection: KvConnection;
-  if (idle) {
-    connection = idle;
-    kvConnectionStats.reused++;
-    connection.sink = onBytes;
-    connection.onEnd = onEnd;
-    connection.transfers++;
-    connection.socket.write(ask2);
-  } else {
-    connection = open();
   }
-  const onAbort = () => finish(new KvTransferError('aborted', `KV transfer of ${requestId} aborted after ${runs} runs`));
-  if (options.signal?.aborted) onAbort();
-  else options.signal?.addEventListener('abort', onAbort, { once: true });
-  return {
-    result,
-    cancel: (why) => finish(new KvTransferError('cancelled', `KV transfer of ${requestId} cancelled: ${why}`)),
-    deadline: (ms) => {
-      clearTimeout(timer);
-      timer = setTimeout(() => finish(new KvTransferError('timeout', `KV transfer of ${requestId} took over ${ms} ms`)), ms);
-    },
-  };
 }
+
 
 // ---------------------------------------------------------------------------------------------------------------
 // The handoff on the request plane

@@ -318,6 +318,12 @@ export interface NativeAddon {
    */
   crc32cCopy?(src: Uint8Array, dst: Uint8Array, dstOffset: number, crc?: number, uncached?: boolean): number;
   /**
+   * crc32cCopy of many ranges in one call: each of plan's first `count` entries [srcOffset, dstOffset, length, crc]
+   * copies src[srcOffset, +length) to dst at dstOffset, and its crc becomes CRC-32C of those bytes continuing it.
+   * Every entry is checked (RangeError) before any is copied.
+   */
+  crc32cCopyRuns?(src: Uint8Array, dst: Uint8Array, plan: Float64Array, count: number, uncached?: boolean): void;
+  /**
    * A file of the shared-memory file system mapped (MAP_SHARED) as an ArrayBuffer: create makes it (mode 0600, must
    * not exist) and sizes it to bytes; otherwise it must exist with exactly bytes. POSIX only (throws elsewhere).
    */

@@ -3,7 +3,7 @@
 // worker with the addon and one without check each other's runs.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { crc32cPortable, kvChecksum, kvChecksumCopy } from '../../src/cluster/kv-checksum.ts';
+import { crc32cPortable, KvChecksumBatch, kvChecksum, kvChecksumCopy } from '../../src/cluster/kv-checksum.ts';
 import { addon, skipNative } from '../kernels/native-harness.ts';
 
 function bytes(n: number, seed: number): Uint8Array {
@@ -35,7 +35,7 @@ describe('KV transfer checksum (CRC-32C)', () => {
   });
 
   test('the addon\'s hardware and table paths equal the TypeScript one at every length around its stream sizes', { skip: skipNative }, () => {
-    for (const n of [1, 7, 8, 9, 63, 4095, 24_575, 24_576, 24_577, 49_152 + 13, 200_003, 1 << 20]) {
+    for (const n of [1, 7, 8, 9, 63, 383, 384, 385, 511, 3071, 3072, 3073, 4095, 4096, 4097, 16_384, 24_575, 24_576, 24_577, 49_152 + 13, 200_003, 1 << 20]) {
       const data = bytes(n, n);
       const expected = crc32cPortable(data);
       assert.equal(addon!.crc32c(data), expected, `native, ${n} bytes`);
@@ -65,5 +65,41 @@ describe('KV transfer checksum (CRC-32C)', () => {
     assert.throws(() => addon!.crc32cCopy!(new Uint8Array(10), target, -1), /dstOffset/);
     assert.throws(() => addon!.crc32cCopy!(target.subarray(0, 10), target, 5), /overlap/);
     assert.equal(addon!.crc32cCopy!(new Uint8Array(10), target, 90), kvChecksum(new Uint8Array(10)));
+  });
+
+  test('a batch copies each range and gives each its checksum, continuing its crc, as one call per range would', () => {
+    const source = bytes(100_000, 11);
+    const target = bytes(120_000, 12);
+    const expected = target.slice();
+    const batch = new KvChecksumBatch(2); // grows past its first capacity
+    const ranges: [number, number, number, number][] = [[0, 0, 4096, 0], [4096, 50_000, 24_577, 0x1234], [99_999, 119_999, 1, 0],
+      [7, 30_000, 0, 0xdeadbeef], [33, 70_000, 3073, 5]];
+    for (const [from, to, length, crc] of ranges) {
+      expected.set(source.subarray(from, from + length), to);
+      assert.equal(batch.add(from, to, length, crc), ranges.indexOf(ranges.find((r) => r[0] === from)!));
+    }
+    batch.run(source, target);
+    ranges.forEach(([from, , length, crc], i) => assert.equal(batch.crc(i), kvChecksum(source.subarray(from, from + length), crc), `range ${i}`));
+    assert.deepEqual(target, expected);
+    batch.clear();
+    assert.equal(batch.count, 0);
+    batch.run(source, target); // nothing to do
+    assert.deepEqual(target, expected);
+  });
+
+  test('the addon\'s batch refuses a range outside either array, a bad crc, overlap, or a count over the plan, before copying any', { skip: skipNative }, () => {
+    const source = new Uint8Array(100);
+    const target = new Uint8Array(100).fill(9);
+    const plan = (...entries: number[][]) => new Float64Array(entries.flat());
+    const call = (p: Float64Array, count = p.length / 4, src = source, dst = target) => addon!.crc32cCopyRuns!(src, dst, p, count);
+    assert.throws(() => call(plan([0, 0, 10, 0], [95, 0, 10, 0])), /entry 1 does not fit/);
+    assert.throws(() => call(plan([0, 0, 10, 0], [0, 91, 10, 0])), /entry 1 does not fit/);
+    assert.throws(() => call(plan([-1, 0, 10, 0])), /does not fit/);
+    assert.throws(() => call(plan([0.5, 0, 10, 0])), /does not fit/);
+    assert.throws(() => call(plan([0, 0, 10, 2 ** 32])), /32-bit/);
+    assert.throws(() => call(plan([0, 0, 10, 0]), 2), /count/);
+    assert.throws(() => call(plan([0, 5, 10, 0]), 1, target, target), /overlap/);
+    assert.ok(target.every((v) => v === 9), 'nothing copied before the refusal');
+    assert.throws(() => addon!.crc32cCopyRuns!(source, target, new Float32Array(4) as unknown as Float64Array, 1), /Float64Array/);
   });
 });

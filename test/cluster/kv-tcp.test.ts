@@ -9,7 +9,7 @@ import { readdirSync, readFileSync } from 'node:fs';
 import { createInterface } from 'node:readline';
 import { fileURLToPath } from 'node:url';
 import {
-  KvTransferError, KvTransferServer, pullKvBlocks, planRuns, streamKvBlocks, type KvPullDescriptor,
+  KvTransferError, KvTransferServer, pullKvBlocks, planRuns, setKvReceiveSettings, streamKvBlocks, type KvPullDescriptor,
 } from '../../src/cluster/kv-tcp.ts';
 import { kvHostId, SHM_DIR } from '../../src/cluster/kv-shm.ts';
 import { kvBlockRunBytes, readKvBlocks, type KvPoolView } from '../../src/engine/handoff.ts';
@@ -219,7 +219,7 @@ describe('KV transfer between workers', () => {
     // Both ways of taking a run's bytes off the socket: through the read buffer (default) and read(2) into the block.
     for (const [link, direct] of [...LINKS.map((l) => [l, false] as const), ['tcp', true] as const]) {
       const destination = { pool: new SharedArrayBuffer(kvPoolBytes(layout)), layout };
-      if (direct) process.env.CONDUIT_KV_DIRECT_READ = '1';
+      if (direct) setKvReceiveSettings({ directRead: true });
       try {
         const result = await withServer(big, undefined, (port) => pullKvBlocks(
           { requestId: 'big', sourceBlockIds: ids, destinationBlockIds: ids.map((i) => i + 40), layers: [0, 4] },
@@ -228,7 +228,7 @@ describe('KV transfer between workers', () => {
         assert.equal(result.bytes, 64 * 2 * 4 * kvBlockRunBytes(layout));
         assert.ok(Buffer.from(readKvBlocks(destination, ids.map((i) => i + 40))).equals(Buffer.from(readKvBlocks(big, ids))), `${link}${direct ? ', direct' : ''}`);
       } finally {
-        delete process.env.CONDUIT_KV_DIRECT_READ;
+        setKvReceiveSettings({ directRead: false });
       }
     }
   });
