@@ -6,6 +6,8 @@
 // frontend needs no model file) and its KV view is resynced from a snapshot. It leaves when its connection drops
 // (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
+// A worker has one connection at a time: a re-registration (a restart on a new port) and the planned retry after a
+// loss lead to one connection and one join, whichever comes first (connect).
 //
 // LoRA: workers publish the adapters they hold in their records; the router (aggregated), or the prefill and the
 // decode router (disaggregated), takes a request naming one only to workers holding it, and the gateway's
@@ -89,8 +91,13 @@ export class ClusterEngine extends RoutedEngine {
 
 interface Member {
   record: WorkerRecord;
+  /** The connection that joined (kept while the worker drains); one at a time. */
   remote?: RemoteEngine;
+  /** A connection is being opened, or the worker it reached is joining: no other attempt starts meanwhile. */
   connecting: boolean;
+  /** connect() was called during that attempt: it runs again when the attempt ends without a live connection. */
+  askedAgain?: boolean;
+  /** The reconnection planned after a loss or a failed attempt (cleared when it fires or another attempt starts). */
   retry?: NodeJS.Timeout;
   retired: boolean;
 }
@@ -208,31 +215,73 @@ export class ClusterFrontend {
     remote.retire(`worker ${id} deregistered`);
   }
 
+  /**
+   * Opens a connection to the worker and joins it, unless it has one (joined, or being opened or joined): a worker
+   * has one connection and joins once, whichever of a re-registration and a planned retry comes first. An attempt
+   * that starts cancels the planned retry; one asked for while another is under way is made when that one ends
+   * without a live connection (it failed, or reached an address the worker no longer has).
+   */
   private connect(member: Member): void {
-    if (this.closed || member.connecting || member.retired) return;
+    if (this.closed || member.retired) return;
+    if (member.remote && !member.remote.lost) {
+      clearTimeout(member.retry);
+      member.retry = undefined;
+      return;
+    }
+    if (member.connecting) {
+      member.askedAgain = true;
+      return;
+    }
+    clearTimeout(member.retry);
+    member.retry = undefined;
     member.connecting = true;
+    member.askedAgain = false;
     const { record } = member;
+    let connected: RemoteEngine | undefined;
     void RemoteEngine.connect(record.address, {
       clusterToken: this.options.clusterToken, events: !this.options.events, log: this.options.log,
       ...(this.options.maxFrameBytes !== undefined ? { maxFrameBytes: this.options.maxFrameBytes } : {}),
     }).then(async (remote) => {
-      member.connecting = false;
-      if (this.closed || member.retired || this.members.get(record.id) !== member) {
+      connected = remote;
+      if (this.abandoned(member, remote)) {
         await remote.close();
         return;
       }
       if (remote.workerId !== record.id) {
-        await remote.close();
         throw new Error(`the worker at ${record.address} says it is ${remote.workerId}, not ${record.id}`);
       }
       await this.join(member, remote);
     }).catch((error: Error) => {
+      // A connection no engine took (refused, or its join failed before handing it over) is closed here.
+      if (connected && member.remote !== connected) void connected.close();
+      if (this.stale(member)) return;
+      this.options.log('warn', `request plane: ${error.message}; retrying in 1 s while ${member.record.id} is registered`);
+      this.retryLater(member, 1000);
+    }).finally(() => {
       member.connecting = false;
-      if (this.closed || member.retired) return;
-      this.options.log('warn', `request plane: ${error.message}; retrying in 1 s while ${record.id} is registered`);
-      clearTimeout(member.retry);
-      member.retry = setTimeout(() => this.connect(member), 1000);
+      const again = member.askedAgain || member.record.address !== record.address;
+      member.askedAgain = false;
+      if (again) this.connect(member);
     });
+  }
+
+  /** Plans a reconnection in `ms` (replacing one already planned). */
+  private retryLater(member: Member, ms: number): void {
+    clearTimeout(member.retry);
+    member.retry = setTimeout(() => {
+      member.retry = undefined;
+      this.connect(member);
+    }, ms);
+  }
+
+  /** The frontend closed, or the worker left (its key went, or a new member holds its id). */
+  private stale(member: Member): boolean {
+    return this.closed || member.retired || this.members.get(member.record.id) !== member;
+  }
+
+  /** A connection opened for a member that went stale, or re-registered at another address, since it was asked for. */
+  private abandoned(member: Member, remote: RemoteEngine): boolean {
+    return this.stale(member) || member.record.address !== remote.address;
   }
 
   private async join(member: Member, remote: RemoteEngine): Promise<void> {
@@ -245,6 +294,10 @@ export class ClusterFrontend {
       if (!(await this.joinDisaggregated(member, remote))) return;
     } else if (!this.engine) {
       const card = await remote.modelCard();
+      if (this.abandoned(member, remote)) {
+        await remote.close();
+        return;
+      }
       if (this.engine) return this.join(member, remote);
       this.adoptModel(card, remote.info);
       this.router = makeRouter({
@@ -274,11 +327,11 @@ export class ClusterFrontend {
     }
     remote.onLost((error) => {
       this.options.log('warn', `worker ${id}: ${error.message}`);
-      // Still registered and not draining: the connection broke, not necessarily the worker. Try again.
-      if (!this.closed && !member.retired && !remote.draining && this.members.get(id) === member) {
+      // Still registered and not draining: the connection broke, not necessarily the worker. Try again (once: a
+      // re-registration that connects first makes the retry a no-op, see connect).
+      if (!this.stale(member) && !remote.draining && member.remote === remote) {
         member.remote = undefined;
-        clearTimeout(member.retry);
-        member.retry = setTimeout(() => this.connect(member), 500);
+        this.retryLater(member, 500);
       }
     });
     this.options.log('info', `worker ${id} joined (${remote.info.modelName}, blocks of ${remote.info.blockSize}, ${remote.info.kvCapacityTokens} KV tokens)`);
@@ -304,7 +357,14 @@ export class ClusterFrontend {
     if (first && (remote.info.modelName !== first.modelName || remote.info.blockSize !== first.blockSize)) {
       return refuse(`serves ${remote.info.modelName} with blocks of ${remote.info.blockSize} tokens; this frontend serves ${first.modelName} with blocks of ${first.blockSize}`);
     }
-    if (!this.tokenizer) this.adoptModel(await remote.modelCard(), remote.info);
+    if (!this.tokenizer) {
+      const card = await remote.modelCard();
+      if (this.abandoned(member, remote)) {
+        await remote.close();
+        return false;
+      }
+      if (!this.tokenizer) this.adoptModel(card, remote.info);
+    }
     member.remote = remote;
     // A decode worker finds a prefill worker's KV port through the frontend's view of the cluster.
     remote.kvSourceAddress = (prefillId) => {

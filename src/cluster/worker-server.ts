@@ -256,6 +256,13 @@ export class WorkerServer {
     return this.options.role ?? 'both';
   }
 
+  /** Frontend connections open now that passed the hello (one per frontend that joined this worker). */
+  get frontendConnections(): number {
+    let open = 0;
+    for (const c of this.connections) if (c.authenticated && !c.socket.destroyed) open++;
+    return open;
+  }
+
   /** Requests running now. */
   get inFlight(): number {
     return this.running.size;
