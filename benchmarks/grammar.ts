@@ -27,14 +27,16 @@
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
 //     [--baseline] [--vocabs 32k,128k,152k]
 //
-// --vocabs 32k runs one vocabulary, as a worker holds one: with all three loaded (a heap of about 200 MB) the 32k
-// noise case measured 20-50% dearer in the same quiet minutes; the cause was not isolated (the grammar calls timed
-// alone did not slow down beside a second vocabulary's runtime).
+// The vocabularies are measured one after the other, each loaded, warmed up, measured and dropped (and collected)
+// before the next, as a worker holds one. The noise figures of one vocabulary still spread by up to 2x between runs
+// of identical work (the rows are seeded), more often without the warm-up: compare several runs.
 
 import { existsSync } from 'node:fs';
 import { join } from 'node:path';
 import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 
 import { engineNow } from '../src/engine/clock.ts';
 import { EngineCore } from '../src/engine/engine-core.ts';
@@ -284,42 +286,48 @@ const VOCABS: [size: string, label: string, path: string][] = [
   ['152k', '152k (Qwen2)', join(SHARED, 'ggml-vocab-qwen2.gguf')],
 ];
 const wanted = new Set(args.vocabs.split(','));
-const vocabs = (await Promise.all(VOCABS.filter(([size]) => wanted.has(size)).map(([, label, path]) => vocab(label, path))))
-  .filter((v): v is Vocab => v !== undefined);
+// Garbage collection on demand, so one vocabulary's runtime is gone before the next one's is measured.
+setFlagsFromString('--expose-gc');
+const collectGarbage = runInNewContext('gc') as () => void;
 
 console.log(`grammar (advance, mask, jump-forward; XGrammar WASM) vs decode step of ${file.label} (native ${backend.info.variants?.matmul_q8_0 ?? '?'}, `
   + `threads ${args.threads}); ${ROUNDS} rounds x ${STEPS} steps; load average ${loadavg().map((x) => x.toFixed(1)).join(' ')}`);
 for (const batch of BATCHES) decodeStepMs(batch); // warm-up
-for (const batch of BATCHES) {
-  const decode: number[] = [];
-  const decodeCpu: number[] = [];
-  const wall = new Map<string, number[]>();
-  const cpu = new Map<string, number[]>();
-  const counts = new Map<string, GrammarStep>();
-  for (let round = 0; round < ROUNDS; round++) {
-    const step = decodeStepMs(batch);
-    decode.push(step.wallMs);
-    decodeCpu.push(step.cpuMs);
-    for (const v of vocabs) {
+// One vocabulary at a time, as a worker holds one: loaded, measured at every batch (its rounds alternated with the
+// decode step's), then dropped and collected before the next is loaded.
+for (const [size, label, path] of VOCABS) {
+  if (!wanted.has(size)) continue;
+  let v = await vocab(label, path);
+  if (v === undefined) continue;
+  // Warm-up, not recorded: XGrammar's WASM starts in V8's baseline compiler and its hot functions move to the
+  // optimizing one as they run (a server's matchers run warm). Cold, 32k noise at batch 16 gave 18.5-32.9 µs a token
+  // over three runs, and 18.8-20.2 with the baseline compiler off (--no-liftoff); warmed up, 10.5-23.7 over four.
+  for (const mode of CASES) grammarStepMs(v, BATCHES[0]!, 0, mode);
+  for (const batch of BATCHES) {
+    const decode: number[] = [];
+    const decodeCpu: number[] = [];
+    const wall = new Map<string, number[]>();
+    const cpu = new Map<string, number[]>();
+    const counts = new Map<string, GrammarStep>();
+    for (let round = 0; round < ROUNDS; round++) {
+      const step = decodeStepMs(batch);
+      decode.push(step.wallMs);
+      decodeCpu.push(step.cpuMs);
       for (const mode of CASES) {
-        const key = `${v.label}|${mode}`;
         const result = grammarStepMs(v, batch, round + 1, mode);
-        wall.set(key, [...wall.get(key) ?? [], result.stepMs]);
-        cpu.set(key, [...cpu.get(key) ?? [], result.cpuMs]);
-        const sum = counts.get(key);
-        counts.set(key, sum === undefined ? result : { ...sum, tokens: sum.tokens + result.tokens, masks: sum.masks + result.masks,
+        wall.set(mode, [...wall.get(mode) ?? [], result.stepMs]);
+        cpu.set(mode, [...cpu.get(mode) ?? [], result.cpuMs]);
+        const sum = counts.get(mode);
+        counts.set(mode, sum === undefined ? result : { ...sum, tokens: sum.tokens + result.tokens, masks: sum.masks + result.masks,
           refused: sum.refused + result.refused, forced: sum.forced + result.forced });
       }
     }
-  }
-  const decodeMs = median(decode);
-  console.log(`batch ${String(batch).padStart(2)}: decode step ${decodeMs.toFixed(2)} ms (CPU ${median(decodeCpu).toFixed(2)} ms over its threads)`);
-  for (const v of vocabs) {
+    const decodeMs = median(decode);
+    console.log(`vocab ${v.label}, batch ${String(batch).padStart(2)}: decode step ${decodeMs.toFixed(2)} ms (CPU ${median(decodeCpu).toFixed(2)} ms over its threads)`);
     for (const mode of CASES) {
-      const key = `${v.label}|${mode}`;
-      const wallMs = median(wall.get(key)!);
-      const cpuMs = median(cpu.get(key)!);
-      const c = counts.get(key)!;
+      const wallMs = median(wall.get(mode)!);
+      const cpuMs = median(cpu.get(mode)!);
+      const c = counts.get(mode)!;
       const per = (n: number) => (n / c.tokens).toFixed(2);
       const us = (ms: number) => (ms * 1000 / batch).toFixed(1).padStart(6);
       const share = (ms: number) => (100 * ms / decodeMs).toFixed(1).padStart(5);
@@ -328,6 +336,8 @@ for (const batch of BATCHES) {
         + `(per sampled token: ${per(c.masks)} masks, ${per(c.refused)} refused tries, +${per(c.forced)} forced tokens)`);
     }
   }
+  v = undefined;
+  collectGarbage();
 }
 
 // ---- jump-forward in the engine: B guided requests on the 110M model, off vs on
