@@ -22,6 +22,7 @@ import { DEFAULT_DISAGGREGATION_POLICY, type DisaggregationPolicy } from '../run
 import { DEFAULT_WORKER_RESTART_LIMIT } from '../runtime/worker-group.ts';
 import { DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraManager } from '../runtime/lora-manager.ts';
 import { LORA_DTYPES, type LoraDtype } from '../model/lora.ts';
+import type { KvDtype } from '../kernels/types.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
@@ -58,6 +59,7 @@ export const SERVE_FLAGS = {
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
+  'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (f32), f32, or f16 (half the memory and the bytes attention reads; llama.cpp\'s default)', default: 'auto' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
   'kv-offload-memory': { type: 'string', help: 'RAM tier under the KV cache (bytes or with a unit, split evenly between the workers): cached blocks about to be evicted are copied there and brought back instead of recomputed (default 0 = none)' },
   'kv-offload-disk': { type: 'string', help: 'folder of a persistent disk tier under the KV cache (locked against a second process; a subfolder per worker): blocks of the same model are found again after a restart' },
@@ -135,6 +137,8 @@ export interface ServeConfig {
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
   kvCacheMemoryBytes?: number;
+  /** How the cpu engine stores the KV cache (--kv-cache-dtype; auto is f32). */
+  kvDtype?: KvDtype;
   /** RAM tier under the KV cache, bytes for all workers together (--kv-offload-memory). */
   kvOffloadMemoryBytes?: number;
   /** Disk tier folder and size for all workers together (--kv-offload-disk, --kv-offload-disk-size). */
@@ -293,6 +297,14 @@ export function parseModelSpecs(models: readonly string[], names: readonly strin
 }
 
 /** --lora-dtype: q8, bf16 or f32. */
+/** --kv-cache-dtype: auto (the engine's default, f32), f32 or f16; undefined for auto. */
+export function parseKvDtype(value: string): KvDtype | undefined {
+  const dtype = value.trim().toLowerCase();
+  if (dtype === 'auto') return undefined;
+  if (dtype !== 'f32' && dtype !== 'f16') throw new UsageError(`--kv-cache-dtype must be one of auto, f32, f16, got "${value}"`);
+  return dtype;
+}
+
 export function parseLoraDtype(value: string): LoraDtype {
   const dtype = value.trim().toLowerCase();
   if (!(LORA_DTYPES as readonly string[]).includes(dtype)) throw new UsageError(`--lora-dtype must be one of ${LORA_DTYPES.join(', ')}, got "${value}"`);
@@ -496,6 +508,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
   if (maxNumBatchedTokens !== undefined) config.maxNumBatchedTokens = maxNumBatchedTokens;
   if (values['kv-cache-memory'] !== undefined) config.kvCacheMemoryBytes = parseByteSize(values['kv-cache-memory'], 'kv-cache-memory');
+  const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
+  if (kvDtype !== undefined) config.kvDtype = kvDtype;
   if (values['kv-offload-memory'] !== undefined) {
     const bytes = parseByteSize(values['kv-offload-memory'], 'kv-offload-memory');
     if (bytes > 0) config.kvOffloadMemoryBytes = bytes;
@@ -597,6 +611,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
           ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
           ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
+          ...(config.kvDtype !== undefined ? { kvDtype: config.kvDtype } : {}),
           kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
           ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: config.kvOffloadMemoryBytes } : {}),
           ...(diskDir !== undefined ? { kvOffloadDiskDir: diskDir, kvOffloadDiskBytes: config.kvOffloadDiskBytes } : {}),

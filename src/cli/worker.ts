@@ -13,10 +13,10 @@ import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
-import { parseByteSize, parseLoraDtype, parseLoraModules, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
+import { parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
-  'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-idle-release',
+  'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-dtype', 'kv-cache-idle-release',
   'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
   'max-num-batched-tokens', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
@@ -87,6 +87,7 @@ export const workerCommand: Command = {
         throw new UsageError(`--lora-modules ${name}: base model "${base}" is not this worker's (${servedName})`);
       }
     }
+    const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
     const running = await startClusterWorker({
       workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
       host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
@@ -100,6 +101,7 @@ export const workerCommand: Command = {
         ...(values.threads !== undefined ? { threads: values.threads } : {}),
         ...(values['lora-dtype'] !== undefined ? { loraDtype: parseLoraDtype(values['lora-dtype']) } : {}),
         ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
+        ...(kvDtype !== undefined ? { kvDtype } : {}),
         kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
         policy: parseSchedulingPolicy(values['scheduling-policy']!),
         ...(values['kv-offload-memory'] !== undefined ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory') } : {}),

@@ -83,6 +83,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   add('backend', options.backend);
   add('lora-dtype', options.loraDtype);
   add('kv-cache-memory', options.kvCacheMemoryBytes);
+  add('kv-cache-dtype', options.kvDtype);
   add('kv-cache-idle-release', options.kvCacheIdleReleaseSeconds);
   // A child is one worker: the pool's totals are split here as a pool of threads splits them, and each child's disk
   // tier gets a folder of its own (the folder's lock keeps a second process out).

@@ -31,6 +31,15 @@ describe('conduit serve flags', () => {
     assert.equal(c.shutdownGraceMs, 30_000);
     assert.deepEqual(c.keys.keys, []);
     assert.equal(c.backend, 'auto');
+    assert.equal(c.kvDtype, undefined, 'the engine\'s KV dtype (f32)');
+  });
+
+  it('takes --kv-cache-dtype (auto, f32, f16) or CONDUIT_KV_CACHE_DTYPE', () => {
+    assert.equal(config(['--kv-cache-dtype', 'f16']).kvDtype, 'f16');
+    assert.equal(config(['--kv-cache-dtype', 'F32']).kvDtype, 'f32');
+    assert.equal(config(['--kv-cache-dtype', 'auto']).kvDtype, undefined);
+    assert.equal(config([], { CONDUIT_KV_CACHE_DTYPE: 'f16' }).kvDtype, 'f16');
+    assert.equal(config(['--kv-cache-dtype', 'f32'], { CONDUIT_KV_CACHE_DTYPE: 'f16' }).kvDtype, 'f32');
   });
 
   it('reads every flag from its CONDUIT_* twin, the command line winning', () => {
@@ -63,6 +72,7 @@ describe('conduit serve flags', () => {
       [['--port', '70000'], /--port/],
       [['--port', 'http'], /--port expects a number/],
       [['--kv-cache-memory', 'lots'], /--kv-cache-memory/],
+      [['--kv-cache-dtype', 'fp8'], /--kv-cache-dtype must be one of auto, f32, f16/],
       [['--kv-cache-idle-release', '-1'], /--kv-cache-idle-release/],
       [['--max-body-bytes', '0'], /--max-body-bytes/],
       [['--backend', 'gpu'], /--backend/],
