@@ -118,7 +118,7 @@ class ConduitServer {
   static async start(model: string): Promise<ConduitServer> {
     const port = await freePort();
     const child = spawn(process.execPath, [join(REPO, 'bin/conduit.js'), 'serve', '--model', model, '--port', String(port),
-      '--threads', String(THREADS), '--kv-cache-memory', '640MiB', '--no-request-log', '--log-level', 'warn'],
+      '--threads', String(THREADS), '--kv-cache-memory', '640MiB', '--kv-cache-dtype', 'f16', '--no-request-log', '--log-level', 'warn'],
     { stdio: ['ignore', 'ignore', 'inherit'], cwd: REPO });
     const server = new ConduitServer(child, `http://127.0.0.1:${port}`);
     const deadline = performance.now() + 180_000;
