@@ -296,7 +296,6 @@ export function parseModelSpecs(models: readonly string[], names: readonly strin
   return specs;
 }
 
-/** --lora-dtype: q8, bf16 or f32. */
 /** --kv-cache-dtype: auto (the engine's default, f32), f32 or f16; undefined for auto. */
 export function parseKvDtype(value: string): KvDtype | undefined {
   const dtype = value.trim().toLowerCase();
@@ -305,6 +304,7 @@ export function parseKvDtype(value: string): KvDtype | undefined {
   return dtype;
 }
 
+/** --lora-dtype: q8, bf16 or f32. */
 export function parseLoraDtype(value: string): LoraDtype {
   const dtype = value.trim().toLowerCase();
   if (!(LORA_DTYPES as readonly string[]).includes(dtype)) throw new UsageError(`--lora-dtype must be one of ${LORA_DTYPES.join(', ')}, got "${value}"`);
