@@ -151,6 +151,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("setProfiling", &NativeModel::SetProfiling),
                         InstanceMethod("takeProfile", &NativeModel::TakeProfile),
                         InstanceMethod("releaseKvPool", &NativeModel::ReleaseKvPool),
+                        InstanceMethod("argmax", &NativeModel::Argmax),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
                         InstanceMethod("memoryInfo", &NativeModel::MemoryInfo),
                         InstanceMethod("setLora", &NativeModel::SetLora),
@@ -449,6 +450,16 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       throw allocation_failed(env, "setLora: out of memory copying the adapter");
     }
     return env.Undefined();
+  }
+
+  // argmax(row: Float32Array) -> the index of the row's first largest value, -1 for a NaN or nothing above -inf.
+  // The sampler's greedy pick without a pass over the row in JavaScript; it reports the -1 rows itself.
+  Napi::Value Argmax(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    const Model& m = model(env);
+    ArrayView row = typed_array(env, info[0], napi_float32_array, "row");
+    return Napi::Number::New(env, static_cast<double>(m.argmax(static_cast<const float*>(row.data),
+                                                              static_cast<int64_t>(row.length))));
   }
 
   // releaseKvPool() -> bytes of the pool given back to the system

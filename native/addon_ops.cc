@@ -221,6 +221,15 @@ Napi::Value OpRmsNorm(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
+// argmax(variant, row) -> index of the row's first largest value; -1 for a NaN or nothing above -inf
+Napi::Value OpArgmax(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = run_variant_arg(env, info[0]);
+  ArrayView row = typed_array(env, info[1], napi_float32_array, "row");
+  return Napi::Number::New(env, static_cast<double>(kernel_table(v).argmax(static_cast<const float*>(row.data),
+                                                                          static_cast<int64_t>(row.length))));
+}
+
 // add(variant, acc, x): acc += x over acc.length elements
 Napi::Value OpAdd(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -451,6 +460,7 @@ Napi::Object ops_object(Napi::Env env) {
   ops.Set("lora", Napi::Function::New(env, OpLora));
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));
+  ops.Set("argmax", Napi::Function::New(env, OpArgmax));
   ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));
   ops.Set("geglu", Napi::Function::New(env, OpGeglu));
   ops.Set("softmax", Napi::Function::New(env, OpSoftmax));

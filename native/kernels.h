@@ -228,6 +228,9 @@ struct KernelTable {
   // gelu_tanh(gate) * up (Gemma's GeGLU), gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
   void (*geglu)(const float* gate, const float* up, float* out, int64_t n) = nullptr;
   void (*softmax)(float* x, int64_t n) = nullptr;  // in place
+  // The index of the first largest of n values (the greedy token of a logits row), or -1 when a value is NaN or
+  // none is above -inf: the caller reports those rows its own way.
+  int64_t (*argmax)(const float* x, int64_t n) = nullptr;
   // Rotates one token's heads in place; cos/sin hold rope_dim/2 values for this token's position.
   void (*rope)(float* x, const RopeParams& p, const float* cos, const float* sin) = nullptr;
   // Writes one token's K and V rows (num_kv_heads*head_dim floats each) into pool slots.

@@ -15,6 +15,20 @@ namespace {
 // ---------------------------------------------------------------------------------------------------------------
 // Row ops
 
+int64_t argmax(const float* x, int64_t n) {
+  int64_t best = -1;
+  float best_value = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    if (v != v) return -1;
+    if (v > best_value) {
+      best_value = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
 void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {
   float sum_squares = 0.0f;
   for (int64_t i = 0; i < dim; ++i) sum_squares += x[i] * x[i];
@@ -338,6 +352,7 @@ void register_ops_generic(KernelTable& t) {
   t.swiglu = swiglu;
   t.geglu = geglu;
   t.softmax = softmax;
+  t.argmax = argmax;
   t.rope = rope;
   t.kv_store = kv_store;
   t.dequantize_row[kF32] = dequantize_f32;
@@ -351,7 +366,9 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kQ4_K] = dequantize_q4_q5_k<BlockQ4_K>;
   t.dequantize_row[kQ5_K] = dequantize_q4_q5_k<BlockQ5_K>;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
-  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "rope", "kv_store"}) t.names[kind] = "generic";
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "rope", "kv_store"}) {
+    t.names[kind] = "generic";
+  }
   for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {
     t.names[std::string("dequantize_") + type_name(type)] = "generic";
   }

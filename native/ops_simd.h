@@ -129,6 +129,40 @@ void simd_softmax(float* x, int64_t n) {
   if (i < n) V::store_partial(x + i, V::mul(V::load_partial(x + i, n - i), inv), n - i);
 }
 
+// The greedy token of a logits row: the largest value in one pass (four running maxima, so consecutive vectors do
+// not wait on each other, and a NaN check on the same loads), then the first index holding it, in a second pass
+// that stops there (the row is still in cache). -1 for a row with a NaN or nothing above -inf (kernels.h). Ties
+// go to the lowest index as in the sampler's argmax: the second pass finds the first equal value, and -0 == +0.
+template <class V>
+int64_t simd_argmax(const float* x, int64_t n) {
+  constexpr int W = V::kWidth;
+  auto m0 = V::set1(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+  unsigned nan = 0;
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    const auto a = V::load(x + i), b = V::load(x + i + W), c = V::load(x + i + 2 * W), d = V::load(x + i + 3 * W);
+    nan |= V::unordered_bits(a, b) | V::unordered_bits(c, d);
+    m0 = V::max(m0, a);
+    m1 = V::max(m1, b);
+    m2 = V::max(m2, c);
+    m3 = V::max(m3, d);
+  }
+  for (; i < n; i += W) {
+    const auto a = i + W <= n ? V::load(x + i) : V::load_partial_or_neg_inf(x + i, n - i);
+    nan |= V::unordered_bits(a, a);
+    m0 = V::max(m0, a);
+  }
+  const float best = V::reduce_max(V::max(V::max(m0, m1), V::max(m2, m3)));
+  if (nan != 0 || !(best > -INFINITY)) return -1;
+  const auto target = V::set1(best);
+  for (i = 0; i < n; i += W) {
+    const auto a = i + W <= n ? V::load(x + i) : V::load_partial_or_neg_inf(x + i, n - i);
+    const unsigned hits = V::eq_bits(a, target);
+    if (hits != 0) return i + __builtin_ctz(hits);
+  }
+  return -1;  // not reached: best came from the row
+}
+
 // A plain store for a whole vector: AVX2's masked store is slow on some CPUs (microcoded on AMD), so the masked
 // form is kept for tails.
 template <class V>

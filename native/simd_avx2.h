@@ -30,6 +30,13 @@ struct Avx2 {
     const F h2 = _mm256_hadd_ps(h, h);
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
   }
+  // Bit i set where lane i of a equals lane i of b / where lane i of a or b is NaN.
+  static inline unsigned eq_bits(F a, F b) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+  }
+  static inline unsigned unordered_bits(F a, F b) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)));
+  }
   static inline float reduce_max(F v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));

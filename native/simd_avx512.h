@@ -33,6 +33,9 @@ struct Avx512 {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
   }
   static inline float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  // Bit i set where lane i of a equals lane i of b / where lane i of a or b is NaN.
+  static inline unsigned eq_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static inline unsigned unordered_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
   // -inf in the lanes past n, so a masked-off tail never wins a max.
   static inline F load_partial_or_neg_inf(const float* p, int64_t n) {
     return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n), p);

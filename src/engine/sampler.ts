@@ -212,6 +212,11 @@ export function createRequestSamplers(options: Omit<SequenceSamplerOptions, 'req
 
 export interface SamplerOptions {
   logprobsMode?: LogprobsMode;
+  /**
+   * A faster pass for the argmax of a row (the compute backend's, ModelRunnerBackend.argmax): the same index, or -1
+   * for a row with a NaN or nothing above -Infinity, which argmax() then reports.
+   */
+  argmax?: (row: Float32Array) => number;
 }
 
 /** Samples rows of logits; owns the scratch buffers, so one Sampler serves one thread's batches. */
@@ -230,6 +235,8 @@ export class Sampler {
   /** top_p's weight and token count per distance below the max (see selectTopP). */
   private readonly binMass = new Float64Array(MASS_BINS);
   private readonly binCount = new Int32Array(MASS_BINS);
+  /** The greedy pick and the max of a row: the backend's pass where there is one, argmax() for its -1 rows. */
+  private readonly rowArgmax: (row: Float32Array) => number;
 
   constructor(vocabSize: number, options: SamplerOptions = {}) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) throw new RangeError(`vocabSize must be a positive integer, got ${vocabSize}`);
@@ -239,6 +246,11 @@ export class Sampler {
     this.weights = new Float64Array(vocabSize);
     this.order = new Int32Array(vocabSize);
     this.cumulative = new Float64Array(vocabSize);
+    const fast = options.argmax;
+    this.rowArgmax = fast === undefined ? argmax : (row) => {
+      const id = fast(row);
+      return id >= 0 ? id : argmax(row);
+    };
   }
 
   /** Samples one token per row; row i of `logits` ([sequences.length x vocabSize]) belongs to sequences[i]. */
@@ -279,7 +291,7 @@ export class Sampler {
     } else if (scale) {
       pendingScale = 1 / temperature;
     }
-    const tokenId = greedy ? argmax(values) : topKOnly ? this.drawTopK(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
+    const tokenId = greedy ? this.rowArgmax(values) : topKOnly ? this.drawTopK(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
     sequence.recordOutputToken(tokenId);
     if (numTop === null) return { tokenId };
     const source = this.logprobsMode === 'raw' ? row : values;
@@ -315,7 +327,7 @@ export class Sampler {
     }
     const { weights, cumulative } = this;
     // Throws as sampleRow does on a NaN or a row of -Infinity only.
-    const max = values[argmax(values)]!;
+    const max = values[this.rowArgmax(values)]!;
     let total = 0;
     let last = 0;
     for (let i = 0; i < values.length; i++) {
@@ -357,7 +369,7 @@ export class Sampler {
   private drawTruncated(logits: Float32Array, sequence: SequenceSampler): number {
     const { weights, order } = this;
     const v = logits.length;
-    const max = logits[argmax(logits)]!;
+    const max = logits[this.rowArgmax(logits)]!;
     const { minP, topP } = sequence.params;
     // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;

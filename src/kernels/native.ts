@@ -202,6 +202,8 @@ export interface NativeModel {
    * zeros afterwards) and returns the bytes released. Only when no block holds K/V a later step reads.
    */
   releaseKvPool(): number;
+  /** The index of the row's first largest value with the model's kernels; -1 for a NaN or nothing above -Infinity. */
+  argmax(row: Float32Array): number;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
   /** The per-step buffers held now. */
@@ -261,6 +263,8 @@ export interface NativeOps {
     out: Float32Array): void;
   /** acc += x over acc.length elements. */
   add(variant: KernelVariant, acc: Float32Array, x: Float32Array): void;
+  /** The index of the row's first largest value; -1 for a NaN or nothing above -Infinity. */
+  argmax(variant: KernelVariant, row: Float32Array): number;
   /** out = silu(gate) * up over gate.length elements. */
   swiglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
   /** out = gelu_tanh(gate) * up (Gemma's gated feed-forward). */
@@ -607,6 +611,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       forward(batch: ForwardBatch, out?: Float32Array): Float32Array {
         if (disposed) throw new Error('native backend is disposed');
         return model.forward(batch, out);
+      },
+      argmax(row: Float32Array): number {
+        if (disposed) throw new Error('native backend is disposed');
+        return model.argmax(row);
       },
       releaseKvPool(): number {
         if (disposed) return 0;

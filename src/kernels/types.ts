@@ -96,6 +96,12 @@ export interface ModelRunnerBackend {
    */
   releaseKvPool?(): number;
   /**
+   * The index of the first largest value of a logits row (the greedy token), or -1 when the row holds a NaN or
+   * nothing above -Infinity (the sampler then reports the row as its own argmax does). Optional: a faster pass than
+   * the sampler's JavaScript one, with the same answer.
+   */
+  argmax?(row: Float32Array): number;
+  /**
    * Puts a LoRA adapter in a slot (0 .. maxLoraSlots - 1), or empties the slot (null). Rows of a ForwardBatch name
    * their slot in loraSlots: each row's projections get scale * B (A x) added to the base matmul's output.
    */

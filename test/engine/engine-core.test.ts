@@ -5,7 +5,7 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { EngineCore } from '../../src/engine/engine-core.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
-import type { BackendFactory } from '../../src/kernels/types.ts';
+import type { BackendFactory, ModelRunnerBackend } from '../../src/kernels/types.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { Xoshiro128 } from '../../src/util/random.ts';
 import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
@@ -21,12 +21,15 @@ interface CoreOptions {
   maxNumBatchedTokens?: number;
   maxNumSeqs?: number;
   enablePrefixCaching?: boolean;
+  /** Replaces the loaded backend (to watch or change what the core calls). */
+  wrap?: (runner: ModelRunnerBackend) => ModelRunnerBackend;
 }
 
 async function makeCore(backend: BackendFactory, options: CoreOptions = {}): Promise<EngineCore> {
   const { loaded, tokenizer } = await model();
-  const runner = backend.load(loaded.config, loaded.weights,
+  const loadedRunner = backend.load(loaded.config, loaded.weights,
     { numBlocks: options.numBlocks ?? 256, blockSize: options.blockSize ?? 16, dtype: 'f32' }, { threads: 1 });
+  const runner = options.wrap?.(loadedRunner) ?? loadedRunner;
   let clock = 0;
   return new EngineCore({
     backend: runner, tokenizer, maxNumSeqs: options.maxNumSeqs ?? 64,
@@ -98,6 +101,45 @@ for (const backend of backends) {
         assert.deepEqual(results.get(`g${i}`)![0]!.tokens, expected, `prompt ${i}`);
       });
       assertNoLeak(core);
+    });
+
+    test("greedy and truncated sampling take the backend's argmax, and the sampler's own for the rows it gives back", async () => {
+      const { tokenizer } = await model();
+      const prompts = PROMPTS.map((p) => tokenizer.encode(p));
+      const run = async (wrap?: CoreOptions['wrap']) => {
+        const core = await makeCore(backend, wrap !== undefined ? { wrap } : {});
+        prompts.forEach((ids, i) => {
+          core.add(request(`g${i}`, ids, { temperature: 0, ignoreEos: true }));
+          core.add(request(`p${i}`, ids, { temperature: 0.8, topP: 0.9, seed: 7 + i, ignoreEos: true }));
+        });
+        const results = runToEnd(core);
+        assertNoLeak(core);
+        return [...results].sort(([a], [b]) => a.localeCompare(b)).map(([id, c]) => [id, c[0]!.tokens]);
+      };
+      const plain = await run();
+      // Every other row answered -1 (as for a NaN row): the sampler's JavaScript argmax picks those.
+      let calls = 0;
+      let answered = 0;
+      const halved = await run((runner) => {
+        const argmax = (row: Float32Array) => {
+          if (calls++ % 2 === 0) return -1;
+          const id = runner.argmax?.(row) ?? -1;
+          if (id >= 0) answered++;
+          return id;
+        };
+        // The backend as it is (class or object), its argmax replaced.
+        return new Proxy(runner, {
+          get: (target, key) => {
+            if (key === 'argmax') return argmax;
+            const value: unknown = Reflect.get(target, key);
+            return typeof value === 'function' ? value.bind(target) : value;
+          },
+        });
+      });
+      assert.deepEqual(halved, plain);
+      assert.ok(calls >= prompts.length * 2 * 24, `the backend's argmax was asked for every row (${calls} calls)`);
+      // The native backend has its own pass; the reference backend has none, so the sampler picked every row.
+      assert.equal(answered > 0, backend.name === 'native', `rows the backend's argmax answered: ${answered}`);
     });
 
     test('the same seed gives the same tokens whatever the batch, chunk size and prefix-cache state', async () => {

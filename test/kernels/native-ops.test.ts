@@ -7,6 +7,7 @@ import { describe, it } from 'node:test';
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
 import { geluTanh } from '../../src/model/reference-math.ts';
+import { argmax } from '../../src/engine/sampler.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
 import {
   assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, referenceMatmul, roundsBf16Activations,
@@ -276,6 +277,53 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         out.checkGuards(`rmsnorm dim=${dim} ${variant}`);
         assertClose(out.view, expected, 1e-11, `rmsnorm dim=${dim} ${variant}`);
       }
+    }
+  });
+
+  it("argmax: the first largest value as the sampler's argmax finds it; -1 for a NaN or nothing above -Infinity", () => {
+    const rand = seeded(81);
+    const rows: [string, Float32Array][] = [];
+    for (const n of [...ROW_LENGTHS, 32000]) {
+      rows.push([`random n=${n}`, randomArray(n, rand, 8)]);
+      // Few distinct values: the largest comes many times, the first must win.
+      rows.push([`ties n=${n}`, Float32Array.from({ length: n }, () => Math.floor(rand() * 3))]);
+      // The largest only in the last element (the tail of the vector loop), and only in the first.
+      const last = randomArray(n, rand);
+      last[n - 1] = 5;
+      rows.push([`last n=${n}`, last]);
+      const first = randomArray(n, rand);
+      first[0] = 5;
+      rows.push([`first n=${n}`, first]);
+      // Masked tokens: -Infinity everywhere but one id, then everywhere (-1); +Infinity wins.
+      const masked = new Float32Array(n).fill(-Infinity);
+      masked[Math.floor(rand() * n)] = -1e30;
+      rows.push([`masked n=${n}`, masked]);
+      rows.push([`all masked n=${n}`, new Float32Array(n).fill(-Infinity)]);
+      const inf = randomArray(n, rand);
+      inf[Math.floor(n / 2)] = Infinity;
+      inf[n - 1] = Infinity;
+      rows.push([`+Infinity n=${n}`, inf]);
+      // -0 before +0: equal, so the first.
+      const zeros = new Float32Array(n).fill(-1);
+      zeros[Math.floor(n / 3)] = -0;
+      zeros[n - 1] = 0;
+      rows.push([`signed zeros n=${n}`, zeros]);
+      // A NaN anywhere (first, inside the 4-vector loop, in the tail) makes the row -1.
+      for (const at of new Set([0, Math.floor(n / 2), n - 1])) {
+        const nan = randomArray(n, rand);
+        nan[at] = NaN;
+        rows.push([`NaN at ${at} n=${n}`, nan]);
+      }
+    }
+    rows.push(['empty', new Float32Array(0)]);
+    for (const [name, row] of rows) {
+      let expected: number;
+      try {
+        expected = argmax(row);
+      } catch {
+        expected = -1; // the sampler throws on these rows; the kernels leave them to it
+      }
+      for (const variant of variants) assert.equal(native().ops.argmax(variant, row), expected, `${name} ${variant}`);
     }
   });
 
