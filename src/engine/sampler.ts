@@ -235,8 +235,11 @@ export class Sampler {
   /** top_p's weight and token count per distance below the max (see selectTopP). */
   private readonly binMass = new Float64Array(MASS_BINS);
   private readonly binCount = new Int32Array(MASS_BINS);
-  /** The greedy pick and the max of a row: the backend's pass where there is one, argmax() for its -1 rows. */
-  private readonly rowArgmax: (row: Float32Array) => number;
+  /**
+   * The greedy pick and the max of a row: the backend's pass where there is one, argmax() for the rows it declines
+   * (which argmax() then reports: a NaN, nothing above -Infinity).
+   */
+  readonly argmax: (row: Float32Array) => number;
 
   constructor(vocabSize: number, options: SamplerOptions = {}) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) throw new RangeError(`vocabSize must be a positive integer, got ${vocabSize}`);
@@ -247,7 +250,7 @@ export class Sampler {
     this.order = new Int32Array(vocabSize);
     this.cumulative = new Float64Array(vocabSize);
     const fast = options.argmax;
-    this.rowArgmax = fast === undefined ? argmax : (row) => {
+    this.argmax = fast === undefined ? argmax : (row) => {
       const id = fast(row);
       return id >= 0 ? id : argmax(row);
     };
@@ -291,7 +294,7 @@ export class Sampler {
     } else if (scale) {
       pendingScale = 1 / temperature;
     }
-    const tokenId = greedy ? this.rowArgmax(values) : topKOnly ? this.drawTopK(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
+    const tokenId = greedy ? this.argmax(values) : topKOnly ? this.drawTopK(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
     sequence.recordOutputToken(tokenId);
     if (numTop === null) return { tokenId };
     const source = this.logprobsMode === 'raw' ? row : values;
@@ -327,7 +330,7 @@ export class Sampler {
     }
     const { weights, cumulative } = this;
     // Throws as sampleRow does on a NaN or a row of -Infinity only.
-    const max = values[this.rowArgmax(values)]!;
+    const max = values[this.argmax(values)]!;
     let total = 0;
     let last = 0;
     for (let i = 0; i < values.length; i++) {
@@ -369,7 +372,7 @@ export class Sampler {
   private drawTruncated(logits: Float32Array, sequence: SequenceSampler): number {
     const { weights, order } = this;
     const v = logits.length;
-    const max = logits[this.rowArgmax(logits)]!;
+    const max = logits[this.argmax(logits)]!;
     const { minP, topP } = sequence.params;
     // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;

@@ -94,13 +94,14 @@ function insertCandidate(ids: Int32Array, values: Float32Array, count: number, k
  * was refused (a refused token leaves the matcher as it was). Only when all are refused is the mask computed, and
  * the argmax of the allowed tokens read from it (GuidedSequence.maskedArgmax). After a token that was its row's
  * argmax (guided.argmaxTaken: a model writing the format, where that is the rule), the row's argmax is tried alone
- * first, by the sampler's argmax pass (cheaper than the candidates' pass, by up to a quarter at 152k), and the
- * candidates' pass is made only if it is refused. The row is not written.
+ * first, by rowArgmax (the sampler's: the backend's pass where it has one; cheaper than the candidates' pass), and
+ * the candidates' pass is made only if it is refused. The row is not written.
  */
-export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence): number {
+export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence,
+  rowArgmax: (row: Float32Array) => number = argmax): number {
   let first = 0;
   if (guided.argmaxTaken && guided.candidateWidth > 1) {
-    const best = argmax(values); // throws on a NaN or a row of -Infinity, as topCandidates does
+    const best = rowArgmax(values); // throws on a NaN or a row of -Infinity, as topCandidates does
     if (guided.accept(best)) return best;
     first = 1; // the candidates' pass puts the same token first (ties to the lower id in both)
   }
@@ -168,7 +169,7 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
     // per token) would mostly be wasted, while the masked row's pass meets -Infinity nearly everywhere.
   } else if (guidedDrawFirst(sequence)) {
     if (greedyUnprocessed(sequence) || sampledPlain) {
-      const tokenId = greedyUnprocessed(sequence) ? greedyGuidedToken(values, guided) : drawGuidedToken(sampler, values, sequence, guided);
+      const tokenId = greedyUnprocessed(sequence) ? greedyGuidedToken(values, guided, sampler.argmax) : drawGuidedToken(sampler, values, sequence, guided);
       if (tokenId >= 0) {
         sequence.recordOutputToken(tokenId);
         return { tokenId };
