@@ -902,7 +902,8 @@ export class KvTransferServer {
         // tcp: every FLUSH_BYTES of frames go to the kernel in one write, while they are still in cache. shm: the
         // doorbells of a quarter ring go in one write (each write costs the loopback's delivery, some 20 us), so the
         // decode side copies that quarter out while the next is copied in.
-        if (corked >= (ring ? ring.size / 4 : FLUSH_BYTES)) {
+        // (Not after the last frame: what follows it, a pull's kv-done, joins its write when the caller uncorks.)
+        if (corked >= (ring ? ring.size / 4 : FLUSH_BYTES) && i + 1 < frames.length) {
           this.writePack(socket, ring);
           flushCorked(socket);
           corked = 0;
