@@ -210,9 +210,11 @@ export class ClusterFrontend {
     clearTimeout(member.retry);
     this.members.delete(id);
     const remote = member.remote;
-    if (!remote || remote.lost) return;
     // No new requests; the streams it runs (a draining worker) finish before the connection is closed.
-    remote.retire(`worker ${id} deregistered`);
+    if (remote && !remote.lost) remote.retire(`worker ${id} deregistered`);
+    // It left for good: the engine no longer counts it (one that registers again under this id later is new).
+    this.engine?.removeWorker(id);
+    this.disaggregated?.removeWorker(id);
   }
 
   /**
