@@ -292,16 +292,21 @@ export class ClusterFrontend {
       await remote.close();
       return;
     }
-    if (remote.role !== 'both' || this.disaggregated || this.waitingPrefill.length > 0) {
-      if (!(await this.joinDisaggregated(member, remote))) return;
-    } else if (!this.engine) {
+    // The first worker's model card gives the frontend its tokenizer and chat template. It is read before anything
+    // below looks at what the frontend serves: another worker can join while it is read, and from here to the engine
+    // being built nothing waits, so two workers joining at once end as they would one after the other (the first
+    // whose card came decides aggregated or disaggregated). A tokenizer is set exactly when that was decided.
+    if (!this.tokenizer) {
       const card = await remote.modelCard();
       if (this.abandoned(member, remote)) {
         await remote.close();
         return;
       }
-      if (this.engine) return this.join(member, remote);
-      this.adoptModel(card, remote.info);
+      if (!this.tokenizer) this.adoptModel(card, remote.info);
+    }
+    if (remote.role !== 'both' || this.disaggregated || this.waitingPrefill.length > 0) {
+      if (!(await this.joinDisaggregated(member, remote))) return;
+    } else if (!this.engine) {
       this.router = makeRouter({
         routingPolicy: this.options.routingPolicy ?? 'kv',
         ...(this.options.maxQueued !== undefined ? { maxQueued: this.options.maxQueued } : {}),
@@ -358,14 +363,6 @@ export class ClusterFrontend {
     const first = this.disaggregated?.info ?? this.waitingPrefill[0]?.info;
     if (first && (remote.info.modelName !== first.modelName || remote.info.blockSize !== first.blockSize)) {
       return refuse(`serves ${remote.info.modelName} with blocks of ${remote.info.blockSize} tokens; this frontend serves ${first.modelName} with blocks of ${first.blockSize}`);
-    }
-    if (!this.tokenizer) {
-      const card = await remote.modelCard();
-      if (this.abandoned(member, remote)) {
-        await remote.close();
-        return false;
-      }
-      if (!this.tokenizer) this.adoptModel(card, remote.info);
     }
     member.remote = remote;
     // A decode worker finds a prefill worker's KV port through the frontend's view of the cluster.
