@@ -6,8 +6,9 @@
 // frontend needs no model file) and its KV view is resynced from a snapshot. It leaves when its connection drops
 // (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
-// A worker has one connection at a time: a re-registration (a restart on a new port) and the planned retry after a
-// loss lead to one connection and one join, whichever comes first (connect).
+// A worker has one connection at a time: a re-registration (a restart on a new port, or another process behind the
+// same address, which also replaces a draining connection) and the planned retry after a loss lead to one connection
+// and one join, whichever comes first (connect).
 //
 // LoRA: workers publish the adapters they hold in their records; the router (aggregated), or the prefill and the
 // decode router (disaggregated), takes a request naming one only to workers holding it, and the gateway's
@@ -48,6 +49,14 @@ export interface ClusterFrontendOptions {
   /** Prefill and decode workers: the conditional-disaggregation thresholds (as `conduit serve` takes them). */
   disaggregationPolicy?: Partial<DisaggregationPolicy>;
   log: ClusterLog;
+}
+
+/**
+ * Whether two records of a worker id are from one process (a record put again, the adapters it holds changed) rather
+ * than from a process that replaced it: a new process starts with a new start time (and usually pid).
+ */
+function sameProcess(a: WorkerRecord, b: WorkerRecord): boolean {
+  return a.pid === b.pid && a.startedAt === b.startedAt;
 }
 
 /** What a frontend serves: the routed engine over aggregated workers, or the disaggregated one over prefill + decode. */
@@ -184,15 +193,22 @@ export class ClusterFrontend {
   private onPut(record: WorkerRecord): void {
     const existing = this.members.get(record.id);
     if (existing) {
+      const before = existing.record;
       existing.record = record;
       existing.retired = false;
-      if (existing.remote && !existing.remote.lost && existing.remote.address === record.address) {
+      const remote = existing.remote;
+      if (remote && !remote.lost && remote.address === record.address && sameProcess(before, record)) {
         // The same worker with a changed record: the adapters it holds.
         this.routeAdapters(record.id);
         return;
       }
-      existing.remote?.drop(`worker ${record.id} re-registered at ${record.address}`);
+      // Another address, or another process at the same one (a restart behind a fixed address: a proxy, a service).
+      // The old connection must not count as the worker's: a draining one in particular would never be replaced, as
+      // a drain plans no reconnection. A draining process keeps its connection until its streams end (retire); any
+      // other old connection is dropped (its streams fail over as on a loss).
       existing.remote = undefined;
+      if (remote?.draining) remote.retire(`worker ${record.id} re-registered (another process at ${record.address})`);
+      else remote?.drop(`worker ${record.id} re-registered at ${record.address}`);
       this.connect(existing);
       return;
     }
@@ -210,9 +226,11 @@ export class ClusterFrontend {
     clearTimeout(member.retry);
     this.members.delete(id);
     const remote = member.remote;
-    if (!remote || remote.lost) return;
     // No new requests; the streams it runs (a draining worker) finish before the connection is closed.
-    remote.retire(`worker ${id} deregistered`);
+    if (remote && !remote.lost) remote.retire(`worker ${id} deregistered`);
+    // It left for good: the engine no longer counts it (one that registers again under this id later is new).
+    this.engine?.removeWorker(id);
+    this.disaggregated?.removeWorker(id);
   }
 
   /**
@@ -290,16 +308,21 @@ export class ClusterFrontend {
       await remote.close();
       return;
     }
-    if (remote.role !== 'both' || this.disaggregated || this.waitingPrefill.length > 0) {
-      if (!(await this.joinDisaggregated(member, remote))) return;
-    } else if (!this.engine) {
+    // The first worker's model card gives the frontend its tokenizer and chat template. It is read before anything
+    // below looks at what the frontend serves: another worker can join while it is read, and from here to the engine
+    // being built nothing waits, so two workers joining at once end as they would one after the other (the first
+    // whose card came decides aggregated or disaggregated). A tokenizer is set exactly when that was decided.
+    if (!this.tokenizer) {
       const card = await remote.modelCard();
       if (this.abandoned(member, remote)) {
         await remote.close();
         return;
       }
-      if (this.engine) return this.join(member, remote);
-      this.adoptModel(card, remote.info);
+      if (!this.tokenizer) this.adoptModel(card, remote.info);
+    }
+    if (remote.role !== 'both' || this.disaggregated || this.waitingPrefill.length > 0) {
+      if (!(await this.joinDisaggregated(member, remote))) return;
+    } else if (!this.engine) {
       this.router = makeRouter({
         routingPolicy: this.options.routingPolicy ?? 'kv',
         ...(this.options.maxQueued !== undefined ? { maxQueued: this.options.maxQueued } : {}),
@@ -356,14 +379,6 @@ export class ClusterFrontend {
     const first = this.disaggregated?.info ?? this.waitingPrefill[0]?.info;
     if (first && (remote.info.modelName !== first.modelName || remote.info.blockSize !== first.blockSize)) {
       return refuse(`serves ${remote.info.modelName} with blocks of ${remote.info.blockSize} tokens; this frontend serves ${first.modelName} with blocks of ${first.blockSize}`);
-    }
-    if (!this.tokenizer) {
-      const card = await remote.modelCard();
-      if (this.abandoned(member, remote)) {
-        await remote.close();
-        return false;
-      }
-      if (!this.tokenizer) this.adoptModel(card, remote.info);
     }
     member.remote = remote;
     // A decode worker finds a prefill worker's KV port through the frontend's view of the cluster.

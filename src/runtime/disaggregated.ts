@@ -185,6 +185,12 @@ export class DisaggregatedEngine implements Engine {
     this.decodeWorkers.add(id, engine);
   }
 
+  /** A prefill or decode worker that left for good: no longer counted by readiness (see WorkerGroup.remove). */
+  removeWorker(id: string): void {
+    this.prefillWorkers.remove(id);
+    this.decodeWorkers.remove(id);
+  }
+
   private connect(prefillId: string, prefill: PrefillWorkerEngine, decodeId: string, decode: DecodeWorkerEngine): void {
     this.channel.connect({ id: prefillId, kvPool: prefill.kvPool, kvLayout: prefill.kvLayout },
       { id: decodeId, attachKvSource: decode.attachKvSource?.bind(decode) });

@@ -63,6 +63,11 @@ export class RoutedEngine implements Engine {
     this.group.add(id, engine);
   }
 
+  /** A worker that left for good (its key went): no longer counted by readiness (see WorkerGroup.remove). */
+  removeWorker(id: string): void {
+    this.group.remove(id);
+  }
+
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     const routed = this;
     return (async function* () {

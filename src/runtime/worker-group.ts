@@ -106,11 +106,36 @@ export class WorkerGroup<E extends RoutableEngine> {
     this.admission = new RouterAdmission(this.router, this.now, this.label);
   }
 
-  /** Adds a worker the group starts with. */
+  /**
+   * Adds a worker: one the group starts with, or one that joins later (a worker process a frontend found). A worker
+   * that joins again under the id of a worker the group lost (its connection dropped and came back) takes that
+   * worker's empty slot, so that readiness counts it once however often it rejoins.
+   */
   add(id: string, engine: E): void {
+    const lost = this.slotOf.get(id);
+    if (lost && lost.workerId === undefined) {
+      clearTimeout(lost.timer);
+      lost.timer = undefined;
+      lost.givenUp = false;
+      this.join(lost, id, engine);
+      return;
+    }
     const slot: Slot = { name: id, workerId: undefined, attempts: 0, joinedAt: 0, timer: undefined, givenUp: false };
     this.slots.push(slot);
     this.join(slot, id, engine);
+  }
+
+  /**
+   * A worker left for good (its process deregistered): it leaves the router if it is still there, and its slot
+   * goes, so that readiness no longer counts it. A worker that comes back under the same id later is a new one.
+   */
+  remove(id: string): void {
+    const slot = this.slotOf.get(id);
+    if (!slot) return;
+    if (slot.workerId !== undefined) this.detach(slot.workerId);
+    clearTimeout(slot.timer);
+    this.slots.splice(this.slots.indexOf(slot), 1);
+    for (const [workerId, s] of [...this.slotOf]) if (s === slot) this.slotOf.delete(workerId);
   }
 
   get size(): number {
@@ -189,6 +214,7 @@ export class WorkerGroup<E extends RoutableEngine> {
     const total = this.slots.length;
     const alive = this.workers.size;
     if (alive > 0) return { ready: true, workersAlive: alive, workersTotal: total };
+    if (total === 0 && !this.closed) return { ready: false, reason: `no ${this.label} can serve: none is left`, workersAlive: 0, workersTotal: 0 };
     const restarting = this.slots.filter((s) => !s.givenUp).length;
     const reason = this.closed ? `the ${this.label}s are closed`
       : restarting > 0 ? `no ${this.label} can serve: ${this.lostCount(total)}, restarting`
@@ -270,17 +296,23 @@ export class WorkerGroup<E extends RoutableEngine> {
   }
 
   private lose(id: string, error: Error): void {
-    if (this.closed || !this.workers.delete(id)) return;
-    for (const off of this.leave.get(id) ?? []) off();
-    this.leave.delete(id);
-    this.router.removeWorker(id);
-    this.options.onLeave?.(id);
+    if (this.closed || !this.detach(id)) return;
     const slot = this.slotOf.get(id)!;
     slot.workerId = undefined;
     const stable = this.options.restart?.stableMs ?? 60_000;
     if (performance.now() - slot.joinedAt >= stable) slot.attempts = 0;
     this.log('warn', `${this.label} ${id} was lost: ${error.message}`);
     this.scheduleRestart(slot);
+  }
+
+  /** Takes a worker out of the group and the router; false when it was not in it. */
+  private detach(id: string): boolean {
+    if (!this.workers.delete(id)) return false;
+    for (const off of this.leave.get(id) ?? []) off();
+    this.leave.delete(id);
+    this.router.removeWorker(id);
+    this.options.onLeave?.(id);
+    return true;
   }
 
   private scheduleRestart(slot: Slot): void {
