@@ -99,6 +99,8 @@ async function workersPart(): Promise<void> {
   }, modelPath);
   const pool = await createWorkerPool({
     engine: 'cpu', workers: 1, prefillWorkers: 1, decodeWorkers: 1, modelPath, threads: 1, kvCacheMemoryBytes: 64 << 20,
+    // f32 as the header says, and as the numbers in docs/disaggregation.md were measured (auto would store f16).
+    kvDtype: 'f32',
     disaggregationPolicy: { minRemotePrefillTokens: 64 },
     disaggregationEstimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
   });

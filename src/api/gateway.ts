@@ -532,6 +532,7 @@ export class Gateway {
         ...(info ? {
           max_model_len: info.maxModelLen,
           kv_capacity_tokens: info.kvCapacityTokens,
+          ...(info.kvDtype !== undefined ? { kv_cache_dtype: info.kvDtype } : {}),
           backend: info.backend,
           kernel_variants: info.kernelVariants,
           threads: info.threads,

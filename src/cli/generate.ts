@@ -88,7 +88,7 @@ export const generateCommand: Command = {
       const decodeMs = (first.timestamps.lastToken ?? 0) - (first.timestamps.firstToken ?? 0);
       const decodeTokens = first.usage.completionTokens - 1;
       console.error(
-        `\n${model.name} on ${engine.info.backend} (${engine.info.threads} threads), loaded in ${loadMs.toFixed(0)} ms\n` +
+        `\n${model.name} on ${engine.info.backend} (${engine.info.threads} threads${engine.info.kvDtype !== undefined ? `, ${engine.info.kvDtype} KV cache` : ''}), loaded in ${loadMs.toFixed(0)} ms\n` +
         `prompt ${promptIds.length} tokens, time to first token ${ttftMs.toFixed(1)} ms; ` +
         (decodeTokens > 0 ? `decode ${(decodeTokens / (decodeMs / 1000)).toFixed(1)} tok/s per request; ` : '') +
         `${totalTokens} tokens from ${concurrency} request(s) in ${wallMs.toFixed(0)} ms = ` +

@@ -59,7 +59,7 @@ export const SERVE_FLAGS = {
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
-  'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (f32), f32, or f16 (half the memory and the bytes attention reads; llama.cpp\'s default)', default: 'auto' },
+  'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (the backend\'s choice: f16 on the native and reference backends, as llama.cpp stores it), f16, or f32 (twice the memory and the bytes decode attention reads)', default: 'auto' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
   'kv-offload-memory': { type: 'string', help: 'RAM tier under the KV cache (bytes or with a unit, split evenly between the workers): cached blocks about to be evicted are copied there and brought back instead of recomputed (default 0 = none)' },
   'kv-offload-disk': { type: 'string', help: 'folder of a persistent disk tier under the KV cache (locked against a second process; a subfolder per worker): blocks of the same model are found again after a restart' },
@@ -137,7 +137,7 @@ export interface ServeConfig {
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
   kvCacheMemoryBytes?: number;
-  /** How the cpu engine stores the KV cache (--kv-cache-dtype; auto is f32). */
+  /** How the cpu engine stores the KV cache (--kv-cache-dtype); absent for auto, the backend's choice (resolveKvDtype). */
   kvDtype?: KvDtype;
   /** RAM tier under the KV cache, bytes for all workers together (--kv-offload-memory). */
   kvOffloadMemoryBytes?: number;
@@ -296,7 +296,7 @@ export function parseModelSpecs(models: readonly string[], names: readonly strin
   return specs;
 }
 
-/** --kv-cache-dtype: auto (the engine's default, f32), f32 or f16; undefined for auto. */
+/** --kv-cache-dtype: auto, f32 or f16; undefined for auto, which each worker resolves by its backend (resolveKvDtype). */
 export function parseKvDtype(value: string): KvDtype | undefined {
   const dtype = value.trim().toLowerCase();
   if (dtype === 'auto') return undefined;
@@ -433,6 +433,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
   if (engine === 'sim' && idleRelease > 0) {
     warnings.push('--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it');
+  }
+  if (engine === 'sim' && parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
+    warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
   }
   let calibration: CalibrationName;
   try {
@@ -690,7 +693,7 @@ export function startupBanner(running: RunningServer): string {
     `Conduit is serving ${running.api.gateway.servedModels.length > 1 ? running.api.gateway.servedModels.map((m) => m.name).join(', ')
       : `${model}${display !== undefined && display !== model ? ` (${display})` : ''}`} at ${running.url}`,
     `  model      ${running.modelPath} (context ${info.maxModelLen} tokens${contextNote}, vocabulary ${info.vocabSize})`,
-    `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize})`,
+    `  KV cache   ${info.kvCapacityTokens} tokens (${stats.kvBlocksTotal} blocks of ${info.blockSize}${info.kvDtype !== undefined ? `, ${info.kvDtype}` : ''})`,
     `  backend    ${info.backend}${variants ? ` (kernel variants: ${variants})` : ''}, ${info.threads} thread${info.threads === 1 ? '' : 's'}`,
     `  workers    ${running.workers}`,
     `  auth       ${keyStore.isOpen ? 'open (no API keys)' : `${keyStore.keyCount} API key${keyStore.keyCount === 1 ? '' : 's'}`}`,

@@ -357,7 +357,7 @@ export class ClusterFrontend {
         this.retryLater(member, 500);
       }
     });
-    this.options.log('info', `worker ${id} joined (${remote.info.modelName}, blocks of ${remote.info.blockSize}, ${remote.info.kvCapacityTokens} KV tokens)`);
+    this.options.log('info', `worker ${id} joined (${remote.info.modelName}, blocks of ${remote.info.blockSize}, ${remote.info.kvCapacityTokens} KV tokens${remote.info.kvDtype !== undefined ? ` as ${remote.info.kvDtype}` : ''})`);
     // The worker may hold cached blocks whose events this frontend never saw (it started later, or reconnected).
     await this.resync(id, 'joined');
   }

@@ -282,6 +282,8 @@ export function parseInfo(value: unknown): EngineInfo {
     modelName: str(i, 'modelName', 'info'), maxModelLen: int(i, 'maxModelLen', 'info', 1), vocabSize: int(i, 'vocabSize', 'info', 1),
     kvCapacityTokens: int(i, 'kvCapacityTokens', 'info'), blockSize: int(i, 'blockSize', 'info', 1), backend: str(i, 'backend', 'info'),
     kernelVariants: Object.fromEntries(Object.entries(kernelVariants).map(([k, v]) => [k, String(v)])), threads: int(i, 'threads', 'info'),
+    // Absent from a worker of an older version; the KV transfer still checks the pools' layouts themselves.
+    ...(i.kvDtype === 'f32' || i.kvDtype === 'f16' ? { kvDtype: i.kvDtype } : {}),
   };
 }
 

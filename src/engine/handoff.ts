@@ -109,7 +109,6 @@ function bytesPerElement(layout: { dtype: KvPoolLayout['dtype'] }): number {
   return layout.dtype === 'f32' ? 4 : 2;
 }
 
-/** Throws unless KV copied block for block from `source` means the same in `destination` (numBlocks may differ). */
 /** What prepareKvImport did: the leading blocks held from the prefix cache, and where the rest is to be written. */
 export interface KvImportPreparation {
   /** Identifies this preparation: releaseKvImport of an older one for the same request does nothing. */
@@ -126,6 +125,11 @@ export interface KvImportPreparation {
  */
 export const KV_IN_PLACE_SOURCE = 'in-place';
 
+/**
+ * Throws unless KV copied block for block from `source` means the same in `destination` (numBlocks may differ).
+ * Each worker resolves --kv-cache-dtype auto by its own backend (resolveKvDtype), so a prefill and a decode worker
+ * left at auto agree whenever their backends do.
+ */
 export function checkKvLayoutsMatch(source: KvPoolLayout, destination: KvPoolLayout): void {
   for (const key of ['numLayers', 'blockSize', 'numKvHeads', 'headDim', 'dtype'] as const) {
     if (source[key] !== destination[key]) {

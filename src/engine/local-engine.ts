@@ -31,6 +31,7 @@ export interface LocalEngineOptions {
   loraDtype?: LoraDtype;
   /** Bytes of KV pool (default: DEFAULT_KV_CACHE_MEMORY). */
   kvCacheMemoryBytes?: number;
+  /** How the KV pool stores keys and values (default: the backend's choice, f16 on both CPU backends; resolveKvDtype). */
   kvDtype?: KvDtype;
   blockSize?: number;
   maxNumSeqs?: number;
@@ -101,7 +102,7 @@ export class LocalEngine implements Engine {
       threads: options.threads ?? availableParallelism(),
       ...(options.loraDtype !== undefined ? { loraDtype: options.loraDtype } : {}),
       kvCacheMemoryBytes: options.kvCacheMemoryBytes ?? DEFAULT_KV_CACHE_MEMORY,
-      kvDtype: options.kvDtype ?? 'f32',
+      ...(options.kvDtype !== undefined ? { kvDtype: options.kvDtype } : {}),
       blockSize: options.blockSize ?? DEFAULT_BLOCK_SIZE,
       maxNumSeqs: options.maxNumSeqs ?? DEFAULT_MAX_NUM_SEQS,
       maxNumBatchedTokens: options.maxNumBatchedTokens ?? DEFAULT_MAX_NUM_BATCHED_TOKENS,

@@ -3,6 +3,7 @@
 
 import type { EngineStats, StepBatchSummary, WorkerCostSummary } from '../protocols/worker.ts';
 import type { LoraDtype } from '../model/lora.ts';
+import type { KvDtype } from '../kernels/types.ts';
 
 export interface SamplingParams {
   /** 0 = greedy. */
@@ -262,6 +263,11 @@ export interface EngineInfo {
   /** KV capacity: numBlocks * blockSize. */
   kvCapacityTokens: number;
   blockSize: number;
+  /**
+   * How the KV cache stores keys and values: the dtype --kv-cache-dtype resolved to (auto: the backend's choice), or
+   * the simulated engine's KV elements at 2 bytes ('f16'). Absent from a worker that does not report it.
+   */
+  kvDtype?: KvDtype;
   /** 'native' or 'reference' (or 'sim'). */
   backend: string;
   /**

@@ -3,7 +3,7 @@
 // that new requests and aborts are taken in before the next step is planned.
 
 import { parentPort, workerData } from 'node:worker_threads';
-import { kvPoolBytes, type KvPoolLayout } from '../kernels/types.ts';
+import { kvPoolBytes, resolveKvDtype, type KvPoolLayout } from '../kernels/types.ts';
 import { selectBackend } from '../kernels/select.ts';
 import { loadModel } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
@@ -42,9 +42,12 @@ async function start(): Promise<Started> {
   const { factory, notices } = selectBackend(init.backend);
   const { config } = loaded;
   baseConfig = config;
+  // --kv-cache-dtype auto is decided here, by the backend this worker runs: the pool, its capacity, the disk tier's
+  // fingerprint and the layout a KV transfer checks all follow from this one dtype.
+  const kvDtype = resolveKvDtype(factory, init.kvDtype);
   const bytesPerBlock = kvPoolBytes({
     numLayers: config.numLayers, numBlocks: 1, blockSize: init.blockSize, numKvHeads: config.numKvHeads,
-    headDim: config.headDim, dtype: init.kvDtype,
+    headDim: config.headDim, dtype: kvDtype,
   });
   const numBlocks = Math.floor(init.kvCacheMemoryBytes / bytesPerBlock);
   if (numBlocks < 1) {
@@ -52,9 +55,9 @@ async function start(): Promise<Started> {
   }
   // Before the backend loads: it may give the weights' bytes back, and the disk tier's fingerprint samples them.
   const fingerprint = init.kvOffload?.diskDir !== undefined
-    ? modelFingerprint(config, loaded.weights, { numLayers: config.numLayers, blockSize: init.blockSize, numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: init.kvDtype })
+    ? modelFingerprint(config, loaded.weights, { numLayers: config.numLayers, blockSize: init.blockSize, numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: kvDtype })
     : undefined;
-  const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: init.kvDtype },
+  const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: kvDtype },
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
     { threads: init.threads, releaseUnpackedWeights: true, ...(init.loraDtype !== undefined ? { loraDtype: init.loraDtype } : {}) });
   const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
@@ -69,7 +72,7 @@ async function start(): Promise<Started> {
   const info: EngineInfo = {
     // What one sequence can reach: the context length, or less when one sequence of it would not fit the KV pool.
     modelName: init.servedModelName, maxModelLen: core.scheduler.maxModelLen, vocabSize: config.vocabSize,
-    kvCapacityTokens: numBlocks * init.blockSize, blockSize: init.blockSize,
+    kvCapacityTokens: numBlocks * init.blockSize, blockSize: init.blockSize, kvDtype: backend.kvLayout.dtype,
     backend: backend.info.name, kernelVariants: backend.info.variants, threads: backend.info.threads,
     quantization: dominantType(loaded.metadata.parametersByType),
   };
@@ -99,7 +102,7 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
     disk = new DiskKvTier({ dir: offload.diskDir, capacityBytes: offload.diskBytes ?? 0, blockBytes, fingerprint });
     const found = disk.openReport;
     notices.push(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
-      + (found.foreign > 0 ? `, ${found.foreign} of another model deleted` : '')
+      + (found.foreign > 0 ? `, ${found.foreign} of another model or KV layout (block size, dtype) deleted` : '')
       + (found.torn > 0 ? `, ${found.torn} torn or unfinished files deleted` : ''));
   }
   return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });

@@ -28,7 +28,8 @@ export interface WorkerInit {
   /** How the native backend stores LoRA adapters (default: its own, model/lora.ts resolveLoraDtype). */
   loraDtype?: LoraDtype;
   kvCacheMemoryBytes: number;
-  kvDtype: KvDtype;
+  /** How the KV pool stores keys and values; absent (--kv-cache-dtype auto): the backend's choice (resolveKvDtype). */
+  kvDtype?: KvDtype;
   blockSize: number;
   maxNumSeqs: number;
   maxNumBatchedTokens: number;

@@ -570,6 +570,8 @@ function checkPositiveInteger(name: string, value: number): void {
 
 export const nativeBackend: BackendFactory & { unavailableReason(): string | undefined } = {
   name: 'native',
+  // f16 as llama.cpp stores it: half the memory of f32, and half the bytes decode attention reads.
+  kvDtypes: ['f16', 'f32'],
   available: () => tryLoadNativeAddon() !== undefined,
   unavailableReason: nativeUnavailableReason,
   load(config, weights, kv, options = {}): ModelRunnerBackend {

@@ -242,6 +242,8 @@ class ReferenceRunnerBackend implements ModelRunnerBackend {
 
 export const referenceBackend: BackendFactory = {
   name: 'reference',
+  // f16 rounds K and V as the native backend's f16 pool does, so the two agree on what auto stores.
+  kvDtypes: ['f16', 'f32'],
   available: () => true,
   load(config, weights, kv, _options) {
     return new ReferenceRunnerBackend(config, weights, kv);

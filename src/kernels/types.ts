@@ -24,6 +24,19 @@ export interface KvPoolLayout {
   dtype: KvDtype;
 }
 
+/**
+ * The KV dtype a worker on `factory` stores: the one asked for, or with none (`--kv-cache-dtype auto`) the backend's
+ * first choice. The one place auto is decided: serve, worker processes, prefill and decode workers and the disk tier's
+ * fingerprint all take the dtype the worker resolved here. A dtype the backend cannot store is an error.
+ */
+export function resolveKvDtype(factory: Pick<BackendFactory, 'name' | 'kvDtypes'>, requested: KvDtype | undefined): KvDtype {
+  if (requested === undefined) return factory.kvDtypes[0] ?? 'f32';
+  if (!factory.kvDtypes.includes(requested)) {
+    throw new RangeError(`the ${factory.name} backend cannot store the KV cache as ${requested} (it stores ${factory.kvDtypes.join(', ')})`);
+  }
+  return requested;
+}
+
 export function kvElementsPerBlockRun(layout: KvPoolLayout): number {
   return layout.blockSize * layout.numKvHeads * layout.headDim;
 }
@@ -131,6 +144,11 @@ export interface BackendMemory {
 
 export interface BackendFactory {
   readonly name: string;
+  /**
+   * The KV dtypes the backend can store, the one `--kv-cache-dtype auto` means first (resolveKvDtype). Both CPU
+   * backends store f16 and f32; a backend that cannot store f16 lists only f32, so that auto stays f32 for it.
+   */
+  readonly kvDtypes: readonly KvDtype[];
   available(): boolean;
   load(config: ModelConfig, weights: ModelWeights, kv: Omit<KvPoolLayout, 'numLayers' | 'numKvHeads' | 'headDim'>,
     options?: BackendLoadOptions): ModelRunnerBackend;

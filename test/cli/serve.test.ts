@@ -31,7 +31,7 @@ describe('conduit serve flags', () => {
     assert.equal(c.shutdownGraceMs, 30_000);
     assert.deepEqual(c.keys.keys, []);
     assert.equal(c.backend, 'auto');
-    assert.equal(c.kvDtype, undefined, 'the engine\'s KV dtype (f32)');
+    assert.equal(c.kvDtype, undefined, 'auto: each worker\'s backend decides (resolveKvDtype)');
   });
 
   it('takes --kv-cache-dtype (auto, f32, f16) or CONDUIT_KV_CACHE_DTYPE', () => {
@@ -40,6 +40,9 @@ describe('conduit serve flags', () => {
     assert.equal(config(['--kv-cache-dtype', 'auto']).kvDtype, undefined);
     assert.equal(config([], { CONDUIT_KV_CACHE_DTYPE: 'f16' }).kvDtype, 'f16');
     assert.equal(config(['--kv-cache-dtype', 'f32'], { CONDUIT_KV_CACHE_DTYPE: 'f16' }).kvDtype, 'f32');
+    assert.equal(config(['--kv-cache-dtype', 'f32', '--engine', 'sim']).warnings?.some((w) => /--kv-cache-dtype is for cpu workers/.test(w)), true,
+      'simulated workers say they ignore it');
+    assert.equal(config(['--engine', 'sim']).warnings?.some((w) => /--kv-cache-dtype/.test(w)) ?? false, false);
   });
 
   it('reads every flag from its CONDUIT_* twin, the command line winning', () => {

@@ -117,9 +117,9 @@ describe('distributed runtime', { skip }, () => {
     workers.set(id, proc);
     return proc;
   };
-  const startFrontend = async (migrationLimit: number, port?: number): Promise<Frontend> => {
+  const startFrontend = async (migrationLimit: number, port?: number, extra: string[] = []): Promise<Frontend> => {
     const p = port ?? await freePort();
-    const proc = startConduit(['frontend', '--port', String(p), '--migration-limit', String(migrationLimit), '--no-request-log'], env);
+    const proc = startConduit(['frontend', '--port', String(p), '--migration-limit', String(migrationLimit), '--no-request-log', ...extra], env);
     await waitForPort(p);
     return { proc, url: `http://127.0.0.1:${p}`, port: p };
   };
@@ -273,8 +273,12 @@ describe('distributed runtime', { skip }, () => {
     const holder = (await placement(a.url, first.id)).workerId;
     b.proc.kill('SIGKILL');
     await b.proc.exited;
-    b = await startFrontend(0, b.port);
+    // At debug level it logs each worker's KV view resynced from its snapshot.
+    b = await startFrontend(0, b.port, ['--log-level', 'debug']);
     await until('the restarted frontend sees the workers', async () => (await readyWorkers(b)).join() === before, 20_000);
+    // A worker is ready in /health once it joined; its KV view arrives just after (the snapshot): wait for the
+    // holder's, or the request below races it.
+    await until('the restarted frontend resynced its view of the holder', () => b.proc.output().includes(`KV view of ${holder} resynced`), 20_000);
     const second = await complete(b.url, greedy(prompt, 2));
     const seen = await placement(b.url, second.id);
     assert.equal(seen.workerId, holder);

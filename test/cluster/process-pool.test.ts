@@ -34,12 +34,13 @@ describe('serve --worker-processes', () => {
     rmSync(dir, { recursive: true, force: true });
   });
 
-  const health = async (): Promise<{ ready: boolean; workers: WorkerView[] }> => (await fetch(`${server.url}/health`)).json() as never;
+  const health = async (): Promise<{ ready: boolean; workers: WorkerView[]; kv_cache_dtype?: string }> => (await fetch(`${server.url}/health`)).json() as never;
   const body = (maxTokens: number) => ({ prompt: 'Once upon a time in a distributed system', max_tokens: maxTokens, temperature: 0, repetition_penalty: 1.3, ignore_eos: true });
 
   test('a SIGSEGV in the child running a stream: the stream migrates with the same text, the child is replaced', async () => {
     const first = await health();
     assert.equal(first.workers.length, 2);
+    assert.equal(first.kv_cache_dtype, 'f16', 'child workers left at --kv-cache-dtype auto resolve it as a worker thread does');
     for (const w of first.workers) {
       assert.ok(w.pid > 0 && w.pid !== process.pid, 'each worker is a process of its own');
       pids.add(w.pid);

@@ -12,8 +12,11 @@ import { ensureBuiltinModel } from '../../src/model/synthetic.ts';
 import { SimEngine } from '../../src/sim/sim-engine.ts';
 import { toyWorker } from '../sim/sim-fixtures.ts';
 
-/** The built-in model's KV per block of 16 tokens: 2 (K, V) x 6 layers x 2 KV heads x 64 dims x 4 bytes x 16. */
-const BUILTIN_BLOCK_BYTES = 2 * 6 * 2 * 64 * 4 * 16;
+/**
+ * The built-in model's KV per block of 16 tokens as a worker at --kv-cache-dtype auto stores it (f16 on both CPU
+ * backends): 2 (K, V) x 6 layers x 2 KV heads x 64 dims x 2 bytes x 16.
+ */
+const BUILTIN_BLOCK_BYTES = 2 * 6 * 2 * 64 * 2 * 16;
 const TRACEPARENT = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01';
 
 interface Started {
@@ -39,6 +42,7 @@ const subjects: Subject[] = [
         modelPath: await ensureBuiltinModel(), backend: 'auto', threads: 1, maxNumSeqs,
         kvCacheMemoryBytes: kvBlocks * BUILTIN_BLOCK_BYTES, enableKvEvents: kvEvents,
       });
+      assert.equal(engine.info.kvCapacityTokens, kvBlocks * 16, `a pool of ${kvBlocks} blocks (${engine.info.kvDtype} KV)`);
       return { engine, onKvEvents: (l) => engine.onKvEvents(l), stats: () => (engine as LocalEngine).sync() };
     },
     // Ordinary vocabulary ids (the first few are control tokens).

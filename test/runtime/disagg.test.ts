@@ -108,6 +108,10 @@ for (const model of MODELS) {
     ] as [string, Partial<SamplingParams>][]).entries()) {
       test(`token-identical to one aggregated worker: ${label}`, async (t) => {
         if (!pool) return t.skip(`${model.name} is absent (../shared/models)`);
+        // Every worker left at --kv-cache-dtype auto resolves it alike (f16 on both CPU backends): the transfer's
+        // layout check passes and the aggregated worker stores what the pair does.
+        assert.deepEqual([...pool.workers.map((w) => w.engine.info.kvDtype), aggregated!.info.kvDtype],
+          new Array(pool.workers.length + 1).fill('f16'));
         for (const length of [40, 75, 130]) {
           // A prompt no worker has seen: a decode worker holding it would rightly prefill it itself.
           const ids = prompt(100 * variant + length, length);
@@ -258,7 +262,8 @@ describe(`cancellation and failure on real workers (${cpuTestModel().name})`, ()
   });
 
   test('different KV dtypes on the two sides: the decode worker recomputes (transfer-failed) and frees both', async () => {
-    const prefill = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, kvDtype: 'f16', enableKvEvents: true, role: 'prefill' });
+    // f32 asked for on the prefill side, auto (f16) on the decode side.
+    const prefill = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, kvDtype: 'f32', enableKvEvents: true, role: 'prefill' });
     const decode = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'decode' });
     const router = () => new Router({ blockSize: BLOCK, random: seededRandom(1), index: new BitsetKvIndex() });
     const engine = new DisaggregatedEngine({

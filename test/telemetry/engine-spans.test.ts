@@ -320,9 +320,10 @@ describe('KV evictions on /metrics', () => {
   let server: LiveServer;
 
   before(async () => {
-    // 64 blocks of 16 tokens: room for a few of the prompts below (over a hundred tokens each), cached, before the
-    // next ones evict them.
-    server = await startLiveServer({ kvCacheMemoryBytes: 64 * 2 * 6 * 2 * 64 * 4 * 16 });
+    // 64 blocks of 16 tokens (f16 KV, what --kv-cache-dtype auto stores): room for a few of the prompts below (over a
+    // hundred tokens each), cached, before the next ones evict them.
+    server = await startLiveServer({ kvCacheMemoryBytes: 64 * 2 * 6 * 2 * 64 * 2 * 16 });
+    assert.equal(server.engine.info.kvCapacityTokens, 64 * 16, `64 blocks (${server.engine.info.kvDtype} KV)`);
   });
 
   after(async () => {

@@ -43,7 +43,8 @@ describe('memory by category and allocation failures on a live CPU worker', () =
     const kvHeads = Number(file.metadata.get('llama.attention.head_count_kv'));
     const ffn = Number(file.metadata.get('llama.feed_forward_length'));
     const headDim = dim / heads;
-    const blockBytes = 2 * numLayers * 16 * kvHeads * headDim * 4;  // K and V, 16-token blocks, f32
+    assert.equal(server.engine.info.kvDtype, 'f16', 'what --kv-cache-dtype auto stores');
+    const blockBytes = 2 * numLayers * 16 * kvHeads * headDim * 2;  // K and V, 16-token blocks, f16
     assert.equal(value(exposition, 'conduit_memory_used_bytes', { worker, category: 'kv_cache' }), Math.floor(KV_BYTES / blockBytes) * blockBytes);
 
     const tensorBytes = file.tensorInfos.reduce((sum, t) => sum + byteSize(t.type, t.shape.reduce((a, b) => a * b, 1)), 0);
