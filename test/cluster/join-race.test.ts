@@ -6,14 +6,14 @@
 // frontend makes before it joins its first worker. Both joins are held there (the test waits until both requests
 // are held), then released one at a time: the joins overlap, and which completes first is fixed. The same pair joined
 // one after the other, on another frontend, gives the outcome to compare with.
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
-import { etcdClient } from '../../src/cluster/discovery.ts';
-import { ClusterFrontend } from '../../src/cluster/frontend.ts';
-import { startClusterWorker, type RunningWorker } from '../../src/cluster/worker-process.ts';
+import type { ClusterFrontend } from '../../src/cluster/frontend.ts';
+import { startClusterWorker } from '../../src/cluster/worker-process.ts';
 import type { WorkerRole } from '../../src/engine/types.ts';
-import { ETCD_BIN, freePort, removeDir, startEtcd, stopAll, tempDir, type Etcd } from '../helpers/cluster-services.ts';
+import { ETCD_BIN, freePort } from '../helpers/cluster-services.ts';
+import { frontendBed } from '../helpers/frontend-bed.ts';
 import { startTcpRelay, type TcpRelay } from '../helpers/tcp-relay.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
 
@@ -28,46 +28,17 @@ interface Outcome {
 }
 
 describe('two first workers of different kinds joining at once', { skip }, () => {
-  let dir: string;
-  let etcd: Etcd;
-  const frontends: ClusterFrontend[] = [];
-  const workers: RunningWorker[] = [];
-  const relays: TcpRelay[] = [];
-  let namespaces = 0;
-
-  before(async () => {
-    dir = tempDir('join-race');
-    etcd = await startEtcd(dir);
-  });
-
-  after(async () => {
-    for (const frontend of frontends) await frontend.close();
-    for (const worker of workers) await worker.shutdown(0);
-    for (const relay of relays) await relay.close();
-    await stopAll();
-    removeDir(dir);
-  });
-
-  async function startFrontend(logs: string[]): Promise<{ frontend: ClusterFrontend; namespace: string }> {
-    const namespace = `join-race-${namespaces++}`;
-    const frontend = new ClusterFrontend({
-      namespace, clusterToken: TOKEN, etcd: etcdClient({ endpoints: [etcd.url] }),
-      log: (level, message) => { logs.push(`${level} ${message}`); },
-    });
-    frontends.push(frontend);
-    await frontend.start();
-    return { frontend, namespace };
-  }
+  const bed = frontendBed('join-race', TOKEN);
 
   /** A worker behind a relay of its own (it advertises the relay's address), holding from the start when asked. */
   async function startWorker(namespace: string, workerId: string, role: WorkerRole, held: boolean): Promise<TcpRelay> {
     const port = await freePort();
     const relay = await startTcpRelay(port);
-    relays.push(relay);
+    bed.relays.push(relay);
     relay.hold(held);
-    workers.push(await startClusterWorker({
+    bed.workers.push(await startClusterWorker({
       workerId, role, namespace, clusterToken: TOKEN, host: '127.0.0.1', port, advertiseAddress: relay.address,
-      etcd: { endpoints: [etcd.url] }, leaseTtlSeconds: 5,
+      etcd: { endpoints: [bed.etcdUrl] }, leaseTtlSeconds: 5,
       pool: { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity } },
       log: () => {},
     }));
@@ -94,7 +65,7 @@ describe('two first workers of different kinds joining at once', { skip }, () =>
   /** `first` joins, then `second`, each once the frontend has decided about the one before. */
   async function oneAfterTheOther(first: [string, WorkerRole], second: [string, WorkerRole]): Promise<Outcome> {
     const logs: string[] = [];
-    const { frontend, namespace } = await startFrontend(logs);
+    const { frontend, namespace } = await bed.startFrontend(logs);
     for (const [id, role] of [first, second]) {
       await startWorker(namespace, id, role, false);
       await waitUntil(() => decided(logs, id), `the frontend decided about ${id}`, 20_000);
@@ -105,7 +76,7 @@ describe('two first workers of different kinds joining at once', { skip }, () =>
   /** Both join at once: both model-card requests are held, then `first`'s is answered, then `second`'s. */
   async function atOnce(first: [string, WorkerRole], second: [string, WorkerRole]): Promise<Outcome> {
     const logs: string[] = [];
-    const { frontend, namespace } = await startFrontend(logs);
+    const { frontend, namespace } = await bed.startFrontend(logs);
     const [firstRelay, secondRelay] = await Promise.all([first, second].map(([id, role]) => startWorker(namespace, id, role, true)));
     await waitUntil(() => firstRelay!.heldBytes > 0 && secondRelay!.heldBytes > 0, 'both joins wait for their model card', 20_000);
     firstRelay!.hold(false);

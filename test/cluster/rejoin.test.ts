@@ -4,14 +4,14 @@
 // `conduit worker` starts them, each reached through a TCP relay on 127.0.0.1 whose connections the test cuts (the
 // worker stays registered at the same address: the frontend's own retry brings the connection back), and a
 // ClusterFrontend in this process (KV events on the request plane, no NATS).
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
-import { etcdClient } from '../../src/cluster/discovery.ts';
-import { ClusterFrontend } from '../../src/cluster/frontend.ts';
+import type { ClusterFrontend } from '../../src/cluster/frontend.ts';
 import { startClusterWorker, type RunningWorker } from '../../src/cluster/worker-process.ts';
 import type { WorkerRole } from '../../src/engine/types.ts';
-import { ETCD_BIN, freePort, removeDir, startEtcd, stopAll, tempDir, type Etcd } from '../helpers/cluster-services.ts';
+import { ETCD_BIN, freePort } from '../helpers/cluster-services.ts';
+import { frontendBed } from '../helpers/frontend-bed.ts';
 import { startTcpRelay, type TcpRelay } from '../helpers/tcp-relay.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
 
@@ -20,50 +20,20 @@ const TOKEN = 'rejoin-test-token';
 const REJOINS = 3;
 
 describe('a worker that drops and rejoins is counted once', { skip }, () => {
-  let dir: string;
-  let etcd: Etcd;
-  const frontends: ClusterFrontend[] = [];
-  const workers: RunningWorker[] = [];
-  const relays: TcpRelay[] = [];
-  let namespaces = 0;
-
-  before(async () => {
-    dir = tempDir('rejoin');
-    etcd = await startEtcd(dir);
-  });
-
-  after(async () => {
-    for (const frontend of frontends) await frontend.close();
-    for (const worker of workers) await worker.shutdown(0);
-    for (const relay of relays) await relay.close();
-    await stopAll();
-    removeDir(dir);
-  });
-
-  /** A frontend of its own for each test (the first worker decides aggregated or disaggregated). */
-  async function startFrontend(logs: string[]): Promise<{ frontend: ClusterFrontend; namespace: string }> {
-    const namespace = `rejoin-${namespaces++}`;
-    const frontend = new ClusterFrontend({
-      namespace, clusterToken: TOKEN, etcd: etcdClient({ endpoints: [etcd.url] }),
-      log: (level, message) => { logs.push(`${level} ${message}`); },
-    });
-    frontends.push(frontend);
-    await frontend.start();
-    return { frontend, namespace };
-  }
+  const bed = frontendBed('rejoin', TOKEN);
 
   /** A worker behind a relay of its own: it advertises the relay's address. */
   async function startWorker(namespace: string, workerId: string, role: WorkerRole): Promise<{ worker: RunningWorker; relay: TcpRelay; port: number }> {
     const port = await freePort();
     const relay = await startTcpRelay(port);
-    relays.push(relay);
+    bed.relays.push(relay);
     const worker = await startClusterWorker({
       workerId, role, namespace, clusterToken: TOKEN, host: '127.0.0.1', port, advertiseAddress: relay.address,
-      etcd: { endpoints: [etcd.url] }, leaseTtlSeconds: 5,
+      etcd: { endpoints: [bed.etcdUrl] }, leaseTtlSeconds: 5,
       pool: { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity } },
       log: () => {},
     });
-    workers.push(worker);
+    bed.workers.push(worker);
     return { worker, relay, port };
   }
 
@@ -83,7 +53,7 @@ describe('a worker that drops and rejoins is counted once', { skip }, () => {
 
   test('aggregated: readiness counts a rejoined worker once, and a worker that left not at all', async () => {
     const logs: string[] = [];
-    const { frontend, namespace } = await startFrontend(logs);
+    const { frontend, namespace } = await bed.startFrontend(logs);
     const { relay } = await startWorker(namespace, 'a1', 'both');
     await frontend.ready();
     await waitUntil(() => stateOf(frontend, 'a1') === 'ready', 'a1 joined', 20_000);
@@ -106,7 +76,7 @@ describe('a worker that drops and rejoins is counted once', { skip }, () => {
 
   test('disaggregated: the decode worker that rejoined is "its one decode worker" when it is lost', async () => {
     const logs: string[] = [];
-    const { frontend, namespace } = await startFrontend(logs);
+    const { frontend, namespace } = await bed.startFrontend(logs);
     const { relay, port } = await startWorker(namespace, 'd1', 'decode');
     await frontend.ready();
     await waitUntil(() => stateOf(frontend, 'd1') === 'ready', 'd1 joined', 20_000);
