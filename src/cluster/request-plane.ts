@@ -284,6 +284,8 @@ export function parseInfo(value: unknown): EngineInfo {
     kernelVariants: Object.fromEntries(Object.entries(kernelVariants).map(([k, v]) => [k, String(v)])), threads: int(i, 'threads', 'info'),
     // Absent from a worker of an older version; the KV transfer still checks the pools' layouts themselves.
     ...(i.kvDtype === 'f32' || i.kvDtype === 'f16' ? { kvDtype: i.kvDtype } : {}),
+    // The frontend's prefill metrics label a model by it (EngineInfo.quantization); absent when the worker has none.
+    ...(typeof i.quantization === 'string' ? { quantization: i.quantization } : {}),
   };
 }
 

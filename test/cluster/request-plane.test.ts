@@ -79,6 +79,10 @@ describe('request plane', () => {
     const remote = await connect();
     assert.equal(remote.workerId, 'w-test');
     assert.equal(remote.info.blockSize, bundle.engine.info.blockSize);
+    // How the weights are stored crosses the wire too: the frontend's prefill metrics are labelled by it.
+    assert.ok(bundle.engine.info.quantization !== undefined);
+    assert.equal(remote.info.quantization, bundle.engine.info.quantization);
+    assert.equal(remote.info.kvDtype, bundle.engine.info.kvDtype);
     const local = await collect(bundle.engine.generate(request()));
     const req = request({ logitBias: new Map([[300, -2]]) });
     const direct = await collect(bundle.engine.generate({ ...request({ logitBias: new Map([[300, -2]]) }) }));
