@@ -216,8 +216,12 @@ export class WorkerGroup<E extends RoutableEngine> {
     if (alive > 0) return { ready: true, workersAlive: alive, workersTotal: total };
     if (total === 0 && !this.closed) return { ready: false, reason: `no ${this.label} can serve: none is left`, workersAlive: 0, workersTotal: 0 };
     const restarting = this.slots.filter((s) => !s.givenUp).length;
+    // Without restarts (a frontend's worker processes, which come back by registering again; --worker-restart-limit
+    // 0), nothing was tried that could have given up.
+    const restarts = (this.options.restart?.limit ?? 0) > 0;
     const reason = this.closed ? `the ${this.label}s are closed`
       : restarting > 0 ? `no ${this.label} can serve: ${this.lostCount(total)}, restarting`
+      : !restarts ? `no ${this.label} can serve: ${this.lostCount(total)}, and this process does not restart ${this.label}s`
       : `no ${this.label} can serve: ${this.lostCount(total)}, and restarting ${total === 1 ? 'it' : 'them'} gave up`;
     return { ready: false, reason, workersAlive: 0, workersTotal: total };
   }
