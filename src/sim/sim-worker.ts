@@ -296,6 +296,9 @@ export class SimWorker extends StepCore<SimTokenState> {
       modelName: model.name, maxModelLen: this.scheduler.maxModelLen, vocabSize,
       kvCapacityTokens: this.kv.numBlocks * blockSize, blockSize, backend: 'sim',
       kernelVariants: { gpu: `${hw.id} x${tp}` }, threads: 1, quantization: simWeightDtype(model.weightBytesPerParam),
+      // KvDtype names the CPU engine's two storage types; a profile's 2-byte KV is reported as 'f16' (as its transfer
+      // layout above says), an FP8 one is left unnamed rather than misnamed.
+      ...(model.kvBytesPerElement === 2 ? { kvDtype: 'f16' as const } : {}),
     };
     this.role = config.role ?? 'both';
     this.kvLink = config.kvLink?.link ?? INFINIBAND_NDR;

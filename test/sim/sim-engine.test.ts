@@ -7,7 +7,7 @@ import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
 import type { KvEvent } from '../../src/protocols/kv-events.ts';
 import type { EngineOutput, EngineRequest } from '../../src/engine/types.ts';
 import { H100_SXM } from '../../src/sim/hardware.ts';
-import { LLAMA_3_1_70B, LLAMA_3_1_8B } from '../../src/sim/models.ts';
+import { LLAMA_3_1_70B, LLAMA_3_1_8B, withDtypes } from '../../src/sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../../src/sim/engine-check.ts';
 import { SimEngine, type SimEngineOptions } from '../../src/sim/sim-engine.ts';
 import { SimWorker, planToStepShape } from '../../src/sim/sim-worker.ts';
@@ -250,6 +250,8 @@ describe('SimWorker on real profiles', () => {
     assert.equal(worker.info.kvCapacityTokens, 29_205 * 16);
     assert.equal(worker.info.backend, 'sim');
     assert.deepEqual(worker.info.kernelVariants, { gpu: 'h100 x1' });
+    assert.equal(worker.info.kvDtype, 'f16', 'BF16 KV is reported as 2-byte KV');
+    assert.equal(new SimWorker({ model: withDtypes(LLAMA_3_1_8B, { kvBytesPerElement: 1 }), hw: H100_SXM, tp: 1 }).info.kvDtype, undefined);
     assert.throws(() => new SimWorker({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 1 }), /no HBM for the KV cache/);
     assert.deepEqual(new SimWorker({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4 }).info.kernelVariants, { gpu: 'h100 x4' });
   });
