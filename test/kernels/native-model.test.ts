@@ -436,7 +436,10 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     const rows = nativeBackend.load(config, weights, kv, { packWeights: false });
     try {
       assert.deepEqual(packed.forward(step), rows.forward(step));
-      assert.equal(packed.info.notices, undefined, 'an explicit choice needs no notice');
+      // An explicit choice needs no notice about repacking; an AMX machine's notice (whether Linux granted AMX) is
+      // about the CPU, and stays.
+      const repacking = (packed.info.notices ?? []).filter((notice) => !notice.startsWith('AMX detected'));
+      assert.deepEqual(repacking, [], 'an explicit choice needs no notice');
     } finally {
       packed.dispose();
       rows.dispose();
