@@ -65,6 +65,8 @@ CpuFeatures detect() {
   const bool avx = ecx & (1u << 28);
   const bool fma = ecx & (1u << 12);
   const bool f16c = ecx & (1u << 29);
+  f.sse42 = ecx & (1u << 20);
+  f.pclmulqdq = ecx & (1u << 1);
   if (!osxsave || !avx) return f;
   const uint64_t xcr0 = read_xcr0();
   const bool os_avx = (xcr0 & 0x6) == 0x6;        // XMM and YMM state
@@ -89,6 +91,7 @@ CpuFeatures detect() {
     f.avx512vl = b7 & (1u << 31);
     f.avx512vnni = c7 & (1u << 11);
     f.avx512bf16 = a71 & (1u << 5);
+    f.vpclmulqdq = f.avx512f && (c7 & (1u << 10));
   }
   if (os_amx) {
     f.amx_bf16 = d7 & (1u << 22);
