@@ -113,7 +113,7 @@ Napi::Value Crc32cCopyRuns(const Napi::CallbackInfo& info) {
 }
 
 // crc32cPath(path?: string): switches every CRC-32C call of the process (crc32c, crc32cCopy, crc32cCopyRuns) to
-// path ('table', 'sse42' or 'clmul'; RangeError for one this CPU does not run), then returns {path, supported}.
+// path ('table', 'sse42', 'clmul256' or 'clmul'; RangeError for one this CPU does not run), then returns {path, supported}.
 Napi::Value Crc32cPathInfo(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (info.Length() > 0 && !info[0].IsUndefined()) {

@@ -141,7 +141,7 @@ struct FoldConstant {
 };
 
 struct FoldConstants {
-  FoldConstant by2048{2048}, by512{512}, by128{128};  // four zmm registers ahead, one, one xmm register
+  FoldConstant by2048{2048}, by1024{1024}, by512{512}, by256{256}, by128{128};
 };
 
 const FoldConstants& fold_constants() {
@@ -149,19 +149,43 @@ const FoldConstants& fold_constants() {
   return instance;
 }
 
-// The fold starts from four 64-byte accumulators; shorter inputs take the Sse42 path (at a few hundred bytes the
-// two differ by less than a call from JavaScript costs).
+// The folds start from four accumulators; shorter inputs take the Sse42 path (at a few hundred bytes the paths
+// differ by less than a call from JavaScript costs).
 constexpr size_t kClmulMinBytes = 256;
 
 #define CONDUIT_CLMUL_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+#define CONDUIT_CLMUL256_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
+// What both folds share, compiled for what both targets have so it inlines into either.
+#define CONDUIT_PCLMUL_TARGET __attribute__((target("pclmul,sse4.2")))
+
+CONDUIT_PCLMUL_TARGET inline __m128i fold128(__m128i acc, __m128i k, __m128i next) {
+  return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(acc, k, 0x00), _mm_clmulepi64_si128(acc, k, 0x11)), next);
+}
+
+CONDUIT_PCLMUL_TARGET inline __m128i load_constant(const FoldConstant& c) {
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(c.k));
+}
+
+// The end of both folds: r, one 16-byte block congruent to everything read so far, takes in the remaining whole
+// 16-byte blocks; then its CRC from zero (no pre-xor: the running value is already in) continues into the tail.
+CONDUIT_PCLMUL_TARGET inline uint32_t finish_fold(__m128i r, const uint8_t* p, size_t n) {
+  const __m128i k128 = load_constant(fold_constants().by128);
+  for (; n >= 16; p += 16, n -= 16) r = fold128(r, k128, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(r)));
+  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(r, 1)));
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    c = _mm_crc32_u64(c, w);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; n > 0; p++, n--) c32 = _mm_crc32_u8(c32, *p);
+  return c32 ^ 0xFFFFFFFFu;
+}
 
 CONDUIT_CLMUL_TARGET inline __m512i fold512(__m512i acc, __m512i k, __m512i next) {
   return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(acc, k, 0x00), _mm512_clmulepi64_epi128(acc, k, 0x11),
                                    next, 0x96);  // a ^ b ^ c
-}
-
-CONDUIT_CLMUL_TARGET inline __m128i fold128(__m128i acc, __m128i k, __m128i next) {
-  return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(acc, k, 0x00), _mm_clmulepi64_si128(acc, k, 0x11)), next);
 }
 
 // Loads 64 bytes of src and, for the copying variant, stores them to dst (kStream: non-temporal, dst 64-aligned).
@@ -182,7 +206,6 @@ CONDUIT_CLMUL_TARGET uint32_t crc32c_clmul_impl(uint32_t crc, const uint8_t* p, 
   const FoldConstants& k = fold_constants();
   // The running value XORs into the message's first four bytes: what the crc32 instruction does with its input.
   const __m512i initial = _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc ^ 0xFFFFFFFFu)));
-  const __m512i k512 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(k.by512.k)));
   // Four accumulators of 64 bytes, each folded 256 bytes on per round: four independent chains keep the multiplier
   // busy through its latency.
   __m512i x0 = _mm512_xor_si512(load_block<kCopy, kStream>(p, dst), initial);
@@ -192,39 +215,76 @@ CONDUIT_CLMUL_TARGET uint32_t crc32c_clmul_impl(uint32_t crc, const uint8_t* p, 
   p += 256;
   dst += 256;
   n -= 256;
-  const __m512i k2048 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(k.by2048.k)));
+  const __m512i k2048 = _mm512_broadcast_i32x4(load_constant(k.by2048));
   for (; n >= 256; p += 256, dst += 256, n -= 256) {
     x0 = fold512(x0, k2048, load_block<kCopy, kStream>(p, dst));
     x1 = fold512(x1, k2048, load_block<kCopy, kStream>(p + 64, dst + 64));
     x2 = fold512(x2, k2048, load_block<kCopy, kStream>(p + 128, dst + 128));
     x3 = fold512(x3, k2048, load_block<kCopy, kStream>(p + 192, dst + 192));
   }
+  const __m512i k512 = _mm512_broadcast_i32x4(load_constant(k.by512));
   x3 = fold512(fold512(fold512(x0, k512, x1), k512, x2), k512, x3);
   for (; n >= 64; p += 64, dst += 64, n -= 64) x3 = fold512(x3, k512, load_block<kCopy, kStream>(p, dst));
   if (kCopy) std::memcpy(dst, p, n);
-  // The register's four 16-byte lanes into one, then the remaining whole 16-byte blocks.
-  const __m128i k128 = _mm_load_si128(reinterpret_cast<const __m128i*>(k.by128.k));
+  // The register's four 16-byte lanes into one.
+  const __m128i k128 = load_constant(k.by128);
   __m128i r = fold128(_mm512_castsi512_si128(x3), k128, _mm512_extracti32x4_epi32(x3, 1));
   r = fold128(r, k128, _mm512_extracti32x4_epi32(x3, 2));
   r = fold128(r, k128, _mm512_extracti32x4_epi32(x3, 3));
-  for (; n >= 16; p += 16, n -= 16) r = fold128(r, k128, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  // r is congruent to everything read so far: its CRC from zero (no pre-xor: the running value is already in)
-  // continues into the tail.
-  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(r)));
-  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(r, 1)));
-  for (; n >= 8; p += 8, n -= 8) {
-    uint64_t w;
-    std::memcpy(&w, p, 8);
-    c = _mm_crc32_u64(c, w);
+  return finish_fold(r, p, n);
+}
+
+CONDUIT_CLMUL256_TARGET inline __m256i fold256(__m256i acc, __m256i k, __m256i next) {
+  return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(acc, k, 0x00), _mm256_clmulepi64_epi128(acc, k, 0x11)),
+                          next);
+}
+
+// load_block on 32 bytes (kStream: dst 32-aligned).
+template <bool kCopy, bool kStream>
+CONDUIT_CLMUL256_TARGET inline __m256i load_block256(const uint8_t* src, uint8_t* dst) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  if (kCopy) {
+    if (kStream) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), v);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
   }
-  uint32_t c32 = static_cast<uint32_t>(c);
-  for (; n > 0; p++, n--) c32 = _mm_crc32_u8(c32, *p);
-  return c32 ^ 0xFFFFFFFFu;
+  return v;
+}
+
+// crc32c_clmul_impl on ymm registers: four accumulators of 32 bytes, folded 128 bytes on per round.
+template <bool kCopy, bool kStream>
+CONDUIT_CLMUL256_TARGET uint32_t crc32c_clmul256_impl(uint32_t crc, const uint8_t* p, uint8_t* dst, size_t n) {
+  const FoldConstants& k = fold_constants();
+  const __m256i initial = _mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(crc ^ 0xFFFFFFFFu)));
+  __m256i x0 = _mm256_xor_si256(load_block256<kCopy, kStream>(p, dst), initial);
+  __m256i x1 = load_block256<kCopy, kStream>(p + 32, dst + 32);
+  __m256i x2 = load_block256<kCopy, kStream>(p + 64, dst + 64);
+  __m256i x3 = load_block256<kCopy, kStream>(p + 96, dst + 96);
+  p += 128;
+  dst += 128;
+  n -= 128;
+  const __m256i k1024 = _mm256_broadcastsi128_si256(load_constant(k.by1024));
+  for (; n >= 128; p += 128, dst += 128, n -= 128) {
+    x0 = fold256(x0, k1024, load_block256<kCopy, kStream>(p, dst));
+    x1 = fold256(x1, k1024, load_block256<kCopy, kStream>(p + 32, dst + 32));
+    x2 = fold256(x2, k1024, load_block256<kCopy, kStream>(p + 64, dst + 64));
+    x3 = fold256(x3, k1024, load_block256<kCopy, kStream>(p + 96, dst + 96));
+  }
+  const __m256i k256 = _mm256_broadcastsi128_si256(load_constant(k.by256));
+  x3 = fold256(fold256(fold256(x0, k256, x1), k256, x2), k256, x3);
+  for (; n >= 32; p += 32, dst += 32, n -= 32) x3 = fold256(x3, k256, load_block256<kCopy, kStream>(p, dst));
+  if (kCopy) std::memcpy(dst, p, n);
+  const __m128i r = fold128(_mm256_castsi256_si128(x3), load_constant(k.by128), _mm256_extracti128_si256(x3, 1));
+  return finish_fold(r, p, n);
 }
 
 uint32_t crc32c_clmul(uint32_t crc, const uint8_t* p, size_t n) {
   if (n < kClmulMinBytes) return crc32c_sse42(crc, p, n);
   return crc32c_clmul_impl<false, false>(crc, p, nullptr, n);
+}
+
+uint32_t crc32c_clmul256(uint32_t crc, const uint8_t* p, size_t n) {
+  if (n < kClmulMinBytes) return crc32c_sse42(crc, p, n);
+  return crc32c_clmul256_impl<false, false>(crc, p, nullptr, n);
 }
 #endif
 
@@ -234,6 +294,7 @@ bool path_supported(Crc32cPath path) {
   switch (path) {
     case Crc32cPath::Table: return true;
     case Crc32cPath::Sse42: return f.sse42;
+    case Crc32cPath::Clmul256: return f.sse42 && f.pclmulqdq && f.vpclmulqdq && f.avx2;
     case Crc32cPath::Clmul: return f.sse42 && f.pclmulqdq && f.vpclmulqdq && f.avx512f;
   }
   return false;
@@ -261,7 +322,7 @@ Crc32cPath initial_path() {
   if (forced == nullptr || *forced == 0) return best;
   Crc32cPath chosen;
   if (!parse_path(forced, &chosen) || !path_supported(chosen)) {
-    std::fprintf(stderr, "conduit: CONDUIT_CRC32C=%s is not a CRC-32C path this CPU runs (table, sse42, clmul); "
+    std::fprintf(stderr, "conduit: CONDUIT_CRC32C=%s is not a CRC-32C path this CPU runs (table, sse42, clmul256, clmul); "
                  "using %s\n", forced, crc32c_path_name(best));
     return best;
   }
@@ -280,6 +341,7 @@ const char* crc32c_path_name(Crc32cPath path) {
   switch (path) {
     case Crc32cPath::Table: return "table";
     case Crc32cPath::Sse42: return "sse42";
+    case Crc32cPath::Clmul256: return "clmul256";
     case Crc32cPath::Clmul: return "clmul";
   }
   return "unknown";
@@ -315,6 +377,7 @@ uint32_t crc32c(uint32_t crc, const uint8_t* p, size_t n) {
 #if CONDUIT_X86
   switch (crc32c_path()) {
     case Crc32cPath::Clmul: return crc32c_clmul(crc, p, n);
+    case Crc32cPath::Clmul256: return crc32c_clmul256(crc, p, n);
     case Crc32cPath::Sse42: return crc32c_sse42(crc, p, n);
     case Crc32cPath::Table: break;
   }
@@ -352,10 +415,13 @@ void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n) {
 #if CONDUIT_X86
 namespace {
 
-// The Clmul path's checksum-and-copy: each 64-byte block is stored from the register it was loaded into for the
-// fold, so the bytes are read once.
-uint32_t crc32c_copy_clmul(uint32_t crc, const uint8_t* src, uint8_t* dst, size_t n, bool uncached) {
-  if (!uncached) return crc32c_clmul_impl<true, false>(crc, src, dst, n);
+// The Clmul and Clmul256 paths' checksum-and-copy: each block is stored from the register it was loaded into for
+// the fold, so the bytes are read once. n >= kClmulMinBytes.
+template <bool kWide>
+uint32_t crc32c_copy_folding(uint32_t crc, const uint8_t* src, uint8_t* dst, size_t n, bool uncached) {
+  if (!uncached) {
+    return kWide ? crc32c_clmul_impl<true, false>(crc, src, dst, n) : crc32c_clmul256_impl<true, false>(crc, src, dst, n);
+  }
   // Non-temporal stores of whole 64-byte lines need dst aligned: the bytes up to the first line go the short way.
   const size_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
   crc = crc32c_sse42(crc, src, head);
@@ -364,7 +430,7 @@ uint32_t crc32c_copy_clmul(uint32_t crc, const uint8_t* src, uint8_t* dst, size_
   dst += head;
   n -= head;
   if (n >= kClmulMinBytes) {
-    crc = crc32c_clmul_impl<true, true>(crc, src, dst, n);
+    crc = kWide ? crc32c_clmul_impl<true, true>(crc, src, dst, n) : crc32c_clmul256_impl<true, true>(crc, src, dst, n);
   } else {
     crc = crc32c_sse42(crc, src, n);
     std::memcpy(dst, src, n);
@@ -378,7 +444,11 @@ uint32_t crc32c_copy_clmul(uint32_t crc, const uint8_t* src, uint8_t* dst, size_
 
 uint32_t crc32c_copy(uint32_t crc, const uint8_t* src, uint8_t* dst, size_t n, bool uncached) {
 #if CONDUIT_X86
-  if (crc32c_path() == Crc32cPath::Clmul && n >= kClmulMinBytes) return crc32c_copy_clmul(crc, src, dst, n, uncached);
+  if (n >= kClmulMinBytes) {
+    const Crc32cPath path = crc32c_path();
+    if (path == Crc32cPath::Clmul) return crc32c_copy_folding<true>(crc, src, dst, n, uncached);
+    if (path == Crc32cPath::Clmul256) return crc32c_copy_folding<false>(crc, src, dst, n, uncached);
+  }
 #endif
   // Pieces of three lanes of the SSE4.2 loop (24 KiB): checksummed, then copied from L1.
   constexpr size_t kPiece = 3 * 8192;

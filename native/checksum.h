@@ -15,12 +15,13 @@ uint32_t crc32c(uint32_t crc, const uint8_t* p, size_t n);
 // How crc32c and crc32c_copy compute it:
 //   Table  slice-by-8 tables (any CPU);
 //   Sse42  the crc32 instruction in three interleaved streams (x86 with SSE4.2);
+//   Clmul256  the same folding on ymm registers, 32-byte blocks (AVX2 + VPCLMULQDQ, for CPUs without AVX-512);
 //   Clmul  carry-less multiplication folding 64-byte blocks in zmm registers (AVX-512F + VPCLMULQDQ), the
 //          remainder finished with the crc32 instruction; inputs under a few hundred bytes take the Sse42 path.
-// The best one the CPU runs is chosen at the first call, unless the environment variable CONDUIT_CRC32C names one
-// (table, sse42 or clmul; read once) that it runs.
-enum class Crc32cPath : int { Table = 0, Sse42 = 1, Clmul = 2 };
-constexpr int kNumCrc32cPaths = 3;
+// The best one the CPU runs (the last it runs of this list) is chosen at the first call, unless the environment
+// variable CONDUIT_CRC32C names one (table, sse42, clmul256 or clmul; read once) that it runs.
+enum class Crc32cPath : int { Table = 0, Sse42 = 1, Clmul256 = 2, Clmul = 3 };
+constexpr int kNumCrc32cPaths = 4;
 const char* crc32c_path_name(Crc32cPath path);
 bool crc32c_path_supported(Crc32cPath path);
 Crc32cPath crc32c_path();

@@ -84,6 +84,7 @@ CpuFeatures detect() {
   f.fma = fma;
   f.f16c = f16c;
   f.avx2 = b7 & (1u << 5);
+  f.vpclmulqdq = c7 & (1u << 10);
   if (os_avx512) {
     f.avx512f = b7 & (1u << 16);
     f.avx512dq = b7 & (1u << 17);
@@ -91,7 +92,6 @@ CpuFeatures detect() {
     f.avx512vl = b7 & (1u << 31);
     f.avx512vnni = c7 & (1u << 11);
     f.avx512bf16 = a71 & (1u << 5);
-    f.vpclmulqdq = f.avx512f && (c7 & (1u << 10));
   }
   if (os_amx) {
     f.amx_bf16 = d7 & (1u << 22);

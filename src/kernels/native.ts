@@ -312,7 +312,7 @@ export interface NativeBench {
   threadCpuSeconds(): number;
 }
 
-export type Crc32cPathName = 'clmul' | 'sse42' | 'table';
+export type Crc32cPathName = 'clmul' | 'clmul256' | 'sse42' | 'table';
 
 export interface NativeAddon {
   cpuInfo(): CpuInfo;
@@ -320,7 +320,8 @@ export interface NativeAddon {
   crc32c(bytes: Uint8Array, crc?: number, portable?: boolean): number;
   /**
    * The path every CRC-32C call of the process takes (native/checksum.h): 'clmul' (AVX-512 carry-less multiply
-   * folding), 'sse42' (the crc32 instruction) or 'table'; the best this CPU runs unless CONDUIT_CRC32C names one.
+   * folding), 'clmul256' (the same on 256-bit registers, AVX2), 'sse42' (the crc32 instruction) or 'table'; the best
+   * this CPU runs unless CONDUIT_CRC32C names one.
    * Given a path, switches to it first (RangeError for one the CPU does not run). For tests and benchmarks.
    */
   crc32cPath?(path?: Crc32cPathName): { path: Crc32cPathName; supported: Crc32cPathName[] };
