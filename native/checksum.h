@@ -32,8 +32,9 @@ bool crc32c_set_path(const char* name);
 // The table version on its own, for the test that compares the two.
 uint32_t crc32c_portable(uint32_t crc, const uint8_t* p, size_t n);
 
-// Copies n bytes from src to dst and returns crc32c(crc, src, n), in one pass over the bytes: each piece of a few
-// KiB is checksummed and then copied while it is in the L1 cache, so the bytes come from memory once. A KV
+// Copies n bytes from src to dst and returns crc32c(crc, src, n), in one pass over the bytes: the folding paths store
+// each block from the register they loaded it into for the fold, the others checksum a piece of a few KiB and then
+// copy it while it is in the L1 cache, so the bytes come from memory once. A KV
 // transfer's receiver lands the socket's bytes in a small reused buffer (hot in cache) and moves them into their
 // block with this. dst and src must not overlap. uncached: the copy's stores bypass the cache (non-temporal, x86),
 // for destinations larger than the cache that nothing reads soon: their lines are then neither read first nor evict
