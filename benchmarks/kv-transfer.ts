@@ -12,17 +12,21 @@
 //   5. overlap worker processes: share of a streamed transfer hidden behind a chunked prefill (512, 2048 tokens);
 //   6. ttft    worker processes: TTFT of a 2048-token prompt on the 110M model, aggregated vs disaggregated
 //              (4-6: benchmarks/kv-transfer-processes.ts).
+//   7. checksum (only when named in --parts) the addon's CRC-32C paths side by side: GB/s of crc32c and crc32cCopy
+//              (cached and uncached stores) at 4 KiB, 64 KiB, 1 MiB and 16 MiB, on one buffer reused (in cache) and
+//              walking through 1 GiB (out of cache), the paths alternated within each round; best and median.
 //
 //   node --import tsx benchmarks/kv-transfer.ts [--parts copy,workers,cluster,link,overlap,ttft] [--requests 10]
 //     [--rates 4,8] [--sim-requests 400] [--link-reps 7] [--link-sizes 64KiB,1MiB,16MiB,64MiB] [--overlap-reps 3]
 //     [--ttft-reps 3] [--ttft-compare on|off] [--ttft-tcp on|off] [--link-compare on|off] [--link-loop 0] [--chunk 256]
-//     [--threads 1]
+//     [--threads 1] [--checksum-rounds 7]
 
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { engineNow } from '../src/engine/clock.ts';
 import { copyKvBlocks, kvBlockBytes, type KvPoolView } from '../src/engine/handoff.ts';
+import { tryLoadNativeAddon } from '../src/kernels/native.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../src/engine/types.ts';
 import { kvPoolBytes, type KvPoolLayout } from '../src/kernels/types.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../src/model/synthetic.ts';
@@ -218,6 +222,74 @@ function clusterRun(rate: number): void {
   console.log('   (ms; "short p99"/"long p99": TTFT p99 of each kind; "transfer ms": mean over the requests that moved KV)');
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// 7. CRC-32C paths
+
+function checksumPart(): void {
+  const native = tryLoadNativeAddon();
+  if (!native?.crc32cPath || !native.crc32cCopy) {
+    console.log('\n7. checksum: skipped (native addon not built)');
+    return;
+  }
+  const { path: original, supported } = native.crc32cPath();
+  const paths = supported.filter((p) => p !== 'table'); // the tables run at a tenth of the others' rate at best
+  const rounds = Number(argument('checksum-rounds', '7'));
+  // Walked through by the out-of-cache rows: larger than the last-level cache lscpu reports here (480 MiB).
+  const region = 1 << 30;
+  const source = new Uint8Array(region);
+  let x = 1;
+  for (let i = 0; i < region; i += 4096) {
+    x = (Math.imul(x, 1664525) + 1013904223) >>> 0;
+    source.fill(x >>> 24, i, i + 4096);
+  }
+  const target = new Uint8Array(region).fill(1); // pages mapped before any timing
+  const ops = {
+    crc32c: (n: number, from: number) => native.crc32c(source.subarray(from, from + n)),
+    copy: (n: number, from: number, to: number) => native.crc32cCopy!(source.subarray(from, from + n), target, to),
+    'copy uncached': (n: number, from: number, to: number) => native.crc32cCopy!(source.subarray(from, from + n), target, to, 0, true),
+  };
+  // One sample: at least 64 MiB and 4 calls; `walk` moves source and target on by n each call (cold lines).
+  const sample = (op: (n: number, from: number, to: number) => number, n: number, walk: boolean): number => {
+    const calls = Math.max(4, Math.ceil((64 << 20) / n));
+    let at = 0;
+    const start = performance.now();
+    for (let i = 0; i < calls; i++) {
+      op(n, at, walk ? at : 0);
+      if (walk && (at += n) + n > region) at = 0;
+    }
+    return gb(calls * n, performance.now() - start);
+  };
+  const header = ['size', 'memory', 'call', ...paths.flatMap((p) => [`${p} best`, `${p} med`]), `${paths.at(-1)}/${paths[0]}`];
+  const rows: string[][] = [];
+  try {
+    for (const n of [4 << 10, 64 << 10, 1 << 20, 16 << 20]) {
+      for (const walk of [false, true]) {
+        for (const [name, op] of Object.entries(ops)) {
+          const rates = new Map(paths.map((p) => [p, [] as number[]]));
+          for (let round = 0; round <= rounds; round++) {
+            // Alternated within each round, in turn first; round 0 warms up and is dropped.
+            for (let k = 0; k < paths.length; k++) {
+              const path = paths[(k + round) % paths.length]!;
+              native.crc32cPath(path);
+              const rate = sample(op, n, walk);
+              if (round > 0) rates.get(path)!.push(rate);
+            }
+          }
+          const medians = paths.map((p) => median(rates.get(p)!));
+          rows.push([n >= 1 << 20 ? `${n >> 20} MiB` : `${n >> 10} KiB`, walk ? 'out of cache' : 'in cache', name,
+            ...paths.flatMap((p) => [fmt(Math.max(...rates.get(p)!), 1), fmt(median(rates.get(p)!), 1)]),
+            fmt(medians.at(-1)! / medians[0]!, 2)]);
+        }
+      }
+    }
+  } finally {
+    native.crc32cPath(original);
+  }
+  console.log(`\n7. CRC-32C paths: GB/s of the source's bytes, ${rounds} rounds, paths alternated (in use by default: ${original})\n`);
+  console.log(table(header, rows));
+}
+
+if (PARTS.has('checksum')) checksumPart();
 if (PARTS.has('copy')) copyPart();
 if (PARTS.has('workers')) await workersPart();
 if (PARTS.has('cluster')) clusterPart();

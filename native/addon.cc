@@ -9,6 +9,7 @@
 //   crc32c(bytes, crc?, portable?)  CRC-32C of a Uint8Array (continuing crc), the KV transfer's checksum
 //   crc32cCopy(src, dst, off, crc?, uncached?)  the same of src, copying it into dst at off in the same pass
 //   crc32cCopyRuns(src, dst, plan, count, uncached?)  crc32cCopy of `count` ranges of src in one call
+//   crc32cPath(path?)               the CRC-32C path in use and those this CPU runs; switches it for the process
 //   shmMap(path, bytes, create), shmUnmap(buffer)  a shared-memory file mapped as an ArrayBuffer (shm_region.h)
 #include <napi.h>
 
@@ -109,6 +110,28 @@ Napi::Value Crc32cCopyRuns(const Napi::CallbackInfo& info) {
                                            to + static_cast<size_t>(e[1]), static_cast<size_t>(e[2]), uncached));
   }
   return env.Undefined();
+}
+
+// crc32cPath(path?: string): switches every CRC-32C call of the process (crc32c, crc32cCopy, crc32cCopyRuns) to
+// path ('table', 'sse42', 'clmul256' or 'clmul'; RangeError for one this CPU does not run), then returns {path, supported}.
+Napi::Value Crc32cPathInfo(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (info.Length() > 0 && !info[0].IsUndefined()) {
+    if (!info[0].IsString()) throw Napi::TypeError::New(env, "path must be a string");
+    const std::string name = info[0].As<Napi::String>().Utf8Value();
+    if (!crc32c_set_path(name.c_str())) {
+      throw Napi::RangeError::New(env, "'" + name + "' is not a CRC-32C path this CPU runs");
+    }
+  }
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("path", crc32c_path_name(crc32c_path()));
+  Napi::Array supported = Napi::Array::New(env);
+  for (int i = 0; i < kNumCrc32cPaths; i++) {
+    const Crc32cPath path = static_cast<Crc32cPath>(i);
+    if (crc32c_path_supported(path)) supported.Set(supported.Length(), crc32c_path_name(path));
+  }
+  out.Set("supported", supported);
+  return out;
 }
 
 Napi::Value CpuInfo(const Napi::CallbackInfo& info) {
@@ -571,6 +594,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("crc32c", Napi::Function::New(env, Crc32c));
   exports.Set("crc32cCopy", Napi::Function::New(env, Crc32cCopy));
   exports.Set("crc32cCopyRuns", Napi::Function::New(env, Crc32cCopyRuns));
+  exports.Set("crc32cPath", Napi::Function::New(env, Crc32cPathInfo));
   exports.Set("shmMap", Napi::Function::New(env, ShmMap));
   exports.Set("shmUnmap", Napi::Function::New(env, ShmUnmap));
   exports.Set("kernelVariants", Napi::Function::New(env, KernelVariants));

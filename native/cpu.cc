@@ -65,6 +65,8 @@ CpuFeatures detect() {
   const bool avx = ecx & (1u << 28);
   const bool fma = ecx & (1u << 12);
   const bool f16c = ecx & (1u << 29);
+  f.sse42 = ecx & (1u << 20);
+  f.pclmulqdq = ecx & (1u << 1);
   if (!osxsave || !avx) return f;
   const uint64_t xcr0 = read_xcr0();
   const bool os_avx = (xcr0 & 0x6) == 0x6;        // XMM and YMM state
@@ -82,6 +84,7 @@ CpuFeatures detect() {
   f.fma = fma;
   f.f16c = f16c;
   f.avx2 = b7 & (1u << 5);
+  f.vpclmulqdq = c7 & (1u << 10);
   if (os_avx512) {
     f.avx512f = b7 & (1u << 16);
     f.avx512dq = b7 & (1u << 17);

@@ -6,6 +6,8 @@
 namespace conduit {
 
 struct CpuFeatures {
+  bool sse42 = false, pclmulqdq = false;  // the crc32 and 128-bit carry-less multiply instructions (checksum.cc)
+  bool vpclmulqdq = false;                // carry-less multiply on ymm (and, with avx512f, zmm) registers
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false;

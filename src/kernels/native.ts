@@ -312,10 +312,19 @@ export interface NativeBench {
   threadCpuSeconds(): number;
 }
 
+export type Crc32cPathName = 'clmul' | 'clmul256' | 'sse42' | 'table';
+
 export interface NativeAddon {
   cpuInfo(): CpuInfo;
-  /** CRC-32C of bytes, continuing crc (default 0); portable: the table version even where SSE4.2 is there. */
+  /** CRC-32C of bytes, continuing crc (default 0); portable: the table version whatever the path in use. */
   crc32c(bytes: Uint8Array, crc?: number, portable?: boolean): number;
+  /**
+   * The path every CRC-32C call of the process takes (native/checksum.h): 'clmul' (AVX-512 carry-less multiply
+   * folding), 'clmul256' (the same on 256-bit registers, AVX2), 'sse42' (the crc32 instruction) or 'table'; the best
+   * this CPU runs unless CONDUIT_CRC32C names one.
+   * Given a path, switches to it first (RangeError for one the CPU does not run). For tests and benchmarks.
+   */
+  crc32cPath?(path?: Crc32cPathName): { path: Crc32cPathName; supported: Crc32cPathName[] };
   /**
    * Copies src into dst at dstOffset and returns CRC-32C of src continuing crc, in one pass over the bytes; uncached:
    * with stores that bypass the cache (x86).

@@ -1,10 +1,27 @@
-// The KV transfer's checksum, CRC-32C: the addon's (SSE4.2 instruction in three streams, and its table path) and the
-// TypeScript fallback agree with each other and with the standard check value, at every length and split, so a
-// worker with the addon and one without check each other's runs.
+// The KV transfer's checksum, CRC-32C: each of the addon's paths this CPU runs (carry-less multiply folding, the
+// SSE4.2 instruction in three streams, the tables) and the TypeScript fallback agree with each other and with the
+// standard check value, at every length, alignment and split, so a worker with the addon and one without check each
+// other's runs.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { fileURLToPath } from 'node:url';
 import { crc32cPortable, KvChecksumBatch, kvChecksum, kvChecksumCopy } from '../../src/cluster/kv-checksum.ts';
+import type { Crc32cPathName } from '../../src/kernels/native.ts';
 import { addon, skipNative } from '../kernels/native-harness.ts';
+
+/** Runs check once with each CRC-32C path this CPU runs switched on, then restores the path in use. */
+function forEachPath(check: (path: Crc32cPathName) => void): void {
+  const { path: original, supported } = addon!.crc32cPath!();
+  try {
+    for (const path of supported) {
+      addon!.crc32cPath!(path);
+      check(path);
+    }
+  } finally {
+    addon!.crc32cPath!(original);
+  }
+}
 
 function bytes(n: number, seed: number): Uint8Array {
   const out = new Uint8Array(new SharedArrayBuffer(n + 3)).subarray(3); // unaligned, over shared memory as a pool is
@@ -44,6 +61,103 @@ describe('KV transfer checksum (CRC-32C)', () => {
     }
     assert.throws(() => addon!.crc32c(new Float32Array(4) as unknown as Uint8Array), /Uint8Array/);
     assert.throws(() => addon!.crc32c(new Uint8Array(4), 2 ** 32), /32-bit/);
+  });
+
+  test('every path the CPU runs equals the TypeScript one at each length 0..1100 and start offset 0..63', { skip: skipNative }, () => {
+    const source = bytes(1100 + 64, 21);
+    const expected = new Map<string, number>();
+    for (let offset = 0; offset < 64; offset++) {
+      for (let n = 0; n <= 1100; n++) expected.set(`${offset} ${n}`, crc32cPortable(source.subarray(offset, offset + n), offset * 7919));
+    }
+    const paths: string[] = [];
+    forEachPath((path) => {
+      paths.push(path);
+      for (let offset = 0; offset < 64; offset++) {
+        for (let n = 0; n <= 1100; n++) {
+          const got = addon!.crc32c(source.subarray(offset, offset + n), offset * 7919);
+          if (got !== expected.get(`${offset} ${n}`)) assert.fail(`${path}: ${n} bytes at offset ${offset}`);
+        }
+      }
+    });
+    assert.deepEqual(paths, addon!.crc32cPath!().supported);
+    assert.ok(paths.includes('table'));
+    if (process.arch === 'x64') assert.ok(paths.includes('sse42'), 'x86-64 CPUs this runs on have SSE4.2');
+  });
+
+  test('every path equals the TypeScript one on 1 MiB and odd sizes, at any split of the input', { skip: skipNative }, () => {
+    const large = bytes((1 << 20) + 4093, 31);
+    const wholeLarge = crc32cPortable(large);
+    const medium = bytes(5000, 32);
+    const wholeMedium = crc32cPortable(medium, 0xdeadbeef);
+    forEachPath((path) => {
+      for (const offset of [0, 1, 31, 63]) {
+        const data = large.subarray(offset);
+        assert.equal(addon!.crc32c(data), crc32cPortable(data), `${path}: 1 MiB + ${4093 - offset}`);
+      }
+      assert.equal(addon!.crc32c(large), wholeLarge);
+      for (const at of [1, 255, 256, 65_537, 1 << 19, large.length - 300, large.length - 1]) {
+        assert.equal(addon!.crc32c(large.subarray(at), addon!.crc32c(large.subarray(0, at))), wholeLarge, `${path}: split at ${at}`);
+      }
+      for (let at = 0; at <= medium.length; at += 7) {
+        const first = addon!.crc32c(medium.subarray(0, at), 0xdeadbeef);
+        assert.equal(addon!.crc32c(medium.subarray(at), first), wholeMedium, `${path}: split at ${at}`);
+      }
+    });
+  });
+
+  test('every path\'s checksum-and-copy, cached and uncached, at any length, alignment and destination offset', { skip: skipNative }, () => {
+    const source = bytes(70_000, 41);
+    const lengths = [0, 1, 63, 64, 255, 256, 257, 319, 320, 383, 1000, 1100, 4096, 24_577, 65_536 + 77];
+    forEachPath((path) => {
+      for (const n of lengths) {
+        for (const [from, to] of [[0, 0], [1, 0], [0, 1], [13, 50], [63, 7], [64, 64]] as const) {
+          for (const uncached of [false, true]) {
+            const what = `${path}: ${n} bytes from ${from} to ${to}${uncached ? ', uncached' : ''}`;
+            const data = source.subarray(from, from + n);
+            const target = bytes(n + 200, n + to);
+            const before = target.slice();
+            assert.equal(addon!.crc32cCopy!(data, target, to, 0x5a5a, uncached), crc32cPortable(data, 0x5a5a), what);
+            assert.deepEqual(target.subarray(to, to + n), data, `${what}: copied`);
+            assert.deepEqual(target.subarray(0, to), before.subarray(0, to), `${what}: nothing before`);
+            assert.deepEqual(target.subarray(to + n), before.subarray(to + n), `${what}: nothing after`);
+          }
+        }
+      }
+      const target = bytes(80_000, 42);
+      const expected = target.slice();
+      const ranges = [[0, 3, 4096, 0], [5000, 10_001, 24_577, 0x1234], [69_999, 79_999, 1, 7], [100, 40_000, 0, 9], [33, 45_000, 1100, 5],
+        [40_000, 50_000, 20_000, 0xffffffff]];
+      const plan = new Float64Array(ranges.flat());
+      for (const [from, to, length] of ranges) expected.set(source.subarray(from!, from! + length!), to);
+      for (const uncached of [false, true]) {
+        plan.forEach((_, i) => { if (i % 4 === 3) plan[i] = ranges[i >> 2]![3]!; });
+        addon!.crc32cCopyRuns!(source, target, plan, ranges.length, uncached);
+        ranges.forEach(([from, , length, crc], i) => {
+          assert.equal(plan[4 * i + 3], crc32cPortable(source.subarray(from!, from! + length!), crc), `${path}: run ${i}`);
+        });
+        assert.deepEqual(target, expected, `${path}: runs copied${uncached ? ', uncached' : ''}`);
+      }
+    });
+  });
+
+  test('the path can be chosen by CONDUIT_CRC32C or crc32cPath, and only among those the CPU runs', { skip: skipNative }, () => {
+    const { path: original, supported } = addon!.crc32cPath!();
+    assert.throws(() => addon!.crc32cPath!('crc32' as Crc32cPathName), /not a CRC-32C path/);
+    assert.equal(addon!.crc32cPath!().path, original, 'a refused path changes nothing');
+    const harness = fileURLToPath(new URL('../kernels/native-harness.ts', import.meta.url));
+    const script = `import('${harness}').then(({ addon }) => console.log(JSON.stringify(addon.crc32cPath())))`;
+    const inChild = (value: string) => {
+      const child = spawnSync(process.execPath, ['--import', 'tsx', '-e', script], {
+        encoding: 'utf8', env: { ...process.env, CONDUIT_CRC32C: value },
+      });
+      assert.equal(child.status, 0, child.stderr);
+      return { ...JSON.parse(child.stdout) as { path: string }, stderr: child.stderr };
+    };
+    const forced = supported[0] === original ? supported[supported.length - 1]! : supported[0]!;
+    assert.equal(inChild(forced).path, forced);
+    const unknown = inChild('crc32');
+    assert.equal(unknown.path, original);
+    assert.match(unknown.stderr, /CONDUIT_CRC32C=crc32 is not a CRC-32C path/);
   });
 
   test('checksum-and-copy gives the checksum of its source and leaves exactly it at the offset', () => {
