@@ -60,6 +60,9 @@ void request_amx_permission(CpuFeatures& f) {
 CpuFeatures detect() {
   CpuFeatures f;
   unsigned eax, ebx, ecx, edx;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
+    f.intel = ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e;  // "Genu" "ineI" "ntel"
+  }
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
   const bool osxsave = ecx & (1u << 27);
   const bool avx = ecx & (1u << 28);
@@ -106,6 +109,11 @@ CpuFeatures detect() { return CpuFeatures{}; }  // no x86 features: the generic 
 #endif
 
 }  // namespace
+
+bool decode_prefetch_ahead() {
+  static const bool ahead = cpu_features().intel;
+  return ahead;
+}
 
 const CpuFeatures& cpu_features() {
   static const CpuFeatures features = detect();

