@@ -326,7 +326,7 @@ export class LocalEngine implements Engine {
   private onMessage(message: FromWorker): void {
     switch (message.type) {
       case 'outputs':
-        this.latestStats = message.stats;
+        if (message.stats !== undefined) this.latestStats = message.stats;
         for (const output of message.outputs) {
           const stream = this.streams.get(output.requestId);
           if (stream) stream.push(output);
