@@ -16,6 +16,7 @@ import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import type { ModelConfig } from '../model/config.ts';
 import { loadLoraAdapter, type LoraDtype } from '../model/lora.ts';
 import { GrammarRuntime } from './grammar/runtime.ts';
+import { TimestampCompactor } from './timestamp-changes.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { EngineInfo } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
@@ -24,7 +25,17 @@ import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
 const port = parentPort!;
 const init = (workerData as { data: WorkerInit }).data;
-const send = (message: FromWorker) => port.postMessage(message);
+const timestamps = new TimestampCompactor();
+const send = (message: FromWorker): void => {
+  if (message.type === 'outputs' && message.outputs.length > 0) {
+    const { outputs, changesAt } = timestamps.compact(message.outputs);
+    message.outputs = outputs;
+    if (changesAt !== undefined) message.timestampChangesAt = changesAt;
+  } else if (message.type === 'handoffs') {
+    for (const handoff of message.handoffs) timestamps.forget(handoff.requestId);
+  }
+  port.postMessage(message);
+};
 
 let baseConfig: ModelConfig | undefined;
 /** The worker's grammars, loaded when the first guided request arrives (most workers never need them). */
@@ -239,6 +250,7 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     }
     switch (message.type) {
       case 'add':
+        timestamps.forget(message.request.id);
         try {
           core.add(message.request, { handoff: message.handoff, queuedMs: message.sentMs });
         } catch (error) {
@@ -260,6 +272,7 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
         kvSources.set(message.sourceId, { id: message.sourceId, channel: 'shared-memory', pool: message.pool, layout: message.layout });
         return;
       case 'adopt': {
+        timestamps.forget(message.handoff.requestId);
         const source = message.sourceId === null ? null
           : message.sourceId === KV_IN_PLACE_SOURCE ? KV_IN_PLACE_SOURCE : kvSources.get(message.sourceId) ?? null;
         try {
