@@ -115,12 +115,7 @@ export class GenerationRun {
    * Outputs of every engine request as they arrive. Throws what an engine stream throws; leaving early (break,
    * throw) closes every engine stream.
    */
-  events(): AsyncGenerator<RunEvent> {
-    return this.engineRequests.length === 1 ? this.single() : this.merged();
-  }
-
-  /** The engine streams of the run, started (lazily: on the events' first next(), as a generator's body). */
-  private startStreams(): AsyncIterator<EngineOutput>[] {
+  async *events(): AsyncGenerator<RunEvent> {
     const iterators: AsyncIterator<EngineOutput>[] = [];
     try {
       for (const request of this.engineRequests) iterators.push(this.engine.generate(request)[Symbol.asyncIterator]());
@@ -128,12 +123,6 @@ export class GenerationRun {
       this.abort();
       throw engineFailure(err);
     }
-    return iterators;
-  }
-
-  /** events() of several engine requests: their outputs in arrival order. */
-  private async *merged(): AsyncGenerator<RunEvent> {
-    const iterators = this.startStreams();
     type Step = { index: number; result: IteratorResult<EngineOutput> };
     const pending = new Map<number, Promise<Step>>();
     const pull = (index: number): void => {
@@ -159,36 +148,6 @@ export class GenerationRun {
       if (pending.size > 0) {
         this.abort();
         await Promise.allSettled(iterators.map((iterator) => iterator.return?.()));
-      }
-    }
-  }
-
-  /**
-   * events() of a run with one engine request, the common case: the same events, endings and cleanup, with no
-   * race between streams to set up per output.
-   */
-  private async *single(): AsyncGenerator<RunEvent> {
-    const iterator = this.startStreams()[0]!;
-    let ended = false;
-    try {
-      for (;;) {
-        let result: IteratorResult<EngineOutput>;
-        try {
-          result = await iterator.next();
-        } catch (err) {
-          throw engineFailure(err);
-        }
-        if (result.done) {
-          ended = true;
-          return;
-        }
-        this.account(0, result.value);
-        yield { promptIndex: 0, output: result.value };
-      }
-    } finally {
-      if (!ended) {
-        this.abort();
-        await Promise.allSettled([iterator.return?.()]);
       }
     }
   }

@@ -35,8 +35,8 @@ export class SseWriter {
    * Writes one event; resolves when the socket can take more (at once unless the client reads slowly). `tokens`:
    * output tokens this event shows for the first time (for TTFT and time between tokens).
    */
-  send(data: object, tokens = 0): Promise<void> {
-    return this.write(`data: ${JSON.stringify(data)}\n\n`, tokens);
+  async send(data: object, tokens = 0): Promise<void> {
+    await this.write(`data: ${JSON.stringify(data)}\n\n`, tokens);
   }
 
   /** An error after the stream began: an `error` event (its data has OpenAI's error shape), then [DONE]. */

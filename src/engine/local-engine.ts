@@ -20,7 +20,6 @@ import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, Sch
 import type { EngineStats } from '../protocols/worker.ts';
 import type { BackendPreference, FromWorker, KvOffloadConfig, ToWorker, WorkerInit } from './worker-protocol.ts';
 import type { LoraDtype } from '../model/lora.ts';
-import { TimestampExpander } from './timestamp-changes.ts';
 
 export interface LocalEngineOptions {
   modelPath: string;
@@ -64,8 +63,6 @@ export class LocalEngine implements Engine {
   private readonly streams = new Map<string, OutputStream>();
   private readonly prefills = new Map<string, PrefillStream>();
   private latestStats: EngineStats;
-  /** The worker posts a request's timestamps whole once, then their changes: this rebuilds them. */
-  private readonly timestamps = new TimestampExpander();
   private closed = false;
   private exitError: Error | undefined;
   private readonly kvEventListeners = new Set<(events: KvEvent[]) => void>();
@@ -329,8 +326,7 @@ export class LocalEngine implements Engine {
   private onMessage(message: FromWorker): void {
     switch (message.type) {
       case 'outputs':
-        if (message.stats !== undefined) this.latestStats = message.stats;
-        this.timestamps.expand(message.outputs, message.timestampChangesAt);
+        this.latestStats = message.stats;
         for (const output of message.outputs) {
           const stream = this.streams.get(output.requestId);
           if (stream) stream.push(output);
@@ -343,7 +339,6 @@ export class LocalEngine implements Engine {
         return;
       case 'handoffs':
         for (const handoff of message.handoffs) {
-          this.timestamps.forget(handoff.requestId);
           const stream = this.prefills.get(handoff.requestId);
           // Nobody waits for it any more (the consumer left): its blocks must not stay pinned.
           if (stream) stream.pushHandoff(handoff);
@@ -392,7 +387,6 @@ export class LocalEngine implements Engine {
   private onExit(error: Error): void {
     if (this.closed || this.exitError) return;
     this.exitError = error;
-    this.timestamps.clear();
     for (const stream of this.streams.values()) stream.fail(error);
     this.streams.clear();
     for (const stream of this.prefills.values()) stream.fail(error);

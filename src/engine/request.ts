@@ -8,12 +8,7 @@
 import type { EngineRequest, FinishReason, RequestTimestamps, SamplingParams } from './types.ts';
 import type { BlockTable } from './kv-cache/manager.ts';
 
-/**
- * A copy of a request's timestamps that later steps cannot change (the arrays and the summary copied too). The
- * worker posts an output's timestamps as the fields changed since the previous output's copy (timestamp-changes.ts),
- * so a nested object a copy shares with the request (budget, kvOnboard, kvTransfer) must be replaced, never changed
- * in place, once set.
- */
+/** A copy of a request's timestamps that later steps cannot change (the arrays and the summary copied too). */
 export function copyTimestamps(timestamps: RequestTimestamps): RequestTimestamps {
   const { decodeSteps } = timestamps;
   return { ...timestamps, prefillChunks: timestamps.prefillChunks.slice(), ...(decodeSteps ? { decodeSteps: { ...decodeSteps } } : {}) };

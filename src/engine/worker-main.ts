@@ -16,26 +16,13 @@ import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import type { ModelConfig } from '../model/config.ts';
 import { loadLoraAdapter, type LoraDtype } from '../model/lora.ts';
 import { GrammarRuntime } from './grammar/runtime.ts';
-import { TimestampCompactor } from './timestamp-changes.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { EngineInfo } from './types.ts';
-import type { EngineStats } from '../protocols/worker.ts';
-import { samePlainData } from '../util/plain-data.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
 
 const port = parentPort!;
 const init = (workerData as { data: WorkerInit }).data;
-const timestamps = new TimestampCompactor();
-const send = (message: FromWorker): void => {
-  if (message.type === 'outputs' && message.outputs.length > 0) {
-    const { outputs, changesAt } = timestamps.compact(message.outputs);
-    message.outputs = outputs;
-    if (changesAt !== undefined) message.timestampChangesAt = changesAt;
-  } else if (message.type === 'handoffs') {
-    for (const handoff of message.handoffs) timestamps.forget(handoff.requestId);
-  }
-  port.postMessage(message);
-};
+const send = (message: FromWorker) => port.postMessage(message);
 
 let baseConfig: ModelConfig | undefined;
 /** The worker's grammars, loaded when the first guided request arrives (most workers never need them). */
@@ -126,18 +113,6 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
   let closing = false;
   /** Prefill workers' pools this worker may read handed-off blocks from (decode role), by worker id. */
   const kvSources = new Map<string, KvSourceView>();
-  /**
-   * The stats the engine side holds (the last ones posted). An 'outputs' message carries stats only when they
-   * changed: most decode steps change none, and every step's message is taken in on the gateway's thread.
-   */
-  let postedStats: EngineStats | undefined;
-  const currentStats = (): EngineStats => (postedStats = core.stats());
-  const changedStats = (): { stats?: EngineStats } => {
-    const stats = core.stats();
-    if (postedStats !== undefined && samePlainData(stats, postedStats)) return {};
-    postedStats = stats;
-    return { stats };
-  };
 
   /** Handoffs and adoptions go out after the outputs of the same step: the first token reaches the caller first. */
   const sendHandoffState = () => {
@@ -146,7 +121,7 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     const handoffs = core.takeHandoffs();
     if (handoffs.length > 0) send({ type: 'handoffs', handoffs });
     const adopted = core.takeAdopted();
-    if (adopted.length > 0) send({ type: 'adopted', adopted, stats: currentStats() });
+    if (adopted.length > 0) send({ type: 'adopted', adopted, stats: core.stats() });
   };
 
   // Idle release: one check timer per worker (not per request); each check is O(1) unless it resets the cache.
@@ -165,7 +140,7 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     if (!touchedSinceReset || nowMs - lastBusyMs < idleReleaseMs || !core.resetPrefixCache()) return;
     touchedSinceReset = false;
     const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
-    send({ type: 'outputs', outputs: [], ...changedStats(), kvEvents });
+    send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
   };
   const idleTimer = idleReleaseMs > 0 ? setInterval(releaseIfIdle, Math.max(10, Math.min(idleReleaseMs / 4, 1000))) : undefined;
 
@@ -179,7 +154,7 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     if (closing || core.hasWork) return;
     const copied = core.offloadKv(undefined, Infinity);
     const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
-    if (kvEvents && kvEvents.length > 0) send({ type: 'outputs', outputs: [], ...changedStats(), kvEvents });
+    if (kvEvents && kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
     if (copied > 0) queueOffloadIdle();
     // A disk tier at its bound of writes in flight: try again once some have landed.
     else if (tiers!.diskBusy) queueOffloadIdle(10);
@@ -199,12 +174,12 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     lastBusyMs = engineNow();
     let kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
-      send({ type: 'outputs', outputs, ...changedStats(), kvEvents });
+      send({ type: 'outputs', outputs, stats: core.stats(), kvEvents });
     }
     sendHandoffState();
     if (tiers !== undefined && core.offloadKv() > 0 && init.enableKvEvents) {
       kvEvents = core.takeKvEvents();
-      if (kvEvents.length > 0) send({ type: 'outputs', outputs: [], ...changedStats(), kvEvents });
+      if (kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
     }
     queueStep();
     if (!core.hasWork) queueOffloadIdle();
@@ -250,7 +225,6 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     }
     switch (message.type) {
       case 'add':
-        timestamps.forget(message.request.id);
         try {
           core.add(message.request, { handoff: message.handoff, queuedMs: message.sentMs });
         } catch (error) {
@@ -262,17 +236,16 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
         return;
       case 'abort': {
         const outputs = core.abort(message.requestId);
-        if (outputs.length > 0) send({ type: 'outputs', outputs, ...changedStats() });
+        if (outputs.length > 0) send({ type: 'outputs', outputs, stats: core.stats() });
         return;
       }
       case 'release-handoff':
-        if (core.releaseHandoff(message.requestId)) send({ type: 'outputs', outputs: [], ...changedStats() });
+        if (core.releaseHandoff(message.requestId)) send({ type: 'outputs', outputs: [], stats: core.stats() });
         return;
       case 'attach-kv-source':
         kvSources.set(message.sourceId, { id: message.sourceId, channel: 'shared-memory', pool: message.pool, layout: message.layout });
         return;
       case 'adopt': {
-        timestamps.forget(message.handoff.requestId);
         const source = message.sourceId === null ? null
           : message.sourceId === KV_IN_PLACE_SOURCE ? KV_IN_PLACE_SOURCE : kvSources.get(message.sourceId) ?? null;
         try {
@@ -288,7 +261,7 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
       }
       case 'hold-prefix': {
         const blocks = core.holdCachedPrefix(message.requestId, message.blockHashes);
-        send({ type: 'prefix-held', holdId: message.holdId, blocks, stats: currentStats() });
+        send({ type: 'prefix-held', holdId: message.holdId, blocks, stats: core.stats() });
         return;
       }
       case 'prepare-import': {
@@ -299,20 +272,20 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
         } catch (e) {
           error = (e as Error).message;
         }
-        send({ type: 'import-prepared', holdId: message.holdId, preparation, ...(error !== undefined ? { error } : {}), stats: currentStats() });
+        send({ type: 'import-prepared', holdId: message.holdId, preparation, ...(error !== undefined ? { error } : {}), stats: core.stats() });
         return;
       }
       case 'release-import':
-        if (core.releaseKvImport(message.requestId, message.ticket)) send({ type: 'outputs', outputs: [], ...changedStats() });
+        if (core.releaseKvImport(message.requestId, message.ticket)) send({ type: 'outputs', outputs: [], stats: core.stats() });
         return;
       case 'sync':
-        send({ type: 'synced', syncId: message.syncId, stats: currentStats() });
+        send({ type: 'synced', syncId: message.syncId, stats: core.stats() });
         return;
       case 'reset-prefix-cache': {
         const reset = core.resetPrefixCache();
         if (reset) touchedSinceReset = false;
         const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
-        send({ type: 'prefix-cache-reset', resetId: message.resetId, reset, stats: currentStats(), kvEvents });
+        send({ type: 'prefix-cache-reset', resetId: message.resetId, reset, stats: core.stats(), kvEvents });
         return;
       }
       case 'load-lora':

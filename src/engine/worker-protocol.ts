@@ -80,12 +80,7 @@ export type ToWorker =
 export type FromWorker =
   /** kvPool/kvLayout: the worker's KV pool (shared memory), for decode workers to read handed-off blocks from. */
   | { type: 'ready'; info: EngineInfo; notices: string[]; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
-  /**
-   * stats: only when they changed since the last stats the worker posted (on any message). timestampChangesAt: the
-   * indices, ascending, of the outputs whose timestamps hold only the fields that changed since their request's
-   * previous output (timestamp-changes.ts).
-   */
-  | { type: 'outputs'; outputs: EngineOutput[]; stats?: EngineStats; kvEvents?: KvEvent[]; timestampChangesAt?: number[] }
+  | { type: 'outputs'; outputs: EngineOutput[]; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'handoffs'; handoffs: KvHandoff[] }
   /** Prefill worker, after a step: blocks of prefills to hand off that are complete (before their handoffs). */
   | { type: 'prefill-progress'; progress: PrefillProgress[] }

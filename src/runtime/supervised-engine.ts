@@ -24,64 +24,20 @@ export class SupervisedEngine implements Engine {
     this.group.add(id, engine);
   }
 
-  generate(request: EngineRequest): AsyncIterableIterator<EngineOutput> {
-    // A plain iterator over the worker's own rather than an async generator around it: every output of every stream
-    // passes here, and a generator's layer costs its promises per output on the gateway's thread.
-    let outputs: AsyncIterator<EngineOutput> | undefined;
-    let over = false;
-    const leave = (): void => {
-      if (over) return;
-      over = true;
-      if (outputs !== undefined) this.placement.delete(request.id);
-    };
-    // On the first next(), as a generator's body would run: the worker is the one there is then.
-    const start = (): AsyncIterator<EngineOutput> => {
-      const current = this.group.first();
+  generate(request: EngineRequest): AsyncIterable<EngineOutput> {
+    const supervised = this;
+    return (async function* () {
+      const current = supervised.group.first();
       // As the routed engine says it; /health gives the reason.
       if (!current) throw new EngineOverloadedError('no worker is available', 1000);
       const [, engine] = current;
-      this.placement.set(request.id, engine);
+      supervised.placement.set(request.id, engine);
       try {
-        outputs = engine.generate(request)[Symbol.asyncIterator]();
-      } catch (error) {
-        this.placement.delete(request.id);
-        throw error;
+        yield* engine.generate(request);
+      } finally {
+        supervised.placement.delete(request.id);
       }
-      return outputs;
-    };
-    return {
-      next: (): Promise<IteratorResult<EngineOutput>> => {
-        if (over) return Promise.resolve({ value: undefined, done: true });
-        let source: AsyncIterator<EngineOutput>;
-        try {
-          source = outputs ?? start();
-        } catch (error) {
-          over = true;
-          return Promise.reject(error);
-        }
-        return source.next().then((result) => {
-          if (result.done) leave();
-          return result;
-        }, (error: unknown) => {
-          leave();
-          throw error;
-        });
-      },
-      return: async (): Promise<IteratorResult<EngineOutput>> => {
-        if (!over) {
-          const source = outputs;
-          try {
-            await source?.return?.();
-          } finally {
-            leave();
-          }
-        }
-        return { value: undefined, done: true };
-      },
-      [Symbol.asyncIterator]() {
-        return this;
-      },
-    };
+    })();
   }
 
   abort(requestId: string): void {
