@@ -25,8 +25,8 @@ const CpuFeatures& cpu_features();
 
 // Whether the avx512 decode kernels of packed Q8_0, Q4_0 and Q4_K weights (one or two activation rows) request the
 // lines a few KiB ahead into L2 themselves. On a Xeon (Sapphire Rapids class, 2 vCPUs) that had left them to the
-// hardware prefetchers, the requests made a 110M model's decode step 12-38% shorter (Q4_K_M and Q8_0, one or two
-// threads), and a 1B model's by 29% (Q4_K_M, 645 MB) and 10% (Q8_0, 1.2 GB: mostly from DRAM). On an AMD EPYC
+// hardware prefetchers, the requests made a 110M model's decode step 10-37% shorter (Q4_K_M and Q8_0, one or two
+// threads, quiet), and a 1B model's by 29% (Q4_K_M, 645 MB) and 10% (Q8_0, 1.2 GB: mostly from DRAM). On an AMD EPYC
 // the same requests made Q4_K decode from DRAM slower (16-18 GB/s against 21 on one thread), and Q8_0 streamed at
 // the read rate without them. So: on Intel CPUs. (Q5_K and Q6_K, dearer per line, request them on every CPU.)
 bool decode_prefetch_ahead();

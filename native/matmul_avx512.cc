@@ -453,9 +453,10 @@ void int8_pack(const uint8_t* w, int64_t N, int64_t K, int64_t slab_begin, int64
 // The microkernel on a slab. With one or two activation rows, the 2 x MR VPDPBUSD chains per block cannot hide
 // the instruction's latency, so the 8 groups alternate between two sets of accumulators, added at the end of the
 // block (integers: the sum's bits do not depend on the order). With one or two rows (decode) it also requests the
-// lines of the block 8 KiB ahead into L2 where decode_prefetch_ahead() says so (cpu.h): on a Xeon the requests made
-// a Q8_0 110M model's decode step 16-35% shorter than the hardware prefetchers alone did; past the slab that is the next slab, which the same
-// thread reads next, and past the matrix a harmless request.
+// lines of the first whole block 8 KiB or more ahead into L2 where decode_prefetch_ahead() says so (cpu.h): on a
+// Xeon that made a Q8_0 110M model's decode step 16-37% shorter than the hardware prefetchers alone (quiet, one or
+// two threads). Past the slab that is the next slab, which the same thread reads next; past the matrix, a harmless
+// request.
 template <int Type, int MR>
 inline void packed_microkernel(const uint8_t* act, size_t act_stride, int64_t K, const uint8_t* slab, float* y,
                                int64_t ldy, int64_t cols) {

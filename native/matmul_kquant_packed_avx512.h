@@ -39,8 +39,8 @@
 // in `parts` pieces, the lines of the super-block kKqPrefetchBlocks ahead into L2. Past a slab's end that is the
 // next slab, which the same thread reads next within its tile range (and past the matrix, a harmless request).
 // Q4_K, cheaper per line, streamed slower with the requests on an AMD EPYC (one thread from DRAM: 16-18 GB/s against
-// 21) and faster on a Xeon (a Q4_K_M 110M model's decode step 12-38% shorter, one or two threads): it requests them
-// where decode_prefetch_ahead() says so (cpu.h), else leaves them to the hardware prefetchers.
+// 21) and faster on a Xeon (a Q4_K_M 110M model's decode step 10-22% shorter, quiet, one or two threads): it requests
+// them where decode_prefetch_ahead() says so (cpu.h), else leaves them to the hardware prefetchers.
 constexpr int kKqPrefetchBlocks = 2;
 template <size_t kBlock, int parts>
 inline void kq_prefetch_part(const uint8_t* block, int part) {
