@@ -1,8 +1,7 @@
 // The checksum of each block run of a KV transfer between worker processes: CRC-32C (Castagnoli). The native addon
-// computes it with carry-less multiply folding (AVX-512 VPCLMULQDQ) or the CPU's crc32 instruction (native/checksum.cc:
-// tens of GB/s, so the check costs the link little);
-// a process without the addon uses the table version below, slower but giving the same values, so either side may
-// lack the addon.
+// computes it by carry-less multiply folding (VPCLMULQDQ) or with the crc32 instruction (native/checksum.cc: tens of
+// GB/s, so the check costs the link little); a process without the addon uses the table version below, slower but
+// giving the same values, so either side may lack the addon.
 
 import { tryLoadNativeAddon } from '../kernels/native.ts';
 
