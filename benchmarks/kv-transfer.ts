@@ -18,7 +18,7 @@
 //
 //   node --import tsx benchmarks/kv-transfer.ts [--parts copy,workers,cluster,link,overlap,ttft] [--requests 10]
 //     [--rates 4,8] [--sim-requests 400] [--link-reps 7] [--link-sizes 64KiB,1MiB,16MiB,64MiB] [--overlap-reps 3]
-//     [--ttft-reps 3] [--ttft-compare on|off] [--ttft-tcp on|off] [--link-compare on|off] [--link-loop 0] [--chunk 256]
+//     [--ttft-reps 3] [--ttft-compare on|off] [--ttft-tcp on|off] [--link-compare on|off] [--link-loop 0] [--link-warm 300] [--chunk 256]
 //     [--threads 1] [--checksum-rounds 7]
 
 import { mkdtempSync, rmSync } from 'node:fs';
