@@ -298,7 +298,9 @@ export async function linkPart(): Promise<void> {
       // Best and median of the alternated runs.
       const best = (way: Way) => Math.min(...times[way]);
       const rate = (way: Way) => ways.includes(way) ? `${fmt(gb(total, best(way)))} (${fmt(gb(total, median(times[way])))})` : '-';
-      const share = (way: Way, of: Way) => ways.includes(way) ? `${fmt((100 * best(of)) / best(way), 0)}%` : '-';
+      // Shares as the rates: of the best times (of the median times).
+      const share = (way: Way, of: Way) => ways.includes(way)
+        ? `${fmt((100 * best(of)) / best(way), 0)}% (${fmt((100 * median(times[of])) / median(times[way]), 0)}%)` : '-';
       rows.push([size, String(blocks), rate('raw'), rate('rawKept'), rate('rawInto'), rate('tcp'), share('tcp', 'raw'), share('tcp', 'rawKept'),
         share('tcp', 'rawInto'), rate('shm'), share('shm', 'raw'), share('shm', 'rawKept'), share('shm', 'rawInto'), rate('tcpNew'), rate('shmNew')]);
       const cpu = (way: Way) => ways.includes(way) ? `${fmt(median(send[way]), 2)} / ${fmt(median(receive[way]), 2)}` : '-';
@@ -308,7 +310,8 @@ export async function linkPart(): Promise<void> {
     console.log('   raw: raw TCP on a new connection per transfer (set-up included) and on one kept-alive connection, read into one');
     console.log('   reused 1 MiB buffer; raw into: on a kept-alive connection, each read landing in a destination pool at its place;');
     console.log('   tcp, shm: the links on their kept-alive connection (descriptor, checksums, copies into the blocks included), with');
-    console.log('   their share of raw; new conn: the same on a new connection (and, shm, a new ring) per transfer)\n');
+    console.log('   their share of raw, of the best times (of the medians); new conn: the same on a new connection (and, shm, a new ring)');
+    console.log('   per transfer)\n');
     console.log(table(['KV', 'blocks', 'raw new', 'raw kept', 'raw into', 'tcp link', 'of new', 'of kept', 'of into', 'shm link',
       'of new', 'of kept', 'of into', 'tcp new conn', 'shm new conn'], rows));
     console.log('\n   CPU ms per transfer, sending process / receiving process (median; the sender\'s includes answering the query)\n');
