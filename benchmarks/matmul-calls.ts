@@ -16,6 +16,7 @@ import { basename } from 'node:path';
 import { parseArgs } from 'node:util';
 
 import { loadNativeAddon, supportedVariants } from '../src/kernels/native.ts';
+import { ggmlTypeName } from '../src/model/ggml-types.ts';
 import { loadModel } from '../src/model/loader.ts';
 import { percentileOf } from '../src/util/stats.ts';
 import { ensureBenchModel } from './model-files.ts';
@@ -39,7 +40,11 @@ const calls = weights.layers.flatMap((layer) => NAMES.map((name) => {
     x: Float32Array.from({ length: k }, (_, i) => Math.sin(0.1 * i)), y: new Float32Array(n),
   };
 }));
-const bytesOf = (name: Name) => calls.find((c) => c.name === name)!.packed.length;
+/** Mean bytes per call of a matrix kind (a file may store some layers' matrices of one kind in another type). */
+const bytesOf = (name: Name) => {
+  const of = calls.filter((c) => c.name === name);
+  return of.reduce((sum, c) => sum + c.packed.length, 0) / of.length;
+};
 const totalBytes = calls.reduce((sum, c) => sum + c.packed.length, 0);
 
 /** One pass of PASSES over every call on `threads` threads: each call's µs, by matrix name. */
@@ -77,10 +82,11 @@ const mb = (bytes: number) => (bytes / 1e6).toFixed(2);
 const range = (values: number[]) => `${Math.min(...values).toFixed(1)}-${Math.max(...values).toFixed(1)}`;
 console.log(`${basename(path)}, ${variant}, ${weights.layers.length} layers, one activation row, ${PASSES} passes per round, ${ROUNDS} rounds`);
 console.log(`read of a ${mb(totalBytes)} MB buffer (all these weights): 1 thread ${range(reads[1])} GB/s, 2 threads ${range(reads[2])} GB/s`);
-console.log('matrix   MB/call   1 thread: µs (GB/s)   2 threads: µs (GB/s)   2 threads / 1   t2 - t1/2 µs   (medians over rounds)');
+console.log('matrix  types        MB/call   1 thread: µs (GB/s)   2 threads: µs (GB/s)   2 threads / 1   t2 - t1/2 µs   (medians over rounds)');
 for (const name of NAMES) {
   const t1 = median(perRound.map((r) => r.t1[name])), t2 = median(perRound.map((r) => r.t2[name]));
   const gbs = (us: number) => (bytesOf(name) / us / 1e3).toFixed(1);
-  console.log(`${name.padEnd(7)}  ${mb(bytesOf(name)).padStart(7)}   ${t1.toFixed(1).padStart(8)} (${gbs(t1).padStart(5)})   ` +
+  const types = [...new Set(calls.filter((c) => c.name === name).map((c) => ggmlTypeName(c.type)))].join('+');
+  console.log(`${name.padEnd(7)} ${types.padEnd(11)}  ${mb(bytesOf(name)).padStart(7)}   ${t1.toFixed(1).padStart(8)} (${gbs(t1).padStart(5)})   ` +
     `${t2.toFixed(1).padStart(9)} (${gbs(t2).padStart(5)})     ${(t1 / t2).toFixed(2).padStart(6)}x   ${(t2 - t1 / 2).toFixed(2).padStart(12)}`);
 }
