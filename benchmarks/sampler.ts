@@ -21,6 +21,7 @@
 import { pathToFileURL } from 'node:url';
 import { DEFAULT_SAMPLING, type SamplingParams } from '../src/engine/types.ts';
 import * as ours from '../src/engine/sampler.ts';
+import { tryLoadNativeAddon } from '../src/kernels/native.ts';
 import { seededRandom as seededUniform } from '../src/util/random.ts';
 
 function argument(name: string, fallback: string): string {
@@ -94,8 +95,21 @@ function timeRows(contenders: readonly Contender[]): number[] {
   return perRow.map((samples) => samples.sort((a, b) => a - b)[samples.length >> 1]!);
 }
 
-function samplerContender(module: SamplerModule, params: SamplingParams): Contender {
-  const sampler = new module.Sampler(VOCAB);
+/**
+ * The native backend's passes the engine gives its Sampler (EngineCore: ModelRunnerBackend.argmax and sampleWeigh),
+ * here the addon's kernels of the CPU's best variant; undefined without the addon.
+ */
+const addon = tryLoadNativeAddon();
+const nativeOptions: ours.SamplerOptions | undefined = addon === undefined ? undefined : (() => {
+  const variant = addon.cpuInfo().bestVariant;
+  return {
+    argmax: (row: Float32Array) => addon.ops.argmax(variant, row),
+    weigh: (...args: Parameters<ours.WeighCandidates>) => addon.ops.sampleWeigh(variant, ...args),
+  };
+})();
+
+function samplerContender(module: SamplerModule, params: SamplingParams, options?: ours.SamplerOptions): Contender {
+  const sampler = new module.Sampler(VOCAB, options);
   const [sequence] = module.createRequestSamplers({ params, promptTokenIds: prompt, vocabSize: VOCAB, eosTokenIds: [2] });
   return { sampleRow: (row) => sampler.sampleRow(row, sequence!).tokenId, rows: ROWS };
 }
@@ -166,15 +180,18 @@ const other: SamplerModule | undefined = OTHER_MODULE
 
 console.log(`sampling one row of ${VOCAB} logits, µs per row (median of ${PASSES} passes over ${ROWS} rows)`);
 console.log(`read pass (one loop reading the row): ${timeRows([{ sampleRow: readPass, rows: ROWS }])[0]!.toFixed(1)} µs`);
-const header = ['case', 'Sampler', ...(other ? ['--sampler-module'] : []), 'plain loop', 'plain / Sampler'];
-const widths = [12, 9, ...(other ? [17] : []), 11, 16];
+if (nativeOptions) console.log(`native: the Sampler with the addon's argmax and weighing pass (${addon!.cpuInfo().bestVariant}), as the engine runs it on the native backend`);
+const header = ['case', 'Sampler', ...(nativeOptions ? ['native', 'JS / native'] : []), ...(other ? ['--sampler-module'] : []), 'plain loop', 'plain / Sampler'];
+const widths = [12, 9, ...(nativeOptions ? [8, 12] : []), ...(other ? [17] : []), 11, 16];
 console.log(header.map((h, i) => (i === 0 ? h.padEnd(widths[i]!) : h.padStart(widths[i]!))).join('  '));
 for (const { name, params } of CASES) {
   // The plain loops take milliseconds per row: fewer rows keep the run short.
-  const [mine, plain, theirs] = timeRows([
+  const [mine, plain, withNative, theirs] = timeRows([
     samplerContender(ours, params), { sampleRow: plainSampler(params), rows: Math.min(ROWS, PLAIN_ROWS) },
+    ...(nativeOptions ? [samplerContender(ours, params, nativeOptions)] : []),
     ...(other ? [samplerContender(other, params)] : []),
-  ]) as [number, number, number | undefined];
-  const cells = [name, mine.toFixed(1), ...(theirs !== undefined ? [theirs.toFixed(1)] : []), plain.toFixed(1), `${(plain / mine).toFixed(1)}x`];
+  ]).concat(nativeOptions ? [] : [NaN]) as [number, number, number, number | undefined];
+  const cells = [name, mine.toFixed(1), ...(nativeOptions ? [withNative.toFixed(1), `${(mine / withNative).toFixed(1)}x`] : []),
+    ...(theirs !== undefined ? [theirs.toFixed(1)] : []), plain.toFixed(1), `${(plain / mine).toFixed(1)}x`];
   console.log(cells.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  '));
 }

@@ -4,7 +4,7 @@
 // drives the request's stream and writes it to the socket; what that costs comes out of the cores the two compute
 // threads run on, which is why the HTTP figure is lower.
 //
-//   node --import tsx benchmarks/served-http.ts [--model FILE] [--rounds 6] [--tokens 256] [--threads 2]
+//   node --import tsx benchmarks/served-http.ts [--model FILE] [--rounds 6] [--tokens 256] [--threads 2] [--temperature 0]
 //                                               [--compare DIR] [--port 8750]
 //
 // http:        decode tokens/s as the client sees them (content chunks after the first, over the time since it);
@@ -13,8 +13,8 @@
 // in-process:  decode tokens/s of LocalEngine.generate() read by a `for await` in this process.
 // --compare DIR: also serves from another checkout of Conduit (its own bin/conduit.js and native addon, e.g. an
 //              older commit in a second git worktree) in the same rounds, for before/after figures.
-// Every engine stores f16 KV and decodes greedily (ignore_eos) after a 16-token prompt that changes every request,
-// so no request reuses another's prefix. Figures are per round; the summary gives medians and bests.
+// Every engine stores f16 KV and decodes greedily (or, with --temperature, by seeded draws; ignore_eos) after a
+// 16-token prompt that changes every request, so no request reuses another's prefix. Figures are per round; the summary gives medians and bests.
 import { spawn, type ChildProcess } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -30,12 +30,15 @@ const { values: args } = parseArgs({
     model: { type: 'string' },
     rounds: { type: 'string', default: '6' },
     tokens: { type: 'string', default: '256' },
+    temperature: { type: 'string', default: '0' },
     threads: { type: 'string', default: '2' },
     compare: { type: 'string' },
     port: { type: 'string', default: '8750' },
   },
 });
 const ROUNDS = Number(args.rounds), TOKENS = Number(args.tokens), THREADS = Number(args.threads), PROMPT_TOKENS = 16;
+/** 0: greedy (argmax); else a seeded draw over the whole vocabulary at that temperature (the API's default is 1). */
+const TEMPERATURE = Number(args.temperature);
 const path = args.model ?? (await ensureBenchModel('Q8_0')).path;
 const median = (values: readonly number[]): number => percentileOf(values, 0.5);
 
@@ -80,7 +83,8 @@ async function viaHttp(server: Server): Promise<{ rate: number; mainUsPerToken: 
   const cpuBefore = threadCpuUs(pid, pid);
   const response = await fetch(`http://127.0.0.1:${server.port}/v1/completions`, {
     method: 'POST', headers: { 'Content-Type': 'application/json' },
-    body: JSON.stringify({ prompt: nextPrompt(), max_tokens: TOKENS, stream: true, ignore_eos: true, temperature: 0 }),
+    body: JSON.stringify({ prompt: nextPrompt(), max_tokens: TOKENS, stream: true, ignore_eos: true, temperature: TEMPERATURE,
+      ...(TEMPERATURE > 0 ? { seed: seed } : {}) }),
   });
   if (response.status !== 200) throw new Error(`${server.label}: HTTP ${response.status}: ${await response.text()}`);
   const times: number[] = [];
@@ -103,7 +107,7 @@ async function viaHttp(server: Server): Promise<{ rate: number; mainUsPerToken: 
 async function inProcess(engine: LocalEngine): Promise<number> {
   const request: EngineRequest = {
     id: `in-process-${seed}`, priority: 0, arrivalMs: engineNow(), promptTokenIds: nextPrompt(),
-    sampling: { ...DEFAULT_SAMPLING, temperature: 0, maxTokens: TOKENS, ignoreEos: true },
+    sampling: { ...DEFAULT_SAMPLING, temperature: TEMPERATURE, maxTokens: TOKENS, ignoreEos: true, ...(TEMPERATURE > 0 ? { seed } : {}) },
   };
   const times: number[] = [];
   for await (const _output of engine.generate(request)) times.push(performance.now());
@@ -123,7 +127,7 @@ try {
   const http = new Map<string, Figures>(servers.map((s) => [s.label, { rates: [], mainUs: [] }]));
   const local: number[] = [];
   const labels = [...servers.map((s) => s.label), 'in-process'];
-  console.log(`model ${path}, ${TOKENS} tokens per request, ${THREADS} threads, ${ROUNDS} rounds (order rotates)`);
+  console.log(`model ${path}, ${TOKENS} tokens per request, ${THREADS} threads, ${TEMPERATURE > 0 ? `temperature ${TEMPERATURE}` : 'greedy'}, ${ROUNDS} rounds (order rotates)`);
   for (let round = 0; round < ROUNDS; round++) {
     const order = labels.map((_, i) => labels[(i + round) % labels.length]!);
     const line: string[] = [];

@@ -175,6 +175,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("takeProfile", &NativeModel::TakeProfile),
                         InstanceMethod("releaseKvPool", &NativeModel::ReleaseKvPool),
                         InstanceMethod("argmax", &NativeModel::Argmax),
+                        InstanceMethod("sampleWeigh", &NativeModel::SampleWeigh),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
                         InstanceMethod("memoryInfo", &NativeModel::MemoryInfo),
                         InstanceMethod("setLora", &NativeModel::SetLora),
@@ -483,6 +484,12 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     ArrayView row = typed_array(env, info[0], napi_float32_array, "row");
     return Napi::Number::New(env, static_cast<double>(m.argmax(static_cast<const float*>(row.data),
                                                               static_cast<int64_t>(row.length))));
+  }
+
+  // sampleWeigh(values, max, floor, weights, cumulative, binMass, binCount, last) -> total: the sampler's weighing
+  // pass over a logits row with the model's kernels (addon_args.h, sample_weigh.h).
+  Napi::Value SampleWeigh(const Napi::CallbackInfo& info) {
+    return sample_weigh_call(info, 0, model(info.Env()).kernels());
   }
 
   // releaseKvPool() -> bytes of the pool given back to the system

@@ -230,6 +230,12 @@ Napi::Value OpArgmax(const Napi::CallbackInfo& info) {
                                                                           static_cast<int64_t>(row.length))));
 }
 
+// sampleWeigh(variant, values, max, floor, weights, cumulative, binMass, binCount, last) -> total (addon_args.h)
+Napi::Value OpSampleWeigh(const Napi::CallbackInfo& info) {
+  const Variant v = run_variant_arg(info.Env(), info[0]);
+  return sample_weigh_call(info, 1, kernel_table(v));
+}
+
 // add(variant, acc, x): acc += x over acc.length elements
 Napi::Value OpAdd(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -461,6 +467,7 @@ Napi::Object ops_object(Napi::Env env) {
   ops.Set("rmsnorm", Napi::Function::New(env, OpRmsNorm));
   ops.Set("add", Napi::Function::New(env, OpAdd));
   ops.Set("argmax", Napi::Function::New(env, OpArgmax));
+  ops.Set("sampleWeigh", Napi::Function::New(env, OpSampleWeigh));
   ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));
   ops.Set("geglu", Napi::Function::New(env, OpGeglu));
   ops.Set("softmax", Napi::Function::New(env, OpSoftmax));

@@ -109,6 +109,8 @@ class Model {
   Variant variant() const { return variant_; }
   // The greedy token of one logits row with this model's kernels (KernelTable::argmax: -1 for NaN / all -inf).
   int64_t argmax(const float* row, int64_t n) const { return kt_.argmax(row, n); }
+  // The kernels of this model's variant (the sampler's weighing pass runs with them).
+  const KernelTable& kernels() const { return kt_; }
   int threads() const { return pool_.size(); }
   // Weight bytes moved onto huge pages at load (see memory.h), packed copies included.
   size_t huge_page_bytes() const { return huge_page_bytes_; }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "sample_weigh.h"
 
 namespace conduit {
 namespace {
@@ -15,6 +16,48 @@ namespace {
 #include "simd_avx512.h"
 #include "ops_simd.h"
 #include "lora_simd.h"
+
+// sample_weigh.h's weights, eight at a time: the same operations as sample::exp_gap in each lane (no fused
+// multiply-add; the scaling by 2^k with VSCALEFPD, exact as the scalar multiplication by 2^k is), then its scalar
+// pass for the totals.
+#pragma GCC optimize("fp-contract=off")
+// sample::exp_gap's polynomial in each lane, the same operations in the same order.
+inline __m512d estrin(__m512d r) {
+  const auto c = [](double value) { return _mm512_set1_pd(value); };
+  const auto add = [](auto a, auto b) { return _mm512_add_pd(a, b); };
+  const auto mul = [](auto a, auto b) { return _mm512_mul_pd(a, b); };
+  const __m512d r2 = mul(r, r), r4 = mul(r2, r2), r8 = mul(r4, r4);
+  const __m512d low = add(add(add(c(1.0), r), mul(add(c(sample::kC2), mul(c(sample::kC3), r)), r2)),
+                      mul(add(add(c(sample::kC4), mul(c(sample::kC5), r)), mul(add(c(sample::kC6), mul(c(sample::kC7), r)), r2)), r4));
+  const __m512d high = add(add(add(c(sample::kC8), mul(c(sample::kC9), r)), mul(add(c(sample::kC10), mul(c(sample::kC11), r)), r2)),
+                       mul(add(c(sample::kC12), mul(c(sample::kC13), r)), r4));
+  return add(low, mul(high, r8));
+}
+
+double avx512_sample_weigh(const float* x, int64_t n, double max, double floor, double* weights, double* cumulative,
+                           double* bin_mass, int32_t* bin_count, int64_t* last) {
+  const __m512d vmax = _mm512_set1_pd(max), vfloor = _mm512_set1_pd(floor), minus_inf = _mm512_set1_pd(-HUGE_VAL);
+  const __m512d lowest = _mm512_set1_pd(sample::kExpLowest), highest = _mm512_set1_pd(sample::kExpHighest);
+  const __m512d inv_ln2 = _mm512_set1_pd(sample::kInvLn2), half = _mm512_set1_pd(0.5);
+  const __m512d ln2_hi = _mm512_set1_pd(sample::kLn2Hi), ln2_lo = _mm512_set1_pd(sample::kLn2Lo);
+  const __m512d infinity = _mm512_set1_pd(HUGE_VAL);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    const __mmask8 candidate = _mm512_cmp_pd_mask(v, vfloor, _CMP_GE_OQ) & _mm512_cmp_pd_mask(v, minus_inf, _CMP_GT_OQ);
+    const __m512d d = _mm512_sub_pd(v, vmax);
+    const __m512d k = _mm512_roundscale_pd(_mm512_add_pd(_mm512_mul_pd(d, inv_ln2), half),
+                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512d r = _mm512_sub_pd(_mm512_sub_pd(d, _mm512_mul_pd(k, ln2_hi)), _mm512_mul_pd(k, ln2_lo));
+    const __m512d p = estrin(r);
+    __m512d w = _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(d, lowest, _CMP_GT_OQ), _mm512_scalef_pd(p, k));
+    w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, highest, _CMP_GT_OQ), infinity);
+    w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, d, _CMP_UNORD_Q), d);
+    _mm512_storeu_pd(weights + i, _mm512_maskz_mov_pd(candidate, w));
+  }
+  for (; i < n; ++i) weights[i] = sample::candidate_weight(x[i], max, floor);
+  return sample::weigh_totals(x, n, max, floor, weights, cumulative, bin_mass, bin_count, last);
+}
 #pragma GCC pop_options
 
 // The avx512 variant requires VNNI (cpu.cc), which only the q8 LoRA kernels here use.
@@ -40,6 +83,7 @@ void register_ops_avx512(KernelTable& t) {
   t.geglu = simd_geglu<Avx512>;
   t.softmax = simd_softmax<Avx512>;
   t.argmax = simd_argmax<Avx512>;
+  t.sample_weigh = avx512_sample_weigh;
   t.rope = simd_rope<Avx512>;
   t.kv_store = simd_kv_store<Avx512>;
   t.dequantize_row[kF16] = simd_dequantize_f16<Avx512>;
@@ -49,7 +93,7 @@ void register_ops_avx512(KernelTable& t) {
   t.dequantize_row[kQ4_K] = simd_dequantize_q4_q5_k<Avx512, BlockQ4_K>;
   t.dequantize_row[kQ5_K] = simd_dequantize_q4_q5_k<Avx512, BlockQ5_K>;
   t.dequantize_row[kQ6_K] = simd_dequantize_q6_k<Avx512>;
-  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "rope", "kv_store", "dequantize_f16",
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "sample_weigh", "rope", "kv_store", "dequantize_f16",
                            "dequantize_bf16", "dequantize_q8_0", "dequantize_q4_0", "dequantize_q4_k",
                            "dequantize_q5_k", "dequantize_q6_k"}) {
     t.names[kind] = "avx512";

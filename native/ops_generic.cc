@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "sample_weigh.h"
 
 namespace conduit {
 
@@ -27,6 +28,12 @@ int64_t argmax(const float* x, int64_t n) {
     }
   }
   return best;
+}
+
+double sample_weigh(const float* x, int64_t n, double max, double floor, double* weights, double* cumulative,
+                    double* bin_mass, int32_t* bin_count, int64_t* last) {
+  for (int64_t i = 0; i < n; ++i) weights[i] = sample::candidate_weight(x[i], max, floor);
+  return sample::weigh_totals(x, n, max, floor, weights, cumulative, bin_mass, bin_count, last);
 }
 
 void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {
@@ -353,6 +360,7 @@ void register_ops_generic(KernelTable& t) {
   t.geglu = geglu;
   t.softmax = softmax;
   t.argmax = argmax;
+  t.sample_weigh = sample_weigh;
   t.rope = rope;
   t.kv_store = kv_store;
   t.dequantize_row[kF32] = dequantize_f32;
@@ -366,7 +374,7 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kQ4_K] = dequantize_q4_q5_k<BlockQ4_K>;
   t.dequantize_row[kQ5_K] = dequantize_q4_q5_k<BlockQ5_K>;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
-  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "rope", "kv_store"}) {
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "sample_weigh", "rope", "kv_store"}) {
     t.names[kind] = "generic";
   }
   for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {

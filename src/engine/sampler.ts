@@ -8,8 +8,9 @@
 //   4. temperature < GREEDY_TEMPERATURE: argmax, ties to the lowest id; else logits / temperature, then
 //   5. min_p, top_k, top_p truncation, and one draw from the sequence's own RNG over what is left.
 //
-// Where the time goes: a few passes over the vocabulary per row (max, exp; Math.exp dominates whenever the whole
-// vocabulary's mass is needed). The row is read in place unless something must change it (min_tokens masking,
+// Where the time goes: a few passes over the vocabulary per row (max, exp; the exponentials dominate whenever the
+// whole vocabulary's mass is needed, so that pass, weighCandidates, runs in the compute backend where it has one:
+// native/sample_weigh.h, the same arithmetic bit for bit, several times faster). The row is read in place unless something must change it (min_tokens masking,
 // logit_bias, penalties, temperature, processed logprobs); then it is copied once into scratch. The argmax keeps four
 // independent running maxima so the loop is not one long dependency chain. Truncation never sorts: top_k keeps a
 // k-sized heap while scanning the logits (most tokens cost one comparison, and only the k kept get an exp); top_p
@@ -217,6 +218,8 @@ export interface SamplerOptions {
    * for a row with a NaN or nothing above -Infinity, which argmax() then reports.
    */
   argmax?: (row: Float32Array) => number;
+  /** A faster weighCandidates with the same results bit for bit (the compute backend's, ModelRunnerBackend.sampleWeigh). */
+  weigh?: WeighCandidates;
 }
 
 /** Samples rows of logits; owns the scratch buffers, so one Sampler serves one thread's batches. */
@@ -235,6 +238,9 @@ export class Sampler {
   /** top_p's weight and token count per distance below the max (see selectTopP). */
   private readonly binMass = new Float64Array(MASS_BINS);
   private readonly binCount = new Int32Array(MASS_BINS);
+  /** The weighing pass (weighCandidates, or the backend's) and where it leaves the last id it weighed. */
+  private readonly weigh: WeighCandidates;
+  private readonly lastOut = new Int32Array(1);
   /**
    * The greedy pick and the max of a row: the backend's pass where there is one, argmax() for the rows it declines
    * (which argmax() then reports: a NaN, nothing above -Infinity).
@@ -249,6 +255,7 @@ export class Sampler {
     this.weights = new Float64Array(vocabSize);
     this.order = new Int32Array(vocabSize);
     this.cumulative = new Float64Array(vocabSize);
+    this.weigh = options.weigh ?? weighCandidates;
     const fast = options.argmax;
     this.argmax = fast === undefined ? argmax : (row) => {
       const id = fast(row);
@@ -328,19 +335,10 @@ export class Sampler {
       values = this.logits;
       scaleInto(values, row, 1 / params.temperature);
     }
-    const { weights, cumulative } = this;
     // Throws as sampleRow does on a NaN or a row of -Infinity only.
     const max = values[this.argmax(values)]!;
-    let total = 0;
-    let last = 0;
-    for (let i = 0; i < values.length; i++) {
-      const weight = Math.exp(values[i]! - max);
-      weights[i] = weight;
-      total += weight;
-      cumulative[i] = total;
-      if (weight !== 0) last = i;
-    }
-    this.lastWeighed = last;
+    const total = this.weigh(values, max, -Infinity, this.weights, this.cumulative, null, null, this.lastOut);
+    this.lastWeighed = this.lastOut[0]!;
     return total;
   }
 
@@ -379,37 +377,22 @@ export class Sampler {
     const topK = sequence.params.topK > 0 ? Math.min(sequence.params.topK, v) : v;
 
     if (topK === v && topP >= 1) {
-      // No ranking needed: draw over the ids in id order.
-      let total = 0;
-      for (let i = 0; i < v; i++) {
-        const value = logits[i]!;
-        const weight = value >= floor ? Math.exp(value - max) : 0;
-        weights[i] = weight;
-        total += weight;
-      }
-      const target = sequence.nextUniform() * total;
-      let cumulative = 0;
-      let last = 0;
-      for (let i = 0; i < v; i++) {
-        const weight = weights[i]!;
-        if (weight === 0) continue;
-        cumulative += weight;
-        last = i;
-        if (cumulative > target) return i;
-      }
-      return last; // rounding left the target at the very top of the mass
+      // No ranking needed: the first id in id order whose running total exceeds the draw (drawWeighed's search).
+      const total = this.weigh(logits, max, floor, weights, this.cumulative, null, null, this.lastOut);
+      this.lastWeighed = this.lastOut[0]!;
+      return this.drawWeighed(total, sequence.nextUniform());
     }
 
     if (topK === v) {
       // top_p (after min_p) over the whole vocabulary.
-      const numKept = selectTopP(logits, max, floor, topP, weights, order, this.binMass, this.binCount);
+      const numKept = selectTopP(logits, max, floor, topP, weights, order, this.binMass, this.binCount, this.weigh);
       return this.drawFromKept(numKept, this.keptMass(numKept), sequence);
     }
     // top_k with min_p (top_k alone goes to drawTopK): only the k best can be drawn, so rank first, weigh just them.
     const numKept = heapSelectTop(logits, order, topK, floor);
     for (let j = 0; j < numKept; j++) {
       const id = order[j]!;
-      weights[id] = Math.exp(logits[id]! - max);
+      weights[id] = expGap(logits[id]! - max);
     }
     return this.drawTopP(logits, numKept, sequence);
   }
@@ -429,7 +412,7 @@ export class Sampler {
     const max = Math.fround(best * scale);
     for (let j = 0; j < numKept; j++) {
       const id = order[j]!;
-      weights[id] = Math.exp(Math.fround(values[id]! * scale) - max);
+      weights[id] = expGap(Math.fround(values[id]! * scale) - max);
     }
     return this.drawTopP(values, numKept, sequence);
   }
@@ -483,6 +466,74 @@ export class Sampler {
 }
 
 // ---- row passes
+
+/**
+ * The weighing pass over a row, given its max and a floor: weights[i] = expGap(values[i] - max) for the candidates
+ * (value >= floor, above -Infinity) and 0 for the others; returns their total, summed in id order, and puts the
+ * last id with a weight other than 0 (0 when none) into last[0]. cumulative, when given, gets each id's running
+ * total (what a draw searches); binMass and binCount, when given (zeroed by the caller), get each candidate's weight
+ * and count added into its top_p bin (massBin). native/sample_weigh.h is the same pass, bit for bit.
+ */
+export type WeighCandidates = (values: Float32Array, max: number, floor: number, weights: Float64Array,
+  cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array) => number;
+
+export const weighCandidates: WeighCandidates = (values, max, floor, weights, cumulative, binMass, binCount, last) => {
+  let total = 0;
+  let lastId = 0;
+  for (let i = 0; i < values.length; i++) {
+    const value = values[i]!;
+    const candidate = value >= floor && value > -Infinity;
+    const weight = candidate ? expGap(value - max) : 0;
+    weights[i] = weight;
+    total += weight;
+    if (cumulative !== null) cumulative[i] = total;
+    if (weight !== 0) lastId = i;
+    if (binMass !== null && candidate) {
+      const bin = massBin(max - value);
+      binMass[bin]! += weight; // massBin returns an index in [0, MASS_BINS)
+      binCount![bin]!++;
+    }
+  }
+  last[0] = lastId;
+  return total;
+};
+
+// expGap's constants (native/sample_weigh.h has the same): ln 2 split so that k * LN2_HI is exact for |k| < 2^11,
+// the Taylor coefficients 1/n!, and 2^k for k in [-1022, 1023] built from their bits.
+const INV_LN2 = 1.4426950408889634;
+const LN2_HI = 6.93147180369123816490e-01;
+const LN2_LO = 1.90821492927058770002e-10;
+const EXP_LOWEST = -708;
+const EXP_HIGHEST = 709;
+const C13 = 1 / 6227020800, C12 = 1 / 479001600, C11 = 1 / 39916800, C10 = 1 / 3628800, C9 = 1 / 362880;
+const C8 = 1 / 40320, C7 = 1 / 5040, C6 = 1 / 720, C5 = 1 / 120, C4 = 1 / 24, C3 = 1 / 6, C2 = 1 / 2;
+const POW2 = (() => {
+  const table = new Float64Array(2046);
+  const bits = new DataView(new ArrayBuffer(8));
+  for (let k = -1022; k <= 1023; k++) {
+    bits.setUint32(0, (k + 1023) << 20);
+    bits.setUint32(4, 0);
+    table[k + 1022] = bits.getFloat64(0);
+  }
+  return table;
+})();
+
+/**
+ * exp(d) for a token's distance d (<= 0) below the row's max, in arithmetic that native code repeats exactly (see
+ * native/sample_weigh.h): reduction d = k ln 2 + r, exp(r) by its Taylor series to r^13 (Estrin's scheme; within
+ * 2 units in the last place of exp), times 2^k. 0 at or below -708 (where exp is subnormal: such a token cannot be drawn
+ * beside the max's weight of 1), NaN for NaN, Infinity above 709.
+ */
+export function expGap(d: number): number {
+  if (!(d > EXP_LOWEST)) return d !== d ? d : 0;
+  if (d > EXP_HIGHEST) return Infinity;
+  const k = Math.floor(d * INV_LN2 + 0.5);
+  const r = (d - k * LN2_HI) - k * LN2_LO;
+  const r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+  const low = ((1 + r) + (C2 + C3 * r) * r2) + ((C4 + C5 * r) + (C6 + C7 * r) * r2) * r4;
+  const high = ((C8 + C9 * r) + (C10 + C11 * r) * r2) + (C12 + C13 * r) * r4;
+  return (low + high * r8) * POW2[k + 1022]!;
+}
 
 /** top_p's bins: 1/8 logit wide, 64 logits deep (below that, weights are under e^-64 and share the last bin). */
 const MASS_BINS_PER_LOGIT = 8;
@@ -606,22 +657,11 @@ function siftDown(values: Float32Array, order: Int32Array, size: number, id: num
  * (selectTopByMass), not the whole row. binMass and binCount are scratch of MASS_BINS entries.
  */
 export function selectTopP(values: Float32Array, max: number, floor: number, topP: number, weights: Float64Array,
-  order: Int32Array, binMass: Float64Array, binCount: Int32Array): number {
+  order: Int32Array, binMass: Float64Array, binCount: Int32Array, weigh: WeighCandidates = weighCandidates): number {
   const v = values.length;
   binMass.fill(0);
   binCount.fill(0);
-  let total = 0;
-  for (let i = 0; i < v; i++) {
-    const value = values[i]!;
-    if (value >= floor && value > -Infinity) {
-      const weight = Math.exp(value - max);
-      weights[i] = weight;
-      total += weight;
-      const bin = massBin(max - value);
-      binMass[bin]! += weight; // massBin returns an index in [0, MASS_BINS)
-      binCount[bin]!++;
-    }
-  }
+  const total = weigh(values, max, floor, weights, null, binMass, binCount, lastScratch);
   const target = topP * total;
   let boundary = 0;
   let massBefore = 0;
@@ -650,6 +690,9 @@ export function selectTopP(values: Float32Array, max: number, floor: number, top
   order.copyWithin(keptAtBoundary, boundaryCount, boundaryCount + countBefore);
   return keptAtBoundary + countBefore;
 }
+
+/** weighCandidates' last id where a caller has no use for it. */
+const lastScratch = new Int32Array(1);
 
 /** True when token a ranks before token b: higher value first, lower id on ties. */
 function ranksBefore(values: Float32Array, a: number, b: number): boolean {

@@ -142,6 +142,47 @@ for (const backend of backends) {
       assert.equal(answered > 0, backend.name === 'native', `rows the backend's argmax answered: ${answered}`);
     });
 
+    test("temperature, min_p and top_p draws take the backend's weighing pass, and draw what the sampler's own gives", async () => {
+      const { tokenizer } = await model();
+      const prompts = PROMPTS.map((p) => tokenizer.encode(p));
+      const run = async (wrap?: CoreOptions['wrap']) => {
+        const core = await makeCore(backend, wrap !== undefined ? { wrap } : {});
+        prompts.forEach((ids, i) => {
+          core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
+          core.add(request(`m${i}`, ids, { temperature: 0.7, minP: 0.05, seed: 21 + i, ignoreEos: true }));
+          core.add(request(`p${i}`, ids, { temperature: 1.2, topP: 0.9, seed: 31 + i, ignoreEos: true }));
+        });
+        const results = runToEnd(core);
+        assertNoLeak(core);
+        return [...results].sort(([a], [b]) => a.localeCompare(b)).map(([id, c]) => [id, c[0]!.tokens]);
+      };
+      let calls = 0;
+      const counted = await run((runner) => new Proxy(runner, {
+        get: (target, key) => {
+          const value: unknown = Reflect.get(target, key);
+          if (key === 'sampleWeigh' && typeof value === 'function') {
+            return (...args: unknown[]) => {
+              calls++;
+              return (value as (...a: unknown[]) => number).apply(target, args);
+            };
+          }
+          return typeof value === 'function' ? value.bind(target) : value;
+        },
+      }));
+      // The same backend without the pass: the sampler weighs in JavaScript.
+      const without = await run((runner) => new Proxy(runner, {
+        get: (target, key) => {
+          if (key === 'sampleWeigh') return undefined;
+          const value: unknown = Reflect.get(target, key);
+          return typeof value === 'function' ? value.bind(target) : value;
+        },
+      }));
+      assert.deepEqual(counted, without);
+      assert.ok(new Set(counted.flatMap(([, tokens]) => tokens as number[])).size > 20, 'random draws, not one repeated token');
+      // The native backend has the pass (every row of the three kinds went through it); the reference backend has none.
+      assert.equal(calls >= prompts.length * 3 * 24, backend.name === 'native', `rows the backend's pass weighed: ${calls}`);
+    });
+
     test('the same seed gives the same tokens whatever the batch, chunk size and prefix-cache state', async () => {
       const { tokenizer } = await model();
       const prompts = PROMPTS.map((p) => tokenizer.encode(p));

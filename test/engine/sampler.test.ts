@@ -2,8 +2,8 @@ import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { Xoshiro128, drawRandomSeed } from '../../src/util/random.ts';
 import {
-  argmax, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
-  validateSamplingParams,
+  argmax, expGap, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
+  validateSamplingParams, weighCandidates,
 } from '../../src/engine/sampler.ts';
 import type { LogprobsMode, SampledToken } from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
@@ -221,6 +221,77 @@ describe('heapSelectTop', () => {
   });
 });
 
+describe('expGap', () => {
+  it('is exp within 2 units in the last place across the range of gaps, and exactly 1 at 0', () => {
+    const rng = Xoshiro128.fromSeed(5);
+    let worst = 0;
+    const gaps = [0, -1e-300, -1e-20, -1e-8, -0.5, -Math.LN2 / 2, -Math.LN2, -1, -20, -100, -700, -707.99];
+    for (let i = 0; i < 200_000; i++) gaps.push(-rng.nextFloat() * (i % 2 === 0 ? 1 : 707.9));
+    for (const d of gaps) {
+      const exact = Math.exp(d);
+      // One unit in the last place of exact: 2^(exponent - 52).
+      const ulp = 2 ** (Math.floor(Math.log2(exact)) - 52);
+      worst = Math.max(worst, Math.abs(expGap(d) - exact) / ulp);
+    }
+    assert.ok(worst <= 2, `worst error ${worst} units in the last place`);
+    assert.equal(expGap(0), 1);
+    assert.equal(expGap(-0), 1);
+  });
+
+  it('gives 0 at and below -708 and for -Infinity, NaN for NaN, Infinity above 709', () => {
+    for (const d of [-708, -708.5, -745, -1e300, -Infinity]) assert.equal(expGap(d), 0, `${d}`);
+    assert.ok(Number.isNaN(expGap(NaN)));
+    assert.equal(expGap(709.5), Infinity);
+    assert.ok(Math.abs(expGap(700) / Math.exp(700) - 1) < 1e-15);
+  });
+});
+
+describe('weighCandidates', () => {
+  it('weighs the candidates at or above the floor, sums in id order, and bins them by distance below the max', () => {
+    const rng = Xoshiro128.fromSeed(6);
+    const row = randomLogits(rng, 3000);
+    for (let i = 0; i < row.length; i += 7) row[i] = -Infinity;
+    row[2999] = -Infinity;
+    let max = -Infinity;
+    for (const value of row) max = Math.max(max, value);
+    const floor = max - 2.5;
+    const weights = new Float64Array(row.length).fill(-1);
+    const cumulative = new Float64Array(row.length);
+    const binMass = new Float64Array(MASS_BINS);
+    const binCount = new Int32Array(MASS_BINS);
+    const last = new Int32Array(1);
+    const total = weighCandidates(row, max, floor, weights, cumulative, binMass, binCount, last);
+    let running = 0;
+    let lastId = 0;
+    const expectedCount = new Array<number>(MASS_BINS).fill(0);
+    for (let i = 0; i < row.length; i++) {
+      const candidate = row[i]! >= floor && row[i]! > -Infinity;
+      assert.equal(weights[i], candidate ? expGap(row[i]! - max) : 0, `weight ${i}`);
+      running += weights[i]!;
+      assert.equal(cumulative[i], running, `cumulative ${i}`);
+      if (candidate) {
+        lastId = i;
+        expectedCount[Math.min(Math.floor((max - row[i]!) * 8), MASS_BINS - 1)]!++;
+      }
+    }
+    assert.equal(total, running);
+    assert.equal(last[0], lastId);
+    assert.deepEqual(Array.from(binCount), expectedCount);
+    const binned = binMass.reduce((a, b) => a + b, 0);
+    assert.ok(Math.abs(binned - total) < 1e-12 * total, `the bins hold the whole mass: ${binned} against ${total}`);
+    // Candidates' probabilities as a softmax gives them.
+    const probabilities = softmax(Array.from(row).map((v) => (v >= floor ? v : -Infinity)));
+    for (let i = 0; i < row.length; i++) assert.ok(Math.abs(weights[i]! / total - probabilities[i]!) < 1e-14, `probability ${i}`);
+  });
+
+  it('leaves cumulative and the bins alone when not asked for, and gives 0 as the last id when nothing weighs', () => {
+    const row = Float32Array.from([-Infinity, -Infinity, -Infinity]);
+    const last = Int32Array.of(9);
+    assert.equal(weighCandidates(row, 0, -Infinity, new Float64Array(3), null, null, null, last), 0);
+    assert.equal(last[0], 0);
+  });
+});
+
 describe('selectTopP', () => {
   it('keeps exactly the smallest best-first set reaching topP of the mass, across many bins and ties', () => {
     const rng = Xoshiro128.fromSeed(23);
@@ -250,7 +321,8 @@ describe('selectTopP', () => {
       const keptMass = ranked.slice(0, kept).reduce((sum, id) => sum + mass(id), 0);
       assert.ok(kept === ranked.length || keptMass >= target * (1 - 1e-12), `trial ${trial}: ${keptMass} reaches ${target}`);
       assert.ok(keptMass - mass(ranked[kept - 1]!) < target * (1 + 1e-12), `trial ${trial}: ${kept} is the fewest`);
-      for (const id of eligible) assert.equal(weights[id], mass(id));
+      // The weights themselves: the sampler's exp (within 2 units in the last place of Math.exp, tested above).
+      for (const id of eligible) assert.equal(weights[id], expGap(values[id]! - max));
     }
   });
 });

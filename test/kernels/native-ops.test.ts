@@ -7,7 +7,7 @@ import { describe, it } from 'node:test';
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
 import { geluTanh } from '../../src/model/reference-math.ts';
-import { argmax } from '../../src/engine/sampler.ts';
+import { argmax, MASS_BINS, weighCandidates } from '../../src/engine/sampler.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
 import {
   assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, referenceMatmul, roundsBf16Activations,
@@ -324,6 +324,63 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         expected = -1; // the sampler throws on these rows; the kernels leave them to it
       }
       for (const variant of variants) assert.equal(native().ops.argmax(variant, row), expected, `${name} ${variant}`);
+    }
+  });
+
+  it("sampleWeigh: the sampler's weighing pass bit for bit (weights, running totals, last id, top_p bins)", () => {
+    const rand = seeded(83);
+    const rows: [string, Float32Array][] = [];
+    for (const n of [...ROW_LENGTHS, 32000]) {
+      rows.push([`random n=${n}`, randomArray(n, rand, 8)]);
+      // Logits as a model gives them: a few tall peaks over a wide spread (most weights tiny, some 0 below -708).
+      const peaked = randomArray(n, rand, 30);
+      for (let p = 0; p < 3; p++) peaked[Math.floor(rand() * n)] = 700 + 20 * rand();
+      rows.push([`peaked n=${n}`, peaked]);
+      rows.push([`ties n=${n}`, Float32Array.from({ length: n }, () => Math.floor(rand() * 3))]);
+      // Masked tokens (-Infinity, and -1e30: a candidate whose weight is 0), the last one in the vector tail.
+      const masked = randomArray(n, rand, 4);
+      for (let i = 0; i < n; i += 3) masked[i] = i % 2 === 0 ? -Infinity : -1e30;
+      masked[n - 1] = -Infinity;
+      rows.push([`masked n=${n}`, masked]);
+      // +Infinity: its gap from the max (+Infinity) is NaN, which the pass carries as the scalar code does.
+      const inf = randomArray(n, rand);
+      inf[n - 1] = Infinity;
+      rows.push([`+Infinity n=${n}`, inf]);
+    }
+    const same = (a: number, b: number) => Object.is(a, b);
+    for (const [name, row] of rows) {
+      let max = -Infinity;
+      for (const value of row) if (value > max) max = value;
+      // No floor, a min_p floor, and a floor above every value (no candidate).
+      for (const floor of [-Infinity, max - 3, max + 1]) {
+        for (const withCumulative of [false, true]) {
+          for (const withBins of [false, true]) {
+            const n = row.length;
+            const expected = { weights: new Float64Array(n), cumulative: new Float64Array(n), binMass: new Float64Array(MASS_BINS),
+              binCount: new Int32Array(MASS_BINS), last: new Int32Array(1) };
+            const total = weighCandidates(row, max, floor, expected.weights, withCumulative ? expected.cumulative : null,
+              withBins ? expected.binMass : null, withBins ? expected.binCount : null, expected.last);
+            for (const variant of variants) {
+              const what = `${name} floor ${floor} cumulative ${withCumulative} bins ${withBins} ${variant}`;
+              // Stale values everywhere, so a slot the kernel should write and does not is seen.
+              const got = { weights: new Float64Array(n).fill(-7), cumulative: new Float64Array(n).fill(-7),
+                binMass: new Float64Array(MASS_BINS), binCount: new Int32Array(MASS_BINS), last: Int32Array.of(-7) };
+              const gotTotal = native().ops.sampleWeigh(variant, row, max, floor, got.weights, withCumulative ? got.cumulative : null,
+                withBins ? got.binMass : null, withBins ? got.binCount : null, got.last);
+              assert.ok(same(gotTotal, total), `${what}: total ${gotTotal} against ${total}`);
+              assert.equal(got.last[0], expected.last[0], `${what}: last id`);
+              for (let i = 0; i < n; i++) {
+                if (!same(got.weights[i]!, expected.weights[i]!)) assert.fail(`${what}: weight ${i} ${got.weights[i]} against ${expected.weights[i]}`);
+                if (withCumulative && !same(got.cumulative[i]!, expected.cumulative[i]!)) assert.fail(`${what}: cumulative ${i}`);
+              }
+              if (!withCumulative) assert.ok(got.cumulative.every((v) => v === -7), `${what}: cumulative written though not asked for`);
+              for (let b = 0; b < MASS_BINS; b++) {
+                if (!same(got.binMass[b]!, expected.binMass[b]!) || got.binCount[b] !== expected.binCount[b]) assert.fail(`${what}: bin ${b}`);
+              }
+            }
+          }
+        }
+      }
     }
   });
 

@@ -1,0 +1,126 @@
+// The sampler's weighing pass over a logits row (src/engine/sampler.ts, weighCandidates, is the same function in
+// TypeScript, and the reference it is tested against bit for bit): for each candidate token (value >= floor and
+// above -inf) the weight exp(value - max) in double precision, 0 for the others; the running total in id order;
+// optionally each id's running total (the draw's cumulative), and each candidate's weight and count added into its
+// top_p bin (mass_bin of its distance below the max).
+//
+// exp_gap is not the C library's exp but one both languages compute with the same IEEE operations in the same
+// order: Cody-Waite reduction by ln 2 (x = k ln 2 + r, |r| <= ln 2 / 2), the Taylor series of exp(r) to r^13
+// (truncation under 1e-17 of the result) evaluated by Estrin's scheme (pairs of terms, then r^2, r^4, r^8: a chain
+// of 8 operations instead of Horner's 26, the same accuracy here, within 2 units in the last place of exp), then
+// the exact scaling by 2^k. Every product and sum is rounded on its own (no fused multiply-add: JavaScript has
+// none), so a process without the addon draws the same tokens from the same seed. Gaps at or below -708 give 0
+// (exp would be subnormal there: such a token cannot be drawn next to the max's weight of 1), NaN stays NaN,
+// above 709 gives infinity.
+//
+// Only the weights are computed per variant (SIMD lanes of the same scalar arithmetic); the running total, the
+// cumulative and the bins are one scalar pass in id order, as the TypeScript loop adds them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace conduit {
+namespace sample {
+
+// GCC would otherwise fuse a * b + c into one rounding where the target has FMA (every AVX2/AVX-512 region, and
+// aarch64): the results would then differ from JavaScript's in the last bits.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+constexpr double kInvLn2 = 1.4426950408889634;
+// ln 2 split so that k * kLn2Hi is exact for |k| < 2^11 (the low 21 bits of its significand are zero) and
+// kLn2Hi + kLn2Lo = ln 2 to about 1e-27.
+constexpr double kLn2Hi = 6.93147180369123816490e-01;
+constexpr double kLn2Lo = 1.90821492927058770002e-10;
+constexpr double kExpLowest = -708.0;
+constexpr double kExpHighest = 709.0;
+// 1/n! for n = 2 .. 13, each the quotient rounded once, as `1 / n!` is in JavaScript.
+constexpr double kC2 = 1.0 / 2.0, kC3 = 1.0 / 6.0, kC4 = 1.0 / 24.0, kC5 = 1.0 / 120.0, kC6 = 1.0 / 720.0;
+constexpr double kC7 = 1.0 / 5040.0, kC8 = 1.0 / 40320.0, kC9 = 1.0 / 362880.0, kC10 = 1.0 / 3628800.0;
+constexpr double kC11 = 1.0 / 39916800.0, kC12 = 1.0 / 479001600.0, kC13 = 1.0 / 6227020800.0;
+
+// top_p's bins (sampler.ts MASS_BINS): 1/8 logit wide, the last one holding everything 64 logits or more below.
+constexpr int kMassBinsPerLogit = 8;
+constexpr int kMassBins = 64 * kMassBinsPerLogit;
+
+// 2^k for an integral k in [-1022, 1023], from its bits.
+inline double pow2(double k) {
+  const uint64_t bits = static_cast<uint64_t>(static_cast<int64_t>(k) + 1023) << 52;
+  double out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline double exp_gap(double d) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  if (!(d > kExpLowest)) return d != d ? d : 0.0;
+  if (d > kExpHighest) return HUGE_VAL;
+  const double k = std::floor(d * kInvLn2 + 0.5);
+  const double r = (d - k * kLn2Hi) - k * kLn2Lo;
+  const double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+  const double low = ((1.0 + r) + (kC2 + kC3 * r) * r2) + ((kC4 + kC5 * r) + (kC6 + kC7 * r) * r2) * r4;
+  const double high = ((kC8 + kC9 * r) + (kC10 + kC11 * r) * r2) + (kC12 + kC13 * r) * r4;
+  return (low + high * r8) * pow2(k);
+}
+
+inline bool is_candidate(double value, double floor) { return value >= floor && value > -HUGE_VAL; }
+
+inline double candidate_weight(float value, double max, double floor) {
+  const double v = value;
+  return is_candidate(v, floor) ? exp_gap(v - max) : 0.0;
+}
+
+// The bin of a token `gap` (>= 0) below the max, as sampler.ts massBin: truncation of gap * 8, the last bin beyond.
+inline int mass_bin(double gap) {
+  const double scaled = gap * kMassBinsPerLogit;
+  return scaled < kMassBins - 1 ? static_cast<int>(scaled) : kMassBins - 1;
+}
+
+// The scalar pass in id order over weights already computed: returns the total, sets *last to the last id with a
+// weight other than 0 (0 when none), fills cumulative and the bins when given.
+inline double weigh_totals(const float* values, int64_t n, double max, double floor, const double* weights,
+                           double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  double total = 0.0;
+  int64_t last_id = 0;
+  if (bin_mass != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      const double w = weights[i];
+      total += w;
+      if (cumulative != nullptr) cumulative[i] = total;
+      if (w != 0.0) last_id = i;
+      const double v = values[i];
+      if (is_candidate(v, floor)) {
+        const int bin = mass_bin(max - v);
+        bin_mass[bin] += w;
+        ++bin_count[bin];
+      }
+    }
+  } else if (cumulative != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      const double w = weights[i];
+      total += w;
+      cumulative[i] = total;
+      if (w != 0.0) last_id = i;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const double w = weights[i];
+      total += w;
+      if (w != 0.0) last_id = i;
+    }
+  }
+  *last = last_id;
+  return total;
+}
+
+#pragma GCC pop_options
+
+}  // namespace sample
+}  // namespace conduit
