@@ -608,6 +608,33 @@ async function stepsRole(): Promise<void> {
       throw new Error(`ops.matmul ${variant} ${GgmlType[type]} ${m}x${k}x${n}: the thread count changed the result`);
     }
   }
+  // The sampler's weighing pass on every variant against the TypeScript pass, bit for bit: row lengths that leave
+  // the vector loops' tails, scales, floors, with and without the running totals and the top_p bins.
+  const { weighCandidates, MASS_BINS } = await import('../src/engine/sampler.ts');
+  for (let i = 0; i < 200; i++) {
+    const n = int(1, 33000);
+    const row = Float32Array.from({ length: n }, () => (rand() - 0.5) * 40);
+    if (rand() < 0.3) row[int(0, n - 1)] = -Infinity;
+    const scale = pick([1, 1 / 0.7, 2]);
+    let max = -Infinity;
+    for (const value of row) max = Math.max(max, value);
+    max = Math.fround(max * scale);
+    const floor = rand() < 0.5 ? -Infinity : max - 4 * rand();
+    const withCumulative = rand() < 0.5, withBins = rand() < 0.5;
+    const pass = (weigh: (...args: Parameters<typeof weighCandidates>) => number) => {
+      const out = { weights: new Float64Array(n), cumulative: new Float64Array(n), binMass: new Float64Array(MASS_BINS),
+        binCount: new Int32Array(MASS_BINS), last: new Int32Array(1) };
+      const total = weigh(row, scale, max, floor, out.weights, withCumulative ? out.cumulative : null,
+        withBins ? out.binMass : null, withBins ? out.binCount : null, out.last);
+      return [total, out.last[0]!, ...out.weights, ...out.cumulative, ...out.binMass, ...out.binCount];
+    };
+    const expected = pass(weighCandidates);
+    const variant = pick(variants);
+    const got = pass((...args) => addon.ops.sampleWeigh(variant, ...args));
+    if (!got.every((v, j) => Object.is(v, expected[j]))) {
+      throw new Error(`ops.sampleWeigh ${variant} n=${n} scale ${scale}: differs from the TypeScript pass`);
+    }
+  }
   console.log(`PASS steps: ${stepsRun} steps, ${rows} rows (${loraRows} with a LoRA adapter), ${instances} model ` +
     `instances (${loraInstances} pairs with adapters), ${checks} batch-invariance checks, ${referenceChecks} ` +
     `reference checks, ${models.map((m) => m.name).join('; ')}`);

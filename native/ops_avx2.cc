@@ -19,7 +19,8 @@ namespace {
 #include "lora_q8_avx2.h"
 
 // sample_weigh.h's weights, four at a time: the same operations as sample::exp_gap in each lane (no fused
-// multiply-add; 2^k built from its bits, as the scalar pow2), then its scalar pass for the totals.
+// multiply-add; 2^k built from its bits, as the scalar pow2), then its scalar pass for the sums (the bins' indices
+// computed there).
 #pragma GCC optimize("fp-contract=off")
 // sample::exp_gap's polynomial in each lane, the same operations in the same order.
 inline __m256d estrin(__m256d r) {
@@ -34,17 +35,19 @@ inline __m256d estrin(__m256d r) {
   return add(low, mul(high, r8));
 }
 
-double avx2_sample_weigh(const float* x, int64_t n, double max, double floor, double* weights, double* cumulative,
-                         double* bin_mass, int32_t* bin_count, int64_t* last) {
-  const __m256d vmax = _mm256_set1_pd(max), vfloor = _mm256_set1_pd(floor), minus_inf = _mm256_set1_pd(-HUGE_VAL);
+double avx2_sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
+                         double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
+  const __m256d vscale = _mm256_set1_pd(scale), vmax = _mm256_set1_pd(max), vfloor = _mm256_set1_pd(floor);
+  const __m256d minus_inf = _mm256_set1_pd(-HUGE_VAL), infinity = _mm256_set1_pd(HUGE_VAL);
   const __m256d lowest = _mm256_set1_pd(sample::kExpLowest), highest = _mm256_set1_pd(sample::kExpHighest);
   const __m256d inv_ln2 = _mm256_set1_pd(sample::kInvLn2), half = _mm256_set1_pd(0.5);
   const __m256d ln2_hi = _mm256_set1_pd(sample::kLn2Hi), ln2_lo = _mm256_set1_pd(sample::kLn2Lo);
-  const __m256d infinity = _mm256_set1_pd(HUGE_VAL);
   const __m128i bias = _mm_set1_epi32(1023);
+  const bool scaled = scale != 1.0;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    if (scaled) v = _mm256_cvtps_pd(_mm256_cvtpd_ps(_mm256_mul_pd(v, vscale)));
     const __m256d candidate = _mm256_and_pd(_mm256_cmp_pd(v, vfloor, _CMP_GE_OQ), _mm256_cmp_pd(v, minus_inf, _CMP_GT_OQ));
     const __m256d d = _mm256_sub_pd(v, vmax);
     const __m256d k = _mm256_round_pd(_mm256_add_pd(_mm256_mul_pd(d, inv_ln2), half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -57,8 +60,8 @@ double avx2_sample_weigh(const float* x, int64_t n, double max, double floor, do
     w = _mm256_blendv_pd(w, d, _mm256_cmp_pd(d, d, _CMP_UNORD_Q));
     _mm256_storeu_pd(weights + i, _mm256_and_pd(w, candidate));
   }
-  for (; i < n; ++i) weights[i] = sample::candidate_weight(x[i], max, floor);
-  return sample::weigh_totals(x, n, max, floor, weights, cumulative, bin_mass, bin_count, last);
+  for (; i < n; ++i) weights[i] = sample::candidate_weight(x[i], scale, max, floor);
+  return sample::weigh_totals(x, n, scale, max, floor, weights, cumulative, bin_mass, bin_count, nullptr, last);
 }
 #pragma GCC pop_options
 

@@ -18,8 +18,8 @@ namespace {
 #include "lora_simd.h"
 
 // sample_weigh.h's weights, eight at a time: the same operations as sample::exp_gap in each lane (no fused
-// multiply-add; the scaling by 2^k with VSCALEFPD, exact as the scalar multiplication by 2^k is), then its scalar
-// pass for the totals.
+// multiply-add; the scaling by 2^k with VSCALEFPD, exact as the scalar multiplication by 2^k is), and with the bins
+// their indices, then its scalar pass for the sums.
 #pragma GCC optimize("fp-contract=off")
 // sample::exp_gap's polynomial in each lane, the same operations in the same order.
 inline __m512d estrin(__m512d r) {
@@ -34,16 +34,23 @@ inline __m512d estrin(__m512d r) {
   return add(low, mul(high, r8));
 }
 
-double avx512_sample_weigh(const float* x, int64_t n, double max, double floor, double* weights, double* cumulative,
-                           double* bin_mass, int32_t* bin_count, int64_t* last) {
-  const __m512d vmax = _mm512_set1_pd(max), vfloor = _mm512_set1_pd(floor), minus_inf = _mm512_set1_pd(-HUGE_VAL);
+double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
+                           double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
+  const __m512d vscale = _mm512_set1_pd(scale), vmax = _mm512_set1_pd(max), vfloor = _mm512_set1_pd(floor);
+  const __m512d minus_inf = _mm512_set1_pd(-HUGE_VAL), infinity = _mm512_set1_pd(HUGE_VAL);
   const __m512d lowest = _mm512_set1_pd(sample::kExpLowest), highest = _mm512_set1_pd(sample::kExpHighest);
   const __m512d inv_ln2 = _mm512_set1_pd(sample::kInvLn2), half = _mm512_set1_pd(0.5);
   const __m512d ln2_hi = _mm512_set1_pd(sample::kLn2Hi), ln2_lo = _mm512_set1_pd(sample::kLn2Lo);
-  const __m512d infinity = _mm512_set1_pd(HUGE_VAL);
+  const __m512d per_logit = _mm512_set1_pd(sample::kMassBinsPerLogit), last_bin = _mm512_set1_pd(sample::kMassBins - 1);
+  const __m256i last_bin_index = _mm256_set1_epi32(sample::kMassBins - 1), no_bin = _mm256_set1_epi32(sample::kNoBin);
+  const bool scaled = scale != 1.0;
+  const bool bins = bin_mass != nullptr;
+  thread_local std::vector<int32_t> bin_index;
+  if (bins && bin_index.size() < static_cast<size_t>(n)) bin_index.resize(static_cast<size_t>(n));
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    if (scaled) v = _mm512_cvtps_pd(_mm512_cvtpd_ps(_mm512_mul_pd(v, vscale)));
     const __mmask8 candidate = _mm512_cmp_pd_mask(v, vfloor, _CMP_GE_OQ) & _mm512_cmp_pd_mask(v, minus_inf, _CMP_GT_OQ);
     const __m512d d = _mm512_sub_pd(v, vmax);
     const __m512d k = _mm512_roundscale_pd(_mm512_add_pd(_mm512_mul_pd(d, inv_ln2), half),
@@ -54,9 +61,21 @@ double avx512_sample_weigh(const float* x, int64_t n, double max, double floor, 
     w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, highest, _CMP_GT_OQ), infinity);
     w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, d, _CMP_UNORD_Q), d);
     _mm512_storeu_pd(weights + i, _mm512_maskz_mov_pd(candidate, w));
+    if (bins) {
+      // sample::bin_of: truncation of (max - v) * 8 below the last bin, the last bin otherwise (NaN included).
+      const __m512d gap = _mm512_mul_pd(_mm512_sub_pd(vmax, v), per_logit);
+      const __mmask8 inside = _mm512_cmp_pd_mask(gap, last_bin, _CMP_LT_OQ);
+      __m256i index = _mm256_mask_mov_epi32(last_bin_index, inside, _mm512_cvttpd_epi32(gap));
+      index = _mm256_mask_mov_epi32(no_bin, candidate, index);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin_index.data() + i), index);
+    }
   }
-  for (; i < n; ++i) weights[i] = sample::candidate_weight(x[i], max, floor);
-  return sample::weigh_totals(x, n, max, floor, weights, cumulative, bin_mass, bin_count, last);
+  for (; i < n; ++i) {
+    weights[i] = sample::candidate_weight(x[i], scale, max, floor);
+    if (bins) bin_index[static_cast<size_t>(i)] = sample::bin_of(x[i], scale, max, floor);
+  }
+  return sample::weigh_totals(x, n, scale, max, floor, weights, cumulative, bin_mass, bin_count,
+                              bins ? bin_index.data() : nullptr, last);
 }
 #pragma GCC pop_options
 

@@ -30,10 +30,10 @@ int64_t argmax(const float* x, int64_t n) {
   return best;
 }
 
-double sample_weigh(const float* x, int64_t n, double max, double floor, double* weights, double* cumulative,
-                    double* bin_mass, int32_t* bin_count, int64_t* last) {
-  for (int64_t i = 0; i < n; ++i) weights[i] = sample::candidate_weight(x[i], max, floor);
-  return sample::weigh_totals(x, n, max, floor, weights, cumulative, bin_mass, bin_count, last);
+double sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
+                    double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
+  for (int64_t i = 0; i < n; ++i) weights[i] = sample::candidate_weight(x[i], scale, max, floor);
+  return sample::weigh_totals(x, n, scale, max, floor, weights, cumulative, bin_mass, bin_count, nullptr, last);
 }
 
 void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {

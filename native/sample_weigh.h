@@ -1,8 +1,9 @@
 // The sampler's weighing pass over a logits row (src/engine/sampler.ts, weighCandidates, is the same function in
-// TypeScript, and the reference it is tested against bit for bit): for each candidate token (value >= floor and
-// above -inf) the weight exp(value - max) in double precision, 0 for the others; the running total in id order;
-// optionally each id's running total (the draw's cumulative), and each candidate's weight and count added into its
-// top_p bin (mass_bin of its distance below the max).
+// TypeScript, and the reference it is tested against bit for bit): each value read scaled (the float nearest
+// x * scale, as a scaled copy of the row would hold it: 1 / temperature without making that copy); for each
+// candidate (scaled value >= floor and above -inf) the weight exp(value - max) in double precision, 0 for the
+// others; the running total in id order; optionally each id's running total (the draw's cumulative), and the top_p
+// bins: zeroed, then each candidate's weight and count added into the bin of its distance below the max (mass_bin).
 //
 // exp_gap is not the C library's exp but one both languages compute with the same IEEE operations in the same
 // order: Cody-Waite reduction by ln 2 (x = k ln 2 + r, |r| <= ln 2 / 2), the Taylor series of exp(r) to r^13
@@ -13,13 +14,15 @@
 // (exp would be subnormal there: such a token cannot be drawn next to the max's weight of 1), NaN stays NaN,
 // above 709 gives infinity.
 //
-// Only the weights are computed per variant (SIMD lanes of the same scalar arithmetic); the running total, the
-// cumulative and the bins are one scalar pass in id order, as the TypeScript loop adds them.
+// Only the weights (and the bins' indices) are computed per variant, in SIMD lanes of the same scalar arithmetic;
+// the running total, the cumulative and the bins' sums are one scalar pass in id order, as the TypeScript loop adds
+// them.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace conduit {
 namespace sample {
@@ -69,8 +72,13 @@ inline double exp_gap(double d) {
 
 inline bool is_candidate(double value, double floor) { return value >= floor && value > -HUGE_VAL; }
 
-inline double candidate_weight(float value, double max, double floor) {
-  const double v = value;
+// x read at scale: x itself at 1 (which x * 1 rounded to float would give anyway), else x * scale rounded to float.
+inline double scaled_value(float x, double scale) {
+  return scale == 1.0 ? static_cast<double>(x) : static_cast<double>(static_cast<float>(static_cast<double>(x) * scale));
+}
+
+inline double candidate_weight(float x, double scale, double max, double floor) {
+  const double v = scaled_value(x, scale);
   return is_candidate(v, floor) ? exp_gap(v - max) : 0.0;
 }
 
@@ -80,24 +88,37 @@ inline int mass_bin(double gap) {
   return scaled < kMassBins - 1 ? static_cast<int>(scaled) : kMassBins - 1;
 }
 
+// The index weigh_totals bins a token under when it is not a candidate (past the last bin: skipped).
+constexpr int32_t kNoBin = kMassBins;
+
+// The bin of each value (kNoBin for the non-candidates) into bin_index[0, n): what weigh_totals reads when the SIMD
+// loops computed them beside the weights.
+inline int32_t bin_of(float x, double scale, double max, double floor) {
+  const double v = scaled_value(x, scale);
+  return is_candidate(v, floor) ? mass_bin(max - v) : kNoBin;
+}
+
 // The scalar pass in id order over weights already computed: returns the total, sets *last to the last id with a
-// weight other than 0 (0 when none), fills cumulative and the bins when given.
-inline double weigh_totals(const float* values, int64_t n, double max, double floor, const double* weights,
-                           double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
+// weight other than 0 (0 when none), fills cumulative when given, and, with bin_mass / bin_count, zeroes them and
+// adds each candidate in (its bin from bin_index when given, else computed here).
+inline double weigh_totals(const float* x, int64_t n, double scale, double max, double floor, const double* weights,
+                           double* cumulative, double* bin_mass, int32_t* bin_count, const int32_t* bin_index,
+                           int64_t* last) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
   double total = 0.0;
   int64_t last_id = 0;
   if (bin_mass != nullptr) {
+    std::memset(bin_mass, 0, sizeof(double) * kMassBins);
+    std::memset(bin_count, 0, sizeof(int32_t) * kMassBins);
     for (int64_t i = 0; i < n; ++i) {
       const double w = weights[i];
       total += w;
       if (cumulative != nullptr) cumulative[i] = total;
       if (w != 0.0) last_id = i;
-      const double v = values[i];
-      if (is_candidate(v, floor)) {
-        const int bin = mass_bin(max - v);
+      const int32_t bin = bin_index != nullptr ? bin_index[i] : bin_of(x[i], scale, max, floor);
+      if (bin != kNoBin) {
         bin_mass[bin] += w;
         ++bin_count[bin];
       }

@@ -242,6 +242,12 @@ export class Sampler {
   private readonly weigh: WeighCandidates;
   private readonly lastOut = new Int32Array(1);
   /**
+   * Whether a draw over the whole row leaves the scaling by 1/T to the weighing pass: the backend's reads each value
+   * scaled at no cost, while weighCandidates is faster over a scaled copy (a Math.fround per value there costs more
+   * than the copy). The same weights either way.
+   */
+  private readonly scaleInPass: boolean;
+  /**
    * The greedy pick and the max of a row: the backend's pass where there is one, argmax() for the rows it declines
    * (which argmax() then reports: a NaN, nothing above -Infinity).
    */
@@ -256,6 +262,7 @@ export class Sampler {
     this.order = new Int32Array(vocabSize);
     this.cumulative = new Float64Array(vocabSize);
     this.weigh = options.weigh ?? weighCandidates;
+    this.scaleInPass = options.weigh !== undefined;
     const fast = options.argmax;
     this.argmax = fast === undefined ? argmax : (row) => {
       const id = fast(row);
@@ -282,12 +289,15 @@ export class Sampler {
     const numTop = sequence.params.logprobs;
     const greedy = temperature < GREEDY_TEMPERATURE;
     const scale = !greedy && temperature !== 1;
-    // top_k alone ranks the raw values (scaling by 1/T keeps the order) and scales only the k it keeps.
+    // top_k alone ranks the raw values (scaling by 1/T keeps the order) and scales only the k it keeps; a draw over
+    // the whole row (min_p at most) leaves the scaling to the backend's weighing pass, where there is one.
     const topKOnly = !greedy && topK > 0 && topK < this.vocabSize && minP === 0;
+    const untruncated = !greedy && !(topK > 0 && topK < this.vocabSize) && sequence.params.topP >= 1;
+    const scaleLater = topKOnly || (untruncated && this.scaleInPass);
     // The row itself when nothing changes it; else one copy, processed and scaled in scratch.
     let values = row;
     let pendingScale = 1;
-    if (sequence.hasLogitProcessors || (numTop !== null && this.logprobsMode === 'processed') || (scale && !topKOnly)) {
+    if (sequence.hasLogitProcessors || (numTop !== null && this.logprobsMode === 'processed') || (scale && !scaleLater)) {
       values = this.logits;
       if (sequence.hasLogitProcessors) {
         values.set(row);
@@ -301,7 +311,9 @@ export class Sampler {
     } else if (scale) {
       pendingScale = 1 / temperature;
     }
-    const tokenId = greedy ? this.argmax(values) : topKOnly ? this.drawTopK(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
+    const tokenId = greedy ? this.argmax(values)
+      : topKOnly ? this.drawTopK(values, pendingScale, sequence)
+        : untruncated ? this.drawPlain(values, pendingScale, sequence) : this.drawTruncated(values, sequence);
     sequence.recordOutputToken(tokenId);
     if (numTop === null) return { tokenId };
     const source = this.logprobsMode === 'raw' ? row : values;
@@ -325,19 +337,22 @@ export class Sampler {
       throw new RangeError('weighRow is for plain sampling (temperature > 0, no top-k, top-p or min-p)');
     }
     let values = row;
-    const scale = params.temperature !== 1;
+    let scale = params.temperature !== 1 ? 1 / params.temperature : 1;
     if (sequence.hasLogitProcessors) {
       values = this.logits;
       values.set(row);
       sequence.applyLogitProcessors(values);
-      if (scale) scaleInPlace(values, 1 / params.temperature);
-    } else if (scale) {
+      if (scale !== 1) scaleInPlace(values, scale);
+      scale = 1;
+    } else if (scale !== 1 && !this.scaleInPass) {
       values = this.logits;
-      scaleInto(values, row, 1 / params.temperature);
+      scaleInto(values, row, scale);
+      scale = 1;
     }
-    // Throws as sampleRow does on a NaN or a row of -Infinity only.
-    const max = values[this.argmax(values)]!;
-    const total = this.weigh(values, max, -Infinity, this.weights, this.cumulative, null, null, this.lastOut);
+    // Throws as sampleRow does on a NaN or a row of -Infinity only. (Scaling keeps the order: the scaled max is the
+    // max scaled.)
+    const max = Math.fround(values[this.argmax(values)]! * scale);
+    const total = this.weigh(values, scale, max, -Infinity, this.weights, this.cumulative, null, null, this.lastOut);
     this.lastWeighed = this.lastOut[0]!;
     return total;
   }
@@ -367,6 +382,22 @@ export class Sampler {
 
   // ---- random sampling with min_p / top_k / top_p
 
+  /**
+   * A draw over the whole row, min_p at most: no ranking, the first id in id order whose running total exceeds the
+   * draw (drawWeighed's search). `scale` as drawTopK's: the weighing pass reads each value scaled.
+   */
+  private drawPlain(values: Float32Array, scale: number, sequence: SequenceSampler): number {
+    // Scaling keeps the order: the scaled max is the max scaled.
+    const max = Math.fround(values[this.argmax(values)]! * scale);
+    const { minP } = sequence.params;
+    // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
+    const floor = minP > 0 ? max + Math.log(minP) : -Infinity;
+    const total = this.weigh(values, scale, max, floor, this.weights, this.cumulative, null, null, this.lastOut);
+    this.lastWeighed = this.lastOut[0]!;
+    return this.drawWeighed(total, sequence.nextUniform());
+  }
+
+  /** top_p (and top_k with min_p) over the scaled values. */
   private drawTruncated(logits: Float32Array, sequence: SequenceSampler): number {
     const { weights, order } = this;
     const v = logits.length;
@@ -375,13 +406,6 @@ export class Sampler {
     // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;
     const topK = sequence.params.topK > 0 ? Math.min(sequence.params.topK, v) : v;
-
-    if (topK === v && topP >= 1) {
-      // No ranking needed: the first id in id order whose running total exceeds the draw (drawWeighed's search).
-      const total = this.weigh(logits, max, floor, weights, this.cumulative, null, null, this.lastOut);
-      this.lastWeighed = this.lastOut[0]!;
-      return this.drawWeighed(total, sequence.nextUniform());
-    }
 
     if (topK === v) {
       // top_p (after min_p) over the whole vocabulary.
@@ -468,20 +492,26 @@ export class Sampler {
 // ---- row passes
 
 /**
- * The weighing pass over a row, given its max and a floor: weights[i] = expGap(values[i] - max) for the candidates
- * (value >= floor, above -Infinity) and 0 for the others; returns their total, summed in id order, and puts the
- * last id with a weight other than 0 (0 when none) into last[0]. cumulative, when given, gets each id's running
- * total (what a draw searches); binMass and binCount, when given (zeroed by the caller), get each candidate's weight
- * and count added into its top_p bin (massBin). native/sample_weigh.h is the same pass, bit for bit.
+ * The weighing pass over a row, given its max and a floor. Each value is read at `scale`: as Math.fround(value *
+ * scale), what a scaled copy of the row holds (1 / temperature, without making the copy; at 1, the value itself);
+ * max and floor are on that scale. weights[i] = expGap(value - max) for the candidates (value >= floor, above
+ * -Infinity) and 0 for the others; returns their total, summed in id order, and puts the last id with a weight
+ * other than 0 (0 when none) into last[0]. cumulative, when given, gets each id's running total (what a draw
+ * searches); binMass and binCount, when given, are zeroed, then get each candidate's weight and count added into
+ * its top_p bin (massBin), in id order. native/sample_weigh.h is the same pass, bit for bit.
  */
-export type WeighCandidates = (values: Float32Array, max: number, floor: number, weights: Float64Array,
+export type WeighCandidates = (values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
   cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array) => number;
 
-export const weighCandidates: WeighCandidates = (values, max, floor, weights, cumulative, binMass, binCount, last) => {
+export const weighCandidates: WeighCandidates = (values, scale, max, floor, weights, cumulative, binMass, binCount, last) => {
+  if (binMass !== null) {
+    binMass.fill(0);
+    binCount!.fill(0);
+  }
   let total = 0;
   let lastId = 0;
   for (let i = 0; i < values.length; i++) {
-    const value = values[i]!;
+    const value = scale === 1 ? values[i]! : Math.fround(values[i]! * scale);
     const candidate = value >= floor && value > -Infinity;
     const weight = candidate ? expGap(value - max) : 0;
     weights[i] = weight;
@@ -659,9 +689,7 @@ function siftDown(values: Float32Array, order: Int32Array, size: number, id: num
 export function selectTopP(values: Float32Array, max: number, floor: number, topP: number, weights: Float64Array,
   order: Int32Array, binMass: Float64Array, binCount: Int32Array, weigh: WeighCandidates = weighCandidates): number {
   const v = values.length;
-  binMass.fill(0);
-  binCount.fill(0);
-  const total = weigh(values, max, floor, weights, null, binMass, binCount, lastScratch);
+  const total = weigh(values, 1, max, floor, weights, null, binMass, binCount, lastScratch);
   const target = topP * total;
   let boundary = 0;
   let massBefore = 0;

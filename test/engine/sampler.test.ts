@@ -260,7 +260,9 @@ describe('weighCandidates', () => {
     const binMass = new Float64Array(MASS_BINS);
     const binCount = new Int32Array(MASS_BINS);
     const last = new Int32Array(1);
-    const total = weighCandidates(row, max, floor, weights, cumulative, binMass, binCount, last);
+    binMass.fill(3); // stale: the pass zeroes the bins
+    binCount.fill(3);
+    const total = weighCandidates(row, 1, max, floor, weights, cumulative, binMass, binCount, last);
     let running = 0;
     let lastId = 0;
     const expectedCount = new Array<number>(MASS_BINS).fill(0);
@@ -287,8 +289,25 @@ describe('weighCandidates', () => {
   it('leaves cumulative and the bins alone when not asked for, and gives 0 as the last id when nothing weighs', () => {
     const row = Float32Array.from([-Infinity, -Infinity, -Infinity]);
     const last = Int32Array.of(9);
-    assert.equal(weighCandidates(row, 0, -Infinity, new Float64Array(3), null, null, null, last), 0);
+    assert.equal(weighCandidates(row, 1, 0, -Infinity, new Float64Array(3), null, null, null, last), 0);
     assert.equal(last[0], 0);
+  });
+
+  it('reads each value at a scale as a copy scaled to float32 would hold it', () => {
+    const rng = Xoshiro128.fromSeed(7);
+    const row = randomLogits(rng, 1001);
+    const scale = 1 / 0.7;
+    const copy = row.map((v) => v * scale); // a Float32Array: each product rounded to float32
+    let max = -Infinity;
+    for (const value of copy) max = Math.max(max, value);
+    const floor = max - 2;
+    const pass = (values: Float32Array, at: number) => {
+      const out = { weights: new Float64Array(values.length), cumulative: new Float64Array(values.length),
+        binMass: new Float64Array(MASS_BINS), binCount: new Int32Array(MASS_BINS), last: new Int32Array(1) };
+      const total = weighCandidates(values, at, max, floor, out.weights, out.cumulative, out.binMass, out.binCount, out.last);
+      return { total, ...out };
+    };
+    assert.deepEqual(pass(row, scale), pass(copy, 1));
   });
 });
 
@@ -578,6 +597,39 @@ describe('Sampler: seeds and batches', () => {
     const sampler = new Sampler(4);
     assert.throws(() => sampler.sample(new Float32Array(7), [sequence(4), sequence(4)]), /expected 2 rows x vocabSize 4/);
     assert.throws(() => sampler.sampleRow(new Float32Array(4), sequence(5)), /vocabSize 5/);
+  });
+});
+
+describe('Sampler: a weighing pass given by the backend', () => {
+  it('draws what the sampler draws alone, the scaling left to the pass (plain, min_p, top_p, top_k, guided weighing)', () => {
+    const vocabSize = 3000;
+    const rng = Xoshiro128.fromSeed(31);
+    const rows = Array.from({ length: 40 }, () => randomLogits(rng, vocabSize).map((v) => v * 2));
+    let calls = 0;
+    // The backend's pass as the engine gets it (ModelRunnerBackend.sampleWeigh): here weighCandidates itself, so the
+    // Sampler takes the path that leaves 1/T to the pass.
+    const given = new Sampler(vocabSize, { weigh: (...args) => { calls++; return weighCandidates(...args); } });
+    const alone = new Sampler(vocabSize);
+    for (const overrides of [{ temperature: 0.7 }, { temperature: 1.3, minP: 0.02 }, { temperature: 0.8, topP: 0.9 },
+      { temperature: 1, topK: 40, minP: 0.01 }]) {
+      const draws = (sampler: Sampler) => {
+        const seq = sequence(vocabSize, overrides, { seed: 77 });
+        return rows.map((row) => sampler.sampleRow(row, seq).tokenId);
+      };
+      const expected = draws(alone);
+      assert.deepEqual(draws(given), expected, JSON.stringify(overrides));
+      assert.ok(new Set(expected).size > 5, `${JSON.stringify(overrides)}: random draws`);
+    }
+    // Guided rows are weighed once and drawn from by a search (weighRow, drawWeighed).
+    const seqA = sequence(vocabSize, { temperature: 0.6 }, { seed: 5 });
+    const seqB = sequence(vocabSize, { temperature: 0.6 }, { seed: 5 });
+    for (const row of rows) {
+      const a = given.drawWeighed(given.weighRow(row, seqA), 0.37);
+      const b = alone.drawWeighed(alone.weighRow(row, seqB), 0.37);
+      assert.equal(a, b);
+      assert.deepEqual(given.rowWeights, alone.rowWeights);
+    }
+    assert.ok(calls >= rows.length * 3, `the given pass weighed the rows (${calls} calls)`);
   });
 });
 
