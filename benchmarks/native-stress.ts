@@ -609,7 +609,7 @@ async function stepsRole(): Promise<void> {
     }
   }
   // The sampler's weighing pass on every variant against the TypeScript pass, bit for bit: row lengths that leave
-  // the vector loops' tails, scales, floors, with and without the running totals and the top_p bins.
+  // the vector loops' tails, scales, floors, with and without the blocks' running totals and the top_p bins.
   const { weighCandidates, MASS_BINS } = await import('../src/engine/sampler.ts');
   for (let i = 0; i < 200; i++) {
     const n = int(1, 33000);
@@ -620,13 +620,13 @@ async function stepsRole(): Promise<void> {
     for (const value of row) max = Math.max(max, value);
     max = Math.fround(max * scale);
     const floor = rand() < 0.5 ? -Infinity : max - 4 * rand();
-    const withCumulative = rand() < 0.5, withBins = rand() < 0.5;
+    const withTotals = rand() < 0.5, withBins = rand() < 0.5;
     const pass = (weigh: (...args: Parameters<typeof weighCandidates>) => number) => {
-      const out = { weights: new Float64Array(n), cumulative: new Float64Array(n), binMass: new Float64Array(MASS_BINS),
+      const out = { weights: new Float64Array(n), blockTotals: new Float64Array(Math.ceil(n / 8)), binMass: new Float64Array(MASS_BINS),
         binCount: new Int32Array(MASS_BINS), last: new Int32Array(1) };
-      const total = weigh(row, scale, max, floor, out.weights, withCumulative ? out.cumulative : null,
+      const total = weigh(row, scale, max, floor, out.weights, withTotals ? out.blockTotals : null,
         withBins ? out.binMass : null, withBins ? out.binCount : null, out.last);
-      return [total, out.last[0]!, ...out.weights, ...out.cumulative, ...out.binMass, ...out.binCount];
+      return [total, out.last[0]!, ...out.weights, ...out.blockTotals, ...out.binMass, ...out.binCount];
     };
     const expected = pass(weighCandidates);
     const variant = pick(variants);

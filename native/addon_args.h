@@ -76,7 +76,7 @@ inline double number(const Napi::Env& env, const Napi::Value& value, const std::
 }
 
 // sampleWeigh's arguments from info[first] on: (values: Float32Array, scale, max, floor, weights: Float64Array,
-// cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array);
+// blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array);
 // runs the table's sample_weigh, puts the last id with a weight into last[0] and returns the total.
 inline Napi::Value sample_weigh_call(const Napi::CallbackInfo& info, size_t first, const KernelTable& table) {
   Napi::Env env = info.Env();
@@ -87,15 +87,15 @@ inline Napi::Value sample_weigh_call(const Napi::CallbackInfo& info, size_t firs
   const double max = number(env, info[first + 2], "max");
   const double floor = number(env, info[first + 3], "floor");
   double* weights = typed_data<double>(env, info[first + 4], napi_float64_array, "weights", n);
-  double* cumulative = info[first + 5].IsNull() ? nullptr
-      : typed_data<double>(env, info[first + 5], napi_float64_array, "cumulative", n);
+  double* block_totals = info[first + 5].IsNull() ? nullptr
+      : typed_data<double>(env, info[first + 5], napi_float64_array, "blockTotals", (n + 7) / 8);
   const bool bins = !info[first + 6].IsNull() || !info[first + 7].IsNull();
   double* bin_mass = bins ? typed_data<double>(env, info[first + 6], napi_float64_array, "binMass", 512) : nullptr;
   int32_t* bin_count = bins ? typed_data<int32_t>(env, info[first + 7], napi_int32_array, "binCount", 512) : nullptr;
   int32_t* last = typed_data<int32_t>(env, info[first + 8], napi_int32_array, "last", 1);
   int64_t last_id = 0;
   const double total = table.sample_weigh(static_cast<const float*>(values.data), static_cast<int64_t>(n), scale, max,
-                                          floor, weights, cumulative, bin_mass, bin_count, &last_id);
+                                          floor, weights, block_totals, bin_mass, bin_count, &last_id);
   last[0] = static_cast<int32_t>(last_id);
   return Napi::Number::New(env, total);
 }

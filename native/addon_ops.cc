@@ -230,7 +230,7 @@ Napi::Value OpArgmax(const Napi::CallbackInfo& info) {
                                                                           static_cast<int64_t>(row.length))));
 }
 
-// sampleWeigh(variant, values, scale, max, floor, weights, cumulative, binMass, binCount, last) -> total (addon_args.h)
+// sampleWeigh(variant, values, scale, max, floor, weights, blockTotals, binMass, binCount, last) -> total (addon_args.h)
 Napi::Value OpSampleWeigh(const Napi::CallbackInfo& info) {
   const Variant v = run_variant_arg(info.Env(), info[0]);
   return sample_weigh_call(info, 1, kernel_table(v));

@@ -233,11 +233,12 @@ struct KernelTable {
   int64_t (*argmax)(const float* x, int64_t n) = nullptr;
   // The sampler's weighing pass over a logits row (sample_weigh.h): with v = x[i] read at scale (the float nearest
   // x[i] * scale), weights[i] = exp(v - max) for the candidates (v >= floor, above -inf), 0 for the others; returns
-  // their total in id order and sets *last to the last id with a weight other than 0. cumulative (or null): each
-  // id's running total. bin_mass / bin_count (or null, both; kMassBins each): zeroed, then each candidate's weight
-  // and count added into its top_p bin. Bit for bit the same in every variant.
+  // their total (by blocks of 8 ids, sample_weigh.h) and sets *last to the last id with a weight other than 0.
+  // block_totals (or null): the running total after each block. bin_mass / bin_count (or null, both; kMassBins
+  // each): zeroed, then each candidate's weight and count added into its top_p bin. Bit for bit the same in every
+  // variant.
   double (*sample_weigh)(const float* x, int64_t n, double scale, double max, double floor, double* weights,
-                         double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) = nullptr;
+                         double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) = nullptr;
   // Rotates one token's heads in place; cos/sin hold rope_dim/2 values for this token's position.
   void (*rope)(float* x, const RopeParams& p, const float* cos, const float* sin) = nullptr;
   // Writes one token's K and V rows (num_kv_heads*head_dim floats each) into pool slots.

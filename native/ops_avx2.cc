@@ -18,50 +18,63 @@ namespace {
 #include "lora_simd.h"
 #include "lora_q8_avx2.h"
 
-// sample_weigh.h's weights, four at a time: the same operations as sample::exp_gap in each lane (no fused
-// multiply-add; 2^k built from its bits, as the scalar pow2), then its scalar pass for the sums (the bins' indices
-// computed there).
+// sample_weigh.h's weights a block (eight) at a time, four per vector: the same operations as sample::exp_gap in
+// each lane (no fused multiply-add; 2^k built from its bits, as the scalar pow2), the block's sum by the pass's
+// tree; then weigh_finish (the bins' indices computed there).
 #pragma GCC optimize("fp-contract=off")
 // sample::exp_gap's polynomial in each lane, the same operations in the same order.
 inline __m256d estrin(__m256d r) {
-  const auto c = [](double value) { return _mm256_set1_pd(value); };
-  const auto add = [](auto a, auto b) { return _mm256_add_pd(a, b); };
-  const auto mul = [](auto a, auto b) { return _mm256_mul_pd(a, b); };
-  const __m256d r2 = mul(r, r), r4 = mul(r2, r2), r8 = mul(r4, r4);
-  const __m256d low = add(add(add(c(1.0), r), mul(add(c(sample::kC2), mul(c(sample::kC3), r)), r2)),
-                      mul(add(add(c(sample::kC4), mul(c(sample::kC5), r)), mul(add(c(sample::kC6), mul(c(sample::kC7), r)), r2)), r4));
-  const __m256d high = add(add(add(c(sample::kC8), mul(c(sample::kC9), r)), mul(add(c(sample::kC10), mul(c(sample::kC11), r)), r2)),
-                       mul(add(c(sample::kC12), mul(c(sample::kC13), r)), r4));
-  return add(low, mul(high, r8));
+  const __m256d r2 = _mm256_mul_pd(r, r), r4 = _mm256_mul_pd(r2, r2), r8 = _mm256_mul_pd(r4, r4);
+  const __m256d t01 = _mm256_add_pd(_mm256_set1_pd(1.0), r);
+  const __m256d t23 = _mm256_add_pd(_mm256_set1_pd(sample::kC2), _mm256_mul_pd(_mm256_set1_pd(sample::kC3), r));
+  const __m256d t45 = _mm256_add_pd(_mm256_set1_pd(sample::kC4), _mm256_mul_pd(_mm256_set1_pd(sample::kC5), r));
+  const __m256d t67 = _mm256_add_pd(_mm256_set1_pd(sample::kC6), _mm256_mul_pd(_mm256_set1_pd(sample::kC7), r));
+  const __m256d t89 = _mm256_add_pd(_mm256_set1_pd(sample::kC8), _mm256_mul_pd(_mm256_set1_pd(sample::kC9), r));
+  const __m256d t1011 = _mm256_add_pd(_mm256_set1_pd(sample::kC10), _mm256_mul_pd(_mm256_set1_pd(sample::kC11), r));
+  const __m256d t1213 = _mm256_add_pd(_mm256_set1_pd(sample::kC12), _mm256_mul_pd(_mm256_set1_pd(sample::kC13), r));
+  // low = ((1 + r) + (c2 + c3 r) r2) + ((c4 + c5 r) + (c6 + c7 r) r2) r4
+  const __m256d low = _mm256_add_pd(_mm256_add_pd(t01, _mm256_mul_pd(t23, r2)), _mm256_mul_pd(_mm256_add_pd(t45, _mm256_mul_pd(t67, r2)), r4));
+  // high = ((c8 + c9 r) + (c10 + c11 r) r2) + (c12 + c13 r) r4
+  const __m256d high = _mm256_add_pd(_mm256_add_pd(t89, _mm256_mul_pd(t1011, r2)), _mm256_mul_pd(t1213, r4));
+  return _mm256_add_pd(low, _mm256_mul_pd(high, r8));
+}
+
+// The weights of x[i, i + 4) into weights; returns (w0 + w1) + (w2 + w3).
+inline double avx2_weigh_four(const float* x, int64_t i, double scale, double max, double floor, double* weights) {
+  __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+  if (scale != 1.0) v = _mm256_cvtps_pd(_mm256_cvtpd_ps(_mm256_mul_pd(v, _mm256_set1_pd(scale))));
+  const __m256d candidate = _mm256_and_pd(_mm256_cmp_pd(v, _mm256_set1_pd(floor), _CMP_GE_OQ),
+                                          _mm256_cmp_pd(v, _mm256_set1_pd(-HUGE_VAL), _CMP_GT_OQ));
+  const __m256d d = _mm256_sub_pd(v, _mm256_set1_pd(max));
+  const __m256d k = _mm256_round_pd(_mm256_add_pd(_mm256_mul_pd(d, _mm256_set1_pd(sample::kInvLn2)), _mm256_set1_pd(0.5)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256d r = _mm256_sub_pd(_mm256_sub_pd(d, _mm256_mul_pd(k, _mm256_set1_pd(sample::kLn2Hi))),
+                                  _mm256_mul_pd(k, _mm256_set1_pd(sample::kLn2Lo)));
+  const __m256d p = estrin(r);
+  // k is integral; in the lanes that are kept it lies in [-1021, 1023], so k + 1023 is a valid biased exponent.
+  const __m256i exponent =
+      _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(_mm256_cvtpd_epi32(k), _mm_set1_epi32(1023))), 52);
+  __m256d w = _mm256_and_pd(_mm256_mul_pd(p, _mm256_castsi256_pd(exponent)),
+                            _mm256_cmp_pd(d, _mm256_set1_pd(sample::kExpLowest), _CMP_GT_OQ));
+  w = _mm256_blendv_pd(w, _mm256_set1_pd(HUGE_VAL), _mm256_cmp_pd(d, _mm256_set1_pd(sample::kExpHighest), _CMP_GT_OQ));
+  w = _mm256_blendv_pd(w, d, _mm256_cmp_pd(d, d, _CMP_UNORD_Q));
+  w = _mm256_and_pd(w, candidate);
+  _mm256_storeu_pd(weights + i, w);
+  const __m256d pairs = _mm256_add_pd(w, _mm256_permute_pd(w, 0x5));
+  return _mm_cvtsd_f64(_mm_add_pd(_mm256_castpd256_pd128(pairs), _mm256_extractf128_pd(pairs, 1)));
 }
 
 double avx2_sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
-                         double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
-  const __m256d vscale = _mm256_set1_pd(scale), vmax = _mm256_set1_pd(max), vfloor = _mm256_set1_pd(floor);
-  const __m256d minus_inf = _mm256_set1_pd(-HUGE_VAL), infinity = _mm256_set1_pd(HUGE_VAL);
-  const __m256d lowest = _mm256_set1_pd(sample::kExpLowest), highest = _mm256_set1_pd(sample::kExpHighest);
-  const __m256d inv_ln2 = _mm256_set1_pd(sample::kInvLn2), half = _mm256_set1_pd(0.5);
-  const __m256d ln2_hi = _mm256_set1_pd(sample::kLn2Hi), ln2_lo = _mm256_set1_pd(sample::kLn2Lo);
-  const __m128i bias = _mm_set1_epi32(1023);
-  const bool scaled = scale != 1.0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-    if (scaled) v = _mm256_cvtps_pd(_mm256_cvtpd_ps(_mm256_mul_pd(v, vscale)));
-    const __m256d candidate = _mm256_and_pd(_mm256_cmp_pd(v, vfloor, _CMP_GE_OQ), _mm256_cmp_pd(v, minus_inf, _CMP_GT_OQ));
-    const __m256d d = _mm256_sub_pd(v, vmax);
-    const __m256d k = _mm256_round_pd(_mm256_add_pd(_mm256_mul_pd(d, inv_ln2), half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m256d r = _mm256_sub_pd(_mm256_sub_pd(d, _mm256_mul_pd(k, ln2_hi)), _mm256_mul_pd(k, ln2_lo));
-    const __m256d p = estrin(r);
-    // k is integral; in the lanes that are kept it lies in [-1021, 1023], so k + 1023 is a valid biased exponent.
-    const __m256i exponent = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(_mm256_cvtpd_epi32(k), bias)), 52);
-    __m256d w = _mm256_and_pd(_mm256_mul_pd(p, _mm256_castsi256_pd(exponent)), _mm256_cmp_pd(d, lowest, _CMP_GT_OQ));
-    w = _mm256_blendv_pd(w, infinity, _mm256_cmp_pd(d, highest, _CMP_GT_OQ));
-    w = _mm256_blendv_pd(w, d, _mm256_cmp_pd(d, d, _CMP_UNORD_Q));
-    _mm256_storeu_pd(weights + i, _mm256_and_pd(w, candidate));
+                         double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) {
+  const int64_t whole = n - n % sample::kWeighBlock;
+  double total = 0.0;
+  for (int64_t i = 0; i < whole; i += 8) {
+    const double left = avx2_weigh_four(x, i, scale, max, floor, weights);
+    total += left + avx2_weigh_four(x, i + 4, scale, max, floor, weights);
+    if (block_totals != nullptr) block_totals[i / sample::kWeighBlock] = total;
   }
-  for (; i < n; ++i) weights[i] = sample::candidate_weight(x[i], scale, max, floor);
-  return sample::weigh_totals(x, n, scale, max, floor, weights, cumulative, bin_mass, bin_count, nullptr, last);
+  return sample::weigh_finish(x, n, whole, total, scale, max, floor, weights, block_totals, bin_mass, bin_count,
+                              nullptr, last);
 }
 #pragma GCC pop_options
 

@@ -17,25 +17,29 @@ namespace {
 #include "ops_simd.h"
 #include "lora_simd.h"
 
-// sample_weigh.h's weights, eight at a time: the same operations as sample::exp_gap in each lane (no fused
-// multiply-add; the scaling by 2^k with VSCALEFPD, exact as the scalar multiplication by 2^k is), and with the bins
-// their indices, then its scalar pass for the sums.
+// sample_weigh.h's weights a block (eight) at a time: the same operations as sample::exp_gap in each lane (no fused
+// multiply-add; the scaling by 2^k with VSCALEFPD, exact as the scalar multiplication by 2^k is), the block's sum
+// in the registers by the pass's tree, and with the bins their indices; then weigh_finish.
 #pragma GCC optimize("fp-contract=off")
 // sample::exp_gap's polynomial in each lane, the same operations in the same order.
 inline __m512d estrin(__m512d r) {
-  const auto c = [](double value) { return _mm512_set1_pd(value); };
-  const auto add = [](auto a, auto b) { return _mm512_add_pd(a, b); };
-  const auto mul = [](auto a, auto b) { return _mm512_mul_pd(a, b); };
-  const __m512d r2 = mul(r, r), r4 = mul(r2, r2), r8 = mul(r4, r4);
-  const __m512d low = add(add(add(c(1.0), r), mul(add(c(sample::kC2), mul(c(sample::kC3), r)), r2)),
-                      mul(add(add(c(sample::kC4), mul(c(sample::kC5), r)), mul(add(c(sample::kC6), mul(c(sample::kC7), r)), r2)), r4));
-  const __m512d high = add(add(add(c(sample::kC8), mul(c(sample::kC9), r)), mul(add(c(sample::kC10), mul(c(sample::kC11), r)), r2)),
-                       mul(add(c(sample::kC12), mul(c(sample::kC13), r)), r4));
-  return add(low, mul(high, r8));
+  const __m512d r2 = _mm512_mul_pd(r, r), r4 = _mm512_mul_pd(r2, r2), r8 = _mm512_mul_pd(r4, r4);
+  const __m512d t01 = _mm512_add_pd(_mm512_set1_pd(1.0), r);
+  const __m512d t23 = _mm512_add_pd(_mm512_set1_pd(sample::kC2), _mm512_mul_pd(_mm512_set1_pd(sample::kC3), r));
+  const __m512d t45 = _mm512_add_pd(_mm512_set1_pd(sample::kC4), _mm512_mul_pd(_mm512_set1_pd(sample::kC5), r));
+  const __m512d t67 = _mm512_add_pd(_mm512_set1_pd(sample::kC6), _mm512_mul_pd(_mm512_set1_pd(sample::kC7), r));
+  const __m512d t89 = _mm512_add_pd(_mm512_set1_pd(sample::kC8), _mm512_mul_pd(_mm512_set1_pd(sample::kC9), r));
+  const __m512d t1011 = _mm512_add_pd(_mm512_set1_pd(sample::kC10), _mm512_mul_pd(_mm512_set1_pd(sample::kC11), r));
+  const __m512d t1213 = _mm512_add_pd(_mm512_set1_pd(sample::kC12), _mm512_mul_pd(_mm512_set1_pd(sample::kC13), r));
+  // low = ((1 + r) + (c2 + c3 r) r2) + ((c4 + c5 r) + (c6 + c7 r) r2) r4
+  const __m512d low = _mm512_add_pd(_mm512_add_pd(t01, _mm512_mul_pd(t23, r2)), _mm512_mul_pd(_mm512_add_pd(t45, _mm512_mul_pd(t67, r2)), r4));
+  // high = ((c8 + c9 r) + (c10 + c11 r) r2) + (c12 + c13 r) r4
+  const __m512d high = _mm512_add_pd(_mm512_add_pd(t89, _mm512_mul_pd(t1011, r2)), _mm512_mul_pd(t1213, r4));
+  return _mm512_add_pd(low, _mm512_mul_pd(high, r8));
 }
 
 double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
-                           double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
+                           double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) {
   const __m512d vscale = _mm512_set1_pd(scale), vmax = _mm512_set1_pd(max), vfloor = _mm512_set1_pd(floor);
   const __m512d minus_inf = _mm512_set1_pd(-HUGE_VAL), infinity = _mm512_set1_pd(HUGE_VAL);
   const __m512d lowest = _mm512_set1_pd(sample::kExpLowest), highest = _mm512_set1_pd(sample::kExpHighest);
@@ -47,8 +51,9 @@ double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, 
   const bool bins = bin_mass != nullptr;
   thread_local std::vector<int32_t> bin_index;
   if (bins && bin_index.size() < static_cast<size_t>(n)) bin_index.resize(static_cast<size_t>(n));
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  const int64_t whole = n - n % sample::kWeighBlock;
+  double total = 0.0;
+  for (int64_t i = 0; i < whole; i += 8) {
     __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
     if (scaled) v = _mm512_cvtps_pd(_mm512_cvtpd_ps(_mm512_mul_pd(v, vscale)));
     const __mmask8 candidate = _mm512_cmp_pd_mask(v, vfloor, _CMP_GE_OQ) & _mm512_cmp_pd_mask(v, minus_inf, _CMP_GT_OQ);
@@ -60,7 +65,14 @@ double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, 
     __m512d w = _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(d, lowest, _CMP_GT_OQ), _mm512_scalef_pd(p, k));
     w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, highest, _CMP_GT_OQ), infinity);
     w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, d, _CMP_UNORD_Q), d);
-    _mm512_storeu_pd(weights + i, _mm512_maskz_mov_pd(candidate, w));
+    w = _mm512_maskz_mov_pd(candidate, w);
+    _mm512_storeu_pd(weights + i, w);
+    // ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)) in lane 0 (each addition's operands in either order: the
+    // same sum).
+    const __m512d pairs = _mm512_add_pd(w, _mm512_permute_pd(w, 0x55));
+    const __m512d quads = _mm512_add_pd(pairs, _mm512_permutex_pd(pairs, _MM_SHUFFLE(1, 0, 3, 2)));
+    total += _mm512_cvtsd_f64(_mm512_add_pd(quads, _mm512_shuffle_f64x2(quads, quads, _MM_SHUFFLE(1, 0, 3, 2))));
+    if (block_totals != nullptr) block_totals[i / sample::kWeighBlock] = total;
     if (bins) {
       // sample::bin_of: truncation of (max - v) * 8 below the last bin, the last bin otherwise (NaN included).
       const __m512d gap = _mm512_mul_pd(_mm512_sub_pd(vmax, v), per_logit);
@@ -70,11 +82,7 @@ double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin_index.data() + i), index);
     }
   }
-  for (; i < n; ++i) {
-    weights[i] = sample::candidate_weight(x[i], scale, max, floor);
-    if (bins) bin_index[static_cast<size_t>(i)] = sample::bin_of(x[i], scale, max, floor);
-  }
-  return sample::weigh_totals(x, n, scale, max, floor, weights, cumulative, bin_mass, bin_count,
+  return sample::weigh_finish(x, n, whole, total, scale, max, floor, weights, block_totals, bin_mass, bin_count,
                               bins ? bin_index.data() : nullptr, last);
 }
 #pragma GCC pop_options

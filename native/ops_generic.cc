@@ -31,9 +31,16 @@ int64_t argmax(const float* x, int64_t n) {
 }
 
 double sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
-                    double* cumulative, double* bin_mass, int32_t* bin_count, int64_t* last) {
-  for (int64_t i = 0; i < n; ++i) weights[i] = sample::candidate_weight(x[i], scale, max, floor);
-  return sample::weigh_totals(x, n, scale, max, floor, weights, cumulative, bin_mass, bin_count, nullptr, last);
+                    double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) {
+  const int64_t whole = n - n % sample::kWeighBlock;
+  double total = 0.0;
+  for (int64_t b = 0; b < whole; b += sample::kWeighBlock) {
+    for (int64_t i = b; i < b + sample::kWeighBlock; ++i) weights[i] = sample::candidate_weight(x[i], scale, max, floor);
+    total += sample::block_sum(weights + b);
+    if (block_totals != nullptr) block_totals[b / sample::kWeighBlock] = total;
+  }
+  return sample::weigh_finish(x, n, whole, total, scale, max, floor, weights, block_totals, bin_mass, bin_count,
+                              nullptr, last);
 }
 
 void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {

@@ -2,8 +2,9 @@
 // TypeScript, and the reference it is tested against bit for bit): each value read scaled (the float nearest
 // x * scale, as a scaled copy of the row would hold it: 1 / temperature without making that copy); for each
 // candidate (scaled value >= floor and above -inf) the weight exp(value - max) in double precision, 0 for the
-// others; the running total in id order; optionally each id's running total (the draw's cumulative), and the top_p
-// bins: zeroed, then each candidate's weight and count added into the bin of its distance below the max (mass_bin).
+// others; their total (by blocks, below); optionally the running total after each block (what a draw searches), and
+// the top_p bins: zeroed, then each candidate's weight and count added into the bin of its distance below the max
+// (mass_bin).
 //
 // exp_gap is not the C library's exp but one both languages compute with the same IEEE operations in the same
 // order: Cody-Waite reduction by ln 2 (x = k ln 2 + r, |r| <= ln 2 / 2), the Taylor series of exp(r) to r^13
@@ -14,15 +15,16 @@
 // (exp would be subnormal there: such a token cannot be drawn next to the max's weight of 1), NaN stays NaN,
 // above 709 gives infinity.
 //
-// Only the weights (and the bins' indices) are computed per variant, in SIMD lanes of the same scalar arithmetic;
-// the running total, the cumulative and the bins' sums are one scalar pass in id order, as the TypeScript loop adds
-// them.
+// The total sums the weights by blocks of kWeighBlock ids, each block in a fixed tree ((w0 + w1) + (w2 + w3)) +
+// ((w4 + w5) + (w6 + w7)) (ids past the row's end as 0), the blocks in id order: a SIMD loop sums a block in its
+// registers (a running total in id order would be one long chain of additions). The weights and the blocks' sums
+// (avx512: the bins' indices too) are computed per variant, in SIMD lanes of the same scalar arithmetic; the bins'
+// sums are one scalar pass in id order, as the TypeScript loop adds them.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace conduit {
 namespace sample {
@@ -98,46 +100,46 @@ inline int32_t bin_of(float x, double scale, double max, double floor) {
   return is_candidate(v, floor) ? mass_bin(max - v) : kNoBin;
 }
 
-// The scalar pass in id order over weights already computed: returns the total, sets *last to the last id with a
-// weight other than 0 (0 when none), fills cumulative when given, and, with bin_mass / bin_count, zeroes them and
-// adds each candidate in (its bin from bin_index when given, else computed here).
-inline double weigh_totals(const float* x, int64_t n, double scale, double max, double floor, const double* weights,
-                           double* cumulative, double* bin_mass, int32_t* bin_count, const int32_t* bin_index,
-                           int64_t* last) {
+constexpr int64_t kWeighBlock = 8;
+
+// One block's weights summed in the pass's tree.
+inline double block_sum(const double* w) { return ((w[0] + w[1]) + (w[2] + w[3])) + ((w[4] + w[5]) + (w[6] + w[7])); }
+
+// The rest of the pass once the weights of the whole blocks [0, whole) are in and `total` is their running total
+// (block_totals filled for them): the weights after them and their partial block, the last id with a weight other
+// than 0 (0 when none) into *last, and the bins when asked (their indices from bin_index below `whole` when given,
+// else computed here). Returns the total.
+inline double weigh_finish(const float* x, int64_t n, int64_t whole, double total, double scale, double max,
+                           double floor, double* weights, double* block_totals, double* bin_mass, int32_t* bin_count,
+                           const int32_t* bin_index, int64_t* last) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
-  double total = 0.0;
+  if (whole < n) {
+    double w[kWeighBlock] = {};
+    for (int64_t i = whole; i < n; ++i) w[i - whole] = weights[i] = candidate_weight(x[i], scale, max, floor);
+    total += block_sum(w);
+    if (block_totals != nullptr) block_totals[whole / kWeighBlock] = total;
+  }
   int64_t last_id = 0;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    if (weights[i] != 0.0) {
+      last_id = i;
+      break;
+    }
+  }
+  *last = last_id;
   if (bin_mass != nullptr) {
     std::memset(bin_mass, 0, sizeof(double) * kMassBins);
     std::memset(bin_count, 0, sizeof(int32_t) * kMassBins);
     for (int64_t i = 0; i < n; ++i) {
-      const double w = weights[i];
-      total += w;
-      if (cumulative != nullptr) cumulative[i] = total;
-      if (w != 0.0) last_id = i;
-      const int32_t bin = bin_index != nullptr ? bin_index[i] : bin_of(x[i], scale, max, floor);
+      const int32_t bin = bin_index != nullptr && i < whole ? bin_index[i] : bin_of(x[i], scale, max, floor);
       if (bin != kNoBin) {
-        bin_mass[bin] += w;
+        bin_mass[bin] += weights[i];
         ++bin_count[bin];
       }
     }
-  } else if (cumulative != nullptr) {
-    for (int64_t i = 0; i < n; ++i) {
-      const double w = weights[i];
-      total += w;
-      cumulative[i] = total;
-      if (w != 0.0) last_id = i;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const double w = weights[i];
-      total += w;
-      if (w != 0.0) last_id = i;
-    }
   }
-  *last = last_id;
   return total;
 }
 

@@ -232,8 +232,8 @@ export class Sampler {
   private readonly weights: Float64Array;
   /** Candidate token ids, rearranged by the selections. */
   private readonly order: Int32Array;
-  /** weighRow's running sums of `weights` in id order, and the last id with a weight above 0. */
-  private readonly cumulative: Float64Array;
+  /** The weighing pass's running totals after each block of WEIGH_BLOCK ids, and the last id with a weight above 0. */
+  private readonly blockTotals: Float64Array;
   private lastWeighed = 0;
   /** top_p's weight and token count per distance below the max (see selectTopP). */
   private readonly binMass = new Float64Array(MASS_BINS);
@@ -260,7 +260,7 @@ export class Sampler {
     this.logits = new Float32Array(vocabSize);
     this.weights = new Float64Array(vocabSize);
     this.order = new Int32Array(vocabSize);
-    this.cumulative = new Float64Array(vocabSize);
+    this.blockTotals = new Float64Array(Math.ceil(vocabSize / WEIGH_BLOCK));
     this.weigh = options.weigh ?? weighCandidates;
     this.scaleInPass = options.weigh !== undefined;
     const fast = options.argmax;
@@ -324,11 +324,10 @@ export class Sampler {
 
   /**
    * Weighs a row for plain sampling (temperature > 0, no top-k/top-p/min-p) as sampleRow draws from it: processed,
-   * scaled by 1/T, each token's weight exp(value - max) into `weights` and their running sums in id order into
-   * `cumulative`. Returns the total weight. drawWeighed then gives, for a uniform,
-   * the token sampleRow's draw gives for it; so the first draw from a weighed row is sampleRow's, and further draws
-   * cost a binary search each. Nothing is recorded in the sequence. The weights stay valid until the next call on
-   * this Sampler.
+   * scaled by 1/T, each token's weight exp(value - max) into `weights` and the running totals of its blocks (see
+   * weighCandidates). Returns the total weight. drawWeighed then gives, for a uniform, the token sampleRow's draw
+   * gives for it; so the first draw from a weighed row is sampleRow's, and further draws cost a binary search each.
+   * Nothing is recorded in the sequence. The weights stay valid until the next call on this Sampler.
    */
   weighRow(row: Float32Array, sequence: SequenceSampler): number {
     if (row.length !== this.vocabSize) throw new RangeError(`logits row has ${row.length} values; vocabSize is ${this.vocabSize}`);
@@ -352,27 +351,39 @@ export class Sampler {
     // Throws as sampleRow does on a NaN or a row of -Infinity only. (Scaling keeps the order: the scaled max is the
     // max scaled.)
     const max = Math.fround(values[this.argmax(values)]! * scale);
-    const total = this.weigh(values, scale, max, -Infinity, this.weights, this.cumulative, null, null, this.lastOut);
+    const total = this.weigh(values, scale, max, -Infinity, this.weights, this.blockTotals, null, null, this.lastOut);
     this.lastWeighed = this.lastOut[0]!;
     return total;
   }
 
   /**
-   * The token of weighRow's row for a uniform draw in [0, 1): the first id whose running sum exceeds uniform x total
-   * (drawTruncated's scan, by binary search), the last weighed id when rounding leaves none.
+   * The token of weighRow's row for a uniform draw in [0, 1): the first block whose running total exceeds
+   * uniform x total (a binary search), then in it the first id whose running sum from the blocks before exceeds it
+   * (its last weighed id if rounding leaves none there); the last weighed id of the row when none does.
    */
   drawWeighed(total: number, uniform: number): number {
-    const { cumulative } = this;
+    const { blockTotals, weights } = this;
     const target = uniform * total;
+    const last = this.lastWeighed;
     let lo = 0;
-    let hi = this.lastWeighed;
-    if (!(cumulative[hi]! > target)) return hi;
+    let hi = Math.floor(last / WEIGH_BLOCK);
+    if (!(blockTotals[hi]! > target)) return last;
     while (lo < hi) {
       const mid = (lo + hi) >>> 1;
-      if (cumulative[mid]! > target) hi = mid;
+      if (blockTotals[mid]! > target) hi = mid;
       else lo = mid + 1;
     }
-    return lo;
+    let running = lo > 0 ? blockTotals[lo - 1]! : 0;
+    const start = lo * WEIGH_BLOCK;
+    let lastInBlock = start;
+    for (let i = start; i < Math.min(start + WEIGH_BLOCK, weights.length); i++) {
+      const weight = weights[i]!;
+      if (weight === 0) continue;
+      running += weight;
+      lastInBlock = i;
+      if (running > target) return i;
+    }
+    return lastInBlock;
   }
 
   /** weighRow's weights (read-only to callers). */
@@ -383,8 +394,8 @@ export class Sampler {
   // ---- random sampling with min_p / top_k / top_p
 
   /**
-   * A draw over the whole row, min_p at most: no ranking, the first id in id order whose running total exceeds the
-   * draw (drawWeighed's search). `scale` as drawTopK's: the weighing pass reads each value scaled.
+   * A draw over the whole row, min_p at most: no ranking, drawWeighed's search over the running totals. `scale` as
+   * drawTopK's: the weighing pass reads each value scaled.
    */
   private drawPlain(values: Float32Array, scale: number, sequence: SequenceSampler): number {
     // Scaling keeps the order: the scaled max is the max scaled.
@@ -392,7 +403,7 @@ export class Sampler {
     const { minP } = sequence.params;
     // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;
-    const total = this.weigh(values, scale, max, floor, this.weights, this.cumulative, null, null, this.lastOut);
+    const total = this.weigh(values, scale, max, floor, this.weights, this.blockTotals, null, null, this.lastOut);
     this.lastWeighed = this.lastOut[0]!;
     return this.drawWeighed(total, sequence.nextUniform());
   }
@@ -495,34 +506,50 @@ export class Sampler {
  * The weighing pass over a row, given its max and a floor. Each value is read at `scale`: as Math.fround(value *
  * scale), what a scaled copy of the row holds (1 / temperature, without making the copy; at 1, the value itself);
  * max and floor are on that scale. weights[i] = expGap(value - max) for the candidates (value >= floor, above
- * -Infinity) and 0 for the others; returns their total, summed in id order, and puts the last id with a weight
- * other than 0 (0 when none) into last[0]. cumulative, when given, gets each id's running total (what a draw
- * searches); binMass and binCount, when given, are zeroed, then get each candidate's weight and count added into
- * its top_p bin (massBin), in id order. native/sample_weigh.h is the same pass, bit for bit.
+ * -Infinity) and 0 for the others. The total sums them by blocks of WEIGH_BLOCK ids: each block's eight weights in
+ * a fixed tree, ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)) (ids past the row's end as 0), the blocks in id
+ * order; blockTotals, when given, gets the running total after each block (what a draw searches). Returns the total
+ * and puts the last id with a weight other than 0 (0 when none) into last[0]. binMass and binCount, when given, are
+ * zeroed, then get each candidate's weight and count added into its top_p bin (massBin), in id order.
+ * native/sample_weigh.h is the same pass, bit for bit. (The tree lets SIMD code sum a block in its registers: a
+ * running total in id order is one long chain of additions, which cost the native pass half its time.)
  */
 export type WeighCandidates = (values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
-  cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array) => number;
+  blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array) => number;
 
-export const weighCandidates: WeighCandidates = (values, scale, max, floor, weights, cumulative, binMass, binCount, last) => {
+/** Ids per block of weighCandidates' running total. */
+export const WEIGH_BLOCK = 8;
+
+export const weighCandidates: WeighCandidates = (values, scale, max, floor, weights, blockTotals, binMass, binCount, last) => {
   if (binMass !== null) {
     binMass.fill(0);
     binCount!.fill(0);
   }
-  let total = 0;
+  const n = values.length;
   let lastId = 0;
-  for (let i = 0; i < values.length; i++) {
+  for (let i = 0; i < n; i++) {
     const value = scale === 1 ? values[i]! : Math.fround(values[i]! * scale);
     const candidate = value >= floor && value > -Infinity;
     const weight = candidate ? expGap(value - max) : 0;
     weights[i] = weight;
-    total += weight;
-    if (cumulative !== null) cumulative[i] = total;
     if (weight !== 0) lastId = i;
     if (binMass !== null && candidate) {
       const bin = massBin(max - value);
       binMass[bin]! += weight; // massBin returns an index in [0, MASS_BINS)
       binCount![bin]!++;
     }
+  }
+  let total = 0;
+  const whole = n - (n % WEIGH_BLOCK);
+  for (let b = 0; b < whole; b += WEIGH_BLOCK) {
+    total += ((weights[b]! + weights[b + 1]!) + (weights[b + 2]! + weights[b + 3]!))
+      + ((weights[b + 4]! + weights[b + 5]!) + (weights[b + 6]! + weights[b + 7]!));
+    if (blockTotals !== null) blockTotals[b / WEIGH_BLOCK] = total;
+  }
+  if (whole < n) {
+    const w = (i: number) => (whole + i < n ? weights[whole + i]! : 0);
+    total += ((w(0) + w(1)) + (w(2) + w(3))) + ((w(4) + w(5)) + (w(6) + w(7)));
+    if (blockTotals !== null) blockTotals[whole / WEIGH_BLOCK] = total;
   }
   last[0] = lastId;
   return total;

@@ -3,7 +3,7 @@ import assert from 'node:assert/strict';
 import { Xoshiro128, drawRandomSeed } from '../../src/util/random.ts';
 import {
   argmax, expGap, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
-  validateSamplingParams, weighCandidates,
+  validateSamplingParams, WEIGH_BLOCK, weighCandidates,
 } from '../../src/engine/sampler.ts';
 import type { LogprobsMode, SampledToken } from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
@@ -247,35 +247,41 @@ describe('expGap', () => {
 });
 
 describe('weighCandidates', () => {
-  it('weighs the candidates at or above the floor, sums in id order, and bins them by distance below the max', () => {
+  it('weighs the candidates at or above the floor, sums them by blocks of 8 ids, and bins them by distance below the max', () => {
     const rng = Xoshiro128.fromSeed(6);
-    const row = randomLogits(rng, 3000);
+    // 3003 ids: 375 whole blocks and a partial one.
+    const row = randomLogits(rng, 3003);
     for (let i = 0; i < row.length; i += 7) row[i] = -Infinity;
-    row[2999] = -Infinity;
+    row[3002] = -Infinity;
     let max = -Infinity;
     for (const value of row) max = Math.max(max, value);
     const floor = max - 2.5;
     const weights = new Float64Array(row.length).fill(-1);
-    const cumulative = new Float64Array(row.length);
+    const blockTotals = new Float64Array(Math.ceil(row.length / WEIGH_BLOCK) + 1).fill(-1);
     const binMass = new Float64Array(MASS_BINS);
     const binCount = new Int32Array(MASS_BINS);
     const last = new Int32Array(1);
     binMass.fill(3); // stale: the pass zeroes the bins
     binCount.fill(3);
-    const total = weighCandidates(row, 1, max, floor, weights, cumulative, binMass, binCount, last);
-    let running = 0;
+    const total = weighCandidates(row, 1, max, floor, weights, blockTotals, binMass, binCount, last);
     let lastId = 0;
     const expectedCount = new Array<number>(MASS_BINS).fill(0);
     for (let i = 0; i < row.length; i++) {
       const candidate = row[i]! >= floor && row[i]! > -Infinity;
       assert.equal(weights[i], candidate ? expGap(row[i]! - max) : 0, `weight ${i}`);
-      running += weights[i]!;
-      assert.equal(cumulative[i], running, `cumulative ${i}`);
       if (candidate) {
         lastId = i;
         expectedCount[Math.min(Math.floor((max - row[i]!) * 8), MASS_BINS - 1)]!++;
       }
     }
+    // Each block's eight weights in the tree ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)), past the end as 0.
+    let running = 0;
+    for (let b = 0; b * WEIGH_BLOCK < row.length; b++) {
+      const w = (j: number) => weights[b * WEIGH_BLOCK + j] ?? 0;
+      running += ((w(0) + w(1)) + (w(2) + w(3))) + ((w(4) + w(5)) + (w(6) + w(7)));
+      assert.equal(blockTotals[b], running, `block ${b}`);
+    }
+    assert.equal(blockTotals[Math.ceil(row.length / WEIGH_BLOCK)], -1, 'nothing written past the last block');
     assert.equal(total, running);
     assert.equal(last[0], lastId);
     assert.deepEqual(Array.from(binCount), expectedCount);
@@ -286,7 +292,39 @@ describe('weighCandidates', () => {
     for (let i = 0; i < row.length; i++) assert.ok(Math.abs(weights[i]! / total - probabilities[i]!) < 1e-14, `probability ${i}`);
   });
 
-  it('leaves cumulative and the bins alone when not asked for, and gives 0 as the last id when nothing weighs', () => {
+  it("draws, for a uniform u, the token whose share of the mass holds u (a weighed row's search by blocks)", () => {
+    const rng = Xoshiro128.fromSeed(8);
+    const vocabSize = 1003;
+    const row = randomLogits(rng, vocabSize);
+    for (let i = 0; i < vocabSize; i += 5) row[i] = -Infinity; // weight 0: never drawn
+    const sampler = new Sampler(vocabSize);
+    const total = sampler.weighRow(row, sequence(vocabSize, { temperature: 1 }));
+    // Each token's interval [before, before + weight) of the mass, summed here in id order in exact-enough doubles.
+    const weights = sampler.rowWeights;
+    const edges: number[] = [];
+    let before = 0;
+    for (let i = 0; i < vocabSize; i++) {
+      edges.push(before);
+      before += weights[i]!;
+    }
+    let checked = 0;
+    for (let k = 0; k < 5000; k++) {
+      const u = rng.nextFloat();
+      const target = u * total;
+      let expected = vocabSize - 1;
+      while (expected > 0 && edges[expected]! > target) expected--;
+      while (weights[expected] === 0) expected--;
+      // Away from an edge (the sums' rounding may move a draw within 1e-12 of one to its neighbour).
+      const next = edges[expected]! + weights[expected]!;
+      if (target - edges[expected]! < 1e-12 * total || next - target < 1e-12 * total) continue;
+      assert.equal(sampler.drawWeighed(total, u), expected, `u = ${u}`);
+      checked++;
+    }
+    assert.ok(checked > 4900);
+    assert.notEqual(sampler.drawWeighed(total, 1 - 2 ** -53), 0, 'u near 1: a token at the top of the mass');
+  });
+
+  it('gives 0 as the last id when nothing weighs', () => {
     const row = Float32Array.from([-Infinity, -Infinity, -Infinity]);
     const last = Int32Array.of(9);
     assert.equal(weighCandidates(row, 1, 0, -Infinity, new Float64Array(3), null, null, null, last), 0);
@@ -302,9 +340,9 @@ describe('weighCandidates', () => {
     for (const value of copy) max = Math.max(max, value);
     const floor = max - 2;
     const pass = (values: Float32Array, at: number) => {
-      const out = { weights: new Float64Array(values.length), cumulative: new Float64Array(values.length),
+      const out = { weights: new Float64Array(values.length), blockTotals: new Float64Array(values.length),
         binMass: new Float64Array(MASS_BINS), binCount: new Int32Array(MASS_BINS), last: new Int32Array(1) };
-      const total = weighCandidates(values, at, max, floor, out.weights, out.cumulative, out.binMass, out.binCount, out.last);
+      const total = weighCandidates(values, at, max, floor, out.weights, out.blockTotals, out.binMass, out.binCount, out.last);
       return { total, ...out };
     };
     assert.deepEqual(pass(row, scale), pass(copy, 1));

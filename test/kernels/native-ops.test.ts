@@ -327,7 +327,7 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
     }
   });
 
-  it("sampleWeigh: the sampler's weighing pass bit for bit (weights, running totals, last id, top_p bins)", () => {
+  it("sampleWeigh: the sampler's weighing pass bit for bit (weights, blocks' running totals, last id, top_p bins)", () => {
     const rand = seeded(83);
     const rows: [string, Float32Array][] = [];
     for (const n of [...ROW_LENGTHS, 32000]) {
@@ -356,28 +356,32 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         const max = Math.fround(rawMax * scale);
         // No floor, a min_p floor, and a floor above every value (no candidate).
         for (const floor of [-Infinity, max - 3, max + 1]) {
-          for (const withCumulative of [false, true]) {
+          for (const withTotals of [false, true]) {
             for (const withBins of [false, true]) {
               const n = row.length;
-              const expected = { weights: new Float64Array(n), cumulative: new Float64Array(n), binMass: new Float64Array(MASS_BINS),
+              const expected = { weights: new Float64Array(n), blockTotals: new Float64Array(n), binMass: new Float64Array(MASS_BINS),
                 binCount: new Int32Array(MASS_BINS), last: new Int32Array(1) };
-              const total = weighCandidates(row, scale, max, floor, expected.weights, withCumulative ? expected.cumulative : null,
+              const total = weighCandidates(row, scale, max, floor, expected.weights, withTotals ? expected.blockTotals : null,
                 withBins ? expected.binMass : null, withBins ? expected.binCount : null, expected.last);
               for (const variant of variants) {
-                const what = `${name} scale ${scale} floor ${floor} cumulative ${withCumulative} bins ${withBins} ${variant}`;
+                const what = `${name} scale ${scale} floor ${floor} block totals ${withTotals} bins ${withBins} ${variant}`;
                 // Stale values everywhere (the bins too: the pass zeroes them), so a slot the kernel should write and
                 // does not is seen.
-                const got = { weights: new Float64Array(n).fill(-7), cumulative: new Float64Array(n).fill(-7),
+                const got = { weights: new Float64Array(n).fill(-7), blockTotals: new Float64Array(n).fill(-7),
                   binMass: new Float64Array(MASS_BINS).fill(-7), binCount: new Int32Array(MASS_BINS).fill(-7), last: Int32Array.of(-7) };
                 const gotTotal = native().ops.sampleWeigh(variant, row, scale, max, floor, got.weights,
-                  withCumulative ? got.cumulative : null, withBins ? got.binMass : null, withBins ? got.binCount : null, got.last);
+                  withTotals ? got.blockTotals : null, withBins ? got.binMass : null, withBins ? got.binCount : null, got.last);
                 assert.ok(same(gotTotal, total), `${what}: total ${gotTotal} against ${total}`);
                 assert.equal(got.last[0], expected.last[0], `${what}: last id`);
                 for (let i = 0; i < n; i++) {
                   if (!same(got.weights[i]!, expected.weights[i]!)) assert.fail(`${what}: weight ${i} ${got.weights[i]} against ${expected.weights[i]}`);
-                  if (withCumulative && !same(got.cumulative[i]!, expected.cumulative[i]!)) assert.fail(`${what}: cumulative ${i}`);
                 }
-                if (!withCumulative) assert.ok(got.cumulative.every((v) => v === -7), `${what}: cumulative written though not asked for`);
+                // The running total after each block of 8 ids, and nothing past the last block.
+                const blocks = withTotals ? Math.ceil(n / 8) : 0;
+                for (let b = 0; b < blocks; b++) {
+                  if (!same(got.blockTotals[b]!, expected.blockTotals[b]!)) assert.fail(`${what}: block total ${b}`);
+                }
+                assert.ok(got.blockTotals.subarray(blocks).every((v) => v === -7), `${what}: block totals written past the blocks or not asked for`);
                 for (let b = 0; b < MASS_BINS; b++) {
                   if (withBins ? !same(got.binMass[b]!, expected.binMass[b]!) || got.binCount[b] !== expected.binCount[b]
                     : got.binMass[b] !== -7 || got.binCount[b] !== -7) assert.fail(`${what}: bin ${b}`);
