@@ -28,6 +28,8 @@ export interface LoadOptions {
   outputTokens: number;
   /** Send ignore_eos (a vLLM and Conduit extension), so every request generates exactly outputTokens. */
   ignoreEos?: boolean;
+  /** Sampling parameters sent with every request (as temperature and top_p); those not given are not sent. */
+  sampling?: { temperature?: number; topP?: number };
   stream: boolean;
   /** Arrivals per second (open loop). Without it the run is closed-loop with `concurrency` clients. */
   rate?: number;
@@ -265,7 +267,7 @@ class Run {
   }
 
   private async send(index: number): Promise<void> {
-    const { workload, stream, outputTokens, endpoint, ignoreEos } = this.options;
+    const { workload, stream, outputTokens, endpoint, ignoreEos, sampling } = this.options;
     const prompt = workload.prompt(index);
     const body: Record<string, unknown> = { ...(this.model !== undefined ? { model: this.model } : {}) };
     if (endpoint === 'chat') {
@@ -278,6 +280,8 @@ class Run {
     }
     body.max_tokens = outputTokens;
     if (ignoreEos) body.ignore_eos = true;
+    if (sampling?.temperature !== undefined) body.temperature = sampling.temperature;
+    if (sampling?.topP !== undefined) body.top_p = sampling.topP;
     if (stream) {
       body.stream = true;
       body.stream_options = { include_usage: true };

@@ -32,6 +32,8 @@ const FLAGS = {
   'question-tokens': { type: 'number', help: 'shared-prefix workload: length of each question', default: 64 },
   'output-tokens': { type: 'number', help: 'max_tokens of every request', default: 128 },
   'ignore-eos': { type: 'boolean', help: 'send ignore_eos so every request generates exactly --output-tokens (vLLM, Conduit)' },
+  temperature: { type: 'number', help: 'sampling temperature of every request, 0 for greedy (default: none sent, so the server\'s default: 1 in the OpenAI API and Conduit)' },
+  'top-p': { type: 'number', help: 'top_p of every request, in (0, 1] (default: none sent)' },
   stream: { type: 'boolean', help: 'stream responses (SSE): needed for TTFT and ITL', short: 's' },
   timeout: { type: 'number', help: 'seconds one request may take before it counts as an error', default: 120 },
   seed: { type: 'number', help: 'seed of the prompts and the arrival times (default: a new one each run, printed in the report, so a rerun does not just measure the prefix cache)' },
@@ -128,6 +130,12 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (values['result-file'] !== undefined && values.output !== undefined) throw new UsageError('give --result-file or --output (its older name), not both');
   const outputFile = values['result-file'] ?? values.output;
   const concurrency = wholeNumber('concurrency', values.concurrency, 1);
+  const temperature = values.temperature;
+  if (temperature !== undefined && !(temperature >= 0 && Number.isFinite(temperature))) {
+    throw new UsageError(`--temperature must be a number >= 0, got ${temperature}`);
+  }
+  const topP = values['top-p'];
+  if (topP !== undefined && !(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);
   const durationSec = positive('duration', values.duration);
   // Unbounded runs are not offered: without either bound, a fixed number of requests.
   const requests = wholeNumber('requests', values.requests, 1) ?? (durationSec === undefined ? 100 : undefined);
@@ -141,6 +149,9 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     ...(rate !== undefined ? { rate } : {}),
     ...(burstiness !== undefined ? { burstiness } : {}),
     ...(goodput !== undefined ? { goodput } : {}),
+    ...(temperature !== undefined || topP !== undefined ? { sampling: {
+      ...(temperature !== undefined ? { temperature } : {}), ...(topP !== undefined ? { topP } : {}),
+    } } : {}),
     ...(concurrency !== undefined ? { concurrency } : {}),
     ...(requests !== undefined ? { requests } : {}),
     ...(durationSec !== undefined ? { durationSec } : {}),

@@ -146,6 +146,27 @@ describe('conduit bench failure handling', () => {
     assert.deepEqual(result.summary.errors, { ECONNREFUSED: 2 });
   });
 
+  it('sends temperature and top_p when given, and nothing of them otherwise', async () => {
+    const bodies: Record<string, unknown>[] = [];
+    const { url, server } = await stubServer((req, res) => {
+      let text = '';
+      req.on('data', (chunk: Buffer) => { text += chunk.toString(); });
+      req.on('end', () => {
+        bodies.push(JSON.parse(text) as Record<string, unknown>);
+        res.writeHead(503).end();
+      });
+    });
+    try {
+      await runLoad({ url, endpoint: 'completions', model: 'm', workload, outputTokens: 1, stream: false, requests: 1, sampling: { temperature: 0.7, topP: 0.9 } });
+      await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 1, sampling: { temperature: 0 } });
+      await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 1 });
+      assert.deepEqual(bodies.map((b) => [b.temperature, b.top_p]), [[0.7, 0.9], [0, undefined], [undefined, undefined]]);
+      assert.ok(!('temperature' in bodies[2]!) && !('top_p' in bodies[2]!));
+    } finally {
+      await closeServer(server);
+    }
+  });
+
   it('times out a server that never answers', async () => {
     const { url, server } = await stubServer(() => undefined);
     try {
@@ -219,6 +240,10 @@ describe('conduit bench flags', () => {
     // `conduit serve --model` reads CONDUIT_MODEL (a model file): the load generator must not send that as "model".
     assert.equal((parseBenchConfig([], { CONDUIT_MODEL: '/models/llama.gguf', CONDUIT_SEED: '9' }) as BenchConfig).load.model, undefined);
     assert.equal(envName('model', BENCH_FLAGS.model), 'CONDUIT_BENCH_MODEL');
+    // Sampling: none sent unless given; the twins as for every flag.
+    assert.equal(c.load.sampling, undefined);
+    const sampled = parseBenchConfig(['--temperature', '0'], { CONDUIT_BENCH_TOP_P: '0.95', CONDUIT_BENCH_TEMPERATURE: '0.8' }) as BenchConfig;
+    assert.deepEqual(sampled.load.sampling, { temperature: 0, topP: 0.95 });
   });
 
   it('refuses bad values naming the flag', () => {
@@ -226,6 +251,7 @@ describe('conduit bench flags', () => {
       [['--url', 'ftp://x'], /--url/], [['--endpoint', 'embeddings'], /--endpoint/], [['--workload', 'chaos'], /--workload/],
       [['--rate', '0'], /--rate/], [['--concurrency', '1.5'], /--concurrency/], [['--requests', '0'], /--requests/],
       [['--groups', '0', '--workload', 'shared-prefix'], /--groups/], [['--timeout', '-1'], /--timeout/], [['extra'], /unexpected/],
+      [['--temperature', '-0.5'], /--temperature/], [['--top-p', '0'], /--top-p/], [['--top-p', '1.5'], /--top-p/],
     ];
     for (const [argv, message] of bad) {
       assert.throws(() => parseBenchConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message), argv.join(' '));
