@@ -17,11 +17,13 @@
 // Rows are seeded pseudo-random logits (std 3, a few peaks), the same for every case and pass. Each number is the
 // median over passes of (CPU time to sample every row) / rows, in µs (the plain loops, far slower, time 24 rows). --sampler-module loads another Sampler
 // implementation (e.g. a copy of an earlier revision's src/engine/sampler.ts) to compare against in the same run.
+// With the native addon: a "native" column (the Sampler given the addon's argmax and weighing pass, as EngineCore
+// gives it the native backend's), and the weighing pass alone (weighCandidates and ops.sampleWeigh per variant).
 
 import { pathToFileURL } from 'node:url';
 import { DEFAULT_SAMPLING, type SamplingParams } from '../src/engine/types.ts';
 import * as ours from '../src/engine/sampler.ts';
-import { tryLoadNativeAddon } from '../src/kernels/native.ts';
+import { supportedVariants, tryLoadNativeAddon } from '../src/kernels/native.ts';
 import { seededRandom as seededUniform } from '../src/util/random.ts';
 
 function argument(name: string, fallback: string): string {
@@ -186,12 +188,49 @@ const widths = [12, 9, ...(nativeOptions ? [8, 12] : []), ...(other ? [17] : [])
 console.log(header.map((h, i) => (i === 0 ? h.padEnd(widths[i]!) : h.padStart(widths[i]!))).join('  '));
 for (const { name, params } of CASES) {
   // The plain loops take milliseconds per row: fewer rows keep the run short.
-  const [mine, plain, withNative, theirs] = timeRows([
+  const times = timeRows([
     samplerContender(ours, params), { sampleRow: plainSampler(params), rows: Math.min(ROWS, PLAIN_ROWS) },
     ...(nativeOptions ? [samplerContender(ours, params, nativeOptions)] : []),
     ...(other ? [samplerContender(other, params)] : []),
-  ]).concat(nativeOptions ? [] : [NaN]) as [number, number, number, number | undefined];
+  ]);
+  const [mine, plain] = times as [number, number];
+  const withNative = nativeOptions ? times[2]! : NaN;
+  const theirs = other ? times[nativeOptions ? 3 : 2] : undefined;
   const cells = [name, mine.toFixed(1), ...(nativeOptions ? [withNative.toFixed(1), `${(mine / withNative).toFixed(1)}x`] : []),
     ...(theirs !== undefined ? [theirs.toFixed(1)] : []), plain.toFixed(1), `${(plain / mine).toFixed(1)}x`];
   console.log(cells.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  '));
+}
+
+// The weighing pass alone (a draw over the whole row weighs every token: exp, the blocks' totals; top_p also bins
+// them), on rows as the Sampler's temperature case scales them: JavaScript's, and that of each variant the CPU runs.
+{
+  const scale = 1 / base.temperature;
+  const weights = new Float64Array(VOCAB), blockTotals = new Float64Array(VOCAB);
+  const binMass = new Float64Array(ours.MASS_BINS), binCount = new Int32Array(ours.MASS_BINS), last = new Int32Array(1);
+  // Each row's scaled max, found once: timeRows hands the rows over in order, pass after pass.
+  const maxima = Array.from({ length: ROWS }, (_, r) => {
+    let max = -Infinity;
+    for (let i = r * VOCAB; i < (r + 1) * VOCAB; i++) if (logits[i]! > max) max = logits[i]!;
+    return Math.fround(max * scale);
+  });
+  const variantsHere = addon ? supportedVariants(addon.cpuInfo()).filter((v) => ['generic', 'avx2', 'avx512'].includes(v)) : [];
+  const passes: [string, ours.WeighCandidates][] = [['JavaScript', ours.weighCandidates],
+    ...variantsHere.map((variant) => [variant, (...args: Parameters<ours.WeighCandidates>) => addon!.ops.sampleWeigh(variant, ...args)] as [string, ours.WeighCandidates])];
+  const contender = (weigh: ours.WeighCandidates, bins: boolean): Contender => {
+    let next = 0;
+    return {
+      rows: ROWS,
+      sampleRow: (row) => {
+        const max = maxima[next]!;
+        next = (next + 1) % ROWS;
+        return weigh(row, scale, max, -Infinity, weights, bins ? null : blockTotals, bins ? binMass : null, bins ? binCount : null, last);
+      },
+    };
+  };
+  const plainTimes = timeRows(passes.map(([, weigh]) => contender(weigh, false)));
+  const binnedTimes = timeRows(passes.map(([, weigh]) => contender(weigh, true)));
+  console.log(`\nthe weighing pass alone, µs per row (each value read at 1/T = ${scale.toFixed(3)} in the pass):`);
+  for (const [i, [name]] of passes.entries()) {
+    console.log(`  ${name.padEnd(10)}  weights and block totals ${plainTimes[i]!.toFixed(1).padStart(6)}   with top_p's bins ${binnedTimes[i]!.toFixed(1).padStart(6)}`);
+  }
 }
