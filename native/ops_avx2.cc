@@ -18,28 +18,17 @@ namespace {
 #include "lora_simd.h"
 #include "lora_q8_avx2.h"
 
-// sample_weigh.h's weights a block (eight) at a time, four per vector: the same operations as sample::exp_gap in
-// each lane (no fused multiply-add; 2^k built from its bits, as the scalar pow2), the block's sum by the pass's
-// tree; then weigh_finish (the bins' indices computed there).
 #pragma GCC optimize("fp-contract=off")
-// sample::exp_gap's polynomial in each lane, the same operations in the same order.
-inline __m256d estrin(__m256d r) {
-  const __m256d r2 = _mm256_mul_pd(r, r), r4 = _mm256_mul_pd(r2, r2), r8 = _mm256_mul_pd(r4, r4);
-  const __m256d t01 = _mm256_add_pd(_mm256_set1_pd(1.0), r);
-  const __m256d t23 = _mm256_add_pd(_mm256_set1_pd(sample::kC2), _mm256_mul_pd(_mm256_set1_pd(sample::kC3), r));
-  const __m256d t45 = _mm256_add_pd(_mm256_set1_pd(sample::kC4), _mm256_mul_pd(_mm256_set1_pd(sample::kC5), r));
-  const __m256d t67 = _mm256_add_pd(_mm256_set1_pd(sample::kC6), _mm256_mul_pd(_mm256_set1_pd(sample::kC7), r));
-  const __m256d t89 = _mm256_add_pd(_mm256_set1_pd(sample::kC8), _mm256_mul_pd(_mm256_set1_pd(sample::kC9), r));
-  const __m256d t1011 = _mm256_add_pd(_mm256_set1_pd(sample::kC10), _mm256_mul_pd(_mm256_set1_pd(sample::kC11), r));
-  const __m256d t1213 = _mm256_add_pd(_mm256_set1_pd(sample::kC12), _mm256_mul_pd(_mm256_set1_pd(sample::kC13), r));
-  // low = ((1 + r) + (c2 + c3 r) r2) + ((c4 + c5 r) + (c6 + c7 r) r2) r4
-  const __m256d low = _mm256_add_pd(_mm256_add_pd(t01, _mm256_mul_pd(t23, r2)), _mm256_mul_pd(_mm256_add_pd(t45, _mm256_mul_pd(t67, r2)), r4));
-  // high = ((c8 + c9 r) + (c10 + c11 r) r2) + (c12 + c13 r) r4
-  const __m256d high = _mm256_add_pd(_mm256_add_pd(t89, _mm256_mul_pd(t1011, r2)), _mm256_mul_pd(t1213, r4));
-  return _mm256_add_pd(low, _mm256_mul_pd(high, r8));
-}
+// Doubles in __m256d registers, for sample_weigh_simd.h.
+struct Avx2d {
+  using V = __m256d;
+  static V set1(double x) { return _mm256_set1_pd(x); }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+};
+#include "sample_weigh_simd.h"
 
-// The weights of x[i, i + 4) into weights; returns (w0 + w1) + (w2 + w3).
+// The weights of x[i, i + 4) into weights (sample::candidate_weight in each lane); returns (w0 + w1) + (w2 + w3).
 inline double avx2_weigh_four(const float* x, int64_t i, double scale, double max, double floor, double* weights) {
   __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
   if (scale != 1.0) v = _mm256_cvtps_pd(_mm256_cvtpd_ps(_mm256_mul_pd(v, _mm256_set1_pd(scale))));
@@ -50,7 +39,7 @@ inline double avx2_weigh_four(const float* x, int64_t i, double scale, double ma
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m256d r = _mm256_sub_pd(_mm256_sub_pd(d, _mm256_mul_pd(k, _mm256_set1_pd(sample::kLn2Hi))),
                                   _mm256_mul_pd(k, _mm256_set1_pd(sample::kLn2Lo)));
-  const __m256d p = estrin(r);
+  const __m256d p = sample_estrin<Avx2d>(r);
   // k is integral; in the lanes that are kept it lies in [-1021, 1023], so k + 1023 is a valid biased exponent.
   const __m256i exponent =
       _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(_mm256_cvtpd_epi32(k), _mm_set1_epi32(1023))), 52);
@@ -64,6 +53,9 @@ inline double avx2_weigh_four(const float* x, int64_t i, double scale, double ma
   return _mm_cvtsd_f64(_mm_add_pd(_mm256_castpd256_pd128(pairs), _mm256_extractf128_pd(pairs, 1)));
 }
 
+// sample_weigh.h's weights a block (eight) at a time, four per vector: the same operations as sample::exp_gap in
+// each lane (no fused multiply-add; 2^k built from its bits, as the scalar pow2), the block's sum by the pass's
+// tree; then weigh_finish (the bins' indices computed there).
 double avx2_sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
                          double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) {
   const int64_t whole = n - n % sample::kWeighBlock;

@@ -17,27 +17,19 @@ namespace {
 #include "ops_simd.h"
 #include "lora_simd.h"
 
+#pragma GCC optimize("fp-contract=off")
+// Doubles in __m512d registers, for sample_weigh_simd.h.
+struct Avx512d {
+  using V = __m512d;
+  static V set1(double x) { return _mm512_set1_pd(x); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+};
+#include "sample_weigh_simd.h"
+
 // sample_weigh.h's weights a block (eight) at a time: the same operations as sample::exp_gap in each lane (no fused
 // multiply-add; the scaling by 2^k with VSCALEFPD, exact as the scalar multiplication by 2^k is), the block's sum
 // in the registers by the pass's tree, and with the bins their indices; then weigh_finish.
-#pragma GCC optimize("fp-contract=off")
-// sample::exp_gap's polynomial in each lane, the same operations in the same order.
-inline __m512d estrin(__m512d r) {
-  const __m512d r2 = _mm512_mul_pd(r, r), r4 = _mm512_mul_pd(r2, r2), r8 = _mm512_mul_pd(r4, r4);
-  const __m512d t01 = _mm512_add_pd(_mm512_set1_pd(1.0), r);
-  const __m512d t23 = _mm512_add_pd(_mm512_set1_pd(sample::kC2), _mm512_mul_pd(_mm512_set1_pd(sample::kC3), r));
-  const __m512d t45 = _mm512_add_pd(_mm512_set1_pd(sample::kC4), _mm512_mul_pd(_mm512_set1_pd(sample::kC5), r));
-  const __m512d t67 = _mm512_add_pd(_mm512_set1_pd(sample::kC6), _mm512_mul_pd(_mm512_set1_pd(sample::kC7), r));
-  const __m512d t89 = _mm512_add_pd(_mm512_set1_pd(sample::kC8), _mm512_mul_pd(_mm512_set1_pd(sample::kC9), r));
-  const __m512d t1011 = _mm512_add_pd(_mm512_set1_pd(sample::kC10), _mm512_mul_pd(_mm512_set1_pd(sample::kC11), r));
-  const __m512d t1213 = _mm512_add_pd(_mm512_set1_pd(sample::kC12), _mm512_mul_pd(_mm512_set1_pd(sample::kC13), r));
-  // low = ((1 + r) + (c2 + c3 r) r2) + ((c4 + c5 r) + (c6 + c7 r) r2) r4
-  const __m512d low = _mm512_add_pd(_mm512_add_pd(t01, _mm512_mul_pd(t23, r2)), _mm512_mul_pd(_mm512_add_pd(t45, _mm512_mul_pd(t67, r2)), r4));
-  // high = ((c8 + c9 r) + (c10 + c11 r) r2) + (c12 + c13 r) r4
-  const __m512d high = _mm512_add_pd(_mm512_add_pd(t89, _mm512_mul_pd(t1011, r2)), _mm512_mul_pd(t1213, r4));
-  return _mm512_add_pd(low, _mm512_mul_pd(high, r8));
-}
-
 double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
                            double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) {
   const __m512d vscale = _mm512_set1_pd(scale), vmax = _mm512_set1_pd(max), vfloor = _mm512_set1_pd(floor);
@@ -61,7 +53,7 @@ double avx512_sample_weigh(const float* x, int64_t n, double scale, double max, 
     const __m512d k = _mm512_roundscale_pd(_mm512_add_pd(_mm512_mul_pd(d, inv_ln2), half),
                                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512d r = _mm512_sub_pd(_mm512_sub_pd(d, _mm512_mul_pd(k, ln2_hi)), _mm512_mul_pd(k, ln2_lo));
-    const __m512d p = estrin(r);
+    const __m512d p = sample_estrin<Avx512d>(r);
     __m512d w = _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(d, lowest, _CMP_GT_OQ), _mm512_scalef_pd(p, k));
     w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, highest, _CMP_GT_OQ), infinity);
     w = _mm512_mask_mov_pd(w, _mm512_cmp_pd_mask(d, d, _CMP_UNORD_Q), d);

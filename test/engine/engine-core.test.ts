@@ -76,6 +76,17 @@ const PROMPTS = [
   'One day, a little boy named Tim went to the park with his mom. They saw a dog.', 'Sue',
 ];
 
+/** The backend as it is (class or object), one member replaced (undefined: taken away). */
+function withMember<T extends object>(runner: T, key: string, replacement: unknown): T {
+  return new Proxy(runner, {
+    get: (target, k) => {
+      if (k === key) return replacement;
+      const value: unknown = Reflect.get(target, k);
+      return typeof value === 'function' ? value.bind(target) : value;
+    },
+  });
+}
+
 const backends = engineBackends();
 for (const backend of backends) {
   // The stress exercises bookkeeping, which no backend changes: it runs once, on the fastest backend here.
@@ -103,84 +114,55 @@ for (const backend of backends) {
       assertNoLeak(core);
     });
 
-    test("greedy and truncated sampling take the backend's argmax, and the sampler's own for the rows it gives back", async () => {
+    /** Each prompt's requests as `add` makes them, run to the end: every completion's tokens, by request id. */
+    const runPrompts = async (add: (core: EngineCore, ids: number[], i: number) => void, wrap?: CoreOptions['wrap']) => {
       const { tokenizer } = await model();
-      const prompts = PROMPTS.map((p) => tokenizer.encode(p));
-      const run = async (wrap?: CoreOptions['wrap']) => {
-        const core = await makeCore(backend, wrap !== undefined ? { wrap } : {});
-        prompts.forEach((ids, i) => {
-          core.add(request(`g${i}`, ids, { temperature: 0, ignoreEos: true }));
-          core.add(request(`p${i}`, ids, { temperature: 0.8, topP: 0.9, seed: 7 + i, ignoreEos: true }));
-        });
-        const results = runToEnd(core);
-        assertNoLeak(core);
-        return [...results].sort(([a], [b]) => a.localeCompare(b)).map(([id, c]) => [id, c[0]!.tokens]);
+      const core = await makeCore(backend, wrap !== undefined ? { wrap } : {});
+      PROMPTS.forEach((p, i) => add(core, tokenizer.encode(p), i));
+      const results = runToEnd(core);
+      assertNoLeak(core);
+      return [...results].sort(([a], [b]) => a.localeCompare(b)).map(([id, c]) => [id, c[0]!.tokens] as const);
+    };
+
+    test("greedy and truncated sampling take the backend's argmax, and the sampler's own for the rows it gives back", async () => {
+      const add = (core: EngineCore, ids: number[], i: number) => {
+        core.add(request(`g${i}`, ids, { temperature: 0, ignoreEos: true }));
+        core.add(request(`p${i}`, ids, { temperature: 0.8, topP: 0.9, seed: 7 + i, ignoreEos: true }));
       };
-      const plain = await run();
+      const plain = await runPrompts(add);
       // Every other row answered -1 (as for a NaN row): the sampler's JavaScript argmax picks those.
       let calls = 0;
       let answered = 0;
-      const halved = await run((runner) => {
-        const argmax = (row: Float32Array) => {
-          if (calls++ % 2 === 0) return -1;
-          const id = runner.argmax?.(row) ?? -1;
-          if (id >= 0) answered++;
-          return id;
-        };
-        // The backend as it is (class or object), its argmax replaced.
-        return new Proxy(runner, {
-          get: (target, key) => {
-            if (key === 'argmax') return argmax;
-            const value: unknown = Reflect.get(target, key);
-            return typeof value === 'function' ? value.bind(target) : value;
-          },
-        });
-      });
+      const halved = await runPrompts(add, (runner) => withMember(runner, 'argmax', (row: Float32Array) => {
+        if (calls++ % 2 === 0) return -1;
+        const id = runner.argmax?.(row) ?? -1;
+        if (id >= 0) answered++;
+        return id;
+      }));
       assert.deepEqual(halved, plain);
-      assert.ok(calls >= prompts.length * 2 * 24, `the backend's argmax was asked for every row (${calls} calls)`);
+      assert.ok(calls >= PROMPTS.length * 2 * 24, `the backend's argmax was asked for every row (${calls} calls)`);
       // The native backend has its own pass; the reference backend has none, so the sampler picked every row.
       assert.equal(answered > 0, backend.name === 'native', `rows the backend's argmax answered: ${answered}`);
     });
 
     test("temperature, min_p and top_p draws take the backend's weighing pass, and draw what the sampler's own gives", async () => {
-      const { tokenizer } = await model();
-      const prompts = PROMPTS.map((p) => tokenizer.encode(p));
-      const run = async (wrap?: CoreOptions['wrap']) => {
-        const core = await makeCore(backend, wrap !== undefined ? { wrap } : {});
-        prompts.forEach((ids, i) => {
-          core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
-          core.add(request(`m${i}`, ids, { temperature: 0.7, minP: 0.05, seed: 21 + i, ignoreEos: true }));
-          core.add(request(`p${i}`, ids, { temperature: 1.2, topP: 0.9, seed: 31 + i, ignoreEos: true }));
-        });
-        const results = runToEnd(core);
-        assertNoLeak(core);
-        return [...results].sort(([a], [b]) => a.localeCompare(b)).map(([id, c]) => [id, c[0]!.tokens]);
+      const add = (core: EngineCore, ids: number[], i: number) => {
+        core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
+        core.add(request(`m${i}`, ids, { temperature: 0.7, minP: 0.05, seed: 21 + i, ignoreEos: true }));
+        core.add(request(`p${i}`, ids, { temperature: 1.2, topP: 0.9, seed: 31 + i, ignoreEos: true }));
       };
       let calls = 0;
-      const counted = await run((runner) => new Proxy(runner, {
-        get: (target, key) => {
-          const value: unknown = Reflect.get(target, key);
-          if (key === 'sampleWeigh' && typeof value === 'function') {
-            return (...args: unknown[]) => {
-              calls++;
-              return (value as (...a: unknown[]) => number).apply(target, args);
-            };
-          }
-          return typeof value === 'function' ? value.bind(target) : value;
-        },
-      }));
+      const counted = await runPrompts(add, (runner) => withMember(runner, 'sampleWeigh', runner.sampleWeigh === undefined ? undefined
+        : (...args: Parameters<NonNullable<typeof runner.sampleWeigh>>) => {
+          calls++;
+          return runner.sampleWeigh!(...args);
+        }));
       // The same backend without the pass: the sampler weighs in JavaScript.
-      const without = await run((runner) => new Proxy(runner, {
-        get: (target, key) => {
-          if (key === 'sampleWeigh') return undefined;
-          const value: unknown = Reflect.get(target, key);
-          return typeof value === 'function' ? value.bind(target) : value;
-        },
-      }));
+      const without = await runPrompts(add, (runner) => withMember(runner, 'sampleWeigh', undefined));
       assert.deepEqual(counted, without);
-      assert.ok(new Set(counted.flatMap(([, tokens]) => tokens as number[])).size > 20, 'random draws, not one repeated token');
+      assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
       // The native backend has the pass (every row of the three kinds went through it); the reference backend has none.
-      assert.equal(calls >= prompts.length * 3 * 24, backend.name === 'native', `rows the backend's pass weighed: ${calls}`);
+      assert.equal(calls >= PROMPTS.length * 3 * 24, backend.name === 'native', `rows the backend's pass weighed: ${calls}`);
     });
 
     test('the same seed gives the same tokens whatever the batch, chunk size and prefix-cache state', async () => {
