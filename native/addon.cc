@@ -486,8 +486,8 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                                                               static_cast<int64_t>(row.length))));
   }
 
-  // sampleWeigh(values, scale, max, floor, weights, blockTotals, binMass, binCount, last) -> total: the sampler's weighing
-  // pass over a logits row with the model's kernels (addon_args.h, sample_weigh.h).
+  // sampleWeigh(values, scale, max, floor, weights, blockTotals, binMass, binCount, last) -> total: the sampler's
+  // weighing pass over a logits row with the model's kernels (addon_args.h, sample_weigh.h).
   Napi::Value SampleWeigh(const Napi::CallbackInfo& info) {
     return sample_weigh_call(info, 0, model(info.Env()).kernels());
   }

@@ -35,8 +35,8 @@ inline double avx2_weigh_four(const float* x, int64_t i, double scale, double ma
   const __m256d candidate = _mm256_and_pd(_mm256_cmp_pd(v, _mm256_set1_pd(floor), _CMP_GE_OQ),
                                           _mm256_cmp_pd(v, _mm256_set1_pd(-HUGE_VAL), _CMP_GT_OQ));
   const __m256d d = _mm256_sub_pd(v, _mm256_set1_pd(max));
-  const __m256d k = _mm256_round_pd(_mm256_add_pd(_mm256_mul_pd(d, _mm256_set1_pd(sample::kInvLn2)), _mm256_set1_pd(0.5)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256d scaled = _mm256_add_pd(_mm256_mul_pd(d, _mm256_set1_pd(sample::kInvLn2)), _mm256_set1_pd(0.5));
+  const __m256d k = _mm256_round_pd(scaled, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m256d r = _mm256_sub_pd(_mm256_sub_pd(d, _mm256_mul_pd(k, _mm256_set1_pd(sample::kLn2Hi))),
                                   _mm256_mul_pd(k, _mm256_set1_pd(sample::kLn2Lo)));
   const __m256d p = sample_estrin<Avx2d>(r);

@@ -10,12 +10,14 @@
 //
 // Where the time goes: a few passes over the vocabulary per row (max, exp; the exponentials dominate whenever the
 // whole vocabulary's mass is needed, so that pass, weighCandidates, runs in the compute backend where it has one:
-// native/sample_weigh.h, the same arithmetic bit for bit, several times faster). The row is read in place unless something must change it (min_tokens masking,
-// logit_bias, penalties, temperature, processed logprobs); then it is copied once into scratch. The argmax keeps four
-// independent running maxima so the loop is not one long dependency chain. Truncation never sorts: top_k keeps a
-// k-sized heap while scanning the logits (most tokens cost one comparison, and only the k kept get an exp); top_p
-// bins the probability mass by distance below the max during the exp pass, keeps whole bins, and ranks only the
-// bin where the mass is reached, with a quickselect steered by mass; only the logprobs alternatives get sorted.
+// native/sample_weigh.h, the same arithmetic bit for bit, several times faster). The row is read in place unless
+// something must change it (min_tokens masking, logit_bias, penalties, temperature, processed logprobs); then it is
+// copied once into scratch (a plain or min_p draw at a temperature leaves 1/T to the backend's weighing pass). The
+// argmax keeps four independent running maxima so the loop is not one long dependency chain. Truncation never
+// sorts: top_k keeps a k-sized heap while scanning the logits (most tokens cost one comparison, and only the k kept
+// get an exp); top_p bins the probability mass by distance below the max during the exp pass, keeps whole bins, and
+// ranks only the bin where the mass is reached, with a quickselect steered by mass; only the logprobs alternatives
+// get sorted.
 // Scratch buffers belong to the Sampler and are reused for every row: sampling a row allocates nothing but its
 // result.
 
@@ -578,8 +580,8 @@ const POW2 = (() => {
 /**
  * exp(d) for a token's distance d (<= 0) below the row's max, in arithmetic that native code repeats exactly (see
  * native/sample_weigh.h): reduction d = k ln 2 + r, exp(r) by its Taylor series to r^13 (Estrin's scheme; within
- * 2 units in the last place of exp), times 2^k. 0 at or below -708 (where exp is subnormal: such a token cannot be drawn
- * beside the max's weight of 1), NaN for NaN, Infinity above 709.
+ * 2 units in the last place of exp), times 2^k. 0 at or below -708 (where exp is subnormal: such a token cannot be
+ * drawn beside the max's weight of 1), NaN for NaN, Infinity above 709.
  */
 export function expGap(d: number): number {
   if (!(d > EXP_LOWEST)) return d !== d ? d : 0;

@@ -206,7 +206,7 @@ export interface NativeModel {
   argmax(row: Float32Array): number;
   /** The sampler's weighing pass (ModelRunnerBackend.sampleWeigh) with the model's kernels. */
   sampleWeigh(values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
-    cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
+    blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
   /** The per-step buffers held now. */
@@ -270,7 +270,7 @@ export interface NativeOps {
   argmax(variant: KernelVariant, row: Float32Array): number;
   /** The sampler's weighing pass with one variant's kernels (ModelRunnerBackend.sampleWeigh's arguments after it). */
   sampleWeigh(variant: KernelVariant, values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
-    cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
+    blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
   /** out = silu(gate) * up over gate.length elements. */
   swiglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
   /** out = gelu_tanh(gate) * up (Gemma's gated feed-forward). */
@@ -633,9 +633,9 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
         if (disposed) throw new Error('native backend is disposed');
         return model.argmax(row);
       },
-      sampleWeigh(values, scale, max, floor, weights, cumulative, binMass, binCount, last): number {
+      sampleWeigh(values, scale, max, floor, weights, blockTotals, binMass, binCount, last): number {
         if (disposed) throw new Error('native backend is disposed');
-        return model.sampleWeigh(values, scale, max, floor, weights, cumulative, binMass, binCount, last);
+        return model.sampleWeigh(values, scale, max, floor, weights, blockTotals, binMass, binCount, last);
       },
       releaseKvPool(): number {
         if (disposed) return 0;

@@ -119,7 +119,7 @@ export interface ModelRunnerBackend {
    * results, bit for bit). Optional: a faster pass than the sampler's JavaScript one.
    */
   sampleWeigh?(values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
-    cumulative: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
+    blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
   /**
    * Puts a LoRA adapter in a slot (0 .. maxLoraSlots - 1), or empties the slot (null). Rows of a ForwardBatch name
    * their slot in loraSlots: each row's projections get scale * B (A x) added to the base matmul's output.
