@@ -30,6 +30,10 @@ int64_t argmax(const float* x, int64_t n) {
   return best;
 }
 
+// sample_weigh.h's pass, one value at a time. Without fused multiply-add, as the header's own functions: on a target
+// where FMA is baseline (aarch64) GCC would otherwise fuse what it inlines here.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 double sample_weigh(const float* x, int64_t n, double scale, double max, double floor, double* weights,
                     double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) {
   const int64_t whole = n - n % sample::kWeighBlock;
@@ -42,6 +46,7 @@ double sample_weigh(const float* x, int64_t n, double scale, double max, double 
   return sample::weigh_finish(x, n, whole, total, scale, max, floor, weights, block_totals, bin_mass, bin_count,
                               nullptr, last);
 }
+#pragma GCC pop_options
 
 void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {
   float sum_squares = 0.0f;
