@@ -14,7 +14,8 @@
 // --compare DIR: also serves from another checkout of Conduit (its own bin/conduit.js and native addon, e.g. an
 //              older commit in a second git worktree) in the same rounds, for before/after figures.
 // Every engine stores f16 KV and decodes greedily (or, with --temperature, by seeded draws; ignore_eos) after a
-// 16-token prompt that changes every request, so no request reuses another's prefix. Figures are per round; the summary gives medians and bests.
+// 16-token prompt that changes every request, so no request reuses another's prefix. Figures are per round; the
+// summary gives medians and bests.
 import { spawn, type ChildProcess } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -84,7 +85,7 @@ async function viaHttp(server: Server): Promise<{ rate: number; mainUsPerToken: 
   const response = await fetch(`http://127.0.0.1:${server.port}/v1/completions`, {
     method: 'POST', headers: { 'Content-Type': 'application/json' },
     body: JSON.stringify({ prompt: nextPrompt(), max_tokens: TOKENS, stream: true, ignore_eos: true, temperature: TEMPERATURE,
-      ...(TEMPERATURE > 0 ? { seed: seed } : {}) }),
+      ...(TEMPERATURE > 0 ? { seed } : {}) }),
   });
   if (response.status !== 200) throw new Error(`${server.label}: HTTP ${response.status}: ${await response.text()}`);
   const times: number[] = [];
