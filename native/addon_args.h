@@ -12,6 +12,7 @@
 #include "cpu.h"
 #include "crash_handler.h"
 #include "kernels.h"
+#include "sample_weigh.h"
 
 namespace conduit {
 namespace addon {
@@ -88,10 +89,13 @@ inline Napi::Value sample_weigh_call(const Napi::CallbackInfo& info, size_t firs
   const double floor = number(env, info[first + 3], "floor");
   double* weights = typed_data<double>(env, info[first + 4], napi_float64_array, "weights", n);
   double* block_totals = info[first + 5].IsNull() ? nullptr
-      : typed_data<double>(env, info[first + 5], napi_float64_array, "blockTotals", (n + 7) / 8);
+      : typed_data<double>(env, info[first + 5], napi_float64_array, "blockTotals",
+                          (n + sample::kWeighBlock - 1) / sample::kWeighBlock);
   const bool bins = !info[first + 6].IsNull() || !info[first + 7].IsNull();
-  double* bin_mass = bins ? typed_data<double>(env, info[first + 6], napi_float64_array, "binMass", 512) : nullptr;
-  int32_t* bin_count = bins ? typed_data<int32_t>(env, info[first + 7], napi_int32_array, "binCount", 512) : nullptr;
+  double* bin_mass = bins ? typed_data<double>(env, info[first + 6], napi_float64_array, "binMass", sample::kMassBins)
+                          : nullptr;
+  int32_t* bin_count = bins ? typed_data<int32_t>(env, info[first + 7], napi_int32_array, "binCount", sample::kMassBins)
+                           : nullptr;
   int32_t* last = typed_data<int32_t>(env, info[first + 8], napi_int32_array, "last", 1);
   int64_t last_id = 0;
   const double total = table.sample_weigh(static_cast<const float*>(values.data), static_cast<int64_t>(n), scale, max,
