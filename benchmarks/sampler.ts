@@ -8,10 +8,12 @@
 //   temperature    a draw over the whole vocabulary
 //   top-k 50       a draw over the 50 best
 //   top-p 0.9      a draw over the smallest set holding 90% of the mass
+//   logprobs 5     the temperature draw, then the chosen token's logprob and the 5 best (OpenAI's logprobs)
 //   penalties      repetition 1.1, frequency 0.5, presence 0.5 over a 512-token prompt and the tokens drawn so far,
 //                  plus a 10-token logit_bias, then top-p 0.95
 // The plain loops copy the row, apply the same processing, then take an argmax, or a softmax and a draw, sorting
-// every candidate by logit for top-k / top-p: what a first straightforward sampler does. "read pass" is one loop
+// every candidate by logit for top-k / top-p (and for logprobs, a softmax of the raw row and a sort for its best): what
+// a first straightforward sampler does. "read pass" is one loop
 // that only reads every value of the row (a max), the floor any sampler pays.
 //
 // Rows are seeded pseudo-random logits (std 3, a few peaks), the same for every case and pass. Each number is the
@@ -65,6 +67,7 @@ const CASES: Case[] = [
   { name: 'temperature', params: base },
   { name: 'top-k 50', params: { ...base, topK: 50 } },
   { name: 'top-p 0.9', params: { ...base, topP: 0.9 } },
+  { name: 'logprobs 5', params: { ...base, logprobs: 5 } },
   {
     name: 'penalties', params: {
       ...base, topP: 0.95, repetitionPenalty: 1.1, frequencyPenalty: 0.5, presencePenalty: 0.5, logitBias: bias,
@@ -93,7 +96,7 @@ function timeRows(contenders: readonly Contender[]): number[] {
       if (pass > 0) perRow[c]!.push((used.user + used.system) / rows);
     });
   }
-  if (sink === -1) console.log('unreachable');
+  if (sink === -1 || logprobSink === -1) console.log('unreachable');
   return perRow.map((samples) => samples.sort((a, b) => a - b)[samples.length >> 1]!);
 }
 
@@ -118,6 +121,9 @@ function samplerContender(module: SamplerModule, params: SamplingParams, options
 
 // ---------------------------------------------------------------------------------------------------------------
 // The plain loops
+
+/** What the plain loops' logprobs add up to (kept, so the work is not optimized away). */
+let logprobSink = 0;
 
 /** A straightforward sampler: copy, process, then argmax or softmax + draw, with full sorts for top-k / top-p. */
 function plainSampler(params: SamplingParams): (row: Float32Array) => number {
@@ -163,6 +169,15 @@ function plainSampler(params: SamplingParams): (row: Float32Array) => number {
           break;
         }
       }
+    }
+    if (params.logprobs !== null) {
+      // The raw row's log-softmax at the chosen token and its best ids, by a full sort.
+      const max = Math.max(...row);
+      let sum = 0;
+      for (const value of row) sum += Math.exp(value - max);
+      const normaliser = max + Math.log(sum);
+      const ranked = Array.from(row.keys()).sort((a, b) => row[b]! - row[a]! || a - b).slice(0, params.logprobs);
+      logprobSink += row[chosen]! - normaliser + ranked[0]!;
     }
     counts.set(chosen, (counts.get(chosen) ?? 0) + 1);
     return chosen;

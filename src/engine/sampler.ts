@@ -491,12 +491,15 @@ export class Sampler {
 
   // ---- logprobs
 
+  /**
+   * The chosen token's log-probability under `source` and the numTop best. The normaliser, log sum exp(value), is the
+   * max plus the log of the weighing pass's total (the backend's where there is one: a row's exp is most of the cost).
+   * After the draw, so the weights it overwrites are spent.
+   */
   private logprobsOf(source: Float32Array, tokenId: number, numTop: number): TokenLogprob {
-    let max = -Infinity;
-    for (let i = 0; i < source.length; i++) if (source[i]! > max) max = source[i]!;
-    let sum = 0;
-    for (let i = 0; i < source.length; i++) sum += Math.exp(source[i]! - max);
-    const logNormaliser = max + Math.log(sum);
+    const max = source[this.argmax(source)]!;
+    const total = this.weigh(source, 1, max, -Infinity, this.weights, null, null, null, this.lastOut);
+    const logNormaliser = max + Math.log(total);
     const top = bestIds(source, numTop, this.order).map((id) => ({ tokenId: id, logprob: source[id]! - logNormaliser }));
     return { tokenId, logprob: source[tokenId]! - logNormaliser, top };
   }
@@ -849,14 +852,29 @@ function bestIds(values: Float32Array, n: number, scratch: Int32Array): number[]
     return Array.from(scratch.subarray(0, n));
   }
   const best: number[] = [];
-  for (let id = 0; id < values.length; id++) {
-    if (best.length === n && !ranksBefore(values, id, best[n - 1]!)) continue;
-    let at = best.length === n ? n - 1 : best.length;
+  const length = values.length;
+  let id = 0;
+  for (; id < length && best.length < n; id++) {
+    let at = best.length;
     while (at > 0 && ranksBefore(values, id, best[at - 1]!)) {
       best[at] = best[at - 1]!;
       at--;
     }
     best[at] = id;
+  }
+  // Full: every kept id is below `id`, so `id` ranks before one only with a higher value. Nearly every token fails
+  // that one comparison against the worst kept value.
+  let worst = best.length === n ? values[best[n - 1]!]! : Infinity;
+  for (; id < length; id++) {
+    const value = values[id]!;
+    if (!(value > worst)) continue;
+    let at = n - 1;
+    while (at > 0 && value > values[best[at - 1]!]!) {
+      best[at] = best[at - 1]!;
+      at--;
+    }
+    best[at] = id;
+    worst = values[best[n - 1]!]!;
   }
   return best;
 }

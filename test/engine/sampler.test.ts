@@ -695,6 +695,31 @@ describe('Sampler: logprobs', () => {
     for (const { tokenId, logprob } of logprobs!.top) assert.ok(Math.abs(logprob - expected[tokenId]!) < 1e-6);
   });
 
+  it("takes the normaliser from the backend's weighing pass: the log-softmax of a large row with masked tokens", () => {
+    const vocabSize = 5000;
+    const rng = Xoshiro128.fromSeed(41);
+    let calls = 0;
+    const given = new Sampler(vocabSize, { weigh: (...args) => { calls++; return weighCandidates(...args); } });
+    for (let r = 0; r < 4; r++) {
+      const row = randomLogits(rng, vocabSize).map((v) => v * 3);
+      for (let i = r; i < vocabSize; i += 7) row[i] = -Infinity;
+      const values = Array.from(row);
+      const expected = logSoftmax(values);
+      const ranked = values.map((_, i) => i).sort((a, b) => values[b]! - values[a]! || a - b);
+      // Greedy (no draw weighs the row: the logprobs alone call the pass) and a temperature draw.
+      for (const overrides of [{ temperature: 0, logprobs: 8 }, { temperature: 0.7, logprobs: 3 }]) {
+        const before = calls;
+        const { tokenId, logprobs } = given.sampleRow(row, sequence(vocabSize, overrides, { seed: r }));
+        assert.ok(calls > before, 'the given pass weighed the row');
+        assert.ok(Math.abs(logprobs!.logprob - expected[tokenId]!) < 1e-9, `token ${tokenId}: ${logprobs!.logprob} against ${expected[tokenId]}`);
+        assert.deepEqual(logprobs!.top.map((t) => t.tokenId), ranked.slice(0, overrides.logprobs));
+        for (const { tokenId: id, logprob } of logprobs!.top) {
+          assert.ok(Math.abs(logprob - expected[id]!) < 1e-9, `alternative ${id}: ${logprob} against ${expected[id]}`);
+        }
+      }
+    }
+  });
+
   it('ranks few and many alternatives best first, ties to the lower id', () => {
     const rng = Xoshiro128.fromSeed(12);
     // Three distinct values over 120 ids: the cuts at 20 and 90 fall inside runs of ties.

@@ -7,7 +7,8 @@ import { describe, it } from 'node:test';
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
 import { geluTanh } from '../../src/model/reference-math.ts';
-import { argmax, MASS_BINS, weighCandidates } from '../../src/engine/sampler.ts';
+import { argmax, createRequestSamplers, MASS_BINS, Sampler, weighCandidates } from '../../src/engine/sampler.ts';
+import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
 import {
   assertClose, bf16ActivationBound, combinedBound, guarded, native, randomArray, referenceMatmul, roundsBf16Activations,
@@ -389,6 +390,36 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
               }
             }
           }
+        }
+      }
+    }
+  });
+
+  it("a Sampler given the native argmax and weighing pass draws and reports logprobs as the JavaScript one, bit for bit", () => {
+    const rand = seeded(89);
+    const n = 32000;
+    const rows = Array.from({ length: 6 }, (_, r) => {
+      const row = randomArray(n, rand, 6);
+      for (let p = 0; p < 3; p++) row[Math.floor(rand() * n)] = 14 + 2 * rand();
+      if (r % 2 === 1) for (let i = 0; i < n; i += 5) row[i] = -Infinity;
+      return row;
+    });
+    for (const variant of variants) {
+      const fast = new Sampler(n, { argmax: (row) => native().ops.argmax(variant, row),
+        weigh: (...args) => native().ops.sampleWeigh(variant, ...args) });
+      const fastProcessed = new Sampler(n, { logprobsMode: 'processed', argmax: (row) => native().ops.argmax(variant, row),
+        weigh: (...args) => native().ops.sampleWeigh(variant, ...args) });
+      for (const [mode, overrides] of [['raw', { temperature: 0.8, logprobs: 5 }], ['raw', { temperature: 0, logprobs: 1 }],
+        ['processed', { temperature: 1.3, topP: 0.9, logprobs: 20 }], ['processed', { temperature: 0.6, minP: 0.05, logprobs: 0 }]] as const) {
+        const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, ...overrides, seed: 3 }, promptTokenIds: [], vocabSize: n,
+          eosTokenIds: [] })[0]!;
+        const alone = new Sampler(n, { logprobsMode: mode });
+        const given = mode === 'raw' ? fast : fastProcessed;
+        const [a, b] = [make(), make()];
+        for (const row of rows) {
+          const expected = alone.sampleRow(row, a);
+          assert.deepEqual(given.sampleRow(row, b), expected, `${variant} ${mode} ${JSON.stringify(overrides)}`);
+          assert.ok(expected.logprobs!.logprob < 0 && expected.logprobs!.top.length === overrides.logprobs, 'a logprob and its alternatives');
         }
       }
     }
