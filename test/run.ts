@@ -1,7 +1,8 @@
 // Single entry for node:test. Node 20 neither expands globs nor discovers .ts files, and one process for all
 // suites is several times faster than a process per file, so this file imports every *.test.ts under test/.
-// Every test and hook gets a default timeout (test/helpers/node-test.ts): the hook below hands the test files that
-// module when they import node:test.
+// Every test and hook gets a default timeout (test/helpers/node-test.ts), and assert.ok without a message fails fast
+// (test/helpers/assert.ts): the hook below hands the test files those modules when they import node:test and
+// node:assert/strict.
 import { readdirSync, statSync } from 'node:fs';
 import { register } from 'node:module';
 import { join, relative } from 'node:path';
@@ -11,7 +12,13 @@ const root = fileURLToPath(new URL('.', import.meta.url));
 const filter = process.env.CONDUIT_TEST_FILTER; // substring of the path, e.g. "model/gguf"
 
 register('./helpers/node-test-hooks.mjs', import.meta.url, {
-  data: { testRoot: pathToFileURL(root).href, wrapper: new URL('./helpers/node-test.ts', import.meta.url).href },
+  data: {
+    testRoot: pathToFileURL(root).href,
+    wrappers: {
+      'node:test': new URL('./helpers/node-test.ts', import.meta.url).href,
+      'node:assert/strict': new URL('./helpers/assert.ts', import.meta.url).href,
+    },
+  },
 });
 
 function collect(dir: string): string[] {
