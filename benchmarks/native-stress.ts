@@ -608,9 +608,10 @@ async function stepsRole(): Promise<void> {
       throw new Error(`ops.matmul ${variant} ${GgmlType[type]} ${m}x${k}x${n}: the thread count changed the result`);
     }
   }
-  // The sampler's weighing pass on every variant against the TypeScript pass, bit for bit: row lengths that leave
-  // the vector loops' tails, scales, floors, with and without the blocks' running totals and the top_p bins.
-  const { weighCandidates, MASS_BINS } = await import('../src/engine/sampler.ts');
+  // The sampler's weighing pass and scaled copy on every variant against the TypeScript ones, bit for bit: row
+  // lengths that leave the vector loops' tails, scales, floors, with and without the blocks' running totals and the
+  // top_p bins.
+  const { weighCandidates, scaleRow, MASS_BINS } = await import('../src/engine/sampler.ts');
   for (let i = 0; i < 200; i++) {
     const n = int(1, 33000);
     const row = Float32Array.from({ length: n }, () => (rand() - 0.5) * 40);
@@ -633,6 +634,17 @@ async function stepsRole(): Promise<void> {
     const got = pass((...args) => addon.ops.sampleWeigh(variant, ...args));
     if (!got.every((v, j) => Object.is(v, expected[j]))) {
       throw new Error(`ops.sampleWeigh ${variant} n=${n} scale ${scale}: differs from the TypeScript pass`);
+    }
+    // The scaled copy of the same row, into another array and in place (its length exactly the row's, so a write
+    // past it lands outside the allocation).
+    const scaledExpected = new Float32Array(n);
+    scaleRow(row, scaledExpected, scale);
+    const scaledInto = new Float32Array(n);
+    addon.ops.scaleRow(variant, row, scaledInto, scale);
+    const scaledInPlace = Float32Array.from(row);
+    addon.ops.scaleRow(variant, scaledInPlace, scaledInPlace, scale);
+    if (!scaledExpected.every((v, j) => Object.is(v, scaledInto[j]) && Object.is(v, scaledInPlace[j]))) {
+      throw new Error(`ops.scaleRow ${variant} n=${n} scale ${scale}: differs from the TypeScript copy`);
     }
   }
   console.log(`PASS steps: ${stepsRun} steps, ${rows} rows (${loraRows} with a LoRA adapter), ${instances} model ` +

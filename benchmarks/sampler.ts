@@ -19,7 +19,7 @@
 // Rows are seeded pseudo-random logits (std 3, a few peaks), the same for every case and pass. Each number is the
 // median over passes of (CPU time to sample every row) / rows, in µs (the plain loops, far slower, time 24 rows). --sampler-module loads another Sampler
 // implementation (e.g. a copy of an earlier revision's src/engine/sampler.ts) to compare against in the same run.
-// With the native addon: a "native" column (the Sampler given the addon's argmax and weighing pass, as EngineCore
+// With the native addon: a "native" column (the Sampler given the addon's argmax, weighing pass and scaled copy, as EngineCore
 // gives it the native backend's), and the weighing pass alone (weighCandidates and ops.sampleWeigh per variant).
 
 import { pathToFileURL } from 'node:url';
@@ -101,7 +101,7 @@ function timeRows(contenders: readonly Contender[]): number[] {
 }
 
 /**
- * The native backend's passes the engine gives its Sampler (EngineCore: ModelRunnerBackend.argmax and sampleWeigh),
+ * The native backend's passes the engine gives its Sampler (EngineCore: ModelRunnerBackend.argmax, sampleWeigh and scaleRow),
  * here the addon's kernels of the CPU's best variant; undefined without the addon.
  */
 const addon = tryLoadNativeAddon();
@@ -110,6 +110,7 @@ const nativeOptions: ours.SamplerOptions | undefined = addon === undefined ? und
   return {
     argmax: (row: Float32Array) => addon.ops.argmax(variant, row),
     weigh: (...args: Parameters<ours.WeighCandidates>) => addon.ops.sampleWeigh(variant, ...args),
+    scale: (...args: Parameters<ours.ScaleRow>) => addon.ops.scaleRow(variant, ...args),
   };
 })();
 
@@ -197,7 +198,7 @@ const other: SamplerModule | undefined = OTHER_MODULE
 
 console.log(`sampling one row of ${VOCAB} logits, µs per row (median of ${PASSES} passes over ${ROWS} rows)`);
 console.log(`read pass (one loop reading the row): ${timeRows([{ sampleRow: readPass, rows: ROWS }])[0]!.toFixed(1)} µs`);
-if (nativeOptions) console.log(`native: the Sampler with the addon's argmax and weighing pass (${addon!.cpuInfo().bestVariant}), as the engine runs it on the native backend`);
+if (nativeOptions) console.log(`native: the Sampler with the addon's argmax, weighing pass and scaled copy (${addon!.cpuInfo().bestVariant}), as the engine runs it on the native backend`);
 const header = ['case', 'Sampler', ...(nativeOptions ? ['native', 'JS / native'] : []), ...(other ? ['--sampler-module'] : []), 'plain loop', 'plain / Sampler'];
 const widths = [12, 9, ...(nativeOptions ? [8, 12] : []), ...(other ? [17] : []), 11, 16];
 console.log(header.map((h, i) => (i === 0 ? h.padEnd(widths[i]!) : h.padStart(widths[i]!))).join('  '));

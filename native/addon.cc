@@ -176,6 +176,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("releaseKvPool", &NativeModel::ReleaseKvPool),
                         InstanceMethod("argmax", &NativeModel::Argmax),
                         InstanceMethod("sampleWeigh", &NativeModel::SampleWeigh),
+                        InstanceMethod("scaleRow", &NativeModel::ScaleRow),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
                         InstanceMethod("memoryInfo", &NativeModel::MemoryInfo),
                         InstanceMethod("setLora", &NativeModel::SetLora),
@@ -490,6 +491,12 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
   // weighing pass over a logits row with the model's kernels (addon_args.h, sample_weigh.h).
   Napi::Value SampleWeigh(const Napi::CallbackInfo& info) {
     return sample_weigh_call(info, 0, model(info.Env()).kernels());
+  }
+
+  // scaleRow(row, out, factor): out[i] = row[i] * factor as a Float32Array stores it (the sampler's copy of a row
+  // at 1/temperature) with the model's kernels (addon_args.h).
+  Napi::Value ScaleRow(const Napi::CallbackInfo& info) {
+    return scale_row_call(info, 0, model(info.Env()).kernels());
   }
 
   // releaseKvPool() -> bytes of the pool given back to the system

@@ -104,6 +104,17 @@ inline Napi::Value sample_weigh_call(const Napi::CallbackInfo& info, size_t firs
   return Napi::Number::New(env, total);
 }
 
+// scaleRow's arguments from info[first] on: (row: Float32Array, out: Float32Array, at least as long, factor); runs the
+// table's scale_row over the row's length (out may be the row itself).
+inline Napi::Value scale_row_call(const Napi::CallbackInfo& info, size_t first, const KernelTable& table) {
+  Napi::Env env = info.Env();
+  ArrayView row = typed_array(env, info[first], napi_float32_array, "row");
+  float* out = typed_data<float>(env, info[first + 1], napi_float32_array, "out", row.length);
+  const double factor = number(env, info[first + 2], "factor");
+  table.scale_row(static_cast<const float*>(row.data), out, static_cast<int64_t>(row.length), factor);
+  return env.Undefined();
+}
+
 inline Variant variant_arg(const Napi::Env& env, const Napi::Value& value) {
   Variant v;
   if (!value.IsString() || !parse_variant(value.As<Napi::String>().Utf8Value().c_str(), &v)) {

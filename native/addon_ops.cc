@@ -236,6 +236,12 @@ Napi::Value OpSampleWeigh(const Napi::CallbackInfo& info) {
   return sample_weigh_call(info, 1, kernel_table(v));
 }
 
+// scaleRow(variant, row, out, factor): out[i] = row[i] * factor as a Float32Array stores it (addon_args.h)
+Napi::Value OpScaleRow(const Napi::CallbackInfo& info) {
+  const Variant v = run_variant_arg(info.Env(), info[0]);
+  return scale_row_call(info, 1, kernel_table(v));
+}
+
 // add(variant, acc, x): acc += x over acc.length elements
 Napi::Value OpAdd(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -468,6 +474,7 @@ Napi::Object ops_object(Napi::Env env) {
   ops.Set("add", Napi::Function::New(env, OpAdd));
   ops.Set("argmax", Napi::Function::New(env, OpArgmax));
   ops.Set("sampleWeigh", Napi::Function::New(env, OpSampleWeigh));
+  ops.Set("scaleRow", Napi::Function::New(env, OpScaleRow));
   ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));
   ops.Set("geglu", Napi::Function::New(env, OpGeglu));
   ops.Set("softmax", Napi::Function::New(env, OpSoftmax));

@@ -239,6 +239,9 @@ struct KernelTable {
   // variant.
   double (*sample_weigh)(const float* x, int64_t n, double scale, double max, double floor, double* weights,
                          double* block_totals, double* bin_mass, int32_t* bin_count, int64_t* last) = nullptr;
+  // out[i] = x[i] * factor as JavaScript stores it into a Float32Array: the product in double, then the float
+  // nearest it (the sampler's copy of a row scaled by 1/temperature). out may be x. Bit for bit in every variant.
+  void (*scale_row)(const float* x, float* out, int64_t n, double factor) = nullptr;
   // Rotates one token's heads in place; cos/sin hold rope_dim/2 values for this token's position.
   void (*rope)(float* x, const RopeParams& p, const float* cos, const float* sin) = nullptr;
   // Writes one token's K and V rows (num_kv_heads*head_dim floats each) into pool slots.

@@ -88,6 +88,7 @@ void register_ops_avx2(KernelTable& t) {
   t.softmax = simd_softmax<Avx2>;
   t.argmax = simd_argmax<Avx2>;
   t.sample_weigh = avx2_sample_weigh;
+  t.scale_row = simd_scale_row<Avx2>;
   t.rope = simd_rope<Avx2>;
   t.kv_store = simd_kv_store<Avx2>;
   t.dequantize_row[kF16] = simd_dequantize_f16<Avx2>;
@@ -97,7 +98,7 @@ void register_ops_avx2(KernelTable& t) {
   t.dequantize_row[kQ4_K] = simd_dequantize_q4_q5_k<Avx2, BlockQ4_K>;
   t.dequantize_row[kQ5_K] = simd_dequantize_q4_q5_k<Avx2, BlockQ5_K>;
   t.dequantize_row[kQ6_K] = simd_dequantize_q6_k<Avx2>;
-  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "sample_weigh", "rope", "kv_store", "dequantize_f16",
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "sample_weigh", "scale_row", "rope", "kv_store", "dequantize_f16",
                            "dequantize_bf16", "dequantize_q8_0", "dequantize_q4_0", "dequantize_q4_k",
                            "dequantize_q5_k", "dequantize_q6_k"}) {
     t.names[kind] = "avx2";

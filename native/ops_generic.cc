@@ -48,6 +48,11 @@ double sample_weigh(const float* x, int64_t n, double scale, double max, double 
 }
 #pragma GCC pop_options
 
+// kernels.h's scale_row, one value at a time.
+void scale_row(const float* x, float* out, int64_t n, double factor) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(x[i]) * factor);
+}
+
 void rmsnorm(const float* x, const float* weight, float* out, int64_t dim, float eps) {
   float sum_squares = 0.0f;
   for (int64_t i = 0; i < dim; ++i) sum_squares += x[i] * x[i];
@@ -373,6 +378,7 @@ void register_ops_generic(KernelTable& t) {
   t.softmax = softmax;
   t.argmax = argmax;
   t.sample_weigh = sample_weigh;
+  t.scale_row = scale_row;
   t.rope = rope;
   t.kv_store = kv_store;
   t.dequantize_row[kF32] = dequantize_f32;
@@ -386,7 +392,7 @@ void register_ops_generic(KernelTable& t) {
   t.dequantize_row[kQ4_K] = dequantize_q4_q5_k<BlockQ4_K>;
   t.dequantize_row[kQ5_K] = dequantize_q4_q5_k<BlockQ5_K>;
   t.dequantize_row[kQ6_K] = dequantize_q6_k;
-  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "sample_weigh", "rope", "kv_store"}) {
+  for (const char* kind : {"rmsnorm", "add", "swiglu", "geglu", "softmax", "argmax", "sample_weigh", "scale_row", "rope", "kv_store"}) {
     t.names[kind] = "generic";
   }
   for (int type : {kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K}) {

@@ -133,6 +133,13 @@ void simd_softmax(float* x, int64_t n) {
 // not wait on each other, and a NaN check on the same loads), then the first index holding it, in a second pass
 // that stops there (the row is still in cache). -1 for a row with a NaN or nothing above -inf (kernels.h). Ties
 // go to the lowest index as in the sampler's argmax: the second pass finds the first equal value, and -0 == +0.
+// kernels.h's scale_row. The plain loop: compiled under each file's target, GCC vectorizes the widening, the
+// product in double and the rounding back to float (one rounding each, as in JavaScript, in every lane).
+template <class V>
+void simd_scale_row(const float* x, float* out, int64_t n, double factor) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(x[i]) * factor);
+}
+
 template <class V>
 int64_t simd_argmax(const float* x, int64_t n) {
   constexpr int W = V::kWidth;

@@ -96,9 +96,11 @@ export class EngineCore extends StepCore<SequenceSampler> {
     // JavaScript loop's 44 on a 32k row, the weighing of a temperature draw's whole row several times faster).
     const backendArgmax = options.backend.argmax?.bind(options.backend);
     const backendWeigh = options.backend.sampleWeigh?.bind(options.backend);
+    const backendScale = options.backend.scaleRow?.bind(options.backend);
     this.sampler = new Sampler(vocabSize, {
       ...(backendArgmax !== undefined ? { argmax: backendArgmax } : {}),
       ...(backendWeigh !== undefined ? { weigh: backendWeigh } : {}),
+      ...(backendScale !== undefined ? { scale: backendScale } : {}),
     });
     this.eosTokenIds = tokenizer.stopTokenIds;
   }

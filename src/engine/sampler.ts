@@ -222,7 +222,15 @@ export interface SamplerOptions {
   argmax?: (row: Float32Array) => number;
   /** A faster weighCandidates with the same results bit for bit (the compute backend's, ModelRunnerBackend.sampleWeigh). */
   weigh?: WeighCandidates;
+  /**
+   * A faster scaled copy of a row with the same values bit for bit (the compute backend's,
+   * ModelRunnerBackend.scaleRow): out[i] = row[i] * factor as a Float32Array stores it; out may be row.
+   */
+  scale?: ScaleRow;
 }
+
+/** out[i] = row[i] * factor over row.length elements, as a Float32Array stores the product; out may be row. */
+export type ScaleRow = (row: Float32Array, out: Float32Array, factor: number) => void;
 
 /** Samples rows of logits; owns the scratch buffers, so one Sampler serves one thread's batches. */
 export class Sampler {
@@ -243,6 +251,8 @@ export class Sampler {
   /** The weighing pass (weighCandidates, or the backend's) and where it leaves the last id it weighed. */
   private readonly weigh: WeighCandidates;
   private readonly lastOut = new Int32Array(1);
+  /** The scaled copy of a row (scaleRow, or the backend's). */
+  private readonly scaleRow: ScaleRow;
   /**
    * Whether a draw over the whole row leaves the scaling by 1/T to the weighing pass: the backend's reads each value
    * scaled at no cost, while weighCandidates is faster over a scaled copy (a Math.fround per value there costs more
@@ -264,6 +274,7 @@ export class Sampler {
     this.order = new Int32Array(vocabSize);
     this.blockTotals = new Float64Array(Math.ceil(vocabSize / WEIGH_BLOCK));
     this.weigh = options.weigh ?? weighCandidates;
+    this.scaleRow = options.scale ?? scaleRow;
     this.scaleInPass = options.weigh !== undefined;
     const fast = options.argmax;
     this.argmax = fast === undefined ? argmax : (row) => {
@@ -304,9 +315,9 @@ export class Sampler {
       if (sequence.hasLogitProcessors) {
         values.set(row);
         sequence.applyLogitProcessors(values);
-        if (scale) scaleInPlace(values, 1 / temperature);
+        if (scale) this.scaleRow(values, values, 1 / temperature);
       } else if (scale) {
-        scaleInto(values, row, 1 / temperature);
+        this.scaleRow(row, values, 1 / temperature);
       } else {
         values.set(row);
       }
@@ -343,11 +354,11 @@ export class Sampler {
       values = this.logits;
       values.set(row);
       sequence.applyLogitProcessors(values);
-      if (scale !== 1) scaleInPlace(values, scale);
+      if (scale !== 1) this.scaleRow(values, values, scale);
       scale = 1;
     } else if (scale !== 1 && !this.scaleInPass) {
       values = this.logits;
-      scaleInto(values, row, scale);
+      this.scaleRow(row, values, scale);
       scale = 1;
     }
     // Throws as sampleRow does on a NaN or a row of -Infinity only. (Scaling keeps the order: the scaled max is the
@@ -607,14 +618,10 @@ function massBin(gap: number): number {
   return scaled < MASS_BINS - 1 ? scaled | 0 : MASS_BINS - 1;
 }
 
-/** out[i] = row[i] * factor, rounded to float32 as the scaled logits are stored. */
-function scaleInto(out: Float32Array, row: Float32Array, factor: number): void {
+/** The sampler's scaled copy of a row: out[i] = row[i] * factor, rounded to float32 as the scaled logits are stored. */
+export const scaleRow: ScaleRow = (row, out, factor) => {
   for (let i = 0; i < row.length; i++) out[i] = row[i]! * factor;
-}
-
-function scaleInPlace(values: Float32Array, factor: number): void {
-  for (let i = 0; i < values.length; i++) values[i]! *= factor;
-}
+};
 
 /**
  * The id of the largest value, ties to the lowest id. Four lanes (ids i, i+1, i+2, i+3) each keep their own first

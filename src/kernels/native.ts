@@ -207,6 +207,8 @@ export interface NativeModel {
   /** The sampler's weighing pass (ModelRunnerBackend.sampleWeigh) with the model's kernels. */
   sampleWeigh(values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
     blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
+  /** The sampler's scaled copy of a row (ModelRunnerBackend.scaleRow) with the model's kernels. */
+  scaleRow(row: Float32Array, out: Float32Array, factor: number): void;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
   /** The per-step buffers held now. */
@@ -271,6 +273,8 @@ export interface NativeOps {
   /** The sampler's weighing pass with one variant's kernels (ModelRunnerBackend.sampleWeigh's arguments after it). */
   sampleWeigh(variant: KernelVariant, values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
     blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
+  /** out[i] = row[i] * factor as a Float32Array stores it, over row.length elements (out at least as long; may be row). */
+  scaleRow(variant: KernelVariant, row: Float32Array, out: Float32Array, factor: number): void;
   /** out = silu(gate) * up over gate.length elements. */
   swiglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
   /** out = gelu_tanh(gate) * up (Gemma's gated feed-forward). */
@@ -636,6 +640,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       sampleWeigh(values, scale, max, floor, weights, blockTotals, binMass, binCount, last): number {
         if (disposed) throw new Error('native backend is disposed');
         return model.sampleWeigh(values, scale, max, floor, weights, blockTotals, binMass, binCount, last);
+      },
+      scaleRow(row: Float32Array, out: Float32Array, factor: number): void {
+        if (disposed) throw new Error('native backend is disposed');
+        model.scaleRow(row, out, factor);
       },
       releaseKvPool(): number {
         if (disposed) return 0;

@@ -121,6 +121,12 @@ export interface ModelRunnerBackend {
   sampleWeigh?(values: Float32Array, scale: number, max: number, floor: number, weights: Float64Array,
     blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
   /**
+   * The sampler's scaled copy of a row: out[i] = row[i] * factor as a Float32Array stores it (the product in double,
+   * then the float nearest it), over row.length elements; out may be row. The same values as the JavaScript loop,
+   * bit for bit. Optional: a faster loop than the sampler's own.
+   */
+  scaleRow?(row: Float32Array, out: Float32Array, factor: number): void;
+  /**
    * Puts a LoRA adapter in a slot (0 .. maxLoraSlots - 1), or empties the slot (null). Rows of a ForwardBatch name
    * their slot in loraSlots: each row's projections get scale * B (A x) added to the base matmul's output.
    */

@@ -3,7 +3,7 @@ import assert from 'node:assert/strict';
 import { Xoshiro128, drawRandomSeed } from '../../src/util/random.ts';
 import {
   argmax, expGap, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
-  validateSamplingParams, WEIGH_BLOCK, weighCandidates,
+  scaleRow, validateSamplingParams, WEIGH_BLOCK, weighCandidates,
 } from '../../src/engine/sampler.ts';
 import type { LogprobsMode, SampledToken } from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
@@ -668,6 +668,34 @@ describe('Sampler: a weighing pass given by the backend', () => {
       assert.deepEqual(given.rowWeights, alone.rowWeights);
     }
     assert.ok(calls >= rows.length * 3, `the given pass weighed the rows (${calls} calls)`);
+  });
+});
+
+describe('Sampler: a scaled copy given by the backend', () => {
+  it('scales the rows that need a copy with it (top_p, logit processors) and draws what the sampler draws alone', () => {
+    const vocabSize = 3000;
+    const rng = Xoshiro128.fromSeed(37);
+    const rows = Array.from({ length: 30 }, () => randomLogits(rng, vocabSize).map((v) => v * 2));
+    const calls: string[] = [];
+    const given = new Sampler(vocabSize, {
+      scale: (row, out, factor) => {
+        calls.push(row === out ? 'in place' : 'copy');
+        scaleRow(row, out, factor);
+      },
+    });
+    const alone = new Sampler(vocabSize);
+    for (const [overrides, expectedCall] of [[{ temperature: 0.8, topP: 0.9 }, 'copy'],
+      [{ temperature: 1.4, minP: 0.05, logitBias: new Map([[3, 4]]) }, 'in place']] as const) {
+      const draws = (sampler: Sampler) => {
+        const seq = sequence(vocabSize, overrides, { seed: 91, prompt: [1, 2, 3] });
+        return rows.map((row) => sampler.sampleRow(row, seq).tokenId);
+      };
+      calls.length = 0;
+      const got = draws(given);
+      assert.deepEqual(got, draws(alone), JSON.stringify(overrides));
+      assert.deepEqual(new Set(calls), new Set([expectedCall]), `${JSON.stringify(overrides)}: ${calls.length} calls`);
+      assert.equal(calls.length, rows.length);
+    }
   });
 });
 

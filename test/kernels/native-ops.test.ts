@@ -7,7 +7,9 @@ import { describe, it } from 'node:test';
 import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
 import { geluTanh } from '../../src/model/reference-math.ts';
-import { argmax, createRequestSamplers, MASS_BINS, Sampler, weighCandidates } from '../../src/engine/sampler.ts';
+import {
+  argmax, createRequestSamplers, MASS_BINS, Sampler, scaleRow, weighCandidates, type ScaleRow, type WeighCandidates,
+} from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
 import {
@@ -395,7 +397,34 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
     }
   });
 
-  it("a Sampler given the native argmax and weighing pass draws and reports logprobs as the JavaScript one, bit for bit", () => {
+  it("scaleRow: the sampler's scaled copy of a row bit for bit, in place or into another array", () => {
+    const rand = seeded(97);
+    for (const n of [...ROW_LENGTHS, 32000]) {
+      const row = randomArray(n, rand, 20);
+      // The edges: infinities, NaN, zeros of both signs, subnormals, the largest floats (to infinity when scaled
+      // up), values whose product lands halfway between two floats more often than chance.
+      const edges = [Infinity, -Infinity, NaN, 0, -0, 1e-45, -1.4e-45, 1.1754942e-38, 3.4028235e38, -3.4028235e38, 1 + 2 ** -23, 3 * 2 ** -24];
+      for (let i = 0; i < edges.length && i < n; i++) row[Math.floor(rand() * n)] = edges[i]!;
+      for (const factor of [1 / 0.7, 1 / 1.3, 1.25, 1e-30, 1e30, -2, 1]) {
+        const expected = new Float32Array(n);
+        scaleRow(row, expected, factor);
+        for (const variant of variants) {
+          const what = `n=${n} factor ${factor} ${variant}`;
+          const out = new Float32Array(n + 3).fill(-7);
+          native().ops.scaleRow(variant, row, out, factor);
+          for (let i = 0; i < n; i++) if (!Object.is(out[i], expected[i])) assert.fail(`${what}: ${i} ${out[i]} against ${expected[i]}`);
+          assert.deepEqual([...out.subarray(n)], [-7, -7, -7], `${what}: nothing written past the row`);
+          const inPlace = Float32Array.from(row);
+          native().ops.scaleRow(variant, inPlace, inPlace, factor);
+          for (let i = 0; i < n; i++) if (!Object.is(inPlace[i], expected[i])) assert.fail(`${what} in place: ${i}`);
+        }
+      }
+    }
+    assert.throws(() => native().ops.scaleRow(variants[0]!, new Float32Array(8), new Float32Array(7), 2), /out has 7 elements, needs 8/);
+    assert.throws(() => native().ops.scaleRow(variants[0]!, new Float32Array(8), new Float64Array(8) as unknown as Float32Array, 2), /out must be a Float32Array/);
+  });
+
+  it("a Sampler given the native argmax, weighing pass and scaled copy draws and reports logprobs as the JavaScript one, bit for bit", () => {
     const rand = seeded(89);
     const n = 32000;
     const rows = Array.from({ length: 6 }, (_, r) => {
@@ -405,13 +434,16 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       return row;
     });
     for (const variant of variants) {
-      const fast = new Sampler(n, { argmax: (row) => native().ops.argmax(variant, row),
-        weigh: (...args) => native().ops.sampleWeigh(variant, ...args) });
-      const fastProcessed = new Sampler(n, { logprobsMode: 'processed', argmax: (row) => native().ops.argmax(variant, row),
-        weigh: (...args) => native().ops.sampleWeigh(variant, ...args) });
+      const passes = { argmax: (row: Float32Array) => native().ops.argmax(variant, row),
+        weigh: (...args: Parameters<WeighCandidates>) => native().ops.sampleWeigh(variant, ...args),
+        scale: (...args: Parameters<ScaleRow>) => native().ops.scaleRow(variant, ...args) };
+      const fast = new Sampler(n, passes);
+      const fastProcessed = new Sampler(n, { logprobsMode: 'processed', ...passes });
       for (const [mode, overrides] of [['raw', { temperature: 0.8, logprobs: 5 }], ['raw', { temperature: 0, logprobs: 1 }],
-        ['processed', { temperature: 1.3, topP: 0.9, logprobs: 20 }], ['processed', { temperature: 0.6, minP: 0.05, logprobs: 0 }]] as const) {
-        const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, ...overrides, seed: 3 }, promptTokenIds: [], vocabSize: n,
+        ['processed', { temperature: 1.3, topP: 0.9, logprobs: 20 }], ['processed', { temperature: 0.6, minP: 0.05, logprobs: 0 }],
+        // Logit processors, then the scaling in place.
+        ['processed', { temperature: 0.7, topP: 0.95, repetitionPenalty: 1.2, presencePenalty: 0.4, logprobs: 2 }]] as const) {
+        const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, ...overrides, seed: 3 }, promptTokenIds: [5, 9, 31999], vocabSize: n,
           eosTokenIds: [] })[0]!;
         const alone = new Sampler(n, { logprobsMode: mode });
         const given = mode === 'raw' ? fast : fastProcessed;
