@@ -12,9 +12,9 @@
 //   penalties      repetition 1.1, frequency 0.5, presence 0.5 over a 512-token prompt and the tokens drawn so far,
 //                  plus a 10-token logit_bias, then top-p 0.95
 // The plain loops copy the row, apply the same processing, then take an argmax, or a softmax and a draw, sorting
-// every candidate by logit for top-k / top-p (and for logprobs, a softmax of the raw row and a sort for its best): what
-// a first straightforward sampler does. "read pass" is one loop
-// that only reads every value of the row (a max), the floor any sampler pays.
+// every candidate by logit for top-k / top-p (and for logprobs, a softmax of the raw row and a sort for its best):
+// what a first straightforward sampler does. "read pass" is one loop that only reads every value of the row (a max),
+// the floor any sampler pays.
 //
 // Rows are seeded pseudo-random logits (std 3, a few peaks), the same for every case and pass. Each number is the
 // median over passes of (CPU time to sample every row) / rows, in µs (the plain loops, far slower, time 24 rows). --sampler-module loads another Sampler

@@ -129,10 +129,6 @@ void simd_softmax(float* x, int64_t n) {
   if (i < n) V::store_partial(x + i, V::mul(V::load_partial(x + i, n - i), inv), n - i);
 }
 
-// The greedy token of a logits row: the largest value in one pass (four running maxima, so consecutive vectors do
-// not wait on each other, and a NaN check on the same loads), then the first index holding it, in a second pass
-// that stops there (the row is still in cache). -1 for a row with a NaN or nothing above -inf (kernels.h). Ties
-// go to the lowest index as in the sampler's argmax: the second pass finds the first equal value, and -0 == +0.
 // kernels.h's scale_row. The plain loop: compiled under each file's target, GCC vectorizes the widening, the
 // product in double and the rounding back to float (one rounding each, as in JavaScript, in every lane).
 template <class V>
@@ -140,6 +136,10 @@ void simd_scale_row(const float* x, float* out, int64_t n, double factor) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(x[i]) * factor);
 }
 
+// The greedy token of a logits row: the largest value in one pass (four running maxima, so consecutive vectors do
+// not wait on each other, and a NaN check on the same loads), then the first index holding it, in a second pass
+// that stops there (the row is still in cache). -1 for a row with a NaN or nothing above -inf (kernels.h). Ties
+// go to the lowest index as in the sampler's argmax: the second pass finds the first equal value, and -0 == +0.
 template <class V>
 int64_t simd_argmax(const float* x, int64_t n) {
   constexpr int W = V::kWidth;
