@@ -165,6 +165,24 @@ for (const backend of backends) {
       assert.equal(calls >= PROMPTS.length * 3 * 24, backend.name === 'native', `rows the backend's pass weighed: ${calls}`);
     });
 
+    test("top_p rows at a temperature other than 1 are copied scaled by the backend's loop, and draw what the sampler's own copy gives", async () => {
+      const add = (core: EngineCore, ids: number[], i: number) => {
+        core.add(request(`p${i}`, ids, { temperature: 0.8, topP: 0.9, seed: 41 + i, ignoreEos: true }));
+        core.add(request(`r${i}`, ids, { temperature: 1.3, topP: 0.95, repetitionPenalty: 1.2, seed: 51 + i, ignoreEos: true }));
+      };
+      let calls = 0;
+      const counted = await runPrompts(add, (runner) => withMember(runner, 'scaleRow', runner.scaleRow === undefined ? undefined
+        : (...args: Parameters<NonNullable<typeof runner.scaleRow>>) => {
+          calls++;
+          runner.scaleRow!(...args);
+        }));
+      const without = await runPrompts(add, (runner) => withMember(runner, 'scaleRow', undefined));
+      assert.deepEqual(counted, without);
+      assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
+      // The native backend has the loop (every row of both kinds was scaled with it); the reference backend has none.
+      assert.equal(calls >= PROMPTS.length * 2 * 24, backend.name === 'native', `rows the backend's loop scaled: ${calls}`);
+    });
+
     test('the same seed gives the same tokens whatever the batch, chunk size and prefix-cache state', async () => {
       const { tokenizer } = await model();
       const prompts = PROMPTS.map((p) => tokenizer.encode(p));
