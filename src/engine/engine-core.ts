@@ -92,7 +92,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
     this.now = options.now;
     this.vocabSize = vocabSize;
     this.builder = BatchBuilder.forScheduler(this.scheduler);
-    // The backend's argmax and weighing passes where it has them (native: SIMD; the argmax 2 µs against the
+    // The backend's argmax, weighing pass and scaled copy where it has them (native: SIMD; the argmax 2 µs against the
     // JavaScript loop's 44 on a 32k row, the weighing of a temperature draw's whole row several times faster).
     const backendArgmax = options.backend.argmax?.bind(options.backend);
     const backendWeigh = options.backend.sampleWeigh?.bind(options.backend);
