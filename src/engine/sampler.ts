@@ -245,6 +245,14 @@ export class Sampler {
   /** The weighing pass's running totals after each block of WEIGH_BLOCK ids, and the last id with a weight above 0. */
   private readonly blockTotals: Float64Array;
   private lastWeighed = 0;
+  /**
+   * The values this row's draw weighed whole, unscaled and without a floor (a plain draw over values at their own
+   * scale), and that weighing's max and total: the logprobs' normaliser over the same values is then already known.
+   * Null otherwise.
+   */
+  private plainWeighed: Float32Array | null = null;
+  private plainWeighedMax = 0;
+  private plainWeighedTotal = 0;
   /** top_p's weight and token count per distance below the max (see selectTopP). */
   private readonly binMass = new Float64Array(MASS_BINS);
   private readonly binCount = new Int32Array(MASS_BINS);
@@ -298,6 +306,7 @@ export class Sampler {
     if (sequence.vocabSize !== this.vocabSize) {
       throw new RangeError(`sequence was set up for vocabSize ${sequence.vocabSize}; this sampler has ${this.vocabSize}`);
     }
+    this.plainWeighed = null;
     const { temperature, topK, minP } = sequence.params;
     const numTop = sequence.params.logprobs;
     const greedy = temperature < GREEDY_TEMPERATURE;
@@ -418,6 +427,11 @@ export class Sampler {
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;
     const total = this.weigh(values, scale, max, floor, this.weights, this.blockTotals, null, null, this.lastOut);
     this.lastWeighed = this.lastOut[0]!;
+    if (scale === 1 && floor === -Infinity) {
+      this.plainWeighed = values;
+      this.plainWeighedMax = max;
+      this.plainWeighedTotal = total;
+    }
     return this.drawWeighed(total, sequence.nextUniform());
   }
 
@@ -504,12 +518,14 @@ export class Sampler {
 
   /**
    * The chosen token's log-probability under `source` and the numTop best. The normaliser, log sum exp(value), is the
-   * max plus the log of the weighing pass's total (the backend's where there is one: a row's exp is most of the cost).
-   * After the draw, so the weights it overwrites are spent.
+   * max plus the log of the weighing pass's total (the backend's where there is one: a row's exp is most of the cost),
+   * taken from the draw when it weighed this same row so (plainWeighed: the same pass on the same values, so the same
+   * bits). After the draw, so the weights a new pass overwrites are spent.
    */
   private logprobsOf(source: Float32Array, tokenId: number, numTop: number): TokenLogprob {
-    const max = source[this.argmax(source)]!;
-    const total = this.weigh(source, 1, max, -Infinity, this.weights, null, null, null, this.lastOut);
+    const reuse = this.plainWeighed === source;
+    const max = reuse ? this.plainWeighedMax : source[this.argmax(source)]!;
+    const total = reuse ? this.plainWeighedTotal : this.weigh(source, 1, max, -Infinity, this.weights, null, null, null, this.lastOut);
     const logNormaliser = max + Math.log(total);
     const top = bestIds(source, numTop, this.order).map((id) => ({ tokenId: id, logprob: source[id]! - logNormaliser }));
     return { tokenId, logprob: source[tokenId]! - logNormaliser, top };
@@ -869,9 +885,10 @@ function bestIds(values: Float32Array, n: number, scratch: Int32Array): number[]
     }
     best[at] = id;
   }
+  if (best.length < n) return best;
   // Full: every kept id is below `id`, so `id` ranks before one only with a higher value. Nearly every token fails
   // that one comparison against the worst kept value.
-  let worst = best.length === n ? values[best[n - 1]!]! : Infinity;
+  let worst = values[best[n - 1]!]!;
   for (; id < length; id++) {
     const value = values[id]!;
     if (!(value > worst)) continue;

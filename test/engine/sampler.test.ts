@@ -734,11 +734,13 @@ describe('Sampler: logprobs', () => {
       const values = Array.from(row);
       const expected = logSoftmax(values);
       const ranked = values.map((_, i) => i).sort((a, b) => values[b]! - values[a]! || a - b);
-      // Greedy (no draw weighs the row: the logprobs alone call the pass) and a temperature draw.
-      for (const overrides of [{ temperature: 0, logprobs: 8 }, { temperature: 0.7, logprobs: 3 }]) {
+      // Greedy (no draw weighs the row: the logprobs alone call the pass), a draw at 0.7 (it weighs the row at 1/T,
+      // the logprobs at 1), and a draw at temperature 1, whose weighing of the row the logprobs reuse.
+      for (const [overrides, passes] of [[{ temperature: 0, logprobs: 8 }, 1], [{ temperature: 0.7, logprobs: 3 }, 2],
+        [{ temperature: 1, logprobs: 4 }, 1]] as const) {
         const before = calls;
         const { tokenId, logprobs } = given.sampleRow(row, sequence(vocabSize, overrides, { seed: r }));
-        assert.ok(calls > before, 'the given pass weighed the row');
+        assert.equal(calls - before, passes, `${JSON.stringify(overrides)}: passes over the row`);
         assert.ok(Math.abs(logprobs!.logprob - expected[tokenId]!) < 1e-9, `token ${tokenId}: ${logprobs!.logprob} against ${expected[tokenId]}`);
         assert.deepEqual(logprobs!.top.map((t) => t.tokenId), ranked.slice(0, overrides.logprobs));
         for (const { tokenId: id, logprob } of logprobs!.top) {

@@ -440,7 +440,9 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       const fast = new Sampler(n, passes);
       const fastProcessed = new Sampler(n, { logprobsMode: 'processed', ...passes });
       for (const [mode, overrides] of [['raw', { temperature: 0.8, logprobs: 5 }], ['raw', { temperature: 0, logprobs: 1 }],
-        ['processed', { temperature: 1.3, topP: 0.9, logprobs: 20 }], ['processed', { temperature: 0.6, minP: 0.05, logprobs: 0 }],
+        // A plain draw at temperature 1 (its weighing gives the logprobs' normaliser), then other draws over the same
+        // scratch row, which must not take that normaliser.
+        ['processed', { temperature: 1, logprobs: 3 }], ['processed', { temperature: 1.3, topP: 0.9, logprobs: 20 }], ['processed', { temperature: 0.6, minP: 0.05, logprobs: 0 }],
         // Logit processors, then the scaling in place.
         ['processed', { temperature: 0.7, topP: 0.95, repetitionPenalty: 1.2, presencePenalty: 0.4, logprobs: 2 }]] as const) {
         const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, ...overrides, seed: 3 }, promptTokenIds: [5, 9, 31999], vocabSize: n,
