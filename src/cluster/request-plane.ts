@@ -145,6 +145,8 @@ export function parseWireRequest(value: unknown): EngineRequest {
     skipSpecialTokens: bool(s, 'skipSpecialTokens', w),
     ...(seed !== undefined ? { seed } : {}), ...(logitBias ? { logitBias } : {}),
   };
+  const promptLogprobs = optional(s, 'promptLogprobs', () => int(s, 'promptLogprobs', w));
+  if (promptLogprobs !== undefined) sampling.promptLogprobs = promptLogprobs;
   const guided = optional(s, 'guided', () => parseGuided(s.guided));
   if (guided !== undefined) sampling.guided = guided;
   const request: EngineRequest = {

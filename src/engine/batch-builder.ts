@@ -16,6 +16,8 @@ export interface BatchBuilderOptions {
   maxNumSeqs: number;
   /** Longest sequence; sets maxBlocksPerSeq, the row width of blockTables. */
   maxModelLen: number;
+  /** Logits rows a step may return for prompt logprobs, beyond its sampled rows (default 0). */
+  maxPromptLogprobRows?: number;
 }
 
 export class BatchBuilder {
@@ -42,8 +44,8 @@ export class BatchBuilder {
     this.queryStartLoc = new Int32Array(options.maxNumSeqs + 1);
     this.seqLens = new Int32Array(options.maxNumSeqs);
     this.blockTables = new Int32Array(options.maxNumSeqs * this.maxBlocksPerSeq);
-    // A request forking into n samples reads its last row n times, but holds n seats, so rows <= maxNumSeqs.
-    this.logitsIndices = new Int32Array(options.maxNumSeqs);
+    // A request forking into n samples reads its last row n times, but holds n seats, so sampled rows <= maxNumSeqs.
+    this.logitsIndices = new Int32Array(options.maxNumSeqs + (options.maxPromptLogprobRows ?? 0));
     this.loraSlots = new Int32Array(options.maxNumBatchedTokens);
   }
 
@@ -57,7 +59,7 @@ export class BatchBuilder {
   static forScheduler(scheduler: Scheduler): BatchBuilder {
     return new BatchBuilder({
       blockSize: scheduler.kv.blockSize, maxNumBatchedTokens: scheduler.maxNumBatchedTokens,
-      maxNumSeqs: scheduler.maxNumSeqs, maxModelLen: scheduler.maxModelLen,
+      maxNumSeqs: scheduler.maxNumSeqs, maxModelLen: scheduler.maxModelLen, maxPromptLogprobRows: scheduler.maxPromptLogprobRows,
     });
   }
 
@@ -72,15 +74,18 @@ export class BatchBuilder {
     if (plan.numScheduledTokens > tokenIds.length) {
       throw new RangeError(`plan has ${plan.numScheduledTokens} tokens; the builder holds ${tokenIds.length}`);
     }
-    if (plan.sampleTargets.length > logitsIndices.length) {
-      throw new RangeError(`plan samples ${plan.sampleTargets.length} rows; the builder holds ${logitsIndices.length}`);
+    const numRows = plan.sampleTargets.length + plan.numPromptLogprobRows;
+    if (numRows > logitsIndices.length) {
+      throw new RangeError(`plan wants ${numRows} logits rows; the builder holds ${logitsIndices.length}`);
     }
     let row = 0;
     let numLogits = 0;
+    // Prompt-logprob rows go after every sampled row, so the sampled ones keep plan.sampleTargets' order.
+    let promptRow = plan.sampleTargets.length;
     let anyLora = false;
     queryStartLoc[0] = 0;
     for (let s = 0; s < numSeqs; s++) {
-      const { sequence, startPosition, numNewTokens, numSamples } = plan.scheduled[s]!;
+      const { sequence, startPosition, numNewTokens, numSamples, numPromptLogprobRows } = plan.scheduled[s]!;
       const sequenceTokens = sequence.tokenIds;
       const table = sequence.blockTable;
       const seqLen = startPosition + numNewTokens;
@@ -96,6 +101,7 @@ export class BatchBuilder {
       const slot = adapterId !== undefined && loraSlot ? loraSlot(adapterId) : -1;
       if (slot >= 0) anyLora = true;
       this.loraSlots.fill(slot, row, row + (seqLen - startPosition));
+      for (let k = 0; k < numPromptLogprobRows; k++) logitsIndices[promptRow++] = row + k;
       for (let position = startPosition; position < seqLen; position++, row++) {
         const blockIndex = Math.floor(position / blockSize);
         tokenIds[row] = sequenceTokens[position]!;
@@ -117,7 +123,7 @@ export class BatchBuilder {
       seqLens: seqLens.subarray(0, numSeqs),
       blockTables: blockTables.subarray(0, numSeqs * maxBlocksPerSeq),
       maxBlocksPerSeq,
-      logitsIndices: logitsIndices.subarray(0, numLogits),
+      logitsIndices: logitsIndices.subarray(0, promptRow),
       ...(anyLora ? { loraSlots: this.loraSlots.subarray(0, row) } : {}),
     };
   }

@@ -37,6 +37,8 @@ export interface EngineCoreOptions {
   enableKvEvents?: boolean;
   /** Longest prompt chunk one sequence gets per step (0 = no cap). */
   longPrefillTokenThreshold?: number;
+  /** Prompt-logprob logits rows per step (default promptLogprobRowsFor the model's vocabulary). */
+  maxPromptLogprobRows?: number;
   /** Lower KV tiers under the pool (kv-cache/tiers.ts), sized for this backend's blocks (kvBlockBytes). */
   kvTiers?: KvTiers;
   /** Engine clock in ms. */
@@ -83,6 +85,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       policy: options.policy, maxNumBatchedTokens: options.maxNumBatchedTokens, maxNumSeqs: options.maxNumSeqs,
       maxModelLen: options.maxModelLen, eosTokenIds: tokenizer.stopTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
+      maxPromptLogprobRows: options.maxPromptLogprobRows ?? promptLogprobRowsFor(vocabSize, options.maxNumBatchedTokens),
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
       ...(uniformWindow(backend.config) !== undefined ? { slidingWindow: uniformWindow(backend.config)! } : {}),
       tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? true),
@@ -167,7 +170,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
     let logits: Float32Array;
     try {
       if (plan.blockCopies.length > 0) this.copyBlocks(plan);
-      logits = this.backend.forward(batch, this.logitsBuffer(plan.sampleTargets.length));
+      logits = this.backend.forward(batch, this.logitsBuffer(plan.sampleTargets.length + plan.numPromptLogprobRows));
     } catch (error) {
       this.numStepsFailed++;
       const message = error instanceof Error ? error.message : String(error);
@@ -181,12 +184,13 @@ export class EngineCore extends StepCore<SequenceSampler> {
       return this.failStep(plan, `forward pass failed: ${message}`, this.now());
     }
     const sampled = this.sampleRows(plan, logits);
+    const promptLogprobs = plan.numPromptLogprobRows > 0 ? this.promptLogprobRows(plan, logits) : undefined;
     const end = this.now();
     // The prefill rate the tiers' cost model weighs onboarding against: steps that computed a block's worth of prompt.
     if (this.kv.tiers !== undefined && plan.stats.numPrefillTokens >= this.kv.blockSize) {
       this.kv.tiers.observePrefill(plan.numScheduledTokens, end - forwardStart);
     }
-    return this.applyStep(plan, sampled.tokenIds, sampled.logprobs, forwardStart, end);
+    return this.applyStep(plan, sampled.tokenIds, sampled.logprobs, forwardStart, end, promptLogprobs);
   }
 
   /** This worker's pool, for a decode worker to read from (shared memory). */
@@ -284,6 +288,33 @@ export class EngineCore extends StepCore<SequenceSampler> {
     });
     return { tokenIds, logprobs };
   }
+
+  /** The prompt-logprob rows after the sampled ones: each the logprob of the prompt token after its position. */
+  private promptLogprobRows(plan: StepPlan, logits: Float32Array): TokenLogprob[] {
+    const v = this.vocabSize;
+    const entries: TokenLogprob[] = [];
+    let row = plan.sampleTargets.length;
+    for (const { sequence, startPosition, numPromptLogprobRows } of plan.scheduled) {
+      const prompt = sequence.request.promptTokenIds;
+      const numTop = sequence.request.sampling.promptLogprobs!;
+      for (let k = 0; k < numPromptLogprobRows; k++, row++) {
+        entries.push(this.sampler.promptLogprob(logits.subarray(row * v, (row + 1) * v), prompt[startPosition + k + 1]!, numTop));
+      }
+    }
+    return entries;
+  }
+}
+
+/** Logits bytes a step may spend on prompt-logprob rows (beyond its sampled rows). */
+const PROMPT_LOGPROB_LOGITS_BYTES = 32 * 1024 * 1024;
+
+/**
+ * Prompt-logprob rows per step: as many vocabulary-wide float rows as PROMPT_LOGPROB_LOGITS_BYTES hold (262 for a
+ * 32000-token vocabulary, 65 for Llama 3's 128256), at least 16 and at most a step's tokens.
+ */
+export function promptLogprobRowsFor(vocabSize: number, maxNumBatchedTokens: number): number {
+  const rows = Math.floor(PROMPT_LOGPROB_LOGITS_BYTES / (vocabSize * Float32Array.BYTES_PER_ELEMENT));
+  return Math.max(1, Math.min(maxNumBatchedTokens, Math.max(16, rows)));
 }
 
 const NO_TOKENS: readonly number[] = [];

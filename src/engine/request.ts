@@ -5,7 +5,7 @@
 // A request with sampling.n = k starts as one sequence (index 0). When its prompt is computed, the step samples k
 // tokens from the last prompt position and the request forks into k sequences that share the prompt's full blocks.
 
-import type { EngineRequest, FinishReason, RequestTimestamps, SamplingParams } from './types.ts';
+import type { EngineRequest, FinishReason, RequestTimestamps, SamplingParams, TokenLogprob } from './types.ts';
 import type { BlockTable } from './kv-cache/manager.ts';
 
 /** A copy of a request's timestamps that later steps cannot change (the arrays and the summary copied too). */
@@ -71,6 +71,14 @@ export class Sequence {
     return this.index === 0 && this.request.sequences.length < this.request.sampling.n;
   }
 
+  /**
+   * Whether the step computing this sequence's prompt positions returns their logits (the request asked for prompt
+   * logprobs, and the prompt has not produced its first token yet; after a fork the samples have it).
+   */
+  get needsPromptLogprobs(): boolean {
+    return this.request.sampling.promptLogprobs !== undefined && this.outputTokenIds.length === 0;
+  }
+
   /** Batch seats the sequence holds: its own, plus before the fork the n - 1 samples it is about to become. */
   get numSeats(): number {
     return this.willFork ? this.request.sampling.n : 1;
@@ -115,6 +123,11 @@ export class Request {
    * (Scheduler.handOff), so none of them is given back before then, sliding window or not.
    */
   handsOff = false;
+  /**
+   * With sampling.promptLogprobs: each prompt position's entry as the steps computing the prompt produce it (null at
+   * position 0 and until computed); the completions' first outputs carry it.
+   */
+  promptLogprobs: (TokenLogprob | null)[] | undefined;
   readonly timestamps: RequestTimestamps;
 
   constructor(engineRequest: EngineRequest, arrivalOrder: number, queuedMs: number, adapterId?: string) {
@@ -122,6 +135,7 @@ export class Request {
     this.engineRequest = engineRequest;
     this.promptTokenIds = engineRequest.promptTokenIds;
     this.sampling = engineRequest.sampling;
+    if (this.sampling.promptLogprobs !== undefined) this.promptLogprobs = new Array<TokenLogprob | null>(this.promptTokenIds.length).fill(null);
     this.priority = engineRequest.priority;
     this.arrivalMs = engineRequest.arrivalMs;
     this.deadlineMs = engineRequest.deadlineMs;

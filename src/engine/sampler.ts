@@ -82,6 +82,10 @@ export function validateSamplingParams(params: SamplingParams, vocabSize: number
   if (params.logprobs !== null && (!Number.isInteger(params.logprobs) || params.logprobs < 0 || params.logprobs > vocabSize)) {
     invalid(`logprobs must be null or an integer in [0, ${vocabSize}], got ${params.logprobs}`);
   }
+  const { promptLogprobs } = params;
+  if (promptLogprobs !== undefined && (!Number.isInteger(promptLogprobs) || promptLogprobs < 0 || promptLogprobs > vocabSize)) {
+    invalid(`promptLogprobs must be absent or an integer in [0, ${vocabSize}], got ${promptLogprobs}`);
+  }
   if (params.seed !== undefined && !Number.isSafeInteger(params.seed)) invalid(`seed must be a safe integer, got ${params.seed}`);
   checkTokenIds('stopTokenIds', params.stopTokenIds, vocabSize);
   if (params.logitBias) {
@@ -517,6 +521,18 @@ export class Sampler {
   // ---- logprobs
 
   /**
+   * A prompt token's logprob from the raw logits row of the position before it, the numTop best, and its rank (1 +
+   * the tokens with a greater logit, as vLLM counts it). Nothing is recorded anywhere.
+   */
+  promptLogprob(row: Float32Array, tokenId: number, numTop: number): TokenLogprob {
+    if (row.length !== this.vocabSize) throw new RangeError(`logits row has ${row.length} values; vocabSize is ${this.vocabSize}`);
+    this.plainWeighed = null;
+    const entry = this.logprobsOf(row, tokenId, numTop);
+    entry.rank = countAbove(row, row[tokenId]!) + 1;
+    return entry;
+  }
+
+  /**
    * The chosen token's log-probability under `source` and the numTop best. The normaliser, log sum exp(value), is the
    * max plus the log of the weighing pass's total (the backend's where there is one: a row's exp is most of the cost),
    * taken from the draw when it weighed this same row so (plainWeighed: the same pass on the same values, so the same
@@ -638,6 +654,25 @@ function massBin(gap: number): number {
 export const scaleRow: ScaleRow = (row, out, factor) => {
   for (let i = 0; i < row.length; i++) out[i] = row[i]! * factor;
 };
+
+/**
+ * How many values are greater than `value` (NaN never is). Four counters adding comparisons as numbers: a branch per
+ * value mispredicts on a logits row (three times slower here).
+ */
+export function countAbove(values: Float32Array, value: number): number {
+  const n = values.length;
+  const whole = n - (n % 4);
+  let a = 0, b = 0, c = 0, d = 0;
+  let i = 0;
+  for (; i < whole; i += 4) {
+    a += +(values[i]! > value);
+    b += +(values[i + 1]! > value);
+    c += +(values[i + 2]! > value);
+    d += +(values[i + 3]! > value);
+  }
+  for (; i < n; i++) a += +(values[i]! > value);
+  return a + b + c + d;
+}
 
 /**
  * The id of the largest value, ties to the lowest id. Four lanes (ids i, i+1, i+2, i+3) each keep their own first

@@ -41,13 +41,26 @@ export interface SchedulerConfig {
   eosTokenIds?: readonly number[];
   /** Longest prompt chunk one sequence gets per step, so one long prompt cannot take a whole step (0 = no cap). */
   longPrefillTokenThreshold?: number;
+  /**
+   * Logits rows per step for prompt logprobs (sampling.promptLogprobs), all sequences together: a request asking for
+   * them computes its prompt in chunks of at most this many positions, so the step's logits stay bounded (each row
+   * is a vocabulary of floats). Default DEFAULT_MAX_PROMPT_LOGPROB_ROWS.
+   */
+  maxPromptLogprobRows?: number;
 }
+
+export const DEFAULT_MAX_PROMPT_LOGPROB_ROWS = 256;
 
 export interface ScheduledSequence {
   readonly sequence: Sequence;
   /** First position computed this step: sequence.numComputedTokens when scheduled. */
   readonly startPosition: number;
   readonly numNewTokens: number;
+  /**
+   * Prompt positions from startPosition whose logits rows this step returns for prompt logprobs (each row gives the
+   * logprob of the token after its position); 0 unless sequence.needsPromptLogprobs.
+   */
+  readonly numPromptLogprobRows: number;
   /**
    * Logits rows to sample from this sequence's last new token: 0 for a prompt chunk short of the end, 1 normally,
    * n when the step completes the prompt of a request with n samples (it forks on the result).
@@ -83,6 +96,10 @@ export interface StepPlan {
   readonly scheduled: readonly ScheduledSequence[];
   /** One per logits row, in row order: the rows of scheduled[0] first, then scheduled[1]'s, and so on. */
   readonly sampleTargets: readonly SampleTarget[];
+  /**
+   * Logits rows after the sampled ones: every scheduled sequence's numPromptLogprobRows, in the order of scheduled.
+   */
+  readonly numPromptLogprobRows: number;
   readonly numScheduledTokens: number;
   /** Sequences preempted while making this plan (back in the waiting queue, blocks freed). */
   readonly preempted: readonly Sequence[];
@@ -193,6 +210,11 @@ const byDeadline: SequenceOrder = (a, b) =>
 
 const POLICY_ORDER: Record<SchedulingPolicy, SequenceOrder> = { fcfs: byArrival, priority: byPriority, deadline: byDeadline };
 
+/** Prompt positions in [startPosition, startPosition + numNewTokens) before the prompt's last: one logits row each. */
+function promptLogprobRows(sequence: Sequence, startPosition: number, numNewTokens: number): number {
+  return Math.max(0, Math.min(startPosition + numNewTokens, sequence.numPromptTokens - 1) - startPosition);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 
 /**
@@ -212,6 +234,7 @@ export class Scheduler {
   /** The context limit in force: the configured one, or less when one sequence of it would not fit the pool. */
   readonly maxModelLen: number;
   readonly longPrefillTokenThreshold: number;
+  readonly maxPromptLogprobRows: number;
   private readonly eosTokenIds: ReadonlySet<number>;
   private readonly order: SequenceOrder;
 
@@ -245,6 +268,7 @@ export class Scheduler {
     if (!Number.isSafeInteger(this.longPrefillTokenThreshold) || this.longPrefillTokenThreshold < 0) {
       throw new RangeError(`longPrefillTokenThreshold must be an integer >= 0, got ${config.longPrefillTokenThreshold}`);
     }
+    this.maxPromptLogprobRows = positive('maxPromptLogprobRows', config.maxPromptLogprobRows ?? DEFAULT_MAX_PROMPT_LOGPROB_ROWS);
     this.eosTokenIds = new Set(config.eosTokenIds ?? []);
   }
 
@@ -314,12 +338,15 @@ export class Scheduler {
     const preempted: Sequence[] = [];
     const blockCopies: KvBlockCopy[] = [];
     let tokenBudget = this.maxNumBatchedTokens;
+    let promptRowBudget = this.maxPromptLogprobRows;
 
     // 1. Running sequences.
     for (let i = 0; i < this.running.length && tokenBudget > 0; i++) {
       const sequence = this.running[i]!;
       if (sequence.status !== 'running') continue; // preempted by an earlier sequence of this loop
-      const numNewTokens = this.chunkSize(sequence.numTokens - sequence.numComputedTokens, tokenBudget);
+      const numNewTokens = this.withinPromptRows(sequence, sequence.numComputedTokens,
+        this.chunkSize(sequence.numTokens - sequence.numComputedTokens, tokenBudget), promptRowBudget);
+      if (numNewTokens === 0) continue;
       // Sliding window: blocks before the window of the next token (the first of this step's chunk) go back to the
       // pool, already while a long prompt is computed chunk by chunk; a prompt that forks into n samples or is handed
       // off to another worker keeps all its blocks until it is computed (the step that computed it has forked the
@@ -332,13 +359,17 @@ export class Scheduler {
       if (!fits) this.numKvAllocationFailures++;
       while (!fits) {
         const victim = this.lastRankedRunning();
-        tokenBudget += this.preemptFromPlan(victim, entries, preempted);
+        const back = this.preemptFromPlan(victim, entries, preempted);
+        tokenBudget += back.tokens;
+        promptRowBudget += back.promptLogprobRows;
         if (victim === sequence) break;
         fits = this.kv.allocateSlots(sequence.blockTable, sequence.numComputedTokens, numNewTokens) !== null;
       }
       if (!fits) continue;
-      entries.push(this.planEntry(sequence, numNewTokens));
+      const entry = this.planEntry(sequence, numNewTokens);
+      entries.push(entry);
       tokenBudget -= numNewTokens;
+      promptRowBudget -= entry.numPromptLogprobRows;
     }
     if (preempted.length > 0) this.running = this.running.filter((sequence) => sequence.status === 'running');
 
@@ -355,17 +386,23 @@ export class Scheduler {
         if (!preemptive) return false;
         const victim = this.lastRankedRunningOrNull();
         if (victim === null || this.order(sequence, victim) >= 0) return false;
-        tokenBudget += this.preemptFromPlan(victim, entries, preempted);
+        const back = this.preemptFromPlan(victim, entries, preempted);
+        tokenBudget += back.tokens;
+        promptRowBudget += back.promptLogprobRows;
         if (bound === null || this.order(victim, bound) < 0) bound = victim;
         return true;
       };
       for (let at = 0; at < this.waiting.length; at++) {
         const sequence = this.waiting[at]!;
         if (tokenBudget === 0 || (bound !== null && this.order(sequence, bound) >= 0)) break;
+        // A prompt whose logprobs are wanted waits for a step with rows left (before it could preempt anyone).
+        if (promptRowBudget === 0 && sequence.needsPromptLogprobs && sequence.numPromptTokens > 1) break;
         while (this.runningSeats + sequence.numSeats > this.maxNumSeqs && makeRoom(sequence));
         if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
-        const prefix = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds);
-        const numNewTokens = this.chunkSize(sequence.numTokens - prefix.numTokens, tokenBudget);
+        // A prompt whose logprobs are wanted is computed whole: a cached position would have no logits row.
+        const prefix = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds, { reuse: !sequence.needsPromptLogprobs });
+        const numNewTokens = this.withinPromptRows(sequence, prefix.numTokens,
+          this.chunkSize(sequence.numTokens - prefix.numTokens, tokenBudget), promptRowBudget);
         let fits = this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) !== null;
         // Only when the victims' blocks could be enough: nobody is preempted for a request that would wait anyway.
         if (!fits && preemptive && this.reclaimableFor(sequence) >= this.kv.blocksFor(prefix.numTokens + numNewTokens) - prefix.blocks.length) {
@@ -389,8 +426,10 @@ export class Scheduler {
         }
         sequence.numComputedTokens = prefix.numTokens;
         this.admit(sequence, prefix.numTokens, nowMs);
-        entries.push(this.planEntry(sequence, numNewTokens));
+        const entry = this.planEntry(sequence, numNewTokens);
+        entries.push(entry);
         tokenBudget -= numNewTokens;
+        promptRowBudget -= entry.numPromptLogprobRows;
         numAdmitted++;
       }
       // The admitted are the queue's first numAdmitted: a victim ranks after every one of them.
@@ -403,18 +442,15 @@ export class Scheduler {
 
   /**
    * Preempts a running sequence while a plan is being made: its entry in the plan so far, if any, is cancelled, and
-   * it joins the step's preempted. Returns the tokens its cancelled entry gives back to the step's budget.
+   * it joins the step's preempted. Returns the tokens and prompt-logprob rows its cancelled entry gives back to the
+   * step's budgets.
    */
-  private preemptFromPlan(victim: Sequence, entries: readonly PlanEntry[], preempted: Sequence[]): number {
+  private preemptFromPlan(victim: Sequence, entries: readonly PlanEntry[], preempted: Sequence[]): { tokens: number; promptLogprobRows: number } {
     const victimEntry = entries.find((entry) => entry.sequence === victim && !entry.cancelled);
-    let tokensBack = 0;
-    if (victimEntry !== undefined) {
-      victimEntry.cancelled = true;
-      tokensBack = victimEntry.numNewTokens;
-    }
+    if (victimEntry !== undefined) victimEntry.cancelled = true;
     this.preempt(victim);
     preempted.push(victim);
-    return tokensBack;
+    return { tokens: victimEntry?.numNewTokens ?? 0, promptLogprobRows: victimEntry?.numPromptLogprobRows ?? 0 };
   }
 
   private chunkSize(numRemainingTokens: number, tokenBudget: number): number {
@@ -423,11 +459,21 @@ export class Scheduler {
     return Math.min(capped, tokenBudget);
   }
 
+  /**
+   * A chunk of a sequence that needs prompt logprobs shortened to the rows left in the step (0: it waits for the
+   * next step); others unchanged. Only positions before the prompt's last take a row (the last one's is sampled).
+   */
+  private withinPromptRows(sequence: Sequence, startPosition: number, numNewTokens: number, rowsLeft: number): number {
+    if (!sequence.needsPromptLogprobs || promptLogprobRows(sequence, startPosition, numNewTokens) <= rowsLeft) return numNewTokens;
+    return rowsLeft;
+  }
+
   private planEntry(sequence: Sequence, numNewTokens: number): PlanEntry {
     const startPosition = sequence.numComputedTokens;
     const reachesEnd = startPosition + numNewTokens === sequence.numTokens;
     return {
       sequence, startPosition, numNewTokens,
+      numPromptLogprobRows: sequence.needsPromptLogprobs ? promptLogprobRows(sequence, startPosition, numNewTokens) : 0,
       numSamples: reachesEnd ? (sequence.willFork ? sequence.request.sampling.n : 1) : 0,
       isDecode: numNewTokens === 1 && reachesEnd && sequence.outputTokenIds.length > 0,
       request: sequence.request, completionIndex: sequence.index, cancelled: false,
@@ -440,16 +486,18 @@ export class Scheduler {
     const sampleTargets: SampleTarget[] = [];
     let numScheduledTokens = 0;
     let numDecodeTokens = 0;
+    let numPromptLogprobRows = 0;
     for (const entry of scheduled) {
       const { sequence, numNewTokens, numSamples, isDecode } = entry;
       numScheduledTokens += numNewTokens;
+      numPromptLogprobRows += entry.numPromptLogprobRows;
       if (isDecode) numDecodeTokens++;
       if (numSamples === 1) sampleTargets.push(entry);
       else for (let k = 0; k < numSamples; k++) sampleTargets.push({ request: sequence.request, completionIndex: k });
     }
     this.numPreemptions += preempted.length;
     const plan: StepPlan = {
-      stepId: this.nextStepId++, nowMs, scheduled, sampleTargets, numScheduledTokens, preempted, blockCopies,
+      stepId: this.nextStepId++, nowMs, scheduled, sampleTargets, numPromptLogprobRows, numScheduledTokens, preempted, blockCopies,
       stats: {
         numRunning: this.running.length, numWaiting: this.waiting.length, numScheduledSeqs: scheduled.length,
         numScheduledTokens, numPrefillTokens: numScheduledTokens - numDecodeTokens, numDecodeTokens, numAdmitted,

@@ -156,6 +156,7 @@ export class StepCore<T> {
       policy: options.policy, maxNumBatchedTokens: options.maxNumBatchedTokens, maxNumSeqs: options.maxNumSeqs,
       maxModelLen: options.maxModelLen, eosTokenIds: options.eosTokenIds,
       longPrefillTokenThreshold: options.longPrefillTokenThreshold,
+      ...(options.maxPromptLogprobRows !== undefined ? { maxPromptLogprobRows: options.maxPromptLogprobRows } : {}),
     }, this.kv);
   }
 
@@ -196,6 +197,9 @@ export class StepCore<T> {
     if (options.handoff) {
       if (engineRequest.sampling.n !== 1) {
         throw new InvalidRequestError('invalid_request', engineRequest.id, 'only a request with n = 1 can be prefilled for another worker');
+      }
+      if (engineRequest.sampling.promptLogprobs !== undefined) {
+        throw new InvalidRequestError('invalid_request', engineRequest.id, 'a request with prompt logprobs cannot be prefilled for another worker');
       }
       if (engineRequest.sampling.seed === undefined) {
         accepted = { ...engineRequest, sampling: { ...engineRequest.sampling, seed: this.tokenSource.handoffSeed(engineRequest) } };
@@ -244,10 +248,12 @@ export class StepCore<T> {
   /**
    * Applies a step's sampled tokens (one per plan.sampleTargets row) at its end: the scheduler's update, text and
    * stop strings, one output per completion that got a token, finished requests forgotten, prefill-only requests
-   * handed off.
+   * handed off. promptLogprobs: one entry per prompt-logprob row of the plan (plan.numPromptLogprobRows, in the
+   * order of plan.scheduled), the logprob of the token after the row's position.
    */
   protected applyStep(plan: StepPlan, tokenIds: readonly number[], logprobs: StepLogprobs | undefined,
-    startMs: number, endMs: number): EngineOutput[] {
+    startMs: number, endMs: number, promptLogprobs?: readonly TokenLogprob[]): EngineOutput[] {
+    if (plan.numPromptLogprobRows > 0) this.recordPromptLogprobs(plan, promptLogprobs);
     const result = this.scheduler.updateFromOutput(plan, tokenIds as number[], endMs, startMs);
     // One object for every output of the step: structured clone keeps it one object in a message too.
     const step: EngineStepFacts = {
@@ -259,6 +265,7 @@ export class StepCore<T> {
       const state = this.states.get(out.requestId);
       if (!state) continue;
       let { newTokenIds, finishReason, stopReason } = out;
+      const first = state.request.sequences[out.index]?.outputTokenIds.length === newTokenIds.length;
       // Forced tokens follow the sampled one in the same output (a request to hand off leaves with one token).
       const forced = finishReason === null && !state.handoff ? this.tokenSource.forced?.(state.tokens[out.index]!) : undefined;
       if (forced !== undefined && forced.length > 0) {
@@ -269,6 +276,7 @@ export class StepCore<T> {
       }
       const emitted = this.emitTokens(state, out.index, newTokenIds, finishReason, stopReason,
         logprobs?.get(rowKey(out.requestId, out.index)), endMs);
+      if (first && state.request.promptLogprobs !== undefined) emitted.promptLogprobs = state.request.promptLogprobs;
       // Forced tokens after a stop string are dropped (emitTokens): they were never output.
       this.numForcedTokens -= newTokenIds.length - emitted.newTokenIds.length;
       emitted.step = step;
@@ -288,6 +296,20 @@ export class StepCore<T> {
     // would feed that token.
     if (handOffs) for (const state of handOffs) if (this.states.get(state.request.id) === state) this.handOff(state, endMs);
     return outputs;
+  }
+
+  /** Puts a step's prompt-logprob rows into their requests' entries, by prompt position (a recomputed one overwrites). */
+  private recordPromptLogprobs(plan: StepPlan, rows: readonly TokenLogprob[] | undefined): void {
+    if (rows === undefined || rows.length !== plan.numPromptLogprobRows) {
+      throw new RangeError(`step ${plan.stepId} has ${plan.numPromptLogprobRows} prompt-logprob rows; got ${rows?.length ?? 'none'}`);
+    }
+    let at = 0;
+    for (const { sequence, startPosition, numPromptLogprobRows } of plan.scheduled) {
+      if (numPromptLogprobRows === 0) continue;
+      const { request } = sequence;
+      const entries = request.promptLogprobs!; // set up by the request for every one that asks
+      for (let k = 0; k < numPromptLogprobRows; k++) entries[startPosition + k + 1] = rows[at++]!;
+    }
   }
 
   /** A step could not run (the forward pass threw): every request in it fails with the reason. */

@@ -29,6 +29,13 @@ export interface SamplingParams {
   includeStopStrInOutput: boolean;
   /** Return the chosen token's logprob and this many alternatives (null = none). */
   logprobs: number | null;
+  /**
+   * Return every prompt token's logprob given the tokens before it, with this many alternatives (absent = none):
+   * vLLM's prompt_logprobs, and what completions' echo with logprobs shows. From the model's raw logits. Such a
+   * request computes its whole prompt (no prefix-cache hits: a cached position has no logits) and runs on one
+   * worker (never prefilled for another).
+   */
+  promptLogprobs?: number;
   skipSpecialTokens: boolean;
   /**
    * Constrained decoding: the output must follow this grammar (each logits row is masked to the tokens it allows,
@@ -94,6 +101,8 @@ export interface TokenLogprob {
   tokenId: number;
   logprob: number;
   top: { tokenId: number; logprob: number }[];
+  /** The token's rank in its row, 1 = the most likely (set on prompt logprobs, as vLLM reports them). */
+  rank?: number;
 }
 
 /** Per-phase timestamps (engine clock, ms). */
@@ -157,6 +166,11 @@ export interface EngineOutput {
   newTokenIds: number[];
   textDelta: string;
   logprobs?: TokenLogprob[];
+  /**
+   * With sampling.promptLogprobs, on each completion's first output: one entry per prompt token, null for the first
+   * (nothing comes before it).
+   */
+  promptLogprobs?: (TokenLogprob | null)[];
   finishReason?: FinishReason;
   /** For finishReason 'stop': the stop string or token id that ended it. */
   stopReason?: string | number;
@@ -231,7 +245,7 @@ export type WorkerRole = 'prefill' | 'decode' | 'both';
  * - short-prompt: the decode worker lacked too few prompt tokens to be worth a round trip;
  * - prefill-queue-full: every prefill worker had more prefill queued than the bound (or was busy);
  * - transfer-slower: moving the KV would take longer than computing it on the decode worker;
- * - not-eligible: the request cannot be handed over (n > 1);
+ * - not-eligible: the request cannot be handed over (n > 1, or prompt logprobs);
  * - prefill-failed / transfer-failed: the disaggregated path broke and the decode worker computed the prompt itself.
  */
 export type DisaggregationReason =

@@ -529,7 +529,10 @@ export class DisaggregatedEngine implements Engine {
   private decide(request: EngineRequest, routing: RoutingRequest, decodeDecision: RoutingDecision):
     { choice: DisaggregationSummary; prefillDecision: RoutingDecision | null } {
     let prefillDecision: RoutingDecision | null = null;
-    if (this.prefillWorkers.size > 0 && request.sampling.n === 1) {
+    const ineligible = request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker`
+      : request.sampling.promptLogprobs !== undefined ? 'prompt logprobs come from the worker that computes the prompt, which then samples'
+        : undefined;
+    if (this.prefillWorkers.size > 0 && ineligible === undefined) {
       const outcome = this.prefillRouter.route(routing, this.now(), { commit: false });
       // The prefill router never queues: a busy prefill tier is a reason to prefill on the decode worker.
       if (outcome.kind === 'queued') this.prefillRouter.cancelQueued(request.id);
@@ -538,7 +541,7 @@ export class DisaggregatedEngine implements Engine {
     const chosen = prefillDecision?.costTerms.find((t) => t.workerId === prefillDecision!.workerId);
     const choice = decideDisaggregation({
       numPromptTokens: request.promptTokenIds.length, blockSize: this.info.blockSize,
-      ineligible: request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker` : undefined,
+      ineligible,
       decodeWorkerId: decodeDecision.workerId, decodeOverlapBlocks: decodeDecision.overlapBlocks,
       prefill: prefillDecision && chosen
         ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }

@@ -77,6 +77,8 @@ export class RequestMigration {
         ...sampling,
         maxTokens: sampling.maxTokens - done,
         minTokens: Math.max(0, sampling.minTokens - done),
+        // The caller has the prompt's logprobs once it had a token (they came with the first); before, it still needs them.
+        ...(done > 0 ? { promptLogprobs: undefined } : {}),
         // Stop strings are matched here once the text is (the worker would hold back and cut text on its own).
         ...(this.detokenizer ? { stop: [] } : {}),
       },

@@ -32,6 +32,8 @@ export interface PrefillChunk {
   contextLen: number;
   /** The chunk ends its prompt, so the step computes logits and samples a token for it (default true). */
   sampled?: boolean;
+  /** Further positions of the chunk whose logits the step computes (prompt logprobs; default 0). */
+  promptLogitsRows?: number;
 }
 
 /** A sequence decoding one token in this step. */
@@ -131,7 +133,7 @@ export const DEFAULT_EFFICIENCY: Readonly<Efficiency> = Object.freeze({
 export interface StepWork {
   /** Tokens computed in the step (prefill chunk tokens plus one per decode). */
   newTokens: number;
-  /** Positions whose logits are computed (one per decode, one per prompt-ending chunk). */
+  /** Positions whose logits are computed (one per decode, one per prompt-ending chunk, and prompt-logprob rows). */
   sampledTokens: number;
   matmulFlops: number;
   /** Weight bytes streamed from HBM. */
@@ -218,7 +220,7 @@ export function stepWork(step: StepShape, model: ModelProfile, tp: number): Step
   const chunks = step.prefillTokens.filter((c) => c.newTokens > 0);
   const decodes = step.decodeSeqs;
   const newTokens = chunks.reduce((s, c) => s + c.newTokens, 0) + decodes.length;
-  const sampledTokens = chunks.filter((c) => c.sampled !== false).length + decodes.length;
+  const sampledTokens = chunks.reduce((s, c) => s + (c.sampled !== false ? 1 : 0) + (c.promptLogitsRows ?? 0), 0) + decodes.length;
   if (newTokens === 0) {
     return {
       newTokens: 0, sampledTokens: 0, matmulFlops: 0, weightBytes: 0, prefillAttentionFlops: 0, prefillKvBytes: 0,

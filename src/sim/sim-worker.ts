@@ -20,7 +20,7 @@ import { kvBytesPerToken, paramCount, type ModelProfile } from './models.ts';
 import {
   DEFAULT_EFFICIENCY, checkTensorParallel, kvBytesPerTokenPerGpu, kvCapacityTokens, kvTransferTimeMs, loraParamCount, stepTimeMs,
   type Efficiency, type SimLoraTarget,
-  type StepLora, type StepShape,
+  type PrefillChunk, type StepLora, type StepShape,
 } from './perf-model.ts';
 import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-tokens.ts';
 import { IncrementalDetokenizer } from '../engine/detokenizer.ts';
@@ -182,13 +182,18 @@ export interface SimStep {
  * context is the tokens already in the KV cache, sampled only when it reaches the end of the sequence.
  */
 export function planToStepShape(plan: StepPlan, adapters?: ReadonlyMap<string, SimLoraAdapter>): StepShape {
-  const prefillTokens: { newTokens: number; contextLen: number; sampled: boolean }[] = [];
+  const prefillTokens: PrefillChunk[] = [];
   const decodeSeqs: { contextLen: number }[] = [];
   // Tokens per distinct adapter of the step (the batched LoRA kernels read each adapter once).
   const loraTokens = new Map<string, number>();
   for (const entry of plan.scheduled) {
     if (entry.isDecode) decodeSeqs.push({ contextLen: entry.startPosition });
-    else prefillTokens.push({ newTokens: entry.numNewTokens, contextLen: entry.startPosition, sampled: entry.numSamples > 0 });
+    else {
+      prefillTokens.push({
+        newTokens: entry.numNewTokens, contextLen: entry.startPosition, sampled: entry.numSamples > 0,
+        ...(entry.numPromptLogprobRows > 0 ? { promptLogitsRows: entry.numPromptLogprobRows } : {}),
+      });
+    }
     const adapterId = entry.sequence.request.adapterId;
     if (adapterId !== undefined && adapters?.has(adapterId)) loraTokens.set(adapterId, (loraTokens.get(adapterId) ?? 0) + entry.numNewTokens);
   }
@@ -440,8 +445,13 @@ export class SimWorker extends StepCore<SimTokenState> {
       if (request.sampling.logprobs !== null) logprobs.set(rowKey(request.id, completionIndex), { tokenId, logprob: 0, top: [] });
       return tokenId;
     });
+    // Prompt logprobs in the same terms: each prompt token has logprob 0 and rank 1.
+    const promptLogprobs = plan.numPromptLogprobRows > 0 ? plan.scheduled.flatMap(({ sequence, startPosition, numPromptLogprobRows }) =>
+      Array.from({ length: numPromptLogprobRows }, (_, k) => ({
+        tokenId: sequence.request.promptTokenIds[startPosition + k + 1]!, logprob: 0, top: [], rank: 1,
+      }))) : undefined;
     // Planning takes no simulated time: the forward pass starts when the step does.
-    const outputs = this.applyStep(plan, tokenIds, logprobs, step.startMs, step.endMs);
+    const outputs = this.applyStep(plan, tokenIds, logprobs, step.startMs, step.endMs, promptLogprobs);
     // Lower tiers: copied down between steps as the cpu worker does, at no step time (DMA beside compute); an idle
     // worker copies everything down.
     if (this.kv.tiers !== undefined) {

@@ -44,6 +44,18 @@ describe('request-plane frames', () => {
     assert.throws(() => parseWireRequest(bad), /sampling.temperature/);
   });
 
+  test('prompt logprobs cross the wire; a bad count is refused', () => {
+    const request: EngineRequest = {
+      id: 'p1', promptTokenIds: [1, 2, 3], priority: 0, arrivalMs: 5, sampling: { ...DEFAULT_SAMPLING, promptLogprobs: 4 },
+    };
+    assert.deepEqual(parseWireRequest(JSON.parse(JSON.stringify(toWireRequest(request)))), request);
+    const bad = JSON.parse(JSON.stringify(toWireRequest(request)));
+    bad.sampling.promptLogprobs = -1;
+    assert.throws(() => parseWireRequest(bad), /sampling.promptLogprobs/);
+    bad.sampling.promptLogprobs = '4';
+    assert.throws(() => parseWireRequest(bad), /sampling.promptLogprobs/);
+  });
+
   test('a guided request and a migrated one\'s prior output cross the wire whole; a bad grammar spec is refused', () => {
     const guided: GuidedDecoding[] = [
       { kind: 'json_object', compact: true }, { kind: 'json_schema', schema: '{"type":"object"}' },

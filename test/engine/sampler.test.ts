@@ -1,8 +1,8 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { Xoshiro128, drawRandomSeed } from '../../src/util/random.ts';
+import { Xoshiro128, drawRandomSeed, seededRandom } from '../../src/util/random.ts';
 import {
-  argmax, expGap, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
+  argmax, countAbove, expGap, heapSelectTop, MASS_BINS, Sampler, SequenceSampler, createRequestSamplers, selectTop, selectTopByMass, selectTopP,
   scaleRow, validateSamplingParams, WEIGH_BLOCK, weighCandidates,
 } from '../../src/engine/sampler.ts';
 import type { LogprobsMode, SampledToken } from '../../src/engine/sampler.ts';
@@ -188,6 +188,38 @@ describe('argmax', () => {
       assert.throws(() => argmax(values), new RegExp(`NaN at token id ${at}$`), `NaN at ${at}`);
     }
     assert.throws(() => argmax(new Float32Array(9).fill(-Infinity)), /every token is masked/);
+  });
+});
+
+describe('countAbove', () => {
+  it('counts the values above a value as a plain filter does, at every length, with ties, infinities and NaN', () => {
+    const pool = [0.5, -1, 0.5, Infinity, -Infinity, NaN, 2, -0, 0, 3.25];
+    const random = seededRandom(11);
+    for (let length = 0; length <= 13; length++) {
+      for (let trial = 0; trial < 20; trial++) {
+        const values = Float32Array.from({ length }, () => pool[Math.floor(random() * pool.length)]!);
+        for (const value of [0.5, 0, -Infinity, Infinity, 2.5, NaN]) {
+          assert.equal(countAbove(values, value), [...values].filter((x) => x > value).length, `length ${length}, value ${value}`);
+        }
+      }
+    }
+  });
+});
+
+describe('Sampler.promptLogprob', () => {
+  it('gives the token\'s log-softmax, the best alternatives and its rank, and leaves the row as it was', () => {
+    const row = Float32Array.from([1, 3, 3, -2, 0.5, -Infinity, 2]);
+    const copy = row.slice();
+    const sampler = new Sampler(row.length);
+    const entry = sampler.promptLogprob(row, 6, 2);
+    const lse = Math.log([...row].reduce((sum, x) => sum + Math.exp(x), 0));
+    assert.ok(Math.abs(entry.logprob - (2 - lse)) < 1e-12);
+    // Ties rank by count of greater values: token 6 (2) has two above it (3, 3), so rank 3.
+    assert.equal(entry.rank, 3);
+    assert.deepEqual(entry.top.map((t) => t.tokenId), [1, 2]);
+    assert.equal(sampler.promptLogprob(row, 2, 0).rank, 1, 'a tie for the best is rank 1');
+    assert.equal(sampler.promptLogprob(row, 5, 0).rank, 7, 'a masked token is last');
+    assert.deepEqual(row, copy);
   });
 });
 

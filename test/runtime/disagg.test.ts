@@ -200,7 +200,10 @@ describe('conditional disaggregation', () => {
       const multi = await collect(pool.engine.generate(request(prompt(5, 64), { n: 2, temperature: 1, seed: 3 })));
       assert.equal(reasonOf(multi).reason, 'not-eligible');
       assert.equal(multi.filter((o) => o.finishReason).length, 2, 'both samples finish on the decode worker');
-      assert.deepEqual(pool.disaggregated!.decisionCounts(), { disaggregated: 2, local: 3, fallbacks: 0 });
+      const scored = await collect(pool.engine.generate(request(prompt(7, 64), { promptLogprobs: 1 })));
+      assert.deepEqual([reasonOf(scored).mode, reasonOf(scored).reason], ['local', 'not-eligible']);
+      assert.equal(scored[0]!.promptLogprobs?.length, 64, 'the decode worker computed the prompt and its logprobs');
+      assert.deepEqual(pool.disaggregated!.decisionCounts(), { disaggregated: 2, local: 4, fallbacks: 0 });
       await assertAllFree(pool);
     } finally {
       await pool.engine.close();

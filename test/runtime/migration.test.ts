@@ -366,4 +366,16 @@ describe('request migration: text and usage carried on this side', () => {
     assert.equal(adapted.usage.completionTokens, 5);
     assert.deepEqual(migration.generated, [0, 1, 2, 3, 4]);
   });
+
+  test('prompt logprobs are asked of the next worker only when the lost one sent no token (they come with the first)', () => {
+    const early = new RequestMigration(request([1, 2], { promptLogprobs: 1 }), { limit: 2 });
+    early.migrateFrom('w0', 'lost');
+    assert.equal(early.attempt().sampling.promptLogprobs, 1);
+    const late = new RequestMigration(request([1, 2], { promptLogprobs: 1 }), { limit: 2 });
+    late.adapt(output([0], 1, { promptLogprobs: [null, { tokenId: 2, logprob: -1, top: [], rank: 3 }] }));
+    late.migrateFrom('w0', 'lost');
+    const next = late.attempt();
+    assert.deepEqual(next.promptTokenIds, [1, 2, 0]);
+    assert.equal(next.sampling.promptLogprobs, undefined);
+  });
 });

@@ -65,6 +65,22 @@ describe('SimEngine timings', () => {
     assert.equal(stats.prefixCacheHits, 63);
   });
 
+  test('prompt logprobs: the prompt computed whole despite the cache, an LM-head row per position, entries at logprob 0', async () => {
+    const e = engine();
+    await all(e.generate(req('first', prompt(64), 0, { maxTokens: 1 })));
+    const arrival = e.now();
+    const outs = await all(e.generate(req('scored', prompt(64), arrival, { maxTokens: 1, promptLogprobs: 2 })));
+    await e.close();
+    assert.equal(last(outs).usage.cachedTokens, 0);
+    // The sampled row's LM head, and 63 more: one per prompt position before the last.
+    const lmHeadMs = toyPrefillMs(64, 0) - toyPrefillMs(64, 0, false);
+    close(ttftOf(outs[0]!), toyPrefillMs(64, 0) + 63 * lmHeadMs);
+    const entries = outs[0]!.promptLogprobs!;
+    assert.equal(entries.length, 64);
+    assert.equal(entries[0], null);
+    assert.deepEqual(entries.slice(1), prompt(64).slice(1).map((tokenId) => ({ tokenId, logprob: 0, top: [], rank: 1 })));
+  });
+
   test('chunked prefill: a prompt over the step budget takes one step per chunk', async () => {
     const e = engine({ maxNumBatchedTokens: 40 });
     const outs = await all(e.generate(req('a', prompt(64), 0, { maxTokens: 1 })));

@@ -214,14 +214,16 @@ export class KvCacheManager {
    * cache, even when the whole sequence is: the step must compute at least one token to produce the logits the
    * next token is sampled from. When the last token ends a cached block, that block becomes the copy source of
    * a fresh one (copy-on-write, unless copyOnWrite is false), so only the last token is computed rather than its
-   * whole block. Nothing is reserved: pass the result to allocateSlots in the same step.
+   * whole block. Nothing is reserved: pass the result to allocateSlots in the same step. With reuse false nothing is
+   * looked up (a request that needs every position's logits): the prefix is empty, and the prompt still counts as
+   * queried.
    */
   findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>,
-    options: { copyOnWrite?: boolean; lowerTiers?: boolean } = {}): CachedPrefix {
+    options: { copyOnWrite?: boolean; lowerTiers?: boolean; reuse?: boolean } = {}): CachedPrefix {
     const blocks: KvBlock[] = [];
     let copySource: KvBlock | undefined;
     let onboard: OnboardPlan | undefined;
-    if (this.enablePrefixCaching && tokenIds.length > 0) {
+    if (this.enablePrefixCaching && tokenIds.length > 0 && (options.reuse ?? true)) {
       const numFullBlocks = Math.floor(tokenIds.length / this.blockSize);
       const maxBlocks = Math.floor((tokenIds.length - 1) / this.blockSize);
       // Only a sequence ending exactly on a block boundary has a full block beyond maxBlocks worth looking up.

@@ -1,0 +1,195 @@
+// Prompt logprobs (sampling.promptLogprobs) through the engine on a real model: every prompt token's logprob, best
+// alternatives and rank against a float64 log-softmax of the reference forward pass's logits at every position;
+// the same entries whatever the chunking, the row budget, the prefix cache or the other requests of the step; and
+// on each completion's first output only.
+import { describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { EngineCore } from '../../src/engine/engine-core.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams, type TokenLogprob } from '../../src/engine/types.ts';
+import type { BackendFactory, ForwardBatch, ModelRunnerBackend } from '../../src/kernels/types.ts';
+import { ReferenceModel } from '../../src/model/reference-forward.ts';
+import { loadSharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { engineBackends } from '../helpers/backends.ts';
+
+const MODEL = 'stories260K.gguf';
+const PROMPTS = [
+  'Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.',
+  'The cat sat on the mat and looked at the big red ball.',
+  'Tom and Sue went to the park. They saw a big tree and a small dog.',
+];
+
+interface CoreOptions {
+  maxNumBatchedTokens?: number;
+  maxPromptLogprobRows?: number;
+  longPrefillTokenThreshold?: number;
+  onForward?: (batch: ForwardBatch) => void;
+}
+
+async function makeCore(backend: BackendFactory, options: CoreOptions = {}): Promise<EngineCore> {
+  const { loaded, tokenizer } = await loadSharedModel(MODEL);
+  const runner = backend.load(loaded.config, loaded.weights, { numBlocks: 256, blockSize: 16, dtype: 'f32' }, { threads: 1 });
+  const watched: ModelRunnerBackend = options.onForward === undefined ? runner : new Proxy(runner, {
+    get: (target, key) => {
+      const value: unknown = Reflect.get(target, key);
+      if (key === 'forward') return (batch: ForwardBatch, out?: Float32Array) => (options.onForward!(batch), target.forward(batch, out));
+      return typeof value === 'function' ? value.bind(target) : value;
+    },
+  });
+  let clock = 0;
+  return new EngineCore({
+    backend: watched, tokenizer, maxNumSeqs: 16, maxNumBatchedTokens: options.maxNumBatchedTokens ?? 256,
+    maxModelLen: loaded.config.contextLength, now: () => clock++,
+    ...(options.maxPromptLogprobRows !== undefined ? { maxPromptLogprobRows: options.maxPromptLogprobRows } : {}),
+    ...(options.longPrefillTokenThreshold !== undefined ? { longPrefillTokenThreshold: options.longPrefillTokenThreshold } : {}),
+  });
+}
+
+function request(id: string, prompt: number[], sampling: Partial<SamplingParams> = {}): EngineRequest {
+  return { id, promptTokenIds: prompt, sampling: { ...DEFAULT_SAMPLING, maxTokens: 3, temperature: 0, ...sampling }, priority: 0, arrivalMs: 0 };
+}
+
+function runToEnd(core: EngineCore): EngineOutput[] {
+  const outputs: EngineOutput[] = [];
+  for (let step = 0; core.hasWork; step++) {
+    outputs.push(...core.step());
+    assert.ok(step < 10_000, 'engine did not finish');
+  }
+  assert.equal(core.stats().kvBlocksUsed, 0, 'every KV block is back in the pool');
+  return outputs;
+}
+
+/** The prompt logprobs of one request's completion 0, from its outputs (exactly one of which carries them). */
+function promptLogprobsOf(outputs: readonly EngineOutput[], requestId: string): (TokenLogprob | null)[] {
+  const carrying = outputs.filter((o) => o.requestId === requestId && o.index === 0 && o.promptLogprobs !== undefined);
+  assert.equal(carrying.length, 1, `${requestId}: one output carries the prompt logprobs`);
+  return carrying[0]!.promptLogprobs!;
+}
+
+/** log-softmax of a logits row in float64. */
+function logSoftmax(row: Float32Array): Float64Array {
+  let max = -Infinity;
+  for (const value of row) max = Math.max(max, value);
+  let sum = 0;
+  for (const value of row) sum += Math.exp(value - max);
+  const lse = max + Math.log(sum);
+  return Float64Array.from(row, (value) => value - lse);
+}
+
+for (const backend of engineBackends()) {
+  describe(`prompt logprobs on ${backend.name}`, { skip: skipUnlessShared(MODEL) }, () => {
+    // The reference backend runs the reference transformer's arithmetic; the native kernels round differently.
+    const tolerance = backend.name === 'reference' ? 1e-5 : 2e-3;
+
+    test('each prompt token\'s logprob, best alternatives and rank match the reference forward pass', async () => {
+      const { loaded, tokenizer } = await loadSharedModel(MODEL);
+      const reference = new ReferenceModel(loaded.config, loaded.weights);
+      const vocabSize = loaded.config.vocabSize;
+      const core = await makeCore(backend);
+      const prompts = PROMPTS.map((text) => tokenizer.encode(text));
+      prompts.forEach((ids, i) => core.add(request(`r${i}`, ids, { promptLogprobs: 4 })));
+      const outputs = runToEnd(core);
+      prompts.forEach((ids, i) => {
+        const entries = promptLogprobsOf(outputs, `r${i}`);
+        assert.equal(entries.length, ids.length);
+        assert.equal(entries[0], null, 'the first prompt token has nothing before it');
+        reference.reset();
+        const logits = reference.forward(ids, 0, { allLogits: true });
+        for (let p = 1; p < ids.length; p++) {
+          const row = logits.subarray((p - 1) * vocabSize, p * vocabSize);
+          const expected = logSoftmax(row);
+          const entry = entries[p]!;
+          const where = `prompt ${i} position ${p}`;
+          assert.equal(entry.tokenId, ids[p], where);
+          assert.ok(Math.abs(entry.logprob - expected[ids[p]!]!) <= tolerance, `${where}: ${entry.logprob} vs ${expected[ids[p]!]}`);
+          // The rank counts the tokens above it; near-ties may order differently under other rounding.
+          const value = row[ids[p]!]!;
+          const surelyAbove = row.filter((x) => x > value + tolerance).length;
+          const maybeAbove = row.filter((x) => x > value - tolerance).length;
+          assert.ok(entry.rank! >= surelyAbove + 1 && entry.rank! <= maybeAbove, `${where}: rank ${entry.rank} not in [${surelyAbove + 1}, ${maybeAbove}]`);
+          // The alternatives: 4 of them, best first, each at its own logprob, none beaten by a token left out.
+          assert.equal(entry.top.length, 4, where);
+          const sorted = Float64Array.from(expected).sort().reverse();
+          entry.top.forEach((alt, k) => {
+            assert.ok(Math.abs(alt.logprob - expected[alt.tokenId]!) <= tolerance, `${where}: alternative ${k}`);
+            if (k > 0) assert.ok(alt.logprob <= entry.top[k - 1]!.logprob, `${where}: alternatives best first`);
+            assert.ok(Math.abs(alt.logprob - sorted[k]!) <= 2 * tolerance, `${where}: alternative ${k} is the ${k + 1}th best`);
+          });
+        }
+      });
+    });
+
+    test('the same entries in chunks sharing a small row budget, beside plain requests', async () => {
+      const { tokenizer } = await loadSharedModel(MODEL);
+      const prompts = PROMPTS.map((text) => tokenizer.encode(text));
+      const whole = await makeCore(backend);
+      prompts.forEach((ids, i) => whole.add(request(`r${i}`, ids, { promptLogprobs: 2 })));
+      const expected = runToEnd(whole);
+
+      let largestStep = 0;
+      const chunked = await makeCore(backend, {
+        maxNumBatchedTokens: 24, maxPromptLogprobRows: 5,
+        onForward: (batch) => { largestStep = Math.max(largestStep, batch.logitsIndices.length); },
+      });
+      prompts.forEach((ids, i) => {
+        chunked.add(request(`plain${i}`, ids, { maxTokens: 4 }));
+        chunked.add(request(`r${i}`, ids, { promptLogprobs: 2 }));
+      });
+      const outputs = runToEnd(chunked);
+      // At most 5 prompt rows beside one sampled row per request.
+      assert.ok(largestStep <= 5 + 2 * prompts.length, `a step returned ${largestStep} logits rows`);
+      prompts.forEach((_, i) => {
+        const got = promptLogprobsOf(outputs, `r${i}`);
+        const want = promptLogprobsOf(expected, `r${i}`);
+        got.forEach((entry, p) => {
+          if (p === 0) return assert.equal(entry, null);
+          assert.equal(entry!.tokenId, want[p]!.tokenId);
+          assert.equal(entry!.rank, want[p]!.rank, `prompt ${i} position ${p}`);
+          assert.ok(Math.abs(entry!.logprob - want[p]!.logprob) <= tolerance, `prompt ${i} position ${p}`);
+          assert.deepEqual(entry!.top.map((t) => t.tokenId), want[p]!.top.map((t) => t.tokenId));
+        });
+      });
+    });
+
+    test('a cached prompt is computed whole for its logprobs, and its blocks then serve others', async () => {
+      const { tokenizer } = await loadSharedModel(MODEL);
+      const ids = tokenizer.encode(PROMPTS[0]!);
+      const fresh = await makeCore(backend);
+      fresh.add(request('scored', ids, { promptLogprobs: 0 }));
+      const expected = promptLogprobsOf(runToEnd(fresh), 'scored');
+
+      const core = await makeCore(backend);
+      core.add(request('warm', ids));
+      runToEnd(core);
+      core.add(request('scored', ids, { promptLogprobs: 0 }));
+      const outputs = runToEnd(core);
+      const scored = promptLogprobsOf(outputs, 'scored');
+      assert.equal(outputs.find((o) => o.requestId === 'scored')!.usage.cachedTokens, 0);
+      assert.deepEqual(scored.map((e) => e?.tokenId ?? null), expected.map((e) => e?.tokenId ?? null));
+      scored.forEach((entry, p) => { if (p > 0) assert.ok(Math.abs(entry!.logprob - expected[p]!.logprob) <= tolerance); });
+      core.add(request('after', ids));
+      assert.ok(runToEnd(core).find((o) => o.requestId === 'after')!.usage.cachedTokens > 0, 'the prompt stays cached');
+    });
+
+    test('n = 3: each completion\'s first output carries the prompt\'s entries, no later one does', async () => {
+      const { tokenizer } = await loadSharedModel(MODEL);
+      const ids = tokenizer.encode(PROMPTS[1]!);
+      const core = await makeCore(backend);
+      core.add(request('n3', ids, { promptLogprobs: 1, n: 3, temperature: 1, seed: 5, maxTokens: 4, ignoreEos: true }));
+      const outputs = runToEnd(core);
+      for (let index = 0; index < 3; index++) {
+        const mine = outputs.filter((o) => o.index === index);
+        assert.ok(mine.length > 1);
+        assert.equal(mine[0]!.promptLogprobs?.length, ids.length, `completion ${index}'s first output`);
+        assert.ok(mine.slice(1).every((o) => o.promptLogprobs === undefined), `completion ${index}'s later outputs`);
+      }
+    });
+
+    test('a request with prompt logprobs is not prefilled for another worker', async () => {
+      const { tokenizer } = await loadSharedModel(MODEL);
+      const core = await makeCore(backend);
+      assert.throws(() => core.add(request('h', tokenizer.encode('Hi'), { promptLogprobs: 0 }), { handoff: true }),
+        /cannot be prefilled for another worker/);
+      assert.equal(core.hasWork, false);
+    });
+  });
+}
