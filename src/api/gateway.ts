@@ -20,11 +20,11 @@ import type { GatewayMetrics } from './gateway-metrics.ts';
 import { newCompletionId, TokenTexts, unixSeconds, type ChatResponseMeta } from './openai-format.ts';
 import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
-import { ChatShape, CompletionShape, type ResponseShape } from './response-shapes.ts';
+import { ChatShape, CompletionShape, PromptLogprobsShape, type ResponseShape } from './response-shapes.ts';
 import { GuidedChecker } from './guided.ts';
 import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
-import { parseCompletionRequest } from './schemas/completion.ts';
+import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
 import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
 import { PromptEncoder } from './prompt-encoder.ts';
@@ -438,7 +438,10 @@ export class Gateway {
     } else {
       shape = new ChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
     }
-    await this.run(call, target, id, [prompt], request, topLogprobs, shape);
+    if (request.promptLogprobs !== undefined) {
+      shape = new PromptLogprobsShape(shape, new TokenTexts(backend.tokenizer), request.promptLogprobs, 'response');
+    }
+    await this.run(call, target, id, [prompt], request, topLogprobs, shape, request.promptLogprobs);
   }
 
   async completions(call: Call, body: unknown): Promise<void> {
@@ -466,10 +469,13 @@ export class Gateway {
       call.trace?.tokenized(promptTokens);
     }
     const id = call.requestId ?? newCompletionId('cmpl');
-    const echoTexts = request.echo ? prompts.flatMap((p) => Array.from({ length: request.n }, () => p.text ?? '')) : [];
-    const shape = new CompletionShape(this.meta(target, id), prompts.length * request.n, new TokenTexts(tokenizer),
-      request.logprobs, echoTexts);
-    await this.run(call, target, id, prompts, request, request.logprobs, shape);
+    const perChoice = <T>(value: (prompt: PreparedPrompt) => T): T[] => prompts.flatMap((p) => Array.from({ length: request.n }, () => value(p)));
+    const echoTexts = request.echo ? perChoice((p) => p.text ?? '') : [];
+    const texts = new TokenTexts(tokenizer);
+    let shape: ResponseShape = new CompletionShape(this.meta(target, id), prompts.length * request.n, texts,
+      request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : []);
+    if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, texts, request.promptLogprobs, 'choices');
+    await this.run(call, target, id, prompts, request, request.logprobs, shape, completionPromptLogprobs(request));
   }
 
   async tokenize(body: unknown): Promise<JsonReply> {
@@ -565,7 +571,7 @@ export class Gateway {
   }
 
   private async run(call: Call, target: ModelTarget, id: string, prompts: PreparedPrompt[],
-    request: GenerationOptions, logprobs: number | null, shape: ResponseShape): Promise<void> {
+    request: GenerationOptions, logprobs: number | null, shape: ResponseShape, promptLogprobs?: number): Promise<void> {
     const { backend } = target;
     // With telemetry the engine joins the request's own trace (its root span as parent); without, the client's.
     const traceparent = call.trace ? call.trace.context() : call.traceparent;
@@ -583,7 +589,7 @@ export class Gateway {
       ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
-    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs));
+    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs));
     const trace = call.trace;
     if (trace) {
       trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID);

@@ -22,10 +22,14 @@ export interface ChatTokenLogprob {
 
 export interface CompletionLogprobs {
   tokens: string[];
-  token_logprobs: number[];
-  top_logprobs: Record<string, number>[];
+  /** null for an echoed prompt's first token (nothing comes before it). */
+  token_logprobs: (number | null)[];
+  top_logprobs: (Record<string, number> | null)[];
   text_offset: number[];
 }
+
+/** vLLM's prompt_logprobs: per prompt token, null for the first, else token id -> its logprob, rank and text. */
+export type WirePromptLogprobs = (Record<string, { logprob: number; rank: number | null; decoded_token: string }> | null)[];
 
 /** What a finished (or finishing) choice carries, whichever endpoint it came from. */
 export interface ChoiceResult {
@@ -98,11 +102,25 @@ export class TokenTexts {
     });
   }
 
-  /** Legacy completions shape; `startOffset` is the text offset of the first token (after any echoed prompt). */
-  completionLogprobs(logprobs: readonly TokenLogprob[], topCount: number, startOffset: number): CompletionLogprobs {
+  /**
+   * Legacy completions shape; `startOffset` is the text offset of the first token (after any echoed prompt). An
+   * echoed prompt's entries start at offset 0; its first token has no logprob (null entries: the token ids say
+   * which token each is).
+   */
+  completionLogprobs(logprobs: readonly (TokenLogprob | null)[], topCount: number, startOffset: number,
+    promptTokenIds?: readonly number[]): CompletionLogprobs {
     const result: CompletionLogprobs = { tokens: [], token_logprobs: [], top_logprobs: [], text_offset: [] };
     let offset = startOffset;
-    for (const entry of logprobs) {
+    for (const [i, entry] of logprobs.entries()) {
+      if (entry === null) {
+        const text = this.get(promptTokenIds![i]!).text;
+        result.tokens.push(text);
+        result.token_logprobs.push(null);
+        result.top_logprobs.push(null);
+        result.text_offset.push(offset);
+        offset += text.length;
+        continue;
+      }
       const text = this.get(entry.tokenId).text;
       result.tokens.push(text);
       result.token_logprobs.push(finiteLogprob(entry.logprob));
@@ -115,6 +133,19 @@ export class TokenTexts {
       offset += text.length;
     }
     return result;
+  }
+
+  /** vLLM's prompt_logprobs entries: the topCount alternatives (ranks 1..topCount), then the prompt token itself. */
+  promptLogprobs(logprobs: readonly (TokenLogprob | null)[], topCount: number): WirePromptLogprobs {
+    return logprobs.map((entry) => {
+      if (entry === null) return null;
+      const result: NonNullable<WirePromptLogprobs[number]> = {};
+      entry.top.slice(0, topCount).forEach((alt, i) => {
+        result[alt.tokenId] = { logprob: finiteLogprob(alt.logprob), rank: i + 1, decoded_token: this.get(alt.tokenId).text };
+      });
+      result[entry.tokenId] = { logprob: finiteLogprob(entry.logprob), rank: entry.rank ?? null, decoded_token: this.get(entry.tokenId).text };
+      return result;
+    });
   }
 }
 

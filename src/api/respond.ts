@@ -25,6 +25,7 @@ function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
     index: event.promptIndex * run.n + output.index,
     textDelta: output.textDelta,
     logprobs: output.logprobs,
+    promptLogprobs: output.promptLogprobs,
     finishReason: wireFinishReason(output.finishReason),
     stopReason: output.stopReason ?? null,
     tokens: output.newTokenIds.length,

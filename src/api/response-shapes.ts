@@ -4,7 +4,7 @@
 import type { TokenLogprob } from '../engine/types.ts';
 import {
   appendCompletionLogprobs, chatChunkBody, chatCompletionBody, completionBody, type ChatResponseMeta,
-  type ChatTokenLogprob, type CompletionLogprobs, type TokenTexts, type WireFinishReason, type WireUsage,
+  type ChatTokenLogprob, type CompletionLogprobs, type TokenTexts, type WireFinishReason, type WirePromptLogprobs, type WireUsage,
 } from './openai-format.ts';
 
 /** One output of one choice, already mapped to the wire's choice index. */
@@ -12,6 +12,8 @@ export interface ChoiceUpdate {
   index: number;
   textDelta: string;
   logprobs: readonly TokenLogprob[] | undefined;
+  /** On the choice's first update when the request asked for prompt logprobs: one entry per prompt token. */
+  promptLogprobs?: readonly (TokenLogprob | null)[] | undefined;
   finishReason: WireFinishReason | null;
   stopReason: string | number | null;
   /** Output tokens the update adds (some show no text yet: held back for a stop string or a split character). */
@@ -114,6 +116,11 @@ export class CompletionShape implements ResponseShape {
     private readonly logprobs: number | null,
     /** Echoed prompt text per choice (empty when echo is off). */
     private readonly echoTexts: readonly string[],
+    /**
+     * With echo and logprobs, each choice's prompt token ids: its logprobs then start with the prompt's (from the
+     * choice's first update, which also carries the echoed text when streamed). Empty otherwise.
+     */
+    private readonly echoPromptTokenIds: readonly (readonly number[])[] = [],
   ) {
     this.choices = Array.from({ length: choiceCount }, (_, index) => ({
       text: echoTexts[index] ?? '', logprobs: null, finishReason: null, stopReason: null,
@@ -121,11 +128,26 @@ export class CompletionShape implements ResponseShape {
     this.offsets = this.choices.map((choice) => choice.text.length);
   }
 
+  /** Whether this update opens a choice whose echoed prompt shows logprobs (it carries them, and the echo text). */
+  private echoesPromptLogprobs(update: ChoiceUpdate): boolean {
+    return this.echoPromptTokenIds.length > 0 && update.promptLogprobs !== undefined;
+  }
+
   private logprobsOf(update: ChoiceUpdate): CompletionLogprobs | null {
-    if (this.logprobs === null || !update.logprobs) return null;
+    if (this.logprobs === null) return null;
+    let prompt: CompletionLogprobs | null = null;
+    if (this.echoesPromptLogprobs(update)) {
+      prompt = this.texts.completionLogprobs(update.promptLogprobs!, this.logprobs, 0, this.echoPromptTokenIds[update.index]);
+      // As vLLM: with the prompt's tokens listed, offsets run over the listed tokens' texts (a special token such as
+      // <s> has text there but none in the echo), so the output's tokens continue after the prompt's.
+      this.offsets[update.index] = prompt.tokens.reduce((offset, token) => offset + token.length, 0);
+    }
+    if (!update.logprobs) return prompt;
     const result = this.texts.completionLogprobs(update.logprobs, this.logprobs, this.offsets[update.index]!);
     this.offsets[update.index] = result.tokens.reduce((offset, token) => offset + token.length, this.offsets[update.index]!);
-    return result;
+    if (prompt === null) return result;
+    appendCompletionLogprobs(prompt, result);
+    return prompt;
   }
 
   private chunk(choice: CollectedChoice<CompletionLogprobs> & { index: number }, usage: WireUsage | null | undefined): object {
@@ -133,6 +155,8 @@ export class CompletionShape implements ResponseShape {
   }
 
   openingChunks(usage: WireUsage | null | undefined): object[] {
+    // An echo with logprobs goes out with the choice's first update, together with the prompt's logprobs.
+    if (this.echoPromptTokenIds.length > 0) return [];
     return this.echoTexts
       .map((text, index) => ({ text, index }))
       .filter(({ text }) => text.length > 0)
@@ -141,9 +165,10 @@ export class CompletionShape implements ResponseShape {
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
     const logprobs = this.logprobsOf(update);
-    if (!update.textDelta && !update.finishReason && !(logprobs && logprobs.tokens.length > 0)) return [];
+    const text = (this.echoesPromptLogprobs(update) ? this.echoTexts[update.index] ?? '' : '') + update.textDelta;
+    if (!text && !update.finishReason && !(logprobs && logprobs.tokens.length > 0)) return [];
     return [this.chunk({
-      index: update.index, text: update.textDelta, logprobs, finishReason: update.finishReason, stopReason: update.stopReason,
+      index: update.index, text, logprobs, finishReason: update.finishReason, stopReason: update.stopReason,
     }, usage)];
   }
 
@@ -169,5 +194,46 @@ export class CompletionShape implements ResponseShape {
 
   body(usage: WireUsage): object {
     return completionBody(this.meta, this.choices.map((choice, index) => ({ index, ...choice })), usage);
+  }
+}
+
+/**
+ * vLLM's prompt_logprobs around another shape: each choice's first update carries its prompt's logprobs, and the
+ * body shows them, at the top for chat (one prompt) and on each choice for completions (a prompt per choice).
+ * Not streamed (the request is refused with stream), so the chunks are the inner shape's.
+ */
+export class PromptLogprobsShape implements ResponseShape {
+  private readonly entries = new Map<number, WirePromptLogprobs>();
+
+  constructor(
+    private readonly inner: ResponseShape,
+    private readonly texts: TokenTexts,
+    private readonly topCount: number,
+    private readonly place: 'response' | 'choices',
+  ) {}
+
+  openingChunks(usage: WireUsage | null | undefined): object[] {
+    return this.inner.openingChunks(usage);
+  }
+
+  updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
+    return this.inner.updateChunks(update, usage);
+  }
+
+  usageChunk(usage: WireUsage): object {
+    return this.inner.usageChunk(usage);
+  }
+
+  collect(update: ChoiceUpdate): void {
+    if (update.promptLogprobs !== undefined && !this.entries.has(update.index)) {
+      this.entries.set(update.index, this.texts.promptLogprobs(update.promptLogprobs, this.topCount));
+    }
+    this.inner.collect(update);
+  }
+
+  body(usage: WireUsage): object {
+    const body = this.inner.body(usage) as { choices: object[] };
+    if (this.place === 'response') return { ...body, prompt_logprobs: this.entries.values().next().value ?? null };
+    return { ...body, choices: body.choices.map((choice, index) => ({ ...choice, prompt_logprobs: this.entries.get(index) ?? null })) };
   }
 }

@@ -4,7 +4,7 @@ import { parseJsonBytes } from '../../src/api/body.ts';
 import { ApiError } from '../../src/api/errors.ts';
 import { modelIdFromName } from '../../src/api/gateway.ts';
 import { parseChatCompletionRequest } from '../../src/api/schemas/chat.ts';
-import { parseCompletionRequest } from '../../src/api/schemas/completion.ts';
+import { completionPromptLogprobs, parseCompletionRequest } from '../../src/api/schemas/completion.ts';
 import { toSamplingParams } from '../../src/api/schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from '../../src/api/schemas/tokenize.ts';
 
@@ -90,6 +90,8 @@ describe('chat request validation', () => {
     ['logit_bias value too big', chat({ logit_bias: { 5: 101 } }), 'logit_bias.5', 'invalid_value'],
     ['logprobs a number', chat({ logprobs: 3 }), 'logprobs', 'invalid_type'],
     ['top_logprobs without logprobs', chat({ top_logprobs: 2 }), 'top_logprobs', 'invalid_value'],
+    ['prompt_logprobs with stream', chat({ prompt_logprobs: 0, stream: true }), 'prompt_logprobs', 'invalid_value'],
+    ['prompt_logprobs negative', chat({ prompt_logprobs: -2 }), 'prompt_logprobs', 'invalid_value'],
     ['top_logprobs too many', chat({ logprobs: true, top_logprobs: 21 }), 'top_logprobs', 'invalid_value'],
     ['stop_token_ids outside vocabulary', chat({ stop_token_ids: [1, 1000] }), 'stop_token_ids[1]', 'invalid_value'],
     ['ignore_eos a number', chat({ ignore_eos: 1 }), 'ignore_eos', 'invalid_type'],
@@ -179,7 +181,10 @@ describe('completion request validation', () => {
     ['empty token list in a batch', { prompt: [[1], []] }, 'prompt[1]', 'invalid_value'],
     ['logprobs a boolean', { prompt: 'a', logprobs: true }, 'logprobs', 'invalid_type'],
     ['logprobs too many', { prompt: 'a', logprobs: 50 }, 'logprobs', 'invalid_value'],
-    ['echo with logprobs', { prompt: 'a', echo: true, logprobs: 1 }, 'echo', 'unsupported_parameter'],
+    ['prompt_logprobs -1 (the whole vocabulary)', { prompt: 'a', prompt_logprobs: -1 }, 'prompt_logprobs', 'invalid_value'],
+    ['prompt_logprobs too many', { prompt: 'a', prompt_logprobs: 21 }, 'prompt_logprobs', 'invalid_value'],
+    ['prompt_logprobs fractional', { prompt: 'a', prompt_logprobs: 1.5 }, 'prompt_logprobs', 'invalid_type'],
+    ['prompt_logprobs with stream', { prompt: 'a', prompt_logprobs: 1, stream: true }, 'prompt_logprobs', 'invalid_value'],
     ['suffix', { prompt: 'a', suffix: 'z' }, 'suffix', 'unsupported_parameter'],
     ['best_of above n', { prompt: 'a', best_of: 3 }, 'best_of', 'unsupported_parameter'],
     ['temperature a string', { prompt: 'a', temperature: 'hot' }, 'temperature', 'invalid_type'],
@@ -196,6 +201,17 @@ describe('completion request validation', () => {
     assert.deepEqual(parseCompletionRequest({ prompt: [3, 4] }, context).prompts, [{ tokenIds: [3, 4] }]);
     assert.deepEqual(parseCompletionRequest({ prompt: [[3], [4, 5]] }, context).prompts, [{ tokenIds: [3] }, { tokenIds: [4, 5] }]);
     assert.equal(parseCompletionRequest({ prompt: 'x', logprobs: 0 }, context).logprobs, 0);
+  });
+
+  it('asks the engine for the prompt logprobs that echo with logprobs and prompt_logprobs show, the larger count', () => {
+    const promptLogprobs = (body: object) => completionPromptLogprobs(parseCompletionRequest({ prompt: 'x', ...body }, context));
+    assert.equal(promptLogprobs({}), undefined);
+    assert.equal(promptLogprobs({ logprobs: 3 }), undefined, 'without echo the prompt is not shown');
+    assert.equal(promptLogprobs({ echo: true }), undefined, 'echo without logprobs shows only text');
+    assert.equal(promptLogprobs({ echo: true, logprobs: 0 }), 0);
+    assert.equal(promptLogprobs({ prompt_logprobs: 2 }), 2);
+    assert.equal(promptLogprobs({ echo: true, logprobs: 5, prompt_logprobs: 2 }), 5);
+    assert.equal(promptLogprobs({ echo: true, logprobs: 1, prompt_logprobs: 4 }), 4);
   });
 });
 

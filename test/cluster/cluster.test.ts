@@ -172,6 +172,21 @@ describe('distributed runtime', { skip }, () => {
     }
   });
 
+  test('echo with logprobs through the frontend: the prompt\'s logprobs as the single-process server gives them', async () => {
+    const body = { prompt: freshPrompt(12), max_tokens: 2, temperature: 0, echo: true, logprobs: 2 };
+    const logprobs = async (url: string) => {
+      const res = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+      const json = await res.json() as { choices: { logprobs: { tokens: string[]; token_logprobs: (number | null)[] } }[] };
+      assert.equal(res.status, 200, JSON.stringify(json));
+      return json.choices[0]!.logprobs;
+    };
+    const expected = await logprobs(reference.url);
+    const viaCluster = await logprobs(a.url);
+    assert.equal(viaCluster.token_logprobs[0], null);
+    assert.ok(viaCluster.tokens.length > 12, 'the prompt\'s tokens, then the completion\'s');
+    assert.deepEqual(viaCluster, expected);
+  });
+
   test('a second frontend routes to the worker holding the prefix the first one\'s request left (KV events fan out)', async () => {
     for (let i = 0; i < 2; i++) {
       const prompt = freshPrompt(120);

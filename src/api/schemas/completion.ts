@@ -14,6 +14,16 @@ const UNSUPPORTED_COMPLETION = unsupportedFields({});
 
 export type PromptInput = { text: string } | { tokenIds: number[] };
 
+/**
+ * Alternatives per prompt token the engine must report: for prompt_logprobs and, with echo, for the echoed prompt's
+ * share of logprobs (the larger of the two; each view takes its own count).
+ */
+export function completionPromptLogprobs(request: CompletionRequest): number | undefined {
+  const echoed = request.echo && request.logprobs !== null ? request.logprobs : undefined;
+  if (echoed === undefined) return request.promptLogprobs;
+  return Math.max(echoed, request.promptLogprobs ?? 0);
+}
+
 export interface CompletionRequest extends GenerationOptions {
   prompts: PromptInput[];
   echo: boolean;
@@ -54,8 +64,5 @@ export function parseCompletionRequest(body: unknown, context: ValidationContext
   }
   const echo = fields.boolean('echo') ?? false;
   const logprobs = fields.integer('logprobs', { min: 0, max: MAX_LOGPROBS }) ?? null;
-  if (echo && logprobs !== null) {
-    throw new UnsupportedFieldError('echo', 'echo together with logprobs needs prompt logprobs, which are not implemented.');
-  }
   return { ...options, prompts: readPrompts(fields, context), echo, logprobs };
 }

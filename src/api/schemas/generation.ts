@@ -38,12 +38,12 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   user?: string;
   /** response_format json_object / json_schema, or vLLM's guided_* fields: the output's grammar. */
   guided?: GuidedRequest;
+  /** vLLM's prompt_logprobs: every prompt token's logprob with this many alternatives (not with stream). */
+  promptLogprobs?: number;
 }
 
 /** Fields from vLLM and others that name features this server does not have. */
-const UNSUPPORTED_EVERYWHERE: Record<string, string> = {
-  prompt_logprobs: 'prompt logprobs are not implemented.',
-};
+const UNSUPPORTED_EVERYWHERE: Record<string, string> = {};
 
 /** Fields an endpoint knowingly does not implement, with why; built once per endpoint. */
 export function unsupportedFields(table: Record<string, string>): ReadonlyMap<string, string> {
@@ -143,7 +143,19 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     ...deadlineOption(fields),
     user: fields.string('user'),
     ...guidedOption(fields),
+    ...promptLogprobsOption(fields, stream),
   };
+}
+
+function promptLogprobsOption(fields: Fields, stream: boolean): { promptLogprobs?: number } {
+  if (fields.raw('prompt_logprobs') === -1) {
+    throw new InvalidValueError('prompt_logprobs', `-1 (the whole vocabulary) is not supported; ask for at most ${MAX_LOGPROBS} alternatives.`);
+  }
+  const promptLogprobs = fields.integer('prompt_logprobs', { min: 0, max: MAX_LOGPROBS });
+  if (promptLogprobs === undefined) return {};
+  // As vLLM: the prompt's logprobs go in the response body, which a stream does not have.
+  if (stream) throw new InvalidValueError('prompt_logprobs', 'prompt_logprobs are not available with stream: true.');
+  return { promptLogprobs };
 }
 
 function deadlineOption(fields: Fields): { deadlineMs?: number } {
@@ -156,8 +168,12 @@ function guidedOption(fields: Fields): { guided?: GuidedRequest } {
   return guided ? { guided } : {};
 }
 
-/** The engine's sampling parameters once the prompt length has fixed max_tokens. */
-export function toSamplingParams(options: GenerationOptions, maxTokens: number, logprobs: number | null): SamplingParams {
+/**
+ * The engine's sampling parameters once the prompt length has fixed max_tokens. promptLogprobs: alternatives per
+ * prompt token the response shows (prompt_logprobs, or completions' echo with logprobs), undefined for none.
+ */
+export function toSamplingParams(options: GenerationOptions, maxTokens: number, logprobs: number | null,
+  promptLogprobs?: number): SamplingParams {
   return {
     temperature: options.temperature,
     topP: options.topP,
@@ -178,5 +194,6 @@ export function toSamplingParams(options: GenerationOptions, maxTokens: number, 
     logprobs,
     skipSpecialTokens: options.skipSpecialTokens,
     ...(options.guided ? { guided: options.guided.spec } : {}),
+    ...(promptLogprobs !== undefined ? { promptLogprobs } : {}),
   };
 }
