@@ -496,6 +496,30 @@ export class Gateway {
     return { status: 200, body: { prompt: backend.tokenizer.decode(request.tokens) } };
   }
 
+  /**
+   * vLLM's /tokenizer_info for the default model: the tokenizer's class, its special tokens as text, whether prompts
+   * get BOS, the context length and the chat template's source. lm-evaluation-harness's remote tokenizer reads
+   * eos_token (and bos_token, chat_template) here, then tokenizes through /tokenize and /detokenize.
+   */
+  tokenizerInfo(): JsonReply {
+    this.ready();
+    const { tokenizer, chatTemplate, engine } = this.backend!;
+    const tokenText = (id: number | undefined): string | null => (id === undefined ? null : tokenizer.idToToken(id) ?? null);
+    const probe = tokenizer.encode('a', { addSpecialTokens: true });
+    return {
+      status: 200,
+      body: {
+        tokenizer_class: tokenizer.constructor.name,
+        bos_token: tokenText(tokenizer.bosId),
+        eos_token: tokenText(tokenizer.eosId),
+        add_bos_token: tokenizer.bosId !== undefined && probe[0] === tokenizer.bosId,
+        vocab_size: tokenizer.vocabSize,
+        model_max_length: engine.info.maxModelLen,
+        ...(chatTemplate?.sourceText !== undefined ? { chat_template: chatTemplate.sourceText } : {}),
+      },
+    };
+  }
+
   models(): JsonReply {
     this.ready();
     const cards = this.servedModels.flatMap(({ name, backend }) => [

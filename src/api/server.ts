@@ -62,6 +62,10 @@ export interface ApiServerOptions {
    */
   requestLog?: boolean;
   /**
+   * Serve vLLM's GET /tokenizer_info (off by default, as in vLLM: it shows the chat template and special tokens).
+   */
+  tokenizerInfoEndpoint?: boolean;
+  /**
    * The process's telemetry. Default: one created here on the engine clock, configured by OTEL_* variables (no
    * spans unless they ask for export), and shut down with the server. One passed in is the caller's to shut down.
    */
@@ -343,6 +347,7 @@ export class ApiServer {
       }, true, { GET: ({ params }) => g.model(params[0]!) }),
       route('tokenize', exact('/tokenize'), true, { POST: ({ body }) => g.tokenize(body) }),
       route('detokenize', exact('/detokenize'), true, { POST: ({ body }) => g.detokenize(body) }),
+      ...(this.options.tokenizerInfoEndpoint ? [route('tokenizer_info', exact('/tokenizer_info'), true, { GET: () => g.tokenizerInfo() })] : []),
       route('health', exact('/health'), false, { GET: () => g.health() }),
       route('live', exact('/live'), false, { GET: () => ({ status: 200, body: { status: 'alive' } }) }),
       admin(route('metrics', exact('/metrics'), !this.options.publicMetrics, { GET: ({ res }) => this.sendMetrics(res) }),

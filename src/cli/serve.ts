@@ -96,6 +96,7 @@ export const SERVE_FLAGS = {
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
   'trace-decode-steps': { type: 'boolean', help: 'one decode_step span per engine step a traced request took part in (default: decode steps summarised on the decode span)', default: false },
   'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
+  'enable-tokenizer-info-endpoint': { type: 'boolean', help: 'serve vLLM\'s GET /tokenizer_info: the tokenizer\'s class, special tokens and chat template (what lm-evaluation-harness\'s remote tokenizer reads)', default: false },
   'request-log': { type: 'boolean', help: 'one info line per request as it ends: method, path, status, tenant, tokens, TTFT, total ms (--no-request-log: off; /health, /live, /metrics only at debug)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
@@ -180,6 +181,8 @@ export interface ServeConfig {
   logLevel: LogLevel;
   /** One info line per request (--request-log, on by default). */
   requestLog: boolean;
+  /** GET /tokenizer_info is served (--enable-tokenizer-info-endpoint). */
+  tokenizerInfoEndpoint: boolean;
 }
 
 const UNITS: Record<string, number> = {
@@ -488,6 +491,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
     requestLog: values['request-log']!,
+    tokenizerInfoEndpoint: values['enable-tokenizer-info-endpoint']!,
     ...(warnings.length > 0 ? { warnings } : {}),
   };
   const models = parseModelSpecs(parsed.lists.model ?? [], parsed.lists['served-model-name'] ?? []);
@@ -562,6 +566,7 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
     ...(config.toolCallParser !== undefined ? { toolCallParser: config.toolCallParser } : {}),
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     requestLog: config.requestLog,
+    ...(config.tokenizerInfoEndpoint ? { tokenizerInfoEndpoint: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),

@@ -1,9 +1,13 @@
 // Prompt logprobs over HTTP with the official openai client: completions' echo with logprobs (what evaluation
-// harnesses send to score a text), vLLM's prompt_logprobs on completions and chat, and the refusals.
+// harnesses send to score a text), vLLM's prompt_logprobs on completions and chat, and the refusals; then
+// lm-evaluation-harness's loglikelihood requests as it sends them, with vLLM's /tokenizer_info.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import OpenAI, { BadRequestError } from 'openai';
+import { loadModel } from '../../src/model/loader.ts';
+import { ReferenceModel } from '../../src/model/reference-forward.ts';
+import { tinySyntheticModel } from '../helpers/cpu-model.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 
 /** A hang guard, not a speed requirement. */
@@ -134,5 +138,78 @@ describe('prompt logprobs over HTTP', () => {
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
     const ok = await client.completions.create({ model, prompt: 'x', max_tokens: 1, prompt_logprobs: 0 } as OpenAI.CompletionCreateParamsNonStreaming);
     assert.equal(ok.choices.length, 1);
+  });
+});
+
+/**
+ * lm-evaluation-harness's `local-completions` model as it scores a continuation (its loglikelihood requests): the
+ * remote tokenizer's probe (GET /tokenizer_info, then /tokenize), context and continuation tokenized without special
+ * tokens, one completions request with the token ids, echo, logprobs 1, max_tokens 1 and temperature 0, then the
+ * sum of token_logprobs[ctxlen:-1] and whether each of those tokens was the best. Checked against the reference
+ * forward pass over the same weights.
+ */
+describe('loglikelihood requests as lm-evaluation-harness sends them', () => {
+  let server: TestServer;
+  const modelPath = tinySyntheticModel();
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--model', modelPath, '--enable-tokenizer-info-endpoint'] });
+  });
+
+  after(async () => {
+    await server?.close();
+  });
+
+  const post = async <T>(path: string, body: object): Promise<T> => {
+    const res = await fetch(`${server.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    assert.equal(res.status, 200, path);
+    return await res.json() as T;
+  };
+
+  it('probes the tokenizer, scores a continuation, and gets the reference forward pass\'s sum', E2E, async () => {
+    const info = await (await fetch(`${server.url}/tokenizer_info`)).json() as Record<string, unknown>;
+    assert.equal(info.eos_token, '</s>');
+    assert.equal(info.bos_token, '<s>');
+    assert.equal(info.add_bos_token, true);
+    assert.equal(typeof info.model_max_length, 'number');
+    const tokenize = async (prompt: string) => (await post<{ tokens: number[] }>('/tokenize', { prompt, add_special_tokens: false })).tokens;
+    const context = await tokenize('The old mill by the river');
+    const continuation = await tokenize(' turned all night');
+    assert.ok(context.length > 1 && continuation.length > 1);
+    const ids = [...context, ...continuation];
+    type Body = { choices: { logprobs: { token_logprobs: number[]; top_logprobs: Record<string, number>[] } }[] };
+    const res = await post<Body>('/v1/completions', { prompt: [ids], temperature: 0, max_tokens: 1, logprobs: 1, seed: 1234, echo: true });
+    const { token_logprobs: values, top_logprobs: tops } = res.choices[0]!.logprobs;
+    assert.equal(values.length, ids.length + 1, 'every prompt token, then the one generated');
+    const ctxlen = context.length;
+    const score = values.slice(ctxlen, -1).reduce((sum, v) => sum + v, 0);
+    const greedy = values.slice(ctxlen, -1).every((v, i) => v === Math.max(...Object.values(tops[ctxlen + i]!)));
+
+    const { config, weights } = await loadModel(modelPath);
+    const reference = new ReferenceModel(config, weights);
+    const logits = reference.forward(ids, 0, { allLogits: true });
+    let expected = 0;
+    let expectedGreedy = true;
+    for (let p = ctxlen; p < ids.length; p++) {
+      const row = logits.subarray((p - 1) * config.vocabSize, p * config.vocabSize);
+      let max = -Infinity;
+      for (const x of row) max = Math.max(max, x);
+      let sum = 0;
+      for (const x of row) sum += Math.exp(x - max);
+      expected += row[ids[p]!]! - max - Math.log(sum);
+      if (row[ids[p]!]! < max) expectedGreedy = false;
+    }
+    // Q8_0 weights: the reference dequantizes them, the native kernels multiply 8-bit activations (0.003 per token here).
+    assert.ok(Math.abs(score - expected) < 0.01 * continuation.length, `sum ${score} vs the reference's ${expected}`);
+    assert.equal(greedy, expectedGreedy);
+  });
+
+  it('without --enable-tokenizer-info-endpoint there is no /tokenizer_info, as in vLLM', E2E, async () => {
+    const plain = await startTestServer();
+    try {
+      assert.equal((await fetch(`${plain.url}/tokenizer_info`)).status, 404);
+    } finally {
+      await plain.close();
+    }
   });
 });
