@@ -473,7 +473,7 @@ export class Gateway {
     const echoTexts = request.echo ? perChoice((p) => p.text ?? '') : [];
     const texts = new TokenTexts(tokenizer);
     let shape: ResponseShape = new CompletionShape(this.meta(target, id), prompts.length * request.n, texts,
-      request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : []);
+      request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : [], request.promptOnly);
     if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, texts, request.promptLogprobs, 'choices');
     await this.run(call, target, id, prompts, request, request.logprobs, shape, completionPromptLogprobs(request));
   }

@@ -121,6 +121,8 @@ export class CompletionShape implements ResponseShape {
      * choice's first update, which also carries the echoed text when streamed). Empty otherwise.
      */
     private readonly echoPromptTokenIds: readonly (readonly number[])[] = [],
+    /** echo with max_tokens 0: each choice shows its prompt only (the token the engine sampled is left out). */
+    private readonly promptOnly = false,
   ) {
     this.choices = Array.from({ length: choiceCount }, (_, index) => ({
       text: echoTexts[index] ?? '', logprobs: null, finishReason: null, stopReason: null,
@@ -142,7 +144,7 @@ export class CompletionShape implements ResponseShape {
       // <s> has text there but none in the echo), so the output's tokens continue after the prompt's.
       this.offsets[update.index] = prompt.tokens.reduce((offset, token) => offset + token.length, 0);
     }
-    if (!update.logprobs) return prompt;
+    if (!update.logprobs || this.promptOnly) return prompt;
     const result = this.texts.completionLogprobs(update.logprobs, this.logprobs, this.offsets[update.index]!);
     this.offsets[update.index] = result.tokens.reduce((offset, token) => offset + token.length, this.offsets[update.index]!);
     if (prompt === null) return result;
@@ -165,20 +167,25 @@ export class CompletionShape implements ResponseShape {
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
     const logprobs = this.logprobsOf(update);
-    const text = (this.echoesPromptLogprobs(update) ? this.echoTexts[update.index] ?? '' : '') + update.textDelta;
+    const text = (this.echoesPromptLogprobs(update) ? this.echoTexts[update.index] ?? '' : '') + (this.promptOnly ? '' : update.textDelta);
     if (!text && !update.finishReason && !(logprobs && logprobs.tokens.length > 0)) return [];
     return [this.chunk({
       index: update.index, text, logprobs, finishReason: update.finishReason, stopReason: update.stopReason,
-    }, usage)];
+    }, usage && this.shown(usage))];
   }
 
   usageChunk(usage: WireUsage): object {
-    return completionBody(this.meta, [], usage);
+    return completionBody(this.meta, [], this.shown(usage));
+  }
+
+  /** Usage as the response reports it: a prompt-only choice has no completion tokens. */
+  private shown(usage: WireUsage): WireUsage {
+    return this.promptOnly ? { ...usage, completion_tokens: 0, total_tokens: usage.prompt_tokens } : usage;
   }
 
   collect(update: ChoiceUpdate): void {
     const choice = this.choices[update.index]!;
-    choice.text += update.textDelta;
+    if (!this.promptOnly) choice.text += update.textDelta;
     const logprobs = this.logprobsOf(update);
     if (logprobs) {
       if (choice.logprobs) appendCompletionLogprobs(choice.logprobs, logprobs);
@@ -193,7 +200,7 @@ export class CompletionShape implements ResponseShape {
   }
 
   body(usage: WireUsage): object {
-    return completionBody(this.meta, this.choices.map((choice, index) => ({ index, ...choice })), usage);
+    return completionBody(this.meta, this.choices.map((choice, index) => ({ index, ...choice })), this.shown(usage));
   }
 }
 

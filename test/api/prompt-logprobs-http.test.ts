@@ -113,6 +113,35 @@ describe('prompt logprobs over HTTP', () => {
     assert.ok(entries.slice(1).every((entry) => entry !== null && Object.keys(entry).length === 1));
   });
 
+  it('echo with max_tokens 0 (the legacy scoring request): the prompt alone with its logprobs, no completion tokens', E2E, async () => {
+    const prompt = 'Wind over the dunes';
+    const ids = await tokenize(prompt);
+    const body = { model, prompt, max_tokens: 0, temperature: 0, echo: true, logprobs: 1 };
+    const whole = await client.completions.create(body);
+    const choice = whole.choices[0]!;
+    assert.equal(choice.text, prompt);
+    assert.equal(choice.logprobs!.tokens!.length, ids.length);
+    assert.equal(choice.logprobs!.token_logprobs![0], null);
+    assert.deepEqual(whole.usage, { ...whole.usage, prompt_tokens: ids.length, completion_tokens: 0, total_tokens: ids.length });
+    // The same values as a request that also generates.
+    const longer = await client.completions.create({ ...body, max_tokens: 2 });
+    assert.deepEqual(choice.logprobs!.token_logprobs, longer.choices[0]!.logprobs!.token_logprobs!.slice(0, ids.length));
+    const stream = await client.completions.create({ ...body, stream: true, stream_options: { include_usage: true } });
+    let text = '';
+    let tokens = 0;
+    let usage: OpenAI.CompletionUsage | undefined;
+    for await (const chunk of stream) {
+      text += chunk.choices[0]?.text ?? '';
+      tokens += chunk.choices[0]?.logprobs?.tokens?.length ?? 0;
+      usage = chunk.usage ?? usage;
+    }
+    assert.equal(text, prompt);
+    assert.equal(tokens, ids.length);
+    assert.equal(usage!.completion_tokens, 0);
+    await assert.rejects(client.completions.create({ model, prompt, max_tokens: 0 }),
+      (error: unknown) => error instanceof BadRequestError && (error.error as { param?: string }).param === 'max_tokens');
+  });
+
   it('streamed echo with logprobs carries the same prompt and tokens as the body', E2E, async () => {
     const body = { model, prompt: 'Snow on the hills', max_tokens: 4, temperature: 0, echo: true, logprobs: 1 };
     const whole = await client.completions.create(body);

@@ -181,6 +181,7 @@ describe('completion request validation', () => {
     ['empty token list in a batch', { prompt: [[1], []] }, 'prompt[1]', 'invalid_value'],
     ['logprobs a boolean', { prompt: 'a', logprobs: true }, 'logprobs', 'invalid_type'],
     ['logprobs too many', { prompt: 'a', logprobs: 50 }, 'logprobs', 'invalid_value'],
+    ['max_tokens 0 without echo', { prompt: 'a', max_tokens: 0 }, 'max_tokens', 'invalid_value'],
     ['prompt_logprobs -1 (the whole vocabulary)', { prompt: 'a', prompt_logprobs: -1 }, 'prompt_logprobs', 'invalid_value'],
     ['prompt_logprobs too many', { prompt: 'a', prompt_logprobs: 21 }, 'prompt_logprobs', 'invalid_value'],
     ['prompt_logprobs fractional', { prompt: 'a', prompt_logprobs: 1.5 }, 'prompt_logprobs', 'invalid_type'],
@@ -201,6 +202,14 @@ describe('completion request validation', () => {
     assert.deepEqual(parseCompletionRequest({ prompt: [3, 4] }, context).prompts, [{ tokenIds: [3, 4] }]);
     assert.deepEqual(parseCompletionRequest({ prompt: [[3], [4, 5]] }, context).prompts, [{ tokenIds: [3] }, { tokenIds: [4, 5] }]);
     assert.equal(parseCompletionRequest({ prompt: 'x', logprobs: 0 }, context).logprobs, 0);
+  });
+
+  it('takes echo with max_tokens 0 as the prompt alone: one token for the engine, none shown', () => {
+    const request = parseCompletionRequest({ prompt: 'x', echo: true, max_tokens: 0, logprobs: 1 }, context);
+    assert.equal(request.promptOnly, true);
+    assert.equal(request.maxTokens, 1);
+    assert.equal(parseCompletionRequest({ prompt: 'x', echo: true, max_tokens: 3 }, context).promptOnly, false);
+    assert.equal(parseCompletionRequest({ prompt: 'x', echo: true }, context).promptOnly, false);
   });
 
   it('asks the engine for the prompt logprobs that echo with logprobs and prompt_logprobs show, the larger count', () => {

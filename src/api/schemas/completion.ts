@@ -27,6 +27,12 @@ export function completionPromptLogprobs(request: CompletionRequest): number | u
 export interface CompletionRequest extends GenerationOptions {
   prompts: PromptInput[];
   echo: boolean;
+  /**
+   * echo with max_tokens 0 (OpenAI's legacy scoring request, which vLLM answers too): each choice is its prompt only,
+   * with its logprobs when asked and no completion tokens. The engine still computes the prompt and samples one
+   * token (maxTokens is 1), which the response leaves out.
+   */
+  promptOnly: boolean;
   /** Alternatives per token (0 = only the chosen token's logprob), or null for none. */
   logprobs: number | null;
 }
@@ -53,8 +59,11 @@ function readPrompts(fields: Fields, context: ValidationContext): PromptInput[] 
 }
 
 export function parseCompletionRequest(body: unknown, context: ValidationContext): CompletionRequest {
-  const fields = new Fields(readObject('body', body));
+  let fields = new Fields(readObject('body', body));
   rejectUnsupported(fields, UNSUPPORTED_COMPLETION);
+  const promptOnly = fields.raw('max_tokens') === 0 && fields.raw('max_completion_tokens') === undefined && fields.boolean('echo') === true;
+  if (promptOnly) fields = new Fields({ ...fields.object, max_tokens: 1 });
+  else if (fields.raw('max_tokens') === 0) throw new InvalidValueError('max_tokens', '0 is only allowed with echo: true (the prompt alone, scored).');
   const suffix = fields.string('suffix');
   if (suffix) throw new UnsupportedFieldError('suffix', 'fill-in-the-middle suffixes are not supported.');
   const options = readGenerationOptions(fields, context);
@@ -64,5 +73,5 @@ export function parseCompletionRequest(body: unknown, context: ValidationContext
   }
   const echo = fields.boolean('echo') ?? false;
   const logprobs = fields.integer('logprobs', { min: 0, max: MAX_LOGPROBS }) ?? null;
-  return { ...options, prompts: readPrompts(fields, context), echo, logprobs };
+  return { ...options, prompts: readPrompts(fields, context), echo, promptOnly, logprobs };
 }
