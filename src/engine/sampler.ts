@@ -540,10 +540,13 @@ export class Sampler {
    */
   private logprobsOf(source: Float32Array, tokenId: number, numTop: number): TokenLogprob {
     const reuse = this.plainWeighed === source;
-    const max = reuse ? this.plainWeighedMax : source[this.argmax(source)]!;
+    const maxId = reuse ? -1 : this.argmax(source);
+    const max = reuse ? this.plainWeighedMax : source[maxId]!;
     const total = reuse ? this.plainWeighedTotal : this.weigh(source, 1, max, -Infinity, this.weights, null, null, null, this.lastOut);
     const logNormaliser = max + Math.log(total);
-    const top = bestIds(source, numTop, this.order).map((id) => ({ tokenId: id, logprob: source[id]! - logNormaliser }));
+    // The one best is the argmax (bestIds' tie rule too: the lowest id), at hand or one pass of the backend's.
+    const ids = numTop === 1 ? [maxId >= 0 ? maxId : this.argmax(source)] : bestIds(source, numTop, this.order);
+    const top = ids.map((id) => ({ tokenId: id, logprob: source[id]! - logNormaliser }));
     return { tokenId, logprob: source[tokenId]! - logNormaliser, top };
   }
 }

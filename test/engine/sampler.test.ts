@@ -207,6 +207,27 @@ describe('countAbove', () => {
 });
 
 describe('Sampler.promptLogprob', () => {
+  it('a plain draw\'s one alternative is the best of two, as the draw weighed the row', () => {
+    const random = seededRandom(9);
+    for (let trial = 0; trial < 100; trial++) {
+      const row = Float32Array.from({ length: 40 }, () => Math.floor(random() * 3));
+      const one = new Sampler(40).sampleRow(row, sequence(40, { logprobs: 1 }, { seed: trial }));
+      const two = new Sampler(40).sampleRow(row, sequence(40, { logprobs: 2 }, { seed: trial }));
+      assert.equal(one.tokenId, two.tokenId);
+      assert.deepEqual(one.logprobs!.top, two.logprobs!.top.slice(0, 1), `trial ${trial}`);
+    }
+  });
+
+  it('one alternative is the best of two: the argmax, ties to the lowest id', () => {
+    const random = seededRandom(5);
+    const sampler = new Sampler(50);
+    for (let trial = 0; trial < 200; trial++) {
+      // Few distinct values, so the best is often tied.
+      const row = Float32Array.from({ length: 50 }, () => Math.floor(random() * 4) - (random() < 0.1 ? Infinity : 0));
+      assert.deepEqual(sampler.promptLogprob(row, 7, 1).top, sampler.promptLogprob(row, 7, 2).top.slice(0, 1), `trial ${trial}`);
+    }
+  });
+
   it('gives the token\'s log-softmax, the best alternatives and its rank, and leaves the row as it was', () => {
     const row = Float32Array.from([1, 3, 3, -2, 0.5, -Infinity, 2]);
     const copy = row.slice();
