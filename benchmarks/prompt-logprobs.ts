@@ -8,17 +8,19 @@
 //
 // Then the parts of the difference: the LM head over every prompt row (its FLOPs over the prompt's matmul FLOPs,
 // priced at the rate the plain chunked prefill ran: an estimate, the LM head being one large matmul that may run
-// faster than the prompt's average), and the sampler's work per row (Sampler.promptLogprob with the native passes,
-// timed here on random rows of the model's vocabulary size).
+// faster than the prompt's average), and the sampler's work per row, timed here on random rows of the model's
+// vocabulary size: one row at a time (Sampler.promptLogprob with the native argmax and weighing pass) and a step's
+// rows at once (Sampler.promptLogprobRows with the native backend's pass on the model's threads, as EngineCore runs
+// it).
 //
 //   node --import tsx benchmarks/prompt-logprobs.ts [--model FILE] [--prompt 2048] [--rounds 5] [--threads 2]
 import { parseArgs } from 'node:util';
 import { LocalEngine, DEFAULT_MAX_NUM_BATCHED_TOKENS } from '../src/engine/local-engine.ts';
 import { engineNow } from '../src/engine/clock.ts';
 import { promptLogprobRowsFor } from '../src/engine/engine-core.ts';
-import { Sampler, type ScaleRow, type WeighCandidates } from '../src/engine/sampler.ts';
+import { Sampler, type PromptLogprobRowsPass, type WeighCandidates } from '../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING, type EngineRequest } from '../src/engine/types.ts';
-import { supportedVariants, tryLoadNativeAddon } from '../src/kernels/native.ts';
+import { availableBackends } from '../src/kernels/select.ts';
 import { loadModel } from '../src/model/loader.ts';
 import { percentileOf } from '../src/util/stats.ts';
 import { seededRandom } from '../src/util/random.ts';
@@ -81,21 +83,27 @@ for (let round = 0; round < ROUNDS; round++) {
 }
 await Promise.all(Object.values(engines).map((engine) => engine.close()));
 
-// The sampler's share: promptLogprob per row, native passes (as EngineCore gives them) when the addon is here.
-const addon = tryLoadNativeAddon();
-const variant = addon ? supportedVariants(addon.cpuInfo()).at(-1)! : undefined;
-const sampler = new Sampler(config.vocabSize, addon && variant ? {
-  argmax: (row: Float32Array) => addon.ops.argmax(variant, row),
-  weigh: (...a: Parameters<WeighCandidates>) => addon.ops.sampleWeigh(variant, ...a),
-  scale: (...a: Parameters<ScaleRow>) => addon.ops.scaleRow(variant, ...a),
-} : {});
-const sampleRows = Array.from({ length: 32 }, () => Float32Array.from({ length: config.vocabSize }, () => (random() - 0.5) * 20));
-const perRowUs = (numTop: number): number => {
+// The sampler's share per prompt row, on random rows of the model's vocabulary: one row at a time (promptLogprob with
+// the native argmax and weighing pass), and a step's rows at once through the native backend's pass on THREADS threads
+// (promptLogprobRows, as EngineCore runs it).
+const { weights } = await loadModel(path);
+const backend = availableBackends().at(-1)!;
+const runner = backend.load(config, weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' }, { threads: THREADS });
+const sampler = new Sampler(config.vocabSize, {
+  ...(runner.argmax ? { argmax: (row: Float32Array) => runner.argmax!(row) } : {}),
+  ...(runner.sampleWeigh ? { weigh: (...a: Parameters<WeighCandidates>) => runner.sampleWeigh!(...a) } : {}),
+  ...(runner.promptLogprobRows ? { promptRows: (...a: Parameters<PromptLogprobRowsPass>) => runner.promptLogprobRows!(...a) } : {}),
+});
+const stepLogits = Float32Array.from({ length: rows * config.vocabSize }, () => (random() - 0.5) * 20);
+const stepTargets = Array.from({ length: rows }, () => Math.floor(random() * config.vocabSize));
+const perRowUs = (numTop: number, together: boolean): number => {
+  const numTops = stepTargets.map(() => numTop);
   const samples: number[] = [];
   for (let pass = 0; pass < 7; pass++) {
     const t = performance.now();
-    for (const row of sampleRows) sampler.promptLogprob(row, 123, numTop);
-    samples.push(((performance.now() - t) * 1000) / sampleRows.length);
+    if (together) sampler.promptLogprobRows(stepLogits, stepTargets, numTops);
+    else stepTargets.forEach((tokenId, r) => sampler.promptLogprob(stepLogits.subarray(r * config.vocabSize, (r + 1) * config.vocabSize), tokenId, numTop));
+    samples.push(((performance.now() - t) * 1000) / rows);
   }
   return Math.min(...samples);
 };
@@ -113,8 +121,11 @@ for (const [name] of cases) {
 }
 console.log(`LM head over ${PROMPT - 1} more rows: ${(extraShare * 100).toFixed(1)}% of the prompt's matmul FLOPs, `
   + `${(extraShare * plainChunked).toFixed(0)} ms at the plain chunked rate (an estimate: matmuls only, at their average rate)`);
-for (const numTop of [0, 5]) {
-  const us = perRowUs(numTop);
-  console.log(`sampler per row (promptLogprob, ${variant ?? 'JavaScript'} passes, top ${numTop}): ${us.toFixed(1)} µs, `
-    + `${((us * (PROMPT - 1)) / 1000).toFixed(0)} ms for the prompt`);
+for (const numTop of [0, 1, 5]) {
+  for (const together of [false, true]) {
+    const us = perRowUs(numTop, together);
+    console.log(`sampler per row, top ${numTop}, ${together ? `${rows} rows at once (${backend.name} backend, ${THREADS} threads)` : `one row at a time (${backend.name} passes)`}: `
+      + `${us.toFixed(1)} µs, ${((us * (PROMPT - 1)) / 1000).toFixed(0)} ms for the prompt`);
+  }
 }
+runner.dispose();

@@ -177,6 +177,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("argmax", &NativeModel::Argmax),
                         InstanceMethod("sampleWeigh", &NativeModel::SampleWeigh),
                         InstanceMethod("scaleRow", &NativeModel::ScaleRow),
+                        InstanceMethod("promptLogprobRows", &NativeModel::PromptLogprobRows),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
                         InstanceMethod("memoryInfo", &NativeModel::MemoryInfo),
                         InstanceMethod("setLora", &NativeModel::SetLora),
@@ -497,6 +498,31 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
   // at 1/temperature) with the model's kernels (addon_args.h).
   Napi::Value ScaleRow(const Napi::CallbackInfo& info) {
     return scale_row_call(info, 0, model(info.Env()).kernels());
+  }
+
+  // promptLogprobRows(logits: Float32Array, rows, targets: Int32Array, out: Float64Array, best: Int32Array, numBest):
+  // the sampler's prompt-logprob pass over `rows` rows at once on the model's threads (Model::prompt_logprob_rows:
+  // per row its argmax id, the weighing pass's total from that max, the count of values above the target's, and its
+  // numBest best ids).
+  Napi::Value PromptLogprobRows(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Model& m = model(env);
+    const int64_t rows = integer(env, info[1], "rows");
+    const size_t vocab = static_cast<size_t>(m.spec().vocab_size);
+    const float* logits = typed_data<float>(env, info[0], napi_float32_array, "logits", static_cast<size_t>(rows) * vocab);
+    const int32_t* targets = typed_data<int32_t>(env, info[2], napi_int32_array, "targets", static_cast<size_t>(rows));
+    double* out = typed_data<double>(env, info[3], napi_float64_array, "out", 3 * static_cast<size_t>(rows));
+    const int64_t num_best = integer(env, info[5], "numBest");
+    if (num_best > m.spec().vocab_size) throw Napi::RangeError::New(env, "numBest must be at most the vocabulary size");
+    int32_t* best = typed_data<int32_t>(env, info[4], napi_int32_array, "best", static_cast<size_t>(rows * num_best));
+    try {
+      m.prompt_logprob_rows(logits, rows, targets, out, best, num_best);
+    } catch (const InvalidInput& e) {
+      throw Napi::RangeError::New(env, std::string("promptLogprobRows: ") + e.what());
+    } catch (const std::bad_alloc&) {
+      throw allocation_failed(env, "promptLogprobRows: out of memory for the weights scratch");
+    }
+    return env.Undefined();
   }
 
   // releaseKvPool() -> bytes of the pool given back to the system

@@ -431,7 +431,8 @@ size_t Model::activation_bytes() const {
 
 size_t Model::workspace_bytes() const {
   size_t bytes = ws_.activations.capacity() + ws_.per_thread.capacity() + rope_.allocated_bytes() +
-                 sel_rope_.allocated_bytes() + (sel_x_.capacity() + sel_xn_.capacity()) * sizeof(float);
+                 sel_rope_.allocated_bytes() + (sel_x_.capacity() + sel_xn_.capacity()) * sizeof(float) +
+                 prompt_weights_.capacity() * sizeof(double);
   for (const std::vector<int32_t>* v : {&sel_positions_, &sel_query_start_, &sel_seq_lens_, &sel_block_tables_,
                                         &sel_lora_slots_}) {
     bytes += v->capacity() * sizeof(int32_t);
@@ -439,6 +440,53 @@ size_t Model::workspace_bytes() const {
   if (moe_) bytes += moe_->scratch_bytes();
   bytes += lora_plan_.allocated_bytes();
   return bytes;
+}
+
+// The k best of n values into best[0, min(k, n)), best first, the lower id first among equal values: ids in order,
+// each moved up past the kept ones it beats (a value greater than theirs); once k are kept nearly every id fails its
+// one comparison against the worst kept value. The sampler's bestIds, id for id.
+static void best_ids(const float* values, int64_t n, int64_t k, int32_t* best) {
+  int64_t kept = 0;
+  for (int64_t id = 0; id < n; ++id) {
+    const float value = values[id];
+    if (kept == k && !(value > values[best[k - 1]])) continue;
+    int64_t at = kept < k ? kept++ : k - 1;
+    while (at > 0 && value > values[best[at - 1]]) {
+      best[at] = best[at - 1];
+      --at;
+    }
+    best[at] = static_cast<int32_t>(id);
+  }
+}
+
+void Model::prompt_logprob_rows(const float* logits, int64_t rows, const int32_t* targets, double* out, int32_t* best,
+                                int64_t num_best) {
+  const int64_t vocab = spec_.vocab_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (targets[r] < 0 || targets[r] >= vocab) {
+      throw InvalidInput("targets[" + std::to_string(r) + "] = " + std::to_string(targets[r]) + " is outside the vocabulary of " +
+                         std::to_string(vocab));
+    }
+  }
+  prompt_weights_.resize(static_cast<size_t>(pool_.size()) * static_cast<size_t>(vocab));
+  pool_.parallel_for(rows, [&](int64_t r, int thread) {
+    const float* row = logits + r * vocab;
+    double* result = out + 3 * r;
+    const int64_t max_id = kt_.argmax(row, vocab);
+    result[0] = static_cast<double>(max_id);
+    result[1] = result[2] = 0;
+    if (max_id < 0) return;
+    int64_t last = 0;
+    result[1] = kt_.sample_weigh(row, vocab, 1.0, row[max_id], -INFINITY, prompt_weights_.data() + thread * vocab, nullptr,
+                                 nullptr, nullptr, &last);
+    const float value = row[targets[r]];
+    int64_t above = 0;
+    for (int64_t i = 0; i < vocab; ++i) above += row[i] > value ? 1 : 0;
+    result[2] = static_cast<double>(above);
+    // The one best is the argmax (the same rule: the lowest id among the largest).
+    if (num_best == 1) best[r] = static_cast<int32_t>(max_id);
+    else if (num_best > 1) best_ids(row, vocab, num_best, best + r * num_best);
+  });
 }
 
 void Model::rmsnorm_heads(float* x, const std::vector<float>& weight, int64_t rows, int64_t heads) {

@@ -111,6 +111,14 @@ class Model {
   int64_t argmax(const float* row, int64_t n) const { return kt_.argmax(row, n); }
   // The kernels of this model's variant (the sampler's weighing pass runs with them).
   const KernelTable& kernels() const { return kt_; }
+  // The sampler's prompt-logprob pass (Sampler.promptLogprob) over `rows` logits rows of vocab_size floats at once,
+  // rows spread over the pool's threads: for row r, out[3r] = its argmax id (KernelTable::argmax: -1 for a NaN or
+  // nothing above -inf; the other two are then 0), out[3r + 1] = the weighing pass's total at scale 1 from that max
+  // with no floor, out[3r + 2] = how many values are greater than row[targets[r]]; and best[r * num_best ..] = the
+  // row's num_best best ids (min(num_best, vocab_size) of them), best first, the lower id first among equal values
+  // (the sampler's bestIds). Throws InvalidInput for a target outside the vocabulary.
+  void prompt_logprob_rows(const float* logits, int64_t rows, const int32_t* targets, double* out, int32_t* best,
+                           int64_t num_best);
   int threads() const { return pool_.size(); }
   // Weight bytes moved onto huge pages at load (see memory.h), packed copies included.
   size_t huge_page_bytes() const { return huge_page_bytes_; }
@@ -182,6 +190,8 @@ class Model {
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;
   // The last layer only needs the rows whose logits are wanted (plus K/V of every row).
   std::vector<float> sel_x_, sel_xn_;
+  // prompt_logprob_rows' weights, vocab_size doubles per thread (allocated on first use).
+  std::vector<double> prompt_weights_;
   std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_, sel_lora_slots_;
   LoraSet loras_;
   // The LoRA products of the matmul being run (reused), and whether they run in its jobs (lora.h lora_fuse_enabled).

@@ -100,10 +100,12 @@ export class EngineCore extends StepCore<SequenceSampler> {
     const backendArgmax = options.backend.argmax?.bind(options.backend);
     const backendWeigh = options.backend.sampleWeigh?.bind(options.backend);
     const backendScale = options.backend.scaleRow?.bind(options.backend);
+    const backendPromptRows = options.backend.promptLogprobRows?.bind(options.backend);
     this.sampler = new Sampler(vocabSize, {
       ...(backendArgmax !== undefined ? { argmax: backendArgmax } : {}),
       ...(backendWeigh !== undefined ? { weigh: backendWeigh } : {}),
       ...(backendScale !== undefined ? { scale: backendScale } : {}),
+      ...(backendPromptRows !== undefined ? { promptRows: backendPromptRows } : {}),
     });
     this.eosTokenIds = tokenizer.stopTokenIds;
   }
@@ -289,19 +291,23 @@ export class EngineCore extends StepCore<SequenceSampler> {
     return { tokenIds, logprobs };
   }
 
-  /** The prompt-logprob rows after the sampled ones: each the logprob of the prompt token after its position. */
+  /**
+   * The prompt-logprob rows after the sampled ones: each the logprob of the prompt token after its position (the
+   * backend's pass over all of them at once where it has one).
+   */
   private promptLogprobRows(plan: StepPlan, logits: Float32Array): TokenLogprob[] {
-    const v = this.vocabSize;
-    const entries: TokenLogprob[] = [];
-    let row = plan.sampleTargets.length;
+    const targets: number[] = [];
+    const numTops: number[] = [];
     for (const { sequence, startPosition, numPromptLogprobRows } of plan.scheduled) {
       const prompt = sequence.request.promptTokenIds;
       const numTop = sequence.request.sampling.promptLogprobs!;
-      for (let k = 0; k < numPromptLogprobRows; k++, row++) {
-        entries.push(this.sampler.promptLogprob(logits.subarray(row * v, (row + 1) * v), prompt[startPosition + k + 1]!, numTop));
+      for (let k = 0; k < numPromptLogprobRows; k++) {
+        targets.push(prompt[startPosition + k + 1]!);
+        numTops.push(numTop);
       }
     }
-    return entries;
+    const first = plan.sampleTargets.length * this.vocabSize;
+    return this.sampler.promptLogprobRows(logits.subarray(first, first + targets.length * this.vocabSize), targets, numTops);
   }
 }
 

@@ -231,7 +231,16 @@ export interface SamplerOptions {
    * ModelRunnerBackend.scaleRow): out[i] = row[i] * factor as a Float32Array stores it; out may be row.
    */
   scale?: ScaleRow;
+  /** The prompt-logprob pass over many rows at once (the compute backend's, ModelRunnerBackend.promptLogprobRows). */
+  promptRows?: PromptLogprobRowsPass;
 }
+
+/** See ModelRunnerBackend.promptLogprobRows. */
+export type PromptLogprobRowsPass = (logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array,
+  best: Int32Array, numBest: number) => void;
+
+/** The most best ids per row the backend's prompt-logprob pass is asked for; beyond it, bestIds here. */
+const PROMPT_ROWS_MAX_BEST = 64;
 
 /** out[i] = row[i] * factor over row.length elements, as a Float32Array stores the product; out may be row. */
 export type ScaleRow = (row: Float32Array, out: Float32Array, factor: number) => void;
@@ -265,6 +274,11 @@ export class Sampler {
   private readonly lastOut = new Int32Array(1);
   /** The scaled copy of a row (scaleRow, or the backend's). */
   private readonly scaleRow: ScaleRow;
+  /** The backend's prompt-logprob pass over many rows, its targets and results (3 per row), grown to the largest use. */
+  private readonly promptRows: PromptLogprobRowsPass | undefined;
+  private promptRowTargets = new Int32Array(0);
+  private promptRowResults = new Float64Array(0);
+  private promptRowBest = new Int32Array(0);
   /**
    * Whether a draw over the whole row leaves the scaling by 1/T to the weighing pass: the backend's reads each value
    * scaled at no cost, while weighCandidates is faster over a scaled copy (a Math.fround per value there costs more
@@ -287,6 +301,7 @@ export class Sampler {
     this.blockTotals = new Float64Array(Math.ceil(vocabSize / WEIGH_BLOCK));
     this.weigh = options.weigh ?? weighCandidates;
     this.scaleRow = options.scale ?? scaleRow;
+    this.promptRows = options.promptRows;
     this.scaleInPass = options.weigh !== undefined;
     const fast = options.argmax;
     this.argmax = fast === undefined ? argmax : (row) => {
@@ -533,6 +548,43 @@ export class Sampler {
   }
 
   /**
+   * promptLogprob for rows [0, targets.length) of `logits` (row r's prompt token targets[r], numTops[r] best), the
+   * same entries bit for bit: with the backend's pass the rows' max, normaliser, rank and best ids (up to
+   * PROMPT_ROWS_MAX_BEST; each row takes the first numTops[r] of the most asked) come from one call that may spread
+   * them over the backend's threads; a row it declines (a NaN, nothing above -Infinity) goes to promptLogprob, which
+   * reports it.
+   */
+  promptLogprobRows(logits: Float32Array, targets: readonly number[], numTops: readonly number[]): TokenLogprob[] {
+    const v = this.vocabSize;
+    const rows = targets.length;
+    if (logits.length < rows * v) throw new RangeError(`logits hold ${logits.length} values; ${rows} rows of ${v} need ${rows * v}`);
+    const rowAt = (r: number): Float32Array => logits.subarray(r * v, (r + 1) * v);
+    const pass = this.promptRows;
+    if (pass === undefined) return targets.map((tokenId, r) => this.promptLogprob(rowAt(r), tokenId, numTops[r]!));
+    const mostAsked = Math.min(v, numTops.reduce((most, n) => Math.max(most, n), 0));
+    const numBest = mostAsked <= PROMPT_ROWS_MAX_BEST ? mostAsked : 0;
+    if (this.promptRowTargets.length < rows) {
+      this.promptRowTargets = new Int32Array(rows);
+      this.promptRowResults = new Float64Array(3 * rows);
+    }
+    if (this.promptRowBest.length < rows * numBest) this.promptRowBest = new Int32Array(rows * numBest);
+    const results = this.promptRowResults;
+    const best = this.promptRowBest;
+    this.promptRowTargets.set(targets);
+    pass(logits, rows, this.promptRowTargets, results, best, numBest);
+    this.plainWeighed = null;
+    return targets.map((tokenId, r) => {
+      const row = rowAt(r);
+      const maxId = results[3 * r]!;
+      if (maxId < 0) return this.promptLogprob(row, tokenId, numTops[r]!);
+      const ids = numBest > 0 ? Array.from(best.subarray(r * numBest, r * numBest + Math.min(numTops[r]!, v))) : undefined;
+      const entry = this.logprobEntry(row, tokenId, numTops[r]!, maxId, row[maxId]! + Math.log(results[3 * r + 1]!), ids);
+      entry.rank = results[3 * r + 2]! + 1;
+      return entry;
+    });
+  }
+
+  /**
    * The chosen token's log-probability under `source` and the numTop best. The normaliser, log sum exp(value), is the
    * max plus the log of the weighing pass's total (the backend's where there is one: a row's exp is most of the cost),
    * taken from the draw when it weighed this same row so (plainWeighed: the same pass on the same values, so the same
@@ -543,9 +595,17 @@ export class Sampler {
     const maxId = reuse ? -1 : this.argmax(source);
     const max = reuse ? this.plainWeighedMax : source[maxId]!;
     const total = reuse ? this.plainWeighedTotal : this.weigh(source, 1, max, -Infinity, this.weights, null, null, null, this.lastOut);
-    const logNormaliser = max + Math.log(total);
+    return this.logprobEntry(source, tokenId, numTop, maxId, max + Math.log(total));
+  }
+
+  /**
+   * A logprobs entry from the row's normaliser; maxId, the row's argmax, or -1 when it is not at hand; bestAtHand,
+   * the numTop best ids when the backend gave them.
+   */
+  private logprobEntry(source: Float32Array, tokenId: number, numTop: number, maxId: number, logNormaliser: number,
+    bestAtHand?: number[]): TokenLogprob {
     // The one best is the argmax (bestIds' tie rule too: the lowest id), at hand or one pass of the backend's.
-    const ids = numTop === 1 ? [maxId >= 0 ? maxId : this.argmax(source)] : bestIds(source, numTop, this.order);
+    const ids = bestAtHand ?? (numTop === 1 ? [maxId >= 0 ? maxId : this.argmax(source)] : bestIds(source, numTop, this.order));
     const top = ids.map((id) => ({ tokenId: id, logprob: source[id]! - logNormaliser }));
     return { tokenId, logprob: source[tokenId]! - logNormaliser, top };
   }

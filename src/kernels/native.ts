@@ -209,6 +209,8 @@ export interface NativeModel {
     blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
   /** The sampler's scaled copy of a row (ModelRunnerBackend.scaleRow) with the model's kernels. */
   scaleRow(row: Float32Array, out: Float32Array, factor: number): void;
+  /** The sampler's prompt-logprob pass over rows at once (ModelRunnerBackend.promptLogprobRows) on the model's threads. */
+  promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
   /** The per-step buffers held now. */
@@ -644,6 +646,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       scaleRow(row: Float32Array, out: Float32Array, factor: number): void {
         if (disposed) throw new Error('native backend is disposed');
         model.scaleRow(row, out, factor);
+      },
+      promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void {
+        if (disposed) throw new Error('native backend is disposed');
+        model.promptLogprobRows(logits, rows, targets, out, best, numBest);
       },
       releaseKvPool(): number {
         if (disposed) return 0;

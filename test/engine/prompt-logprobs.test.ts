@@ -5,6 +5,8 @@
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { EngineCore } from '../../src/engine/engine-core.ts';
+import { Sampler } from '../../src/engine/sampler.ts';
+import { seededRandom } from '../../src/util/random.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams, type TokenLogprob } from '../../src/engine/types.ts';
 import type { BackendFactory, ForwardBatch, ModelRunnerBackend } from '../../src/kernels/types.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
@@ -23,15 +25,25 @@ interface CoreOptions {
   maxPromptLogprobRows?: number;
   longPrefillTokenThreshold?: number;
   onForward?: (batch: ForwardBatch) => void;
+  /** Told the rows of each call to the backend's prompt-logprob pass. */
+  wrapPromptRows?: (rows: number) => void;
 }
 
 async function makeCore(backend: BackendFactory, options: CoreOptions = {}): Promise<EngineCore> {
   const { loaded, tokenizer } = await loadSharedModel(MODEL);
   const runner = backend.load(loaded.config, loaded.weights, { numBlocks: 256, blockSize: 16, dtype: 'f32' }, { threads: 1 });
-  const watched: ModelRunnerBackend = options.onForward === undefined ? runner : new Proxy(runner, {
+  const watched: ModelRunnerBackend = options.onForward === undefined && options.wrapPromptRows === undefined ? runner : new Proxy(runner, {
     get: (target, key) => {
       const value: unknown = Reflect.get(target, key);
-      if (key === 'forward') return (batch: ForwardBatch, out?: Float32Array) => (options.onForward!(batch), target.forward(batch, out));
+      if (key === 'forward' && options.onForward) {
+        return (batch: ForwardBatch, out?: Float32Array) => (options.onForward!(batch), target.forward(batch, out));
+      }
+      if (key === 'promptLogprobRows' && options.wrapPromptRows && target.promptLogprobRows) {
+        return (logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number) => {
+          options.wrapPromptRows!(rows);
+          target.promptLogprobRows!(logits, rows, targets, out, best, numBest);
+        };
+      }
       return typeof value === 'function' ? value.bind(target) : value;
     },
   });
@@ -193,3 +205,52 @@ for (const backend of engineBackends()) {
     });
   });
 }
+
+describe('prompt logprobs: the backend\'s pass over many rows', () => {
+  const native = engineBackends().find((backend) => backend.name === 'native');
+
+  test('gives the sampler\'s entries bit for bit, a row at a time or many at once, and reports the rows it declines',
+    { skip: native === undefined ? 'the native addon is not built' : skipUnlessShared(MODEL) }, async () => {
+      const { loaded } = await loadSharedModel(MODEL);
+      const runner = native!.load(loaded.config, loaded.weights, { numBlocks: 8, blockSize: 16, dtype: 'f32' }, { threads: 2 });
+      const v = loaded.config.vocabSize;
+      const withPass = new Sampler(v, {
+        argmax: (row) => runner.argmax!(row), weigh: (...a) => runner.sampleWeigh!(...a),
+        promptRows: (...a) => runner.promptLogprobRows!(...a),
+      });
+      const plain = new Sampler(v);
+      const random = seededRandom(3);
+      for (const rows of [1, 2, 7, 33]) {
+        // Values on a coarse grid (ties), some masked, one row whose best values are all tied.
+        const logits = Float32Array.from({ length: rows * v }, () => random() < 0.05 ? -Infinity : Math.round((random() - 0.5) * 40) / 4);
+        logits.fill(3, 0, 5);
+        const targets = Array.from({ length: rows }, () => Math.floor(random() * v));
+        const numTops = Array.from({ length: rows }, (_, r) => [0, 1, 2, 5, 20][r % 5]!);
+        const expected = targets.map((t, r) => plain.promptLogprob(logits.subarray(r * v, (r + 1) * v), t, numTops[r]!));
+        assert.deepEqual(withPass.promptLogprobRows(logits, targets, numTops), expected, `${rows} rows`);
+        assert.deepEqual(plain.promptLogprobRows(logits, targets, numTops), expected, `${rows} rows without the pass`);
+      }
+      const masked = new Float32Array(2 * v).fill(-Infinity);
+      masked.fill(0.5, v);
+      assert.throws(() => withPass.promptLogprobRows(masked, [1, 1], [0, 0]), /every token is masked/);
+      const nan = new Float32Array(v).fill(1);
+      nan[9] = NaN;
+      assert.throws(() => withPass.promptLogprobRows(nan, [1], [0]), /NaN at token id 9/);
+      const none = new Int32Array(0);
+      assert.throws(() => runner.promptLogprobRows!(nan, 1, Int32Array.of(v), new Float64Array(3), none, 0), /outside the vocabulary/);
+      assert.throws(() => runner.promptLogprobRows!(nan, 2, Int32Array.of(1, 1), new Float64Array(6), none, 0), /logits/);
+      assert.throws(() => runner.promptLogprobRows!(nan, 1, Int32Array.of(1), new Float64Array(3), new Int32Array(2), 3), /best/);
+      assert.throws(() => runner.promptLogprobRows!(nan, 1, Int32Array.of(1), new Float64Array(3), new Int32Array(v + 1), v + 1), /numBest/);
+    });
+
+  test('EngineCore hands a step\'s prompt rows to the backend\'s pass in one call', { skip: native === undefined ? 'the native addon is not built' : skipUnlessShared(MODEL) }, async () => {
+    const { tokenizer } = await loadSharedModel(MODEL);
+    const calls: number[] = [];
+    const core = await makeCore(native!, { wrapPromptRows: (rows) => calls.push(rows) });
+    const ids = tokenizer.encode(PROMPTS[0]!);
+    core.add(request('r', ids, { promptLogprobs: 1 }));
+    const outputs = runToEnd(core);
+    assert.deepEqual(calls, [ids.length - 1]);
+    assert.equal(promptLogprobsOf(outputs, 'r').length, ids.length);
+  });
+});
