@@ -53,6 +53,11 @@ export interface RoutingRequest {
   /** The served model (or adapter) the request is for: only workers that hold it are candidates (servesModel). */
   model?: string;
   override?: RoutingOverride;
+  /**
+   * The worker computes the whole prompt whatever it holds (a request for prompt logprobs): no worker's cached or
+   * in-flight blocks count as overlap, so its cost and the prefill it adds to its worker are the whole prompt's.
+   */
+  computesWholePrompt?: boolean;
 }
 
 /**

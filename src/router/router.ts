@@ -30,6 +30,8 @@ import { IDLE_LOAD, type WorkerLoad } from '../protocols/worker.ts';
 import type { RandomSource } from '../util/random.ts';
 import { SpeculativePrefixes } from './speculative.ts';
 
+const NO_HASHES: readonly BlockHash[] = [];
+
 export interface RouterOptions {
   /** Tokens per KV block; must equal the workers' block size or no hash will ever match. */
   blockSize: number;
@@ -338,8 +340,10 @@ export class Router {
   }
 
   /** The decision, or null when every worker is busy. */
-  private decide(request: RoutingRequest, hashes: readonly BlockHash[], nowMs: number, startMs: number, hashedMs: number): RoutingDecision | null {
+  private decide(request: RoutingRequest, promptHashes: readonly BlockHash[], nowMs: number, startMs: number, hashedMs: number): RoutingDecision | null {
     this.speculative.prune(nowMs);
+    // A prompt computed whole matches nothing anywhere (commit still records its blocks where it goes).
+    const hashes = request.computesWholePrompt ? NO_HASHES : promptHashes;
     const indexed = this.index.findMatches(hashes);
     const speculative = this.speculative.findMatches(hashes, nowMs);
     const shared = this.active.sharedBlocks(hashes);

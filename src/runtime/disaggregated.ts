@@ -38,6 +38,7 @@ import {
   DEFAULT_DISAGGREGATION_POLICY, RateEstimate, decideDisaggregation, type DisaggregationPolicy,
 } from './disaggregation-policy.ts';
 import type { KvTransferChannel } from './kv-transfer.ts';
+import { routingRequestOf } from './routed-engine.ts';
 import {
   combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
   type WorkerGroupLog, type WorkerRestartOptions,
@@ -428,10 +429,7 @@ export class DisaggregatedEngine implements Engine {
   }
 
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
-    const routing: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
-      ...(request.lora !== undefined ? { model: request.lora } : {}),
-    };
+    const routing = routingRequestOf(request);
     const routeStartedAt = this.now();
     const { decision: decodeDecision, queuedAt } = await this.admission.place(routing);
     flight.decodeId = decodeDecision.workerId;
@@ -585,10 +583,7 @@ export class DisaggregatedEngine implements Engine {
     flight.stage = 'prefill';
     flight.prefillId = prefillId;
     if (!prefillEngine) throw new WorkerLostError(prefillId, `prefill worker ${prefillId} left before request ${request.id} could start`);
-    const routing: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
-      ...(request.lora !== undefined ? { model: request.lora } : {}),
-    };
+    const routing = routingRequestOf(request);
     this.prefillRouter.onRouted(routing, decision, this.now());
     let handoff: KvHandoff | null = null;
     let emitted = false;

@@ -84,11 +84,7 @@ export class RoutedEngine implements Engine {
   /** Runs the request on the worker the router picks and, when that worker is lost, on the next one. */
   private async *follow(migration: RequestMigration): AsyncGenerator<EngineOutput> {
     const request = migration.request;
-    const routingRequest: RoutingRequest = {
-      requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
-      // Only workers holding the adapter take it (those that declared what they hold; see Router.setWorkerModels).
-      ...(request.lora !== undefined ? { model: request.lora } : {}),
-    };
+    const routingRequest = routingRequestOf(request);
     let routeStartedAt: number | undefined = this.now();
     let { decision, queuedAt } = await this.group.admission.place(routingRequest);
     let engine = this.group.get(decision.workerId);
@@ -186,4 +182,15 @@ export class RoutedEngine implements Engine {
   async close(): Promise<void> {
     await this.group.close();
   }
+}
+
+/** What the router weighs of a request. */
+export function routingRequestOf(request: EngineRequest): RoutingRequest {
+  return {
+    requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
+    // Only workers holding the adapter take it (those that declared what they hold; see Router.setWorkerModels).
+    ...(request.lora !== undefined ? { model: request.lora } : {}),
+    // Prompt logprobs need every position's logits: the worker reuses none of its cached blocks.
+    ...(request.sampling.promptLogprobs !== undefined ? { computesWholePrompt: true } : {}),
+  };
 }

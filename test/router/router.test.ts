@@ -31,6 +31,20 @@ describe('Router (kv policy)', () => {
     assert.match(decision.reason, /overlap 6 blocks/);
   });
 
+  it('a prompt computed whole (prompt logprobs) counts no overlap anywhere, and its worker gets the whole prompt as prefill', () => {
+    const router = makeRouter();
+    router.applyKvEvents('w2', [stored(1, hashes(prompt).slice(0, 6))]);
+    const whole = routed(router.route(request(prompt, { computesWholePrompt: true }), 0));
+    assert.ok(whole.costTerms.every((terms) => terms.overlapBlocks === 0), JSON.stringify(whole.costTerms));
+    assert.equal(whole.overlapBlocks, 0);
+    assert.equal(whole.newPrefillTokens, 41);
+    // Its blocks are on its worker once computed: the next plain request with the prompt goes there (its speculative
+    // prefix), not to w2 with 6 of the 10 blocks.
+    const next = routed(router.route(request(prompt), 0));
+    assert.equal(next.workerId, whole.workerId);
+    assert.equal(next.overlapBlocks, 10);
+  });
+
   it('sends a request only to workers that hold its model', () => {
     const router = makeRouter({}, []);
     router.addWorker('a', load(), ['llama', 'llama:sql-lora']);

@@ -53,6 +53,24 @@ describe('routed engine over simulated GPU workers', () => {
     }
   });
 
+  test('a request for prompt logprobs is routed as if no worker held its prefix, and computes the whole prompt', async () => {
+    const pool = await createWorkerPool({
+      engine: 'sim', workers: 2, sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity }, routerSeed: 3,
+    });
+    try {
+      await placementOf(pool, request(prompt(7, 256, 0)));
+      const scored = request(prompt(7, 256, 1));
+      scored.sampling = { ...scored.sampling, promptLogprobs: 0 };
+      const outputs = await collect(pool.engine.generate(scored));
+      assert.equal(outputs.at(-1)!.routing!.overlapBlocks, 0);
+      assert.equal(outputs.at(-1)!.usage.cachedTokens, 0);
+      assert.equal(outputs[0]!.promptLogprobs?.length, 256);
+      assert.ok((await placementOf(pool, request(prompt(7, 256, 2)))).overlap > 0, 'a plain request still finds the prefix');
+    } finally {
+      await pool.engine.close();
+    }
+  });
+
   test('tenants with different cache salts never share cached blocks', async () => {
     const pool = await createWorkerPool({
       engine: 'sim', workers: 2, sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity }, routerSeed: 2,
