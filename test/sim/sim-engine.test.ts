@@ -70,8 +70,11 @@ describe('SimEngine timings', () => {
     await all(e.generate(req('first', prompt(64), 0, { maxTokens: 1 })));
     const arrival = e.now();
     const outs = await all(e.generate(req('scored', prompt(64), arrival, { maxTokens: 1, promptLogprobs: 2 })));
+    const stats = e.stats();
     await e.close();
     assert.equal(last(outs).usage.cachedTokens, 0);
+    // Not looked up, so not counted as queried: the hit rate stays that of the lookups made.
+    assert.deepEqual([stats.prefixCacheQueries, stats.prefixCacheHits], [64, 0]);
     // The sampled row's LM head, and 63 more: one per prompt position before the last.
     const lmHeadMs = toyPrefillMs(64, 0) - toyPrefillMs(64, 0, false);
     close(ttftOf(outs[0]!), toyPrefillMs(64, 0) + 63 * lmHeadMs);

@@ -215,8 +215,8 @@ export class KvCacheManager {
    * next token is sampled from. When the last token ends a cached block, that block becomes the copy source of
    * a fresh one (copy-on-write, unless copyOnWrite is false), so only the last token is computed rather than its
    * whole block. Nothing is reserved: pass the result to allocateSlots in the same step. With reuse false nothing is
-   * looked up (a request that needs every position's logits): the prefix is empty, and the prompt still counts as
-   * queried.
+   * looked up (a request that needs every position's logits): the prefix is empty and counts no queried tokens (the
+   * hit rate is that of the lookups made, as vLLM counts it).
    */
   findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>,
     options: { copyOnWrite?: boolean; lowerTiers?: boolean; reuse?: boolean } = {}): CachedPrefix {
@@ -245,7 +245,7 @@ export class KvCacheManager {
     const numTokens = copySource === undefined ? (blocks.length + numOnboarded) * this.blockSize : tokenIds.length - 1;
     return {
       blocks, ...(copySource === undefined ? {} : { copySource }), ...(onboard === undefined ? {} : { onboard }),
-      numTokens, numQueryTokens: tokenIds.length,
+      numTokens, numQueryTokens: (options.reuse ?? true) ? tokenIds.length : 0,
     };
   }
 
