@@ -130,6 +130,8 @@ export interface GatewayOptions {
   now: () => number;
   /** How tool calls are found in the model's output under tool_choice "auto" (default: from the chat template). */
   toolCallParser?: ToolCallParserName;
+  /** Logprobs name tokens "token_id:<id>" unless a request says otherwise (vLLM's --return-tokens-as-token-ids). */
+  returnTokensAsTokenIds?: boolean;
 }
 
 /** One HTTP request as the gateway sees it. */
@@ -434,9 +436,9 @@ export class Gateway {
       const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
       // Mistral's [TOOL_CALLS] is a control token: the parser needs it in the text.
       if (tools.choice.kind === 'auto' && parser === 'mistral') request.skipSpecialTokens = false;
-      shape = new ToolChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs, tools, parser);
+      shape = new ToolChatShape(this.meta(target, id), request.n, this.logprobTexts(backend, request), topLogprobs, tools, parser);
     } else {
-      shape = new ChatShape(this.meta(target, id), request.n, new TokenTexts(backend.tokenizer), topLogprobs);
+      shape = new ChatShape(this.meta(target, id), request.n, this.logprobTexts(backend, request), topLogprobs);
     }
     if (request.promptLogprobs !== undefined) {
       shape = new PromptLogprobsShape(shape, new TokenTexts(backend.tokenizer), request.promptLogprobs, 'response');
@@ -471,10 +473,9 @@ export class Gateway {
     const id = call.requestId ?? newCompletionId('cmpl');
     const perChoice = <T>(value: (prompt: PreparedPrompt) => T): T[] => prompts.flatMap((p) => Array.from({ length: request.n }, () => value(p)));
     const echoTexts = request.echo ? perChoice((p) => p.text ?? '') : [];
-    const texts = new TokenTexts(tokenizer);
-    let shape: ResponseShape = new CompletionShape(this.meta(target, id), prompts.length * request.n, texts,
+    let shape: ResponseShape = new CompletionShape(this.meta(target, id), prompts.length * request.n, this.logprobTexts(backend, request),
       request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : [], request.promptOnly);
-    if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, texts, request.promptLogprobs, 'choices');
+    if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, new TokenTexts(tokenizer), request.promptLogprobs, 'choices');
     await this.run(call, target, id, prompts, request, request.logprobs, shape, completionPromptLogprobs(request));
   }
 
@@ -575,6 +576,11 @@ export class Gateway {
   }
 
   // ---- running ----
+
+  /** How a request's logprobs name tokens: their text, or "token_id:<id>" (the request's choice, else the server's). */
+  private logprobTexts(backend: ModelBackend, request: GenerationOptions): TokenTexts {
+    return new TokenTexts(backend.tokenizer, { asTokenIds: request.returnTokensAsTokenIds ?? this.options.returnTokensAsTokenIds ?? false });
+  }
 
   private meta(target: ModelTarget, id: string): ChatResponseMeta {
     return { id, created: unixSeconds(), model: target.name, systemFingerprint: `conduit-${target.backend.engine.info.backend}` };

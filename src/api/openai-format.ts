@@ -74,14 +74,24 @@ function finiteLogprob(logprob: number): number {
 export class TokenTexts {
   private readonly cache = new Map<number, { text: string; bytes: number[] }>();
   private readonly decoder = new TextDecoder('utf-8');
+  private readonly encoder = new TextEncoder();
 
-  constructor(private readonly tokenizer: Tokenizer) {}
+  /**
+   * asTokenIds (vLLM's return_tokens_as_token_ids): each token is written "token_id:<id>" (its bytes those of that
+   * text), so a client recovers the exact ids, which a token's text (half a UTF-8 character, say) may not give.
+   */
+  constructor(private readonly tokenizer: Tokenizer, private readonly options: { asTokenIds?: boolean } = {}) {}
 
   get(id: number): { text: string; bytes: number[] } {
     let entry = this.cache.get(id);
     if (!entry) {
-      const bytes = this.tokenizer.tokenBytes(id, true);
-      entry = { text: this.decoder.decode(bytes), bytes: Array.from(bytes) };
+      if (this.options.asTokenIds) {
+        const text = `token_id:${id}`;
+        entry = { text, bytes: Array.from(this.encoder.encode(text)) };
+      } else {
+        const bytes = this.tokenizer.tokenBytes(id, true);
+        entry = { text: this.decoder.decode(bytes), bytes: Array.from(bytes) };
+      }
       this.cache.set(id, entry);
     }
     return entry;

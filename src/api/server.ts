@@ -65,6 +65,8 @@ export interface ApiServerOptions {
    * Serve vLLM's GET /tokenizer_info (off by default, as in vLLM: it shows the chat template and special tokens).
    */
   tokenizerInfoEndpoint?: boolean;
+  /** Logprobs name tokens "token_id:<id>" unless a request says otherwise (vLLM's --return-tokens-as-token-ids). */
+  returnTokensAsTokenIds?: boolean;
   /**
    * The process's telemetry. Default: one created here on the engine clock, configured by OTEL_* variables (no
    * spans unless they ask for export), and shut down with the server. One passed in is the caller's to shut down.
@@ -184,6 +186,7 @@ export class ApiServer {
       metrics: this.metrics,
       now: this.engineClock,
       ...(options.toolCallParser !== undefined ? { toolCallParser: options.toolCallParser } : {}),
+      ...(options.returnTokensAsTokenIds ? { returnTokensAsTokenIds: true } : {}),
     });
     this.webConsole = new WebConsole({
       telemetry: this.telemetry, keyStore: options.keyStore, workers: () => this.workerSources(), health: () => this.gateway.health().body,

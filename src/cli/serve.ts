@@ -96,6 +96,7 @@ export const SERVE_FLAGS = {
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
   'trace-decode-steps': { type: 'boolean', help: 'one decode_step span per engine step a traced request took part in (default: decode steps summarised on the decode span)', default: false },
   'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
+  'return-tokens-as-token-ids': { type: 'boolean', help: 'logprobs name tokens "token_id:<id>" instead of their text, unless a request says otherwise (vLLM\'s flag and return_tokens_as_token_ids field)', default: false },
   'enable-tokenizer-info-endpoint': { type: 'boolean', help: 'serve vLLM\'s GET /tokenizer_info: the tokenizer\'s class, special tokens and chat template (what lm-evaluation-harness\'s remote tokenizer reads)', default: false },
   'request-log': { type: 'boolean', help: 'one info line per request as it ends: method, path, status, tenant, tokens, TTFT, total ms (--no-request-log: off; /health, /live, /metrics only at debug)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -183,6 +184,8 @@ export interface ServeConfig {
   requestLog: boolean;
   /** GET /tokenizer_info is served (--enable-tokenizer-info-endpoint). */
   tokenizerInfoEndpoint: boolean;
+  /** Logprobs name tokens "token_id:<id>" by default (--return-tokens-as-token-ids). */
+  returnTokensAsTokenIds: boolean;
 }
 
 const UNITS: Record<string, number> = {
@@ -492,6 +495,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     logLevel,
     requestLog: values['request-log']!,
     tokenizerInfoEndpoint: values['enable-tokenizer-info-endpoint']!,
+    returnTokensAsTokenIds: values['return-tokens-as-token-ids']!,
     ...(warnings.length > 0 ? { warnings } : {}),
   };
   const models = parseModelSpecs(parsed.lists.model ?? [], parsed.lists['served-model-name'] ?? []);
@@ -567,6 +571,7 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
     ...(config.traceDecodeSteps ? { perTokenSpans: true } : {}),
     requestLog: config.requestLog,
     ...(config.tokenizerInfoEndpoint ? { tokenizerInfoEndpoint: true } : {}),
+    ...(config.returnTokensAsTokenIds ? { returnTokensAsTokenIds: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),

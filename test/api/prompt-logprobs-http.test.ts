@@ -142,6 +142,30 @@ describe('prompt logprobs over HTTP', () => {
       (error: unknown) => error instanceof BadRequestError && (error.error as { param?: string }).param === 'max_tokens');
   });
 
+  it('return_tokens_as_token_ids names every listed token by its id: the prompt\'s ids, then the completion\'s text\'s', E2E, async () => {
+    const prompt = 'Lanterns along the quay';
+    const ids = await tokenize(prompt);
+    const res = await client.completions.create({
+      model, prompt, max_tokens: 4, temperature: 0, echo: true, logprobs: 2, return_tokens_as_token_ids: true,
+    } as OpenAI.CompletionCreateParamsNonStreaming);
+    const logprobs = res.choices[0]!.logprobs!;
+    const listed = logprobs.tokens!.map((token) => {
+      assert.match(token, /^token_id:\d+$/);
+      return Number(token.slice('token_id:'.length));
+    });
+    assert.deepEqual(listed.slice(0, ids.length), ids);
+    const detokenized = await fetch(`${server.url}/detokenize`, { method: 'POST', body: JSON.stringify({ model, tokens: listed.slice(ids.length) }) });
+    assert.equal(prompt + ((await detokenized.json()) as { prompt: string }).prompt, res.choices[0]!.text);
+    assert.ok(logprobs.top_logprobs!.slice(1).every((top) => Object.keys(top!).every((key) => /^token_id:\d+$/.test(key))));
+    const chat = await client.chat.completions.create({
+      model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 2, logprobs: true, top_logprobs: 1, return_tokens_as_token_ids: true,
+    } as OpenAI.ChatCompletionCreateParamsNonStreaming);
+    for (const entry of chat.choices[0]!.logprobs!.content!) {
+      assert.match(entry.token, /^token_id:\d+$/);
+      assert.deepEqual(entry.bytes, [...Buffer.from(entry.token)]);
+    }
+  });
+
   it('streamed echo with logprobs carries the same prompt and tokens as the body', E2E, async () => {
     const body = { model, prompt: 'Snow on the hills', max_tokens: 4, temperature: 0, echo: true, logprobs: 1 };
     const whole = await client.completions.create(body);
@@ -231,6 +255,23 @@ describe('loglikelihood requests as lm-evaluation-harness sends them', () => {
     // Q8_0 weights: the reference dequantizes them, the native kernels multiply 8-bit activations (0.003 per token here).
     assert.ok(Math.abs(score - expected) < 0.01 * continuation.length, `sum ${score} vs the reference's ${expected}`);
     assert.equal(greedy, expectedGreedy);
+  });
+
+  it('--return-tokens-as-token-ids makes it the default, and a request may still ask for texts', E2E, async () => {
+    const ids = await startTestServer({ flags: ['--return-tokens-as-token-ids'] });
+    try {
+      const ask = async (extra: object) => {
+        const res = await fetch(`${ids.url}/v1/completions`, {
+          method: 'POST', headers: { 'content-type': 'application/json' },
+          body: JSON.stringify({ prompt: 'Gulls', max_tokens: 2, temperature: 0, logprobs: 0, ...extra }),
+        });
+        return ((await res.json()) as { choices: { logprobs: { tokens: string[] } }[] }).choices[0]!.logprobs.tokens;
+      };
+      assert.ok((await ask({})).every((token) => /^token_id:\d+$/.test(token)));
+      assert.ok((await ask({ return_tokens_as_token_ids: false })).every((token) => !token.startsWith('token_id:')));
+    } finally {
+      await ids.close();
+    }
   });
 
   it('without --enable-tokenizer-info-endpoint there is no /tokenizer_info, as in vLLM', E2E, async () => {

@@ -40,6 +40,8 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   guided?: GuidedRequest;
   /** vLLM's prompt_logprobs: every prompt token's logprob with this many alternatives (not with stream). */
   promptLogprobs?: number;
+  /** vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (undefined: the server's default). */
+  returnTokensAsTokenIds?: boolean;
 }
 
 /** Fields from vLLM and others that name features this server does not have. */
@@ -144,6 +146,7 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     user: fields.string('user'),
     ...guidedOption(fields),
     ...promptLogprobsOption(fields, stream),
+    ...(fields.has('return_tokens_as_token_ids') ? { returnTokensAsTokenIds: fields.boolean('return_tokens_as_token_ids')! } : {}),
   };
 }
 
