@@ -36,7 +36,7 @@ const { values: args } = parseArgs({
 });
 const PROMPT = Number(args.prompt), ROUNDS = Number(args.rounds), THREADS = Number(args.threads);
 const path = args.model ?? (await ensureBenchModel('Q8_0')).path;
-const { config } = await loadModel(path);
+const { config, weights } = await loadModel(path);
 const rows = promptLogprobRowsFor(config.vocabSize, DEFAULT_MAX_NUM_BATCHED_TOKENS);
 const median = (values: readonly number[]): number => percentileOf(values, 0.5);
 
@@ -86,7 +86,6 @@ await Promise.all(Object.values(engines).map((engine) => engine.close()));
 // The sampler's share per prompt row, on random rows of the model's vocabulary: one row at a time (promptLogprob with
 // the native argmax and weighing pass), and a step's rows at once through the native backend's pass on THREADS threads
 // (promptLogprobRows, as EngineCore runs it).
-const { weights } = await loadModel(path);
 const backend = availableBackends().at(-1)!;
 const runner = backend.load(config, weights, { numBlocks: 4, blockSize: 16, dtype: 'f32' }, { threads: THREADS });
 const sampler = new Sampler(config.vocabSize, {
@@ -108,7 +107,7 @@ const perRowUs = (numTop: number, together: boolean): number => {
   return Math.min(...samples);
 };
 
-// The LM head's floor: its FLOPs for the extra rows over the prompt's matmul FLOPs, at the plain chunked rate.
+// The LM head's share: its FLOPs for the extra rows over the prompt's matmul FLOPs, priced at the plain chunked rate.
 const { dim, numLayers, numHeads, numKvHeads, headDim, ffnDim, vocabSize } = config;
 const layerParams = dim * headDim * (numHeads * 2 + numKvHeads * 2) + 3 * dim * ffnDim;
 const lmHead = dim * vocabSize;

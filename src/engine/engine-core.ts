@@ -19,7 +19,7 @@ import { drawRandomSeed } from '../util/random.ts';
 import { GrammarError, type GrammarRuntime } from './grammar/runtime.ts';
 import { sampleGuidedRow } from './grammar/sampling.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SequenceSampler } from './sampler.ts';
-import type { StepPlan } from './scheduler.ts';
+import { promptLogprobTargets, type StepPlan } from './scheduler.ts';
 import { rowKey, StepCore, type KvImport, type TokenSource } from './step-core.ts';
 import type { EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob } from './types.ts';
 import type { LoraWeights } from '../model/lora.ts';
@@ -296,18 +296,9 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * backend's pass over all of them at once where it has one).
    */
   private promptLogprobRows(plan: StepPlan, logits: Float32Array): TokenLogprob[] {
-    const targets: number[] = [];
-    const numTops: number[] = [];
-    for (const { sequence, startPosition, numPromptLogprobRows } of plan.scheduled) {
-      const prompt = sequence.request.promptTokenIds;
-      const numTop = sequence.request.sampling.promptLogprobs!;
-      for (let k = 0; k < numPromptLogprobRows; k++) {
-        targets.push(prompt[startPosition + k + 1]!);
-        numTops.push(numTop);
-      }
-    }
+    const { tokenIds, numTops } = promptLogprobTargets(plan);
     const first = plan.sampleTargets.length * this.vocabSize;
-    return this.sampler.promptLogprobRows(logits.subarray(first, first + targets.length * this.vocabSize), targets, numTops);
+    return this.sampler.promptLogprobRows(logits.subarray(first, first + tokenIds.length * this.vocabSize), tokenIds, numTops);
   }
 }
 

@@ -210,6 +210,23 @@ const byDeadline: SequenceOrder = (a, b) =>
 
 const POLICY_ORDER: Record<SchedulingPolicy, SequenceOrder> = { fcfs: byArrival, priority: byPriority, deadline: byDeadline };
 
+/**
+ * What a plan's prompt-logprob rows score, in row order: the prompt token after each row's position, and the
+ * alternatives its request asked for.
+ */
+export function promptLogprobTargets(plan: StepPlan): { tokenIds: number[]; numTops: number[] } {
+  const tokenIds: number[] = [];
+  const numTops: number[] = [];
+  for (const { sequence, startPosition, numPromptLogprobRows } of plan.scheduled) {
+    const { promptTokenIds, sampling } = sequence.request;
+    for (let k = 0; k < numPromptLogprobRows; k++) {
+      tokenIds.push(promptTokenIds[startPosition + k + 1]!);
+      numTops.push(sampling.promptLogprobs!);
+    }
+  }
+  return { tokenIds, numTops };
+}
+
 /** Prompt positions in [startPosition, startPosition + numNewTokens) before the prompt's last: one logits row each. */
 function promptLogprobRows(sequence: Sequence, startPosition: number, numNewTokens: number): number {
   return Math.max(0, Math.min(startPosition + numNewTokens, sequence.numPromptTokens - 1) - startPosition);

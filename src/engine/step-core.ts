@@ -265,7 +265,9 @@ export class StepCore<T> {
       const state = this.states.get(out.requestId);
       if (!state) continue;
       let { newTokenIds, finishReason, stopReason } = out;
-      const first = state.request.sequences[out.index]?.outputTokenIds.length === newTokenIds.length;
+      // The completion's first output (its tokens are all it has) carries the prompt's logprobs.
+      const promptLogprobs = state.request.promptLogprobs !== undefined
+        && state.request.sequences[out.index]?.outputTokenIds.length === newTokenIds.length ? state.request.promptLogprobs : undefined;
       // Forced tokens follow the sampled one in the same output (a request to hand off leaves with one token).
       const forced = finishReason === null && !state.handoff ? this.tokenSource.forced?.(state.tokens[out.index]!) : undefined;
       if (forced !== undefined && forced.length > 0) {
@@ -276,7 +278,7 @@ export class StepCore<T> {
       }
       const emitted = this.emitTokens(state, out.index, newTokenIds, finishReason, stopReason,
         logprobs?.get(rowKey(out.requestId, out.index)), endMs);
-      if (first && state.request.promptLogprobs !== undefined) emitted.promptLogprobs = state.request.promptLogprobs;
+      if (promptLogprobs !== undefined) emitted.promptLogprobs = promptLogprobs;
       // Forced tokens after a stop string are dropped (emitTokens): they were never output.
       this.numForcedTokens -= newTokenIds.length - emitted.newTokenIds.length;
       emitted.step = step;

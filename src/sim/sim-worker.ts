@@ -7,7 +7,7 @@
 
 import type { AdoptedResult, KvHandoff, KvTransferStats } from '../engine/handoff.ts';
 import type { BlockTable } from '../engine/kv-cache/manager.ts';
-import type { StepPlan } from '../engine/scheduler.ts';
+import { promptLogprobTargets, type StepPlan } from '../engine/scheduler.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
@@ -446,10 +446,8 @@ export class SimWorker extends StepCore<SimTokenState> {
       return tokenId;
     });
     // Prompt logprobs in the same terms: each prompt token has logprob 0 and rank 1.
-    const promptLogprobs = plan.numPromptLogprobRows > 0 ? plan.scheduled.flatMap(({ sequence, startPosition, numPromptLogprobRows }) =>
-      Array.from({ length: numPromptLogprobRows }, (_, k) => ({
-        tokenId: sequence.request.promptTokenIds[startPosition + k + 1]!, logprob: 0, top: [], rank: 1,
-      }))) : undefined;
+    const promptLogprobs = plan.numPromptLogprobRows > 0
+      ? promptLogprobTargets(plan).tokenIds.map((tokenId) => ({ tokenId, logprob: 0, top: [], rank: 1 })) : undefined;
     // Planning takes no simulated time: the forward pass starts when the step does.
     const outputs = this.applyStep(plan, tokenIds, logprobs, step.startMs, step.endMs, promptLogprobs);
     // Lower tiers: copied down between steps as the cpu worker does, at no step time (DMA beside compute); an idle
