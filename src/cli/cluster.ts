@@ -28,15 +28,22 @@ export const CLUSTER_DEMO_FLAGS = {
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = net.createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as net.AddressInfo;
-      server.close(() => resolve(port));
-    });
-  });
+/** `count` distinct free loopback ports: each is held until all are found, so listen(0) cannot give one twice. */
+async function freePorts(count: number): Promise<number[]> {
+  const servers: net.Server[] = [];
+  try {
+    for (let i = 0; i < count; i++) {
+      const server = net.createServer();
+      servers.push(server);
+      await new Promise<void>((resolve, reject) => {
+        server.once('error', reject);
+        server.listen(0, '127.0.0.1', resolve);
+      });
+    }
+    return servers.map((server) => (server.address() as net.AddressInfo).port);
+  } finally {
+    await Promise.all(servers.map((server) => new Promise((resolve) => server.close(resolve))));
+  }
 }
 
 async function waitForPort(port: number, what: string, child: ChildProcess, maxMs = 30_000): Promise<void> {
@@ -96,7 +103,7 @@ export const clusterCommand: Command = {
       process.on('SIGTERM', handler);
     });
     try {
-      const [etcdPort, peerPort, natsPort] = [await freePort(), await freePort(), await freePort()];
+      const [etcdPort, peerPort, natsPort] = await freePorts(3) as [number, number, number];
       const etcdUrl = `http://127.0.0.1:${etcdPort}`;
       const etcd = start('etcd', values['etcd-bin']!, ['--data-dir', join(dir, 'etcd'), '--listen-client-urls', etcdUrl,
         '--advertise-client-urls', etcdUrl, '--listen-peer-urls', `http://127.0.0.1:${peerPort}`,

@@ -21,15 +21,30 @@ export function servicesMissing(): string | undefined {
 const children = new Set<ChildProcess>();
 process.once('exit', () => { for (const child of children) child.kill('SIGKILL'); });
 
+/** Ports handed out in this process: never twice, though the first may have been closed again before the next call. */
+const handedOut = new Set<number>();
+
+/**
+ * A loopback port free now, for a server a test starts later. Taken below Linux's ephemeral range (32768 up) so that
+ * no listen(0) and no outgoing connection, of this process or another, is given it by the kernel in the meantime: a
+ * port from listen(0) itself can be handed straight to the next listen(0), which then takes it from the server the
+ * test meant it for (EADDRINUSE).
+ */
 export async function freePort(host = '127.0.0.1'): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = net.createServer();
-    server.once('error', reject);
-    server.listen(0, host, () => {
-      const { port } = server.address() as net.AddressInfo;
-      server.close(() => resolve(port));
+  for (let attempt = 0; attempt < 200; attempt++) {
+    const port = 20_000 + Math.floor(Math.random() * 12_768);
+    if (handedOut.has(port)) continue;
+    const free = await new Promise<boolean>((resolve) => {
+      const server = net.createServer();
+      server.once('error', () => resolve(false));
+      server.listen(port, host, () => server.close(() => resolve(true)));
     });
-  });
+    if (free) {
+      handedOut.add(port);
+      return port;
+    }
+  }
+  throw new Error(`no free port on ${host} between 20000 and 32767 after 200 tries`);
 }
 
 export async function waitForPort(port: number, host = '127.0.0.1', maxMs = 60_000): Promise<void> {
