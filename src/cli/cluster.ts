@@ -1,7 +1,7 @@
 // `conduit cluster`: the distributed runtime on this machine in one command, for trying it out: etcd and
 // nats-server (the Debian binaries, data in a temporary folder), N `conduit worker` processes and one
-// `conduit frontend`, all on loopback. Ctrl-C (or SIGTERM) stops them all: the frontend first, then the workers
-// (they drain), then NATS and etcd; the temporary folder is removed.
+// `conduit frontend`, all on loopback. Ctrl-C (or SIGTERM, SIGHUP) stops them all: the frontend first, then the
+// workers (they drain and deregister), then NATS and etcd; the temporary folder is removed.
 
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -74,7 +74,10 @@ export const clusterCommand: Command = {
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
     const children: { name: string; child: ChildProcess }[] = [];
     const start = (name: string, command: string, args: string[], env: NodeJS.ProcessEnv = {}): ChildProcess => {
-      const child = spawn(command, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'inherit', 'inherit'] });
+      // A process group of its own: Ctrl-C in a terminal signals the whole foreground group, which would stop etcd
+      // and NATS at once with everything else, and the workers could not deregister. Only this process hears it and
+      // stops the children in order.
+      const child = spawn(command, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'inherit', 'inherit'], detached: true });
       child.on('error', (error) => console.error(`conduit cluster: ${name}: ${error.message}`));
       children.push({ name, child });
       return child;
@@ -99,8 +102,9 @@ export const clusterCommand: Command = {
         console.error('conduit cluster: stopping the frontend, the workers, NATS and etcd');
         void stopAll().then(resolve);
       };
-      process.on('SIGINT', handler);
-      process.on('SIGTERM', handler);
+      for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(signal, handler);
+      // Should this process end any other way, no child is left running (they are not in its group any more).
+      process.once('exit', () => { for (const { child } of children) if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL'); });
     });
     try {
       const [etcdPort, peerPort, natsPort] = await freePorts(3) as [number, number, number];

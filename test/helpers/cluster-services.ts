@@ -70,9 +70,11 @@ export interface Proc {
   kill(signal?: NodeJS.Signals): void;
 }
 
-export function startProcess(command: string, args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean } = {}): Proc {
+/** `detached`: in a process group of its own, as a shell starts a job (a signal to -pid then reaches that group). */
+export function startProcess(command: string, args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean; detached?: boolean } = {}): Proc {
   const child = spawn(command, args, {
     env: { ...process.env, ...env }, stdio: options.ipc ? ['ignore', 'pipe', 'pipe', 'ipc'] : ['ignore', 'pipe', 'pipe'],
+    detached: options.detached ?? false,
   });
   children.add(child);
   let text = '';
@@ -158,7 +160,7 @@ export async function startNats(placement: Placement = {}): Promise<Nats> {
 }
 
 /** `conduit <args>` as a child process. */
-export function startConduit(args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean; netns?: string } = {}): Proc {
+export function startConduit(args: string[], env: NodeJS.ProcessEnv = {}, options: { ipc?: boolean; detached?: boolean; netns?: string } = {}): Proc {
   if (options.netns) return startProcess('ip', ['netns', 'exec', options.netns, process.execPath, CONDUIT, ...args], env);
   return startProcess(process.execPath, [CONDUIT, ...args], env, options);
 }

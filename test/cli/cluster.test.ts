@@ -1,0 +1,66 @@
+// `conduit cluster` end to end: real etcd and nats-server, two sim workers and a frontend, all children of one
+// process started as a shell starts a job (a process group of its own). A request goes through the official client;
+// then Ctrl-C, which a terminal sends to the whole foreground group: the command stops its children in order, so the
+// workers deregister while etcd still runs, and nothing it started is left listening.
+import assert from 'node:assert/strict';
+import net from 'node:net';
+import { after, describe, it } from 'node:test';
+import OpenAI from 'openai';
+import { freePort, servicesMissing, startConduit, stopAll, type Proc } from '../helpers/cluster-services.ts';
+
+const listening = (port: number): Promise<boolean> => new Promise((resolve) => {
+  const socket = net.connect({ host: '127.0.0.1', port });
+  socket.once('connect', () => { socket.destroy(); resolve(true); });
+  socket.once('error', () => resolve(false));
+});
+
+describe('conduit cluster', { skip: servicesMissing() }, () => {
+  let cluster: Proc | undefined;
+  after(async () => {
+    // Should the test fail before Ctrl-C: SIGTERM stops the children too (they are in groups of their own).
+    if (cluster?.child.exitCode === null) {
+      cluster.kill('SIGTERM');
+      await Promise.race([cluster.exited, new Promise((resolve) => setTimeout(resolve, 20_000))]);
+    }
+    await stopAll();
+  });
+
+  it('serves through its workers, and Ctrl-C stops them before etcd and NATS', async () => {
+    const port = await freePort();
+    cluster = startConduit(['cluster', '--engine', 'sim', '--workers', '2', '--port', String(port)], {}, { detached: true });
+    const proc = cluster;
+    const health = async (): Promise<{ ready?: boolean; workers?: unknown[] } | undefined> => {
+      try {
+        return await (await fetch(`http://127.0.0.1:${port}/health`)).json() as { ready?: boolean; workers?: unknown[] };
+      } catch {
+        return undefined;
+      }
+    };
+    for (const deadline = Date.now() + 60_000; ;) {
+      if (proc.child.exitCode !== null) throw new Error(`conduit cluster exited early:\n${proc.output()}`);
+      const body = await health();
+      if (body?.ready === true && body.workers?.length === 2) break;
+      if (Date.now() > deadline) throw new Error(`the frontend was not ready with both workers within 60 s:\n${proc.output()}`);
+      await new Promise((resolve) => setTimeout(resolve, 200));
+    }
+
+    const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused' });
+    const [model] = (await client.models.list()).data;
+    const completion = await client.completions.create({ model: model!.id, prompt: 'The cluster answers', max_tokens: 4 });
+    assert.equal(completion.usage?.completion_tokens, 4);
+
+    const services = /etcd http:\/\/127\.0\.0\.1:(\d+), NATS nats:\/\/127\.0\.0\.1:(\d+)/.exec(proc.output());
+    assert.ok(services, `the command names its etcd and NATS:\n${proc.output()}`);
+    const [etcdPort, natsPort] = [Number(services[1]), Number(services[2])];
+
+    process.kill(-proc.child.pid!, 'SIGINT');
+    assert.equal(await proc.exited, 0, proc.output());
+    const output = proc.output();
+    for (const id of ['worker-0', 'worker-1']) assert.match(output, new RegExp(`worker ${id}: deregistered`));
+    // Had etcd stopped with the rest, a worker could not revoke its lease and would say so.
+    assert.doesNotMatch(output, /could not revoke the lease/);
+    for (const [what, p] of [['frontend', port], ['etcd', etcdPort], ['NATS', natsPort]] as const) {
+      assert.equal(await listening(p), false, `${what} still listens on ${p}`);
+    }
+  });
+});
