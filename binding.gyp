@@ -15,6 +15,7 @@
         "native/model.cc",
         "native/lora.cc",
         "native/moe.cc",
+        "native/sample_draw.cc",
         "native/shm_region.cc",
         "native/thread_pool.cc",
         "native/ops_generic.cc",

@@ -8,7 +8,9 @@
 //                     mixed), a new model (and thread pool) every few dozen steps, the old one disposed. Results are
 //                     checked for batch invariance (a sequence's logits in the mixed batch equal, bit for bit, those
 //                     of its whole history run alone as one prefill on another model instance with another thread
-//                     count), and on the small models against the TypeScript reference forward.
+//                     count), and on the small models against the TypeScript reference forward; the sampler's
+//                     prompt-logprob pass and batched random draws on each instance's threads against the
+//                     TypeScript sampler, bit for bit.
 //   --role=terminate  worker_threads running forward passes (and the ops pools) are terminated at random moments
 //                     while a native call runs, each worker loading and disposing its own models; the survivors'
 //                     logits must stay equal to the first run's.
@@ -607,6 +609,32 @@ async function stepsRole(): Promise<void> {
           if (!expected.every((x, j) => Object.is(x, got[j]))) {
             throw new Error(`${model.name} ${variant}: promptLogprobRows row ${r} of ${numRows} on ${threads} threads gave `
               + `${got}, the TypeScript passes ${expected}`);
+          }
+        }
+      }
+      // The sampler's batched random draws on this instance's threads (rows in any order, some twice), against the
+      // TypeScript draw of each row from the same uniform, token for token.
+      if (rand() < 0.5) {
+        const { createRequestSamplers, DRAW_SPEC_WORDS, Sampler } = await import('../src/engine/sampler.ts');
+        const { DEFAULT_SAMPLING } = await import('../src/engine/types.ts');
+        const v = config.vocabSize, numRows = int(1, 24), count = int(1, 40);
+        const rowsLogits = Float32Array.from({ length: numRows * v }, () => (rand() < 0.02 ? -Infinity : Math.round((rand() - 0.5) * 80) / 4));
+        const rowIds = Int32Array.from({ length: count }, () => int(0, numRows - 1));
+        const params = Array.from({ length: count }, () => ({ ...DEFAULT_SAMPLING, temperature: pick([1, 0.6, 1.4]),
+          topP: pick([1, 0.95, 0.5]), minP: pick([0, 0.05]) }));
+        const uniforms = Array.from({ length: count }, () => rand());
+        const specs = Float64Array.from(params.flatMap((p, i) => [p.temperature !== 1 ? 1 / p.temperature : 1,
+          p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniforms[i]!]));
+        const out = new Int32Array(count);
+        native.sampleRows(rowsLogits, rowIds, specs, out);
+        const plain = new Sampler(v);
+        for (let i = 0; i < count; i++) {
+          const sequence = Object.assign(createRequestSamplers({ params: params[i]!, promptTokenIds: [], vocabSize: v, eosTokenIds: [] })[0]!,
+            { nextUniform: () => uniforms[i]! });
+          const expected = plain.sampleRow(rowsLogits.subarray(rowIds[i]! * v, (rowIds[i]! + 1) * v), sequence).tokenId;
+          if (out[i] !== expected) {
+            throw new Error(`${model.name} ${variant}: sampleRows entry ${i} of ${count} (row ${rowIds[i]}, spec `
+              + `${[...specs.subarray(i * DRAW_SPEC_WORDS, (i + 1) * DRAW_SPEC_WORDS)]}) on ${threads} threads drew ${out[i]}, the TypeScript draw ${expected}`);
           }
         }
       }

@@ -178,6 +178,7 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
                         InstanceMethod("sampleWeigh", &NativeModel::SampleWeigh),
                         InstanceMethod("scaleRow", &NativeModel::ScaleRow),
                         InstanceMethod("promptLogprobRows", &NativeModel::PromptLogprobRows),
+                        InstanceMethod("sampleRows", &NativeModel::SampleRows),
                         InstanceMethod("kvPoolResidentBytes", &NativeModel::KvPoolResidentBytes),
                         InstanceMethod("memoryInfo", &NativeModel::MemoryInfo),
                         InstanceMethod("setLora", &NativeModel::SetLora),
@@ -521,6 +522,20 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
       throw Napi::RangeError::New(env, std::string("promptLogprobRows: ") + e.what());
     } catch (const std::bad_alloc&) {
       throw allocation_failed(env, "promptLogprobRows: out of memory for the weights scratch");
+    }
+    return env.Undefined();
+  }
+
+  // sampleRows(logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): the sampler's random
+  // draws of the given logits rows at once on the model's threads (Model::sample_rows, addon_args.h).
+  Napi::Value SampleRows(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Model& m = model(env);
+    const SampleRowsArgs a = sample_rows_args(info, 0, m.spec().vocab_size);
+    try {
+      m.sample_rows(a.logits, a.count, a.rows, a.specs, a.out);
+    } catch (const std::bad_alloc&) {
+      throw allocation_failed(env, "sampleRows: out of memory for the draw scratch");
     }
     return env.Undefined();
   }

@@ -12,6 +12,7 @@
 #include "cpu.h"
 #include "crash_handler.h"
 #include "kernels.h"
+#include "sample_draw.h"
 #include "sample_weigh.h"
 
 namespace conduit {
@@ -113,6 +114,44 @@ inline Napi::Value scale_row_call(const Napi::CallbackInfo& info, size_t first, 
   const double factor = number(env, info[first + 2], "factor");
   table.scale_row(static_cast<const float*>(row.data), out, static_cast<int64_t>(row.length), factor);
   return env.Undefined();
+}
+
+// sampleRows' arguments from info[first] on: (logits: Float32Array of whole rows of `vocab`, rows: Int32Array of
+// row indices, specs: Float64Array of sample::kDrawSpecWords per entry, out: Int32Array, one per entry); checked.
+struct SampleRowsArgs {
+  const float* logits;
+  int64_t count;
+  const int32_t* rows;
+  const double* specs;
+  int32_t* out;
+};
+
+inline SampleRowsArgs sample_rows_args(const Napi::CallbackInfo& info, size_t first, int64_t vocab) {
+  Napi::Env env = info.Env();
+  ArrayView logits = typed_array(env, info[first], napi_float32_array, "logits");
+  if (vocab <= 0 || logits.length % static_cast<size_t>(vocab) != 0) {
+    throw Napi::RangeError::New(env, "logits must hold whole rows of " + std::to_string(vocab) + " values");
+  }
+  const int64_t num_rows = static_cast<int64_t>(logits.length) / vocab;
+  ArrayView rows = typed_array(env, info[first + 1], napi_int32_array, "rows");
+  const size_t count = rows.length;
+  const int32_t* row_ids = static_cast<const int32_t*>(rows.data);
+  for (size_t i = 0; i < count; ++i) {
+    if (row_ids[i] < 0 || row_ids[i] >= num_rows) {
+      throw Napi::RangeError::New(env, "rows[" + std::to_string(i) + "] = " + std::to_string(row_ids[i]) +
+                                           " is not a row of the " + std::to_string(num_rows) + " given");
+    }
+  }
+  const double* specs = typed_data<double>(env, info[first + 2], napi_float64_array, "specs", count * sample::kDrawSpecWords);
+  for (size_t i = 0; i < count; ++i) {
+    const double* spec = specs + i * sample::kDrawSpecWords;
+    if (!(spec[0] > 0.0) || !(spec[1] <= 0.0) || !(spec[2] > 0.0) || !(spec[3] >= 0.0 && spec[3] < 1.0)) {
+      throw Napi::RangeError::New(env, "specs[" + std::to_string(i) + "] must be a scale above 0, log min_p <= 0, " +
+                                           "top_p above 0 and a uniform in [0, 1)");
+    }
+  }
+  int32_t* out = typed_data<int32_t>(env, info[first + 3], napi_int32_array, "out", count);
+  return {static_cast<const float*>(logits.data), static_cast<int64_t>(count), row_ids, specs, out};
 }
 
 inline Variant variant_arg(const Napi::Env& env, const Napi::Value& value) {

@@ -236,6 +236,21 @@ Napi::Value OpSampleWeigh(const Napi::CallbackInfo& info) {
   return sample_weigh_call(info, 1, kernel_table(v));
 }
 
+// sampleRows(variant, vocab, logits, rows, specs, out): the sampler's random draws of the given rows of `vocab`
+// values (addon_args.h, sample_draw.h), one after another on this thread.
+Napi::Value OpSampleRows(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  const Variant v = run_variant_arg(env, info[0]);
+  const int64_t vocab = integer(env, info[1], "vocab", 1);
+  const SampleRowsArgs a = sample_rows_args(info, 2, vocab);
+  sample::DrawScratch scratch;
+  for (int64_t i = 0; i < a.count; ++i) {
+    a.out[i] = static_cast<int32_t>(sample::draw_row(kernel_table(v), a.logits + a.rows[i] * vocab, vocab,
+                                                     a.specs + i * sample::kDrawSpecWords, scratch));
+  }
+  return env.Undefined();
+}
+
 // scaleRow(variant, row, out, factor): out[i] = row[i] * factor as a Float32Array stores it (addon_args.h)
 Napi::Value OpScaleRow(const Napi::CallbackInfo& info) {
   const Variant v = run_variant_arg(info.Env(), info[0]);
@@ -474,6 +489,7 @@ Napi::Object ops_object(Napi::Env env) {
   ops.Set("add", Napi::Function::New(env, OpAdd));
   ops.Set("argmax", Napi::Function::New(env, OpArgmax));
   ops.Set("sampleWeigh", Napi::Function::New(env, OpSampleWeigh));
+  ops.Set("sampleRows", Napi::Function::New(env, OpSampleRows));
   ops.Set("scaleRow", Napi::Function::New(env, OpScaleRow));
   ops.Set("swiglu", Napi::Function::New(env, OpSwiglu));
   ops.Set("geglu", Napi::Function::New(env, OpGeglu));

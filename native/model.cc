@@ -433,6 +433,7 @@ size_t Model::workspace_bytes() const {
   size_t bytes = ws_.activations.capacity() + ws_.per_thread.capacity() + rope_.allocated_bytes() +
                  sel_rope_.allocated_bytes() + (sel_x_.capacity() + sel_xn_.capacity()) * sizeof(float) +
                  prompt_weights_.capacity() * sizeof(double);
+  for (const sample::DrawScratch& scratch : draw_scratch_) bytes += scratch.bytes();
   for (const std::vector<int32_t>* v : {&sel_positions_, &sel_query_start_, &sel_seq_lens_, &sel_block_tables_,
                                         &sel_lora_slots_}) {
     bytes += v->capacity() * sizeof(int32_t);
@@ -486,6 +487,16 @@ void Model::prompt_logprob_rows(const float* logits, int64_t rows, const int32_t
     // The one best is the argmax (the same rule: the lowest id among the largest).
     if (num_best == 1) best[r] = static_cast<int32_t>(max_id);
     else if (num_best > 1) best_ids(row, vocab, num_best, best + r * num_best);
+  });
+}
+
+void Model::sample_rows(const float* logits, int64_t count, const int32_t* rows, const double* specs, int32_t* out) {
+  const int64_t vocab = spec_.vocab_size;
+  draw_scratch_.resize(static_cast<size_t>(pool_.size()));
+  for (sample::DrawScratch& scratch : draw_scratch_) scratch.reserve(vocab);
+  pool_.parallel_for(count, [&](int64_t i, int thread) {
+    out[i] = static_cast<int32_t>(sample::draw_row(kt_, logits + rows[i] * vocab, vocab, specs + i * sample::kDrawSpecWords,
+                                                   draw_scratch_[static_cast<size_t>(thread)]));
   });
 }
 

@@ -12,6 +12,7 @@
 #include "compute.h"
 #include "lora.h"
 #include "memory.h"
+#include "sample_draw.h"
 
 namespace conduit {
 
@@ -119,6 +120,10 @@ class Model {
   // (the sampler's bestIds). Throws InvalidInput for a target outside the vocabulary.
   void prompt_logprob_rows(const float* logits, int64_t rows, const int32_t* targets, double* out, int32_t* best,
                            int64_t num_best);
+  // The sampler's random draws of `count` rows at once, spread over the pool's threads: entry i draws logits row
+  // rows[i] (of vocab_size floats; the caller checks it is one) by specs[i * sample::kDrawSpecWords ..]
+  // (sample_draw.h) into out[i], -1 for a row with a NaN or nothing above -inf.
+  void sample_rows(const float* logits, int64_t count, const int32_t* rows, const double* specs, int32_t* out);
   int threads() const { return pool_.size(); }
   // Weight bytes moved onto huge pages at load (see memory.h), packed copies included.
   size_t huge_page_bytes() const { return huge_page_bytes_; }
@@ -192,6 +197,8 @@ class Model {
   std::vector<float> sel_x_, sel_xn_;
   // prompt_logprob_rows' weights, vocab_size doubles per thread (allocated on first use).
   std::vector<double> prompt_weights_;
+  // sample_rows' scratch, one per thread (each grown to the vocabulary on first use).
+  std::vector<sample::DrawScratch> draw_scratch_;
   std::vector<int32_t> sel_positions_, sel_query_start_, sel_seq_lens_, sel_block_tables_, sel_lora_slots_;
   LoraSet loras_;
   // The LoRA products of the matmul being run (reused), and whether they run in its jobs (lora.h lora_fuse_enabled).

@@ -233,7 +233,15 @@ export interface SamplerOptions {
   scale?: ScaleRow;
   /** The prompt-logprob pass over many rows at once (the compute backend's, ModelRunnerBackend.promptLogprobRows). */
   promptRows?: PromptLogprobRowsPass;
+  /** Random draws of many rows at once (the compute backend's, ModelRunnerBackend.sampleRows); see sampleBatch. */
+  drawRows?: DrawRows;
 }
+
+/** See ModelRunnerBackend.sampleRows. */
+export type DrawRows = (logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array) => void;
+
+/** Numbers per row of a DrawRows spec: the factor values are read at, ln(min_p) (-Infinity: none), top_p, the uniform. */
+export const DRAW_SPEC_WORDS = 4;
 
 /** See ModelRunnerBackend.promptLogprobRows. */
 export type PromptLogprobRowsPass = (logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array,
@@ -290,6 +298,12 @@ export class Sampler {
    * (which argmax() then reports: a NaN, nothing above -Infinity).
    */
   readonly argmax: (row: Float32Array) => number;
+  private readonly drawRows: DrawRows | undefined;
+  /** drawBatch's scratch, grown to the largest batch. */
+  private drawnTokens = new Int32Array(0);
+  private drawRowIds = new Int32Array(0);
+  private drawSpecs = new Float64Array(0);
+  private drawOut = new Int32Array(0);
 
   constructor(vocabSize: number, options: SamplerOptions = {}) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) throw new RangeError(`vocabSize must be a positive integer, got ${vocabSize}`);
@@ -302,6 +316,7 @@ export class Sampler {
     this.weigh = options.weigh ?? weighCandidates;
     this.scaleRow = options.scale ?? scaleRow;
     this.promptRows = options.promptRows;
+    this.drawRows = options.drawRows;
     this.scaleInPass = options.weigh !== undefined;
     const fast = options.argmax;
     this.argmax = fast === undefined ? argmax : (row) => {
@@ -312,11 +327,82 @@ export class Sampler {
 
   /** Samples one token per row; row i of `logits` ([sequences.length x vocabSize]) belongs to sequences[i]. */
   sample(logits: Float32Array, sequences: readonly SequenceSampler[]): SampledToken[] {
+    if (logits.length !== sequences.length * this.vocabSize) {
+      throw new RangeError(`logits hold ${logits.length} values; expected ${sequences.length} rows x vocabSize ${this.vocabSize}`);
+    }
+    return this.sampleBatch(logits, sequences) as SampledToken[];
+  }
+
+  /**
+   * Samples row i of `logits` (at least sequences.length rows of vocabSize) for sequences[i], or leaves it to the
+   * caller where that is undefined; the same tokens as sampleRow row by row. With the backend's drawRows, the rows
+   * that need nothing but a random draw (no logit processors, no top_k, no logprobs) are drawn by it all at once,
+   * each from the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them:
+   * one after another, a step's draws kept the other threads waiting); the rest go through sampleRow here.
+   */
+  sampleBatch(logits: Float32Array, sequences: readonly (SequenceSampler | undefined)[]): (SampledToken | undefined)[] {
     const v = this.vocabSize;
-    if (logits.length !== sequences.length * v) {
+    if (logits.length < sequences.length * v) {
       throw new RangeError(`logits hold ${logits.length} values; expected ${sequences.length} rows x vocabSize ${v}`);
     }
-    return sequences.map((sequence, row) => this.sampleRow(logits.subarray(row * v, (row + 1) * v), sequence));
+    const results: (SampledToken | undefined)[] = new Array(sequences.length).fill(undefined);
+    const rowOf = (row: number) => logits.subarray(row * v, (row + 1) * v);
+    const drawn = this.drawRows === undefined ? 0 : this.drawBatch(logits, sequences);
+    for (let row = 0; row < sequences.length; row++) {
+      const sequence = sequences[row];
+      if (sequence === undefined) continue;
+      const tokenId = drawn > 0 ? this.drawnTokens[row]! : -1;
+      if (tokenId >= 0) {
+        sequence.recordOutputToken(tokenId);
+        results[row] = { tokenId };
+      } else {
+        results[row] = this.sampleRow(rowOf(row), sequence);
+      }
+    }
+    return results;
+  }
+
+  /** Whether sampleBatch leaves this sequence's row to the backend's drawRows. */
+  private drawsInBatch(sequence: SequenceSampler): boolean {
+    const { temperature, topK, logprobs } = sequence.params;
+    return temperature >= GREEDY_TEMPERATURE && !(topK > 0 && topK < this.vocabSize) && logprobs === null
+      && !sequence.hasLogitProcessors;
+  }
+
+  /**
+   * The backend's draws for sampleBatch: drawnTokens[row] = the token, or -1 for a row it did not draw (not eligible,
+   * or a NaN / nothing above -Infinity, which sampleRow then reports). Returns how many rows were eligible.
+   */
+  private drawBatch(logits: Float32Array, sequences: readonly (SequenceSampler | undefined)[]): number {
+    if (this.drawnTokens.length < sequences.length) {
+      this.drawnTokens = new Int32Array(sequences.length);
+      this.drawRowIds = new Int32Array(sequences.length);
+      this.drawSpecs = new Float64Array(sequences.length * DRAW_SPEC_WORDS);
+      this.drawOut = new Int32Array(sequences.length);
+    }
+    this.drawnTokens.fill(-1);
+    let count = 0;
+    for (let row = 0; row < sequences.length; row++) {
+      const sequence = sequences[row];
+      if (sequence === undefined || !this.drawsInBatch(sequence)) continue;
+      if (sequence.vocabSize !== this.vocabSize) {
+        throw new RangeError(`sequence was set up for vocabSize ${sequence.vocabSize}; this sampler has ${this.vocabSize}`);
+      }
+      const { temperature, minP, topP } = sequence.params;
+      const spec = count * DRAW_SPEC_WORDS;
+      this.drawRowIds[count] = row;
+      this.drawSpecs[spec] = temperature !== 1 ? 1 / temperature : 1;
+      this.drawSpecs[spec + 1] = minP > 0 ? Math.log(minP) : -Infinity;
+      this.drawSpecs[spec + 2] = topP;
+      this.drawSpecs[spec + 3] = sequence.nextUniform();
+      count++;
+    }
+    if (count === 0) return 0;
+    const out = this.drawOut.subarray(0, count);
+    this.drawRows!(logits.subarray(0, sequences.length * this.vocabSize), this.drawRowIds.subarray(0, count),
+      this.drawSpecs.subarray(0, count * DRAW_SPEC_WORDS), out);
+    for (let i = 0; i < count; i++) this.drawnTokens[this.drawRowIds[i]!] = out[i]!;
+    return count;
   }
 
   /** Samples one token from one row of raw logits, records it in the sequence and returns it. The row is not modified. */
@@ -458,7 +544,8 @@ export class Sampler {
   private drawTruncated(logits: Float32Array, sequence: SequenceSampler): number {
     const { weights, order } = this;
     const v = logits.length;
-    const max = logits[this.argmax(logits)]!;
+    const maxId = this.argmax(logits);
+    const max = logits[maxId]!;
     const { minP, topP } = sequence.params;
     // min_p keeps p >= minP * pMax, i.e. logit >= max + ln(minP) on the temperature-scaled logits.
     const floor = minP > 0 ? max + Math.log(minP) : -Infinity;
@@ -467,6 +554,12 @@ export class Sampler {
     if (topK === v) {
       // top_p (after min_p) over the whole vocabulary.
       const numKept = selectTopP(logits, max, floor, topP, weights, order, this.binMass, this.binCount, this.weigh);
+      if (numKept === 0) {
+        // Only when the weights are NaN, from a +Infinity logit: its first +Infinity token, where the softmax's mass
+        // goes. The uniform is used up as a draw would (native/sample_draw.cc draws the same).
+        sequence.nextUniform();
+        return maxId;
+      }
       return this.drawFromKept(numKept, this.keptMass(numKept), sequence);
     }
     // top_k with min_p (top_k alone goes to drawTopK): only the k best can be drawn, so rank first, weigh just them.

@@ -211,6 +211,8 @@ export interface NativeModel {
   scaleRow(row: Float32Array, out: Float32Array, factor: number): void;
   /** The sampler's prompt-logprob pass over rows at once (ModelRunnerBackend.promptLogprobRows) on the model's threads. */
   promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void;
+  /** The sampler's random draws of many rows at once (ModelRunnerBackend.sampleRows) on the model's threads. */
+  sampleRows(logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): void;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
   kvPoolResidentBytes(): number;
   /** The per-step buffers held now. */
@@ -277,6 +279,8 @@ export interface NativeOps {
     blockTotals: Float64Array | null, binMass: Float64Array | null, binCount: Int32Array | null, last: Int32Array): number;
   /** out[i] = row[i] * factor as a Float32Array stores it, over row.length elements (out at least as long; may be row). */
   scaleRow(variant: KernelVariant, row: Float32Array, out: Float32Array, factor: number): void;
+  /** ModelRunnerBackend.sampleRows with one variant's kernels, on this thread, over rows of `vocab` values. */
+  sampleRows(variant: KernelVariant, vocab: number, logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): void;
   /** out = silu(gate) * up over gate.length elements. */
   swiglu(variant: KernelVariant, gate: Float32Array, up: Float32Array, out: Float32Array): void;
   /** out = gelu_tanh(gate) * up (Gemma's gated feed-forward). */
@@ -650,6 +654,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
       promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void {
         if (disposed) throw new Error('native backend is disposed');
         model.promptLogprobRows(logits, rows, targets, out, best, numBest);
+      },
+      sampleRows(logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): void {
+        if (disposed) throw new Error('native backend is disposed');
+        model.sampleRows(logits, rows, specs, out);
       },
       releaseKvPool(): number {
         if (disposed) return 0;

@@ -129,11 +129,12 @@ for (const backend of backends) {
         core.add(request(`g${i}`, ids, { temperature: 0, ignoreEos: true }));
         core.add(request(`p${i}`, ids, { temperature: 0.8, topP: 0.9, seed: 7 + i, ignoreEos: true }));
       };
-      const plain = await runPrompts(add);
+      // Without the batched draws, so that the top_p rows are drawn here too (the next tests have those).
+      const plain = await runPrompts(add, (runner) => withMember(runner, 'sampleRows', undefined));
       // Every other row answered -1 (as for a NaN row): the sampler's JavaScript argmax picks those.
       let calls = 0;
       let answered = 0;
-      const halved = await runPrompts(add, (runner) => withMember(runner, 'argmax', (row: Float32Array) => {
+      const halved = await runPrompts(add, (runner) => withMember(withMember(runner, 'sampleRows', undefined), 'argmax', (row: Float32Array) => {
         if (calls++ % 2 === 0) return -1;
         const id = runner.argmax?.(row) ?? -1;
         if (id >= 0) answered++;
@@ -152,13 +153,15 @@ for (const backend of backends) {
         core.add(request(`p${i}`, ids, { temperature: 1.2, topP: 0.9, seed: 31 + i, ignoreEos: true }));
       };
       let calls = 0;
-      const counted = await runPrompts(add, (runner) => withMember(runner, 'sampleWeigh', runner.sampleWeigh === undefined ? undefined
+      // Rows drawn here, one by one (the batched draws are the next test's).
+      const unbatched = (runner: ModelRunnerBackend) => withMember(runner, 'sampleRows', undefined);
+      const counted = await runPrompts(add, (runner) => withMember(unbatched(runner), 'sampleWeigh', runner.sampleWeigh === undefined ? undefined
         : (...args: Parameters<NonNullable<typeof runner.sampleWeigh>>) => {
           calls++;
           return runner.sampleWeigh!(...args);
         }));
       // The same backend without the pass: the sampler weighs in JavaScript.
-      const without = await runPrompts(add, (runner) => withMember(runner, 'sampleWeigh', undefined));
+      const without = await runPrompts(add, (runner) => withMember(unbatched(runner), 'sampleWeigh', undefined));
       assert.deepEqual(counted, without);
       assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
       // The native backend has the pass (every row of the three kinds went through it); the reference backend has none.
@@ -171,16 +174,47 @@ for (const backend of backends) {
         core.add(request(`r${i}`, ids, { temperature: 1.3, topP: 0.95, repetitionPenalty: 1.2, seed: 51 + i, ignoreEos: true }));
       };
       let calls = 0;
-      const counted = await runPrompts(add, (runner) => withMember(runner, 'scaleRow', runner.scaleRow === undefined ? undefined
+      const unbatched = (runner: ModelRunnerBackend) => withMember(runner, 'sampleRows', undefined);
+      const counted = await runPrompts(add, (runner) => withMember(unbatched(runner), 'scaleRow', runner.scaleRow === undefined ? undefined
         : (...args: Parameters<NonNullable<typeof runner.scaleRow>>) => {
           calls++;
           runner.scaleRow!(...args);
         }));
-      const without = await runPrompts(add, (runner) => withMember(runner, 'scaleRow', undefined));
+      const without = await runPrompts(add, (runner) => withMember(unbatched(runner), 'scaleRow', undefined));
       assert.deepEqual(counted, without);
       assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
       // The native backend has the loop (every row of both kinds was scaled with it); the reference backend has none.
       assert.equal(calls >= PROMPTS.length * 2 * 24, backend.name === 'native', `rows the backend's loop scaled: ${calls}`);
+    });
+
+    test("a step's random draws go to the backend's batched draw, and give what the sampler draws row by row", async () => {
+      // Rows it draws (temperature, min_p, top_p) beside rows it leaves to the sampler (greedy, top_k, logit
+      // processors, logprobs), in the same steps.
+      const add = (core: EngineCore, ids: number[], i: number) => {
+        core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
+        core.add(request(`m${i}`, ids, { temperature: 0.7, minP: 0.05, seed: 21 + i, ignoreEos: true }));
+        core.add(request(`p${i}`, ids, { temperature: 1.2, topP: 0.9, minP: 0.01, seed: 31 + i, ignoreEos: true }));
+        core.add(request(`q${i}`, ids, { temperature: 1, topP: 0.5, seed: 41 + i, ignoreEos: true }));
+        core.add(request(`g${i}`, ids, { temperature: 0, ignoreEos: true }));
+        core.add(request(`k${i}`, ids, { temperature: 0.8, topK: 40, topP: 0.9, seed: 51 + i, ignoreEos: true }));
+        core.add(request(`r${i}`, ids, { temperature: 0.9, topP: 0.95, repetitionPenalty: 1.2, seed: 61 + i, ignoreEos: true }));
+        core.add(request(`l${i}`, ids, { temperature: 0.9, topP: 0.95, logprobs: 2, seed: 71 + i, ignoreEos: true }));
+      };
+      let drawn = 0;
+      let calls = 0;
+      const counted = await runPrompts(add, (runner) => withMember(runner, 'sampleRows', runner.sampleRows === undefined ? undefined
+        : (...args: Parameters<NonNullable<typeof runner.sampleRows>>) => {
+          calls++;
+          drawn += args[1].length;
+          runner.sampleRows!(...args);
+        }));
+      const without = await runPrompts(add, (runner) => withMember(runner, 'sampleRows', undefined));
+      assert.deepEqual(counted, without);
+      assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
+      // The native backend draws the four eligible kinds' rows (24 tokens each), several rows a call; the reference
+      // backend has no batched draw.
+      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 4 * 24 : 0, `rows the backend drew: ${drawn}`);
+      if (backend.name === 'native') assert.ok(calls < drawn, `rows drawn together (${drawn} rows in ${calls} calls)`);
     });
 
     test('the same seed gives the same tokens whatever the batch, chunk size and prefix-cache state', async () => {

@@ -473,6 +473,15 @@ describe('Sampler: temperature and truncation', () => {
   const probabilityById = [0.15, 0.5, 0.05, 0.3];
   const logits = probabilityById.map(Math.log);
 
+  it('draws the first +Infinity logit under top_p, where the mass is, and uses one uniform as any draw', () => {
+    const row = Float32Array.of(1, Infinity, 3, Infinity);
+    const seq = sequence(4, { topP: 0.9, temperature: 0.8 });
+    const twin = sequence(4, { topP: 0.9, temperature: 0.8 });
+    assert.equal(new Sampler(4).sampleRow(row, seq).tokenId, 1);
+    twin.nextUniform();
+    assert.equal(seq.nextUniform(), twin.nextUniform());
+  });
+
   it('samples softmax(logits) at temperature 1', () => {
     assertFrequencies(frequencies(logits, {}), probabilityById);
   });

@@ -8,7 +8,7 @@ import { GgmlType, ggmlTypeName } from '../../src/model/ggml-types.ts';
 import { dequantize, quantize } from '../../src/model/quant.ts';
 import { geluTanh } from '../../src/model/reference-math.ts';
 import {
-  argmax, createRequestSamplers, MASS_BINS, Sampler, scaleRow, weighCandidates, type ScaleRow, type WeighCandidates,
+  argmax, createRequestSamplers, DRAW_SPEC_WORDS, MASS_BINS, Sampler, scaleRow, weighCandidates, type ScaleRow, type WeighCandidates,
 } from '../../src/engine/sampler.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
 import type { KernelVariant, RopeScalingArg } from '../../src/kernels/native.ts';
@@ -457,6 +457,88 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         }
       }
     }
+  });
+
+  it("sampleRows: the sampler's random draw of each row, token for token, for the uniform its sequence gives", () => {
+    const rand = seeded(101);
+    for (const n of [...ROW_LENGTHS, 32000]) {
+      const rows: Float32Array[] = [];
+      rows.push(randomArray(n, rand, 6));
+      // Peaks as a model gives them; huge gaps (weights of 0 below -708).
+      const peaked = randomArray(n, rand, 30);
+      for (let p = 0; p < 3; p++) peaked[Math.floor(rand() * n)] = 700 + 20 * rand();
+      rows.push(peaked);
+      rows.push(Float32Array.from({ length: n }, () => Math.floor(rand() * 3))); // ties everywhere
+      const masked = randomArray(n, rand, 4);
+      for (let i = 0; i < n; i += 3) masked[i] = i % 2 === 0 ? -Infinity : -1e30;
+      masked[n - 1] = -Infinity;
+      if (n > 2) rows.push(masked); // (at n = 1 nothing is left to draw)
+      const single = new Float32Array(n).fill(-Infinity); // one candidate
+      single[Math.floor(rand() * n)] = 2;
+      rows.push(single);
+      const inf = randomArray(n, rand);
+      inf[Math.floor(rand() * n)] = Infinity;
+      rows.push(inf);
+      const logits = new Float32Array(rows.length * n);
+      rows.forEach((row, r) => logits.set(row, r * n));
+      const grid = [];
+      for (const temperature of [1, 0.7, 1.6]) {
+        for (const topP of [1, 0.999, 0.9, 0.3]) for (const minP of [0, 0.05]) grid.push({ temperature, topP, minP });
+      }
+      for (const params of grid) {
+        // Each row twice, in another order the second time, each entry its own seeded sequence.
+        const entries = [...rows.keys(), ...[...rows.keys()].reverse()];
+        const make = () => entries.map((_, e) => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, ...params, seed: 500 + e },
+          promptTokenIds: [], vocabSize: n, eosTokenIds: [] })[0]!);
+        const alone = new Sampler(n);
+        const expected = make().map((sequence, e) => alone.sampleRow(logits.subarray(entries[e]! * n, (entries[e]! + 1) * n), sequence).tokenId);
+        const sequences = make();
+        const specs = new Float64Array(entries.length * DRAW_SPEC_WORDS);
+        sequences.forEach((sequence, e) => specs.set([params.temperature !== 1 ? 1 / params.temperature : 1,
+          params.minP > 0 ? Math.log(params.minP) : -Infinity, params.topP, sequence.nextUniform()], e * DRAW_SPEC_WORDS));
+        for (const variant of variants) {
+          const out = new Int32Array(entries.length).fill(-7);
+          native().ops.sampleRows(variant, n, logits, Int32Array.from(entries), specs, out);
+          assert.deepEqual([...out], expected, `${variant} n=${n} ${JSON.stringify(params)}`);
+        }
+      }
+      // The uniform's ends: the first candidate, and the last one drawn.
+      for (const variant of variants) {
+        const out = new Int32Array(2);
+        native().ops.sampleRows(variant, n, rows[0]!, Int32Array.of(0, 0), Float64Array.of(1, -Infinity, 1, 0, 1, -Infinity, 0.5, 1 - 2 ** -53), out);
+        const uniformSequence = (uniform: number) => Object.assign(createRequestSamplers({ params: { ...DEFAULT_SAMPLING, temperature: 1, topP: 1, seed: 1 },
+          promptTokenIds: [], vocabSize: n, eosTokenIds: [] })[0]!, { nextUniform: () => uniform });
+        assert.equal(out[0], new Sampler(n).sampleRow(rows[0]!, uniformSequence(0)).tokenId, `${variant} n=${n}: uniform 0`);
+        const top = Object.assign(uniformSequence(1 - 2 ** -53), { params: { ...DEFAULT_SAMPLING, temperature: 1, topP: 0.5, seed: 1 } });
+        assert.equal(out[1], new Sampler(n).sampleRow(rows[0]!, top).tokenId, `${variant} n=${n}: uniform just below 1`);
+      }
+    }
+    // Rows it cannot draw (a NaN; nothing above -Infinity) come back as -1 for the sampler to report.
+    const n = 40;
+    const bad = new Float32Array(2 * n).fill(-Infinity);
+    bad[3] = NaN;
+    for (const variant of variants) {
+      const out = new Int32Array(4).fill(-7);
+      native().ops.sampleRows(variant, n, bad, Int32Array.of(0, 1, 0, 1), Float64Array.of(1, -Infinity, 1, 0.5, 1, -Infinity, 1, 0.5,
+        2, -Infinity, 0.9, 0.5, 2, -Infinity, 0.9, 0.5), out);
+      assert.deepEqual([...out], [-1, -1, -1, -1], variant);
+      // A Sampler given the pass reports them as its own draw does.
+      const sampler = new Sampler(n, { drawRows: (...args) => native().ops.sampleRows(variant, n, ...args) });
+      const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, temperature: 0.9 }, promptTokenIds: [], vocabSize: n, eosTokenIds: [] })[0]!;
+      assert.throws(() => sampler.sampleBatch(bad, [make(), undefined]), /NaN at token id 3/);
+      assert.throws(() => sampler.sampleBatch(bad, [undefined, make()]), /every token is masked/);
+    }
+    // Arguments it refuses, naming what is wrong.
+    const ok = { logits: new Float32Array(2 * n), rows: Int32Array.of(1), specs: Float64Array.of(1, -Infinity, 1, 0.5), out: new Int32Array(1) };
+    const call = (o: Partial<typeof ok>, vocab = n) => () => native().ops.sampleRows(variants[0]!, vocab, o.logits ?? ok.logits,
+      o.rows ?? ok.rows, o.specs ?? ok.specs, o.out ?? ok.out);
+    assert.throws(call({ rows: Int32Array.of(2) }), /rows\[0\] = 2 is not a row of the 2 given/);
+    assert.throws(call({ rows: Int32Array.of(-1) }), /is not a row/);
+    assert.throws(call({}, 30), /whole rows of 30 values/);
+    for (const spec of [[0, -Infinity, 1, 0.5], [1, 0.1, 1, 0.5], [1, -Infinity, 0, 0.5], [1, -Infinity, 1, 1], [1, -Infinity, 1, NaN]]) {
+      assert.throws(call({ specs: Float64Array.from(spec) }), /specs\[0\] must be/, JSON.stringify(spec));
+    }
+    assert.throws(call({ out: new Int32Array(0) }), /out/);
   });
 
   it('add is exact', () => {

@@ -1,0 +1,37 @@
+// The sampler's random draw of one logits row, whole, in native code: what src/engine/sampler.ts does for a row with
+// no logit processors and no top_k (Sampler.drawPlain, or drawTruncated's top_p path through selectTopP,
+// selectTopByMass and drawFromKept), given the uniform the sequence's generator drew for it. Every step is the
+// TypeScript one in the same order with the same IEEE operations (the weighing pass is the kernel table's, bit for bit
+// weighCandidates; the rest is comparisons, integer work and double additions in one order), so a seed draws the
+// same token here as there; test/kernels/sample-draw.test.ts checks it per variant. Model::sample_rows runs it over a
+// step's rows on the model's threads, which is why it exists: the rows of a step were drawn one after another on one
+// thread while the others waited.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace conduit {
+namespace sample {
+
+// One row's draw, kDrawSpecWords doubles: the factor values are read at (1 / temperature, 1 at temperature 1), the
+// natural log of min_p (-inf for none), top_p (1 or more: the whole row), the uniform in [0, 1).
+constexpr int kDrawSpecWords = 4;
+
+// A thread's scratch for draw_row, grown to the vocabulary on first use.
+struct DrawScratch {
+  std::vector<double> weights, block_totals, bin_mass;
+  std::vector<int32_t> order, bin_count;
+  std::vector<float> scaled;
+  void reserve(int64_t n);
+  size_t bytes() const;
+};
+
+// The token drawn from row[0, n) by spec; -1 when the row has a NaN or nothing above -inf (the TypeScript sampler
+// then reports the row as it always has).
+int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const double* spec, DrawScratch& scratch);
+
+}  // namespace sample
+}  // namespace conduit
