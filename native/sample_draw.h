@@ -3,9 +3,9 @@
 // selectTopByMass and drawFromKept), given the uniform the sequence's generator drew for it. Every step is the
 // TypeScript one in the same order with the same IEEE operations (the weighing pass is the kernel table's, bit for bit
 // weighCandidates; the rest is comparisons, integer work and double additions in one order), so a seed draws the
-// same token here as there; test/kernels/sample-draw.test.ts checks it per variant. Model::sample_rows runs it over a
-// step's rows on the model's threads, which is why it exists: the rows of a step were drawn one after another on one
-// thread while the others waited.
+// same token here as there (test/kernels/native-ops.test.ts checks it per variant). Model::sample_rows runs it over a
+// step's rows on the model's threads: that is why it exists, so that a step's draws are shared by all the threads
+// instead of taken one after another on the engine's while the others wait.
 #pragma once
 
 #include <cstdint>
