@@ -621,10 +621,10 @@ async function stepsRole(): Promise<void> {
         const rowsLogits = Float32Array.from({ length: numRows * v }, () => (rand() < 0.02 ? -Infinity : Math.round((rand() - 0.5) * 80) / 4));
         const rowIds = Int32Array.from({ length: count }, () => int(0, numRows - 1));
         const params = Array.from({ length: count }, () => ({ ...DEFAULT_SAMPLING, temperature: pick([1, 0.6, 1.4]),
-          topP: pick([1, 0.95, 0.5]), minP: pick([0, 0.05]) }));
+          topP: pick([1, 0.95, 0.5]), minP: pick([0, 0.05]), topK: pick([0, 0, 1, 40]) }));
         const uniforms = Array.from({ length: count }, () => rand());
         const specs = Float64Array.from(params.flatMap((p, i) => [p.temperature !== 1 ? 1 / p.temperature : 1,
-          p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniforms[i]!]));
+          p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniforms[i]!, p.topK]));
         const out = new Int32Array(count);
         native.sampleRows(rowsLogits, rowIds, specs, out);
         const plain = new Sampler(v);

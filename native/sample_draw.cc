@@ -122,6 +122,44 @@ int64_t select_top_p(const KernelTable& kt, const float* values, int64_t n, doub
   return kept_at_boundary + count_before;
 }
 
+// heapSelectTop: the k best candidates (value >= floor, above -inf) into order[0, size) as a heap whose root is the
+// worst kept. The row has no NaN (the caller's argmax said so).
+int64_t heap_select_top(const float* values, int64_t n, int32_t* order, int64_t k, double floor) {
+  int64_t size = 0, id = 0;
+  for (; id < n && size < k; ++id) {
+    const double value = values[id];
+    if (!(value >= floor) || value == -HUGE_VAL) continue;
+    int64_t at = size++;
+    while (at > 0) {
+      const int64_t parent = (at - 1) >> 1;
+      if (!ranks_before(values, order[parent], static_cast<int32_t>(id))) break;
+      order[at] = order[parent];
+      at = parent;
+    }
+    order[at] = static_cast<int32_t>(id);
+  }
+  if (size < k) return size;
+  float root_value = values[order[0]];
+  for (; id < n; ++id) {
+    if (!(values[id] <= root_value)) {
+      // siftDown: the root replaced by id, the worse-ranked child moving up.
+      int64_t at = 0;
+      for (;;) {
+        const int64_t left = 2 * at + 1;
+        if (left >= size) break;
+        const int64_t right = left + 1;
+        const int64_t worse = right < size && ranks_before(values, order[left], order[right]) ? right : left;
+        if (!ranks_before(values, static_cast<int32_t>(id), order[worse])) break;
+        order[at] = order[worse];
+        at = worse;
+      }
+      order[at] = static_cast<int32_t>(id);
+      root_value = values[order[0]];
+    }
+  }
+  return size;
+}
+
 // keptMass then drawFromKept
 int64_t draw_from_kept(const double* weights, const int32_t* order, int64_t num_kept, double uniform) {
   double kept_mass = 0;
@@ -161,10 +199,35 @@ int64_t draw_weighed(const double* weights, const double* block_totals, int64_t 
 
 }  // namespace
 
+// drawTopP's cut of the weighed order[0, num_kept) by top_p (if below 1), then the draw over what is kept.
+int64_t draw_top_p(const float* values, const double* weights, int32_t* order, int64_t num_kept, double top_p,
+                   double uniform) {
+  int64_t kept = num_kept;
+  if (top_p < 1) {
+    double kept_mass = 0;
+    for (int64_t j = 0; j < kept; ++j) kept_mass += weights[order[j]];
+    kept = select_top_by_mass(values, weights, order, kept, top_p * kept_mass);
+  }
+  return draw_from_kept(weights, order, kept, uniform);
+}
+
 int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const double* spec, DrawScratch& s) {
   const double scale = spec[0], log_min_p = spec[1], top_p = spec[2], uniform = spec[3];
+  const int64_t top_k = static_cast<int64_t>(spec[4]);
   s.reserve(n);
-  if (top_p >= 1) {
+  double* weights = s.weights.data();
+  int32_t* order = s.order.data();
+  if (top_k > 0 && log_min_p == -HUGE_VAL) {
+    // drawTopK: the k best of the row as given, only they read at scale and weighed.
+    if (kt.argmax(row, n) < 0) return -1;
+    const int64_t num_kept = heap_select_top(row, n, order, top_k, -HUGE_VAL);
+    float best = -HUGE_VALF;
+    for (int64_t j = 0; j < num_kept; ++j) best = std::max(best, row[order[j]]);
+    const double max = scaled_value(best, scale);
+    for (int64_t j = 0; j < num_kept; ++j) weights[order[j]] = exp_gap(scaled_value(row[order[j]], scale) - max);
+    return draw_top_p(row, weights, order, num_kept, top_p, uniform);
+  }
+  if (top_p >= 1 && top_k == 0) {
     // drawPlain: the row read at scale in the weighing pass.
     const int64_t max_id = kt.argmax(row, n);
     if (max_id < 0) return -1;
@@ -175,7 +238,7 @@ int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const doubl
                                          nullptr, &last);
     return draw_weighed(s.weights.data(), s.block_totals.data(), n, last, total, uniform);
   }
-  // drawTruncated's top_p path over the scaled copy of the row (the row itself at scale 1).
+  // drawTruncated over the scaled copy of the row (the row itself at scale 1).
   const float* values = row;
   if (scale != 1.0) {
     kt.scale_row(row, s.scaled.data(), n, scale);
@@ -185,6 +248,12 @@ int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const doubl
   if (max_id < 0) return -1;
   const double max = values[max_id];
   const double floor = log_min_p == -HUGE_VAL ? -HUGE_VAL : max + log_min_p;
+  if (top_k > 0) {
+    // top_k with min_p: the k best at or above the floor, weighed, then top_p over them.
+    const int64_t num_kept = heap_select_top(values, n, order, top_k, floor);
+    for (int64_t j = 0; j < num_kept; ++j) weights[order[j]] = exp_gap(static_cast<double>(values[order[j]]) - max);
+    return draw_top_p(values, weights, order, num_kept, top_p, uniform);
+  }
   const int64_t num_kept = select_top_p(kt, values, n, max, floor, top_p, s);
   // None kept only when the weights are NaN (a +inf value): its first +inf id, as the TypeScript draw gives.
   if (num_kept == 0) return max_id;

@@ -1,6 +1,7 @@
 // The sampler's random draw of one logits row, whole, in native code: what src/engine/sampler.ts does for a row with
-// no logit processors and no top_k (Sampler.drawPlain, or drawTruncated's top_p path through selectTopP,
-// selectTopByMass and drawFromKept), given the uniform the sequence's generator drew for it. Every step is the
+// no logit processors (Sampler.drawPlain; drawTruncated, its top_p path through selectTopP or its top_k one through
+// heapSelectTop; drawTopK; then selectTopByMass and drawFromKept), given the uniform the sequence's generator drew
+// for it. Every step is the
 // TypeScript one in the same order with the same IEEE operations (the weighing pass is the kernel table's, bit for bit
 // weighCandidates; the rest is comparisons, integer work and double additions in one order), so a seed draws the
 // same token here as there (test/kernels/native-ops.test.ts checks it per variant). Model::sample_rows runs it over a
@@ -17,8 +18,9 @@ namespace conduit {
 namespace sample {
 
 // One row's draw, kDrawSpecWords doubles: the factor values are read at (1 / temperature, 1 at temperature 1), the
-// natural log of min_p (-inf for none), top_p (1 or more: the whole row), the uniform in [0, 1).
-constexpr int kDrawSpecWords = 4;
+// natural log of min_p (-inf for none), top_p (1 or more: no cut by mass), the uniform in [0, 1), top_k (0: none; else
+// fewer than the row's values).
+constexpr int kDrawSpecWords = 5;
 
 // A thread's scratch for draw_row, grown to the vocabulary on first use.
 struct DrawScratch {

@@ -240,8 +240,11 @@ export interface SamplerOptions {
 /** See ModelRunnerBackend.sampleRows. */
 export type DrawRows = (logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array) => void;
 
-/** Numbers per row of a DrawRows spec: the factor values are read at, ln(min_p) (-Infinity: none), top_p, the uniform. */
-export const DRAW_SPEC_WORDS = 4;
+/**
+ * Numbers per row of a DrawRows spec: the factor values are read at, ln(min_p) (-Infinity: none), top_p, the
+ * uniform, top_k (0: none).
+ */
+export const DRAW_SPEC_WORDS = 5;
 
 /** See ModelRunnerBackend.promptLogprobRows. */
 export type PromptLogprobRowsPass = (logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array,
@@ -336,7 +339,7 @@ export class Sampler {
   /**
    * Samples row i of `logits` (at least sequences.length rows of vocabSize) for sequences[i], or leaves it to the
    * caller where that is undefined; the same tokens as sampleRow row by row. With the backend's drawRows, the rows
-   * that need nothing but a random draw (no logit processors, no top_k, no logprobs) are drawn by it all at once,
+   * that need nothing but a random draw (no logit processors, no logprobs) are drawn by it all at once,
    * each from the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them:
    * one after another, a step's draws kept the other threads waiting); the rest go through sampleRow here.
    */
@@ -364,9 +367,8 @@ export class Sampler {
 
   /** Whether sampleBatch leaves this sequence's row to the backend's drawRows. */
   private drawsInBatch(sequence: SequenceSampler): boolean {
-    const { temperature, topK, logprobs } = sequence.params;
-    return temperature >= GREEDY_TEMPERATURE && !(topK > 0 && topK < this.vocabSize) && logprobs === null
-      && !sequence.hasLogitProcessors;
+    const { temperature, logprobs } = sequence.params;
+    return temperature >= GREEDY_TEMPERATURE && logprobs === null && !sequence.hasLogitProcessors;
   }
 
   /**
@@ -388,13 +390,14 @@ export class Sampler {
       if (sequence.vocabSize !== this.vocabSize) {
         throw new RangeError(`sequence was set up for vocabSize ${sequence.vocabSize}; this sampler has ${this.vocabSize}`);
       }
-      const { temperature, minP, topP } = sequence.params;
+      const { temperature, minP, topP, topK } = sequence.params;
       const spec = count * DRAW_SPEC_WORDS;
       this.drawRowIds[count] = row;
       this.drawSpecs[spec] = temperature !== 1 ? 1 / temperature : 1;
       this.drawSpecs[spec + 1] = minP > 0 ? Math.log(minP) : -Infinity;
       this.drawSpecs[spec + 2] = topP;
       this.drawSpecs[spec + 3] = sequence.nextUniform();
+      this.drawSpecs[spec + 4] = topK > 0 && topK < this.vocabSize ? topK : 0;
       count++;
     }
     if (count === 0) return 0;

@@ -188,7 +188,7 @@ for (const backend of backends) {
     });
 
     test("a step's random draws go to the backend's batched draw, and give what the sampler draws row by row", async () => {
-      // Rows it draws (temperature, min_p, top_p) beside rows it leaves to the sampler (greedy, top_k, logit
+      // Rows it draws (temperature, min_p, top_p, top_k) beside rows it leaves to the sampler (greedy, logit
       // processors, logprobs), in the same steps.
       const add = (core: EngineCore, ids: number[], i: number) => {
         core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
@@ -197,6 +197,7 @@ for (const backend of backends) {
         core.add(request(`q${i}`, ids, { temperature: 1, topP: 0.5, seed: 41 + i, ignoreEos: true }));
         core.add(request(`g${i}`, ids, { temperature: 0, ignoreEos: true }));
         core.add(request(`k${i}`, ids, { temperature: 0.8, topK: 40, topP: 0.9, seed: 51 + i, ignoreEos: true }));
+        core.add(request(`n${i}`, ids, { temperature: 1.1, topK: 20, minP: 0.02, seed: 81 + i, ignoreEos: true }));
         core.add(request(`r${i}`, ids, { temperature: 0.9, topP: 0.95, repetitionPenalty: 1.2, seed: 61 + i, ignoreEos: true }));
         core.add(request(`l${i}`, ids, { temperature: 0.9, topP: 0.95, logprobs: 2, seed: 71 + i, ignoreEos: true }));
       };
@@ -211,9 +212,9 @@ for (const backend of backends) {
       const without = await runPrompts(add, (runner) => withMember(runner, 'sampleRows', undefined));
       assert.deepEqual(counted, without);
       assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
-      // The native backend draws the four eligible kinds' rows (24 tokens each), several rows a call; the reference
+      // The native backend draws the six eligible kinds' rows (24 tokens each), several rows a call; the reference
       // backend has no batched draw.
-      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 4 * 24 : 0, `rows the backend drew: ${drawn}`);
+      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 6 * 24 : 0, `rows the backend drew: ${drawn}`);
       if (backend.name === 'native') assert.ok(calls < drawn, `rows drawn together (${drawn} rows in ${calls} calls)`);
     });
 

@@ -459,6 +459,10 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
     }
   });
 
+  /** A row's DrawRows spec as the sampler writes it (its 1 / temperature, ln(min_p), top_p, uniform, top_k). */
+  const drawSpec = (p: { temperature: number; minP: number; topP: number; topK: number }, uniform: number) =>
+    [p.temperature !== 1 ? 1 / p.temperature : 1, p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniform, p.topK];
+
   it("sampleRows: the sampler's random draw of each row, token for token, for the uniform its sequence gives", () => {
     const rand = seeded(101);
     for (const n of [...ROW_LENGTHS, 32000]) {
@@ -483,7 +487,9 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       rows.forEach((row, r) => logits.set(row, r * n));
       const grid = [];
       for (const temperature of [1, 0.7, 1.6]) {
-        for (const topP of [1, 0.999, 0.9, 0.3]) for (const minP of [0, 0.05]) grid.push({ temperature, topP, minP });
+        for (const topP of [1, 0.999, 0.9, 0.3]) {
+          for (const minP of [0, 0.05]) for (const topK of [0, 1, 7, 50].filter((k) => k < n)) grid.push({ temperature, topP, minP, topK });
+        }
       }
       for (const params of grid) {
         // Each row twice, in another order the second time, each entry its own seeded sequence.
@@ -494,8 +500,7 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         const expected = make().map((sequence, e) => alone.sampleRow(logits.subarray(entries[e]! * n, (entries[e]! + 1) * n), sequence).tokenId);
         const sequences = make();
         const specs = new Float64Array(entries.length * DRAW_SPEC_WORDS);
-        sequences.forEach((sequence, e) => specs.set([params.temperature !== 1 ? 1 / params.temperature : 1,
-          params.minP > 0 ? Math.log(params.minP) : -Infinity, params.topP, sequence.nextUniform()], e * DRAW_SPEC_WORDS));
+        sequences.forEach((sequence, e) => specs.set(drawSpec(params, sequence.nextUniform()), e * DRAW_SPEC_WORDS));
         for (const variant of variants) {
           const out = new Int32Array(entries.length).fill(-7);
           native().ops.sampleRows(variant, n, logits, Int32Array.from(entries), specs, out);
@@ -505,7 +510,7 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       // The uniform's ends: the first candidate, and the last one drawn.
       for (const variant of variants) {
         const out = new Int32Array(2);
-        native().ops.sampleRows(variant, n, rows[0]!, Int32Array.of(0, 0), Float64Array.of(1, -Infinity, 1, 0, 1, -Infinity, 0.5, 1 - 2 ** -53), out);
+        native().ops.sampleRows(variant, n, rows[0]!, Int32Array.of(0, 0), Float64Array.of(1, -Infinity, 1, 0, 0, 1, -Infinity, 0.5, 1 - 2 ** -53, 0), out);
         const uniformSequence = (uniform: number) => Object.assign(createRequestSamplers({ params: { ...DEFAULT_SAMPLING, temperature: 1, topP: 1, seed: 1 },
           promptTokenIds: [], vocabSize: n, eosTokenIds: [] })[0]!, { nextUniform: () => uniform });
         assert.equal(out[0], new Sampler(n).sampleRow(rows[0]!, uniformSequence(0)).tokenId, `${variant} n=${n}: uniform 0`);
@@ -518,10 +523,10 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
     const bad = new Float32Array(2 * n).fill(-Infinity);
     bad[3] = NaN;
     for (const variant of variants) {
-      const out = new Int32Array(4).fill(-7);
-      native().ops.sampleRows(variant, n, bad, Int32Array.of(0, 1, 0, 1), Float64Array.of(1, -Infinity, 1, 0.5, 1, -Infinity, 1, 0.5,
-        2, -Infinity, 0.9, 0.5, 2, -Infinity, 0.9, 0.5), out);
-      assert.deepEqual([...out], [-1, -1, -1, -1], variant);
+      const out = new Int32Array(6).fill(-7);
+      native().ops.sampleRows(variant, n, bad, Int32Array.of(0, 1, 0, 1, 0, 1), Float64Array.of(1, -Infinity, 1, 0.5, 0, 1, -Infinity, 1, 0.5, 0,
+        2, -Infinity, 0.9, 0.5, 0, 2, -Infinity, 0.9, 0.5, 0, 2, -Infinity, 0.9, 0.5, 5, 2, -3, 0.9, 0.5, 5), out);
+      assert.deepEqual([...out], [-1, -1, -1, -1, -1, -1], variant);
       // A Sampler given the pass reports them as its own draw does.
       const sampler = new Sampler(n, { drawRows: (...args) => native().ops.sampleRows(variant, n, ...args) });
       const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, temperature: 0.9 }, promptTokenIds: [], vocabSize: n, eosTokenIds: [] })[0]!;
@@ -529,13 +534,14 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       assert.throws(() => sampler.sampleBatch(bad, [undefined, make()]), /every token is masked/);
     }
     // Arguments it refuses, naming what is wrong.
-    const ok = { logits: new Float32Array(2 * n), rows: Int32Array.of(1), specs: Float64Array.of(1, -Infinity, 1, 0.5), out: new Int32Array(1) };
+    const ok = { logits: new Float32Array(2 * n), rows: Int32Array.of(1), specs: Float64Array.of(1, -Infinity, 1, 0.5, 0), out: new Int32Array(1) };
     const call = (o: Partial<typeof ok>, vocab = n) => () => native().ops.sampleRows(variants[0]!, vocab, o.logits ?? ok.logits,
       o.rows ?? ok.rows, o.specs ?? ok.specs, o.out ?? ok.out);
     assert.throws(call({ rows: Int32Array.of(2) }), /rows\[0\] = 2 is not a row of the 2 given/);
     assert.throws(call({ rows: Int32Array.of(-1) }), /is not a row/);
     assert.throws(call({}, 30), /whole rows of 30 values/);
-    for (const spec of [[0, -Infinity, 1, 0.5], [1, 0.1, 1, 0.5], [1, -Infinity, 0, 0.5], [1, -Infinity, 1, 1], [1, -Infinity, 1, NaN]]) {
+    for (const spec of [[0, -Infinity, 1, 0.5, 0], [1, 0.1, 1, 0.5, 0], [1, -Infinity, 0, 0.5, 0], [1, -Infinity, 1, 1, 0],
+      [1, -Infinity, 1, NaN, 0], [1, -Infinity, 1, 0.5, -1], [1, -Infinity, 1, 0.5, 2.5], [1, -Infinity, 1, 0.5, n]]) {
       assert.throws(call({ specs: Float64Array.from(spec) }), /specs\[0\] must be/, JSON.stringify(spec));
     }
     assert.throws(call({ out: new Int32Array(0) }), /out/);
