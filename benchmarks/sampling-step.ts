@@ -1,9 +1,9 @@
 // What sampling costs a decode step with many streams: EngineCore on the native backend, N seeded requests decoding
-// together, for greedy, temperature and top_p requests. Each random kind runs two ways, alternated round by round in
-// swapped order: the backend's batched draws on the model's threads (`batched`, what the engine does) and the
-// sampler drawing the rows one by one on the engine's thread (`row by row`: the backend without sampleRows). Both
-// give the same tokens (tested); the figures are the median decode step, its forward pass, and the rest (sampling,
-// bookkeeping), medians over rounds.
+// together, for greedy, temperature, top_p and top_k requests. Each random kind runs two ways, alternated round by
+// round in swapped order: the backend's batched draws on the model's threads (`batched`, what the engine does) and
+// the sampler drawing the rows one by one on the engine's thread (`row by row`: the backend without sampleRows).
+// Both give the same tokens (tested); the figures are the median decode step, its forward pass, and the rest
+// (sampling, bookkeeping), medians over rounds.
 //
 //   node --import tsx benchmarks/sampling-step.ts [--model FILE.gguf] [--threads 2] [--concurrency 16,64]
 //                                                 [--rounds 5] [--tokens 48]
@@ -105,6 +105,7 @@ const KINDS: { name: string; sampling: Partial<SamplingParams> }[] = [
   { name: 'greedy', sampling: { temperature: 0 } },
   { name: 'temperature 0.7', sampling: { temperature: 0.7 } },
   { name: 'temperature 0.7, top_p 0.9', sampling: { temperature: 0.7, topP: 0.9 } },
+  { name: 'temperature 0.7, top_k 40', sampling: { temperature: 0.7, topK: 40 } },
 ];
 
 console.log(`sampling in a decode step: ${file.label}, vocabulary ${model.config.vocabSize}, threads ${args.threads}, `
