@@ -339,9 +339,9 @@ export class Sampler {
   /**
    * Samples row i of `logits` (at least sequences.length rows of vocabSize) for sequences[i], or leaves it to the
    * caller where that is undefined; the same tokens as sampleRow row by row. With the backend's drawRows, the rows
-   * that need nothing but a random draw (no logit processors, no logprobs) are drawn by it all at once,
-   * each from the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them:
-   * one after another, a step's draws kept the other threads waiting); the rest go through sampleRow here.
+   * that need nothing but a random draw (no logit processors, no logprobs) are drawn by it all at once, each from
+   * the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them, where here
+   * they would be drawn one after another on one thread); the rest go through sampleRow here.
    */
   sampleBatch(logits: Float32Array, sequences: readonly (SequenceSampler | undefined)[]): (SampledToken | undefined)[] {
     const v = this.vocabSize;
