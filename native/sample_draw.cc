@@ -197,8 +197,6 @@ int64_t draw_weighed(const double* weights, const double* block_totals, int64_t 
   return last_in_block;
 }
 
-}  // namespace
-
 // drawTopP's cut of the weighed order[0, num_kept) by top_p (if below 1), then the draw over what is kept.
 int64_t draw_top_p(const float* values, const double* weights, int32_t* order, int64_t num_kept, double top_p,
                    double uniform) {
@@ -210,6 +208,8 @@ int64_t draw_top_p(const float* values, const double* weights, int32_t* order, i
   }
   return draw_from_kept(weights, order, kept, uniform);
 }
+
+}  // namespace
 
 int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const double* spec, DrawScratch& s) {
   const double scale = spec[0], log_min_p = spec[1], top_p = spec[2], uniform = spec[3];
