@@ -218,12 +218,12 @@ int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const doubl
   double* weights = s.weights.data();
   int32_t* order = s.order.data();
   if (top_k > 0 && log_min_p == -HUGE_VAL) {
-    // drawTopK: the k best of the row as given, only they read at scale and weighed.
-    if (kt.argmax(row, n) < 0) return -1;
+    // drawTopK: the k best of the row as given, only they read at scale and weighed. The best of them (what the
+    // TypeScript takes the max of) is the row's max.
+    const int64_t max_id = kt.argmax(row, n);
+    if (max_id < 0) return -1;
     const int64_t num_kept = heap_select_top(row, n, order, top_k, -HUGE_VAL);
-    float best = -HUGE_VALF;
-    for (int64_t j = 0; j < num_kept; ++j) best = std::max(best, row[order[j]]);
-    const double max = scaled_value(best, scale);
+    const double max = scaled_value(row[max_id], scale);
     for (int64_t j = 0; j < num_kept; ++j) weights[order[j]] = exp_gap(scaled_value(row[order[j]], scale) - max);
     return draw_top_p(row, weights, order, num_kept, top_p, uniform);
   }
