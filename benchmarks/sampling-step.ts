@@ -1,9 +1,10 @@
 // What sampling costs a decode step with many streams: EngineCore on the native backend, N seeded requests decoding
-// together, for greedy, temperature, top_p and top_k requests. Each random kind runs two ways, alternated round by
-// round in swapped order: the backend's batched draws on the model's threads (`batched`, what the engine does) and
-// the sampler drawing the rows one by one on the engine's thread (`row by row`: the backend without sampleRows).
-// Both give the same tokens (tested); the figures are the median decode step, its forward pass, and the rest
-// (sampling, bookkeeping), medians over rounds.
+// together, for greedy, temperature, top_p and top_k requests, and greedy and top_p requests with logprobs. Each kind
+// but plain greedy runs two ways, alternated round by round in swapped order: the backend's batched draws and
+// logprob pass on the model's threads (`batched`, what the engine does) and the sampler drawing the rows and
+// weighing their logprobs one by one on the engine's thread (`row by row`: the backend without sampleRows and
+// promptLogprobRows). Both give the same tokens and logprobs (tested); the figures are the median decode step, its
+// forward pass, and the rest (sampling, bookkeeping), medians over rounds.
 //
 //   node --import tsx benchmarks/sampling-step.ts [--model FILE.gguf] [--threads 2] [--concurrency 16,64]
 //                                                 [--rounds 5] [--tokens 48]
@@ -46,12 +47,12 @@ const backend = nativeBackend.load(model.config, model.weights,
   { threads: Number(args.threads) });
 const tokenizer = createTokenizer(model.tokenizerSource);
 
-/** The backend as the engine sees it, its forward timed; without sampleRows for the row-by-row way. */
+/** The backend as the engine sees it, its forward timed; without sampleRows and promptLogprobRows for the row-by-row way. */
 let forwardMs = 0;
 function timedBackend(batched: boolean): ModelRunnerBackend {
   return new Proxy(backend, {
     get: (target, key) => {
-      if (key === 'sampleRows' && !batched) return undefined;
+      if ((key === 'sampleRows' || key === 'promptLogprobRows') && !batched) return undefined;
       if (key === 'forward') {
         return (...forwardArgs: Parameters<ModelRunnerBackend['forward']>) => {
           const start = performance.now();
@@ -106,6 +107,8 @@ const KINDS: { name: string; sampling: Partial<SamplingParams> }[] = [
   { name: 'temperature 0.7', sampling: { temperature: 0.7 } },
   { name: 'temperature 0.7, top_p 0.9', sampling: { temperature: 0.7, topP: 0.9 } },
   { name: 'temperature 0.7, top_k 40', sampling: { temperature: 0.7, topK: 40 } },
+  { name: 'greedy, logprobs 1', sampling: { temperature: 0, logprobs: 1 } },
+  { name: 'top_p 0.9, logprobs 5', sampling: { temperature: 0.7, topP: 0.9, logprobs: 5 } },
 ];
 
 console.log(`sampling in a decode step: ${file.label}, vocabulary ${model.config.vocabSize}, threads ${args.threads}, `
@@ -114,7 +117,7 @@ console.log('streams  requests                    way          step ms  forward 
 for (const n of CONCURRENCY) {
   run(n, KINDS[1]!.sampling, true); // warm-up
   for (const kind of KINDS) {
-    const ways = kind.sampling.temperature === 0 ? [true] : [true, false];
+    const ways = kind.sampling.temperature === 0 && kind.sampling.logprobs === undefined ? [true] : [true, false];
     const figures = new Map<boolean, RunFigures[]>(ways.map((w) => [w, []]));
     for (let round = 0; round < ROUNDS; round++) {
       for (const batched of round % 2 === 0 ? ways : [...ways].reverse()) figures.get(batched)!.push(run(n, kind.sampling, batched));

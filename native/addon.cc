@@ -13,6 +13,7 @@
 //   shmMap(path, bytes, create), shmUnmap(buffer)  a shared-memory file mapped as an ArrayBuffer (shm_region.h)
 #include <napi.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <new>
@@ -501,23 +502,33 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
     return scale_row_call(info, 0, model(info.Env()).kernels());
   }
 
-  // promptLogprobRows(logits: Float32Array, rows, targets: Int32Array, out: Float64Array, best: Int32Array, numBest):
-  // the sampler's prompt-logprob pass over `rows` rows at once on the model's threads (Model::prompt_logprob_rows:
-  // per row its argmax id, the weighing pass's total from that max, the count of values above the target's, and its
-  // numBest best ids).
+  // promptLogprobRows(logits: Float32Array, rows, targets: Int32Array, out: Float64Array, best: Int32Array, numBest,
+  // rowIds?: Int32Array): the sampler's prompt-logprob pass over `rows` rows at once on the model's threads
+  // (Model::prompt_logprob_rows: per row its argmax id, the weighing pass's total from that max, the count of values
+  // above the target's, and its numBest best ids); with rowIds, entry r is of logits row rowIds[r].
   Napi::Value PromptLogprobRows(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     Model& m = model(env);
     const int64_t rows = integer(env, info[1], "rows");
     const size_t vocab = static_cast<size_t>(m.spec().vocab_size);
-    const float* logits = typed_data<float>(env, info[0], napi_float32_array, "logits", static_cast<size_t>(rows) * vocab);
+    const int32_t* row_ids = nullptr;
+    size_t logits_rows = static_cast<size_t>(rows);
+    if (info.Length() > 6 && !info[6].IsUndefined()) {
+      row_ids = typed_data<int32_t>(env, info[6], napi_int32_array, "rowIds", static_cast<size_t>(rows));
+      logits_rows = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (row_ids[r] < 0) throw Napi::RangeError::New(env, "promptLogprobRows: rowIds[" + std::to_string(r) + "] is negative");
+        logits_rows = std::max(logits_rows, static_cast<size_t>(row_ids[r]) + 1);
+      }
+    }
+    const float* logits = typed_data<float>(env, info[0], napi_float32_array, "logits", logits_rows * vocab);
     const int32_t* targets = typed_data<int32_t>(env, info[2], napi_int32_array, "targets", static_cast<size_t>(rows));
     double* out = typed_data<double>(env, info[3], napi_float64_array, "out", 3 * static_cast<size_t>(rows));
     const int64_t num_best = integer(env, info[5], "numBest");
     if (num_best > m.spec().vocab_size) throw Napi::RangeError::New(env, "numBest must be at most the vocabulary size");
     int32_t* best = typed_data<int32_t>(env, info[4], napi_int32_array, "best", static_cast<size_t>(rows * num_best));
     try {
-      m.prompt_logprob_rows(logits, rows, targets, out, best, num_best);
+      m.prompt_logprob_rows(logits, rows, targets, out, best, num_best, row_ids);
     } catch (const InvalidInput& e) {
       throw Napi::RangeError::New(env, std::string("promptLogprobRows: ") + e.what());
     } catch (const std::bad_alloc&) {

@@ -461,7 +461,7 @@ static void best_ids(const float* values, int64_t n, int64_t k, int32_t* best) {
 }
 
 void Model::prompt_logprob_rows(const float* logits, int64_t rows, const int32_t* targets, double* out, int32_t* best,
-                                int64_t num_best) {
+                                int64_t num_best, const int32_t* row_ids) {
   const int64_t vocab = spec_.vocab_size;
   for (int64_t r = 0; r < rows; ++r) {
     if (targets[r] < 0 || targets[r] >= vocab) {
@@ -471,7 +471,7 @@ void Model::prompt_logprob_rows(const float* logits, int64_t rows, const int32_t
   }
   prompt_weights_.resize(static_cast<size_t>(pool_.size()) * static_cast<size_t>(vocab));
   pool_.parallel_for(rows, [&](int64_t r, int thread) {
-    const float* row = logits + r * vocab;
+    const float* row = logits + (row_ids != nullptr ? row_ids[r] : r) * vocab;
     double* result = out + 3 * r;
     const int64_t max_id = kt_.argmax(row, vocab);
     result[0] = static_cast<double>(max_id);

@@ -117,9 +117,10 @@ class Model {
   // nothing above -inf; the other two are then 0), out[3r + 1] = the weighing pass's total at scale 1 from that max
   // with no floor, out[3r + 2] = how many values are greater than row[targets[r]]; and best[r * num_best ..] = the
   // row's num_best best ids (min(num_best, vocab_size) of them), best first, the lower id first among equal values
-  // (the sampler's bestIds). Throws InvalidInput for a target outside the vocabulary.
+  // (the sampler's bestIds). With row_ids, entry r is of logits row row_ids[r] instead of row r (the caller checks
+  // each is a row of logits). Throws InvalidInput for a target outside the vocabulary.
   void prompt_logprob_rows(const float* logits, int64_t rows, const int32_t* targets, double* out, int32_t* best,
-                           int64_t num_best);
+                           int64_t num_best, const int32_t* row_ids = nullptr);
   // The sampler's random draws of `count` rows at once, spread over the pool's threads: entry i draws logits row
   // rows[i] (of vocab_size floats; the caller checks it is one) by specs[i * sample::kDrawSpecWords ..]
   // (sample_draw.h) into out[i], -1 for a row with a NaN or nothing above -inf.

@@ -248,7 +248,7 @@ export const DRAW_SPEC_WORDS = 5;
 
 /** See ModelRunnerBackend.promptLogprobRows. */
 export type PromptLogprobRowsPass = (logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array,
-  best: Int32Array, numBest: number) => void;
+  best: Int32Array, numBest: number, rowIds?: Int32Array) => void;
 
 /** The most best ids per row the backend's prompt-logprob pass is asked for; beyond it, bestIds here. */
 const PROMPT_ROWS_MAX_BEST = 64;
@@ -290,6 +290,9 @@ export class Sampler {
   private promptRowTargets = new Int32Array(0);
   private promptRowResults = new Float64Array(0);
   private promptRowBest = new Int32Array(0);
+  /** sampleBatch's rows whose logprobs that pass gives: their logits rows and how many alternatives each asked. */
+  private passRowIds = new Int32Array(0);
+  private passNumTops = new Int32Array(0);
   /**
    * Whether a draw over the whole row leaves the scaling by 1/T to the weighing pass: the backend's reads each value
    * scaled at no cost, while weighCandidates is faster over a scaled copy (a Math.fround per value there costs more
@@ -341,7 +344,10 @@ export class Sampler {
    * caller where that is undefined; the same tokens as sampleRow row by row. With the backend's drawRows, the rows
    * that need nothing but a random draw (no logit processors, no logprobs) are drawn by it all at once, each from
    * the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them, where here
-   * they would be drawn one after another on one thread); the rest go through sampleRow here.
+   * they would be drawn one after another on one thread); the rest go through sampleRow here. Logprobs of the raw
+   * logits (logprobsMode 'raw'), with the backend's prompt-logprob pass, are then that pass over all such rows at
+   * once with each row's chosen token as its target: the same entries as sampleRow's, bit for bit, the rows again
+   * shared by the backend's threads.
    */
   sampleBatch(logits: Float32Array, sequences: readonly (SequenceSampler | undefined)[]): (SampledToken | undefined)[] {
     const v = this.vocabSize;
@@ -351,24 +357,80 @@ export class Sampler {
     const results: (SampledToken | undefined)[] = new Array(sequences.length).fill(undefined);
     const rowOf = (row: number) => logits.subarray(row * v, (row + 1) * v);
     const drawn = this.drawRows === undefined ? 0 : this.drawBatch(logits, sequences);
+    if (this.passRowIds.length < sequences.length) {
+      this.passRowIds = new Int32Array(sequences.length);
+      this.passNumTops = new Int32Array(sequences.length);
+    }
+    let passRows = 0;
     for (let row = 0; row < sequences.length; row++) {
       const sequence = sequences[row];
       if (sequence === undefined) continue;
       const tokenId = drawn > 0 ? this.drawnTokens[row]! : -1;
+      const inPass = this.logprobsInPass(sequence);
       if (tokenId >= 0) {
         sequence.recordOutputToken(tokenId);
         results[row] = { tokenId };
       } else {
-        results[row] = this.sampleRow(rowOf(row), sequence);
+        results[row] = this.sampleRowWith(rowOf(row), sequence, !inPass);
+      }
+      if (inPass) {
+        this.passRowIds[passRows] = row;
+        this.passNumTops[passRows] = sequence.params.logprobs!;
+        passRows++;
       }
     }
+    if (passRows > 0) this.logprobsOfRows(logits, results, passRows);
     return results;
   }
 
   /** Whether sampleBatch leaves this sequence's row to the backend's drawRows. */
   private drawsInBatch(sequence: SequenceSampler): boolean {
     const { temperature, logprobs } = sequence.params;
-    return temperature >= GREEDY_TEMPERATURE && logprobs === null && !sequence.hasLogitProcessors;
+    return temperature >= GREEDY_TEMPERATURE && (logprobs === null || this.logprobsInPass(sequence)) && !sequence.hasLogitProcessors;
+  }
+
+  /** Whether sampleBatch takes this sequence's logprobs from the backend's prompt-logprob pass. */
+  private logprobsInPass(sequence: SequenceSampler): boolean {
+    return sequence.params.logprobs !== null && this.logprobsMode === 'raw' && this.promptRows !== undefined;
+  }
+
+  /**
+   * The logprobs entries of sampleBatch's first `count` pass rows (passRowIds, passNumTops) for the tokens already in
+   * results: one call of the backend's pass, each row's chosen token its target, as promptLogprobRows without the
+   * rank (sampleRow gives none). A row the pass declines (a NaN, nothing above -Infinity) goes to logprobsOf.
+   */
+  private logprobsOfRows(logits: Float32Array, results: (SampledToken | undefined)[], count: number): void {
+    const v = this.vocabSize;
+    let numBest = 0;
+    for (let i = 0; i < count; i++) {
+      const numTop = Math.min(v, this.passNumTops[i]!);
+      if (numTop <= PROMPT_ROWS_MAX_BEST) numBest = Math.max(numBest, numTop);
+    }
+    if (this.promptRowTargets.length < count) {
+      this.promptRowTargets = new Int32Array(count);
+      this.promptRowResults = new Float64Array(3 * count);
+    }
+    if (this.promptRowBest.length < count * numBest) this.promptRowBest = new Int32Array(count * numBest);
+    const targets = this.promptRowTargets;
+    for (let i = 0; i < count; i++) targets[i] = results[this.passRowIds[i]!]!.tokenId;
+    const out = this.promptRowResults;
+    const best = this.promptRowBest;
+    this.promptRows!(logits, count, targets, out, best, numBest, this.passRowIds.subarray(0, count));
+    this.plainWeighed = null;
+    for (let i = 0; i < count; i++) {
+      const rowId = this.passRowIds[i]!;
+      const row = logits.subarray(rowId * v, (rowId + 1) * v);
+      const result = results[rowId]!;
+      const numTop = this.passNumTops[i]!;
+      const maxId = out[3 * i]!;
+      if (maxId < 0) {
+        result.logprobs = this.logprobsOf(row, result.tokenId, numTop);
+        continue;
+      }
+      // Each row takes the first of the most asked (the pass's best ids), unless it asked more than the pass gives.
+      const ids = Math.min(v, numTop) <= numBest ? Array.from(best.subarray(i * numBest, i * numBest + Math.min(v, numTop))) : undefined;
+      result.logprobs = this.logprobEntry(row, result.tokenId, numTop, maxId, row[maxId]! + Math.log(out[3 * i + 1]!), ids);
+    }
   }
 
   /**
@@ -410,13 +472,18 @@ export class Sampler {
 
   /** Samples one token from one row of raw logits, records it in the sequence and returns it. The row is not modified. */
   sampleRow(row: Float32Array, sequence: SequenceSampler): SampledToken {
+    return this.sampleRowWith(row, sequence, true);
+  }
+
+  /** sampleRow, with the logprobs the request asked for or (withLogprobs false: sampleBatch's pass gives them) none. */
+  private sampleRowWith(row: Float32Array, sequence: SequenceSampler, withLogprobs: boolean): SampledToken {
     if (row.length !== this.vocabSize) throw new RangeError(`logits row has ${row.length} values; vocabSize is ${this.vocabSize}`);
     if (sequence.vocabSize !== this.vocabSize) {
       throw new RangeError(`sequence was set up for vocabSize ${sequence.vocabSize}; this sampler has ${this.vocabSize}`);
     }
     this.plainWeighed = null;
     const { temperature, topK, minP } = sequence.params;
-    const numTop = sequence.params.logprobs;
+    const numTop = withLogprobs ? sequence.params.logprobs : null;
     const greedy = temperature < GREEDY_TEMPERATURE;
     const scale = !greedy && temperature !== 1;
     // top_k alone ranks the raw values (scaling by 1/T keeps the order) and scales only the k it keeps; a draw over

@@ -210,7 +210,8 @@ export interface NativeModel {
   /** The sampler's scaled copy of a row (ModelRunnerBackend.scaleRow) with the model's kernels. */
   scaleRow(row: Float32Array, out: Float32Array, factor: number): void;
   /** The sampler's prompt-logprob pass over rows at once (ModelRunnerBackend.promptLogprobRows) on the model's threads. */
-  promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void;
+  promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number,
+    rowIds?: Int32Array): void;
   /** The sampler's random draws of many rows at once (ModelRunnerBackend.sampleRows) on the model's threads. */
   sampleRows(logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): void;
   /** Bytes of the KV pool resident in memory now (mincore), for tests and measurements. */
@@ -651,9 +652,10 @@ export const nativeBackend: BackendFactory & { unavailableReason(): string | und
         if (disposed) throw new Error('native backend is disposed');
         model.scaleRow(row, out, factor);
       },
-      promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void {
+      promptLogprobRows(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number,
+        rowIds?: Int32Array): void {
         if (disposed) throw new Error('native backend is disposed');
-        model.promptLogprobRows(logits, rows, targets, out, best, numBest);
+        model.promptLogprobRows(logits, rows, targets, out, best, numBest, rowIds);
       },
       sampleRows(logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): void {
         if (disposed) throw new Error('native backend is disposed');

@@ -127,13 +127,15 @@ export interface ModelRunnerBackend {
    */
   scaleRow?(row: Float32Array, out: Float32Array, factor: number): void;
   /**
-   * The sampler's prompt-logprob pass over `rows` consecutive logits rows at once (the backend's threads may share
-   * them): for row r, out[3r] = its argmax id (as argmax: -1 for a NaN or nothing above -Infinity, the other two then
+   * The sampler's prompt-logprob pass over `rows` logits rows at once (the backend's threads may share them): for
+   * row r, out[3r] = its argmax id (as argmax: -1 for a NaN or nothing above -Infinity, the other two then
    * 0), out[3r + 1] = sampleWeigh's total at scale 1 from that max with no floor, out[3r + 2] = how many values are
    * greater than row[targets[r]], and best[r * numBest ..] its numBest (at most the vocabulary) best ids, best first,
-   * the lower id first among equal values. Bit for bit what those passes give one row at a time. Optional.
+   * the lower id first among equal values. Bit for bit what those passes give one row at a time. With rowIds, entry r
+   * is of logits row rowIds[r] instead of row r (the sampled tokens' logprobs, for some of a step's rows). Optional.
    */
-  promptLogprobRows?(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number): void;
+  promptLogprobRows?(logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array, best: Int32Array, numBest: number,
+    rowIds?: Int32Array): void;
   /**
    * The sampler's random draws of many logits rows at once (the backend's threads may share them): entry i draws
    * row rows[i] of `logits` (whole rows of the vocabulary) into out[i] by specs[5i ..] = the factor values are read

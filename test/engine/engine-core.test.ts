@@ -188,8 +188,8 @@ for (const backend of backends) {
     });
 
     test("a step's random draws go to the backend's batched draw, and give what the sampler draws row by row", async () => {
-      // Rows it draws (temperature, min_p, top_p, top_k) beside rows it leaves to the sampler (greedy, logit
-      // processors, logprobs), in the same steps.
+      // Rows it draws (temperature, min_p, top_p, top_k; with logprobs too where the backend gives those in its
+      // pass, as the native one does) beside rows it leaves to the sampler (greedy, logit processors), in the same steps.
       const add = (core: EngineCore, ids: number[], i: number) => {
         core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
         core.add(request(`m${i}`, ids, { temperature: 0.7, minP: 0.05, seed: 21 + i, ignoreEos: true }));
@@ -212,10 +212,69 @@ for (const backend of backends) {
       const without = await runPrompts(add, (runner) => withMember(runner, 'sampleRows', undefined));
       assert.deepEqual(counted, without);
       assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
-      // The native backend draws the six eligible kinds' rows (24 tokens each), several rows a call; the reference
+      // The native backend draws the seven eligible kinds' rows (24 tokens each), several rows a call; the reference
       // backend has no batched draw.
-      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 6 * 24 : 0, `rows the backend drew: ${drawn}`);
+      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 7 * 24 : 0, `rows the backend drew: ${drawn}`);
       if (backend.name === 'native') assert.ok(calls < drawn, `rows drawn together (${drawn} rows in ${calls} calls)`);
+    });
+
+    test("a step's sampled-token logprobs come from the backend's pass over the rows at once, the same entries as row by row", async () => {
+      // Logprobs of every kind of row: greedy, drawn in the batch (temperature, top_p, top_k), with logit processors
+      // (chosen by the sampler, logprobs still of the raw row), beside rows without logprobs and a row asking for more
+      // alternatives than the pass gives (its best ids found here).
+      const add = (core: EngineCore, ids: number[], i: number) => {
+        core.add(request(`a${i}`, ids, { temperature: 0, logprobs: 0, ignoreEos: true }));
+        core.add(request(`b${i}`, ids, { temperature: 0, logprobs: 1, ignoreEos: true }));
+        core.add(request(`c${i}`, ids, { temperature: 0, logprobs: 5, ignoreEos: true }));
+        core.add(request(`d${i}`, ids, { temperature: 1, logprobs: 0, seed: 11 + i, ignoreEos: true }));
+        core.add(request(`e${i}`, ids, { temperature: 0.8, topP: 0.9, logprobs: 3, seed: 21 + i, ignoreEos: true }));
+        core.add(request(`f${i}`, ids, { temperature: 0.9, topK: 20, logprobs: 1, seed: 31 + i, ignoreEos: true }));
+        core.add(request(`g${i}`, ids, { temperature: 0.9, topP: 0.95, repetitionPenalty: 1.3, logprobs: 2, seed: 41 + i, ignoreEos: true }));
+        core.add(request(`h${i}`, ids, { temperature: 0, repetitionPenalty: 1.3, logprobs: 4, ignoreEos: true }));
+        core.add(request(`i${i}`, ids, { temperature: 0.7, seed: 51 + i, ignoreEos: true }));
+        core.add(request(`j${i}`, ids, { temperature: 0, ignoreEos: true }));
+        core.add(request(`k${i}`, ids, { temperature: 0.7, logprobs: 70, seed: 61 + i, ignoreEos: true }));
+      };
+      const run = async (wrap: CoreOptions['wrap']) => {
+        const { tokenizer } = await model();
+        const core = await makeCore(backend, { wrap });
+        PROMPTS.forEach((p, i) => add(core, tokenizer.encode(p), i));
+        const outputs = new Map<string, { tokens: number[]; logprobs: unknown[] }>();
+        for (let step = 0; core.hasWork; step++) {
+          for (const o of core.step()) {
+            const entry = outputs.get(o.requestId) ?? { tokens: [], logprobs: [] };
+            outputs.set(o.requestId, entry);
+            entry.tokens.push(...o.newTokenIds);
+            entry.logprobs.push(...(o.logprobs ?? []));
+          }
+          assert.ok(step < 10_000, 'engine did not finish');
+        }
+        assertNoLeak(core);
+        return [...outputs].sort(([a], [b]) => a.localeCompare(b));
+      };
+      let passRows = 0;
+      let passCalls = 0;
+      const counted = await run((runner) => withMember(runner, 'promptLogprobRows', runner.promptLogprobRows === undefined ? undefined
+        : (...args: Parameters<NonNullable<typeof runner.promptLogprobRows>>) => {
+          passCalls++;
+          passRows += args[1];
+          assert.ok(args[6] !== undefined, 'the rows are named');
+          runner.promptLogprobRows!(...args);
+        }));
+      const without = await run((runner) => withMember(runner, 'promptLogprobRows', undefined));
+      assert.deepEqual(counted, without);
+      for (const [id, { tokens, logprobs }] of counted) {
+        const asked = { a: 0, b: 1, c: 5, d: 0, e: 3, f: 1, g: 2, h: 4, k: 70 }[id[0]!];
+        assert.equal(logprobs.length, asked === undefined ? 0 : tokens.length, `${id}: one logprobs entry per token`);
+        for (const [t, entry] of (logprobs as { tokenId: number; logprob: number; top: unknown[] }[]).entries()) {
+          assert.equal(entry.tokenId, tokens[t]);
+          assert.ok(entry.logprob <= 0 && entry.top.length === asked, `${id}: a logprob and its ${asked} alternatives`);
+        }
+      }
+      // The native backend has the pass: every row with logprobs (nine kinds, 24 tokens each) went through it, a step's
+      // rows together; the reference backend has none.
+      assert.equal(passRows, backend.name === 'native' ? PROMPTS.length * 9 * 24 : 0, `rows the pass gave logprobs for: ${passRows}`);
+      if (backend.name === 'native') assert.ok(passCalls < passRows, `rows together (${passRows} rows in ${passCalls} calls)`);
     });
 
     test('the same seed gives the same tokens whatever the batch, chunk size and prefix-cache state', async () => {

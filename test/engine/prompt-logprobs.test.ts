@@ -5,7 +5,7 @@
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { EngineCore } from '../../src/engine/engine-core.ts';
-import { Sampler } from '../../src/engine/sampler.ts';
+import { Sampler, SequenceSampler } from '../../src/engine/sampler.ts';
 import { seededRandom } from '../../src/util/random.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams, type TokenLogprob } from '../../src/engine/types.ts';
 import type { BackendFactory, ForwardBatch, ModelRunnerBackend } from '../../src/kernels/types.ts';
@@ -241,6 +241,63 @@ describe('prompt logprobs: the backend\'s pass over many rows', () => {
       assert.throws(() => runner.promptLogprobRows!(nan, 2, Int32Array.of(1, 1), new Float64Array(6), none, 0), /logits/);
       assert.throws(() => runner.promptLogprobRows!(nan, 1, Int32Array.of(1), new Float64Array(3), new Int32Array(2), 3), /best/);
       assert.throws(() => runner.promptLogprobRows!(nan, 1, Int32Array.of(1), new Float64Array(3), new Int32Array(v + 1), v + 1), /numBest/);
+    });
+
+  test('names its rows (rowIds): entry r is of row rowIds[r], and the sampled tokens\' logprobs of a batch are the sampler\'s row by row',
+    { skip: native === undefined ? 'the native addon is not built' : skipUnlessShared(MODEL) }, async () => {
+      const { loaded } = await loadSharedModel(MODEL);
+      const runner = native!.load(loaded.config, loaded.weights, { numBlocks: 8, blockSize: 16, dtype: 'f32' }, { threads: 2 });
+      const v = loaded.config.vocabSize;
+      const random = seededRandom(5);
+      const rows = 12;
+      const logits = Float32Array.from({ length: rows * v }, () => random() < 0.05 ? -Infinity : Math.round((random() - 0.5) * 40) / 4);
+      // Some rows, out of order, one twice.
+      const rowIds = Int32Array.of(7, 0, 11, 3, 7);
+      const targets = Int32Array.from(rowIds, () => Math.floor(random() * v));
+      const out = new Float64Array(3 * rowIds.length);
+      const best = new Int32Array(4 * rowIds.length);
+      runner.promptLogprobRows!(logits, rowIds.length, targets, out, best, 4, rowIds);
+      rowIds.forEach((row, r) => {
+        const alone = new Float64Array(3);
+        const aloneBest = new Int32Array(4);
+        runner.promptLogprobRows!(logits.subarray(row * v, (row + 1) * v), 1, targets.subarray(r, r + 1), alone, aloneBest, 4);
+        assert.deepEqual([...out.subarray(3 * r, 3 * r + 3)], [...alone], `entry ${r} (row ${row})`);
+        assert.deepEqual([...best.subarray(4 * r, 4 * r + 4)], [...aloneBest], `entry ${r}'s best ids`);
+      });
+      const three = new Float32Array(3 * v).fill(1);
+      assert.throws(() => runner.promptLogprobRows!(three, 1, Int32Array.of(1), new Float64Array(3), best, 0, Int32Array.of(-1)), /negative/);
+      assert.throws(() => runner.promptLogprobRows!(three, 1, Int32Array.of(1), new Float64Array(3), best, 0, Int32Array.of(3)), /logits/);
+      assert.throws(() => runner.promptLogprobRows!(three, 2, Int32Array.of(1, 1), new Float64Array(6), best, 0, Int32Array.of(0)), /rowIds/);
+
+      // A batch of rows with logprobs (greedy, drawn, with a penalty, more alternatives than the pass gives) beside
+      // rows without: the same tokens and entries as a sampler with no backend passes gives row by row.
+      const kinds: Partial<SamplingParams>[] = [
+        { temperature: 0, logprobs: 0 }, { temperature: 0, logprobs: 3 }, { temperature: 1, logprobs: 1 },
+        { temperature: 0.8, topP: 0.9, logprobs: 5 }, { temperature: 0.9, topK: 7, logprobs: 2 },
+        { temperature: 0.9, repetitionPenalty: 1.3, logprobs: 2 }, { temperature: 0.7 }, { temperature: 0 },
+        { temperature: 0.7, logprobs: 70 }, { temperature: 0, minP: 0.1, logprobs: 0 }, { temperature: 1.2, minP: 0.05, logprobs: 4 },
+        { temperature: 0.5, topP: 0.3 },
+      ];
+      const sequences = () => kinds.map((overrides, i) => new SequenceSampler({
+        params: { ...DEFAULT_SAMPLING, ...overrides }, promptTokenIds: [1, 2, 3], vocabSize: v, eosTokenIds: [],
+        requestSeed: 40 + i, completionIndex: 0,
+      }));
+      let passRows = 0;
+      const batched = new Sampler(v, {
+        argmax: (row) => runner.argmax!(row), weigh: (...a) => runner.sampleWeigh!(...a),
+        promptRows: (...a) => {
+          passRows += a[1];
+          runner.promptLogprobRows!(...a);
+        },
+        drawRows: (...a) => runner.sampleRows!(...a),
+      });
+      const plain = new Sampler(v);
+      const [a, b] = [sequences(), sequences()];
+      for (let step = 0; step < 3; step++) {
+        const expected = b.map((sequence, r) => plain.sampleRow(logits.subarray(r * v, (r + 1) * v), sequence));
+        assert.deepEqual(batched.sampleBatch(logits, a), expected, `step ${step}`);
+      }
+      assert.equal(passRows, 3 * kinds.filter((k) => k.logprobs !== undefined).length, 'every row with logprobs went through the pass');
     });
 
   test('EngineCore hands a step\'s prompt rows to the backend\'s pass in one call', { skip: native === undefined ? 'the native addon is not built' : skipUnlessShared(MODEL) }, async () => {
