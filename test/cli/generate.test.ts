@@ -1,0 +1,95 @@
+// `conduit generate` on the built-in model, in-process through main(): the prompt and its continuation on stdout,
+// the speed on stderr; a seed gives the same text alone and beside other requests (--concurrency runs seeds seed,
+// seed + 1, ...); environment twins; usage errors with exit code 2.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { main } from '../../src/cli/main.ts';
+
+async function run(argv: string[], env: Record<string, string> = {}): Promise<{ code: number; out: string; err: string }> {
+  const out: string[] = [];
+  const err: string[] = [];
+  const { log, error } = console;
+  const saved = Object.fromEntries(Object.keys(env).map((key) => [key, process.env[key]]));
+  Object.assign(process.env, env);
+  console.log = (...args: unknown[]) => { out.push(args.join(' ')); };
+  console.error = (...args: unknown[]) => { err.push(args.join(' ')); };
+  try {
+    const code = await main(argv);
+    return { code, out: out.join('\n'), err: err.join('\n') };
+  } finally {
+    console.log = log;
+    console.error = error;
+    for (const [key, value] of Object.entries(saved)) {
+      if (value === undefined) delete process.env[key];
+      else process.env[key] = value;
+    }
+  }
+}
+
+const PROMPT = 'Once upon a time';
+const BASE = ['generate', '--prompt', PROMPT, '--ignore-eos', '--threads', '1'];
+
+/** The continuations printed by one run: one per request, in order (the prompt and, with several, the header taken off). */
+function continuations(out: string, requests: number): string[] {
+  if (requests === 1) {
+    assert.ok(out.startsWith(PROMPT), `stdout starts with the prompt: ${JSON.stringify(out)}`);
+    return [out.slice(PROMPT.length)];
+  }
+  const parts = out.split(/^--- request (\d+) \(seed (\d+)\)\n/m).slice(1);
+  assert.equal(parts.length, 3 * requests, `one section per request: ${JSON.stringify(out)}`);
+  return Array.from({ length: requests }, (_, i) => {
+    assert.equal(Number(parts[3 * i]), i);
+    const text = parts[3 * i + 2]!.replace(/\n$/, '');
+    assert.ok(text.startsWith(PROMPT));
+    return text.slice(PROMPT.length);
+  });
+}
+
+test('conduit generate prints the prompt and its continuation, and the speed', async () => {
+  const { code, out, err } = await run([...BASE, '--max-tokens', '6']);
+  assert.equal(code, 0, err);
+  const [text] = continuations(out, 1);
+  assert.ok(text!.length > 0, 'a continuation');
+  assert.match(err, /on native|on reference/);
+  assert.match(err, /prompt \d+ tokens, time to first token [\d.]+ ms; decode [\d.]+ tok\/s per request; 6 tokens from 1 request\(s\) in \d+ ms = [\d.]+ tok\/s aggregate; finish: length/);
+});
+
+test('conduit generate: a seed gives the same text alone and beside other requests', async () => {
+  const sampled = ['--max-tokens', '12', '--temperature', '1'];
+  const alone5 = continuations((await run([...BASE, ...sampled, '--seed', '5'])).out, 1)[0]!;
+  const alone6 = continuations((await run([...BASE, ...sampled, '--seed', '6'])).out, 1)[0]!;
+  assert.notEqual(alone5, alone6, 'two seeds, two texts');
+  const together = await run([...BASE, ...sampled, '--seed', '5', '--concurrency', '2']);
+  assert.equal(together.code, 0, together.err);
+  assert.deepEqual(continuations(together.out, 2), [alone5, alone6]);
+  assert.match(together.err, /24 tokens from 2 request\(s\)/);
+
+  // Greedy: every request of a batch continues the prompt as one alone does.
+  const greedy = continuations((await run([...BASE, '--max-tokens', '8'])).out, 1)[0]!;
+  const batch = await run([...BASE, '--max-tokens', '8', '--concurrency', '3']);
+  assert.deepEqual(continuations(batch.out, 3), [greedy, greedy, greedy]);
+});
+
+test('conduit generate reads its flags\' environment twins, the command line winning', async () => {
+  const fromEnv = await run(['generate', '--threads', '1'], { CONDUIT_PROMPT: PROMPT, CONDUIT_MAX_TOKENS: '3', CONDUIT_IGNORE_EOS: '1' });
+  assert.equal(fromEnv.code, 0, fromEnv.err);
+  continuations(fromEnv.out, 1);
+  assert.match(fromEnv.err, /3 tokens from 1 request\(s\)/);
+  const flagWins = await run([...BASE, '--max-tokens', '2'], { CONDUIT_MAX_TOKENS: '3' });
+  assert.match(flagWins.err, /2 tokens from 1 request\(s\)/);
+});
+
+test('conduit generate refuses bad flags with exit code 2 and says which', async () => {
+  for (const [argv, message] of [
+    [['generate'], /--prompt is required/],
+    [[...BASE, '--max-tokens', '0'], /--max-tokens must be a whole number >= 1/],
+    [[...BASE, '--concurrency', '1.5'], /--concurrency must be a whole number >= 1/],
+    [[...BASE, '--temperature', '-1'], /--temperature must be >= 0/],
+    [[...BASE, '--backend', 'gpu'], /--backend must be auto, native or reference/],
+    [[...BASE, '--max-tokens', 'many'], /--max-tokens expects a number/],
+  ] as const) {
+    const { code, err } = await run([...argv]);
+    assert.equal(code, 2, `${argv.join(' ')}: ${err}`);
+    assert.match(err, message);
+  }
+});
