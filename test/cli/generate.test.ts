@@ -3,28 +3,7 @@
 // seed + 1, ...); environment twins; usage errors with exit code 2.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { main } from '../../src/cli/main.ts';
-
-async function run(argv: string[], env: Record<string, string> = {}): Promise<{ code: number; out: string; err: string }> {
-  const out: string[] = [];
-  const err: string[] = [];
-  const { log, error } = console;
-  const saved = Object.fromEntries(Object.keys(env).map((key) => [key, process.env[key]]));
-  Object.assign(process.env, env);
-  console.log = (...args: unknown[]) => { out.push(args.join(' ')); };
-  console.error = (...args: unknown[]) => { err.push(args.join(' ')); };
-  try {
-    const code = await main(argv);
-    return { code, out: out.join('\n'), err: err.join('\n') };
-  } finally {
-    console.log = log;
-    console.error = error;
-    for (const [key, value] of Object.entries(saved)) {
-      if (value === undefined) delete process.env[key];
-      else process.env[key] = value;
-    }
-  }
-}
+import { runCli as run } from '../helpers/cli-main.ts';
 
 const PROMPT = 'Once upon a time';
 const BASE = ['generate', '--prompt', PROMPT, '--ignore-eos', '--threads', '1'];

@@ -2,25 +2,10 @@
 // usage errors with exit code 2, environment twins that cannot collide with `serve`'s.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { main } from '../../src/cli/main.ts';
+import { runCli as run } from '../helpers/cli-main.ts';
 import { planOptionsFromFlags } from '../../src/cli/plan.ts';
 import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
 import { DEFAULT_EFFICIENCY } from '../../src/sim/perf-model.ts';
-
-async function run(argv: string[]): Promise<{ code: number; out: string; err: string }> {
-  const out: string[] = [];
-  const err: string[] = [];
-  const { log, error } = console;
-  console.log = (...args: unknown[]) => { out.push(args.join(' ')); };
-  console.error = (...args: unknown[]) => { err.push(args.join(' ')); };
-  try {
-    const code = await main(argv);
-    return { code, out: out.join('\n'), err: err.join('\n') };
-  } finally {
-    console.log = log;
-    console.error = error;
-  }
-}
 
 /** The number in the first cell after `label` on the line that starts with it. */
 function firstNumberAfter(text: string, label: RegExp): number {

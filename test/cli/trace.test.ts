@@ -4,26 +4,11 @@
 import assert from 'node:assert/strict';
 import { createServer } from 'node:net';
 import { after, before, describe, it } from 'node:test';
-import { main } from '../../src/cli/main.ts';
+import { runCli as run } from '../helpers/cli-main.ts';
 import { startTestServer, type TestServer } from '../api/e2e-fixture.ts';
 import { rawRequest } from '../api/http-client.ts';
 
 const KEY = 'sk-cli-trace-000001';
-
-async function run(argv: string[]): Promise<{ code: number; out: string; err: string }> {
-  const out: string[] = [];
-  const err: string[] = [];
-  const { log, error } = console;
-  console.log = (...args: unknown[]) => { out.push(args.join(' ')); };
-  console.error = (...args: unknown[]) => { err.push(args.join(' ')); };
-  try {
-    const code = await main(argv);
-    return { code, out: out.join('\n'), err: err.join('\n') };
-  } finally {
-    console.log = log;
-    console.error = error;
-  }
-}
 
 /** A port nothing listens on: bound, then released. */
 async function closedPort(): Promise<number> {
