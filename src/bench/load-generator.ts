@@ -28,8 +28,11 @@ export interface LoadOptions {
   outputTokens: number;
   /** Send ignore_eos (a vLLM and Conduit extension), so every request generates exactly outputTokens. */
   ignoreEos?: boolean;
-  /** Sampling parameters sent with every request (as temperature and top_p); those not given are not sent. */
-  sampling?: { temperature?: number; topP?: number };
+  /**
+   * Sampling parameters sent with every request (as temperature and top_p; logprobs: the number of alternatives,
+   * as logprobs on completions and logprobs true with top_logprobs on chat); those not given are not sent.
+   */
+  sampling?: { temperature?: number; topP?: number; logprobs?: number };
   stream: boolean;
   /** Arrivals per second (open loop). Without it the run is closed-loop with `concurrency` clients. */
   rate?: number;
@@ -282,6 +285,14 @@ class Run {
     if (ignoreEos) body.ignore_eos = true;
     if (sampling?.temperature !== undefined) body.temperature = sampling.temperature;
     if (sampling?.topP !== undefined) body.top_p = sampling.topP;
+    if (sampling?.logprobs !== undefined) {
+      if (endpoint === 'chat') {
+        body.logprobs = true;
+        body.top_logprobs = sampling.logprobs;
+      } else {
+        body.logprobs = sampling.logprobs;
+      }
+    }
     if (stream) {
       body.stream = true;
       body.stream_options = { include_usage: true };

@@ -34,6 +34,7 @@ const FLAGS = {
   'ignore-eos': { type: 'boolean', help: 'send ignore_eos so every request generates exactly --output-tokens (vLLM, Conduit)' },
   temperature: { type: 'number', help: 'sampling temperature of every request, 0 for greedy (default: none sent, so the server\'s default: 1 in the OpenAI API and Conduit)' },
   'top-p': { type: 'number', help: 'top_p of every request, in (0, 1] (default: none sent)' },
+  logprobs: { type: 'number', help: 'ask every request for each output token\'s logprob and this many alternatives (completions: logprobs N; chat: logprobs true and top_logprobs N) (default: none asked)' },
   stream: { type: 'boolean', help: 'stream responses (SSE): needed for TTFT and ITL', short: 's' },
   timeout: { type: 'number', help: 'seconds one request may take before it counts as an error', default: 120 },
   seed: { type: 'number', help: 'seed of the prompts and the arrival times (default: a new one each run, printed in the report, so a rerun does not just measure the prefix cache)' },
@@ -136,6 +137,7 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   }
   const topP = values['top-p'];
   if (topP !== undefined && !(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);
+  const logprobs = wholeNumber('logprobs', values.logprobs, 0);
   const durationSec = positive('duration', values.duration);
   // Unbounded runs are not offered: without either bound, a fixed number of requests.
   const requests = wholeNumber('requests', values.requests, 1) ?? (durationSec === undefined ? 100 : undefined);
@@ -149,8 +151,9 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     ...(rate !== undefined ? { rate } : {}),
     ...(burstiness !== undefined ? { burstiness } : {}),
     ...(goodput !== undefined ? { goodput } : {}),
-    ...(temperature !== undefined || topP !== undefined ? { sampling: {
+    ...(temperature !== undefined || topP !== undefined || logprobs !== undefined ? { sampling: {
       ...(temperature !== undefined ? { temperature } : {}), ...(topP !== undefined ? { topP } : {}),
+      ...(logprobs !== undefined ? { logprobs } : {}),
     } } : {}),
     ...(concurrency !== undefined ? { concurrency } : {}),
     ...(requests !== undefined ? { requests } : {}),

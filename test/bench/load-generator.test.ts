@@ -146,7 +146,7 @@ describe('conduit bench failure handling', () => {
     assert.deepEqual(result.summary.errors, { ECONNREFUSED: 2 });
   });
 
-  it('sends temperature and top_p when given, and nothing of them otherwise', async () => {
+  it('sends temperature, top_p and logprobs when given, and nothing of them otherwise', async () => {
     const bodies: Record<string, unknown>[] = [];
     const { url, server } = await stubServer((req, res) => {
       let text = '';
@@ -160,8 +160,12 @@ describe('conduit bench failure handling', () => {
       await runLoad({ url, endpoint: 'completions', model: 'm', workload, outputTokens: 1, stream: false, requests: 1, sampling: { temperature: 0.7, topP: 0.9 } });
       await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 1, sampling: { temperature: 0 } });
       await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 1 });
-      assert.deepEqual(bodies.map((b) => [b.temperature, b.top_p]), [[0.7, 0.9], [0, undefined], [undefined, undefined]]);
-      assert.ok(!('temperature' in bodies[2]!) && !('top_p' in bodies[2]!));
+      await runLoad({ url, endpoint: 'completions', model: 'm', workload, outputTokens: 1, stream: false, requests: 1, sampling: { logprobs: 3 } });
+      await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 1, sampling: { logprobs: 0 } });
+      assert.deepEqual(bodies.map((b) => [b.temperature, b.top_p, b.logprobs, b.top_logprobs]), [[0.7, 0.9, undefined, undefined],
+        [0, undefined, undefined, undefined], [undefined, undefined, undefined, undefined], [undefined, undefined, 3, undefined],
+        [undefined, undefined, true, 0]]);
+      assert.ok(!('temperature' in bodies[2]!) && !('top_p' in bodies[2]!) && !('logprobs' in bodies[2]!) && !('top_logprobs' in bodies[2]!));
     } finally {
       await closeServer(server);
     }
@@ -244,6 +248,8 @@ describe('conduit bench flags', () => {
     assert.equal(c.load.sampling, undefined);
     const sampled = parseBenchConfig(['--temperature', '0'], { CONDUIT_BENCH_TOP_P: '0.95', CONDUIT_BENCH_TEMPERATURE: '0.8' }) as BenchConfig;
     assert.deepEqual(sampled.load.sampling, { temperature: 0, topP: 0.95 });
+    assert.deepEqual((parseBenchConfig([], { CONDUIT_BENCH_LOGPROBS: '2' }) as BenchConfig).load.sampling, { logprobs: 2 });
+    assert.deepEqual((parseBenchConfig(['--logprobs', '0'], { CONDUIT_BENCH_LOGPROBS: '2' }) as BenchConfig).load.sampling, { logprobs: 0 });
   });
 
   it('refuses bad values naming the flag', () => {
@@ -252,6 +258,7 @@ describe('conduit bench flags', () => {
       [['--rate', '0'], /--rate/], [['--concurrency', '1.5'], /--concurrency/], [['--requests', '0'], /--requests/],
       [['--groups', '0', '--workload', 'shared-prefix'], /--groups/], [['--timeout', '-1'], /--timeout/], [['extra'], /unexpected/],
       [['--temperature', '-0.5'], /--temperature/], [['--top-p', '0'], /--top-p/], [['--top-p', '1.5'], /--top-p/],
+      [['--logprobs', '-1'], /--logprobs/], [['--logprobs', '1.5'], /--logprobs/],
     ];
     for (const [argv, message] of bad) {
       assert.throws(() => parseBenchConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message), argv.join(' '));
