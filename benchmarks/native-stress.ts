@@ -590,24 +590,28 @@ async function stepsRole(): Promise<void> {
       }
       // The sampler's prompt-logprob pass over many rows on this instance's threads, against the TypeScript passes
       // bit for bit (the rows' argmax, weighing total, count above the target, best ids; the ids of a buffer sized
-      // exactly, so a write past a row's share lands in the next row's or outside the allocation).
+      // exactly, so a write past a row's share lands in the next row's or outside the allocation). Half the time the
+      // entries name their rows (rowIds, as for a step's sampled tokens: any order, some twice).
       if (rand() < 0.5) {
         const { argmax, weighCandidates, countAbove, Sampler } = await import('../src/engine/sampler.ts');
         const v = config.vocabSize, numRows = int(1, 40), numBest = pick([0, 1, 2, 5, 20, 64]);
+        const rowIds = rand() < 0.5 ? Int32Array.from({ length: int(1, 40) }, () => int(0, numRows - 1)) : undefined;
+        const numEntries = rowIds?.length ?? numRows;
         const rowsLogits = Float32Array.from({ length: numRows * v }, () => (rand() < 0.02 ? -Infinity : Math.round((rand() - 0.5) * 80) / 4));
-        const targets = Int32Array.from({ length: numRows }, () => int(0, v - 1));
-        const out = new Float64Array(3 * numRows);
-        const bestIds = new Int32Array(numRows * numBest);
-        native.promptLogprobRows(rowsLogits, numRows, targets, out, bestIds, numBest);
+        const targets = Int32Array.from({ length: numEntries }, () => int(0, v - 1));
+        const out = new Float64Array(3 * numEntries);
+        const bestIds = new Int32Array(numEntries * numBest);
+        native.promptLogprobRows(rowsLogits, numEntries, targets, out, bestIds, numBest, rowIds);
         const plain = new Sampler(v);
-        for (let r = 0; r < numRows; r++) {
-          const row = rowsLogits.subarray(r * v, (r + 1) * v);
+        for (let r = 0; r < numEntries; r++) {
+          const rowId = rowIds?.[r] ?? r;
+          const row = rowsLogits.subarray(rowId * v, (rowId + 1) * v);
           const best = argmax(row);
           const total = weighCandidates(row, 1, row[best]!, -Infinity, new Float64Array(v), null, null, null, new Int32Array(1));
           const expected = [best, total, countAbove(row, row[targets[r]!]!), ...plain.promptLogprob(row, 0, numBest).top.map((t) => t.tokenId)];
           const got = [...out.subarray(3 * r, 3 * r + 3), ...bestIds.subarray(r * numBest, (r + 1) * numBest)];
           if (!expected.every((x, j) => Object.is(x, got[j]))) {
-            throw new Error(`${model.name} ${variant}: promptLogprobRows row ${r} of ${numRows} on ${threads} threads gave `
+            throw new Error(`${model.name} ${variant}: promptLogprobRows entry ${r} of ${numEntries} (row ${rowId}) on ${threads} threads gave `
               + `${got}, the TypeScript passes ${expected}`);
           }
         }
