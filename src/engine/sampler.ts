@@ -342,7 +342,8 @@ export class Sampler {
   /**
    * Samples row i of `logits` (at least sequences.length rows of vocabSize) for sequences[i], or leaves it to the
    * caller where that is undefined; the same tokens as sampleRow row by row. With the backend's drawRows, the rows
-   * that need nothing but a random draw (no logit processors, no logprobs) are drawn by it all at once, each from
+   * that need nothing but a random draw (no logit processors; no logprobs, or logprobs the pass below gives) are
+   * drawn by it all at once, each from
    * the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them, where here
    * they would be drawn one after another on one thread); the rest go through sampleRow here. Logprobs of the raw
    * logits (logprobsMode 'raw'), with the backend's prompt-logprob pass, are then that pass over all such rows at
