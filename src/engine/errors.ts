@@ -3,13 +3,18 @@
 // class identity; an error from a worker thread is rebuilt on this side from the message the thread sent
 // (structured clone would keep only its message).
 
-/** Why the engine refused a request as given; the gateway answers 400 with this code. */
-export type RejectionCode =
-  | 'invalid_request' | 'duplicate_request_id' | 'prompt_too_long' | 'prompt_exceeds_kv_pool' | 'too_many_samples'
-  /** A decode worker could not continue a handed-off request. */
-  | 'handoff_failed'
-  /** The request names a LoRA adapter this worker has not loaded. */
-  | 'lora_not_loaded';
+/**
+ * Why the engine refused a request as given; the gateway answers 400 with this code. The type is this list's, so a
+ * code added here is also one a refusal keeps when it crosses a thread or process (InvalidRequestError.fromWorker).
+ */
+const REJECTION_CODES = [
+  'invalid_request', 'duplicate_request_id', 'prompt_too_long', 'prompt_exceeds_kv_pool', 'too_many_samples',
+  // A decode worker could not continue a handed-off request.
+  'handoff_failed',
+  // The request names a LoRA adapter this worker has not loaded.
+  'lora_not_loaded',
+] as const;
+export type RejectionCode = typeof REJECTION_CODES[number];
 
 /** The code of every engine error, for logs and for the gateway's mapping. */
 export type EngineErrorCode = RejectionCode | 'engine_closed' | 'engine_overloaded' | 'worker_lost';
@@ -34,12 +39,10 @@ export class InvalidRequestError extends Error {
   }
 }
 
-const REJECTION_CODES: ReadonlySet<string> = new Set<RejectionCode>([
-  'invalid_request', 'duplicate_request_id', 'prompt_too_long', 'prompt_exceeds_kv_pool', 'too_many_samples', 'handoff_failed',
-]);
+const REJECTION_CODE_SET: ReadonlySet<string> = new Set<string>(REJECTION_CODES);
 
 export function isRejectionCode(code: string): code is RejectionCode {
-  return REJECTION_CODES.has(code);
+  return REJECTION_CODE_SET.has(code);
 }
 
 /** The engine (any kind: local, simulated, routed, disaggregated) is closed or closing. The gateway answers 503. */

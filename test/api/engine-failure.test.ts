@@ -11,6 +11,9 @@ describe('engineFailure', () => {
   const cases: [Error, number, string][] = [
     [new InvalidRequestError('prompt_exceeds_kv_pool', 'r1', 'too long'), 400, 'prompt_exceeds_kv_pool'],
     [InvalidRequestError.fromWorker('handoff_failed', 'r2', 'request "r2": no'), 400, 'handoff_failed'],
+    // A worker thread or process refusing an adapter it lacks (it was unloaded meanwhile): the code survives the trip.
+    [InvalidRequestError.fromWorker('lora_not_loaded', 'r4', 'request "r4": LoRA adapter \'sql\' is not loaded on this worker'), 400, 'lora_not_loaded'],
+    [InvalidRequestError.fromWorker('no_such_code', 'r5', 'request "r5": no'), 400, 'invalid_request'],
     [new EngineClosedError('engine closed while request r3 was running'), 503, 'shutting_down'],
     [new EngineOverloadedError('queue full', 2000), 503, 'server_overloaded'],
     [new WorkerLostError('w0', 'worker w0 was lost'), 503, 'worker_lost'],
