@@ -108,9 +108,12 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
 
 /** Starts one child worker and connects to it. */
 export function startChildWorker(options: ProcessPoolOptions, id: string, token: string, threads: number, role: WorkerRole = 'both'): Promise<ChildWorker> {
+  // The child inherits this process's environment, less the parent's own adapters: a --parent-ipc worker gets them
+  // over the request plane and refuses --lora-modules, which it would otherwise read from CONDUIT_LORA_MODULES.
+  const { CONDUIT_LORA_MODULES: _parentsAdapters, ...inherited } = process.env;
   const child = fork(CONDUIT_BIN, childArgs(options, id, threads, role), {
     // The token travels in the environment, not on the command line (where ps shows it).
-    env: { ...process.env, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
+    env: { ...inherited, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
     stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
   });
   let tail = '';

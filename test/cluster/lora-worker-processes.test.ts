@@ -35,14 +35,21 @@ describe('LoRA adapters on worker processes', () => {
   });
   after(() => rmSync(dir, { recursive: true, force: true }));
 
-  /** Starts a server with the layout's flags, runs `a` and a runtime-loaded `b`; the texts and the startup log. */
-  async function serve(layout: string[]): Promise<{ a: string; b: string; log: string[] }> {
+  /**
+   * Starts a server with the layout's flags, runs `a` and a runtime-loaded `b`; the texts and the startup log. With
+   * fromEnvironment, `a` comes from CONDUIT_LORA_MODULES (set in this process, which the children inherit) instead of
+   * the flag.
+   */
+  async function serve(layout: string[], fromEnvironment = false): Promise<{ a: string; b: string; log: string[] }> {
     const log: string[] = [];
     const logger: Logger = { debug: () => {}, info: (m) => log.push(m), warn: (m) => log.push(m), error: (m) => log.push(m) };
+    const adapter = fromEnvironment ? [] : ['--lora-modules', `a=${paths.a}`];
+    const env = fromEnvironment ? { CONDUIT_LORA_MODULES: `a=${paths.a}` } : {};
     const parsed = parseServeConfig(['--port', '0', '--log-level', 'info', '--no-request-log', '--kv-cache-memory', '8MiB',
-      '--threads', '1', '--model', `base=${modelPath}`, '--lora-modules', `a=${paths.a}`, '--lora-dtype', 'f32', ...layout], {});
+      '--threads', '1', '--model', `base=${modelPath}`, ...adapter, '--lora-dtype', 'f32', ...layout], env);
     if (parsed === 'help') throw new Error('unexpected --help');
     let server: RunningServer | undefined;
+    Object.assign(process.env, env);
     try {
       server = await startServer(parsed, logger);
       const url = server.url;
@@ -66,6 +73,7 @@ describe('LoRA adapters on worker processes', () => {
       return { a, b, log };
     } finally {
       await server?.api.shutdown(0);
+      for (const name of Object.keys(env)) delete process.env[name];
     }
   }
 
@@ -80,5 +88,8 @@ describe('LoRA adapters on worker processes', () => {
       '--disagg-min-remote-prefill-tokens', '1']);
     assert.match(stored(disaggregated.log) ?? '', /\(gguf, rank 4, stored as f32\)/, disaggregated.log.join('\n'));
     assert.deepEqual(disaggregated, { ...inProcess, log: disaggregated.log });
+    // The adapters from the environment: the children inherit it, and leave the parent's option to the parent.
+    const fromEnvironment = await serve(['--workers', '1', '--worker-processes'], true);
+    assert.deepEqual(fromEnvironment, { ...inProcess, log: fromEnvironment.log });
   });
 });
