@@ -194,15 +194,18 @@ const UNITS: Record<string, number> = {
   kb: 1e3, mb: 1e6, gb: 1e9, tb: 1e12,
 };
 
-/** "512MiB" -> bytes. KiB/MiB/GiB and bare K/M/G are powers of 1024; KB/MB/GB powers of 1000. */
-export function parseByteSize(text: string, flag: string): number {
+/**
+ * "512MiB" -> bytes. KiB/MiB/GiB and bare K/M/G are powers of 1024; KB/MB/GB powers of 1000. Under one byte is
+ * refused unless allowZero (a size whose 0 means "none").
+ */
+export function parseByteSize(text: string, flag: string, options: { allowZero?: boolean } = {}): number {
   const match = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(text);
   const unit = match ? UNITS[match[2]!.toLowerCase()] : undefined;
   if (!match || unit === undefined) {
     throw new UsageError(`--${flag} expects bytes or a size like 512MiB or 2GiB, got "${text}"`);
   }
   const bytes = Math.floor(Number(match[1]) * unit);
-  if (bytes <= 0) throw new UsageError(`--${flag} must be more than 0 bytes`);
+  if (bytes <= 0 && !(options.allowZero && Number(match[1]) === 0)) throw new UsageError(`--${flag} must be more than 0 bytes`);
   return bytes;
 }
 
@@ -522,7 +525,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
   if (kvDtype !== undefined) config.kvDtype = kvDtype;
   if (values['kv-offload-memory'] !== undefined) {
-    const bytes = parseByteSize(values['kv-offload-memory'], 'kv-offload-memory');
+    const bytes = parseByteSize(values['kv-offload-memory'], 'kv-offload-memory', { allowZero: true });
     if (bytes > 0) config.kvOffloadMemoryBytes = bytes;
   }
   if (values['kv-offload-disk'] !== undefined && values['kv-offload-disk'] !== '') {

@@ -104,7 +104,8 @@ export const workerCommand: Command = {
         ...(kvDtype !== undefined ? { kvDtype } : {}),
         kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
         policy: parseSchedulingPolicy(values['scheduling-policy']!),
-        ...(values['kv-offload-memory'] !== undefined ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory') } : {}),
+        ...(values['kv-offload-memory'] !== undefined
+          ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory', { allowZero: true }) } : {}),
         ...(values['kv-offload-disk'] !== undefined ? {
           kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),
         } : {}),

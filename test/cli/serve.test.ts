@@ -331,6 +331,17 @@ describe('parseByteSize', () => {
       assert.throws(() => parseByteSize(text, 'kv-cache-memory'), /--kv-cache-memory expects bytes/, text);
     }
   });
+
+  it('takes 0 only for a size whose 0 means none (--kv-offload-memory, as its help says)', () => {
+    assert.throws(() => parseByteSize('0', 'kv-cache-memory'), /--kv-cache-memory must be more than 0 bytes/);
+    assert.throws(() => parseByteSize('0.1', 'kv-offload-memory', { allowZero: true }), /must be more than 0 bytes/);
+    assert.equal(parseByteSize('0', 'kv-offload-memory', { allowZero: true }), 0);
+    assert.equal(parseByteSize('0GiB', 'kv-offload-memory', { allowZero: true }), 0);
+    const none = parseServeConfig(['--kv-offload-memory', '0'], {});
+    assert.ok(none !== 'help' && none.kvOffloadMemoryBytes === undefined);
+    const some = parseServeConfig([], { CONDUIT_KV_OFFLOAD_MEMORY: '64MiB' });
+    assert.ok(some !== 'help' && some.kvOffloadMemoryBytes === 64 * 1024 ** 2);
+  });
 });
 
 describe('conduit serve start-up warnings', () => {
