@@ -13,7 +13,9 @@ import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
-import { parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS } from './serve.ts';
+import {
+  parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS,
+} from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-dtype', 'kv-cache-idle-release',
@@ -26,6 +28,9 @@ const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, S
 export const WORKER_FLAGS = {
   ...CLUSTER_FLAGS,
   ...ENGINE_FLAGS,
+  // A worker serves one model (serve's flags of these names take several).
+  model: { type: 'string', help: 'GGUF file or Hugging Face folder, or NAME=PATH to serve it as NAME (default: the built-in synthetic model)', short: 'm' },
+  'served-model-name': { type: 'string', help: 'name clients send as "model" (default: the model\'s own name)' },
   host: { type: 'string', help: 'address the request endpoint listens on', default: '127.0.0.1' },
   port: { type: 'number', help: 'port of the request endpoint (0 = any free port)', default: 0 },
   'advertise-address': { type: 'string', help: 'host:port frontends reach this worker at (default: --host:port, or the host name when listening on all addresses)' },
@@ -77,10 +82,12 @@ export const workerCommand: Command = {
     if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new UsageError(`--max-lora-rank must be a whole number > 0, got ${maxLoraRank}`);
     const logger = createLogger(logLevel);
     const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
+    const [modelSpec] = values.model !== undefined
+      ? parseModelSpecs([values.model], values['served-model-name'] !== undefined ? [values['served-model-name']] : []) : [];
     const modelPath = engineKind === 'sim' ? undefined
-      : values.model ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
+      : modelSpec?.path ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
     const workerId = values['worker-id'] ?? defaultWorkerId();
-    const servedName = values['served-model-name'];
+    const servedName = modelSpec?.servedModelName ?? values['served-model-name'];
     for (const { name, base } of loraModules) {
       // A worker serves one model: an adapter's @BASE, when given, must be it (checked again once the name is known).
       if (base !== undefined && servedName !== undefined && base !== servedName) {
@@ -97,7 +104,7 @@ export const workerCommand: Command = {
       pool: {
         engine: engineKind, backend,
         ...(modelPath !== undefined ? { modelPath } : {}),
-        ...(values['served-model-name'] !== undefined ? { servedModelName: values['served-model-name'] } : {}),
+        ...(servedName !== undefined ? { servedModelName: servedName } : {}),
         ...(values.threads !== undefined ? { threads: values.threads } : {}),
         ...(values['lora-dtype'] !== undefined ? { loraDtype: parseLoraDtype(values['lora-dtype']) } : {}),
         ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),

@@ -1,5 +1,6 @@
-// `conduit worker`'s LoRA options are checked before anything starts: --lora-modules (or CONDUIT_LORA_MODULES) on a
-// `conduit serve --worker-processes` child is refused by name, as are bad --max-loras / --max-lora-rank values.
+// `conduit worker`'s LoRA and model options are checked before anything starts: --lora-modules (or
+// CONDUIT_LORA_MODULES) on a `conduit serve --worker-processes` child is refused by name, as are bad --max-loras /
+// --max-lora-rank values; --model NAME=PATH names the worker's one model as serve's flag does.
 // (Workers of every role take --lora-modules: test/cluster/lora-disagg.test.ts.)
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
@@ -28,5 +29,17 @@ describe('conduit worker: LoRA options', () => {
     } finally {
       delete process.env.CONDUIT_LORA_MODULES;
     }
+  });
+});
+
+describe('conduit worker: its one model', () => {
+  const refused = (args: string[], pattern: RegExp) =>
+    assert.rejects(workerCommand.run([...SERVICES, ...args]), (error: unknown) => error instanceof UsageError && pattern.test(error.message));
+
+  it('names it with --model NAME=PATH as serve does, or with --served-model-name, not both differently', async () => {
+    // The name from NAME=PATH is the one an adapter's @BASE must match.
+    await refused(['--model', 'llama=/models/m.gguf', '--lora-modules', 'a=/x.gguf@qwen'], /base model "qwen" is not this worker's \(llama\)/);
+    await refused(['--model', 'llama=/models/m.gguf', '--served-model-name', 'other'], /is named "llama" and --served-model-name names it "other"/);
+    await refused(['--model', 'llama='], /no path after "="/);
   });
 });
