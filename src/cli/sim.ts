@@ -136,7 +136,8 @@ export function simHelp(): string {
     '',
     'Models:', ...models, '', 'GPUs:', ...gpus, '', 'Links (--link):', ...links, '',
     'conduit sim lifecycle options:', formatFlagHelp(LIFECYCLE_FLAGS), '',
-    'conduit sim decode-sweep options:', formatFlagHelp(DECODE_SWEEP_FLAGS),
+    'conduit sim decode-sweep options:', formatFlagHelp(DECODE_SWEEP_FLAGS), '',
+    'conduit sim kv-tiers options:', formatFlagHelp(KV_TIERS_FLAGS),
   ].join('\n');
 }
 

@@ -22,7 +22,7 @@ test('conduit --help lists sim and plan as available commands', async () => {
   assert.doesNotMatch(out, /sim .*not available/);
 });
 
-test('conduit sim --help lists the models, GPUs and links', async () => {
+test('conduit sim --help lists the models, GPUs and links, and every subcommand\'s options', async () => {
   const { code, out } = await run(['sim', '--help']);
   assert.equal(code, 0);
   for (const id of ['llama-3.1-8b', 'llama-3.1-70b', 'llama-3.1-405b', 'qwen2.5-7b', 'qwen2.5-72b', 'h100', 'h200', 'a100', 'b200',
@@ -30,6 +30,8 @@ test('conduit sim --help lists the models, GPUs and links', async () => {
     assert.match(out, new RegExp(`^ {2}${id.replace(/\./g, '\\.')} `, 'm'), id);
   }
   assert.match(out, /CONDUIT_SIM_MODEL/);
+  for (const sub of ['lifecycle', 'decode-sweep', 'kv-tiers']) assert.match(out, new RegExp(`^conduit sim ${sub} options:$`, 'm'), sub);
+  assert.match(out, /--host-tier/);
   assert.equal((await run(['sim'])).code, 2);
 });
 
