@@ -378,7 +378,10 @@ for (const backend of backends) {
           try {
             core.add(request(id, prompt, { temperature: randInt(2), seed: submitted, maxTokens: 1 + randInt(12), n: 1 + (randInt(8) === 0 ? 1 : 0) }));
             live.push(id);
-          } catch {
+          } catch (error) {
+            // Only the long prompts may be refused, and only as too long for the pool.
+            assert.equal(length, 400, `a ${length}-token prompt was refused: ${(error as Error).message}`);
+            assert.equal((error as { code?: string }).code, 'prompt_exceeds_kv_pool', (error as Error).message);
             rejected++;
           }
         }

@@ -123,9 +123,7 @@ describe('disk tier: files', () => {
     assert.equal(disk.numBlocks, 2);
   });
 
-  test('the model fingerprint changes with the model and the KV layout', async () => {
-    const skip = skipUnlessShared('stories260K.gguf');
-    if (skip) return;
+  test('the model fingerprint changes with the model and the KV layout', { skip: skipUnlessShared('stories260K.gguf') }, async () => {
     const { loaded } = await loadSharedModel('stories260K.gguf');
     const layout = { numLayers: loaded.config.numLayers, blockSize: 16, numKvHeads: loaded.config.numKvHeads, headDim: loaded.config.headDim, dtype: 'f32' as const };
     const a = modelFingerprint(loaded.config, loaded.weights, layout);

@@ -152,6 +152,7 @@ for (const backend of engineBackends()) {
       prompts.forEach((_, i) => {
         const got = promptLogprobsOf(outputs, `r${i}`);
         const want = promptLogprobsOf(expected, `r${i}`);
+        assert.equal(got.length, want.length, `prompt ${i}: one entry per prompt position`);
         got.forEach((entry, p) => {
           if (p === 0) return assert.equal(entry, null);
           assert.equal(entry!.tokenId, want[p]!.tokenId);

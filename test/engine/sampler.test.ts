@@ -598,9 +598,18 @@ describe('Sampler: penalties and biases', () => {
     const sampler = new Sampler(5, { logprobsMode: 'processed' });
     const seq = sequence(5, { repetitionPenalty: 2, frequencyPenalty: 0.5, presencePenalty: 0.25, logprobs: 5 }, { prompt: [0, 1] });
     for (const id of [1, 3, 3]) seq.recordOutputToken(id);
-    const { logprobs } = sampler.sampleRow(Float32Array.from([2, -1, 0.5, 3, -2]), seq);
+    const row = Float32Array.from([2, -1, 0.5, 3, -2]);
+    const { tokenId, logprobs } = sampler.sampleRow(row, seq);
     const expected = logSoftmax([1, -2.75, 0.5, 0.25, -2]);
-    for (const { tokenId, logprob } of logprobs!.top) assert.ok(Math.abs(logprob - expected[tokenId]!) < 1e-6);
+    // All five alternatives, best first by the penalised values (the raw row's best would be id 3).
+    assert.deepEqual(logprobs!.top.map((t) => t.tokenId), [0, 2, 3, 4, 1]);
+    for (const { tokenId: id, logprob } of logprobs!.top) assert.ok(Math.abs(logprob - expected[id]!) < 1e-6);
+    assert.equal(logprobs!.tokenId, tokenId);
+    assert.ok(Math.abs(logprobs!.logprob - expected[tokenId]!) < 1e-6);
+    // The draw sees the penalised values too: greedily it picks id 0, where the raw row's argmax is id 3.
+    const greedy = sequence(5, { temperature: 0, repetitionPenalty: 2, frequencyPenalty: 0.5, presencePenalty: 0.25 }, { prompt: [0, 1] });
+    for (const id of [1, 3, 3]) greedy.recordOutputToken(id);
+    assert.equal(sampler.sampleRow(row, greedy).tokenId, 0);
   });
 
   it('adds logit_bias before sampling, and -Infinity bans a token', () => {
