@@ -15,7 +15,7 @@ import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
 const WORKER_ONLY = new Set([
   'model', 'engine', 'backend', 'threads', 'workers', 'worker-processes', 'prefill-workers', 'decode-workers', 'kv-cache-memory',
   'kv-cache-dtype', 'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
-  'sim-speed-up', 'worker-restart-limit', 'worker-restart-delay', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
+  'sim-speed-up', 'sim-lora-rank', 'worker-restart-limit', 'worker-restart-delay', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
   'scheduling-policy', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank',
 ]);
 // The workers hold the LoRA adapters (conduit worker --lora-modules); a frontend lists them, routes requests for
