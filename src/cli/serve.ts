@@ -446,6 +446,12 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (engine === 'sim' && parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
     warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
   }
+  // Typed --sim-* options with cpu workers (in the environment they may be set up for another deployment).
+  for (const name of Object.keys(SERVE_FLAGS) as (keyof typeof SERVE_FLAGS)[]) {
+    if (engine !== 'sim' && name.startsWith('sim-') && parsed.sources[name] === 'command line') {
+      warnings.push(`--${name} is for simulated workers (--engine sim): cpu workers ignore it`);
+    }
+  }
   let calibration: CalibrationName;
   try {
     calibration = parseCalibration(values['sim-calibration']!);

@@ -246,6 +246,15 @@ describe('conduit serve disaggregation thresholds', () => {
     assert.equal(config(['--engine', 'sim']).warnings, undefined, 'off by default: nothing to say');
   });
 
+  it('says that cpu workers ignore the --sim-* options typed for them, not those from the environment', () => {
+    assert.deepEqual(config(['--sim-gpu', 'h200', '--sim-tp', '2']).warnings, [
+      '--sim-gpu is for simulated workers (--engine sim): cpu workers ignore it',
+      '--sim-tp is for simulated workers (--engine sim): cpu workers ignore it',
+    ]);
+    assert.equal(config(['--engine', 'sim', '--sim-gpu', 'h200']).warnings, undefined, 'simulated workers use it');
+    assert.equal(config([], { CONDUIT_SIM_GPU: 'h200' }).warnings, undefined, 'from the environment: no warning');
+  });
+
   it('ignores a stray threshold whose text is not even a number, and refuses it once it applies', () => {
     const env = { CONDUIT_DISAGG_TRANSFER_OVERHEAD_MS: 'fast' };
     assert.deepEqual(config([], env).warnings, [
