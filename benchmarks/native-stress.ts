@@ -616,7 +616,7 @@ async function stepsRole(): Promise<void> {
           }
         }
       }
-      // The sampler's batched random draws on this instance's threads (rows in any order, some twice), against the
+      // The sampler's batched draws (random, and greedy rows' argmax) on this instance's threads (rows in any order, some twice), against the
       // TypeScript draw of each row from the same uniform, token for token.
       if (rand() < 0.5) {
         const { createRequestSamplers, DRAW_SPEC_WORDS, Sampler } = await import('../src/engine/sampler.ts');
@@ -624,10 +624,10 @@ async function stepsRole(): Promise<void> {
         const v = config.vocabSize, numRows = int(1, 24), count = int(1, 40);
         const rowsLogits = Float32Array.from({ length: numRows * v }, () => (rand() < 0.02 ? -Infinity : Math.round((rand() - 0.5) * 80) / 4));
         const rowIds = Int32Array.from({ length: count }, () => int(0, numRows - 1));
-        const params = Array.from({ length: count }, () => ({ ...DEFAULT_SAMPLING, temperature: pick([1, 0.6, 1.4]),
+        const params = Array.from({ length: count }, () => ({ ...DEFAULT_SAMPLING, temperature: pick([1, 0.6, 1.4, 0]),
           topP: pick([1, 0.95, 0.5]), minP: pick([0, 0.05]), topK: pick([0, 0, 1, 40]) }));
         const uniforms = Array.from({ length: count }, () => rand());
-        const specs = Float64Array.from(params.flatMap((p, i) => [p.temperature !== 1 ? 1 / p.temperature : 1,
+        const specs = Float64Array.from(params.flatMap((p, i) => p.temperature === 0 ? [0, -Infinity, 1, 0, 0] : [p.temperature !== 1 ? 1 / p.temperature : 1,
           p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniforms[i]!, p.topK]));
         const out = new Int32Array(count);
         native.sampleRows(rowsLogits, rowIds, specs, out);

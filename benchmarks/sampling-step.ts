@@ -1,9 +1,9 @@
 // What sampling costs a decode step with many streams: EngineCore on the native backend, N seeded requests decoding
 // together, for greedy, temperature, top_p and top_k requests, and greedy and top_p requests with logprobs. Each kind
-// but plain greedy runs two ways, alternated round by round in swapped order: the backend's batched draws and
-// logprob pass on the model's threads (`batched`, what the engine does) and the sampler drawing the rows and
-// weighing their logprobs one by one on the engine's thread (`row by row`: the backend without sampleRows and
-// promptLogprobRows). Both give the same tokens and logprobs (tested); the figures are the median decode step, its
+// runs two ways, alternated round by round in swapped order: the backend's batched draws (greedy rows' argmax
+// included) and logprob pass on the model's threads (`batched`, what the engine does) and the sampler drawing the
+// rows and weighing their logprobs one by one on the engine's thread (`row by row`: the backend without sampleRows
+// and promptLogprobRows). Both give the same tokens and logprobs (tested); the figures are the median decode step, its
 // forward pass, and the rest (sampling, bookkeeping), medians over rounds.
 //
 //   node --import tsx benchmarks/sampling-step.ts [--model FILE.gguf] [--threads 2] [--concurrency 16,64]
@@ -117,7 +117,7 @@ console.log('streams  requests                    way          step ms  forward 
 for (const n of CONCURRENCY) {
   run(n, KINDS[1]!.sampling, true); // warm-up
   for (const kind of KINDS) {
-    const ways = kind.sampling.temperature === 0 && kind.sampling.logprobs === undefined ? [true] : [true, false];
+    const ways = [true, false];
     const figures = new Map<boolean, RunFigures[]>(ways.map((w) => [w, []]));
     for (let round = 0; round < ROUNDS; round++) {
       for (const batched of round % 2 === 0 ? ways : [...ways].reverse()) figures.get(batched)!.push(run(n, kind.sampling, batched));

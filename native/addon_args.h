@@ -145,9 +145,9 @@ inline SampleRowsArgs sample_rows_args(const Napi::CallbackInfo& info, size_t fi
   const double* specs = typed_data<double>(env, info[first + 2], napi_float64_array, "specs", count * sample::kDrawSpecWords);
   for (size_t i = 0; i < count; ++i) {
     const double* spec = specs + i * sample::kDrawSpecWords;
-    if (!(spec[0] > 0.0) || !(spec[1] <= 0.0) || !(spec[2] > 0.0) || !(spec[3] >= 0.0 && spec[3] < 1.0) ||
+    if (!(spec[0] >= 0.0) || !(spec[1] <= 0.0) || !(spec[2] > 0.0) || !(spec[3] >= 0.0 && spec[3] < 1.0) ||
         !(spec[4] >= 0.0 && spec[4] < static_cast<double>(vocab)) || spec[4] != static_cast<double>(static_cast<int64_t>(spec[4]))) {
-      throw Napi::RangeError::New(env, "specs[" + std::to_string(i) + "] must be a scale above 0, log min_p <= 0, " +
+      throw Napi::RangeError::New(env, "specs[" + std::to_string(i) + "] must be a scale of 0 (greedy) or above, log min_p <= 0, " +
                                            "top_p above 0, a uniform in [0, 1) and a whole top_k below the vocabulary");
     }
   }

@@ -214,6 +214,8 @@ int64_t draw_top_p(const float* values, const double* weights, int32_t* order, i
 int64_t draw_row(const KernelTable& kt, const float* row, int64_t n, const double* spec, DrawScratch& s) {
   const double scale = spec[0], log_min_p = spec[1], top_p = spec[2], uniform = spec[3];
   const int64_t top_k = static_cast<int64_t>(spec[4]);
+  // A greedy row: the sampler's pick is the argmax of the row as given (the lowest id among the largest).
+  if (scale == 0) return kt.argmax(row, n);
   s.reserve(n);
   double* weights = s.weights.data();
   int32_t* order = s.order.data();

@@ -17,9 +17,9 @@
 namespace conduit {
 namespace sample {
 
-// One row's draw, kDrawSpecWords doubles: the factor values are read at (1 / temperature, 1 at temperature 1), the
-// natural log of min_p (-inf for none), top_p (1 or more: no cut by mass), the uniform in [0, 1), top_k (0: none; else
-// fewer than the row's values).
+// One row's draw, kDrawSpecWords doubles: the factor values are read at (1 / temperature, 1 at temperature 1; 0: a
+// greedy row, its argmax, the other words unused), the natural log of min_p (-inf for none), top_p (1 or more: no cut
+// by mass), the uniform in [0, 1), top_k (0: none; else fewer than the row's values).
 constexpr int kDrawSpecWords = 5;
 
 // A thread's scratch for draw_row, grown to the vocabulary on first use.

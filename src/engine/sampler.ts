@@ -241,8 +241,8 @@ export interface SamplerOptions {
 export type DrawRows = (logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array) => void;
 
 /**
- * Numbers per row of a DrawRows spec: the factor values are read at, ln(min_p) (-Infinity: none), top_p, the
- * uniform, top_k (0: none).
+ * Numbers per row of a DrawRows spec: the factor values are read at (0: a greedy row), ln(min_p) (-Infinity: none),
+ * top_p, the uniform, top_k (0: none).
  */
 export const DRAW_SPEC_WORDS = 5;
 
@@ -342,10 +342,10 @@ export class Sampler {
   /**
    * Samples row i of `logits` (at least sequences.length rows of vocabSize) for sequences[i], or leaves it to the
    * caller where that is undefined; the same tokens as sampleRow row by row. With the backend's drawRows, the rows
-   * that need nothing but a random draw (no logit processors; no logprobs, or logprobs the pass below gives) are
-   * drawn by it all at once, each from
-   * the uniform its own sequence gives, as sampleRow's draw takes it (the backend's threads share them, where here
-   * they would be drawn one after another on one thread); the rest go through sampleRow here. Logprobs of the raw
+   * that need nothing but a random draw or their argmax (no logit processors; no logprobs, or logprobs the pass below
+   * gives) are drawn by it all at once, each from the uniform its own sequence gives, as sampleRow's draw takes it,
+   * greedy ones without one (the backend's threads share them, where here they would be drawn one after another on
+   * one thread); the rest go through sampleRow here. Logprobs of the raw
    * logits (logprobsMode 'raw'), with the backend's prompt-logprob pass, are then that pass over all such rows at
    * once with each row's chosen token as its target: the same entries as sampleRow's, bit for bit, the rows again
    * shared by the backend's threads.
@@ -384,10 +384,9 @@ export class Sampler {
     return results;
   }
 
-  /** Whether sampleBatch leaves this sequence's row to the backend's drawRows. */
+  /** Whether sampleBatch leaves this sequence's row to the backend's drawRows (greedy rows too: their argmax). */
   private drawsInBatch(sequence: SequenceSampler): boolean {
-    const { temperature, logprobs } = sequence.params;
-    return temperature >= GREEDY_TEMPERATURE && (logprobs === null || this.logprobsInPass(sequence)) && !sequence.hasLogitProcessors;
+    return (sequence.params.logprobs === null || this.logprobsInPass(sequence)) && !sequence.hasLogitProcessors;
   }
 
   /** Whether sampleBatch takes this sequence's logprobs from the backend's prompt-logprob pass. */
@@ -456,11 +455,16 @@ export class Sampler {
       const { temperature, minP, topP, topK } = sequence.params;
       const spec = count * DRAW_SPEC_WORDS;
       this.drawRowIds[count] = row;
-      this.drawSpecs[spec] = temperature !== 1 ? 1 / temperature : 1;
-      this.drawSpecs[spec + 1] = minP > 0 ? Math.log(minP) : -Infinity;
-      this.drawSpecs[spec + 2] = topP;
-      this.drawSpecs[spec + 3] = sequence.nextUniform();
-      this.drawSpecs[spec + 4] = topK > 0 && topK < this.vocabSize ? topK : 0;
+      if (temperature < GREEDY_TEMPERATURE) {
+        // The argmax, as sampleRow takes it: no uniform drawn, truncation irrelevant.
+        this.drawSpecs.set([0, -Infinity, 1, 0, 0], spec);
+      } else {
+        this.drawSpecs[spec] = temperature !== 1 ? 1 / temperature : 1;
+        this.drawSpecs[spec + 1] = minP > 0 ? Math.log(minP) : -Infinity;
+        this.drawSpecs[spec + 2] = topP;
+        this.drawSpecs[spec + 3] = sequence.nextUniform();
+        this.drawSpecs[spec + 4] = topK > 0 && topK < this.vocabSize ? topK : 0;
+      }
       count++;
     }
     if (count === 0) return 0;

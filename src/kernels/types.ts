@@ -139,9 +139,10 @@ export interface ModelRunnerBackend {
   /**
    * The sampler's random draws of many logits rows at once (the backend's threads may share them): entry i draws
    * row rows[i] of `logits` (whole rows of the vocabulary) into out[i] by specs[5i ..] = the factor values are read
-   * at (1 / temperature), ln(min_p) (-Infinity: none), top_p (1: no cut by mass), the uniform in [0, 1), top_k (0:
-   * none, else below the vocabulary); -1 for a row with a NaN or nothing above -Infinity. The token the sampler's own
-   * draw (Sampler.sampleRow, with no logit processors) gives for that uniform, bit for bit. Optional.
+   * at (1 / temperature; 0: a greedy row, its argmax as the argmax member gives it, the other words unused), ln(min_p)
+   * (-Infinity: none), top_p (1: no cut by mass), the uniform in [0, 1), top_k (0: none, else below the vocabulary);
+   * -1 for a row with a NaN or nothing above -Infinity. The token the sampler's own draw (Sampler.sampleRow, with no
+   * logit processors) gives for that uniform, bit for bit. Optional.
    */
   sampleRows?(logits: Float32Array, rows: Int32Array, specs: Float64Array, out: Int32Array): void;
   /**

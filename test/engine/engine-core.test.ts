@@ -188,8 +188,8 @@ for (const backend of backends) {
     });
 
     test("a step's random draws go to the backend's batched draw, and give what the sampler draws row by row", async () => {
-      // Rows it draws (temperature, min_p, top_p, top_k; with logprobs too where the backend gives those in its
-      // pass, as the native one does) beside rows it leaves to the sampler (greedy, logit processors), in the same steps.
+      // Rows it draws (greedy, temperature, min_p, top_p, top_k; with logprobs too where the backend gives those in
+      // its pass, as the native one does) beside rows it leaves to the sampler (logit processors), in the same steps.
       const add = (core: EngineCore, ids: number[], i: number) => {
         core.add(request(`t${i}`, ids, { temperature: 1, seed: 11 + i, ignoreEos: true }));
         core.add(request(`m${i}`, ids, { temperature: 0.7, minP: 0.05, seed: 21 + i, ignoreEos: true }));
@@ -212,9 +212,9 @@ for (const backend of backends) {
       const without = await runPrompts(add, (runner) => withMember(runner, 'sampleRows', undefined));
       assert.deepEqual(counted, without);
       assert.ok(new Set(counted.flatMap(([, tokens]) => tokens)).size > 20, 'random draws, not one repeated token');
-      // The native backend draws the seven eligible kinds' rows (24 tokens each), several rows a call; the reference
+      // The native backend draws the eight eligible kinds' rows (24 tokens each), several rows a call; the reference
       // backend has no batched draw.
-      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 7 * 24 : 0, `rows the backend drew: ${drawn}`);
+      assert.equal(drawn, backend.name === 'native' ? PROMPTS.length * 8 * 24 : 0, `rows the backend drew: ${drawn}`);
       if (backend.name === 'native') assert.ok(calls < drawn, `rows drawn together (${drawn} rows in ${calls} calls)`);
     });
 

@@ -460,8 +460,9 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
   });
 
   /** A row's DrawRows spec as the sampler writes it (its 1 / temperature, ln(min_p), top_p, uniform, top_k). */
-  const drawSpec = (p: { temperature: number; minP: number; topP: number; topK: number }, uniform: number) =>
-    [p.temperature !== 1 ? 1 / p.temperature : 1, p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniform, p.topK];
+  const drawSpec = (p: { temperature: number; minP: number; topP: number; topK: number }, uniform: number) => p.temperature === 0
+    ? [0, -Infinity, 1, 0, 0]
+    : [p.temperature !== 1 ? 1 / p.temperature : 1, p.minP > 0 ? Math.log(p.minP) : -Infinity, p.topP, uniform, p.topK];
 
   it("sampleRows: the sampler's random draw of each row, token for token, for the uniform its sequence gives", () => {
     const rand = seeded(101);
@@ -485,7 +486,8 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       rows.push(inf);
       const logits = new Float32Array(rows.length * n);
       rows.forEach((row, r) => logits.set(row, r * n));
-      const grid = [];
+      // Greedy rows too (the argmax; truncation and the uniform unused).
+      const grid = [{ temperature: 0, topP: 1, minP: 0, topK: 0 }, { temperature: 0, topP: 0.5, minP: 0.05, topK: Math.min(7, n - 1) }];
       for (const temperature of [1, 0.7, 1.6]) {
         for (const topP of [1, 0.999, 0.9, 0.3]) {
           for (const minP of [0, 0.05]) for (const topK of [0, 1, 7, 50].filter((k) => k < n)) grid.push({ temperature, topP, minP, topK });
@@ -500,7 +502,7 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
         const expected = make().map((sequence, e) => alone.sampleRow(logits.subarray(entries[e]! * n, (entries[e]! + 1) * n), sequence).tokenId);
         const sequences = make();
         const specs = new Float64Array(entries.length * DRAW_SPEC_WORDS);
-        sequences.forEach((sequence, e) => specs.set(drawSpec(params, sequence.nextUniform()), e * DRAW_SPEC_WORDS));
+        sequences.forEach((sequence, e) => specs.set(drawSpec(params, params.temperature === 0 ? 0 : sequence.nextUniform()), e * DRAW_SPEC_WORDS));
         for (const variant of variants) {
           const out = new Int32Array(entries.length).fill(-7);
           native().ops.sampleRows(variant, n, logits, Int32Array.from(entries), specs, out);
@@ -540,7 +542,7 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
     assert.throws(call({ rows: Int32Array.of(2) }), /rows\[0\] = 2 is not a row of the 2 given/);
     assert.throws(call({ rows: Int32Array.of(-1) }), /is not a row/);
     assert.throws(call({}, 30), /whole rows of 30 values/);
-    for (const spec of [[0, -Infinity, 1, 0.5, 0], [1, 0.1, 1, 0.5, 0], [1, -Infinity, 0, 0.5, 0], [1, -Infinity, 1, 1, 0],
+    for (const spec of [[-1, -Infinity, 1, 0.5, 0], [NaN, -Infinity, 1, 0.5, 0], [1, 0.1, 1, 0.5, 0], [1, -Infinity, 0, 0.5, 0], [1, -Infinity, 1, 1, 0],
       [1, -Infinity, 1, NaN, 0], [1, -Infinity, 1, 0.5, -1], [1, -Infinity, 1, 0.5, 2.5], [1, -Infinity, 1, 0.5, n]]) {
       assert.throws(call({ specs: Float64Array.from(spec) }), /specs\[0\] must be/, JSON.stringify(spec));
     }
