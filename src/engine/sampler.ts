@@ -246,6 +246,9 @@ export type DrawRows = (logits: Float32Array, rows: Int32Array, specs: Float64Ar
  */
 export const DRAW_SPEC_WORDS = 5;
 
+/** A greedy row's DrawRows spec (the factor 0; the other words any valid ones). */
+const GREEDY_DRAW_SPEC = Float64Array.of(0, -Infinity, 1, 0, 0);
+
 /** See ModelRunnerBackend.promptLogprobRows. */
 export type PromptLogprobRowsPass = (logits: Float32Array, rows: number, targets: Int32Array, out: Float64Array,
   best: Int32Array, numBest: number, rowIds?: Int32Array) => void;
@@ -345,10 +348,9 @@ export class Sampler {
    * that need nothing but a random draw or their argmax (no logit processors; no logprobs, or logprobs the pass below
    * gives) are drawn by it all at once, each from the uniform its own sequence gives, as sampleRow's draw takes it,
    * greedy ones without one (the backend's threads share them, where here they would be drawn one after another on
-   * one thread); the rest go through sampleRow here. Logprobs of the raw
-   * logits (logprobsMode 'raw'), with the backend's prompt-logprob pass, are then that pass over all such rows at
-   * once with each row's chosen token as its target: the same entries as sampleRow's, bit for bit, the rows again
-   * shared by the backend's threads.
+   * one thread); the rest go through sampleRow here. Logprobs of the raw logits (logprobsMode 'raw'), with the
+   * backend's prompt-logprob pass, are then that pass over all such rows at once with each row's chosen token as its
+   * target: the same entries as sampleRow's, bit for bit, the rows again shared by the backend's threads.
    */
   sampleBatch(logits: Float32Array, sequences: readonly (SequenceSampler | undefined)[]): (SampledToken | undefined)[] {
     const v = this.vocabSize;
@@ -457,7 +459,7 @@ export class Sampler {
       this.drawRowIds[count] = row;
       if (temperature < GREEDY_TEMPERATURE) {
         // The argmax, as sampleRow takes it: no uniform drawn, truncation irrelevant.
-        this.drawSpecs.set([0, -Infinity, 1, 0, 0], spec);
+        this.drawSpecs.set(GREEDY_DRAW_SPEC, spec);
       } else {
         this.drawSpecs[spec] = temperature !== 1 ? 1 / temperature : 1;
         this.drawSpecs[spec + 1] = minP > 0 ? Math.log(minP) : -Infinity;
