@@ -65,9 +65,10 @@ async function until(what: string, condition: () => boolean): Promise<void> {
 
 const shm = kvHostId() !== null;
 const LINKS = shm ? ['tcp', 'shm'] as const : ['tcp'] as const;
-if (!shm) console.log(`# KV transfer over shared memory not tested: ${SHM_DIR} is not usable here`);
 
 describe('KV transfer between workers', () => {
+  // Where /dev/shm cannot be used the shm cases below are not registered; the report says so with a skip.
+  if (!shm) test('the shared-memory link', { skip: `${SHM_DIR} is not usable here: the shm link's tests do not run` }, () => {});
   const source = pool(16, (i) => (i * 131 + 7) & 0xff);
   const descriptor: KvPullDescriptor = {
     requestId: 'r1', sourceBlockIds: [3, 4, 5, 9], destinationBlockIds: [0, 1, 7, 2], layers: [0, 3],

@@ -15,7 +15,7 @@ import { ADMIN_KEY, engineIdle, startTestServer, waitFor, type TestServer } from
 import { parseSse, rawRequest, type RawResponse } from '../api/http-client.ts';
 import { total, value, type Exposition } from './exposition.ts';
 import { moved, scrape, startLiveServer, type LiveServer } from './integration-fixture.ts';
-import { havePromtool, promtool } from './promtool.ts';
+import { PROMTOOL_MISSING, havePromtool, promtool } from './promtool.ts';
 import { openCompletionStream } from '../helpers/http-stream.ts';
 
 /** A hang guard, not a speed requirement. */
@@ -108,7 +108,10 @@ function withoutTotal(timings: Record<string, unknown>): Record<string, unknown>
 function assertValidExposition(text: string): void {
   const types = text.split('\n').filter((l) => l.startsWith('# TYPE ')).map((l) => l.split(' ')[2]!);
   assert.deepEqual(types.filter((name, i) => types.indexOf(name) !== i), [], 'no family is defined twice');
-  if (!havePromtool()) return;
+}
+
+/** promtool's verdict on an exposition (its own test, so a machine without promtool reports a skip). */
+function assertPromtoolAccepts(text: string): void {
   const { output } = promtool(['check', 'metrics'], text);
   // Milliseconds are the unit on purpose (docs/observability.md); promtool's only other remarks would be errors.
   const problems = output.split('\n').filter((l) => l.trim() !== '' && !/use base unit "seconds" instead of "milliseconds"/.test(l));
@@ -634,5 +637,11 @@ describe('`conduit serve`\'s server, two workers behind the KV router', () => {
       if (family === 'conduit_slow_request_bottlenecks_total') continue; // depends on how fast this machine is
       assert.ok(!exposition.samples.some((s) => familyOf(s.name, exposition) === family), `${family} has series now`);
     }
+  });
+
+  // After the test above, the exposition holds series of every kind (finished, streamed, hung up, refused, limited).
+  it('promtool accepts the live exposition', LIVE, async (t) => {
+    if (!havePromtool()) return t.skip(PROMTOOL_MISSING);
+    assertPromtoolAccepts((await scrape(server.url)).text);
   });
 });
