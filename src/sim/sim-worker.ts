@@ -144,7 +144,16 @@ function simTokens(grammar: GrammarLoader | undefined): TokenSource<SimTokenStat
     return states;
   };
   return {
-    open: (request) => attach(request, SYNTHETIC_TOKENS.open(request).map((seed) => ({ seed }))),
+    open: (request) => {
+      const states = attach(request, SYNTHETIC_TOKENS.open(request).map((seed) => ({ seed })));
+      // A migrated request: the grammar goes on after the output its lost worker produced (as a cpu worker's does).
+      for (const tokenId of request.priorOutputTokenIds ?? []) {
+        if (states.every((state) => state.guided?.accept(tokenId) ?? true)) continue;
+        for (const state of states) state.guided?.dispose();
+        throw new InvalidRequestError('invalid_request', request.id, 'the output so far does not follow the request\'s grammar');
+      }
+      return states;
+    },
     resume: (handoff) => {
       const [state] = attach(handoff.request, [{ seed: SYNTHETIC_TOKENS.resume(handoff) }]);
       for (const tokenId of handoff.outputTokenIds) state!.guided?.accept(tokenId);
