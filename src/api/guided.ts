@@ -129,9 +129,21 @@ function readResponseFormat(fields: Fields): GuidedRequest | undefined {
   }
 }
 
+/**
+ * vLLM's fields for what this server's grammars do not offer: refused rather than ignored, since a request that
+ * relies on one would run without it. (vLLM's guided_decoding_backend is accepted and ignored: one backend here.)
+ */
+const WHITESPACE_PATTERN = 'a custom whitespace pattern is not supported; JSON whitespace is bounded, and '
+  + 'structured_outputs.disable_any_whitespace makes it compact.';
+const UNSUPPORTED_STRUCTURED: Record<string, string> = {
+  structural_tag: 'structural tags are not supported; use json, regex, choice or grammar.',
+  whitespace_pattern: WHITESPACE_PATTERN,
+};
+
 /** vLLM's guided_* fields and structured_outputs, each into a spec. */
 function readVllmGuided(fields: Fields): GuidedRequest[] {
   const found: GuidedRequest[] = [];
+  if (fields.has('guided_whitespace_pattern')) throw new UnsupportedFieldError('guided_whitespace_pattern', WHITESPACE_PATTERN);
   if (fields.has('guided_json')) found.push({ spec: jsonSchemaSpec('guided_json', fields.raw('guided_json')), param: 'guided_json' });
   if (fields.has('guided_regex')) {
     found.push({ spec: { kind: 'regex', pattern: fields.string('guided_regex', { nonEmpty: true })! }, param: 'guided_regex' });
@@ -142,6 +154,9 @@ function readVllmGuided(fields: Fields): GuidedRequest[] {
   }
   const structured = fields.fields('structured_outputs');
   if (structured) {
+    for (const [key, reason] of Object.entries(UNSUPPORTED_STRUCTURED)) {
+      if (structured.has(key)) throw new UnsupportedFieldError(structured.path(key), reason);
+    }
     if (structured.has('json')) found.push({ spec: jsonSchemaSpec(structured.path('json'), structured.raw('json')), param: structured.path('json') });
     if (structured.has('regex')) {
       found.push({ spec: { kind: 'regex', pattern: structured.string('regex', { nonEmpty: true })! }, param: structured.path('regex') });

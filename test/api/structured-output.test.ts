@@ -181,6 +181,10 @@ describe('structured outputs (response_format, guided_*)', () => {
       [{ guided_choice: [] }, 'guided_choice', /empty/],
       [{ guided_choice: ['a'], guided_regex: 'a' }, 'guided_choice', /only one/],
       [{ response_format: { type: 'json_object' }, guided_json: { type: 'object' } }, 'guided_json', /only one/],
+      // vLLM's options this server's grammars lack: refused, not run unconstrained.
+      [{ structured_outputs: { structural_tag: '{"type": "structural_tag"}' } }, 'structured_outputs.structural_tag', /structural tags/],
+      [{ structured_outputs: { json: { type: 'object' }, whitespace_pattern: ' ?' } }, 'structured_outputs.whitespace_pattern', /whitespace/],
+      [{ guided_json: { type: 'object' }, guided_whitespace_pattern: ' ?' }, 'guided_whitespace_pattern', /whitespace/],
     ];
     for (const [extra, param, message] of cases) {
       const response = await post('/v1/chat/completions', { model, messages, max_tokens: 8, ...extra });
@@ -188,6 +192,7 @@ describe('structured outputs (response_format, guided_*)', () => {
       const { error } = response.json();
       assert.equal(error.param, param, response.text);
       assert.match(error.message, message);
+      assert.ok(['invalid_value', 'unsupported_parameter', 'missing_required_parameter'].includes(error.code), response.text);
     }
     // The gateway's grammar engine survived the refusals: a good request still runs.
     const ok = await post('/v1/chat/completions', { model, messages, max_tokens: 8, guided_regex: '(ab)+' });
