@@ -18,7 +18,7 @@ export interface WaterfallView {
   tbt?: { p50_ms: number | null; p99_ms: number | null };
   routing?: {
     worker: string; strategy: string; prefill_worker: string | null; candidates: number | null; overlap_tokens: number | null;
-    worker_queue_depth: number | null; reason: string | null;
+    reason: string | null;
   } | null;
   token_times_ms?: number[];
   token_times_stride?: number;

@@ -58,7 +58,6 @@ function phaseDetail(phase, view) {
     lines.push(`chose ${r.worker}${r.prefill_worker ? ` (prefill on ${r.prefill_worker})` : ''} by ${r.strategy}`
       + `${r.candidates !== null && r.candidates !== undefined ? ` among ${r.candidates} candidates` : ''}`);
     if (r.overlap_tokens !== null && r.overlap_tokens !== undefined) lines.push(`cached prefix on it: ${r.overlap_tokens} tokens`);
-    if (r.worker_queue_depth !== null && r.worker_queue_depth !== undefined) lines.push(`its queue: ${r.worker_queue_depth} waiting`);
     if (r.reason) lines.push(`reason: ${r.reason}`);
   } else if (phase.phase === 'prefill_execution') {
     if (a.chunk !== undefined) lines.push(`chunk ${a.chunk}`);

@@ -291,7 +291,6 @@ export class WebConsole {
           strategy: routing.strategy, worker: routing.worker, prefill_worker: routing.prefillWorker ?? null,
           candidates: routing.candidates ?? null, overlap_tokens: routing.overlapTokens ?? null,
           kv_cache_hit: routing.kvCacheHit ?? null, reason: routing.reason ?? null,
-          worker_queue_depth: routing.workerQueueDepth ?? null,
         } : null,
         token_times_ms: tokenTimes,
         token_times_stride: stride,

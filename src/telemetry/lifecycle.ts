@@ -195,8 +195,6 @@ export interface RouterLookupEvent extends IntervalEvent {
   reason?: string;
   /** The cost terms of the cheapest workers weighed, cheapest first (RoutingSummary.costs). */
   costs?: readonly WorkerCostSummary[];
-  /** Requests waiting on the chosen worker when it was chosen (the router's load view). */
-  workerQueueDepth?: number;
   subPhasesMs?: RouterSubPhasesMs;
 }
 

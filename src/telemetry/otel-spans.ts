@@ -173,7 +173,6 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'routing.prefill_worker': routing.prefillWorker,
       'routing.selection_reason': routing.reason,
       'routing.worker_costs': formatWorkerCosts(routing.costs),
-      'routing.worker_queue_depth': routing.workerQueueDepth,
       'routing.latency_ms': round3(routing.endMs - routing.startMs),
       // Request migration: how often the request lost its worker mid-stream, and where it went each time.
       'routing.migrations': routing.migrations?.length,

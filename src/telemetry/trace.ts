@@ -78,7 +78,7 @@ export interface DecodeBatchSummary {
 
 /** The router's decision: its router_lookup event's facts, over the event's interval. */
 export interface RoutingSummary extends Pick<RouterLookupEvent,
-  'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason' | 'workerQueueDepth'
+  'strategy' | 'worker' | 'prefillWorker' | 'candidates' | 'overlapTokens' | 'kvCacheHit' | 'reason'
   | 'subPhasesMs' | 'costs'> {
   startMs: number;
   endMs: number;
@@ -467,7 +467,7 @@ function routingOf({ router, reports, phases }: BuildInput): RoutingSummary | un
   const routing: RoutingSummary = {
     startMs: router.start, endMs: router.time, strategy: router.strategy, worker: router.worker,
     prefillWorker: router.prefillWorker, candidates: router.candidates, overlapTokens: router.overlapTokens,
-    kvCacheHit: router.kvCacheHit, reason: router.reason, workerQueueDepth: router.workerQueueDepth,
+    kvCacheHit: router.kvCacheHit, reason: router.reason,
     subPhasesMs: router.subPhasesMs, costs: router.costs,
   };
   const migrations = reports.flatMap((r) => r.migrations ?? []);
@@ -499,7 +499,7 @@ interface QueueFacts {
 /** The queue: the engine's queued -> firstScheduled stamps, and the queue depth and budget the worker reported. */
 function queueOf({ router, firstWorkerReport, phases }: BuildInput, arrivalMs: number, endMs: number): QueueFacts {
   const firstTimestamps = firstWorkerReport?.timestamps;
-  const depthAtEntry = firstTimestamps?.queueDepthAtEntry ?? router?.workerQueueDepth;
+  const depthAtEntry = firstTimestamps?.queueDepthAtEntry;
   const queueStart = firstTimestamps?.queued;
   const queueEnd = firstTimestamps?.firstScheduled;
   const engineBudget = firstTimestamps?.budget;

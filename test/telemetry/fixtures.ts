@@ -29,6 +29,7 @@ export interface TimelineOptions {
   stream?: boolean;
   /** Emit one decode_execution event per step (the engine's own step stamps). */
   engineSteps?: boolean;
+  /** Requests the worker's scheduler had waiting when this one entered its queue. */
   queueDepth?: number;
   kvTransfer?: { ms: number; bytes: number; from: string; to: string; blocks?: number; link?: string };
 }
@@ -68,7 +69,6 @@ export function requestTimeline(o: TimelineOptions = {}): Timeline {
       phase: 'router_lookup', requestId: id, start: a + 1.0, time: a + 1.8, worker, strategy: 'kv_aware', candidates: 4,
       kvCacheHit: cachedTokens > 0, overlapTokens: cachedTokens, reason: cachedTokens > 0 ? `prefix_match_${cachedTokens}_tokens` : 'least_loaded',
       subPhasesMs: { hashing: 0.2, indexLookup: 0.3, selection: 0.3 },
-      ...(o.queueDepth !== undefined ? { workerQueueDepth: o.queueDepth } : {}),
     },
   ];
   let t = a + 2.0;
@@ -105,7 +105,10 @@ export function requestTimeline(o: TimelineOptions = {}): Timeline {
     }
   }
   const end = lastToken + 0.9;
-  const timestamps: EngineTimestamps = { arrival: a, queued, firstScheduled, prefillChunks, firstToken, lastToken, finished: lastToken };
+  const timestamps: EngineTimestamps = {
+    arrival: a, queued, firstScheduled, prefillChunks, firstToken, lastToken, finished: lastToken,
+    ...(o.queueDepth !== undefined ? { queueDepthAtEntry: o.queueDepth } : {}),
+  };
   const engine: EngineReport = { worker, timestamps, cachedTokens };
   events.push({ phase: 'finish', requestId: id, time: end, finishReason: 'length', promptTokens, outputTokens, cachedTokens, status: 200, engine });
   return {
