@@ -9,6 +9,12 @@ import type { EngineStats } from '../protocols/worker.ts';
 
 export const PROMETHEUS_CONTENT_TYPE = 'text/plain; version=0.0.4; charset=utf-8';
 
+/** One served model's engine stats, for its KV pool gauges. */
+export interface KvPoolStats {
+  model: string;
+  stats: EngineStats;
+}
+
 /**
  * The family of that name in the registry, or a new one. Servers that share a telemetry (and so its registry) share
  * these families too, instead of failing on a name registered twice.
@@ -107,19 +113,22 @@ export class GatewayMetrics {
     this.inFlight.set({ tenant }, value);
   }
 
-  /** The KV pool gauges from the engine's stats at scrape time; without an engine they have no series. */
-  setKvPool(stats: EngineStats | undefined, modelName: string | undefined): void {
+  /**
+   * The KV pool gauges from each served model's engine stats at scrape time, one series per model (each model has
+   * an engine, its workers' pools together); no model served yet (a frontend before its first worker): no series.
+   */
+  setKvPools(pools: readonly KvPoolStats[]): void {
     this.kvUsed.reset();
     this.kvCapacity.reset();
-    if (!stats) return;
-    const labels = { model: modelName ?? '' };
-    this.kvUsed.set(labels, stats.kvBlocksUsed);
-    this.kvCapacity.set(labels, stats.kvBlocksTotal);
+    for (const { model, stats } of pools) {
+      this.kvUsed.set({ model }, stats.kvBlocksUsed);
+      this.kvCapacity.set({ model }, stats.kvBlocksTotal);
+    }
   }
 
-  /** The whole registry (the telemetry's families too, when it is the telemetry's), the KV pool as of `stats`. */
-  render(stats: EngineStats | undefined, modelName: string | undefined): Promise<string> {
-    this.setKvPool(stats, modelName);
+  /** The whole registry (the telemetry's families too, when it is the telemetry's), the KV pools as of `pools`. */
+  render(pools: readonly KvPoolStats[]): Promise<string> {
+    this.setKvPools(pools);
     return this.registry.metrics();
   }
 }

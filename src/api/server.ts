@@ -423,9 +423,9 @@ export class ApiServer {
 
   private async sendMetrics(res: ServerResponse): Promise<void> {
     this.refreshEngineStats();
-    const engine = this.gateway.engine;
-    for (const { name, backend } of this.gateway.servedModels) if (backend.adapters) this.metrics.setLora(name, backend.adapters.stats());
-    const text = await this.metrics.render(engine?.stats(), this.gateway.servedModelName);
+    const served = this.gateway.servedModels;
+    for (const { name, backend } of served) if (backend.adapters) this.metrics.setLora(name, backend.adapters.stats());
+    const text = await this.metrics.render(served.map(({ name, backend }) => ({ model: name, stats: backend.engine.stats() })));
     res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
     res.end(text);
   }

@@ -91,6 +91,13 @@ describe('several models behind one server', () => {
     const text = (await rawRequest(server.url, { path: '/metrics' })).text;
     assert.match(text, /worker="beta:worker-1"/);
     assert.match(text, /worker="alpha:worker-0"/);
+    // Each model's KV pool, its own workers' blocks: both models' series, each its engine's capacity.
+    for (const { name, backend } of server.api.gateway.servedModels) {
+      const capacity = new RegExp(`^conduit_kv_cache_capacity_blocks\\{model="${name}"\\} (\\d+)$`, 'm').exec(text);
+      assert.ok(capacity, `a KV capacity series for ${name}`);
+      assert.equal(Number(capacity[1]), backend.engine.stats().kvBlocksTotal, name);
+      assert.match(text, new RegExp(`^conduit_kv_cache_used_blocks\\{model="${name}"\\} \\d+$`, 'm'));
+    }
   });
 });
 

@@ -215,7 +215,7 @@ describe('exposition', () => {
     gateway.countResponse('completions', 200, 'main');
     gateway.requestStarted('main');
     const stats = { numRunning: 0, numWaiting: 0, kvBlocksUsed: 3, kvBlocksTotal: 8, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 };
-    const text = await gateway.render(stats as EngineStats, 'm');
+    const text = await gateway.render([{ model: 'm', stats: stats as EngineStats }]);
     assert.equal(text, await metrics.render(), 'one exposition, the registry\'s');
     const typeLines = text.split('\n').filter((l) => l.startsWith('# TYPE ')).map((l) => l.split(' ')[2]!);
     assert.deepEqual(typeLines.filter((name, i) => typeLines.indexOf(name) !== i), []);
