@@ -8,7 +8,8 @@
 //
 // With --prefill-workers P --decode-workers D (cpu workers) the children run `--role prefill` and `--role decode`, and
 // the server's engine is the disaggregated one of a frontend (remote-disagg.ts): each decode worker pulls the KV of a
-// handed-off request straight from the prefill worker's KV port over loopback TCP. A lost child is not restarted
+// handed-off request straight from the prefill worker's KV port (through /dev/shm, or loopback TCP where that is not
+// usable: the link's own choice, kv-tcp.ts). A lost child is not restarted
 // there; a decode worker lost mid-stream migrates its requests (--migration-limit), a lost prefill worker's requests
 // are prefilled again.
 
