@@ -59,10 +59,18 @@ describe('context length on a KV cache smaller than the model context', () => {
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
   });
 
-  it('without max_tokens generates up to the advertised length', E2E, async () => {
+  it('without max_tokens: chat generates up to the advertised length, completions 16 tokens (OpenAI\'s and vLLM\'s defaults)', E2E, async () => {
     const { maxModelLen } = server.engine.info;
-    const whole = await client.completions.create({ model, prompt: 'Hello', ignore_eos: true } as OpenAI.CompletionCreateParamsNonStreaming);
+    const whole = await client.chat.completions.create({
+      model, messages: [{ role: 'user', content: 'Hello' }], ignore_eos: true,
+    } as OpenAI.ChatCompletionCreateParamsNonStreaming);
     assert.equal(whole.choices[0]!.finish_reason, 'length');
     assert.equal(whole.usage!.prompt_tokens + whole.usage!.completion_tokens, maxModelLen);
+    const legacy = await client.completions.create({ model, prompt: 'Hello', ignore_eos: true } as OpenAI.CompletionCreateParamsNonStreaming);
+    assert.equal(legacy.choices[0]!.finish_reason, 'length');
+    assert.equal(legacy.usage!.completion_tokens, 16);
+    // min_tokens above that default is refused as it is above an explicit max_tokens.
+    await assert.rejects(client.completions.create({ model, prompt: 'Hello', min_tokens: 17 } as OpenAI.CompletionCreateParamsNonStreaming),
+      (err: unknown) => err instanceof BadRequestError && err.param === 'min_tokens');
   });
 });

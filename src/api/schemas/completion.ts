@@ -9,6 +9,11 @@ import {
 } from './generation.ts';
 
 export const MAX_PROMPTS = 64;
+/**
+ * Tokens a completion may generate when the request sets neither max_tokens nor max_completion_tokens: OpenAI's
+ * legacy completions default, which vLLM keeps (chat has none: the rest of the context).
+ */
+export const COMPLETION_DEFAULT_MAX_TOKENS = 16;
 
 const UNSUPPORTED_COMPLETION = unsupportedFields({});
 
@@ -67,6 +72,12 @@ export function parseCompletionRequest(body: unknown, context: ValidationContext
   const suffix = fields.string('suffix');
   if (suffix) throw new UnsupportedFieldError('suffix', 'fill-in-the-middle suffixes are not supported.');
   const options = readGenerationOptions(fields, context);
+  if (options.maxTokens === undefined) {
+    options.maxTokens = COMPLETION_DEFAULT_MAX_TOKENS;
+    if (options.minTokens > options.maxTokens) {
+      throw new InvalidValueError('min_tokens', `${options.minTokens} is larger than max_tokens (${options.maxTokens}, the default).`);
+    }
+  }
   const bestOf = fields.integer('best_of', { min: 1 });
   if (bestOf !== undefined && bestOf !== options.n) {
     throw new UnsupportedFieldError('best_of', `best_of different from n is not supported (best_of ${bestOf}, n ${options.n}).`);
