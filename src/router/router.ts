@@ -410,10 +410,13 @@ export class Router {
         return this.chooseByCost(terms, candidates, temperature, `${why}; `);
       }
       case 'round-robin': {
+        // The turn is over every registered worker; views holds only those serving the request's model, in the
+        // same order, so each turn's worker is looked up among them.
         const numWorkers = this.workerIds.length;
         for (let step = 0; step < numWorkers; step++) {
-          const at = (this.roundRobinNext + step) % numWorkers;
-          if (!views[at]!.busy) return { index: at, strategy: 'round-robin', reason: 'next in turn' };
+          const workerId = this.workerIds[(this.roundRobinNext + step) % numWorkers]!;
+          const at = views.findIndex((view) => view.workerId === workerId);
+          if (at >= 0 && !views[at]!.busy) return { index: at, strategy: 'round-robin', reason: 'next in turn' };
         }
         throw new Error('round-robin found no candidate although one is not busy');
       }

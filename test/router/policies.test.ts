@@ -38,6 +38,23 @@ describe('routing policies', () => {
     assert.deepEqual(routeMany(cycle, 4), ['w3', 'w1', 'w2', 'w3']);
   });
 
+  it('round-robin takes turns among the workers serving the request\'s model (LoRA adapters), through the queue too', () => {
+    const router = makeRouter({ policy: 'round-robin' }, []);
+    router.addWorker('a', load(), []);
+    router.addWorker('b', load(), ['sql#1']);
+    router.addWorker('c', load(), ['sql#1']);
+    let seed = 500;
+    const routeFor = (model?: string) => workerOf(router.route(request(tokens(seed++, 9), model ? { model } : {}), 0));
+    // A request naming no model may go to any worker; an adapter's only to its holders, in turn.
+    assert.deepEqual([routeFor(), routeFor('sql#1'), routeFor('sql#1'), routeFor('sql#1'), routeFor()], ['a', 'b', 'c', 'b', 'c']);
+    // Every holder busy: the adapter request waits in the admission queue, and draining it later routes it to a holder.
+    router.updateLoad('b', load({ kvUsage: 0.99 }));
+    router.updateLoad('c', load({ kvUsage: 0.99 }));
+    assert.equal(router.route(request(tokens(7, 9), { requestId: 'q', model: 'sql#1' }), 0).kind, 'queued');
+    router.updateLoad('c', load());
+    assert.deepEqual(router.drainQueue(0).routed.map((r) => r.decision.workerId), ['c']);
+  });
+
   it('random is uniform over non-busy workers', () => {
     const router = makeRouter({ policy: 'random' }, ['a', 'b', 'c', 'd', 'e']);
     router.updateLoad('e', load({ kvUsage: 0.96 }));
