@@ -38,6 +38,7 @@ import {
   DEFAULT_DISAGGREGATION_POLICY, RateEstimate, decideDisaggregation, type DisaggregationPolicy,
 } from './disaggregation-policy.ts';
 import type { KvTransferChannel } from './kv-transfer.ts';
+import type { Admitted } from './router-admission.ts';
 import { routingRequestOf } from './routed-engine.ts';
 import {
   combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
@@ -431,7 +432,17 @@ export class DisaggregatedEngine implements Engine {
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
     const routing = routingRequestOf(request);
     const routeStartedAt = this.now();
-    const { decision: decodeDecision, queuedAt } = await this.admission.place(routing);
+    let placed: Admitted;
+    try {
+      placed = await this.admission.place(routing);
+    } catch (error) {
+      // Aborted while it waited in the admission queue: an abort, so the caller reports its own reason.
+      if (!flight.aborted) throw error;
+      flight.finished = true;
+      yield closingOutput(request, this.now());
+      return;
+    }
+    const { decision: decodeDecision, queuedAt } = placed;
     flight.decodeId = decodeDecision.workerId;
     flight.decodeDecision = decodeDecision;
     const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);

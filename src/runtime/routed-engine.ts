@@ -11,6 +11,7 @@ import type { Router } from '../router/router.ts';
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
+import type { Admitted } from './router-admission.ts';
 import {
   combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
   type WorkerGroupLog, type WorkerRestartOptions,
@@ -86,7 +87,17 @@ export class RoutedEngine implements Engine {
     const request = migration.request;
     const routingRequest = routingRequestOf(request);
     let routeStartedAt: number | undefined = this.now();
-    let { decision, queuedAt } = await this.group.admission.place(routingRequest);
+    let placed: Admitted;
+    try {
+      placed = await this.group.admission.place(routingRequest);
+    } catch (error) {
+      // Aborted while it waited in the admission queue (client gone, timeout, drain): an abort, as on a worker, so
+      // the caller reports its own reason rather than the queue's refusal.
+      if (!migration.aborted) throw error;
+      yield migration.closingOutput(this.now());
+      return;
+    }
+    let { decision, queuedAt } = placed;
     let engine = this.group.get(decision.workerId);
     for (;;) {
       const workerId = decision.workerId;

@@ -6,7 +6,11 @@ import assert from 'node:assert/strict';
 import { WorkerLostError } from '../../src/engine/errors.ts';
 import { DEFAULT_SAMPLING, type EngineRequest } from '../../src/engine/types.ts';
 import { LocalEngine } from '../../src/engine/local-engine.ts';
-import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
+import { Router } from '../../src/router/router.ts';
+import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
+import { createWorkerPool, simPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
+import { seededRandom } from '../../src/util/random.ts';
+import { waitUntil } from '../helpers/wait-until.ts';
 import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { collect } from '../helpers/outputs.ts';
 
@@ -113,6 +117,33 @@ describe('routed engine: prefix-cache reset', () => {
       }
     } finally {
       await pool.engine.close();
+    }
+  });
+});
+
+describe('routed engine: a request aborted in the router\'s admission queue', () => {
+  test('ends as an abort (its caller\'s reason applies), not as the queue\'s overload refusal', async () => {
+    const sim = simPool({ sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: 1 } });
+    const worker = sim.make({ enableKvEvents: false });
+    // One request waiting for its first token makes the worker busy: the next waits in the admission queue.
+    const router = new Router({ blockSize: worker.info.blockSize, policy: 'kv', busyNumWaiting: 1, random: seededRandom(1) });
+    const routed = new RoutedEngine([{ id: 'w', engine: worker }], router, () => worker.now());
+    try {
+      const running = routed.generate(request(prompt(1, 64, 0), 100_000))[Symbol.asyncIterator]();
+      const first = running.next();
+      const queuedReq = request(prompt(2, 64, 0));
+      const queued = collect(routed.generate(queuedReq));
+      await waitUntil(() => router.stats().numQueued === 1, 'the second request waits in the admission queue', 5000);
+      routed.abort(queuedReq.id);
+      const outputs = await queued;
+      assert.equal(outputs.length, 1);
+      assert.equal(outputs[0]!.finishReason, 'abort');
+      assert.equal(router.stats().numQueued, 0);
+      routed.abort((await first).value.requestId);
+      for (;;) if ((await running.next()).done) break;
+      assert.equal(worker.stats().kvBlocksUsed, 0);
+    } finally {
+      await routed.close();
     }
   });
 });
