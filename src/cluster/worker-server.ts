@@ -173,7 +173,7 @@ export class WorkerServer {
   /** Prefill role: serves pulls of handed-off blocks over TCP; their requests, pinned until released. */
   private kvServer: KvTransferServer | undefined;
   private kvPort: number | undefined;
-  private readonly pinned = new Set<string>();
+  private readonly pinned = new Map<string, Connection>();
   /** Decode role: the staging pool KV pulled over TCP lands in before the engine copies it into its own pool. */
   private staging: { pool: SharedArrayBuffer; layout: KvPoolLayout; free: number[]; held: Map<string, number[]> } | undefined;
   /**
@@ -391,8 +391,9 @@ export class WorkerServer {
     socket.on('close', () => {
       clearTimeout(helloTimer);
       this.connections.delete(connection);
-      // The frontend is gone: what it started stops here.
+      // The frontend is gone: what it started stops here, handed-off requests it will never release included.
       for (const id of connection.requests) this.abortRequest(id);
+      for (const [id, owner] of this.pinned) if (owner === connection) this.abortRequest(id);
       for (const [id, stream] of this.incoming) if (stream.connection === connection) this.cancelIncoming(id, 'the frontend is gone');
     });
   }
@@ -443,7 +444,7 @@ export class WorkerServer {
         const id = message.id;
         if (typeof id !== 'string') return;
         if (this.incoming.get(id)?.connection === connection) this.cancelIncoming(id, 'aborted');
-        if (connection.requests.has(id)) this.abortRequest(id);
+        if (connection.requests.has(id) || this.pinned.get(id) === connection) this.abortRequest(id);
         return;
       }
       case 'reset': {
@@ -626,7 +627,7 @@ export class WorkerServer {
     const onWorkerClock = shiftRequest(request, -offset);
     void this.stream(connection, id, offset, this.holdingAdapter(connection, id, onWorkerClock.lora, () => engine.prefill!(onWorkerClock)), (handoff) => {
       handedOff = true;
-      this.pinned.add(id);
+      this.pinned.set(id, connection);
       this.kvServer?.handedOff(id, handoff.sourceBlockIds);
       this.send(connection, { t: 'handoff', id, handoff: toWireHandoff(shiftHandoff(handoff, offset)) });
     }).then(() => {

@@ -16,7 +16,7 @@ import { kvHostId } from '../../src/cluster/kv-shm.ts';
 import type { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
-import { kvBlockBytes } from '../../src/engine/handoff.ts';
+import { kvBlockBytes, type KvHandoff } from '../../src/engine/handoff.ts';
 
 const TOKEN = 'disagg-token';
 const BLOCK = 16;
@@ -261,6 +261,18 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'local');
     await assertClean(engine, outputs[0]!.requestId, [decode]);
   });
+  test('a frontend gone after the hand-over, before it released the handoff: the prefill worker frees the pinned blocks', async () => {
+    const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path);
+    served.push(prefill);
+    const frontend = await RemoteEngine.connect(prefill.address, { clusterToken: TOKEN });
+    let handoff: KvHandoff | undefined;
+    for await (const event of frontend.prefill(request(prompt(9, 90)))) if (event.type === 'handoff') handoff = event.handoff;
+    assert.ok(handoff && handoff.sourceBlockIds.length > 0, 'a handoff with pinned blocks');
+    assert.ok((await prefill.engine.sync()).kvBlocksUsed > 0, 'the handed-off blocks stay pinned until released');
+    await frontend.close();
+    await assertFree(prefill);
+  });
+
   test('blocks the decode worker holds in its prefix cache are not pulled: only the rest moves, same greedy text', async () => {
     // Pulled after the handoff (a stream started during the prefill moves every block; see the test after this one).
     const { engine, prefill, decode } = await build({ stream: false });
