@@ -210,7 +210,12 @@ export class EngineCore extends StepCore<SequenceSampler> {
    * prompt is recomputed here ('recompute').
    */
   adopt(handoff: KvHandoff, source: KvSourceView | typeof KV_IN_PLACE_SOURCE | null): AdoptedResult | null {
-    this.checkLora(handoff.request);
+    try {
+      this.checkLora(handoff.request);
+    } catch (error) {
+      this.refuseAdoption(handoff.requestId);
+      throw error;
+    }
     if (source === null) return this.adoptHandoff(handoff, this.now(), { recompute: 'no KV source for this prefill worker' });
     if (source === KV_IN_PLACE_SOURCE) {
       try {

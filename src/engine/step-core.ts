@@ -206,7 +206,14 @@ export class StepCore<T> {
       }
     }
     const tokens = this.tokenSource.open(accepted);
-    const request = this.scheduler.addRequest(accepted, nowMs, { queuedMs: options.queuedMs, handOff: options.handoff });
+    let request: Request;
+    try {
+      request = this.scheduler.addRequest(accepted, nowMs, { queuedMs: options.queuedMs, handOff: options.handoff });
+    } catch (error) {
+      // Refused (too long, too many sequences): its token states (a grammar's matchers) go with it.
+      if (this.tokenSource.close) for (const state of tokens) this.tokenSource.close(state);
+      throw error;
+    }
     const texts = tokens.map(() => this.textSource.open(accepted.sampling));
     this.states.set(request.id, { request, tokens, texts, handoff: options.handoff });
   }
@@ -223,6 +230,7 @@ export class StepCore<T> {
     const pendingAt = this.pendingAdoptions.findIndex((p) => p.handoff.requestId === requestId);
     if (pendingAt >= 0) {
       const [pending] = this.pendingAdoptions.splice(pendingAt, 1);
+      this.tokenSource.close?.(pending!.tokens);
       return [notAdoptedOutput(pending!.handoff, nowMs, reason, error)];
     }
     const state = this.states.get(requestId);
@@ -495,14 +503,28 @@ export class StepCore<T> {
     if (this.states.has(id) || this.pendingAdoptions.some((p) => p.handoff.requestId === id)) {
       throw new InvalidRequestError('duplicate_request_id', id, 'a request with this id is already here');
     }
-    const tokens = this.tokenSource.resume(handoff);
-    const text = this.textSource.open(handoff.request.sampling);
-    for (const tokenId of handoff.outputTokenIds) text.push(tokenId); // its text went out from the prefill worker
-    if ('recompute' in kvImport) return this.adoptByRecompute(handoff, tokens, text, nowMs, kvImport.recompute);
-    const pending: PendingAdoption<T> = { handoff, tokens, text, kvImport };
-    const result = this.tryAdopt(pending, nowMs);
-    if (result === null) this.pendingAdoptions.push(pending);
-    return result;
+    let tokens: T | undefined;
+    try {
+      tokens = this.tokenSource.resume(handoff);
+      const text = this.textSource.open(handoff.request.sampling);
+      for (const tokenId of handoff.outputTokenIds) text.push(tokenId); // its text went out from the prefill worker
+      if ('recompute' in kvImport) return this.adoptByRecompute(handoff, tokens, text, nowMs, kvImport.recompute);
+      const pending: PendingAdoption<T> = { handoff, tokens, text, kvImport };
+      const result = this.tryAdopt(pending, nowMs);
+      if (result === null) this.pendingAdoptions.push(pending);
+      return result;
+    } catch (error) {
+      // Refused here: what was opened or held for it goes (its token state, the prefix hold and blocks reserved
+      // for its import), since no abort will follow for a request this worker never took.
+      if (tokens !== undefined) this.tokenSource.close?.(tokens);
+      this.releasePrefixHold(id);
+      throw error;
+    }
+  }
+
+  /** A handed-off request this worker refuses before adopting it: its prefix hold and import reservation go. */
+  protected refuseAdoption(requestId: string): void {
+    this.releasePrefixHold(requestId);
   }
 
   private handOff(state: RequestState<T>, nowMs: number): void {

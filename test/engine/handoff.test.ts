@@ -462,6 +462,15 @@ for (const model of models) {
       prefill.releaseHandoff('s');
       drain(decode);
       assertAllFree(prefill, decode);
+      // An adopt refused (an adapter this worker does not hold): what was prepared for its import is given back,
+      // since no abort follows for a request this worker never took.
+      decode.prepareKvImport('s', handoffS!.blockHashes, 6);
+      assert.ok(decode.stats().kvBlocksUsed > 0);
+      const withAdapter = structuredClone(handoffS!);
+      withAdapter.request = { ...withAdapter.request, lora: 'absent' };
+      assert.throws(() => decode.adopt(withAdapter, KV_IN_PLACE_SOURCE), /absent/);
+      assert.equal(decode.numImportReservations, 0);
+      assertAllFree(decode);
     });
 
     test('aborts free blocks at every stage on both cores', (t) => {

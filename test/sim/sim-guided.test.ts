@@ -1,10 +1,19 @@
-// Guided requests on a simulated worker that takes over a migrated request: the worker advances the grammar over the
-// output the lost worker produced (priorOutputTokenIds), as a cpu worker does, so the whole output is one match.
+// Guided requests on simulated workers: one that takes over a migrated request advances the grammar over the output
+// the lost worker produced (priorOutputTokenIds), as a cpu worker does, so the whole output is one match; and the
+// step core shared with the cpu engine closes every grammar matcher it opened for a request it refuses or drops.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { engineNow } from '../../src/engine/clock.ts';
 import { DEFAULT_SAMPLING, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { GrammarLoader, type GuidedSequence } from '../../src/engine/grammar/runtime.ts';
+import type { KvHandoff } from '../../src/engine/handoff.ts';
+import { readGguf } from '../../src/model/gguf.ts';
+import { LLAMA_SPM_TOKENIZER_PATH } from '../../src/model/synthetic.ts';
+import { createTokenizer } from '../../src/model/tokenizer/index.ts';
 import { simPool } from '../../src/runtime/worker-pool.ts';
+import { getHardwareProfile } from '../../src/sim/hardware.ts';
+import { getModelProfile } from '../../src/sim/models.ts';
+import { SimWorker, type SimWorkerConfig } from '../../src/sim/sim-worker.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 
 const GUIDED = { kind: 'regex', pattern: '[a-z]{60}\\.' } as const;
@@ -46,5 +55,87 @@ describe('a guided request migrated to a simulated worker', () => {
     } finally {
       await engine.close();
     }
+  });
+});
+
+describe('grammar matchers of requests a simulated worker refuses or drops', () => {
+  /** A grammar loader whose matchers are counted while open (the WASM objects a leak would keep). */
+  async function countedGrammar() {
+    const tokenizer = createTokenizer({ kind: 'gguf', file: readGguf(LLAMA_SPM_TOKENIZER_PATH) });
+    const grammar = new GrammarLoader(tokenizer);
+    const runtime = await grammar.load();
+    const open = new Set<GuidedSequence>();
+    const openOf = runtime.open.bind(runtime);
+    runtime.open = (spec) => {
+      const sequence = openOf(spec);
+      open.add(sequence);
+      const dispose = sequence.dispose.bind(sequence);
+      sequence.dispose = () => {
+        open.delete(sequence);
+        dispose();
+      };
+      return sequence;
+    };
+    return { tokenizer, grammar, open };
+  }
+
+  function worker(counted: Awaited<ReturnType<typeof countedGrammar>>, config: Partial<SimWorkerConfig>): SimWorker {
+    return new SimWorker({
+      model: getModelProfile('llama-3.1-8b'), hw: getHardwareProfile('h100'), tp: 1, numKvBlocks: 64, blockSize: 16,
+      vocabSize: counted.tokenizer.vocabSize, eosTokenId: counted.tokenizer.eosId!, tokenizer: counted.tokenizer,
+      grammar: counted.grammar, ...config,
+    });
+  }
+
+  /** A guided request whose prompt shares no block with another id's. */
+  function guided(id: string, promptLength: number, sampling: Partial<SamplingParams> = {}): EngineRequest {
+    const base = 300 + 500 * id.charCodeAt(id.length - 1);
+    return {
+      id, promptTokenIds: Array.from({ length: promptLength }, (_, i) => base + i), priority: 0, arrivalMs: 0,
+      sampling: { ...DEFAULT_SAMPLING, maxTokens: 40, seed: 3, guided: GUIDED, ...sampling },
+    };
+  }
+
+  test('refused at add (more completions than sequences, a prompt the pool cannot hold): no matcher left open', async () => {
+    const counted = await countedGrammar();
+    const w = worker(counted, { maxNumSeqs: 2 });
+    assert.throws(() => w.add(guided('many', 8, { n: 3 }), 0));
+    assert.throws(() => w.add(guided('long', 64 * 16 + 1), 0));
+    assert.equal(counted.open.size, 0);
+    w.add(guided('fine', 8), 0);
+    assert.equal(counted.open.size, 1, 'an accepted request keeps its matcher');
+  });
+
+  test('a handoff waiting for room, aborted; a handoff refused at adoption: no matcher left open, nothing held', async () => {
+    const counted = await countedGrammar();
+    // The prefill side: two guided requests run to their first token and handed off.
+    const prefill = worker(counted, { role: 'prefill' });
+    for (const id of ['h1', 'h2']) prefill.add(guided(id, 100), 0, { handoff: true });
+    let now = 0;
+    const handoffs: KvHandoff[] = [];
+    for (let i = 0; handoffs.length < 2 && i < 50; i++) {
+      const step = prefill.beginStep(now)!;
+      now = step.endMs;
+      prefill.finishStep(step);
+      handoffs.push(...prefill.takeHandoffs());
+    }
+    assert.equal(handoffs.length, 2);
+    // The decode side holds one prompt of 7 blocks in 10: the second waits for room, then is aborted.
+    const decode = worker(counted, { role: 'decode', numKvBlocks: 10 });
+    const before = counted.open.size;
+    assert.notEqual(decode.adopt(handoffs[0]!, now), null);
+    assert.equal(decode.adopt(handoffs[1]!, now), null, 'no room yet: the adoption waits');
+    assert.equal(counted.open.size, before + 2);
+    decode.abort('h2', now);
+    assert.equal(counted.open.size, before + 1, 'the aborted adoption\'s matcher is closed');
+    // A handoff this worker can never hold (its pool is smaller than the prompt) is refused with its matcher closed.
+    // Blocks reserved for its import first (as a decode worker process does before pulling) are given back too.
+    const tiny = worker(counted, { role: 'decode', numKvBlocks: 4 });
+    const prepared = tiny.prepareKvImport('h2', handoffs[1]!.blockHashes, 3);
+    assert.equal(prepared.blockIds?.length, 3);
+    assert.throws(() => tiny.adopt(handoffs[1]!, now));
+    assert.equal(counted.open.size, before + 1);
+    assert.equal(tiny.numImportReservations, 0);
+    assert.equal(tiny.stats().kvBlocksUsed, 0);
   });
 });
