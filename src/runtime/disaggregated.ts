@@ -598,6 +598,7 @@ export class DisaggregatedEngine implements Engine {
     this.prefillRouter.onRouted(routing, decision, this.now());
     let handoff: KvHandoff | null = null;
     let emitted = false;
+    let fallBackWhy: string | undefined;
     try {
       for await (const event of prefillEngine.prefill(request)) {
         if (event.type === 'handoff') {
@@ -622,15 +623,16 @@ export class DisaggregatedEngine implements Engine {
         throw new WorkerLostError(prefillId, `prefill worker ${prefillId} was lost while prefilling request ${request.id}`);
       }
       if (flight.aborted) throw error;
-      if (!emitted) {
-        const why = error instanceof Error ? error.message : String(error);
-        return yield* this.fallBack(request, flight, decodeEngine, `prefill worker ${prefillId} failed: ${why}`);
+      if (emitted) {
+        throw new Error(`request ${request.id}: prefill worker ${prefillId} failed after the first token and before `
+          + `handing the request over: ${error instanceof Error ? error.message : String(error)}`, { cause: error });
       }
-      throw new Error(`request ${request.id}: prefill worker ${prefillId} failed after the first token and before `
-        + `handing the request over: ${error instanceof Error ? error.message : String(error)}`, { cause: error });
+      fallBackWhy = `prefill worker ${prefillId} failed: ${error instanceof Error ? error.message : String(error)}`;
     } finally {
       this.prefillRouter.onFinished(request.id, this.now());
     }
+    // Prefilled on the decode worker instead: the prefill worker's part (and its router entry) ended above.
+    if (fallBackWhy !== undefined) return yield* this.fallBack(request, flight, decodeEngine, fallBackWhy);
     if (flight.aborted) {
       // The abort crossed the handoff on its way: the prefill worker's own abort unpinned the blocks (or will).
       this.releaseSource(flight);

@@ -9,6 +9,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { engineNow } from '../../src/engine/clock.ts';
 import { WorkerLostError } from '../../src/engine/errors.ts';
+import type { PrefillEvent } from '../../src/engine/handoff.ts';
 import { LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
@@ -281,6 +282,32 @@ describe(`cancellation and failure on real workers (${cpuTestModel().name})`, ()
       assert.deepEqual([why.mode, why.reason], ['local', 'transfer-failed']);
       assert.match(why.detail, /differ in dtype/);
       for (const worker of [prefill, decode]) assert.equal((await worker.sync()).kvBlocksUsed, 0);
+    } finally {
+      await engine.close();
+    }
+  });
+
+  test('a prefill worker that fails before the first token: the decode worker prefills, and the prefill router lets go at once', async () => {
+    const prefill = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'prefill' });
+    const decode = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'decode' });
+    // The worker stays up and refuses the prompt (as one that hit an internal error would).
+    prefill.prefill = () => (async function* (): AsyncGenerator<PrefillEvent> { throw new Error('internal error'); })();
+    const prefillRouter = new Router({ blockSize: BLOCK, random: seededRandom(1), index: new BitsetKvIndex() });
+    const engine = new DisaggregatedEngine({
+      prefill: [{ id: 'p', engine: prefill }], decode: [{ id: 'd', engine: decode }], prefillRouter,
+      decodeRouter: new Router({ blockSize: BLOCK, random: seededRandom(2), index: new BitsetKvIndex() }),
+      channel: new SharedMemoryKvChannel(), policy: { minRemotePrefillTokens: 16 },
+      estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true }, now: engineNow,
+    });
+    try {
+      const outputs: EngineOutput[] = [];
+      for await (const output of engine.generate(request(prompt(45, 64), { maxTokens: 30 }))) {
+        // Decoding on the decode worker: the prefill worker's part is over, its router no longer counts the request.
+        if (outputs.push(output) === 2) assert.equal(prefillRouter.stats().numActiveRequests, 0);
+      }
+      const why = outputs.at(-1)!.routing!.disaggregation!;
+      assert.deepEqual([why.mode, why.reason], ['local', 'prefill-failed']);
+      assert.equal(tokens(outputs).length, 30);
     } finally {
       await engine.close();
     }
