@@ -66,7 +66,10 @@ export function readTools(fields: Fields): ToolsRequest | undefined {
     if (description !== undefined) definition.description = description;
     if (fn.has('parameters')) {
       const parameters = readObject(fn.path('parameters'), fn.raw('parameters'));
-      checkJsonSchema(parameters, fn.path('parameters'));
+      // Only a schema the output will be decoded under (tool_choice "required", or this tool named) must be one a
+      // grammar can enforce; under "auto" and "none" it only goes to the chat template, as with OpenAI and vLLM.
+      const constrained = choice?.kind === 'required' || (choice?.kind === 'named' && choice.name === name);
+      if (constrained) checkJsonSchema(parameters, fn.path('parameters'));
       if (parameters.type !== undefined && parameters.type !== 'object') {
         throw new InvalidValueError(childPath(fn.path('parameters'), 'type'), "a function's parameters must be an object schema.");
       }
@@ -433,8 +436,9 @@ export class ToolChatShape implements ResponseShape {
     }
   }
 
+  /** "tool_calls" for calls the model chose to make ("auto", "required"); a named tool's call ends with "stop", as OpenAI's. */
   private finishReason(reason: WireFinishReason | null, calls: number): WireFinishReason | 'tool_calls' | null {
-    return reason === 'stop' && calls > 0 ? 'tool_calls' : reason;
+    return reason === 'stop' && calls > 0 && this.mode.kind !== 'named' ? 'tool_calls' : reason;
   }
 
   openingChunks(usage: WireUsage | null | undefined): object[] {
@@ -564,7 +568,7 @@ export class ToolChatShape implements ResponseShape {
       wire.message.tool_calls = parsed.calls.map((call) => ({
         id: newToolCallId(), type: 'function', function: { name: call.name, arguments: call.arguments },
       } satisfies WireToolCall));
-      wire.finish_reason = 'tool_calls';
+      wire.finish_reason = this.finishReason('stop', parsed.calls.length)!;
     });
     return body;
   }

@@ -195,7 +195,8 @@ describe('tool calling through HTTP (synthetic model)', () => {
         tool_choice: { type: 'function', function: { name: 'get_weather' } },
       });
       const choice = response.choices[0]!;
-      assert.equal(choice.finish_reason, 'tool_calls');
+      // A named (forced) call ends with "stop", as OpenAI's and vLLM's do; "tool_calls" is for calls the model chose.
+      assert.equal(choice.finish_reason, 'stop');
       assert.equal(choice.message.content, null);
       const calls = choice.message.tool_calls!;
       assert.equal(calls.length, 1);
@@ -216,7 +217,7 @@ describe('tool calling through HTTP (synthetic model)', () => {
     const stream = await client.chat.completions.create({ ...body, stream: true });
     const assembled = assembleToolCalls();
     for await (const chunk of stream) assembled.add(chunk);
-    assert.equal(assembled.finishReason, 'tool_calls');
+    assert.equal(assembled.finishReason, 'stop');
     assert.equal(assembled.calls.length, 1);
     assert.equal(assembled.calls[0]!.name, 'get_weather');
     assert.equal(assembled.calls[0]!.arguments, whole.choices[0]!.message.tool_calls![0]!.type === 'function'
@@ -329,8 +330,11 @@ describe('tool calling through HTTP (synthetic model)', () => {
       [{ tools: [{ type: 'function' }] }, 'tools[0].function'],
       [{ tools: [WEATHER_TOOL, WEATHER_TOOL] }, 'tools[1].function.name'],
       [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'array' } } }] }, 'tools[0].function.parameters.type'],
-      [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { not: {} } } } } }] },
+      // A schema a grammar cannot enforce is refused where the output is decoded under it: "required", or its tool named.
+      [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { not: {} } } } } }], tool_choice: 'required' },
         'tools[0].function.parameters.properties.a.not'],
+      [{ tools: [WEATHER_TOOL, { type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { a: { uniqueItems: true } } } } }],
+        tool_choice: { type: 'function', function: { name: 'f' } } }, 'tools[1].function.parameters.properties.a.uniqueItems'],
       [{ tools: [WEATHER_TOOL], tool_choice: { type: 'function', function: { name: 'nope' } } }, 'tool_choice.function.name'],
       [{ tool_choice: 'required' }, 'tool_choice'],
       [{ tools: [WEATHER_TOOL], tool_choice: 'sometimes' }, 'tool_choice'],
@@ -341,6 +345,25 @@ describe('tool calling through HTTP (synthetic model)', () => {
       assert.equal(response.status, 400, `${JSON.stringify(extra)}: ${response.text}`);
       assert.equal(response.json().error.param, param, response.text);
     }
+    await waitFor(() => engineIdle(server.engine), 'nothing running');
+  });
+
+  it('under "auto" and "none" a tool\'s schema only goes to the template: keywords no grammar enforces are accepted', E2E, async () => {
+    // pydantic's set[str] gives uniqueItems; generated schemas often carry not / if-then-else / patternProperties.
+    const loose = { type: 'function', function: { name: 'tag', parameters: { type: 'object', properties: {
+      tags: { type: 'array', items: { type: 'string' }, uniqueItems: true }, n: { type: 'integer', multipleOf: 2, not: { const: 0 } },
+    } } } };
+    for (const choice of [undefined, 'auto', 'none']) {
+      const response = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+        model, messages, max_tokens: 4, tools: [WEATHER_TOOL, loose], ...(choice ? { tool_choice: choice } : {}),
+      } });
+      assert.equal(response.status, 200, `${choice}: ${response.text}`);
+    }
+    // Naming another tool decodes under that tool's schema only: the loose one is still just for the template.
+    const named = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+      model, messages, max_tokens: 4, tools: [WEATHER_TOOL, loose], tool_choice: { type: 'function', function: { name: WEATHER_TOOL.function.name } },
+    } });
+    assert.equal(named.status, 200, named.text);
     await waitFor(() => engineIdle(server.engine), 'nothing running');
   });
 });
