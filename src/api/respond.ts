@@ -27,9 +27,19 @@ function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
     logprobs: output.logprobs,
     promptLogprobs: output.promptLogprobs,
     finishReason: wireFinishReason(output.finishReason),
-    stopReason: output.stopReason ?? null,
+    stopReason: wireStopReason(run, event.promptIndex, output.stopReason),
     tokens: output.newTokenIds.length,
   };
+}
+
+/**
+ * vLLM's stop_reason: the stop string or the request's own stop token id that ended the choice; null for anything
+ * else, the model's end-of-sequence token included (the engine names that token too, to leave its text out).
+ */
+function wireStopReason(run: GenerationRun, promptIndex: number, stopReason: string | number | undefined): string | number | null {
+  if (stopReason === undefined) return null;
+  if (typeof stopReason === 'string') return stopReason;
+  return run.engineRequests[promptIndex]?.sampling.stopTokenIds.includes(stopReason) ? stopReason : null;
 }
 
 /** The per-phase timings of the request so far, for the response that ends it (undefined without telemetry). */

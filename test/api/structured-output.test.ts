@@ -115,6 +115,15 @@ describe('structured outputs (response_format, guided_*)', () => {
       if ((cut.json().choices[0].text as string).includes('fox')) upToStop = k;
     }
     assert.ok(upToStop !== undefined && upToStop < total - 2, `"fox" after ${upToStop} of ${total} tokens`);
+    // Ended by the grammar's end (the model's EOS): stop_reason null, as vLLM's. Ended by a stop token id the request
+    // gave: that id. (The whole text's first token is the stop token id asked for below.)
+    assert.equal(whole.json().choices[0].finish_reason, 'stop');
+    assert.equal(whole.json().choices[0].stop_reason, null, whole.text);
+    const firstToken = await post('/v1/completions', { ...body, max_tokens: 1, logprobs: 0, return_tokens_as_token_ids: true });
+    const firstId = Number(/^token_id:(\d+)$/.exec(firstToken.json().choices[0].logprobs.tokens[0])![1]);
+    const onToken = await post('/v1/completions', { ...body, max_tokens: 32, stop_token_ids: [firstId] });
+    assert.equal(onToken.json().choices[0].finish_reason, 'stop', onToken.text);
+    assert.equal(onToken.json().choices[0].stop_reason, firstId, onToken.text);
     const stopped = await post('/v1/completions', { ...body, max_tokens: 32, stop: ['fox'] });
     assert.equal(stopped.status, 200, stopped.text);
     const stoppedChoice = stopped.json().choices[0];
