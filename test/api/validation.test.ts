@@ -121,6 +121,12 @@ describe('chat request validation', () => {
     });
   }
 
+  it('takes any positive repetition_penalty, as vLLM does', () => {
+    for (const penalty of [0.5, 2.5, 10]) {
+      assert.equal(parseChatCompletionRequest(chat({ repetition_penalty: penalty }), context).repetitionPenalty, penalty);
+    }
+  });
+
   it('accepts a full request and keeps every field', () => {
     const request = parseChatCompletionRequest(chat({
       messages: [

@@ -130,7 +130,8 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     topP: fields.number('top_p', { min: 0, max: 1, minExclusive: true }) ?? 1,
     topK: readTopK(fields),
     minP: fields.number('min_p', { min: 0, max: 1 }) ?? 0,
-    repetitionPenalty: fields.number('repetition_penalty', { min: 0, max: 2, minExclusive: true }) ?? 1,
+    // Any positive factor, as vLLM takes (OpenAI has no such field).
+    repetitionPenalty: fields.number('repetition_penalty', { min: 0, minExclusive: true }) ?? 1,
     presencePenalty: fields.number('presence_penalty', { min: -2, max: 2 }) ?? 0,
     frequencyPenalty: fields.number('frequency_penalty', { min: -2, max: 2 }) ?? 0,
     logitBias: readLogitBias(fields, context),
