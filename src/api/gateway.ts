@@ -25,7 +25,7 @@ import { GuidedChecker } from './guided.ts';
 import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
-import { toSamplingParams, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
+import { toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
 import { PromptEncoder } from './prompt-encoder.ts';
 import { SseWriter } from './sse.ts';
@@ -159,6 +159,31 @@ export type JsonReply = { status: number; body: object };
 /** OpenAI's "developer" role is the newer name of "system"; templates only know the latter. */
 function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
   return messages.map((message) => ({ ...message, role: message.role === 'developer' ? 'system' : message.role }));
+}
+
+/**
+ * continue_final_message: the rendered conversation cut right after the last message's content (what the template
+ * wrote after it, an end-of-turn token and the like, goes), so the model goes on writing that message, as
+ * Hugging Face's apply_chat_template does. A template that trims the content is matched by the trimmed text.
+ */
+function openFinalMessage(rendered: string, messages: readonly ChatMessage[]): string {
+  const content = messages.at(-1)?.content ?? '';
+  for (const text of [content, content.trim()]) {
+    if (text.length === 0) continue;
+    const at = rendered.lastIndexOf(text);
+    if (at >= 0) return rendered.slice(0, at + text.length);
+  }
+  throw new InvalidValueError('continue_final_message',
+    'the final message\'s content does not appear in the rendered chat (an empty message, or one the template rewrites), so it cannot be continued.');
+}
+
+/**
+ * The salt a request's prompt blocks are hashed with: its tenant's (name or cache group) and, within it, the
+ * request's own cache_salt. A request's salt narrows sharing inside its tenant and never reaches another tenant's.
+ */
+function cacheSaltOf(tenantSalt: string | undefined, requestSalt: string | undefined): { cacheSalt?: string } {
+  if (requestSalt === undefined) return tenantSalt !== undefined ? { cacheSalt: tenantSalt } : {};
+  return { cacheSalt: `${tenantSalt ?? ''}\u0000${requestSalt}` };
 }
 
 export class Gateway {
@@ -349,8 +374,10 @@ export class Gateway {
 
   // ---- prompts ----
 
-  private async renderChat(target: ModelTarget, messages: readonly ChatMessage[], addGenerationPrompt: boolean,
+  private async renderChat(target: ModelTarget, messages: readonly ChatMessage[],
+    rendering: { addGenerationPrompt: boolean; continueFinalMessage: boolean },
     templateKwargs: JsonObject | undefined, checkLength: boolean, tools?: readonly unknown[]): Promise<number[]> {
+    const { addGenerationPrompt } = rendering;
     const { backend } = target;
     if (!backend.chatTemplate) throw new NoChatTemplateError(target.name);
     let text: string;
@@ -363,6 +390,7 @@ export class Gateway {
       if (err instanceof ChatTemplateError) throw new BrokenChatTemplateError(err.message);
       throw err;
     }
+    if (rendering.continueFinalMessage) text = openFinalMessage(text, messages);
     // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
     // and the tokenizer put it there.
     if (checkLength) this.checkPromptBytes(backend, text, 'messages');
@@ -424,8 +452,8 @@ export class Gateway {
     const { backend } = target;
     if (request.guided) await this.guidedChecker.check(request.guided);
     const { tools } = request;
-    const tokenIds = await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, true,
-      tools?.raw);
+    const tokenIds = truncatedPrompt(await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, true,
+      tools?.raw), request.truncatePromptTokens, backend.engine.info.maxModelLen, request.maxTokens);
     // Told before the length checks, so a refused prompt's log line and trace still say how long it was.
     call.trace?.tokenized(tokenIds.length);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
@@ -460,10 +488,13 @@ export class Gateway {
     let promptTokens = 0;
     try {
       for (const [i, input] of request.prompts.entries()) {
-        const ids = 'text' in input ? await this.encode(backend, input.text, { addSpecialTokens: true, parseSpecial: true }) : input.tokenIds;
+        const given = 'text' in input
+          ? await this.encode(backend, input.text, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true }) : input.tokenIds;
+        const ids = truncatedPrompt(given, request.truncatePromptTokens, backend.engine.info.maxModelLen, request.maxTokens);
         promptTokens += ids.length;
-        const text = 'text' in input ? input.text
-          : request.echo ? tokenizer.decode(input.tokenIds, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
+        // The prompt as it runs: a truncated one is echoed as what is left of it.
+        const text = 'text' in input && ids === given ? input.text
+          : request.echo ? tokenizer.decode(ids, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
         prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), text));
       }
     } finally {
@@ -486,7 +517,7 @@ export class Gateway {
     const { backend } = target;
     const tokens = request.kind === 'prompt'
       ? await this.encode(backend, request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
-      : await this.renderChat(target, request.messages, request.addGenerationPrompt, request.chatTemplateKwargs, false);
+      : await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, false);
     return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 
@@ -616,7 +647,7 @@ export class Gateway {
       arrivalMs: call.arrivalMs,
       ...(request.deadlineMs !== undefined ? { deadlineMs: call.arrivalMs + request.deadlineMs } : {}),
       tenant: call.tenant.name,
-      ...(call.tenant.cacheSalt !== undefined ? { cacheSalt: call.tenant.cacheSalt } : {}),
+      ...cacheSaltOf(call.tenant.cacheSalt, request.cacheSalt),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs));

@@ -1,6 +1,6 @@
 // On a KV cache smaller than the model's context, the server advertises the context one sequence can really get
 // (GET /v1/models max_model_len), refuses a prompt + max_tokens beyond it with vLLM's 400, and without max_tokens
-// generates up to it, as vLLM does (max_tokens defaults to what is left).
+// generates up to it on chat, as vLLM does (max_tokens defaults to what is left; 16 on completions).
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';

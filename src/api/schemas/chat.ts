@@ -33,6 +33,11 @@ export interface ChatCompletionRequest extends GenerationOptions {
   /** Alternatives per token when logprobs is on (0 = only the chosen token). */
   topLogprobs: number;
   addGenerationPrompt: boolean;
+  /**
+   * vLLM's continue_final_message: the prompt ends inside the last message (rendered, then cut after its content),
+   * so the model continues it (a prefilled start of the answer) rather than writing a new one.
+   */
+  continueFinalMessage: boolean;
   chatTemplateKwargs?: JsonObject;
   /** tools, tool_choice and parallel_tool_calls (absent without tools). */
   tools?: ToolsRequest;
@@ -47,6 +52,7 @@ const UNSUPPORTED_CHAT = unsupportedFields({
   prediction: 'predicted outputs are not supported.',
   web_search_options: 'web search is not supported.',
   chat_template: 'per-request chat templates are not supported; the model\'s own template is used.',
+  echo: 'echo on chat completions is not supported; continue_final_message continues the last message instead.',
 });
 
 /** Text of one message's content: a string, or text parts joined by newlines. */
@@ -137,7 +143,17 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   if (topLogprobs !== undefined && topLogprobs > 0 && !logprobs) {
     throw new InvalidValueError('top_logprobs', 'top_logprobs needs logprobs set to true.');
   }
-  const chatTemplateKwargs = fields.fields('chat_template_kwargs')?.object;
+  // vLLM hands documents (RAG) and reasoning_effort to the template beside chat_template_kwargs, which win.
+  const templateExtras: JsonObject = {};
+  if (fields.has('documents')) templateExtras.documents = readArray('documents', fields.raw('documents'));
+  if (fields.has('reasoning_effort')) templateExtras.reasoning_effort = fields.string('reasoning_effort', { nonEmpty: true })!;
+  const ownKwargs = fields.fields('chat_template_kwargs')?.object;
+  const chatTemplateKwargs = ownKwargs || Object.keys(templateExtras).length > 0 ? { ...templateExtras, ...ownKwargs } : undefined;
+  const continueFinalMessage = fields.boolean('continue_final_message') ?? false;
+  const addGenerationPrompt = fields.boolean('add_generation_prompt');
+  if (continueFinalMessage && addGenerationPrompt === true) {
+    throw new InvalidValueError('continue_final_message', 'continue_final_message and add_generation_prompt cannot both be true.');
+  }
   const options = readGenerationOptions(fields, context);
   // "required" and named tool choices decode under a grammar, which leaves no room for another output constraint.
   const toolGrammar = tools ? toolGuided(tools) : undefined;
@@ -151,7 +167,8 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
     messages: messages.map((message, i) => readMessage(i, message)),
     logprobs,
     topLogprobs: topLogprobs ?? 0,
-    addGenerationPrompt: fields.boolean('add_generation_prompt') ?? true,
+    addGenerationPrompt: addGenerationPrompt ?? !continueFinalMessage,
+    continueFinalMessage,
     ...(chatTemplateKwargs ? { chatTemplateKwargs } : {}),
   };
 }

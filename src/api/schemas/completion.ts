@@ -40,6 +40,8 @@ export interface CompletionRequest extends GenerationOptions {
   promptOnly: boolean;
   /** Alternatives per token (0 = only the chosen token's logprob), or null for none. */
   logprobs: number | null;
+  /** vLLM's add_special_tokens: a text prompt gets the tokenizer's BOS (and EOS) as its metadata asks (default true). */
+  addSpecialTokens: boolean;
 }
 
 function readTokenList(param: string, value: unknown[], context: ValidationContext): number[] {
@@ -84,5 +86,6 @@ export function parseCompletionRequest(body: unknown, context: ValidationContext
   }
   const echo = fields.boolean('echo') ?? false;
   const logprobs = fields.integer('logprobs', { min: 0, max: MAX_LOGPROBS }) ?? null;
-  return { ...options, prompts: readPrompts(fields, context), echo, promptOnly, logprobs };
+  const addSpecialTokens = fields.boolean('add_special_tokens') ?? true;
+  return { ...options, prompts: readPrompts(fields, context), echo, promptOnly, logprobs, addSpecialTokens };
 }

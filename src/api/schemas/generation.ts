@@ -42,10 +42,21 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   promptLogprobs?: number;
   /** vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (undefined: the server's default). */
   returnTokensAsTokenIds?: boolean;
+  /** vLLM's cache_salt: the prompt's cached blocks are shared only with requests giving the same salt. */
+  cacheSalt?: string;
+  /** vLLM's truncate_prompt_tokens: keep only the prompt's last this many tokens (-1: as many as fit beside max_tokens). */
+  truncatePromptTokens?: number;
 }
 
-/** Fields from vLLM and others that name features this server does not have. */
-const UNSUPPORTED_EVERYWHERE: Record<string, string> = {};
+/**
+ * Fields from vLLM and others that name features this server does not have: refused, since a request relying on
+ * one would otherwise run without it.
+ */
+const UNSUPPORTED_EVERYWHERE: Record<string, string> = {
+  bad_words: 'bad_words is not supported; use logit_bias for single tokens or stop for strings.',
+  allowed_token_ids: 'allowed_token_ids is not supported; use logit_bias or guided_choice.',
+  logprob_token_ids: 'logprob_token_ids is not supported; use logprobs with top_logprobs.',
+};
 
 /** Fields an endpoint knowingly does not implement, with why; built once per endpoint. */
 export function unsupportedFields(table: Record<string, string>): ReadonlyMap<string, string> {
@@ -148,7 +159,25 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     ...guidedOption(fields),
     ...promptLogprobsOption(fields, stream),
     ...(fields.has('return_tokens_as_token_ids') ? { returnTokensAsTokenIds: fields.boolean('return_tokens_as_token_ids')! } : {}),
+    ...(fields.has('cache_salt') ? { cacheSalt: fields.string('cache_salt', { nonEmpty: true })! } : {}),
+    ...truncateOption(fields),
   };
+}
+
+function truncateOption(fields: Fields): { truncatePromptTokens?: number } {
+  const keep = fields.integer('truncate_prompt_tokens', { min: -1 });
+  if (keep === 0) throw new InvalidValueError('truncate_prompt_tokens', '0 would leave no prompt; use -1 (the context\'s length) or a positive count.');
+  return keep !== undefined ? { truncatePromptTokens: keep } : {};
+}
+
+/**
+ * The prompt's last tokens a request's truncate_prompt_tokens keeps: that many, or with -1 as many as the context
+ * holds beside max_tokens (one token when max_tokens is not set), so that the truncated prompt fits.
+ */
+export function truncatedPrompt(tokenIds: number[], keep: number | undefined, maxModelLen: number, maxTokens: number | undefined): number[] {
+  if (keep === undefined) return tokenIds;
+  const count = keep === -1 ? Math.max(1, maxModelLen - (maxTokens ?? 1)) : keep;
+  return tokenIds.length > count ? tokenIds.slice(tokenIds.length - count) : tokenIds;
 }
 
 function promptLogprobsOption(fields: Fields, stream: boolean): { promptLogprobs?: number } {

@@ -8,7 +8,7 @@ import { readTokenId, type ValidationContext } from './generation.ts';
 export type TokenizeRequest =
   | { kind: 'prompt'; model?: string; prompt: string; addSpecialTokens: boolean }
   | {
-    kind: 'messages'; model?: string; messages: ChatMessage[]; addGenerationPrompt: boolean;
+    kind: 'messages'; model?: string; messages: ChatMessage[]; addGenerationPrompt: boolean; continueFinalMessage: boolean;
     chatTemplateKwargs?: JsonObject;
   };
 
@@ -36,7 +36,8 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
   // Messages get exactly the treatment /v1/chat/completions gives them, so the counts agree.
   const chat = parseChatCompletionRequest(
     { messages: fields.raw('messages'), add_generation_prompt: fields.raw('add_generation_prompt'),
-      chat_template_kwargs: fields.raw('chat_template_kwargs') },
+      continue_final_message: fields.raw('continue_final_message'), chat_template_kwargs: fields.raw('chat_template_kwargs'),
+      documents: fields.raw('documents'), reasoning_effort: fields.raw('reasoning_effort') },
     context,
   );
   return {
@@ -44,6 +45,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
     ...(model !== undefined ? { model } : {}),
     messages: chat.messages,
     addGenerationPrompt: chat.addGenerationPrompt,
+    continueFinalMessage: chat.continueFinalMessage,
     ...(chat.chatTemplateKwargs ? { chatTemplateKwargs: chat.chatTemplateKwargs } : {}),
   };
 }
