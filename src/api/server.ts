@@ -83,6 +83,11 @@ export interface ApiServerOptions {
    * configured, /metrics needs an admin key, like /v1/slo and /v1/analysis.
    */
   publicMetrics?: boolean;
+  /**
+   * CORS (as vLLM's --allowed-origins): origins a browser page may call the API from, '*' for any; absent or
+   * empty: no CORS headers, so browsers keep to same-origin. Credentials (cookies) are never allowed.
+   */
+  allowedOrigins?: readonly string[];
 }
 
 interface RouteContext {
@@ -114,6 +119,8 @@ interface Route {
 
 /** Routes polled by orchestrators and scrapers: their request lines are debug-level, not info. */
 const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
+/** Response headers a cross-origin page may read: the request's id, retry hints and its trace context. */
+const CORS_EXPOSED_HEADERS = 'X-Request-Id, Retry-After, retry-after-ms, traceparent, tracestate';
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
 interface MultiWorkerEngine extends Engine {
@@ -469,6 +476,30 @@ export class ApiServer {
     return call.trace;
   }
 
+  /**
+   * CORS headers for a request from an allowed origin; a preflight (OPTIONS with Access-Control-Request-Method) is
+   * answered here, before routing and keys (browsers send it without the Authorization header). True when answered.
+   */
+  private allowCrossOrigin(req: IncomingMessage, res: ServerResponse, method: string): boolean {
+    const origins = this.options.allowedOrigins;
+    const origin = req.headers.origin;
+    if (!origins || origins.length === 0 || origin === undefined) return false;
+    const any = origins.includes('*');
+    if (!any && !origins.includes(origin)) return false;
+    res.setHeader('Access-Control-Allow-Origin', any ? '*' : origin);
+    if (!any) res.setHeader('Vary', 'Origin');
+    res.setHeader('Access-Control-Expose-Headers', CORS_EXPOSED_HEADERS);
+    if (method !== 'OPTIONS' || req.headers['access-control-request-method'] === undefined) return false;
+    res.writeHead(204, {
+      'Access-Control-Allow-Methods': 'GET, POST, OPTIONS',
+      'Access-Control-Allow-Headers': req.headers['access-control-request-headers'] ?? '*',
+      'Access-Control-Max-Age': '600',
+      'Content-Length': '0',
+    });
+    res.end();
+    return true;
+  }
+
   private async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const startedMs = performance.now();
     const path = (req.url ?? '/').split('?')[0]!;
@@ -481,6 +512,7 @@ export class ApiServer {
     });
     // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).
     if (this.stopping) res.setHeader('Connection', 'close');
+    if (this.allowCrossOrigin(req, res, method)) return;
     const traceparent = req.headers.traceparent;
     const tracestate = req.headers.tracestate;
     const validParent = typeof traceparent === 'string' && TRACEPARENT.test(traceparent);

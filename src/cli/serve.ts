@@ -88,6 +88,7 @@ export const SERVE_FLAGS = {
   'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
   'max-sequences-per-request': { type: 'number', help: 'most sequences (prompts x n) one request may ask for; more is a 400 (capped at --max-pending-requests)', default: DEFAULT_MAX_SEQUENCES_PER_REQUEST },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
+  'allowed-origins': { type: 'string', help: 'origins a browser page may call the API from (CORS), comma-separated or a JSON list as vLLM\'s; * for any, "" for none', default: '*' },
   'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
   'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
@@ -172,6 +173,8 @@ export interface ServeConfig {
   maxConnections: number;
   headersTimeoutMs: number;
   maxBodyBytes: number;
+  /** CORS: origins allowed ('*' for any; empty: no CORS headers). */
+  allowedOrigins: string[];
   requestTimeoutMs?: number;
   shutdownGraceMs: number;
   /** One decode_step span per engine step of a traced request (--trace-decode-steps). */
@@ -498,6 +501,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     maxConnections: positiveInteger(values['max-connections'], 'max-connections') ?? defaultMaxConnections(),
     headersTimeoutMs: headersTimeout * 1000,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
+    allowedOrigins: parseOrigins(values['allowed-origins']!),
     shutdownGraceMs: grace * 1000,
     kvCacheIdleReleaseSeconds: idleRelease,
     traceDecodeSteps: values['trace-decode-steps']!,
@@ -558,6 +562,22 @@ export interface RunningServer {
   modelPath: string;
 }
 
+/** --allowed-origins: a comma-separated list, or a JSON list of strings as vLLM takes it ('["*"]'). */
+export function parseOrigins(text: string): string[] {
+  const trimmed = text.trim();
+  if (trimmed.startsWith('[')) {
+    let list: unknown;
+    try {
+      list = JSON.parse(trimmed);
+    } catch {
+      throw new UsageError(`--allowed-origins: ${JSON.stringify(text)} is not a JSON list`);
+    }
+    if (!Array.isArray(list) || list.some((o) => typeof o !== 'string')) throw new UsageError('--allowed-origins: a JSON list of strings');
+    return (list as string[]).map((o) => o.trim()).filter((o) => o !== '');
+  }
+  return trimmed.split(',').map((o) => o.trim()).filter((o) => o !== '');
+}
+
 /** The gateway of a config (keys, limits, TLS, logging), not yet listening: what serve and frontend share. */
 export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clock): { api: ApiServer; keyStore: KeyStore } {
   for (const warning of config.warnings ?? []) logger.warn(warning);
@@ -570,6 +590,7 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
     keyStore,
     ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}),
     maxBodyBytes: config.maxBodyBytes,
+    allowedOrigins: config.allowedOrigins,
     ...(config.publicMetrics ? { publicMetrics: true } : {}),
     maxPendingRequests: config.maxPendingRequests,
     maxSequencesPerRequest: config.maxSequencesPerRequest,
