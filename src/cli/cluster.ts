@@ -23,6 +23,7 @@ export const CLUSTER_DEMO_FLAGS = {
   'sim-model': { type: 'string', help: 'model profile of simulated workers', default: 'llama-3.1-8b' },
   'migration-limit': { type: 'number', help: 'the frontend\'s --migration-limit', default: 1 },
   'routing-policy': { type: 'string', help: 'the frontend\'s --routing-policy', default: 'kv' },
+  'shutdown-grace': { type: 'number', help: 'seconds the frontend and the workers get to finish their streams when stopped (their --shutdown-grace)', default: 30 },
   'etcd-bin': { type: 'string', help: 'the etcd binary', default: '/usr/bin/etcd' },
   'nats-bin': { type: 'string', help: 'the nats-server binary', default: '/usr/sbin/nats-server' },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -71,24 +72,27 @@ export const clusterCommand: Command = {
     }
     const count = values.workers!;
     if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
+    const graceSeconds = values['shutdown-grace']!;
+    if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
-    const children: { name: string; child: ChildProcess }[] = [];
-    const start = (name: string, command: string, args: string[], env: NodeJS.ProcessEnv = {}): ChildProcess => {
+    // etcd and NATS stop at once; the frontend and the workers finish their streams first (their grace), then exit.
+    const children: { name: string; child: ChildProcess; killAfterMs: number }[] = [];
+    const start = (name: string, command: string, args: string[], env: NodeJS.ProcessEnv = {}, killAfterMs = 10_000): ChildProcess => {
       // A process group of its own: Ctrl-C in a terminal signals the whole foreground group, which would stop etcd
       // and NATS at once with everything else, and the workers could not deregister. Only this process hears it and
       // stops the children in order.
       const child = spawn(command, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'inherit', 'inherit'], detached: true });
       child.on('error', (error) => console.error(`conduit cluster: ${name}: ${error.message}`));
-      children.push({ name, child });
+      children.push({ name, child, killAfterMs });
       return child;
     };
     const stopAll = async (): Promise<void> => {
       // Frontend first (no new requests), workers (they drain), then the services.
-      for (const { child } of [...children].reverse()) {
+      for (const { child, killAfterMs } of [...children].reverse()) {
         if (child.exitCode !== null || child.signalCode !== null) continue;
         const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
         child.kill('SIGTERM');
-        const timer = setTimeout(() => child.kill('SIGKILL'), 10_000);
+        const timer = setTimeout(() => child.kill('SIGKILL'), killAfterMs);
         await exited;
         clearTimeout(timer);
       }
@@ -124,9 +128,13 @@ export const clusterCommand: Command = {
         ...(values.model !== undefined ? ['--model', values.model] : []),
         ...(values.engine === 'sim' ? ['--sim-model', values['sim-model']!] : []),
         '--threads', String(Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count)))];
-      for (let i = 0; i < count; i++) start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, ...engineArgs], env);
+      const grace = ['--shutdown-grace', String(graceSeconds)];
+      const killAfterMs = graceSeconds * 1000 + 10_000;
+      for (let i = 0; i < count; i++) {
+        start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, ...engineArgs, ...grace], env, killAfterMs);
+      }
       start('frontend', process.execPath, [CONDUIT_BIN, 'frontend', '--port', String(values.port), '--migration-limit',
-        String(values['migration-limit']), '--routing-policy', values['routing-policy']!], env);
+        String(values['migration-limit']), '--routing-policy', values['routing-policy']!, ...grace], env, killAfterMs);
       console.error(`conduit cluster: etcd ${etcdUrl}, NATS nats://127.0.0.1:${natsPort}, ${count} worker(s), frontend on `
         + `http://127.0.0.1:${values.port} (GET /health lists the workers); Ctrl-C stops everything`);
     } catch (error) {

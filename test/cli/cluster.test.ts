@@ -1,7 +1,8 @@
 // `conduit cluster` end to end: real etcd and nats-server, two sim workers and a frontend, all children of one
 // process started as a shell starts a job (a process group of its own). A request goes through the official client;
-// then Ctrl-C, which a terminal sends to the whole foreground group: the command stops its children in order, so the
-// workers deregister while etcd still runs, and nothing it started is left listening.
+// then Ctrl-C during a long stream, which a terminal sends to the whole foreground group: the command stops its
+// children in order, each within its grace, so the stream ends whole, the workers deregister while etcd still runs,
+// and nothing it started is left listening.
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import { after, describe, it } from 'node:test';
@@ -25,9 +26,10 @@ describe('conduit cluster', { skip: servicesMissing() }, () => {
     await stopAll();
   });
 
-  it('serves through its workers, and Ctrl-C stops them before etcd and NATS', async () => {
+  it('serves through its workers, and Ctrl-C stops them before etcd and NATS, after their streams (--shutdown-grace)', async () => {
     const port = await freePort();
-    cluster = startConduit(['cluster', '--engine', 'sim', '--workers', '2', '--port', String(port)], {}, { detached: true });
+    cluster = startConduit(['cluster', '--engine', 'sim', '--workers', '2', '--port', String(port), '--shutdown-grace', '40'], {},
+      { detached: true });
     const proc = cluster;
     const health = async (): Promise<{ ready?: boolean; workers?: unknown[] } | undefined> => {
       try {
@@ -53,7 +55,23 @@ describe('conduit cluster', { skip: servicesMissing() }, () => {
     assert.ok(services, `the command names its etcd and NATS:\n${proc.output()}`);
     const [etcdPort, natsPort] = [Number(services[1]), Number(services[2])];
 
+    // A stream that outlasts the 10 s etcd and NATS get to stop (about 12 s of simulated decode at real time): Ctrl-C
+    // during it lets the frontend and its worker finish it within their grace before anything is killed.
+    const stream = await client.completions.create({
+      model: model!.id, prompt: 'A long story', max_tokens: 2000, stream: true, ignore_eos: true,
+    } as OpenAI.CompletionCreateParamsStreaming);
+    const streamed = (async () => {
+      let tokens = 0;
+      let finish: string | null = null;
+      for await (const chunk of stream) {
+        if (chunk.choices[0]?.text) tokens++;
+        finish = chunk.choices[0]?.finish_reason ?? finish;
+      }
+      return { tokens, finish };
+    })();
+    await new Promise((resolve) => setTimeout(resolve, 500));
     process.kill(-proc.child.pid!, 'SIGINT');
+    assert.deepEqual(await streamed, { tokens: 2000, finish: 'length' }, proc.output());
     assert.equal(await proc.exited, 0, proc.output());
     const output = proc.output();
     for (const id of ['worker-0', 'worker-1']) assert.match(output, new RegExp(`worker ${id}: deregistered`));
