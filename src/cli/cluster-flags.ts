@@ -64,6 +64,7 @@ export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, nee
     const ca = readPem(values['etcd-ca-file'], 'etcd-ca-file');
     const cert = readPem(values['etcd-cert-file'], 'etcd-cert-file');
     const key = readPem(values['etcd-key-file'], 'etcd-key-file');
+    if (!cert !== !key) throw new UsageError('--etcd-cert-file and --etcd-key-file go together (the client certificate and its key)');
     config.etcd = {
       endpoints,
       ...(values['etcd-username'] !== undefined ? { username: values['etcd-username'], password: values['etcd-password'] ?? '' } : {}),

@@ -8,6 +8,7 @@
 // watch reconnects (etcd restarted), the prefix is listed again and the view reconciled (workers gone meanwhile are
 // removed, new ones added).
 
+import tls from 'node:tls';
 import { Etcd3, type IOptions, type Lease } from 'etcd3';
 import type { WorkerRole } from '../engine/types.ts';
 import type { ClusterLog } from './worker-server.ts';
@@ -65,9 +66,11 @@ export function etcdClient(options: EtcdConnectOptions): Etcd3 {
     faultHandling: { watchBackoff: constantBackoff(500) },
   };
   if (options.username !== undefined) config.auth = { username: options.username, password: options.password ?? '' };
-  if (options.caFile) {
+  if (options.caFile || options.certFile) {
     config.credentials = {
-      rootCertificate: options.caFile, ...(options.keyFile ? { privateKey: options.keyFile } : {}),
+      // A client certificate for an etcd whose own certificate a public CA signed: the system's roots.
+      rootCertificate: options.caFile ?? Buffer.from(tls.rootCertificates.join('\n')),
+      ...(options.keyFile ? { privateKey: options.keyFile } : {}),
       ...(options.certFile ? { certChain: options.certFile } : {}),
     };
   }

@@ -1,8 +1,12 @@
 // `conduit worker`'s LoRA and model options are checked before anything starts: --lora-modules (or
 // CONDUIT_LORA_MODULES) on a `conduit serve --worker-processes` child is refused by name, as are bad --max-loras /
-// --max-lora-rank values; --model NAME=PATH names the worker's one model as serve's flag does.
+// --max-lora-rank values; --model NAME=PATH names the worker's one model as serve's flag does; etcd's client
+// certificate and key go together.
 // (Workers of every role take --lora-modules: test/cluster/lora-disagg.test.ts.)
 import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
 import { workerCommand } from '../../src/cli/worker.ts';
@@ -41,5 +45,21 @@ describe('conduit worker: its one model', () => {
     await refused(['--model', 'llama=/models/m.gguf', '--lora-modules', 'a=/x.gguf@qwen'], /base model "qwen" is not this worker's \(llama\)/);
     await refused(['--model', 'llama=/models/m.gguf', '--served-model-name', 'other'], /is named "llama" and --served-model-name names it "other"/);
     await refused(['--model', 'llama='], /no path after "="/);
+  });
+});
+
+describe('conduit worker: etcd TLS files', () => {
+  it('refuses a client certificate without its key (or the key alone) instead of dropping them', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-etcd-tls-'));
+    try {
+      const pem = join(dir, 'x.pem');
+      writeFileSync(pem, '-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n');
+      for (const flag of ['--etcd-cert-file', '--etcd-key-file']) {
+        await assert.rejects(workerCommand.run([...SERVICES, flag, pem]),
+          (error: unknown) => error instanceof UsageError && /--etcd-cert-file and --etcd-key-file go together/.test(error.message));
+      }
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });
