@@ -35,8 +35,9 @@ export const WORKER_FLAGS = {
   port: { type: 'number', help: 'port of the request endpoint (0 = any free port)', default: 0 },
   'advertise-address': { type: 'string', help: 'host:port frontends reach this worker at (default: --host:port, or the host name when listening on all addresses)' },
   'worker-id': { type: 'string', help: 'this worker\'s id in discovery (default: host name, process id and a random suffix)' },
-  role: { type: 'string', help: 'both (aggregated), prefill or decode (disaggregated: a frontend over prefill and decode workers prefills on one and decodes on the other, the KV pulled over TCP)', default: 'both' },
+  role: { type: 'string', help: 'both (aggregated), prefill or decode (disaggregated: a frontend over prefill and decode workers prefills on one and decodes on the other, the KV streamed between them over TCP or /dev/shm)', default: 'both' },
   'kv-transfer-link': { type: 'string', help: 'how KV blocks move between prefill and decode workers: auto (shared memory, /dev/shm, when both run on one host, else TCP) or tcp (always TCP)', default: 'auto' },
+  'kv-port': { type: 'number', help: 'a prefill worker\'s KV port, on the interface of --host, where decode workers fetch KV blocks (default 0: any free port)', default: 0 },
   'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
   'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -63,6 +64,9 @@ export const workerCommand: Command = {
     if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
     const kvLink = values['kv-transfer-link']!;
     if (kvLink !== 'auto' && kvLink !== 'tcp') throw new UsageError(`--kv-transfer-link must be auto or tcp, got "${kvLink}"`);
+    const kvPort = values['kv-port']!;
+    if (!Number.isInteger(kvPort) || kvPort < 0 || kvPort > 65535) throw new UsageError(`--kv-port must be 0..65535, got ${kvPort}`);
+    if (kvPort !== 0 && values.role !== 'prefill') throw new UsageError('--kv-port is a prefill worker\'s (--role prefill): only it serves KV blocks');
     const ttl = values['lease-ttl']!;
     if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
     const backend = values.backend!;
@@ -99,7 +103,7 @@ export const workerCommand: Command = {
       workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
       host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
       ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
-      leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink,
+      leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink, ...(kvPort ? { kvPort } : {}),
       ...(!local ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
       pool: {
         engine: engineKind, backend,

@@ -33,6 +33,8 @@ export interface ClusterWorkerOptions {
   maxFrameBytes?: number;
   /** 'tcp': KV transfers with workers on this host go over TCP too, not shared memory (default 'auto'). */
   kvLink?: KvLinkPreference;
+  /** A prefill worker's KV port (default 0: any free port). */
+  kvPort?: number;
   /**
    * The worker's own LoRA adapters (`conduit worker`; not a `conduit serve --worker-processes` child, whose parent
    * manages them): loaded at start from `modules`, at most `maxLoras` resident, none above `maxLoraRank`; frontends
@@ -108,6 +110,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     ...(adapters ? { adapters, onAdaptersChanged: () => publishAdapters?.() } : {}),
     ...(options.maxFrameBytes !== undefined ? { maxFrameBytes: options.maxFrameBytes } : {}),
     ...(options.kvLink ? { kvLink: options.kvLink } : {}),
+    ...(options.kvPort ? { kvPort: options.kvPort } : {}),
   });
   let port: number;
   try {

@@ -56,6 +56,8 @@ export interface WorkerServerOptions {
   kvFaults?: { corruptRun?: number; truncateAfterRuns?: number; stallAfterRuns?: number };
   /** 'tcp': KV transfers never use shared memory, even between workers on one host (default 'auto'). */
   kvLink?: KvLinkPreference;
+  /** A prefill worker's KV port (default 0: any free port), for firewalls that open one port. */
+  kvPort?: number;
   /**
    * The worker's own LoRA adapters (`conduit worker`): lora-load / lora-unload register and unregister them here,
    * and a request's `lora` is the key this manager gave the adapter (acquired, so loaded again if it was evicted,
@@ -311,8 +313,8 @@ export class WorkerServer {
         this.server.off('error', reject);
         const bound = (this.server.address() as net.AddressInfo).port;
         if (!this.kvServer) return resolve(bound);
-        // The KV port: any free port on the same interface, told to frontends in the welcome.
-        this.kvServer.listen(0, host).then((kvPort) => { this.kvPort = kvPort; resolve(bound); }, reject);
+        // The KV port (any free one unless set) on the same interface, told to frontends in the welcome.
+        this.kvServer.listen(this.options.kvPort ?? 0, host).then((kvPort) => { this.kvPort = kvPort; resolve(bound); }, reject);
       });
     });
   }

@@ -1,7 +1,7 @@
 // `conduit worker`'s LoRA and model options are checked before anything starts: --lora-modules (or
 // CONDUIT_LORA_MODULES) on a `conduit serve --worker-processes` child is refused by name, as are bad --max-loras /
 // --max-lora-rank values; --model NAME=PATH names the worker's one model as serve's flag does; etcd's client
-// certificate and key go together.
+// certificate and key go together; --kv-port is a prefill worker's.
 // (Workers of every role take --lora-modules: test/cluster/lora-disagg.test.ts.)
 import assert from 'node:assert/strict';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
@@ -61,5 +61,15 @@ describe('conduit worker: etcd TLS files', () => {
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }
+  });
+});
+
+describe('conduit worker: --kv-port', () => {
+  it('is a prefill worker\'s, within 0..65535', async () => {
+    const refused = (args: string[], pattern: RegExp) =>
+      assert.rejects(workerCommand.run([...SERVICES, ...args]), (error: unknown) => error instanceof UsageError && pattern.test(error.message));
+    await refused(['--kv-port', '7100'], /--kv-port is a prefill worker's/);
+    await refused(['--role', 'decode', '--kv-port', '7100'], /--kv-port is a prefill worker's/);
+    await refused(['--role', 'prefill', '--kv-port', '70000'], /--kv-port must be 0..65535/);
   });
 });

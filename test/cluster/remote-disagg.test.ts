@@ -15,6 +15,7 @@ import { WorkerServer } from '../../src/cluster/worker-server.ts';
 import { kvHostId } from '../../src/cluster/kv-shm.ts';
 import type { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { cpuTestModel } from '../helpers/cpu-model.ts';
+import { freePort } from '../helpers/cluster-services.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 import { kvBlockBytes, type KvHandoff } from '../../src/engine/handoff.ts';
 
@@ -261,6 +262,21 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'local');
     await assertClean(engine, outputs[0]!.requestId, [decode]);
   });
+  test('a prefill worker\'s KV port can be pinned (--kv-port): frontends are told that one', async () => {
+    const kvPort = await freePort();
+    const engine = await LocalEngine.start({ modelPath: model.path, kvCacheMemoryBytes: 1 << 20, threads: 1, blockSize: BLOCK, role: 'prefill' });
+    const server = new WorkerServer({ workerId: 'pinned-port', engine, role: 'prefill', clusterToken: TOKEN, kvPort });
+    try {
+      const port = await server.listen(0, '127.0.0.1');
+      const remote = await RemoteEngine.connect(`127.0.0.1:${port}`, { clusterToken: TOKEN });
+      assert.equal(remote.kvPort, kvPort);
+      await remote.close();
+    } finally {
+      await server.close();
+      await engine.close();
+    }
+  });
+
   test('a frontend gone after the hand-over, before it released the handoff: the prefill worker frees the pinned blocks', async () => {
     const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path);
     served.push(prefill);
