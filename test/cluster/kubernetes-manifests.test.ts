@@ -61,5 +61,12 @@ describe('Kubernetes manifests', () => {
     assert.ok(worker.args.includes('--advertise-address=$(POD_IP):7000'));
     const grace = Number(/--shutdown-grace=(\d+)/.exec(worker.args.join(' '))![1]);
     assert.ok(deployment('conduit-worker').spec.template.spec.terminationGracePeriodSeconds > grace, 'the pod outlives the drain');
+    // A worker's port opens only once its model is loaded: a startup probe holds liveness off for minutes of loading.
+    assert.equal(worker.startupProbe.tcpSocket.port, 7000);
+    assert.ok(worker.startupProbe.periodSeconds * worker.startupProbe.failureThreshold >= 300, 'at least 5 minutes to load a model');
+    // etcd's peer URL names its pod through the StatefulSet's governing Service, which must be headless to resolve.
+    const etcd = all.find((o) => o.kind === 'StatefulSet' && o.metadata.name === 'conduit-etcd')!;
+    const governing = all.find((o) => o.kind === 'Service' && o.metadata.name === etcd.spec.serviceName)!;
+    assert.equal(governing.spec.clusterIP, 'None');
   });
 });
