@@ -144,16 +144,33 @@ describe('KvCacheManager', () => {
     kv.releaseBlockCopy(copy);
     kv.free(table);
 
-    // Two blocks: the shared block, the pinned source and a fresh one do not fit, so nothing is taken.
+    // Three blocks, one held by another sequence: the shared block, the pinned source and a fresh one do not fit
+    // now, so nothing is taken (the request waits for room).
+    const tight = makeManager(3);
+    const d = computeSequence(tight, range(100, 8)).table;
+    tight.free(d);
+    const other = computeSequence(tight, range(900, 4)).table;
+    const waiting = tight.createTable();
+    const hit = tight.findCachedPrefix(waiting, range(100, 8));
+    assert.ok(hit.copySource !== undefined);
+    assert.equal(tight.allocateSlots(waiting, 7, 1, hit), null);
+    assert.equal(waiting.pendingCopy, null);
+    assert.equal(tight.numPins, 0);
+    assert.equal(tight.numFreeBlocks, 2);
+    tight.free(other);
+    tight.checkInvariants([]);
+
+    // Two blocks, the whole pool: a copy would never fit (it needs three), so the prompt's last block is computed.
     const small = makeManager(2);
     const c = computeSequence(small, range(100, 8)).table;
     small.free(c);
-    const waiting = small.createTable();
-    const hit = small.findCachedPrefix(waiting, range(100, 8));
-    assert.equal(small.allocateSlots(waiting, 7, 1, hit), null);
-    assert.equal(waiting.pendingCopy, null);
-    assert.equal(small.numPins, 0);
-    assert.equal(small.numFreeBlocks, 2);
+    const whole = small.createTable();
+    const cached = small.findCachedPrefix(whole, range(100, 8));
+    assert.equal(cached.copySource, undefined);
+    assert.equal(cached.numTokens, 4);
+    assert.equal(small.allocateSlots(whole, 4, 4, cached)!.length, 1);
+    assert.equal(whole.pendingCopy, null);
+    small.free(whole);
     small.checkInvariants([]);
   });
 

@@ -52,6 +52,26 @@ describe('Scheduler: copy-on-write of a fully cached prompt', () => {
     assert.equal(plan.stats.numPrefillTokens, 2);
   });
 
+  test('a cached prompt as long as the whole pool computes its last block (a copy would need one block more): it and the requests behind it run', () => {
+    const scheduler = makeScheduler({ blockSize: 4, numBlocks: 4 });
+    scheduler.addRequest(makeRequest('a', prompt(0, 16), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    assert.equal(scheduler.numRequests, 0);
+    // Sent again (a client's retry), then a small request behind it.
+    scheduler.addRequest(makeRequest('b', prompt(0, 16), { sampling: { maxTokens: 1 } }), 1);
+    scheduler.addRequest(makeRequest('c', prompt(1, 3), { sampling: { maxTokens: 1 } }), 1);
+    const plan = scheduler.schedule(1);
+    assert.deepEqual(summary(plan), ['b/0+4*1'], 'three blocks from the cache, the last one computed');
+    assert.equal(scheduler.getRequest('b')!.numCachedTokens, 12);
+    assert.deepEqual(plan.blockCopies, []);
+    scheduler.updateFromOutput(plan, [7], 2);
+    for (let turn = 0; scheduler.numRequests > 0; turn++) {
+      assert.ok(turn < 5, 'every request ran');
+      step(scheduler, 2 + turn);
+    }
+    scheduler.checkInvariants();
+  });
+
   for (const ending of ['updateFromOutput', 'discardPlan'] as const) {
     test(`an abort between scheduling and the copy loses nothing (then ${ending})`, () => {
       const scheduler = makeScheduler({ blockSize: 4, numBlocks: 4 });

@@ -226,8 +226,11 @@ export class KvCacheManager {
     if (this.enablePrefixCaching && tokenIds.length > 0 && (options.reuse ?? true)) {
       const numFullBlocks = Math.floor(tokenIds.length / this.blockSize);
       const maxBlocks = Math.floor((tokenIds.length - 1) / this.blockSize);
-      // Only a sequence ending exactly on a block boundary has a full block beyond maxBlocks worth looking up.
-      const numLookups = (options.copyOnWrite ?? true) ? numFullBlocks : maxBlocks;
+      // Only a sequence ending exactly on a block boundary has a full block beyond maxBlocks worth looking up. Its
+      // copy takes one block more than the sequence (the source stays while the copy is made): a sequence as long
+      // as the pool would never fit that way, so its last block is computed instead.
+      const copyOnWrite = (options.copyOnWrite ?? true) && numFullBlocks < this.numBlocks;
+      const numLookups = copyOnWrite ? numFullBlocks : maxBlocks;
       extendBlockHashes(table.blockHashes, tokenIds, this.blockSize, table.extraKeys, numLookups);
       for (let i = 0; i < numLookups; i++) {
         const block = this.pool.getCachedBlock(table.blockHashes[i]!);
