@@ -18,7 +18,7 @@
 // sequence the policy ranks first is never the victim while another is running.
 
 import { KvCacheManager } from './kv-cache/manager.ts';
-import type { BlockTable, KvBlockCopy, KvPin } from './kv-cache/manager.ts';
+import type { BlockTable, CachedPrefix, KvBlockCopy, KvPin } from './kv-cache/manager.ts';
 import type { KvBlock } from './kv-cache/free-block-queue.ts';
 import type { BlockHash } from '../protocols/kv-events.ts';
 import { InvalidRequestError, type RejectionCode } from './errors.ts';
@@ -414,15 +414,29 @@ export class Scheduler {
         if (tokenBudget === 0 || (bound !== null && this.order(sequence, bound) >= 0)) break;
         // A prompt whose logprobs are wanted waits for a step with rows left (before it could preempt anyone).
         if (promptRowBudget === 0 && sequence.needsPromptLogprobs && sequence.numPromptTokens > 1) break;
-        while (this.runningSeats + sequence.numSeats > this.maxNumSeqs && makeRoom(sequence));
-        if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
         // A prompt whose logprobs are wanted is computed whole: a cached position would have no logits row.
-        const prefix = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds, { reuse: !sequence.needsPromptLogprobs });
-        const numNewTokens = this.withinPromptRows(sequence, prefix.numTokens,
-          this.chunkSize(sequence.numTokens - prefix.numTokens, tokenBudget), promptRowBudget);
+        const lookUp = () => {
+          const found = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds, { reuse: !sequence.needsPromptLogprobs });
+          const tokens = this.withinPromptRows(sequence, found.numTokens,
+            this.chunkSize(sequence.numTokens - found.numTokens, tokenBudget), promptRowBudget);
+          return { prefix: found, numNewTokens: tokens };
+        };
+        // Only when the victims' blocks could be enough: nobody is preempted (for a seat or for room) for a request
+        // that would wait anyway.
+        const worthPreempting = (planned: ReturnType<typeof lookUp>) => preemptive
+          && this.reclaimableFor(sequence, planned.prefix) >= this.freshBlocksFor(planned.prefix, planned.numNewTokens);
+        if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) {
+          if (worthPreempting(lookUp())) while (this.runningSeats + sequence.numSeats > this.maxNumSeqs && makeRoom(sequence));
+          if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
+        }
+        let { prefix, numNewTokens } = lookUp();
         let fits = this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) !== null;
-        // Only when the victims' blocks could be enough: nobody is preempted for a request that would wait anyway.
-        if (!fits && preemptive && this.reclaimableFor(sequence) >= this.kv.blocksFor(prefix.numTokens + numNewTokens) - prefix.blocks.length) {
+        // A lower-tier block gone or unreadable since the lookup: look again (the lookup no longer plans it).
+        for (let retry = 0; !fits && prefix.stale && retry < 4; retry++) {
+          ({ prefix, numNewTokens } = lookUp());
+          fits = this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) !== null;
+        }
+        if (!fits && worthPreempting({ prefix, numNewTokens })) {
           while (!fits && makeRoom(sequence)) {
             fits = this.kv.allocateSlots(sequence.blockTable, prefix.numTokens, numNewTokens, prefix) !== null;
           }
@@ -901,9 +915,20 @@ export class Scheduler {
     return victim;
   }
 
-  /** Free blocks plus those of the running sequences ranked after `sequence` (an upper bound: some may be shared). */
-  private reclaimableFor(sequence: Sequence): number {
+  /** Fresh blocks a sequence's admission takes beyond its cached prefix (the copy of a copy source included). */
+  private freshBlocksFor(prefix: CachedPrefix, numNewTokens: number): number {
+    return this.kv.blocksFor(prefix.numTokens + numNewTokens) - prefix.blocks.length;
+  }
+
+  /**
+   * Blocks a sequence's admission could get as fresh ones: the free blocks, less those of its own cached prefix (and
+   * copy source) that are free (they are taken as they are, not as room), plus the blocks of the running sequences
+   * ranked after it (an upper bound: some may be shared).
+   */
+  private reclaimableFor(sequence: Sequence, prefix: CachedPrefix): number {
     let blocks = this.kv.numFreeBlocks;
+    for (const block of prefix.blocks) if (block.refCount === 0) blocks--;
+    if (prefix.copySource !== undefined && prefix.copySource.refCount === 0) blocks--;
     for (const other of this.running) {
       if (other.status === 'running' && this.order(sequence, other) < 0) blocks += other.blockTable.blocks.length;
     }

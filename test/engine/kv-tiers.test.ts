@@ -4,7 +4,7 @@
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
-import { KvTiers, RamKvTier, type KvBlockIo, type KvTiersOptions } from '../../src/engine/kv-cache/tiers.ts';
+import { KvTiers, RamKvTier, type KvBlockIo, type KvBlockStore, type KvTiersOptions } from '../../src/engine/kv-cache/tiers.ts';
 import { Scheduler } from '../../src/engine/scheduler.ts';
 import type { BlockHash, KvEvent } from '../../src/protocols/kv-events.ts';
 import { blockIds, makeRequest, prompt, step, summary } from './scheduler-fixtures.ts';
@@ -223,6 +223,29 @@ describe('KV tiers: onboard', () => {
     const table = kv.createTable();
     assert.equal(kv.findCachedPrefix(table, a, { lowerTiers: false }).numTokens, 0);
     assert.equal(kv.findCachedPrefix(kv.createTable(), a).numTokens, 8);
+  });
+
+  test('a planned lower-tier block found unreadable at onboard: the prompt is looked up again and admitted, nobody preempted', () => {
+    // A disk tier that lists the prompt's first block but cannot read it (as a file failing its checksum: dropped).
+    const hi = prompt(7, 9);
+    const listed = new Set<BlockHash>();
+    const disk: KvBlockStore = {
+      tier: 'disk', capacityBlocks: 100, get numBlocks() { return listed.size; }, has: (hash) => listed.has(hash),
+      get: (hash) => { listed.delete(hash); return null; }, put: () => true, hashes: () => [...listed], clear: () => listed.clear(),
+    };
+    const io = new FakePool();
+    const kv = new KvCacheManager({ numBlocks: 64, blockSize: BLOCK_SIZE, tiers: new KvTiers({ blockBytes: BLOCK_BYTES, disk }), blockIo: io });
+    io.kv = kv;
+    listed.add(hashesOf(kv, hi)[0]!);
+    const scheduler = new Scheduler({ policy: 'priority', maxNumBatchedTokens: 64, maxNumSeqs: 8, maxModelLen: 64, eosTokenIds: [2] }, kv);
+    for (let i = 0; i < 4; i++) scheduler.addRequest(makeRequest(`low${i}`, prompt(20 + i, 3), { priority: 5, sampling: { maxTokens: 50 } }), 0);
+    step(scheduler, 0);
+    scheduler.addRequest(makeRequest('hi', hi, { priority: 0, sampling: { maxTokens: 50 } }), 1);
+    const { plan } = step(scheduler, 1);
+    assert.deepEqual(plan.preempted.map((s) => s.request.id), [], 'the pool had room: an unreadable block is no reason to preempt');
+    assert.ok(summary(plan).includes('hi/0+9*1'), `hi computes its whole prompt in this step: ${summary(plan).join(' ')}`);
+    assert.equal(kv.stats().tiers!.tiers.disk!.corruptBlocks, 1);
+    scheduler.checkInvariants();
   });
 
   test('a prefix-cache reset forgets the RAM tier too', () => {

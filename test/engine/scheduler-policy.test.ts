@@ -117,6 +117,40 @@ describe('Scheduler preemption', () => {
   });
 });
 
+describe('Scheduler preemption: only for a request that can then run', () => {
+  it('a seat is not freed by preemption for a request the KV pool could not hold even then', () => {
+    const scheduler = makeScheduler({ policy: 'priority', numBlocks: 8, maxNumSeqs: 2, maxModelLen: 1000 });
+    scheduler.addRequest(makeRequest('c', prompt(0, 15), { priority: 0, sampling: { maxTokens: 50 } }), 0); // 4 blocks
+    scheduler.addRequest(makeRequest('a', prompt(1, 3), { priority: 2, sampling: { maxTokens: 50 } }), 0); // 1 block
+    step(scheduler, 0);
+    // b ranks between them and needs 5 blocks: the 3 free and a's 1-2 can never hold it while c runs.
+    scheduler.addRequest(makeRequest('b', prompt(2, 20), { priority: 1, sampling: { maxTokens: 50 } }), 1);
+    for (let t = 1; t < 5; t++) {
+      const { plan } = step(scheduler, t);
+      assert.deepEqual(plan.preempted.map((s) => s.request.id), [], `step ${t}: nobody preempted for b`);
+      assert.deepEqual(summary(plan).map((e) => e.split('/')[0]).sort(), ['a', 'c']);
+    }
+    assert.equal(scheduler.stats().numPreemptions, 0);
+    scheduler.checkInvariants();
+  });
+
+  it('a request\'s own free cached blocks are not counted as room a preemption could make', () => {
+    const scheduler = makeScheduler({ policy: 'priority', numBlocks: 10, maxModelLen: 1000 });
+    const long = prompt(3, 36);
+    scheduler.addRequest(makeRequest('p', long.slice(0, 20), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler, 0); // 5 cached blocks, free
+    scheduler.addRequest(makeRequest('h', prompt(4, 9), { priority: 0, sampling: { maxTokens: 50 } }), 1); // 3 blocks
+    scheduler.addRequest(makeRequest('l', prompt(5, 5), { priority: 2, sampling: { maxTokens: 50 } }), 1); // 2 blocks
+    step(scheduler, 1);
+    // s needs its 5 cached blocks and 4 fresh ones; the 5 free blocks are all its own prefix, and l's 2 are too few.
+    scheduler.addRequest(makeRequest('s', long, { priority: 1, sampling: { maxTokens: 50 } }), 2);
+    for (let t = 2; t < 5; t++) assert.deepEqual(step(scheduler, t).plan.preempted.map((s) => s.request.id), [], `step ${t}`);
+    assert.equal(scheduler.getRequest('l')!.sequences[0]!.status, 'running');
+    assert.equal(scheduler.stats().numPreemptions, 0);
+    scheduler.checkInvariants();
+  });
+});
+
 describe('Scheduler preemption for a more urgent waiting request', () => {
   it('priority, no free seat: the running request ranked last is preempted and the waiting one admitted in its place', () => {
     const scheduler = makeScheduler({ policy: 'priority', maxNumSeqs: 1, enablePrefixCaching: false });

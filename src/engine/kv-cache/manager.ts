@@ -149,6 +149,11 @@ export interface CachedPrefix {
    */
   onboard?: OnboardPlan;
   /**
+   * Set by allocateSlots when a block of `onboard` was gone or unreadable by then (it returned null for that, not
+   * for want of room): look the prefix up again, which plans without that block.
+   */
+  stale?: boolean;
+  /**
    * The tokens the sequence need not compute: blocks.length * blockSize, plus blockSize - 1 with a copy source,
    * plus the onboarded blocks' tokens.
    */
@@ -293,7 +298,10 @@ export class KvCacheManager {
     const onboard = prefix?.onboard;
     const onboardStart = onboard !== undefined && onboard.hashes.length > 0 ? this.tiers!.stamp() : 0;
     const fetched = onboard !== undefined && onboard.hashes.length > 0 ? this.tiers!.fetch(onboard) : undefined;
-    if (fetched === null) return null;
+    if (fetched === null) {
+      prefix!.stale = true;
+      return null;
+    }
 
     // Pinned before allocating: a free copy source would otherwise be the next block the allocation evicts.
     const copyPin = copySource !== undefined ? this.pinBlocks([copySource]) : null;
