@@ -477,7 +477,9 @@ export class SimWorker extends StepCore<SimTokenState> {
    */
   planTransfer(handoff: KvHandoff): SimTransferPlan {
     const tokenIds = [...handoff.request.promptTokenIds, ...handoff.outputTokenIds];
-    const hit = this.kv.findCachedPrefix(this.kv.createTable({ cacheSalt: handoff.request.cacheSalt }), tokenIds, { copyOnWrite: false });
+    // Hashed as the adoption will hash them (scheduler.adoptRequest): the tenant's salt and the request's adapter.
+    const table = this.kv.createTable({ cacheSalt: handoff.request.cacheSalt, adapterId: handoff.request.lora });
+    const hit = this.kv.findCachedPrefix(table, tokenIds, { copyOnWrite: false });
     const reusedBlocks = Math.min(hit.blocks.length, Math.floor(handoff.numComputedTokens / this.kv.blockSize));
     const blocks = this.kv.blocksFor(handoff.numComputedTokens) - reusedBlocks;
     const tokens = blocks * this.kv.blockSize;

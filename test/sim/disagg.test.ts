@@ -102,6 +102,28 @@ describe('simulated workers hand requests over', () => {
     close(b.kvTransferMs!, 3 * MS_PER_BLOCK);
   });
 
+  test('a LoRA request\'s transfer is planned as its adoption takes it: the base model\'s cached blocks are not its own', () => {
+    const prefill = new SimWorker(prefillWorker);
+    const decode = new SimWorker(decodeWorker);
+    for (const worker of [prefill, decode]) worker.loadLora('ad', { rank: 8 });
+    const shared = prompt(48);
+    // The decode worker holds the prompt's blocks for the base model only.
+    decode.add(req('base', shared, 0, { maxTokens: 1 }), 0);
+    for (let s = decode.beginStep(0); s; s = decode.beginStep(s.endMs)) decode.finishStep(s);
+    prefill.add({ ...req('r', shared, 0, { maxTokens: 3 }), lora: 'ad' }, 0, { handoff: true });
+    let now = 0;
+    for (let s = prefill.beginStep(0); s; s = prefill.beginStep(s.endMs)) {
+      prefill.finishStep(s);
+      now = s.endMs;
+    }
+    const [handoff] = prefill.takeHandoffs();
+    const plan = decode.planTransfer(handoff!);
+    const adopted = decode.adopt(handoff!, now + plan.ms, now)!;
+    assert.equal(adopted.status, 'imported');
+    assert.deepEqual([plan.blocks, plan.reusedBlocks], [adopted.transfer!.blocks, adopted.transfer!.reusedBlocks]);
+    assert.equal(plan.reusedBlocks, 0, 'nothing cached under the adapter');
+  });
+
   test('an abort while the KV crosses the link frees both workers', () => {
     const cluster = new SimCluster({ workers: [prefillWorker, decodeWorker], route: () => ({ prefill: 0, decode: 1 }) });
     cluster.submit(req('x', prompt(40), 0, { maxTokens: 50 }));
