@@ -318,9 +318,37 @@ export function parseToolCalls(parser: ToolCallParserName, text: string): Parsed
   }
 }
 
+/** The text before the calls, as a stream sends it (untrimmed); null when there is none. */
 function contentBefore(text: string, start: number): string | null {
-  const content = text.slice(0, start).trim();
+  const content = text.slice(0, start);
   return content === '' ? null : content;
+}
+
+/**
+ * The calls a stream sends for a finished output whose calls do not all parse (arguments that are not valid JSON, a
+ * call object left open): each call whose name is written, with its arguments as the model wrote them, as OpenAI
+ * returns arguments that are not valid JSON. Undefined when no call has a name. Where the calls start is where the
+ * stream starts scanning for them (ToolChatShape.updateChunks).
+ */
+function scannedToolCalls(parser: ToolCallParserName, text: string): ParsedOutput | undefined {
+  let start: number;
+  let from: number;
+  const marker = text.indexOf(toolCallMarker(parser));
+  if (marker >= 0) {
+    start = marker;
+    from = marker + toolCallMarker(parser).length;
+  } else if (parser === 'llama3_json' && text.trimStart().startsWith('{')) {
+    start = 0;
+    from = text.indexOf('{');
+  } else {
+    return undefined;
+  }
+  const calls: ParsedCall[] = [];
+  for (const call of scanToolCalls(text.slice(from))) {
+    if (call.name === undefined) break;
+    calls.push({ name: call.name, arguments: call.args });
+  }
+  return calls.length > 0 ? { content: contentBefore(text, start), calls } : undefined;
 }
 
 /** Top-level JSON objects one after another, separated by ';', ',' or whitespace (Llama 3.x's parallel calls). */
@@ -431,8 +459,11 @@ export class ToolChatShape implements ResponseShape {
         if (calls.length === 0 || calls.some((c) => c === null)) return { content: text, calls: [] };
         return { content: null, calls: calls as ParsedCall[] };
       }
-      case 'auto':
-        return parseToolCalls(this.mode.parser, text);
+      case 'auto': {
+        // Calls that do not all parse are still the calls a stream of this output sent, so the body has them too.
+        const parsed = parseToolCalls(this.mode.parser, text);
+        return parsed.calls.length > 0 ? parsed : scannedToolCalls(this.mode.parser, text) ?? parsed;
+      }
     }
   }
 

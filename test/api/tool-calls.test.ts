@@ -19,7 +19,7 @@ describe('tool-call parsers on model outputs', () => {
     const text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
       + '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>';
     const parsed = parseToolCalls('hermes', text);
-    assert.equal(parsed.content, 'Let me check.');
+    assert.equal(parsed.content, 'Let me check.\n', 'the text before the calls as the model wrote it (a stream sends it so)');
     assert.deepEqual(parsed.calls, [
       { name: 'get_weather', arguments: '{"city": "Paris"}' }, { name: 'get_time', arguments: '{"zone": "CET"}' },
     ]);
@@ -63,6 +63,45 @@ describe('tool-call parsers on model outputs', () => {
     assert.deepEqual(scanToolCalls('{"name": "f", "arguments": "{\\"a\\": 1}"}'), [{ name: 'f', args: '{"a": 1}', argsDone: true, done: true }]);
   });
 
+  it('a call whose arguments are not valid JSON is a call in the body as in the stream, its arguments as written', () => {
+    const weather = { type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } };
+    const request: ToolsRequest = { raw: [weather], tools: [{ name: 'get_weather', parameters: { type: 'object' } }], choice: { kind: 'auto' }, parallel: true };
+    const meta = { id: 'chatcmpl-1', created: 0, model: 'm', systemFingerprint: 'fp' };
+    for (const [text, content, args] of [
+      ['Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris",}}</tool_call>', 'Checking. ', '{"city": "Paris",}'],
+      ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}', null, '{"city": "Oslo"}'],
+    ] as const) {
+      const streamed = new ToolChatShape(meta, 1, {} as TokenTexts, null, request, 'hermes');
+      const calls: { name: string; arguments: string }[] = [];
+      let streamedContent = '';
+      let finish: string | null = null;
+      for (let at = 0; at < text.length; at += 4) {
+        const chunks = streamed.updateChunks({ index: 0, textDelta: text.slice(at, at + 4), logprobs: undefined,
+          finishReason: at + 4 >= text.length ? 'stop' : null, stopReason: null, tokens: 1 }, undefined) as
+          { choices: { delta: { content?: string; tool_calls?: { index: number; id?: string; function: { name?: string; arguments: string } }[] }; finish_reason: string | null }[] }[];
+        for (const { choices: [choice] } of chunks) {
+          streamedContent += choice!.delta.content ?? '';
+          for (const piece of choice!.delta.tool_calls ?? []) {
+            if (piece.id !== undefined) calls.push({ name: piece.function.name!, arguments: '' });
+            else calls[piece.index]!.arguments += piece.function.arguments;
+          }
+          finish = choice!.finish_reason ?? finish;
+        }
+      }
+      const collected = new ToolChatShape(meta, 1, {} as TokenTexts, null, request, 'hermes');
+      collected.collect({ index: 0, textDelta: text, logprobs: undefined, finishReason: 'stop', stopReason: null, tokens: 1 });
+      const body = collected.body({ prompt_tokens: 1, completion_tokens: 1, total_tokens: 2, prompt_tokens_details: { cached_tokens: 0 } }) as
+        { choices: { message: { content: string | null; tool_calls?: { function: { name: string; arguments: string } }[] }; finish_reason: string }[] };
+      const [choice] = body.choices;
+      assert.deepEqual(choice!.message.tool_calls?.map((c) => c.function), [{ name: 'get_weather', arguments: args }], text);
+      assert.deepEqual(calls, [{ name: 'get_weather', arguments: args }], text);
+      assert.equal(choice!.message.content, content);
+      assert.equal(streamedContent === '' ? null : streamedContent, content);
+      assert.equal(choice!.finish_reason, 'tool_calls');
+      assert.equal(finish, 'tool_calls');
+    }
+  });
+
   it('auto and required calls stream argument by argument: id and name first, then fragments; assembled == parsed', () => {
     const weather = { type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } };
     const flag = { type: 'function', function: { name: 'set_flag', parameters: { type: 'object' } } };
@@ -71,7 +110,7 @@ describe('tool-call parsers on model outputs', () => {
       choice, parallel: true,
     });
     const cases: { parser: ToolCallParserName; choice: ToolsRequest['choice']; text: string; content: string | null }[] = [
-      { parser: 'hermes', choice: { kind: 'auto' }, content: 'Checking.',
+      { parser: 'hermes', choice: { kind: 'auto' }, content: 'Checking.\n',
         text: 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
           + '<tool_call>\n{"name": "set_flag", "arguments": {"on": true}}\n</tool_call>' },
       { parser: 'mistral', choice: { kind: 'auto' }, content: null,
@@ -123,7 +162,7 @@ describe('tool-call parsers on model outputs', () => {
       assert.deepEqual(calls, expected, label);
       assert.ok(fragments > 4, `${label}: arguments in ${fragments} fragments`);
       assert.equal(finish, 'tool_calls', label);
-      assert.equal(content === '' ? null : content.trim(), c.content, label);
+      assert.equal(content === '' ? null : content, c.content, label);
       assert.equal(body.choices[0]!.message.content, c.content, label);
     }
   });
