@@ -410,6 +410,8 @@ interface ToolChoiceState {
   /** Streaming, required and auto: where the calls' JSON starts in text (-1: not yet), and the calls sent so far. */
   callsFrom: number;
   sent: { id: string; name: string; args: string }[];
+  /** Streaming: logprobs of tokens whose text is held back (not sent yet), sent with the next chunk. */
+  heldLogprobs: ChatTokenLogprob[];
 }
 
 /**
@@ -438,7 +440,7 @@ export class ToolChatShape implements ResponseShape {
       : choice.kind === 'required' ? { kind: 'required' } : { kind: 'auto', parser };
     this.choices = Array.from({ length: choiceCount }, () => ({
       text: '', logprobs: topLogprobs === null ? null : [], finishReason: null, stopReason: null, sentContent: 0,
-      holding: this.mode.kind !== 'auto', callsFrom: this.mode.kind === 'required' ? 0 : -1, sent: [],
+      holding: this.mode.kind !== 'auto', callsFrom: this.mode.kind === 'required' ? 0 : -1, sent: [], heldLogprobs: [],
     }));
   }
 
@@ -482,15 +484,26 @@ export class ToolChatShape implements ResponseShape {
     state.text += update.textDelta;
     const chunks: object[] = [];
     const logprobs = this.logprobsOf(update);
-    const delta = (body: object, lp: ChatTokenLogprob[] | null = null) => chunks.push(chatChunkBody(this.meta,
-      [{ index: update.index, delta: body as never, logprobs: lp, finishReason: null }], usage));
+    // Every token's logprobs go out once, with the first chunk sent after it (held text waits for parsing, and
+    // tool-call pieces carry the logprobs of the tokens that wrote them), as the non-streamed body has them all.
+    if (logprobs !== null) state.heldLogprobs.push(...logprobs);
+    const takeLogprobs = (): ChatTokenLogprob[] | null => {
+      if (logprobs === null && state.heldLogprobs.length === 0) return null;
+      const taken = state.heldLogprobs;
+      state.heldLogprobs = [];
+      return taken;
+    };
+    const delta = (body: object) => chunks.push(chatChunkBody(this.meta,
+      [{ index: update.index, delta: body as never, logprobs: takeLogprobs(), finishReason: null }], usage));
     if (this.mode.kind === 'named') {
       if (update.textDelta) {
         const first = state.callId === undefined;
         state.callId ??= newToolCallId();
         delta({ tool_calls: [first
           ? { index: 0, id: state.callId, type: 'function', function: { name: this.mode.name, arguments: update.textDelta } }
-          : { index: 0, function: { arguments: update.textDelta } }] }, logprobs);
+          : { index: 0, function: { arguments: update.textDelta } }] });
+      } else if (logprobs !== null && logprobs.length > 0) {
+        delta({ content: null });
       }
       if (update.finishReason) chunks.push(this.finishChunk(update, state.callId ? 1 : 0, usage));
       return chunks;
@@ -513,10 +526,10 @@ export class ToolChatShape implements ResponseShape {
       }
       if (update.finishReason) sendUpTo = state.holding ? sendUpTo : state.text.length;
       if (sendUpTo > state.sentContent) {
-        delta({ content: state.text.slice(state.sentContent, sendUpTo) }, logprobs);
+        delta({ content: state.text.slice(state.sentContent, sendUpTo) });
         state.sentContent = sendUpTo;
       } else if (logprobs && logprobs.length > 0 && pending === '') {
-        delta({ content: '' }, logprobs);
+        delta({ content: '' });
       }
     }
     // The calls as they are written: each name once complete, then its arguments piece by piece.
@@ -541,6 +554,8 @@ export class ToolChatShape implements ResponseShape {
           calls = state.sent.length;
         }
       }
+      // Logprobs of held tokens that went out as nothing (a call's closing tag): before the finish.
+      if (state.heldLogprobs.length > 0) delta({ content: null });
       chunks.push(this.finishChunk(update, calls, usage));
     }
     return chunks;

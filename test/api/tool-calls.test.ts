@@ -247,6 +247,27 @@ describe('tool calling through HTTP (synthetic model)', () => {
     }
   });
 
+  it('with logprobs, a stream carries every token\'s logprob once, as the body does: held text and call tokens too', E2E, async () => {
+    // The output forced by a regex: text, then a call in the Hermes format the auto parser reads.
+    const forced = 'Ok <tool_call>\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}</tool_call>';
+    for (const choice of ['auto', 'required'] as const) {
+      const body = {
+        model, messages, temperature: 0, max_tokens: 120, logprobs: true, top_logprobs: 1, tools: [WEATHER_TOOL], tool_choice: choice,
+        ...(choice === 'auto' ? { guided_regex: forced } : {}),
+      };
+      const whole = await rawRequest(server.url, { path: '/v1/chat/completions', body });
+      assert.equal(whole.status, 200, whole.text);
+      const tokens = whole.json().usage.completion_tokens as number;
+      assert.equal(whole.json().choices[0].logprobs.content.length, tokens, choice);
+      if (choice === 'auto') assert.equal(whole.json().choices[0].finish_reason, 'tool_calls', whole.text);
+      const streamed = await rawRequest(server.url, { path: '/v1/chat/completions', body: { ...body, stream: true } });
+      const chunks = streamed.text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+      const entries = chunks.flatMap((chunk) => chunk.choices[0]?.logprobs?.content ?? []);
+      assert.deepEqual(entries.map((e: { token: string }) => e.token),
+        whole.json().choices[0].logprobs.content.map((e: { token: string }) => e.token), `${choice}: the same tokens, in order`);
+    }
+  });
+
   it('named tool choice streamed: delta.tool_calls assemble to the non-streamed call', E2E, async () => {
     const body = {
       model, messages, seed: 3, temperature: 0.9, max_tokens: 64, tools: [WEATHER_TOOL],
