@@ -452,7 +452,9 @@ export class Gateway {
     const { backend } = target;
     if (request.guided) await this.guidedChecker.check(request.guided);
     const { tools } = request;
-    const tokenIds = truncatedPrompt(await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, true,
+    // A prompt to be truncated may be longer than the context: its length is checked after.
+    const checkBytes = request.truncatePromptTokens === undefined;
+    const tokenIds = truncatedPrompt(await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, checkBytes,
       tools?.raw), request.truncatePromptTokens, backend.engine.info.maxModelLen, request.maxTokens);
     // Told before the length checks, so a refused prompt's log line and trace still say how long it was.
     call.trace?.tokenized(tokenIds.length);
@@ -483,7 +485,10 @@ export class Gateway {
     const { tokenizer } = backend;
     const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
     // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
-    request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i)); });
+    // (Not a prompt to be truncated: it may be longer than the context.)
+    if (request.truncatePromptTokens === undefined) {
+      request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i)); });
+    }
     const prompts: PreparedPrompt[] = [];
     let promptTokens = 0;
     try {

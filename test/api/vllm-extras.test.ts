@@ -62,6 +62,16 @@ describe('vLLM\'s extra request fields', () => {
     const fitted = await post('/v1/completions', { prompt: long, max_tokens: 5, truncate_prompt_tokens: -1, ignore_eos: true });
     assert.equal(fitted.status, 200, fitted.text);
     assert.equal(fitted.json().usage.prompt_tokens, maxModelLen - 5);
+    // Text far longer than the context is tokenized and truncated, not refused by the length check made before
+    // tokenizing (which would refuse it without truncation).
+    const longText = 'x '.repeat(20 * maxModelLen);
+    assert.equal((await post('/v1/completions', { prompt: longText, max_tokens: 1 })).status, 400);
+    const truncatedText = await post('/v1/completions', { prompt: longText, max_tokens: 1, truncate_prompt_tokens: 50 });
+    assert.equal(truncatedText.status, 200, truncatedText.text);
+    assert.equal(truncatedText.json().usage.prompt_tokens, 50);
+    const longChat = await post('/v1/chat/completions', { messages: [{ role: 'user', content: longText }], max_tokens: 1, truncate_prompt_tokens: 50 });
+    assert.equal(longChat.status, 200, longChat.text);
+    assert.equal(longChat.json().usage.prompt_tokens, 50);
     const zero = await post('/v1/completions', { prompt: ids, max_tokens: 1, truncate_prompt_tokens: 0 });
     assert.equal(zero.json().error.param, 'truncate_prompt_tokens');
     // On chat, of the rendered conversation.
