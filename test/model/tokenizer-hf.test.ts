@@ -139,12 +139,17 @@ describe('tokenizer.json: special tokens, BOS, stop ids', { skip: skipUnlessVoca
 });
 
 describe('tokenizer.json: no bytes-per-token bound where text can shrink', () => {
-  it('gives none for NFKC, whitespace-removing pre-tokenizers and fused unknowns', () => {
+  it('gives none for NFKC, whitespace-removing pre-tokenizers, fused unknowns and whitespace-stripping added tokens', () => {
     const model = { type: 'BPE', vocab: { a: 0, b: 1, ab: 2, '[UNK]': 3 }, merges: ['a b'], unk_token: '[UNK]' };
     assert.equal(tokenizerFromJsonObject({ model }).maxBytesPerToken(), 5);
     assert.equal(tokenizerFromJsonObject({ model, normalizer: { type: 'NFKC' } }).maxBytesPerToken(), undefined);
     assert.equal(tokenizerFromJsonObject({ model, pre_tokenizer: { type: 'Whitespace' } }).maxBytesPerToken(), undefined);
     assert.equal(tokenizerFromJsonObject({ model: { ...model, fuse_unk: true } }).maxBytesPerToken(), undefined);
+    // An added token that strips the whitespace beside it (Phi-3's "<|user|>"): that whitespace is in no token.
+    const user = { id: 4, content: '<|user|>', special: true };
+    assert.equal(tokenizerFromJsonObject({ model, added_tokens: [user] }).maxBytesPerToken(), 8);
+    assert.equal(tokenizerFromJsonObject({ model, added_tokens: [{ ...user, rstrip: true }] }).maxBytesPerToken(), undefined);
+    assert.equal(tokenizerFromJsonObject({ model, added_tokens: [{ ...user, lstrip: true }] }).maxBytesPerToken(), undefined);
   });
 });
 

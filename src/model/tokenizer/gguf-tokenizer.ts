@@ -55,19 +55,21 @@ export class GgufTokenizer implements Tokenizer {
     this.bytesCache = new Array(this.vocabSize);
   }
 
-  private longestTokenBytes: number | undefined;
+  private longestTokenBytes: number | undefined | null = null;
 
   /**
    * Every token stands for one slice of the input: a text fragment between special tokens, with spaces written as
    * "▁" (3 bytes for 1) and, in byte-level BPE, each byte as one character of 1 or 2 bytes; or one byte (a
    * byte-fallback token); or a special token's own text. So no token stands for more input bytes than its longest
-   * spelling, whatever the text (SentencePiece's added leading space only adds a token).
+   * spelling, whatever the text (SentencePiece's added leading space only adds a token). Except a special token
+   * that strips the whitespace beside it (lstrip/rstrip, Phi-3's): that whitespace is in no token, so no bound.
    */
-  maxBytesPerToken(): number {
-    if (this.longestTokenBytes === undefined) {
+  maxBytesPerToken(): number | undefined {
+    if (this.longestTokenBytes === null) {
+      const strips = this.vocab.attrs.some((attr) => (attr & (TokenAttr.LSTRIP | TokenAttr.RSTRIP)) !== 0);
       let longest = 1;
-      for (const token of this.vocab.tokens) longest = Math.max(longest, Buffer.byteLength(token, 'utf8'));
-      this.longestTokenBytes = longest;
+      if (!strips) for (const token of this.vocab.tokens) longest = Math.max(longest, Buffer.byteLength(token, 'utf8'));
+      this.longestTokenBytes = strips ? undefined : longest;
     }
     return this.longestTokenBytes;
   }

@@ -19,6 +19,8 @@ interface AddedTokenJson {
   id: number;
   content: string;
   special?: boolean;
+  lstrip?: boolean;
+  rstrip?: boolean;
 }
 
 const EMPTY = new Uint8Array(0);
@@ -191,7 +193,10 @@ export class HfTokenizer implements Tokenizer {
     const preTokenizersKeep = flatten(this.json.pre_tokenizer).every((c) =>
       ['Sequence', 'ByteLevel', 'Metaspace', 'Digits', 'Punctuation', 'Split'].includes(String(c.type))
       && c.behavior !== 'Removed');
-    if (!bpeKeepsBytes || !normalizersKeep || !preTokenizersKeep) {
+    // An added token that strips the whitespace beside it (Phi-3's) leaves that whitespace in no token.
+    const added = (this.json.added_tokens as AddedTokenJson[] | undefined) ?? [];
+    const addedKeep = added.every((token) => token.lstrip !== true && token.rstrip !== true);
+    if (!bpeKeepsBytes || !normalizersKeep || !preTokenizersKeep || !addedKeep) {
       this.bytesPerTokenBound = undefined;
       return undefined;
     }
