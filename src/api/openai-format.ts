@@ -73,7 +73,8 @@ function finiteLogprob(logprob: number): number {
 /** Token text and bytes for logprobs, cached per id. */
 export class TokenTexts {
   private readonly cache = new Map<number, { text: string; bytes: number[] }>();
-  private readonly decoder = new TextDecoder('utf-8');
+  // A token may begin with U+FEFF (a byte order mark in the training text): it is part of the token's text.
+  private readonly decoder = new TextDecoder('utf-8', { ignoreBOM: true });
   private readonly encoder = new TextEncoder();
 
   /**
