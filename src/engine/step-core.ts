@@ -364,7 +364,11 @@ export class StepCore<T> {
     if (finishReason !== undefined && !text.done) {
       const tail = text.finish();
       delta += tail.delta;
-      if (tail.stopped !== undefined) stopReason = tail.stopped;
+      // A stop string found only in the text the end of the output flushed (a broken character's U+FFFD) ends it too.
+      if (tail.stopped !== undefined) {
+        finishReason = 'stop';
+        stopReason = tail.stopped;
+      }
     }
     return output(request, index, emitted === tokenIds.length ? tokenIds.slice() : tokenIds.slice(0, emitted), delta,
       { finishReason, stopReason, logprobs: logprob ? [logprob] : undefined });

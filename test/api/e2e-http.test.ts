@@ -64,6 +64,15 @@ describe('HTTP API end to end', () => {
     assert.ok(whole.choices[0].text.startsWith('The harbour at dawn'), 'echo puts the prompt first');
   });
 
+  it('a stop string found only when the output\'s end flushes a broken character ends it with finish_reason stop', E2E, async () => {
+    // One byte-fallback token, 0xE6 (the lead byte of a 3-byte character): at the end it decodes as U+FFFD, the stop.
+    const byteToken = 3 + 0xe6;
+    const res = await post('/v1/completions', { model, prompt: 'Hi', max_tokens: 1, logit_bias: { [byteToken]: 100 }, stop: ['\ufffd'] });
+    assert.equal(res.status, 200, res.text);
+    const [choice] = res.json().choices;
+    assert.deepEqual({ text: choice.text, finish: choice.finish_reason, stop: choice.stop_reason }, { text: '', finish: 'stop', stop: '\ufffd' });
+  });
+
   it('completes a batch of prompts with n choices each', E2E, async () => {
     const res = (await post('/v1/completions', { model, prompt: ['Red', 'Blue'], n: 2, max_tokens: 3, temperature: 1, seed: 3 })).json();
     assert.deepEqual(res.choices.map((c: { index: number }) => c.index), [0, 1, 2, 3]);
