@@ -32,7 +32,7 @@ async function until(what: string, condition: () => Promise<boolean>, maxMs = 30
   }
 }
 
-interface Trace { worker?: string; phases: { phase: string; attributes?: { from_worker?: string } }[] }
+interface Trace { worker?: string; phases: { phase: string; attributes?: { from_worker?: string; reason?: string } }[] }
 
 /** The prefill worker the request's KV came from (its kv_transfer phase). */
 const prefilledOn = (t: Trace) => t.phases.find((p) => p.phase === 'kv_transfer')?.attributes?.from_worker;
@@ -106,6 +106,7 @@ describe('LoRA adapters on remote prefill and decode workers', { skip }, () => {
   test('the adapter\'s greedy text is aggregated serving\'s, prefilled on the prefill worker holding it and decoded on the decode worker', { timeout: 240_000 }, async () => {
     const models = await client.models.list();
     assert.deepEqual(models.data.map((m) => [m.id, (m as unknown as { parent: string | null }).parent]), [[MODEL, null], ['a', MODEL]]);
+    let remote = 0;
     for (let n = 0; n < 4; n++) {
       const [got, expected, base] = await Promise.all([
         client.completions.create(greedy('a', prompt(n))), referenceClient.completions.create(greedy('a', prompt(n))),
@@ -114,12 +115,21 @@ describe('LoRA adapters on remote prefill and decode workers', { skip }, () => {
       assert.equal(got.model, 'a');
       assert.equal(got.choices[0]!.text, expected.choices[0]!.text, `prompt ${n}`);
       assert.notEqual(got.choices[0]!.text, base.choices[0]!.text, 'the adapter changed nothing');
-      const { json, text } = await trace(url, got.id);
-      assert.equal(prefilledOn(json), 'p1', `prefilled on p1 (the holder of 'a'): ${text.slice(0, 800)}`);
+      const { json } = await trace(url, got.id);
       assert.equal(json.worker, 'd1');
+      // Never on p2, which lacks the adapter. The frontend's policy may still prefill on d1 itself when its measured
+      // rates say moving the KV would take longer (this model prefills in about a millisecond; on a loaded machine
+      // a transfer's fixed cost can exceed that): only that decision, not a lack of holders, may keep it off p1.
+      const reason = String(json.phases.find((p) => p.phase === 'router_lookup')?.attributes?.reason);
+      if (prefilledOn(json) !== 'p1') {
+        assert.match(reason, /prefill local \((transfer-slower|short-prompt)\)/, `prompt ${n}: prefilled on d1 for a measured reason`);
+        continue;
+      }
+      remote++;
       const kv = (got as unknown as { timings?: { kv_transfer?: { blocks: number } } }).timings?.kv_transfer;
       assert.ok((kv?.blocks ?? 0) > 0, `its KV moved from the prefill worker: ${JSON.stringify(kv)}`);
     }
+    assert.ok(remote >= 1, 'at least one prompt was prefilled on p1, the holder of \'a\'');
   });
 
   test('the prefix cache keys carry the adapter on both sides: no KV of the base model is reused for it', { timeout: 240_000 }, async () => {
