@@ -94,8 +94,11 @@ Napi::Value Crc32cCopyRuns(const Napi::CallbackInfo& info) {
   const uint8_t* from = static_cast<const uint8_t*>(src.data);
   uint8_t* to = static_cast<uint8_t*>(dst.data);
   auto whole = [](double d, double limit) { return d >= 0 && d <= limit && d == static_cast<double>(static_cast<uint64_t>(d)); };
+  // The entries are checked and run from a copy: the plan's own memory (a view of dst, or shared with another
+  // thread) could otherwise change an entry between its check and its copy.
+  std::vector<double> checked(plan, plan + 4 * count);
   for (int64_t i = 0; i < count; i++) {
-    const double* e = plan + 4 * i;
+    const double* e = checked.data() + 4 * i;
     if (!whole(e[2], 9.0e15) || !whole(e[0], static_cast<double>(src.length) - e[2]) || !whole(e[1], static_cast<double>(dst.length) - e[2])) {
       throw Napi::RangeError::New(env, "plan entry " + std::to_string(i) + " does not fit in src and dst");
     }
@@ -106,9 +109,9 @@ Napi::Value Crc32cCopyRuns(const Napi::CallbackInfo& info) {
     if (n > 0 && a < b + n && b < a + n) throw Napi::RangeError::New(env, "plan entry " + std::to_string(i) + ": src and dst overlap");
   }
   for (int64_t i = 0; i < count; i++) {
-    double* e = plan + 4 * i;
-    e[3] = static_cast<double>(crc32c_copy(static_cast<uint32_t>(e[3]), from + static_cast<size_t>(e[0]),
-                                           to + static_cast<size_t>(e[1]), static_cast<size_t>(e[2]), uncached));
+    const double* e = checked.data() + 4 * i;
+    plan[4 * i + 3] = static_cast<double>(crc32c_copy(static_cast<uint32_t>(e[3]), from + static_cast<size_t>(e[0]),
+                                                      to + static_cast<size_t>(e[1]), static_cast<size_t>(e[2]), uncached));
   }
   return env.Undefined();
 }
@@ -459,7 +462,9 @@ class NativeModel : public Napi::ObjectWrap<NativeModel> {
           mat.out = out_of[t];
           ArrayView a = typed_array(env, mo.Get("a"), napi_float32_array, name + ".a");
           ArrayView bv = typed_array(env, mo.Get("b"), napi_float32_array, name + ".b");
-          if (a.length != static_cast<size_t>(mat.rank * mat.in) || bv.length != static_cast<size_t>(mat.out * mat.rank)) {
+          int64_t a_size = 0, b_size = 0;
+          if (!mul_fits(mat.rank, mat.in, &a_size) || !mul_fits(mat.out, mat.rank, &b_size) ||
+              a.length != static_cast<size_t>(a_size) || bv.length != static_cast<size_t>(b_size)) {
             throw Napi::RangeError::New(env, name + ": a must hold rank x " + std::to_string(mat.in) + " and b " +
                                                  std::to_string(mat.out) + " x rank floats");
           }

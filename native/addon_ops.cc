@@ -163,10 +163,12 @@ Napi::Value OpLora(const Napi::CallbackInfo& info) {
     m.rank = integer(env, o.Get("rank"), "rank", 1);
     m.in = in;
     m.out = out;
-    const float* a = typed_data<float>(env, o.Get("a"), napi_float32_array, "a", m.rank * in);
-    const float* b = typed_data<float>(env, o.Get("b"), napi_float32_array, "b", out * m.rank);
-    m.a.assign(a, a + m.rank * in);
-    m.b.assign(b, b + out * m.rank);
+    int64_t a_size = 0, b_size = 0;
+    if (!mul_fits(m.rank, in, &a_size) || !mul_fits(out, m.rank, &b_size)) throw Napi::RangeError::New(env, "rank x in or out is too large");
+    const float* a = typed_data<float>(env, o.Get("a"), napi_float32_array, "a", a_size);
+    const float* b = typed_data<float>(env, o.Get("b"), napi_float32_array, "b", b_size);
+    m.a.assign(a, a + a_size);
+    m.b.assign(b, b + b_size);
     set.set(static_cast<int>(i), std::move(adapter));
   }
   ArrayView slots_view = typed_array(env, info[6], napi_int32_array, "slots");
@@ -326,8 +328,12 @@ struct PoolArg {
   uint8_t* data;
   int64_t num_layers, num_blocks, block_size, num_kv_heads, head_dim;
   bool f16;
+  /** Bytes of one layer's K (or V) region; 0 when the layout's product does not fit (pool_arg refuses it). */
   size_t region_bytes() const {
-    return static_cast<size_t>(num_blocks * block_size * num_kv_heads * head_dim) * (f16 ? 2 : 4);
+    int64_t slots = 0, width = 0, elements = 0;
+    if (!mul_fits(num_blocks, block_size, &slots) || !mul_fits(num_kv_heads, head_dim, &width) ||
+        !mul_fits(slots, width, &elements) || elements > (INT64_MAX / 4) / (2 * num_layers)) return 0;
+    return static_cast<size_t>(elements) * (f16 ? 2 : 4);
   }
 };
 
@@ -342,6 +348,7 @@ PoolArg pool_arg(const Napi::Env& env, const Napi::Value& pool, const Napi::Valu
   p.num_kv_heads = integer(env, layout.Get("numKvHeads"), "numKvHeads", 1);
   p.head_dim = integer(env, layout.Get("headDim"), "headDim", 1);
   p.f16 = layout.Get("dtype").ToString().Utf8Value() == "f16";
+  if (p.region_bytes() == 0) throw Napi::RangeError::New(env, "the layout's size (numBlocks x blockSize x numKvHeads x headDim) is too large");
   p.data = typed_data<uint8_t>(env, pool, napi_uint8_array, "pool", 2 * p.num_layers * p.region_bytes());
   return p;
 }
@@ -386,6 +393,7 @@ Napi::Value OpAttention(const Napi::CallbackInfo& info) {
                                               static_cast<size_t>(num_seqs) * max_blocks);
   if (num_heads % p.num_kv_heads != 0) throw Napi::RangeError::New(env, "numHeads is not a multiple of numKvHeads");
   const int64_t tokens = q_start[num_seqs];
+  if (q_start[0] != 0) throw Napi::RangeError::New(env, "queryStartLoc must start at 0");
   for (int s = 0; s < num_seqs; ++s) {
     const int rows = q_start[s + 1] - q_start[s];
     if (rows < 0 || seq_lens[s] < rows || seq_lens[s] > static_cast<int64_t>(max_blocks) * p.block_size) {

@@ -197,6 +197,10 @@ inline float bf16_to_fp32(uint16_t b) { return bits_to_float(static_cast<uint32_
 // ---------------------------------------------------------------------------------------------------------------
 // Small helpers.
 inline int64_t div_ceil(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// a * b, or false when it does not fit in int64 (sizes computed from caller-given counts: a product that wrapped
+// would pass a length check and let an index past the buffer through).
+inline bool mul_fits(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 

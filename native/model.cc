@@ -83,8 +83,12 @@ Model::Model(ModelSpec spec, Variant variant, int threads)
   }
   if (s.n_expert > 0) moe_.reset(new MoeBlock());
   const int64_t q_dim = s.num_heads * s.head_dim, kv_dim = s.num_kv_heads * s.head_dim;
-  const size_t pool_bytes = 2 * s.layers.size() * static_cast<size_t>(s.num_blocks * s.block_size * kv_dim) *
-                            (s.kv_f16 ? 2 : 4);
+  int64_t num_slots = 0, pool_elements = 0, pool_bytes_signed = 0;
+  if (!mul_fits(s.num_blocks, s.block_size, &num_slots) || !mul_fits(num_slots, kv_dim, &pool_elements) ||
+      !mul_fits(pool_elements, 2 * static_cast<int64_t>(s.layers.size()) * (s.kv_f16 ? 2 : 4), &pool_bytes_signed)) {
+    throw InvalidInput("the KV pool's layout (numBlocks x blockSize x KV width) is too large");
+  }
+  const size_t pool_bytes = static_cast<size_t>(pool_bytes_signed);
   if (!s.kv_pool || s.kv_pool_bytes != pool_bytes) {
     throw InvalidInput("KV pool is " + std::to_string(s.kv_pool_bytes) + " bytes, the layout needs " +
                        std::to_string(pool_bytes));
@@ -309,8 +313,10 @@ void Model::set_lora(int slot, std::unique_ptr<LoraAdapter> adapter) {
       for (int t = 0; t < kLoraTargetCount; ++t) {
         const LoraMatrix& m = adapter->layers[l][t];
         if (m.rank == 0) continue;
-        if (m.rank < 0 || m.in != in_of[t] || m.out != out_of[t] ||
-            m.a.size() != static_cast<size_t>(m.rank * m.in) || m.b.size() != static_cast<size_t>(m.out * m.rank)) {
+        int64_t a_size = 0, b_size = 0;
+        if (m.rank < 0 || m.in != in_of[t] || m.out != out_of[t] || !mul_fits(m.rank, m.in, &a_size) ||
+            !mul_fits(m.out, m.rank, &b_size) || m.a.size() != static_cast<size_t>(a_size) ||
+            m.b.size() != static_cast<size_t>(b_size)) {
           throw InvalidInput("LoRA adapter layer " + std::to_string(l) + " target " + std::to_string(t) +
                              " does not fit the model: rank " + std::to_string(m.rank) + ", in " +
                              std::to_string(m.in) + " (model " + std::to_string(in_of[t]) + "), out " +
@@ -346,6 +352,8 @@ void Model::validate(const StepBatch& b) const {
     const int32_t first = b.query_start_loc[seq], end = b.query_start_loc[seq + 1];
     const int64_t seq_len = b.seq_lens[seq];
     if (end < first) throw InvalidInput("queryStartLoc decreases at sequence " + std::to_string(seq));
+    // Before its rows are read: a later decrease would be found only after reading past numTokens.
+    if (end > b.num_tokens) throw InvalidInput("queryStartLoc passes numTokens at sequence " + std::to_string(seq));
     if (seq_len < end - first) {
       throw InvalidInput("seqLens[" + std::to_string(seq) + "] = " + std::to_string(seq_len) +
                          " is less than its " + std::to_string(end - first) + " new tokens");

@@ -215,5 +215,15 @@ describe('KV transfer checksum (CRC-32C)', () => {
     assert.throws(() => call(plan([0, 5, 10, 0]), 1, target, target), /overlap/);
     assert.ok(target.every((v) => v === 9), 'nothing copied before the refusal');
     assert.throws(() => addon!.crc32cCopyRuns!(source, target, new Float32Array(4) as unknown as Float64Array, 1), /Float64Array/);
+    // A plan in the destination's own memory: the first run's copy rewrites the second's length (to 1e9) after the
+    // checks. The runs are those checked (the second copies its 8 bytes), nothing beyond the buffers.
+    const shared = new Float64Array(16);
+    const bytes = new Uint8Array(shared.buffer);
+    const src = new Uint8Array(64).map((_, i) => i);
+    new Float64Array(src.buffer, 0, 1)[0] = 1e9;
+    shared.set([0, 48, 8, 0, 8, 64, 8, 0]);
+    addon!.crc32cCopyRuns!(src, bytes, shared, 2);
+    assert.equal(shared[6], 1e9, 'the second entry\'s length was overwritten by the first copy');
+    assert.deepEqual([...bytes.subarray(64, 80)], [...src.subarray(8, 16), 0, 0, 0, 0, 0, 0, 0, 0], 'the second run copied its checked 8 bytes');
   });
 });

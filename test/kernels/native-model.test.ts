@@ -401,6 +401,31 @@ describe('native forward == reference forward', { skip: skipNative }, () => {
     assert.throws(() => backend.forward(good), /disposed/);
   });
 
+  it('refuses sizes whose products overflow (a wrapped size would pass the length checks) and rows past numTokens', () => {
+    const { config, weights } = makeModel(32, { type: GgmlType.F32, dim: 64, ffnDim: 64 });
+    const layout: KvPoolLayout = { numLayers: config.numLayers, numBlocks: NUM_BLOCKS, blockSize: BLOCK_SIZE,
+      numKvHeads: config.numKvHeads, headDim: config.headDim, dtype: 'f32' };
+    const spec = nativeModelSpec(config, weights, { layout, bytes: new Uint8Array(kvPoolBytes(layout)) }, 'generic', 1);
+    const Addon = native().NativeModel;
+    // numBlocks x blockSize x KV width x 2 layers-ways x 4 bytes wraps to this pool's size when numBlocks is 2^61 more.
+    assert.throws(() => new Addon({ ...spec, numBlocks: 2 ** 61 + NUM_BLOCKS }), /too large/);
+    assert.throws(() => new Addon({ ...spec, numBlocks: 2 ** 44 + 1, blockSize: 65536 }), /too large/);
+    const model = new Addon(spec);
+    try {
+      const rank = 2 ** 62 + 1024;
+      const matrix = { rank, a: new Float32Array(65536), b: new Float32Array(65536) };
+      const adapter = { scale: 1, layers: Array.from({ length: config.numLayers }, () => ({ wq: matrix })) };
+      assert.throws(() => model.setLora(0, adapter as never), /rank/);
+      // A sequence whose rows run past numTokens, found before its rows are read (a later one then decreases).
+      const good = makeSteps(2)[0]!;
+      const seqs = { ...good, numSeqs: 2, queryStartLoc: Int32Array.of(0, good.numTokens + 50, good.numTokens),
+        seqLens: Int32Array.of(good.numTokens + 50, 1), blockTables: new Int32Array(2 * good.maxBlocksPerSeq) };
+      assert.throws(() => model.forward(seqs), /passes numTokens/);
+    } finally {
+      model.dispose();
+    }
+  });
+
   it('writes the logits into a buffer the caller reuses, when it is large enough', () => {
     const { config, weights } = makeModel(34, { type: GgmlType.Q8_0, dim: 64, ffnDim: 96 });
     const steps = makeSteps(3);
