@@ -47,6 +47,11 @@ export class AdmissionQueue<T> {
   }
 
   /** Oldest entry (a Map iterates in insertion order, which is FIFO here). */
+  /** The entries, oldest first (a snapshot: removing while iterating it is safe). */
+  inOrder(): QueuedEntry<T>[] {
+    return [...this.entries.values()];
+  }
+
   peek(): QueuedEntry<T> | undefined {
     return this.entries.values().next().value;
   }

@@ -292,18 +292,27 @@ export class Router {
 
   /**
    * Routes queued requests, oldest first, while some worker is not busy, and hands back those that waited too
-   * long. Call it after load reports, finishes or prefill completions; the routed ones are committed.
+   * long. Call it after load reports, finishes or prefill completions; the routed ones are committed. Requests for
+   * a model (or adapter) none of whose workers has room keep their place without holding up those for another:
+   * order is kept among the requests of one model.
    */
   drainQueue(nowMs: number): DrainResult {
     const expired = this.queue.takeExpired(nowMs).map((entry) => entry.item.request);
     this.counters.numExpired += expired.length;
     const routed: DrainResult['routed'] = [];
-    for (let entry = this.queue.peek(); entry !== undefined; entry = this.queue.peek()) {
+    const waiting = new Set<string | undefined>();
+    for (const entry of this.queue.inOrder()) {
       const { request, hashes } = entry.item;
+      if (waiting.has(request.model)) continue;
       const startMs = this.clock();
       const decision = this.decide(request, hashes, nowMs, startMs, startMs);
-      if (decision === null) break;
-      this.queue.shift();
+      if (decision === null) {
+        // A request naming no model may go to any worker: when it cannot, no other can either.
+        if (request.model === undefined) break;
+        waiting.add(request.model);
+        continue;
+      }
+      this.queue.remove(entry.id);
       this.commit(request, hashes, decision, nowMs);
       routed.push({ request, decision });
     }

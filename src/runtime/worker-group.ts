@@ -336,8 +336,14 @@ export class WorkerGroup<E extends RoutableEngine> {
     slot.timer = setTimeout(() => {
       slot.timer = undefined;
       restart.start(id).then(async (engine) => {
-        // The new worker gets the adapters the group has loaded before it takes requests.
-        for (const [name, path] of this.loras) await engine.loadLora!(name, path);
+        // The new worker gets the adapters the group has loaded before it takes requests; one that cannot load them
+        // is closed (it would otherwise keep running, with its KV pool, beside the next attempt).
+        try {
+          for (const [name, path] of this.loras) await engine.loadLora!(name, path);
+        } catch (error) {
+          await engine.close().catch(() => {});
+          throw error;
+        }
         return engine;
       }).then((engine) => {
         if (this.closed) {

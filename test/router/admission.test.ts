@@ -66,6 +66,27 @@ describe('Router admission', () => {
     assert.deepEqual([router.stats().numEnqueued, router.stats().numRejected, router.stats().numRouted], [2, 1, 2]);
   });
 
+  it('a queued request whose model\'s workers are busy or gone holds up only requests for that model', () => {
+    const router = makeRouter({ maxQueueWaitMs: 30_000 }, []);
+    router.addWorker('wa', load({ numWaiting: 100 }), ['a#1']);
+    router.addWorker('wb', load({ numWaiting: 100 }), ['b#1']);
+    allBusy(router.route(request(tokens(1, 9), { requestId: 'a1', model: 'a#1' }), 0));
+    allBusy(router.route(request(tokens(2, 9), { requestId: 'a2', model: 'a#1' }), 0));
+    allBusy(router.route(request(tokens(3, 9), { requestId: 'b1', model: 'b#1' }), 1));
+    router.updateLoad('wb', load());
+    assert.deepEqual(router.drainQueue(100).routed.map((r) => r.request.requestId), ['b1'], 'b1 goes past the a requests');
+    assert.equal(router.stats().numQueued, 2);
+    // The a worker leaves: its requests wait (and expire) without holding up others.
+    router.removeWorker('wa');
+    router.updateLoad('wb', load({ numWaiting: 100 }));
+    allBusy(router.route(request(tokens(4, 9), { requestId: 'b2', model: 'b#1' }), 100));
+    router.updateLoad('wb', load());
+    assert.deepEqual(router.drainQueue(200).routed.map((r) => r.request.requestId), ['b2']);
+    // Order is kept among one model's requests.
+    router.addWorker('wa2', load(), ['a#1']);
+    assert.deepEqual(router.drainQueue(300).routed.map((r) => r.request.requestId).slice(0, 1), ['a1']);
+  });
+
   it('drains only while a worker stays free, counting what it sends', () => {
     const router = makeRouter({ busyNumWaiting: 2 }, ['a']);
     router.updateLoad('a', load({ numWaiting: 2 }));
