@@ -465,6 +465,10 @@ export class ClusterFrontend {
     const remote = this.members.get(workerId)?.remote;
     if (!remote || (!this.router && !this.disaggregated)) return;
     this.resyncing.add(workerId);
+    // Events from now on are kept until the snapshot is applied: those it does not reflect are replayed on it.
+    const index = this.engine && this.router ? this.router : this.disaggregated;
+    index?.beginResync(workerId);
+    let applied = false;
     try {
       let snapshot;
       try {
@@ -479,11 +483,13 @@ export class ClusterFrontend {
       } else if (!this.disaggregated?.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId)) {
         return;
       }
+      applied = true;
       this.resyncs++;
       this.options.log('debug', `KV view of ${workerId} resynced (${why}): ${snapshot.hashes.length} blocks, event ${snapshot.lastEventId}`);
     } catch (error) {
       this.options.log('warn', `KV view of ${workerId}: resync failed (${(error as Error).message})`);
     } finally {
+      if (!applied) index?.endResync(workerId);
       this.resyncing.delete(workerId);
     }
   }

@@ -67,6 +67,13 @@ export interface KvIndex {
    * event the dump reflects), buffered events newer than it are replayed; without, the next event id is accepted.
    */
   resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number): void;
+  /**
+   * A dump of the worker is on its way (asked for before resync is called): events from now on are also kept, as
+   * after a gap, so those the dump does not reflect are replayed on it instead of being wiped with the old blocks.
+   * resync ends it; endResync ends it without a dump (the request for one failed).
+   */
+  beginResync(workerId: WorkerId): void;
+  endResync(workerId: WorkerId): void;
   workersNeedingResync(): WorkerId[];
   workers(): WorkerId[];
   workerBlockHashes(workerId: WorkerId): BlockHash[];
@@ -83,7 +90,9 @@ interface WorkerEventState {
   /** null: accept whatever id comes next (after a resync whose dump had no event id). */
   lastEventId: number | null;
   needsResync: boolean;
-  /** Events received since the gap, replayed on top of the dump by resync(). */
+  /** A dump was asked for (beginResync) and not applied yet. */
+  dumpPending: boolean;
+  /** Events received since the gap (or since the dump was asked for), replayed on top of the dump by resync(). */
   sinceGap: KvEvent[];
 }
 
@@ -123,7 +132,7 @@ export abstract class KvIndexBase implements KvIndex {
     let state = this.states.get(workerId);
     if (state === undefined) {
       // A worker's first event is 1: a first event with a larger id means the index missed the earlier ones.
-      state = { lastEventId: 0, needsResync: false, sinceGap: [] };
+      state = { lastEventId: 0, needsResync: false, dumpPending: false, sinceGap: [] };
       this.states.set(workerId, state);
     }
     return state;
@@ -137,9 +146,10 @@ export abstract class KvIndexBase implements KvIndex {
     state.lastEventId = event.eventId;
     if (gap && !state.needsResync) {
       state.needsResync = true;
-      state.sinceGap = [];
+      // Kept since the dump was asked for: those events may still be newer than the dump.
+      if (!state.dumpPending) state.sinceGap = [];
     }
-    if (state.needsResync) {
+    if (state.needsResync || state.dumpPending) {
       state.sinceGap.push(event);
       if (state.sinceGap.length > this.maxBufferedEvents) state.sinceGap.shift();
     }
@@ -203,12 +213,26 @@ export abstract class KvIndexBase implements KvIndex {
     return { blocks, disk };
   }
 
+  beginResync(workerId: WorkerId): void {
+    const state = this.state(workerId);
+    if (!state.dumpPending && !state.needsResync) state.sinceGap = [];
+    state.dumpPending = true;
+  }
+
+  endResync(workerId: WorkerId): void {
+    const state = this.states.get(workerId);
+    if (state === undefined || !state.dumpPending) return;
+    state.dumpPending = false;
+    if (!state.needsResync) state.sinceGap = [];
+  }
+
   resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number): void {
     const state = this.state(workerId);
     const buffered = state.sinceGap;
     this.clearBlocks(workerId);
     this.addBlocks(workerId, blockHashes);
     state.needsResync = false;
+    state.dumpPending = false;
     state.sinceGap = [];
     if (lastEventId === undefined) {
       state.lastEventId = null;
@@ -255,7 +279,7 @@ export abstract class KvIndexBase implements KvIndex {
   load(dump: KvIndexDump): void {
     for (const workerId of this.workers()) this.removeWorker(workerId);
     for (const worker of dump.workers) {
-      this.states.set(worker.workerId, { lastEventId: worker.lastEventId, needsResync: false, sinceGap: [] });
+      this.states.set(worker.workerId, { lastEventId: worker.lastEventId, needsResync: false, dumpPending: false, sinceGap: [] });
       this.addBlocks(worker.workerId, worker.blockHashes);
     }
   }

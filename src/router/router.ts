@@ -232,6 +232,15 @@ export class Router {
     this.index.resync(workerId, blockHashes, lastEventId);
   }
 
+  /** A dump of the worker was asked for: see KvIndex.beginResync. endResync when it will not come. */
+  beginResync(workerId: WorkerId): void {
+    this.index.beginResync(workerId);
+  }
+
+  endResync(workerId: WorkerId): void {
+    this.index.endResync(workerId);
+  }
+
   workersNeedingResync(): WorkerId[] {
     return this.index.workersNeedingResync();
   }

@@ -328,9 +328,22 @@ export class DisaggregatedEngine implements Engine {
    * False when no router knows the worker.
    */
   resyncWorker(workerId: string, blockHashes: readonly BlockHash[], lastEventId?: number): boolean {
-    const router = this.prefillWorkers.has(workerId) ? this.prefillRouter : this.decodeWorkers.has(workerId) ? this.decodeRouter : undefined;
+    const router = this.routerOf(workerId);
     router?.resyncWorker(workerId, blockHashes, lastEventId);
     return router !== undefined;
+  }
+
+  /** A dump of the worker was asked for (Router.beginResync), or will not come (endResync). */
+  beginResync(workerId: string): void {
+    this.routerOf(workerId)?.beginResync(workerId);
+  }
+
+  endResync(workerId: string): void {
+    this.routerOf(workerId)?.endResync(workerId);
+  }
+
+  private routerOf(workerId: string): Router | undefined {
+    return this.prefillWorkers.has(workerId) ? this.prefillRouter : this.decodeWorkers.has(workerId) ? this.decodeRouter : undefined;
   }
 
   /** Workers whose KV events had a gap: their views need a resync. */

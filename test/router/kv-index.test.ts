@@ -170,6 +170,27 @@ for (const { name, make } of IMPLEMENTATIONS) {
       assert.equal(index.applyEvent('a', stored(7, [chain[9]!])).status, 'duplicate');
     });
 
+    it('events that arrive while a dump is on its way (no gap) are replayed on it, not wiped with the old blocks', () => {
+      const index = make();
+      index.applyEvent('a', stored(1, chain.slice(0, 1)));
+      // The frontend asks for a dump (a worker joined, the event plane reconnected); it reflects event 1.
+      index.beginResync('a');
+      // Events 2 and 3 arrive before the dump is applied (the same read as the reply, or on the event plane).
+      assert.equal(index.applyEvent('a', stored(2, chain.slice(1, 2), chain[0]!)).status, 'applied');
+      assert.equal(index.applyEvent('a', stored(3, chain.slice(2, 3), chain[1]!)).status, 'applied');
+      assert.deepEqual(index.workersNeedingResync(), [], 'a dump on its way is not a gap');
+      index.resync('a', chain.slice(0, 1), 1);
+      assert.equal(index.findMatches(chain).get('a'), 3, 'events 2 and 3 replayed on the dump');
+      assert.deepEqual(index.workersNeedingResync(), []);
+      assert.equal(index.applyEvent('a', stored(4, chain.slice(3, 4), chain[2]!)).status, 'applied', 'ids go on after the replay');
+      // A dump that does not come: the events since stay applied, nothing more is kept.
+      index.beginResync('a');
+      index.applyEvent('a', stored(5, chain.slice(4, 5), chain[3]!));
+      index.endResync('a');
+      assert.equal(index.findMatches(chain).get('a'), 5);
+      assert.equal(index.applyEvent('a', stored(6, chain.slice(5, 6), chain[4]!)).status, 'applied');
+    });
+
     it('stays in need of resync when the replay meets a hole', () => {
       const index = make({ maxBufferedEvents: 2 });
       index.applyEvent('a', stored(1, chain.slice(0, 1)));
