@@ -1,12 +1,13 @@
 // A restarted worker loads the LoRA adapters its group has before it takes requests: with every worker killed and
-// restarted, a request naming an adapter is served again with the text it had before.
+// restarted, a request naming an adapter is served again with the text it had before; a restarted worker that cannot
+// load them is closed before the next attempt.
 import assert from 'node:assert/strict';
-import { rmSync } from 'node:fs';
+import { rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 import { silentLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer } from '../../src/cli/serve.ts';
-import type { LocalEngine } from '../../src/engine/local-engine.ts';
+import { LocalEngine } from '../../src/engine/local-engine.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter } from '../../src/model/lora-writer.ts';
 import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
@@ -45,6 +46,47 @@ test('restarted workers serve the adapters loaded before they were lost', { time
       assert.equal(after.text, before.text);
     }
   } finally {
+    await running.api.shutdown(0);
+    rmSync(fixture.dir, { recursive: true, force: true });
+  }
+});
+
+test('a restarted worker that cannot load the group\'s adapters is closed, not left running beside the next attempt', { timeout: 120_000 }, async () => {
+  const fixture = writeWorkerLossFixture('lora-restart-fail');
+  const adapterPath = join(fixture.dir, 'a.gguf');
+  const { config } = await loadModel(fixture.modelPath);
+  writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed: 13, bScale: 1 }));
+  const parsed = parseServeConfig(['--port', '0', '--model', `base=${fixture.modelPath}`, '--threads', '1', '--backend', 'reference',
+    '--kv-cache-memory', '16MiB', '--workers', '2', '--worker-restart-delay', '10', '--worker-restart-limit', '2',
+    '--lora-modules', `a=${adapterPath}`], {});
+  assert.notEqual(parsed, 'help');
+  const running = await startServer(parsed as Exclude<typeof parsed, 'help'>, silentLogger);
+  // The real engines the restarts start, and which of them were closed.
+  const started: LocalEngine[] = [];
+  const closed = new Set<LocalEngine>();
+  const start = LocalEngine.start;
+  const close = LocalEngine.prototype.close;
+  LocalEngine.start = async function (...args: Parameters<typeof LocalEngine.start>) {
+    const engine = await start.apply(this, args);
+    started.push(engine);
+    return engine;
+  };
+  LocalEngine.prototype.close = function (this: LocalEngine) {
+    closed.add(this);
+    return close.call(this);
+  };
+  try {
+    const routed = running.api.gateway.engine;
+    assert.ok(routed instanceof RoutedEngine);
+    // The adapter file is damaged after the start: a restarted worker cannot load it.
+    writeFileSync(adapterPath, 'not a GGUF file');
+    await (routed.workerEngine(routed.workerIds[0]!) as LocalEngine).kill();
+    await waitUntil(() => started.length === 2 && started.every((engine) => closed.has(engine)),
+      'both restart attempts started an engine and closed it', 60_000);
+    assert.equal(routed.workerIds.length, 1, 'the lost worker given up after the limit; the other serves on');
+  } finally {
+    LocalEngine.start = start;
+    LocalEngine.prototype.close = close;
     await running.api.shutdown(0);
     rmSync(fixture.dir, { recursive: true, force: true });
   }
