@@ -14,15 +14,21 @@ import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 
-test('restarted workers serve the adapters loaded before they were lost', { timeout: 120_000 }, async () => {
-  const fixture = writeWorkerLossFixture('lora-restart');
+/** A server of two cpu workers restarted 10 ms after a loss, with adapter 'a' (a GGUF file in the fixture's folder). */
+async function serveWithAdapter(name: string, seed: number, flags: string[] = []) {
+  const fixture = writeWorkerLossFixture(name);
   const adapterPath = join(fixture.dir, 'a.gguf');
   const { config } = await loadModel(fixture.modelPath);
-  writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed: 12, bScale: 1 }));
+  writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed, bScale: 1 }));
   const parsed = parseServeConfig(['--port', '0', '--model', `base=${fixture.modelPath}`, '--threads', '1', '--backend', 'reference',
-    '--kv-cache-memory', '16MiB', '--workers', '2', '--worker-restart-delay', '10', '--lora-modules', `a=${adapterPath}`], {});
+    '--kv-cache-memory', '16MiB', '--workers', '2', '--worker-restart-delay', '10', '--lora-modules', `a=${adapterPath}`, ...flags], {});
   assert.notEqual(parsed, 'help');
   const running = await startServer(parsed as Exclude<typeof parsed, 'help'>, silentLogger);
+  return { fixture, adapterPath, running };
+}
+
+test('restarted workers serve the adapters loaded before they were lost', { timeout: 120_000 }, async () => {
+  const { fixture, running } = await serveWithAdapter('lora-restart', 12);
   const complete = async (model: string) => {
     const res = await fetch(`${running.url}/v1/completions`, {
       method: 'POST', headers: { 'Content-Type': 'application/json' },
@@ -52,15 +58,7 @@ test('restarted workers serve the adapters loaded before they were lost', { time
 });
 
 test('a restarted worker that cannot load the group\'s adapters is closed, not left running beside the next attempt', { timeout: 120_000 }, async () => {
-  const fixture = writeWorkerLossFixture('lora-restart-fail');
-  const adapterPath = join(fixture.dir, 'a.gguf');
-  const { config } = await loadModel(fixture.modelPath);
-  writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed: 13, bScale: 1 }));
-  const parsed = parseServeConfig(['--port', '0', '--model', `base=${fixture.modelPath}`, '--threads', '1', '--backend', 'reference',
-    '--kv-cache-memory', '16MiB', '--workers', '2', '--worker-restart-delay', '10', '--worker-restart-limit', '2',
-    '--lora-modules', `a=${adapterPath}`], {});
-  assert.notEqual(parsed, 'help');
-  const running = await startServer(parsed as Exclude<typeof parsed, 'help'>, silentLogger);
+  const { fixture, adapterPath, running } = await serveWithAdapter('lora-restart-fail', 13, ['--worker-restart-limit', '2']);
   // The real engines the restarts start, and which of them were closed.
   const started: LocalEngine[] = [];
   const closed = new Set<LocalEngine>();
