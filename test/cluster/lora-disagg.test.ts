@@ -160,9 +160,15 @@ describe('LoRA adapters on remote prefill and decode workers', { skip }, () => {
     assert.equal(baseAgain.choices[0]!.text, base.choices[0]!.text);
     const expected = await referenceClient.completions.create(greedy('a', p));
     const adapted = await client.completions.create(greedy('a', p));
-    // p1 computed the whole prompt again, and d1 took every block of it over (it reused none of its own).
-    assert.equal(cached(adapted), 0, 'the prefill worker reused the base model\'s KV for the adapter');
-    assert.equal(movedBlocks(adapted), Math.ceil(adapted.usage!.prompt_tokens / blockSize), 'the decode worker reused the base model\'s KV');
+    // p1 computed the whole prompt again, and d1 took every block of it over (it reused none of its own); or, kept on
+    // d1 by the policy's measured rates, d1 computed it all.
+    assert.equal(cached(adapted), 0, 'the base model\'s KV was reused for the adapter');
+    const adaptedTrace = (await trace(url, adapted.id)).json;
+    if (prefilledOn(adaptedTrace) !== undefined) {
+      assert.equal(movedBlocks(adapted), Math.ceil(adapted.usage!.prompt_tokens / blockSize), 'the decode worker reused the base model\'s KV');
+    } else {
+      assert.match(String(adaptedTrace.phases.find((ph) => ph.phase === 'router_lookup')?.attributes?.reason), /prefill local \((transfer-slower|short-prompt)\)/);
+    }
     assert.equal(adapted.choices[0]!.text, expected.choices[0]!.text);
     const adaptedAgain = await client.completions.create(greedy('a', p));
     assert.ok(cached(adaptedAgain) > 0, 'the adapter\'s own prompt was not cached');
@@ -186,7 +192,11 @@ describe('LoRA adapters on remote prefill and decode workers', { skip }, () => {
         client.completions.create(greedy('b', song(n), 12)), referenceClient.completions.create(greedy('b', song(n), 12)),
       ]);
       assert.equal(got.choices[0]!.text, expected.choices[0]!.text);
-      prefillWorkers.add(String(prefilledOn((await trace(url, got.id)).json)));
+      const { json } = await trace(url, got.id);
+      const on = prefilledOn(json);
+      // Kept on the decode worker only by the policy's measured rates (see the first test).
+      if (on === undefined) assert.match(String(json.phases.find((p) => p.phase === 'router_lookup')?.attributes?.reason), /prefill local \((transfer-slower|short-prompt)\)/);
+      else prefillWorkers.add(on);
     }
     // Both prefill workers hold 'b' now: either may prefill it (at least one did).
     assert.ok(prefillWorkers.size > 0 && [...prefillWorkers].every((w) => w === 'p1' || w === 'p2'), [...prefillWorkers].join());
