@@ -46,18 +46,14 @@ export class AdmissionQueue<T> {
     return true;
   }
 
-  /** Oldest entry (a Map iterates in insertion order, which is FIFO here). */
   /** The entries, oldest first (a snapshot: removing while iterating it is safe). */
   inOrder(): QueuedEntry<T>[] {
     return [...this.entries.values()];
   }
 
-  peek(): QueuedEntry<T> | undefined {
-    return this.entries.values().next().value;
-  }
-
+  /** Takes the oldest entry (a Map iterates in insertion order, which is FIFO here). */
   shift(): QueuedEntry<T> | undefined {
-    const entry = this.peek();
+    const entry: QueuedEntry<T> | undefined = this.entries.values().next().value;
     if (entry !== undefined) this.entries.delete(entry.id);
     return entry;
   }
