@@ -19,7 +19,7 @@ import { hashTokenBlocks } from '../protocols/block-hash.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { v8Deserialize } from './blob.ts';
-import type { AdoptedResult, KvHandoff, PrefillEvent } from '../engine/handoff.ts';
+import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from '../engine/handoff.ts';
 import type { KvPoolLayout } from '../engine/handoff.ts';
 import { parseWireHandoff, toWireHandoff } from './kv-tcp.ts';
 import { DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, parseJsonMessage } from './frames.ts';
@@ -50,7 +50,7 @@ export class RemoteEngine implements RoutableEngine {
   readonly address: string;
   private latestStats: EngineStats;
   private readonly streams = new Map<string, AsyncQueue<EngineOutput>>();
-  private readonly prefills = new Map<string, AsyncQueue<PrefillEvent>>();
+  private readonly prefills = new Map<string, PrefillStream>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   /** A prefill worker's KV port, on the host of its request-plane address. */
   readonly kvPort: number | undefined;
@@ -181,7 +181,7 @@ export class RemoteEngine implements RoutableEngine {
     if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
     if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.prefills.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
-    const queue = new AsyncQueue<PrefillEvent>();
+    const queue = new PrefillStream();
     this.prefills.set(request.id, queue);
     this.socket.write(encodeJsonFrame({ t: 'prefill', request: toWireRequest(request), sentAt: engineNow() }));
     return this.follow(this.prefills, request.id, queue);
@@ -385,12 +385,14 @@ export class RemoteEngine implements RoutableEngine {
         const prefill = this.prefills.get(String(m.id));
         for (const output of m.outputs as EngineOutput[]) {
           if (queue) queue.push(output);
-          else prefill?.push({ type: 'output', output });
+          else prefill?.pushOutput(output);
         }
         return;
       }
       case 'handoff': {
-        this.prefills.get(String(m.id))?.push({ type: 'handoff', handoff: parseWireHandoff(m.handoff) });
+        // The handoff ends the prefill's stream here, before the worker's own end arrives: a caller that stops at the
+        // handoff must not look like one leaving early, whose abort would unpin the blocks the decode worker pulls.
+        this.prefills.get(String(m.id))?.pushHandoff(parseWireHandoff(m.handoff));
         return;
       }
       case 'adopted': {

@@ -18,6 +18,7 @@ import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { freePort } from '../helpers/cluster-services.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 import { kvBlockBytes, type KvHandoff } from '../../src/engine/handoff.ts';
+import { startTcpRelay, type TcpRelay, type TcpRelayOptions } from '../helpers/tcp-relay.ts';
 
 const TOKEN = 'disagg-token';
 const BLOCK = 16;
@@ -59,6 +60,8 @@ interface BuildOptions {
   stream?: boolean;
   /** The decode workers take KV through their staging pool and copy it from there (CONDUIT_KV_ADOPT_STAGING=1). */
   staging?: boolean;
+  /** The frontend reaches the prefill worker's request plane through a relay set so. */
+  prefillRelay?: TcpRelayOptions;
 }
 
 async function serve(id: string, role: 'prefill' | 'decode', path: string, options: BuildOptions = {}): Promise<Served> {
@@ -91,6 +94,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
   const served: Served[] = [];
   const remotes: RemoteEngine[] = [];
   const engines: DisaggregatedEngine[] = [];
+  const relays: TcpRelay[] = [];
 
   async function build(options: BuildOptions = {}) {
     const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path, options);
@@ -101,8 +105,14 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
       }));
     }
     served.push(prefill, ...decodes);
-    const connect = async (s: Served) => {
-      const remote = await RemoteEngine.connect(s.address, { clusterToken: TOKEN, events: true });
+    const connect = async (s: Served, through?: TcpRelayOptions) => {
+      let address = s.address;
+      if (through) {
+        const relay = await startTcpRelay(Number(s.address.split(':')[1]), through);
+        relays.push(relay);
+        address = relay.address;
+      }
+      const remote = await RemoteEngine.connect(address, { clusterToken: TOKEN, events: true });
       remotes.push(remote);
       return remote;
     };
@@ -113,7 +123,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
       decodeRemotes.push(remote);
     }
     const engine = remoteDisaggregatedEngine({
-      prefill: [await connect(prefill)], decode: decodeRemotes, routerSeed: 3,
+      prefill: [await connect(prefill, options.prefillRelay)], decode: decodeRemotes, routerSeed: 3,
       policy: { minRemotePrefillTokens: 32 },
       estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
       ...(options.migrationLimit !== undefined ? { migration: { limit: options.migrationLimit } } : {}),
@@ -160,6 +170,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
   });
   after(async () => {
     for (const engine of engines) await engine.close();
+    for (const relay of relays) await relay.close();
     for (const s of served) {
       await s.server.close();
       await s.engine.close();
@@ -276,6 +287,21 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
       await engine.close();
     }
   });
+
+  for (const stream of [false, true]) {
+    test(`the frontend stops reading a prefill at its handoff, before the worker's end arrives (${stream ? 'KV streamed during the prefill' : 'KV pulled at the adopt'}): no abort unpins the blocks, the KV moves`, async () => {
+      const { engine, prefill, decode } = await build({ stream, prefillRelay: { pauseAfterWorkerFrame: { type: 'handoff', ms: 150 } } });
+      const ids = prompt(23, 75);
+      const expected = await collect(aggregated.generate(request(ids)));
+      const outputs = await collect(engine.generate(request(ids)));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      const disaggregation = outputs.at(-1)!.routing?.disaggregation;
+      assert.equal(disaggregation?.mode, 'disaggregated', disaggregation?.detail);
+      assert.deepEqual([...decode.server.kvTransfers], [['ok', 1]]);
+      assert.ok(outputs.some((o) => (o.timestamps.kvTransfer?.blocks ?? 0) > 0), 'the output reports the blocks moved');
+      for (const s of [prefill, decode]) await assertFree(s);
+    });
+  }
 
   test('a frontend gone after the hand-over, before it released the handoff: the prefill worker frees the pinned blocks', async () => {
     const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path);

@@ -2,8 +2,10 @@
 // advertises stays the relay's while the process behind it changes (`target`, read at each new connection), the
 // test can cut every relayed connection (a network blip), and it can hold what a frontend sends after the worker's
 // welcome (on the request plane that is the model-card request the frontend makes before it joins the worker) until
-// released, so two joins can be made to overlap without sleeping.
+// released, so two joins can be made to overlap without sleeping. It can also split what the worker sends into its
+// frames and pause after each frame of one type, so the frontend reads that frame well before the ones that follow.
 import net from 'node:net';
+import { FRAME_HEADER_BYTES, FRAME_JSON, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
 
 export interface TcpRelay {
   address: string;
@@ -20,7 +22,12 @@ export interface TcpRelay {
   close(): Promise<void>;
 }
 
-export async function startTcpRelay(target: number): Promise<TcpRelay> {
+export interface TcpRelayOptions {
+  /** The worker's frames go on one at a time, and those after a JSON frame of this type (`t`) only `ms` later. */
+  pauseAfterWorkerFrame?: { type: string; ms: number };
+}
+
+export async function startTcpRelay(target: number, options: TcpRelayOptions = {}): Promise<TcpRelay> {
   const sockets = new Set<net.Socket>();
   /** Per connection: the upstream socket, whether the worker has answered yet, and what waits to be sent. */
   const links = new Set<{ upstream: net.Socket; welcomed: boolean; held: Buffer[] }>();
@@ -46,9 +53,22 @@ export async function startTcpRelay(target: number): Promise<TcpRelay> {
       if (holding && link.welcomed) link.held.push(chunk);
       else upstream.write(chunk);
     });
+    const pause = options.pauseAfterWorkerFrame;
+    const frames = new FrameReader();
+    let sent = Promise.resolve();
     upstream.on('data', (chunk: Buffer) => {
       link.welcomed = true;
-      downstream.write(chunk);
+      if (!pause) return void downstream.write(chunk);
+      for (const { kind, payload } of frames.push(chunk)) {
+        const header = Buffer.alloc(FRAME_HEADER_BYTES);
+        header.writeUInt32BE(payload.length + 1, 0);
+        header[4] = kind;
+        const paused = kind === FRAME_JSON && parseJsonMessage(payload).t === pause.type;
+        sent = sent.then(async () => {
+          downstream.write(Buffer.concat([header, payload]));
+          if (paused) await new Promise((resolve) => setTimeout(resolve, pause.ms));
+        });
+      }
     });
   });
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
