@@ -186,11 +186,14 @@ export interface StopDecision {
 /**
  * Whether the token just appended ends the sequence. EOS (unless ignoreEos) and stop token ids count only after
  * minTokens outputs, matching a sampler that masks them until then; maxTokens and the context length always apply.
+ * Under a grammar, EOS always ends it: the grammar allows EOS only once its text is complete (or when nothing else
+ * is left), so any token after it would fall outside the grammar, whatever minTokens or ignoreEos ask.
  */
 export function checkStop(sequence: Sequence, eosTokenIds: ReadonlySet<number>, maxModelLen: number): StopDecision | null {
   const { sampling } = sequence.request;
   const numOutputTokens = sequence.outputTokenIds.length;
   const lastTokenId = sequence.tokenIds[sequence.tokenIds.length - 1]!;
+  if (sampling.guided !== undefined && eosTokenIds.has(lastTokenId)) return { reason: 'stop', stopReason: lastTokenId };
   if (numOutputTokens > sampling.minTokens) {
     if (!sampling.ignoreEos && eosTokenIds.has(lastTokenId)) return { reason: 'stop', stopReason: lastTokenId };
     if (sampling.stopTokenIds.includes(lastTokenId)) return { reason: 'stop', stopReason: lastTokenId };

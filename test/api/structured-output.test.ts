@@ -99,6 +99,31 @@ describe('structured outputs (response_format, guided_*)', () => {
     assertPerson(JSON.parse(json.json().choices[0].text));
   });
 
+  it('min_tokens and ignore_eos do not reach past the grammar\'s end: the output is the grammar\'s, ended by its EOS', E2E, async () => {
+    const schema = { type: 'object', properties: { a: { type: 'boolean' } }, required: ['a'], additionalProperties: false };
+    for (const extra of [{ min_tokens: 30 }, { ignore_eos: true }, { min_tokens: 30, ignore_eos: true }]) {
+      const chat = await post('/v1/chat/completions', {
+        model, messages, seed: 3, temperature: 0.8, max_tokens: 60, ...extra,
+        response_format: { type: 'json_schema', json_schema: { name: 'flag', schema } },
+      });
+      assert.equal(chat.status, 200, chat.text);
+      const choice = chat.json().choices[0];
+      assert.equal(choice.finish_reason, 'stop', `${JSON.stringify(extra)}: ${chat.text}`);
+      assert.deepEqual(Object.keys(JSON.parse(choice.message.content)), ['a'], `${JSON.stringify(extra)}: ${chat.text}`);
+      for (const [prompt, maxTokens] of [['Answer:', 5], ['Well,', 12]] as const) {
+        const completion = await post('/v1/completions', {
+          model, prompt, seed: 4, max_tokens: maxTokens, guided_choice: ['yes', 'no'], ...extra,
+          ...('min_tokens' in extra ? { min_tokens: maxTokens - 1 } : {}),
+        });
+        assert.equal(completion.status, 200, completion.text);
+        const [only] = completion.json().choices;
+        assert.ok(['yes', 'no'].includes(only.text), `${JSON.stringify(extra)}: ${completion.text}`);
+        assert.equal(only.finish_reason, 'stop', completion.text);
+      }
+    }
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
   it('a stop string inside jump-forward text: the output ends there and usage counts only the tokens up to it', E2E, async () => {
     const choice = 'the quick brown fox jumps over the lazy dog';
     const body = { model, prompt: 'Pick:', temperature: 0, guided_choice: [choice] };
