@@ -343,12 +343,18 @@ function scannedToolCalls(parser: ToolCallParserName, text: string): ParsedOutpu
   } else {
     return undefined;
   }
+  const calls = namedCalls(scanToolCalls(text.slice(from)));
+  return calls.length > 0 ? { content: contentBefore(text, start), calls } : undefined;
+}
+
+/** The scanned calls a stream has sent: those in order up to the first whose name is not written yet. */
+function namedCalls(scanned: readonly ScannedCall[]): ParsedCall[] {
   const calls: ParsedCall[] = [];
-  for (const call of scanToolCalls(text.slice(from))) {
+  for (const call of scanned) {
     if (call.name === undefined) break;
     calls.push({ name: call.name, arguments: call.args });
   }
-  return calls.length > 0 ? { content: contentBefore(text, start), calls } : undefined;
+  return calls;
 }
 
 /** Top-level JSON objects one after another, separated by ';', ',' or whitespace (Llama 3.x's parallel calls). */
@@ -467,6 +473,21 @@ export class ToolChatShape implements ResponseShape {
         return parsed.calls.length > 0 ? parsed : scannedToolCalls(this.mode.parser, text) ?? parsed;
       }
     }
+  }
+
+  /**
+   * The calls (and content) a stream of this finished output sends, for the body to say the same: a complete output's
+   * calls; otherwise (cut off by max_tokens or a stop string, or calls that do not parse) the calls as far as the
+   * model wrote them, each whose name is written with its arguments as written, as the stream sent them piece by piece.
+   */
+  private sentCalls(text: string, finishReason: WireFinishReason | null): ParsedOutput {
+    if (this.mode.kind === 'named') return text === '' ? NO_CALLS : this.result(text);
+    if (finishReason === 'stop') {
+      const parsed = this.result(text);
+      if (parsed.calls.length > 0) return parsed;
+    }
+    if (this.mode.kind === 'required') return { content: null, calls: namedCalls(scanToolCalls(text)) };
+    return scannedToolCalls(this.mode.parser, text) ?? NO_CALLS;
   }
 
   /** "tool_calls" for calls the model chose to make ("auto", "required"); a named tool's call ends with "stop", as OpenAI's. */
@@ -606,15 +627,14 @@ export class ToolChatShape implements ResponseShape {
     })), usage) as { choices: { message: Record<string, unknown>; finish_reason: string | null }[] };
     body.choices.forEach((wire, index) => {
       const choice = this.choices[index]!;
-      // A cut-off output (length) is no call: its text is the content, as the model wrote it.
-      if (choice.finishReason !== 'stop') return;
-      const parsed = this.result(choice.text);
+      // Without a call written, the text is the content, as the model wrote it.
+      const parsed = this.sentCalls(choice.text, choice.finishReason);
       if (parsed.calls.length === 0) return;
       wire.message.content = parsed.content;
       wire.message.tool_calls = parsed.calls.map((call) => ({
         id: newToolCallId(), type: 'function', function: { name: call.name, arguments: call.arguments },
       } satisfies WireToolCall));
-      wire.finish_reason = this.finishReason('stop', parsed.calls.length)!;
+      wire.finish_reason = this.finishReason(choice.finishReason, parsed.calls.length)!;
     });
     return body;
   }

@@ -167,6 +167,57 @@ describe('tool-call parsers on model outputs', () => {
     }
   });
 
+  it('an output cut off (max_tokens, a stop string) or not parsing: the body has what the stream sent, for every choice mode', () => {
+    const weather = { type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } };
+    const tools = (choice: ToolsRequest['choice']): ToolsRequest => ({
+      raw: [weather], tools: [{ name: 'get_weather', parameters: { type: 'object' } }], choice, parallel: true,
+    });
+    const named: ToolsRequest['choice'] = { kind: 'named', name: 'get_weather' };
+    const call = (args: string) => [{ name: 'get_weather', arguments: args }];
+    const cases: { choice: ToolsRequest['choice']; text: string; finish: 'stop' | 'length'; content: string | null; calls: { name: string; arguments: string }[]; wire: string }[] = [
+      { choice: named, text: '{"city": "Pa', finish: 'length', content: null, calls: call('{"city": "Pa'), wire: 'length' },
+      { choice: named, text: '{"city": "Paris"}', finish: 'stop', content: null, calls: call('{"city": "Paris"}'), wire: 'stop' },
+      { choice: { kind: 'required' }, text: '[{"name": "get_weather", "parameters": {"', finish: 'stop', content: null, calls: call('{"'), wire: 'tool_calls' },
+      { choice: { kind: 'required' }, text: '[{"name": "get_weather", "parameters": {"city": "Li', finish: 'length', content: null, calls: call('{"city": "Li'), wire: 'length' },
+      { choice: { kind: 'required' }, text: '[{"na', finish: 'length', content: '[{"na', calls: [], wire: 'length' },
+      { choice: { kind: 'auto' }, text: 'Checking. <tool_call>{"name": "get_weather", "arguments": {"ci', finish: 'length', content: 'Checking. ', calls: call('{"ci'), wire: 'length' },
+      { choice: { kind: 'auto' }, text: 'Checking. <tool_call>{"na', finish: 'length', content: 'Checking. <tool_call>{"na', calls: [], wire: 'length' },
+      { choice: { kind: 'auto' }, text: 'Just text.', finish: 'length', content: 'Just text.', calls: [], wire: 'length' },
+    ];
+    const meta = { id: 'chatcmpl-1', created: 0, model: 'm', systemFingerprint: 'fp' };
+    for (const c of cases) {
+      const label = `${c.choice.kind} ${c.finish} ${c.text}`;
+      const streamed = new ToolChatShape(meta, 1, {} as TokenTexts, null, tools(c.choice), 'hermes');
+      const calls: { name: string; arguments: string }[] = [];
+      let content = '';
+      let finish: string | null = null;
+      for (let at = 0; at < c.text.length; at += 3) {
+        const chunks = streamed.updateChunks({ index: 0, textDelta: c.text.slice(at, at + 3), logprobs: undefined,
+          finishReason: at + 3 >= c.text.length ? c.finish : null, stopReason: null, tokens: 1 }, undefined) as
+          { choices: { delta: { content?: string | null; tool_calls?: { index: number; id?: string; function: { name?: string; arguments: string } }[] }; finish_reason: string | null }[] }[];
+        for (const { choices: [choice] } of chunks) {
+          content += choice!.delta.content ?? '';
+          for (const piece of choice!.delta.tool_calls ?? []) {
+            if (piece.id !== undefined) calls.push({ name: piece.function.name!, arguments: piece.function.arguments });
+            else calls[piece.index]!.arguments += piece.function.arguments;
+          }
+          finish = choice!.finish_reason ?? finish;
+        }
+      }
+      const collected = new ToolChatShape(meta, 1, {} as TokenTexts, null, tools(c.choice), 'hermes');
+      collected.collect({ index: 0, textDelta: c.text, logprobs: undefined, finishReason: c.finish, stopReason: null, tokens: 1 });
+      const body = collected.body({ prompt_tokens: 1, completion_tokens: 1, total_tokens: 2, prompt_tokens_details: { cached_tokens: 0 } }) as
+        { choices: { message: { content: string | null; tool_calls?: { function: { name: string; arguments: string } }[] }; finish_reason: string }[] };
+      const [choice] = body.choices;
+      assert.deepEqual(calls, c.calls, `${label}: streamed calls`);
+      assert.deepEqual(choice!.message.tool_calls?.map((t) => t.function) ?? [], c.calls, `${label}: the body's calls`);
+      assert.equal(content === '' ? null : content, c.content, `${label}: streamed content`);
+      assert.equal(choice!.message.content, c.content, `${label}: the body's content`);
+      assert.equal(finish, c.wire, `${label}: streamed finish_reason`);
+      assert.equal(choice!.finish_reason, c.wire, `${label}: the body's finish_reason`);
+    }
+  });
+
   it('the parser is chosen from the chat template', () => {
     assert.equal(detectToolCallParser('{% for tool in tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endfor %}'), 'hermes');
     assert.equal(detectToolCallParser('{{ "[AVAILABLE_TOOLS]" }}{{ "[TOOL_CALLS]" }}'), 'mistral');
