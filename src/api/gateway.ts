@@ -522,7 +522,7 @@ export class Gateway {
     const { backend } = target;
     const tokens = request.kind === 'prompt'
       ? await this.encode(backend, request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
-      : await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, false);
+      : await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, false, request.tools);
     return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 

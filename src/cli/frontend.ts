@@ -76,7 +76,9 @@ export const frontendCommand: Command = {
       + `(etcd ${cluster.etcd!.endpoints.join(',')}, NATS ${nats.servers.join(',')})`);
     void frontend.ready().then((engine) => {
       api.attach({
-        engine, tokenizer: frontend.tokenizer!, chatTemplate: frontend.chatTemplate!, workerId: 'workerIds' in engine ? engine.workerIds[0] : engine.decodeWorkerIds[0],
+        engine, tokenizer: frontend.tokenizer!,
+        chatTemplate: config.chatTemplate !== undefined ? frontend.chatTemplate!.withTemplate(config.chatTemplate) : frontend.chatTemplate!,
+        workerId: 'workerIds' in engine ? engine.workerIds[0] : engine.decodeWorkerIds[0],
         // The adapters the workers hold (their --lora-modules, and those loaded through this API).
         ...(frontend.adapters ? { adapters: frontend.adapters } : {}),
       });

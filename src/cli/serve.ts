@@ -2,10 +2,11 @@
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
 // requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
 
-import { existsSync, readFileSync } from 'node:fs';
+import { existsSync, readFileSync, statSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
 import { join } from 'node:path';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
+import { ChatTemplate } from '../model/chat-template.ts';
 import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
@@ -56,6 +57,7 @@ export const SERVE_FLAGS = {
   'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
   'max-num-seqs': { type: 'number', help: 'most sequences in one engine batch' },
   'scheduling-policy': { type: 'string', help: 'order in which each worker admits waiting requests and preempts running ones: fcfs (arrival), priority (the request\'s priority, lower first, as vLLM), deadline (the request\'s deadline_ms, earliest first)', default: 'fcfs' },
+  'chat-template': { type: 'string', help: 'the chat template /v1/chat/completions and /tokenize render messages with, instead of each served model\'s own: a Jinja file, or the template itself (as vLLM\'s --chat-template)' },
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
@@ -120,6 +122,8 @@ export interface ServeConfig {
   schedulingPolicy?: SchedulingPolicy;
   /** Tool-call format under tool_choice "auto" (default: recognised from the chat template). */
   toolCallParser?: ToolCallParserName;
+  /** --chat-template: the template's text, in place of every served model's own. */
+  chatTemplate?: string;
   servedModelName?: string;
   /** Every --model after the first, each served by its own workers (cpu engine only). */
   extraModels?: ServedModelSpec[];
@@ -380,6 +384,23 @@ function jsonLoraModule(text: string): LoraModuleSpec {
   return { name: o.name, path: o.path, ...(typeof o.base_model_name === 'string' ? { base: o.base_model_name } : {}) };
 }
 
+/**
+ * --chat-template's value: a file's text, or the template itself when no such file exists and it reads as one (a
+ * brace or a line break in it), as vLLM takes it. Compiled here, so a template that does not parse stops the start.
+ */
+export function readChatTemplateOption(value: string): string {
+  let text: string;
+  if (existsSync(value) && statSync(value).isFile()) text = readFileSync(value, 'utf8');
+  else if (/[{}\n]/.test(value)) text = value;
+  else throw new UsageError(`--chat-template: no file ${value} (a template given inline has {{ }} or {% %} in it)`);
+  try {
+    void new ChatTemplate({ templates: text });
+  } catch (error) {
+    throw new UsageError(`--chat-template: ${(error as Error).message}`);
+  }
+  return text;
+}
+
 export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env,
   options: { disaggregation?: boolean } = {}): ServeConfig | 'help' {
   // The thresholds mean nothing without disaggregated serving: refused on the command line, ignored (with a
@@ -486,6 +507,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     routingPolicy: routingPolicy as PolicyName,
     schedulingPolicy: parseSchedulingPolicy(values['scheduling-policy']!),
     ...(toolCallParser !== 'auto' ? { toolCallParser: toolCallParser as ToolCallParserName } : {}),
+    ...(values['chat-template'] !== undefined ? { chatTemplate: readChatTemplateOption(values['chat-template']) } : {}),
     sessionHeader: sessionHeader.toLowerCase(),
     ...(prefillWorkers !== undefined ? { prefillWorkers, decodeWorkers } : {}),
     ...(disaggregationPolicy !== undefined ? { disaggregationPolicy } : {}),
@@ -668,7 +690,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
             config.maxLoraRank ?? DEFAULT_MAX_LORA_RANK) : undefined;
         served.push({
           name, backend: {
-            engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer, chatTemplate: pool.chatTemplate,
+            engine: pool.engine, workerId: pool.workers[0]!.id, tokenizer: pool.tokenizer,
+            chatTemplate: config.chatTemplate !== undefined ? pool.chatTemplate.withTemplate(config.chatTemplate) : pool.chatTemplate,
             ...(adapters ? { adapters } : {}), ...(pool.clock ? { clock: pool.clock } : {}),
             ...(pool.holdClock ? { holdClock: pool.holdClock } : {}),
           },
@@ -677,7 +700,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           throw new UsageError(`two models would be served as "${name}": name them (--model NAME=PATH or --served-model-name)`);
         }
         for (const notice of pool.notices) logger.warn(specs.length > 1 ? `${name}: ${notice}` : notice);
-        if (pool.chatTemplate.isFallback) {
+        if (pool.chatTemplate.isFallback && config.chatTemplate === undefined) {
           const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : spec.path;
           logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `
             + 'plain fallback ("role: content" paragraphs, then "assistant:"); /v1/completions takes prompts as they are');

@@ -149,6 +149,11 @@ export class ChatTemplate {
 
   get templateNames(): string[] { return [...this.compiled.keys()]; }
 
+  /** Another template (--chat-template) with this one's special tokens. */
+  withTemplate(text: string): ChatTemplate {
+    return new ChatTemplate({ templates: text, bosToken: this.bosToken, eosToken: this.eosToken });
+  }
+
   render(messages: readonly ChatMessage[], options: RenderOptions = {}): string {
     const template = this.choose(options);
     const context: Record<string, unknown> = {

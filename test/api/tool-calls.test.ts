@@ -501,3 +501,35 @@ function assembleToolCalls() {
     },
   };
 }
+
+describe('a --chat-template that renders tools (synthetic model)', () => {
+  let server: TestServer;
+  let model: string;
+  const template = '{% if tools %}{% for t in tools %}<tool>{{ t.function.name }}: {{ t.function.description }}</tool>\n{% endfor %}{% endif %}'
+    + '{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}';
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--chat-template', template] });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('renders chat with it, and /tokenize counts the tools as chat completions do', E2E, async () => {
+    const messages = [{ role: 'user', content: 'What is the weather in Paris?' }];
+    const post = (path: string, body: object) => rawRequest(server.url, { path, body });
+    const chat = await post('/v1/chat/completions', { model, messages, tools: [WEATHER_TOOL], max_tokens: 1 });
+    assert.equal(chat.status, 200, chat.text);
+    const withTools = await post('/tokenize', { model, messages, tools: [WEATHER_TOOL] });
+    assert.equal(withTools.status, 200, withTools.text);
+    assert.equal(withTools.json().count, chat.json().usage.prompt_tokens);
+    const rendered = (await post('/detokenize', { model, tokens: withTools.json().tokens })).json().prompt as string;
+    assert.match(rendered, /<tool>get_weather: Current weather<\/tool>\n\[user\] What is the weather in Paris\?\n\[assistant\]$/);
+    const without = await post('/tokenize', { model, messages });
+    assert.ok(without.json().count < withTools.json().count, 'the tools are part of the prompt');
+    const bad = await post('/tokenize', { model, messages, tools: [{ type: 'function' }] });
+    assert.equal(bad.status, 400, bad.text);
+    assert.match(bad.json().error.param, /^tools/);
+  });
+});

@@ -62,6 +62,21 @@ describe('conduit serve flags', () => {
     assert.deepEqual(c.tenantDefaults, { requestsPerMinute: 30 });
   });
 
+  it('takes --chat-template (or CONDUIT_CHAT_TEMPLATE) as a file or the template itself, refusing one that does not parse', () => {
+    const template = '{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}';
+    const file = join(dir, 'chat.jinja');
+    writeFileSync(file, template);
+    assert.equal(config(['--chat-template', file]).chatTemplate, template);
+    assert.equal(config([], { CONDUIT_CHAT_TEMPLATE: template }).chatTemplate, template);
+    assert.equal(config([]).chatTemplate, undefined, 'each model\'s own by default');
+    for (const [value, message] of [
+      [join(dir, 'missing.jinja'), /--chat-template: no file .*missing\.jinja/],
+      ['{% for m in messages %}', /--chat-template: chat template "default" does not parse/],
+    ] as const) {
+      assert.throws(() => parseServeConfig(['--chat-template', value], {}), (err: unknown) => err instanceof UsageError && message.test(err.message), value);
+    }
+  });
+
   it('combines a keys file with the keys list', () => {
     const path = join(dir, 'keys.txt');
     writeFileSync(path, 'sk-file acme 60 1000 2\n');

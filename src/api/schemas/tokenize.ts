@@ -10,6 +10,8 @@ export type TokenizeRequest =
   | {
     kind: 'messages'; model?: string; messages: ChatMessage[]; addGenerationPrompt: boolean; continueFinalMessage: boolean;
     chatTemplateKwargs?: JsonObject;
+    /** The tools as sent: the chat template renders them, as for /v1/chat/completions. */
+    tools?: readonly unknown[];
   };
 
 export interface DetokenizeRequest {
@@ -37,7 +39,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
   const chat = parseChatCompletionRequest(
     { messages: fields.raw('messages'), add_generation_prompt: fields.raw('add_generation_prompt'),
       continue_final_message: fields.raw('continue_final_message'), chat_template_kwargs: fields.raw('chat_template_kwargs'),
-      documents: fields.raw('documents'), reasoning_effort: fields.raw('reasoning_effort') },
+      documents: fields.raw('documents'), reasoning_effort: fields.raw('reasoning_effort'), tools: fields.raw('tools') },
     context,
   );
   return {
@@ -47,6 +49,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
     addGenerationPrompt: chat.addGenerationPrompt,
     continueFinalMessage: chat.continueFinalMessage,
     ...(chat.chatTemplateKwargs ? { chatTemplateKwargs: chat.chatTemplateKwargs } : {}),
+    ...(chat.tools ? { tools: chat.tools.raw } : {}),
   };
 }
 
