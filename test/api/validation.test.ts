@@ -188,6 +188,7 @@ describe('completion request validation', () => {
     ['logprobs a boolean', { prompt: 'a', logprobs: true }, 'logprobs', 'invalid_type'],
     ['logprobs too many', { prompt: 'a', logprobs: 50 }, 'logprobs', 'invalid_value'],
     ['max_tokens 0 without echo', { prompt: 'a', max_tokens: 0 }, 'max_tokens', 'invalid_value'],
+    ['max_tokens 0 with echo beside max_completion_tokens', { prompt: 'a', max_tokens: 0, echo: true, max_completion_tokens: 4 }, 'max_tokens', 'invalid_value'],
     ['prompt_logprobs -1 (the whole vocabulary)', { prompt: 'a', prompt_logprobs: -1 }, 'prompt_logprobs', 'invalid_value'],
     ['prompt_logprobs too many', { prompt: 'a', prompt_logprobs: 21 }, 'prompt_logprobs', 'invalid_value'],
     ['prompt_logprobs fractional', { prompt: 'a', prompt_logprobs: 1.5 }, 'prompt_logprobs', 'invalid_type'],
@@ -201,6 +202,11 @@ describe('completion request validation', () => {
       rejects(() => parseCompletionRequest(body, context), { param, ...(code ? { code } : {}) });
     });
   }
+
+  it('max_tokens 0 refused beside echo: true names what else it needs', () => {
+    assert.throws(() => parseCompletionRequest({ prompt: 'a', max_tokens: 0, echo: true, max_completion_tokens: 4 }, context),
+      (error: Error) => /only allowed with echo: true and no max_completion_tokens/.test(error.message));
+  });
 
   it('reads every prompt form', () => {
     assert.deepEqual(parseCompletionRequest({ prompt: 'x' }, context).prompts, [{ text: 'x' }]);

@@ -70,7 +70,7 @@ export function parseCompletionRequest(body: unknown, context: ValidationContext
   rejectUnsupported(fields, UNSUPPORTED_COMPLETION);
   const promptOnly = fields.raw('max_tokens') === 0 && fields.raw('max_completion_tokens') === undefined && fields.boolean('echo') === true;
   if (promptOnly) fields = new Fields({ ...fields.object, max_tokens: 1 });
-  else if (fields.raw('max_tokens') === 0) throw new InvalidValueError('max_tokens', '0 is only allowed with echo: true (the prompt alone, scored).');
+  else if (fields.raw('max_tokens') === 0) throw new InvalidValueError('max_tokens', '0 is only allowed with echo: true and no max_completion_tokens (the prompt alone, scored).');
   const suffix = fields.string('suffix');
   if (suffix) throw new UnsupportedFieldError('suffix', 'fill-in-the-middle suffixes are not supported.');
   const options = readGenerationOptions(fields, context);
