@@ -91,6 +91,11 @@ export class GenerationRun {
     return this.cachedTokens.reduce((a, b) => a + b, 0);
   }
 
+  /** Prompt tokens of one prompt (of `prompts`) the engine found cached. */
+  cachedTokensOf(promptIndex: number): number {
+    return this.cachedTokens[promptIndex] ?? 0;
+  }
+
   /** The most tokens the run can use: what the rate limiter reserves. */
   get reservedTokens(): number {
     return this.prompts.reduce((sum, prompt) => sum + prompt.tokenIds.length + this.n * prompt.maxTokens, 0);

@@ -83,18 +83,27 @@ async function streamFrom(
   run: GenerationRun, shape: ResponseShape, writer: SseWriter, options: StreamOptions,
   events: AsyncGenerator<RunEvent>, firstUpdate: ChoiceUpdate | undefined,
 ): Promise<void> {
-  // With include_usage every chunk carries "usage": null until the last; continuous usage fills it in each time.
-  const chunkUsage = (): WireUsage | null | undefined =>
-    options.includeUsage ? (options.continuousUsage ? usageOf(run) : null) : undefined;
+  // With include_usage every chunk carries "usage": null until the last. Continuous usage (vLLM's) fills it in each
+  // time with its choice's own: that choice's prompt and the tokens it has generated so far (none in the opening
+  // chunks, which say only the role).
+  const choiceTokens = new Array<number>(run.sequences).fill(0);
+  const choiceUsage = (index: number): WireUsage => {
+    const promptIndex = Math.floor(index / run.n);
+    return wireUsage(run.prompts[promptIndex]!.tokenIds.length, choiceTokens[index]!, run.cachedTokensOf(promptIndex));
+  };
+  const chunkUsage = (usage: () => WireUsage): WireUsage | null | undefined =>
+    options.includeUsage ? (options.continuousUsage ? usage() : null) : undefined;
   // Tokens that produced no visible chunk yet (held back for a stop string, or half a character) count for the
   // chunk that first shows them: that write is when the client sees them.
   let unshownTokens = 0;
   try {
-    for (const chunk of shape.openingChunks(chunkUsage())) await writer.send(chunk);
+    for (const chunk of shape.openingChunks(chunkUsage(() => wireUsage(run.promptTokens, 0, run.cachedPromptTokens)))) await writer.send(chunk);
     let update = firstUpdate;
     while (update) {
       unshownTokens += update.tokens;
-      const chunks = shape.updateChunks(update, chunkUsage());
+      choiceTokens[update.index] = (choiceTokens[update.index] ?? 0) + update.tokens;
+      const index = update.index;
+      const chunks = shape.updateChunks(update, chunkUsage(() => choiceUsage(index)));
       const shows = update.textDelta !== '' || (update.logprobs?.length ?? 0) > 0;
       // The run's last update: without a usage chunk to follow, its last chunk ends the stream and carries timings.
       const lastChunk = run.done && !options.includeUsage ? chunks.length - 1 : -1;

@@ -104,6 +104,42 @@ describe('vLLM\'s extra request fields', () => {
     assert.equal(empty.json().error.param, 'cache_salt');
   });
 
+  it('stream_options.continuous_usage_stats: each chunk the usage of its own choice so far, the role chunks none', E2E, async () => {
+    const events = (text: string) => text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+    const streamOptions = { include_usage: true, continuous_usage_stats: true };
+    // Two prompts of different lengths, two choices each: choice i belongs to prompt floor(i / 2).
+    const prompts = ['Once upon a time', 'The weather today in the small town by the sea is'];
+    const completions = await post('/v1/completions', {
+      prompt: prompts, n: 2, max_tokens: 6, temperature: 1, seed: 9, ignore_eos: true, stream: true, stream_options: streamOptions,
+    });
+    assert.equal(completions.status, 200, completions.text);
+    const chunks = events(completions.text);
+    const usage = chunks.at(-1).usage;
+    const promptTokens = [...new Set(chunks.filter((c) => c.choices.length > 0).map((c) => `${c.choices[0].index}:${c.usage.prompt_tokens}`))];
+    assert.equal(promptTokens.length, 4, `one prompt length per choice: ${promptTokens.join(' ')}`);
+    const seen = [0, 0, 0, 0];
+    for (const chunk of chunks.slice(0, -1)) {
+      const { index } = chunk.choices[0];
+      assert.ok(chunk.usage.completion_tokens >= seen[index]! && chunk.usage.completion_tokens <= 6, JSON.stringify(chunk));
+      assert.equal(chunk.usage.total_tokens, chunk.usage.prompt_tokens + chunk.usage.completion_tokens);
+      seen[index] = chunk.usage.completion_tokens;
+    }
+    assert.deepEqual(seen, [6, 6, 6, 6], 'each choice\'s last chunk counts its own tokens');
+    assert.equal(usage.completion_tokens, 24, 'the usage chunk counts every choice');
+    const [short, long] = [Number(promptTokens[0]!.split(':')[1]), Number(promptTokens[2]!.split(':')[1])];
+    assert.ok(short < long);
+    assert.equal(usage.prompt_tokens, short + long, 'the usage chunk counts each prompt once');
+    const chat = await post('/v1/chat/completions', {
+      messages: [{ role: 'user', content: 'Hi' }], n: 2, max_tokens: 3, ignore_eos: true, stream: true, stream_options: streamOptions,
+    });
+    assert.equal(chat.status, 200, chat.text);
+    const chatChunks = events(chat.text);
+    const roles = chatChunks.filter((c) => c.choices[0]?.delta?.role === 'assistant');
+    assert.equal(roles.length, 2);
+    for (const role of roles) assert.equal(role.usage.completion_tokens, 0, JSON.stringify(role));
+    await waitFor(() => engineIdle(server.engine), 'nothing running');
+  });
+
   it('continue_final_message: the prompt ends inside the last message, which the model continues', E2E, async () => {
     const messages = [{ role: 'user', content: 'Hi' }, { role: 'assistant', content: 'The answer is' }];
     const tokenize = async (extra: object) => (await post('/tokenize', { messages, ...extra })).json().tokens as number[];
