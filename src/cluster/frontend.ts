@@ -123,6 +123,11 @@ export class ClusterFrontend {
   /** The LoRA adapters the workers hold (cluster-lora.ts), once the engine (aggregated or disaggregated) is built. */
   adapters: ClusterAdapters | undefined;
   private readonly members = new Map<string, Member>();
+  /**
+   * Workers whose key is gone while their connection stays (a drain): a prefill worker among them still serves the
+   * blocks it handed off, until the decode workers have them.
+   */
+  private readonly leaving = new Map<string, RemoteEngine>();
   private readonly watch: WorkerWatch;
   private events: EventSubscriber | undefined;
   private readonly resyncing = new Set<string>();
@@ -227,7 +232,11 @@ export class ClusterFrontend {
     this.members.delete(id);
     const remote = member.remote;
     // No new requests; the streams it runs (a draining worker) finish before the connection is closed.
-    if (remote && !remote.lost) remote.retire(`worker ${id} deregistered`);
+    if (remote && !remote.lost) {
+      remote.retire(`worker ${id} deregistered`);
+      for (const [leavingId, old] of this.leaving) if (old.gone) this.leaving.delete(leavingId);
+      if (!remote.gone) this.leaving.set(id, remote);
+    }
     // It left for good: the engine no longer counts it (one that registers again under this id later is new).
     this.engine?.removeWorker(id);
     this.disaggregated?.removeWorker(id);
@@ -383,8 +392,9 @@ export class ClusterFrontend {
     member.remote = remote;
     // A decode worker finds a prefill worker's KV port through the frontend's view of the cluster.
     remote.kvSourceAddress = (prefillId) => {
-      const prefill = this.members.get(prefillId)?.remote;
-      if (!prefill || prefill.lost || prefill.kvPort === undefined) return undefined;
+      const member = this.members.get(prefillId)?.remote;
+      const prefill = member && !member.gone ? member : this.leaving.get(prefillId);
+      if (!prefill || prefill.gone || prefill.kvPort === undefined) return undefined;
       return { host: splitAddress(prefill.address).host, port: prefill.kvPort };
     };
     if (this.disaggregated) {

@@ -1631,4 +1631,12 @@ export class TcpKvChannel extends PairedChannel {
   connect(prefill: KvSourceEndpoint, decode: KvSinkEndpoint): void {
     this.addPair(prefill.id, decode.id);
   }
+
+  /**
+   * Any prefill worker, paired or not: whether its KV port can still be reached is the decode worker's resolver's to
+   * say (kvSourceAddress), and a draining prefill worker, out of the router, still serves the blocks it handed off.
+   */
+  override sourceFor(prefillId: string): string | null {
+    return prefillId;
+  }
 }

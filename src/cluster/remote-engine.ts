@@ -51,6 +51,8 @@ export class RemoteEngine implements RoutableEngine {
   private latestStats: EngineStats;
   private readonly streams = new Map<string, AsyncQueue<EngineOutput>>();
   private readonly prefills = new Map<string, PrefillStream>();
+  /** Prefill worker: requests handed off whose blocks are pinned there until released (or aborted). */
+  private readonly handedOff = new Set<string>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   /** A prefill worker's KV port, on the host of its request-plane address. */
   readonly kvPort: number | undefined;
@@ -151,6 +153,11 @@ export class RemoteEngine implements RoutableEngine {
     return this.lostError !== undefined;
   }
 
+  /** Lost, or closed by us (a retired worker's connection once nothing of ours ran there any more). */
+  get gone(): boolean {
+    return this.lostError !== undefined || this.closed;
+  }
+
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
     if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
     if (this.closed) throw new EngineClosedError('engine is closed');
@@ -171,7 +178,7 @@ export class RemoteEngine implements RoutableEngine {
         remote.streams.delete(request.id);
         // The caller left early (abort, a stop string matched after a migration): the worker stops too.
         if (!ended && !queue.done) remote.abort(request.id);
-        if (remote.closeWhenIdle && remote.streams.size === 0) void remote.close();
+        remote.closeIfRetiredAndIdle();
       }
     })();
   }
@@ -189,6 +196,15 @@ export class RemoteEngine implements RoutableEngine {
 
   releaseHandoff(requestId: string): void {
     if (!this.lostError && !this.socket.destroyed) this.socket.write(encodeJsonFrame({ t: 'release', id: requestId }));
+    if (this.handedOff.delete(requestId)) this.closeIfRetiredAndIdle();
+  }
+
+  /**
+   * A retired worker's connection closes once nothing of ours runs there: no stream, no prefill, and no handed-off
+   * blocks a decode worker has still to take (closing would make the worker free them).
+   */
+  private closeIfRetiredAndIdle(): void {
+    if (this.closeWhenIdle && this.streams.size === 0 && this.prefills.size === 0 && this.handedOff.size === 0) void this.close();
   }
 
   /** Decode worker: continues a handed-off request, pulling its blocks from `sourceId`'s KV port over TCP. */
@@ -233,13 +249,14 @@ export class RemoteEngine implements RoutableEngine {
       } finally {
         map.delete(id);
         if (!ended && !queue.done) remote.abort(id);
-        if (remote.closeWhenIdle && remote.streams.size === 0 && remote.prefills.size === 0) void remote.close();
+        remote.closeIfRetiredAndIdle();
       }
     })();
   }
 
   abort(requestId: string): void {
     if (!this.lostError && !this.socket.destroyed) this.socket.write(encodeJsonFrame({ t: 'abort', id: requestId }));
+    if (this.handedOff.delete(requestId)) this.closeIfRetiredAndIdle();
   }
 
   stats(): EngineStats {
@@ -341,7 +358,7 @@ export class RemoteEngine implements RoutableEngine {
     this.drainingFlag = true;
     this.closeWhenIdle = true;
     this.emitLost(new WorkerLostError(this.workerId, reason));
-    if (this.streams.size === 0) void this.close();
+    this.closeIfRetiredAndIdle();
   }
 
   /** Ends the connection as if the worker were lost (its lease lapsed, or it left discovery). */
@@ -392,7 +409,10 @@ export class RemoteEngine implements RoutableEngine {
       case 'handoff': {
         // The handoff ends the prefill's stream here, before the worker's own end arrives: a caller that stops at the
         // handoff must not look like one leaving early, whose abort would unpin the blocks the decode worker pulls.
-        this.prefills.get(String(m.id))?.pushHandoff(parseWireHandoff(m.handoff));
+        const prefill = this.prefills.get(String(m.id));
+        if (!prefill) return;
+        this.handedOff.add(String(m.id));
+        prefill.pushHandoff(parseWireHandoff(m.handoff));
         return;
       }
       case 'adopted': {
@@ -488,6 +508,7 @@ export class RemoteEngine implements RoutableEngine {
     this.lostError = error;
     for (const queue of this.streams.values()) queue.fail(error);
     for (const queue of this.prefills.values()) queue.fail(error);
+    this.handedOff.clear();
     for (const pending of this.replies.values()) pending.reject(error);
     this.replies.clear();
     for (const waiter of this.cardWaiters.splice(0)) waiter.reject(error);

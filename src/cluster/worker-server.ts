@@ -327,24 +327,35 @@ export class WorkerServer {
 
   /**
    * Drain: new requests are refused (frontends are told once, and a `gen` arriving later gets an overloaded error,
-   * which the frontend's router treats as any busy worker's); resolves when the running requests have ended, or
-   * after `graceMs`, when those left are aborted.
+   * which the frontend's router treats as any busy worker's); resolves when the running requests have ended and,
+   * on a prefill worker, the decode workers have taken the blocks handed off (the frontend releases them), or after
+   * `graceMs`, when those left are aborted.
    */
   async drain(graceMs: number): Promise<void> {
     this.draining = true;
     const frame = encodeJsonFrame({ t: 'draining' });
     for (const c of this.connections) if (c.authenticated) c.socket.write(frame);
-    if (this.running.size === 0) return;
+    if (this.idle) return;
     let timer: NodeJS.Timeout | undefined;
     const idle = new Promise<void>((resolve) => this.idleWaiters.push(resolve));
     const timeout = new Promise<'timeout'>((resolve) => { timer = setTimeout(() => resolve('timeout'), graceMs); });
     const result = await Promise.race([idle, timeout]);
     clearTimeout(timer);
     if (result === 'timeout') {
-      this.log('warn', `drain: ${this.running.size} request(s) still running after ${graceMs} ms, aborting them`);
+      this.log('warn', `drain: ${this.running.size} request(s) still running and ${this.pinned.size} handed off after ${graceMs} ms, aborting them`);
+      for (const id of [...this.pinned.keys()]) this.abortRequest(id);
       for (const id of this.running.keys()) this.options.engine.abort(id);
       await Promise.race([new Promise<void>((resolve) => this.idleWaiters.push(resolve)), new Promise((r) => setTimeout(r, 2000))]);
     }
+  }
+
+  /** Nothing running and no handed-off blocks waiting for a decode worker: what a drain waits for. */
+  private get idle(): boolean {
+    return this.running.size === 0 && this.pinned.size === 0;
+  }
+
+  private wakeIfIdle(): void {
+    if (this.idle) for (const resolve of this.idleWaiters.splice(0)) resolve();
   }
 
   async close(): Promise<void> {
@@ -439,6 +450,7 @@ export class WorkerServer {
         if (typeof id === 'string' && this.pinned.delete(id)) {
           (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
           this.kvServer?.ended(id, 'was released');
+          this.wakeIfIdle();
         }
         return;
       }
@@ -1016,7 +1028,10 @@ export class WorkerServer {
 
   private abortRequest(id: string): void {
     this.awaitingAdapter.get(id)?.abort();
-    if (this.pinned.delete(id)) this.kvServer?.ended(id, 'was aborted');
+    if (this.pinned.delete(id)) {
+      this.kvServer?.ended(id, 'was aborted');
+      this.wakeIfIdle();
+    }
     const pull = this.pulling.get(id);
     if (pull) pull.abort();
     else this.options.engine.abort(id);
@@ -1146,7 +1161,7 @@ export class WorkerServer {
       // Prepared for an adoption that never took it (an expect stream of its own releases its preparation).
       if (!this.incoming.has(id)) this.releaseImport(id, this.reservations.get(id));
       connection.requests.delete(id);
-      if (this.running.size === 0) for (const resolve of this.idleWaiters.splice(0)) resolve();
+      this.wakeIfIdle();
       // Every frontend's router learns at once that this load is gone, not at the next heartbeat: a report taken
       // while the request ran would otherwise make the worker look busy (and its cached prefixes not worth it).
       this.sendHeartbeat();

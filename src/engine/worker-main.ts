@@ -235,8 +235,10 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
         queueStep();
         return;
       case 'abort': {
+        // The stats go out even without outputs: an abort may free blocks that no output reports (a handed-off
+        // request's pin), and the router weighs the blocks in use.
         const outputs = core.abort(message.requestId);
-        if (outputs.length > 0) send({ type: 'outputs', outputs, stats: core.stats() });
+        send({ type: 'outputs', outputs, stats: core.stats() });
         return;
       }
       case 'release-handoff':

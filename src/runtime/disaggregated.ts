@@ -104,6 +104,12 @@ interface Flight {
   stage: DisaggregatedStage;
   prefillId?: string;
   decodeId?: string;
+  /**
+   * The engines of those workers, for abort and release: a draining worker has left its group (and a worker that
+   * rejoined under its id is another engine) while it finishes what it holds.
+   */
+  prefillEngine?: PrefillWorkerEngine;
+  decodeEngine?: DecodeWorkerEngine;
   /** The decode router's decision, which the policy weighs again when a prefill worker is lost. */
   decodeDecision?: RoutingDecision;
   /** The handoff whose source blocks are still pinned on the prefill worker. */
@@ -122,6 +128,7 @@ export class DisaggregatedEngine implements Engine {
   private readonly prefillRouter: Router;
   private readonly decodeRouter: Router;
   private readonly now: () => number;
+  private readonly log: WorkerGroupLog | undefined;
   private readonly flights = new Map<string, Flight>();
   private readonly transferRate: RateEstimate;
   private readonly prefillRate: RateEstimate;
@@ -141,6 +148,7 @@ export class DisaggregatedEngine implements Engine {
     this.prefillRouter = options.prefillRouter;
     this.decodeRouter = options.decodeRouter;
     this.now = options.now;
+    this.log = options.log;
     this.migration = { ...options.migration, limit: checkMigrationLimit(options.migration?.limit ?? DEFAULT_MIGRATION_LIMIT) };
     const fixed = options.estimates?.fixed ?? false;
     this.transferRate = new RateEstimate(options.estimates?.transferBytesPerSec ?? 2e9, 0.2, fixed);
@@ -422,7 +430,9 @@ export class DisaggregatedEngine implements Engine {
     this.decodeRouter.onFinished(request.id, this.now());
     this.releaseSource(flight);
     flight.prefillId = undefined;
+    flight.prefillEngine = undefined;
     flight.decodeId = undefined;
+    flight.decodeEngine = undefined;
     flight.stage = 'routing';
     const placed = await this.decodeWorkers.placeAfterLoss(migration, lost, () => flight.aborted);
     if (placed === null) {
@@ -432,6 +442,7 @@ export class DisaggregatedEngine implements Engine {
     }
     const { decision, engine: decodeEngine } = placed;
     flight.decodeId = decision.workerId;
+    flight.decodeEngine = decodeEngine;
     flight.decodeDecision = decision;
     const attempt = migration.attempt();
     const previous = flight.summary?.disaggregation;
@@ -460,6 +471,7 @@ export class DisaggregatedEngine implements Engine {
     flight.decodeDecision = decodeDecision;
     const decodeEngine = this.decodeWorkers.get(decodeDecision.workerId);
     if (!decodeEngine) throw new WorkerLostError(decodeDecision.workerId, `decode worker ${decodeDecision.workerId} left before the request could start`);
+    flight.decodeEngine = decodeEngine;
     if (flight.aborted) {
       flight.finished = true;
       yield closingOutput(request, this.now());
@@ -489,10 +501,64 @@ export class DisaggregatedEngine implements Engine {
     // Lost between its handoff and the decode worker taking it: the decode worker was never told where the blocks
     // are, so nothing was handed over (runMigrating prefills again). Once told, the copy goes on without the
     // prefill worker: its pool is shared memory that outlives its thread, and the pin stays with the blocks.
-    if (!this.prefillWorkers.has(prefillId)) {
+    if (this.prefillGone(flight)) {
       throw new WorkerLostError(prefillId, `prefill worker ${prefillId} was lost before handing request ${request.id} over`);
     }
-    yield* this.runDecode(request, flight, handoff, decodeEngine);
+    // The decode worker chosen before the prefill may leave (drain, or be lost) before it takes anything of the
+    // request: another takes the handoff, whose blocks stay pinned on the prefill worker. Not a migration: no decode
+    // work is lost. Once an output came from the decode side, a loss is runMigrating's.
+    let decode: DecodeWorkerEngine | null = decodeEngine;
+    for (let redirects = 0; ; redirects++) {
+      if (!this.decodeWorkers.has(flight.decodeId!)) decode = await this.redirectDecode(request, flight, redirects);
+      if (decode === null) {
+        flight.finished = true;
+        yield closingOutput(request, this.now(), handoff.outputTokenIds.length);
+        return;
+      }
+      try {
+        yield* this.runDecode(request, flight, handoff, decode);
+        return;
+      } catch (error) {
+        if (flight.stage !== 'transfer' || flight.aborted || this.decodeWorkers.has(flight.decodeId!)) throw error;
+      }
+    }
+  }
+
+  /**
+   * Another decode worker for a handed-off request whose decode worker left before taking it (runRemote); null when
+   * the request was aborted on the way. Gives up after a few, with the loss, rather than following a fleet that
+   * drains one worker after another.
+   */
+  private async redirectDecode(request: EngineRequest, flight: Flight, redirects: number): Promise<DecodeWorkerEngine | null> {
+    const left = flight.decodeId!;
+    const lost = new WorkerLostError(left, `decode worker ${left} left before request ${request.id} was handed over to it`);
+    // A draining worker may still be streaming the prompt's blocks in for it (expectHandoff): they stop.
+    flight.decodeEngine?.abort(request.id);
+    this.decodeRouter.onFinished(request.id, this.now());
+    if (redirects >= MAX_DECODE_REDIRECTS) throw lost;
+    let placed: Admitted;
+    try {
+      placed = await this.admission.place(routingRequestOf(request));
+    } catch {
+      if (flight.aborted) return null;
+      throw lost;
+    }
+    const decodeEngine = this.decodeWorkers.get(placed.decision.workerId);
+    if (!decodeEngine || flight.aborted) {
+      this.decodeRouter.onFinished(request.id, this.now());
+      this.admission.drain();
+      if (!decodeEngine) throw lost;
+      return null;
+    }
+    // It will not compute the prompt: the router must not count it as pending prefill there.
+    this.decodeRouter.onPrefillDone(request.id);
+    this.log?.('info', `request ${request.id}: decode worker ${left} left before the hand-over; ${placed.decision.workerId} takes it`);
+    flight.decodeId = placed.decision.workerId;
+    flight.decodeEngine = decodeEngine;
+    flight.decodeDecision = placed.decision;
+    const disaggregation = flight.summary?.disaggregation;
+    if (flight.summary && disaggregation) flight.summary = { ...flight.summary, workerId: placed.decision.workerId, disaggregation: { ...disaggregation, decodeWorkerId: placed.decision.workerId } };
+    return decodeEngine;
   }
 
   /**
@@ -509,6 +575,7 @@ export class DisaggregatedEngine implements Engine {
     migration.migrateFrom(lostId, PREFILL_WORKER_LOST, { againstLimit: false });
     this.releaseSource(flight);
     flight.prefillId = undefined;
+    flight.prefillEngine = undefined;
     flight.stage = 'routing';
     const attempt = migration.attempt();
     const decodeEngine = this.decodeWorkers.get(decodeId);
@@ -606,6 +673,7 @@ export class DisaggregatedEngine implements Engine {
     const prefillEngine = this.prefillWorkers.get(prefillId);
     flight.stage = 'prefill';
     flight.prefillId = prefillId;
+    flight.prefillEngine = prefillEngine;
     if (!prefillEngine) throw new WorkerLostError(prefillId, `prefill worker ${prefillId} left before request ${request.id} could start`);
     const routing = routingRequestOf(request);
     this.prefillRouter.onRouted(routing, decision, this.now());
@@ -662,7 +730,7 @@ export class DisaggregatedEngine implements Engine {
     const decodeId = flight.decodeId!;
     const prefillId = flight.prefillId!;
     flight.stage = 'transfer';
-    const sourceId = this.prefillWorkers.has(prefillId) ? this.channel.sourceFor(prefillId, decodeId) : null;
+    const sourceId = this.prefillGone(flight) ? null : this.channel.sourceFor(prefillId, decodeId);
     try {
       for await (const output of decodeEngine.adopt(handoff, sourceId)) {
         flight.stage = 'decode';
@@ -680,6 +748,7 @@ export class DisaggregatedEngine implements Engine {
     this.counts.fallbacks++;
     this.releaseSource(flight);
     flight.prefillId = undefined;
+    flight.prefillEngine = undefined;
     const previous = flight.summary!.disaggregation!;
     flight.summary = {
       ...flight.summary!,
@@ -714,14 +783,13 @@ export class DisaggregatedEngine implements Engine {
     const handoff = flight.pinned;
     if (!handoff) return;
     flight.pinned = undefined;
-    const prefillId = flight.prefillId;
-    if (prefillId !== undefined) this.prefillWorkers.get(prefillId)?.releaseHandoff(handoff.requestId);
+    flight.prefillEngine?.releaseHandoff(handoff.requestId);
   }
 
   /** Abort on both sides: each worker frees whatever of the request it holds (queued, running, pinned, pending). */
   private stopEverywhere(flight: Flight): void {
-    if (flight.prefillId !== undefined) this.prefillWorkers.get(flight.prefillId)?.abort(flight.requestId);
-    if (flight.decodeId !== undefined) this.decodeWorkers.get(flight.decodeId)?.abort(flight.requestId);
+    flight.prefillEngine?.abort(flight.requestId);
+    flight.decodeEngine?.abort(flight.requestId);
   }
 
   /** Measured prefill speed from the first output's chunks: what a local prefill would cost. */
@@ -733,11 +801,19 @@ export class DisaggregatedEngine implements Engine {
     this.prefillRate.observe(tokens, ms);
   }
 
+  /** The request's prefill worker is lost: out of its group and not merely draining (which keeps its handoffs). */
+  private prefillGone(flight: Flight): boolean {
+    return !this.prefillWorkers.has(flight.prefillId!) && (flight.prefillEngine?.lost ?? true);
+  }
+
   private lostOr(error: unknown, workerId: string, pool: WorkerGroup<RoutableEngine>, requestId: string): unknown {
     if (!pool.has(workerId)) return new WorkerLostError(workerId, `worker ${workerId} was lost while running request ${requestId}`);
     return error;
   }
 }
+
+/** How many decode workers a handed-off request may be sent on to when the one it was placed on leaves first. */
+const MAX_DECODE_REDIRECTS = 3;
 
 /** MigrationRecord.reason of a request sent back to be prefilled after its prefill worker was lost. */
 export const PREFILL_WORKER_LOST = 'prefill-worker-lost';

@@ -33,8 +33,11 @@ export interface RoutedEngineOptions {
 export class RoutedEngine implements Engine {
   readonly info: EngineInfo;
   private readonly group: WorkerGroup<RoutableEngine>;
-  /** Which worker runs each routed request (for abort). */
-  private readonly placement = new Map<string, string>();
+  /**
+   * The worker running each routed request, for abort: its engine itself, since a draining worker has left the
+   * group (and a worker that rejoined under its id is another engine) while it finishes what it runs.
+   */
+  private readonly placement = new Map<string, RoutableEngine | undefined>();
   /** Requests between generate() and their last output, for abort to reach one between two workers. */
   private readonly inFlight = new Map<string, RequestMigration>();
   private readonly migration: MigrationOptions;
@@ -102,7 +105,7 @@ export class RoutedEngine implements Engine {
     for (;;) {
       const workerId = decision.workerId;
       const summary = migration.summarize(summarizeDecision(decision, this.now(), queuedAt, routeStartedAt));
-      this.placement.set(request.id, workerId);
+      this.placement.set(request.id, engine);
       let first = true;
       let lost: WorkerLostError;
       try {
@@ -153,8 +156,7 @@ export class RoutedEngine implements Engine {
     const migration = this.inFlight.get(requestId);
     if (migration) migration.aborted = true;
     if (this.group.admission.cancel(requestId)) return;
-    const workerId = this.placement.get(requestId);
-    if (workerId) this.group.get(workerId)?.abort(requestId);
+    this.placement.get(requestId)?.abort(requestId);
   }
 
   /** Every worker resets its prefix cache; the router's index hears each worker's 'cleared' event. */

@@ -26,6 +26,11 @@ import { RouterAdmission } from './router-admission.ts';
  * outputs when it has them.
  */
 export interface RoutableEngine extends Engine {
+  /**
+   * True once the worker is gone for good. A worker process that drains leaves its group (no new requests) but is
+   * not lost: it finishes what it holds. Without this, a worker out of its group counts as lost.
+   */
+  readonly lost?: boolean;
   onKvEvents?(listener: (events: KvEvent[]) => void): () => void;
   onLost?(listener: (error: Error) => void): () => void;
   /** Each stats report the worker sends, in order (a worker process: those on its request-plane connection). */

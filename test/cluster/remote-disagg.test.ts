@@ -129,7 +129,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
       ...(options.migrationLimit !== undefined ? { migration: { limit: options.migrationLimit } } : {}),
     });
     engines.push(engine);
-    return { engine, prefill, decode: decodes[0]!, decodes };
+    return { engine, prefill, decode: decodes[0]!, decodes, prefillRemote: remotes.at(-1)!, decodeRemotes };
   }
 
   /** Nothing of the request is left anywhere: no flight, no pull, no staging block, no block on either worker. */
@@ -302,6 +302,62 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
       for (const s of [prefill, decode]) await assertFree(s);
     });
   }
+
+  test('a decode worker that drains after the routing and before the hand-over: another decode worker takes the handoff, same greedy text', async () => {
+    const { engine, prefill, decodes } = await build({ decodeWorkers: 2 });
+    // The prompt waits until the chosen decode worker has opened its stream (expectHandoff), and that worker drains.
+    const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+    let drained: Served | undefined;
+    prefill.engine.prefill = (r) => (async function* () {
+      await until('the chosen decode worker has opened its stream', () => decodes.some((d) => d.server.streamsOpen === 1));
+      drained = decodes.find((d) => d.server.streamsOpen === 1)!;
+      await drained.server.drain(10_000);
+      yield* prefillOf(r);
+    })();
+    try {
+      const ids = prompt(29, 75);
+      const expected = await collect(aggregated.generate(request(ids)));
+      const outputs = await collect(engine.generate(request(ids)));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      const taker = decodes.find((d) => d !== drained)!;
+      const disaggregation = outputs.at(-1)!.routing?.disaggregation;
+      assert.equal(disaggregation?.mode, 'disaggregated', disaggregation?.detail);
+      assert.equal(disaggregation?.decodeWorkerId, taker.server.workerId);
+      assert.deepEqual([...taker.server.kvTransfers], [['ok', 1]], 'the other decode worker pulled the KV');
+      assert.deepEqual([...drained!.server.kvTransfers], []);
+      assert.equal(drained!.server.streamsOpen, 0, 'the drained worker\'s stream for it stopped');
+      for (const s of [prefill, ...decodes]) await assertFree(s);
+    } finally {
+      prefill.engine.prefill = prefillOf;
+    }
+  });
+
+  test('a prefill worker that drains after a hand-over keeps the blocks until the decode worker has them: the KV moves, nothing is computed again', async () => {
+    const { engine, prefill, decode, prefillRemote } = await build({ kvLink: 'tcp' });
+    // The frontend learns of the drain as the handoff reaches it: the worker has left the router by the time the
+    // decode worker is told where the blocks are.
+    const prefillOf = prefillRemote.prefill.bind(prefillRemote);
+    let drain: Promise<void> | undefined;
+    prefillRemote.prefill = (r) => (async function* () {
+      for await (const event of prefillOf(r)) {
+        if (event.type === 'handoff') {
+          drain = prefill.server.drain(10_000);
+          await until('the frontend knows the prefill worker drains', () => prefillRemote.draining);
+        }
+        yield event;
+      }
+    })();
+    const ids = prompt(31, 75);
+    const expected = await collect(aggregated.generate(request(ids)));
+    const outputs = await collect(engine.generate(request(ids)));
+    assert.deepEqual(tokens(outputs), tokens(expected));
+    const disaggregation = outputs.at(-1)!.routing?.disaggregation;
+    assert.equal(disaggregation?.mode, 'disaggregated', disaggregation?.detail);
+    assert.deepEqual([...decode.server.kvTransfers], [['ok', 1]], 'pulled from the draining prefill worker');
+    assert.ok(drain, 'the prefill worker drained');
+    await drain;
+    for (const s of [prefill, decode]) await assertFree(s);
+  });
 
   test('a frontend gone after the hand-over, before it released the handoff: the prefill worker frees the pinned blocks', async () => {
     const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path);

@@ -78,4 +78,25 @@ describe('a worker retired mid-stream (it left discovery to drain)', () => {
     const next = await collect(routed.generate(request(4)));
     assert.notEqual(next.at(-1)!.routing!.workerId, retired, 'nothing new goes to the retired worker');
   });
+
+  test('an abort still reaches the retired worker: its stream stops there at once', async () => {
+    const outputs: EngineOutput[] = [];
+    const req = request(3000);
+    let workerId: string | undefined;
+    for await (const output of routed.generate(req)) {
+      outputs.push(output);
+      if (workerId === undefined) {
+        workerId = output.routing!.workerId;
+        remotes.get(workerId)!.retire(`worker ${workerId} deregistered`);
+        routed.abort(req.id);
+      }
+    }
+    assert.equal(outputs.at(-1)!.finishReason, 'abort');
+    assert.ok(outputs.length < 3000, `${outputs.length} outputs`);
+    const server = servers.find((s) => s.workerId === workerId)!;
+    for (let turn = 0; server.inFlight > 0; turn++) {
+      if (turn > 200) assert.fail('the request still runs on the retired worker');
+      await new Promise((resolve) => setTimeout(resolve, 10));
+    }
+  });
 });

@@ -287,6 +287,26 @@ describe(`cancellation and failure on real workers (${cpuTestModel().name})`, ()
     }
   });
 
+  test('an aborted handoff frees its pinned blocks and the prefill worker reports it at once (no output says so)', async () => {
+    const prefill = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'prefill' });
+    try {
+      const req = request(prompt(43, 64));
+      let pinned = 0;
+      for await (const event of prefill.prefill(req)) if (event.type === 'handoff') pinned = event.handoff.sourceBlockIds.length;
+      assert.ok(pinned > 0);
+      await prefill.sync();
+      assert.ok(prefill.stats().kvBlocksUsed >= pinned, 'the pinned blocks count as used');
+      prefill.abort(req.id);
+      // The stats the router reads (the last the worker reported), not a sync(): they must follow without a new output.
+      for (let turn = 0; prefill.stats().kvBlocksUsed > 0; turn++) {
+        if (turn > 200) assert.fail(`the reported stats still count ${prefill.stats().kvBlocksUsed} blocks in use`);
+        await new Promise((resolve) => setTimeout(resolve, 10));
+      }
+    } finally {
+      await prefill.close();
+    }
+  });
+
   test('a prefill worker that fails before the first token: the decode worker prefills, and the prefill router lets go at once', async () => {
     const prefill = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 2 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'prefill' });
     const decode = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, enableKvEvents: true, role: 'decode' });
