@@ -694,7 +694,7 @@ export class Gateway {
       }
       started = true;
       if (request.stream) {
-        const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined);
+        const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined, call.clientGone);
         await streamRun(run, shape, writer, {
           includeUsage: request.includeUsage, continuousUsage: request.continuousUsage, headers: call.headers,
           ...(trace ? { timings, onFailure: (error: ApiError) => trace.failedMidStream(error) } : {}),

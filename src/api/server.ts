@@ -507,7 +507,16 @@ export class ApiServer {
     let routeName = 'unknown';
     let bodyFullyRead = true;
     const clientGone = new AbortController();
+    // The response's own 'close' says the client left. A pipelined request queued behind another on its connection
+    // never gets one when the connection dies (Node hands it the socket only when its turn comes), so the socket's
+    // close counts too: else its run would go on for nobody, holding its slots.
+    const socket = req.socket;
+    const onSocketClose = (): void => {
+      if (!res.writableFinished) clientGone.abort();
+    };
+    socket.once('close', onSocketClose);
     res.on('close', () => {
+      socket.off('close', onSocketClose);
       if (!res.writableFinished) clientGone.abort();
     });
     // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).

@@ -17,7 +17,8 @@ export type WriteListener = (bytes: number, tokens: number) => void;
 export class SseWriter {
   private finished = false;
 
-  constructor(private readonly res: ServerResponse, private readonly onWrite?: WriteListener) {}
+  /** gone: the client left (aborts when the connection closes, also for a response that never got its socket). */
+  constructor(private readonly res: ServerResponse, private readonly onWrite?: WriteListener, private readonly gone?: AbortSignal) {}
 
   /** Sends the status line and headers right away, so the client sees the stream open before the first token. */
   open(extraHeaders: Record<string, string> = {}): void {
@@ -28,7 +29,7 @@ export class SseWriter {
 
   /** True once the client has gone or the stream has ended: nothing more can be written. */
   get closed(): boolean {
-    return this.finished || this.res.destroyed || this.res.writableEnded;
+    return this.finished || this.res.destroyed || this.res.writableEnded || this.gone?.aborted === true;
   }
 
   /**
@@ -63,10 +64,12 @@ export class SseWriter {
       const done = (): void => {
         this.res.off('drain', done);
         this.res.off('close', done);
+        this.gone?.removeEventListener('abort', done);
         resolve();
       };
       this.res.on('drain', done);
       this.res.on('close', done);
+      this.gone?.addEventListener('abort', done);
     });
   }
 }

@@ -3,6 +3,7 @@
 
 import assert from 'node:assert/strict';
 import { request as httpRequest } from 'node:http';
+import { connect } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import OpenAI, { APIError } from 'openai';
 import { ADMIN_KEY, engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
@@ -176,6 +177,27 @@ describe('HTTP API end to end', () => {
     await waitFor(() => server.engine.stats().numRunning > 0, 'the request to start');
     req.destroy();
     await waitFor(() => engineIdle(server.engine), 'the aborted request to leave the engine');
+  });
+
+  it('requests pipelined on a connection that closes are aborted too, the one queued behind the other included', E2E, async () => {
+    // The second request's response waits for the first's; Node gives it no 'close' of its own when the connection
+    // dies. Streamed or not, its run must end and give its concurrency slot back.
+    const main = server.running.keyStore.authenticate(`Bearer ${KEY}`);
+    for (const stream of [true, false]) {
+      const url = new URL(server.url);
+      const socket = connect(Number(url.port), url.hostname);
+      socket.on('error', () => {});
+      const request = (body: object) => {
+        const json = JSON.stringify({ model, prompt: 'Long story', max_tokens: 1500, ignore_eos: true, ...body });
+        return `POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${KEY}\r\nContent-Type: application/json\r\n`
+          + `Content-Length: ${Buffer.byteLength(json)}\r\n\r\n${json}`;
+      };
+      socket.write(request({}) + request({ stream }));
+      await waitFor(() => server.engine.stats().numRunning + server.engine.stats().numWaiting === 2, 'both requests to reach the engine');
+      socket.destroy();
+      await waitFor(() => engineIdle(server.engine), 'both to leave the engine');
+      await waitFor(() => server.running.api.limiter.inFlight(main) === 0, 'both concurrency slots to come back');
+    }
   });
 
   it('keeps tenants out of each other\'s prefix cache', E2E, async () => {
