@@ -69,7 +69,8 @@ export class UnsupportedFieldError extends ApiError {
 }
 
 export class ContextLengthError extends ApiError {
-  constructor(maxModelLen: number, promptTokens: number, requestedCompletionTokens?: number) {
+  /** promptParam: the field the prompt came in ('messages', 'prompt', 'prompt[2]'), named when it alone is too long. */
+  constructor(maxModelLen: number, promptTokens: number, requestedCompletionTokens?: number, promptParam = 'messages') {
     const message = requestedCompletionTokens === undefined
       ? `This model's maximum context length is ${maxModelLen} tokens, but the prompt has ${promptTokens} tokens, `
         + 'which leaves no room for a completion. Please shorten the prompt.'
@@ -77,7 +78,7 @@ export class ContextLengthError extends ApiError {
         + `${promptTokens + requestedCompletionTokens} tokens (${promptTokens} in the messages, `
         + `${requestedCompletionTokens} in the completion). Please reduce the length of the messages or completion.`;
     super(400, 'context_length_exceeded', INVALID_REQUEST, message,
-      requestedCompletionTokens === undefined ? 'messages' : 'max_tokens');
+      requestedCompletionTokens === undefined ? promptParam : 'max_tokens');
   }
 }
 

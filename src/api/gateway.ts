@@ -404,7 +404,7 @@ export class Gateway {
     param: string, text?: string): PreparedPrompt {
     const { maxModelLen, kvCapacityTokens } = backend.engine.info;
     if (tokenIds.length === 0) throw new InvalidValueError(param, 'the prompt is empty after tokenization.');
-    if (tokenIds.length >= maxModelLen) throw new ContextLengthError(maxModelLen, tokenIds.length);
+    if (tokenIds.length >= maxModelLen) throw new ContextLengthError(maxModelLen, tokenIds.length, undefined, param);
     if (requestedMaxTokens !== undefined && tokenIds.length + requestedMaxTokens > maxModelLen) {
       throw new ContextLengthError(maxModelLen, tokenIds.length, requestedMaxTokens);
     }

@@ -105,6 +105,7 @@ describe('HTTP: prompts too long for the context', () => {
     assert.equal(at.status, 400);
     assert.equal(at.json().error.code, 'context_length_exceeded');
     assert.match(at.json().error.message, /but the prompt has \d+ tokens/);
+    assert.equal(at.json().error.param, 'prompt', 'the field the prompt came in');
     assert.equal(server.running.api.gateway.offThreadTokenizations, offThreadBefore + 1, 'tokenized off the event loop');
   });
 
