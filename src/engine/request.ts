@@ -45,6 +45,8 @@ export class Sequence {
   /** For finishReason 'stop' on a token: the token id that ended the sequence. */
   stopReason: number | null = null;
   numPreemptions = 0;
+  /** Tokens computed before its last preemption: a chunk below this recomputes them. */
+  recomputeUpTo = 0;
 
   constructor(request: Request, index: number, tokenIds: number[], outputTokenIds: number[], blockTable: BlockTable) {
     this.request = request;

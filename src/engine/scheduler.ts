@@ -589,6 +589,7 @@ export class Scheduler {
         timestamps.prefillChunks.push({
           start: forwardStartMs, end: nowMs, tokens: entry.numNewTokens,
           batchSeqs: plan.stats.numScheduledSeqs, batchTokens: plan.numScheduledTokens,
+          ...(numComputedBefore < sequence.recomputeUpTo ? { recompute: true } : {}),
         });
       }
       if (numSamples === 0) continue;
@@ -875,6 +876,7 @@ export class Scheduler {
   private preempt(sequence: Sequence): void {
     this.kv.free(sequence.blockTable);
     this.runningSeats -= sequence.numSeats;
+    sequence.recomputeUpTo = Math.max(sequence.recomputeUpTo, sequence.numComputedTokens);
     sequence.numComputedTokens = 0;
     sequence.status = 'preempted';
     sequence.numPreemptions++;

@@ -114,7 +114,12 @@ export interface RequestTimestamps {
    * Each prefill chunk's forward pass (start to sampled), the prompt tokens it computed, and the batch of its step:
    * batchSeqs sequences computing batchTokens tokens together.
    */
-  prefillChunks: { start: number; end: number; tokens: number; batchSeqs?: number; batchTokens?: number }[];
+  /**
+   * Forward passes that computed tokens other than a decode step's one: the prompt's chunks, and after the first
+   * token the KV of forced (jump-forward) text, of a fork's own prompt position, or, `recompute`, of tokens computed
+   * before a preemption.
+   */
+  prefillChunks: { start: number; end: number; tokens: number; batchSeqs?: number; batchTokens?: number; recompute?: boolean }[];
   firstToken?: number;
   lastToken?: number;
   finished?: number;

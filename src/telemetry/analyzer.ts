@@ -178,9 +178,9 @@ export class TraceAnalyzer {
     const decode = trace.decode;
     const steps = decode?.steps ?? 0;
     const perToken = steps > 0 ? decodeMs / steps : decodeMs;
-    // Prompt chunks computed after the first token are the recompute of a request preempted mid-decode.
-    const firstToken = trace.engineFirstTokenMs;
-    const recomputes = firstToken === undefined ? [] : trace.phases.filter((p) => p.phase === 'prefill_execution' && p.startMs >= firstToken);
+    // Chunks that recompute tokens computed before a preemption (not the forced text or a fork's position other
+    // chunks after the first token compute).
+    const recomputes = trace.phases.filter((p) => p.phase === 'prefill_execution' && p.attributes?.recompute === true);
     if (kind === 'preempted') {
       if (recomputes.length === 0) return undefined;
       let recomputeMs = 0;

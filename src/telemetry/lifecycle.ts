@@ -52,7 +52,7 @@ export interface EngineTimestamps {
    * One entry per prefill chunk the worker computed (a prefix-cache hit shortens or removes them): its forward pass,
    * and the batch of its step (sequences, and tokens computed by all of them).
    */
-  prefillChunks: readonly { start: number; end: number; tokens: number; batchSeqs?: number; batchTokens?: number }[];
+  prefillChunks: readonly { start: number; end: number; tokens: number; batchSeqs?: number; batchTokens?: number; recompute?: boolean }[];
   /** End of the step that sampled the first output token. */
   firstToken?: number;
   /** End of the step that sampled the latest output token. */

@@ -139,7 +139,7 @@ export class ConduitMetrics {
     this.tbt = h('conduit_time_between_tokens_milliseconds', 'Gap between consecutive streamed tokens of a request.', ['model', 'worker'], TBT_BUCKETS_MS);
     this.e2e = h('conduit_request_duration_milliseconds', 'Arrival to the last byte of the response.', ['model', 'outcome'], E2E_BUCKETS_MS);
     this.queueWait = h('conduit_queue_wait_milliseconds', 'Time in the worker scheduler\'s waiting queue before first scheduled.', ['model', 'worker'], QUEUE_BUCKETS_MS);
-    this.prefill = h('conduit_prefill_duration_milliseconds', 'First prefill chunk start to last prefill chunk end, by how the weights are stored.', ['model', 'worker', 'quantization'], PREFILL_BUCKETS_MS);
+    this.prefill = h('conduit_prefill_duration_milliseconds', 'First prefill chunk start to the end of the last chunk up to the first token, waits between chunks left out, by how the weights are stored.', ['model', 'worker', 'quantization'], PREFILL_BUCKETS_MS);
     this.decode = h('conduit_decode_duration_milliseconds', 'First to last sampled token of a request.', ['model', 'worker'], E2E_BUCKETS_MS);
     this.gatewayPhase = h('conduit_gateway_phase_duration_milliseconds', 'Gateway phases: http_receive, auth, rate_limit, validate, tokenize.', ['phase'], GATEWAY_BUCKETS_MS);
     this.routing = h('conduit_routing_duration_milliseconds', 'Router decision time (router_lookup), by strategy.', ['model', 'strategy'], ROUTING_BUCKETS_MS);
@@ -264,7 +264,8 @@ export class ConduitMetrics {
     for (const p of trace.phases) {
       if (p.incomplete) continue;
       if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) this.gatewayPhase.observe({ phase: p.phase }, p.endMs - p.startMs);
-      else if (p.phase === 'scheduler_queue') this.queueWait.observe(mw, p.endMs - p.startMs);
+      // The wait before the first forward pass, once a request: not the waits again between its chunks.
+      else if (p.phase === 'scheduler_queue' && p.attributes?.requeued !== true) this.queueWait.observe(mw, p.endMs - p.startMs);
     }
     if (trace.routing) {
       this.routing.observe({ model, strategy: trace.routing.strategy }, trace.routing.endMs - trace.routing.startMs);
@@ -274,7 +275,9 @@ export class ConduitMetrics {
       if (sub?.selection !== undefined) this.routingSubPhase.observe({ model, sub_phase: 'selection' }, sub.selection);
     }
     if (trace.prefill) {
-      this.prefill.observe({ ...mw, quantization: this.quantization.get(model) ?? 'none' }, trace.prefill.endMs - trace.prefill.startMs);
+      // As the response's timings count it: up to the first token, the waits between chunks left out (they are queue).
+      this.prefill.observe({ ...mw, quantization: this.quantization.get(model) ?? 'none' },
+        Math.max(0, trace.prefill.endMs - trace.prefill.startMs - trace.prefill.requeuedMs));
     }
     if (trace.outcome === 'ok') this.outputTokens.observe({ model }, trace.outputTokens);
     if (trace.decode && !trace.decode.incomplete) this.decode.observe(mw, trace.decode.endMs - trace.decode.startMs);

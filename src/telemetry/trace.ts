@@ -88,6 +88,7 @@ export interface RoutingSummary extends Pick<RouterLookupEvent,
 
 export interface PrefillSummary {
   startMs: number;
+  /** The end of the last chunk up to the first token (chunks after it are decode's). */
   endMs: number;
   chunks: number;
   /** Prompt tokens computed (not found in the cache). */
@@ -547,15 +548,19 @@ function addHandOff({ router, phases, firstWorkerReport }: BuildInput, queueStar
  * recomputed some tokens).
  */
 function prefillOf({ reports, phases }: BuildInput): PrefillSummary | undefined {
-  const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number; batchTokens?: number }[] = [];
+  const chunks: { start: number; end: number; tokens: number; worker?: string; batchSize?: number; batchTokens?: number; recompute?: boolean }[] = [];
   for (const r of reports) {
     for (const c of r.timestamps.prefillChunks) {
-      chunks.push({ start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens });
+      chunks.push({
+        start: c.start, end: c.end, tokens: c.tokens, worker: r.worker, batchSize: c.batchSeqs, batchTokens: c.batchTokens,
+        ...(c.recompute ? { recompute: true } : {}),
+      });
     }
   }
   chunks.sort((a, b) => a.start - b.start);
   let requeuedMs = 0;
-  // Chunks after the first token recompute a request preempted mid-decode: the waits around them are decode's.
+  // Chunks after the first token (forced text, a fork's position, a recompute after a preemption mid-decode) are
+  // decode's time, and so are the waits around them.
   const firstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken)) ?? Infinity;
   chunks.forEach((c, i) => {
     const previous = chunks[i - 1];
@@ -565,12 +570,14 @@ function prefillOf({ reports, phases }: BuildInput): PrefillSummary | undefined 
     }
     phases.push({
       phase: 'prefill_execution', startMs: c.start, endMs: c.end, worker: c.worker,
-      attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens }),
+      attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens, recompute: c.recompute }),
     });
   });
   if (chunks.length === 0) return undefined;
+  // The prompt's prefill ends with the last chunk up to the first token.
+  const prompt = chunks.filter((c) => c.start <= firstTokenMs);
   return {
-    startMs: chunks[0]!.start, endMs: chunks[chunks.length - 1]!.end, chunks: chunks.length,
+    startMs: chunks[0]!.start, endMs: (prompt.at(-1) ?? chunks[chunks.length - 1]!).end, chunks: chunks.length,
     computedTokens: chunks.reduce((s, c) => s + c.tokens, 0), requeuedMs,
     batchSizeMax: maxDefined(chunks.map((c) => c.batchSize)),
     worker: chunks[0]!.worker,

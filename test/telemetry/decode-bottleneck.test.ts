@@ -80,7 +80,7 @@ describe('decode preempted on the real engine (a KV pool too small for the batch
     // Which request loses its blocks depends on the order of steps; a few rounds at most.
     for (let round = 0; round < 3 && preempted.length === 0; round++) {
       const traces = await completions(server, 4, { max_tokens: 100, stream: true });
-      preempted = traces.filter((t) => t.phases.some((p) => p.phase === 'prefill_execution' && p.startMs >= t.engineFirstTokenMs!));
+      preempted = traces.filter((t) => t.phases.some((p) => p.phase === 'prefill_execution' && p.attributes?.recompute === true));
     }
     assert.ok(preempted.length > 0, 'some request was preempted after its first token');
     for (const trace of preempted) {
@@ -89,6 +89,35 @@ describe('decode preempted on the real engine (a KV pool too small for the batch
       assert.equal(d.category, 'decode_preempted', d.recommendation);
       assert.match(d.recommendation, /tokens were recomputed/);
       assert.match(d.recommendation, /--kv-cache-memory/);
+    }
+  });
+});
+
+describe('chunks after the first token that are no recompute (the real engine, a pool with room)', () => {
+  let server: LiveServer;
+  before(async () => {
+    server = await startLiveServer({ threads: 1, maxNumSeqs: 8 });
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('n > 1 and forced (jump-forward) text are not decode_preempted, and the prefill phase ends at the first token', LIVE, async () => {
+    const preemptionsBefore = server.api.gateway.engine!.stats().preemptions;
+    const traces = [
+      ...await completions(server, 1, { max_tokens: 24, n: 3, temperature: 1, seed: 1, stream: true }),
+      ...await completions(server, 1, {
+        max_tokens: 60, response_format: { type: 'json_schema', json_schema: { name: 'p', schema: { type: 'object', properties: { name: { type: 'string', maxLength: 8 }, age: { type: 'integer' } }, required: ['name', 'age'] } } },
+      }),
+    ];
+    assert.equal(server.api.gateway.engine!.stats().preemptions, preemptionsBefore, 'nothing was preempted');
+    for (const trace of traces) {
+      const late = trace.phases.filter((p) => p.phase === 'prefill_execution' && p.startMs >= trace.engineFirstTokenMs!);
+      assert.ok(late.every((p) => p.attributes?.recompute === undefined), 'no chunk is marked a recompute');
+      const d = new TraceAnalyzer({ slowTbtMs: 1e-6 }).classify(trace);
+      assert.notEqual(d.category, 'decode_preempted', d.recommendation);
+      // The prefill phase ends at the first token (as timings.prefill_ms counts it), not with a later chunk.
+      assert.ok(trace.prefill!.endMs <= trace.engineFirstTokenMs! + 1e-6, `prefill ends ${trace.prefill!.endMs - trace.engineFirstTokenMs!} ms after the first token`);
     }
   });
 });
