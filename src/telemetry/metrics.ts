@@ -184,6 +184,9 @@ export class ConduitMetrics {
     this.samplingDecisions = c('conduit_trace_sampling_decisions_total', 'Requests whose spans were kept or dropped, by reason.', ['kept', 'reason']);
     this.bottlenecks = c('conduit_slow_request_bottlenecks_total', 'Slow requests by the bottleneck the trace analyzer named.', ['category']);
     this.droppedRecords = c('conduit_telemetry_dropped_records_total', 'In-flight request records dropped unfinished (never ended, or too many).', ['reason']);
+    // Counters an alert takes increase() of exist at 0 from the start: a series born at 1 shows no increase.
+    for (const reason of ['expired', 'overflow'] as const) this.droppedRecords.inc({ reason }, 0);
+    this.oomEvents.inc({ worker: 'none', kind: 'kv_capacity' }, 0);
 
     const spanExports = options.spanExports;
     if (spanExports) {
@@ -325,6 +328,7 @@ export class ConduitMetrics {
     for (const tier of reportedTiers) this.kvUtilization.set({ worker, tier }, byTier[tier]!);
 
     const prev = this.lastStats.get(worker);
+    if (prev === undefined) this.oomEvents.inc({ worker, kind: 'kv_capacity' }, 0);
     const delta = (now: number, before: number | undefined) => (before === undefined || now < before ? now : now - before);
     const tierCounters: Record<string, KvTierStats> = {};
     for (const [tier, t] of Object.entries(lowerTiers)) {

@@ -555,7 +555,6 @@ const NO_SERIES_HERE: Record<string, string> = {
   conduit_kv_transfer_fallbacks_total: 'counted only when a decode worker process fails to import a handed-off request\'s KV',
   conduit_trace_sampling_decisions_total: 'the sampler decides only when tracing is configured',
   conduit_slow_request_bottlenecks_total: 'counted only for requests over the SLO targets',
-  conduit_telemetry_dropped_records_total: 'counted only when a request never ends; none may here',
   conduit_kv_onboard_duration_milliseconds: 'observed only for a request whose prefix came back from a lower KV tier',
 };
 

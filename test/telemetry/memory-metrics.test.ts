@@ -66,7 +66,13 @@ describe('memory by category and allocation failures on a live CPU worker', () =
   it('a request that can never fit the KV pool is refused and counted (kv_capacity)', LIVE, async () => {
     const capacity = server.engine.info.kvCapacityTokens;
     assert.ok(capacity < server.engine.info.maxModelLen, 'the pool, not the context, limits a sequence here');
-    const before = total((await scrape(server.url)).exposition, 'conduit_oom_events_total', { kind: 'kv_capacity' });
+    const exposition = (await scrape(server.url)).exposition;
+    // At 0 before the first event, for the worker and for refusals before any worker: an alert's increase() over a
+    // series that appears at 1 would see nothing.
+    assert.equal(value(exposition, 'conduit_oom_events_total', { kind: 'kv_capacity', worker: 'none' }), 0);
+    assert.equal(value(exposition, 'conduit_oom_events_total', { kind: 'kv_capacity', worker: 'worker-0' }), 0);
+    assert.equal(value(exposition, 'conduit_telemetry_dropped_records_total', { reason: 'expired' }), 0);
+    const before = total(exposition, 'conduit_oom_events_total', { kind: 'kv_capacity' });
     const res = await rawRequest(server.url, {
       path: '/v1/completions', body: { model, prompt: Array.from({ length: capacity }, (_, i) => 100 + (i % 500)), max_tokens: 1 },
     });
