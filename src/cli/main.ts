@@ -50,9 +50,10 @@ export async function main(argv: string[]): Promise<number> {
     const command = await load();
     return await command.run(rest);
   } catch (err) {
-    // A configuration the environment gave that Conduit refuses (OTEL_EXPORTER_OTLP_PROTOCOL=grpc): one line, by
-    // name, so this file need not load the telemetry modules.
-    if (err instanceof UsageError || (err instanceof Error && err.name === 'TracingConfigError')) {
+    // A configuration the environment gave that Conduit refuses (OTEL_EXPORTER_OTLP_PROTOCOL=grpc), or a simulated
+    // worker that cannot exist (a model too large for its GPUs): one line, by name, so this file need not load the
+    // telemetry or simulator modules.
+    if (err instanceof UsageError || (err instanceof Error && (err.name === 'TracingConfigError' || err.name === 'SimConfigError'))) {
       console.error(`conduit ${name}: ${err.message}`);
       return 2;
     }

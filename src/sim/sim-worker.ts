@@ -221,6 +221,11 @@ export interface SimLoraAdapter {
   targets?: readonly SimLoraTarget[];
 }
 
+/** A simulated worker that cannot exist as configured (a model too large for the GPUs given it). */
+export class SimConfigError extends RangeError {
+  override name = 'SimConfigError';
+}
+
 /** KV blocks a worker of this configuration gets: HBM left after its weight shard, per GPU, in whole blocks. */
 export function simKvBlocks(config: SimWorkerConfig): number {
   if (config.numKvBlocks !== undefined) return config.numKvBlocks;
@@ -229,8 +234,8 @@ export function simKvBlocks(config: SimWorkerConfig): number {
     config.memoryUtilization ?? SIM_DEFAULTS.memoryUtilization);
   const blocks = Math.floor(tokens / blockSize);
   if (blocks < 1) {
-    throw new RangeError(`${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV `
-      + 'cache; use a larger tp or a GPU with more memory');
+    throw new SimConfigError(`${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV `
+      + 'cache; use a larger --sim-tp or a GPU with more memory');
   }
   return blocks;
 }

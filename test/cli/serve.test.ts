@@ -10,6 +10,7 @@ import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { DEFAULT_DISAGGREGATION_POLICY } from '../../src/runtime/disaggregation-policy.ts';
 import { tinySyntheticModel } from '../helpers/cpu-model.ts';
+import { runCli } from '../helpers/cli-main.ts';
 
 function config(argv: string[], env: NodeJS.ProcessEnv = {}): ServeConfig {
   const parsed = parseServeConfig(argv, env);
@@ -337,6 +338,15 @@ describe('conduit serve disaggregation thresholds', () => {
 
     const slowTransfer = await decisionWith(['--disagg-transfer-overhead-ms', '1e9']);
     assert.equal(slowTransfer.reason, 'transfer-slower', slowTransfer.detail);
+  });
+});
+
+describe('conduit serve with simulated workers that cannot exist', () => {
+  it('says in one line that the model leaves no GPU memory for the KV cache, exit code 2, and stops', async () => {
+    const { code, err } = await runCli(['serve', '--engine', 'sim', '--sim-model', 'llama-3.1-70b', '--sim-tp', '1', '--port', '0', '--log-level', 'silent']);
+    assert.equal(code, 2, err);
+    assert.match(err, /^conduit serve: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM for the KV cache; use a larger --sim-tp/);
+    assert.doesNotMatch(err, /\n\s+at /, 'no stack trace');
   });
 });
 
