@@ -439,6 +439,7 @@ export class Gateway {
     call.trace?.validated({
       ok: true, model: target.baseName ?? target.name, ...(target.adapter !== undefined ? { adapter: target.adapter } : {}), stream: request.stream, temperature: request.temperature, n: request.n,
       ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),
+      ...(promptCount(request) > 1 ? { prompts: promptCount(request) } : {}),
     });
     return { request, target };
   }

@@ -160,6 +160,8 @@ export interface ValidateEvent extends IntervalEvent {
   maxTokens?: number;
   temperature?: number;
   n?: number;
+  /** Prompts of a completions request that sends several (absent: one). */
+  prompts?: number;
 }
 
 export interface TokenizeEvent extends IntervalEvent {

@@ -384,13 +384,14 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const cachedTokens = terminal?.cachedTokens ?? maxDefined(reports.map((r) => r.cachedTokens)) ?? 0;
   const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? streamed.contentTokens;
 
-  const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, validate?.n ?? 1, endMs);
+  const sequences = (validate?.n ?? 1) * (validate?.prompts ?? 1);
+  const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, sequences, endMs);
   placeHandOver(input, kvTransfer, engineFirstTokenMs);
   addStreamingPhase(input, streamed, engineFirstTokenMs);
   addResponseBodyPhase(input, engineLastTokenMs ?? engineFirstTokenMs, decode?.endMs);
   phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
 
-  const { ttftMs, ttftSource, tbtMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode);
+  const { ttftMs, ttftSource, tbtMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode, sequences);
   const ended = outcomeOf(terminal);
   const endedInPhase = ended.outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
@@ -664,12 +665,12 @@ function streamedWrites(record: RequestRecord): StreamedWrites {
 /** Decode, from the engine's steps, the streamed gaps or its first and last token, on the worker that ran it. */
 function decodeOf(
   { record, terminal, reports, router, firstWorkerReport, phases }: BuildInput, contentTimes: readonly number[],
-  engineFirstTokenMs: number | undefined, engineLastTokenMs: number | undefined, outputTokens: number, n: number, endMs: number,
+  engineFirstTokenMs: number | undefined, engineLastTokenMs: number | undefined, outputTokens: number, sequences: number, endMs: number,
 ): DecodeSummary | undefined {
   const engineSteps = mergeStepSummaries(reports);
   // Engine requests of one call (several prompts) decode side by side: their steps are the longest one's.
   const engineStepCount = maxDefined(reports.map((r) => r.timestamps.decodeSteps?.steps));
-  const decoded = buildDecode(record, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, n, terminal, endMs,
+  const decoded = buildDecode(record, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, sequences, terminal, endMs,
     engineSteps, engineStepCount);
   const decodeWorker = record.stepWorker ?? reports.find((r) => r.role === 'decode')?.worker ?? router?.worker ?? firstWorkerReport?.worker;
   const decode = decoded && decodeWorker !== undefined ? { ...decoded, worker: decodeWorker } : decoded;
@@ -718,7 +719,7 @@ function addResponseBodyPhase({ record, terminal, phases }: BuildInput, lastToke
 /** TTFT and TBT as the client saw them, else as the engine stamped them (see the file comment). */
 function latencies(
   record: RequestRecord, contentTimes: readonly number[], engineFirstTokenMs: number | undefined, arrivalMs: number,
-  decode: DecodeSummary | undefined,
+  decode: DecodeSummary | undefined, sequences: number,
 ): { ttftMs?: number; ttftSource?: 'stream' | 'engine'; tbtMs: readonly number[] } {
   let ttftMs: number | undefined;
   let ttftSource: 'stream' | 'engine' | undefined;
@@ -730,8 +731,9 @@ function latencies(
     ttftSource = 'engine';
   }
   let tbtMs: readonly number[] = [];
-  // Without engine steps the decode steps are the streamed gaps: share the array rather than compute it twice.
-  if (contentTimes.length > 1) tbtMs = decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes);
+  // Without engine steps the decode steps are the streamed gaps: share the array rather than compute it twice. With
+  // several sequences in one stream the gaps between writes are not any sequence's: the engine's steps, if traced.
+  if (contentTimes.length > 1 && sequences === 1) tbtMs = decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes);
   else if (record.stepEnds.length > 0 && engineFirstTokenMs !== undefined) tbtMs = gaps([engineFirstTokenMs, ...record.stepEnds]);
   return { ttftMs, ttftSource, tbtMs };
 }
@@ -755,7 +757,7 @@ function outcomeOf(terminal: TerminalEvent | undefined): Pick<RequestTrace, 'out
 
 function buildDecode(
   record: RequestRecord, contentTimes: readonly number[], engineFirst: number | undefined, engineLast: number | undefined,
-  outputTokens: number, n: number, terminal: TerminalEvent | undefined, endMs: number, engineSteps: EngineStepSummary | undefined,
+  outputTokens: number, sequences: number, terminal: TerminalEvent | undefined, endMs: number, engineSteps: EngineStepSummary | undefined,
   engineStepCount: number | undefined,
 ): DecodeSummary | undefined {
   const endedEarly = terminal !== undefined && terminal.phase !== 'finish';
@@ -770,7 +772,8 @@ function buildDecode(
       ...(endedEarly ? { incomplete: true } : {}),
     };
   }
-  if (contentTimes.length > 1) {
+  // The streamed gaps are steps only for one sequence: a step advancing several writes one chunk for each.
+  if (contentTimes.length > 1 && sequences === 1) {
     const stepMs = gaps(contentTimes);
     const unreported = stepMs.map(() => Number.NaN);
     return {
@@ -780,7 +783,7 @@ function buildDecode(
     };
   }
   if (engineFirst !== undefined) {
-    const perCompletion = Math.ceil(outputTokens / Math.max(1, n));
+    const perCompletion = Math.ceil(outputTokens / Math.max(1, sequences));
     // The engine counted its decode steps; without its summary they are inferred from the output length.
     const steps = engineStepCount ?? Math.max(0, perCompletion - 1);
     const last = engineLast ?? engineFirst;

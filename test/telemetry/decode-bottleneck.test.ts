@@ -102,7 +102,7 @@ describe('chunks after the first token that are no recompute (the real engine, a
     await server?.close();
   });
 
-  it('n > 1 and forced (jump-forward) text are not decode_preempted, and the prefill phase ends at the first token', LIVE, async () => {
+  it('n > 1 and forced (jump-forward) text are not decode_preempted, the prefill phase ends at the first token, and an n > 1 stream\'s writes are not its steps', LIVE, async () => {
     const preemptionsBefore = server.api.gateway.engine!.stats().preemptions;
     const traces = [
       ...await completions(server, 1, { max_tokens: 24, n: 3, temperature: 1, seed: 1, stream: true }),
@@ -111,6 +111,12 @@ describe('chunks after the first token that are no recompute (the real engine, a
       }),
     ];
     assert.equal(server.api.gateway.engine!.stats().preemptions, preemptionsBefore, 'nothing was preempted');
+    // The n = 3 stream: a step writes one chunk per completion, so its writes are no steps, and the gaps between
+    // them no completion's time between tokens.
+    const forked = traces[0]!;
+    assert.notEqual(forked.decode!.source, 'stream');
+    assert.ok(forked.decode!.steps <= 24, `${forked.decode!.steps} decode steps for 24 tokens a completion`);
+    assert.ok(forked.tbtMs.length <= forked.decode!.steps, `${forked.tbtMs.length} gaps`);
     for (const trace of traces) {
       const late = trace.phases.filter((p) => p.phase === 'prefill_execution' && p.startMs >= trace.engineFirstTokenMs!);
       assert.ok(late.every((p) => p.attributes?.recompute === undefined), 'no chunk is marked a recompute');
