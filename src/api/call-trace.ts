@@ -204,11 +204,23 @@ export class CallTrace {
 
   // ---- engine ----
 
-  /** The run whose counts the terminal event reports, the KV block size and the worker of an unrouted engine. */
-  attachRun(run: RunCounts, blockSize: number, worker: string): void {
+  /**
+   * The run whose counts the terminal event reports, the KV block size and the worker of an unrouted engine.
+   * `model`: the served model whose workers run it, when several are served: each pool names its workers worker-0
+   * ..., so the trace names them `<model>:<worker>`, as /metrics' per-worker series and the console do.
+   */
+  attachRun(run: RunCounts, blockSize: number, worker: string, model?: string): void {
     this.run = run;
     this.blockSize = blockSize;
-    this.worker = worker;
+    this.workerPrefix = model === undefined ? undefined : `${model}:`;
+    this.worker = this.named(worker);
+  }
+
+  private workerPrefix: string | undefined;
+
+  /** A worker id as the trace and the metrics name it. */
+  private named<T extends string | undefined>(id: T): T {
+    return (id === undefined || this.workerPrefix === undefined ? id : `${this.workerPrefix}${id}`) as T;
   }
 
   /** Every engine output, as it arrives. */
@@ -229,12 +241,12 @@ export class CallTrace {
       this.bus.emit({
         phase: 'router_lookup', requestId: this.requestId, start: routing.startedAt ?? routing.decidedAt - us.total / 1000, time: routing.decidedAt,
         ...(routing.admissionQueuedAt !== undefined ? { admissionQueuedAt: routing.admissionQueuedAt } : {}),
-        worker: routing.workerId, strategy: routing.strategy,
+        worker: this.named(routing.workerId), strategy: routing.strategy,
         ...(routing.candidates !== undefined ? { candidates: routing.candidates } : {}),
         // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
         reason: routing.disaggregation
           ? `${routing.reason}; prefill ${routing.disaggregation.mode} (${routing.disaggregation.reason})` : routing.reason,
-        ...(routing.disaggregation?.prefillWorkerId !== undefined ? { prefillWorker: routing.disaggregation.prefillWorkerId } : {}),
+        ...(routing.disaggregation?.prefillWorkerId !== undefined ? { prefillWorker: this.named(routing.disaggregation.prefillWorkerId) } : {}),
         kvCacheHit: routing.overlapBlocks > 0,
         ...(this.blockSize !== undefined ? { overlapTokens: routing.overlapBlocks * this.blockSize } : {}),
         ...(routing.costs !== undefined ? { costs: routing.costs } : {}),
@@ -242,17 +254,17 @@ export class CallTrace {
       });
     }
     const step = output.step;
-    if (step && this.stepEvents) this.decodeStep(output, step, routing?.workerId ?? this.worker);
+    if (step && this.stepEvents) this.decodeStep(output, step, this.named(routing?.workerId) ?? this.worker);
     const transfer = output.timestamps.kvTransfer;
     if (transfer && !track.kvTransferEmitted) {
       track.kvTransferEmitted = true;
-      const prefillWorker = routing?.disaggregation?.prefillWorkerId;
+      const prefillWorker = this.named(routing?.disaggregation?.prefillWorkerId);
       this.bus.emit({
         phase: 'kv_transfer', requestId: this.requestId, start: transfer.start, time: transfer.end, bytes: transfer.bytes,
         blocks: transfer.blocks, ...(prefillWorker !== undefined ? { fromWorker: prefillWorker } : {}),
         ...(transfer.link !== undefined ? { link: transfer.link } : {}),
         ...(transfer.overlapMs !== undefined ? { overlapMs: transfer.overlapMs } : {}),
-        ...(routing ? { toWorker: routing.workerId } : {}),
+        ...(routing ? { toWorker: this.named(routing.workerId) } : {}),
       });
     }
   }
@@ -310,7 +322,7 @@ export class CallTrace {
     for (const track of this.tracks.values()) {
       const { first, last } = track;
       const routing = last.routing;
-      const worker = routing?.workerId ?? this.worker;
+      const worker = this.named(routing?.workerId) ?? this.worker;
       const disaggregation = routing?.disaggregation;
       if (disaggregation?.mode === 'disaggregated' && disaggregation.prefillWorkerId !== undefined && first !== last) {
         // The decode worker carries on the prefill worker's timestamps; its own prefill chunks (if it recomputed
@@ -318,7 +330,7 @@ export class CallTrace {
         const prefillTs = first.timestamps;
         const prefillChunkStarts = new Set(prefillTs.prefillChunks.map((c) => c.start));
         reports.push({
-          worker: disaggregation.prefillWorkerId, role: 'prefill', timestamps: prefillTs, cachedTokens: first.usage.cachedTokens, ...blockSize,
+          worker: this.named(disaggregation.prefillWorkerId), role: 'prefill', timestamps: prefillTs, cachedTokens: first.usage.cachedTokens, ...blockSize,
           ...traceparentOf(first),
         });
         reports.push({
@@ -335,7 +347,7 @@ export class CallTrace {
       const migrations = routing?.migrations;
       if (migrations && migrations.length > 0) {
         reports.at(-1)!.migrations = migrations.map((m) => ({
-          fromWorker: m.fromWorkerId, ...(m.toWorkerId !== undefined ? { toWorker: m.toWorkerId } : {}), afterTokens: m.afterTokens, reason: m.reason,
+          fromWorker: this.named(m.fromWorkerId), ...(m.toWorkerId !== undefined ? { toWorker: this.named(m.toWorkerId) } : {}), afterTokens: m.afterTokens, reason: m.reason,
         }));
       }
     }

@@ -659,7 +659,8 @@ export class Gateway {
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs));
     const trace = call.trace;
     if (trace) {
-      trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID);
+      trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID,
+        this.servedModels.length > 1 ? target.baseName ?? target.name : undefined);
       run.onOutput = (output) => trace.output(output);
     }
     const timings = trace ? () => trace.timings() : undefined;
