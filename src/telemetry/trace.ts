@@ -393,7 +393,8 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
 
   const { ttftMs, ttftSource, tbtMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode, sequences);
   const ended = outcomeOf(terminal);
-  const endedInPhase = ended.outcome === 'ok' ? undefined : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined);
+  const endedInPhase = ended.outcome === 'ok' ? undefined
+    : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined, ended.status);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
   const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
 
@@ -866,27 +867,32 @@ function batchFromSteps(stepMs: readonly number[], seqs: readonly number[], toke
 /** The phase a failed or aborted request was in when it ended. */
 function phaseAtEnd(
   events: readonly LifecycleEvent[], reports: readonly EngineReport[], record: RequestRecord, routed: boolean, queued: boolean,
+  status: number | undefined,
 ): PhaseName {
   const ts = reports.map((r) => r.timestamps);
   if (record.emitTimes.length > 0 || record.stepEnds.length > 0 || ts.some((t) => t.firstToken !== undefined)) return 'decode_execution';
   if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0)) return 'prefill_execution';
   if (queued) return 'scheduler_queue';
   if (routed) return 'scheduler_queue';
-  // Before the router: the gateway phase that refused it, or the one after the last that passed.
+  // Before the router: the gateway phase that refused it, or the one after the last that passed; a client error
+  // after them all (the prompt's length, checked once it is tokenized) ends in the last.
   let next: GatewayPhase | 'router_lookup' = 'http_receive';
+  let last: GatewayPhase | undefined;
   for (const phase of GATEWAY_PHASES) {
     const e = firstOf(events, phase);
     if (!e) break;
     if (('ok' in e && e.ok === false) || ('allowed' in e && e.allowed === false)) return phase;
+    last = phase;
     const i = GATEWAY_PHASES.indexOf(phase);
     next = i + 1 < GATEWAY_PHASES.length ? GATEWAY_PHASES[i + 1]! : 'router_lookup';
   }
+  if (next === 'router_lookup' && last !== undefined && status !== undefined && status >= 400 && status < 500) return last;
   return next;
 }
 
 function gatewayAttributes(e: LifecycleEvent): Record<string, AttributeValue> | undefined {
   switch (e.phase) {
-    case 'http_receive': return defined({ route: e.route, body_bytes: e.bodyBytes });
+    case 'http_receive': return defined({ route: e.route, body_bytes: e.bodyBytes, ...(e.ok === false ? { ok: false } : {}) });
     case 'auth': return defined({ ok: e.ok, tenant: e.tenant });
     case 'rate_limit': return defined({ allowed: e.allowed, reason: e.reason });
     case 'validate': return defined({ ok: e.ok });

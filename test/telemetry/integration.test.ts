@@ -291,6 +291,7 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     const sloBefore = server.telemetry.sloReport().models.find((m) => m.model === model)?.error_rate.errors ?? 0;
 
     const invalid = await post({ model, prompt: 'x', max_tokens: -1 });
+    const tooLong = await post({ model, prompt: Array.from({ length: server.engine.info.maxModelLen }, () => 500), max_tokens: 1 });
     const badKey = await post({ model, prompt: 'x' }, 'sk-not-a-key-000000');
     const firstOfLimited = await post({ model, prompt: 'x', max_tokens: 1 }, LIMITED_KEY);
     const overLimit = await post({ model, prompt: 'x', max_tokens: 1 }, LIMITED_KEY);
@@ -301,9 +302,11 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
     await endedTrace(server.url, long.id);
 
-    assert.deepEqual([invalid, badKey, firstOfLimited, overLimit, overConcurrency, tooBig].map((r) => r.status), [400, 401, 200, 429, 429, 413]);
+    assert.deepEqual([invalid, tooLong, badKey, firstOfLimited, overLimit, overConcurrency, tooBig].map((r) => r.status), [400, 400, 401, 200, 429, 429, 413]);
     const expected: [RawResponse, string, string][] = [
       [invalid, 'invalid_value', 'validate'],
+      // Refused by its length once tokenized, before any router.
+      [tooLong, 'context_length_exceeded', 'tokenize'],
       [badKey, 'invalid_api_key', 'auth'],
       [overLimit, 'rate_limit_exceeded', 'rate_limit'],
       [overConcurrency, 'concurrency_limit_exceeded', 'rate_limit'],
@@ -319,16 +322,17 @@ describe('telemetry on a live server (one worker, the test\'s own telemetry with
       assert.equal(trace.status, res.status);
       assert.equal(trace.ended_in_phase, endedIn, `${errorType} ended in ${endedIn}`);
       assert.equal(names(trace)[0], 'http_receive', 'its trace starts at arrival');
+      if (res === tooBig) assert.equal(trace.phases[0]!.attributes?.ok, false, 'its body was not received');
     }
 
     const after = (await scrape(server.url)).exposition;
     const errors = (errorType: string) => moved(before, after, 'conduit_request_errors_total', { model, error_type: errorType, origin: 'client' });
-    assert.deepEqual(['invalid_value', 'invalid_api_key', 'rate_limit_exceeded', 'concurrency_limit_exceeded', 'body_too_large'].map(errors),
-      [1, 1, 1, 1, 1]);
+    assert.deepEqual(['invalid_value', 'context_length_exceeded', 'invalid_api_key', 'rate_limit_exceeded', 'concurrency_limit_exceeded', 'body_too_large'].map(errors),
+      [1, 1, 1, 1, 1, 1]);
     assert.equal(moved(before, after, 'conduit_request_errors_total', { origin: 'server' }), 0);
     assert.equal(moved(before, after, 'conduit_rate_limit_rejections_total', { tenant: 'limited', reason: 'requests' }), 1);
     assert.equal(moved(before, after, 'conduit_rate_limit_rejections_total', { tenant: 'solo', reason: 'concurrency' }), 1);
-    assert.equal(moved(before, after, 'conduit_requests_total', { finish_reason: 'error' }), 5);
+    assert.equal(moved(before, after, 'conduit_requests_total', { finish_reason: 'error' }), 6);
     const sloAfter = server.telemetry.sloReport().models.find((m) => m.model === model)!.error_rate.errors;
     assert.equal(sloAfter, sloBefore, 'a client\'s error is not the server\'s');
   });
