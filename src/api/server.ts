@@ -7,9 +7,10 @@
 // telemetry's registry, and /v1/requests/{id}/trace, /v1/slo and /v1/analysis read what it collected.
 
 import type { ToolCallParserName } from './tool-calls.ts';
-import { createServer as createHttpServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { createServer as createHttpServer, STATUS_CODES, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { createServer as createHttpsServer } from 'node:https';
 import type { AddressInfo, Socket } from 'node:net';
+import type { Duplex } from 'node:stream';
 import { performance } from 'node:perf_hooks';
 import type { Engine } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
@@ -213,6 +214,27 @@ export class ApiServer {
     this.server.keepAliveTimeout = 15_000;
     this.maxConnections = options.maxConnections ?? DEFAULT_MAX_CONNECTIONS;
     this.capConnections();
+    this.server.on('clientError', (error: NodeJS.ErrnoException, socket: Duplex) => this.answerUnparsable(error, socket));
+  }
+
+  /**
+   * A request Node's parser refuses (a malformed request line or header, more body than its Content-Length says,
+   * headers too large or too slow): answered in OpenAI's error shape, as every other refusal, and the connection
+   * closed (Node's own answer is a bare status line).
+   */
+  private answerUnparsable(error: NodeJS.ErrnoException, socket: Duplex): void {
+    if (error.code === 'ECONNRESET' || !socket.writable) {
+      socket.destroy();
+      return;
+    }
+    const [status, code, message] = error.code === 'HPE_HEADER_OVERFLOW'
+      ? [431, 'request_header_fields_too_large', 'The request\'s headers are too large.']
+      : error.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+        ? [408, 'request_timeout', 'The request\'s headers did not arrive in time.']
+        : [400, 'invalid_http_request', `The request could not be parsed (${error.code ?? 'parse error'}); a body longer than its Content-Length is one cause.`];
+    const body = JSON.stringify({ error: { message, type: 'invalid_request_error', param: null, code } });
+    socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n`
+      + `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`);
   }
 
   /** Connections open now (the ones being served; refused ones are not counted). */

@@ -197,6 +197,31 @@ describe('API server connections', () => {
     }
   });
 
+  it('answers what Node cannot parse as HTTP in OpenAI\'s error shape, and serves the next connection', async () => {
+    const api = new ApiServer({ keyStore: new KeyStore({ keys: [], tenants: new Map() }) });
+    await api.listen(0);
+    try {
+      const body = '{"prompt": "hi"}';
+      const cases: [string, RegExp, string][] = [
+        // A body longer than its Content-Length: the rest is read as a second request line.
+        [`POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\n${body}`, /^HTTP\/1\.1 400 Bad Request\r\n/, 'invalid_http_request'],
+        ['GARBAGE\r\n\r\n', /^HTTP\/1\.1 400 Bad Request\r\n/, 'invalid_http_request'],
+        [`GET /live HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`, /^HTTP\/1\.1 431 Request Header Fields Too Large\r\n/, 'request_header_fields_too_large'],
+      ];
+      for (const [request, statusLine, code] of cases) {
+        const answer = await rawExchange(api.url, request);
+        // The last response on the connection (the first case's own request is answered before the garbage after it).
+        const last = [...answer.matchAll(/HTTP\/1\.1 \d{3} /g)].at(-1)!.index!;
+        assert.match(answer.slice(last), statusLine, request.slice(0, 40));
+        const error = JSON.parse(answer.slice(answer.lastIndexOf('\r\n\r\n') + 4)).error;
+        assert.deepEqual([error.type, error.code], ['invalid_request_error', code]);
+      }
+      assert.equal((await rawRequest(api.url, { path: '/live' })).status, 200);
+    } finally {
+      await api.shutdown(0);
+    }
+  });
+
   it('closes a connection whose headers do not arrive within the header timeout, with a 408', { timeout: 10_000 }, async () => {
     // Node's default check runs every 30 s: without a shorter check interval this would wait that long.
     const api = new ApiServer({ keyStore: new KeyStore({ keys: [], tenants: new Map() }), headersTimeoutMs: 400 });
@@ -204,6 +229,7 @@ describe('API server connections', () => {
     try {
       const answer = await rawExchange(api.url, 'GET /live HTTP/1.1\r\nHost: x\r\n');
       assert.match(answer, /^HTTP\/1\.1 408 Request Timeout\r\n/);
+      assert.equal(JSON.parse(answer.slice(answer.indexOf('\r\n\r\n') + 4)).error.code, 'request_timeout');
     } finally {
       await api.shutdown(0);
     }
