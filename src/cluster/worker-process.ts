@@ -92,7 +92,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
       await engine.close();
       throw new Error('this engine runs no LoRA adapters');
     }
-    adapters = new LoraManager(engine, options.lora.maxLoras, (message) => log('info', message), options.lora.maxLoraRank, { contentKeys: true });
+    adapters = new LoraManager(engine, options.lora.maxLoras, (message) => log('info', message), options.lora.maxLoraRank);
     for (const { name, path } of options.lora.modules) {
       try {
         const info = await adapters.register(name, path);

@@ -23,11 +23,10 @@
 // requests releases it; then the workers unload it.
 //
 // Each registration gets a key, the name the workers know the adapter by and the one its KV blocks are hashed
-// under: an adapter evicted and loaded again from the same registration keeps its key (its cached prefixes stay
-// valid). By default a name unloaded and registered again gets a new key (no stale KV reuse). With contentKeys (a
-// `conduit worker`, whose keys a frontend's router must hash with too) the key is the name and a digest of the
-// adapter's bytes: every worker that holds the same adapter under the same name has the same key, and a name
-// registered again with other bytes gets another.
+// under: the name and a digest of the adapter's bytes. An adapter evicted and loaded again keeps its key (its cached
+// prefixes stay valid); every worker that holds the same adapter under the same name has the same key (a frontend's
+// router hashes with it too); and a name registered again with other bytes, in this process or after a restart
+// (a disk KV tier outlives the process), gets another, so no block computed with other weights is reused.
 
 import { createHash } from 'node:crypto';
 import { LoraLoadError } from '../engine/errors.ts';
@@ -61,8 +60,6 @@ export interface LoraManagerStats {
 export interface LoraManagerOptions {
   /** Reads an adapter's rank and digest before it is loaded (default inspectLoraAdapter). */
   inspect?: (path: string) => Promise<LoraAdapterHeader | undefined>;
-  /** Keys from the adapter's bytes rather than a registration count (see the top of this file). */
-  contentKeys?: boolean;
 }
 
 /** One registered adapter as list() gives it. */
@@ -106,7 +103,6 @@ export class LoraManager {
   private readonly draining = new Set<Registration>();
   /** Requests waiting for their adapter, first come first served. */
   private readonly waiters: Waiter[] = [];
-  private generation = 0;
   private useClock = 0;
   private loads = 0;
   private evictions = 0;
@@ -115,7 +111,7 @@ export class LoraManager {
 
   constructor(private readonly engine: Engine, readonly maxLoras: number = DEFAULT_MAX_LORAS,
     private readonly log?: (message: string) => void, readonly maxLoraRank: number = DEFAULT_MAX_LORA_RANK,
-    private readonly options: LoraManagerOptions = {}) {
+    options: LoraManagerOptions = {}) {
     this.inspect = options.inspect ?? inspectLoraAdapter;
     if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new RangeError(`maxLoras must be a whole number >= 1, got ${maxLoras}`);
     if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new RangeError(`maxLoraRank must be a whole number >= 1, got ${maxLoraRank}`);
@@ -153,9 +149,8 @@ export class LoraManager {
     }
     if (header) this.checkRank(name, header.rank);
     if (this.adapters.has(name)) throw taken();
-    const key = this.options.contentKeys
-      ? `${name}#${(header?.digest ?? createHash('sha256').update(path).digest('hex')).slice(0, 16)}`
-      : `${name}#${++this.generation}`;
+    // A simulated adapter has no file to digest: its path stands for it.
+    const key = `${name}#${(header?.digest ?? createHash('sha256').update(path).digest('hex')).slice(0, 16)}`;
     // The same adapter under the same name, unregistered while its requests still run: it is taken back as it is.
     const drained = [...this.draining].find((r) => r.key === key);
     if (drained) {

@@ -47,7 +47,7 @@ describe('a worker\'s own LoRA adapters over the request plane', () => {
       writeGgufLoraAdapter(paths[name], config, randomLoraAdapter(config, { rank: 4, seed, bScale: 1 }));
     }
     bundle = await createLocalEngine({ modelPath: fixture.modelPath, threads: 1, enableKvEvents: true, kvCacheMemoryBytes: 8 * 1024 * 1024 });
-    adapters = new LoraManager(bundle.engine, 1, undefined, 16, { contentKeys: true });
+    adapters = new LoraManager(bundle.engine, 1, undefined, 16);
     server = new WorkerServer({
       workerId: 'w-lora', engine: bundle.engine, clusterToken: TOKEN, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate,
       adapters, onAdaptersChanged: () => { changes++; },
