@@ -27,7 +27,7 @@ import type { EngineStats } from '../protocols/worker.ts';
 import type { Router } from '../router/router.ts';
 import { RoutedEngine } from '../runtime/routed-engine.ts';
 import type { RoutableEngine, WorkerGroupLog } from '../runtime/worker-group.ts';
-import { makeRouter, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { makeRouter, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
 import { RemoteEngine } from './remote-engine.ts';
 import { remoteDisaggregatedEngine, type RemoteDisaggregatedEngine } from './remote-disagg.ts';
 
@@ -250,7 +250,13 @@ async function createProcessDisaggregatedPool(options: ProcessPoolOptions, log?:
 }
 
 export async function createProcessWorkerPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {
-  if (options.prefillWorkers !== undefined || options.decodeWorkers !== undefined) return createProcessDisaggregatedPool(options, log);
+  // The server holds the disk tier's folder; each child its own subfolder in it.
+  const create = () => options.prefillWorkers !== undefined || options.decodeWorkers !== undefined
+    ? createProcessDisaggregatedPool(options, log) : createProcessAggregatedPool(options, log);
+  return options.engine === 'cpu' ? withDiskTierLock(options.kvOffloadDiskDir, create) : create();
+}
+
+async function createProcessAggregatedPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {
   const count = options.workers;
   if (!Number.isInteger(count) || count < 1) throw new RangeError(`workers must be a whole number >= 1, got ${count}`);
   const token = randomBytes(32).toString('hex');

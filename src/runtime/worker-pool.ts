@@ -121,12 +121,19 @@ export interface WorkerPool {
 }
 
 export async function createWorkerPool(options: WorkerPoolOptions): Promise<WorkerPool> {
-  if (options.engine !== 'cpu' || options.kvOffloadDiskDir === undefined) return createPool(options);
-  // One process per disk tier folder: a second server pointed at it is refused before any worker starts.
-  const release = acquireDiskTierLock(options.kvOffloadDiskDir);
-  let pool: WorkerPool;
+  return options.engine === 'cpu' ? withDiskTierLock(options.kvOffloadDiskDir, () => createPool(options)) : createPool(options);
+}
+
+/**
+ * One process per disk tier folder: a second server pointed at it is refused before any worker starts. The lock is
+ * held until the pool's engine closes.
+ */
+export async function withDiskTierLock<P extends { engine: { close(): Promise<void> } }>(dir: string | undefined, create: () => Promise<P>): Promise<P> {
+  if (dir === undefined) return create();
+  const release = acquireDiskTierLock(dir);
+  let pool: P;
   try {
-    pool = await createPool(options);
+    pool = await create();
   } catch (error) {
     release();
     throw error;

@@ -4,6 +4,8 @@
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { acquireDiskTierLock } from '../../src/engine/kv-cache/disk-tier.ts';
 import { createLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { SLOW_DECODE_SHAPE, writeWorkerLossFixture } from '../helpers/worker-loss.ts';
@@ -124,5 +126,39 @@ describe('serve --worker-processes', () => {
       }
       assert.equal(alive, false, `worker process ${pid} exited`);
     }
+  });
+});
+
+describe('serve --worker-processes with KV offload tiers', () => {
+  let dir: string;
+  let server: RunningServer | undefined;
+
+  after(async () => {
+    await server?.api.shutdown(0);
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  test('the child workers get the RAM and disk tiers, and the server holds the disk folder', async () => {
+    const fixture = writeWorkerLossFixture('process-pool-tiers');
+    dir = fixture.dir;
+    const tierDir = join(dir, 'tier');
+    const config = parseServeConfig(['--model', fixture.modelPath, '--port', '0', '--workers', '1', '--worker-processes', '--threads', '1',
+      '--kv-cache-memory', '4MiB', '--kv-offload-memory', '1MiB', '--kv-offload-disk', tierDir, '--kv-offload-disk-size', '4MiB', '--no-request-log'], {});
+    assert.notEqual(config, 'help');
+    server = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+    // A worker's stats carry its tiers from its first step on.
+    const res = await fetch(`${server.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'Hello there', max_tokens: 2 }),
+    });
+    assert.equal(res.status, 200, await res.text());
+    const text = await (await fetch(`${server.url}/metrics`)).text();
+    for (const tier of ['ram', 'disk']) {
+      const capacity = new RegExp(`^conduit_kv_tier_capacity_blocks\\{worker="worker-0",tier="${tier}"\\} (\\d+)$`, 'm').exec(text);
+      assert.ok(capacity && Number(capacity[1]) > 0, `a ${tier} tier on the child worker`);
+    }
+    assert.throws(() => acquireDiskTierLock(tierDir), /already in use/, 'a second server on the folder is refused');
+    await server.api.shutdown(0);
+    server = undefined;
+    acquireDiskTierLock(tierDir)();
   });
 });
