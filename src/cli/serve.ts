@@ -4,7 +4,7 @@
 
 import { existsSync, readFileSync, statSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
-import { join } from 'node:path';
+import { basename, join } from 'node:path';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
 import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
@@ -632,6 +632,15 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
   return { api, keyStore };
 }
 
+/**
+ * A folder name per served model for its disk KV tier: `model-` and its served name, or its file's name, made safe
+ * for a path; models that would share one are told apart by their position.
+ */
+export function modelFolderNames(specs: readonly { path?: string; servedModelName?: string }[]): string[] {
+  const names = specs.map((spec) => `model-${(spec.servedModelName ?? basename(spec.path ?? 'builtin')).replace(/[^A-Za-z0-9._-]/g, '_')}`);
+  return names.map((name, i) => (names.indexOf(name) === names.lastIndexOf(name) ? name : `${name}-${i}`));
+}
+
 /** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
 export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
   const { api, keyStore } = createApiServer(config, logger, clock);
@@ -654,11 +663,13 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
       ? Math.max(1, Math.floor(availableParallelism() / (specs.length * (config.prefillWorkers !== undefined
         ? config.prefillWorkers + config.decodeWorkers! : config.workers)))) : undefined);
     const served: ServedModel[] = [];
+    const diskFolders = modelFolderNames(specs);
     try {
       for (const [i, spec] of specs.entries()) {
-        // Several models cannot share one disk tier folder (its lock keeps a second pool out): each gets its own.
+        // Several models cannot share one disk tier folder (its lock keeps a second pool out): each gets its own,
+        // named by the model (not its position, so a reordered --model list finds its blocks again).
         const diskDir = config.kvOffloadDiskDir === undefined ? undefined
-          : specs.length > 1 ? join(config.kvOffloadDiskDir, `model-${i}`) : config.kvOffloadDiskDir;
+          : specs.length > 1 ? join(config.kvOffloadDiskDir, diskFolders[i]!) : config.kvOffloadDiskDir;
         const pool = await create({
           engine: config.engine,
           workers: config.workers,
@@ -678,8 +689,10 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
           ...(config.kvDtype !== undefined ? { kvDtype: config.kvDtype } : {}),
           kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
-          ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: config.kvOffloadMemoryBytes } : {}),
-          ...(diskDir !== undefined ? { kvOffloadDiskDir: diskDir, kvOffloadDiskBytes: config.kvOffloadDiskBytes } : {}),
+          // The offload budgets are the server's: split between the models, as each pool splits its share between
+          // its workers.
+          ...(config.kvOffloadMemoryBytes !== undefined ? { kvOffloadMemoryBytes: Math.floor(config.kvOffloadMemoryBytes / specs.length) } : {}),
+          ...(diskDir !== undefined ? { kvOffloadDiskDir: diskDir, kvOffloadDiskBytes: Math.floor(config.kvOffloadDiskBytes! / specs.length) } : {}),
           ...(threads !== undefined ? { threads } : {}),
           ...(config.loraDtype !== undefined ? { loraDtype: config.loraDtype } : {}),
           backend: config.backend,

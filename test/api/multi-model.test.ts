@@ -3,12 +3,12 @@
 // naming the served ones.
 
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { silentLogger } from '../../src/api/log.ts';
-import { parseModelSpecs, parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
+import { modelFolderNames, parseModelSpecs, parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { UsageError } from '../../src/cli/flags.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { rawRequest } from './http-client.ts';
@@ -101,6 +101,39 @@ describe('several models behind one server', () => {
       assert.ok(capacity, `a KV capacity series for ${name}`);
       assert.equal(Number(capacity[1]), backend.engine.stats().kvBlocksTotal, name);
       assert.match(text, new RegExp(`^conduit_kv_cache_used_blocks\\{model="${name}"\\} \\d+$`, 'm'));
+    }
+  });
+});
+
+describe('several models with KV offload tiers', () => {
+  it('split the RAM and disk budgets between the models, each model\'s disk blocks in a folder named by it', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-multi-model-tiers-'));
+    try {
+      const pathA = writeModel(dir, 'a.gguf', 3);
+      const pathB = writeModel(dir, 'b.gguf', 4);
+      const tiers = ['--kv-offload-memory', '1MiB', '--kv-offload-disk', join(dir, 'tier'), '--kv-offload-disk-size', '2MiB'];
+      const capacities = async (flags: string[], workers: Record<string, string>) => {
+        const server = await serve(flags);
+        try {
+          for (const model of Object.keys(workers)) assert.equal((await complete(server.url, model)).status, 200);
+          const text = (await rawRequest(server.url, { path: '/metrics' })).text;
+          const read = (tier: string) => Object.values(workers).reduce((sum, worker) =>
+            sum + Number(new RegExp(`^conduit_kv_tier_capacity_blocks\\{worker="${worker}",tier="${tier}"\\} (\\d+)$`, 'm').exec(text)?.[1]), 0);
+          return { ram: read('ram'), disk: read('disk') };
+        } finally {
+          await server.api.shutdown(0);
+        }
+      };
+      const both = await capacities(['--model', `alpha=${pathA}`, '--model', `beta=${pathB}`, ...tiers], { alpha: 'alpha:worker-0', beta: 'beta:worker-0' });
+      const alone = await capacities(['--model', `alpha=${pathA}`, ...tiers.slice(0, 2)], { alpha: 'worker-0' });
+      assert.ok(both.ram > 0 && both.disk > 0, JSON.stringify(both));
+      // The same models' blocks are the same size: two models hold what one would alone (up to rounding).
+      assert.ok(Math.abs(both.ram - alone.ram) <= 2, `${both.ram} RAM blocks for two models, ${alone.ram} for one`);
+      assert.deepEqual(modelFolderNames([{ path: pathA, servedModelName: 'alpha' }, { path: pathB }, { path: '/x/b.gguf' }]),
+        ['model-alpha', 'model-b.gguf-1', 'model-b.gguf-2']);
+      assert.ok(existsSync(join(dir, 'tier', 'model-alpha')) && existsSync(join(dir, 'tier', 'model-beta')));
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
     }
   });
 });
