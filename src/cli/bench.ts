@@ -86,6 +86,14 @@ export function parseGoodput(text: string): GoodputTargets {
   return targets;
 }
 
+/** Node's timers hold at most 2^31 - 1 ms: a longer timeout would fire at once. */
+const MAX_TIMEOUT_SEC = Math.floor((2 ** 31 - 1) / 1000);
+
+function timeoutSeconds(value: number): number {
+  if (!(value > 0 && value <= MAX_TIMEOUT_SEC)) throw new UsageError(`--timeout must be in (0, ${MAX_TIMEOUT_SEC}] seconds, got ${value}`);
+  return value;
+}
+
 function wholeNumber(flag: string, value: number | undefined, min: number): number | undefined {
   if (value === undefined) return undefined;
   if (!Number.isSafeInteger(value) || value < min) throw new UsageError(`--${flag} must be a whole number >= ${min}, got ${value}`);
@@ -145,7 +153,7 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     url, endpoint: endpoint as Endpoint, workload,
     outputTokens: wholeNumber('output-tokens', values['output-tokens'], 1)!,
     stream: values.stream, ignoreEos: values['ignore-eos'],
-    timeoutSec: positive('timeout', values.timeout)!, seed,
+    timeoutSec: timeoutSeconds(values.timeout!), seed,
     ...(values.model !== undefined ? { model: values.model } : {}),
     ...(values['api-key'] !== undefined ? { apiKey: values['api-key'] } : {}),
     ...(rate !== undefined ? { rate } : {}),

@@ -37,6 +37,15 @@ export const generateCommand: Command = {
     if (!Number.isInteger(maxTokens) || maxTokens < 1) throw new UsageError('--max-tokens must be a whole number >= 1');
     if (!Number.isInteger(concurrency) || concurrency < 1) throw new UsageError('--concurrency must be a whole number >= 1');
     if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
+    const topP = values['top-p']!;
+    if (!(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);
+    // Each request's seed is seed + i: all of them whole numbers a request takes.
+    if (!Number.isSafeInteger(values.seed) || !Number.isSafeInteger(values.seed! + concurrency)) {
+      throw new UsageError(`--seed must be a whole number, got ${values.seed}`);
+    }
+    if (values.threads !== undefined && !(Number.isInteger(values.threads) && values.threads >= 1)) {
+      throw new UsageError(`--threads must be a whole number >= 1, got ${values.threads}`);
+    }
     const backend = values.backend;
     if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') {
       throw new UsageError(`--backend must be auto, native or reference, got "${backend}"`);

@@ -5,7 +5,7 @@
 import { formatPlan, planCapacity, type PlanOptions } from '../sim/planner.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
-import { DEPLOYMENT_FLAGS, resolveDeployment, wholeNumber, withEnvPrefix } from './sim.ts';
+import { DEPLOYMENT_FLAGS, fitsContext, resolveDeployment, wholeNumber, withEnvPrefix } from './sim.ts';
 
 export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
   ...DEPLOYMENT_FLAGS,
@@ -40,8 +40,10 @@ export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.Proces
   const inputTokens = wholeNumber('isl', values.isl, 1);
   const sharedPrefixTokens = wholeNumber('prefix-tokens', values['prefix-tokens'], 0);
   if (sharedPrefixTokens > inputTokens) throw new UsageError(`--prefix-tokens ${sharedPrefixTokens} exceeds --isl ${inputTokens}`);
+  const outputTokens = wholeNumber('osl', values.osl, 1);
+  fitsContext('--isl with --osl', inputTokens, outputTokens);
   return {
-    model, hw, tp, efficiency, ratePerSec: values.rate, inputTokens, outputTokens: wholeNumber('osl', values.osl, 1),
+    model, hw, tp, efficiency, ratePerSec: values.rate, inputTokens, outputTokens,
     ttftP99Ms: values['ttft-p99']!, itlP99Ms: values['itl-p99']!, sharedPrefixTokens,
     numRequests: wholeNumber('requests', values.requests, 1), seed: wholeNumber('seed', values.seed, 0),
     warmupFraction: warmup, maxWorkers: wholeNumber('max-workers', values['max-workers'], 1),

@@ -20,6 +20,7 @@ import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/eng
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import { formatKvTierTtft, simulateKvTierTtft } from '../sim/kv-tier-ttft.ts';
 import { KV_TIER_PROFILES } from '../sim/hardware.ts';
+import { SIM_DEFAULTS } from '../sim/sim-worker.ts';
 import type { Command } from './main.ts';
 
 /** Gives every flag of a table the environment twin `${prefix}<FLAG>`. */
@@ -111,6 +112,14 @@ export function resolveDeployment(values: {
   }
 }
 
+/** A request of `tokens` prompt tokens plus `outputTokens` must fit the simulated workers' context. */
+export function fitsContext(what: string, tokens: number, outputTokens = 1): void {
+  const context = SIM_DEFAULTS.maxModelLen;
+  if (tokens + outputTokens > context) {
+    throw new UsageError(`${what} (${tokens} tokens, plus ${outputTokens} of output) does not fit the simulated context of ${context} tokens`);
+  }
+}
+
 export function wholeNumber(flag: string, value: number | undefined, min: number): number {
   if (value === undefined || !Number.isSafeInteger(value) || value < min) {
     throw new UsageError(`--${flag} must be a whole number >= ${min}, got ${value}`);
@@ -152,6 +161,7 @@ async function lifecycle(argv: string[]): Promise<number> {
   }
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
+  fitsContext('--prompt', promptTokens);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const maxNumBatchedTokens = wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1);
   const cachedTokens = values.cached === undefined ? undefined : wholeNumber('cached', values.cached, 0);
@@ -275,9 +285,10 @@ async function kvTiers(argv: string[]): Promise<number> {
   }
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
+  fitsContext('--prompt', promptTokens);
   const profile = (flag: string, id: string | undefined) => {
     if (id === undefined) return undefined;
-    const found = KV_TIER_PROFILES[id];
+    const found = Object.hasOwn(KV_TIER_PROFILES, id) ? KV_TIER_PROFILES[id] : undefined;
     if (found === undefined) throw new UsageError(`--${flag} must be one of ${Object.keys(KV_TIER_PROFILES).join(', ')}, got "${id}"`);
     return found;
   };

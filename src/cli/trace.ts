@@ -55,10 +55,15 @@ export const traceCommand: Command = {
     }
     if (positionals.length !== 1) throw new UsageError(positionals.length === 0 ? `a request id is needed\n${USAGE}` : `one request id at a time\n${USAGE}`);
     const id = positionals[0]!;
-    let base: URL;
+    if (id === '') throw new UsageError(`the request id is empty\n${USAGE}`);
+    let base: URL | undefined;
     try {
       base = new URL(values.url!);
     } catch {
+      // Refused below.
+    }
+    // "localhost:8000" parses, as a URL of scheme "localhost:".
+    if (base === undefined || (base.protocol !== 'http:' && base.protocol !== 'https:')) {
       throw new UsageError(`--url must be a URL like http://127.0.0.1:8000, got "${values.url}"`);
     }
     const url = new URL(`${base.pathname.replace(/\/+$/, '')}/v1/requests/${encodeURIComponent(id)}/trace`, base);

@@ -164,7 +164,9 @@ const HARDWARE_ALIASES: Readonly<Record<string, string>> = {
 /** Looks a GPU up by id ("h100") or alias ("h100-sxm"), case-insensitively; throws a RangeError listing the ids. */
 export function getHardwareProfile(id: string): HardwareProfile {
   const key = id.toLowerCase();
-  const profile = HARDWARE_PROFILES[HARDWARE_ALIASES[key] ?? key];
+  // Own keys only: "constructor" or "__proto__" name no profile.
+  const resolved = Object.hasOwn(HARDWARE_ALIASES, key) ? HARDWARE_ALIASES[key]! : key;
+  const profile = Object.hasOwn(HARDWARE_PROFILES, resolved) ? HARDWARE_PROFILES[resolved] : undefined;
   if (!profile) {
     throw new RangeError(`unknown GPU "${id}"; known: ${Object.keys(HARDWARE_PROFILES).join(', ')}`);
   }
@@ -173,7 +175,8 @@ export function getHardwareProfile(id: string): HardwareProfile {
 
 /** Looks a link up by id ("nvlink4", "ib-ndr", "pcie5"); throws a RangeError listing the ids. */
 export function getLinkProfile(id: string): LinkProfile {
-  const profile = LINK_PROFILES[id.toLowerCase()];
+  const key = id.toLowerCase();
+  const profile = Object.hasOwn(LINK_PROFILES, key) ? LINK_PROFILES[key] : undefined;
   if (!profile) throw new RangeError(`unknown link "${id}"; known: ${Object.keys(LINK_PROFILES).join(', ')}`);
   return profile;
 }

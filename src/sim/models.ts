@@ -269,7 +269,7 @@ export interface ProfileDtypes {
  */
 export function getModelProfile(id: string, dtypes: ProfileDtypes = {}): ModelProfile {
   const key = id.toLowerCase().replace(/^llama3\./, 'llama-3.').replace(/^qwen-2\.5/, 'qwen2.5');
-  const found = MODEL_PROFILES[key];
+  const found = Object.hasOwn(MODEL_PROFILES, key) ? MODEL_PROFILES[key] : undefined;
   if (!found) throw new RangeError(`unknown model "${id}"; known: ${Object.keys(MODEL_PROFILES).join(', ')}`);
   return withDtypes(found, dtypes);
 }

@@ -235,7 +235,7 @@ export function simKvBlocks(config: SimWorkerConfig): number {
   const blocks = Math.floor(tokens / blockSize);
   if (blocks < 1) {
     throw new SimConfigError(`${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV `
-      + 'cache; use a larger --sim-tp or a GPU with more memory');
+      + 'cache; use a larger tp (--sim-tp, or --tp for conduit sim and plan) or a GPU with more memory');
   }
   return blocks;
 }

@@ -66,6 +66,11 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     [[...BASE, '--temperature', '-1'], /--temperature must be >= 0/],
     [[...BASE, '--backend', 'gpu'], /--backend must be auto, native or reference/],
     [[...BASE, '--max-tokens', 'many'], /--max-tokens expects a number/],
+    [[...BASE, '--threads', '0'], /--threads must be a whole number >= 1, got 0/],
+    [[...BASE, '--top-p', '0'], /--top-p must be in \(0, 1\], got 0/],
+    [[...BASE, '--top-p', '5'], /--top-p must be in \(0, 1\], got 5/],
+    [[...BASE, '--seed', '1.5'], /--seed must be a whole number, got 1\.5/],
+    [[...BASE, '--seed', '1e300'], /--seed must be a whole number/],
   ] as const) {
     const { code, err } = await run([...argv]);
     assert.equal(code, 2, `${argv.join(' ')}: ${err}`);

@@ -345,7 +345,7 @@ describe('conduit serve with simulated workers that cannot exist', () => {
   it('says in one line that the model leaves no GPU memory for the KV cache, exit code 2, and stops', async () => {
     const { code, err } = await runCli(['serve', '--engine', 'sim', '--sim-model', 'llama-3.1-70b', '--sim-tp', '1', '--port', '0', '--log-level', 'silent']);
     assert.equal(code, 2, err);
-    assert.match(err, /^conduit serve: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM for the KV cache; use a larger --sim-tp/);
+    assert.match(err, /^conduit serve: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM for the KV cache; use a larger tp \(--sim-tp/);
     assert.doesNotMatch(err, /\n\s+at /, 'no stack trace');
   });
 });

@@ -138,6 +138,21 @@ test('usage errors exit 2 and name what is wrong', async () => {
   const noRate = await run(['plan']);
   assert.equal(noRate.code, 2);
   assert.match(noRate.err, /--rate is required/);
+  // Names of built-in object properties are no profile (they hung or printed NaN).
+  for (const [argv, message] of [
+    [['sim', 'lifecycle', '--link', 'constructor'], /unknown link "constructor"/],
+    [['sim', 'lifecycle', '--gpu', '__proto__'], /unknown GPU "__proto__"/],
+    [['plan', '--rate', '1', '--model', 'toString'], /unknown model "toString"/],
+    [['sim', 'kv-tiers', '--host-tier', 'toString'], /--host-tier must be one of/],
+    // Requests the simulated context cannot hold are refused before anything runs.
+    [['sim', 'lifecycle', '--prompt', '200000'], /--prompt \(200000 tokens, plus 1 of output\) does not fit the simulated context of 131072 tokens/],
+    [['sim', 'kv-tiers', '--prompt', '600000'], /does not fit the simulated context/],
+    [['plan', '--rate', '0.01', '--isl', '200000', '--osl', '4'], /--isl with --osl \(200000 tokens, plus 4 of output\) does not fit/],
+  ] as const) {
+    const result = await run([...argv]);
+    assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
+    assert.match(result.err, message);
+  }
 });
 
 test('conduit plan prints the tried worker counts and the answer', async () => {

@@ -83,8 +83,13 @@ describe('conduit trace', () => {
   it('needs exactly one id and a usable URL (exit code 2)', async () => {
     assert.equal((await run(['trace'])).code, 2);
     assert.equal((await run(['trace', 'a', 'b'])).code, 2);
-    const badUrl = await run(['trace', id, '--url', 'not a url']);
-    assert.equal(badUrl.code, 2);
-    assert.match(badUrl.err, /--url must be a URL/);
+    for (const url of ['not a url', 'localhost:8000', 'ftp://127.0.0.1:8000']) {
+      const badUrl = await run(['trace', id, '--url', url]);
+      assert.equal(badUrl.code, 2, url);
+      assert.match(badUrl.err, /--url must be a URL/);
+    }
+    const empty = await run(['trace', '', '--url', server.url]);
+    assert.equal(empty.code, 2);
+    assert.match(empty.err, /the request id is empty/);
   });
 });
