@@ -74,6 +74,7 @@ export const clusterCommand: Command = {
     if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
     const graceSeconds = values['shutdown-grace']!;
     if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
+    if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
     // etcd and NATS stop at once; the frontend and the workers finish their streams first (their grace), then exit.
     const children: { name: string; child: ChildProcess; killAfterMs: number }[] = [];
@@ -99,6 +100,8 @@ export const clusterCommand: Command = {
       rmSync(dir, { recursive: true, force: true });
     };
     let stopping = false;
+    let exitCode = 0;
+    let stopNow = (): void => {};
     const stopped = new Promise<void>((resolve) => {
       const handler = (): void => {
         if (stopping) return;
@@ -106,6 +109,7 @@ export const clusterCommand: Command = {
         console.error('conduit cluster: stopping the frontend, the workers, NATS and etcd');
         void stopAll().then(resolve);
       };
+      stopNow = handler;
       for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(signal, handler);
       // Should this process end any other way, no child is left running (they are not in its group any more).
       process.once('exit', () => { for (const { child } of children) if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL'); });
@@ -131,7 +135,15 @@ export const clusterCommand: Command = {
       const grace = ['--shutdown-grace', String(graceSeconds)];
       const killAfterMs = graceSeconds * 1000 + 10_000;
       for (let i = 0; i < count; i++) {
-        start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, ...engineArgs, ...grace], env, killAfterMs);
+        const worker = start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, ...engineArgs, ...grace], env, killAfterMs);
+        // A worker that exits on its own (it could not start: a bad model, a bad option) leaves a cluster that
+        // would wait for it for ever: everything stops, exit code 1.
+        worker.once('exit', (code, signal) => {
+          if (stopping) return;
+          console.error(`conduit cluster: worker-${i} exited (${signal ?? `code ${code}`})`);
+          exitCode = 1;
+          stopNow();
+        });
       }
       start('frontend', process.execPath, [CONDUIT_BIN, 'frontend', '--port', String(values.port), '--migration-limit',
         String(values['migration-limit']), '--routing-policy', values['routing-policy']!, ...grace], env, killAfterMs);
@@ -143,6 +155,6 @@ export const clusterCommand: Command = {
       return 1;
     }
     await stopped;
-    return 0;
+    return exitCode;
   },
 };

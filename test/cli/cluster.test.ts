@@ -26,6 +26,16 @@ describe('conduit cluster', { skip: servicesMissing() }, () => {
     await stopAll();
   });
 
+  it('a worker that cannot start stops the whole cluster with exit code 1 instead of leaving it waiting', async () => {
+    const port = await freePort();
+    const failing = startConduit(['cluster', '--model', '/nonexistent/model.gguf', '--workers', '1', '--port', String(port)], {}, { detached: true });
+    const code = await Promise.race([failing.exited, new Promise((resolve) => setTimeout(() => resolve('still running'), 60_000))]);
+    if (code === 'still running') failing.kill('SIGTERM');
+    assert.equal(code, 1, failing.output());
+    assert.match(failing.output(), /conduit cluster: worker-0 exited \(code \d+\)/);
+    assert.equal(await listening(port), false, 'nothing left listening');
+  });
+
   it('serves through its workers, and Ctrl-C stops them before etcd and NATS, after their streams (--shutdown-grace)', async () => {
     const port = await freePort();
     cluster = startConduit(['cluster', '--engine', 'sim', '--workers', '2', '--port', String(port), '--shutdown-grace', '40'], {},
