@@ -21,10 +21,22 @@ export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
   seed: { type: 'number', help: 'arrival and prompt seed', default: 1 },
   warmup: { type: 'number', help: 'fraction of requests (by arrival) left out of the percentiles', default: 0.1 },
   'max-workers': { type: 'number', help: 'largest worker count to try', default: 256 },
-  'max-num-seqs': { type: 'number', help: 'sequences per engine step', default: 256 },
-  'max-num-batched-tokens': { type: 'number', help: 'tokens per engine step (chunked prefill)', default: 8192 },
+  'max-num-seqs': { type: 'number', help: 'sequences per engine step (at most 16384)', default: 256 },
+  'max-num-batched-tokens': { type: 'number', help: 'tokens per engine step (chunked prefill; at most 1048576)', default: 8192 },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable);
+
+/**
+ * Bounds past any real deployment's: the planner prices a step per token of its budget and every batch size up to
+ * the sequences, so a budget of 10^8 tokens would take minutes and gigabytes to say nothing more.
+ */
+const MAX_PLAN_STEP_TOKENS = 1 << 20;
+const MAX_PLAN_SEQS = 16_384;
+
+function atMost(flag: string, value: number, max: number): number {
+  if (value > max) throw new UsageError(`--${flag} must be at most ${max}, got ${value}`);
+  return value;
+}
 
 export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): PlanOptions | null {
   const { values } = parseFlags(PLAN_FLAGS, argv, env);
@@ -48,8 +60,8 @@ export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.Proces
     numRequests: wholeNumber('requests', values.requests, 1), seed: wholeNumber('seed', values.seed, 0),
     warmupFraction: warmup, maxWorkers: wholeNumber('max-workers', values['max-workers'], 1),
     worker: {
-      maxNumSeqs: wholeNumber('max-num-seqs', values['max-num-seqs'], 1),
-      maxNumBatchedTokens: wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1),
+      maxNumSeqs: atMost('max-num-seqs', wholeNumber('max-num-seqs', values['max-num-seqs'], 1), MAX_PLAN_SEQS),
+      maxNumBatchedTokens: atMost('max-num-batched-tokens', wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1), MAX_PLAN_STEP_TOKENS),
     },
   };
 }

@@ -148,6 +148,8 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--prompt', '200000'], /--prompt \(200000 tokens, plus 1 of output\) does not fit the simulated context of 131072 tokens/],
     [['sim', 'kv-tiers', '--prompt', '600000'], /does not fit the simulated context/],
     [['plan', '--rate', '0.01', '--isl', '200000', '--osl', '4'], /--isl with --osl \(200000 tokens, plus 4 of output\) does not fit/],
+    // A step budget no deployment has (it ran out of memory pricing one step per token of it).
+    [['plan', '--rate', '1', '--max-num-batched-tokens', '100000000'], /--max-num-batched-tokens must be at most 1048576/],
   ] as const) {
     const result = await run([...argv]);
     assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
