@@ -425,11 +425,12 @@ export class Gateway {
   private validated<T extends GenerationOptions>(call: Call, parse: () => T, promptCount: (request: T) => number): { request: T; target: ModelTarget } {
     let request: T;
     let target: ModelTarget;
+    let prompts: number;
     try {
       request = parse();
       target = this.resolveModel(request.model);
       // Before any prompt is tokenized: the cap is on what the request asks for, whatever its prompts hold.
-      const prompts = promptCount(request);
+      prompts = promptCount(request);
       if (prompts * request.n > this.sequenceLimit) throw new TooManySequencesError(prompts, request.n, this.sequenceLimit);
     } catch (err) {
       // The served name, never the one asked for: a metric label must not take whatever clients send.
@@ -439,7 +440,7 @@ export class Gateway {
     call.trace?.validated({
       ok: true, model: target.baseName ?? target.name, ...(target.adapter !== undefined ? { adapter: target.adapter } : {}), stream: request.stream, temperature: request.temperature, n: request.n,
       ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),
-      ...(promptCount(request) > 1 ? { prompts: promptCount(request) } : {}),
+      ...(prompts > 1 ? { prompts } : {}),
     });
     return { request, target };
   }

@@ -101,8 +101,8 @@ async function streamFrom(
     let update = firstUpdate;
     while (update) {
       unshownTokens += update.tokens;
-      choiceTokens[update.index] = (choiceTokens[update.index] ?? 0) + update.tokens;
       const index = update.index;
+      choiceTokens[index]! += update.tokens;
       const chunks = shape.updateChunks(update, chunkUsage(() => choiceUsage(index)));
       const shows = update.textDelta !== '' || (update.logprobs?.length ?? 0) > 0;
       // The run's last update: without a usage chunk to follow, its last chunk ends the stream and carries timings.

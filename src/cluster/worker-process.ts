@@ -6,13 +6,12 @@
 // connection, the running streams finish (up to the grace), then the event plane, the server and the engine close.
 
 import { hostname } from 'node:os';
-import { join } from 'node:path';
 import { createLocalEngine } from '../engine/local-engine.ts';
 import type { WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
-import { simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { DiskSlots, simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
 import { LoraManager } from '../runtime/lora-manager.ts';
 import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerLora, type WorkerRecord } from './discovery.ts';
 import { checkWorkerId, EventPublisher, natsConnect, type NatsConnectOptions } from './events.ts';
@@ -68,16 +67,12 @@ async function startEngine(options: ClusterWorkerOptions): Promise<{ engine: Rou
     return { engine: sim.make({ enableKvEvents: true, role: options.role }), tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate };
   }
   if (!pool.modelPath) throw new Error('cpu workers need a model path');
-  // The KV tiers under the pool, as a server's worker thread has them: the disk tier in worker-0 of the folder,
-  // which this process holds (a second process pointed at it is refused).
-  const offload = pool.kvOffloadMemoryBytes !== undefined || pool.kvOffloadDiskDir !== undefined ? {
-    kvOffload: {
-      memoryBytes: pool.kvOffloadMemoryBytes ?? 0,
-      ...(pool.kvOffloadDiskDir !== undefined ? { diskDir: join(pool.kvOffloadDiskDir, 'worker-0'), diskBytes: pool.kvOffloadDiskBytes ?? 0 } : {}),
-    },
-  } : {};
-  const bundle = await withDiskTierLock(pool.kvOffloadDiskDir,
-    () => createLocalEngine({ ...pool, ...offload, modelPath: pool.modelPath!, enableKvEvents: true, role: options.role }));
+  // The KV tiers under the pool, as a server's single worker thread has them (its disk tier in worker-0 of the
+  // folder), the folder held by this process: a second process pointed at it is refused.
+  const slots = new DiskSlots(pool, 1);
+  const bundle = await withDiskTierLock(pool.kvOffloadDiskDir, () => slots.start(
+    (kvOffload) => createLocalEngine({ ...pool, ...kvOffload, modelPath: pool.modelPath!, enableKvEvents: true, role: options.role }),
+    (started) => started.engine));
   for (const notice of bundle.engine.notices) options.log('warn', notice);
   return { engine: bundle.engine, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate };
 }

@@ -220,10 +220,11 @@ async function cpuWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
  * subfolder of its own (worker-<slot>). A slot is held while its worker lives; a restarted worker takes the lowest
  * free one, so it finds the blocks its predecessor wrote (the lost thread can no longer write there).
  */
-class DiskSlots {
+export class DiskSlots {
   private readonly held = new Set<number>();
 
-  constructor(private readonly options: WorkerPoolOptions, private readonly numWorkers: number) {}
+  constructor(private readonly options: Pick<WorkerPoolOptions, 'kvOffloadMemoryBytes' | 'kvOffloadDiskDir' | 'kvOffloadDiskBytes'>,
+    private readonly numWorkers: number) {}
 
   async start<T>(starter: (offload: Pick<LocalEngineOptions, 'kvOffload'>) => Promise<T>, engineOf: (started: T) => LocalEngine): Promise<T> {
     const memoryBytes = Math.floor((this.options.kvOffloadMemoryBytes ?? 0) / this.numWorkers);

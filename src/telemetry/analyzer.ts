@@ -178,9 +178,11 @@ export class TraceAnalyzer {
     const decode = trace.decode;
     const steps = decode?.steps ?? 0;
     const perToken = steps > 0 ? decodeMs / steps : decodeMs;
-    // Chunks that recompute tokens computed before a preemption (not the forced text or a fork's position other
-    // chunks after the first token compute).
-    const recomputes = trace.phases.filter((p) => p.phase === 'prefill_execution' && p.attributes?.recompute === true);
+    // After the first token, the chunks that recompute tokens computed before a preemption (not the forced text or a
+    // fork's position other chunks after it compute; a recompute before it is a preemption during the prefill).
+    const firstToken = trace.engineFirstTokenMs;
+    const recomputes = firstToken === undefined ? []
+      : trace.phases.filter((p) => p.phase === 'prefill_execution' && p.attributes?.recompute === true && p.startMs >= firstToken);
     if (kind === 'preempted') {
       if (recomputes.length === 0) return undefined;
       let recomputeMs = 0;
