@@ -46,7 +46,7 @@ if (process.argv.includes('--publisher')) {
       eventIds.set(id, eventId);
       const base = id * 1e9 + eventId * 4;
       nc.publish(`bench.kv.w${id}`, JSON.stringify({
-        workerId: `w${id}`, stats: { numRunning: 8, numWaiting: 0, kvBlocksUsed: 100, kvBlocksTotal: 1000, prefixCacheQueries: 1, prefixCacheHits: 0, preemptions: 0 },
+        workerId: `w${id}`, instance: `${process.pid}@bench`, stats: { numRunning: 8, numWaiting: 0, kvBlocksUsed: 100, kvBlocksTotal: 1000, prefixCacheQueries: 1, prefixCacheHits: 0, preemptions: 0 },
         events: [{ type: 'stored', eventId, blockHashes: [hex(base), hex(base + 1), hex(base + 2), hex(base + 3)], parentHash: null, tokenCount: 64, blockSize: 16 }],
       }));
       published++;
@@ -98,7 +98,7 @@ try {
   let applied = 0;
   let gaps = 0;
   const subscriber = new EventSubscriber(await connect({ servers: url }), 'bench', {
-    kv: (workerId, events) => {
+    kv: (workerId, _instance, events) => {
       const result = router.applyKvEvents(workerId, events);
       applied += result.numApplied;
       if (result.needsResync) gaps++;

@@ -6,6 +6,11 @@
 //
 // Nothing is persisted: a frontend that starts late, reconnects to NATS, or sees an event-id gap asks the worker
 // for a snapshot and resyncs that worker's index (router.resyncWorker replays the events received since).
+//
+// A worker id names a role, not a process: a worker restarted under its id while the old process still drains has
+// two processes publishing on the same subjects. Every message therefore carries the publishing process's instance
+// (workerInstance: its record's pid and start time), a frontend keeps only those of the process the worker's record
+// names, and a snapshot request names the instance it wants (the others stay silent).
 
 import { connect, type NatsConnection, type Subscription } from '@nats-io/transport-node';
 import type { KvEvent } from '../protocols/kv-events.ts';
@@ -55,6 +60,11 @@ const subjects = (namespace: string) => ({
   allLoad: `${namespace}.load.*`,
 });
 
+/** The process behind a worker record: a restarted worker has a new start time (and usually a new pid). */
+export function workerInstance(record: { pid: number; startedAt: string }): string {
+  return `${record.pid}@${record.startedAt}`;
+}
+
 export interface WorkerEventSource {
   stats(): EngineStats;
   snapshot(): { lastEventId: number; hashes: string[] };
@@ -69,17 +79,22 @@ export class EventPublisher {
   /** Messages published (KV batches and load snapshots). */
   published = 0;
 
-  constructor(private readonly nc: NatsConnection, namespace: string, workerId: string, source: WorkerEventSource, log: ClusterLog) {
+  constructor(
+    private readonly nc: NatsConnection, namespace: string, workerId: string, instance: string, source: WorkerEventSource,
+    log: ClusterLog,
+  ) {
     const s = subjects(namespace);
     this.off = source.onKvEvents((events) => {
-      this.publish(s.kv(workerId), { workerId, events, stats: source.stats() });
+      this.publish(s.kv(workerId), { workerId, instance, events, stats: source.stats() });
     });
-    this.timer = setInterval(() => this.publish(s.load(workerId), { workerId, stats: source.stats() }), 1000);
+    this.timer = setInterval(() => this.publish(s.load(workerId), { workerId, instance, stats: source.stats() }), 1000);
     this.timer.unref();
     this.snapshotSub = nc.subscribe(s.snapshot(workerId), {
       callback: (error, msg) => {
         if (error) return log('warn', `nats: snapshot subscription: ${error.message}`);
-        msg.respond(JSON.stringify({ workerId, ...source.snapshot() }));
+        // Another process of this id is asked for: its reply is the one the requester waits for.
+        if (msg.string() !== instance) return;
+        msg.respond(JSON.stringify({ workerId, instance, ...source.snapshot() }));
       },
     });
     void (async () => {
@@ -109,10 +124,16 @@ export class EventPublisher {
 }
 
 export interface EventSubscriberHandlers {
-  kv(workerId: string, events: KvEvent[], stats: EngineStats | undefined): void;
-  load(workerId: string, stats: EngineStats): void;
+  /** `instance`: the publishing process (workerInstance), to tell a worker from an older process of its id. */
+  kv(workerId: string, instance: string, events: KvEvent[], stats: EngineStats | undefined): void;
+  load(workerId: string, instance: string, stats: EngineStats): void;
   /** The subscription was re-established after a loss: every worker's view may have missed events. */
   reconnected(): void;
+}
+
+function parseInstance(value: unknown): string {
+  if (typeof value !== 'string' || value.length === 0) throw new Error('message without the worker instance');
+  return value;
 }
 
 /** A frontend's side of the event plane. */
@@ -145,7 +166,8 @@ export class EventSubscriber {
         if (!value) return;
         const workerId = msg.subject.slice(prefixLength + 'kv.'.length);
         try {
-          handlers.kv(workerId, parseKvEvents(value.events), value.stats === undefined ? undefined : parseStats(value.stats));
+          handlers.kv(workerId, parseInstance(value.instance), parseKvEvents(value.events),
+            value.stats === undefined ? undefined : parseStats(value.stats));
         } catch (e) {
           this.refused++;
           log('warn', `nats: ignoring KV events of ${workerId}: ${(e as Error).message}`);
@@ -158,7 +180,7 @@ export class EventSubscriber {
         const value = parse(msg.subject, msg.data);
         if (!value) return;
         try {
-          handlers.load(msg.subject.slice(prefixLength + 'load.'.length), parseStats(value.stats));
+          handlers.load(msg.subject.slice(prefixLength + 'load.'.length), parseInstance(value.instance), parseStats(value.stats));
         } catch (e) {
           this.refused++;
           log('warn', `nats: ignoring a load snapshot: ${(e as Error).message}`);
@@ -176,10 +198,11 @@ export class EventSubscriber {
     })().catch(() => {});
   }
 
-  /** A worker's cached block hashes and last event id, asked over NATS. */
-  async snapshot(workerId: string): Promise<{ lastEventId: number; hashes: ReturnType<typeof parseHashes> }> {
-    const msg = await this.nc.request(this.s.snapshot(workerId), '', { timeout: 3000 });
+  /** The cached block hashes and last event id of one process of a worker (`instance`), asked over NATS. */
+  async snapshot(workerId: string, instance: string): Promise<{ lastEventId: number; hashes: ReturnType<typeof parseHashes> }> {
+    const msg = await this.nc.request(this.s.snapshot(workerId), instance, { timeout: 3000 });
     const value = JSON.parse(msg.string()) as Record<string, unknown>;
+    if (value.instance !== instance) throw new Error(`snapshot from another process of ${workerId}`);
     const lastEventId = value.lastEventId;
     if (!Number.isSafeInteger(lastEventId) || (lastEventId as number) < 0) throw new Error('snapshot without a valid lastEventId');
     return { lastEventId: lastEventId as number, hashes: parseHashes(value.hashes) };

@@ -30,7 +30,7 @@ import type { DisaggregatedEngine } from '../runtime/disaggregated.ts';
 import type { DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { remoteDisaggregatedEngine } from './remote-disagg.ts';
 import { splitAddress } from './remote-engine.ts';
-import { EventSubscriber } from './events.ts';
+import { EventSubscriber, workerInstance } from './events.ts';
 import { ClusterAdapters, type AdapterWorker } from './cluster-lora.ts';
 import { RemoteEngine } from './remote-engine.ts';
 import type { ModelCard } from './request-plane.ts';
@@ -146,17 +146,16 @@ export class ClusterFrontend {
   async start(): Promise<void> {
     if (this.options.events) {
       this.events = this.options.events({
-        kv: (workerId, events, stats) => {
-          const remote = this.members.get(workerId)?.remote;
-          if (!remote || remote.lost) return;
+        kv: (workerId, instance, events, stats) => {
+          const remote = this.publisher(workerId, instance);
+          if (!remote) return;
           if (stats) remote.deliverStats(stats);
           remote.deliverKvEvents(events);
           const gaps = this.engine ? this.router?.workersNeedingResync() : this.disaggregated?.workersNeedingResync();
           if (gaps?.includes(workerId)) void this.resync(workerId, 'event-id gap');
         },
-        load: (workerId, stats) => {
-          const remote = this.members.get(workerId)?.remote;
-          if (remote && !remote.lost) remote.deliverStats(stats);
+        load: (workerId, instance, stats) => {
+          this.publisher(workerId, instance)?.deliverStats(stats);
         },
         reconnected: () => {
           for (const [id, member] of this.members) if (member.remote && !member.remote.lost) void this.resync(id, 'event plane reconnected');
@@ -164,6 +163,16 @@ export class ClusterFrontend {
       });
     }
     await this.watch.start();
+  }
+
+  /**
+   * The connection an event-plane message of `workerId` is for: none when the message comes from another process of
+   * that id than the one its record names (an older one still draining after a restart), or the worker is lost.
+   */
+  private publisher(workerId: string, instance: string): RemoteEngine | undefined {
+    const member = this.members.get(workerId);
+    if (!member?.remote || member.remote.lost || workerInstance(member.record) !== instance) return undefined;
+    return member.remote;
   }
 
   /** Resolves with the engine once the first worker has joined. */
@@ -472,8 +481,9 @@ export class ClusterFrontend {
   /** Replaces the router's view of a worker's KV cache with its snapshot (NATS request, else the request plane). */
   private async resync(workerId: string, why: string): Promise<void> {
     if (this.resyncing.has(workerId)) return;
-    const remote = this.members.get(workerId)?.remote;
-    if (!remote || (!this.router && !this.disaggregated)) return;
+    const member = this.members.get(workerId);
+    const remote = member?.remote;
+    if (!member || !remote || (!this.router && !this.disaggregated)) return;
     this.resyncing.add(workerId);
     // Events from now on are kept until the snapshot is applied: those it does not reflect are replayed on it.
     const index = this.engine && this.router ? this.router : this.disaggregated;
@@ -482,7 +492,7 @@ export class ClusterFrontend {
     try {
       let snapshot;
       try {
-        snapshot = this.events ? await this.events.snapshot(workerId) : await remote.snapshot();
+        snapshot = this.events ? await this.events.snapshot(workerId, workerInstance(member.record)) : await remote.snapshot();
       } catch {
         snapshot = await remote.snapshot();
       }

@@ -14,7 +14,7 @@ import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { DiskSlots, simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
 import { LoraManager } from '../runtime/lora-manager.ts';
 import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerLora, type WorkerRecord } from './discovery.ts';
-import { checkWorkerId, EventPublisher, natsConnect, type NatsConnectOptions } from './events.ts';
+import { checkWorkerId, EventPublisher, natsConnect, workerInstance, type NatsConnectOptions } from './events.ts';
 import type { KvLinkPreference } from './kv-shm.ts';
 import { WorkerServer, type ClusterLog } from './worker-server.ts';
 
@@ -135,7 +135,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
   let publisher: EventPublisher | undefined;
   if (options.nats) {
     const nc = await natsConnect({ ...options.nats, name: `conduit-worker-${workerId}` });
-    publisher = new EventPublisher(nc, options.namespace, workerId, {
+    publisher = new EventPublisher(nc, options.namespace, workerId, workerInstance(record), {
       stats: () => server.stats(),
       snapshot: () => ({ lastEventId: server.kv.lastEventId, hashes: [...server.kv.hashes] }),
       onKvEvents: (listener) => server.onKvEvents(listener),
