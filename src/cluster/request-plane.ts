@@ -253,7 +253,7 @@ export function parseStats(value: unknown): EngineStats {
 }
 
 const TIER_COUNTS = ['capacityBlocks', 'usedBlocks', 'blockBytes', 'offloadBlocks', 'offloadBytes', 'onboardBlocks', 'onboardBytes',
-  'corruptBlocks', 'evictedBlocks'] as const;
+  'corruptBlocks', 'evictedBlocks', 'failedOffloadBlocks'] as const;
 
 /** A worker's lower KV tiers (RAM, disk) as its stats carry them: counts, and the copies' times in ms. */
 function parseKvTiers(value: unknown): KvTiersStats {

@@ -86,6 +86,8 @@ export interface KvTierStats {
   corruptBlocks: number;
   /** Blocks pushed out by the tier's LRU bound. */
   evictedBlocks: number;
+  /** Blocks whose copy into this tier failed (disk: a write error, as on a full disk or a removed folder). */
+  failedOffloadBlocks: number;
 }
 
 export interface KvTiersStats {

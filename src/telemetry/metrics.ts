@@ -100,6 +100,7 @@ export class ConduitMetrics {
   readonly kvOnboardMs: Counter<'worker' | 'tier'>;
   readonly kvTierHits: Counter<'worker' | 'tier'>;
   readonly kvTierCorrupt: Counter<'worker' | 'tier'>;
+  readonly kvOffloadFailed: Counter<'worker' | 'tier'>;
   readonly prefixQueries: Counter<'worker'>;
   readonly prefixHits: Counter<'worker'>;
   readonly preemptions: Counter<'model' | 'worker'>;
@@ -172,6 +173,7 @@ export class ConduitMetrics {
     this.kvOnboardMs = c('conduit_kv_onboard_milliseconds_total', 'Time spent copying KV blocks back from a lower tier.', ['worker', 'tier']);
     this.kvTierHits = c('conduit_kv_tier_hit_blocks_total', 'Prompt blocks found in a lower tier and onboarded instead of computed.', ['worker', 'tier']);
     this.kvTierCorrupt = c('conduit_kv_tier_corrupt_blocks_total', 'Blocks a lower tier found unreadable (torn or corrupted) and dropped.', ['worker', 'tier']);
+    this.kvOffloadFailed = c('conduit_kv_offload_failed_blocks_total', 'Blocks whose copy into a lower tier failed (disk: a write error, as on a full disk or a removed folder).', ['worker', 'tier']);
     this.prefixQueries = c('conduit_prefix_cache_query_tokens_total', 'Prompt tokens looked up in the worker\'s prefix cache.', ['worker']);
     this.prefixHits = c('conduit_prefix_cache_hit_tokens_total', 'Prompt tokens found in the worker\'s prefix cache.', ['worker']);
     this.preemptions = c('conduit_scheduler_preemptions_total', 'Requests preempted for lack of KV blocks (they recompute later).', ['model', 'worker']);
@@ -342,6 +344,7 @@ export class ConduitMetrics {
       this.kvOnboardMs.inc(labels, delta(t.onboardMs, before?.onboardMs));
       this.kvTierHits.inc(labels, delta(t.onboardBlocks, before?.onboardBlocks));
       this.kvTierCorrupt.inc(labels, delta(t.corruptBlocks, before?.corruptBlocks));
+      this.kvOffloadFailed.inc(labels, delta(t.failedOffloadBlocks, before?.failedOffloadBlocks));
       tierCounters[tier] = { ...t };
     }
     // Every tier ever reported, so forgetWorker removes series a later snapshot no longer mentions.

@@ -59,7 +59,7 @@ describe('worker stats over the request plane', () => {
   test('parseStats keeps request migrations, tiers, memory and allocation failures, and refuses a malformed tier', () => {
     const tier = {
       capacityBlocks: 64, usedBlocks: 3, blockBytes: 4096, offloadBlocks: 5, offloadBytes: 20480, offloadMs: 0.25,
-      onboardBlocks: 2, onboardBytes: 8192, onboardMs: 0.5, corruptBlocks: 0, evictedBlocks: 1,
+      onboardBlocks: 2, onboardBytes: 8192, onboardMs: 0.5, corruptBlocks: 0, evictedBlocks: 1, failedOffloadBlocks: 2,
     };
     const stats: EngineStats = {
       numRunning: 1, numWaiting: 0, kvBlocksUsed: 4, kvBlocksTotal: 128, prefixCacheQueries: 10, prefixCacheHits: 4, preemptions: 0,

@@ -186,6 +186,24 @@ describe('disk tier under the KV cache', () => {
     assert.equal(disk.numBlocks, 2);
   });
 
+  test('writes that fail (the folder removed while serving) are counted, and no block is announced for them', async () => {
+    const dir = tempDir();
+    const io = { blockBytes: BLOCK_BYTES, read: () => bytes(9), write: () => {} };
+    const disk = openDisk(dir);
+    const tiers = new KvTiers({ blockBytes: BLOCK_BYTES, disk });
+    const kv = new KvCacheManager({ numBlocks: 4, blockSize: 4, tiers, blockIo: io });
+    const scheduler = new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 4, maxModelLen: 64 }, kv);
+    rmSync(dir, { recursive: true, force: true });
+    scheduler.addRequest(makeRequest('a', prompt(0, 9), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    kv.takeEvents();
+    assert.equal(kv.offloadEvictable(), 2);
+    await tiers.flush();
+    assert.deepEqual(kv.takeEvents().filter((e) => e.tier === 'disk'), []);
+    const stats = kv.stats().tiers!.tiers.disk!;
+    assert.deepEqual({ failed: stats.failedOffloadBlocks, stored: stats.offloadBlocks, used: stats.usedBlocks }, { failed: 2, stored: 0, used: 0 });
+  });
+
   test('two tenants: the same prompt under another salt never hits the disk tier; its own salt does', async () => {
     const dir = tempDir();
     const io = { blockBytes: BLOCK_BYTES, read: () => bytes(9), written: [] as number[], write(id: number) { this.written.push(id); } };

@@ -71,7 +71,7 @@ describe('engine stats summed over workers', () => {
     const { sumEngineStats } = await import('../../src/runtime/engine-stats.ts');
     const tier = (used: number, onboard: number) => ({
       capacityBlocks: 10, usedBlocks: used, blockBytes: 100, offloadBlocks: 0, offloadBytes: 0, offloadMs: 0,
-      onboardBlocks: onboard, onboardBytes: 100 * onboard, onboardMs: 1, corruptBlocks: 0, evictedBlocks: 0,
+      onboardBlocks: onboard, onboardBytes: 100 * onboard, onboardMs: 1, corruptBlocks: 0, evictedBlocks: 0, failedOffloadBlocks: 0,
     });
     const base = { numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 4, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 };
     const sum = sumEngineStats([

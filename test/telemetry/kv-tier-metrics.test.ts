@@ -8,7 +8,7 @@ import type { EngineStats, KvTierStats } from '../../src/protocols/worker.ts';
 function tier(partial: Partial<KvTierStats>): KvTierStats {
   return {
     capacityBlocks: 100, usedBlocks: 0, blockBytes: 1000, offloadBlocks: 0, offloadBytes: 0, offloadMs: 0, onboardBlocks: 0,
-    onboardBytes: 0, onboardMs: 0, corruptBlocks: 0, evictedBlocks: 0, ...partial,
+    onboardBytes: 0, onboardMs: 0, corruptBlocks: 0, evictedBlocks: 0, failedOffloadBlocks: 0, ...partial,
   };
 }
 
@@ -27,8 +27,8 @@ function value(text: string, series: string): number | undefined {
 describe('KV tier metrics', () => {
   it('gauges per tier and counters advanced by deltas', async () => {
     const metrics = new ConduitMetrics();
-    metrics.updateFromEngineStats({ worker: 'w0', stats: stats({ usedBlocks: 40, offloadBytes: 4000, onboardBlocks: 2, onboardBytes: 2000 }, { usedBlocks: 10, capacityBlocks: 50, corruptBlocks: 1 }) });
-    metrics.updateFromEngineStats({ worker: 'w0', stats: stats({ usedBlocks: 50, offloadBytes: 9000, onboardBlocks: 5, onboardBytes: 5000, onboardMs: 3 }, { usedBlocks: 25, capacityBlocks: 50, corruptBlocks: 1 }) });
+    metrics.updateFromEngineStats({ worker: 'w0', stats: stats({ usedBlocks: 40, offloadBytes: 4000, onboardBlocks: 2, onboardBytes: 2000 }, { usedBlocks: 10, capacityBlocks: 50, corruptBlocks: 1, failedOffloadBlocks: 2 }) });
+    metrics.updateFromEngineStats({ worker: 'w0', stats: stats({ usedBlocks: 50, offloadBytes: 9000, onboardBlocks: 5, onboardBytes: 5000, onboardMs: 3 }, { usedBlocks: 25, capacityBlocks: 50, corruptBlocks: 1, failedOffloadBlocks: 7 }) });
     const text = await metrics.registry.metrics();
     assert.equal(value(text, 'conduit_kv_cache_utilization_ratio{worker="w0",tier="primary"}'), 0.25);
     assert.equal(value(text, 'conduit_kv_cache_utilization_ratio{worker="w0",tier="ram"}'), 0.5);
@@ -40,6 +40,8 @@ describe('KV tier metrics', () => {
     assert.equal(value(text, 'conduit_kv_onboard_milliseconds_total{worker="w0",tier="ram"}'), 3);
     assert.equal(value(text, 'conduit_kv_tier_hit_blocks_total{worker="w0",tier="ram"}'), 5);
     assert.equal(value(text, 'conduit_kv_tier_corrupt_blocks_total{worker="w0",tier="disk"}'), 1);
+    assert.equal(value(text, 'conduit_kv_offload_failed_blocks_total{worker="w0",tier="disk"}'), 7);
+    assert.equal(value(text, 'conduit_kv_offload_failed_blocks_total{worker="w0",tier="ram"}'), 0);
     metrics.forgetWorker('w0');
     const after = await metrics.registry.metrics();
     assert.equal(value(after, 'conduit_kv_tier_used_blocks{worker="w0",tier="ram"}'), undefined);

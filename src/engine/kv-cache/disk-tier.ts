@@ -234,6 +234,7 @@ export class DiskKvTier implements KvBlockStore {
     } catch {
       this.failedWrites++;
       await unlink(temp).catch(() => {});
+      this.listener?.failed?.(hash);
       return;
     }
     this.index.set(hash, block.parentHash);

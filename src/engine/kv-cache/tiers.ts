@@ -70,6 +70,8 @@ export interface KvBlockStore {
 export interface TierListener {
   stored(hash: BlockHash, parentHash: BlockHash | null, bytes: number, ms: number): void;
   evicted(hash: BlockHash): void;
+  /** A block's write failed: the tier does not hold it. */
+  failed?(hash: BlockHash): void;
 }
 
 /** What a prefix lookup onboards: per block, the tier it comes from; and lower-tier blocks it chose to recompute. */
@@ -119,7 +121,7 @@ const EWMA = 0.3;
 function emptyStats(capacityBlocks: number, blockBytes: number): KvTierStats {
   return {
     capacityBlocks, usedBlocks: 0, blockBytes, offloadBlocks: 0, offloadBytes: 0, offloadMs: 0, onboardBlocks: 0,
-    onboardBytes: 0, onboardMs: 0, corruptBlocks: 0, evictedBlocks: 0,
+    onboardBytes: 0, onboardMs: 0, corruptBlocks: 0, evictedBlocks: 0, failedOffloadBlocks: 0,
   };
 }
 
@@ -242,6 +244,7 @@ export class KvTiers {
       options.disk.listen?.({
         stored: (hash, parentHash, bytes, ms) => this.diskStored(hash, parentHash, bytes, ms),
         evicted: (hash) => this.diskRemoved(hash, 'evicted'),
+        failed: () => { this.stat('disk').failedOffloadBlocks++; },
       });
     }
   }
