@@ -7,7 +7,9 @@ import { formatBytes, formatMs, layoutWaterfall, phaseGroup } from './waterfall-
 const KEY_STORAGE = 'conduit-console-key';
 const app = document.getElementById('app');
 const params = new URLSearchParams(location.search);
-const REFRESH_MS = Math.max(500, Number(params.get('refresh')) || 2000);
+// ?refresh=<ms>: between half a second and an hour (a browser fires a longer timeout at once, so an unbounded value
+// would poll without pause).
+const REFRESH_MS = Math.min(3_600_000, Math.max(500, Number(params.get('refresh')) || 2000));
 
 // ---- small helpers ----
 
@@ -47,8 +49,12 @@ function setState(id, text, cls) {
 
 // ---- API access ----
 
+// A key travels in the Authorization header, which takes printable ASCII only (fetch throws on anything else).
+const VALID_KEY = /^[\x21-\x7e]+$/;
+
 function apiKey() {
-  return sessionStorage.getItem(KEY_STORAGE) ?? '';
+  const key = sessionStorage.getItem(KEY_STORAGE) ?? '';
+  return VALID_KEY.test(key) ? key : '';
 }
 
 class ApiError extends Error {
@@ -74,7 +80,12 @@ function askForKey(message) {
   return new Promise((resolve) => {
     form.onsubmit = (event) => {
       event.preventDefault();
-      sessionStorage.setItem(KEY_STORAGE, document.getElementById('key-input').value.trim());
+      const key = document.getElementById('key-input').value.trim();
+      if (!VALID_KEY.test(key)) {
+        document.getElementById('key-error').textContent = 'An API key is printable ASCII without spaces (check for pasted typographic dashes or quotes).';
+        return;
+      }
+      sessionStorage.setItem(KEY_STORAGE, key);
       form.hidden = true;
       resolve();
     };
@@ -203,6 +214,12 @@ class Charts {
     this.plots = [];
   }
 
+  /** Removes the plots (and the window listeners uPlot keeps for them). */
+  destroy() {
+    for (const plot of this.plots) plot.destroy();
+    this.plots = [];
+  }
+
   update(series) {
     const t = series.t;
     const sets = [
@@ -266,7 +283,10 @@ async function overviewPage() {
       charts.update(data.series);
     } else {
       setState('server-state', `tenant ${data.tenant}: your requests only`);
-      if (!document.getElementById('requests-box')) {
+      // Built for the whole cluster before (another key, or the server restarted with keys): rebuilt for the tenant.
+      if (charts || !document.getElementById('requests-box')) {
+        charts?.destroy();
+        charts = undefined;
         app.textContent = '';
         app.append(el('h2', { text: 'Your recent requests' }), el('div', { class: 'panel', id: 'requests-box' }));
       }
@@ -279,6 +299,8 @@ async function overviewPage() {
         render(await load('/console/api/overview'));
         setState('refresh-state', `updated ${new Date().toLocaleTimeString()} (every ${REFRESH_MS / 1000} s)`);
       } catch (err) {
+        // The panels below show the last answer: the header must not go on saying the server is ready.
+        setState('server-state', err instanceof ApiError ? `server answered ${err.status}` : 'server not reachable', 'bad');
         setState('refresh-state', `not updated: ${err.message}`, 'bad');
       }
     }
@@ -377,6 +399,20 @@ async function requestPage(id) {
 // ---- entry ----
 
 const match = /^\/console\/requests\/([^/]+)$/.exec(location.pathname);
-if (match) await requestPage(decodeURIComponent(match[1]));
-else await overviewPage();
+if (match) {
+  let id;
+  try {
+    id = decodeURIComponent(match[1]);
+  } catch {
+    id = undefined;
+  }
+  if (id === undefined) {
+    app.replaceChildren(el('p', { class: 'bad', text: `${match[1]} is not a request id (a malformed escape)` }),
+      el('p', {}, el('a', { href: '/console', text: 'back to the console' })));
+  } else {
+    await requestPage(id);
+  }
+} else {
+  await overviewPage();
+}
 document.body.dataset.ready = 'true';

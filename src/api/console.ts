@@ -58,8 +58,32 @@ interface Asset {
   type: string;
   body: Buffer;
   gzip: Buffer;
-  /** Validator for revalidation: a page loaded again costs a 304 per file, not the file. */
+  /** Validators for revalidation (a page loaded again costs a 304 per file, not the file), one per encoding. */
   etag: string;
+  gzipEtag: string;
+}
+
+/** Whether an If-None-Match header names `etag` (a list, weak validators compared weakly, or `*`). */
+export function etagMatches(header: string | undefined, etag: string): boolean {
+  if (header === undefined) return false;
+  const opaque = (tag: string) => tag.trim().replace(/^W\//, '');
+  return header.split(',').some((tag) => tag.trim() === '*' || opaque(tag) === etag);
+}
+
+/** Whether an Accept-Encoding header accepts gzip: named (or `*`) with a quality above 0. */
+export function acceptsGzip(header: string | undefined): boolean {
+  if (header === undefined) return false;
+  let gzip: number | undefined;
+  let any: number | undefined;
+  for (const part of header.split(',')) {
+    const [name, ...params] = part.split(';').map((s) => s.trim().toLowerCase());
+    const q = params.find((p) => p.startsWith('q='));
+    const quality = q === undefined ? 1 : Number(q.slice(2));
+    const value = Number.isFinite(quality) ? quality : 0;
+    if (name === 'gzip' || name === 'x-gzip') gzip = value;
+    else if (name === '*') any = value;
+  }
+  return (gzip ?? any ?? 0) > 0;
 }
 
 const ASSETS_DIR = fileURLToPath(new URL('../../assets/console/', import.meta.url));
@@ -130,23 +154,30 @@ export class WebConsole {
 
   /** GET /console, /console/requests/<id>: the one page shell; its script reads the path. */
   sendPage(req: IncomingMessage, res: ServerResponse): void {
-    this.sendAsset(req, res, 'index.html', { 'Content-Security-Policy': CONTENT_SECURITY_POLICY, 'Cache-Control': 'no-cache' });
+    this.sendAsset(req, res, 'index.html');
   }
 
-  /** GET /console/assets/<name>: false when no such asset (the caller answers 404). */
-  sendAsset(req: IncomingMessage, res: ServerResponse, name: string, headers: Record<string, string> = {}): boolean {
+  /**
+   * GET /console/assets/<name>: false when no such asset (the caller answers 404). Every answer carries the page's
+   * Content-Security-Policy: the shell is an asset too (index.html), and must not be framed under that URL either.
+   */
+  sendAsset(req: IncomingMessage, res: ServerResponse, name: string): boolean {
     const asset = this.asset(name);
     if (!asset) return false;
-    if (req.headers['if-none-match'] === asset.etag) {
-      res.writeHead(304, { ETag: asset.etag, 'Cache-Control': 'no-cache', ...headers });
+    const gzip = acceptsGzip(req.headers['accept-encoding']);
+    const etag = gzip ? asset.gzipEtag : asset.etag;
+    const headers = {
+      'Cache-Control': 'no-cache', Vary: 'Accept-Encoding', ETag: etag, 'Content-Security-Policy': CONTENT_SECURITY_POLICY,
+    };
+    if (etagMatches(req.headers['if-none-match'], etag)) {
+      res.writeHead(304, headers);
       res.end();
       return true;
     }
-    const gzip = /\bgzip\b/.test(String(req.headers['accept-encoding'] ?? ''));
     const body = gzip ? asset.gzip : asset.body;
     res.writeHead(200, {
-      'Content-Type': asset.type, 'Content-Length': body.length, 'X-Content-Type-Options': 'nosniff',
-      'Cache-Control': 'no-cache', Vary: 'Accept-Encoding', ETag: asset.etag, ...(gzip ? { 'Content-Encoding': 'gzip' } : {}), ...headers,
+      ...headers, 'Content-Type': asset.type, 'Content-Length': body.length, 'X-Content-Type-Options': 'nosniff',
+      ...(gzip ? { 'Content-Encoding': 'gzip' } : {}),
     });
     res.end(body);
     return true;
@@ -159,8 +190,8 @@ export class WebConsole {
     let asset = this.assets.get(name);
     if (!asset) {
       const body = readFileSync(file.path());
-      const etag = `"${createHash('sha256').update(body).digest('base64url').slice(0, 22)}"`;
-      asset = { type: file.type, body, gzip: gzipSync(body, { level: 9 }), etag };
+      const tag = createHash('sha256').update(body).digest('base64url').slice(0, 22);
+      asset = { type: file.type, body, gzip: gzipSync(body, { level: 9 }), etag: `"${tag}"`, gzipEtag: `"${tag}-gz"` };
       this.assets.set(name, asset);
     }
     return asset;

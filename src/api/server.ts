@@ -558,8 +558,7 @@ export class ApiServer {
     };
     let failure: ApiError | undefined;
     try {
-      const found = this.findRoute(method, path);
-      routeName = found.route.name;
+      const found = this.findRoute(method, path, (name) => { routeName = name; });
       const trace = found.route.traced ? this.openTrace(call, found.route, path) : undefined;
       if (found.route.auth) {
         const start = this.engineClock();
@@ -645,12 +644,18 @@ export class ApiServer {
     call.sessionId = sessionId;
   }
 
-  private findRoute(method: string, path: string): { route: Route; handler: Handler; params: string[] } {
+  /** The route and handler of a request; `matched` learns the route's name before a method it lacks is refused. */
+  private findRoute(method: string, path: string, matched: (name: string) => void): { route: Route; handler: Handler; params: string[] } {
     for (const route of this.routes) {
       const params = route.match(path);
       if (!params) continue;
-      const handler = route.methods[method as 'GET' | 'POST'];
-      if (!handler) throw new MethodNotAllowedError(method, path, Object.keys(route.methods));
+      matched(route.name);
+      // HEAD is GET without the body (Node's response sends none for a HEAD request): probes and `curl -I` work.
+      const handler = route.methods[method === 'HEAD' ? 'GET' : method as 'GET' | 'POST'];
+      if (!handler) {
+        const allowed = Object.keys(route.methods);
+        throw new MethodNotAllowedError(method, path, allowed.includes('GET') ? [...allowed, 'HEAD'] : allowed);
+      }
       return { route, handler, params };
     }
     throw new RouteNotFoundError(method, path);

@@ -88,6 +88,58 @@ describe('web console in Chromium (two CPU workers)', { skip: existsSync(CHROMIU
     browser.assertClean();
   });
 
+  it('bounds ?refresh, ignores a stored key no header can carry, and says when a request id is malformed', E2E, async () => {
+    const page = await browser.newPage();
+    // A key with a non-ASCII dash (pasted from a document): fetch would throw on every poll with it.
+    await page.addInitScript("sessionStorage.setItem('conduit-console-key', 'sk\u2011admin')");
+    let polls = 0;
+    page.on('request', (request) => {
+      if (request.url().endsWith('/console/api/overview')) polls++;
+    });
+    // A browser fires a timeout beyond 2^31 - 1 ms at once: unbounded, this polled without pause.
+    await page.goto(`${server.url}/console?refresh=Infinity`);
+    await page.waitForSelector('body[data-ready]');
+    await page.waitForFunction("document.querySelectorAll('#workers tr[data-worker]').length === 2");
+    await new Promise((resolve) => setTimeout(resolve, 1500));
+    assert.equal(polls, 1);
+    assert.match((await page.textContent('#refresh-state'))!, /every 3600 s/);
+    await page.goto(`${server.url}/console/requests/%E0%A4%A`);
+    await page.waitForSelector('body[data-ready]');
+    assert.match((await page.textContent('#app'))!, /not a request id.*back to the console/);
+    await page.close();
+    browser.assertClean();
+  });
+
+  it('marks the server unreachable when polls fail, and rebuilds the page when its scope becomes a tenant\'s', E2E, async () => {
+    const page = await browser.newPage();
+    await page.goto(`${server.url}/console?refresh=500`);
+    await page.waitForSelector('#charts .uplot');
+    // Polled from here: a string predicate that is not true at once is evaluated by the page, which its CSP refuses.
+    const serverState = async (pattern: RegExp, what: string) => {
+      const deadline = Date.now() + 30_000;
+      while (!pattern.test((await page.textContent('#server-state')) ?? '')) {
+        if (Date.now() > deadline) assert.fail(`timed out waiting until ${what}`);
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+    };
+    await serverState(/ready/, 'the overview loaded');
+    await page.route('**/console/api/overview', (route) => route.abort());
+    await serverState(/^server not reachable$/, 'the header says the server is not reachable');
+    // The server comes back with keys, and the key given is a tenant's: only that tenant's requests remain.
+    await page.unroute('**/console/api/overview');
+    await page.route('**/console/api/overview', (route) => route.fulfill({ json: { scope: 'tenant', tenant: 'acme', requests: [] } }));
+    await serverState(/tenant acme/, 'the page shows the tenant scope');
+    assert.equal(await page.locator('#charts').count(), 0);
+    assert.equal(await page.locator('#workers-box').count(), 0);
+    assert.equal(await page.locator('#requests-box').count(), 1);
+    await page.close();
+    // The aborted polls are the only errors this page may have logged.
+    const unexpected = browser.errors.filter((e) => !/Failed to load resource|ERR_FAILED/.test(e));
+    assert.deepEqual(unexpected, []);
+    browser.errors.length = 0;
+    browser.assertClean();
+  });
+
   it('draws a request\'s waterfall with every phase, numbers on hover and the diagnosis in words', E2E, async () => {
     const page = await browser.newPage();
     await page.goto(`${server.url}/console`);

@@ -90,6 +90,37 @@ describe('web console routes (two simulated workers, keys configured)', () => {
     assert.equal(again.status, 304);
     assert.equal((await again.arrayBuffer()).byteLength, 0);
     assert.equal((await get(server, '/console/assets/console.js', undefined, { 'If-None-Match': '"other"' })).status, 200);
+    // Weak validators, lists and `*` name it too (RFC 9110's weak comparison).
+    for (const header of [`W/${etag}`, `"other", ${etag}`, '*']) {
+      assert.equal((await get(server, '/console/assets/console.js', undefined, { 'If-None-Match': header, 'Accept-Encoding': 'gzip' })).status, 304, header);
+    }
+    // The identity bytes have a validator of their own, and a client that refuses gzip (q=0) gets them.
+    const refused = await get(server, '/console/assets/console.js', undefined, { 'Accept-Encoding': 'gzip;q=0, identity' });
+    assert.equal(refused.headers.get('content-encoding'), null);
+    assert.notEqual(refused.headers.get('etag'), etag);
+    assert.equal(await refused.text(), plain);
+    assert.equal((await get(server, '/console/assets/console.js', undefined, { 'If-None-Match': etag, 'Accept-Encoding': 'identity' })).status, 200);
+  });
+
+  it('sends the page\'s Content-Security-Policy with the shell under its asset URL too (no framing by another site)', E2E, async () => {
+    const res = await get(server, '/console/assets/index.html');
+    assert.equal(res.status, 200);
+    assert.match(res.headers.get('content-security-policy')!, /frame-ancestors 'none'/);
+  });
+
+  it('answers HEAD as GET without a body; a method a route lacks is a 405 counted under that route', E2E, async () => {
+    for (const path of ['/console', '/console/assets/console.js', '/health', '/v1/models']) {
+      const res = await fetch(`${server.url}${path}`, { method: 'HEAD', headers: { Authorization: `Bearer ${ADMIN_KEY}` } });
+      const full = await get(server, path, ADMIN_KEY);
+      assert.equal(res.status, full.status, path);
+      assert.equal(res.headers.get('content-type'), full.headers.get('content-type'), path);
+      assert.equal((await res.arrayBuffer()).byteLength, 0, path);
+    }
+    const refused = await fetch(`${server.url}/console`, { method: 'DELETE' });
+    assert.equal(refused.status, 405);
+    assert.equal(refused.headers.get('allow'), 'GET, HEAD');
+    const metrics = await (await get(server, '/metrics', ADMIN_KEY)).text();
+    assert.match(metrics, /conduit_http_responses_total\{[^}]*route="console"[^}]*status="405"[^}]*\} [1-9]/);
   });
 
   it('refuses the JSON without a key (401), like the traces', E2E, async () => {
