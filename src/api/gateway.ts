@@ -408,7 +408,8 @@ export class Gateway {
     if (requestedMaxTokens !== undefined && tokenIds.length + requestedMaxTokens > maxModelLen) {
       throw new ContextLengthError(maxModelLen, tokenIds.length, requestedMaxTokens);
     }
-    if (tokenIds.length + 1 > kvCapacityTokens) throw new KvCapacityError(tokenIds.length + 1, kvCapacityTokens);
+    // The prompt's tokens need KV slots; the last sampled token is never computed, so a prompt may fill the pool.
+    if (tokenIds.length > kvCapacityTokens) throw new KvCapacityError(tokenIds.length, kvCapacityTokens);
     return {
       tokenIds,
       maxTokens: requestedMaxTokens ?? maxModelLen - tokenIds.length,
