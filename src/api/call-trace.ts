@@ -267,6 +267,19 @@ export class CallTrace {
         ...(routing ? { toWorker: this.named(routing.workerId) } : {}),
       });
     }
+    // The prompt's KV was to move from the prefill worker (its first output said so) and could not be imported: the
+    // decode worker prefilled the prompt itself. Marked where the frontend learned it, as a failed transfer.
+    const now = routing?.disaggregation;
+    if (!transfer && !track.kvTransferEmitted && now?.mode === 'local' && now.reason === 'transfer-failed'
+      && track.first.routing?.disaggregation?.mode === 'disaggregated') {
+      track.kvTransferEmitted = true;
+      const at = this.now();
+      const prefillWorker = this.named(track.first.routing.disaggregation.prefillWorkerId);
+      this.bus.emit({
+        phase: 'kv_transfer', requestId: this.requestId, start: at, time: at, bytes: 0, blocks: 0, failed: now.detail ?? 'KV not imported',
+        ...(prefillWorker !== undefined ? { fromWorker: prefillWorker } : {}), toWorker: this.named(routing!.workerId),
+      });
+    }
   }
 
   /**

@@ -862,11 +862,11 @@ export class WorkerServer {
       if (failed) {
         this.failedStreams.delete(id);
         this.log('warn', `KV transfer of ${id} failed (${failed.reason}): ${failed.message}; prefilling here instead`);
-        return this.fallBack(handoff, failed.link ?? KV_LINK_TCP, failed.reason);
+        return this.fallBack(handoff, failed.link ?? KV_LINK_TCP, failed.reason, failed.message);
       }
       if (!source || typeof source.host !== 'string' || !Number.isInteger(source.port)) {
         this.cancelIncoming(id, 'the handoff names no source');
-        return this.fallBack(handoff, KV_LINK_TCP, 'no-source');
+        return this.fallBack(handoff, KV_LINK_TCP, 'no-source', 'the handoff names no source');
       }
       const controller = new AbortController();
       this.pulling.set(id, controller);
@@ -920,7 +920,7 @@ export class WorkerServer {
     } else {
       if (sourceIds.length > staging.free.length) {
         this.releaseImport(id, target.ticket);
-        return this.fallBack(handoff, KV_LINK_TCP, 'no-staging-space');
+        return this.fallBack(handoff, KV_LINK_TCP, 'no-staging-space', `${sourceIds.length} blocks to import, ${staging.free.length} free in the staging pool`);
       }
       ids = staging.free.splice(staging.free.length - sourceIds.length, sourceIds.length).reverse();
       staging.held.set(id, ids);
@@ -1008,15 +1008,22 @@ export class WorkerServer {
     const reason = error instanceof KvTransferError ? error.reason : 'error';
     const link = (error instanceof KvTransferError ? error.link : undefined) ?? KV_LINK_TCP;
     this.log('warn', `KV transfer of ${handoff.requestId} from ${source.host}:${source.port} failed (${reason}): ${(error as Error).message}; prefilling here instead`);
-    return this.fallBack(handoff, link, reason);
+    return this.fallBack(handoff, link, reason, (error as Error).message);
   }
 
-  /** The KV cannot be imported: counted by link and reason, and the engine recomputes the prompt here. */
-  private fallBack(handoff: KvHandoff, link: string, reason: string): AsyncIterable<EngineOutput> {
+  /**
+   * The KV cannot be imported: counted by link and reason, and the engine recomputes the prompt here. The frontend's
+   * adopted result says why (the engine itself only knows it was given no source).
+   */
+  private fallBack(handoff: KvHandoff, link: string, reason: string, message: string): AsyncIterable<EngineOutput> {
     this.countTransfer(reason);
     this.countLink(link, reason);
+    this.fallbackReasons.set(handoff.requestId, `KV transfer failed (${reason}): ${message}`);
     return (this.options.engine as DecodeWorkerEngine).adopt(handoff, null);
   }
+
+  /** Why a request's KV was not imported, until its adopted result goes to the frontend. */
+  private readonly fallbackReasons = new Map<string, string>();
 
   /** Pulls done, by request, until the request's stream ends: what its kv_transfer reports. */
   private readonly pulls = new Map<string, PullFacts>();
@@ -1112,6 +1119,9 @@ export class WorkerServer {
     this.adoptedTo.delete(result.requestId);
     let out = result;
     if (result.transfer && pull) out = { ...result, transfer: this.pulledTransfer(result.transfer, pull) };
+    const fellBack = this.fallbackReasons.get(result.requestId);
+    this.fallbackReasons.delete(result.requestId);
+    if (fellBack !== undefined && result.status === 'recompute') out = { ...out, error: fellBack };
     if (result.status === 'recompute' && pull) this.countLink(pull.link, 'import');
     if (target) this.send(target.connection, { t: 'adopted', result: shiftAdopted(out, target.offset) });
   }
@@ -1156,6 +1166,7 @@ export class WorkerServer {
       this.running.delete(id);
       this.adoptedTo.delete(id);
       this.pulls.delete(id);
+      this.fallbackReasons.delete(id);
       this.releaseStagingAfter(id, connection);
       this.endImport(id);
       // Prepared for an adoption that never took it (an expect stream of its own releases its preparation).

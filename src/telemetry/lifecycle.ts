@@ -213,6 +213,11 @@ export interface KvTransferEvent extends IntervalEvent {
   toWorker?: string;
   /** The transfer's busy time hidden behind the prefill (streamed while it ran); start..time is what came after. */
   overlapMs?: number;
+  /**
+   * Why the KV could not be imported, when it could not: the decode worker prefilled the prompt itself. Nothing moved
+   * (bytes and blocks 0); start = time, when the frontend learned it.
+   */
+  failed?: string;
 }
 
 

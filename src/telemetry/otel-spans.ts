@@ -132,8 +132,11 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   const rootContext = otelTrace.setSpan(ROOT_CONTEXT, root);
   const engineContext = engineParentContext(trace.engineTraceparent, root.spanContext(), rootContext);
 
-  const span = (parentCtx: Context, name: string, startMs: number, endMs: number, attrs: Record<string, string | number | boolean | undefined>): Span => {
+  /** A finished span; `error`: its status is ERROR with this message. */
+  const span = (parentCtx: Context, name: string, startMs: number, endMs: number, attrs: Record<string, string | number | boolean | undefined>,
+    error?: string): Span => {
     const s = tracer.startSpan(name, { startTime: hr(startMs), attributes: clean(attrs) }, parentCtx);
+    if (error !== undefined) s.setStatus({ code: SpanStatusCode.ERROR, message: error });
     s.end(hr(Math.max(startMs, endMs)));
     return s;
   };
@@ -268,6 +271,15 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'kv_transfer.bytes_per_sec': ms > 0 ? Math.round(kv.bytes / (ms / 1000)) : undefined,
       'kv_transfer.overlap_ms': kv.overlapMs !== undefined ? round3(kv.overlapMs) : undefined,
     });
+  }
+
+  // A transfer that failed (the decode worker prefilled the prompt itself): an error span where it was learned.
+  for (const failed of trace.phases.filter((p) => p.phase === 'kv_transfer' && p.attributes?.failed !== undefined)) {
+    span(engineContext, 'kv_transfer', failed.startMs, failed.endMs, {
+      'conduit.phase': 'kv_transfer', 'kv_transfer.from_worker': failed.attributes?.from_worker as string | undefined,
+      'kv_transfer.to_worker': failed.attributes?.to_worker as string | undefined,
+      'kv_transfer.failed': failed.attributes?.failed as string,
+    }, `KV transfer failed: ${String(failed.attributes?.failed)}`);
   }
 
   // Decode.

@@ -589,19 +589,20 @@ function prefillOf({ reports, phases }: BuildInput): PrefillSummary | undefined 
 /** A wait between two prompt chunks at least this long is queue time (a request waiting again), not prefill. */
 const REQUEUE_GAP_MS = 1;
 
-/** KV transfers (disaggregated only), as one summary. */
+/** KV transfers (disaggregated only), as one summary of those that moved the KV (a failed one is a phase only). */
 function kvTransferOf({ events, phases }: BuildInput): KvTransferSummary | undefined {
-  const transfers = allOf(events, 'kv_transfer');
-  for (const e of transfers) {
+  const all = allOf(events, 'kv_transfer');
+  for (const e of all) {
     phases.push({
       phase: 'kv_transfer', startMs: e.start, endMs: e.time, worker: e.toWorker,
       attributes: defined({
         bytes: e.bytes, blocks: e.blocks, link: e.link, from_worker: e.fromWorker, to_worker: e.toWorker,
         bytes_per_sec: e.time > e.start ? Math.round(e.bytes / ((e.time - e.start) / 1000)) : undefined,
-        overlap_ms: e.overlapMs, hidden_share: hiddenShare(e),
+        overlap_ms: e.overlapMs, hidden_share: hiddenShare(e), ...(e.failed !== undefined ? { ok: false, failed: e.failed } : {}),
       }),
     });
   }
+  const transfers = all.filter((e) => e.failed === undefined);
   if (transfers.length === 0) return undefined;
   return {
     startMs: Math.min(...transfers.map((e) => e.start)), endMs: Math.max(...transfers.map((e) => e.time)),

@@ -19,6 +19,9 @@ import { freePort } from '../helpers/cluster-services.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 import { kvBlockBytes, type KvHandoff } from '../../src/engine/handoff.ts';
 import { startTcpRelay, type TcpRelay, type TcpRelayOptions } from '../helpers/tcp-relay.ts';
+import { CallTrace } from '../../src/api/call-trace.ts';
+import { Telemetry } from '../../src/telemetry/telemetry.ts';
+import type { RequestTrace } from '../../src/telemetry/trace.ts';
 
 const TOKEN = 'disagg-token';
 const BLOCK = 16;
@@ -87,6 +90,19 @@ async function serve(id: string, role: 'prefill' | 'decode', path: string, optio
 
 /** The link two workers on this host use when neither is set to tcp. */
 const SAME_HOST_LINK = kvHostId() !== null ? 'shm' : 'tcp';
+
+/** The trace a gateway builds for one completion from the engine's outputs (the CallTrace the server uses). */
+function traceOf(outputs: EngineOutput[], promptTokens: number): RequestTrace {
+  const telemetry = new Telemetry({ tracing: false });
+  const call = new CallTrace(telemetry, 'call', outputs[0]!.timestamps.arrival, '/v1/completions', engineNow, undefined);
+  call.bodyRead(100);
+  call.validated({ ok: true });
+  call.tokenized(promptTokens);
+  call.attachRun({ promptTokens, completionTokens: tokens(outputs).length, cachedPromptTokens: 0 }, BLOCK, 'd');
+  for (const output of outputs) call.output(output);
+  call.end({ clientGone: false, bodyIncomplete: false });
+  return telemetry.trace('call')!;
+}
 
 describe('disaggregated prefill/decode across worker servers (KV over TCP or shared memory)', () => {
   const model = cpuTestModel();
@@ -235,7 +251,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     }
   });
 
-  test('a corrupted transfer is detected and the decode worker prefills itself: same greedy text', async () => {
+  test('a corrupted transfer is detected and the decode worker prefills itself: same greedy text, a failed kv_transfer in the trace', async () => {
     const { engine, prefill, decode } = await build({ faults: { corruptRun: 1 } });
     const ids = prompt(7, 90);
     const expected = await collect(aggregated.generate(request(ids)));
@@ -244,6 +260,15 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(decode.server.kvTransfers.get('checksum'), 1);
     assert.equal(outputs.at(-1)!.routing?.disaggregation?.reason, 'transfer-failed');
     assert.equal(engine.decisionCounts().fallbacks, 1);
+    // The trace a gateway builds from these outputs: the routing said remote prefill, and the transfer failed.
+    const trace = traceOf(outputs, ids.length);
+    const lookup = trace.phases.find((p) => p.phase === 'router_lookup')!;
+    assert.match(String(lookup.attributes?.reason), /prefill disaggregated/);
+    const transfers = trace.phases.filter((p) => p.phase === 'kv_transfer');
+    assert.equal(transfers.length, 1);
+    assert.equal(transfers[0]!.attributes?.ok, false);
+    assert.match(String(transfers[0]!.attributes?.failed), /checksum/);
+    assert.equal(trace.kvTransfer, undefined, 'no bytes moved: no transfer summary (nor its metrics)');
     await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
