@@ -79,15 +79,12 @@ export class LocalEngine implements Engine {
   readonly kvLayout: KvPoolLayout | undefined;
   readonly role: WorkerRole;
 
-  private constructor(private readonly worker: Worker, readonly info: EngineInfo, readonly notices: string[],
+  private constructor(private readonly worker: Worker, readonly info: EngineInfo, readonly notices: string[], stats: EngineStats,
     kv: { pool?: SharedArrayBuffer; layout?: KvPoolLayout; role?: WorkerRole } = {}) {
     this.kvPool = kv.pool;
     this.kvLayout = kv.layout;
     this.role = kv.role ?? 'both';
-    this.latestStats = {
-      numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: info.kvCapacityTokens / info.blockSize,
-      prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0, kvEvictions: 0,
-    };
+    this.latestStats = stats;
     worker.on('message', (message: FromWorker) => this.onMessage(message));
     worker.on('error', (error) => this.onExit(error));
     worker.on('exit', (code) => this.onExit(new Error(`engine worker exited with code ${code}`)));
@@ -134,7 +131,7 @@ export class LocalEngine implements Engine {
       await worker.terminate();
       throw error;
     });
-    return new LocalEngine(worker, ready.info, ready.notices, { pool: ready.kvPool, layout: ready.kvLayout, role: options.role });
+    return new LocalEngine(worker, ready.info, ready.notices, ready.stats, { pool: ready.kvPool, layout: ready.kvLayout, role: options.role });
   }
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {

@@ -77,7 +77,10 @@ async function start(): Promise<Started> {
     quantization: dominantType(loaded.metadata.parametersByType),
   };
   const pool = core.kvPoolView;
-  send({ type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], kvPool: pool.pool, kvLayout: pool.layout });
+  send({
+    type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], stats: core.stats(), kvPool: pool.pool,
+    kvLayout: pool.layout,
+  });
   return { core, tokenizer, vocabSize: config.vocabSize, ...(backend.info.loraDtype ? { loraDtype: backend.info.loraDtype } : {}) };
 }
 

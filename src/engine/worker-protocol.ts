@@ -79,7 +79,8 @@ export type ToWorker =
 
 export type FromWorker =
   /** kvPool/kvLayout: the worker's KV pool (shared memory), for decode workers to read handed-off blocks from. */
-  | { type: 'ready'; info: EngineInfo; notices: string[]; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
+  /** `stats`: the loaded engine's, so what it reports before its first step (its KV tiers) is there from the start. */
+  | { type: 'ready'; info: EngineInfo; notices: string[]; stats: EngineStats; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
   | { type: 'outputs'; outputs: EngineOutput[]; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'handoffs'; handoffs: KvHandoff[] }
   /** Prefill worker, after a step: blocks of prefills to hand off that are complete (before their handoffs). */

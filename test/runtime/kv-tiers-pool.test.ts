@@ -39,6 +39,11 @@ describe('KV tiers in a cpu worker pool', () => {
     const first = await createWorkerPool(options);
     let cold: EngineOutput[];
     try {
+      // Before any request: the stats (what /metrics and the console read) have the tiers and the memory already.
+      const idle = first.engine.stats();
+      assert.equal(idle.kvTiers?.tiers.disk?.capacityBlocks !== undefined && idle.kvTiers.tiers.disk.capacityBlocks > 0, true, JSON.stringify(idle.kvTiers));
+      assert.ok((idle.kvTiers?.tiers.ram?.capacityBlocks ?? 0) > 0);
+      assert.ok((idle.memory?.weightsBytes ?? 0) > 0);
       await assert.rejects(createWorkerPool(options), /already in use by this process/);
       cold = await collect(first.engine.generate(request(prompt)));
       // Once idle the worker writes its cached blocks down; the disk tier holds the prompt's 4 full blocks.
