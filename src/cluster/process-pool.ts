@@ -253,7 +253,11 @@ export async function createProcessWorkerPool(options: ProcessPoolOptions, log?:
   // The server holds the disk tier's folder; each child its own subfolder in it.
   const create = () => options.prefillWorkers !== undefined || options.decodeWorkers !== undefined
     ? createProcessDisaggregatedPool(options, log) : createProcessAggregatedPool(options, log);
-  return options.engine === 'cpu' ? withDiskTierLock(options.kvOffloadDiskDir, create) : create();
+  // Each child's subfolder is named by its id (startChildren).
+  const ids = options.prefillWorkers !== undefined || options.decodeWorkers !== undefined
+    ? [...Array.from({ length: options.prefillWorkers ?? 0 }, (_, i) => `prefill-${i}`), ...Array.from({ length: options.decodeWorkers ?? 0 }, (_, i) => `decode-${i}`)]
+    : Array.from({ length: options.workers }, (_, i) => `worker-${i}`);
+  return options.engine === 'cpu' ? withDiskTierLock(options.kvOffloadDiskDir, create, ids) : create();
 }
 
 async function createProcessAggregatedPool(options: ProcessPoolOptions, log?: WorkerGroupLog): Promise<ProcessPool> {

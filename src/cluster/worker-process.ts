@@ -72,7 +72,7 @@ async function startEngine(options: ClusterWorkerOptions): Promise<{ engine: Rou
   const slots = new DiskSlots(pool, 1);
   const bundle = await withDiskTierLock(pool.kvOffloadDiskDir, () => slots.start(
     (kvOffload) => createLocalEngine({ ...pool, ...kvOffload, modelPath: pool.modelPath!, enableKvEvents: true, role: options.role }),
-    (started) => started.engine));
+    (started) => started.engine), ['worker-0']);
   for (const notice of bundle.engine.notices) options.log('warn', notice);
   return { engine: bundle.engine, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate };
 }

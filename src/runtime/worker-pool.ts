@@ -4,7 +4,7 @@
 
 import { availableParallelism } from 'node:os';
 import { join } from 'node:path';
-import { acquireDiskTierLock } from '../engine/kv-cache/disk-tier.ts';
+import { acquireDiskTierLock, removeUnusedWorkerFolders } from '../engine/kv-cache/disk-tier.ts';
 import { engineNow } from '../engine/clock.ts';
 import { createLocalEngine, LocalEngine, type LocalEngineOptions } from '../engine/local-engine.ts';
 import type { Engine, WorkerRole } from '../engine/types.ts';
@@ -121,22 +121,34 @@ export interface WorkerPool {
 }
 
 export async function createWorkerPool(options: WorkerPoolOptions): Promise<WorkerPool> {
-  return options.engine === 'cpu' ? withDiskTierLock(options.kvOffloadDiskDir, () => createPool(options)) : createPool(options);
+  if (options.engine !== 'cpu') return createPool(options);
+  // The subfolders DiskSlots hands out: worker-<slot>, one slot per worker.
+  const workers = options.prefillWorkers !== undefined || options.decodeWorkers !== undefined
+    ? (options.prefillWorkers ?? 0) + (options.decodeWorkers ?? 0) : options.workers;
+  return withDiskTierLock(options.kvOffloadDiskDir, () => createPool(options), Array.from({ length: workers }, (_, i) => `worker-${i}`));
 }
 
 /**
  * One process per disk tier folder: a second server pointed at it is refused before any worker starts. The lock is
- * held until the pool's engine closes.
+ * held until the pool's engine closes. `folders`: the per-worker subfolders the pool uses; those of workers a run
+ * with more of them left are removed once the folder is held (said in the pool's notices).
  */
-export async function withDiskTierLock<P extends { engine: { close(): Promise<void> } }>(dir: string | undefined, create: () => Promise<P>): Promise<P> {
+export async function withDiskTierLock<P extends { engine: { close(): Promise<void> }; notices?: string[] }>(dir: string | undefined,
+  create: () => Promise<P>, folders?: readonly string[]): Promise<P> {
   if (dir === undefined) return create();
   const release = acquireDiskTierLock(dir);
   let pool: P;
+  let removed: string[] = [];
   try {
+    if (folders !== undefined) removed = removeUnusedWorkerFolders(dir, folders);
     pool = await create();
   } catch (error) {
     release();
     throw error;
+  }
+  if (removed.length > 0) {
+    // A pool's notices (a thread pool's are its first engine's); a bare engine bundle's are its engine's.
+    (pool.notices ?? (pool.engine as { notices?: string[] }).notices)?.push(`KV disk tier ${dir}: removed ${removed.join(', ')}, left by a run with more workers (no worker here reads them)`);
   }
   const engine = pool.engine;
   const close = engine.close.bind(engine);

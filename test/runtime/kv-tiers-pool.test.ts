@@ -3,7 +3,7 @@
 // the folder while the first holds it.
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../src/engine/types.ts';
@@ -57,9 +57,17 @@ describe('KV tiers in a cpu worker pool', () => {
     }
     assert.equal(readdirSync(join(dir, 'worker-0')).filter((name) => name.endsWith('.kvb')).length >= 4, true);
     assert.ok(!readdirSync(dir).includes('conduit.lock'), 'the lock is released on close');
+    // Left by a run with more workers: a worker's folder of blocks goes (nobody here reads it, and the size bound is
+    // this run's); a folder of that name holding anything else stays.
+    mkdirSync(join(dir, 'worker-3'));
+    writeFileSync(join(dir, 'worker-3', `${'ab'.repeat(8)}.kvb`), 'x');
+    mkdirSync(join(dir, 'worker-5'));
+    writeFileSync(join(dir, 'worker-5', 'notes.txt'), 'mine');
 
     const second = await createWorkerPool(options);
     try {
+      assert.deepEqual(readdirSync(dir).filter((name) => name.startsWith('worker-')).sort(), ['worker-0', 'worker-5']);
+      assert.ok(second.notices.some((notice) => /removed worker-3, left by a run with more workers/.test(notice)), second.notices.join('\n'));
       assert.ok(second.notices.some((notice) => /KV disk tier .*: [4-9]\d* blocks of this model found/.test(notice)), second.notices.join('\n'));
       const warm = await collect(second.engine.generate(request(prompt)));
       assert.equal(warm.at(-1)!.usage.cachedTokens, 64, 'four blocks onboarded from disk');

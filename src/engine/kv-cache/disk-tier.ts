@@ -26,7 +26,7 @@
 
 import * as crypto from 'node:crypto';
 import {
-  closeSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, statSync, unlinkSync, writeSync,
+  closeSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, rmSync, statSync, unlinkSync, writeSync,
 } from 'node:fs';
 import { rename, unlink, utimes, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
@@ -421,6 +421,34 @@ export function acquireDiskTierLock(dir: string): () => void {
     return release;
   }
   throw new Error(`--kv-offload-disk ${dir}: could not take the lock ${path}`);
+}
+
+/** A subfolder a pool's worker keeps its blocks in (worker-<n>, and a process pool's prefill-<n> and decode-<n>). */
+const WORKER_FOLDER = /^(worker|prefill|decode)-\d+$/;
+
+/**
+ * Deletes the per-worker subfolders of a held disk tier folder that none of `used` names: a run with more workers
+ * left them, no worker of this run reads them, and --kv-offload-disk-size is split between this run's workers only,
+ * so kept they would hold blocks beyond it. Only a folder holding nothing but what a disk tier writes is removed
+ * (block files, their temporaries, a lock, such folders of its own): a folder of that name made by someone else stays.
+ * Returns the names removed.
+ */
+export function removeUnusedWorkerFolders(dir: string, used: readonly string[]): string[] {
+  const removed: string[] = [];
+  for (const entry of readdirSync(dir, { withFileTypes: true })) {
+    if (!entry.isDirectory() || !WORKER_FOLDER.test(entry.name) || used.includes(entry.name)) continue;
+    const path = join(dir, entry.name);
+    if (!holdsOnlyKvBlocks(path)) continue;
+    rmSync(path, { recursive: true, force: true });
+    removed.push(entry.name);
+  }
+  return removed.sort();
+}
+
+function holdsOnlyKvBlocks(dir: string): boolean {
+  return readdirSync(dir, { withFileTypes: true }).every((entry) => entry.isDirectory()
+    ? WORKER_FOLDER.test(entry.name) && holdsOnlyKvBlocks(join(dir, entry.name))
+    : entry.isFile() && (entry.name === LOCK_FILE || entry.name.endsWith(SUFFIX) || entry.name.includes(SUFFIX + TEMP_MARK)));
 }
 
 function readFileSafe(path: string): string {
