@@ -152,18 +152,23 @@ export class IncrementalDetokenizer {
     this.atTextStart = (options.stripLeadingSpace ?? false) && tokenizer.stripsLeadingSpace;
   }
 
-  /** A detokenizer configured from a request's sampling params (skip_special_tokens, stop, include_stop_str). */
+  /**
+   * A detokenizer configured from a request's sampling params (skip_special_tokens, stop, include_stop_str). The
+   * output starts the text when the prompt has none (BOS alone, as the output's skip_special_tokens shows it): then a
+   * SentencePiece word's leading space goes, as decoding prompt and output together drops it.
+   */
   static forRequest(
     tokenizer: Pick<Tokenizer, 'tokenBytes' | 'stripsLeadingSpace'>,
     params: Pick<SamplingParams, 'skipSpecialTokens' | 'stop' | 'includeStopStrInOutput' | 'minTokens'>,
-    stripLeadingSpace = false,
+    promptTokenIds: readonly number[] = [],
   ): IncrementalDetokenizer {
+    const includeSpecial = !(params.skipSpecialTokens ?? true);
     return new IncrementalDetokenizer(tokenizer, {
       skipSpecialTokens: params.skipSpecialTokens,
       stop: params.stop,
       includeStopStrInOutput: params.includeStopStrInOutput,
       minTokens: params.minTokens,
-      stripLeadingSpace,
+      stripLeadingSpace: tokenizer.stripsLeadingSpace && promptTokenIds.every((id) => tokenizer.tokenBytes(id, includeSpecial).length === 0),
     });
   }
 

@@ -89,7 +89,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
       ...(uniformWindow(backend.config) !== undefined ? { slidingWindow: uniformWindow(backend.config)! } : {}),
       tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? true),
-      text: { open: (sampling) => IncrementalDetokenizer.forRequest(tokenizer, sampling) },
+      text: { open: (sampling, prompt) => IncrementalDetokenizer.forRequest(tokenizer, sampling, prompt) },
     });
     this.backend = backend;
     this.now = options.now;

@@ -58,7 +58,8 @@ export interface TextDelta {
 }
 
 export interface TextSource {
-  open(sampling: SamplingParams): TextStream;
+  /** The text stream of one completion of a request with this prompt (a prompt with no text changes how it starts). */
+  open(sampling: SamplingParams, promptTokenIds: readonly number[]): TextStream;
 }
 
 /**
@@ -214,7 +215,7 @@ export class StepCore<T> {
       if (this.tokenSource.close) for (const state of tokens) this.tokenSource.close(state);
       throw error;
     }
-    const texts = tokens.map(() => this.textSource.open(accepted.sampling));
+    const texts = tokens.map(() => this.textSource.open(accepted.sampling, accepted.promptTokenIds));
     this.states.set(request.id, { request, tokens, texts, handoff: options.handoff });
   }
 
@@ -510,7 +511,7 @@ export class StepCore<T> {
     let tokens: T | undefined;
     try {
       tokens = this.tokenSource.resume(handoff);
-      const text = this.textSource.open(handoff.request.sampling);
+      const text = this.textSource.open(handoff.request.sampling, handoff.request.promptTokenIds);
       for (const tokenId of handoff.outputTokenIds) text.push(tokenId); // its text went out from the prefill worker
       if ('recompute' in kvImport) return this.adoptByRecompute(handoff, tokens, text, nowMs, kvImport.recompute);
       const pending: PendingAdoption<T> = { handoff, tokens, text, kvImport };

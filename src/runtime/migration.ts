@@ -108,7 +108,7 @@ export class RequestMigration {
     if (options.againstLimit ?? true) this.limitedMoves++;
     // Before the first token the new worker's text is the whole text, its stop strings included: nothing to carry.
     if (this.detokenizer === undefined && this.options.tokenizer && this.generated.length > 0) {
-      const detokenizer = IncrementalDetokenizer.forRequest(this.options.tokenizer, this.request.sampling);
+      const detokenizer = IncrementalDetokenizer.forRequest(this.options.tokenizer, this.request.sampling, this.request.promptTokenIds);
       // The caller already has this text: replaying only rebuilds the held bytes and held stop-string prefix.
       for (const tokenId of this.generated) detokenizer.push(tokenId);
       this.detokenizer = detokenizer;

@@ -168,8 +168,8 @@ function simTokens(grammar: GrammarLoader | undefined): TokenSource<SimTokenStat
 /** Synthetic words, except for guided requests: their tokens are real text under a grammar, so the tokenizer's. */
 function simText(tokenizer: Tokenizer | undefined): TextSource {
   return {
-    open: (sampling) => (sampling.guided !== undefined && tokenizer !== undefined
-      ? IncrementalDetokenizer.forRequest(tokenizer, sampling) : SYNTHETIC_TEXT.open(sampling)),
+    open: (sampling, prompt) => (sampling.guided !== undefined && tokenizer !== undefined
+      ? IncrementalDetokenizer.forRequest(tokenizer, sampling, prompt) : SYNTHETIC_TEXT.open(sampling, prompt)),
   };
 }
 

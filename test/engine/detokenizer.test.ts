@@ -316,9 +316,31 @@ for (const vocabFile of ['ggml-vocab-llama-spm.gguf', 'ggml-vocab-llama-bpe.gguf
       const shown = detokenize(tokenizer, ids, { skipSpecialTokens: false, stripLeadingSpace: true }).text;
       assert.equal(shown, tokenizer.decode(ids, { skipSpecialTokens: false }));
       assert.ok(shown.endsWith(tokenizer.idToToken(tokenizer.eosId!)!), shown);
-      const fromParams = IncrementalDetokenizer.forRequest(tokenizer, { skipSpecialTokens: false, stop: [], includeStopStrInOutput: false, minTokens: 0 }, true);
+      // No prompt: the output starts the text.
+      const fromParams = IncrementalDetokenizer.forRequest(tokenizer, { skipSpecialTokens: false, stop: [], includeStopStrInOutput: false, minTokens: 0 }, []);
       const streamed = ids.map((id) => fromParams.push(id).delta).join('') + fromParams.finish().delta;
       assert.equal(streamed, shown);
+    });
+
+    it('after a prompt with no text (BOS alone, or nothing) the output starts the text; after a word it does not', () => {
+      const params = { skipSpecialTokens: true, stop: [], includeStopStrInOutput: false, minTokens: 0 };
+      const output = tokenizer.encode('world world', { addSpecialTokens: false });
+      const stream = (prompt: number[], skipSpecialTokens = true) => {
+        const d = IncrementalDetokenizer.forRequest(tokenizer, { ...params, skipSpecialTokens }, prompt);
+        return output.map((id) => d.push(id).delta).join('') + d.finish().delta;
+      };
+      const bos = tokenizer.bosId!;
+      const hello = tokenizer.encode('Hello', { addSpecialTokens: false });
+      // decode(prompt) + deltas = decode(prompt + output), as the whole sequence decodes.
+      for (const prompt of [[], [bos], [bos, ...hello]]) {
+        assert.equal(tokenizer.decode(prompt) + stream(prompt), tokenizer.decode([...prompt, ...output]), `prompt ${prompt.join(',')}`);
+      }
+      assert.equal(stream([bos]), 'world world');
+      if (tokenizer.stripsLeadingSpace) {
+        // SentencePiece: the first word's marked space shows after text, and after BOS shown as text.
+        assert.equal(stream([bos, ...hello]), ' world world');
+        assert.equal(stream([bos], false), ' world world');
+      }
     });
 
     const sentence = 'The quick brown fox jumps over the lazy dog';
