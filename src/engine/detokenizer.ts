@@ -129,6 +129,21 @@ export interface DetokenizerOptions {
   stripLeadingSpace?: boolean;
 }
 
+/**
+ * Whether a prompt shows any text. An id the tokenizer does not know (a simulated worker's prompt of another
+ * vocabulary) counts as text: nothing is stripped after it.
+ */
+function hasText(tokenizer: Pick<Tokenizer, 'tokenBytes'>, promptTokenIds: readonly number[], includeSpecial: boolean): boolean {
+  for (const id of promptTokenIds) {
+    try {
+      if (tokenizer.tokenBytes(id, includeSpecial).length > 0) return true;
+    } catch {
+      return true;
+    }
+  }
+  return false;
+}
+
 export interface DetokenizerDelta {
   /** Text to emit now (may be empty while bytes or a possible stop string are held back). */
   delta: string;
@@ -168,7 +183,7 @@ export class IncrementalDetokenizer {
       stop: params.stop,
       includeStopStrInOutput: params.includeStopStrInOutput,
       minTokens: params.minTokens,
-      stripLeadingSpace: tokenizer.stripsLeadingSpace && promptTokenIds.every((id) => tokenizer.tokenBytes(id, includeSpecial).length === 0),
+      stripLeadingSpace: tokenizer.stripsLeadingSpace && !hasText(tokenizer, promptTokenIds, includeSpecial),
     });
   }
 

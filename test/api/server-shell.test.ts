@@ -59,7 +59,7 @@ describe('API server shell (no model yet)', () => {
     assert.equal(res.headers.allow, 'POST');
     const del = await rawRequest(url, { method: 'DELETE', path: '/v1/models', headers: auth });
     assert.equal(del.status, 405);
-    assert.equal(del.headers.allow, 'GET');
+    assert.equal(del.headers.allow, 'GET, HEAD');
   });
 
   it('needs a known API key on /v1 routes and /metrics but not on /live, /health', async () => {
