@@ -74,7 +74,9 @@ export class KeyStore {
       let tenant = tenants.get(name);
       if (!tenant) {
         const own = config.tenants.get(name);
-        tenant = { name, limits: { ...defaults, ...own?.limits }, cacheSalt: own?.cacheGroup ?? name, ...(own?.admin ? { admin: true } : {}) };
+        // Group names and tenant names salt apart: a group named like a tenant does not join that tenant's cache.
+        const cacheSalt = own?.cacheGroup !== undefined ? `group:${own.cacheGroup}` : `tenant:${name}`;
+        tenant = { name, limits: { ...defaults, ...own?.limits }, cacheSalt, ...(own?.admin ? { admin: true } : {}) };
         tenants.set(name, tenant);
       }
       return tenant;
@@ -227,16 +229,41 @@ export function parseKeysList(list: string, source = 'CONDUIT_API_KEYS'): KeyGra
   });
 }
 
-/** Keys from a file and a list together (either may be absent), plus an admin key (tenant "admin", an admin). */
-export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyGrant[], adminKey?: string): KeyConfig {
+/** What a key may be: what an `Authorization: Bearer <key>` header can carry (printable ASCII, no spaces). */
+const KEY_SHAPE = /^[\x21-\x7e]+$/;
+
+/**
+ * Keys from a file and a list together (either may be absent), plus an admin key (tenant "admin", an admin). Keys
+ * given that no request could ever present are refused, and so is a key source given that holds no key: the server
+ * would otherwise start open to everyone, the opposite of what was asked.
+ */
+export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyGrant[] | undefined, adminKey?: string): KeyConfig {
   const config: KeyConfig = {
-    keys: [...(fromFile?.keys ?? []), ...fromList],
+    keys: [...(fromFile?.keys ?? []), ...(fromList ?? [])],
     tenants: new Map(fromFile?.tenants ?? []),
   };
+  for (const { key, tenant } of config.keys) {
+    if (!KEY_SHAPE.test(key)) {
+      throw new KeyConfigError(`the API key ${keyHint(key)} of tenant ${tenant} has a space or a character outside printable ASCII: `
+        + 'no Authorization header can carry it');
+    }
+  }
   if (adminKey !== undefined) {
+    if (!KEY_SHAPE.test(adminKey)) {
+      throw new KeyConfigError('--admin-key (CONDUIT_ADMIN_KEY) must be printable ASCII without spaces, and not empty');
+    }
+    // The admin key's tenant is "admin": keys given to a tenant of that name would become admin keys unasked.
+    if (config.keys.some((grant) => grant.tenant === ADMIN_TENANT) && config.tenants.get(ADMIN_TENANT)?.admin !== true) {
+      throw new KeyConfigError(`tenant "${ADMIN_TENANT}" is --admin-key's; its keys in the keys file would become admin keys: `
+        + 'rename that tenant, or mark it "admin": true');
+    }
     config.keys.push({ key: adminKey, tenant: ADMIN_TENANT });
     const own = config.tenants.get(ADMIN_TENANT);
     config.tenants.set(ADMIN_TENANT, { ...own, limits: own?.limits ?? {}, admin: true });
+  }
+  if (config.keys.length === 0 && (fromFile !== undefined || fromList !== undefined)) {
+    throw new KeyConfigError(`${fromFile !== undefined ? 'the API keys file' : '--api-keys (CONDUIT_API_KEYS)'} holds no key: `
+      + 'refusing to start open to everyone (give no keys option to run without keys)');
   }
   return config;
 }

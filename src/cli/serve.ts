@@ -274,7 +274,7 @@ export function defaultMaxConnections(limitsText?: string): number {
 function readKeys(file: string | undefined, list: string | undefined, adminKey: string | undefined): KeyConfig {
   try {
     const fromFile = file === undefined ? undefined : parseKeysFile(readFileSync(file, 'utf8'), file);
-    return combineKeyConfig(fromFile, list ? parseKeysList(list) : [], adminKey);
+    return combineKeyConfig(fromFile, list ? parseKeysList(list) : undefined, adminKey);
   } catch (err) {
     if (err instanceof KeyConfigError) throw new UsageError(err.message);
     if ((err as NodeJS.ErrnoException).code === 'ENOENT') throw new UsageError(`--api-keys-file: ${file} does not exist`);

@@ -52,15 +52,32 @@ describe('KeyStore', () => {
     assert.throws(() => parseKeysFile('{"keys": [], "tenants": {"ops": {"admin": "yes"}}}'), /admin must be true or false/);
   });
 
-  it('gives each tenant its own cache salt unless they share a cache group', () => {
+  it('gives each tenant its own cache salt unless they share a cache group; a group named like a tenant is not that tenant', () => {
     const config = parseKeysFile(JSON.stringify({
-      keys: [{ key: 'k1', tenant: 'a' }, { key: 'k2', tenant: 'b' }, { key: 'k3', tenant: 'c' }],
-      tenants: { b: { cache_group: 'shared' }, c: { cache_group: 'shared' } },
+      keys: [{ key: 'k1', tenant: 'a' }, { key: 'k2', tenant: 'b' }, { key: 'k3', tenant: 'c' }, { key: 'k4', tenant: 'd' }],
+      tenants: { b: { cache_group: 'shared' }, c: { cache_group: 'shared' }, d: { cache_group: 'a' } },
     }));
     const store = new KeyStore(config);
-    assert.equal(store.authenticate('Bearer k1').cacheSalt, 'a');
-    assert.equal(store.authenticate('Bearer k2').cacheSalt, 'shared');
-    assert.equal(store.authenticate('Bearer k3').cacheSalt, 'shared');
+    const salt = (key: string) => store.authenticate(`Bearer ${key}`).cacheSalt;
+    assert.equal(salt('k2'), salt('k3'));
+    assert.notEqual(salt('k1'), salt('k2'));
+    assert.notEqual(salt('k4'), salt('k1'), 'cache group "a" does not share tenant a\'s blocks');
+  });
+
+  it('refuses key sources that would leave the server open or keys no request can present', () => {
+    assert.throws(() => combineKeyConfig(parseKeysFile('# nobody yet\n\n'), undefined), /holds no key: refusing to start open/);
+    assert.throws(() => combineKeyConfig(parseKeysFile('{"keys": []}'), undefined), /holds no key/);
+    assert.throws(() => combineKeyConfig(undefined, parseKeysList(',')), /--api-keys .* holds no key/);
+    assert.throws(() => combineKeyConfig(undefined, undefined, ''), /--admin-key .* not empty/);
+    assert.throws(() => combineKeyConfig(parseKeysFile('{"keys": [{"key": " sk-space-0001 ", "tenant": "a"}]}'), undefined), /no Authorization header can carry it/);
+    assert.throws(() => combineKeyConfig(undefined, parseKeysList('sk\u2011dash-0001:a')), /outside printable ASCII/);
+    // A keys-file tenant named "admin" beside --admin-key: its keys would become admin keys unless it says it is one.
+    assert.throws(() => combineKeyConfig(parseKeysFile('sk-file-admin-01 admin 2'), undefined, 'sk-root-00000001'), /tenant "admin" is --admin-key's/);
+    const marked = combineKeyConfig(parseKeysFile('{"keys": [{"key": "sk-file-admin-01", "tenant": "admin"}], "tenants": {"admin": {"admin": true}}}'),
+      undefined, 'sk-root-00000001');
+    assert.equal(new KeyStore(marked).authenticate('Bearer sk-file-admin-01').admin, true);
+    // No keys option at all: open, as documented.
+    assert.equal(new KeyStore(combineKeyConfig(undefined, undefined)).isOpen, true);
   });
 
   it('applies default limits where a tenant sets none', () => {
