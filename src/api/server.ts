@@ -527,7 +527,10 @@ export class ApiServer {
     const path = (req.url ?? '/').split('?')[0]!;
     const method = req.method ?? 'GET';
     let routeName = 'unknown';
-    let bodyFullyRead = true;
+    // A body announced and not read yet: a refusal before reading it (no key, a limit, a wrong route) closes the
+    // connection, or Node would read and discard all of it, however large, to reach the next request.
+    const contentLength = req.headers['content-length'];
+    let bodyFullyRead = req.headers['transfer-encoding'] === undefined && (contentLength === undefined || Number(contentLength) === 0);
     const clientGone = new AbortController();
     // The response's own 'close' says the client left. A pipelined request queued behind another on its connection
     // never gets one when the connection dies (Node hands it the socket only when its turn comes), so the socket's

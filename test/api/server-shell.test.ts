@@ -45,6 +45,15 @@ describe('API server shell (no model yet)', () => {
     assert.ok(Number(res.headers['retry-after']) >= 1);
   });
 
+  it('closes the connection of a POST refused before its body is read (no key): no body is read past the refusal', async () => {
+    // 1 GB announced, a few bytes sent: the answer must come, and the connection end, without the rest.
+    const exchange = rawExchange(url, 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+      + 'Content-Length: 1000000000\r\n\r\n{"prompt":');
+    const answer = await Promise.race([exchange, new Promise<string>((resolve) => setTimeout(() => resolve('still open after 10 s'), 10_000))]);
+    assert.match(answer, /^HTTP\/1\.1 401 /);
+    assert.match(answer, /\r\nConnection: close\r\n/);
+  });
+
   it('gives 404 in OpenAI\'s shape for unknown routes', async () => {
     const res = await rawRequest(url, { path: '/v1/nothing-here', headers: auth });
     assert.equal(res.status, 404);
