@@ -180,7 +180,8 @@ export class ApiServer {
     this.defaultClock = defaultClock;
     // Read through clockSource: an engine attached later may bring its own clock (ModelBackend.clock).
     this.engineClock = () => this.clockSource();
-    this.limiter = new TenantRateLimiter(options.clock ?? (() => Date.now()));
+    // A monotonic clock: after a wall-clock step back (NTP) Date.now() would refill no bucket until it caught up.
+    this.limiter = new TenantRateLimiter(options.clock ?? (() => performance.now()));
     this.ownsTelemetry = options.telemetry === undefined;
     this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
     for (const warning of this.telemetry.warnings) this.logger.warn(`telemetry: ${warning}`);
