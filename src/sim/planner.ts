@@ -117,9 +117,14 @@ export function planBounds(opts: PlanOptions): PlanBounds {
   const budget = config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens;
   const time = (shape: StepShape) => stepTimeMs(shape, model, hw, tp, efficiency);
 
-  // Decode: a running sequence holds at least inputTokens + 1 tokens of KV.
-  const blocksPerSeq = Math.ceil((opts.inputTokens + 1) / blockSize);
-  const maxBatch = Math.max(1, Math.min(maxNumSeqs, Math.floor(simKvBlocks(config) / blocksPerSeq)));
+  // Decode: a running sequence holds at least inputTokens + 1 tokens of KV, but the blocks of the shared prefix that
+  // the cache serves are held once for the whole batch (refcounted), not once per sequence. Counting them per
+  // sequence would shrink the batch, and with it the capacity, below what the engine reaches: the bound would no
+  // longer be a lower bound on the workers.
+  const computed = computedPromptTokens(opts, blockSize);
+  const sharedBlocks = (opts.inputTokens - computed) / blockSize;
+  const ownBlocksPerSeq = Math.ceil((opts.inputTokens + 1) / blockSize) - sharedBlocks;
+  const maxBatch = Math.max(1, Math.min(maxNumSeqs, Math.floor((simKvBlocks(config) - sharedBlocks) / ownBlocksPerSeq)));
   let decodeCapacity = 0;
   let decodeBatch = 1;
   for (let batch = 1; batch <= maxBatch; batch++) {
@@ -134,7 +139,6 @@ export function planBounds(opts: PlanOptions): PlanBounds {
   // Prefill: tokens per step over step time grows with the tokens (the fixed costs spread), so a full budget is best.
   const singletons = Array.from({ length: budget }, () => ({ newTokens: 1, contextLen: 0, sampled: false }));
   const prefillCapacity = (budget / time({ prefillTokens: singletons, decodeSeqs: [] })) * 1000;
-  const computed = computedPromptTokens(opts, blockSize);
   const prefillDemand = opts.ratePerSec * computed;
 
   // An idle worker: the prompt in budget-sized chunks, the last one sampled; then one decode step.

@@ -102,3 +102,22 @@ test('targets below what an idle worker does are refused without simulating', ()
   assert.throws(() => planCapacity(base({ deployment: 'disaggregated' })), /only aggregated/);
   assert.throws(() => planCapacity(base({ ratePerSec: 0 })), /ratePerSec/);
 });
+
+test('a shared prefix is held once in the KV pool, so it does not shrink the decode batch of the bound', () => {
+  // A 100-block pool (16 tokens each); 1,024-token prompts whose first 1,008 tokens (63 whole blocks) are shared.
+  // A decoding sequence holds ceil(1,025 / 16) = 65 blocks, 63 of them the shared ones, refcounted: the pool holds
+  // the 63 once and (100 - 63) / 2 = 18 sequences' own 2 blocks. Counting 65 per sequence allowed 1 sequence.
+  const opts = base({
+    ratePerSec: 5, inputTokens: 1024, outputTokens: 64, sharedPrefixTokens: 1008, numRequests: 100,
+    worker: { numKvBlocks: 100 },
+  });
+  const result = planCapacity(opts);
+  assert.equal(result.bounds.decodeCapacityBatch, 18);
+  close(result.bounds.decodeCapacityTokensPerSec, 18 / decodeStepMs(18, 1024) * 1000);
+  // 5 requests/s x 63 decode tokens = 315 tokens/s: more than one sequence at a time decodes (1 / 6.2 ms = 161/s),
+  // far less than 18 do. One worker is enough, and the simulation agrees.
+  assert.ok(5 * 63 > 1 / decodeStepMs(1, 1024) * 1000);
+  assert.equal(result.bounds.minWorkers, 1);
+  assert.deepEqual(result.answer, { workers: 1, gpus: 1 });
+  assert.equal(result.trials[0]!.meetsTargets, true);
+});
