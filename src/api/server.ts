@@ -532,6 +532,8 @@ export class ApiServer {
     // connection, or Node would read and discard all of it, however large, to reach the next request.
     const contentLength = req.headers['content-length'];
     let bodyFullyRead = req.headers['transfer-encoding'] === undefined && (contentLength === undefined || Number(contentLength) === 0);
+    // Reading began and did not finish (too large, or the client left while sending): the receive phase failed.
+    let readingBody = false;
     const clientGone = new AbortController();
     // The response's own 'close' says the client left. A pipelined request queued behind another on its connection
     // never gets one when the connection dies (Node hands it the socket only when its turn comes), so the socket's
@@ -588,7 +590,9 @@ export class ApiServer {
       let body: unknown;
       if (method === 'POST') {
         bodyFullyRead = false;
+        readingBody = true;
         const bytes = await readBody(req, this.maxBodyBytes);
+        readingBody = false;
         bodyFullyRead = true;
         trace?.bodyRead(bytes.length);
         try {
@@ -611,7 +615,7 @@ export class ApiServer {
       const model = this.gateway.servedModelName;
       call.trace?.end({
         ...(failure ? { error: failure } : {}), ...(model !== undefined ? { model } : {}),
-        clientGone: clientGone.signal.aborted, bodyIncomplete: !bodyFullyRead,
+        clientGone: clientGone.signal.aborted, bodyIncomplete: readingBody,
       });
       this.metrics.countResponse(routeName, status, call.tenant.name);
       this.logRequest(method, path, routeName, status, call, performance.now() - startedMs);

@@ -312,6 +312,10 @@ export class Telemetry {
     const trace = buildRequestTrace(record);
     this.metrics.observeTrace(trace);
     this.slo.recordTrace(trace);
+    // Refused for its key (none, or unknown): anyone can send these, so beyond the counts above (invalid_api_key /
+    // missing_api_key errors) and the request log they leave nothing: in the trace store a flood of them would evict
+    // the tenants' traces, and exported they would drown the failed requests worth reading.
+    if (trace.phases.some((p) => p.phase === 'auth' && p.attributes?.ok === false)) return;
     this.traces.add(trace);
 
     if (trace.outcome === 'ok') {
