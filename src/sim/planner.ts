@@ -12,7 +12,7 @@ import type { HardwareProfile } from './hardware.ts';
 import type { ModelProfile } from './models.ts';
 import { DEFAULT_EFFICIENCY, stepTimeMs, type Efficiency, type StepShape } from './perf-model.ts';
 import { SimCluster, leastLoaded, summarizeRequests, type RouteFunction, type RunSummary } from './cluster.ts';
-import { SIM_DEFAULTS, simKvBlocks, type SimWorkerConfig } from './sim-worker.ts';
+import { SIM_DEFAULTS, SimConfigError, simKvBlocks, type SimWorkerConfig } from './sim-worker.ts';
 import { poissonWorkload } from './workload.ts';
 
 /**
@@ -73,6 +73,11 @@ export interface PlanTrial {
   workers: number;
   gpus: number;
   summary: RunSummary;
+  /**
+   * Requests the workers refused or ended before their max_tokens (all of them, warm-up included): the summary's
+   * percentiles cover only the requests served, so a trial with any of these does not meet the targets.
+   */
+  unserved: number;
   meetsTargets: boolean;
 }
 
@@ -162,10 +167,26 @@ export function evaluateWorkers(opts: PlanOptions, workers: number, arrivals?: r
   const requests = arrivals ?? planWorkload(opts);
   const config = workerConfig(opts);
   const cluster = new SimCluster({ workers: Array.from({ length: workers }, () => config), route: opts.route ?? leastLoaded });
-  const summary = summarizeRequests(cluster.run(requests).requests, opts.warmupFraction ?? 0.1);
-  const meetsTargets = summary.numRequests > 0 && summary.ttftMs.p99 <= opts.ttftP99Ms
+  const results = cluster.run(requests).requests;
+  const summary = summarizeRequests(results, opts.warmupFraction ?? 0.1);
+  // A request the workers refused (e.g. prompt_exceeds_kv_pool) or stopped at their context limit before its
+  // max_tokens leaves the latency percentiles untouched, or even improves them: it must fail the trial instead.
+  const maxTokens = new Map(requests.map((r) => [r.id, r.sampling.maxTokens]));
+  const unserved = results.filter((r) => !(r.finishReason === 'stop'
+    || (r.finishReason === 'length' && r.completionTokens >= (maxTokens.get(r.id) ?? 0)))).length;
+  const meetsTargets = unserved === 0 && summary.numRequests > 0 && summary.ttftMs.p99 <= opts.ttftP99Ms
     && (summary.itlMs.count === 0 || summary.itlMs.p99 <= opts.itlP99Ms);
-  return { workers, gpus: workers * opts.tp, summary, meetsTargets };
+  return { workers, gpus: workers * opts.tp, summary, unserved, meetsTargets };
+}
+
+/**
+ * The longest sequence (prompt plus output) one worker can hold, as its scheduler computes it: the context length,
+ * lowered to one more than the KV pool's tokens (the last token is fed to the next step, which never runs).
+ */
+export function workerSequenceLimit(opts: PlanOptions): number {
+  const config = workerConfig(opts);
+  const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+  return Math.min(config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, simKvBlocks(config) * blockSize + 1);
 }
 
 export function planWorkload(opts: PlanOptions): EngineRequest[] {
@@ -186,6 +207,17 @@ export function planCapacity(opts: PlanOptions): PlanResult {
   checkPositive('maxWorkers', maxWorkers, true);
   if ((opts.deployment ?? 'aggregated') !== 'aggregated') {
     throw new RangeError('only aggregated deployments are planned so far (every worker prefills and decodes)');
+  }
+  // A request longer than one worker holds is refused or cut short on every worker count: say so rather than
+  // simulate up to maxWorkers for nothing.
+  const limit = workerSequenceLimit(opts);
+  if (opts.inputTokens + opts.outputTokens > limit) {
+    const config = workerConfig(opts);
+    const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+    throw new SimConfigError(`${opts.inputTokens} input + ${opts.outputTokens} output tokens do not fit one worker of `
+      + `${opts.model.name} on ${opts.tp} x ${opts.hw.name}: it holds sequences of at most ${limit} tokens `
+      + `(KV pool ${simKvBlocks(config)} blocks x ${blockSize} tokens, context ${config.maxModelLen ?? SIM_DEFAULTS.maxModelLen}); `
+      + 'use a larger tp or shorter requests');
   }
   const bounds = planBounds(opts);
   const trials: PlanTrial[] = [];
@@ -261,7 +293,8 @@ export function formatPlan(opts: PlanOptions, result: PlanResult): string {
   const f = (v: number) => (Number.isFinite(v) ? v.toFixed(2) : '-');
   const rows = result.trials.map((t) => [
     String(t.workers), String(t.gpus), f(t.summary.ttftMs.p50), f(t.summary.ttftMs.p99), f(t.summary.itlMs.p50),
-    f(t.summary.itlMs.p99), t.summary.outputTokensPerSec.toFixed(0), t.meetsTargets ? 'yes' : 'no',
+    f(t.summary.itlMs.p99), t.summary.outputTokensPerSec.toFixed(0),
+    t.meetsTargets ? 'yes' : t.unserved > 0 ? `no (${t.unserved} refused or cut short)` : 'no',
   ]);
   if (rows.length > 0) {
     lines.push(table(['workers', 'GPUs', 'TTFT p50 ms', 'TTFT p99 ms', 'ITL p50 ms', 'ITL p99 ms', 'out tok/s', 'meets'], rows), '');

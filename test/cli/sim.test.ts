@@ -148,6 +148,13 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--prompt', '200000'], /--prompt \(200000 tokens, plus 1 of output\) does not fit the simulated context of 131072 tokens/],
     [['sim', 'kv-tiers', '--prompt', '600000'], /does not fit the simulated context/],
     [['plan', '--rate', '0.01', '--isl', '200000', '--osl', '4'], /--isl with --osl \(200000 tokens, plus 4 of output\) does not fit/],
+    // Llama 3.1 70B on 2 x H100 at 90% of 80 GiB: 77,309,411,328 B less 70,553,706,496 B of weights per GPU (half of
+    // 70,553,706,496 params x 2 B) leaves 6,755,704,832 B, 41,233 tokens of 163,840 B (4 KV heads per GPU): 2,577 blocks
+    // of 16, so sequences of at most 41,233 tokens. Such requests were cut short (2a) or refused (2b) in simulation.
+    [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '40000', '--osl', '2000', '--rate', '0.1'],
+      /^conduit plan: 40000 input \+ 2000 output tokens do not fit one worker .* at most 41233 tokens/],
+    [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '40000', '--osl', '1234', '--rate', '0.1'], /at most 41233 tokens/],
+    [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '50000', '--osl', '2000', '--rate', '0.1'], /at most 41233 tokens/],
     // A step budget no deployment has (it ran out of memory pricing one step per token of it).
     [['plan', '--rate', '1', '--max-num-batched-tokens', '100000000'], /--max-num-batched-tokens must be at most 1048576/],
   ] as const) {

@@ -4,7 +4,7 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { H100_SXM } from '../../src/sim/hardware.ts';
 import { LLAMA_3_1_8B } from '../../src/sim/models.ts';
-import { formatPlan, planBounds, planCapacity, type PlanOptions } from '../../src/sim/planner.ts';
+import { evaluateWorkers, formatPlan, planBounds, planCapacity, type PlanOptions } from '../../src/sim/planner.ts';
 import { close } from './sim-fixtures.ts';
 
 // Llama 3.1 8B: 32 layers, d 4096, 32 / 8 heads of 128, FFN 14336, vocab 128256, untied embeddings, BF16.
@@ -120,4 +120,26 @@ test('a shared prefix is held once in the KV pool, so it does not shrink the dec
   assert.equal(result.bounds.minWorkers, 1);
   assert.deepEqual(result.answer, { workers: 1, gpus: 1 });
   assert.equal(result.trials[0]!.meetsTargets, true);
+});
+
+test('requests longer than one worker holds are refused up front; cut-short or refused ones fail a trial', () => {
+  // 100 blocks of 16 = 1,600 tokens of KV. A sequence of N tokens needs blocks for its first N - 1 (the last is fed
+  // to a step that never runs), so the longest is 1,601 tokens: 1,500 in + 101 out fits, 1,500 + 102 does not.
+  const small = (inputTokens: number, outputTokens: number) => base({
+    ratePerSec: 0.1, inputTokens, outputTokens, numRequests: 20, ttftP99Ms: 1000, itlP99Ms: 100, worker: { numKvBlocks: 100 },
+  });
+  const fits = planCapacity(small(1500, 101));
+  assert.deepEqual(fits.answer, { workers: 1, gpus: 1 });
+  assert.equal(fits.trials[0]!.unserved, 0);
+  assert.throws(() => planCapacity(small(1500, 102)), (error: Error) => error.name === 'SimConfigError'
+    && /1500 input \+ 102 output tokens do not fit one worker .* at most 1601 tokens \(KV pool 100 blocks x 16 tokens/.test(error.message));
+  // Simulated anyway: every request stops at 101 tokens, which flatters the latencies, so the trial fails.
+  const cut = evaluateWorkers(small(1500, 102), 1);
+  assert.equal(cut.unserved, 20);
+  assert.equal(cut.meetsTargets, false);
+  assert.match(formatPlan(small(1500, 102), { bounds: fits.bounds, trials: [cut], answer: null, reason: 'x' }), / no \(20 refused or cut short\)$/m);
+  // A prompt over the pool is refused by every worker (prompt_exceeds_kv_pool).
+  const refused = evaluateWorkers(small(1700, 8), 4);
+  assert.equal(refused.unserved, 20);
+  assert.equal(refused.meetsTargets, false);
 });
