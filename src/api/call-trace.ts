@@ -16,7 +16,7 @@ import type {
   EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry, ValidateEvent,
 } from '../telemetry/index.ts';
 import {
-  ClientClosedRequestError, ConcurrencyLimitError, RateLimitError, RequestExceedsTokenLimitError, ShuttingDownError,
+  ClientClosedRequestError, ConcurrencyLimitError, RateLimitError, RequestExceedsConcurrencyError, RequestExceedsTokenLimitError, ShuttingDownError,
   type ApiError,
 } from './errors.ts';
 
@@ -56,7 +56,7 @@ function traceparentOf(output: EngineOutput): { traceparent?: string } {
 
 /** The reason label of a tenant-limit refusal. */
 export function rateLimitReason(err: unknown): string | undefined {
-  if (err instanceof ConcurrencyLimitError) return 'concurrency';
+  if (err instanceof ConcurrencyLimitError || err instanceof RequestExceedsConcurrencyError) return 'concurrency';
   if (err instanceof RequestExceedsTokenLimitError) return 'request_too_large';
   if (err instanceof RateLimitError) return err.type;
   return undefined;

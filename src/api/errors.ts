@@ -244,10 +244,20 @@ export class RequestExceedsTokenLimitError extends ApiError {
 }
 
 export class ConcurrencyLimitError extends ApiError {
-  constructor(tenant: string, limit: number) {
+  constructor(tenant: string, limit: number, inFlight: number) {
     super(429, 'concurrency_limit_exceeded', 'requests',
-      `Tenant '${tenant}' already has ${limit} requests in flight, its limit. Retry when one finishes.`, null,
+      `Tenant '${tenant}' already has ${inFlight} sequences in flight of its limit of ${limit} (a request runs prompts x n). `
+      + 'Retry when one finishes.', null,
       retryHeaders(1000));
+  }
+}
+
+/** A request of more sequences than its tenant may ever run at once: waiting cannot help, so no Retry-After. */
+export class RequestExceedsConcurrencyError extends ApiError {
+  constructor(tenant: string, sequences: number, limit: number) {
+    super(429, 'concurrency_limit_exceeded', 'requests',
+      `Request too large for tenant '${tenant}': it runs ${sequences} sequences (prompts x n) but the tenant may run ${limit} at once. `
+      + 'Lower n or send fewer prompts.', 'n');
   }
 }
 

@@ -728,20 +728,23 @@ export class Gateway {
   private admit(call: Call, run: GenerationRun): Admission {
     const { limiter } = this.options;
     try {
-      // Sequences, not requests: one request of 64 prompts with n = 128 is 8,192 sequences of engine work.
-      if (this.pendingSequences + run.sequences > this.options.maxPendingRequests) {
-        throw new OverloadedError(`${this.pendingSequences} sequences are pending, this request adds ${run.sequences}, `
-          + `and the bound is ${this.options.maxPendingRequests}.`);
-      }
+      // The tenant's own limits first: a tenant over its cap hears so (429), not that the server is busy.
       const start = this.now();
+      let admission: Admission;
       try {
-        const admission = limiter.admit(call.tenant, run.reservedTokens);
+        admission = limiter.admit(call.tenant, run.reservedTokens, run.sequences);
         call.trace?.admitted(start);
-        return admission;
       } catch (err) {
         call.trace?.admitted(start, err);
         throw err;
       }
+      // Sequences, not requests: one request of 64 prompts with n = 128 is 8,192 sequences of engine work.
+      if (this.pendingSequences + run.sequences > this.options.maxPendingRequests) {
+        admission.settle(0, { refundRequest: true });
+        throw new OverloadedError(`${this.pendingSequences} sequences are pending, this request adds ${run.sequences}, `
+          + `and the bound is ${this.options.maxPendingRequests}.`);
+      }
+      return admission;
     } finally {
       Object.assign(call.headers, limiter.headers(call.tenant));
     }

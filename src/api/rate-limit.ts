@@ -5,7 +5,7 @@
 
 import type { Tenant } from './auth.ts';
 import {
-  ConcurrencyLimitError, formatDuration, RateLimitError, RequestExceedsTokenLimitError,
+  ConcurrencyLimitError, formatDuration, RateLimitError, RequestExceedsConcurrencyError, RequestExceedsTokenLimitError,
 } from './errors.ts';
 
 export type Clock = () => number;
@@ -67,6 +67,8 @@ export class Admission {
     private readonly limiter: TenantRateLimiter,
     readonly tenant: Tenant,
     readonly reservedTokens: number,
+    /** Sequences (prompts x n) the request runs: what it holds of the tenant's concurrency cap. */
+    readonly sequences: number,
   ) {}
 
   /**
@@ -109,16 +111,23 @@ export class TenantRateLimiter {
     }
   }
 
-  /** Takes a concurrency slot, one request and `reservedTokens` tokens, all or nothing. */
-  admit(tenant: Tenant, reservedTokens: number): Admission {
+  /**
+   * Takes `sequences` of the tenant's concurrency cap, one request and `reservedTokens` tokens, all or nothing. The
+   * cap counts sequences (prompts x n), as the server's own pending bound does: counted in requests, a tenant capped at
+   * 2 could hold the whole server with two requests of n = 128.
+   */
+  admit(tenant: Tenant, reservedTokens: number, sequences = 1): Admission {
     const state = this.state(tenant);
     const now = this.clock();
     const { maxConcurrent } = tenant.limits;
     if (state.tokens && reservedTokens > state.tokens.capacity) {
       throw new RequestExceedsTokenLimitError(tenant.name, reservedTokens, state.tokens.capacity);
     }
-    if (maxConcurrent !== undefined && state.inFlight >= maxConcurrent) {
-      throw new ConcurrencyLimitError(tenant.name, maxConcurrent);
+    if (maxConcurrent !== undefined && sequences > maxConcurrent) {
+      throw new RequestExceedsConcurrencyError(tenant.name, sequences, maxConcurrent);
+    }
+    if (maxConcurrent !== undefined && state.inFlight + sequences > maxConcurrent) {
+      throw new ConcurrencyLimitError(tenant.name, maxConcurrent, state.inFlight);
     }
     if (state.requests && state.requests.available(now) < 1) {
       throw new RateLimitError('requests', tenant.name, state.requests.capacity, state.requests.msUntil(1, now));
@@ -128,15 +137,15 @@ export class TenantRateLimiter {
     }
     state.requests?.tryTake(1, now);
     state.tokens?.tryTake(reservedTokens, now);
-    state.inFlight++;
-    return new Admission(this, tenant, reservedTokens);
+    state.inFlight += sequences;
+    return new Admission(this, tenant, reservedTokens, sequences);
   }
 
   /** Called by Admission.settle. */
   release(admission: Admission, unusedTokens: number, refundRequest: boolean): void {
     const state = this.state(admission.tenant);
     const now = this.clock();
-    state.inFlight = Math.max(0, state.inFlight - 1);
+    state.inFlight = Math.max(0, state.inFlight - admission.sequences);
     if (unusedTokens > 0) state.tokens?.giveBack(unusedTokens, now);
     if (refundRequest) state.requests?.giveBack(1, now);
   }

@@ -94,6 +94,24 @@ describe('TenantRateLimiter', () => {
     limiter.admit(acme, 1);
   });
 
+  it('counts sequences (prompts x n) against the cap: two requests of n = 128 cannot hold the server', () => {
+    const limiter = new TenantRateLimiter(manualClock().now);
+    const acme = tenant('acme', { maxConcurrent: 4 });
+    const three = limiter.admit(acme, 1, 3);
+    assert.equal(limiter.inFlight(acme), 3);
+    const busy = errorOf(() => limiter.admit(acme, 1, 2));
+    assert.equal(busy.code, 'concurrency_limit_exceeded');
+    assert.equal(busy.headers['Retry-After'], '1', 'one finishing would make room');
+    // More sequences than the cap: no wait helps, so no Retry-After.
+    const never = errorOf(() => limiter.admit(acme, 1, 5));
+    assert.equal(never.code, 'concurrency_limit_exceeded');
+    assert.equal(never.headers['Retry-After'], undefined);
+    assert.equal(limiter.inFlight(acme), 3, 'refusals take nothing');
+    limiter.admit(acme, 1, 1);
+    three.settle(1);
+    assert.equal(limiter.inFlight(acme), 1);
+  });
+
   it('takes nothing when a request is refused', () => {
     const limiter = new TenantRateLimiter(manualClock().now);
     const acme = tenant('acme', { requestsPerMinute: 5, tokensPerMinute: 100, maxConcurrent: 3 });
