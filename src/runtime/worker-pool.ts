@@ -18,9 +18,8 @@ import type { PolicyName } from '../router/protocols.ts';
 import { seededRandom } from '../util/random.ts';
 import { Router } from '../router/router.ts';
 import { BitsetKvIndex } from '../router/kv-index.ts';
-import { getHardwareProfile } from '../sim/hardware.ts';
 import { calibrationEfficiency, DEFAULT_CALIBRATION, type CalibrationName } from '../sim/calibration.ts';
-import { getModelProfile } from '../sim/models.ts';
+import { resolveSimDeployment } from '../sim/sim-worker.ts';
 import { SimClockHolds, SimEngine } from '../sim/sim-engine.ts';
 import type { DisaggregationPolicy } from './disaggregation-policy.ts';
 import { DisaggregatedEngine, type DecodeWorkerEngine, type PrefillWorkerEngine } from './disaggregated.ts';
@@ -291,8 +290,7 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   & Partial<Pick<WorkerPoolOptions, 'workers'>>) {
   const spec = options.sim;
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
-  const model = getModelProfile(spec.model);
-  const hw = getHardwareProfile(spec.gpu);
+  const { model, hw } = resolveSimDeployment(spec.model, spec.gpu, spec.tp);
   const { tokenizer, chatTemplate, vocabulary } = simTokenizer();
   const calibration = spec.calibration ?? DEFAULT_CALIBRATION;
   const efficiency = calibrationEfficiency(calibration, hw);

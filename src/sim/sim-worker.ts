@@ -14,9 +14,9 @@ import { rowKey, StepCore, type KvImport } from '../engine/step-core.ts';
 import type {
   EngineInfo, EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob, WorkerRole,
 } from '../engine/types.ts';
-import { hostTierFor, INFINIBAND_NDR, NVME_GEN4, type HardwareProfile, type KvTierProfile, type LinkProfile } from './hardware.ts';
+import { getHardwareProfile, hostTierFor, INFINIBAND_NDR, NVME_GEN4, type HardwareProfile, type KvTierProfile, type LinkProfile } from './hardware.ts';
 import { KvTiers, RamKvTier, type KvBlockIo } from '../engine/kv-cache/tiers.ts';
-import { kvBytesPerToken, paramCount, type ModelProfile } from './models.ts';
+import { getModelProfile, kvBytesPerToken, paramCount, type ModelProfile } from './models.ts';
 import {
   DEFAULT_EFFICIENCY, checkTensorParallel, kvBytesPerTokenPerGpu, kvCapacityTokens, kvTransferTimeMs, loraParamCount, stepTimeMs,
   type Efficiency, type SimLoraTarget,
@@ -224,6 +224,23 @@ export interface SimLoraAdapter {
 /** A simulated worker that cannot exist as configured (a model too large for the GPUs given it). */
 export class SimConfigError extends RangeError {
   override name = 'SimConfigError';
+}
+
+/**
+ * The profiles a simulated deployment names (`--sim-model`, `--sim-gpu`, `--sim-tp` and their CONDUIT_SIM_ twins),
+ * checked before any worker starts. The lookups and the tensor-parallel check throw RangeError, which the CLI would
+ * print as a stack trace; as SimConfigError it prints as one line with exit code 2.
+ */
+export function resolveSimDeployment(modelId: string, gpuId: string, tp: number): { model: ModelProfile; hw: HardwareProfile } {
+  try {
+    const model = getModelProfile(modelId);
+    const hw = getHardwareProfile(gpuId);
+    checkTensorParallel(model, hw, tp);
+    return { model, hw };
+  } catch (error) {
+    if (error instanceof RangeError && !(error instanceof SimConfigError)) throw new SimConfigError(error.message);
+    throw error;
+  }
 }
 
 /** KV blocks a worker of this configuration gets: HBM left after its weight shard, per GPU, in whole blocks. */
