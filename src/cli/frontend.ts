@@ -95,8 +95,8 @@ export const frontendCommand: Command = {
         } else resolve(name);
         received = true;
       };
-      process.on('SIGINT', handler);
-      process.on('SIGTERM', handler);
+      // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
+      for (const name of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(name, handler);
     });
     logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
     await api.shutdown(graceMs);

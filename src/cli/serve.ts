@@ -94,7 +94,7 @@ export const SERVE_FLAGS = {
   'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
   'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
-  'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM', default: 30 },
+  'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM/SIGHUP', default: 30 },
   'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
   'trace-decode-steps': { type: 'boolean', help: 'one decode_step span per engine step a traced request took part in (default: decode steps summarised on the decode span)', default: false },
@@ -777,7 +777,10 @@ export function startupBanner(running: RunningServer): string {
   ].join('\n');
 }
 
-/** Resolves with the signal's name on the first SIGINT/SIGTERM; calls onRepeat for any later one. */
+/**
+ * Resolves with the signal's name on the first SIGINT/SIGTERM/SIGHUP; calls onRepeat for any later one. SIGHUP (the
+ * terminal closed) drains as the others do, where Node's default would end the process mid-stream.
+ */
 function waitForSignal(onRepeat: () => void): Promise<string> {
   return new Promise((resolve) => {
     let received = false;
@@ -786,8 +789,7 @@ function waitForSignal(onRepeat: () => void): Promise<string> {
       else resolve(signal);
       received = true;
     };
-    process.on('SIGINT', handler);
-    process.on('SIGTERM', handler);
+    for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(signal, handler);
   });
 }
 

@@ -138,13 +138,13 @@ export const workerCommand: Command = {
       process.send?.({ type: 'ready', address: running.address, workerId });
       process.on('disconnect', () => void running.shutdown(0).then(() => process.exit(0)));
     }
+    // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
+    const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
     const signal = await new Promise<string>((resolve) => {
-      process.once('SIGINT', () => resolve('SIGINT'));
-      process.once('SIGTERM', () => resolve('SIGTERM'));
+      for (const name of signals) process.once(name, () => resolve(name));
     });
     logger.info(`${signal}: draining`);
-    process.once('SIGINT', () => process.exit(1));
-    process.once('SIGTERM', () => process.exit(1));
+    for (const name of signals) process.once(name, () => process.exit(1));
     await running.shutdown(graceMs);
     setTimeout(() => process.exit(0), 500).unref();
     return 0;
