@@ -20,7 +20,7 @@ import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/eng
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import { formatKvTierTtft, simulateKvTierTtft } from '../sim/kv-tier-ttft.ts';
 import { KV_TIER_PROFILES } from '../sim/hardware.ts';
-import { SIM_DEFAULTS } from '../sim/sim-worker.ts';
+import { checkSimSequenceFits, SIM_DEFAULTS } from '../sim/sim-worker.ts';
 import type { Command } from './main.ts';
 
 /** Gives every flag of a table the environment twin `${prefix}<FLAG>`. */
@@ -120,6 +120,19 @@ export function fitsContext(what: string, tokens: number, outputTokens = 1): voi
   }
 }
 
+/**
+ * A worker of this deployment must exist (its weights fit, tp divides the heads) and hold a prompt of `tokens` and
+ * its first output token in its KV pool. Profile combinations the model refuses are usage errors.
+ */
+function fitsWorker(config: Parameters<typeof checkSimSequenceFits>[0], tokens: number): void {
+  try {
+    checkSimSequenceFits(config, tokens, 1);
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
+}
+
 export function wholeNumber(flag: string, value: number | undefined, min: number): number {
   if (value === undefined || !Number.isSafeInteger(value) || value < min) {
     throw new UsageError(`--${flag} must be a whole number >= ${min}, got ${value}`);
@@ -164,6 +177,9 @@ async function lifecycle(argv: string[]): Promise<number> {
   fitsContext('--prompt', promptTokens);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const maxNumBatchedTokens = wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1);
+  // The tables describe a worker that must exist (its weights fit the GPUs) and hold the prompt and its first token
+  // in its KV pool; otherwise the engine check dies after the tables, and with --no-check they describe nothing.
+  fitsWorker({ model, hw, tp, blockSize }, promptTokens);
   const cachedTokens = values.cached === undefined ? undefined : wholeNumber('cached', values.cached, 0);
   let disaggregated: { link: ReturnType<typeof getLinkProfile>; parallelLinks?: number } | undefined;
   if (values.link !== undefined) {
@@ -286,6 +302,7 @@ async function kvTiers(argv: string[]): Promise<number> {
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   fitsContext('--prompt', promptTokens);
+  fitsWorker({ model, hw, tp }, promptTokens);
   const profile = (flag: string, id: string | undefined) => {
     if (id === undefined) return undefined;
     const found = Object.hasOwn(KV_TIER_PROFILES, id) ? KV_TIER_PROFILES[id] : undefined;

@@ -8,7 +8,7 @@ import { decodeSweep, DEFAULT_BATCH_SIZES, simulateLifecycle, type SweepLora } f
 import type { ModelProfile } from './models.ts';
 import type { Efficiency } from './perf-model.ts';
 import { SimEngine } from './sim-engine.ts';
-import { SIM_DEFAULTS, simKvBlocks } from './sim-worker.ts';
+import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks } from './sim-worker.ts';
 
 export interface EngineCheckOptions {
   model: ModelProfile;
@@ -60,6 +60,8 @@ export async function checkLifecycleWithEngine(opts: EngineCheckOptions & {
   const { model, promptTokens } = opts;
   const blockSize = opts.blockSize ?? SIM_DEFAULTS.blockSize;
   const maxNumBatchedTokens = opts.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens;
+  // A prompt the pool can never hold would be refused by the engine midway (InvalidRequestError): say so first.
+  checkSimSequenceFits({ model, hw: opts.hw, tp: opts.tp, blockSize }, promptTokens, 1);
   const prompt = syntheticPrompt(promptTokens, model.vocabSize);
   const engine = new SimEngine({
     model, hw: opts.hw, tp: opts.tp, efficiency: opts.efficiency, blockSize, maxNumBatchedTokens, speedUp: Infinity,

@@ -7,7 +7,7 @@ import { DEFAULT_SAMPLING, type EngineRequest } from '../engine/types.ts';
 import { hostTierFor, NVME_GEN4, type HardwareProfile, type KvTierProfile } from './hardware.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import type { Efficiency } from './perf-model.ts';
-import { SimWorker } from './sim-worker.ts';
+import { SimConfigError, SimWorker, simKvBlocks } from './sim-worker.ts';
 
 export interface KvTierTtftOptions {
   model: ModelProfile;
@@ -42,6 +42,14 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
   const ram = options.ram ?? hostTierFor(hw);
   const disk = options.disk ?? NVME_GEN4;
   const blocks = Math.ceil((promptTokens + 32) / blockSize) + 2;
+  // The worker gets a pool of just `blocks`, so that one unrelated prompt evicts the first. That pool must be one
+  // the deployment has: its weights must leave HBM (simKvBlocks refuses otherwise), and at least `blocks` of it.
+  const deploymentBlocks = simKvBlocks({ model, hw, tp, blockSize });
+  if (blocks > deploymentBlocks) {
+    throw new SimConfigError(`a ${promptTokens}-token prompt does not fit one worker of ${model.name} on ${tp} x ${hw.name}: `
+      + `the measurement needs ${blocks} KV blocks of ${blockSize} tokens (the prompt, its output and an evicting prompt's `
+      + `extra blocks), the pool holds ${deploymentBlocks}; use a larger tp or a shorter prompt`);
+  }
   const blockBytes = blockSize * kvBytesPerToken(model);
   const make = (tiers: { ramBytes?: number; diskBytes?: number } | undefined) => new SimWorker({
     model, hw, tp, numKvBlocks: blocks, blockSize, maxModelLen: blocks * blockSize,

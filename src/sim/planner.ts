@@ -12,7 +12,7 @@ import type { HardwareProfile } from './hardware.ts';
 import type { ModelProfile } from './models.ts';
 import { DEFAULT_EFFICIENCY, stepTimeMs, type Efficiency, type StepShape } from './perf-model.ts';
 import { SimCluster, leastLoaded, summarizeRequests, type RouteFunction, type RunSummary } from './cluster.ts';
-import { SIM_DEFAULTS, SimConfigError, simKvBlocks, type SimWorkerConfig } from './sim-worker.ts';
+import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks, type SimWorkerConfig } from './sim-worker.ts';
 import { poissonWorkload } from './workload.ts';
 
 /**
@@ -179,16 +179,6 @@ export function evaluateWorkers(opts: PlanOptions, workers: number, arrivals?: r
   return { workers, gpus: workers * opts.tp, summary, unserved, meetsTargets };
 }
 
-/**
- * The longest sequence (prompt plus output) one worker can hold, as its scheduler computes it: the context length,
- * lowered to one more than the KV pool's tokens (the last token is fed to the next step, which never runs).
- */
-export function workerSequenceLimit(opts: PlanOptions): number {
-  const config = workerConfig(opts);
-  const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
-  return Math.min(config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, simKvBlocks(config) * blockSize + 1);
-}
-
 export function planWorkload(opts: PlanOptions): EngineRequest[] {
   return poissonWorkload({
     ratePerSec: opts.ratePerSec, numRequests: opts.numRequests ?? 1000, inputTokens: opts.inputTokens,
@@ -210,15 +200,7 @@ export function planCapacity(opts: PlanOptions): PlanResult {
   }
   // A request longer than one worker holds is refused or cut short on every worker count: say so rather than
   // simulate up to maxWorkers for nothing.
-  const limit = workerSequenceLimit(opts);
-  if (opts.inputTokens + opts.outputTokens > limit) {
-    const config = workerConfig(opts);
-    const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
-    throw new SimConfigError(`${opts.inputTokens} input + ${opts.outputTokens} output tokens do not fit one worker of `
-      + `${opts.model.name} on ${opts.tp} x ${opts.hw.name}: it holds sequences of at most ${limit} tokens `
-      + `(KV pool ${simKvBlocks(config)} blocks x ${blockSize} tokens, context ${config.maxModelLen ?? SIM_DEFAULTS.maxModelLen}); `
-      + 'use a larger tp or shorter requests');
-  }
+  checkSimSequenceFits(workerConfig(opts), opts.inputTokens, opts.outputTokens);
   const bounds = planBounds(opts);
   const trials: PlanTrial[] = [];
   const none = (reason: string): PlanResult => ({ bounds, trials, answer: null, reason });

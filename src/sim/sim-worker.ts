@@ -257,6 +257,27 @@ export function simKvBlocks(config: SimWorkerConfig): number {
   return blocks;
 }
 
+/**
+ * The longest sequence (prompt plus output) a worker of this configuration holds, as its scheduler computes it: the
+ * context length, lowered to one more than the KV pool's tokens (a sequence's last token is fed to a next step, which
+ * never runs, so it needs no slot). A longer prompt is refused; a longer output is cut short with finish 'length'.
+ */
+export function simSequenceLimit(config: SimWorkerConfig): number {
+  const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+  return Math.min(config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, simKvBlocks(config) * blockSize + 1);
+}
+
+/** Refuses, as SimConfigError, a request of `promptTokens` + `outputTokens` that a worker of this configuration cannot hold. */
+export function checkSimSequenceFits(config: SimWorkerConfig, promptTokens: number, outputTokens: number): void {
+  const limit = simSequenceLimit(config);
+  if (promptTokens + outputTokens > limit) {
+    const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
+    throw new SimConfigError(`${promptTokens} prompt + ${outputTokens} output tokens do not fit one worker of ${config.model.name} on `
+      + `${config.tp} x ${config.hw.name}: it holds sequences of at most ${limit} tokens (KV pool ${simKvBlocks(config)} blocks x `
+      + `${blockSize} tokens, context ${config.maxModelLen ?? SIM_DEFAULTS.maxModelLen}); use a larger tp or a shorter request`);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // SimWorker: one worker, synchronous
 

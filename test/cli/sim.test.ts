@@ -152,15 +152,29 @@ test('usage errors exit 2 and name what is wrong', async () => {
     // 70,553,706,496 params x 2 B) leaves 6,755,704,832 B, 41,233 tokens of 163,840 B (4 KV heads per GPU): 2,577 blocks
     // of 16, so sequences of at most 41,233 tokens. Such requests were cut short (2a) or refused (2b) in simulation.
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '40000', '--osl', '2000', '--rate', '0.1'],
-      /^conduit plan: 40000 input \+ 2000 output tokens do not fit one worker .* at most 41233 tokens/],
+      /^conduit plan: 40000 prompt \+ 2000 output tokens do not fit one worker .* at most 41233 tokens/],
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '40000', '--osl', '1234', '--rate', '0.1'], /at most 41233 tokens/],
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '50000', '--osl', '2000', '--rate', '0.1'], /at most 41233 tokens/],
     // A step budget no deployment has (it ran out of memory pricing one step per token of it).
     [['plan', '--rate', '1', '--max-num-batched-tokens', '100000000'], /--max-num-batched-tokens must be at most 1048576/],
+    // Worker that cannot exist or cannot hold the prompt (see the 41,233-token limit above): refused before any table,
+    // with or without the engine check (the check died after the tables; kv-tiers printed them and exited 0).
+    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'],
+      /^conduit sim: 50000 prompt \+ 1 output tokens do not fit one worker of Llama 3\.1 70B on 2 x H100.* at most 41233 tokens/],
+    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41233', '--no-check'], /at most 41233 tokens/],
+    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '1'], /^conduit sim: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM/],
+    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '1', '--no-check'], /the weights leave no HBM/],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '1'], /the weights leave no HBM/],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'], /at most 41233 tokens/],
+    // kv-tiers' worker holds the prompt, 2 output tokens and an evicting prompt 24 tokens longer: ceil((41,220 + 32) / 16)
+    // + 2 = 2,581 blocks, more than the 2,577 the deployment has.
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41220'], /needs 2581 KV blocks of 16 tokens .* the pool holds 2577/],
   ] as const) {
     const result = await run([...argv]);
     assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
     assert.match(result.err, message);
+    assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
+    assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
   }
 });
 

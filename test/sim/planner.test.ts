@@ -132,7 +132,7 @@ test('requests longer than one worker holds are refused up front; cut-short or r
   assert.deepEqual(fits.answer, { workers: 1, gpus: 1 });
   assert.equal(fits.trials[0]!.unserved, 0);
   assert.throws(() => planCapacity(small(1500, 102)), (error: Error) => error.name === 'SimConfigError'
-    && /1500 input \+ 102 output tokens do not fit one worker .* at most 1601 tokens \(KV pool 100 blocks x 16 tokens/.test(error.message));
+    && /1500 prompt \+ 102 output tokens do not fit one worker .* at most 1601 tokens \(KV pool 100 blocks x 16 tokens/.test(error.message));
   // Simulated anyway: every request stops at 101 tokens, which flatters the latencies, so the trial fails.
   const cut = evaluateWorkers(small(1500, 102), 1);
   assert.equal(cut.unserved, 20);

@@ -303,4 +303,11 @@ describe('SimWorker on real profiles', () => {
     const rows = await checkDecodeSweepWithEngine({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4, contextLen: 256, batchSizes: [1, 16] });
     for (const row of rows) close(row.engineItlMs, row.modelItlMs);
   });
+
+  test('the lifecycle check refuses, before running, a prompt the worker\'s KV pool can never hold', async () => {
+    // 2 x H100 at 90% of 80 GiB less half of 70,553,706,496 BF16 params leaves 6,755,704,832 B per GPU: 41,233 tokens
+    // of 163,840 B, 2,577 blocks of 16 (41,232 tokens). A 41,233-token prompt fits no more (the engine refused it midway).
+    await assert.rejects(checkLifecycleWithEngine({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 2, promptTokens: 41_233 }),
+      (error: Error) => error.name === 'SimConfigError' && /at most 41233 tokens \(KV pool 2577 blocks x 16 tokens/.test(error.message));
+  });
 });
