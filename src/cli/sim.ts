@@ -77,7 +77,7 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   batches: { type: 'string', help: 'comma-separated batch sizes', default: DEFAULT_BATCH_SIZES.join(',') },
   'lora-adapters': { type: 'number', help: 'distinct LoRA adapters the batch\'s sequences use (sequence i on adapter i mod N; 0 = the base model only); each adds its weights\' read and its tokens\' low-rank FLOPs to the step (S-LoRA / Punica batching)', default: 0 },
   'lora-rank': { type: 'number', help: 'rank of those adapters (on q, k, v, o, gate, up, down)', default: 16 },
-  'block-size': { type: 'number', help: 'KV block size in tokens (engine check)', default: 16 },
+  'block-size': { type: 'number', help: 'KV block size in tokens (the KV fits column and the engine check)', default: 16 },
   check: { type: 'boolean', help: 'cross-check against the simulated engine (--no-check to skip)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable);
@@ -260,7 +260,7 @@ async function sweep(argv: string[]): Promise<number> {
   const lora = loraAdapters > 0 ? { adapters: loraAdapters, rank: wholeNumber('lora-rank', values['lora-rank'], 1) } : undefined;
   let table;
   try {
-    table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency, ...(lora ? { lora } : {}) });
+    table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency, blockSize, ...(lora ? { lora } : {}) });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;

@@ -115,14 +115,14 @@ export async function checkDecodeSweepWithEngine(opts: EngineCheckOptions & {
   if (!Number.isSafeInteger(contextLen) || contextLen < 1) throw new RangeError(`contextLen must be an integer >= 1, got ${contextLen}`);
   const blockSize = opts.blockSize ?? SIM_DEFAULTS.blockSize;
   const batchSizes = opts.batchSizes ?? DEFAULT_BATCH_SIZES;
-  const sweep = decodeSweep({ model, hw: opts.hw, tp: opts.tp, contextLen, batchSizes, efficiency: opts.efficiency,
+  const sweep = decodeSweep({ model, hw: opts.hw, tp: opts.tp, contextLen, batchSizes, efficiency: opts.efficiency, blockSize,
     ...(opts.lora ? { lora: opts.lora } : {}) });
   const adapters = opts.lora?.adapters ?? 0;
   const numBlocks = simKvBlocks({ model, hw: opts.hw, tp: opts.tp, blockSize });
   const rows: DecodeCheckRow[] = [];
   for (const row of sweep.rows) {
     const batch = row.batch;
-    if (batch * Math.ceil((contextLen + 1) / blockSize) > numBlocks) {
+    if (!row.kvFits) {
       rows.push({ batch, engineItlMs: NaN, modelItlMs: row.itlMs, skipped: 'KV does not fit' });
       continue;
     }

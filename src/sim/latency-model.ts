@@ -395,6 +395,8 @@ export interface DecodeSweepOptions {
   efficiency?: Efficiency;
   /** Fraction of HBM the engine may use (default 0.9), for the KV capacity check. */
   memoryUtilization?: number;
+  /** KV block size in tokens (default 16), for the KV capacity check: the engine allocates whole blocks. */
+  blockSize?: number;
   /**
    * LoRA: the batch's sequences use `adapters` distinct adapters of this rank (sequence i adapter i mod adapters;
    * a batch smaller than `adapters` has one per sequence). Default none: the base model.
@@ -423,7 +425,10 @@ export interface DecodeSweepRow {
   tokensPerSecPerGpu: number;
   /** KV tokens the batch holds after the step, per GPU's cache (each GPU keeps a shard of every token). */
   kvTokens: number;
-  /** The batch's KV fits in what HBM leaves after the weights. */
+  /**
+   * The batch's KV fits in what HBM leaves after the weights, as the engine allocates it: each sequence takes
+   * ceil((context + 1) / blockSize) whole blocks of a pool of floor(capacity / blockSize).
+   */
   kvFits: boolean;
   breakdown: StepBreakdown;
 }
@@ -448,6 +453,11 @@ export function decodeSweep(opts: DecodeSweepOptions): DecodeSweep {
   checkCount('contextLen', contextLen, 0);
   const efficiency = opts.efficiency ?? DEFAULT_EFFICIENCY;
   const capacity = kvCapacityTokens(model, hw, tp, opts.memoryUtilization ?? 0.9);
+  // Tokens alone say a batch fits when its sequences' partly filled last blocks push it past the pool.
+  const blockSize = opts.blockSize ?? DEFAULT_BLOCK_SIZE;
+  checkCount('blockSize', blockSize, 1);
+  const poolBlocks = Math.floor(capacity / blockSize);
+  const blocksPerSeq = Math.ceil((contextLen + 1) / blockSize);
   const rows = (opts.batchSizes ?? DEFAULT_BATCH_SIZES).map((batch): DecodeSweepRow => {
     checkCount('batch size', batch, 1);
     const decodeSeqs = Array.from({ length: batch }, () => ({ contextLen }));
@@ -457,7 +467,7 @@ export function decodeSweep(opts: DecodeSweepOptions): DecodeSweep {
     const kvTokens = batch * (contextLen + 1);
     return {
       batch, itlMs: breakdown.totalMs, tokensPerSec, tokensPerSecPerGpu: tokensPerSec / tp, kvTokens,
-      kvFits: kvTokens <= capacity, breakdown,
+      kvFits: batch * blocksPerSeq <= poolBlocks, breakdown,
     };
   });
   return {

@@ -83,7 +83,8 @@ test('decode sweep: ITL grows with batch, throughput is batch / ITL, KV capacity
     close(r.tokensPerSecPerGpu, r.tokensPerSec / 4);
     const decodeSeqs = Array.from({ length: r.batch }, () => ({ contextLen: 8192 }));
     close(r.itlMs, stepBreakdown({ prefillTokens: [], decodeSeqs }, LLAMA_3_1_70B, H100_SXM, 4, EFF).totalMs);
-    assert.equal(r.kvFits, r.batch * 8193 <= kvCapacityTokens(LLAMA_3_1_70B, H100_SXM, 4));
+    // Whole blocks of 16: ceil(8,193 / 16) = 513 per sequence.
+    assert.equal(r.kvFits, r.batch * 513 <= Math.floor(kvCapacityTokens(LLAMA_3_1_70B, H100_SXM, 4) / 16));
     if (i > 0) {
       assert.ok(r.itlMs > sweep.rows[i - 1]!.itlMs);
       assert.ok(r.tokensPerSec > sweep.rows[i - 1]!.tokensPerSec);
@@ -92,6 +93,19 @@ test('decode sweep: ITL grows with batch, throughput is batch / ITL, KV capacity
   // About 513k tokens fit (each GPU holds a quarter of every token): 62 sequences of 8193, so 32 fit and 64 do not.
   assert.equal(sweep.rows.find((r) => r.batch === 32)!.kvFits, true);
   assert.equal(sweep.rows.find((r) => r.batch === 64)!.kvFits, false);
+});
+
+test('decode sweep: KV fits counts whole blocks, as the engine allocates them', () => {
+  // 4 x H100 at 90% of 80 GiB: 77,309,411,328 B less a quarter of 70,553,706,496 BF16 params (35,276,853,248 B)
+  // leaves 42,032,558,080 B per GPU, 513,092 tokens of 81,920 B (2 KV heads per GPU), 32,068 blocks of 16.
+  // At context 1024 a sequence holds 1,025 tokens in 65 blocks: 490 x 65 = 31,850 fit, 500 x 65 = 32,500 do not,
+  // though 500 x 1,025 = 512,500 tokens are fewer than 513,092.
+  assert.equal(kvCapacityTokens(LLAMA_3_1_70B, H100_SXM, 4), 513_092);
+  const sweep = decodeSweep({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4, contextLen: 1024, batchSizes: [490, 500], efficiency: EFF });
+  assert.deepEqual(sweep.rows.map((r) => r.kvFits), [true, false]);
+  // Blocks of 1 are tokens: 500 sequences of 1,025 then fit.
+  const perToken = decodeSweep({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4, contextLen: 1024, batchSizes: [500], efficiency: EFF, blockSize: 1 });
+  assert.equal(perToken.rows[0]!.kvFits, true);
 });
 
 test('the text tables show every phase and batch with the numbers of the data', () => {
