@@ -210,8 +210,10 @@ async function lifecycle(argv: string[]): Promise<number> {
   // One layer of the cold prefill kernel by kernel, next to seed 001's when the deployment is the one it measured.
   const seed = model.id === 'llama-3.1-70b' && tp === 4 && promptTokens === 1024 && model.weightBytesPerParam === 2
     ? SEED_001_PREFILL_LAYER_US : undefined;
-  console.log(`one layer of the ${promptTokens}-token prefill, per GPU${seed ? ', next to seed 001' : ''}:`);
-  console.log(`${formatPrefillLayerTable(prefillLayerTable(model, hw, tp, promptTokens, efficiency), seed)}\n`);
+  const layerTable = prefillLayerTable(model, hw, tp, promptTokens, efficiency);
+  console.log(`one layer of the ${promptTokens}-token prefill, per GPU${seed ? ', next to seed 001' : ''}`
+    + `${layerTable.denseApproximation ? ', as a dense layer (an approximation: see the note under it)' : ''}:`);
+  console.log(`${formatPrefillLayerTable(layerTable, seed)}\n`);
   if (!values.check) return 0;
 
   const check = await checkLifecycleWithEngine({

@@ -36,6 +36,33 @@ export interface PrefillLayerTable {
   totalUs: number;
   /** Sum of the rows in the step time, µs: the step's per-layer share without LM head and step overhead. */
   stepRowsUs: number;
+  /**
+   * Set for models whose layers the table does not model (mixture-of-experts FFNs, multi-head latent attention): the
+   * rows are a dense GQA layer of the same dimensions and do not add up to the step time. Says what differs.
+   */
+  denseApproximation?: string;
+}
+
+/**
+ * The rows are those of a dense GQA layer. Mixture-of-experts FFNs (top-k of E experts, each step streaming the
+ * experts its tokens chose) and MLA's projections are modelled only by the step time (perf-model.ts), whose matmul
+ * roofline takes them whole; splitting them kernel by kernel is not done, so the table says it is an approximation
+ * rather than print rows that silently miss up to half of the step.
+ */
+function denseApproximationNote(model: ModelProfile): string | undefined {
+  const parts: string[] = [];
+  if (model.moe) {
+    const { numExperts, numExpertsUsed, numSharedExperts, numDenseLayers, expertFfnDim } = model.moe;
+    parts.push(`its FFN is ${numExperts} experts of ${expertFfnDim}, ${numExpertsUsed} per token`
+      + `${numSharedExperts > 0 ? ` plus ${numSharedExperts} shared` : ''}${numDenseLayers > 0 ? ` (after ${numDenseLayers} dense layers)` : ''}, `
+      + `not the dense FFN of ${model.ffnDim} the MLP rows show`);
+  }
+  if (model.attentionParamsPerLayer !== undefined || model.kvElementsPerTokenPerLayer !== undefined) {
+    parts.push('its attention is multi-head latent attention, not the grouped-query QKV, attention and O rows shown');
+  }
+  if (parts.length === 0) return undefined;
+  return `${model.name}: ${parts.join('; ')}. This table is the dense approximation and its rows do not add up to the `
+    + 'prefill step; prefill_execution above is the step model\'s time, which counts them.';
 }
 
 /** The per-layer kernels of a prefill of `tokens` tokens from an empty cache, on one GPU of a tp group. */
@@ -85,7 +112,8 @@ export function prefillLayerTable(model: ModelProfile, hw: HardwareProfile, tp: 
   ];
   const totalUs = rows.reduce((s, r) => s + r.timeUs, 0);
   const stepRowsUs = rows.filter((r) => r.inStepTime).reduce((s, r) => s + r.timeUs, 0);
-  return { rows, totalUs, stepRowsUs };
+  const note = denseApproximationNote(model);
+  return { rows, totalUs, stepRowsUs, ...(note !== undefined ? { denseApproximation: note } : {}) };
 }
 
 /** The table as text, with seed 001's column when the deployment is the one it describes. */
@@ -101,5 +129,7 @@ export function formatPrefillLayerTable(table: PrefillLayerTable, seed?: Readonl
     `${table.stepRowsUs.toFixed(1)} in step time`]);
   const widths = header.map((hd, i) => Math.max(hd.length, ...rows.map((r) => r[i]!.length)));
   const line = (cells: string[]) => cells.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  ');
-  return [line(header), line(widths.map((w) => '-'.repeat(w))), ...rows.map(line)].join('\n');
+  const lines = [line(header), line(widths.map((w) => '-'.repeat(w))), ...rows.map(line)];
+  if (table.denseApproximation !== undefined) lines.push(`note: ${table.denseApproximation}`);
+  return lines.join('\n');
 }

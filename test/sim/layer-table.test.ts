@@ -5,7 +5,7 @@ import { test } from 'node:test';
 
 import { H100_SXM } from '../../src/sim/hardware.ts';
 import { prefillLayerTable, formatPrefillLayerTable, SEED_001_PREFILL_LAYER_US } from '../../src/sim/layer-table.ts';
-import { LLAMA_3_1_70B, LLAMA_3_1_8B, lmHeadParamCount } from '../../src/sim/models.ts';
+import { DEEPSEEK_V3, LLAMA_3_1_70B, LLAMA_3_1_8B, lmHeadParamCount, MIXTRAL_8X7B } from '../../src/sim/models.ts';
 import { DEFAULT_EFFICIENCY, stepBreakdown, type Efficiency } from '../../src/sim/perf-model.ts';
 import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
 
@@ -54,4 +54,19 @@ test('the measured calibration slows every GEMM row by its MFU and leaves the fa
   const qkv = (t: typeof roof) => t.rows.find((r) => r.kernel === 'QKV projection')!.timeUs;
   near(qkv(meas) * MEASURED_EFFICIENCY.h100.matmulMfu, qkv(roof) * DEFAULT_EFFICIENCY.matmulMfu, 'QKV scales with 1/MFU');
   assert.throws(() => prefillLayerTable(LLAMA_3_1_8B, H100_SXM, 1, 1024, { ...FULL, matmulMfu: 0 }), /matmulMfu must be > 0/);
+});
+
+test('mixture-of-experts and MLA models: the table says it is a dense approximation that does not add up', () => {
+  // Mixtral 8x7B, tp 2: a token goes through 2 of 8 experts of 14,336, so its FFN FLOPs are twice the dense rows'
+  // (2 x 3 x 4096 x 14336 per token against 3 x 4096 x 14336): the step is longer than the rows can say.
+  const mixtral = prefillLayerTable(MIXTRAL_8X7B, H100_SXM, 2, 1024);
+  const step = stepBreakdown({ prefillTokens: [{ newTokens: 1024, contextLen: 0 }], decodeSeqs: [] }, MIXTRAL_8X7B, H100_SXM, 2);
+  assert.ok(step.totalMs > (MIXTRAL_8X7B.numLayers * mixtral.stepRowsUs) / 1000 + step.overheadMs + 1);
+  assert.match(mixtral.denseApproximation ?? '', /^Mixtral 8x7B: its FFN is 8 experts of 14336, 2 per token, not the dense FFN/);
+  assert.match(formatPrefillLayerTable(mixtral), /\nnote: Mixtral 8x7B: .*dense approximation and its rows do not add up to the prefill step/);
+  const deepseek = prefillLayerTable(DEEPSEEK_V3, H100_SXM, 8, 1024);
+  assert.match(deepseek.denseApproximation ?? '', /256 experts of 2048, 8 per token plus 1 shared \(after 3 dense layers\).*multi-head latent attention/);
+  // Dense GQA models are what the table models: no note.
+  assert.equal(prefillLayerTable(LLAMA_3_1_8B, H100_SXM, 1, 1024).denseApproximation, undefined);
+  assert.doesNotMatch(formatPrefillLayerTable(prefillLayerTable(LLAMA_3_1_8B, H100_SXM, 1, 1024)), /note:/);
 });
