@@ -467,6 +467,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (engine === 'sim' && idleRelease > 0) {
     warnings.push('--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it');
   }
+  if (engine === 'sim' && values['kv-cache-memory'] !== undefined) {
+    warnings.push('--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights');
+  }
   if (engine === 'sim' && parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
     warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
   }
@@ -760,7 +763,8 @@ export function startupBanner(running: RunningServer): string {
   // One line for what can be dozens of kernels: how many run each variant (/health lists them one by one).
   const kernelsByVariant = new Map<string, number>();
   for (const variant of Object.values(info.kernelVariants)) kernelsByVariant.set(variant, (kernelsByVariant.get(variant) ?? 0) + 1);
-  const variants = [...kernelsByVariant].map(([variant, count]) => `${variant} x${count}`).join(', ');
+  // A count of 1 says nothing (a simulated worker's one entry is its GPUs, "h100 x4").
+  const variants = [...kernelsByVariant].map(([variant, count]) => (count > 1 ? `${variant} x${count}` : variant)).join(', ');
   const example = JSON.stringify({ model, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 32 });
   const auth = keyStore.isOpen ? '' : " -H 'Authorization: Bearer <your key>'";
   // One sequence of N tokens keeps N - 1 in the KV cache: at kvCapacityTokens + 1 the pool, not the model, is the limit.

@@ -46,6 +46,11 @@ describe('conduit serve flags', () => {
     assert.equal(config(['--engine', 'sim']).warnings?.some((w) => /--kv-cache-dtype/.test(w)) ?? false, false);
   });
 
+  it('warns that simulated workers size their KV pool from the GPU, not --kv-cache-memory', () => {
+    assert.equal(config(['--kv-cache-memory', '1GiB', '--engine', 'sim']).warnings?.some((w) => /--kv-cache-memory is for cpu workers/.test(w)), true);
+    assert.equal(config(['--kv-cache-memory', '1GiB']).warnings?.some((w) => /--kv-cache-memory/.test(w)) ?? false, false);
+  });
+
   it('reads every flag from its CONDUIT_* twin, the command line winning', () => {
     const c = config(['--port', '9001'], {
       CONDUIT_PORT: '7000', CONDUIT_HOST: '0.0.0.0', CONDUIT_KV_CACHE_MEMORY: '512MiB', CONDUIT_API_KEYS: 'k1:acme',
