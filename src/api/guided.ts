@@ -17,7 +17,9 @@ export interface GuidedRequest {
 }
 
 export const MAX_GUIDED_CHOICES = 1024;
-const MAX_SCHEMA_DEPTH = 64;
+// XGrammar (0.1.27) compiling a schema of 54 nested objects runs out of its WebAssembly stack, which aborts the
+// worker's grammar engine and the requests running there: 32 levels keep a wide margin (nested arrays compile to 64).
+const MAX_SCHEMA_DEPTH = 32;
 
 /**
  * JSON Schema keywords the grammar cannot enforce: XGrammar would accept the schema and ignore them, so an output
