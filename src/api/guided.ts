@@ -43,10 +43,18 @@ const UNSUPPORTED_KEYWORDS: Record<string, string> = {
   unevaluatedItems: "'unevaluatedItems' is not supported",
   $dynamicRef: "'$dynamicRef' is not supported",
   $recursiveRef: "'$recursiveRef' is not supported",
+  // XGrammar 0.1.27 turns allOf of object schemas into any JSON value, and lets it replace 'properties' beside it.
+  allOf: "'allOf' is not enforced by the grammar engine; merge its schemas into one",
 };
+
+/**
+ * Bounds XGrammar 0.1.27 enforces on integers only: on other numbers a fractional bound's "." became any character
+ * (output such as {"x": 1F5}), exclusive bounds were not kept, and integral bounds let decimals past them.
+ */
+const INTEGER_ONLY_BOUNDS = new Set(['minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum']);
 /** Keywords whose value is a schema, a list of schemas or a map of schemas: walked into. */
 const SCHEMA_VALUED = new Set(['items', 'additionalProperties', 'unevaluatedProperties', 'additionalItems']);
-const SCHEMA_LISTS = new Set(['anyOf', 'oneOf', 'allOf', 'prefixItems']);
+const SCHEMA_LISTS = new Set(['anyOf', 'oneOf', 'prefixItems']);
 const SCHEMA_MAPS = new Set(['properties', '$defs', 'definitions']);
 const TYPES = new Set(['object', 'array', 'string', 'number', 'integer', 'boolean', 'null']);
 
@@ -57,8 +65,12 @@ export function checkJsonSchema(schema: unknown, path: string, depth = 0): void 
   if (depth > MAX_SCHEMA_DEPTH) throw new InvalidValueError(path, `the schema is nested more than ${MAX_SCHEMA_DEPTH} levels deep.`);
   for (const [key, value] of Object.entries(schema)) {
     const at = childPath(path, key);
-    const unsupported = UNSUPPORTED_KEYWORDS[key];
+    const unsupported = Object.hasOwn(UNSUPPORTED_KEYWORDS, key) ? UNSUPPORTED_KEYWORDS[key] : undefined;
     if (unsupported !== undefined) throw new UnsupportedFieldError(at, `${unsupported} in guided decoding.`);
+    if (INTEGER_ONLY_BOUNDS.has(key) && schema.type !== 'integer') {
+      throw new UnsupportedFieldError(at, `'${key}' is enforced on "type": "integer" only in guided decoding (on other numbers the `
+        + 'grammar engine could produce values outside it, or invalid JSON).');
+    }
     if (key === 'type') {
       const types = Array.isArray(value) ? value : [value];
       for (const type of types) {

@@ -113,6 +113,11 @@ describe('chat request validation', () => {
     ['functions', chat({ functions: [{ name: 'f' }] }), 'functions', 'unsupported_parameter'],
     ['guided_json with an outside reference', chat({ guided_json: { $ref: 'other.json' } }), 'guided_json.$ref', 'unsupported_parameter'],
     ['guided_choice not strings', chat({ guided_choice: ['a', 3] }), 'guided_choice[1]', 'invalid_type'],
+    // What XGrammar 0.1.27 would not enforce: allOf (any JSON value came out), bounds on non-integer numbers ({"x": 1F5}).
+    ['guided_json with allOf', chat({ guided_json: { allOf: [{ type: 'object' }, { type: 'object' }] } }), 'guided_json.allOf', 'unsupported_parameter'],
+    ['guided_json with a fractional bound on a number', chat({ guided_json: { type: 'object', properties: { x: { type: 'number', minimum: 0.5 } } } }),
+      'guided_json.properties.x.minimum', 'unsupported_parameter'],
+    ['guided_json with an exclusive bound on a number', chat({ guided_json: { type: 'number', exclusiveMaximum: 1 } }), 'guided_json.exclusiveMaximum', 'unsupported_parameter'],
     ['beam search', chat({ use_beam_search: true }), 'use_beam_search', 'unsupported_parameter'],
   ];
   for (const [what, body, param, code] of corpus) {
@@ -120,6 +125,10 @@ describe('chat request validation', () => {
       rejects(() => parseChatCompletionRequest(body, context), { param, ...(code ? { code } : {}) });
     });
   }
+
+  it('keeps bounds on integers in guided_json (the grammar engine enforces those)', () => {
+    parseChatCompletionRequest(chat({ guided_json: { type: 'integer', minimum: 0, exclusiveMaximum: 10 } }), context);
+  });
 
   it('takes any positive repetition_penalty, as vLLM does', () => {
     for (const penalty of [0.5, 2.5, 10]) {
