@@ -18,7 +18,7 @@ import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { drawRandomSeed } from '../util/random.ts';
 import { GrammarError, type GrammarRuntime } from './grammar/runtime.ts';
 import { sampleGuidedRow } from './grammar/sampling.ts';
-import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, type SequenceSampler } from './sampler.ts';
+import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, UnsampleableRowError, type SequenceSampler } from './sampler.ts';
 import { promptLogprobTargets, type StepPlan } from './scheduler.ts';
 import { rowKey, StepCore, type KvImport, type TokenSource } from './step-core.ts';
 import type { EngineOutput, EngineRequest, FinishReason, SchedulingPolicy, TokenLogprob } from './types.ts';
@@ -190,13 +190,21 @@ export class EngineCore extends StepCore<SequenceSampler> {
       return this.failStep(plan, `forward pass failed: ${message}`, this.now());
     }
     const sampled = this.sampleRows(plan, logits);
-    const promptLogprobs = plan.numPromptLogprobRows > 0 ? this.promptLogprobRows(plan, logits) : undefined;
+    const promptLogprobs = plan.numPromptLogprobRows > 0 ? this.promptLogprobRows(plan, logits, sampled.failed) : undefined;
     const end = this.now();
     // The prefill rate the tiers' cost model weighs onboarding against: steps that computed a block's worth of prompt.
     if (this.kv.tiers !== undefined && plan.stats.numPrefillTokens >= this.kv.blockSize) {
       this.kv.tiers.observePrefill(plan.numScheduledTokens, end - forwardStart);
     }
-    return this.applyStep(plan, sampled.tokenIds, sampled.logprobs, forwardStart, end, promptLogprobs);
+    // A request whose logits could not be sampled fails alone; the step's other requests go on (the scheduler skips a
+    // finished sequence's row, whose placeholder token is never used).
+    const failedOutputs: EngineOutput[] = [];
+    for (const [requestId, error] of sampled.failed) {
+      failedOutputs.push(...this.abortRequest(requestId, end, 'error',
+        `the model's output could not be sampled: ${error.message}${error.reason === 'nan' ? ' (the forward pass overflowed, or the weights are broken)' : ''}`));
+    }
+    const outputs = this.applyStep(plan, sampled.tokenIds, sampled.logprobs, forwardStart, end, promptLogprobs);
+    return failedOutputs.length > 0 ? [...failedOutputs, ...outputs] : outputs;
   }
 
   /** This worker's pool, for a decode worker to read from (shared memory). */
@@ -283,10 +291,17 @@ export class EngineCore extends StepCore<SequenceSampler> {
     return this.logits;
   }
 
-  private sampleRows(plan: StepPlan, logits: Float32Array): { tokenIds: number[]; logprobs: Map<string, TokenLogprob> } {
+  /**
+   * One token per sampled row, and the requests with a row that could not be sampled (a NaN, every token masked:
+   * `failed`, by request id; their rows get the placeholder token 0).
+   */
+  private sampleRows(plan: StepPlan, logits: Float32Array): {
+    tokenIds: number[]; logprobs: Map<string, TokenLogprob>; failed: Map<string, UnsampleableRowError>;
+  } {
     const v = this.vocabSize;
     const tokenIds: number[] = new Array(plan.sampleTargets.length);
     const logprobs = new Map<string, TokenLogprob>();
+    const failed = new Map<string, UnsampleableRowError>();
     const sequences = plan.sampleTargets.map((target) => this.tokenState(target.request.id, target.completionIndex)!);
     // Guided rows are the grammar's to sample; the others the sampler's, its batched draws first.
     const sampledRows = this.sampler.sampleBatch(logits, sequences.map((sequence) => {
@@ -295,22 +310,57 @@ export class EngineCore extends StepCore<SequenceSampler> {
     }));
     plan.sampleTargets.forEach((target, row) => {
       const sequence = sequences[row]!;
-      const sampled = sampledRows[row]
-        ?? sampleGuidedRow(this.sampler, logits.subarray(row * v, (row + 1) * v), sequence, sequence.guided!, this.eosTokenIds);
+      let sampled = sampledRows[row];
+      if (sampled === undefined) {
+        try {
+          sampled = sampleGuidedRow(this.sampler, logits.subarray(row * v, (row + 1) * v), sequence, sequence.guided!, this.eosTokenIds);
+        } catch (error) {
+          if (!(error instanceof UnsampleableRowError)) throw error;
+          sampled = { tokenId: -1, failure: error };
+        }
+      }
+      if (sampled.failure !== undefined) {
+        if (!failed.has(target.request.id)) failed.set(target.request.id, sampled.failure);
+        tokenIds[row] = 0;
+        return;
+      }
       tokenIds[row] = sampled.tokenId;
       if (sampled.logprobs) logprobs.set(rowKey(target.request.id, target.completionIndex), sampled.logprobs);
     });
-    return { tokenIds, logprobs };
+    return { tokenIds, logprobs, failed };
   }
 
   /**
    * The prompt-logprob rows after the sampled ones: each the logprob of the prompt token after its position (the
    * backend's pass over all of them at once where it has one).
    */
-  private promptLogprobRows(plan: StepPlan, logits: Float32Array): TokenLogprob[] {
+  private promptLogprobRows(plan: StepPlan, logits: Float32Array, failed: Map<string, UnsampleableRowError>): TokenLogprob[] {
     const { tokenIds, numTops } = promptLogprobTargets(plan);
-    const first = plan.sampleTargets.length * this.vocabSize;
-    return this.sampler.promptLogprobRows(logits.subarray(first, first + tokenIds.length * this.vocabSize), tokenIds, numTops);
+    const v = this.vocabSize;
+    const first = plan.sampleTargets.length * v;
+    try {
+      return this.sampler.promptLogprobRows(logits.subarray(first, first + tokenIds.length * v), tokenIds, numTops);
+    } catch (error) {
+      if (!(error instanceof UnsampleableRowError)) throw error;
+    }
+    // A row the pass could not take: request by request, so that only the requests with such a row fail (their
+    // entries are placeholders, never read: the request ends with this step).
+    const rows: TokenLogprob[] = [];
+    let at = 0;
+    for (const { sequence, numPromptLogprobRows: count } of plan.scheduled) {
+      if (count === 0) continue;
+      const start = first + at * v;
+      try {
+        rows.push(...this.sampler.promptLogprobRows(logits.subarray(start, start + count * v),
+          tokenIds.slice(at, at + count), numTops.slice(at, at + count)));
+      } catch (error) {
+        if (!(error instanceof UnsampleableRowError)) throw error;
+        if (!failed.has(sequence.request.id)) failed.set(sequence.request.id, error);
+        for (let k = 0; k < count; k++) rows.push({ tokenId: tokenIds[at + k]!, logprob: NaN, top: [] });
+      }
+      at += count;
+    }
+    return rows;
   }
 }
 

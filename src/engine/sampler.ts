@@ -38,9 +38,27 @@ export const GREEDY_TEMPERATURE = 1e-5;
 export type LogprobsMode = 'raw' | 'processed';
 
 export interface SampledToken {
+  /** -1 for a row sampleBatch could not sample (see `failure`). */
   tokenId: number;
   /** Present when the request asked for logprobs (params.logprobs !== null). */
   logprobs?: TokenLogprob;
+  /** Why this row could not be sampled (sampleBatch only): its request fails, the batch's other rows do not. */
+  failure?: UnsampleableRowError;
+}
+
+/**
+ * A row of logits no token can be drawn from: it holds a NaN (the model overflowed, or its weights are broken), or
+ * every token is masked (-Infinity). The fault is the row's own, so only its request fails.
+ */
+export class UnsampleableRowError extends RangeError {
+  override name = 'UnsampleableRowError';
+  constructor(readonly reason: 'nan' | 'masked', message: string) {
+    super(message);
+  }
+}
+
+function everyTokenMasked(): never {
+  throw new UnsampleableRowError('masked', 'every token is masked (-Infinity logits): nothing to sample');
 }
 
 export interface SequenceSamplerOptions {
@@ -334,12 +352,17 @@ export class Sampler {
     };
   }
 
-  /** Samples one token per row; row i of `logits` ([sequences.length x vocabSize]) belongs to sequences[i]. */
+  /**
+   * Samples one token per row; row i of `logits` ([sequences.length x vocabSize]) belongs to sequences[i]. Throws the
+   * UnsampleableRowError of the first row that cannot be sampled.
+   */
   sample(logits: Float32Array, sequences: readonly SequenceSampler[]): SampledToken[] {
     if (logits.length !== sequences.length * this.vocabSize) {
       throw new RangeError(`logits hold ${logits.length} values; expected ${sequences.length} rows x vocabSize ${this.vocabSize}`);
     }
-    return this.sampleBatch(logits, sequences) as SampledToken[];
+    const results = this.sampleBatch(logits, sequences) as SampledToken[];
+    for (const result of results) if (result.failure !== undefined) throw result.failure;
+    return results;
   }
 
   /**
@@ -351,6 +374,8 @@ export class Sampler {
    * one thread); the rest go through sampleRow here. Logprobs of the raw logits (logprobsMode 'raw'), with the
    * backend's prompt-logprob pass, are then that pass over all such rows at once with each row's chosen token as its
    * target: the same entries as sampleRow's, bit for bit, the rows again shared by the backend's threads.
+   * A row that cannot be sampled (UnsampleableRowError) gets tokenId -1 and the error as `failure`; the others are
+   * sampled as if it were not there.
    */
   sampleBatch(logits: Float32Array, sequences: readonly (SequenceSampler | undefined)[]): (SampledToken | undefined)[] {
     const v = this.vocabSize;
@@ -374,7 +399,13 @@ export class Sampler {
         sequence.recordOutputToken(tokenId);
         results[row] = { tokenId };
       } else {
-        results[row] = this.sampleRowWith(rowOf(row), sequence, !inPass);
+        try {
+          results[row] = this.sampleRowWith(rowOf(row), sequence, !inPass);
+        } catch (error) {
+          if (!(error instanceof UnsampleableRowError)) throw error;
+          results[row] = { tokenId: -1, failure: error };
+          continue;
+        }
       }
       if (inPass) {
         this.passRowIds[passRows] = row;
@@ -657,7 +688,7 @@ export class Sampler {
   private drawTopK(values: Float32Array, scale: number, sequence: SequenceSampler): number {
     const { weights, order } = this;
     const numKept = heapSelectTop(values, order, sequence.params.topK, -Infinity);
-    if (numKept === 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+    if (numKept === 0) everyTokenMasked();
     let best = -Infinity;
     for (let j = 0; j < numKept; j++) best = Math.max(best, values[order[j]!]!);
     const max = Math.fround(best * scale);
@@ -933,12 +964,12 @@ export function argmax(values: Float32Array): number {
   if (best1 > bestValue || (best1 === bestValue && id1 >= 0 && (best < 0 || id1 < best))) { best = id1; bestValue = best1; }
   if (best2 > bestValue || (best2 === bestValue && id2 >= 0 && (best < 0 || id2 < best))) { best = id2; bestValue = best2; }
   if (best3 > bestValue || (best3 === bestValue && id3 >= 0 && (best < 0 || id3 < best))) { best = id3; bestValue = best3; }
-  if (bestValue === -Infinity || best < 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+  if (bestValue === -Infinity || best < 0) everyTokenMasked();
   return best;
 }
 
 function nanAt(id: number): never {
-  throw new RangeError(`logits row holds NaN at token id ${id}`);
+  throw new UnsampleableRowError('nan', `logits row holds NaN at token id ${id}`);
 }
 
 /**

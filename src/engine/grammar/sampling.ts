@@ -2,7 +2,7 @@
 // mask when it refuses them. The engine samples every guided row through sampleGuidedRow (EngineCore.sampleRows);
 // benchmarks/grammar.ts times it against a plain sampler pass.
 
-import { argmax, GREEDY_TEMPERATURE, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
+import { argmax, GREEDY_TEMPERATURE, UnsampleableRowError, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
 import type { GuidedSequence } from './runtime.ts';
 
 /**
@@ -47,7 +47,7 @@ const candidateValues = new Float32Array(WIDE_CANDIDATES);
  * The `k` best tokens of `row` into ids[0, count), best first (higher value, then lower id: the order of the argmax's
  * ties), -Infinity left out; returns count (< k when fewer tokens are finite). One pass: four values per iteration
  * checked against the worst kept value at once, and only a better one inserted (insertCandidate), so the loop keeps
- * its variables in registers. A NaN throws the RangeError the sampler's argmax throws.
+ * its variables in registers. A NaN throws the UnsampleableRowError the sampler's argmax throws.
  */
 export function topCandidates(row: Float32Array, k: number, ids: Int32Array, values: Float32Array): number {
   const n = row.length;
@@ -73,7 +73,7 @@ export function topCandidates(row: Float32Array, k: number, ids: Int32Array, val
 
 /** Inserts token `id` into the kept ids[0, count) (the worst dropped when k are kept); returns the new count. */
 function insertCandidate(ids: Int32Array, values: Float32Array, count: number, k: number, id: number, value: number): number {
-  if (value !== value) throw new RangeError(`logits row holds NaN at token id ${id}`);
+  if (value !== value) throw new UnsampleableRowError('nan', `logits row holds NaN at token id ${id}`);
   if (value === -Infinity) return count;
   // Behind every kept value >= value: an equal one has a lower id (ids arrive in increasing order).
   let at = count < k ? count++ : k - 1;
@@ -106,7 +106,7 @@ export function greedyGuidedToken(values: Float32Array, guided: GuidedSequence,
     first = 1; // the candidates' pass puts the same token first (ties to the lower id in both)
   }
   const count = topCandidates(values, guided.candidateWidth, candidateIds, candidateValues);
-  if (count === 0) throw new RangeError('every token is masked (-Infinity logits): nothing to sample');
+  if (count === 0) throw new UnsampleableRowError('masked', 'every token is masked (-Infinity logits): nothing to sample');
   for (let j = first; j < count; j++) {
     const tokenId = candidateIds[j]!;
     if (guided.accept(tokenId)) {
@@ -189,8 +189,9 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
   try {
     sampled = sampler.sampleRow(values, sequence);
   } catch (error) {
-    // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends.
-    if (!(error instanceof RangeError)) throw error;
+    // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends. A NaN
+    // is the model's fault, not the grammar's: the request fails (the caller's).
+    if (!(error instanceof UnsampleableRowError) || error.reason !== 'masked') throw error;
     sampled = { tokenId: eosTokenIds.find((id) => values[id] !== -Infinity) ?? eosTokenIds[0] ?? 0 };
     sequence.recordOutputToken(sampled.tokenId);
   }
