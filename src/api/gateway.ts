@@ -25,7 +25,7 @@ import { GuidedChecker } from './guided.ts';
 import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
-import { toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
+import { secondaryEosTokenIds, toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
 import { PromptEncoder } from './prompt-encoder.ts';
 import { SseWriter } from './sse.ts';
@@ -658,7 +658,7 @@ export class Gateway {
       ...cacheSaltOf(call.tenant.cacheSalt, request.cacheSalt),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
-    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs));
+    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs, secondaryEosTokenIds(backend.tokenizer)));
     const trace = call.trace;
     if (trace) {
       trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID,

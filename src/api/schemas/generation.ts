@@ -2,6 +2,7 @@
 // Ranges follow OpenAI where it documents one and vLLM otherwise.
 
 import type { SamplingParams } from '../../engine/types.ts';
+import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, readInteger, readNumber, readString } from '../validate.ts';
 import { readGuided, type GuidedRequest } from '../guided.ts';
@@ -201,12 +202,21 @@ function guidedOption(fields: Fields): { guided?: GuidedRequest } {
   return guided ? { guided } : {};
 }
 
+/** A tokenizer's end-of-generation ids other than its EOS (Llama 3's <|eot_id|>, Qwen's <|im_end|>). */
+export function secondaryEosTokenIds(tokenizer: Pick<Tokenizer, 'eosId' | 'stopTokenIds'>): number[] {
+  return tokenizer.stopTokenIds.filter((id) => id !== tokenizer.eosId);
+}
+
 /**
  * The engine's sampling parameters once the prompt length has fixed max_tokens. promptLogprobs: alternatives per
  * prompt token the response shows (prompt_logprobs, or completions' echo with logprobs), undefined for none.
  */
 export function toSamplingParams(options: GenerationOptions, maxTokens: number, logprobs: number | null,
-  promptLogprobs?: number): SamplingParams {
+  promptLogprobs?: number, secondaryEosTokenIds: readonly number[] = []): SamplingParams {
+  // The model's end-of-generation ids besides its EOS are stop token ids, so that ending on one reports its id as
+  // stop_reason (vLLM adds them to stop_token_ids, unless ignore_eos; ending on the EOS itself reports null). The
+  // engine stops on them either way.
+  const extraStops = options.ignoreEos ? [] : secondaryEosTokenIds.filter((id) => !options.stopTokenIds.includes(id));
   return {
     temperature: options.temperature,
     topP: options.topP,
@@ -221,7 +231,7 @@ export function toSamplingParams(options: GenerationOptions, maxTokens: number, 
     maxTokens,
     minTokens: Math.min(options.minTokens, maxTokens),
     ignoreEos: options.ignoreEos,
-    stopTokenIds: options.stopTokenIds,
+    stopTokenIds: extraStops.length > 0 ? [...options.stopTokenIds, ...extraStops] : options.stopTokenIds,
     stop: options.stop,
     includeStopStrInOutput: options.includeStopStrInOutput,
     logprobs,

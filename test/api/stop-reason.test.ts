@@ -1,0 +1,72 @@
+// stop_reason for the model's end-of-generation tokens, as vLLM reports it: ending on the EOS is null, ending on
+// another end-of-generation id (Qwen's <|im_end|>, which vLLM adds to stop_token_ids) is that id, and ignore_eos
+// goes past both. A synthetic model with Qwen 2's vocabulary (EOS <|endoftext|>, also <|im_end|>); logit_bias makes
+// the token wanted the first one sampled.
+
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { silentLogger } from '../../src/api/log.ts';
+import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
+import { writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { rawRequest } from './http-client.ts';
+
+const VOCAB = 'ggml-vocab-qwen2.gguf';
+const ENDOFTEXT = 151643;
+const IM_END = 151645;
+
+describe('stop_reason of end-of-generation tokens', { skip: skipUnlessShared(VOCAB) }, () => {
+  let dir: string;
+  let server: RunningServer;
+
+  before(async () => {
+    dir = mkdtempSync(join(tmpdir(), 'conduit-stop-reason-'));
+    const path = join(dir, 'qwen-vocab.gguf');
+    writeSyntheticModel({
+      name: 'stop reason', dim: 32, numLayers: 1, numHeads: 2, numKvHeads: 1, ffnDim: 48, contextLength: 128,
+      dtype: 'F32', seed: 9, tokenizer: sharedModel(VOCAB)!,
+    }, path);
+    const config = parseServeConfig(['--model', path, '--port', '0', '--log-level', 'silent', '--kv-cache-memory', '8MiB',
+      '--threads', '1', '--worker-restart-limit', '0'], {});
+    if (config === 'help') throw new Error('unexpected --help');
+    server = await startServer(config, silentLogger);
+  });
+  after(async () => {
+    await server?.api.shutdown(0);
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  async function complete(body: object): Promise<{ finish: string; stop: unknown; tokens: number }> {
+    const res = await rawRequest(server.url, {
+      path: '/v1/completions', body: { prompt: 'Hello', max_tokens: 4, temperature: 0, ...body },
+    });
+    assert.equal(res.status, 200, res.text);
+    const json = res.json();
+    return { finish: json.choices[0].finish_reason, stop: json.choices[0].stop_reason, tokens: json.usage.completion_tokens };
+  }
+
+  it('ending on the EOS is stop_reason null; on <|im_end|> its id; a requested stop token id its id', async () => {
+    assert.deepEqual(await complete({ logit_bias: { [ENDOFTEXT]: 100 } }), { finish: 'stop', stop: null, tokens: 1 });
+    assert.deepEqual(await complete({ logit_bias: { [IM_END]: 100 } }), { finish: 'stop', stop: IM_END, tokens: 1 });
+    assert.deepEqual(await complete({ logit_bias: { [IM_END]: 100 }, stop_token_ids: [IM_END] }),
+      { finish: 'stop', stop: IM_END, tokens: 1 });
+  });
+
+  it('ignore_eos goes past both, to max_tokens', async () => {
+    for (const id of [ENDOFTEXT, IM_END]) {
+      assert.deepEqual(await complete({ logit_bias: { [id]: 100 }, ignore_eos: true }), { finish: 'length', stop: null, tokens: 4 });
+    }
+  });
+
+  it('a stream reports the same stop_reason in its last choice', async () => {
+    const res = await rawRequest(server.url, {
+      path: '/v1/completions', body: { prompt: 'Hello', max_tokens: 4, temperature: 0, stream: true, logit_bias: { [IM_END]: 100 } },
+    });
+    const events = res.text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+    const last = events.filter((event) => event.choices?.[0]?.finish_reason).at(-1);
+    assert.deepEqual([last.choices[0].finish_reason, last.choices[0].stop_reason], ['stop', IM_END]);
+  });
+});
