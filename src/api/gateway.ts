@@ -533,7 +533,9 @@ export class Gateway {
     this.ready();
     const request = parseDetokenizeRequest(body, this.validationContext(this.backendFor(body)));
     const { backend } = this.resolveModel(request.model);
-    return { status: 200, body: { prompt: backend.tokenizer.decode(request.tokens) } };
+    // Special tokens kept, as vLLM's (a Hugging Face decode's default): /tokenize of the text, without added special
+    // tokens, gives the ids back.
+    return { status: 200, body: { prompt: backend.tokenizer.decode(request.tokens, { skipSpecialTokens: false }) } };
   }
 
   /**

@@ -248,7 +248,8 @@ describe('HTTP API end to end', () => {
     assert.equal(tokens.count, tokens.tokens.length);
     const bare = (await post('/tokenize', { prompt: 'Hello world', add_special_tokens: false })).json();
     assert.equal(bare.count, tokens.count - 1, 'add_special_tokens adds BOS');
-    assert.equal((await post('/detokenize', { tokens: tokens.tokens })).json().prompt, 'Hello world');
+    assert.equal((await post('/detokenize', { tokens: tokens.tokens })).json().prompt, '<s> Hello world', 'special tokens kept');
+    assert.equal((await post('/detokenize', { tokens: bare.tokens })).json().prompt, 'Hello world');
     assert.equal((await post('/tokenize', { model: 'other', prompt: 'x' })).status, 404);
   });
 

@@ -1,7 +1,7 @@
 // vLLM's request fields beyond OpenAI's that change what a request gets: each honoured (truncate_prompt_tokens,
 // completions' add_special_tokens, cache_salt, continue_final_message, documents and reasoning_effort for the
 // template) or refused with a 400 naming it (bad_words, allowed_token_ids, logprob_token_ids, chat's echo), never
-// silently ignored; against the real server on the built-in model.
+// silently ignored; /detokenize as vLLM's; against the real server on the built-in model.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -138,6 +138,16 @@ describe('vLLM\'s extra request fields', () => {
     assert.equal(roles.length, 2);
     for (const role of roles) assert.equal(role.usage.completion_tokens, 0, JSON.stringify(role));
     await waitFor(() => engineIdle(server.engine), 'nothing running');
+  });
+
+  it('/detokenize keeps special tokens, as vLLM\'s does (a Hugging Face decode\'s default)', E2E, async () => {
+    const detokenize = async (body: object) => {
+      const ids = (await post('/tokenize', body)).json().tokens as number[];
+      return (await post('/detokenize', { tokens: ids })).json().prompt as string;
+    };
+    assert.equal(await detokenize({ prompt: 'Once upon a time' }), '<s> Once upon a time');
+    const messages = [{ role: 'user', content: 'Hi there' }, { role: 'assistant', content: 'Hello' }];
+    assert.equal(await detokenize({ messages, add_generation_prompt: false }), '<s> [INST] Hi there [/INST] Hello </s>');
   });
 
   it('continue_final_message: the prompt ends inside the last message, which the model continues', E2E, async () => {
