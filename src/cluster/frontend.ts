@@ -56,7 +56,7 @@ export interface ClusterFrontendOptions {
  * than from a process that replaced it: a new process starts with a new start time (and usually pid).
  */
 function sameProcess(a: WorkerRecord, b: WorkerRecord): boolean {
-  return a.pid === b.pid && a.startedAt === b.startedAt;
+  return workerInstance(a) === workerInstance(b);
 }
 
 /** What a frontend serves: the routed engine over aggregated workers, or the disaggregated one over prefill + decode. */
