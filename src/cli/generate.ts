@@ -2,6 +2,7 @@
 // synthetic one, so `conduit generate --prompt hi` works on a fresh clone. With --concurrency N the same prompt runs
 // as N requests at once (seeds seed, seed+1, ...), which shows what continuous batching buys.
 
+import { EngineStartError } from '../engine/errors.ts';
 import { createLocalEngine, type LocalEngineBundle } from '../engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
@@ -57,7 +58,7 @@ export const generateCommand: Command = {
     try {
       bundle = await createLocalEngine({ modelPath, backend, threads: values.threads, maxNumSeqs: Math.max(concurrency, 1) });
     } catch (err) {
-      if (!isModelLoadError(err)) throw err;
+      if (!isModelLoadError(err) && !(err instanceof EngineStartError)) throw err;
       console.error(`conduit generate: ${err.message}`);
       return 1;
     }

@@ -60,6 +60,8 @@ export const SERVE_FLAGS = {
   'chat-template': { type: 'string', help: 'the chat template /v1/chat/completions and /tokenize render messages with, instead of each served model\'s own: a Jinja file, or the template itself (as vLLM\'s --chat-template)' },
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
+  'max-model-len': { type: 'number', help: 'longest sequence (prompt + output) a request may reach, in tokens (as vLLM\'s flag; default: the model\'s context length; either way at most what one sequence can hold in the KV cache); a cpu worker refuses one above its model\'s context length at start' },
+  'enable-prefix-caching': { type: 'boolean', help: 'reuse the KV blocks of prompt prefixes computed before (--no-enable-prefix-caching: every prompt is computed whole, as vLLM\'s flag)', default: true },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (the backend\'s choice: f16 on the native and reference backends, as llama.cpp stores it), f16, or f32 (twice the memory and the bytes decode attention reads)', default: 'auto' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
@@ -143,6 +145,10 @@ export interface ServeConfig {
   tenantDefaults: TenantLimits;
   maxNumSeqs?: number;
   maxNumBatchedTokens?: number;
+  /** Longest sequence in tokens (--max-model-len); absent: the model's context length. */
+  maxModelLen?: number;
+  /** Prefix caching (--enable-prefix-caching, on by default). */
+  enablePrefixCaching: boolean;
   kvCacheMemoryBytes?: number;
   /** How the cpu engine stores the KV cache (--kv-cache-dtype); absent for auto, the backend's choice (resolveKvDtype). */
   kvDtype?: KvDtype;
@@ -216,7 +222,7 @@ export function parseByteSize(text: string, flag: string, options: { allowZero?:
   return bytes;
 }
 
-function positiveInteger(value: number | undefined, flag: string): number | undefined {
+export function positiveInteger(value: number | undefined, flag: string): number | undefined {
   if (value === undefined) return undefined;
   if (!Number.isInteger(value) || value <= 0) throw new UsageError(`--${flag} must be a whole number > 0, got ${value}`);
   return value;
@@ -532,6 +538,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     traceDecodeSteps: values['trace-decode-steps']!,
     logLevel,
     requestLog: values['request-log']!,
+    enablePrefixCaching: values['enable-prefix-caching']!,
     tokenizerInfoEndpoint: values['enable-tokenizer-info-endpoint']!,
     returnTokensAsTokenIds: values['return-tokens-as-token-ids']!,
     ...(warnings.length > 0 ? { warnings } : {}),
@@ -556,6 +563,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
   const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
   if (maxNumBatchedTokens !== undefined) config.maxNumBatchedTokens = maxNumBatchedTokens;
+  const maxModelLen = positiveInteger(values['max-model-len'], 'max-model-len');
+  if (maxModelLen !== undefined) config.maxModelLen = maxModelLen;
   if (values['kv-cache-memory'] !== undefined) config.kvCacheMemoryBytes = parseByteSize(values['kv-cache-memory'], 'kv-cache-memory');
   const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
   if (kvDtype !== undefined) config.kvDtype = kvDtype;
@@ -689,6 +698,8 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(spec.servedModelName !== undefined ? { servedModelName: spec.servedModelName } : {}),
           ...(config.maxNumSeqs !== undefined ? { maxNumSeqs: config.maxNumSeqs } : {}),
           ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
+          ...(config.maxModelLen !== undefined ? { maxModelLen: config.maxModelLen } : {}),
+          enablePrefixCaching: config.enablePrefixCaching,
           ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
           ...(config.kvDtype !== undefined ? { kvDtype: config.kvDtype } : {}),
           kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,
@@ -817,7 +828,8 @@ export const serveCommand: Command = {
       }
       const { isModelLoadError } = await import('../model/loader.ts');
       const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
-      if (isModelLoadError(err) || err instanceof DiskTierLockedError) {
+      const { EngineStartError } = await import('../engine/errors.ts');
+      if (isModelLoadError(err) || err instanceof DiskTierLockedError || err instanceof EngineStartError) {
         console.error(`conduit serve: ${err.message}`);
         return 1;
       }

@@ -14,13 +14,13 @@ import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 import {
-  parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp, SERVE_FLAGS,
+  parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp, positiveInteger, SERVE_FLAGS,
 } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-dtype', 'kv-cache-idle-release',
   'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
-  'max-num-batched-tokens', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
+  'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
 const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, SERVE_FLAGS[name]])) as Pick<typeof SERVE_FLAGS, (typeof ENGINE_FLAG_NAMES)[number]>;
@@ -120,8 +120,11 @@ export const workerCommand: Command = {
         ...(values['kv-offload-disk'] !== undefined ? {
           kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),
         } : {}),
-        ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: values['max-num-seqs'] } : {}),
-        ...(values['max-num-batched-tokens'] !== undefined ? { maxNumBatchedTokens: values['max-num-batched-tokens'] } : {}),
+        ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: positiveInteger(values['max-num-seqs'], 'max-num-seqs') } : {}),
+        ...(values['max-num-batched-tokens'] !== undefined
+          ? { maxNumBatchedTokens: positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens') } : {}),
+        ...(values['max-model-len'] !== undefined ? { maxModelLen: positiveInteger(values['max-model-len'], 'max-model-len') } : {}),
+        enablePrefixCaching: values['enable-prefix-caching']!,
         sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: values['sim-lora-rank']! },
       },
     }).catch((error: unknown) => {

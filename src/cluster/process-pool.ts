@@ -96,6 +96,8 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   add('scheduling-policy', options.policy);
   add('max-num-seqs', options.maxNumSeqs);
   add('max-num-batched-tokens', options.maxNumBatchedTokens);
+  add('max-model-len', options.maxModelLen);
+  if (options.enablePrefixCaching === false) args.push('--no-enable-prefix-caching');
   if (options.sim) {
     add('sim-model', options.sim.model);
     add('sim-gpu', options.sim.gpu);

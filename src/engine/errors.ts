@@ -69,6 +69,14 @@ export class WorkerLostError extends Error {
   }
 }
 
+/**
+ * An engine worker refused to start with its configuration (a KV pool too small for one block, --max-model-len above
+ * the model's context ...): the worker's own reason, which the CLI prints as one line.
+ */
+export class EngineStartError extends Error {
+  override name = 'EngineStartError';
+}
+
 /** A LoRA adapter that could not be loaded (bad file, wrong shapes, another base model) or unloaded (in use). */
 export class LoraLoadError extends Error {
   override name = 'LoraLoadError';

@@ -11,7 +11,7 @@ import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
-import { EngineClosedError, InvalidRequestError, LoraLoadError } from './errors.ts';
+import { EngineClosedError, EngineStartError, InvalidRequestError, LoraLoadError } from './errors.ts';
 import { KV_IN_PLACE_SOURCE, PrefillStream, type AdoptedResult, type KvImportPreparation, type KvHandoff, type PrefillEvent, type PrefillProgress } from './handoff.ts';
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
@@ -115,7 +115,7 @@ export class LocalEngine implements Engine {
     const ready = await new Promise<Extract<FromWorker, { type: 'ready' }>>((resolve, reject) => {
       const onMessage = (message: FromWorker) => {
         if (message.type === 'ready') { cleanup(); resolve(message); }
-        if (message.type === 'failed') { cleanup(); reject(new Error(message.message)); }
+        if (message.type === 'failed') { cleanup(); reject(new EngineStartError(message.message)); }
       };
       const onError = (error: Error) => { cleanup(); reject(error); };
       const onExit = (code: number) => { cleanup(); reject(new Error(`engine worker exited with code ${code} while loading`)); };

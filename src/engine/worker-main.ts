@@ -49,6 +49,10 @@ async function start(): Promise<Started> {
     numLayers: config.numLayers, numBlocks: 1, blockSize: init.blockSize, numKvHeads: config.numKvHeads,
     headDim: config.headDim, dtype: kvDtype,
   });
+  // As vLLM: a longer context than the model was trained for is refused, not silently cut to it.
+  if (init.maxModelLen !== undefined && init.maxModelLen > config.contextLength) {
+    throw new Error(`--max-model-len ${init.maxModelLen} is above the model's context length (${config.contextLength} tokens)`);
+  }
   const numBlocks = Math.floor(init.kvCacheMemoryBytes / bytesPerBlock);
   if (numBlocks < 1) {
     throw new Error(`--kv-cache-memory ${init.kvCacheMemoryBytes} bytes holds no block of ${bytesPerBlock} bytes`);
@@ -60,7 +64,7 @@ async function start(): Promise<Started> {
   const backend = factory.load(config, loaded.weights, { numBlocks, blockSize: init.blockSize, dtype: kvDtype },
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
     { threads: init.threads, releaseUnpackedWeights: true, ...(init.loraDtype !== undefined ? { loraDtype: init.loraDtype } : {}) });
-  const maxModelLen = Math.min(init.maxModelLen ?? config.contextLength, config.contextLength);
+  const maxModelLen = init.maxModelLen ?? config.contextLength;
   const tierNotices: string[] = [];
   const kvTiers = openKvTiers(backend.kvLayout, fingerprint, tierNotices);
   const core = new EngineCore({

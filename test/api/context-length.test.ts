@@ -1,12 +1,14 @@
 // On a KV cache smaller than the model's context, the server advertises the context one sequence can really get
 // (GET /v1/models max_model_len), refuses a prompt + max_tokens beyond it with vLLM's 400, and without max_tokens
-// generates up to it on chat, as vLLM does (max_tokens defaults to what is left; 16 on completions).
+// generates up to it on chat, as vLLM does (max_tokens defaults to what is left; 16 on completions). vLLM's
+// --max-model-len sets that context below the model's, and --no-enable-prefix-caching turns the prefix cache off.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import OpenAI, { BadRequestError } from 'openai';
 import { startupBanner } from '../../src/cli/serve.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { rawRequest } from './http-client.ts';
 
 const E2E = { timeout: 90_000 };
 /** The built-in model's context length. */
@@ -72,5 +74,55 @@ describe('context length on a KV cache smaller than the model context', () => {
     // min_tokens above that default is refused as it is above an explicit max_tokens.
     await assert.rejects(client.completions.create({ model, prompt: 'Hello', min_tokens: 17 } as OpenAI.CompletionCreateParamsNonStreaming),
       (err: unknown) => err instanceof BadRequestError && err.param === 'min_tokens');
+  });
+});
+
+describe('--max-model-len and --no-enable-prefix-caching, as vLLM\'s flags', () => {
+  const MAX_MODEL_LEN = 96;
+  /** A prompt of several KV blocks, sent twice. */
+  const PROMPT = 'Once upon a time there was a little girl who lived in a village near the forest. '.repeat(3);
+  let uncached: TestServer;
+  let cached: TestServer;
+
+  before(async () => {
+    uncached = await startTestServer({ flags: ['--max-model-len', String(MAX_MODEL_LEN), '--no-enable-prefix-caching'] });
+    cached = await startTestServer({ flags: ['--max-model-len', String(MAX_MODEL_LEN)] });
+  });
+  after(async () => {
+    await uncached?.close();
+    await cached?.close();
+  });
+
+  it('the context is --max-model-len: advertised, and a request beyond it is a 400', E2E, async () => {
+    const client = new OpenAI({ apiKey: 'unused', baseURL: `${uncached.url}/v1`, maxRetries: 0, timeout: 60_000 });
+    const model = uncached.running.api.gateway.servedModelName!;
+    assert.ok(uncached.engine.info.kvCapacityTokens + 1 > MAX_MODEL_LEN, 'the KV cache holds more than --max-model-len');
+    assert.equal(uncached.engine.info.maxModelLen, MAX_MODEL_LEN);
+    const listed = await client.models.list();
+    assert.equal((listed.data[0] as unknown as { max_model_len: number }).max_model_len, MAX_MODEL_LEN);
+    const probe = await client.completions.create({ model, prompt: 'Hello', max_tokens: 1 });
+    const promptTokens = probe.usage!.prompt_tokens;
+    await assert.rejects(client.completions.create({ model, prompt: 'Hello', max_tokens: MAX_MODEL_LEN - promptTokens + 1 }),
+      (err: unknown) => err instanceof BadRequestError && err.code === 'context_length_exceeded');
+    const fits = await client.completions.create({
+      model, prompt: 'Hello', max_tokens: MAX_MODEL_LEN - promptTokens, ignore_eos: true,
+    } as OpenAI.CompletionCreateParamsNonStreaming);
+    assert.equal(fits.usage!.completion_tokens, MAX_MODEL_LEN - promptTokens);
+  });
+
+  it('without prefix caching a repeated prompt is computed whole; with it, its blocks are reused', E2E, async () => {
+    const cachedTokens = async (server: TestServer) => {
+      const tokens: number[] = [];
+      for (let i = 0; i < 2; i++) {
+        const response = await rawRequest(server.url, { path: '/v1/completions', body: { prompt: PROMPT, max_tokens: 1 } });
+        assert.equal(response.status, 200, response.text);
+        tokens.push(response.json().usage.prompt_tokens_details?.cached_tokens ?? 0);
+      }
+      return tokens;
+    };
+    assert.deepEqual(await cachedTokens(uncached), [0, 0]);
+    const [first, second] = await cachedTokens(cached);
+    assert.equal(first, 0);
+    assert.ok(second! >= 32, `the second request reuses the prompt's full blocks, got ${second}`);
   });
 });

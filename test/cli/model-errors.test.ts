@@ -1,5 +1,6 @@
-// A model that cannot be loaded is a user's mistake, not a bug: `conduit serve` and `conduit generate` print one line
-// naming the problem and exit 1, with no stack trace. The CLI runs as a child process, as a user runs it.
+// A model that cannot be loaded, or a configuration its engine worker refuses, is a user's mistake, not a bug: `conduit
+// serve` and `conduit generate` print one line naming the problem and exit 1, with no stack trace. The CLI runs as a
+// child process, as a user runs it.
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
@@ -59,6 +60,19 @@ describe('a model that cannot load', () => {
     it(`conduit ${command}: a vocabulary-only GGUF is one line and exit 1`, { skip: skipUnlessShared('ggml-vocab-llama-spm.gguf') }, async () => {
       const run = await conduit([command, '--model', sharedModel('ggml-vocab-llama-spm.gguf')!, ...extra]);
       assertOneLine(run, command, /has no tensors \(a vocabulary-only GGUF\?\)/);
+    });
+  }
+});
+
+describe('a configuration the engine worker refuses at start', () => {
+  // The built-in model (2048 tokens of context), made once by ensureBuiltinModel in the cache folder.
+  const cases: [string, string[], RegExp][] = [
+    ['--max-model-len above the model\'s context', ['--max-model-len', '100000'], /--max-model-len 100000 is above the model's context length \(2048 tokens\)/],
+    ['a KV cache smaller than one block', ['--kv-cache-memory', '1KiB'], /--kv-cache-memory 1024 bytes holds no block/],
+  ];
+  for (const [what, flags, pattern] of cases) {
+    it(`conduit serve: ${what} is one line and exit 1`, async () => {
+      assertOneLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', ...flags]), 'serve', pattern);
     });
   }
 });

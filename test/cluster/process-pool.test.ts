@@ -1,6 +1,7 @@
 // `conduit serve --workers 2 --worker-processes`: CPU workers as child processes over the request plane. A native
 // crash (SIGSEGV) of the child running a stream is survived: the stream migrates and ends with the same greedy
 // text, the child is replaced by a new process, and the server keeps serving. Closing the server ends the children.
+// The engine options reach the children.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
@@ -160,5 +161,31 @@ describe('serve --worker-processes with KV offload tiers', () => {
     await server.api.shutdown(0);
     server = undefined;
     acquireDiskTierLock(tierDir)();
+  });
+});
+
+describe('serve --worker-processes passes the engine options on to its children', () => {
+  let server: RunningServer;
+
+  before(async () => {
+    const config = parseServeConfig(['--port', '0', '--workers', '1', '--worker-processes', '--threads', '1', '--kv-cache-memory', '8MiB',
+      '--max-model-len', '80', '--no-enable-prefix-caching', '--no-request-log'], {});
+    assert.notEqual(config, 'help');
+    server = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+  });
+  after(async () => {
+    await server?.api.shutdown(0);
+  });
+
+  test('--max-model-len and --no-enable-prefix-caching hold in the child worker', async () => {
+    const models = await (await fetch(`${server.url}/v1/models`)).json() as { data: { max_model_len: number }[] };
+    assert.equal(models.data[0]!.max_model_len, 80);
+    const prompt = 'Once upon a time there was a little girl who lived in a village near the forest. '.repeat(2);
+    for (let i = 0; i < 2; i++) {
+      const response = await (await fetch(`${server.url}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt, max_tokens: 1 }),
+      })).json() as { usage: { prompt_tokens_details?: { cached_tokens?: number } } };
+      assert.equal(response.usage.prompt_tokens_details?.cached_tokens ?? 0, 0, `request ${i}: nothing from a prefix cache`);
+    }
   });
 });
