@@ -25,6 +25,7 @@ import { GuidedChecker } from './guided.ts';
 import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
+import type { GenerationDefaults } from '../model/generation-config.ts';
 import { secondaryEosTokenIds, toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
 import { PromptEncoder } from './prompt-encoder.ts';
@@ -60,6 +61,11 @@ export interface ModelBackend {
   holdClock?: () => () => void;
   /** The model's LoRA adapters (runtime/lora-manager.ts fits), when it serves any. */
   adapters?: AdapterHost;
+  /**
+   * Defaults for the sampling fields a request leaves out, a cap on its max_tokens, and more end-of-generation ids
+   * (the model folder's generation_config.json, as vLLM applies it).
+   */
+  generationDefaults?: GenerationDefaults;
 }
 
 /** The LoRA adapters of one served model, as the gateway uses them. */
@@ -312,7 +318,10 @@ export class Gateway {
   }
 
   private validationContext(backend: ModelBackend): ValidationContext {
-    return { vocabSize: Math.min(backend.engine.info.vocabSize, backend.tokenizer.vocabSize) };
+    return {
+      vocabSize: Math.min(backend.engine.info.vocabSize, backend.tokenizer.vocabSize),
+      ...(backend.generationDefaults !== undefined ? { samplingDefaults: backend.generationDefaults } : {}),
+    };
   }
 
   /** The served model a request names ("model"; none = the default one); an unknown name is a 404 naming those served. */
@@ -410,9 +419,11 @@ export class Gateway {
     }
     // The prompt's tokens need KV slots; the last sampled token is never computed, so a prompt may fill the pool.
     if (tokenIds.length > kvCapacityTokens) throw new KvCapacityError(tokenIds.length, kvCapacityTokens);
+    // generation_config.json's max_new_tokens caps every request's, as vLLM's does.
+    const cap = backend.generationDefaults?.maxTokens ?? Infinity;
     return {
       tokenIds,
-      maxTokens: requestedMaxTokens ?? maxModelLen - tokenIds.length,
+      maxTokens: Math.min(requestedMaxTokens ?? maxModelLen - tokenIds.length, cap),
       ...(text !== undefined ? { text } : {}),
     };
   }
@@ -660,7 +671,8 @@ export class Gateway {
       ...cacheSaltOf(call.tenant.cacheSalt, request.cacheSalt),
       ...(traceparent ? { traceparent } : {}),
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
-    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs, secondaryEosTokenIds(backend.tokenizer)));
+    }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs,
+      secondaryEosTokenIds(backend.tokenizer, backend.generationDefaults?.eosTokenIds)));
     const trace = call.trace;
     if (trace) {
       trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID,

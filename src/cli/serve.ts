@@ -7,6 +7,7 @@ import { availableParallelism } from 'node:os';
 import { basename, join } from 'node:path';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
+import { describeGenerationDefaults, GENERATION_CONFIG_FILE, readGenerationConfig, type GenerationDefaults } from '../model/generation-config.ts';
 import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
@@ -61,6 +62,7 @@ export const SERVE_FLAGS = {
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
   'max-model-len': { type: 'number', help: 'longest sequence (prompt + output) a request may reach, in tokens (as vLLM\'s flag; default: the model\'s context length; either way at most what one sequence can hold in the KV cache); a cpu worker refuses one above its model\'s context length at start' },
+  'generation-config': { type: 'string', help: 'sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens) and more end-of-generation ids: auto (each model folder\'s generation_config.json, as vLLM\'s default; a GGUF has none), vllm (none: OpenAI\'s defaults), or a folder holding a generation_config.json', default: 'auto' },
   'enable-prefix-caching': { type: 'boolean', help: 'reuse the KV blocks of prompt prefixes computed before (--no-enable-prefix-caching: every prompt is computed whole, as vLLM\'s flag)', default: true },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (the backend\'s choice: f16 on the native and reference backends, as llama.cpp stores it), f16, or f32 (twice the memory and the bytes decode attention reads)', default: 'auto' },
@@ -126,6 +128,8 @@ export interface ServeConfig {
   toolCallParser?: ToolCallParserName;
   /** --chat-template: the template's text, in place of every served model's own. */
   chatTemplate?: string;
+  /** --generation-config: 'auto' (each model folder's generation_config.json), 'vllm' (none), or a folder. */
+  generationConfig: string;
   servedModelName?: string;
   /** Every --model after the first, each served by its own workers (cpu engine only). */
   extraModels?: ServedModelSpec[];
@@ -220,6 +224,25 @@ export function parseByteSize(text: string, flag: string, options: { allowZero?:
   const bytes = Math.floor(Number(match[1]) * unit);
   if (bytes <= 0 && !(options.allowZero && Number(match[1]) === 0)) throw new UsageError(`--${flag} must be more than 0 bytes`);
   return bytes;
+}
+
+/** --generation-config: auto, vllm, or a folder that holds a generation_config.json. */
+function parseGenerationConfigOption(value: string): string {
+  if (value === 'auto' || value === 'vllm') return value;
+  if (!existsSync(join(value, GENERATION_CONFIG_FILE))) {
+    throw new UsageError(`--generation-config must be auto, vllm, or a folder holding ${GENERATION_CONFIG_FILE}; ${value} has none`);
+  }
+  return value;
+}
+
+/** The sampling defaults --generation-config gives a model (its folder's file under auto; none for a GGUF). */
+async function generationDefaultsFor(option: string, modelPath: string | undefined): Promise<{ defaults: GenerationDefaults; file: string } | undefined> {
+  const folder = option === 'vllm' ? undefined
+    : option !== 'auto' ? option
+      : modelPath !== undefined && existsSync(modelPath) && statSync(modelPath).isDirectory() ? modelPath : undefined;
+  if (folder === undefined) return undefined;
+  const defaults = await readGenerationConfig(folder);
+  return defaults === undefined ? undefined : { defaults, file: join(folder, GENERATION_CONFIG_FILE) };
 }
 
 export function positiveInteger(value: number | undefined, flag: string): number | undefined {
@@ -539,6 +562,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     logLevel,
     requestLog: values['request-log']!,
     enablePrefixCaching: values['enable-prefix-caching']!,
+    generationConfig: parseGenerationConfigOption(values['generation-config']!),
     tokenizerInfoEndpoint: values['enable-tokenizer-info-endpoint']!,
     returnTokensAsTokenIds: values['return-tokens-as-token-ids']!,
     ...(warnings.length > 0 ? { warnings } : {}),
@@ -712,6 +736,11 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           backend: config.backend,
         });
         const name = spec.servedModelName ?? modelIdFromName(pool.engine.info.modelName);
+        const generation = config.engine === 'cpu' ? await generationDefaultsFor(config.generationConfig, spec.path) : undefined;
+        const shownDefaults = generation !== undefined ? describeGenerationDefaults(generation.defaults) : '';
+        if (shownDefaults !== '') {
+          logger.info(`${name}: requests that leave them out get ${shownDefaults} (${generation!.file}; --generation-config vllm: OpenAI's defaults)`);
+        }
         const adapters = pool.engine.loadLora
           ? new LoraManager(pool.engine, config.maxLoras ?? DEFAULT_MAX_LORAS, (message) => logger.info(`${name}: ${message}`),
             config.maxLoraRank ?? DEFAULT_MAX_LORA_RANK) : undefined;
@@ -721,6 +750,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
             chatTemplate: config.chatTemplate !== undefined ? pool.chatTemplate.withTemplate(config.chatTemplate) : pool.chatTemplate,
             ...(adapters ? { adapters } : {}), ...(pool.clock ? { clock: pool.clock } : {}),
             ...(pool.holdClock ? { holdClock: pool.holdClock } : {}),
+            ...(generation !== undefined ? { generationDefaults: generation.defaults } : {}),
           },
         });
         if (served.slice(0, -1).some((other) => other.name === name)) {

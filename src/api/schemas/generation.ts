@@ -2,6 +2,7 @@
 // Ranges follow OpenAI where it documents one and vLLM otherwise.
 
 import type { SamplingParams } from '../../engine/types.ts';
+import type { GenerationDefaults } from '../../model/generation-config.ts';
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, readInteger, readNumber, readString } from '../validate.ts';
@@ -10,6 +11,8 @@ import { readGuided, type GuidedRequest } from '../guided.ts';
 /** What a request's field checks need to know about the model. */
 export interface ValidationContext {
   vocabSize: number;
+  /** The served model's defaults for the sampling fields a request leaves out (generation_config.json). */
+  samplingDefaults?: GenerationDefaults;
 }
 
 export const MAX_N = 128;
@@ -131,6 +134,7 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
   }
   const stopTokenIds = (fields.array('stop_token_ids') ?? [])
     .map((id, i) => readTokenId(childPath('stop_token_ids', i), id, context));
+  const defaults = context.samplingDefaults;
   return {
     model: fields.string('model'),
     stream,
@@ -138,12 +142,12 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     continuousUsage: streamOptions?.boolean('continuous_usage_stats') ?? false,
     n,
     maxTokens,
-    temperature: fields.number('temperature', { min: 0, max: 2 }) ?? 1,
-    topP: fields.number('top_p', { min: 0, max: 1, minExclusive: true }) ?? 1,
-    topK: readTopK(fields),
-    minP: fields.number('min_p', { min: 0, max: 1 }) ?? 0,
+    temperature: fields.number('temperature', { min: 0, max: 2 }) ?? defaults?.temperature ?? 1,
+    topP: fields.number('top_p', { min: 0, max: 1, minExclusive: true }) ?? defaults?.topP ?? 1,
+    topK: fields.has('top_k') ? readTopK(fields) : defaults?.topK ?? 0,
+    minP: fields.number('min_p', { min: 0, max: 1 }) ?? defaults?.minP ?? 0,
     // Any positive factor, as vLLM takes (OpenAI has no such field).
-    repetitionPenalty: fields.number('repetition_penalty', { min: 0, minExclusive: true }) ?? 1,
+    repetitionPenalty: fields.number('repetition_penalty', { min: 0, minExclusive: true }) ?? defaults?.repetitionPenalty ?? 1,
     presencePenalty: fields.number('presence_penalty', { min: -2, max: 2 }) ?? 0,
     frequencyPenalty: fields.number('frequency_penalty', { min: -2, max: 2 }) ?? 0,
     logitBias: readLogitBias(fields, context),
@@ -202,9 +206,12 @@ function guidedOption(fields: Fields): { guided?: GuidedRequest } {
   return guided ? { guided } : {};
 }
 
-/** A tokenizer's end-of-generation ids other than its EOS (Llama 3's <|eot_id|>, Qwen's <|im_end|>). */
-export function secondaryEosTokenIds(tokenizer: Pick<Tokenizer, 'eosId' | 'stopTokenIds'>): number[] {
-  return tokenizer.stopTokenIds.filter((id) => id !== tokenizer.eosId);
+/**
+ * A tokenizer's end-of-generation ids other than its EOS (Llama 3's <|eot_id|>, Qwen's <|im_end|>), and those of the
+ * model's generation_config.json (`more`).
+ */
+export function secondaryEosTokenIds(tokenizer: Pick<Tokenizer, 'eosId' | 'stopTokenIds'>, more: readonly number[] = []): number[] {
+  return [...new Set([...tokenizer.stopTokenIds, ...more])].filter((id) => id !== tokenizer.eosId);
 }
 
 /**
