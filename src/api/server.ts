@@ -14,6 +14,7 @@ import type { Duplex } from 'node:stream';
 import { performance } from 'node:perf_hooks';
 import type { Engine } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
+import { CONDUIT_VERSION } from '../util/version.ts';
 import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
@@ -383,6 +384,7 @@ export class ApiServer {
       ...(this.options.tokenizerInfoEndpoint ? [route('tokenizer_info', exact('/tokenizer_info'), true, { GET: () => g.tokenizerInfo() })] : []),
       route('health', exact('/health'), false, { GET: () => g.health() }),
       route('live', exact('/live'), false, { GET: () => ({ status: 200, body: { status: 'alive' } }) }),
+      route('version', exact('/version'), false, { GET: () => ({ status: 200, body: { version: CONDUIT_VERSION } }) }),
       admin(route('metrics', exact('/metrics'), !this.options.publicMetrics, { GET: ({ res }) => this.sendMetrics(res) }),
         !this.options.publicMetrics),
       route('request_trace', (p) => {

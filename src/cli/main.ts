@@ -27,7 +27,7 @@ function usage(): string {
   const lines = ['Usage: conduit <command> [options]', '', 'Commands:'];
   for (const name of Object.keys(COMMANDS)) lines.push(`  ${name}`);
   for (const [name, what] of Object.entries(PLANNED)) lines.push(`  ${name.padEnd(9)} (not available yet: ${what})`);
-  lines.push('', 'Run `conduit <command> --help` for its options. Every option --x-y has an environment twin CONDUIT_X_Y\n(sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y; trace and bench share CONDUIT_URL and\nCONDUIT_API_KEY; trace --json is CONDUIT_TRACE_JSON).');
+  lines.push('', '`conduit --version` prints the version. Run `conduit <command> --help` for its options. Every option --x-y has an environment twin CONDUIT_X_Y\n(sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y; trace and bench share CONDUIT_URL and\nCONDUIT_API_KEY; trace --json is CONDUIT_TRACE_JSON).');
   return lines.join('\n');
 }
 
@@ -36,6 +36,10 @@ export async function main(argv: string[]): Promise<number> {
   if (!name || name === '--help' || name === '-h' || name === 'help') {
     console.log(usage());
     return name ? 0 : 2;
+  }
+  if (name === '--version' || name === '-V' || name === 'version') {
+    console.log((await import('../util/version.ts')).CONDUIT_VERSION);
+    return 0;
   }
   const load = COMMANDS[name];
   if (!load) {

@@ -2,6 +2,7 @@
 // must cost nothing, tenant accounting, disconnects, timeouts, overload and graceful shutdown.
 
 import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
 import { request as httpRequest } from 'node:http';
 import { connect } from 'node:net';
 import { after, before, describe, it } from 'node:test';
@@ -264,6 +265,13 @@ describe('HTTP API end to end', () => {
     const metrics = (await rawRequest(server.url, { path: '/metrics', headers: auth(ADMIN_KEY) })).text;
     assert.match(metrics, new RegExp(`^conduit_kv_cache_capacity_blocks\\{model="${model}"\\} ${server.engine.stats().kvBlocksTotal}$`, 'm'));
     assert.match(metrics, new RegExp(`^conduit_request_generation_tokens_total\\{model="${model}",worker="worker-0",tenant="main"\\} [1-9]\\d*$`, 'm'));
+  });
+
+  it('answers GET /version with the package\'s version, without a key (vLLM\'s endpoint)', E2E, async () => {
+    const version = await rawRequest(server.url, { path: '/version' });
+    assert.equal(version.status, 200, version.text);
+    const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
+    assert.deepEqual(version.json(), { version: pkg.version });
   });
 });
 
