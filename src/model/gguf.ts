@@ -3,9 +3,16 @@
 // Layout of a file: header (magic "GGUF", version, tensor count, metadata count), metadata key/value pairs, tensor
 // infos (name, dims, type, offset), padding to `general.alignment` (default 32), then the tensor data. The whole
 // file is read once into memory; tensor data are subarray views of that one buffer, never copies.
+//
+// What llama.cpp's reader refuses is refused here too, from the header alone (no pass over the data), each as one
+// GgufFormatError line: a key or tensor name given twice, an alignment that is not a power of two, a tensor offset
+// off the alignment, tensor data past the end of the file or overlapping another tensor's, a quantized row that is
+// not a whole number of blocks. Lengths are checked against the bytes left before anything is allocated, and arrays
+// of arrays nest at most GGUF_MAX_ARRAY_NESTING deep.
 
 import { readFileSync } from 'node:fs';
 import { byteSize, GGML_TYPES, GgmlType, ggmlTypeName } from './ggml-types.ts';
+import type { GgmlTypeInfo } from './ggml-types.ts';
 import type { Tensor } from './weights.ts';
 
 export const GGUF_MAGIC = 0x46554747; // "GGUF" read as a little-endian uint32
@@ -79,6 +86,9 @@ class Cursor {
     this.view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   }
 
+  /** Bytes between the cursor and the end of the file. */
+  remaining(): number { return this.bytes.byteLength - this.offset; }
+
   private need(n: number): void {
     if (this.offset + n > this.bytes.byteLength) {
       throw new GgufFormatError(`${this.source}: truncated GGUF (wanted ${n} bytes at offset ${this.offset}, ` +
@@ -127,7 +137,7 @@ function narrow64(v: bigint): number | bigint {
   return v <= BigInt(Number.MAX_SAFE_INTEGER) && v >= BigInt(Number.MIN_SAFE_INTEGER) ? Number(v) : v;
 }
 
-function readScalar(c: Cursor, type: GgufValueType): GgufValue {
+function readScalar(c: Cursor, source: string, key: string, type: GgufValueType): GgufValue {
   switch (type) {
     case GgufValueType.UINT8: return c.u8();
     case GgufValueType.INT8: return c.i8();
@@ -141,11 +151,40 @@ function readScalar(c: Cursor, type: GgufValueType): GgufValue {
     case GgufValueType.STRING: return c.string();
     case GgufValueType.UINT64: return narrow64(c.u64());
     case GgufValueType.INT64: return narrow64(c.i64());
-    default: throw new GgufFormatError(`unknown GGUF value type ${type}`);
+    default: throw new GgufFormatError(`${source}: metadata ${key} has unknown GGUF value type ${type}`);
   }
 }
 
-function readArray(c: Cursor, elementType: GgufValueType, length: number): GgufValue {
+/**
+ * How deep arrays of arrays may nest. The format puts no bound on it and llama.cpp reads no nested arrays at all; a
+ * bound keeps a hostile file from exhausting the stack (200k levels take 2.4 MB).
+ */
+export const GGUF_MAX_ARRAY_NESTING = 16;
+
+/** The fewest bytes one element of an array of this type takes (an inner array: its type and its length). */
+const MIN_ELEMENT_BYTES: ReadonlyMap<GgufValueType, number> = new Map([
+  [GgufValueType.UINT8, 1], [GgufValueType.INT8, 1], [GgufValueType.BOOL, 1],
+  [GgufValueType.UINT16, 2], [GgufValueType.INT16, 2],
+  [GgufValueType.UINT32, 4], [GgufValueType.INT32, 4], [GgufValueType.FLOAT32, 4],
+  [GgufValueType.UINT64, 8], [GgufValueType.INT64, 8], [GgufValueType.FLOAT64, 8],
+  [GgufValueType.STRING, 8], [GgufValueType.ARRAY, 12],
+]);
+
+/** `key` names the metadata entry in errors; `depth` is 1 for the entry's own array. */
+function readArray(c: Cursor, source: string, key: string, elementType: GgufValueType, depth = 1): GgufValue {
+  const minBytes = MIN_ELEMENT_BYTES.get(elementType);
+  if (minBytes === undefined) {
+    throw new GgufFormatError(`${source}: metadata ${key} is an array of unknown GGUF value type ${elementType}`);
+  }
+  if (depth > GGUF_MAX_ARRAY_NESTING) {
+    throw new GgufFormatError(`${source}: metadata ${key} nests arrays more than ${GGUF_MAX_ARRAY_NESTING} deep`);
+  }
+  const length = c.count(`length of metadata ${key}`);
+  // Checked before anything is allocated: a corrupt length of 2^40 must not reach new Array().
+  if (length * minBytes > c.remaining()) {
+    throw new GgufFormatError(`${source}: metadata ${key} claims ${length} array elements, more than the ` +
+      `${c.remaining()} bytes left in the file can hold`);
+  }
   switch (elementType) {
     case GgufValueType.UINT8: return c.typedArray(Uint8Array, length);
     case GgufValueType.INT8: return c.typedArray(Int8Array, length);
@@ -167,15 +206,11 @@ function readArray(c: Cursor, elementType: GgufValueType, length: number): GgufV
       for (let i = 0; i < length; i++) out[i] = c.string();
       return out;
     }
-    case GgufValueType.ARRAY: {
+    default: { // ARRAY
       const out: GgufValue[] = new Array(length);
-      for (let i = 0; i < length; i++) {
-        const inner = c.u32();
-        out[i] = readArray(c, inner, c.count('array length'));
-      }
+      for (let i = 0; i < length; i++) out[i] = readArray(c, source, key, c.u32(), depth + 1);
       return out;
     }
-    default: throw new GgufFormatError(`unknown GGUF array element type ${elementType}`);
   }
 }
 
@@ -201,34 +236,46 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
   const metadataTypes = new Map<string, { type: GgufValueType; arrayType?: GgufValueType }>();
   for (let i = 0; i < metadataCount; i++) {
     const key = c.string();
+    // Which of two values is meant is unclear; llama.cpp refuses such a file too.
+    if (metadata.has(key)) throw new GgufFormatError(`${source}: metadata key ${key} appears twice`);
     const type = c.u32() as GgufValueType;
     if (type === GgufValueType.ARRAY) {
       const arrayType = c.u32() as GgufValueType;
-      metadata.set(key, readArray(c, arrayType, c.count('array length')));
+      metadata.set(key, readArray(c, source, key, arrayType));
       metadataTypes.set(key, { type, arrayType });
     } else {
-      metadata.set(key, readScalar(c, type));
+      metadata.set(key, readScalar(c, source, key, type));
       metadataTypes.set(key, { type });
     }
   }
+  const alignment = readAlignment(metadata, metadataTypes, source);
 
   const tensorInfos: GgufTensorInfo[] = [];
+  const byName = new Map<string, GgufTensorInfo>();
+  /** Byte size of each tensor whose type has a known layout. */
+  const sizes = new Map<GgufTensorInfo, number>();
   for (let i = 0; i < tensorCount; i++) {
     const name = c.string();
+    if (byName.has(name)) throw new GgufFormatError(`${source}: tensor ${name} appears twice in the tensor table`);
     const numDims = c.u32();
     if (numDims > 4) throw new GgufFormatError(`${source}: tensor ${name} has ${numDims} dimensions (at most 4)`);
     const shape: number[] = [];
     for (let d = 0; d < numDims; d++) shape.push(c.count(`dimension of ${name}`));
     const type = c.u32() as GgmlType;
     const offset = c.count(`offset of ${name}`);
-    tensorInfos.push({ name, shape, type, offset });
+    if (offset % alignment !== 0) {
+      throw new GgufFormatError(`${source}: tensor ${name} starts at data offset ${offset}, which is not a multiple ` +
+        `of the file's alignment ${alignment}`);
+    }
+    const info: GgufTensorInfo = { name, shape, type, offset };
+    const typeInfo = GGML_TYPES.get(type);
+    if (typeInfo) sizes.set(info, tensorByteSize(info, typeInfo, source));
+    tensorInfos.push(info);
+    byName.set(name, info);
   }
 
-  const alignmentValue = metadata.get('general.alignment');
-  const alignment = typeof alignmentValue === 'number' && alignmentValue > 0 ? alignmentValue : GGUF_DEFAULT_ALIGNMENT;
   const dataOffset = Math.ceil(c.offset / alignment) * alignment;
-
-  const byName = new Map(tensorInfos.map((t) => [t.name, t]));
+  checkDataRanges(tensorInfos, sizes, dataOffset, bytes.byteLength, source);
   const cache = new Map<string, Tensor>();
 
   return {
@@ -239,20 +286,78 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
       if (cached) return cached;
       const info = byName.get(name);
       if (!info) throw new GgufFormatError(`${source}: tensor ${name} not found`);
-      if (!GGML_TYPES.has(info.type)) {
+      const size = sizes.get(info);
+      if (size === undefined) {
         throw new GgufFormatError(`${source}: tensor ${name} has ${ggmlTypeName(info.type)}, which Conduit cannot read`);
       }
-      const elements = info.shape.reduce((a, b) => a * b, 1);
-      const size = byteSize(info.type, elements);
       const start = dataOffset + info.offset;
-      if (start + size > bytes.byteLength) {
-        throw new GgufFormatError(`${source}: tensor ${name} runs past the end of the file`);
-      }
       const tensor: Tensor = { name, type: info.type, shape: info.shape, data: bytes.subarray(start, start + size) };
       cache.set(name, tensor);
       return tensor;
     },
   };
+}
+
+/** `general.alignment`: a UINT32 power of two when present (as llama.cpp requires), else 32. */
+function readAlignment(metadata: Map<string, GgufValue>,
+  types: Map<string, { type: GgufValueType }>, source: string): number {
+  const value = metadata.get('general.alignment');
+  if (value === undefined) return GGUF_DEFAULT_ALIGNMENT;
+  if (types.get('general.alignment')!.type !== GgufValueType.UINT32) {
+    throw new GgufFormatError(`${source}: metadata general.alignment is stored as ` +
+      `${GgufValueType[types.get('general.alignment')!.type] ?? 'an unknown type'}, not UINT32`);
+  }
+  const alignment = value as number;
+  if (alignment === 0 || !Number.isInteger(Math.log2(alignment))) {
+    throw new GgufFormatError(`${source}: metadata general.alignment ${alignment} is not a power of two`);
+  }
+  return alignment;
+}
+
+/**
+ * Bytes of a tensor's data. Refuses what ggml cannot lay out: a row (shape[0]) that is not a whole number of the
+ * type's blocks, or more elements than a double counts exactly.
+ */
+function tensorByteSize(info: GgufTensorInfo, type: GgmlTypeInfo, source: string): number {
+  const rowLength = info.shape[0] ?? 1;
+  if (rowLength % type.blockSize !== 0) {
+    throw new GgufFormatError(`${source}: tensor ${info.name} has rows of ${rowLength} elements, which is not a ` +
+      `multiple of the ${type.name} block size ${type.blockSize}`);
+  }
+  const elements = info.shape.reduce((a, b) => a * b, 1);
+  if (!Number.isSafeInteger(elements)) {
+    throw new GgufFormatError(`${source}: tensor ${info.name} of shape [${info.shape.join(', ')}] has too many elements`);
+  }
+  return byteSize(info.type, elements);
+}
+
+/**
+ * Every tensor's data must lie inside the file, and no two may share bytes (a writer bug, or a crafted file: one
+ * tensor's bytes read as another's). Sorting by offset costs nothing next to reading the file.
+ */
+function checkDataRanges(infos: GgufTensorInfo[], sizes: Map<GgufTensorInfo, number>, dataOffset: number,
+  fileLength: number, source: string): void {
+  const ranges: { info: GgufTensorInfo; start: number; end: number }[] = [];
+  for (const info of infos) {
+    const size = sizes.get(info);
+    if (size === undefined) continue;
+    const start = dataOffset + info.offset;
+    const end = start + size;
+    if (end > fileLength) {
+      throw new GgufFormatError(`${source}: tensor ${info.name} runs past the end of the file (its data ends at byte ` +
+        `${end}, the file has ${fileLength})`);
+    }
+    if (size > 0) ranges.push({ info, start, end });
+  }
+  ranges.sort((a, b) => a.start - b.start);
+  for (let i = 1; i < ranges.length; i++) {
+    const previous = ranges[i - 1]!;
+    const current = ranges[i]!;
+    if (current.start < previous.end) {
+      throw new GgufFormatError(`${source}: tensors ${previous.info.name} and ${current.info.name} overlap (data ` +
+        `offsets ${previous.info.offset} and ${current.info.offset}, the first is ${previous.end - previous.start} bytes)`);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+// What the model loader refuses, and how: one line naming the key or tensor and its value (a GgufFormatError or
+// ModelFormatError), never a stack from a deeper layer and never a silent acceptance. Where llama.cpp reads a file
+// differently, the cases here follow llama.cpp (its gguf.cpp and llama-model.cpp).
+
+import { describe, it, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { GgmlType } from '../../src/model/ggml-types.ts';
+import { GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
+import { ModelFormatError } from '../../src/model/gguf-model.ts';
+import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
+import { makeTinyModel, TINY_DIMS, writeTinyGguf } from './loader-fixtures.ts';
+import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
+
+let dir: string;
+before(() => { dir = mkdtempSync(join(tmpdir(), 'conduit-refusals-')); });
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+let counter = 0;
+const tempPath = (ext = '.gguf'): string => join(dir, `case-${counter++}${ext}`);
+
+/** Asserts `error` is a one-line load error of the given class whose message matches `pattern`. */
+function assertRefusal(error: unknown, type: typeof GgufFormatError | typeof ModelFormatError, pattern: RegExp): true {
+  assert.ok(error instanceof type, `expected a ${type.name}, got ${String((error as Error)?.stack ?? error)}`);
+  assert.ok(isModelLoadError(error), 'the CLI prints it as one line');
+  assert.ok(!error.message.includes('\n'), `one line: ${error.message}`);
+  assert.match(error.message, pattern);
+  return true;
+}
+
+const refusesParse = (bytes: Uint8Array, pattern: RegExp): void => {
+  assert.throws(() => parseGguf(bytes, 'x.gguf'), (e) => assertRefusal(e, GgufFormatError, pattern));
+};
+
+async function refusesLoad(path: string, type: typeof GgufFormatError | typeof ModelFormatError,
+  pattern: RegExp): Promise<void> {
+  await assert.rejects(loadModel(path), (e) => assertRefusal(e, type, pattern));
+}
+
+async function tinyGguf(overrides: GgufWriteOverrides, model: TinyModel = makeTinyModel()): Promise<string> {
+  const path = tempPath();
+  writeTinyGguf(path, model, overrides);
+  return path;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// A GGUF assembled byte by byte, so that it can be wrong in ways no writer allows.
+
+const u32 = (v: number): Buffer => { const b = Buffer.alloc(4); b.writeUInt32LE(v); return b; };
+const u64 = (v: number | bigint): Buffer => { const b = Buffer.alloc(8); b.writeBigUInt64LE(BigInt(v)); return b; };
+const str = (s: string): Buffer => Buffer.concat([u64(Buffer.byteLength(s)), Buffer.from(s, 'utf8')]);
+const kvString = (key: string, value: string): Buffer => Buffer.concat([str(key), u32(GgufValueType.STRING), str(value)]);
+const kvU32 = (key: string, value: number): Buffer => Buffer.concat([str(key), u32(GgufValueType.UINT32), u32(value)]);
+/** An array entry's head: key, ARRAY, element type, length (the elements follow). */
+const kvArrayHead = (key: string, elementType: GgufValueType, length: number | bigint): Buffer =>
+  Buffer.concat([str(key), u32(GgufValueType.ARRAY), u32(elementType), u64(length)]);
+
+interface RawTensor { name: string; shape: number[]; type: GgmlType; offset: number }
+
+function rawGguf({ kv = [], tensors = [], alignment = 32, dataBytes = 0 }:
+  { kv?: Buffer[]; tensors?: RawTensor[]; alignment?: number; dataBytes?: number }): Uint8Array {
+  const parts: Buffer[] = [u32(0x46554747), u32(3), u64(tensors.length), u64(kv.length), ...kv];
+  for (const t of tensors) {
+    parts.push(str(t.name), u32(t.shape.length), ...t.shape.map((d) => u64(d)), u32(t.type), u64(t.offset));
+  }
+  const header = Buffer.concat(parts);
+  const padded = Math.ceil(header.length / alignment) * alignment;
+  return Buffer.concat([header, Buffer.alloc(padded - header.length + dataBytes)]);
+}
+
+const f32 = (name: string, shape: number[], offset: number): RawTensor => ({ name, shape, type: GgmlType.F32, offset });
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
+  it('reads a well-formed file (the baseline the cases below break)', () => {
+    const file = parseGguf(rawGguf({ kv: [kvString('general.name', 'x')],
+      tensors: [f32('a', [8], 0), f32('b', [4, 2], 32)], dataBytes: 64 }));
+    assert.deepEqual(file.tensorInfos.map((t) => t.name), ['a', 'b']);
+    assert.equal(file.tensor('b').data.byteLength, 32);
+  });
+
+  it('a metadata key given twice', () => {
+    refusesParse(rawGguf({ kv: [kvString('general.name', 'a'), kvU32('x.n', 1), kvString('general.name', 'b')] }),
+      /x\.gguf: metadata key general\.name appears twice/);
+  });
+
+  it('a tensor name given twice', () => {
+    refusesParse(rawGguf({ tensors: [f32('w', [8], 0), f32('w', [8], 32)], dataBytes: 64 }),
+      /tensor w appears twice in the tensor table/);
+  });
+
+  it('general.alignment that is not a power of two, or not a UINT32', () => {
+    refusesParse(rawGguf({ kv: [kvU32('general.alignment', 48)], alignment: 48 }), /general\.alignment 48 is not a power of two/);
+    refusesParse(rawGguf({ kv: [kvU32('general.alignment', 0)] }), /general\.alignment 0 is not a power of two/);
+    const asString = rawGguf({ kv: [kvString('general.alignment', '64')] });
+    refusesParse(asString, /general\.alignment is stored as STRING, not UINT32/);
+    // A power of two is fine, and the data offsets follow it.
+    const file = parseGguf(rawGguf({ kv: [kvU32('general.alignment', 64)], tensors: [f32('w', [4], 64)], alignment: 64, dataBytes: 128 }));
+    assert.equal(file.alignment, 64);
+    assert.equal(file.dataOffset % 64, 0);
+  });
+
+  it('a tensor offset that is not a multiple of the alignment', () => {
+    refusesParse(rawGguf({ tensors: [f32('a', [4], 0), f32('b', [4], 16)], dataBytes: 64 }),
+      /tensor b starts at data offset 16, which is not a multiple of the file's alignment 32/);
+  });
+
+  it('tensors whose data overlap', () => {
+    // a: 16 floats = 64 bytes from offset 0; b starts at 32, inside a.
+    refusesParse(rawGguf({ tensors: [f32('a', [16], 0), f32('b', [4], 32)], dataBytes: 128 }),
+      /tensors a and b overlap \(data offsets 0 and 32, the first is 64 bytes\)/);
+    // In whichever order the table lists them.
+    refusesParse(rawGguf({ tensors: [f32('b', [4], 32), f32('a', [16], 0)], dataBytes: 128 }), /tensors a and b overlap/);
+  });
+
+  it('tensor data beyond the end of the file, at parse time', () => {
+    refusesParse(rawGguf({ tensors: [f32('a', [8], 0), f32('b', [16], 32)], dataBytes: 64 }),
+      /tensor b runs past the end of the file \(its data ends at byte \d+, the file has \d+\)/);
+  });
+
+  it('a quantized tensor whose rows are not a whole number of blocks (even when the total is)', () => {
+    // Q8_0 packs 32 elements per block: 16 x 64 is 32 blocks, but each 16-element row is half a block.
+    refusesParse(rawGguf({ tensors: [{ name: 'q', shape: [16, 64], type: GgmlType.Q8_0, offset: 0 }], dataBytes: 32 * 34 }),
+      /tensor q has rows of 16 elements, which is not a multiple of the Q8_0 block size 32/);
+  });
+
+  it('a quantized tensor whose element count is not a whole number of blocks', () => {
+    refusesParse(rawGguf({ tensors: [{ name: 'q', shape: [16, 3], type: GgmlType.Q8_0, offset: 0 }], dataBytes: 64 }),
+      /tensor q has rows of 16 elements, which is not a multiple of the Q8_0 block size 32/);
+    refusesParse(rawGguf({ tensors: [{ name: 'k', shape: [300], type: GgmlType.Q4_K, offset: 0 }], dataBytes: 512 }),
+      /tensor k has rows of 300 elements, which is not a multiple of the Q4_K block size 256/);
+  });
+
+  it('metadata arrays of 2^40 elements, before allocating them', () => {
+    for (const type of [GgufValueType.STRING, GgufValueType.BOOL, GgufValueType.ARRAY, GgufValueType.UINT8, GgufValueType.FLOAT64]) {
+      refusesParse(rawGguf({ kv: [Buffer.concat([kvArrayHead('tokenizer.ggml.tokens', type, 2n ** 40n), Buffer.alloc(64)])] }),
+        /metadata tokenizer\.ggml\.tokens claims 1099511627776 array elements, more than the \d+ bytes left in the file can hold/);
+    }
+  });
+
+  it('arrays nested 200000 deep (a bounded depth, not a stack overflow)', () => {
+    const levels = 200_000;
+    const inner = Buffer.alloc(levels * 12 + 12);
+    for (let i = 0; i < levels; i++) { inner.writeUInt32LE(GgufValueType.ARRAY, i * 12); inner.writeBigUInt64LE(1n, i * 12 + 4); }
+    inner.writeUInt32LE(GgufValueType.UINT32, levels * 12); // innermost: an empty UINT32 array
+    refusesParse(rawGguf({ kv: [Buffer.concat([kvArrayHead('x.deep', GgufValueType.ARRAY, 1), inner])] }),
+      /metadata x\.deep nests arrays more than \d+ deep/);
+    // Nesting within the bound still reads.
+    const shallow = Buffer.concat([kvArrayHead('x.shallow', GgufValueType.ARRAY, 1), u32(GgufValueType.ARRAY), u64(1),
+      u32(GgufValueType.UINT32), u64(1), u32(7)]);
+    assert.deepEqual(parseGguf(rawGguf({ kv: [shallow] })).metadata.get('x.shallow'), [[new Uint32Array([7])]]);
+  });
+
+  it('an unknown value type, naming the key', () => {
+    refusesParse(rawGguf({ kv: [Buffer.concat([str('x.odd'), u32(99), u32(0)])] }), /metadata x\.odd has unknown GGUF value type 99/);
+    refusesParse(rawGguf({ kv: [kvArrayHead('x.odd', 99 as GgufValueType, 1)] }), /metadata x\.odd is an array of unknown GGUF value type 99/);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('whole model files', () => {
+  it('is refused at load, not at worker start', async () => {
+    // dim 48: Q8_0 rows of 48 elements are 1.5 blocks, though every tensor's total is a whole number of blocks.
+    const model = makeTinyModel({ ...TINY_DIMS, dim: 48 });
+    await refusesLoad(await tinyGguf({ type: GgmlType.Q8_0 }, model), GgufFormatError,
+      /tensor token_embd\.weight has rows of 48 elements, which is not a multiple of the Q8_0 block size 32/);
+  });
+
+  it('a file written to disk with a duplicate key is refused by loadModel too', async () => {
+    const path = tempPath();
+    writeFileSync(path, rawGguf({ kv: [kvString('general.architecture', 'llama'), kvString('general.architecture', 'qwen2')] }));
+    await refusesLoad(path, GgufFormatError, /metadata key general\.architecture appears twice/);
+  });
+});
