@@ -60,12 +60,24 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
   };
   const optional = (suffix: string): number | undefined => uniformNumber(file, key(suffix), source);
 
-  const dim = required('embedding_length');
-  const numLayers = required('block_count');
-  const numHeads = required('attention.head_count');
-  const numKvHeads = optional('attention.head_count_kv') ?? numHeads;
-  const headDim = optional('attention.key_length') ?? dim / numHeads;
-  const valueDim = optional('attention.value_length') ?? headDim;
+  /** A key that counts something (layers, heads, tokens): a positive whole number. */
+  const requiredCount = (suffix: string): number => {
+    const v = required(suffix);
+    requireCount(source, `metadata ${key(suffix)}`, v);
+    return v;
+  };
+  const optionalCount = (suffix: string): number | undefined => {
+    const v = optional(suffix);
+    if (v !== undefined) requireCount(source, `metadata ${key(suffix)}`, v);
+    return v;
+  };
+
+  const dim = requiredCount('embedding_length');
+  const numLayers = requiredCount('block_count');
+  const numHeads = requiredCount('attention.head_count');
+  const numKvHeads = optionalCount('attention.head_count_kv') ?? numHeads;
+  const headDim = optionalCount('attention.key_length') ?? dim / numHeads;
+  const valueDim = optionalCount('attention.value_length') ?? headDim;
   if (valueDim !== headDim) {
     throw new ModelFormatError(`${source}: key length ${headDim} and value length ${valueDim} differ, which is not supported`);
   }
@@ -77,7 +89,11 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
     throw new ModelFormatError(`${source}: head_count ${numHeads} is not a multiple of head_count_kv ${numKvHeads}`);
   }
   const ropeTheta = shortestF32Decimal(optional('rope.freq_base') ?? DEFAULT_ROPE_THETA);
+  requirePositive(source, `metadata ${key('rope.freq_base')}`, ropeTheta);
   const ropeDim = optional('rope.dimension_count') ?? headDim;
+  // A llama ropeDim below headDim (partial rotary, which llama.cpp refuses for llama) is computed as ggml would: the
+  // first ropeDim elements of each head rotate in adjacent pairs, the rest pass through.
+  requireRopeDim(source, `metadata ${key('rope.dimension_count')}`, ropeDim, headDim);
   const config: ModelConfig = {
     architecture: arch,
     name: metaString(file, 'general.name') ?? basename(source),
@@ -98,12 +114,17 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
     qkvBias: file.hasTensor('blk.0.attn_q.bias'),
     tiedEmbeddings: !file.hasTensor('output.weight'),
   };
+  requireCount(source, `metadata ${key('context_length')}`, config.contextLength);
+  requirePositive(source, `metadata ${key('attention.layer_norm_rms_epsilon')}`, config.rmsNormEps);
+  requireCount(source, 'the vocabulary size', config.vocabSize);
   if (arch === 'qwen3' || arch === 'qwen3moe' || arch === 'gemma3') config.qkNorm = true;
   ggufSlidingWindow(file, arch, config, source);
   if (arch === 'gemma3') ggufGemma3(file, config, source);
   const moe = ggufMoeConfig(file, arch, config.ffnDim, source);
   if (moe) config.moe = moe;
   if (arch === 'qwen3moe' && !moe) throw new ModelFormatError(`${source}: qwen3moe without ${key('expert_count')}`);
+  // Qwen3-MoE's dense feed_forward_length is unused (every layer has experts).
+  if (!moe) requireCount(source, `metadata ${key('feed_forward_length')}`, config.ffnDim);
   const ropeScaling = ggufLongRope(file, arch, ropeDim, config.contextLength, source) ??
     ggufRopeScaling(file, arch, ropeTheta, ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
@@ -160,6 +181,7 @@ function ggufGemma3(file: GgufFile, config: ModelConfig, source: string): void {
   if (config.slidingWindow) {
     const local = uniformNumber(file, 'gemma3.rope.freq_base_swa', source);
     config.ropeLocalTheta = local === undefined ? GEMMA3_DEFAULT_LOCAL_ROPE_THETA : shortestF32Decimal(local);
+    requirePositive(source, 'metadata gemma3.rope.freq_base_swa', config.ropeLocalTheta);
   }
   if (config.numLayers === 62) config.attentionScale = 1 / Math.sqrt(config.dim / config.numHeads);
   const softcap = uniformNumber(file, 'gemma3.final_logit_softcapping', source);
@@ -174,6 +196,7 @@ function ggufGemma3(file: GgufFile, config: ModelConfig, source: string): void {
 function ggufMoeConfig(file: GgufFile, arch: Architecture, ffnDim: number, source: string): MoeConfig | undefined {
   const numExperts = uniformNumber(file, `${arch}.expert_count`, source) ?? 0;
   if (numExperts === 0) return undefined;
+  requireCount(source, `metadata ${arch}.expert_count`, numExperts);
   const numExpertsUsed = uniformNumber(file, `${arch}.expert_used_count`, source);
   if (numExpertsUsed === undefined || !(numExpertsUsed > 0 && numExpertsUsed <= numExperts)) {
     throw new ModelFormatError(`${source}: ${arch}.expert_used_count must be between 1 and expert_count ${numExperts}`);
@@ -181,6 +204,8 @@ function ggufMoeConfig(file: GgufFile, arch: Architecture, ffnDim: number, sourc
   const expertFfnDim = uniformNumber(file, `${arch}.expert_feed_forward_length`, source) ??
     (arch === 'llama' ? ffnDim : 0);
   if (!(expertFfnDim > 0)) throw new ModelFormatError(`${source}: ${arch}.expert_feed_forward_length is missing`);
+  requireCount(source, `metadata ${arch}.expert_used_count`, numExpertsUsed);
+  requireCount(source, `metadata ${arch}.expert_feed_forward_length`, expertFfnDim);
   return { numExperts, numExpertsUsed, expertFfnDim, normalizeTopK: true };
 }
 
@@ -208,6 +233,28 @@ export function shortestF32Decimal(value: number): number {
     if (Math.fround(candidate) === value) return candidate;
   }
   return value;
+}
+
+/** Refuses a value that counts something (layers, heads, tokens) unless it is a positive whole number. */
+export function requireCount(source: string, what: string, value: number): void {
+  if (!(Number.isSafeInteger(value) && value > 0)) {
+    throw new ModelFormatError(`${source}: ${what} is ${value}, not a positive whole number`);
+  }
+}
+
+/** Refuses a NaN, infinite, zero or negative value where only a positive number makes sense (an epsilon, a base). */
+export function requirePositive(source: string, what: string, value: number): void {
+  if (!(Number.isFinite(value) && value > 0)) {
+    throw new ModelFormatError(`${source}: ${what} is ${value}, not a positive finite number`);
+  }
+}
+
+/** The rotated dimensions of a head: a positive even number, at most the head size. */
+export function requireRopeDim(source: string, what: string, ropeDim: number, headDim: number): void {
+  if (!(Number.isSafeInteger(ropeDim) && ropeDim > 0 && ropeDim % 2 === 0 && ropeDim <= headDim)) {
+    throw new ModelFormatError(`${source}: ${what} is ${ropeDim}; the rotated dimensions must be a positive even ` +
+      `number, at most the head size ${headDim}`);
+  }
 }
 
 function ggufVocabSize(file: GgufFile, arch: Architecture, source: string): number {

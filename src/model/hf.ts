@@ -13,7 +13,7 @@ import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
 import {
   checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA, GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers,
-  ModelFormatError, splitRows,
+  ModelFormatError, requireCount, requirePositive, requireRopeDim, splitRows,
 } from './gguf-model.ts';
 import { GgmlType } from './ggml-types.ts';
 import { dequantizeTensor } from './quant.ts';
@@ -113,27 +113,34 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     if ((v === undefined || v === null) && fallback !== undefined) return fallback;
     throw new ModelFormatError(`${source}: config.json ${key} is ${v === undefined ? 'missing' : 'not a number'}`);
   };
-  const dim = num('hidden_size');
-  const numHeads = num('num_attention_heads');
+  /** A key that counts something (layers, heads, tokens): a positive whole number. */
+  const count = (key: string, fallback?: number): number => {
+    const v = num(key, fallback);
+    requireCount(source, `config.json ${key}`, v);
+    return v;
+  };
+  const dim = count('hidden_size');
+  const numHeads = count('num_attention_heads');
   const headDim = num('head_dim', dim / numHeads);
   if (!Number.isInteger(headDim)) {
     throw new ModelFormatError(`${source}: hidden_size ${dim} is not divisible by num_attention_heads ${numHeads}`);
   }
-  const numKvHeads = num('num_key_value_heads', numHeads);
+  requireCount(source, 'config.json head_dim', headDim);
+  const numKvHeads = count('num_key_value_heads', numHeads);
   if (numHeads % numKvHeads !== 0) {
     throw new ModelFormatError(`${source}: num_attention_heads ${numHeads} is not a multiple of num_key_value_heads ${numKvHeads}`);
   }
   const config: ModelConfig = {
     architecture,
     name,
-    vocabSize: num('vocab_size'),
+    vocabSize: count('vocab_size'),
     dim,
-    numLayers: num('num_hidden_layers'),
+    numLayers: count('num_hidden_layers'),
     numHeads,
     numKvHeads,
     headDim,
-    ffnDim: num('intermediate_size'),
-    contextLength: num('max_position_embeddings'),
+    ffnDim: count('intermediate_size'),
+    contextLength: count('max_position_embeddings'),
     rmsNormEps: num('rms_norm_eps'),
     ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
     // Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75).
@@ -145,9 +152,14 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     // Gemma 3's configuration class ties them unless told otherwise.
     tiedEmbeddings: architecture === 'gemma3' ? json['tie_word_embeddings'] !== false : json['tie_word_embeddings'] === true,
   };
+  requirePositive(source, 'config.json rms_norm_eps', config.rmsNormEps);
+  requirePositive(source, 'config.json rope_theta', config.ropeTheta);
+  requireRopeDim(source, config.ropeDim === headDim ? 'the rotated dimension count'
+    : `the rotated dimension count (partial_rotary_factor ${String(json['partial_rotary_factor'])})`, config.ropeDim, headDim);
   if (architecture === 'qwen3' || architecture === 'qwen3moe' || architecture === 'gemma3') config.qkNorm = true;
   if (declared === 'MistralForCausalLM' && typeof json['sliding_window'] === 'number' && json['sliding_window'] > 0) {
     config.slidingWindow = json['sliding_window'];
+    requireCount(source, 'config.json sliding_window', config.slidingWindow);
   }
   if (architecture === 'gemma3') hfGemma3Config(json, config, source);
   const moe = hfMoeConfig(json, declared!, source);
@@ -175,6 +187,7 @@ function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, sour
   config.ffnActivation = 'gelu_tanh';
   const window = json['sliding_window'];
   if (typeof window === 'number' && window > 0) {
+    requireCount(source, 'config.json sliding_window', window);
     const types = json['layer_types'];
     const layers = Array.isArray(types)
       ? types.map((t) => t === 'sliding_attention')
@@ -188,6 +201,7 @@ function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, sour
       if (!layers.every((w) => w)) config.slidingWindowLayers = layers;
       const local = json['rope_local_base_freq'];
       config.ropeLocalTheta = typeof local === 'number' ? local : GEMMA3_DEFAULT_LOCAL_ROPE_THETA;
+      requirePositive(source, 'config.json rope_local_base_freq', config.ropeLocalTheta);
     }
   }
   const scalar = json['query_pre_attn_scalar'];
@@ -201,6 +215,7 @@ function hfMoeConfig(json: Record<string, unknown>, declared: string, source: st
   const num = (key: string): number => {
     const v = json[key];
     if (typeof v !== 'number') throw new ModelFormatError(`${source}: config.json ${key} is missing or not a number`);
+    requireCount(source, `config.json ${key}`, v);
     return v;
   };
   if (declared === 'MixtralForCausalLM') {

@@ -11,7 +11,7 @@ import { GgmlType } from '../../src/model/ggml-types.ts';
 import { GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
 import { ModelFormatError } from '../../src/model/gguf-model.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
-import { makeTinyModel, TINY_DIMS, writeTinyGguf } from './loader-fixtures.ts';
+import { makeTinyModel, TINY_DIMS, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
 import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
 
 let dir: string;
@@ -69,6 +69,8 @@ function rawGguf({ kv = [], tensors = [], alignment = 32, dataBytes = 0 }:
   const padded = Math.ceil(header.length / alignment) * alignment;
   return Buffer.concat([header, Buffer.alloc(padded - header.length + dataBytes)]);
 }
+
+const escape = (s: string): string => s.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
 
 const f32 = (name: string, shape: number[], offset: number): RawTensor => ({ name, shape, type: GgmlType.F32, offset });
 
@@ -156,6 +158,59 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
   it('an unknown value type, naming the key', () => {
     refusesParse(rawGguf({ kv: [Buffer.concat([str('x.odd'), u32(99), u32(0)])] }), /metadata x\.odd has unknown GGUF value type 99/);
     refusesParse(rawGguf({ kv: [kvArrayHead('x.odd', 99 as GgufValueType, 1)] }), /metadata x\.odd is an array of unknown GGUF value type 99/);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('model metadata that cannot be computed with', () => {
+  const eps = 'llama.attention.layer_norm_rms_epsilon';
+  for (const value of [Number.NaN, Number.POSITIVE_INFINITY, 0, -1e-6]) {
+    it(`GGUF ${eps} ${value}`, async () => {
+      await refusesLoad(await tinyGguf({ metadata: { [eps]: value } }), ModelFormatError,
+        // GGUF stores it as f32; the loader reads back the shortest decimal with that f32 (-1e-6, not -9.99999997e-7).
+        new RegExp(`metadata ${escape(eps)} is ${escape(String(value))}, not a positive finite number`));
+    });
+  }
+
+  for (const value of [0, -5, 2.5]) {
+    it(`GGUF context_length ${value}`, async () => {
+      await refusesLoad(await tinyGguf({ metadata: { 'llama.context_length': value } }), ModelFormatError,
+        new RegExp(`metadata llama\\.context_length is ${value}, not a positive whole number`));
+    });
+  }
+
+  it('GGUF block_count 0, head_count 0, feed_forward_length 0', async () => {
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.block_count': 0 } }), ModelFormatError,
+      /metadata llama\.block_count is 0, not a positive whole number/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.attention.head_count': 0 } }), ModelFormatError,
+      /metadata llama\.attention\.head_count is 0, not a positive whole number/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.feed_forward_length': 0 } }), ModelFormatError,
+      /metadata llama\.feed_forward_length is 0, not a positive whole number/);
+  });
+
+  it('GGUF rope.dimension_count 0 or odd, and a RoPE base of 0', async () => {
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.dimension_count': 0 } }), ModelFormatError,
+      /metadata llama\.rope\.dimension_count is 0; the rotated dimensions must be a positive even number, at most the head size 8/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.dimension_count': 5 } }), ModelFormatError,
+      /metadata llama\.rope\.dimension_count is 5/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.freq_base': 0 } }), ModelFormatError,
+      /metadata llama\.rope\.freq_base is 0, not a positive finite number/);
+  });
+
+  it('Hugging Face rms_norm_eps 0 or negative, max_position_embeddings 0 or fractional, num_hidden_layers 0', async () => {
+    const cases: [Record<string, unknown>, RegExp][] = [
+      [{ rms_norm_eps: 0 }, /config\.json rms_norm_eps is 0, not a positive finite number/],
+      [{ rms_norm_eps: -1e-6 }, /config\.json rms_norm_eps is -0\.000001, not a positive finite number/],
+      [{ max_position_embeddings: 0 }, /config\.json max_position_embeddings is 0, not a positive whole number/],
+      [{ max_position_embeddings: 100.5 }, /config\.json max_position_embeddings is 100\.5, not a positive whole number/],
+      [{ num_hidden_layers: 0 }, /config\.json num_hidden_layers is 0, not a positive whole number/],
+      [{ partial_rotary_factor: 0.01 }, /rotated dimension count \(partial_rotary_factor 0\.01\) is 0/],
+    ];
+    for (const [overrides, pattern] of cases) {
+      const folder = tempPath('');
+      writeTinyHf(folder, makeTinyModel(), { configOverrides: overrides });
+      await refusesLoad(folder, ModelFormatError, pattern);
+    }
   });
 });
 
