@@ -298,24 +298,39 @@ function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, conte
   return { type: 'longrope', factors, attentionFactor, originalContextLength };
 }
 
+/**
+ * `<arch>.rope.scaling.*` read as llama.cpp reads them: a missing type means linear, and the factor comes from
+ * `rope.scaling.factor` or else the older `rope.scale_linear`; type "none" never scales. Llama 3.1-style scaling
+ * has no metadata, only the rope_freqs.weight tensor.
+ */
 function ggufRopeScaling(
   file: GgufFile, arch: Architecture, ropeTheta: number, ropeDim: number, source: string,
 ): RopeScaling | undefined {
   const type = metaString(file, `${arch}.rope.scaling.type`);
-  const storedFactor = metaNumber(file, `${arch}.rope.scaling.factor`);
-  const factor = storedFactor === undefined ? undefined : shortestF32Decimal(storedFactor);
+  const factorKey = [`${arch}.rope.scaling.factor`, `${arch}.rope.scale_linear`].find((k) => file.metadata.has(k));
   const originalContext = metaNumber(file, `${arch}.rope.scaling.original_context_length`);
-  if (type === 'linear') {
-    if (factor === undefined || !(factor > 0)) {
+  const freqFactors = file.hasTensor('rope_freqs.weight');
+  if (type === undefined || type === 'linear') {
+    if (factorKey === undefined && type === 'linear') {
       throw new ModelFormatError(`${source}: linear RoPE scaling needs a positive ${arch}.rope.scaling.factor`);
     }
-    return factor === 1 ? undefined : { type: 'linear', factor };
-  }
-  if (type !== undefined && type !== 'none') {
+    const factor = factorKey === undefined ? undefined : uniformNumber(file, factorKey, source);
+    if (factor !== undefined && !(Number.isFinite(factor) && factor > 0)) {
+      throw new ModelFormatError(`${source}: metadata ${factorKey} is ${factor}; a RoPE scaling factor must be a ` +
+        'positive number');
+    }
+    if (factor !== undefined && factor !== 1) {
+      if (freqFactors) {
+        throw new ModelFormatError(`${source}: linear RoPE scaling (${factorKey} ${factor}) together with ` +
+          'rope_freqs.weight is not supported');
+      }
+      return { type: 'linear', factor: shortestF32Decimal(factor) };
+    }
+  } else if (type !== 'none') {
     throw new ModelFormatError(`${source}: RoPE scaling type "${type}" is not supported (supported: linear, ` +
       `and llama3 given as rope_freqs.weight)`);
   }
-  if (!file.hasTensor('rope_freqs.weight')) return undefined;
+  if (!freqFactors) return undefined;
   const factors = dequantizeTensor(file.tensor('rope_freqs.weight'));
   return llama3ScalingFromFreqFactors(factors, ropeTheta, ropeDim,
     originalContext ?? LLAMA3_DEFAULT_ORIGINAL_CONTEXT, `${source}: rope_freqs.weight`);

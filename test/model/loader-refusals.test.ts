@@ -9,8 +9,11 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import { GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
+import type { GgufValue } from '../../src/model/gguf.ts';
 import { ModelFormatError } from '../../src/model/gguf-model.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
+import { quantize } from '../../src/model/quant.ts';
+import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { makeTinyModel, TINY_DIMS, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
 import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
 
@@ -211,6 +214,48 @@ describe('model metadata that cannot be computed with', () => {
       writeTinyHf(folder, makeTinyModel(), { configOverrides: overrides });
       await refusesLoad(folder, ModelFormatError, pattern);
     }
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('GGUF RoPE scaling keys, read as llama.cpp reads them', () => {
+  const scalingOf = async (metadata: Record<string, GgufValue | undefined>, overrides: GgufWriteOverrides = {}) =>
+    (await loadModel(await tinyGguf({ ...overrides, metadata }))).config.ropeScaling;
+
+  it('rope.scaling.factor without rope.scaling.type is linear', async () => {
+    assert.deepEqual(await scalingOf({ 'llama.rope.scaling.factor': 4 }), { type: 'linear', factor: 4 });
+  });
+
+  it('the legacy rope.scale_linear is a linear factor; rope.scaling.factor wins over it', async () => {
+    assert.deepEqual(await scalingOf({ 'llama.rope.scale_linear': 2 }), { type: 'linear', factor: 2 });
+    assert.deepEqual(await scalingOf({ 'llama.rope.scale_linear': 2, 'llama.rope.scaling.factor': 4 }),
+      { type: 'linear', factor: 4 });
+  });
+
+  it('type "none" never scales; a factor of 1 is no scaling', async () => {
+    assert.equal(await scalingOf({ 'llama.rope.scaling.type': 'none', 'llama.rope.scaling.factor': 4 }), undefined);
+    assert.equal(await scalingOf({ 'llama.rope.scaling.factor': 1 }), undefined);
+  });
+
+  it('refuses a factor that is not a positive number, and linear scaling on top of rope_freqs.weight', async () => {
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scaling.factor': -2 } }), ModelFormatError,
+      /metadata llama\.rope\.scaling\.factor is -2; a RoPE scaling factor must be a positive number/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scale_linear': Number.NaN } }), ModelFormatError,
+      /metadata llama\.rope\.scale_linear is NaN/);
+    const freqs = { name: 'rope_freqs.weight', type: GgmlType.F32, shape: [4], data: quantize(GgmlType.F32, new Float32Array(4).fill(1)) };
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scaling.factor': 4 }, tensors: { 'rope_freqs.weight': freqs } }),
+      ModelFormatError, /linear RoPE scaling \(llama\.rope\.scaling\.factor 4\) together with rope_freqs\.weight is not supported/);
+  });
+
+  it('the scaled model computes different logits from the unscaled one', async () => {
+    const model = makeTinyModel();
+    const plain = await loadModel(await tinyGguf({}, model));
+    const scaled = await loadModel(await tinyGguf({ metadata: { 'llama.rope.scaling.factor': 4 } }, model));
+    const tokens = [1, 7, 3, 12, 5, 9];
+    const a = new ReferenceModel(plain.config, plain.weights).forward(tokens, 0);
+    const b = new ReferenceModel(scaled.config, scaled.weights).forward(tokens, 0);
+    const maxDiff = a.reduce((m, v, i) => Math.max(m, Math.abs(v - b[i]!)), 0);
+    assert.ok(maxDiff > 1e-3, `logits differ (max difference ${maxDiff})`);
   });
 });
 
