@@ -26,6 +26,8 @@ import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './
 import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
 import type { GenerationDefaults } from '../model/generation-config.ts';
+import { parseResponsesRequest, responsesError } from './schemas/responses.ts';
+import { ResponsesShape } from './responses-shape.ts';
 import { secondaryEosTokenIds, toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
 import { PromptEncoder } from './prompt-encoder.ts';
@@ -490,6 +492,32 @@ export class Gateway {
     await this.run(call, target, id, [prompt], request, topLogprobs, shape, request.promptLogprobs);
   }
 
+  /**
+   * OpenAI's Responses API: the request is run as the chat completion it translates to (schemas/responses.ts), its
+   * answer shaped as a response object or its typed events. Errors name the Responses request's fields.
+   */
+  async responses(call: Call, body: unknown): Promise<void> {
+    this.ready();
+    const { request: parsed, target } = this.validated(call, () => {
+      const responses = parseResponsesRequest(body, this.validationContext(this.backendFor(body)));
+      return Object.assign(responses.chat, { responsesEcho: responses.echo });
+    }, () => 1);
+    const { responsesEcho: echo, ...request } = parsed;
+    const { backend } = target;
+    const inputParam = (index: number): string => (echo.instructions !== null ? (index === 0 ? 'instructions' : `input[${index - 1}]`) : `input[${index}]`);
+    try {
+      if (request.guided) await this.guidedChecker.check(request.guided);
+      const tokenIds = await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, true);
+      call.trace?.tokenized(tokenIds.length);
+      const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'input');
+      const id = call.requestId ?? newCompletionId('resp');
+      const shape = new ResponsesShape(this.meta(target, id), echo);
+      await this.run(call, target, id, [prompt], request, null, shape);
+    } catch (error) {
+      throw responsesError(error, inputParam);
+    }
+  }
+
   async completions(call: Call, body: unknown): Promise<void> {
     this.ready();
     const { request, target } = this.validated(call,
@@ -712,7 +740,8 @@ export class Gateway {
       }
       started = true;
       if (request.stream) {
-        const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined, call.clientGone);
+        const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined, call.clientGone,
+          shape.sseStyle);
         await streamRun(run, shape, writer, {
           includeUsage: request.includeUsage, continuousUsage: request.continuousUsage, headers: call.headers,
           ...(trace ? { timings, onFailure: (error: ApiError) => trace.failedMidStream(error) } : {}),

@@ -40,7 +40,7 @@ export interface ChoiceResult {
   stopReason: string | number | null;
 }
 
-export function newCompletionId(prefix: 'chatcmpl' | 'cmpl'): string {
+export function newCompletionId(prefix: 'chatcmpl' | 'cmpl' | 'resp'): string {
   return `${prefix}-${randomBytes(12).toString('hex')}`;
 }
 

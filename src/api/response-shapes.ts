@@ -2,6 +2,7 @@
 // per-choice state its format needs (text so far, logprob offsets); the consumers in respond.ts drive it.
 
 import type { TokenLogprob } from '../engine/types.ts';
+import type { SseStyle } from './sse.ts';
 import {
   appendCompletionLogprobs, chatChunkBody, chatCompletionBody, completionBody, type ChatResponseMeta,
   type ChatTokenLogprob, type CompletionLogprobs, type TokenTexts, type WireFinishReason, type WirePromptLogprobs, type WireUsage,
@@ -30,6 +31,8 @@ export interface ResponseShape {
   /** Records an update for the non-streamed body. */
   collect(update: ChoiceUpdate): void;
   body(usage: WireUsage): object;
+  /** How the stream frames its events, when not as chat completions do (sse.ts). */
+  readonly sseStyle?: SseStyle;
 }
 
 export interface CollectedChoice<L> {

@@ -113,7 +113,7 @@ interface Route {
   /** Generates: subject to the tenant's request rate before the body is read. */
   rateLimited: boolean;
   /** Generates: traced, under an id with this prefix chosen at arrival. */
-  traced?: 'chatcmpl' | 'cmpl';
+  traced?: 'chatcmpl' | 'cmpl' | 'resp';
   /** A POST that takes no body: an empty one is fine (curl -X POST), one that is there must still be JSON. */
   bodyOptional?: boolean;
   methods: Partial<Record<'GET' | 'POST', Handler>>;
@@ -374,6 +374,7 @@ export class ApiServer {
       route('chat_completions', exact('/v1/chat/completions'), true,
         { POST: ({ call, body }) => g.chatCompletions(call, body) }, 'chatcmpl'),
       route('completions', exact('/v1/completions'), true, { POST: ({ call, body }) => g.completions(call, body) }, 'cmpl'),
+      route('responses', exact('/v1/responses'), true, { POST: ({ call, body }) => g.responses(call, body) }, 'resp'),
       route('models', exact('/v1/models'), true, { GET: () => g.models() }),
       route('model', (p) => {
         const m = /^\/v1\/models\/(.+)$/.exec(p);

@@ -1,4 +1,5 @@
-// Server-sent events for streamed completions: `data: {json}\n\n` per chunk, `data: [DONE]\n\n` at the end. Every
+// Server-sent events for streamed completions: `data: {json}\n\n` per chunk, `data: [DONE]\n\n` at the end (the
+// Responses API: `event: <type>` lines, no [DONE]; SseStyle). Every
 // chunk is written as soon as it exists (no buffering anywhere on the way: headers flushed at once, proxies told
 // not to buffer, Nagle off on the socket), and a slow reader applies backpressure: send() waits for 'drain'.
 
@@ -14,11 +15,27 @@ export const SSE_HEADERS: Readonly<Record<string, string>> = {
 /** Told of every event written: its bytes and the output tokens it shows the client for the first time. */
 export type WriteListener = (bytes: number, tokens: number) => void;
 
+/**
+ * How a stream's events are framed: chat and completions send bare `data:` lines, an error as an `error` event, and
+ * `data: [DONE]` at the end; the Responses API names every event by its type and sends no [DONE].
+ */
+export interface SseStyle {
+  /** An `event: <type>` line before each event whose data has a string `type`. */
+  readonly namedEvents: boolean;
+  /** `data: [DONE]` after the last event. */
+  readonly doneMarker: boolean;
+  /** The data of the error event (default: OpenAI's error body itself). */
+  errorEvent?(body: ErrorBody): object;
+}
+
+const CHAT_STYLE: SseStyle = { namedEvents: false, doneMarker: true };
+
 export class SseWriter {
   private finished = false;
 
   /** gone: the client left (aborts when the connection closes, also for a response that never got its socket). */
-  constructor(private readonly res: ServerResponse, private readonly onWrite?: WriteListener, private readonly gone?: AbortSignal) {}
+  constructor(private readonly res: ServerResponse, private readonly onWrite?: WriteListener, private readonly gone?: AbortSignal,
+    private readonly style: SseStyle = CHAT_STYLE) {}
 
   /** Sends the status line and headers right away, so the client sees the stream open before the first token. */
   open(extraHeaders: Record<string, string> = {}): void {
@@ -37,19 +54,20 @@ export class SseWriter {
    * output tokens this event shows for the first time (for TTFT and time between tokens).
    */
   async send(data: object, tokens = 0): Promise<void> {
-    await this.write(`data: ${JSON.stringify(data)}\n\n`, tokens);
+    const type = this.style.namedEvents ? (data as { type?: unknown }).type : undefined;
+    await this.write(`${typeof type === 'string' ? `event: ${type}\n` : ''}data: ${JSON.stringify(data)}\n\n`, tokens);
   }
 
-  /** An error after the stream began: an `error` event (its data has OpenAI's error shape), then [DONE]. */
+  /** An error after the stream began: an `error` event (its data OpenAI's error shape, or the style's), then the end. */
   async fail(body: ErrorBody): Promise<void> {
-    await this.write(`event: error\ndata: ${JSON.stringify(body)}\n\n`, 0);
+    await this.write(`event: error\ndata: ${JSON.stringify(this.style.errorEvent?.(body) ?? body)}\n\n`, 0);
     this.end();
   }
 
   end(): void {
     if (this.closed) return;
     this.finished = true;
-    const done = 'data: [DONE]\n\n';
+    const done = this.style.doneMarker ? 'data: [DONE]\n\n' : '';
     this.res.end(done);
     this.onWrite?.(done.length, 0);
   }

@@ -1,0 +1,132 @@
+// POST /v1/responses through the official openai client: the answer is the chat completion the request translates to
+// (same tokens under greedy decoding), shaped as a response object (output_text, usage, status, incomplete_details),
+// streamed as typed events in order with consecutive sequence numbers and no [DONE]; text.format json_schema holds;
+// what the server does not do is a 400 naming the Responses field; nothing is held afterwards.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import OpenAI, { BadRequestError } from 'openai';
+import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { rawRequest } from './http-client.ts';
+
+const E2E = { timeout: 90_000 };
+
+describe('POST /v1/responses', () => {
+  let server: TestServer;
+  let client: OpenAI;
+  let model: string;
+
+  before(async () => {
+    server = await startTestServer();
+    client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('answers as the chat completion of instructions + input would, as a response object', E2E, async () => {
+    const response = await client.responses.create({
+      model, instructions: 'You tell short stories.', input: 'Tell me about a cat.', max_output_tokens: 12, temperature: 0,
+      metadata: { run: 'test' },
+    });
+    const chat = await client.chat.completions.create({
+      model, max_tokens: 12, temperature: 0,
+      messages: [{ role: 'system', content: 'You tell short stories.' }, { role: 'user', content: 'Tell me about a cat.' }],
+    });
+    assert.equal(response.object, 'response');
+    assert.match(response.id, /^resp-[0-9a-f]{24}$/);
+    assert.equal(response.output_text, chat.choices[0]!.message.content);
+    assert.equal(response.output.length, 1);
+    const message = response.output[0]!;
+    assert.equal(message.type, 'message');
+    assert.equal(message.type === 'message' && message.role, 'assistant');
+    assert.deepEqual(response.usage && {
+      input: response.usage.input_tokens, output: response.usage.output_tokens, total: response.usage.total_tokens,
+    }, { input: chat.usage!.prompt_tokens, output: chat.usage!.completion_tokens, total: chat.usage!.total_tokens });
+    // Ended by max_output_tokens (the synthetic model rarely says EOS this early), or by the model.
+    if (chat.choices[0]!.finish_reason === 'length') {
+      assert.equal(response.status, 'incomplete');
+      assert.deepEqual(response.incomplete_details, { reason: 'max_output_tokens' });
+    } else {
+      assert.equal(response.status, 'completed');
+    }
+    assert.deepEqual([response.instructions, response.max_output_tokens, response.temperature, response.metadata, response.store],
+      ['You tell short stories.', 12, 0, { run: 'test' }, false]);
+  });
+
+  it('input as message items with input_text parts is the same conversation', E2E, async () => {
+    const asString = await client.responses.create({ model, input: 'Hello there', max_output_tokens: 6, temperature: 0 });
+    const asItems = await client.responses.create({
+      model, max_output_tokens: 6, temperature: 0,
+      input: [{ type: 'message', role: 'user', content: [{ type: 'input_text', text: 'Hello there' }] }],
+    });
+    assert.equal(asItems.output_text, asString.output_text);
+  });
+
+  it('streams typed events in order, numbered from 0, their deltas the final text, and no [DONE]', E2E, async () => {
+    const stream = await client.responses.create({ model, input: 'Once upon a time', max_output_tokens: 10, temperature: 0, stream: true });
+    const types: string[] = [];
+    const numbers: number[] = [];
+    let deltas = '';
+    let final: OpenAI.Responses.Response | undefined;
+    for await (const event of stream) {
+      types.push(event.type);
+      numbers.push(event.sequence_number);
+      if (event.type === 'response.output_text.delta') deltas += event.delta;
+      if (event.type === 'response.completed' || event.type === 'response.incomplete') final = event.response;
+    }
+    assert.deepEqual(numbers, types.map((_, i) => i));
+    const distinct = types.filter((type, i) => type !== types[i - 1]);
+    assert.deepEqual(distinct, [
+      'response.created', 'response.in_progress', 'response.output_item.added', 'response.content_part.added',
+      'response.output_text.delta', 'response.output_text.done', 'response.content_part.done', 'response.output_item.done',
+      final?.status === 'completed' ? 'response.completed' : 'response.incomplete',
+    ]);
+    assert.ok(final);
+    assert.equal(final.output_text ?? (final.output[0] as OpenAI.Responses.ResponseOutputMessage).content
+      .map((part) => (part.type === 'output_text' ? part.text : '')).join(''), deltas);
+    const whole = await client.responses.create({ model, input: 'Once upon a time', max_output_tokens: 10, temperature: 0 });
+    assert.equal(whole.output_text, deltas, 'the stream says what the non-streamed response says');
+    assert.equal(final.usage?.output_tokens, whole.usage?.output_tokens);
+    const raw = await rawRequest(server.url, { path: '/v1/responses', body: { input: 'Hi', max_output_tokens: 2, stream: true } });
+    assert.match(raw.text, /^event: response\.created\ndata: \{"type":"response\.created","sequence_number":0,/);
+    assert.doesNotMatch(raw.text, /\[DONE\]/);
+  });
+
+  it('text.format json_schema constrains the output', E2E, async () => {
+    const schema = { type: 'object', properties: { name: { type: 'string', maxLength: 8 } }, required: ['name'], additionalProperties: false };
+    const response = await client.responses.create({
+      model, input: 'Name a cat.', max_output_tokens: 40, temperature: 0,
+      text: { format: { type: 'json_schema', name: 'cat', schema, strict: true } },
+    });
+    assert.equal(response.status, 'completed', response.output_text);
+    const value = JSON.parse(response.output_text) as { name: unknown };
+    assert.deepEqual(Object.keys(value), ['name']);
+    assert.equal(typeof value.name, 'string');
+  });
+
+  it('refuses what it does not do with a 400 naming the Responses field, and holds nothing after', E2E, async () => {
+    const cases: [object, string, string][] = [
+      [{ previous_response_id: 'resp_1' }, 'previous_response_id', 'unsupported_parameter'],
+      [{ tools: [{ type: 'function', name: 'f', parameters: {} }] }, 'tools', 'unsupported_parameter'],
+      [{ input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'https://x' }] }] }, 'input[0].content[0].type', 'unsupported_parameter'],
+      [{ input: [{ type: 'function_call_output', call_id: 'c', output: '1' }] }, 'input[0].type', 'unsupported_parameter'],
+      [{ max_output_tokens: 0 }, 'max_output_tokens', 'invalid_value'],
+      [{ max_output_tokens: 1_000_000 }, 'max_output_tokens', 'context_length_exceeded'],
+      [{ temperature: 3 }, 'temperature', 'invalid_value'],
+      [{ text: { format: { type: 'json_schema', name: 'x', schema: { type: 'object', allOf: [] } } } }, 'text.format.schema.allOf', 'unsupported_parameter'],
+      [{ instructions: 'Be brief.', input: [{ role: 'wizard', content: 'x' }] }, 'input[0].role', 'invalid_value'],
+    ];
+    for (const [body, param, code] of cases) {
+      await assert.rejects(client.responses.create({ model, input: 'Hi', max_output_tokens: 4, ...body } as never), (err: unknown) => {
+        assert.ok(err instanceof BadRequestError, String(err));
+        assert.equal(err.param, param, `${JSON.stringify(body)}: ${err.message}`);
+        assert.equal(err.code, code, err.message);
+        return true;
+      });
+    }
+    await waitFor(() => engineIdle(server.engine), 'nothing running');
+    assert.equal(server.engine.stats().kvBlocksUsed, 0);
+  });
+});
