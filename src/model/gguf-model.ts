@@ -426,11 +426,14 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
   if (file.tensorInfos.length === 0) {
     throw new ModelFormatError(`${source} has no tensors (a vocabulary-only GGUF?), so it cannot be run as a model`);
   }
+  // Every tensor read here, plus those the config was derived from; any other tensor in the file makes the load fail.
+  const used = new Set<string>(ggufRopeTensors(file, config));
   const get = (name: string): Tensor => {
     if (!file.hasTensor(name)) throw new ModelFormatError(`${source}: tensor ${name} is missing`);
+    used.add(name);
     return file.tensor(name);
   };
-  const optional = (name: string): Tensor | undefined => (file.hasTensor(name) ? file.tensor(name) : undefined);
+  const optional = (name: string): Tensor | undefined => (file.hasTensor(name) ? get(name) : undefined);
 
   const tokenEmbedding = get('token_embd.weight');
   const layers: LayerWeights[] = [];
@@ -483,8 +486,40 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
     outputNorm: get('output_norm.weight'),
     output: optional('output.weight') ?? tokenEmbedding,
   };
+  refuseUnusedTensors(file.tensorInfos.map((t) => t.name), used, config, source);
   checkWeights(config, weights, source);
   return weights;
+}
+
+/**
+ * The RoPE tensors ggufModelConfig turned into config.ropeScaling: LongRoPE's two factor sets (both were checked,
+ * one is in the config), and rope_freqs.weight, which ggufRopeScaling reads whenever the scaling is not LongRoPE
+ * and refuses unless it is exactly llama3 scaling (or all ones); the backends compute the same divisors from the
+ * config, so the tensor itself is not needed.
+ */
+function ggufRopeTensors(file: GgufFile, config: ModelConfig): string[] {
+  if (config.ropeScaling?.type === 'longrope') {
+    return ['long', 'short'].flatMap((kind) => [`rope_factors_${kind}.weight`, `blk.0.rope_factors_${kind}.weight`])
+      .filter((name) => file.hasTensor(name));
+  }
+  return file.hasTensor('rope_freqs.weight') ? ['rope_freqs.weight'] : [];
+}
+
+/**
+ * A tensor the model does not read is a part of the model Conduit would leave out: an output-projection or
+ * feed-forward bias, say, which llama.cpp and transformers add and Conduit's forward passes do not. Running without
+ * it gives wrong output with no sign of it, so the load fails, naming the first such tensor in file order.
+ */
+export function refuseUnusedTensors(names: Iterable<string>, used: ReadonlySet<string>, config: ModelConfig,
+  source: string): void {
+  const unused = [...names].filter((name) => !used.has(name));
+  if (unused.length === 0) return;
+  const first = unused[0]!;
+  const more = unused.length > 1 ? ` (and ${unused.length - 1} more unused tensors)` : '';
+  const what = /(^|[._])bias$/.test(first)
+    ? 'is a bias Conduit does not apply; running without it would give wrong output'
+    : `is not one that Conduit's ${config.architecture} model reads; running without it could give wrong output`;
+  throw new ModelFormatError(`${source}: tensor ${first} ${what}, so the model is refused${more}`);
 }
 
 /**

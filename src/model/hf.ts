@@ -13,7 +13,7 @@ import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
 import {
   checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA, GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers,
-  ModelFormatError, requireCount, requirePositive, requireRopeDim, splitRows,
+  ModelFormatError, refuseUnusedTensors, requireCount, requirePositive, requireRopeDim, splitRows,
 } from './gguf-model.ts';
 import { GgmlType } from './ggml-types.ts';
 import { dequantizeTensor } from './quant.ts';
@@ -400,10 +400,20 @@ function stackExperts(name: string, experts: Tensor[], source: string): Tensor {
   return { name, type: first.type, shape: [...first.shape, experts.length], data };
 }
 
+/**
+ * Tensors a checkpoint may carry that the model does not need: RoPE's inverse frequencies (older transformers
+ * versions saved the buffer, per layer or once; they follow from rope_theta, head_dim and rope_scaling, from which
+ * the backends compute them, and transformers no longer loads them either).
+ */
+const IGNORABLE_HF_TENSOR = /^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq$/;
+
 export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: string): ModelWeights {
+  // Every tensor read here; any other tensor in the checkpoint makes the load fail (refuseUnusedTensors).
+  const used = new Set<string>();
   const get = (name: string): Tensor => {
     const file = index.get(name);
     if (!file) throw new ModelFormatError(`${source}: tensor ${name} is missing`);
+    used.add(name);
     return file.tensor(name);
   };
   const tokenEmbedding = get('model.embed_tokens.weight');
@@ -444,10 +454,13 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
     }
     layers.push(layer as LayerWeights);
   }
-  // Checkpoints that tie embeddings usually omit lm_head; some store a copy anyway, which we ignore.
+  // Checkpoints that tie embeddings usually omit lm_head; some store a copy anyway, which we ignore (transformers
+  // ties lm_head to the embeddings whatever the file holds).
   const output = config.tiedEmbeddings || !index.has('lm_head.weight') ? tokenEmbedding : get('lm_head.weight');
   if (output === tokenEmbedding) config.tiedEmbeddings = true;
   const outputNorm = get('model.norm.weight');
+  for (const name of index.keys()) if (IGNORABLE_HF_TENSOR.test(name) || name === 'lm_head.weight') used.add(name);
+  refuseUnusedTensors(index.keys(), used, config, source);
   return { tokenEmbedding, layers, outputNorm: config.architecture === 'gemma3' ? plusOne(outputNorm) : outputNorm, output };
 }
 

@@ -10,10 +10,12 @@ import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import { GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
 import type { GgufValue } from '../../src/model/gguf.ts';
-import { ModelFormatError } from '../../src/model/gguf-model.ts';
+import { llama3FreqFactors, ModelFormatError } from '../../src/model/gguf-model.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
+import { writeSafetensors } from '../../src/model/safetensors.ts';
+import type { SafetensorsTensorData } from '../../src/model/safetensors.ts';
 import { makeTinyModel, TINY_DIMS, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
 import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
 
@@ -214,6 +216,89 @@ describe('model metadata that cannot be computed with', () => {
       writeTinyHf(folder, makeTinyModel(), { configOverrides: overrides });
       await refusesLoad(folder, ModelFormatError, pattern);
     }
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('tensors the model does not use', () => {
+  const f32Tensor = (name: string, shape: number[]) => ({ name, type: GgmlType.F32, shape,
+    data: quantize(GgmlType.F32, new Float32Array(shape.reduce((a, b) => a * b, 1)).fill(0.5)) });
+
+  it('GGUF attn_output.bias: refused, naming it (llama.cpp adds it to the attention output)', async () => {
+    await refusesLoad(await tinyGguf({ tensors: { 'blk.0.attn_output.bias': f32Tensor('blk.0.attn_output.bias', [32]) } }),
+      ModelFormatError, /tensor blk\.0\.attn_output\.bias is a bias Conduit does not apply; running without it would give wrong output, so the model is refused/);
+  });
+
+  it('GGUF feed-forward biases: refused, naming the first, counting the rest', async () => {
+    const tensors: GgufWriteOverrides['tensors'] = {};
+    for (let l = 0; l < 2; l++) {
+      tensors[`blk.${l}.ffn_up.bias`] = f32Tensor(`blk.${l}.ffn_up.bias`, [64]);
+      tensors[`blk.${l}.ffn_down.bias`] = f32Tensor(`blk.${l}.ffn_down.bias`, [32]);
+    }
+    await refusesLoad(await tinyGguf({ tensors }), ModelFormatError,
+      /tensor blk\.0\.ffn_up\.bias is a bias Conduit does not apply; .* \(and 3 more unused tensors\)/);
+  });
+
+  it('GGUF Q/K/V biases on a layer other than the first (blk.0 decides whether the model has them)', async () => {
+    await refusesLoad(await tinyGguf({ tensors: { 'blk.1.attn_k.bias': f32Tensor('blk.1.attn_k.bias', [16]) } }),
+      ModelFormatError, /tensor blk\.1\.attn_k\.bias is a bias Conduit does not apply/);
+  });
+
+  it('GGUF tensors of other kinds', async () => {
+    await refusesLoad(await tinyGguf({ tensors: { 'blk.0.attn_rot_embd': f32Tensor('blk.0.attn_rot_embd', [4]) } }),
+      ModelFormatError, /tensor blk\.0\.attn_rot_embd is not one that Conduit's llama model reads; running without it could give wrong output, so the model is refused/);
+    await refusesLoad(await tinyGguf({ tensors: { 'rope_factors_short.weight': f32Tensor('rope_factors_short.weight', [4]) } }),
+      ModelFormatError, /tensor rope_factors_short\.weight is not one that Conduit's llama model reads/);
+  });
+
+  it('GGUF rope_freqs.weight stays accepted: the config carries the same llama3 scaling', async () => {
+    const dims = { ...TINY_DIMS, dim: 256, numHeads: 2, numKvHeads: 1 };
+    const scaling = { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 8192 } as const;
+    const path = await tinyGguf({ metadata: { 'llama.rope.freq_base': 500000 },
+      tensors: { 'rope_freqs.weight': { name: 'rope_freqs.weight', type: GgmlType.F32, shape: [64],
+        data: quantize(GgmlType.F32, llama3FreqFactors(scaling, 500000, 128)) } } }, makeTinyModel(dims));
+    assert.deepEqual((await loadModel(path)).config.ropeScaling, scaling);
+    // All ones: no scaling, and nothing left out.
+    const ones = await tinyGguf({ tensors: { 'rope_freqs.weight': f32Tensor('rope_freqs.weight', [4]) } });
+    await loadModel(ones).then((m) => assert.equal(m.config.ropeScaling, undefined));
+  });
+
+  /** An HF folder plus extra.safetensors holding `extra` (the folder's shards are every *.safetensors file). */
+  async function hfWithExtra(extra: SafetensorsTensorData[], configOverrides: Record<string, unknown> = {},
+    tied = false): Promise<string> {
+    const folder = tempPath('');
+    writeTinyHf(folder, makeTinyModel(TINY_DIMS, { tied }), { configOverrides });
+    writeSafetensors(join(folder, 'extra.safetensors'), extra, { format: 'pt' });
+    return folder;
+  }
+  const hfF32 = (name: string, shape: number[]): SafetensorsTensorData =>
+    ({ name, dtype: 'F32', shape, data: new Uint8Array(new Float32Array(shape.reduce((a, b) => a * b, 1)).buffer) });
+
+  it('HF attention_bias: true with an o_proj bias: refused, naming it (transformers adds it)', async () => {
+    const extra: SafetensorsTensorData[] = [];
+    for (let l = 0; l < 2; l++) {
+      extra.push(hfF32(`model.layers.${l}.self_attn.q_proj.bias`, [32]), hfF32(`model.layers.${l}.self_attn.k_proj.bias`, [16]),
+        hfF32(`model.layers.${l}.self_attn.v_proj.bias`, [16]), hfF32(`model.layers.${l}.self_attn.o_proj.bias`, [32]));
+    }
+    await refusesLoad(await hfWithExtra(extra, { attention_bias: true }), ModelFormatError,
+      /tensor model\.layers\.0\.self_attn\.o_proj\.bias is a bias Conduit does not apply; .* \(and 1 more unused tensors\)/);
+  });
+
+  it('HF mlp_bias: true: refused, naming the first MLP bias', async () => {
+    const extra = [0, 1].flatMap((l) => [hfF32(`model.layers.${l}.mlp.gate_proj.bias`, [64]),
+      hfF32(`model.layers.${l}.mlp.up_proj.bias`, [64]), hfF32(`model.layers.${l}.mlp.down_proj.bias`, [32])]);
+    await refusesLoad(await hfWithExtra(extra, { mlp_bias: true }), ModelFormatError,
+      /tensor model\.layers\.0\.mlp\.(gate|up|down)_proj\.bias is a bias Conduit does not apply/);
+  });
+
+  it('HF rotary_emb.inv_freq and a tied checkpoint\'s lm_head copy stay accepted', async () => {
+    const extra = [0, 1].map((l) => hfF32(`model.layers.${l}.self_attn.rotary_emb.inv_freq`, [4]));
+    extra.push(hfF32('model.rotary_emb.inv_freq', [4]), hfF32('lm_head.weight', [48, 32]));
+    const loaded = await loadModel(await hfWithExtra(extra, {}, true));
+    assert.equal(loaded.weights.output, loaded.weights.tokenEmbedding);
+    // Anything else is refused.
+    await refusesLoad(await hfWithExtra([hfF32('model.layers.0.self_attn.extra.weight', [4])]), ModelFormatError,
+      /tensor model\.layers\.0\.self_attn\.extra\.weight is not one that Conduit's llama model reads/);
   });
 });
 
