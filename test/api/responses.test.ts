@@ -51,7 +51,7 @@ describe('POST /v1/responses', () => {
     } else {
       assert.equal(response.status, 'completed');
     }
-    assert.deepEqual([response.instructions, response.max_output_tokens, response.temperature, response.metadata, response.store],
+    assert.deepEqual([response.instructions, response.max_output_tokens, response.temperature, response.metadata, (response as unknown as { store: boolean }).store],
       ['You tell short stories.', 12, 0, { run: 'test' }, false]);
   });
 
