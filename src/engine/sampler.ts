@@ -48,11 +48,12 @@ export interface SampledToken {
 
 /**
  * A row of logits no token can be drawn from: it holds a NaN (the model overflowed, or its weights are broken), or
- * every token is masked (-Infinity). The fault is the row's own, so only its request fails.
+ * every token is masked (-Infinity), or (a guided row) the grammar engine holding its state failed. The fault is the
+ * row's own, so only its request fails.
  */
 export class UnsampleableRowError extends RangeError {
   override name = 'UnsampleableRowError';
-  constructor(readonly reason: 'nan' | 'masked', message: string) {
+  constructor(readonly reason: 'nan' | 'masked' | 'grammar', message: string) {
     super(message);
   }
 }

@@ -73,14 +73,24 @@ function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
   }
 }
 
-/** A worker's grammars: its vocabulary as XGrammar sees it, a compiler and a cache of compiled grammars. */
+/**
+ * A worker's grammars: its vocabulary as XGrammar sees it, a compiler and a cache of compiled grammars, all in one
+ * XGrammar instance. When that instance fails (an abort, a trap: XGrammar.run marks it unusable), the next open()
+ * starts a fresh one with the same vocabulary, synchronously (between two engine steps), and compiles there; the
+ * completions still holding matchers of the failed instance fail at their next grammar call (a GrammarError, which
+ * the engine turns into that request's error) while the others go on.
+ */
 export class GrammarRuntime {
   readonly vocabSize: number;
-  private readonly xg: XGrammar;
-  private readonly compiler: XgHandle;
+  private xg: XGrammar;
+  private compiler: XgHandle;
   /** Compiled grammars by key, least recently used first. */
-  private readonly cache = new Map<string, XgHandle>();
+  private cache = new Map<string, XgHandle>();
   private readonly cacheLimit: number;
+  /** What a fresh instance is given: every token's byte-level text and the ids that end a grammar. */
+  private readonly vocabulary: { encoded: string[]; stopTokenIds: readonly number[] };
+  /** Instances started to replace a failed one. */
+  restarts = 0;
   /**
    * Tokens holding a control character JSON forbids raw inside strings (every byte below 0x20 but \n and \r, so
    * tab too). XGrammar 0.1.27's rule for strings with minLength/maxLength lets them through ([^"\\\r\n]), which
@@ -99,10 +109,11 @@ export class GrammarRuntime {
   /** The ids that end a grammar (the matcher's stop tokens), undefined when the tokenizer names none. */
   private readonly stopTokens: ReadonlySet<number> | undefined;
 
-  private constructor(xg: XGrammar, compiler: XgHandle, vocabSize: number, cacheLimit: number, jsonForbidden: Int32Array,
-    pieces: TokenPieces, jsonBytes: JsonTokenBytes, stopTokens: readonly number[]) {
+  private constructor(xg: XGrammar, vocabulary: GrammarRuntime['vocabulary'], vocabSize: number, cacheLimit: number,
+    jsonForbidden: Int32Array, pieces: TokenPieces, jsonBytes: JsonTokenBytes, stopTokens: readonly number[]) {
     this.xg = xg;
-    this.compiler = compiler;
+    this.vocabulary = vocabulary;
+    this.compiler = vocabularyCompiler(xg, vocabulary, vocabSize);
     this.vocabSize = vocabSize;
     this.cacheLimit = cacheLimit;
     this.jsonForbidden = jsonForbidden;
@@ -145,23 +156,44 @@ export class GrammarRuntime {
       pieces.idByText.set(text, id);
       if (text.length > pieces.maxLength) pieces.maxLength = text.length;
     }
-    const compiler = xg.run('vocabulary', (b) => {
-      const info = new b.TokenizerInfo(b.vecStringFromJSArray(encoded), 'BYTE_LEVEL', vocabSize,
-        b.vecIntFromJSArray([...tokenizer.stopTokenIds]), false);
-      return new b.GrammarCompiler(info, 1, false);
-    });
-    return new GrammarRuntime(xg, compiler, vocabSize, cacheLimit, Int32Array.from(jsonForbidden), pieces, new JsonTokenBytes(bytes),
-      tokenizer.stopTokenIds);
+    return new GrammarRuntime(xg, { encoded, stopTokenIds: [...tokenizer.stopTokenIds] }, vocabSize, cacheLimit,
+      Int32Array.from(jsonForbidden), pieces, new JsonTokenBytes(bytes), tokenizer.stopTokenIds);
   }
 
-  /** A matcher for one completion, positioned at the start of the output. Throws GrammarError if it cannot compile. */
+  /**
+   * A matcher for one completion, positioned at the start of the output (on a fresh instance if the last one
+   * failed). Throws GrammarError if it cannot compile.
+   */
   open(spec: GuidedDecoding): GuidedSequence {
     const source = grammarSource(spec);
+    if (!this.xg.usable) this.restart();
     const compiled = this.compiled(source);
     const handle = this.xg.run('grammar matcher', (b) => new b.GrammarMatcher(compiled, undefined, false, -1));
     const json = source.kind === 'json_schema';
     return new GuidedSequence(this.xg, handle, this.vocabSize, json ? this.jsonForbidden : undefined, this.pieces, this.stopTokens,
       json && source.anyWhitespace ? new JsonWhitespaceBound(this.jsonBytes, JSON_MAX_WHITESPACE) : undefined);
+  }
+
+  /**
+   * A fresh instance in place of the failed one: its compiler over the same vocabulary, an empty cache. The failed
+   * instance's handles are not deleted (its memory is not touched again): they go with it.
+   */
+  private restart(): void {
+    this.cache = new Map();
+    try {
+      const xg = XGrammar.startSync();
+      this.compiler = vocabularyCompiler(xg, this.vocabulary, this.vocabSize);
+      this.xg = xg;
+    } catch (error) {
+      // The failed instance stays in place: the next open() tries again.
+      throw new GrammarError(`the grammar engine failed and could not be restarted: ${(error as Error).message}`);
+    }
+    this.restarts++;
+  }
+
+  /** Whether the current instance is sound (false once it failed, until the next open() replaces it). */
+  get usable(): boolean {
+    return this.xg.usable;
   }
 
   private compiled(source: GrammarSource): XgHandle {
@@ -195,6 +227,15 @@ export class GrammarRuntime {
     }
     return compiled;
   }
+}
+
+/** A compiler over the vocabulary, on `xg`. */
+function vocabularyCompiler(xg: XGrammar, vocabulary: GrammarRuntime['vocabulary'], vocabSize: number): XgHandle {
+  return xg.run('vocabulary', (b) => {
+    const info = new b.TokenizerInfo(b.vecStringFromJSArray(vocabulary.encoded), 'BYTE_LEVEL', vocabSize,
+      b.vecIntFromJSArray([...vocabulary.stopTokenIds]), false);
+    return new b.GrammarCompiler(info, 1, false);
+  });
 }
 
 /** A vocabulary's tokens by text, for jump-forward. */
@@ -255,7 +296,7 @@ export class GuidedSequence {
     this.pieces = pieces;
     this.stopTokens = stopTokens;
     this.whitespace = whitespace;
-    this.terminated = handle.IsTerminated() as boolean;
+    this.terminated = xg.run('grammar matcher', () => handle.IsTerminated() as boolean);
   }
 
   /**
@@ -265,6 +306,16 @@ export class GuidedSequence {
    * token gives none). At most MAX_FORCED_TOKENS.
    */
   forcedTokens(): number[] {
+    try {
+      return this.forcedTokensOf();
+    } catch (error) {
+      // The instance failed: nothing forced; the completion's next grammar call fails it (sampleGuidedRow).
+      if (error instanceof GrammarError) return [];
+      throw error;
+    }
+  }
+
+  private forcedTokensOf(): number[] {
     const pieces = this.pieces;
     if (pieces === undefined) return [];
     const forced = this.jumpForwardString();
@@ -486,7 +537,14 @@ export class GuidedSequence {
 
   dispose(): void {
     if (this.handle === null) return;
-    this.handle.delete();
+    // A failed instance's memory is not touched again: the matcher goes with it.
+    if (this.xg.usable) {
+      try {
+        this.xg.run('dispose', () => this.handle.delete());
+      } catch (error) {
+        if (!(error instanceof GrammarError)) throw error;
+      }
+    }
     this.handle = null;
   }
 

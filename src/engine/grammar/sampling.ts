@@ -4,6 +4,7 @@
 
 import { argmax, GREEDY_TEMPERATURE, UnsampleableRowError, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
 import type { GuidedSequence } from './runtime.ts';
+import { GrammarError } from './xgrammar.ts';
 
 /**
  * Whether a guided row may be drawn from unmasked first, the mask computed only when the grammar refuses the draw.
@@ -161,6 +162,21 @@ export function drawGuidedToken(sampler: Sampler, values: Float32Array, sequence
  * the sampler's pass over it.
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
+  eosTokenIds: readonly number[]): SampledToken {
+  try {
+    return sampleGuidedRowOf(sampler, values, sequence, guided, eosTokenIds);
+  } catch (error) {
+    // The grammar engine instance failed (here or earlier, under another request): this completion's grammar state is
+    // lost, so the request fails alone (the step's other rows go on); the worker's next guided request gets a fresh
+    // instance (GrammarRuntime.open).
+    if (error instanceof GrammarError) {
+      throw new UnsampleableRowError('grammar', `the grammar engine failed, so the output can no longer be constrained (${error.message})`);
+    }
+    throw error;
+  }
+}
+
+function sampleGuidedRowOf(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
   let sampled: SampledToken | undefined;
   const sampledPlain = guidedDrawFirst(sequence) && sequence.params.temperature >= GREEDY_TEMPERATURE;

@@ -8,8 +8,10 @@
 // calls directly and synchronously; its stderr printer is ours, so a FATAL check's message (XGrammar reports a bad
 // schema, regex or EBNF by aborting) reaches the caller as the error's text instead of the console.
 // An abort leaves the WASM instance unusable in principle (the C++ stack was not unwound), so an instance that
-// aborted is thrown away and the next call starts a fresh one. Inputs are checked in the gateway (src/api/guided.ts)
-// on its own instance; a worker compiles only what passed there.
+// aborted, or that let out anything but a result (a trap, a C++ exception, a stack overflow), is thrown away and the
+// next call starts a fresh one. Inputs are checked in the gateway (src/api/guided.ts) on its own instance; a worker
+// compiles only what passed there. Once the binary is compiled, an instance can also be started synchronously
+// (startSync: a worker's grammar runtime replaces a failed instance between two engine steps, which never await).
 
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
@@ -36,6 +38,17 @@ export type XgHandle = any;
 
 export class GrammarError extends Error {
   override name = 'GrammarError';
+  /**
+   * XGrammar's own report of a bad input (its FATAL check's message): a verdict on the grammar, the same on any
+   * instance. Otherwise the instance failed some other way (a trap, a C++ exception, a stack overflow, or it had
+   * failed before), which says nothing sure about the input.
+   */
+  readonly diagnosed: boolean;
+
+  constructor(message: string, diagnosed = false) {
+    super(message);
+    this.diagnosed = diagnosed;
+  }
 }
 
 const PACKAGE = '@mlc-ai/web-xgrammar';
@@ -45,13 +58,18 @@ const require = createRequire(import.meta.url);
 interface Bundle {
   factory: (moduleArg: Record<string, unknown>) => Promise<XgBinding>;
   wasm: Promise<WasmModule>;
+  /** The compiled module, once `wasm` has resolved. */
+  compiled?: WasmModule;
 }
 
 /** The two WebAssembly calls used here (the project's TypeScript libs declare no WebAssembly types). */
 type WasmModule = object;
 type WasmInstance = object;
 const wasmApi = (globalThis as unknown as {
-  WebAssembly: { compile(bytes: Uint8Array): Promise<WasmModule>; instantiate(module: WasmModule, imports: object): Promise<WasmInstance> };
+  WebAssembly: {
+    compile(bytes: Uint8Array): Promise<WasmModule>;
+    Instance: new (module: WasmModule, imports: object) => WasmInstance;
+  };
 }).WebAssembly;
 
 let bundle: Bundle | undefined;
@@ -69,6 +87,9 @@ function loadBundle(): Bundle {
     source = source.replace(from, to);
   };
   widen('let binding = null;', 'let binding = null; exports.__factory = Module;');
+  // Its only await under Node, before anything else runs: without it, a module handed its instance synchronously
+  // (startSync) is ready when the factory returns.
+  widen("const{createRequire:createRequire}=await import('module');", "const{createRequire:createRequire}=require('module');");
   // The module's WebAssembly binary is inlined as base64: compiled here once, every instance reuses it.
   const prefix = 'wasmBinaryFile="data:application/octet-stream;base64,';
   const start = source.indexOf(prefix);
@@ -78,12 +99,13 @@ function loadBundle(): Bundle {
   const exportsObject: Record<string, unknown> = {};
   new Function('exports', 'module', 'require', '__filename', source)(exportsObject, { exports: exportsObject }, require, file);
   counts.bundles++;
-  bundle = {
+  const loaded: Bundle = {
     factory: exportsObject.__factory as Bundle['factory'],
     wasm: wasmApi.compile(bytes),
   };
-  bundle.wasm.catch(() => { bundle = undefined; });
-  return bundle;
+  loaded.wasm.then((compiled) => { loaded.compiled = compiled; }, () => { if (bundle === loaded) bundle = undefined; });
+  bundle = loaded;
+  return loaded;
 }
 
 /** One started XGrammar module. Every call into it goes through run(), which turns an abort into a GrammarError. */
@@ -102,19 +124,33 @@ export class XGrammar {
    * the first load evaluates the bundle and compiles the binary.
    */
   static async load(): Promise<XGrammar> {
-    const { factory, wasm } = loadBundle();
-    const compiled = await wasm;
+    await loadBundle().wasm;
+    return XGrammar.startSync();
+  }
+
+  /**
+   * Starts a fresh module without awaiting: the binary must be compiled already (a load() has completed in this
+   * thread). A few milliseconds: the instance's memory and the module's start-up.
+   */
+  static startSync(): XGrammar {
+    const { factory, compiled } = loadBundle();
+    if (compiled === undefined) throw new GrammarError(`${PACKAGE}: the WebAssembly binary is not compiled yet`);
     const messages: string[] = [];
-    let failed!: (error: unknown) => void;
-    const instantiation = new Promise<never>((_, reject) => { failed = reject; });
-    const binding = await Promise.race([factory({
+    const moduleArg: Record<string, unknown> = {
       print: () => {},
       printErr: (text: string) => { if (messages.length < 20) messages.push(String(text)); },
+      // Handed over at once, so the module starts within the factory call (its returned promise is not needed).
       instantiateWasm: (imports: object, receive: (instance: WasmInstance, module: WasmModule) => void) => {
-        wasmApi.instantiate(compiled, imports).then((instance) => receive(instance, compiled), failed);
-        return {};
+        const instance = new wasmApi.Instance(compiled, imports);
+        receive(instance, compiled);
+        return (instance as { exports: object }).exports;
       },
-    }), instantiation]);
+    };
+    factory(moduleArg).catch(() => {});
+    if (moduleArg.calledRun !== true) {
+      throw new GrammarError(`${PACKAGE}: the module did not start${messages.length > 0 ? ` (${messages.join('; ')})` : ''}`);
+    }
+    const binding = moduleArg as unknown as XgBinding;
     const xg = new XGrammar(binding, messages);
     const id = ++counts.instances;
     live.add(id);
@@ -134,19 +170,22 @@ export class XGrammar {
     return !this.aborted;
   }
 
-  /** Calls into the module; a FATAL check inside becomes a GrammarError carrying XGrammar's message. */
+  /**
+   * Calls into the module. Anything thrown out of it marks the instance unusable (its state is no longer known: an
+   * abort leaves the C++ stack as it was, a trap or a stack overflow may leave memory half written) and becomes a
+   * GrammarError: XGrammar's message when a FATAL check reported a bad input (`diagnosed`), else what was thrown.
+   */
   run<R>(what: string, call: (binding: XgBinding) => R): R {
     if (this.aborted) throw new GrammarError(`${what}: the grammar engine aborted earlier and must be reloaded`);
     this.messages.length = 0;
     try {
       return call(this.binding);
     } catch (error) {
+      this.aborted = true;
       const fatal = this.messages.find((line) => line.includes('[FATAL]'));
-      if ((error as Error)?.name === 'RuntimeError' || fatal !== undefined) {
-        this.aborted = true;
-        throw new GrammarError(`${what}: ${fatal ? fatalText(fatal) : (error as Error).message}`);
-      }
-      throw error;
+      if (fatal !== undefined) throw new GrammarError(`${what}: ${fatalText(fatal)}`, true);
+      const text = error instanceof Error ? error.message : `an uncaught C++ exception (${String(error)})`;
+      throw new GrammarError(`${what}: the grammar engine failed: ${text}`);
     }
   }
 }
