@@ -529,11 +529,14 @@ describe('native ops: row kernels', { skip: skipNative }, () => {
       native().ops.sampleRows(variant, n, bad, Int32Array.of(0, 1, 0, 1, 0, 1), Float64Array.of(1, -Infinity, 1, 0.5, 0, 1, -Infinity, 1, 0.5, 0,
         2, -Infinity, 0.9, 0.5, 0, 2, -Infinity, 0.9, 0.5, 0, 2, -Infinity, 0.9, 0.5, 5, 2, -3, 0.9, 0.5, 5), out);
       assert.deepEqual([...out], [-1, -1, -1, -1, -1, -1], variant);
-      // A Sampler given the pass reports them as its own draw does.
+      // A Sampler given the pass reports them as its own draw does: the row's failure, for its request alone.
       const sampler = new Sampler(n, { drawRows: (...args) => native().ops.sampleRows(variant, n, ...args) });
       const make = () => createRequestSamplers({ params: { ...DEFAULT_SAMPLING, temperature: 0.9 }, promptTokenIds: [], vocabSize: n, eosTokenIds: [] })[0]!;
-      assert.throws(() => sampler.sampleBatch(bad, [make(), undefined]), /NaN at token id 3/);
-      assert.throws(() => sampler.sampleBatch(bad, [undefined, make()]), /every token is masked/);
+      const nan = sampler.sampleBatch(bad, [make(), undefined])[0]!;
+      assert.equal(nan.tokenId, -1);
+      assert.match(nan.failure?.message ?? '', /NaN at token id 3/);
+      assert.match(sampler.sampleBatch(bad, [undefined, make()])[1]?.failure?.message ?? '', /every token is masked/);
+      assert.throws(() => sampler.sample(bad.subarray(0, n), [make()]), /NaN at token id 3/, 'sample() throws it');
     }
     // Arguments it refuses, naming what is wrong.
     const ok = { logits: new Float32Array(2 * n), rows: Int32Array.of(1), specs: Float64Array.of(1, -Infinity, 1, 0.5, 0), out: new Int32Array(1) };
