@@ -5,7 +5,7 @@
 // would silently ignore (so the output could break them) are refused by name here too.
 
 import { GrammarError, XGrammar } from '../engine/grammar/xgrammar.ts';
-import { grammarSource, parseGrammar } from '../engine/grammar/runtime.ts';
+import { grammarSource, parseGrammar, type GrammarSource } from '../engine/grammar/runtime.ts';
 import type { GuidedDecoding } from '../engine/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
 import { childPath, Fields, isJsonObject, readArray, readObject, readString } from './validate.ts';
@@ -207,11 +207,17 @@ export function readGuided(fields: Fields): GuidedRequest | undefined {
  * a fresh one (a new instance of the module compiled once); checks run one at a time, so concurrent bad
  * grammars never hold more than one instance between them, and verdicts are remembered by grammar (bounded), so a
  * repeated bad grammar is refused without touching XGrammar.
+ *
+ * Only verdicts from a sound instance are remembered. An instance that fails without XGrammar's own diagnosis of the
+ * input (a trap, a C++ exception: its memory may have been spoilt by an earlier check, one that passed) takes the
+ * verdicts it gave with it, and the grammar it failed on is checked again on a fresh instance: what that one says
+ * is the verdict, remembered unless it too fails undiagnosed (then the grammar is refused, and checked again next
+ * time).
  */
 export class GuidedChecker {
-  private xg: Promise<XGrammar> | undefined;
-  /** Verdicts by grammar source: undefined for good, XGrammar's message for bad; oldest first. */
-  private readonly verdicts = new Map<string, string | undefined>();
+  private instance: CheckerInstance | undefined;
+  /** Verdicts by grammar source (undefined for good, the reason for bad) and the instance each came from; oldest first. */
+  private readonly verdicts = new Map<string, { verdict: string | undefined; from: CheckerInstance }>();
   /** The check in progress (each waits for the one before it). */
   private queue: Promise<unknown> = Promise.resolve();
   static readonly MAX_VERDICTS = 4096;
@@ -219,35 +225,55 @@ export class GuidedChecker {
   async check(guided: GuidedRequest): Promise<void> {
     const source = grammarSource(guided.spec);
     const key = JSON.stringify(source);
+    let verdict = this.verdicts.get(key)?.verdict;
     if (!this.verdicts.has(key)) {
-      const run = this.queue.then(() => this.verdicts.has(key) ? undefined : this.compile(key, source, guided.param));
+      const run = this.queue.then(() => this.verdicts.has(key) ? this.verdicts.get(key)!.verdict : this.compile(key, source, guided.param));
       this.queue = run.catch(() => {});
-      await run;
+      verdict = await run;
     }
-    const verdict = this.verdicts.get(key);
     if (verdict !== undefined) throw new InvalidValueError(guided.param, verdict);
   }
 
-  /** Compiles one grammar and records the verdict; throws only when XGrammar itself is unavailable. */
-  private async compile(key: string, source: ReturnType<typeof grammarSource>, param: string): Promise<void> {
-    let xg: XGrammar;
-    try {
-      this.xg ??= XGrammar.load();
-      xg = await this.xg;
-    } catch (error) {
-      this.xg = undefined;
-      throw new UnsupportedFieldError(param, `guided decoding is unavailable: ${(error as Error).message}`);
-    }
-    let verdict: string | undefined;
-    try {
-      parseGrammar(xg, source);
-    } catch (error) {
-      if (!(error instanceof GrammarError)) throw error;
-      verdict = error.message;
-    } finally {
-      if (!xg.usable) this.xg = undefined; // aborted: dropped, the next compile starts a fresh instance
-    }
-    if (this.verdicts.size >= GuidedChecker.MAX_VERDICTS) this.verdicts.delete(this.verdicts.keys().next().value!);
-    this.verdicts.set(key, verdict);
+  /** Whether a verdict on this request's grammar is remembered (a check of it would not compile it). */
+  remembered(guided: GuidedRequest): boolean {
+    return this.verdicts.has(JSON.stringify(grammarSource(guided.spec)));
   }
+
+  /** Compiles one grammar: its verdict, remembered when it can be trusted; throws only when XGrammar is unavailable. */
+  private async compile(key: string, source: GrammarSource, param: string): Promise<string | undefined> {
+    for (let attempt = 0; ; attempt++) {
+      const instance = this.instance ??= { xg: XGrammar.load(), checks: 0 };
+      let xg: XGrammar;
+      try {
+        xg = await instance.xg;
+      } catch (error) {
+        if (this.instance === instance) this.instance = undefined;
+        throw new UnsupportedFieldError(param, `guided decoding is unavailable: ${(error as Error).message}`);
+      }
+      instance.checks++;
+      try {
+        parseGrammar(xg, source);
+      } catch (error) {
+        if (!(error instanceof GrammarError)) throw error;
+        this.instance = undefined; // failed: the next check starts a fresh instance
+        if (error.diagnosed) return this.remember(key, error.message, instance);
+        for (const [held, { from }] of this.verdicts) if (from === instance) this.verdicts.delete(held);
+        if (instance.checks > 1 && attempt === 0) continue; // it had checked others before: once more on a fresh one
+        return error.message;
+      }
+      return this.remember(key, undefined, instance);
+    }
+  }
+
+  private remember(key: string, verdict: string | undefined, from: CheckerInstance): string | undefined {
+    if (this.verdicts.size >= GuidedChecker.MAX_VERDICTS) this.verdicts.delete(this.verdicts.keys().next().value!);
+    this.verdicts.set(key, { verdict, from });
+    return verdict;
+  }
+}
+
+/** The gateway's XGrammar instance and how many checks it has run. */
+interface CheckerInstance {
+  xg: Promise<XGrammar>;
+  checks: number;
 }
