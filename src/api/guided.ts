@@ -216,8 +216,12 @@ export function readGuided(fields: Fields): GuidedRequest | undefined {
  */
 export class GuidedChecker {
   private instance: CheckerInstance | undefined;
-  /** Verdicts by grammar source (undefined for good, the reason for bad) and the instance each came from; oldest first. */
-  private readonly verdicts = new Map<string, { verdict: string | undefined; from: CheckerInstance }>();
+  /**
+   * Verdicts by grammar source (undefined for good, the reason for bad) and the instance each came from (its number:
+   * a failed instance is not kept alive by them); oldest first.
+   */
+  private readonly verdicts = new Map<string, { verdict: string | undefined; from: number }>();
+  private instances = 0;
   /** The check in progress (each waits for the one before it). */
   private queue: Promise<unknown> = Promise.resolve();
   static readonly MAX_VERDICTS = 4096;
@@ -242,7 +246,7 @@ export class GuidedChecker {
   /** Compiles one grammar: its verdict, remembered when it can be trusted; throws only when XGrammar is unavailable. */
   private async compile(key: string, source: GrammarSource, param: string): Promise<string | undefined> {
     for (let attempt = 0; ; attempt++) {
-      const instance = this.instance ??= { xg: XGrammar.load(), checks: 0 };
+      const instance = this.instance ??= { xg: XGrammar.load(), checks: 0, id: ++this.instances };
       let xg: XGrammar;
       try {
         xg = await instance.xg;
@@ -256,24 +260,25 @@ export class GuidedChecker {
       } catch (error) {
         if (!(error instanceof GrammarError)) throw error;
         this.instance = undefined; // failed: the next check starts a fresh instance
-        if (error.diagnosed) return this.remember(key, error.message, instance);
-        for (const [held, { from }] of this.verdicts) if (from === instance) this.verdicts.delete(held);
+        if (error.diagnosed) return this.remember(key, error.message, instance.id);
+        for (const [held, { from }] of this.verdicts) if (from === instance.id) this.verdicts.delete(held);
         if (instance.checks > 1 && attempt === 0) continue; // it had checked others before: once more on a fresh one
         return error.message;
       }
-      return this.remember(key, undefined, instance);
+      return this.remember(key, undefined, instance.id);
     }
   }
 
-  private remember(key: string, verdict: string | undefined, from: CheckerInstance): string | undefined {
+  private remember(key: string, verdict: string | undefined, from: number): string | undefined {
     if (this.verdicts.size >= GuidedChecker.MAX_VERDICTS) this.verdicts.delete(this.verdicts.keys().next().value!);
     this.verdicts.set(key, { verdict, from });
     return verdict;
   }
 }
 
-/** The gateway's XGrammar instance and how many checks it has run. */
+/** The gateway's XGrammar instance, how many checks it has run and its number. */
 interface CheckerInstance {
   xg: Promise<XGrammar>;
   checks: number;
+  id: number;
 }
