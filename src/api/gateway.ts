@@ -23,7 +23,7 @@ import { collectRun, streamRun } from './respond.ts';
 import { ChatShape, CompletionShape, PromptLogprobsShape, type ResponseShape } from './response-shapes.ts';
 import { GuidedChecker } from './guided.ts';
 import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
-import { parseChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
+import { parseChatCompletionRequest, type ChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
 import type { GenerationDefaults } from '../model/generation-config.ts';
 import { parseResponsesRequest, responsesError } from './schemas/responses.ts';
@@ -477,15 +477,9 @@ export class Gateway {
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     const id = call.requestId ?? newCompletionId('chatcmpl');
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
-    let shape: ResponseShape;
-    if (tools && tools.choice.kind !== 'none') {
-      const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
-      // Mistral's [TOOL_CALLS] is a control token: the parser needs it in the text.
-      if (tools.choice.kind === 'auto' && parser === 'mistral') request.skipSpecialTokens = false;
-      shape = new ToolChatShape(this.meta(target, id), request.n, this.logprobTexts(backend, request), topLogprobs, tools, parser);
-    } else {
-      shape = new ChatShape(this.meta(target, id), request.n, this.logprobTexts(backend, request), topLogprobs);
-    }
+    let shape: ResponseShape = tools && tools.choice.kind !== 'none'
+      ? this.toolShape(backend, request, this.meta(target, id), topLogprobs)
+      : new ChatShape(this.meta(target, id), request.n, this.logprobTexts(backend, request), topLogprobs);
     if (request.promptLogprobs !== undefined) {
       shape = new PromptLogprobsShape(shape, new TokenTexts(backend.tokenizer), request.promptLogprobs, 'response');
     }
@@ -507,15 +501,27 @@ export class Gateway {
     const inputParam = (index: number): string => (echo.instructions !== null ? (index === 0 ? 'instructions' : `input[${index - 1}]`) : `input[${index}]`);
     try {
       if (request.guided) await this.guidedChecker.check(request.guided);
-      const tokenIds = await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, true);
+      const { tools } = request;
+      const tokenIds = await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, true, tools?.raw);
       call.trace?.tokenized(tokenIds.length);
       const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'input');
       const id = call.requestId ?? newCompletionId('resp');
-      const shape = new ResponsesShape(this.meta(target, id), echo);
+      const meta = this.meta(target, id);
+      const shape = new ResponsesShape(meta, echo,
+        tools && tools.choice.kind !== 'none' ? this.toolShape(backend, request, meta, null) : undefined);
       await this.run(call, target, id, [prompt], request, null, shape);
     } catch (error) {
       throw responsesError(error, inputParam);
     }
+  }
+
+  /** The chat answer of a request with tools (not tool_choice none): text and the tool calls read from it. */
+  private toolShape(backend: ModelBackend, request: ChatCompletionRequest, meta: ChatResponseMeta, topLogprobs: number | null): ToolChatShape {
+    const tools = request.tools!;
+    const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
+    // Mistral's [TOOL_CALLS] is a control token: the parser needs it in the text.
+    if (tools.choice.kind === 'auto' && parser === 'mistral') request.skipSpecialTokens = false;
+    return new ToolChatShape(meta, request.n, this.logprobTexts(backend, request), topLogprobs, tools, parser);
   }
 
   async completions(call: Call, body: unknown): Promise<void> {

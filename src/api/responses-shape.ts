@@ -10,6 +10,14 @@ import type { SseStyle } from './sse.ts';
 
 type Status = 'in_progress' | 'completed' | 'incomplete';
 
+/** A chat message's tool call, as ToolChatShape's body gives it. */
+interface ChatToolCall { id: string; function: { name: string; arguments: string } }
+
+/**
+ * With tools the output is read by the chat completion's tool-call shape (`tools`), which knows which text is a call:
+ * the items (a message with any text, then a function_call per call) are known only when the output is complete, so a
+ * stream sends their events then.
+ */
 export class ResponsesShape implements ResponseShape, SseStyle {
   readonly namedEvents = true;
   readonly doneMarker = false;
@@ -17,10 +25,14 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   private text = '';
   private finishReason: WireFinishReason | null = null;
   private readonly itemId: string;
+  private readonly suffix: string;
+  /** With tools: the calls of the finished output (the message's text is then `text`). */
+  private calls: ChatToolCall[] = [];
 
-  constructor(private readonly meta: ChatResponseMeta, private readonly echo: ResponsesEcho) {
-    // The message is the response's only output item: its id is the response's, with the item's prefix.
-    this.itemId = `msg-${meta.id.replace(/^resp-/, '')}`;
+  constructor(private readonly meta: ChatResponseMeta, private readonly echo: ResponsesEcho, private readonly tools?: ResponseShape) {
+    // The output items' ids are the response's, with the item's prefix.
+    this.suffix = meta.id.replace(/^resp-/, '');
+    this.itemId = `msg-${this.suffix}`;
   }
 
   get sseStyle(): SseStyle {
@@ -46,6 +58,29 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     };
   }
 
+  private callItem(call: ChatToolCall, index: number, withArguments: boolean): object {
+    return {
+      id: `fc-${this.suffix}-${index}`, type: 'function_call', status: this.status === 'in_progress' ? 'in_progress' : 'completed',
+      call_id: call.id, name: call.function.name, arguments: withArguments ? call.function.arguments : '',
+    };
+  }
+
+  /** The finished output's items: the message (with tools, only when it has text), then the function calls. */
+  private outputItems(): object[] {
+    const items = this.tools === undefined || this.text !== '' || this.calls.length === 0 ? [this.item(true)] : [];
+    return [...items, ...this.calls.map((call, i) => this.callItem(call, i, true))];
+  }
+
+  /** With tools, once the output is complete: its text and calls, as the chat completion's tool-call shape reads them. */
+  private readTools(): void {
+    const body = this.tools!.body({ prompt_tokens: 0, completion_tokens: 0, total_tokens: 0, prompt_tokens_details: { cached_tokens: 0 } }) as {
+      choices: { message: { content: string | null; tool_calls?: ChatToolCall[] } }[];
+    };
+    const message = body.choices[0]!.message;
+    this.text = message.content ?? '';
+    this.calls = message.tool_calls ?? [];
+  }
+
   /** The response object as it stands: in progress (no output yet), or finished with its message and usage. */
   private response(usage: WireUsage | null): object {
     const status = this.status;
@@ -60,15 +95,15 @@ export class ResponsesShape implements ResponseShape, SseStyle {
       instructions: echo.instructions,
       max_output_tokens: echo.maxOutputTokens,
       model: this.meta.model,
-      output: status === 'in_progress' ? [] : [this.item(true)],
+      output: status === 'in_progress' ? [] : this.outputItems(),
       parallel_tool_calls: echo.parallelToolCalls,
       previous_response_id: null,
       reasoning: { effort: echo.reasoningEffort, summary: null },
       store: false,
       temperature: echo.temperature,
       text: { format: echo.textFormat },
-      tool_choice: 'auto',
-      tools: [],
+      tool_choice: echo.toolChoice,
+      tools: echo.tools,
       top_p: echo.topP,
       truncation: 'disabled',
       usage: usage === null ? null : {
@@ -88,12 +123,57 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     return [
       this.event('response.created', { response: started }),
       this.event('response.in_progress', { response: started }),
-      this.event('response.output_item.added', { output_index: 0, item: this.item(false) }),
-      this.event('response.content_part.added', { item_id: this.itemId, output_index: 0, content_index: 0, part: this.part() }),
+      ...(this.tools === undefined ? this.messageOpening() : []),
     ];
   }
 
+  private messageOpening(outputIndex = 0): object[] {
+    return [
+      this.event('response.output_item.added', { output_index: outputIndex, item: this.item(false) }),
+      this.event('response.content_part.added', { item_id: this.itemId, output_index: outputIndex, content_index: 0, part: { ...this.part(), text: '' } }),
+    ];
+  }
+
+  private messageClosing(outputIndex = 0): object[] {
+    return [
+      this.event('response.output_text.done', { item_id: this.itemId, output_index: outputIndex, content_index: 0, text: this.text, logprobs: [] }),
+      this.event('response.content_part.done', { item_id: this.itemId, output_index: outputIndex, content_index: 0, part: this.part() }),
+      this.event('response.output_item.done', { output_index: outputIndex, item: this.item(true) }),
+    ];
+  }
+
+  /** With tools, at the end: every item's events at once (a message's text as one delta, a call's arguments as one). */
+  private toolOutputChunks(): object[] {
+    const chunks: object[] = [];
+    let index = 0;
+    if (this.text !== '' || this.calls.length === 0) {
+      chunks.push(...this.messageOpening(index));
+      if (this.text !== '') {
+        chunks.push(this.event('response.output_text.delta', {
+          item_id: this.itemId, output_index: index, content_index: 0, delta: this.text, logprobs: [],
+        }));
+      }
+      chunks.push(...this.messageClosing(index));
+      index++;
+    }
+    this.calls.forEach((call, i) => {
+      const item = this.callItem(call, i, true) as { id: string };
+      chunks.push(
+        this.event('response.output_item.added', { output_index: index, item: { ...this.callItem(call, i, false), status: 'in_progress' } }),
+        this.event('response.function_call_arguments.delta', { item_id: item.id, output_index: index, delta: call.function.arguments }),
+        this.event('response.function_call_arguments.done', { item_id: item.id, output_index: index, name: call.function.name, arguments: call.function.arguments }),
+        this.event('response.output_item.done', { output_index: index, item }),
+      );
+      index++;
+    });
+    return chunks;
+  }
+
   updateChunks(update: ChoiceUpdate): object[] {
+    if (this.tools !== undefined) {
+      this.collect(update);
+      return update.finishReason ? this.toolOutputChunks() : [];
+    }
     const chunks: object[] = [];
     if (update.textDelta) {
       this.text += update.textDelta;
@@ -103,11 +183,7 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     }
     if (update.finishReason) {
       this.finishReason = update.finishReason;
-      chunks.push(
-        this.event('response.output_text.done', { item_id: this.itemId, output_index: 0, content_index: 0, text: this.text, logprobs: [] }),
-        this.event('response.content_part.done', { item_id: this.itemId, output_index: 0, content_index: 0, part: this.part() }),
-        this.event('response.output_item.done', { output_index: 0, item: this.item(true) }),
-      );
+      chunks.push(...this.messageClosing());
     }
     return chunks;
   }
@@ -118,6 +194,14 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   }
 
   collect(update: ChoiceUpdate): void {
+    if (this.tools !== undefined) {
+      this.tools.collect(update);
+      if (update.finishReason) {
+        this.finishReason = update.finishReason;
+        this.readTools();
+      }
+      return;
+    }
     this.text += update.textDelta;
     if (update.finishReason) this.finishReason = update.finishReason;
   }

@@ -1,6 +1,7 @@
 // POST /v1/responses through the official openai client: the answer is the chat completion the request translates to
 // (same tokens under greedy decoding), shaped as a response object (output_text, usage, status, incomplete_details),
 // streamed as typed events in order with consecutive sequence numbers and no [DONE]; text.format json_schema holds;
+// function tools give function_call items, and calls with their outputs go back in as input items;
 // what the server does not do is a 400 naming the Responses field; nothing is held afterwards.
 
 import assert from 'node:assert/strict';
@@ -106,12 +107,90 @@ describe('POST /v1/responses', () => {
     assert.equal(typeof value.name, 'string');
   });
 
+  const WEATHER = {
+    type: 'function' as const, name: 'get_weather', description: 'The weather in a city.', strict: true,
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 } }, required: ['city'], additionalProperties: false },
+  };
+
+  it('function tools: a named tool_choice gives a function_call item with arguments that follow its schema', E2E, async () => {
+    const response = await client.responses.create({
+      model, input: 'What is the weather in Paris?', max_output_tokens: 40, temperature: 0,
+      tools: [WEATHER], tool_choice: { type: 'function', name: 'get_weather' },
+    });
+    assert.equal(response.status, 'completed');
+    const calls = response.output.filter((item) => item.type === 'function_call');
+    assert.equal(calls.length, 1, JSON.stringify(response.output));
+    const call = calls[0] as OpenAI.Responses.ResponseFunctionToolCall;
+    assert.equal(call.name, 'get_weather');
+    assert.deepEqual(Object.keys(JSON.parse(call.arguments) as object), ['city']);
+    assert.deepEqual(response.tools.map((tool) => (tool as { name: string }).name), ['get_weather']);
+
+    // Streamed: the call's events, its arguments whole in them, and the same response at the end.
+    const stream = await client.responses.create({
+      model, input: 'What is the weather in Paris?', max_output_tokens: 40, temperature: 0,
+      tools: [WEATHER], tool_choice: { type: 'function', name: 'get_weather' }, stream: true,
+    });
+    const types: string[] = [];
+    let args = '';
+    let final: OpenAI.Responses.Response | undefined;
+    for await (const event of stream) {
+      types.push(event.type);
+      if (event.type === 'response.function_call_arguments.done') args = event.arguments;
+      if (event.type === 'response.completed') final = event.response;
+    }
+    assert.deepEqual(types, ['response.created', 'response.in_progress', 'response.output_item.added',
+      'response.function_call_arguments.delta', 'response.function_call_arguments.done', 'response.output_item.done', 'response.completed']);
+    assert.equal(args, call.arguments);
+    assert.deepEqual(final?.output.map((item) => item.type), ['function_call']);
+
+  });
+
+  it('function_call and function_call_output input items are the assistant\'s tool calls and the tool\'s messages', E2E, async () => {
+    // The built-in model's Llama 2 template has no tool turns: a template that writes them out.
+    const template = '{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c.id }} '
+      + '{{ c.function.name }}({{ c.function.arguments }}){% endfor %}{% else %} {{ m.content }}{% endif %}{% if m.tool_call_id %} '
+      + 'for {{ m.tool_call_id }}{% endif %}\n{% endfor %}assistant:';
+    const tooled = await startTestServer({ flags: ['--chat-template', template] });
+    try {
+      const tooledClient = new OpenAI({ apiKey: 'unused', baseURL: `${tooled.url}/v1`, maxRetries: 0, timeout: 60_000 });
+      const args = '{"city":"Paris"}';
+      const response = await tooledClient.responses.create({
+        model, max_output_tokens: 4, temperature: 0, tools: [WEATHER],
+        input: [
+          { role: 'user', content: 'Weather in Paris and Rome?' },
+          { type: 'function_call', call_id: 'call_1', name: 'get_weather', arguments: args },
+          { type: 'function_call', call_id: 'call_2', name: 'get_weather', arguments: '{"city":"Rome"}' },
+          { type: 'function_call_output', call_id: 'call_1', output: 'sunny' },
+          { type: 'function_call_output', call_id: 'call_2', output: 'rain' },
+        ],
+      });
+      const chat = await tooledClient.chat.completions.create({
+        model, max_tokens: 4, temperature: 0, tools: [{ type: 'function', function: { name: WEATHER.name, description: WEATHER.description, parameters: WEATHER.parameters } }],
+        messages: [
+          { role: 'user', content: 'Weather in Paris and Rome?' },
+          { role: 'assistant', tool_calls: [
+            { id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: args } },
+            { id: 'call_2', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Rome"}' } },
+          ] },
+          { role: 'tool', tool_call_id: 'call_1', content: 'sunny' },
+          { role: 'tool', tool_call_id: 'call_2', content: 'rain' },
+        ],
+      });
+      assert.equal(response.usage!.input_tokens, chat.usage!.prompt_tokens, 'the same prompt: one assistant turn with both calls');
+      assert.equal(response.output_text, chat.choices[0]!.message.content ?? '');
+    } finally {
+      await tooled.close();
+    }
+  });
+
   it('refuses what it does not do with a 400 naming the Responses field, and holds nothing after', E2E, async () => {
     const cases: [object, string, string][] = [
       [{ previous_response_id: 'resp_1' }, 'previous_response_id', 'unsupported_parameter'],
-      [{ tools: [{ type: 'function', name: 'f', parameters: {} }] }, 'tools', 'unsupported_parameter'],
+      [{ tools: [{ type: 'web_search' }] }, 'tools[0].type', 'unsupported_parameter'],
+      [{ tools: [{ type: 'function', name: 'bad name' }] }, 'tools[0].name', 'invalid_value'],
       [{ input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'https://x' }] }] }, 'input[0].content[0].type', 'unsupported_parameter'],
-      [{ input: [{ type: 'function_call_output', call_id: 'c', output: '1' }] }, 'input[0].type', 'unsupported_parameter'],
+      [{ input: [{ type: 'reasoning', id: 'r', summary: [] }] }, 'input[0].type', 'unsupported_parameter'],
+      [{ input: [{ type: 'function_call', name: 'f', arguments: '{}' }] }, 'input[0].call_id', 'missing_required_parameter'],
       [{ max_output_tokens: 0 }, 'max_output_tokens', 'invalid_value'],
       [{ max_output_tokens: 1_000_000 }, 'max_output_tokens', 'context_length_exceeded'],
       [{ temperature: 3 }, 'temperature', 'invalid_value'],

@@ -1,8 +1,10 @@
 // POST /v1/responses (OpenAI's Responses API, as vLLM serves it): `instructions` and `input` (a string, or message
 // items whose content is text) become chat messages rendered with the model's template; `text.format` is the
 // output's response_format; max_output_tokens its max_tokens. The request is then checked and run as a chat
-// completion, so every sampling field means what it means there. What needs state the server does not keep
-// (previous_response_id, stored responses) or features it lacks (tools, files, images) is refused by name.
+// completion, so every sampling field means what it means there; function tools, and function_call /
+// function_call_output input items, are chat's tools, assistant tool calls and tool messages. What needs state the
+// server does not keep (previous_response_id, stored responses) or features it lacks (other tools, files, images) is
+// refused by name.
 
 import { ApiError, InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
@@ -21,6 +23,9 @@ export interface ResponsesEcho {
   textFormat: JsonObject;
   parallelToolCalls: boolean;
   reasoningEffort: string | null;
+  /** tools and tool_choice as given (default [] and 'auto'). */
+  tools: unknown[];
+  toolChoice: unknown;
 }
 
 export interface ResponsesRequest {
@@ -35,7 +40,7 @@ const UNSUPPORTED_RESPONSES: Record<string, string> = {
   prompt: 'stored prompt templates are not supported.',
   include: 'no additional output data is available.',
   top_logprobs: 'logprobs are not available on /v1/responses; use /v1/chat/completions.',
-  max_tool_calls: 'tools are not supported on /v1/responses.',
+  max_tool_calls: 'a bound on tool calls is not supported; leave max_tool_calls out.',
 };
 
 /** Sampling fields of vLLM and of this server that pass through to the chat request unchanged. */
@@ -47,6 +52,8 @@ const PASSED_THROUGH = [
 /** The chat request's param names as the Responses request calls them, for errors found after the translation. */
 const RENAMED_PARAMS: readonly [RegExp, string][] = [
   [/^max_tokens$/, 'max_output_tokens'],
+  [/^(tools\[\d+\])\.function\b/, '$1'],
+  [/^tool_choice\.function\b/, 'tool_choice'],
   [/^response_format\.json_schema\.?/, 'text.format.'],
   [/^response_format\.?/, 'text.format.'],
   [/^reasoning_effort$/, 'reasoning.effort'],
@@ -61,7 +68,7 @@ export function responsesError(error: unknown, messageParam: (index: number) => 
   else if (param === 'messages') param = 'input';
   for (const [pattern, name] of RENAMED_PARAMS) {
     if (pattern.test(param)) {
-      param = param.replace(pattern, name).replace(/\.$/, '');
+      param = param.replace(pattern, name).replace(/\.$/, '').replace(/\.\./, '.');
       break;
     }
   }
@@ -69,13 +76,37 @@ export function responsesError(error: unknown, messageParam: (index: number) => 
   return new ApiError(error.statusCode, error.code, error.type, error.message.split(`'${error.param}'`).join(`'${param}'`), param, error.headers);
 }
 
-/** One input item as a chat message, its content flattened to text parts the chat parser reads. */
-function readInputItem(index: number, value: unknown): JsonObject {
+/**
+ * One input item as a chat message, its content flattened to text parts the chat parser reads: a message as itself,
+ * a function_call as an assistant message calling the tool (consecutive calls join one message, as a model's
+ * parallel calls), a function_call_output as the tool's message.
+ */
+function readInputItem(index: number, value: unknown, previous: JsonObject | undefined): JsonObject | undefined {
   const path = childPath('input', index);
   const fields = new Fields(readObject(path, value), path);
   const type = fields.string('type') ?? 'message';
+  if (type === 'function_call') {
+    const call = {
+      id: readString(fields.path('call_id'), fields.required('call_id'), { nonEmpty: true }), type: 'function',
+      function: {
+        name: readString(fields.path('name'), fields.required('name'), { nonEmpty: true }),
+        arguments: readString(fields.path('arguments'), fields.required('arguments')),
+      },
+    };
+    if (previous?.role === 'assistant' && Array.isArray(previous.tool_calls) && previous.content === undefined) {
+      (previous.tool_calls as JsonObject[]).push(call);
+      return undefined;
+    }
+    return { role: 'assistant', tool_calls: [call] };
+  }
+  if (type === 'function_call_output') {
+    return {
+      role: 'tool', tool_call_id: readString(fields.path('call_id'), fields.required('call_id'), { nonEmpty: true }),
+      content: readString(fields.path('output'), fields.required('output')),
+    };
+  }
   if (type !== 'message') {
-    throw new UnsupportedFieldError(fields.path('type'), `input items of type '${type}' are not supported; send messages with text content.`);
+    throw new UnsupportedFieldError(fields.path('type'), `input items of type '${type}' are not supported; send messages, function calls and their outputs.`);
   }
   const role = readString(fields.path('role'), fields.required('role'));
   if (!['user', 'system', 'developer', 'assistant'].includes(role)) {
@@ -102,6 +133,27 @@ function readInputItem(index: number, value: unknown): JsonObject {
     }
   });
   return { role, content: parts };
+}
+
+/** A function tool ({type, name, description, parameters, strict}) as chat's ({type, function: {...}}). */
+function readTool(index: number, value: unknown): JsonObject {
+  const path = childPath('tools', index);
+  const fields = new Fields(readObject(path, value), path);
+  const type = readString(fields.path('type'), fields.required('type'));
+  if (type !== 'function') throw new UnsupportedFieldError(fields.path('type'), `tools of type '${type}' are not supported; only 'function'.`);
+  const fn: JsonObject = { name: fields.required('name') as string };
+  for (const key of ['description', 'parameters', 'strict'] as const) if (fields.has(key)) fn[key] = fields.raw(key) as JsonObject[string];
+  return { type: 'function', function: fn };
+}
+
+/** tool_choice: 'auto', 'none', 'required', or {type: 'function', name} as chat's {type, function: {name}}. */
+function readToolChoice(fields: Fields): JsonObject[string] | undefined {
+  const choice = fields.raw('tool_choice');
+  if (choice === undefined || typeof choice === 'string') return choice;
+  const object = fields.fields('tool_choice')!;
+  const type = readString(object.path('type'), object.required('type'));
+  if (type !== 'function') throw new UnsupportedFieldError(object.path('type'), `tool_choice of type '${type}' is not supported; only 'function'.`);
+  return { type: 'function', function: { name: object.required('name') as string } };
 }
 
 /** text.format as chat's response_format (undefined for plain text). */
@@ -137,12 +189,8 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
     const reason = UNSUPPORTED_RESPONSES[key];
     if (reason !== undefined && fields.has(key)) throw new UnsupportedFieldError(key, reason);
   }
-  const tools = fields.array('tools') ?? [];
-  if (tools.length > 0) throw new UnsupportedFieldError('tools', 'tools are not supported on /v1/responses; use /v1/chat/completions.');
-  const toolChoice = fields.raw('tool_choice');
-  if (toolChoice !== undefined && toolChoice !== 'auto' && toolChoice !== 'none') {
-    throw new UnsupportedFieldError('tool_choice', 'tools are not supported on /v1/responses; use /v1/chat/completions.');
-  }
+  const tools = (fields.array('tools') ?? []).map((tool, i) => readTool(i, tool));
+  const toolChoice = readToolChoice(fields);
   const truncation = fields.string('truncation');
   if (truncation !== undefined && truncation !== 'disabled') {
     throw new UnsupportedFieldError('truncation', 'only "disabled" is supported: a prompt longer than the context is refused.');
@@ -154,8 +202,20 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   if (reasoning?.has('summary')) throw new UnsupportedFieldError('reasoning.summary', 'reasoning summaries are not supported.');
   const instructions = fields.string('instructions') ?? null;
   const input = fields.required('input');
-  const items = typeof input === 'string' ? [{ role: 'user', content: input }]
-    : readArray('input', input, { nonEmpty: true }).map((item, i) => readInputItem(i, item));
+  const items: JsonObject[] = [];
+  /** The input item each message came from (a function_call joined to the one before comes from that one's). */
+  const itemOf: number[] = [];
+  if (typeof input === 'string') {
+    items.push({ role: 'user', content: input });
+    itemOf.push(0);
+  } else {
+    readArray('input', input, { nonEmpty: true }).forEach((item, i) => {
+      const message = readInputItem(i, item, items.at(-1));
+      if (message === undefined) return;
+      items.push(message);
+      itemOf.push(i);
+    });
+  }
   const messages = instructions !== null ? [{ role: 'system', content: instructions }, ...items] : items;
   const maxOutputTokens = fields.integer('max_output_tokens', { min: 1 }) ?? null;
   const metadata = fields.fields('metadata');
@@ -169,6 +229,9 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
     if (fields.has(key)) chatBody[key] = fields.raw(key) as JsonObject[string];
   }
   for (const key of PASSED_THROUGH) if (fields.has(key)) chatBody[key] = fields.raw(key) as JsonObject[string];
+  if (tools.length > 0) chatBody.tools = tools;
+  if (toolChoice !== undefined) chatBody.tool_choice = toolChoice;
+  if (fields.has('parallel_tool_calls')) chatBody.parallel_tool_calls = parallelToolCalls;
   if (maxOutputTokens !== null) chatBody.max_tokens = maxOutputTokens;
   if (responseFormat) chatBody.response_format = responseFormat;
   if (reasoningEffort !== null) chatBody.reasoning_effort = reasoningEffort;
@@ -177,7 +240,7 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   try {
     chat = parseChatCompletionRequest(chatBody, context);
   } catch (error) {
-    throw responsesError(error, (index) => (index < offset ? 'instructions' : `input[${index - offset}]`));
+    throw responsesError(error, (index) => (index < offset ? 'instructions' : `input[${itemOf[index - offset]}]`));
   }
   // The stream always ends with the whole response, usage included.
   chat.includeUsage = chat.stream;
@@ -186,6 +249,7 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
     echo: {
       instructions, maxOutputTokens, metadata: metadataEcho, temperature: chat.temperature, topP: chat.topP,
       user: chat.user ?? null, textFormat: format, parallelToolCalls, reasoningEffort,
+      tools: fields.array('tools') ?? [], toolChoice: fields.raw('tool_choice') ?? 'auto',
     },
   };
 }
