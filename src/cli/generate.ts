@@ -24,6 +24,13 @@ export const GENERATE_FLAGS = {
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
+/** Errors an engine throws or ends a stream with (src/engine/errors.ts), told apart by name. */
+const ENGINE_FAILURES: ReadonlySet<string> = new Set(['InvalidRequestError', 'EngineClosedError', 'EngineOverloadedError', 'WorkerLostError']);
+
+function isEngineFailure(err: unknown): err is Error {
+  return err instanceof Error && ENGINE_FAILURES.has(err.name);
+}
+
 export const generateCommand: Command = {
   summary: 'print the continuation of a prompt and the speed',
   async run(argv) {
@@ -85,7 +92,16 @@ export const generateCommand: Command = {
         }
         return { text, last: last! };
       }
-      const results = await Promise.all(runs);
+      let results: Awaited<ReturnType<typeof runOne>>[];
+      try {
+        results = await Promise.all(runs);
+      } catch (err) {
+        // The engine refusing the request (a prompt longer than the context, ...) or failing it: one line, as a model
+        // it cannot load is (every request is the same, so the first refusal speaks for all).
+        if (!isEngineFailure(err)) throw err;
+        console.error(`conduit generate: ${err.message.replace(/^request "[^"]*": /, '')}`);
+        return 1;
+      }
       const wallMs = performance.now() - start;
 
       for (const [i, { text }] of results.entries()) {

@@ -77,3 +77,15 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     assert.match(err, message);
   }
 });
+
+test('conduit generate: a request the engine refuses (a prompt longer than the context) is one line and exit code 1', async () => {
+  const prompt = 'hello world '.repeat(1500);
+  for (const concurrency of ['1', '2']) {
+    const { code, out, err } = await run(['generate', '--prompt', prompt, '--max-tokens', '2', '--threads', '1', '--concurrency', concurrency]);
+    assert.equal(code, 1, err);
+    assert.equal(out, '');
+    const lines = err.split('\n').filter((line) => !line.startsWith('conduit: '));
+    assert.deepEqual(lines.length, 1, err);
+    assert.match(lines[0]!, /^conduit generate: prompt of \d+ tokens leaves no room for output within the context length \d+$/);
+  }
+});
