@@ -26,6 +26,12 @@ const WORDS = ('time year people way day man thing woman life child world school
 
 export { seededRandom };
 
+/**
+ * The longest prompt (or system prompt, or question) a workload builds, in words: 2^20, more than any served context
+ * holds. Each prompt is built in memory as a string, and one of 10^9 words is more than V8 can hold.
+ */
+export const MAX_PROMPT_WORDS = 1 << 20;
+
 /** Mixes two numbers into one seed, so each (seed, stream) pair gets an unrelated sequence. */
 function subSeed(seed: number, stream: number): number {
   let h = (Math.imul(seed >>> 0, 0x9e3779b1) ^ Math.imul(stream >>> 0, 0x85ebca6b)) >>> 0;
@@ -61,7 +67,7 @@ export interface Workload {
 /** Independent prompts of `promptTokens` words: no two requests share more than the chat template's prefix. */
 export function randomWorkload(options: { promptTokens: number; seed: number }): Workload {
   const { promptTokens, seed } = options;
-  checkCount('promptTokens', promptTokens, 1);
+  checkCount('promptTokens', promptTokens, 1, MAX_PROMPT_WORDS);
   return {
     name: 'random',
     description: `random prompts of ~${promptTokens} tokens`,
@@ -86,8 +92,8 @@ export interface SharedPrefixOptions {
 export function sharedPrefixWorkload(options: SharedPrefixOptions): Workload {
   const { groups, systemPromptTokens, questionTokens, seed } = options;
   checkCount('groups', groups, 1);
-  checkCount('systemPromptTokens', systemPromptTokens, 1);
-  checkCount('questionTokens', questionTokens, 1);
+  checkCount('systemPromptTokens', systemPromptTokens, 1, MAX_PROMPT_WORDS);
+  checkCount('questionTokens', questionTokens, 1, MAX_PROMPT_WORDS);
   const systemPrompts = new Map<number, string>();
   const systemPrompt = (group: number): string => {
     let text = systemPrompts.get(group);
@@ -109,6 +115,8 @@ export function sharedPrefixWorkload(options: SharedPrefixOptions): Workload {
   };
 }
 
-function checkCount(name: string, value: number, min: number): void {
-  if (!Number.isSafeInteger(value) || value < min) throw new RangeError(`${name} must be a whole number >= ${min}, got ${value}`);
+function checkCount(name: string, value: number, min: number, max = Number.MAX_SAFE_INTEGER): void {
+  if (!Number.isSafeInteger(value) || value < min || value > max) {
+    throw new RangeError(`${name} must be a whole number ${max === Number.MAX_SAFE_INTEGER ? `>= ${min}` : `from ${min} to ${max}`}, got ${value}`);
+  }
 }

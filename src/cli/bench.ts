@@ -10,7 +10,7 @@ import { dirname, resolve } from 'node:path';
 import { renderHtmlReport } from '../bench/html-report.ts';
 import { runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
-import { randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
+import { MAX_PROMPT_WORDS, randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 
@@ -100,6 +100,14 @@ function wholeNumber(flag: string, value: number | undefined, min: number): numb
   return value;
 }
 
+/** A prompt length in words (about tokens): the prompt is built in memory, so a length no context holds is refused. */
+function promptLength(flag: string, value: number | undefined): number {
+  if (!(Number.isSafeInteger(value) && value! >= 1 && value! <= MAX_PROMPT_WORDS)) {
+    throw new UsageError(`--${flag} must be a whole number from 1 to ${MAX_PROMPT_WORDS}, got ${value}`);
+  }
+  return value!;
+}
+
 function positive(flag: string, value: number | undefined): number | undefined {
   if (value === undefined) return undefined;
   if (!(value > 0)) throw new UsageError(`--${flag} must be > 0, got ${value}`);
@@ -124,11 +132,11 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   // A fresh seed per run unless one is given: the same prompts again would mostly measure the prefix cache.
   const seed = wholeNumber('seed', values.seed, 0) ?? randomInt(0, 2 ** 31);
   const workload: Workload = workloadName === 'random'
-    ? randomWorkload({ promptTokens: wholeNumber('prompt-tokens', values['prompt-tokens'], 1)!, seed })
+    ? randomWorkload({ promptTokens: promptLength('prompt-tokens', values['prompt-tokens']), seed })
     : sharedPrefixWorkload({
       groups: wholeNumber('groups', values.groups, 1)!,
-      systemPromptTokens: wholeNumber('system-prompt-tokens', values['system-prompt-tokens'], 1)!,
-      questionTokens: wholeNumber('question-tokens', values['question-tokens'], 1)!,
+      systemPromptTokens: promptLength('system-prompt-tokens', values['system-prompt-tokens']),
+      questionTokens: promptLength('question-tokens', values['question-tokens']),
       seed,
     });
   if (values['request-rate'] !== undefined && values.rate !== undefined) throw new UsageError('give --request-rate or --rate (its older name), not both');
