@@ -11,7 +11,7 @@ import { renderHtmlReport } from '../bench/html-report.ts';
 import { runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
 import { MAX_PROMPT_WORDS, randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 const FLAGS = {
@@ -114,8 +114,30 @@ function positive(flag: string, value: number | undefined): number | undefined {
   return value;
 }
 
+/**
+ * Which of a flag and its older name gives the value: the one typed on the command line, over the other's environment
+ * twin (the command line wins over the environment). Both typed is an error; both set in the environment is one
+ * too unless they agree, since nothing says which was meant. Neither set: the newer name (unset).
+ */
+function eitherName<N extends keyof typeof BENCH_FLAGS & string, O extends keyof typeof BENCH_FLAGS & string>(
+  parsed: ParsedFlags<typeof BENCH_FLAGS>, newer: N, older: O): N | O {
+  const { sources } = parsed;
+  const values = parsed.values as Record<string, unknown>;
+  if (sources[newer] === sources[older] && values[newer] !== undefined && values[older] !== undefined) {
+    if (sources[newer] === 'command line') throw new UsageError(`give --${newer} or --${older} (its older name), not both`);
+    if (values[newer] !== values[older]) {
+      throw new UsageError(`${envName(newer, BENCH_FLAGS[newer])}=${parsed.environment[newer]} and ${envName(older, BENCH_FLAGS[older])}=`
+        + `${parsed.environment[older]} (its older name) are both set: unset one, or give --${newer} on the command line`);
+    }
+  }
+  if (sources[older] === 'command line') return older;
+  if (sources[newer] === 'command line') return newer;
+  return values[newer] === undefined && values[older] !== undefined ? older : newer;
+}
+
 export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): BenchConfig | 'help' {
-  const { values, positionals } = parseFlags(BENCH_FLAGS, argv, env);
+  const parsed = parseFlags(BENCH_FLAGS, argv, env);
+  const { values, positionals } = parsed;
   if (values.help) return 'help';
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const url = values.url!;
@@ -139,13 +161,13 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
       questionTokens: promptLength('question-tokens', values['question-tokens']),
       seed,
     });
-  if (values['request-rate'] !== undefined && values.rate !== undefined) throw new UsageError('give --request-rate or --rate (its older name), not both');
-  const rate = positive(values.rate !== undefined ? 'rate' : 'request-rate', values['request-rate'] ?? values.rate);
+  const rateFlag = eitherName(parsed, 'request-rate', 'rate');
+  const rate = positive(rateFlag, values[rateFlag]);
   const burstiness = positive('burstiness', values.burstiness);
   if (burstiness !== undefined && rate === undefined) throw new UsageError('--burstiness shapes the arrivals of --request-rate: give one');
   const goodput = values.goodput !== undefined ? parseGoodput(values.goodput) : undefined;
-  if (values['result-file'] !== undefined && values.output !== undefined) throw new UsageError('give --result-file or --output (its older name), not both');
-  const outputFile = values['result-file'] ?? values.output;
+  const outputFlag = eitherName(parsed, 'result-file', 'output');
+  const outputFile = values[outputFlag];
   const concurrency = wholeNumber('concurrency', values.concurrency, 1);
   const temperature = values.temperature;
   if (temperature !== undefined && !(temperature >= 0 && Number.isFinite(temperature))) {
@@ -175,7 +197,7 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     ...(requests !== undefined ? { requests } : {}),
     ...(durationSec !== undefined ? { durationSec } : {}),
   };
-  if (outputFile !== undefined) checkWritable(values['result-file'] !== undefined ? 'result-file' : 'output', outputFile);
+  if (outputFile !== undefined) checkWritable(outputFlag, outputFile);
   if (values.html !== undefined) checkWritable('html', values.html);
   return {
     load, json: values.json, progress: values.progress,

@@ -123,6 +123,26 @@ describe('conduit bench flags (vLLM names)', () => {
     }
   });
 
+  it('a flag on the command line wins over its older (or newer) name\'s environment twin; both in the environment must agree', () => {
+    const parse = (argv: string[], env: Record<string, string>) => parseBenchConfig(argv, env) as BenchConfig;
+    assert.equal(parse(['--request-rate', '5'], { CONDUIT_BENCH_RATE: '3' }).load.rate, 5);
+    assert.equal(parse(['--rate', '5'], { CONDUIT_BENCH_REQUEST_RATE: '3' }).load.rate, 5);
+    assert.equal(parse(['--result-file', 'b.json'], { CONDUIT_BENCH_OUTPUT: 'a.json' }).outputFile, 'b.json');
+    assert.equal(parse(['-o', 'b.json'], { CONDUIT_BENCH_RESULT_FILE: 'a.json' }).outputFile, 'b.json');
+    assert.equal(parse([], { CONDUIT_BENCH_RATE: '3' }).load.rate, 3);
+    assert.equal(parse([], { CONDUIT_BENCH_OUTPUT: 'a.json' }).outputFile, 'a.json');
+    assert.equal(parse([], { CONDUIT_BENCH_RATE: '3', CONDUIT_BENCH_REQUEST_RATE: '3' }).load.rate, 3, 'both, agreeing');
+    for (const [env, message] of [
+      [{ CONDUIT_BENCH_RATE: '3', CONDUIT_BENCH_REQUEST_RATE: '4' },
+        'CONDUIT_BENCH_REQUEST_RATE=4 and CONDUIT_BENCH_RATE=3 (its older name) are both set: unset one, or give --request-rate on the command line'],
+      [{ CONDUIT_BENCH_OUTPUT: 'a.json', CONDUIT_BENCH_RESULT_FILE: 'b.json' },
+        'CONDUIT_BENCH_RESULT_FILE=b.json and CONDUIT_BENCH_OUTPUT=a.json (its older name) are both set: unset one, or give --result-file on the command line'],
+    ] as const) {
+      assert.throws(() => parse([], env), (err: unknown) => err instanceof UsageError && err.message === message);
+    }
+    assert.equal(parse(['--request-rate', '5'], { CONDUIT_BENCH_RATE: '3', CONDUIT_BENCH_REQUEST_RATE: '4' }).load.rate, 5, 'the command line settles it');
+  });
+
   it('draws a new seed each run unless --seed is given', () => {
     const seeds = new Set(Array.from({ length: 5 }, () => (parseBenchConfig([], {}) as BenchConfig).load.seed));
     assert.ok(seeds.size >= 4, `seeds ${[...seeds].join(', ')}`);
