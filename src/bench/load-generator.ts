@@ -320,16 +320,29 @@ class Run {
   }
 }
 
-function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+/** The longest delay a Node timer holds: a longer one fires after 1 ms. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/**
+ * Waits `ms` (or until the signal aborts). A wait longer than a timer holds (the gaps of a rate of one request in
+ * 25 days or less) is taken in pieces, so it is not cut to 1 ms.
+ */
+export function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   return new Promise((resolve) => {
     if (signal?.aborted) return resolve();
+    const endMs = performance.now() + ms;
+    let timer: ReturnType<typeof setTimeout> | undefined;
     const done = (): void => {
       clearTimeout(timer);
       signal?.removeEventListener('abort', done);
       resolve();
     };
-    const timer = setTimeout(done, ms);
+    const wait = (): void => {
+      const leftMs = endMs - performance.now();
+      timer = leftMs > MAX_TIMER_MS ? setTimeout(wait, MAX_TIMER_MS) : setTimeout(done, Math.max(0, leftMs));
+    };
     signal?.addEventListener('abort', done);
+    wait();
   });
 }
 

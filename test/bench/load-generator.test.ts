@@ -10,7 +10,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { silentLogger } from '../../src/api/log.ts';
-import { runLoad, type LoadOptions } from '../../src/bench/load-generator.ts';
+import { runLoad, sleep, type LoadOptions } from '../../src/bench/load-generator.ts';
 import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/prompt-workload.ts';
 import { BENCH_FLAGS, parseBenchConfig, runBench, type BenchConfig } from '../../src/cli/bench.ts';
 import { envName, UsageError } from '../../src/cli/flags.ts';
@@ -202,6 +202,41 @@ describe('conduit bench failure handling', () => {
     } finally {
       await closeServer(server);
     }
+  });
+
+  it('a rate whose gaps are longer than a Node timer holds (2^31 ms) waits them out rather than sending at once', async () => {
+    let arrived = 0;
+    const { url, server } = await stubServer((req, res) => {
+      req.resume();
+      arrived++;
+      res.writeHead(200, { 'Content-Type': 'application/json' }).end(JSON.stringify({ choices: [{ message: { content: 'x' } }] }));
+    });
+    const stop = new AbortController();
+    try {
+      // One arrival in 10^9 s on average: Node cut each gap to 1 ms, and all three went out together.
+      const timer = setTimeout(() => stop.abort(), 300);
+      const result = await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: false, requests: 3, rate: 1e-9,
+        seed: 1, signal: stop.signal });
+      clearTimeout(timer);
+      assert.equal(arrived, 0, 'nothing due within 300 ms');
+      assert.equal(result.summary.numRequests, 0);
+    } finally {
+      await closeServer(server);
+    }
+  });
+
+  it('sleep: a wait beyond a timer\'s reach is taken in pieces, and ends with an abort', async () => {
+    const start = performance.now();
+    await sleep(5);
+    assert.ok(performance.now() - start >= 4, 'a short wait as asked');
+    const stop = new AbortController();
+    const long = sleep(3 * 2 ** 31, stop.signal);
+    let over = false;
+    void long.then(() => { over = true; });
+    await new Promise((resolve) => setTimeout(resolve, 50));
+    assert.equal(over, false, '2^32.6 ms is not 1 ms');
+    stop.abort();
+    await long;
   });
 
   it('an abort stops the run and cuts what is in flight', async () => {
