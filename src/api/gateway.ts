@@ -132,6 +132,8 @@ export interface GatewayOptions {
   offThreadChars?: number;
   /** Per-request limit on generation time; undefined = none. */
   requestTimeoutMs?: number;
+  /** How long a stream waits for a client that stopped reading before closing it (SseWriter); undefined = for ever. */
+  writeTimeoutMs?: number;
   limiter: TenantRateLimiter;
   metrics: GatewayMetrics;
   /** The engine clock (epoch ms), for the stamps of the request's trace. */
@@ -747,7 +749,7 @@ export class Gateway {
       started = true;
       if (request.stream) {
         const writer = new SseWriter(call.res, trace ? (bytes, tokens) => trace.wrote(bytes, tokens) : undefined, call.clientGone,
-          shape.sseStyle);
+          shape.sseStyle, this.options.writeTimeoutMs);
         await streamRun(run, shape, writer, {
           includeUsage: request.includeUsage, continuousUsage: request.continuousUsage, headers: call.headers,
           ...(trace ? { timings, onFailure: (error: ApiError) => trace.failedMidStream(error) } : {}),

@@ -50,6 +50,8 @@ export interface ApiServerOptions {
   /** Most sequences (prompts x n) one request may ask for. */
   maxSequencesPerRequest?: number;
   requestTimeoutMs?: number;
+  /** How long a stream waits for a client that stopped reading before closing the connection; undefined = for ever. */
+  writeTimeoutMs?: number;
   /** Clock of the rate limiter (ms); tests pass one they step by hand. */
   clock?: Clock;
   /** Clock of EngineRequest.arrivalMs (ms); the engine's own clock. */
@@ -192,6 +194,7 @@ export class ApiServer {
       maxPendingRequests: options.maxPendingRequests ?? DEFAULT_MAX_PENDING_REQUESTS,
       ...(options.maxSequencesPerRequest !== undefined ? { maxSequencesPerRequest: options.maxSequencesPerRequest } : {}),
       ...(options.requestTimeoutMs !== undefined ? { requestTimeoutMs: options.requestTimeoutMs } : {}),
+      ...(options.writeTimeoutMs !== undefined ? { writeTimeoutMs: options.writeTimeoutMs } : {}),
       limiter: this.limiter,
       metrics: this.metrics,
       now: this.engineClock,

@@ -34,8 +34,12 @@ export class SseWriter {
   private finished = false;
 
   /** gone: the client left (aborts when the connection closes, also for a response that never got its socket). */
+  /**
+   * stallTimeoutMs: how long a write may wait for a client that stopped reading before the connection is closed (the
+   * client is then gone: its request is aborted and what it held given back); 0 waits for ever.
+   */
   constructor(private readonly res: ServerResponse, private readonly onWrite?: WriteListener, private readonly gone?: AbortSignal,
-    private readonly style: SseStyle = CHAT_STYLE) {}
+    private readonly style: SseStyle = CHAT_STYLE, private readonly stallTimeoutMs = 0) {}
 
   /** Sends the status line and headers right away, so the client sees the stream open before the first token. */
   open(extraHeaders: Record<string, string> = {}): void {
@@ -79,7 +83,9 @@ export class SseWriter {
     this.onWrite?.(Buffer.byteLength(text), tokens);
     if (flowing) return Promise.resolve();
     return new Promise((resolve) => {
+      const timer = this.stallTimeoutMs > 0 ? setTimeout(() => this.res.destroy(), this.stallTimeoutMs) : undefined;
       const done = (): void => {
+        clearTimeout(timer);
         this.res.off('drain', done);
         this.res.off('close', done);
         this.gone?.removeEventListener('abort', done);

@@ -98,6 +98,7 @@ export const SERVE_FLAGS = {
   'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
   'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
+  'write-timeout': { type: 'number', help: 'seconds a stream waits for a client that stopped reading before closing the connection: the request is aborted and the sequences, KV blocks and rate-limit tokens it held are given back (0 = wait for ever)', default: 30 },
   'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM/SIGHUP', default: 30 },
   'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
@@ -190,6 +191,8 @@ export interface ServeConfig {
   /** CORS: origins allowed ('*' for any; empty: no CORS headers). */
   allowedOrigins: string[];
   requestTimeoutMs?: number;
+  /** --write-timeout in ms; absent: wait for ever (0). */
+  writeTimeoutMs?: number;
   shutdownGraceMs: number;
   /** One decode_step span per engine step of a traced request (--trace-decode-steps). */
   traceDecodeSteps: boolean;
@@ -455,6 +458,8 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const timeout = values['request-timeout']!;
   const grace = values['shutdown-grace']!;
   if (timeout < 0) throw new UsageError('--request-timeout must be >= 0');
+  const writeTimeout = values['write-timeout']!;
+  if (!(writeTimeout >= 0)) throw new UsageError(`--write-timeout must be >= 0 seconds, got ${writeTimeout}`);
   const idleRelease = values['kv-cache-idle-release']!;
   if (!(idleRelease >= 0)) throw new UsageError(`--kv-cache-idle-release must be >= 0 seconds, got ${idleRelease}`);
   if (grace < 0) throw new UsageError('--shutdown-grace must be >= 0');
@@ -604,6 +609,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const threads = positiveInteger(values.threads, 'threads');
   if (threads !== undefined) config.threads = threads;
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
+  if (writeTimeout > 0) config.writeTimeoutMs = writeTimeout * 1000;
   if (values['tls-cert'] !== undefined) {
     config.tls = { cert: readFileSync(values['tls-cert']), key: readFileSync(values['tls-key']!) };
   }
@@ -661,6 +667,7 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
     ...(config.tokenizerInfoEndpoint ? { tokenizerInfoEndpoint: true } : {}),
     ...(config.returnTokensAsTokenIds ? { returnTokensAsTokenIds: true } : {}),
     ...(config.requestTimeoutMs !== undefined ? { requestTimeoutMs: config.requestTimeoutMs } : {}),
+    ...(config.writeTimeoutMs !== undefined ? { writeTimeoutMs: config.writeTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),
     logger,
