@@ -8,6 +8,11 @@
 // OTEL_RESOURCE_ATTRIBUTES, all from process.env (otel-provider.ts). The batch processor would read OTEL_BSP_* too,
 // but only where it is given no value, and Conduit's defaults differ from the SDK's (a larger queue), so those are
 // read here with them.
+//
+// OTEL_TRACES_SAMPLER is read here too: the SDK's own sampler is left always-on (Conduit decides which requests
+// become spans before building them), so a standard sampler named there is applied by Conduit's (sampling.ts).
+
+import type { OtelSamplerSpec } from './sampling.ts';
 
 export type Env = Readonly<Record<string, string | undefined>>;
 
@@ -27,8 +32,11 @@ export interface TracingEnvConfig {
    */
   protocol: OtlpProtocol;
   batch: { maxQueueSize: number; maxExportBatchSize: number; scheduledDelayMs: number; exportTimeoutMs: number };
-  /** The head sampling rate, when OTEL_TRACES_SAMPLER asks for one. */
-  sampleRate?: number;
+  /**
+   * The standard sampler OTEL_TRACES_SAMPLER names, which then alone decides which requests are exported; unset (or
+   * a sampler Conduit does not implement): Conduit's adaptive sampler.
+   */
+  sampler?: OtelSamplerSpec;
   /** Things the environment asked for that this exporter does not do; reported once at start-up. */
   warnings: string[];
 }
@@ -58,16 +66,28 @@ function exportersFromEnv(env: Env, warnings: string[]): ('otlp' | 'console')[] 
   return exporters;
 }
 
-/** OTEL_TRACES_SAMPLER as a head sampling rate for Conduit's own sampler (the SDK's records whatever it is given). */
-function sampleRateFromEnv(env: Env, warnings: string[]): number | undefined {
-  const sampler = (env.OTEL_TRACES_SAMPLER ?? '').trim().toLowerCase();
-  if (sampler === 'always_on' || sampler === 'parentbased_always_on') return 1;
-  if (sampler === 'always_off' || sampler === 'parentbased_always_off') return 0;
-  if (sampler === 'traceidratio' || sampler === 'parentbased_traceidratio') {
-    const arg = Number(env.OTEL_TRACES_SAMPLER_ARG ?? '1');
-    return Number.isFinite(arg) && arg >= 0 && arg <= 1 ? arg : 1;
+/**
+ * OTEL_TRACES_SAMPLER as the SDK reads it: always_on, always_off, traceidratio and their parentbased_* forms; the
+ * ratio from OTEL_TRACES_SAMPLER_ARG, 1 when it is unset, and 1 with a warning when it is not a number within [0, 1]
+ * (the SDK's default). Another value is reported and leaves Conduit's adaptive sampler in charge.
+ */
+export function samplerFromEnv(env: Env, warnings: string[]): OtelSamplerSpec | undefined {
+  const value = (env.OTEL_TRACES_SAMPLER ?? '').trim().toLowerCase();
+  if (value === '') return undefined;
+  const parentBased = value.startsWith('parentbased_');
+  const root = parentBased ? value.slice('parentbased_'.length) : value;
+  if (root === 'always_on' || root === 'always_off') return { root, parentBased };
+  if (root === 'traceidratio') {
+    const arg = (env.OTEL_TRACES_SAMPLER_ARG ?? '').trim();
+    let ratio = arg === '' ? 1 : Number(arg);
+    if (!(ratio >= 0 && ratio <= 1)) {
+      warnings.push(`OTEL_TRACES_SAMPLER_ARG=${arg} is not a ratio within [0, 1]; ${value} samples with 1 (every trace)`);
+      ratio = 1;
+    }
+    return { root, parentBased, ratio };
   }
-  if (sampler !== '') warnings.push(`OTEL_TRACES_SAMPLER=${sampler} is not supported; Conduit's adaptive sampler decides`);
+  warnings.push(`OTEL_TRACES_SAMPLER=${value} is not supported (always_on, always_off, traceidratio and their parentbased_ forms are); `
+    + 'Conduit\'s adaptive sampler decides');
   return undefined;
 }
 
@@ -97,7 +117,7 @@ export function tracingConfigFromEnv(env: Env): TracingEnvConfig | undefined {
 
   const protocol = otlpProtocolFromEnv(env, exporters.includes('otlp'));
 
-  const sampleRate = sampleRateFromEnv(env, warnings);
+  const sampler = samplerFromEnv(env, warnings);
   return {
     exporters,
     protocol,
@@ -107,7 +127,7 @@ export function tracingConfigFromEnv(env: Env): TracingEnvConfig | undefined {
       scheduledDelayMs: positiveNumber(env.OTEL_BSP_SCHEDULE_DELAY, DEFAULT_BATCH.scheduledDelayMs),
       exportTimeoutMs: positiveNumber(env.OTEL_BSP_EXPORT_TIMEOUT, DEFAULT_BATCH.exportTimeoutMs),
     },
-    ...(sampleRate !== undefined ? { sampleRate } : {}),
+    ...(sampler !== undefined ? { sampler } : {}),
     warnings,
   };
 }

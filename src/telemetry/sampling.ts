@@ -11,9 +11,26 @@
 // request the head passed over costs nothing more than its metrics unless the tail keeps it. Memory is bounded: a
 // fixed window of recent TTFTs and a capped table of new models. No clock or randomness of its own: both are passed
 // in.
+//
+// A standard OpenTelemetry sampler named by OTEL_TRACES_SAMPLER (`otel` in the config) replaces all of the above: it
+// alone decides, at the head, as the OpenTelemetry SDK's sampler of that name would (always_on, always_off,
+// traceidratio on the trace id, and their parentbased_* forms following the client's sampled flag), and the tail
+// keeps exactly what it sampled.
 
 import type { RequestTrace, SamplingDecision } from './trace.ts';
 import { percentile } from '../util/stats.ts';
+
+/**
+ * A standard OpenTelemetry sampler, as OTEL_TRACES_SAMPLER names it. `root` decides for a request without the
+ * client's traceparent, and for every request when not `parentBased`; parent-based, a request with one follows its
+ * sampled flag (sampled: kept; not sampled: dropped).
+ */
+export interface OtelSamplerSpec {
+  root: 'always_on' | 'always_off' | 'traceidratio';
+  parentBased: boolean;
+  /** traceidratio: the share of trace ids sampled, within [0, 1]. */
+  ratio?: number;
+}
 
 export interface TraceSamplingConfig {
   /** Fraction of requests traced from the head. */
@@ -41,6 +58,11 @@ export interface TraceSamplingConfig {
   quantileMinSamples: number;
   /** Bound on the new-model table; the registration expiring first is dropped beyond it. */
   maxNewModels: number;
+  /**
+   * A standard sampler (OTEL_TRACES_SAMPLER) that alone decides, at the head; every rule above is then unused and the
+   * tail keeps exactly what the head sampled.
+   */
+  otel?: OtelSamplerSpec;
 }
 
 export const DEFAULT_TRACE_SAMPLING: Readonly<TraceSamplingConfig> = Object.freeze({
@@ -60,7 +82,7 @@ export const DEFAULT_TRACE_SAMPLING: Readonly<TraceSamplingConfig> = Object.free
   maxNewModels: 64,
 });
 
-export type HeadReason = 'parent' | 'predicted_slow' | 'new_model' | 'base_rate' | 'not_sampled';
+export type HeadReason = 'parent' | 'predicted_slow' | 'new_model' | 'base_rate' | 'always_on' | 'trace_id_ratio' | 'not_sampled';
 export type TailReason = 'head' | 'error' | 'abort' | 'slow_ttft' | 'slow_e2e' | 'slow_tbt' | 'slow_quantile' | 'dropped';
 
 export interface HeadInput {
@@ -68,6 +90,8 @@ export interface HeadInput {
   promptTokens?: number;
   /** The client's sampled flag, when it sent a traceparent. */
   parentSampled?: boolean;
+  /** The request's trace id (32 hex digits), which a traceidratio sampler decides on. */
+  traceId?: string;
 }
 
 /** The parts of a finished request the tail decision reads. */
@@ -126,6 +150,8 @@ export class TraceSampler {
       const v = this.config[key];
       if (!(v >= 0 && v <= 1)) throw new RangeError(`${key} must be within [0, 1], got ${v}`);
     }
+    const ratio = this.config.otel?.ratio;
+    if (ratio !== undefined && !(ratio >= 0 && ratio <= 1)) throw new RangeError(`otel.ratio must be within [0, 1], got ${ratio}`);
     this.recentTtft = new RecentQuantile(this.config.quantileWindow);
   }
 
@@ -155,6 +181,7 @@ export class TraceSampler {
   /** The decision at arrival. Draws one random number only when a rate decides. */
   head(input: HeadInput, nowMs: number): SamplingDecision {
     const c = this.config;
+    if (c.otel) return otelHead(c.otel, input);
     if (c.honourParentSampled && input.parentSampled) return { sampled: true, reason: 'parent' };
     if ((input.promptTokens ?? 0) >= c.slowPromptTokens) {
       return { sampled: true, reason: 'predicted_slow' };
@@ -186,6 +213,8 @@ export class TraceSampler {
   private tailDecision(trace: TailInput): SamplingDecision {
     const c = this.config;
     if (trace.headSampling?.sampled) return { sampled: true, reason: 'head' };
+    // A standard sampler's decision is final: nothing it dropped is kept afterwards.
+    if (c.otel) return { sampled: false, reason: 'dropped' };
     // Server errors only: a flood of refusals (429s under overload, bad requests) would otherwise flood the traces.
     const serverError = trace.outcome === 'error' && (trace.status === undefined || trace.status >= 500);
     if (serverError && c.keepErrors) return { sampled: true, reason: 'error' };
@@ -201,4 +230,27 @@ export class TraceSampler {
     }
     return { sampled: false, reason: 'dropped' };
   }
+}
+
+/** The head decision of a standard OpenTelemetry sampler (ParentBased, AlwaysOn, AlwaysOff, TraceIdRatioBased). */
+function otelHead(spec: OtelSamplerSpec, input: HeadInput): SamplingDecision {
+  if (spec.parentBased && input.parentSampled !== undefined) {
+    return input.parentSampled ? { sampled: true, reason: 'parent' } : { sampled: false, reason: 'not_sampled' };
+  }
+  if (spec.root === 'always_on') return { sampled: true, reason: 'always_on' };
+  if (spec.root === 'traceidratio' && traceIdRatioSampled(input.traceId, spec.ratio ?? 1)) return { sampled: true, reason: 'trace_id_ratio' };
+  return { sampled: false, reason: 'not_sampled' };
+}
+
+/**
+ * The OpenTelemetry JS SDK's TraceIdRatioBasedSampler: the four 32-bit words of the trace id XORed together, sampled
+ * below ratio x (2^32 - 1). Deterministic per trace id, so every service of a trace sampling at one ratio agrees, and
+ * a higher ratio keeps every trace a lower one keeps. An invalid trace id (absent, malformed, all zeros) is not sampled.
+ */
+export function traceIdRatioSampled(traceId: string | undefined, ratio: number): boolean {
+  if (traceId === undefined || !/^[0-9a-f]{32}$/i.test(traceId) || /^0+$/.test(traceId)) return false;
+  const upperBound = ratio >= 1 ? 0x100000000 : ratio <= 0 ? 0 : Math.floor(ratio * 0xffffffff);
+  let accumulation = 0;
+  for (let i = 0; i < 32; i += 8) accumulation = (accumulation ^ Number.parseInt(traceId.slice(i, i + 8), 16)) >>> 0;
+  return accumulation < upperBound;
 }

@@ -14,7 +14,7 @@ import type { SpanExporter } from '@opentelemetry/sdk-trace-node';
 import { TraceAnalyzer, type AnalyzerThresholds, type WindowAnalysis } from './analyzer.ts';
 import { LifecycleBus, type EngineReport, type LifecycleEvent } from './lifecycle.ts';
 import { ConduitMetrics, type WorkerStatsSnapshot } from './metrics.ts';
-import { tracingConfigFromEnv, type Env } from './otel-env.ts';
+import { samplerFromEnv, tracingConfigFromEnv, type Env } from './otel-env.ts';
 import { createTracing, type Tracing } from './otel-provider.ts';
 import { emitRequestSpans } from './otel-spans.ts';
 import { TraceSampler, type TraceSamplingConfig } from './sampling.ts';
@@ -82,8 +82,13 @@ export class Telemetry {
 
   constructor(options: TelemetryOptions = {}) {
     this.now = options.now ?? defaultNow;
-    const envConfig = options.tracing === false ? undefined : tracingConfigFromEnv(options.env ?? process.env);
-    this.warnings = envConfig?.warnings ?? [];
+    const env = options.env ?? process.env;
+    const envConfig = options.tracing === false ? undefined : tracingConfigFromEnv(env);
+    const warnings = envConfig?.warnings ?? [];
+    // OTEL_TRACES_SAMPLER, when it names a standard sampler, replaces the adaptive rules (sampling.ts); it applies to
+    // exporters passed in code too when the environment configures none.
+    const envSampler = options.tracing === false ? undefined : envConfig ? envConfig.sampler : samplerFromEnv(env, warnings);
+    this.warnings = warnings;
     this.tracing = options.tracing === false ? undefined : createTracing({
       ...(options.exporters ? { exporters: options.exporters } : {}),
       ...(options.processor ? { processor: options.processor } : {}),
@@ -91,7 +96,7 @@ export class Telemetry {
       ...(options.serviceName ? { serviceName: options.serviceName } : {}),
     });
     const sampling: Partial<TraceSamplingConfig> = { ...options.sampling };
-    if (sampling.baseRate === undefined && envConfig?.sampleRate !== undefined) sampling.baseRate = envConfig.sampleRate;
+    if (sampling.otel === undefined && envSampler !== undefined) sampling.otel = envSampler;
     this.sampler = new TraceSampler(sampling, options.random);
     this.slo = new SloTracker(options.slo);
     this.analyzer = new TraceAnalyzer(options.analyzer);
@@ -302,6 +307,7 @@ export class Telemetry {
       ...(record.model !== undefined ? { model: record.model } : {}),
       ...(record.promptTokens !== undefined ? { promptTokens: record.promptTokens } : {}),
       ...(record.parent ? { parentSampled: record.parent.sampled } : {}),
+      ...(record.traceId !== undefined ? { traceId: record.traceId } : {}),
     }, this.now());
     return record.headSampling;
   }

@@ -285,6 +285,48 @@ describe('sampling decides which requests get spans', () => {
   });
 });
 
+describe('OTEL_TRACES_SAMPLER decides alone', () => {
+  const clientTrace = '4bf92f3577b34da6a3ce929d0e0e4736';
+  const parent = (sampled: boolean) => `00-${clientTrace}-00f067aa0ba902b7-0${sampled ? 1 : 0}`;
+  /** Requests every adaptive rule would keep: a new model's, a long prompt, slow, a server error, the client's sampled trace. */
+  function keepers(telemetry: Telemetry): string[] {
+    telemetry.registerNewModel('llama-70b');
+    run(telemetry, coldTimeline({ id: 'new-model' }).events);
+    run(telemetry, coldTimeline({ id: 'long-prompt', at: T0 + 100, promptTokens: 100_000 }).events);
+    run(telemetry, coldTimeline({ id: 'slow', at: T0 + 200, queueMs: 900 }).events);
+    run(telemetry, erroredInPrefillTimeline('failed', T0 + 300));
+    run(telemetry, coldTimeline({ id: 'client-sampled', at: T0 + 400, traceparent: parent(true) }).events);
+    run(telemetry, coldTimeline({ id: 'client-unsampled', at: T0 + 500, traceparent: parent(false) }).events);
+    return ['new-model', 'long-prompt', 'slow', 'failed', 'client-sampled', 'client-unsampled'];
+  }
+  const kept = (exporter: InMemorySpanExporter) => exporter.getFinishedSpans().filter((s) => s.name === 'request').map((s) => s.attributes['request.id']);
+
+  it('always_off exports nothing; the trace store and metrics still have every request', async () => {
+    const { telemetry, exporter } = traced({ env: { OTEL_TRACES_SAMPLER: 'always_off' }, sampling: { slowTtftMs: 500 }, random: () => 0 });
+    const ids = keepers(telemetry);
+    assert.deepEqual(kept(exporter), []);
+    for (const id of ids) {
+      assert.equal(telemetry.traceView(id)?.sampling, 'not_sampled', id);
+      assert.equal(parseTraceparent(telemetry.traceView(id)?.traceparent)?.sampled, false, `${id}: handed on as not sampled`);
+    }
+    assert.match(await telemetry.renderMetrics(), /conduit_trace_sampling_decisions_total\{kept="false",reason="dropped"\} 6\n/);
+    assert.deepEqual(kept(traced({ env: { OTEL_TRACES_SAMPLER: 'parentbased_always_off' } }).exporter), []);
+  });
+
+  it('parentbased_* follow the client\'s sampled flag; always_on and traceidratio ignore it', () => {
+    const keptWith = (sampler: string, arg?: string) => {
+      const { telemetry, exporter } = traced({ env: { OTEL_TRACES_SAMPLER: sampler, ...(arg ? { OTEL_TRACES_SAMPLER_ARG: arg } : {}) } });
+      keepers(telemetry);
+      return kept(exporter);
+    };
+    assert.deepEqual(keptWith('parentbased_always_off'), ['client-sampled']);
+    assert.deepEqual(keptWith('parentbased_always_on'), ['new-model', 'long-prompt', 'slow', 'failed', 'client-sampled']);
+    assert.deepEqual(keptWith('always_on'), ['new-model', 'long-prompt', 'slow', 'failed', 'client-sampled', 'client-unsampled']);
+    assert.deepEqual(keptWith('traceidratio', '0'), []);
+    assert.deepEqual(keptWith('parentbased_traceidratio', '0'), ['client-sampled']);
+  });
+});
+
 describe('span export accounting', () => {
   it('counts spans the exporter accepted and those it refused', async () => {
     const { telemetry, exporter } = traced();
@@ -322,7 +364,7 @@ describe('OTEL_* configuration', () => {
     assert.deepEqual(base.exporters, ['otlp']);
     assert.equal(base.batch.maxQueueSize, 4096);
     assert.equal(base.batch.maxExportBatchSize, 2048, 'Conduit\'s default where the environment says nothing');
-    assert.equal(base.sampleRate, 0.05);
+    assert.deepEqual(base.sampler, { root: 'traceidratio', parentBased: true, ratio: 0.05 });
     const specific = tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://c:9999/custom' });
     assert.deepEqual(specific?.exporters, ['otlp'], 'the traces endpoint alone turns export on');
     assert.equal(specific?.protocol, 'http/json', 'JSON bodies unless the protocol says otherwise');
@@ -338,7 +380,26 @@ describe('OTEL_* configuration', () => {
     assert.throws(() => new Telemetry({ env: grpc }), TracingConfigError);
     assert.equal(tracingConfigFromEnv({ OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' }), undefined, 'no export asked for: nothing to refuse');
     assert.deepEqual(tracingConfigFromEnv({ OTEL_TRACES_EXPORTER: 'otlp,console,zipkin' })?.exporters, ['otlp', 'console']);
-    assert.equal(new Telemetry({ env: { OTEL_TRACES_EXPORTER: 'otlp', OTEL_TRACES_SAMPLER: 'always_on' } }).sampler.config.baseRate, 1);
+    assert.deepEqual(new Telemetry({ env: { OTEL_TRACES_EXPORTER: 'otlp', OTEL_TRACES_SAMPLER: 'always_on' } }).sampler.config.otel,
+      { root: 'always_on', parentBased: false });
+  });
+
+  it('reads OTEL_TRACES_SAMPLER as the SDK does', () => {
+    const sampler = (vars: Record<string, string>) => tracingConfigFromEnv({ OTEL_TRACES_EXPORTER: 'otlp', ...vars });
+    assert.equal(sampler({})?.sampler, undefined, 'unset: Conduit\'s adaptive sampler');
+    assert.deepEqual(sampler({ OTEL_TRACES_SAMPLER: 'always_off' })?.sampler, { root: 'always_off', parentBased: false });
+    assert.deepEqual(sampler({ OTEL_TRACES_SAMPLER: 'parentbased_always_off' })?.sampler, { root: 'always_off', parentBased: true });
+    assert.deepEqual(sampler({ OTEL_TRACES_SAMPLER: 'parentbased_always_on' })?.sampler, { root: 'always_on', parentBased: true });
+    assert.deepEqual(sampler({ OTEL_TRACES_SAMPLER: 'traceidratio' })?.sampler, { root: 'traceidratio', parentBased: false, ratio: 1 },
+      'the ratio defaults to 1');
+    for (const arg of ['1.5', '-0.1', 'half']) {
+      const config = sampler({ OTEL_TRACES_SAMPLER: 'traceidratio', OTEL_TRACES_SAMPLER_ARG: arg });
+      assert.equal(config?.sampler?.ratio, 1, `${arg}: the SDK's default`);
+      assert.match(config?.warnings.join('\n') ?? '', /OTEL_TRACES_SAMPLER_ARG=.* is not a ratio/);
+    }
+    const jaeger = sampler({ OTEL_TRACES_SAMPLER: 'jaeger_remote' });
+    assert.equal(jaeger?.sampler, undefined);
+    assert.match(jaeger?.warnings.join('\n') ?? '', /OTEL_TRACES_SAMPLER=jaeger_remote is not supported/);
   });
 
   it('exports protobuf bodies when OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf', async () => {

@@ -1,7 +1,12 @@
 // The trace sampler's head and tail decisions, with seeded randomness and explicit times.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { RecentQuantile, TraceSampler, type TailInput } from '../../src/telemetry/sampling.ts';
+import { ROOT_CONTEXT, SpanKind, TraceFlags, trace as otelTrace } from '@opentelemetry/api';
+import {
+  AlwaysOffSampler, AlwaysOnSampler, ParentBasedSampler, SamplingDecision, TraceIdRatioBasedSampler, type Sampler,
+} from '@opentelemetry/sdk-trace-node';
+import { RecentQuantile, TraceSampler, traceIdRatioSampled, type OtelSamplerSpec, type TailInput } from '../../src/telemetry/sampling.ts';
+import { randomTraceId } from '../../src/telemetry/traceparent.ts';
 import { T0, seededRandom } from './fixtures.ts';
 
 function rateOf(sampler: TraceSampler, input: Parameters<TraceSampler['head']>[0], nowMs: number, n: number): number {
@@ -93,6 +98,55 @@ describe('TraceSampler.tail', () => {
     assert.equal(sampler.tail(ok(30)).reason, 'slow_quantile');
     for (let i = 0; i < 200; i++) sampler.tail(ok(100));
     assert.equal(sampler.tail(ok(30)).sampled, false, 'after the load got slower, 30 ms is fast');
+  });
+});
+
+describe('TraceSampler with a standard sampler (OTEL_TRACES_SAMPLER)', () => {
+  /** The SDK's own sampler of the same name: the oracle. */
+  function sdkSampler(spec: OtelSamplerSpec): Sampler {
+    const root = spec.root === 'always_on' ? new AlwaysOnSampler() : spec.root === 'always_off' ? new AlwaysOffSampler()
+      : new TraceIdRatioBasedSampler(spec.ratio);
+    return spec.parentBased ? new ParentBasedSampler({ root }) : root;
+  }
+  const specs: OtelSamplerSpec[] = [
+    { root: 'always_on', parentBased: false }, { root: 'always_off', parentBased: false },
+    { root: 'always_on', parentBased: true }, { root: 'always_off', parentBased: true },
+    { root: 'traceidratio', parentBased: false, ratio: 0.25 }, { root: 'traceidratio', parentBased: true, ratio: 0.25 },
+    { root: 'traceidratio', parentBased: false, ratio: 0 }, { root: 'traceidratio', parentBased: false, ratio: 1 },
+  ];
+
+  it('samples at the head exactly as the SDK\'s sampler of that name, with and without the client\'s parent', () => {
+    for (const spec of specs) {
+      const ours = new TraceSampler({ otel: spec }, () => 0);
+      const theirs = sdkSampler(spec);
+      for (let i = 0; i < 400; i++) {
+        const traceId = randomTraceId();
+        for (const parentSampled of [undefined, true, false]) {
+          const context = parentSampled === undefined ? ROOT_CONTEXT : otelTrace.setSpanContext(ROOT_CONTEXT, {
+            traceId, spanId: '00f067aa0ba902b7', isRemote: true, traceFlags: parentSampled ? TraceFlags.SAMPLED : TraceFlags.NONE,
+          });
+          const expected = theirs.shouldSample(context, traceId, 'request', SpanKind.SERVER, {}, []).decision === SamplingDecision.RECORD_AND_SAMPLED;
+          // A new model, a long prompt: the adaptive rules must not take part.
+          const got = ours.head({ traceId, model: 'm', promptTokens: 100_000, ...(parentSampled !== undefined ? { parentSampled } : {}) }, T0);
+          assert.equal(got.sampled, expected, `${JSON.stringify(spec)}, parent ${String(parentSampled)}, trace ${traceId}`);
+        }
+      }
+    }
+    assert.equal(traceIdRatioSampled(undefined, 1), false, 'no trace id, nothing to sample on');
+    assert.equal(traceIdRatioSampled('0'.repeat(32), 1), false, 'the invalid trace id, as the SDK');
+  });
+
+  it('keeps at the tail exactly what the head sampled: no new-model, slow, error or quantile rules', () => {
+    const sampler = new TraceSampler({ otel: { root: 'always_off', parentBased: false }, slowTtftMs: 500, quantileMinSamples: 1 });
+    sampler.registerNewModel('fresh', T0);
+    const head = sampler.head({ model: 'fresh', promptTokens: 100_000, parentSampled: true, traceId: randomTraceId() }, T0 + 1);
+    assert.deepEqual(head, { sampled: false, reason: 'not_sampled' });
+    for (let i = 0; i < 5; i++) sampler.tail({ ...ok(10), headSampling: head });
+    for (const input of [ok(10_000, 100_000), { ...ok(20), tbtMs: [1000] }, { outcome: 'error', e2eMs: 5, status: 500 }] as TailInput[]) {
+      assert.deepEqual(sampler.tail({ ...input, headSampling: head }), { sampled: false, reason: 'dropped' });
+    }
+    const on = new TraceSampler({ otel: { root: 'always_on', parentBased: false } });
+    assert.deepEqual(on.tail({ ...ok(10), headSampling: on.head({}, T0) }), { sampled: true, reason: 'head' });
   });
 });
 
