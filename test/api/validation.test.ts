@@ -3,7 +3,7 @@ import { describe, it } from 'node:test';
 import { parseJsonBytes } from '../../src/api/body.ts';
 import { ApiError } from '../../src/api/errors.ts';
 import { modelIdFromName } from '../../src/api/gateway.ts';
-import { parseChatCompletionRequest } from '../../src/api/schemas/chat.ts';
+import { MAX_MESSAGES, parseChatCompletionRequest } from '../../src/api/schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from '../../src/api/schemas/completion.ts';
 import { toSamplingParams } from '../../src/api/schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from '../../src/api/schemas/tokenize.ts';
@@ -253,6 +253,11 @@ describe('tokenize and detokenize validation', () => {
 
   it('checks messages as chat completions do', () => {
     rejects(() => parseTokenizeRequest({ messages: [{ role: 'robot', content: 'x' }] }, context), { param: 'messages[0].role' });
+    // At most MAX_MESSAGES: the template renders them on the event loop.
+    const many = Array.from({ length: MAX_MESSAGES + 1 }, () => ({ role: 'user', content: '' }));
+    rejects(() => parseTokenizeRequest({ messages: many }, context), { param: 'messages', says: /4097 items; the limit is 4096/ });
+    rejects(() => parseChatCompletionRequest(chat({ messages: many }), context), { param: 'messages', says: /the limit is 4096/ });
+    assert.equal(parseChatCompletionRequest(chat({ messages: many.slice(1) }), context).messages.length, MAX_MESSAGES);
     const request = parseTokenizeRequest({ messages: user, add_generation_prompt: false }, context);
     assert.equal(request.kind, 'messages');
     assert.equal(request.kind === 'messages' && request.addGenerationPrompt, false);
