@@ -1,5 +1,6 @@
 // Command-line flags with environment-variable twins. Every flag `--some-name` can also be set as
-// CONDUIT_SOME_NAME; the command line wins over the environment, the environment over the default.
+// CONDUIT_SOME_NAME; the command line wins over the environment, the environment over the default. `--help` alone
+// has no twin: a stray CONDUIT_HELP must not turn every command (`conduit serve` included) into its help text.
 // Commands declare their flags as a table so `--help` and the docs come from the same place.
 
 export type FlagType = 'string' | 'number' | 'boolean';
@@ -59,6 +60,9 @@ export interface ParseOptions<T extends FlagTable> {
    */
   inapplicable?: (values: FlagValues<T>) => Inapplicable<T> | undefined;
 }
+
+/** The flag no environment variable sets (see the top of this file). */
+const NO_ENV_TWIN = 'help';
 
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
@@ -153,9 +157,10 @@ export function parseFlags<T extends FlagTable>(
   const invalid = new Map<string, UsageError>();
   for (const [name, spec] of Object.entries(table)) {
     if (fromArgs.has(name)) continue;
-    const fromEnv = env[envName(name, spec)];
     sources[name] = 'default';
     values[name] = fallback(spec);
+    if (name === NO_ENV_TWIN) continue;
+    const fromEnv = env[envName(name, spec)];
     if (fromEnv === undefined || fromEnv === '') continue;
     sources[name] = 'environment';
     environment[name] = fromEnv;
@@ -207,7 +212,7 @@ export function formatFlagHelp(table: FlagTable): string {
   const rows = Object.entries(table).map(([name, spec]) => {
     const left = `  --${name}${spec.short ? `, -${spec.short}` : ''}${spec.type === 'boolean' ? '' : ` <${spec.type}>`}`;
     const def = (spec.default !== undefined ? ` (default ${spec.default})` : '') + (spec.repeatable ? ' (repeatable)' : '');
-    return `${left.padEnd(34)} ${spec.help}${def} [env ${envName(name, spec)}]`;
+    return `${left.padEnd(34)} ${spec.help}${def}${name === NO_ENV_TWIN ? '' : ` [env ${envName(name, spec)}]`}`;
   });
   return rows.join('\n');
 }

@@ -1,8 +1,10 @@
-// The flag table's parser: where each value came from, and flags that have no effect in the configuration at hand
-// (an error when typed, a warning and the default when they come from the environment).
+// The flag table's parser: where each value came from, --help having no environment twin, and flags that have no
+// effect in the configuration at hand (an error when typed, a warning and the default when they come from the
+// environment).
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { ignoreInapplicable, parseFlags, UsageError, type FlagTable } from '../../src/cli/flags.ts';
+import { formatFlagHelp, ignoreInapplicable, parseFlags, UsageError, type FlagTable } from '../../src/cli/flags.ts';
+import { runCli } from '../helpers/cli-main.ts';
 
 const TABLE = {
   size: { type: 'number', help: 'a size', default: 4 },
@@ -19,6 +21,34 @@ describe('parseFlags', () => {
     const bare = parseFlags(TABLE, [], { CONDUIT_NAME: '' });
     assert.deepEqual(bare.values, { size: 4, name: undefined, fast: false, label: undefined });
     assert.deepEqual(bare.sources, { size: 'default', name: 'default', fast: 'default', label: 'default' }, 'an empty variable is unset');
+  });
+});
+
+describe('--help', () => {
+  it('has no environment twin: a stray CONDUIT_HELP (or a prefixed one) does not turn a command into its help', () => {
+    const table = { ...TABLE, help: { type: 'boolean', help: 'show this help', short: 'h' } } satisfies FlagTable;
+    const prefixed = { ...table, help: { ...table.help, env: 'CONDUIT_SIM_HELP' } } satisfies FlagTable;
+    for (const t of [table, prefixed]) {
+      const parsed = parseFlags(t, [], { CONDUIT_HELP: '1', CONDUIT_SIM_HELP: '1' });
+      assert.equal(parsed.values.help, false);
+      assert.equal(parsed.sources.help, 'default');
+      assert.equal(parseFlags(t, ['-h'], {}).values.help, true);
+      assert.doesNotMatch(formatFlagHelp(t), /_HELP/);
+      assert.match(formatFlagHelp(t), /\[env CONDUIT_SIZE\]/);
+    }
+  });
+
+  it('through the commands: each one runs (here, to its first usage error) rather than printing its help', async () => {
+    const env = { CONDUIT_HELP: '1', CONDUIT_SIM_HELP: '1', CONDUIT_PLAN_HELP: '1', CONDUIT_TRACE_HELP: '1' };
+    for (const [argv, message] of [
+      [['generate'], /--prompt is required/], [['plan'], /--rate is required/], [['trace'], /a request id is needed/],
+      [['bench', '--timeout', '0'], /--timeout must be in/], [['sim', 'lifecycle', '--tp', '3'], /do not divide over tp 3/],
+      [['serve', '--port', '-1'], /--port/],
+    ] as const) {
+      const { code, out, err } = await runCli([...argv], env);
+      assert.equal(code, 2, `${argv.join(' ')}: ${out}${err}`);
+      assert.match(err, message);
+    }
   });
 });
 
