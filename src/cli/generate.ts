@@ -47,9 +47,11 @@ export const generateCommand: Command = {
     if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
     const topP = values['top-p']!;
     if (!(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);
-    // Each request's seed is seed + i: all of them whole numbers a request takes.
-    if (!Number.isSafeInteger(values.seed) || !Number.isSafeInteger(values.seed! + concurrency)) {
-      throw new UsageError(`--seed must be a whole number, got ${values.seed}`);
+    // Each request's seed is seed + i (i < concurrency): all of them whole numbers a request takes, safe integers.
+    const maxSeed = Number.MAX_SAFE_INTEGER - (concurrency - 1);
+    if (!Number.isSafeInteger(values.seed) || values.seed! > maxSeed) {
+      throw new UsageError(`--seed must be a whole number from ${-Number.MAX_SAFE_INTEGER} to ${maxSeed}`
+        + `${concurrency > 1 ? ` (with --concurrency ${concurrency} the requests take seeds seed to seed + ${concurrency - 1})` : ''}, got ${values.seed}`);
     }
     if (values.threads !== undefined && !(Number.isInteger(values.threads) && values.threads >= 1)) {
       throw new UsageError(`--threads must be a whole number >= 1, got ${values.threads}`);

@@ -69,12 +69,23 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     [[...BASE, '--threads', '0'], /--threads must be a whole number >= 1, got 0/],
     [[...BASE, '--top-p', '0'], /--top-p must be in \(0, 1\], got 0/],
     [[...BASE, '--top-p', '5'], /--top-p must be in \(0, 1\], got 5/],
-    [[...BASE, '--seed', '1.5'], /--seed must be a whole number, got 1\.5/],
-    [[...BASE, '--seed', '1e300'], /--seed must be a whole number/],
+    [[...BASE, '--seed', '1.5'], /--seed must be a whole number from -9007199254740991 to 9007199254740991, got 1\.5/],
+    [[...BASE, '--seed', '1e300'], /--seed must be a whole number from -9007199254740991 to 9007199254740991, got 1e\+300/],
+    [[...BASE, '--seed', '9007199254740992'], /--seed must be a whole number from -9007199254740991 to 9007199254740991, got 9007199254740992/],
+    [[...BASE, '--seed', '9007199254740991', '--concurrency', '3'],
+      /--seed must be a whole number from -9007199254740991 to 9007199254740989 \(with --concurrency 3 the requests take seeds seed to seed \+ 2\), got 9007199254740991/],
   ] as const) {
     const { code, err } = await run([...argv]);
     assert.equal(code, 2, `${argv.join(' ')}: ${err}`);
     assert.match(err, message);
+  }
+});
+
+test('conduit generate takes every seed a request takes, the largest safe integer included', async () => {
+  for (const [seed, concurrency] of [['9007199254740991', '1'], ['9007199254740990', '2'], ['-9007199254740991', '1']]) {
+    const { code, out, err } = await run([...BASE, '--max-tokens', '1', '--seed', seed!, '--concurrency', concurrency!]);
+    assert.equal(code, 0, `${seed}: ${err}`);
+    if (concurrency === '2') assert.match(out, /^--- request 1 \(seed 9007199254740991\)$/m);
   }
 });
 
