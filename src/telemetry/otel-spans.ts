@@ -132,6 +132,14 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   const rootContext = otelTrace.setSpan(ROOT_CONTEXT, root);
   const engineContext = engineParentContext(trace.engineTraceparent, root.spanContext(), rootContext);
 
+  // HTTP semantic conventions for a SERVER span: a 5xx (or a failure with no status) is an error, a 4xx is the
+  // client's and leaves the status unset, and success is not marked OK. The phase a server error ended in failed too.
+  const errorMessage = trace.outcome === 'error' ? trace.errorMessage ?? trace.errorType ?? 'error' : undefined;
+  const refusal = trace.status !== undefined && trace.status >= 400 && trace.status < 500;
+  const serverError = errorMessage !== undefined && !refusal;
+  /** The error message when `phase` is the phase a server error ended in (its span is then an error too). */
+  const failedIn = (phase: string): string | undefined => (serverError && trace.endedInPhase === phase ? errorMessage : undefined);
+
   /** A finished span; `error`: its status is ERROR with this message. */
   const span = (parentCtx: Context, name: string, startMs: number, endMs: number, attrs: Record<string, string | number | boolean | undefined>,
     error?: string): Span => {
@@ -140,11 +148,12 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     s.end(hr(Math.max(startMs, endMs)));
     return s;
   };
-  /** A parent span whose children are added by `fill` before it ends. */
+  /** A parent span whose children are added by `fill` before it ends; `error` as for span(). */
   const group = (parentCtx: Context, name: string, startMs: number, endMs: number, attrs: Record<string, string | number | boolean | undefined>,
-    fill: (ctx: Context) => void): void => {
+    fill: (ctx: Context) => void, error?: string): void => {
     const s = tracer.startSpan(name, { startTime: hr(startMs), attributes: clean(attrs) }, parentCtx);
     fill(otelTrace.setSpan(ROOT_CONTEXT, s));
+    if (error !== undefined) s.setStatus({ code: SpanStatusCode.ERROR, message: error });
     s.end(hr(Math.max(startMs, endMs)));
   };
 
@@ -157,7 +166,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       for (const p of gatewayPhases) {
         const attrs: Record<string, string | number | boolean | undefined> = { 'conduit.phase': p.phase };
         for (const [k, v] of Object.entries(p.attributes ?? {})) attrs[`${p.phase}.${k}`] = v;
-        span(ctx, p.phase, p.startMs, p.endMs, attrs);
+        span(ctx, p.phase, p.startMs, p.endMs, attrs, failedIn(p.phase));
       }
     });
   }
@@ -198,12 +207,12 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
           'routing.candidates': routing.candidates,
         });
       }
-    });
+    }, failedIn('router_lookup'));
   }
 
   for (const p of trace.phases) {
     if (p.phase === 'prefill_dispatch' || p.phase === 'decode_dispatch') {
-      span(rootContext, p.phase, p.startMs, p.endMs, { 'conduit.phase': p.phase, 'dispatch.worker': p.worker });
+      span(rootContext, p.phase, p.startMs, p.endMs, { 'conduit.phase': p.phase, 'dispatch.worker': p.worker }, failedIn(p.phase));
     }
   }
 
@@ -230,7 +239,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
           'conduit.phase': 'scheduler_queue', 'scheduling.budget_ms': round3(budgetMs), 'scheduling.budget_tokens': trace.budgetTokens,
         });
       }
-    });
+    }, failedIn('scheduler_queue'));
   }
 
   // Prefill.
@@ -258,7 +267,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
           'prefill.batch_tokens': c.attributes?.batch_tokens as number | undefined, 'prefill.worker': c.worker,
         });
       });
-    });
+    }, failedIn('prefill_execution'));
   }
 
   // KV transfer.
@@ -316,7 +325,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
           'decode.batch_tokens': decode.batchTokens[i],
         });
       }
-    });
+    }, failedIn('decode_execution'));
   }
 
   // Streamed writes.
@@ -338,18 +347,21 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     }
   }
 
-  // How it ended.
-  if (trace.outcome === 'error') {
-    const message = trace.errorMessage ?? trace.errorType ?? 'error';
-    root.setStatus({ code: SpanStatusCode.ERROR, message });
-    root.setAttribute('error.type', trace.errorType ?? 'error');
-    root.recordException({ name: trace.errorType ?? 'error', message }, hr(trace.endMs));
+  // How it ended. Success and refusals leave the status unset (see serverError above).
+  if (errorMessage !== undefined) {
+    const errorType = trace.errorType ?? 'error';
+    root.setAttribute('request.error_type', errorType);
+    if (serverError) {
+      root.setStatus({ code: SpanStatusCode.ERROR, message: errorMessage });
+      root.setAttribute('error.type', errorType);
+      root.recordException({ name: errorType, message: errorMessage }, hr(trace.endMs));
+    } else {
+      root.setAttribute('request.error_message', errorMessage);
+    }
   } else if (trace.outcome === 'abort') {
     root.setAttribute('request.aborted', true);
     if (trace.abortReason) root.setAttribute('request.abort_reason', trace.abortReason);
     root.addEvent('abort', clean({ reason: trace.abortReason, phase: trace.endedInPhase }), hr(trace.endMs));
-  } else {
-    root.setStatus({ code: SpanStatusCode.OK });
   }
   root.end(hr(trace.endMs));
   return root.spanContext();

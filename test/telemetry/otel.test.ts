@@ -5,14 +5,14 @@ import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
-import { SpanStatusCode } from '@opentelemetry/api';
+import { SpanKind, SpanStatusCode } from '@opentelemetry/api';
 import { hrTimeToMilliseconds, parseTraceParent as oracleParse } from '@opentelemetry/core';
 import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
 import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
 import { TracingConfigError, tracingConfigFromEnv } from '../../src/telemetry/otel-env.ts';
 import { Telemetry, type TelemetryOptions } from '../../src/telemetry/telemetry.ts';
 import { formatTraceparent, parseTraceparent } from '../../src/telemetry/traceparent.ts';
-import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, warmTimeline } from './fixtures.ts';
+import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, rateLimitedTimeline, warmTimeline } from './fixtures.ts';
 
 function traced(options: Partial<TelemetryOptions> = {}): { telemetry: Telemetry; exporter: InMemorySpanExporter } {
   const exporter = new InMemorySpanExporter();
@@ -78,7 +78,8 @@ describe('request spans', () => {
     near(root.attributes['request.ttft_ms'], 38.6);
     near(root.attributes['request.tokens_per_sec'], 8 / ((cold.at.end - T0) / 1000), 1e-2);
     assert.equal(root.attributes['request.prefill_skipped'], false);
-    assert.equal(root.status.code, SpanStatusCode.OK);
+    assert.equal(root.kind, SpanKind.SERVER);
+    for (const s of spans) assert.equal(s.status.code, SpanStatusCode.UNSET, `${s.name}: success is not marked OK (HTTP semantic conventions)`);
     near(hrTimeToMilliseconds(root.startTime), T0, 1e-3);
     near(durationMs(root), cold.at.end - T0);
 
@@ -164,6 +165,35 @@ describe('request spans', () => {
     assert.equal(root.attributes['conduit.sampling.kept_because'], 'error', 'kept by the tail although the head rate is 0');
     const exception = root.events.find((e) => e.name === 'exception');
     assert.equal(exception?.attributes?.['exception.message'], 'forward pass failed: out of memory');
+    // The phase it failed in is an error too; the phases it went through before are not.
+    assert.equal(one(spans, 'prefill').status.code, SpanStatusCode.ERROR);
+    assert.equal(one(spans, 'prefill').status.message, 'forward pass failed: out of memory');
+    for (const s of spans.filter((x) => x.name !== 'request' && x.name !== 'prefill')) assert.equal(s.status.code, SpanStatusCode.UNSET, s.name);
+  });
+
+  it('leave a refused request\'s (4xx) status unset, as HTTP semantic conventions ask of a SERVER span', () => {
+    const { telemetry, exporter } = traced();
+    run(telemetry, rateLimitedTimeline('limited'));
+    const events: LifecycleEvent[] = [
+      { phase: 'http_receive', requestId: 'bad', start: T0, time: T0 + 0.3 },
+      { phase: 'auth', requestId: 'bad', start: T0 + 0.3, time: T0 + 0.32, ok: true, tenant: 'acme' },
+      { phase: 'rate_limit', requestId: 'bad', start: T0 + 0.32, time: T0 + 0.35, allowed: true, tenant: 'acme' },
+      { phase: 'validate', requestId: 'bad', start: T0 + 0.35, time: T0 + 0.4, ok: false },
+      { phase: 'error', requestId: 'bad', time: T0 + 0.5, errorType: 'invalid_request_error', status: 400, message: 'max_tokens must be at least 1' },
+    ];
+    run(telemetry, events);
+    const spans = exporter.getFinishedSpans();
+    const roots = spans.filter((s) => s.name === 'request');
+    assert.deepEqual(roots.map((r) => r.attributes['http.response.status_code']), [429, 400]);
+    for (const root of roots) {
+      assert.equal(root.kind, SpanKind.SERVER);
+      assert.equal(root.attributes['request.outcome'], 'error');
+      assert.equal(root.attributes['error.type'], undefined, 'error.type is for server errors');
+      assert.equal(root.events.some((e) => e.name === 'exception'), false);
+    }
+    assert.equal(roots[1]!.attributes['request.error_type'], 'invalid_request_error');
+    assert.equal(roots[1]!.attributes['request.error_message'], 'max_tokens must be at least 1');
+    for (const s of spans) assert.equal(s.status.code, SpanStatusCode.UNSET, `${s.name} of ${String(s.attributes['request.id'] ?? '')}`);
   });
 
   it('add a span per decode step and per write when per-token spans are asked for', () => {
