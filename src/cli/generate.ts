@@ -34,11 +34,12 @@ function isEngineFailure(err: unknown): err is Error {
 export const generateCommand: Command = {
   summary: 'print the continuation of a prompt and the speed',
   async run(argv) {
-    const { values } = parseFlags(GENERATE_FLAGS, argv);
+    const { values, positionals } = parseFlags(GENERATE_FLAGS, argv);
     if (values.help) {
       console.log(`Usage: conduit generate --prompt "..." [options]\n\n${formatFlagHelp(GENERATE_FLAGS)}`);
       return 0;
     }
+    if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}" (the text to continue is --prompt "...")`);
     if (values.prompt === undefined) throw new UsageError('--prompt is required');
     const maxTokens = values['max-tokens']!;
     const concurrency = values.concurrency!;

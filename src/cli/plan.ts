@@ -39,8 +39,9 @@ function atMost(flag: string, value: number, max: number): number {
 }
 
 export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): PlanOptions | null {
-  const { values } = parseFlags(PLAN_FLAGS, argv, env);
+  const { values, positionals } = parseFlags(PLAN_FLAGS, argv, env);
   if (values.help) return null;
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const { model, hw, tp, efficiency } = resolveDeployment(values);
   if (values.rate === undefined) throw new UsageError('--rate is required (requests per second)');
   if (!(values.rate > 0)) throw new UsageError(`--rate must be > 0, got ${values.rate}`);

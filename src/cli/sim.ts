@@ -140,6 +140,11 @@ export function wholeNumber(flag: string, value: number | undefined, min: number
   return value;
 }
 
+/** The subcommands take options only. */
+function refuseArguments(positionals: readonly string[]): void {
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+}
+
 /** Same up to rounding: the engine sums the same step times the tables do. */
 function agrees(a: number, b: number): boolean {
   return Math.abs(a - b) <= 1e-9 * Math.max(1, Math.abs(b));
@@ -167,11 +172,12 @@ export function simHelp(): string {
 // Subcommands
 
 async function lifecycle(argv: string[]): Promise<number> {
-  const { values } = parseFlags(LIFECYCLE_FLAGS, argv);
+  const { values, positionals } = parseFlags(LIFECYCLE_FLAGS, argv);
   if (values.help) {
     console.log(`Usage: conduit sim lifecycle [options]\n\n${formatFlagHelp(LIFECYCLE_FLAGS)}`);
     return 0;
   }
+  refuseArguments(positionals);
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   fitsContext('--prompt', promptTokens);
@@ -245,11 +251,12 @@ async function lifecycle(argv: string[]): Promise<number> {
 }
 
 async function sweep(argv: string[]): Promise<number> {
-  const { values } = parseFlags(DECODE_SWEEP_FLAGS, argv);
+  const { values, positionals } = parseFlags(DECODE_SWEEP_FLAGS, argv);
   if (values.help) {
     console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
     return 0;
   }
+  refuseArguments(positionals);
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const contextLen = wholeNumber('context', values.context, 1);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
@@ -296,11 +303,12 @@ export const KV_TIERS_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 } satisfies FlagTable);
 
 async function kvTiers(argv: string[]): Promise<number> {
-  const { values } = parseFlags(KV_TIERS_FLAGS, argv);
+  const { values, positionals } = parseFlags(KV_TIERS_FLAGS, argv);
   if (values.help) {
     console.log(`Usage: conduit sim kv-tiers [options]\n\n${formatFlagHelp(KV_TIERS_FLAGS)}`);
     return 0;
   }
+  refuseArguments(positionals);
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   fitsContext('--prompt', promptTokens);

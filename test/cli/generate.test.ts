@@ -69,6 +69,8 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     [[...BASE, '--threads', '0'], /--threads must be a whole number >= 1, got 0/],
     [[...BASE, '--top-p', '0'], /--top-p must be in \(0, 1\], got 0/],
     [[...BASE, '--top-p', '5'], /--top-p must be in \(0, 1\], got 5/],
+    [[...BASE, 'stray'], /^conduit generate: unexpected argument "stray" \(the text to continue is --prompt "\.\.\."\)$/],
+    [['generate', 'Once upon a time'], /unexpected argument "Once upon a time"/],
     [[...BASE, '--seed', '1.5'], /--seed must be a whole number from -9007199254740991 to 9007199254740991, got 1\.5/],
     [[...BASE, '--seed', '1e300'], /--seed must be a whole number from -9007199254740991 to 9007199254740991, got 1e\+300/],
     [[...BASE, '--seed', '9007199254740992'], /--seed must be a whole number from -9007199254740991 to 9007199254740991, got 9007199254740992/],

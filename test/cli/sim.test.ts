@@ -144,6 +144,11 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--gpu', '__proto__'], /unknown GPU "__proto__"/],
     [['plan', '--rate', '1', '--model', 'toString'], /unknown model "toString"/],
     [['sim', 'kv-tiers', '--host-tier', 'toString'], /--host-tier must be one of/],
+    // Arguments that are no option (they were ignored).
+    [['plan', 'stray', '--rate', '1'], /^conduit plan: unexpected argument "stray"$/],
+    [['sim', 'lifecycle', 'stray'], /^conduit sim: unexpected argument "stray"$/],
+    [['sim', 'decode-sweep', '--batches', '1', 'stray'], /^conduit sim: unexpected argument "stray"$/],
+    [['sim', 'kv-tiers', 'stray'], /^conduit sim: unexpected argument "stray"$/],
     // Requests the simulated context cannot hold are refused before anything runs.
     [['sim', 'lifecycle', '--prompt', '200000'], /--prompt \(200000 tokens, plus 1 of output\) does not fit the simulated context of 131072 tokens/],
     [['sim', 'kv-tiers', '--prompt', '600000'], /does not fit the simulated context/],
