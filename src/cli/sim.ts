@@ -172,12 +172,17 @@ export function simHelp(): string {
 // Subcommands
 
 async function lifecycle(argv: string[]): Promise<number> {
-  const { values, positionals } = parseFlags(LIFECYCLE_FLAGS, argv);
+  // --parallel-links shapes the KV transfer of a disaggregated deployment: typed without --link it is refused (as a
+  // value --link would refuse), from the environment alone it is ignored with a warning.
+  const { values, positionals, warnings } = parseFlags(LIFECYCLE_FLAGS, argv, process.env, {
+    inapplicable: (v) => (v.link === undefined ? { names: ['parallel-links'], why: 'only for a disaggregated deployment (give --link too)' } : undefined),
+  });
   if (values.help) {
     console.log(`Usage: conduit sim lifecycle [options]\n\n${formatFlagHelp(LIFECYCLE_FLAGS)}`);
     return 0;
   }
   refuseArguments(positionals);
+  for (const warning of warnings) console.error(`conduit sim: ${warning}`);
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   fitsContext('--prompt', promptTokens);
@@ -187,6 +192,11 @@ async function lifecycle(argv: string[]): Promise<number> {
   // in its KV pool; otherwise the engine check dies after the tables, and with --no-check they describe nothing.
   fitsWorker({ model, hw, tp, blockSize }, promptTokens);
   const cachedTokens = values.cached === undefined ? undefined : wholeNumber('cached', values.cached, 0);
+  // The engine computes a prompt's last token whatever the cache holds (its logits give the first output token).
+  if (cachedTokens !== undefined && cachedTokens > promptTokens - 1) {
+    throw new UsageError(`--cached must be at most ${promptTokens - 1} with --prompt ${promptTokens} (the last prompt token is always `
+      + `computed), got ${cachedTokens}`);
+  }
   let disaggregated: { link: ReturnType<typeof getLinkProfile>; parallelLinks?: number } | undefined;
   if (values.link !== undefined) {
     try {

@@ -144,6 +144,14 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--gpu', '__proto__'], /unknown GPU "__proto__"/],
     [['plan', '--rate', '1', '--model', 'toString'], /unknown model "toString"/],
     [['sim', 'kv-tiers', '--host-tier', 'toString'], /--host-tier must be one of/],
+    // --parallel-links means nothing without --link: refused either way, not accepted (0 included) without it.
+    [['sim', 'lifecycle', '--parallel-links', '0', '--no-check'], /^conduit sim: --parallel-links: only for a disaggregated deployment \(give --link too\)$/],
+    [['sim', 'lifecycle', '--parallel-links', '2'], /--parallel-links: only for a disaggregated deployment/],
+    [['sim', 'lifecycle', '--parallel-links', '0', '--link', 'ib-ndr'], /--parallel-links must be a whole number >= 1, got 0/],
+    // A warm hit of the whole prompt or more (it was cut to the prompt less one token without a word).
+    [['sim', 'lifecycle', '--cached', '5000', '--no-check'],
+      /^conduit sim: --cached must be at most 1023 with --prompt 1024 \(the last prompt token is always computed\), got 5000$/],
+    [['sim', 'lifecycle', '--prompt', '512', '--cached', '512'], /--cached must be at most 511 with --prompt 512/],
     // Arguments that are no option (they were ignored).
     [['plan', 'stray', '--rate', '1'], /^conduit plan: unexpected argument "stray"$/],
     [['sim', 'lifecycle', 'stray'], /^conduit sim: unexpected argument "stray"$/],
@@ -181,6 +189,18 @@ test('usage errors exit 2 and name what is wrong', async () => {
     assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
     assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
   }
+});
+
+test('conduit sim lifecycle: a CONDUIT_SIM_PARALLEL_LINKS without --link is ignored with a warning; --cached up to the prompt less one token', async () => {
+  const ignored = await run(['sim', 'lifecycle', '--no-check'], { CONDUIT_SIM_PARALLEL_LINKS: '2' });
+  assert.equal(ignored.code, 0, ignored.err);
+  assert.equal(ignored.err, 'conduit sim: ignoring CONDUIT_SIM_PARALLEL_LINKS=2: --parallel-links is only for a disaggregated deployment (give --link too)');
+  const applied = await run(['sim', 'lifecycle', '--no-check', '--link', 'ib-ndr'], { CONDUIT_SIM_PARALLEL_LINKS: '2' });
+  assert.equal(applied.code, 0, applied.err);
+  assert.match(applied.out, /KV over 2 x InfiniBand NDR/);
+  const all = await run(['sim', 'lifecycle', '--cached', '1023', '--no-check']);
+  assert.equal(all.code, 0, all.err);
+  assert.match(all.out, /warm: 1023-token prefix hit, 1 tokens computed/);
 });
 
 test('conduit plan prints the tried worker counts and the answer', async () => {
