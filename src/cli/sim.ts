@@ -92,6 +92,10 @@ export function resolveDeployment(values: {
   'step-overhead-ms'?: number;
 }): { model: ModelProfile; hw: HardwareProfile; tp: number; calibration: CalibrationName; efficiency: Efficiency } {
   try {
+    for (const flag of ['weight-bytes', 'kv-bytes'] as const) {
+      const value = values[flag];
+      if (value !== undefined && !(value > 0)) throw new RangeError(`--${flag} must be > 0, got ${value}`);
+    }
     const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
     const hw = getHardwareProfile(values.gpu!);
     const tp = values.tp!;
@@ -269,6 +273,9 @@ async function sweep(argv: string[]): Promise<number> {
   refuseArguments(positionals);
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const contextLen = wholeNumber('context', values.context, 1);
+  // As lifecycle's and kv-tiers' prompts: the engine check decodes after a prompt of that many tokens (two output
+  // tokens: the prefill's and the decode step's), so the table too describes only what the simulated context holds.
+  fitsContext('--context', contextLen, 2);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const batchSizes = values.batches!.split(',').map((text) => {
     const batch = Number(text.trim());

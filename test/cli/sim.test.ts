@@ -152,6 +152,14 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--cached', '5000', '--no-check'],
       /^conduit sim: --cached must be at most 1023 with --prompt 1024 \(the last prompt token is always computed\), got 5000$/],
     [['sim', 'lifecycle', '--prompt', '512', '--cached', '512'], /--cached must be at most 511 with --prompt 512/],
+    // Dtype sizes by their flag's name (the profile's field name was printed).
+    [['sim', 'lifecycle', '--weight-bytes', '0'], /^conduit sim: --weight-bytes must be > 0, got 0$/],
+    [['sim', 'decode-sweep', '--kv-bytes', '-1'], /^conduit sim: --kv-bytes must be > 0, got -1$/],
+    [['plan', '--rate', '1', '--weight-bytes', '0'], /^conduit plan: --weight-bytes must be > 0, got 0$/],
+    // decode-sweep's context, as lifecycle's and kv-tiers' prompts, within the simulated context (1e9 was accepted).
+    [['sim', 'decode-sweep', '--context', '1000000000', '--batches', '1', '--no-check'],
+      /^conduit sim: --context \(1000000000 tokens, plus 2 of output\) does not fit the simulated context of 131072 tokens$/],
+    [['sim', 'decode-sweep', '--context', '131071', '--batches', '1'], /does not fit the simulated context/],
     // Arguments that are no option (they were ignored).
     [['plan', 'stray', '--rate', '1'], /^conduit plan: unexpected argument "stray"$/],
     [['sim', 'lifecycle', 'stray'], /^conduit sim: unexpected argument "stray"$/],
