@@ -8,10 +8,18 @@ import { Agent as HttpsAgent, request as httpsRequest } from 'node:https';
 import { SseParser } from './sse-parser.ts';
 
 export interface Target {
-  /** Base URL, e.g. http://127.0.0.1:8000 (a path prefix such as /v1 is kept and the endpoint path appended). */
+  /**
+   * Base URL, e.g. http://127.0.0.1:8000; a path prefix is kept and the endpoint path (/v1/...) appended, except a
+   * last /v1, as OpenAI clients' base URLs end (http://127.0.0.1:8000/v1), which the endpoint paths already hold.
+   */
   baseUrl: URL;
   agent: HttpAgent;
   apiKey?: string;
+}
+
+/** A base URL's path without trailing slashes and without a last /v1: the prefix the /v1/... paths go under. */
+export function apiRoot(pathname: string): string {
+  return pathname.replace(/\/+$/, '').replace(/\/v1$/, '');
 }
 
 export function createTarget(baseUrl: string, maxSockets: number, apiKey?: string): Target {
@@ -22,6 +30,7 @@ export function createTarget(baseUrl: string, maxSockets: number, apiKey?: strin
     throw new RangeError(`not a URL: ${JSON.stringify(baseUrl)}`);
   }
   if (url.protocol !== 'http:' && url.protocol !== 'https:') throw new RangeError(`only http and https URLs, got ${url.protocol}`);
+  url.pathname = apiRoot(url.pathname);
   const options = { keepAlive: true, maxSockets, maxFreeSockets: maxSockets, scheduling: 'fifo' as const };
   const agent = url.protocol === 'https:' ? new HttpsAgent(options) : new HttpAgent(options);
   return { baseUrl: url, agent, ...(apiKey !== undefined ? { apiKey } : {}) };

@@ -2,6 +2,7 @@
 // server's GET /v1/requests/{id}/trace. The id is the one the response carried (its `id`, and the x-request-id
 // header): chatcmpl-... or cmpl-...
 
+import { apiRoot } from '../bench/client.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 
@@ -66,7 +67,8 @@ export const traceCommand: Command = {
     if (base === undefined || (base.protocol !== 'http:' && base.protocol !== 'https:')) {
       throw new UsageError(`--url must be a URL like http://127.0.0.1:8000, got "${values.url}"`);
     }
-    const url = new URL(`${base.pathname.replace(/\/+$/, '')}/v1/requests/${encodeURIComponent(id)}/trace`, base);
+    // The server's root, or its /v1 as OpenAI clients' base URLs end (http://host:8000/v1): the endpoint is under /v1.
+    const url = new URL(`${apiRoot(base.pathname)}/v1/requests/${encodeURIComponent(id)}/trace`, base);
     const headers: Record<string, string> = { Accept: 'application/json' };
     if (values['api-key']) headers.Authorization = `Bearer ${values['api-key']}`;
 

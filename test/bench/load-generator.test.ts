@@ -204,6 +204,25 @@ describe('conduit bench failure handling', () => {
     }
   });
 
+  it('takes a base URL ending in /v1, as OpenAI clients\' do, and keeps any other path prefix', async () => {
+    const paths: string[] = [];
+    const { url, server } = await stubServer((req, res) => {
+      req.resume();
+      paths.push(req.url!);
+      res.writeHead(200, { 'Content-Type': 'application/json' }).end(JSON.stringify({ data: [{ id: 'm' }], choices: [{ text: 'x' }] }));
+    });
+    try {
+      for (const base of [`${url}/v1`, `${url}/v1/`, `${url}/proxy/v1`, `${url}/proxy`]) {
+        const result = await runLoad({ url: base, endpoint: 'completions', workload, outputTokens: 1, stream: false, requests: 1 });
+        assert.equal(result.summary.numOk, 1, base);
+      }
+      assert.deepEqual(paths, ['/v1/models', '/v1/completions', '/v1/models', '/v1/completions',
+        '/proxy/v1/models', '/proxy/v1/completions', '/proxy/v1/models', '/proxy/v1/completions']);
+    } finally {
+      await closeServer(server);
+    }
+  });
+
   it('a rate whose gaps are longer than a Node timer holds (2^31 ms) waits them out rather than sending at once', async () => {
     let arrived = 0;
     const { url, server } = await stubServer((req, res) => {

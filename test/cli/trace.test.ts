@@ -68,6 +68,14 @@ describe('conduit trace', () => {
     assert.equal(typeof body.waterfall, 'string');
   });
 
+  it('takes the server\'s /v1 as the URL, as OpenAI clients\' base URLs end (it asked for /v1/v1/...)', async () => {
+    for (const url of [`${server.url}/v1`, `${server.url}/v1/`]) {
+      const { code, out, err } = await run(['trace', id, '--url', url, '--api-key', KEY, '--json']);
+      assert.equal(code, 0, `${url}: ${err}`);
+      assert.equal(JSON.parse(out).request_id, id);
+    }
+  });
+
   it('says so, with exit code 1, for an unknown id, a missing key or no server', async () => {
     const unknown = await run(['trace', 'cmpl-unknown', '--url', server.url, '--api-key', KEY]);
     assert.equal(unknown.code, 1);
