@@ -6,10 +6,11 @@
 //   ├─ routing { kv_cache_lookup, load_balance }
 //   ├─ prefill_dispatch
 //   ├─ scheduling { queue_wait, budget_allocation }
-//   ├─ prefill { model_forward_prefill (one per chunk) }
+//   ├─ prefill { model_forward_prefill (one per chunk up to the first token) }
 //   ├─ decode_dispatch                (disaggregated only: the hand-over after the first token)
 //   ├─ kv_transfer                    (disaggregated only)
-//   ├─ decode { decode_step ... }     (steps only with per-token spans; otherwise summarised on decode)
+//   ├─ decode { model_forward_prefill (chunks after the first token), decode_step ... }
+//                                     (steps only with per-token spans; otherwise summarised on decode)
 //   └─ token_emit                     (one span over the streamed writes; one per write with per-token spans)
 //
 // The engine's part (scheduling, prefill, kv_transfer, decode) goes under the span named by the traceparent the
@@ -242,6 +243,24 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     }, failedIn('scheduler_queue'));
   }
 
+  // Prefill chunks: those up to the first token are the prompt's prefill; those after it (an n > 1 request's further
+  // completions computing their prompt positions, forced text, a recompute after a preemption) ran within decode
+  // and go under it.
+  const chunkSpan = (ctx: Context, c: (typeof trace.phases)[number]): void => {
+    span(ctx, 'model_forward_prefill', c.startMs, c.endMs, {
+      'conduit.phase': 'prefill_execution', 'prefill.chunk': c.attributes?.chunk as number | undefined,
+      'prefill.chunk_tokens': c.attributes?.tokens as number | undefined,
+      'prefill.batch_size': c.attributes?.batch_size as number | undefined,
+      'prefill.batch_tokens': c.attributes?.batch_tokens as number | undefined, 'prefill.worker': c.worker,
+      'prefill.recompute': c.attributes?.recompute as boolean | undefined,
+      'prefill.after_first_token': c.attributes?.after_first_token as boolean | undefined,
+    });
+  };
+  const allChunks = trace.phases.filter((p) => p.phase === 'prefill_execution');
+  const laterChunks = allChunks.filter((c) => c.attributes?.after_first_token === true);
+  const decodeSpan = trace.decode;
+  const inDecode = (c: (typeof trace.phases)[number]) => decodeSpan !== undefined && c.startMs >= decodeSpan.startMs && c.endMs <= decodeSpan.endMs;
+
   // Prefill.
   const prefill = trace.prefill;
   if (prefill) {
@@ -259,16 +278,11 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'prefill.batch_size_max': prefill.batchSizeMax,
       'prefill.worker': prefill.worker,
     }, (ctx) => {
-      const chunks = trace.phases.filter((p) => p.phase === 'prefill_execution');
-      chunks.forEach((c, i) => {
-        span(ctx, 'model_forward_prefill', c.startMs, c.endMs, {
-          'conduit.phase': 'prefill_execution', 'prefill.chunk': i, 'prefill.chunk_tokens': c.attributes?.tokens as number | undefined,
-          'prefill.batch_size': c.attributes?.batch_size as number | undefined,
-          'prefill.batch_tokens': c.attributes?.batch_tokens as number | undefined, 'prefill.worker': c.worker,
-        });
-      });
+      for (const c of allChunks) if (c.attributes?.after_first_token !== true) chunkSpan(ctx, c);
     }, failedIn('prefill_execution'));
   }
+  // Chunks after the first token outside the decode span (none decoded after it): under the engine's parent.
+  for (const c of laterChunks) if (!inDecode(c)) chunkSpan(engineContext, c);
 
   // KV transfer.
   const kv = trace.kvTransfer;
@@ -315,7 +329,10 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       'decode.forward_ms': batch ? round3(batch.forwardMs) : undefined,
       'decode.worker': decode.worker,
       'decode.completed': decode.incomplete ? false : undefined,
+      'decode.prefill_chunks': trace.prefill?.afterFirstToken?.chunks,
+      'decode.prefill_tokens': trace.prefill?.afterFirstToken?.tokens,
     }, (ctx) => {
+      for (const c of laterChunks) if (inDecode(c)) chunkSpan(ctx, c);
       if (!options.perTokenSpans) return;
       for (let i = 0; i < decode.stepMs.length; i++) {
         const start = decode.stepStartsMs[i]!;

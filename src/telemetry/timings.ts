@@ -267,22 +267,24 @@ export function formatWaterfall(trace: RequestTrace, options: WaterfallOptions =
     rows.push({ name, startMs, endMs, glyph });
   };
 
-  // Group rows of the same phase that follow one another (prefill chunks) when there are many.
+  // Group rows of the same phase that follow one another (prefill chunks) when there are many. Prefill chunks after
+  // the first token (an n > 1 request's further completions, forced text, a recompute) ran within decode: named so.
   const phases = trace.phases;
+  const nameOf = (x: (typeof phases)[number]) => (x.attributes?.after_first_token === true ? `${x.phase} (in decode)` : x.phase);
   for (let i = 0; i < phases.length;) {
     const p = phases[i]!;
     let j = i;
-    while (j < phases.length && phases[j]!.phase === p.phase) j++;
+    while (j < phases.length && nameOf(phases[j]!) === nameOf(p)) j++;
     const run = phases.slice(i, j);
     if (run.length > maxRows) {
       const start = Math.min(...run.map((x) => x.startMs));
       const end = Math.max(...run.map((x) => x.endMs));
-      row(`${p.phase} x${run.length}`, start, end);
+      row(`${nameOf(p)} x${run.length}`, start, end);
     } else {
       for (const x of run) {
         const suffix = x.phase === 'decode_execution' ? ` (${trace.decode?.steps ?? 0} steps)`
           : x.phase === 'streaming_response' ? (trace.emits.writes > 0 ? ` (${trace.emits.writes} writes)` : ' (body)') : x.incomplete ? ' (cut short)' : '';
-        row(`${x.phase}${suffix}`, x.startMs, x.endMs, x.incomplete ? '~' : '#');
+        row(`${nameOf(x)}${suffix}`, x.startMs, x.endMs, x.incomplete ? '~' : '#');
       }
     }
     i = j;

@@ -90,9 +90,15 @@ export interface PrefillSummary {
   startMs: number;
   /** The end of the last chunk up to the first token (chunks after it are decode's). */
   endMs: number;
+  /** Chunks up to the first token. */
   chunks: number;
-  /** Prompt tokens computed (not found in the cache). */
+  /** Prompt tokens computed up to the first token (not found in the cache). */
   computedTokens: number;
+  /**
+   * Chunks that ran after the first token, within decode: the prompt positions each further completion of an n > 1
+   * request computes for itself, forced text, tokens recomputed after a preemption. Absent when there were none.
+   */
+  afterFirstToken?: { chunks: number; tokens: number };
   /**
    * Time between chunks spent waiting again (preempted, or left out of full steps): the gaps of 1 ms or more
    * between consecutive chunks on one worker, traced as scheduler_queue phases and counted as queue, not prefill.
@@ -572,17 +578,23 @@ function prefillOf({ reports, phases }: BuildInput): PrefillSummary | undefined 
     }
     phases.push({
       phase: 'prefill_execution', startMs: c.start, endMs: c.end, worker: c.worker,
-      attributes: defined({ chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens, recompute: c.recompute }),
+      attributes: defined({
+        chunk: i, tokens: c.tokens, batch_size: c.batchSize, batch_tokens: c.batchTokens, recompute: c.recompute,
+        after_first_token: c.start > firstTokenMs ? true : undefined,
+      }),
     });
   });
   if (chunks.length === 0) return undefined;
-  // The prompt's prefill ends with the last chunk up to the first token.
-  const prompt = chunks.filter((c) => c.start <= firstTokenMs);
+  // The prompt's prefill ends with the last chunk up to the first token; the chunks after it ran within decode.
+  let prompt = chunks.filter((c) => c.start <= firstTokenMs);
+  if (prompt.length === 0) prompt = chunks;
+  const later = chunks.length - prompt.length;
   return {
-    startMs: chunks[0]!.start, endMs: (prompt.at(-1) ?? chunks[chunks.length - 1]!).end, chunks: chunks.length,
-    computedTokens: chunks.reduce((s, c) => s + c.tokens, 0), requeuedMs,
-    batchSizeMax: maxDefined(chunks.map((c) => c.batchSize)),
-    worker: chunks[0]!.worker,
+    startMs: prompt[0]!.start, endMs: prompt[prompt.length - 1]!.end, chunks: prompt.length,
+    computedTokens: prompt.reduce((s, c) => s + c.tokens, 0), requeuedMs,
+    ...(later > 0 ? { afterFirstToken: { chunks: later, tokens: chunks.slice(prompt.length).reduce((s, c) => s + c.tokens, 0) } } : {}),
+    batchSizeMax: maxDefined(prompt.map((c) => c.batchSize)),
+    worker: prompt[0]!.worker,
   };
 }
 

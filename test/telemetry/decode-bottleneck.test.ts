@@ -5,6 +5,7 @@
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
+import { hrTimeToMilliseconds } from '@opentelemetry/core';
 import { rawRequest } from '../api/http-client.ts';
 import { TraceAnalyzer } from '../../src/telemetry/analyzer.ts';
 import type { RequestTrace } from '../../src/telemetry/trace.ts';
@@ -97,7 +98,7 @@ describe('decode preempted on the real engine (a KV pool too small for the batch
 describe('chunks after the first token that are no recompute (the real engine, a pool with room)', () => {
   let server: LiveServer;
   before(async () => {
-    server = await startLiveServer({ threads: 1, maxNumSeqs: 8 });
+    server = await startLiveServer({ threads: 1, maxNumSeqs: 8, telemetry: { sampling: { baseRate: 1 } } });
   });
   after(async () => {
     await server?.close();
@@ -125,6 +126,20 @@ describe('chunks after the first token that are no recompute (the real engine, a
       assert.notEqual(d.category, 'decode_preempted', d.recommendation);
       // The prefill phase ends at the first token (as timings.prefill_ms counts it), not with a later chunk.
       assert.ok(trace.prefill!.endMs <= trace.engineFirstTokenMs! + 1e-6, `prefill ends ${trace.prefill!.endMs - trace.engineFirstTokenMs!} ms after the first token`);
+      // Its spans: every child within its parent, the chunks after the first token under decode (where they ran).
+      const spans = server.exporter.getFinishedSpans().filter((x) => x.spanContext().traceId === trace.traceId);
+      const byId = new Map(spans.map((x) => [x.spanContext().spanId, x]));
+      for (const x of spans) {
+        const parent = x.parentSpanContext ? byId.get(x.parentSpanContext.spanId) : undefined;
+        if (!parent) continue;
+        assert.ok(hrTimeToMilliseconds(x.startTime) >= hrTimeToMilliseconds(parent.startTime) - 1e-6
+          && hrTimeToMilliseconds(x.endTime) <= hrTimeToMilliseconds(parent.endTime) + 1e-6,
+        `${x.name} [${hrTimeToMilliseconds(x.startTime) - trace.arrivalMs}, ${hrTimeToMilliseconds(x.endTime) - trace.arrivalMs}] lies within ${parent.name} `
+          + `[${hrTimeToMilliseconds(parent.startTime) - trace.arrivalMs}, ${hrTimeToMilliseconds(parent.endTime) - trace.arrivalMs}]`);
+      }
+      const decode = spans.find((x) => x.name === 'decode');
+      assert.equal(spans.filter((x) => x.name === 'model_forward_prefill' && x.parentSpanContext?.spanId === decode?.spanContext().spanId).length, late.length);
     }
+    assert.ok((forked.prefill!.afterFirstToken?.chunks ?? 0) > 0, 'the n = 3 request\'s further completions computed chunks after the first token');
   });
 });

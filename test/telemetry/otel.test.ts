@@ -8,7 +8,7 @@ import type { AddressInfo } from 'node:net';
 import { SpanKind, SpanStatusCode } from '@opentelemetry/api';
 import { hrTimeToMilliseconds, parseTraceParent as oracleParse } from '@opentelemetry/core';
 import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
-import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
+import type { EngineReport, LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
 import { TracingConfigError, tracingConfigFromEnv } from '../../src/telemetry/otel-env.ts';
 import { Telemetry, type TelemetryOptions } from '../../src/telemetry/telemetry.ts';
 import { formatTraceparent, parseTraceparent } from '../../src/telemetry/traceparent.ts';
@@ -194,6 +194,50 @@ describe('request spans', () => {
     assert.equal(roots[1]!.attributes['request.error_type'], 'invalid_request_error');
     assert.equal(roots[1]!.attributes['request.error_message'], 'max_tokens must be at least 1');
     for (const s of spans) assert.equal(s.status.code, SpanStatusCode.UNSET, `${s.name} of ${String(s.attributes['request.id'] ?? '')}`);
+  });
+
+  it('put an n > 1 request\'s chunks after the first token under decode, where they ran: every span within its parent', () => {
+    const { telemetry, exporter } = traced();
+    const cold = coldTimeline({ id: 'forked' });
+    // The second completion computes its own prompt position in the step after the first token, as the scheduler's
+    // fork does: a prefill chunk that runs within decode.
+    const fork = { start: cold.at.firstToken + 0.05, end: cold.at.firstToken + 12.5, tokens: 2, batchSeqs: 2, batchTokens: 3 };
+    const events = cold.events.map((e): LifecycleEvent => {
+      if (e.phase === 'validate') return { ...e, n: 2 };
+      if (e.phase === 'finish') {
+        const engine = e.engine as EngineReport;
+        return { ...e, engine: { ...engine, timestamps: { ...engine.timestamps, prefillChunks: [...engine.timestamps.prefillChunks, fork] } } };
+      }
+      return e;
+    });
+    run(telemetry, events);
+    const spans = exporter.getFinishedSpans();
+    assert.equal(shape(spans), `request(${GATEWAY},${ROUTING},prefill_dispatch,scheduling(queue_wait),prefill(model_forward_prefill,model_forward_prefill),decode(model_forward_prefill),token_emit)`);
+    const byId = new Map(spans.map((s) => [s.spanContext().spanId, s]));
+    for (const s of spans) {
+      const parent = s.parentSpanContext ? byId.get(s.parentSpanContext.spanId) : undefined;
+      if (!parent) continue;
+      assert.ok(hrTimeToMilliseconds(s.startTime) >= hrTimeToMilliseconds(parent.startTime) - 1e-6
+        && hrTimeToMilliseconds(s.endTime) <= hrTimeToMilliseconds(parent.endTime) + 1e-6, `${s.name} lies within ${parent.name}`);
+    }
+    const prefill = one(spans, 'prefill');
+    assert.equal(prefill.attributes['prefill.chunks'], 2, 'the prompt\'s chunks');
+    assert.equal(prefill.attributes['prefill.computed_tokens'], 1024);
+    near(hrTimeToMilliseconds(prefill.endTime), cold.at.firstToken);
+    const decode = one(spans, 'decode');
+    assert.equal(decode.attributes['decode.prefill_chunks'], 1);
+    assert.equal(decode.attributes['decode.prefill_tokens'], 2);
+    const late = spans.find((s) => s.name === 'model_forward_prefill' && s.parentSpanContext?.spanId === decode.spanContext().spanId);
+    assert.equal(late?.attributes['prefill.after_first_token'], true);
+    assert.equal(late?.attributes['prefill.chunk'], 2);
+    // The documented sums hold: the chunk is decode's time, not prefill's.
+    const view = telemetry.traceView('forked')!;
+    const t = view.timings;
+    near(t.gateway_ms + t.routing_ms + t.queue_ms + t.prefill_ms, t.ttft_ms!, 2e-3);
+    near(t.ttft_ms! + t.decode_ms, t.total_ms, 2e-3);
+    near(t.prefill_ms, cold.at.firstWrite! - cold.at.firstScheduled, 2e-3);
+    assert.equal(view.phases.filter((p) => p.attributes?.after_first_token === true).length, 1, 'the trace view marks it');
+    assert.match(telemetry.waterfall('forked')!, /prefill_execution \(in decode\)/);
   });
 
   it('add a span per decode step and per write when per-token spans are asked for', () => {
