@@ -401,6 +401,20 @@ describe('OTEL_TRACES_SAMPLER decides alone', () => {
   });
 });
 
+describe('a request refused for its key', () => {
+  it('is counted, but neither stored nor exported, whatever the sampler', async () => {
+    const { telemetry, exporter } = traced({ env: { OTEL_TRACES_SAMPLER: 'always_on' } });
+    run(telemetry, [
+      { phase: 'http_receive', requestId: 'nokey', start: T0, time: T0 + 0.3, route: '/v1/completions' },
+      { phase: 'auth', requestId: 'nokey', start: T0 + 0.05, time: T0 + 0.06, ok: false },
+      { phase: 'error', requestId: 'nokey', time: T0 + 0.5, errorType: 'invalid_api_key', status: 401, message: 'Incorrect API key provided' },
+    ]);
+    assert.equal(telemetry.traceView('nokey'), undefined, 'GET /v1/requests/{id}/trace answers 404');
+    assert.deepEqual(exporter.getFinishedSpans(), []);
+    assert.match(await telemetry.renderMetrics(), /conduit_request_errors_total\{[^}]*error_type="invalid_api_key"[^}]*\} 1\n/);
+  });
+});
+
 describe('span export accounting', () => {
   it('counts spans the exporter accepted and those it refused', async () => {
     const { telemetry, exporter } = traced();
