@@ -154,6 +154,28 @@ describe('request metrics', () => {
     assert.equal(value(x, 'conduit_slo_ttft_p99_milliseconds', { model: 'llama-70b' }), undefined, 'gone once the window has passed');
   });
 
+  it('take no time between tokens from an n > 1 stream, whose completions\' writes interleave', async () => {
+    /** A stream of n completions: each step writes one chunk per completion. */
+    const forked = (id: string, at: number, engineSteps = false): LifecycleEvent[] => coldTimeline({ id, at, engineSteps }).events.flatMap((e) => {
+      if (e.phase === 'validate') return [{ ...e, n: 2 }];
+      if (e.phase === 'streaming_response' && e.tokens > 0) return [e, { ...e, time: e.time + 0.05 }];
+      return [e];
+    });
+    const telemetry = telemetryAtT0();
+    feed(telemetry, forked('n2', T0));
+    const trace = telemetry.trace('n2')!;
+    assert.deepEqual(trace.tbtMs, [], 'gaps between writes of different completions are no completion\'s');
+    assert.equal(telemetry.timings('n2')!.tbt_p50_ms, null);
+    assert.equal(telemetry.sloReport(T0 + 1000).models[0]!.tbt.samples, 0);
+    const x = parseExposition(await telemetry.renderMetrics());
+    assert.equal(value(x, 'conduit_time_between_tokens_milliseconds_count', M) ?? 0, 0);
+    assert.equal(value(x, 'conduit_time_to_first_token_milliseconds_count', M), 1, 'TTFT still counts: the first write of any completion');
+    // With decode steps traced one by one, the gaps between the engine's steps: each step gives every completion a token.
+    const stepped = telemetryAtT0();
+    feed(stepped, forked('n2s', T0, true));
+    assert.deepEqual(stepped.trace('n2s')!.tbtMs.map((g) => Math.round(g * 10) / 10), Array.from({ length: 7 }, () => 12.5));
+  });
+
   it('use buckets that include the SLO thresholds, so alerts compare at bucket bounds', () => {
     for (const threshold of [200, 500, 2000]) assert.ok(TTFT_BUCKETS_MS.includes(threshold));
     for (const threshold of [50, 100]) assert.ok(TBT_BUCKETS_MS.includes(threshold));
