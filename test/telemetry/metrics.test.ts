@@ -156,7 +156,7 @@ describe('request metrics', () => {
 
   it('take no time between tokens from an n > 1 stream, whose completions\' writes interleave', async () => {
     /** A stream of n completions: each step writes one chunk per completion. */
-    const forked = (id: string, at: number, engineSteps = false): LifecycleEvent[] => coldTimeline({ id, at, engineSteps }).events.flatMap((e) => {
+    const forked = (id: string, at: number, engineSteps = false): LifecycleEvent[] => coldTimeline({ id, at, engineSteps }).events.flatMap((e): LifecycleEvent[] => {
       if (e.phase === 'validate') return [{ ...e, n: 2 }];
       if (e.phase === 'streaming_response' && e.tokens > 0) return [e, { ...e, time: e.time + 0.05 }];
       return [e];
