@@ -337,9 +337,12 @@ export function sleep(ms: number, signal?: AbortSignal): Promise<void> {
       signal?.removeEventListener('abort', done);
       resolve();
     };
+    // A timer may fire a little before performance.now() says it is due (libuv counts from the loop's cached time):
+    // each firing checks, and waits again for what is left.
     const wait = (): void => {
       const leftMs = endMs - performance.now();
-      timer = leftMs > MAX_TIMER_MS ? setTimeout(wait, MAX_TIMER_MS) : setTimeout(done, Math.max(0, leftMs));
+      if (leftMs <= 0) done();
+      else timer = setTimeout(wait, Math.min(leftMs, MAX_TIMER_MS));
     };
     signal?.addEventListener('abort', done);
     wait();

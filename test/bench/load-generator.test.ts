@@ -247,7 +247,7 @@ describe('conduit bench failure handling', () => {
   it('sleep: a wait beyond a timer\'s reach is taken in pieces, and ends with an abort', async () => {
     const start = performance.now();
     await sleep(5);
-    assert.ok(performance.now() - start >= 4, 'a short wait as asked');
+    assert.ok(performance.now() - start >= 5, 'a short wait as asked, not less');
     const stop = new AbortController();
     const long = sleep(3 * 2 ** 31, stop.signal);
     let over = false;
