@@ -16,6 +16,10 @@
 //   6. balanced.
 // Shares of TTFT are of the measured TTFT (arrival to first streamed token). "Decode dominates" means decode (the
 // first token to the end of the response) took longer than TTFT.
+//
+// Only completed requests (outcome ok) have a bottleneck. A failed or refused request is `failed` and an aborted one
+// `aborted`, with why in place of a recommendation: their phases stop where they ended, so the shares would name a
+// bottleneck of something that never completed. The window report leaves both out.
 
 import type { PhaseName } from './lifecycle.ts';
 import { percentile, round3 } from '../util/stats.ts';
@@ -24,6 +28,9 @@ import { phaseBreakdown, type RequestTrace } from './trace.ts';
 export type BottleneckCategory =
   | 'queue_saturation' | 'prefill_no_cache' | 'prefill_compute_bound' | 'kv_transfer_bound' | 'decode_latency_spike'
   | 'decode_preempted' | 'decode_batch_bound' | 'balanced';
+
+/** What classify() says of a request: its bottleneck, or that it did not complete (no bottleneck then). */
+export type DiagnosisCategory = BottleneckCategory | 'failed' | 'aborted';
 
 export const BOTTLENECK_CATEGORIES: readonly BottleneckCategory[] = [
   'queue_saturation', 'prefill_no_cache', 'prefill_compute_bound', 'kv_transfer_bound', 'decode_latency_spike',
@@ -69,14 +76,15 @@ export interface BreakdownMs {
   decode: number;
 }
 
-export interface Diagnosis {
+export interface Diagnosis<C extends DiagnosisCategory = DiagnosisCategory> {
   request_id: string;
-  category: BottleneckCategory;
-  /** The phase the category points at ('none' for balanced). */
+  category: C;
+  /** The phase the category points at ('none' for balanced, failed and aborted). */
   dominant_phase: PhaseName | 'none';
-  /** Its share (0..1) of TTFT for the TTFT categories, of decode time for a decode spike, 0 for balanced. */
+  /** Its share (0..1) of TTFT for the TTFT categories, of decode time for a decode spike, 0 for balanced, failed, aborted. */
   dominant_share: number;
   dominant_ms: number;
+  /** What to do about the bottleneck; for failed and aborted, how the request ended ("failed: ..."). */
   recommendation: string;
   ttft_ms: number | null;
   total_ms: number;
@@ -105,7 +113,29 @@ export class TraceAnalyzer {
     this.thresholds = { ...DEFAULT_THRESHOLDS, ...thresholds };
   }
 
+  /** The request's bottleneck; for a request that did not complete, `failed` or `aborted` and why. */
   classify(trace: RequestTrace): Diagnosis {
+    if (trace.outcome === 'ok') return this.bottleneck(trace);
+    const b = phaseBreakdown(trace);
+    const where = trace.endedInPhase ? ` in ${trace.endedInPhase}` : '';
+    const after = ` after ${ms(trace.e2eMs)}`;
+    const why = trace.outcome === 'error'
+      ? `failed: ${[trace.status, trace.errorType ?? 'error'].filter((x) => x !== undefined).join(' ')}${where}${after}`
+        + `${trace.errorMessage ? `: ${trace.errorMessage}` : ''}`
+      : `aborted${trace.abortReason ? ` (${trace.abortReason})` : ''}${where}${after}`;
+    return {
+      request_id: trace.requestId, category: trace.outcome === 'error' ? 'failed' : 'aborted', dominant_phase: 'none', dominant_share: 0, dominant_ms: 0,
+      recommendation: `${why}. A request that did not complete gets no bottleneck diagnosis.`,
+      ttft_ms: trace.ttftMs === undefined ? null : round3(trace.ttftMs), total_ms: round3(trace.e2eMs),
+      breakdown_ms: {
+        gateway: round3(b.gatewayMs), routing: round3(b.routingMs), queue: round3(b.queueMs), prefill: round3(b.prefillMs),
+        kv_transfer: round3(b.kvTransferMs), other_before_first_token: 0, decode: round3(b.decodeMs),
+      },
+    };
+  }
+
+  /** The bottleneck of a completed request (the rules in the file comment). */
+  bottleneck(trace: RequestTrace): Diagnosis<BottleneckCategory> {
     const t = this.thresholds;
     const b = phaseBreakdown(trace);
     const ttft = trace.ttftMs;
@@ -116,7 +146,7 @@ export class TraceAnalyzer {
       other_before_first_token: round3(Math.max(0, (ttft ?? beforeFirst) - beforeFirst)), decode: round3(b.decodeMs),
     };
     const base = { request_id: trace.requestId, ttft_ms: ttft === undefined ? null : round3(ttft), total_ms: round3(trace.e2eMs), breakdown_ms: breakdown };
-    const make = (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string): Diagnosis => (
+    const make = (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string): Diagnosis<BottleneckCategory> => (
       { ...base, category, dominant_phase: phase, dominant_share: round3(share), dominant_ms: round3(dominantMs), recommendation });
 
     const spike = this.spike(trace);
@@ -172,8 +202,8 @@ export class TraceAnalyzer {
 
   /** Decode dominates without a spike: preempted mid-decode, or every step as slow as its batch makes it. */
   private decodeBound(trace: RequestTrace, decodeMs: number,
-    make: (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string) => Diagnosis,
-    kind: 'preempted' | 'batch'): Diagnosis | undefined {
+    make: (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string) => Diagnosis<BottleneckCategory>,
+    kind: 'preempted' | 'batch'): Diagnosis<BottleneckCategory> | undefined {
     const share = decodeMs / Math.max(trace.e2eMs, 1e-9);
     const decode = trace.decode;
     const steps = decode?.steps ?? 0;
@@ -245,9 +275,10 @@ export class TraceAnalyzer {
     const shareSums = { gateway: 0, routing: 0, queue: 0, prefill: 0, kv_transfer: 0, decode: 0, other: 0 };
     const categories = Object.fromEntries(BOTTLENECK_CATEGORIES.map((c) => [c, 0])) as Record<BottleneckCategory, number>;
     const examples: Partial<Record<BottleneckCategory, string[]>> = {};
-    const slowDiagnoses: Diagnosis[] = [];
+    const slowDiagnoses: Diagnosis<BottleneckCategory>[] = [];
     let requests = 0;
     for (const trace of traces) {
+      // Failed, refused and aborted requests have no bottleneck (classify) and are left out of the shares too.
       if (trace.outcome !== 'ok') continue;
       requests++;
       const b = phaseBreakdown(trace);
@@ -268,7 +299,7 @@ export class TraceAnalyzer {
       const perToken = trace.decode && trace.decode.steps > 0 ? (trace.decode.endMs - trace.decode.startMs) / trace.decode.steps : 0;
       const slow = (trace.ttftMs ?? 0) >= slowTtftMs || worstTbt >= slowTbtMs || perToken >= slowTbtMs;
       if (!slow) continue;
-      const d = this.classify(trace);
+      const d = this.bottleneck(trace);
       slowDiagnoses.push(d);
       categories[d.category]++;
       const list = (examples[d.category] ??= []);

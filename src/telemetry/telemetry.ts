@@ -329,7 +329,7 @@ export class Telemetry {
       let worstGap = 0;
       for (const gap of trace.tbtMs) if (gap > worstGap) worstGap = gap;
       if ((trace.ttftMs ?? 0) >= objectives.ttft.targetMs || worstGap >= objectives.tbt.targetMs) {
-        this.metrics.recordBottleneck(this.analyzer.classify(trace).category);
+        this.metrics.recordBottleneck(this.analyzer.bottleneck(trace).category);
       }
     }
 

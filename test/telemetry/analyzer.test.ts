@@ -3,7 +3,8 @@ import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { TraceAnalyzer, type BottleneckCategory } from '../../src/telemetry/analyzer.ts';
 import { buildRequestTrace, type RequestTrace } from '../../src/telemetry/trace.ts';
-import { T0, requestTimeline, type TimelineOptions } from './fixtures.ts';
+import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
+import { T0, abortedInQueueTimeline, erroredInPrefillTimeline, rateLimitedTimeline, requestTimeline, type TimelineOptions } from './fixtures.ts';
 
 const analyzer = new TraceAnalyzer();
 
@@ -90,6 +91,51 @@ describe('TraceAnalyzer.analyze', () => {
     const shares = Object.values(w.phase_share).reduce((a, b) => a + b, 0);
     assert.ok(Math.abs(shares - 1) < 0.01, `shares sum to ${shares}`);
     assert.ok(w.phase_share.queue > w.phase_share.routing);
+  });
+
+  it('gives a request that did not complete no bottleneck, but how it ended', () => {
+    // A response not streamed, its client gone mid-decode: decode is 99% of it, which is no bottleneck.
+    const full = requestTimeline({ id: 'gone', stream: false, stepMs: 12.5, outputTokens: 40 });
+    const abortAt = full.at.firstToken + 200;
+    const aborted: LifecycleEvent[] = [
+      ...full.events.filter((e) => e.phase !== 'finish'),
+      {
+        phase: 'abort', requestId: 'gone', time: abortAt, reason: 'client_disconnect', promptTokens: 1024, outputTokens: 16,
+        engine: { ...full.engine, timestamps: { ...full.engine.timestamps, lastToken: full.at.firstToken + 187.5, finished: abortAt } },
+      },
+    ];
+    const refused = (id: string, status: number, errorType: string, failing: 'validate' | 'http_receive'): LifecycleEvent[] => [
+      { phase: 'http_receive', requestId: id, start: T0, time: T0 + 0.3, ...(failing === 'http_receive' ? { ok: false } : {}) },
+      ...(failing === 'validate' ? [
+        { phase: 'auth', requestId: id, start: T0 + 0.05, time: T0 + 0.06, ok: true, tenant: 'acme' },
+        { phase: 'rate_limit', requestId: id, start: T0 + 0.06, time: T0 + 0.07, allowed: true, tenant: 'acme' },
+        { phase: 'validate', requestId: id, start: T0 + 0.3, time: T0 + 0.4, ok: false },
+      ] as LifecycleEvent[] : []),
+      { phase: 'error', requestId: id, time: T0 + 0.5, errorType, status, message: `refused with ${status}` },
+    ];
+    const cases: [LifecycleEvent[], string, RegExp][] = [
+      [aborted, 'aborted', /^aborted \(client_disconnect\) in decode_execution after 2\d\d ms\. /],
+      [abortedInQueueTimeline('queued'), 'aborted', /^aborted \(client_disconnect\) in scheduler_queue after 40\.0 ms\. /],
+      [erroredInPrefillTimeline('boom'), 'failed', /^failed: 500 engine_error in prefill_execution after 15\.0 ms: forward pass failed: out of memory\. /],
+      [refused('bad', 400, 'invalid_value', 'validate'), 'failed', /^failed: 400 invalid_value in validate after 0\.5 ms: refused with 400\. /],
+      [refused('big', 413, 'body_too_large', 'http_receive'), 'failed', /^failed: 413 body_too_large in http_receive after 0\.5 ms: refused with 413\. /],
+      [rateLimitedTimeline('limited'), 'failed', /^failed: 429 rate_limited in rate_limit /],
+    ];
+    for (const [events, category, why] of cases) {
+      const d = analyzer.classify(buildRequestTrace(events));
+      assert.equal(d.category, category, `${d.request_id}: ${d.recommendation}`);
+      assert.equal(d.dominant_phase, 'none');
+      assert.equal(d.dominant_share, 0);
+      assert.match(d.recommendation, why);
+      assert.match(d.recommendation, /no bottleneck diagnosis/);
+    }
+    // Nor do they count in the window: neither among the slow requests (balanced or otherwise) nor in the shares.
+    const w = analyzer.analyze([...cases.map(([events]) => buildRequestTrace(events)), trace({ ...CASES.queue_saturation!, id: 'q1' })]);
+    assert.equal(w.requests, 1);
+    assert.equal(w.slow_requests, 1);
+    assert.equal(Object.values(w.categories).reduce((a, b) => a + b, 0), 1);
+    assert.equal(w.categories.balanced, 0);
+    assert.deepEqual(w.examples, { queue_saturation: ['q1'] });
   });
 
   it('says so when nothing in the window is slow', () => {
