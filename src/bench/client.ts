@@ -46,6 +46,8 @@ export interface RequestOutcome {
   status: number;
   /** Short and stable, so outcomes can be counted by it: "http 503 overloaded", "ECONNREFUSED", "timeout". */
   error?: string;
+  /** The server's own words for the failure (error.message of an OpenAI-style error body), when it gave some. */
+  errorMessage?: string;
   /** First content token; streamed requests only. */
   ttftMs?: number;
   /** Gaps between consecutive content tokens; streamed requests only. */
@@ -98,6 +100,17 @@ function withCode(prefix: string, body: string): string {
     return typeof code === 'string' ? `${prefix} ${code}` : prefix;
   } catch {
     return prefix;
+  }
+}
+
+/** error.message of an OpenAI-style error body (vLLM's bare {"message": ...} too), at most 500 characters. */
+function errorMessageOf(body: string): string | undefined {
+  try {
+    const parsed = JSON.parse(body) as { error?: { message?: unknown } | string; message?: unknown };
+    const message = typeof parsed.error === 'object' ? parsed.error?.message : parsed.error ?? parsed.message;
+    return typeof message === 'string' && message !== '' ? message.slice(0, 500) : undefined;
+  } catch {
+    return undefined;
   }
 }
 
@@ -166,6 +179,8 @@ function readJson(res: IncomingMessage, outcome: RequestOutcome, finish: (error?
   res.on('data', (chunk: string) => { body += chunk; });
   res.on('end', () => {
     if (outcome.status !== 200) {
+      const message = errorMessageOf(body);
+      if (message !== undefined) outcome.errorMessage = message;
       finish(withCode(`http ${outcome.status}`, body));
       return;
     }
@@ -195,6 +210,8 @@ function readStream(res: IncomingMessage, outcome: RequestOutcome, startMs: numb
     for (const event of parser.push(text)) {
       if (event.event === 'error') {
         failure = withCode('stream error', event.data);
+        const message = errorMessageOf(event.data);
+        if (message !== undefined) outcome.errorMessage = message;
         continue;
       }
       if (event.data === '[DONE]') {

@@ -7,7 +7,7 @@
 import { setMaxListeners } from 'node:events';
 import { createTarget, fetchModelId, sendRequest, type RequestOutcome, type Target } from './client.ts';
 import { distribution, type Distribution } from '../util/stats.ts';
-import { seededRandom, type Workload } from './prompt-workload.ts';
+import { seededRandom, type PromptSpec, type Workload } from './prompt-workload.ts';
 
 export type Endpoint = 'chat' | 'completions';
 
@@ -57,6 +57,20 @@ export interface LoadOptions {
   seed?: number;
   /** Stops the run early: nothing new starts and requests in flight are cut (counted as "aborted"). */
   signal?: AbortSignal;
+  /**
+   * Before the run, send its first request once, as `vllm bench serve` does, not counted; if it fails (no server
+   * there, a wrong path, model or parameter) runLoad throws a BenchProbeError and sends no load.
+   */
+  probe?: boolean;
+}
+
+/** The probe request failed (LoadOptions.probe): what failed, and how. */
+export class BenchProbeError extends Error {
+  override name = 'BenchProbeError';
+  constructor(readonly url: string, readonly outcome: RequestOutcome) {
+    super(`the first request, sent once before the load, failed: ${outcome.error ?? 'unknown'}`
+      + `${outcome.errorMessage !== undefined ? ` (${JSON.stringify(outcome.errorMessage)})` : ''} from ${url}`);
+  }
 }
 
 export interface GoodputTargets {
@@ -145,6 +159,7 @@ export async function runLoad(options: LoadOptions): Promise<BenchResult> {
   const timeoutMs = (options.timeoutSec ?? DEFAULT_TIMEOUT_SEC) * 1000;
   try {
     const model = options.model ?? await fetchModelId(target, Math.min(timeoutMs, 10_000));
+    if (options.probe) await probe(options, target, model, timeoutMs);
     const startedAt = new Date().toISOString();
     const run = new Run(options, target, model, timeoutMs);
     const progress = options.progress;
@@ -270,33 +285,9 @@ class Run {
   }
 
   private async send(index: number): Promise<void> {
-    const { workload, stream, outputTokens, endpoint, ignoreEos, sampling } = this.options;
+    const { workload, stream } = this.options;
     const prompt = workload.prompt(index);
-    const body: Record<string, unknown> = { ...(this.model !== undefined ? { model: this.model } : {}) };
-    if (endpoint === 'chat') {
-      body.messages = [
-        ...(prompt.system !== undefined ? [{ role: 'system', content: prompt.system }] : []),
-        { role: 'user', content: prompt.user },
-      ];
-    } else {
-      body.prompt = prompt.system !== undefined ? `${prompt.system}\n\n${prompt.user}` : prompt.user;
-    }
-    body.max_tokens = outputTokens;
-    if (ignoreEos) body.ignore_eos = true;
-    if (sampling?.temperature !== undefined) body.temperature = sampling.temperature;
-    if (sampling?.topP !== undefined) body.top_p = sampling.topP;
-    if (sampling?.logprobs !== undefined) {
-      if (endpoint === 'chat') {
-        body.logprobs = true;
-        body.top_logprobs = sampling.logprobs;
-      } else {
-        body.logprobs = sampling.logprobs;
-      }
-    }
-    if (stream) {
-      body.stream = true;
-      body.stream_options = { include_usage: true };
-    }
+    const body = requestBody(this.options, this.model, prompt);
     this.inFlight++;
     this.maxInFlight = Math.max(this.maxInFlight, this.inFlight);
     try {
@@ -317,6 +308,55 @@ class Run {
       this.slotFreed = undefined;
       wake?.();
     }
+  }
+}
+
+/** The body of one request of the run: the prompt, max_tokens and the sampling parameters given. */
+function requestBody(options: LoadOptions, model: string | undefined, prompt: PromptSpec): Record<string, unknown> {
+  const { stream, outputTokens, endpoint, ignoreEos, sampling } = options;
+  const body: Record<string, unknown> = { ...(model !== undefined ? { model } : {}) };
+  if (endpoint === 'chat') {
+    body.messages = [
+      ...(prompt.system !== undefined ? [{ role: 'system', content: prompt.system }] : []),
+      { role: 'user', content: prompt.user },
+    ];
+  } else {
+    body.prompt = prompt.system !== undefined ? `${prompt.system}\n\n${prompt.user}` : prompt.user;
+  }
+  body.max_tokens = outputTokens;
+  if (ignoreEos) body.ignore_eos = true;
+  if (sampling?.temperature !== undefined) body.temperature = sampling.temperature;
+  if (sampling?.topP !== undefined) body.top_p = sampling.topP;
+  if (sampling?.logprobs !== undefined) {
+    if (endpoint === 'chat') {
+      body.logprobs = true;
+      body.top_logprobs = sampling.logprobs;
+    } else {
+      body.logprobs = sampling.logprobs;
+    }
+  }
+  if (stream) {
+    body.stream = true;
+    body.stream_options = { include_usage: true };
+  }
+  return body;
+}
+
+/**
+ * The run's first request, sent once before the load and not counted (LoadOptions.probe): a server that is not
+ * there, or refuses the run's path, model or parameters, stops the run before it sends thousands of failing requests.
+ * An abort meanwhile is no failure: the run then starts nothing and reports.
+ */
+async function probe(options: LoadOptions, target: Target, model: string | undefined, timeoutMs: number): Promise<void> {
+  const path = ENDPOINT_PATHS[options.endpoint];
+  const prompt = options.workload.prompt(0);
+  const outcome = await sendRequest(target, {
+    path, body: requestBody(options, model, prompt), stream: options.stream, timeoutMs, index: 0,
+    ...(prompt.group !== undefined ? { group: prompt.group } : {}),
+    ...(options.signal ? { signal: options.signal } : {}),
+  });
+  if (!outcome.ok && !options.signal?.aborted) {
+    throw new BenchProbeError(new URL(target.baseUrl.pathname.replace(/\/$/, '') + path, target.baseUrl).href, outcome);
   }
 }
 

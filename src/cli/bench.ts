@@ -8,7 +8,7 @@ import { randomInt } from 'node:crypto';
 import { accessSync, constants, statSync, writeFileSync } from 'node:fs';
 import { dirname, resolve } from 'node:path';
 import { renderHtmlReport } from '../bench/html-report.ts';
-import { runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
+import { BenchProbeError, runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
 import { MAX_PROMPT_WORDS, randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
 import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
@@ -44,6 +44,7 @@ const FLAGS = {
   output: { type: 'string', help: 'the older name of --result-file' },
   html: { type: 'string', help: 'also write a self-contained HTML report with plots (TTFT/ITL CDFs, throughput over time, phase breakdown) to this file' },
   progress: { type: 'boolean', help: 'a progress line on stderr while the run goes on (--no-progress: none)', default: true },
+  probe: { type: 'boolean', help: 'send the first request once before the load, not counted, and stop with one line if it fails, as vllm bench serve does (--no-probe: start the load at once)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
@@ -183,7 +184,7 @@ export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     url, endpoint: endpoint as Endpoint, workload,
     outputTokens: wholeNumber('output-tokens', values['output-tokens'], 1)!,
     stream: values.stream, ignoreEos: values['ignore-eos'],
-    timeoutSec: timeoutSeconds(values.timeout!), seed,
+    timeoutSec: timeoutSeconds(values.timeout!), seed, probe: values.probe,
     ...(values.model !== undefined ? { model: values.model } : {}),
     ...(values['api-key'] !== undefined ? { apiKey: values['api-key'] } : {}),
     ...(rate !== undefined ? { rate } : {}),
@@ -285,6 +286,10 @@ export const benchCommand: Command = {
     try {
       const { code } = await runBench(config, { write: (text) => console.log(text), progress: process.stderr }, stop.signal);
       return code;
+    } catch (err) {
+      if (!(err instanceof BenchProbeError)) throw err;
+      console.error(`conduit bench: ${err.message}; no load was sent (--no-probe skips this check)`);
+      return 1;
     } finally {
       process.off('SIGINT', onSignal);
     }
