@@ -8,7 +8,7 @@ import { GrammarError, XGrammar } from '../engine/grammar/xgrammar.ts';
 import { grammarSource, parseGrammar, type GrammarSource } from '../engine/grammar/runtime.ts';
 import type { GuidedDecoding } from '../engine/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
-import { childPath, Fields, isJsonObject, readArray, readObject, readString } from './validate.ts';
+import { childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from './validate.ts';
 
 /** A guided-decoding request and the field it came from (what a 400 names). */
 export interface GuidedRequest {
@@ -17,9 +17,27 @@ export interface GuidedRequest {
 }
 
 export const MAX_GUIDED_CHOICES = 1024;
+/**
+ * Enum values in one schema, all its enums together: an enum compiles as a choice list does, and compiling runs on
+ * the worker's engine thread, between steps of every request there (measured at a 32k vocabulary: 1024 values about
+ * 70 ms, 16384 values 1.2 s, 100k values seconds more), hence guided_choice's bound.
+ */
+export const MAX_GUIDED_ENUM_VALUES = MAX_GUIDED_CHOICES;
+/**
+ * Bytes of what a grammar is compiled from: a schema's JSON text (without its annotations: description, title,
+ * examples, default, ...), a regex, an EBNF grammar, a choice list's strings together. Compile time grows with it, and
+ * faster than linearly for some shapes (an object of 550 optional properties, 22 KB, took 0.5 s; 2200 of them 5 s).
+ */
+export const MAX_GUIDED_BYTES = 64 * 1024;
 // XGrammar (0.1.27) compiling a schema of 54 nested objects runs out of its WebAssembly stack, which aborts the
 // worker's grammar engine and the requests running there: 32 levels keep a wide margin (nested arrays compile to 64).
 const MAX_SCHEMA_DEPTH = 32;
+/**
+ * Parenthesised groups nested in a regex (guided_regex, a schema's 'pattern') or an EBNF grammar. XGrammar parses
+ * them recursively: 200 nested regex groups overflow its stack when compiled against a vocabulary (which spoils the
+ * worker's instance), 250 spoil the gateway's own silently and 1000 never finish there; EBNF fails at 200.
+ */
+export const MAX_GROUP_DEPTH = 64;
 
 /**
  * JSON Schema keywords the grammar cannot enforce: XGrammar would accept the schema and ignore them, so an output
@@ -57,9 +75,20 @@ const SCHEMA_VALUED = new Set(['items', 'additionalProperties', 'unevaluatedProp
 const SCHEMA_LISTS = new Set(['anyOf', 'oneOf', 'prefixItems']);
 const SCHEMA_MAPS = new Set(['properties', '$defs', 'definitions']);
 const TYPES = new Set(['object', 'array', 'string', 'number', 'integer', 'boolean', 'null']);
+/** Keywords that only annotate (XGrammar ignores them): left out of the schema the grammar is compiled from. */
+const ANNOTATIONS = new Set(['title', 'description', 'examples', 'default', '$comment', 'deprecated', 'readOnly', 'writeOnly', '$schema']);
+
+/** What a walk over one schema counts. */
+interface SchemaWalk {
+  enumValues: number;
+}
 
 /** Throws a 400 naming the first part of `schema` (at JSON path `path`) the grammar cannot follow. */
-export function checkJsonSchema(schema: unknown, path: string, depth = 0): void {
+export function checkJsonSchema(schema: unknown, path: string): void {
+  walkSchema(schema, path, 0, { enumValues: 0 });
+}
+
+function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWalk): void {
   if (typeof schema === 'boolean') return;
   if (!isJsonObject(schema)) throw new InvalidValueError(path, 'a JSON schema must be an object or a boolean.');
   if (depth > MAX_SCHEMA_DEPTH) throw new InvalidValueError(path, `the schema is nested more than ${MAX_SCHEMA_DEPTH} levels deep.`);
@@ -72,8 +101,8 @@ export function checkJsonSchema(schema: unknown, path: string, depth = 0): void 
         + 'grammar engine could produce values outside it, or invalid JSON).');
     }
     if (key === 'type') {
-      const types = Array.isArray(value) ? value : [value];
-      for (const type of types) {
+      const list = Array.isArray(value) ? value : [value];
+      for (const type of list) {
         if (typeof type !== 'string' || !TYPES.has(type)) {
           throw new InvalidValueError(at, `unknown type ${JSON.stringify(type)}; expected one of ${[...TYPES].join(', ')}.`);
         }
@@ -87,18 +116,103 @@ export function checkJsonSchema(schema: unknown, path: string, depth = 0): void 
         throw new InvalidValueError(at, "'required' must be an array of property names.");
       }
     } else if (SCHEMA_VALUED.has(key)) {
-      if (key === 'items' && Array.isArray(value)) value.forEach((item, i) => checkJsonSchema(item, childPath(at, i), depth + 1));
-      else checkJsonSchema(value, at, depth + 1);
+      if (key === 'items' && Array.isArray(value)) value.forEach((item, i) => walkSchema(item, childPath(at, i), depth + 1, walk));
+      else walkSchema(value, at, depth + 1, walk);
     } else if (SCHEMA_LISTS.has(key)) {
       if (!Array.isArray(value)) throw new InvalidValueError(at, `'${key}' must be an array of schemas.`);
-      value.forEach((item, i) => checkJsonSchema(item, childPath(at, i), depth + 1));
+      value.forEach((item, i) => walkSchema(item, childPath(at, i), depth + 1, walk));
     } else if (SCHEMA_MAPS.has(key)) {
       if (!isJsonObject(value)) throw new InvalidValueError(at, `'${key}' must be an object of schemas.`);
-      for (const [name, item] of Object.entries(value)) checkJsonSchema(item, childPath(at, name), depth + 1);
+      for (const [name, item] of Object.entries(value)) walkSchema(item, childPath(at, name), depth + 1, walk);
+    } else if (key === 'pattern' && typeof value === 'string') {
+      checkGroupDepth(value, 'regex', at);
     } else if (key === 'enum') {
       if (!Array.isArray(value) || value.length === 0) throw new InvalidValueError(at, "'enum' must be a non-empty array.");
+      walk.enumValues += value.length;
+      if (walk.enumValues > MAX_GUIDED_ENUM_VALUES) {
+        throw new InvalidValueError(at, `a schema may hold at most ${MAX_GUIDED_ENUM_VALUES} enum values in all (as guided_choice holds at most `
+          + `${MAX_GUIDED_CHOICES} choices); this one holds more.`);
+      }
     }
   }
+}
+
+/** A regex or EBNF grammar nested at most MAX_GROUP_DEPTH parenthesised groups deep (strings, classes and escapes skipped). */
+function checkGroupDepth(text: string, kind: 'regex' | 'ebnf', param: string): void {
+  let depth = 0;
+  let deepest = 0;
+  for (let i = 0; i < text.length; i++) {
+    const c = text[i]!;
+    if (c === '\\') {
+      i++;
+    } else if (c === '[') {
+      // A class: to its closing ']' (a ']' right after '[' or '[^' is a member).
+      let j = i + 1;
+      if (text[j] === '^') j++;
+      if (text[j] === ']') j++;
+      while (j < text.length && text[j] !== ']') j += text[j] === '\\' ? 2 : 1;
+      i = j;
+    } else if (kind === 'ebnf' && (c === '"' || c === "'")) {
+      let j = i + 1;
+      while (j < text.length && text[j] !== c) j += text[j] === '\\' ? 2 : 1;
+      i = j;
+    } else if (kind === 'ebnf' && c === '#') {
+      while (i < text.length && text[i] !== '\n') i++;
+    } else if (c === '(') {
+      depth++;
+      if (depth > deepest) deepest = depth;
+    } else if (c === ')') {
+      depth = Math.max(0, depth - 1);
+    }
+  }
+  if (deepest > MAX_GROUP_DEPTH) {
+    throw new InvalidValueError(param, `the ${kind === 'regex' ? 'regex' : 'grammar'} nests groups ${deepest} deep; at most `
+      + `${MAX_GROUP_DEPTH} in guided decoding.`);
+  }
+}
+
+/** A grammar source's text within MAX_GUIDED_BYTES. */
+function checkBytes(text: string, param: string, what: string): void {
+  const bytes = Buffer.byteLength(text, 'utf8');
+  if (bytes > MAX_GUIDED_BYTES) {
+    throw new InvalidValueError(param, `${what} is ${bytes} bytes; at most ${MAX_GUIDED_BYTES} in guided decoding.`);
+  }
+}
+
+/**
+ * A copy of `schema` with `edit` applied to every schema in it (the root and each at a schema position: items,
+ * properties, $defs, anyOf, ...), inner ones first. Values that are not schemas (enum, const, ...) are kept as they are.
+ */
+export function mapSchemas(schema: unknown, edit: (node: JsonObject) => JsonObject): unknown {
+  if (!isJsonObject(schema)) return schema;
+  const out: JsonObject = {};
+  for (const [key, value] of Object.entries(schema)) {
+    if (SCHEMA_VALUED.has(key)) {
+      out[key] = Array.isArray(value) ? value.map((item) => mapSchemas(item, edit)) : mapSchemas(value, edit);
+    } else if (SCHEMA_LISTS.has(key) && Array.isArray(value)) {
+      out[key] = value.map((item) => mapSchemas(item, edit));
+    } else if (SCHEMA_MAPS.has(key) && isJsonObject(value)) {
+      out[key] = Object.fromEntries(Object.entries(value).map(([name, item]) => [name, mapSchemas(item, edit)]));
+    } else {
+      out[key] = value;
+    }
+  }
+  return edit(out);
+}
+
+/** The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out. */
+export function grammarSchema(schema: unknown): unknown {
+  return mapSchemas(schema, (node) => {
+    for (const key of Object.keys(node)) if (ANNOTATIONS.has(key)) delete node[key];
+    return node;
+  });
+}
+
+/** The JSON text of a grammar schema, within MAX_GUIDED_BYTES. */
+export function grammarSchemaText(schema: unknown, param: string, what = 'the schema (without its annotations)'): string {
+  const text = JSON.stringify(schema);
+  checkBytes(text, param, what);
+  return text;
 }
 
 function jsonSchemaSpec(param: string, value: unknown): GuidedDecoding {
@@ -111,13 +225,26 @@ function jsonSchemaSpec(param: string, value: unknown): GuidedDecoding {
     }
   }
   checkJsonSchema(schema, param);
-  return { kind: 'json_schema', schema: JSON.stringify(schema) };
+  return { kind: 'json_schema', schema: grammarSchemaText(grammarSchema(schema), param) };
 }
 
 function choiceSpec(param: string, value: unknown): GuidedDecoding {
   const choices = readArray(param, value, { nonEmpty: true, maxItems: MAX_GUIDED_CHOICES })
     .map((choice, i) => readString(childPath(param, i), choice, { nonEmpty: true }));
+  checkBytes(choices.join(''), param, 'the choices together');
   return { kind: 'choice', choices };
+}
+
+function regexSpec(param: string, pattern: string): GuidedDecoding {
+  checkBytes(pattern, param, 'the regex');
+  checkGroupDepth(pattern, 'regex', param);
+  return { kind: 'regex', pattern };
+}
+
+function grammarSpec(param: string, ebnf: string): GuidedDecoding {
+  checkBytes(ebnf, param, 'the grammar');
+  checkGroupDepth(ebnf, 'ebnf', param);
+  return { kind: 'grammar', ebnf };
 }
 
 function readResponseFormat(fields: Fields): GuidedRequest | undefined {
@@ -160,11 +287,11 @@ function readVllmGuided(fields: Fields): GuidedRequest[] {
   if (fields.has('guided_whitespace_pattern')) throw new UnsupportedFieldError('guided_whitespace_pattern', WHITESPACE_PATTERN);
   if (fields.has('guided_json')) found.push({ spec: jsonSchemaSpec('guided_json', fields.raw('guided_json')), param: 'guided_json' });
   if (fields.has('guided_regex')) {
-    found.push({ spec: { kind: 'regex', pattern: fields.string('guided_regex', { nonEmpty: true })! }, param: 'guided_regex' });
+    found.push({ spec: regexSpec('guided_regex', fields.string('guided_regex', { nonEmpty: true })!), param: 'guided_regex' });
   }
   if (fields.has('guided_choice')) found.push({ spec: choiceSpec('guided_choice', fields.raw('guided_choice')), param: 'guided_choice' });
   if (fields.has('guided_grammar')) {
-    found.push({ spec: { kind: 'grammar', ebnf: fields.string('guided_grammar', { nonEmpty: true })! }, param: 'guided_grammar' });
+    found.push({ spec: grammarSpec('guided_grammar', fields.string('guided_grammar', { nonEmpty: true })!), param: 'guided_grammar' });
   }
   const structured = fields.fields('structured_outputs');
   if (structured) {
@@ -173,11 +300,11 @@ function readVllmGuided(fields: Fields): GuidedRequest[] {
     }
     if (structured.has('json')) found.push({ spec: jsonSchemaSpec(structured.path('json'), structured.raw('json')), param: structured.path('json') });
     if (structured.has('regex')) {
-      found.push({ spec: { kind: 'regex', pattern: structured.string('regex', { nonEmpty: true })! }, param: structured.path('regex') });
+      found.push({ spec: regexSpec(structured.path('regex'), structured.string('regex', { nonEmpty: true })!), param: structured.path('regex') });
     }
     if (structured.has('choice')) found.push({ spec: choiceSpec(structured.path('choice'), structured.raw('choice')), param: structured.path('choice') });
     if (structured.has('grammar')) {
-      found.push({ spec: { kind: 'grammar', ebnf: structured.string('grammar', { nonEmpty: true })! }, param: structured.path('grammar') });
+      found.push({ spec: grammarSpec(structured.path('grammar'), structured.string('grammar', { nonEmpty: true })!), param: structured.path('grammar') });
     }
     if (structured.boolean('json_object')) found.push({ spec: { kind: 'json_object' }, param: structured.path('json_object') });
   }

@@ -5,7 +5,7 @@
 
 import { randomBytes } from 'node:crypto';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
-import { checkJsonSchema, type GuidedRequest } from './guided.ts';
+import { checkJsonSchema, grammarSchema, grammarSchemaText, type GuidedRequest } from './guided.ts';
 import {
   chatChunkBody, chatCompletionBody, type ChatResponseMeta, type ChatTokenLogprob, type TokenTexts,
   type WireFinishReason, type WireUsage,
@@ -110,20 +110,23 @@ const NO_CALLS: ParsedOutput = { content: null, calls: [] };
 export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
   const { choice } = request;
   if (choice.kind === 'named') {
-    const tool = request.tools.find((t) => t.name === choice.name)!;
-    return { spec: { kind: 'json_schema', schema: JSON.stringify(tool.parameters ?? ANY_OBJECT) }, param: 'tool_choice' };
+    const index = request.tools.findIndex((t) => t.name === choice.name);
+    const parameters = grammarSchema(request.tools[index]!.parameters ?? ANY_OBJECT);
+    const schema = grammarSchemaText(parameters, `tools[${index}].function.parameters`);
+    return { spec: { kind: 'json_schema', schema }, param: 'tool_choice' };
   }
   if (choice.kind !== 'required') return undefined;
   const item = {
     anyOf: request.tools.map((tool) => ({
       type: 'object',
-      properties: { name: { const: tool.name }, parameters: tool.parameters ?? ANY_OBJECT },
+      properties: { name: { const: tool.name }, parameters: grammarSchema(tool.parameters ?? ANY_OBJECT) },
       required: ['name', 'parameters'],
       additionalProperties: false,
     })),
   };
   const schema = { type: 'array', minItems: 1, ...(request.parallel ? {} : { maxItems: 1 }), items: item };
-  return { spec: { kind: 'json_schema', schema: JSON.stringify(schema) }, param: 'tools' };
+  return { spec: { kind: 'json_schema', schema: grammarSchemaText(schema, 'tools', "the tools' parameter schemas together (without their annotations)") },
+    param: 'tools' };
 }
 
 // ---------------------------------------------------------------------------------------------------------------
