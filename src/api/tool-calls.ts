@@ -5,7 +5,7 @@
 
 import { randomBytes } from 'node:crypto';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
-import { checkJsonSchema, grammarSchema, grammarSchemaText, type GuidedRequest } from './guided.ts';
+import { checkJsonSchema, grammarSchema, grammarSchemaText, mapSchemas, type GuidedRequest } from './guided.ts';
 import {
   chatChunkBody, chatCompletionBody, type ChatResponseMeta, type ChatTokenLogprob, type TokenTexts,
   type WireFinishReason, type WireUsage,
@@ -105,7 +105,9 @@ const NO_CALLS: ParsedOutput = { content: null, calls: [] };
 
 /**
  * The grammar "required" and named choices decode under (vLLM's): a named choice's output is the arguments object
- * itself; "required" gives an array of {"name", "parameters"} items, one item unless parallel_tool_calls.
+ * itself; "required" gives an array of {"name", "parameters"} items, one item unless parallel_tool_calls. A tool's
+ * parameters with references ('$ref', e.g. Pydantic's "#/$defs/Model" or a recursive "#") go under the array
+ * schema's $defs, their references rebased there, so that each resolves as it does in the tool's own schema.
  */
 export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
   const { choice } = request;
@@ -116,17 +118,46 @@ export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
     return { spec: { kind: 'json_schema', schema }, param: 'tool_choice' };
   }
   if (choice.kind !== 'required') return undefined;
+  const defs: JsonObject = {};
   const item = {
-    anyOf: request.tools.map((tool) => ({
-      type: 'object',
-      properties: { name: { const: tool.name }, parameters: grammarSchema(tool.parameters ?? ANY_OBJECT) },
-      required: ['name', 'parameters'],
-      additionalProperties: false,
-    })),
+    anyOf: request.tools.map((tool, i) => {
+      let parameters = grammarSchema(tool.parameters ?? ANY_OBJECT);
+      if (hasRefs(parameters)) {
+        const key = `tool_${i}`;
+        defs[key] = rebaseRefs(parameters, `#/$defs/${key}`);
+        parameters = { $ref: `#/$defs/${key}` };
+      }
+      return {
+        type: 'object',
+        properties: { name: { const: tool.name }, parameters },
+        required: ['name', 'parameters'],
+        additionalProperties: false,
+      };
+    }),
   };
-  const schema = { type: 'array', minItems: 1, ...(request.parallel ? {} : { maxItems: 1 }), items: item };
+  const schema = {
+    type: 'array', minItems: 1, ...(request.parallel ? {} : { maxItems: 1 }), items: item,
+    ...(Object.keys(defs).length > 0 ? { $defs: defs } : {}),
+  };
   return { spec: { kind: 'json_schema', schema: grammarSchemaText(schema, 'tools', "the tools' parameter schemas together (without their annotations)") },
     param: 'tools' };
+}
+
+function hasRefs(schema: unknown): boolean {
+  let found = false;
+  mapSchemas(schema, (node) => {
+    if (node.$ref !== undefined) found = true;
+    return node;
+  });
+  return found;
+}
+
+/** `schema` with each of its references ("#", "#/...") made relative to `base` ("#/$defs/tool_0"), where it is placed. */
+function rebaseRefs(schema: unknown, base: string): unknown {
+  return mapSchemas(schema, (node) => {
+    if (typeof node.$ref === 'string' && node.$ref.startsWith('#')) node.$ref = base + node.$ref.slice(1);
+    return node;
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------

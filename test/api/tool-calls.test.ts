@@ -10,7 +10,7 @@ import type { TokenTexts } from '../../src/api/openai-format.ts';
 import { ChatTemplate } from '../../src/model/chat-template.ts';
 import { rawRequest } from './http-client.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
-import { assertPerson, PERSON_SCHEMA } from './guided-fixtures.ts';
+import { assertPerson, PERSON_SCHEMA, schemaErrors } from './guided-fixtures.ts';
 
 const E2E = { timeout: 120_000 };
 
@@ -254,6 +254,33 @@ const FLAG_TOOL = {
   function: { name: 'set_flag', parameters: { type: 'object', properties: { on: { type: 'boolean' } }, required: ['on'], additionalProperties: false } },
 };
 
+/**
+ * Pydantic's schema of a model holding another: the inner model under $defs, referred to as "#/$defs/Address" (twice,
+ * once in an Optional's anyOf), titles and a default beside. Bounded in every part, so a noise model's call ends.
+ */
+const REGISTER_PARAMETERS = {
+  $defs: {
+    Address: {
+      properties: { street: { maxLength: 8, title: 'Street', type: 'string' }, zip: { maximum: 99999, minimum: 0, title: 'Zip', type: 'integer' } },
+      required: ['street', 'zip'], title: 'Address', type: 'object',
+    },
+  },
+  properties: {
+    name: { maxLength: 8, title: 'Name', type: 'string' },
+    home: { $ref: '#/$defs/Address' },
+    work: { anyOf: [{ $ref: '#/$defs/Address' }, { type: 'null' }], default: null },
+  },
+  required: ['name', 'home', 'work'], title: 'Person', type: 'object',
+};
+const REGISTER_TOOL = { type: 'function' as const, function: { name: 'register', parameters: REGISTER_PARAMETERS } };
+/** A recursive model: each node's child is a node again ("#", the tool's own root) or null. */
+const TREE_PARAMETERS = {
+  type: 'object',
+  properties: { label: { type: 'integer', minimum: 0, maximum: 9 }, child: { anyOf: [{ $ref: '#' }, { type: 'null' }] } },
+  required: ['label', 'child'], additionalProperties: false,
+};
+const TREE_TOOL = { type: 'function' as const, function: { name: 'tree', parameters: TREE_PARAMETERS } };
+
 function assertWeatherArgs(args: string): void {
   const value = JSON.parse(args);
   assert.ok(['Paris', 'Oslo', 'Rome'].includes(value.city), args);
@@ -356,6 +383,31 @@ describe('tool calling through HTTP (synthetic model)', () => {
       assert.equal(assembled.finishReason, 'tool_calls');
       assert.deepEqual(assembled.calls, [{ name: call.function.name, arguments: call.function.arguments }]);
     }
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+  it('required and named: references inside a tool\'s parameters ($defs, "#") resolve in its own schema; the arguments fit it', E2E, async () => {
+    const schemas: Record<string, object> = { register: REGISTER_PARAMETERS, tree: TREE_PARAMETERS };
+    let finished = 0;
+    for (const seed of [1, 2, 3]) {
+      for (const toolChoice of ['required', { type: 'function', function: { name: 'register' } }, { type: 'function', function: { name: 'tree' } }]) {
+        const response = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+          model, messages, seed, temperature: 1, max_tokens: 300, tools: [WEATHER_TOOL, REGISTER_TOOL, TREE_TOOL], tool_choice: toolChoice,
+          parallel_tool_calls: false,
+        } });
+        assert.equal(response.status, 200, `${JSON.stringify(toolChoice)}: ${response.text}`);
+        const choice = response.json().choices[0];
+        if (choice.finish_reason === 'length') continue; // (a deep tree)
+        finished++;
+        const calls = choice.message.tool_calls;
+        assert.equal(calls.length, 1, response.text);
+        const { name, arguments: args } = calls[0].function;
+        if (typeof toolChoice === 'object') assert.equal(name, toolChoice.function.name);
+        if (name === 'get_weather') assertWeatherArgs(args);
+        else assert.deepEqual(schemaErrors(schemas[name], JSON.parse(args)), [], `${name}: ${args}`);
+      }
+    }
+    assert.ok(finished >= 6, `only ${finished} of 9 calls ended`);
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 
