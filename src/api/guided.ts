@@ -83,15 +83,20 @@ interface SchemaWalk {
   enumValues: number;
 }
 
-/** Throws a 400 naming the first part of `schema` (at JSON path `path`) the grammar cannot follow. */
+/**
+ * Throws a 400 naming the first part of `schema` (at JSON path `path`) the grammar cannot follow, or that no value
+ * could satisfy (checkSatisfiable).
+ */
 export function checkJsonSchema(schema: unknown, path: string): void {
   walkSchema(schema, path, 0, { enumValues: 0 });
+  checkSatisfiable(schema, path);
 }
 
 function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWalk): void {
   if (typeof schema === 'boolean') return;
   if (!isJsonObject(schema)) throw new InvalidValueError(path, 'a JSON schema must be an object or a boolean.');
   if (depth > MAX_SCHEMA_DEPTH) throw new InvalidValueError(path, `the schema is nested more than ${MAX_SCHEMA_DEPTH} levels deep.`);
+  const types = schemaTypes(schema);
   for (const [key, value] of Object.entries(schema)) {
     const at = childPath(path, key);
     const unsupported = Object.hasOwn(UNSUPPORTED_KEYWORDS, key) ? UNSUPPORTED_KEYWORDS[key] : undefined;
@@ -115,6 +120,7 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
       if (!Array.isArray(value) || value.some((name) => typeof name !== 'string')) {
         throw new InvalidValueError(at, "'required' must be an array of property names.");
       }
+      checkRequired(schema, value as string[], at);
     } else if (SCHEMA_VALUED.has(key)) {
       if (key === 'items' && Array.isArray(value)) value.forEach((item, i) => walkSchema(item, childPath(at, i), depth + 1, walk));
       else walkSchema(value, at, depth + 1, walk);
@@ -133,8 +139,59 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
         throw new InvalidValueError(at, `a schema may hold at most ${MAX_GUIDED_ENUM_VALUES} enum values in all (as guided_choice holds at most `
           + `${MAX_GUIDED_CHOICES} choices); this one holds more.`);
       }
+      value.forEach((item, i) => checkValueType(item, types, childPath(at, i), 'enum value'));
+    } else if (key === 'const') {
+      checkValueType(value, types, at, "'const'");
     }
   }
+}
+
+/** The types a schema's "type" names (undefined without one). */
+function schemaTypes(schema: JsonObject): string[] | undefined {
+  if (schema.type === undefined) return undefined;
+  return (Array.isArray(schema.type) ? schema.type : [schema.type]).filter((type): type is string => typeof type === 'string');
+}
+
+/** Whether a JSON value is of one of `types` (any, without a type). */
+function fitsTypes(value: unknown, types: string[] | undefined): boolean {
+  if (types === undefined) return true;
+  return types.some((type) => {
+    switch (type) {
+      case 'null': return value === null;
+      case 'boolean': return typeof value === 'boolean';
+      case 'integer': return typeof value === 'number' && Number.isInteger(value);
+      case 'number': return typeof value === 'number';
+      case 'string': return typeof value === 'string';
+      case 'array': return Array.isArray(value);
+      case 'object': return isJsonObject(value);
+      default: return false;
+    }
+  });
+}
+
+/** An enum or const value must be of the schema's type: the grammar produces the value as given, whatever the type. */
+function checkValueType(value: unknown, types: string[] | undefined, at: string, what: string): void {
+  if (!fitsTypes(value, types)) {
+    throw new InvalidValueError(at, `${what} ${JSON.stringify(value)} is not of the schema's type (${types!.join(', ')}): no output `
+      + 'could fit both.');
+  }
+}
+
+/**
+ * Each required property must be one 'properties' lists: XGrammar enforces 'required' only for those (a name it does
+ * not list is left out of the output), and with additionalProperties false no value has it at all.
+ */
+function checkRequired(schema: JsonObject, required: string[], at: string): void {
+  const properties = isJsonObject(schema.properties) ? schema.properties : {};
+  required.forEach((name, i) => {
+    if (Object.hasOwn(properties, name)) return;
+    if (schema.additionalProperties === false) {
+      throw new InvalidValueError(childPath(at, i), `'${name}' is required, but 'properties' does not define it and additionalProperties `
+        + 'is false: no value can satisfy the schema.');
+    }
+    throw new UnsupportedFieldError(childPath(at, i), `'${name}' is required but not defined in 'properties': the grammar engine `
+      + "enforces 'required' only for the properties listed there; define it under 'properties'.");
+  });
 }
 
 /** A regex or EBNF grammar nested at most MAX_GROUP_DEPTH parenthesised groups deep (strings, classes and escapes skipped). */
@@ -213,6 +270,125 @@ export function grammarSchemaText(schema: unknown, param: string, what = 'the sc
   const text = JSON.stringify(schema);
   checkBytes(text, param, what);
   return text;
+}
+
+/**
+ * A '$ref' target: the schema at a JSON pointer inside `root` ('#', '#/$defs/a', ...), segments taken as they are
+ * (as XGrammar takes them); undefined when there is none.
+ */
+function resolveRef(root: unknown, ref: string): unknown {
+  if (ref === '#') return root;
+  let node = root;
+  for (const segment of ref.slice(2).split('/')) {
+    if (Array.isArray(node) && /^\d+$/.test(segment)) node = node[Number(segment)];
+    else if (isJsonObject(node) && Object.hasOwn(node, segment)) node = node[segment];
+    else return undefined;
+  }
+  return node;
+}
+
+/**
+ * Refuses a schema no finite value satisfies, as XGrammar reads it: one whose every value must contain itself
+ * through '$ref' (a required property, an array's minItems, every anyOf branch leading back), so that the grammar
+ * never ends; or that requires a property it forbids (a `false` schema). Not complete: types, bounds and enums that
+ * contradict each other otherwise are XGrammar's to refuse, or go through (docs/structured-outputs.md).
+ *
+ * A least fixed point over the schemas in the document: a schema has a finite value once the parts it needs have one
+ * (a '$ref' not found counts as satisfiable, XGrammar refuses it). Then, if the root has none, a walk down the parts
+ * it needs names the place: where it comes back to a schema on its way (the cycle), or a `false` schema.
+ */
+function checkSatisfiable(root: unknown, path: string): void {
+  const nodes: JsonObject[] = [];
+  const seen = new Set<JsonObject>();
+  const visit = (schema: unknown): void => {
+    if (!isJsonObject(schema) || seen.has(schema)) return;
+    seen.add(schema);
+    for (const [key, value] of Object.entries(schema)) {
+      if (SCHEMA_VALUED.has(key)) (Array.isArray(value) ? value : [value]).forEach(visit);
+      else if (SCHEMA_LISTS.has(key) && Array.isArray(value)) value.forEach(visit);
+      else if (SCHEMA_MAPS.has(key) && isJsonObject(value)) Object.values(value).forEach(visit);
+    }
+    if (typeof schema.$ref === 'string') visit(resolveRef(root, schema.$ref));
+    nodes.push(schema); // after its parts: most fixed points are reached in one pass
+  };
+  visit(root);
+  const finite = new Set<JsonObject>();
+  const has = (schema: unknown): boolean => schema === false ? false : !isJsonObject(schema) || finite.has(schema);
+  for (let changed = true; changed;) {
+    changed = false;
+    for (const node of nodes) {
+      if (!finite.has(node) && needs(node, root).every((group) => group.some(({ schema }) => has(schema)))) {
+        finite.add(node);
+        changed = true;
+      }
+    }
+  }
+  if (has(root)) return;
+  // Down from the root through a part that has no finite value, to a false schema or a '$ref' leading back.
+  const onWay = new Set<unknown>([root]);
+  let node = root as JsonObject;
+  let at = path;
+  for (;;) {
+    const [part] = needs(node, root).find((options) => !options.some(({ schema }) => has(schema)))!;
+    const ref = part!.at === '$ref' ? node.$ref as string : undefined;
+    const partAt = childPath(at, part!.at);
+    if (part!.schema === false) {
+      throw new InvalidValueError(partAt, 'a value is needed here (a required property, an item under minItems) but its schema is '
+        + 'false: no value can satisfy the schema.');
+    }
+    if (onWay.has(part!.schema)) {
+      throw new InvalidValueError(partAt, 'no finite value satisfies the schema: this reference leads back to a schema whose every value '
+        + 'needs it again (through required properties, minItems, or every anyOf branch), so the output could never end; make the '
+        + 'recursion optional somewhere.');
+    }
+    onWay.add(part!.schema);
+    node = part!.schema as JsonObject;
+    at = ref === undefined ? partAt : pointerPath(path, ref);
+  }
+}
+
+/** Where a '$ref' points, as a request path from the schema's own (`path`). */
+function pointerPath(path: string, ref: string): string {
+  if (ref === '#') return path;
+  return ref.slice(2).split('/').reduce((at, segment) => childPath(at, /^\d+$/.test(segment) ? Number(segment) : segment), path);
+}
+
+/**
+ * What a schema needs to have a value, for checkSatisfiable: groups of parts, each group satisfied by any one of its
+ * parts (every group needed), each part with its path relative to the schema. Over-approximates what is satisfiable:
+ * only what surely has no value is left unsatisfied.
+ */
+function needs(schema: JsonObject, root: unknown): { schema: unknown; at: string }[][] {
+  const groups: { schema: unknown; at: string }[][] = [];
+  if (typeof schema.$ref === 'string') {
+    const target = resolveRef(root, schema.$ref);
+    if (target !== undefined) groups.push([{ schema: target, at: '$ref' }]);
+  }
+  if (schema.enum !== undefined || schema.const !== undefined) return groups;
+  for (const key of ['anyOf', 'oneOf']) {
+    const list = schema[key];
+    if (Array.isArray(list) && list.length > 0) groups.push(list.map((item, i) => ({ schema: item, at: `${key}[${i}]` })));
+  }
+  const types = schemaTypes(schema) ?? (schema.properties !== undefined || schema.required !== undefined ? ['object'] : undefined);
+  if (types === undefined || types.some((type) => type !== 'object' && type !== 'array')) return groups;
+  // Objects and arrays only: what the type needs, when the schema allows no other type.
+  const options: { schema: unknown; at: string }[][] = [];
+  if (types.includes('object')) {
+    const properties = isJsonObject(schema.properties) ? schema.properties : {};
+    const required = Array.isArray(schema.required) ? schema.required.filter((name): name is string => typeof name === 'string') : [];
+    options.push(required.filter((name) => Object.hasOwn(properties, name)).map((name) => ({ schema: properties[name], at: `properties.${name}` })));
+  }
+  if (types.includes('array')) {
+    const minItems = typeof schema.minItems === 'number' ? schema.minItems : 0;
+    const prefix = Array.isArray(schema.prefixItems) ? schema.prefixItems : Array.isArray(schema.items) ? schema.items : [];
+    const key = Array.isArray(schema.prefixItems) ? 'prefixItems' : 'items';
+    const parts = prefix.slice(0, minItems).map((item, i) => ({ schema: item, at: `${key}[${i}]` }));
+    if (minItems > prefix.length && !Array.isArray(schema.items) && schema.items !== undefined) parts.push({ schema: schema.items, at: 'items' });
+    options.push(parts);
+  }
+  // With both types allowed, either one's needs will do: only a single type's needs are kept (as groups of one).
+  if (options.length === 1) for (const part of options[0]!) groups.push([part]);
+  return groups;
 }
 
 function jsonSchemaSpec(param: string, value: unknown): GuidedDecoding {

@@ -6,7 +6,7 @@ import { after, before, describe, it } from 'node:test';
 import OpenAI from 'openai';
 import { rawRequest } from './http-client.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
-import { assertPerson, PERSON_SCHEMA } from './guided-fixtures.ts';
+import { assertPerson, PERSON_SCHEMA, schemaErrors } from './guided-fixtures.ts';
 
 /** A hang guard, not a speed requirement. */
 const E2E = { timeout: 120_000 };
@@ -232,6 +232,48 @@ describe('structured outputs (response_format, guided_*)', () => {
     const ok = await post('/v1/chat/completions', { model, messages, max_tokens: 8, guided_regex: '(ab)+' });
     assert.equal(ok.status, 200, ok.text);
     assert.match(ok.json().choices[0].message.content, /^(ab)+a?$/, ok.text);
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+  it('unsatisfiable schemas are a 400 naming the place (the grammar gave output that did not fit, or never ended)', E2E, async () => {
+    const cases: [object, string, RegExp][] = [
+      // A required property additionalProperties forbids: XGrammar left it out of the output.
+      [{ type: 'object', properties: { b: { type: 'integer' } }, required: ['a'], additionalProperties: false }, 'required[0]', /no value can satisfy/],
+      // A $ref cycle with no way out: every value needs another one inside it, so the output never ended.
+      [{ type: 'object', properties: { next: { $ref: '#' } }, required: ['next'] }, 'properties.next.$ref', /no finite value/],
+      [{ $defs: { A: { type: 'object', properties: { b: { $ref: '#/$defs/B' } }, required: ['b'] }, B: { type: 'array', items: { $ref: '#/$defs/A' }, minItems: 1 } },
+        $ref: '#/$defs/A' }, '$defs.B.items.$ref', /no finite value/],
+      [{ anyOf: [{ $ref: '#' }, { type: 'array', items: { $ref: '#' }, minItems: 2 }] }, 'anyOf[0].$ref', /no finite value/],
+      // What the grammar would not enforce: a required property 'properties' does not list (XGrammar left it out),
+      // an enum or const value of another type than the schema's (XGrammar produced it anyway).
+      [{ type: 'object', required: ['a'] }, 'required[0]', /define it under 'properties'/],
+      [{ type: 'string', enum: ['a', 1] }, 'enum[1]', /not of the schema's type/],
+      [{ type: 'integer', const: 'x' }, 'const', /not of the schema's type/],
+    ];
+    for (const [schema, place, message] of cases) {
+      for (const [body, param] of [
+        [{ guided_json: schema }, 'guided_json'],
+        [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema } } }, 'response_format.json_schema.schema'],
+      ] as const) {
+        const response = await post('/v1/chat/completions', { model, messages, max_tokens: 16, ...body });
+        assert.equal(response.status, 400, `${JSON.stringify(schema)}: ${response.text}`);
+        assert.equal(response.json().error.param, `${param}.${place}`, response.text);
+        assert.match(response.json().error.message, message);
+      }
+    }
+    // Recursion with a way out (a nullable child) is fine, and its output fits.
+    const list = { type: 'object', properties: { v: { type: 'boolean' }, next: { anyOf: [{ $ref: '#' }, { type: 'null' }] } }, required: ['v', 'next'],
+      additionalProperties: false };
+    let ended = 0;
+    for (const seed of [1, 2, 3]) {
+      const response = await post('/v1/chat/completions', { model, messages, seed, temperature: 1, max_tokens: 200, guided_json: list });
+      assert.equal(response.status, 200, response.text);
+      const choice = response.json().choices[0];
+      if (choice.finish_reason !== 'stop') continue;
+      ended++;
+      assert.deepEqual(schemaErrors(list, JSON.parse(choice.message.content)), [], choice.message.content);
+    }
+    assert.ok(ended >= 2, `${ended} of 3 ended`);
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 });
