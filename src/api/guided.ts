@@ -70,6 +70,11 @@ const UNSUPPORTED_KEYWORDS: Record<string, string> = {
  * (output such as {"x": 1F5}), exclusive bounds were not kept, and integral bounds let decimals past them.
  */
 const INTEGER_ONLY_BOUNDS = new Set(['minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum']);
+/**
+ * Keywords XGrammar 0.1.27 applies to strings only when "type" says string (without it, it allows any JSON value);
+ * and of which it keeps one: 'format' over 'pattern' over 'minLength'/'maxLength', the others ignored.
+ */
+const STRING_KEYWORDS = ['format', 'pattern', 'minLength', 'maxLength'];
 /** Keywords whose value is a schema, a list of schemas or a map of schemas: walked into. */
 const SCHEMA_VALUED = new Set(['items', 'additionalProperties', 'unevaluatedProperties', 'additionalItems']);
 const SCHEMA_LISTS = new Set(['anyOf', 'oneOf', 'prefixItems']);
@@ -77,6 +82,36 @@ const SCHEMA_MAPS = new Set(['properties', '$defs', 'definitions']);
 const TYPES = new Set(['object', 'array', 'string', 'number', 'integer', 'boolean', 'null']);
 /** Keywords that only annotate (XGrammar ignores them): left out of the schema the grammar is compiled from. */
 const ANNOTATIONS = new Set(['title', 'description', 'examples', 'default', '$comment', 'deprecated', 'readOnly', 'writeOnly', '$schema']);
+
+// 'format' values. XGrammar 0.1.27's own grammars for some produce values that are not of the format (a minute of
+// 60, the 31st of April, an IPv4 part with a leading zero, hostname labels of any length, an invalid JSON escape in
+// an email's quoted local part, a raw '"' in a JSON pointer): those are enforced here by a pattern instead, each
+// a subset of the format (so every value produced is of it). The others are XGrammar's (random walks through each
+// grammar gave only values a format validator accepts).
+const UTC_OFFSET = '(Z|[+\\-]([01][0-9]|2[0-3]):[0-5][0-9])';
+const FULL_DATE = '([0-9]{4}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|[0-9]{4}-(0[469]|11)-(0[1-9]|[12][0-9]|30)'
+  + '|[0-9]{4}-02-(0[1-9]|1[0-9]|2[0-8])|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)';
+const FULL_TIME = `([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?${UTC_OFFSET}`;
+const IPV4_PART = '(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])';
+const POINTER = '(/([^/~"\\\\\\x00-\\x1f]|~[01])*)*';
+const EMAIL_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~\\-]+";
+const DOMAIN_LABEL = '[A-Za-z0-9]([A-Za-z0-9\\-]*[A-Za-z0-9])?';
+/** Formats enforced by a pattern given here (XGrammar's own grammar for them being wrong). */
+export const FORMAT_PATTERNS: Record<string, string> = {
+  date: FULL_DATE,
+  time: FULL_TIME,
+  'date-time': `${FULL_DATE}T${FULL_TIME}`,
+  ipv4: `${IPV4_PART}(\\.${IPV4_PART}){3}`,
+  // Lowercase; at most 4 labels, the first of at most 61 characters, so that the whole stays within 253.
+  hostname: '[a-z0-9]([a-z0-9\\-]{0,59}[a-z0-9])?(\\.[a-z0-9]([a-z0-9\\-]{0,61}[a-z0-9])?){0,3}',
+  // A dot-atom local part (no quoted one) and a domain of at least two labels.
+  email: `${EMAIL_ATOM}(\\.${EMAIL_ATOM})*@(${DOMAIN_LABEL}\\.)+${DOMAIN_LABEL}`,
+  'json-pointer': POINTER,
+  'relative-json-pointer': `(0|[1-9][0-9]*)(#|${POINTER})`,
+};
+/** Formats whose XGrammar grammar is used as it is. */
+const XGRAMMAR_FORMATS = ['duration', 'ipv6', 'uri', 'uri-reference', 'uri-template', 'uuid'];
+export const GUIDED_FORMATS: readonly string[] = [...Object.keys(FORMAT_PATTERNS), ...XGRAMMAR_FORMATS].sort();
 
 /** What a walk over one schema counts. */
 interface SchemaWalk {
@@ -105,6 +140,7 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
       throw new UnsupportedFieldError(at, `'${key}' is enforced on "type": "integer" only in guided decoding (on other numbers the `
         + 'grammar engine could produce values outside it, or invalid JSON).');
     }
+    if (STRING_KEYWORDS.includes(key)) checkStringKeyword(schema, key, value, types, path);
     if (key === 'type') {
       const list = Array.isArray(value) ? value : [value];
       for (const type of list) {
@@ -130,8 +166,6 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
     } else if (SCHEMA_MAPS.has(key)) {
       if (!isJsonObject(value)) throw new InvalidValueError(at, `'${key}' must be an object of schemas.`);
       for (const [name, item] of Object.entries(value)) walkSchema(item, childPath(at, name), depth + 1, walk);
-    } else if (key === 'pattern' && typeof value === 'string') {
-      checkGroupDepth(value, 'regex', at);
     } else if (key === 'enum') {
       if (!Array.isArray(value) || value.length === 0) throw new InvalidValueError(at, "'enum' must be a non-empty array.");
       walk.enumValues += value.length;
@@ -150,6 +184,32 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
 function schemaTypes(schema: JsonObject): string[] | undefined {
   if (schema.type === undefined) return undefined;
   return (Array.isArray(schema.type) ? schema.type : [schema.type]).filter((type): type is string => typeof type === 'string');
+}
+
+/**
+ * 'format', 'pattern', 'minLength', 'maxLength': enforced beside "type": "string" and one kind at a time ('format', or
+ * 'pattern', or the lengths), a format from GUIDED_FORMATS, a pattern nested at most MAX_GROUP_DEPTH groups deep.
+ */
+function checkStringKeyword(schema: JsonObject, key: string, value: unknown, types: string[] | undefined, path: string): void {
+  const at = childPath(path, key);
+  if (key === 'format' && typeof value !== 'string') throw new InvalidValueError(at, "'format' must be a string.");
+  if (key === 'pattern') {
+    if (typeof value !== 'string') throw new InvalidValueError(at, "'pattern' must be a string.");
+    checkGroupDepth(value, 'regex', at);
+  }
+  if (key === 'format' && !GUIDED_FORMATS.includes(value as string)) {
+    throw new UnsupportedFieldError(at, `format ${JSON.stringify(value)} is not enforced in guided decoding; the formats enforced are `
+      + `${GUIDED_FORMATS.join(', ')}. Leave it out, or state the values with 'pattern' (strings) or 'minimum'/'maximum' (integers).`);
+  }
+  if (types === undefined) {
+    throw new UnsupportedFieldError(at, `'${key}' is enforced only beside "type": "string" in guided decoding (without a type the `
+      + 'grammar engine allows any value).');
+  }
+  const kept = schema.format !== undefined ? 'format' : schema.pattern !== undefined ? 'pattern' : undefined;
+  if (kept !== undefined && key !== kept && types.includes('string')) {
+    throw new UnsupportedFieldError(at, `'${key}' beside '${kept}' is not enforced in guided decoding (the grammar engine keeps `
+      + `'${kept}' alone)${kept === 'pattern' && key !== 'format' ? '; put the length in the pattern, e.g. {1,20}' : ''}.`);
+  }
 }
 
 /** Whether a JSON value is of one of `types` (any, without a type). */
@@ -257,10 +317,18 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject) => JsonObje
   return edit(out);
 }
 
-/** The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out. */
+/**
+ * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, and the
+ * formats of FORMAT_PATTERNS turned into their patterns.
+ */
 export function grammarSchema(schema: unknown): unknown {
   return mapSchemas(schema, (node) => {
     for (const key of Object.keys(node)) if (ANNOTATIONS.has(key)) delete node[key];
+    const pattern = typeof node.format === 'string' && Object.hasOwn(FORMAT_PATTERNS, node.format) ? FORMAT_PATTERNS[node.format] : undefined;
+    if (pattern !== undefined) {
+      delete node.format;
+      node.pattern = pattern;
+    }
     return node;
   });
 }

@@ -276,6 +276,43 @@ describe('structured outputs (response_format, guided_*)', () => {
     assert.ok(ended >= 2, `${ended} of 3 ended`);
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
+
+  it('string formats: the output is a valid value of each enforced format; others, and keywords the engine would drop beside them, are a 400', E2E, async () => {
+    const formats = ['date', 'time', 'date-time', 'ipv4', 'hostname', 'uuid'];
+    const schema = {
+      type: 'object', properties: Object.fromEntries(formats.map((format) => [format, { type: 'string', format }])), required: formats,
+      additionalProperties: false,
+    };
+    let ended = 0;
+    for (const seed of [1, 2, 3, 4, 5, 6]) {
+      const response = await post('/v1/chat/completions', { model, messages, seed, temperature: 1, max_tokens: 400, guided_json: schema });
+      assert.equal(response.status, 200, response.text);
+      const choice = response.json().choices[0];
+      if (choice.finish_reason !== 'stop') continue;
+      ended++;
+      assert.deepEqual(schemaErrors(schema, JSON.parse(choice.message.content)), [], choice.message.content);
+    }
+    assert.ok(ended >= 4, `${ended} of 6 ended`);
+    const refused: [object, string, RegExp][] = [
+      // Formats the grammar engine would ignore (any string), and 'format' where it would allow any value.
+      [{ type: 'string', format: 'idn-hostname' }, 'format', /not enforced in guided decoding; the formats enforced are/],
+      [{ type: 'integer', format: 'int64' }, 'format', /not enforced/],
+      [{ format: 'date' }, 'format', /only beside "type": "string"/],
+      [{ maxLength: 4 }, 'maxLength', /only beside "type": "string"/],
+      // Beside a format or a pattern, the engine keeps that one and drops the rest.
+      [{ type: 'string', format: 'hostname', maxLength: 20 }, 'maxLength', /beside 'format' is not enforced/],
+      [{ type: 'string', pattern: '[a-z]+', minLength: 2 }, 'minLength', /beside 'pattern' is not enforced/],
+      [{ type: 'string', format: 'date', pattern: '2024-.*' }, 'pattern', /beside 'format' is not enforced/],
+    ];
+    for (const [schema, place, message] of refused) {
+      const response = await post('/v1/chat/completions', { model, messages, max_tokens: 16, guided_json: schema });
+      assert.equal(response.status, 400, `${JSON.stringify(schema)}: ${response.text}`);
+      assert.equal(response.json().error.param, `guided_json.${place}`, response.text);
+      assert.equal(response.json().error.code, 'unsupported_parameter');
+      assert.match(response.json().error.message, message);
+    }
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
 });
 
 for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-workers', '1']]) {
