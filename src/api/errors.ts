@@ -318,6 +318,13 @@ export class WorkerLostApiError extends ApiError {
   }
 }
 
+/** The request's body did not arrive within the server's upload limit (Node's requestTimeout). */
+export class BodyTimeoutError extends ApiError {
+  constructor(timeoutSeconds: number) {
+    super(408, 'request_timeout', INVALID_REQUEST, `The request's body did not arrive within ${timeoutSeconds} s.`);
+  }
+}
+
 export class RequestTimeoutError extends ApiError {
   constructor(timeoutSeconds: number) {
     super(504, 'request_timeout', SERVER_ERROR,

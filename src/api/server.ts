@@ -14,13 +14,14 @@ import type { Duplex } from 'node:stream';
 import { performance } from 'node:perf_hooks';
 import type { Engine } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
+import { parseTraceparent } from '../telemetry/traceparent.ts';
 import { CONDUIT_VERSION } from '../util/version.ts';
 import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
-  AdminRequiredError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, BodyTimeoutError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -227,16 +228,26 @@ export class ApiServer {
    * headers too large or too slow): answered in OpenAI's error shape, as every other refusal, and the connection
    * closed (Node's own answer is a bare status line).
    */
+  /** Sockets whose request's body the handler is reading, and those of them whose upload timed out. */
+  private readonly readingBody = new WeakSet<Duplex>();
+  private readonly bodyTimedOut = new WeakSet<Duplex>();
+
   private answerUnparsable(error: NodeJS.ErrnoException, socket: Duplex): void {
     if (error.code === 'ECONNRESET' || !socket.writable) {
       socket.destroy();
       return;
     }
+    // A body too slow to arrive (Node's requestTimeout) ends a request the handler is reading: the handler counts
+    // and logs it (as a 408, not the client's leaving); everything else here never reached a handler.
+    const bodyTimedOut = error.code === 'ERR_HTTP_REQUEST_TIMEOUT' && this.readingBody.has(socket);
+    if (bodyTimedOut) this.bodyTimedOut.add(socket);
     const [status, code, message] = error.code === 'HPE_HEADER_OVERFLOW'
       ? [431, 'request_header_fields_too_large', 'The request\'s headers are too large.']
-      : error.code === 'ERR_HTTP_REQUEST_TIMEOUT'
-        ? [408, 'request_timeout', 'The request\'s headers did not arrive in time.']
-        : [400, 'invalid_http_request', `The request could not be parsed (${error.code ?? 'parse error'}); a body longer than its Content-Length is one cause.`];
+      : bodyTimedOut ? [408, 'request_timeout', new BodyTimeoutError(this.server.requestTimeout / 1000).message]
+        : error.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+          ? [408, 'request_timeout', 'The request\'s headers did not arrive in time.']
+          : [400, 'invalid_http_request', `The request could not be parsed (${error.code ?? 'parse error'}); a body longer than its Content-Length is one cause.`];
+    if (!bodyTimedOut) this.metrics.countResponse('unknown', status, ANONYMOUS_TENANT);
     const body = JSON.stringify({ error: { message, type: 'invalid_request_error', param: null, code } });
     socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n`
       + `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`);
@@ -558,7 +569,8 @@ export class ApiServer {
     if (this.allowCrossOrigin(req, res, method)) return;
     const traceparent = req.headers.traceparent;
     const tracestate = req.headers.tracestate;
-    const validParent = typeof traceparent === 'string' && TRACEPARENT.test(traceparent);
+    // W3C Trace Context: all-zero ids and version ff are invalid, to be ignored rather than passed on or echoed.
+    const validParent = typeof traceparent === 'string' && TRACEPARENT.test(traceparent) && parseTraceparent(traceparent) !== undefined;
     const call: Call = {
       res,
       tenant: { name: ANONYMOUS_TENANT, limits: {}, cacheSalt: undefined },
@@ -597,7 +609,8 @@ export class ApiServer {
       if (method === 'POST') {
         bodyFullyRead = false;
         readingBody = true;
-        const bytes = await readBody(req, this.maxBodyBytes);
+        this.readingBody.add(socket);
+        const bytes = await readBody(req, this.maxBodyBytes).finally(() => this.readingBody.delete(socket));
         readingBody = false;
         bodyFullyRead = true;
         trace?.bodyRead(bytes.length);
@@ -616,12 +629,15 @@ export class ApiServer {
       failure = toApiError(err);
       this.sendError(res, failure, call, bodyFullyRead);
     } finally {
-      const status = clientGone.signal.aborted && !res.headersSent ? 499 : res.statusCode;
+      // The upload timed out (the server ended it with a 408, answerUnparsable), or the client left.
+      const timedOut = readingBody && this.bodyTimedOut.has(socket);
+      if (timedOut) failure = new BodyTimeoutError(this.server.requestTimeout / 1000);
+      const status = timedOut ? 408 : clientGone.signal.aborted && !res.headersSent ? 499 : res.statusCode;
       // After the response's last byte (or the client's leaving): the request's one terminal event.
       const model = this.gateway.servedModelName;
       call.trace?.end({
         ...(failure ? { error: failure } : {}), ...(model !== undefined ? { model } : {}),
-        clientGone: clientGone.signal.aborted, bodyIncomplete: readingBody,
+        clientGone: clientGone.signal.aborted && !timedOut, bodyIncomplete: readingBody,
       });
       this.metrics.countResponse(routeName, status, call.tenant.name);
       this.logRequest(method, path, routeName, status, call, performance.now() - startedMs);

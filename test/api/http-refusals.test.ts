@@ -1,0 +1,82 @@
+// Refusals at the HTTP layer, before or while a request is read: each in OpenAI's error shape and counted in
+// conduit_http_responses_total. A body that does not arrive in time is a 408 saying so (not the headers' message),
+// counted and logged as a 408, not as the client's leaving (499); a request Node cannot parse is counted too. An
+// invalid traceparent header is ignored.
+
+import assert from 'node:assert/strict';
+import { connect } from 'node:net';
+import { after, before, describe, it } from 'node:test';
+import { startTestServer, type TestServer } from './e2e-fixture.ts';
+import { rawRequest } from './http-client.ts';
+
+const E2E = { timeout: 60_000 };
+
+/** Writes `text` on a new connection and resolves with everything the server sends before it closes. */
+function exchange(server: TestServer, text: string): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const socket = connect(Number(new URL(server.url).port), '127.0.0.1');
+    let received = '';
+    socket.on('data', (chunk) => { received += chunk.toString('utf8'); });
+    socket.on('close', () => resolve(received));
+    socket.on('error', reject);
+    socket.write(text);
+  });
+}
+
+async function responses(server: TestServer, route: string, status: number): Promise<number> {
+  const metrics = (await rawRequest(server.url, { path: '/metrics' })).text;
+  const line = metrics.split('\n').find((l) => l.startsWith('conduit_http_responses_total{')
+    && l.includes(`route="${route}"`) && l.includes(`status="${status}"`));
+  return line === undefined ? 0 : Number(line.split(' ').at(-1));
+}
+
+describe('refusals at the HTTP layer', () => {
+  let server: TestServer;
+
+  before(async () => {
+    // Node's upload limit (requestTimeout, at least 60 s in production) made short so that the test is; Node checks it
+    // every quarter of the headers timeout.
+    server = await startTestServer({ flags: ['--headers-timeout', '1.5'] });
+    (server.running.api as unknown as { server: { requestTimeout: number } }).server.requestTimeout = 1500;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('a body that does not arrive in time: 408 naming the body, counted as a 408', E2E, async () => {
+    const before408 = await responses(server, 'completions', 408);
+    const before499 = await responses(server, 'completions', 499);
+    const answer = await exchange(server, 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+      + 'Content-Length: 100\r\n\r\n{"prompt":');
+    assert.match(answer, /^HTTP\/1\.1 408 /);
+    const body = JSON.parse(answer.slice(answer.indexOf('\r\n\r\n') + 4)) as { error: { code: string; message: string } };
+    assert.equal(body.error.code, 'request_timeout');
+    assert.match(body.error.message, /body did not arrive within 1\.5 s/);
+    // Counted when the handler sees its read fail, which may be just after the answer went out.
+    const deadline = Date.now() + 10_000;
+    while (await responses(server, 'completions', 408) === before408 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+    assert.equal(await responses(server, 'completions', 408), before408 + 1);
+    assert.equal(await responses(server, 'completions', 499), before499, 'not counted as the client leaving');
+  });
+
+  it('a request Node cannot parse: 400 in OpenAI\'s shape, counted under the unknown route', E2E, async () => {
+    const before400 = await responses(server, 'unknown', 400);
+    const answer = await exchange(server, 'THIS IS NOT HTTP\r\n\r\n');
+    assert.match(answer, /^HTTP\/1\.1 400 /);
+    assert.match(answer, /"code":"invalid_http_request"/);
+    assert.equal(await responses(server, 'unknown', 400), before400 + 1);
+  });
+
+  it('an invalid traceparent (all-zero ids, version ff) is ignored, not passed on or echoed; a valid one continues', E2E, async () => {
+    const traceId = '4bf92f3577b34da6a3ce929d0e0e4736';
+    const send = async (traceparent: string) => (await rawRequest(server.url, {
+      path: '/v1/completions', body: { prompt: 'Hi', max_tokens: 1 }, headers: { traceparent },
+    })).headers.traceparent as string | undefined;
+    for (const invalid of [`00-${'0'.repeat(32)}-00f067aa0ba902b7-01`, `00-${traceId}-${'0'.repeat(16)}-01`, `ff-${traceId}-00f067aa0ba902b7-01`]) {
+      const echoed = await send(invalid);
+      assert.notEqual(echoed, invalid);
+      assert.doesNotMatch(echoed ?? '', /^ff-|-0{32}-|-0{16}-/);
+    }
+    assert.match((await send(`00-${traceId}-00f067aa0ba902b7-01`)) ?? '', new RegExp(`^00-${traceId}-`));
+  });
+});
