@@ -709,6 +709,7 @@ export class Gateway {
       ...(call.sessionId !== undefined ? { sessionId: call.sessionId } : {}),
     }, (prompt) => toSamplingParams(request, prompt.maxTokens, logprobs, promptLogprobs,
       secondaryEosTokenIds(backend.tokenizer, backend.generationDefaults?.eosTokenIds)));
+    if ((request as { promptOnly?: boolean }).promptOnly === true) run.outputHidden = true;
     const trace = call.trace;
     if (trace) {
       trace.attachRun(run, backend.engine.info.blockSize, backend.workerId ?? DEFAULT_WORKER_ID,

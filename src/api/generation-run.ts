@@ -83,8 +83,14 @@ export class GenerationRun {
     return this.prompts.reduce((sum, prompt) => sum + prompt.tokenIds.length, 0);
   }
 
+  /**
+   * The output is generated only to compute the prompt (completions' echo with max_tokens 0: one token the client
+   * never sees): none of it counts as completion tokens, in the usage, the metrics or the tenant's tokens.
+   */
+  outputHidden = false;
+
   get completionTokens(): number {
-    return this.generatedTokens.reduce((a, b) => a + b, 0);
+    return this.outputHidden ? 0 : this.generatedTokens.reduce((a, b) => a + b, 0);
   }
 
   get cachedPromptTokens(): number {

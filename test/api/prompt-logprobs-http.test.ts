@@ -117,7 +117,12 @@ describe('prompt logprobs over HTTP', () => {
     const prompt = 'Wind over the dunes';
     const ids = await tokenize(prompt);
     const body = { model, prompt, max_tokens: 0, temperature: 0, echo: true, logprobs: 1 };
+    // The metrics (and the tenant's tokens) count no generated token either: the one computed is never shown.
+    const generated = async () => (await (await fetch(`${server.url}/metrics`)).text()).split('\n')
+      .filter((line) => line.startsWith('conduit_request_generation_tokens_total{')).reduce((sum, line) => sum + Number(line.split(' ').at(-1)), 0);
+    const generatedBefore = await generated();
     const whole = await client.completions.create(body);
+    assert.equal(await generated(), generatedBefore);
     const choice = whole.choices[0]!;
     assert.equal(choice.text, prompt);
     assert.equal(choice.logprobs!.tokens!.length, ids.length);
