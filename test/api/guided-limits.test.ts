@@ -80,8 +80,9 @@ describe('guided decoding limits', () => {
       type: 'object', description: big, title: 'Big',
       properties: { ok: { type: 'boolean', description: big, examples: [true] } }, required: ['ok'], additionalProperties: false,
     };
-    const ok = await post({ guided_json: described, max_tokens: 20 });
+    const ok = await post({ guided_json: described, max_tokens: 60, temperature: 0 });
     assert.equal(ok.status, 200, ok.text.slice(0, 300));
+    assert.equal(ok.json().choices[0].finish_reason, 'stop', ok.text.slice(0, 300));
     assert.equal(typeof JSON.parse(ok.json().choices[0].message.content).ok, 'boolean');
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
