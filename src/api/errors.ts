@@ -318,6 +318,20 @@ export class WorkerLostApiError extends ApiError {
   }
 }
 
+/** An HTTP/1.1 request without the Host header RFC 9112 requires. */
+export class MissingHostError extends ApiError {
+  constructor() {
+    super(400, 'invalid_http_request', INVALID_REQUEST, 'An HTTP/1.1 request needs a Host header.');
+  }
+}
+
+/** An Expect header other than 100-continue (RFC 9110: 417). */
+export class ExpectationFailedError extends ApiError {
+  constructor(expectation: string) {
+    super(417, 'expectation_failed', INVALID_REQUEST, `The expectation ${JSON.stringify(expectation)} is not supported; only 100-continue is.`);
+  }
+}
+
 /** The request's body did not arrive within the server's upload limit (Node's requestTimeout). */
 export class BodyTimeoutError extends ApiError {
   constructor(timeoutSeconds: number) {

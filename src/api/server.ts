@@ -21,7 +21,7 @@ import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
-  AdminRequiredError, BodyTimeoutError, ClientClosedRequestError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, BodyTimeoutError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -136,6 +136,22 @@ function isMultiWorker(engine: Engine): engine is MultiWorkerEngine {
   return typeof (engine as Partial<MultiWorkerEngine>).workerStats === 'function';
 }
 
+/**
+ * The path a request line names: its origin form (/v1/models?x) or, as RFC 9112 asks a server to accept, its
+ * absolute form (http://host/v1/models), query left out.
+ */
+function requestPath(url: string | undefined): string {
+  const target = url ?? '/';
+  if (/^https?:\/\//i.test(target)) {
+    try {
+      return new URL(target).pathname;
+    } catch {
+      // Not a URL after all: routed as given (a 404).
+    }
+  }
+  return target.split('?')[0]!;
+}
+
 const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
 /** W3C tracestate: printable ASCII list members, at most 512 characters (a longer one may be dropped whole). */
 const TRACESTATE = /^[\x20-\x7e]{1,512}$/;
@@ -212,8 +228,16 @@ export class ApiServer {
     // 30 s header timeout could take up to 60 s: check often enough that the timeout is the one stated.
     const connectionsCheckingInterval = Math.max(10, Math.min(1000, Math.floor(headersTimeout / 4)));
     this.server = options.tls
-      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true, connectionsCheckingInterval }, listener)
-      : createHttpServer({ noDelay: true, connectionsCheckingInterval }, listener);
+      ? createHttpsServer({ cert: options.tls.cert, key: options.tls.key, noDelay: true, connectionsCheckingInterval, requireHostHeader: false }, listener)
+      : createHttpServer({ noDelay: true, connectionsCheckingInterval, requireHostHeader: false }, listener);
+    // Node's own answers to a missing Host (400) and an unknown Expect (417) have empty bodies: these are answered
+    // here instead, in OpenAI's error shape (handle() checks the Host).
+    this.server.on('checkExpectation', (req: IncomingMessage, res: ServerResponse) => {
+      const error = new ExpectationFailedError(String(req.headers.expect ?? ''));
+      this.metrics.countResponse('unknown', error.statusCode, ANONYMOUS_TENANT);
+      res.setHeader('Connection', 'close');
+      sendJsonReply(res, { status: error.statusCode, body: error.toBody() });
+    });
     // Slow or stalled uploads must not hold a connection for ever; streamed responses are not affected.
     this.server.headersTimeout = headersTimeout;
     this.server.requestTimeout = Math.max(60_000, headersTimeout);
@@ -542,7 +566,7 @@ export class ApiServer {
 
   private async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const startedMs = performance.now();
-    const path = (req.url ?? '/').split('?')[0]!;
+    const path = requestPath(req.url);
     const method = req.method ?? 'GET';
     let routeName = 'unknown';
     // A body announced and not read yet: a refusal before reading it (no key, a limit, a wrong route) closes the
@@ -582,6 +606,7 @@ export class ApiServer {
     };
     let failure: ApiError | undefined;
     try {
+      if (req.httpVersionMajor === 1 && req.httpVersionMinor >= 1 && req.headers.host === undefined) throw new MissingHostError();
       const found = this.findRoute(method, path, (name) => { routeName = name; });
       const trace = found.route.traced ? this.openTrace(call, found.route, path) : undefined;
       if (found.route.auth) {

@@ -1,6 +1,7 @@
 // Refusals at the HTTP layer, before or while a request is read: each in OpenAI's error shape and counted in
 // conduit_http_responses_total. A body that does not arrive in time is a 408 saying so (not the headers' message),
-// counted and logged as a 408, not as the client's leaving (499); a request Node cannot parse is counted too. An
+// counted and logged as a 408, not as the client's leaving (499); a request Node cannot parse is counted too, and
+// so are a missing Host and an unknown Expect, in the same shape; an absolute-form target is routed by its path. An
 // invalid traceparent header is ignored.
 
 import assert from 'node:assert/strict';
@@ -78,5 +79,26 @@ describe('refusals at the HTTP layer', () => {
       assert.doesNotMatch(echoed ?? '', /^ff-|-0{32}-|-0{16}-/);
     }
     assert.match((await send(`00-${traceId}-00f067aa0ba902b7-01`)) ?? '', new RegExp(`^00-${traceId}-`));
+  });
+
+  it('a request without Host, or with an Expect other than 100-continue, is answered in OpenAI\'s shape and counted', E2E, async () => {
+    const before400 = await responses(server, 'unknown', 400);
+    const before417 = await responses(server, 'unknown', 417);
+    const noHost = await exchange(server, 'GET /health HTTP/1.1\r\nConnection: close\r\n\r\n');
+    assert.match(noHost, /^HTTP\/1\.1 400 /);
+    assert.match(noHost, /needs a Host header.*"code":"invalid_http_request"/);
+    const expect = await exchange(server, 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Length: 2\r\n\r\n{}');
+    assert.match(expect, /^HTTP\/1\.1 417 /);
+    assert.match(expect, /"code":"expectation_failed"/);
+    assert.equal(await responses(server, 'unknown', 400), before400 + 1);
+    assert.equal(await responses(server, 'unknown', 417), before417 + 1);
+    // HTTP/1.0 needs no Host.
+    assert.match(await exchange(server, 'GET /live HTTP/1.0\r\n\r\n'), /^HTTP\/1\.1 200 /);
+  });
+
+  it('a request target in absolute form (http://host/path) is routed by its path, as RFC 9112 asks', E2E, async () => {
+    const answer = await exchange(server, 'GET http://example.test/live?probe=1 HTTP/1.1\r\nHost: example.test\r\nConnection: close\r\n\r\n');
+    assert.match(answer, /^HTTP\/1\.1 200 /);
+    assert.match(answer, /"status":"alive"/);
   });
 });
