@@ -496,11 +496,10 @@ export class Gateway {
     this.ready();
     const { request: parsed, target } = this.validated(call, () => {
       const responses = parseResponsesRequest(body, this.validationContext(this.backendFor(body)));
-      return Object.assign(responses.chat, { responsesEcho: responses.echo });
+      return Object.assign(responses.chat, { responsesEcho: responses.echo, messageParam: responses.messageParam });
     }, () => 1);
-    const { responsesEcho: echo, ...request } = parsed;
+    const { responsesEcho: echo, messageParam, ...request } = parsed;
     const { backend } = target;
-    const inputParam = (index: number): string => (echo.instructions !== null ? (index === 0 ? 'instructions' : `input[${index - 1}]`) : `input[${index}]`);
     try {
       if (request.guided) await this.guidedChecker.check(request.guided);
       const { tools } = request;
@@ -513,7 +512,7 @@ export class Gateway {
         tools && tools.choice.kind !== 'none' ? this.toolShape(backend, request, meta, null) : undefined);
       await this.run(call, target, id, [prompt], request, null, shape);
     } catch (error) {
-      throw responsesError(error, inputParam);
+      throw responsesError(error, messageParam);
     }
   }
 

@@ -30,6 +30,8 @@ export interface ResponsesEcho {
 
 export interface ResponsesRequest {
   chat: ChatCompletionRequest;
+  /** The Responses field a chat message came from (`instructions`, `input[i]`), for errors found later too. */
+  messageParam: (index: number) => string;
   echo: ResponsesEcho;
 }
 
@@ -68,7 +70,7 @@ export function responsesError(error: unknown, messageParam: (index: number) => 
   else if (param === 'messages') param = 'input';
   for (const [pattern, name] of RENAMED_PARAMS) {
     if (pattern.test(param)) {
-      param = param.replace(pattern, name).replace(/\.$/, '').replace(/\.\./, '.');
+      param = param.replace(pattern, name).replace(/\.$/, '');
       break;
     }
   }
@@ -236,16 +238,18 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   if (responseFormat) chatBody.response_format = responseFormat;
   if (reasoningEffort !== null) chatBody.reasoning_effort = reasoningEffort;
   const offset = instructions !== null ? 1 : 0;
+  const messageParam = (index: number): string => (index < offset ? 'instructions' : `input[${itemOf[index - offset]}]`);
   let chat: ChatCompletionRequest;
   try {
     chat = parseChatCompletionRequest(chatBody, context);
   } catch (error) {
-    throw responsesError(error, (index) => (index < offset ? 'instructions' : `input[${itemOf[index - offset]}]`));
+    throw responsesError(error, messageParam);
   }
   // The stream always ends with the whole response, usage included.
   chat.includeUsage = chat.stream;
   return {
     chat,
+    messageParam,
     echo: {
       instructions, maxOutputTokens, metadata: metadataEcho, temperature: chat.temperature, topP: chat.topP,
       user: chat.user ?? null, textFormat: format, parallelToolCalls, reasoningEffort,
