@@ -5,9 +5,14 @@ import { isUtf8 } from 'node:buffer';
 import type { IncomingMessage } from 'node:http';
 import { BodyTooLargeError, ClientClosedRequestError, InvalidJsonError, InvalidUtf8Error } from './errors.ts';
 
-export function readBody(req: IncomingMessage, limitBytes: number): Promise<Buffer> {
+/**
+ * The body, at most `limitBytes` of it. `accepted` runs once the announced size is within the limit, before a byte is
+ * read: where a client waiting on "Expect: 100-continue" is told to send it.
+ */
+export function readBody(req: IncomingMessage, limitBytes: number, accepted?: () => void): Promise<Buffer> {
   const announced = Number(req.headers['content-length']);
   if (Number.isFinite(announced) && announced > limitBytes) return Promise.reject(new BodyTooLargeError(limitBytes));
+  accepted?.();
   return new Promise((resolve, reject) => {
     const chunks: Buffer[] = [];
     let received = 0;

@@ -159,7 +159,7 @@ export class ModelNotFoundError extends ApiError {
   constructor(model: string, served: string | readonly string[]) {
     const names = (typeof served === 'string' ? [served] : served).map((name) => `'${name}'`);
     super(404, 'model_not_found', INVALID_REQUEST,
-      `The model '${model}' does not exist on this server; it serves ${names.length === 1 ? names[0] : `${names.slice(0, -1).join(', ')} and ${names.at(-1)}`}.`, 'model');
+      `The model '${quoted(model)}' does not exist on this server; it serves ${names.length === 1 ? names[0] : `${names.slice(0, -1).join(', ')} and ${names.at(-1)}`}.`, 'model');
   }
 }
 
@@ -332,6 +332,23 @@ export class ExpectationFailedError extends ApiError {
   }
 }
 
+/** A body compressed with a Content-Encoding (gzip, br...): bodies are read as sent, so it is refused (RFC 9110: 415). */
+export class UnsupportedContentEncodingError extends ApiError {
+  constructor(encoding: string) {
+    super(415, 'unsupported_content_encoding', INVALID_REQUEST,
+      `The request body's Content-Encoding ${JSON.stringify(quoted(encoding, 64))} is not supported; send the body uncompressed.`,
+      null, { 'Accept-Encoding': 'identity' });
+  }
+}
+
+/** A Transfer-Encoding other than chunked (RFC 9112: a transfer coding the server does not implement is a 501). */
+export class TransferCodingNotImplementedError extends ApiError {
+  constructor(codings: string) {
+    super(501, 'unsupported_transfer_encoding', INVALID_REQUEST,
+      `The Transfer-Encoding ${JSON.stringify(quoted(codings, 64))} is not supported; only chunked is.`);
+  }
+}
+
 /** The request's body did not arrive within the server's upload limit (Node's requestTimeout). */
 export class BodyTimeoutError extends ApiError {
   constructor(timeoutSeconds: number) {
@@ -393,6 +410,14 @@ function retryHeaders(retryAfterMs: number): Record<string, string> {
     'Retry-After': String(Math.max(1, Math.ceil(retryAfterMs / 1000))),
     'retry-after-ms': String(Math.max(0, Math.ceil(retryAfterMs))),
   };
+}
+
+/**
+ * A client's value quoted in a message, cut to `max` characters: a 4 MiB model name must not come back whole in the
+ * error (and in every log line that carries it).
+ */
+export function quoted(value: string, max = 256): string {
+  return value.length <= max ? value : `${value.slice(0, max)}... (${value.length - max} more characters)`;
 }
 
 /** Durations in the style of OpenAI's rate-limit headers: "250ms", "12s", "1m30s". */

@@ -21,7 +21,7 @@ import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
 import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
-  AdminRequiredError, BodyTimeoutError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
@@ -222,7 +222,7 @@ export class ApiServer {
       telemetry: this.telemetry, keyStore: options.keyStore, workers: () => this.workerSources(), health: () => this.gateway.health().body,
     });
     this.routes = this.buildRoutes();
-    const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res);
+    const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res, false);
     const headersTimeout = options.headersTimeoutMs ?? DEFAULT_HEADERS_TIMEOUT_MS;
     // Node checks the header and request timeouts only every connectionsCheckingInterval (30 s by default), so a
     // 30 s header timeout could take up to 60 s: check often enough that the timeout is the one stated.
@@ -238,6 +238,10 @@ export class ApiServer {
       res.setHeader('Connection', 'close');
       sendJsonReply(res, { status: error.statusCode, body: error.toBody() });
     });
+    // "Expect: 100-continue": the 100 goes out only when the body is about to be read, after the route, the key, the
+    // rate limit and the announced size are checked (Node would send it at once, and the client its whole body
+    // before hearing it is refused).
+    this.server.on('checkContinue', (req: IncomingMessage, res: ServerResponse) => void this.handle(req, res, true));
     // Slow or stalled uploads must not hold a connection for ever; streamed responses are not affected.
     this.server.headersTimeout = headersTimeout;
     this.server.requestTimeout = Math.max(60_000, headersTimeout);
@@ -564,7 +568,8 @@ export class ApiServer {
     return true;
   }
 
-  private async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+  /** One request; `continuePending`: the client waits for a 100 Continue before sending its body. */
+  private async handle(req: IncomingMessage, res: ServerResponse, continuePending: boolean): Promise<void> {
     const startedMs = performance.now();
     const path = requestPath(req.url);
     const method = req.method ?? 'GET';
@@ -607,6 +612,17 @@ export class ApiServer {
     let failure: ApiError | undefined;
     try {
       if (req.httpVersionMajor === 1 && req.httpVersionMinor >= 1 && req.headers.host === undefined) throw new MissingHostError();
+      // Node undoes only chunked: a body sent with another transfer coding would be read still encoded.
+      const transferEncoding = req.headers['transfer-encoding'];
+      if (transferEncoding !== undefined && transferEncoding.trim().toLowerCase() !== 'chunked') {
+        throw new TransferCodingNotImplementedError(transferEncoding);
+      }
+      // "OPTIONS *" asks what the server as a whole supports (RFC 9110).
+      if (method === 'OPTIONS' && req.url === '*') {
+        res.writeHead(204, { Allow: 'GET, HEAD, POST, OPTIONS' });
+        res.end();
+        return;
+      }
       const found = this.findRoute(method, path, (name) => { routeName = name; });
       const trace = found.route.traced ? this.openTrace(call, found.route, path) : undefined;
       if (found.route.auth) {
@@ -632,10 +648,15 @@ export class ApiServer {
       }
       let body: unknown;
       if (method === 'POST') {
+        const contentEncoding = req.headers['content-encoding'];
+        if (contentEncoding !== undefined && !/^\s*(identity)?\s*$/i.test(contentEncoding)) {
+          throw new UnsupportedContentEncodingError(contentEncoding);
+        }
         bodyFullyRead = false;
         readingBody = true;
         this.readingBody.add(socket);
-        const bytes = await readBody(req, this.maxBodyBytes).finally(() => this.readingBody.delete(socket));
+        const bytes = await readBody(req, this.maxBodyBytes, continuePending ? () => res.writeContinue() : undefined)
+          .finally(() => this.readingBody.delete(socket));
         readingBody = false;
         bodyFullyRead = true;
         trace?.bodyRead(bytes.length);

@@ -2,10 +2,13 @@
 // conduit_http_responses_total. A body that does not arrive in time is a 408 saying so (not the headers' message),
 // counted and logged as a 408, not as the client's leaving (499); a request Node cannot parse is counted too, and
 // so are a missing Host and an unknown Expect, in the same shape; an absolute-form target is routed by its path. An
-// invalid traceparent header is ignored.
+// invalid traceparent header is ignored. A transfer coding other than chunked is a 501 and a compressed body a 415 (both
+// would otherwise be read still encoded); "Expect: 100-continue" gets its 100 only once the request is accepted and the
+// body about to be read; "OPTIONS *" lists the methods; an unknown model's name is not echoed whole.
 
 import assert from 'node:assert/strict';
 import { connect } from 'node:net';
+import { gzipSync } from 'node:zlib';
 import { after, before, describe, it } from 'node:test';
 import { startTestServer, type TestServer } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
@@ -13,7 +16,7 @@ import { rawRequest } from './http-client.ts';
 const E2E = { timeout: 60_000 };
 
 /** Writes `text` on a new connection and resolves with everything the server sends before it closes. */
-function exchange(server: TestServer, text: string): Promise<string> {
+function exchange(server: TestServer, text: string | Buffer): Promise<string> {
   return new Promise((resolve, reject) => {
     const socket = connect(Number(new URL(server.url).port), '127.0.0.1');
     let received = '';
@@ -94,6 +97,59 @@ describe('refusals at the HTTP layer', () => {
     assert.equal(await responses(server, 'unknown', 417), before417 + 1);
     // HTTP/1.0 needs no Host.
     assert.match(await exchange(server, 'GET /live HTTP/1.0\r\n\r\n'), /^HTTP\/1\.1 200 /);
+  });
+
+  it('a body in a transfer coding other than chunked: 501; with a Content-Encoding: 415; both counted', E2E, async () => {
+    const before501 = await responses(server, 'unknown', 501);
+    const before415 = await responses(server, 'completions', 415);
+    const gzipped = gzipSync(JSON.stringify({ prompt: 'Hi', max_tokens: 1 }));
+    const chunk = Buffer.concat([Buffer.from(`${gzipped.length.toString(16)}\r\n`), gzipped, Buffer.from('\r\n0\r\n\r\n')]);
+    const coded = await exchange(server, Buffer.concat([Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\n'
+      + 'Content-Type: application/json\r\nTransfer-Encoding: gzip, chunked\r\n\r\n'), chunk]));
+    assert.match(coded, /^HTTP\/1\.1 501 /);
+    assert.match(coded, /Connection: close/i);
+    assert.match(coded, /"code":"unsupported_transfer_encoding"/);
+    const compressed = await exchange(server, Buffer.concat([Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\n'
+      + `Content-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: ${gzipped.length}\r\nConnection: close\r\n\r\n`), gzipped]));
+    assert.match(compressed, /^HTTP\/1\.1 415 /);
+    assert.match(compressed, /"code":"unsupported_content_encoding"/);
+    assert.equal(await responses(server, 'unknown', 501), before501 + 1);
+    assert.equal(await responses(server, 'completions', 415), before415 + 1);
+    // Chunked alone, and an identity Content-Encoding, are read as before.
+    const plain = Buffer.from(JSON.stringify({ prompt: 'Hi', max_tokens: 1 }));
+    const chunked = await exchange(server, Buffer.concat([Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\n'
+      + 'Content-Type: application/json\r\nContent-Encoding: identity\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n'
+      + `${plain.length.toString(16)}\r\n`), plain, Buffer.from('\r\n0\r\n\r\n')]));
+    assert.match(chunked, /^HTTP\/1\.1 200 /);
+  });
+
+  it('Expect: 100-continue is answered 100 only for a request about to be read, never before a refusal', E2E, async () => {
+    const body = JSON.stringify({ prompt: 'Hi', max_tokens: 1 });
+    const accepted = await exchange(server, 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+      + `Expect: 100-continue\r\nContent-Length: ${body.length}\r\nConnection: close\r\n\r\n${body}`);
+    assert.match(accepted, /^HTTP\/1\.1 100 Continue\r\n\r\nHTTP\/1\.1 200 /);
+    // The client has not sent its body: it waits for the 100, which must not come.
+    const tooLarge = await exchange(server, 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+      + 'Expect: 100-continue\r\nContent-Length: 999999999\r\n\r\n');
+    assert.match(tooLarge, /^HTTP\/1\.1 413 /);
+    const unknownRoute = await exchange(server, 'POST /v1/nothing-here HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+      + 'Expect: 100-continue\r\nContent-Length: 10\r\n\r\n');
+    assert.match(unknownRoute, /^HTTP\/1\.1 404 /);
+  });
+
+  it('OPTIONS * lists the server\'s methods', E2E, async () => {
+    const answer = await exchange(server, 'OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+    assert.match(answer, /^HTTP\/1\.1 204 /);
+    assert.match(answer, /\r\nAllow: GET, HEAD, POST, OPTIONS\r\n/i);
+  });
+
+  it('an unknown model\'s name is quoted cut short in the 404, not echoed whole', E2E, async () => {
+    const model = 'm'.repeat(100_000);
+    const answer = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'Hi', max_tokens: 1 } });
+    assert.equal(answer.status, 404);
+    const message = (answer.json() as { error: { message: string } }).error.message;
+    assert.ok(message.length < 1000, `message of ${message.length} characters`);
+    assert.match(message, /\(99744 more characters\)/);
   });
 
   it('a request target in absolute form (http://host/path) is routed by its path, as RFC 9112 asks', E2E, async () => {
