@@ -59,8 +59,10 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   }
 
   private callItem(call: ChatToolCall, index: number, withArguments: boolean): object {
+    // An output cut short (max_output_tokens) was cut inside its last call: that one is incomplete, the others whole.
+    const status = this.status === 'incomplete' ? (index === this.calls.length - 1 ? 'incomplete' : 'completed') : this.status;
     return {
-      id: `fc-${this.suffix}-${index}`, type: 'function_call', status: this.status === 'in_progress' ? 'in_progress' : 'completed',
+      id: `fc-${this.suffix}-${index}`, type: 'function_call', status,
       call_id: call.id, name: call.function.name, arguments: withArguments ? call.function.arguments : '',
     };
   }

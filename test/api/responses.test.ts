@@ -143,6 +143,15 @@ describe('POST /v1/responses', () => {
     assert.equal(args, call.arguments);
     assert.deepEqual(final?.output.map((item) => item.type), ['function_call']);
 
+    // Cut short by max_output_tokens inside its arguments: the call is incomplete, as the response is.
+    const cut = await client.responses.create({
+      model, input: 'What is the weather in Paris?', max_output_tokens: 3, temperature: 0,
+      tools: [WEATHER], tool_choice: { type: 'function', name: 'get_weather' },
+    });
+    assert.equal(cut.status, 'incomplete');
+    const cutCall = cut.output.find((item) => item.type === 'function_call') as OpenAI.Responses.ResponseFunctionToolCall;
+    assert.throws(() => JSON.parse(cutCall.arguments), SyntaxError, cutCall.arguments);
+    assert.equal(cutCall.status, 'incomplete');
   });
 
   it('function_call and function_call_output input items are the assistant\'s tool calls and the tool\'s messages', E2E, async () => {
