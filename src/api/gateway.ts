@@ -388,7 +388,7 @@ export class Gateway {
   // ---- prompts ----
 
   private async renderChat(target: ModelTarget, messages: readonly ChatMessage[],
-    rendering: { addGenerationPrompt: boolean; continueFinalMessage: boolean },
+    rendering: { addGenerationPrompt: boolean; continueFinalMessage: boolean; addSpecialTokens: boolean },
     templateKwargs: JsonObject | undefined, checkLength: boolean, tools?: readonly unknown[]): Promise<number[]> {
     const { addGenerationPrompt } = rendering;
     const { backend } = target;
@@ -404,10 +404,10 @@ export class Gateway {
       throw err;
     }
     if (rendering.continueFinalMessage) text = openFinalMessage(text, messages);
-    // Templates write their own special tokens (often BOS too): parse them, and keep one BOS when both the template
-    // and the tokenizer put it there.
+    // Templates write their own special tokens (often BOS too): parse them. The tokenizer's own are added only when
+    // asked (add_special_tokens, default false as in vLLM), and then one BOS is kept when the template wrote one too.
     if (checkLength) this.checkPromptBytes(backend, text, 'messages');
-    const ids = await this.encode(backend, text, { addSpecialTokens: true, parseSpecial: true });
+    const ids = await this.encode(backend, text, { addSpecialTokens: rendering.addSpecialTokens, parseSpecial: true });
     const bos = backend.tokenizer.bosId;
     return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
   }

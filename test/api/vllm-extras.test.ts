@@ -1,7 +1,8 @@
 // vLLM's request fields beyond OpenAI's that change what a request gets: each honoured (truncate_prompt_tokens,
-// completions' add_special_tokens, cache_salt, continue_final_message, documents and reasoning_effort for the
-// template) or refused with a 400 naming it (bad_words, allowed_token_ids, logprob_token_ids, chat's echo), never
-// silently ignored; /detokenize as vLLM's; against the real server on the built-in model.
+// add_special_tokens (completions: default true; chat and /tokenize messages: default false), cache_salt,
+// continue_final_message, documents and reasoning_effort for the template) or refused with a 400 naming it
+// (bad_words, allowed_token_ids, logprob_token_ids, logits_processors, chat's echo, a verbosity other than the
+// default), never silently ignored; /detokenize as vLLM's; against the real server on the built-in model.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -30,6 +31,8 @@ describe('vLLM\'s extra request fields', () => {
       ['/v1/completions', { prompt: 'Hi', allowed_token_ids: [450] }],
       ['/v1/chat/completions', { messages: [{ role: 'user', content: 'Hi' }], logprob_token_ids: [450] }],
       ['/v1/chat/completions', { messages: [{ role: 'user', content: 'Hi' }], echo: true }],
+      ['/v1/completions', { prompt: 'Hi', logits_processors: ['my_module.Processor'] }],
+      ['/v1/chat/completions', { messages: [{ role: 'user', content: 'Hi' }], verbosity: 'low' }],
     ];
     for (const [path, body] of cases) {
       const response = await post(path, { max_tokens: 2, ...body });
@@ -87,6 +90,32 @@ describe('vLLM\'s extra request fields', () => {
     assert.equal(withBos.json().usage.prompt_tokens, await count(true));
     assert.equal(without.json().usage.prompt_tokens, await count(false));
     assert.equal(await count(false), (await count(true)) - 1, 'the built-in tokenizer adds one BOS');
+  });
+
+  it('add_special_tokens on chat and /tokenize messages: off by default (the template writes its own), BOS on request', E2E, async () => {
+    const messages = [{ role: 'user', content: 'Hi' }];
+    // The built-in template writes BOS itself: asking for the tokenizer's too still gives one.
+    const builtIn = async (extra: object) => (await post('/tokenize', { messages, ...extra })).json().tokens as number[];
+    const bos = (await post('/tokenize', { prompt: 'a' })).json().tokens[0] as number;
+    assert.equal((await builtIn({}))[0], bos);
+    assert.deepEqual(await builtIn({ add_special_tokens: true }), await builtIn({}));
+    // A template that writes no BOS: none unless asked for, as vLLM and Hugging Face's apply_chat_template do.
+    const plain = await startTestServer({ flags: ['--chat-template', '{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:'] });
+    try {
+      const plainPost = (path: string, body: object) => rawRequest(plain.url, { path, body: { model, ...body } });
+      const tokens = async (extra: object) => (await plainPost('/tokenize', { messages, ...extra })).json().tokens as number[];
+      const without = await tokens({});
+      assert.notEqual(without[0], bos);
+      assert.deepEqual(await tokens({ add_special_tokens: false }), without);
+      assert.deepEqual(await tokens({ add_special_tokens: true }), [bos, ...without]);
+      for (const add of [undefined, true]) {
+        const chat = await plainPost('/v1/chat/completions', { messages, max_tokens: 1, ...(add === undefined ? {} : { add_special_tokens: add }) });
+        assert.equal(chat.status, 200, chat.text);
+        assert.equal(chat.json().usage.prompt_tokens, without.length + (add ? 1 : 0));
+      }
+    } finally {
+      await plain.close();
+    }
   });
 
   it('cache_salt: a prompt\'s cached blocks serve only requests with the same salt', E2E, async () => {

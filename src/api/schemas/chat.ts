@@ -38,6 +38,11 @@ export interface ChatCompletionRequest extends GenerationOptions {
    * so the model continues it (a prefilled start of the answer) rather than writing a new one.
    */
   continueFinalMessage: boolean;
+  /**
+   * vLLM's add_special_tokens: the tokenizer's BOS (and EOS) added to the rendered template, on top of what the
+   * template writes (default false, as in vLLM and Hugging Face's apply_chat_template: templates write their own).
+   */
+  addSpecialTokens: boolean;
   chatTemplateKwargs?: JsonObject;
   /** tools, tool_choice and parallel_tool_calls (absent without tools). */
   tools?: ToolsRequest;
@@ -160,6 +165,11 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   if (continueFinalMessage && addGenerationPrompt === true) {
     throw new InvalidValueError('continue_final_message', 'continue_final_message and add_generation_prompt cannot both be true.');
   }
+  // OpenAI's verbosity (how much a reasoning model writes) has no counterpart here but the default.
+  const verbosity = fields.string('verbosity');
+  if (verbosity !== undefined && verbosity !== 'medium') {
+    throw new UnsupportedFieldError('verbosity', 'only the default verbosity (medium) is supported.');
+  }
   const options = readGenerationOptions(fields, context);
   // "required" and named tool choices decode under a grammar, which leaves no room for another output constraint.
   const toolGrammar = tools ? toolGuided(tools) : undefined;
@@ -175,6 +185,7 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
     topLogprobs: topLogprobs ?? 0,
     addGenerationPrompt: addGenerationPrompt ?? !continueFinalMessage,
     continueFinalMessage,
+    addSpecialTokens: fields.boolean('add_special_tokens') ?? false,
     ...(chatTemplateKwargs ? { chatTemplateKwargs } : {}),
   };
 }

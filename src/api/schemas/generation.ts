@@ -60,6 +60,7 @@ const UNSUPPORTED_EVERYWHERE: Record<string, string> = {
   bad_words: 'bad_words is not supported; use logit_bias for single tokens or stop for strings.',
   allowed_token_ids: 'allowed_token_ids is not supported; use logit_bias or guided_choice.',
   logprob_token_ids: 'logprob_token_ids is not supported; use logprobs with top_logprobs.',
+  logits_processors: 'logits_processors is not supported by this server.',
 };
 
 /** Fields an endpoint knowingly does not implement, with why; built once per endpoint. */

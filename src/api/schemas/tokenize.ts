@@ -9,6 +9,8 @@ export type TokenizeRequest =
   | { kind: 'prompt'; model?: string; prompt: string; addSpecialTokens: boolean }
   | {
     kind: 'messages'; model?: string; messages: ChatMessage[]; addGenerationPrompt: boolean; continueFinalMessage: boolean;
+    /** As on /v1/chat/completions: default false. */
+    addSpecialTokens: boolean;
     chatTemplateKwargs?: JsonObject;
     /** The tools as sent: the chat template renders them, as for /v1/chat/completions. */
     tools?: readonly unknown[];
@@ -39,6 +41,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
   const chat = parseChatCompletionRequest(
     { messages: fields.raw('messages'), add_generation_prompt: fields.raw('add_generation_prompt'),
       continue_final_message: fields.raw('continue_final_message'), chat_template_kwargs: fields.raw('chat_template_kwargs'),
+      add_special_tokens: fields.raw('add_special_tokens'),
       documents: fields.raw('documents'), reasoning_effort: fields.raw('reasoning_effort'), tools: fields.raw('tools') },
     context,
   );
@@ -48,6 +51,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
     messages: chat.messages,
     addGenerationPrompt: chat.addGenerationPrompt,
     continueFinalMessage: chat.continueFinalMessage,
+    addSpecialTokens: chat.addSpecialTokens,
     ...(chat.chatTemplateKwargs ? { chatTemplateKwargs: chat.chatTemplateKwargs } : {}),
     ...(chat.tools ? { tools: chat.tools.raw } : {}),
   };
