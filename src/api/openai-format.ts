@@ -65,6 +65,25 @@ export function wireFinishReason(reason: FinishReason | undefined): WireFinishRe
 
 // ---- logprobs ----
 
+/**
+ * A text's length in Unicode code points, as Python's len() counts it (a surrogate pair is one, a lone surrogate
+ * one): the unit of the offsets clients are given, which they use to slice the text they decoded.
+ */
+export function codePointLength(text: string): number {
+  let length = text.length;
+  for (let i = 0; i < text.length - 1; i++) {
+    const unit = text.charCodeAt(i);
+    if (unit >= 0xd800 && unit <= 0xdbff) {
+      const next = text.charCodeAt(i + 1);
+      if (next >= 0xdc00 && next <= 0xdfff) {
+        length--;
+        i++;
+      }
+    }
+  }
+  return length;
+}
+
 /** JSON has no -Infinity; a token the sampler ruled out gets a very small finite logprob instead (as vLLM does). */
 function finiteLogprob(logprob: number): number {
   return Number.isFinite(logprob) ? logprob : -9999;
@@ -114,9 +133,9 @@ export class TokenTexts {
   }
 
   /**
-   * Legacy completions shape; `startOffset` is the text offset of the first token (after any echoed prompt). An
-   * echoed prompt's entries start at offset 0; its first token has no logprob (null entries: the token ids say
-   * which token each is).
+   * Legacy completions shape; `startOffset` is the text offset of the first token (after any echoed prompt).
+   * Offsets count code points, as vLLM's (Python's) do, not UTF-16 code units. An echoed prompt's entries start at
+   * offset 0; its first token has no logprob (null entries: the token ids say which token each is).
    */
   completionLogprobs(logprobs: readonly (TokenLogprob | null)[], topCount: number, startOffset: number,
     promptTokenIds?: readonly number[]): CompletionLogprobs {
@@ -129,7 +148,7 @@ export class TokenTexts {
         result.token_logprobs.push(null);
         result.top_logprobs.push(null);
         result.text_offset.push(offset);
-        offset += text.length;
+        offset += codePointLength(text);
         continue;
       }
       const text = this.get(entry.tokenId).text;
@@ -141,7 +160,7 @@ export class TokenTexts {
       top[text] = finiteLogprob(entry.logprob);
       result.top_logprobs.push(top);
       result.text_offset.push(offset);
-      offset += text.length;
+      offset += codePointLength(text);
     }
     return result;
   }

@@ -4,7 +4,7 @@
 import type { TokenLogprob } from '../engine/types.ts';
 import type { SseStyle } from './sse.ts';
 import {
-  appendCompletionLogprobs, chatChunkBody, chatCompletionBody, completionBody, type ChatResponseMeta,
+  appendCompletionLogprobs, chatChunkBody, chatCompletionBody, codePointLength, completionBody, type ChatResponseMeta,
   type ChatTokenLogprob, type CompletionLogprobs, type TokenTexts, type WireFinishReason, type WirePromptLogprobs, type WireUsage,
 } from './openai-format.ts';
 
@@ -109,7 +109,7 @@ export class ChatShape implements ResponseShape {
 
 export class CompletionShape implements ResponseShape {
   private readonly choices: CollectedChoice<CompletionLogprobs>[];
-  /** Characters of text each choice has produced so far: where its next token's text_offset starts. */
+  /** Characters (code points) of text each choice has produced so far: where its next token's text_offset starts. */
   private readonly offsets: number[];
 
   constructor(
@@ -130,7 +130,7 @@ export class CompletionShape implements ResponseShape {
     this.choices = Array.from({ length: choiceCount }, (_, index) => ({
       text: echoTexts[index] ?? '', logprobs: null, finishReason: null, stopReason: null,
     }));
-    this.offsets = this.choices.map((choice) => choice.text.length);
+    this.offsets = this.choices.map((choice) => codePointLength(choice.text));
   }
 
   /** Whether this update opens a choice whose echoed prompt shows logprobs (it carries them, and the echo text). */
@@ -145,11 +145,11 @@ export class CompletionShape implements ResponseShape {
       prompt = this.texts.completionLogprobs(update.promptLogprobs!, this.logprobs, 0, this.echoPromptTokenIds[update.index]);
       // As vLLM: with the prompt's tokens listed, offsets run over the listed tokens' texts (a special token such as
       // <s> has text there but none in the echo), so the output's tokens continue after the prompt's.
-      this.offsets[update.index] = prompt.tokens.reduce((offset, token) => offset + token.length, 0);
+      this.offsets[update.index] = prompt.tokens.reduce((offset, token) => offset + codePointLength(token), 0);
     }
     if (!update.logprobs || this.promptOnly) return prompt;
     const result = this.texts.completionLogprobs(update.logprobs, this.logprobs, this.offsets[update.index]!);
-    this.offsets[update.index] = result.tokens.reduce((offset, token) => offset + token.length, this.offsets[update.index]!);
+    this.offsets[update.index] = result.tokens.reduce((offset, token) => offset + codePointLength(token), this.offsets[update.index]!);
     if (prompt === null) return result;
     appendCompletionLogprobs(prompt, result);
     return prompt;

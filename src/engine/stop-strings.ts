@@ -7,6 +7,11 @@
 // As in vLLM, stop strings are not checked until more than min_tokens tokens have been generated: a stop string
 // that lies wholly in the text of the first min_tokens tokens does not end the output; one that straddles the
 // min_tokens-th token's text and a later token's does.
+//
+// Stop strings match code points, as vLLM's (Python str) do: a match never starts or ends between the two halves of
+// a surrogate pair, so a stop string holding a lone surrogate does not match half of a character, and neither the
+// text before a match nor the text released ahead of held-back text ends in half a character. Pushed text is whole
+// characters (the detokenizer's UTF-8 decoder never splits a pair), so the end of the buffer is a boundary.
 
 export interface StopCheck {
   /** Text safe to emit now. */
@@ -62,7 +67,7 @@ export class StopStringMatcher {
     let matchStop = '';
     for (const stop of checking ? this.stops : []) {
       // Held text contains no whole stop string, so a match must end inside the new text.
-      const start = buffer.indexOf(stop, Math.max(0, newTextStart - stop.length + 1));
+      const start = indexOfCodePoints(buffer, stop, Math.max(0, newTextStart - stop.length + 1));
       if (start < 0) continue;
       const end = start + stop.length;
       if (end < matchEnd || (end === matchEnd && start < matchStart)) {
@@ -89,14 +94,35 @@ export class StopStringMatcher {
     return rest;
   }
 
-  /** Start of the earliest suffix of `buffer` that is a proper prefix of a stop string (buffer.length if none). */
+  /**
+   * Start of the earliest suffix of `buffer` that is a proper prefix of a stop string, both cut at code-point
+   * boundaries (buffer.length if none).
+   */
   private partialStopStart(buffer: string): number {
     for (let start = Math.max(0, buffer.length - this.longestStop + 1); start < buffer.length; start++) {
+      if (splitsSurrogatePair(buffer, start)) continue;
       const suffixLength = buffer.length - start;
       for (const stop of this.stops) {
-        if (stop.length > suffixLength && buffer.startsWith(stop.slice(0, suffixLength), start)) return start;
+        if (stop.length > suffixLength && !splitsSurrogatePair(stop, suffixLength)
+          && buffer.startsWith(stop.slice(0, suffixLength), start)) return start;
       }
     }
     return buffer.length;
   }
+}
+
+/** Whether `index` falls between a high and a low surrogate of `text` (inside one character, not between two). */
+function splitsSurrogatePair(text: string, index: number): boolean {
+  if (index <= 0 || index >= text.length) return false;
+  const before = text.charCodeAt(index - 1);
+  const after = text.charCodeAt(index);
+  return before >= 0xd800 && before <= 0xdbff && after >= 0xdc00 && after <= 0xdfff;
+}
+
+/** text.indexOf(search, from) over code points: the first match that neither starts nor ends inside a character. */
+function indexOfCodePoints(text: string, search: string, from: number): number {
+  for (let start = text.indexOf(search, from); start >= 0; start = text.indexOf(search, start + 1)) {
+    if (!splitsSurrogatePair(text, start) && !splitsSurrogatePair(text, start + search.length)) return start;
+  }
+  return -1;
 }

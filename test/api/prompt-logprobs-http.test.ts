@@ -1,14 +1,21 @@
 // Prompt logprobs over HTTP with the official openai client: completions' echo with logprobs (what evaluation
 // harnesses send to score a text), vLLM's prompt_logprobs on completions and chat, and the refusals; then
-// lm-evaluation-harness's loglikelihood requests as it sends them, with vLLM's /tokenizer_info.
+// lm-evaluation-harness's loglikelihood requests as it sends them, with vLLM's /tokenizer_info; then text_offset over
+// characters outside the Basic Multilingual Plane, which count one each as in vLLM (Python), not two (UTF-16).
 
 import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import OpenAI, { BadRequestError } from 'openai';
 import { loadModel } from '../../src/model/loader.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
+import { writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { tinySyntheticModel } from '../helpers/cpu-model.ts';
+import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { rawRequest } from './http-client.ts';
 
 /** A hang guard, not a speed requirement. */
 const E2E = { timeout: 90_000 };
@@ -51,7 +58,7 @@ describe('prompt logprobs over HTTP', () => {
       const top = logprobs.top_logprobs![i]!;
       assert.equal(top[logprobs.tokens![i]!], value, `token ${i} is listed with its alternatives`);
       assert.ok(Object.keys(top).length >= 2 && Object.keys(top).length <= 3, `token ${i}: 2 alternatives and itself`);
-      assert.equal(logprobs.text_offset![i], logprobs.text_offset![i - 1]! + logprobs.tokens![i - 1]!.length, `offset ${i}`);
+      assert.equal(logprobs.text_offset![i], logprobs.text_offset![i - 1]! + [...logprobs.tokens![i - 1]!].length, `offset ${i}`);
     }
     assert.equal(logprobs.text_offset![0], 0);
   });
@@ -285,6 +292,92 @@ describe('loglikelihood requests as lm-evaluation-harness sends them', () => {
       assert.equal((await fetch(`${plain.url}/tokenizer_info`)).status, 404);
     } finally {
       await plain.close();
+    }
+  });
+});
+
+/**
+ * text_offset counts characters (code points), as vLLM's Python strings do: a client slices the text it decoded at
+ * each offset. A synthetic model with Qwen 2's vocabulary, where "𝕟" (U+1D55F, two UTF-16 code units) is one token;
+ * the guided regex and logit_bias make the output that token three times, then a space.
+ */
+const QWEN_VOCAB = 'ggml-vocab-qwen2.gguf';
+const DOUBLE_STRUCK_N = 147662;
+
+describe('text_offset over characters outside the Basic Multilingual Plane', { skip: skipUnlessShared(QWEN_VOCAB) }, () => {
+  let dir: string;
+  let server: TestServer;
+
+  before(async () => {
+    dir = mkdtempSync(join(tmpdir(), 'conduit-text-offset-'));
+    const path = join(dir, 'qwen-vocab.gguf');
+    writeSyntheticModel({
+      name: 'text offset', dim: 32, numLayers: 1, numHeads: 2, numKvHeads: 1, ffnDim: 48, contextLength: 128,
+      dtype: 'F32', seed: 9, tokenizer: sharedModel(QWEN_VOCAB)!,
+    }, path);
+    server = await startTestServer({ flags: ['--model', path, '--threads', '1'] });
+  });
+  after(async () => {
+    await server?.close();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  interface Choice { index: number; text: string; logprobs: { tokens: string[]; text_offset: number[] } }
+
+  /** Each token's offset is the code points before it, and the text's code points there are the token's. */
+  function assertCodePointOffsets(choice: Choice, context: string): void {
+    const chars = [...choice.text];
+    const { tokens, text_offset: offsets } = choice.logprobs;
+    assert.equal(offsets.length, tokens.length, context);
+    let expected = 0;
+    tokens.forEach((token, i) => {
+      assert.equal(offsets[i], expected, `${context}: token ${i} ${JSON.stringify(token)}`);
+      assert.equal(chars.slice(offsets[i], offsets[i]! + [...token].length).join(''), token, `${context}: token ${i}`);
+      expected += [...token].length;
+    });
+    assert.equal(expected, chars.length, `${context}: the tokens make up the text`);
+  }
+
+  it('counts code points with and without echo, streamed or not, for every prompt and choice', { timeout: 90_000 }, async () => {
+    const prompts = ['Hi', '𝕟 Hi'];
+    for (const echo of [false, true]) {
+      for (const stream of [false, true]) {
+        const context = `echo ${echo} stream ${stream}`;
+        const res = await rawRequest(server.url, {
+          path: '/v1/completions', body: {
+            prompt: prompts, n: 2, max_tokens: 4, temperature: 0, logprobs: 0, echo, stream,
+            guided_regex: '𝕟𝕟𝕟 ok', logit_bias: { [DOUBLE_STRUCK_N]: 100 },
+          },
+        });
+        assert.equal(res.status, 200, res.text);
+        let choices: Choice[];
+        if (!stream) {
+          choices = res.json().choices;
+        } else {
+          // A choice's chunks joined: its text, tokens and offsets in order.
+          const joined = new Map<number, Choice>();
+          for (const line of res.text.split('\n').filter((l) => l.startsWith('data: {'))) {
+            for (const chunk of JSON.parse(line.slice(6)).choices as Choice[]) {
+              const into = joined.get(chunk.index) ?? { index: chunk.index, text: '', logprobs: { tokens: [], text_offset: [] } };
+              into.text += chunk.text;
+              into.logprobs.tokens.push(...(chunk.logprobs?.tokens ?? []));
+              into.logprobs.text_offset.push(...(chunk.logprobs?.text_offset ?? []));
+              joined.set(chunk.index, into);
+            }
+          }
+          choices = [...joined.values()].sort((a, b) => a.index - b.index);
+        }
+        assert.equal(choices.length, 4, context);
+        for (const choice of choices) {
+          const prompt = prompts[Math.floor(choice.index / 2)]!;
+          const completion = echo ? choice.text.slice(prompt.length) : choice.text;
+          assert.equal(echo ? choice.text.slice(0, prompt.length) : prompt, prompt, `${context}: the echoed prompt`);
+          assert.match(completion, /^𝕟𝕟𝕟 /u, `${context} choice ${choice.index}: the completion is the guided text`);
+          assert.equal(choice.logprobs.tokens.filter((token) => token === '𝕟').length, 3 + (echo && prompt.startsWith('𝕟') ? 1 : 0),
+            `${context} choice ${choice.index}: "𝕟" is one token`);
+          assertCodePointOffsets(choice, `${context} choice ${choice.index}`);
+        }
+      }
     }
   });
 });

@@ -108,6 +108,24 @@ function expectedStop(text: string, stops: string[], include: boolean): { text: 
   return { text: text.slice(0, best.start) + (include ? best.stop : ''), stopped: best.stop };
 }
 
+/** expectedStop over code points, as Python's str.find sees the text (a lone surrogate is a code point of its own). */
+function expectedStopCodePoints(text: string, stops: string[], include: boolean): { text: string; stopped?: string } {
+  const chars = [...text];
+  let best: { start: number; end: number; stop: string } | undefined;
+  for (const stop of stops) {
+    const want = [...stop];
+    let start = -1;
+    for (let i = 0; i + want.length <= chars.length && start < 0; i++) {
+      if (want.every((char, k) => chars[i + k] === char)) start = i;
+    }
+    if (start < 0) continue;
+    const end = start + want.length;
+    if (!best || end < best.end || (end === best.end && start < best.start)) best = { start, end, stop };
+  }
+  if (!best) return { text };
+  return { text: chars.slice(0, best.start).join('') + (include ? best.stop : ''), stopped: best.stop };
+}
+
 describe('StopStringMatcher', () => {
   it('detects a stop string split across pushes and never releases any of it', () => {
     const matcher = new StopStringMatcher(['STOP']);
@@ -188,6 +206,68 @@ describe('StopStringMatcher', () => {
       }
       if (stopped === undefined) emitted += matcher.flush();
       assert.deepEqual({ text: emitted, stopped }, { text: expected.text, stopped: expected.stopped });
+    }
+  });
+
+  it('matches code points, as vLLM does: a lone surrogate never matches half of a character', () => {
+    // "😀" is "\ud83d\ude00" in UTF-16; as code points it holds neither half alone.
+    for (const stop of ['\ude00', '\ud83d', 'b\ud83d', '\ude00c']) {
+      const matcher = new StopStringMatcher([stop]);
+      assert.deepEqual(matcher.push('ab😀cd'), { text: 'ab😀cd' }, `stop ${JSON.stringify(stop)}`);
+      assert.equal(matcher.stopped, undefined);
+    }
+    // A match on whole characters still stops, before a pair or after one.
+    assert.deepEqual(new StopStringMatcher(['😀']).push('ab😀cd'), { text: 'ab', stopped: '😀' });
+    assert.deepEqual(new StopStringMatcher(['\ud83d\ude00c']).push('ab😀cd'), { text: 'ab', stopped: '😀c' });
+    assert.deepEqual(new StopStringMatcher(['😀'], true).push('😁😀'), { text: '😁😀', stopped: '😀' });
+    // A later match on a whole character is found past one that would split a pair.
+    assert.deepEqual(new StopStringMatcher(['\ude00']).push('😀\ude00x'), { text: '😀', stopped: '\ude00' });
+  });
+
+  it('never holds back half of a character, so no released text ends in a lone high surrogate', () => {
+    // "\ude00c" could begin at the low half of "😀" in UTF-16, not in code points: nothing is held.
+    const lone = new StopStringMatcher(['\ude00c']);
+    assert.deepEqual(lone.push('ab😀'), { text: 'ab😀' });
+    assert.equal(lone.heldText, '');
+    // A stop string that begins with a whole character holds that character whole.
+    const whole = new StopStringMatcher(['😀c']);
+    assert.deepEqual(whole.push('ab😀'), { text: 'ab' });
+    assert.equal(whole.heldText, '😀');
+    assert.deepEqual(whole.push('d'), { text: '😀d' });
+    // A stop string whose prefix would end in half of its own pair is not begun by a lone high surrogate.
+    const own = new StopStringMatcher(['x😀']);
+    assert.deepEqual(own.push('ax\ud83d'), { text: 'ax\ud83d' });
+  });
+
+  it('gives the code-point result on text with surrogate pairs, however it is chunked into whole characters', () => {
+    const rng = Xoshiro128.fromSeed(6);
+    const textAlphabet = ['a', 'b', '😀', '😁'];
+    // Stop strings may hold lone surrogates (a JSON string can); two adjacent halves make a whole character.
+    const stopAlphabet = ['a', 'b', '😀', '\ud83d', '\ude00', '\ude01'];
+    const pick = (alphabet: string[], length: number) => Array.from({ length }, () => alphabet[randomInt(rng, alphabet.length)]!);
+    const loneSurrogate = /\p{Cs}/u;
+    for (let trial = 0; trial < 2000; trial++) {
+      const chars = pick(textAlphabet, randomInt(rng, 12));
+      const text = chars.join('');
+      const stops = Array.from({ length: 1 + randomInt(rng, 3) }, () => pick(stopAlphabet, 1 + randomInt(rng, 3)).join(''));
+      const include = rng.nextFloat() < 0.5;
+      const expected = expectedStopCodePoints(text, stops, include);
+      const matcher = new StopStringMatcher(stops, include);
+      const context = `text ${JSON.stringify(text)} stops ${JSON.stringify(stops)} include ${include}`;
+      let emitted = '';
+      let stopped: string | undefined;
+      for (const chunk of randomSplit(rng, chars)) {
+        const result = matcher.push(chunk.join(''));
+        assert.ok(!loneSurrogate.test(result.text), `a released delta splits a character: ${context}`);
+        emitted += result.text;
+        assert.ok(expected.text.startsWith(emitted), `released text that is not in the final output: ${context}`);
+        if (result.stopped !== undefined) {
+          stopped = result.stopped;
+          break;
+        }
+      }
+      if (stopped === undefined) emitted += matcher.flush();
+      assert.deepEqual({ text: emitted, stopped }, { text: expected.text, stopped: expected.stopped }, context);
     }
   });
 });
