@@ -2,7 +2,7 @@
 // load falls on both:
 //   - grammar: B sequences under a bounded JSON schema (XGrammar WASM, one matcher each) on logits rows, each row
 //     sampled as the engine samples a guided greedy row (sampleGuidedRow, the engine's Sampler) and followed by the
-//     jump-forward hook (on by default). Its cost is all of that less one plain sampler pass over the same row (an
+//     jump-forward hook (as a worker runs it with --guided-jump-forward; off by default). Its cost is all of that less one plain sampler pass over the same row (an
 //     unguided row pays it too): the tries of the row's best tokens and the pass that finds them, the mask (query,
 //     then the argmax read from it), the advances, the termination checks, the jump-forward query and the forced
 //     tokens' advances. Printed in this thread's CPU time (the batch's, less that of one plain pass per row over a
@@ -21,8 +21,8 @@
 // one it took) and forced tokens per sampled token.
 //
 // Then jump-forward in the engine: B guided requests (the bounded JSON schema, with any whitespace and compact) on
-// the 110M model (noise, greedy and sampled) with jump-forward off and on: output tokens, tokens appended without
-// sampling, engine steps and wall time.
+// the 110M model (noise, greedy and sampled) with jump-forward off (the default) and on (--guided-jump-forward):
+// output tokens, tokens appended without sampling, engine steps and wall time.
 //
 //   node --import tsx benchmarks/grammar.ts [--rounds 5] [--threads 2] [--batch 1,16,64] [--steps 48] [--jf-batch 16]
 //     [--baseline] [--vocabs 32k,128k,152k]
@@ -187,7 +187,7 @@ interface GrammarStep {
 
 /**
  * B sequences, STEPS steps: per step and sequence a logits row, sampled as the engine samples a guided greedy row
- * (sampleGuidedRow, with the engine's Sampler) followed by the jump-forward hook (forcedTokens, on by default). The
+ * (sampleGuidedRow, with the engine's Sampler) followed by the jump-forward hook (forcedTokens, as with --guided-jump-forward). The
  * grammar's cost is that time less one plain sampler pass over the row (the pass an unguided row pays too): the
  * candidates' pass beyond it and their tries, the mask (query, then the argmax read from it), the advances, the
  * termination checks and the jump-forward query with the forced tokens' advances. A "no tries" case sets the

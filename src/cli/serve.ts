@@ -64,6 +64,7 @@ export const SERVE_FLAGS = {
   'max-model-len': { type: 'number', help: 'longest sequence (prompt + output) a request may reach, in tokens (as vLLM\'s flag; default: the model\'s context length; either way at most what one sequence can hold in the KV cache); a cpu worker refuses one above its model\'s context length at start' },
   'generation-config': { type: 'string', help: 'sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens) and more end-of-generation ids: auto (each model folder\'s generation_config.json, as vLLM\'s default; a GGUF has none), vllm (none: OpenAI\'s defaults), or a folder holding a generation_config.json', default: 'auto' },
   'enable-prefix-caching': { type: 'boolean', help: 'reuse the KV blocks of prompt prefixes computed before (--no-enable-prefix-caching: every prompt is computed whole, as vLLM\'s flag)', default: true },
+  'guided-jump-forward': { type: 'boolean', help: 'jump-forward decoding for guided requests (structured outputs, tool grammars) without logprobs, cpu workers: text the grammar forces is appended as tokens without sampling them, several in one step. The output then differs from token-by-token decoding (the forced text is cut greedily into vocabulary tokens, not picked by the model) and from the same request with logprobs. Off (default): every token is the masked argmax or a masked draw, as vLLM decodes', default: false },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (the backend\'s choice: f16 on the native and reference backends, as llama.cpp stores it), f16, or f32 (twice the memory and the bytes decode attention reads)', default: 'auto' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
@@ -154,6 +155,8 @@ export interface ServeConfig {
   maxModelLen?: number;
   /** Prefix caching (--enable-prefix-caching, on by default). */
   enablePrefixCaching: boolean;
+  /** Jump-forward decoding for guided requests (--guided-jump-forward, off by default). */
+  guidedJumpForward: boolean;
   kvCacheMemoryBytes?: number;
   /** How the cpu engine stores the KV cache (--kv-cache-dtype); absent for auto, the backend's choice (resolveKvDtype). */
   kvDtype?: KvDtype;
@@ -507,6 +510,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (engine === 'sim' && parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
     warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
   }
+  if (engine === 'sim' && values['guided-jump-forward']) {
+    warnings.push('--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows');
+  }
   // Typed --sim-* options with cpu workers (in the environment they may be set up for another deployment).
   for (const name of Object.keys(SERVE_FLAGS) as (keyof typeof SERVE_FLAGS)[]) {
     if (engine !== 'sim' && name.startsWith('sim-') && parsed.sources[name] === 'command line') {
@@ -567,6 +573,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     logLevel,
     requestLog: values['request-log']!,
     enablePrefixCaching: values['enable-prefix-caching']!,
+    guidedJumpForward: values['guided-jump-forward']!,
     generationConfig: parseGenerationConfigOption(values['generation-config']!),
     tokenizerInfoEndpoint: values['enable-tokenizer-info-endpoint']!,
     returnTokensAsTokenIds: values['return-tokens-as-token-ids']!,
@@ -731,6 +738,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(config.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: config.maxNumBatchedTokens } : {}),
           ...(config.maxModelLen !== undefined ? { maxModelLen: config.maxModelLen } : {}),
           enablePrefixCaching: config.enablePrefixCaching,
+          guidedJumpForward: config.guidedJumpForward,
           ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
           ...(config.kvDtype !== undefined ? { kvDtype: config.kvDtype } : {}),
           kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,

@@ -20,7 +20,7 @@ import {
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-dtype', 'kv-cache-idle-release',
   'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
-  'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
+  'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'guided-jump-forward', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
 const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, SERVE_FLAGS[name]])) as Pick<typeof SERVE_FLAGS, (typeof ENGINE_FLAG_NAMES)[number]>;
@@ -125,6 +125,7 @@ export const workerCommand: Command = {
           ? { maxNumBatchedTokens: positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens') } : {}),
         ...(values['max-model-len'] !== undefined ? { maxModelLen: positiveInteger(values['max-model-len'], 'max-model-len') } : {}),
         enablePrefixCaching: values['enable-prefix-caching']!,
+        guidedJumpForward: values['guided-jump-forward']!,
         sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: values['sim-lora-rank']! },
       },
     }).catch((error: unknown) => {

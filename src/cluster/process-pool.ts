@@ -98,6 +98,9 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   add('max-num-batched-tokens', options.maxNumBatchedTokens);
   add('max-model-len', options.maxModelLen);
   if (options.enablePrefixCaching === false) args.push('--no-enable-prefix-caching');
+  // Said either way: the child inherits this process's environment, whose CONDUIT_GUIDED_JUMP_FORWARD the parent's
+  // command line may have overridden.
+  if (options.guidedJumpForward !== undefined) args.push(options.guidedJumpForward ? '--guided-jump-forward' : '--no-guided-jump-forward');
   if (options.sim) {
     add('sim-model', options.sim.model);
     add('sim-gpu', options.sim.gpu);

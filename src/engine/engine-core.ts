@@ -49,8 +49,11 @@ export interface EngineCoreOptions {
    */
   grammar?: () => GrammarRuntime | undefined;
   /**
-   * Jump-forward decoding for guided requests (default on): text the grammar forces after a sampled token is
-   * appended as tokens without sampling and computed in the next step with it (see GuidedSequence.forcedTokens).
+   * Jump-forward decoding for guided requests without logprobs (--guided-jump-forward; default off): text the grammar
+   * forces after a sampled token is appended as tokens without sampling and computed in the next step with it (see
+   * GuidedSequence.forcedTokens). Those tokens are a greedy cut of the text, not what the model would pick token by
+   * token, so the output then differs from token-by-token decoding (and from the same request with logprobs, which
+   * it skips). Off, a guided row's token is the masked argmax or a masked draw at every position.
    */
   jumpForward?: boolean;
 }
@@ -88,7 +91,7 @@ export class EngineCore extends StepCore<SequenceSampler> {
       maxPromptLogprobRows: options.maxPromptLogprobRows ?? promptLogprobRowsFor(vocabSize, options.maxNumBatchedTokens),
       ...(options.kvTiers !== undefined ? { kvTiers: options.kvTiers, kvBlockIo: poolBlockIo(backend.kvPool, backend.kvLayout) } : {}),
       ...(uniformWindow(backend.config) !== undefined ? { slidingWindow: uniformWindow(backend.config)! } : {}),
-      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? true),
+      tokens: samplerTokens(vocabSize, tokenizer.stopTokenIds, options.grammar ?? (() => undefined), options.jumpForward ?? false),
       text: { open: (sampling, prompt) => IncrementalDetokenizer.forRequest(tokenizer, sampling, prompt) },
     });
     this.backend = backend;
@@ -425,8 +428,8 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
         for (let k = 0; k < drawsPerToken; k++) sampler.nextUniform();
         sampler.recordOutputToken(tokenId);
       }
-      // A guided request may have drawn twice for a token (drawn whole, refused by the grammar, drawn masked): its
-      // stream continues from the state the prefill worker sent instead of a replay.
+      // A guided request draws a varying number of uniforms for a token (draws the grammar refused, then one from the
+      // mask; none for logprobs): its stream continues from the state the prefill worker sent instead of a replay.
       if (params.guided !== undefined) sampler.restoreRngState(handoff.sampler.rngState);
       const resumed = sampler.rngState();
       if (resumed.some((word, i) => word !== handoff.sampler.rngState[i])) {
@@ -439,7 +442,8 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
     handoffSeed: () => drawRandomSeed(),
     handoffState: (request, sampler) => ({ seed: request.sampling.seed!, rngState: sampler.rngState() }),
     close: (sampler) => sampler.guided?.dispose(),
-    // Not with logprobs: a forced token has no distribution to report.
+    // Jump-forward, when the worker has it on (EngineCoreOptions.jumpForward). Not with logprobs: a forced token has
+    // no distribution to report.
     ...(jumpForward ? {
       forced: (sampler: SequenceSampler): readonly number[] => {
         const guided = sampler.guided;

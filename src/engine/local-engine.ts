@@ -39,6 +39,11 @@ export interface LocalEngineOptions {
   maxModelLen?: number;
   policy?: SchedulingPolicy;
   enablePrefixCaching?: boolean;
+  /**
+   * Jump-forward decoding for guided requests (--guided-jump-forward; default off): text the grammar forces is
+   * appended without sampling (EngineCoreOptions.jumpForward).
+   */
+  guidedJumpForward?: boolean;
   /** Forward the KV cache's stored/removed events (the router's index feeds on them). */
   enableKvEvents?: boolean;
   /** What the worker does in a disaggregated deployment (default 'both'). */
@@ -106,6 +111,7 @@ export class LocalEngine implements Engine {
       maxModelLen: options.maxModelLen,
       policy: options.policy ?? 'fcfs',
       enablePrefixCaching: options.enablePrefixCaching ?? true,
+      guidedJumpForward: options.guidedJumpForward ?? false,
       enableKvEvents: options.enableKvEvents ?? false,
       role: options.role,
       kvCacheIdleReleaseSeconds: options.kvCacheIdleReleaseSeconds ?? 0,

@@ -288,6 +288,8 @@ export class Sampler {
   private readonly weights: Float64Array;
   /** Candidate token ids, rearranged by the selections. */
   private readonly order: Int32Array;
+  /** logprobsRow's buffer (allocated on first use). */
+  private logprobsValues: Float32Array | undefined;
   /** The weighing pass's running totals after each block of WEIGH_BLOCK ids, and the last id with a weight above 0. */
   private readonly blockTotals: Float64Array;
   private lastWeighed = 0;
@@ -509,9 +511,12 @@ export class Sampler {
     return count;
   }
 
-  /** Samples one token from one row of raw logits, records it in the sequence and returns it. The row is not modified. */
-  sampleRow(row: Float32Array, sequence: SequenceSampler): SampledToken {
-    return this.sampleRowWith(row, sequence, true);
+  /**
+   * Samples one token from one row of raw logits, records it in the sequence and returns it, with the logprobs the
+   * request asked for unless `withLogprobs` is false (the token is the same either way). The row is not modified.
+   */
+  sampleRow(row: Float32Array, sequence: SequenceSampler, withLogprobs = true): SampledToken {
+    return this.sampleRowWith(row, sequence, withLogprobs);
   }
 
   /** sampleRow, with the logprobs the request asked for or (withLogprobs false: sampleBatch's pass gives them) none. */
@@ -736,6 +741,38 @@ export class Sampler {
   }
 
   // ---- logprobs
+
+  /**
+   * For a row whose token another path chooses (a guided row, sampleGuidedRow): the row sampleRow would take its
+   * logprobs from had it been given `row` with `mask` applied (the grammar's mask), in a buffer of the Sampler's own
+   * that no draw writes. For raw logprobs the masked row itself; for processed ones that row processed as sampleRow
+   * processes it (logit processors, then 1/T unless greedy). Call it before the token is recorded (the processors read
+   * the sequence's output so far); tokenLogprobs then gives the chosen token's entry. Nothing is recorded and no
+   * uniform drawn, so the token chosen does not depend on whether logprobs are asked for.
+   */
+  logprobsRow(row: Float32Array, sequence: SequenceSampler, mask: (values: Float32Array) => void): Float32Array {
+    if (row.length !== this.vocabSize) throw new RangeError(`logits row has ${row.length} values; vocabSize is ${this.vocabSize}`);
+    const values = this.logprobsValues ??= new Float32Array(this.vocabSize);
+    // A weighing kept for reuse may be of this buffer's former values.
+    this.plainWeighed = null;
+    values.set(row);
+    mask(values);
+    if (this.logprobsMode === 'processed') {
+      if (sequence.hasLogitProcessors) sequence.applyLogitProcessors(values);
+      const { temperature } = sequence.params;
+      if (temperature >= GREEDY_TEMPERATURE && temperature !== 1) this.scaleRow(values, values, 1 / temperature);
+    }
+    return values;
+  }
+
+  /**
+   * The logprobs entry of `tokenId` under `source` (a row logprobsRow gave) with its numTop best: what sampleRow gives
+   * for the token it drew from that row. Nothing is recorded.
+   */
+  tokenLogprobs(source: Float32Array, tokenId: number, numTop: number): TokenLogprob {
+    if (source.length !== this.vocabSize) throw new RangeError(`logits row has ${source.length} values; vocabSize is ${this.vocabSize}`);
+    return this.logprobsOf(source, tokenId, numTop);
+  }
 
   /**
    * A prompt token's logprob from the raw logits row of the position before it, the numTop best, and its rank (1 +

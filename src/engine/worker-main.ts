@@ -71,7 +71,7 @@ async function start(): Promise<Started> {
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
     policy: init.policy, enablePrefixCaching: init.enablePrefixCaching, enableKvEvents: init.enableKvEvents,
     ...(kvTiers !== undefined ? { kvTiers } : {}),
-    now: engineNow, grammar: () => grammar,
+    now: engineNow, grammar: () => grammar, jumpForward: init.guidedJumpForward,
   });
   const info: EngineInfo = {
     // What one sequence can reach: the context length, or less when one sequence of it would not fit the KV pool.

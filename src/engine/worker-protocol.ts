@@ -37,6 +37,8 @@ export interface WorkerInit {
   maxModelLen?: number;
   policy: SchedulingPolicy;
   enablePrefixCaching: boolean;
+  /** Jump-forward decoding for guided requests (EngineCoreOptions.jumpForward). */
+  guidedJumpForward: boolean;
   enableKvEvents: boolean;
   /**
    * Seconds without a running or waiting request after which the worker resets its prefix cache and gives the KV

@@ -124,48 +124,55 @@ describe('structured outputs (response_format, guided_*)', () => {
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 
-  it('a stop string inside jump-forward text: the output ends there and usage counts only the tokens up to it', E2E, async () => {
-    const choice = 'the quick brown fox jumps over the lazy dog';
-    const body = { model, prompt: 'Pick:', temperature: 0, guided_choice: [choice] };
-    const whole = await post('/v1/completions', { ...body, max_tokens: 32 });
-    assert.equal(whole.status, 200, whole.text);
-    assert.equal(whole.json().choices[0].text, choice);
-    // Greedy under a one-choice grammar, the tokens are the same whatever max_tokens; max_tokens k cuts them after
-    // the k-th (forced ones included), so the fewest that show "fox" are the tokens up to the stop.
-    const total = whole.json().usage.completion_tokens as number;
-    let upToStop: number | undefined;
-    for (let k = 1; k <= total && upToStop === undefined; k++) {
-      const cut = await post('/v1/completions', { ...body, max_tokens: k });
-      assert.equal(cut.json().usage.completion_tokens, k, cut.text);
-      if ((cut.json().choices[0].text as string).includes('fox')) upToStop = k;
+  it('logprobs, and a top_k that truncates nothing, leave a guided output as it is: greedy and seeded, every kind of constraint', E2E, async () => {
+    const tool = {
+      type: 'function', function: { name: 'get_weather', parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 } }, required: ['city'] } },
+    };
+    const constraints: [string, object][] = [
+      ['/v1/completions', { prompt: 'Answer:', guided_json: PERSON_SCHEMA }],
+      ['/v1/completions', { prompt: 'Answer:', guided_regex: '[a-z ]{5,30}\\.' }],
+      ['/v1/completions', { prompt: 'Answer:', guided_choice: ['red apple', 'green pear', 'blue berry', 'yellow banana'] }],
+      ['/v1/completions', { prompt: 'Sum:', guided_grammar: 'root ::= num " + " num\nnum ::= [1-9] [0-9]?' }],
+      ['/v1/chat/completions', { messages, response_format: { type: 'json_schema', json_schema: { name: 'person', schema: PERSON_SCHEMA } } }],
+      ['/v1/chat/completions', { messages, structured_outputs: { json: PERSON_SCHEMA, disable_any_whitespace: true } }],
+      ['/v1/chat/completions', { messages, tools: [tool], tool_choice: { type: 'function', function: { name: 'get_weather' } } }],
+      ['/v1/chat/completions', { messages, tools: [tool], tool_choice: 'required' }],
+    ];
+    // The text, or the message's content and its calls (their ids are random).
+    const output = (json: { choices: { text?: string; message?: { content: string | null; tool_calls?: { function: unknown }[] } }[] }) => {
+      const [choice] = json.choices;
+      return JSON.stringify(choice!.text ?? [choice!.message!.content, choice!.message!.tool_calls?.map((call) => call.function)]);
+    };
+    for (const [path, constraint] of constraints) {
+      const chat = path === '/v1/chat/completions';
+      for (const sampling of [{ temperature: 0 }, { temperature: 1, seed: 3 }]) {
+        const body = { model, max_tokens: 48, ...sampling, ...constraint };
+        const plain = await post(path, body);
+        assert.equal(plain.status, 200, plain.text);
+        const variants = [
+          chat ? { logprobs: true, top_logprobs: 0 } : { logprobs: 0 },
+          chat ? { logprobs: true, top_logprobs: 5 } : { logprobs: 5 },
+          { top_k: 1_000_000 },
+        ];
+        for (const variant of variants) {
+          const other = await post(path, { ...body, ...variant });
+          assert.equal(other.status, 200, other.text);
+          assert.equal(output(other.json()), output(plain.json()), `${path} ${JSON.stringify({ ...sampling, ...constraint, ...variant })}`);
+          assert.deepEqual(other.json().usage, plain.json().usage);
+        }
+      }
     }
-    assert.ok(upToStop !== undefined && upToStop < total - 2, `"fox" after ${upToStop} of ${total} tokens`);
-    // Ended by the grammar's end (the model's EOS): stop_reason null, as vLLM's. Ended by a stop token id the request
-    // gave: that id. (The whole text's first token is the stop token id asked for below.)
-    assert.equal(whole.json().choices[0].finish_reason, 'stop');
-    assert.equal(whole.json().choices[0].stop_reason, null, whole.text);
-    const firstToken = await post('/v1/completions', { ...body, max_tokens: 1, logprobs: 0, return_tokens_as_token_ids: true });
-    const firstId = Number(/^token_id:(\d+)$/.exec(firstToken.json().choices[0].logprobs.tokens[0])![1]);
-    const onToken = await post('/v1/completions', { ...body, max_tokens: 32, stop_token_ids: [firstId] });
-    assert.equal(onToken.json().choices[0].finish_reason, 'stop', onToken.text);
-    assert.equal(onToken.json().choices[0].stop_reason, firstId, onToken.text);
-    const stopped = await post('/v1/completions', { ...body, max_tokens: 32, stop: ['fox'] });
-    assert.equal(stopped.status, 200, stopped.text);
-    const stoppedChoice = stopped.json().choices[0];
-    assert.equal(stoppedChoice.text, 'the quick brown ');
-    assert.equal(stoppedChoice.finish_reason, 'stop');
-    assert.equal(stoppedChoice.stop_reason, 'fox');
-    assert.equal(stopped.json().usage.completion_tokens, upToStop, stopped.text);
-    // Streamed, with usage on every chunk: the same count.
-    const streamed = await post('/v1/completions', {
-      ...body, max_tokens: 32, stop: ['fox'], stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
-    });
-    const chunks = streamed.text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
-    assert.equal(chunks.map((chunk) => chunk.choices[0]?.text ?? '').join(''), 'the quick brown ');
-    assert.equal(chunks.at(-1).usage.completion_tokens, upToStop, streamed.text);
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 
+  it('jump-forward is off by default: the text a grammar forces is decoded a token per step, as with logprobs', E2E, async () => {
+    const body = { model, prompt: 'Pick:', temperature: 0, max_tokens: 32, guided_choice: ['the quick brown fox jumps over the lazy dog'] };
+    const { counts } = await streamedUsage(post, body);
+    assert.ok(counts.length > 5, `${counts.length} chunks`);
+    assert.deepEqual(counts, counts.map((_, i) => i + 1), 'one token per chunk');
+    const withLogprobs = await post('/v1/completions', { ...body, logprobs: 0 });
+    assert.equal(withLogprobs.json().usage.completion_tokens, counts.at(-1));
+  });
   it('structured_outputs.disable_any_whitespace: compact JSON (a space after , and : only), still fitting the schema', E2E, async () => {
     for (const [seed, temperature] of [[1, 0], [2, 1]] as const) {
       const response = await post('/v1/chat/completions', {
@@ -314,6 +321,85 @@ describe('structured outputs (response_format, guided_*)', () => {
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 });
+
+describe('structured outputs with --guided-jump-forward', () => {
+  let server: TestServer;
+  let model: string;
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--guided-jump-forward'] });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  const post = (path: string, body: object) => rawRequest(server.url, { path, body });
+
+  it('the text a grammar forces comes with the sampled token before it, several tokens in one chunk; not for a request with logprobs', E2E, async () => {
+    const body = { model, prompt: 'Pick:', temperature: 0, max_tokens: 32, guided_choice: ['the quick brown fox jumps over the lazy dog'] };
+    const { counts, text } = await streamedUsage(post, body);
+    assert.equal(text, 'the quick brown fox jumps over the lazy dog');
+    assert.ok(counts.some((count, i) => count - (counts[i - 1] ?? 0) > 1), `tokens so far by chunk: ${counts.join(' ')}`);
+    const withLogprobs = await streamedUsage(post, { ...body, logprobs: 0 });
+    assert.deepEqual(withLogprobs.counts, withLogprobs.counts.map((_, i) => i + 1), 'one token per chunk');
+  });
+
+  it('a stop string inside the forced text: the output ends there and usage counts only the tokens up to it', E2E, async () => {
+    const choice = 'the quick brown fox jumps over the lazy dog';
+    const body = { model, prompt: 'Pick:', temperature: 0, guided_choice: [choice] };
+    const whole = await post('/v1/completions', { ...body, max_tokens: 32 });
+    assert.equal(whole.status, 200, whole.text);
+    assert.equal(whole.json().choices[0].text, choice);
+    // Greedy under a one-choice grammar, the tokens are the same whatever max_tokens; max_tokens k cuts them after
+    // the k-th (forced ones included), so the fewest that show "fox" are the tokens up to the stop.
+    const total = whole.json().usage.completion_tokens as number;
+    let upToStop: number | undefined;
+    for (let k = 1; k <= total && upToStop === undefined; k++) {
+      const cut = await post('/v1/completions', { ...body, max_tokens: k });
+      assert.equal(cut.json().usage.completion_tokens, k, cut.text);
+      if ((cut.json().choices[0].text as string).includes('fox')) upToStop = k;
+    }
+    assert.ok(upToStop !== undefined && upToStop < total - 2, `"fox" after ${upToStop} of ${total} tokens`);
+    // Ended by the grammar's end (the model's EOS): stop_reason null, as vLLM's. Ended by a stop token id the request
+    // gave: that id. (The whole text's first token is the stop token id asked for below.)
+    assert.equal(whole.json().choices[0].finish_reason, 'stop');
+    assert.equal(whole.json().choices[0].stop_reason, null, whole.text);
+    const firstToken = await post('/v1/completions', { ...body, max_tokens: 1, logprobs: 0, return_tokens_as_token_ids: true });
+    const firstId = Number(/^token_id:(\d+)$/.exec(firstToken.json().choices[0].logprobs.tokens[0])![1]);
+    const onToken = await post('/v1/completions', { ...body, max_tokens: 32, stop_token_ids: [firstId] });
+    assert.equal(onToken.json().choices[0].finish_reason, 'stop', onToken.text);
+    assert.equal(onToken.json().choices[0].stop_reason, firstId, onToken.text);
+    const stopped = await post('/v1/completions', { ...body, max_tokens: 32, stop: ['fox'] });
+    assert.equal(stopped.status, 200, stopped.text);
+    const stoppedChoice = stopped.json().choices[0];
+    assert.equal(stoppedChoice.text, 'the quick brown ');
+    assert.equal(stoppedChoice.finish_reason, 'stop');
+    assert.equal(stoppedChoice.stop_reason, 'fox');
+    assert.equal(stopped.json().usage.completion_tokens, upToStop, stopped.text);
+    // Streamed, with usage on every chunk: the same count.
+    const streamed = await post('/v1/completions', {
+      ...body, max_tokens: 32, stop: ['fox'], stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+    });
+    const chunks = streamed.text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+    assert.equal(chunks.map((chunk) => chunk.choices[0]?.text ?? '').join(''), 'the quick brown ');
+    assert.equal(chunks.at(-1).usage.completion_tokens, upToStop, streamed.text);
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+});
+
+/** A streamed completion's text and, by chunk, its choice's tokens so far (continuous_usage_stats). */
+async function streamedUsage(post: (path: string, body: object) => Promise<{ status: number; text: string }>, body: object) {
+  const streamed = await post('/v1/completions', { ...body, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true } });
+  assert.equal(streamed.status, 200, streamed.text);
+  const chunks = streamed.text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+  const withChoice = chunks.filter((chunk) => chunk.choices.length > 0 && chunk.usage !== undefined && chunk.usage !== null);
+  return {
+    text: chunks.map((chunk) => chunk.choices[0]?.text ?? '').join(''),
+    counts: withChoice.map((chunk) => chunk.usage.completion_tokens as number),
+  };
+}
 
 for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-workers', '1']]) {
   describe(`structured outputs on simulated workers (${layout.join(' ')})`, () => {

@@ -192,6 +192,15 @@ describe('conduit serve flags', () => {
     }
   });
 
+  it('takes --guided-jump-forward or CONDUIT_GUIDED_JUMP_FORWARD, off by default; simulated workers say they ignore it', () => {
+    assert.equal(config([]).guidedJumpForward, false);
+    assert.equal(config(['--guided-jump-forward']).guidedJumpForward, true);
+    assert.equal(config([], { CONDUIT_GUIDED_JUMP_FORWARD: 'true' }).guidedJumpForward, true);
+    assert.equal(config(['--no-guided-jump-forward'], { CONDUIT_GUIDED_JUMP_FORWARD: 'true' }).guidedJumpForward, false);
+    assert.equal(config(['--guided-jump-forward', '--engine', 'sim']).warnings?.some((w) => /--guided-jump-forward is for cpu workers/.test(w)), true);
+    assert.equal(config(['--guided-jump-forward']).warnings?.some((w) => /--guided-jump-forward/.test(w)) ?? false, false);
+  });
+
   it('takes --migration-limit or CONDUIT_MIGRATION_LIMIT, 0 (off) by default', () => {
     assert.equal(config([]).migrationLimit, 0);
     assert.equal(config(['--migration-limit', '3']).migrationLimit, 3);

@@ -169,7 +169,7 @@ describe('serve --worker-processes passes the engine options on to its children'
 
   before(async () => {
     const config = parseServeConfig(['--port', '0', '--workers', '1', '--worker-processes', '--threads', '1', '--kv-cache-memory', '8MiB',
-      '--max-model-len', '80', '--no-enable-prefix-caching', '--no-request-log'], {});
+      '--max-model-len', '80', '--no-enable-prefix-caching', '--guided-jump-forward', '--no-request-log'], {});
     assert.notEqual(config, 'help');
     server = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
   });
@@ -187,5 +187,23 @@ describe('serve --worker-processes passes the engine options on to its children'
       })).json() as { usage: { prompt_tokens_details?: { cached_tokens?: number } } };
       assert.equal(response.usage.prompt_tokens_details?.cached_tokens ?? 0, 0, `request ${i}: nothing from a prefix cache`);
     }
+  });
+
+  test('--guided-jump-forward holds in the child worker: forced text streams several tokens to a chunk', async () => {
+    const res = await fetch(`${server.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({
+        prompt: 'Pick:', temperature: 0, max_tokens: 32, guided_choice: ['the quick brown fox jumps over the lazy dog'],
+        stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+      }),
+    });
+    assert.equal(res.status, 200);
+    const counts: number[] = [];
+    for (const line of (await res.text()).split('\n')) {
+      if (!line.startsWith('data: {')) continue;
+      const chunk = JSON.parse(line.slice(6)) as { choices: unknown[]; usage?: { completion_tokens: number } };
+      if (chunk.choices.length > 0 && chunk.usage) counts.push(chunk.usage.completion_tokens);
+    }
+    assert.ok(counts.some((count, i) => count - (counts[i - 1] ?? 0) > 1), `tokens so far by chunk: ${counts.join(' ')}`);
   });
 });

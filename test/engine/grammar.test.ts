@@ -394,6 +394,67 @@ describe('grammar runtime', () => {
     assert.deepEqual(walk(31).tokens, first.tokens);
   });
 
+  it('sampleGuidedRow with logprobs: the tokens of the same walk without them, and the logprobs of the masked row (raw and processed)', () => {
+    const spec: GuidedDecoding = { kind: 'json_schema', schema: BOUNDED_SCHEMA };
+    const modes: Partial<typeof DEFAULT_SAMPLING>[] = [
+      { temperature: 0 }, { temperature: 0, repetitionPenalty: 1.3, frequencyPenalty: 0.4 }, { temperature: 1 }, { temperature: 0.6 },
+      { temperature: 1, topK: runtime.vocabSize }, { temperature: 1, topP: 0.8 },
+    ];
+    for (const [m, mode] of modes.entries()) {
+      for (const logprobsMode of ['raw', 'processed'] as const) {
+        const walk = (logprobs: number | null) => {
+          const sampler = new Sampler(runtime.vocabSize, { logprobsMode });
+          const sequence = samplerFor(40 + m, { ...mode, logprobs }, spec);
+          const guided = runtime.open(spec);
+          // The reference: the row masked by a matcher kept in step, and the sampler's own logprobs of that row.
+          const reference = runtime.open(spec);
+          const referenceSequence = samplerFor(40 + m, { ...mode, logprobs: logprobs ?? 0 }, spec);
+          const next = randomStream(90 + m);
+          const tokens: number[] = [];
+          for (let t = 0; t < 200 && !guided.isTerminated; t++) {
+            const row = new Float32Array(runtime.vocabSize);
+            for (let k = 0; k < row.length; k++) row[k] = next() * 8;
+            const masked = row.slice();
+            reference.maskRow(masked);
+            const expected = new Sampler(runtime.vocabSize, { logprobsMode }).sampleRow(masked, referenceSequence);
+            const sampled = sampleGuidedRow(sampler, row, sequence, guided, tokenizer.stopTokenIds);
+            tokens.push(sampled.tokenId);
+            assert.equal(reference.accept(sampled.tokenId), true, `token ${t}`);
+            // The reference sequence goes on with the walk's token (its penalties count what the walk output).
+            referenceSequence.unrecordOutputToken(expected.tokenId);
+            referenceSequence.recordOutputToken(sampled.tokenId);
+            if (logprobs === null) {
+              assert.equal(sampled.logprobs, undefined);
+              continue;
+            }
+            const entry = sampled.logprobs!;
+            const what = `${JSON.stringify(mode)} ${logprobsMode} token ${t}`;
+            assert.equal(entry.tokenId, sampled.tokenId, what);
+            assert.deepEqual(entry.top, expected.logprobs!.top, what);
+            if (mode.temperature === 0) {
+              // Greedy: the same token as the sampler's pass over the masked row, so the same entry, bit for bit.
+              assert.equal(sampled.tokenId, expected.tokenId, what);
+              assert.deepEqual(entry, expected.logprobs, what);
+            } else {
+              // The normaliser from the best alternative: the walk's token weighed against the same masked row.
+              const best = expected.logprobs!.top[0];
+              if (best !== undefined && logprobsMode === 'raw') {
+                assert.ok(Math.abs(entry.logprob - (masked[sampled.tokenId]! - (masked[best.tokenId]! - best.logprob))) < 1e-9, what);
+              }
+              assert.ok(Number.isFinite(entry.logprob) && entry.logprob <= 0, what);
+            }
+          }
+          assert.equal(guided.isTerminated, true, 'the bounded grammar ends');
+          guided.dispose();
+          reference.dispose();
+          return tokens;
+        };
+        const without = walk(null);
+        for (const logprobs of [0, 5]) assert.deepEqual(walk(logprobs), without, `${JSON.stringify(mode)} ${logprobsMode}: logprobs ${logprobs}`);
+      }
+    }
+  });
+
   it('a sampled row whose allowed tokens weigh nothing beside its max is drawn from the masked row', () => {
     const spec: GuidedDecoding = { kind: 'choice', choices: ['alpha', 'beta'] };
     const guided = runtime.open(spec);

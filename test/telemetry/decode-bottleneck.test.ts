@@ -98,7 +98,8 @@ describe('decode preempted on the real engine (a KV pool too small for the batch
 describe('chunks after the first token that are no recompute (the real engine, a pool with room)', () => {
   let server: LiveServer;
   before(async () => {
-    server = await startLiveServer({ threads: 1, maxNumSeqs: 8, telemetry: { sampling: { baseRate: 1 } } });
+    // Jump-forward on: the guided request's forced text is computed in chunks after its first token.
+    server = await startLiveServer({ threads: 1, maxNumSeqs: 8, guidedJumpForward: true, telemetry: { sampling: { baseRate: 1 } } });
   });
   after(async () => {
     await server?.close();
@@ -141,5 +142,6 @@ describe('chunks after the first token that are no recompute (the real engine, a
       assert.equal(spans.filter((x) => x.name === 'model_forward_prefill' && x.parentSpanContext?.spanId === decode?.spanContext().spanId).length, late.length);
     }
     assert.ok((forked.prefill!.afterFirstToken?.chunks ?? 0) > 0, 'the n = 3 request\'s further completions computed chunks after the first token');
+    assert.ok((traces[1]!.prefill!.afterFirstToken?.chunks ?? 0) > 0, 'the guided request\'s forced text was computed in chunks after its first token');
   });
 });

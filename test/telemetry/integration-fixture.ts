@@ -44,6 +44,8 @@ export interface LiveServerOptions {
   threads?: number;
   /** Tokens one step may compute (small: long prompts are prefilled in chunks). */
   maxNumBatchedTokens?: number;
+  /** Jump-forward decoding for guided requests on the CPU workers (`--guided-jump-forward`; off by default). */
+  guidedJumpForward?: boolean;
   /** Telemetry settings over the fixture's (sampling, per-token spans...). */
   telemetry?: Partial<TelemetryOptions>;
 }
@@ -76,6 +78,7 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
       kvCacheMemoryBytes: options.kvCacheMemoryBytes ?? 24 * 1024 * 1024, maxNumSeqs: options.maxNumSeqs ?? 8,
       ...(options.threads !== undefined ? { threads: options.threads } : {}),
       ...(options.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: options.maxNumBatchedTokens } : {}),
+      ...(options.guidedJumpForward !== undefined ? { guidedJumpForward: options.guidedJumpForward } : {}),
       ...(options.disaggregated ? {
         ...options.disaggregated,
         // Remote prefill whatever the prompt: estimates that make moving KV always cheaper than computing it.

@@ -12,20 +12,20 @@ import { GrammarError } from './xgrammar.ts';
  * argmax) and plain sampling without truncation (a draw x from p kept when allowed, else a draw from p masked, has
  * probability p(x) + (1 - Z) p(x) / Z = p(x) / Z, Z the allowed mass: the masked distribution; with d draws tried
  * before the mask, sum over k < d of (1 - Z)^k p(x), plus (1 - Z)^d p(x) / Z, is p(x) / Z too). Not with
- * top-k/top-p/min-p (truncating before the mask keeps other tokens) nor logprobs (they describe the masked row).
+ * top-k/top-p/min-p (truncating before the mask keeps other tokens); a top_k of the vocabulary's size or more
+ * truncates nothing. Logprobs play no part: they are read from a masked copy of the row apart from the choice
+ * (sampleGuidedRow), without a uniform, so a request gets the same tokens with them as without.
  * A model that follows the grammar then costs one advance per token instead of a mask.
  */
 export function guidedDrawFirst(sequence: SequenceSampler): boolean {
   const { params } = sequence;
-  if (params.logprobs !== null) return false;
   if (params.temperature < GREEDY_TEMPERATURE) return true;
-  return params.topP >= 1 && params.topK <= 0 && params.minP === 0;
+  return params.topP >= 1 && (params.topK <= 0 || params.topK >= sequence.vocabSize) && params.minP === 0;
 }
 
-/** A greedy row the sampler reads as it is (no penalties, bias or min_tokens), without logprobs. */
+/** A greedy row the sampler reads as it is (no penalties, bias or min_tokens). */
 function greedyUnprocessed(sequence: SequenceSampler): boolean {
-  const { params } = sequence;
-  return params.temperature < GREEDY_TEMPERATURE && params.logprobs === null && !sequence.hasLogitProcessors;
+  return sequence.params.temperature < GREEDY_TEMPERATURE && !sequence.hasLogitProcessors;
 }
 
 /**
@@ -151,20 +151,33 @@ export function drawGuidedToken(sampler: Sampler, values: Float32Array, sequence
  * Samples a guided row whose grammar has not ended, advances the grammar with the token and returns it (recorded
  * in the sequence, as Sampler.sampleRow does). `values` is the step's own logits row: the mask may be written into it.
  *
- * A greedy row the sampler reads as it is (no penalties, bias or min_tokens, no logprobs) takes greedyGuidedToken: a
- * few candidates tried, the mask only when all are refused. A plain sampled row (no top-k/top-p/min-p, no logprobs)
- * takes drawGuidedToken likewise while its candidate width is wide; after a mask (narrow) it goes to the mask first,
+ * The token does not depend on whether the request asked for logprobs. With logprobs, the row is first copied and
+ * masked (Sampler.logprobsRow: the state before the token, as they describe it), the token is then chosen as below
+ * from the unmasked row, the copy standing in for the mask where the choice needs one, and the logprobs are read from
+ * the copy: those of the masked row, as sampleRow reports them for the row it drew from. No uniform is drawn for them.
+ *
+ * A greedy row the sampler reads as it is (no penalties, bias or min_tokens) takes greedyGuidedToken: a few
+ * candidates tried, the mask only when all are refused. A plain sampled row (no top-k/top-p/min-p) takes
+ * drawGuidedToken likewise while its candidate width is wide; after a mask (narrow) it goes to the mask first,
  * since weighing the whole row (an exp per token) for draws the grammar mostly refuses costs more than the masked
  * row's pass, which meets -Infinity nearly everywhere between JSON elements, and it goes back to drawing first once a
  * mask allows at least 1/WIDE_STATE_SHARE of the vocabulary (inside a string). A greedy row with penalties, bias or
- * min_tokens draws from the whole row first and, refused, goes to the mask. Any other row (truncated sampling,
- * logprobs), and a row whose allowed tokens have no weight in the unmasked row: the mask written into the row and
- * the sampler's pass over it.
+ * min_tokens draws from the whole row first and, refused, goes to the mask. Any other row (truncated sampling), and a
+ * row whose allowed tokens have no weight in the unmasked row: the masked row and the sampler's pass over it.
  */
 export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
   eosTokenIds: readonly number[]): SampledToken {
   try {
-    return sampleGuidedRowOf(sampler, values, sequence, guided, eosTokenIds);
+    const numTop = sequence.params.logprobs;
+    if (numTop === null) return { tokenId: chooseGuidedToken(sampler, values, sequence, guided, eosTokenIds, undefined).tokenId };
+    let allowed = 0;
+    const source = sampler.logprobsRow(values, sequence, (row) => { allowed = guided.maskRow(row); });
+    // Raw logprobs: the copy is the masked row itself, which the choice takes instead of masking `values` again.
+    const chosen = chooseGuidedToken(sampler, values, sequence, guided, eosTokenIds,
+      sampler.logprobsMode === 'raw' ? { row: source, allowed } : undefined);
+    // Ended for want of any token to draw: no distribution to report (as sampleRow gives none when it throws).
+    if (chosen.endedMasked) return { tokenId: chosen.tokenId };
+    return { tokenId: chosen.tokenId, logprobs: sampler.tokenLogprobs(source, chosen.tokenId, numTop) };
   } catch (error) {
     // The grammar engine instance failed (here or earlier, under another request): this completion's grammar state is
     // lost, so the request fails alone (the step's other rows go on); the worker's next guided request gets a fresh
@@ -176,14 +189,20 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
   }
 }
 
-function sampleGuidedRowOf(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
-  eosTokenIds: readonly number[]): SampledToken {
-  let sampled: SampledToken | undefined;
-  const sampledPlain = guidedDrawFirst(sequence) && sequence.params.temperature >= GREEDY_TEMPERATURE;
+/**
+ * sampleGuidedRow's choice of the token, recorded in the sequence and accepted by the grammar. `masked`, when given,
+ * is the row with the grammar's mask already applied and how many tokens the mask allows (maskRow's count): the mask
+ * path reads it instead of writing the mask into `values`. endedMasked: nothing could be drawn from the masked row
+ * (the grammar allows only an end min_tokens holds back), and the output ends with EOS.
+ */
+function chooseGuidedToken(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
+  eosTokenIds: readonly number[], masked: { row: Float32Array; allowed: number } | undefined): { tokenId: number; endedMasked?: true } {
+  const drawFirst = guidedDrawFirst(sequence);
+  const sampledPlain = drawFirst && sequence.params.temperature >= GREEDY_TEMPERATURE;
   if (sampledPlain && guided.candidateWidth === NARROW_CANDIDATES) {
     // A sampled row after a mask goes to the mask first (below): between JSON elements the weighing pass (an exp
     // per token) would mostly be wasted, while the masked row's pass meets -Infinity nearly everywhere.
-  } else if (guidedDrawFirst(sequence)) {
+  } else if (drawFirst) {
     if (greedyUnprocessed(sequence) || sampledPlain) {
       const tokenId = greedyUnprocessed(sequence) ? greedyGuidedToken(values, guided, sampler.argmax) : drawGuidedToken(sampler, values, sequence, guided);
       if (tokenId >= 0) {
@@ -193,24 +212,29 @@ function sampleGuidedRowOf(sampler: Sampler, values: Float32Array, sequence: Seq
       // No allowed token has a finite value, or any weight in the unmasked row: the masked row's own pass below.
     } else {
       // Greedy with processing: the argmax of the processed row, if allowed, is the masked one.
-      sampled = sampler.sampleRow(values, sequence);
-      if (guided.accept(sampled.tokenId)) return sampled;
-      sequence.unrecordOutputToken(sampled.tokenId);
+      const { tokenId } = sampler.sampleRow(values, sequence, false);
+      if (guided.accept(tokenId)) return { tokenId };
+      sequence.unrecordOutputToken(tokenId);
     }
   }
-  // The grammar's mask first (the logits buffer is the step's own), then the request's own processing.
-  const allowed = guided.maskRow(values);
+  // The grammar's mask first (written into the step's own row unless a masked copy is at hand), then the request's
+  // own processing.
+  const row = masked?.row ?? values;
+  const allowed = masked?.allowed ?? guided.maskRow(values);
   // A sampled row tries draws again once a mask allows a good share of the vocabulary (inside a string).
   if (sampledPlain) guided.candidateWidth = allowed * WIDE_STATE_SHARE >= guided.vocabSize ? WIDE_CANDIDATES : NARROW_CANDIDATES;
+  let tokenId: number;
   try {
-    sampled = sampler.sampleRow(values, sequence);
+    tokenId = sampler.sampleRow(row, sequence, false).tokenId;
   } catch (error) {
     // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends. A NaN
     // is the model's fault, not the grammar's: the request fails (the caller's).
     if (!(error instanceof UnsampleableRowError) || error.reason !== 'masked') throw error;
-    sampled = { tokenId: eosTokenIds.find((id) => values[id] !== -Infinity) ?? eosTokenIds[0] ?? 0 };
-    sequence.recordOutputToken(sampled.tokenId);
+    tokenId = eosTokenIds.find((id) => row[id] !== -Infinity) ?? eosTokenIds[0] ?? 0;
+    sequence.recordOutputToken(tokenId);
+    guided.accept(tokenId);
+    return { tokenId, endedMasked: true };
   }
-  guided.accept(sampled.tokenId);
-  return sampled;
+  guided.accept(tokenId);
+  return { tokenId };
 }
