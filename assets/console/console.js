@@ -350,6 +350,9 @@ function drawWaterfall(view) {
   return root;
 }
 
+/** What a diagnosis' dominant_share is a share of. */
+const SHARE_OF = { ttft: ' of TTFT', request: ' of the request', decode_steps: ' of the decode steps\' time' };
+
 function facts(pairs) {
   return el('dl', { class: 'facts' }, pairs.filter(([, v]) => v !== undefined && v !== null && v !== '').map(([k, v]) => [el('dt', { text: k }), el('dd', { text: String(v) })]));
 }
@@ -384,7 +387,7 @@ async function requestPage(id) {
         ['trace id', view.trace_id],
       ])),
       el('div', { class: 'panel', id: 'diagnosis' },
-        el('p', { class: 'finding' }, el('strong', { text: a.category }), a.dominant_phase !== 'none' ? ` - ${a.dominant_phase} ${formatMs(a.dominant_ms)} (${pct(a.dominant_share)})` : ''),
+        el('p', { class: 'finding' }, el('strong', { text: a.category }), a.dominant_phase !== 'none' ? ` - ${a.dominant_phase} ${formatMs(a.dominant_ms)} (${pct(a.dominant_share)}${SHARE_OF[a.dominant_share_of] ?? ''})` : ''),
         el('p', { text: a.recommendation }),
         facts(Object.entries(a.breakdown_ms).map(([k, v]) => [k, formatMs(v)])))),
     el('h2', { text: 'Waterfall' }),

@@ -22,17 +22,22 @@ interface TraceBody {
     category: string;
     dominant_phase: string;
     dominant_share: number;
+    /** What the share is of: TTFT, the whole request, or the decode steps' time (a server before this field: absent). */
+    dominant_share_of?: 'ttft' | 'request' | 'decode_steps' | null;
     dominant_ms: number;
     recommendation: string;
   };
   timings?: Record<string, unknown>;
 }
 
+const SHARE_OF = { ttft: ' of TTFT', request: ' of the request', decode_steps: ' of the decode steps\' time' } as const;
+
 /** The analysis as lines under the waterfall. */
 export function formatAnalysis(analysis: NonNullable<TraceBody['analysis']>): string {
   const lines = [`bottleneck: ${analysis.category}`];
   if (analysis.dominant_phase !== 'none') {
-    lines[0] += ` (${analysis.dominant_phase}: ${(analysis.dominant_share * 100).toFixed(0)}%, ${analysis.dominant_ms.toFixed(1)} ms)`;
+    const of = analysis.dominant_share_of ? SHARE_OF[analysis.dominant_share_of] ?? '' : '';
+    lines[0] += ` (${analysis.dominant_phase}: ${(analysis.dominant_share * 100).toFixed(0)}%${of}, ${analysis.dominant_ms.toFixed(1)} ms)`;
   }
   lines.push(`  ${analysis.recommendation}`);
   return lines.join('\n');

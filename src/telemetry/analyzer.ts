@@ -8,14 +8,19 @@
 //      decode_latency_spike when decode dominates and a step took over `spikeFactor` times the median;
 //      decode_batch_bound when decode dominates and its time per token reaches `slowTbtMs`, with steady steps: each
 //                         as slow as the batch it ran in makes it;
+//      decode_output_length when decode dominates and none of the three applies: steady tokens at a healthy rate, so
+//                         the time is the number of tokens the request generated. Never a TTFT category then: TTFT
+//                         is under half of such a request, so naming its largest part would point at the lesser cost;
 //   2. queue_saturation     when the scheduler queue is over `queueShare` of TTFT;
 //   3. prefill_no_cache / prefill_compute_bound when prefill is over `prefillShare` of TTFT (split by the prefix
 //      cache hit rate);
 //   4. kv_transfer_bound    when the KV transfer is over `kvTransferShare` of TTFT;
 //   5. decode_latency_spike when a step spiked, even though decode did not dominate;
 //   6. balanced.
-// Shares of TTFT are of the measured TTFT (arrival to first streamed token). "Decode dominates" means decode (the
-// first token to the end of the response) took longer than TTFT.
+// Shares of TTFT are of the measured TTFT (arrival to first streamed token), the decode categories' of the whole
+// request (a spike's of the decode steps' time): `dominant_share_of` says which. "Decode dominates" means decode (the
+// first token to the end of the response) took longer than TTFT; the TTFT rules (2-4) apply only when it did not, so
+// only to a request whose TTFT is at least half of it.
 //
 // Only completed requests (outcome ok) have a bottleneck. A failed or refused request is `failed` and an aborted one
 // `aborted`, with why in place of a recommendation: their phases stop where they ended, so the shares would name a
@@ -27,15 +32,18 @@ import { phaseBreakdown, type RequestTrace } from './trace.ts';
 
 export type BottleneckCategory =
   | 'queue_saturation' | 'prefill_no_cache' | 'prefill_compute_bound' | 'kv_transfer_bound' | 'decode_latency_spike'
-  | 'decode_preempted' | 'decode_batch_bound' | 'balanced';
+  | 'decode_preempted' | 'decode_batch_bound' | 'decode_output_length' | 'balanced';
 
 /** What classify() says of a request: its bottleneck, or that it did not complete (no bottleneck then). */
 export type DiagnosisCategory = BottleneckCategory | 'failed' | 'aborted';
 
 export const BOTTLENECK_CATEGORIES: readonly BottleneckCategory[] = [
   'queue_saturation', 'prefill_no_cache', 'prefill_compute_bound', 'kv_transfer_bound', 'decode_latency_spike',
-  'decode_preempted', 'decode_batch_bound', 'balanced',
+  'decode_preempted', 'decode_batch_bound', 'decode_output_length', 'balanced',
 ];
+
+/** What a diagnosis' dominant_share is a share of. */
+export type ShareBase = 'ttft' | 'request' | 'decode_steps';
 
 export interface AnalyzerThresholds {
   queueShare: number;
@@ -81,8 +89,13 @@ export interface Diagnosis<C extends DiagnosisCategory = DiagnosisCategory> {
   category: C;
   /** The phase the category points at ('none' for balanced, failed and aborted). */
   dominant_phase: PhaseName | 'none';
-  /** Its share (0..1) of TTFT for the TTFT categories, of decode time for a decode spike, 0 for balanced, failed, aborted. */
+  /**
+   * Its share (0..1) of TTFT for the TTFT categories, of the request for decode_preempted, decode_batch_bound and
+   * decode_output_length, of the decode steps' time for a decode spike; 0 for balanced, failed, aborted.
+   */
   dominant_share: number;
+  /** What dominant_share is a share of; null when there is no dominant phase. */
+  dominant_share_of: ShareBase | null;
   dominant_ms: number;
   /** What to do about the bottleneck; for failed and aborted, how the request ended ("failed: ..."). */
   recommendation: string;
@@ -124,7 +137,8 @@ export class TraceAnalyzer {
         + `${trace.errorMessage ? `: ${trace.errorMessage}` : ''}`
       : `aborted${trace.abortReason ? ` (${trace.abortReason})` : ''}${where}${after}`;
     return {
-      request_id: trace.requestId, category: trace.outcome === 'error' ? 'failed' : 'aborted', dominant_phase: 'none', dominant_share: 0, dominant_ms: 0,
+      request_id: trace.requestId, category: trace.outcome === 'error' ? 'failed' : 'aborted', dominant_phase: 'none', dominant_share: 0,
+      dominant_share_of: null, dominant_ms: 0,
       recommendation: `${why}. A request that did not complete gets no bottleneck diagnosis.`,
       ttft_ms: trace.ttftMs === undefined ? null : round3(trace.ttftMs), total_ms: round3(trace.e2eMs),
       breakdown_ms: {
@@ -146,23 +160,24 @@ export class TraceAnalyzer {
       other_before_first_token: round3(Math.max(0, (ttft ?? beforeFirst) - beforeFirst)), decode: round3(b.decodeMs),
     };
     const base = { request_id: trace.requestId, ttft_ms: ttft === undefined ? null : round3(ttft), total_ms: round3(trace.e2eMs), breakdown_ms: breakdown };
-    const make = (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string): Diagnosis<BottleneckCategory> => (
-      { ...base, category, dominant_phase: phase, dominant_share: round3(share), dominant_ms: round3(dominantMs), recommendation });
+    const make: Make = (category, phase, share, shareOf, dominantMs, recommendation) => ({
+      ...base, category, dominant_phase: phase, dominant_share: round3(share), dominant_share_of: phase === 'none' ? null : shareOf,
+      dominant_ms: round3(dominantMs), recommendation,
+    });
 
     const spike = this.spike(trace);
     const decodeDominates = b.decodeMs > ttftBase;
     // A preemption mid-decode shows as a long gap between steps too: it is named first, as the cause.
     const preempted = decodeDominates ? this.decodeBound(trace, b.decodeMs, make, 'preempted') : undefined;
     if (preempted) return preempted;
-    if (spike && decodeDominates) return make('decode_latency_spike', 'decode_execution', spike.share, spike.spikeMs, spike.recommendation);
-    const batchBound = decodeDominates ? this.decodeBound(trace, b.decodeMs, make, 'batch') : undefined;
-    if (batchBound) return batchBound;
+    if (spike && decodeDominates) return make('decode_latency_spike', 'decode_execution', spike.share, 'decode_steps', spike.spikeMs, spike.recommendation);
+    if (decodeDominates) return this.decodeBound(trace, b.decodeMs, make, 'batch') ?? this.outputLength(trace, b.decodeMs, b.queueMs, b.prefillMs, ttftBase, make);
 
     const queueShare = b.queueMs / ttftBase;
     if (queueShare > t.queueShare) {
       const depth = trace.queueDepthAtEntry !== undefined ? ` with ${trace.queueDepthAtEntry} requests ahead` : '';
       const where = trace.worker ? ` on ${trace.worker}` : '';
-      return make('queue_saturation', 'scheduler_queue', queueShare, b.queueMs,
+      return make('queue_saturation', 'scheduler_queue', queueShare, 'ttft', b.queueMs,
         `Queue wait ${ms(b.queueMs)} is ${pct(queueShare)} of the ${ms(ttftBase)} TTFT${depth}: the worker${where} is saturated. ` +
         'Add workers or batch capacity, shed or rate-limit load, or let the router weigh queue depth more.');
     }
@@ -172,12 +187,12 @@ export class TraceAnalyzer {
       const hitRate = trace.cachedTokens / Math.max(1, trace.promptTokens);
       const computed = trace.prefill?.computedTokens ?? Math.max(0, trace.promptTokens - trace.cachedTokens);
       if (hitRate < t.noCacheHitRate) {
-        return make('prefill_no_cache', 'prefill_execution', prefillShare, b.prefillMs,
+        return make('prefill_no_cache', 'prefill_execution', prefillShare, 'ttft', b.prefillMs,
           `Prefill ${ms(b.prefillMs)} is ${pct(prefillShare)} of TTFT and ${pct(hitRate)} of the ${trace.promptTokens}-token prompt came from ` +
           'the prefix cache. Keep shared content (system prompt, documents) at the start of prompts, route by KV overlap, ' +
           'or give the KV cache more blocks so prefixes survive.');
       }
-      return make('prefill_compute_bound', 'prefill_execution', prefillShare, b.prefillMs,
+      return make('prefill_compute_bound', 'prefill_execution', prefillShare, 'ttft', b.prefillMs,
         `Prefill ${ms(b.prefillMs)} is ${pct(prefillShare)} of TTFT despite a ${pct(hitRate)} prefix-cache hit: computing ${computed} tokens ` +
         'is the cost. Use chunked prefill so it shares steps with decodes, a faster backend, or disaggregated prefill workers.');
     }
@@ -187,23 +202,21 @@ export class TraceAnalyzer {
       const kv = trace.kvTransfer;
       const rate = b.kvTransferMs > 0 ? `${bytes(kv.bytes / (b.kvTransferMs / 1000))}/s` : 'n/a';
       const link = kv.fromWorker && kv.toWorker ? ` from ${kv.fromWorker} to ${kv.toWorker}` : '';
-      return make('kv_transfer_bound', 'kv_transfer', kvShare, b.kvTransferMs,
+      return make('kv_transfer_bound', 'kv_transfer', kvShare, 'ttft', b.kvTransferMs,
         `KV transfer${link} took ${ms(b.kvTransferMs)} (${bytes(kv.bytes)} at ${rate}), ${pct(kvShare)} of TTFT. ` +
         'Pair prefill and decode workers on the same host, use a faster transfer channel, or serve short prompts without disaggregation.');
     }
 
-    if (spike) return make('decode_latency_spike', 'decode_execution', spike.share, spike.spikeMs, spike.recommendation);
+    if (spike) return make('decode_latency_spike', 'decode_execution', spike.share, 'decode_steps', spike.spikeMs, spike.recommendation);
 
     const total = Math.max(trace.e2eMs, 1e-9);
-    return make('balanced', 'none', 0, 0,
+    return make('balanced', 'none', 0, 'request', 0,
       `No single phase dominates: queue ${pct(b.queueMs / total)}, prefill ${pct(b.prefillMs / total)}, decode ${pct(b.decodeMs / total)} ` +
       'of the request.');
   }
 
   /** Decode dominates without a spike: preempted mid-decode, or every step as slow as its batch makes it. */
-  private decodeBound(trace: RequestTrace, decodeMs: number,
-    make: (category: BottleneckCategory, phase: PhaseName | 'none', share: number, dominantMs: number, recommendation: string) => Diagnosis<BottleneckCategory>,
-    kind: 'preempted' | 'batch'): Diagnosis<BottleneckCategory> | undefined {
+  private decodeBound(trace: RequestTrace, decodeMs: number, make: Make, kind: 'preempted' | 'batch'): Diagnosis<BottleneckCategory> | undefined {
     const share = decodeMs / Math.max(trace.e2eMs, 1e-9);
     const decode = trace.decode;
     const steps = decode?.steps ?? 0;
@@ -221,7 +234,7 @@ export class TraceAnalyzer {
         recomputeMs += p.endMs - p.startMs;
         recomputedTokens += Number(p.attributes?.tokens ?? 0);
       }
-      return make('decode_preempted', 'decode_execution', share, decodeMs,
+      return make('decode_preempted', 'decode_execution', share, 'request', decodeMs,
         `Decode took ${ms(decodeMs)} (${pct(share)} of the request) and the request was preempted during it: its KV blocks went to ` +
         `other requests and ${recomputedTokens} tokens were recomputed in ${recomputes.length} chunk(s) (${ms(recomputeMs)}), with ` +
         'waiting in between. Give the KV cache more memory (--kv-cache-memory), lower --max-num-seqs so fewer requests share ' +
@@ -236,9 +249,37 @@ export class TraceAnalyzer {
         'workers so fewer decodes share each one.'
       : 'The request decoded nearly alone, so the forward pass itself is the cost: a faster backend, more threads per worker, ' +
         'or a smaller or more quantized model.';
-    return make('decode_batch_bound', 'decode_execution', share, decodeMs,
+    return make('decode_batch_bound', 'decode_execution', share, 'request', decodeMs,
       `Decode took ${ms(decodeMs)}, ${pct(share)} of the request: ${steps} steps at ${ms(perToken)} per token${batchText}, ` +
       `with no step spiking. ${advice}`);
+  }
+
+  /**
+   * Decode dominates, and its tokens came steadily at a healthy rate: the time is the output's length. What shortens
+   * it is fewer tokens (or, a distant second, a faster time per token), not anything before the first token.
+   */
+  private outputLength(trace: RequestTrace, decodeMs: number, queueMs: number, prefillMs: number, ttftBase: number, make: Make): Diagnosis<BottleneckCategory> {
+    const share = decodeMs / Math.max(trace.e2eMs, 1e-9);
+    const steps = trace.decode?.steps ?? 0;
+    const tokens = `${trace.outputTokens} output token${trace.outputTokens === 1 ? '' : 's'}`;
+    const pace = steps > 0
+      ? `${tokens} in ${steps} steps at ${ms(decodeMs / steps)} per token (under the ${ms(this.thresholds.slowTbtMs)} TBT target), with no step spiking`
+      : tokens;
+    const limit = trace.maxTokens !== undefined ? `max_tokens (${trace.maxTokens})` : 'max_tokens or the context length';
+    const ended = trace.finishReason === 'length' ? `the request ran until its token limit, ${limit}`
+      : trace.finishReason === 'stop' ? 'the model ended the answer itself (an end-of-sequence token or a stop sequence)'
+        : `the request finished with ${trace.finishReason}`;
+    // Where TTFT went, when one part of it crosses the line of its TTFT rule: the lesser cost, but a cost to know of.
+    const ttftPart = queueMs / ttftBase > this.thresholds.queueShare ? `, ${pct(queueMs / ttftBase)} of it waiting in the queue`
+      : prefillMs / ttftBase > this.thresholds.prefillShare ? `, ${pct(prefillMs / ttftBase)} of it prefill` : '';
+    const ttft = trace.ttftMs !== undefined ? ` The first token came after ${ms(trace.ttftMs)}${ttftPart}` : '';
+    const firstToken = ttft === '' ? ''
+      : trace.stream === false ? `${ttft}: streaming (stream: true) would show it then instead of the whole answer at the end.`
+        : `${ttft}.`;
+    return make('decode_output_length', 'decode_execution', share, 'request', decodeMs,
+      `Decode took ${ms(decodeMs)}, ${pct(share)} of the request: ${pace}. The time is the length of the output, not a slow ` +
+      `phase; ${ended}. A lower max_tokens, stop sequences, or a prompt that asks for a shorter answer would shorten it; ` +
+      `beyond that only a faster time per token would (a faster backend or a smaller model).${firstToken}`);
   }
 
   private spike(trace: RequestTrace): { share: number; spikeMs: number; recommendation: string } | undefined {
@@ -325,6 +366,9 @@ export class TraceAnalyzer {
     };
   }
 }
+
+type Make = (category: BottleneckCategory, phase: PhaseName | 'none', share: number, shareOf: ShareBase, dominantMs: number,
+  recommendation: string) => Diagnosis<BottleneckCategory>;
 
 export interface WindowOptions {
   /** A request is slow when its TTFT reaches this (default 200 ms, the TTFT target)... */

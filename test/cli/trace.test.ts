@@ -5,6 +5,7 @@ import assert from 'node:assert/strict';
 import { createServer } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { runCli as run } from '../helpers/cli-main.ts';
+import { formatAnalysis } from '../../src/cli/trace.ts';
 import { startTestServer, type TestServer } from '../api/e2e-fixture.ts';
 import { rawRequest } from '../api/http-client.ts';
 
@@ -57,6 +58,48 @@ describe('conduit trace', () => {
     assert.ok(rows.includes('prefill_execution') && rows.includes('streaming_response'), rows.join(','));
     assert.match(out, /^time between tokens: p50 [\d.]+ ms/m);
     assert.match(out, /^bottleneck: [a-z_]+/m);
+  });
+
+  it('names a long output decode_output_length and a long prompt prefill-bound, on the real engine and in the console', { timeout: 120_000 }, async () => {
+    const model = server.running.api.gateway.servedModelName!;
+    const complete = async (prompt: string, maxTokens: number): Promise<string> => {
+      const res = await rawRequest(server.url, {
+        path: '/v1/completions', headers: { Authorization: `Bearer ${KEY}` },
+        body: { model, prompt, max_tokens: maxTokens, temperature: 0, ignore_eos: true },
+      });
+      assert.equal(res.status, 200, res.text);
+      return String(res.headers['x-request-id']);
+    };
+    // A 2-token prompt and 160 tokens out: decode is nearly all of it, at a healthy time per token.
+    const long = await complete('Hi', 160);
+    // A long prompt and one token out: prefill is nearly all of TTFT, and TTFT nearly all of the request.
+    const words = Array.from({ length: 200 }, (_, i) => `w${(i * 7919 + 17) % 10007}`).join(' ');
+    const prompted = await complete(words, 1);
+
+    const decode = await run(['trace', long, '--url', server.url, '--api-key', KEY]);
+    assert.equal(decode.code, 0, decode.err);
+    assert.match(decode.out, /^bottleneck: decode_output_length \(decode_execution: 9\d% of the request, [\d.]+ ms\)$/m);
+    assert.match(decode.out, /^ {2}Decode took .*: 160 output tokens in 159 steps at [\d.]+ ms per token .*max_tokens \(160\)/m);
+    assert.doesNotMatch(decode.out, /prefix cache|No single phase dominates/);
+    const prefill = await run(['trace', prompted, '--url', server.url, '--api-key', KEY]);
+    assert.equal(prefill.code, 0, prefill.err);
+    assert.match(prefill.out, /^bottleneck: prefill_no_cache \(prefill_execution: \d+% of TTFT, [\d.]+ ms\)$/m);
+
+    // The console's recent requests carry the same labels.
+    const res = await fetch(`${server.url}/console/api/overview`, { headers: { Authorization: `Bearer ${KEY}` } });
+    assert.equal(res.status, 200);
+    const { requests } = await res.json() as { requests: { id: string; bottleneck: string | null }[] };
+    assert.equal(requests.find((r) => r.id === long)?.bottleneck, 'decode_output_length');
+    assert.equal(requests.find((r) => r.id === prompted)?.bottleneck, 'prefill_no_cache');
+  });
+
+  it('says what the share is of, and leaves it out for a server that does not say', () => {
+    const analysis = { category: 'queue_saturation', dominant_phase: 'scheduler_queue', dominant_share: 0.81, dominant_ms: 868.46, recommendation: 'Queue wait.' };
+    assert.equal(formatAnalysis({ ...analysis, dominant_share_of: 'ttft' }), 'bottleneck: queue_saturation (scheduler_queue: 81% of TTFT, 868.5 ms)\n  Queue wait.');
+    assert.equal(formatAnalysis({ ...analysis, dominant_share_of: 'request' }).split('\n')[0], 'bottleneck: queue_saturation (scheduler_queue: 81% of the request, 868.5 ms)');
+    assert.equal(formatAnalysis({ ...analysis, dominant_share_of: 'decode_steps' }).split('\n')[0], 'bottleneck: queue_saturation (scheduler_queue: 81% of the decode steps\' time, 868.5 ms)');
+    assert.equal(formatAnalysis(analysis).split('\n')[0], 'bottleneck: queue_saturation (scheduler_queue: 81%, 868.5 ms)');
+    assert.equal(formatAnalysis({ ...analysis, category: 'balanced', dominant_phase: 'none', dominant_share_of: null }), 'bottleneck: balanced\n  Queue wait.');
   });
 
   it('prints the endpoint\'s JSON with --json', async () => {

@@ -13,7 +13,7 @@ function trace(o: TimelineOptions): RequestTrace {
 }
 
 /** One timeline per category (shares are of TTFT = arrival .. first streamed token). */
-// The decode-bound categories are constructed on the simulated engine (test/telemetry/decode-bottleneck.test.ts).
+// decode_batch_bound and decode_preempted are constructed on the engines (test/telemetry/decode-bottleneck.test.ts).
 const CASES: Partial<Record<BottleneckCategory, TimelineOptions>> = {
   // 400 ms of a 437 ms TTFT in the queue.
   queue_saturation: { id: 'queue', queueMs: 400, queueDepth: 57 },
@@ -25,9 +25,20 @@ const CASES: Partial<Record<BottleneckCategory, TimelineOptions>> = {
   kv_transfer_bound: { id: 'transfer', chunks: [[20, 1024]], kvTransfer: { ms: 100, bytes: 320 << 20, from: 'p0', to: 'd1' } },
   // One 300 ms step among 10 ms ones; decode dominates the request.
   decode_latency_spike: { id: 'spike', engineSteps: true, stepMs: [10, 10, 10, 300, 10, 10, 10, 10, 10] },
-  // Queue and prefill about even, steady decode.
-  balanced: { id: 'even', queueMs: 10, chunks: [[10, 1024]] },
+  // 400 tokens at 1.4 ms after a 21.5 ms prefill of nothing cached (86% of TTFT, 4% of the request).
+  decode_output_length: { id: 'long-output', promptTokens: 295, chunks: [[21.5, 295]], outputTokens: 400, stepMs: 1.4 },
+  // Queue and prefill about even, a short steady decode.
+  balanced: { id: 'even', queueMs: 10, chunks: [[10, 1024]], outputTokens: 2 },
 };
+
+/** A timeline's events with the request's max_tokens, finish reason and streaming changed. */
+function variant(o: TimelineOptions, change: { maxTokens?: number; finishReason?: string }): RequestTrace {
+  return buildRequestTrace(requestTimeline(o).events.map((e) => {
+    if (e.phase === 'validate' && change.maxTokens !== undefined) return { ...e, maxTokens: change.maxTokens };
+    if (e.phase === 'finish' && change.finishReason !== undefined) return { ...e, finishReason: change.finishReason };
+    return e;
+  }));
+}
 
 describe('TraceAnalyzer.classify', () => {
   for (const [category, options] of Object.entries(CASES) as [BottleneckCategory, TimelineOptions][]) {
@@ -60,6 +71,56 @@ describe('TraceAnalyzer.classify', () => {
     assert.match(kv.recommendation, /from p0 to d1/);
   });
 
+  it('says what each share is of: TTFT, the request, or the decode steps\' time', () => {
+    assert.equal(analyzer.classify(trace(CASES.queue_saturation!)).dominant_share_of, 'ttft');
+    assert.equal(analyzer.classify(trace(CASES.prefill_no_cache!)).dominant_share_of, 'ttft');
+    assert.equal(analyzer.classify(trace(CASES.decode_output_length!)).dominant_share_of, 'request');
+    assert.equal(analyzer.classify(trace(CASES.decode_latency_spike!)).dominant_share_of, 'decode_steps');
+    assert.equal(analyzer.classify(trace(CASES.balanced!)).dominant_share_of, null);
+    assert.equal(analyzer.classify(buildRequestTrace(rateLimitedTimeline('limited'))).dominant_share_of, null);
+  });
+
+  it('names a long output at a healthy time per token decode_output_length, with its numbers, not a TTFT category', () => {
+    // The prefill was 86% of TTFT, but TTFT 4% of the request: the time went to 400 tokens at 1.4 ms.
+    const d = analyzer.classify(trace(CASES.decode_output_length!));
+    assert.equal(d.category, 'decode_output_length', d.recommendation);
+    assert.equal(d.dominant_phase, 'decode_execution');
+    assert.equal(d.dominant_ms, d.breakdown_ms.decode);
+    assert.ok(d.dominant_ms > 399 * 1.4, String(d.dominant_ms));
+    assert.ok(Math.abs(d.dominant_share - d.dominant_ms / d.total_ms) < 1e-3, String(d.dominant_share));
+    assert.ok(d.dominant_share > 0.95);
+    assert.match(d.recommendation, /^Decode took 559 ms, 96% of the request: 400 output tokens in 399 steps at 1\.4 ms per token \(under the 50\.0 ms TBT target\), with no step spiking\. /);
+    assert.match(d.recommendation, /the length of the output/);
+    assert.match(d.recommendation, /ran until its token limit, max_tokens \(64\)/);
+    assert.match(d.recommendation, /A lower max_tokens, stop sequences, or a prompt that asks for a shorter answer/);
+    assert.doesNotMatch(d.recommendation, /prefix|No single phase/);
+    assert.match(d.recommendation, /The first token came after 25\.\d ms, 8\d% of it prefill\.$/);
+
+    // A 2-token prompt, 300 tokens out: nothing before the first token to speak of, and decode 99% of the request.
+    const tiny = analyzer.classify(variant({ id: 'tiny', promptTokens: 2, queueMs: 0.7, chunks: [[2.3, 2]], outputTokens: 300, stepMs: 1.16 }, { maxTokens: 300 }));
+    assert.equal(tiny.category, 'decode_output_length', tiny.recommendation);
+    assert.match(tiny.recommendation, /300 output tokens in 299 steps at 1\.2 ms per token/);
+    assert.match(tiny.recommendation, /max_tokens \(300\)/);
+
+    // Queue wait 66% of TTFT is not the bottleneck when TTFT is a third of the request and the rest is 400 steady tokens.
+    const queued = analyzer.classify(trace({ id: 'queued-long', queueMs: 300, queueDepth: 3, chunks: [[150, 1024]], outputTokens: 400, stepMs: 2.5 }));
+    assert.equal(queued.category, 'decode_output_length', queued.recommendation);
+    assert.match(queued.recommendation, /The first token came after 452 ms, 66% of it waiting in the queue\.$/);
+
+    // The model ended it, and the client did not stream: said so, with what streaming would change.
+    const ended = analyzer.classify(variant({ id: 'ended', stream: false, outputTokens: 200, stepMs: 3 }, { finishReason: 'stop' }));
+    assert.equal(ended.category, 'decode_output_length', ended.recommendation);
+    assert.match(ended.recommendation, /the model ended the answer itself/);
+    assert.match(ended.recommendation, /streaming \(stream: true\) would show it then/);
+  });
+
+  it('keeps the decode categories that explain a slow decode ahead of decode_output_length', () => {
+    // Steps at the TBT target: decode_batch_bound; one step spiking: decode_latency_spike.
+    const slow = analyzer.classify(trace({ id: 'slow-steps', engineSteps: true, outputTokens: 20, stepMs: 60 }));
+    assert.equal(slow.category, 'decode_batch_bound', slow.recommendation);
+    assert.equal(analyzer.classify(trace(CASES.decode_latency_spike!)).category, 'decode_latency_spike');
+  });
+
   it('reports a decode spike even when TTFT is balanced, counting the spiking steps', () => {
     const d = analyzer.classify(trace({ id: 's2', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, outputTokens: 3, stepMs: [1, 1, 1, 1, 20] }));
     assert.equal(d.category, 'decode_latency_spike');
@@ -68,8 +129,9 @@ describe('TraceAnalyzer.classify', () => {
   });
 
   it('does not call a steady decode a spike', () => {
+    // Decode (93 ms) dominates the 23 ms TTFT, steadily: the time is the output's length.
     const d = analyzer.classify(trace({ id: 'steady', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, stepMs: [10, 12, 11, 13, 10, 12, 25] }));
-    assert.equal(d.category, 'balanced');
+    assert.equal(d.category, 'decode_output_length', d.recommendation);
   });
 });
 
@@ -91,6 +153,18 @@ describe('TraceAnalyzer.analyze', () => {
     const shares = Object.values(w.phase_share).reduce((a, b) => a + b, 0);
     assert.ok(Math.abs(shares - 1) < 0.01, `shares sum to ${shares}`);
     assert.ok(w.phase_share.queue > w.phase_share.routing);
+  });
+
+  it('counts slow long outputs under decode_output_length', () => {
+    // TTFT over the 200 ms target, and 400 steady tokens after it: slow, and the time went to the output.
+    const traces = [0, 1, 2].map((i) => trace({ id: `long-${i}`, at: T0 + i, queueMs: 250, chunks: [[20, 1024]], outputTokens: 400, stepMs: 2 }));
+    traces.push(trace({ ...CASES.queue_saturation!, id: 'q1', at: T0 + 3 }));
+    const w = analyzer.analyze(traces);
+    assert.equal(w.slow_requests, 4);
+    assert.equal(w.categories.decode_output_length, 3);
+    assert.equal(w.primary_bottleneck, 'decode_output_length');
+    assert.deepEqual(w.examples.decode_output_length, ['long-0', 'long-1', 'long-2']);
+    assert.match(w.recommendation, /the length of the output/);
   });
 
   it('gives a request that did not complete no bottleneck, but how it ended', () => {
