@@ -73,6 +73,8 @@ export interface SimRequestResult {
   e2eMs?: number;
   /** Gaps between consecutive tokens of each completion, in order. */
   itlMs: number[];
+  /** When each output token (of every completion) was emitted, in order: one entry per token. */
+  tokenTimesMs: number[];
   promptTokens: number;
   cachedTokens: number;
   completionTokens: number;
@@ -206,7 +208,7 @@ export class SimCluster {
     const timeMs = Math.max(request.arrivalMs, this.clockMs);
     const arrived = timeMs === request.arrivalMs ? request : { ...request, arrivalMs: timeMs };
     this.records.set(request.id, {
-      id: request.id, workerIndex: -1, arrivalMs: timeMs, itlMs: [], promptTokens: request.promptTokenIds.length,
+      id: request.id, workerIndex: -1, arrivalMs: timeMs, itlMs: [], tokenTimesMs: [], promptTokens: request.promptTokenIds.length,
       cachedTokens: 0, completionTokens: 0,
     });
     this.events.push({ kind: 1, timeMs, seq: this.nextSeq++, request: arrived });
@@ -378,6 +380,7 @@ export class SimCluster {
         const previous = last[output.index];
         if (previous !== undefined) record.itlMs.push(nowMs - previous);
         last[output.index] = nowMs;
+        for (let i = 0; i < output.newTokenIds.length; i++) record.tokenTimesMs.push(nowMs);
       }
       record.cachedTokens = output.usage.cachedTokens;
       record.completionTokens = Math.max(record.completionTokens, output.usage.completionTokens);
@@ -412,7 +415,15 @@ export interface RunSummary {
   /** Every inter-token gap of every measured request, pooled (vLLM's ITL). */
   itlMs: Distribution;
   e2eMs: Distribution;
-  /** Output tokens of measured requests per second between the first measured arrival and the last finish. */
+  /**
+   * Output tokens per second in steady state: the tokens every request (warm-up included) emitted from the first
+   * finish of a measured request to the last arrival, over that window's length. Before the window the cluster was
+   * still filling from empty (a request's whole life had not yet passed since the measured ones began arriving);
+   * after it, it drains and emits less. It comes to rate x output tokens when the workers keep up, and is what they
+   * manage when they do not. NaN when the window is shorter than the measured requests' median end-to-end latency
+   * (empty included): a run too short for a steady state, whose few steps would give the rate of whatever burst of
+   * prefills or decodes they caught.
+   */
   outputTokensPerSec: number;
   /** Prompt tokens served from the prefix cache / prompt tokens, measured requests. */
   prefixHitRate: number;
@@ -427,24 +438,32 @@ export function summarizeRequests(requests: readonly SimRequestResult[], warmupF
     .sort((a, b) => a.arrivalMs - b.arrivalMs);
   const measured = finished.slice(Math.floor(finished.length * warmupFraction));
   const itl: number[] = [];
-  let outputTokens = 0;
   let promptTokens = 0;
   let cachedTokens = 0;
-  let lastFinishMs = -Infinity;
   for (const r of measured) {
     for (const gap of r.itlMs) itl.push(gap);
-    outputTokens += r.completionTokens;
     promptTokens += r.promptTokens;
     cachedTokens += r.cachedTokens;
-    lastFinishMs = Math.max(lastFinishMs, r.finishMs!);
   }
-  const spanMs = measured.length > 0 ? lastFinishMs - measured[0]!.arrivalMs : 0;
+  // The steady-state window (see RunSummary.outputTokensPerSec), tokens counted in (startMs, endMs].
+  let startMs = Infinity;
+  for (const r of measured) startMs = Math.min(startMs, r.finishMs!);
+  let endMs = -Infinity;
+  for (const r of requests) endMs = Math.max(endMs, r.arrivalMs);
+  const e2eMs = distribution(measured.map((r) => r.e2eMs!));
+  const steady = endMs > startMs && endMs - startMs >= e2eMs.p50;
+  let windowTokens = 0;
+  if (steady) {
+    for (const r of requests) {
+      for (const t of r.tokenTimesMs) if (t > startMs && t <= endMs) windowTokens++;
+    }
+  }
   return {
     numRequests: measured.length,
     ttftMs: distribution(measured.map((r) => r.ttftMs!)),
     itlMs: distribution(itl),
-    e2eMs: distribution(measured.map((r) => r.e2eMs!)),
-    outputTokensPerSec: spanMs > 0 ? (outputTokens / spanMs) * 1000 : 0,
+    e2eMs,
+    outputTokensPerSec: steady ? (windowTokens / (endMs - startMs)) * 1000 : NaN,
     prefixHitRate: promptTokens > 0 ? cachedTokens / promptTokens : 0,
   };
 }

@@ -275,11 +275,16 @@ export function formatPlan(opts: PlanOptions, result: PlanResult): string {
   const f = (v: number) => (Number.isFinite(v) ? v.toFixed(2) : '-');
   const rows = result.trials.map((t) => [
     String(t.workers), String(t.gpus), f(t.summary.ttftMs.p50), f(t.summary.ttftMs.p99), f(t.summary.itlMs.p50),
-    f(t.summary.itlMs.p99), t.summary.outputTokensPerSec.toFixed(0),
+    f(t.summary.itlMs.p99), Number.isFinite(t.summary.outputTokensPerSec) ? t.summary.outputTokensPerSec.toFixed(0) : '-',
     t.meetsTargets ? 'yes' : t.unserved > 0 ? `no (${t.unserved} refused or cut short)` : 'no',
   ]);
   if (rows.length > 0) {
-    lines.push(table(['workers', 'GPUs', 'TTFT p50 ms', 'TTFT p99 ms', 'ITL p50 ms', 'ITL p99 ms', 'out tok/s', 'meets'], rows), '');
+    lines.push(table(['workers', 'GPUs', 'TTFT p50 ms', 'TTFT p99 ms', 'ITL p50 ms', 'ITL p99 ms', 'out tok/s', 'meets'], rows));
+    if (result.trials.some((t) => !Number.isFinite(t.summary.outputTokensPerSec))) {
+      lines.push('(out tok/s counts from the first measured request\'s finish to the last arrival; - where that window is shorter '
+        + 'than the median request\'s latency: no steady state within the run, too few --requests or queues still growing)');
+    }
+    lines.push('');
   }
   lines.push(result.answer
     ? `answer: ${result.answer.workers} worker(s) x tp ${opts.tp} = ${result.answer.gpus} GPU(s) (${result.reason})`

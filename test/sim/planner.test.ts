@@ -4,7 +4,7 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { H100_SXM } from '../../src/sim/hardware.ts';
 import { LLAMA_3_1_8B } from '../../src/sim/models.ts';
-import { evaluateWorkers, formatPlan, planBounds, planCapacity, type PlanOptions } from '../../src/sim/planner.ts';
+import { evaluateWorkers, formatPlan, planBounds, planCapacity, planWorkload, type PlanOptions } from '../../src/sim/planner.ts';
 import { close } from './sim-fixtures.ts';
 
 // Llama 3.1 8B: 32 layers, d 4096, 32 / 8 heads of 128, FFN 14336, vocab 128256, untied embeddings, BF16.
@@ -142,4 +142,28 @@ test('requests longer than one worker holds are refused up front; cut-short or r
   const refused = evaluateWorkers(small(1700, 8), 4);
   assert.equal(refused.unserved, 20);
   assert.equal(refused.meetsTargets, false);
+});
+
+test('out tok/s is the steady-state rate: it comes to the demand the arrivals made when the workers keep up', () => {
+  const opts: PlanOptions = {
+    model: LLAMA_3_1_8B, hw: H100_SXM, tp: 1, ratePerSec: 60, inputTokens: 1024, outputTokens: 256, ttftP99Ms: 500, itlP99Ms: 50,
+  };
+  const arrivals = planWorkload(opts).map((r) => r.arrivalMs).sort((a, b) => a - b);
+  assert.equal(arrivals.length, 1000);
+  // The demand those arrivals make: 256 output tokens for each request after the first measured one (the 101st,
+  // past the 10% warm-up), over the time they took to arrive.
+  const demand = ((arrivals.length - 1 - 100) * 256) / (arrivals.at(-1)! - arrivals[100]!) * 1000;
+  const trial = evaluateWorkers(opts, 4);
+  assert.equal(trial.meetsTargets, true);
+  // It read 12% low (13,922 tok/s against 15,797) when it divided by the time to the last finish, the drain included.
+  const rate = trial.summary.outputTokensPerSec;
+  assert.ok(Math.abs(rate - demand) / demand < 0.02, `${rate.toFixed(0)} tok/s vs a demand of ${demand.toFixed(0)}`);
+
+  // 300 requests at that rate are over before a steady state (the window from the first measured finish to the last
+  // arrival is shorter than a request's latency): no figure rather than a low one.
+  const short = evaluateWorkers({ ...opts, numRequests: 300 }, 4);
+  assert.ok(Number.isNaN(short.summary.outputTokensPerSec));
+  const text = formatPlan({ ...opts, numRequests: 300 }, { bounds: planBounds(opts), trials: [short], answer: null, reason: 'x' });
+  assert.match(text, /^ +4 +4 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +- +yes$/m);
+  assert.match(text, /^\(out tok\/s counts from the first measured request's finish to the last arrival; - where/m);
 });

@@ -23,6 +23,8 @@ test('one request on one worker: TTFT is the prefill step, ITL the decode steps,
   close(a.itlMs[0]!, 1.47792); // decode after 64 tokens: 977,920 FLOPs + 0.5 ms
   close(a.itlMs[1]!, 1.478944); // after 65: 978,944 FLOPs
   close(a.e2eMs!, 44.82896 + 1.47792 + 1.478944);
+  assert.equal(a.tokenTimesMs.length, 3);
+  [144.82896, 144.82896 + 1.47792, 144.82896 + 1.47792 + 1.478944].forEach((t, i) => close(a.tokenTimesMs[i]!, t));
   assert.equal(a.completionTokens, 3);
   assert.equal(a.finishReason, 'length');
 });
@@ -116,14 +118,34 @@ test('percentiles are nearest-rank; summaries leave the warm-up out', () => {
   assert.ok(Number.isNaN(percentile([], 0.5)));
   const mk = (id: string, arrivalMs: number, ttftMs: number) => ({
     id, workerIndex: 0, arrivalMs, firstTokenMs: arrivalMs + ttftMs, finishMs: arrivalMs + ttftMs + 10, ttftMs, e2eMs: ttftMs + 10,
-    itlMs: [10], promptTokens: 10, cachedTokens: 5, completionTokens: 2,
+    itlMs: [10], tokenTimesMs: [arrivalMs + ttftMs, arrivalMs + ttftMs + 10], promptTokens: 10, cachedTokens: 5, completionTokens: 2,
   });
   const s = summarizeRequests([mk('b', 10, 3), mk('a', 0, 1000), mk('c', 20, 5), mk('d', 30, 4)], 0.25);
   assert.equal(s.numRequests, 3); // 'a' arrived first and is the 25% warm-up
   assert.equal(s.ttftMs.max, 5);
   assert.equal(s.prefixHitRate, 0.5);
-  // 6 output tokens between the first measured arrival (10) and the last finish (30 + 4 + 10 = 44).
-  close(s.outputTokensPerSec, 6 / 34 * 1000);
+  // From the first measured finish (b's, at 23) to the last arrival (30) is 7 ms, shorter than the measured
+  // requests' median latency (14 ms): no steady state to measure.
+  assert.ok(Number.isNaN(s.outputTokensPerSec));
+});
+
+test('output tokens per second: every request\'s tokens from the first measured finish to the last arrival', () => {
+  // Six requests 10 ms apart, three tokens each 5 ms apart (the last at +15, the finish); the first, the warm-up,
+  // emits six tokens (5 .. 30) instead.
+  const mk = (arrivalMs: number, tokens: number) => {
+    const tokenTimesMs = Array.from({ length: tokens }, (_, i) => arrivalMs + 5 * (i + 1));
+    return {
+      id: `r${arrivalMs}`, workerIndex: 0, arrivalMs, firstTokenMs: arrivalMs + 5, finishMs: tokenTimesMs.at(-1)!, ttftMs: 5,
+      e2eMs: 5 * tokens, itlMs: Array.from({ length: tokens - 1 }, () => 5), tokenTimesMs, promptTokens: 8, cachedTokens: 0,
+      completionTokens: tokens,
+    };
+  };
+  const s = summarizeRequests([mk(0, 6), mk(10, 3), mk(20, 3), mk(30, 3), mk(40, 3), mk(50, 3)], 1 / 6);
+  assert.equal(s.numRequests, 5);
+  // The window (25, 50]: the first measured finish is r10's at 25, the last arrival r50's at 50, and 25 ms is no
+  // shorter than the 15 ms latency. In it: r0's token at 30, r20's at 30 and 35, r30's at 35, 40 and 45, r40's at 45
+  // and 50; none of r10's (25 is the window's open end) or r50's (55 on). 1 + 2 + 3 + 2 = 8 tokens in 25 ms.
+  close(s.outputTokensPerSec, 8 / 25 * 1000);
 });
 
 test('Poisson arrivals: seeded, mean gap 1 / rate, and a higher rate compresses the same draws', () => {
