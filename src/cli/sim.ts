@@ -20,7 +20,7 @@ import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/eng
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import { formatKvTierTtft, simulateKvTierTtft } from '../sim/kv-tier-ttft.ts';
 import { KV_TIER_PROFILES } from '../sim/hardware.ts';
-import { checkSimSequenceFits, SIM_DEFAULTS } from '../sim/sim-worker.ts';
+import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks } from '../sim/sim-worker.ts';
 import type { Command } from './main.ts';
 
 /** Gives every flag of a table the environment twin `${prefix}<FLAG>`. */
@@ -35,8 +35,8 @@ export const DEPLOYMENT_FLAGS = {
   model: { type: 'string', help: 'model profile id (see `conduit sim --help`)', short: 'm' },
   gpu: { type: 'string', help: 'GPU profile id', default: 'h100' },
   tp: { type: 'number', help: 'tensor-parallel GPUs per worker' },
-  'weight-bytes': { type: 'number', help: 'bytes per weight (2 = BF16, 1 = FP8)', default: 2 },
-  'kv-bytes': { type: 'number', help: 'bytes per KV cache element (2 = BF16, 1 = FP8)', default: 2 },
+  'weight-bytes': { type: 'number', help: 'bytes per weight, the weights\' dtype: 2 = BF16, 1 = FP8, 0.5 = INT4 (weight-only, computed in BF16)', default: 2 },
+  'kv-bytes': { type: 'number', help: 'bytes per KV cache element, the cache\'s dtype: 2 = BF16, 1 = FP8', default: 2 },
   calibration: {
     type: 'string', default: DEFAULT_CALIBRATION,
     help: `efficiency factors: ${CALIBRATIONS.join(' | ')} (roofline = datasheet-fraction estimates; measured = fitted ` +
@@ -48,6 +48,15 @@ export const DEPLOYMENT_FLAGS = {
   'comm-efficiency': { type: 'number', help: 'override the calibration: fraction of link bandwidth collectives reach' },
   'step-overhead-ms': { type: 'number', help: 'override the calibration: CPU time per step the GPU waits on, ms' },
 } satisfies FlagTable;
+
+/**
+ * The dtype widths --weight-bytes and --kv-bytes may name: the sizes the performance model prices (FP8 weights at the
+ * GPU's FP8 peak where it has one, others at its BF16 peak). A width no dtype has (3, 100) is refused, not priced.
+ */
+const DTYPE_WIDTHS = {
+  'weight-bytes': { 2: 'BF16', 1: 'FP8', 0.5: 'INT4' },
+  'kv-bytes': { 2: 'BF16', 1: 'FP8' },
+} as const satisfies Record<string, Record<number, string>>;
 
 /** Efficiency flags and the factor each overrides. */
 const EFFICIENCY_FLAGS = {
@@ -94,7 +103,11 @@ export function resolveDeployment(values: {
   try {
     for (const flag of ['weight-bytes', 'kv-bytes'] as const) {
       const value = values[flag];
-      if (value !== undefined && !(value > 0)) throw new RangeError(`--${flag} must be > 0, got ${value}`);
+      const widths: Record<string, string> = DTYPE_WIDTHS[flag];
+      if (value !== undefined && !Object.hasOwn(widths, String(value))) {
+        const known = Object.entries(widths).sort(([a], [b]) => Number(b) - Number(a)).map(([width, name]) => `${width} (${name})`);
+        throw new RangeError(`--${flag} must be ${known.slice(0, -1).join(', ')} or ${known.at(-1)}, got ${value}`);
+      }
     }
     const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
     const hw = getHardwareProfile(values.gpu!);
@@ -131,6 +144,19 @@ export function fitsContext(what: string, tokens: number, outputTokens = 1): voi
 function fitsWorker(config: Parameters<typeof checkSimSequenceFits>[0], tokens: number): void {
   try {
     checkSimSequenceFits(config, tokens, 1);
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
+}
+
+/**
+ * A worker of this deployment must exist: its weight shard must leave HBM for at least one KV block (decode-sweep's
+ * table says itself which batches its pool holds).
+ */
+function workerExists(config: Parameters<typeof simKvBlocks>[0]): void {
+  try {
+    simKvBlocks(config);
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -277,6 +303,9 @@ async function sweep(argv: string[]): Promise<number> {
   // tokens: the prefill's and the decode step's), so the table too describes only what the simulated context holds.
   fitsContext('--context', contextLen, 2);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
+  // Checked before any table, whatever --no-check says (that flag skips the engine cross-check only): a deployment
+  // whose weights do not fit its GPUs has no KV pool and no step times to tabulate.
+  workerExists({ model, hw, tp, blockSize });
   const batchSizes = values.batches!.split(',').map((text) => {
     const batch = Number(text.trim());
     if (!Number.isSafeInteger(batch) || batch < 1) throw new UsageError(`--batches expects whole numbers >= 1, got "${text}"`);

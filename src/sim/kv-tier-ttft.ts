@@ -1,7 +1,8 @@
 // TTFT of one prompt on a simulated GPU worker with lower KV tiers, by where its prefix comes from: cold (computed),
 // the primary pool (HBM), host RAM (over PCIe) and local NVMe, each measured by running the simulated worker (the
 // real scheduler, KV cache and tiers, the performance model's step times): the prompt runs once, an unrelated prompt
-// of the same length evicts it from a pool sized for one, and the prompt runs again. `conduit sim kv-tiers`.
+// that takes every block of the pool evicts all of it from HBM (the lower tier keeps it), and the prompt runs again.
+// `conduit sim kv-tiers`.
 
 import { DEFAULT_SAMPLING, type EngineRequest } from '../engine/types.ts';
 import { hostTierFor, NVME_GEN4, type HardwareProfile, type KvTierProfile } from './hardware.ts';
@@ -24,9 +25,12 @@ export interface KvTierTtftOptions {
 export interface KvTierTtftRow {
   source: 'cold' | 'primary' | 'ram' | 'disk';
   ttftMs: number;
+  /** Prompt tokens the run did not compute: HBM hits plus onboarded blocks. */
   cachedTokens: number;
   onboardedBlocks: number;
   onboardMs: number;
+  /** Blocks the lower tier held that the cost model chose to recompute (slower to read than to compute). */
+  recomputedBlocks: number;
 }
 
 export interface KvTierTtftReport {
@@ -41,14 +45,22 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
   const blockSize = options.blockSize ?? 16;
   const ram = options.ram ?? hostTierFor(hw);
   const disk = options.disk ?? NVME_GEN4;
+  // The lower tiers hold whole blocks, and never serve the block of the prompt's last token (that one is computed,
+  // its logits give the first output token): a prompt of one block or less has nothing a lower tier could serve.
+  const tierBlocks = Math.floor((promptTokens - 1) / blockSize);
+  if (tierBlocks < 1) {
+    throw new SimConfigError(`a ${promptTokens}-token prompt has no whole KV block of ${blockSize} tokens before its last token, `
+      + `so no part of it can come from host RAM or NVMe; use a prompt of more than ${blockSize} tokens`);
+  }
   const blocks = Math.ceil((promptTokens + 32) / blockSize) + 2;
-  // The worker gets a pool of just `blocks`, so that one unrelated prompt evicts the first. That pool must be one
-  // the deployment has: its weights must leave HBM (simKvBlocks refuses otherwise), and at least `blocks` of it.
+  // The worker gets a pool of just `blocks` (the prompt and its output with a few blocks to spare, one of them for
+  // the copy of a cached last block), which the evicting prompt then takes whole. That pool must be one the
+  // deployment has: its weights must leave HBM (simKvBlocks refuses otherwise), and at least `blocks` of it.
   const deploymentBlocks = simKvBlocks({ model, hw, tp, blockSize });
   if (blocks > deploymentBlocks) {
     throw new SimConfigError(`a ${promptTokens}-token prompt does not fit one worker of ${model.name} on ${tp} x ${hw.name}: `
-      + `the measurement needs ${blocks} KV blocks of ${blockSize} tokens (the prompt, its output and an evicting prompt's `
-      + `extra blocks), the pool holds ${deploymentBlocks}; use a larger tp or a shorter prompt`);
+      + `the measurement needs ${blocks} KV blocks of ${blockSize} tokens (the prompt, its output and a few spare blocks), `
+      + `the pool holds ${deploymentBlocks}; use a larger tp or a shorter prompt`);
   }
   const blockBytes = blockSize * kvBytesPerToken(model);
   const make = (tiers: { ramBytes?: number; diskBytes?: number } | undefined) => new SimWorker({
@@ -57,7 +69,10 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
     ...(tiers !== undefined ? { kvTiers: { ...tiers, ram, disk } } : {}),
   });
   const prompt = Array.from({ length: promptTokens }, (_, i) => 100 + i);
-  const evictor = Array.from({ length: promptTokens + 24 }, (_, i) => 50_000 + i);
+  // With its 2 output tokens the evictor is a sequence of blocks x blockSize tokens, all but the last of which take a
+  // KV slot: one more than (blocks - 1) x blockSize, so it needs every block of the pool and leaves none of the
+  // prompt's in HBM. Its tokens share nothing with the prompt's.
+  const evictor = Array.from({ length: blocks * blockSize - 2 }, (_, i) => 50_000 + i);
   let clock = 0;
   let id = 0;
   const run = (worker: SimWorker, tokens: number[]): Omit<KvTierTtftRow, 'source'> => {
@@ -65,8 +80,9 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
       id: `t${id++}`, promptTokenIds: tokens, priority: 0, arrivalMs: clock,
       sampling: { ...DEFAULT_SAMPLING, maxTokens: 2, ignoreEos: true },
     };
+    const recomputedBefore = worker.stats().kvTiers?.recomputedBlocks ?? 0;
     worker.add(request, clock);
-    let first: Omit<KvTierTtftRow, 'source'> | undefined;
+    let first: Omit<KvTierTtftRow, 'source' | 'recomputedBlocks'> | undefined;
     for (let steps = 0; worker.hasWork; steps++) {
       const step = worker.beginStep(clock)!;
       clock = step.endMs;
@@ -81,24 +97,40 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
       }
       if (steps > 10_000) throw new Error('simulated worker did not finish');
     }
-    return first!;
+    return { ...first!, recomputedBlocks: (worker.stats().kvTiers?.recomputedBlocks ?? 0) - recomputedBefore };
   };
   const plenty = 4 * blocks * blockBytes;
   const withRam = make({ ramBytes: plenty });
   const cold = run(withRam, prompt);
   const primary = run(withRam, prompt);
   run(withRam, evictor);
-  const fromRam = run(withRam, prompt);
+  const fromRam = checkLowerTierRow(run(withRam, prompt), promptTokens, blockSize, ram.name);
   const withDisk = make({ diskBytes: plenty });
   run(withDisk, prompt);
   run(withDisk, evictor);
-  const fromDisk = run(withDisk, prompt);
+  const fromDisk = checkLowerTierRow(run(withDisk, prompt), promptTokens, blockSize, disk.name);
   return {
     rows: [
       { source: 'cold', ...cold }, { source: 'primary', ...primary }, { source: 'ram', ...fromRam }, { source: 'disk', ...fromDisk },
     ],
     blockBytes, ram, disk,
   };
+}
+
+/**
+ * A lower tier's row must have had every block that tier can serve (all whole blocks before the prompt's last token)
+ * from that tier, onboarded or recomputed by the cost model's choice, and none from HBM: anything else would print
+ * the HBM's (or a partly warm pool's) TTFT under the tier's name. Throws when it did not; returns the row.
+ */
+export function checkLowerTierRow<R extends Pick<KvTierTtftRow, 'cachedTokens' | 'onboardedBlocks' | 'recomputedBlocks'>>(
+  row: R, promptTokens: number, blockSize: number, tierName: string): R {
+  const tierBlocks = Math.floor((promptTokens - 1) / blockSize);
+  if (row.onboardedBlocks + row.recomputedBlocks !== tierBlocks || row.cachedTokens !== row.onboardedBlocks * blockSize) {
+    throw new Error(`kv-tiers: the ${promptTokens}-token prompt's run from ${tierName} onboarded ${row.onboardedBlocks} and recomputed `
+      + `${row.recomputedBlocks} of the ${tierBlocks} blocks it should serve, with ${row.cachedTokens} prompt tokens cached: the row would not `
+      + 'measure a prefix read from that tier alone');
+  }
+  return row;
 }
 
 export function formatKvTierTtft(report: KvTierTtftReport): string {
@@ -108,6 +140,12 @@ export function formatKvTierTtft(report: KvTierTtftReport): string {
     '|---|---:|---:|---:|---:|',
     ...report.rows.map((r) => `| ${names[r.source]} | ${r.ttftMs.toFixed(2)} | ${r.cachedTokens} | ${r.onboardedBlocks} | ${r.onboardMs.toFixed(2)} |`),
   ];
+  for (const r of report.rows) {
+    if (r.recomputedBlocks > 0) {
+      lines.push(`(${names[r.source]}: ${r.recomputedBlocks} blocks held there were recomputed instead, the cost model finding `
+        + 'a block slower to read than to compute)');
+    }
+  }
   return `${lines.join('\n')}\n(block ${(report.blockBytes / 2 ** 20).toFixed(2)} MiB of KV; ${report.ram.name} ${(report.ram.bytesPerSec / 1e9).toFixed(1)} GB/s per GPU, `
     + `${report.disk.name} ${(report.disk.bytesPerSec / 1e9).toFixed(1)} GB/s per worker)`;
 }

@@ -153,9 +153,9 @@ test('usage errors exit 2 and name what is wrong', async () => {
       /^conduit sim: --cached must be at most 1023 with --prompt 1024 \(the last prompt token is always computed\), got 5000$/],
     [['sim', 'lifecycle', '--prompt', '512', '--cached', '512'], /--cached must be at most 511 with --prompt 512/],
     // Dtype sizes by their flag's name (the profile's field name was printed).
-    [['sim', 'lifecycle', '--weight-bytes', '0'], /^conduit sim: --weight-bytes must be > 0, got 0$/],
-    [['sim', 'decode-sweep', '--kv-bytes', '-1'], /^conduit sim: --kv-bytes must be > 0, got -1$/],
-    [['plan', '--rate', '1', '--weight-bytes', '0'], /^conduit plan: --weight-bytes must be > 0, got 0$/],
+    [['sim', 'lifecycle', '--weight-bytes', '0'], /^conduit sim: --weight-bytes must be 2 \(BF16\), 1 \(FP8\) or 0\.5 \(INT4\), got 0$/],
+    [['sim', 'decode-sweep', '--kv-bytes', '-1'], /^conduit sim: --kv-bytes must be 2 \(BF16\) or 1 \(FP8\), got -1$/],
+    [['plan', '--rate', '1', '--weight-bytes', '0'], /^conduit plan: --weight-bytes must be 2 \(BF16\), 1 \(FP8\) or 0\.5 \(INT4\), got 0$/],
     // decode-sweep's context, as lifecycle's and kv-tiers' prompts, within the simulated context (1e9 was accepted).
     [['sim', 'decode-sweep', '--context', '1000000000', '--batches', '1', '--no-check'],
       /^conduit sim: --context \(1000000000 tokens, plus 2 of output\) does not fit the simulated context of 131072 tokens$/],
@@ -187,8 +187,8 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '1', '--no-check'], /the weights leave no HBM/],
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '1'], /the weights leave no HBM/],
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'], /at most 41233 tokens/],
-    // kv-tiers' worker holds the prompt, 2 output tokens and an evicting prompt 24 tokens longer: ceil((41,220 + 32) / 16)
-    // + 2 = 2,581 blocks, more than the 2,577 the deployment has.
+    // kv-tiers' worker holds the prompt, 2 output tokens and a few spare blocks: ceil((41,220 + 32) / 16) + 2 = 2,581
+    // blocks, more than the 2,577 the deployment has.
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41220'], /needs 2581 KV blocks of 16 tokens .* the pool holds 2577/],
   ] as const) {
     const result = await run([...argv]);
@@ -197,6 +197,36 @@ test('usage errors exit 2 and name what is wrong', async () => {
     assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
     assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
   }
+});
+
+test('refused before any table: dtype widths no dtype has, a deployment whose weights do not fit, a kv-tiers prompt with no block for a tier', async () => {
+  for (const [argv, message] of [
+    // --weight-bytes and --kv-bytes name a dtype: 3 and 100 bytes per weight were priced as such.
+    [['sim', 'decode-sweep', '--weight-bytes', '3', '--no-check'], /^conduit sim: --weight-bytes must be 2 \(BF16\), 1 \(FP8\) or 0\.5 \(INT4\), got 3$/],
+    [['sim', 'kv-tiers', '--weight-bytes', '100'], /^conduit sim: --weight-bytes must be .*, got 100$/],
+    [['sim', 'lifecycle', '--kv-bytes', '4', '--no-check'], /^conduit sim: --kv-bytes must be 2 \(BF16\) or 1 \(FP8\), got 4$/],
+    [['plan', '--rate', '1', '--weight-bytes', '3'], /^conduit plan: --weight-bytes must be .*, got 3$/],
+    // decode-sweep too (it printed a table with "KV capacity 0 tokens", then exited 0 with --no-check, which skips
+    // only the engine cross-check, and 2 without).
+    [['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1', '--batches', '1', '--no-check'],
+      /^conduit sim: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM for the KV cache/],
+    [['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1'], /^conduit sim: [^\n]*the weights leave no HBM/],
+    // FP8 weights of 405B (405.9e9 bytes) on 4 x H100 (4 x 77.3e9 bytes at 90%): they do not fit either.
+    [['sim', 'decode-sweep', '--model', 'llama-3.1-405b', '--tp', '4', '--weight-bytes', '1', '--no-check'], /the weights leave no HBM/],
+    // A prompt of one block or less has no block a lower tier could serve (its rows were the HBM row's).
+    [['sim', 'kv-tiers', '--prompt', '16'],
+      /^conduit sim: a 16-token prompt has no whole KV block of 16 tokens before its last token, so no part of it can come from host RAM or NVMe/],
+  ] as const) {
+    const result = await run([...argv]);
+    assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
+    assert.match(result.err, message);
+    assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
+    assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
+  }
+  // The widths that are dtypes still run: INT4 weights of 70B fit one H100 (35.3e9 bytes), FP8 KV.
+  const int4 = await run(['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1', '--weight-bytes', '0.5', '--kv-bytes', '1', '--batches', '1']);
+  assert.equal(int4.code, 0, int4.err);
+  assert.match(int4.out, /^ +1 +[\d.]+ +[\d.]+ +ok$/m);
 });
 
 test('conduit sim lifecycle: a CONDUIT_SIM_PARALLEL_LINKS without --link is ignored with a warning; --cached up to the prompt less one token', async () => {

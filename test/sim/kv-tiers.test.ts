@@ -3,35 +3,93 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { getHardwareProfile, HOST_RAM_PCIE5, NVME_GEN4 } from '../../src/sim/hardware.ts';
-import { simulateKvTierTtft } from '../../src/sim/kv-tier-ttft.ts';
+import * as kvTierTtft from '../../src/sim/kv-tier-ttft.ts';
 import { getModelProfile, kvBytesPerToken } from '../../src/sim/models.ts';
-import { SimWorker } from '../../src/sim/sim-worker.ts';
+import { SimConfigError, SimWorker } from '../../src/sim/sim-worker.ts';
 import { DEFAULT_SAMPLING } from '../../src/engine/types.ts';
 
 describe('simulated KV tiers', () => {
   it('70B on 4 x H100, 8192 tokens: HBM < host RAM < NVMe < recompute, the onboard priced by the profiles', () => {
     const model = getModelProfile('llama-3.1-70b');
-    const report = simulateKvTierTtft({ model, hw: getHardwareProfile('h100'), tp: 4, promptTokens: 8192 });
+    const report = kvTierTtft.simulateKvTierTtft({ model, hw: getHardwareProfile('h100'), tp: 4, promptTokens: 8192 });
     const [cold, primary, ram, disk] = report.rows;
     assert.deepEqual(report.rows.map((r) => r.source), ['cold', 'primary', 'ram', 'disk']);
     assert.ok(primary!.ttftMs < ram!.ttftMs && ram!.ttftMs < disk!.ttftMs && disk!.ttftMs < cold!.ttftMs,
       report.rows.map((r) => `${r.source} ${r.ttftMs}`).join(', '));
-    // 511 whole blocks before the last token: the evictor left the first 2 in the pool, the other 509 come from RAM.
-    assert.equal(ram!.cachedTokens, 511 * 16);
-    assert.equal(ram!.onboardedBlocks, 509);
-    const blockBytes = 16 * kvBytesPerToken(model);
-    const ramMs = HOST_RAM_PCIE5.latencyUs / 1000 + (509 * blockBytes / 4 / HOST_RAM_PCIE5.bytesPerSec) * 1000;
+    // The lower tiers serve whole blocks before the last token: (8192 - 1) / 16 rounded down = 511, every one of them
+    // onboarded (the evictor took the whole pool, none stayed in HBM), none recomputed.
+    for (const row of [ram!, disk!]) {
+      assert.equal(row.onboardedBlocks, 511, row.source);
+      assert.equal(row.cachedTokens, 511 * 16, row.source);
+      assert.equal(row.recomputedBlocks, 0, row.source);
+    }
+    // 80 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes = 327,680 B per token: a block of 16 is 5 MiB.
+    const blockBytes = 16 * 80 * 8 * 128 * 2 * 2;
+    assert.equal(blockBytes, 16 * kvBytesPerToken(model));
+    // Host RAM: 10 us, then each of the 4 GPUs moves its quarter over its own PCIe 5.0 x16 at 80% of its 63 GB/s each
+    // way (32 GT/s x 16 lanes, 128b/130b encoding).
+    const pcie5 = 0.8 * (32e9 * 16 * 128 / 130 / 8);
+    assert.deepEqual([HOST_RAM_PCIE5.latencyUs, HOST_RAM_PCIE5.bytesPerSec], [10, pcie5]);
+    const ramMs = 10 / 1000 + (511 * blockBytes / 4 / pcie5) * 1000;
     assert.ok(Math.abs(ram!.onboardMs - ramMs) < 1e-6, `${ram!.onboardMs} vs ${ramMs}`);
-    const diskMs = NVME_GEN4.latencyUs / 1000 + (509 * blockBytes / NVME_GEN4.bytesPerSec) * 1000;
-    assert.ok(Math.abs(disk!.onboardMs - diskMs) < 1e-6);
+    // NVMe: 80 us, then the whole blocks through one 5 GB/s drive.
+    assert.deepEqual([NVME_GEN4.latencyUs, NVME_GEN4.bytesPerSec], [80, 5e9]);
+    const diskMs = 80 / 1000 + (511 * blockBytes / 5e9) * 1000;
+    assert.ok(Math.abs(disk!.onboardMs - diskMs) < 1e-6, `${disk!.onboardMs} vs ${diskMs}`);
+    // HBM: every whole block hit, the last copied (8192 is a block boundary), one token computed.
+    assert.equal(primary!.cachedTokens, 8191);
+    assert.equal(primary!.onboardedBlocks, 0);
   });
 
   it('8B on one H100: NVMe is slower than the prefill, so the prefix is recomputed (the cost model)', () => {
-    const report = simulateKvTierTtft({ model: getModelProfile('llama-3.1-8b'), hw: getHardwareProfile('h100'), tp: 1, promptTokens: 4096 });
-    const disk = report.rows.find((r) => r.source === 'disk')!;
-    const ram = report.rows.find((r) => r.source === 'ram')!;
-    assert.equal(disk.onboardedBlocks, 0);
-    assert.ok(ram.onboardedBlocks > 0);
+    const report = kvTierTtft.simulateKvTierTtft({ model: getModelProfile('llama-3.1-8b'), hw: getHardwareProfile('h100'), tp: 1, promptTokens: 4096 });
+    const [cold, , ram, disk] = report.rows;
+    // (4096 - 1) / 16 rounded down = 255 blocks in each tier: RAM onboards them all; NVMe's are all recomputed, so
+    // nothing is cached and its TTFT is the cold one (it had 2 blocks from HBM before).
+    assert.deepEqual([ram!.onboardedBlocks, ram!.cachedTokens, ram!.recomputedBlocks], [255, 255 * 16, 0]);
+    assert.deepEqual([disk!.onboardedBlocks, disk!.cachedTokens, disk!.recomputedBlocks], [0, 0, 255]);
+    assert.ok(Math.abs(disk!.ttftMs - cold!.ttftMs) < 1e-9, `${disk!.ttftMs} vs ${cold!.ttftMs}`);
+    assert.match(kvTierTtft.formatKvTierTtft(report), /^\(NVMe Gen4 x4 SSD: 255 blocks held there were recomputed instead/m);
+  });
+
+  it('short prompts too: every whole block before the last token comes from the lower tier, none from HBM', () => {
+    const model = getModelProfile('llama-3.1-70b');
+    const hw = getHardwareProfile('h100');
+    // The evictor used to leave the first 2 blocks in HBM: 0 of 2 onboarded at 48 tokens (32 cached from HBM), 13 of
+    // 15 at 256.
+    for (const [promptTokens, blocks] of [[17, 1], [48, 2], [256, 15], [1000, 62]] as const) {
+      const report = kvTierTtft.simulateKvTierTtft({ model, hw, tp: 4, promptTokens });
+      const [cold, primary, ram, disk] = report.rows;
+      for (const row of [ram!, disk!]) {
+        assert.equal(row.onboardedBlocks, blocks, `${promptTokens}: ${row.source}`);
+        assert.equal(row.cachedTokens, blocks * 16, `${promptTokens}: ${row.source}`);
+      }
+      // Each tier's read is priced on top of computing the rest, so no tier row has the HBM row's TTFT.
+      assert.ok(primary!.ttftMs < ram!.ttftMs && ram!.ttftMs < disk!.ttftMs, `${promptTokens}: ${report.rows.map((r) => r.ttftMs).join(', ')}`);
+      assert.ok(cold!.ttftMs > primary!.ttftMs);
+    }
+  });
+
+  it('a prompt of one block or less has nothing for a lower tier to serve: refused, not a table of HBM rows', () => {
+    const model = getModelProfile('llama-3.1-70b');
+    const hw = getHardwareProfile('h100');
+    for (const promptTokens of [1, 15, 16]) {
+      assert.throws(() => kvTierTtft.simulateKvTierTtft({ model, hw, tp: 4, promptTokens }),
+        (error: unknown) => error instanceof SimConfigError && /no whole KV block of 16 tokens before its last token/.test(error.message));
+    }
+  });
+
+  it('a lower tier\'s row that did not read every block it should from that tier is an error', () => {
+    // What the 8192-token run measured before the evictor took the whole pool: 2 of 511 blocks from HBM.
+    assert.throws(() => kvTierTtft.checkLowerTierRow({ cachedTokens: 8176, onboardedBlocks: 509, recomputedBlocks: 0 }, 8192, 16, 'RAM'),
+      /onboarded 509 and recomputed 0 of the 511 blocks it should serve, with 8176 prompt tokens cached/);
+    // The 48-token run: nothing onboarded, 32 tokens cached from HBM.
+    assert.throws(() => kvTierTtft.checkLowerTierRow({ cachedTokens: 32, onboardedBlocks: 0, recomputedBlocks: 0 }, 48, 16, 'RAM'));
+    // Recomputing with some blocks still in HBM is no tier's TTFT either.
+    assert.throws(() => kvTierTtft.checkLowerTierRow({ cachedTokens: 32, onboardedBlocks: 0, recomputedBlocks: 253 }, 4096, 16, 'NVMe'));
+    const whole = { cachedTokens: 8176, onboardedBlocks: 511, recomputedBlocks: 0 };
+    assert.equal(kvTierTtft.checkLowerTierRow(whole, 8192, 16, 'RAM'), whole);
+    assert.doesNotThrow(() => kvTierTtft.checkLowerTierRow({ cachedTokens: 0, onboardedBlocks: 0, recomputedBlocks: 255 }, 4096, 16, 'NVMe'));
   });
 
   it('a simulated worker reports its tiers in stats and tier events', () => {
