@@ -418,7 +418,8 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
     },
     /**
      * The sampler as the prefill worker left it: the seeded stream replayed over the tokens it sampled (one uniform
-     * draw per token unless greedy), then checked against the state it sent; a grammar advanced over them too.
+     * draw per token unless greedy), then checked against the state it sent; a grammar advanced over them too, its
+     * next row to be tried as the prefill worker would have tried it.
      */
     resume: (handoff) => {
       const params = handoff.request.sampling;
@@ -437,10 +438,19 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
       }
       attachGrammar(handoff.request, [sampler]);
       for (const tokenId of handoff.outputTokenIds) sampler.guided?.accept(tokenId);
+      // And its next row tried as the prefill worker would have tried it (a sampled row's width decides its draws).
+      const tries = handoff.sampler.guided;
+      if (sampler.guided !== undefined && tries !== undefined) {
+        sampler.guided.candidateWidth = tries.candidateWidth;
+        sampler.guided.argmaxTaken = tries.argmaxTaken;
+      }
       return sampler;
     },
     handoffSeed: () => drawRandomSeed(),
-    handoffState: (request, sampler) => ({ seed: request.sampling.seed!, rngState: sampler.rngState() }),
+    handoffState: (request, sampler) => ({
+      seed: request.sampling.seed!, rngState: sampler.rngState(),
+      ...(sampler.guided !== undefined ? { guided: { candidateWidth: sampler.guided.candidateWidth, argmaxTaken: sampler.guided.argmaxTaken } } : {}),
+    }),
     close: (sampler) => sampler.guided?.dispose(),
     // Jump-forward, when the worker has it on (EngineCoreOptions.jumpForward). Not with logprobs: a forced token has
     // no distribution to report.

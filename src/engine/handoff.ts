@@ -14,6 +14,7 @@
 // layer's K (or V) is a contiguous run, so a block is 2 * numLayers runs; consecutive block ids in one (layer, kv)
 // plane are contiguous too, and copies merge them into one run.
 
+import { WIDE_CANDIDATES } from './grammar/sampling.ts';
 import { AsyncQueue } from './streams.ts';
 import { kvElementsPerBlockRun, type KvPoolLayout } from '../kernels/types.ts';
 import type { KvCacheManager, KvPin } from './kv-cache/manager.ts';
@@ -44,8 +45,12 @@ export interface KvHandoff {
   sourceBlockIds: number[];
   /** Chained hashes of the full blocks, which the decode worker's own hashes must equal. */
   blockHashes: BlockHash[];
-  /** The sequence's random stream: its seed, and its state after the tokens above (checked after replay). */
-  sampler: { seed: number; rngState: [number, number, number, number] };
+  /**
+   * The sequence's random stream: its seed, and its state after the tokens above (checked after replay). A guided
+   * request's also carries how its next row is to be tried (GuidedSequence.candidateWidth, argmaxTaken): a sampled
+   * row's width decides which draws it makes, so the decode worker continues the prefill worker's choices exactly.
+   */
+  sampler: { seed: number; rngState: [number, number, number, number]; guided?: { candidateWidth: number; argmaxTaken: boolean } };
   /** Prompt tokens the prefill worker took from its prefix cache (usage.cachedTokens). */
   numCachedTokens: number;
   timestamps: RequestTimestamps;
@@ -86,6 +91,11 @@ export function validateHandoff(value: unknown): KvHandoff {
   }
   if (!Array.isArray(h.sampler?.rngState) || h.sampler.rngState.length !== 4) fail('sampler.rngState must be 4 words');
   if (h.sampler.seed !== h.request.sampling.seed) fail('sampler.seed must equal request.sampling.seed');
+  const guided = h.sampler.guided;
+  if (guided !== undefined && (typeof guided !== 'object' || guided === null || !Number.isInteger(guided.candidateWidth)
+    || guided.candidateWidth < 1 || guided.candidateWidth > WIDE_CANDIDATES || typeof guided.argmaxTaken !== 'boolean')) {
+    fail(`sampler.guided must be { candidateWidth: 1..${WIDE_CANDIDATES}, argmaxTaken: boolean }`);
+  }
   if (h.sourceLayout.blockSize !== h.blockSize) fail('sourceLayout.blockSize must equal blockSize');
   return h;
 }

@@ -7,12 +7,14 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { EngineCore, type KvSourceView } from '../../src/engine/engine-core.ts';
+import { GrammarRuntime } from '../../src/engine/grammar/runtime.ts';
+import { NARROW_CANDIDATES } from '../../src/engine/grammar/sampling.ts';
 import {
   copyKvBlocks, KV_IN_PLACE_SOURCE, kvBlockBytes, readKvBlocks, validateHandoff, writeKvBlocks, type KvHandoff, type KvPoolView,
 } from '../../src/engine/handoff.ts';
 import type { KvStoredEvent } from '../../src/protocols/kv-events.ts';
 import { Xoshiro128 } from '../../src/util/random.ts';
-import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type GuidedDecoding, type SamplingParams } from '../../src/engine/types.ts';
 import { kvPoolBytes, type BackendFactory, type KvPoolLayout } from '../../src/kernels/types.ts';
 import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
@@ -216,7 +218,9 @@ const models: { name: string; load: () => Promise<Fixture | undefined> }[] = [
 // The bookkeeping under test is the same on every backend: the fastest one here runs it.
 const backend: BackendFactory = engineBackends().at(-1)!;
 
-interface CoreOptions { numBlocks?: number; blockSize?: number; maxNumBatchedTokens?: number; maxNumSeqs?: number; enableKvEvents?: boolean }
+interface CoreOptions {
+  numBlocks?: number; blockSize?: number; maxNumBatchedTokens?: number; maxNumSeqs?: number; enableKvEvents?: boolean; grammar?: GrammarRuntime;
+}
 
 function makeCore(f: Fixture, options: CoreOptions = {}): EngineCore {
   const runner = backend.load(f.loaded.config, f.loaded.weights,
@@ -225,7 +229,7 @@ function makeCore(f: Fixture, options: CoreOptions = {}): EngineCore {
   return new EngineCore({
     backend: runner, tokenizer: f.tokenizer, maxNumSeqs: options.maxNumSeqs ?? 16,
     maxNumBatchedTokens: options.maxNumBatchedTokens ?? 256, maxModelLen: f.loaded.config.contextLength,
-    enableKvEvents: options.enableKvEvents, now: () => clock++,
+    enableKvEvents: options.enableKvEvents, now: () => clock++, ...(options.grammar ? { grammar: () => options.grammar } : {}),
   });
 }
 
@@ -318,6 +322,30 @@ for (const model of models) {
       const alone = makeCore(f);
       alone.add(request('u', ids, { temperature: 1, seed: handoff.sampler.seed }));
       assert.deepEqual(tokensOf(outputs, 'u'), tokensOf(drain(alone), 'u'));
+    });
+
+    test('a guided request, greedy and seeded: token-identical to one core alone (its next row is tried as the prefill core would)', async (t) => {
+      if (!f) return t.skip('model absent');
+      const grammar = await GrammarRuntime.create(f.tokenizer, f.loaded.config.vocabSize);
+      const grammars: GuidedDecoding[] = [
+        { kind: 'regex', pattern: '[a-z ]{5,40}\\.' }, { kind: 'grammar', ebnf: 'root ::= [a-z ]+ "."' },
+        { kind: 'json_schema', schema: JSON.stringify({ type: 'object', properties: { name: { type: 'string', maxLength: 20 } }, required: ['name'] }) },
+      ];
+      let wideAtHandoff = 0;
+      for (const [g, guided] of grammars.entries()) {
+        for (const sampling of [{ temperature: 0 }, ...[1, 2, 3, 4].map((seed) => ({ temperature: 1, seed })), { temperature: 0.8, seed: 5, logprobs: 2 }]) {
+          const id = `g${g}-${JSON.stringify(sampling)}`;
+          const req = () => request(id, f!.tokenizer.encode('Hello there'), { ...sampling, maxTokens: 30, ignoreEos: false, guided });
+          const alone = makeCore(f, { grammar });
+          alone.add(req());
+          const expected = drain(alone);
+          const { outputs, handoff } = disaggregate(makeCore(f, { grammar }), makeCore(f, { grammar }), req());
+          assert.deepEqual(tokensOf(outputs, id), tokensOf(expected, id), id);
+          if ((handoff.sampler.guided?.candidateWidth ?? 0) > NARROW_CANDIDATES) wideAtHandoff++;
+        }
+      }
+      // Cases where the decode core, starting afresh, would have tried the next row otherwise.
+      assert.ok(wideAtHandoff > 0, 'some handoff carried a wide candidate width');
     });
 
     test('a partial prefix on the decode core: only the missing blocks move, and they become cached there', (t) => {
@@ -525,4 +553,9 @@ test('validateHandoff names what is wrong', () => {
   assert.throws(() => validateHandoff({ ...good, numComputedTokens: 4 }), /numComputedTokens must be in \[0, 4\)/);
   assert.throws(() => validateHandoff({ ...good, sampler: { seed: 5, rngState: [1, 2, 3, 4] } }), /sampler.seed/);
   assert.throws(() => validateHandoff({ ...good, outputTokenIds: [] }), /first token/);
+  const guided = { ...good, sampler: { ...good.sampler, guided: { candidateWidth: 16, argmaxTaken: true } } };
+  assert.equal(validateHandoff(guided), guided);
+  for (const bad of [{ candidateWidth: 0, argmaxTaken: false }, { candidateWidth: 17, argmaxTaken: false }, { candidateWidth: 2, argmaxTaken: 'no' }, null]) {
+    assert.throws(() => validateHandoff({ ...good, sampler: { ...good.sampler, guided: bad as never } }), /sampler.guided must be/);
+  }
 });
