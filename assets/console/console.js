@@ -41,6 +41,21 @@ const pct = (v) => (v === null || v === undefined ? '-' : `${(v * 100).toFixed(1
 const td = (text, cls) => el('td', { class: cls, text: String(text) });
 const tdNum = (text) => td(text, 'num');
 
+/**
+ * A data table: class "data" (console.css lets its text wrap to fit the panel), and each body cell labelled with its
+ * column, which the narrow layout shows beside the value when rows become blocks.
+ */
+function dataTable(id, head, body) {
+  const table = el('table', { id, class: 'data' }, head, body);
+  const labels = [...table.tHead.rows[0].cells].map((cell) => cell.textContent);
+  for (const row of table.tBodies[0].rows) {
+    [...row.cells].forEach((cell, i) => {
+      if (cell.colSpan === 1) cell.dataset.label = labels[i] ?? '';
+    });
+  }
+  return table;
+}
+
 function setState(id, text, cls) {
   const node = document.getElementById(id);
   node.textContent = text;
@@ -145,12 +160,12 @@ function workersTable(workers) {
     const share = total > 0 ? used / total : 0;
     const tokens = w.block_size ? ` (${used * w.block_size} / ${total * w.block_size} tokens)` : '';
     return el('tr', { 'data-worker': w.id },
-      td(w.id), td(w.role), el('td', { class: w.state === 'idle' ? 'muted' : 'ok', text: w.state }),
+      td(w.id, 'nowrap'), td(w.role), el('td', { class: w.state === 'idle' ? 'muted' : 'ok', text: w.state }),
       el('td', {}, el('span', { class: 'kvbar' }, el('span', { style: `width:${(share * 100).toFixed(1)}%` })), `${used} / ${total} blocks${tokens}`),
       tdNum(w.running), tdNum(w.waiting), tdNum(pct(w.prefix_cache_hit_rate)), tdNum(w.preemptions),
       memoryCell(w.memory_bytes), el('td', {}, sparkline(w.recent_batch_sizes)));
   });
-  return el('table', { id: 'workers' },
+  return dataTable('workers',
     el('thead', {}, el('tr', {}, ['worker', 'role', 'state', 'KV cache used', 'running', 'waiting', 'prefix hit rate', 'preemptions', 'memory', 'recent decode batch (seqs)']
       .map((h, i) => el('th', { class: i >= 4 && i <= 8 ? 'num' : undefined, text: h })))),
     el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 10, class: 'muted', text: 'no worker is serving' }))]));
@@ -173,7 +188,7 @@ function sloTable(slo) {
     .concat([el('tr', {}, td(m.model), td('error rate'), tdNum(m.error_rate.requests), tdNum(''), tdNum(pct(m.error_rate.rate)),
       tdNum(`${pct(m.error_rate.target)} / ${pct(m.error_rate.warning)}`),
       el('td', {}, el('span', { class: `badge ${m.error_rate.status}`, text: m.error_rate.status })))]));
-  return el('table', { id: 'slo' },
+  return dataTable('slo',
     el('thead', {}, el('tr', {}, ['model', 'objective', 'samples', 'p50', `p${Math.round(slo.percentile * 100)} / rate`, 'target / warning', 'status']
       .map((h, i) => el('th', { class: i >= 2 && i <= 5 ? 'num' : undefined, text: h })))),
     el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 7, class: 'muted', text: `no request in the last ${slo.window_ms / 1000} s` }))]));
@@ -196,28 +211,50 @@ function analysisPanel(analysis) {
 
 function requestsTable(requests) {
   const rows = requests.map((r) => el('tr', {},
-    el('td', {}, el('a', { href: `/console/requests/${encodeURIComponent(r.id)}`, text: r.id })),
-    td(r.tenant ?? '-'), td(r.model), td(r.worker ?? '-'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
+    el('td', { class: 'id' }, el('a', { href: `/console/requests/${encodeURIComponent(r.id)}`, text: r.id })),
+    td(r.tenant ?? '-'), td(r.model), td(r.worker ?? '-', 'nowrap'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
     tdNum(formatMs(r.ttft_ms)), tdNum(formatMs(r.total_ms)),
     el('td', { class: r.outcome === 'ok' ? 'ok' : 'bad', text: r.outcome === 'ok' ? r.finish_reason : `${r.outcome}${r.status ? ` ${r.status}` : ''}` }),
-    td(r.bottleneck ?? '-')));
-  return el('table', { id: 'requests' },
+    td(r.bottleneck ?? '-', 'id')));
+  return dataTable('requests',
     el('thead', {}, el('tr', {}, ['request', 'tenant', 'model', 'worker', 'prompt', 'cached', 'output', 'TTFT', 'total', 'outcome', 'bottleneck']
       .map((h, i) => el('th', { class: i >= 4 && i <= 8 ? 'num' : undefined, text: h })))),
     el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 11, class: 'muted', text: 'no finished request yet' }))]));
 }
 
-/** The three live charts; created once, their data replaced on each refresh. */
+const CHART_HEIGHT = 170;
+
+/** The width a chart gets in its box: the box's content width (inside its padding). */
+function chartWidth(box) {
+  const style = getComputedStyle(box);
+  return Math.max(1, Math.floor(box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight)));
+}
+
+/**
+ * The three live charts; created once, their data replaced on each refresh. uPlot draws at the width it is given, so
+ * each chart follows its box: a ResizeObserver sets its size whenever the box's width changes (the window resized,
+ * the grid reflowed into more or fewer columns).
+ */
 class Charts {
   constructor(container) {
     this.container = container;
     this.plots = [];
+    this.boxes = [];
+    this.observer = typeof ResizeObserver === 'undefined' ? undefined : new ResizeObserver((entries) => {
+      for (const entry of entries) {
+        const plot = this.plots[this.boxes.indexOf(entry.target)];
+        const width = chartWidth(entry.target);
+        if (plot && plot.width !== width) plot.setSize({ width, height: CHART_HEIGHT });
+      }
+    });
   }
 
   /** Removes the plots (and the window listeners uPlot keeps for them). */
   destroy() {
+    this.observer?.disconnect();
     for (const plot of this.plots) plot.destroy();
     this.plots = [];
+    this.boxes = [];
   }
 
   update(series) {
@@ -237,9 +274,8 @@ class Charts {
       });
       sets.forEach((set, i) => {
         const box = boxes[i];
-        const width = Math.max(260, box.clientWidth - 26);
         const opts = {
-          width, height: 170, legend: { live: true },
+          width: chartWidth(box), height: CHART_HEIGHT, legend: { live: true },
           scales: { x: { time: true }, ...(set.twoScales ? { r: { auto: true } } : {}) },
           series: [{}, ...set.labels.map((label, j) => ({
             label, stroke: set.colors[j], width: 1.5, spanGaps: false,
@@ -251,6 +287,8 @@ class Charts {
         };
         // eslint-disable-next-line no-undef
         this.plots.push(new uPlot(opts, set.data, box));
+        this.boxes.push(box);
+        this.observer?.observe(box);
       });
     } else {
       sets.forEach((set, i) => this.plots[i].setData(set.data));
@@ -271,9 +309,9 @@ async function overviewPage() {
         app.append(
           el('h2', { text: 'Workers' }), el('div', { class: 'panel', id: 'workers-box' }),
           el('h2', { text: 'Last minutes' }), chartsBox,
-          el('div', { class: 'grid' },
-            el('div', {}, el('h2', { text: 'SLO (per tier: target / warning)' }), el('div', { class: 'panel', id: 'slo-box' })),
-            el('div', {}, el('h2', { text: 'Analyzer' }), el('div', { class: 'panel', id: 'analysis-box' }))),
+          // Full width each: the SLO table's seven columns do not fit half the page.
+          el('h2', { text: 'SLO (per tier: target / warning)' }), el('div', { class: 'panel', id: 'slo-box' }),
+          el('h2', { text: 'Analyzer' }), el('div', { class: 'panel', id: 'analysis-box' }),
           el('h2', { text: 'Recent requests' }), el('div', { class: 'panel', id: 'requests-box' }));
         charts = new Charts(chartsBox);
       }
@@ -371,8 +409,8 @@ async function requestPage(id) {
   const r = view.routing;
   const outcome = view.outcome === 'ok' ? `ok (${view.finish_reason})` : `${view.outcome}${view.error_type ? ` ${view.error_type}` : ''}${view.status ? ` ${view.status}` : ''} in ${view.ended_in_phase ?? '?'}`;
   const groups = [...new Set(view.phases.map((p) => phaseGroup(p.phase)))];
-  const phaseRows = view.phases.map((p) => el('tr', {}, td(p.phase), tdNum(formatMs(p.start_ms)), tdNum(formatMs(p.duration_ms)), td(p.worker ?? ''),
-    td(Object.entries(p.attributes ?? {}).map(([k, v]) => `${k}=${v}`).join(' '))));
+  const phaseRows = view.phases.map((p) => el('tr', {}, td(p.phase, 'id'), tdNum(formatMs(p.start_ms)), tdNum(formatMs(p.duration_ms)), td(p.worker ?? ''),
+    td(Object.entries(p.attributes ?? {}).map(([k, v]) => `${k}=${v}`).join(' '), 'id')));
   app.replaceChildren(
     el('p', {}, el('a', { href: '/console', text: '< console' })),
     el('h2', { text: `Request ${view.request_id}` }),
@@ -394,7 +432,7 @@ async function requestPage(id) {
     el('div', { class: 'legend' }, groups.map((g) => el('span', {}, el('i', { style: `background:${color(g)}` }), g))),
     drawWaterfall(view),
     el('h2', { text: 'Phases' }),
-    el('div', { class: 'panel' }, el('table', { id: 'phases' },
+    el('div', { class: 'panel' }, dataTable('phases',
       el('thead', {}, el('tr', {}, ['phase', 'start', 'duration', 'worker', 'details'].map((h, i) => el('th', { class: i === 1 || i === 2 ? 'num' : undefined, text: h })))),
       el('tbody', {}, phaseRows))));
 }

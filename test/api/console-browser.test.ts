@@ -10,6 +10,7 @@ import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { launchChromium, CHROMIUM_PATH, type BrowserSession } from '../helpers/chromium.ts';
+import type { Page } from 'playwright-core';
 
 const E2E = { timeout: 180_000 };
 
@@ -32,6 +33,69 @@ async function stream(server: TestServer, content: string, maxTokens: number): P
   await res.text();
   return res.headers.get('x-request-id')!;
 }
+
+/** What the layout check reads from the page. */
+interface Layout {
+  viewport: number;
+  /** How far the page scrolls sideways. */
+  pageScroll: number;
+  panels: { id: string; clientWidth: number; scrollWidth: number; overflowing: string[]; content: number; chart: number | null }[];
+  sloRight: number | null;
+  badges: { right: number }[];
+}
+
+// Runs in the page (a string: this file's types do not describe the DOM). Every panel: its widths, the elements that
+// reach past its box, its content width and the width of the uPlot chart in it.
+const LAYOUT_PROBE = `(() => {
+  const doc = document.documentElement;
+  const name = (node) => node.tagName.toLowerCase() + (node.id ? '#' + node.id : '')
+    + (typeof node.className === 'string' && node.className.trim() ? '.' + node.className.trim().split(/\\s+/).join('.') : '');
+  const panels = [...document.querySelectorAll('.panel')].map((panel) => {
+    const box = panel.getBoundingClientRect();
+    const overflowing = [...panel.querySelectorAll('*')].filter((node) => {
+      const r = node.getBoundingClientRect();
+      return r.width > 0 && r.height > 0 && (r.left < box.left - 0.5 || r.right > box.right + 0.5);
+    }).map(name);
+    const style = getComputedStyle(panel);
+    const chart = panel.querySelector('.uplot');
+    return {
+      id: panel.id, clientWidth: panel.clientWidth, scrollWidth: panel.scrollWidth, overflowing: overflowing.slice(0, 6),
+      content: panel.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight),
+      chart: chart ? chart.getBoundingClientRect().width : null,
+    };
+  });
+  const slo = document.getElementById('slo-box');
+  return {
+    viewport: doc.clientWidth, pageScroll: doc.scrollWidth - doc.clientWidth, panels,
+    sloRight: slo ? slo.getBoundingClientRect().right : null,
+    badges: [...document.querySelectorAll('#slo .badge')].map((b) => ({ right: b.getBoundingClientRect().right })),
+  };
+})()`;
+
+/** The page's layout once every chart has its box's width (or, when they never get it, after 5 s). */
+async function settledLayout(page: Page): Promise<Layout> {
+  const deadline = Date.now() + 5000;
+  for (;;) {
+    const layout = await page.evaluate(LAYOUT_PROBE) as Layout;
+    const charts = layout.panels.filter((p) => p.chart !== null);
+    if (charts.every((p) => Math.abs(p.chart! - p.content) <= 1) || Date.now() > deadline) return layout;
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+/** Nothing reaches past its panel, the page does not scroll sideways, each chart is as wide as its box. */
+function assertFits(layout: Layout, what: string): void {
+  assert.equal(layout.pageScroll, 0, `${what}: the page scrolls sideways by ${layout.pageScroll} px`);
+  for (const p of layout.panels) {
+    const panel = `${what}: panel ${p.id || '(unnamed)'}`;
+    assert.ok(p.scrollWidth <= p.clientWidth, `${panel} scrolls: ${p.scrollWidth} px of content in ${p.clientWidth} px`);
+    assert.deepEqual(p.overflowing, [], `${panel}: elements past its edge`);
+    if (p.chart !== null) assert.ok(Math.abs(p.chart - p.content) <= 1, `${panel}: a ${p.chart} px chart in ${p.content} px`);
+  }
+  for (const badge of layout.badges) assert.ok(badge.right <= layout.sloRight!, `${what}: an SLO status badge is off its panel`);
+}
+
+const WIDTHS = [390, 1024, 1280, 1366, 1920];
 
 describe('web console in Chromium (two CPU workers)', { skip: existsSync(CHROMIUM_PATH) ? false : `${CHROMIUM_PATH} is not installed` }, () => {
   let server: TestServer;
@@ -84,6 +148,43 @@ describe('web console in Chromium (two CPU workers)', { skip: existsSync(CHROMIU
     await page.waitForFunction("/updated/.test(document.getElementById('refresh-state').textContent)");
     await page.screenshot({ path: join(shots, 'overview.png'), fullPage: true });
     assert.ok(statSync(join(shots, 'overview.png')).size > 10_000);
+    await page.close();
+    browser.assertClean();
+  });
+
+  it('fits every panel at 390, 1024, 1280, 1366 and 1920 px, and its charts follow the window when it is resized', E2E, async () => {
+    const page = await browser.newPage();
+    for (const width of WIDTHS) {
+      await page.setViewportSize({ width, height: 900 });
+      await page.goto(`${server.url}/console?refresh=500`);
+      await page.waitForSelector('body[data-ready]');
+      await page.waitForSelector('#charts .uplot >> nth=2');
+      await page.waitForSelector('#slo .badge');
+      const layout = await settledLayout(page);
+      assert.equal(layout.viewport, width);
+      assert.equal(layout.panels.filter((p) => p.chart !== null).length, 3);
+      assert.ok(layout.badges.length >= 3, `${layout.badges.length} SLO badges`);
+      assertFits(layout, `overview at ${width} px`);
+    }
+    // Loaded wide, then narrowed and widened: the charts take their boxes' new widths.
+    const chartWidths = (layout: Layout) => layout.panels.filter((p) => p.chart !== null).map((p) => Math.round(p.chart!));
+    const wide = chartWidths(await settledLayout(page));
+    await page.setViewportSize({ width: 390, height: 900 });
+    const narrowed = await settledLayout(page);
+    assertFits(narrowed, 'overview narrowed from 1920 to 390 px');
+    assert.ok(chartWidths(narrowed).every((w, i) => w < wide[i]! - 50), `charts ${wide.join(', ')} px became ${chartWidths(narrowed).join(', ')} px`);
+    await page.setViewportSize({ width: 1024, height: 900 });
+    const widened = await settledLayout(page);
+    assertFits(widened, 'overview widened from 390 to 1024 px');
+    assert.ok(chartWidths(widened).every((w, i) => w > chartWidths(narrowed)[i]!), `charts became ${chartWidths(widened).join(', ')} px`);
+    // A request's page too.
+    for (const width of WIDTHS) {
+      await page.setViewportSize({ width, height: 900 });
+      await page.goto(`${server.url}/console/requests/${ids[1]}`);
+      await page.waitForSelector('body[data-ready]');
+      assert.equal(await page.locator('#phases').count(), 1);
+      assertFits(await settledLayout(page), `request page at ${width} px`);
+    }
     await page.close();
     browser.assertClean();
   });
@@ -166,6 +267,9 @@ describe('web console in Chromium (two CPU workers)', { skip: existsSync(CHROMIU
     await tip.waitFor({ state: 'visible' });
     assert.match((await tip.textContent())!, /prefill_execution\nstart .* ms, duration .* ms[\s\S]*batch: \d+ sequences/);
     assert.ok(((await page.textContent('#diagnosis')) ?? '').length > 40, 'the diagnosis in words');
+    // The dominant phase's share says what it is a share of.
+    assert.match((await page.textContent('#diagnosis .finding'))!,
+      /^(balanced|[a-z_]+ - [a-z_]+ [\d.]+ ms \([\d.]+% of (TTFT|the request|the decode steps' time)\))$/);
     await page.mouse.move(0, 0);
     await page.screenshot({ path: join(shots, 'request.png'), fullPage: true });
     assert.ok(statSync(join(shots, 'request.png')).size > 10_000);
