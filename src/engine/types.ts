@@ -250,11 +250,13 @@ export type WorkerRole = 'prefill' | 'decode' | 'both';
  * - short-prompt: the decode worker lacked too few prompt tokens to be worth a round trip;
  * - prefill-queue-full: every prefill worker had more prefill queued than the bound (or was busy);
  * - transfer-slower: moving the KV would take longer than computing it on the decode worker;
+ * - transfer-probe: on a prefill worker although the estimates said transfer-slower, to measure the link again
+ *   (after several transfer-slower decisions in a row: runtime/disaggregation-policy.ts TransferProbe);
  * - not-eligible: the request cannot be handed over (n > 1, or prompt logprobs);
  * - prefill-failed / transfer-failed: the disaggregated path broke and the decode worker computed the prompt itself.
  */
 export type DisaggregationReason =
-  | 'remote-prefill' | 'short-prompt' | 'prefill-queue-full' | 'transfer-slower' | 'not-eligible'
+  | 'remote-prefill' | 'transfer-probe' | 'short-prompt' | 'prefill-queue-full' | 'transfer-slower' | 'not-eligible'
   | 'prefill-failed' | 'transfer-failed';
 
 export interface DisaggregationSummary {

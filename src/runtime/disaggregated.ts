@@ -8,8 +8,9 @@
 //      lacks, which is what would move), waiting in its admission queue when every decode worker is busy;
 //   2. the prefill router says which prefill worker it would pick (KV-aware) without committing;
 //   3. decideDisaggregation: remote prefill, or local prefill on the decode worker (short uncached prompt, prefill
-//      queue over its bound, transfer slower than the prefill it saves, n > 1); the choice and its reason go on
-//      every output (routing.disaggregation);
+//      queue over its bound, transfer slower than the prefill it saves, n > 1), except that a request that would
+//      stay local only for the transfer estimate goes remote now and then to measure the link again
+//      (transfer-probe); the choice and its reason go on every output (routing.disaggregation);
 //   4. remote: the prefill worker prefills, samples and streams the first token, pins the blocks and hands over;
 //      the decode worker reuses its own prefix hits, copies in the missing blocks, registers them and decodes on;
 //      the prefill worker unpins when the decode worker says it has them.
@@ -35,7 +36,8 @@ import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingDecision, RoutingRequest } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import {
-  DEFAULT_DISAGGREGATION_POLICY, RateEstimate, decideDisaggregation, type DisaggregationPolicy,
+  DEFAULT_DISAGGREGATION_POLICY, DEFAULT_TRANSFER_PROBE_INTERVAL, RateEstimate, TransferProbe, decideDisaggregation,
+  type DisaggregationPolicy,
 } from './disaggregation-policy.ts';
 import type { KvTransferChannel } from './kv-transfer.ts';
 import type { Admitted } from './router-admission.ts';
@@ -81,9 +83,10 @@ export interface DisaggregatedEngineOptions {
   policy?: Partial<DisaggregationPolicy>;
   /**
    * Starting estimates for the policy's transfer-vs-prefill comparison, refined by every measured transfer and
-   * prefill unless fixed. Defaults: 2 GB/s and 2,000 tokens/s (a CPU worker's memcpy and prefill, roughly).
+   * prefill unless fixed. Defaults: 2 GB/s and 2,000 tokens/s (a CPU worker's memcpy and prefill, roughly); a pool
+   * of simulated workers starts from its link and performance model (worker-pool.ts).
    */
-  estimates?: { transferBytesPerSec?: number; prefillTokensPerSec?: number; fixed?: boolean };
+  estimates?: DisaggregationEstimates;
   /** Engine clock, ms. */
   now: () => number;
   /** How often a request may move to another decode worker when its decode worker is lost (default: never). */
@@ -94,6 +97,19 @@ export interface DisaggregatedEngineOptions {
     startDecode(id: string): Promise<DecodeWorkerEngine>;
   };
   log?: WorkerGroupLog;
+}
+
+/** The policy's starting throughput estimates, and how the transfer estimate is kept honest. */
+export interface DisaggregationEstimates {
+  transferBytesPerSec?: number;
+  prefillTokensPerSec?: number;
+  /** The estimates are the truth: never refined, and the link is never probed. */
+  fixed?: boolean;
+  /**
+   * Transfer-slower decisions in a row after which a request goes remote anyway to measure the link
+   * (transfer-probe, TransferProbe); 0: never. Default DEFAULT_TRANSFER_PROBE_INTERVAL (8).
+   */
+  probeInterval?: number;
 }
 
 export type DisaggregatedStage = 'routing' | 'prefill' | 'transfer' | 'decode' | 'local';
@@ -132,6 +148,8 @@ export class DisaggregatedEngine implements Engine {
   private readonly flights = new Map<string, Flight>();
   private readonly transferRate: RateEstimate;
   private readonly prefillRate: RateEstimate;
+  /** When a transfer-slower verdict is tested by a transfer: only transfers refine transferRate. */
+  private readonly transferProbe: TransferProbe;
   private readonly kvBytesPerToken: number;
   private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
   /**
@@ -153,6 +171,8 @@ export class DisaggregatedEngine implements Engine {
     const fixed = options.estimates?.fixed ?? false;
     this.transferRate = new RateEstimate(options.estimates?.transferBytesPerSec ?? 2e9, 0.2, fixed);
     this.prefillRate = new RateEstimate(options.estimates?.prefillTokensPerSec ?? 2_000, 0.2, fixed);
+    // Fixed estimates learn nothing from a transfer: no probe.
+    this.transferProbe = new TransferProbe(fixed ? 0 : options.estimates?.probeInterval ?? DEFAULT_TRANSFER_PROBE_INTERVAL);
 
     const { restart, log } = options;
     // A worker joining (at the start or restarted) is connected to every worker of the other tier; one lost is
@@ -636,8 +656,9 @@ export class DisaggregatedEngine implements Engine {
         ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }
         : null,
       kvBytesPerToken: this.kvBytesPerToken, transferBytesPerSec: this.transferRate.perSec,
-      prefillTokensPerSec: this.prefillRate.perSec,
+      prefillTokensPerSec: this.prefillRate.perSec, probeTransfer: this.transferProbe.due,
     }, this.policy);
+    this.transferProbe.record(choice.reason);
     return { choice, prefillDecision: choice.mode === 'disaggregated' ? prefillDecision : null };
   }
 

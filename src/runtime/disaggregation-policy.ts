@@ -10,6 +10,10 @@
 //                       prefill worker is busy: waiting there would cost more time to first token than it saves;
 //   transfer-slower     moving the KV blocks the decode worker lacks would take longer than computing them there.
 // (Besides those, a request with n > 1 samples is never handed over: its samples share the prompt's blocks.)
+//
+// The transfer estimate is learned only from transfers that happen, so a too-pessimistic one would keep every
+// prompt local for good (nothing measures the link again). TransferProbe says when a request that would be
+// transfer-slower goes remote anyway (transfer-probe) to measure it.
 
 import type { DisaggregationReason, DisaggregationSummary } from '../engine/types.ts';
 
@@ -28,6 +32,12 @@ export const DEFAULT_DISAGGREGATION_POLICY: Readonly<DisaggregationPolicy> = Obj
   transferOverheadMs: 0.2,
 });
 
+/** Transfer-slower decisions in a row before the first probe of the link (TransferProbe). */
+export const DEFAULT_TRANSFER_PROBE_INTERVAL = 8;
+
+/** How far probes back off: at most interval x this many transfer-slower decisions between two. */
+export const TRANSFER_PROBE_MAX_BACKOFF = 32;
+
 export interface DisaggregationInputs {
   numPromptTokens: number;
   blockSize: number;
@@ -44,6 +54,11 @@ export interface DisaggregationInputs {
   transferBytesPerSec: number;
   /** Estimated prefill throughput of the decode worker, tokens per second. */
   prefillTokensPerSec: number;
+  /**
+   * The transfer estimate is due a measurement (TransferProbe.due): a request that would be transfer-slower is
+   * prefilled remotely instead, as transfer-probe. The other reasons for a local prefill still apply.
+   */
+  probeTransfer?: boolean;
 }
 
 export function decideDisaggregation(inputs: DisaggregationInputs, policy: DisaggregationPolicy = DEFAULT_DISAGGREGATION_POLICY): DisaggregationSummary {
@@ -73,12 +88,59 @@ export function decideDisaggregation(inputs: DisaggregationInputs, policy: Disag
     return summary('local', 'prefill-queue-full', `${inputs.prefill.queuedPrefillTokens} prefill tokens queued on `
       + `${inputs.prefill.workerId} > ${policy.maxPrefillQueueTokens}`);
   }
+  if (estimatedTransferMs >= estimatedPrefillMs && inputs.probeTransfer === true) {
+    return summary('disaggregated', 'transfer-probe', `${uncachedTokens} uncached tokens on ${inputs.prefill.workerId} `
+      + `to measure the link: ${transferBlocks} blocks estimated at ~${ms(estimatedTransferMs)} to move >= `
+      + `~${ms(estimatedPrefillMs)} to prefill locally`);
+  }
   if (estimatedTransferMs >= estimatedPrefillMs) {
     return summary('local', 'transfer-slower', `moving ${transferBlocks} blocks ~${ms(estimatedTransferMs)} >= `
       + `prefilling ${uncachedTokens} tokens ~${ms(estimatedPrefillMs)}`);
   }
   return summary('disaggregated', 'remote-prefill', `${uncachedTokens} uncached tokens on ${inputs.prefill.workerId}, `
     + `${transferBlocks} blocks ~${ms(estimatedTransferMs)} to move vs ~${ms(estimatedPrefillMs)} to prefill locally`);
+}
+
+/**
+ * When a transfer-slower verdict is tested by a transfer (transfer-probe). Only a transfer measures the link, and
+ * only a remote prefill makes one: without probes a transfer estimate too low for the link would keep every prompt
+ * local however fast the link is. After `interval` transfer-slower decisions in a row, the next one becomes a
+ * probe; a probe doubles the wait before the next (up to TRANSFER_PROBE_MAX_BACKOFF x interval), so a link that
+ * really is slower costs fewer and fewer probes; a remote-prefill decision (the estimates now favour moving the KV,
+ * which measures the link anyway) starts over. Decisions for other reasons leave it as it is.
+ */
+export class TransferProbe {
+  private streak = 0;
+  private wait: number;
+
+  /** interval 0: never due. */
+  constructor(private readonly interval: number) {
+    if (!Number.isInteger(interval) || interval < 0) throw new RangeError(`the probe interval must be a whole number >= 0, got ${interval}`);
+    this.wait = interval;
+  }
+
+  /** Whether the next request that would be transfer-slower goes remote to measure the link. */
+  get due(): boolean {
+    return this.interval > 0 && this.streak >= this.wait;
+  }
+
+  /** Transfer-slower decisions since the last probe or remote prefill, and how many make the next probe due. */
+  get state(): { streak: number; wait: number } {
+    return { streak: this.streak, wait: this.wait };
+  }
+
+  /** Takes one decision's reason into account. */
+  record(reason: DisaggregationReason): void {
+    if (reason === 'transfer-slower') {
+      this.streak++;
+    } else if (reason === 'transfer-probe') {
+      this.streak = 0;
+      this.wait = Math.min(this.wait * 2, this.interval * TRANSFER_PROBE_MAX_BACKOFF);
+    } else if (reason === 'remote-prefill') {
+      this.streak = 0;
+      this.wait = this.interval;
+    }
+  }
 }
 
 /**

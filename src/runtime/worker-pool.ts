@@ -19,10 +19,14 @@ import { seededRandom } from '../util/random.ts';
 import { Router } from '../router/router.ts';
 import { BitsetKvIndex } from '../router/kv-index.ts';
 import { calibrationEfficiency, DEFAULT_CALIBRATION, type CalibrationName } from '../sim/calibration.ts';
-import { resolveSimDeployment } from '../sim/sim-worker.ts';
+import { kvTransferTimeMs, stepTimeMs } from '../sim/perf-model.ts';
+import { kvBytesPerToken } from '../sim/models.ts';
+import { resolveSimDeployment, SIM_DEFAULTS } from '../sim/sim-worker.ts';
 import { SimClockHolds, SimEngine } from '../sim/sim-engine.ts';
 import type { DisaggregationPolicy } from './disaggregation-policy.ts';
-import { DisaggregatedEngine, type DecodeWorkerEngine, type PrefillWorkerEngine } from './disaggregated.ts';
+import {
+  DisaggregatedEngine, type DecodeWorkerEngine, type DisaggregationEstimates, type PrefillWorkerEngine,
+} from './disaggregated.ts';
 import { SharedMemoryKvChannel, SimulatedKvChannel } from './kv-transfer.ts';
 import { DEFAULT_MIGRATION_LIMIT, type MigrationOptions } from './migration.ts';
 import { RoutedEngine, type RoutedWorker } from './routed-engine.ts';
@@ -75,8 +79,12 @@ export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' 
   decodeWorkers?: number;
   /** Conditional disaggregation thresholds (see src/runtime/disaggregation-policy.ts). */
   disaggregationPolicy?: Partial<DisaggregationPolicy>;
-  /** Starting (or, with fixed, constant) transfer and prefill throughput estimates for that policy. */
-  disaggregationEstimates?: { transferBytesPerSec?: number; prefillTokensPerSec?: number; fixed?: boolean };
+  /**
+   * Starting (or, with fixed, constant) transfer and prefill throughput estimates for that policy, and how often a
+   * transfer-slower verdict is tested (DisaggregationEstimates). Unset fields of simulated workers start from their
+   * link and performance model (simDisaggregationEstimates).
+   */
+  disaggregationEstimates?: DisaggregationEstimates;
   /**
    * Restart attempts in a row for a cpu worker whose thread died (default 0: a lost worker stays lost); see
    * worker-group.ts. With one worker and restarts on, the pool's engine is a SupervisedEngine.
@@ -372,7 +380,9 @@ async function createDisaggregatedPool(options: WorkerPoolOptions): Promise<Work
   const engine = new DisaggregatedEngine({
     prefill: built.prefill, decode: built.decode, prefillRouter, decodeRouter,
     channel: options.engine === 'sim' ? new SimulatedKvChannel() : new SharedMemoryKvChannel(),
-    policy: options.disaggregationPolicy, estimates: options.disaggregationEstimates, now: built.clock ?? engineNow,
+    // The estimates given, field by field over those the workers' model gives.
+    policy: options.disaggregationPolicy, estimates: { ...built.estimates, ...definedFields(options.disaggregationEstimates ?? {}) },
+    now: built.clock ?? engineNow,
     migration: migrationOptions(options, built.tokenizer),
     ...(policy && start ? { restart: { ...policy, startPrefill: () => start('prefill'), startDecode: () => start('decode') } } : {}),
     ...(options.log ? { log: options.log } : {}),
@@ -400,6 +410,8 @@ interface RoleWorkers {
   holdClock?: () => () => void;
   /** Starts one more worker of a role (cpu workers, for restarts). */
   start?(role: 'prefill' | 'decode'): Promise<LocalEngine>;
+  /** Starting estimates the workers' own model gives (simulated workers); the DisaggregatedEngine's defaults else. */
+  estimates?: DisaggregationEstimates;
 }
 
 async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, numDecode: number): Promise<RoleWorkers> {
@@ -446,7 +458,30 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   return {
     prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(sim.clock ? { clock: sim.clock } : {}),
     ...(sim.holdClock ? { holdClock: sim.holdClock } : {}),
+    estimates: simDisaggregationEstimates(decode[0]!.engine, options.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens),
     notices: [`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
       + `${decode[0]!.engine.kvLink.name} (${sim.settings})`],
+  };
+}
+
+function definedFields<T extends object>(value: T): Partial<T> {
+  return Object.fromEntries(Object.entries(value).filter(([, v]) => v !== undefined)) as Partial<T>;
+}
+
+/**
+ * What the policy's estimates start from for simulated workers: what their model says, not the CPU engine's priors
+ * (a CPU memcpy's 2 GB/s against an InfiniBand link's 40 would keep prompts local that the link moves several times
+ * faster than the decode worker computes them). Both for one full prefill step of `stepTokens` prompt tokens (the
+ * step budget) on the decode worker: the performance model's time to compute them from an empty cache, and the
+ * time their KV takes over the decode worker's kvLink (kvTransferTimeMs, its parallel links and comm efficiency),
+ * in the bytes per token simulated transfers report. Measured prefills and transfers refine them from there.
+ */
+export function simDisaggregationEstimates(decode: SimEngine, stepTokens: number): Required<Pick<DisaggregationEstimates, 'transferBytesPerSec' | 'prefillTokensPerSec'>> {
+  const { model, hw, tp, efficiency, kvLink, kvParallelLinks } = decode.worker;
+  const prefillMs = stepTimeMs({ prefillTokens: [{ newTokens: stepTokens, contextLen: 0 }], decodeSeqs: [] }, model, hw, tp, efficiency);
+  const transferMs = kvTransferTimeMs(stepTokens, model, kvLink, { parallelLinks: kvParallelLinks, efficiency: efficiency.commEfficiency });
+  return {
+    transferBytesPerSec: (stepTokens * kvBytesPerToken(model)) / (transferMs / 1000),
+    prefillTokensPerSec: stepTokens / (prefillMs / 1000),
   };
 }
