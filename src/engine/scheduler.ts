@@ -826,11 +826,15 @@ export class Scheduler {
       }
     }
     // The longest cached prefix, but never past the imported positions (blocks are cached whole).
-    // No copy-on-write: the block a copy would fill is imported with the rest.
+    // No copy-on-write: the block a copy would fill is imported with the rest. Not a prefix-cache query for the
+    // statistics (numQueryTokens 0): the blocks found here spare a transfer, not a prefill, and the prompt's query
+    // was counted where it was prefilled; counted again here, every handed-off prompt would count twice.
     const found = this.kv.findCachedPrefix(table, tokenIds, { copyOnWrite: false, lowerTiers: false });
     const maxHitBlocks = Math.floor(numTokens / this.kv.blockSize);
-    const prefix = found.blocks.length <= maxHitBlocks ? found
-      : { blocks: found.blocks.slice(0, maxHitBlocks), numTokens: maxHitBlocks * this.kv.blockSize, numQueryTokens: found.numQueryTokens };
+    const prefix = {
+      blocks: found.blocks.length <= maxHitBlocks ? found.blocks : found.blocks.slice(0, maxHitBlocks),
+      numTokens: Math.min(found.blocks.length, maxHitBlocks) * this.kv.blockSize, numQueryTokens: 0,
+    };
     if (kvImport.filled !== undefined) {
       const numShared = this.kv.blocksFor(numTokens) - kvImport.filled.length;
       if (numShared < 0 || prefix.blocks.length < numShared) {
@@ -838,7 +842,7 @@ export class Scheduler {
           + `${prefix.blocks.length} are cached here`);
       }
       this.kv.adoptFilledBlocks(table, {
-        blocks: prefix.blocks.slice(0, numShared), numTokens: numShared * this.kv.blockSize, numQueryTokens: prefix.numQueryTokens,
+        blocks: prefix.blocks.slice(0, numShared), numTokens: numShared * this.kv.blockSize, numQueryTokens: 0,
       }, kvImport.filled);
     } else if (this.kv.allocateSlots(table, prefix.numTokens, numTokens - prefix.numTokens, prefix) === null) return null;
     try {

@@ -309,8 +309,7 @@ export class KvCacheManager {
       this.pool.touch(prefixBlocks);
       for (const block of prefixBlocks) table.append(block);
       table.numCachedBlocks = prefixBlocks.length;
-      this.prefixQueryTokens += prefix.numQueryTokens;
-      this.prefixHitTokens += prefix.numTokens;
+      this.countLookup(prefix);
     }
     const allocated = numToAllocate > 0 ? this.pool.allocate(numToAllocate)! : NO_BLOCKS;
     for (const block of allocated) table.append(block);
@@ -345,10 +344,20 @@ export class KvCacheManager {
     this.pool.touch(prefix.blocks);
     for (const block of prefix.blocks) table.append(block);
     table.numCachedBlocks = prefix.blocks.length;
-    this.prefixQueryTokens += prefix.numQueryTokens;
-    this.prefixHitTokens += prefix.numTokens;
+    this.countLookup(prefix);
     this.pool.touch(filled);
     for (const block of filled) table.append(block);
+  }
+
+  /**
+   * The prefix-cache statistics of a prefix taken: its queried tokens, and its hits when it queried any. A prefix
+   * with numQueryTokens 0 is not a lookup for the hit rate (nothing looked up, or a handed-off prompt, whose lookup
+   * was the prefill worker's: Scheduler.adoptRequest), so its blocks are not hits either.
+   */
+  private countLookup(prefix: CachedPrefix): void {
+    if (prefix.numQueryTokens === 0) return;
+    this.prefixQueryTokens += prefix.numQueryTokens;
+    this.prefixHitTokens += prefix.numTokens;
   }
 
   /** The copy is made (or no longer needed): the source's pin goes, and the block is evictable again once free. */
