@@ -336,7 +336,9 @@ export class CallTrace {
       const { first, last } = track;
       const routing = last.routing;
       const worker = this.named(routing?.workerId) ?? this.worker;
-      const disaggregation = routing?.disaggregation;
+      // Whether the prefill ran elsewhere is the first output's to say: after a failed transfer the decode worker's
+      // outputs say 'local' (it prefilled again), but the prefill worker's run and the hand-over still happened.
+      const disaggregation = first.routing?.disaggregation;
       if (disaggregation?.mode === 'disaggregated' && disaggregation.prefillWorkerId !== undefined && first !== last) {
         // The decode worker carries on the prefill worker's timestamps; its own prefill chunks (if it recomputed
         // any) are those the prefill worker's first output did not have.

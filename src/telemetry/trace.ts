@@ -158,7 +158,14 @@ export interface RequestTrace {
   /** The LoRA adapter the request ran with (model is its base model). */
   adapter?: string;
   tenant?: string;
+  /** The worker the router placed the request on: the decode worker of a disaggregated pair. */
   worker?: string;
+  /**
+   * The worker that ran the prompt: whose queue it waited in, whose prefix cache it was looked up in, which computed
+   * it and sampled the first token. A disaggregated request's prefill worker (its decode worker when that prefilled
+   * it), else the request's worker.
+   */
+  prefillWorker?: string;
   stream?: boolean;
   maxTokens?: number;
   temperature?: number;
@@ -182,6 +189,11 @@ export interface RequestTrace {
   ttftSource?: 'stream' | 'engine';
   /** Time between consecutive tokens as the client saw them (see the file comment for the fallback). */
   tbtMs: readonly number[];
+  /**
+   * When the first gap of tbtMs began (the first token's write, or the engine's first token for the fallback); the
+   * gaps follow each other, so gap i ends at tbtFromMs + tbtMs[0] + ... + tbtMs[i]. Absent when tbtMs is empty.
+   */
+  tbtFromMs?: number;
 
   promptTokens: number;
   outputTokens: number;
@@ -397,12 +409,13 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   addResponseBodyPhase(input, engineLastTokenMs ?? engineFirstTokenMs, decode?.endMs);
   phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
 
-  const { ttftMs, ttftSource, tbtMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode, sequences);
+  const { ttftMs, ttftSource, tbtMs, tbtFromMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode, sequences);
   const ended = outcomeOf(terminal);
   const endedInPhase = ended.outcome === 'ok' ? undefined
     : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined, ended.status);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
   const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
+  const prefillWorker = firstWorkerReport?.worker ?? worker;
 
   return {
     requestId: record.requestId,
@@ -410,13 +423,14 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
     ...(record.tracestate !== undefined ? { tracestate: record.tracestate } : {}),
     model: validate?.model ?? record.model ?? 'unknown',
     ...(validate?.adapter !== undefined ? { adapter: validate.adapter } : {}),
-    tenant: auth?.tenant ?? rateLimit?.tenant, worker, stream: validate?.stream, maxTokens: validate?.maxTokens,
+    tenant: auth?.tenant ?? rateLimit?.tenant, worker, ...(prefillWorker !== undefined ? { prefillWorker } : {}),
+    stream: validate?.stream, maxTokens: validate?.maxTokens,
     temperature: validate?.temperature, n: validate?.n,
     ...ended, endedInPhase,
     rateLimited, rateLimitReason: rateLimited ? rateLimit?.reason : undefined,
     arrivalMs, endMs, e2eMs: endMs - arrivalMs,
     ttftMs, ttftSource,
-    tbtMs,
+    tbtMs, ...(tbtFromMs !== undefined ? { tbtFromMs } : {}),
     promptTokens, outputTokens, cachedTokens,
     phases,
     routing, queueDepthAtEntry: queue.depthAtEntry, budgetMs: queue.budgetMs, budgetTokens: queue.budgetTokens,
@@ -639,13 +653,36 @@ function hiddenShare(e: { start: number; time: number; overlapMs?: number }): nu
  * transfer's end). Without this the decode phase would start at the first token and hold the transfer inside it.
  */
 function placeHandOver({ phases }: BuildInput, kvTransfer: KvTransferSummary | undefined, firstTokenMs: number | undefined): void {
-  if (!kvTransfer || firstTokenMs === undefined || kvTransfer.startMs < firstTokenMs) return;
+  if (!kvTransfer) {
+    placeFailedHandOver(phases, firstTokenMs);
+    return;
+  }
+  if (firstTokenMs === undefined || kvTransfer.startMs < firstTokenMs) return;
   const decode = phases.find((p) => p.phase === 'decode_execution');
   if (decode && decode.startMs < kvTransfer.endMs && kvTransfer.endMs <= decode.endMs) decode.startMs = kvTransfer.endMs;
   if (!(kvTransfer.startMs > firstTokenMs)) return;
   phases.push({
     phase: 'decode_dispatch', startMs: firstTokenMs, endMs: kvTransfer.startMs, worker: kvTransfer.toWorker,
     attributes: defined({ from_worker: kvTransfer.fromWorker, to_worker: kvTransfer.toWorker }),
+  });
+}
+
+/**
+ * A hand-over whose KV never arrived (kv_transfer failed): the decode worker computed the prompt again. From the first
+ * token to that recompute the request was being handed over and its transfer tried (decode_dispatch); the recompute
+ * is its prefill on the decode worker, and decode starts after it.
+ */
+function placeFailedHandOver(phases: PhaseInterval[], firstTokenMs: number | undefined): void {
+  const failed = phases.find((p) => p.phase === 'kv_transfer' && p.attributes?.ok === false);
+  if (!failed || firstTokenMs === undefined || failed.worker === undefined) return;
+  const recompute = phases.filter((p) => p.phase === 'prefill_execution' && p.worker === failed.worker && p.startMs > firstTokenMs);
+  if (recompute.length === 0) return;
+  const recomputeEndMs = Math.max(...recompute.map((p) => p.endMs));
+  const decode = phases.find((p) => p.phase === 'decode_execution');
+  if (decode && decode.startMs < recomputeEndMs && recomputeEndMs <= decode.endMs) decode.startMs = recomputeEndMs;
+  phases.push({
+    phase: 'decode_dispatch', startMs: firstTokenMs, endMs: Math.min(...recompute.map((p) => p.startMs)), worker: failed.worker,
+    attributes: defined({ from_worker: failed.attributes?.from_worker, to_worker: failed.worker, transfer_failed: true }),
   });
 }
 
@@ -734,7 +771,7 @@ function addResponseBodyPhase({ record, terminal, phases }: BuildInput, lastToke
 function latencies(
   record: RequestRecord, contentTimes: readonly number[], engineFirstTokenMs: number | undefined, arrivalMs: number,
   decode: DecodeSummary | undefined, sequences: number,
-): { ttftMs?: number; ttftSource?: 'stream' | 'engine'; tbtMs: readonly number[] } {
+): { ttftMs?: number; ttftSource?: 'stream' | 'engine'; tbtMs: readonly number[]; tbtFromMs?: number } {
   let ttftMs: number | undefined;
   let ttftSource: 'stream' | 'engine' | undefined;
   if (contentTimes.length > 0) {
@@ -744,12 +781,15 @@ function latencies(
     ttftMs = engineFirstTokenMs - arrivalMs;
     ttftSource = 'engine';
   }
-  let tbtMs: readonly number[] = [];
   // Without engine steps the decode steps are the streamed gaps: share the array rather than compute it twice. With
   // several sequences in one stream the gaps between writes are not any sequence's: the engine's steps, if traced.
-  if (contentTimes.length > 1 && sequences === 1) tbtMs = decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes);
-  else if (record.stepEnds.length > 0 && engineFirstTokenMs !== undefined) tbtMs = gaps([engineFirstTokenMs, ...record.stepEnds]);
-  return { ttftMs, ttftSource, tbtMs };
+  if (contentTimes.length > 1 && sequences === 1) {
+    return { ttftMs, ttftSource, tbtMs: decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes), tbtFromMs: contentTimes[0]! };
+  }
+  if (record.stepEnds.length > 0 && engineFirstTokenMs !== undefined) {
+    return { ttftMs, ttftSource, tbtMs: gaps([engineFirstTokenMs, ...record.stepEnds]), tbtFromMs: engineFirstTokenMs };
+  }
+  return { ttftMs, ttftSource, tbtMs: [] };
 }
 
 /** How the request ended, from its terminal event (none yet: ok so far). */

@@ -269,6 +269,17 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.equal(transfers[0]!.attributes?.ok, false);
     assert.match(String(transfers[0]!.attributes?.failed), /checksum/);
     assert.equal(trace.kvTransfer, undefined, 'no bytes moved: no transfer summary (nor its metrics)');
+    // The prefill ran on the prefill worker and the request was handed over, though its KV did not arrive: the
+    // decode worker's own recompute is its prefill, not decode steps.
+    const prefillWorker = outputs[0]!.routing!.disaggregation!.prefillWorkerId!;
+    const decodeWorker = outputs.at(-1)!.routing!.workerId;
+    const on = (phase: string) => trace.phases.filter((p) => p.phase === phase).map((p) => p.worker);
+    assert.equal(on('prefill_execution')[0], prefillWorker, JSON.stringify(trace.phases.map((p) => [p.phase, p.worker])));
+    assert.equal(on('scheduler_queue')[0], prefillWorker);
+    assert.equal(on('decode_dispatch').length, 1, 'the hand-over is a phase');
+    assert.ok(on('prefill_execution').includes(decodeWorker), 'the decode worker\'s recompute is a prefill on it');
+    const recomputeEnd = Math.max(...trace.phases.filter((p) => p.phase === 'prefill_execution' && p.worker === decodeWorker).map((p) => p.endMs));
+    assert.ok(trace.phases.find((p) => p.phase === 'decode_execution')!.startMs >= recomputeEnd, 'decode begins after the recompute');
     await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
   });
 
