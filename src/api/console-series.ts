@@ -28,7 +28,7 @@ export interface SeriesView {
   /** TTFT of the requests whose first token came in the bucket; null where none did. */
   ttft_p50_ms: (number | null)[];
   ttft_p99_ms: (number | null)[];
-  /** Gaps between streamed tokens written in the bucket. */
+  /** Time between tokens (RequestTrace.tbtMs, as /metrics counts it) of the gaps that ended in the bucket. */
   itl_p50_ms: (number | null)[];
   itl_p99_ms: (number | null)[];
 }
@@ -113,12 +113,24 @@ export class ConsoleSeries {
     return bucket;
   }
 
-  /** Adds a finished request: its end, its first token, its token writes and the gaps between them. */
+  /**
+   * Adds a finished request: its end, its first token, its token writes, and its time between tokens in the bucket
+   * where each gap ended. The gaps are the trace's (tbtMs), those /metrics and the SLO report count: between the
+   * writes of a one-sequence stream, else between the engine's decode steps when it reported them. The writes of
+   * an n > 1 stream interleave its completions, so the gaps between them are no completion's.
+   */
   record(trace: RequestTrace): void {
     const end = this.bucketAt(trace.endMs);
     if (end) end.requests++;
     if (trace.outcome !== 'ok' && trace.outputTokens === 0) return;
     if (trace.ttftMs !== undefined) this.bucketAt(trace.arrivalMs + trace.ttftMs)?.ttft.add(trace.ttftMs, this.random);
+    if (trace.tbtFromMs !== undefined) {
+      let at = trace.tbtFromMs;
+      for (const gap of trace.tbtMs) {
+        at += gap;
+        this.bucketAt(at)?.itl.add(gap, this.random);
+      }
+    }
     const writes = trace.emits.contentTimesMs;
     if (writes.length === 0) {
       // Not streamed: the tokens are counted when the body went out.
@@ -126,11 +138,9 @@ export class ConsoleSeries {
       return;
     }
     const perWrite = trace.outputTokens / writes.length;
-    for (let i = 0; i < writes.length; i++) {
-      const bucket = this.bucketAt(writes[i]!);
-      if (!bucket) continue;
-      bucket.outputTokens += perWrite;
-      if (i > 0) bucket.itl.add(writes[i]! - writes[i - 1]!, this.random);
+    for (const time of writes) {
+      const bucket = this.bucketAt(time);
+      if (bucket) bucket.outputTokens += perWrite;
     }
   }
 

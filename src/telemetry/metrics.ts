@@ -256,10 +256,14 @@ export class ConduitMetrics {
     const worker = trace.worker ?? 'none';
     const tenant = trace.tenant ?? 'none';
     const mw = { model, worker };
+    // The prompt's side of a disaggregated request ran on its prefill worker: its queue wait, prefill, first token
+    // and prefix-cache hit ratio are that worker's (trace.worker is the decode worker the router placed it on).
+    const prefillWorker = trace.prefillWorker ?? worker;
+    const pw = { model, worker: prefillWorker };
 
     this.requests.inc({ model, tenant, finish_reason: trace.finishReason });
     this.e2e.observe({ model, outcome: trace.outcome }, trace.e2eMs);
-    if (trace.ttftMs !== undefined) this.ttft.observe(mw, trace.ttftMs);
+    if (trace.ttftMs !== undefined) this.ttft.observe(pw, trace.ttftMs);
     if (trace.tbtMs.length > 0) {
       // One child lookup for all of the request's gaps instead of a label hash per token.
       const child = this.tbt.labels(mw);
@@ -270,7 +274,9 @@ export class ConduitMetrics {
       if (p.incomplete) continue;
       if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) this.gatewayPhase.observe({ phase: p.phase }, p.endMs - p.startMs);
       // The wait before the first forward pass, once a request: not the waits again between its chunks.
-      else if (p.phase === 'scheduler_queue' && p.attributes?.requeued !== true) this.queueWait.observe(mw, p.endMs - p.startMs);
+      else if (p.phase === 'scheduler_queue' && p.attributes?.requeued !== true) {
+        this.queueWait.observe({ model, worker: p.worker ?? prefillWorker }, p.endMs - p.startMs);
+      }
     }
     if (trace.routing) {
       this.routing.observe({ model, strategy: trace.routing.strategy }, trace.routing.endMs - trace.routing.startMs);
@@ -281,7 +287,7 @@ export class ConduitMetrics {
     }
     if (trace.prefill) {
       // As the response's timings count it: up to the first token, the waits between chunks left out (they are queue).
-      this.prefill.observe({ ...mw, quantization: this.quantization.get(model) ?? 'none' },
+      this.prefill.observe({ model, worker: trace.prefill.worker ?? prefillWorker, quantization: this.quantization.get(model) ?? 'none' },
         Math.max(0, trace.prefill.endMs - trace.prefill.startMs - trace.prefill.requeuedMs));
     }
     if (trace.outcome === 'ok') this.outputTokens.observe({ model }, trace.outputTokens);
@@ -295,7 +301,7 @@ export class ConduitMetrics {
     }
 
     const reachedEngine = trace.prefill !== undefined || trace.engineFirstTokenMs !== undefined;
-    if (reachedEngine && trace.promptTokens > 0) this.prefixHitRatio.observe(mw, Math.min(1, trace.cachedTokens / trace.promptTokens));
+    if (reachedEngine && trace.promptTokens > 0) this.prefixHitRatio.observe(pw, Math.min(1, trace.cachedTokens / trace.promptTokens));
     const labels = { model, worker, tenant };
     if (trace.promptTokens > 0 && reachedEngine) this.promptTokens.inc(labels, trace.promptTokens);
     if (trace.outputTokens > 0) this.generationTokens.inc(labels, trace.outputTokens);
