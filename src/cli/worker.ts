@@ -2,16 +2,25 @@
 // the namespace with a kept-alive lease, publishing its KV events and load on NATS. SIGINT/SIGTERM drain: deregister,
 // finish the running streams (up to --shutdown-grace), exit 0. A worker of any role keeps its own LoRA adapters
 // (--lora-modules at start, --max-loras resident, --max-lora-rank; frontends load more) and publishes them in its
-// etcd record.
+// etcd record. Start-up failures (a model that does not load, an engine that refuses its options, a port in use) are
+// one line and exit code 1, as `conduit serve` reports them.
+//
+// `--parent-ipc`: a child of `conduit serve --worker-processes`. It reports its address to the server over the IPC
+// channel instead of registering, and takes its options from its command line alone (see parentIpcEnvironment). The
+// server decides when it stops (see ParentLink).
 
 import { modelIdFromName } from '../api/gateway.ts';
 import { createLogger, isLogLevel, LOG_LEVELS } from '../api/log.ts';
 import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
-import { defaultWorkerId, LoraModuleError, startClusterWorker } from '../cluster/worker-process.ts';
+import { splitAddress } from '../cluster/remote-engine.ts';
+import { defaultWorkerId, LoraModuleError, startClusterWorker, WorkerListenError } from '../cluster/worker-process.ts';
+import { EngineStartError } from '../engine/errors.ts';
+import { DiskTierLockedError } from '../engine/kv-cache/disk-tier.ts';
 import type { WorkerRole } from '../engine/types.ts';
+import { isModelLoadError } from '../model/loader.ts';
 import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 import {
   parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp, positiveInteger, SERVE_FLAGS,
@@ -43,114 +52,220 @@ export const WORKER_FLAGS = {
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
+/**
+ * The options a `--parent-ipc` child still reads from its environment: the cluster token and the log level the server
+ * sets there, and the KV link of prefill and decode children (CONDUIT_KV_TRANSFER_LINK, which has no `serve` flag).
+ */
+const PARENT_IPC_ENV_OPTIONS: ReadonlySet<string> = new Set(['cluster-token', 'log-level', 'kv-transfer-link']);
+
+/**
+ * The environment a `--parent-ipc` child parses its options against: the server's own, less the twins of the worker's
+ * options (but PARENT_IPC_ENV_OPTIONS). The server passes every setting of its children on their command line, where
+ * it has already resolved its command line against its environment: a twin left in the environment would otherwise
+ * stand for any setting the command line leaves at its default (CONDUIT_ENABLE_PREFIX_CACHING=false against a typed
+ * --enable-prefix-caching), and the twins of `conduit worker`'s own options, in an environment shared with a cluster's
+ * workers, would apply to every child (CONDUIT_ADVERTISE_ADDRESS: the address each would report).
+ */
+export function parentIpcEnvironment(env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
+  const twins = new Set(Object.entries(WORKER_FLAGS).filter(([name]) => !PARENT_IPC_ENV_OPTIONS.has(name))
+    .map(([name, spec]) => envName(name, spec)));
+  return Object.fromEntries(Object.entries(env).filter(([key]) => !twins.has(key)));
+}
+
+/**
+ * A `--parent-ipc` child's IPC channel to the server that forked it. The server alone decides when its workers stop:
+ * the child ignores SIGINT, SIGTERM and SIGHUP (a terminal's Ctrl-C reaches its whole process group, a service manager
+ * may signal every process of its unit, and either would end the child's streams at once, ahead of the server's
+ * --shutdown-grace) and stops when the channel closes: the server closed it once its own drain was over, or the server
+ * is gone. A child that cannot start tells the server why before it exits.
+ */
+class ParentLink {
+  private state: 'starting' | 'ready' | 'failed' = 'starting';
+  /** Resolves when the channel closes. */
+  readonly closed: Promise<void>;
+
+  constructor() {
+    for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(signal, () => {});
+    this.closed = new Promise((resolve) => process.once('disconnect', () => resolve()));
+    // The server is gone before this worker was ready: nothing was served yet, nothing is left to finish.
+    void this.closed.then(() => {
+      if (this.state === 'starting') process.exit(1);
+    });
+  }
+
+  ready(address: string, workerId: string): void {
+    this.state = 'ready';
+    process.send!({ type: 'ready', address, workerId });
+  }
+
+  /** Sends the server the reason this worker could not start, then closes the channel (which holds the process up). */
+  failed(message: string): void {
+    if (this.state !== 'starting' || !process.connected) return;
+    this.state = 'failed';
+    process.send!({ type: 'failed', message }, () => {
+      if (process.connected) process.disconnect();
+    });
+  }
+}
+
+/** A start-up failure reported as one line: the model, the engine's options, the disk tier's folder, the port. */
+function isStartFailure(error: unknown): error is Error {
+  return isModelLoadError(error) || error instanceof EngineStartError || error instanceof DiskTierLockedError
+    || error instanceof WorkerListenError;
+}
+
+/** --advertise-address as frontends read it (host:port, [v6]:port): a typo is refused here, not by every frontend. */
+function checkAdvertiseAddress(text: string): void {
+  let port: number | undefined;
+  try {
+    port = splitAddress(text).port;
+  } catch {
+    // Refused below.
+  }
+  if (port === undefined || port < 1 || port > 65535) {
+    throw new UsageError(`--advertise-address must be host:port, the address frontends connect to (10.0.0.2:7000), got "${text}"`);
+  }
+}
+
 export const workerCommand: Command = {
   summary: 'one engine worker as a process, found through etcd, KV events on NATS',
   async run(argv) {
-    const { values, positionals, lists } = parseFlags(WORKER_FLAGS, argv);
-    if (values.help) {
-      console.log(`Usage: conduit worker --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n${formatFlagHelp(WORKER_FLAGS)}`);
-      return 0;
-    }
-    if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
-    const local = values['parent-ipc'];
-    const cluster = parseClusterConfig(values, !local);
-    const role = values.role!;
-    if (role !== 'both' && role !== 'prefill' && role !== 'decode') throw new UsageError(`--role must be both, prefill or decode, got "${role}"`);
-    const engineKind = values.engine!;
-    if (engineKind !== 'cpu' && engineKind !== 'sim') throw new UsageError('--engine must be cpu or sim');
-    const logLevel = values['log-level']!;
-    if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}`);
-    const port = values.port!;
-    if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
-    const kvLink = values['kv-transfer-link']!;
-    if (kvLink !== 'auto' && kvLink !== 'tcp') throw new UsageError(`--kv-transfer-link must be auto or tcp, got "${kvLink}"`);
-    const kvPort = values['kv-port']!;
-    if (!Number.isInteger(kvPort) || kvPort < 0 || kvPort > 65535) throw new UsageError(`--kv-port must be 0..65535, got ${kvPort}`);
-    if (kvPort !== 0 && values.role !== 'prefill') throw new UsageError('--kv-port is a prefill worker\'s (--role prefill): only it serves KV blocks');
-    const ttl = values['lease-ttl']!;
-    if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
-    const backend = values.backend!;
-    if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') throw new UsageError('--backend must be auto, native or reference');
-    let calibration;
+    const parent = argv.includes('--parent-ipc') && process.send !== undefined ? new ParentLink() : undefined;
     try {
-      calibration = parseCalibration(values['sim-calibration']!);
+      return await runWorker(argv, parent);
     } catch (error) {
-      throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
+      parent?.failed(error instanceof Error ? error.message : String(error));
+      if (!isStartFailure(error)) throw error;
+      // One line, as `conduit serve` reports the same failures.
+      console.error(`conduit worker: ${error.message}`);
+      // Whatever the failed start left behind (an engine thread, a timer) does not keep the process up.
+      setTimeout(() => process.exit(1), 1000).unref();
+      return 1;
     }
-    // The worker's own adapters (a --parent-ipc child's are its parent's to load).
-    const loraModules = parseLoraModules(lists['lora-modules'] ?? []);
-    if (local && loraModules.length > 0) throw new UsageError('--lora-modules is the parent\'s option under `conduit serve --worker-processes`');
-    const maxLoras = values['max-loras']!;
-    const maxLoraRank = values['max-lora-rank']!;
-    if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new UsageError(`--max-loras must be a whole number > 0, got ${maxLoras}`);
-    if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new UsageError(`--max-lora-rank must be a whole number > 0, got ${maxLoraRank}`);
-    const logger = createLogger(logLevel);
-    const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
-    const [modelSpec] = values.model !== undefined
-      ? parseModelSpecs([values.model], values['served-model-name'] !== undefined ? [values['served-model-name']] : []) : [];
-    const modelPath = engineKind === 'sim' ? undefined
-      : modelSpec?.path ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
-    const workerId = values['worker-id'] ?? defaultWorkerId();
-    const servedName = modelSpec?.servedModelName ?? values['served-model-name'];
-    for (const { name, base } of loraModules) {
-      // A worker serves one model: an adapter's @BASE, when given, must be it (checked again once the name is known).
-      if (base !== undefined && servedName !== undefined && base !== servedName) {
-        throw new UsageError(`--lora-modules ${name}: base model "${base}" is not this worker's (${servedName})`);
-      }
-    }
-    const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
-    const running = await startClusterWorker({
-      workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
-      host: values.host!, port, ...(values['advertise-address'] ? { advertiseAddress: values['advertise-address'] } : {}),
-      ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
-      leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink, ...(kvPort ? { kvPort } : {}),
-      ...(!local ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
-      pool: {
-        engine: engineKind, backend,
-        ...(modelPath !== undefined ? { modelPath } : {}),
-        ...(servedName !== undefined ? { servedModelName: servedName } : {}),
-        ...(values.threads !== undefined ? { threads: values.threads } : {}),
-        ...(values['lora-dtype'] !== undefined ? { loraDtype: parseLoraDtype(values['lora-dtype']) } : {}),
-        ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
-        ...(kvDtype !== undefined ? { kvDtype } : {}),
-        kvCacheIdleReleaseSeconds: values['kv-cache-idle-release']!,
-        policy: parseSchedulingPolicy(values['scheduling-policy']!),
-        ...(values['kv-offload-memory'] !== undefined
-          ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory', { allowZero: true }) } : {}),
-        ...(values['kv-offload-disk'] !== undefined ? {
-          kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),
-        } : {}),
-        ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: positiveInteger(values['max-num-seqs'], 'max-num-seqs') } : {}),
-        ...(values['max-num-batched-tokens'] !== undefined
-          ? { maxNumBatchedTokens: positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens') } : {}),
-        ...(values['max-model-len'] !== undefined ? { maxModelLen: positiveInteger(values['max-model-len'], 'max-model-len') } : {}),
-        enablePrefixCaching: values['enable-prefix-caching']!,
-        guidedJumpForward: values['guided-jump-forward']!,
-        sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: values['sim-tp']!, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: values['sim-lora-rank']! },
-      },
-    }).catch((error: unknown) => {
-      throw error instanceof LoraModuleError ? new UsageError(error.message) : error;
-    });
-    const misnamed = loraModules.find((m) => m.base !== undefined && m.base !== running.record.model && m.base !== modelIdFromName(running.record.model));
-    if (misnamed) {
-      await running.shutdown(0);
-      throw new UsageError(`--lora-modules ${misnamed.name}: base model "${misnamed.base}" is not this worker's (${running.record.model})`);
-    }
-    const graceMs = values['shutdown-grace']! * 1000;
-    if (local) {
-      // The parent reads the address; when the parent goes away (the IPC channel closes), so does this worker.
-      process.send?.({ type: 'ready', address: running.address, workerId });
-      process.on('disconnect', () => void running.shutdown(0).then(() => process.exit(0)));
-    }
-    // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
-    const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
-    const signal = await new Promise<string>((resolve) => {
-      for (const name of signals) process.once(name, () => resolve(name));
-    });
-    logger.info(`${signal}: draining`);
-    for (const name of signals) process.once(name, () => process.exit(1));
-    await running.shutdown(graceMs);
-    setTimeout(() => process.exit(0), 500).unref();
-    return 0;
   },
 };
+
+async function runWorker(argv: string[], parent: ParentLink | undefined): Promise<number> {
+  const env = argv.includes('--parent-ipc') ? parentIpcEnvironment(process.env) : process.env;
+  const { values, positionals, lists } = parseFlags(WORKER_FLAGS, argv, env);
+  if (values.help) {
+    console.log(`Usage: conduit worker --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n${formatFlagHelp(WORKER_FLAGS)}`);
+    return 0;
+  }
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+  const local = values['parent-ipc'];
+  const cluster = parseClusterConfig(values, !local);
+  const role = values.role!;
+  if (role !== 'both' && role !== 'prefill' && role !== 'decode') throw new UsageError(`--role must be both, prefill or decode, got "${role}"`);
+  const engineKind = values.engine!;
+  if (engineKind !== 'cpu' && engineKind !== 'sim') throw new UsageError('--engine must be cpu or sim');
+  const logLevel = values['log-level']!;
+  if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}`);
+  const port = values.port!;
+  if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
+  // A child reports its own loopback address to the server.
+  const advertiseAddress = local ? undefined : values['advertise-address'] || undefined;
+  if (advertiseAddress !== undefined) checkAdvertiseAddress(advertiseAddress);
+  // As `conduit serve` checks them.
+  const threads = positiveInteger(values.threads, 'threads');
+  const graceSeconds = values['shutdown-grace']!;
+  if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be >= 0, got ${graceSeconds}`);
+  const idleRelease = values['kv-cache-idle-release']!;
+  if (!(idleRelease >= 0)) throw new UsageError(`--kv-cache-idle-release must be >= 0 seconds, got ${idleRelease}`);
+  const simTp = positiveInteger(values['sim-tp'], 'sim-tp')!;
+  const simLoraRank = positiveInteger(values['sim-lora-rank'], 'sim-lora-rank')!;
+  const kvLink = values['kv-transfer-link']!;
+  if (kvLink !== 'auto' && kvLink !== 'tcp') throw new UsageError(`--kv-transfer-link must be auto or tcp, got "${kvLink}"`);
+  const kvPort = values['kv-port']!;
+  if (!Number.isInteger(kvPort) || kvPort < 0 || kvPort > 65535) throw new UsageError(`--kv-port must be 0..65535, got ${kvPort}`);
+  if (kvPort !== 0 && values.role !== 'prefill') throw new UsageError('--kv-port is a prefill worker\'s (--role prefill): only it serves KV blocks');
+  const ttl = values['lease-ttl']!;
+  if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
+  const backend = values.backend!;
+  if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') throw new UsageError('--backend must be auto, native or reference');
+  let calibration;
+  try {
+    calibration = parseCalibration(values['sim-calibration']!);
+  } catch (error) {
+    throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
+  }
+  // The worker's own adapters (a --parent-ipc child's are its parent's to load).
+  const loraModules = parseLoraModules(lists['lora-modules'] ?? []);
+  if (local && loraModules.length > 0) throw new UsageError('--lora-modules is the parent\'s option under `conduit serve --worker-processes`');
+  const maxLoras = values['max-loras']!;
+  const maxLoraRank = values['max-lora-rank']!;
+  if (!Number.isInteger(maxLoras) || maxLoras < 1) throw new UsageError(`--max-loras must be a whole number > 0, got ${maxLoras}`);
+  if (!Number.isInteger(maxLoraRank) || maxLoraRank < 1) throw new UsageError(`--max-lora-rank must be a whole number > 0, got ${maxLoraRank}`);
+  const logger = createLogger(logLevel);
+  const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
+  const [modelSpec] = values.model !== undefined
+    ? parseModelSpecs([values.model], values['served-model-name'] !== undefined ? [values['served-model-name']] : []) : [];
+  const modelPath = engineKind === 'sim' ? undefined
+    : modelSpec?.path ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
+  const workerId = values['worker-id'] ?? defaultWorkerId();
+  const servedName = modelSpec?.servedModelName ?? values['served-model-name'];
+  for (const { name, base } of loraModules) {
+    // A worker serves one model: an adapter's @BASE, when given, must be it (checked again once the name is known).
+    if (base !== undefined && servedName !== undefined && base !== servedName) {
+      throw new UsageError(`--lora-modules ${name}: base model "${base}" is not this worker's (${servedName})`);
+    }
+  }
+  const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
+  const running = await startClusterWorker({
+    workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
+    host: values.host!, port, ...(advertiseAddress !== undefined ? { advertiseAddress } : {}),
+    ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
+    leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink, ...(kvPort ? { kvPort } : {}),
+    ...(!local ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
+    pool: {
+      engine: engineKind, backend,
+      ...(modelPath !== undefined ? { modelPath } : {}),
+      ...(servedName !== undefined ? { servedModelName: servedName } : {}),
+      ...(threads !== undefined ? { threads } : {}),
+      ...(values['lora-dtype'] !== undefined ? { loraDtype: parseLoraDtype(values['lora-dtype']) } : {}),
+      ...(values['kv-cache-memory'] !== undefined ? { kvCacheMemoryBytes: parseByteSize(values['kv-cache-memory'], 'kv-cache-memory') } : {}),
+      ...(kvDtype !== undefined ? { kvDtype } : {}),
+      kvCacheIdleReleaseSeconds: idleRelease,
+      policy: parseSchedulingPolicy(values['scheduling-policy']!),
+      ...(values['kv-offload-memory'] !== undefined
+        ? { kvOffloadMemoryBytes: parseByteSize(values['kv-offload-memory'], 'kv-offload-memory', { allowZero: true }) } : {}),
+      ...(values['kv-offload-disk'] !== undefined ? {
+        kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),
+      } : {}),
+      ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: positiveInteger(values['max-num-seqs'], 'max-num-seqs') } : {}),
+      ...(values['max-num-batched-tokens'] !== undefined
+        ? { maxNumBatchedTokens: positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens') } : {}),
+      ...(values['max-model-len'] !== undefined ? { maxModelLen: positiveInteger(values['max-model-len'], 'max-model-len') } : {}),
+      enablePrefixCaching: values['enable-prefix-caching']!,
+      guidedJumpForward: values['guided-jump-forward']!,
+      sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: simLoraRank },
+    },
+  }).catch((error: unknown) => {
+    throw error instanceof LoraModuleError ? new UsageError(error.message) : error;
+  });
+  const misnamed = loraModules.find((m) => m.base !== undefined && m.base !== running.record.model && m.base !== modelIdFromName(running.record.model));
+  if (misnamed) {
+    await running.shutdown(0);
+    throw new UsageError(`--lora-modules ${misnamed.name}: base model "${misnamed.base}" is not this worker's (${running.record.model})`);
+  }
+  if (parent) {
+    // The server reads the address. It closes the channel once it has drained its own requests: nothing is left to
+    // finish here.
+    parent.ready(running.address, workerId);
+    await parent.closed;
+    await running.shutdown(0);
+    setTimeout(() => process.exit(0), 500).unref();
+    return 0;
+  }
+  const graceMs = graceSeconds * 1000;
+  // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
+  const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
+  const signal = await new Promise<string>((resolve) => {
+    for (const name of signals) process.once(name, () => resolve(name));
+  });
+  logger.info(`${signal}: draining`);
+  for (const name of signals) process.once(name, () => process.exit(1));
+  await running.shutdown(graceMs);
+  setTimeout(() => process.exit(0), 500).unref();
+  return 0;
+}

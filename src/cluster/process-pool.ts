@@ -3,8 +3,14 @@
 // child reports its address over the IPC channel, and its KV events come on its connection. A worker that dies, a
 // native crash included, takes only its own process down: its connection drops, its requests fail as worker_lost
 // at once (migrating when --migration-limit allows), and the worker group starts a new process in its place
-// (--worker-restart-limit, --worker-restart-delay), as it restarts a dead thread. A child whose parent goes away
-// (its IPC channel closes) exits.
+// (--worker-restart-limit, --worker-restart-delay), as it restarts a dead thread.
+//
+// The server alone decides when its children stop. Each child runs in a process group (and session) of its own, so a
+// terminal's Ctrl-C, sent to the server's foreground group, reaches the server only; a child ignores SIGINT, SIGTERM
+// and SIGHUP (as a service manager may send them to every process of its unit) and stops when its IPC channel closes:
+// the server closes it once its own drain (--shutdown-grace) is over, and a server that dies closes it too. A child
+// takes its settings from its command line alone, never from the twins of the worker's options in the environment
+// it inherits (`conduit worker --parent-ipc`), and one that cannot start sends the server its reason over the channel.
 //
 // With --prefill-workers P --decode-workers D (cpu workers) the children run `--role prefill` and `--role decode`, and
 // the server's engine is the disaggregated one of a frontend (remote-disagg.ts): each decode worker pulls the KV of a
@@ -18,6 +24,7 @@ import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { engineNow } from '../engine/clock.ts';
+import { EngineStartError } from '../engine/errors.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
 import { tokenizerFromWorkerSource } from '../model/tokenizer/worker-source.ts';
@@ -63,7 +70,8 @@ export class ChildWorker implements RoutableEngine {
     await this.remote.close();
     if (this.child.exitCode === null && this.child.signalCode === null) {
       const exited = new Promise<void>((resolve) => this.child.once('exit', () => resolve()));
-      this.child.kill('SIGTERM');
+      // The child stops when its channel closes (it ignores the usual signals).
+      if (this.child.connected) this.child.disconnect();
       const timer = setTimeout(() => this.child.kill('SIGKILL'), 5000);
       await exited;
       clearTimeout(timer);
@@ -84,7 +92,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   add('backend', options.backend);
   add('lora-dtype', options.loraDtype);
   add('kv-cache-memory', options.kvCacheMemoryBytes);
-  add('kv-cache-dtype', options.kvDtype);
+  add('kv-cache-dtype', options.kvDtype ?? 'auto');
   add('kv-cache-idle-release', options.kvCacheIdleReleaseSeconds);
   // A child is one worker: the pool's totals are split here as a pool of threads splits them, and each child's disk
   // tier gets a folder of its own (the folder's lock keeps a second process out).
@@ -97,9 +105,9 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   add('max-num-seqs', options.maxNumSeqs);
   add('max-num-batched-tokens', options.maxNumBatchedTokens);
   add('max-model-len', options.maxModelLen);
-  if (options.enablePrefixCaching === false) args.push('--no-enable-prefix-caching');
-  // Said either way: the child inherits this process's environment, whose CONDUIT_GUIDED_JUMP_FORWARD the parent's
-  // command line may have overridden.
+  // Booleans said either way, as every setting the server resolved: the child reads no worker option from its
+  // environment, and a default is the server's default only.
+  args.push(options.enablePrefixCaching === false ? '--no-enable-prefix-caching' : '--enable-prefix-caching');
   if (options.guidedJumpForward !== undefined) args.push(options.guidedJumpForward ? '--guided-jump-forward' : '--no-guided-jump-forward');
   if (options.sim) {
     add('sim-model', options.sim.model);
@@ -112,15 +120,26 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   return args;
 }
 
+/**
+ * Why a child that exited before it was ready did, from its output when it sent no reason (a crash): its last error
+ * line (an uncaught error's "Name: message", or its one-line report), else its last lines, stack frames left out.
+ */
+function exitReason(output: string): string {
+  const lines = output.split('\n').map((line) => line.trimEnd()).filter((line) => line.trim() !== '' && !/^\s+at /.test(line) && !/^Node\.js v/.test(line));
+  const error = lines.findLast((line) => /^(conduit worker: |[A-Za-z]*Error\b)/.test(line));
+  return error ?? lines.slice(-3).join(' | ');
+}
+
 /** Starts one child worker and connects to it. */
 export function startChildWorker(options: ProcessPoolOptions, id: string, token: string, threads: number, role: WorkerRole = 'both'): Promise<ChildWorker> {
-  // The child inherits this process's environment, less the parent's own adapters: a --parent-ipc worker gets them
-  // over the request plane and refuses --lora-modules, which it would otherwise read from CONDUIT_LORA_MODULES.
-  const { CONDUIT_LORA_MODULES: _parentsAdapters, ...inherited } = process.env;
   const child = fork(CONDUIT_BIN, childArgs(options, id, threads, role), {
-    // The token travels in the environment, not on the command line (where ps shows it).
-    env: { ...inherited, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
+    // The child inherits this process's environment, where of the worker's options it reads only the token and the
+    // log level set here, and CONDUIT_KV_TRANSFER_LINK. The token travels there, not on the command line (where ps
+    // shows it).
+    env: { ...process.env, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
     stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
+    // A process group of its own: see the top of this file.
+    detached: true,
   });
   let tail = '';
   const onOutput = (chunk: Buffer): void => {
@@ -133,17 +152,22 @@ export function startChildWorker(options: ProcessPoolOptions, id: string, token:
   return new Promise((resolve, reject) => {
     const timer = setTimeout(() => {
       child.kill('SIGKILL');
-      reject(new Error(`worker process ${id} did not start within ${CHILD_START_TIMEOUT_MS / 1000} s`));
+      reject(new EngineStartError(`worker process ${id} did not start within ${CHILD_START_TIMEOUT_MS / 1000} s`));
     }, CHILD_START_TIMEOUT_MS);
-    const onExit = (code: number | null, signal: string | null): void => {
+    // The reason the child sent (see `conduit worker --parent-ipc`), which comes before its channel closes.
+    let failure: string | undefined;
+    // 'close', not 'exit': the channel's last message and the output are read by then.
+    const onClose = (code: number | null, signal: string | null): void => {
       clearTimeout(timer);
-      reject(new Error(`worker process ${id} exited (${signal ?? `code ${code}`}) before it was ready: ${tail.trim().split('\n').slice(-3).join(' | ')}`));
+      reject(new EngineStartError(failure !== undefined ? `worker process ${id} could not start: ${failure}`
+        : `worker process ${id} exited (${signal ?? `code ${code}`}) before it was ready: ${exitReason(tail)}`));
     };
-    child.once('exit', onExit);
-    child.on('message', (message: { type?: string; address?: string }) => {
+    child.once('close', onClose);
+    child.on('message', (message: { type?: string; address?: string; message?: string }) => {
+      if (message?.type === 'failed' && typeof message.message === 'string') failure = message.message;
       if (message?.type !== 'ready' || typeof message.address !== 'string') return;
       clearTimeout(timer);
-      child.off('exit', onExit);
+      child.off('close', onClose);
       RemoteEngine.connect(message.address, { clusterToken: token, events: true }).then(
         (remote) => resolve(new ChildWorker(id, child, remote)),
         (error: Error) => {

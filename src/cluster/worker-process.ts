@@ -82,6 +82,11 @@ export class LoraModuleError extends Error {
   override name = 'LoraModuleError';
 }
 
+/** The worker's request port (or a prefill worker's KV port) could not be opened: in use, not allowed, no such host. */
+export class WorkerListenError extends Error {
+  override name = 'WorkerListenError';
+}
+
 /** The adapters a worker holds, as its record publishes them. */
 function workerLoras(adapters: LoraManager): WorkerLora[] {
   return adapters.list().map(({ name, key, path, rank }) => ({ name, key, path, ...(rank !== undefined ? { rank } : {}) }));
@@ -122,7 +127,8 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     port = await server.listen(options.port, options.host);
   } catch (error) {
     await engine.close();
-    throw error;
+    // Node's message names the address that failed (the KV port's, when that one did).
+    throw new WorkerListenError(`cannot listen on ${options.host}:${options.port}${options.kvPort ? ` (KV port ${options.kvPort})` : ''}: ${(error as Error).message}`);
   }
   const host = options.host === '0.0.0.0' || options.host === '::' ? hostname() : options.host;
   const address = options.advertiseAddress ?? `${host.includes(':') ? `[${host}]` : host}:${port}`;

@@ -1,5 +1,8 @@
 // `conduit serve` as a process: SIGHUP (the terminal that started it closed) drains as SIGTERM does: the stream in
 // flight finishes whole, then the process exits 0. Node's default for SIGHUP would end it at once, mid-stream.
+// With --worker-processes the server alone decides when its children stop: Ctrl-C (SIGINT to the whole foreground
+// process group) and a service manager's SIGTERM to every process drain the stream in flight as with worker threads,
+// and no child is lost or restarted meanwhile.
 import { after, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { freePort, startConduit, stopAll } from '../helpers/cluster-services.ts';
@@ -34,4 +37,54 @@ describe('conduit serve and signals', () => {
     assert.equal(await proc.exited, 0, proc.output());
     assert.match(proc.output(), /SIGHUP: shutting down/);
   });
+
+  it('--worker-processes: Ctrl-C to the process group and SIGTERM to every process drain the stream; no child is lost or restarted',
+    { timeout: 180_000 }, async () => {
+      const port = await freePort();
+      // In a process group of its own, as a shell starts a job: a terminal's Ctrl-C signals that whole group.
+      const proc = startConduit(['serve', '--engine', 'sim', '--sim-speed-up', '1', '--workers', '2', '--worker-processes',
+        '--port', String(port), '--no-request-log'], {}, { detached: true });
+      const url = `http://127.0.0.1:${port}`;
+      let pids: number[] = [];
+      for (let tries = 0; ; tries++) {
+        const health = await fetch(`${url}/health`).then(async (res) => res.status === 200 ? await res.json() as { workers: { pid: number }[] } : undefined, () => undefined);
+        if (health) {
+          pids = health.workers.map((w) => w.pid);
+          break;
+        }
+        assert.ok(tries < 1200, `the server came up: ${proc.output()}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+      assert.equal(pids.length, 2);
+      // About 3 s of simulated decode at real time: it outlasts the signals by far.
+      const res = await fetch(`${url}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ prompt: 'Once upon a time', max_tokens: 400, ignore_eos: true, stream: true }),
+      });
+      assert.equal(res.status, 200);
+      let chunks = 0;
+      let finish: string | undefined;
+      let error: unknown;
+      await forEachStreamEvent(res, (json) => {
+        if (chunks++ === 3) {
+          process.kill(-proc.child.pid!, 'SIGINT');
+          // A service manager stopping the unit (systemd's KillMode=control-group) signals every process in it.
+          for (const pid of pids) process.kill(pid, 'SIGTERM');
+        }
+        if (json.error) error = json.error;
+        finish = json.choices?.[0]?.finish_reason ?? finish;
+      });
+      assert.equal(error, undefined, proc.output());
+      assert.equal(finish, 'length', `the stream in flight finished: ${proc.output()}`);
+      assert.equal(await proc.exited, 0, proc.output());
+      assert.match(proc.output(), /SIGINT: shutting down/);
+      assert.doesNotMatch(proc.output(), /was lost|restart attempt/);
+      for (const pid of pids) {
+        let alive = true;
+        for (let i = 0; i < 100 && alive; i++) {
+          try { process.kill(pid, 0); await new Promise((resolve) => setTimeout(resolve, 50)); } catch { alive = false; }
+        }
+        assert.equal(alive, false, `worker process ${pid} exited with the server`);
+      }
+    });
 });

@@ -1,15 +1,20 @@
-// `conduit worker`'s LoRA and model options are checked before anything starts: --lora-modules (or
-// CONDUIT_LORA_MODULES) on a `conduit serve --worker-processes` child is refused by name, as are bad --max-loras /
-// --max-lora-rank values; --model NAME=PATH names the worker's one model as serve's flag does; etcd's client
-// certificate and key go together; --kv-port is a prefill worker's.
+// `conduit worker`'s LoRA and model options are checked before anything starts: --lora-modules on a `conduit serve
+// --worker-processes` child is refused by name, as are bad --max-loras / --max-lora-rank values; --model NAME=PATH
+// names the worker's one model as serve's flag does; etcd's client certificate and key go together; --kv-port is a
+// prefill worker's. Values serve refuses are refused here too, and start-up failures (the model, the engine's
+// options, the port) are one line, as `conduit serve` gives them. A `--parent-ipc` child reads none of the worker's
+// options from its environment, ignores the usual signals, stops when its IPC channel closes, and sends the reason it
+// could not start over that channel.
 // (Workers of every role take --lora-modules: test/cluster/lora-disagg.test.ts.)
 import assert from 'node:assert/strict';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { describe, it } from 'node:test';
+import { after, describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
 import { workerCommand } from '../../src/cli/worker.ts';
+import { freePort, startConduit, stopAll, type Proc } from '../helpers/cluster-services.ts';
 
 // Unreachable services: every case is refused before a connection is tried.
 const SERVICES = ['--cluster-token', 't', '--etcd-endpoints', 'http://127.0.0.1:1', '--nats-server', 'nats://127.0.0.1:1'];
@@ -26,14 +31,6 @@ describe('conduit worker: LoRA options', () => {
     await refused(['--served-model-name', 'llama', '--lora-modules', 'a=/x.gguf@qwen'], /base model "qwen" is not this worker's \(llama\)/);
   });
 
-  it('takes them from the environment too (CONDUIT_LORA_MODULES)', async () => {
-    process.env.CONDUIT_LORA_MODULES = 'a=/adapters/a.gguf';
-    try {
-      await refused(['--parent-ipc'], /parent's option/);
-    } finally {
-      delete process.env.CONDUIT_LORA_MODULES;
-    }
-  });
 });
 
 describe('conduit worker: its one model', () => {
@@ -71,5 +68,97 @@ describe('conduit worker: --kv-port', () => {
     await refused(['--kv-port', '7100'], /--kv-port is a prefill worker's/);
     await refused(['--role', 'decode', '--kv-port', '7100'], /--kv-port is a prefill worker's/);
     await refused(['--role', 'prefill', '--kv-port', '70000'], /--kv-port must be 0..65535/);
+  });
+});
+
+/** The exit code of a `conduit` process, or 'timeout' (then it is killed) after maxMs. */
+async function exitOf(proc: Proc, maxMs = 90_000): Promise<number | string> {
+  const code = await Promise.race([proc.exited, new Promise<string>((resolve) => setTimeout(() => resolve('timeout'), maxMs))]);
+  if (code === 'timeout') proc.kill();
+  return code;
+}
+
+describe('conduit worker: bad values and start-up failures', () => {
+  after(stopAll);
+
+  it('are one line each, no stack trace: exit 2 for a value refused before anything starts, 1 for a failed start', { timeout: 240_000 }, async () => {
+    const busy = net.createServer();
+    const busyPort = await freePort();
+    await new Promise<void>((resolve) => busy.listen(busyPort, '127.0.0.1', resolve));
+    try {
+      const cases: { args: string[]; line: RegExp; code: number }[] = [
+        { args: ['--engine', 'sim', '--threads', '0'], line: /^conduit worker: --threads must be a whole number > 0, got 0$/m, code: 2 },
+        { args: ['--engine', 'sim', '--shutdown-grace', '-5'], line: /^conduit worker: --shutdown-grace must be >= 0, got -5$/m, code: 2 },
+        { args: ['--engine', 'sim', '--kv-cache-idle-release', '-1'], line: /^conduit worker: --kv-cache-idle-release must be >= 0 seconds, got -1$/m, code: 2 },
+        // A frontend could not connect to either.
+        { args: ['--engine', 'sim', '--advertise-address', '127.0.0.1'], line: /^conduit worker: --advertise-address must be host:port, .* got "127\.0\.0\.1"$/m, code: 2 },
+        { args: ['--engine', 'sim', '--advertise-address', '10.0.0.2:0'], line: /^conduit worker: --advertise-address must be host:port, .* got "10\.0\.0\.2:0"$/m, code: 2 },
+        { args: ['--engine', 'cpu', '--model', '/nonexistent/model.gguf'], line: /^conduit worker: cannot load model \/nonexistent\/model\.gguf: no such file or folder$/m, code: 1 },
+        { args: ['--kv-cache-memory', '32MiB', '--max-model-len', '99999'], line: /^conduit worker: --max-model-len 99999 is above the model's context length \(\d+ tokens\)$/m, code: 1 },
+        { args: ['--engine', 'sim', '--port', String(busyPort)], line: new RegExp(`^conduit worker: cannot listen on 127\\.0\\.0\\.1:${busyPort}: listen EADDRINUSE`, 'm'), code: 1 },
+      ];
+      const runs = cases.map(({ args }) => startConduit(['worker', ...SERVICES, '--namespace', 'startup-errors', ...args]));
+      const codes = await Promise.all(runs.map((proc) => exitOf(proc)));
+      for (const [i, { args, line, code }] of cases.entries()) {
+        const output = runs[i]!.output();
+        assert.equal(codes[i], code, `${args.join(' ')}: ${output}`);
+        assert.match(output, line, args.join(' '));
+        assert.doesNotMatch(output, /^\s+at |^Node\.js v/m, `${args.join(' ')}: no stack trace`);
+      }
+    } finally {
+      await new Promise((resolve) => busy.close(resolve));
+    }
+  });
+});
+
+describe('conduit worker --parent-ipc: a child of `conduit serve --worker-processes`', () => {
+  after(stopAll);
+
+  it('reads no worker option from the environment, ignores SIGINT, SIGTERM and SIGHUP, and stops when its channel closes', { timeout: 120_000 }, async () => {
+    // An environment set up for a cluster's workers; a child must report its own loopback address and start.
+    const child = startConduit(['worker', '--parent-ipc', '--worker-id', 'child-0', '--engine', 'sim', '--sim-speed-up', 'inf'], {
+      CONDUIT_CLUSTER_TOKEN: 't', CONDUIT_ADVERTISE_ADDRESS: '10.9.9.9:7000', CONDUIT_HOST: '256.1.1.1', CONDUIT_NAMESPACE: 'not a namespace',
+      CONDUIT_LEASE_TTL: '1', CONDUIT_LORA_MODULES: 'a=/adapters/a.gguf', CONDUIT_MAX_LORAS: '0',
+    }, { ipc: true, detached: true });
+    const ready = await Promise.race([
+      new Promise<{ type: string; address: string }>((resolve) => child.child.on('message', (message: { type: string; address: string }) => {
+        if (message.type === 'ready') resolve(message);
+      })),
+      child.exited.then((code) => { throw new Error(`the child exited (${code}) before it was ready: ${child.output()}`); }),
+    ]);
+    assert.match(ready.address, /^127\.0\.0\.1:\d+$/);
+    const port = Number(ready.address.split(':')[1]);
+    for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) child.child.kill(signal);
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+    assert.equal(child.child.exitCode, null, `the signals did not stop it: ${child.output()}`);
+    const accepts = await new Promise<boolean>((resolve) => {
+      const socket = net.connect({ host: '127.0.0.1', port });
+      socket.once('connect', () => { socket.destroy(); resolve(true); });
+      socket.once('error', () => resolve(false));
+    });
+    assert.ok(accepts, 'it still serves its port');
+    child.child.disconnect();
+    assert.equal(await exitOf(child, 20_000), 0, child.output());
+  });
+
+  it('sends the server the reason it could not start, then exits', { timeout: 120_000 }, async () => {
+    const cases = [
+      { args: ['--engine', 'cpu', '--model', '/nonexistent/model.gguf'], message: 'cannot load model /nonexistent/model.gguf: no such file or folder', code: 1 },
+      { args: ['--engine', 'sim', '--threads', '0'], message: '--threads must be a whole number > 0, got 0', code: 2 },
+    ];
+    const results = await Promise.all(cases.map(async ({ args }) => {
+      const proc = startConduit(['worker', '--parent-ipc', '--worker-id', 'child-1', ...args], { CONDUIT_CLUSTER_TOKEN: 't' }, { ipc: true });
+      const messages: unknown[] = [];
+      proc.child.on('message', (message) => messages.push(message));
+      // Every message is read by 'close'.
+      const closed = new Promise<void>((resolve) => proc.child.once('close', () => resolve()));
+      const code = await exitOf(proc);
+      await closed;
+      return { code, messages, output: proc.output() };
+    }));
+    for (const [i, { message, code }] of cases.entries()) {
+      assert.equal(results[i]!.code, code, results[i]!.output);
+      assert.deepEqual(results[i]!.messages, [{ type: 'failed', message }]);
+    }
   });
 });

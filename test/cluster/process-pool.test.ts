@@ -1,12 +1,15 @@
 // `conduit serve --workers 2 --worker-processes`: CPU workers as child processes over the request plane. A native
 // crash (SIGSEGV) of the child running a stream is survived: the stream migrates and ends with the same greedy
 // text, the child is replaced by a new process, and the server keeps serving. Closing the server ends the children.
-// The engine options reach the children.
+// The engine options reach the children, as the server's command line gives them: the twins of the worker's options
+// in the environment the children inherit do not override them, nor set the children's own options (the address a
+// child reports). A child that cannot start gives the server its reason, which the server's error names.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { acquireDiskTierLock } from '../../src/engine/kv-cache/disk-tier.ts';
+import { EngineStartError } from '../../src/engine/errors.ts';
 import { createLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { SLOW_DECODE_SHAPE, writeWorkerLossFixture } from '../helpers/worker-loss.ts';
@@ -205,5 +208,66 @@ describe('serve --worker-processes passes the engine options on to its children'
       if (chunk.choices.length > 0 && chunk.usage) counts.push(chunk.usage.completion_tokens);
     }
     assert.ok(counts.some((count, i) => count - (counts[i - 1] ?? 0) > 1), `tokens so far by chunk: ${counts.join(' ')}`);
+  });
+});
+
+describe('serve --worker-processes: the children take the server\'s command line, not the environment\'s twins', () => {
+  let server: RunningServer | undefined;
+  // What an environment shared with other deployments may hold: serve's own twins, which the typed options override,
+  // and those of `conduit worker`'s own options, meant for a cluster's workers.
+  const env = {
+    CONDUIT_ENABLE_PREFIX_CACHING: 'false', CONDUIT_KV_CACHE_DTYPE: 'f32',
+    CONDUIT_ADVERTISE_ADDRESS: '127.0.0.1:1', CONDUIT_NAMESPACE: 'not a namespace', CONDUIT_LEASE_TTL: '1', CONDUIT_KV_PORT: '1',
+  };
+
+  before(async () => {
+    const config = parseServeConfig(['--port', '0', '--workers', '1', '--worker-processes', '--threads', '1', '--kv-cache-memory', '8MiB',
+      '--enable-prefix-caching', '--kv-cache-dtype', 'auto', '--no-request-log'], env);
+    assert.notEqual(config, 'help');
+    // The children are forked during the start: they inherit this environment.
+    const saved = Object.fromEntries(Object.keys(env).map((key) => [key, process.env[key]]));
+    Object.assign(process.env, env);
+    try {
+      server = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+    } finally {
+      for (const [key, value] of Object.entries(saved)) {
+        if (value === undefined) delete process.env[key];
+        else process.env[key] = value;
+      }
+    }
+  });
+  after(async () => {
+    await server?.api.shutdown(0);
+  });
+
+  test('typed --enable-prefix-caching and --kv-cache-dtype auto hold in the child; it reports its own address', async () => {
+    const health = await (await fetch(`${server!.url}/health`)).json() as { kv_cache_dtype: string; workers: { address: string; state: string }[] };
+    assert.equal(health.kv_cache_dtype, 'f16', 'auto, not CONDUIT_KV_CACHE_DTYPE=f32');
+    assert.match(health.workers[0]!.address, /^127\.0\.0\.1:\d+$/);
+    assert.notEqual(health.workers[0]!.address, env.CONDUIT_ADVERTISE_ADDRESS);
+    assert.equal(health.workers[0]!.state, 'ready');
+    const prompt = 'Once upon a time there was a little girl who lived in a village near the forest. '.repeat(2);
+    const cached: number[] = [];
+    for (let i = 0; i < 2; i++) {
+      const response = await (await fetch(`${server!.url}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt, max_tokens: 1 }),
+      })).json() as { usage: { prompt_tokens_details?: { cached_tokens?: number } } };
+      cached.push(response.usage.prompt_tokens_details?.cached_tokens ?? 0);
+    }
+    assert.equal(cached[0], 0);
+    assert.ok(cached[1]! > 0, `the second request found the first one's prefix: ${cached}`);
+  });
+});
+
+describe('serve --worker-processes: a child that cannot start', () => {
+  test('the server\'s error names the child\'s reason', async () => {
+    const config = parseServeConfig(['--port', '0', '--workers', '1', '--worker-processes', '--threads', '1', '--kv-cache-memory', '8MiB',
+      '--max-model-len', '99999', '--no-request-log'], {});
+    assert.notEqual(config, 'help');
+    await assert.rejects(startServer(config as Exclude<typeof config, 'help'>, createLogger('error')), (error: unknown) => {
+      assert.ok(error instanceof EngineStartError, String(error));
+      assert.match(error.message, /^worker process worker-0 could not start: --max-model-len 99999 is above the model's context length \(\d+ tokens\)$/);
+      return true;
+    });
   });
 });
