@@ -78,11 +78,13 @@ export const clusterCommand: Command = {
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
     // etcd and NATS stop at once; the frontend and the workers finish their streams first (their grace), then exit.
     const children: { name: string; child: ChildProcess; killAfterMs: number }[] = [];
-    const start = (name: string, command: string, args: string[], env: NodeJS.ProcessEnv = {}, killAfterMs = 10_000): ChildProcess => {
+    const start = (name: string, command: string, args: string[], env: NodeJS.ProcessEnv = {}, killAfterMs = 10_000,
+      drop: readonly string[] = []): ChildProcess => {
+      const inherited = Object.fromEntries(Object.entries(process.env).filter(([key]) => !drop.includes(key)));
       // A process group of its own: Ctrl-C in a terminal signals the whole foreground group, which would stop etcd
       // and NATS at once with everything else, and the workers could not deregister. Only this process hears it and
       // stops the children in order.
-      const child = spawn(command, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'inherit', 'inherit'], detached: true });
+      const child = spawn(command, args, { env: { ...inherited, ...env }, stdio: ['ignore', 'inherit', 'inherit'], detached: true });
       child.on('error', (error) => console.error(`conduit cluster: ${name}: ${error.message}`));
       children.push({ name, child, killAfterMs });
       return child;
@@ -135,7 +137,11 @@ export const clusterCommand: Command = {
       const grace = ['--shutdown-grace', String(graceSeconds)];
       const killAfterMs = graceSeconds * 1000 + 10_000;
       for (let i = 0; i < count; i++) {
-        const worker = start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, ...engineArgs, ...grace], env, killAfterMs);
+        // The workers listen on loopback, each on a free port it reports itself: this command's CONDUIT_PORT (the
+        // frontend's port, its --port's twin) and a CONDUIT_HOST or CONDUIT_ADVERTISE_ADDRESS set for another
+        // deployment are not theirs.
+        const worker = start(`worker-${i}`, process.execPath, [CONDUIT_BIN, 'worker', '--worker-id', `worker-${i}`, '--host', '127.0.0.1',
+          '--port', '0', ...engineArgs, ...grace], env, killAfterMs, ['CONDUIT_ADVERTISE_ADDRESS']);
         // A worker that exits on its own (it could not start: a bad model, a bad option) leaves a cluster that
         // would wait for it for ever: everything stops, exit code 1.
         worker.once('exit', (code, signal) => {

@@ -2,7 +2,8 @@
 // process started as a shell starts a job (a process group of its own). A request goes through the official client;
 // then Ctrl-C during a long stream, which a terminal sends to the whole foreground group: the command stops its
 // children in order, each within its grace, so the stream ends whole, the workers deregister while etcd still runs,
-// and nothing it started is left listening.
+// and nothing it started is left listening. Its CONDUIT_PORT is the frontend's port alone: the workers listen on free
+// loopback ports and report those, whatever CONDUIT_PORT or CONDUIT_ADVERTISE_ADDRESS say.
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import { after, describe, it } from 'node:test';
@@ -34,6 +35,35 @@ describe('conduit cluster', { skip: servicesMissing() }, () => {
     assert.equal(code, 1, failing.output());
     assert.match(failing.output(), /conduit cluster: worker-0 exited \(code \d+\)/);
     assert.equal(await listening(port), false, 'nothing left listening');
+  });
+
+  it('takes its port from CONDUIT_PORT; the workers do not', { timeout: 180_000 }, async () => {
+    const port = await freePort();
+    const proc = startConduit(['cluster', '--engine', 'sim', '--workers', '1'], { CONDUIT_PORT: String(port), CONDUIT_ADVERTISE_ADDRESS: '127.0.0.1:1' },
+      { detached: true });
+    try {
+      let workers: { address: string }[] | undefined;
+      for (const deadline = Date.now() + 90_000; ;) {
+        if (proc.child.exitCode !== null) throw new Error(`conduit cluster exited early:\n${proc.output()}`);
+        const body = await fetch(`http://127.0.0.1:${port}/health`).then((res) => res.json() as Promise<{ ready?: boolean; workers?: { address: string }[] }>, () => undefined);
+        if (body?.ready === true && body.workers?.length === 1) {
+          workers = body.workers;
+          break;
+        }
+        if (Date.now() > deadline) throw new Error(`the frontend was not ready on CONDUIT_PORT ${port} within 90 s:\n${proc.output()}`);
+        await new Promise((resolve) => setTimeout(resolve, 200));
+      }
+      assert.match(workers[0]!.address, /^127\.0\.0\.1:\d+$/);
+      assert.notEqual(workers[0]!.address, `127.0.0.1:${port}`);
+      assert.notEqual(workers[0]!.address, '127.0.0.1:1');
+      const res = await fetch(`http://127.0.0.1:${port}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'The cluster answers', max_tokens: 4 }),
+      });
+      assert.equal(res.status, 200, await res.text());
+    } finally {
+      proc.kill('SIGTERM');
+    }
+    assert.equal(await Promise.race([proc.exited, new Promise((resolve) => setTimeout(() => resolve('still running'), 60_000))]), 0, proc.output());
   });
 
   it('serves through its workers, and Ctrl-C stops them before etcd and NATS, after their streams (--shutdown-grace)', async () => {
