@@ -7,7 +7,7 @@ import { etcdClient } from '../cluster/discovery.ts';
 import { EventSubscriber, natsConnect } from '../cluster/events.ts';
 import { ClusterFrontend } from '../cluster/frontend.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
 
@@ -22,6 +22,16 @@ const WORKER_ONLY = new Set([
 // them to the workers that hold them, and passes /v1/load_lora_adapter and /v1/unload_lora_adapter on to them.
 
 const GATEWAY_FLAGS = Object.fromEntries(Object.entries(SERVE_FLAGS).filter(([name]) => !WORKER_ONLY.has(name))) as FlagTable;
+
+/**
+ * The environment without the twins of the workers' options. Typed, those options are refused (splitArgs); set in an
+ * environment the frontend shares with workers or a `conduit serve` (CONDUIT_THREADS, CONDUIT_GENERATION_CONFIG ...),
+ * they are someone else's and are not read at all: not validated, not applied.
+ */
+function gatewayEnvironment(env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
+  const twins = new Set([...WORKER_ONLY].map((name) => envName(name, SERVE_FLAGS[name as keyof typeof SERVE_FLAGS])));
+  return Object.fromEntries(Object.entries(env).filter(([key]) => !twins.has(key)));
+}
 
 /** Splits argv into the cluster flags and the rest (serve's gateway flags). */
 function splitArgs(argv: readonly string[]): { cluster: string[]; gateway: string[] } {
@@ -46,7 +56,7 @@ export const frontendCommand: Command = {
   async run(argv) {
     const { cluster: clusterArgs, gateway: gatewayArgs } = splitArgs(argv);
     // The disaggregation thresholds apply when the workers found are prefill and decode workers.
-    const config = parseServeConfig(gatewayArgs, process.env, { disaggregation: true });
+    const config = parseServeConfig(gatewayArgs, gatewayEnvironment(process.env), { disaggregation: true });
     if (config === 'help') {
       console.log(`Usage: conduit frontend --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n`
         + `${formatFlagHelp(CLUSTER_FLAGS)}\n${formatFlagHelp(GATEWAY_FLAGS)}`);

@@ -1,5 +1,6 @@
 // `conduit frontend` takes serve's gateway options and refuses the ones that build engines, which are the workers'
-// (conduit worker): typed, each is refused by name before anything connects, and the help does not offer them.
+// (conduit worker): typed, each is refused by name before anything connects, and the help does not offer them. Their
+// environment twins, in an environment shared with workers, are not the frontend's: it neither reads nor checks them.
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { runCli as run } from '../helpers/cli-main.ts';
@@ -21,5 +22,16 @@ test('conduit frontend refuses the workers\' options by name, and its help leave
   // Its own and the gateway's are there.
   for (const flag of ['--host', '--port', '--api-keys-file', '--etcd-endpoints', '--disagg-min-remote-prefill-tokens']) {
     assert.match(out, new RegExp(`^ {2}${flag}\\b`, 'm'), flag);
+  }
+});
+
+test('conduit frontend leaves the workers\' options in its environment alone', async () => {
+  // Each would stop the frontend were it read as serve reads it. A bad --namespace, refused once the gateway's
+  // options are parsed and before anything connects, shows that the frontend got past them.
+  const twins = { CONDUIT_GENERATION_CONFIG: '/models/only-on-worker-hosts', CONDUIT_PREFILL_WORKERS: '1', CONDUIT_THREADS: '0', CONDUIT_KV_CACHE_DTYPE: 'q8' };
+  for (const [name, value] of Object.entries(twins)) {
+    const { code, err } = await run(['frontend', ...SERVICES, '--namespace', 'not a namespace'], { [name]: value });
+    assert.equal(code, 2, `${name}: ${err}`);
+    assert.match(err, /--namespace must be 1-64 letters/, `${name}=${value}`);
   }
 });
