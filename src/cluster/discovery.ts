@@ -6,11 +6,14 @@
 //
 // A frontend lists the prefix and watches it from the listed revision: workers appear and disappear live. When the
 // watch reconnects (etcd restarted), the prefix is listed again and the view reconciled (workers gone meanwhile are
-// removed, new ones added).
+// removed, new ones added). A key whose value is not a usable worker record (not JSON, a field missing, an address
+// that is not host:port) is logged once per value and otherwise treated as absent; nothing a key holds, nor anything
+// the frontend's handlers throw on it, stops the watch or the process.
 
 import tls from 'node:tls';
 import { Etcd3, type IOptions, type Lease } from 'etcd3';
 import type { WorkerRole } from '../engine/types.ts';
+import { splitAddress } from './remote-engine.ts';
 import type { ClusterLog } from './worker-server.ts';
 
 /** What a worker's key holds: what the frontend needs to reach it and route to it. */
@@ -88,18 +91,33 @@ export function workersPrefix(namespace: string): string {
 
 /** Parses a key's value; undefined (and the caller logs) when it is not a worker record. */
 export function parseWorkerRecord(text: string): WorkerRecord | undefined {
+  const record = checkWorkerRecord(text);
+  return typeof record === 'string' ? undefined : record;
+}
+
+/** A key's value as a worker record, or why it is not a usable one. */
+export function checkWorkerRecord(text: string): WorkerRecord | string {
+  let value: Partial<WorkerRecord>;
   try {
-    const value = JSON.parse(text) as Partial<WorkerRecord>;
-    if (typeof value.id !== 'string' || typeof value.address !== 'string' || typeof value.model !== 'string'
-      || !Number.isInteger(value.blockSize)) return undefined;
-    if (value.role !== 'both' && value.role !== 'prefill' && value.role !== 'decode') return undefined;
-    if (value.loras !== undefined && !(Array.isArray(value.loras) && value.loras.every((l: Partial<WorkerLora>) =>
-      typeof l === 'object' && l !== null && typeof l.name === 'string' && typeof l.key === 'string' && typeof l.path === 'string'
-      && (l.rank === undefined || Number.isInteger(l.rank))))) return undefined;
-    return value as WorkerRecord;
+    value = JSON.parse(text) as Partial<WorkerRecord>;
   } catch {
-    return undefined;
+    return 'not a worker record (not JSON)';
   }
+  if (typeof value !== 'object' || value === null || typeof value.id !== 'string' || typeof value.address !== 'string'
+    || typeof value.model !== 'string' || !Number.isInteger(value.blockSize)) {
+    return 'not a worker record (id, address, model or blockSize missing)';
+  }
+  if (value.role !== 'both' && value.role !== 'prefill' && value.role !== 'decode') return `not a worker record (role ${JSON.stringify(value.role)})`;
+  if (value.loras !== undefined && !(Array.isArray(value.loras) && value.loras.every((l: Partial<WorkerLora>) =>
+    typeof l === 'object' && l !== null && typeof l.name === 'string' && typeof l.key === 'string' && typeof l.path === 'string'
+    && (l.rank === undefined || Number.isInteger(l.rank))))) return 'not a worker record (malformed loras)';
+  // The frontend connects to it: a worker started with --advertise-address lacking its port is not reachable.
+  try {
+    splitAddress(value.address);
+  } catch {
+    return `its address ${JSON.stringify(value.address.slice(0, 300))} is not host:port`;
+  }
+  return value as WorkerRecord;
 }
 
 /** A worker's key under a kept-alive lease. */
@@ -187,6 +205,8 @@ export interface WorkerWatchHandlers {
 /** The frontend's live view of the workers under a namespace. */
 export class WorkerWatch {
   private readonly known = new Map<string, WorkerRecord>();
+  /** Keys whose value is not a usable record, with that value: logged once per value (it is listed again on relists). */
+  private readonly unusable = new Map<string, string>();
   private watcher: Awaited<ReturnType<ReturnType<Etcd3['watch']>['create']>> | undefined;
   private stopped = false;
   private relistTimer: NodeJS.Timeout | undefined;
@@ -218,15 +238,16 @@ export class WorkerWatch {
       await watcherBefore?.cancel().catch(() => {});
       const response = await this.client.getAll().prefix(prefix).exec();
       const seen = new Set<string>();
+      const listed = new Set<string>();
       for (const kv of response.kvs) {
-        const record = parseWorkerRecord(kv.value.toString('utf8'));
-        if (!record) {
-          this.log('warn', `etcd: ignoring ${kv.key.toString()}: not a worker record`);
-          continue;
-        }
+        const key = kv.key.toString();
+        listed.add(key);
+        const record = this.recordOf(key, kv.value.toString('utf8'));
+        if (!record) continue;
         seen.add(record.id);
         this.apply(record);
       }
+      for (const key of [...this.unusable.keys()]) if (!listed.has(key)) this.unusable.delete(key);
       for (const id of [...this.known.keys()]) if (!seen.has(id)) this.remove(id);
       const watcher = await this.client.watch().prefix(prefix).startRevision(String(Number(response.header.revision) + 1)).create();
       if (this.stopped) {
@@ -235,11 +256,17 @@ export class WorkerWatch {
       }
       this.watcher = watcher;
       watcher.on('put', (kv) => {
-        const record = parseWorkerRecord(kv.value.toString('utf8'));
+        const key = kv.key.toString();
+        const record = this.recordOf(key, kv.value.toString('utf8'));
         if (record) this.apply(record);
-        else this.log('warn', `etcd: ignoring ${kv.key.toString()}: not a worker record`);
+        // The key now names no usable worker: the worker it named (if any) is gone from the view.
+        else this.remove(key.slice(prefix.length));
       });
-      watcher.on('delete', (kv) => this.remove(kv.key.toString().slice(prefix.length)));
+      watcher.on('delete', (kv) => {
+        const key = kv.key.toString();
+        this.unusable.delete(key);
+        this.remove(key.slice(prefix.length));
+      });
       // After a reconnect the watch resumes where it was; the list is taken again anyway, in case the history it
       // resumes from was compacted away (etcd restored from elsewhere).
       let disconnected = false;
@@ -262,15 +289,36 @@ export class WorkerWatch {
     }
   }
 
+  /** The record a key holds; undefined when it holds none usable (logged the first time the key holds that value). */
+  private recordOf(key: string, text: string): WorkerRecord | undefined {
+    const record = checkWorkerRecord(text);
+    if (typeof record !== 'string') {
+      this.unusable.delete(key);
+      return record;
+    }
+    if (this.unusable.get(key) !== text) this.log('warn', `etcd: ignoring ${key}: ${record}`);
+    this.unusable.set(key, text);
+    return undefined;
+  }
+
   private apply(record: WorkerRecord): void {
     const before = this.known.get(record.id);
     this.known.set(record.id, record);
     // A new address is a new connection; a changed record at the same one (its adapters) is news too.
-    if (!before || JSON.stringify(before) !== JSON.stringify(record)) this.handlers.put(record);
+    if (!before || JSON.stringify(before) !== JSON.stringify(record)) this.call(() => this.handlers.put(record), record.id);
   }
 
   private remove(id: string): void {
     if (!this.known.delete(id)) return;
-    this.handlers.delete(id);
+    this.call(() => this.handlers.delete(id), id);
+  }
+
+  /** A handler's failure is logged: it must not escape into etcd's watch stream (nor end the process). */
+  private call(handler: () => void, id: string): void {
+    try {
+      handler();
+    } catch (error) {
+      this.log('error', `discovery: handling worker ${id} failed (${(error as Error).message}); the watch goes on`);
+    }
   }
 }

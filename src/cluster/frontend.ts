@@ -6,6 +6,8 @@
 // frontend needs no model file) and its KV view is resynced from a snapshot. It leaves when its connection drops
 // (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
+// A key that names no usable worker (an address without its port, say) is logged once and ignored by the watch
+// (discovery.ts): it never stops the frontend.
 // A worker has one connection at a time: a re-registration (a restart on a new port, or another process behind the
 // same address, which also replaces a draining connection) and the planned retry after a loss lead to one connection
 // and one join, whichever comes first (connect).

@@ -101,9 +101,18 @@ export class RemoteEngine implements RoutableEngine {
     this.watchdog.unref();
   }
 
-  /** Connects to a worker's request endpoint ("host:port") and authenticates; resolves once welcomed. */
+  /**
+   * Connects to a worker's request endpoint ("host:port") and authenticates; resolves once welcomed. Every failure,
+   * an address that is not host:port included, is a rejection: nothing throws from here.
+   */
   static connect(address: string, options: RemoteEngineOptions): Promise<RemoteEngine> {
-    const { host, port } = splitAddress(address);
+    let host: string;
+    let port: number;
+    try {
+      ({ host, port } = splitAddress(address));
+    } catch (error) {
+      return Promise.reject(error as Error);
+    }
     return new Promise((resolve, reject) => {
       const socket = net.connect({ host, port });
       socket.setNoDelay(true);
@@ -520,10 +529,12 @@ export class RemoteEngine implements RoutableEngine {
   }
 }
 
+/** A worker address's host and port; throws unless it is host:port ([v6]:port) with a port from 1 to 65535. */
 export function splitAddress(address: string): { host: string; port: number } {
-  const match = /^\[?([^\]]+?)\]?:(\d+)$/.exec(address);
-  if (!match) throw new Error(`worker address must be host:port, got "${address}"`);
-  return { host: match[1]!, port: Number(match[2]) };
+  const match = /^\[?([^\]]+?)\]?:(\d{1,5})$/.exec(address);
+  const port = match ? Number(match[2]) : 0;
+  if (!match || port < 1 || port > 65535) throw new Error(`worker address must be host:port, got ${JSON.stringify(address.slice(0, 300))}`);
+  return { host: match[1]!, port };
 }
 
 /** A `lora` reply: what a load found, the key a worker's own manager gave it, the requests an unload waits for. */
