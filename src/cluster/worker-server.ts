@@ -5,7 +5,9 @@
 // frame over the limit, a frame that is not a message or a request that does not validate is logged with its
 // reason and the connection is closed. The process and every other connection go on. A connection that closes
 // aborts every request it started (the frontend is gone, or gave up on this worker), so nothing keeps running for
-// nobody. Cancellation from the frontend is an `abort` message.
+// nobody. Cancellation from the frontend is an `abort` message. A drain whose grace runs out stops the requests
+// still running and ends each with an `err` frame (EngineClosedError: the frontend sees the worker lost and migrates
+// the request, or reports the error), not as a normal end: only the frontend's abort ends a stream as aborted.
 //
 // The server keeps a mirror of the engine's cached block hashes, built from the engine's own KV events (they
 // replay to its cached set), so it can answer a snapshot (resync) request without asking the engine.
@@ -329,7 +331,9 @@ export class WorkerServer {
    * Drain: new requests are refused (frontends are told once, and a `gen` arriving later gets an overloaded error,
    * which the frontend's router treats as any busy worker's); resolves when the running requests have ended and,
    * on a prefill worker, the decode workers have taken the blocks handed off (the frontend releases them), or after
-   * `graceMs`, when those left are aborted.
+   * `graceMs`, when those left are stopped: the handed-off blocks are unpinned, and each request still running ends
+   * with an EngineClosedError frame (to the frontend the worker is lost: it migrates the request when allowed, else
+   * reports the error), never as a finished or aborted stream.
    */
   async drain(graceMs: number): Promise<void> {
     this.draining = true;
@@ -342,12 +346,21 @@ export class WorkerServer {
     const result = await Promise.race([idle, timeout]);
     clearTimeout(timer);
     if (result === 'timeout') {
-      this.log('warn', `drain: ${this.running.size} request(s) still running and ${this.pinned.size} handed off after ${graceMs} ms, aborting them`);
+      this.log('warn', `drain: ${this.running.size} request(s) still running and ${this.pinned.size} handed off after ${graceMs} ms; stopping them (they end as on a lost worker)`);
       for (const id of [...this.pinned.keys()]) this.abortRequest(id);
-      for (const id of this.running.keys()) this.options.engine.abort(id);
+      for (const id of [...this.running.keys()]) {
+        this.cut.add(id);
+        this.abortRequest(id);
+      }
       await Promise.race([new Promise<void>((resolve) => this.idleWaiters.push(resolve)), new Promise((r) => setTimeout(r, 2000))]);
     }
   }
+
+  /**
+   * Requests the drain's grace ran out on: stopped here, they end with an EngineClosedError frame (see stream()),
+   * whatever the engine's stream does once aborted.
+   */
+  private readonly cut = new Set<string>();
 
   /** Nothing running and no handed-off blocks waiting for a decode worker: what a drain waits for. */
   private get idle(): boolean {
@@ -1145,24 +1158,43 @@ export class WorkerServer {
   private async stream(connection: Connection, id: string, offset: number,
     start: () => Startable<EngineOutput | PrefillEvent>,
     onHandoff?: (handoff: KvHandoff) => void): Promise<void> {
+    /**
+     * The request's last output (one with a finish reason) or its handoff went out: its part here is done, whatever
+     * comes after.
+     */
+    let finished = false;
+    const cutShort = () => !finished && this.cut.has(id);
     try {
       for await (const item of await start()) {
         if (connection.socket.destroyed) break;
+        // The drain's grace ran out: what the aborted engine still yields (its "abort" output) is not sent.
+        if (cutShort()) break;
         if ('type' in item && (item.type === 'handoff' || item.type === 'output')) {
-          if (item.type === 'handoff') onHandoff?.(item.handoff);
-          else this.send(connection, { t: 'out', id, outputs: [shiftOutput(item.output, offset)], stats: this.stats() });
+          if (item.type === 'handoff') {
+            finished = true;
+            onHandoff?.(item.handoff);
+          } else {
+            if (item.output.finishReason !== undefined) finished = true;
+            this.send(connection, { t: 'out', id, outputs: [shiftOutput(item.output, offset)], stats: this.stats() });
+          }
           continue;
         }
+        if ((item as EngineOutput).finishReason !== undefined) finished = true;
         this.send(connection, { t: 'out', id, outputs: [shiftOutput(this.withPull(id, item as EngineOutput), offset)], stats: this.stats() });
       }
-      this.send(connection, { t: 'end', id, stats: this.stats() });
+      if (cutShort()) this.sendCut(connection, id);
+      else this.send(connection, { t: 'end', id, stats: this.stats() });
     } catch (error) {
       const e = error as Error & { code?: string; retryAfterMs?: number };
-      this.send(connection, {
-        t: 'err', id, name: e.name ?? 'Error', code: e.code, message: e.message,
-        ...(e.retryAfterMs !== undefined ? { retryAfterMs: e.retryAfterMs } : {}),
-      });
+      if (cutShort()) this.sendCut(connection, id);
+      else {
+        this.send(connection, {
+          t: 'err', id, name: e.name ?? 'Error', code: e.code, message: e.message,
+          ...(e.retryAfterMs !== undefined ? { retryAfterMs: e.retryAfterMs } : {}),
+        });
+      }
     } finally {
+      this.cut.delete(id);
       this.running.delete(id);
       this.adoptedTo.delete(id);
       this.pulls.delete(id);
@@ -1177,6 +1209,17 @@ export class WorkerServer {
       // while the request ran would otherwise make the worker look busy (and its cached prefixes not worth it).
       this.sendHeartbeat();
     }
+  }
+
+  /**
+   * Ends a request the drain's grace ran out on: the engine-closed error the frontend takes for a lost worker (it
+   * migrates the request under its --migration-limit, else the client gets the error).
+   */
+  private sendCut(connection: Connection, id: string): void {
+    this.send(connection, {
+      t: 'err', id, name: 'EngineClosedError', code: 'engine_closed',
+      message: `worker ${this.workerId} stopped: its shutdown grace ran out while request ${id} was running`,
+    });
   }
 
   /** The worker's stats to every connection (each frontend's router takes them as the worker's load). */
