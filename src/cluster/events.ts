@@ -5,7 +5,11 @@
 // every subscriber), so two frontends build the same KV view.
 //
 // Nothing is persisted: a frontend that starts late, reconnects to NATS, or sees an event-id gap asks the worker
-// for a snapshot and resyncs that worker's index (router.resyncWorker replays the events received since).
+// for a snapshot and resyncs that worker's index (router.resyncWorker replays the events received since). A snapshot
+// larger than the server's max_payload (1 MiB by default: some 55 000 cached blocks) is not sent over NATS: the
+// worker replies with a small `tooLarge` marker and the frontend asks for it on the request plane at once. No
+// message a worker sends exceeds max_payload (nats.js would refuse it, and inside a subscription callback the
+// refusal would end the connection's reader).
 //
 // A worker id names a role, not a process: a worker restarted under its id while the old process still drains has
 // two processes publishing on the same subjects. Every message therefore carries the publishing process's instance
@@ -71,6 +75,14 @@ export interface WorkerEventSource {
   onKvEvents(listener: (events: KvEvent[]) => void): () => void;
 }
 
+/** NATS's default max_payload, bytes. */
+const DEFAULT_MAX_PAYLOAD = 1024 * 1024;
+
+/** A worker's snapshot was too large for NATS: the caller takes it from the request plane. */
+export class SnapshotTooLargeError extends Error {
+  override name = 'SnapshotTooLargeError';
+}
+
 /** A worker's side of the event plane. */
 export class EventPublisher {
   private readonly timer: NodeJS.Timeout;
@@ -78,10 +90,14 @@ export class EventPublisher {
   private readonly snapshotSub: Subscription;
   /** Messages published (KV batches and load snapshots). */
   published = 0;
+  /** Snapshot requests answered with the tooLarge marker (the snapshot exceeded the server's max_payload). */
+  snapshotsTooLarge = 0;
+  /** Messages not published because they exceeded the server's max_payload (a KV batch that large is a gap). */
+  tooLarge = 0;
 
   constructor(
     private readonly nc: NatsConnection, namespace: string, workerId: string, instance: string, source: WorkerEventSource,
-    log: ClusterLog,
+    private readonly log: ClusterLog,
   ) {
     const s = subjects(namespace);
     this.off = source.onKvEvents((events) => {
@@ -94,7 +110,24 @@ export class EventPublisher {
         if (error) return log('warn', `nats: snapshot subscription: ${error.message}`);
         // Another process of this id is asked for: its reply is the one the requester waits for.
         if (msg.string() !== instance) return;
-        msg.respond(JSON.stringify({ workerId, instance, ...source.snapshot() }));
+        // This runs inside nats.js's reader: nothing may throw out of it (a throw there ends the connection).
+        try {
+          const snapshot = source.snapshot();
+          let reply = JSON.stringify({ workerId, instance, ...snapshot });
+          const bytes = Buffer.byteLength(reply);
+          if (bytes > this.maxPayload()) {
+            // Too large for NATS: the requester takes it from the request plane instead.
+            this.snapshotsTooLarge++;
+            if (this.snapshotsTooLarge === 1) {
+              log('info', `nats: KV snapshot of ${snapshot.hashes.length} blocks (${bytes} bytes) exceeds the server's max_payload `
+                + `(${this.maxPayload()} bytes); frontends take snapshots over the request plane instead`);
+            }
+            reply = JSON.stringify({ workerId, instance, tooLarge: true, blocks: snapshot.hashes.length, bytes });
+          }
+          msg.respond(reply);
+        } catch (e) {
+          log('warn', `nats: could not answer a snapshot request (${(e as Error).message}); the frontend falls back to the request plane`);
+        }
       },
     });
     void (async () => {
@@ -105,10 +138,22 @@ export class EventPublisher {
     })().catch(() => {});
   }
 
+  /** The largest message the server takes (its INFO; 1 MiB, NATS's default, before the first connection). */
+  private maxPayload(): number {
+    return this.nc.info?.max_payload ?? DEFAULT_MAX_PAYLOAD;
+  }
+
   private publish(subject: string, message: object): void {
     if (this.nc.isClosed()) return;
+    const data = JSON.stringify(message);
+    if (Buffer.byteLength(data) > this.maxPayload()) {
+      // Not sent: a KV batch that is missing is an event-id gap to the frontends, which then resync this worker.
+      this.tooLarge++;
+      if (this.tooLarge === 1) this.log('warn', `nats: a message on ${subject} exceeds the server's max_payload (${this.maxPayload()} bytes); not published`);
+      return;
+    }
     try {
-      this.nc.publish(subject, JSON.stringify(message));
+      this.nc.publish(subject, data);
       this.published++;
     } catch {
       // Closed or draining: the frontends resync when the worker is back.
@@ -203,6 +248,9 @@ export class EventSubscriber {
     const msg = await this.nc.request(this.s.snapshot(workerId), instance, { timeout: 3000 });
     const value = JSON.parse(msg.string()) as Record<string, unknown>;
     if (value.instance !== instance) throw new Error(`snapshot from another process of ${workerId}`);
+    if (value.tooLarge === true) {
+      throw new SnapshotTooLargeError(`the KV snapshot of ${workerId} (${Number(value.blocks)} blocks) exceeds the NATS server's max_payload`);
+    }
     const lastEventId = value.lastEventId;
     if (!Number.isSafeInteger(lastEventId) || (lastEventId as number) < 0) throw new Error('snapshot without a valid lastEventId');
     return { lastEventId: lastEventId as number, hashes: parseHashes(value.hashes) };
