@@ -364,6 +364,12 @@ export class ClusterFrontend {
       }
       member.remote = remote;
       this.engine.addWorker(id, remote);
+      // Workers may differ in context length and KV capacity: the engine's info follows the workers it has (the
+      // smallest context, the summed capacity), and the router sends a worker only requests its context holds.
+      if (this.engine.info.maxModelLen < info.maxModelLen) {
+        this.options.log('warn', `worker ${id} takes at most ${remote.info.maxModelLen} tokens: this frontend's max_model_len is `
+          + `${this.engine.info.maxModelLen} while it is routed to (was ${info.maxModelLen}); longer requests already accepted go to the other workers`);
+      }
       this.routeAdapters(id);
       // The adapters loaded (or unloaded) through this frontend before it joined.
       void this.adapters?.syncWorker(id);

@@ -52,6 +52,13 @@ export interface RoutingRequest {
   lora?: string;
   /** The served model (or adapter) the request is for: only workers that hold it are candidates (servesModel). */
   model?: string;
+  /**
+   * The tokens the request may reach: its prompt plus the most it may generate (max_tokens). Workers whose context
+   * (Router.setWorkerMaxTokens) holds that many are its candidates; when no registered worker does, those that hold
+   * its prompt are (it ends with finish_reason "length" there, as on one engine of that size); a worker too small for
+   * the prompt never is. Undefined: only the prompt is checked.
+   */
+  contextTokens?: number;
   override?: RoutingOverride;
   /**
    * The worker computes the whole prompt whatever it holds (a request for prompt logprobs): no worker's cached or
@@ -131,7 +138,8 @@ export type RouteOutcome =
   /** Every worker is busy: the request waits in the router's admission queue (drainQueue routes it later). */
   | { kind: 'queued'; requestId: string; numQueued: number }
   /**
-   * Shed: the queue is full, no worker is registered, or none holds the request's model (no-model-workers: waiting
-   * in the queue would not help). retryAfterMs is the hint for a Retry-After header.
+   * Shed: the queue is full, no worker is registered, none holds the request's model (no-model-workers), or none
+   * of those takes a prompt that long (no-context-workers; waiting in the queue would not help either).
+   * retryAfterMs is the hint for a Retry-After header.
    */
-  | { kind: 'rejected'; requestId: string; reason: 'overloaded' | 'no-workers' | 'no-model-workers'; retryAfterMs: number };
+  | { kind: 'rejected'; requestId: string; reason: 'overloaded' | 'no-workers' | 'no-model-workers' | 'no-context-workers'; retryAfterMs: number };

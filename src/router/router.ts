@@ -131,6 +131,8 @@ export class Router {
   private readonly loads = new Map<WorkerId, WorkerLoad>();
   /** The models each worker holds, for workers that declared them (addWorker). */
   private readonly workerModels = new Map<WorkerId, ReadonlySet<string>>();
+  /** The most tokens (prompt and output) one sequence may reach on each worker, for workers that declared it. */
+  private readonly workerMaxTokens = new Map<WorkerId, number>();
   /** Index in workerIds where the round-robin scan starts next. */
   private roundRobinNext = 0;
   private counters = { numRouted: 0, numEnqueued: 0, numRejected: 0, numExpired: 0 };
@@ -175,6 +177,16 @@ export class Router {
   }
 
   /**
+   * Sets the most tokens (prompt and output) one sequence may reach on the worker: its context length. Requests are
+   * then sent to it only when they fit (see RoutingRequest.contextTokens). Undefined: no limit is known.
+   */
+  setWorkerMaxTokens(workerId: WorkerId, maxTokens: number | undefined): void {
+    if (!this.loads.has(workerId)) return;
+    if (maxTokens === undefined) this.workerMaxTokens.delete(workerId);
+    else this.workerMaxTokens.set(workerId, maxTokens);
+  }
+
+  /**
    * Forgets the worker everywhere. Returns the ids of requests routed to it and not finished: they are lost with
    * it, and the caller fails or retries them.
    */
@@ -186,6 +198,7 @@ export class Router {
     }
     this.loads.delete(workerId);
     this.workerModels.delete(workerId);
+    this.workerMaxTokens.delete(workerId);
     this.index.removeWorker(workerId);
     this.speculative.removeWorker(workerId);
     this.sessions.removeWorker(workerId);
@@ -260,9 +273,14 @@ export class Router {
       this.counters.numRejected++;
       return { kind: 'rejected', requestId, reason: 'no-model-workers', retryAfterMs: this.retryAfter.retryAfterMs(1, nowMs) };
     }
+    const need = this.contextNeed(request);
+    if (need === null) {
+      this.counters.numRejected++;
+      return { kind: 'rejected', requestId, reason: 'no-context-workers', retryAfterMs: this.retryAfter.retryAfterMs(1, nowMs) };
+    }
     const hashes = hashTokenBlocks(request.tokenIds, this.blockSize, { cacheSalt: request.cacheSalt, adapterId: request.lora });
     const hashedMs = this.clock();
-    const decision = this.decide(request, hashes, nowMs, startMs, hashedMs);
+    const decision = this.decide(request, hashes, need, nowMs, startMs, hashedMs);
     if (decision === null) {
       if (this.queue.offer(requestId, { request, hashes }, nowMs)) {
         this.counters.numEnqueued++;
@@ -302,23 +320,31 @@ export class Router {
   /**
    * Routes queued requests, oldest first, while some worker is not busy, and hands back those that waited too
    * long. Call it after load reports, finishes or prefill completions; the routed ones are committed. Requests for
-   * a model (or adapter) none of whose workers has room keep their place without holding up those for another:
-   * order is kept among the requests of one model.
+   * a model (or adapter) none of whose workers has room keep their place without holding up those for another, and
+   * so do requests too long for the workers that have room: order is kept among the requests of one model and need.
    */
   drainQueue(nowMs: number): DrainResult {
     const expired = this.queue.takeExpired(nowMs).map((entry) => entry.item.request);
     this.counters.numExpired += expired.length;
     const routed: DrainResult['routed'] = [];
-    const waiting = new Set<string | undefined>();
+    /**
+     * Per model (undefined: any), the smallest context need that found no worker with room: a later request of that
+     * model needing as much or more finds none either, and neither does any request when no model was named.
+     */
+    const waiting = new Map<string | undefined, number>();
     for (const entry of this.queue.inOrder()) {
       const { request, hashes } = entry.item;
-      if (waiting.has(request.model)) continue;
+      const need = this.contextNeed(request);
+      // No worker takes its prompt any more (the ones that did left): it keeps its place until one does or it expires.
+      if (need === null) continue;
+      if ((waiting.get(undefined) ?? Infinity) <= need) continue;
+      if (request.model !== undefined && (waiting.get(request.model) ?? Infinity) <= need) continue;
       const startMs = this.clock();
-      const decision = this.decide(request, hashes, nowMs, startMs, startMs);
+      const decision = this.decide(request, hashes, need, nowMs, startMs, startMs);
       if (decision === null) {
-        // A request naming no model may go to any worker: when it cannot, no other can either.
-        if (request.model === undefined) break;
-        waiting.add(request.model);
+        // A request naming no model may go to any worker: when it cannot, no other needing as much can either.
+        if (request.model === undefined && need === 0) break;
+        waiting.set(request.model, Math.min(waiting.get(request.model) ?? Infinity, need));
         continue;
       }
       this.queue.remove(entry.id);
@@ -357,8 +383,29 @@ export class Router {
     return depth;
   }
 
-  /** The decision, or null when every worker is busy. */
-  private decide(request: RoutingRequest, promptHashes: readonly BlockHash[], nowMs: number, startMs: number, hashedMs: number): RoutingDecision | null {
+  /** Whether the worker's context takes `tokens` (no limit known: it does). */
+  private takes(workerId: WorkerId, tokens: number): boolean {
+    const limit = this.workerMaxTokens.get(workerId);
+    return limit === undefined || tokens <= limit;
+  }
+
+  /**
+   * The tokens a candidate's context must take for this request: its prompt and max_tokens when some registered
+   * worker of its model takes that many, else its prompt and one token of output (the request ends with "length"
+   * there); 0 when no worker declared a limit. Null when no registered worker of its model takes even the prompt.
+   */
+  private contextNeed(request: RoutingRequest): number | null {
+    if (this.workerMaxTokens.size === 0) return 0;
+    const eligible = this.workerIds.filter((id) => servesModel(this.workerModels.get(id), request.model));
+    const prompt = request.tokenIds.length + 1;
+    const full = Math.max(prompt, request.contextTokens ?? 0);
+    if (eligible.some((id) => this.takes(id, full))) return full;
+    return eligible.some((id) => this.takes(id, prompt)) ? prompt : null;
+  }
+
+  /** The decision, or null when every worker (of the request's model, whose context takes `need` tokens) is busy. */
+  private decide(request: RoutingRequest, promptHashes: readonly BlockHash[], need: number, nowMs: number, startMs: number,
+    hashedMs: number): RoutingDecision | null {
     this.speculative.prune(nowMs);
     // A prompt computed whole matches nothing anywhere (commit still records its blocks where it goes).
     const hashes = request.computesWholePrompt ? NO_HASHES : promptHashes;
@@ -374,8 +421,13 @@ export class Router {
     const views: WorkerView[] = [];
     const terms: WorkerCostTerms[] = [];
     const candidates: number[] = [];
+    const tooSmall: WorkerId[] = [];
     for (const workerId of this.workerIds) {
       if (!servesModel(this.workerModels.get(workerId), request.model)) continue;
+      if (!this.takes(workerId, need)) {
+        tooSmall.push(workerId);
+        continue;
+      }
       const reported = this.loads.get(workerId)!;
       const own = this.active.load(workerId);
       const indexedBlocks = indexed.get(workerId) ?? 0;
@@ -397,8 +449,9 @@ export class Router {
     const choice = this.choose(request, views, terms, candidates, temperature, nowMs);
     const chosen = terms[choice.index]!;
     const numSkipped = views.length - candidates.length;
-    const reason = numSkipped === 0 ? choice.reason
+    let reason = numSkipped === 0 ? choice.reason
       : `${choice.reason}; skipped busy ${views.filter((view) => view.busy).map((view) => view.workerId).join(', ')}`;
+    if (tooSmall.length > 0) reason += `; skipped ${tooSmall.join(', ')} (context under ${need} tokens)`;
     const selectedMs = this.clock();
     return {
       requestId: request.requestId, workerId: chosen.workerId, overlapBlocks: chosen.overlapBlocks,

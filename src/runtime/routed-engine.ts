@@ -31,7 +31,10 @@ export interface RoutedEngineOptions {
 }
 
 export class RoutedEngine implements Engine {
-  readonly info: EngineInfo;
+  /** The first worker's info: what the workers share (model, block size, backend). */
+  private readonly baseInfo: EngineInfo;
+  /** The workers' info as one engine's (combinedInfo), recomputed whenever a worker joins or leaves. */
+  private combined: EngineInfo;
   private readonly group: WorkerGroup<RoutableEngine>;
   /**
    * The worker running each routed request, for abort: its engine itself, since a draining worker has left the
@@ -47,12 +50,35 @@ export class RoutedEngine implements Engine {
     const migration = options.migration ?? { limit: DEFAULT_MIGRATION_LIMIT };
     this.migration = { ...migration, limit: checkMigrationLimit(migration.limit) };
     if (workers.length === 0) throw new Error('a routed engine needs at least one worker');
+    this.baseInfo = workers[0]!.engine.info;
+    this.combined = combinedInfo(this.baseInfo, workers.map((w) => w.engine.info));
     this.group = new WorkerGroup({
       router, now, ...(options.restart ? { restart: options.restart } : {}), ...(options.log ? { log: options.log } : {}),
+      onJoin: (id, engine) => {
+        // The router sends the worker only requests its context holds (RoutingRequest.contextTokens).
+        router.setWorkerMaxTokens(id, engine.info.maxModelLen);
+        this.recombine();
+        return [];
+      },
+      onLeave: () => this.recombine(),
     });
     for (const { id, engine } of workers) this.group.add(id, engine);
-    const infos = workers.map((w) => w.engine.info);
-    this.info = combinedInfo(infos[0]!, infos);
+  }
+
+  /**
+   * The workers' info as one engine's: the smallest context any worker in the group takes (so that every request
+   * the gateway accepts against it fits every worker) and their summed KV capacity. It follows the group: a worker
+   * with a shorter context that joins lowers maxModelLen from then on, and it rises again when that worker leaves.
+   * Requests accepted before a change are routed only to workers that hold them (Router.setWorkerMaxTokens). With
+   * no worker in the group, the last value stands.
+   */
+  get info(): EngineInfo {
+    return this.combined;
+  }
+
+  private recombine(): void {
+    const infos = this.group.entries().map(([, engine]) => engine.info);
+    if (infos.length > 0) this.combined = combinedInfo(this.baseInfo, infos);
   }
 
   get workerIds(): string[] {
@@ -203,6 +229,8 @@ export function routingRequestOf(request: EngineRequest): RoutingRequest {
     requestId: request.id, tokenIds: request.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
     // Only workers holding the adapter take it (those that declared what they hold; see Router.setWorkerModels).
     ...(request.lora !== undefined ? { model: request.lora } : {}),
+    // Only workers whose context holds the prompt and max_tokens take it (see Router.setWorkerMaxTokens).
+    contextTokens: request.promptTokenIds.length + request.sampling.maxTokens,
     // Prompt logprobs need every position's logits: the worker reuses none of its cached blocks.
     ...(request.sampling.promptLogprobs !== undefined ? { computesWholePrompt: true } : {}),
   };

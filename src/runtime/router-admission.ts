@@ -43,6 +43,7 @@ export class RouterAdmission {
         return Promise.reject(new EngineOverloadedError(
           outcome.reason === 'no-workers' ? `no ${this.workers} is available`
             : outcome.reason === 'no-model-workers' ? `no ${this.workers} holds ${request.model}`
+            : outcome.reason === 'no-context-workers' ? `no ${this.workers} takes a prompt of ${request.tokenIds.length} tokens`
             : `every ${this.workers} is busy and the queue is full`,
           outcome.retryAfterMs));
       case 'queued':

@@ -246,6 +246,8 @@ export class WorkerGroup<E extends RoutableEngine> {
         requestId: request.id, tokenIds: attempt.promptTokenIds, cacheSalt: request.cacheSalt, sessionId: request.sessionId, lora: request.lora,
         // Only a worker holding the adapter takes it over (see Router.setWorkerModels); none: the loss stands.
         ...(request.lora !== undefined ? { model: request.lora } : {}),
+        // The prompt and output so far plus what is left to generate: what the request needed where it was accepted.
+        contextTokens: attempt.promptTokenIds.length + attempt.sampling.maxTokens,
       }));
     } catch {
       if (aborted()) return null;
