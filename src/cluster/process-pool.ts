@@ -49,7 +49,14 @@ export interface ProcessPoolOptions extends WorkerPoolOptions {
 
 /** One child process and its connection, as the router holds a worker. */
 export class ChildWorker implements RoutableEngine {
-  constructor(readonly id: string, private readonly child: ChildProcess, readonly remote: RemoteEngine) {}
+  constructor(readonly id: string, private readonly child: ChildProcess, readonly remote: RemoteEngine) {
+    // A child whose connection is lost (it crashed, or hung past the heartbeat timeout) is never used again: its
+    // requests have failed or moved, and a replacement may start. One that hung would otherwise keep its model and
+    // KV pool in memory until the server exits.
+    remote.onLost(() => {
+      if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL');
+    });
+  }
 
   get info(): EngineInfo { return this.remote.info; }
   get pid(): number | undefined { return this.child.pid; }

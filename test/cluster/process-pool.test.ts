@@ -1,6 +1,7 @@
 // `conduit serve --workers 2 --worker-processes`: CPU workers as child processes over the request plane. A native
 // crash (SIGSEGV) of the child running a stream is survived: the stream migrates and ends with the same greedy
-// text, the child is replaced by a new process, and the server keeps serving. Closing the server ends the children.
+// text, the child is replaced by a new process, and the server keeps serving; a child that hangs is ended when it is
+// declared lost, not left running beside its replacement. Closing the server ends the children.
 // The engine options reach the children, as the server's command line gives them: the twins of the worker's options
 // in the environment the children inherit do not override them, nor set the children's own options (the address a
 // child reports). A child that cannot start gives the server its reason, which the server's error names.
@@ -118,6 +119,27 @@ describe('serve --worker-processes', () => {
       assert.match(json.choices[0]!.text, /^[a-z]{12}\.$/, `temperature ${temperature}`);
       assert.equal(json.choices[0]!.finish_reason, 'stop');
     }
+  });
+
+  test('a child that hangs (stopped past the heartbeat timeout) is lost, ended and replaced, not left running beside its replacement', async () => {
+    const { workers } = await health();
+    const hung = workers.find((w) => w.state === 'ready')!;
+    pids.add(hung.pid);
+    process.kill(hung.pid, 'SIGSTOP');
+    let alive = true;
+    // The heartbeat timeout is 5 s; the bound only guards against a hang.
+    for (let i = 0; i < 300 && alive; i++) {
+      try { process.kill(hung.pid, 0); await new Promise((resolve) => setTimeout(resolve, 100)); } catch { alive = false; }
+    }
+    if (alive) process.kill(hung.pid, 'SIGCONT');
+    assert.equal(alive, false, `the hung worker process ${hung.pid} was ended`);
+    let replaced: WorkerView | undefined;
+    for (let i = 0; i < 300 && !replaced; i++) {
+      replaced = (await health()).workers.find((w) => w.id.startsWith(`${hung.id}-r`) && w.state === 'ready');
+      if (!replaced) await new Promise((resolve) => setTimeout(resolve, 100));
+    }
+    assert.ok(replaced, `${hung.id} was replaced`);
+    pids.add(replaced.pid);
   });
 
   test('closing the server ends the worker processes', async () => {
