@@ -11,9 +11,8 @@ import { after, before, describe, it } from 'node:test';
 import OpenAI, { BadRequestError } from 'openai';
 import { loadModel } from '../../src/model/loader.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
-import { writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { tinySyntheticModel } from '../helpers/cpu-model.ts';
-import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { skipUnlessShared, writeSharedVocabModel } from '../helpers/shared-models.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
 
@@ -311,10 +310,7 @@ describe('text_offset over characters outside the Basic Multilingual Plane', { s
   before(async () => {
     dir = mkdtempSync(join(tmpdir(), 'conduit-text-offset-'));
     const path = join(dir, 'qwen-vocab.gguf');
-    writeSyntheticModel({
-      name: 'text offset', dim: 32, numLayers: 1, numHeads: 2, numKvHeads: 1, ffnDim: 48, contextLength: 128,
-      dtype: 'F32', seed: 9, tokenizer: sharedModel(QWEN_VOCAB)!,
-    }, path);
+    writeSharedVocabModel(QWEN_VOCAB, path, 'text offset');
     server = await startTestServer({ flags: ['--model', path, '--threads', '1'] });
   });
   after(async () => {

@@ -10,8 +10,7 @@ import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { silentLogger } from '../../src/api/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
-import { writeSyntheticModel } from '../../src/model/synthetic.ts';
-import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
+import { skipUnlessShared, writeSharedVocabModel } from '../helpers/shared-models.ts';
 import { rawRequest } from './http-client.ts';
 
 const VOCAB = 'ggml-vocab-qwen2.gguf';
@@ -25,10 +24,7 @@ describe('stop_reason of end-of-generation tokens', { skip: skipUnlessShared(VOC
   before(async () => {
     dir = mkdtempSync(join(tmpdir(), 'conduit-stop-reason-'));
     const path = join(dir, 'qwen-vocab.gguf');
-    writeSyntheticModel({
-      name: 'stop reason', dim: 32, numLayers: 1, numHeads: 2, numKvHeads: 1, ffnDim: 48, contextLength: 128,
-      dtype: 'F32', seed: 9, tokenizer: sharedModel(VOCAB)!,
-    }, path);
+    writeSharedVocabModel(VOCAB, path, 'stop reason');
     const config = parseServeConfig(['--model', path, '--port', '0', '--log-level', 'silent', '--kv-cache-memory', '8MiB',
       '--threads', '1', '--worker-restart-limit', '0'], {});
     if (config === 'help') throw new Error('unexpected --help');

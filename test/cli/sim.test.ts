@@ -8,6 +8,15 @@ import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
 import { DEFAULT_EFFICIENCY } from '../../src/sim/perf-model.ts';
 
 /** The number in the first cell after `label` on the line that starts with it. */
+/** The command exits 2 with `message` in one line (no stack trace) and prints nothing before it. */
+async function assertRefusedBeforeOutput(argv: string[], message: RegExp): Promise<void> {
+  const result = await run(argv);
+  assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
+  assert.match(result.err, message);
+  assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
+  assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
+}
+
 function firstNumberAfter(text: string, label: RegExp): number {
   const line = text.split('\n').find((l) => label.test(l));
   assert.ok(line, `no line matching ${label}`);
@@ -191,11 +200,7 @@ test('usage errors exit 2 and name what is wrong', async () => {
     // blocks, more than the 2,577 the deployment has.
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41220'], /needs 2581 KV blocks of 16 tokens .* the pool holds 2577/],
   ] as const) {
-    const result = await run([...argv]);
-    assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
-    assert.match(result.err, message);
-    assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
-    assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
+    await assertRefusedBeforeOutput([...argv], message);
   }
 });
 
@@ -217,11 +222,7 @@ test('refused before any table: dtype widths no dtype has, a deployment whose we
     [['sim', 'kv-tiers', '--prompt', '16'],
       /^conduit sim: a 16-token prompt has no whole KV block of 16 tokens before its last token, so no part of it can come from host RAM or NVMe/],
   ] as const) {
-    const result = await run([...argv]);
-    assert.equal(result.code, 2, `${argv.join(' ')}: ${result.err}`);
-    assert.match(result.err, message);
-    assert.doesNotMatch(result.err, /\n\s+at /, 'no stack trace');
-    assert.equal(result.out, '', `${argv.join(' ')}: nothing printed before the refusal`);
+    await assertRefusedBeforeOutput([...argv], message);
   }
   // The widths that are dtypes still run: INT4 weights of 70B fit one H100 (35.3e9 bytes), FP8 KV.
   const int4 = await run(['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1', '--weight-bytes', '0.5', '--kv-bytes', '1', '--batches', '1']);

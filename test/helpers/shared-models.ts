@@ -5,6 +5,7 @@ import { fileURLToPath } from 'node:url';
 import { join } from 'node:path';
 
 import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
+import { writeSyntheticModel } from '../../src/model/synthetic.ts';
 import { createTokenizer } from '../../src/model/tokenizer/index.ts';
 import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
 
@@ -39,4 +40,15 @@ export function loadSharedModel(name: string): Promise<SharedModelFixture> {
     fixtures.set(name, fixture);
   }
   return fixture;
+}
+
+/**
+ * Writes a tiny random-weight model (one layer, F32) with the tokenizer of the shared file `vocab` to `path`: a real
+ * vocabulary and its special tokens at the cost of a toy model (call only when skipUnlessShared(vocab) is false).
+ */
+export function writeSharedVocabModel(vocab: string, path: string, name: string): void {
+  writeSyntheticModel({
+    name, dim: 32, numLayers: 1, numHeads: 2, numKvHeads: 1, ffnDim: 48, contextLength: 128,
+    dtype: 'F32', seed: 9, tokenizer: sharedModel(vocab)!,
+  }, path);
 }
