@@ -16,7 +16,7 @@ import {
 import type { BlockTable } from './kv-cache/manager.ts';
 import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
 import { drawRandomSeed } from '../util/random.ts';
-import { GrammarError, type GrammarRuntime } from './grammar/runtime.ts';
+import { GrammarError, type GrammarRuntime, type GuidedSequence } from './grammar/runtime.ts';
 import { sampleGuidedRow } from './grammar/sampling.ts';
 import { createRequestSamplers, GREEDY_TEMPERATURE, Sampler, UnsampleableRowError, type SequenceSampler } from './sampler.ts';
 import { promptLogprobTargets, type StepPlan } from './scheduler.ts';
@@ -417,32 +417,51 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
       return samplers;
     },
     /**
-     * The sampler as the prefill worker left it: the seeded stream replayed over the tokens it sampled (one uniform
-     * draw per token unless greedy), then checked against the state it sent; a grammar advanced over them too, its
-     * next row to be tried as the prefill worker would have tried it.
+     * The sampler as the prefill worker left it: the output from before a migration (priorOutputTokenIds: a request
+     * prefilled again after its prefill worker was lost) counted for the penalties, then the seeded stream replayed
+     * over the tokens the prefill worker produced (one uniform draw per token unless greedy) and checked against the
+     * state it sent; a grammar advanced over both, its next row to be tried as the prefill worker would have tried it.
+     * A token the grammar refuses here throws: the request cannot go on under its grammar.
      */
     resume: (handoff) => {
       const params = handoff.request.sampling;
+      const prior = handoff.request.priorOutputTokenIds ?? NO_TOKENS;
       const sampler = createRequestSamplers({ params, promptTokenIds: handoff.request.promptTokenIds, vocabSize, eosTokenIds })[0]!;
+      // As open() counts them on the prefill worker: the penalties only (min_tokens was reduced by them).
+      for (const tokenId of prior) sampler.recordPriorOutputToken(tokenId);
       const drawsPerToken = params.temperature < GREEDY_TEMPERATURE ? 0 : 1;
       for (const tokenId of handoff.outputTokenIds) {
         for (let k = 0; k < drawsPerToken; k++) sampler.nextUniform();
         sampler.recordOutputToken(tokenId);
       }
       // A guided request draws a varying number of uniforms for a token (draws the grammar refused, then one from the
-      // mask; none for logprobs): its stream continues from the state the prefill worker sent instead of a replay.
+      // mask; none for logprobs or for a token appended by jump-forward): its stream continues from the state the
+      // prefill worker sent instead of a replay.
       if (params.guided !== undefined) sampler.restoreRngState(handoff.sampler.rngState);
       const resumed = sampler.rngState();
       if (resumed.some((word, i) => word !== handoff.sampler.rngState[i])) {
         throw new Error(`request ${handoff.requestId}: the sampler's random stream cannot be resumed where the prefill worker left it`);
       }
       attachGrammar(handoff.request, [sampler]);
-      for (const tokenId of handoff.outputTokenIds) sampler.guided?.accept(tokenId);
-      // And its next row tried as the prefill worker would have tried it (a sampled row's width decides its draws).
-      const tries = handoff.sampler.guided;
-      if (sampler.guided !== undefined && tries !== undefined) {
-        sampler.guided.candidateWidth = tries.candidateWidth;
-        sampler.guided.argmaxTaken = tries.argmaxTaken;
+      const guided = sampler.guided;
+      if (guided !== undefined) {
+        let refused: string | undefined;
+        try {
+          refused = firstRefused(guided, prior, handoff.outputTokenIds);
+        } catch (error) {
+          guided.dispose();
+          throw error;
+        }
+        if (refused !== undefined) {
+          guided.dispose();
+          throw new Error(`request ${handoff.requestId}: the request's grammar refuses ${refused}; it cannot go on under its grammar`);
+        }
+        // And its next row tried as the prefill worker would have tried it (a sampled row's width decides its draws).
+        const tries = handoff.sampler.guided;
+        if (tries !== undefined) {
+          guided.candidateWidth = tries.candidateWidth;
+          guided.argmaxTaken = tries.argmaxTaken;
+        }
       }
       return sampler;
     },
@@ -464,6 +483,20 @@ function samplerTokens(vocabSize: number, eosTokenIds: readonly number[], gramma
       },
     } : {}),
   };
+}
+
+/**
+ * Advances a resumed request's grammar over its output from before a migration and then over the handed-off tokens;
+ * the first token it refuses, described, or undefined when it takes them all.
+ */
+function firstRefused(guided: GuidedSequence, prior: readonly number[], handedOff: readonly number[]): string | undefined {
+  for (const [i, tokenId] of prior.entries()) {
+    if (!guided.accept(tokenId)) return `token ${tokenId}, output token ${i + 1} of the ${prior.length} produced before the request was prefilled again`;
+  }
+  for (const [i, tokenId] of handedOff.entries()) {
+    if (!guided.accept(tokenId)) return `token ${tokenId}, token ${i + 1} of the ${handedOff.length} the prefill worker produced`;
+  }
+  return undefined;
 }
 
 /** One block at a time of this worker's pool, for the lower KV tiers to copy out of and into. */

@@ -36,9 +36,12 @@ export interface KvHandoff {
   requestId: string;
   /** The request as the prefill worker ran it; sampling.seed is always set (drawn there if the client gave none). */
   request: EngineRequest;
-  /** Tokens sampled on the prefill worker (the first token; the caller has already been sent them). */
+  /**
+   * Tokens the prefill worker produced (the first token, then with jump-forward the tokens its grammar forced after
+   * it; the caller has already been sent them).
+   */
   outputTokenIds: number[];
-  /** Positions whose KV the source blocks hold: the prompt (the last sampled token is not computed yet). */
+  /** Positions whose KV the source blocks hold: the prompt (the output tokens are not computed yet). */
   numComputedTokens: number;
   blockSize: number;
   /** Source pool block ids in position order, blocksFor(numComputedTokens) of them; the last may be partial. */

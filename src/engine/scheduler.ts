@@ -746,7 +746,9 @@ export class Scheduler {
       throw new Error(`request ${requestId} has n = ${request.sampling.n}; only n = 1 can be handed off`);
     }
     const sequence = request.sequences[0]!;
-    if (sequence.status !== 'running' || sequence.outputTokenIds.length === 0 || sequence.numComputedTokens !== sequence.numTokens - 1) {
+    // Its output (the sampled token, and the tokens jump-forward appended after it) is the next step's input.
+    if (sequence.status !== 'running' || sequence.outputTokenIds.length === 0
+      || sequence.numComputedTokens !== sequence.numTokens - sequence.outputTokenIds.length) {
       throw new Error(`request ${requestId} can be handed off once its prompt is computed and a token sampled `
         + `(status ${sequence.status}, ${sequence.numComputedTokens} of ${sequence.numTokens} tokens computed)`);
     }
@@ -770,7 +772,8 @@ export class Scheduler {
   /**
    * Takes over a request whose prompt ran elsewhere and whose first token(s) were sampled there.
    *
-   * With kvImport, the request joins the running batch now with only its next token left to compute: its table
+   * With kvImport, the request joins the running batch now with the tokens after kvImport.numTokens left to compute
+   * (its output so far: the first token, and any a grammar forced after it, go in its next step together): its table
    * starts with this worker's longest cached prefix, new blocks cover the rest of kvImport.numTokens, kvImport.fill
    * copies KV into just those, and their full blocks enter this prefix cache (KV events go out as for computed
    * blocks). Returns null, changing nothing, when the seats or the pool lack room: the caller retries later.

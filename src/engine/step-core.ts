@@ -277,8 +277,9 @@ export class StepCore<T> {
       // The completion's first output (its tokens are all it has) carries the prompt's logprobs.
       const promptLogprobs = state.request.promptLogprobs !== undefined
         && state.request.sequences[out.index]?.outputTokenIds.length === newTokenIds.length ? state.request.promptLogprobs : undefined;
-      // Forced tokens follow the sampled one in the same output (a request to hand off leaves with one token).
-      const forced = finishReason === null && !state.handoff ? this.tokenSource.forced?.(state.tokens[out.index]!) : undefined;
+      // Forced tokens follow the sampled one in the same output. A request to hand off takes them along: the decode
+      // worker computes them with the sampled token, as this worker's next step would have.
+      const forced = finishReason === null ? this.tokenSource.forced?.(state.tokens[out.index]!) : undefined;
       if (forced !== undefined && forced.length > 0) {
         const appended = this.scheduler.appendTokens(out.requestId, out.index, forced, endMs);
         newTokenIds = [...newTokenIds, ...appended.newTokenIds];
@@ -303,8 +304,8 @@ export class StepCore<T> {
       }
     }
     this.notePrefillProgress(plan);
-    // A prefill-only request that got its first token and did not finish on it leaves now, before the next step
-    // would feed that token.
+    // A prefill-only request that got its first token (and any forced after it) and did not finish on them leaves
+    // now, before the next step would feed them.
     if (handOffs) for (const state of handOffs) if (this.states.get(state.request.id) === state) this.handOff(state, endMs);
     return outputs;
   }

@@ -154,9 +154,24 @@ function simTokens(grammar: GrammarLoader | undefined): TokenSource<SimTokenStat
       }
       return states;
     },
+    // The grammar goes on after the output from before a migration, then the prefill worker's tokens; one it refuses
+    // means the request cannot go on under its grammar.
     resume: (handoff) => {
       const [state] = attach(handoff.request, [{ seed: SYNTHETIC_TOKENS.resume(handoff) }]);
-      for (const tokenId of handoff.outputTokenIds) state!.guided?.accept(tokenId);
+      const guided = state!.guided;
+      if (guided === undefined) return state!;
+      const tokens = [...handoff.request.priorOutputTokenIds ?? [], ...handoff.outputTokenIds];
+      let refused: number | undefined;
+      try {
+        refused = tokens.find((tokenId) => !guided.accept(tokenId));
+      } catch (error) {
+        guided.dispose();
+        throw error;
+      }
+      if (refused !== undefined) {
+        guided.dispose();
+        throw new Error(`request ${handoff.requestId}: the request's grammar refuses token ${refused} of its output so far; it cannot go on under its grammar`);
+      }
       return state!;
     },
     handoffSeed: (request) => SYNTHETIC_TOKENS.handoffSeed(request),

@@ -49,6 +49,25 @@ describe('scheduler handoff: the prefill side pins, the decode side reuses, fill
     s.checkInvariants();
   });
 
+  test('handOff after tokens appended unsampled (jump-forward) gives them all, uncomputed; adopted, they go in one step', () => {
+    const s = makeScheduler({ numBlocks: 8, blockSize: 4 });
+    s.addRequest(makeRequest('r', prompt(0, 10)), 0);
+    step(s);
+    s.appendTokens('r', 0, [7, 8], 1);
+    const given = s.handOff('r');
+    assert.deepEqual(given.outputTokenIds, [FILLER, 7, 8]);
+    assert.equal(given.numComputedTokens, 10, 'the prompt');
+    assert.deepEqual(given.blockIds, [0, 1, 2]);
+    assert.equal(s.kv.unpin(given.pin), true);
+    s.checkInvariants();
+    const d = makeScheduler({ numBlocks: 8, blockSize: 4 });
+    const request = d.adoptRequest(makeRequest('r', prompt(0, 10)), 2, { outputTokenIds: given.outputTokenIds, numCachedTokens: 0 },
+      { numTokens: 10, fill: () => {} })!;
+    assert.deepEqual(summary(step(d, 3).plan), ['r/0+3*1'], 'the three output tokens, then the next one sampled');
+    assert.deepEqual(request.outputTokenIds, [FILLER, 7, 8, FILLER]);
+    d.checkInvariants();
+  });
+
   test('handOff refuses a request mid-prompt and one with n > 1', () => {
     const s = makeScheduler({ numBlocks: 16, blockSize: 4, longPrefillTokenThreshold: 4 });
     s.addRequest(makeRequest('chunked', prompt(0, 10)), 0);
@@ -220,6 +239,7 @@ const backend: BackendFactory = engineBackends().at(-1)!;
 
 interface CoreOptions {
   numBlocks?: number; blockSize?: number; maxNumBatchedTokens?: number; maxNumSeqs?: number; enableKvEvents?: boolean; grammar?: GrammarRuntime;
+  jumpForward?: boolean;
 }
 
 function makeCore(f: Fixture, options: CoreOptions = {}): EngineCore {
@@ -230,6 +250,7 @@ function makeCore(f: Fixture, options: CoreOptions = {}): EngineCore {
     backend: runner, tokenizer: f.tokenizer, maxNumSeqs: options.maxNumSeqs ?? 16,
     maxNumBatchedTokens: options.maxNumBatchedTokens ?? 256, maxModelLen: f.loaded.config.contextLength,
     enableKvEvents: options.enableKvEvents, now: () => clock++, ...(options.grammar ? { grammar: () => options.grammar } : {}),
+    ...(options.jumpForward !== undefined ? { jumpForward: options.jumpForward } : {}),
   });
 }
 
@@ -346,6 +367,134 @@ for (const model of models) {
       }
       // Cases where the decode core, starting afresh, would have tried the next row otherwise.
       assert.ok(wideAtHandoff > 0, 'some handoff carried a wide candidate width');
+    });
+
+    test('jump-forward on: the tokens a grammar forces after the first token go along with it; token-identical to one core alone', async (t) => {
+      if (!f) return t.skip('model absent');
+      const grammar = await GrammarRuntime.create(f.tokenizer, f.loaded.config.vocabSize);
+      const grammars: GuidedDecoding[] = [
+        { kind: 'choice', choices: ['the big dog', 'the little cat', 'a bird'] },
+        { kind: 'regex', pattern: '(red|blue|green) [a-z]{2,6}, [0-9]{2}' },
+        { kind: 'json_schema', compact: true, schema: JSON.stringify({
+          type: 'object', properties: { name: { type: 'string', maxLength: 12 }, age: { type: 'integer' } }, required: ['name', 'age'],
+        }) },
+      ];
+      const jumping = { grammar, jumpForward: true };
+      let carried = 0;
+      for (const [g, guided] of grammars.entries()) {
+        // Greedy, seeded, and with logprobs (which jump-forward skips: nothing forced on either side).
+        for (const sampling of [{ temperature: 0 }, ...[1, 2, 3].map((seed) => ({ temperature: 1, seed })), { temperature: 0.8, seed: 5, logprobs: 2 }]) {
+          const id = `jf${g}-${JSON.stringify(sampling)}`;
+          const req = () => request(id, f!.tokenizer.encode('Hello there'), { ...sampling, maxTokens: 30, ignoreEos: false, guided });
+          const alone = makeCore(f, jumping);
+          alone.add(req());
+          const expected = drain(alone);
+          const prefill = makeCore(f, jumping);
+          const decode = makeCore(f, jumping);
+          const { outputs, handoff } = disaggregate(prefill, decode, req());
+          assert.deepEqual(tokensOf(outputs, id), tokensOf(expected, id), id);
+          assert.equal(textOf(outputs, id), textOf(expected, id), id);
+          assert.deepEqual([outputs.at(-1)!.finishReason, outputs.at(-1)!.usage.completionTokens],
+            [expected.at(-1)!.finishReason, expected.at(-1)!.usage.completionTokens], id);
+          assert.deepEqual(outputs[0]!.newTokenIds, expected[0]!.newTokenIds, `${id}: the prefill core's output is the first step's`);
+          assert.equal(prefill.forcedTokens + decode.forcedTokens, alone.forcedTokens, id);
+          assert.deepEqual(handoff.outputTokenIds, outputs[0]!.newTokenIds, `${id}: the handoff carries what went out`);
+          if (handoff.outputTokenIds.length > 1) carried++;
+          assertAllFree(prefill, decode);
+        }
+      }
+      assert.ok(carried > 0, 'some handoff carried forced tokens');
+      // A forced run that reaches max_tokens ends the request on the prefill core, as it ends on one core alone.
+      const short = () => request('jf-short', f!.tokenizer.encode('Hello there'), {
+        temperature: 0, maxTokens: 3, ignoreEos: false, guided: { kind: 'choice', choices: ['the quick brown fox jumps over the lazy dog'] },
+      });
+      const alone = makeCore(f, jumping);
+      alone.add(short());
+      const expected = drain(alone);
+      const prefill = makeCore(f, jumping);
+      prefill.add(short(), { handoff: true });
+      const outputs = drain(prefill);
+      assert.deepEqual(prefill.takeHandoffs(), [], 'nothing left to hand off');
+      assert.deepEqual(outputs.map((o) => [o.newTokenIds, o.textDelta, o.finishReason]), expected.map((o) => [o.newTokenIds, o.textDelta, o.finishReason]));
+      assert.equal(outputs.at(-1)!.finishReason, 'length');
+      assertAllFree(prefill);
+    });
+
+    test('a request prefilled again after output went out (priorOutputTokenIds): the decode core counts that output for the penalties and advances the grammar over it', async (t) => {
+      if (!f) return t.skip('model absent');
+      const grammar = await GrammarRuntime.create(f.tokenizer, f.loaded.config.vocabSize);
+      const guided: GuidedDecoding = { kind: 'regex', pattern: '(Once|Lily|The) [a-z]+ [a-z]+ [a-z]+ [a-z]+\\.' };
+      const penalties = { frequencyPenalty: 2, presencePenalty: 2 };
+      const maxTokens = 24;
+      // Every case, prompt and point of the move whose continuation differs from one core's: none.
+      const differing: string[] = [];
+      for (const [label, sampling] of [
+        ['penalties, greedy', { temperature: 0, ...penalties }],
+        ['penalties, seeded', { temperature: 1, seed: 8, ...penalties }],
+        ['guided, greedy', { temperature: 0, guided }],
+        ['guided, seeded', { temperature: 1, seed: 6, guided }],
+        ['guided with penalties, seeded', { temperature: 0.8, seed: 4, guided, ...penalties }],
+      ] as [string, Partial<SamplingParams>][]) {
+        for (const [p, ids] of prompts().entries()) {
+          const original = request('m', ids, { ...sampling, maxTokens, ignoreEos: sampling.guided === undefined });
+          const undisturbed = makeCore(f, { grammar });
+          undisturbed.add(original);
+          const whole = tokensOf(drain(undisturbed), 'm');
+          for (const done of [1, 2, 5].filter((n) => n < whole.length)) {
+            // What a request whose prefill worker was lost after `done` tokens went out is sent again as.
+            const prior = whole.slice(0, done);
+            const again = (): EngineRequest => ({
+              ...original, promptTokenIds: [...ids, ...prior], priorOutputTokenIds: prior,
+              sampling: { ...original.sampling, maxTokens: maxTokens - done },
+            });
+            const alone = makeCore(f, { grammar });
+            alone.add(again());
+            const expected = drain(alone);
+            const { outputs } = disaggregate(makeCore(f, { grammar }), makeCore(f, { grammar }), again());
+            const what = `${label}, prompt ${p}, after ${done}`;
+            const same = tokensOf(outputs, 'm').join() === tokensOf(expected, 'm').join() && textOf(outputs, 'm') === textOf(expected, 'm')
+              && outputs.at(-1)!.finishReason === expected.at(-1)!.finishReason;
+            if (!same) differing.push(what);
+            // Greedy, the continuation is the rest of the undisturbed output.
+            if (sampling.temperature === 0) assert.deepEqual([...prior, ...tokensOf(expected, 'm')], whole, what);
+          }
+        }
+      }
+      assert.deepEqual(differing, []);
+    });
+
+    test('a token the grammar refuses on resume fails the adoption, saying which, and leaves nothing behind', async (t) => {
+      if (!f) return t.skip('model absent');
+      const grammar = await GrammarRuntime.create(f.tokenizer, f.loaded.config.vocabSize);
+      const guided: GuidedDecoding = { kind: 'regex', pattern: '(Once|Lily|The) [a-z ]+\\.' };
+      const probe = grammar.open(guided);
+      let refused = 3;
+      while (probe.accept(refused)) refused++;
+      probe.dispose();
+      const req = () => request('bad', prompts()[0]!, { temperature: 0, maxTokens: 12, ignoreEos: false, guided });
+      const prefill = makeCore(f, { grammar });
+      prefill.add(req(), { handoff: true });
+      const outputs = drain(prefill);
+      const [handoff] = prefill.takeHandoffs();
+      const decode = makeCore(f, { grammar });
+      const handedOff = structuredClone(handoff!);
+      handedOff.outputTokenIds = [refused];
+      assert.throws(() => decode.adopt(handedOff, source(prefill)),
+        new RegExp(`request bad: the request's grammar refuses token ${refused}, token 1 of the 1 the prefill worker produced; it cannot go on under its grammar`));
+      const migrated = structuredClone(handoff!);
+      migrated.request = { ...migrated.request, priorOutputTokenIds: [refused] };
+      assert.throws(() => decode.adopt(migrated, null),
+        new RegExp(`the request's grammar refuses token ${refused}, output token 1 of the 1 produced before the request was prefilled again`));
+      assert.equal(decode.hasRequest('bad'), false);
+      assertAllFree(decode);
+      // The handoff as it was goes on as on one core alone.
+      assert.ok(decode.adopt(structuredClone(handoff!), source(prefill)));
+      prefill.releaseHandoff('bad');
+      drain(decode, outputs);
+      const alone = makeCore(f, { grammar });
+      alone.add(req());
+      assert.deepEqual(tokensOf(outputs, 'bad'), tokensOf(drain(alone), 'bad'));
+      assertAllFree(prefill, decode);
     });
 
     test('a partial prefix on the decode core: only the missing blocks move, and they become cached there', (t) => {

@@ -12,6 +12,7 @@ import type { LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { PREFILL_WORKER_LOST, type DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
+import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
@@ -41,10 +42,11 @@ after(() => rmSync(tempDir, { recursive: true, force: true }));
  * kernels with 8-token steps: a 400-token prompt takes 50 prefill steps, time to kill its worker mid-prefill, and
  * no native code runs in the thread that is killed.
  */
-function pool(prefillWorkers: number, decodeWorkers: number, migrationLimit = 0): Promise<WorkerPool> {
+function pool(prefillWorkers: number, decodeWorkers: number, migrationLimit = 0,
+  options: { modelPath?: string; guidedJumpForward?: boolean } = {}): Promise<WorkerPool> {
   return createWorkerPool({
     engine: 'cpu', workers: 1, prefillWorkers, decodeWorkers, modelPath, threads: 1, backend: 'reference',
-    kvCacheMemoryBytes: 16 << 20, maxNumBatchedTokens: 8, routerSeed: 5, migrationLimit,
+    kvCacheMemoryBytes: 16 << 20, maxNumBatchedTokens: 8, routerSeed: 5, migrationLimit, ...options,
     disaggregationPolicy: { minRemotePrefillTokens: 1 },
     disaggregationEstimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
   });
@@ -88,6 +90,26 @@ async function assertAllFree(pool: WorkerPool): Promise<void> {
 function undisturbed(pool: WorkerPool, promptTokenIds: number[], sampling: Partial<SamplingParams> = {}): Promise<EngineOutput[]> {
   const decodeId = pool.disaggregated!.decodeWorkerIds[0]!;
   return collect(engineOf(pool, decodeId).generate(request(promptTokenIds, sampling)));
+}
+
+/**
+ * Runs the request and kills its prefill worker once the first output is in. That output comes from the prefill
+ * worker; held here, the handoff that follows it waits for this consumer, so the kill lands after the first token
+ * and before the decode worker is told of the handoff.
+ */
+async function runKillingAfterFirst(p: WorkerPool, req: EngineRequest): Promise<{ outputs: EngineOutput[]; lost: string }> {
+  const engine = p.disaggregated!;
+  const outputs: EngineOutput[] = [];
+  let lost: string | undefined;
+  for await (const output of engine.generate(req)) {
+    outputs.push(output);
+    if (outputs.length === 1) {
+      assert.equal(engine.requestStage(req.id), 'prefill');
+      lost = engine.requestWorkers(req.id)!.prefillWorkerId!;
+      await kill(p, lost);
+    }
+  }
+  return { outputs, lost: lost! };
 }
 
 function assertComplete(outputs: EngineOutput[], req: EngineRequest): void {
@@ -174,24 +196,8 @@ describe('a prefill worker lost before the hand-over', () => {
     const p = await pool(2, 1);
     const engine = p.disaggregated!;
     try {
-      // The first output comes from the prefill worker; held here, the handoff that follows it waits for this
-      // consumer, so the kill lands after the first token and before the decode worker is told of the handoff.
-      const runKillingAfterFirst = async (req: EngineRequest): Promise<{ outputs: EngineOutput[]; lost: string }> => {
-        const outputs: EngineOutput[] = [];
-        let lost: string | undefined;
-        for await (const output of engine.generate(req)) {
-          outputs.push(output);
-          if (outputs.length === 1) {
-            assert.equal(engine.requestStage(req.id), 'prefill');
-            lost = engine.requestWorkers(req.id)!.prefillWorkerId!;
-            await kill(p, lost);
-          }
-        }
-        return { outputs, lost: lost! };
-      };
-
       const first = request(prompt(3, 64), { maxTokens: 40 });
-      const { outputs, lost } = await runKillingAfterFirst(first);
+      const { outputs, lost } = await runKillingAfterFirst(p, first);
       const [survivor] = engine.prefillWorkerIds;
       assertComplete(outputs, first);
       assert.deepEqual(outputs.at(-1)!.routing!.migrations,
@@ -204,7 +210,7 @@ describe('a prefill worker lost before the hand-over', () => {
       await assertAllFree(p);
 
       const second = request(prompt(4, 64), { maxTokens: 40 });
-      const local = await runKillingAfterFirst(second);
+      const local = await runKillingAfterFirst(p, second);
       assert.equal(local.lost, survivor);
       assertComplete(local.outputs, second);
       assert.deepEqual(local.outputs.at(-1)!.routing!.migrations,
@@ -214,6 +220,60 @@ describe('a prefill worker lost before the hand-over', () => {
       assert.deepEqual(tokens(local.outputs), tokens(secondExpected));
       assert.equal(text(local.outputs), text(secondExpected));
       await assertAllFree(p);
+    } finally {
+      await p.engine.close();
+    }
+  });
+
+  test('after the first output went out, prefilled again on another prefill worker: the decode worker counts that output for the penalties and advances the grammar over it', async () => {
+    // stories260K when it is there: its greedy text with these penalties turns on the first token (the synthetic
+    // model's noise hardly repeats a token, so penalties on one rarely change its argmax).
+    const model = cpuTestModel();
+    const storyPrompt = [1, 403, 407, 261, 378, 263, 100, 288, 261, 493, 289, 300, 301, 302, 303, 304, 305];
+    const penalties = { frequencyPenalty: 2, presencePenalty: 2, repetitionPenalty: 1 };
+    const regex: SamplingParams['guided'] = { kind: 'regex', pattern: '(Once|Lily|The) [a-z]+ [a-z]+ [a-z]+ [a-z]+\\.' };
+    const cases: [string, Partial<SamplingParams>][] = [
+      ['penalties, greedy', { ...penalties }],
+      ['penalties, seeded', { ...penalties, temperature: 0.9, seed: 7 }],
+      ['guided regex, greedy', { guided: regex, ignoreEos: false, repetitionPenalty: 1 }],
+      ['guided regex, seeded', { guided: regex, ignoreEos: false, repetitionPenalty: 1, temperature: 0.9, seed: 5 }],
+      // Jump-forward (on in this pool): the rest of the choice but its last piece goes out with the first token.
+      ['guided choice, greedy', { guided: { kind: 'choice', choices: ['Once upon a time in a land far away', 'The end'] }, ignoreEos: false, repetitionPenalty: 1 }],
+    ];
+    // One prefill worker lost per case, one left for the last.
+    const p = await pool(cases.length + 1, 1, 0, { modelPath: model.path, guidedJumpForward: true });
+    const engine = p.disaggregated!;
+    const decode = engineOf(p, engine.decodeWorkerIds[0]!);
+    try {
+      for (const [label, sampling] of cases) {
+        const maxTokens = 30;
+        const req = request(storyPrompt, { ...sampling, maxTokens });
+        const { outputs, lost } = await runKillingAfterFirst(p, req);
+        const last = outputs.at(-1)!;
+        assert.equal(last.error, undefined, label);
+        const done = outputs[0]!.newTokenIds;
+        if (sampling.guided?.kind === 'choice') assert.ok(done.length > 1, `${label}: the forced text went out with the first token`);
+        assert.deepEqual(last.routing!.migrations, [{ fromWorkerId: lost, toWorkerId: last.routing!.disaggregation!.prefillWorkerId,
+          afterTokens: done.length, reason: PREFILL_WORKER_LOST }], label);
+        assert.equal(last.routing!.disaggregation!.mode, 'disaggregated', `${label}: ${last.routing!.disaggregation!.detail}`);
+        // What one worker gives for the request as it was sent again: the prompt and the output so far, that output
+        // counted for the penalties and taken by the grammar, max_tokens less it.
+        const again: EngineRequest = {
+          ...request([...storyPrompt, ...done], { ...sampling, maxTokens: maxTokens - done.length }), priorOutputTokenIds: done,
+        };
+        const continued = await collect(decode.generate(again));
+        assert.deepEqual(tokens(outputs), [...done, ...tokens(continued)], label);
+        assert.equal(last.finishReason, continued.at(-1)!.finishReason, label);
+        assert.equal(last.usage.completionTokens, done.length + continued.at(-1)!.usage.completionTokens, label);
+        // Greedy, that is the undisturbed output.
+        if (sampling.temperature === undefined) {
+          const expected = await undisturbed(p, storyPrompt, { ...sampling, maxTokens });
+          assert.deepEqual(tokens(outputs), tokens(expected), label);
+          assert.equal(text(outputs), text(expected), label);
+        }
+        if (sampling.guided?.kind === 'regex') assert.match(text(outputs), /^(Once|Lily|The) [a-z]+ [a-z]+ [a-z]+ [a-z]+\.$|^(Once|Lily|The) [a-z ]*$/, label);
+        await assertAllFree(p);
+      }
     } finally {
       await p.engine.close();
     }

@@ -157,6 +157,47 @@ for (const model of MODELS) {
   });
 }
 
+describe(`guided decoding with jump-forward on real workers (${cpuTestModel().name})`, () => {
+  test('token-identical to one aggregated worker, greedy and seeded: the text forced after the first token goes out with it', async () => {
+    const path = cpuTestModel().path;
+    const pool = await disaggregatedPool(path, { decodeWorkers: 1, guidedJumpForward: true });
+    const aggregated = await LocalEngine.start({ modelPath: path, kvCacheMemoryBytes: 4 << 20, threads: 1, blockSize: BLOCK, guidedJumpForward: true });
+    try {
+      const choice: SamplingParams['guided'] = { kind: 'choice', choices: ['the big dog', 'the little cat', 'a bird'] };
+      const cases: Partial<SamplingParams>[] = [
+        { guided: choice }, { guided: choice, temperature: 1, seed: 4 }, { guided: choice, temperature: 1, seed: 9 },
+        { guided: { kind: 'regex', pattern: '(red|blue|green) [a-z]{2,6}, [0-9]{2}' }, temperature: 1, seed: 4 },
+        { guided: { kind: 'regex', pattern: '(red|blue|green) [a-z]{2,6}, [0-9]{2}' } },
+        {
+          guided: { kind: 'json_schema', compact: true, schema: JSON.stringify({
+            type: 'object', properties: { name: { type: 'string', maxLength: 10 }, age: { type: 'integer' } }, required: ['name', 'age'],
+          }) }, temperature: 0.8, seed: 3,
+        },
+      ];
+      let carried = 0;
+      for (const [i, sampling] of cases.entries()) {
+        const ids = prompt(3000 + i, 40);
+        const sent = { ...sampling, maxTokens: 30, ignoreEos: false };
+        const expected = await collect(aggregated.generate(request(ids, sent)));
+        const outputs = await collect(pool.engine.generate(request(ids, sent)));
+        const label = JSON.stringify(sampling).slice(0, 80);
+        assert.equal(outputs.at(-1)!.routing!.disaggregation!.reason, 'remote-prefill', label);
+        assert.deepEqual(tokens(outputs), tokens(expected), label);
+        assert.equal(text(outputs), text(expected), label);
+        assert.deepEqual([outputs.at(-1)!.finishReason, outputs.at(-1)!.usage.completionTokens],
+          [expected.at(-1)!.finishReason, expected.at(-1)!.usage.completionTokens], label);
+        assert.deepEqual(outputs[0]!.newTokenIds, expected[0]!.newTokenIds, `${label}: the first output is the first step's`);
+        if (outputs[0]!.newTokenIds.length > 1) carried++;
+      }
+      assert.ok(carried > 0, 'some first output carried forced tokens');
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
+      await aggregated.close();
+    }
+  });
+});
+
 describe('conditional disaggregation', () => {
   const base: DisaggregationInputs = {
     numPromptTokens: 1000, blockSize: 16, decodeWorkerId: 'decode-0', decodeOverlapBlocks: 0,

@@ -1,10 +1,12 @@
 // Guided requests on simulated workers: one that takes over a migrated request advances the grammar over the output
-// the lost worker produced (priorOutputTokenIds), as a cpu worker does, so the whole output is one match; and the
-// step core shared with the cpu engine closes every grammar matcher it opened for a request it refuses or drops.
+// the lost worker produced (priorOutputTokenIds), as a cpu worker does, so the whole output is one match (so does a
+// decode worker that adopts such a request after its hand-over, and it refuses one whose tokens the grammar does not
+// allow); and the step core shared with the cpu engine closes every grammar matcher it opened for a request it
+// refuses or drops.
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { engineNow } from '../../src/engine/clock.ts';
-import { DEFAULT_SAMPLING, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
+import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { GrammarLoader, type GuidedSequence } from '../../src/engine/grammar/runtime.ts';
 import type { KvHandoff } from '../../src/engine/handoff.ts';
 import { readGguf } from '../../src/model/gguf.ts';
@@ -137,5 +139,50 @@ describe('grammar matchers of requests a simulated worker refuses or drops', () 
     assert.equal(counted.open.size, before + 1);
     assert.equal(tiny.numImportReservations, 0);
     assert.equal(tiny.stats().kvBlocksUsed, 0);
+  });
+
+  test('a handoff of a request prefilled again after output went out: the decode side goes on after that output; a token the grammar refuses fails the adoption', async () => {
+    const counted = await countedGrammar();
+    let now = 0;
+    /** Runs the request on a new prefill worker to its handoff; that handoff and the outputs before it. */
+    const prefilled = (request: EngineRequest) => {
+      const prefill = worker(counted, { role: 'prefill' });
+      prefill.add(request, now, { handoff: true });
+      const out: EngineOutput[] = [];
+      for (let i = 0; i < 50; i++) {
+        const step = prefill.beginStep(now)!;
+        now = step.endMs;
+        out.push(...prefill.finishStep(step));
+        const [handoff] = prefill.takeHandoffs();
+        if (handoff !== undefined) return { handoff, outputs: out };
+      }
+      return assert.fail('no handoff');
+    };
+    const base = guided('m', 40);
+    // The first prefill worker's output went out (then it was lost); what RequestMigration sends again: that output
+    // appended to the prompt and named as such.
+    const letters = prefilled(base).handoff.outputTokenIds;
+    const again: EngineRequest = {
+      ...base, promptTokenIds: [...base.promptTokenIds, ...letters], priorOutputTokenIds: letters,
+      sampling: { ...base.sampling, maxTokens: 40 - letters.length },
+    };
+    const { handoff, outputs } = prefilled(again);
+    const decode = worker(counted, { role: 'decode' });
+    const open = counted.open.size;
+    const digits = counted.tokenizer.encode('123', { addSpecialTokens: false });
+    for (const bad of [{ ...handoff, outputTokenIds: digits }, { ...handoff, request: { ...handoff.request, priorOutputTokenIds: digits } }]) {
+      assert.throws(() => decode.adopt(bad, now), /m: the request's grammar refuses token \d+ of its output so far; it cannot go on under its grammar/);
+      assert.equal(counted.open.size, open, 'the refused handoff\'s matcher is closed');
+      assert.equal(decode.stats().kvBlocksUsed, 0);
+    }
+    assert.notEqual(decode.adopt(handoff, now), null);
+    for (let i = 0; decode.hasWork && i < 500; i++) {
+      const step = decode.beginStep(now)!;
+      now = step.endMs;
+      outputs.push(...decode.finishStep(step));
+    }
+    assert.equal(outputs.at(-1)!.finishReason, 'stop', 'the grammar ended the output');
+    const all = counted.tokenizer.decode([...letters, ...outputs.flatMap((o) => o.newTokenIds)]);
+    assert.match(all, /^[a-z]{60}\.$/, `one match across the move: ${JSON.stringify(all)}`);
   });
 });
