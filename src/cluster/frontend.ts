@@ -415,8 +415,15 @@ export class ClusterFrontend {
       return { host: splitAddress(prefill.address).host, port: prefill.kvPort };
     };
     if (this.disaggregated) {
+      const before = this.disaggregated.info.maxModelLen;
       if (remote.role === 'prefill') this.disaggregated.addPrefillWorker(id, remote);
       else this.disaggregated.addDecodeWorker(id, remote);
+      // Decode workers may differ in context length: the engine's info follows those there (the smallest context),
+      // and the decode router sends a worker only requests its context holds.
+      if (this.disaggregated.info.maxModelLen < before) {
+        this.options.log('warn', `decode worker ${id} takes at most ${remote.info.maxModelLen} tokens: this frontend's max_model_len is `
+          + `${this.disaggregated.info.maxModelLen} while it is routed to (was ${before}); longer requests already accepted go to the other decode workers`);
+      }
       this.routeAdapters(id);
       void this.adapters?.syncWorker(id);
       return true;

@@ -25,7 +25,7 @@
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
-import { WorkerLostError } from '../engine/errors.ts';
+import { InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, KvImportPreparation, PrefillEvent } from '../engine/handoff.ts';
 import type { BlockHash } from '../protocols/kv-events.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
@@ -136,7 +136,10 @@ interface Flight {
 }
 
 export class DisaggregatedEngine implements Engine {
-  readonly info: EngineInfo;
+  /** The first decode worker's info: what the workers share (model, block size, backend). */
+  private readonly baseInfo: EngineInfo;
+  /** The workers' info as one engine's (see info), recomputed whenever a prefill or decode worker joins or leaves. */
+  private combined: EngineInfo;
   readonly channel: KvTransferChannel;
   readonly policy: DisaggregationPolicy;
   private readonly prefillWorkers: WorkerGroup<PrefillWorkerEngine>;
@@ -174,6 +177,8 @@ export class DisaggregatedEngine implements Engine {
     // Fixed estimates learn nothing from a transfer: no probe.
     this.transferProbe = new TransferProbe(fixed ? 0 : options.estimates?.probeInterval ?? DEFAULT_TRANSFER_PROBE_INTERVAL);
 
+    this.baseInfo = options.decode[0]!.engine.info;
+    this.combined = this.baseInfo;
     const { restart, log } = options;
     // A worker joining (at the start or restarted) is connected to every worker of the other tier; one lost is
     // disconnected.
@@ -181,19 +186,32 @@ export class DisaggregatedEngine implements Engine {
       router: this.prefillRouter, now: this.now, label: 'prefill worker', ...(log ? { log } : {}),
       ...(restart ? { restart: { ...restart, start: restart.startPrefill } } : {}),
       onJoin: (id, engine) => {
+        // The prefill router picks only prefill workers whose context holds the prompt (none: the decode worker
+        // prefills it).
+        this.prefillRouter.setWorkerMaxTokens(id, engine.info.maxModelLen);
         for (const [decodeId, decode] of this.decodeWorkers.entries()) this.connect(id, engine, decodeId, decode);
+        this.recombine();
         return [];
       },
-      onLeave: (id) => this.channel.disconnect(id),
+      onLeave: (id) => {
+        this.channel.disconnect(id);
+        this.recombine();
+      },
     });
     this.decodeWorkers = new WorkerGroup<DecodeWorkerEngine>({
       router: this.decodeRouter, now: this.now, label: 'decode worker', ...(log ? { log } : {}),
       ...(restart ? { restart: { ...restart, start: restart.startDecode } } : {}),
       onJoin: (id, engine) => {
+        // The decode router sends the worker only requests its context holds (RoutingRequest.contextTokens).
+        this.decodeRouter.setWorkerMaxTokens(id, engine.info.maxModelLen);
         for (const [prefillId, prefill] of this.prefillWorkers.entries()) this.connect(prefillId, prefill, id, engine);
+        this.recombine();
         return [engine.onAdopted((result) => this.onAdopted(id, result))];
       },
-      onLeave: (id) => this.channel.disconnect(id),
+      onLeave: (id) => {
+        this.channel.disconnect(id);
+        this.recombine();
+      },
     });
     for (const { id, engine } of options.prefill) this.prefillWorkers.add(id, engine);
     for (const { id, engine } of options.decode) this.decodeWorkers.add(id, engine);
@@ -202,7 +220,25 @@ export class DisaggregatedEngine implements Engine {
     const infos = [...options.prefill, ...options.decode].map((w) => w.engine.info);
     const blockSizes = new Set(infos.map((i) => i.blockSize));
     if (blockSizes.size > 1) throw new Error(`prefill and decode workers must share one block size, got ${[...blockSizes].join(', ')}`);
-    this.info = combinedInfo(options.decode[0]!.engine.info, infos);
+  }
+
+  /**
+   * The workers' info as one engine's, following the workers there now (recomputed as they join and leave; with no
+   * decode worker left, the last value stands): maxModelLen is the smallest context among the decode workers, which
+   * hold a request's whole sequence, so every request the gateway accepts against it fits every decode worker (a
+   * prompt longer than every prefill worker's context is prefilled on its decode worker); kvCapacityTokens is the
+   * summed KV capacity of the prefill and decode workers. Requests accepted before a change are routed only to
+   * decode workers that hold them (Router.setWorkerMaxTokens).
+   */
+  get info(): EngineInfo {
+    return this.combined;
+  }
+
+  private recombine(): void {
+    const decode = this.decodeWorkers.entries().map(([, engine]) => engine.info);
+    if (decode.length === 0) return;
+    const all = [...this.prefillWorkers.entries().map(([, engine]) => engine.info), ...decode];
+    this.combined = { ...combinedInfo(this.baseInfo, decode), kvCapacityTokens: combinedInfo(this.baseInfo, all).kvCapacityTokens };
   }
 
   /** A prefill worker joins (a worker process found after the start); it is connected to every decode worker. */
@@ -474,6 +510,7 @@ export class DisaggregatedEngine implements Engine {
   }
 
   private async *run(request: EngineRequest, flight: Flight): AsyncGenerator<EngineOutput> {
+    this.checkFitsDecodeWorker(request);
     const routing = routingRequestOf(request);
     const routeStartedAt = this.now();
     let placed: Admitted;
@@ -635,6 +672,22 @@ export class DisaggregatedEngine implements Engine {
     return this.runLocal(attempt, flight, decodeEngine);
   }
 
+  /**
+   * Refuses, before any work, a prompt that no decode worker's context holds with room for one token of output, as
+   * one worker refuses it (prompt_too_long): it would otherwise be prefilled, its first token streamed, and only then
+   * be refused by the decode worker it was handed to. With no decode worker there, the admission says so.
+   */
+  private checkFitsDecodeWorker(request: EngineRequest): void {
+    const contexts = this.decodeWorkers.entries().map(([, engine]) => engine.info.maxModelLen);
+    if (contexts.length === 0) return;
+    const largest = Math.max(...contexts);
+    const length = request.promptTokenIds.length;
+    if (length >= largest) {
+      throw new InvalidRequestError('prompt_too_long', request.id,
+        `prompt of ${length} tokens leaves no room for output within the context length ${largest} of any decode worker`);
+    }
+  }
+
   private decide(request: EngineRequest, routing: RoutingRequest, decodeDecision: RoutingDecision):
     { choice: DisaggregationSummary; prefillDecision: RoutingDecision | null } {
     let prefillDecision: RoutingDecision | null = null;
@@ -642,7 +695,9 @@ export class DisaggregatedEngine implements Engine {
       : request.sampling.promptLogprobs !== undefined ? 'prompt logprobs come from the worker that computes the prompt, which then samples'
         : undefined;
     if (this.prefillWorkers.size > 0 && ineligible === undefined) {
-      const outcome = this.prefillRouter.route(routing, this.now(), { commit: false });
+      // A prefill worker computes the prompt and samples one token: its context must hold that much, not max_tokens.
+      const { contextTokens: _, ...prompt } = routing;
+      const outcome = this.prefillRouter.route(prompt, this.now(), { commit: false });
       // The prefill router never queues: a busy prefill tier is a reason to prefill on the decode worker.
       if (outcome.kind === 'queued') this.prefillRouter.cancelQueued(request.id);
       if (outcome.kind === 'routed') prefillDecision = outcome.decision;
