@@ -93,11 +93,28 @@ export class TooManySequencesError extends ApiError {
 
 /** A prompt whose UTF-8 length alone shows it cannot fit the context, refused before it is tokenized. */
 export class PromptTooLongError extends ApiError {
-  constructor(maxModelLen: number, bytes: number, maxBytesPerToken: number, param: string) {
+  /** what: the text measured ('the prompt', or the messages' contents before the chat template renders them). */
+  constructor(maxModelLen: number, bytes: number, maxBytesPerToken: number, param: string, what = 'the prompt is') {
     super(400, 'context_length_exceeded', INVALID_REQUEST,
-      `This model's maximum context length is ${maxModelLen} tokens, but the prompt is ${bytes} bytes, which is at `
+      `This model's maximum context length is ${maxModelLen} tokens, but ${what} ${bytes} bytes, which is at `
       + `least ${Math.ceil(bytes / maxBytesPerToken)} tokens (no token of this model's tokenizer covers more than `
       + `${maxBytesPerToken} bytes). Please shorten the prompt.`, param);
+  }
+}
+
+/**
+ * A text to be tokenized whole without having to fit the context (a prompt with truncate_prompt_tokens, the text of
+ * /tokenize) that is longer than the server tokenizes for one request; refused before it is tokenized.
+ */
+export class PromptTooLargeError extends ApiError {
+  constructor(bytes: number, limitBytes: number, bytesPerToken: number, maxModelLen: number, param: string,
+    kind: 'truncate' | 'tokenize', what = 'the prompt is') {
+    const purpose = kind === 'truncate'
+      ? 'A prompt to be truncated (truncate_prompt_tokens) is tokenized whole first, so it may be at most'
+      : '/tokenize tokenizes at most';
+    super(400, 'prompt_too_large', INVALID_REQUEST,
+      `${purpose} ${limitBytes} bytes (${bytesPerToken} bytes per token of this model's ${maxModelLen}-token `
+      + `context), but ${what} ${bytes} bytes. Please shorten the prompt.`, param);
   }
 }
 

@@ -12,7 +12,7 @@ import type { Tenant } from './auth.ts';
 import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, TemplateRefusedMessagesError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
-  PromptTooLongError, TooManySequencesError, LoraAdapterError, LoraCapacityExceededError, WrongTypeError,
+  PromptTooLargeError, PromptTooLongError, TooManySequencesError, LoraAdapterError, LoraCapacityExceededError, WrongTypeError,
   GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
@@ -33,6 +33,12 @@ import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize
 import { PromptEncoder } from './prompt-encoder.ts';
 import { SseWriter } from './sse.ts';
 import type { JsonObject } from './validate.ts';
+
+/**
+ * How long a prompt may be before it is tokenized: 'context', one that must fit the context; 'truncate', one with
+ * truncate_prompt_tokens; 'tokenize', the text of /tokenize (Gateway.promptBytesLimit).
+ */
+type PromptBound = 'context' | 'truncate' | 'tokenize';
 
 /** The model's chat template (src/model/chat-template.ts's ChatTemplate fits). */
 export interface ChatTemplateRenderer {
@@ -113,6 +119,14 @@ export const DEFAULT_WORKER_ID = 'worker-0';
  */
 export const DEFAULT_MAX_SEQUENCES_PER_REQUEST = 128;
 
+/**
+ * Bytes per token of the context a text tokenized whole without having to fit it may have (a prompt with
+ * truncate_prompt_tokens, the text of /tokenize): some 16 contexts of English text (about 4 bytes a token), and never
+ * less than an untruncated prompt may have (the tokenizer's longest token, when that is more). It bounds the time one
+ * request holds the model's tokenizer thread.
+ */
+export const WHOLE_TEXT_BYTES_PER_TOKEN = 64;
+
 /** A model name as an id for the "model" field: whitespace runs become one "-", nothing else changes. */
 export function modelIdFromName(name: string): string {
   const id = name.trim().replace(/\s+/g, '-');
@@ -132,7 +146,10 @@ export interface GatewayOptions {
   offThreadChars?: number;
   /** Per-request limit on generation time; undefined = none. */
   requestTimeoutMs?: number;
-  /** How long a stream waits for a client that stopped reading before closing it (SseWriter); undefined = for ever. */
+  /**
+   * How long a write waits for a client that stopped reading before the connection is closed (SseWriter, endWithin);
+   * undefined = for ever.
+   */
   writeTimeoutMs?: number;
   limiter: TenantRateLimiter;
   metrics: GatewayMetrics;
@@ -262,24 +279,67 @@ export class Gateway {
     return count;
   }
 
-  private encode(backend: ModelBackend, text: string, options: EncodeOptions): Promise<number[]> {
-    return this.encoders.get(backend)!.encode(text, options);
+  /**
+   * Tokenizes for a call: a long text waits for the tokenizer thread in its tenant's turn, and is dropped (or
+   * abandoned on the thread) when the client leaves meanwhile.
+   */
+  private async encode(backend: ModelBackend, text: string, options: EncodeOptions, call: Call): Promise<number[]> {
+    try {
+      return await this.encoders.get(backend)!.encode(text, options, { signal: call.clientGone, owner: call.tenant.name });
+    } catch (err) {
+      if (call.clientGone.aborted) throw new ClientClosedRequestError();
+      throw err;
+    }
   }
 
   /**
-   * Refuses, before tokenizing it, a text whose UTF-8 length alone shows it cannot fit the context: at most
-   * maxBytesPerToken bytes per token, B bytes are at least ceil(B / maxBytesPerToken) tokens. Never refuses a
-   * prompt that would fit; a tokenizer with no such bound is not checked here.
+   * The longest text, in UTF-8 bytes, a prompt may be before it is tokenized: 'context', a prompt that must fit the
+   * context, which at most maxBytesPerToken bytes per token cannot when longer than (context - 1) x that (undefined
+   * for a tokenizer with no such bound: never refuses a prompt that would fit); 'truncate' and 'tokenize', a text
+   * tokenized whole without having to fit (truncate_prompt_tokens, /tokenize), WHOLE_TEXT_BYTES_PER_TOKEN (or the
+   * longest token, if longer) per token of the context.
    */
-  private checkPromptBytes(backend: ModelBackend, text: string, param: string): void {
-    const bound = backend.tokenizer.maxBytesPerToken?.();
-    if (bound === undefined) return;
+  private promptBytesLimit(backend: ModelBackend, bound: PromptBound): { limitBytes: number; perToken: number } | undefined {
+    const perToken = backend.tokenizer.maxBytesPerToken?.();
     const { maxModelLen } = backend.engine.info;
-    const limitBytes = (maxModelLen - 1) * bound;
+    if (bound !== 'context') {
+      const whole = Math.max(WHOLE_TEXT_BYTES_PER_TOKEN, perToken ?? 0);
+      return { limitBytes: maxModelLen * whole, perToken: whole };
+    }
+    return perToken === undefined ? undefined : { limitBytes: (maxModelLen - 1) * perToken, perToken };
+  }
+
+  /** Refuses, before tokenizing it, a text longer than its bound (promptBytesLimit) allows. */
+  private checkPromptBytes(backend: ModelBackend, text: string, param: string, bound: PromptBound): void {
+    this.checkBytes(backend, text.length, () => Buffer.byteLength(text, 'utf8'), param, bound, 'the prompt is');
+  }
+
+  /**
+   * Refuses, before the chat template renders them, messages whose contents alone are longer than the rendered
+   * prompt may be: a template that keeps each message's content (trimmed or not) renders at least those bytes.
+   */
+  private checkContentBytes(backend: ModelBackend, messages: readonly ChatMessage[], bound: PromptBound): void {
+    let units = 0;
+    for (const message of messages) units += message.content?.length ?? 0;
+    const bytes = (): number => {
+      let total = 0;
+      for (const message of messages) if (message.content) total += Buffer.byteLength(message.content.trim(), 'utf8');
+      return total;
+    };
+    this.checkBytes(backend, units, bytes, 'messages', bound, 'the messages\' contents are');
+  }
+
+  private checkBytes(backend: ModelBackend, units: number, bytesOf: () => number, param: string, bound: PromptBound,
+    what: string): void {
+    const limit = this.promptBytesLimit(backend, bound);
+    if (limit === undefined) return;
     // A UTF-16 unit is at most 3 bytes of UTF-8: most prompts are cleared without counting their bytes.
-    if (text.length * 3 <= limitBytes) return;
-    const bytes = Buffer.byteLength(text, 'utf8');
-    if (bytes > limitBytes) throw new PromptTooLongError(maxModelLen, bytes, bound, param);
+    if (units * 3 <= limit.limitBytes) return;
+    const bytes = bytesOf();
+    if (bytes <= limit.limitBytes) return;
+    const { maxModelLen } = backend.engine.info;
+    if (bound === 'context') throw new PromptTooLongError(maxModelLen, bytes, limit.perToken, param, what);
+    throw new PromptTooLargeError(bytes, limit.limitBytes, limit.perToken, maxModelLen, param, bound, what);
   }
 
   get engine(): Engine | undefined {
@@ -387,12 +447,15 @@ export class Gateway {
 
   // ---- prompts ----
 
-  private async renderChat(target: ModelTarget, messages: readonly ChatMessage[],
+  /** The conversation rendered by the chat template and tokenized; refused first when longer than `bound` allows. */
+  private async renderChat(call: Call, target: ModelTarget, messages: readonly ChatMessage[],
     rendering: { addGenerationPrompt: boolean; continueFinalMessage: boolean; addSpecialTokens: boolean },
-    templateKwargs: JsonObject | undefined, checkLength: boolean, tools?: readonly unknown[]): Promise<number[]> {
+    templateKwargs: JsonObject | undefined, bound: PromptBound, tools?: readonly unknown[]): Promise<number[]> {
     const { addGenerationPrompt } = rendering;
     const { backend } = target;
     if (!backend.chatTemplate) throw new NoChatTemplateError(target.name);
+    // Rendering thousands of messages takes the event loop for seconds: contents too long already are refused first.
+    this.checkContentBytes(backend, messages, bound);
     let text: string;
     try {
       text = backend.chatTemplate.render(templateMessages(messages),
@@ -406,8 +469,8 @@ export class Gateway {
     if (rendering.continueFinalMessage) text = openFinalMessage(text, messages);
     // Templates write their own special tokens (often BOS too): parse them. The tokenizer's own are added only when
     // asked (add_special_tokens, default false as in vLLM), and then one BOS is kept when the template wrote one too.
-    if (checkLength) this.checkPromptBytes(backend, text, 'messages');
-    const ids = await this.encode(backend, text, { addSpecialTokens: rendering.addSpecialTokens, parseSpecial: true });
+    this.checkPromptBytes(backend, text, 'messages', bound);
+    const ids = await this.encode(backend, text, { addSpecialTokens: rendering.addSpecialTokens, parseSpecial: true }, call);
     const bos = backend.tokenizer.bosId;
     return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
   }
@@ -470,9 +533,9 @@ export class Gateway {
     const { backend } = target;
     if (request.guided) await this.guidedChecker.check(request.guided);
     const { tools } = request;
-    // A prompt to be truncated may be longer than the context: its length is checked after.
-    const checkBytes = request.truncatePromptTokens === undefined;
-    const tokenIds = truncatedPrompt(await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, checkBytes,
+    // A prompt to be truncated may be longer than the context: its length is checked after (its bytes, before).
+    const bound: PromptBound = request.truncatePromptTokens === undefined ? 'context' : 'truncate';
+    const tokenIds = truncatedPrompt(await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, bound,
       tools?.raw), request.truncatePromptTokens, backend.engine.info.maxModelLen, request.maxTokens);
     // Told before the length checks, so a refused prompt's log line and trace still say how long it was.
     call.trace?.tokenized(tokenIds.length);
@@ -503,7 +566,7 @@ export class Gateway {
     try {
       if (request.guided) await this.guidedChecker.check(request.guided);
       const { tools } = request;
-      const tokenIds = await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, true, tools?.raw);
+      const tokenIds = await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, 'context', tools?.raw);
       call.trace?.tokenized(tokenIds.length);
       const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'input');
       const id = call.requestId ?? newCompletionId('resp');
@@ -533,17 +596,18 @@ export class Gateway {
     if (request.guided) await this.guidedChecker.check(request.guided);
     const { tokenizer } = backend;
     const param = (i: number): string => request.prompts.length === 1 ? 'prompt' : `prompt[${i}]`;
-    // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing.
-    // (Not a prompt to be truncated: it may be longer than the context.)
-    if (request.truncatePromptTokens === undefined) {
-      request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i)); });
-    }
+    // Every prompt's length is checked before any is tokenized: a batch with one hopeless prompt costs nothing. A
+    // prompt to be truncated may be longer than the context, up to the bound of a text tokenized whole.
+    const bound: PromptBound = request.truncatePromptTokens === undefined ? 'context' : 'truncate';
+    request.prompts.forEach((input, i) => { if ('text' in input) this.checkPromptBytes(backend, input.text, param(i), bound); });
     const prompts: PreparedPrompt[] = [];
     let promptTokens = 0;
     try {
       for (const [i, input] of request.prompts.entries()) {
+        // A client that left stops the batch: its remaining prompts are not tokenized.
+        if (call.clientGone.aborted) throw new ClientClosedRequestError();
         const given = 'text' in input
-          ? await this.encode(backend, input.text, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true }) : input.tokenIds;
+          ? await this.encode(backend, input.text, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true }, call) : input.tokenIds;
         const ids = truncatedPrompt(given, request.truncatePromptTokens, backend.engine.info.maxModelLen, request.maxTokens);
         promptTokens += ids.length;
         // The prompt as it runs: a truncated one is echoed as what is left of it.
@@ -564,14 +628,20 @@ export class Gateway {
     await this.run(call, target, id, prompts, request, request.logprobs, shape, completionPromptLogprobs(request));
   }
 
-  async tokenize(body: unknown): Promise<JsonReply> {
+  /**
+   * vLLM's /tokenize: the ids of a prompt, or of a conversation as the chat template renders it, whether or not they
+   * fit the context (it is how clients count). Not rate limited (as vLLM's); a text is tokenized only up to the bound
+   * of a text tokenized whole, and not after its client left.
+   */
+  async tokenize(call: Call, body: unknown): Promise<JsonReply> {
     this.ready();
     const request = parseTokenizeRequest(body, this.validationContext(this.backendFor(body)));
     const target = this.resolveModel(request.model);
     const { backend } = target;
+    if (request.kind === 'prompt') this.checkPromptBytes(backend, request.prompt, 'prompt', 'tokenize');
     const tokens = request.kind === 'prompt'
-      ? await this.encode(backend, request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true })
-      : await this.renderChat(target, request.messages, request, request.chatTemplateKwargs, false, request.tools);
+      ? await this.encode(backend, request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true }, call)
+      : await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, 'tokenize', request.tools);
     return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 
@@ -756,7 +826,8 @@ export class Gateway {
         });
       } else {
         const body = await collectRun(run, shape, timings);
-        if (!call.clientGone.aborted) sendJsonReply(call.res, { status: 200, body }, call.headers);
+        // A client that stops reading the answer is cut off after --write-timeout, as a stream's is.
+        if (!call.clientGone.aborted) sendJsonReply(call.res, { status: 200, body }, call.headers, this.options.writeTimeoutMs);
       }
     } catch (err) {
       // Refused by the engine before it produced anything, or ended while it waited for its adapter: the request cost
@@ -770,9 +841,12 @@ export class Gateway {
       this.runEnded(run);
       this.pendingSequences -= run.sequences;
       this.options.metrics.requestEnded(call.tenant.name);
-      // A request the engine refused used nothing; otherwise the prompt and every generated token count.
-      if (refused) admission.settle(0, { refundRequest: true });
-      else admission.settle(run.promptTokens + run.completionTokens);
+      // The tenant is charged what the engine computed: the prompt tokens it computed or found cached, and every
+      // generated token. A request the engine refused, or that ended (the client left, --request-timeout) before it
+      // got a step, used nothing: its tokens and the request itself are given back.
+      const used = run.computedPromptTokens + run.completionTokens;
+      if (refused || used === 0) admission.settle(0, { refundRequest: true });
+      else admission.settle(used);
     }
   }
 
@@ -861,12 +935,76 @@ function loraApiError(error: unknown, param: string): unknown {
   }
 }
 
-export function sendJsonReply(res: ServerResponse, reply: JsonReply, headers: Record<string, string> = {}): void {
-  const payload = JSON.stringify(reply.body);
+/**
+ * Answers with a JSON body. stallTimeoutMs (--write-timeout): how long a write may wait for a client that stopped
+ * reading before the connection is closed, as SseWriter does for a stream; 0 or undefined waits for ever.
+ */
+export function sendJsonReply(res: ServerResponse, reply: JsonReply, headers: Record<string, string> = {},
+  stallTimeoutMs?: number): void {
+  const payload = Buffer.from(JSON.stringify(reply.body), 'utf8');
   res.writeHead(reply.status, {
     ...headers,
     'Content-Type': 'application/json',
-    'Content-Length': Buffer.byteLength(payload),
+    'Content-Length': payload.length,
   });
-  res.end(payload);
+  endWithin(res, payload, stallTimeoutMs);
+}
+
+/** Pieces a large body is written in, so each wait for the client to read is bounded on its own. */
+const REPLY_PIECE_BYTES = 64 * 1024;
+
+/**
+ * Writes `payload` and ends the response, closing the connection when the client leaves a write waiting longer
+ * than stallTimeoutMs: a client that never reads a large answer would otherwise hold its connection, and the
+ * answer in memory, for ever. The wait is per write, not for the whole body: a slow reader that keeps reading is
+ * served to the end.
+ */
+export function endWithin(res: ServerResponse, payload: Buffer | string, stallTimeoutMs: number | undefined): void {
+  const body = typeof payload === 'string' ? Buffer.from(payload, 'utf8') : payload;
+  if (stallTimeoutMs === undefined || stallTimeoutMs <= 0 || res.destroyed) {
+    res.end(body);
+    return;
+  }
+  let offset = 0;
+  let timer: NodeJS.Timeout | undefined;
+  const cleanUp = (): void => {
+    clearTimeout(timer);
+    res.off('drain', writeMore);
+    res.off('finish', cleanUp);
+    res.off('close', cleanUp);
+    res.off('socket', waitForReader);
+  };
+  function waitForReader(): void {
+    clearTimeout(timer);
+    // A response queued behind another on its connection (pipelining) waits for its turn without a clock.
+    if (!res.socket) {
+      res.once('socket', waitForReader);
+      return;
+    }
+    timer = setTimeout(() => {
+      cleanUp();
+      res.destroy();
+    }, stallTimeoutMs);
+  }
+  let ended = false;
+  function writeMore(): void {
+    clearTimeout(timer);
+    while (!ended) {
+      const piece = body.subarray(offset, offset + REPLY_PIECE_BYTES);
+      offset += piece.length;
+      if (offset >= body.length) {
+        ended = true;
+        res.end(piece);
+      } else if (!res.write(piece)) {
+        waitForReader();
+        return;
+      }
+    }
+    // All written: the response finishes once its last bytes are flushed.
+    if (!res.writableFinished) waitForReader();
+  }
+  res.on('drain', writeMore);
+  res.once('finish', cleanUp);
+  res.once('close', cleanUp);
+  writeMore();
 }

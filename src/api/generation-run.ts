@@ -1,6 +1,6 @@
 // One API request's engine work: an engine request per prompt (each with n completions), their outputs merged into
 // one stream of events in arrival order, and the bookkeeping every ending needs (which requests are still running
-// and must be aborted, how many tokens were really used).
+// and must be aborted, how many tokens were really used: generated, and of each prompt what the engine computed).
 
 import type { Engine, EngineOutput, EngineRequest, SamplingParams } from '../engine/types.ts';
 import {
@@ -42,6 +42,8 @@ export class GenerationRun {
   private readonly finishedCompletions: number[];
   private readonly generatedTokens: number[];
   private readonly cachedTokens: number[];
+  /** Per prompt: its tokens the engine computed or found cached, as its latest output says (undefined: none seen). */
+  private readonly promptWork: (number | undefined)[];
   private aborted = false;
   private readonly aborter = new AbortController();
 
@@ -62,6 +64,7 @@ export class GenerationRun {
     this.finishedCompletions = prompts.map(() => 0);
     this.generatedTokens = prompts.map(() => 0);
     this.cachedTokens = prompts.map(() => 0);
+    this.promptWork = prompts.map(() => undefined);
   }
 
   /** Aborts when the run is aborted (the client left, a timeout, shutdown): ends waits before the engine takes it. */
@@ -91,6 +94,16 @@ export class GenerationRun {
 
   get completionTokens(): number {
     return this.outputHidden ? 0 : this.generatedTokens.reduce((a, b) => a + b, 0);
+  }
+
+  /**
+   * Prompt tokens the engine computed (or found in its prefix cache) for this run, what the tenant is charged for its
+   * prompts: a prompt with a sampled token counts whole, one stopped during its prefill its cached tokens and the
+   * chunks computed, one stopped before any step nothing. A prompt none of whose outputs arrived (its stream failed)
+   * counts whole: what the engine did for it is not known.
+   */
+  get computedPromptTokens(): number {
+    return this.prompts.reduce((sum, prompt, i) => sum + (this.promptWork[i] ?? prompt.tokenIds.length), 0);
   }
 
   get cachedPromptTokens(): number {
@@ -158,12 +171,34 @@ export class GenerationRun {
     } finally {
       if (pending.size > 0) {
         this.abort();
+        // The outputs already asked for (each stream's closing output, after the abort) still say what the engine
+        // computed; returning the streams waits for them anyway.
+        for (const settled of await Promise.allSettled(pending.values())) {
+          if (settled.status === 'fulfilled' && !settled.value.result.done) this.notePromptWork(settled.value.index, settled.value.result.value);
+        }
         await Promise.allSettled(iterators.map((iterator) => iterator.return?.()));
       }
     }
   }
 
+  /** What an output says of the engine's work on its prompt: the most any of the prompt's outputs said. */
+  private notePromptWork(promptIndex: number, output: EngineOutput): void {
+    const length = this.prompts[promptIndex]!.tokenIds.length;
+    let work: number;
+    if (output.newTokenIds.length > 0 || output.usage.completionTokens > 0 || output.timestamps.firstToken !== undefined) {
+      // A token was sampled: the whole prompt was computed (or cached).
+      work = length;
+    } else {
+      const chunks = output.timestamps.prefillChunks ?? [];
+      const computed = chunks.reduce((sum, chunk) => sum + (chunk.recompute === true ? 0 : chunk.tokens), 0);
+      // No prefill chunk: the request never got a step, and nothing counts (not even cached tokens it was told of).
+      work = chunks.length === 0 ? 0 : Math.min(length, computed + output.usage.cachedTokens);
+    }
+    this.promptWork[promptIndex] = Math.max(this.promptWork[promptIndex] ?? 0, work);
+  }
+
   private account(promptIndex: number, output: EngineOutput): void {
+    this.notePromptWork(promptIndex, output);
     this.generatedTokens[promptIndex]! += output.newTokenIds.length;
     this.cachedTokens[promptIndex] = Math.max(this.cachedTokens[promptIndex]!, output.usage.cachedTokens);
     if (output.finishReason) this.finishedCompletions[promptIndex]!++;

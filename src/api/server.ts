@@ -23,7 +23,7 @@ import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
   AdminRequiredError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
-import { Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
+import { endWithin, Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from './log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
@@ -51,7 +51,10 @@ export interface ApiServerOptions {
   /** Most sequences (prompts x n) one request may ask for. */
   maxSequencesPerRequest?: number;
   requestTimeoutMs?: number;
-  /** How long a stream waits for a client that stopped reading before closing the connection; undefined = for ever. */
+  /**
+   * How long a write (a stream's event, a piece of an answer) waits for a client that stopped reading before the
+   * connection is closed; undefined = for ever.
+   */
   writeTimeoutMs?: number;
   /** Clock of the rate limiter (ms); tests pass one they step by hand. */
   clock?: Clock;
@@ -422,7 +425,8 @@ export class ApiServer {
         const m = /^\/v1\/models\/(.+)$/.exec(p);
         return m ? [decodePathSegment(m[1]!, p)] : undefined;
       }, true, { GET: ({ params }) => g.model(params[0]!) }),
-      route('tokenize', exact('/tokenize'), true, { POST: ({ body }) => g.tokenize(body) }),
+      // Not rate limited, as vLLM's: bounded in size, queued for the tokenizer thread in the tenant's turn (prompt-encoder.ts).
+      route('tokenize', exact('/tokenize'), true, { POST: ({ call, body }) => g.tokenize(call, body) }),
       route('detokenize', exact('/detokenize'), true, { POST: ({ body }) => g.detokenize(body) }),
       ...(this.options.tokenizerInfoEndpoint ? [route('tokenizer_info', exact('/tokenizer_info'), true, { GET: () => g.tokenizerInfo() })] : []),
       route('health', exact('/health'), false, { GET: () => g.health() }),
@@ -502,7 +506,7 @@ export class ApiServer {
     for (const { name, backend } of served) if (backend.adapters) this.metrics.setLora(name, backend.adapters.stats());
     const text = await this.metrics.render(served.map(({ name, backend }) => ({ model: name, stats: backend.engine.stats() })));
     res.writeHead(200, { 'Content-Type': PROMETHEUS_CONTENT_TYPE, 'Content-Length': Buffer.byteLength(text) });
-    res.end(text);
+    endWithin(res, text, this.options.writeTimeoutMs);
   }
 
   /**
@@ -670,11 +674,14 @@ export class ApiServer {
       }
       if (found.route.traced) this.readSessionId(req, call);
       const reply = await found.handler({ req, res, call, body, params: found.params });
-      if (reply) sendJsonReply(res, reply, call.headers);
+      if (reply && !call.clientGone.aborted) sendJsonReply(res, reply, call.headers, this.options.writeTimeoutMs);
     } catch (err) {
       failure = toApiError(err);
       this.sendError(res, failure, call, bodyFullyRead);
     } finally {
+      // The request ends with its response's last byte flushed, or with the connection: a client that stops reading
+      // an answer is closed after --write-timeout, and then counted as gone.
+      await responseSettled(res);
       // The upload timed out (the server ended it with a 408, answerUnparsable), or the client left.
       const timedOut = readingBody && this.bodyTimedOut.has(socket);
       if (timedOut) failure = new BodyTimeoutError(this.server.requestTimeout / 1000);
@@ -751,8 +758,25 @@ export class ApiServer {
     const headers: Record<string, string> = { ...call.headers, ...error.headers };
     if (error.statusCode === 429) Object.assign(headers, this.limiter.headers(call.tenant));
     if (!bodyFullyRead) headers.Connection = 'close';
-    sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers);
+    sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers, this.options.writeTimeoutMs);
   }
+}
+
+/**
+ * Resolves once a response whose head is out is flushed to its end or its connection closed (at once for a
+ * response not begun: the client left before it).
+ */
+function responseSettled(res: ServerResponse): Promise<void> {
+  if (!res.headersSent || res.writableFinished || res.destroyed) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = (): void => {
+      res.off('finish', done);
+      res.off('close', done);
+      resolve();
+    };
+    res.on('finish', done);
+    res.on('close', done);
+  });
 }
 
 /** A 200 with a plain-text body, as vLLM answers its LoRA endpoints. */
