@@ -99,7 +99,7 @@ export const SERVE_FLAGS = {
   'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
   'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
-  'write-timeout': { type: 'number', help: 'seconds a stream waits for a client that stopped reading before closing the connection: the request is aborted and the sequences, KV blocks and rate-limit tokens it held are given back (0 = wait for ever)', default: 30 },
+  'write-timeout': { type: 'number', help: 'seconds an answer (a stream, or a JSON body) waits for a client that stopped reading before closing the connection: the request is aborted and the sequences, KV blocks and rate-limit tokens it held are given back (0 = wait for ever)', default: 30 },
   'shutdown-grace': { type: 'number', help: 'seconds in-flight requests get to finish on SIGINT/SIGTERM/SIGHUP', default: 30 },
   'tls-cert': { type: 'string', help: 'PEM certificate file: serve HTTPS (needs --tls-key)' },
   'tls-key': { type: 'string', help: 'PEM private key file for --tls-cert' },
