@@ -49,6 +49,19 @@ interface EngineTrack {
   kvTransferEmitted: boolean;
 }
 
+/**
+ * The prefill worker of a disaggregated request that ended there, before any hand-over: its first output (a prefill
+ * worker sends one, with the first token and any forced after it) finished the completion (max_tokens 1, a stop
+ * token or string on the first token, an abort while prefilling). Every token came from that worker and the decode
+ * worker the router placed it on never took it, so the trace names the prefill worker. Undefined otherwise.
+ */
+function endedOnPrefillWorker(track: EngineTrack): string | undefined {
+  const { first, last } = track;
+  const disaggregation = first.routing?.disaggregation;
+  if (first !== last || first.finishReason === undefined || first.timestamps.kvTransfer !== undefined) return undefined;
+  return disaggregation?.mode === 'disaggregated' ? disaggregation.prefillWorkerId : undefined;
+}
+
 /** The trace context the engine handed back on an output, as a report field. */
 function traceparentOf(output: EngineOutput): { traceparent?: string } {
   return output.traceparent !== undefined ? { traceparent: output.traceparent } : {};
@@ -238,14 +251,20 @@ export class CallTrace {
     if (routing && !this.routingEmitted) {
       this.routingEmitted = true;
       const us = routing.overheadUs;
+      // A request that ended on its prefill worker ran there only: the trace's worker (and its metrics' label) is
+      // that one, not the decode worker it would have been handed to.
+      const endedOn = endedOnPrefillWorker(track);
+      const decodeWorker = this.named(routing.workerId);
+      // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
+      let reason = routing.disaggregation
+        ? `${routing.reason}; prefill ${routing.disaggregation.mode} (${routing.disaggregation.reason})` : routing.reason;
+      if (endedOn !== undefined) reason += `; ended on the prefill worker, before the hand-over to ${decodeWorker}`;
       this.bus.emit({
         phase: 'router_lookup', requestId: this.requestId, start: routing.startedAt ?? routing.decidedAt - us.total / 1000, time: routing.decidedAt,
         ...(routing.admissionQueuedAt !== undefined ? { admissionQueuedAt: routing.admissionQueuedAt } : {}),
-        worker: this.named(routing.workerId), strategy: routing.strategy,
+        worker: endedOn !== undefined ? this.named(endedOn) : decodeWorker, strategy: routing.strategy,
         ...(routing.candidates !== undefined ? { candidates: routing.candidates } : {}),
-        // Where the prompt ran, and why, is part of a disaggregated deployment's decision.
-        reason: routing.disaggregation
-          ? `${routing.reason}; prefill ${routing.disaggregation.mode} (${routing.disaggregation.reason})` : routing.reason,
+        reason,
         ...(routing.disaggregation?.prefillWorkerId !== undefined ? { prefillWorker: this.named(routing.disaggregation.prefillWorkerId) } : {}),
         kvCacheHit: routing.overlapBlocks > 0,
         ...(this.blockSize !== undefined ? { overlapTokens: routing.overlapBlocks * this.blockSize } : {}),
@@ -328,7 +347,10 @@ export class CallTrace {
     return this.telemetry.timings(this.requestId, this.reports(), this.now(), this.run?.completionTokens);
   }
 
-  /** What the engine reported, one entry per engine request (two for a disaggregated one: prefill and decode). */
+  /**
+   * What the engine reported, one entry per engine request (two for a disaggregated one: prefill and decode; one, the
+   * prefill worker's, for a disaggregated one that ended there).
+   */
   reports(): EngineReport[] {
     const reports: EngineReport[] = [];
     const blockSize = this.blockSize !== undefined ? { blockSize: this.blockSize } : {};
@@ -354,8 +376,10 @@ export class CallTrace {
           ...traceparentOf(last),
         });
       } else {
+        const endedOn = endedOnPrefillWorker(track);
         reports.push({
-          ...(worker !== undefined ? { worker } : {}), timestamps: last.timestamps, cachedTokens: track.cachedTokens, ...blockSize,
+          ...(endedOn !== undefined ? { worker: this.named(endedOn), role: 'prefill' as const } : worker !== undefined ? { worker } : {}),
+          timestamps: last.timestamps, cachedTokens: track.cachedTokens, ...blockSize,
           ...traceparentOf(last),
         });
       }
