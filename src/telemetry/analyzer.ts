@@ -5,7 +5,8 @@
 // The rules, in order:
 //   1. decode_preempted   when decode dominates the request and it lost its KV blocks mid-decode (its tokens were
 //                         recomputed: prompt chunks after the first token);
-//      decode_latency_spike when decode dominates and a step took over `spikeFactor` times the median;
+//      decode_latency_spike when decode dominates and a step took over `spikeFactor` times the median and at least
+//                         `minSpikeExcessMs` longer than it (a few ms over a fast median is a loaded machine's noise);
 //      decode_batch_bound when decode dominates and its time per token reaches `slowTbtMs`, with steady steps: each
 //                         as slow as the batch it ran in makes it;
 //      decode_output_length when decode dominates and none of the three applies: steady tokens at a healthy rate, so
@@ -13,7 +14,7 @@
 //                         is under half of such a request, so naming its largest part would point at the lesser cost;
 //   2. queue_saturation     when the scheduler queue is over `queueShare` of TTFT;
 //   3. prefill_no_cache / prefill_compute_bound when prefill is over `prefillShare` of TTFT (split by the prefix
-//      cache hit rate);
+//      cache hit rate; a prompt shorter than one KV block, which the cache cannot hold, is never "no cache");
 //   4. kv_transfer_bound    when the KV transfer is over `kvTransferShare` of TTFT;
 //   5. decode_latency_spike when a step spiked, even though decode did not dominate;
 //   6. balanced.
@@ -51,9 +52,18 @@ export interface AnalyzerThresholds {
   kvTransferShare: number;
   /** Below this prefix-cache hit rate a prefill-bound request is "no cache". */
   noCacheHitRate: number;
-  /** A decode step over this multiple of the median step is a spike. */
+  /** A decode step over this multiple of the median step is a spike... */
   spikeFactor: number;
-  /** Steps over this multiple of the median are counted as spikes in the recommendation. */
+  /**
+   * ...when it is also at least this many ms longer than the median. What a loaded machine adds to any thread's
+   * wake-up with nothing wrong in the serving path reaches this: a Linux CFS scheduling period is 6 ms x (1 + log2 of
+   * the CPUs, at most 8), up to 24 ms, and V8's young-generation collections pause for a few ms. Against a 1.5 ms
+   * median, 3x is 4.5 ms, which one such delay exceeds in any short stream. 25 ms is also half the TBT target (50 ms):
+   * a shorter stall is no stutter a client notices. For medians of 12.5 ms and more, 3x the median is the stricter
+   * bound, so this changes nothing for slower steps.
+   */
+  minSpikeExcessMs: number;
+  /** Steps over this multiple of the median (and minSpikeExcessMs above it) are counted as spikes in the recommendation. */
   spikeCountFactor: number;
   /** Fewer decode steps than this are too few for a median. */
   minDecodeSteps: number;
@@ -67,6 +77,7 @@ export const DEFAULT_THRESHOLDS: Readonly<AnalyzerThresholds> = Object.freeze({
   kvTransferShare: 0.4,
   noCacheHitRate: 0.1,
   spikeFactor: 3,
+  minSpikeExcessMs: 25,
   spikeCountFactor: 2,
   minDecodeSteps: 4,
   slowTbtMs: 50,
@@ -186,6 +197,17 @@ export class TraceAnalyzer {
     if (prefillShare > t.prefillShare) {
       const hitRate = trace.cachedTokens / Math.max(1, trace.promptTokens);
       const computed = trace.prefill?.computedTokens ?? Math.max(0, trace.promptTokens - trace.cachedTokens);
+      // The prefix cache holds whole KV blocks (one of them, copied, can cover all but a prompt's last token): a prompt
+      // shorter than one block has nothing it could find there, so caching is no advice for it.
+      const blockSize = trace.blockSize;
+      if (blockSize !== undefined && trace.promptTokens < blockSize) {
+        return make('prefill_compute_bound', 'prefill_execution', prefillShare, 'ttft', b.prefillMs,
+          `Prefill ${ms(b.prefillMs)} is ${pct(prefillShare)} of TTFT for a ${trace.promptTokens}-token prompt, shorter than one ` +
+          `${blockSize}-token KV block: the prefix cache holds whole blocks, so none of it could come from there and computing ` +
+          `${computed} tokens is the cost. A step that short is slow when it shares its batch with long prefill chunks (lower ` +
+          '--max-num-batched-tokens, or disaggregated prefill workers) or when the forward pass itself is slow (a faster ' +
+          'backend, a smaller or more quantized model).');
+      }
       if (hitRate < t.noCacheHitRate) {
         return make('prefill_no_cache', 'prefill_execution', prefillShare, 'ttft', b.prefillMs,
           `Prefill ${ms(b.prefillMs)} is ${pct(prefillShare)} of TTFT and ${pct(hitRate)} of the ${trace.promptTokens}-token prompt came from ` +
@@ -289,13 +311,13 @@ export class TraceAnalyzer {
     const median = percentile(Float64Array.from(steps).sort(), 0.5); // nearest rank, as every percentile
     let maxStep = 0;
     for (const s of steps) if (s > maxStep) maxStep = s;
-    if (!(median > 0) || maxStep <= t.spikeFactor * median) return undefined;
+    if (!(median > 0) || maxStep <= t.spikeFactor * median || maxStep - median < t.minSpikeExcessMs) return undefined;
     let spikeMs = 0;
     let spikes = 0;
     let total = 0;
     for (const s of steps) {
       total += s;
-      if (s > t.spikeCountFactor * median) {
+      if (s > t.spikeCountFactor * median && s - median >= t.minSpikeExcessMs) {
         spikes++;
         spikeMs += s;
       }
@@ -304,7 +326,7 @@ export class TraceAnalyzer {
       share: total > 0 ? spikeMs / total : 0,
       spikeMs,
       recommendation: `Decode steps spiked: max ${ms(maxStep)} against a median of ${ms(median)}, ${spikes} of ${steps.length} steps over ` +
-        `${t.spikeCountFactor}x the median. Look for preemptions (KV cache pressure), long prefill chunks sharing the batch ` +
+        `${t.spikeCountFactor}x the median and ${ms(t.minSpikeExcessMs)} or more above it. Look for preemptions (KV cache pressure), long prefill chunks sharing the batch ` +
         '(lower the chunk size), or event-loop and GC pauses.',
     };
   }

@@ -3,7 +3,7 @@ import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { TraceAnalyzer, type BottleneckCategory } from '../../src/telemetry/analyzer.ts';
 import { buildRequestTrace, type RequestTrace } from '../../src/telemetry/trace.ts';
-import type { LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
+import type { EngineReport, LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
 import { T0, abortedInQueueTimeline, erroredInPrefillTimeline, rateLimitedTimeline, requestTimeline, type TimelineOptions } from './fixtures.ts';
 
 const analyzer = new TraceAnalyzer();
@@ -122,16 +122,61 @@ describe('TraceAnalyzer.classify', () => {
   });
 
   it('reports a decode spike even when TTFT is balanced, counting the spiking steps', () => {
-    const d = analyzer.classify(trace({ id: 's2', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, outputTokens: 3, stepMs: [1, 1, 1, 1, 20] }));
+    const d = analyzer.classify(trace({ id: 's2', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, outputTokens: 3, stepMs: [1, 1, 1, 1, 40] }));
     assert.equal(d.category, 'decode_latency_spike');
-    assert.match(d.recommendation, /1 of 5 steps/);
-    assert.ok(Math.abs(d.dominant_share - 20 / 24) < 1e-3);
+    assert.match(d.recommendation, /1 of 5 steps over 2x the median and 25\.0 ms or more above it/);
+    assert.ok(Math.abs(d.dominant_share - 40 / 44) < 1e-3);
   });
 
   it('does not call a steady decode a spike', () => {
     // Decode (93 ms) dominates the 23 ms TTFT, steadily: the time is the output's length.
     const d = analyzer.classify(trace({ id: 'steady', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, stepMs: [10, 12, 11, 13, 10, 12, 25] }));
     assert.equal(d.category, 'decode_output_length', d.recommendation);
+  });
+
+  it('does not call a short stream\'s few-ms gap on a loaded machine a spike, but does a real stall of one', () => {
+    // Six streamed tokens at about 1.5 ms, one gap of 5 ms (a scheduling delay): over 3x the median, a few ms long.
+    const short = { promptTokens: 20, chunks: [[3, 20]] as [number, number][], queueMs: 0.3, outputTokens: 6 };
+    for (const gap of [5, 12, 24]) {
+      const noisy = analyzer.classify(trace({ id: `noisy-${gap}`, ...short, stepMs: [1.5, 1.4, gap, 1.6, 1.5] }));
+      assert.notEqual(noisy.category, 'decode_latency_spike', `a ${gap} ms gap: ${noisy.recommendation}`);
+      assert.equal(noisy.category, 'decode_output_length', noisy.recommendation);
+    }
+    // The same stream with a 40 ms stall: a spike the client saw.
+    const stalled = analyzer.classify(trace({ id: 'stalled', ...short, stepMs: [1.5, 1.4, 40, 1.6, 1.5] }));
+    assert.equal(stalled.category, 'decode_latency_spike', stalled.recommendation);
+    assert.match(stalled.recommendation, /max 40\.0 ms against a median of 1\.5 ms, 1 of 5 steps/);
+    // Even when decode does not dominate (40 ms in the queue and 40 ms of prefill before it, neither dominating TTFT).
+    const late = analyzer.classify(trace({ id: 'stalled-late', ...short, queueMs: 40, chunks: [[40, 20]], stepMs: [1.5, 1.4, 40, 1.6, 1.5] }));
+    assert.equal(late.category, 'decode_latency_spike', late.recommendation);
+    // Slow steps keep the relative rule: 3x a 20 ms median is a spike at 61 ms, not at 59 ms.
+    const slow = { engineSteps: true, queueMs: 1, chunks: [[5, 1024]] as [number, number][], outputTokens: 8 };
+    assert.equal(analyzer.classify(trace({ id: 'slow-61', ...slow, stepMs: [20, 20, 20, 61, 20, 20, 20] })).category, 'decode_latency_spike');
+    assert.notEqual(analyzer.classify(trace({ id: 'slow-59', ...slow, stepMs: [20, 20, 20, 59, 20, 20, 20] })).category, 'decode_latency_spike');
+    // Noise gaps are not counted beside a real spike either.
+    const mixed = analyzer.classify(trace({ id: 'mixed', ...short, outputTokens: 9, stepMs: [1.5, 4, 1.4, 300, 1.6, 5, 1.5, 1.5] }));
+    assert.equal(mixed.category, 'decode_latency_spike', mixed.recommendation);
+    assert.match(mixed.recommendation, /1 of 8 steps/);
+  });
+
+  it('does not suggest prefix caching for a prompt shorter than one KV block', () => {
+    /** A prompt's timeline with the engine's KV block size reported (as the gateway reports it). */
+    const withBlocks = (o: TimelineOptions, blockSize: number) => buildRequestTrace(requestTimeline(o).events.map((e) =>
+      e.phase === 'finish' ? { ...e, engine: { ...(e.engine as EngineReport), blockSize } } : e));
+    // A 9-token prompt, nothing cached, its prefill 94% of TTFT: the cache could not have held any of it.
+    const tiny = analyzer.classify(withBlocks({ id: 'tiny', promptTokens: 9, chunks: [[40, 9]], queueMs: 0.5, outputTokens: 2 }, 16));
+    assert.equal(tiny.category, 'prefill_compute_bound', tiny.recommendation);
+    assert.equal(tiny.dominant_phase, 'prefill_execution');
+    assert.match(tiny.recommendation, /9-token prompt, shorter than one 16-token KV block/);
+    assert.doesNotMatch(tiny.recommendation, /Keep shared content|route by KV overlap|more blocks/);
+    // One block's worth and more can be cached: no cache hit is then prefill_no_cache, as before.
+    for (const promptTokens of [16, 17, 1024]) {
+      const d = analyzer.classify(withBlocks({ id: `p${promptTokens}`, promptTokens, chunks: [[40, promptTokens]], queueMs: 0.5, outputTokens: 2 }, 16));
+      assert.equal(d.category, 'prefill_no_cache', `${promptTokens} tokens: ${d.recommendation}`);
+    }
+    // With larger blocks, a 20-token prompt is the short one.
+    assert.equal(analyzer.classify(withBlocks({ id: 'p20', promptTokens: 20, chunks: [[40, 20]], queueMs: 0.5, outputTokens: 2 }, 32)).category,
+      'prefill_compute_bound');
   });
 });
 
