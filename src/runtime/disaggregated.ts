@@ -53,6 +53,11 @@ export interface PrefillWorkerEngine extends RoutableEngine {
   releaseHandoff(requestId: string): void;
   kvPool?: SharedArrayBuffer;
   kvLayout?: KvHandoff['sourceLayout'];
+  /**
+   * Bytes one token's KV takes in a transfer, when kvLayout's dtype cannot say it: a simulated FP8 cache moves one
+   * byte per element, which no KvDtype names (its layout reads f16). Default: kvBytesPerToken(kvLayout).
+   */
+  kvTransferBytesPerToken?: number;
 }
 
 /** A decode worker: an ordinary engine that can also continue a handed-off request. */
@@ -215,8 +220,10 @@ export class DisaggregatedEngine implements Engine {
     });
     for (const { id, engine } of options.prefill) this.prefillWorkers.add(id, engine);
     for (const { id, engine } of options.decode) this.decodeWorkers.add(id, engine);
-    const layout = options.prefill[0]?.engine.kvLayout;
-    this.kvBytesPerToken = layout ? kvBytesPerToken(layout) : 0;
+    // In the bytes transfers report (KvTransferStats.bytes), which the transfer estimate learns from.
+    const firstPrefill = options.prefill[0]?.engine;
+    const layout = firstPrefill?.kvLayout;
+    this.kvBytesPerToken = firstPrefill?.kvTransferBytesPerToken ?? (layout ? kvBytesPerToken(layout) : 0);
     const infos = [...options.prefill, ...options.decode].map((w) => w.engine.info);
     const blockSizes = new Set(infos.map((i) => i.blockSize));
     if (blockSizes.size > 1) throw new Error(`prefill and decode workers must share one block size, got ${[...blockSizes].join(', ')}`);

@@ -16,6 +16,7 @@ import type { EngineStats } from '../protocols/worker.ts';
 import type { LinkProfile } from './hardware.ts';
 import type { WorkerLoad } from '../protocols/worker.ts';
 import { SimWorker, type SimWorkerConfig } from './sim-worker.ts';
+import { kvBytesPerToken } from './models.ts';
 
 export interface SimEngineOptions extends SimWorkerConfig {
   /**
@@ -102,6 +103,8 @@ export class SimEngine implements Engine {
   readonly kvLink: LinkProfile;
   /** The pool's shape (there are no bytes: a simulated pool is not shared). */
   readonly kvLayout: KvPoolLayout;
+  /** Bytes of one token's KV as a transfer moves it: the profile's, FP8 included (kvLayout's dtype reads f16). */
+  readonly kvTransferBytesPerToken: number;
   readonly speedUp: number;
   private readonly loraRank: number;
   private readonly poolClock: (() => number) | undefined;
@@ -136,6 +139,7 @@ export class SimEngine implements Engine {
     this.role = this.worker.role;
     this.kvLink = this.worker.kvLink;
     this.kvLayout = this.worker.kvLayout;
+    this.kvTransferBytesPerToken = kvBytesPerToken(this.worker.model);
     this.speedUp = options.speedUp ?? 1;
     this.loraRank = options.loraRank ?? DEFAULT_SIM_LORA_RANK;
     if (!Number.isInteger(this.loraRank) || this.loraRank < 1) throw new RangeError(`loraRank must be a whole number >= 1, got ${options.loraRank}`);

@@ -345,7 +345,8 @@ export class SimWorker extends StepCore<SimTokenState> {
     super({
       ...(tiers !== undefined ? { kvTiers: tiers.tiers, kvBlockIo: tiers.io } : {}),
       // The pool's shape as a transfer sees it (the sim has no bytes; the real engine's layout names the same
-      // sizes). KV elements count as 2 bytes ('f16'): BF16, the profiles' usual kvBytesPerElement.
+      // sizes). Its dtype reads 'f16' (2 bytes, BF16) whatever the profile's kvBytesPerElement, since no KvDtype
+      // names FP8: what a transfer moves per token is SimEngine.kvTransferBytesPerToken (the profile's).
       kvLayout: {
         numLayers: model.numLayers, numBlocks: simKvBlocks(config), blockSize,
         numKvHeads: model.numKvHeads, headDim: model.headDim, dtype: 'f16',

@@ -5,12 +5,17 @@
 import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import type { EngineOutput } from '../../src/engine/types.ts';
-import { createWorkerPool } from '../../src/runtime/worker-pool.ts';
+import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
+import { SimulatedKvChannel } from '../../src/runtime/kv-transfer.ts';
+import { createWorkerPool, simDisaggregationEstimates } from '../../src/runtime/worker-pool.ts';
+import { Router } from '../../src/router/router.ts';
+import { seededRandom } from '../../src/util/random.ts';
 import { SimCluster, type DisaggregatedRoute } from '../../src/sim/cluster.ts';
 import { checkDisaggregatedPathWithEngine } from '../../src/sim/disagg-cold-path.ts';
 import { H100_SXM, INFINIBAND_NDR, type LinkProfile } from '../../src/sim/hardware.ts';
 import { simulateDisaggregatedPath, simulateLifecycle } from '../../src/sim/latency-model.ts';
 import { getModelProfile, kvBytesPerToken } from '../../src/sim/models.ts';
+import { SimEngine } from '../../src/sim/sim-engine.ts';
 import { SimWorker } from '../../src/sim/sim-worker.ts';
 import { close, prompt, req, TOY_MODEL, toyDecodeMs, toyPrefillMs, toyWorker } from './sim-fixtures.ts';
 
@@ -230,4 +235,39 @@ describe('simulated workers behind the DisaggregatedEngine', () => {
       await aggregated.engine.close();
     }
   });
+});
+
+describe('the disaggregation policy prices a simulated transfer as the link moves it', () => {
+  // The policy's estimate is bytes / estimated bytes per second; the starting rate is priced over one step budget of
+  // tokens (simDisaggregationEstimates), so a prompt of that many tokens is estimated at exactly its transfer time.
+  for (const kvBytes of [2, 1]) {
+    test(`${kvBytes === 2 ? 'BF16' : 'FP8'} KV: estimated transfer ms = the simulated transfer's`, async () => {
+      const model = getModelProfile('llama-3.1-8b', { kvBytesPerElement: kvBytes });
+      const stepTokens = 1024;
+      const make = (role: 'prefill' | 'decode') => new SimEngine({
+        model, hw: H100_SXM, tp: 1, speedUp: Infinity, role, enableKvEvents: true, maxNumBatchedTokens: stepTokens,
+      });
+      const prefill = make('prefill');
+      const decode = make('decode');
+      const engine = new DisaggregatedEngine({
+        prefill: [{ id: 'p0', engine: prefill }], decode: [{ id: 'd0', engine: decode }],
+        prefillRouter: new Router({ blockSize: 16, random: seededRandom(1) }),
+        decodeRouter: new Router({ blockSize: 16, random: seededRandom(2) }),
+        channel: new SimulatedKvChannel(), policy: { transferOverheadMs: 0, minRemotePrefillTokens: 64 },
+        estimates: simDisaggregationEstimates(decode, stepTokens), now: () => decode.now(),
+      });
+      try {
+        const ids = Array.from({ length: stepTokens }, (_, i) => (i * 7919 + 13) % 32000);
+        let last: EngineOutput | undefined;
+        for await (const output of engine.generate(req('r', ids, 0, { maxTokens: 3 }))) last = output;
+        const choice = last!.routing!.disaggregation!;
+        const transfer = last!.timestamps.kvTransfer!;
+        assert.equal(choice.reason, 'remote-prefill', choice.detail);
+        assert.equal(transfer.bytes, stepTokens * kvBytesPerToken(model), 'the link moves the profile\'s bytes');
+        close(choice.estimatedTransferMs, transfer.end - transfer.start);
+      } finally {
+        await engine.close();
+      }
+    });
+  }
 });
