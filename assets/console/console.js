@@ -224,8 +224,8 @@ function requestsTable(requests) {
 
 const CHART_HEIGHT = 170;
 
-/** The width a chart gets in its box: the box's content width (inside its padding). */
-function chartWidth(box) {
+/** The width a chart (or the waterfall) gets in its box: the box's content width (inside its padding). */
+function contentWidth(box) {
   const style = getComputedStyle(box);
   return Math.max(1, Math.floor(box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight)));
 }
@@ -243,7 +243,7 @@ class Charts {
     this.observer = typeof ResizeObserver === 'undefined' ? undefined : new ResizeObserver((entries) => {
       for (const entry of entries) {
         const plot = this.plots[this.boxes.indexOf(entry.target)];
-        const width = chartWidth(entry.target);
+        const width = contentWidth(entry.target);
         if (plot && plot.width !== width) plot.setSize({ width, height: CHART_HEIGHT });
       }
     });
@@ -275,7 +275,7 @@ class Charts {
       sets.forEach((set, i) => {
         const box = boxes[i];
         const opts = {
-          width: chartWidth(box), height: CHART_HEIGHT, legend: { live: true },
+          width: contentWidth(box), height: CHART_HEIGHT, legend: { live: true },
           scales: { x: { time: true }, ...(set.twoScales ? { r: { auto: true } } : {}) },
           series: [{}, ...set.labels.map((label, j) => ({
             label, stroke: set.colors[j], width: 1.5, spanGaps: false,
@@ -350,8 +350,16 @@ async function overviewPage() {
 
 // ---- one request ----
 
-function drawWaterfall(view) {
-  const width = Math.max(640, app.clientWidth - 2);
+/**
+ * The width the waterfall is laid out at: the page's content width (the SVG is as wide, so one unit of its viewBox is
+ * one pixel and its text keeps its size), but at least 640 px, below which its rows would have no room for bars (a
+ * narrower window scales that drawing down).
+ */
+function waterfallWidth() {
+  return Math.max(640, contentWidth(app));
+}
+
+function drawWaterfall(view, width = waterfallWidth()) {
   const layout = layoutWaterfall(view, { width, labelWidth: 230, rowHeight: 24, top: 26 });
   const barHeight = layout.rowHeight - 8;
   const root = svg('svg', { id: 'waterfall', width: layout.width, height: layout.height, viewBox: `0 0 ${layout.width} ${layout.height}`, role: 'img', 'aria-label': `waterfall of ${view.request_id}` });
@@ -386,6 +394,33 @@ function drawWaterfall(view) {
       svg('text', { x: mark.x + 3, y: layout.height - 6 }, mark.label)));
   }
   return root;
+}
+
+/**
+ * Draws the waterfall again whenever the width it would be laid out at changes (the window narrowed or widened):
+ * its bars, ticks and labels are placed in pixels of the width it was drawn at, and the SVG only scaled to a new
+ * width would squeeze or stretch them, text included. At most once per frame; stops when the page leaves it.
+ */
+function redrawOnResize(view) {
+  if (typeof ResizeObserver === 'undefined') return;
+  let drawnWidth = waterfallWidth();
+  let frame = 0;
+  const observer = new ResizeObserver(() => {
+    cancelAnimationFrame(frame);
+    frame = requestAnimationFrame(() => {
+      const current = document.getElementById('waterfall');
+      if (!current) {
+        observer.disconnect();
+        return;
+      }
+      const width = waterfallWidth();
+      if (width === drawnWidth) return;
+      drawnWidth = width;
+      hideTooltip();
+      current.replaceWith(drawWaterfall(view, width));
+    });
+  });
+  observer.observe(app);
 }
 
 /** What a diagnosis' dominant_share is a share of. */
@@ -435,6 +470,7 @@ async function requestPage(id) {
     el('div', { class: 'panel' }, dataTable('phases',
       el('thead', {}, el('tr', {}, ['phase', 'start', 'duration', 'worker', 'details'].map((h, i) => el('th', { class: i === 1 || i === 2 ? 'num' : undefined, text: h })))),
       el('tbody', {}, phaseRows))));
+  redrawOnResize(view);
 }
 
 // ---- entry ----
