@@ -16,7 +16,24 @@ export enum GgmlType {
   Q5_K = 13,
   Q6_K = 14,
   Q8_K = 15,
+  IQ2_XXS = 16,
+  IQ2_XS = 17,
+  IQ3_XXS = 18,
+  IQ1_S = 19,
+  IQ4_NL = 20,
+  IQ3_S = 21,
+  IQ2_S = 22,
+  IQ4_XS = 23,
+  I8 = 24,
+  I16 = 25,
+  I32 = 26,
+  I64 = 27,
+  F64 = 28,
+  IQ1_M = 29,
   BF16 = 30,
+  TQ1_0 = 34,
+  TQ2_0 = 35,
+  MXFP4 = 39,
 }
 
 export interface GgmlTypeInfo {
@@ -48,6 +65,25 @@ export const GGML_TYPES: ReadonlyMap<GgmlType, GgmlTypeInfo> = new Map([
   [GgmlType.Q5_K, { name: 'Q5_K', blockSize: 256, typeSize: 176 }],
   [GgmlType.Q6_K, { name: 'Q6_K', blockSize: 256, typeSize: 210 }],
   [GgmlType.Q8_K, { name: 'Q8_K', blockSize: 256, typeSize: 292 }],
+  // Types Conduit does not compute with, known by their layout so that a file holding them is checked like any other
+  // (its tensors' byte ranges, whole blocks per row) and refused by name (gguf-py's GGML_QUANT_SIZES).
+  [GgmlType.IQ2_XXS, { name: 'IQ2_XXS', blockSize: 256, typeSize: 66 }],
+  [GgmlType.IQ2_XS, { name: 'IQ2_XS', blockSize: 256, typeSize: 74 }],
+  [GgmlType.IQ3_XXS, { name: 'IQ3_XXS', blockSize: 256, typeSize: 98 }],
+  [GgmlType.IQ1_S, { name: 'IQ1_S', blockSize: 256, typeSize: 50 }],
+  [GgmlType.IQ4_NL, { name: 'IQ4_NL', blockSize: 32, typeSize: 18 }],
+  [GgmlType.IQ3_S, { name: 'IQ3_S', blockSize: 256, typeSize: 110 }],
+  [GgmlType.IQ2_S, { name: 'IQ2_S', blockSize: 256, typeSize: 82 }],
+  [GgmlType.IQ4_XS, { name: 'IQ4_XS', blockSize: 256, typeSize: 136 }],
+  [GgmlType.I8, { name: 'I8', blockSize: 1, typeSize: 1 }],
+  [GgmlType.I16, { name: 'I16', blockSize: 1, typeSize: 2 }],
+  [GgmlType.I32, { name: 'I32', blockSize: 1, typeSize: 4 }],
+  [GgmlType.I64, { name: 'I64', blockSize: 1, typeSize: 8 }],
+  [GgmlType.F64, { name: 'F64', blockSize: 1, typeSize: 8 }],
+  [GgmlType.IQ1_M, { name: 'IQ1_M', blockSize: 256, typeSize: 56 }],
+  [GgmlType.TQ1_0, { name: 'TQ1_0', blockSize: 256, typeSize: 54 }],
+  [GgmlType.TQ2_0, { name: 'TQ2_0', blockSize: 256, typeSize: 66 }],
+  [GgmlType.MXFP4, { name: 'MXFP4', blockSize: 32, typeSize: 17 }],
 ]);
 
 /** The types Conduit can compute with (dequantize in the reference path, native kernels). */

@@ -6,12 +6,13 @@
 //
 // What llama.cpp's reader refuses is refused here too, from the header alone (no pass over the data), each as one
 // GgufFormatError line: a key or tensor name given twice, an alignment that is not a power of two, a tensor offset
-// off the alignment, tensor data past the end of the file or overlapping another tensor's, a quantized row that is
-// not a whole number of blocks. Lengths are checked against the bytes left before anything is allocated, and arrays
+// off the alignment, a tensor type the format does not define, tensor data past the end of the file, overlapping
+// another tensor's or leaving bytes between tensors that belong to none, a quantized row that is not a whole number
+// of blocks. Lengths are checked against the bytes left before anything is allocated, and arrays
 // of arrays nest at most GGUF_MAX_ARRAY_NESTING deep.
 
 import { readFileSync } from 'node:fs';
-import { byteSize, GGML_TYPES, GgmlType, ggmlTypeName } from './ggml-types.ts';
+import { byteSize, GGML_TYPES, GgmlType } from './ggml-types.ts';
 import type { GgmlTypeInfo } from './ggml-types.ts';
 import type { Tensor } from './weights.ts';
 
@@ -64,7 +65,7 @@ export interface GgufFile {
   dataOffset: number;
   /** The whole file. */
   bytes: Uint8Array;
-  /** Tensors by name, each a view of `bytes`. Throws a clear error for types Conduit cannot compute with. */
+  /** Tensors by name, each a view of `bytes` (of any type; checkWeights refuses those Conduit cannot compute with). */
   tensor(name: string): Tensor;
   hasTensor(name: string): boolean;
 }
@@ -226,6 +227,11 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
   const magic = c.u32();
   if (magic !== GGUF_MAGIC) throw new GgufFormatError(`${source}: not a GGUF file (bad magic)`);
   const version = c.u32();
+  // The magic is four bytes in either byte order; the version is not: 3 read the wrong way round is 0x03000000.
+  if (version === 0x02000000 || version === 0x03000000) {
+    throw new GgufFormatError(`${source}: a big-endian GGUF (version ${version >>> 24} in big-endian byte order); ` +
+      'Conduit reads little-endian GGUF files only');
+  }
   if (version !== 2 && version !== 3) {
     throw new GgufFormatError(`${source}: GGUF version ${version} is not supported (only 2 and 3)`);
   }
@@ -252,7 +258,7 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
 
   const tensorInfos: GgufTensorInfo[] = [];
   const byName = new Map<string, GgufTensorInfo>();
-  /** Byte size of each tensor whose type has a known layout. */
+  /** Byte size of each tensor. */
   const sizes = new Map<GgufTensorInfo, number>();
   for (let i = 0; i < tensorCount; i++) {
     const name = c.string();
@@ -268,14 +274,20 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
         `of the file's alignment ${alignment}`);
     }
     const info: GgufTensorInfo = { name, shape, type, offset };
+    // Without its type's layout a tensor's size is unknown, and so is whether its bytes lie in the file or overlap
+    // another's; llama.cpp refuses such a file too.
     const typeInfo = GGML_TYPES.get(type);
-    if (typeInfo) sizes.set(info, tensorByteSize(info, typeInfo, source));
+    if (!typeInfo) {
+      throw new GgufFormatError(`${source}: tensor ${name} has ggml type ${type}, which is not a type the GGUF format ` +
+        'defines (a damaged file, or a type newer than Conduit knows)');
+    }
+    sizes.set(info, tensorByteSize(info, typeInfo, source));
     tensorInfos.push(info);
     byName.set(name, info);
   }
 
   const dataOffset = Math.ceil(c.offset / alignment) * alignment;
-  checkDataRanges(tensorInfos, sizes, dataOffset, bytes.byteLength, source);
+  checkDataRanges(tensorInfos, sizes, dataOffset, alignment, bytes.byteLength, source);
   const cache = new Map<string, Tensor>();
 
   return {
@@ -286,10 +298,7 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
       if (cached) return cached;
       const info = byName.get(name);
       if (!info) throw new GgufFormatError(`${source}: tensor ${name} not found`);
-      const size = sizes.get(info);
-      if (size === undefined) {
-        throw new GgufFormatError(`${source}: tensor ${name} has ${ggmlTypeName(info.type)}, which Conduit cannot read`);
-      }
+      const size = sizes.get(info)!;
       const start = dataOffset + info.offset;
       const tensor: Tensor = { name, type: info.type, shape: info.shape, data: bytes.subarray(start, start + size) };
       cache.set(name, tensor);
@@ -332,15 +341,18 @@ function tensorByteSize(info: GgufTensorInfo, type: GgmlTypeInfo, source: string
 }
 
 /**
- * Every tensor's data must lie inside the file, and no two may share bytes (a writer bug, or a crafted file: one
- * tensor's bytes read as another's). Sorting by offset costs nothing next to reading the file.
+ * The tensors' data must tile the data section as a GGUF writer lays it out (llama.cpp's reader requires the same):
+ * in offset order, the first at offset 0 and each next one at the end of the one before, rounded up to the alignment.
+ * So no tensor runs past the end of the file, no two share bytes (one tensor's bytes read as another's), and no bytes
+ * between two tensors belong to neither: such a gap means a tensor's type, shape or offset is not what its writer
+ * wrote (an F32 tensor relabelled F16 takes half its bytes and reads them as other numbers). Tensors of no elements
+ * take no bytes and are only checked to start inside the file. Bytes after the last tensor are allowed.
  */
 function checkDataRanges(infos: GgufTensorInfo[], sizes: Map<GgufTensorInfo, number>, dataOffset: number,
-  fileLength: number, source: string): void {
+  alignment: number, fileLength: number, source: string): void {
   const ranges: { info: GgufTensorInfo; start: number; end: number }[] = [];
   for (const info of infos) {
-    const size = sizes.get(info);
-    if (size === undefined) continue;
+    const size = sizes.get(info)!;
     const start = dataOffset + info.offset;
     const end = start + size;
     if (end > fileLength) {
@@ -350,13 +362,23 @@ function checkDataRanges(infos: GgufTensorInfo[], sizes: Map<GgufTensorInfo, num
     if (size > 0) ranges.push({ info, start, end });
   }
   ranges.sort((a, b) => a.start - b.start);
-  for (let i = 1; i < ranges.length; i++) {
-    const previous = ranges[i - 1]!;
-    const current = ranges[i]!;
-    if (current.start < previous.end) {
+  let expected = dataOffset; // where the next tensor's data must start
+  let previous: { info: GgufTensorInfo; start: number; end: number } | undefined;
+  for (const current of ranges) {
+    if (previous && current.start < previous.end) {
       throw new GgufFormatError(`${source}: tensors ${previous.info.name} and ${current.info.name} overlap (data ` +
         `offsets ${previous.info.offset} and ${current.info.offset}, the first is ${previous.end - previous.start} bytes)`);
     }
+    if (current.start !== expected) {
+      const after = previous
+        ? `the end of tensor ${previous.info.name} (at data offset ${expected - dataOffset} with padding)`
+        : 'the start of the data section';
+      throw new GgufFormatError(`${source}: tensor ${current.info.name} starts at data offset ${current.info.offset}, ` +
+        `${current.start - expected} bytes after ${after}; the bytes between belong to no tensor, so a tensor's ` +
+        'type, shape or offset is not what was written');
+    }
+    previous = current;
+    expected = dataOffset + Math.ceil((current.end - dataOffset) / alignment) * alignment;
   }
 }
 

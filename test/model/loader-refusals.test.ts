@@ -4,7 +4,7 @@
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
@@ -104,9 +104,11 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
     const asString = rawGguf({ kv: [kvString('general.alignment', '64')] });
     refusesParse(asString, /general\.alignment is stored as STRING, not UINT32/);
     // A power of two is fine, and the data offsets follow it.
-    const file = parseGguf(rawGguf({ kv: [kvU32('general.alignment', 64)], tensors: [f32('w', [4], 64)], alignment: 64, dataBytes: 128 }));
+    const file = parseGguf(rawGguf({ kv: [kvU32('general.alignment', 64)], tensors: [f32('v', [4], 0), f32('w', [4], 64)],
+      alignment: 64, dataBytes: 128 }));
     assert.equal(file.alignment, 64);
     assert.equal(file.dataOffset % 64, 0);
+    assert.equal(file.tensor('w').data.byteOffset - file.bytes.byteOffset, file.dataOffset + 64);
   });
 
   it('a tensor offset that is not a multiple of the alignment', () => {
@@ -120,6 +122,60 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
       /tensors a and b overlap \(data offsets 0 and 32, the first is 64 bytes\)/);
     // In whichever order the table lists them.
     refusesParse(rawGguf({ tensors: [f32('b', [4], 32), f32('a', [16], 0)], dataBytes: 128 }), /tensors a and b overlap/);
+  });
+
+  it('bytes between tensors, or before the first, that belong to no tensor', () => {
+    // a: 8 floats = 32 bytes, so b belongs at 32 (the next multiple of 32); at 64 there are 32 bytes of nothing.
+    refusesParse(rawGguf({ tensors: [f32('a', [8], 0), f32('b', [4], 64)], dataBytes: 96 }),
+      /tensor b starts at data offset 64, 32 bytes after the end of tensor a \(at data offset 32 with padding\); the bytes between belong to no tensor/);
+    refusesParse(rawGguf({ tensors: [f32('a', [8], 32)], dataBytes: 64 }),
+      /tensor a starts at data offset 32, 32 bytes after the start of the data section/);
+    // Padding up to the alignment is not a gap: a is 16 bytes, b starts at the next multiple of 32.
+    assert.deepEqual(parseGguf(rawGguf({ tensors: [f32('a', [4], 0), f32('b', [4], 32)], dataBytes: 64 }))
+      .tensorInfos.map((t) => t.offset), [0, 32]);
+  });
+
+  it('an F32 tensor relabelled F16: half its bytes would be read as other numbers, so the file is refused', async () => {
+    const path = await tinyGguf({});
+    const bytes = readFileSync(path);
+    // The tensor info: name, dimension count, dimensions, then the type.
+    const name = Buffer.from('blk.0.ffn_up.weight');
+    const at = bytes.indexOf(Buffer.concat([u64(name.length), name])) + 8 + name.length;
+    const typeAt = at + 4 + 8 * bytes.readUInt32LE(at);
+    assert.equal(bytes.readUInt32LE(typeAt), GgmlType.F32);
+    bytes.writeUInt32LE(GgmlType.F16, typeAt);
+    writeFileSync(path, bytes);
+    await refusesLoad(path, GgufFormatError, /tensor blk\.0\.ffn_down\.weight starts at data offset \d+, 4096 bytes after the end of tensor blk\.0\.ffn_up\.weight .* the bytes between belong to no tensor/);
+  });
+
+  it('a tensor type the format does not define, wherever its data is said to be', () => {
+    refusesParse(rawGguf({ tensors: [{ name: 'x', shape: [8], type: 99 as GgmlType, offset: 2 ** 40 }], dataBytes: 32 }),
+      /tensor x has ggml type 99, which is not a type the GGUF format defines/);
+    // Q4_2 (4) was removed from ggml; llama.cpp refuses it too.
+    refusesParse(rawGguf({ tensors: [{ name: 'x', shape: [32], type: 4 as GgmlType, offset: 0 }], dataBytes: 32 }),
+      /tensor x has ggml type 4, which is not a type the GGUF format defines/);
+  });
+
+  it('tensors of types Conduit does not compute with (IQ, ternary) get every structural check', () => {
+    // IQ4_NL: 32 elements in 18 bytes. 64 elements take 36 bytes, so the next tensor belongs at 64, not 32.
+    const iq = (name: string, shape: number[], type: GgmlType, offset: number): RawTensor => ({ name, shape, type, offset });
+    refusesParse(rawGguf({ tensors: [iq('q', [64], GgmlType.IQ4_NL, 0), f32('b', [4], 32)], dataBytes: 96 }),
+      /tensors q and b overlap/);
+    refusesParse(rawGguf({ tensors: [f32('a', [8], 0), iq('q', [256, 4], GgmlType.IQ2_XXS, 32)], dataBytes: 64 }),
+      /tensor q runs past the end of the file/);
+    refusesParse(rawGguf({ tensors: [iq('q', [128], GgmlType.IQ2_XXS, 0)], dataBytes: 96 }),
+      /tensor q has rows of 128 elements, which is not a multiple of the IQ2_XXS block size 256/);
+    refusesParse(rawGguf({ tensors: [iq('q', [64], GgmlType.IQ4_NL, 0), f32('b', [4], 96)], dataBytes: 128 }),
+      /tensor b starts at data offset 96, 32 bytes after the end of tensor q/);
+    // Well laid out, it parses, and its bytes are its own.
+    const file = parseGguf(rawGguf({ tensors: [iq('q', [256, 2], GgmlType.TQ2_0, 0), f32('b', [4], 160)], dataBytes: 192 }));
+    assert.equal(file.tensor('q').data.byteLength, 2 * 66);
+  });
+
+  it('a big-endian GGUF, named as such', () => {
+    const bytes = Buffer.from(rawGguf({}));
+    bytes.writeUInt32BE(3, 4);
+    refusesParse(bytes, /x\.gguf: a big-endian GGUF \(version 3 in big-endian byte order\); Conduit reads little-endian GGUF files only/);
   });
 
   it('tensor data beyond the end of the file, at parse time', () => {
@@ -351,6 +407,14 @@ describe('whole model files', () => {
     const model = makeTinyModel({ ...TINY_DIMS, dim: 48 });
     await refusesLoad(await tinyGguf({ type: GgmlType.Q8_0 }, model), GgufFormatError,
       /tensor token_embd\.weight has rows of 48 elements, which is not a multiple of the Q8_0 block size 32/);
+  });
+
+  it('an IQ-quantized weight is refused naming its type and the supported ones', async () => {
+    // IQ4_NL: 18 bytes per 32 elements; blk.1.ffn_up.weight is [32, 64].
+    const path = await tinyGguf({ tensors: { 'blk.1.ffn_up.weight': { name: 'blk.1.ffn_up.weight', type: GgmlType.IQ4_NL,
+      shape: [32, 64], data: new Uint8Array(18 * 64) } } });
+    await refusesLoad(path, ModelFormatError,
+      /tensor blk\.1\.ffn_up\.weight has type IQ4_NL, which Conduit cannot compute with \(supported: F32, F16, BF16, Q8_0/);
   });
 
   it('a file written to disk with a duplicate key is refused by loadModel too', async () => {
