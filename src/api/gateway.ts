@@ -20,7 +20,7 @@ import type { GatewayMetrics } from './gateway-metrics.ts';
 import { newCompletionId, TokenTexts, unixSeconds, type ChatResponseMeta } from './openai-format.ts';
 import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
-import { ChatShape, CompletionShape, PromptLogprobsShape, type ResponseShape } from './response-shapes.ts';
+import { ChatShape, CompletionShape, PromptLogprobsShape, TokenIdsShape, type ResponseShape } from './response-shapes.ts';
 import { GuidedChecker } from './guided.ts';
 import { detectToolCallParser, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
@@ -541,13 +541,15 @@ export class Gateway {
     call.trace?.tokenized(tokenIds.length);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     const id = call.requestId ?? newCompletionId('chatcmpl');
+    const meta = this.meta(target, id);
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
     let shape: ResponseShape = tools && tools.choice.kind !== 'none'
-      ? this.toolShape(backend, request, this.meta(target, id), topLogprobs)
-      : new ChatShape(this.meta(target, id), request.n, this.logprobTexts(backend, request), topLogprobs);
+      ? this.toolShape(backend, request, meta, topLogprobs)
+      : new ChatShape(meta, request.n, this.logprobTexts(backend, request), topLogprobs);
     if (request.promptLogprobs !== undefined) {
       shape = new PromptLogprobsShape(shape, new TokenTexts(backend.tokenizer), request.promptLogprobs, 'response');
     }
+    if (request.returnTokenIds) shape = new TokenIdsShape(shape, request.n, () => prompt.tokenIds, 'response');
     await this.run(call, target, id, [prompt], request, topLogprobs, shape, request.promptLogprobs);
   }
 
@@ -625,6 +627,12 @@ export class Gateway {
     let shape: ResponseShape = new CompletionShape(this.meta(target, id), prompts.length * request.n, this.logprobTexts(backend, request),
       request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : [], request.promptOnly);
     if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, new TokenTexts(tokenizer), request.promptLogprobs, 'choices');
+    if (request.returnTokenIds) {
+      // vLLM leaves an echoed prompt's text out when it returns token ids (it skips detokenizing the prompt); here
+      // the echo stays: the client asked for it and its text is at hand.
+      shape = new TokenIdsShape(shape, prompts.length * request.n, (choice) => prompts[Math.floor(choice / request.n)]!.tokenIds,
+        'choices', request.promptOnly);
+    }
     await this.run(call, target, id, prompts, request, request.logprobs, shape, completionPromptLogprobs(request));
   }
 

@@ -29,6 +29,7 @@ function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
     finishReason: wireFinishReason(output.finishReason),
     stopReason: wireStopReason(run, event.promptIndex, output.stopReason),
     tokens: output.newTokenIds.length,
+    tokenIds: output.newTokenIds,
   };
 }
 

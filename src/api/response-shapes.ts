@@ -19,6 +19,8 @@ export interface ChoiceUpdate {
   stopReason: string | number | null;
   /** Output tokens the update adds (some show no text yet: held back for a stop string or a split character). */
   tokens: number;
+  /** Their ids, in order (vLLM's return_token_ids shows them); absent where no shape needs them. */
+  tokenIds?: readonly number[];
 }
 
 export interface ResponseShape {
@@ -245,5 +247,96 @@ export class PromptLogprobsShape implements ResponseShape {
     const body = this.inner.body(usage) as { choices: object[] };
     if (this.place === 'response') return { ...body, prompt_logprobs: this.entries.values().next().value ?? null };
     return { ...body, choices: body.choices.map((choice, index) => ({ ...choice, prompt_logprobs: this.entries.get(index) ?? null })) };
+  }
+}
+
+/**
+ * vLLM's return_token_ids around another shape: the ids of each choice's prompt and of the tokens it generated.
+ * Non-streamed, a chat response has `prompt_token_ids` at the top (one prompt) and each choice its `token_ids`; a
+ * completions choice has both (its own prompt's ids, since each prompt has its choices). Streamed, a choice's first
+ * chunk carries the prompt's ids (chat: each role chunk, at the top; completions: on the choice) and every chunk of
+ * a choice with content carries `token_ids`, the ids of the tokens it adds. Tokens that show no text yet (held back
+ * for a possible stop string, half a character, a tool call still being parsed) produce no chunk of their own: their
+ * ids come with the choice's next chunk, so a client that joins every chunk's ids has the body's, in order.
+ * The ids are those the engine generated, ending with the token that completed a stop string, or with the stop
+ * token or EOS (whose text is left out), as vLLM's; an echo's prompt is not among them.
+ */
+export class TokenIdsShape implements ResponseShape {
+  private readonly generated: number[][];
+  /** Ids generated and not yet carried by a chunk, per choice (streaming). */
+  private readonly pending: number[][];
+  /** Choices whose first chunk went out (it carries the prompt's ids). */
+  private readonly opened: boolean[];
+
+  constructor(
+    private readonly inner: ResponseShape,
+    choiceCount: number,
+    /** The prompt token ids of each choice (chat: every choice's is the one prompt's). */
+    private readonly promptIdsOf: (choiceIndex: number) => readonly number[],
+    private readonly place: 'response' | 'choices',
+    /** Completions' echo with max_tokens 0: the choices show no generated tokens. */
+    private readonly promptOnly = false,
+  ) {
+    this.generated = Array.from({ length: choiceCount }, () => []);
+    this.pending = Array.from({ length: choiceCount }, () => []);
+    this.opened = new Array<boolean>(choiceCount).fill(false);
+  }
+
+  get sseStyle(): ResponseShape['sseStyle'] {
+    return this.inner.sseStyle;
+  }
+
+  private idsOf(update: ChoiceUpdate): readonly number[] {
+    return this.promptOnly ? [] : update.tokenIds ?? [];
+  }
+
+  /** A chunk with the choice's ids added: on its first chunk the prompt's, and `token_ids` on content chunks. */
+  private decorate(chunk: object, tokenIds: readonly number[] | undefined): object {
+    const wire = chunk as { choices?: { index: number }[] };
+    const choice = wire.choices?.[0];
+    if (choice === undefined) return chunk;
+    const first = !this.opened[choice.index];
+    this.opened[choice.index] = true;
+    const prompt = first ? [...this.promptIdsOf(choice.index)] : undefined;
+    const choices = wire.choices!.map((c) => ({
+      ...c,
+      ...(prompt !== undefined && this.place === 'choices' ? { prompt_token_ids: prompt } : {}),
+      ...(tokenIds !== undefined ? { token_ids: [...tokenIds] } : {}),
+    }));
+    return { ...chunk, choices, ...(prompt !== undefined && this.place === 'response' ? { prompt_token_ids: prompt } : {}) };
+  }
+
+  openingChunks(usage: WireUsage | null | undefined): object[] {
+    // Chat's opening chunks only name the role (no token_ids, as vLLM's); completions' show an echoed prompt.
+    return this.inner.openingChunks(usage).map((chunk) => this.decorate(chunk, this.place === 'choices' ? [] : undefined));
+  }
+
+  updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
+    const pending = this.pending[update.index]!;
+    pending.push(...this.idsOf(update));
+    const chunks = this.inner.updateChunks(update, usage);
+    return chunks.map((chunk, i) => {
+      const ids = i === 0 ? pending.splice(0) : [];
+      return this.decorate(chunk, ids);
+    });
+  }
+
+  usageChunk(usage: WireUsage): object {
+    return this.inner.usageChunk(usage);
+  }
+
+  collect(update: ChoiceUpdate): void {
+    this.generated[update.index]!.push(...this.idsOf(update));
+    this.inner.collect(update);
+  }
+
+  body(usage: WireUsage): object {
+    const body = this.inner.body(usage) as { choices: { index: number }[] };
+    const choices = body.choices.map((choice) => ({
+      ...choice,
+      ...(this.place === 'choices' ? { prompt_token_ids: [...this.promptIdsOf(choice.index)] } : {}),
+      token_ids: this.generated[choice.index] ?? [],
+    }));
+    return { ...body, choices, ...(this.place === 'response' ? { prompt_token_ids: [...this.promptIdsOf(0)] } : {}) };
   }
 }

@@ -50,6 +50,8 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   cacheSalt?: string;
   /** vLLM's truncate_prompt_tokens: keep only the prompt's last this many tokens (-1: as many as fit beside max_tokens). */
   truncatePromptTokens?: number;
+  /** vLLM's return_token_ids: the response shows the prompt's token ids and each choice's generated ones. */
+  returnTokenIds: boolean;
 }
 
 /**
@@ -167,6 +169,7 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     ...(fields.has('return_tokens_as_token_ids') ? { returnTokensAsTokenIds: fields.boolean('return_tokens_as_token_ids')! } : {}),
     ...(fields.has('cache_salt') ? { cacheSalt: fields.string('cache_salt', { nonEmpty: true })! } : {}),
     ...truncateOption(fields),
+    returnTokenIds: fields.boolean('return_token_ids') ?? false,
   };
 }
 
