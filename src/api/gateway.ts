@@ -183,6 +183,15 @@ export interface Call {
 
 export type JsonReply = { status: number; body: object };
 
+/**
+ * The id a response carries: with vLLM's request_id, the endpoint's prefix and that id, as vLLM names it; else the
+ * server's own. The server's id (`serverId`) still names the request in x-request-id, the trace and the engine,
+ * which keeps requests that reuse a request_id apart.
+ */
+function responseId(prefix: 'chatcmpl' | 'cmpl', request: GenerationOptions, serverId: string): string {
+  return request.requestId !== undefined ? `${prefix}-${request.requestId}` : serverId;
+}
+
 /** OpenAI's "developer" role is the newer name of "system"; templates only know the latter. */
 function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
   return messages.map((message) => ({ ...message, role: message.role === 'developer' ? 'system' : message.role }));
@@ -541,7 +550,7 @@ export class Gateway {
     call.trace?.tokenized(tokenIds.length);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     const id = call.requestId ?? newCompletionId('chatcmpl');
-    const meta = this.meta(target, id);
+    const meta = this.meta(target, responseId('chatcmpl', request, id));
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
     let shape: ResponseShape = tools && tools.choice.kind !== 'none'
       ? this.toolShape(backend, request, meta, topLogprobs)
@@ -624,8 +633,9 @@ export class Gateway {
     const id = call.requestId ?? newCompletionId('cmpl');
     const perChoice = <T>(value: (prompt: PreparedPrompt) => T): T[] => prompts.flatMap((p) => Array.from({ length: request.n }, () => value(p)));
     const echoTexts = request.echo ? perChoice((p) => p.text ?? '') : [];
-    let shape: ResponseShape = new CompletionShape(this.meta(target, id), prompts.length * request.n, this.logprobTexts(backend, request),
-      request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : [], request.promptOnly);
+    let shape: ResponseShape = new CompletionShape(this.meta(target, responseId('cmpl', request, id)), prompts.length * request.n,
+      this.logprobTexts(backend, request), request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : [],
+      request.promptOnly);
     if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, new TokenTexts(tokenizer), request.promptLogprobs, 'choices');
     if (request.returnTokenIds) {
       // vLLM leaves an echoed prompt's text out when it returns token ids (it skips detokenizing the prompt); here

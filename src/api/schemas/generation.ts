@@ -19,6 +19,8 @@ export const MAX_N = 128;
 export const MAX_LOGPROBS = 20;
 export const MAX_STOP_STRINGS = 32;
 export const MAX_LOGIT_BIAS_ENTRIES = 1024;
+/** Longest request_id taken: it names the response (every chunk carries it). */
+export const MAX_REQUEST_ID_LENGTH = 256;
 
 /** The engine's sampling fields that a request sets as they are (the rest are built from the request below). */
 type DirectSamplingFields = 'n' | 'temperature' | 'topP' | 'topK' | 'minP' | 'repetitionPenalty' | 'presencePenalty' |
@@ -52,6 +54,11 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   truncatePromptTokens?: number;
   /** vLLM's return_token_ids: the response shows the prompt's token ids and each choice's generated ones. */
   returnTokenIds: boolean;
+  /**
+   * vLLM's request_id: the response's id is the endpoint's prefix and this ("cmpl-<id>", "chatcmpl-<id>"). The
+   * server's own id still names the request everywhere else (x-request-id, its trace, the engine).
+   */
+  requestId?: string;
 }
 
 /**
@@ -138,6 +145,7 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
   const stopTokenIds = (fields.array('stop_token_ids') ?? [])
     .map((id, i) => readTokenId(childPath('stop_token_ids', i), id, context));
   const defaults = context.samplingDefaults;
+  checkSpacesBetweenSpecialTokens(fields);
   return {
     model: fields.string('model'),
     stream,
@@ -170,7 +178,26 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     ...(fields.has('cache_salt') ? { cacheSalt: fields.string('cache_salt', { nonEmpty: true })! } : {}),
     ...truncateOption(fields),
     returnTokenIds: fields.boolean('return_token_ids') ?? false,
+    ...requestIdOption(fields),
   };
+}
+
+/** vLLM's request_id, when given (an empty one is as none: the server names the response). */
+function requestIdOption(fields: Fields): { requestId?: string } {
+  const id = fields.string('request_id', { maxLength: MAX_REQUEST_ID_LENGTH });
+  return id !== undefined && id !== '' ? { requestId: id } : {};
+}
+
+/**
+ * vLLM's spaces_between_special_tokens is taken (a boolean) and changes nothing. In vLLM it decides whether a
+ * Python ("slow") tokenizer's decode sets an added token (special tokens kept by skip_special_tokens false, among
+ * them) off from the text around it with spaces, which its default (true) does; with a Hugging Face fast tokenizer
+ * false only drops a space the tokenizer's decoder would put between two such tokens. Conduit's detokenizer joins
+ * each token's own bytes and never adds a space around a special token: its output is vLLM's with false, and with
+ * the default on a fast tokenizer save for that case.
+ */
+function checkSpacesBetweenSpecialTokens(fields: Fields): void {
+  fields.boolean('spaces_between_special_tokens');
 }
 
 function truncateOption(fields: Fields): { truncatePromptTokens?: number } {
