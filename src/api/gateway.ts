@@ -660,7 +660,10 @@ export class Gateway {
     const tokens = request.kind === 'prompt'
       ? await this.encode(backend, request.prompt, { addSpecialTokens: request.addSpecialTokens, parseSpecial: true }, call)
       : await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, 'tokenize', request.tools);
-    return { status: 200, body: { tokens, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
+    // vLLM's token_strs: each id's vocabulary entry as the tokenizer stores it (SentencePiece's "▁" and byte tokens
+    // such as "<0x0A>", byte-level BPE's "Ġ"), what transformers' convert_ids_to_tokens gives.
+    const tokenStrs = request.returnTokenStrs ? { token_strs: tokens.map((id) => backend.tokenizer.idToToken(id) ?? '') } : {};
+    return { status: 200, body: { tokens, ...tokenStrs, count: tokens.length, max_model_len: backend.engine.info.maxModelLen } };
   }
 
   detokenize(body: unknown): JsonReply {

@@ -1,7 +1,8 @@
 // More of vLLM's request fields, against the real server on the built-in model: request_id names the response
 // ("cmpl-<id>", "chatcmpl-<id>", every chunk too) while the server's own id keeps naming the request (x-request-id,
 // its trace), so two requests with one request_id do not collide; spaces_between_special_tokens is taken and changes
-// nothing (the detokenizer never spaces special tokens off).
+// nothing (the detokenizer never spaces special tokens off); /tokenize's return_token_strs lists each token's
+// vocabulary entry.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -15,7 +16,7 @@ function events(text: string): any[] {
   return text.split('\n').filter((line) => line.startsWith('data: ') && line !== 'data: [DONE]').map((line) => JSON.parse(line.slice(6)));
 }
 
-describe('vLLM\'s request_id and spaces_between_special_tokens', () => {
+describe('vLLM\'s request_id, spaces_between_special_tokens and return_token_strs', () => {
   let server: TestServer;
   let model: string;
   const post = (path: string, body: object) => rawRequest(server.url, { path, body: { model, ...body } });
@@ -95,5 +96,21 @@ describe('vLLM\'s request_id and spaces_between_special_tokens', () => {
     const wrong = await post('/v1/chat/completions', { messages: chat, max_tokens: 1, spaces_between_special_tokens: 'no' });
     assert.equal(wrong.status, 400);
     assert.equal(wrong.json().error.param, 'spaces_between_special_tokens');
+  });
+
+  it('/tokenize with return_token_strs lists each token\'s vocabulary entry', E2E, async () => {
+    const res = await post('/tokenize', { prompt: 'Hello world\n', return_token_strs: true });
+    assert.equal(res.status, 200, res.text);
+    const body = res.json();
+    assert.deepEqual(body.tokens, [1, 15043, 3186, 13]);
+    assert.deepEqual(body.token_strs, ['<s>', '▁Hello', '▁world', '<0x0A>']);
+    assert.equal(body.count, 4);
+    const messages = await post('/tokenize', { messages: chat, return_token_strs: true });
+    assert.equal(messages.json().token_strs.length, messages.json().tokens.length);
+    const plain = await post('/tokenize', { prompt: 'Hello world' });
+    assert.equal('token_strs' in plain.json(), false);
+    const wrong = await post('/tokenize', { prompt: 'Hello', return_token_strs: 1 });
+    assert.equal(wrong.status, 400);
+    assert.equal(wrong.json().error.param, 'return_token_strs');
   });
 });

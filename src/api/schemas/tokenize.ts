@@ -5,7 +5,12 @@ import { childPath, Fields, readObject, type JsonObject } from '../validate.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './chat.ts';
 import { readTokenId, type ValidationContext } from './generation.ts';
 
-export type TokenizeRequest =
+/** vLLM's return_token_strs: the answer lists each token's vocabulary entry too (`token_strs`). */
+interface TokenizeOutput {
+  returnTokenStrs: boolean;
+}
+
+export type TokenizeRequest = TokenizeOutput & (
   | { kind: 'prompt'; model?: string; prompt: string; addSpecialTokens: boolean }
   | {
     kind: 'messages'; model?: string; messages: ChatMessage[]; addGenerationPrompt: boolean; continueFinalMessage: boolean;
@@ -14,7 +19,7 @@ export type TokenizeRequest =
     chatTemplateKwargs?: JsonObject;
     /** The tools as sent: the chat template renders them, as for /v1/chat/completions. */
     tools?: readonly unknown[];
-  };
+  });
 
 export interface DetokenizeRequest {
   model?: string;
@@ -24,6 +29,7 @@ export interface DetokenizeRequest {
 export function parseTokenizeRequest(body: unknown, context: ValidationContext): TokenizeRequest {
   const fields = new Fields(readObject('body', body));
   const model = fields.string('model');
+  const returnTokenStrs = fields.boolean('return_token_strs') ?? false;
   const hasPrompt = fields.has('prompt');
   const hasMessages = fields.has('messages');
   if (hasPrompt === hasMessages) {
@@ -32,6 +38,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
   if (hasPrompt) {
     return {
       kind: 'prompt',
+      returnTokenStrs,
       ...(model !== undefined ? { model } : {}),
       prompt: fields.string('prompt')!,
       addSpecialTokens: fields.boolean('add_special_tokens') ?? true,
@@ -47,6 +54,7 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
   );
   return {
     kind: 'messages',
+    returnTokenStrs,
     ...(model !== undefined ? { model } : {}),
     messages: chat.messages,
     addGenerationPrompt: chat.addGenerationPrompt,
