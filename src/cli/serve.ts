@@ -27,7 +27,7 @@ import { LORA_DTYPES, type LoraDtype } from '../model/lora.ts';
 import type { KvDtype } from '../kernels/types.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable, type FlagValues } from './flags.ts';
+import { formatFlagHelp, parseFlags, UsageError, type FlagSource, type FlagTable, type FlagValues } from './flags.ts';
 import type { Command } from './main.ts';
 
 const SCHEDULING_POLICIES: readonly SchedulingPolicy[] = ['fcfs', 'priority', 'deadline'];
@@ -280,6 +280,38 @@ function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Part
   return Object.keys(policy).length > 0 ? policy : undefined;
 }
 
+/** The engine options `conduit serve` and `conduit worker` share that one kind of worker ignores. */
+export type EngineOptionValues = Pick<FlagValues<typeof SERVE_FLAGS>, 'kv-cache-idle-release' | 'kv-cache-memory'
+  | 'kv-cache-dtype' | 'guided-jump-forward'>;
+
+/**
+ * One line per option the chosen engine ignores, for `conduit serve` and `conduit worker` alike: the cpu workers'
+ * options given to simulated workers (from the command line or the environment), and --sim-* options typed for cpu
+ * workers (from the environment they may be set up for another deployment).
+ */
+export function engineOptionWarnings(engine: string, values: EngineOptionValues, sources: Readonly<Record<string, FlagSource>>): string[] {
+  const warnings: string[] = [];
+  if (engine !== 'sim') {
+    for (const [name, source] of Object.entries(sources)) {
+      if (name.startsWith('sim-') && source === 'command line') warnings.push(`--${name} is for simulated workers (--engine sim): cpu workers ignore it`);
+    }
+    return warnings;
+  }
+  if (values['kv-cache-idle-release']! > 0) {
+    warnings.push('--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it');
+  }
+  if (values['kv-cache-memory'] !== undefined) {
+    warnings.push('--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights');
+  }
+  if (parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
+    warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
+  }
+  if (values['guided-jump-forward']) {
+    warnings.push('--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows');
+  }
+  return warnings;
+}
+
 /** A positive number, or inf / infinity (any case) for a simulated clock that never waits for the real one. */
 export function parseSpeedUp(text: string): number {
   const trimmed = text.trim();
@@ -501,24 +533,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
-  if (engine === 'sim' && idleRelease > 0) {
-    warnings.push('--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it');
-  }
-  if (engine === 'sim' && values['kv-cache-memory'] !== undefined) {
-    warnings.push('--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights');
-  }
-  if (engine === 'sim' && parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
-    warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
-  }
-  if (engine === 'sim' && values['guided-jump-forward']) {
-    warnings.push('--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows');
-  }
-  // Typed --sim-* options with cpu workers (in the environment they may be set up for another deployment).
-  for (const name of Object.keys(SERVE_FLAGS) as (keyof typeof SERVE_FLAGS)[]) {
-    if (engine !== 'sim' && name.startsWith('sim-') && parsed.sources[name] === 'command line') {
-      warnings.push(`--${name} is for simulated workers (--engine sim): cpu workers ignore it`);
-    }
-  }
+  warnings.push(...engineOptionWarnings(engine, values, parsed.sources));
   let calibration: CalibrationName;
   try {
     calibration = parseCalibration(values['sim-calibration']!);

@@ -23,7 +23,8 @@ import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 import {
-  parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp, positiveInteger, SERVE_FLAGS,
+  engineOptionWarnings, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
+  positiveInteger, SERVE_FLAGS,
 } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
@@ -147,7 +148,7 @@ export const workerCommand: Command = {
 
 async function runWorker(argv: string[], parent: ParentLink | undefined): Promise<number> {
   const env = argv.includes('--parent-ipc') ? parentIpcEnvironment(process.env) : process.env;
-  const { values, positionals, lists } = parseFlags(WORKER_FLAGS, argv, env);
+  const { values, positionals, lists, sources } = parseFlags(WORKER_FLAGS, argv, env);
   if (values.help) {
     console.log(`Usage: conduit worker --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n${formatFlagHelp(WORKER_FLAGS)}`);
     return 0;
@@ -211,6 +212,11 @@ async function runWorker(argv: string[], parent: ParentLink | undefined): Promis
     }
   }
   const kvDtype = parseKvDtype(values['kv-cache-dtype']!);
+  // The options this engine ignores, said as `conduit serve` says them. Not by a --parent-ipc child: its server
+  // said them once already, and passes every setting it resolved (--threads, the --sim-* values) to each child.
+  if (!local) {
+    for (const warning of engineOptionWarnings(engineKind, values, sources)) logger.warn(warning);
+  }
   const running = await startClusterWorker({
     workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
     host: values.host!, port, ...(advertiseAddress !== undefined ? { advertiseAddress } : {}),

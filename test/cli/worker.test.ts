@@ -111,6 +111,50 @@ describe('conduit worker: bad values and start-up failures', () => {
   });
 });
 
+describe('conduit worker: options its engine ignores', () => {
+  after(stopAll);
+
+  it('are said as `conduit serve` says them, before the start; a --parent-ipc child leaves them to its server', { timeout: 240_000 }, async () => {
+    // A port in use ends each start once the options are read.
+    const busy = net.createServer();
+    const busyPort = await freePort();
+    await new Promise<void>((resolve) => busy.listen(busyPort, '127.0.0.1', resolve));
+    try {
+      const port = ['--port', String(busyPort)];
+      const cases: { args: string[]; env?: NodeJS.ProcessEnv; warned: string[] }[] = [
+        { args: ['--engine', 'sim', '--kv-cache-dtype', 'f32', '--kv-cache-memory', '1GiB', '--kv-cache-idle-release', '30', '--guided-jump-forward'], warned: [
+          '--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it',
+          '--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights',
+          '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)',
+          '--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows',
+        ] },
+        // From the environment too, as serve takes them.
+        { args: ['--engine', 'sim'], env: { CONDUIT_KV_CACHE_DTYPE: 'f32' }, warned: [
+          '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)',
+        ] },
+        { args: ['--engine', 'sim'], warned: [] },
+        // --sim-* typed for a cpu worker; from the environment they may be another deployment's.
+        { args: ['--engine', 'cpu', '--sim-gpu', 'h200'], env: { CONDUIT_SIM_TP: '2' }, warned: [
+          '--sim-gpu is for simulated workers (--engine sim): cpu workers ignore it',
+        ] },
+        // A child's server passes every setting it resolved and has said what it ignores.
+        { args: ['--parent-ipc', '--worker-id', 'child-w', '--engine', 'sim', '--kv-cache-dtype', 'f32', '--threads', '2'], warned: [] },
+      ];
+      const runs = cases.map(({ args, env }) => startConduit(['worker', ...SERVICES, '--namespace', 'ignored-options', ...port, ...args], env ?? {}));
+      const codes = await Promise.all(runs.map((proc) => exitOf(proc)));
+      for (const [i, { args, warned }] of cases.entries()) {
+        const output = runs[i]!.output();
+        assert.equal(codes[i], 1, `${args.join(' ')}: ${output}`);
+        assert.match(output, /cannot listen on 127\.0\.0\.1/, args.join(' '));
+        const lines = output.split('\n').filter((line) => / WARN  --/.test(line)).map((line) => line.replace(/^\S+ WARN  /, ''));
+        assert.deepEqual(lines, warned, `${args.join(' ')}: ${output}`);
+      }
+    } finally {
+      await new Promise((resolve) => busy.close(resolve));
+    }
+  });
+});
+
 describe('conduit worker --parent-ipc: a child of `conduit serve --worker-processes`', () => {
   after(stopAll);
 
