@@ -2,10 +2,11 @@
 // ("cmpl-<id>", "chatcmpl-<id>", every chunk too) while the server's own id keeps naming the request (x-request-id,
 // its trace), so two requests with one request_id do not collide; spaces_between_special_tokens is taken and changes
 // nothing (the detokenizer never spaces special tokens off); /tokenize's return_token_strs lists each token's
-// vocabulary entry.
+// vocabulary entry; and a stop string with a lone UTF-16 surrogate, which could never match, is a 400 naming stop.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
+import OpenAI, { BadRequestError } from 'openai';
 import { rawRequest } from './http-client.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 
@@ -16,7 +17,7 @@ function events(text: string): any[] {
   return text.split('\n').filter((line) => line.startsWith('data: ') && line !== 'data: [DONE]').map((line) => JSON.parse(line.slice(6)));
 }
 
-describe('vLLM\'s request_id, spaces_between_special_tokens and return_token_strs', () => {
+describe('vLLM\'s request_id, spaces_between_special_tokens, return_token_strs, and stop strings that cannot match', () => {
   let server: TestServer;
   let model: string;
   const post = (path: string, body: object) => rawRequest(server.url, { path, body: { model, ...body } });
@@ -112,5 +113,29 @@ describe('vLLM\'s request_id, spaces_between_special_tokens and return_token_str
     const wrong = await post('/tokenize', { prompt: 'Hello', return_token_strs: 1 });
     assert.equal(wrong.status, 400);
     assert.equal(wrong.json().error.param, 'return_token_strs');
+  });
+
+  it('a stop string with a lone surrogate is a 400 naming stop; whole characters outside the BMP are taken', E2E, async () => {
+    const cases: [string, object][] = [
+      ['/v1/completions', { prompt: 'Hi', stop: '\ud83d' }],
+      ['/v1/completions', { prompt: 'Hi', stop: ['ok', 'a\udc00b'] }],
+      ['/v1/chat/completions', { messages: chat, stop: ['\ude00\ud83d'] }],
+      ['/v1/chat/completions', { messages: chat, stop: 'end\ud83d' }],
+    ];
+    for (const [path, body] of cases) {
+      const res = await post(path, { max_tokens: 2, ...body });
+      assert.equal(res.status, 400, res.text);
+      const { error } = res.json();
+      assert.equal(error.type, 'invalid_request_error');
+      assert.equal(error.param, 'stop');
+      assert.match(error.message, /surrogate/);
+    }
+    const whole = await post('/v1/completions', { prompt: 'Hi', max_tokens: 2, stop: ['\ud83d\ude00', 'é'] });
+    assert.equal(whole.status, 200, whole.text);
+
+    const client = new OpenAI({ apiKey: 'none', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
+    await assert.rejects(client.chat.completions.create({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 2, stop: ['\ud800'] }),
+      (err: unknown) => err instanceof BadRequestError && (err.error as { param?: string }).param === 'stop');
+    await waitFor(() => engineIdle(server.engine), 'nothing running');
   });
 });

@@ -92,12 +92,35 @@ export function readTokenId(param: string, value: unknown, context: ValidationCo
   return readInteger(param, value, { min: 0, max: context.vocabSize - 1 });
 }
 
+/** Whether a string holds a UTF-16 surrogate without its pair (JSON's "\ud800" escapes can write one). */
+export function hasLoneSurrogate(text: string): boolean {
+  for (let i = 0; i < text.length; i++) {
+    const unit = text.charCodeAt(i);
+    if (unit < 0xd800 || unit > 0xdfff) continue;
+    const next = i + 1 < text.length ? text.charCodeAt(i + 1) : 0;
+    if (unit <= 0xdbff && next >= 0xdc00 && next <= 0xdfff) {
+      i++;
+      continue;
+    }
+    return true;
+  }
+  return false;
+}
+
 function readStop(fields: Fields): string[] {
   const raw = fields.raw('stop');
   if (raw === undefined) return [];
-  if (typeof raw === 'string') return [readString('stop', raw, { nonEmpty: true })];
-  const list = fields.array('stop', { maxItems: MAX_STOP_STRINGS })!;
-  return list.map((item, i) => readString(childPath('stop', i), item, { nonEmpty: true }));
+  const stops = typeof raw === 'string' ? [readString('stop', raw, { nonEmpty: true })]
+    : fields.array('stop', { maxItems: MAX_STOP_STRINGS })!.map((item, i) => readString(childPath('stop', i), item, { nonEmpty: true }));
+  // Output text is decoded from UTF-8, which has no lone surrogates: such a stop string could never match, and the
+  // request would run on to max_tokens with a stop that silently does nothing.
+  stops.forEach((stop, i) => {
+    if (!hasLoneSurrogate(stop)) return;
+    const which = typeof raw === 'string' ? 'the stop string' : `stop[${i}]`;
+    throw new InvalidValueError('stop', `${which} contains a lone UTF-16 surrogate (half of a surrogate pair); generated `
+      + 'text never contains one, so it could never match. Send whole characters.');
+  });
+  return stops;
 }
 
 function readLogitBias(fields: Fields, context: ValidationContext): Map<number, number> | undefined {
