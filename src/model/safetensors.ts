@@ -83,6 +83,7 @@ export function parseSafetensors(bytes: Uint8Array, source = 'safetensors buffer
     }
     entries.set(name, parseEntry(name, value, dataStart, bytes.byteLength, source));
   }
+  checkTiling([...entries.values()], dataStart, bytes.byteLength, source);
 
   const cache = new Map<string, Tensor>();
   return {
@@ -121,12 +122,48 @@ function parseEntry(name: string, value: unknown, dataStart: number, fileLength:
       !v.shape.every((d) => Number.isInteger(d) && d >= 0) || !offsets.every((o) => Number.isInteger(o) && o >= 0)) {
     throw new SafetensorsFormatError(`${source}: header entry for ${name} is malformed (needs dtype, shape, data_offsets)`);
   }
+  const elements = (v.shape as number[]).reduce((a, b) => a * b, 1);
+  if (!Number.isSafeInteger(elements)) {
+    throw new SafetensorsFormatError(`${source}: tensor ${name} of shape [${v.shape.join(', ')}] has too many elements`);
+  }
   const begin = dataStart + (offsets[0] as number);
   const end = dataStart + (offsets[1] as number);
-  if (end < begin || end > fileLength) {
+  if (end < begin) {
+    throw new SafetensorsFormatError(`${source}: tensor ${name} data_offsets [${offsets.join(', ')}] end before they begin`);
+  }
+  if (end > fileLength) {
     throw new SafetensorsFormatError(`${source}: tensor ${name} data [${offsets.join(', ')}] lies outside the file`);
   }
   return { name, dtype: v.dtype, shape: v.shape as number[], begin, end };
+}
+
+/**
+ * The tensors' bytes must tile the data section exactly, as the reference implementation requires: in offset order,
+ * the first at 0, each starting where the one before ends, the last ending at the end of the file. Otherwise two
+ * tensors share bytes, or bytes belong to no tensor, which means an offset or a shape is not what was written.
+ */
+function checkTiling(entries: SafetensorsEntry[], dataStart: number, fileLength: number, source: string): void {
+  const sorted = [...entries].sort((a, b) => a.begin - b.begin || a.end - b.end);
+  let expected = dataStart;
+  let previous: SafetensorsEntry | undefined;
+  for (const entry of sorted) {
+    if (previous && entry.begin < previous.end) {
+      throw new SafetensorsFormatError(`${source}: tensors ${previous.name} and ${entry.name} overlap (data ` +
+        `[${previous.begin - dataStart}, ${previous.end - dataStart}] and [${entry.begin - dataStart}, ` +
+        `${entry.end - dataStart}])`);
+    }
+    if (entry.begin !== expected) {
+      throw new SafetensorsFormatError(`${source}: tensor ${entry.name} starts at data offset ${entry.begin - dataStart}, ` +
+        `${entry.begin - expected} bytes after ${previous ? `the end of tensor ${previous.name}` : 'the start of the data'}; ` +
+        'the bytes between belong to no tensor, so an offset or shape is not what was written');
+    }
+    previous = entry;
+    expected = entry.end;
+  }
+  if (expected !== fileLength) {
+    throw new SafetensorsFormatError(`${source}: the file has ${fileLength - expected} bytes after the last tensor's ` +
+      'data, which belong to no tensor (a damaged file, or offsets that are not what was written)');
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

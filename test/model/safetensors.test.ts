@@ -57,6 +57,23 @@ describe('safetensors reader', () => {
     const notJson = new Uint8Array([2, 0, 0, 0, 0, 0, 0, 0, 0x7b, 0x7b]);
     assert.throws(() => parseSafetensors(notJson, 'f'), /header is not valid JSON/);
   });
+
+  it('refuses tensors that share bytes, bytes that belong to no tensor, and shapes whose size overflows', () => {
+    const f32 = (begin: number, end: number, shape = [(end - begin) / 4]) => ({ dtype: 'F32', shape, data_offsets: [begin, end] });
+    const parse = (header: object, dataBytes: number) => () => parseSafetensors(handMade(header, new Array(dataBytes).fill(0)), 'f');
+    // Well tiled: in any header order.
+    assert.deepEqual([...parse({ b: f32(8, 16), a: f32(0, 8) }, 16)().entries.keys()], ['b', 'a']);
+    assert.throws(parse({ a: f32(0, 8), b: f32(4, 12) }, 12), /f: tensors a and b overlap \(data \[0, 8\] and \[4, 12\]\)/);
+    assert.throws(parse({ a: f32(0, 8), b: f32(0, 8) }, 8), /tensors a and b overlap/);
+    assert.throws(parse({ a: f32(0, 8), b: f32(12, 16) }, 16),
+      /f: tensor b starts at data offset 12, 4 bytes after the end of tensor a; the bytes between belong to no tensor/);
+    assert.throws(parse({ a: f32(4, 8) }, 8), /tensor a starts at data offset 4, 4 bytes after the start of the data/);
+    assert.throws(parse({ a: f32(0, 8) }, 12), /f: the file has 4 bytes after the last tensor's data, which belong to no tensor/);
+    assert.throws(parse({ a: f32(8, 0, [2]) }, 8), /f: tensor a data_offsets \[8, 0\] end before they begin/);
+    // 2^40 x 2^40 elements: no byte count can be computed, and the error is the file's, not an arithmetic one.
+    assert.throws(parse({ a: f32(0, 8, [2 ** 40, 2 ** 40]) }, 8), /f: tensor a of shape \[1099511627776, 1099511627776\] has too many elements/);
+    assert.throws(parse({ a: f32(0, 8, [1e300, 1e300]) }, 8), /tensor a of shape \[1e\+300, 1e\+300\] has too many elements/);
+  });
 });
 
 describe('safetensors writer', () => {
