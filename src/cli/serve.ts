@@ -282,14 +282,16 @@ function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Part
 
 /** The engine options `conduit serve` and `conduit worker` share that one kind of worker ignores. */
 export type EngineOptionValues = Pick<FlagValues<typeof SERVE_FLAGS>, 'kv-cache-idle-release' | 'kv-cache-memory'
-  | 'kv-cache-dtype' | 'guided-jump-forward'>;
+  | 'kv-cache-dtype' | 'guided-jump-forward' | 'threads' | 'backend' | 'lora-dtype'>;
 
 /**
  * One line per option the chosen engine ignores, for `conduit serve` and `conduit worker` alike: the cpu workers'
  * options given to simulated workers (from the command line or the environment), and --sim-* options typed for cpu
- * workers (from the environment they may be set up for another deployment).
+ * workers (from the environment they may be set up for another deployment). `modelPaths` are the --model values
+ * (NAME=PATH or PATH): simulated workers load no model file.
  */
-export function engineOptionWarnings(engine: string, values: EngineOptionValues, sources: Readonly<Record<string, FlagSource>>): string[] {
+export function engineOptionWarnings(engine: string, values: EngineOptionValues, sources: Readonly<Record<string, FlagSource>>,
+  modelPaths: readonly string[] = []): string[] {
   const warnings: string[] = [];
   if (engine !== 'sim') {
     for (const [name, source] of Object.entries(sources)) {
@@ -308,6 +310,17 @@ export function engineOptionWarnings(engine: string, values: EngineOptionValues,
   }
   if (values['guided-jump-forward']) {
     warnings.push('--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows');
+  }
+  if (values.threads !== undefined) warnings.push('--threads is for cpu workers (their kernels\' compute threads): simulated workers ignore it');
+  if (values.backend !== undefined && values.backend !== 'auto') {
+    warnings.push('--backend is for cpu workers (the kernels a model file runs on): simulated workers ignore it');
+  }
+  if (values['lora-dtype'] !== undefined) {
+    warnings.push('--lora-dtype is for cpu workers (how adapter weights are held): simulated workers read only an adapter\'s rank and projections');
+  }
+  for (const value of modelPaths) {
+    warnings.push(`--model ${value}: simulated workers load no model file (they run the --sim-model profile)`
+      + `${value.includes('=') ? '; only the name before "=" is used' : ''}`);
   }
   return warnings;
 }
@@ -533,7 +546,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
-  warnings.push(...engineOptionWarnings(engine, values, parsed.sources));
+  warnings.push(...engineOptionWarnings(engine, values, parsed.sources, parsed.lists.model ?? []));
   let calibration: CalibrationName;
   try {
     calibration = parseCalibration(values['sim-calibration']!);

@@ -215,7 +215,7 @@ async function runWorker(argv: string[], parent: ParentLink | undefined): Promis
   // The options this engine ignores, said as `conduit serve` says them. Not by a --parent-ipc child: its server
   // said them once already, and passes every setting it resolved (--threads, the --sim-* values) to each child.
   if (!local) {
-    for (const warning of engineOptionWarnings(engineKind, values, sources)) logger.warn(warning);
+    for (const warning of engineOptionWarnings(engineKind, values, sources, values.model !== undefined ? [values.model] : [])) logger.warn(warning);
   }
   const running = await startClusterWorker({
     workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,

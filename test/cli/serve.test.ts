@@ -276,6 +276,20 @@ describe('conduit serve disaggregation thresholds', () => {
     assert.equal(config(['--engine', 'sim']).warnings, undefined, 'off by default: nothing to say');
   });
 
+  it('says that simulated workers ignore --threads, --backend, --lora-dtype and --model\'s file', () => {
+    assert.deepEqual(config(['--engine', 'sim', '--threads', '4', '--backend', 'reference', '--lora-dtype', 'f32', '--model', 'llama=/models/m.gguf']).warnings, [
+      '--threads is for cpu workers (their kernels\' compute threads): simulated workers ignore it',
+      '--backend is for cpu workers (the kernels a model file runs on): simulated workers ignore it',
+      '--lora-dtype is for cpu workers (how adapter weights are held): simulated workers read only an adapter\'s rank and projections',
+      '--model llama=/models/m.gguf: simulated workers load no model file (they run the --sim-model profile); only the name before "=" is used',
+    ]);
+    assert.deepEqual(config(['--engine', 'sim', '--model', '/models/m.gguf']).warnings,
+      ['--model /models/m.gguf: simulated workers load no model file (they run the --sim-model profile)']);
+    assert.equal(config(['--engine', 'sim', '--backend', 'auto']).warnings, undefined, 'the default says nothing');
+    assert.equal(config(['--threads', '4', '--backend', 'reference', '--lora-dtype', 'f32', '--model', '/models/m.gguf']).warnings, undefined,
+      'cpu workers use them');
+  });
+
   it('says that cpu workers ignore the --sim-* options typed for them, not those from the environment', () => {
     assert.deepEqual(config(['--sim-gpu', 'h200', '--sim-tp', '2']).warnings, [
       '--sim-gpu is for simulated workers (--engine sim): cpu workers ignore it',

@@ -133,6 +133,11 @@ describe('conduit worker: options its engine ignores', () => {
           '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)',
         ] },
         { args: ['--engine', 'sim'], warned: [] },
+        { args: ['--engine', 'sim', '--threads', '4', '--backend', 'reference', '--model', 'llama=/models/m.gguf'], warned: [
+          '--threads is for cpu workers (their kernels\' compute threads): simulated workers ignore it',
+          '--backend is for cpu workers (the kernels a model file runs on): simulated workers ignore it',
+          '--model llama=/models/m.gguf: simulated workers load no model file (they run the --sim-model profile); only the name before "=" is used',
+        ] },
         // --sim-* typed for a cpu worker; from the environment they may be another deployment's.
         { args: ['--engine', 'cpu', '--sim-gpu', 'h200'], env: { CONDUIT_SIM_TP: '2' }, warned: [
           '--sim-gpu is for simulated workers (--engine sim): cpu workers ignore it',
