@@ -8,16 +8,17 @@
 // elements inside each Q/K head differs. `interleavedRowOrder` below is that permutation.
 
 import { existsSync } from 'node:fs';
-import { readdir, readFile, stat } from 'node:fs/promises';
+import { readdir, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
 import {
   checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA, GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers,
   ModelFormatError, refuseUnusedTensors, requireCount, requirePositive, requireRopeDim, splitRows,
 } from './gguf-model.ts';
+import { readModelFile } from './files.ts';
 import { GgmlType } from './ggml-types.ts';
 import { dequantizeTensor } from './quant.ts';
-import { readSafetensorsAsync } from './safetensors.ts';
+import { parseSafetensors } from './safetensors.ts';
 import type { SafetensorsFile } from './safetensors.ts';
 import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
 
@@ -60,6 +61,7 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
   if (!existsSync(tokenizerJsonPath)) {
     throw new ModelFormatError(`${dir}: tokenizer.json is missing (only fast tokenizers are supported)`);
   }
+  if (!(await stat(tokenizerJsonPath)).isFile()) throw new ModelFormatError(`${tokenizerJsonPath} is not a regular file`);
   const tokenizerConfigPath = join(dir, 'tokenizer_config.json');
   const tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
   const model: HfModel = {
@@ -72,7 +74,7 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
 }
 
 async function readJson(path: string): Promise<Record<string, unknown>> {
-  const text = await readFile(path, 'utf8');
+  const text = (await readModelFile(path)).toString('utf8');
   let value: unknown;
   try {
     value = JSON.parse(text);
@@ -301,17 +303,37 @@ async function openSafetensors(dir: string): Promise<TensorIndex> {
   const open = async (shard: string, what: string): Promise<SafetensorsFile> => {
     const path = join(dir, shard);
     if (!existsSync(path)) throw new ModelFormatError(`${dir}: shard ${shard} ${what} is missing`);
-    return readSafetensorsAsync(path);
+    return parseSafetensors(await readModelFile(path), path);
   };
 
   if (existsSync(indexPath)) {
     const weightMap = (await readJson(indexPath))['weight_map'];
-    if (typeof weightMap !== 'object' || weightMap === null) throw new ModelFormatError(`${indexPath} has no weight_map`);
+    if (typeof weightMap !== 'object' || weightMap === null || Array.isArray(weightMap)) {
+      throw new ModelFormatError(`${indexPath} has no weight_map object`);
+    }
     const files = new Map<string, SafetensorsFile>();
-    for (const [name, shard] of Object.entries(weightMap as Record<string, string>)) {
+    for (const [name, shard] of Object.entries(weightMap as Record<string, unknown>)) {
+      // A shard is a file beside the index: a path elsewhere (../, /) would read another folder's files.
+      if (typeof shard !== 'string' || shard === '' || shard === '.' || shard === '..' || /[/\\]/.test(shard)) {
+        throw new ModelFormatError(`${indexPath}: weight_map gives tensor ${name} the shard ${JSON.stringify(shard)}, ` +
+          'which is not the name of a file in the folder');
+      }
       let file = files.get(shard);
       if (!file) files.set(shard, (file = await open(shard, 'listed in the index')));
+      if (!file.hasTensor(name)) {
+        throw new ModelFormatError(`${indexPath} lists tensor ${name} in shard ${shard}, which does not hold it ` +
+          '(the index and the shards do not belong together)');
+      }
       index.set(name, file);
+    }
+    // transformers reads every tensor of a listed shard; one the index does not list would be left out here.
+    for (const [shard, file] of files) {
+      for (const name of file.entries.keys()) {
+        if (!index.has(name)) {
+          throw new ModelFormatError(`${dir}: shard ${shard} holds tensor ${name}, which ${basename(indexPath)} does ` +
+            'not list (the index and the shards do not belong together)');
+        }
+      }
     }
     return index;
   }
@@ -475,7 +497,7 @@ async function findChatTemplate(dir: string, tokenizerConfig: Record<string, unk
   const fromConfig = pickTemplate(tokenizerConfig['chat_template']);
   if (fromConfig !== undefined) return fromConfig;
   const jinjaPath = join(dir, 'chat_template.jinja');
-  if (existsSync(jinjaPath)) return readFile(jinjaPath, 'utf8');
+  if (existsSync(jinjaPath)) return (await readModelFile(jinjaPath)).toString('utf8');
   const jsonPath = join(dir, 'chat_template.json');
   if (existsSync(jsonPath)) return pickTemplate((await readJson(jsonPath))['chat_template']);
   return undefined;

@@ -1,9 +1,10 @@
 // One entry point for every model format: a path to a GGUF file or to a Hugging Face folder (config.json +
 // *.safetensors + tokenizer.json) becomes a ModelConfig, zero-copy ModelWeights, and what the tokenizer module needs.
 
-import { open, readFile, stat } from 'node:fs/promises';
+import { stat } from 'node:fs/promises';
 import { resolve } from 'node:path';
 import type { ModelConfig } from './config.ts';
+import { readModelFile } from './files.ts';
 import { ggmlTypeName } from './ggml-types.ts';
 import { GgufFormatError, metaString, parseGguf } from './gguf.ts';
 import type { GgufFile } from './gguf.ts';
@@ -75,33 +76,11 @@ export async function loadModel(path: string): Promise<LoadedModel> {
 
 export async function loadGgufModel(path: string): Promise<LoadedModel> {
   const absolute = resolve(path);
-  const bytes = await readWholeFile(absolute);
+  const bytes = await readModelFile(absolute, path);
   if (bytes.byteLength < 4 || bytes.readUInt32LE(0) !== 0x46554747) {
     throw new ModelFormatError(`${path} is neither a GGUF file (no "GGUF" magic) nor a Hugging Face model folder`);
   }
   return ggufLoadedModel(parseGguf(bytes, absolute), absolute);
-}
-
-/**
- * The file's bytes in one buffer. readFile stops at 2 GiB; a larger model (a mid-size Q8_0 or a MoE) is read in
- * chunks into a buffer of its size instead.
- */
-async function readWholeFile(path: string): Promise<Buffer> {
-  const { size } = await stat(path);
-  if (size < 2 ** 31 - 1) return readFile(path);
-  const bytes = Buffer.allocUnsafe(size);
-  const file = await open(path, 'r');
-  try {
-    const chunk = 1 << 30;
-    for (let offset = 0; offset < size;) {
-      const { bytesRead } = await file.read(bytes, offset, Math.min(chunk, size - offset), offset);
-      if (bytesRead === 0) throw new ModelFormatError(`${path}: the file ended at byte ${offset} of ${size} while reading`);
-      offset += bytesRead;
-    }
-  } finally {
-    await file.close();
-  }
-  return bytes;
 }
 
 /** A LoadedModel from an already parsed GGUF file. */

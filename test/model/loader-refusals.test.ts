@@ -4,7 +4,8 @@
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
@@ -421,5 +422,73 @@ describe('whole model files', () => {
     const path = tempPath();
     writeFileSync(path, rawGguf({ kv: [kvString('general.architecture', 'llama'), kvString('general.architecture', 'qwen2')] }));
     await refusesLoad(path, GgufFormatError, /metadata key general\.architecture appears twice/);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
+describe('Hugging Face folders: the shard index, and files that are not files', () => {
+  const shard = (i: number): string => `model-0000${i}-of-00003.safetensors`;
+  /** A tiny folder in three shards, its index edited by `edit`. */
+  function shardedFolder(edit: (weightMap: Record<string, unknown>, folder: string) => void = () => {}): string {
+    const folder = tempPath('');
+    writeTinyHf(folder, makeTinyModel(), { shards: 3 });
+    const indexPath = join(folder, 'model.safetensors.index.json');
+    const index = JSON.parse(readFileSync(indexPath, 'utf8')) as { weight_map: Record<string, unknown> };
+    edit(index.weight_map, folder);
+    writeFileSync(indexPath, JSON.stringify(index));
+    return folder;
+  }
+  const lastTensor = (weightMap: Record<string, unknown>): string => Object.keys(weightMap).at(-1)!;
+
+  it('the baseline: a sharded folder loads', async () => {
+    assert.equal((await loadModel(shardedFolder())).config.numLayers, 2);
+  });
+
+  it('an index that names a shard for a tensor the shard does not hold', async () => {
+    let moved = '';
+    const folder = shardedFolder((map) => { moved = lastTensor(map); map[moved] = shard(1); });
+    await refusesLoad(folder, ModelFormatError, new RegExp(`model\\.safetensors\\.index\\.json lists tensor ${escape(moved)} ` +
+      `in shard ${escape(shard(1))}, which does not hold it`));
+  });
+
+  it('a shard holding a tensor the index does not list (it would have been left out)', async () => {
+    let dropped = '';
+    const folder = shardedFolder((map) => { dropped = lastTensor(map); delete map[dropped]; });
+    await refusesLoad(folder, ModelFormatError, new RegExp(`shard ${escape(shard(3))} holds tensor ${escape(dropped)}, ` +
+      'which model\\.safetensors\\.index\\.json does not list'));
+  });
+
+  it('an index whose shard is not a file name in the folder', async () => {
+    for (const value of [5, null, '../elsewhere.safetensors', '/etc/passwd', '']) {
+      const folder = shardedFolder((map) => { map['model.norm.weight'] = value; });
+      await refusesLoad(folder, ModelFormatError,
+        /index\.json: weight_map gives tensor model\.norm\.weight the shard .*, which is not the name of a file in the folder/);
+    }
+    const arrayMap = shardedFolder();
+    writeFileSync(join(arrayMap, 'model.safetensors.index.json'), JSON.stringify({ weight_map: [shard(1)] }));
+    await refusesLoad(arrayMap, ModelFormatError, /model\.safetensors\.index\.json has no weight_map object/);
+  });
+
+  it('a folder where a shard, config.json or tokenizer_config.json belongs', async () => {
+    for (const name of [shard(2), 'config.json', 'tokenizer_config.json', 'tokenizer.json']) {
+      const folder = shardedFolder();
+      rmSync(join(folder, name));
+      mkdirSync(join(folder, name));
+      await refusesLoad(folder, ModelFormatError, new RegExp(`${escape(name)} is not a regular file`));
+    }
+  });
+
+  it('a device or a FIFO given as the model: refused at once, not read forever', async (t) => {
+    if (existsSync('/dev/zero')) {
+      await refusesLoad('/dev/zero', ModelFormatError, /\/dev\/zero is not a regular file \(a device, FIFO or socket\)/);
+    }
+    const fifo = join(dir, 'fifo');
+    try {
+      execFileSync('mkfifo', [fifo]);
+    } catch {
+      t.skip('mkfifo is not available');
+      return;
+    }
+    await refusesLoad(fifo, ModelFormatError, /fifo is not a regular file \(a device, FIFO or socket\)/);
   });
 });
