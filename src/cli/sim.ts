@@ -253,9 +253,10 @@ async function lifecycle(argv: string[]): Promise<number> {
     ? simulateDisaggregatedPath({ model, hw, tp, promptTokens, blockSize, maxNumBatchedTokens, efficiency, ...disaggregated })
     : undefined;
   if (path) console.log(formatDisaggregatedPath(path));
-  // One layer of the cold prefill kernel by kernel, next to seed 001's when the deployment is the one it measured.
-  const seed = model.id === 'llama-3.1-70b' && tp === 4 && promptTokens === 1024 && model.weightBytesPerParam === 2
-    ? SEED_001_PREFILL_LAYER_US : undefined;
+  // One layer of the cold prefill kernel by kernel, next to seed 001's when the deployment is the one it measured:
+  // Llama 3.1 70B on 4 x H100, a 1024-token prompt, BF16 weights and KV.
+  const seed = model.id === 'llama-3.1-70b' && hw.id === 'h100' && tp === 4 && promptTokens === 1024
+    && model.weightBytesPerParam === 2 && model.kvBytesPerElement === 2 ? SEED_001_PREFILL_LAYER_US : undefined;
   const layerTable = prefillLayerTable(model, hw, tp, promptTokens, efficiency);
   console.log(`one layer of the ${promptTokens}-token prefill, per GPU${seed ? ', next to seed 001' : ''}`
     + `${layerTable.denseApproximation ? ', as a dense layer (an approximation: see the note under it)' : ''}:`);

@@ -130,6 +130,13 @@ test('efficiency flags override the calibration: every factor at 100% reproduces
   const seed = await run(['sim', 'lifecycle', ...full]);
   assert.match(seed.out, /one layer of the 1024-token prefill, per GPU, next to seed 001:/);
   assert.match(seed.out, /^MLP gate \+ up\s+243\.1\s+compute\s+243\.1\s+70\.1\s+150\s+yes$/m);
+  // Seed 001 measured 4 x H100 with BF16 KV: another GPU's or an FP8 cache's layer is not set beside its figures.
+  for (const other of [['--gpu', 'b200'], ['--gpu', 'h200'], ['--kv-bytes', '1']]) {
+    const notSeed = await run(['sim', 'lifecycle', '--no-check', ...full, ...other]);
+    assert.equal(notSeed.code, 0, notSeed.err);
+    assert.match(notSeed.out, /one layer of the 1024-token prefill, per GPU:/, other.join(' '));
+    assert.doesNotMatch(notSeed.out, /seed 001/, other.join(' '));
+  }
   const bad = await run(['sim', 'lifecycle', '--hbm-utilization', '1.5']);
   assert.equal(bad.code, 2);
   assert.match(bad.err, /--hbm-utilization must be in \(0, 1\], got 1\.5/);
