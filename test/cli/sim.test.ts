@@ -3,7 +3,9 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { runCli as run } from '../helpers/cli-main.ts';
-import { planOptionsFromFlags } from '../../src/cli/plan.ts';
+import { readFileSync } from 'node:fs';
+import { PLAN_FLAGS, planOptionsFromFlags } from '../../src/cli/plan.ts';
+import { DECODE_SWEEP_FLAGS, KV_TIERS_FLAGS, LIFECYCLE_FLAGS } from '../../src/cli/sim.ts';
 import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
 import { DEFAULT_EFFICIENCY } from '../../src/sim/perf-model.ts';
 
@@ -270,4 +272,28 @@ test('plan flags have CONDUIT_PLAN_ twins, and serve\'s CONDUIT_MODEL (a file pa
   const flagWins = planOptionsFromFlags(['--rate', '7'], { CONDUIT_PLAN_RATE: '3', CONDUIT_MODEL: '/models/x.gguf' })!;
   assert.equal(flagWins.ratePerSec, 7);
   assert.equal(flagWins.model.id, 'llama-3.1-8b');
+});
+
+test('docs/simulator.md names every option of conduit sim and conduit plan, and no option they lack', () => {
+  const doc = readFileSync(new URL('../../docs/simulator.md', import.meta.url), 'utf8');
+  const tables: Record<string, object> = {
+    'sim lifecycle': LIFECYCLE_FLAGS, 'sim decode-sweep': DECODE_SWEEP_FLAGS, 'sim kv-tiers': KV_TIERS_FLAGS, plan: PLAN_FLAGS,
+  };
+  for (const [command, table] of Object.entries(tables)) {
+    const missing = Object.keys(table).filter((flag) => flag !== 'help' && !new RegExp(`--(no-)?${flag}\\b`).test(doc));
+    assert.deepEqual(missing, [], `conduit ${command}: in --help, not in docs/simulator.md`);
+  }
+  // The command lines the page shows (code spans, $ lines) take only their subcommand's options.
+  const lines = [...doc.matchAll(/`(conduit (?:sim|plan) [^`]*)`/g)].map((m) => m[1]!.replace(/\s+/g, ' '))
+    .concat([...doc.matchAll(/^\$ (conduit (?:sim|plan) .*)$/gm)].map((m) => m[1]!));
+  let checked = 0;
+  for (const line of lines) {
+    const command = /^conduit (sim (?:lifecycle|decode-sweep|kv-tiers)|plan)\b/.exec(line)?.[1];
+    if (command === undefined) continue;
+    checked++;
+    for (const [, , flag] of line.matchAll(/--(no-)?([a-z0-9-]+)/g)) {
+      assert.ok(Object.hasOwn(tables[command]!, flag!), `conduit ${command} has no --${flag}: ${line}`);
+    }
+  }
+  assert.ok(checked >= 5, `command lines found: ${checked}`);
 });
