@@ -79,6 +79,9 @@ export class GgufFormatError extends Error {
 
 class Cursor {
   offset = 0;
+  /** Arrays read inside other arrays, and BOOL array elements, so far (see GGUF_MAX_NESTED_ARRAYS). */
+  nestedArrays = 0;
+  boolElements = 0;
   private readonly view: DataView;
   // ignoreBOM keeps a leading U+FEFF: it is a real token in some vocabularies, not a byte order mark.
   private readonly decoder = new TextDecoder('utf-8', { fatal: false, ignoreBOM: true });
@@ -162,6 +165,15 @@ function readScalar(c: Cursor, source: string, key: string, type: GgufValueType)
  */
 export const GGUF_MAX_ARRAY_NESTING = 16;
 
+/**
+ * How many arrays may sit inside other arrays, and how many BOOL array elements a file may hold, in all. Each becomes
+ * a JS object or array slot far larger than its bytes in the file (an empty inner array: 12 bytes in the file, some
+ * 200 in memory; a BOOL: 1 byte, 8), so without a bound a hostile file of a few hundred MB exhausts the heap. No
+ * writer comes near either: llama.cpp reads no nested arrays, and BOOL arrays hold one flag per layer.
+ */
+export const GGUF_MAX_NESTED_ARRAYS = 1 << 16;
+export const GGUF_MAX_BOOL_ELEMENTS = 1 << 24;
+
 /** The fewest bytes one element of an array of this type takes (an inner array: its type and its length). */
 const MIN_ELEMENT_BYTES: ReadonlyMap<GgufValueType, number> = new Map([
   [GgufValueType.UINT8, 1], [GgufValueType.INT8, 1], [GgufValueType.BOOL, 1],
@@ -179,6 +191,10 @@ function readArray(c: Cursor, source: string, key: string, elementType: GgufValu
   }
   if (depth > GGUF_MAX_ARRAY_NESTING) {
     throw new GgufFormatError(`${source}: metadata ${key} nests arrays more than ${GGUF_MAX_ARRAY_NESTING} deep`);
+  }
+  if (depth > 1 && ++c.nestedArrays > GGUF_MAX_NESTED_ARRAYS) {
+    throw new GgufFormatError(`${source}: metadata ${key} brings the file's arrays inside arrays to more than ` +
+      `${GGUF_MAX_NESTED_ARRAYS}`);
   }
   const length = c.count(`length of metadata ${key}`);
   // Checked before anything is allocated: a corrupt length of 2^40 must not reach new Array().
@@ -198,6 +214,11 @@ function readArray(c: Cursor, source: string, key: string, elementType: GgufValu
     case GgufValueType.UINT64: return c.typedArray(BigUint64Array, length);
     case GgufValueType.INT64: return c.typedArray(BigInt64Array, length);
     case GgufValueType.BOOL: {
+      c.boolElements += length;
+      if (c.boolElements > GGUF_MAX_BOOL_ELEMENTS) {
+        throw new GgufFormatError(`${source}: metadata ${key} brings the file's BOOL array elements to ` +
+          `${c.boolElements}, more than ${GGUF_MAX_BOOL_ELEMENTS}`);
+      }
       const out: boolean[] = new Array(length);
       for (let i = 0; i < length; i++) out[i] = c.u8() !== 0;
       return out;

@@ -9,7 +9,7 @@ import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
-import { GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
+import { GGUF_MAX_BOOL_ELEMENTS, GGUF_MAX_NESTED_ARRAYS, GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
 import type { GgufValue } from '../../src/model/gguf.ts';
 import { llama3FreqFactors, ModelFormatError } from '../../src/model/gguf-model.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
@@ -215,6 +215,23 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
     const shallow = Buffer.concat([kvArrayHead('x.shallow', GgufValueType.ARRAY, 1), u32(GgufValueType.ARRAY), u64(1),
       u32(GgufValueType.UINT32), u64(1), u32(7)]);
     assert.deepEqual(parseGguf(rawGguf({ kv: [shallow] })).metadata.get('x.shallow'), [[new Uint32Array([7])]]);
+  });
+
+  it('more arrays inside arrays, or BOOL elements, than any writer writes (each costs far more memory than bytes)', () => {
+    // 70000 empty UINT8 arrays inside one array: 12 bytes each in the file, a JS object each in memory.
+    const count = GGUF_MAX_NESTED_ARRAYS + 10;
+    const inner = Buffer.alloc(count * 12);
+    for (let i = 0; i < count; i++) inner.writeUInt32LE(GgufValueType.UINT8, i * 12);
+    refusesParse(rawGguf({ kv: [Buffer.concat([kvArrayHead('x.wide', GgufValueType.ARRAY, count), inner])] }),
+      new RegExp(`metadata x\\.wide brings the file's arrays inside arrays to more than ${GGUF_MAX_NESTED_ARRAYS}`));
+    // The bound is on the file: two keys under it each, over it together.
+    const half = (key: string) => Buffer.concat([kvArrayHead(key, GgufValueType.BOOL, GGUF_MAX_BOOL_ELEMENTS / 2 + 1),
+      Buffer.alloc(GGUF_MAX_BOOL_ELEMENTS / 2 + 1)]);
+    refusesParse(rawGguf({ kv: [half('x.a'), half('x.b')] }),
+      new RegExp(`metadata x\\.b brings the file's BOOL array elements to ${GGUF_MAX_BOOL_ELEMENTS + 2}, more than`));
+    // One flag per layer reads as ever.
+    const flags = Buffer.concat([kvArrayHead('x.flags', GgufValueType.BOOL, 3), Buffer.from([1, 0, 1])]);
+    assert.deepEqual(parseGguf(rawGguf({ kv: [flags] })).metadata.get('x.flags'), [true, false, true]);
   });
 
   it('an unknown value type, naming the key', () => {
