@@ -518,7 +518,9 @@ export function formatLifecycleTable(report: LifecycleReport): string {
   for (const c of cold.phases) {
     const w = warmByPhase.get(c.phase);
     const wMs = w?.ms ?? 0;
-    rows.push([c.phase, fmt(c.ms), fmt(wMs), fmt(c.ms - wMs), c.ms > 0 ? c.detail : (w?.detail ?? c.detail)]);
+    // The note of the column that spends time in the phase; cold's when neither does (a disaggregated cold path's
+    // transfer and hand-over come after the first token, which warm's "same worker" would deny).
+    rows.push([c.phase, fmt(c.ms), fmt(wMs), fmt(c.ms - wMs), c.ms > 0 || !(wMs > 0) ? c.detail : w!.detail]);
     const cc = c.components;
     const wc = w?.components;
     if (cc || wc) {

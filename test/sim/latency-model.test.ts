@@ -114,6 +114,12 @@ test('the text tables show every phase and batch with the numbers of the data', 
   for (const phase of LIFECYCLE_PHASES) assert.match(text, new RegExp(`^${phase} `, 'm'));
   assert.match(text, new RegExp(`^TTFT +${report.cold.ttftMs.toFixed(2)} +${report.warm.ttftMs.toFixed(2)} `, 'm'));
   assert.match(text, /^ {2}tensor-parallel comm /m);
+  // A phase neither column spends time in carries the cold path's note: disaggregated, the transfer and the hand-over
+  // come after the first token, not "KV already on the worker" / "same worker" (the warm request's).
+  assert.match(text, /^kv_transfer( +0\.00){3} +after the first token: [\d.]+ ms over 4 x InfiniBand NDR/m);
+  assert.match(text, /^decode_dispatch( +0\.00){3} +after the first token \(hand-over to the decode worker\)$/m);
+  assert.match(text, /^decode_execution( +0\.00){3} +first token comes from the prefill worker's last step$/m);
+  assert.match(formatLifecycleTable(simulateLifecycle(base)), /^kv_transfer( +0\.00){3} +same worker$/m);
   const sweep = decodeSweep({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4, contextLen: 1024, batchSizes: [1, 64] });
   const lines = formatDecodeSweep(sweep).trimEnd().split('\n');
   assert.equal(lines.length, 2 + 1 + 2 + 2); // title, blank, header, rule, two rows
