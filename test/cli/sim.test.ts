@@ -6,6 +6,9 @@ import { runCli as run } from '../helpers/cli-main.ts';
 import { readFileSync } from 'node:fs';
 import { PLAN_FLAGS, planOptionsFromFlags } from '../../src/cli/plan.ts';
 import { DECODE_SWEEP_FLAGS, KV_TIERS_FLAGS, LIFECYCLE_FLAGS } from '../../src/cli/sim.ts';
+import { envName, type FlagTable } from '../../src/cli/flags.ts';
+import { SERVE_FLAGS } from '../../src/cli/serve.ts';
+import { WORKER_FLAGS } from '../../src/cli/worker.ts';
 import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
 import { DEFAULT_EFFICIENCY } from '../../src/sim/perf-model.ts';
 
@@ -296,4 +299,13 @@ test('docs/simulator.md names every option of conduit sim and conduit plan, and 
     }
   }
   assert.ok(checked >= 5, `command lines found: ${checked}`);
+});
+
+test('the deployment\'s twins are shared with serve\'s --sim-* options, --sim-lora-rank with decode-sweep\'s --lora-rank', () => {
+  const shared = { model: 'sim-model', gpu: 'sim-gpu', tp: 'sim-tp', calibration: 'sim-calibration', 'lora-rank': 'sim-lora-rank' } as const;
+  for (const [flag, serveFlag] of Object.entries(shared)) {
+    const twin = envName(serveFlag, SERVE_FLAGS[serveFlag]);
+    assert.equal(envName(flag, (DECODE_SWEEP_FLAGS as FlagTable)[flag]), twin, `--${flag}`);
+    assert.equal(envName(serveFlag, WORKER_FLAGS[serveFlag]), twin, `conduit worker --${serveFlag}`);
+  }
 });
