@@ -153,6 +153,35 @@ describe('tokenizer.json: no bytes-per-token bound where text can shrink', () =>
   });
 });
 
+describe('tokenizer.json: token ids that cannot be right', () => {
+  const model = { type: 'BPE', vocab: { a: 0, b: 1, ab: 2 }, merges: ['a b'] };
+  const refuses = (json: Record<string, unknown>, pattern: RegExp): void => {
+    assert.throws(() => tokenizerFromJsonObject(json, {}, 'tok.json'),
+      (e) => e instanceof TokenizerError && pattern.test(e.message) && !e.message.includes('\n'));
+  };
+
+  it('an id that is not a whole number from 0', () => {
+    refuses({ model: { ...model, vocab: { ...model.vocab, c: -1 } } }, /^tok\.json: token "c" has id -1, not a whole number >= 0$/);
+    refuses({ model: { ...model, vocab: { ...model.vocab, c: 2.5 } } }, /token "c" has id 2\.5/);
+    refuses({ model, added_tokens: [{ id: '3', content: '<x>' }] }, /added token "<x>" has id "3", not a whole number >= 0/);
+  });
+
+  it('an added token that is not an object with id and content (was a TypeError)', () => {
+    refuses({ model, added_tokens: [null] }, /^tok\.json: added_tokens\[0\] is not a token \(an object with "id" and "content"\)$/);
+    refuses({ model, added_tokens: [{ id: 3 }] }, /added_tokens\[0\] is not a token/);
+    refuses({ model, added_tokens: { a: 3 } }, /^tok\.json: added_tokens is not a list$/);
+  });
+
+  it('an id far beyond the tokens the file defines (a minute in the library, or a vocabulary of 10^12)', () => {
+    refuses({ model, added_tokens: [{ id: 10_000_000, content: '<x>', special: true }] },
+      /^tok\.json: token id 10000000 is far beyond the 4 tokens the file defines/);
+    refuses({ model: { ...model, vocab: { ...model.vocab, c: 1e12 } } }, /token id 1000000000000 is far beyond the 4 tokens/);
+    // Added tokens after the vocabulary, with a few holes, as real files have them.
+    const tokenizer = tokenizerFromJsonObject({ model, added_tokens: [{ id: 7, content: '<x>', special: true }] });
+    assert.equal(tokenizer.vocabSize, 8);
+  });
+});
+
 describe('tokenizer.json from a file', { skip: skipUnlessVocab('gpt-2') }, () => {
   const dir = mkdtempSync(join(tmpdir(), 'conduit-tokenizer-'));
   after(() => rmSync(dir, { recursive: true, force: true }));

@@ -43,7 +43,47 @@ export function tokenizerFromJsonObject(json: unknown, tokenizerConfig: Record<s
   if (!isObject(json) || !isObject(json.model)) {
     throw new TokenizerError(`${source} is not a tokenizer.json (no "model" object)`);
   }
+  checkTokenIds(json, source);
   return new HfTokenizer(json, tokenizerConfig, source);
+}
+
+/**
+ * The ids a tokenizer.json gives its tokens: each a whole number from 0, numbered without a large gap, and every
+ * added token an object with its id and text. Checked before the library sees the file: an added token numbered 1e9
+ * kept it busy for a minute, and an id of 1e12 in the vocabulary made a vocabulary size no table can be built for.
+ * Real vocabularies are dense (a few holes at most), so the largest id may be at most twice the number of tokens, or
+ * that number plus 65536.
+ */
+function checkTokenIds(json: Json, source: string): void {
+  const ids: number[] = [];
+  const model = json.model as Json;
+  const check = (id: unknown, what: string): void => {
+    if (typeof id !== 'number' || !Number.isSafeInteger(id) || id < 0) {
+      throw new TokenizerError(`${source}: ${what} has id ${JSON.stringify(id)}, not a whole number >= 0`);
+    }
+    ids.push(id);
+  };
+  // Unigram's vocab is a list of [piece, score] whose index is the id; the others map piece -> id.
+  if (isObject(model.vocab)) {
+    for (const [piece, id] of Object.entries(model.vocab)) check(id, `token ${JSON.stringify(piece)}`);
+  } else if (Array.isArray(model.vocab)) {
+    ids.push(model.vocab.length - 1);
+  }
+  if (json.added_tokens !== undefined && json.added_tokens !== null) {
+    if (!Array.isArray(json.added_tokens)) throw new TokenizerError(`${source}: added_tokens is not a list`);
+    json.added_tokens.forEach((token: unknown, i) => {
+      if (!isObject(token) || typeof token.content !== 'string') {
+        throw new TokenizerError(`${source}: added_tokens[${i}] is not a token (an object with "id" and "content")`);
+      }
+      check(token.id, `added token ${JSON.stringify(token.content)}`);
+    });
+  }
+  const count = new Set(ids).size;
+  const largest = ids.reduce((a, b) => Math.max(a, b), -1);
+  if (largest >= Math.max(2 * count, count + 65536)) {
+    throw new TokenizerError(`${source}: token id ${largest} is far beyond the ${count} tokens the file defines ` +
+      '(ids are numbered from 0, without large gaps)');
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
