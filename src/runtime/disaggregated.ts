@@ -158,7 +158,11 @@ export class DisaggregatedEngine implements Engine {
   private readonly prefillRate: RateEstimate;
   /** When a transfer-slower verdict is tested by a transfer: only transfers refine transferRate. */
   private readonly transferProbe: TransferProbe;
-  private readonly kvBytesPerToken: number;
+  /**
+   * KV bytes of one token as the prefill workers' transfers report them (the policy's transfer estimate), from the
+   * first prefill worker that joins with a layout: 0 until then.
+   */
+  private kvBytesPerToken = 0;
   private readonly counts = { disaggregated: 0, local: 0, fallbacks: 0 };
   /**
    * Requests each worker took over from a lost worker (counted by its group): a decode worker from a lost decode
@@ -194,6 +198,11 @@ export class DisaggregatedEngine implements Engine {
         // The prefill router picks only prefill workers whose context holds the prompt (none: the decode worker
         // prefills it).
         this.prefillRouter.setWorkerMaxTokens(id, engine.info.maxModelLen);
+        // In the bytes transfers report (KvTransferStats.bytes), which the transfer estimate learns from; known once
+        // a prefill worker is (a frontend's first decode worker may join before any).
+        if (!(this.kvBytesPerToken > 0)) {
+          this.kvBytesPerToken = engine.kvTransferBytesPerToken ?? (engine.kvLayout ? kvBytesPerToken(engine.kvLayout) : 0);
+        }
         for (const [decodeId, decode] of this.decodeWorkers.entries()) this.connect(id, engine, decodeId, decode);
         this.recombine();
         return [];
@@ -220,10 +229,6 @@ export class DisaggregatedEngine implements Engine {
     });
     for (const { id, engine } of options.prefill) this.prefillWorkers.add(id, engine);
     for (const { id, engine } of options.decode) this.decodeWorkers.add(id, engine);
-    // In the bytes transfers report (KvTransferStats.bytes), which the transfer estimate learns from.
-    const firstPrefill = options.prefill[0]?.engine;
-    const layout = firstPrefill?.kvLayout;
-    this.kvBytesPerToken = firstPrefill?.kvTransferBytesPerToken ?? (layout ? kvBytesPerToken(layout) : 0);
     const infos = [...options.prefill, ...options.decode].map((w) => w.engine.info);
     const blockSizes = new Set(infos.map((i) => i.blockSize));
     if (blockSizes.size > 1) throw new Error(`prefill and decode workers must share one block size, got ${[...blockSizes].join(', ')}`);

@@ -240,8 +240,10 @@ describe('simulated workers behind the DisaggregatedEngine', () => {
 describe('the disaggregation policy prices a simulated transfer as the link moves it', () => {
   // The policy's estimate is bytes / estimated bytes per second; the starting rate is priced over one step budget of
   // tokens (simDisaggregationEstimates), so a prompt of that many tokens is estimated at exactly its transfer time.
-  for (const kvBytes of [2, 1]) {
-    test(`${kvBytes === 2 ? 'BF16' : 'FP8'} KV: estimated transfer ms = the simulated transfer's`, async () => {
+  // A frontend's first decode worker may join before any prefill worker: the engine then starts with none.
+  for (const [kvBytes, lateJoin] of [[2, false], [1, false], [2, true]] as const) {
+    test(`${kvBytes === 2 ? 'BF16' : 'FP8'} KV${lateJoin ? ', the prefill worker joining after the engine was built' : ''}: `
+      + 'estimated transfer ms = the simulated transfer\'s', async () => {
       const model = getModelProfile('llama-3.1-8b', { kvBytesPerElement: kvBytes });
       const stepTokens = 1024;
       const make = (role: 'prefill' | 'decode') => new SimEngine({
@@ -250,12 +252,13 @@ describe('the disaggregation policy prices a simulated transfer as the link move
       const prefill = make('prefill');
       const decode = make('decode');
       const engine = new DisaggregatedEngine({
-        prefill: [{ id: 'p0', engine: prefill }], decode: [{ id: 'd0', engine: decode }],
+        prefill: lateJoin ? [] : [{ id: 'p0', engine: prefill }], decode: [{ id: 'd0', engine: decode }],
         prefillRouter: new Router({ blockSize: 16, random: seededRandom(1) }),
         decodeRouter: new Router({ blockSize: 16, random: seededRandom(2) }),
         channel: new SimulatedKvChannel(), policy: { transferOverheadMs: 0, minRemotePrefillTokens: 64 },
         estimates: simDisaggregationEstimates(decode, stepTokens), now: () => decode.now(),
       });
+      if (lateJoin) engine.addPrefillWorker('p0', prefill);
       try {
         const ids = Array.from({ length: stepTokens }, (_, i) => (i * 7919 + 13) % 32000);
         let last: EngineOutput | undefined;
