@@ -152,19 +152,26 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
   const idleTimer = idleReleaseMs > 0 ? setInterval(releaseIfIdle, Math.max(10, Math.min(idleReleaseMs / 4, 1000))) : undefined;
 
   // Lower KV tiers: after each step (its outputs already sent) the next blocks the pool would evict are copied down,
-  // a bounded number per gap; once idle, everything cached goes down chunk by chunk (one chunk per turn of the event
-  // loop, so a new request never waits for more than one chunk).
+  // a bounded number per gap; once idle, what each tier keeps of the cached blocks goes down chunk by chunk (one chunk
+  // per turn of the event loop, so a new request never waits for more than one chunk). An idle sweep copies a block
+  // into a tier at most once (kv-cache/tiers.ts), so it ends, and the worker sleeps until the next request.
   const tiers = core.kv.tiers;
   let offloadQueued = false;
+  /** The tiers' KV events and figures to the parent (the router's index, /metrics), when anything changed. */
+  const sendTierState = (changed: boolean) => {
+    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
+    if (changed || (kvEvents && kvEvents.length > 0)) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+  };
   const offloadIdle = () => {
     offloadQueued = false;
     if (closing || core.hasWork) return;
     const copied = core.offloadKv(undefined, Infinity);
-    const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
-    if (kvEvents && kvEvents.length > 0) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
+    sendTierState(copied > 0);
     if (copied > 0) queueOffloadIdle();
     // A disk tier at its bound of writes in flight: try again once some have landed.
     else if (tiers!.diskBusy) queueOffloadIdle(10);
+    // Done: the last disk writes land after the sweep, and their stored events and the tier's figures follow them.
+    else void tiers!.flush().catch(() => {}).then(() => { if (!closing && !core.hasWork) sendTierState(tiers!.disk !== undefined); });
   };
   const queueOffloadIdle = (delayMs = 0) => {
     if (tiers === undefined || offloadQueued || closing) return;

@@ -204,6 +204,52 @@ describe('disk tier under the KV cache', () => {
     assert.deepEqual({ failed: stats.failedOffloadBlocks, stored: stats.offloadBlocks, used: stats.usedBlocks }, { failed: 2, stored: 0, used: 0 });
   });
 
+  test('an idle sweep into a disk tier smaller than the cached blocks writes each block once and ends', async () => {
+    const dir = tempDir();
+    let reads = 0;
+    const io = { blockBytes: BLOCK_BYTES, read: () => { reads++; return bytes(9); }, write: () => {} };
+    const disk = new DiskKvTier({ dir, capacityBytes: 2 * (112 + BLOCK_BYTES), blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT });
+    const tiers = new KvTiers({ blockBytes: BLOCK_BYTES, disk });
+    const kv = new KvCacheManager({ numBlocks: 8, blockSize: 4, tiers, blockIo: io });
+    const scheduler = new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 4, maxModelLen: 64 }, kv);
+    scheduler.addRequest(makeRequest('a', prompt(0, 17), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    const cached = kv.pool.freeBlocksInEvictionOrder().filter((b) => b.hash !== null).map((b) => b.hash);
+    assert.equal(cached.length, 4);
+    // As the worker does: sweep again while something was copied, once the writes landed.
+    let calls = 0;
+    for (let copied = -1; copied !== 0; calls++) {
+      assert.ok(calls < 20, 'the idle sweep ends');
+      copied = kv.offloadEvictable(undefined, Infinity);
+      await tiers.flush();
+    }
+    assert.equal(reads, 2, 'only the two blocks the tier keeps were written');
+    assert.deepEqual(disk.hashes(), cached.slice(-2), 'the two most recently used');
+    assert.equal(tiers.stats().tiers.disk!.evictedBlocks, 0);
+  });
+
+  test('an idle sweep does not write a block again after its write failed', async () => {
+    const dir = tempDir();
+    let reads = 0;
+    const io = { blockBytes: BLOCK_BYTES, read: () => { reads++; return bytes(9); }, write: () => {} };
+    const tiers = new KvTiers({ blockBytes: BLOCK_BYTES, disk: openDisk(dir) });
+    const kv = new KvCacheManager({ numBlocks: 4, blockSize: 4, tiers, blockIo: io });
+    const scheduler = new Scheduler({ maxNumBatchedTokens: 64, maxNumSeqs: 4, maxModelLen: 64 }, kv);
+    rmSync(dir, { recursive: true, force: true });
+    scheduler.addRequest(makeRequest('a', prompt(0, 9), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    assert.equal(kv.offloadEvictable(undefined, Infinity), 2);
+    await tiers.flush();
+    assert.equal(tiers.stats().tiers.disk!.failedOffloadBlocks, 2);
+    assert.equal(kv.offloadEvictable(undefined, Infinity), 0, 'the failed blocks wait for the next idle period');
+    assert.equal(reads, 2);
+    // A step allocates: the next idle period tries them again.
+    scheduler.addRequest(makeRequest('b', prompt(1, 5), { sampling: { maxTokens: 1 } }), 0);
+    step(scheduler);
+    assert.ok(kv.offloadEvictable(undefined, Infinity) > 0);
+    await tiers.flush();
+  });
+
   test('two tenants: the same prompt under another salt never hits the disk tier; its own salt does', async () => {
     const dir = tempDir();
     const io = { blockBytes: BLOCK_BYTES, read: () => bytes(9), written: [] as number[], write(id: number) { this.written.push(id); } };

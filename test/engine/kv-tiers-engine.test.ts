@@ -47,6 +47,29 @@ function tierSuite(name: string, load: () => Promise<LoadedModel>, backends: () 
         assert.equal(tiered.stats().kvBlocksUsed, 0);
         tiered.scheduler.checkInvariants();
       });
+
+      test('a RAM tier smaller than the cached blocks: the idle sweep ends, and what it kept onboards to the cold tokens', async () => {
+        const loaded = await load();
+        const vocab = loaded.config.vocabSize;
+        const prompt = tierPrompt(2, 3 * TIER_TEST_BLOCK_SIZE + 5, vocab);
+        const cold = runGreedy(makeTieredCore(backend, loaded, () => undefined), prompt);
+        // Two blocks of RAM, one copy per call, under a pool that caches the prompt's 3 blocks and more.
+        const tiered = makeTieredCore(backend, loaded, (blockBytes) => new KvTiers({ blockBytes, ramBytes: 2 * blockBytes, maxBlocksPerCall: 1, ...SLOW_PREFILL }));
+        runGreedy(tiered, tierPrompt(9, 2 * TIER_TEST_BLOCK_SIZE + 1, vocab), 1);
+        assert.deepEqual(runGreedy(tiered, prompt).tokens, cold.tokens);
+        let calls = 0;
+        while (tiered.offloadKv(undefined, Infinity) > 0) assert.ok(++calls <= 10, 'the idle sweep ends');
+        assert.equal(calls, 2, 'one block per call, as many as the tier holds');
+        const ram = tiered.stats().kvTiers!.tiers.ram!;
+        assert.deepEqual({ offloaded: ram.offloadBlocks, evicted: ram.evictedBlocks, used: ram.usedBlocks }, { offloaded: 2, evicted: 0, used: 2 });
+        flushPrimary(tiered, vocab, 30);
+        // The prompt's blocks were the most recently used: its first two are below (freed last), the third is recomputed.
+        const restored = runGreedy(tiered, prompt);
+        assert.deepEqual(restored.onboard && { ram: restored.onboard.ram, disk: restored.onboard.disk }, { ram: 2, disk: 0 });
+        assert.equal(restored.cachedTokens, 2 * TIER_TEST_BLOCK_SIZE);
+        assert.deepEqual(restored.tokens, cold.tokens, 'onboarded from RAM, the rest computed');
+        tiered.scheduler.checkInvariants();
+      });
     });
   }
 }

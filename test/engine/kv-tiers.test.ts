@@ -127,6 +127,62 @@ describe('KV tiers: offload', () => {
   });
 });
 
+/** Calls an idle sweep (window Infinity) until it copies nothing; the number of calls, bounded so a sweep that never ends fails. */
+function sweepUntilDone(kv: KvCacheManager, maxCalls = 50): number {
+  for (let calls = 1; calls <= maxCalls; calls++) if (kv.offloadEvictable(undefined, Infinity) === 0) return calls;
+  assert.fail(`the idle sweep still copied blocks after ${maxCalls} calls`);
+}
+
+describe('KV tiers: idle sweep into a tier smaller than the cached blocks', () => {
+  test('each block is copied at most once, the sweep ends, and the tier keeps the most recently used', () => {
+    // 8 cached blocks in the pool, a RAM tier of 3, 2 copies per call.
+    const { io, tiers, kv, scheduler } = setup({ numBlocks: 16, tiers: { ramBytes: 3 * BLOCK_BYTES, maxBlocksPerCall: 2 } });
+    runOnce(scheduler, 'a', prompt(0, 17));
+    runOnce(scheduler, 'b', prompt(1, 17));
+    const cached = kv.pool.freeBlocksInEvictionOrder().filter((b) => b.hash !== null);
+    assert.equal(cached.length, 8);
+    kv.takeEvents();
+    assert.equal(sweepUntilDone(kv), 3, 'two calls of 2 and 1 copies, then one that copies nothing');
+    assert.deepEqual(io.reads, cached.slice(-3).map((b) => b.id), 'only the 3 most recently used blocks were copied, in eviction order');
+    assert.deepEqual(tiers.ram!.hashes(), cached.slice(-3).map((b) => b.hash));
+    assert.deepEqual(tierEvents(kv.takeEvents()), cached.slice(-3).map((b) => `stored:ram:${b.hash}`), 'no block stored only to be removed');
+    assert.equal(tiers.stats().tiers.ram!.offloadBlocks, 3);
+    // Still idle: nothing more to do, however often the worker asks.
+    assert.equal(kv.offloadEvictable(undefined, Infinity), 0);
+    assert.deepEqual(kv.takeEvents(), []);
+  });
+
+  test('the tier\'s share is made its most recently used first, so copies push out only other blocks', () => {
+    const { io, tiers, kv, scheduler } = setup({ numBlocks: 16, tiers: { ramBytes: 3 * BLOCK_BYTES } });
+    runOnce(scheduler, 'a', prompt(0, 17));
+    const share = kv.pool.freeBlocksInEvictionOrder().filter((b) => b.hash !== null).slice(-3);
+    // The RAM tier holds the oldest block of the share as its least recently used, then two blocks no longer in the
+    // pool: a copy into the full tier that pushed out its least recently used would push out that block.
+    const other = { bytes: new Uint8Array(BLOCK_BYTES), parentHash: null };
+    tiers.ram!.put(share[0]!.hash!, other);
+    tiers.ram!.put('00000000000000f1' as BlockHash, other);
+    tiers.ram!.put('00000000000000f2' as BlockHash, other);
+    kv.takeEvents();
+    sweepUntilDone(kv);
+    assert.deepEqual(tiers.ram!.hashes(), share.map((b) => b.hash), 'the 3 most recently used, in eviction order');
+    assert.deepEqual(io.reads, share.slice(1).map((b) => b.id), 'the block already held was not copied again');
+    assert.deepEqual(tierEvents(kv.takeEvents()), [
+      'removed:ram:00000000000000f1', `stored:ram:${share[1]!.hash}`, 'removed:ram:00000000000000f2', `stored:ram:${share[2]!.hash}`,
+    ]);
+  });
+
+  test('after a step the next idle period sweeps the new blocks', () => {
+    const { tiers, kv, scheduler } = setup({ numBlocks: 16, tiers: { ramBytes: 3 * BLOCK_BYTES } });
+    runOnce(scheduler, 'a', prompt(0, 17));
+    sweepUntilDone(kv);
+    runOnce(scheduler, 'b', prompt(1, 13));
+    assert.equal(sweepUntilDone(kv), 2);
+    const cached = kv.pool.freeBlocksInEvictionOrder().filter((b) => b.hash !== null);
+    assert.deepEqual(tiers.ram!.hashes(), cached.slice(-3).map((b) => b.hash));
+    assert.deepEqual(hashesOf(kv, prompt(1, 13)).every((h) => tiers.ram!.has(h)), true, 'b\'s blocks, the most recently used, are below');
+  });
+});
+
 describe('KV tiers: onboard', () => {
   test('a prefix evicted from the pool is copied back into fresh blocks instead of recomputed', () => {
     const { io, kv, scheduler, tiers } = setup();

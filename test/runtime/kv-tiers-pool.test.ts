@@ -1,6 +1,6 @@
 // The lower KV tiers as `conduit serve` runs them: a cpu worker thread with a RAM and a disk tier, a pool closed and
-// started again over the same folder (a warm restart finds the prompt's blocks on disk), and a second pool refused
-// the folder while the first holds it.
+// started again over the same folder (a warm restart finds the prompt's blocks on disk), a second pool refused
+// the folder while the first holds it, and an idle worker whose RAM tier is smaller than its cached blocks settling.
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
@@ -95,5 +95,48 @@ describe('engine stats summed over workers', () => {
     assert.deepEqual(sum.kvTiers, {
       tiers: { ram: { ...tier(7, 3), capacityBlocks: 20, onboardMs: 2 }, disk: tier(5, 0) }, missedOffloads: 3, recomputedBlocks: 3,
     });
+  });
+
+  test('an idle worker with tiers smaller than its cached blocks copies them down once, then stops', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-pool-'));
+    dirs.push(dir);
+    const model = cpuTestModel();
+    // A RAM tier a quarter of the pool's size, a disk tier half of it; four prompts cache about as many blocks as the
+    // pool holds.
+    const pool = await createWorkerPool({
+      engine: 'cpu', workers: 1, modelPath: model.path, threads: 1, kvCacheMemoryBytes: 256 << 10, kvOffloadMemoryBytes: 64 << 10,
+      kvOffloadDiskDir: dir, kvOffloadDiskBytes: 128 << 10, workerRestartLimit: 0,
+    });
+    const worker = pool.engine as LocalEngine;
+    try {
+      for (let i = 0; i < 4; i++) {
+        await collect(pool.engine.generate({ ...request(Array.from({ length: 96 }, (_, j) => 3 + ((j * (i + 7) * 31) % 200))), sampling: { ...DEFAULT_SAMPLING, maxTokens: 1 } }));
+      }
+      // What /metrics reads without asking the worker: the state it sent by itself once idle (sync() below updates it).
+      await new Promise((resolve) => setTimeout(resolve, 500));
+      const reported = structuredClone(pool.engine.stats().kvTiers!.tiers);
+      const ram = async () => (await worker.sync()).kvTiers!.tiers.ram!;
+      const { capacityBlocks } = await ram();
+      // Settled: the offload counter stops moving (it kept climbing while the sweep copied blocks round the tier).
+      let last = -1;
+      for (let turns = 0; ; turns++) {
+        assert.ok(turns < 50, `the idle sweep did not end: ${last} blocks copied into a tier of ${capacityBlocks}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+        const now = (await ram()).offloadBlocks;
+        if (now === last) break;
+        last = now;
+      }
+      await new Promise((resolve) => setTimeout(resolve, 300));
+      const settled = await ram();
+      assert.equal(settled.offloadBlocks, last, 'nothing copied while idle once settled');
+      assert.equal(settled.usedBlocks, capacityBlocks, 'the tier is full');
+      const disk = (await worker.sync()).kvTiers!.tiers.disk!;
+      assert.equal(disk.usedBlocks, disk.capacityBlocks, 'the disk tier is full');
+      assert.equal(readdirSync(join(dir, 'worker-0')).filter((name) => name.endsWith('.kvb')).length, disk.usedBlocks);
+      assert.ok(disk.offloadBlocks <= 2 * disk.capacityBlocks, `${disk.offloadBlocks} blocks written into a tier of ${disk.capacityBlocks}`);
+      assert.deepEqual(reported, { ram: settled, disk }, 'the worker sent its tiers\' last state, the disk writes that landed after the sweep included');
+    } finally {
+      await pool.engine.close();
+    }
   });
 });

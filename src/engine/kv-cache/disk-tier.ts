@@ -159,6 +159,17 @@ export class DiskKvTier implements KvBlockStore {
     return { bytes: new Uint8Array(file.buffer, file.byteOffset + HEADER_BYTES, this.blockBytes), parentHash };
   }
 
+  /**
+   * Makes a block the most recently used in the index (what the LRU bound pushes out last), without reading it. Its
+   * file's time is left as it is: after a restart the order is that of the writes and reads.
+   */
+  touch(hash: BlockHash): void {
+    if (!this.index.has(hash)) return;
+    const parentHash = this.index.get(hash)!;
+    this.index.delete(hash);
+    this.index.set(hash, parentHash);
+  }
+
   /** True while a block's write is in flight. */
   writing(hash: BlockHash): boolean {
     return this.pending.has(hash);

@@ -312,6 +312,8 @@ export class KvCacheManager {
       this.countLookup(prefix);
     }
     const allocated = numToAllocate > 0 ? this.pool.allocate(numToAllocate)! : NO_BLOCKS;
+    // The pool changes under the tiers: the next idle sweep decides afresh what goes down.
+    if (numToAllocate > 0) this.tiers?.allocated();
     for (const block of allocated) table.append(block);
     if (onboard !== undefined) this.tiers!.noteRecomputed(onboard.numRecomputed);
     if (fetched !== undefined) {
@@ -470,6 +472,7 @@ export class KvCacheManager {
     if (!Number.isSafeInteger(count) || count < 0) throw new RangeError(`count must be >= 0, got ${count}`);
     const blocks = count > 0 ? this.pool.allocate(count) : [];
     if (blocks === null) return null;
+    if (count > 0) this.tiers?.allocated();
     const pin: KvPin = { blocks };
     this.pins.add(pin);
     return pin;

@@ -11,13 +11,20 @@
 //     time it adds between two steps is bounded by maxBlocksPerCall * blockBytes / memory bandwidth: at most the
 //     KV bytes one full step writes, a small fraction of the step itself. The disk tier's writes are asynchronous
 //     (libuv's thread pool) and bounded in flight (disk-tier.ts); none is awaited on the step loop.
-//   - when the worker is idle it keeps calling offload() until every cached free block is below (writes through to
-//     disk for a warm restart).
+//   - when the worker is idle it keeps calling offload() until every cached free block a tier keeps is below (writes
+//     through to disk for a warm restart), then stops.
 // A block evicted before it was copied is simply lost to the tiers (counted: missedOffloads).
 //
+// A tier smaller than the blocks offered keeps the most recently used of them (the end of the eviction order), as an
+// LRU given all of them in turn would, without copying the others only to push them out again: each call copies into
+// a tier only the last `capacity` cached blocks of its window, after making those it already holds its most recently
+// used ones (touch), so a copy pushes out only blocks it does not want. An idle sweep thus ends: once a tier holds its
+// share it is left alone, and the sweep copies each block into a tier at most once until the pool allocates again
+// (a disk write that failed is not retried in the same idle period).
+//
 // Tiers are inclusive and LRU each: the RAM tier keeps what it was given until its capacity pushes the least
-// recently used out; the disk tier gets every block the RAM tier gets (write-through) and is bounded by its own
-// size. Onboarding reads RAM first, then disk; a disk hit is also put back into the RAM tier.
+// recently used out; the disk tier is written through (it gets the blocks copied down, as many of them as its own
+// size keeps) and is bounded by its own size. Onboarding reads RAM first, then disk; a disk hit is also put back into the RAM tier.
 //
 // Tenants stay apart for free: a block is stored under its chained hash, which covers the cache salt (and adapter),
 // so a lookup under another salt computes other hashes and cannot hit.
@@ -52,6 +59,8 @@ export interface KvBlockStore {
   get(hash: BlockHash): TierBlock | null;
   /** Stores (or refreshes) a block; may evict the least recently used. False when refused (a disk tier's writes in flight are at their bound). */
   put(hash: BlockHash, block: TierBlock): boolean | void;
+  /** Makes a block it holds the most recently used, without reading it (a store without it keeps its order). */
+  touch?(hash: BlockHash): void;
   /** True while a block is being written (not yet has(), but not to be offered again). */
   writing?(hash: BlockHash): boolean;
   /** True while the tier refuses new blocks until writes in flight finish. */
@@ -166,6 +175,13 @@ export class RamKvTier implements KvBlockStore {
     return block;
   }
 
+  touch(hash: BlockHash): void {
+    const block = this.blocks.get(hash);
+    if (block === undefined) return;
+    this.blocks.delete(hash);
+    this.blocks.set(hash, block);
+  }
+
   put(hash: BlockHash, block: TierBlock): void {
     if (this.blocks.delete(hash)) {
       this.blocks.set(hash, block);
@@ -216,6 +232,11 @@ export class KvTiers {
   private onboardMsSinceTake = 0;
   private emit: (event: KvEvent) => void = () => {};
   private blockSize = 1;
+  /**
+   * Blocks the current idle sweep (offload with window Infinity) copied into each tier (a disk write: started):
+   * never copied there again until the pool allocates (allocated()) or a step's bounded offload runs.
+   */
+  private sweep: { ram: Set<BlockHash>; disk: Set<BlockHash> } | undefined;
 
   constructor(options: KvTiersOptions) {
     if (!Number.isSafeInteger(options.blockBytes) || options.blockBytes < 1) throw new RangeError(`blockBytes must be >= 1, got ${options.blockBytes}`);
@@ -397,36 +418,66 @@ export class KvTiers {
   // Offload (primary -> lower tiers)
 
   /**
-   * Copies down the cached blocks among the first `window` of `candidates` (the next blocks the pool evicts, in
-   * eviction order) that no tier holds yet, at most maxBlocks of them; returns how many were copied. An idle worker
-   * passes window Infinity to copy everything down, chunk by chunk.
+   * Copies down cached blocks among the first `window` of `candidates` (the next blocks the pool evicts, in eviction
+   * order), at most maxBlocks of them; returns how many were copied. A tier takes only the last `capacityBlocks` cached
+   * blocks of the window (the most recently used: what an LRU of that size keeps of them) that it does not hold yet;
+   * those it holds are touched first, so its copies push out only blocks it does not want. An idle worker passes
+   * window Infinity to copy everything a tier keeps, chunk by chunk: such a sweep copies a block into a tier at most
+   * once (until allocated()), so it ends, with 0, once each tier holds its share.
    */
   offload(candidates: Iterable<OffloadCandidate>, maxBlocks = this.maxBlocksPerCall, window = this.windowBlocks): number {
     if (!this.enabled || this.io === undefined) return 0;
-    let copied = 0;
+    const idle = window === Infinity;
+    if (!idle) this.sweep = undefined;
+    const sweep = idle ? (this.sweep ??= { ram: new Set(), disk: new Set() }) : undefined;
+    const cached: OffloadCandidate[] = [];
     let seen = 0;
     for (const block of candidates) {
-      if (copied >= maxBlocks || seen >= window) break;
+      if (seen >= window) break;
       seen++;
-      const hash = block.hash;
-      if (hash === null || this.ram?.has(hash)) continue;
-      const disk = this.disk;
-      const diskWants = disk !== undefined && !disk.has(hash) && !(disk.writing?.(hash) ?? false);
-      if (this.ram === undefined && !diskWants) continue;
-      // Without a RAM tier a saturated disk takes nothing now: stop, the blocks stay for a later call.
-      if (this.ram === undefined && disk!.busy) break;
+      if (block.hash !== null) cached.push(block);
+    }
+    const { ram, disk } = this;
+    // Index of the first block each tier takes: the last capacityBlocks of the window (all of them when it is larger).
+    const ramFrom = ram === undefined ? cached.length : Math.max(0, cached.length - ram.capacityBlocks);
+    const diskFrom = disk === undefined ? cached.length : Math.max(0, cached.length - disk.capacityBlocks);
+    // What a tier already holds of its share becomes its most recently used, in eviction order: the copies below then
+    // push out only blocks outside the share (there are enough of them, since the share fits the tier).
+    for (let i = Math.min(ramFrom, diskFrom); i < cached.length; i++) {
+      const hash = cached[i]!.hash!;
+      if (i >= ramFrom) ram!.touch(hash);
+      if (i >= diskFrom) disk!.touch?.(hash);
+    }
+    let copied = 0;
+    for (let i = Math.min(ramFrom, diskFrom); i < cached.length; i++) {
+      const block = cached[i]!;
+      const hash = block.hash!;
+      const toRam = i >= ramFrom && !ram!.has(hash) && !(sweep?.ram.has(hash) ?? false);
+      // A disk tier at its bound of writes in flight takes nothing now: the block is offered again by a later call.
+      const toDisk = i >= diskFrom && !disk!.has(hash) && !(disk!.writing?.(hash) ?? false) && !(sweep?.disk.has(hash) ?? false)
+        && !disk!.busy;
+      if (!toRam && !toDisk) continue;
+      if (copied >= maxBlocks) break;
       const start = this.now();
       const tierBlock: TierBlock = { bytes: this.io.read(block.id), parentHash: block.parentHash };
-      if (this.ram !== undefined) {
+      if (toRam) {
         this.putRam(hash, tierBlock);
-        const s = this.stat('ram');
-        s.offloadMs += Math.max(0, this.now() - start);
+        sweep?.ram.add(hash);
+        this.stat('ram').offloadMs += Math.max(0, this.now() - start);
       }
       // Write-through to disk (asynchronous there; the stored event goes out when the write is durable).
-      if (diskWants) disk!.put(hash, tierBlock);
+      if (toDisk && disk!.put(hash, tierBlock) !== false) sweep?.disk.add(hash);
       copied++;
     }
     return copied;
+  }
+
+  /**
+   * The pool allocated blocks (a step ran): what the next idle sweep copies is decided afresh. Blocks copied by the
+   * last sweep and pushed out of a tier since may be copied again.
+   */
+  allocated(): void {
+    this.sweep = undefined;
   }
 
   private putRam(hash: BlockHash, block: TierBlock): void {
@@ -466,6 +517,7 @@ export class KvTiers {
 
   /** Forgets the RAM tier (a prefix-cache reset); the disk tier keeps its blocks (it holds no memory). */
   resetMemory(): void {
+    this.sweep = undefined;
     if (this.ram === undefined || this.ram.numBlocks === 0) return;
     this.ram.clear();
     this.emit({ type: 'cleared', eventId: 0, tier: 'ram' });
