@@ -477,9 +477,13 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
     layers.push(layer as LayerWeights);
   }
   // Checkpoints that tie embeddings usually omit lm_head; some store a copy anyway, which we ignore (transformers
-  // ties lm_head to the embeddings whatever the file holds).
-  const output = config.tiedEmbeddings || !index.has('lm_head.weight') ? tokenEmbedding : get('lm_head.weight');
-  if (output === tokenEmbedding) config.tiedEmbeddings = true;
+  // ties lm_head to the embeddings whatever the file holds). An untied model without lm_head is missing its output
+  // projection (transformers would start it from random values); the embeddings are not it.
+  if (!config.tiedEmbeddings && !index.has('lm_head.weight')) {
+    throw new ModelFormatError(`${source}: tensor lm_head.weight is missing, and config.json does not tie the output ` +
+      'projection to the embeddings (tie_word_embeddings is not true)');
+  }
+  const output = config.tiedEmbeddings ? tokenEmbedding : get('lm_head.weight');
   const outputNorm = get('model.norm.weight');
   for (const name of index.keys()) if (IGNORABLE_HF_TENSOR.test(name) || name === 'lm_head.weight') used.add(name);
   refuseUnusedTensors(index.keys(), used, config, source);

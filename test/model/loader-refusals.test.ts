@@ -495,6 +495,21 @@ describe('Hugging Face folders: the shard index, and files that are not files', 
     }
   });
 
+  it('an untied model without lm_head.weight: refused, not run with the embeddings as its output projection', async () => {
+    const model = makeTinyModel();
+    model.tensors.delete('output.weight');
+    for (const overrides of [{ tie_word_embeddings: false }, { tie_word_embeddings: undefined }]) {
+      const folder = tempPath('');
+      writeTinyHf(folder, model, { configOverrides: overrides });
+      await refusesLoad(folder, ModelFormatError, /tensor lm_head\.weight is missing, and config\.json does not tie the output projection to the embeddings/);
+    }
+    // Tied, it loads with the embeddings as the output.
+    const tied = tempPath('');
+    writeTinyHf(tied, model, { configOverrides: { tie_word_embeddings: true } });
+    const loaded = await loadModel(tied);
+    assert.equal(loaded.weights.output, loaded.weights.tokenEmbedding);
+  });
+
   it('a device or a FIFO given as the model: refused at once, not read forever', async (t) => {
     if (existsSync('/dev/zero')) {
       await refusesLoad('/dev/zero', ModelFormatError, /\/dev\/zero is not a regular file \(a device, FIFO or socket\)/);
