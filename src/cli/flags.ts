@@ -1,6 +1,7 @@
 // Command-line flags with environment-variable twins. Every flag `--some-name` can also be set as
-// CONDUIT_SOME_NAME; the command line wins over the environment, the environment over the default. `--help` alone
-// has no twin: a stray CONDUIT_HELP must not turn every command (`conduit serve` included) into its help text.
+// CONDUIT_SOME_NAME; the command line wins over the environment, the environment over the default. `--help` has no
+// twin: a stray CONDUIT_HELP must not turn every command (`conduit serve` included) into its help text. Nor has an
+// internal flag Conduit sets on a child's command line (FlagSpec.noEnvTwin: `conduit worker --parent-ipc`).
 // Commands declare their flags as a table so `--help` and the docs come from the same place.
 
 export type FlagType = 'string' | 'number' | 'boolean';
@@ -18,6 +19,11 @@ export interface FlagSpec {
    * last). Its environment twin is a comma-separated list.
    */
   repeatable?: boolean;
+  /**
+   * No environment variable sets it, as --help: an internal flag Conduit itself puts on a child process's command
+   * line, which a variable left in an environment would otherwise turn on for every command run there.
+   */
+  noEnvTwin?: boolean;
 }
 
 export type FlagTable = Record<string, FlagSpec>;
@@ -159,7 +165,7 @@ export function parseFlags<T extends FlagTable>(
     if (fromArgs.has(name)) continue;
     sources[name] = 'default';
     values[name] = fallback(spec);
-    if (name === NO_ENV_TWIN) continue;
+    if (name === NO_ENV_TWIN || spec.noEnvTwin) continue;
     const fromEnv = env[envName(name, spec)];
     if (fromEnv === undefined || fromEnv === '') continue;
     sources[name] = 'environment';
@@ -212,7 +218,7 @@ export function formatFlagHelp(table: FlagTable): string {
   const rows = Object.entries(table).map(([name, spec]) => {
     const left = `  --${name}${spec.short ? `, -${spec.short}` : ''}${spec.type === 'boolean' ? '' : ` <${spec.type}>`}`;
     const def = (spec.default !== undefined ? ` (default ${spec.default})` : '') + (spec.repeatable ? ' (repeatable)' : '');
-    return `${left.padEnd(34)} ${spec.help}${def}${name === NO_ENV_TWIN ? '' : ` [env ${envName(name, spec)}]`}`;
+    return `${left.padEnd(34)} ${spec.help}${def}${name === NO_ENV_TWIN || spec.noEnvTwin ? '' : ` [env ${envName(name, spec)}]`}`;
   });
   return rows.join('\n');
 }

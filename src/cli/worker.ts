@@ -49,7 +49,8 @@ export const WORKER_FLAGS = {
   'kv-transfer-link': { type: 'string', help: 'how KV blocks move between prefill and decode workers: auto (shared memory, /dev/shm, when both run on one host, else TCP) or tcp (always TCP)', default: 'auto' },
   'kv-port': { type: 'number', help: 'a prefill worker\'s KV port, on the interface of --host, where decode workers fetch KV blocks (default 0: any free port)', default: 0 },
   'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
-  'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false },
+  // No twin: a CONDUIT_PARENT_IPC left in an environment made a cluster worker skip registering, unseen by frontends.
+  'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false, noEnvTwin: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 

@@ -24,6 +24,17 @@ describe('parseFlags', () => {
   });
 });
 
+describe('an internal flag without a twin (noEnvTwin)', () => {
+  it('is set by its command line alone, and --help shows no variable for it', () => {
+    const table = { ...TABLE, child: { type: 'boolean', help: 'internal', noEnvTwin: true } } satisfies FlagTable;
+    const parsed = parseFlags(table, [], { CONDUIT_CHILD: '1' });
+    assert.equal(parsed.values.child, false);
+    assert.equal(parsed.sources.child, 'default');
+    assert.equal(parseFlags(table, ['--child'], {}).values.child, true);
+    assert.doesNotMatch(formatFlagHelp(table), /CONDUIT_CHILD/);
+  });
+});
+
 describe('--help', () => {
   it('has no environment twin: a stray CONDUIT_HELP (or a prefixed one) does not turn a command into its help', () => {
     const table = { ...TABLE, help: { type: 'boolean', help: 'show this help', short: 'h' } } satisfies FlagTable;

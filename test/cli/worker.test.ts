@@ -160,6 +160,17 @@ describe('conduit worker: options its engine ignores', () => {
   });
 });
 
+describe('conduit worker: CONDUIT_PARENT_IPC', () => {
+  after(stopAll);
+
+  it('does not make a cluster worker a serve child: it still needs etcd and NATS to register', { timeout: 60_000 }, async () => {
+    const proc = startConduit(['worker', '--engine', 'sim', '--cluster-token', 't', '--port', '0'], { CONDUIT_PARENT_IPC: '1' });
+    const code = await exitOf(proc, 30_000);
+    assert.equal(code, 2, proc.output());
+    assert.match(proc.output(), /^conduit worker: --etcd-endpoints \(or CONDUIT_ETCD_ENDPOINTS\) is required$/m);
+  });
+});
+
 describe('conduit worker --parent-ipc: a child of `conduit serve --worker-processes`', () => {
   after(stopAll);
 
