@@ -76,18 +76,52 @@ class RaisedByTemplate extends Error {}
  */
 const RAISE_EXCEPTION = '__conduit_raise_exception';
 
+/**
+ * range() is routed the same way, to a bounded one: the library's builds the whole list, 4 microseconds a number, on
+ * the gateway's thread, so a model's template with `range(1000000000)` would stall every request (or exhaust the
+ * heap). Real templates count messages or a few positions.
+ */
+const RANGE = '__conduit_range';
+
+/** How many numbers all the range() calls of one rendering may produce together (a fraction of a second). */
+export const TEMPLATE_RANGE_BUDGET = 100_000;
+
+/** Thrown by the bounded range(): the model's template, not the request, is at fault. */
+class RangeBudgetExceeded extends Error {}
+
 function compile(text: string): Template {
   const template = new Template(text);
   const tokens = tokenize(text, { lstrip_blocks: true, trim_blocks: true }); // the options Template uses
   let renamed = false;
-  for (const token of tokens) {
-    if (token.type === 'Identifier' && token.value === 'raise_exception') {
-      token.value = RAISE_EXCEPTION;
-      renamed = true;
-    }
+  for (let i = 0; i < tokens.length; i++) {
+    const token = tokens[i]!;
+    if (token.type !== 'Identifier' || tokens[i - 1]?.type === 'Dot') continue; // x.range is an attribute
+    if (token.value === 'raise_exception') token.value = RAISE_EXCEPTION;
+    else if (token.value === 'range') token.value = RANGE;
+    else continue;
+    renamed = true;
   }
   if (renamed) template.parsed = parse(tokens);
   return template;
+}
+
+/** Jinja's range(stop) / range(start, stop[, step]), producing at most `budget.left` numbers over a rendering. */
+function boundedRange(budget: { left: number }): (...args: unknown[]) => number[] {
+  return (...args: unknown[]) => {
+    const numbers = args.map(Number);
+    const [start, stop, step = 1] = numbers.length === 1 ? [0, numbers[0]!] : numbers as [number, number, number?];
+    if (!numbers.every(Number.isFinite) || numbers.length < 1 || numbers.length > 3) {
+      throw new Error(`range() takes one to three numbers, got ${args.map((a) => JSON.stringify(a)).join(', ')}`);
+    }
+    if (step === 0) throw new Error('range() step must not be zero');
+    const count = Math.max(0, Math.ceil((stop! - start!) / step));
+    if (count > budget.left) {
+      throw new RangeBudgetExceeded(`the model's chat template asks range() for ${count} numbers, more than the ` +
+        `${TEMPLATE_RANGE_BUDGET} a rendering may produce`);
+    }
+    budget.left -= count;
+    return Array.from({ length: count }, (_, i) => start! + i * step);
+  };
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -163,6 +197,7 @@ export class ChatTemplate {
       bos_token: this.bosToken,
       eos_token: this.eosToken,
       [RAISE_EXCEPTION]: (message: unknown) => { throw new RaisedByTemplate(String(message)); },
+      [RANGE]: boundedRange({ left: TEMPLATE_RANGE_BUDGET }),
     };
     if (options.tools !== undefined && options.tools.length > 0) context.tools = options.tools;
     try {
@@ -172,6 +207,7 @@ export class ChatTemplate {
         throw new ChatTemplateError(`the model's chat template refused these messages: ${error.message}`,
           'template_rejected_messages', 400);
       }
+      if (error instanceof RangeBudgetExceeded) throw new ChatTemplateError(error.message, 'template_render_failed', 500);
       throw new ChatTemplateError(`rendering the chat template failed: ${(error as Error).message}`,
         'template_render_failed', 400);
     }

@@ -148,6 +148,23 @@ describe('chat templates: errors', () => {
     assert.throws(() => chatTemplateFromConfig({ chat_template: 42 }), rejects('invalid_template', 500, /string or a list/));
   });
 
+  it("bounds the numbers a template's range() makes: range(10^9) is the template's fault (500), not a stall", () => {
+    const huge = new ChatTemplate({ templates: '{% for i in range(1000000000) %}x{% endfor %}' });
+    const start = performance.now();
+    assert.throws(() => huge.render([{ role: 'user', content: 'x' }]),
+      rejects('template_render_failed', 500, /asks range\(\) for 1000000000 numbers, more than the 100000 a rendering may produce/));
+    assert.ok(performance.now() - start < 1000);
+    // The budget is per rendering, over every call: two loops of 60000 exceed it, each alone does not.
+    const twice = new ChatTemplate({ templates: '{% for i in range(60000) %}{% endfor %}{% for i in range(60000) %}{% endfor %}' });
+    assert.throws(() => twice.render([{ role: 'user', content: 'x' }]), rejects('template_render_failed', 500, /asks range/));
+    // What real templates do still works: start, stop and step, counting down, an attribute named range.
+    const ranges = new ChatTemplate({ templates: '{{ range(3) | join(",") }};{{ range(2, 8, 3) | join(",") }};' +
+      '{{ range(3, 0, -1) | join(",") }};{{ range(messages | length) | join(",") }};{{ messages[0].range }}' });
+    assert.equal(ranges.render([{ role: 'user', content: 'a' }, { role: 'user', content: 'b' }], { addGenerationPrompt: false }),
+      '0,1,2;2,5;3,2,1;0,1;');
+    assert.equal(ranges.render([{ role: 'user', content: 'a' }]), '0,1,2;2,5;3,2,1;0;', 'a new budget for each rendering');
+  });
+
   it('reports a template that fails while rendering', () => {
     const template = new ChatTemplate({ templates: '{{ messages[0].content.no_such_method() }}' });
     assert.throws(() => template.render([{ role: 'user', content: 'x' }]), rejects('template_render_failed', 400, /./));
