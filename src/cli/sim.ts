@@ -345,7 +345,7 @@ export const KV_TIERS_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   tp: { ...DEPLOYMENT_FLAGS.tp, default: 4 },
   prompt: { type: 'number', help: 'prompt tokens', default: 8192 },
   'host-tier': { type: 'string', help: `host RAM tier profile: ${Object.keys(KV_TIER_PROFILES).join(', ')} (default: the GPU's PCIe generation)` },
-  'disk-tier': { type: 'string', help: 'disk tier profile', default: 'nvme-gen4' },
+  'disk-tier': { type: 'string', help: `disk tier profile: ${Object.keys(KV_TIER_PROFILES).join(', ')}`, default: 'nvme-gen4' },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable);
 

@@ -146,6 +146,7 @@ export function formatKvTierTtft(report: KvTierTtftReport): string {
         + 'a block slower to read than to compute)');
     }
   }
-  return `${lines.join('\n')}\n(block ${(report.blockBytes / 2 ** 20).toFixed(2)} MiB of KV; ${report.ram.name} ${(report.ram.bytesPerSec / 1e9).toFixed(1)} GB/s per GPU, `
-    + `${report.disk.name} ${(report.disk.bytesPerSec / 1e9).toFixed(1)} GB/s per worker)`;
+  // Each tier's bandwidth as its profile counts it: per GPU (each moves its own shard) or for the whole worker.
+  const rate = (tier: KvTierProfile) => `${tier.name} ${(tier.bytesPerSec / 1e9).toFixed(1)} GB/s per ${tier.perGpu ? 'GPU' : 'worker'}`;
+  return `${lines.join('\n')}\n(block ${(report.blockBytes / 2 ** 20).toFixed(2)} MiB of KV; ${rate(report.ram)}, ${rate(report.disk)})`;
 }

@@ -41,6 +41,15 @@ describe('simulated KV tiers', () => {
     assert.equal(primary!.onboardedBlocks, 0);
   });
 
+  it('the footer gives each tier\'s bandwidth per GPU or per worker as its profile moves it, whichever flag names it', () => {
+    const base = { model: getModelProfile('llama-3.1-70b'), hw: getHardwareProfile('h100'), tp: 4, promptTokens: 64 };
+    const usual = kvTierTtft.formatKvTierTtft(kvTierTtft.simulateKvTierTtft(base));
+    assert.match(usual, /host DRAM over PCIe 5\.0 x16 50\.4 GB\/s per GPU, NVMe Gen4 x4 SSD 5\.0 GB\/s per worker\)$/);
+    // An NVMe drive named as the host tier is still one per worker, host DRAM as the disk tier still per GPU.
+    const swapped = kvTierTtft.formatKvTierTtft(kvTierTtft.simulateKvTierTtft({ ...base, ram: NVME_GEN4, disk: HOST_RAM_PCIE5 }));
+    assert.match(swapped, /NVMe Gen4 x4 SSD 5\.0 GB\/s per worker, host DRAM over PCIe 5\.0 x16 50\.4 GB\/s per GPU\)$/);
+  });
+
   it('8B on one H100: NVMe is slower than the prefill, so the prefix is recomputed (the cost model)', () => {
     const report = kvTierTtft.simulateKvTierTtft({ model: getModelProfile('llama-3.1-8b'), hw: getHardwareProfile('h100'), tp: 1, promptTokens: 4096 });
     const [cold, , ram, disk] = report.rows;
