@@ -292,12 +292,17 @@ async function lifecycle(argv: string[]): Promise<number> {
 }
 
 async function sweep(argv: string[]): Promise<number> {
-  const { values, positionals } = parseFlags(DECODE_SWEEP_FLAGS, argv);
+  // --lora-rank shapes the adapters --lora-adapters adds: typed without them it is refused, from the environment
+  // alone (CONDUIT_SIM_LORA_RANK is serve's --sim-lora-rank too) ignored with a warning, as lifecycle's --parallel-links.
+  const { values, positionals, warnings } = parseFlags(DECODE_SWEEP_FLAGS, argv, process.env, {
+    inapplicable: (v) => (v['lora-adapters'] === 0 ? { names: ['lora-rank'], why: 'only with LoRA adapters (give --lora-adapters N > 0 too)' } : undefined),
+  });
   if (values.help) {
     console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
     return 0;
   }
   refuseArguments(positionals);
+  for (const warning of warnings) console.error(`conduit sim: ${warning}`);
   const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
   const contextLen = wholeNumber('context', values.context, 1);
   // As lifecycle's and kv-tiers' prompts: the engine check decodes after a prompt of that many tokens (two output

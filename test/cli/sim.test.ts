@@ -254,6 +254,20 @@ test('conduit sim lifecycle: a CONDUIT_SIM_PARALLEL_LINKS without --link is igno
   assert.match(all.out, /warm: 1023-token prefix hit, 1 tokens computed/);
 });
 
+test('conduit sim decode-sweep: --lora-rank without --lora-adapters is refused typed, ignored with a warning from the environment', async () => {
+  await assertRefusedBeforeOutput(['sim', 'decode-sweep', '--lora-rank', '64', '--batches', '1', '--no-check'],
+    /^conduit sim: --lora-rank: only with LoRA adapters \(give --lora-adapters N > 0 too\)$/);
+  // CONDUIT_SIM_LORA_RANK is also serve's --sim-lora-rank: a serving environment does not stop a sweep without adapters.
+  const ignored = await run(['sim', 'decode-sweep', '--batches', '1', '--no-check'], { CONDUIT_SIM_LORA_RANK: '8' });
+  assert.equal(ignored.code, 0, ignored.err);
+  assert.equal(ignored.err, 'conduit sim: ignoring CONDUIT_SIM_LORA_RANK=8: --lora-rank is only with LoRA adapters (give --lora-adapters N > 0 too)');
+  const applied = await run(['sim', 'decode-sweep', '--batches', '1', '--lora-adapters', '1', '--no-check'], { CONDUIT_SIM_LORA_RANK: '8' });
+  const typed = await run(['sim', 'decode-sweep', '--batches', '1', '--lora-adapters', '1', '--lora-rank', '8', '--no-check']);
+  assert.equal(applied.code, 0, applied.err);
+  assert.equal(applied.err, '');
+  assert.equal(applied.out, typed.out, 'the variable gives the rank as the flag does');
+});
+
 test('conduit plan prints the tried worker counts and the answer', async () => {
   const { code, out } = await run(['plan', '--model', 'llama-3.1-8b', '--gpu', 'h100', '--tp', '1', '--rate', '0.5', '--isl', '128',
     '--osl', '16', '--requests', '40', '--ttft-p99', '100', '--itl-p99', '50']);
