@@ -288,7 +288,8 @@ export type EngineOptionValues = Pick<FlagValues<typeof SERVE_FLAGS>, 'kv-cache-
  * One line per option the chosen engine ignores, for `conduit serve` and `conduit worker` alike: the cpu workers'
  * options given to simulated workers (from the command line or the environment), and --sim-* options typed for cpu
  * workers (from the environment they may be set up for another deployment). `modelPaths` are the --model values
- * (NAME=PATH or PATH): simulated workers load no model file.
+ * (NAME=PATH or PATH): simulated workers load no model file (serve still names the model NAME; a simulated
+ * `conduit worker` registers under its profile's name whatever it is told).
  */
 export function engineOptionWarnings(engine: string, values: EngineOptionValues, sources: Readonly<Record<string, FlagSource>>,
   modelPaths: readonly string[] = []): string[] {
@@ -318,10 +319,7 @@ export function engineOptionWarnings(engine: string, values: EngineOptionValues,
   if (values['lora-dtype'] !== undefined) {
     warnings.push('--lora-dtype is for cpu workers (how adapter weights are held): simulated workers read only an adapter\'s rank and projections');
   }
-  for (const value of modelPaths) {
-    warnings.push(`--model ${value}: simulated workers load no model file (they run the --sim-model profile)`
-      + `${value.includes('=') ? '; only the name before "=" is used' : ''}`);
-  }
+  for (const value of modelPaths) warnings.push(`--model ${value}: simulated workers load no model file (they run the --sim-model profile)`);
   return warnings;
 }
 

@@ -281,7 +281,7 @@ describe('conduit serve disaggregation thresholds', () => {
       '--threads is for cpu workers (their kernels\' compute threads): simulated workers ignore it',
       '--backend is for cpu workers (the kernels a model file runs on): simulated workers ignore it',
       '--lora-dtype is for cpu workers (how adapter weights are held): simulated workers read only an adapter\'s rank and projections',
-      '--model llama=/models/m.gguf: simulated workers load no model file (they run the --sim-model profile); only the name before "=" is used',
+      '--model llama=/models/m.gguf: simulated workers load no model file (they run the --sim-model profile)',
     ]);
     assert.deepEqual(config(['--engine', 'sim', '--model', '/models/m.gguf']).warnings,
       ['--model /models/m.gguf: simulated workers load no model file (they run the --sim-model profile)']);

@@ -136,7 +136,7 @@ describe('conduit worker: options its engine ignores', () => {
         { args: ['--engine', 'sim', '--threads', '4', '--backend', 'reference', '--model', 'llama=/models/m.gguf'], warned: [
           '--threads is for cpu workers (their kernels\' compute threads): simulated workers ignore it',
           '--backend is for cpu workers (the kernels a model file runs on): simulated workers ignore it',
-          '--model llama=/models/m.gguf: simulated workers load no model file (they run the --sim-model profile); only the name before "=" is used',
+          '--model llama=/models/m.gguf: simulated workers load no model file (they run the --sim-model profile)',
         ] },
         // --sim-* typed for a cpu worker; from the environment they may be another deployment's.
         { args: ['--engine', 'cpu', '--sim-gpu', 'h200'], env: { CONDUIT_SIM_TP: '2' }, warned: [
