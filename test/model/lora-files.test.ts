@@ -1,0 +1,66 @@
+// LoRA adapter files as a client names them (/v1/load_lora_adapter): what is at the path must be an adapter's
+// regular files, never read forever (a device or FIFO would hold the worker's thread), and a malformed
+// adapter_config.json is named as such.
+
+import { describe, it, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { execFileSync } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { ModelConfig } from '../../src/model/config.ts';
+import { loadModel } from '../../src/model/loader.ts';
+import { inspectLoraAdapter, loadLoraAdapter, LoraAdapterError } from '../../src/model/lora.ts';
+import { makeTinyModel, writeTinyGguf } from './loader-fixtures.ts';
+
+let dir: string;
+let base: ModelConfig;
+before(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'conduit-lora-files-'));
+  const path = join(dir, 'base.gguf');
+  writeTinyGguf(path, makeTinyModel());
+  base = (await loadModel(path)).config;
+});
+after(() => rmSync(dir, { recursive: true, force: true }));
+
+const notRegular = (path: string) => (e: unknown) =>
+  e instanceof LoraAdapterError && e.message === `${path} is not a regular file (a folder, device, FIFO or socket)`;
+
+describe('LoRA adapter paths that are not files', () => {
+  it('a FIFO or /dev/zero: refused at once by inspect and load, not read forever', async (t) => {
+    const paths = existsSync('/dev/zero') ? ['/dev/zero'] : [];
+    const fifo = join(dir, 'adapter.gguf');
+    try {
+      execFileSync('mkfifo', [fifo]);
+      paths.push(fifo);
+    } catch {
+      t.diagnostic('mkfifo is not available; the FIFO case is skipped');
+    }
+    for (const path of paths) {
+      await assert.rejects(inspectLoraAdapter(path), notRegular(path));
+      assert.throws(() => loadLoraAdapter(path, base), notRegular(path));
+    }
+  });
+
+  it('a PEFT folder whose adapter_config.json or adapter_model.safetensors is a folder', async () => {
+    for (const name of ['adapter_config.json', 'adapter_model.safetensors']) {
+      const folder = join(dir, `peft-${name}`);
+      mkdirSync(folder);
+      writeFileSync(join(folder, 'adapter_config.json'), '{"r": 4, "lora_alpha": 8}');
+      writeFileSync(join(folder, 'adapter_model.safetensors'), '');
+      rmSync(join(folder, name));
+      mkdirSync(join(folder, name));
+      await assert.rejects(inspectLoraAdapter(folder), /is not a regular file/);
+      assert.throws(() => loadLoraAdapter(folder, base), notRegular(join(folder, name)));
+    }
+  });
+
+  it('an adapter_config.json that is JSON but not an object', () => {
+    const folder = join(dir, 'peft-null');
+    mkdirSync(folder);
+    writeFileSync(join(folder, 'adapter_config.json'), 'null');
+    writeFileSync(join(folder, 'adapter_model.safetensors'), '');
+    assert.throws(() => loadLoraAdapter(folder, base),
+      (e) => e instanceof LoraAdapterError && e.message === `${join(folder, 'adapter_config.json')} is not a JSON object`);
+  });
+});
