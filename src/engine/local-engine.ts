@@ -16,9 +16,9 @@ import { KV_IN_PLACE_SOURCE, PrefillStream, type AdoptedResult, type KvImportPre
 import { followQueue, OutputStream } from './streams.ts';
 import { DEFAULT_BLOCK_SIZE } from '../protocols/block-hash.ts';
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
-import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
+import type { Engine, EngineInfo, EngineOutput, EngineRequest, SchedulingPolicy, WorkerRole } from './types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
-import type { BackendPreference, FromWorker, KvOffloadConfig, ToWorker, WorkerInit } from './worker-protocol.ts';
+import type { BackendPreference, FromWorker, KvOffloadConfig, ToWorker, WorkerInit, WorkerLoraInfo } from './worker-protocol.ts';
 import type { LoraDtype } from '../model/lora.ts';
 
 export interface LocalEngineOptions {
@@ -262,8 +262,11 @@ export class LocalEngine implements Engine {
     return reply;
   }
 
-  /** Loads a LoRA adapter on the worker (see Engine.loadLora); rejects with a LoraLoadError. */
-  async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
+  /**
+   * Loads a LoRA adapter on the worker (see Engine.loadLora); rejects with a LoraLoadError. The info carries the
+   * digest of the bytes the worker read (WorkerLoraInfo), which the LoRA manager checks against the adapter's key.
+   */
+  async loadLora(name: string, path: string): Promise<WorkerLoraInfo> {
     const reply = await this.loraCall((loraId) => ({ type: 'load-lora', loraId, name, path }));
     return reply.info!;
   }

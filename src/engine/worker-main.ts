@@ -314,8 +314,9 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
           }
           const adapter = loadLoraAdapter(message.path, baseConfig!);
           core.loadLora(message.name, adapter.weights);
-          const { format, rank, alpha, bytes } = adapter;
-          send({ type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes, ...(loraDtype ? { dtype: loraDtype } : {}) } });
+          // The digest of the bytes loaded: the caller checks them against those the adapter's KV blocks are keyed by.
+          const { format, rank, alpha, bytes, digest } = adapter;
+          send({ type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes, digest, ...(loraDtype ? { dtype: loraDtype } : {}) } });
         } catch (error) {
           const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
           send({ type: 'lora-done', loraId: message.loraId, error: { code, message: (error as Error).message } });

@@ -79,6 +79,11 @@ export type ToWorker =
   | { type: 'unload-lora'; loraId: number; name: string }
   | { type: 'close' };
 
+/** What a worker's load of an adapter found: LoraLoadInfo and the digest of the bytes it loaded. */
+export interface WorkerLoraInfo extends LoraLoadInfo {
+  digest: string;
+}
+
 export type FromWorker =
   /** kvPool/kvLayout: the worker's KV pool (shared memory), for decode workers to read handed-off blocks from. */
   /** `stats`: the loaded engine's, so what it reports before its first step (its KV tiers) is there from the start. */
@@ -93,7 +98,10 @@ export type FromWorker =
   | { type: 'import-prepared'; holdId: number; preparation: KvImportPreparation | null; error?: string; stats: EngineStats }
   | { type: 'prefix-cache-reset'; resetId: number; reset: boolean; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'rejected'; requestId: string; code: string; message: string }
-  /** error: a LoraLoadError's code and message; info: what a load found. */
-  | { type: 'lora-done'; loraId: number; info?: LoraLoadInfo; error?: { code: string; message: string } }
+  /**
+   * error: a LoraLoadError's code and message; info: what a load found, with the digest of the bytes it read
+   * (model/lora.ts adapterDigest).
+   */
+  | { type: 'lora-done'; loraId: number; info?: WorkerLoraInfo; error?: { code: string; message: string } }
   | { type: 'failed'; message: string }
   | { type: 'closed' };

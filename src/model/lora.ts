@@ -15,7 +15,7 @@ import { readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { ModelConfig } from './config.ts';
 import { GgmlType } from './ggml-types.ts';
-import { metaNumber, metaString, parseGguf, readGguf, type GgufFile } from './gguf.ts';
+import { metaNumber, metaString, parseGguf, type GgufFile } from './gguf.ts';
 import { interleavedRowOrder } from './hf.ts';
 import { dequantizeTensor } from './quant.ts';
 import { readSafetensors, readSafetensorsAsync } from './safetensors.ts';
@@ -66,6 +66,8 @@ export interface LoadedLoraAdapter {
   alpha: number;
   /** Bytes of its f32 matrices. */
   bytes: number;
+  /** adapterDigest of the bytes these weights were read from (what inspectLoraAdapter gives for the same files). */
+  digest: string;
 }
 
 /** An adapter file that cannot be applied to this base (wrong format, shapes, architecture): the caller's 400. */
@@ -94,6 +96,17 @@ export function loraTargetShape(config: ModelConfig, target: LoraTarget): [numbe
   }
 }
 
+/**
+ * SHA-256 (hex) of an adapter's bytes: a GGUF file's, or a PEFT folder's adapter_config.json then
+ * adapter_model.safetensors. inspectLoraAdapter and loadLoraAdapter both give it, so a load can be checked against the
+ * bytes an adapter was registered (and its KV blocks keyed) with.
+ */
+export function adapterDigest(parts: readonly Uint8Array[]): string {
+  const hash = createHash('sha256');
+  for (const part of parts) hash.update(part);
+  return hash.digest('hex');
+}
+
 /** What can be known of an adapter without a base model: its rank, and a digest of its bytes. */
 export interface LoraAdapterHeader {
   /** Largest rank of its matrices, from the tensors' shapes (as loading finds it). */
@@ -118,22 +131,22 @@ export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeade
     if (error instanceof LoraAdapterError) throw error;
     return undefined;
   }
-  const digest = createHash('sha256');
   let rank = 0;
+  let digest: string;
   try {
     if (isDirectory) {
       const configPath = join(path, 'adapter_config.json');
       const tensorsPath = join(path, 'adapter_model.safetensors');
       requireRegularFile(configPath, await stat(configPath));
       requireRegularFile(tensorsPath, await stat(tensorsPath));
-      digest.update(await readFile(configPath));
+      const config = await readFile(configPath);
       const file = await readSafetensorsAsync(tensorsPath);
-      digest.update(file.bytes);
+      digest = adapterDigest([config, file.bytes]);
       // lora_A is [rank, in], outermost first.
       for (const entry of file.entries.values()) if (/\.lora_A(?:\.default)?\.weight$/.test(entry.name)) rank = Math.max(rank, entry.shape[0] ?? 0);
     } else {
       const bytes = await readFile(path);
-      digest.update(bytes);
+      digest = adapterDigest([bytes]);
       // lora_a is ggml [in, rank].
       for (const info of parseGguf(bytes, path).tensorInfos) if (info.name.endsWith('.lora_a')) rank = Math.max(rank, info.shape[1] ?? 0);
     }
@@ -141,22 +154,27 @@ export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeade
     throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
   }
   if (rank === 0) throw new LoraAdapterError(`${path}: the adapter adapts no weight`);
-  return { rank, digest: digest.digest('hex') };
+  return { rank, digest };
 }
 
-/** Reads a GGUF adapter file or a PEFT folder and checks it against the base model's config. */
+/**
+ * Reads a GGUF adapter file or a PEFT folder and checks it against the base model's config; the digest is of the
+ * bytes read (each file is read once).
+ */
 export function loadLoraAdapter(path: string, base: ModelConfig): LoadedLoraAdapter {
   if (!existsSync(path)) throw new LoraAdapterError(`${path} does not exist`);
   const info = statSync(path);
   if (info.isDirectory()) return loadPeftAdapter(path, base);
   requireRegularFile(path, info);
   let file: GgufFile;
+  let bytes: Uint8Array;
   try {
-    file = readGguf(path);
+    bytes = readFileSync(path);
+    file = parseGguf(bytes, path);
   } catch (error) {
     throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
   }
-  return ggufAdapter(file, path, base);
+  return { ...ggufAdapter(file, path, base), digest: adapterDigest([bytes]) };
 }
 
 /**
@@ -167,7 +185,7 @@ function requireRegularFile(path: string, info: { isFile(): boolean }): void {
   if (!info.isFile()) throw new LoraAdapterError(`${path} is not a regular file (a folder, device, FIFO or socket)`);
 }
 
-function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): LoadedLoraAdapter {
+function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<LoadedLoraAdapter, 'digest'> {
   const type = metaString(file, 'general.type');
   if (type !== 'adapter') throw new LoraAdapterError(`${path}: general.type is ${type === undefined ? 'missing' : `"${type}"`}, a LoRA adapter says "adapter"`);
   const adapterType = metaString(file, 'adapter.type');
@@ -236,7 +254,7 @@ function checkedShape(path: string, base: ModelConfig, layer: number, weight: st
 }
 
 function finish(layers: Partial<Record<LoraTarget, LoraMatrix>>[], rank: number, alpha: number, scale: number,
-  format: 'gguf' | 'peft', path: string): LoadedLoraAdapter {
+  format: 'gguf' | 'peft', path: string): Omit<LoadedLoraAdapter, 'digest'> {
   if (rank === 0) throw new LoraAdapterError(`${path}: the adapter adapts no weight`);
   if (!Number.isFinite(scale)) throw new LoraAdapterError(`${path}: alpha ${alpha} gives no finite scale`);
   let bytes = 0;
@@ -252,8 +270,10 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
   requireRegularFile(configPath, statSync(configPath));
   requireRegularFile(tensorsPath, statSync(tensorsPath));
   let json: Record<string, unknown>;
+  let configBytes: Uint8Array;
   try {
-    json = JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>;
+    configBytes = readFileSync(configPath);
+    json = JSON.parse(Buffer.from(configBytes).toString('utf8')) as Record<string, unknown>;
   } catch (error) {
     throw new LoraAdapterError(`${configPath}: ${(error as Error).message}`);
   }
@@ -299,7 +319,7 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     layers[layer]![target] = { rank: matrixRank, a: toF32(ta), b: bMatrix };
     rank = Math.max(rank, matrixRank);
   }
-  return finish(layers, rank, alpha, scale, 'peft', dir);
+  return { ...finish(layers, rank, alpha, scale, 'peft', dir), digest: adapterDigest([configBytes, file.bytes]) };
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -3,10 +3,13 @@
 // first, never one with requests in flight), and the loading of a registered adapter on demand when a request names
 // it. The workers themselves only hold what this tells them to (Engine.loadLora / unloadLora).
 //
-// An adapter whose rank is above maxLoraRank (--max-lora-rank) is refused before anything is evicted for it: its rank
-// is read from the file's header (inspectLoraAdapter) first. Only when nothing is at the path here (a simulated
-// worker's adapter named without a file) is the rank known after a worker loaded it; it is then checked and the
-// adapter unloaded again.
+// A refused adapter evicts nothing: its rank is checked against maxLoraRank (--max-lora-rank) from the file's header
+// (inspectLoraAdapter) first, and an adapter is loaded onto the workers before anything is evicted to make room for
+// it, so whatever they refuse (no file, not an adapter, made for another base model) leaves the resident adapters as
+// they were; only a load they took evicts the least recently used idle adapter after it (for that moment the workers
+// hold one adapter more than maxLoras). A refusal is the same whatever the occupancy: never a LoraCapacityError.
+// Only when nothing is at the path here (a simulated worker's adapter named without a file) is the rank known after
+// a worker loaded it; it is then checked and the adapter unloaded again.
 //
 // A request for an adapter that is not resident while every resident one has requests in flight waits here (as a
 // request vLLM's scheduler cannot give a LoRA slot stays in its waiting queue while the ones behind it run): base-model
@@ -26,7 +29,11 @@
 // under: the name and a digest of the adapter's bytes. An adapter evicted and loaded again keeps its key (its cached
 // prefixes stay valid); every worker that holds the same adapter under the same name has the same key (a frontend's
 // router hashes with it too); and a name registered again with other bytes, in this process or after a restart
-// (a disk KV tier outlives the process), gets another, so no block computed with other weights is reused.
+// (a disk KV tier outlives the process), gets another, so no block computed with other weights is reused. Loading
+// again after an eviction reads the path again, so the bytes are checked against that digest: the workers report the
+// digest of what they loaded (WorkerLoraInfo; checked before the loads of engines that do not are made, from the file
+// here), and an adapter whose file changed (or went) since it was registered is refused, a 400 saying to load it
+// again, rather than served with new weights under the old key.
 
 import { createHash } from 'node:crypto';
 import { LoraLoadError } from '../engine/errors.ts';
@@ -77,6 +84,10 @@ interface Registration {
   name: string;
   path: string;
   key: string;
+  /** The SHA-256 of the adapter's bytes its key was made from; undefined when nothing was at the path (simulated). */
+  digest?: string;
+  /** Loaded at least once: a load after this one reads the path again. */
+  loaded?: boolean;
   info?: LoraLoadInfo;
   rank?: number;
   resident: boolean;
@@ -106,6 +117,8 @@ export class LoraManager {
   private useClock = 0;
   private loads = 0;
   private evictions = 0;
+  /** Whether the engine's loads report the digest of the bytes they read (known after the first load). */
+  private engineDigests: boolean | undefined;
 
   private readonly inspect: (path: string) => Promise<LoraAdapterHeader | undefined>;
 
@@ -161,7 +174,8 @@ export class LoraManager {
       return drained.info!;
     }
     const registration: Registration = {
-      name, path, key, resident: false, inFlight: 0, lastUsed: ++this.useClock, yielding: false, ...(header ? { rank: header.rank } : {}),
+      name, path, key, resident: false, inFlight: 0, lastUsed: ++this.useClock, yielding: false,
+      ...(header ? { rank: header.rank, digest: header.digest } : {}),
     };
     this.adapters.set(name, registration);
     try {
@@ -225,7 +239,9 @@ export class LoraManager {
     signal?.throwIfAborted();
     // Not past those already waiting for a slot, nor onto an adapter that yields its slot.
     const queue = registration.yielding || (this.waiters.length > 0 && !registration.resident && registration.loading === undefined);
-    if (!queue) {
+    // Nor is a load tried that could only end in waiting: every resident adapter is busy.
+    const full = !registration.resident && registration.loading === undefined && !this.hasRoomFor(registration);
+    if (!queue && !full) {
       registration.inFlight++;
       registration.lastUsed = ++this.useClock;
       try {
@@ -319,10 +335,14 @@ export class LoraManager {
     });
   }
 
-  /** Whether a load of `incoming` finds a slot now: a free one, or an idle resident adapter to evict. */
+  /**
+   * Whether a load of `incoming` finds a slot now: a free one, or an idle resident adapter to evict that no load under
+   * way will take (a load evicts only once it has loaded, so each counts in the slots until then).
+   */
   private hasRoomFor(incoming: Registration): boolean {
     const occupying = [...this.adapters.values(), ...this.draining].filter((a) => a !== incoming && (a.resident || a.loading));
-    return occupying.length < this.maxLoras || occupying.some((a) => a.resident && !a.loading && a.inFlight === 0);
+    const idle = occupying.filter((a) => a.resident && !a.loading && a.inFlight === 0).length;
+    return occupying.length + 1 - this.maxLoras <= idle;
   }
 
   /** Asks the least recently used busy adapter to give its slot up, unless one already does (or drains). */
@@ -378,12 +398,14 @@ export class LoraManager {
     if (registration.resident) return;
     if (registration.loading) return registration.loading;
     const load = async () => {
-      await this.makeRoom(registration);
       if (!this.engine.loadLora) throw new LoraLoadError('invalid_adapter', 'this engine runs no LoRA adapters');
+      // Loading again reads the path again: for an engine that does not say what it read, the file is checked here.
+      if (registration.loaded && registration.digest !== undefined && this.engineDigests !== true) await this.checkUnchanged(registration);
+      // Loaded first, evicting nothing: a file the workers refuse leaves the resident adapters as they were.
       const info = await this.engine.loadLora(registration.key, registration.path);
-      // Checked again as loaded: a file with no header here (a simulated adapter), or one changed since.
       try {
-        this.checkRank(registration.name, info.rank);
+        this.checkLoaded(registration, info);
+        await this.makeRoom(registration);
       } catch (error) {
         await this.engine.unloadLora!(registration.key).catch(() => {});
         throw error;
@@ -391,6 +413,7 @@ export class LoraManager {
       registration.info = info;
       registration.rank = info.rank;
       registration.resident = true;
+      registration.loaded = true;
       this.loads++;
     };
     registration.loading = load().finally(() => {
@@ -398,6 +421,35 @@ export class LoraManager {
       if (this.waiters.length > 0) this.pump();
     });
     return registration.loading;
+  }
+
+  /**
+   * What the workers loaded, checked: its rank (a file with no header here, a simulated adapter), and the digest of
+   * the bytes they read against the one the adapter's key was made from (the file changed since it was registered).
+   */
+  private checkLoaded(registration: Registration, info: LoraLoadInfo & { digest?: unknown }): void {
+    const digest = typeof info.digest === 'string' ? info.digest : undefined;
+    this.engineDigests ??= digest !== undefined;
+    if (registration.digest !== undefined && digest !== undefined && digest !== registration.digest) throw this.changed(registration);
+    this.checkRank(registration.name, info.rank);
+  }
+
+  /** Before a load the engine cannot check: the file still holds the bytes the adapter was registered with. */
+  private async checkUnchanged(registration: Registration): Promise<void> {
+    let header: LoraAdapterHeader | undefined;
+    try {
+      header = await this.inspect(registration.path);
+    } catch (error) {
+      throw new LoraLoadError('invalid_adapter', (error as Error).message);
+    }
+    if (header?.digest !== registration.digest) throw this.changed(registration, header === undefined);
+  }
+
+  private changed(registration: Registration, gone = false): LoraLoadError {
+    const { name, path } = registration;
+    if (!registration.loaded) return new LoraLoadError('invalid_adapter', `LoRA adapter '${name}': ${path} changed while it was being loaded; load it again`);
+    return new LoraLoadError('invalid_adapter', `LoRA adapter '${name}': ${path} ${gone ? 'no longer exists' : 'changed'} since the adapter was `
+      + `loaded (its cached prompts are the old file's); unload it and load it again, or load ${gone ? 'another' : 'the new'} file under another name`);
   }
 
   /** Evicts least recently used idle adapters until one more fits. */

@@ -2,7 +2,7 @@
 // backend (and the native kernel the reference's); a PEFT folder loads to the same weights as the GGUF adapter;
 // adapter KV is never reused across adapters; bad adapter files are refused at load naming the problem.
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { copyFileSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -10,7 +10,7 @@ import { EngineCore } from '../../src/engine/engine-core.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../src/engine/types.ts';
 import type { BackendFactory } from '../../src/kernels/types.ts';
 import { loadModel, type LoadedModel } from '../../src/model/loader.ts';
-import { loadLoraAdapter, LoraAdapterError, type LoraWeights } from '../../src/model/lora.ts';
+import { inspectLoraAdapter, loadLoraAdapter, LoraAdapterError, type LoraWeights } from '../../src/model/lora.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter, writePeftLoraAdapter } from '../../src/model/lora-writer.ts';
 import { createTokenizer } from '../../src/model/tokenizer/index.ts';
 import type { Tokenizer } from '../../src/model/tokenizer/types.ts';
@@ -124,6 +124,19 @@ for (const backend of engineBackends()) {
 }
 
 describe('LoRA adapter files', () => {
+  it('a load\'s digest is that of the bytes it read, as inspect gives it: the same file the same, an overwritten one another', async () => {
+    for (const path of [ggufPath, peftPath]) {
+      assert.equal(loadLoraAdapter(path, loaded.config).digest, (await inspectLoraAdapter(path))!.digest, path);
+    }
+    const copy = join(dir, 'copy.gguf');
+    copyFileSync(ggufPath, copy);
+    const before = loadLoraAdapter(copy, loaded.config).digest;
+    assert.equal(before, loadLoraAdapter(ggufPath, loaded.config).digest);
+    writeGgufLoraAdapter(copy, loaded.config, randomLoraAdapter(loaded.config, { rank: 4, seed: 7, alpha: 8, bScale: 1 }));
+    assert.notEqual(loadLoraAdapter(copy, loaded.config).digest, before);
+    assert.equal(loadLoraAdapter(copy, loaded.config).digest, (await inspectLoraAdapter(copy))!.digest);
+  });
+
   it('loads a PEFT folder to the same weights as the GGUF adapter (Q/K rows permuted for a llama GGUF base)', () => {
     const gguf = loadLoraAdapter(ggufPath, loaded.config);
     const peft = loadLoraAdapter(peftPath, loaded.config);

@@ -6,6 +6,7 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import type { Engine, LoraLoadInfo } from '../../src/engine/types.ts';
+import { LoraLoadError } from '../../src/engine/errors.ts';
 import { LoraCapacityError, LoraManager } from '../../src/runtime/lora-manager.ts';
 
 /** A stand-in engine; an adapter's rank is the number after "r" in its path (/x-r32.gguf), 4 without one. */
@@ -171,5 +172,94 @@ describe('LoraManager', () => {
     manager.release(y);
     manager.release(y);
     manager.release(z);
+  });
+
+  describe('refusals evict nothing, whatever the occupancy', () => {
+    /** The fake engine refusing what a worker would: a path with "bad" in it (no file, made for another base model). */
+    function refusingEngine() {
+      const fake = fakeEngine();
+      const loadLora = (fake.engine as unknown as { loadLora: (name: string, path: string) => Promise<LoraLoadInfo> }).loadLora;
+      (fake.engine as unknown as { loadLora: typeof loadLora }).loadLora = async (name, path) => {
+        if (path.includes('bad')) {
+          fake.calls.push(`refuse ${name}`);
+          throw new LoraLoadError('invalid_adapter', `${path}: made for another base model`);
+        }
+        return loadLora(name, path);
+      };
+      return fake;
+    }
+
+    it('a load the workers refuse leaves an idle resident adapter, and is a 400 with every slot busy too', async () => {
+      const { engine, calls, resident } = refusingEngine();
+      const manager = new LoraManager(engine, 2);
+      await manager.register('a', '/a.gguf');
+      await manager.register('b', '/b.gguf');
+      await assert.rejects(manager.register('bad', '/bad.gguf'), { code: 'invalid_adapter' });
+      assert.equal(resident.size, 2, 'an idle adapter was evicted for a refused load');
+      assert.equal(manager.stats().evictions, 0);
+      const [a, b] = [await manager.acquire('a'), await manager.acquire('b')];
+      await assert.rejects(manager.register('bad', '/bad.gguf'), (error: Error) => !(error instanceof LoraCapacityError)
+        && (error as { code?: string }).code === 'invalid_adapter', 'every slot busy: still the refusal, not a retryable capacity error');
+      // A good adapter with every slot busy: loaded (and checked), then refused for capacity, and unloaded again.
+      await assert.rejects(manager.register('c', '/c.gguf'), LoraCapacityError);
+      assert.deepEqual([...resident].sort(), [a, b].sort());
+      assert.equal(calls.filter((c) => c.startsWith('unload')).length, 1, calls.join(', '));
+      manager.release(a);
+      manager.release(b);
+      // An idle slot: the good one loads first, then the least recently used idle adapter goes.
+      await manager.register('c', '/c.gguf');
+      assert.deepEqual(calls.slice(-2), ['load c#' + manager.list().find((e) => e.name === 'c')!.key.slice(2) + ' /c.gguf', `unload ${a}`]);
+      assert.equal(manager.stats().resident, 2);
+    });
+
+    it('a registered adapter whose file changed or went is refused when it loads again; nothing is evicted for it', async () => {
+      const { engine, calls, resident } = fakeEngine();
+      const digests: Record<string, string | undefined> = { '/a.gguf': 'aaaa', '/b.gguf': 'bbbb', '/x.gguf': 'xxxx' };
+      const inspect = async (path: string) => (digests[path] === undefined ? undefined : { rank: 4, digest: digests[path]! });
+      const manager = new LoraManager(engine, 2, undefined, 16, { inspect });
+      await manager.register('x', '/x.gguf');
+      await manager.register('a', '/a.gguf');
+      await manager.register('b', '/b.gguf'); // evicts x
+      assert.equal(manager.list().find((e) => e.name === 'x')!.resident, false);
+      digests['/x.gguf'] = 'yyyy'; // overwritten in place
+      const before = calls.length;
+      await assert.rejects(manager.acquire('x'), { code: 'invalid_adapter', message: /\/x\.gguf changed since the adapter was loaded/ });
+      assert.deepEqual(calls.slice(before), [], 'nothing loaded or evicted');
+      assert.equal(resident.size, 2);
+      delete digests['/x.gguf'];
+      await assert.rejects(manager.acquire('x'), { code: 'invalid_adapter', message: /no longer exists/ });
+      assert.deepEqual(calls.slice(before), []);
+      // Loaded again, the new bytes get a new key.
+      digests['/x.gguf'] = 'yyyy';
+      await manager.unregister('x');
+      await manager.register('x', '/x.gguf');
+      assert.equal(manager.list().find((e) => e.name === 'x')!.key, 'x#yyyy');
+    });
+
+    it('an engine that reports the digest of what it loaded: a changed file is caught there, and unloaded again', async () => {
+      const { engine, calls, resident } = fakeEngine();
+      const bytes: Record<string, string> = { '/a.gguf': 'aaaa', '/b.gguf': 'bbbb', '/x.gguf': 'xxxx' };
+      const loadLora = (engine as unknown as { loadLora: (name: string, path: string) => Promise<LoraLoadInfo> }).loadLora;
+      (engine as unknown as { loadLora: typeof loadLora }).loadLora = async (name, path) => ({ ...await loadLora(name, path), digest: bytes[path] } as LoraLoadInfo);
+      const inspected: string[] = [];
+      const inspect = async (path: string) => {
+        inspected.push(path);
+        return { rank: 4, digest: bytes[path]! };
+      };
+      const manager = new LoraManager(engine, 2, undefined, 16, { inspect });
+      await manager.register('x', '/x.gguf');
+      await manager.register('a', '/a.gguf');
+      await manager.register('b', '/b.gguf'); // evicts x
+      bytes['/x.gguf'] = 'yyyy';
+      const before = calls.length;
+      await assert.rejects(manager.acquire('x'), { code: 'invalid_adapter', message: /changed since the adapter was loaded/ });
+      assert.deepEqual(calls.slice(before), ['load x#xxxx /x.gguf', 'unload x#xxxx'], 'loaded, found other bytes, unloaded; nothing evicted');
+      assert.equal(resident.size, 2);
+      assert.deepEqual(inspected, ['/x.gguf', '/a.gguf', '/b.gguf'], 'the workers check the bytes: the file is not read here again');
+      // The same bytes again: it loads under its key.
+      bytes['/x.gguf'] = 'xxxx';
+      manager.release(await manager.acquire('x'));
+      assert.equal(manager.list().find((e) => e.name === 'x')!.resident, true);
+    });
   });
 });
