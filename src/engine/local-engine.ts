@@ -374,6 +374,7 @@ export class LocalEngine implements Engine {
         this.resets.settle(message.resetId, message.reset);
         return;
       case 'lora-done':
+        if (message.stats) this.latestStats = message.stats;
         this.loraReplies.settle(message.loraId, message);
         return;
       case 'rejected':

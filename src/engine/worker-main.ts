@@ -306,20 +306,24 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
       }
       case 'load-lora':
       case 'unload-lora': {
+        // The stats go with the reply: the adapters' memory changed, and an idle worker sends no other.
         try {
           if (message.type === 'unload-lora') {
             core.unloadLora(message.name);
-            send({ type: 'lora-done', loraId: message.loraId });
+            send({ type: 'lora-done', loraId: message.loraId, stats: core.stats() });
             return;
           }
           const adapter = loadLoraAdapter(message.path, baseConfig!);
           core.loadLora(message.name, adapter.weights);
           // The digest of the bytes loaded: the caller checks them against those the adapter's KV blocks are keyed by.
           const { format, rank, alpha, bytes, digest } = adapter;
-          send({ type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes, digest, ...(loraDtype ? { dtype: loraDtype } : {}) } });
+          send({
+            type: 'lora-done', loraId: message.loraId, info: { format, rank, alpha, bytes, digest, ...(loraDtype ? { dtype: loraDtype } : {}) },
+            stats: core.stats(),
+          });
         } catch (error) {
           const code = error instanceof LoraLoadError ? error.code : 'invalid_adapter';
-          send({ type: 'lora-done', loraId: message.loraId, error: { code, message: (error as Error).message } });
+          send({ type: 'lora-done', loraId: message.loraId, error: { code, message: (error as Error).message }, stats: core.stats() });
         }
         return;
       }

@@ -100,8 +100,8 @@ export type FromWorker =
   | { type: 'rejected'; requestId: string; code: string; message: string }
   /**
    * error: a LoraLoadError's code and message; info: what a load found, with the digest of the bytes it read
-   * (model/lora.ts adapterDigest).
+   * (model/lora.ts adapterDigest); stats: the engine's after the load or unload (its adapters' memory).
    */
-  | { type: 'lora-done'; loraId: number; info?: WorkerLoraInfo; error?: { code: string; message: string } }
+  | { type: 'lora-done'; loraId: number; info?: WorkerLoraInfo; error?: { code: string; message: string }; stats?: EngineStats }
   | { type: 'failed'; message: string }
   | { type: 'closed' };

@@ -2,7 +2,7 @@
 // adapter's file overwritten in place (a retrained adapter written to the same path) or deleted is refused when the
 // adapter loads again after an eviction, instead of serving new weights over KV cached with the old ones; loads the
 // workers refuse (no file, an adapter made for another base model) evict no resident adapter, and are refusals, not
-// capacity errors, when every slot is busy.
+// capacity errors, when every slot is busy; and the workers' memory figures follow loads and unloads at once.
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { copyFileSync, mkdtempSync, rmSync, unlinkSync } from 'node:fs';
@@ -116,5 +116,19 @@ describe('LoRA adapters whose files change, on a cpu worker pool', () => {
     assert.deepEqual(resident(manager), ['a', 'b']);
     for (const key of busy) manager.release(key);
     for (const name of ['a', 'b']) await manager.unregister(name);
+  });
+
+  it('the workers\' adapter memory follows a load and an unload at once, with no step in between', async () => {
+    const manager = new LoraManager(pool.engine, 2);
+    const bytes = () => pool.engine.stats().memory?.loraAdaptersBytes ?? 0;
+    assert.equal(bytes(), 0);
+    await manager.register('a', file('a'));
+    const one = bytes();
+    assert.ok(one > 0, 'the load is counted');
+    await manager.register('b', file('b'));
+    assert.ok(bytes() > one);
+    await manager.unregister('a');
+    await manager.unregister('b');
+    assert.equal(bytes(), 0, 'the unloads are counted');
   });
 });
