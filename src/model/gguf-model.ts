@@ -74,6 +74,7 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
 
   const dim = requiredCount('embedding_length');
   const numLayers = requiredCount('block_count');
+  requireAtMost(source, `metadata ${key('block_count')}`, numLayers, MAX_LAYERS);
   const numHeads = requiredCount('attention.head_count');
   const numKvHeads = optionalCount('attention.head_count_kv') ?? numHeads;
   const headDim = optionalCount('attention.key_length') ?? dim / numHeads;
@@ -197,6 +198,7 @@ function ggufMoeConfig(file: GgufFile, arch: Architecture, ffnDim: number, sourc
   const numExperts = uniformNumber(file, `${arch}.expert_count`, source) ?? 0;
   if (numExperts === 0) return undefined;
   requireCount(source, `metadata ${arch}.expert_count`, numExperts);
+  requireAtMost(source, `metadata ${arch}.expert_count`, numExperts, MAX_EXPERTS);
   const numExpertsUsed = uniformNumber(file, `${arch}.expert_used_count`, source);
   if (numExpertsUsed === undefined || !(numExpertsUsed > 0 && numExpertsUsed <= numExperts)) {
     throw new ModelFormatError(`${source}: ${arch}.expert_used_count must be between 1 and expert_count ${numExperts}`);
@@ -239,6 +241,20 @@ export function shortestF32Decimal(value: number): number {
 export function requireCount(source: string, what: string, value: number): void {
   if (!(Number.isSafeInteger(value) && value > 0)) {
     throw new ModelFormatError(`${source}: ${what} is ${value}, not a positive whole number`);
+  }
+}
+
+/**
+ * The most layers and experts a model may declare. Tables of one entry per layer or expert are built from these counts
+ * before any tensor is looked up (a damaged block_count of 10^9 ran the process out of heap); no model comes near.
+ */
+export const MAX_LAYERS = 1 << 16;
+export const MAX_EXPERTS = 1 << 16;
+
+/** Refuses a count above `max`, which no real model reaches. */
+export function requireAtMost(source: string, what: string, value: number, max: number): void {
+  if (value > max) {
+    throw new ModelFormatError(`${source}: ${what} is ${value}, more than the ${max} any model has (a damaged file?)`);
   }
 }
 

@@ -13,7 +13,8 @@ import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
 import {
   checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA, GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers,
-  ModelFormatError, refuseUnusedTensors, requireCount, requirePositive, requireRopeDim, splitRows,
+  MAX_EXPERTS, MAX_LAYERS, ModelFormatError, refuseUnusedTensors, requireAtMost, requireCount, requirePositive,
+  requireRopeDim, splitRows,
 } from './gguf-model.ts';
 import { readModelFile } from './files.ts';
 import { GgmlType } from './ggml-types.ts';
@@ -154,6 +155,7 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     // Gemma 3's configuration class ties them unless told otherwise.
     tiedEmbeddings: architecture === 'gemma3' ? json['tie_word_embeddings'] !== false : json['tie_word_embeddings'] === true,
   };
+  requireAtMost(source, 'config.json num_hidden_layers', config.numLayers, MAX_LAYERS);
   requirePositive(source, 'config.json rms_norm_eps', config.rmsNormEps);
   requirePositive(source, 'config.json rope_theta', config.ropeTheta);
   requireRopeDim(source, config.ropeDim === headDim ? 'the rotated dimension count'
@@ -165,7 +167,11 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
   }
   if (architecture === 'gemma3') hfGemma3Config(json, config, source);
   const moe = hfMoeConfig(json, declared!, source);
-  if (moe) config.moe = moe;
+  if (moe) {
+    requireAtMost(source, `config.json ${declared === 'MixtralForCausalLM' ? 'num_local_experts' : 'num_experts'}`,
+      moe.numExperts, MAX_EXPERTS);
+    config.moe = moe;
+  }
   const ropeScaling = hfRopeScaling(json['rope_scaling'], json, config.ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;

@@ -17,7 +17,7 @@ import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { writeSafetensors } from '../../src/model/safetensors.ts';
 import type { SafetensorsTensorData } from '../../src/model/safetensors.ts';
-import { makeTinyModel, TINY_DIMS, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
+import { makeTinyModel, TINY_DIMS, tinyGgufMetadata, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
 import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
 
 let dir: string;
@@ -274,6 +274,26 @@ describe('model metadata that cannot be computed with', () => {
       /metadata llama\.rope\.dimension_count is 5/);
     await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.freq_base': 0 } }), ModelFormatError,
       /metadata llama\.rope\.freq_base is 0, not a positive finite number/);
+  });
+
+  it('a layer or expert count of 10^9: refused before tables of that size are built (it ran out of heap)', async () => {
+    const gemma3: Record<string, GgufValue | undefined> = { 'general.architecture': 'gemma3' };
+    for (const [key, value] of tinyGgufMetadata(makeTinyModel())) if (key.startsWith('llama.')) gemma3[`gemma3.${key.slice(6)}`] = value;
+    await refusesLoad(await tinyGguf({ metadata: { ...gemma3, 'gemma3.block_count': 1e9, 'gemma3.attention.sliding_window': 16 } }),
+      ModelFormatError, /metadata gemma3\.block_count is 1000000000, more than the 65536 any model has/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.expert_count': 1e9, 'llama.expert_used_count': 2 } }),
+      ModelFormatError, /metadata llama\.expert_count is 1000000000, more than the 65536 any model has/);
+    const cases: [Record<string, unknown>, RegExp][] = [
+      [{ architectures: ['Gemma3ForCausalLM'], num_hidden_layers: 1e9, sliding_window: 16 },
+        /config\.json num_hidden_layers is 1000000000, more than the 65536 any model has/],
+      [{ architectures: ['MixtralForCausalLM'], num_local_experts: 1e9, num_experts_per_tok: 2 },
+        /config\.json num_local_experts is 1000000000, more than the 65536 any model has/],
+    ];
+    for (const [overrides, pattern] of cases) {
+      const folder = tempPath('');
+      writeTinyHf(folder, makeTinyModel(), { configOverrides: overrides });
+      await refusesLoad(folder, ModelFormatError, pattern);
+    }
   });
 
   it('Hugging Face rms_norm_eps 0 or negative, max_position_embeddings 0 or fractional, num_hidden_layers 0', async () => {
