@@ -265,6 +265,19 @@ export function requirePositive(source: string, what: string, value: number): vo
   }
 }
 
+/**
+ * RoPE frequency divisors (rope_freqs.weight, LongRoPE's factors): each a positive finite number, else a frequency
+ * becomes infinite or NaN and so does every score.
+ */
+export function requireDivisors(what: string, factors: ArrayLike<number>): void {
+  for (let i = 0; i < factors.length; i++) {
+    const f = factors[i]!;
+    if (!(Number.isFinite(f) && f > 0)) {
+      throw new ModelFormatError(`${what}: entry ${i} is ${f}; RoPE frequency factors must be positive finite numbers`);
+    }
+  }
+}
+
 /** The rotated dimensions of a head: a positive even number, at most the head size. */
 export function requireRopeDim(source: string, what: string, ropeDim: number, headDim: number): void {
   if (!(Number.isSafeInteger(ropeDim) && ropeDim > 0 && ropeDim % 2 === 0 && ropeDim <= headDim)) {
@@ -305,13 +318,20 @@ function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, conte
     throw new ModelFormatError(`${source}: LongRoPE needs rope_factors_short.weight and ` +
       `${arch}.rope.scaling.original_context_length besides ${longName}`);
   }
+  requireCount(source, `metadata ${arch}.rope.scaling.original_context_length`, originalContextLength);
+  // Both sets are checked, though one is used: either is a divisor of every frequency.
+  const sets = new Map([longName, shortName].map((tensorName) => {
+    const factors = Array.from(dequantizeTensor(file.tensor(tensorName)));
+    if (factors.length !== ropeDim / 2) {
+      throw new ModelFormatError(`${source}: ${tensorName} has ${factors.length} entries, expected ropeDim / 2 = ${ropeDim / 2}`);
+    }
+    requireDivisors(`${source}: ${tensorName}`, factors);
+    return [tensorName, factors];
+  }));
   const chosen = contextLength > originalContextLength ? longName : shortName;
-  const factors = Array.from(dequantizeTensor(file.tensor(chosen)));
-  if (factors.length !== ropeDim / 2) {
-    throw new ModelFormatError(`${source}: ${chosen} has ${factors.length} entries, expected ropeDim / 2 = ${ropeDim / 2}`);
-  }
   const attentionFactor = metaNumber(file, `${arch}.rope.scaling.attn_factor`) ?? 1;
-  return { type: 'longrope', factors, attentionFactor, originalContextLength };
+  requirePositive(source, `metadata ${arch}.rope.scaling.attn_factor`, attentionFactor);
+  return { type: 'longrope', factors: sets.get(chosen)!, attentionFactor, originalContextLength };
 }
 
 /**
@@ -384,8 +404,17 @@ export function llama3ScalingFromFreqFactors(
   if (factors.length !== ropeDim / 2) {
     throw new ModelFormatError(`${what} has ${factors.length} entries, expected ropeDim / 2 = ${ropeDim / 2}`);
   }
+  requireDivisors(what, factors);
   const factor = Math.max(...factors);
-  if (factor <= 1 + 1e-6) return undefined;
+  if (factor <= 1 + 1e-6) {
+    // No scaling only when every divisor is 1: llama.cpp divides by whatever is stored.
+    const other = factors.findIndex((f) => Math.abs(f - 1) > 1e-6);
+    if (other >= 0) {
+      throw new ModelFormatError(`${what}: entry ${other} is ${factors[other]}, which llama3 RoPE scaling does not ` +
+        'give (its divisors are 1 or more); other frequency factor schemes are not supported');
+    }
+    return undefined;
+  }
   const tolerance = 1e-4 * factor;
   const xs: number[] = [];
   const smooths: number[] = [];

@@ -252,16 +252,31 @@ function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: n
     if (typeof v !== 'number') throw new ModelFormatError(`${source}: rope_scaling.${key} is missing or not a number`);
     return v;
   };
+  /** A factor of the scaling: a positive finite number, else every rotated frequency is infinite, NaN or reversed. */
+  const positive = (key: string): number => {
+    const v = num(key);
+    requirePositive(source, `config.json rope_scaling.${key}`, v);
+    return v;
+  };
   switch (type) {
     case 'default': return undefined;
-    case 'linear': return { type: 'linear', factor: num('factor') };
-    case 'llama3': return {
-      type: 'llama3',
-      factor: num('factor'),
-      lowFreqFactor: num('low_freq_factor'),
-      highFreqFactor: num('high_freq_factor'),
-      originalContextLength: num('original_max_position_embeddings'),
-    };
+    case 'linear': return { type: 'linear', factor: positive('factor') };
+    case 'llama3': {
+      const scaling: RopeScaling = {
+        type: 'llama3',
+        factor: positive('factor'),
+        lowFreqFactor: positive('low_freq_factor'),
+        highFreqFactor: positive('high_freq_factor'),
+        originalContextLength: num('original_max_position_embeddings'),
+      };
+      requireCount(source, 'config.json rope_scaling.original_max_position_embeddings', scaling.originalContextLength);
+      // The blend between them divides by their difference.
+      if (!(scaling.highFreqFactor > scaling.lowFreqFactor)) {
+        throw new ModelFormatError(`${source}: rope_scaling.high_freq_factor ${scaling.highFreqFactor} is not above ` +
+          `low_freq_factor ${scaling.lowFreqFactor}`);
+      }
+      return scaling;
+    }
     case 'longrope':
     case 'su': return hfLongRope(s, json, ropeDim, source);
     default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
@@ -279,7 +294,7 @@ function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, r
   source: string): RopeScaling {
   const numbers = (key: string): number[] => {
     const v = s[key];
-    if (!Array.isArray(v) || v.length !== ropeDim / 2 || !v.every((x) => typeof x === 'number' && x > 0)) {
+    if (!Array.isArray(v) || v.length !== ropeDim / 2 || !v.every((x) => typeof x === 'number' && Number.isFinite(x) && x > 0)) {
       throw new ModelFormatError(`${source}: rope_scaling.${key} must be ${ropeDim / 2} positive numbers`);
     }
     return v.map((x) => Math.fround(x as number));
@@ -289,10 +304,13 @@ function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, r
   if (typeof original !== 'number' || typeof max !== 'number') {
     throw new ModelFormatError(`${source}: LongRoPE needs original_max_position_embeddings and max_position_embeddings`);
   }
+  requireCount(source, 'config.json original_max_position_embeddings (LongRoPE)', original);
   const scale = max / original;
   const given = s['attention_factor'];
   const attentionFactor = Math.fround(typeof given === 'number' ? given
     : scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(original)) : 1);
+  requirePositive(source, 'config.json rope_scaling.attention_factor', attentionFactor);
+  numbers(max > original ? 'short_factor' : 'long_factor'); // the set not used is checked too
   return { type: 'longrope', factors: numbers(max > original ? 'long_factor' : 'short_factor'), attentionFactor,
     originalContextLength: original };
 }

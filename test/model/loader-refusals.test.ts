@@ -353,7 +353,8 @@ describe('tensors the model does not use', () => {
         data: quantize(GgmlType.F32, llama3FreqFactors(scaling, 500000, 128)) } } }, makeTinyModel(dims));
     assert.deepEqual((await loadModel(path)).config.ropeScaling, scaling);
     // All ones: no scaling, and nothing left out.
-    const ones = await tinyGguf({ tensors: { 'rope_freqs.weight': f32Tensor('rope_freqs.weight', [4]) } });
+    const ones = await tinyGguf({ tensors: { 'rope_freqs.weight': { name: 'rope_freqs.weight', type: GgmlType.F32, shape: [4],
+      data: quantize(GgmlType.F32, new Float32Array(4).fill(1)) } } });
     await loadModel(ones).then((m) => assert.equal(m.config.ropeScaling, undefined));
   });
 
@@ -424,6 +425,56 @@ describe('GGUF RoPE scaling keys, read as llama.cpp reads them', () => {
     const freqs = { name: 'rope_freqs.weight', type: GgmlType.F32, shape: [4], data: quantize(GgmlType.F32, new Float32Array(4).fill(1)) };
     await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scaling.factor': 4 }, tensors: { 'rope_freqs.weight': freqs } }),
       ModelFormatError, /linear RoPE scaling \(llama\.rope\.scaling\.factor 4\) together with rope_freqs\.weight is not supported/);
+  });
+
+  it('RoPE divisors that are not positive finite numbers, or below 1: refused, never NaN scores or a silent no-op', async () => {
+    const freqs = (values: number[]): GgufWriteOverrides => ({ tensors: { 'rope_freqs.weight': { name: 'rope_freqs.weight',
+      type: GgmlType.F32, shape: [values.length], data: quantize(GgmlType.F32, new Float32Array(values)) } } });
+    await refusesLoad(await tinyGguf(freqs([1, 1, 1, Number.NaN])), ModelFormatError,
+      /rope_freqs\.weight: entry 3 is NaN; RoPE frequency factors must be positive finite numbers/);
+    await refusesLoad(await tinyGguf(freqs([0, 0, 0, 0])), ModelFormatError, /rope_freqs\.weight: entry 0 is 0; RoPE frequency factors/);
+    await refusesLoad(await tinyGguf(freqs([1, 1, 1, Infinity])), ModelFormatError, /entry 3 is Infinity/);
+    // All below 1 was taken for "no scaling" (the largest is not above 1); llama.cpp divides by them.
+    await refusesLoad(await tinyGguf(freqs([0.5, 0.5, 0.5, 0.5])), ModelFormatError,
+      /rope_freqs\.weight: entry 0 is 0\.5, which llama3 RoPE scaling does not give/);
+  });
+
+  it('GGUF LongRoPE: both factor sets, the attention factor and the original context are checked', async () => {
+    const f32 = (name: string, values: number[]) => ({ name, type: GgmlType.F32, shape: [values.length],
+      data: quantize(GgmlType.F32, new Float32Array(values)) });
+    const longRope = (long: number[], short: number[], metadata: Record<string, GgufValue> = {}): GgufWriteOverrides => ({
+      metadata: { 'llama.rope.scaling.original_context_length': 32, ...metadata },
+      tensors: { 'rope_factors_long.weight': f32('rope_factors_long.weight', long), 'rope_factors_short.weight': f32('rope_factors_short.weight', short) },
+    });
+    const ones = [1, 1, 1, 1];
+    await refusesLoad(await tinyGguf(longRope([1, 0, 1, 1], ones)), ModelFormatError, /rope_factors_long\.weight: entry 1 is 0/);
+    // The context (64) is above the original (32): the long set is used, and the short one is checked all the same.
+    await refusesLoad(await tinyGguf(longRope(ones, [1, 1])), ModelFormatError, /rope_factors_short\.weight has 2 entries, expected ropeDim \/ 2 = 4/);
+    await refusesLoad(await tinyGguf(longRope(ones, ones, { 'llama.rope.scaling.attn_factor': Number.NaN })), ModelFormatError,
+      /metadata llama\.rope\.scaling\.attn_factor is NaN, not a positive finite number/);
+    await refusesLoad(await tinyGguf(longRope(ones, ones, { 'llama.rope.scaling.original_context_length': 0 })), ModelFormatError,
+      /metadata llama\.rope\.scaling\.original_context_length is 0, not a positive whole number/);
+    assert.equal((await loadModel(await tinyGguf(longRope([2, 2, 2, 2], ones)))).config.ropeScaling?.type, 'longrope');
+  });
+
+  it('Hugging Face rope_scaling: factors that are not positive numbers, a llama3 band of no width, LongRoPE without an original context', async () => {
+    const llama3 = { rope_type: 'llama3', factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192 };
+    const longrope = { type: 'longrope', long_factor: [1, 1, 1, 1], short_factor: [1, 1, 1, 1], original_max_position_embeddings: 32 };
+    const cases: [unknown, RegExp][] = [
+      [{ type: 'linear', factor: 0 }, /config\.json rope_scaling\.factor is 0, not a positive finite number/],
+      [{ type: 'linear', factor: -2 }, /config\.json rope_scaling\.factor is -2/],
+      [{ ...llama3, factor: 0 }, /config\.json rope_scaling\.factor is 0/],
+      [{ ...llama3, low_freq_factor: 4 }, /rope_scaling\.high_freq_factor 4 is not above low_freq_factor 4/],
+      [{ ...llama3, original_max_position_embeddings: 0 }, /rope_scaling\.original_max_position_embeddings is 0, not a positive whole number/],
+      [{ ...longrope, original_max_position_embeddings: 0 }, /original_max_position_embeddings \(LongRoPE\) is 0, not a positive whole number/],
+      [{ ...longrope, attention_factor: -1 }, /config\.json rope_scaling\.attention_factor is -1, not a positive finite number/],
+      [{ ...longrope, short_factor: [1, 0, 1, 1] }, /rope_scaling\.short_factor must be 4 positive numbers/],
+    ];
+    for (const [ropeScaling, pattern] of cases) {
+      const folder = tempPath('');
+      writeTinyHf(folder, makeTinyModel(), { configOverrides: { rope_scaling: ropeScaling } });
+      await refusesLoad(folder, ModelFormatError, pattern);
+    }
   });
 
   it('the scaled model computes different logits from the unscaled one', async () => {
