@@ -11,6 +11,7 @@
 // of blocks. Lengths are checked against the bytes left before anything is allocated, and arrays
 // of arrays nest at most GGUF_MAX_ARRAY_NESTING deep.
 
+import { constants as bufferConstants } from 'node:buffer';
 import { readFileSync } from 'node:fs';
 import { byteSize, GGML_TYPES, GgmlType } from './ggml-types.ts';
 import type { GgmlTypeInfo } from './ggml-types.ts';
@@ -77,6 +78,8 @@ export class GgufFormatError extends Error {
 // ---------------------------------------------------------------------------------------------------------------
 // Cursor over the bytes
 
+const MAX_STRING_LENGTH = bufferConstants.MAX_STRING_LENGTH;
+
 class Cursor {
   offset = 0;
   /** Arrays read inside other arrays, and BOOL array elements, so far (see GGUF_MAX_NESTED_ARRAYS). */
@@ -120,6 +123,11 @@ class Cursor {
 
   string(): string {
     const length = this.count('string length');
+    // V8 makes no string longer than this; decoding one would throw a plain Error instead of naming the file.
+    if (length > MAX_STRING_LENGTH) {
+      throw new GgufFormatError(`${this.source}: a string of ${length} bytes at offset ${this.offset}, longer than ` +
+        `the longest string Conduit can hold (${MAX_STRING_LENGTH})`);
+    }
     this.need(length);
     const s = this.decoder.decode(this.bytes.subarray(this.offset, this.offset + length));
     this.offset += length;

@@ -204,6 +204,13 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
     }
   });
 
+  it('a string longer than any JS string, named (decoding it threw a plain Error)', () => {
+    // Only the length is read: the check comes before the bytes are looked for.
+    const length = 2 ** 30;
+    refusesParse(rawGguf({ kv: [Buffer.concat([u64(length), Buffer.from('x')])] }),
+      new RegExp(`x\\.gguf: a string of ${length} bytes at offset 32, longer than the longest string Conduit can hold`));
+  });
+
   it('arrays nested 200000 deep (a bounded depth, not a stack overflow)', () => {
     const levels = 200_000;
     const inner = Buffer.alloc(levels * 12 + 12);
