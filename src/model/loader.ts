@@ -2,7 +2,7 @@
 // *.safetensors + tokenizer.json) becomes a ModelConfig, zero-copy ModelWeights, and what the tokenizer module needs.
 
 import { stat } from 'node:fs/promises';
-import { resolve } from 'node:path';
+import { dirname, resolve } from 'node:path';
 import type { ModelConfig } from './config.ts';
 import { readModelFile } from './files.ts';
 import { ggmlTypeName } from './ggml-types.ts';
@@ -78,7 +78,12 @@ export async function loadGgufModel(path: string): Promise<LoadedModel> {
   const absolute = resolve(path);
   const bytes = await readModelFile(absolute, path);
   if (bytes.byteLength < 4 || bytes.readUInt32LE(0) !== 0x46554747) {
-    throw new ModelFormatError(`${path} is neither a GGUF file (no "GGUF" magic) nor a Hugging Face model folder`);
+    // A file of a Hugging Face folder (model.safetensors, config.json) given instead of the folder.
+    const folder = dirname(path);
+    const hint = await isHfFolder(dirname(absolute))
+      ? `; it is a file of the Hugging Face model folder ${folder}, which is what --model takes` : '';
+    throw new ModelFormatError(`${path} is ${bytes.byteLength === 0 ? 'empty, ' : ''}neither a GGUF file (no "GGUF" ` +
+      `magic) nor a Hugging Face model folder${hint}`);
   }
   return ggufLoadedModel(parseGguf(bytes, absolute), absolute);
 }

@@ -588,6 +588,17 @@ describe('Hugging Face folders: the shard index, and files that are not files', 
     assert.equal(loaded.weights.output, loaded.weights.tokenEmbedding);
   });
 
+  it('a file of a Hugging Face folder given instead of the folder, and an empty file, say so', async () => {
+    const folder = shardedFolder();
+    for (const name of [shard(1), 'config.json']) {
+      await refusesLoad(join(folder, name), ModelFormatError, new RegExp(`${escape(name)} is neither a GGUF file .*; it is a ` +
+        `file of the Hugging Face model folder ${escape(folder)}, which is what --model takes$`));
+    }
+    const empty = tempPath();
+    writeFileSync(empty, '');
+    await refusesLoad(empty, ModelFormatError, /case-\d+\.gguf is empty, neither a GGUF file \(no "GGUF" magic\) nor a Hugging Face model folder$/);
+  });
+
   it('a device or a FIFO given as the model: refused at once, not read forever', async (t) => {
     if (existsSync('/dev/zero')) {
       await refusesLoad('/dev/zero', ModelFormatError, /\/dev\/zero is not a regular file \(a device, FIFO or socket\)/);
