@@ -16,6 +16,7 @@ import {
   MAX_EXPERTS, MAX_LAYERS, ModelFormatError, refuseUnusedTensors, requireAtMost, requireCount, requirePositive,
   requireRopeDim, splitRows,
 } from './gguf-model.ts';
+import { ChatTemplateError, chatTemplateFromConfig } from './chat-template.ts';
 import { readModelFile } from './files.ts';
 import { GgmlType } from './ggml-types.ts';
 import { dequantizeTensor } from './quant.ts';
@@ -64,12 +65,24 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
   }
   if (!(await stat(tokenizerJsonPath)).isFile()) throw new ModelFormatError(`${tokenizerJsonPath} is not a regular file`);
   const tokenizerConfigPath = join(dir, 'tokenizer_config.json');
-  const tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
+  let tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
+  const found = await findChatTemplate(dir, tokenizerConfig, tokenizerConfigPath);
+  if (found !== undefined) {
+    // The engine builds its template from tokenizerConfig: one from a file beside it goes in there, or it would be
+    // served with the fallback template.
+    if (found.path !== tokenizerConfigPath) tokenizerConfig = { ...tokenizerConfig, chat_template: found.value };
+    try {
+      chatTemplateFromConfig({ chat_template: found.value });
+    } catch (error) {
+      if (!(error instanceof ChatTemplateError)) throw error;
+      throw new ModelFormatError(`${found.path}: ${error.message}`);
+    }
+  }
   const model: HfModel = {
     config, weights, tokenizerJsonPath, tokenizerConfig,
     details: hfDetails(configJson),
   };
-  const chatTemplate = await findChatTemplate(dir, tokenizerConfig);
+  const chatTemplate = pickTemplate(found?.value);
   if (chatTemplate !== undefined) model.chatTemplate = chatTemplate;
   return model;
 }
@@ -521,24 +534,32 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
  * The chat template: tokenizer_config.json's chat_template (a string, or a list of named templates of which we take
  * "default"), else a chat_template.jinja or chat_template.json file beside it (newer transformers versions).
  */
-async function findChatTemplate(dir: string, tokenizerConfig: Record<string, unknown>): Promise<string | undefined> {
-  const fromConfig = pickTemplate(tokenizerConfig['chat_template']);
-  if (fromConfig !== undefined) return fromConfig;
+async function findChatTemplate(dir: string, tokenizerConfig: Record<string, unknown>,
+  tokenizerConfigPath: string): Promise<{ value: unknown; path: string } | undefined> {
+  const fromConfig = tokenizerConfig['chat_template'];
+  if (fromConfig !== undefined && fromConfig !== null) return { value: fromConfig, path: tokenizerConfigPath };
   const jinjaPath = join(dir, 'chat_template.jinja');
-  if (existsSync(jinjaPath)) return (await readModelFile(jinjaPath)).toString('utf8');
+  if (existsSync(jinjaPath)) return { value: (await readModelFile(jinjaPath)).toString('utf8'), path: jinjaPath };
   const jsonPath = join(dir, 'chat_template.json');
-  if (existsSync(jsonPath)) return pickTemplate((await readJson(jsonPath))['chat_template']);
+  if (existsSync(jsonPath)) {
+    const value = (await readJson(jsonPath))['chat_template'];
+    if (value !== undefined && value !== null) return { value, path: jsonPath };
+  }
   return undefined;
 }
 
 function pickTemplate(value: unknown): string | undefined {
   if (typeof value === 'string') return value;
   if (Array.isArray(value)) {
-    const named = value as { name?: unknown; template?: unknown }[];
-    const chosen = named.find((t) => t.name === 'default') ?? named[0];
-    return typeof chosen?.template === 'string' ? chosen.template : undefined;
+    const named = value as unknown[];
+    const chosen = named.find((t) => isRecord(t) && t['name'] === 'default') ?? named[0];
+    return isRecord(chosen) && typeof chosen['template'] === 'string' ? chosen['template'] : undefined;
   }
   return undefined;
+}
+
+function isRecord(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 import { stat } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
+import { ChatTemplateError, chatTemplateFromGguf } from './chat-template.ts';
 import type { ModelConfig } from './config.ts';
 import { readModelFile } from './files.ts';
 import { ggmlTypeName } from './ggml-types.ts';
@@ -92,6 +93,13 @@ export async function loadGgufModel(path: string): Promise<LoadedModel> {
 export function ggufLoadedModel(file: GgufFile, path: string): LoadedModel {
   const config = ggufModelConfig(file, path);
   const weights = ggufModelWeights(file, config, path);
+  // The engine compiles the file's chat templates when it starts; one that does not parse is the file's fault.
+  try {
+    chatTemplateFromGguf(file);
+  } catch (error) {
+    if (!(error instanceof ChatTemplateError)) throw error;
+    throw new ModelFormatError(`${path}: tokenizer.chat_template: ${error.message}`);
+  }
   const details: Record<string, string | number> = { ggufVersion: file.version };
   for (const [key, value] of file.metadata) {
     if (key.startsWith('general.') && (typeof value === 'string' || typeof value === 'number')) details[key] = value;

@@ -12,6 +12,7 @@ import { GgmlType } from '../../src/model/ggml-types.ts';
 import { GGUF_MAX_BOOL_ELEMENTS, GGUF_MAX_NESTED_ARRAYS, GgufFormatError, GgufValueType, parseGguf } from '../../src/model/gguf.ts';
 import type { GgufValue } from '../../src/model/gguf.ts';
 import { llama3FreqFactors, ModelFormatError } from '../../src/model/gguf-model.ts';
+import { chatTemplateFromConfig } from '../../src/model/chat-template.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
@@ -597,6 +598,40 @@ describe('Hugging Face folders: the shard index, and files that are not files', 
     const empty = tempPath();
     writeFileSync(empty, '');
     await refusesLoad(empty, ModelFormatError, /case-\d+\.gguf is empty, neither a GGUF file \(no "GGUF" magic\) nor a Hugging Face model folder$/);
+  });
+
+  it('chat_template.jinja beside tokenizer_config.json is the template the engine builds (it got the fallback)', async () => {
+    const folder = tempPath('');
+    writeTinyHf(folder, makeTinyModel(), { tokenizerConfig: { bos_token: '<s>', eos_token: '</s>' } });
+    writeFileSync(join(folder, 'chat_template.jinja'), 'JINJA:{{ messages[0].content }}');
+    const loaded = await loadModel(folder);
+    assert.equal(loaded.tokenizerSource.kind, 'hf');
+    // What createLocalEngine builds the served template from.
+    const config = loaded.tokenizerSource.kind === 'hf' ? loaded.tokenizerSource.tokenizerConfig : {};
+    const template = chatTemplateFromConfig(config);
+    assert.equal(template.isFallback, false);
+    assert.equal(template.render([{ role: 'user', content: 'hi' }]), 'JINJA:hi');
+    assert.equal(config.eos_token, '</s>', 'the rest of tokenizer_config.json is kept');
+  });
+
+  it('a chat template that does not parse, or a malformed template list: refused at load naming the file', async () => {
+    const cases: [Record<string, unknown>, RegExp][] = [
+      [{ chat_template: '{% for %}' }, /tokenizer_config\.json: chat template "default" does not parse/],
+      // [null] was a TypeError from inside the loader.
+      [{ chat_template: [null] }, /tokenizer_config\.json: chat_template list entries must be \{ name, template \} strings/],
+      [{ chat_template: { a: 1 } }, /tokenizer_config\.json: chat_template must be a string or a list/],
+    ];
+    for (const [tokenizerConfig, pattern] of cases) {
+      const folder = tempPath('');
+      writeTinyHf(folder, makeTinyModel(), { tokenizerConfig });
+      await refusesLoad(folder, ModelFormatError, pattern);
+    }
+    const jinja = tempPath('');
+    writeTinyHf(jinja, makeTinyModel(), { tokenizerConfig: {} });
+    writeFileSync(join(jinja, 'chat_template.jinja'), '{% if %}');
+    await refusesLoad(jinja, ModelFormatError, /chat_template\.jinja: chat template "default" does not parse/);
+    await refusesLoad(await tinyGguf({ extraMetadata: [['tokenizer.chat_template', '{% for %}']] }), ModelFormatError,
+      /\.gguf: tokenizer\.chat_template: chat template "default" does not parse/);
   });
 
   it('a device or a FIFO given as the model: refused at once, not read forever', async (t) => {
