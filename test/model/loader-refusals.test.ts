@@ -242,6 +242,24 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
     assert.deepEqual(parseGguf(rawGguf({ kv: [flags] })).metadata.get('x.flags'), [true, false, true]);
   });
 
+  it('counts, lengths and dimensions near 2^64, and dimensions whose product overflows', () => {
+    const header = (tensors: bigint, kvs: bigint) => Buffer.concat([u32(0x46554747), u32(3), u64(tensors), u64(kvs)]);
+    refusesParse(header(2n ** 64n - 1n, 0n), /x\.gguf: tensor count 18446744073709551615 is too large/);
+    refusesParse(header(0n, 2n ** 63n), /metadata count 9223372036854775808 is too large/);
+    // A count that fits but that the file cannot hold ends within the file's bytes, not in a loop or an allocation
+    // (here the zero bytes read as nameless tensors, the second of which repeats the first's name).
+    refusesParse(Buffer.concat([header(2n ** 50n, 0n), Buffer.alloc(64)]), /tensor {2}appears twice/);
+    refusesParse(Buffer.concat([header(2n ** 50n, 0n), u64(1), Buffer.from('a')]), /truncated GGUF/);
+    refusesParse(Buffer.concat([header(0n, 1n), u64(2n ** 64n - 1n)]), /string length 18446744073709551615 is too large/);
+    refusesParse(rawGguf({ tensors: [f32('a', [2 ** 40, 2 ** 40], 0)], dataBytes: 32 }),
+      /tensor a of shape \[1099511627776, 1099511627776\] has too many elements/);
+    refusesParse(rawGguf({ tensors: [f32('a', [2 ** 26, 2 ** 26], 0)], dataBytes: 32 }), /tensor a runs past the end of the file/);
+    const dimension = Buffer.concat([header(1n, 0n), str('a'), u32(1), u64(2n ** 63n), u32(GgmlType.F32), u64(0)]);
+    refusesParse(dimension, /dimension of a 9223372036854775808 is too large/);
+    refusesParse(rawGguf({ tensors: [{ name: 'a', shape: [1, 1, 1, 1, 1], type: GgmlType.F32, offset: 0 }], dataBytes: 32 }),
+      /tensor a has 5 dimensions \(at most 4\)/);
+  });
+
   it('an unknown value type, naming the key', () => {
     refusesParse(rawGguf({ kv: [Buffer.concat([str('x.odd'), u32(99), u32(0)])] }), /metadata x\.odd has unknown GGUF value type 99/);
     refusesParse(rawGguf({ kv: [kvArrayHead('x.odd', 99 as GgufValueType, 1)] }), /metadata x\.odd is an array of unknown GGUF value type 99/);
