@@ -7,7 +7,9 @@
 // (inspectLoraAdapter) first, and an adapter is loaded onto the workers before anything is evicted to make room for
 // it, so whatever they refuse (no file, not an adapter, made for another base model) leaves the resident adapters as
 // they were; only a load they took evicts the least recently used idle adapter after it (for that moment the workers
-// hold one adapter more than maxLoras). A refusal is the same whatever the occupancy: never a LoraCapacityError.
+// hold one adapter more than maxLoras). That adapter is chosen when the load starts and takes no new requests until
+// it is evicted (they wait, as for a yielding one), or until the load is refused. A refusal is the same whatever the
+// occupancy: never a LoraCapacityError.
 // Only when nothing is at the path here (a simulated worker's adapter named without a file) is the rank known after
 // a worker loaded it; it is then checked and the adapter unloaded again.
 //
@@ -97,6 +99,11 @@ interface Registration {
   lastUsed: number;
   /** Chosen to give its slot to a waiter: takes no new requests until it is evicted or nobody waits for a slot. */
   yielding: boolean;
+  /**
+   * An idle adapter a load under way will evict once the workers took the new one: it takes no new requests meanwhile
+   * (they wait), and takes them again if that load is refused.
+   */
+  evictFor?: Registration;
 }
 
 /** A request waiting for its adapter (acquire); settled by grant() or an abort. */
@@ -238,7 +245,8 @@ export class LoraManager {
     if (!registration) throw new LoraLoadError('lora_not_loaded', `The lora adapter '${name}' cannot be found.`);
     signal?.throwIfAborted();
     // Not past those already waiting for a slot, nor onto an adapter that yields its slot.
-    const queue = registration.yielding || (this.waiters.length > 0 && !registration.resident && registration.loading === undefined);
+    const queue = registration.yielding || registration.evictFor !== undefined
+      || (this.waiters.length > 0 && !registration.resident && registration.loading === undefined);
     // Nor is a load tried that could only end in waiting: every resident adapter is busy.
     const full = !registration.resident && registration.loading === undefined && !this.hasRoomFor(registration);
     if (!queue && !full) {
@@ -289,7 +297,7 @@ export class LoraManager {
       for (let i = 0; i < this.waiters.length;) {
         const waiter = this.waiters[i]!;
         const { registration } = waiter;
-        const ready = (registration.resident && !registration.yielding) || registration.loading !== undefined;
+        const ready = (registration.resident && !registration.yielding && registration.evictFor === undefined) || registration.loading !== undefined;
         if (ready || (!blocked && !registration.resident && this.hasRoomFor(registration))) {
           this.waiters.splice(i, 1);
           this.grant(waiter);
@@ -399,19 +407,28 @@ export class LoraManager {
     if (registration.loading) return registration.loading;
     const load = async () => {
       if (!this.engine.loadLora) throw new LoraLoadError('invalid_adapter', 'this engine runs no LoRA adapters');
-      // Loading again reads the path again: for an engine that does not say what it read, the file is checked here.
-      if (registration.loaded && registration.digest !== undefined && this.engineDigests !== true) await this.checkUnchanged(registration);
-      // Loaded first, evicting nothing: a file the workers refuse leaves the resident adapters as they were.
-      const info = await this.engine.loadLora(registration.key, registration.path);
+      // Loaded first, evicting nothing: a file the workers refuse leaves the resident adapters as they were. The idle
+      // adapter that will make room is chosen now, and takes no new requests until then.
+      const victim = this.chooseVictim(registration);
       try {
-        this.checkLoaded(registration, info);
-        await this.makeRoom(registration);
-      } catch (error) {
-        await this.engine.unloadLora!(registration.key).catch(() => {});
-        throw error;
+        // Loading again reads the path again: for an engine that does not say what it read, the file is checked here.
+        if (registration.loaded && registration.digest !== undefined && this.engineDigests !== true) await this.checkUnchanged(registration);
+        const info = await this.engine.loadLora(registration.key, registration.path);
+        try {
+          this.checkLoaded(registration, info);
+          await this.makeRoom(registration);
+        } catch (error) {
+          await this.engine.unloadLora!(registration.key).catch(() => {});
+          throw error;
+        }
+        registration.info = info;
+        registration.rank = info.rank;
+      } finally {
+        if (victim?.evictFor === registration) {
+          victim.evictFor = undefined;
+          if (this.waiters.length > 0) this.pump();
+        }
       }
-      registration.info = info;
-      registration.rank = info.rank;
       registration.resident = true;
       registration.loaded = true;
       this.loads++;
@@ -452,16 +469,32 @@ export class LoraManager {
       + `loaded (its cached prompts are the old file's); unload it and load it again, or load ${gone ? 'another' : 'the new'} file under another name`);
   }
 
-  /** Evicts least recently used idle adapters until one more fits. */
+  /** Idle resident adapters `incoming` may evict, least recently used first: those chosen for it, then unclaimed ones. */
+  private evictable(incoming: Registration, occupying: Registration[]): Registration[] {
+    return occupying.filter((a) => a.resident && !a.loading && a.inFlight === 0 && (a.evictFor === undefined || a.evictFor === incoming))
+      .sort((x, y) => Number(y.evictFor === incoming) - Number(x.evictFor === incoming) || x.lastUsed - y.lastUsed);
+  }
+
+  /** The idle adapter a load will evict once it loaded, claimed now (none when a slot is free, or none is idle). */
+  private chooseVictim(incoming: Registration): Registration | undefined {
+    const occupying = [...this.adapters.values(), ...this.draining].filter((a) => a !== incoming && (a.resident || a.loading));
+    const claimed = occupying.filter((a) => a.evictFor !== undefined).length;
+    if (occupying.length - claimed < this.maxLoras) return undefined;
+    const victim = this.evictable(incoming, occupying).find((a) => a.evictFor === undefined);
+    if (victim) victim.evictFor = incoming;
+    return victim;
+  }
+
+  /** Evicts least recently used idle adapters (the one chosen for it first) until one more fits. */
   private async makeRoom(incoming: Registration): Promise<void> {
     for (;;) {
       const occupying = [...this.adapters.values(), ...this.draining].filter((a) => a !== incoming && (a.resident || a.loading));
       if (occupying.length < this.maxLoras) return;
-      const idle = occupying.filter((a) => a.resident && !a.loading && a.inFlight === 0).sort((x, y) => x.lastUsed - y.lastUsed);
-      const victim = idle[0];
+      const victim = this.evictable(incoming, occupying)[0];
       if (!victim) throw new LoraCapacityError(incoming.name, this.maxLoras);
       victim.resident = false;
       victim.yielding = false;
+      victim.evictFor = undefined;
       this.evictions++;
       this.log?.(`LoRA adapter '${victim.name}' evicted (least recently used) to load '${incoming.name}'`);
       await this.engine.unloadLora!(victim.key);

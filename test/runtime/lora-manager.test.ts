@@ -212,6 +212,50 @@ describe('LoraManager', () => {
       assert.equal(manager.stats().resident, 2);
     });
 
+    it('the idle adapter a load will evict takes no new requests while it loads, and takes them again if it is refused', async () => {
+      const { engine, calls } = fakeEngine();
+      const loadLora = (engine as unknown as { loadLora: (name: string, path: string) => Promise<LoraLoadInfo> }).loadLora;
+      let gate: { release: () => void; refuse: () => void } | undefined;
+      (engine as unknown as { loadLora: typeof loadLora }).loadLora = (name, path) => new Promise((resolve, reject) => {
+        if (!path.startsWith('/slow')) return resolve(loadLora(name, path));
+        gate = {
+          release: () => resolve(loadLora(name, path)),
+          refuse: () => reject(new LoraLoadError('invalid_adapter', `${path}: made for another base model`)),
+        };
+      });
+      const manager = new LoraManager(engine, 1);
+      const tick = () => new Promise((resolve) => setImmediate(resolve));
+      await manager.register('a', '/a.gguf');
+      const aKey = manager.list()[0]!.key;
+      // A load that will be refused: 'a' is held back meanwhile, then serves at once, never evicted.
+      const refused = manager.register('bad', '/slow-bad.gguf');
+      while (gate === undefined) await tick(); // the load is under way
+      let gotA = false;
+      const first = manager.acquire('a').then((key) => { gotA = true; return key; });
+      await tick();
+      assert.equal(gotA, false, 'a request took the adapter the load is to evict');
+      gate!.refuse();
+      gate = undefined;
+      await assert.rejects(refused, { code: 'invalid_adapter' });
+      manager.release(await first);
+      assert.equal(calls.includes(`unload ${aKey}`), false);
+      // A load that succeeds: 'a' is held back, then evicted; its request then waits for the slot, which the new
+      // adapter, idle, gives up.
+      const registering = manager.register('slow', '/slow-b.gguf');
+      while (gate === undefined) await tick();
+      gotA = false;
+      const second = manager.acquire('a').then((key) => { gotA = true; return key; });
+      await tick();
+      assert.equal(gotA, false);
+      gate!.release();
+      await registering;
+      const slowKey = manager.list().find((e) => e.name === 'slow')!.key;
+      assert.deepEqual(calls.slice(calls.indexOf(`load ${slowKey} /slow-b.gguf`)).slice(0, 2), [`load ${slowKey} /slow-b.gguf`, `unload ${aKey}`]);
+      manager.release(await second);
+      assert.deepEqual(manager.list().map((e) => [e.name, e.resident]), [['a', true], ['slow', false]]);
+      assert.equal(manager.stats().evictions, 2);
+    });
+
     it('a registered adapter whose file changed or went is refused when it loads again; nothing is evicted for it', async () => {
       const { engine, calls, resident } = fakeEngine();
       const digests: Record<string, string | undefined> = { '/a.gguf': 'aaaa', '/b.gguf': 'bbbb', '/x.gguf': 'xxxx' };
