@@ -225,6 +225,8 @@ describe('LoraManager', () => {
       });
       const manager = new LoraManager(engine, 1);
       const tick = () => new Promise((resolve) => setImmediate(resolve));
+      /** The slow load under way, once it started. */
+      const started = () => gate;
       await manager.register('a', '/a.gguf');
       const aKey = manager.list()[0]!.key;
       // A load that will be refused: 'a' is held back meanwhile, then serves at once, never evicted.
@@ -242,12 +244,12 @@ describe('LoraManager', () => {
       // A load that succeeds: 'a' is held back, then evicted; its request then waits for the slot, which the new
       // adapter, idle, gives up.
       const registering = manager.register('slow', '/slow-b.gguf');
-      while (gate === undefined) await tick();
+      while (started() === undefined) await tick();
       gotA = false;
       const second = manager.acquire('a').then((key) => { gotA = true; return key; });
       await tick();
       assert.equal(gotA, false);
-      gate!.release();
+      started()!.release();
       await registering;
       const slowKey = manager.list().find((e) => e.name === 'slow')!.key;
       assert.deepEqual(calls.slice(calls.indexOf(`load ${slowKey} /slow-b.gguf`)).slice(0, 2), [`load ${slowKey} /slow-b.gguf`, `unload ${aKey}`]);
