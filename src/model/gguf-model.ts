@@ -112,7 +112,8 @@ export function ggufModelConfig(file: GgufFile, source = 'GGUF'): ModelConfig {
     ropeDim,
     // llama.cpp's converter permutes llama Q/K rows so that adjacent pairs rotate together; the Qwens keep HF order.
     ropeStyle: arch === 'llama' ? 'interleaved' : 'neox',
-    qkvBias: file.hasTensor('blk.0.attn_q.bias'),
+    // Qwen2 always has them (llama.cpp requires them of a qwen2 file); a llama file may, as its first layer says.
+    qkvBias: arch === 'qwen2' || file.hasTensor('blk.0.attn_q.bias'),
     tiedEmbeddings: !file.hasTensor('output.weight'),
   };
   requireCount(source, `metadata ${key('context_length')}`, config.contextLength);

@@ -364,6 +364,14 @@ describe('tensors the model does not use', () => {
       ModelFormatError, /tensor blk\.1\.attn_k\.bias is a bias Conduit does not apply/);
   });
 
+  it('a qwen2 GGUF without its Q/K/V biases: refused, not run without them (llama.cpp requires them too)', async () => {
+    const model = makeTinyModel(TINY_DIMS, { architecture: 'qwen2' });
+    const tensors: GgufWriteOverrides['tensors'] = {};
+    for (const l of [0, 1]) for (const x of ['q', 'k', 'v']) tensors[`blk.${l}.attn_${x}.bias`] = undefined;
+    await refusesLoad(await tinyGguf({ tensors }, model), ModelFormatError, /tensor blk\.0\.attn_q\.bias is missing/);
+    assert.equal((await loadModel(await tinyGguf({}, model))).config.qkvBias, true);
+  });
+
   it('GGUF tensors of other kinds', async () => {
     await refusesLoad(await tinyGguf({ tensors: { 'blk.0.attn_rot_embd': f32Tensor('blk.0.attn_rot_embd', [4]) } }),
       ModelFormatError, /tensor blk\.0\.attn_rot_embd is not one that Conduit's llama model reads; running without it could give wrong output, so the model is refused/);
