@@ -180,6 +180,10 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
   }
   if (architecture === 'gemma3') hfGemma3Config(json, config, source);
   const moe = hfMoeConfig(json, declared!, source);
+  if (moe && moe.numExpertsUsed > moe.numExperts) {
+    throw new ModelFormatError(`${source}: config.json num_experts_per_tok ${moe.numExpertsUsed} is more than the ` +
+      `${moe.numExperts} experts`);
+  }
   if (moe) {
     requireAtMost(source, `config.json ${declared === 'MixtralForCausalLM' ? 'num_local_experts' : 'num_experts'}`,
       moe.numExperts, MAX_EXPERTS);

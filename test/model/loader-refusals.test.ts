@@ -18,6 +18,7 @@ import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { writeSafetensors } from '../../src/model/safetensors.ts';
 import type { SafetensorsTensorData } from '../../src/model/safetensors.ts';
+import { archModel, writeArchHf } from './arch-models.ts';
 import { makeTinyModel, TINY_DIMS, tinyGgufMetadata, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
 import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
 
@@ -319,6 +320,17 @@ describe('model metadata that cannot be computed with', () => {
       const folder = tempPath('');
       writeTinyHf(folder, makeTinyModel(), { configOverrides: overrides });
       await refusesLoad(folder, ModelFormatError, pattern);
+    }
+  });
+
+  it('Hugging Face num_experts_per_tok above the number of experts (the reference backend ran it)', async () => {
+    for (const [name, experts] of [['mixtral', 4], ['qwen3moe', 8]] as const) {
+      const folder = tempPath('');
+      writeArchHf(archModel(name), folder);
+      const config = JSON.parse(readFileSync(join(folder, 'config.json'), 'utf8')) as Record<string, unknown>;
+      writeFileSync(join(folder, 'config.json'), JSON.stringify({ ...config, num_experts_per_tok: experts + 1 }));
+      await refusesLoad(folder, ModelFormatError,
+        new RegExp(`config\\.json num_experts_per_tok ${experts + 1} is more than the ${experts} experts`));
     }
   });
 
