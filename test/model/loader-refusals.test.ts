@@ -18,7 +18,7 @@ import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
 import { writeSafetensors } from '../../src/model/safetensors.ts';
 import type { SafetensorsTensorData } from '../../src/model/safetensors.ts';
-import { archModel, writeArchHf } from './arch-models.ts';
+import { archModel, skipUnlessVocabFor, writeArchHf } from './arch-models.ts';
 import { makeTinyModel, TINY_DIMS, tinyGgufMetadata, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
 import type { GgufWriteOverrides, TinyModel } from './loader-fixtures.ts';
 
@@ -323,8 +323,12 @@ describe('model metadata that cannot be computed with', () => {
     }
   });
 
-  it('Hugging Face num_experts_per_tok above the number of experts (the reference backend ran it)', async () => {
-    for (const [name, experts] of [['mixtral', 4], ['qwen3moe', 8]] as const) {
+  it('Hugging Face num_experts_per_tok above the number of experts (the reference backend ran it)', async (t) => {
+    // Mixtral's test model has the bundled Llama 2 vocabulary; Qwen3-MoE's needs /work/shared's Qwen2 one.
+    const qwenSkip = skipUnlessVocabFor(archModel('qwen3moe'));
+    if (qwenSkip) t.diagnostic(`the Qwen3-MoE case is skipped: ${qwenSkip}`);
+    const models = qwenSkip ? [['mixtral', 4]] as const : [['mixtral', 4], ['qwen3moe', 8]] as const;
+    for (const [name, experts] of models) {
       const folder = tempPath('');
       writeArchHf(archModel(name), folder);
       const config = JSON.parse(readFileSync(join(folder, 'config.json'), 'utf8')) as Record<string, unknown>;
