@@ -342,4 +342,9 @@ export interface LoraLoadInfo {
   bytes: number;
   /** How the worker's backend stores the adapter (--lora-dtype; the native backend), absent elsewhere. */
   dtype?: LoraDtype;
+  /**
+   * Digest of the bytes the worker loaded (loraDigest: the adapter's key is made from it), from engines that read
+   * the file themselves; absent from simulated and remote workers.
+   */
+  digest?: string;
 }

@@ -79,7 +79,7 @@ export type ToWorker =
   | { type: 'unload-lora'; loraId: number; name: string }
   | { type: 'close' };
 
-/** What a worker's load of an adapter found: LoraLoadInfo and the digest of the bytes it loaded. */
+/** What a worker's load of an adapter found: LoraLoadInfo with the digest of the bytes it loaded, always given. */
 export interface WorkerLoraInfo extends LoraLoadInfo {
   digest: string;
 }

@@ -101,8 +101,11 @@ export class WorkerGroup<E extends RoutableEngine> {
   private readonly migrationsTo = new Map<string, number>();
   private readonly now: () => number;
   private closed = false;
-  /** LoRA adapters loaded on every worker: name -> path (a restarted worker loads them too). */
-  private readonly loras = new Map<string, string>();
+  /**
+   * LoRA adapters loaded on every worker: name -> path, and the digest of the bytes the workers read when that is
+   * known (a restarted worker loads them too, and must read the same bytes).
+   */
+  private readonly loras = new Map<string, { path: string; digest?: string }>();
 
   constructor(private readonly options: WorkerGroupOptions<E>) {
     this.router = options.router;
@@ -178,7 +181,9 @@ export class WorkerGroup<E extends RoutableEngine> {
 
   /**
    * Loads a LoRA adapter onto every worker (and onto workers started later in place of lost ones). When any worker
-   * refuses it, those that took it unload it again and the first refusal is thrown.
+   * refuses it, those that took it unload it again and the first refusal is thrown. Each worker reads the file
+   * itself: workers that report what they read must have read the same bytes (the adapter's KV blocks are keyed by
+   * one digest), or the load is refused as a changed file.
    */
   async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
     const engines = [...this.workers.values()];
@@ -186,12 +191,16 @@ export class WorkerGroup<E extends RoutableEngine> {
     if (engines.some((engine) => !engine.loadLora)) throw new LoraLoadError('invalid_adapter', `these ${this.label}s run no LoRA adapters`);
     const results = await Promise.allSettled(engines.map((engine) => engine.loadLora!(name, path)));
     const refused = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
-    if (refused) {
+    const infos = refused ? [] : results.map((r) => (r as PromiseFulfilledResult<LoraLoadInfo>).value);
+    const digests = new Set(infos.flatMap((info) => info.digest !== undefined ? [info.digest] : []));
+    if (refused || digests.size > 1) {
       await Promise.allSettled(engines.map((engine, i) => results[i]!.status === 'fulfilled' ? engine.unloadLora!(name) : undefined));
-      throw refused.reason;
+      throw refused ? refused.reason : new LoraLoadError('invalid_adapter',
+        `LoRA adapter '${name}': the file at ${path} changed while the ${this.label}s loaded it (they read different bytes); load it again`);
     }
-    this.loras.set(name, path);
-    return (results[0] as PromiseFulfilledResult<LoraLoadInfo>).value;
+    const [digest] = digests;
+    this.loras.set(name, { path, ...(digest !== undefined ? { digest } : {}) });
+    return infos[0]!;
   }
 
   /** Unloads a LoRA adapter from every worker. */
@@ -346,7 +355,13 @@ export class WorkerGroup<E extends RoutableEngine> {
         // The new worker gets the adapters the group has loaded before it takes requests; one that cannot load them
         // is closed (it would otherwise keep running, with its KV pool, beside the next attempt).
         try {
-          for (const [name, path] of this.loras) await engine.loadLora!(name, path);
+          for (const [name, { path, digest }] of this.loras) {
+            const info = await engine.loadLora!(name, path);
+            if (digest !== undefined && info.digest !== undefined && info.digest !== digest) {
+              throw new LoraLoadError('invalid_adapter', `LoRA adapter '${name}': the file at ${path} changed since the other ` +
+                `${this.label}s loaded it, so this one would serve other weights under its cached prefixes; unload the adapter and load it again`);
+            }
+          }
         } catch (error) {
           await engine.close().catch(() => {});
           throw error;

@@ -89,3 +89,93 @@ test('a restarted worker that cannot load the group\'s adapters is closed, not l
     rmSync(fixture.dir, { recursive: true, force: true });
   }
 });
+
+test('a restarted worker that reads other bytes at the adapter\'s path is closed: its cached prefixes would be the old weights\'', { timeout: 120_000 }, async () => {
+  const { fixture, adapterPath, running } = await serveWithAdapter('lora-restart-changed', 14, ['--worker-restart-limit', '2']);
+  const started: LocalEngine[] = [];
+  const closed = new Set<LocalEngine>();
+  const start = LocalEngine.start;
+  const close = LocalEngine.prototype.close;
+  LocalEngine.start = async function (...args: Parameters<typeof LocalEngine.start>) {
+    const engine = await start.apply(this, args);
+    started.push(engine);
+    return engine;
+  };
+  LocalEngine.prototype.close = function (this: LocalEngine) {
+    closed.add(this);
+    return close.call(this);
+  };
+  const complete = async (model: string) => {
+    const res = await fetch(`${running.url}/v1/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify({ model, prompt: 'Once upon a time', max_tokens: 10, temperature: 0, ignore_eos: true }),
+    });
+    assert.equal(res.status, 200);
+    return (await res.json() as { choices: { text: string }[] }).choices[0]!.text;
+  };
+  try {
+    const routed = running.api.gateway.engine;
+    assert.ok(routed instanceof RoutedEngine);
+    const before = await complete('a');
+    // A valid adapter of the same shape, other weights, written over the loaded one's file.
+    const { config } = await loadModel(fixture.modelPath);
+    writeGgufLoraAdapter(adapterPath, config, randomLoraAdapter(config, { rank: 4, seed: 99, bScale: 1 }));
+    const lost = routed.workerIds[0]!;
+    await (routed.workerEngine(lost) as LocalEngine).kill();
+    await waitUntil(() => started.length === 2 && started.every((engine) => closed.has(engine)),
+      'both restart attempts loaded the changed file and were closed', 60_000);
+    assert.deepEqual(routed.workerIds.filter((id) => id !== lost).length, 1, 'the other worker serves on');
+    assert.equal(routed.workerIds.length, 1, 'no restarted worker joined with the changed adapter');
+    assert.equal(await complete('a'), before, 'the adapter is still the bytes it was loaded with');
+  } finally {
+    LocalEngine.start = start;
+    LocalEngine.prototype.close = close;
+    await running.api.shutdown(0);
+    rmSync(fixture.dir, { recursive: true, force: true });
+  }
+});
+
+test('workers that read different bytes for one load refuse it: the file changed while they loaded it', { timeout: 120_000 }, async () => {
+  const { fixture, running } = await serveWithAdapter('lora-load-changed', 15);
+  const load = LocalEngine.prototype.loadLora;
+  const routed = running.api.gateway.engine;
+  assert.ok(routed instanceof RoutedEngine);
+  const [first, second] = routed.workerIds.map((id) => routed.workerEngine(id) as LocalEngine);
+  const { config } = await loadModel(fixture.modelPath);
+  const bPath = join(fixture.dir, 'b.gguf');
+  writeGgufLoraAdapter(bPath, config, randomLoraAdapter(config, { rank: 4, seed: 21, bScale: 1 }));
+  // The second worker reads the file only after the first has loaded it, and after it was rewritten.
+  let firstLoaded: Promise<unknown> = Promise.resolve();
+  LocalEngine.prototype.loadLora = function (this: LocalEngine, name: string, path: string) {
+    if (this === first) {
+      const loaded = load.call(this, name, path);
+      firstLoaded = loaded.catch(() => {});
+      return loaded;
+    }
+    if (this === second) {
+      return firstLoaded.then(() => {
+        writeGgufLoraAdapter(bPath, config, randomLoraAdapter(config, { rank: 4, seed: 22, bScale: 1 }));
+        return load.call(this, name, path);
+      });
+    }
+    return load.call(this, name, path);
+  };
+  try {
+    const res = await fetch(`${running.url}/v1/load_lora_adapter`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ lora_name: 'b', lora_path: bPath }),
+    });
+    const body = await res.text();
+    assert.equal(res.status, 400, body);
+    assert.match(body, /changed while the workers loaded it/);
+    LocalEngine.prototype.loadLora = load;
+    // Nothing of it stayed on either worker: loaded again (the file now stable), it serves.
+    const again = await fetch(`${running.url}/v1/load_lora_adapter`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ lora_name: 'b', lora_path: bPath }),
+    });
+    assert.equal(again.status, 200, await again.text());
+  } finally {
+    LocalEngine.prototype.loadLora = load;
+    await running.api.shutdown(0);
+    rmSync(fixture.dir, { recursive: true, force: true });
+  }
+});
