@@ -1,7 +1,8 @@
 // `conduit cluster`: the distributed runtime on this machine in one command, for trying it out: etcd and
 // nats-server (the Debian binaries, data in a temporary folder), N `conduit worker` processes and one
 // `conduit frontend`, all on loopback. Ctrl-C (or SIGTERM, SIGHUP) stops them all: the frontend first, then the
-// workers (they drain and deregister), then NATS and etcd; the temporary folder is removed.
+// workers (they drain and deregister), then NATS and etcd; the temporary folder is removed. A worker or the frontend
+// that exits on its own (a bad model, a port in use) stops them all the same way, with exit code 1.
 
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -10,6 +11,7 @@ import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { POLICY_NAMES } from '../router/protocols.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 
@@ -65,10 +67,23 @@ async function waitForPort(port: number, what: string, child: ChildProcess, maxM
 export const clusterCommand: Command = {
   summary: 'a local demo cluster: etcd, NATS, N workers and a frontend on this machine',
   async run(argv) {
-    const { values } = parseFlags(CLUSTER_DEMO_FLAGS, argv);
+    const { values, positionals } = parseFlags(CLUSTER_DEMO_FLAGS, argv);
     if (values.help) {
       console.log(`Usage: conduit cluster [options]\n\n${formatFlagHelp(CLUSTER_DEMO_FLAGS)}`);
       return 0;
+    }
+    if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+    // The frontend's options are checked here, as the frontend checks them: refused before etcd, NATS and the
+    // workers start, rather than by a frontend that exits once they run.
+    const port = values.port!;
+    if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
+    const routingPolicy = values['routing-policy']!;
+    if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
+      throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}, got "${routingPolicy}"`);
+    }
+    const migrationLimit = values['migration-limit']!;
+    if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
+      throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
     }
     const count = values.workers!;
     if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
@@ -151,10 +166,18 @@ export const clusterCommand: Command = {
           stopNow();
         });
       }
-      start('frontend', process.execPath, [CONDUIT_BIN, 'frontend', '--port', String(values.port), '--migration-limit',
-        String(values['migration-limit']), '--routing-policy', values['routing-policy']!, ...grace], env, killAfterMs);
+      const frontend = start('frontend', process.execPath, [CONDUIT_BIN, 'frontend', '--port', String(port), '--migration-limit',
+        String(migrationLimit), '--routing-policy', routingPolicy, ...grace], env, killAfterMs);
+      // Nor does a frontend that exits on its own (its port in use, an option it refuses): a cluster without its API
+      // would otherwise go on running etcd, NATS and the workers for nobody.
+      frontend.once('exit', (code, signal) => {
+        if (stopping) return;
+        console.error(`conduit cluster: the frontend exited (${signal ?? `code ${code}`})`);
+        exitCode = 1;
+        stopNow();
+      });
       console.error(`conduit cluster: etcd ${etcdUrl}, NATS nats://127.0.0.1:${natsPort}, ${count} worker(s), frontend on `
-        + `http://127.0.0.1:${values.port} (GET /health lists the workers); Ctrl-C stops everything`);
+        + `http://127.0.0.1:${port} (GET /health lists the workers); Ctrl-C stops everything`);
     } catch (error) {
       console.error(`conduit cluster: ${(error as Error).message}`);
       await stopAll();
