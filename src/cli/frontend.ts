@@ -7,7 +7,7 @@ import { etcdClient } from '../cluster/discovery.ts';
 import { EventSubscriber, natsConnect } from '../cluster/events.ts';
 import { ClusterFrontend } from '../cluster/frontend.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { envName, formatFlagHelp, parseFlags, UsageError, type FlagSpec, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
 
@@ -33,21 +33,58 @@ function gatewayEnvironment(env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
   return Object.fromEntries(Object.entries(env).filter(([key]) => !twins.has(key)));
 }
 
-/** Splits argv into the cluster flags and the rest (serve's gateway flags). */
+/**
+ * The option an argument names, whatever its spelling (--name, --name=value, a short alias -m, a negation
+ * --no-name), with its table; undefined when it names none (a value, a positional, an unknown option).
+ */
+function optionOf(arg: string): { name: string; spec: FlagSpec; inline: boolean } | undefined {
+  const tables: FlagTable[] = [CLUSTER_FLAGS, SERVE_FLAGS];
+  if (arg.startsWith('--')) {
+    const name = arg.slice(2).split('=')[0]!;
+    const inline = arg.includes('=');
+    for (const table of tables) {
+      if (table[name]) return { name, spec: table[name], inline };
+      const negated = name.startsWith('no-') ? table[name.slice(3)] : undefined;
+      if (negated?.type === 'boolean') return { name: name.slice(3), spec: negated, inline: true };
+    }
+    return undefined;
+  }
+  if (arg.length === 2 && arg.startsWith('-')) {
+    for (const table of tables) {
+      const found = Object.entries(table).find(([, spec]) => spec.short === arg.slice(1));
+      if (found) return { name: found[0], spec: found[1], inline: false };
+    }
+  }
+  return undefined;
+}
+
+/**
+ * Splits argv into the cluster flags and the rest (serve's gateway flags). A worker's option is refused however it
+ * is spelt (-m, --no-enable-prefix-caching); the rest is parsed against the gateway's flags alone, so nothing
+ * serve would take and a frontend ignore gets through.
+ */
 function splitArgs(argv: readonly string[]): { cluster: string[]; gateway: string[] } {
   const cluster: string[] = [];
   const gateway: string[] = [];
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i]!;
-    const name = arg.startsWith('--') ? arg.slice(2).split('=')[0]! : undefined;
-    if (name !== undefined && WORKER_ONLY.has(name)) throw new UsageError(`--${name} is a worker option (conduit worker), not a frontend's`);
-    if (name !== undefined && name in CLUSTER_FLAGS) {
-      cluster.push(arg);
-      if (!arg.includes('=') && i + 1 < argv.length) cluster.push(argv[++i]!);
-    } else {
-      gateway.push(arg);
+    if (arg === '--') {
+      gateway.push(...argv.slice(i));
+      break;
     }
+    const option = optionOf(arg);
+    if (option && WORKER_ONLY.has(option.name)) {
+      const spelt = arg.startsWith('--') ? arg.split('=')[0]! : `${arg} (--${option.name})`;
+      throw new UsageError(`${spelt} is a worker option (conduit worker), not a frontend's`);
+    }
+    // The option's value goes with it, unread: a value that looks like an option (--api-keys -m) is not one.
+    const target = option && option.name in CLUSTER_FLAGS ? cluster : gateway;
+    target.push(arg);
+    if (option && option.spec.type !== 'boolean' && !option.inline && i + 1 < argv.length) target.push(argv[++i]!);
   }
+  // Whatever is left names no worker option, but nothing is taken on trust: the gateway's flags alone (its
+  // environment is read by parseServeConfig).
+  parseFlags(GATEWAY_FLAGS, gateway, {});
   return { cluster, gateway };
 }
 
