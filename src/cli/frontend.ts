@@ -4,7 +4,7 @@
 
 import { createLogger } from '../api/log.ts';
 import { etcdClient } from '../cluster/discovery.ts';
-import { EventSubscriber, natsConnect } from '../cluster/events.ts';
+import { EventSubscriber, natsConnect, NatsWaitAbortedError } from '../cluster/events.ts';
 import { ClusterFrontend } from '../cluster/frontend.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { envName, formatFlagHelp, parseFlags, UsageError, type FlagSpec, type FlagTable } from './flags.ts';
@@ -110,8 +110,35 @@ export const frontendCommand: Command = {
       logger.error(`cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
       return 1;
     }
+    // The signals are heard from here on: a frontend still waiting for NATS stops at once, where it ignored them.
+    // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
+    let graceMs = config.shutdownGraceMs;
+    const stopping = new AbortController();
+    const signalled = new Promise<string>((resolve) => {
+      let received = false;
+      const handler = (name: string): void => {
+        if (received) {
+          graceMs = 0;
+          api.endGrace();
+        } else {
+          stopping.abort();
+          resolve(name);
+        }
+        received = true;
+      };
+      for (const name of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(name, handler);
+    });
     const nats = cluster.nats!;
-    const nc = await natsConnect({ ...nats, name: 'conduit-frontend' });
+    let nc;
+    try {
+      nc = await natsConnect({ ...nats, name: 'conduit-frontend' }, { log, signal: stopping.signal });
+    } catch (error) {
+      if (!(error instanceof NatsWaitAbortedError)) throw error;
+      logger.info(`${await signalled}: ${error.message}`);
+      await api.shutdown(0);
+      setTimeout(() => process.exit(0), 1000).unref();
+      return 0;
+    }
     const frontend = new ClusterFrontend({
       namespace: cluster.namespace, clusterToken: cluster.clusterToken, etcd: etcdClient(cluster.etcd!),
       events: (handlers) => new EventSubscriber(nc, cluster.namespace, handlers, log),
@@ -132,19 +159,7 @@ export const frontendCommand: Command = {
       logger.info(`serving ${engine.info.modelName} (context ${engine.info.maxModelLen}, blocks of ${engine.info.blockSize}) `
         + `through the ${config.routingPolicy} router, migration limit ${config.migrationLimit}`);
     });
-    let graceMs = config.shutdownGraceMs;
-    const signal = await new Promise<string>((resolve) => {
-      let received = false;
-      const handler = (name: string): void => {
-        if (received) {
-          graceMs = 0;
-          api.endGrace();
-        } else resolve(name);
-        received = true;
-      };
-      // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
-      for (const name of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) process.on(name, handler);
-    });
+    const signal = await signalled;
     logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
     await api.shutdown(graceMs);
     await frontend.close();

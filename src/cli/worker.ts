@@ -13,7 +13,7 @@ import { modelIdFromName } from '../api/gateway.ts';
 import { createLogger, isLogLevel, LOG_LEVELS } from '../api/log.ts';
 import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
 import { splitAddress } from '../cluster/remote-engine.ts';
-import { defaultWorkerId, LoraModuleError, startClusterWorker, WorkerListenError } from '../cluster/worker-process.ts';
+import { defaultWorkerId, LoraModuleError, startClusterWorker, WorkerListenError, WorkerStartAbortedError } from '../cluster/worker-process.ts';
 import { EngineStartError } from '../engine/errors.ts';
 import { DiskTierLockedError } from '../engine/kv-cache/disk-tier.ts';
 import type { WorkerRole } from '../engine/types.ts';
@@ -218,7 +218,21 @@ async function runWorker(argv: string[], parent: ParentLink | undefined): Promis
   if (!local) {
     for (const warning of engineOptionWarnings(engineKind, values, sources, values.model !== undefined ? [values.model] : [])) logger.warn(warning);
   }
-  const running = await startClusterWorker({
+  // The signals are heard from here on: a worker that waits for NATS or etcd at start stops at once on SIGINT or
+  // SIGTERM (deregistering, should its key have gone in meanwhile), where it ignored them until registered.
+  // Not a --parent-ipc child's: its server decides when it stops (ParentLink).
+  const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
+  const stopping = new AbortController();
+  const signalled = parent ? undefined : new Promise<string>((resolve) => {
+    const handler = (name: string): void => {
+      for (const other of signals) process.off(other, handler);
+      stopping.abort();
+      resolve(name);
+    };
+    for (const name of signals) process.on(name, handler);
+  });
+  const started = startClusterWorker({
+    ...(parent ? {} : { signal: stopping.signal }),
     workerId, role: role as WorkerRole, namespace: cluster.namespace, clusterToken: cluster.clusterToken,
     host: values.host!, port, ...(advertiseAddress !== undefined ? { advertiseAddress } : {}),
     ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
@@ -250,6 +264,15 @@ async function runWorker(argv: string[], parent: ParentLink | undefined): Promis
   }).catch((error: unknown) => {
     throw error instanceof LoraModuleError ? new UsageError(error.message) : error;
   });
+  let running: Awaited<typeof started>;
+  try {
+    running = await started;
+  } catch (error) {
+    if (!(error instanceof WorkerStartAbortedError)) throw error;
+    logger.info(`${await signalled}: ${error.message}`);
+    setTimeout(() => process.exit(0), 500).unref();
+    return 0;
+  }
   const misnamed = loraModules.find((m) => m.base !== undefined && m.base !== running.record.model && m.base !== modelIdFromName(running.record.model));
   if (misnamed) {
     await running.shutdown(0);
@@ -266,10 +289,7 @@ async function runWorker(argv: string[], parent: ParentLink | undefined): Promis
   }
   const graceMs = graceSeconds * 1000;
   // SIGHUP (the terminal closed) drains too, as `conduit serve` does.
-  const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
-  const signal = await new Promise<string>((resolve) => {
-    for (const name of signals) process.once(name, () => resolve(name));
-  });
+  const signal = await signalled!;
   logger.info(`${signal}: draining`);
   for (const name of signals) process.once(name, () => process.exit(1));
   await running.shutdown(graceMs);

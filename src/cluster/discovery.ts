@@ -133,16 +133,28 @@ export class WorkerRegistration {
     return `${workersPrefix(this.namespace)}${this.record.id}`;
   }
 
-  /** Registers; resolves once the key is in etcd (retrying until then, every second). */
-  async start(): Promise<void> {
+  /**
+   * Registers; resolves once the key is in etcd (retrying until then, every second), or once `signal` ends the wait
+   * (the process is stopping: the caller deregisters, in case the key went in meanwhile).
+   */
+  async start(signal?: AbortSignal): Promise<void> {
     for (;;) {
-      if (this.stopped) return;
+      if (this.stopped || signal?.aborted) return;
       try {
         await this.register();
         return;
       } catch (error) {
+        if (signal?.aborted) return;
         this.log('warn', `etcd: cannot register ${this.key} yet (${(error as Error).message}); retrying in 1 s`);
-        await new Promise((resolve) => setTimeout(resolve, 1000));
+        await new Promise<void>((resolve) => {
+          const done = (): void => {
+            clearTimeout(timer);
+            signal?.removeEventListener('abort', done);
+            resolve();
+          };
+          const timer = setTimeout(done, 1000);
+          signal?.addEventListener('abort', done, { once: true });
+        });
       }
     }
   }

@@ -33,10 +33,30 @@ export interface NatsConnectOptions {
   name?: string;
 }
 
-/** Connects, retrying the first connection too, and reconnecting for ever after a loss. */
-export function natsConnect(options: NatsConnectOptions): Promise<NatsConnection> {
+/** How natsConnect waits for a server that does not answer yet. */
+export interface NatsWaitOptions {
+  /** Told "waiting for NATS at ..." (with the last attempt's error) at the first failure and every logEveryMs after. */
+  log?: ClusterLog;
+  /** Ends the wait: natsConnect rejects with NatsWaitAbortedError (a connection made meanwhile is closed). */
+  signal?: AbortSignal;
+  /** Default 5000. */
+  logEveryMs?: number;
+  /** Between attempts (each tries every server once), default 500. */
+  retryMs?: number;
+}
+
+/** The wait for a first NATS connection ended by its signal (the process is stopping). */
+export class NatsWaitAbortedError extends Error {
+  override name = 'NatsWaitAbortedError';
+}
+
+function connectOnce(options: NatsConnectOptions): Promise<NatsConnection> {
+  // Each attempt tries every server once and fails with the last one's error (nats.js's own wait for a first
+  // connection says nothing, not even an authorization error); the loop in natsConnect waits between attempts,
+  // saying why. Once connected, the connection reconnects by itself for ever (to the servers of the list this
+  // attempt did not find down, and those the cluster's INFO names).
   return connect({
-    servers: options.servers, waitOnFirstConnect: true, reconnect: true, maxReconnectAttempts: -1, reconnectTimeWait: 250,
+    servers: options.servers, waitOnFirstConnect: false, reconnect: true, maxReconnectAttempts: -1, reconnectTimeWait: 250,
     reconnectJitter: 100, pingInterval: 2000, maxPingOut: 2, timeout: 3000,
     ...(options.name ? { name: options.name } : {}),
     ...(options.token ? { token: options.token } : {}),
@@ -48,6 +68,55 @@ export function natsConnect(options: NatsConnectOptions): Promise<NatsConnection
       },
     } : {}),
   });
+}
+
+/**
+ * Connects, retrying the first connection until a server answers (saying so every few seconds, wait.log) or
+ * wait.signal ends the wait, and reconnecting for ever after a loss.
+ */
+export async function natsConnect(options: NatsConnectOptions, wait: NatsWaitOptions = {}): Promise<NatsConnection> {
+  const { signal } = wait;
+  const logEveryMs = wait.logEveryMs ?? 5000;
+  const retryMs = wait.retryMs ?? 500;
+  const aborted = (): NatsWaitAbortedError => new NatsWaitAbortedError(`stopped while waiting for NATS at ${options.servers.join(',')}`);
+  let lastLog = -Infinity;
+  const started = Date.now();
+  for (;;) {
+    if (signal?.aborted) throw aborted();
+    const attempt = connectOnce(options);
+    let onAbort: (() => void) | undefined;
+    const abortedWhile = new Promise<'aborted'>((resolve) => {
+      onAbort = () => resolve('aborted');
+      signal?.addEventListener('abort', onAbort, { once: true });
+    });
+    try {
+      const result = await Promise.race([attempt, abortedWhile]);
+      if (result === 'aborted') {
+        // A connection this attempt still makes is nobody's.
+        attempt.then((nc) => nc.close(), () => {});
+        throw aborted();
+      }
+      if (Number.isFinite(lastLog)) wait.log?.('info', `nats: connected to ${result.getServer()} after ${((Date.now() - started) / 1000).toFixed(1)} s`);
+      return result;
+    } catch (error) {
+      if (error instanceof NatsWaitAbortedError) throw error;
+      if (Date.now() - lastLog >= logEveryMs) {
+        lastLog = Date.now();
+        wait.log?.('warn', `waiting for NATS at ${options.servers.join(',')} (${(error as Error).message}); retrying`);
+      }
+    } finally {
+      if (onAbort) signal?.removeEventListener('abort', onAbort);
+    }
+    await new Promise<void>((resolve) => {
+      const done = (): void => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', done);
+        resolve();
+      };
+      const timer = setTimeout(done, retryMs);
+      signal?.addEventListener('abort', done, { once: true });
+    });
+  }
 }
 
 /** Worker ids become NATS subject tokens: letters, digits, '-' and '_' only. */

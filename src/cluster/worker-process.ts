@@ -14,7 +14,7 @@ import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { DiskSlots, simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
 import { LoraManager } from '../runtime/lora-manager.ts';
 import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerLora, type WorkerRecord } from './discovery.ts';
-import { checkWorkerId, EventPublisher, natsConnect, workerInstance, type NatsConnectOptions } from './events.ts';
+import { checkWorkerId, EventPublisher, natsConnect, NatsWaitAbortedError, workerInstance, type NatsConnectOptions } from './events.ts';
 import type { KvLinkPreference } from './kv-shm.ts';
 import { WorkerServer, type ClusterLog } from './worker-server.ts';
 
@@ -44,6 +44,11 @@ export interface ClusterWorkerOptions {
   /** The engine: cpu (a model file) or sim; the rest of the pool options as `conduit serve` takes them. */
   pool: Omit<WorkerPoolOptions, 'workers'>;
   log: ClusterLog;
+  /**
+   * Ends the start-up's waits for NATS and etcd (SIGINT while they do not answer): startClusterWorker closes what it
+   * started and rejects with WorkerStartAbortedError.
+   */
+  signal?: AbortSignal;
 }
 
 export interface RunningWorker {
@@ -85,6 +90,11 @@ export class LoraModuleError extends Error {
 /** The worker's request port (or a prefill worker's KV port) could not be opened: in use, not allowed, no such host. */
 export class WorkerListenError extends Error {
   override name = 'WorkerListenError';
+}
+
+/** The start-up was stopped (ClusterWorkerOptions.signal) while it waited for NATS or etcd. */
+export class WorkerStartAbortedError extends Error {
+  override name = 'WorkerStartAbortedError';
 }
 
 /** The adapters a worker holds, as its record publishes them. */
@@ -139,17 +149,36 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     ...(adapters ? { loras: workerLoras(adapters) } : {}),
   };
   let publisher: EventPublisher | undefined;
+  let etcd: ReturnType<typeof etcdClient> | undefined;
+  const stopStarting = async (why: string): Promise<never> => {
+    await publisher?.close();
+    await server.close();
+    await engine.close();
+    etcd?.close();
+    throw new WorkerStartAbortedError(why);
+  };
   if (options.nats) {
-    const nc = await natsConnect({ ...options.nats, name: `conduit-worker-${workerId}` });
+    let nc;
+    try {
+      nc = await natsConnect({ ...options.nats, name: `conduit-worker-${workerId}` },
+        { log, ...(options.signal ? { signal: options.signal } : {}) });
+    } catch (error) {
+      if (error instanceof NatsWaitAbortedError) return stopStarting(error.message);
+      throw error;
+    }
     publisher = new EventPublisher(nc, options.namespace, workerId, workerInstance(record), {
       stats: () => server.stats(),
       snapshot: () => ({ lastEventId: server.kv.lastEventId, hashes: [...server.kv.hashes] }),
       onKvEvents: (listener) => server.onKvEvents(listener),
     }, log);
   }
-  const etcd = options.etcd ? etcdClient(options.etcd) : undefined;
+  etcd = options.etcd ? etcdClient(options.etcd) : undefined;
   const registration = etcd ? new WorkerRegistration(etcd, options.namespace, record, options.leaseTtlSeconds, log) : undefined;
-  await registration?.start();
+  await registration?.start(options.signal);
+  if (options.signal?.aborted) {
+    await registration?.deregister();
+    return stopStarting(`stopped${registration ? ` while registering ${registration.key}` : ''}`);
+  }
   if (adapters) {
     publishAdapters = () => {
       const loras = workerLoras(adapters);
