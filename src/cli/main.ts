@@ -27,7 +27,7 @@ function usage(): string {
   const lines = ['Usage: conduit <command> [options]', '', 'Commands:'];
   for (const name of Object.keys(COMMANDS)) lines.push(`  ${name}`);
   for (const [name, what] of Object.entries(PLANNED)) lines.push(`  ${name.padEnd(9)} (not available yet: ${what})`);
-  lines.push('', '`conduit --version` prints the version. Run `conduit <command> --help` for its options. Every option --x-y but\n--help (and the internal worker --parent-ipc) has an environment twin CONDUIT_X_Y (sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y;\ntrace and bench share CONDUIT_URL and CONDUIT_API_KEY; trace --json is CONDUIT_TRACE_JSON).');
+  lines.push('', '`conduit --version` prints the version. Run `conduit <command> --help` for its options. Every option --x-y but\n--help (and the internal worker --parent-ipc) has an environment twin CONDUIT_X_Y (sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y;\ntrace and bench share CONDUIT_URL and CONDUIT_API_KEY; trace --json and --timeout are CONDUIT_TRACE_JSON and CONDUIT_TRACE_TIMEOUT).');
   return lines.join('\n');
 }
 

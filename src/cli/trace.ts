@@ -1,6 +1,6 @@
 // `conduit trace <id>`: one finished request's phase waterfall and bottleneck diagnosis, fetched from a running
 // server's GET /v1/requests/{id}/trace. The id is the one the response carried (its `id`, and the x-request-id
-// header): chatcmpl-... or cmpl-...
+// header): chatcmpl-... or cmpl-... The whole answer must come within --timeout (10 s by default).
 
 import { apiRoot } from '../bench/client.ts';
 import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
@@ -10,6 +10,7 @@ export const TRACE_FLAGS = {
   url: { type: 'string', help: 'base URL of the server', default: 'http://127.0.0.1:8000' },
   'api-key': { type: 'string', help: 'API key, when the server has keys configured' },
   json: { type: 'boolean', help: 'print the trace as JSON (the endpoint\'s body) instead of the waterfall', env: 'CONDUIT_TRACE_JSON' },
+  timeout: { type: 'number', help: 'seconds to wait for the server\'s whole answer', default: 10, env: 'CONDUIT_TRACE_TIMEOUT' },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
@@ -62,6 +63,11 @@ export const traceCommand: Command = {
     if (positionals.length !== 1) throw new UsageError(positionals.length === 0 ? `a request id is needed\n${USAGE}` : `one request id at a time\n${USAGE}`);
     const id = positionals[0]!;
     if (id === '') throw new UsageError(`the request id is empty\n${USAGE}`);
+    const timeoutSec = values.timeout!;
+    // Node's timers hold at most 2^31 - 1 ms: a longer timeout would fire at once.
+    if (!(timeoutSec > 0 && timeoutSec * 1000 <= 2 ** 31 - 1)) {
+      throw new UsageError(`--timeout must be in (0, ${Math.floor((2 ** 31 - 1) / 1000)}] seconds, got ${timeoutSec}`);
+    }
     let base: URL | undefined;
     try {
       base = new URL(values.url!);
@@ -77,14 +83,25 @@ export const traceCommand: Command = {
     const headers: Record<string, string> = { Accept: 'application/json' };
     if (values['api-key']) headers.Authorization = `Bearer ${values['api-key']}`;
 
+    // The whole answer, its body included, within the timeout: a server that accepts and never answers (or stops
+    // half-way) is reported, where fetch alone waits minutes for the headers and for ever for the body.
+    const signal = AbortSignal.timeout(timeoutSec * 1000);
+    const timedOut = (err: unknown): boolean => (err as Error | undefined)?.name === 'TimeoutError';
+    const noAnswer = `conduit trace: no answer from ${base.origin} within ${timeoutSec} s (--timeout)`;
     let res: Response;
+    let text: string;
     try {
-      res = await fetch(url, { headers });
+      res = await fetch(url, { headers, signal });
     } catch (err) {
-      console.error(`conduit trace: cannot reach ${base.origin}: ${connectionProblem(err)}`);
+      console.error(timedOut(err) ? noAnswer : `conduit trace: cannot reach ${base.origin}: ${connectionProblem(err)}`);
       return 1;
     }
-    const text = await res.text();
+    try {
+      text = await res.text();
+    } catch (err) {
+      console.error(timedOut(err) ? noAnswer : `conduit trace: ${base.origin} broke off its answer: ${connectionProblem(err)}`);
+      return 1;
+    }
     let body: unknown;
     try {
       body = JSON.parse(text);
