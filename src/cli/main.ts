@@ -27,11 +27,17 @@ function usage(): string {
   const lines = ['Usage: conduit <command> [options]', '', 'Commands:'];
   for (const name of Object.keys(COMMANDS)) lines.push(`  ${name}`);
   for (const [name, what] of Object.entries(PLANNED)) lines.push(`  ${name.padEnd(9)} (not available yet: ${what})`);
-  lines.push('', '`conduit --version` prints the version. Run `conduit <command> --help` for its options. Every option --x-y but\n--help (and the internal worker --parent-ipc) has an environment twin CONDUIT_X_Y (sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y;\ntrace and bench share CONDUIT_URL and CONDUIT_API_KEY; trace --json and --timeout are CONDUIT_TRACE_JSON and CONDUIT_TRACE_TIMEOUT).');
+  lines.push('', '`conduit --version` prints the version. Run `conduit <command> --help` (or `conduit help <command>`) for its options. Every option --x-y but\n--help (and the internal worker --parent-ipc) has an environment twin CONDUIT_X_Y (sim, plan and bench: CONDUIT_SIM_X_Y, CONDUIT_PLAN_X_Y, CONDUIT_BENCH_X_Y;\ntrace and bench share CONDUIT_URL and CONDUIT_API_KEY; trace --json and --timeout are CONDUIT_TRACE_JSON and CONDUIT_TRACE_TIMEOUT).');
   return lines.join('\n');
 }
 
 export async function main(argv: string[]): Promise<number> {
+  // `conduit help serve` is `conduit serve --help`, as git and cargo read it.
+  if (argv[0] === 'help' && argv.length === 2 && (COMMANDS[argv[1]!] || PLANNED[argv[1]!])) return main([argv[1]!, '--help']);
+  if (argv[0] === 'help' && argv.length > 1) {
+    console.error(`conduit help: unknown command "${argv.slice(1).join(' ')}"\n\n${usage()}`);
+    return 2;
+  }
   const [name, ...rest] = argv;
   if (!name || name === '--help' || name === '-h' || name === 'help') {
     console.log(usage());
