@@ -485,6 +485,11 @@ interface ToolChoiceState {
 export class ToolChatShape implements ResponseShape {
   private readonly choices: ToolChoiceState[];
   private readonly mode: Mode;
+  /**
+   * Most calls a choice returns: one with parallel_tool_calls false, whatever the model wrote (vLLM's
+   * maybe_filter_parallel_tool_calls: the first call in the body, only index 0's deltas in a stream).
+   */
+  private readonly maxCalls: number;
 
   constructor(
     private readonly meta: ChatResponseMeta,
@@ -502,6 +507,7 @@ export class ToolChatShape implements ResponseShape {
     const { choice } = tools;
     this.mode = choice.kind === 'named' ? { kind: 'named', name: choice.name }
       : choice.kind === 'required' ? { kind: 'required' } : { kind: 'auto', parser };
+    this.maxCalls = tools.parallel ? Infinity : 1;
     this.choices = Array.from({ length: choiceCount }, () => ({
       text: '', logprobs: topLogprobs === null ? null : [], finishReason: null, stopReason: null, sentContent: 0,
       holding: this.mode.kind !== 'auto', callsFrom: this.mode.kind === 'required' ? 0 : -1, sent: [], heldLogprobs: [],
@@ -513,8 +519,16 @@ export class ToolChatShape implements ResponseShape {
     return this.texts.chatLogprobs(update.logprobs, this.topLogprobs);
   }
 
-  /** The calls a finished output holds, and its content. */
+  /** The calls a finished output holds (as many as the request allows), and its content. */
   private result(text: string): ParsedOutput {
+    return this.allowed(this.allCalls(text));
+  }
+
+  private allowed(parsed: ParsedOutput): ParsedOutput {
+    return parsed.calls.length > this.maxCalls ? { ...parsed, calls: parsed.calls.slice(0, this.maxCalls) } : parsed;
+  }
+
+  private allCalls(text: string): ParsedOutput {
     switch (this.mode.kind) {
       case 'named':
         return { content: null, calls: [{ name: this.mode.name, arguments: text }] };
@@ -544,8 +558,8 @@ export class ToolChatShape implements ResponseShape {
       const parsed = this.result(text);
       if (parsed.calls.length > 0) return parsed;
     }
-    if (this.mode.kind === 'required') return { content: null, calls: namedCalls(scanToolCalls(text)) };
-    return scannedToolCalls(this.mode.parser, text) ?? NO_CALLS;
+    if (this.mode.kind === 'required') return this.allowed({ content: null, calls: namedCalls(scanToolCalls(text)) });
+    return this.allowed(scannedToolCalls(this.mode.parser, text) ?? NO_CALLS);
   }
 
   /** "tool_calls" for calls the model chose to make ("auto", "required"); a named tool's call ends with "stop", as OpenAI's. */
@@ -654,7 +668,7 @@ export class ToolChatShape implements ResponseShape {
    */
   private callPieces(state: ToolChoiceState, calls: readonly ScannedCall[]): object[] {
     const pieces: object[] = [];
-    for (let index = 0; index < calls.length; index++) {
+    for (let index = 0; index < Math.min(calls.length, this.maxCalls); index++) {
       const call = calls[index]!;
       let sent = state.sent[index];
       if (sent === undefined) {
