@@ -38,6 +38,12 @@ export interface WorkerRecord {
    * workers that hold it, under `key` (the name and a digest of its bytes: the same on every worker holding them).
    */
   loras?: WorkerLora[];
+  /**
+   * A prefill or decode worker's starting estimates for a frontend's disaggregation policy, when its engine has a
+   * model of them (simulated workers: their link and performance model, simDisaggregationEstimates); a frontend
+   * over cpu workers starts from the CPU defaults. Measured transfers and prefills refine them from there.
+   */
+  disaggregationEstimates?: { transferBytesPerSec: number; prefillTokensPerSec: number };
 }
 
 export interface WorkerLora {
@@ -111,6 +117,10 @@ export function checkWorkerRecord(text: string): WorkerRecord | string {
   if (value.loras !== undefined && !(Array.isArray(value.loras) && value.loras.every((l: Partial<WorkerLora>) =>
     typeof l === 'object' && l !== null && typeof l.name === 'string' && typeof l.key === 'string' && typeof l.path === 'string'
     && (l.rank === undefined || Number.isInteger(l.rank))))) return 'not a worker record (malformed loras)';
+  const estimates = value.disaggregationEstimates;
+  const rate = (x: unknown): boolean => typeof x === 'number' && Number.isFinite(x) && x > 0;
+  if (estimates !== undefined && !(typeof estimates === 'object' && estimates !== null && rate(estimates.transferBytesPerSec)
+    && rate(estimates.prefillTokensPerSec))) return 'not a worker record (malformed disaggregationEstimates)';
   // The frontend connects to it: a worker started with --advertise-address lacking its port is not reachable.
   try {
     splitAddress(value.address);

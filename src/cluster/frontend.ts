@@ -434,8 +434,16 @@ export class ClusterFrontend {
       return true;
     }
     const prefill = this.waitingPrefill.splice(0).filter((p) => !p.lost);
+    // The policy's starting estimates: those the decode worker's record gives (simulated workers' link and
+    // performance model), else the engine's CPU defaults; measured transfers and prefills refine them.
+    const estimates = member.record.disaggregationEstimates;
+    if (estimates) {
+      this.options.log('info', `disaggregation: estimates start from decode worker ${id}'s: KV transfer `
+        + `${(estimates.transferBytesPerSec / 1e9).toFixed(2)} GB/s, prefill ${Math.round(estimates.prefillTokensPerSec)} tokens/s`);
+    }
     this.disaggregated = remoteDisaggregatedEngine({
       prefill, decode: [remote], routingPolicy: this.options.routingPolicy ?? 'kv',
+      ...(estimates ? { estimates: { transferBytesPerSec: estimates.transferBytesPerSec, prefillTokensPerSec: estimates.prefillTokensPerSec } } : {}),
       ...(this.options.maxQueued !== undefined ? { maxQueued: this.options.maxQueued } : {}),
       ...(this.options.disaggregationPolicy ? { policy: this.options.disaggregationPolicy } : {}),
       migration: { limit: this.options.migrationLimit ?? 0, ...(this.tokenizer ? { tokenizer: this.tokenizer } : {}) },

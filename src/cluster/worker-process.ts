@@ -11,7 +11,8 @@ import type { WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
-import { DiskSlots, simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { DiskSlots, simDisaggregationEstimates, simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { SIM_DEFAULTS } from '../sim/sim-worker.ts';
 import { LoraManager } from '../runtime/lora-manager.ts';
 import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerLora, type WorkerRecord } from './discovery.ts';
 import { checkWorkerId, EventPublisher, natsConnect, NatsWaitAbortedError, workerInstance, type NatsConnectOptions } from './events.ts';
@@ -65,11 +66,22 @@ export function defaultWorkerId(): string {
   return `${host}-${process.pid}-${Math.floor(Math.random() * 0xffff).toString(16)}`;
 }
 
-async function startEngine(options: ClusterWorkerOptions): Promise<{ engine: RoutableEngine; tokenizer: Tokenizer; chatTemplate: ChatTemplate }> {
+async function startEngine(options: ClusterWorkerOptions): Promise<{
+  engine: RoutableEngine; tokenizer: Tokenizer; chatTemplate: ChatTemplate; estimates?: WorkerRecord['disaggregationEstimates'];
+  /** What a simulated worker simulates, as `conduit serve` says it: profile, GPUs, speed-up, calibration. */
+  deployment?: string;
+}> {
   const pool = options.pool;
   if (pool.engine === 'sim') {
     const sim = simPool(pool);
-    return { engine: sim.make({ enableKvEvents: true, role: options.role }), tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate };
+    const engine = sim.make({ enableKvEvents: true, role: options.role });
+    // A frontend over prefill and decode workers starts its policy from their model, not the CPU defaults.
+    const estimates = options.role === 'both' ? undefined
+      : simDisaggregationEstimates(engine, pool.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens);
+    return {
+      engine, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(estimates ? { estimates } : {}),
+      deployment: `${sim.describe.replace(/ per worker$/, '')}, ${sim.settings}`,
+    };
   }
   if (!pool.modelPath) throw new Error('cpu workers need a model path');
   // The KV tiers under the pool, as a server's single worker thread has them (its disk tier in worker-0 of the
@@ -105,7 +117,7 @@ function workerLoras(adapters: LoraManager): WorkerLora[] {
 export async function startClusterWorker(options: ClusterWorkerOptions): Promise<RunningWorker> {
   const workerId = checkWorkerId(options.workerId);
   const { log } = options;
-  const { engine, tokenizer, chatTemplate } = await startEngine(options);
+  const { engine, tokenizer, chatTemplate, estimates, deployment } = await startEngine(options);
   let adapters: LoraManager | undefined;
   if (options.lora) {
     if (!engine.loadLora) {
@@ -147,6 +159,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     capacityTokens: engine.info.kvCapacityTokens, maxModelLen: engine.info.maxModelLen, engine: options.pool.engine,
     pid: process.pid, startedAt: new Date().toISOString(),
     ...(adapters ? { loras: workerLoras(adapters) } : {}),
+    ...(estimates ? { disaggregationEstimates: estimates } : {}),
   };
   let publisher: EventPublisher | undefined;
   let etcd: ReturnType<typeof etcdClient> | undefined;
@@ -187,7 +200,8 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
       void registration?.update({ ...record });
     };
   }
-  log('info', `worker ${workerId} serving ${record.model} on ${address}${registration ? ` (registered as ${registration.key})` : ''}`);
+  log('info', `worker ${workerId} serving ${record.model}${deployment ? ` (${deployment})` : ''} on ${address}`
+    + `${registration ? ` (registered as ${registration.key})` : ''}`);
   let shuttingDown: Promise<void> | undefined;
   return {
     server, address, record,

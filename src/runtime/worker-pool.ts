@@ -294,7 +294,8 @@ function simTokenizer() {
 
 /** What the simulated workers of one pool share: the profile, its calibration, the gateway's tokenizer, a maker. */
 export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 'maxNumBatchedTokens' | 'policy' | 'maxModelLen'
-  | 'enablePrefixCaching' | 'prefillWorkers' | 'decodeWorkers' | 'kvOffloadMemoryBytes' | 'kvOffloadDiskDir' | 'kvOffloadDiskBytes'>
+  | 'enablePrefixCaching' | 'prefillWorkers' | 'decodeWorkers' | 'kvOffloadMemoryBytes' | 'kvOffloadDiskDir' | 'kvOffloadDiskBytes'
+  | 'servedModelName'>
   & Partial<Pick<WorkerPoolOptions, 'workers'>>) {
   const spec = options.sim;
   if (!spec) throw new Error('sim workers need a model profile and a GPU');
@@ -330,6 +331,9 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
       ...(spec.loraRank !== undefined ? { loraRank: spec.loraRank } : {}),
       maxNumSeqs: options.maxNumSeqs, maxNumBatchedTokens: options.maxNumBatchedTokens, policy: options.policy,
       maxModelLen: options.maxModelLen, enablePrefixCaching: options.enablePrefixCaching,
+      // The name served, as cpu workers take it (--served-model-name, --model NAME=): a cluster worker's record
+      // names the model by it.
+      ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
     });
     engines.push(engine);
     return engine;

@@ -43,6 +43,11 @@ export interface SimEngineOptions extends SimWorkerConfig {
   poolClock?: () => number;
   /** The pool's clock holds (speed-up Infinity): the clock moves on only while none is held. */
   clockHolds?: SimClockHolds;
+  /**
+   * The name the engine serves under (info.modelName), as a cpu engine takes its --served-model-name: default the
+   * profile's (Llama 3.1 8B). A `conduit worker` registers under it.
+   */
+  servedModelName?: string;
 }
 
 /**
@@ -135,7 +140,7 @@ export class SimEngine implements Engine {
   constructor(options: SimEngineOptions) {
     this.worker = new SimWorker(options);
     this.grammar = options.grammar;
-    this.info = this.worker.info;
+    this.info = options.servedModelName !== undefined ? { ...this.worker.info, modelName: options.servedModelName } : this.worker.info;
     this.role = this.worker.role;
     this.kvLink = this.worker.kvLink;
     this.kvLayout = this.worker.kvLayout;
