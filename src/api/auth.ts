@@ -7,6 +7,8 @@
 //           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"},
 //                       "ops": {"admin": true}}}
 //   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starts a comment, '-' leaves a limit unset)
+// A JSON field other than these is refused (a misspelt "rmp" would leave its tenant unlimited), and so is one key
+// given to two tenants.
 // Environment (CONDUIT_API_KEYS): "key:tenant,key2:tenant2".
 // Tenants with the same cache_group share prefix-cache blocks; by default every tenant is its own group.
 // An admin tenant ("admin": true, or the tenant "admin" of --admin-key / CONDUIT_ADMIN_KEY) may read every tenant's
@@ -146,6 +148,22 @@ function dropUndefined(limits: TenantLimits): TenantLimits {
   return Object.fromEntries(Object.entries(limits).filter(([, v]) => v !== undefined)) as TenantLimits;
 }
 
+/**
+ * Fields of a JSON keys file. Anything else is refused rather than ignored: a misspelt limit ("rmp" for "rpm") would
+ * otherwise leave its tenant unlimited without a word.
+ */
+const JSON_FIELDS = ['keys', 'tenants'];
+const JSON_KEY_FIELDS = ['key', 'tenant'];
+const JSON_TENANT_FIELDS = ['rpm', 'tpm', 'max_concurrent', 'cache_group', 'admin'];
+
+function refuseUnknownFields(object: object, known: readonly string[], where: string): void {
+  const unknown = Object.keys(object).filter((field) => !known.includes(field));
+  if (unknown.length > 0) {
+    throw new KeyConfigError(`${where}: unknown field${unknown.length > 1 ? 's' : ''} ${unknown.map((f) => JSON.stringify(f)).join(', ')} `
+      + `(expected ${known.join(', ')})`);
+  }
+}
+
 function parseJsonKeys(text: string, source: string): KeyConfig {
   let doc: unknown;
   try {
@@ -157,10 +175,13 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
   if (typeof root !== 'object' || root === null || !Array.isArray(root.keys)) {
     throw new KeyConfigError(`${source}: expected an object with a "keys" array`);
   }
+  refuseUnknownFields(root, JSON_FIELDS, source);
   const config: KeyConfig = { keys: [], tenants: new Map() };
   root.keys.forEach((entry: unknown, i: number) => {
     const where = `${source} keys[${i}]`;
-    const { key, tenant } = (entry ?? {}) as { key?: unknown; tenant?: unknown };
+    if (typeof entry !== 'object' || entry === null || Array.isArray(entry)) throw new KeyConfigError(`${where}: expected an object {"key", "tenant"}`);
+    refuseUnknownFields(entry, JSON_KEY_FIELDS, where);
+    const { key, tenant } = entry as { key?: unknown; tenant?: unknown };
     if (typeof key !== 'string' || key.length === 0) throw new KeyConfigError(`${where}: "key" must be a non-empty string`);
     if (typeof tenant !== 'string' || tenant.length === 0) throw new KeyConfigError(`${where}: "tenant" must be a non-empty string`);
     config.keys.push({ key, tenant });
@@ -171,7 +192,11 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
     }
     for (const [name, raw] of Object.entries(root.tenants as Record<string, unknown>)) {
       const where = `${source} tenants.${name}`;
+      if (raw !== null && raw !== undefined && (typeof raw !== 'object' || Array.isArray(raw))) {
+        throw new KeyConfigError(`${where}: expected an object of limits {${JSON_TENANT_FIELDS.join(', ')}}`);
+      }
       const spec = (raw ?? {}) as Record<string, unknown>;
+      refuseUnknownFields(spec, JSON_TENANT_FIELDS, where);
       const cacheGroup = spec.cache_group;
       if (cacheGroup !== undefined && typeof cacheGroup !== 'string') throw new KeyConfigError(`${where}: cache_group must be a string`);
       if (spec.admin !== undefined && typeof spec.admin !== 'boolean') throw new KeyConfigError(`${where}: admin must be true or false`);
@@ -265,5 +290,20 @@ export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyG
     throw new KeyConfigError(`${fromFile !== undefined ? 'the API keys file' : '--api-keys (CONDUIT_API_KEYS)'} holds no key: `
       + 'refusing to start open to everyone (give no keys option to run without keys)');
   }
+  // The same key for two tenants: which one a request is would depend on the order (KeyStore refuses it too).
+  const tenantOf = new Map<string, string>();
+  for (const { key, tenant } of config.keys) {
+    const other = tenantOf.get(key);
+    if (other !== undefined && other !== tenant) {
+      throw new KeyConfigError(`API key ${keyHint(key)} is given to two tenants: ${other} and ${tenant}`);
+    }
+    tenantOf.set(key, tenant);
+  }
   return config;
+}
+
+/** Tenants the configuration gives limits or a role that no key belongs to: most likely misspelt names. */
+export function unusedTenants(config: KeyConfig): string[] {
+  const named = new Set(config.keys.map((grant) => grant.tenant));
+  return [...config.tenants.keys()].filter((name) => !named.has(name));
 }
