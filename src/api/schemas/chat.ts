@@ -25,6 +25,12 @@ export interface ChatMessage {
   name?: string;
   tool_calls?: ToolCall[];
   tool_call_id?: string;
+  /**
+   * An assistant turn's reasoning (its `reasoning`, or the older `reasoning_content`), under both names as vLLM
+   * passes it: templates such as Qwen3's rebuild the thinking of earlier turns from it.
+   */
+  reasoning?: string;
+  reasoning_content?: string;
 }
 
 export interface ChatCompletionRequest extends GenerationOptions {
@@ -75,7 +81,10 @@ function readContent(param: string, value: unknown): string {
     const fields = new Fields(readObject(partPath, part), partPath);
     const type = fields.string('type') ?? (fields.has('text') ? 'text' : undefined);
     switch (type) {
+      // The Responses API's part types are text too (vLLM reads them so), for clients that share code between the two.
       case 'text':
+      case 'input_text':
+      case 'output_text':
         return readString(fields.path('text'), fields.required('text'));
       case 'refusal':
         return readString(fields.path('refusal'), fields.required('refusal'));
@@ -123,13 +132,24 @@ function readMessage(index: number, value: unknown): ChatMessage {
   const message: ChatMessage = { role: role as ChatRole, content: null };
   const name = fields.string('name');
   if (name !== undefined) message.name = name;
-  if (role === 'assistant' && fields.has('tool_calls')) {
-    message.tool_calls = readToolCalls(fields.path('tool_calls'), fields.raw('tool_calls'));
+  const callsTools = role === 'assistant' && fields.has('tool_calls');
+  if (callsTools) {
+    // An empty list (clients such as LangChain send one on every assistant turn) is no calls: the template must take
+    // the turn's plain path and render its content, as vLLM drops it too.
+    const calls = readToolCalls(fields.path('tool_calls'), fields.raw('tool_calls'));
+    if (calls.length > 0) message.tool_calls = calls;
+  }
+  if (role === 'assistant') {
+    const reasoning = fields.string('reasoning') ?? fields.string('reasoning_content');
+    if (reasoning !== undefined) {
+      message.reasoning = reasoning;
+      message.reasoning_content = reasoning;
+    }
   }
   if (role === 'tool') message.tool_call_id = readString(fields.path('tool_call_id'), fields.required('tool_call_id'));
-  // An assistant turn that only calls tools may have no content; every other message must say something.
+  // An assistant turn that calls tools may have no content; every other message must say something.
   if (fields.has('content')) message.content = readContent(fields.path('content'), fields.raw('content'));
-  else if (!(role === 'assistant' && message.tool_calls)) fields.required('content');
+  else if (!callsTools) fields.required('content');
   return message;
 }
 
