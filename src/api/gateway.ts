@@ -200,15 +200,14 @@ function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
 /**
  * continue_final_message: the rendered conversation cut right after the last message's content (what the template
  * wrote after it, an end-of-turn token and the like, goes), so the model goes on writing that message, as
- * Hugging Face's apply_chat_template does. A template that trims the content is matched by the trimmed text.
+ * Hugging Face's apply_chat_template (and so vLLM) does: at the last occurrence of the content stripped of leading
+ * and trailing whitespace. A trailing space is thus never left at the end of the prompt (a word's leading space
+ * belongs to the model's next token), and a template that trims the content is matched too.
  */
 function openFinalMessage(rendered: string, messages: readonly ChatMessage[]): string {
-  const content = messages.at(-1)?.content ?? '';
-  for (const text of [content, content.trim()]) {
-    if (text.length === 0) continue;
-    const at = rendered.lastIndexOf(text);
-    if (at >= 0) return rendered.slice(0, at + text.length);
-  }
+  const text = (messages.at(-1)?.content ?? '').trim();
+  const at = text.length > 0 ? rendered.lastIndexOf(text) : -1;
+  if (at >= 0) return rendered.slice(0, at + text.length);
   throw new InvalidValueError('continue_final_message',
     'the final message\'s content does not appear in the rendered chat (an empty message, or one the template rewrites), so it cannot be continued.');
 }
