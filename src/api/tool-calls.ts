@@ -42,9 +42,10 @@ export function readTools(fields: Fields): ToolsRequest | undefined {
   const choice = readToolChoice(fields);
   const parallel = fields.boolean('parallel_tool_calls') ?? true;
   if (!list || list.length === 0) {
-    if (choice !== undefined && choice.kind !== 'none' && choice.kind !== 'auto') {
-      throw new InvalidValueError('tool_choice', `tool_choice '${choice.kind}' needs tools.`);
+    if (choice?.kind === 'named') {
+      throw new InvalidValueError('tool_choice', `tool_choice names the function '${choice.name}', but the request has no tools.`);
     }
+    if (choice?.kind === 'required') throw new InvalidValueError('tool_choice', "tool_choice 'required' needs tools.");
     return undefined;
   }
   const seen = new Set<string>();

@@ -7,7 +7,7 @@
 // refused by name.
 
 import { ApiError, InvalidValueError, UnsupportedFieldError } from '../errors.ts';
-import { childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
+import { childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from '../validate.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest } from './chat.ts';
 import type { ValidationContext } from './generation.ts';
 
@@ -102,9 +102,11 @@ function readInputItem(index: number, value: unknown, previous: JsonObject | und
     return { role: 'assistant', tool_calls: [call] };
   }
   if (type === 'function_call_output') {
+    // The output is a string, or (OpenAI's newer shape) a list of content parts: their texts, as a message's.
+    const output = fields.required('output');
     return {
       role: 'tool', tool_call_id: readString(fields.path('call_id'), fields.required('call_id'), { nonEmpty: true }),
-      content: readString(fields.path('output'), fields.required('output')),
+      content: typeof output === 'string' ? output : readContentParts(fields.path('output'), output),
     };
   }
   if (type !== 'message') {
@@ -116,8 +118,13 @@ function readInputItem(index: number, value: unknown, previous: JsonObject | und
   }
   const content = fields.required('content');
   if (typeof content === 'string') return { role, content };
-  const parts = readArray(fields.path('content'), content, { nonEmpty: true }).map((part, i) => {
-    const partPath = childPath(fields.path('content'), i);
+  return { role, content: readContentParts(fields.path('content'), content) };
+}
+
+/** Content parts (input_text, output_text, refusal) as the chat parser's text parts; other kinds are refused. */
+function readContentParts(path: string, value: unknown): JsonObject[] {
+  return readArray(path, value, { nonEmpty: true }).map((part, i) => {
+    const partPath = childPath(path, i);
     const partFields = new Fields(readObject(partPath, part), partPath);
     const partType = readString(partFields.path('type'), partFields.required('type'));
     switch (partType) {
@@ -134,7 +141,6 @@ function readInputItem(index: number, value: unknown, previous: JsonObject | und
         throw new InvalidValueError(partFields.path('type'), `unknown content part type '${partType}'.`);
     }
   });
-  return { role, content: parts };
 }
 
 /** A function tool ({type, name, description, parameters, strict}) as chat's ({type, function: {...}}). */
@@ -151,7 +157,10 @@ function readTool(index: number, value: unknown): JsonObject {
 /** tool_choice: 'auto', 'none', 'required', or {type: 'function', name} as chat's {type, function: {name}}. */
 function readToolChoice(fields: Fields): JsonObject[string] | undefined {
   const choice = fields.raw('tool_choice');
-  if (choice === undefined || typeof choice === 'string') return choice;
+  if (choice === undefined || choice === 'none' || choice === 'auto' || choice === 'required') return choice;
+  if (!isJsonObject(choice)) {
+    throw new InvalidValueError('tool_choice', 'expected "none", "auto", "required" or {"type": "function", "name": ...}.');
+  }
   const object = fields.fields('tool_choice')!;
   const type = readString(object.path('type'), object.required('type'));
   if (type !== 'function') throw new UnsupportedFieldError(object.path('type'), `tool_choice of type '${type}' is not supported; only 'function'.`);
