@@ -2,6 +2,9 @@
 // CONDUIT_SOME_NAME; the command line wins over the environment, the environment over the default. `--help` has no
 // twin: a stray CONDUIT_HELP must not turn every command (`conduit serve` included) into its help text. Nor has an
 // internal flag Conduit sets on a child's command line (FlagSpec.noEnvTwin: `conduit worker --parent-ipc`).
+// An environment variable set to "" counts as unset, unless the flag takes "" as a value of its own
+// (FlagSpec.emptyIsValue: `--allowed-origins ""` is no origin, and CONDUIT_ALLOWED_ORIGINS="" must be too). A value
+// that came from the environment and is refused later is reported under the variable's name (nameEnvironment).
 // Commands declare their flags as a table so `--help` and the docs come from the same place.
 
 export type FlagType = 'string' | 'number' | 'boolean';
@@ -24,6 +27,17 @@ export interface FlagSpec {
    * line, which a variable left in an environment would otherwise turn on for every command run there.
    */
   noEnvTwin?: boolean;
+  /**
+   * Its environment twin set to "" is the value "", as on the command line, rather than unset: for a flag whose ""
+   * means something (--allowed-origins: no origin) or must be refused (--api-keys: no key), where falling back to
+   * the default would do the opposite of what was asked.
+   */
+  emptyIsValue?: boolean;
+  /**
+   * An empty (or blank) value is refused, with this text saying what to give instead. Every `host` flag has it (see
+   * REQUIRED_VALUE): `--host ""` would listen on every interface.
+   */
+  nonEmpty?: string;
 }
 
 export type FlagTable = Record<string, FlagSpec>;
@@ -69,6 +83,19 @@ export interface ParseOptions<T extends FlagTable> {
 
 /** The flag no environment variable sets (see the top of this file). */
 const NO_ENV_TWIN = 'help';
+
+/**
+ * Flags refused empty whatever table declares them, and why: an empty address makes Node listen on every interface
+ * (`listen(port, '')`), so `--host "$HOST"` with HOST unset would open a server that listens on loopback by default
+ * to the network. Binding everywhere takes an explicit 0.0.0.0 or ::.
+ */
+const REQUIRED_VALUE: Readonly<Record<string, string>> = {
+  host: 'needs an address (0.0.0.0 or :: for every interface)',
+};
+
+function nonEmptyRule(name: string, spec: FlagSpec): string | undefined {
+  return spec.nonEmpty ?? REQUIRED_VALUE[name];
+}
 
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
@@ -148,6 +175,8 @@ export function parseFlags<T extends FlagTable>(
       raw = next;
       i++;
     }
+    const rule = nonEmptyRule(name, spec);
+    if (rule !== undefined && spec.type === 'string' && raw.trim() === '') throw new UsageError(`--${name} ${rule}, got "${raw}"`);
     values[name] = convert(name, spec, raw, 'option');
     if (spec.repeatable) {
       if (!fromArgs.has(name)) lists[name] = [];
@@ -167,11 +196,15 @@ export function parseFlags<T extends FlagTable>(
     values[name] = fallback(spec);
     if (name === NO_ENV_TWIN || spec.noEnvTwin) continue;
     const fromEnv = env[envName(name, spec)];
-    if (fromEnv === undefined || fromEnv === '') continue;
+    if (fromEnv === undefined || (fromEnv === '' && !spec.emptyIsValue)) continue;
     sources[name] = 'environment';
     environment[name] = fromEnv;
     if (spec.repeatable) lists[name] = splitRepeatableEnv(fromEnv);
     try {
+      const rule = nonEmptyRule(name, spec);
+      if (rule !== undefined && spec.type === 'string' && fromEnv.trim() === '') {
+        throw new UsageError(`${envName(name, spec)} (--${name}) ${rule}, got "${fromEnv}"`);
+      }
       values[name] = convert(name, spec, fromEnv, envName(name, spec));
     } catch (err) {
       if (!(err instanceof UsageError)) throw err;
@@ -183,6 +216,8 @@ export function parseFlags<T extends FlagTable>(
     environment: environment as ParsedFlags<T>['environment'], warnings: [],
     lists: lists as ParsedFlags<T>['lists'],
   };
+  // `--help` shows the help whatever the environment holds: it is how one finds out what a variable should hold.
+  if (sources[NO_ENV_TWIN] === 'command line' && values[NO_ENV_TWIN] === true) return parsed;
   const rule = options.inapplicable?.(parsed.values);
   if (rule) parsed.warnings.push(...ignoreInapplicable(table, parsed, rule.names, rule.why));
   for (const [name, err] of invalid) {
@@ -213,12 +248,38 @@ export function ignoreInapplicable<T extends FlagTable>(table: T, parsed: Parsed
   return warnings;
 }
 
+/**
+ * The flag a value came from, as a message should name it: `--port` when typed (or defaulted), `CONDUIT_PORT (--port)`
+ * when the environment gave it, so a bad value nobody typed can be found.
+ */
+export function flagLabel<T extends FlagTable>(table: T, parsed: Pick<ParsedFlags<T>, 'sources'>, name: keyof T & string): string {
+  return parsed.sources[name] === 'environment' ? `${envName(name, table[name])} (--${name})` : `--${name}`;
+}
+
+/**
+ * A usage error about a flag whose value came from the environment, reworded to name the variable: a message that
+ * starts with `--port` (the checks after parsing say `--port must be 0..65535`) starts with `CONDUIT_PORT (--port)`
+ * instead. Other errors come back as they are. Values are not repeated (a variable may hold a key).
+ */
+export function nameEnvironment<T extends FlagTable>(table: T, parsed: Pick<ParsedFlags<T>, 'sources'>, err: unknown): unknown {
+  if (!(err instanceof UsageError)) return err;
+  const match = /^--([a-z0-9][a-z0-9-]*)/.exec(err.message);
+  const name = match?.[1];
+  if (name === undefined || !(name in table)) return err;
+  if (parsed.sources[name as keyof T & string] !== 'environment') return err;
+  const variable = envName(name, table[name]);
+  if (err.message.includes(variable)) return err;
+  return new UsageError(`${variable} (--${name})${err.message.slice(match![0].length)}`);
+}
+
 /** The flag table as help text: one line per flag with its environment twin and default. */
 export function formatFlagHelp(table: FlagTable): string {
   const rows = Object.entries(table).map(([name, spec]) => {
     const left = `  --${name}${spec.short ? `, -${spec.short}` : ''}${spec.type === 'boolean' ? '' : ` <${spec.type}>`}`;
     const def = (spec.default !== undefined ? ` (default ${spec.default})` : '') + (spec.repeatable ? ' (repeatable)' : '');
-    return `${left.padEnd(34)} ${spec.help}${def}${name === NO_ENV_TWIN || spec.noEnvTwin ? '' : ` [env ${envName(name, spec)}]`}`;
+    const twin = name === NO_ENV_TWIN || spec.noEnvTwin ? ''
+      : ` [env ${envName(name, spec)}${spec.emptyIsValue ? ', set to "" it is "" as typed, not unset' : ''}]`;
+    return `${left.padEnd(34)} ${spec.help}${def}${twin}`;
   });
   return rows.join('\n');
 }
@@ -245,4 +306,34 @@ export function splitRepeatableEnv(value: string): string[] {
   }
   items.push(value.slice(start));
   return items.map((item) => item.trim()).filter((item) => item !== '');
+}
+
+/**
+ * Why a file named by an option could not be used, in words ("permission denied", "is a folder, not a file"), for a
+ * one-line message; the system's own message for anything rarer.
+ */
+export function describeFileError(err: unknown): string {
+  const e = err as NodeJS.ErrnoException;
+  switch (e?.code) {
+    case 'ENOENT': return 'no such file or folder';
+    case 'EACCES':
+    case 'EPERM': return 'permission denied';
+    case 'EISDIR': return 'is a folder, not a file';
+    case 'ENOTDIR': return 'a part of the path is a file, not a folder';
+    case 'ELOOP': return 'too many symbolic links';
+    case 'EROFS': return 'read-only file system';
+    default: return e instanceof Error ? e.message : String(err);
+  }
+}
+
+/**
+ * A file system error as one line naming the file and what could not be done with it ("cannot create
+ * /var/cache/conduit: permission denied"); undefined for an error that is not one (no path). `what` names the file
+ * ("model" gives "cannot read model /m.gguf: ...").
+ */
+export function fileProblem(err: unknown, what?: string): string | undefined {
+  const e = err as NodeJS.ErrnoException;
+  if (!(err instanceof Error) || typeof e.code !== 'string' || typeof e.path !== 'string') return undefined;
+  const verb = e.syscall === 'mkdir' ? 'create' : ['open', 'read', 'stat', 'lstat', 'scandir', 'access'].includes(e.syscall ?? '') ? 'read' : 'write';
+  return `cannot ${verb} ${what !== undefined ? `${what} ` : ''}${e.path}: ${describeFileError(e)}`;
 }

@@ -7,7 +7,7 @@ import { createLocalEngine, type LocalEngineBundle } from '../engine/local-engin
 import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
 import { ensureBuiltinModel } from '../model/synthetic.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { fileProblem, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const GENERATE_FLAGS = {
@@ -31,43 +31,64 @@ function isEngineFailure(err: unknown): err is Error {
   return err instanceof Error && ENGINE_FAILURES.has(err.name);
 }
 
+/** The option values checked (--prompt given, counts whole, ...), before anything loads. */
+function checkOptions({ values, positionals }: ParsedFlags<typeof GENERATE_FLAGS>): void {
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}" (the text to continue is --prompt "...")`);
+  if (values.prompt === undefined) throw new UsageError('--prompt is required');
+  const maxTokens = values['max-tokens']!;
+  const concurrency = values.concurrency!;
+  if (!Number.isInteger(maxTokens) || maxTokens < 1) throw new UsageError('--max-tokens must be a whole number >= 1');
+  if (!Number.isInteger(concurrency) || concurrency < 1) throw new UsageError('--concurrency must be a whole number >= 1');
+  if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
+  const topP = values['top-p']!;
+  if (!(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);
+  // Each request's seed is seed + i (i < concurrency): all of them whole numbers a request takes, safe integers.
+  const maxSeed = Number.MAX_SAFE_INTEGER - (concurrency - 1);
+  if (!Number.isSafeInteger(values.seed) || values.seed! > maxSeed) {
+    throw new UsageError(`--seed must be a whole number from ${-Number.MAX_SAFE_INTEGER} to ${maxSeed}`
+      + `${concurrency > 1 ? ` (with --concurrency ${concurrency} the requests take seeds seed to seed + ${concurrency - 1})` : ''}, got ${values.seed}`);
+  }
+  if (values.threads !== undefined && !(Number.isInteger(values.threads) && values.threads >= 1)) {
+    throw new UsageError(`--threads must be a whole number >= 1, got ${values.threads}`);
+  }
+  const backend = values.backend;
+  if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') {
+    throw new UsageError(`--backend must be auto, native or reference, got "${backend}"`);
+  }
+}
+
 export const generateCommand: Command = {
   summary: 'print the continuation of a prompt and the speed',
   async run(argv) {
-    const { values, positionals } = parseFlags(GENERATE_FLAGS, argv);
-    if (values.help) {
+    const parsed = parseFlags(GENERATE_FLAGS, argv);
+    if (parsed.values.help) {
       console.log(`Usage: conduit generate --prompt "..." [options]\n\n${formatFlagHelp(GENERATE_FLAGS)}`);
       return 0;
     }
-    if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}" (the text to continue is --prompt "...")`);
-    if (values.prompt === undefined) throw new UsageError('--prompt is required');
-    const maxTokens = values['max-tokens']!;
+    try {
+      checkOptions(parsed);
+    } catch (err) {
+      // A value nobody typed is reported under the variable that gave it (CONDUIT_MAX_TOKENS (--max-tokens) ...).
+      throw nameEnvironment(GENERATE_FLAGS, parsed, err);
+    }
+    const { values } = parsed;
     const concurrency = values.concurrency!;
-    if (!Number.isInteger(maxTokens) || maxTokens < 1) throw new UsageError('--max-tokens must be a whole number >= 1');
-    if (!Number.isInteger(concurrency) || concurrency < 1) throw new UsageError('--concurrency must be a whole number >= 1');
-    if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
-    const topP = values['top-p']!;
-    if (!(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);
-    // Each request's seed is seed + i (i < concurrency): all of them whole numbers a request takes, safe integers.
-    const maxSeed = Number.MAX_SAFE_INTEGER - (concurrency - 1);
-    if (!Number.isSafeInteger(values.seed) || values.seed! > maxSeed) {
-      throw new UsageError(`--seed must be a whole number from ${-Number.MAX_SAFE_INTEGER} to ${maxSeed}`
-        + `${concurrency > 1 ? ` (with --concurrency ${concurrency} the requests take seeds seed to seed + ${concurrency - 1})` : ''}, got ${values.seed}`);
-    }
-    if (values.threads !== undefined && !(Number.isInteger(values.threads) && values.threads >= 1)) {
-      throw new UsageError(`--threads must be a whole number >= 1, got ${values.threads}`);
-    }
-    const backend = values.backend;
-    if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') {
-      throw new UsageError(`--backend must be auto, native or reference, got "${backend}"`);
-    }
+    const maxTokens = values['max-tokens']!;
+    const backend = values.backend as 'auto' | 'native' | 'reference';
 
     const loadStart = performance.now();
-    const modelPath = values.model ?? await ensureBuiltinModel();
     let bundle: LocalEngineBundle;
+    let modelPath: string | undefined;
     try {
+      modelPath = values.model ?? await ensureBuiltinModel();
       bundle = await createLocalEngine({ modelPath, backend, threads: values.threads, maxNumSeqs: Math.max(concurrency, 1) });
     } catch (err) {
+      // A model file (or the built-in model's cache folder) the system will not let us read or write: one line too.
+      const problem = fileProblem(err, modelPath !== undefined ? 'model' : undefined);
+      if (problem !== undefined) {
+        console.error(`conduit generate: ${problem}`);
+        return 1;
+      }
       if (!isModelLoadError(err) && !(err instanceof EngineStartError)) throw err;
       console.error(`conduit generate: ${err.message}`);
       return 1;
@@ -77,7 +98,7 @@ export const generateCommand: Command = {
     const loadMs = performance.now() - loadStart;
 
     try {
-      const promptIds = tokenizer.encode(values.prompt, { addSpecialTokens: true });
+      const promptIds = tokenizer.encode(values.prompt!, { addSpecialTokens: true });
       const start = performance.now();
       const runs = Array.from({ length: concurrency }, (_, i) => runOne(i));
       async function runOne(i: number) {

@@ -2,15 +2,16 @@
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
 // requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
 
-import { existsSync, readFileSync, statSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
-import { basename, join } from 'node:path';
+import { basename, dirname, join, resolve } from 'node:path';
+import { createSecureContext } from 'node:tls';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
 import { describeGenerationDefaults, GENERATION_CONFIG_FILE, readGenerationConfig, type GenerationDefaults } from '../model/generation-config.ts';
 import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
 import {
-  combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, type KeyConfig, type TenantLimits,
+  combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, unusedTenants, type KeyConfig, type TenantLimits,
 } from '../api/auth.ts';
 import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, modelIdFromName, type ServedModel } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
@@ -27,7 +28,10 @@ import { LORA_DTYPES, type LoraDtype } from '../model/lora.ts';
 import type { KvDtype } from '../kernels/types.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagSource, type FlagTable, type FlagValues } from './flags.ts';
+import {
+  describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, parseFlags, UsageError, type FlagSource, type FlagTable,
+  type FlagValues, type ParsedFlags,
+} from './flags.ts';
 import type { Command } from './main.ts';
 
 const SCHEDULING_POLICIES: readonly SchedulingPolicy[] = ['fcfs', 'priority', 'deadline'];
@@ -50,7 +54,7 @@ export const SERVE_FLAGS = {
   host: { type: 'string', help: 'address to listen on', default: '127.0.0.1' },
   port: { type: 'number', help: 'port to listen on (0 = any free port)', default: 8000, short: 'p' },
   'api-keys-file': { type: 'string', help: 'API keys: JSON {"keys":[{key,tenant}],"tenants":{name:{rpm,tpm,max_concurrent,cache_group}}} or lines "key tenant [rpm] [tpm] [max_concurrent]"' },
-  'api-keys': { type: 'string', help: 'API keys as "key:tenant,key2:tenant2" (no keys anywhere = open development mode)' },
+  'api-keys': { type: 'string', help: 'API keys as "key:tenant,key2:tenant2" (no keys anywhere = open development mode; an empty value is refused, not taken as none)', emptyIsValue: true },
   'admin-key': { type: 'string', help: 'API key of the tenant "admin", which may read every tenant\'s traces and /v1/slo, /v1/analysis, /metrics (with keys configured, other keys may not)' },
   'public-metrics': { type: 'boolean', help: '/metrics without an API key even when keys are configured (its series name tenants)', default: false },
   'tenant-rpm': { type: 'number', help: 'requests per minute for tenants whose keys entry sets none (unset = unlimited)' },
@@ -95,7 +99,7 @@ export const SERVE_FLAGS = {
   'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
   'max-sequences-per-request': { type: 'number', help: 'most sequences (prompts x n) one request may ask for; more is a 400 (capped at --max-pending-requests)', default: DEFAULT_MAX_SEQUENCES_PER_REQUEST },
   'max-body-bytes': { type: 'string', help: 'largest request body, bytes or with a unit', default: `${DEFAULT_MAX_BODY_BYTES / 1024 / 1024}MiB` },
-  'allowed-origins': { type: 'string', help: 'origins a browser page may call the API from (CORS), comma-separated or a JSON list as vLLM\'s; * for any, "" for none', default: '*' },
+  'allowed-origins': { type: 'string', help: 'origins a browser page may call the API from (CORS), comma-separated or a JSON list as vLLM\'s; * for any, "" for none', default: '*', emptyIsValue: true },
   'max-connections': { type: 'number', help: `open connections beyond which a new one gets a 503 and is closed (default ${DEFAULT_MAX_CONNECTIONS}, or three quarters of the open-file limit when that is lower)` },
   'headers-timeout': { type: 'number', help: 'seconds a client has to send a request\'s headers', default: DEFAULT_HEADERS_TIMEOUT_MS / 1000 },
   'request-timeout': { type: 'number', help: 'seconds a request may take before it is aborted (0 = no limit)', default: 0 },
@@ -349,15 +353,95 @@ export function defaultMaxConnections(limitsText?: string): number {
   return Math.max(1, Math.min(DEFAULT_MAX_CONNECTIONS, Math.floor(soft * 0.75)));
 }
 
-function readKeys(file: string | undefined, list: string | undefined, adminKey: string | undefined): KeyConfig {
+/**
+ * The keys of --api-keys-file, --api-keys and --admin-key together, every problem a usage error: a file that cannot be
+ * read, a key given to two tenants, an unknown field, and an empty --api-keys (or CONDUIT_API_KEYS=""), which would
+ * otherwise start the server open to everyone. Tenants configured that no key names are returned as warnings.
+ */
+function readKeys(file: string | undefined, list: string | undefined, adminKey: string | undefined,
+  labels: { file: string; list: string }): { keys: KeyConfig; warnings: string[] } {
+  let text: string | undefined;
+  if (file !== undefined) {
+    try {
+      text = readFileSync(file, 'utf8');
+    } catch (err) {
+      throw new UsageError(`${labels.file} ${file}: ${describeFileError(err)}`);
+    }
+  }
   try {
-    const fromFile = file === undefined ? undefined : parseKeysFile(readFileSync(file, 'utf8'), file);
-    return combineKeyConfig(fromFile, list ? parseKeysList(list) : undefined, adminKey);
+    const fromFile = text === undefined ? undefined : parseKeysFile(text, file);
+    const keys = combineKeyConfig(fromFile, list !== undefined ? parseKeysList(list, labels.list) : undefined, adminKey);
+    return { keys, warnings: unusedTenants(keys).map((name) => `${file}: tenant ${name} is configured but no key belongs to it (a misspelt tenant name?)`) };
   } catch (err) {
     if (err instanceof KeyConfigError) throw new UsageError(err.message);
-    if ((err as NodeJS.ErrnoException).code === 'ENOENT') throw new UsageError(`--api-keys-file: ${file} does not exist`);
     throw err;
   }
+}
+
+/**
+ * --kv-offload-disk: a folder that exists or can be made (the disk tier makes it when the workers start). Refused
+ * here, before anything loads, when a file stands in the way or the nearest existing folder cannot be written.
+ */
+function checkDiskTierFolder(dir: string): void {
+  let path = resolve(dir);
+  for (;;) {
+    let isDirectory: boolean;
+    try {
+      isDirectory = statSync(path).isDirectory();
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      // Missing, or under a file (ENOTDIR): look at the folder it would be made in.
+      if ((code === 'ENOENT' || code === 'ENOTDIR') && dirname(path) !== path) {
+        path = dirname(path);
+        continue;
+      }
+      throw new UsageError(`--kv-offload-disk ${dir}: ${describeFileError(err)}`);
+    }
+    if (!isDirectory) throw new UsageError(`--kv-offload-disk ${dir}: ${path} is a file, not a folder`);
+    try {
+      accessSync(path, fsConstants.W_OK | fsConstants.X_OK);
+    } catch (err) {
+      throw new UsageError(`--kv-offload-disk ${dir}: cannot write in ${path}: ${describeFileError(err)}`);
+    }
+    return;
+  }
+}
+
+/** The OpenSSL reason of a TLS error ("no start line"), else its message. */
+function tlsReason(err: unknown): string {
+  return (err as { reason?: string }).reason ?? (err as Error).message;
+}
+
+/**
+ * --tls-cert and --tls-key, read and checked as a TLS server will use them: a file that cannot be read, a certificate
+ * or key that is not PEM, and a key that is not the certificate's are refused while the options are read, in one line.
+ */
+function readTls(certPath: string, keyPath: string): { cert: Buffer; key: Buffer } {
+  const read = (flag: string, path: string): Buffer => {
+    try {
+      return readFileSync(path);
+    } catch (err) {
+      throw new UsageError(`--${flag} ${path}: ${describeFileError(err)}`);
+    }
+  };
+  const cert = read('tls-cert', certPath);
+  const key = read('tls-key', keyPath);
+  try {
+    createSecureContext({ cert });
+  } catch (err) {
+    throw new UsageError(`--tls-cert ${certPath}: not a PEM certificate (${tlsReason(err)})`);
+  }
+  try {
+    createSecureContext({ key });
+  } catch (err) {
+    throw new UsageError(`--tls-key ${keyPath}: not a PEM private key without a passphrase (${tlsReason(err)})`);
+  }
+  try {
+    createSecureContext({ cert, key });
+  } catch (err) {
+    throw new UsageError(`--tls-key ${keyPath} is not the private key of --tls-cert ${certPath} (${tlsReason(err)})`);
+  }
+  return { cert, key };
 }
 
 /**
@@ -468,8 +552,13 @@ function jsonLoraModule(text: string): LoraModuleSpec {
  */
 export function readChatTemplateOption(value: string): string {
   let text: string;
-  if (existsSync(value) && statSync(value).isFile()) text = readFileSync(value, 'utf8');
-  else if (/[{}\n]/.test(value)) text = value;
+  if (existsSync(value) && statSync(value).isFile()) {
+    try {
+      text = readFileSync(value, 'utf8');
+    } catch (error) {
+      throw new UsageError(`--chat-template ${value}: ${describeFileError(error)}`);
+    }
+  } else if (/[{}\n]/.test(value)) text = value;
   else throw new UsageError(`--chat-template: no file ${value} (a template given inline has {{ }} or {% %} in it)`);
   try {
     void new ChatTemplate({ templates: text });
@@ -489,15 +578,24 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
       why: 'only for disaggregated serving (--prefill-workers with --decode-workers)',
     },
   });
+  try {
+    return serveConfigOf(parsed);
+  } catch (err) {
+    // A value nobody typed is reported under the variable that gave it (CONDUIT_PORT (--port) must be ...).
+    throw nameEnvironment(SERVE_FLAGS, parsed, err);
+  }
+}
+
+function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | 'help' {
   const { values, positionals } = parsed;
   if (values.help) return 'help';
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const port = values.port!;
   if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
   const backend = values.backend!;
-  if (!(BACKENDS as readonly string[]).includes(backend)) throw new UsageError(`--backend must be one of ${BACKENDS.join(', ')}`);
+  if (!(BACKENDS as readonly string[]).includes(backend)) throw new UsageError(`--backend must be one of ${BACKENDS.join(', ')}, got "${backend}"`);
   const logLevel = values['log-level']!;
-  if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}`);
+  if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}, got "${logLevel}"`);
   if ((values['tls-cert'] === undefined) !== (values['tls-key'] === undefined)) {
     throw new UsageError('--tls-cert and --tls-key go together');
   }
@@ -519,10 +617,10 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (tpm !== undefined) tenantDefaults.tokensPerMinute = tpm;
   if (concurrent !== undefined) tenantDefaults.maxConcurrent = concurrent;
   const engine = values.engine!;
-  if (!(ENGINES as readonly string[]).includes(engine)) throw new UsageError(`--engine must be one of ${ENGINES.join(', ')}`);
+  if (!(ENGINES as readonly string[]).includes(engine)) throw new UsageError(`--engine must be one of ${ENGINES.join(', ')}, got "${engine}"`);
   const routingPolicy = values['routing-policy']!;
   if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
-    throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}`);
+    throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}, got "${routingPolicy}"`);
   }
   const toolCallParser = values['tool-call-parser']!;
   if (toolCallParser !== 'auto' && !(TOOL_CALL_PARSERS as readonly string[]).includes(toolCallParser)) {
@@ -538,10 +636,16 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError('--prefill-workers and --decode-workers go together');
   }
+  const warnings = parsed.warnings;
+  // --workers counts aggregated workers; with prefill and decode workers it would be silently dropped. Typed, that is
+  // a mistake; from the environment (CONDUIT_WORKERS set for another deployment) it is ignored with a warning.
+  if (prefillWorkers !== undefined) {
+    warnings.push(...ignoreInapplicable(SERVE_FLAGS, parsed, ['workers'],
+      'an alternative to --prefill-workers with --decode-workers, which set the workers of disaggregated serving'));
+  }
   if (values['worker-processes'] && prefillWorkers !== undefined && values.engine === 'sim') {
     throw new UsageError('--worker-processes with --prefill-workers runs cpu workers (simulated workers have no KV to move between processes)');
   }
-  const warnings = parsed.warnings;
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
   warnings.push(...engineOptionWarnings(engine, values, parsed.sources, parsed.lists.model ?? []));
@@ -563,10 +667,14 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (!Number.isFinite(workerRestartDelayMs) || workerRestartDelayMs < 0) {
     throw new UsageError(`--worker-restart-delay must be a number of ms >= 0, got ${workerRestartDelayMs}`);
   }
+  const keys = readKeys(values['api-keys-file'], values['api-keys'], values['admin-key'], {
+    file: flagLabel(SERVE_FLAGS, parsed, 'api-keys-file'), list: flagLabel(SERVE_FLAGS, parsed, 'api-keys'),
+  });
+  warnings.push(...keys.warnings);
   const config: ServeConfig = {
     host: values.host!,
     port,
-    keys: readKeys(values['api-keys-file'], values['api-keys'], values['admin-key']),
+    keys: keys.keys,
     publicMetrics: values['public-metrics']!,
     tenantDefaults,
     backend: backend as Backend,
@@ -635,6 +743,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     if (bytes > 0) config.kvOffloadMemoryBytes = bytes;
   }
   if (values['kv-offload-disk'] !== undefined && values['kv-offload-disk'] !== '') {
+    checkDiskTierFolder(values['kv-offload-disk']);
     config.kvOffloadDiskDir = values['kv-offload-disk'];
     config.kvOffloadDiskBytes = parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size');
     if (config.kvOffloadDiskBytes <= 0) throw new UsageError('--kv-offload-disk-size must be more than 0 bytes');
@@ -644,7 +753,7 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
   if (writeTimeout > 0) config.writeTimeoutMs = writeTimeout * 1000;
   if (values['tls-cert'] !== undefined) {
-    config.tls = { cert: readFileSync(values['tls-cert']), key: readFileSync(values['tls-key']!) };
+    config.tls = readTls(values['tls-cert'], values['tls-key']!);
   }
   return config;
 }
@@ -879,6 +988,25 @@ function waitForSignal(onRepeat: () => void): Promise<string> {
   });
 }
 
+/**
+ * One line for a start-up error of the system rather than of Conduit: the address cannot be listened on (port in
+ * use, a port below 1024 without the right, an address not on this machine, a host name that does not resolve), or
+ * a file (the model, the built-in model's cache) cannot be read or written. Undefined for anything else.
+ */
+export function startupFailure(err: unknown, config: Pick<ServeConfig, 'host' | 'port' | 'modelPath' | 'extraModels'>): string | undefined {
+  const e = err as NodeJS.ErrnoException & { hostname?: string };
+  if (!(err instanceof Error) || typeof e.code !== 'string') return undefined;
+  const address = `${config.host.includes(':') ? `[${config.host}]` : config.host}:${config.port}`;
+  if (e.syscall === 'listen') return `cannot listen on ${address}: ${e.message}`;
+  if (e.syscall === 'getaddrinfo') {
+    return `cannot listen on ${address}: ${e.code === 'ENOTFOUND' || e.code === 'EAI_NONAME' ? `no such host ${config.host}` : 'cannot resolve the host'} (${e.message})`;
+  }
+  if (typeof e.path !== 'string') return undefined;
+  const models = [config.modelPath, ...(config.extraModels ?? []).map((m) => m.path)].filter((p): p is string => p !== undefined);
+  const model = models.some((p) => resolve(e.path!) === resolve(p) || resolve(e.path!).startsWith(`${resolve(p)}/`));
+  return fileProblem(e, model ? 'model' : undefined);
+}
+
 export const serveCommand: Command = {
   summary: 'serve the OpenAI-compatible HTTP API',
   async run(argv) {
@@ -892,9 +1020,10 @@ export const serveCommand: Command = {
     try {
       running = await startServer(config, logger);
     } catch (err) {
-      const code = (err as NodeJS.ErrnoException).code;
-      if (code === 'EADDRINUSE' || code === 'EACCES') {
-        logger.error(`cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
+      // Fatal start-up errors go to stderr whatever --log-level says: a server that does not start must say why.
+      const failure = startupFailure(err, config);
+      if (failure !== undefined) {
+        console.error(`conduit serve: ${failure}`);
         return 1;
       }
       const { isModelLoadError } = await import('../model/loader.ts');

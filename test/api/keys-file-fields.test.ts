@@ -1,7 +1,9 @@
 // A JSON keys file (--api-keys-file) with a field Conduit does not know is refused, naming the field: a misspelt
-// limit ("rmp" for "rpm") would otherwise leave its tenant unlimited without a word. The CLI runs as a child process.
+// limit ("rmp" for "rpm") would otherwise leave its tenant unlimited without a word. A tenant configured that no key
+// belongs to (a misspelt tenant name) is warned about, and the limits of the tenants that are named hold over real
+// HTTP. The CLI runs as a child process.
 import assert from 'node:assert/strict';
-import { execFile } from 'node:child_process';
+import { execFile, spawn } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -48,4 +50,45 @@ describe('--api-keys-file: fields Conduit does not know', () => {
       assert.match(run.stderr, pattern);
     });
   }
+
+  it('a tenant no key belongs to is warned about; the named tenant\'s limit holds', async () => {
+    const keys = file('ghost.json', {
+      keys: [{ key: 'sk-acme-000001', tenant: 'acme' }],
+      tenants: { acme: { rpm: 1 }, acmee: { rpm: 100 } },
+    });
+    const child = spawn(process.execPath, [CONDUIT, ...SIM, '--api-keys-file', keys], { env: cleanEnv(), stdio: ['ignore', 'pipe', 'pipe'] });
+    const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
+    let stderr = '';
+    try {
+      const url = await new Promise<string>((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error(`no banner:\n${stderr}`)), 30_000);
+        child.stderr.on('data', (chunk: Buffer) => {
+          stderr += chunk.toString();
+          const match = /Conduit is serving .* at (http:\/\/\S+)/.exec(stderr);
+          if (match) {
+            clearTimeout(timer);
+            resolve(match[1]!);
+          }
+        });
+        child.once('exit', () => reject(new Error(`exited before serving:\n${stderr}`)));
+      });
+      assert.match(stderr, /WARN\s+.*ghost\.json: tenant acmee is configured but no key belongs to it/);
+      assert.doesNotMatch(stderr, /tenant acme is configured/);
+      const res = await fetch(`${url}/v1/completions`, {
+        method: 'POST', headers: { Authorization: 'Bearer sk-acme-000001', 'Content-Type': 'application/json' },
+        body: JSON.stringify({ prompt: 'hi', max_tokens: 1 }),
+      });
+      await res.arrayBuffer();
+      const second = await fetch(`${url}/v1/completions`, {
+        method: 'POST', headers: { Authorization: 'Bearer sk-acme-000001', 'Content-Type': 'application/json' },
+        body: JSON.stringify({ prompt: 'hi', max_tokens: 1 }),
+      });
+      await second.arrayBuffer();
+      assert.equal(res.status, 200);
+      assert.equal(second.status, 429, 'rpm 1: the second request of the minute is refused');
+    } finally {
+      child.kill('SIGTERM');
+      await exited;
+    }
+  });
 });

@@ -104,7 +104,7 @@ describe('conduit serve flags', () => {
       [['--tls-cert', 'a.pem'], /--tls-cert and --tls-key/],
       [['--threads', '1.5'], /--threads/],
       [['--request-timeout', '-1'], /--request-timeout/],
-      [['--api-keys-file', join(dir, 'missing.txt')], /does not exist/],
+      [['--api-keys-file', join(dir, 'missing.txt')], /--api-keys-file .*missing\.txt: no such file or folder/],
       [['--api-keys', 'no-tenant'], /key:tenant/],
       [['stray'], /unexpected argument/],
     ];
@@ -266,7 +266,8 @@ describe('conduit serve disaggregation thresholds', () => {
     assert.deepEqual(config(DISAGG, { CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '1024' }).disaggregationPolicy, { minRemotePrefillTokens: 1024 });
     assert.equal(config(DISAGG, { CONDUIT_DISAGG_MIN_REMOTE_PREFILL_TOKENS: '1024' }).warnings, undefined);
     assert.throws(() => parseServeConfig(DISAGG, env),
-      (err: unknown) => err instanceof UsageError && /--disagg-max-prefill-queue-tokens must be a whole number >= 0, got -3/.test(err.message));
+      (err: unknown) => err instanceof UsageError
+        && /^CONDUIT_DISAGG_MAX_PREFILL_QUEUE_TOKENS \(--disagg-max-prefill-queue-tokens\) must be a whole number >= 0, got -3/.test(err.message));
   });
 
   it('says that simulated workers ignore --kv-cache-idle-release (their KV pools hold no host memory)', () => {
