@@ -74,6 +74,7 @@ export class LocalEngine implements Engine {
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   private readonly progressListeners = new Set<(progress: PrefillProgress[]) => void>();
+  private readonly statsListeners = new Set<(stats: EngineStats) => void>();
   private readonly syncs = new PendingReplies<EngineStats>();
   private readonly holds = new PendingReplies<number>();
   private readonly preparations = new PendingReplies<KvImportPreparation>();
@@ -291,6 +292,16 @@ export class LocalEngine implements Engine {
     return () => this.kvEventListeners.delete(listener);
   }
 
+  /**
+   * Every stats report the worker sends, in order: with each step's outputs, and on the messages that change its
+   * load between them (an abort's, an idle worker's KV offload, LoRA loads). The router takes the worker's load
+   * from these, so a request that ended without an output reaching its reader (an abort) is not counted for ever.
+   */
+  onStats(listener: (stats: EngineStats) => void): () => void {
+    this.statsListeners.add(listener);
+    return () => this.statsListeners.delete(listener);
+  }
+
   /** Called once if the worker thread dies (not on close()): the router drops the worker. */
   onLost(listener: (error: Error) => void): () => void {
     this.lostListeners.add(listener);
@@ -329,10 +340,15 @@ export class LocalEngine implements Engine {
     this.worker.postMessage(message);
   }
 
+  private setStats(stats: EngineStats): void {
+    this.latestStats = stats;
+    for (const listener of this.statsListeners) listener(stats);
+  }
+
   private onMessage(message: FromWorker): void {
     switch (message.type) {
       case 'outputs':
-        this.latestStats = message.stats;
+        this.setStats(message.stats);
         for (const output of message.outputs) {
           const stream = this.streams.get(output.requestId);
           if (stream) stream.push(output);
@@ -352,29 +368,29 @@ export class LocalEngine implements Engine {
         }
         return;
       case 'adopted':
-        this.latestStats = message.stats;
+        this.setStats(message.stats);
         for (const result of message.adopted) for (const listener of this.adoptedListeners) listener(result);
         return;
       case 'synced':
-        this.latestStats = message.stats;
+        this.setStats(message.stats);
         this.syncs.settle(message.syncId, message.stats);
         return;
       case 'prefix-held':
-        this.latestStats = message.stats;
+        this.setStats(message.stats);
         this.holds.settle(message.holdId, message.blocks);
         return;
       case 'import-prepared':
-        this.latestStats = message.stats;
+        this.setStats(message.stats);
         if (message.preparation) this.preparations.settle(message.holdId, message.preparation);
         else this.preparations.reject(message.holdId, new Error(message.error ?? 'the KV import could not be prepared'));
         return;
       case 'prefix-cache-reset':
-        this.latestStats = message.stats;
+        this.setStats(message.stats);
         if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
         this.resets.settle(message.resetId, message.reset);
         return;
       case 'lora-done':
-        if (message.stats) this.latestStats = message.stats;
+        if (message.stats) this.setStats(message.stats);
         this.loraReplies.settle(message.loraId, message);
         return;
       case 'rejected':
