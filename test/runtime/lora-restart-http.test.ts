@@ -27,6 +27,28 @@ async function serveWithAdapter(name: string, seed: number, flags: string[] = []
   return { fixture, adapterPath, running };
 }
 
+/** The real engines the restarts start from now on, and which of them were closed; restore() stops watching. */
+function trackEngines() {
+  const started: LocalEngine[] = [];
+  const closed = new Set<LocalEngine>();
+  const start = LocalEngine.start;
+  const close = LocalEngine.prototype.close;
+  LocalEngine.start = async function (...args: Parameters<typeof LocalEngine.start>) {
+    const engine = await start.apply(this, args);
+    started.push(engine);
+    return engine;
+  };
+  LocalEngine.prototype.close = function (this: LocalEngine) {
+    closed.add(this);
+    return close.call(this);
+  };
+  const restore = () => {
+    LocalEngine.start = start;
+    LocalEngine.prototype.close = close;
+  };
+  return { started, closed, restore };
+}
+
 test('restarted workers serve the adapters loaded before they were lost', { timeout: 120_000 }, async () => {
   const { fixture, running } = await serveWithAdapter('lora-restart', 12);
   const complete = async (model: string) => {
@@ -59,20 +81,7 @@ test('restarted workers serve the adapters loaded before they were lost', { time
 
 test('a restarted worker that cannot load the group\'s adapters is closed, not left running beside the next attempt', { timeout: 120_000 }, async () => {
   const { fixture, adapterPath, running } = await serveWithAdapter('lora-restart-fail', 13, ['--worker-restart-limit', '2']);
-  // The real engines the restarts start, and which of them were closed.
-  const started: LocalEngine[] = [];
-  const closed = new Set<LocalEngine>();
-  const start = LocalEngine.start;
-  const close = LocalEngine.prototype.close;
-  LocalEngine.start = async function (...args: Parameters<typeof LocalEngine.start>) {
-    const engine = await start.apply(this, args);
-    started.push(engine);
-    return engine;
-  };
-  LocalEngine.prototype.close = function (this: LocalEngine) {
-    closed.add(this);
-    return close.call(this);
-  };
+  const { started, closed, restore } = trackEngines();
   try {
     const routed = running.api.gateway.engine;
     assert.ok(routed instanceof RoutedEngine);
@@ -83,8 +92,7 @@ test('a restarted worker that cannot load the group\'s adapters is closed, not l
       'both restart attempts started an engine and closed it', 60_000);
     assert.equal(routed.workerIds.length, 1, 'the lost worker given up after the limit; the other serves on');
   } finally {
-    LocalEngine.start = start;
-    LocalEngine.prototype.close = close;
+    restore();
     await running.api.shutdown(0);
     rmSync(fixture.dir, { recursive: true, force: true });
   }
@@ -92,19 +100,7 @@ test('a restarted worker that cannot load the group\'s adapters is closed, not l
 
 test('a restarted worker that reads other bytes at the adapter\'s path is closed: its cached prefixes would be the old weights\'', { timeout: 120_000 }, async () => {
   const { fixture, adapterPath, running } = await serveWithAdapter('lora-restart-changed', 14, ['--worker-restart-limit', '2']);
-  const started: LocalEngine[] = [];
-  const closed = new Set<LocalEngine>();
-  const start = LocalEngine.start;
-  const close = LocalEngine.prototype.close;
-  LocalEngine.start = async function (...args: Parameters<typeof LocalEngine.start>) {
-    const engine = await start.apply(this, args);
-    started.push(engine);
-    return engine;
-  };
-  LocalEngine.prototype.close = function (this: LocalEngine) {
-    closed.add(this);
-    return close.call(this);
-  };
+  const { started, closed, restore } = trackEngines();
   const complete = async (model: string) => {
     const res = await fetch(`${running.url}/v1/completions`, {
       method: 'POST', headers: { 'Content-Type': 'application/json' },
@@ -128,8 +124,7 @@ test('a restarted worker that reads other bytes at the adapter\'s path is closed
     assert.equal(routed.workerIds.length, 1, 'no restarted worker joined with the changed adapter');
     assert.equal(await complete('a'), before, 'the adapter is still the bytes it was loaded with');
   } finally {
-    LocalEngine.start = start;
-    LocalEngine.prototype.close = close;
+    restore();
     await running.api.shutdown(0);
     rmSync(fixture.dir, { recursive: true, force: true });
   }
