@@ -142,6 +142,20 @@ export const FALLBACK_CHAT_TEMPLATE =
   '{% for message in messages %}{{ message.role }}: {{ message.content }}\n\n{% endfor %}' +
   '{% if add_generation_prompt %}assistant:{% endif %}';
 
+/**
+ * The fallback for a tokenizer that adds BOS to the texts it encodes (add_bos_token, as Llama 2's): chat prompts are
+ * encoded without the tokenizer's own special tokens (a real template writes {{ bos_token }} itself), so this one
+ * does, and a base model reads chat prompts as it reads completions prompts, after BOS.
+ */
+export const FALLBACK_CHAT_TEMPLATE_WITH_BOS = '{{ bos_token }}' + FALLBACK_CHAT_TEMPLATE;
+
+/** The fallback template for a tokenizer: with BOS when the tokenizer adds one to a text. */
+function fallbackChatTemplate(tokenizer: Tokenizer | undefined, bosToken: string | undefined, eosToken: string | undefined): ChatTemplate {
+  const bos = tokenizer?.bosId;
+  const addsBos = bos !== undefined && !!bosToken && tokenizer!.encode('x', { addSpecialTokens: true })[0] === bos;
+  return new ChatTemplate({ templates: addsBos ? FALLBACK_CHAT_TEMPLATE_WITH_BOS : FALLBACK_CHAT_TEMPLATE, bosToken, eosToken }, true);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The template
 
@@ -306,7 +320,7 @@ export function chatTemplateFromGguf(file: GgufFile, tokenizer?: Tokenizer): Cha
   }
   const bosToken = tokenTextOf(tokenizer, tokenizer?.bosId);
   const eosToken = tokenTextOf(tokenizer, tokenizer?.eosId);
-  if (templates.size === 0) return new ChatTemplate({ templates: FALLBACK_CHAT_TEMPLATE, bosToken, eosToken }, true);
+  if (templates.size === 0) return fallbackChatTemplate(tokenizer, bosToken, eosToken);
   return new ChatTemplate({ templates, bosToken, eosToken });
 }
 
@@ -328,7 +342,7 @@ export function chatTemplateFromConfig(config: Record<string, unknown>, tokenize
   const eosToken = configTokenText(config.eos_token) ?? tokenTextOf(tokenizer, tokenizer?.eosId);
   const raw = config.chat_template;
   if (raw === undefined || raw === null) {
-    return new ChatTemplate({ templates: FALLBACK_CHAT_TEMPLATE, bosToken, eosToken }, true);
+    return fallbackChatTemplate(tokenizer, bosToken, eosToken);
   }
   if (typeof raw === 'string') return new ChatTemplate({ templates: raw, bosToken, eosToken });
   if (Array.isArray(raw)) {

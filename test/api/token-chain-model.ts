@@ -19,7 +19,8 @@ export interface ChainToken {
 export interface TokenChainSpec {
   /** The first token ends the prompt (the template's generation prompt); the model writes the others, then EOS. */
   chain: readonly ChainToken[];
-  chatTemplate: string;
+  /** None: the model has no template, and the server uses its plain fallback. */
+  chatTemplate?: string;
   name?: string;
 }
 
@@ -62,7 +63,7 @@ export function writeTokenChainModel(path: string, spec: TokenChainSpec): void {
     metadata.push([key, key === 'tokenizer.ggml.tokens' ? tokens : key === 'tokenizer.ggml.token_type' ? types : value]);
     typeSpecs.set(key, vocab.metadataTypes.get(key)!);
   }
-  metadata.push(['tokenizer.chat_template', spec.chatTemplate]);
+  if (spec.chatTemplate !== undefined) metadata.push(['tokenizer.chat_template', spec.chatTemplate]);
 
   // Chain token i (and EOS, last) embeds to basis vector i; the output row of what follows it reads dimension i.
   const sources = [...ids, EOS_ID];
