@@ -12,7 +12,6 @@ import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import { DiskSlots, simDisaggregationEstimates, simPool, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
-import { SIM_DEFAULTS } from '../sim/sim-worker.ts';
 import { LoraManager } from '../runtime/lora-manager.ts';
 import { etcdClient, WorkerRegistration, type EtcdConnectOptions, type WorkerLora, type WorkerRecord } from './discovery.ts';
 import { checkWorkerId, EventPublisher, natsConnect, NatsWaitAbortedError, workerInstance, type NatsConnectOptions } from './events.ts';
@@ -77,7 +76,7 @@ async function startEngine(options: ClusterWorkerOptions): Promise<{
     const engine = sim.make({ enableKvEvents: true, role: options.role });
     // A frontend over prefill and decode workers starts its policy from their model, not the CPU defaults.
     const estimates = options.role === 'both' ? undefined
-      : simDisaggregationEstimates(engine, pool.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens);
+      : simDisaggregationEstimates(engine, pool.maxNumBatchedTokens);
     return {
       engine, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(estimates ? { estimates } : {}),
       deployment: `${sim.describe.replace(/ per worker$/, '')}, ${sim.settings}`,

@@ -462,7 +462,7 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   return {
     prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(sim.clock ? { clock: sim.clock } : {}),
     ...(sim.holdClock ? { holdClock: sim.holdClock } : {}),
-    estimates: simDisaggregationEstimates(decode[0]!.engine, options.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens),
+    estimates: simDisaggregationEstimates(decode[0]!.engine, options.maxNumBatchedTokens),
     notices: [`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
       + `${decode[0]!.engine.kvLink.name} (${sim.settings})`],
   };
@@ -476,11 +476,11 @@ function definedFields<T extends object>(value: T): Partial<T> {
  * What the policy's estimates start from for simulated workers: what their model says, not the CPU engine's priors
  * (a CPU memcpy's 2 GB/s against an InfiniBand link's 40 would keep prompts local that the link moves several times
  * faster than the decode worker computes them). Both for one full prefill step of `stepTokens` prompt tokens (the
- * step budget) on the decode worker: the performance model's time to compute them from an empty cache, and the
+ * step budget, the simulated workers' default when not given) on the decode worker: the performance model's time to compute them from an empty cache, and the
  * time their KV takes over the decode worker's kvLink (kvTransferTimeMs, its parallel links and comm efficiency),
  * in the bytes per token simulated transfers report. Measured prefills and transfers refine them from there.
  */
-export function simDisaggregationEstimates(decode: SimEngine, stepTokens: number): Required<Pick<DisaggregationEstimates, 'transferBytesPerSec' | 'prefillTokensPerSec'>> {
+export function simDisaggregationEstimates(decode: SimEngine, stepTokens: number = SIM_DEFAULTS.maxNumBatchedTokens): Required<Pick<DisaggregationEstimates, 'transferBytesPerSec' | 'prefillTokensPerSec'>> {
   const { model, hw, tp, efficiency, kvLink, kvParallelLinks } = decode.worker;
   const prefillMs = stepTimeMs({ prefillTokens: [{ newTokens: stepTokens, contextLen: 0 }], decodeSeqs: [] }, model, hw, tp, efficiency);
   const transferMs = kvTransferTimeMs(stepTokens, model, kvLink, { parallelLinks: kvParallelLinks, efficiency: efficiency.commEfficiency });
