@@ -64,6 +64,16 @@ Napi::Value ShmMap(const Napi::CallbackInfo& info) {
       unlink(path.c_str());
       throw errno_error(env, "cannot size " + path, error);
     }
+#if defined(__linux__)
+    // ftruncate leaves a sparse file: on a full tmpfs (a container's /dev/shm is 64 MB by default) the first store
+    // to a page that was never backed would kill the process with SIGBUS. Backing every page now turns that into
+    // ENOSPC here, and the caller falls back to TCP.
+    if (const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); error != 0) {
+      close(fd);
+      unlink(path.c_str());
+      throw errno_error(env, "cannot back " + path + " with " + std::to_string(bytes) + " bytes", error);
+    }
+#endif
   } else {
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != bytes) {

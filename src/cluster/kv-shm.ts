@@ -74,7 +74,10 @@ export class ShmRegion {
   private constructor(readonly name: string, readonly bytes: Uint8Array, private readonly buffer: ArrayBuffer,
     private readonly owner: boolean) {}
 
-  /** A new region of `size` bytes under /dev/shm, or null when none can be made (the transfer then goes over TCP). */
+  /**
+   * A new region of `size` bytes under /dev/shm, every page backed, or null when none can be made, /dev/shm too full
+   * to back it included (the transfer then goes over TCP).
+   */
   static create(size: number): ShmRegion | null {
     if (!shmMap) return null;
     const name = `conduit-kv-${process.pid}-${randomBytes(8).toString('hex')}`;
