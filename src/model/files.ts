@@ -3,11 +3,19 @@
 // What the file system answers becomes one ModelFormatError line naming the file: a folder, device or FIFO where a
 // file belongs (reading /dev/zero or a FIFO would never end), a file that cannot be opened, a file that shrinks while
 // it is read. readFile stops at 2 GiB, and most real checkpoints have larger files (a Llama 3.2 1B model.safetensors
-// is 2.5 GB, 7B shards are 4-10 GB), so those are read in chunks into one buffer of their size.
+// is 2.5 GB, 7B shards are 4-10 GB), so those are read in chunks into one buffer of their size. A text file
+// (config.json, tokenizer.json, a chat template) must fit in one JavaScript string.
 
 import { constants as bufferConstants } from 'node:buffer';
 import { open, readFile, stat } from 'node:fs/promises';
 import { ModelFormatError } from './gguf-model.ts';
+
+/**
+ * The largest text file read as one string: V8's longest string (2^29 - 24 characters, about 512 MiB). UTF-8 never
+ * decodes to more characters than it has bytes, so a file of at most this many bytes always fits; a larger one would
+ * fail in Buffer.toString with a plain Error that names neither the file nor the limit.
+ */
+export const MAX_TEXT_FILE_BYTES = bufferConstants.MAX_STRING_LENGTH;
 
 /** The largest file readFile reads in one call (Node's kIoMaxLength). */
 const SINGLE_READ_LIMIT = 2 ** 31 - 1;
@@ -29,7 +37,8 @@ function reason(error: unknown): string {
  * only so that tests can read in chunks without writing gigabytes.
  */
 export async function readModelFile(path: string, what = path,
-  { singleReadLimit = SINGLE_READ_LIMIT, chunkBytes = CHUNK_BYTES }: { singleReadLimit?: number; chunkBytes?: number } = {},
+  { singleReadLimit = SINGLE_READ_LIMIT, chunkBytes = CHUNK_BYTES, maxBytes }:
+  { singleReadLimit?: number; chunkBytes?: number; maxBytes?: number } = {},
 ): Promise<Buffer> {
   const info = await stat(path).catch((error: unknown) => {
     throw new ModelFormatError(`cannot read ${what}: ${reason(error)}`);
@@ -39,6 +48,11 @@ export async function readModelFile(path: string, what = path,
   }
   if (info.size > bufferConstants.MAX_LENGTH) {
     throw new ModelFormatError(`${what} is ${info.size} bytes, more than one buffer holds (${bufferConstants.MAX_LENGTH})`);
+  }
+  // Checked before reading: no use reading half a gigabyte to refuse it.
+  if (maxBytes !== undefined && info.size > maxBytes) {
+    throw new ModelFormatError(`${what} is ${info.size} bytes, more than the ${maxBytes} bytes a text file of a ` +
+      'model may have (the longest string JavaScript holds)');
   }
   try {
     if (info.size <= singleReadLimit) return await readFile(path);
@@ -60,4 +74,9 @@ export async function readModelFile(path: string, what = path,
     if (error instanceof ModelFormatError) throw error;
     throw new ModelFormatError(`cannot read ${what}: ${reason(error)}`);
   }
+}
+
+/** A text file (JSON, a Jinja template) of a model, whole, as UTF-8; refused as a ModelFormatError past MAX_TEXT_FILE_BYTES. */
+export async function readModelText(path: string, what = path, maxBytes = MAX_TEXT_FILE_BYTES): Promise<string> {
+  return (await readModelFile(path, what, { maxBytes })).toString('utf8');
 }

@@ -4,8 +4,8 @@
 // server does the same. A GGUF file carries none.
 
 import { existsSync } from 'node:fs';
-import { readFile } from 'node:fs/promises';
 import { join } from 'node:path';
+import { readModelText } from './files.ts';
 import { ModelFormatError } from './gguf-model.ts';
 
 /** Defaults for the request fields a request leaves out; each absent when the file does not set it. */
@@ -31,9 +31,11 @@ export const GENERATION_CONFIG_FILE = 'generation_config.json';
 export async function readGenerationConfig(folder: string): Promise<GenerationDefaults | undefined> {
   const path = join(folder, GENERATION_CONFIG_FILE);
   if (!existsSync(path)) return undefined;
+  // Read outside the try: a file too large or not a regular file is said as such, not as "not JSON".
+  const text = await readModelText(path);
   let json: unknown;
   try {
-    json = JSON.parse(await readFile(path, 'utf8'));
+    json = JSON.parse(text);
   } catch (error) {
     throw new ModelFormatError(`${path}: not JSON (${(error as Error).message})`);
   }

@@ -17,7 +17,7 @@ import {
   requireRopeDim, splitRows,
 } from './gguf-model.ts';
 import { ChatTemplateError, chatTemplateFromConfig } from './chat-template.ts';
-import { readModelFile } from './files.ts';
+import { readModelFile, readModelText } from './files.ts';
 import { GgmlType } from './ggml-types.ts';
 import { dequantizeTensor } from './quant.ts';
 import { parseSafetensors } from './safetensors.ts';
@@ -88,7 +88,7 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
 }
 
 async function readJson(path: string): Promise<Record<string, unknown>> {
-  const text = (await readModelFile(path)).toString('utf8');
+  const text = await readModelText(path);
   let value: unknown;
   try {
     value = JSON.parse(text);
@@ -543,7 +543,7 @@ async function findChatTemplate(dir: string, tokenizerConfig: Record<string, unk
   const fromConfig = tokenizerConfig['chat_template'];
   if (fromConfig !== undefined && fromConfig !== null) return { value: fromConfig, path: tokenizerConfigPath };
   const jinjaPath = join(dir, 'chat_template.jinja');
-  if (existsSync(jinjaPath)) return { value: (await readModelFile(jinjaPath)).toString('utf8'), path: jinjaPath };
+  if (existsSync(jinjaPath)) return { value: await readModelText(jinjaPath), path: jinjaPath };
   const jsonPath = join(dir, 'chat_template.json');
   if (existsSync(jsonPath)) {
     const value = (await readJson(jsonPath))['chat_template'];
