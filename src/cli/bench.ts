@@ -11,7 +11,7 @@ import { renderHtmlReport } from '../bench/html-report.ts';
 import { BenchProbeError, runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
 import { MAX_PROMPT_WORDS, randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
-import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { envName, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 const FLAGS = {
@@ -138,6 +138,16 @@ function eitherName<N extends keyof typeof BENCH_FLAGS & string, O extends keyof
 
 export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): BenchConfig | 'help' {
   const parsed = parseFlags(BENCH_FLAGS, argv, env);
+  try {
+    return benchConfigOf(parsed);
+  } catch (err) {
+    // A value nobody typed is reported under the variable that gave it (CONDUIT_BENCH_TIMEOUT (--timeout) must be
+    // ...), as `conduit serve` reports it.
+    throw nameEnvironment(BENCH_FLAGS, parsed, err);
+  }
+}
+
+function benchConfigOf(parsed: ParsedFlags<typeof BENCH_FLAGS>): BenchConfig | 'help' {
   const { values, positionals } = parsed;
   if (values.help) return 'help';
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);

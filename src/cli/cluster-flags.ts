@@ -50,7 +50,12 @@ function readPem(path: string | undefined, flag: string): Buffer | undefined {
   }
 }
 
-export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, needServices: boolean): ClusterConfig {
+/**
+ * The cluster's settings from the flags' values. `label` names a flag in a message that names two of them (default
+ * `--name`; `conduit worker` passes flagLabel, so a value from the environment is named by its variable).
+ */
+export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, needServices: boolean,
+  label: (name: keyof typeof CLUSTER_FLAGS) => string = (name) => `--${name}`): ClusterConfig {
   const token = values['cluster-token'];
   if (!token) throw new UsageError('--cluster-token (or CONDUIT_CLUSTER_TOKEN) is required: the request plane refuses connections without it');
   const namespace = values.namespace!;
@@ -64,7 +69,9 @@ export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, nee
     const ca = readPem(values['etcd-ca-file'], 'etcd-ca-file');
     const cert = readPem(values['etcd-cert-file'], 'etcd-cert-file');
     const key = readPem(values['etcd-key-file'], 'etcd-key-file');
-    if (!cert !== !key) throw new UsageError('--etcd-cert-file and --etcd-key-file go together (the client certificate and its key)');
+    if (!cert !== !key) {
+      throw new UsageError(`${label('etcd-cert-file')} and ${label('etcd-key-file')} go together (the client certificate and its key)`);
+    }
     config.etcd = {
       endpoints,
       ...(values['etcd-username'] !== undefined ? { username: values['etcd-username'], password: values['etcd-password'] ?? '' } : {}),

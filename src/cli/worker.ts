@@ -20,7 +20,7 @@ import type { WorkerRole } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
 import { parseCalibration } from '../sim/calibration.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { envName, formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import {
   engineOptionWarnings, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
@@ -149,14 +149,25 @@ export const workerCommand: Command = {
 
 async function runWorker(argv: string[], parent: ParentLink | undefined): Promise<number> {
   const env = argv.includes('--parent-ipc') ? parentIpcEnvironment(process.env) : process.env;
-  const { values, positionals, lists, sources } = parseFlags(WORKER_FLAGS, argv, env);
+  const parsed = parseFlags(WORKER_FLAGS, argv, env);
+  try {
+    return await runParsedWorker(parsed, parent);
+  } catch (error) {
+    // A value nobody typed is reported under the variable that gave it (CONDUIT_PORT (--port) must be ...), as
+    // `conduit serve` reports it.
+    throw nameEnvironment(WORKER_FLAGS, parsed, error);
+  }
+}
+
+async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent: ParentLink | undefined): Promise<number> {
+  const { values, positionals, lists, sources } = parsed;
   if (values.help) {
     console.log(`Usage: conduit worker --etcd-endpoints URLS --nats-server URLS --cluster-token T [options]\n\n${formatFlagHelp(WORKER_FLAGS)}`);
     return 0;
   }
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const local = values['parent-ipc'];
-  const cluster = parseClusterConfig(values, !local);
+  const cluster = parseClusterConfig(values, !local, (name) => flagLabel(WORKER_FLAGS, parsed, name));
   const role = values.role!;
   if (role !== 'both' && role !== 'prefill' && role !== 'decode') throw new UsageError(`--role must be both, prefill or decode, got "${role}"`);
   const engineKind = values.engine!;
