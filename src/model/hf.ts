@@ -22,6 +22,7 @@ import { GgmlType } from './ggml-types.ts';
 import { dequantizeTensor } from './quant.ts';
 import { parseSafetensors } from './safetensors.ts';
 import type { SafetensorsFile } from './safetensors.ts';
+import { checkTokenizerJson } from './tokenizer/hf-tokenizer.ts';
 import type { LayerWeights, ModelWeights, Tensor } from './weights.ts';
 
 const ARCHITECTURES: Readonly<Record<string, Architecture>> = {
@@ -64,6 +65,9 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
     throw new ModelFormatError(`${dir}: tokenizer.json is missing (only fast tokenizers are supported)`);
   }
   if (!(await stat(tokenizerJsonPath)).isFile()) throw new ModelFormatError(`${tokenizerJsonPath} is not a regular file`);
+  // The engine builds the tokenizer from this file after the load; a model or vocabulary it cannot tokenize with
+  // is refused now rather than at the first request.
+  checkTokenizerJson(await readJson(tokenizerJsonPath), tokenizerJsonPath);
   const tokenizerConfigPath = join(dir, 'tokenizer_config.json');
   let tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
   const found = await findChatTemplate(dir, tokenizerConfig, tokenizerConfigPath);

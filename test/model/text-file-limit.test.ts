@@ -1,7 +1,7 @@
-// A model's text files (config.json, tokenizer_config.json, a chat template, generation_config.json) are read into
-// one string, which V8 caps at about 512 MiB. A larger one is refused as a malformed model file, naming the file and
-// the limit, before it is read: it used to be read whole and then fail in Buffer.toString with a plain Error ("Cannot
-// create a string longer than ...") that the CLI printed as a crash.
+// A model's text files (config.json, tokenizer.json, tokenizer_config.json, a chat template, generation_config.json)
+// are read into one string, which V8 caps at about 512 MiB. A larger one is refused as a malformed model file, naming
+// the file and the limit, before it is read: it used to be read whole and then fail in Buffer.toString with a plain
+// Error ("Cannot create a string longer than ...") that the CLI printed as a crash.
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -43,7 +43,8 @@ describe('text files of a model past the longest string', () => {
         '(the longest string JavaScript holds)');
   });
 
-  for (const name of ['config.json', 'tokenizer_config.json', 'chat_template.jinja', 'chat_template.json']) {
+  const files = ['config.json', 'tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja', 'chat_template.json'];
+  for (const name of files) {
     it(`a Hugging Face folder whose ${name} is too large is refused as a malformed model file`, async () => {
       const folder = join(dir, name);
       writeTinyHf(folder, makeTinyModel(), { tokenizerConfig: { bos_token: '<s>' } });

@@ -40,11 +40,93 @@ export function tokenizerFromJson(tokenizerJsonPath: string,
 
 export function tokenizerFromJsonObject(json: unknown, tokenizerConfig: Record<string, unknown> = {},
   source = 'tokenizer.json'): HfTokenizer {
+  checkTokenizerJson(json, source);
+  return new HfTokenizer(json as Json, tokenizerConfig, source);
+}
+
+/**
+ * What a parsed tokenizer.json must be before anything is built from it: a model Conduit tokenizes with, in the
+ * shape that model's vocabulary has, and token ids numbered as the format numbers them. The loader calls this too, so
+ * a file that would fail at the first request is refused at load. Gives the number of token ids (the largest + 1).
+ */
+export function checkTokenizerJson(json: unknown, source = 'tokenizer.json'): number {
   if (!isObject(json) || !isObject(json.model)) {
     throw new TokenizerError(`${source} is not a tokenizer.json (no "model" object)`);
   }
-  checkTokenIds(json, source);
-  return new HfTokenizer(json, tokenizerConfig, source);
+  checkModel(json.model, source);
+  return checkTokenIds(json, source);
+}
+
+/** The model's type as @huggingface/tokenizers decides it: its "type", else guessed from its fields as the library does. */
+function modelType(model: Json): string | undefined {
+  if (typeof model.type === 'string') return model.type;
+  if (Array.isArray(model.vocab)) return 'Unigram';
+  if (isObject(model.vocab) && 'continuing_subword_prefix' in model && 'unk_token' in model) {
+    return 'merges' in model ? 'BPE' : 'WordPiece';
+  }
+  return undefined;
+}
+
+/** "<what> is missing" or "<what> is a list, not <expected>". */
+function wrongShape(what: string, value: unknown, expected: string): string {
+  if (value === undefined) return `${what} is missing (${expected} belongs there)`;
+  const shape = Array.isArray(value) ? 'a list' : value === null ? 'null' : typeof value === 'object' ? 'a map' : `a ${typeof value}`;
+  return `${what} is ${shape}, not ${expected}`;
+}
+
+/**
+ * Conduit tokenizes with BPE and Unigram models, the ones causal language models ship. Refused at load rather than
+ * failing later:
+ * - WordPiece (BERT's): its decoder glues "##" pieces to the word before and puts spaces between words; the streaming
+ *   detokenizer joins each token's own bytes, so "hello worlds" would stream as "helloworld##s";
+ * - WordLevel, or a model whose type cannot be told: the library runs it as its "Legacy" model, whose ids come out
+ *   undefined;
+ * - a vocab in the wrong shape: a BPE vocab that is a list (the library takes the list's indices for tokens and
+ *   encodes every text to nothing), a Unigram vocab that is a map or whose entries are not [piece, score] pairs;
+ * - BPE merges that are missing or malformed (the library fails to build), a Unigram unk_id that names no entry (a
+ *   character outside the vocabulary would get no id).
+ */
+function checkModel(model: Json, source: string): void {
+  const type = modelType(model);
+  const refuse = (what: string): never => {
+    throw new TokenizerError(`${source}: ${what}`);
+  };
+  if (type === 'BPE') {
+    if (!isObject(model.vocab)) refuse(wrongShape("the BPE model's vocab", model.vocab, 'a map of token to id'));
+    if (!Array.isArray(model.merges)) refuse(wrongShape("the BPE model's merges list", model.merges, 'a list of merges'));
+    const merges = model.merges as unknown[];
+    // The library reads every merge in the form of the first: "a b" strings or [a, b] pairs.
+    const pairs = Array.isArray(merges[0]);
+    merges.forEach((merge, i) => {
+      const ok = pairs
+        ? Array.isArray(merge) && merge.length === 2 && merge.every((part) => typeof part === 'string')
+        : typeof merge === 'string' && merge.includes(' ');
+      if (!ok) {
+        refuse(`the BPE model's merges[${i}] is ${JSON.stringify(merge)}, not ${pairs ? 'a [left, right] pair of strings, as merges[0] is'
+          : 'a "left right" string, as merges[0] is'}`);
+      }
+    });
+    return;
+  }
+  if (type === 'Unigram') {
+    if (!Array.isArray(model.vocab)) refuse(wrongShape("the Unigram model's vocab", model.vocab, 'a list of [piece, score]'));
+    const vocab = model.vocab as unknown[];
+    vocab.forEach((entry, i) => {
+      if (!Array.isArray(entry) || entry.length !== 2 || typeof entry[0] !== 'string' || typeof entry[1] !== 'number') {
+        refuse(`the Unigram model's vocab[${i}] is ${JSON.stringify(entry)}, not a [piece, score] pair`);
+      }
+    });
+    const unk = model.unk_id;
+    if (typeof unk !== 'number' || !Number.isInteger(unk) || unk < 0 || unk >= vocab.length) {
+      refuse(`the Unigram model's unk_id is ${JSON.stringify(unk) ?? 'missing'}, not the index of an entry of its ` +
+        `${vocab.length}-entry vocab (text outside the vocabulary would get no token id)`);
+    }
+    return;
+  }
+  const why = type === 'WordPiece'
+    ? ' (WordPiece decoding joins "##" pieces and spaces words, which streaming token by token cannot reproduce)' : '';
+  refuse(`the tokenizer model is ${type ?? 'of no type Conduit can tell (no "type", and no BPE or Unigram vocab)'}; ` +
+    `Conduit runs BPE and Unigram tokenizers only${why}`);
 }
 
 /**
@@ -52,22 +134,26 @@ export function tokenizerFromJsonObject(json: unknown, tokenizerConfig: Record<s
  * added token an object with its id and text. Checked before the library sees the file: an added token numbered 1e9
  * kept it busy for a minute, and an id of 1e12 in the vocabulary made a vocabulary size no table can be built for.
  * Real vocabularies are dense (a few holes at most), so the largest id may be at most twice the number of tokens, or
- * that number plus 65536.
+ * that number plus 65536. Gives the number of ids (the largest + 1).
  */
-function checkTokenIds(json: Json, source: string): void {
-  const ids: number[] = [];
+function checkTokenIds(json: Json, source: string): number {
+  const ids = new Set<number>();
+  let largest = -1;
   const model = json.model as Json;
-  const check = (id: unknown, what: string): void => {
+  const check = (id: unknown, what: () => string): void => {
     if (typeof id !== 'number' || !Number.isSafeInteger(id) || id < 0) {
-      throw new TokenizerError(`${source}: ${what} has id ${JSON.stringify(id)}, not a whole number >= 0`);
+      throw new TokenizerError(`${source}: ${what()} has id ${JSON.stringify(id)}, not a whole number >= 0`);
     }
-    ids.push(id);
+    ids.add(id);
+    if (id > largest) largest = id;
   };
-  // Unigram's vocab is a list of [piece, score] whose index is the id; the others map piece -> id.
+  // Unigram's vocab is a list of [piece, score] whose index is the id, so it defines every id below its length;
+  // the others map piece -> id. (for-in: Object.entries of a 150k-token map takes several times longer.)
   if (isObject(model.vocab)) {
-    for (const [piece, id] of Object.entries(model.vocab)) check(id, `token ${JSON.stringify(piece)}`);
+    const vocab = model.vocab;
+    for (const piece in vocab) check(vocab[piece], () => `token ${JSON.stringify(piece)}`);
   } else if (Array.isArray(model.vocab)) {
-    ids.push(model.vocab.length - 1);
+    for (let id = 0; id < model.vocab.length; id++) check(id, () => `entry ${id}`);
   }
   if (json.added_tokens !== undefined && json.added_tokens !== null) {
     if (!Array.isArray(json.added_tokens)) throw new TokenizerError(`${source}: added_tokens is not a list`);
@@ -75,15 +161,15 @@ function checkTokenIds(json: Json, source: string): void {
       if (!isObject(token) || typeof token.content !== 'string') {
         throw new TokenizerError(`${source}: added_tokens[${i}] is not a token (an object with "id" and "content")`);
       }
-      check(token.id, `added token ${JSON.stringify(token.content)}`);
+      check(token.id, () => `added token ${JSON.stringify(token.content)}`);
     });
   }
-  const count = new Set(ids).size;
-  const largest = ids.reduce((a, b) => Math.max(a, b), -1);
+  const count = ids.size;
   if (largest >= Math.max(2 * count, count + 65536)) {
     throw new TokenizerError(`${source}: token id ${largest} is far beyond the ${count} tokens the file defines ` +
       '(ids are numbered from 0, without large gaps)');
   }
+  return largest + 1;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
