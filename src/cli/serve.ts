@@ -28,6 +28,7 @@ import { LORA_DTYPES, type LoraDtype } from '../model/lora.ts';
 import type { KvDtype } from '../kernels/types.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
+import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import {
   describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
@@ -286,7 +287,21 @@ function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Part
 
 /** The engine options `conduit serve` and `conduit worker` share that one kind of worker ignores. */
 export type EngineOptionValues = Pick<FlagValues<typeof SERVE_FLAGS>, 'kv-cache-idle-release' | 'kv-cache-memory'
-  | 'kv-cache-dtype' | 'guided-jump-forward' | 'threads' | 'backend' | 'lora-dtype'>;
+  | 'kv-cache-dtype' | 'guided-jump-forward' | 'threads' | 'backend' | 'lora-dtype' | 'sim-model'>;
+
+/**
+ * The KV element of the profile --sim-model names, as the --kv-cache-dtype warning states it ("llama-3.1-8b: 2 bytes,
+ * BF16"); undefined for a name no profile has (the start refuses it).
+ */
+function simKvElement(modelId: string | undefined): string | undefined {
+  if (modelId === undefined) return undefined;
+  try {
+    const model = getModelProfile(modelId);
+    return `${model.id}: ${describeKvElement(model)}`;
+  } catch {
+    return undefined;
+  }
+}
 
 /**
  * One line per option the chosen engine ignores, for `conduit serve` and `conduit worker` alike: the cpu workers'
@@ -311,7 +326,8 @@ export function engineOptionWarnings(engine: string, values: EngineOptionValues,
     warnings.push('--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights');
   }
   if (parseKvDtype(values['kv-cache-dtype']!) !== undefined) {
-    warnings.push('--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)');
+    const element = simKvElement(values['sim-model']);
+    warnings.push(`--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile's size${element !== undefined ? ` (${element})` : ''}`);
   }
   if (values['guided-jump-forward']) {
     warnings.push('--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows');

@@ -10,7 +10,7 @@ import {
   simulateLifecycle,
 } from '../sim/latency-model.ts';
 import { checkDisaggregatedPathWithEngine } from '../sim/disagg-cold-path.ts';
-import { getModelProfile, MODEL_PROFILES } from '../sim/models.ts';
+import { getModelProfile, KV_DTYPE_NAMES, MODEL_PROFILES } from '../sim/models.ts';
 import { CALIBRATIONS, calibrationEfficiency, DEFAULT_CALIBRATION, parseCalibration } from '../sim/calibration.ts';
 import type { CalibrationName } from '../sim/calibration.ts';
 import type { Efficiency } from '../sim/perf-model.ts';
@@ -55,8 +55,8 @@ export const DEPLOYMENT_FLAGS = {
  */
 const DTYPE_WIDTHS = {
   'weight-bytes': { 2: 'BF16', 1: 'FP8', 0.5: 'INT4' },
-  'kv-bytes': { 2: 'BF16', 1: 'FP8' },
-} as const satisfies Record<string, Record<number, string>>;
+  'kv-bytes': KV_DTYPE_NAMES,
+} as const satisfies Record<string, Readonly<Record<number, string>>>;
 
 /** Efficiency flags and the factor each overrides. */
 const EFFICIENCY_FLAGS = {

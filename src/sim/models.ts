@@ -256,6 +256,16 @@ export const MODEL_PROFILES: Readonly<Record<string, ModelProfile>> = {
   [DEEPSEEK_V3.id]: DEEPSEEK_V3,
 };
 
+/** The KV cache dtypes the performance model prices, by bytes per element (a profile's kvBytesPerElement). */
+export const KV_DTYPE_NAMES: Readonly<Record<number, string>> = { 2: 'BF16', 1: 'FP8' };
+
+/** A profile's KV element as a message names it: "2 bytes, BF16" (just the bytes for a width no dtype has). */
+export function describeKvElement(m: ModelProfile): string {
+  const bytes = m.kvBytesPerElement;
+  const name = KV_DTYPE_NAMES[bytes];
+  return `${bytes} byte${bytes === 1 ? '' : 's'}${name !== undefined ? `, ${name}` : ''}`;
+}
+
 export interface ProfileDtypes {
   /** Bytes per weight element (default 2, BF16). */
   weightBytesPerParam?: number;

@@ -125,12 +125,12 @@ describe('conduit worker: options its engine ignores', () => {
         { args: ['--engine', 'sim', '--kv-cache-dtype', 'f32', '--kv-cache-memory', '1GiB', '--kv-cache-idle-release', '30', '--guided-jump-forward'], warned: [
           '--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it',
           '--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights',
-          '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)',
+          '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s size (llama-3.1-8b: 2 bytes, BF16)',
           '--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows',
         ] },
         // From the environment too, as serve takes them.
         { args: ['--engine', 'sim'], env: { CONDUIT_KV_CACHE_DTYPE: 'f32' }, warned: [
-          '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s bytes (2, BF16)',
+          '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s size (llama-3.1-8b: 2 bytes, BF16)',
         ] },
         { args: ['--engine', 'sim'], warned: [] },
         { args: ['--engine', 'sim', '--threads', '4', '--backend', 'reference', '--model', 'llama=/models/m.gguf'], warned: [
