@@ -71,6 +71,7 @@ export class ChildWorker implements RoutableEngine {
   onKvEvents(listener: (events: KvEvent[]) => void): () => void { return this.remote.onKvEvents(listener); }
   onLost(listener: (error: Error) => void): () => void { return this.remote.onLost(listener); }
   onStats(listener: (stats: EngineStats) => void): () => void { return this.remote.onStats(listener); }
+  get statsReported(): boolean { return this.remote.statsReported; }
   modelCard(): ReturnType<RemoteEngine['modelCard']> { return this.remote.modelCard(); }
 
   async close(): Promise<void> {

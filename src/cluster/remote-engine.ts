@@ -49,6 +49,8 @@ export class RemoteEngine implements RoutableEngine {
   readonly info: EngineInfo;
   readonly address: string;
   private latestStats: EngineStats;
+  /** latestStats is an event-plane snapshot (deliverStats), not a report the onStats listeners were passed. */
+  private snapshotUnreported = false;
   private readonly streams = new Map<string, AsyncQueue<EngineOutput>>();
   private readonly prefills = new Map<string, PrefillStream>();
   /** Prefill worker: requests handed off whose blocks are pinned there until released (or aborted). */
@@ -346,6 +348,16 @@ export class RemoteEngine implements RoutableEngine {
     const latest = this.latestStats.reportSeq;
     if (latest !== undefined && (stats.reportSeq === undefined || stats.reportSeq <= latest)) return;
     this.latestStats = stats;
+    this.snapshotUnreported = true;
+  }
+
+  /**
+   * False while stats() holds an event-plane snapshot (deliverStats) that no onStats listener was passed: the routed
+   * engines then read stats() after each output to give the router that newer load (RoutableEngine.statsReported).
+   * The next report on the connection replaces the snapshot, and the listeners have it.
+   */
+  get statsReported(): boolean {
+    return !this.snapshotUnreported;
   }
 
   /**
@@ -507,6 +519,7 @@ export class RemoteEngine implements RoutableEngine {
 
   private setStats(stats: EngineStats): void {
     this.latestStats = stats;
+    this.snapshotUnreported = false;
     for (const listener of this.statsListeners) listener(stats);
   }
 

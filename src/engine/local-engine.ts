@@ -302,6 +302,14 @@ export class LocalEngine implements Engine {
     return () => this.statsListeners.delete(listener);
   }
 
+  /**
+   * Always true: stats() changes only through setStats, which passes each value to the onStats listeners, so a
+   * router fed by them needs no second look at stats() per output (RoutableEngine.statsReported).
+   */
+  get statsReported(): boolean {
+    return true;
+  }
+
   /** Called once if the worker thread dies (not on close()): the router drops the worker. */
   onLost(listener: (error: Error) => void): () => void {
     this.lostListeners.add(listener);

@@ -1,5 +1,6 @@
 // Many workers behind one `Engine`: the router decides where each request goes, this class sends it there and
-// keeps the router's view current (load after each output, KV events as they stream in, finishes, lost workers).
+// keeps the router's view current (load from each stats report a worker sends, and after each output when stats() may
+// hold more than those reports; KV events as they stream in, finishes, lost workers).
 // A request whose worker is lost mid-stream moves to another worker when migration is on (see migration.ts).
 // The gateway holds it exactly as it would hold one engine.
 

@@ -35,6 +35,13 @@ export interface RoutableEngine extends Engine {
   onLost?(listener: (error: Error) => void): () => void;
   /** Each stats report the worker sends, in order (a worker process: those on its request-plane connection). */
   onStats?(listener: (stats: EngineStats) => void): () => void;
+  /**
+   * True while stats() returns the last report passed to the onStats listeners (or, before the first report, what it
+   * returned when they subscribed): a listener then knows all that stats() could tell. A worker thread always; a
+   * worker process unless a load snapshot from the event plane, which is not a report, replaced its latest one
+   * (RemoteEngine.deliverStats). Absent: stats() may change without a report (a simulated worker has no reports).
+   */
+  readonly statsReported?: boolean;
 }
 
 /** Whether an engine can serve now; `reason` says why not (what /health answers with its 503). */
@@ -276,12 +283,16 @@ export class WorkerGroup<E extends RoutableEngine> {
   }
 
   /**
-   * Reports the worker's latest load to the router (after each of its outputs). A worker that left the group is the
-   * router's no more, yet its streams may still be flowing (a draining worker finishes what it runs): their outputs
-   * report nothing, and the streams go on.
+   * Reports the worker's latest load to the router (after each of its outputs) when its stats reports have not
+   * already done so. A worker that left the group is the router's no more, yet its streams may still be flowing (a
+   * draining worker finishes what it runs): their outputs report nothing, and the streams go on.
    */
   updateLoad(workerId: string, engine: E): void {
     if (this.workers.get(workerId) !== engine) return;
+    // A member's onStats listener (join) gave the router each report as it came, before the outputs it rode with
+    // reached their reader: when stats() holds nothing newer, reading it again per output would only set the same
+    // load again, on the server's main thread, once per streamed token.
+    if (engine.onStats && engine.statsReported === true) return;
     this.router.updateLoad(workerId, workerLoadFromStats(engine.stats()));
   }
 
