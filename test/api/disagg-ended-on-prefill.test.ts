@@ -4,54 +4,20 @@
 // decode worker for what the decode worker did.
 
 import assert from 'node:assert/strict';
-import { after, before, describe, it } from 'node:test';
-import { rawRequest } from './http-client.ts';
-import { moved, scrape, startLiveServer, type LiveServer } from '../telemetry/integration-fixture.ts';
-
-const LIVE = { timeout: 120_000 };
-const PREFILL = 'sim-prefill-0';
-const DECODE = 'sim-decode-0';
-
-interface TraceBody {
-  worker: string | null;
-  usage: { prompt_tokens: number; completion_tokens: number };
-  phases: { phase: string; worker?: string; attributes?: Record<string, string | number | boolean> }[];
-}
+import { describe, it } from 'node:test';
+import { moved, scrape } from '../telemetry/integration-fixture.ts';
+import { DECODE, disaggregatedLiveServer, LIVE, PREFILL } from '../telemetry/disagg-live-fixture.ts';
 
 describe('a disaggregated request that ends on its prefill worker (simulated prefill and decode workers)', () => {
-  let server: LiveServer;
-  let model: string;
-
-  before(async () => {
-    // Every prompt is prefilled on the prefill worker (the fixture's policy and fixed estimates).
-    server = await startLiveServer({ sim: true, disaggregated: { prefillWorkers: 1, decodeWorkers: 1 } });
-    model = server.api.gateway.servedModelName!;
-  });
-
-  after(async () => {
-    await server?.close();
-  });
-
-  async function complete(prompt: string, maxTokens: number, stream: boolean): Promise<TraceBody> {
-    const res = await rawRequest(server.url, {
-      path: '/v1/completions', body: { model, prompt, max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream },
-    });
-    assert.equal(res.status, 200, res.text);
-    const id = res.headers['x-request-id'] as string;
-    const deadline = Date.now() + 30_000;
-    for (;;) {
-      const t = await rawRequest(server.url, { path: `/v1/requests/${id}/trace` });
-      if (t.status === 200) return t.json() as TraceBody;
-      if (Date.now() > deadline) throw new Error(`no trace of ${id}: ${t.text}`);
-      await new Promise((resolve) => setTimeout(resolve, 20));
-    }
-  }
+  const live = disaggregatedLiveServer();
 
   for (const stream of [true, false]) {
     it(`names the prefill worker for a max_tokens 1 request, in its trace and its metrics (stream: ${stream})`, LIVE, async () => {
-      const before = (await scrape(server.url)).exposition;
-      const trace = await complete(`One token only (${stream}): ${'the tide came in over the flats and the gulls rose, '.repeat(30)}`, 1, stream);
-      const after = (await scrape(server.url)).exposition;
+      const model = live.model;
+      const before = (await scrape(live.url)).exposition;
+      const trace = await live.complete(`One token only (${stream}): ${'the tide came in over the flats and the gulls rose, '.repeat(30)}`,
+        { maxTokens: 1, stream });
+      const after = (await scrape(live.url)).exposition;
 
       assert.equal(trace.usage.completion_tokens, 1);
       assert.equal(trace.worker, PREFILL, 'the request ran on the prefill worker only');
@@ -79,7 +45,8 @@ describe('a disaggregated request that ends on its prefill worker (simulated pre
   }
 
   it('still names the decode worker for a request handed over to it', LIVE, async () => {
-    const trace = await complete(`Several tokens: ${'the bell buoy rang twice at each swell off the point, '.repeat(30)}`, 4, true);
+    const trace = await live.complete(`Several tokens: ${'the bell buoy rang twice at each swell off the point, '.repeat(30)}`,
+      { maxTokens: 4, stream: true });
     assert.equal(trace.worker, DECODE);
     const on = (phase: string) => trace.phases.filter((p) => p.phase === phase).map((p) => p.worker);
     assert.deepEqual(on('scheduler_queue'), [PREFILL]);

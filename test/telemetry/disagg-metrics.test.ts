@@ -3,55 +3,19 @@
 // prefix-cache lookup counts once, on the worker that prefilled it.
 
 import assert from 'node:assert/strict';
-import { after, before, describe, it } from 'node:test';
-import { rawRequest } from '../api/http-client.ts';
-import { moved, scrape, startLiveServer, type LiveServer } from './integration-fixture.ts';
-
-const LIVE = { timeout: 120_000 };
-const PREFILL = 'sim-prefill-0';
-const DECODE = 'sim-decode-0';
-
-interface TraceBody {
-  worker: string | null;
-  usage: { prompt_tokens: number; cached_tokens: number };
-  phases: { phase: string; worker?: string; attributes?: Record<string, string | number | boolean> }[];
-}
+import { describe, it } from 'node:test';
+import { DECODE, disaggregatedLiveServer, LIVE, PREFILL } from './disagg-live-fixture.ts';
+import { moved, scrape } from './integration-fixture.ts';
 
 describe('metrics of a disaggregated request (simulated prefill and decode workers)', () => {
-  let server: LiveServer;
-  let model: string;
-
-  before(async () => {
-    // Every prompt is prefilled on the prefill worker (the fixture's policy and fixed estimates).
-    server = await startLiveServer({ sim: true, disaggregated: { prefillWorkers: 1, decodeWorkers: 1 } });
-    model = server.api.gateway.servedModelName!;
-  });
-
-  after(async () => {
-    await server?.close();
-  });
-
-  async function complete(prompt: string): Promise<{ id: string; trace: TraceBody }> {
-    const res = await rawRequest(server.url, {
-      path: '/v1/completions', body: { model, prompt, max_tokens: 6, temperature: 0, ignore_eos: true, stream: true },
-    });
-    assert.equal(res.status, 200, res.text);
-    const id = res.headers['x-request-id'] as string;
-    let trace: TraceBody | undefined;
-    const deadline = Date.now() + 30_000;
-    while (trace === undefined) {
-      const t = await rawRequest(server.url, { path: `/v1/requests/${id}/trace` });
-      if (t.status === 200) trace = t.json() as TraceBody;
-      else if (Date.now() > deadline) throw new Error(`no trace of ${id}: ${t.text}`);
-      else await new Promise((resolve) => setTimeout(resolve, 20));
-    }
-    return { id, trace };
-  }
+  const live = disaggregatedLiveServer();
+  const complete = (prompt: string) => live.complete(prompt, { maxTokens: 6, stream: true });
 
   it('files queue wait, prefill, TTFT and the prefix hit ratio under the prefill worker, decode and TBT under the decode worker', LIVE, async () => {
-    const before = (await scrape(server.url)).exposition;
-    const { trace } = await complete(`A cold prompt: ${'the tide came in over the flats and the gulls rose, '.repeat(30)}`);
-    const after = (await scrape(server.url)).exposition;
+    const model = live.model;
+    const before = (await scrape(live.url)).exposition;
+    const trace = await complete(`A cold prompt: ${'the tide came in over the flats and the gulls rose, '.repeat(30)}`);
+    const after = (await scrape(live.url)).exposition;
 
     assert.equal(trace.worker, DECODE, 'the router placed it on the decode worker');
     const on = (phase: string) => trace.phases.filter((p) => p.phase === phase).map((p) => p.worker);
@@ -75,12 +39,12 @@ describe('metrics of a disaggregated request (simulated prefill and decode worke
 
   it('counts a prompt\'s prefix-cache lookup once, on the prefill worker, even when the decode worker holds the prefix', LIVE, async () => {
     const prompt = `A prompt sent twice: ${'the bell buoy rang twice at each swell off the point, '.repeat(30)}`;
-    const before = (await scrape(server.url)).exposition;
+    const before = (await scrape(live.url)).exposition;
     const first = await complete(prompt);
-    const middle = (await scrape(server.url)).exposition;
+    const middle = (await scrape(live.url)).exposition;
     const second = await complete(prompt);
-    const after = (await scrape(server.url)).exposition;
-    const tokens = first.trace.usage.prompt_tokens;
+    const after = (await scrape(live.url)).exposition;
+    const tokens = first.usage.prompt_tokens;
 
     const queried = (from: typeof before, to: typeof before, worker: string) => moved(from, to, 'conduit_prefix_cache_query_tokens_total', { worker });
     const hits = (from: typeof before, to: typeof before, worker: string) => moved(from, to, 'conduit_prefix_cache_hit_tokens_total', { worker });
@@ -88,14 +52,14 @@ describe('metrics of a disaggregated request (simulated prefill and decode worke
     assert.equal(queried(before, middle, DECODE), 0, 'the decode worker took its KV: no lookup for a prefill there');
     // Again: the prefill worker's cache serves it; the decode worker reuses the blocks it took the first time instead
     // of moving them again, which is no prefix-cache query either.
-    assert.ok(second.trace.usage.cached_tokens > 0);
+    assert.ok(second.usage.cached_tokens > 0);
     assert.equal(queried(middle, after, PREFILL), tokens);
-    assert.equal(hits(middle, after, PREFILL), second.trace.usage.cached_tokens);
+    assert.equal(hits(middle, after, PREFILL), second.usage.cached_tokens);
     assert.equal(queried(middle, after, DECODE), 0);
     assert.equal(hits(middle, after, DECODE), 0);
-    const transfer = second.trace.phases.find((p) => p.phase === 'kv_transfer');
+    const transfer = second.phases.find((p) => p.phase === 'kv_transfer');
     assert.ok(transfer, 'handed over again');
-    const firstTransfer = first.trace.phases.find((p) => p.phase === 'kv_transfer')!;
+    const firstTransfer = first.phases.find((p) => p.phase === 'kv_transfer')!;
     assert.ok(Number(transfer.attributes!.blocks) < Number(firstTransfer.attributes!.blocks),
       `fewer blocks moved the second time (${transfer.attributes!.blocks} < ${firstTransfer.attributes!.blocks}): the decode worker held them`);
   });
