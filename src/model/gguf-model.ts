@@ -482,6 +482,14 @@ export function ggufModelWeights(file: GgufFile, config: ModelConfig, source = '
   const optional = (name: string): Tensor | undefined => (file.hasTensor(name) ? get(name) : undefined);
 
   const tokenEmbedding = get('token_embd.weight');
+  // Before checkWeights, whose "expected shape from the model config" would hide which of the two is off: the
+  // config's vocabulary size is the token list's length.
+  const tokens = file.metadata.get('tokenizer.ggml.tokens');
+  if (Array.isArray(tokens) && tokenEmbedding.shape.length === 2) {
+    checkTokenizerFitsEmbedding(source,
+      { says: `tokenizer.ggml.tokens lists ${tokens.length} tokens`, ids: tokens.length },
+      { name: 'token_embd.weight', rows: tokenEmbedding.shape[1]! }, true);
+  }
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const p = `blk.${i}.`;
@@ -611,6 +619,27 @@ export function expectedShapes(config: ModelConfig): {
       wDown: [ffnDim, dim, ...experts], ffnGateInp: [dim, moe?.numExperts ?? 0],
     },
   };
+}
+
+/**
+ * The tokenizer's ids (`ids`: its largest + 1; `says`: how the message words it) against the token embedding's rows
+ * (its second ggml dimension). Every id the tokenizer produces indexes a row, so more ids than rows would read past
+ * the embedding's end. Fewer is normal in a Hugging Face folder: vocab_size is often padded (Qwen2.5's 151936 rows
+ * for 151665 tokens, Phi-3's 32064 for 32011), and the rows past the tokenizer are never an input. A GGUF lists one
+ * token per row (llama.cpp's converter pads the list with [PAD] tokens), and llama.cpp refuses a file whose list and
+ * embedding differ either way (it builds the embedding as n_embd x the token count), so `exact` asks for the same.
+ */
+export function checkTokenizerFitsEmbedding(source: string, tokenizer: { says: string; ids: number },
+  embedding: { name: string; rows: number }, exact: boolean): void {
+  const { name, rows } = embedding;
+  if (tokenizer.ids > rows) {
+    throw new ModelFormatError(`${source}: ${tokenizer.says}, more than the ${rows} rows of the token embedding ` +
+      `${name}: ids ${rows} to ${tokenizer.ids - 1} would be read past its end`);
+  }
+  if (exact && tokenizer.ids < rows) {
+    throw new ModelFormatError(`${source}: ${tokenizer.says}, fewer than the ${rows} rows of the token embedding ` +
+      `${name}; a GGUF lists one token per row (converters pad the list), as llama.cpp requires`);
+  }
 }
 
 /** Throws naming the first tensor whose type Conduit cannot compute with or whose shape disagrees with the config. */

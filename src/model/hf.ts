@@ -12,9 +12,9 @@ import { readdir, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import type { Architecture, ModelConfig, MoeConfig, RopeScaling } from './config.ts';
 import {
-  checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA, GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers,
-  MAX_EXPERTS, MAX_LAYERS, ModelFormatError, refuseUnusedTensors, requireAtMost, requireCount, requirePositive,
-  requireRopeDim, splitRows,
+  checkTokenizerFitsEmbedding, checkWeights, DEFAULT_ROPE_THETA, GEMMA3_DEFAULT_LOCAL_ROPE_THETA,
+  GEMMA3_DEFAULT_WINDOW_PATTERN, gemma3WindowLayers, MAX_EXPERTS, MAX_LAYERS, ModelFormatError, refuseUnusedTensors,
+  requireAtMost, requireCount, requirePositive, requireRopeDim, splitRows,
 } from './gguf-model.ts';
 import { ChatTemplateError, chatTemplateFromConfig } from './chat-template.ts';
 import { readModelFile, readModelText } from './files.ts';
@@ -67,7 +67,11 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
   if (!(await stat(tokenizerJsonPath)).isFile()) throw new ModelFormatError(`${tokenizerJsonPath} is not a regular file`);
   // The engine builds the tokenizer from this file after the load; a model or vocabulary it cannot tokenize with
   // is refused now rather than at the first request.
-  checkTokenizerJson(await readJson(tokenizerJsonPath), tokenizerJsonPath);
+  const tokenIds = checkTokenizerJson(await readJson(tokenizerJsonPath), tokenizerJsonPath);
+  // Added tokens count: their ids are inputs like any other.
+  checkTokenizerFitsEmbedding(dir,
+    { says: `tokenizer.json has token ids up to ${tokenIds - 1} (${tokenIds} ids)`, ids: tokenIds },
+    { name: 'model.embed_tokens.weight (config.json vocab_size)', rows: weights.tokenEmbedding.shape[1]! }, false);
   const tokenizerConfigPath = join(dir, 'tokenizer_config.json');
   let tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
   const found = await findChatTemplate(dir, tokenizerConfig, tokenizerConfigPath);
