@@ -53,8 +53,8 @@ export class NatsWaitAbortedError extends Error {
 function connectOnce(options: NatsConnectOptions): Promise<NatsConnection> {
   // Each attempt tries every server once and fails with the last one's error (nats.js's own wait for a first
   // connection says nothing, not even an authorization error); the loop in natsConnect waits between attempts,
-  // saying why. Once connected, the connection reconnects by itself for ever (to the servers of the list this
-  // attempt did not find down, and those the cluster's INFO names).
+  // saying why. Once connected, the connection reconnects by itself for ever, to every server of the list (see
+  // keepServerList) and those the cluster's INFO names.
   return connect({
     servers: options.servers, waitOnFirstConnect: false, reconnect: true, maxReconnectAttempts: -1, reconnectTimeWait: 250,
     reconnectJitter: 100, pingInterval: 2000, maxPingOut: 2, timeout: 3000,
@@ -68,6 +68,31 @@ function connectOnce(options: NatsConnectOptions): Promise<NatsConnection> {
       },
     } : {}),
   });
+}
+
+/** A server address as nats.js keys its pool (`host:port`, 4222 by default), to tell a listed server already there. */
+function listenOf(server: string): string | undefined {
+  try {
+    const url = new URL(server.includes('://') ? server : `nats://${server}`);
+    return `${url.hostname}:${url.port || '4222'}`;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * Puts back into the connection's pool the servers of the list its first connection dropped. nats.js removes from
+ * its pool, for good, every server a first connection finds down (it tries them in random order): a server down or
+ * restarting when this process started would never be tried again, and once the server connected to went away the
+ * connection would wait for that one alone, though the other answered again. The servers the cluster's INFO named
+ * stay in the pool (setServers keeps only the servers it is given, so they are given too, and are kept from then on
+ * as if listed).
+ */
+function keepServerList(nc: NatsConnection, servers: readonly string[]): void {
+  const pool = nc.getServers();
+  const known = new Set(pool.flatMap((server) => [server.src, server.listen]));
+  const dropped = servers.filter((server) => !known.has(server) && !known.has(listenOf(server) ?? server));
+  if (dropped.length > 0) nc.setServers([...pool.map((server) => server.src), ...new Set(dropped)]);
 }
 
 /**
@@ -96,6 +121,7 @@ export async function natsConnect(options: NatsConnectOptions, wait: NatsWaitOpt
         attempt.then((nc) => nc.close(), () => {});
         throw aborted();
       }
+      keepServerList(result, options.servers);
       if (Number.isFinite(lastLog)) wait.log?.('info', `nats: connected to ${result.getServer()} after ${((Date.now() - started) / 1000).toFixed(1)} s`);
       return result;
     } catch (error) {
