@@ -76,8 +76,8 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
   let tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
   const found = await findChatTemplate(dir, tokenizerConfig, tokenizerConfigPath);
   if (found !== undefined) {
-    // The engine builds its template from tokenizerConfig: one from a file beside it goes in there, or it would be
-    // served with the fallback template.
+    // The engine builds its template from tokenizerConfig: one from a file beside it goes in there, or the engine
+    // would serve the config's own template (or the fallback) instead.
     if (found.path !== tokenizerConfigPath) tokenizerConfig = { ...tokenizerConfig, chat_template: found.value };
     try {
       chatTemplateFromConfig({ chat_template: found.value });
@@ -543,15 +543,18 @@ export function hfModelWeights(index: TensorIndex, config: ModelConfig, source: 
 // Chat template
 
 /**
- * The chat template: tokenizer_config.json's chat_template (a string, or a list of named templates of which we take
- * "default"), else a chat_template.jinja or chat_template.json file beside it (newer transformers versions).
+ * The chat template, in transformers' order: a chat_template.jinja file (newer transformers versions save the
+ * template there; when a folder also has one in tokenizer_config.json, transformers' tokenizer loading lets the file
+ * take priority, replacing the config's whole chat_template, named templates included), else tokenizer_config.json's
+ * chat_template (a string, or a list of named templates of which we take "default"), else chat_template.json (a
+ * processor's older file, which the tokenizer itself never reads, so it comes last).
  */
 async function findChatTemplate(dir: string, tokenizerConfig: Record<string, unknown>,
   tokenizerConfigPath: string): Promise<{ value: unknown; path: string } | undefined> {
-  const fromConfig = tokenizerConfig['chat_template'];
-  if (fromConfig !== undefined && fromConfig !== null) return { value: fromConfig, path: tokenizerConfigPath };
   const jinjaPath = join(dir, 'chat_template.jinja');
   if (existsSync(jinjaPath)) return { value: await readModelText(jinjaPath), path: jinjaPath };
+  const fromConfig = tokenizerConfig['chat_template'];
+  if (fromConfig !== undefined && fromConfig !== null) return { value: fromConfig, path: tokenizerConfigPath };
   const jsonPath = join(dir, 'chat_template.json');
   if (existsSync(jsonPath)) {
     const value = (await readJson(jsonPath))['chat_template'];
