@@ -3,7 +3,7 @@
 // It knows nothing of routing or sockets beyond the response it writes to; server.ts does HTTP.
 
 import type { ServerResponse } from 'node:http';
-import type { Engine } from '../engine/types.ts';
+import type { Engine, SchedulingPolicy } from '../engine/types.ts';
 import {
   ChatTemplateError, type ChatMessage as TemplateMessage, type RenderOptions,
 } from '../model/chat-template.ts';
@@ -28,7 +28,9 @@ import { completionPromptLogprobs, parseCompletionRequest } from './schemas/comp
 import type { GenerationDefaults } from '../model/generation-config.ts';
 import { parseResponsesRequest, responsesError } from './schemas/responses.ts';
 import { ResponsesShape } from './responses-shape.ts';
-import { secondaryEosTokenIds, toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext } from './schemas/generation.ts';
+import {
+  checkSchedulingFields, secondaryEosTokenIds, toSamplingParams, truncatedPrompt, type GenerationOptions, type ValidationContext,
+} from './schemas/generation.ts';
 import { parseDetokenizeRequest, parseTokenizeRequest } from './schemas/tokenize.ts';
 import { PromptEncoder } from './prompt-encoder.ts';
 import { SseWriter } from './sse.ts';
@@ -159,6 +161,11 @@ export interface GatewayOptions {
   toolCallParser?: ToolCallParserName;
   /** Logprobs name tokens "token_id:<id>" unless a request says otherwise (vLLM's --return-tokens-as-token-ids). */
   returnTokensAsTokenIds?: boolean;
+  /**
+   * The workers' scheduling policy, when known: a priority or deadline_ms it never reads is a 400
+   * (checkSchedulingFields). Undefined: both are passed on whatever they are.
+   */
+  schedulingPolicy?: SchedulingPolicy;
 }
 
 /** One HTTP request as the gateway sees it. */
@@ -521,6 +528,8 @@ export class Gateway {
       // Before any prompt is tokenized: the cap is on what the request asks for, whatever its prompts hold.
       prompts = promptCount(request);
       if (prompts * request.n > this.sequenceLimit) throw new TooManySequencesError(prompts, request.n, this.sequenceLimit);
+      // Before anything is reserved or tokenized: a refused field costs the tenant nothing.
+      checkSchedulingFields(request, this.options.schedulingPolicy);
     } catch (err) {
       // The served name, never the one asked for: a metric label must not take whatever clients send.
       call.trace?.validated({ ok: false, model: this.servedModelName! });

@@ -12,7 +12,7 @@ import { createServer as createHttpsServer } from 'node:https';
 import type { AddressInfo, Socket } from 'node:net';
 import type { Duplex } from 'node:stream';
 import { performance } from 'node:perf_hooks';
-import type { Engine } from '../engine/types.ts';
+import type { Engine, SchedulingPolicy } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
 import { parseTraceparent } from '../telemetry/traceparent.ts';
 import { CONDUIT_VERSION } from '../util/version.ts';
@@ -96,6 +96,13 @@ export interface ApiServerOptions {
    * empty: no CORS headers, so browsers keep to same-origin. Credentials (cookies) are never allowed.
    */
   allowedOrigins?: readonly string[];
+  /**
+   * The scheduling policy of the workers behind this server (their --scheduling-policy), when it is one for all of
+   * them: a request's priority (not 0) or deadline_ms that the policy never reads is then refused with a 400 naming
+   * the field and the policy, as vLLM refuses a priority without priority scheduling. Undefined (a gateway in front
+   * of workers it does not configure): both are accepted, and each worker's own policy reads them or not.
+   */
+  schedulingPolicy?: SchedulingPolicy;
 }
 
 interface RouteContext {
@@ -220,6 +227,7 @@ export class ApiServer {
       now: this.engineClock,
       ...(options.toolCallParser !== undefined ? { toolCallParser: options.toolCallParser } : {}),
       ...(options.returnTokensAsTokenIds ? { returnTokensAsTokenIds: true } : {}),
+      ...(options.schedulingPolicy !== undefined ? { schedulingPolicy: options.schedulingPolicy } : {}),
     });
     this.webConsole = new WebConsole({
       telemetry: this.telemetry, keyStore: options.keyStore, workers: () => this.workerSources(), health: () => this.gateway.health().body,

@@ -1,7 +1,7 @@
 // Fields shared by /v1/chat/completions and /v1/completions: sampling, stopping, streaming, and vLLM's extras.
 // Ranges follow OpenAI where it documents one and vLLM otherwise.
 
-import type { SamplingParams } from '../../engine/types.ts';
+import type { SamplingParams, SchedulingPolicy } from '../../engine/types.ts';
 import type { GenerationDefaults } from '../../model/generation-config.ts';
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
@@ -248,6 +248,25 @@ function promptLogprobsOption(fields: Fields, stream: boolean): { promptLogprobs
   // As vLLM: the prompt's logprobs go in the response body, which a stream does not have.
   if (stream) throw new InvalidValueError('prompt_logprobs', 'prompt_logprobs are not available with stream: true.');
   return { promptLogprobs };
+}
+
+/**
+ * A scheduling field the server's policy never reads is refused rather than ignored, as vLLM refuses a priority
+ * without priority scheduling: priority other than 0 under fcfs (the deadline policy breaks ties by priority, so it
+ * reads it), deadline_ms under fcfs and priority (only the deadline policy orders by it, and nothing else, no expiry,
+ * acts on it). An unknown policy (undefined: a gateway in front of workers it does not configure) refuses nothing.
+ */
+export function checkSchedulingFields(options: Pick<GenerationOptions, 'priority' | 'deadlineMs'>, policy: SchedulingPolicy | undefined): void {
+  if (policy === undefined) return;
+  if (options.priority !== 0 && policy === 'fcfs') {
+    throw new InvalidValueError('priority', `got priority ${options.priority}, but priority scheduling is not enabled: this `
+      + "server's scheduling policy is fcfs (--scheduling-policy), which serves requests in arrival order. Leave priority "
+      + 'out (or 0), or serve with --scheduling-policy priority or deadline.');
+  }
+  if (options.deadlineMs !== undefined && policy !== 'deadline') {
+    throw new InvalidValueError('deadline_ms', `deadline scheduling is not enabled: this server's scheduling policy is ${policy} `
+      + '(--scheduling-policy), which never reads deadline_ms. Leave deadline_ms out, or serve with --scheduling-policy deadline.');
+  }
 }
 
 function deadlineOption(fields: Fields): { deadlineMs?: number } {
