@@ -178,8 +178,13 @@ export interface Call {
   tracestate?: string;
   /** The conversation id from the session header, for the session routing policy. */
   sessionId?: string;
-  /** The id the response will carry (chatcmpl-..., cmpl-...), chosen at arrival so every answer can name it. */
+  /** The server's id of the request (chatcmpl-..., cmpl-...), chosen at arrival: its trace's and engine requests'. */
   requestId?: string;
+  /**
+   * The client's X-Request-Id header, as vLLM takes it: chat and completion responses are named by it, before any
+   * request_id in the body, and every answer's x-request-id is it instead of the server's id.
+   */
+  clientRequestId?: string;
   /** The request's lifecycle events (generation routes). */
   trace?: CallTrace;
   /** Aborted when the client goes away before its response is complete. */
@@ -191,12 +196,14 @@ export interface Call {
 export type JsonReply = { status: number; body: object };
 
 /**
- * The id a response carries: with vLLM's request_id, the endpoint's prefix and that id, as vLLM names it; else the
- * server's own. The server's id (`serverId`) still names the request in x-request-id, the trace and the engine,
- * which keeps requests that reuse a request_id apart.
+ * The id a response carries: with the client's X-Request-Id header, or else vLLM's request_id, the endpoint's prefix
+ * and that id, as vLLM names it (the header first, as vLLM takes it); else the server's own. The server's id
+ * (`serverId`) still names the request in the trace and the engine, and in x-request-id when the client sent no
+ * header, which keeps requests that reuse an id apart.
  */
-function responseId(prefix: 'chatcmpl' | 'cmpl', request: GenerationOptions, serverId: string): string {
-  return request.requestId !== undefined ? `${prefix}-${request.requestId}` : serverId;
+function responseId(prefix: 'chatcmpl' | 'cmpl', call: Call, request: GenerationOptions, serverId: string): string {
+  const own = call.clientRequestId ?? request.requestId;
+  return own !== undefined ? `${prefix}-${own}` : serverId;
 }
 
 /** OpenAI's "developer" role is the newer name of "system"; templates only know the latter. */
@@ -560,7 +567,7 @@ export class Gateway {
     call.trace?.tokenized(tokenIds.length);
     const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
     const id = call.requestId ?? newCompletionId('chatcmpl');
-    const meta = this.meta(target, responseId('chatcmpl', request, id));
+    const meta = this.meta(target, responseId('chatcmpl', call, request, id));
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
     let shape: ResponseShape = tools && tools.choice.kind !== 'none'
       ? this.toolShape(backend, request, meta, topLogprobs)
@@ -670,7 +677,7 @@ export class Gateway {
     const id = call.requestId ?? newCompletionId('cmpl');
     const perChoice = <T>(value: (prompt: PreparedPrompt) => T): T[] => prompts.flatMap((p) => Array.from({ length: request.n }, () => value(p)));
     const echoTexts = request.echo ? perChoice((p) => p.text ?? '') : [];
-    let shape: ResponseShape = new CompletionShape(this.meta(target, responseId('cmpl', request, id)), prompts.length * request.n,
+    let shape: ResponseShape = new CompletionShape(this.meta(target, responseId('cmpl', call, request, id)), prompts.length * request.n,
       this.logprobTexts(backend, request), request.logprobs, echoTexts, request.echo && request.logprobs !== null ? perChoice((p) => p.tokenIds) : [],
       request.promptOnly);
     if (request.promptLogprobs !== undefined) shape = new PromptLogprobsShape(shape, new TokenTexts(tokenizer), request.promptLogprobs, 'choices');
@@ -848,7 +855,7 @@ export class Gateway {
     // A client that left while its prompt was being prepared gets nothing started on its behalf.
     if (call.clientGone.aborted) throw new ClientClosedRequestError();
     const admission = this.admit(call, run);
-    call.headers['x-request-id'] = id;
+    call.headers['x-request-id'] = call.clientRequestId ?? id;
     this.activeRuns.add(run);
     this.pendingSequences += run.sequences;
     this.options.metrics.requestStarted(call.tenant.name);

@@ -19,6 +19,7 @@ import { CONDUIT_VERSION } from '../util/version.ts';
 import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
+import { ClientRequestIds } from './client-request-ids.ts';
 import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
   AdminRequiredError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
@@ -28,6 +29,7 @@ import { silentLogger, type Logger } from './log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
 import { TenantRateLimiter, type Clock } from './rate-limit.ts';
+import { MAX_REQUEST_ID_LENGTH } from './schemas/generation.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 export const DEFAULT_MAX_PENDING_REQUESTS = 256;
@@ -186,6 +188,8 @@ export class ApiServer {
   private readonly ownsTelemetry: boolean;
   /** Workers whose load series are in the metrics, so a worker that leaves can have its series removed. */
   private reportedWorkers = new Set<string>();
+  /** The server ids of recent requests that sent an X-Request-Id, by that id: traces are found by either. */
+  private readonly clientRequestIds: ClientRequestIds;
   private readonly routes: Route[];
   private readonly logger: Logger;
   private readonly maxBodyBytes: number;
@@ -215,6 +219,8 @@ export class ApiServer {
     this.ownsTelemetry = options.telemetry === undefined;
     this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
     for (const warning of this.telemetry.warnings) this.logger.warn(`telemetry: ${warning}`);
+    // Two names a request (the header, and the response id made of it) for as many requests as the trace store holds.
+    this.clientRequestIds = new ClientRequestIds(2 * this.telemetry.traces.capacity);
     this.metrics = new GatewayMetrics(this.telemetry.metrics.registry);
     this.gateway = new Gateway({
       ...(options.servedModelName !== undefined ? { servedModelName: options.servedModelName } : {}),
@@ -451,7 +457,7 @@ export class ApiServer {
         } catch {
           return [m[1]!];
         }
-      }, true, { GET: ({ params, call }) => this.traceReply(params[0]!, call.tenant) }),
+      }, true, { GET: ({ params, call }) => this.traceReply(this.traceIdOf(params[0]!, call.tenant), call.tenant) }),
       admin(route('slo', exact('/v1/slo'), true, { GET: () => ({ status: 200, body: t.sloReport() }) })),
       admin(route('analysis', exact('/v1/analysis'), true, { GET: () => ({ status: 200, body: t.analysis() }) })),
       admin({ ...route('reset_prefix_cache', exact('/reset_prefix_cache'), true, { POST: () => this.resetPrefixCache() }), bodyOptional: true }),
@@ -467,7 +473,7 @@ export class ApiServer {
       route('console_request', (p) => {
         const m = /^\/console\/api\/requests\/([^/]+)$/.exec(p);
         return m ? [decodePathSegment(m[1]!, p)] : undefined;
-      }, true, { GET: ({ params, call }) => this.webConsole.request(params[0]!, call.tenant) }),
+      }, true, { GET: ({ params, call }) => this.webConsole.request(this.traceIdOf(params[0]!, call.tenant), call.tenant) }),
       // vLLM's runtime LoRA API; a path on this machine is read, so only an admin may when keys are configured.
       admin(route('load_lora_adapter', exact('/v1/load_lora_adapter'), true, {
         POST: async ({ res, body, call }) => sendText(res, await g.loadLoraAdapter(body), call.headers),
@@ -488,6 +494,21 @@ export class ApiServer {
     const results = await Promise.all(models.map(({ backend }) => backend.engine.resetPrefixCache()));
     if (results.includes(false)) throw new PrefixCacheInUseError();
     return { status: 200, body: { reset: true } };
+  }
+
+  /**
+   * The trace a lookup by `id` means: the request with that id, or else the newest one that sent it as its
+   * X-Request-Id (the id such a client saw in x-request-id) or whose response it names (chatcmpl-<header>), among
+   * the requests whose traces the caller may read.
+   * Unknown: the id as given (a 404 where it is looked up).
+   */
+  private traceIdOf(id: string, caller: Tenant): string {
+    const mayRead = (traceId: string): boolean => {
+      const trace = this.telemetry.trace(traceId);
+      return trace !== undefined && (this.options.keyStore.isAdmin(caller) || trace.tenant === caller.name);
+    };
+    if (mayRead(id)) return id;
+    return this.clientRequestIds.serverIds(id).find(mayRead) ?? id;
   }
 
   /**
@@ -545,11 +566,22 @@ export class ApiServer {
     });
   }
 
-  /** A generation request's id and trace, from arrival on. */
-  private openTrace(call: Call, route: Route, path: string): CallTrace {
+  /**
+   * A generation request's id and trace, from arrival on. A client's X-Request-Id (as vLLM takes it) is the id its
+   * answers carry in x-request-id, refusals included, and names its response; an overlong one is refused later
+   * (checkClientRequestId), and meanwhile the server's id is the one answered.
+   */
+  private openTrace(call: Call, route: Route, path: string, req: IncomingMessage): CallTrace {
     const id = newCompletionId(route.traced!);
     call.requestId = id;
-    call.headers['x-request-id'] = id;
+    const clientId = clientRequestIdOf(req);
+    if (clientId !== undefined && clientId.length <= MAX_REQUEST_ID_LENGTH) {
+      call.clientRequestId = clientId;
+      this.clientRequestIds.add(clientId, id);
+      // The response's id (chatcmpl-<header>, cmpl-<header>) finds the trace too.
+      if (route.traced !== 'resp') this.clientRequestIds.add(`${route.traced!}-${clientId}`, id);
+    }
+    call.headers['x-request-id'] = call.clientRequestId ?? id;
     call.trace = new CallTrace(this.telemetry, id, call.arrivalMs, path, this.engineClock, call.traceparent, call.tracestate);
     const release = this.clockHold?.();
     if (release) call.trace.holdClockUntilTokenized(release);
@@ -636,7 +668,7 @@ export class ApiServer {
         return;
       }
       const found = this.findRoute(method, path, (name) => { routeName = name; });
-      const trace = found.route.traced ? this.openTrace(call, found.route, path) : undefined;
+      const trace = found.route.traced ? this.openTrace(call, found.route, path, req) : undefined;
       if (found.route.auth) {
         const start = this.engineClock();
         try {
@@ -680,7 +712,10 @@ export class ApiServer {
           throw err;
         }
       }
-      if (found.route.traced) this.readSessionId(req, call);
+      if (found.route.traced) {
+        this.checkClientRequestId(req, call);
+        this.readSessionId(req, call);
+      }
       const reply = await found.handler({ req, res, call, body, params: found.params });
       if (reply && !call.clientGone.aborted) sendJsonReply(res, reply, call.headers, this.options.writeTimeoutMs);
     } catch (err) {
@@ -718,6 +753,15 @@ export class ApiServer {
     const line = fields.join(' ');
     if ((this.options.requestLog ?? true) && !PROBE_ROUTES.has(routeName)) this.logger.info(line);
     else this.logger.debug(line);
+  }
+
+  /** An X-Request-Id longer than a request_id may be is refused: it would name the response (every chunk carries it). */
+  private checkClientRequestId(req: IncomingMessage, call: Call): void {
+    const clientId = clientRequestIdOf(req);
+    if (clientId === undefined || clientId.length <= MAX_REQUEST_ID_LENGTH) return;
+    const model = this.gateway.servedModelName;
+    call.trace?.validated({ ok: false, ...(model !== undefined ? { model } : {}) });
+    throw new InvalidValueError('x-request-id', `a request id may be at most ${MAX_REQUEST_ID_LENGTH} characters, got ${clientId.length}.`);
   }
 
   /** The session header's value on the call; an empty header is no session, an overlong one is refused. */
@@ -800,6 +844,13 @@ function decodePathSegment(segment: string, path: string): string {
   } catch {
     throw new MalformedPathError(path);
   }
+}
+
+/** The request's X-Request-Id header, trimmed; absent or empty: none. Node joins a repeated header with ", ". */
+function clientRequestIdOf(req: IncomingMessage): string | undefined {
+  const value = req.headers['x-request-id'];
+  const id = (Array.isArray(value) ? value.join(', ') : value)?.trim();
+  return id === undefined || id === '' ? undefined : id;
 }
 
 /** Waits for `promise`, but no longer than `ms`. */
