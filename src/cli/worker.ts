@@ -12,6 +12,7 @@
 import { modelIdFromName } from '../api/gateway.ts';
 import { createLogger, isLogLevel, LOG_LEVELS } from '../api/log.ts';
 import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
+import { isWorkerId } from '../cluster/events.ts';
 import { splitAddress } from '../cluster/remote-engine.ts';
 import { defaultWorkerId, LoraModuleError, startClusterWorker, WorkerListenError, WorkerStartAbortedError } from '../cluster/worker-process.ts';
 import { EngineStartError } from '../engine/errors.ts';
@@ -168,6 +169,9 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const local = values['parent-ipc'];
   const cluster = parseClusterConfig(values, !local, (name) => flagLabel(WORKER_FLAGS, parsed, name));
+  // As --namespace: the id names the worker's etcd key and NATS subjects.
+  const givenId = values['worker-id'];
+  if (givenId !== undefined && !isWorkerId(givenId)) throw new UsageError(`--worker-id must be 1-128 letters, digits, "-" or "_", got "${givenId}"`);
   const role = values.role!;
   if (role !== 'both' && role !== 'prefill' && role !== 'decode') throw new UsageError(`--role must be both, prefill or decode, got "${role}"`);
   const engineKind = values.engine!;

@@ -145,9 +145,13 @@ export async function natsConnect(options: NatsConnectOptions, wait: NatsWaitOpt
   }
 }
 
-/** Worker ids become NATS subject tokens: letters, digits, '-' and '_' only. */
+/** Worker ids become NATS subject tokens: letters, digits, '-' and '_' only, 1 to 128 of them. */
+export function isWorkerId(id: string): boolean {
+  return /^[A-Za-z0-9_-]{1,128}$/.test(id);
+}
+
 export function checkWorkerId(id: string): string {
-  if (!/^[A-Za-z0-9_-]{1,128}$/.test(id)) throw new Error(`worker id must be 1-128 letters, digits, "-" or "_", got "${id}"`);
+  if (!isWorkerId(id)) throw new Error(`worker id must be 1-128 letters, digits, "-" or "_", got "${id}"`);
   return id;
 }
 
