@@ -298,9 +298,10 @@ function checkBytes(text: string, param: string, what: string): void {
 
 /**
  * A copy of `schema` with `edit` applied to every schema in it (the root and each at a schema position: items,
- * properties, $defs, anyOf, ...), inner ones first. Values that are not schemas (enum, const, ...) are kept as they are.
+ * properties, $defs, anyOf, ...), inner ones first; `edit` gets the copy (its parts edited already) and the schema it
+ * was copied from. Values that are not schemas (enum, const, ...) and boolean schemas are kept as they are.
  */
-export function mapSchemas(schema: unknown, edit: (node: JsonObject) => JsonObject): unknown {
+export function mapSchemas(schema: unknown, edit: (node: JsonObject, original: JsonObject) => JsonObject): unknown {
   if (!isJsonObject(schema)) return schema;
   const out: JsonObject = {};
   for (const [key, value] of Object.entries(schema)) {
@@ -314,15 +315,18 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject) => JsonObje
       out[key] = value;
     }
   }
-  return edit(out);
+  return edit(out, schema);
 }
 
 /**
- * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, and the
- * formats of FORMAT_PATTERNS turned into their patterns.
+ * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, the formats
+ * of FORMAT_PATTERNS turned into their patterns, and the parts no finite value satisfies left out where a value may
+ * go without them (leaveOutUnsatisfiable).
  */
 export function grammarSchema(schema: unknown): unknown {
-  return mapSchemas(schema, (node) => {
+  const has = finiteSchemas(schema);
+  return mapSchemas(schema, (node, original) => {
+    leaveOutUnsatisfiable(node, original, has);
     for (const key of Object.keys(node)) if (ANNOTATIONS.has(key)) delete node[key];
     const pattern = typeof node.format === 'string' && Object.hasOwn(FORMAT_PATTERNS, node.format) ? FORMAT_PATTERNS[node.format] : undefined;
     if (pattern !== undefined) {
@@ -331,6 +335,44 @@ export function grammarSchema(schema: unknown): unknown {
     }
     return node;
   });
+}
+
+/**
+ * JSON Schema's reading of a part no finite value satisfies (a `false` schema; one that needs such a part through a
+ * required property, a '$ref', every anyOf branch or minItems; a '$ref' cycle with no way out), where the value may go
+ * without it: the value leaves that part out. XGrammar (0.1.27) refuses `false` as an optional property, an
+ * anyOf/oneOf branch or a prefixItems entry, so `node` (the copy of `original` the grammar is compiled from) leaves
+ * such parts out itself: an anyOf/oneOf branch is dropped, an optional property too (checkLeftOut refused it beside
+ * other properties allowed, which would let it back in), an array ends before such a prefixItems entry, and such a
+ * schema under items, additionalProperties, unevaluatedProperties or additionalItems becomes `false` (no element, no
+ * other property), which XGrammar takes. Needed parts are not touched: a schema that needs one has no value itself,
+ * and is left out where it is used (checkSatisfiable refused it where it is needed).
+ */
+function leaveOutUnsatisfiable(node: JsonObject, original: JsonObject, has: (schema: unknown) => boolean): void {
+  for (const key of SCHEMA_VALUED) {
+    if (Object.hasOwn(original, key) && !Array.isArray(original[key]) && !has(original[key])) node[key] = false;
+  }
+  for (const key of ['anyOf', 'oneOf']) {
+    const list = original[key];
+    if (!Array.isArray(list)) continue;
+    const kept = (node[key] as unknown[]).filter((_, i) => has(list[i]));
+    if (kept.length > 0) node[key] = kept; // none: the schema has no value (left out where it is used)
+  }
+  const properties = original.properties;
+  if (isJsonObject(properties)) {
+    const required = Array.isArray(original.required) ? original.required : [];
+    for (const [name, schema] of Object.entries(properties)) {
+      if (!has(schema) && !required.includes(name)) delete (node.properties as JsonObject)[name];
+    }
+  }
+  const prefix = original.prefixItems;
+  if (Array.isArray(prefix)) {
+    const end = prefix.findIndex((item) => !has(item));
+    if (end >= 0) {
+      node.prefixItems = (node.prefixItems as unknown[]).slice(0, end);
+      node.items = false;
+    }
+  }
 }
 
 /** The JSON text of a grammar schema, within MAX_GUIDED_BYTES. */
@@ -356,16 +398,52 @@ function resolveRef(root: unknown, ref: string): unknown {
 }
 
 /**
- * Refuses a schema no finite value satisfies, as XGrammar reads it: one whose every value must contain itself
- * through '$ref' (a required property, an array's minItems, every anyOf branch leading back), so that the grammar
- * never ends; or that requires a property it forbids (a `false` schema). Not complete: types, bounds and enums that
- * contradict each other otherwise are XGrammar's to refuse, or go through (docs/structured-outputs.md).
+ * Refuses a schema no finite value satisfies, as XGrammar reads it: `false` itself; one whose every value must
+ * contain itself through '$ref' (a required property, an array's minItems, every anyOf branch leading back), so that
+ * the grammar never ends; or that requires a property it forbids (a `false` schema). Not complete: types, bounds and
+ * enums that contradict each other otherwise are XGrammar's to refuse, or go through (docs/structured-outputs.md).
  *
- * A least fixed point over the schemas in the document: a schema has a finite value once the parts it needs have one
- * (a '$ref' not found counts as satisfiable, XGrammar refuses it). Then, if the root has none, a walk down the parts
- * it needs names the place: where it comes back to a schema on its way (the cycle), or a `false` schema.
+ * Which schemas have a finite value: finiteSchemas. If the root has none, a walk down the parts it needs names the
+ * place: where it comes back to a schema on its way (the cycle), or a `false` schema. If it has one, such parts where
+ * a value may go without them are left out of the grammar (leaveOutUnsatisfiable), except an optional property beside
+ * other properties allowed, refused (checkLeftOut).
  */
 function checkSatisfiable(root: unknown, path: string): void {
+  if (root === false) throw new InvalidValueError(path, 'the schema is false: no value can satisfy it.');
+  const has = finiteSchemas(root);
+  if (has(root)) {
+    checkLeftOut(root, path, has);
+    return;
+  }
+  // Down from the root through a part that has no finite value, to a false schema or a '$ref' leading back.
+  const onWay = new Set<unknown>([root]);
+  let node = root as JsonObject;
+  let at = path;
+  for (;;) {
+    const [part] = needs(node, root).find((options) => !options.some(({ schema }) => has(schema)))!;
+    const ref = part!.at === '$ref' ? node.$ref as string : undefined;
+    const partAt = childPath(at, part!.at);
+    if (part!.schema === false) {
+      throw new InvalidValueError(partAt, 'a value is needed here (a required property, an item under minItems, every anyOf/oneOf '
+        + 'branch) but its schema is false: no value can satisfy the schema.');
+    }
+    if (onWay.has(part!.schema)) {
+      throw new InvalidValueError(partAt, 'no finite value satisfies the schema: this reference leads back to a schema whose every value '
+        + 'needs it again (through required properties, minItems, or every anyOf branch), so the output could never end; make the '
+        + 'recursion optional somewhere.');
+    }
+    onWay.add(part!.schema);
+    node = part!.schema as JsonObject;
+    at = ref === undefined ? partAt : pointerPath(path, ref);
+  }
+}
+
+/**
+ * Which schemas of `root`'s document have a finite value (a predicate on them; booleans and non-schemas too: `false`
+ * has none, `true` any value). A least fixed point over the schemas in the document: a schema has a finite value
+ * once the parts it needs have one (a '$ref' not found counts as satisfiable, XGrammar refuses it).
+ */
+function finiteSchemas(root: unknown): (schema: unknown) => boolean {
   const nodes: JsonObject[] = [];
   const seen = new Set<JsonObject>();
   const visit = (schema: unknown): void => {
@@ -391,27 +469,40 @@ function checkSatisfiable(root: unknown, path: string): void {
       }
     }
   }
-  if (has(root)) return;
-  // Down from the root through a part that has no finite value, to a false schema or a '$ref' leading back.
-  const onWay = new Set<unknown>([root]);
-  let node = root as JsonObject;
-  let at = path;
-  for (;;) {
-    const [part] = needs(node, root).find((options) => !options.some(({ schema }) => has(schema)))!;
-    const ref = part!.at === '$ref' ? node.$ref as string : undefined;
-    const partAt = childPath(at, part!.at);
-    if (part!.schema === false) {
-      throw new InvalidValueError(partAt, 'a value is needed here (a required property, an item under minItems) but its schema is '
-        + 'false: no value can satisfy the schema.');
+  return has;
+}
+
+/**
+ * Refuses an optional property no finite value satisfies (a `false` one: the property must not appear) in an object
+ * schema that allows other properties (additionalProperties, or else unevaluatedProperties, neither false): the
+ * grammar leaves the property out of 'properties' (leaveOutUnsatisfiable), and XGrammar would then let it in as one
+ * of the others, with any value. Walks the schema's own tree (not through '$ref'), naming the place.
+ */
+function checkLeftOut(schema: unknown, path: string, has: (schema: unknown) => boolean): void {
+  if (!isJsonObject(schema)) return;
+  const properties = schema.properties;
+  const others = schema.additionalProperties !== undefined ? schema.additionalProperties : schema.unevaluatedProperties;
+  const types = schemaTypes(schema);
+  if (isJsonObject(properties) && others !== undefined && has(others) && (types === undefined || types.includes('object'))) {
+    const required = Array.isArray(schema.required) ? schema.required : [];
+    for (const [name, property] of Object.entries(properties)) {
+      if (has(property) || required.includes(name)) continue;
+      const key = schema.additionalProperties !== undefined ? 'additionalProperties' : 'unevaluatedProperties';
+      throw new UnsupportedFieldError(childPath(childPath(path, 'properties'), name), `no value satisfies this property's schema, so the `
+        + `property must not appear; beside ${key} that allows other properties the grammar engine cannot keep it out (it would `
+        + `come back as another property, with any value). Set ${key} to false, or leave the property out.`);
     }
-    if (onWay.has(part!.schema)) {
-      throw new InvalidValueError(partAt, 'no finite value satisfies the schema: this reference leads back to a schema whose every value '
-        + 'needs it again (through required properties, minItems, or every anyOf branch), so the output could never end; make the '
-        + 'recursion optional somewhere.');
+  }
+  for (const [key, value] of Object.entries(schema)) {
+    const at = childPath(path, key);
+    if (SCHEMA_VALUED.has(key)) {
+      if (Array.isArray(value)) value.forEach((item, i) => checkLeftOut(item, childPath(at, i), has));
+      else checkLeftOut(value, at, has);
+    } else if (SCHEMA_LISTS.has(key) && Array.isArray(value)) {
+      value.forEach((item, i) => checkLeftOut(item, childPath(at, i), has));
+    } else if (SCHEMA_MAPS.has(key) && isJsonObject(value)) {
+      for (const [name, item] of Object.entries(value)) checkLeftOut(item, childPath(at, name), has);
     }
-    onWay.add(part!.schema);
-    node = part!.schema as JsonObject;
-    at = ref === undefined ? partAt : pointerPath(path, ref);
   }
 }
 
