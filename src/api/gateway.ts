@@ -598,9 +598,11 @@ export class Gateway {
       call.trace?.tokenized(tokenIds.length);
       const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'input');
       const id = call.requestId ?? newCompletionId('resp');
-      const meta = this.meta(target, id);
+      // vLLM's request_id is the response's id as given (its default is a resp_ id of its own); the output items are
+      // named after the server's id, so that two responses given one request_id never share an item id.
+      const meta = this.meta(target, request.requestId ?? id);
       const shape = new ResponsesShape(meta, echo,
-        tools && tools.choice.kind !== 'none' ? this.toolShape(backend, request, meta, null) : undefined);
+        tools && tools.choice.kind !== 'none' ? this.toolShape(backend, request, meta, null) : undefined, id);
       await this.run(call, target, id, [prompt], request, null, shape);
     } catch (error) {
       throw responsesError(error, messageParam);

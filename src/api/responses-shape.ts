@@ -29,9 +29,10 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   /** With tools: the calls of the finished output (the message's text is then `text`). */
   private calls: ChatToolCall[] = [];
 
-  constructor(private readonly meta: ChatResponseMeta, private readonly echo: ResponsesEcho, private readonly tools?: ResponseShape) {
-    // The output items' ids are the response's, with the item's prefix.
-    this.suffix = meta.id.replace(/^resp-/, '');
+  /** itemIdBase: the id the output items' ids are made of (the item's prefix instead of resp-), by default the response's. */
+  constructor(private readonly meta: ChatResponseMeta, private readonly echo: ResponsesEcho, private readonly tools?: ResponseShape,
+    itemIdBase: string = meta.id) {
+    this.suffix = itemIdBase.replace(/^resp-/, '');
     this.itemId = `msg-${this.suffix}`;
   }
 

@@ -2,9 +2,11 @@
 // items whose content is text) become chat messages rendered with the model's template; `text.format` is the
 // output's response_format; max_output_tokens its max_tokens. The request is then checked and run as a chat
 // completion, so every sampling field means what it means there; function tools, and function_call /
-// function_call_output input items, are chat's tools, assistant tool calls and tool messages. What needs state the
-// server does not keep (previous_response_id, stored responses) or features it lacks (other tools, files, images) is
-// refused by name.
+// function_call_output input items, are chat's tools, assistant tool calls and tool messages. vLLM's own fields of
+// its ResponsesRequest work as there (request_id names the response, structured_outputs, the sampling extras); what
+// needs state the server does not keep (previous_response_id, stored responses), features it lacks (other tools,
+// files, images, vLLM's extension and disaggregation fields), and chat completion fields that have a Responses
+// counterpart or none here (max_tokens, response_format, guided_*, logprobs ...) are refused by name, never ignored.
 
 import { ApiError, InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from '../validate.ts';
@@ -43,12 +45,49 @@ const UNSUPPORTED_RESPONSES: Record<string, string> = {
   include: 'no additional output data is available.',
   top_logprobs: 'logprobs are not available on /v1/responses; use /v1/chat/completions.',
   max_tool_calls: 'a bound on tool calls is not supported; leave max_tool_calls out.',
+  // vLLM's ResponsesRequest fields for what this server does not have.
+  previous_response: 'responses are not carried from turn to turn; send the whole conversation in input.',
+  previous_input_messages: 'earlier turns are not taken apart from the input; send the whole conversation in input.',
+  enable_response_messages: 'the raw input and output messages are not returned.',
+  vllm_xargs: 'custom extension arguments are not supported by this server.',
+  kv_transfer_params: "KV transfer parameters are not taken: this server's disaggregated workers hand requests over themselves.",
+  mm_processor_kwargs: 'this server runs text-only models; there is no multimodal processor.',
+  media_io_kwargs: 'this server runs text-only models; there is no media input.',
+  // Chat completion fields that /v1/responses would otherwise drop: the Responses request says it another way, or
+  // the response object has no place for what they ask.
+  messages: 'the conversation is input (and instructions) on /v1/responses.',
+  max_tokens: 'the bound is max_output_tokens on /v1/responses.',
+  max_completion_tokens: 'the bound is max_output_tokens on /v1/responses.',
+  response_format: 'the output format is text.format on /v1/responses.',
+  guided_json: 'constrain the output with text.format or structured_outputs on /v1/responses.',
+  guided_regex: 'constrain the output with text.format or structured_outputs on /v1/responses.',
+  guided_choice: 'constrain the output with text.format or structured_outputs on /v1/responses.',
+  guided_grammar: 'constrain the output with text.format or structured_outputs on /v1/responses.',
+  guided_whitespace_pattern: 'constrain the output with text.format or structured_outputs on /v1/responses.',
+  reasoning_effort: 'the effort is reasoning.effort on /v1/responses.',
+  n: 'a response has one output; send the request again for another.',
+  logprobs: 'logprobs are not available on /v1/responses; use /v1/chat/completions.',
+  prompt_logprobs: 'logprobs are not available on /v1/responses; use /v1/chat/completions.',
+  return_token_ids: 'token ids are not part of a response object; use /v1/chat/completions.',
+  return_tokens_as_token_ids: 'token ids are not part of a response object; use /v1/chat/completions.',
+  truncate_prompt_tokens: 'prompts are not truncated on /v1/responses (truncation "disabled" only); use /v1/chat/completions.',
+  add_generation_prompt: 'the chat template controls of /v1/chat/completions are not taken on /v1/responses.',
+  continue_final_message: 'the chat template controls of /v1/chat/completions are not taken on /v1/responses.',
+  add_special_tokens: 'the chat template controls of /v1/chat/completions are not taken on /v1/responses.',
+  documents: 'documents are not taken on /v1/responses; pass them in chat_template_kwargs.',
+  echo: 'echo is not available on /v1/responses.',
 };
+
+/** OpenAI's service tiers this server serves: it has one tier, the default one. */
+const SERVICE_TIERS = ['auto', 'default'];
 
 /** Sampling fields of vLLM and of this server that pass through to the chat request unchanged. */
 const PASSED_THROUGH = [
   'top_k', 'min_p', 'repetition_penalty', 'presence_penalty', 'frequency_penalty', 'seed', 'stop', 'stop_token_ids', 'min_tokens',
-  'ignore_eos', 'skip_special_tokens', 'logit_bias', 'priority', 'deadline_ms', 'cache_salt', 'chat_template_kwargs',
+  'ignore_eos', 'skip_special_tokens', 'include_stop_str_in_output', 'spaces_between_special_tokens', 'logit_bias', 'priority',
+  'deadline_ms', 'cache_salt', 'chat_template_kwargs', 'structured_outputs', 'request_id',
+  // Refused there as here (features this server does not have).
+  'bad_words', 'allowed_token_ids', 'logprob_token_ids', 'logits_processors', 'use_beam_search', 'chat_template',
 ] as const;
 
 /** The chat request's param names as the Responses request calls them, for errors found after the translation. */
@@ -208,6 +247,14 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   }
   // store (OpenAI's default true) is read and accepted: nothing is stored here, which the response says (store: false).
   fields.boolean('store');
+  // prompt_cache_key is a hint for the prompt cache, which needs none here (prompts are cached by their blocks), as
+  // vLLM takes it; the one service tier there is serves every request.
+  fields.string('prompt_cache_key');
+  const serviceTier = fields.string('service_tier');
+  if (serviceTier !== undefined && !SERVICE_TIERS.includes(serviceTier)) {
+    throw new UnsupportedFieldError('service_tier', `service tier '${serviceTier}' is not offered: every request is served `
+      + 'in the one tier there is (auto, default); order requests with priority instead.');
+  }
   const reasoning = fields.fields('reasoning');
   const reasoningEffort = reasoning?.string('effort', { nonEmpty: true }) ?? null;
   if (reasoning?.has('summary')) throw new UnsupportedFieldError('reasoning.summary', 'reasoning summaries are not supported.');
@@ -233,6 +280,9 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   const metadataEcho: Record<string, string> = {};
   for (const key of Object.keys(metadata?.object ?? {})) metadataEcho[key] = metadata!.string(key)!;
   const { format, responseFormat } = readTextFormat(fields);
+  if (responseFormat && fields.has('structured_outputs')) {
+    throw new InvalidValueError('structured_outputs', 'structured_outputs and text.format cannot both constrain the output; send one.');
+  }
   const parallelToolCalls = fields.boolean('parallel_tool_calls') ?? true;
 
   const chatBody: JsonObject = { messages };
