@@ -499,9 +499,13 @@ export class Gateway {
     return bos !== undefined && ids[0] === bos && ids[1] === bos ? ids.slice(1) : ids;
   }
 
-  /** Fixes max_tokens for a prompt from the context left, or refuses a prompt that does not fit. */
-  private fitPrompt(backend: ModelBackend, tokenIds: number[], requestedMaxTokens: number | undefined,
+  /**
+   * Fixes max_tokens for a prompt from the context left, or refuses a prompt that does not fit, or a min_tokens that
+   * max_tokens so fixed cannot hold (as vLLM's sampling parameters refuse it, whether max_tokens was given or not).
+   */
+  private fitPrompt(backend: ModelBackend, tokenIds: number[], request: Pick<GenerationOptions, 'maxTokens' | 'minTokens'>,
     param: string, text?: string): PreparedPrompt {
+    const requestedMaxTokens = request.maxTokens;
     const { maxModelLen, kvCapacityTokens } = backend.engine.info;
     if (tokenIds.length === 0) throw new InvalidValueError(param, 'the prompt is empty after tokenization.');
     if (tokenIds.length >= maxModelLen) throw new ContextLengthError(maxModelLen, tokenIds.length, undefined, param);
@@ -512,11 +516,13 @@ export class Gateway {
     if (tokenIds.length > kvCapacityTokens) throw new KvCapacityError(tokenIds.length, kvCapacityTokens);
     // generation_config.json's max_new_tokens caps every request's, as vLLM's does.
     const cap = backend.generationDefaults?.maxTokens ?? Infinity;
-    return {
-      tokenIds,
-      maxTokens: Math.min(requestedMaxTokens ?? maxModelLen - tokenIds.length, cap),
-      ...(text !== undefined ? { text } : {}),
-    };
+    const maxTokens = Math.min(requestedMaxTokens ?? maxModelLen - tokenIds.length, cap);
+    if (request.minTokens > maxTokens) {
+      const why = maxTokens === cap && (requestedMaxTokens === undefined || requestedMaxTokens > cap)
+        ? "the model's generation_config.json caps max_tokens" : `the context left after the prompt's ${tokenIds.length} tokens`;
+      throw new InvalidValueError('min_tokens', `${request.minTokens} is larger than max_tokens (${maxTokens}: ${why}).`);
+    }
+    return { tokenIds, maxTokens, ...(text !== undefined ? { text } : {}) };
   }
 
   /** Most sequences one request may ask for: the per-request cap, and never more than the pending bound holds. */
@@ -565,7 +571,7 @@ export class Gateway {
       tools?.raw), request.truncatePromptTokens, backend.engine.info.maxModelLen, request.maxTokens);
     // Told before the length checks, so a refused prompt's log line and trace still say how long it was.
     call.trace?.tokenized(tokenIds.length);
-    const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'messages');
+    const prompt = this.fitPrompt(backend, tokenIds, request, 'messages');
     const id = call.requestId ?? newCompletionId('chatcmpl');
     const meta = this.meta(target, responseId('chatcmpl', call, request, id));
     const topLogprobs = request.logprobs ? request.topLogprobs : null;
@@ -596,7 +602,7 @@ export class Gateway {
       const { tools } = request;
       const tokenIds = await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, 'context', tools?.raw);
       call.trace?.tokenized(tokenIds.length);
-      const prompt = this.fitPrompt(backend, tokenIds, request.maxTokens, 'input');
+      const prompt = this.fitPrompt(backend, tokenIds, request, 'input');
       const id = call.requestId ?? newCompletionId('resp');
       // vLLM's request_id is the response's id as given (its default is a resp_ id of its own); the output items are
       // named after the server's id, so that two responses given one request_id never share an item id.
@@ -670,7 +676,7 @@ export class Gateway {
         // The prompt as it runs: a truncated one is echoed as what is left of it.
         const text = 'text' in input && ids === given ? input.text
           : request.echo ? tokenizer.decode(ids, { skipSpecialTokens: request.skipSpecialTokens }) : undefined;
-        prompts.push(this.fitPrompt(backend, ids, request.maxTokens, param(i), text));
+        prompts.push(this.fitPrompt(backend, ids, request, param(i), text));
       }
     } finally {
       // Refused or not, the request's log line and trace say how many prompt tokens it brought (up to the refusal).
