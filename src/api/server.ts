@@ -750,6 +750,12 @@ export class ApiServer {
     }
     fields.push(`total_ms=${totalMs.toFixed(1)}`);
     if (call.requestId !== undefined) fields.push(`id=${call.requestId}`);
+    // The client's X-Request-Id beside the server's id, to match this line with a proxy's or the client's own logs.
+    // Quoted as JSON when it could be read as more than one field (a space, a quote, a backslash, an = sign).
+    if (call.clientRequestId !== undefined) {
+      const own = call.clientRequestId;
+      fields.push(`client_request_id=${/^[\x21-\x7e]+$/.test(own) && !/["\\=]/.test(own) ? own : JSON.stringify(own)}`);
+    }
     const line = fields.join(' ');
     if ((this.options.requestLog ?? true) && !PROBE_ROUTES.has(routeName)) this.logger.info(line);
     else this.logger.debug(line);

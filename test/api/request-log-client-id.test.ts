@@ -1,0 +1,32 @@
+// The request log line names the client's X-Request-Id beside the server's id, so a line can be matched with the
+// logs of the proxy or client that sent the header; one that could read as several fields is quoted.
+import { it } from 'node:test';
+import assert from 'node:assert/strict';
+import { parseServeConfig, startServer } from '../../src/cli/serve.ts';
+import { createLogger } from '../../src/api/log.ts';
+
+it('logs client_request_id after id for a request that sent X-Request-Id, quoted when it holds a space or =', async () => {
+  const lines: string[] = [];
+  const running = await startServer(parseServeConfig(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf'], {}),
+    createLogger('info', (line) => lines.push(line)));
+  const ids: string[] = [];
+  try {
+    for (const header of ['trace-42', 'a b=c', undefined]) {
+      const response = await fetch(`${running.url}/v1/completions`, {
+        method: 'POST', body: JSON.stringify({ prompt: 'Hello', max_tokens: 2 }),
+        headers: { 'Content-Type': 'application/json', ...(header !== undefined ? { 'X-Request-Id': header } : {}) },
+      });
+      assert.equal(response.status, 200);
+      ids.push((await response.json() as { id: string }).id);
+    }
+  } finally {
+    await running.api.shutdown(0);
+  }
+  const requestLines = lines.filter((line) => /POST \/v1\/completions 200 /.test(line));
+  assert.equal(requestLines.length, 3, lines.join(''));
+  assert.match(requestLines[0]!, / id=cmpl-[0-9a-f]+ client_request_id=trace-42\n$/);
+  assert.match(requestLines[1]!, / id=cmpl-[0-9a-f]+ client_request_id="a b=c"\n$/);
+  assert.match(requestLines[2]!, new RegExp(` id=${ids[2]}\\n$`), 'no header: no client_request_id');
+  // The server's id in the line is not the response's: the response is named by the header.
+  assert.equal(ids[0], 'cmpl-trace-42');
+});
