@@ -200,11 +200,12 @@ export class SequenceSampler {
 
   /**
    * Steps 1-3 of the pipeline, in place on a copy of the row. Every id used as an index was checked against
-   * vocabSize in the constructor (stop, bias and prompt ids) or was sampled from a row (output ids).
+   * vocabSize in the constructor (stop, bias and prompt ids) or was sampled from a row (output ids). `holdStops` false
+   * leaves out min_tokens' hold on the stop ids (the row a guided output that ends despite it reports its end from).
    */
-  applyLogitProcessors(logits: Float32Array): void {
+  applyLogitProcessors(logits: Float32Array, holdStops = true): void {
     const { params } = this;
-    if (this.numOutputTokens < params.minTokens) {
+    if (holdStops && this.numOutputTokens < params.minTokens) {
       for (const id of this.stopTokenIds) logits[id] = -Infinity;
     }
     if (params.logitBias) {
@@ -748,9 +749,10 @@ export class Sampler {
    * that no draw writes. For raw logprobs the masked row itself; for processed ones that row processed as sampleRow
    * processes it (logit processors, then 1/T unless greedy). Call it before the token is recorded (the processors read
    * the sequence's output so far); tokenLogprobs then gives the chosen token's entry. Nothing is recorded and no
-   * uniform drawn, so the token chosen does not depend on whether logprobs are asked for.
+   * uniform drawn, so the token chosen does not depend on whether logprobs are asked for. `holdStops` false: processed
+   * without min_tokens' hold on the stop ids (SequenceSampler.applyLogitProcessors).
    */
-  logprobsRow(row: Float32Array, sequence: SequenceSampler, mask: (values: Float32Array) => void): Float32Array {
+  logprobsRow(row: Float32Array, sequence: SequenceSampler, mask: (values: Float32Array) => void, holdStops = true): Float32Array {
     if (row.length !== this.vocabSize) throw new RangeError(`logits row has ${row.length} values; vocabSize is ${this.vocabSize}`);
     const values = this.logprobsValues ??= new Float32Array(this.vocabSize);
     // A weighing kept for reuse may be of this buffer's former values.
@@ -758,7 +760,7 @@ export class Sampler {
     values.set(row);
     mask(values);
     if (this.logprobsMode === 'processed') {
-      if (sequence.hasLogitProcessors) sequence.applyLogitProcessors(values);
+      if (sequence.hasLogitProcessors) sequence.applyLogitProcessors(values, holdStops);
       const { temperature } = sequence.params;
       if (temperature >= GREEDY_TEMPERATURE && temperature !== 1) this.scaleRow(values, values, 1 / temperature);
     }

@@ -3,6 +3,7 @@
 // benchmarks/grammar.ts times it against a plain sampler pass.
 
 import { argmax, GREEDY_TEMPERATURE, UnsampleableRowError, type SampledToken, type Sampler, type SequenceSampler } from '../sampler.ts';
+import type { TokenLogprob } from '../types.ts';
 import type { GuidedSequence } from './runtime.ts';
 import { GrammarError } from './xgrammar.ts';
 
@@ -169,15 +170,34 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
   eosTokenIds: readonly number[]): SampledToken {
   try {
     const numTop = sequence.params.logprobs;
-    if (numTop === null) return { tokenId: chooseGuidedToken(sampler, values, sequence, guided, eosTokenIds, undefined).tokenId };
+    if (numTop === null) {
+      const chosen = chooseGuidedToken(sampler, values, sequence, guided, eosTokenIds, undefined);
+      if (chosen.endedFrom !== undefined) endWith(sequence, guided, chosen.tokenId);
+      return { tokenId: chosen.tokenId };
+    }
     let allowed = 0;
     const source = sampler.logprobsRow(values, sequence, (row) => { allowed = guided.maskRow(row); });
     // Raw logprobs: the copy is the masked row itself, which the choice takes instead of masking `values` again.
     const chosen = chooseGuidedToken(sampler, values, sequence, guided, eosTokenIds,
       sampler.logprobsMode === 'raw' ? { row: source, allowed } : undefined);
-    // Ended for want of any token to draw: no distribution to report (as sampleRow gives none when it throws).
-    if (chosen.endedMasked) return { tokenId: chosen.tokenId };
-    return { tokenId: chosen.tokenId, logprobs: sampler.tokenLogprobs(source, chosen.tokenId, numTop) };
+    if (chosen.endedFrom === undefined) return { tokenId: chosen.tokenId, logprobs: sampler.tokenLogprobs(source, chosen.tokenId, numTop) };
+    // Ended for want of any token to draw (min_tokens held back the only tokens the grammar allows), with EOS all the
+    // same: a token of the output like any other, so it gets its entry too (one per token, as token_ids and usage
+    // count them). The processed masked row holds nothing finite; the entry is read from it with min_tokens' hold
+    // lifted, as the choice lifted it: for raw logprobs the masked row (`source`), for processed ones the masked row
+    // processed without the hold (the request's other processing, and 1/T, still apply). Before the token is recorded,
+    // so that the penalties read the output before it, as for any other token. A model whose logits are -Infinity for
+    // every token the grammar allows leaves no distribution even so: the entry says the token's logprob is -Infinity.
+    const from = sampler.logprobsMode === 'raw' ? source : sampler.logprobsRow(chosen.endedFrom, sequence, () => {}, false);
+    let logprobs: TokenLogprob;
+    try {
+      logprobs = sampler.tokenLogprobs(from, chosen.tokenId, numTop);
+    } catch (error) {
+      if (!(error instanceof UnsampleableRowError) || error.reason !== 'masked') throw error;
+      logprobs = { tokenId: chosen.tokenId, logprob: -Infinity, top: [] };
+    }
+    endWith(sequence, guided, chosen.tokenId);
+    return { tokenId: chosen.tokenId, logprobs };
   } catch (error) {
     // The grammar engine instance failed (here or earlier, under another request): this completion's grammar state is
     // lost, so the request fails alone (the step's other rows go on); the worker's next guided request gets a fresh
@@ -189,14 +209,22 @@ export function sampleGuidedRow(sampler: Sampler, values: Float32Array, sequence
   }
 }
 
+/** Records the EOS that ends a guided output for want of any token to draw, and advances the grammar with it. */
+function endWith(sequence: SequenceSampler, guided: GuidedSequence, tokenId: number): void {
+  sequence.recordOutputToken(tokenId);
+  guided.accept(tokenId);
+}
+
 /**
  * sampleGuidedRow's choice of the token, recorded in the sequence and accepted by the grammar. `masked`, when given,
  * is the row with the grammar's mask already applied and how many tokens the mask allows (maskRow's count): the mask
- * path reads it instead of writing the mask into `values`. endedMasked: nothing could be drawn from the masked row
- * (the grammar allows only an end min_tokens holds back), and the output ends with EOS.
+ * path reads it instead of writing the mask into `values`. endedFrom: nothing could be drawn from the masked row (the
+ * grammar allows only an end min_tokens holds back), and the output ends with EOS, the token returned; endedFrom is
+ * the masked row (unprocessed) it was taken from, and the token is neither recorded nor accepted yet (endWith, once
+ * the caller has read its logprobs).
  */
 function chooseGuidedToken(sampler: Sampler, values: Float32Array, sequence: SequenceSampler, guided: GuidedSequence,
-  eosTokenIds: readonly number[], masked: { row: Float32Array; allowed: number } | undefined): { tokenId: number; endedMasked?: true } {
+  eosTokenIds: readonly number[], masked: { row: Float32Array; allowed: number } | undefined): { tokenId: number; endedFrom?: Float32Array } {
   const drawFirst = guidedDrawFirst(sequence);
   const sampledPlain = drawFirst && sequence.params.temperature >= GREEDY_TEMPERATURE;
   if (sampledPlain && guided.candidateWidth === NARROW_CANDIDATES) {
@@ -230,10 +258,7 @@ function chooseGuidedToken(sampler: Sampler, values: Float32Array, sequence: Seq
     // Nothing left: the grammar allows only an end it may not take yet (min_tokens holds EOS back). It ends. A NaN
     // is the model's fault, not the grammar's: the request fails (the caller's).
     if (!(error instanceof UnsampleableRowError) || error.reason !== 'masked') throw error;
-    tokenId = eosTokenIds.find((id) => row[id] !== -Infinity) ?? eosTokenIds[0] ?? 0;
-    sequence.recordOutputToken(tokenId);
-    guided.accept(tokenId);
-    return { tokenId, endedMasked: true };
+    return { tokenId: eosTokenIds.find((id) => row[id] !== -Infinity) ?? eosTokenIds[0] ?? 0, endedFrom: row };
   }
   guided.accept(tokenId);
   return { tokenId };
