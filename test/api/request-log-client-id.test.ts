@@ -7,8 +7,9 @@ import { createLogger } from '../../src/api/log.ts';
 
 it('logs client_request_id after id for a request that sent X-Request-Id, quoted when it holds a space or =', async () => {
   const lines: string[] = [];
-  const running = await startServer(parseServeConfig(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf'], {}),
-    createLogger('info', (line) => lines.push(line)));
+  const config = parseServeConfig(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf'], {});
+  assert.notEqual(config, 'help');
+  const running = await startServer(config as Exclude<typeof config, 'help'>, createLogger('info', (line) => lines.push(line)));
   const ids: string[] = [];
   try {
     for (const header of ['trace-42', 'a b=c', undefined]) {
