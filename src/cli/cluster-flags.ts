@@ -52,7 +52,8 @@ function readPem(path: string | undefined, flag: string): Buffer | undefined {
 
 /**
  * The cluster's settings from the flags' values. `label` names a flag in a message that names two of them (default
- * `--name`; `conduit worker` passes flagLabel, so a value from the environment is named by its variable).
+ * `--name`; `conduit worker` and `conduit frontend` pass flagLabel, so a value from the environment is named by its
+ * variable).
  */
 export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, needServices: boolean,
   label: (name: keyof typeof CLUSTER_FLAGS) => string = (name) => `--${name}`): ClusterConfig {

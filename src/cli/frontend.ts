@@ -6,8 +6,8 @@ import { createLogger } from '../api/log.ts';
 import { etcdClient } from '../cluster/discovery.ts';
 import { EventSubscriber, natsConnect, NatsWaitAbortedError } from '../cluster/events.ts';
 import { ClusterFrontend } from '../cluster/frontend.ts';
-import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { envName, formatFlagHelp, parseFlags, UsageError, type FlagSpec, type FlagTable } from './flags.ts';
+import { CLUSTER_FLAGS, parseClusterConfig, type ClusterConfig } from './cluster-flags.ts';
+import { envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagSpec, type FlagTable } from './flags.ts';
 import type { Command } from './main.ts';
 import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
 
@@ -88,6 +88,19 @@ function splitArgs(argv: readonly string[]): { cluster: string[]; gateway: strin
   return { cluster, gateway };
 }
 
+/**
+ * The cluster flags' settings. A value nobody typed is reported under the variable that gave it (CONDUIT_NAMESPACE
+ * (--namespace) must be ...), as `conduit worker` reports it; serve's gateway flags are named so by parseServeConfig.
+ */
+function clusterConfig(args: readonly string[]): ClusterConfig {
+  const parsed = parseFlags(CLUSTER_FLAGS, args);
+  try {
+    return parseClusterConfig(parsed.values, true, (name) => flagLabel(CLUSTER_FLAGS, parsed, name));
+  } catch (err) {
+    throw nameEnvironment(CLUSTER_FLAGS, parsed, err);
+  }
+}
+
 export const frontendCommand: Command = {
   summary: 'the gateway and router over worker processes found through etcd',
   async run(argv) {
@@ -99,8 +112,7 @@ export const frontendCommand: Command = {
         + `${formatFlagHelp(CLUSTER_FLAGS)}\n${formatFlagHelp(GATEWAY_FLAGS)}`);
       return 0;
     }
-    const { values } = parseFlags(CLUSTER_FLAGS, clusterArgs);
-    const cluster = parseClusterConfig(values, true);
+    const cluster = clusterConfig(clusterArgs);
     const logger = createLogger(config.logLevel);
     const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
     const { api } = createApiServer(config, logger);
