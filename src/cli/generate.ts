@@ -7,7 +7,7 @@ import { createLocalEngine, type LocalEngineBundle } from '../engine/local-engin
 import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
 import { ensureBuiltinModel } from '../model/synthetic.ts';
-import { fileProblem, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { fileProblem, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const GENERATE_FLAGS = {
@@ -32,7 +32,8 @@ function isEngineFailure(err: unknown): err is Error {
 }
 
 /** The option values checked (--prompt given, counts whole, ...), before anything loads. */
-function checkOptions({ values, positionals }: ParsedFlags<typeof GENERATE_FLAGS>): void {
+function checkOptions(parsed: ParsedFlags<typeof GENERATE_FLAGS>): void {
+  const { values, positionals } = parsed;
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}" (the text to continue is --prompt "...")`);
   if (values.prompt === undefined) throw new UsageError('--prompt is required');
   const maxTokens = values['max-tokens']!;
@@ -45,8 +46,10 @@ function checkOptions({ values, positionals }: ParsedFlags<typeof GENERATE_FLAGS
   // Each request's seed is seed + i (i < concurrency): all of them whole numbers a request takes, safe integers.
   const maxSeed = Number.MAX_SAFE_INTEGER - (concurrency - 1);
   if (!Number.isSafeInteger(values.seed) || values.seed! > maxSeed) {
-    throw new UsageError(`--seed must be a whole number from ${-Number.MAX_SAFE_INTEGER} to ${maxSeed}`
-      + `${concurrency > 1 ? ` (with --concurrency ${concurrency} the requests take seeds seed to seed + ${concurrency - 1})` : ''}, got ${values.seed}`);
+    // --concurrency named by its variable too when the environment gave it (nameEnvironment names only --seed).
+    const why = concurrency > 1
+      ? ` (with ${flagLabel(GENERATE_FLAGS, parsed, 'concurrency')} ${concurrency} the requests take seeds seed to seed + ${concurrency - 1})` : '';
+    throw new UsageError(`--seed must be a whole number from ${-Number.MAX_SAFE_INTEGER} to ${maxSeed}${why}, got ${values.seed}`);
   }
   if (values.threads !== undefined && !(Number.isInteger(values.threads) && values.threads >= 1)) {
     throw new UsageError(`--threads must be a whole number >= 1, got ${values.threads}`);

@@ -431,13 +431,14 @@ function tlsReason(err: unknown): string {
 /**
  * --tls-cert and --tls-key, read and checked as a TLS server will use them: a file that cannot be read, a certificate
  * or key that is not PEM, and a key that is not the certificate's are refused while the options are read, in one line.
+ * `label` names each flag in the messages (flagLabel: its variable too when the environment gave it).
  */
-function readTls(certPath: string, keyPath: string): { cert: Buffer; key: Buffer } {
-  const read = (flag: string, path: string): Buffer => {
+function readTls(certPath: string, keyPath: string, label: (name: 'tls-cert' | 'tls-key') => string): { cert: Buffer; key: Buffer } {
+  const read = (flag: 'tls-cert' | 'tls-key', path: string): Buffer => {
     try {
       return readFileSync(path);
     } catch (err) {
-      throw new UsageError(`--${flag} ${path}: ${describeFileError(err)}`);
+      throw new UsageError(`${label(flag)} ${path}: ${describeFileError(err)}`);
     }
   };
   const cert = read('tls-cert', certPath);
@@ -445,17 +446,17 @@ function readTls(certPath: string, keyPath: string): { cert: Buffer; key: Buffer
   try {
     createSecureContext({ cert });
   } catch (err) {
-    throw new UsageError(`--tls-cert ${certPath}: not a PEM certificate (${tlsReason(err)})`);
+    throw new UsageError(`${label('tls-cert')} ${certPath}: not a PEM certificate (${tlsReason(err)})`);
   }
   try {
     createSecureContext({ key });
   } catch (err) {
-    throw new UsageError(`--tls-key ${keyPath}: not a PEM private key without a passphrase (${tlsReason(err)})`);
+    throw new UsageError(`${label('tls-key')} ${keyPath}: not a PEM private key without a passphrase (${tlsReason(err)})`);
   }
   try {
     createSecureContext({ cert, key });
   } catch (err) {
-    throw new UsageError(`--tls-key ${keyPath} is not the private key of --tls-cert ${certPath} (${tlsReason(err)})`);
+    throw new UsageError(`${label('tls-key')} ${keyPath} is not the private key of ${label('tls-cert')} ${certPath} (${tlsReason(err)})`);
   }
   return { cert, key };
 }
@@ -463,28 +464,31 @@ function readTls(certPath: string, keyPath: string): { cert: Buffer; key: Buffer
 /**
  * The --model values with their names: NAME=PATH names a model in place (when the text before the first "=" has no
  * path separator and the whole value is not an existing file), else the i-th --served-model-name names the i-th
- * model. Two models served under one name are refused, and so are more names than models.
+ * model. Two models served under one name are refused, and so are more names than models. `label` names each of the
+ * two flags in a message (default `--name`; serve and worker pass flagLabel, so a value from the environment is
+ * named by its variable, whichever of the two it is).
  */
 export function parseModelSpecs(models: readonly string[], names: readonly string[],
-  exists: (path: string) => boolean = existsSync): ServedModelSpec[] {
+  exists: (path: string) => boolean = existsSync,
+  label: (name: 'model' | 'served-model-name') => string = (name) => `--${name}`): ServedModelSpec[] {
   if (names.length > Math.max(1, models.length)) {
-    throw new UsageError(`--served-model-name given ${names.length} times for ${models.length} --model`);
+    throw new UsageError(`${label('served-model-name')} given ${names.length} times for ${models.length} ${label('model')}`);
   }
   const specs = models.map((value, i): ServedModelSpec => {
     const eq = value.indexOf('=');
     const named = eq > 0 && !/[\\/]/.test(value.slice(0, eq)) && !exists(value);
     const path = named ? value.slice(eq + 1) : value;
-    if (path === '') throw new UsageError(`--model ${value}: no path after "="`);
+    if (path === '') throw new UsageError(`${label('model')} ${value}: no path after "="`);
     const name = named ? value.slice(0, eq) : names[i];
     if (named && names[i] !== undefined && names[i] !== name) {
-      throw new UsageError(`--model ${value} is named "${name}" and --served-model-name names it "${names[i]}"`);
+      throw new UsageError(`${label('model')} ${value} is named "${name}" and ${label('served-model-name')} names it "${names[i]}"`);
     }
     return { path, ...(name !== undefined ? { servedModelName: name } : {}) };
   });
   const seen = new Set<string>();
   for (const spec of specs) {
     if (spec.servedModelName === undefined) continue;
-    if (seen.has(spec.servedModelName)) throw new UsageError(`--model: two models are served as "${spec.servedModelName}"`);
+    if (seen.has(spec.servedModelName)) throw new UsageError(`${label('model')}: two models are served as "${spec.servedModelName}"`);
     seen.add(spec.servedModelName);
   }
   return specs;
@@ -604,6 +608,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
 
 function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | 'help' {
   const { values, positionals } = parsed;
+  // Each flag a message names, by its variable too when the environment gave it: nameEnvironment rewrites only the
+  // flag a message starts with, and a message about two flags may have either from the environment.
+  const label = (name: keyof typeof SERVE_FLAGS & string): string => flagLabel(SERVE_FLAGS, parsed, name);
   if (values.help) return 'help';
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const port = values.port!;
@@ -613,7 +620,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   const logLevel = values['log-level']!;
   if (!isLogLevel(logLevel)) throw new UsageError(`--log-level must be one of ${LOG_LEVELS.join(', ')}, got "${logLevel}"`);
   if ((values['tls-cert'] === undefined) !== (values['tls-key'] === undefined)) {
-    throw new UsageError('--tls-cert and --tls-key go together');
+    throw new UsageError(`${label('tls-cert')} and ${label('tls-key')} go together`);
   }
   const timeout = values['request-timeout']!;
   const grace = values['shutdown-grace']!;
@@ -650,7 +657,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   const prefillWorkers = positiveInteger(values['prefill-workers'], 'prefill-workers');
   const decodeWorkers = positiveInteger(values['decode-workers'], 'decode-workers');
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
-    throw new UsageError('--prefill-workers and --decode-workers go together');
+    throw new UsageError(`${label('prefill-workers')} and ${label('decode-workers')} go together`);
   }
   const warnings = parsed.warnings;
   // --workers counts aggregated workers; with prefill and decode workers it would be silently dropped. Typed, that is
@@ -660,7 +667,8 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
       'an alternative to --prefill-workers with --decode-workers, which set the workers of disaggregated serving'));
   }
   if (values['worker-processes'] && prefillWorkers !== undefined && values.engine === 'sim') {
-    throw new UsageError('--worker-processes with --prefill-workers runs cpu workers (simulated workers have no KV to move between processes)');
+    throw new UsageError(`${label('worker-processes')} with ${label('prefill-workers')} runs cpu workers `
+      + '(simulated workers have no KV to move between processes)');
   }
   const disaggregationPolicy = parseDisaggregationPolicy(values);
   const speedUp = parseSpeedUp(values['sim-speed-up']!);
@@ -729,8 +737,10 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     returnTokensAsTokenIds: values['return-tokens-as-token-ids']!,
     ...(warnings.length > 0 ? { warnings } : {}),
   };
-  const models = parseModelSpecs(parsed.lists.model ?? [], parsed.lists['served-model-name'] ?? []);
-  if (models.length > 1 && engine === 'sim') throw new UsageError('--model: simulated workers (--engine sim) serve one profile; several models need --engine cpu');
+  const models = parseModelSpecs(parsed.lists.model ?? [], parsed.lists['served-model-name'] ?? [], undefined, label);
+  if (models.length > 1 && engine === 'sim') {
+    throw new UsageError(`${label('model')}: simulated workers (${label('engine')} sim) serve one profile; several models need --engine cpu`);
+  }
   if (models[0] !== undefined) {
     config.modelPath = models[0].path;
     if (models[0].servedModelName !== undefined) config.servedModelName = models[0].servedModelName;
@@ -769,7 +779,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
   if (writeTimeout > 0) config.writeTimeoutMs = writeTimeout * 1000;
   if (values['tls-cert'] !== undefined) {
-    config.tls = readTls(values['tls-cert'], values['tls-key']!);
+    config.tls = readTls(values['tls-cert'], values['tls-key']!, label);
   }
   return config;
 }

@@ -216,7 +216,8 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   const logger = createLogger(logLevel);
   const log = (level: 'debug' | 'info' | 'warn' | 'error', message: string): void => logger[level](message);
   const [modelSpec] = values.model !== undefined
-    ? parseModelSpecs([values.model], values['served-model-name'] !== undefined ? [values['served-model-name']] : []) : [];
+    ? parseModelSpecs([values.model], values['served-model-name'] !== undefined ? [values['served-model-name']] : [], undefined,
+      (name) => flagLabel(WORKER_FLAGS, parsed, name)) : [];
   const modelPath = engineKind === 'sim' ? undefined
     : modelSpec?.path ?? await (await import('../model/synthetic.ts')).ensureBuiltinModel();
   const workerId = values['worker-id'] ?? defaultWorkerId();
