@@ -895,10 +895,11 @@ export class Gateway {
           shape.sseStyle, this.options.writeTimeoutMs);
         await streamRun(run, shape, writer, {
           includeUsage: request.includeUsage, continuousUsage: request.continuousUsage, headers: call.headers,
+          ...(backend.tokenizer.eosId !== undefined ? { eosTokenId: backend.tokenizer.eosId } : {}),
           ...(trace ? { timings, onFailure: (error: ApiError) => trace.failedMidStream(error) } : {}),
         });
       } else {
-        const body = await collectRun(run, shape, timings);
+        const body = await collectRun(run, shape, timings, backend.tokenizer.eosId);
         // A client that stops reading the answer is cut off after --write-timeout, as a stream's is.
         if (!call.clientGone.aborted) sendJsonReply(call.res, { status: 200, body }, call.headers, this.options.writeTimeoutMs);
       }

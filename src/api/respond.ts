@@ -14,7 +14,7 @@ function usageOf(run: GenerationRun): WireUsage {
 }
 
 /** An event as a choice update; an engine error or an abort the client did not cause becomes an exception. */
-function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
+function toUpdate(run: GenerationRun, event: RunEvent, eosTokenId: number | undefined): ChoiceUpdate {
   const output: EngineOutput = event.output;
   if (output.finishReason === 'error') {
     const detail = output.error ?? 'unknown error';
@@ -27,7 +27,7 @@ function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
     logprobs: output.logprobs,
     promptLogprobs: output.promptLogprobs,
     finishReason: wireFinishReason(output.finishReason),
-    stopReason: wireStopReason(run, event.promptIndex, output.stopReason),
+    stopReason: wireStopReason(run, event.promptIndex, output.stopReason, eosTokenId),
     tokens: output.newTokenIds.length,
     tokenIds: output.newTokenIds,
   };
@@ -35,12 +35,17 @@ function toUpdate(run: GenerationRun, event: RunEvent): ChoiceUpdate {
 
 /**
  * vLLM's stop_reason: the stop string or the request's own stop token id that ended the choice; null for anything
- * else, the model's end-of-sequence token included (the engine names that token too, to leave its text out).
+ * else, the model's end-of-sequence token included (the engine names that token too, to leave its text out), even
+ * when stop_token_ids lists it: vLLM's check_stop tests the EOS (unless ignore_eos) before stop_token_ids, and only the
+ * latter sets stop_reason. With ignore_eos, an EOS listed there ends the output as a stop token id and is reported.
  */
-function wireStopReason(run: GenerationRun, promptIndex: number, stopReason: string | number | undefined): string | number | null {
+function wireStopReason(run: GenerationRun, promptIndex: number, stopReason: string | number | undefined,
+  eosTokenId: number | undefined): string | number | null {
   if (stopReason === undefined) return null;
   if (typeof stopReason === 'string') return stopReason;
-  return run.engineRequests[promptIndex]?.sampling.stopTokenIds.includes(stopReason) ? stopReason : null;
+  const sampling = run.engineRequests[promptIndex]?.sampling;
+  if (sampling === undefined || !sampling.stopTokenIds.includes(stopReason)) return null;
+  return stopReason === eosTokenId && !sampling.ignoreEos ? null : stopReason;
 }
 
 /** The per-phase timings of the request so far, for the response that ends it (undefined without telemetry). */
@@ -51,8 +56,12 @@ function withTimings(body: object, timings: TimingsSource | undefined): object {
   return value === undefined ? body : { ...body, timings: value };
 }
 
-export async function collectRun(run: GenerationRun, shape: ResponseShape, timings?: TimingsSource): Promise<object> {
-  for await (const event of run.events()) shape.collect(toUpdate(run, event));
+/**
+ * The run collected into one body. eosTokenId: the model's end-of-sequence token (its tokenizer's), whose ending
+ * reports stop_reason null (wireStopReason).
+ */
+export async function collectRun(run: GenerationRun, shape: ResponseShape, timings?: TimingsSource, eosTokenId?: number): Promise<object> {
+  for await (const event of run.events()) shape.collect(toUpdate(run, event, eosTokenId));
   return withTimings(shape.body(usageOf(run)), timings);
 }
 
@@ -63,6 +72,8 @@ export interface StreamOptions {
   timings?: TimingsSource;
   /** Told of an error that ended the stream after it began (it went to the client as an SSE error event). */
   onFailure?: (error: ApiError) => void;
+  /** The model's end-of-sequence token (its tokenizer's): an ending on it reports stop_reason null (wireStopReason). */
+  eosTokenId?: number;
 }
 
 export async function streamRun(
@@ -72,7 +83,7 @@ export async function streamRun(
   const events = run.events();
   try {
     const first = await events.next();
-    const firstUpdate = first.done ? undefined : toUpdate(run, first.value);
+    const firstUpdate = first.done ? undefined : toUpdate(run, first.value, options.eosTokenId);
     writer.open(options.headers);
     await streamFrom(run, shape, writer, options, events, firstUpdate);
   } finally {
@@ -115,7 +126,7 @@ async function streamFrom(
       }
       if (writer.closed) return;
       const next = await events.next();
-      update = next.done ? undefined : toUpdate(run, next.value);
+      update = next.done ? undefined : toUpdate(run, next.value, options.eosTokenId);
     }
     if (options.includeUsage) await writer.send(withTimings(shape.usageChunk(usageOf(run)), options.timings));
     writer.end();
