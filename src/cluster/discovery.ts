@@ -1,8 +1,12 @@
 // Discovery through etcd. A worker registers one key, `/<namespace>/workers/<id>`, bound to a lease of a few seconds
 // that the client keeps alive: the key lives while the worker does, and a worker that stops renewing (killed, cut
-// off) disappears when its lease lapses. A lost lease (etcd restarted without its data, or unreachable past the TTL)
-// is granted again and the key put again, so a worker outlives an etcd outage without restarting. Deregistering
-// revokes the lease (the key goes at once): a draining worker does that first.
+// off) disappears when its lease lapses. The key is created in an etcd transaction, only when it is absent (or held
+// by an earlier lease of this same worker): a second live process given the same id does not take it over. A key
+// held by another process's lease is waited for until that lease would have lapsed (a killed worker's restart);
+// when it is still held then, its holder is alive and the new process refuses to start (WorkerIdInUseError). A lost
+// lease (etcd restarted without its data, or unreachable past the TTL) is granted again and the key put again, so a
+// worker outlives an etcd outage without restarting. Deregistering revokes the lease (the key goes at once): a
+// draining worker does that first.
 //
 // A frontend lists the prefix and watches it from the listed revision: workers appear and disappear live. When the
 // watch reconnects (etcd restarted), the prefix is listed again and the view reconciled (workers gone meanwhile are
@@ -12,6 +16,7 @@
 
 import tls from 'node:tls';
 import { Etcd3, type IOptions, type Lease } from 'etcd3';
+import { EngineStartError } from '../engine/errors.ts';
 import type { WorkerRole } from '../engine/types.ts';
 import { splitAddress } from './remote-engine.ts';
 import type { ClusterLog } from './worker-server.ts';
@@ -130,9 +135,27 @@ export function checkWorkerRecord(text: string): WorkerRecord | string {
   return value as WorkerRecord;
 }
 
+/**
+ * The worker id is registered by another live process (its lease is kept alive): this one must not take it over.
+ * The message names the id and the holder (its pid, address and start time, from its record). A start-up failure
+ * (EngineStartError): `conduit worker` prints it as one line and exits 1.
+ */
+export class WorkerIdInUseError extends EngineStartError {
+  override name = 'WorkerIdInUseError';
+}
+
+/** How often a registration waiting for another process's key to go looks again. */
+const HELD_KEY_POLL_MS = 500;
+/** Past the holder lease's remaining TTL, how long its key may take to go (etcd revokes expired leases in a loop). */
+const LEASE_EXPIRY_MARGIN_MS = 2000;
+
 /** A worker's key under a kept-alive lease. */
 export class WorkerRegistration {
   private lease: Lease | undefined;
+  /** The ID of `lease`, once granted. */
+  private leaseId: string | undefined;
+  /** Every lease this registration was granted: a key still under one of them is this worker's own (see claim). */
+  private readonly ownLeases = new Set<string>();
   private stopped = false;
   private retry: NodeJS.Timeout | undefined;
 
@@ -145,40 +168,44 @@ export class WorkerRegistration {
 
   /**
    * Registers; resolves once the key is in etcd (retrying until then, every second), or once `signal` ends the wait
-   * (the process is stopping: the caller deregisters, in case the key went in meanwhile).
+   * (the process is stopping: the caller deregisters, in case the key went in meanwhile). Rejects with
+   * WorkerIdInUseError when another live process holds the key: it does not lapse within its lease's TTL.
    */
-  async start(signal?: AbortSignal): Promise<void> {
+  start(signal?: AbortSignal): Promise<void> {
+    return this.registerUntilDone(signal, true);
+  }
+
+  /**
+   * register() until it succeeds, every second. `refuseHeld`: a key another live process holds ends it with
+   * WorkerIdInUseError (at start); else (registering again after a lost lease) it waits for that key to go.
+   */
+  private async registerUntilDone(signal: AbortSignal | undefined, refuseHeld: boolean): Promise<void> {
     for (;;) {
       if (this.stopped || signal?.aborted) return;
       try {
-        await this.register();
+        await this.register(refuseHeld, signal);
         return;
       } catch (error) {
+        if (error instanceof WorkerIdInUseError) throw error;
         if (signal?.aborted) return;
         this.log('warn', `etcd: cannot register ${this.key} yet (${(error as Error).message}); retrying in 1 s`);
-        await new Promise<void>((resolve) => {
-          const done = (): void => {
-            clearTimeout(timer);
-            signal?.removeEventListener('abort', done);
-            resolve();
-          };
-          const timer = setTimeout(done, 1000);
-          signal?.addEventListener('abort', done, { once: true });
-        });
+        await sleep(1000, signal);
       }
     }
   }
 
   /**
-   * Puts a changed record (the adapters it holds) under the same lease; when the lease is being granted again
-   * meanwhile, that registration puts this record.
+   * Puts a changed record (the adapters it holds) under the same lease, if the key is still under it; when the lease
+   * is being granted again meanwhile, that registration puts this record.
    */
   async update(record: WorkerRecord): Promise<void> {
     this.record = record;
-    const lease = this.lease;
-    if (!lease || this.stopped) return;
+    const leaseId = this.leaseId;
+    if (!this.lease || leaseId === undefined || this.stopped) return;
     try {
-      await lease.put(this.key).value(JSON.stringify(record));
+      const result = await this.client.if(this.key, 'Lease', '==', leaseId)
+        .then(this.client.put(this.key).value(JSON.stringify(record)).lease(leaseId)).commit();
+      if (!result.succeeded) this.log('warn', `etcd: ${this.key} is not under this worker's lease any more; its record was not updated`);
     } catch (error) {
       this.log('warn', `etcd: could not update ${this.key} (${(error as Error).message}); the lease's next registration puts it`);
     }
@@ -190,6 +217,7 @@ export class WorkerRegistration {
     clearTimeout(this.retry);
     const lease = this.lease;
     this.lease = undefined;
+    this.leaseId = undefined;
     if (!lease) return;
     try {
       await Promise.race([lease.revoke(), new Promise((_, reject) => setTimeout(() => reject(new Error('timed out')), 3000))]);
@@ -200,23 +228,109 @@ export class WorkerRegistration {
     }
   }
 
-  private async register(): Promise<void> {
+  private async register(refuseHeld: boolean, signal: AbortSignal | undefined): Promise<void> {
     const lease = this.client.lease(this.ttlSeconds, { autoKeepAlive: true });
     lease.on('lost', (error) => {
       if (this.stopped || this.lease !== lease) return;
       this.log('warn', `etcd: lease of ${this.key} lost (${error.message}); registering again`);
       this.lease = undefined;
-      this.retry = setTimeout(() => void this.start(), 200);
+      this.leaseId = undefined;
+      this.retry = setTimeout(() => {
+        this.registerUntilDone(undefined, false).catch((failure: Error) => this.log('error', `etcd: ${failure.message}`));
+      }, 200);
     });
+    let claimed: boolean;
     try {
-      await lease.put(this.key).value(JSON.stringify(this.record));
+      const leaseId = await lease.grant();
+      this.ownLeases.add(leaseId);
+      claimed = await this.claim(leaseId, refuseHeld, signal);
+      if (claimed && !this.stopped) {
+        this.lease = lease;
+        this.leaseId = leaseId;
+      }
     } catch (error) {
       lease.release();
       throw error;
     }
-    this.lease = lease;
+    // Stopped (deregistered, or the start-up's signal) while claiming: the key, if it went in, goes with the lease.
+    if (!claimed || this.stopped) {
+      await lease.revoke().catch(() => lease.release());
+      return;
+    }
     this.log('info', `etcd: registered ${this.key} (lease ${this.ttlSeconds} s)`);
   }
+
+  /**
+   * Puts the record under `leaseId` if the key is absent, or held by an earlier lease of this registration (etcd
+   * kept the key of a lease this worker lost: it moves to the new lease). A key under another process's lease is
+   * left alone: the put is tried again until that key goes. With `refuseHeld`, only for as long as a lease the
+   * holder stopped renewing would take to lapse (its remaining TTL, and a margin): a key still there then is a live
+   * process's, and the claim fails with WorkerIdInUseError. False when stopped first (deregistered, or `signal`).
+   */
+  private async claim(leaseId: string, refuseHeld: boolean, signal: AbortSignal | undefined): Promise<boolean> {
+    const key = this.key;
+    let deadline: number | undefined;
+    let reported = false;
+    for (;;) {
+      if (this.stopped || signal?.aborted) return false;
+      const put = () => this.client.put(key).value(JSON.stringify(this.record)).lease(leaseId);
+      const created = await this.client.if(key, 'Create', '==', 0).then(put()).else(this.client.get(key)).commit();
+      if (created.succeeded) return true;
+      const held = created.responses[0]?.response_range?.kvs[0];
+      // The read is in the transaction whose compare found the key, so it is there; should it not be, try again.
+      if (!held) continue;
+      const holderLease = String(held.lease);
+      if (this.ownLeases.has(holderLease) || holderLease === '0') {
+        // This worker's own key from a lease it lost, or a key under no lease (no worker put it, and nothing would
+        // ever remove it): replaced, unless it changed since it was read.
+        if (holderLease === '0') this.log('warn', `etcd: ${key} is under no lease (not a worker's registration); replacing it`);
+        const moved = await this.client.if(key, 'Mod', '==', held.mod_revision).then(put()).commit();
+        if (moved.succeeded) return true;
+        continue;
+      }
+      const holder = describeHolder(held.value.toString('utf8'));
+      if (deadline === undefined) {
+        // A holder that stopped renewing (killed) loses the key within its lease's remaining TTL.
+        const ttl = await this.client.leaseClient.leaseTimeToLive({ ID: holderLease }).then((r) => Number(r.TTL), () => -1);
+        deadline = Date.now() + Math.max(0, ttl) * 1000 + LEASE_EXPIRY_MARGIN_MS;
+      }
+      if (!reported) {
+        reported = true;
+        if (refuseHeld) {
+          this.log('info', `etcd: worker id ${this.record.id} is registered by ${holder}; waiting up to `
+            + `${Math.ceil((deadline - Date.now()) / 1000)} s for that lease to lapse (the worker may have been stopped)`);
+        } else {
+          this.log('error', `etcd: worker id ${this.record.id} is now registered by another process, ${holder}; `
+            + `this worker (pid ${this.record.pid}) is not in discovery until that key goes`);
+        }
+      }
+      if (refuseHeld && Date.now() >= deadline) {
+        throw new WorkerIdInUseError(`worker id ${this.record.id} is held by a live worker, ${holder} (its lease under ${key} `
+          + 'is kept alive): give this worker another --worker-id, or stop that one first');
+      }
+      await sleep(HELD_KEY_POLL_MS, signal);
+    }
+  }
+}
+
+/** Who holds a worker's key, from its record: "pid N at host:port (started T)", or what the value is. */
+function describeHolder(text: string): string {
+  const record = checkWorkerRecord(text);
+  if (typeof record === 'string') return `a key that is ${record}`;
+  return `pid ${record.pid} at ${record.address} (started ${record.startedAt})`;
+}
+
+/** Waits `ms`, or less when `signal` aborts. */
+function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise<void>((resolve) => {
+    const done = (): void => {
+      clearTimeout(timer);
+      signal?.removeEventListener('abort', done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener('abort', done, { once: true });
+  });
 }
 
 export interface WorkerWatchHandlers {

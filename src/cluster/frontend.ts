@@ -223,6 +223,14 @@ export class ClusterFrontend {
       // a drain plans no reconnection. A draining process keeps its connection until its streams end (retire); any
       // other old connection is dropped (its streams fail over as on a loss).
       existing.remote = undefined;
+      if (remote && !remote.lost && !remote.draining && !sameProcess(before, record)) {
+        // A restart is seen as the old connection closing (or its drain notice) before the new record: a live old
+        // process means two processes hold this id (workers refuse one another's key, but an older release does not).
+        this.options.log('warn', `worker ${record.id} was registered again by another process (pid ${record.pid} at ${record.address}, `
+          + `started ${record.startedAt}) while the connection to the previous one (pid ${before.pid} at ${before.address}, `
+          + `started ${before.startedAt}) is live and not draining: two processes may run with this worker id; `
+          + 'dropping the previous one\'s connection');
+      }
       if (remote?.draining) remote.retire(`worker ${record.id} re-registered (another process at ${record.address})`);
       else remote?.drop(`worker ${record.id} re-registered at ${record.address}`);
       this.connect(existing);

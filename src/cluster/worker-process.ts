@@ -162,11 +162,14 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
   };
   let publisher: EventPublisher | undefined;
   let etcd: ReturnType<typeof etcdClient> | undefined;
-  const stopStarting = async (why: string): Promise<never> => {
+  const closeStarted = async (): Promise<void> => {
     await publisher?.close();
     await server.close();
     await engine.close();
     etcd?.close();
+  };
+  const stopStarting = async (why: string): Promise<never> => {
+    await closeStarted();
     throw new WorkerStartAbortedError(why);
   };
   if (options.nats) {
@@ -186,7 +189,13 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
   }
   etcd = options.etcd ? etcdClient(options.etcd) : undefined;
   const registration = etcd ? new WorkerRegistration(etcd, options.namespace, record, options.leaseTtlSeconds, log) : undefined;
-  await registration?.start(options.signal);
+  try {
+    await registration?.start(options.signal);
+  } catch (error) {
+    // Another live process holds this worker id (WorkerIdInUseError): this one does not start.
+    await closeStarted();
+    throw error;
+  }
   if (options.signal?.aborted) {
     await registration?.deregister();
     return stopStarting(`stopped${registration ? ` while registering ${registration.key}` : ''}`);

@@ -8,10 +8,13 @@
 // ClusterFrontend in this process (KV events on the request plane, no NATS). The old process drains with its key still
 // there (as when its lease revoke did not reach etcd and the key lapses later, or the frontend's watch was away while
 // the key went and came back): that is the case where the frontend sees the drain and the new registration on one key.
+// A worker does not take a key another live process's lease holds (discovery.ts), so the new process's record is put
+// at the key by hand, as the frontend sees it when its watch missed the old key's delete.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
-import { etcdClient } from '../../src/cluster/discovery.ts';
+import type { Etcd3, Lease } from 'etcd3';
+import { etcdClient, workersPrefix } from '../../src/cluster/discovery.ts';
 import { ClusterFrontend, type ClusterEngine } from '../../src/cluster/frontend.ts';
 import { startClusterWorker, type RunningWorker } from '../../src/cluster/worker-process.ts';
 import { engineNow } from '../../src/engine/clock.ts';
@@ -40,10 +43,14 @@ describe('a draining worker whose key names a new process at the same address', 
   let engine: ClusterEngine;
   const workers: RunningWorker[] = [];
   const relays: TcpRelay[] = [];
+  let client: Etcd3;
+  /** Leases the test put new processes' records under, by worker id. */
+  const handLeases: { id: string; lease: Lease }[] = [];
 
   before(async () => {
     dir = tempDir('drain-reregister');
     etcd = await startEtcd(dir);
+    client = etcdClient({ endpoints: [etcd.url] });
     frontend = new ClusterFrontend({
       namespace: NAMESPACE, clusterToken: TOKEN, etcd: etcdClient({ endpoints: [etcd.url] }), log: () => {},
     });
@@ -54,21 +61,31 @@ describe('a draining worker whose key names a new process at the same address', 
     await frontend?.close();
     for (const worker of workers) await worker.shutdown(0);
     for (const relay of relays) await relay.close();
+    client?.close();
     await stopAll();
     removeDir(dir);
   });
 
   /** A worker process behind the relay: new connections through it go to this one from now on. */
-  async function startWorker(workerId: string, relay: TcpRelay): Promise<RunningWorker> {
+  async function startWorker(workerId: string, relay: TcpRelay, register = true): Promise<RunningWorker> {
     const port = await freePort();
     relay.target = port;
     const worker = await startClusterWorker({
       workerId, role: 'both', namespace: NAMESPACE, clusterToken: TOKEN, host: '127.0.0.1', port, advertiseAddress: relay.address,
-      etcd: { endpoints: [etcd.url] }, leaseTtlSeconds: 5,
+      ...(register ? { etcd: { endpoints: [etcd.url] } } : {}), leaseTtlSeconds: 5,
       pool: { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity } },
       log: () => {},
     });
     workers.push(worker);
+    return worker;
+  }
+
+  /** The worker's new process, its record put at the key by hand (the old one keeps its lease). */
+  async function startNewProcess(workerId: string, relay: TcpRelay): Promise<RunningWorker> {
+    const worker = await startWorker(workerId, relay, false);
+    const lease = client.lease(5);
+    await lease.put(`${workersPrefix(NAMESPACE)}${workerId}`).value(JSON.stringify(worker.record));
+    handLeases.push({ id: workerId, lease });
     return worker;
   }
 
@@ -103,6 +120,7 @@ describe('a draining worker whose key names a new process at the same address', 
 
   async function leave(id: string): Promise<void> {
     for (const worker of workers.filter((w) => w.record.id === id)) await worker.shutdown(0);
+    for (const { lease } of handLeases.filter((h) => h.id === id)) await lease.revoke();
     await waitUntil(() => view(id) === undefined, `${id} left`, 20_000);
   }
 
@@ -111,7 +129,7 @@ describe('a draining worker whose key names a new process at the same address', 
       const { old, relay } = await firstProcess('w1');
       await old.server.drain(0);
       await waitUntil(() => view('w1')?.state === 'draining' && !engine.workerIds.includes('w1'), 'the frontend saw w1 drain', 20_000);
-      const replacement = await startWorker('w1', relay);
+      const replacement = await startNewProcess('w1', relay);
       await servedByTheNewProcess('w1', old, replacement);
     } finally {
       await leave('w1');
@@ -121,7 +139,7 @@ describe('a draining worker whose key names a new process at the same address', 
   test('a new process registers at its address, then the old one drains: the frontend ends on the new one', async () => {
     try {
       const { old, relay } = await firstProcess('w2');
-      const replacement = await startWorker('w2', relay);
+      const replacement = await startNewProcess('w2', relay);
       await old.server.drain(0);
       await servedByTheNewProcess('w2', old, replacement);
     } finally {

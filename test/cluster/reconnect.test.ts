@@ -5,11 +5,15 @@
 // stays alive (its key is still there, as in the seconds before a dead worker's lease lapses), and comes back with the
 // same id on a new port; the frontend's planned retry (500 ms after the loss, or 1 s after a failed attempt) must not
 // open a second connection to it once the re-registration has joined it. The count is taken on the worker's side.
+// A worker does not take a key another live process's lease holds (discovery.ts), so the second process's record is
+// put by hand here: the key changes under the frontend as when its watch missed the old key's delete, or as a worker
+// of an older release registered.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
 import net from 'node:net';
-import { etcdClient } from '../../src/cluster/discovery.ts';
+import type { Etcd3, Lease } from 'etcd3';
+import { etcdClient, workersPrefix } from '../../src/cluster/discovery.ts';
 import { ClusterFrontend, type ClusterEngine } from '../../src/cluster/frontend.ts';
 import { startClusterWorker, type RunningWorker } from '../../src/cluster/worker-process.ts';
 import { engineNow } from '../../src/engine/clock.ts';
@@ -42,17 +46,29 @@ describe('a frontend connects to a worker once', { skip }, () => {
   const logs: string[] = [];
   const workers: RunningWorker[] = [];
   const proxies: net.Server[] = [];
+  let client: Etcd3;
+  /** Leases the test put second processes' records under, by worker id. */
+  const handLeases: { id: string; lease: Lease }[] = [];
 
-  async function startWorker(workerId: string, advertiseAddress?: (port: number) => Promise<string>): Promise<RunningWorker> {
+  async function startWorker(workerId: string, advertiseAddress?: (port: number) => Promise<string>, register = true): Promise<RunningWorker> {
     const port = await freePort();
     const worker = await startClusterWorker({
       workerId, role: 'both', namespace: NAMESPACE, clusterToken: TOKEN, host: '127.0.0.1', port,
       ...(advertiseAddress ? { advertiseAddress: await advertiseAddress(port) } : {}),
-      etcd: { endpoints: [etcd.url] }, leaseTtlSeconds: 5,
+      ...(register ? { etcd: { endpoints: [etcd.url] } } : {}), leaseTtlSeconds: 5,
       pool: { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: Infinity } },
       log: () => {},
     });
     workers.push(worker);
+    return worker;
+  }
+
+  /** Another process of a worker whose first one keeps its lease: its record put at the key by hand. */
+  async function startSecondProcess(workerId: string): Promise<RunningWorker> {
+    const worker = await startWorker(workerId, undefined, false);
+    const lease = client.lease(5);
+    await lease.put(`${workersPrefix(NAMESPACE)}${workerId}`).value(JSON.stringify(worker.record));
+    handLeases.push({ id: workerId, lease });
     return worker;
   }
 
@@ -86,6 +102,7 @@ describe('a frontend connects to a worker once', { skip }, () => {
   /** The test's workers leave (their keys go): the next test starts with none. */
   async function leave(id: string): Promise<void> {
     for (const worker of workers.filter((w) => w.record.id === id)) await worker.shutdown(0);
+    for (const { lease } of handLeases.filter((h) => h.id === id)) await lease.revoke();
     await waitUntil(() => !engine?.workerIds.includes(id) && view(id) === undefined, `${id} left`, 20_000);
   }
 
@@ -95,6 +112,7 @@ describe('a frontend connects to a worker once', { skip }, () => {
   before(async () => {
     dir = tempDir('reconnect');
     etcd = await startEtcd(dir);
+    client = etcdClient({ endpoints: [etcd.url] });
     frontend = new ClusterFrontend({
       namespace: NAMESPACE, clusterToken: TOKEN, etcd: etcdClient({ endpoints: [etcd.url] }),
       log: (level, message) => { logs.push(`${level} ${message}`); },
@@ -106,6 +124,7 @@ describe('a frontend connects to a worker once', { skip }, () => {
     await frontend?.close();
     for (const worker of workers) await worker.shutdown(0);
     for (const proxy of proxies) await new Promise((resolve) => proxy.close(resolve));
+    client?.close();
     await stopAll();
     removeDir(dir);
   });
@@ -117,7 +136,7 @@ describe('a frontend connects to a worker once', { skip }, () => {
       // Its server goes (the connection drops); its lease is kept alive, so its key stays.
       await crashed.server.close();
       await waitUntil(() => lossesOf('w1') > lostBefore, 'the frontend saw the connection drop', 20_000);
-      const restarted = await startWorker('w1');
+      const restarted = await startSecondProcess('w1');
       await joinedAt(restarted);
       await sleep(PAST_THE_RETRIES_MS);
       assert.equal(restarted.server.frontendConnections, 1, 'one connection from the frontend, not one per reconnection path');
@@ -136,7 +155,7 @@ describe('a frontend connects to a worker once', { skip }, () => {
       await crashed.server.close();
       // The 500 ms retry goes to the old port, which refuses: the next retry is planned 1 s later.
       await waitUntil(() => failedAttemptsOf('w2') > failedBefore, 'the retry to the old port failed', 20_000);
-      const restarted = await startWorker('w2');
+      const restarted = await startSecondProcess('w2');
       await joinedAt(restarted);
       await sleep(PAST_THE_RETRIES_MS);
       assert.equal(restarted.server.frontendConnections, 1);
@@ -152,7 +171,7 @@ describe('a frontend connects to a worker once', { skip }, () => {
     try {
       const old = await firstWorker('w3');
       assert.equal(old.server.frontendConnections, 1);
-      const replacement = await startWorker('w3');
+      const replacement = await startSecondProcess('w3');
       await joinedAt(replacement);
       await sleep(PAST_THE_RETRIES_MS);
       assert.equal(replacement.server.frontendConnections, 1);
