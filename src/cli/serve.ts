@@ -811,7 +811,13 @@ export function parseOrigins(text: string): string[] {
 }
 
 /** The gateway of a config (keys, limits, TLS, logging), not yet listening: what serve and frontend share. */
-export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clock): { api: ApiServer; keyStore: KeyStore } {
+/**
+ * The API server of `conduit serve` and `conduit frontend`. workersPolicy: the scheduling policy of every worker
+ * behind it, when this process starts them all (serve): requests' priority and deadline_ms are then checked against
+ * it. A frontend does not know its workers' policies and leaves it out.
+ */
+export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clock,
+  workersPolicy?: SchedulingPolicy): { api: ApiServer; keyStore: KeyStore } {
   for (const warning of config.warnings ?? []) logger.warn(warning);
   const keyStore = new KeyStore(config.keys, config.tenantDefaults);
   if (keyStore.isOpen) logger.warn('no API keys configured: every request is accepted (development mode); see --api-keys-file');
@@ -838,6 +844,7 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
     ...(config.writeTimeoutMs !== undefined ? { writeTimeoutMs: config.writeTimeoutMs } : {}),
     ...(config.tls ? { tls: config.tls } : {}),
     ...(clock ? { clock } : {}),
+    ...(workersPolicy !== undefined ? { schedulingPolicy: workersPolicy } : {}),
     logger,
   });
   return { api, keyStore };
@@ -854,7 +861,8 @@ export function modelFolderNames(specs: readonly { path?: string; servedModelNam
 
 /** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */
 export async function startServer(config: ServeConfig, logger: Logger, clock?: Clock): Promise<RunningServer> {
-  const { api, keyStore } = createApiServer(config, logger, clock);
+  // Every worker is started here with config's policy (fcfs when not given), so the gateway checks requests by it.
+  const { api, keyStore } = createApiServer(config, logger, clock, config.schedulingPolicy ?? 'fcfs');
   await api.listen(config.port, config.host);
   try {
     // Simulated workers run no model file: the built-in one is not even written for them.

@@ -12,7 +12,7 @@ const E2E = { timeout: 120_000 };
 // The blocker ranks first under every policy (so it is not preempted): priority 0 before the others' 1 and 2 (or
 // equal and earlier), a deadline before theirs.
 const cases: { policy: string; blocker?: object; first: object; second: object; secondOvertakes: boolean }[] = [
-  { policy: 'fcfs', first: { priority: 5 }, second: { priority: -1 }, secondOvertakes: false },
+  { policy: 'fcfs', first: {}, second: {}, secondOvertakes: false },
   { policy: 'priority', first: { priority: 5 }, second: { priority: 0 }, secondOvertakes: true },
   { policy: 'priority', first: { priority: 1 }, second: { priority: 2 }, secondOvertakes: false },
   { policy: 'deadline', blocker: { deadline_ms: 1 }, first: { deadline_ms: 600_000 }, second: { deadline_ms: 1 }, secondOvertakes: true },
@@ -30,6 +30,16 @@ for (const policy of ['fcfs', 'priority', 'deadline']) {
     after(async () => {
       await server?.close();
     });
+
+    // The fields this policy never reads are refused (vLLM refuses a priority without priority scheduling).
+    const unread = { fcfs: [{ priority: 5 }, { deadline_ms: 1000 }], priority: [{ deadline_ms: 1000 }], deadline: [] }[policy]!;
+    for (const extra of unread) {
+      it(`refuses ${JSON.stringify(extra)}, which ${policy} never reads, with a 400 naming the field`, async () => {
+        const response = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'hi', max_tokens: 2, ...extra } });
+        assert.equal(response.status, 400, response.text);
+        assert.equal((response.json() as { error: { param: string } }).error.param, Object.keys(extra)[0]);
+      });
+    }
 
     for (const c of cases.filter((x) => x.policy === policy)) {
       it(`a later request ${JSON.stringify(c.second)} ${c.secondOvertakes ? 'overtakes' : 'waits behind'} a queued ${JSON.stringify(c.first)}`, E2E, async () => {
