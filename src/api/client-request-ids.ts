@@ -1,5 +1,5 @@
 // The X-Request-Id header a client (or a proxy in front of the server) sends names its response and comes back in the
-// x-request-id response header, as vLLM does. The server's own id (chatcmpl-..., cmpl-..., resp-...) still names
+// x-request-id response header, as vLLM does. The server's own id (chatcmpl-..., cmpl-..., resp_...) still names
 // the request's trace, its log line and its engine requests, so clients that reuse an id never collide. This
 // remembers which requests recently sent which client id, so that GET /v1/requests/{id}/trace and the console find
 // a trace by the id the client saw; bounded like the trace store.

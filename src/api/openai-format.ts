@@ -40,8 +40,12 @@ export interface ChoiceResult {
   stopReason: string | number | null;
 }
 
+/**
+ * A server id: `chatcmpl-<hex>` and `cmpl-<hex>` as OpenAI and vLLM name completions, `resp_<hex>` as they name
+ * responses (the Responses API's ids, `msg_...` and `fc_...` items too, join prefix and body with an underscore).
+ */
 export function newCompletionId(prefix: 'chatcmpl' | 'cmpl' | 'resp'): string {
-  return `${prefix}-${randomBytes(12).toString('hex')}`;
+  return `${prefix}${prefix === 'resp' ? '_' : '-'}${randomBytes(12).toString('hex')}`;
 }
 
 export function unixSeconds(): number {

@@ -29,11 +29,14 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   /** With tools: the calls of the finished output (the message's text is then `text`). */
   private calls: ChatToolCall[] = [];
 
-  /** itemIdBase: the id the output items' ids are made of (the item's prefix instead of resp-), by default the response's. */
+  /**
+   * itemIdBase: the id the output items' ids are made of (the item's prefix, msg_ or fc_, instead of resp_), by default
+   * the response's; as OpenAI's, the ids join prefix and body with an underscore.
+   */
   constructor(private readonly meta: ChatResponseMeta, private readonly echo: ResponsesEcho, private readonly tools?: ResponseShape,
     itemIdBase: string = meta.id) {
-    this.suffix = itemIdBase.replace(/^resp-/, '');
-    this.itemId = `msg-${this.suffix}`;
+    this.suffix = itemIdBase.replace(/^resp_/, '');
+    this.itemId = `msg_${this.suffix}`;
   }
 
   get sseStyle(): SseStyle {
@@ -63,7 +66,7 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     // An output cut short (max_output_tokens) was cut inside its last call: that one is incomplete, the others whole.
     const status = this.status === 'incomplete' ? (index === this.calls.length - 1 ? 'incomplete' : 'completed') : this.status;
     return {
-      id: `fc-${this.suffix}-${index}`, type: 'function_call', status,
+      id: `fc_${this.suffix}_${index}`, type: 'function_call', status,
       call_id: call.id, name: call.function.name, arguments: withArguments ? call.function.arguments : '',
     };
   }

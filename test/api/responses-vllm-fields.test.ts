@@ -32,7 +32,7 @@ describe('/v1/responses: vLLM request fields', () => {
     assert.equal(whole.status, 200, whole.text);
     const body = whole.json();
     assert.equal(body.id, 'my-response-7');
-    assert.match(String(whole.headers['x-request-id']), /^resp-[0-9a-f]+$/, 'the server id, which finds the trace');
+    assert.match(String(whole.headers['x-request-id']), /^resp_[0-9a-f]+$/, 'the server id, which finds the trace');
     const again = (await respond({ request_id: 'my-response-7' })).json();
     assert.equal(again.id, 'my-response-7');
     assert.notEqual(again.output[0].id, body.output[0].id, 'two responses given one request_id share no item id');

@@ -36,7 +36,7 @@ describe('POST /v1/responses', () => {
       messages: [{ role: 'system', content: 'You tell short stories.' }, { role: 'user', content: 'Tell me about a cat.' }],
     });
     assert.equal(response.object, 'response');
-    assert.match(response.id, /^resp-[0-9a-f]{24}$/);
+    assert.match(response.id, /^resp_[0-9a-f]{24}$/);
     assert.equal(response.output_text, chat.choices[0]!.message.content);
     assert.equal(response.output.length, 1);
     const message = response.output[0]!;
@@ -152,6 +152,41 @@ describe('POST /v1/responses', () => {
     const cutCall = cut.output.find((item) => item.type === 'function_call') as OpenAI.Responses.ResponseFunctionToolCall;
     assert.throws(() => JSON.parse(cutCall.arguments), SyntaxError, cutCall.arguments);
     assert.equal(cutCall.status, 'incomplete');
+  });
+
+  it('ids are OpenAI\'s (resp_, msg_, fc_), through responses.create and responses.stream; the id finds the trace', E2E, async () => {
+    const created = await client.responses.create({ model, input: 'Hi', max_output_tokens: 3, temperature: 0 });
+    assert.match(created.id, /^resp_[0-9a-f]{24}$/);
+    assert.deepEqual(created.output.map((item) => item.id), [`msg_${created.id.slice('resp_'.length)}`]);
+
+    const stream = client.responses.stream({ model, input: 'Hi', max_output_tokens: 3, temperature: 0 });
+    const eventIds = new Set<string>();
+    for await (const event of stream) {
+      if ('response' in event) eventIds.add(event.response.id);
+      if ('item_id' in event) eventIds.add(event.item_id);
+    }
+    const streamed = await stream.finalResponse();
+    assert.match(streamed.id, /^resp_[0-9a-f]{24}$/);
+    const messageId = `msg_${streamed.id.slice('resp_'.length)}`;
+    assert.deepEqual(streamed.output.map((item) => item.id), [messageId]);
+    assert.deepEqual([...eventIds].sort(), [messageId, streamed.id].sort(), 'every event names the response and its item alike');
+
+    const called = await client.responses.create({
+      model, input: 'What is the weather in Paris?', max_output_tokens: 40, temperature: 0,
+      tools: [WEATHER], tool_choice: { type: 'function', name: 'get_weather' },
+    });
+    assert.deepEqual(called.output.map((item) => item.id), [`fc_${called.id.slice('resp_'.length)}_0`]);
+
+    for (const id of [created.id, streamed.id]) {
+      // The trace is kept when the server has finished the request, which may be just after the client's last byte.
+      let trace = await rawRequest(server.url, { path: `/v1/requests/${id}/trace` });
+      for (let tries = 0; trace.status === 404 && tries < 50; tries++) {
+        await new Promise((resolve) => setTimeout(resolve, 20));
+        trace = await rawRequest(server.url, { path: `/v1/requests/${id}/trace` });
+      }
+      assert.equal(trace.status, 200, trace.text);
+      assert.equal(trace.json().request_id, id);
+    }
   });
 
   it('function_call and function_call_output input items are the assistant\'s tool calls and the tool\'s messages', E2E, async () => {

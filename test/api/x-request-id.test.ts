@@ -74,7 +74,12 @@ describe('X-Request-Id names the request', () => {
     const res = await rawRequest(server.url, { path: '/v1/responses', headers: { ...auth, 'X-Request-Id': 'resp-hdr' }, body: { model, input: 'hi', max_output_tokens: 2 } });
     assert.equal(res.status, 200, res.text);
     assert.equal(res.headers['x-request-id'], 'resp-hdr');
-    assert.match(res.json().id, /^resp-[0-9a-f]+$/);
+    assert.match(res.json().id, /^resp_[0-9a-f]+$/);
+    for (const id of ['resp-hdr', res.json().id]) {
+      const trace = await rawRequest(server.url, { path: `/v1/requests/${id}/trace`, headers: auth });
+      assert.equal(trace.status, 200, trace.text);
+      assert.equal(trace.json().request_id, res.json().id, 'the header and the response id find the trace');
+    }
   });
 
   it('refusals carry the header back too: a 400, a 401', E2E, async () => {
