@@ -14,6 +14,7 @@ import { existsSync, readFileSync, statSync } from 'node:fs';
 import { readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { ModelConfig } from './config.ts';
+import { MAX_TEXT_FILE_BYTES } from './files.ts';
 import { GgmlType } from './ggml-types.ts';
 import { metaNumber, metaString, parseGguf, type GgufFile } from './gguf.ts';
 import { interleavedRowOrder } from './hf.ts';
@@ -137,8 +138,10 @@ export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeade
     if (isDirectory) {
       const configPath = join(path, 'adapter_config.json');
       const tensorsPath = join(path, 'adapter_model.safetensors');
-      requireRegularFile(configPath, await stat(configPath));
+      const configInfo = await stat(configPath);
+      requireRegularFile(configPath, configInfo);
       requireRegularFile(tensorsPath, await stat(tensorsPath));
+      requireTextSize(configPath, configInfo.size);
       const config = await readFile(configPath);
       const file = await readSafetensorsAsync(tensorsPath);
       digest = adapterDigest([config, file.bytes]);
@@ -151,6 +154,7 @@ export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeade
       for (const info of parseGguf(bytes, path).tensorInfos) if (info.name.endsWith('.lora_a')) rank = Math.max(rank, info.shape[1] ?? 0);
     }
   } catch (error) {
+    if (error instanceof LoraAdapterError) throw error;
     throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
   }
   if (rank === 0) throw new LoraAdapterError(`${path}: the adapter adapts no weight`);
@@ -183,6 +187,19 @@ export function loadLoraAdapter(path: string, base: ModelConfig): LoadedLoraAdap
  */
 function requireRegularFile(path: string, info: { isFile(): boolean }): void {
   if (!info.isFile()) throw new LoraAdapterError(`${path} is not a regular file (a folder, device, FIFO or socket)`);
+}
+
+/**
+ * adapter_config.json is decoded into one string, which V8 caps (MAX_TEXT_FILE_BYTES, as for a model's text files in
+ * files.ts' readModelText): a larger one is refused before it is read, naming the file and the limit, instead of
+ * failing in Buffer.toString with a plain "Cannot create a string longer than ..." after reading half a gigabyte.
+ * Checked here by size, as readModelText checks it, since loadLoraAdapter reads synchronously on the worker's thread.
+ */
+function requireTextSize(path: string, size: number): void {
+  if (size > MAX_TEXT_FILE_BYTES) {
+    throw new LoraAdapterError(`${path} is ${size} bytes, more than the ${MAX_TEXT_FILE_BYTES} bytes a text file of an ` +
+      'adapter may have (the longest string JavaScript holds)');
+  }
 }
 
 function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<LoadedLoraAdapter, 'digest'> {
@@ -267,8 +284,10 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
   const tensorsPath = join(dir, 'adapter_model.safetensors');
   if (!existsSync(configPath)) throw new LoraAdapterError(`${dir} is a folder without adapter_config.json (a PEFT adapter has one)`);
   if (!existsSync(tensorsPath)) throw new LoraAdapterError(`${dir} has no adapter_model.safetensors`);
-  requireRegularFile(configPath, statSync(configPath));
+  const configInfo = statSync(configPath);
+  requireRegularFile(configPath, configInfo);
   requireRegularFile(tensorsPath, statSync(tensorsPath));
+  requireTextSize(configPath, configInfo.size);
   let json: Record<string, unknown>;
   let configBytes: Uint8Array;
   try {

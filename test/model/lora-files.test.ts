@@ -1,14 +1,15 @@
 // LoRA adapter files as a client names them (/v1/load_lora_adapter): what is at the path must be an adapter's
 // regular files, never read forever (a device or FIFO would hold the worker's thread), and a malformed
-// adapter_config.json is named as such.
+// adapter_config.json is named as such, one too large to be a JavaScript string too (by its size, before it is read).
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { ModelConfig } from '../../src/model/config.ts';
+import { MAX_TEXT_FILE_BYTES } from '../../src/model/files.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { inspectLoraAdapter, loadLoraAdapter, LoraAdapterError } from '../../src/model/lora.ts';
 import { makeTinyModel, writeTinyGguf } from './loader-fixtures.ts';
@@ -62,5 +63,20 @@ describe('LoRA adapter paths that are not files', () => {
     writeFileSync(join(folder, 'adapter_model.safetensors'), '');
     assert.throws(() => loadLoraAdapter(folder, base),
       (e) => e instanceof LoraAdapterError && e.message === `${join(folder, 'adapter_config.json')} is not a JSON object`);
+  });
+
+  it('an adapter_config.json one byte past the longest string: refused by inspect and load, naming it and the limit', async () => {
+    const folder = join(dir, 'peft-huge');
+    mkdirSync(folder);
+    const configPath = join(folder, 'adapter_config.json');
+    writeFileSync(configPath, '{"r": 4, "lora_alpha": 8}');
+    // Sparse: no disk, and (refused unread) no memory.
+    truncateSync(configPath, MAX_TEXT_FILE_BYTES + 1);
+    writeFileSync(join(folder, 'adapter_model.safetensors'), '');
+    const tooLarge = (e: unknown) => e instanceof LoraAdapterError &&
+      e.message === `${configPath} is ${MAX_TEXT_FILE_BYTES + 1} bytes, more than the ${MAX_TEXT_FILE_BYTES} bytes a text ` +
+        'file of an adapter may have (the longest string JavaScript holds)';
+    await assert.rejects(inspectLoraAdapter(folder), tooLarge);
+    assert.throws(() => loadLoraAdapter(folder, base), tooLarge);
   });
 });
