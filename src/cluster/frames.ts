@@ -7,7 +7,9 @@
 //   kinds 2-4: the KV transfer's runs and binary control messages (src/cluster/kv-tcp.ts, kv-wire.ts), on the KV
 //           port only.
 // The length counts the kind byte and the payload. A frame longer than the reader's limit is refused before any of
-// its bytes are buffered, so a peer cannot make the reader allocate what the length claims.
+// its bytes are buffered, so a peer cannot make the reader allocate what the length claims; or, for a reader told to
+// skip such frames (a worker's, once the peer authenticated), passed over: its first bytes are kept, so that the
+// request it carries can be named and refused alone, and the rest is dropped as it arrives.
 
 export const FRAME_HEADER_BYTES = 5;
 export const FRAME_JSON = 0;
@@ -18,6 +20,14 @@ export const DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024;
 
 export class FrameError extends Error {
   override name = 'FrameError';
+}
+
+/** A frame longer than the reader's limit: its length, the limit, and its kind when its header came whole. */
+export class OversizedFrameError extends FrameError {
+  override name = 'OversizedFrameError';
+  constructor(readonly length: number, readonly limit: number, readonly kind: number | undefined) {
+    super(`frame of ${length} bytes is over the limit of ${limit} bytes`);
+  }
 }
 
 export function encodeJsonFrame(message: unknown): Buffer {
@@ -39,6 +49,11 @@ export function encodeBlobFrame(blob: Buffer): Buffer {
 export interface Frame {
   kind: number;
   payload: Buffer;
+  /**
+   * A frame over the limit that the reader skips (FrameReader.skipOversized): its length (kind byte and payload);
+   * `payload` then holds only its first bytes, and the rest never comes out of the reader.
+   */
+  oversizedBytes?: number;
 }
 
 /**
@@ -48,6 +63,15 @@ export interface Frame {
 export class FrameReader {
   private chunks: Buffer[] = [];
   private buffered = 0;
+  /** Bytes of a skipped oversized frame still to drop as they arrive. */
+  private skipping = 0;
+  /**
+   * Undefined (the default): a frame over the limit is a FrameError. Set: such a frame comes out of next() with
+   * `oversizedBytes` set and its first `headBytes` bytes (kind byte and payload) only; the rest is dropped, never
+   * buffered, and the frames after it follow. While its head is still coming, `plausible` is asked about the bytes so
+   * far (kind byte and payload): false makes it a FrameError at once, as without skipping.
+   */
+  skipOversized: { headBytes: number; plausible(partialHead: Buffer): boolean } | undefined;
 
   /** extraKinds: frame kinds a protocol adds (the KV port's binary control messages), passed through unread. */
   constructor(public maxFrameBytes: number = DEFAULT_MAX_FRAME_BYTES, private readonly extraKinds: readonly number[] = []) {}
@@ -60,17 +84,39 @@ export class FrameReader {
 
   /** The next complete frame, or undefined until more bytes arrive. Frames come out in order, each checked. */
   next(): Frame | undefined {
+    if (this.skipping > 0) {
+      const dropped = Math.min(this.skipping, this.buffered);
+      if (dropped > 0) this.take(dropped);
+      this.skipping -= dropped;
+      if (this.skipping > 0) return undefined;
+    }
     if (this.buffered < 4) return undefined;
     const length = this.peek(4).readUInt32BE(0);
     if (length === 0) throw new FrameError('empty frame (length 0)');
     if (length > this.maxFrameBytes) {
-      throw new FrameError(`frame of ${length} bytes is over the limit of ${this.maxFrameBytes} bytes`);
+      if (this.skipOversized === undefined) {
+        throw new OversizedFrameError(length, this.maxFrameBytes, this.buffered >= FRAME_HEADER_BYTES ? this.peek(FRAME_HEADER_BYTES)[4] : undefined);
+      }
+      const head = Math.max(1, Math.min(length, this.skipOversized.headBytes));
+      if (this.buffered < 4 + head) {
+        const partial = this.peek(this.buffered).subarray(4, this.buffered);
+        if (!this.skipOversized.plausible(partial)) throw new OversizedFrameError(length, this.maxFrameBytes, partial[0]);
+        return undefined;
+      }
+      const bytes = this.take(4 + head);
+      this.skipping = length - head;
+      const kind = this.checkKind(bytes[4]!);
+      return { kind, payload: bytes.subarray(FRAME_HEADER_BYTES), oversizedBytes: length };
     }
     if (this.buffered < 4 + length) return undefined;
     const bytes = this.take(4 + length);
-    const kind = bytes[4]!;
-    if (kind !== FRAME_JSON && kind !== FRAME_BLOB && !this.extraKinds.includes(kind)) throw new FrameError(`unknown frame kind ${kind}`);
+    const kind = this.checkKind(bytes[4]!);
     return { kind, payload: bytes.subarray(FRAME_HEADER_BYTES) };
+  }
+
+  private checkKind(kind: number): number {
+    if (kind !== FRAME_JSON && kind !== FRAME_BLOB && !this.extraKinds.includes(kind)) throw new FrameError(`unknown frame kind ${kind}`);
+    return kind;
   }
 
   /** write() then every complete frame; throws at the first bad one (frames before it are lost to the caller). */

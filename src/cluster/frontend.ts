@@ -31,7 +31,7 @@ import { WorkerWatch, type WorkerRecord } from './discovery.ts';
 import type { DisaggregatedEngine } from '../runtime/disaggregated.ts';
 import type { DisaggregationPolicy } from '../runtime/disaggregation-policy.ts';
 import { remoteDisaggregatedEngine } from './remote-disagg.ts';
-import { splitAddress } from './remote-engine.ts';
+import { ModelCardTooLargeError, splitAddress } from './remote-engine.ts';
 import { EventSubscriber, workerInstance } from './events.ts';
 import { ClusterAdapters, type AdapterWorker } from './cluster-lora.ts';
 import { RemoteEngine } from './remote-engine.ts';
@@ -301,6 +301,12 @@ export class ClusterFrontend {
       // A connection no engine took (refused, or its join failed before handing it over) is closed here.
       if (connected && member.remote !== connected) void connected.close();
       if (this.stale(member)) return;
+      if (error instanceof ModelCardTooLargeError) {
+        // Every attempt would read the same card: none is planned. A new registration of the worker (another
+        // process, another address) tries again.
+        this.options.log('error', `request plane: ${error.message}; not retried while worker ${member.record.id} stays registered as it is`);
+        return;
+      }
       this.options.log('warn', `request plane: ${error.message}; retrying in 1 s while ${member.record.id} is registered`);
       this.retryLater(member, 1000);
     }).finally(() => {

@@ -7,6 +7,10 @@
 // WorkerLostError and tells the onLost listeners, so the routed engine drops the worker and migrates what it can,
 // without waiting for the discovery lease to lapse. A worker that says it is draining is reported lost too (it takes
 // no new requests) while the streams it is finishing keep flowing.
+//
+// A request whose frame is over the worker's --max-frame-bytes (its welcome says how much it takes) is refused here
+// before anything is sent, with an InvalidRequestError for that request alone (the client's 400): the worker would
+// otherwise have to refuse the frame, and nothing else on the connection is disturbed either way.
 
 import net from 'node:net';
 import { EngineClosedError, EngineOverloadedError, InvalidRequestError, LoraLoadError, WorkerLostError } from '../engine/errors.ts';
@@ -22,11 +26,21 @@ import { v8Deserialize } from './blob.ts';
 import { PrefillStream, type AdoptedResult, type KvHandoff, type PrefillEvent } from '../engine/handoff.ts';
 import type { KvPoolLayout } from '../engine/handoff.ts';
 import { parseWireHandoff, toWireHandoff } from './kv-tcp.ts';
-import { DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, parseJsonMessage } from './frames.ts';
 import {
-  HEARTBEAT_TIMEOUT_MS, parseHashes, parseInfo, parseKvEvents, parseRole, parseStats, REQUEST_PLANE_VERSION,
+  DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, OversizedFrameError, parseJsonMessage,
+} from './frames.ts';
+import {
+  frameOverLimit, HEARTBEAT_TIMEOUT_MS, parseHashes, parseInfo, parseKvEvents, parseRole, parseStats, REQUEST_PLANE_VERSION,
   toWireRequest, type ModelCard,
 } from './request-plane.ts';
+
+/**
+ * The worker's model card is larger than this frontend's --max-frame-bytes: the frontend cannot read it, from this
+ * worker process or any other of the model, until it runs with a larger limit.
+ */
+export class ModelCardTooLargeError extends Error {
+  override name = 'ModelCardTooLargeError';
+}
 
 export interface RemoteEngineOptions {
   clusterToken: string;
@@ -59,6 +73,8 @@ export class RemoteEngine implements RoutableEngine {
   /** A prefill worker's KV port, on the host of its request-plane address. */
   readonly kvPort: number | undefined;
   readonly kvLayout: KvPoolLayout | undefined;
+  /** The largest frame the worker takes (its welcome's), or undefined from a worker that does not say. */
+  readonly maxFrameBytes: number | undefined;
   /** Decode worker: where the KV port of a prefill worker is, by its id (set by whoever pairs the workers). */
   kvSourceAddress: ((prefillId: string) => { host: string; port: number } | undefined) | undefined;
   private readonly kvListeners = new Set<(events: KvEvent[]) => void>();
@@ -84,6 +100,8 @@ export class RemoteEngine implements RoutableEngine {
     this.drainingFlag = welcome.draining === true;
     this.kvPort = Number.isInteger(welcome.kvPort) ? Number(welcome.kvPort) : undefined;
     this.kvLayout = welcome.kvLayout as KvPoolLayout | undefined;
+    const limit = welcome.maxFrameBytes;
+    this.maxFrameBytes = Number.isSafeInteger(limit) && (limit as number) > 0 ? limit as number : undefined;
     socket.on('data', (chunk: Buffer) => this.receive(chunk));
     socket.on('close', () => this.lose(`connection to worker ${this.workerId} at ${address} closed`));
     const timeout = options.heartbeatTimeoutMs ?? HEARTBEAT_TIMEOUT_MS;
@@ -175,10 +193,11 @@ export class RemoteEngine implements RoutableEngine {
     if (this.streams.has(request.id)) {
       throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
     }
+    // sentAt: this process's clock, from which the worker takes the request's clock offset (clock-offset.ts).
+    const frame = this.requestFrame(request.id, { t: 'gen', request: toWireRequest(request), sentAt: engineNow() });
     const queue = new AsyncQueue<EngineOutput>();
     this.streams.set(request.id, queue);
-    // sentAt: this process's clock, from which the worker takes the request's clock offset (clock-offset.ts).
-    this.socket.write(encodeJsonFrame({ t: 'gen', request: toWireRequest(request), sentAt: engineNow() }));
+    this.socket.write(frame);
     const remote = this;
     return (async function* () {
       let ended = false;
@@ -199,9 +218,10 @@ export class RemoteEngine implements RoutableEngine {
     if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
     if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.prefills.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
+    const frame = this.requestFrame(request.id, { t: 'prefill', request: toWireRequest(request), sentAt: engineNow() });
     const queue = new PrefillStream();
     this.prefills.set(request.id, queue);
-    this.socket.write(encodeJsonFrame({ t: 'prefill', request: toWireRequest(request), sentAt: engineNow() }));
+    this.socket.write(frame);
     return this.follow(this.prefills, request.id, queue);
   }
 
@@ -224,10 +244,11 @@ export class RemoteEngine implements RoutableEngine {
     if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
     if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
+    const source = sourceId !== null ? this.kvSourceAddress?.(sourceId) ?? null : null;
+    const frame = this.requestFrame(request.id, { t: 'adopt', handoff: toWireHandoff(handoff), source, sentAt: engineNow() });
     const queue = new AsyncQueue<EngineOutput>();
     this.streams.set(request.id, queue);
-    const source = sourceId !== null ? this.kvSourceAddress?.(sourceId) ?? null : null;
-    this.socket.write(encodeJsonFrame({ t: 'adopt', handoff: toWireHandoff(handoff), source, sentAt: engineNow() }));
+    this.socket.write(frame);
     return this.follow(this.streams, request.id, queue);
   }
 
@@ -240,9 +261,27 @@ export class RemoteEngine implements RoutableEngine {
     if (!source || this.lostError || this.closed || this.socket.destroyed) return;
     // The prompt's full-block hashes, as the decode worker's engine computes them: the blocks it caches do not move.
     const blockHashes = hashTokenBlocks(request.promptTokenIds, this.info.blockSize, { cacheSalt: request.cacheSalt, adapterId: request.lora });
-    this.socket.write(encodeJsonFrame({
+    const frame = encodeJsonFrame({
       t: 'expect', id: request.id, promptTokens: request.promptTokenIds.length, blockHashes, source, sentAt: engineNow(),
-    }));
+    });
+    // Over the worker's limit: no early stream (the adopt that follows pulls after the handoff, or is refused itself).
+    if (this.maxFrameBytes !== undefined && frame.length - 4 > this.maxFrameBytes) return;
+    this.socket.write(frame);
+  }
+
+  /**
+   * A request's frame (gen, prefill, adopt), refused with an InvalidRequestError for that request when it is over
+   * the worker's limit: sent, the worker would refuse it (and one of an earlier release would close the connection,
+   * failing every other request on it).
+   */
+  private requestFrame(requestId: string, message: Record<string, unknown>): Buffer {
+    const frame = encodeJsonFrame(message);
+    // The length a frame's header gives: its kind byte and payload.
+    const bytes = frame.length - 4;
+    if (this.maxFrameBytes !== undefined && bytes > this.maxFrameBytes) {
+      throw new InvalidRequestError('invalid_request', requestId, frameOverLimit(bytes, this.workerId, this.maxFrameBytes));
+    }
+    return frame;
   }
 
   onAdopted(listener: (result: AdoptedResult) => void): () => void {
@@ -403,6 +442,15 @@ export class RemoteEngine implements RoutableEngine {
       this.reader.write(chunk);
       for (let frame = this.reader.next(); frame && !this.lostError; frame = this.reader.next()) this.handleFrame(frame.kind, frame.payload);
     } catch (error) {
+      if (error instanceof OversizedFrameError && error.kind === FRAME_BLOB && this.cardWaiters.length > 0) {
+        // The one blob frame is the model card: no bad worker, a limit here too small for the model's tokenizer.
+        const tooLarge = new ModelCardTooLargeError(`the model card of worker ${this.workerId} at ${this.address} is a frame of `
+          + `${error.length} bytes, over this frontend's limit of ${error.limit} bytes (--max-frame-bytes): this frontend `
+          + 'cannot serve the model until it runs with a larger --max-frame-bytes');
+        for (const waiter of this.cardWaiters.splice(0)) waiter.reject(tooLarge);
+        this.drop(tooLarge.message);
+        return;
+      }
       this.options.log?.('warn', `request plane: bad frame from worker ${this.workerId} at ${this.address}: ${(error as Error).message}; closing`);
       this.drop(`worker ${this.workerId} sent a bad frame: ${(error as Error).message}`);
     }

@@ -4,7 +4,7 @@
 // the network. Everything received is validated here before it reaches an engine.
 //
 // A connection starts with the frontend's `hello` carrying the cluster token; the worker answers `welcome` (its id,
-// engine info, role) or `refused` and closes. Then:
+// engine info, role, the largest frame it takes) or `refused` and closes. Then:
 //   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump),
 //                       lora-load / lora-unload (answered by lora: what loading found, and from a worker that keeps
 //                       its own adapters the key it gave the adapter, or how many requests an unload waits for);
@@ -18,13 +18,15 @@ import { timingSafeEqual, createHash } from 'node:crypto';
 import type { EngineInfo, EngineRequest, GuidedDecoding, SamplingParams, WorkerRole } from '../engine/types.ts';
 import { KV_LOWER_TIERS, parseKvEvent, type BlockHash, type KvEvent, type KvLowerTier, parseBlockHash } from '../protocols/kv-events.ts';
 import type { EngineStats, KvTiersStats } from '../protocols/worker.ts';
-import { FrameError } from './frames.ts';
+import { FrameError, FRAME_JSON } from './frames.ts';
 
 /**
  * The protocol's version, checked at hello: a worker refuses a frontend of another version (and says which it
  * speaks) before any request is sent, rather than closing the connection on a message it does not know.
  *   1: requests, KV events, snapshots, the model card, disaggregation (prefill, expect, adopt, release);
  *   2: lora-load / lora-unload (LoRA adapters loaded and unloaded on a worker).
+ * A field added to a message that a peer of the same version may lack (the welcome's maxFrameBytes) keeps the version:
+ * the side that reads it does without it when it is absent.
  */
 export const REQUEST_PLANE_VERSION = 2;
 /** The largest frame a connection may send before it authenticated (its hello). */
@@ -55,6 +57,66 @@ export interface Welcome {
   kvPort?: number;
   /** The worker's KV pool layout (prefill and decode workers). */
   kvLayout?: KvPoolLayout;
+  /**
+   * The largest frame the worker takes after the hello (its --max-frame-bytes): the frontend refuses a request whose
+   * frame is larger before sending it. Absent from a worker of an earlier release (same version: an added field),
+   * to which the frontend sends as before.
+   */
+  maxFrameBytes?: number;
+}
+
+/**
+ * The refusal of a request whose frame is over a worker's limit, as the client reads it (the frontend's engine error
+ * gives the request's id in front of it).
+ */
+export function frameOverLimit(bytes: number, workerId: string, limit: number): string {
+  return `the request is too large for the engine worker: its request-plane frame of ${bytes} bytes is over worker `
+    + `${workerId}'s limit of ${limit} bytes (--max-frame-bytes)`;
+}
+
+/** How much of an oversized frame a worker reads to name the request it carries (see oversizedRequest). */
+export const OVERSIZED_HEAD_BYTES = 16 * 1024;
+
+/** How the frames oversizedRequest reads begin (after the kind byte). */
+const OVERSIZED_REQUEST_STARTS = ['{"t":"gen","request":{', '{"t":"prefill","request":{'];
+
+/**
+ * Whether the first bytes of an oversized frame (its kind byte and the payload so far) may still be a request
+ * oversizedRequest can name: a JSON frame beginning as a `gen` or `prefill` does. Anything else is refused without
+ * waiting for the rest of its head.
+ */
+export function mayBeOversizedRequest(partialHead: Buffer): boolean {
+  if (partialHead.length === 0) return true;
+  if (partialHead[0] !== FRAME_JSON) return false;
+  const text = partialHead.subarray(1).toString('latin1');
+  return OVERSIZED_REQUEST_STARTS.some((start) => (text.length <= start.length ? start.startsWith(text) : text.startsWith(start)));
+}
+
+/**
+ * The request an oversized `gen` or `prefill` frame carries, read from the first bytes of its payload (after the kind
+ * byte): its type and request id, or undefined when they cannot be read there. Frontends write `{"t":"gen","request":{...` with the request's
+ * fields in order; the id comes after a few scalar fields (priority, arrival, tenant, trace context, ...), so the
+ * fields before it are read one by one, and anything else there (an object, an array) gives up.
+ */
+export function oversizedRequest(head: Buffer): { t: 'gen' | 'prefill'; id: string } | undefined {
+  const text = head.toString('utf8');
+  const start = /^\{"t":"(gen|prefill)","request":\{/.exec(text);
+  if (!start) return undefined;
+  const field = /"((?:[^"\\]|\\.)*)":("(?:[^"\\]|\\.)*"|-?\d[\d.eE+-]*|true|false|null)(,|\})/y;
+  field.lastIndex = start[0].length;
+  for (let match = field.exec(text); match; match = field.exec(text)) {
+    if (match[1] === 'id') {
+      let id: unknown;
+      try {
+        id = JSON.parse(match[2]!);
+      } catch {
+        return undefined;
+      }
+      return typeof id === 'string' && id.length > 0 && id.length <= 256 ? { t: start[1] as 'gen' | 'prefill', id } : undefined;
+    }
+    if (match[3] === '}') return undefined;
+  }
+  return undefined;
 }
 
 /** The chat template and tokenizer a frontend needs to serve the workers' model (blob frame). */

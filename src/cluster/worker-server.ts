@@ -3,7 +3,10 @@
 //
 // Each connection must open with a hello carrying the cluster token (and fit MAX_HELLO_BYTES); a wrong token, a
 // frame over the limit, a frame that is not a message or a request that does not validate is logged with its
-// reason and the connection is closed. The process and every other connection go on. A connection that closes
+// reason and the connection is closed. The process and every other connection go on. The exception is a request
+// (gen, prefill) whose frame is over --max-frame-bytes, from a frontend that did not check it against the limit the
+// welcome gave (an earlier release): that request alone is refused (an invalid_request error, the frame skipped
+// unread) and the connection, with the other requests on it, stays. A connection that closes
 // aborts every request it started (the frontend is gone, or gave up on this worker), so nothing keeps running for
 // nobody. Cancellation from the frontend is an `abort` message. A drain whose grace runs out stops the requests
 // still running and ends each with an `err` frame (EngineClosedError: the frontend sees the worker lost and migrates
@@ -33,10 +36,12 @@ import {
 } from './kv-tcp.ts';
 import type { KvLinkPreference } from './kv-shm.ts';
 import {
-  DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, parseJsonMessage,
+  DEFAULT_MAX_FRAME_BYTES, encodeBlobFrame, encodeJsonFrame, FrameError, FrameReader, FRAME_JSON, OversizedFrameError, parseJsonMessage,
+  type Frame,
 } from './frames.ts';
 import {
-  HEARTBEAT_MS, MAX_HELLO_BYTES, parseWireRequest, REQUEST_PLANE_VERSION, tokenMatches, type ModelCard, type Welcome,
+  frameOverLimit, HEARTBEAT_MS, MAX_HELLO_BYTES, mayBeOversizedRequest, OVERSIZED_HEAD_BYTES, oversizedRequest, parseWireRequest,
+  REQUEST_PLANE_VERSION, tokenMatches, type ModelCard, type Welcome,
 } from './request-plane.ts';
 
 export type ClusterLog = (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
@@ -174,6 +179,8 @@ export class WorkerServer {
   private readonly idleWaiters: (() => void)[] = [];
   /** Connections refused and why (for tests and /health of the worker). */
   refusals = 0;
+  /** Requests refused because their frame was over --max-frame-bytes (the connection stayed). */
+  oversizedRequests = 0;
   /** Prefill role: serves pulls of handed-off blocks over TCP; their requests, pinned until released. */
   private kvServer: KvTransferServer | undefined;
   private kvPort: number | undefined;
@@ -399,12 +406,18 @@ export class WorkerServer {
         reader.write(chunk);
         for (let frame = reader.next(); frame && !socket.destroyed; frame = reader.next()) {
           if (frame.kind !== FRAME_JSON) throw new FrameError('a worker accepts JSON frames only');
+          if (frame.oversizedBytes !== undefined) {
+            this.refuseOversized(connection, frame);
+            continue;
+          }
           const message = parseJsonMessage(frame.payload);
           if (!connection.authenticated) {
             clearTimeout(helloTimer);
             this.hello(connection, message);
             if (!connection.authenticated) return;
             reader.maxFrameBytes = this.maxFrameBytes;
+            // A request over the limit is refused alone, when its frame's head names it (refuseOversized).
+            reader.skipOversized = { headBytes: OVERSIZED_HEAD_BYTES, plausible: mayBeOversizedRequest };
             continue;
           }
           this.handle(connection, message);
@@ -421,6 +434,24 @@ export class WorkerServer {
       for (const id of connection.requests) this.abortRequest(id);
       for (const [id, owner] of this.pinned) if (owner === connection) this.abortRequest(id);
       for (const [id, stream] of this.incoming) if (stream.connection === connection) this.cancelIncoming(id, 'the frontend is gone');
+    });
+  }
+
+  /**
+   * A frame over --max-frame-bytes after the hello (its first bytes only, the rest skipped): the request it carries
+   * is refused alone, with an invalid_request error naming the limit; a frame whose request cannot be named there
+   * closes the connection, as any bad frame does.
+   */
+  private refuseOversized(connection: Connection, frame: Frame): void {
+    const bytes = frame.oversizedBytes!;
+    const request = oversizedRequest(frame.payload);
+    if (!request) throw new OversizedFrameError(bytes, this.maxFrameBytes, frame.kind);
+    this.oversizedRequests++;
+    this.log('warn', `request plane: refusing request ${JSON.stringify(request.id)} (${request.t}) from ${connection.peer}: its frame of `
+      + `${bytes} bytes is over this worker's limit of ${this.maxFrameBytes} bytes (--max-frame-bytes); the connection stays`);
+    this.send(connection, {
+      t: 'err', id: request.id, name: 'InvalidRequestError', code: 'invalid_request',
+      message: `request ${JSON.stringify(request.id)}: ${frameOverLimit(bytes, this.workerId, this.maxFrameBytes)}`,
     });
   }
 
@@ -441,7 +472,7 @@ export class WorkerServer {
     connection.wantsEvents = message.events === true;
     const welcome: Welcome = {
       t: 'welcome', v: REQUEST_PLANE_VERSION, workerId: this.workerId, role: this.role, info: this.options.engine.info,
-      stats: this.stats(), draining: this.draining,
+      stats: this.stats(), draining: this.draining, maxFrameBytes: this.maxFrameBytes,
       ...(this.kvPort !== undefined ? { kvPort: this.kvPort } : {}),
       ...((this.options.engine as Partial<PrefillWorkerEngine>).kvLayout ? { kvLayout: (this.options.engine as Partial<PrefillWorkerEngine>).kvLayout } : {}),
     };
