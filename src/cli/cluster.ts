@@ -12,7 +12,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
@@ -64,32 +64,49 @@ async function waitForPort(port: number, what: string, child: ChildProcess, maxM
   }
 }
 
+/**
+ * The options checked before anything starts. The frontend's are checked here, as the frontend checks them: refused
+ * before etcd, NATS and the workers start, rather than by a frontend that exits once they run.
+ */
+function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
+  port: number; routingPolicy: string; migrationLimit: number; count: number; graceSeconds: number;
+} {
+  if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
+  const port = values.port!;
+  if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
+  const routingPolicy = values['routing-policy']!;
+  if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
+    throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}, got "${routingPolicy}"`);
+  }
+  const migrationLimit = values['migration-limit']!;
+  if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
+    throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
+  }
+  const count = values.workers!;
+  if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
+  const graceSeconds = values['shutdown-grace']!;
+  if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
+  if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
+  return { port, routingPolicy, migrationLimit, count, graceSeconds };
+}
+
 export const clusterCommand: Command = {
   summary: 'a local demo cluster: etcd, NATS, N workers and a frontend on this machine',
   async run(argv) {
-    const { values, positionals } = parseFlags(CLUSTER_DEMO_FLAGS, argv);
+    const parsed = parseFlags(CLUSTER_DEMO_FLAGS, argv);
+    const { values } = parsed;
     if (values.help) {
       console.log(`Usage: conduit cluster [options]\n\n${formatFlagHelp(CLUSTER_DEMO_FLAGS)}`);
       return 0;
     }
-    if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
-    // The frontend's options are checked here, as the frontend checks them: refused before etcd, NATS and the
-    // workers start, rather than by a frontend that exits once they run.
-    const port = values.port!;
-    if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
-    const routingPolicy = values['routing-policy']!;
-    if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
-      throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}, got "${routingPolicy}"`);
+    let options: ReturnType<typeof checkOptions>;
+    try {
+      options = checkOptions(parsed);
+    } catch (err) {
+      // A value nobody typed is reported under the variable that gave it (CONDUIT_PORT (--port) must be ...).
+      throw nameEnvironment(CLUSTER_DEMO_FLAGS, parsed, err);
     }
-    const migrationLimit = values['migration-limit']!;
-    if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
-      throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
-    }
-    const count = values.workers!;
-    if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
-    const graceSeconds = values['shutdown-grace']!;
-    if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
-    if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
+    const { port, routingPolicy, migrationLimit, count, graceSeconds } = options;
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
     // etcd and NATS stop at once; the frontend and the workers finish their streams first (their grace), then exit.
     const children: { name: string; child: ChildProcess; killAfterMs: number }[] = [];

@@ -263,13 +263,22 @@ export function flagLabel<T extends FlagTable>(table: T, parsed: Pick<ParsedFlag
  */
 export function nameEnvironment<T extends FlagTable>(table: T, parsed: Pick<ParsedFlags<T>, 'sources'>, err: unknown): unknown {
   if (!(err instanceof UsageError)) return err;
-  const match = /^--([a-z0-9][a-z0-9-]*)/.exec(err.message);
+  const message = nameEnvironmentIn(table, parsed, err.message);
+  return message === err.message ? err : new UsageError(message);
+}
+
+/**
+ * nameEnvironment for a message that is not a usage error (an engine that could not start with the value given):
+ * the text with its leading `--flag` named by its variable when the environment gave the value, else as it was.
+ */
+export function nameEnvironmentIn<T extends FlagTable>(table: T, parsed: Pick<ParsedFlags<T>, 'sources'>, message: string): string {
+  const match = /^--([a-z0-9][a-z0-9-]*)/.exec(message);
   const name = match?.[1];
-  if (name === undefined || !(name in table)) return err;
-  if (parsed.sources[name as keyof T & string] !== 'environment') return err;
+  if (name === undefined || !Object.hasOwn(table, name)) return message;
+  if (parsed.sources[name as keyof T & string] !== 'environment') return message;
   const variable = envName(name, table[name]);
-  if (err.message.includes(variable)) return err;
-  return new UsageError(`${variable} (--${name})${err.message.slice(match![0].length)}`);
+  if (message.includes(variable)) return message;
+  return `${variable} (--${name})${message.slice(match![0].length)}`;
 }
 
 /** The flag table as help text: one line per flag with its environment twin and default. */

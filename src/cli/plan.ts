@@ -3,7 +3,7 @@
 // answer; exits 1 when no count up to --max-workers meets the targets. Environment twins are CONDUIT_PLAN_<FLAG>.
 
 import { formatPlan, planCapacity, type PlanOptions } from '../sim/planner.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import { DEPLOYMENT_FLAGS, fitsContext, resolveDeployment, wholeNumber, withEnvPrefix } from './sim.ts';
 
@@ -39,7 +39,19 @@ function atMost(flag: string, value: number, max: number): number {
 }
 
 export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): PlanOptions | null {
-  const { values, positionals } = parseFlags(PLAN_FLAGS, argv, env);
+  const parsed = parseFlags(PLAN_FLAGS, argv, env);
+  try {
+    return planOptionsOf(parsed);
+  } catch (err) {
+    // A value nobody typed is reported under the variable that gave it (CONDUIT_PLAN_RATE (--rate) must be ...).
+    throw nameEnvironment(PLAN_FLAGS, parsed, err);
+  }
+}
+
+function planOptionsOf(parsed: ParsedFlags<typeof PLAN_FLAGS>): PlanOptions | null {
+  const { values, positionals } = parsed;
+  // Each flag a message names besides its first, by its variable too when the environment gave it.
+  const label = (name: keyof typeof PLAN_FLAGS & string): string => flagLabel(PLAN_FLAGS, parsed, name);
   if (values.help) return null;
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const { model, hw, tp, efficiency } = resolveDeployment(values);
@@ -52,9 +64,9 @@ export function planOptionsFromFlags(argv: readonly string[], env: NodeJS.Proces
   if (!(warmup >= 0 && warmup < 1)) throw new UsageError(`--warmup must be in [0, 1), got ${warmup}`);
   const inputTokens = wholeNumber('isl', values.isl, 1);
   const sharedPrefixTokens = wholeNumber('prefix-tokens', values['prefix-tokens'], 0);
-  if (sharedPrefixTokens > inputTokens) throw new UsageError(`--prefix-tokens ${sharedPrefixTokens} exceeds --isl ${inputTokens}`);
+  if (sharedPrefixTokens > inputTokens) throw new UsageError(`--prefix-tokens ${sharedPrefixTokens} exceeds ${label('isl')} ${inputTokens}`);
   const outputTokens = wholeNumber('osl', values.osl, 1);
-  fitsContext('--isl with --osl', inputTokens, outputTokens);
+  fitsContext(`--isl with ${label('osl')}`, inputTokens, outputTokens);
   return {
     model, hw, tp, efficiency, ratePerSec: values.rate, inputTokens, outputTokens,
     ttftP99Ms: values['ttft-p99']!, itlP99Ms: values['itl-p99']!, sharedPrefixTokens,

@@ -30,7 +30,7 @@ import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import {
-  describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, parseFlags, UsageError, type FlagSource, type FlagTable,
+  describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
 } from './flags.ts';
 import type { Command } from './main.ts';
@@ -206,6 +206,11 @@ export interface ServeConfig {
   traceDecodeSteps: boolean;
   /** Settings that were ignored (environment variables with no effect here), one line each, logged at start. */
   warnings?: string[];
+  /**
+   * Where each flag's value came from (parseServeConfig's), so that an error at start-up about a value the environment
+   * gave names its variable (CONDUIT_LORA_MODULES (--lora-modules) ...), as the checks of the options do.
+   */
+  flagSources?: Readonly<Partial<Record<keyof typeof SERVE_FLAGS & string, FlagSource>>>;
   tls?: { cert: Buffer; key: Buffer };
   logLevel: LogLevel;
   /** One info line per request (--request-log, on by default). */
@@ -599,7 +604,9 @@ export function parseServeConfig(argv: readonly string[], env: NodeJS.ProcessEnv
     },
   });
   try {
-    return serveConfigOf(parsed);
+    const config = serveConfigOf(parsed);
+    if (config !== 'help') config.flagSources = parsed.sources;
+    return config;
   } catch (err) {
     // A value nobody typed is reported under the variable that gave it (CONDUIT_PORT (--port) must be ...).
     throw nameEnvironment(SERVE_FLAGS, parsed, err);
@@ -1041,6 +1048,20 @@ export function startupFailure(err: unknown, config: Pick<ServeConfig, 'host' | 
   return fileProblem(e, model ? 'model' : undefined);
 }
 
+function sourcesOf(config: Pick<ServeConfig, 'flagSources'>): Record<keyof typeof SERVE_FLAGS & string, FlagSource> {
+  return (config.flagSources ?? {}) as Record<keyof typeof SERVE_FLAGS & string, FlagSource>;
+}
+
+/**
+ * A start-up error's message (`--max-model-len N is above the model's context length`) with its flag named by the
+ * variable that gave the value, when the environment did: at the start of the message, or after the
+ * `worker process ID could not start: ` of a --worker-processes child (serve passed the value on its command line).
+ */
+export function nameStartupEnvironment(message: string, config: Pick<ServeConfig, 'flagSources'>): string {
+  const child = /^worker process \S+ could not start: /.exec(message)?.[0] ?? '';
+  return child + nameEnvironmentIn(SERVE_FLAGS, { sources: sourcesOf(config) }, message.slice(child.length));
+}
+
 export const serveCommand: Command = {
   summary: 'serve the OpenAI-compatible HTTP API',
   async run(argv) {
@@ -1064,10 +1085,11 @@ export const serveCommand: Command = {
       const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
       const { EngineStartError } = await import('../engine/errors.ts');
       if (isModelLoadError(err) || err instanceof DiskTierLockedError || err instanceof EngineStartError) {
-        console.error(`conduit serve: ${err.message}`);
+        console.error(`conduit serve: ${nameStartupEnvironment(err.message, config)}`);
         return 1;
       }
-      throw err;
+      // A value nobody typed is reported under the variable that gave it, as when the options were checked.
+      throw nameEnvironment(SERVE_FLAGS, { sources: sourcesOf(config) }, err);
     }
     process.stderr.write(`${startupBanner(running)}\n`);
 

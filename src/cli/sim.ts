@@ -17,7 +17,7 @@ import type { Efficiency } from '../sim/perf-model.ts';
 import { formatPrefillLayerTable, prefillLayerTable, SEED_001_PREFILL_LAYER_US } from '../sim/layer-table.ts';
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { formatKvTierTtft, simulateKvTierTtft } from '../sim/kv-tier-ttft.ts';
 import { KV_TIER_PROFILES } from '../sim/hardware.ts';
 import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks } from '../sim/sim-worker.ts';
@@ -94,6 +94,19 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 // ---------------------------------------------------------------------------------------------------------------
 // Shared helpers
 
+/**
+ * A profile lookup whose refusal (`unknown GPU "x"; known: ...`) starts with the flag that gave the id, so that a value
+ * from the environment is named by its variable (nameEnvironment).
+ */
+function byFlag<R>(flag: string, lookup: () => R): R {
+  try {
+    return lookup();
+  } catch (error) {
+    if (error instanceof RangeError) throw new RangeError(`--${flag}: ${error.message}`);
+    throw error;
+  }
+}
+
 /** Profile lookups turn their RangeError (which lists the known ids) into a usage error. */
 export function resolveDeployment(values: {
   model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number; calibration?: string;
@@ -109,8 +122,8 @@ export function resolveDeployment(values: {
         throw new RangeError(`--${flag} must be ${known.slice(0, -1).join(', ')} or ${known.at(-1)}, got ${value}`);
       }
     }
-    const model = getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] });
-    const hw = getHardwareProfile(values.gpu!);
+    const model = byFlag('model', () => getModelProfile(values.model!, { weightBytesPerParam: values['weight-bytes'], kvBytesPerElement: values['kv-bytes'] }));
+    const hw = byFlag('gpu', () => getHardwareProfile(values.gpu!));
     const tp = values.tp!;
     if (!Number.isInteger(tp) || tp < 1) throw new RangeError(`--tp must be a whole number >= 1, got ${tp}`);
     const calibration = parseCalibration(values.calibration ?? DEFAULT_CALIBRATION);
@@ -175,6 +188,19 @@ function refuseArguments(positionals: readonly string[]): void {
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
 }
 
+/**
+ * Runs a subcommand on its parsed flags. A usage error about a value nobody typed is reported under the variable that
+ * gave it (CONDUIT_SIM_PROMPT (--prompt) must be ...), as `conduit serve` reports it.
+ */
+export async function namingEnvironment<T extends FlagTable>(table: T, parsed: ParsedFlags<T>,
+  body: (parsed: ParsedFlags<T>) => Promise<number>): Promise<number> {
+  try {
+    return await body(parsed);
+  } catch (err) {
+    throw nameEnvironment(table, parsed, err);
+  }
+}
+
 /** Same up to rounding: the engine sums the same step times the tables do. */
 function agrees(a: number, b: number): boolean {
   return Math.abs(a - b) <= 1e-9 * Math.max(1, Math.abs(b));
@@ -204,9 +230,16 @@ export function simHelp(): string {
 async function lifecycle(argv: string[]): Promise<number> {
   // --parallel-links shapes the KV transfer of a disaggregated deployment: typed without --link it is refused (as a
   // value --link would refuse), from the environment alone it is ignored with a warning.
-  const { values, positionals, warnings } = parseFlags(LIFECYCLE_FLAGS, argv, process.env, {
+  const parsed = parseFlags(LIFECYCLE_FLAGS, argv, process.env, {
     inapplicable: (v) => (v.link === undefined ? { names: ['parallel-links'], why: 'only for a disaggregated deployment (give --link too)' } : undefined),
   });
+  return namingEnvironment(LIFECYCLE_FLAGS, parsed, runLifecycle);
+}
+
+async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promise<number> {
+  const { values, positionals, warnings } = parsed;
+  // Each flag a message names besides its first, by its variable too when the environment gave it.
+  const label = (name: keyof typeof LIFECYCLE_FLAGS & string): string => flagLabel(LIFECYCLE_FLAGS, parsed, name);
   if (values.help) {
     console.log(`Usage: conduit sim lifecycle [options]\n\n${formatFlagHelp(LIFECYCLE_FLAGS)}`);
     return 0;
@@ -224,13 +257,13 @@ async function lifecycle(argv: string[]): Promise<number> {
   const cachedTokens = values.cached === undefined ? undefined : wholeNumber('cached', values.cached, 0);
   // The engine computes a prompt's last token whatever the cache holds (its logits give the first output token).
   if (cachedTokens !== undefined && cachedTokens > promptTokens - 1) {
-    throw new UsageError(`--cached must be at most ${promptTokens - 1} with --prompt ${promptTokens} (the last prompt token is always `
+    throw new UsageError(`--cached must be at most ${promptTokens - 1} with ${label('prompt')} ${promptTokens} (the last prompt token is always `
       + `computed), got ${cachedTokens}`);
   }
   let disaggregated: { link: ReturnType<typeof getLinkProfile>; parallelLinks?: number } | undefined;
   if (values.link !== undefined) {
     try {
-      disaggregated = { link: getLinkProfile(values.link) };
+      disaggregated = { link: byFlag('link', () => getLinkProfile(values.link!)) };
     } catch (error) {
       throw new UsageError((error as Error).message);
     }
@@ -294,9 +327,14 @@ async function lifecycle(argv: string[]): Promise<number> {
 async function sweep(argv: string[]): Promise<number> {
   // --lora-rank shapes the adapters --lora-adapters adds: typed without them it is refused, from the environment
   // alone (CONDUIT_SIM_LORA_RANK is serve's --sim-lora-rank too) ignored with a warning, as lifecycle's --parallel-links.
-  const { values, positionals, warnings } = parseFlags(DECODE_SWEEP_FLAGS, argv, process.env, {
+  const parsed = parseFlags(DECODE_SWEEP_FLAGS, argv, process.env, {
     inapplicable: (v) => (v['lora-adapters'] === 0 ? { names: ['lora-rank'], why: 'only with LoRA adapters (give --lora-adapters N > 0 too)' } : undefined),
   });
+  return namingEnvironment(DECODE_SWEEP_FLAGS, parsed, runSweep);
+}
+
+async function runSweep(parsed: ParsedFlags<typeof DECODE_SWEEP_FLAGS>): Promise<number> {
+  const { values, positionals, warnings } = parsed;
   if (values.help) {
     console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
     return 0;
@@ -355,7 +393,10 @@ export const KV_TIERS_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 } satisfies FlagTable);
 
 async function kvTiers(argv: string[]): Promise<number> {
-  const { values, positionals } = parseFlags(KV_TIERS_FLAGS, argv);
+  return namingEnvironment(KV_TIERS_FLAGS, parseFlags(KV_TIERS_FLAGS, argv), runKvTiers);
+}
+
+async function runKvTiers({ values, positionals }: ParsedFlags<typeof KV_TIERS_FLAGS>): Promise<number> {
   if (values.help) {
     console.log(`Usage: conduit sim kv-tiers [options]\n\n${formatFlagHelp(KV_TIERS_FLAGS)}`);
     return 0;

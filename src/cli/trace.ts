@@ -3,7 +3,7 @@
 // header): chatcmpl-... or cmpl-... The whole answer must come within --timeout (10 s by default).
 
 import { apiRoot } from '../bench/client.ts';
-import { formatFlagHelp, parseFlags, UsageError, type FlagTable } from './flags.ts';
+import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const TRACE_FLAGS = {
@@ -55,75 +55,86 @@ function connectionProblem(err: unknown): string {
 export const traceCommand: Command = {
   summary: 'print a finished request\'s phase waterfall and bottleneck',
   async run(argv) {
-    const { values, positionals } = parseFlags(TRACE_FLAGS, argv);
-    if (values.help) {
-      console.log(`${USAGE}\n\n${formatFlagHelp(TRACE_FLAGS)}`);
-      return 0;
-    }
-    if (positionals.length !== 1) throw new UsageError(positionals.length === 0 ? `a request id is needed\n${USAGE}` : `one request id at a time\n${USAGE}`);
-    const id = positionals[0]!;
-    if (id === '') throw new UsageError(`the request id is empty\n${USAGE}`);
-    const timeoutSec = values.timeout!;
-    // Node's timers hold at most 2^31 - 1 ms: a longer timeout would fire at once.
-    if (!(timeoutSec > 0 && timeoutSec * 1000 <= 2 ** 31 - 1)) {
-      throw new UsageError(`--timeout must be in (0, ${Math.floor((2 ** 31 - 1) / 1000)}] seconds, got ${timeoutSec}`);
-    }
-    let base: URL | undefined;
+    const parsed = parseFlags(TRACE_FLAGS, argv);
     try {
-      base = new URL(values.url!);
-    } catch {
-      // Refused below.
-    }
-    // "localhost:8000" parses, as a URL of scheme "localhost:".
-    if (base === undefined || (base.protocol !== 'http:' && base.protocol !== 'https:')) {
-      throw new UsageError(`--url must be a URL like http://127.0.0.1:8000, got "${values.url}"`);
-    }
-    // The server's root, or its /v1 as OpenAI clients' base URLs end (http://host:8000/v1): the endpoint is under /v1.
-    const url = new URL(`${apiRoot(base.pathname)}/v1/requests/${encodeURIComponent(id)}/trace`, base);
-    const headers: Record<string, string> = { Accept: 'application/json' };
-    if (values['api-key']) headers.Authorization = `Bearer ${values['api-key']}`;
-
-    // The whole answer, its body included, within the timeout: a server that accepts and never answers (or stops
-    // half-way) is reported, where fetch alone waits minutes for the headers and for ever for the body.
-    const signal = AbortSignal.timeout(timeoutSec * 1000);
-    const timedOut = (err: unknown): boolean => (err as Error | undefined)?.name === 'TimeoutError';
-    const noAnswer = `conduit trace: no answer from ${base.origin} within ${timeoutSec} s (--timeout)`;
-    let res: Response;
-    let text: string;
-    try {
-      res = await fetch(url, { headers, signal });
+      return await showTrace(parsed);
     } catch (err) {
-      console.error(timedOut(err) ? noAnswer : `conduit trace: cannot reach ${base.origin}: ${connectionProblem(err)}`);
-      return 1;
+      // A value nobody typed is reported under the variable that gave it (CONDUIT_TRACE_TIMEOUT (--timeout) must be ...).
+      throw nameEnvironment(TRACE_FLAGS, parsed, err);
     }
-    try {
-      text = await res.text();
-    } catch (err) {
-      console.error(timedOut(err) ? noAnswer : `conduit trace: ${base.origin} broke off its answer: ${connectionProblem(err)}`);
-      return 1;
-    }
-    let body: unknown;
-    try {
-      body = JSON.parse(text);
-    } catch {
-      console.error(`conduit trace: ${url.href} answered ${res.status} with something other than JSON: ${text.slice(0, 200)}`);
-      return 1;
-    }
-    if (!res.ok) {
-      const message = (body as { error?: { message?: string } }).error?.message ?? text.slice(0, 200);
-      if (res.status === 404) console.error(`conduit trace: no trace for ${id} at ${base.origin}: ${message}`);
-      else if (res.status === 401) console.error(`conduit trace: ${base.origin} wants an API key (--api-key or CONDUIT_API_KEY): ${message}`);
-      else console.error(`conduit trace: ${base.origin} answered ${res.status}: ${message}`);
-      return 1;
-    }
-    if (values.json) {
-      console.log(JSON.stringify(body, null, 2));
-      return 0;
-    }
-    const trace = body as TraceBody;
-    const parts = [trace.waterfall?.trimEnd() ?? '(no waterfall in the answer)'];
-    if (trace.analysis) parts.push('', formatAnalysis(trace.analysis));
-    console.log(parts.join('\n'));
-    return 0;
   },
 };
+
+/** Fetches and prints the trace the parsed flags ask for. */
+async function showTrace(parsed: ParsedFlags<typeof TRACE_FLAGS>): Promise<number> {
+  const { values, positionals } = parsed;
+  if (values.help) {
+    console.log(`${USAGE}\n\n${formatFlagHelp(TRACE_FLAGS)}`);
+    return 0;
+  }
+  if (positionals.length !== 1) throw new UsageError(positionals.length === 0 ? `a request id is needed\n${USAGE}` : `one request id at a time\n${USAGE}`);
+  const id = positionals[0]!;
+  if (id === '') throw new UsageError(`the request id is empty\n${USAGE}`);
+  const timeoutSec = values.timeout!;
+  // Node's timers hold at most 2^31 - 1 ms: a longer timeout would fire at once.
+  if (!(timeoutSec > 0 && timeoutSec * 1000 <= 2 ** 31 - 1)) {
+    throw new UsageError(`--timeout must be in (0, ${Math.floor((2 ** 31 - 1) / 1000)}] seconds, got ${timeoutSec}`);
+  }
+  let base: URL | undefined;
+  try {
+    base = new URL(values.url!);
+  } catch {
+    // Refused below.
+  }
+  // "localhost:8000" parses, as a URL of scheme "localhost:".
+  if (base === undefined || (base.protocol !== 'http:' && base.protocol !== 'https:')) {
+    throw new UsageError(`--url must be a URL like http://127.0.0.1:8000, got "${values.url}"`);
+  }
+  // The server's root, or its /v1 as OpenAI clients' base URLs end (http://host:8000/v1): the endpoint is under /v1.
+  const url = new URL(`${apiRoot(base.pathname)}/v1/requests/${encodeURIComponent(id)}/trace`, base);
+  const headers: Record<string, string> = { Accept: 'application/json' };
+  if (values['api-key']) headers.Authorization = `Bearer ${values['api-key']}`;
+
+  // The whole answer, its body included, within the timeout: a server that accepts and never answers (or stops
+  // half-way) is reported, where fetch alone waits minutes for the headers and for ever for the body.
+  const signal = AbortSignal.timeout(timeoutSec * 1000);
+  const timedOut = (err: unknown): boolean => (err as Error | undefined)?.name === 'TimeoutError';
+  const noAnswer = `conduit trace: no answer from ${base.origin} within ${timeoutSec} s (${flagLabel(TRACE_FLAGS, parsed, 'timeout')})`;
+  let res: Response;
+  let text: string;
+  try {
+    res = await fetch(url, { headers, signal });
+  } catch (err) {
+    console.error(timedOut(err) ? noAnswer : `conduit trace: cannot reach ${base.origin}: ${connectionProblem(err)}`);
+    return 1;
+  }
+  try {
+    text = await res.text();
+  } catch (err) {
+    console.error(timedOut(err) ? noAnswer : `conduit trace: ${base.origin} broke off its answer: ${connectionProblem(err)}`);
+    return 1;
+  }
+  let body: unknown;
+  try {
+    body = JSON.parse(text);
+  } catch {
+    console.error(`conduit trace: ${url.href} answered ${res.status} with something other than JSON: ${text.slice(0, 200)}`);
+    return 1;
+  }
+  if (!res.ok) {
+    const message = (body as { error?: { message?: string } }).error?.message ?? text.slice(0, 200);
+    if (res.status === 404) console.error(`conduit trace: no trace for ${id} at ${base.origin}: ${message}`);
+    else if (res.status === 401) console.error(`conduit trace: ${base.origin} wants an API key (--api-key or CONDUIT_API_KEY): ${message}`);
+    else console.error(`conduit trace: ${base.origin} answered ${res.status}: ${message}`);
+    return 1;
+  }
+  if (values.json) {
+    console.log(JSON.stringify(body, null, 2));
+    return 0;
+  }
+  const trace = body as TraceBody;
+  const parts = [trace.waterfall?.trimEnd() ?? '(no waterfall in the answer)'];
+  if (trace.analysis) parts.push('', formatAnalysis(trace.analysis));
+  console.log(parts.join('\n'));
+  return 0;
+}
