@@ -817,11 +817,11 @@ export function parseOrigins(text: string): string[] {
   return trimmed.split(',').map((o) => o.trim()).filter((o) => o !== '');
 }
 
-/** The gateway of a config (keys, limits, TLS, logging), not yet listening: what serve and frontend share. */
 /**
- * The API server of `conduit serve` and `conduit frontend`. workersPolicy: the scheduling policy of every worker
- * behind it, when this process starts them all (serve): requests' priority and deadline_ms are then checked against
- * it. A frontend does not know its workers' policies and leaves it out.
+ * The gateway of a config (keys, limits, TLS, logging), not yet listening: what serve and frontend share.
+ * workersPolicy: the scheduling policy of every worker behind it, when this process starts them all (serve):
+ * requests' priority and deadline_ms are then checked against it. A frontend does not know its workers' policies and
+ * leaves it out.
  */
 export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clock,
   workersPolicy?: SchedulingPolicy): { api: ApiServer; keyStore: KeyStore } {
