@@ -196,7 +196,7 @@ function clusterRun(rate: number): void {
             numPromptTokens: n, blockSize: 16, decodeWorkerId: String(decode), decodeOverlapBlocks: 0,
             prefill: { workerId: String(prefill), queuedPrefillTokens: pendingPrefill(workers[prefill]!) },
             kvBytesPerToken: kvBytesPerToken(model), transferBytesPerSec, prefillTokensPerSec: prefillTokensPerSec(n),
-          }, { minRemotePrefillTokens: 1024, maxPrefillQueueTokens: 32_768, transferOverheadMs: 0.1 });
+          }, { minRemotePrefillTokens: 1024, maxPrefillQueueTokens: 32_768, transferOverheadMs: 0.1, compareTransfer: true });
           return choice.mode === 'disaggregated' ? { prefill, decode } : decode;
         },
       });

@@ -91,6 +91,7 @@ export const SERVE_FLAGS = {
   'disagg-min-remote-prefill-tokens': { type: 'number', help: `disaggregated serving: prefill on the decode worker when it lacks fewer than this many of the prompt's tokens (cf. Dynamo's max local prefill length; default ${DEFAULT_DISAGGREGATION_POLICY.minRemotePrefillTokens})` },
   'disagg-max-prefill-queue-tokens': { type: 'number', help: `disaggregated serving: with more prefill tokens than this queued on the chosen prefill worker, prefill on the decode worker (cf. Dynamo's max prefill queue size, here in tokens; default ${DEFAULT_DISAGGREGATION_POLICY.maxPrefillQueueTokens})` },
   'disagg-transfer-overhead-ms': { type: 'number', help: `disaggregated serving: fixed cost of one KV transfer besides its bytes, ms, in the transfer-vs-local-prefill comparison (default ${DEFAULT_DISAGGREGATION_POLICY.transferOverheadMs})` },
+  'disagg-compare-transfer': { type: 'boolean', help: 'disaggregated serving: prefill on the decode worker when moving the KV would take longer than computing it there, by the measured transfer and prefill rates (--no-disagg-compare-transfer: prompt length and prefill queue alone decide, as Dynamo\'s conditional disaggregation)', default: true },
   'sim-model': { type: 'string', help: 'model profile of simulated workers (llama-3.1-8b, llama-3.1-70b, ...)', default: 'llama-3.1-8b' },
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
@@ -271,9 +272,13 @@ const POLICY_FLAGS = {
   minRemotePrefillTokens: 'disagg-min-remote-prefill-tokens',
   maxPrefillQueueTokens: 'disagg-max-prefill-queue-tokens',
   transferOverheadMs: 'disagg-transfer-overhead-ms',
+  compareTransfer: 'disagg-compare-transfer',
 } as const satisfies Record<keyof DisaggregationPolicy, keyof typeof SERVE_FLAGS>;
 
-/** The disaggregation thresholds that were given (token counts whole and >= 0, the overhead finite and >= 0). */
+/**
+ * The disaggregation thresholds that were given (token counts whole and >= 0, the overhead finite and >= 0), and the
+ * transfer comparison when turned off.
+ */
 function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Partial<DisaggregationPolicy> | undefined {
   const policy: Partial<DisaggregationPolicy> = {};
   for (const field of ['minRemotePrefillTokens', 'maxPrefillQueueTokens'] as const) {
@@ -287,6 +292,8 @@ function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Part
     if (!(overhead >= 0)) throw new UsageError(`--${POLICY_FLAGS.transferOverheadMs} must be >= 0 ms, got ${overhead}`);
     policy.transferOverheadMs = overhead;
   }
+  // Only turning it off is a change from the default.
+  if (values[POLICY_FLAGS.compareTransfer] === false) policy.compareTransfer = false;
   return Object.keys(policy).length > 0 ? policy : undefined;
 }
 

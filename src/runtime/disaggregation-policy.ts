@@ -8,7 +8,9 @@
 //                       short): computing them costs about one decode step, less than the round trip;
 //   prefill-queue-full  the prefill worker the router would pick has more prefill queued than the bound, or every
 //                       prefill worker is busy: waiting there would cost more time to first token than it saves;
-//   transfer-slower     moving the KV blocks the decode worker lacks would take longer than computing them there.
+//   transfer-slower     moving the KV blocks the decode worker lacks would take longer than computing them there
+//                       (weighed unless compareTransfer is off: then, as Dynamo's conditional disaggregation, a prompt
+//                       past the short-prompt bound goes to a prefill worker whenever one has room).
 // (Besides those, a request with n > 1 samples is never handed over: its samples share the prompt's blocks.)
 //
 // The transfer estimate is learned only from transfers that happen, so a too-pessimistic one would keep every
@@ -24,12 +26,18 @@ export interface DisaggregationPolicy {
   maxPrefillQueueTokens: number;
   /** Fixed cost of one transfer besides its bytes (messages, allocation, registration), ms (default 0.2). */
   transferOverheadMs: number;
+  /**
+   * Weigh the transfer's estimated time against a local prefill (transfer-slower). Off: the estimates decide
+   * nothing, and remote prefill is chosen by the prompt's length and the prefill queue alone (default true).
+   */
+  compareTransfer: boolean;
 }
 
 export const DEFAULT_DISAGGREGATION_POLICY: Readonly<DisaggregationPolicy> = Object.freeze({
   minRemotePrefillTokens: 512,
   maxPrefillQueueTokens: 16_384,
   transferOverheadMs: 0.2,
+  compareTransfer: true,
 });
 
 /** Transfer-slower decisions in a row before the first probe of the link (TransferProbe). */
@@ -88,12 +96,13 @@ export function decideDisaggregation(inputs: DisaggregationInputs, policy: Disag
     return summary('local', 'prefill-queue-full', `${inputs.prefill.queuedPrefillTokens} prefill tokens queued on `
       + `${inputs.prefill.workerId} > ${policy.maxPrefillQueueTokens}`);
   }
-  if (estimatedTransferMs >= estimatedPrefillMs && inputs.probeTransfer === true) {
+  const transferSlower = policy.compareTransfer && estimatedTransferMs >= estimatedPrefillMs;
+  if (transferSlower && inputs.probeTransfer === true) {
     return summary('disaggregated', 'transfer-probe', `${uncachedTokens} uncached tokens on ${inputs.prefill.workerId} `
       + `to measure the link: ${transferBlocks} blocks estimated at ~${ms(estimatedTransferMs)} to move >= `
       + `~${ms(estimatedPrefillMs)} to prefill locally`);
   }
-  if (estimatedTransferMs >= estimatedPrefillMs) {
+  if (transferSlower) {
     return summary('local', 'transfer-slower', `moving ${transferBlocks} blocks ~${ms(estimatedTransferMs)} >= `
       + `prefilling ${uncachedTokens} tokens ~${ms(estimatedPrefillMs)}`);
   }

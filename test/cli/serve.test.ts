@@ -229,6 +229,11 @@ describe('conduit serve disaggregation thresholds', () => {
     }).disaggregationPolicy, { minRemotePrefillTokens: 0, maxPrefillQueueTokens: 2048, transferOverheadMs: 1.5 });
     assert.deepEqual(config([...DISAGG, '--disagg-max-prefill-queue-tokens', '100'], { CONDUIT_DISAGG_MAX_PREFILL_QUEUE_TOKENS: '7' })
       .disaggregationPolicy, { maxPrefillQueueTokens: 100 }, 'the command line wins');
+    assert.deepEqual(config([...DISAGG, '--no-disagg-compare-transfer']).disaggregationPolicy, { compareTransfer: false });
+    assert.deepEqual(config(DISAGG, { CONDUIT_DISAGG_COMPARE_TRANSFER: 'false' }).disaggregationPolicy, { compareTransfer: false });
+    assert.equal(config([...DISAGG, '--disagg-compare-transfer']).disaggregationPolicy, undefined, 'on is the default');
+    assert.throws(() => parseServeConfig(DISAGG, { CONDUIT_DISAGG_COMPARE_TRANSFER: 'sometimes' }), (err: unknown) => err instanceof UsageError
+      && err.message === 'CONDUIT_DISAGG_COMPARE_TRANSFER --disagg-compare-transfer expects true or false, got "sometimes"');
   });
 
   it('refuses bad thresholds, and thresholds without disaggregated serving', () => {
@@ -239,6 +244,7 @@ describe('conduit serve disaggregation thresholds', () => {
       [[...DISAGG, '--disagg-transfer-overhead-ms', '-0.1'], /--disagg-transfer-overhead-ms must be >= 0 ms/],
       [[...DISAGG, '--disagg-transfer-overhead-ms', 'soon'], /--disagg-transfer-overhead-ms expects a number/],
       [['--workers', '2', '--disagg-transfer-overhead-ms', '1'], /--disagg-transfer-overhead-ms: only for disaggregated serving/],
+      [['--workers', '2', '--no-disagg-compare-transfer'], /--disagg-compare-transfer: only for disaggregated serving/],
     ];
     for (const [argv, message] of bad) {
       assert.throws(() => parseServeConfig(argv, {}), (err: unknown) => err instanceof UsageError && message.test(err.message),
@@ -367,6 +373,10 @@ describe('conduit serve disaggregation thresholds', () => {
 
     const slowTransfer = await decisionWith(['--disagg-transfer-overhead-ms', '1e9']);
     assert.equal(slowTransfer.reason, 'transfer-slower', slowTransfer.detail);
+    // The same overhead weighs nothing once the comparison is off: the prompt's length alone sends it out.
+    const unweighed = await decisionWith(['--disagg-transfer-overhead-ms', '1e9', '--no-disagg-compare-transfer']);
+    assert.deepEqual(unweighed.policy, { ...DEFAULT_DISAGGREGATION_POLICY, transferOverheadMs: 1e9, compareTransfer: false });
+    assert.equal(unweighed.reason, 'remote-prefill', unweighed.detail);
   });
 });
 

@@ -204,7 +204,7 @@ describe('conditional disaggregation', () => {
     prefill: { workerId: 'prefill-0', queuedPrefillTokens: 0 }, kvBytesPerToken: 1000, transferBytesPerSec: 1e9,
     prefillTokensPerSec: 1e4,
   };
-  const policy = { minRemotePrefillTokens: 256, maxPrefillQueueTokens: 4096, transferOverheadMs: 0.5 };
+  const policy = { minRemotePrefillTokens: 256, maxPrefillQueueTokens: 4096, transferOverheadMs: 0.5, compareTransfer: true };
 
   test('each reason, from the numbers that decide it', () => {
     const remote = decideDisaggregation(base, policy);
@@ -221,6 +221,14 @@ describe('conditional disaggregation', () => {
     const slow = decideDisaggregation({ ...base, transferBytesPerSec: 1e7 }, policy);
     assert.deepEqual([slow.mode, slow.reason], ['local', 'transfer-slower']);
     assert.ok(slow.estimatedTransferMs > slow.estimatedPrefillMs);
+    // Without the comparison the same numbers go remote, probe due or not; the other reasons still hold.
+    const unweighed = { ...policy, compareTransfer: false };
+    for (const probeTransfer of [false, true]) {
+      const remoteAnyway = decideDisaggregation({ ...base, transferBytesPerSec: 1e7, probeTransfer }, unweighed);
+      assert.deepEqual([remoteAnyway.mode, remoteAnyway.reason, remoteAnyway.prefillWorkerId], ['disaggregated', 'remote-prefill', 'prefill-0']);
+    }
+    assert.equal(decideDisaggregation({ ...base, transferBytesPerSec: 1e7, numPromptTokens: 255 }, unweighed).reason, 'short-prompt');
+    assert.equal(decideDisaggregation({ ...base, transferBytesPerSec: 1e7, prefill: null }, unweighed).reason, 'prefill-queue-full');
     assert.equal(decideDisaggregation({ ...base, ineligible: 'n = 2' }, policy).reason, 'not-eligible');
   });
 
