@@ -19,7 +19,7 @@ import { CONDUIT_VERSION } from '../util/version.ts';
 import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
 import { CallTrace } from './call-trace.ts';
-import { ClientRequestIds } from './client-request-ids.ts';
+import { ClientRequestIds, requestIdProblem } from './client-request-ids.ts';
 import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
   AdminRequiredError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
@@ -29,7 +29,6 @@ import { silentLogger, type Logger } from './log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
 import { TenantRateLimiter, type Clock } from './rate-limit.ts';
-import { MAX_REQUEST_ID_LENGTH } from './schemas/generation.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 export const DEFAULT_MAX_PENDING_REQUESTS = 256;
@@ -188,7 +187,7 @@ export class ApiServer {
   private readonly ownsTelemetry: boolean;
   /** Workers whose load series are in the metrics, so a worker that leaves can have its series removed. */
   private reportedWorkers = new Set<string>();
-  /** The server ids of recent requests that sent an X-Request-Id, by that id: traces are found by either. */
+  /** The server ids of recent requests that sent an X-Request-Id or a request_id, by that id: traces are found by either. */
   private readonly clientRequestIds: ClientRequestIds;
   private readonly routes: Route[];
   private readonly logger: Logger;
@@ -219,7 +218,8 @@ export class ApiServer {
     this.ownsTelemetry = options.telemetry === undefined;
     this.telemetry = options.telemetry ?? createTelemetry({ now: this.engineClock, perTokenSpans: options.perTokenSpans ?? false });
     for (const warning of this.telemetry.warnings) this.logger.warn(`telemetry: ${warning}`);
-    // Two names a request (the header, and the response id made of it) for as many requests as the trace store holds.
+    // Two names a request (the client's id, and the response id made of it; on /v1/responses the header and the
+    // body's id) for as many requests as the trace store holds.
     this.clientRequestIds = new ClientRequestIds(2 * this.telemetry.traces.capacity);
     this.metrics = new GatewayMetrics(this.telemetry.metrics.registry);
     this.gateway = new Gateway({
@@ -498,8 +498,8 @@ export class ApiServer {
 
   /**
    * The trace a lookup by `id` means: the request with that id, or else the newest one that sent it as its
-   * X-Request-Id (the id such a client saw in x-request-id) or whose response it names (chatcmpl-<header>), among
-   * the requests whose traces the caller may read.
+   * X-Request-Id (the id such a client saw in x-request-id) or request_id, or whose response it names
+   * (chatcmpl-<id>), among the requests whose traces the caller may read.
    * Unknown: the id as given (a 404 where it is looked up).
    */
   private traceIdOf(id: string, caller: Tenant): string {
@@ -568,14 +568,15 @@ export class ApiServer {
 
   /**
    * A generation request's id and trace, from arrival on. A client's X-Request-Id (as vLLM takes it) is the id its
-   * answers carry in x-request-id, refusals included, and names its response; an overlong one is refused later
-   * (checkClientRequestId), and meanwhile the server's id is the one answered.
+   * answers carry in x-request-id, refusals included, and names its response; one that may not name a request is
+   * refused later (checkClientRequestId), and meanwhile the server's id is the one answered. A request_id in the
+   * body is read once the body is (readBodyRequestId).
    */
   private openTrace(call: Call, route: Route, path: string, req: IncomingMessage): CallTrace {
     const id = newCompletionId(route.traced!);
     call.requestId = id;
     const clientId = clientRequestIdOf(req);
-    if (clientId !== undefined && clientId.length <= MAX_REQUEST_ID_LENGTH) {
+    if (clientId !== undefined && requestIdProblem(clientId) === undefined) {
       call.clientRequestId = clientId;
       this.clientRequestIds.add(clientId, id);
       // The response's id (chatcmpl-<header>, cmpl-<header>) finds the trace too.
@@ -654,6 +655,8 @@ export class ApiServer {
       headers: {},
     };
     let failure: ApiError | undefined;
+    // The body's request_id, when it names the request in the log line in place of an X-Request-Id.
+    let bodyRequestId: string | undefined;
     try {
       if (req.httpVersionMajor === 1 && req.httpVersionMinor >= 1 && req.headers.host === undefined) throw new MissingHostError();
       // Node undoes only chunked: a body sent with another transfer coding would be read still encoded.
@@ -714,6 +717,7 @@ export class ApiServer {
       }
       if (found.route.traced) {
         this.checkClientRequestId(req, call);
+        bodyRequestId = this.readBodyRequestId(body, call, found.route);
         this.readSessionId(req, call);
       }
       const reply = await found.handler({ req, res, call, body, params: found.params });
@@ -736,12 +740,16 @@ export class ApiServer {
         clientGone: clientGone.signal.aborted && !timedOut, bodyIncomplete: readingBody,
       });
       this.metrics.countResponse(routeName, status, call.tenant.name);
-      this.logRequest(method, path, routeName, status, call, performance.now() - startedMs);
+      this.logRequest(method, path, routeName, status, call, call.clientRequestId ?? bodyRequestId, performance.now() - startedMs);
     }
   }
 
-  /** The request's line: key=value fields after "METHOD path status", tokens and TTFT for generation requests. */
-  private logRequest(method: string, path: string, routeName: string, status: number, call: Call, totalMs: number): void {
+  /**
+   * The request's line: key=value fields after "METHOD path status", tokens and TTFT for generation requests.
+   * `clientId`: the client's X-Request-Id, or else its body's request_id.
+   */
+  private logRequest(method: string, path: string, routeName: string, status: number, call: Call, clientId: string | undefined,
+    totalMs: number): void {
     const fields = [`${method} ${path} ${status}`, `tenant=${call.tenant.name}`];
     if (call.trace) {
       const { promptTokens, outputTokens, ttftMs } = call.trace.summary();
@@ -750,24 +758,54 @@ export class ApiServer {
     }
     fields.push(`total_ms=${totalMs.toFixed(1)}`);
     if (call.requestId !== undefined) fields.push(`id=${call.requestId}`);
-    // The client's X-Request-Id beside the server's id, to match this line with a proxy's or the client's own logs.
-    // Quoted as JSON when it could be read as more than one field (a space, a quote, a backslash, an = sign).
-    if (call.clientRequestId !== undefined) {
-      const own = call.clientRequestId;
-      fields.push(`client_request_id=${/^[\x21-\x7e]+$/.test(own) && !/["\\=]/.test(own) ? own : JSON.stringify(own)}`);
+    // The client's X-Request-Id (or request_id) beside the server's id, to match this line with a proxy's or the
+    // client's own logs. Quoted as JSON when it could be read as more than one field (a space, a quote, a backslash,
+    // an = sign).
+    if (clientId !== undefined) {
+      fields.push(`client_request_id=${/^[\x21-\x7e]+$/.test(clientId) && !/["\\=]/.test(clientId) ? clientId : JSON.stringify(clientId)}`);
     }
     const line = fields.join(' ');
     if ((this.options.requestLog ?? true) && !PROBE_ROUTES.has(routeName)) this.logger.info(line);
     else this.logger.debug(line);
   }
 
-  /** An X-Request-Id longer than a request_id may be is refused: it would name the response (every chunk carries it). */
+  /** An X-Request-Id that may not name a request (requestIdProblem) is refused: it would name the response. */
   private checkClientRequestId(req: IncomingMessage, call: Call): void {
     const clientId = clientRequestIdOf(req);
-    if (clientId === undefined || clientId.length <= MAX_REQUEST_ID_LENGTH) return;
+    if (clientId !== undefined) this.checkRequestId('x-request-id', clientId, call);
+  }
+
+  /**
+   * vLLM's request_id in the body names the request as the header does: it is refused by the same rules, with the
+   * same error naming the field (before the request's other fields, as the header is), and the trace is found by it
+   * and by the response's id (chatcmpl-<id>). The header goes first, as vLLM takes them: given both, the body's
+   * id names nothing there. /v1/responses is named by the body's id alone (vLLM's), so that one finds the trace
+   * whatever the header. x-request-id stays the server's id (vLLM echoes only a header there): every answer carries
+   * it, refusals before the body included. Returns the id the log line shows when no header does.
+   */
+  private readBodyRequestId(body: unknown, call: Call, route: Route): string | undefined {
+    const value = typeof body === 'object' && body !== null ? (body as { request_id?: unknown }).request_id : undefined;
+    // Not a string: the request's schema refuses it, naming the field as for any other. Empty: none, as vLLM has it.
+    if (typeof value !== 'string' || value === '') return undefined;
+    this.checkRequestId('request_id', value, call);
+    const serverId = call.requestId!;
+    if (route.traced === 'resp') {
+      this.clientRequestIds.add(value, serverId);
+      return value;
+    }
+    if (call.clientRequestId !== undefined) return undefined;
+    this.clientRequestIds.add(value, serverId);
+    this.clientRequestIds.add(`${route.traced!}-${value}`, serverId);
+    return value;
+  }
+
+  /** Refuses a client's id (header or body field `param`) that may not name a request, as a failed validation. */
+  private checkRequestId(param: string, id: string, call: Call): void {
+    const problem = requestIdProblem(id);
+    if (problem === undefined) return;
     const model = this.gateway.servedModelName;
     call.trace?.validated({ ok: false, ...(model !== undefined ? { model } : {}) });
-    throw new InvalidValueError('x-request-id', `a request id may be at most ${MAX_REQUEST_ID_LENGTH} characters, got ${clientId.length}.`);
+    throw new InvalidValueError(param, problem);
   }
 
   /** The session header's value on the call; an empty header is no session, an overlong one is refused. */

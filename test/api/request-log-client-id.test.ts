@@ -31,3 +31,33 @@ it('logs client_request_id after id for a request that sent X-Request-Id, quoted
   // The server's id in the line is not the response's: the response is named by the header.
   assert.equal(ids[0], 'cmpl-trace-42');
 });
+
+it('logs a body request_id as client_request_id when no X-Request-Id is sent; the header goes first', async () => {
+  const lines: string[] = [];
+  const config = parseServeConfig(['--port', '0', '--engine', 'sim', '--sim-speed-up', 'inf'], {});
+  assert.notEqual(config, 'help');
+  const running = await startServer(config as Exclude<typeof config, 'help'>, createLogger('info', (line) => lines.push(line)));
+  try {
+    for (const [path, body, header] of [
+      ['/v1/completions', { prompt: 'Hello', request_id: 'job-7' }, undefined],
+      ['/v1/chat/completions', { messages: [{ role: 'user', content: 'Hello' }], request_id: 'a b' }, undefined],
+      ['/v1/completions', { prompt: 'Hello', request_id: 'body-loses' }, 'header-wins'],
+      ['/v1/responses', { input: 'Hello', request_id: 'resp-body' }, undefined],
+    ] as const) {
+      const response = await fetch(`${running.url}${path}`, {
+        method: 'POST', body: JSON.stringify({ max_tokens: path === '/v1/responses' ? undefined : 2, ...body }),
+        headers: { 'Content-Type': 'application/json', ...(header !== undefined ? { 'X-Request-Id': header } : {}) },
+      });
+      assert.equal(response.status, 200, await response.clone().text());
+      await response.text();
+    }
+  } finally {
+    await running.api.shutdown(0);
+  }
+  const requestLines = lines.filter((line) => /POST \/v1\/(chat\/)?(completions|responses) 200 /.test(line));
+  assert.equal(requestLines.length, 4, lines.join(''));
+  assert.match(requestLines[0]!, / id=cmpl-[0-9a-f]+ client_request_id=job-7\n$/);
+  assert.match(requestLines[1]!, / id=chatcmpl-[0-9a-f]+ client_request_id="a b"\n$/);
+  assert.match(requestLines[2]!, / id=cmpl-[0-9a-f]+ client_request_id=header-wins\n$/);
+  assert.match(requestLines[3]!, / id=resp_[0-9a-f]+ client_request_id=resp-body\n$/);
+});

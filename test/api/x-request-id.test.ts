@@ -1,12 +1,14 @@
 // The X-Request-Id request header, as vLLM takes it: chat and completion responses are named by it (chatcmpl-<id>,
 // cmpl-<id>, every chunk too), before a request_id in the body, and every answer to the request, refusals included,
 // carries it back in x-request-id. The server's own id still names the trace and the engine requests, so requests
-// reusing an id never collide; the trace is found by the client's id too.
+// reusing an id never collide; the trace is found by the client's id too. vLLM's request_id in the body names a
+// request the same way when no header does (the response id, the trace lookup), by the same rules: an id the header
+// could not carry is a 400 naming request_id.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import OpenAI from 'openai';
-import { startTestServer, type TestServer } from './e2e-fixture.ts';
+import { startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { parseSse, rawRequest } from './http-client.ts';
 
 const KEY = 'sk-xrid-main-0001';
@@ -136,5 +138,115 @@ describe('X-Request-Id names the request', () => {
     const other = await rawRequest(server.url, { path: '/v1/requests/shared-id/trace', headers: { Authorization: `Bearer ${OTHER_KEY}` } });
     assert.equal(other.status, 404, other.text);
     assert.equal(other.json().error.code, 'trace_not_found');
+  });
+
+  /** The trace a lookup by `id` finds (its server id), or the lookup's 404. */
+  const traceOf = async (id: string) => {
+    const res = await rawRequest(server.url, { path: `/v1/requests/${encodeURIComponent(id)}/trace`, headers: auth });
+    return res.status === 200 ? res.json().request_id as string : `${res.status} ${res.json().error.code}`;
+  };
+  /** Waits for the trace of the request the server named `serverId` to be stored (its end follows the last byte). */
+  const finished = (serverId: string) => waitFor(() => server.running.api.telemetry.trace(serverId) !== undefined, `the trace of ${serverId}`);
+  /** What a lookup by `id` finds once the request it names has ended (for a request whose server id is not known). */
+  const traceFound = async (id: string): Promise<string> => {
+    for (let tries = 1; ; tries++) {
+      const found = await traceOf(id);
+      if (!found.startsWith('404') || tries === 100) return found;
+      await new Promise((resolve) => setTimeout(resolve, 50));
+    }
+  };
+
+  it('openai client: a body request_id names the response, and the trace is found by it and by the response id', E2E, async () => {
+    const { data, response } = await client.chat.completions.create(
+      { model, messages, max_tokens: 4, request_id: 'body-chat-1' } as OpenAI.ChatCompletionCreateParamsNonStreaming).withResponse();
+    assert.equal(data.id, 'chatcmpl-body-chat-1');
+    const serverId = response.headers.get('x-request-id')!;
+    assert.match(serverId, /^chatcmpl-[0-9a-f]+$/, 'x-request-id stays the server\'s id: vLLM echoes only a header there');
+    await finished(serverId);
+    assert.equal(await traceOf('body-chat-1'), serverId);
+    assert.equal(await traceOf('chatcmpl-body-chat-1'), serverId);
+
+    const { data: stream, response: streamed } = await client.completions.create(
+      { model, prompt: 'Once upon a time', max_tokens: 3, stream: true, request_id: 'body-cmpl-1' } as OpenAI.CompletionCreateParamsStreaming).withResponse();
+    for await (const chunk of stream) assert.equal(chunk.id, 'cmpl-body-cmpl-1');
+    const streamId = streamed.headers.get('x-request-id')!;
+    await finished(streamId);
+    assert.equal(await traceOf('body-cmpl-1'), streamId);
+    assert.equal(await traceOf('cmpl-body-cmpl-1'), streamId);
+    assert.equal(await traceOf('chatcmpl-body-cmpl-1'), '404 trace_not_found', 'the prefix of the endpoint that served it only');
+
+    // A refusal is found by its body's id too, as by its header: the id was read before the field that failed.
+    const refused = await rawRequest(server.url, {
+      path: '/v1/chat/completions', headers: auth, body: { model, messages, temperature: 9, request_id: 'body-refused-1' },
+    });
+    assert.equal(refused.status, 400, refused.text);
+    assert.equal(refused.json().error.param, 'temperature');
+    await finished(String(refused.headers['x-request-id']));
+    assert.equal(await traceOf('body-refused-1'), refused.headers['x-request-id']);
+  });
+
+  it('/v1/responses: the body request_id, its response id, finds the trace, beside a header', E2E, async () => {
+    const sdk = await client.responses.create(
+      { model, input: 'hi', max_output_tokens: 2, request_id: 'body-resp-1' } as OpenAI.Responses.ResponseCreateParamsNonStreaming).withResponse();
+    assert.equal(sdk.data.id, 'body-resp-1');
+    const serverId = sdk.response.headers.get('x-request-id')!;
+    assert.match(serverId, /^resp_[0-9a-f]+$/);
+    await finished(serverId);
+    assert.equal(await traceOf('body-resp-1'), serverId);
+    const both = await rawRequest(server.url, {
+      path: '/v1/responses', headers: { ...auth, 'X-Request-Id': 'resp-hdr-2' }, body: { model, input: 'hi', max_output_tokens: 2, request_id: 'body-resp-2' },
+    });
+    assert.equal(both.status, 200, both.text);
+    assert.equal(both.json().id, 'body-resp-2', 'as vLLM: the body names a response, the header does not');
+    assert.equal(both.headers['x-request-id'], 'resp-hdr-2');
+    const bothId = await traceFound('resp-hdr-2');
+    assert.match(bothId, /^resp_[0-9a-f]+$/);
+    assert.equal(await traceOf('body-resp-2'), bothId);
+  });
+
+  it('the header wins over a body request_id: the body\'s id then names nothing', E2E, async () => {
+    const { data, response } = await client.chat.completions.create(
+      { model, messages, max_tokens: 2, request_id: 'loser-body-1' } as OpenAI.ChatCompletionCreateParamsNonStreaming,
+      { headers: { 'X-Request-Id': 'winner-hdr-1' } }).withResponse();
+    assert.equal(data.id, 'chatcmpl-winner-hdr-1');
+    assert.equal(response.headers.get('x-request-id'), 'winner-hdr-1');
+    const serverId = await traceFound('winner-hdr-1');
+    assert.match(serverId, /^chatcmpl-[0-9a-f]+$/);
+    assert.equal(await traceOf('chatcmpl-winner-hdr-1'), serverId);
+    assert.equal(await traceOf('loser-body-1'), '404 trace_not_found');
+    assert.equal(await traceOf('chatcmpl-loser-body-1'), '404 trace_not_found');
+  });
+
+  it('a body request_id the header could not carry is refused like the header, naming request_id; the server goes on', E2E, async () => {
+    const headerRefusal = await rawRequest(server.url, {
+      path: '/v1/completions', headers: { ...auth, 'X-Request-Id': 'h'.repeat(257) }, body: { model, prompt: 'hi', max_tokens: 2 },
+    });
+    assert.equal(headerRefusal.status, 400, headerRefusal.text);
+    const problemOf = (message: string) => message.replace(/^Invalid value for '[^']+': /, '');
+    for (const [path, extra, why] of [
+      ['/v1/completions', { prompt: 'hi' }, 'b'.repeat(257)],
+      ['/v1/chat/completions', { messages }, 'b'.repeat(300)],
+      ['/v1/responses', { input: 'hi' }, 'b'.repeat(257)],
+      ['/v1/chat/completions', { messages }, 'line\nbreak'],
+      ['/v1/completions', { prompt: 'hi' }, 'nul\u0000'],
+    ] as const) {
+      const res = await rawRequest(server.url, { path, headers: auth, body: { model, ...extra, request_id: why } });
+      assert.equal(res.status, 400, res.text);
+      const { error } = res.json();
+      assert.deepEqual({ type: error.type, code: error.code, param: error.param },
+        { type: 'invalid_request_error', code: 'invalid_value', param: 'request_id' }, res.text);
+      assert.match(String(res.headers['x-request-id']), /^(cmpl-|chatcmpl-|resp_)[0-9a-f]+$/, 'answered under the server\'s id');
+      if (why.length === 257) assert.equal(problemOf(error.message), problemOf(headerRefusal.json().error.message), 'the header\'s words');
+      else if (why.length < 257) assert.match(error.message, /control character/, error.message);
+    }
+    await assert.rejects(client.completions.create({ model, prompt: 'hi', max_tokens: 2, request_id: 'r'.repeat(257) } as OpenAI.CompletionCreateParamsNonStreaming),
+      (err: unknown) => err instanceof OpenAI.BadRequestError && err.param === 'request_id');
+    const longest = await rawRequest(server.url, { path: '/v1/completions', headers: auth, body: { model, prompt: 'hi', max_tokens: 2, request_id: 'z'.repeat(256) } });
+    assert.equal(longest.status, 200, longest.text);
+    assert.equal(longest.json().id, `cmpl-${'z'.repeat(256)}`);
+    const tab = await rawRequest(server.url, { path: '/v1/completions', headers: auth, body: { model, prompt: 'hi', max_tokens: 2, request_id: 'a\tb' } });
+    assert.equal(tab.status, 200, 'a tab, which a header may hold, is taken');
+    const health = await rawRequest(server.url, { path: '/health' });
+    assert.equal(health.status, 200, health.text);
   });
 });

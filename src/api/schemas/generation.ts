@@ -7,6 +7,7 @@ import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { childPath, Fields, readInteger, readNumber, readString } from '../validate.ts';
 import { readGuided, type GuidedRequest } from '../guided.ts';
+import { requestIdProblem } from '../client-request-ids.ts';
 
 /** What a request's field checks need to know about the model. */
 export interface ValidationContext {
@@ -19,8 +20,6 @@ export const MAX_N = 128;
 export const MAX_LOGPROBS = 20;
 export const MAX_STOP_STRINGS = 32;
 export const MAX_LOGIT_BIAS_ENTRIES = 1024;
-/** Longest request_id taken: it names the response (every chunk carries it). */
-export const MAX_REQUEST_ID_LENGTH = 256;
 
 /** The engine's sampling fields that a request sets as they are (the rest are built from the request below). */
 type DirectSamplingFields = 'n' | 'temperature' | 'topP' | 'topK' | 'minP' | 'repetitionPenalty' | 'presencePenalty' |
@@ -56,7 +55,8 @@ export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFi
   returnTokenIds: boolean;
   /**
    * vLLM's request_id: the response's id is the endpoint's prefix and this ("cmpl-<id>", "chatcmpl-<id>"). The
-   * server's own id still names the request everywhere else (x-request-id, its trace, the engine).
+   * server's own id still names the request's trace, its engine requests and x-request-id; the log line and a trace
+   * lookup take this one too, as they take an X-Request-Id (server.ts).
    */
   requestId?: string;
 }
@@ -205,10 +205,16 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
   };
 }
 
-/** vLLM's request_id, when given (an empty one is as none: the server names the response). */
+/**
+ * vLLM's request_id, when given (an empty one is as none: the server names the response). Held to the X-Request-Id
+ * header's rules (client-request-ids.ts), with the header's message: the server checks it so before this runs.
+ */
 function requestIdOption(fields: Fields): { requestId?: string } {
-  const id = fields.string('request_id', { maxLength: MAX_REQUEST_ID_LENGTH });
-  return id !== undefined && id !== '' ? { requestId: id } : {};
+  const id = fields.string('request_id');
+  if (id === undefined || id === '') return {};
+  const problem = requestIdProblem(id);
+  if (problem !== undefined) throw new InvalidValueError('request_id', problem);
+  return { requestId: id };
 }
 
 /**
