@@ -1,7 +1,7 @@
 // `conduit trace <id>`: one finished request's phase waterfall and bottleneck diagnosis, fetched from a running
 // server's GET /v1/requests/{id}/trace. The id is the one the response carried (its `id`, and the x-request-id
-// header): chatcmpl-..., cmpl-... or resp_..., or the client's own X-Request-Id. The whole answer must come within
-// --timeout (10 s by default).
+// header): chatcmpl-..., cmpl-... or resp_..., or the client's own id (its X-Request-Id header, else the body's
+// request_id). The whole answer must come within --timeout (10 s by default).
 
 import { apiRoot } from '../bench/client.ts';
 import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
