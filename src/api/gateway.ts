@@ -195,6 +195,14 @@ export interface Call {
 
 export type JsonReply = { status: number; body: object };
 
+/** What the server can say while no model is attached yet (conduit frontend: the workers it has found so far). */
+export interface LoadingView {
+  /** Why no model is served yet, when waiting alone will not bring one. */
+  reason?: string;
+  /** The workers known meanwhile, as /health lists them once a model is served. */
+  workers?: object[];
+}
+
 /**
  * The id a response carries: with the client's X-Request-Id header, or else vLLM's request_id, the endpoint's prefix
  * and that id, as vLLM names it (the header first, as vLLM takes it); else the server's own. The server's id
@@ -255,6 +263,11 @@ export class Gateway {
   /** One prompt encoder per served model (each has its own tokenizer). */
   private readonly encoders = new Map<ModelBackend, PromptEncoder>();
   private primaryName: string | undefined;
+  /**
+   * Read while no model is attached: /health gives its reason and workers, and a request's not-ready error its
+   * reason, so a server that cannot get a model says why rather than only that it is loading.
+   */
+  loadingView: (() => LoadingView) | undefined;
 
   constructor(private readonly options: GatewayOptions) {}
 
@@ -401,7 +414,10 @@ export class Gateway {
 
   private ready(): ModelBackend {
     if (this.state === 'draining' || this.state === 'stopped') throw new ShuttingDownError();
-    if (!this.backend) throw new NotReadyError('still loading its model');
+    if (!this.backend) {
+      const reason = this.loadingView?.().reason;
+      throw new NotReadyError(reason === undefined ? 'still loading its model' : `without a model (${reason})`);
+    }
     return this.backend;
   }
 
@@ -782,13 +798,15 @@ export class Gateway {
     const ready = this.state === 'ready' && backend !== undefined && capacity?.ready !== false;
     const info = backend?.engine.info;
     const stats = backend?.engine.stats();
-    const workers = (backend?.engine as Partial<{ workerList(): object[] }> | undefined)?.workerList?.();
+    const loading = backend === undefined && this.state === 'loading' ? this.loadingView?.() : undefined;
+    const workers = (backend?.engine as Partial<{ workerList(): object[] }> | undefined)?.workerList?.() ?? loading?.workers;
     return {
       status: ready ? 200 : 503,
       body: {
         status: this.state === 'ready' && capacity?.ready === false ? 'unavailable' : this.state,
         ready,
         ...(capacity?.ready === false ? { reason: capacity.reason ?? 'no worker can serve' } : {}),
+        ...(loading?.reason !== undefined ? { reason: loading.reason } : {}),
         model: this.servedModelName ?? null,
         ...(info ? {
           max_model_len: info.maxModelLen,
@@ -799,7 +817,8 @@ export class Gateway {
           threads: info.threads,
         } : {}),
         ...(stats ? { running: stats.numRunning, waiting: stats.numWaiting } : {}),
-        // An engine over worker processes (conduit frontend, serve --worker-processes) lists the workers it knows.
+        // An engine over worker processes (conduit frontend, serve --worker-processes) lists the workers it knows; a
+        // frontend lists those it has found before any joined too (loadingView).
         ...(workers ? { workers } : {}),
       },
     };

@@ -1,6 +1,7 @@
 // `conduit frontend`: the OpenAI-compatible gateway and the KV-aware router over worker processes found through
 // etcd, with their KV events and load from NATS. It serves exactly the API of `conduit serve`; the model's tokenizer
-// and chat template come from the first worker (no model file here). /health lists the workers it knows.
+// and chat template come from the first worker (no model file here). /health lists the workers it knows, and says
+// why it serves nothing when a worker's model card is over its --max-frame-bytes.
 
 import { createLogger } from '../api/log.ts';
 import { etcdClient } from '../cluster/discovery.ts';
@@ -157,6 +158,9 @@ export const frontendCommand: Command = {
       routingPolicy: config.routingPolicy, migrationLimit: config.migrationLimit, maxFrameBytes: cluster.maxFrameBytes, log,
       ...(config.disaggregationPolicy !== undefined ? { disaggregationPolicy: config.disaggregationPolicy } : {}),
     });
+    // Until a worker joins, /health lists the workers found and, when one's model card is over --max-frame-bytes,
+    // says so (as do refused requests): otherwise it would only ever say "loading".
+    api.gateway.loadingView = () => ({ reason: frontend.notServingReason(), workers: frontend.workerViews() });
     await frontend.start();
     logger.info(`Conduit frontend listening at ${api.url}; waiting for workers under /${cluster.namespace}/workers/ `
       + `(etcd ${cluster.etcd!.endpoints.join(',')}, NATS ${nats.servers.join(',')})`);

@@ -6,6 +6,9 @@
 // frontend needs no model file) and its KV view is resynced from a snapshot. It leaves when its connection drops
 // (at once: its requests fail as worker_lost and migrate when allowed), when it says it drains, or when its key
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
+// A worker whose model card is over the frontend's --max-frame-bytes is not retried until it registers again: while
+// no worker has joined, that is why the frontend serves nothing, and /health and refused requests say so
+// (notServingReason), where they would otherwise only say it is loading.
 // A key that names no usable worker (an address without its port, say) is logged once and ignored by the watch
 // (discovery.ts): it never stops the frontend.
 // A worker has one connection at a time: a re-registration (a restart on a new port, or another process behind the
@@ -73,7 +76,9 @@ export interface ClusterWorkerView {
   block_size: number;
   capacity_tokens: number;
   engine: string;
-  state: 'connecting' | 'ready' | 'draining' | 'lost';
+  /** unusable: it cannot be joined as it is registered (error says why), and no attempt is made until it registers again. */
+  state: 'connecting' | 'ready' | 'draining' | 'lost' | 'unusable';
+  error?: string;
   running?: number;
   waiting?: number;
 }
@@ -111,6 +116,8 @@ interface Member {
   /** The reconnection planned after a loss or a failed attempt (cleared when it fires or another attempt starts). */
   retry?: NodeJS.Timeout;
   retired: boolean;
+  /** The model card this registration's worker sent was over the frontend's limit (cleared by the next attempt). */
+  unreadableCard?: ModelCardTooLargeError;
 }
 
 export class ClusterFrontend {
@@ -185,12 +192,33 @@ export class ClusterFrontend {
   }
 
   workerViews(): ClusterWorkerView[] {
-    return [...this.members.values()].map(({ record, remote, connecting }) => ({
+    return [...this.members.values()].map(({ record, remote, connecting, unreadableCard }) => ({
       id: record.id, role: record.role, model: record.model, address: record.address, block_size: record.blockSize,
       capacity_tokens: record.capacityTokens, engine: record.engine,
-      state: !remote ? (connecting ? 'connecting' : 'lost') : remote.lost ? 'lost' : remote.draining ? 'draining' : 'ready',
+      state: unreadableCard ? 'unusable' : !remote ? (connecting ? 'connecting' : 'lost')
+        : remote.lost ? 'lost' : remote.draining ? 'draining' : 'ready',
+      ...(unreadableCard ? { error: unreadableCard.message } : {}),
       ...(remote && !remote.lost ? { running: remote.stats().numRunning, waiting: remote.stats().numWaiting } : {}),
     }));
+  }
+
+  /**
+   * Why this frontend serves nothing yet when waiting alone will not change it: the workers found so far whose model
+   * card is over its --max-frame-bytes (none is tried again before it registers again, and a worker of the same model
+   * sends a card as large). Undefined once an engine is built, or while no such worker is registered: the frontend
+   * is then only waiting for a worker to join.
+   */
+  notServingReason(): string | undefined {
+    if (this.engine || this.disaggregated) return undefined;
+    const unreadable = [...this.members.values()].flatMap(({ unreadableCard }) => unreadableCard ?? []);
+    if (unreadable.length === 0) return undefined;
+    // The largest card decides the limit that reads them all.
+    const largest = unreadable.reduce((a, b) => (b.cardBytes > a.cardBytes ? b : a));
+    const others = unreadable.length - 1;
+    return `the model card of worker ${largest.workerId}${others > 0 ? ` (and of ${others} other worker${others > 1 ? 's' : ''})` : ''} `
+      + `is a frame of ${largest.cardBytes} bytes, ${largest.cardBytes - largest.limitBytes} over this frontend's `
+      + `--max-frame-bytes of ${largest.limitBytes} bytes: no model is served until the frontend runs with --max-frame-bytes `
+      + `(or CONDUIT_MAX_FRAME_BYTES) of at least ${largest.cardBytes} bytes`;
   }
 
   async close(): Promise<void> {
@@ -282,6 +310,8 @@ export class ClusterFrontend {
     member.retry = undefined;
     member.connecting = true;
     member.askedAgain = false;
+    // A new registration may be a worker whose card fits (another model, a smaller tokenizer): it is read again.
+    member.unreadableCard = undefined;
     const { record } = member;
     let connected: RemoteEngine | undefined;
     void RemoteEngine.connect(record.address, {
@@ -303,7 +333,8 @@ export class ClusterFrontend {
       if (this.stale(member)) return;
       if (error instanceof ModelCardTooLargeError) {
         // Every attempt would read the same card: none is planned. A new registration of the worker (another
-        // process, another address) tries again.
+        // process, another address) tries again. Meanwhile /health names it (workerViews, notServingReason).
+        member.unreadableCard = error;
         this.options.log('error', `request plane: ${error.message}; not retried while worker ${member.record.id} stays registered as it is`);
         return;
       }

@@ -40,6 +40,10 @@ import {
  */
 export class ModelCardTooLargeError extends Error {
   override name = 'ModelCardTooLargeError';
+  constructor(readonly workerId: string, readonly address: string, readonly cardBytes: number, readonly limitBytes: number) {
+    super(`the model card of worker ${workerId} at ${address} is a frame of ${cardBytes} bytes, over this frontend's limit of `
+      + `${limitBytes} bytes (--max-frame-bytes): this frontend cannot serve the model until it runs with a larger --max-frame-bytes`);
+  }
 }
 
 export interface RemoteEngineOptions {
@@ -444,9 +448,7 @@ export class RemoteEngine implements RoutableEngine {
     } catch (error) {
       if (error instanceof OversizedFrameError && error.kind === FRAME_BLOB && this.cardWaiters.length > 0) {
         // The one blob frame is the model card: no bad worker, a limit here too small for the model's tokenizer.
-        const tooLarge = new ModelCardTooLargeError(`the model card of worker ${this.workerId} at ${this.address} is a frame of `
-          + `${error.length} bytes, over this frontend's limit of ${error.limit} bytes (--max-frame-bytes): this frontend `
-          + 'cannot serve the model until it runs with a larger --max-frame-bytes');
+        const tooLarge = new ModelCardTooLargeError(this.workerId, this.address, error.length, error.limit);
         for (const waiter of this.cardWaiters.splice(0)) waiter.reject(tooLarge);
         this.drop(tooLarge.message);
         return;

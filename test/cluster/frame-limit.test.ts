@@ -3,15 +3,17 @@
 // to the next worker. The frontend learns the worker's limit from its welcome; a frontend that does not check it (an
 // earlier release) has the worker skip that frame and refuse that request only, the connection staying. A frame
 // over the limit that names no request still closes the connection. A frontend whose own --max-frame-bytes is below
-// the model card's size says so once, by name, and does not retry every second. Real etcd on a free loopback port,
-// sim workers (real time, so streams last seconds) started as `conduit worker` starts them, ClusterFrontends and
+// the model card's size says so once, by name, and does not retry every second; as `conduit frontend` (a real
+// process, over real NATS too), it names that worker and the limit in /health and in the 503 a request gets, until
+// the worker's registration changes or a worker whose card it reads joins. Real etcd on a free loopback port, sim
+// workers (real time, so streams last seconds) started as `conduit worker` starts them, ClusterFrontends and
 // RemoteEngines in this process.
-import { after, describe, test } from 'node:test';
+import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
 import net from 'node:net';
 import { engineFailure } from '../../src/api/generation-run.ts';
-import { etcdClient } from '../../src/cluster/discovery.ts';
+import { etcdClient, WorkerRegistration } from '../../src/cluster/discovery.ts';
 import { encodeJsonFrame, FrameReader, parseJsonMessage, type Frame } from '../../src/cluster/frames.ts';
 import { ClusterFrontend } from '../../src/cluster/frontend.ts';
 import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
@@ -19,7 +21,8 @@ import { mayBeOversizedRequest, oversizedRequest, REQUEST_PLANE_VERSION, toWireR
 import { startClusterWorker, type RunningWorker } from '../../src/cluster/worker-process.ts';
 import { engineNow } from '../../src/engine/clock.ts';
 import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../src/engine/types.ts';
-import { ETCD_BIN, freePort } from '../helpers/cluster-services.ts';
+import type { ChatTemplate } from '../../src/model/chat-template.ts';
+import { ETCD_BIN, freePort, servicesMissing, startConduit, startNats, waitForPort, type Nats } from '../helpers/cluster-services.ts';
 import { collect } from '../helpers/outputs.ts';
 import { frontendBed } from '../helpers/frontend-bed.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
@@ -213,5 +216,126 @@ describe('a request frame over a worker\'s --max-frame-bytes', { skip }, () => {
     assert.equal(logs.filter(named).length, 1, logs.join('\n'));
     assert.ok(!logs.some((l) => /retrying in 1 s/.test(l)), logs.join('\n'));
     assert.equal(frontend.engine, undefined);
+  });
+});
+
+describe('`conduit frontend` with a --max-frame-bytes below a worker\'s model card', { skip: servicesMissing() }, () => {
+  const bed = frontendBed('frame-limit-health', TOKEN);
+  // The bed's after hook stops every process started here (NATS and the frontend included).
+  let nats: Nats;
+  before(async () => {
+    nats = await startNats();
+  });
+
+  /** A sim worker, not registered: the test registers it (its card changed first, or again after it left). */
+  async function startWorker(workerId: string, namespace?: string): Promise<RunningWorker> {
+    const worker = await startClusterWorker({
+      workerId, role: 'both', namespace: namespace ?? 'unregistered', clusterToken: TOKEN, host: '127.0.0.1', port: await freePort(),
+      ...(namespace ? { etcd: { endpoints: [bed.etcdUrl] } } : {}), leaseTtlSeconds: 5,
+      pool: { engine: 'sim', sim: { model: 'llama-3.1-8b', gpu: 'h100', tp: 1, speedUp: 1 } },
+      log: () => {},
+    });
+    bed.workers.push(worker);
+    return worker;
+  }
+
+  interface Health { status: string; ready: boolean; reason?: string; workers?: { id: string; state: string; error?: string }[] }
+
+  test('/health and a refused request name the worker, its card\'s size and the limit; the reason goes with its registration and once a worker joins', { timeout: 120_000 }, async () => {
+    const namespace = 'frame-limit-health';
+    const limit = 1536 * 1024;
+    const port = await freePort();
+    const frontend = startConduit(['frontend', '--port', String(port), '--namespace', namespace, '--cluster-token', TOKEN,
+      '--etcd-endpoints', bed.etcdUrl, '--nats-server', nats.url, '--max-frame-bytes', '1536KiB']);
+    await waitForPort(port);
+    const base = `http://127.0.0.1:${port}`;
+    const health = async () => {
+      const res = await fetch(`${base}/health`);
+      return { status: res.status, body: await res.json() as Health };
+    };
+    /** Polls /health until `done` holds (bounded), and gives that answer. */
+    const healthWhen = async (done: (body: Health) => boolean, what: string) => {
+      for (const deadline = Date.now() + 30_000; ;) {
+        const answer = await health();
+        if (done(answer.body)) return answer;
+        if (Date.now() > deadline) assert.fail(`no /health ${what} within 30 s: ${JSON.stringify(answer.body)}\n${frontend.output()}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+    };
+    const etcd = etcdClient({ endpoints: [bed.etcdUrl] });
+    const registrations: WorkerRegistration[] = [];
+    const register = async (worker: RunningWorker) => {
+      const registration = new WorkerRegistration(etcd, namespace, worker.record, 5, () => {});
+      registrations.push(registration);
+      await registration.start();
+      return registration;
+    };
+    try {
+      // Nothing registered: loading, and nothing more to say.
+      const empty = await healthWhen((body) => body.workers !== undefined, 'listing the workers found');
+      assert.equal(empty.status, 503);
+      assert.deepEqual(empty.body.workers, []);
+      assert.equal(empty.body.reason, undefined);
+
+      // A worker whose card is padded (a chat template of 1 MiB of text) to about 2.1 MB: over the frontend's 1.5 MiB,
+      // where the card of a plain sim worker (about 1.1 MB) fits.
+      const big = await startWorker('w-card');
+      const options = (big.server as unknown as { options: { chatTemplate: ChatTemplate } }).options;
+      options.chatTemplate = options.chatTemplate.withTemplate(`${'padding '.repeat(1 << 17)}{{ messages[0]['content'] }}`);
+      let registration = await register(big);
+      const named = await healthWhen((body) => body.reason !== undefined, 'giving a reason');
+      assert.equal(named.status, 503);
+      assert.equal(named.body.status, 'loading');
+      assert.equal(named.body.ready, false);
+      const reason = new RegExp(`^the model card of worker w-card is a frame of (\\d+) bytes, (\\d+) over this frontend's --max-frame-bytes of `
+        + `${limit} bytes: no model is served until the frontend runs with --max-frame-bytes \\(or CONDUIT_MAX_FRAME_BYTES\\) of at least (\\d+) bytes$`);
+      const [, cardBytes, over, atLeast] = reason.exec(named.body.reason!) ?? assert.fail(named.body.reason);
+      assert.ok(Number(cardBytes) > limit, cardBytes);
+      assert.equal(Number(over), Number(cardBytes) - limit);
+      assert.equal(atLeast, cardBytes);
+      assert.equal(named.body.workers?.length, 1);
+      assert.equal(named.body.workers![0]!.id, 'w-card');
+      assert.equal(named.body.workers![0]!.state, 'unusable');
+      assert.match(named.body.workers![0]!.error!, new RegExp(`^the model card of worker w-card at 127\\.0\\.0\\.1:\\d+ is a frame of ${cardBytes} bytes, `
+        + `over this frontend's limit of ${limit} bytes \\(--max-frame-bytes\\)`));
+
+      // A request is refused as before (503 not_ready), the reason in its OpenAI error.
+      const refused = await fetch(`${base}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'Hello', max_tokens: 2 }),
+      });
+      assert.equal(refused.status, 503);
+      const error = (await refused.json() as { error: { message: string; type: string; code: string } }).error;
+      assert.equal(error.type, 'server_error');
+      assert.equal(error.code, 'not_ready');
+      assert.equal(error.message, `The server is without a model (${named.body.reason}) and cannot take requests yet.`);
+
+      // The worker leaves: nothing stands in the way any more, the frontend is only loading.
+      await registration.deregister();
+      const gone = await healthWhen((body) => body.workers?.length === 0, 'without the worker that left');
+      assert.equal(gone.status, 503);
+      assert.equal(gone.body.status, 'loading');
+      assert.equal(gone.body.reason, undefined);
+      // Registered again, it is read again, and named again.
+      registration = await register(big);
+      await healthWhen((body) => reason.test(body.reason ?? ''), 'naming the worker again');
+
+      // A worker whose card fits joins: the frontend serves, and only the worker's entry still says why it is unused.
+      await startWorker('w-fits', namespace);
+      const ready = await healthWhen((body) => body.ready, 'ready');
+      assert.equal(ready.status, 200);
+      assert.equal(ready.body.reason, undefined);
+      const states = Object.fromEntries(ready.body.workers!.map((w) => [w.id, w.state]));
+      assert.deepEqual(states, { 'w-card': 'unusable', 'w-fits': 'ready' });
+      const served = await fetch(`${base}/v1/completions`, {
+        method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'Hello', max_tokens: 2 }),
+      });
+      assert.equal(served.status, 200, await served.clone().text());
+      // The card over the limit was logged once per registration (twice), never retried in between.
+      assert.equal(frontend.output().match(/not retried while worker w-card stays registered as it is/g)?.length, 2, frontend.output());
+    } finally {
+      for (const registration of registrations) await registration.deregister();
+      etcd.close();
+      frontend.kill();
+    }
   });
 });
