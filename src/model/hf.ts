@@ -42,6 +42,8 @@ export interface HfModel {
   config: ModelConfig;
   weights: ModelWeights;
   tokenizerJsonPath: string;
+  /** tokenizer.json parsed and checked (checkTokenizerJson): the tokenizer is built from this, not from the file again. */
+  tokenizerJson: Record<string, unknown>;
   /** tokenizer_config.json parsed, {} when the folder has none. */
   tokenizerConfig: Record<string, unknown>;
   chatTemplate?: string;
@@ -65,9 +67,10 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
     throw new ModelFormatError(`${dir}: tokenizer.json is missing (only fast tokenizers are supported)`);
   }
   if (!(await stat(tokenizerJsonPath)).isFile()) throw new ModelFormatError(`${tokenizerJsonPath} is not a regular file`);
-  // The engine builds the tokenizer from this file after the load; a model or vocabulary it cannot tokenize with
-  // is refused now rather than at the first request.
-  const tokenIds = checkTokenizerJson(await readJson(tokenizerJsonPath), tokenizerJsonPath);
+  // The engine builds the tokenizer from this object after the load (the file is read and parsed once); a model or
+  // vocabulary it cannot tokenize with is refused now rather than at the first request.
+  const tokenizerJson = await readJson(tokenizerJsonPath);
+  const tokenIds = checkTokenizerJson(tokenizerJson, tokenizerJsonPath);
   // Added tokens count: their ids are inputs like any other.
   checkTokenizerFitsEmbedding(dir,
     { says: `tokenizer.json has token ids up to ${tokenIds - 1} (${tokenIds} ids)`, ids: tokenIds },
@@ -87,7 +90,7 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
     }
   }
   const model: HfModel = {
-    config, weights, tokenizerJsonPath, tokenizerConfig,
+    config, weights, tokenizerJsonPath, tokenizerJson, tokenizerConfig,
     details: hfDetails(configJson),
   };
   const chatTemplate = pickTemplate(found?.value);

@@ -19,8 +19,15 @@ import type { ModelWeights, Tensor } from './weights.ts';
 /** What the tokenizer module builds a Tokenizer from. */
 export type TokenizerSource =
   | { kind: 'gguf'; file: GgufFile }
-  /** tokenizerJson is the path of tokenizer.json; tokenizerConfig the parsed tokenizer_config.json ({} if absent). */
-  | { kind: 'hf'; tokenizerJson: string; tokenizerConfig: Record<string, unknown> };
+  /**
+   * tokenizerJson is the path of tokenizer.json (it names the file in errors), parsedTokenizerJson that file as the
+   * load parsed and checked it (the tokenizer is built from it without reading the file again), tokenizerConfig the
+   * parsed tokenizer_config.json ({} if absent).
+   */
+  | {
+    kind: 'hf'; tokenizerJson: string; parsedTokenizerJson: Record<string, unknown>;
+    tokenizerConfig: Record<string, unknown>;
+  };
 
 export interface ModelSummary {
   name: string;
@@ -118,7 +125,10 @@ async function loadHf(path: string): Promise<LoadedModel> {
   const hf = await loadHfModel(path);
   const model: LoadedModel = {
     config: hf.config, weights: hf.weights, source: 'hf', path,
-    tokenizerSource: { kind: 'hf', tokenizerJson: hf.tokenizerJsonPath, tokenizerConfig: hf.tokenizerConfig },
+    tokenizerSource: {
+      kind: 'hf', tokenizerJson: hf.tokenizerJsonPath, parsedTokenizerJson: hf.tokenizerJson,
+      tokenizerConfig: hf.tokenizerConfig,
+    },
     metadata: summarize(hf.config, hf.weights, hf.details),
   };
   if (hf.chatTemplate !== undefined) model.chatTemplate = hf.chatTemplate;

@@ -80,6 +80,7 @@ describe('Hugging Face folder vs the same model as GGUF', () => {
     const model = await loadModel(hfDir);
     assert.deepEqual(model.tokenizerSource, {
       kind: 'hf', tokenizerJson: join(hfDir, 'tokenizer.json'),
+      parsedTokenizerJson: { version: '1.0', model: { type: 'BPE', vocab: {}, merges: [] } },
       tokenizerConfig: { bos_token: '<s>', eos_token: '</s>', add_bos_token: true, chat_template: '{{ messages[0].content }}' },
     });
     assert.equal(model.chatTemplate, '{{ messages[0].content }}');

@@ -6,7 +6,7 @@
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, unlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { ModelFormatError } from '../../src/model/gguf-model.ts';
@@ -71,6 +71,21 @@ describe('tokenizer ids against the token embedding rows', () => {
     }
     const withAdded = await loadModel(hfFolder(rows - 1, [{ id: rows - 1, content: '<|end|>', special: true }]));
     assert.equal(createTokenizer(withAdded.tokenizerSource).vocabSize, rows);
+  });
+
+  it('the tokenizer is built from the tokenizer.json the load checked, not from the file read again', async () => {
+    const folder = hfFolder(rows);
+    const loaded = await loadModel(folder);
+    // Replaced after the load by one with more ids than rows (a folder updated in place): the tokenizer is still the
+    // checked one, and the file is not read a second time.
+    writeFileSync(join(folder, 'tokenizer.json'), JSON.stringify({
+      version: '1.0', model: { type: 'BPE', vocab: Object.fromEntries(Array.from({ length: 100 }, (_, i) => [`n${i}`, i])), merges: [] },
+    }));
+    const tokenizer = createTokenizer(loaded.tokenizerSource);
+    assert.equal(tokenizer.vocabSize, rows);
+    assert.equal(tokenizer.idToToken(rows - 1), `t${rows - 1}`);
+    unlinkSync(join(folder, 'tokenizer.json'));
+    assert.equal(createTokenizer(loaded.tokenizerSource).vocabSize, rows);
   });
 
   it('a GGUF whose token list is longer or shorter than the embedding: refused naming both numbers', async () => {

@@ -6,17 +6,23 @@
 
 import type { GgufFile } from '../gguf.ts';
 import { tokenizerFromGguf } from './gguf-tokenizer.ts';
-import { tokenizerFromJson } from './hf-tokenizer.ts';
+import { tokenizerFromJson, tokenizerFromJsonObject } from './hf-tokenizer.ts';
 import type { Tokenizer } from './types.ts';
 
 export type TokenizerSource =
   | { kind: 'gguf'; file: GgufFile }
-  | { kind: 'hf'; tokenizerJson: string; tokenizerConfig: Record<string, unknown> };
+  /**
+   * tokenizerJson is the path of tokenizer.json. parsedTokenizerJson, when given, is that file already parsed (the
+   * model loader's): the tokenizer is built from it and the file is not read again.
+   */
+  | { kind: 'hf'; tokenizerJson: string; parsedTokenizerJson?: unknown; tokenizerConfig: Record<string, unknown> };
 
 export function createTokenizer(source: TokenizerSource): Tokenizer {
   switch (source.kind) {
     case 'gguf': return tokenizerFromGguf(source.file);
-    case 'hf': return tokenizerFromJson(source.tokenizerJson, source.tokenizerConfig);
+    case 'hf': return source.parsedTokenizerJson !== undefined
+      ? tokenizerFromJsonObject(source.parsedTokenizerJson, source.tokenizerConfig, source.tokenizerJson)
+      : tokenizerFromJson(source.tokenizerJson, source.tokenizerConfig);
   }
 }
 
