@@ -296,7 +296,7 @@ export class SimEngine implements Engine {
    */
   async loadLora(name: string, path: string): Promise<LoraLoadInfo> {
     if (this.closed) throw new EngineClosedError('engine is closed');
-    const { adapter, info } = simLoraAdapter(path, this.loraRank);
+    const { adapter, info } = await simLoraAdapter(path, this.loraRank);
     this.worker.loadLora(name, adapter);
     return info;
   }

@@ -2,13 +2,16 @@
 // the cost its tokens add to a step (perf-model.ts StepLora). A path that exists is read for that shape: a GGUF
 // adapter's lora_a tensors, or a PEFT folder's adapter_config.json (r, target_modules). A path that does not exist
 // is a synthetic adapter of the default rank on every projection, so a simulated server can serve adapter names
-// without files (`--lora-modules name=anything --engine sim`).
+// without files (`--lora-modules name=anything --engine sim`). Files are read as the CPU engine's model files are
+// (files.ts): only regular ones (a device or FIFO, /dev/zero or a pipe, would be read forever), and
+// adapter_config.json only within the longest string JavaScript holds, refused by its size before it is read.
 
-import { existsSync, readFileSync, statSync } from 'node:fs';
+import { stat } from 'node:fs/promises';
 import { join } from 'node:path';
 import { LoraLoadError } from '../engine/errors.ts';
 import type { LoraLoadInfo } from '../engine/types.ts';
-import { metaNumber, metaString, readGguf, type GgufFile } from '../model/gguf.ts';
+import { readModelFile, readModelText } from '../model/files.ts';
+import { metaNumber, metaString, parseGguf, type GgufFile } from '../model/gguf.ts';
 import { SIM_LORA_TARGETS, type SimLoraTarget } from './perf-model.ts';
 import type { SimLoraAdapter } from './sim-worker.ts';
 
@@ -22,15 +25,28 @@ const PEFT_TARGETS: Record<string, SimLoraTarget> = {
   q_proj: 'wq', k_proj: 'wk', v_proj: 'wv', o_proj: 'wo', gate_proj: 'wGate', up_proj: 'wUp', down_proj: 'wDown',
 };
 
+type SimLoraShape = { adapter: SimLoraAdapter; info: LoraLoadInfo };
+
+/** What files.ts refuses (not a regular file, too large, unreadable): the adapter is invalid, for that reason. */
+async function read<T>(reading: Promise<T>): Promise<T> {
+  try {
+    return await reading;
+  } catch (error) {
+    throw new LoraLoadError('invalid_adapter', (error as Error).message);
+  }
+}
+
 /** The shape of the adapter at `path` (see the file's header), and what loading it reports. */
-export function simLoraAdapter(path: string, defaultRank = DEFAULT_SIM_LORA_RANK): { adapter: SimLoraAdapter; info: LoraLoadInfo } {
-  if (!existsSync(path)) {
+export async function simLoraAdapter(path: string, defaultRank = DEFAULT_SIM_LORA_RANK): Promise<SimLoraShape> {
+  const found = await stat(path).catch(() => undefined);
+  if (!found) {
     return { adapter: { rank: defaultRank }, info: { format: 'synthetic', rank: defaultRank, alpha: 0, bytes: 0 } };
   }
-  if (statSync(path).isDirectory()) return peftShape(path);
+  if (found.isDirectory()) return peftShape(path);
+  const contents = await read(readModelFile(path));
   let file: GgufFile;
   try {
-    file = readGguf(path);
+    file = parseGguf(contents, path);
   } catch (error) {
     throw new LoraLoadError('invalid_adapter', `${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
   }
@@ -54,13 +70,17 @@ export function simLoraAdapter(path: string, defaultRank = DEFAULT_SIM_LORA_RANK
   };
 }
 
-function peftShape(dir: string): { adapter: SimLoraAdapter; info: LoraLoadInfo } {
+async function peftShape(dir: string): Promise<SimLoraShape> {
   const configPath = join(dir, 'adapter_config.json');
+  const text = await read(readModelText(configPath));
   let config: { r?: unknown; lora_alpha?: unknown; target_modules?: unknown };
   try {
-    config = JSON.parse(readFileSync(configPath, 'utf8')) as typeof config;
+    config = JSON.parse(text) as typeof config;
   } catch (error) {
     throw new LoraLoadError('invalid_adapter', `${configPath}: ${(error as Error).message}`);
+  }
+  if (typeof config !== 'object' || config === null || Array.isArray(config)) {
+    throw new LoraLoadError('invalid_adapter', `${configPath} is not a JSON object`);
   }
   const rank = config.r;
   if (typeof rank !== 'number' || !Number.isInteger(rank) || rank < 1) throw new LoraLoadError('invalid_adapter', `${configPath}: r must be a whole number >= 1`);

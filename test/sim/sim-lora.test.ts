@@ -2,13 +2,17 @@
 // once per step, its tokens' low-rank FLOPs; S-LoRA / Punica batching), by hand on the toy deployment and on Llama
 // 3.1 8B; the simulated engine holding adapters (synthetic without a file, or the shape read from a GGUF adapter or
 // a PEFT folder), refusing requests for adapters it does not hold, and pricing their steps; `conduit sim
-// decode-sweep`'s adapters agreeing with the engine.
+// decode-sweep`'s adapters agreeing with the engine; adapter files it refuses without reading them forever (a device
+// or FIFO) or whole (an adapter_config.json past the longest string), as the CPU engine does.
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, test } from 'node:test';
+import { LoraLoadError } from '../../src/engine/errors.ts';
 import type { EngineOutput } from '../../src/engine/types.ts';
+import { MAX_TEXT_FILE_BYTES } from '../../src/model/files.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter, writePeftLoraAdapter } from '../../src/model/lora-writer.ts';
 import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
@@ -103,14 +107,71 @@ describe('simulated workers with LoRA adapters', () => {
       const spec = randomLoraAdapter(config, { rank: 6, seed: 1, targets: ['wq', 'wv', 'wDown'] });
       writeGgufLoraAdapter(join(dir, 'a.gguf'), config, spec);
       writePeftLoraAdapter(join(dir, 'peft'), spec);
-      const gguf = simLoraAdapter(join(dir, 'a.gguf'));
+      const gguf = await simLoraAdapter(join(dir, 'a.gguf'));
       assert.deepEqual(gguf.adapter, { rank: 6, targets: ['wq', 'wv', 'wDown'] });
       assert.equal(gguf.info.format, 'gguf');
-      const peft = simLoraAdapter(join(dir, 'peft'));
+      const peft = await simLoraAdapter(join(dir, 'peft'));
       assert.deepEqual(peft.adapter, { rank: 6, targets: ['wq', 'wv', 'wDown'] });
       assert.equal(peft.info.format, 'peft');
-      assert.throws(() => simLoraAdapter(modelPath), /not a GGUF LoRA adapter/);
+      await assert.rejects(simLoraAdapter(modelPath), /not a GGUF LoRA adapter/);
     } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  test('adapter files it cannot read whole are refused at once, naming the file: too large, a FIFO, a device', async (t) => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-sim-lora-files-'));
+    const engine = new SimEngine({ ...toyWorker, speedUp: Infinity });
+    const refused = (message: string) => (e: unknown) => {
+      assert.ok(e instanceof LoraLoadError, `a LoraLoadError, not ${String((e as Error)?.stack ?? e)}`);
+      assert.equal(e.code, 'invalid_adapter');
+      assert.equal(e.message, message);
+      return true;
+    };
+    try {
+      // One byte past the longest string: sparse, so no disk, and (refused by its size, unread) no memory.
+      const huge = join(dir, 'huge');
+      mkdirSync(huge);
+      const hugeConfig = join(huge, 'adapter_config.json');
+      writeFileSync(hugeConfig, '{"r": 4, "lora_alpha": 8}');
+      truncateSync(hugeConfig, MAX_TEXT_FILE_BYTES + 1);
+      await assert.rejects(engine.loadLora('huge', huge), refused(`${hugeConfig} is ${MAX_TEXT_FILE_BYTES + 1} bytes, more than the `
+        + `${MAX_TEXT_FILE_BYTES} bytes a text file of a model may have (the longest string JavaScript holds)`));
+
+      const notObject = join(dir, 'null');
+      mkdirSync(notObject);
+      writeFileSync(join(notObject, 'adapter_config.json'), 'null');
+      await assert.rejects(engine.loadLora('null', notObject), refused(`${join(notObject, 'adapter_config.json')} is not a JSON object`));
+
+      // A FIFO nobody writes to, as a PEFT folder's adapter_config.json and as a GGUF adapter; then /dev/zero as both.
+      const notRegular: string[] = [];
+      try {
+        const fifoFolder = join(dir, 'fifo');
+        mkdirSync(fifoFolder);
+        execFileSync('mkfifo', [join(fifoFolder, 'adapter_config.json'), join(dir, 'fifo.gguf')]);
+        notRegular.push(join(fifoFolder, 'adapter_config.json'), join(dir, 'fifo.gguf'));
+      } catch {
+        t.diagnostic('mkfifo is not available; the FIFO cases are skipped');
+      }
+      if (existsSync('/dev/zero')) notRegular.push('/dev/zero');
+      for (const path of notRegular) {
+        const message = `${path} is not a regular file (a device, FIFO or socket)`;
+        if (path.endsWith('adapter_config.json')) {
+          await assert.rejects(engine.loadLora('fifo', join(path, '..')), refused(message));
+        } else {
+          await assert.rejects(engine.loadLora('file', path), refused(message));
+        }
+      }
+      if (existsSync('/dev/zero')) {
+        const zero = join(dir, 'zero');
+        mkdirSync(zero);
+        execFileSync('ln', ['-s', '/dev/zero', join(zero, 'adapter_config.json')]);
+        await assert.rejects(engine.loadLora('zero', zero), refused(`${join(zero, 'adapter_config.json')} is not a regular file (a device, FIFO or socket)`));
+      }
+      // Nothing was loaded: a request for any of them is refused.
+      await assert.rejects(all(engine.generate({ ...req('x', prompt(16)), lora: 'huge' })), /LoRA adapter 'huge' is not loaded/);
+    } finally {
+      await engine.close();
       rmSync(dir, { recursive: true, force: true });
     }
   });
