@@ -3,6 +3,7 @@
 // answer; exits 1 when no count up to --max-workers meets the targets. Environment twins are CONDUIT_PLAN_<FLAG>.
 
 import { formatPlan, planCapacity, type PlanOptions } from '../sim/planner.ts';
+import { checkSimSequenceFits } from '../sim/sim-worker.ts';
 import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import { DEPLOYMENT_FLAGS, fitsContext, resolveDeployment, wholeNumber, withEnvPrefix } from './sim.ts';
@@ -54,7 +55,7 @@ function planOptionsOf(parsed: ParsedFlags<typeof PLAN_FLAGS>): PlanOptions | nu
   const label = (name: keyof typeof PLAN_FLAGS & string): string => flagLabel(PLAN_FLAGS, parsed, name);
   if (values.help) return null;
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
-  const { model, hw, tp, efficiency } = resolveDeployment(values);
+  const { model, hw, tp, efficiency, flags } = resolveDeployment(values, label);
   if (values.rate === undefined) throw new UsageError('--rate is required (requests per second)');
   if (!(values.rate > 0)) throw new UsageError(`--rate must be > 0, got ${values.rate}`);
   for (const flag of ['ttft-p99', 'itl-p99'] as const) {
@@ -67,6 +68,14 @@ function planOptionsOf(parsed: ParsedFlags<typeof PLAN_FLAGS>): PlanOptions | nu
   if (sharedPrefixTokens > inputTokens) throw new UsageError(`--prefix-tokens ${sharedPrefixTokens} exceeds ${label('isl')} ${inputTokens}`);
   const outputTokens = wholeNumber('osl', values.osl, 1);
   fitsContext(`--isl with ${label('osl')}`, inputTokens, outputTokens);
+  // A request longer than one worker holds, or a worker that cannot exist, refused here (as the planner would) by the
+  // options that set them.
+  try {
+    checkSimSequenceFits({ model, hw, tp }, inputTokens, outputTokens, { ...flags, request: `${label('isl')} with ${label('osl')}` });
+  } catch (error) {
+    if (error instanceof RangeError) throw new UsageError(error.message);
+    throw error;
+  }
   return {
     model, hw, tp, efficiency, ratePerSec: values.rate, inputTokens, outputTokens,
     ttftP99Ms: values['ttft-p99']!, itlP99Ms: values['itl-p99']!, sharedPrefixTokens,

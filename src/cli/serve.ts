@@ -29,6 +29,7 @@ import type { KvDtype } from '../kernels/types.ts';
 import type { SimWorkerSpec } from '../runtime/worker-pool.ts';
 import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationName } from '../sim/calibration.ts';
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
+import { checkSimDeployment } from '../sim/sim-worker.ts';
 import {
   describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
@@ -693,6 +694,13 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   } catch (error) {
     throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
   }
+  const simTp = positiveInteger(values['sim-tp'], 'sim-tp')!;
+  // Simulated workers that cannot exist (no such profile, a tp the model does not split over, weights that leave no
+  // HBM for the KV cache) are refused before anything starts, naming the options that set them.
+  if (engine === 'sim') {
+    checkSimDeployment({ model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp },
+      { model: label('sim-model'), gpu: label('sim-gpu'), tp: label('sim-tp') });
+  }
   const migrationLimit = values['migration-limit']!;
   if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
     throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
@@ -730,7 +738,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     workerRestartLimit,
     workerRestartDelayMs,
     sim: {
-      model: values['sim-model']!, gpu: values['sim-gpu']!, tp: positiveInteger(values['sim-tp'], 'sim-tp')!, speedUp, calibration,
+      model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp, speedUp, calibration,
       loraRank: positiveInteger(values['sim-lora-rank'], 'sim-lora-rank')!,
     },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,

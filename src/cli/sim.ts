@@ -13,14 +13,14 @@ import { checkDisaggregatedPathWithEngine } from '../sim/disagg-cold-path.ts';
 import { getModelProfile, KV_DTYPE_NAMES, MODEL_PROFILES } from '../sim/models.ts';
 import { CALIBRATIONS, calibrationEfficiency, DEFAULT_CALIBRATION, parseCalibration } from '../sim/calibration.ts';
 import type { CalibrationName } from '../sim/calibration.ts';
-import type { Efficiency } from '../sim/perf-model.ts';
+import { checkTensorParallel, type Efficiency } from '../sim/perf-model.ts';
 import { formatPrefillLayerTable, prefillLayerTable, SEED_001_PREFILL_LAYER_US } from '../sim/layer-table.ts';
 import type { ModelProfile } from '../sim/models.ts';
 import { checkDecodeSweepWithEngine, checkLifecycleWithEngine } from '../sim/engine-check.ts';
 import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { formatKvTierTtft, simulateKvTierTtft } from '../sim/kv-tier-ttft.ts';
 import { KV_TIER_PROFILES } from '../sim/hardware.ts';
-import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks } from '../sim/sim-worker.ts';
+import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks, type SimDeploymentFlags, type SimRequestFlags } from '../sim/sim-worker.ts';
 import type { Command } from './main.ts';
 
 /** Gives every flag of a table the environment twin `${prefix}<FLAG>`. */
@@ -95,8 +95,8 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
 // Shared helpers
 
 /**
- * A profile lookup whose refusal (`unknown GPU "x"; known: ...`) starts with the flag that gave the id, so that a value
- * from the environment is named by its variable (nameEnvironment).
+ * A profile lookup or check whose refusal (`unknown GPU "x"; known: ...`, heads that do not divide over tp) starts with
+ * the flag that gave the value, so that a value from the environment is named by its variable (nameEnvironment).
  */
 function byFlag<R>(flag: string, lookup: () => R): R {
   try {
@@ -107,12 +107,18 @@ function byFlag<R>(flag: string, lookup: () => R): R {
   }
 }
 
-/** Profile lookups turn their RangeError (which lists the known ids) into a usage error. */
+/**
+ * Profile lookups turn their RangeError (which lists the known ids) into a usage error, as does a tp the model does
+ * not split over. `label` names --model, --gpu and --tp in later refusals (flagLabel: by its variable too when the
+ * environment gave the value); they come back as `flags`.
+ */
 export function resolveDeployment(values: {
   model?: string; gpu?: string; tp?: number; 'weight-bytes'?: number; 'kv-bytes'?: number; calibration?: string;
   'matmul-mfu'?: number; 'attention-mfu'?: number; 'hbm-utilization'?: number; 'comm-efficiency'?: number;
   'step-overhead-ms'?: number;
-}): { model: ModelProfile; hw: HardwareProfile; tp: number; calibration: CalibrationName; efficiency: Efficiency } {
+}, label: (name: keyof SimDeploymentFlags) => string = (name) => `--${name}`): {
+  model: ModelProfile; hw: HardwareProfile; tp: number; calibration: CalibrationName; efficiency: Efficiency; flags: SimDeploymentFlags;
+} {
   try {
     for (const flag of ['weight-bytes', 'kv-bytes'] as const) {
       const value = values[flag];
@@ -126,7 +132,8 @@ export function resolveDeployment(values: {
     const hw = byFlag('gpu', () => getHardwareProfile(values.gpu!));
     const tp = values.tp!;
     if (!Number.isInteger(tp) || tp < 1) throw new RangeError(`--tp must be a whole number >= 1, got ${tp}`);
-    const calibration = parseCalibration(values.calibration ?? DEFAULT_CALIBRATION);
+    byFlag('tp', () => checkTensorParallel(model, hw, tp));
+    const calibration = byFlag('calibration', () => parseCalibration(values.calibration ?? DEFAULT_CALIBRATION));
     let efficiency = calibrationEfficiency(calibration, hw);
     for (const [flag, key] of Object.entries(EFFICIENCY_FLAGS) as [keyof typeof EFFICIENCY_FLAGS, keyof Efficiency][]) {
       const value = values[flag];
@@ -135,7 +142,7 @@ export function resolveDeployment(values: {
       if (!ok) throw new RangeError(`--${flag} must be ${key === 'stepOverheadMs' ? 'a number >= 0' : 'in (0, 1]'}, got ${value}`);
       efficiency = { ...efficiency, [key]: value };
     }
-    return { model, hw, tp, calibration, efficiency };
+    return { model, hw, tp, calibration, efficiency, flags: { model: label('model'), gpu: label('gpu'), tp: label('tp') } };
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -152,11 +159,12 @@ export function fitsContext(what: string, tokens: number, outputTokens = 1): voi
 
 /**
  * A worker of this deployment must exist (its weights fit, tp divides the heads) and hold a prompt of `tokens` and
- * its first output token in its KV pool. Profile combinations the model refuses are usage errors.
+ * its first output token in its KV pool. Profile combinations the model refuses are usage errors, naming the options
+ * (`flags`) that set them.
  */
-function fitsWorker(config: Parameters<typeof checkSimSequenceFits>[0], tokens: number): void {
+function fitsWorker(config: Parameters<typeof checkSimSequenceFits>[0], tokens: number, flags: SimRequestFlags): void {
   try {
-    checkSimSequenceFits(config, tokens, 1);
+    checkSimSequenceFits(config, tokens, 1, flags);
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -167,9 +175,9 @@ function fitsWorker(config: Parameters<typeof checkSimSequenceFits>[0], tokens: 
  * A worker of this deployment must exist: its weight shard must leave HBM for at least one KV block (decode-sweep's
  * table says itself which batches its pool holds).
  */
-function workerExists(config: Parameters<typeof simKvBlocks>[0]): void {
+function workerExists(config: Parameters<typeof simKvBlocks>[0], flags: SimDeploymentFlags): void {
   try {
-    simKvBlocks(config);
+    simKvBlocks(config, flags);
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;
@@ -246,14 +254,14 @@ async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promis
   }
   refuseArguments(positionals);
   for (const warning of warnings) console.error(`conduit sim: ${warning}`);
-  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency, flags } = resolveDeployment(values, label);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   fitsContext('--prompt', promptTokens);
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   const maxNumBatchedTokens = wholeNumber('max-num-batched-tokens', values['max-num-batched-tokens'], 1);
   // The tables describe a worker that must exist (its weights fit the GPUs) and hold the prompt and its first token
   // in its KV pool; otherwise the engine check dies after the tables, and with --no-check they describe nothing.
-  fitsWorker({ model, hw, tp, blockSize }, promptTokens);
+  fitsWorker({ model, hw, tp, blockSize }, promptTokens, { ...flags, request: label('prompt') });
   const cachedTokens = values.cached === undefined ? undefined : wholeNumber('cached', values.cached, 0);
   // The engine computes a prompt's last token whatever the cache holds (its logits give the first output token).
   if (cachedTokens !== undefined && cachedTokens > promptTokens - 1) {
@@ -335,13 +343,14 @@ async function sweep(argv: string[]): Promise<number> {
 
 async function runSweep(parsed: ParsedFlags<typeof DECODE_SWEEP_FLAGS>): Promise<number> {
   const { values, positionals, warnings } = parsed;
+  const label = (name: keyof typeof DECODE_SWEEP_FLAGS & string): string => flagLabel(DECODE_SWEEP_FLAGS, parsed, name);
   if (values.help) {
     console.log(`Usage: conduit sim decode-sweep [options]\n\n${formatFlagHelp(DECODE_SWEEP_FLAGS)}`);
     return 0;
   }
   refuseArguments(positionals);
   for (const warning of warnings) console.error(`conduit sim: ${warning}`);
-  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency, flags } = resolveDeployment(values, label);
   const contextLen = wholeNumber('context', values.context, 1);
   // As lifecycle's and kv-tiers' prompts: the engine check decodes after a prompt of that many tokens (two output
   // tokens: the prefill's and the decode step's), so the table too describes only what the simulated context holds.
@@ -349,7 +358,7 @@ async function runSweep(parsed: ParsedFlags<typeof DECODE_SWEEP_FLAGS>): Promise
   const blockSize = wholeNumber('block-size', values['block-size'], 1);
   // Checked before any table, whatever --no-check says (that flag skips the engine cross-check only): a deployment
   // whose weights do not fit its GPUs has no KV pool and no step times to tabulate.
-  workerExists({ model, hw, tp, blockSize });
+  workerExists({ model, hw, tp, blockSize }, flags);
   const batchSizes = values.batches!.split(',').map((text) => {
     const batch = Number(text.trim());
     if (!Number.isSafeInteger(batch) || batch < 1) throw new UsageError(`--batches expects whole numbers >= 1, got "${text}"`);
@@ -396,16 +405,19 @@ async function kvTiers(argv: string[]): Promise<number> {
   return namingEnvironment(KV_TIERS_FLAGS, parseFlags(KV_TIERS_FLAGS, argv), runKvTiers);
 }
 
-async function runKvTiers({ values, positionals }: ParsedFlags<typeof KV_TIERS_FLAGS>): Promise<number> {
+async function runKvTiers(parsed: ParsedFlags<typeof KV_TIERS_FLAGS>): Promise<number> {
+  const { values, positionals } = parsed;
+  const label = (name: keyof typeof KV_TIERS_FLAGS & string): string => flagLabel(KV_TIERS_FLAGS, parsed, name);
   if (values.help) {
     console.log(`Usage: conduit sim kv-tiers [options]\n\n${formatFlagHelp(KV_TIERS_FLAGS)}`);
     return 0;
   }
   refuseArguments(positionals);
-  const { model, hw, tp, calibration, efficiency } = resolveDeployment(values);
+  const { model, hw, tp, calibration, efficiency, flags } = resolveDeployment(values, label);
   const promptTokens = wholeNumber('prompt', values.prompt, 1);
   fitsContext('--prompt', promptTokens);
-  fitsWorker({ model, hw, tp }, promptTokens);
+  const requestFlags = { ...flags, request: label('prompt') };
+  fitsWorker({ model, hw, tp }, promptTokens, requestFlags);
   const profile = (flag: string, id: string | undefined) => {
     if (id === undefined) return undefined;
     const found = Object.hasOwn(KV_TIER_PROFILES, id) ? KV_TIER_PROFILES[id] : undefined;
@@ -416,7 +428,7 @@ async function runKvTiers({ values, positionals }: ParsedFlags<typeof KV_TIERS_F
   const disk = profile('disk-tier', values['disk-tier']);
   let report;
   try {
-    report = simulateKvTierTtft({ model, hw, tp, promptTokens, efficiency, ...(ram ? { ram } : {}), ...(disk ? { disk } : {}) });
+    report = simulateKvTierTtft({ model, hw, tp, promptTokens, efficiency, ...(ram ? { ram } : {}), ...(disk ? { disk } : {}), flags: requestFlags });
   } catch (error) {
     if (error instanceof RangeError) throw new UsageError(error.message);
     throw error;

@@ -20,6 +20,7 @@ import { DiskTierLockedError } from '../engine/kv-cache/disk-tier.ts';
 import type { WorkerRole } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
 import { parseCalibration } from '../sim/calibration.ts';
+import { checkSimDeployment } from '../sim/sim-worker.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
@@ -205,6 +206,12 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
     calibration = parseCalibration(values['sim-calibration']!);
   } catch (error) {
     throw new UsageError(`--sim-calibration: ${(error as Error).message}`);
+  }
+  // As `conduit serve` checks them: a simulated worker that cannot exist, by the options that set it.
+  if (engineKind === 'sim') {
+    const label = (name: 'sim-model' | 'sim-gpu' | 'sim-tp'): string => flagLabel(WORKER_FLAGS, parsed, name);
+    checkSimDeployment({ model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp },
+      { model: label('sim-model'), gpu: label('sim-gpu'), tp: label('sim-tp') });
   }
   // The worker's own adapters (a --parent-ipc child's are its parent's to load).
   const loraModules = parseLoraModules(lists['lora-modules'] ?? []);

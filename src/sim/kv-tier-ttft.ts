@@ -8,7 +8,7 @@ import { DEFAULT_SAMPLING, type EngineRequest } from '../engine/types.ts';
 import { hostTierFor, NVME_GEN4, type HardwareProfile, type KvTierProfile } from './hardware.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import type { Efficiency } from './perf-model.ts';
-import { SimConfigError, SimWorker, simKvBlocks } from './sim-worker.ts';
+import { SimConfigError, SimWorker, simKvBlocks, type SimRequestFlags } from './sim-worker.ts';
 
 export interface KvTierTtftOptions {
   model: ModelProfile;
@@ -20,6 +20,8 @@ export interface KvTierTtftOptions {
   efficiency?: Efficiency;
   ram?: KvTierProfile;
   disk?: KvTierProfile;
+  /** The options that set the deployment and the prompt, for refusals to name (`conduit sim kv-tiers`' --tp, --prompt). */
+  flags?: SimRequestFlags;
 }
 
 export interface KvTierTtftRow {
@@ -48,19 +50,20 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
   // The lower tiers hold whole blocks, and never serve the block of the prompt's last token (that one is computed,
   // its logits give the first output token): a prompt of one block or less has nothing a lower tier could serve.
   const tierBlocks = Math.floor((promptTokens - 1) / blockSize);
+  const request = options.flags ? `${options.flags.request}: ` : '';
   if (tierBlocks < 1) {
-    throw new SimConfigError(`a ${promptTokens}-token prompt has no whole KV block of ${blockSize} tokens before its last token, `
+    throw new SimConfigError(`${request}a ${promptTokens}-token prompt has no whole KV block of ${blockSize} tokens before its last token, `
       + `so no part of it can come from host RAM or NVMe; use a prompt of more than ${blockSize} tokens`);
   }
   const blocks = Math.ceil((promptTokens + 32) / blockSize) + 2;
   // The worker gets a pool of just `blocks` (the prompt and its output with a few blocks to spare, one of them for
   // the copy of a cached last block), which the evicting prompt then takes whole. That pool must be one the
   // deployment has: its weights must leave HBM (simKvBlocks refuses otherwise), and at least `blocks` of it.
-  const deploymentBlocks = simKvBlocks({ model, hw, tp, blockSize });
+  const deploymentBlocks = simKvBlocks({ model, hw, tp, blockSize }, options.flags);
   if (blocks > deploymentBlocks) {
-    throw new SimConfigError(`a ${promptTokens}-token prompt does not fit one worker of ${model.name} on ${tp} x ${hw.name}: `
+    throw new SimConfigError(`${request}a ${promptTokens}-token prompt does not fit one worker of ${model.name} on ${tp} x ${hw.name}: `
       + `the measurement needs ${blocks} KV blocks of ${blockSize} tokens (the prompt, its output and a few spare blocks), `
-      + `the pool holds ${deploymentBlocks}; use a larger tp or a shorter prompt`);
+      + `the pool holds ${deploymentBlocks}; use a larger ${options.flags?.tp ?? 'tp'} or a shorter prompt`);
   }
   const blockBytes = blockSize * kvBytesPerToken(model);
   const make = (tiers: { ramBytes?: number; diskBytes?: number } | undefined) => new SimWorker({

@@ -242,32 +242,69 @@ export class SimConfigError extends RangeError {
 }
 
 /**
- * The profiles a simulated deployment names (`--sim-model`, `--sim-gpu`, `--sim-tp` and their CONDUIT_SIM_ twins),
- * checked before any worker starts. The lookups and the tensor-parallel check throw RangeError, which the CLI would
- * print as a stack trace; as SimConfigError it prints as one line with exit code 2.
+ * How a command names the options that set a simulated deployment, in its refusals: `--sim-tp` (serve, worker) or
+ * `--tp` (sim, plan), or `CONDUIT_SIM_TP (--sim-tp)` when the environment gave the value (the CLI's flagLabel).
+ * Without them a refusal names no option: which options set the deployment is the caller's to say.
  */
-export function resolveSimDeployment(modelId: string, gpuId: string, tp: number): { model: ModelProfile; hw: HardwareProfile } {
+export interface SimDeploymentFlags {
+  model: string;
+  gpu: string;
+  tp: string;
+}
+
+/** SimDeploymentFlags, and the options a request's length came from (`--prompt`; `--isl with --osl`). */
+export interface SimRequestFlags extends SimDeploymentFlags {
+  request: string;
+}
+
+/** A lookup's or check's RangeError as SimConfigError, led by the option that set what it refuses. */
+function byOption<R>(flag: string | undefined, check: () => R): R {
   try {
-    const model = getModelProfile(modelId);
-    const hw = getHardwareProfile(gpuId);
-    checkTensorParallel(model, hw, tp);
-    return { model, hw };
+    return check();
   } catch (error) {
-    if (error instanceof RangeError && !(error instanceof SimConfigError)) throw new SimConfigError(error.message);
+    if (error instanceof RangeError && !(error instanceof SimConfigError)) {
+      throw new SimConfigError(flag === undefined ? error.message : `${flag}: ${error.message}`);
+    }
     throw error;
   }
 }
 
-/** KV blocks a worker of this configuration gets: HBM left after its weight shard, per GPU, in whole blocks. */
-export function simKvBlocks(config: SimWorkerConfig): number {
+/**
+ * The profiles a simulated deployment names (`--sim-model`, `--sim-gpu`, `--sim-tp` and their CONDUIT_SIM_ twins),
+ * checked before any worker starts. The lookups and the tensor-parallel check throw RangeError, which the CLI would
+ * print as a stack trace; as SimConfigError it prints as one line with exit code 2, led by the option (`flags`)
+ * whose value is refused.
+ */
+export function resolveSimDeployment(modelId: string, gpuId: string, tp: number, flags?: SimDeploymentFlags): { model: ModelProfile; hw: HardwareProfile } {
+  const model = byOption(flags?.model, () => getModelProfile(modelId));
+  const hw = byOption(flags?.gpu, () => getHardwareProfile(gpuId));
+  byOption(flags?.tp, () => checkTensorParallel(model, hw, tp));
+  return { model, hw };
+}
+
+/**
+ * A simulated deployment that can exist, as a command checks its options before anything starts: the profiles
+ * (resolveSimDeployment) and a KV pool of at least one block (simKvBlocks), each refusal naming the options (`flags`).
+ */
+export function checkSimDeployment(spec: { model: string; gpu: string; tp: number }, flags: SimDeploymentFlags): void {
+  const { model, hw } = resolveSimDeployment(spec.model, spec.gpu, spec.tp, flags);
+  simKvBlocks({ model, hw, tp: spec.tp }, flags);
+}
+
+/**
+ * KV blocks a worker of this configuration gets: HBM left after its weight shard, per GPU, in whole blocks. None is
+ * refused, naming the options (`flags`) that would give it some.
+ */
+export function simKvBlocks(config: SimWorkerConfig, flags?: SimDeploymentFlags): number {
   if (config.numKvBlocks !== undefined) return config.numKvBlocks;
   const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
   const tokens = kvCapacityTokens(config.model, config.hw, config.tp,
     config.memoryUtilization ?? SIM_DEFAULTS.memoryUtilization);
   const blocks = Math.floor(tokens / blockSize);
   if (blocks < 1) {
-    throw new SimConfigError(`${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV `
-      + 'cache; use a larger tp (--sim-tp, or --tp for conduit sim and plan) or a GPU with more memory');
+    const what = `${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV cache`;
+    throw new SimConfigError(flags === undefined ? `${what}; use a larger tp or a GPU with more memory`
+      : `${flags.model}: ${what}; use a larger ${flags.tp} or a ${flags.gpu} with more memory`);
   }
   return blocks;
 }
@@ -277,19 +314,23 @@ export function simKvBlocks(config: SimWorkerConfig): number {
  * context length, lowered to one more than the KV pool's tokens (a sequence's last token is fed to a next step, which
  * never runs, so it needs no slot). A longer prompt is refused; a longer output is cut short with finish 'length'.
  */
-export function simSequenceLimit(config: SimWorkerConfig): number {
+export function simSequenceLimit(config: SimWorkerConfig, flags?: SimDeploymentFlags): number {
   const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
-  return Math.min(config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, simKvBlocks(config) * blockSize + 1);
+  return Math.min(config.maxModelLen ?? SIM_DEFAULTS.maxModelLen, simKvBlocks(config, flags) * blockSize + 1);
 }
 
-/** Refuses, as SimConfigError, a request of `promptTokens` + `outputTokens` that a worker of this configuration cannot hold. */
-export function checkSimSequenceFits(config: SimWorkerConfig, promptTokens: number, outputTokens: number): void {
-  const limit = simSequenceLimit(config);
+/**
+ * Refuses, as SimConfigError, a request of `promptTokens` + `outputTokens` that a worker of this configuration cannot
+ * hold, naming the options (`flags`) that set the request and the deployment.
+ */
+export function checkSimSequenceFits(config: SimWorkerConfig, promptTokens: number, outputTokens: number, flags?: SimRequestFlags): void {
+  const limit = simSequenceLimit(config, flags);
   if (promptTokens + outputTokens > limit) {
     const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
-    throw new SimConfigError(`${promptTokens} prompt + ${outputTokens} output tokens do not fit one worker of ${config.model.name} on `
-      + `${config.tp} x ${config.hw.name}: it holds sequences of at most ${limit} tokens (KV pool ${simKvBlocks(config)} blocks x `
-      + `${blockSize} tokens, context ${config.maxModelLen ?? SIM_DEFAULTS.maxModelLen}); use a larger tp or a shorter request`);
+    throw new SimConfigError(`${flags ? `${flags.request}: ` : ''}${promptTokens} prompt + ${outputTokens} output tokens do not fit one `
+      + `worker of ${config.model.name} on ${config.tp} x ${config.hw.name}: it holds sequences of at most ${limit} tokens (KV pool `
+      + `${simKvBlocks(config)} blocks x ${blockSize} tokens, context ${config.maxModelLen ?? SIM_DEFAULTS.maxModelLen}); use a larger `
+      + `${flags ? flags.tp : 'tp'} or a shorter request`);
   }
 }
 

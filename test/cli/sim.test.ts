@@ -194,7 +194,7 @@ test('usage errors exit 2 and name what is wrong', async () => {
     // 70,553,706,496 params x 2 B) leaves 6,755,704,832 B, 41,233 tokens of 163,840 B (4 KV heads per GPU): 2,577 blocks
     // of 16, so sequences of at most 41,233 tokens. Such requests were cut short (2a) or refused (2b) in simulation.
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '40000', '--osl', '2000', '--rate', '0.1'],
-      /^conduit plan: 40000 prompt \+ 2000 output tokens do not fit one worker .* at most 41233 tokens/],
+      /^conduit plan: --isl with --osl: 40000 prompt \+ 2000 output tokens do not fit one worker .* at most 41233 tokens .*; use a larger --tp or a shorter request$/],
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '40000', '--osl', '1234', '--rate', '0.1'], /at most 41233 tokens/],
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '50000', '--osl', '2000', '--rate', '0.1'], /at most 41233 tokens/],
     // A step budget no deployment has (it ran out of memory pricing one step per token of it).
@@ -202,15 +202,17 @@ test('usage errors exit 2 and name what is wrong', async () => {
     // Worker that cannot exist or cannot hold the prompt (see the 41,233-token limit above): refused before any table,
     // with or without the engine check (the check died after the tables; kv-tiers printed them and exited 0).
     [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'],
-      /^conduit sim: 50000 prompt \+ 1 output tokens do not fit one worker of Llama 3\.1 70B on 2 x H100.* at most 41233 tokens/],
+      /^conduit sim: --prompt: 50000 prompt \+ 1 output tokens do not fit one worker of Llama 3\.1 70B on 2 x H100.* at most 41233 tokens .*; use a larger --tp or a shorter request$/],
     [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41233', '--no-check'], /at most 41233 tokens/],
-    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '1'], /^conduit sim: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM/],
+    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '1'],
+      /^conduit sim: --model: Llama 3\.1 70B on 1 x H100 SXM5 80GB: the weights leave no HBM for the KV cache; use a larger --tp or a --gpu with more memory$/],
     [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '1', '--no-check'], /the weights leave no HBM/],
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '1'], /the weights leave no HBM/],
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'], /at most 41233 tokens/],
     // kv-tiers' worker holds the prompt, 2 output tokens and a few spare blocks: ceil((41,220 + 32) / 16) + 2 = 2,581
     // blocks, more than the 2,577 the deployment has.
-    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41220'], /needs 2581 KV blocks of 16 tokens .* the pool holds 2577/],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41220'],
+      /^conduit sim: --prompt: a 41220-token prompt does not fit one worker .* needs 2581 KV blocks of 16 tokens .* the pool holds 2577; use a larger --tp or a shorter prompt$/],
   ] as const) {
     await assertRefusedBeforeOutput([...argv], message);
   }
@@ -226,13 +228,13 @@ test('refused before any table: dtype widths no dtype has, a deployment whose we
     // decode-sweep too (it printed a table with "KV capacity 0 tokens", then exited 0 with --no-check, which skips
     // only the engine cross-check, and 2 without).
     [['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1', '--batches', '1', '--no-check'],
-      /^conduit sim: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM for the KV cache/],
+      /^conduit sim: --model: Llama 3\.1 70B on 1 x H100[^\n]*: the weights leave no HBM for the KV cache; use a larger --tp or a --gpu with more memory$/],
     [['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1'], /^conduit sim: [^\n]*the weights leave no HBM/],
     // FP8 weights of 405B (405.9e9 bytes) on 4 x H100 (4 x 77.3e9 bytes at 90%): they do not fit either.
     [['sim', 'decode-sweep', '--model', 'llama-3.1-405b', '--tp', '4', '--weight-bytes', '1', '--no-check'], /the weights leave no HBM/],
     // A prompt of one block or less has no block a lower tier could serve (its rows were the HBM row's).
     [['sim', 'kv-tiers', '--prompt', '16'],
-      /^conduit sim: a 16-token prompt has no whole KV block of 16 tokens before its last token, so no part of it can come from host RAM or NVMe/],
+      /^conduit sim: --prompt: a 16-token prompt has no whole KV block of 16 tokens before its last token, so no part of it can come from host RAM or NVMe/],
   ] as const) {
     await assertRefusedBeforeOutput([...argv], message);
   }
@@ -321,5 +323,56 @@ test('the deployment\'s twins are shared with serve\'s --sim-* options, --sim-lo
     const twin = envName(serveFlag, SERVE_FLAGS[serveFlag]);
     assert.equal(envName(flag, (DECODE_SWEEP_FLAGS as FlagTable)[flag]), twin, `--${flag}`);
     assert.equal(envName(serveFlag, WORKER_FLAGS[serveFlag]), twin, `conduit worker --${serveFlag}`);
+  }
+});
+
+test('a deployment that cannot exist or cannot hold the request: the refusal names the options that set it, by their variables when the environment gave them', async () => {
+  const heads = 'Llama 3.1 8B: 32 attention heads do not divide over tp 3';
+  const noHbm = 'Llama 3.1 70B on 1 x H100 SXM5 80GB: the weights leave no HBM for the KV cache';
+  const tooLong = (request: string, tokens: string) => `${request}: ${tokens} do not fit one worker of Llama 3.1 70B on 2 x H100 SXM5 80GB: `
+    + 'it holds sequences of at most 41233 tokens (KV pool 2577 blocks x 16 tokens, context 131072); use a larger --tp or a shorter request';
+  const cases: [string[], Record<string, string>, string][] = [
+    // Tensor parallelism the model does not split over (it named no option).
+    [['sim', 'lifecycle', '--model', 'llama-3.1-8b', '--tp', '3'], {}, `conduit sim: --tp: ${heads}`],
+    [['sim', 'lifecycle', '--model', 'llama-3.1-8b', '--no-check'], { CONDUIT_SIM_TP: '3' }, `conduit sim: CONDUIT_SIM_TP (--tp): ${heads}`],
+    [['sim', 'decode-sweep', '--model', 'llama-3.1-8b'], { CONDUIT_SIM_TP: '3' }, `conduit sim: CONDUIT_SIM_TP (--tp): ${heads}`],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-8b'], { CONDUIT_SIM_TP: '3' }, `conduit sim: CONDUIT_SIM_TP (--tp): ${heads}`],
+    [['sim', 'lifecycle', '--model', 'llama-3.1-8b', '--tp', '16'], {},
+      'conduit sim: --tp: tp 16 exceeds the 8 GPUs of one H100 SXM5 80GB node; tensor parallelism across nodes is not modelled'],
+    [['plan', '--rate', '1', '--tp', '3'], {}, `conduit plan: --tp: ${heads}`],
+    [['plan', '--rate', '1'], { CONDUIT_PLAN_TP: '3' }, `conduit plan: CONDUIT_PLAN_TP (--tp): ${heads}`],
+    // Weights that leave no HBM for the KV cache: the model's option leads, tp's and the GPU's say what would help
+    // (it named --sim-tp whatever the command, and no variable).
+    [['sim', 'lifecycle', '--tp', '1'], {}, `conduit sim: --model: ${noHbm}; use a larger --tp or a --gpu with more memory`],
+    [['sim', 'decode-sweep', '--no-check'], { CONDUIT_SIM_TP: '1' },
+      `conduit sim: --model: ${noHbm}; use a larger CONDUIT_SIM_TP (--tp) or a --gpu with more memory`],
+    [['sim', 'kv-tiers', '--tp', '1'], { CONDUIT_SIM_MODEL: 'llama-3.1-70b', CONDUIT_SIM_GPU: 'h100' },
+      `conduit sim: CONDUIT_SIM_MODEL (--model): ${noHbm}; use a larger --tp or a CONDUIT_SIM_GPU (--gpu) with more memory`],
+    [['plan', '--rate', '1'], { CONDUIT_PLAN_MODEL: 'llama-3.1-70b' },
+      `conduit plan: CONDUIT_PLAN_MODEL (--model): ${noHbm}; use a larger --tp or a --gpu with more memory`],
+    [['plan', '--rate', '1', '--model', 'llama-3.1-70b'], { CONDUIT_PLAN_TP: '1' },
+      `conduit plan: --model: ${noHbm}; use a larger CONDUIT_PLAN_TP (--tp) or a --gpu with more memory`],
+    // A request longer than the KV pool holds: led by the options that set its length.
+    [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '2', '--no-check'], { CONDUIT_SIM_PROMPT: '50000' },
+      `conduit sim: ${tooLong('CONDUIT_SIM_PROMPT (--prompt)', '50000 prompt + 1 output tokens')}`],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'], {},
+      `conduit sim: ${tooLong('--prompt', '50000 prompt + 1 output tokens')}`],
+    [['plan', '--rate', '0.1', '--model', 'llama-3.1-70b', '--tp', '2', '--osl', '2000'], { CONDUIT_PLAN_ISL: '40000' },
+      `conduit plan: ${tooLong('CONDUIT_PLAN_ISL (--isl) with --osl', '40000 prompt + 2000 output tokens')}`],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2'], { CONDUIT_SIM_PROMPT: '41220' },
+      'conduit sim: CONDUIT_SIM_PROMPT (--prompt): a 41220-token prompt does not fit one worker of Llama 3.1 70B on 2 x H100 SXM5 80GB: '
+      + 'the measurement needs 2581 KV blocks of 16 tokens (the prompt, its output and a few spare blocks), the pool holds 2577; '
+      + 'use a larger --tp or a shorter prompt'],
+    // The calibration (it named no option).
+    [['sim', 'lifecycle', '--no-check'], { CONDUIT_SIM_CALIBRATION: 'x' },
+      'conduit sim: CONDUIT_SIM_CALIBRATION (--calibration): unknown simulator calibration "x"; known: roofline, measured'],
+    [['plan', '--rate', '1', '--calibration', 'x'], {}, 'conduit plan: --calibration: unknown simulator calibration "x"; known: roofline, measured'],
+  ];
+  for (const [argv, env, message] of cases) {
+    const result = await run(argv, env);
+    const what = `${argv.join(' ')} ${JSON.stringify(env)}`;
+    assert.equal(result.code, 2, `${what}: ${result.err}`);
+    assert.equal(result.err, message, what);
+    assert.equal(result.out, '', `${what}: nothing printed before the refusal`);
   }
 });
