@@ -22,7 +22,7 @@ import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
 import { ChatShape, CompletionShape, PromptLogprobsShape, TokenIdsShape, type ResponseShape } from './response-shapes.ts';
 import { GuidedChecker } from './guided.ts';
-import { detectToolCallParser, hiddenTextPattern, toolSyntaxTexts, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
+import { detectToolCallParser, toolSyntaxTexts, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
 import type { GenerationDefaults } from '../model/generation-config.ts';
@@ -252,7 +252,7 @@ export class Gateway {
   /** Compiles guided requests' grammars once without a vocabulary, so a bad one is a 400 before any work. */
   private readonly guidedChecker = new GuidedChecker();
   /** Per vocabulary: its special tokens' texts, and the pattern of those a tool-call parser does not read. */
-  private readonly hiddenTexts = new WeakMap<Tokenizer, { texts: string[]; patterns: Map<ToolCallParserName, RegExp | undefined> }>();
+  private readonly toolSyntaxIds = new WeakMap<Tokenizer, Map<ToolCallParserName, readonly number[]>>();
   private readonly activeRuns = new Set<GenerationRun>();
   private readonly idleWaiters: (() => void)[] = [];
   /** Sequences (prompts x n) of the runs in flight: what the pending bound counts. */
@@ -635,36 +635,32 @@ export class Gateway {
   private toolShape(backend: ModelBackend, request: ChatCompletionRequest, meta: ChatResponseMeta, topLogprobs: number | null): ToolChatShape {
     const tools = request.tools!;
     const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
-    let hidden: RegExp | undefined;
-    if (tools.choice.kind === 'auto') {
-      // A format's markers (Hermes' <tool_call>, Llama's <|python_tag|>, Mistral's [TOOL_CALLS]) are special tokens in
-      // many vocabularies, which the parser must see, so the output is decoded with special tokens, as vLLM's parsers
-      // ask. Unless the request itself asked for them, the other special tokens are then taken out again, so the
-      // content is what it would have been (EOS and stop tokens that end the output never show: the engine leaves
-      // them out).
-      if (request.skipSpecialTokens) hidden = this.hiddenSpecialTexts(backend.tokenizer, parser);
-      request.skipSpecialTokens = false;
+    // A format's markers (Hermes' <tool_call>, Llama's <|python_tag|>, Mistral's [TOOL_CALLS]) are special tokens in
+    // many vocabularies, and the parser must see them: those tokens keep their text even when the request skips
+    // special tokens (vLLM's parsers turn skip_special_tokens off altogether, which lets every other special token
+    // into the content). Chosen by token id, not by text, so a stop string or ordinary text that spells a special
+    // token's text is left as it is.
+    if (tools.choice.kind === 'auto' && request.skipSpecialTokens) {
+      request.keptSpecialTokenIds = this.toolSyntaxTokenIds(backend.tokenizer, parser);
     }
-    return new ToolChatShape(meta, request.n, this.logprobTexts(backend, request), topLogprobs, tools, parser, hidden);
+    return new ToolChatShape(meta, request.n, this.logprobTexts(backend, request), topLogprobs, tools, parser);
   }
 
-  /** The texts of a vocabulary's special tokens other than a tool-call format's own, as one pattern (computed once). */
-  private hiddenSpecialTexts(tokenizer: Tokenizer, parser: ToolCallParserName): RegExp | undefined {
-    let byParser = this.hiddenTexts.get(tokenizer);
-    if (!byParser) {
-      const texts: string[] = [];
-      const utf8 = new TextDecoder();
-      for (let id = 0; id < tokenizer.vocabSize; id++) {
-        if (tokenizer.isSpecial(id)) texts.push(utf8.decode(tokenizer.tokenBytes(id, true)));
-      }
-      byParser = { texts, patterns: new Map() };
-      this.hiddenTexts.set(tokenizer, byParser);
-    }
-    if (!byParser.patterns.has(parser)) {
+  /** The special tokens of a vocabulary that spell a tool-call format's markers (computed once per vocabulary). */
+  private toolSyntaxTokenIds(tokenizer: Tokenizer, parser: ToolCallParserName): readonly number[] {
+    let byParser = this.toolSyntaxIds.get(tokenizer);
+    if (!byParser) this.toolSyntaxIds.set(tokenizer, byParser = new Map());
+    let ids = byParser.get(parser);
+    if (!ids) {
       const syntax = new Set(toolSyntaxTexts(parser));
-      byParser.patterns.set(parser, hiddenTextPattern(byParser.texts.filter((text) => !syntax.has(text))));
+      const utf8 = new TextDecoder();
+      const found: number[] = [];
+      for (let id = 0; id < tokenizer.vocabSize; id++) {
+        if (tokenizer.isSpecial(id) && syntax.has(utf8.decode(tokenizer.tokenBytes(id, true)))) found.push(id);
+      }
+      byParser.set(parser, ids = found);
     }
-    return byParser.patterns.get(parser);
+    return ids;
   }
 
   async completions(call: Call, body: unknown): Promise<void> {

@@ -202,16 +202,6 @@ export function toolSyntaxTexts(parser: ToolCallParserName): readonly string[] {
 }
 
 /**
- * A pattern matching any of `texts` (the longest first), for taking special tokens other than the tool syntax out of
- * an output decoded with special tokens (see ToolChatShape); undefined when there are none.
- */
-export function hiddenTextPattern(texts: Iterable<string>): RegExp | undefined {
-  const unique = [...new Set(texts)].filter((text) => text !== '').sort((a, b) => b.length - a.length);
-  if (unique.length === 0) return undefined;
-  return new RegExp(unique.map((text) => text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')).join('|'), 'g');
-}
-
-/**
  * One call object ({"name", "arguments" | "parameters"}) as a ParsedCall, or null if it is not one. Object arguments
  * keep the text the model wrote (`raw`: the scanned call, see scanToolCalls), as streaming sends it.
  */
@@ -499,11 +489,6 @@ export class ToolChatShape implements ResponseShape {
     private readonly topLogprobs: number | null,
     tools: ToolsRequest,
     parser: ToolCallParserName,
-    /**
-     * Under "auto" the output is decoded with special tokens, since a format's markers may be special tokens: the
-     * texts of the other special tokens, which the request would have had skipped, taken out of it (hiddenTextPattern).
-     */
-    private readonly hidden?: RegExp,
   ) {
     const { choice } = tools;
     this.mode = choice.kind === 'named' ? { kind: 'named', name: choice.name }
@@ -573,14 +558,7 @@ export class ToolChatShape implements ResponseShape {
       [{ index, delta: { role: 'assistant', content: '' }, logprobs: null, finishReason: null }], usage));
   }
 
-  /** An update's text without the special tokens the request skips (a special token's text comes whole in one update). */
-  private visible(update: ChoiceUpdate): ChoiceUpdate {
-    if (this.hidden === undefined || update.textDelta === '') return update;
-    return { ...update, textDelta: update.textDelta.replace(this.hidden, '') };
-  }
-
-  updateChunks(original: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
-    const update = this.visible(original);
+  updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
     const state = this.choices[update.index]!;
     state.text += update.textDelta;
     const chunks: object[] = [];
@@ -698,7 +676,7 @@ export class ToolChatShape implements ResponseShape {
   }
 
   collect(update: ChoiceUpdate): void {
-    collectChatUpdate(this.choices[update.index]!, this.visible(update), this.logprobsOf(update));
+    collectChatUpdate(this.choices[update.index]!, update, this.logprobsOf(update));
   }
 
   body(usage: WireUsage): object {

@@ -209,6 +209,8 @@ export function parseWireRequest(value: unknown): EngineRequest {
   };
   const promptLogprobs = optional(s, 'promptLogprobs', () => int(s, 'promptLogprobs', w));
   if (promptLogprobs !== undefined) sampling.promptLogprobs = promptLogprobs;
+  const kept = optional(s, 'keptSpecialTokenIds', () => intArray(s.keptSpecialTokenIds, `${w}.keptSpecialTokenIds`));
+  if (kept !== undefined) sampling.keptSpecialTokenIds = kept;
   const guided = optional(s, 'guided', () => parseGuided(s.guided));
   if (guided !== undefined) sampling.guided = guided;
   const request: EngineRequest = {

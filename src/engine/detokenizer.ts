@@ -121,6 +121,8 @@ export class Utf8StreamDecoder {
 export interface DetokenizerOptions {
   /** Special/control tokens produce no text (default true). */
   skipSpecialTokens?: boolean;
+  /** Special tokens that produce their text even when skipSpecialTokens (see SamplingParams.keptSpecialTokenIds). */
+  keptSpecialTokenIds?: readonly number[];
   stop?: readonly string[];
   includeStopStrInOutput?: boolean;
   /** Stop strings are not checked until more than this many tokens were pushed, as in vLLM (default 0). */
@@ -154,6 +156,7 @@ export interface DetokenizerDelta {
 export class IncrementalDetokenizer {
   private readonly tokenizer: Pick<Tokenizer, 'tokenBytes' | 'stripsLeadingSpace'>;
   private readonly includeSpecial: boolean;
+  private readonly keptSpecial: ReadonlySet<number>;
   private readonly utf8 = new Utf8StreamDecoder();
   private readonly stops: StopStringMatcher;
   /** Still at the very start of the output, where the leading-space strip applies. */
@@ -163,6 +166,7 @@ export class IncrementalDetokenizer {
   constructor(tokenizer: Pick<Tokenizer, 'tokenBytes' | 'stripsLeadingSpace'>, options: DetokenizerOptions = {}) {
     this.tokenizer = tokenizer;
     this.includeSpecial = !(options.skipSpecialTokens ?? true);
+    this.keptSpecial = new Set(options.keptSpecialTokenIds);
     this.stops = new StopStringMatcher(options.stop ?? [], options.includeStopStrInOutput ?? false, options.minTokens ?? 0);
     this.atTextStart = (options.stripLeadingSpace ?? false) && tokenizer.stripsLeadingSpace;
   }
@@ -174,12 +178,13 @@ export class IncrementalDetokenizer {
    */
   static forRequest(
     tokenizer: Pick<Tokenizer, 'tokenBytes' | 'stripsLeadingSpace'>,
-    params: Pick<SamplingParams, 'skipSpecialTokens' | 'stop' | 'includeStopStrInOutput' | 'minTokens'>,
+    params: Pick<SamplingParams, 'skipSpecialTokens' | 'keptSpecialTokenIds' | 'stop' | 'includeStopStrInOutput' | 'minTokens'>,
     promptTokenIds: readonly number[] = [],
   ): IncrementalDetokenizer {
     const includeSpecial = !(params.skipSpecialTokens ?? true);
     return new IncrementalDetokenizer(tokenizer, {
       skipSpecialTokens: params.skipSpecialTokens,
+      keptSpecialTokenIds: params.keptSpecialTokenIds,
       stop: params.stop,
       includeStopStrInOutput: params.includeStopStrInOutput,
       minTokens: params.minTokens,
@@ -195,7 +200,7 @@ export class IncrementalDetokenizer {
   /** Feeds one generated token; returns the text it releases. */
   push(tokenId: number): DetokenizerDelta {
     if (this.finished) throw new Error(`detokenizer already finished; cannot take token ${tokenId}`);
-    let bytes = this.tokenizer.tokenBytes(tokenId, this.includeSpecial);
+    let bytes = this.tokenizer.tokenBytes(tokenId, this.includeSpecial || this.keptSpecial.has(tokenId));
     if (this.atTextStart && bytes.length > 0) {
       // The same rule as whole-sequence decode: the first token with any bytes loses one leading space.
       this.atTextStart = false;

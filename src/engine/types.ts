@@ -38,6 +38,11 @@ export interface SamplingParams {
   promptLogprobs?: number;
   skipSpecialTokens: boolean;
   /**
+   * Special tokens whose text shows even though skipSpecialTokens: a tool-call format's markers (Hermes' <tool_call>,
+   * Llama's <|python_tag|>) that its parser must read, while every other special token stays out of the text.
+   */
+  keptSpecialTokenIds?: readonly number[];
+  /**
    * Constrained decoding: the output must follow this grammar (each logits row is masked to the tokens it allows,
    * and it ends with an end-of-generation token once complete). Plain data, so it crosses threads and processes.
    */

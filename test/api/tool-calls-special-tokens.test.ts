@@ -1,6 +1,6 @@
 // Tool-call markers that are special (control) tokens, as <tool_call> is in some Hermes models and <|python_tag|> in
-// Llama 3: under tool_choice "auto" the output is decoded with special tokens (as vLLM's parsers ask), so the parser
-// finds its marker, while special tokens that are no part of the format (and EOS) stay out of the content as before.
+// Llama 3: under tool_choice "auto" those tokens keep their text, so the parser finds its marker, while special tokens
+// that are no part of the format (and EOS) stay out of the content as before.
 // The model is a token chain (token-chain-model.ts), whose greedy output is an exact sequence of tokens.
 
 import assert from 'node:assert/strict';
@@ -71,7 +71,17 @@ describe('tool-call markers that are special tokens', () => {
       ],
       chatTemplate: `${TURNS}{% if tools %}Answer with a call after <|python_tag|>.\n{% endif %}${TEMPLATE_END}`,
     });
-    server = await startTestServer({ flags: ['--model', `hermes=${join(dir, 'hermes.gguf')}`, '--model', `llama=${join(dir, 'llama.gguf')}`] });
+    // Hermes again, with ordinary text that spells the vocabulary's BOS and EOS (<s>, </s>: HTML's strikethrough).
+    writeTokenChainModel(join(dir, 'html.gguf'), {
+      chain: [
+        { text: '<|gen|>', control: true }, { text: 'Use <s>old</s> new.' },
+        { text: '<tool_call>', control: true }, { text: `{"name": "get_weather", "arguments": ${ARGS}}` },
+        { text: '</tool_call>', control: true },
+      ],
+      chatTemplate: `${TURNS}{% if tools %}Call tools in <tool_call></tool_call> tags.\n{% endif %}${TEMPLATE_END}`,
+    });
+    server = await startTestServer({ flags: ['--model', `hermes=${join(dir, 'hermes.gguf')}`, '--model', `llama=${join(dir, 'llama.gguf')}`,
+      '--model', `html=${join(dir, 'html.gguf')}`] });
     client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
   });
   after(async () => {
@@ -92,6 +102,31 @@ describe('tool-call markers that are special tokens', () => {
       model: 'hermes', messages, tools: [WEATHER], temperature: 0, max_tokens: 16, stream: true } });
     assert.equal(stream.status, 200);
     assert.deepEqual(assembleStream(stream.text), { content: 'Sure.', calls: [{ name: 'get_weather', arguments: ARGS }], finish: 'tool_calls' });
+  });
+
+  it('hermes: ordinary text that spells a special token\'s text stays in the content', E2E, async () => {
+    const response = await client.chat.completions.create({ model: 'html', messages, tools: [WEATHER], temperature: 0, max_tokens: 16 });
+    assert.equal(response.choices[0]!.message.content, 'Use <s>old</s> new.');
+    assert.equal(response.choices[0]!.message.tool_calls?.length, 1);
+    const stream = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+      model: 'html', messages, tools: [WEATHER], temperature: 0, max_tokens: 16, stream: true } });
+    assert.deepEqual(assembleStream(stream.text), { content: 'Use <s>old</s> new.', calls: [{ name: 'get_weather', arguments: ARGS }], finish: 'tool_calls' });
+  });
+
+  it('hermes: a skipped special token is never seen by stop strings, even one that could start with its text', E2E, async () => {
+    // "|>" ends <|extra|>'s text and begins the stop string: had the token's text reached the stop matcher, "|>" would
+    // be held back from the text around it, and the token's text would no longer come whole to be recognised.
+    for (const stream of [false, true]) {
+      const res = await rawRequest(server.url, { path: '/v1/chat/completions', body: {
+        model: 'hermes', messages, tools: [WEATHER], temperature: 0, max_tokens: 16, stop: ['|><tool', '|>x'], stream } });
+      assert.equal(res.status, 200);
+      const got = stream ? assembleStream(res.text) : (() => {
+        const choice = res.json().choices[0];
+        return { content: choice.message.content, finish: choice.finish_reason,
+          calls: (choice.message.tool_calls ?? []).map((c: { function: { name: string; arguments: string } }) => ({ name: c.function.name, arguments: c.function.arguments })) };
+      })();
+      assert.deepEqual(got, { content: 'Sure.', calls: [{ name: 'get_weather', arguments: ARGS }], finish: 'tool_calls' }, `stream ${stream}`);
+    }
   });
 
   it('hermes: asked for with skip_special_tokens false, every special token shows, as in vLLM', E2E, async () => {

@@ -56,6 +56,18 @@ describe('request-plane frames', () => {
     assert.throws(() => parseWireRequest(bad), /sampling.promptLogprobs/);
   });
 
+  test('the special tokens a tool-call format keeps cross the wire; a bad list is refused', () => {
+    const request: EngineRequest = {
+      id: 'k1', promptTokenIds: [1, 2, 3], priority: 0, arrivalMs: 5, sampling: { ...DEFAULT_SAMPLING, keptSpecialTokenIds: [32001, 32002] },
+    };
+    assert.deepEqual(parseWireRequest(JSON.parse(JSON.stringify(toWireRequest(request)))), request);
+    const bad = JSON.parse(JSON.stringify(toWireRequest(request)));
+    bad.sampling.keptSpecialTokenIds = [1.5];
+    assert.throws(() => parseWireRequest(bad), /sampling.keptSpecialTokenIds/);
+    bad.sampling.keptSpecialTokenIds = '32001';
+    assert.throws(() => parseWireRequest(bad), /sampling.keptSpecialTokenIds/);
+  });
+
   test('a guided request and a migrated one\'s prior output cross the wire whole; a bad grammar spec is refused', () => {
     const guided: GuidedDecoding[] = [
       { kind: 'json_object', compact: true }, { kind: 'json_schema', schema: '{"type":"object"}' },

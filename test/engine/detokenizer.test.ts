@@ -402,6 +402,16 @@ for (const vocabFile of ['ggml-vocab-llama-spm.gguf', 'ggml-vocab-llama-bpe.gguf
       assert.equal(streamed, shown);
     });
 
+    it('keeps the text of the special tokens it is told to keep, and only theirs', () => {
+      const ids = [tokenizer.bosId!, ...tokenizer.encode('Hi', { addSpecialTokens: false }), tokenizer.eosId!];
+      const eos = tokenizer.idToToken(tokenizer.eosId!)!;
+      const kept = detokenize(tokenizer, ids, { keptSpecialTokenIds: [tokenizer.eosId!], stripLeadingSpace: true }).text;
+      assert.equal(kept, `Hi${eos}`);
+      // Kept tokens are only for a request that skips the others: with special tokens shown, all show.
+      const shown = detokenize(tokenizer, ids, { skipSpecialTokens: false, keptSpecialTokenIds: [tokenizer.eosId!], stripLeadingSpace: true });
+      assert.equal(shown.text, tokenizer.decode(ids, { skipSpecialTokens: false }));
+    });
+
     it('after a prompt with no text (BOS alone, or nothing) the output starts the text; after a word it does not', () => {
       const params = { skipSpecialTokens: true, stop: [], includeStopStrInOutput: false, minTokens: 0 };
       const output = tokenizer.encode('world world', { addSpecialTokens: false });

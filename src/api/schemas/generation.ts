@@ -23,7 +23,7 @@ export const MAX_LOGIT_BIAS_ENTRIES = 1024;
 
 /** The engine's sampling fields that a request sets as they are (the rest are built from the request below). */
 type DirectSamplingFields = 'n' | 'temperature' | 'topP' | 'topK' | 'minP' | 'repetitionPenalty' | 'presencePenalty' |
-  'frequencyPenalty' | 'seed' | 'minTokens' | 'ignoreEos' | 'includeStopStrInOutput' | 'skipSpecialTokens';
+  'frequencyPenalty' | 'seed' | 'minTokens' | 'ignoreEos' | 'includeStopStrInOutput' | 'skipSpecialTokens' | 'keptSpecialTokenIds';
 
 export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFields> {
   model?: string;
@@ -322,6 +322,7 @@ export function toSamplingParams(options: GenerationOptions, maxTokens: number, 
     includeStopStrInOutput: options.includeStopStrInOutput,
     logprobs,
     skipSpecialTokens: options.skipSpecialTokens,
+    ...(options.keptSpecialTokenIds?.length ? { keptSpecialTokenIds: options.keptSpecialTokenIds } : {}),
     ...(options.guided ? { guided: options.guided.spec } : {}),
     ...(promptLogprobs !== undefined ? { promptLogprobs } : {}),
   };
