@@ -84,6 +84,10 @@ export async function streamRun(
   try {
     const first = await events.next();
     const firstUpdate = first.done ? undefined : toUpdate(run, first.value, options.eosTokenId);
+    // The client left before the stream opened (its leaving aborted the run, whose first output is then the abort):
+    // no status line goes out, so the request is recorded as the client's leaving (499), not as a 200 stream. The
+    // run's engine requests are aborted already and their streams are closed below, as for any other cancellation.
+    if (writer.closed) return;
     writer.open(options.headers);
     await streamFrom(run, shape, writer, options, events, firstUpdate);
   } finally {
