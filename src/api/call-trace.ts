@@ -13,18 +13,20 @@
 
 import type { EngineOutput } from '../engine/types.ts';
 import type {
-  EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry, ValidateEvent,
+  AbortedAt, EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry, ValidateEvent,
 } from '../telemetry/index.ts';
 import {
   ClientClosedRequestError, ConcurrencyLimitError, RateLimitError, RequestExceedsConcurrencyError, RequestExceedsTokenLimitError, ShuttingDownError,
   type ApiError,
 } from './errors.ts';
 
-/** What the terminal event needs from the run: its final token counts. */
+/** What the terminal event needs from the run: its final token counts, and when it was aborted. */
 export interface RunCounts {
   readonly promptTokens: number;
   readonly completionTokens: number;
   readonly cachedPromptTokens: number;
+  /** Aborts when the run is cut short (the client left, a timeout, shutdown). */
+  readonly signal?: AbortSignal;
 }
 
 /** What validation found, as the validate event carries it. */
@@ -92,6 +94,8 @@ export class CallTrace {
   private blockSize: number | undefined;
   private worker: string | undefined;
   private streamError: ApiError | undefined;
+  /** When the run was aborted (engine clock): the client left, or the server cut it short. */
+  private abortedAt: number | undefined;
   private ended = false;
   /** Whether the engine's decode steps go on the bus one by one (only when per-step spans are wanted). */
   private readonly stepEvents: boolean;
@@ -224,6 +228,11 @@ export class CallTrace {
    */
   attachRun(run: RunCounts, blockSize: number, worker: string, model?: string): void {
     this.run = run;
+    // Stamped as the abort happens: the engine finishes the step it is running before the abort reaches it, so its
+    // timestamps can run past the moment the request was cut short (a first token sampled after the client left).
+    const signal = run.signal;
+    if (signal?.aborted) this.abortedAt = this.now();
+    else signal?.addEventListener('abort', () => { this.abortedAt ??= this.now(); }, { once: true });
     this.blockSize = blockSize;
     this.workerPrefix = model === undefined ? undefined : `${model}:`;
     this.worker = this.named(worker);
@@ -417,12 +426,14 @@ export class CallTrace {
       ...(reports.length > 0 ? { engine: reports } : {}),
     };
     const base = { requestId: this.requestId, time: this.now(), ...(end.model !== undefined ? { model: end.model } : {}), ...counts };
+    // An ending that cut the run short says when it did: the phase it ended in is the one running then.
+    const cut: AbortedAt = this.abortedAt !== undefined ? { abortedAt: this.abortedAt } : {};
     if (end.clientGone || error instanceof ClientClosedRequestError) {
-      this.bus.emit({ ...base, phase: 'abort', reason: 'client_disconnect' });
+      this.bus.emit({ ...base, ...cut, phase: 'abort', reason: 'client_disconnect' });
     } else if (error instanceof ShuttingDownError && this.run) {
-      this.bus.emit({ ...base, phase: 'abort', reason: 'shutdown' });
+      this.bus.emit({ ...base, ...cut, phase: 'abort', reason: 'shutdown' });
     } else if (error) {
-      this.bus.emit({ ...base, phase: 'error', errorType: error.code, status: error.statusCode, message: error.message });
+      this.bus.emit({ ...base, ...cut, phase: 'error', errorType: error.code, status: error.statusCode, message: error.message });
     } else if (this.finishReasons.has('abort') && !this.finishReasons.has('stop') && !this.finishReasons.has('length')) {
       this.bus.emit({ ...base, phase: 'abort', reason: 'engine' });
     } else {

@@ -221,6 +221,16 @@ export interface RequestTrace {
   blockSize?: number;
 }
 
+/**
+ * What a terminal event (abort or error) of a request cut short may also carry: when its run was aborted (engine-clock
+ * ms), as the gateway saw the client leave or the timeout expire. The engine learns of an abort only after the step it
+ * is running, so its stamps of that step (a first token sampled, the step's end) may come after this instant; the
+ * phase a request ended in is the one running then.
+ */
+export interface AbortedAt {
+  abortedAt?: number;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Accumulation
 
@@ -412,7 +422,8 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const { ttftMs, ttftSource, tbtMs, tbtFromMs } = latencies(record, contentTimes, engineFirstTokenMs, arrivalMs, decode, sequences);
   const ended = outcomeOf(terminal);
   const endedInPhase = ended.outcome === 'ok' ? undefined
-    : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined, ended.status);
+    : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined, ended.status,
+      (terminal as AbortedAt | undefined)?.abortedAt);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
   const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
   const prefillWorker = firstWorkerReport?.worker ?? worker;
@@ -917,14 +928,19 @@ function batchFromSteps(stepMs: readonly number[], seqs: readonly number[], toke
   };
 }
 
-/** The phase a failed or aborted request was in when it ended. */
+/**
+ * The phase a failed or aborted request was in when it ended. `abortedAt`: when its run was cut short (AbortedAt);
+ * only what had happened by then counts, so a client that left while the prompt's last step ran (its first token
+ * sampled after that) ended in prefill, and one that left while queued, in the queue.
+ */
 function phaseAtEnd(
   events: readonly LifecycleEvent[], reports: readonly EngineReport[], record: RequestRecord, routed: boolean, queued: boolean,
-  status: number | undefined,
+  status: number | undefined, abortedAt?: number,
 ): PhaseName {
   const ts = reports.map((r) => r.timestamps);
-  if (record.emitTimes.length > 0 || record.stepEnds.length > 0 || ts.some((t) => t.firstToken !== undefined)) return 'decode_execution';
-  if (ts.some((t) => t.firstScheduled !== undefined || t.prefillChunks.length > 0)) return 'prefill_execution';
+  const by = (time: number | undefined): boolean => time !== undefined && (abortedAt === undefined || time <= abortedAt);
+  if (record.emitTimes.some(by) || record.stepStarts.some(by) || ts.some((t) => by(t.firstToken))) return 'decode_execution';
+  if (ts.some((t) => by(t.firstScheduled) || t.prefillChunks.some((c) => by(c.start)))) return 'prefill_execution';
   if (queued) return 'scheduler_queue';
   if (routed) return 'scheduler_queue';
   // Before the router: the gateway phase that refused it, or the one after the last that passed; a client error
