@@ -13,7 +13,7 @@
 
 import type { EngineOutput } from '../engine/types.ts';
 import type {
-  AbortedAt, EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry, ValidateEvent,
+  EngineReport, LifecycleBus, LifecycleEvent, ResponseTimings, Telemetry, ValidateEvent,
 } from '../telemetry/index.ts';
 import {
   ClientClosedRequestError, ConcurrencyLimitError, RateLimitError, RequestExceedsConcurrencyError, RequestExceedsTokenLimitError, ShuttingDownError,
@@ -427,7 +427,7 @@ export class CallTrace {
     };
     const base = { requestId: this.requestId, time: this.now(), ...(end.model !== undefined ? { model: end.model } : {}), ...counts };
     // An ending that cut the run short says when it did: the phase it ended in is the one running then.
-    const cut: AbortedAt = this.abortedAt !== undefined ? { abortedAt: this.abortedAt } : {};
+    const cut = this.abortedAt !== undefined ? { abortedAt: this.abortedAt } : {};
     if (end.clientGone || error instanceof ClientClosedRequestError) {
       this.bus.emit({ ...base, ...cut, phase: 'abort', reason: 'client_disconnect' });
     } else if (error instanceof ShuttingDownError && this.run) {

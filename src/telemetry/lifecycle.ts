@@ -264,7 +264,17 @@ export interface FinishEvent extends TerminalFields {
   status?: number;
 }
 
-export interface ErrorEvent extends TerminalFields {
+/**
+ * What an ending that cut a run short (abort, error) may carry: when the run was aborted (engine-clock ms), as the
+ * gateway saw the client leave or the timeout expire. The engine learns of an abort only after the step it is running,
+ * so its stamps of that step (a first token sampled, the step's end) may come after this instant; the phase a request
+ * ended in is the one running then.
+ */
+interface CutShortFields extends TerminalFields {
+  abortedAt?: number;
+}
+
+export interface ErrorEvent extends CutShortFields {
   phase: 'error';
   /** A stable code ('rate_limited', 'invalid_request', 'engine_error', 'timeout', ...): a metric label. */
   errorType: string;
@@ -273,7 +283,7 @@ export interface ErrorEvent extends TerminalFields {
   status?: number;
 }
 
-export interface AbortEvent extends TerminalFields {
+export interface AbortEvent extends CutShortFields {
   phase: 'abort';
   /** 'client_disconnect', 'shutdown', ... */
   reason?: string;

@@ -221,16 +221,6 @@ export interface RequestTrace {
   blockSize?: number;
 }
 
-/**
- * What a terminal event (abort or error) of a request cut short may also carry: when its run was aborted (engine-clock
- * ms), as the gateway saw the client leave or the timeout expire. The engine learns of an abort only after the step it
- * is running, so its stamps of that step (a first token sampled, the step's end) may come after this instant; the
- * phase a request ended in is the one running then.
- */
-export interface AbortedAt {
-  abortedAt?: number;
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Accumulation
 
@@ -423,7 +413,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const ended = outcomeOf(terminal);
   const endedInPhase = ended.outcome === 'ok' ? undefined
     : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined, ended.status,
-      (terminal as AbortedAt | undefined)?.abortedAt);
+      terminal !== undefined && 'abortedAt' in terminal ? terminal.abortedAt : undefined);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
   const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
   const prefillWorker = firstWorkerReport?.worker ?? worker;
@@ -929,7 +919,7 @@ function batchFromSteps(stepMs: readonly number[], seqs: readonly number[], toke
 }
 
 /**
- * The phase a failed or aborted request was in when it ended. `abortedAt`: when its run was cut short (AbortedAt);
+ * The phase a failed or aborted request was in when it ended. `abortedAt`: when its run was cut short (the abort or error event's);
  * only what had happened by then counts, so a client that left while the prompt's last step ran (its first token
  * sampled after that) ended in prefill, and one that left while queued, in the queue.
  */
