@@ -2,7 +2,7 @@
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
 // requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
 
-import { accessSync, constants as fsConstants, existsSync, readFileSync, statSync } from 'node:fs';
+import { accessSync, constants as fsConstants, existsSync, lstatSync, readFileSync, readlinkSync, realpathSync, statSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
 import { basename, dirname, join, resolve } from 'node:path';
 import { createSecureContext } from 'node:tls';
@@ -407,11 +407,15 @@ function readKeys(file: string | undefined, list: string | undefined, adminKey: 
   }
 }
 
+/** Kernel filesystems a disk tier must never use: their files are not storage, and reading some of them can block. */
+const PSEUDO_FILESYSTEMS = ['/proc', '/sys'];
+
 /**
  * --kv-offload-disk: a folder that exists or can be made (the disk tier makes it when the workers start). Refused
- * here, before anything loads, when a file stands in the way or the nearest existing folder cannot be written.
+ * here, before anything loads, when a file stands in the way, a symbolic link points nowhere, the folder is in /proc
+ * or /sys, or the nearest existing folder cannot be written.
  */
-function checkDiskTierFolder(dir: string): void {
+export function checkDiskTierFolder(dir: string, label = '--kv-offload-disk'): void {
   let path = resolve(dir);
   for (;;) {
     let isDirectory: boolean;
@@ -419,20 +423,50 @@ function checkDiskTierFolder(dir: string): void {
       isDirectory = statSync(path).isDirectory();
     } catch (err) {
       const code = (err as NodeJS.ErrnoException).code;
+      if (code === 'ENOENT' && isSymbolicLink(path)) {
+        throw new UsageError(`${label} ${dir}: ${path} is a symbolic link to ${readlinkSafe(path)}, which does not exist`);
+      }
       // Missing, or under a file (ENOTDIR): look at the folder it would be made in.
       if ((code === 'ENOENT' || code === 'ENOTDIR') && dirname(path) !== path) {
         path = dirname(path);
         continue;
       }
-      throw new UsageError(`--kv-offload-disk ${dir}: ${describeFileError(err)}`);
+      throw new UsageError(`${label} ${dir}: ${describeFileError(err)}`);
     }
-    if (!isDirectory) throw new UsageError(`--kv-offload-disk ${dir}: ${path} is a file, not a folder`);
+    if (!isDirectory) throw new UsageError(`${label} ${dir}: ${path} is a file, not a folder`);
+    let real = path;
+    try {
+      real = realpathSync(path);
+    } catch {
+      // checked as given
+    }
+    const pseudo = PSEUDO_FILESYSTEMS.find((root) => real === root || real.startsWith(`${root}/`));
+    if (pseudo !== undefined) throw new UsageError(`${label} ${dir}: ${pseudo} is a kernel filesystem, not storage; give a folder on a disk`);
     try {
       accessSync(path, fsConstants.W_OK | fsConstants.X_OK);
     } catch (err) {
-      throw new UsageError(`--kv-offload-disk ${dir}: cannot write in ${path}: ${describeFileError(err)}`);
+      throw new UsageError(`${label} ${dir}: cannot write in ${path}: ${describeFileError(err)}`);
     }
     return;
+  }
+}
+
+/** The disk tier's refusal of a size below one block file (disk-tier.ts), as a worker reports it. */
+const DISK_SIZE_TOO_SMALL = /^(worker process \S+ could not start: )?--kv-offload-disk-size \d+ bytes holds no KV block file/;
+
+function isSymbolicLink(path: string): boolean {
+  try {
+    return lstatSync(path).isSymbolicLink();
+  } catch {
+    return false;
+  }
+}
+
+function readlinkSafe(path: string): string {
+  try {
+    return readlinkSync(path);
+  } catch {
+    return 'a missing path';
   }
 }
 
@@ -1101,7 +1135,8 @@ export const serveCommand: Command = {
       const { EngineStartError } = await import('../engine/errors.ts');
       if (isModelLoadError(err) || err instanceof DiskTierLockedError || err instanceof EngineStartError) {
         console.error(`conduit serve: ${nameStartupEnvironment(err.message, config)}`);
-        return 1;
+        // A --kv-offload-disk-size too small for one block of the model is a bad value, known only once it loaded.
+        return err instanceof EngineStartError && DISK_SIZE_TOO_SMALL.test(err.message) ? 2 : 1;
       }
       // A value nobody typed is reported under the variable that gave it, as when the options were checked.
       throw nameEnvironment(SERVE_FLAGS, { sources: sourcesOf(config) }, err);

@@ -25,7 +25,7 @@ import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import {
-  engineOptionWarnings, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
+  checkDiskTierFolder, engineOptionWarnings, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
   positiveInteger, SERVE_FLAGS,
 } from './serve.ts';
 
@@ -194,6 +194,8 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   const simLoraRank = positiveInteger(values['sim-lora-rank'], 'sim-lora-rank')!;
   const kvLink = values['kv-transfer-link']!;
   if (kvLink !== 'auto' && kvLink !== 'tcp') throw new UsageError(`--kv-transfer-link must be auto or tcp, got "${kvLink}"`);
+  // As `conduit serve` checks it: a dangling link, /proc or /sys, or an unwritable folder is a usage error.
+  if (values['kv-offload-disk'] !== undefined && values['kv-offload-disk'] !== '') checkDiskTierFolder(values['kv-offload-disk']);
   const kvPort = values['kv-port']!;
   if (!Number.isInteger(kvPort) || kvPort < 0 || kvPort > 65535) throw new UsageError(`--kv-port must be 0..65535, got ${kvPort}`);
   if (kvPort !== 0 && values.role !== 'prefill') throw new UsageError('--kv-port is a prefill worker\'s (--role prefill): only it serves KV blocks');

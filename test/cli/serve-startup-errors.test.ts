@@ -3,7 +3,7 @@
 // to everyone (no keys, every interface) is refused. The CLI runs as a child process, as a user runs it.
 import assert from 'node:assert/strict';
 import { execFile, execFileSync } from 'node:child_process';
-import { chmodSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { chmodSync, mkdirSync, mkdtempSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { createServer, type Server } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -132,6 +132,30 @@ describe('conduit serve: a file an option names that cannot be used is one line'
     assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', join(dir, 'a-file', 'tier')]), 'serve', 2,
       /--kv-offload-disk .*a-file\/tier: .*a-file is a file, not a folder/);
     assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', join(dir, 'a-file')]), 'serve', 2, /a-file is a file, not a folder/);
+  });
+
+  it('--kv-offload-disk at a dangling symbolic link, or in /proc or /sys: a usage error naming the flag', async () => {
+    const link = join(dir, 'dangling-tier');
+    symlinkSync(join(dir, 'nowhere'), link);
+    assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', link]), 'serve', 2,
+      /--kv-offload-disk .*dangling-tier: .*dangling-tier is a symbolic link to .*nowhere, which does not exist/);
+    assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', join(link, 'sub')]), 'serve', 2, /dangling-tier is a symbolic link/);
+    assertOneLine(await conduit(['serve', '--port', '0'], { CONDUIT_KV_OFFLOAD_DISK: link }), 'serve', 2,
+      /^conduit serve: CONDUIT_KV_OFFLOAD_DISK \(--kv-offload-disk\) .*dangling-tier is a symbolic link/);
+    assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', '/sys/kernel/conduit-tier']), 'serve', 2,
+      /--kv-offload-disk \/sys\/kernel\/conduit-tier: \/sys is a kernel filesystem/);
+    assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', '/proc/self/conduit-tier']), 'serve', 2,
+      /--kv-offload-disk \/proc\/self\/conduit-tier: \/proc is a kernel filesystem/);
+    const intoProc = join(dir, 'into-proc');
+    symlinkSync('/proc/self', intoProc);
+    assertOneLine(await conduit(['serve', '--port', '0', '--kv-offload-disk', join(intoProc, 'tier')]), 'serve', 2, /\/proc is a kernel filesystem/);
+  });
+
+  it('--kv-offload-disk-size below one KV block file: a usage error naming the flag', async () => {
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--kv-offload-disk', join(dir, 'small-tier'), '--kv-offload-disk-size', '100']),
+      'serve', 2, /^conduit serve: --kv-offload-disk-size 100 bytes holds no KV block file of \d+ bytes$/);
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--kv-offload-disk', join(dir, 'small-tier')], { CONDUIT_KV_OFFLOAD_DISK_SIZE: '100' }),
+      'serve', 2, /^conduit serve: CONDUIT_KV_OFFLOAD_DISK_SIZE \(--kv-offload-disk-size\) 100 bytes holds no KV block file/);
   });
 
   it('the built-in model\'s cache folder cannot be made (a file in its way)', async () => {

@@ -5,7 +5,8 @@
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statfsSync, truncateSync, writeFileSync } from 'node:fs';
+import { writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { acquireDiskTierLock, DiskKvTier, modelFingerprint } from '../../src/engine/kv-cache/disk-tier.ts';
@@ -134,6 +135,63 @@ describe('disk tier: files', () => {
     const changed = { ...loaded.weights, outputNorm: { ...loaded.weights.outputNorm, data: loaded.weights.outputNorm.data.slice() } };
     changed.outputNorm.data[0]! ^= 1;
     assert.notEqual(modelFingerprint(loaded.config, changed, layout), a);
+  });
+});
+
+describe('disk tier: a full disk', () => {
+  const noSpace = () => Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
+
+  test('failed writes are counted and warned about once per episode, naming the folder and the error', async () => {
+    const dir = tempDir();
+    const warnings: string[] = [];
+    let full = true;
+    const disk = new DiskKvTier({
+      dir, capacityBytes: 8 * (112 + BLOCK_BYTES), blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT,
+      warn: (message) => warnings.push(message),
+      writeFile: (path, data) => full ? Promise.reject(noSpace()) : writeFile(path, data),
+    });
+    let failed = 0;
+    disk.listen({ stored: () => {}, evicted: () => {}, failed: () => { failed++; } });
+    for (let n = 1; n <= 3; n++) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
+    await disk.flush();
+    for (let n = 4; n <= 5; n++) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
+    await disk.flush();
+    assert.equal(disk.writeStats.failed, 5);
+    assert.equal(failed, 5);
+    assert.equal(warnings.length, 1, warnings.join('\n'));
+    assert.ok(warnings[0]!.includes(dir), warnings[0]);
+    assert.match(warnings[0]!, /ENOSPC/);
+    assert.deepEqual(files(dir), [], 'no temporary left behind');
+
+    // Space comes back, then the disk fills again at once: still rate-limited, the failures still counted.
+    full = false;
+    disk.put(hash(6), { bytes: bytes(6), parentHash: null });
+    await disk.flush();
+    assert.equal(disk.has(hash(6)), true);
+    full = true;
+    disk.put(hash(7), { bytes: bytes(7), parentHash: null });
+    await disk.flush();
+    assert.equal(disk.writeStats.failed, 6);
+    assert.equal(warnings.length, 1, warnings.join('\n'));
+  });
+
+  test('a filesystem with less free space than the tier\'s size is warned about once at start, with both numbers', () => {
+    const dir = tempDir();
+    const warnings: string[] = [];
+    const huge = 2 ** 60;
+    const disk = new DiskKvTier({ dir, capacityBytes: huge, blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT, warn: (m) => warnings.push(m) });
+    assert.ok(disk.capacityBlocks > 0);
+    assert.equal(warnings.length, 1, warnings.join('\n'));
+    const stats = statfsSync(dir);
+    const free = Number(stats.bavail) * Number(stats.bsize);
+    assert.ok(warnings[0]!.includes(dir), warnings[0]);
+    assert.ok(warnings[0]!.includes(`${huge} bytes`), warnings[0]);
+    const said = Number(/has (\d+) bytes free/.exec(warnings[0]!)?.[1]);
+    assert.ok(Math.abs(said - free) < 64 * 1024 * 1024, `free bytes ${said} vs statfs ${free}`);
+
+    const fits: string[] = [];
+    new DiskKvTier({ dir: tempDir(), capacityBytes: 8 * (112 + BLOCK_BYTES), blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT, warn: (m) => fits.push(m) });
+    assert.deepEqual(fits, []);
   });
 });
 

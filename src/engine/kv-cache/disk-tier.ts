@@ -26,10 +26,11 @@
 
 import * as crypto from 'node:crypto';
 import {
-  closeSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, rmSync, statSync, unlinkSync, writeSync,
+  closeSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, rmSync, statfsSync, statSync, unlinkSync, writeSync,
 } from 'node:fs';
 import { rename, unlink, utimes, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
+import { createLogger } from '../../api/log.ts';
 import type { KvPoolLayout } from '../../kernels/types.ts';
 import type { ModelConfig } from '../../model/config.ts';
 import type { ModelWeights, Tensor } from '../../model/weights.ts';
@@ -56,7 +57,14 @@ export interface DiskKvTierOptions {
   fingerprint: string;
   maxPendingBytes?: number;
   now?: () => number;
+  /** Where the tier's warnings go (a full disk, too little free space at start); default: a warn line on stderr. */
+  warn?: (message: string) => void;
+  /** Writes a block's temporary file (default fs.promises.writeFile); a test makes it fail as a full disk does. */
+  writeFile?: (path: string, data: Uint8Array) => Promise<void>;
 }
+
+/** A failing disk is warned about at most once in this many ms, however many episodes of failures it has. */
+export const WRITE_FAILURE_WARN_INTERVAL_MS = 60_000;
 
 /** What opening a folder found. */
 export interface DiskOpenReport {
@@ -86,6 +94,11 @@ export class DiskKvTier implements KvBlockStore {
   private failedWrites = 0;
   private listener: TierListener | undefined;
   private readonly now: () => number;
+  private readonly warn: (message: string) => void;
+  private readonly writeFile: (path: string, data: Uint8Array) => Promise<void>;
+  /** True from a failed write until a write succeeds: one warning per such episode (rate-limited as well). */
+  private failing = false;
+  private lastFailureWarning: number | undefined;
 
   constructor(options: DiskKvTierOptions) {
     this.dir = options.dir;
@@ -99,8 +112,27 @@ export class DiskKvTier implements KvBlockStore {
     }
     this.maxPendingBytes = options.maxPendingBytes ?? DEFAULT_MAX_PENDING_BYTES;
     this.now = options.now ?? (() => performance.now());
+    const logger = options.warn === undefined ? createLogger('warn') : undefined;
+    this.warn = options.warn ?? ((message) => logger!.warn(message));
+    this.writeFile = options.writeFile ?? ((path, data) => writeFile(path, data));
     mkdirSync(this.dir, { recursive: true });
     this.openReport = this.scan();
+    this.checkFreeSpace(options.capacityBytes);
+  }
+
+  /** Warns once when the folder's filesystem has less room left than the tier may fill (beyond what it holds). */
+  private checkFreeSpace(capacityBytes: number): void {
+    let free: number;
+    try {
+      const stats = statfsSync(this.dir);
+      free = Number(stats.bavail) * Number(stats.bsize);
+    } catch {
+      return;
+    }
+    const room = free + this.index.size * this.fileBytes;
+    if (room < capacityBytes) {
+      this.warn(`KV disk tier ${this.dir}: its filesystem has ${free} bytes free (${room} with the blocks already there), less than the ${capacityBytes} bytes --kv-offload-disk-size gives it; block writes will fail once the disk is full`);
+    }
   }
 
   get numBlocks(): number {
@@ -240,17 +272,34 @@ export class DiskKvTier implements KvBlockStore {
     Buffer.from(digest).copy(file, DIGEST_OFFSET);
     const temp = join(this.dir, `${hash}${SUFFIX}${TEMP_MARK}${process.pid}-${this.tempCounter++}`);
     try {
-      await writeFile(temp, file);
+      await this.writeFile(temp, file);
       await rename(temp, this.pathOf(hash));
-    } catch {
+    } catch (error) {
       this.failedWrites++;
       await unlink(temp).catch(() => {});
+      this.writeFailed(error);
       this.listener?.failed?.(hash);
       return;
     }
+    this.failing = false;
     this.index.set(hash, block.parentHash);
     this.listener?.stored(hash, block.parentHash, file.length, Math.max(0, this.now() - start));
     this.evictOverCapacity();
+  }
+
+  /**
+   * One warning per episode of failed writes (a full disk fails every block until space comes back), and at most one
+   * per WRITE_FAILURE_WARN_INTERVAL_MS: the failures themselves are counted (conduit_kv_offload_failed_blocks_total).
+   */
+  private writeFailed(error: unknown): void {
+    if (this.failing) return;
+    this.failing = true;
+    const at = Date.now();
+    if (this.lastFailureWarning !== undefined && at - this.lastFailureWarning < WRITE_FAILURE_WARN_INTERVAL_MS) return;
+    this.lastFailureWarning = at;
+    const e = error as NodeJS.ErrnoException;
+    const reason = e instanceof Error ? (e.code !== undefined ? `${e.code}: ${e.message}` : e.message) : String(error);
+    this.warn(`KV disk tier ${this.dir}: cannot write KV blocks (${reason}); blocks are not kept on disk until writes succeed again (counted in conduit_kv_offload_failed_blocks_total)`);
   }
 
   private evictOverCapacity(): void {
