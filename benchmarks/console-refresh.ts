@@ -11,7 +11,7 @@ import { spawn } from 'node:child_process';
 import { loadavg } from 'node:os';
 import { performance } from 'node:perf_hooks';
 import { parseArgs } from 'node:util';
-import { silentLogger } from '../src/api/log.ts';
+import { silentLogger } from '../src/util/log.ts';
 import { parseServeConfig, startServer } from '../src/cli/serve.ts';
 import { distribution } from '../src/util/stats.ts';
 

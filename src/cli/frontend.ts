@@ -3,7 +3,7 @@
 // and chat template come from the first worker (no model file here). /health lists the workers it knows, and says
 // why it serves nothing when a worker's model card is over its --max-frame-bytes.
 
-import { createLogger } from '../api/log.ts';
+import { createLogger } from '../util/log.ts';
 import { etcdClient } from '../cluster/discovery.ts';
 import { EventSubscriber, natsConnect, NatsWaitAbortedError } from '../cluster/events.ts';
 import { ClusterFrontend } from '../cluster/frontend.ts';

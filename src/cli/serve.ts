@@ -15,7 +15,7 @@ import {
 } from '../api/auth.ts';
 import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, modelIdFromName, type ServedModel } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
-import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../api/log.ts';
+import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../util/log.ts';
 import {
   ApiServer, DEFAULT_HEADERS_TIMEOUT_MS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PENDING_REQUESTS,
   DEFAULT_SESSION_HEADER,

@@ -10,7 +10,7 @@
 // server decides when it stops (see ParentLink).
 
 import { modelIdFromName } from '../api/gateway.ts';
-import { createLogger, isLogLevel, LOG_LEVELS } from '../api/log.ts';
+import { createLogger, isLogLevel, LOG_LEVELS } from '../util/log.ts';
 import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
 import { isWorkerId } from '../cluster/events.ts';
 import { splitAddress } from '../cluster/remote-engine.ts';

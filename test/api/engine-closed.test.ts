@@ -6,7 +6,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { KeyStore } from '../../src/api/auth.ts';
 import { modelIdFromName } from '../../src/api/gateway.ts';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';
 import { rawRequest } from './http-client.ts';

@@ -9,7 +9,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { UsageError } from '../../src/cli/flags.ts';
 import { parseLoraModules, parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import type { ModelConfig } from '../../src/model/config.ts';

@@ -9,7 +9,7 @@
 
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer } from '../../src/cli/serve.ts';
 import { rawRequest } from './http-client.ts';
 import { engineIdle, waitFor } from './e2e-fixture.ts';

@@ -3,7 +3,7 @@
 import { it } from 'node:test';
 import assert from 'node:assert/strict';
 import { parseServeConfig, startServer } from '../../src/cli/serve.ts';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 
 it('logs client_request_id after id for a request that sent X-Request-Id, quoted when it holds a space or =', async () => {
   const lines: string[] = [];

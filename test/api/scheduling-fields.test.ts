@@ -7,7 +7,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { KeyStore, parseKeysFile, type Tenant } from '../../src/api/auth.ts';
 import { modelIdFromName } from '../../src/api/gateway.ts';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import type { SchedulingPolicy } from '../../src/engine/types.ts';
 import { createWorkerPool, type WorkerPool } from '../../src/runtime/worker-pool.ts';

@@ -8,7 +8,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 import { after, before, describe, it } from 'node:test';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import type { RequestOutcome } from '../../src/bench/client.ts';
 import { cdf, phaseBreakdown, throughputOverTime } from '../../src/bench/html-report.ts';
 import { gammaSample, meetsGoodput, summarize, tpotOf } from '../../src/bench/load-generator.ts';

@@ -9,7 +9,7 @@ import type { AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { runLoad, sleep, type LoadOptions } from '../../src/bench/load-generator.ts';
 import { randomWorkload, sharedPrefixWorkload } from '../../src/bench/prompt-workload.ts';
 import { BENCH_FLAGS, parseBenchConfig, runBench, type BenchConfig } from '../../src/cli/bench.ts';

@@ -5,7 +5,7 @@ import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
 import { defaultMaxConnections, parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
-import { createLogger, silentLogger } from '../../src/api/log.ts';
+import { createLogger, silentLogger } from '../../src/util/log.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { DEFAULT_DISAGGREGATION_POLICY } from '../../src/runtime/disaggregation-policy.ts';

@@ -6,7 +6,7 @@
 // workers restarting. Every process is killed in the after hook.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import {
   freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort,

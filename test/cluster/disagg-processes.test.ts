@@ -6,7 +6,7 @@
 // with CONDUIT_KV_TRANSFER_LINK=tcp, and both give the same greedy text.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import {
   freePort, removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, waitForPort, type Proc,

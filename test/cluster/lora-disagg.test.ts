@@ -12,7 +12,7 @@ import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { join } from 'node:path';
 import OpenAI from 'openai';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter } from '../../src/model/lora-writer.ts';

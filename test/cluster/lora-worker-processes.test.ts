@@ -8,7 +8,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import type { Logger } from '../../src/api/log.ts';
+import type { Logger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { randomLoraAdapter, writeGgufLoraAdapter } from '../../src/model/lora-writer.ts';

@@ -6,7 +6,7 @@ import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { join } from 'node:path';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { removeDir, servicesMissing, startConduit, startEtcd, startNats, stopAll, tempDir, type Proc } from '../helpers/cluster-services.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';

@@ -9,7 +9,7 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { after, before, describe, it } from 'node:test';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { rawRequest } from '../api/http-client.ts';
 import { parseExposition } from '../telemetry/exposition.ts';

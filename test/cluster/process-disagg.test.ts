@@ -5,7 +5,7 @@
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { UsageError } from '../../src/cli/flags.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';

@@ -11,7 +11,7 @@ import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { acquireDiskTierLock } from '../../src/engine/kv-cache/disk-tier.ts';
 import { EngineStartError } from '../../src/engine/errors.ts';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { SLOW_DECODE_SHAPE, writeWorkerLossFixture } from '../helpers/worker-loss.ts';
 import { forEachStreamEvent } from '../helpers/sse-stream.ts';

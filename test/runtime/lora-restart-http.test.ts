@@ -5,7 +5,7 @@ import assert from 'node:assert/strict';
 import { rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer } from '../../src/cli/serve.ts';
 import { LocalEngine } from '../../src/engine/local-engine.ts';
 import { loadModel } from '../../src/model/loader.ts';

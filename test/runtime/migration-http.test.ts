@@ -5,7 +5,7 @@ import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
 import OpenAI from 'openai';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
 import type { RoutedEngine } from '../../src/runtime/routed-engine.ts';

@@ -6,7 +6,7 @@
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
-import { createLogger } from '../../src/api/log.ts';
+import { createLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';

@@ -5,7 +5,7 @@
 
 import { InMemorySpanExporter } from '@opentelemetry/sdk-trace-node';
 import { combineKeyConfig, KeyStore, parseKeysFile } from '../../src/api/auth.ts';
-import { silentLogger } from '../../src/api/log.ts';
+import { silentLogger } from '../../src/util/log.ts';
 import { ApiServer } from '../../src/api/server.ts';
 import type { Engine } from '../../src/engine/types.ts';
 import { ensureBuiltinModel } from '../../src/model/synthetic.ts';

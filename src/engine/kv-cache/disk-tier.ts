@@ -30,7 +30,7 @@ import {
 } from 'node:fs';
 import { rename, unlink, utimes, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
-import { createLogger } from '../../api/log.ts';
+import { createLogger } from '../../util/log.ts';
 import type { KvPoolLayout } from '../../kernels/types.ts';
 import type { ModelConfig } from '../../model/config.ts';
 import type { ModelWeights, Tensor } from '../../model/weights.ts';

@@ -1,4 +1,5 @@
-// A minimal leveled logger for the server: one line per event on stderr, filtered by --log-level.
+// A minimal leveled logger: one line per event on stderr, filtered by --log-level. Shared by the server and the
+// engine threads (the KV disk tier warns when its writes fail).
 
 export type LogLevel = 'debug' | 'info' | 'warn' | 'error' | 'silent';
 
