@@ -4,11 +4,11 @@
 // after a restart too, and a corrupted block is recomputed instead of served.
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, statfsSync, truncateSync, writeFileSync } from 'node:fs';
-import { writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { acquireDiskTierLock, DiskKvTier, modelFingerprint } from '../../src/engine/kv-cache/disk-tier.ts';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
 import { KvTiers } from '../../src/engine/kv-cache/tiers.ts';
@@ -138,41 +138,38 @@ describe('disk tier: files', () => {
   });
 });
 
+const FULL_DISK_CHILD = fileURLToPath(new URL('./kv-disk-full-child.ts', import.meta.url));
+
+/** Why a small tmpfs cannot be mounted here (the full-disk case needs root and unshare), or false. */
+function fullDiskUnavailable(): string | false {
+  if (process.getuid?.() !== 0) return 'needs root to mount a small tmpfs in a mount namespace';
+  const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-disk-probe-'));
+  const probe = spawnSync('unshare', ['-m', 'sh', '-c', 'mount -t tmpfs -o size=64k tmpfs "$0"', dir], { encoding: 'utf8' });
+  rmSync(dir, { recursive: true, force: true });
+  return probe.status === 0 ? false : `cannot mount a tmpfs in a mount namespace here (unshare -m: ${(probe.stderr || probe.error?.message || '').trim()})`;
+}
+
 describe('disk tier: a full disk', () => {
-  const noSpace = () => Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
-
-  test('failed writes are counted and warned about once per episode, naming the folder and the error', async () => {
-    const dir = tempDir();
-    const warnings: string[] = [];
-    let full = true;
-    const disk = new DiskKvTier({
-      dir, capacityBytes: 8 * (112 + BLOCK_BYTES), blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT,
-      warn: (message) => warnings.push(message),
-      writeFile: (path, data) => full ? Promise.reject(noSpace()) : writeFile(path, data),
-    });
-    let failed = 0;
-    disk.listen({ stored: () => {}, evicted: () => {}, failed: () => { failed++; } });
-    for (let n = 1; n <= 3; n++) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
-    await disk.flush();
-    for (let n = 4; n <= 5; n++) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
-    await disk.flush();
-    assert.equal(disk.writeStats.failed, 5);
-    assert.equal(failed, 5);
-    assert.equal(warnings.length, 1, warnings.join('\n'));
-    assert.ok(warnings[0]!.includes(dir), warnings[0]);
-    assert.match(warnings[0]!, /ENOSPC/);
-    assert.deepEqual(files(dir), [], 'no temporary left behind');
-
-    // Space comes back, then the disk fills again at once: still rate-limited, the failures still counted.
-    full = false;
-    disk.put(hash(6), { bytes: bytes(6), parentHash: null });
-    await disk.flush();
-    assert.equal(disk.has(hash(6)), true);
-    full = true;
-    disk.put(hash(7), { bytes: bytes(7), parentHash: null });
-    await disk.flush();
-    assert.equal(disk.writeStats.failed, 6);
-    assert.equal(warnings.length, 1, warnings.join('\n'));
+  test('failed writes are counted and warned about once per episode, naming the folder and the error', { skip: fullDiskUnavailable() }, () => {
+    // A real full filesystem: a 1 MiB tmpfs in a mount namespace, filled to the last byte by the child.
+    const run = spawnSync('unshare', ['-m', 'sh', '-c', 'mount -t tmpfs -o size=1m tmpfs "$2" && exec "$0" --import tsx "$1" "$2"',
+      process.execPath, FULL_DISK_CHILD, tempDir()], { encoding: 'utf8', timeout: 60_000 });
+    assert.equal(run.status, 0, run.stderr);
+    const result = JSON.parse(run.stdout.trim().split('\n').at(-1)!) as {
+      tierDir: string; storedAfterSpace: boolean; failed: number; warnings: string[];
+      firstEpisode: { failed: number; failedEvents: number; warnings: string[]; files: string[] };
+    };
+    const first = result.firstEpisode;
+    assert.equal(first.failed, 5);
+    assert.equal(first.failedEvents, 5);
+    assert.equal(first.warnings.length, 1, first.warnings.join('\n'));
+    assert.ok(first.warnings[0]!.includes(result.tierDir), first.warnings[0]);
+    assert.match(first.warnings[0]!, /ENOSPC/);
+    assert.deepEqual(first.files, [], 'no temporary left behind');
+    // Space came back, then the disk filled again at once: still rate-limited, the failures still counted.
+    assert.equal(result.storedAfterSpace, true);
+    assert.equal(result.failed, 6);
+    assert.equal(result.warnings.length, 1, result.warnings.join('\n'));
   });
 
   test('a filesystem with less free space than the tier\'s size is warned about once at start, with both numbers', () => {

@@ -59,8 +59,6 @@ export interface DiskKvTierOptions {
   now?: () => number;
   /** Where the tier's warnings go (a full disk, too little free space at start); default: a warn line on stderr. */
   warn?: (message: string) => void;
-  /** Writes a block's temporary file (default fs.promises.writeFile); a test makes it fail as a full disk does. */
-  writeFile?: (path: string, data: Uint8Array) => Promise<void>;
 }
 
 /** A failing disk is warned about at most once in this many ms, however many episodes of failures it has. */
@@ -95,7 +93,6 @@ export class DiskKvTier implements KvBlockStore {
   private listener: TierListener | undefined;
   private readonly now: () => number;
   private readonly warn: (message: string) => void;
-  private readonly writeFile: (path: string, data: Uint8Array) => Promise<void>;
   /** True from a failed write until a write succeeds: one warning per such episode (rate-limited as well). */
   private failing = false;
   private lastFailureWarning: number | undefined;
@@ -114,7 +111,6 @@ export class DiskKvTier implements KvBlockStore {
     this.now = options.now ?? (() => performance.now());
     const logger = options.warn === undefined ? createLogger('warn') : undefined;
     this.warn = options.warn ?? ((message) => logger!.warn(message));
-    this.writeFile = options.writeFile ?? ((path, data) => writeFile(path, data));
     mkdirSync(this.dir, { recursive: true });
     this.openReport = this.scan();
     this.checkFreeSpace(options.capacityBytes);
@@ -272,7 +268,7 @@ export class DiskKvTier implements KvBlockStore {
     Buffer.from(digest).copy(file, DIGEST_OFFSET);
     const temp = join(this.dir, `${hash}${SUFFIX}${TEMP_MARK}${process.pid}-${this.tempCounter++}`);
     try {
-      await this.writeFile(temp, file);
+      await writeFile(temp, file);
       await rename(temp, this.pathOf(hash));
     } catch (error) {
       this.failedWrites++;
