@@ -90,18 +90,17 @@ export const TEMPLATE_RANGE_BUDGET = 100_000;
 class RangeBudgetExceeded extends Error {}
 
 function compile(text: string): Template {
-  const template = new Template(text);
   const tokens = tokenize(text, { lstrip_blocks: true, trim_blocks: true }); // the options Template uses
-  let renamed = false;
   for (let i = 0; i < tokens.length; i++) {
     const token = tokens[i]!;
     if (token.type !== 'Identifier' || tokens[i - 1]?.type === 'Dot') continue; // x.range is an attribute
     if (token.value === 'raise_exception') token.value = RAISE_EXCEPTION;
     else if (token.value === 'range') token.value = RANGE;
-    else continue;
-    renamed = true;
   }
-  if (renamed) template.parsed = parse(tokens);
+  // The text is tokenized once: the library's lexer takes time quadratic in a long run of whitespace (its
+  // {% generation %} preprocessing), so a Template built from the text would pay that a second time.
+  const template = new Template('');
+  template.parsed = parse(tokens);
   return template;
 }
 
