@@ -12,34 +12,37 @@
 //      decode_output_length when decode dominates and none of the three applies: steady tokens at a healthy rate, so
 //                         the time is the number of tokens the request generated. Never a TTFT category then: TTFT
 //                         is under half of such a request, so naming its largest part would point at the lesser cost;
-//   2. queue_saturation     when the scheduler queue is over `queueShare` of TTFT;
-//   3. prefill_no_cache / prefill_compute_bound when prefill is over `prefillShare` of TTFT (split by the prefix
+//   2. gateway_bound        when the gateway phases (http_receive .. tokenize) are over `gatewayShare` of TTFT, naming
+//                         the one of them that took longest (tokenize: the chat template, a guided request's grammar
+//                         check and the tokenizer; http_receive: the body's upload);
+//   3. queue_saturation     when the scheduler queue is over `queueShare` of TTFT;
+//   4. prefill_no_cache / prefill_compute_bound when prefill is over `prefillShare` of TTFT (split by the prefix
 //      cache hit rate; a prompt shorter than one KV block, which the cache cannot hold, is never "no cache");
-//   4. kv_transfer_bound    when the KV transfer is over `kvTransferShare` of TTFT;
-//   5. decode_latency_spike when a step spiked, even though decode did not dominate;
-//   6. balanced.
+//   5. kv_transfer_bound    when the KV transfer is over `kvTransferShare` of TTFT;
+//   6. decode_latency_spike when a step spiked, even though decode did not dominate;
+//   7. balanced.
 // Shares of TTFT are of the measured TTFT (arrival to first streamed token), the decode categories' of the whole
 // request (a spike's of the decode steps' time): `dominant_share_of` says which. "Decode dominates" means decode (the
-// first token to the end of the response) took longer than TTFT; the TTFT rules (2-4) apply only when it did not, so
+// first token to the end of the response) took longer than TTFT; the TTFT rules (2-5) apply only when it did not, so
 // only to a request whose TTFT is at least half of it.
 //
 // Only completed requests (outcome ok) have a bottleneck. A failed or refused request is `failed` and an aborted one
 // `aborted`, with why in place of a recommendation: their phases stop where they ended, so the shares would name a
 // bottleneck of something that never completed. The window report leaves both out.
 
-import type { PhaseName } from './lifecycle.ts';
+import { GATEWAY_PHASES, type GatewayPhase, type PhaseName } from './lifecycle.ts';
 import { percentile, round3 } from '../util/stats.ts';
-import { phaseBreakdown, type RequestTrace } from './trace.ts';
+import { phaseBreakdown, type PhaseBreakdown, type RequestTrace } from './trace.ts';
 
 export type BottleneckCategory =
-  | 'queue_saturation' | 'prefill_no_cache' | 'prefill_compute_bound' | 'kv_transfer_bound' | 'decode_latency_spike'
+  | 'gateway_bound' | 'queue_saturation' | 'prefill_no_cache' | 'prefill_compute_bound' | 'kv_transfer_bound' | 'decode_latency_spike'
   | 'decode_preempted' | 'decode_batch_bound' | 'decode_output_length' | 'balanced';
 
 /** What classify() says of a request: its bottleneck, or that it did not complete (no bottleneck then). */
 export type DiagnosisCategory = BottleneckCategory | 'failed' | 'aborted';
 
 export const BOTTLENECK_CATEGORIES: readonly BottleneckCategory[] = [
-  'queue_saturation', 'prefill_no_cache', 'prefill_compute_bound', 'kv_transfer_bound', 'decode_latency_spike',
+  'gateway_bound', 'queue_saturation', 'prefill_no_cache', 'prefill_compute_bound', 'kv_transfer_bound', 'decode_latency_spike',
   'decode_preempted', 'decode_batch_bound', 'decode_output_length', 'balanced',
 ];
 
@@ -47,6 +50,8 @@ export const BOTTLENECK_CATEGORIES: readonly BottleneckCategory[] = [
 export type ShareBase = 'ttft' | 'request' | 'decode_steps';
 
 export interface AnalyzerThresholds {
+  /** The gateway phases' (http_receive .. tokenize, their union) share of TTFT over which they are the bottleneck. */
+  gatewayShare: number;
   queueShare: number;
   prefillShare: number;
   kvTransferShare: number;
@@ -72,6 +77,7 @@ export interface AnalyzerThresholds {
 }
 
 export const DEFAULT_THRESHOLDS: Readonly<AnalyzerThresholds> = Object.freeze({
+  gatewayShare: 0.6,
   queueShare: 0.6,
   prefillShare: 0.7,
   kvTransferShare: 0.4,
@@ -182,7 +188,10 @@ export class TraceAnalyzer {
     const preempted = decodeDominates ? this.decodeBound(trace, b.decodeMs, make, 'preempted') : undefined;
     if (preempted) return preempted;
     if (spike && decodeDominates) return make('decode_latency_spike', 'decode_execution', spike.share, 'decode_steps', spike.spikeMs, spike.recommendation);
-    if (decodeDominates) return this.decodeBound(trace, b.decodeMs, make, 'batch') ?? this.outputLength(trace, b.decodeMs, b.queueMs, b.prefillMs, ttftBase, make);
+    if (decodeDominates) return this.decodeBound(trace, b.decodeMs, make, 'batch') ?? this.outputLength(trace, b, ttftBase, make);
+
+    const gatewayShare = b.gatewayMs / ttftBase;
+    if (gatewayShare > t.gatewayShare) return this.gatewayBound(trace, b.gatewayMs, ttftBase, make);
 
     const queueShare = b.queueMs / ttftBase;
     if (queueShare > t.queueShare) {
@@ -233,8 +242,50 @@ export class TraceAnalyzer {
 
     const total = Math.max(trace.e2eMs, 1e-9);
     return make('balanced', 'none', 0, 'request', 0,
-      `No single phase dominates: queue ${pct(b.queueMs / total)}, prefill ${pct(b.prefillMs / total)}, decode ${pct(b.decodeMs / total)} ` +
+      `No single phase dominates: gateway ${pct(b.gatewayMs / total)}, queue ${pct(b.queueMs / total)}, prefill ${pct(b.prefillMs / total)}, decode ${pct(b.decodeMs / total)} ` +
       'of the request.');
+  }
+
+  /**
+   * The gateway phases dominate TTFT: named by the one that took longest (its own time: auth and rate_limit run inside
+   * http_receive, before the body is read, and are not http_receive's), with what that phase does.
+   */
+  private gatewayBound(trace: RequestTrace, gatewayMs: number, ttftBase: number, make: Make): Diagnosis<BottleneckCategory> {
+    const own = new Map<GatewayPhase, number>();
+    const gateway = trace.phases.filter((p) => (GATEWAY_PHASES as readonly string[]).includes(p.phase));
+    for (const p of gateway) {
+      let msOwn = p.endMs - p.startMs;
+      if (p.phase === 'http_receive') {
+        for (const q of gateway) {
+          if (q.phase === 'auth' || q.phase === 'rate_limit') msOwn -= Math.max(0, Math.min(p.endMs, q.endMs) - Math.max(p.startMs, q.startMs));
+        }
+      }
+      own.set(p.phase as GatewayPhase, (own.get(p.phase as GatewayPhase) ?? 0) + Math.max(0, msOwn));
+    }
+    let phase: GatewayPhase = 'tokenize';
+    let phaseMs = -1;
+    for (const name of GATEWAY_PHASES) {
+      const x = own.get(name);
+      if (x !== undefined && x > phaseMs) [phase, phaseMs] = [name, x];
+    }
+    phaseMs = Math.max(0, phaseMs);
+    const share = phaseMs / ttftBase;
+    const why = {
+      http_receive: 'receiving the request: its body arrived slowly (a large body, or a slow or distant client), which no ' +
+        'server setting shortens. Send smaller requests, or put the client nearer the server.',
+      auth: 'checking the API key: the event loop was busy with other work when the request came in. Look for long ' +
+        'inline work on the gateway thread (GC pauses, large responses being written).',
+      rate_limit: 'the tenant\'s rate-limit check: the event loop was busy with other work when the request came in. ' +
+        'Look for long inline work on the gateway thread (GC pauses, large responses being written).',
+      validate: 'checking the request\'s fields: a very large request (many messages, tools, stop strings or ' +
+        'logit_bias entries) costs here. Send smaller requests.',
+      tokenize: `the chat template, a guided request's grammar check and tokenizing the ${trace.promptTokens}-token prompt. ` +
+        'A long prompt is tokenized on the model\'s tokenizer thread, one at a time, so it also waits behind other ' +
+        'requests\' long prompts. Send shorter prompts or prompt token ids (/v1/completions), keep tool and schema ' +
+        'definitions small, or spread long-prompt traffic over more servers.',
+    }[phase];
+    return make('gateway_bound', phase, share, 'ttft', phaseMs,
+      `The gateway took ${ms(gatewayMs)}, ${pct(gatewayMs / ttftBase)} of the ${ms(ttftBase)} TTFT, ${ms(phaseMs)} of it in ${phase}: ${why}`);
   }
 
   /** Decode dominates without a spike: preempted mid-decode, or every step as slow as its batch makes it. */
@@ -280,7 +331,8 @@ export class TraceAnalyzer {
    * Decode dominates, and its tokens came steadily at a healthy rate: the time is the output's length. What shortens
    * it is fewer tokens (or, a distant second, a faster time per token), not anything before the first token.
    */
-  private outputLength(trace: RequestTrace, decodeMs: number, queueMs: number, prefillMs: number, ttftBase: number, make: Make): Diagnosis<BottleneckCategory> {
+  private outputLength(trace: RequestTrace, b: PhaseBreakdown, ttftBase: number, make: Make): Diagnosis<BottleneckCategory> {
+    const { decodeMs, gatewayMs, queueMs, prefillMs } = b;
     const share = decodeMs / Math.max(trace.e2eMs, 1e-9);
     const steps = trace.decode?.steps ?? 0;
     const tokens = `${trace.outputTokens} output token${trace.outputTokens === 1 ? '' : 's'}`;
@@ -292,7 +344,8 @@ export class TraceAnalyzer {
       : trace.finishReason === 'stop' ? 'the model ended the answer itself (an end-of-sequence token or a stop sequence)'
         : `the request finished with ${trace.finishReason}`;
     // Where TTFT went, when one part of it crosses the line of its TTFT rule: the lesser cost, but a cost to know of.
-    const ttftPart = queueMs / ttftBase > this.thresholds.queueShare ? `, ${pct(queueMs / ttftBase)} of it waiting in the queue`
+    const ttftPart = gatewayMs / ttftBase > this.thresholds.gatewayShare ? `, ${pct(gatewayMs / ttftBase)} of it in the gateway`
+      : queueMs / ttftBase > this.thresholds.queueShare ? `, ${pct(queueMs / ttftBase)} of it waiting in the queue`
       : prefillMs / ttftBase > this.thresholds.prefillShare ? `, ${pct(prefillMs / ttftBase)} of it prefill` : '';
     const ttft = trace.ttftMs !== undefined ? ` The first token came after ${ms(trace.ttftMs)}${ttftPart}` : '';
     const firstToken = ttft === '' ? ''
