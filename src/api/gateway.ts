@@ -431,13 +431,30 @@ export class Gateway {
   /** The served model a request names ("model"; none = the default one); an unknown name is a 404 naming those served. */
   resolveModel(model: string | undefined): ModelTarget {
     this.ready();
-    if (model === undefined) return { name: this.servedModelName!, backend: this.backend! };
+    const target = this.servedTarget(model);
+    if (!target) throw new ModelNotFoundError(model!, this.servedNames());
+    return target;
+  }
+
+  /** The served model or adapter a name stands for (none = the default model); undefined for a name not served. */
+  private servedTarget(model: string | undefined): ModelTarget | undefined {
+    if (model === undefined) return this.backend ? { name: this.servedModelName!, backend: this.backend } : undefined;
     const backend = this.served.get(model);
     if (backend) return { name: model, backend };
     for (const [baseName, candidate] of this.served) {
       if (candidate.adapters?.has(model)) return { name: model, backend: candidate, adapter: model, baseName };
     }
-    throw new ModelNotFoundError(model, this.servedNames());
+    return undefined;
+  }
+
+  /**
+   * The model a request's metrics and trace are labelled with: the base model's served name (with the adapter when it
+   * named one). A name that is not served is labelled with the default model's: a metric label must not take
+   * whatever clients send.
+   */
+  private modelFields(target: ModelTarget | undefined): { model: string; adapter?: string } {
+    if (!target) return { model: this.servedModelName! };
+    return { model: target.baseName ?? target.name, ...(target.adapter !== undefined ? { adapter: target.adapter } : {}) };
   }
 
   /** Every name a request may use: the models, then their adapters. */
@@ -547,9 +564,9 @@ export class Gateway {
   }
 
   /** Parses and checks a generation request, telling the request's trace how validation went. */
-  private validated<T extends GenerationOptions>(call: Call, parse: () => T, promptCount: (request: T) => number): { request: T; target: ModelTarget } {
+  private validated<T extends GenerationOptions>(call: Call, body: unknown, parse: () => T, promptCount: (request: T) => number): { request: T; target: ModelTarget } {
     let request: T;
-    let target: ModelTarget;
+    let target: ModelTarget | undefined;
     let prompts: number;
     try {
       request = parse();
@@ -560,12 +577,13 @@ export class Gateway {
       // Before anything is reserved or tokenized: a refused field costs the tenant nothing.
       checkSchedulingFields(request, this.options.schedulingPolicy);
     } catch (err) {
-      // The served name, never the one asked for: a metric label must not take whatever clients send.
-      call.trace?.validated({ ok: false, model: this.servedModelName! });
+      // Counted under the model the request named when that one is served, even when its body did not parse.
+      const named = typeof body === 'object' && body !== null ? (body as { model?: unknown }).model : undefined;
+      call.trace?.validated({ ok: false, ...this.modelFields(target ?? (typeof named === 'string' || named === undefined ? this.servedTarget(named) : undefined)) });
       throw err;
     }
     call.trace?.validated({
-      ok: true, model: target.baseName ?? target.name, ...(target.adapter !== undefined ? { adapter: target.adapter } : {}), stream: request.stream, temperature: request.temperature, n: request.n,
+      ok: true, ...this.modelFields(target), stream: request.stream, temperature: request.temperature, n: request.n,
       ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),
       ...(prompts > 1 ? { prompts } : {}),
     });
@@ -576,7 +594,7 @@ export class Gateway {
 
   async chatCompletions(call: Call, body: unknown): Promise<void> {
     this.ready();
-    const { request, target } = this.validated(call,
+    const { request, target } = this.validated(call, body,
       () => parseChatCompletionRequest(body, this.validationContext(this.backendFor(body))), () => 1);
     const { backend } = target;
     if (request.guided) await this.guidedChecker.check(request.guided);
@@ -607,7 +625,7 @@ export class Gateway {
    */
   async responses(call: Call, body: unknown): Promise<void> {
     this.ready();
-    const { request: parsed, target } = this.validated(call, () => {
+    const { request: parsed, target } = this.validated(call, body, () => {
       const responses = parseResponsesRequest(body, this.validationContext(this.backendFor(body)));
       return Object.assign(responses.chat, { responsesEcho: responses.echo, messageParam: responses.messageParam });
     }, () => 1);
@@ -665,7 +683,7 @@ export class Gateway {
 
   async completions(call: Call, body: unknown): Promise<void> {
     this.ready();
-    const { request, target } = this.validated(call,
+    const { request, target } = this.validated(call, body,
       () => parseCompletionRequest(body, this.validationContext(this.backendFor(body))), (r) => r.prompts.length);
     const { backend } = target;
     if (request.guided) await this.guidedChecker.check(request.guided);
