@@ -15,6 +15,7 @@
 // request traces and the server-wide /v1/slo, /v1/analysis and /metrics; other tenants see only their own traces.
 
 import { createHash } from 'node:crypto';
+import { ANONYMOUS_TENANT } from '../telemetry/metrics.ts';
 import { InvalidApiKeyError, MissingApiKeyError } from './errors.ts';
 
 export interface TenantLimits {
@@ -52,7 +53,8 @@ export class KeyConfigError extends Error {
   override name = 'KeyConfigError';
 }
 
-export const ANONYMOUS_TENANT = 'anonymous';
+// The tenant of open mode, and the tenant label of a request refused before it had one (a 401), in every metric.
+export { ANONYMOUS_TENANT };
 /** The tenant of the --admin-key key. */
 export const ADMIN_TENANT = 'admin';
 

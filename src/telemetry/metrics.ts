@@ -8,13 +8,20 @@
 // bounds so histogram_quantile is exact at the thresholds the alerts compare with.
 //
 // Labels: model and worker on latency histograms and load gauges; tenant only on counters (a histogram multiplies
-// its series by its bucket count). Missing values are 'none'.
+// its series by its bucket count). Missing values are 'none', but for the tenant: a request without an authenticated
+// tenant is ANONYMOUS_TENANT's, in these counters as in the gateway's (src/api/gateway-metrics.ts).
 
 import { Counter, Gauge, Histogram, Registry } from 'prom-client';
 import type { EngineStats, KvLinkStats, KvTierStats } from '../protocols/worker.ts';
 import { GATEWAY_PHASES } from './lifecycle.ts';
 import type { SloReport } from './slo.ts';
 import type { RequestTrace } from './trace.ts';
+
+/**
+ * The tenant of a request without an authenticated one: every request of a server with no API keys, and a request
+ * refused for its key (401) or before its key was read. One label for them in every metric that has a tenant.
+ */
+export const ANONYMOUS_TENANT = 'anonymous';
 
 export const TTFT_BUCKETS_MS = [5, 10, 20, 50, 100, 200, 300, 500, 750, 1000, 2000, 5000, 10_000, 30_000, 60_000];
 export const TBT_BUCKETS_MS = [1, 2.5, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2500];
@@ -254,7 +261,7 @@ export class ConduitMetrics {
   observeTrace(trace: RequestTrace): void {
     const model = trace.model;
     const worker = trace.worker ?? 'none';
-    const tenant = trace.tenant ?? 'none';
+    const tenant = trace.tenant ?? ANONYMOUS_TENANT;
     const mw = { model, worker };
     // The prompt's side of a disaggregated request ran on its prefill worker: its queue wait, prefill, first token
     // and prefix-cache hit ratio are that worker's (trace.worker is the decode worker the router placed it on).
