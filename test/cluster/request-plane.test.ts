@@ -105,8 +105,11 @@ describe('request plane', () => {
       outputs.push(output);
       if (outputs.length === 3) remote.abort(req.id);
     }
+    // Stopped by the abort, not by max_tokens. How many outputs were already on their way when it went depends on
+    // how far the worker ran ahead of this reader (a loaded machine: dozens), so no count is asserted beyond that.
     assert.equal(outputs.at(-1)!.finishReason, 'abort');
-    assert.ok(outputs.length < 50);
+    const generated = outputs.reduce((sum, output) => sum + output.newTokenIds.length, 0);
+    assert.ok(generated < req.sampling.maxTokens, `${generated} tokens of ${req.sampling.maxTokens}`);
     const stats = await (bundle.engine as LocalEngine).sync();
     assert.equal(stats.kvBlocksUsed, 0);
     assert.equal(server.inFlight, 0);
