@@ -293,8 +293,10 @@ export class DiskKvTier implements KvBlockStore {
     const at = Date.now();
     if (this.lastFailureWarning !== undefined && at - this.lastFailureWarning < WRITE_FAILURE_WARN_INTERVAL_MS) return;
     this.lastFailureWarning = at;
+    // Node's file errors already begin with their code ("ENOSPC: no space left on device, open ..."); others may not.
     const e = error as NodeJS.ErrnoException;
-    const reason = e instanceof Error ? (e.code !== undefined ? `${e.code}: ${e.message}` : e.message) : String(error);
+    const reason = !(e instanceof Error) ? String(error)
+      : e.code !== undefined && !e.message.startsWith(e.code) ? `${e.code}: ${e.message}` : e.message;
     this.warn(`KV disk tier ${this.dir}: cannot write KV blocks (${reason}); blocks are not kept on disk until writes succeed again (counted in conduit_kv_offload_failed_blocks_total)`);
   }
 
