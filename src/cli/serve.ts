@@ -15,6 +15,7 @@ import {
 } from '../api/auth.ts';
 import { DEFAULT_MAX_SEQUENCES_PER_REQUEST, modelIdFromName, type ServedModel } from '../api/gateway.ts';
 import type { Clock } from '../api/rate-limit.ts';
+import { EngineStartError } from '../engine/errors.ts';
 import { createLogger, isLogLevel, LOG_LEVELS, type Logger, type LogLevel } from '../util/log.ts';
 import {
   ApiServer, DEFAULT_HEADERS_TIMEOUT_MS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PENDING_REQUESTS,
@@ -453,6 +454,11 @@ export function checkDiskTierFolder(dir: string, label = '--kv-offload-disk'): v
 
 /** The disk tier's refusal of a size below one block file (disk-tier.ts), as a worker reports it. */
 const DISK_SIZE_TOO_SMALL = /^(worker process \S+ could not start: )?--kv-offload-disk-size \d+ bytes holds no KV block file/;
+
+/** A start-up failure that is a bad value (exit 2), not a failure to start (exit 1): known only once the model loaded. */
+export function isDiskSizeTooSmall(error: unknown): boolean {
+  return error instanceof EngineStartError && DISK_SIZE_TOO_SMALL.test(error.message);
+}
 
 function isSymbolicLink(path: string): boolean {
   try {
@@ -1132,11 +1138,10 @@ export const serveCommand: Command = {
       }
       const { isModelLoadError } = await import('../model/loader.ts');
       const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
-      const { EngineStartError } = await import('../engine/errors.ts');
       if (isModelLoadError(err) || err instanceof DiskTierLockedError || err instanceof EngineStartError) {
         console.error(`conduit serve: ${nameStartupEnvironment(err.message, config)}`);
         // A --kv-offload-disk-size too small for one block of the model is a bad value, known only once it loaded.
-        return err instanceof EngineStartError && DISK_SIZE_TOO_SMALL.test(err.message) ? 2 : 1;
+        return isDiskSizeTooSmall(err) ? 2 : 1;
       }
       // A value nobody typed is reported under the variable that gave it, as when the options were checked.
       throw nameEnvironment(SERVE_FLAGS, { sources: sourcesOf(config) }, err);

@@ -87,7 +87,9 @@ async function startEngine(options: ClusterWorkerOptions): Promise<{
   // folder), the folder held by this process: a second process pointed at it is refused.
   const slots = new DiskSlots(pool, 1);
   const bundle = await withDiskTierLock(pool.kvOffloadDiskDir, () => slots.start(
-    (kvOffload) => createLocalEngine({ ...pool, ...kvOffload, modelPath: pool.modelPath!, enableKvEvents: true, role: options.role }),
+    (kvOffload) => createLocalEngine({
+      ...pool, ...kvOffload, modelPath: pool.modelPath!, enableKvEvents: true, role: options.role, log: options.log,
+    }),
     (started) => started.engine), ['worker-0']);
   for (const notice of bundle.engine.notices) options.log('warn', notice);
   return { engine: bundle.engine, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate };

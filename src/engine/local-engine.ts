@@ -9,6 +9,7 @@ import { chatTemplateFromConfig, chatTemplateFromGguf, type ChatTemplate } from 
 import { loadModel, type ModelSummary } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
+import { createLogger } from '../util/log.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
 import { EngineClosedError, EngineStartError, InvalidRequestError, LoraLoadError } from './errors.ts';
@@ -55,12 +56,18 @@ export interface LocalEngineOptions {
   kvCacheIdleReleaseSeconds?: number;
   /** Lower KV tiers under the worker's pool: RAM (its share of --kv-offload-memory) and a disk folder of its own. */
   kvOffload?: KvOffloadConfig;
+  /** Where the worker thread's warnings go (default: a warn line on stderr); the caller's logger applies --log-level. */
+  log?: (level: 'warn', message: string) => void;
 }
 
 /** 1 GiB, or an eighth of RAM on a small machine: room for every request of a CPU-sized batch. */
 export const DEFAULT_KV_CACHE_MEMORY = Math.min(1 << 30, Math.floor(totalmem() / 8));
 export const DEFAULT_MAX_NUM_SEQS = 256;
 export const DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048;
+
+/** The worker thread's warnings when the caller gives no logger: a warn line on stderr. */
+const stderrWarnings = createLogger('warn');
+const defaultWorkerLog = (_level: 'warn', message: string): void => stderrWarnings.warn(message);
 
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -86,7 +93,8 @@ export class LocalEngine implements Engine {
   readonly role: WorkerRole;
 
   private constructor(private readonly worker: Worker, readonly info: EngineInfo, readonly notices: string[], stats: EngineStats,
-    kv: { pool?: SharedArrayBuffer; layout?: KvPoolLayout; role?: WorkerRole } = {}) {
+    kv: { pool?: SharedArrayBuffer; layout?: KvPoolLayout; role?: WorkerRole } = {},
+    private readonly log: (level: 'warn', message: string) => void = defaultWorkerLog) {
     this.kvPool = kv.pool;
     this.kvLayout = kv.layout;
     this.role = kv.role ?? 'both';
@@ -123,6 +131,7 @@ export class LocalEngine implements Engine {
       const onMessage = (message: FromWorker) => {
         if (message.type === 'ready') { cleanup(); resolve(message); }
         if (message.type === 'failed') { cleanup(); reject(new EngineStartError(message.message)); }
+        if (message.type === 'log') (options.log ?? defaultWorkerLog)(message.level, message.message);
       };
       const onError = (error: Error) => { cleanup(); reject(error); };
       const onExit = (code: number) => { cleanup(); reject(new Error(`engine worker exited with code ${code} while loading`)); };
@@ -138,7 +147,8 @@ export class LocalEngine implements Engine {
       await worker.terminate();
       throw error;
     });
-    return new LocalEngine(worker, ready.info, ready.notices, ready.stats, { pool: ready.kvPool, layout: ready.kvLayout, role: options.role });
+    return new LocalEngine(worker, ready.info, ready.notices, ready.stats, { pool: ready.kvPool, layout: ready.kvLayout, role: options.role },
+      options.log);
   }
 
   generate(request: EngineRequest): AsyncIterable<EngineOutput> {
@@ -409,6 +419,9 @@ export class LocalEngine implements Engine {
         return;
       case 'failed':
         this.onExit(new Error(message.message));
+        return;
+      case 'log':
+        this.log(message.level, message.message);
         return;
       default:
         return;

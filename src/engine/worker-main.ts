@@ -106,7 +106,11 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
   const blockBytes = kvBlockBytes(layout);
   let disk: DiskKvTier | undefined;
   if (offload.diskDir !== undefined && fingerprint !== undefined) {
-    disk = new DiskKvTier({ dir: offload.diskDir, capacityBytes: offload.diskBytes ?? 0, blockBytes, fingerprint });
+    disk = new DiskKvTier({
+      dir: offload.diskDir, capacityBytes: offload.diskBytes ?? 0, blockBytes, fingerprint,
+      // This thread does not know --log-level: the parent's logger decides whether the warning shows.
+      warn: (message) => send({ type: 'log', level: 'warn', message }),
+    });
     const found = disk.openReport;
     notices.push(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
       + (found.foreign > 0 ? `, ${found.foreign} of another model or KV layout (block size, dtype) deleted` : '')

@@ -104,4 +104,6 @@ export type FromWorker =
    */
   | { type: 'lora-done'; loraId: number; info?: WorkerLoraInfo; error?: { code: string; message: string }; stats?: EngineStats }
   | { type: 'failed'; message: string }
+  /** A warning of the worker thread's own (the KV disk tier's), logged by the parent at the server's --log-level. */
+  | { type: 'log'; level: 'warn'; message: string }
   | { type: 'closed' };

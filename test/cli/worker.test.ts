@@ -84,6 +84,7 @@ describe('conduit worker: bad values and start-up failures', () => {
   it('are one line each, no stack trace: exit 2 for a value refused before anything starts, 1 for a failed start', { timeout: 240_000 }, async () => {
     const busy = net.createServer();
     const busyPort = await freePort();
+    const tierRoot = mkdtempSync(join(tmpdir(), 'conduit-worker-tier-'));
     await new Promise<void>((resolve) => busy.listen(busyPort, '127.0.0.1', resolve));
     try {
       const cases: { args: string[]; line: RegExp; code: number }[] = [
@@ -96,6 +97,9 @@ describe('conduit worker: bad values and start-up failures', () => {
         { args: ['--engine', 'cpu', '--model', '/nonexistent/model.gguf'], line: /^conduit worker: cannot load model \/nonexistent\/model\.gguf: no such file or folder$/m, code: 1 },
         { args: ['--kv-cache-memory', '32MiB', '--max-model-len', '99999'], line: /^conduit worker: --max-model-len 99999 is above the model's context length \(\d+ tokens\)$/m, code: 1 },
         { args: ['--engine', 'sim', '--port', String(busyPort)], line: new RegExp(`^conduit worker: cannot listen on 127\\.0\\.0\\.1:${busyPort}: listen EADDRINUSE`, 'm'), code: 1 },
+        // A bad value known only once the model loaded (the size of one block file), as for `conduit serve`.
+        { args: ['--kv-cache-memory', '32MiB', '--kv-offload-disk', join(tierRoot, 'tier'), '--kv-offload-disk-size', '100'],
+          line: /^conduit worker: --kv-offload-disk-size 100 bytes holds no KV block file of \d+ bytes$/m, code: 2 },
       ];
       const runs = cases.map(({ args }) => startConduit(['worker', ...SERVICES, '--namespace', 'startup-errors', ...args]));
       const codes = await Promise.all(runs.map((proc) => exitOf(proc)));
@@ -107,6 +111,7 @@ describe('conduit worker: bad values and start-up failures', () => {
       }
     } finally {
       await new Promise((resolve) => busy.close(resolve));
+      rmSync(tierRoot, { recursive: true, force: true });
     }
   });
 });
