@@ -14,20 +14,8 @@ import { isHfFolder, loadHfModel } from './hf.ts';
 import { numElements, UnsupportedTypeError } from './quant.ts';
 import { SafetensorsFormatError } from './safetensors.ts';
 import { TokenizerError } from './tokenizer/errors.ts';
+import type { TokenizerSource } from './tokenizer/index.ts';
 import type { ModelWeights, Tensor } from './weights.ts';
-
-/** What the tokenizer module builds a Tokenizer from. */
-export type TokenizerSource =
-  | { kind: 'gguf'; file: GgufFile }
-  /**
-   * tokenizerJson is the path of tokenizer.json (it names the file in errors), parsedTokenizerJson that file as the
-   * load parsed and checked it (the tokenizer is built from it without reading the file again), tokenizerConfig the
-   * parsed tokenizer_config.json ({} if absent).
-   */
-  | {
-    kind: 'hf'; tokenizerJson: string; parsedTokenizerJson: Record<string, unknown>;
-    tokenizerConfig: Record<string, unknown>;
-  };
 
 export interface ModelSummary {
   name: string;
@@ -126,7 +114,8 @@ async function loadHf(path: string): Promise<LoadedModel> {
   const model: LoadedModel = {
     config: hf.config, weights: hf.weights, source: 'hf', path,
     tokenizerSource: {
-      kind: 'hf', tokenizerJson: hf.tokenizerJsonPath, parsedTokenizerJson: hf.tokenizerJson,
+      // loadHfModel checked it (checkTokenizerJson) before anything else of the model was taken.
+      kind: 'hf', tokenizerJson: hf.tokenizerJsonPath, parsedTokenizerJson: hf.tokenizerJson, parsedTokenizerJsonChecked: true,
       tokenizerConfig: hf.tokenizerConfig,
     },
     metadata: summarize(hf.config, hf.weights, hf.details),

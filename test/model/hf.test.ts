@@ -80,7 +80,8 @@ describe('Hugging Face folder vs the same model as GGUF', () => {
     const model = await loadModel(hfDir);
     assert.deepEqual(model.tokenizerSource, {
       kind: 'hf', tokenizerJson: join(hfDir, 'tokenizer.json'),
-      parsedTokenizerJson: { version: '1.0', model: { type: 'BPE', vocab: {}, merges: [] } },
+      // Checked as the folder loaded: building the tokenizer from it does not walk it again.
+      parsedTokenizerJson: { version: '1.0', model: { type: 'BPE', vocab: {}, merges: [] } }, parsedTokenizerJsonChecked: true,
       tokenizerConfig: { bos_token: '<s>', eos_token: '</s>', add_bos_token: true, chat_template: '{{ messages[0].content }}' },
     });
     assert.equal(model.chatTemplate, '{{ messages[0].content }}');

@@ -38,9 +38,10 @@ export function tokenizerFromJson(tokenizerJsonPath: string,
   return tokenizerFromJsonObject(json, tokenizerConfig, tokenizerJsonPath);
 }
 
+/** checked: `json` passed checkTokenizerJson already (the model loader's), so it is not walked again. */
 export function tokenizerFromJsonObject(json: unknown, tokenizerConfig: Record<string, unknown> = {},
-  source = 'tokenizer.json'): HfTokenizer {
-  checkTokenizerJson(json, source);
+  source = 'tokenizer.json', options: { checked?: boolean } = {}): HfTokenizer {
+  if (options.checked !== true) checkTokenizerJson(json, source);
   return new HfTokenizer(json as Json, tokenizerConfig, source);
 }
 

@@ -12,16 +12,23 @@ import type { Tokenizer } from './types.ts';
 export type TokenizerSource =
   | { kind: 'gguf'; file: GgufFile }
   /**
-   * tokenizerJson is the path of tokenizer.json. parsedTokenizerJson, when given, is that file already parsed (the
-   * model loader's): the tokenizer is built from it and the file is not read again.
+   * tokenizerJson is the path of tokenizer.json (it names the file in errors); tokenizerConfig the parsed
+   * tokenizer_config.json ({} if absent). parsedTokenizerJson, when given, is that file already parsed (the model
+   * loader's): the tokenizer is built from it and the file is not read again. parsedTokenizerJsonChecked: it passed
+   * checkTokenizerJson already (the loader checks it as it loads), which is not repeated (50-90 ms for a vocabulary of
+   * 128k tokens).
    */
-  | { kind: 'hf'; tokenizerJson: string; parsedTokenizerJson?: unknown; tokenizerConfig: Record<string, unknown> };
+  | {
+    kind: 'hf'; tokenizerJson: string; tokenizerConfig: Record<string, unknown>;
+    parsedTokenizerJson?: unknown; parsedTokenizerJsonChecked?: boolean;
+  };
 
 export function createTokenizer(source: TokenizerSource): Tokenizer {
   switch (source.kind) {
     case 'gguf': return tokenizerFromGguf(source.file);
     case 'hf': return source.parsedTokenizerJson !== undefined
-      ? tokenizerFromJsonObject(source.parsedTokenizerJson, source.tokenizerConfig, source.tokenizerJson)
+      ? tokenizerFromJsonObject(source.parsedTokenizerJson, source.tokenizerConfig, source.tokenizerJson,
+        { checked: source.parsedTokenizerJsonChecked ?? false })
       : tokenizerFromJson(source.tokenizerJson, source.tokenizerConfig);
   }
 }
