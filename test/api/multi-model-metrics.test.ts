@@ -8,17 +8,12 @@ import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { silentLogger } from '../../src/util/log.ts';
 import { parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
-import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { writeTinyModel } from '../helpers/cpu-model.ts';
 import { parseExposition, total, value, type Exposition } from '../telemetry/exposition.ts';
 import { rawRequest } from './http-client.ts';
 
 function writeModel(dir: string, file: string, seed: number): string {
-  const path = join(dir, file);
-  writeSyntheticModel({
-    name: `metrics ${seed}`, dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
-    dtype: 'F32', seed, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
-  }, path);
-  return path;
+  return writeTinyModel(join(dir, file), { seed, name: `metrics ${seed}` });
 }
 
 async function scrape(url: string): Promise<Exposition> {

@@ -10,16 +10,11 @@ import { after, before, describe, it } from 'node:test';
 import { silentLogger } from '../../src/util/log.ts';
 import { modelFolderNames, parseModelSpecs, parseServeConfig, startServer, type RunningServer } from '../../src/cli/serve.ts';
 import { UsageError } from '../../src/cli/flags.ts';
-import { LLAMA_SPM_TOKENIZER_PATH, writeSyntheticModel } from '../../src/model/synthetic.ts';
+import { writeTinyModel } from '../helpers/cpu-model.ts';
 import { rawRequest } from './http-client.ts';
 
 function writeModel(dir: string, file: string, seed: number): string {
-  const path = join(dir, file);
-  writeSyntheticModel({
-    name: `multi ${seed}`, dim: 64, numLayers: 2, numHeads: 4, numKvHeads: 2, ffnDim: 96, contextLength: 256,
-    dtype: 'F32', seed, tokenizer: LLAMA_SPM_TOKENIZER_PATH,
-  }, path);
-  return path;
+  return writeTinyModel(join(dir, file), { seed, name: `multi ${seed}` });
 }
 
 async function serve(flags: string[]): Promise<RunningServer> {
