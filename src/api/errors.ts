@@ -253,10 +253,17 @@ export class RateLimitError extends ApiError {
 
 /** The request alone reserves more tokens than the tenant may use in a minute: waiting will never help. */
 export class RequestExceedsTokenLimitError extends ApiError {
-  constructor(tenant: string, reservedTokens: number, limitPerMinute: number) {
+  /**
+   * maxTokensUnset: the request left max_tokens out, so each completion reserves the most it may generate (the
+   * context left after its prompt, as vLLM defaults it, or the model's cap): the way out is to set max_tokens, not to
+   * lower a value the client never sent.
+   */
+  constructor(tenant: string, reservedTokens: number, limitPerMinute: number, maxTokensUnset = false) {
     super(429, 'rate_limit_exceeded', 'tokens',
-      `Request too large for tenant '${tenant}': it reserves ${reservedTokens} tokens (prompt + n * max_tokens) `
-      + `but the limit is ${limitPerMinute} tokens per minute. Lower max_tokens or n.`, 'max_tokens');
+      `Request too large for tenant '${tenant}': it reserves ${reservedTokens} tokens (prompt + n * max_tokens`
+      + (maxTokensUnset ? '; max_tokens was not set, so each completion reserves the most it may generate' : '')
+      + `) but the limit is ${limitPerMinute} tokens per minute. ${maxTokensUnset ? 'Set max_tokens, or lower n.' : 'Lower max_tokens or n.'}`,
+      'max_tokens');
   }
 }
 

@@ -895,7 +895,7 @@ export class Gateway {
 
     // A client that left while its prompt was being prepared gets nothing started on its behalf.
     if (call.clientGone.aborted) throw new ClientClosedRequestError();
-    const admission = this.admit(call, run);
+    const admission = this.admit(call, run, request.maxTokens === undefined);
     call.headers['x-request-id'] = call.clientRequestId ?? id;
     this.activeRuns.add(run);
     this.pendingSequences += run.sequences;
@@ -957,14 +957,14 @@ export class Gateway {
     }
   }
 
-  private admit(call: Call, run: GenerationRun): Admission {
+  private admit(call: Call, run: GenerationRun, maxTokensUnset: boolean): Admission {
     const { limiter } = this.options;
     try {
       // The tenant's own limits first: a tenant over its cap hears so (429), not that the server is busy.
       const start = this.now();
       let admission: Admission;
       try {
-        admission = limiter.admit(call.tenant, run.reservedTokens, run.sequences);
+        admission = limiter.admit(call.tenant, run.reservedTokens, run.sequences, { maxTokensUnset });
         call.trace?.admitted(start);
       } catch (err) {
         call.trace?.admitted(start, err);

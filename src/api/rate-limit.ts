@@ -116,12 +116,12 @@ export class TenantRateLimiter {
    * cap counts sequences (prompts x n), as the server's own pending bound does: counted in requests, a tenant capped at
    * 2 could hold the whole server with two requests of n = 128.
    */
-  admit(tenant: Tenant, reservedTokens: number, sequences = 1): Admission {
+  admit(tenant: Tenant, reservedTokens: number, sequences = 1, request: { maxTokensUnset?: boolean } = {}): Admission {
     const state = this.state(tenant);
     const now = this.clock();
     const { maxConcurrent } = tenant.limits;
     if (state.tokens && reservedTokens > state.tokens.capacity) {
-      throw new RequestExceedsTokenLimitError(tenant.name, reservedTokens, state.tokens.capacity);
+      throw new RequestExceedsTokenLimitError(tenant.name, reservedTokens, state.tokens.capacity, request.maxTokensUnset ?? false);
     }
     if (maxConcurrent !== undefined && sequences > maxConcurrent) {
       throw new RequestExceedsConcurrencyError(tenant.name, sequences, maxConcurrent);
