@@ -933,7 +933,9 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
     const { createWorkerPool } = await import('../runtime/worker-pool.ts');
     const { createProcessWorkerPool } = await import('../cluster/process-pool.ts');
     const create = config.workerProcesses
-      ? (options: Parameters<typeof createWorkerPool>[0]) => createProcessWorkerPool({ ...options, childLog: (line) => logger.info(line) }, options.log)
+      ? (options: Parameters<typeof createWorkerPool>[0]) => createProcessWorkerPool({
+        ...options, logLevel: config.logLevel, childLog: (level, message) => logger[level](message),
+      }, options.log)
       : createWorkerPool;
     const specs: { path?: string; servedModelName?: string }[] = [
       { ...(modelPath !== undefined ? { path: modelPath } : {}), ...(config.servedModelName !== undefined ? { servedModelName: config.servedModelName } : {}) },

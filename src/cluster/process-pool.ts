@@ -35,6 +35,7 @@ import type { Router } from '../router/router.ts';
 import { RoutedEngine } from '../runtime/routed-engine.ts';
 import type { RoutableEngine, WorkerGroupLog } from '../runtime/worker-group.ts';
 import { makeRouter, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
+import { parseLogLine, type LogLevel } from '../util/log.ts';
 import { RemoteEngine } from './remote-engine.ts';
 import { remoteDisaggregatedEngine, type RemoteDisaggregatedEngine } from './remote-disagg.ts';
 
@@ -43,8 +44,13 @@ const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.ur
 const CHILD_START_TIMEOUT_MS = 300_000;
 
 export interface ProcessPoolOptions extends WorkerPoolOptions {
-  /** Log lines of the children (stderr) go here, prefixed with the worker id. */
-  childLog?: (line: string) => void;
+  /**
+   * The children's log lines go here, each at the level the child logged it, its message prefixed with the worker id;
+   * any other output of theirs (a crash's stack, Node's own warnings) at warn.
+   */
+  childLog?: (level: Exclude<LogLevel, 'silent'>, message: string) => void;
+  /** The level the children log at (--log-level; default: CONDUIT_LOG_LEVEL, else warn). */
+  logLevel?: LogLevel;
 }
 
 /** One child process and its connection, as the router holds a worker. */
@@ -144,19 +150,30 @@ export function startChildWorker(options: ProcessPoolOptions, id: string, token:
     // The child inherits this process's environment, where of the worker's options it reads only the token and the
     // log level set here, and CONDUIT_KV_TRANSFER_LINK. The token travels there, not on the command line (where ps
     // shows it).
-    env: { ...process.env, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
+    env: { ...process.env, CONDUIT_CLUSTER_TOKEN: token, CONDUIT_LOG_LEVEL: options.logLevel ?? process.env.CONDUIT_LOG_LEVEL ?? 'warn' },
     stdio: ['ignore', 'pipe', 'pipe', 'ipc'],
     // A process group of its own: see the top of this file.
     detached: true,
   });
   let tail = '';
-  const onOutput = (chunk: Buffer): void => {
-    const text = chunk.toString('utf8');
-    tail = (tail + text).slice(-4000);
-    for (const line of text.split('\n')) if (line.trim()) options.childLog?.(`[${id}] ${line}`);
+  const forward = (line: string): void => {
+    if (!line.trim()) return;
+    const logged = parseLogLine(line);
+    if (logged) options.childLog?.(logged.level, `[${id}] ${logged.message}`);
+    else options.childLog?.('warn', `[${id}] ${line}`);
   };
-  child.stdout!.on('data', onOutput);
-  child.stderr!.on('data', onOutput);
+  // Whole lines only: a line the pipe delivers in two chunks is forwarded once, at its level.
+  for (const stream of [child.stdout!, child.stderr!]) {
+    stream.setEncoding('utf8');
+    let partial = '';
+    stream.on('data', (text: string) => {
+      tail = (tail + text).slice(-4000);
+      const lines = (partial + text).split('\n');
+      partial = lines.pop()!;
+      for (const line of lines) forward(line);
+    });
+    stream.on('end', () => forward(partial));
+  }
   return new Promise((resolve, reject) => {
     const timer = setTimeout(() => {
       child.kill('SIGKILL');

@@ -25,3 +25,16 @@ export function createLogger(level: LogLevel, write: (line: string) => void = (l
 }
 
 export const silentLogger: Logger = createLogger('silent');
+
+/** createLogger's line: the time, the level padded to five characters, a space, the message. */
+const LOG_LINE = /^\d{4}-\d\d-\d\dT\S+ (DEBUG|INFO |WARN |ERROR) (.*)$/;
+
+/**
+ * The level and message of a line createLogger wrote (another process's: a worker's output read by the server that
+ * started it), or undefined for any other line.
+ */
+export function parseLogLine(line: string): { level: Exclude<LogLevel, 'silent'>; message: string } | undefined {
+  const match = LOG_LINE.exec(line);
+  if (!match) return undefined;
+  return { level: match[1]!.trimEnd().toLowerCase() as Exclude<LogLevel, 'silent'>, message: match[2]! };
+}
