@@ -97,7 +97,7 @@ export const generateCommand: Command = {
       return 1;
     }
     const { engine, tokenizer, model } = bundle;
-    for (const notice of engine.notices) console.error(`conduit: ${notice}`);
+    for (const { message } of engine.notices) console.error(`conduit: ${message}`);
     const loadMs = performance.now() - loadStart;
 
     try {

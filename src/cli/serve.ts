@@ -1004,7 +1004,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
         if (served.slice(0, -1).some((other) => other.name === name)) {
           throw new UsageError(`two models would be served as "${name}": name them (--model NAME=PATH or --served-model-name)`);
         }
-        for (const notice of pool.notices) logger.warn(specs.length > 1 ? `${name}: ${notice}` : notice);
+        for (const { level, message } of pool.notices) logger[level](specs.length > 1 ? `${name}: ${message}` : message);
         if (pool.chatTemplate.isFallback && config.chatTemplate === undefined) {
           const source = config.engine === 'sim' ? 'the Llama 2 vocabulary simulated workers tokenize with' : spec.path;
           logger.warn(`${source} has no chat template: /v1/chat/completions renders messages with the `

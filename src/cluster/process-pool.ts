@@ -35,7 +35,7 @@ import type { Router } from '../router/router.ts';
 import { RoutedEngine } from '../runtime/routed-engine.ts';
 import type { RoutableEngine, WorkerGroupLog } from '../runtime/worker-group.ts';
 import { makeRouter, withDiskTierLock, type WorkerPoolOptions } from '../runtime/worker-pool.ts';
-import { parseLogLine, type LogLevel } from '../util/log.ts';
+import { infoNotice, parseLogLine, warnNotice, type LogLevel, type Notice } from '../util/log.ts';
 import { RemoteEngine } from './remote-engine.ts';
 import { remoteDisaggregatedEngine, type RemoteDisaggregatedEngine } from './remote-disagg.ts';
 
@@ -220,7 +220,7 @@ export interface ProcessPool {
   tokenizer: Tokenizer;
   chatTemplate: ChatTemplate;
   workers: { id: string; engine: ChildWorker; role?: WorkerRole }[];
-  notices: string[];
+  notices: Notice[];
   /** Never set: WorkerPool.clock's shared simulated clock exists only for workers that live in one process. */
   clock?: undefined;
   holdClock?: undefined;
@@ -295,11 +295,11 @@ async function createProcessDisaggregatedPool(options: ProcessPoolOptions, log?:
     }
   };
   const restarts = (options.workerRestartLimit ?? 0) > 0
-    ? ['--worker-restart-limit: lost prefill or decode worker processes are not restarted (their requests migrate)'] : [];
+    ? [warnNotice('--worker-restart-limit: lost prefill or decode worker processes are not restarted (their requests migrate)')] : [];
   return {
     engine, ...model, workers,
-    notices: [...restarts, `${numPrefill} prefill + ${numDecode} decode worker processes (pids ${workers.map((w) => w.engine.pid).join(', ')}), `
-      + 'request plane and KV transfers on loopback'],
+    notices: [...restarts, infoNotice(`${numPrefill} prefill + ${numDecode} decode worker processes (pids ${workers.map((w) => w.engine.pid).join(', ')}), `
+      + 'request plane and KV transfers on loopback')],
   };
 }
 
@@ -336,6 +336,6 @@ async function createProcessAggregatedPool(options: ProcessPoolOptions, log?: Wo
   });
   return {
     engine, router, tokenizer, chatTemplate, workers,
-    notices: [`${count} worker process${count === 1 ? '' : 'es'} (pids ${workers.map((w) => w.engine.pid).join(', ')}), request plane on loopback`],
+    notices: [infoNotice(`${count} worker process${count === 1 ? '' : 'es'} (pids ${workers.map((w) => w.engine.pid).join(', ')}), request plane on loopback`)],
   };
 }

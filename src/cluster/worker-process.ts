@@ -91,7 +91,7 @@ async function startEngine(options: ClusterWorkerOptions): Promise<{
       ...pool, ...kvOffload, modelPath: pool.modelPath!, enableKvEvents: true, role: options.role, log: options.log,
     }),
     (started) => started.engine), ['worker-0']);
-  for (const notice of bundle.engine.notices) options.log('warn', notice);
+  for (const { level, message } of bundle.engine.notices) options.log(level, message);
   return { engine: bundle.engine, tokenizer: bundle.tokenizer, chatTemplate: bundle.chatTemplate };
 }
 

@@ -9,7 +9,7 @@ import { chatTemplateFromConfig, chatTemplateFromGguf, type ChatTemplate } from 
 import { loadModel, type ModelSummary } from '../model/loader.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
-import { createLogger } from '../util/log.ts';
+import { createLogger, type Notice } from '../util/log.ts';
 import { startTsWorker } from '../util/worker-thread.ts';
 import { engineNow } from './clock.ts';
 import { EngineClosedError, EngineStartError, InvalidRequestError, LoraLoadError } from './errors.ts';
@@ -92,7 +92,7 @@ export class LocalEngine implements Engine {
   readonly kvLayout: KvPoolLayout | undefined;
   readonly role: WorkerRole;
 
-  private constructor(private readonly worker: Worker, readonly info: EngineInfo, readonly notices: string[], stats: EngineStats,
+  private constructor(private readonly worker: Worker, readonly info: EngineInfo, readonly notices: Notice[], stats: EngineStats,
     kv: { pool?: SharedArrayBuffer; layout?: KvPoolLayout; role?: WorkerRole } = {},
     private readonly log: (level: 'warn', message: string) => void = defaultWorkerLog) {
     this.kvPool = kv.pool;

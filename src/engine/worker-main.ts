@@ -16,6 +16,7 @@ import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import type { ModelConfig } from '../model/config.ts';
 import { loadLoraAdapter, type LoraDtype } from '../model/lora.ts';
 import { GrammarRuntime } from './grammar/runtime.ts';
+import { infoNotice, warnNotice, type Notice } from '../util/log.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { EngineInfo } from './types.ts';
 import type { FromWorker, ToWorker, WorkerInit } from './worker-protocol.ts';
@@ -65,7 +66,7 @@ async function start(): Promise<Started> {
     // This worker loaded the model for this backend alone: nothing here reads the packed matrices' bytes again.
     { threads: init.threads, releaseUnpackedWeights: true, ...(init.loraDtype !== undefined ? { loraDtype: init.loraDtype } : {}) });
   const maxModelLen = init.maxModelLen ?? config.contextLength;
-  const tierNotices: string[] = [];
+  const tierNotices: Notice[] = [];
   const kvTiers = openKvTiers(backend.kvLayout, fingerprint, tierNotices);
   const core = new EngineCore({
     backend, tokenizer, maxNumSeqs: init.maxNumSeqs, maxNumBatchedTokens: init.maxNumBatchedTokens, maxModelLen,
@@ -82,7 +83,7 @@ async function start(): Promise<Started> {
   };
   const pool = core.kvPoolView;
   send({
-    type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? []), ...tierNotices], stats: core.stats(), kvPool: pool.pool,
+    type: 'ready', info, notices: [...notices, ...(backend.info.notices ?? [])].map(warnNotice).concat(tierNotices), stats: core.stats(), kvPool: pool.pool,
     kvLayout: pool.layout,
   });
   return { core, tokenizer, vocabSize: config.vocabSize, ...(backend.info.loraDtype ? { loraDtype: backend.info.loraDtype } : {}) };
@@ -99,7 +100,7 @@ function dominantType(parametersByType: Record<string, number>): string | undefi
  * The lower KV tiers of this worker, when configured. The offload window is twice the blocks one step can allocate,
  * so what the next step may evict has been copied down before it runs (tiers.ts).
  */
-function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, notices: string[]): KvTiers | undefined {
+function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, notices: Notice[]): KvTiers | undefined {
   const offload = init.kvOffload;
   if (offload === undefined || (offload.memoryBytes <= 0 && offload.diskDir === undefined)) return undefined;
   const windowBlocks = 2 * Math.ceil(init.maxNumBatchedTokens / init.blockSize);
@@ -112,9 +113,9 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
       warn: (message) => send({ type: 'log', level: 'warn', message }),
     });
     const found = disk.openReport;
-    notices.push(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
+    notices.push(infoNotice(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
       + (found.foreign > 0 ? `, ${found.foreign} of another model or KV layout (block size, dtype) deleted` : '')
-      + (found.torn > 0 ? `, ${found.torn} torn or unfinished files deleted` : ''));
+      + (found.torn > 0 ? `, ${found.torn} torn or unfinished files deleted` : '')));
   }
   return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });
 }

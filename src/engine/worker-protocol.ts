@@ -1,6 +1,7 @@
 // Messages between a local engine (main thread) and its worker thread. Structured clone carries them, so they
 // are plain data (Maps are fine, class instances are not).
 
+import type { Notice } from '../util/log.ts';
 import type { KvDtype, KvPoolLayout } from '../kernels/types.ts';
 import type { AdoptedResult, KvHandoff, KvImportPreparation, PrefillProgress } from './handoff.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, SchedulingPolicy, WorkerRole } from './types.ts';
@@ -87,7 +88,7 @@ export interface WorkerLoraInfo extends LoraLoadInfo {
 export type FromWorker =
   /** kvPool/kvLayout: the worker's KV pool (shared memory), for decode workers to read handed-off blocks from. */
   /** `stats`: the loaded engine's, so what it reports before its first step (its KV tiers) is there from the start. */
-  | { type: 'ready'; info: EngineInfo; notices: string[]; stats: EngineStats; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
+  | { type: 'ready'; info: EngineInfo; notices: Notice[]; stats: EngineStats; kvPool?: SharedArrayBuffer; kvLayout?: KvPoolLayout }
   | { type: 'outputs'; outputs: EngineOutput[]; stats: EngineStats; kvEvents?: KvEvent[] }
   | { type: 'handoffs'; handoffs: KvHandoff[] }
   /** Prefill worker, after a step: blocks of prefills to hand off that are complete (before their handoffs). */

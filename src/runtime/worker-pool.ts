@@ -15,6 +15,7 @@ import { GrammarLoader } from '../engine/grammar/runtime.ts';
 import { createTokenizer } from '../model/tokenizer/index.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import type { PolicyName } from '../router/protocols.ts';
+import { infoNotice, type Notice } from '../util/log.ts';
 import { seededRandom } from '../util/random.ts';
 import { Router } from '../router/router.ts';
 import { BitsetKvIndex } from '../router/kv-index.ts';
@@ -108,7 +109,7 @@ export interface WorkerPool {
    * worker replaces its entry in the routed engine, not here: ask the engine (workerIds, workerStats) for the live ones.
    */
   workers: { id: string; engine: Engine; role?: WorkerRole }[];
-  notices: string[];
+  notices: Notice[];
   /** Set for one cpu worker with restarts on. */
   supervised?: SupervisedEngine;
   /**
@@ -140,7 +141,7 @@ export async function createWorkerPool(options: WorkerPoolOptions): Promise<Work
  * held until the pool's engine closes. `folders`: the per-worker subfolders the pool uses; those of workers a run
  * with more of them left are removed once the folder is held (said in the pool's notices).
  */
-export async function withDiskTierLock<P extends { engine: { close(): Promise<void> }; notices?: string[] }>(dir: string | undefined,
+export async function withDiskTierLock<P extends { engine: { close(): Promise<void> }; notices?: Notice[] }>(dir: string | undefined,
   create: () => Promise<P>, folders?: readonly string[]): Promise<P> {
   if (dir === undefined) return create();
   const release = acquireDiskTierLock(dir);
@@ -155,7 +156,8 @@ export async function withDiskTierLock<P extends { engine: { close(): Promise<vo
   }
   if (removed.length > 0) {
     // A pool's notices (a thread pool's are its first engine's); a bare engine bundle's are its engine's.
-    (pool.notices ?? (pool.engine as { notices?: string[] }).notices)?.push(`KV disk tier ${dir}: removed ${removed.join(', ')}, left by a run with more workers (no worker here reads them)`);
+    (pool.notices ?? (pool.engine as { notices?: Notice[] }).notices)?.push(
+      infoNotice(`KV disk tier ${dir}: removed ${removed.join(', ')}, left by a run with more workers (no worker here reads them)`));
   }
   const engine = pool.engine;
   const close = engine.close.bind(engine);
@@ -350,7 +352,7 @@ async function simWorkers(options: WorkerPoolOptions, withKvEvents: boolean) {
     (_, i) => ({ id: `sim-${i}`, engine: sim.make({ enableKvEvents: withKvEvents }) }));
   return {
     workers, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, start: undefined,
-    notices: [`${sim.describe} (${sim.settings})`], ...(sim.clock ? { clock: sim.clock } : {}),
+    notices: [infoNotice(`${sim.describe} (${sim.settings})`)], ...(sim.clock ? { clock: sim.clock } : {}),
     ...(sim.holdClock ? { holdClock: sim.holdClock } : {}),
   };
 }
@@ -407,7 +409,7 @@ interface RoleWorkers {
   decode: { id: string; engine: DecodeWorkerEngine }[];
   tokenizer: Tokenizer;
   chatTemplate: ChatTemplate;
-  notices: string[];
+  notices: Notice[];
   /** The simulated clock, at a speed-up other than 1. */
   clock?: () => number;
   /** The simulated clock's holds, at speed-up Infinity (WorkerPool.holdClock). */
@@ -450,7 +452,7 @@ async function cpuRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
   return {
     prefill, decode, tokenizer: first.tokenizer, chatTemplate: first.chatTemplate,
     start: (role) => startRole(role, servedModelName),
-    notices: [...first.engine.notices, `disaggregated: ${numPrefill} prefill + ${numDecode} decode workers, KV over shared memory`],
+    notices: [...first.engine.notices, infoNotice(`disaggregated: ${numPrefill} prefill + ${numDecode} decode workers, KV over shared memory`)],
   };
 }
 
@@ -463,8 +465,8 @@ async function simRoleWorkers(options: WorkerPoolOptions, numPrefill: number, nu
     prefill, decode, tokenizer: sim.tokenizer, chatTemplate: sim.chatTemplate, ...(sim.clock ? { clock: sim.clock } : {}),
     ...(sim.holdClock ? { holdClock: sim.holdClock } : {}),
     estimates: simDisaggregationEstimates(decode[0]!.engine, options.maxNumBatchedTokens),
-    notices: [`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
-      + `${decode[0]!.engine.kvLink.name} (${sim.settings})`],
+    notices: [infoNotice(`${sim.describe}, ${numPrefill} prefill + ${numDecode} decode workers, KV over `
+      + `${decode[0]!.engine.kvLink.name} (${sim.settings})`)],
   };
 }
 

@@ -26,6 +26,19 @@ export function createLogger(level: LogLevel, write: (line: string) => void = (l
 
 export const silentLogger: Logger = createLogger('silent');
 
+/**
+ * What a worker or pool says about itself once started, with the level to log it at: info for what it is (its
+ * deployment, the KV blocks its disk tier found), warn for what runs worse than it could (no native kernels, AMX not
+ * granted, weights not repacked).
+ */
+export interface Notice {
+  level: 'info' | 'warn';
+  message: string;
+}
+
+export const infoNotice = (message: string): Notice => ({ level: 'info', message });
+export const warnNotice = (message: string): Notice => ({ level: 'warn', message });
+
 /** createLogger's line: the time, the level padded to five characters, a space, the message. */
 const LOG_LINE = /^\d{4}-\d\d-\d\dT\S+ (DEBUG|INFO |WARN |ERROR) (.*)$/;
 

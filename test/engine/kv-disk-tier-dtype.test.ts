@@ -50,8 +50,9 @@ describe('disk tier and the KV dtype', () => {
     const auto = await startOn(path, dir);
     try {
       assert.equal(auto.info.kvDtype, 'f16');
-      const notice = auto.notices.find((n) => n.startsWith('KV disk tier'));
-      assert.match(notice ?? '', /: 0 blocks of this model found .*, 3 of another model or KV layout \(block size, dtype\) deleted/);
+      const notice = auto.notices.find((n) => n.message.startsWith('KV disk tier'));
+      assert.equal(notice?.level, 'info', 'what the tier found is no warning');
+      assert.match(notice?.message ?? '', /: 0 blocks of this model found .*, 3 of another model or KV layout \(block size, dtype\) deleted/);
       assert.deepEqual(readdirSync(dir).filter((name) => name.endsWith('.kvb')), [], 'the f32 files are gone, never read as f16');
     } finally {
       await auto.close();
@@ -61,7 +62,7 @@ describe('disk tier and the KV dtype', () => {
     const f32 = await startOn(path, again, 'f32');
     try {
       assert.equal(f32.info.kvDtype, 'f32');
-      assert.match(f32.notices.find((n) => n.startsWith('KV disk tier')) ?? '', /: 2 blocks of this model found \(room for \d+\)$/);
+      assert.match(f32.notices.find((n) => n.message.startsWith('KV disk tier'))?.message ?? '', /: 2 blocks of this model found \(room for \d+\)$/);
     } finally {
       await f32.close();
     }

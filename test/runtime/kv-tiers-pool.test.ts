@@ -67,8 +67,9 @@ describe('KV tiers in a cpu worker pool', () => {
     const second = await createWorkerPool(options);
     try {
       assert.deepEqual(readdirSync(dir).filter((name) => name.startsWith('worker-')).sort(), ['worker-0', 'worker-5']);
-      assert.ok(second.notices.some((notice) => /removed worker-3, left by a run with more workers/.test(notice)), second.notices.join('\n'));
-      assert.ok(second.notices.some((notice) => /KV disk tier .*: [4-9]\d* blocks of this model found/.test(notice)), second.notices.join('\n'));
+      const notices = second.notices.map(({ level, message }) => `${level} ${message}`);
+      assert.ok(notices.some((notice) => /^info KV disk tier .*: removed worker-3, left by a run with more workers/.test(notice)), notices.join('\n'));
+      assert.ok(notices.some((notice) => /^info KV disk tier .*: [4-9]\d* blocks of this model found/.test(notice)), notices.join('\n'));
       const warm = await collect(second.engine.generate(request(prompt)));
       assert.equal(warm.at(-1)!.usage.cachedTokens, 64, 'four blocks onboarded from disk');
       assert.equal(warm.at(-1)!.timestamps.kvOnboard?.disk, 4);

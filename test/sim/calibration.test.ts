@@ -103,7 +103,7 @@ test('conduit serve --engine sim: the worker pool gives every simulated worker t
         assert.ok(w.engine instanceof SimEngine);
         assert.equal(w.engine.worker.efficiency, want);
       }
-      assert.match(pool.notices.join('\n'), new RegExp(`${calibration ?? 'roofline'} calibration`));
+      assert.match(pool.notices.map((notice) => notice.message).join('\n'), new RegExp(`${calibration ?? 'roofline'} calibration`));
     } finally {
       await pool.engine.close();
     }
