@@ -76,6 +76,11 @@ export class FrameReader {
   /** extraKinds: frame kinds a protocol adds (the KV port's binary control messages), passed through unread. */
   constructor(public maxFrameBytes: number = DEFAULT_MAX_FRAME_BYTES, private readonly extraKinds: readonly number[] = []) {}
 
+  /** Bytes taken in that have not come out as frames yet (or are still to be dropped): 0 between frames. */
+  get pending(): number {
+    return this.buffered + this.skipping;
+  }
+
   /** Takes in bytes; frames come out of next(). */
   write(chunk: Buffer): void {
     this.chunks.push(chunk);

@@ -263,9 +263,17 @@ export function planRuns(descriptor: KvPullDescriptor): PlannedRun[] {
 }
 
 function blockIds(list: unknown, name: string, view: KvPoolView | null): number[] {
-  if (!Array.isArray(list) || list.some((id) => !Number.isInteger(id) || id < 0)) throw new FrameError(`${name} must be block ids`);
-  if (view && list.some((id: number) => id >= view.layout.numBlocks)) {
-    throw new FrameError(`a ${name === 'sourceBlockIds' ? 'source' : 'destination'} block id is outside the pool (${view.layout.numBlocks} blocks)`);
+  if (!Array.isArray(list)) throw new FrameError(`${name} must be block ids`);
+  // A loop, not some() with a closure: both sides check every descriptor on a transfer's critical path.
+  const limit = view ? view.layout.numBlocks : Infinity;
+  let outside = false;
+  for (let i = 0; i < list.length; i++) {
+    const id: unknown = list[i];
+    if (!Number.isInteger(id) || (id as number) < 0) throw new FrameError(`${name} must be block ids`);
+    if ((id as number) >= limit) outside = true;
+  }
+  if (outside) {
+    throw new FrameError(`a ${name === 'sourceBlockIds' ? 'source' : 'destination'} block id is outside the pool (${view!.layout.numBlocks} blocks)`);
   }
   return list as number[];
 }
@@ -292,8 +300,19 @@ function checkDescriptor(value: Record<string, unknown>, view: KvPoolView, side:
   return { requestId, sourceBlockIds, destinationBlockIds, layers: checkLayers(value.layers, view) };
 }
 
-function runOffset(view: KvPoolView, layer: number, kv: number, block: number): number {
-  return ((2 * layer + kv) * view.layout.numBlocks + block) * kvBlockRunBytes(view.layout);
+/**
+ * Big-endian u32 stores and loads on a frame's bytes, without Buffer's per-call argument checks: run headers are
+ * written and read 16 at a time for a 64 KiB transfer, on its critical path. Callers keep offsets within the buffer.
+ */
+function putU32(bytes: Uint8Array, at: number, value: number): void {
+  bytes[at] = value >>> 24;
+  bytes[at + 1] = value >>> 16;
+  bytes[at + 2] = value >>> 8;
+  bytes[at + 3] = value;
+}
+
+function getU32(bytes: Uint8Array, at: number): number {
+  return ((bytes[at]! << 24) | (bytes[at + 1]! << 16) | (bytes[at + 2]! << 8) | bytes[at + 3]!) >>> 0;
 }
 
 /** Resolves when the socket has handed the kernel everything written to it, or closed. */
@@ -355,6 +374,9 @@ class BusyClock {
     return total;
   }
 }
+
+/** A pull's clock: a pull has no busy time before a prefill's end, so its transfers share this one, never used. */
+const PULL_BUSY = new BusyClock();
 
 // ---------------------------------------------------------------------------------------------------------------
 // Prefill side
@@ -551,8 +573,34 @@ export class KvTransferServer {
     const reader = new FrameReader(64 * 1024, [FRAME_KV_CONTROL]);
     let authenticated = false;
     const timer = setTimeout(() => this.refuse(socket, 'no hello within 10 s'), 10_000);
+    /** A control frame's payload, after the hello: a credit, or the next transfer's descriptor. */
+    const control = (payload: Buffer): void => {
+      const message = parseControl(payload);
+      if (message.type === KV_CREDIT) {
+        const ring = peer.ring;
+        const upTo = message.upTo;
+        if (!ring || upTo < ring.tail || upTo > ring.head) throw new FrameError('kv-credit beyond the ring\'s runs');
+        ring.tail = upTo;
+        ring.wake?.();
+        return;
+      }
+      if (message.type !== KV_PULL && message.type !== KV_STREAM) throw new FrameError(`control message ${message.type} is not the decode side's`);
+      if (peer.transfer && !peer.transfer.done) throw new FrameError('one transfer at a time per connection');
+      if (peer.transfer) {
+        this.reusedConnections++;
+        this.forget(peer.transfer);
+      }
+      peer.transfer = this.start(peer, message);
+    };
     socket.on('data', (chunk: Buffer) => {
       try {
+        // The usual read after the hello: one whole control frame (a descriptor, or a credit), parsed where it lies
+        // (the checks the frame reader would make, without its buffering).
+        if (authenticated && reader.pending === 0 && chunk.length > 5 && chunk[4] === FRAME_KV_CONTROL
+          && getU32(chunk, 0) === chunk.length - 4 && chunk.length - 4 <= reader.maxFrameBytes) {
+          control(chunk.subarray(5));
+          return;
+        }
         for (const frame of reader.push(chunk)) {
           if (!authenticated) {
             clearTimeout(timer);
@@ -564,22 +612,7 @@ export class KvTransferServer {
             continue;
           }
           if (frame.kind !== FRAME_KV_CONTROL) throw new FrameError('after kv-hello the KV port accepts binary control frames only');
-          const message = parseControl(frame.payload);
-          if (message.type === KV_CREDIT) {
-            const ring = peer.ring;
-            const upTo = message.upTo;
-            if (!ring || upTo < ring.tail || upTo > ring.head) throw new FrameError('kv-credit beyond the ring\'s runs');
-            ring.tail = upTo;
-            ring.wake?.();
-            continue;
-          }
-          if (message.type !== KV_PULL && message.type !== KV_STREAM) throw new FrameError(`control message ${message.type} is not the decode side's`);
-          if (peer.transfer && !peer.transfer.done) throw new FrameError('one transfer at a time per connection');
-          if (peer.transfer) {
-            this.reusedConnections++;
-            this.forget(peer.transfer);
-          }
-          peer.transfer = this.start(peer, message);
+          control(frame.payload);
         }
       } catch (error) {
         this.refuse(socket, (error as Error).message);
@@ -596,7 +629,7 @@ export class KvTransferServer {
       if (this.options.isPinned && !this.options.isPinned(descriptor.requestId)) {
         throw new FrameError(`request ${descriptor.requestId} has no pinned blocks here`);
       }
-      transfer = this.transfer(peer, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId);
+      transfer = this.transfer(peer, descriptor.requestId, descriptor.destinationBlockIds, descriptor.layers, message.hostId, 0, true);
       transfer.pullSources = descriptor.sourceBlockIds;
       transfer.handedOffAt = -Infinity;
     } else {
@@ -625,11 +658,11 @@ export class KvTransferServer {
   }
 
   private transfer(peer: Peer, requestId: string, destinations: number[], layers: [number, number], hostId: string | null,
-    first = 0): Transfer {
+    first = 0, pull = false): Transfer {
     const sameHost = this.options.link !== 'tcp' && hostId !== null && hostId === kvHostId();
     return {
       socket: peer.socket, peer, requestId, destinations, layers, first, sent: new Int32Array(destinations.length).fill(-1),
-      ring: sameHost ? this.ring(peer) : null, runs: 0, bytes: 0, busy: new BusyClock(), done: false, sending: false,
+      ring: sameHost ? this.ring(peer) : null, runs: 0, bytes: 0, busy: pull ? PULL_BUSY : new BusyClock(), done: false, sending: false,
     };
   }
 
@@ -722,7 +755,9 @@ export class KvTransferServer {
     // A shared-memory frame is at most a quarter of the ring, so a writer waiting for room always gets it back.
     const perFrame = Math.max(1, Math.floor(Math.min(SEND_FRAME_BYTES, transfer.ring ? transfer.ring.size / 4 : Infinity) / runBytes));
     let frames = runs;
-    if (runs.some((run) => run.count > perFrame)) {
+    let split = false;
+    for (let j = 0; j < runs.length && !split; j++) split = runs[j]!.count > perFrame;
+    if (split) {
       frames = [];
       for (const run of runs) {
         if (run.count <= perFrame) {
@@ -755,7 +790,7 @@ export class KvTransferServer {
     }
     const target = ring ? ring.region.bytes : pack;
     packBatch.run(this.poolBytes, target);
-    for (let j = 0; j < packBatch.count; j++) pack.writeUInt32BE(packBatch.crc(j), packer.crcAt[j]!);
+    for (let j = 0; j < packBatch.count; j++) putU32(pack, packer.crcAt[j]!, packBatch.crc(j));
     if (packer.corruptAt >= 0) target[packer.corruptAt]! ^= 0xff;
     packBatch.clear();
     packer.crcAt.length = 0;
@@ -805,6 +840,7 @@ export class KvTransferServer {
     leaveOpen: boolean): boolean | Promise<boolean> {
     const view = this.options.pool;
     const runBytes = this.runBytes;
+    const numBlocks = view.layout.numBlocks;
     const { socket, ring } = transfer;
     const { faults } = this.options;
     const packer = this.packer;
@@ -829,7 +865,7 @@ export class KvTransferServer {
         const { count } = frame;
         // Straight from the pool: the blocks are pinned (or full blocks of a running prefill) until the decode
         // side has them, so nothing rewrites them while the kernel (or the copy into the ring) reads them.
-        const at = runOffset(view, frame.layer, frame.kv, frame.source);
+        const at = ((2 * frame.layer + frame.kv) * numBlocks + frame.source) * runBytes;
         const length = count * runBytes;
         const corrupt = faults?.corruptRun === this.runsSent;
         let position = 0;
@@ -850,7 +886,9 @@ export class KvTransferServer {
           ring.head = position + length;
         }
         const headerBytes = ring ? SHM_RUN_FRAME_BYTES : 5 + RUN_HEADER_BYTES;
+        // The header is written in place: at h in the pack, or at the start of a buffer of its own.
         let header: Buffer;
+        let h = 0;
         if (ring || length <= PACK_RUN_BYTES) {
           let pack = packer.pack;
           if (!pack || packer.packed + headerBytes + (ring ? 0 : length) > pack.length) {
@@ -859,7 +897,8 @@ export class KvTransferServer {
             pack = this.newPack(frames, i, ring);
           }
           const at0 = packer.packed;
-          header = pack.subarray(at0, at0 + headerBytes);
+          header = pack;
+          h = at0;
           // The CRC-32C goes in when the pack is written (writePack), of the bytes copied then.
           packer.crcAt.push(at0 + 21);
           const to = ring ? position % ring.size : at0 + headerBytes;
@@ -870,22 +909,23 @@ export class KvTransferServer {
           this.writePack(socket, ring);
           header = Buffer.allocUnsafe(headerBytes);
         }
-        header.writeUInt32BE(headerBytes - 4 + (ring ? 0 : length), 0);
-        header[4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
-        header.writeUInt16BE(frame.layer, 5);
-        header[7] = frame.kv;
-        header[8] = 0;
-        header.writeUInt32BE(frame.destination, 9);
-        header.writeUInt32BE(count, 13);
-        header.writeUInt32BE(length, 17);
-        header.writeUInt32BE(0, 25);
+        putU32(header, h, headerBytes - 4 + (ring ? 0 : length));
+        header[h + 4] = ring ? FRAME_KV_SHM_RUN : FRAME_KV_RUN;
+        header[h + 5] = frame.layer >>> 8;
+        header[h + 6] = frame.layer;
+        header[h + 7] = frame.kv;
+        header[h + 8] = 0;
+        putU32(header, h + 9, frame.destination);
+        putU32(header, h + 13, count);
+        putU32(header, h + 17, length);
+        putU32(header, h + 25, 0);
         if (ring) {
-          header.writeUInt32BE(Math.floor(position / 2 ** 32), 29);
-          header.writeUInt32BE(position % 2 ** 32, 33);
+          putU32(header, h + 29, Math.floor(position / 2 ** 32));
+          putU32(header, h + 33, position % 2 ** 32);
         } else if (length > PACK_RUN_BYTES) {
           // A large frame goes from the pool itself, checksummed just before the kernel copies it.
           const body = Buffer.from(view.pool, at, length);
-          header.writeUInt32BE(kvChecksum(body), 21);
+          putU32(header, 21, kvChecksum(body));
           socket.write(header);
           if (corrupt) {
             const corrupted = Buffer.from(body);
@@ -1021,9 +1061,11 @@ class KvConnection {
   credited = 0;
   /** Transfers it carried (a reused one has carried at least one before). */
   transfers = 0;
-  /** In the idle pool; its timer closes it IDLE_MS after it went there (made once, re-armed each time). */
+  /** In the idle pool; its timer closes it once it has been there IDLE_MS (made once, re-armed when it fires). */
   idle = false;
   idleTimer: NodeJS.Timeout | undefined;
+  /** When it last went idle (performance.now()). */
+  idleSince = 0;
   closed = false;
 
   constructor(readonly key: string, host: string, port: number, readBuffer: Buffer) {
@@ -1075,26 +1117,45 @@ function dropIdle(connection: KvConnection): void {
 function keepIdle(connection: KvConnection): void {
   connection.receiver = null;
   if (connection.closed) return;
-  const list = idleConnections.get(connection.key) ?? [];
+  let list = idleConnections.get(connection.key);
+  if (!list) idleConnections.set(connection.key, list = []);
   if (list.length >= MAX_IDLE_PER_PEER) return connection.destroy();
   list.push(connection);
-  idleConnections.set(connection.key, list);
   connection.socket.unref();
   connection.idle = true;
-  if (connection.idleTimer) connection.idleTimer.refresh();
-  else {
-    connection.idleTimer = setTimeout(() => { if (connection.idle) connection.destroy(); }, IDLE_MS);
+  // The timer is made once and not re-armed per transfer: when it fires it closes the connection if it has been
+  // idle for IDLE_MS, else checks again when it would have.
+  connection.idleSince = performance.now();
+  if (!connection.idleTimer) {
+    connection.idleTimer = setTimeout(() => idleCheck(connection), IDLE_MS);
     connection.idleTimer.unref();
   }
 }
 
+function idleCheck(connection: KvConnection): void {
+  if (connection.closed) return;
+  const idleFor = performance.now() - connection.idleSince;
+  if (connection.idle && idleFor >= IDLE_MS) return connection.destroy();
+  connection.idleTimer = setTimeout(() => idleCheck(connection), connection.idle ? Math.max(1, IDLE_MS - idleFor) : IDLE_MS);
+  connection.idleTimer.unref();
+}
+
+/**
+ * The idle pool's key of a prefill worker's KV port: the last one made is reused when the same worker comes again (a
+ * new string per transfer would be flattened and hashed at each lookup).
+ */
+let lastKey = { host: '', port: -1, token: '', key: '' };
+function connectionKey(host: string, port: number, token: string): string {
+  if (host !== lastKey.host || port !== lastKey.port || token !== lastKey.token) lastKey = { host, port, token, key: `${host}:${port}:${token}` };
+  return lastKey.key;
+}
+
 /** The most recently idle connection to the worker, taken out of the pool; undefined when none. */
 function takeIdle(key: string): KvConnection | undefined {
-  const list = idleConnections.get(key);
-  const connection = list?.pop();
-  if (list?.length === 0) idleConnections.delete(key);
+  // (An emptied list stays in the map: it is refilled when the transfer ends. dropIdle removes it.)
+  const connection = idleConnections.get(key)?.pop();
   if (!connection) return undefined;
-  // Its timer stays armed: it does nothing to a connection in use, and is re-armed when the connection is idle again.
+  // Its timer stays armed: it does nothing to a connection in use, and checks again later.
   connection.idle = false;
   connection.socket.ref();
   return connection;
@@ -1120,7 +1181,57 @@ const ringBatch = new KvChecksumBatch();
  * The runs whose last piece is in the batches, to check once they ran: per run its batch (0 read, 1 ring), index
  * there, expected CRC-32C, run number and layer.
  */
-const pendingChecks: number[] = [];
+const pendingChecks = {
+  /** Reused for every read: an array emptied with length = 0 would grow its storage anew each read. */
+  list: new Float64Array(5 * 64),
+  length: 0,
+  push(batch: number, index: number, checksum: number, run: number, layer: number): void {
+    if (this.length + 5 > this.list.length) {
+      const grown = new Float64Array(2 * this.list.length);
+      grown.set(this.list);
+      this.list = grown;
+    }
+    const list = this.list;
+    const at = this.length;
+    list[at] = batch;
+    list[at + 1] = index;
+    list[at + 2] = checksum;
+    list[at + 3] = run;
+    list[at + 4] = layer;
+    this.length = at + 5;
+  },
+};
+
+/**
+ * The decode side's deadlines: one timer for all of the process's transfers, armed for the earliest, instead of a
+ * timer set and cleared per transfer (about a microsecond of a small transfer's CPU, part of it on its critical
+ * path). Unreferenced: a transfer's own socket keeps the process alive while the transfer runs.
+ */
+const deadlines = new Set<Receiver>();
+const MAX_TIMER_MS = 2 ** 31 - 1;
+let deadlineTimer: NodeJS.Timeout | undefined;
+let deadlineTimerAt = Infinity;
+
+function armDeadlines(at: number): void {
+  if (at >= deadlineTimerAt) return;
+  clearTimeout(deadlineTimer);
+  deadlineTimerAt = at;
+  deadlineTimer = setTimeout(checkDeadlines, Math.min(MAX_TIMER_MS, Math.max(1, Math.ceil(at - performance.now()))));
+  deadlineTimer.unref();
+}
+
+function checkDeadlines(): void {
+  deadlineTimer = undefined;
+  deadlineTimerAt = Infinity;
+  const now = performance.now();
+  let next = Infinity;
+  // (A receiver that expires leaves the set as it is visited: a Set's iteration allows that.)
+  for (const receiver of deadlines) {
+    if (receiver.deadlineAt <= now) receiver.expire();
+    else if (receiver.deadlineAt < next) next = receiver.deadlineAt;
+  }
+  if (next < Infinity) armDeadlines(next);
+}
 
 /** What the decode side's parser waits for. */
 type ReceiveState = 0 | 1 | 2; // 0 a frame's header, 1 a run's bytes, 2 a control frame
@@ -1152,7 +1263,9 @@ class Receiver implements KvTransferHandle {
   private readonly direct: boolean;
   private readonly uncached: boolean;
   private settled = false;
-  private timer: NodeJS.Timeout | undefined;
+  /** When the deadline passes (performance.now()), and the ms it was set to; Infinity: none. */
+  deadlineAt = Infinity;
+  private deadlineMs = 0;
   private link: KvLink = 'tcp';
   private runs = 0;
   private bytesIn = 0;
@@ -1196,18 +1309,11 @@ class Receiver implements KvTransferHandle {
     this.destinations = descriptor.destinationBlockIds;
     this.layers = descriptor.layers;
     this.first = descriptor.firstBlock ?? 0;
-    this.runBytes = kvBlockRunBytes(this.view.layout);
-    this.pool = new Uint8Array(this.view.pool);
-    this.positions = this.destinations.length;
-    this.covered = new Uint8Array(this.positions * (this.layers[1] - this.layers[0]) * 2);
     this.direct = receiveMode === 'direct';
-    this.uncached = !this.direct && uncachedCopy(this.covered.length * this.runBytes);
-    this.result = new Promise<KvPullResult>((resolve, reject) => {
-      this.resolve = resolve;
-      this.reject = reject;
-    });
+    // The descriptor goes first: the prefill side works on it while this side sets up the rest (nothing of the
+    // answer can be read before the constructor returns).
     const hostId = options.link === 'tcp' ? null : kvHostId();
-    this.key = `${options.host}:${options.port}:${options.clusterToken}`;
+    this.key = connectionKey(options.host, options.port, options.clusterToken);
     this.askFrame = encodeDescriptor({
       type, requestId: this.requestId, layers: descriptor.layers, hostId, sourceBlockIds, destinationBlockIds: this.destinations, firstBlock: this.first,
     });
@@ -1223,6 +1329,15 @@ class Receiver implements KvTransferHandle {
     } else {
       this.connection = this.open();
     }
+    this.runBytes = kvBlockRunBytes(this.view.layout);
+    this.pool = new Uint8Array(this.view.pool);
+    this.positions = this.destinations.length;
+    this.covered = new Uint8Array(this.positions * (this.layers[1] - this.layers[0]) * 2);
+    this.uncached = !this.direct && uncachedCopy(this.covered.length * this.runBytes);
+    this.result = new Promise<KvPullResult>((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
     this.signal = options.signal;
     if (this.signal?.aborted) this.aborted();
     else if (this.signal) {
@@ -1236,8 +1351,17 @@ class Receiver implements KvTransferHandle {
   }
 
   deadline(ms: number): void {
-    clearTimeout(this.timer);
-    this.timer = setTimeout(() => this.finish(new KvTransferError('timeout', `KV transfer of ${this.requestId} took over ${ms} ms`)), ms);
+    if (this.settled) return;
+    this.deadlineMs = ms;
+    // As setTimeout takes a delay: one out of its range (or not a number) means 1 ms.
+    this.deadlineAt = performance.now() + (ms >= 1 && ms <= MAX_TIMER_MS ? ms : 1);
+    deadlines.add(this);
+    armDeadlines(this.deadlineAt);
+  }
+
+  /** Called by the deadline timer once deadlineAt has passed. */
+  expire(): void {
+    this.finish(new KvTransferError('timeout', `KV transfer of ${this.requestId} took over ${this.deadlineMs} ms`));
   }
 
   private aborted(): void {
@@ -1261,7 +1385,7 @@ class Receiver implements KvTransferHandle {
   private finish(error: KvTransferError | null, done?: { sourceBlockIds: number[]; overlapMs: number }): void {
     if (this.settled) return;
     this.settled = true;
-    clearTimeout(this.timer);
+    deadlines.delete(this);
     if (this.abortListener) this.signal!.removeEventListener('abort', this.abortListener);
     if (error) {
       // Whatever of the transfer is still on its way must not reach another: the connection goes.
@@ -1299,7 +1423,7 @@ class Receiver implements KvTransferHandle {
    * CONTROL). Returns the bytes of the frame's header: 5 for a control frame, a run's with its run header.
    */
   private frameStart(head: Buffer, h: number): number {
-    const length = head.readUInt32BE(h);
+    const length = getU32(head, h);
     const kind = head[h + 4]!;
     this.frameLength = length;
     if (kind === FRAME_KV_RUN) {
@@ -1334,11 +1458,11 @@ class Receiver implements KvTransferHandle {
 
   /** A run's header is in: check it against the descriptor, then take its bytes (tcp) or copy them from the ring (shm). */
   private startRun(head: Buffer, h: number): void {
-    const layer = head.readUInt16BE(h + 5);
+    const layer = (head[h + 5]! << 8) | head[h + 6]!;
     const kv = head[h + 7]!;
-    const destination = head.readUInt32BE(h + 9);
-    const count = head.readUInt32BE(h + 13);
-    const byteLength = head.readUInt32BE(h + 17);
+    const destination = getU32(head, h + 9);
+    const count = getU32(head, h + 13);
+    const byteLength = getU32(head, h + 17);
     this.runLayer = layer;
     this.runByteLength = byteLength;
     const { layers, positions, destinations } = this;
@@ -1359,9 +1483,9 @@ class Receiver implements KvTransferHandle {
         this.numCovered++;
       }
     }
-    this.bodyAt = runOffset(this.view, layer, kv, destination);
+    this.bodyAt = ((2 * layer + kv) * this.view.layout.numBlocks + destination) * this.runBytes;
     this.bodyLeft = byteLength;
-    this.bodyChecksum = head.readUInt32BE(h + 21);
+    this.bodyChecksum = getU32(head, h + 21);
     this.bodyCrc = 0;
     if (head[h + 4] === FRAME_KV_RUN) {
       if (this.frameLength !== 1 + RUN_HEADER_BYTES + byteLength) this.fail('length', `run ${this.runs}: frame of ${this.frameLength} bytes for ${byteLength} bytes of KV`);
@@ -1371,7 +1495,7 @@ class Receiver implements KvTransferHandle {
     const connection = this.connection;
     const ring = connection.ring;
     if (this.link !== 'shm' || !ring) this.fail('unexpected-run', 'a shared-memory run on the tcp link');
-    const at = head.readUInt32BE(h + 29) * 2 ** 32 + head.readUInt32BE(h + 33);
+    const at = getU32(head, h + 29) * 2 ** 32 + getU32(head, h + 33);
     const size = connection.ringSize;
     if (at < connection.consumed || (at % size) + byteLength > size) {
       this.fail('unexpected-run', `run ${this.runs}: ring position ${at} is behind ${connection.consumed} or crosses the ring's end`);
@@ -1403,14 +1527,15 @@ class Receiver implements KvTransferHandle {
     if (this.partialIndex >= 0) this.bodyCrc = readBatch.crc(this.partialIndex);
     this.partialIndex = -1;
     let mismatch = -1;
+    const checks = pendingChecks.list;
     for (let i = 0; i < pendingChecks.length && mismatch < 0; i += 5) {
-      const crc = (pendingChecks[i] === 0 ? readBatch : ringBatch).crc(pendingChecks[i + 1]!);
-      if (crc !== pendingChecks[i + 2]) mismatch = i;
+      const crc = (checks[i] === 0 ? readBatch : ringBatch).crc(checks[i + 1]!);
+      if (crc !== checks[i + 2]) mismatch = i;
     }
     readBatch.clear();
     ringBatch.clear();
-    const run = pendingChecks[mismatch + 3];
-    const layer = pendingChecks[mismatch + 4];
+    const run = checks[mismatch + 3];
+    const layer = checks[mismatch + 4];
     pendingChecks.length = 0;
     if (mismatch >= 0) this.fail('checksum', `run ${run} (layer ${layer}): checksum mismatch`);
   }
@@ -1425,6 +1550,11 @@ class Receiver implements KvTransferHandle {
       const message = parseJsonMessage(payload);
       if (message.t === 'kv-error') this.fail('refused', `refused: ${String(message.reason)}`);
       this.fail('unexpected-run', `unexpected message ${String(message.t).slice(0, 40)}`);
+    }
+    if (payload.length === 2 && payload[0] === KV_LINK && payload[1] === 0) {
+      // The tcp kv-link (its two bytes are all of it), as every tcp transfer starts: no message to make.
+      this.link = 'tcp';
+      return;
     }
     const message = parseControl(payload);
     if (message.type === KV_LINK) {

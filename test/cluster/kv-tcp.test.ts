@@ -301,6 +301,25 @@ describe('KV transfer between workers', () => {
       assert.deepEqual(leftoverShmFiles(), []);
     });
 
+    test(`${link}: a stalled transfer fails as a timeout at its own deadline; a deadline moved later holds`, async () => {
+      await withServer(source, { stallAfterRuns: 0 }, async (port, server) => {
+        const settled: string[] = [];
+        const watch = (name: string, result: Promise<unknown>) => result.then(() => { settled.push(`${name} done`); }, (e: unknown) => {
+          assert.ok(e instanceof KvTransferError && e.reason === 'timeout', String(e));
+          settled.push(e.message);
+        });
+        // A stream whose deadline is moved from 50 ms to 600 ms, and a pull due at 150 ms: the pull fails first, and
+        // the stream not at 50 ms (both transfers are in flight and idle meanwhile: the server sends nothing).
+        server.started('late');
+        const late = streamKvBlocks({ requestId: 'late', destinationBlockIds: [0], layers: [0, 1] }, { ...opts(port, pool(8, () => 0)), timeoutMs: 50 });
+        late.deadline(600);
+        const soon = pullKvBlocks({ requestId: 'soon', sourceBlockIds: [1], destinationBlockIds: [1], layers: [0, 1] },
+          { ...opts(port, pool(8, () => 0)), timeoutMs: 150 });
+        await Promise.all([watch('late', late.result), watch('soon', soon)]);
+        assert.deepEqual(settled, ['KV transfer of soon took over 150 ms', 'KV transfer of late took over 600 ms']);
+      });
+    });
+
     test(`${link}: a kept-alive connection the prefill worker closed meanwhile is replaced without failing the transfer`, async () => {
       await withServer(source, undefined, async (port, server) => {
         await pullKvBlocks(descriptor, opts(port, pool(8, () => 0)));
