@@ -154,6 +154,23 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
   });
 }
 
+WeightBytes matmul_worker_weights(const KernelTable& kt, const ThreadPool& pool, int64_t k, const MatmulOutput* outputs,
+                                  int count) {
+  if (pool.size() < 2 || count == 0) return {};
+  int64_t tiles = 0;
+  for (int i = 0; i < count; ++i) tiles += div_ceil(outputs[i].n, kMatmulTileRows);
+  const MatmulOutput& last = outputs[count - 1];
+  const int64_t last_start = tiles - div_ceil(last.n, kMatmulTileRows);
+  const int64_t row0 = (std::max(tiles / pool.size(), last_start) - last_start) * kMatmulTileRows;
+  if (row0 >= last.n) return {};
+  const MatmulKernel& mk = kt.matmul[last.type];
+  // Where a row starts: every packed layout stores whole panels in row order, packed_bytes(rows, k) before it.
+  auto offset = [&](int64_t rows) {
+    return last.packed ? mk.packed_bytes(rows, k) : static_cast<size_t>(rows) * row_bytes(last.type, k);
+  };
+  return {last.w + offset(row0), offset(last.n) - offset(row0)};
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // RoPE
 

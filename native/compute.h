@@ -123,6 +123,16 @@ class LoraPlan;
 void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float* x, int64_t m, int64_t k,
             const MatmulOutput* outputs, int count, const LoraPlan* lora = nullptr);
 
+// The weights the pool's workers start on when matmul runs these outputs: the tiles past the calling thread's share
+// of the tile list (ThreadPool::parallel_for_ranges), as far as they lie in the last output, one contiguous range.
+// Empty ({nullptr, 0}) on a pool without workers.
+struct WeightBytes {
+  const uint8_t* begin = nullptr;
+  size_t bytes = 0;
+};
+WeightBytes matmul_worker_weights(const KernelTable& kt, const ThreadPool& pool, int64_t k, const MatmulOutput* outputs,
+                                  int count);
+
 // ---------------------------------------------------------------------------------------------------------------
 // RoPE
 struct RopeConfig {

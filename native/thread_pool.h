@@ -42,6 +42,11 @@ class ThreadPool {
   // returned: for work that needs every thread (bandwidth and peak measurements).
   void run_on_all(Job job, void* ctx);
 
+  // Bytes [begin, begin + bytes) the workers request into their caches while they wait between jobs, a few lines
+  // per turn of their wait; a job arriving stops them within a turn. Replaces the range asked for before (bytes 0: none).
+  // Only a hint: addresses that are stale by then are harmless to request.
+  void prefetch_while_idle(const void* begin, size_t bytes);
+
   // Runs body(item, thread_index) for item in [0, count), items handed out one at a time in order.
   template <typename Body>
   void parallel_for(int64_t count, Body&& body);
@@ -60,6 +65,8 @@ class ThreadPool {
   static uint64_t pack_bounds(uint32_t front, uint32_t back) { return (static_cast<uint64_t>(back) << 32) | front; }
   int64_t claim_front(int thread);
   int64_t claim_back(int thread);
+  // One turn of a waiting worker's prefetch_while_idle: false when nothing is left to request.
+  bool idle_prefetch_step();
 
   // The job protocol. `state_` packs the job's generation with an open bit ((generation << 1) | open), so one
   // atomic load tells a worker both which job is published and whether it still takes workers:
@@ -89,6 +96,12 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::unique_ptr<Share[]> shares_;
+  // prefetch_while_idle's range: the next line to request and the end, on a line of their own (the waiting workers
+  // advance `next`, the caller only sets them).
+  struct alignas(64) IdlePrefetch {
+    std::atomic<uintptr_t> next{0}, end{0};
+  };
+  IdlePrefetch idle_prefetch_;
   Timing timing_;
 };
 
