@@ -5,11 +5,11 @@
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, rmSync, statfsSync, truncateSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, statfsSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { acquireDiskTierLock, DiskKvTier, modelFingerprint } from '../../src/engine/kv-cache/disk-tier.ts';
+import { acquireDiskTierLock, DiskKvTier, modelFingerprint, WRITE_FAILURE_WARN_INTERVAL_MS } from '../../src/engine/kv-cache/disk-tier.ts';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
 import { KvTiers } from '../../src/engine/kv-cache/tiers.ts';
 import { Scheduler } from '../../src/engine/scheduler.ts';
@@ -170,6 +170,36 @@ describe('disk tier: a full disk', () => {
     assert.equal(result.storedAfterSpace, true);
     assert.equal(result.failed, 6);
     assert.equal(result.warnings.length, 1, result.warnings.join('\n'));
+  });
+
+  test('a new episode of failed writes is warned about again once the warning interval has passed on the tier\'s clock', async () => {
+    // Writes fail while a file stands where the tier's folder was (ENOTDIR), and succeed once the folder is back.
+    const tierDir = join(tempDir(), 'tier');
+    const warnings: string[] = [];
+    let clockMs = 1_000;
+    const disk = new DiskKvTier({ dir: tierDir, capacityBytes: 8 * (112 + BLOCK_BYTES), blockBytes: BLOCK_BYTES, fingerprint: FINGERPRINT,
+      warn: (m) => warnings.push(m), now: () => clockMs });
+    const episode = async (n: number) => {
+      renameSync(tierDir, `${tierDir}.away`);
+      writeFileSync(tierDir, '');
+      disk.put(hash(n), { bytes: bytes(n), parentHash: null });
+      await disk.flush();
+      rmSync(tierDir);
+      renameSync(`${tierDir}.away`, tierDir);
+      disk.put(hash(n + 1), { bytes: bytes(n + 1), parentHash: null });
+      await disk.flush();
+      assert.equal(disk.has(hash(n + 1)), true, 'writes succeed again once the folder is back');
+    };
+    await episode(1);
+    assert.equal(warnings.length, 1, warnings.join('\n'));
+    assert.match(warnings[0]!, /ENOTDIR/);
+    clockMs += WRITE_FAILURE_WARN_INTERVAL_MS - 1;
+    await episode(3);
+    assert.equal(warnings.length, 1, 'a second episode within the interval is counted, not warned about');
+    clockMs += 1;
+    await episode(5);
+    assert.equal(warnings.length, 2, warnings.join('\n'));
+    assert.equal(disk.writeStats.failed, 3);
   });
 
   test('a filesystem with less free space than the tier\'s size is warned about once at start, with both numbers', () => {

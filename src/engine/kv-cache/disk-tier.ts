@@ -56,6 +56,7 @@ export interface DiskKvTierOptions {
   /** modelFingerprint(...) of the model and KV layout the worker runs. */
   fingerprint: string;
   maxPendingBytes?: number;
+  /** A monotonic clock in ms (default performance.now): write times, and the interval between failure warnings. */
   now?: () => number;
   /** Where the tier's warnings go (a full disk, too little free space at start); default: a warn line on stderr. */
   warn?: (message: string) => void;
@@ -290,7 +291,8 @@ export class DiskKvTier implements KvBlockStore {
   private writeFailed(error: unknown): void {
     if (this.failing) return;
     this.failing = true;
-    const at = Date.now();
+    // The tier's monotonic clock: after a wall-clock step back, Date.now() would keep the next episode quiet until it caught up.
+    const at = this.now();
     if (this.lastFailureWarning !== undefined && at - this.lastFailureWarning < WRITE_FAILURE_WARN_INTERVAL_MS) return;
     this.lastFailureWarning = at;
     // Node's file errors already begin with their code ("ENOSPC: no space left on device, open ..."); others may not.
