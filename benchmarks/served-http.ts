@@ -5,12 +5,14 @@
 // threads run on, which is why the HTTP figure is lower.
 //
 //   node --import tsx benchmarks/served-http.ts [--model FILE] [--rounds 6] [--tokens 256] [--threads 2] [--temperature 0]
-//                                               [--compare DIR] [--port 8750]
+//                                               [--stream-interval 1] [--compare DIR] [--port 8750]
 //
 // http:        decode tokens/s as the client sees them (content chunks after the first, over the time since it);
 //              main us/tok: CPU time of the server's main thread per generated token, from the kernel's
 //              /proc/<pid>/task/<pid>/schedstat, over the whole request.
 // in-process:  decode tokens/s of LocalEngine.generate() read by a `for await` in this process.
+// --stream-interval N: the servers and the in-process engine hand a completion's tokens over N at a time after its
+//              first (`conduit serve --stream-interval`); the rates count tokens, not events.
 // --compare DIR: also serves from another checkout of Conduit (its own bin/conduit.js and native addon, e.g. an
 //              older commit in a second git worktree) in the same rounds, for before/after figures.
 // Every engine stores f16 KV and decodes greedily (or, with --temperature, by seeded draws; ignore_eos) after a
@@ -33,11 +35,13 @@ const { values: args } = parseArgs({
     tokens: { type: 'string', default: '256' },
     temperature: { type: 'string', default: '0' },
     threads: { type: 'string', default: '2' },
+    'stream-interval': { type: 'string', default: '1' },
     compare: { type: 'string' },
     port: { type: 'string', default: '8750' },
   },
 });
 const ROUNDS = Number(args.rounds), TOKENS = Number(args.tokens), THREADS = Number(args.threads), PROMPT_TOKENS = 16;
+const STREAM_INTERVAL = Number(args['stream-interval']);
 /** 0: greedy (argmax); else a seeded draw over the whole vocabulary at that temperature (the API's default is 1). */
 const TEMPERATURE = Number(args.temperature);
 const path = args.model ?? (await ensureBenchModel('Q8_0')).path;
@@ -52,7 +56,7 @@ interface Server {
 async function startServer(label: string, checkout: string, port: number): Promise<Server> {
   const child = spawn(process.execPath, [join(checkout, 'bin/conduit.js'), 'serve', '--model', path, '--port', String(port),
     '--threads', String(THREADS), '--kv-cache-memory', '64MiB', '--kv-cache-dtype', 'f16', '--no-request-log',
-    '--log-level', 'warn'], { cwd: checkout, stdio: ['ignore', 'ignore', 'inherit'] });
+    '--log-level', 'warn', ...(STREAM_INTERVAL !== 1 ? ['--stream-interval', String(STREAM_INTERVAL)] : [])], { cwd: checkout, stdio: ['ignore', 'ignore', 'inherit'] });
   const exited = new Promise<never>((_, reject) => child.once('exit', (code) => reject(new Error(`${label} server exited with code ${code}`))));
   exited.catch(() => {});
   for (;;) {
@@ -76,8 +80,11 @@ const nextPrompt = (): number[] => {
   return Array.from({ length: PROMPT_TOKENS }, (_, k) => 1 + ((seed * 31 + k * 7) % 30000));
 };
 
-/** Decode tokens per second from the arrival times of a stream's content, after the first. */
-const rateOf = (times: readonly number[]): number => (times.length - 1) / ((times.at(-1)! - times[0]!) / 1000);
+/**
+ * Decode tokens per second from the arrival times of a stream's content: the tokens after the first over the time
+ * from the first arrival to the last (the first event carries the first token alone).
+ */
+const rateOf = (times: readonly number[], tokens: number): number => (tokens - 1) / ((times.at(-1)! - times[0]!) / 1000);
 
 async function viaHttp(server: Server): Promise<{ rate: number; mainUsPerToken: number }> {
   const pid = server.child.pid!;
@@ -102,7 +109,7 @@ async function viaHttp(server: Server): Promise<{ rate: number; mainUsPerToken: 
     }
   }
   const cpu = threadCpuUs(pid, pid) - cpuBefore;
-  return { rate: rateOf(times), mainUsPerToken: cpu / TOKENS };
+  return { rate: rateOf(times, TOKENS), mainUsPerToken: cpu / TOKENS };
 }
 
 async function inProcess(engine: LocalEngine): Promise<number> {
@@ -111,14 +118,18 @@ async function inProcess(engine: LocalEngine): Promise<number> {
     sampling: { ...DEFAULT_SAMPLING, temperature: TEMPERATURE, maxTokens: TOKENS, ignoreEos: true, ...(TEMPERATURE > 0 ? { seed } : {}) },
   };
   const times: number[] = [];
-  for await (const _output of engine.generate(request)) times.push(performance.now());
-  return rateOf(times);
+  let tokens = 0;
+  for await (const output of engine.generate(request)) {
+    times.push(performance.now());
+    tokens += output.newTokenIds.length;
+  }
+  return rateOf(times, tokens);
 }
 
 const PORT = Number(args.port);
 const servers = [await startServer('http', process.cwd(), PORT)];
 if (args.compare !== undefined) servers.push(await startServer('http --compare', resolve(args.compare), PORT + 1));
-const engine = await LocalEngine.start({ modelPath: path, threads: THREADS, kvDtype: 'f16', kvCacheMemoryBytes: 64 << 20 });
+const engine = await LocalEngine.start({ modelPath: path, threads: THREADS, kvDtype: 'f16', kvCacheMemoryBytes: 64 << 20, streamInterval: STREAM_INTERVAL });
 try {
   // Warm-up: each path once (JIT, first allocations).
   for (const server of servers) await viaHttp(server);
@@ -128,7 +139,8 @@ try {
   const http = new Map<string, Figures>(servers.map((s) => [s.label, { rates: [], mainUs: [] }]));
   const local: number[] = [];
   const labels = [...servers.map((s) => s.label), 'in-process'];
-  console.log(`model ${path}, ${TOKENS} tokens per request, ${THREADS} threads, ${TEMPERATURE > 0 ? `temperature ${TEMPERATURE}` : 'greedy'}, ${ROUNDS} rounds (order rotates)`);
+  console.log(`model ${path}, ${TOKENS} tokens per request, ${THREADS} threads, ${TEMPERATURE > 0 ? `temperature ${TEMPERATURE}` : 'greedy'}, `
+    + `stream interval ${STREAM_INTERVAL}, ${ROUNDS} rounds (order rotates)`);
   for (let round = 0; round < ROUNDS; round++) {
     const order = labels.map((_, i) => labels[(i + round) % labels.length]!);
     const line: string[] = [];

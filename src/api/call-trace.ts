@@ -282,7 +282,12 @@ export class CallTrace {
       });
     }
     const step = output.step;
-    if (step && this.stepEvents) this.decodeStep(output, step, this.named(routing?.workerId) ?? this.worker);
+    if (step && this.stepEvents) {
+      const worker = this.named(routing?.workerId) ?? this.worker;
+      // Tokens held back for --stream-interval came from steps of their own, each a decode step of the trace.
+      for (const held of output.heldSteps ?? []) this.decodeStep(output, held, worker);
+      this.decodeStep(output, step, worker);
+    }
     const transfer = output.timestamps.kvTransfer;
     if (transfer && !track.kvTransferEmitted) {
       track.kvTransferEmitted = true;
@@ -317,7 +322,9 @@ export class CallTrace {
   private decodeStep(output: EngineOutput, step: NonNullable<EngineOutput['step']>, worker: string | undefined): void {
     const firstToken = output.timestamps.firstToken;
     if (firstToken === undefined || step.end <= firstToken) return;
-    if (step.id === this.lastStepId && worker === this.lastStepWorker) return;
+    // A worker numbers its steps in order, and every completion of the request (n > 1) reports the steps they shared,
+    // held ones (--stream-interval) included: a step is new when it comes after the last one taken from that worker.
+    if (step.id <= this.lastStepId && worker === this.lastStepWorker) return;
     this.lastStepId = step.id;
     this.lastStepWorker = worker;
     this.bus.emit({

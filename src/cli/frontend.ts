@@ -15,7 +15,7 @@ import { createApiServer, parseServeConfig, SERVE_FLAGS } from './serve.ts';
 /** serve's options that build engines: the workers' business, not a frontend's. */
 const WORKER_ONLY = new Set([
   'model', 'engine', 'backend', 'threads', 'workers', 'worker-processes', 'prefill-workers', 'decode-workers', 'kv-cache-memory',
-  'kv-cache-dtype', 'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'guided-jump-forward', 'generation-config', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
+  'kv-cache-dtype', 'kv-cache-idle-release', 'max-num-seqs', 'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'guided-jump-forward', 'stream-interval', 'generation-config', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-calibration',
   'sim-speed-up', 'sim-lora-rank', 'worker-restart-limit', 'worker-restart-delay', 'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size',
   'scheduling-policy', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank',
 ]);

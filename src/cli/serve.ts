@@ -72,6 +72,7 @@ export const SERVE_FLAGS = {
   'generation-config': { type: 'string', help: 'sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens) and more end-of-generation ids: auto (each model folder\'s generation_config.json, as vLLM\'s default; a GGUF has none), vllm (none: OpenAI\'s defaults), or a folder holding a generation_config.json', default: 'auto' },
   'enable-prefix-caching': { type: 'boolean', help: 'reuse the KV blocks of prompt prefixes computed before (--no-enable-prefix-caching: every prompt is computed whole, as vLLM\'s flag)', default: true },
   'guided-jump-forward': { type: 'boolean', help: 'jump-forward decoding for guided requests (structured outputs, tool grammars) without logprobs, cpu workers: text the grammar forces is appended as tokens without sampling them, several in one step. The output then differs from token-by-token decoding (the forced text is cut greedily into vocabulary tokens, not picked by the model) and from the same request with logprobs. Off (default): every token is the masked argmax or a masked draw, as vLLM decodes', default: false },
+  'stream-interval': { type: 'number', help: 'cpu workers: after a completion\'s first token, hand its tokens to the server this many at a time (the last ones at once, whatever their number), as vLLM\'s flag: each hand-over costs the server a wake-up and each streamed event a socket write, on the cores the model runs on. A client then receives up to this many tokens per event', default: 1 },
   'kv-cache-memory': { type: 'string', help: 'KV cache size in bytes or with a unit (512MiB, 2GiB, 1.5GB)' },
   'kv-cache-dtype': { type: 'string', help: 'how the cpu engine stores the KV cache: auto (the backend\'s choice: f16 on the native and reference backends, as llama.cpp stores it), f16, or f32 (twice the memory and the bytes decode attention reads)', default: 'auto' },
   'kv-cache-idle-release': { type: 'number', help: 'seconds a cpu worker is idle (nothing running or waiting) before it drops its prefix cache and gives the KV pool\'s memory back to the system (0 = never)', default: 0 },
@@ -165,6 +166,8 @@ export interface ServeConfig {
   enablePrefixCaching: boolean;
   /** Jump-forward decoding for guided requests (--guided-jump-forward, off by default). */
   guidedJumpForward: boolean;
+  /** Tokens of a completion a cpu worker hands over together after its first (--stream-interval, 1 by default). */
+  streamInterval: number;
   kvCacheMemoryBytes?: number;
   /** How the cpu engine stores the KV cache (--kv-cache-dtype); absent for auto, the backend's choice (resolveKvDtype). */
   kvDtype?: KvDtype;
@@ -301,7 +304,7 @@ function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Part
 
 /** The engine options `conduit serve` and `conduit worker` share that one kind of worker ignores. */
 export type EngineOptionValues = Pick<FlagValues<typeof SERVE_FLAGS>, 'kv-cache-idle-release' | 'kv-cache-memory'
-  | 'kv-cache-dtype' | 'guided-jump-forward' | 'threads' | 'backend' | 'lora-dtype' | 'sim-model'>;
+  | 'kv-cache-dtype' | 'guided-jump-forward' | 'stream-interval' | 'threads' | 'backend' | 'lora-dtype' | 'sim-model'>;
 
 /**
  * The KV element of the profile --sim-model names, as the --kv-cache-dtype warning states it ("llama-3.1-8b: 2 bytes,
@@ -345,6 +348,9 @@ export function engineOptionWarnings(engine: string, values: EngineOptionValues,
   }
   if (values['guided-jump-forward']) {
     warnings.push('--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows');
+  }
+  if (values['stream-interval'] !== 1) {
+    warnings.push('--stream-interval is for cpu workers: simulated workers hand over each token as its step ends');
   }
   if (values.threads !== undefined) warnings.push('--threads is for cpu workers (their kernels\' compute threads): simulated workers ignore it');
   if (values.backend !== undefined && values.backend !== 'auto') {
@@ -794,6 +800,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     requestLog: values['request-log']!,
     enablePrefixCaching: values['enable-prefix-caching']!,
     guidedJumpForward: values['guided-jump-forward']!,
+    streamInterval: positiveInteger(values['stream-interval'], 'stream-interval')!,
     generationConfig: parseGenerationConfigOption(values['generation-config']!),
     tokenizerInfoEndpoint: values['enable-tokenizer-info-endpoint']!,
     returnTokensAsTokenIds: values['return-tokens-as-token-ids']!,
@@ -972,6 +979,7 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           ...(config.maxModelLen !== undefined ? { maxModelLen: config.maxModelLen } : {}),
           enablePrefixCaching: config.enablePrefixCaching,
           guidedJumpForward: config.guidedJumpForward,
+          streamInterval: config.streamInterval,
           ...(config.kvCacheMemoryBytes !== undefined ? { kvCacheMemoryBytes: config.kvCacheMemoryBytes } : {}),
           ...(config.kvDtype !== undefined ? { kvDtype: config.kvDtype } : {}),
           kvCacheIdleReleaseSeconds: config.kvCacheIdleReleaseSeconds,

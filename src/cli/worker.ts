@@ -32,7 +32,7 @@ import {
 const ENGINE_FLAG_NAMES = [
   'model', 'served-model-name', 'engine', 'backend', 'threads', 'kv-cache-memory', 'kv-cache-dtype', 'kv-cache-idle-release',
   'kv-offload-memory', 'kv-offload-disk', 'kv-offload-disk-size', 'scheduling-policy', 'max-num-seqs',
-  'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'guided-jump-forward', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
+  'max-num-batched-tokens', 'max-model-len', 'enable-prefix-caching', 'guided-jump-forward', 'stream-interval', 'lora-modules', 'lora-dtype', 'max-loras', 'max-lora-rank', 'sim-model', 'sim-gpu', 'sim-tp', 'sim-lora-rank', 'sim-calibration', 'sim-speed-up', 'shutdown-grace', 'log-level',
 ] as const;
 
 const ENGINE_FLAGS = Object.fromEntries(ENGINE_FLAG_NAMES.map((name) => [name, SERVE_FLAGS[name]])) as Pick<typeof SERVE_FLAGS, (typeof ENGINE_FLAG_NAMES)[number]>;
@@ -192,6 +192,7 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be >= 0, got ${graceSeconds}`);
   const idleRelease = values['kv-cache-idle-release']!;
   if (!(idleRelease >= 0)) throw new UsageError(`--kv-cache-idle-release must be >= 0 seconds, got ${idleRelease}`);
+  const streamInterval = positiveInteger(values['stream-interval'], 'stream-interval')!;
   const simTp = positiveInteger(values['sim-tp'], 'sim-tp')!;
   const simLoraRank = positiveInteger(values['sim-lora-rank'], 'sim-lora-rank')!;
   const kvLink = values['kv-transfer-link']!;
@@ -286,6 +287,7 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
       ...(values['max-model-len'] !== undefined ? { maxModelLen: positiveInteger(values['max-model-len'], 'max-model-len') } : {}),
       enablePrefixCaching: values['enable-prefix-caching']!,
       guidedJumpForward: values['guided-jump-forward']!,
+      streamInterval,
       sim: { model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp, speedUp: parseSpeedUp(values['sim-speed-up']!), calibration, loraRank: simLoraRank },
     },
   }).catch((error: unknown) => {

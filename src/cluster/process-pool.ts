@@ -123,6 +123,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   // environment, and a default is the server's default only.
   args.push(options.enablePrefixCaching === false ? '--no-enable-prefix-caching' : '--enable-prefix-caching');
   if (options.guidedJumpForward !== undefined) args.push(options.guidedJumpForward ? '--guided-jump-forward' : '--no-guided-jump-forward');
+  add('stream-interval', options.streamInterval);
   if (options.sim) {
     add('sim-model', options.sim.model);
     add('sim-gpu', options.sim.gpu);

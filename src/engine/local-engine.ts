@@ -56,6 +56,11 @@ export interface LocalEngineOptions {
   kvCacheIdleReleaseSeconds?: number;
   /** Lower KV tiers under the worker's pool: RAM (its share of --kv-offload-memory) and a disk folder of its own. */
   kvOffload?: KvOffloadConfig;
+  /**
+   * After a completion's first token, its tokens are handed to this thread this many at a time (the last ones
+   * whatever their number): fewer wake-ups and stream writes per token (--stream-interval; default 1).
+   */
+  streamInterval?: number;
   /** Where the worker thread's warnings go (default: a warn line on stderr); the caller's logger applies --log-level. */
   log?: (level: 'warn', message: string) => void;
 }
@@ -125,6 +130,7 @@ export class LocalEngine implements Engine {
       role: options.role,
       kvCacheIdleReleaseSeconds: options.kvCacheIdleReleaseSeconds ?? 0,
       ...(options.kvOffload !== undefined ? { kvOffload: options.kvOffload } : {}),
+      ...(options.streamInterval !== undefined ? { streamInterval: options.streamInterval } : {}),
     };
     const worker = startTsWorker(new URL('./worker-main.ts', import.meta.url), init);
     const ready = await new Promise<Extract<FromWorker, { type: 'ready' }>>((resolve, reject) => {

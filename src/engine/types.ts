@@ -196,6 +196,11 @@ export interface EngineOutput {
   routing?: RoutingSummary;
   /** The step that produced this output (absent on outputs no step produced: aborts, rejections). */
   step?: EngineStepFacts;
+  /**
+   * With --stream-interval above 1: the steps of the earlier tokens this output carries (held back by the worker and
+   * handed over with this one), in order, before `step`.
+   */
+  heldSteps?: EngineStepFacts[];
   /** The request's traceparent as the engine was given it, handed back so its facts join the right trace. */
   traceparent?: string;
 }

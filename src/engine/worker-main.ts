@@ -13,6 +13,7 @@ import { KV_IN_PLACE_SOURCE, kvBlockBytes, validateHandoff } from './handoff.ts'
 import { KvTiers } from './kv-cache/tiers.ts';
 import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError, LoraLoadError } from './errors.ts';
+import { OutputCoalescer } from './output-coalescer.ts';
 import type { ModelConfig } from '../model/config.ts';
 import { loadLoraAdapter, type LoraDtype } from '../model/lora.ts';
 import { GrammarRuntime } from './grammar/runtime.ts';
@@ -123,6 +124,8 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
 function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
   let stepQueued = false;
   let closing = false;
+  /** --stream-interval: what each step's outputs hand over now, and what they hold back. */
+  const coalescer = new OutputCoalescer(init.streamInterval ?? 1);
   /** Prefill workers' pools this worker may read handed-off blocks from (decode role), by worker id. */
   const kvSources = new Map<string, KvSourceView>();
 
@@ -189,7 +192,9 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     stepQueued = false;
     if (closing) return;
     touchedSinceReset = true;
-    const outputs = core.step();
+    const outputs = coalescer.take(core.step());
+    // Held tokens wait for a next step: with none coming (nothing running), they go now.
+    if (!core.hasWork && coalescer.holding) outputs.push(...coalescer.flushAll());
     lastBusyMs = engineNow();
     let kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (outputs.length > 0 || (kvEvents && kvEvents.length > 0)) {
@@ -256,7 +261,8 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
       case 'abort': {
         // The stats go out even without outputs: an abort may free blocks that no output reports (a handed-off
         // request's pin), and the router weighs the blocks in use.
-        const outputs = core.abort(message.requestId);
+        // Tokens held back for the stream interval go first: the abort's closing output follows them.
+        const outputs = [...coalescer.flushRequest(message.requestId), ...core.abort(message.requestId)];
         send({ type: 'outputs', outputs, stats: core.stats() });
         return;
       }

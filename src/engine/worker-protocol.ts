@@ -50,6 +50,8 @@ export interface WorkerInit {
   kvOffload?: KvOffloadConfig;
   /** Disaggregated serving (default 'both'); only informs the worker's notices and info. */
   role?: WorkerRole;
+  /** Tokens of a completion handed over together after its first (--stream-interval; default 1: each at once). */
+  streamInterval?: number;
 }
 
 // Disaggregated serving adds: 'add' with handoff (prefill worker: stop after the first token, reply

@@ -40,7 +40,8 @@ export interface DecodeSummary {
   /** Decode steps after the first token. */
   steps: number;
   /**
-   * Each step's duration, when known: the forward pass for 'engine_steps', the gap between writes for 'stream';
+   * Each step's duration, when known: the forward pass for 'engine_steps', the gap between writes for 'stream' (its
+   * share of it when a write carried several tokens);
    * empty for 'engine_span'.
    */
   stepMs: readonly number[];
@@ -403,7 +404,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const outputTokens = terminal?.outputTokens ?? options.outputTokens ?? streamed.contentTokens;
 
   const sequences = (validate?.n ?? 1) * (validate?.prompts ?? 1);
-  const decode = decodeOf(input, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, sequences, endMs);
+  const decode = decodeOf(input, streamed, engineFirstTokenMs, engineLastTokenMs, outputTokens, sequences, endMs);
   placeHandOver(input, kvTransfer, engineFirstTokenMs);
   addStreamingPhase(input, streamed, engineFirstTokenMs);
   addResponseBodyPhase(input, engineLastTokenMs ?? engineFirstTokenMs, decode?.endMs);
@@ -694,36 +695,40 @@ interface StreamedWrites {
   firstContentStartMs: number | undefined;
   /** Tokens those writes carried. */
   contentTokens: number;
+  /** Tokens each of those writes carried (parallel to contentTimes). */
+  contentTokensPerWrite: number[];
 }
 
 /** The streamed writes, and among them those that carried tokens. */
 function streamedWrites(record: RequestRecord): StreamedWrites {
   const contentTimes: number[] = [];
+  const contentTokensPerWrite: number[] = [];
   let firstContentStartMs: number | undefined;
   let contentTokens = 0;
   for (let i = 0; i < record.emitTimes.length; i++) {
     if (record.emitTokens[i]! <= 0) continue;
     if (contentTimes.length === 0 && !Number.isNaN(record.emitStarts[i]!)) firstContentStartMs = record.emitStarts[i]!;
     contentTimes.push(record.emitTimes[i]!);
+    contentTokensPerWrite.push(record.emitTokens[i]!);
     contentTokens += record.emitTokens[i]!;
   }
   const emits: EmitSummary = {
     writes: record.emitTimes.length, contentWrites: contentTimes.length, bytes: record.emitBytes, contentTimesMs: contentTimes,
     firstContentStartMs,
   };
-  return { emits, contentTimes, firstContentStartMs, contentTokens };
+  return { emits, contentTimes, firstContentStartMs, contentTokens, contentTokensPerWrite };
 }
 
 /** Decode, from the engine's steps, the streamed gaps or its first and last token, on the worker that ran it. */
 function decodeOf(
-  { record, terminal, reports, router, firstWorkerReport, phases }: BuildInput, contentTimes: readonly number[],
+  { record, terminal, reports, router, firstWorkerReport, phases }: BuildInput, { contentTimes, contentTokensPerWrite }: StreamedWrites,
   engineFirstTokenMs: number | undefined, engineLastTokenMs: number | undefined, outputTokens: number, sequences: number, endMs: number,
 ): DecodeSummary | undefined {
   const engineSteps = mergeStepSummaries(reports);
   // Engine requests of one call (several prompts) decode side by side: their steps are the longest one's.
   const engineStepCount = maxDefined(reports.map((r) => r.timestamps.decodeSteps?.steps));
-  const decoded = buildDecode(record, contentTimes, engineFirstTokenMs, engineLastTokenMs, outputTokens, sequences, terminal, endMs,
-    engineSteps, engineStepCount);
+  const decoded = buildDecode(record, contentTimes, contentTokensPerWrite, engineFirstTokenMs, engineLastTokenMs, outputTokens, sequences,
+    terminal, endMs, engineSteps, engineStepCount);
   const decodeWorker = record.stepWorker ?? reports.find((r) => r.role === 'decode')?.worker ?? router?.worker ?? firstWorkerReport?.worker;
   const decode = decoded && decodeWorker !== undefined ? { ...decoded, worker: decodeWorker } : decoded;
   if (decode) {
@@ -785,7 +790,9 @@ function latencies(
   // Without engine steps the decode steps are the streamed gaps: share the array rather than compute it twice. With
   // several sequences in one stream the gaps between writes are not any sequence's: the engine's steps, if traced.
   if (contentTimes.length > 1 && sequences === 1) {
-    return { ttftMs, ttftSource, tbtMs: decode?.source === 'stream' ? decode.stepMs : gaps(contentTimes), tbtFromMs: contentTimes[0]! };
+    // The client's gaps: a write of several tokens is one gap (the stream's steps split it).
+    const oneTokenPerWrite = decode?.source === 'stream' && decode.stepMs.length === contentTimes.length - 1;
+    return { ttftMs, ttftSource, tbtMs: oneTokenPerWrite ? decode.stepMs : gaps(contentTimes), tbtFromMs: contentTimes[0]! };
   }
   if (record.stepEnds.length > 0 && engineFirstTokenMs !== undefined) {
     return { ttftMs, ttftSource, tbtMs: gaps([engineFirstTokenMs, ...record.stepEnds]), tbtFromMs: engineFirstTokenMs };
@@ -811,7 +818,7 @@ function outcomeOf(terminal: TerminalEvent | undefined): Pick<RequestTrace, 'out
 }
 
 function buildDecode(
-  record: RequestRecord, contentTimes: readonly number[], engineFirst: number | undefined, engineLast: number | undefined,
+  record: RequestRecord, contentTimes: readonly number[], tokensPerWrite: readonly number[], engineFirst: number | undefined, engineLast: number | undefined,
   outputTokens: number, sequences: number, terminal: TerminalEvent | undefined, endMs: number, engineSteps: EngineStepSummary | undefined,
   engineStepCount: number | undefined,
 ): DecodeSummary | undefined {
@@ -827,13 +834,15 @@ function buildDecode(
       ...(endedEarly ? { incomplete: true } : {}),
     };
   }
-  // The streamed gaps are steps only for one sequence: a step advancing several writes one chunk for each.
+  // The streamed gaps are steps only for one sequence: a step advancing several writes one chunk for each. A write
+  // that carries k tokens (--stream-interval, or a character whose bytes came in k tokens) ends k steps, which share
+  // its gap evenly.
   if (contentTimes.length > 1 && sequences === 1) {
-    const stepMs = gaps(contentTimes);
+    const { stepMs, stepStartsMs } = stepsOfWrites(contentTimes, tokensPerWrite);
     const unreported = stepMs.map(() => Number.NaN);
     return {
       startMs: engineFirst ?? contentTimes[0]!, endMs: engineLast !== undefined && engineLast > (engineFirst ?? -Infinity) ? engineLast : contentTimes[contentTimes.length - 1]!,
-      steps: stepMs.length, stepMs, stepStartsMs: contentTimes.slice(0, -1), batchSizes: unreported, batchTokens: unreported, source: 'stream',
+      steps: stepMs.length, stepMs, stepStartsMs, batchSizes: unreported, batchTokens: unreported, source: 'stream',
       ...(summarised ? { batch: summarised } : {}), ...(endedEarly ? { incomplete: true } : {}),
     };
   }
@@ -851,6 +860,21 @@ function buildDecode(
     return { ...span, endMs: last };
   }
   return undefined;
+}
+
+/** The decode steps a stream's content writes stand for: after the first write, k steps of gap / k for a write of k tokens. */
+function stepsOfWrites(times: readonly number[], tokensPerWrite: readonly number[]): { stepMs: number[]; stepStartsMs: number[] } {
+  const stepMs: number[] = [];
+  const stepStartsMs: number[] = [];
+  for (let i = 1; i < times.length; i++) {
+    const k = Math.max(1, tokensPerWrite[i] ?? 1);
+    const each = (times[i]! - times[i - 1]!) / k;
+    for (let j = 0; j < k; j++) {
+      stepMs.push(each);
+      stepStartsMs.push(times[i - 1]! + j * each);
+    }
+  }
+  return { stepMs, stepStartsMs };
 }
 
 /**

@@ -10,7 +10,7 @@ const SERVICES = ['--cluster-token', 't', '--etcd-endpoints', 'http://127.0.0.1:
 
 test('conduit frontend refuses the workers\' options by name, and its help leaves them out', async () => {
   const workerOnly = [['--model', '/models/m.gguf'], ['--sim-gpu', 'h100'], ['--sim-lora-rank', '8'], ['--lora-modules', 'a=/a.gguf'],
-    ['--kv-cache-memory', '1GiB'], ['--worker-processes'], ['--guided-jump-forward']];
+    ['--kv-cache-memory', '1GiB'], ['--worker-processes'], ['--guided-jump-forward'], ['--stream-interval', '4']];
   for (const flag of workerOnly) {
     const { code, err } = await run(['frontend', ...SERVICES, ...flag]);
     assert.equal(code, 2, `${flag[0]}: ${err}`);

@@ -45,7 +45,7 @@ describe('--kv-cache-dtype with simulated workers', () => {
 
   it('claims no size for a profile that does not exist (the start refuses it)', () => {
     const warnings = engineOptionWarnings('sim', {
-      'kv-cache-idle-release': 0, 'kv-cache-memory': undefined, 'kv-cache-dtype': 'f16', 'guided-jump-forward': false,
+      'kv-cache-idle-release': 0, 'kv-cache-memory': undefined, 'kv-cache-dtype': 'f16', 'guided-jump-forward': false, 'stream-interval': 1,
       threads: undefined, backend: undefined, 'lora-dtype': undefined, 'sim-model': 'no-such-model',
     }, {});
     assert.deepEqual(warnings, ['--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s size']);

@@ -91,6 +91,7 @@ describe('conduit worker: bad values and start-up failures', () => {
         { args: ['--engine', 'sim', '--threads', '0'], line: /^conduit worker: --threads must be a whole number > 0, got 0$/m, code: 2 },
         { args: ['--engine', 'sim', '--shutdown-grace', '-5'], line: /^conduit worker: --shutdown-grace must be >= 0, got -5$/m, code: 2 },
         { args: ['--engine', 'sim', '--kv-cache-idle-release', '-1'], line: /^conduit worker: --kv-cache-idle-release must be >= 0 seconds, got -1$/m, code: 2 },
+        { args: ['--engine', 'sim', '--stream-interval', '0'], line: /^conduit worker: --stream-interval must be a whole number > 0, got 0$/m, code: 2 },
         // A frontend could not connect to either.
         { args: ['--engine', 'sim', '--advertise-address', '127.0.0.1'], line: /^conduit worker: --advertise-address must be host:port, .* got "127\.0\.0\.1"$/m, code: 2 },
         { args: ['--engine', 'sim', '--advertise-address', '10.0.0.2:0'], line: /^conduit worker: --advertise-address must be host:port, .* got "10\.0\.0\.2:0"$/m, code: 2 },
@@ -127,11 +128,13 @@ describe('conduit worker: options its engine ignores', () => {
     try {
       const port = ['--port', String(busyPort)];
       const cases: { args: string[]; env?: NodeJS.ProcessEnv; warned: string[] }[] = [
-        { args: ['--engine', 'sim', '--kv-cache-dtype', 'f32', '--kv-cache-memory', '1GiB', '--kv-cache-idle-release', '30', '--guided-jump-forward'], warned: [
+        { args: ['--engine', 'sim', '--kv-cache-dtype', 'f32', '--kv-cache-memory', '1GiB', '--kv-cache-idle-release', '30', '--guided-jump-forward',
+          '--stream-interval', '4'], warned: [
           '--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it',
           '--kv-cache-memory is for cpu workers: a simulated worker\'s KV pool is its GPUs\' memory left after the weights',
           '--kv-cache-dtype is for cpu workers: simulated workers count KV elements at their profile\'s size (llama-3.1-8b: 2 bytes, BF16)',
           '--guided-jump-forward is for cpu workers: simulated workers draw every token of a guided request among those its grammar allows',
+          '--stream-interval is for cpu workers: simulated workers hand over each token as its step ends',
         ] },
         // From the environment too, as serve takes them.
         { args: ['--engine', 'sim'], env: { CONDUIT_KV_CACHE_DTYPE: 'f32' }, warned: [

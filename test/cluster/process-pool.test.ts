@@ -233,6 +233,36 @@ describe('serve --worker-processes passes the engine options on to its children'
   });
 });
 
+describe('serve --worker-processes --stream-interval 4', () => {
+  let server: RunningServer;
+
+  before(async () => {
+    const config = parseServeConfig(['--port', '0', '--workers', '1', '--worker-processes', '--threads', '1', '--kv-cache-memory', '8MiB',
+      '--stream-interval', '4', '--no-request-log'], {});
+    assert.notEqual(config, 'help');
+    server = await startServer(config as Exclude<typeof config, 'help'>, createLogger('error'));
+  });
+  after(async () => {
+    await server?.api.shutdown(0);
+  });
+
+  test('holds in the child worker: the first token alone, then four tokens to a chunk', async () => {
+    const res = await fetch(`${server.url}/v1/completions`, {
+      method: 'POST', headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ prompt: 'Once upon a time', temperature: 0, max_tokens: 13, logprobs: 1, stream: true }),
+    });
+    assert.equal(res.status, 200);
+    const sizes: number[] = [];
+    for (const line of (await res.text()).split('\n')) {
+      if (!line.startsWith('data: {')) continue;
+      const chunk = JSON.parse(line.slice(6)) as { choices: { logprobs: { tokens: string[] } | null }[] };
+      const tokens = chunk.choices[0]?.logprobs?.tokens.length ?? 0;
+      if (tokens > 0) sizes.push(tokens);
+    }
+    assert.deepEqual(sizes, [1, 4, 4, 4]);
+  });
+});
+
 describe('serve --worker-processes: the children take the server\'s command line, not the environment\'s twins', () => {
   let server: RunningServer | undefined;
   // What an environment shared with other deployments may hold: serve's own twins, which the typed options override,

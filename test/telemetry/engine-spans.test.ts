@@ -204,6 +204,29 @@ describe('engine spans on a live server (one CPU worker, a span per decode step)
   });
 });
 
+describe('engine spans with --stream-interval 4 (tokens handed over four at a time)', () => {
+  let server: LiveServer;
+
+  before(async () => {
+    server = await startLiveServer({ telemetry: PER_STEP, streamInterval: 4 });
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('a span per decode step, the steps of held tokens included, each once for two completions', LIVE, async () => {
+    const res = await rawRequest(server.url, { path: '/v1/completions', body: {
+      model: server.api.gateway.servedModelName!, prompt: longPrompt(), max_tokens: 9, n: 2, temperature: 0.8, seed: 3, ignore_eos: true,
+    } });
+    assert.equal(res.status, 200, res.text);
+    const body = res.json() as { id: string; usage: { completion_tokens: number } };
+    assert.equal(body.usage.completion_tokens, 18);
+    const spans = await spansOf(server, body.id);
+    assertEngineSpans(spans, { decodeSteps: 8 });
+    for (const step of named(spans, 'decode_step')) assert.equal(step.attributes['decode.batch_size'], 2, 'both completions in every step');
+  });
+});
+
 describe('engine spans of a request that timed out mid-stream', () => {
   let timing: LiveServer;
 

@@ -46,6 +46,8 @@ export interface LiveServerOptions {
   maxNumBatchedTokens?: number;
   /** Jump-forward decoding for guided requests on the CPU workers (`--guided-jump-forward`; off by default). */
   guidedJumpForward?: boolean;
+  /** Tokens a CPU worker hands over together after a completion's first (`--stream-interval`; default 1). */
+  streamInterval?: number;
   /** Telemetry settings over the fixture's (sampling, per-token spans...). */
   telemetry?: Partial<TelemetryOptions>;
 }
@@ -79,6 +81,7 @@ export async function startLiveServer(options: LiveServerOptions = {}): Promise<
       ...(options.threads !== undefined ? { threads: options.threads } : {}),
       ...(options.maxNumBatchedTokens !== undefined ? { maxNumBatchedTokens: options.maxNumBatchedTokens } : {}),
       ...(options.guidedJumpForward !== undefined ? { guidedJumpForward: options.guidedJumpForward } : {}),
+      ...(options.streamInterval !== undefined ? { streamInterval: options.streamInterval } : {}),
       ...(options.disaggregated ? {
         ...options.disaggregated,
         // Remote prefill whatever the prompt: estimates that make moving KV always cheaper than computing it.
