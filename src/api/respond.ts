@@ -101,7 +101,7 @@ async function streamFrom(
 ): Promise<void> {
   // With include_usage every chunk carries "usage": null until the last. Continuous usage (vLLM's) fills it in each
   // time with its choice's own: that choice's prompt and the tokens it has generated so far (none in the opening
-  // chunks, which say only the role).
+  // chunks, which say only the role or echo the choice's prompt).
   const choiceTokens = new Array<number>(run.sequences).fill(0);
   const choiceUsage = (index: number): WireUsage => {
     const promptIndex = Math.floor(index / run.n);
@@ -113,7 +113,7 @@ async function streamFrom(
   // chunk that first shows them: that write is when the client sees them.
   let unshownTokens = 0;
   try {
-    for (const chunk of shape.openingChunks(chunkUsage(() => wireUsage(run.promptTokens, 0, run.cachedPromptTokens)))) await writer.send(chunk);
+    for (const chunk of shape.openingChunks((index) => chunkUsage(() => choiceUsage(index)))) await writer.send(chunk);
     let update = firstUpdate;
     while (update) {
       unshownTokens += update.tokens;

@@ -23,9 +23,15 @@ export interface ChoiceUpdate {
   tokenIds?: readonly number[];
 }
 
+/** The usage one choice's chunk carries (null or undefined: none, as stream_options asks). */
+export type ChoiceUsage = (choiceIndex: number) => WireUsage | null | undefined;
+
 export interface ResponseShape {
-  /** Chunks sent as soon as the stream opens. */
-  openingChunks(usage: WireUsage | null | undefined): object[];
+  /**
+   * Chunks sent as soon as the stream opens. usageOf gives the usage a choice's chunk carries: its own prompt's (a
+   * completions request may have several prompts), none generated yet.
+   */
+  openingChunks(usageOf: ChoiceUsage): object[];
   /** Chunks for one update (none when it carries nothing to show). */
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[];
   /** The closing chunk with empty choices that stream_options.include_usage asks for. */
@@ -75,10 +81,10 @@ export class ChatShape implements ResponseShape {
     return this.texts.chatLogprobs(update.logprobs, this.topLogprobs);
   }
 
-  openingChunks(usage: WireUsage | null | undefined): object[] {
+  openingChunks(usageOf: ChoiceUsage): object[] {
     // Like OpenAI, every choice's first chunk names the role and carries no text yet.
     return Array.from({ length: this.choiceCount }, (_, index) => chatChunkBody(this.meta,
-      [{ index, delta: { role: 'assistant', content: '' }, logprobs: null, finishReason: null }], usage));
+      [{ index, delta: { role: 'assistant', content: '' }, logprobs: null, finishReason: null }], usageOf(index)));
   }
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
@@ -161,13 +167,13 @@ export class CompletionShape implements ResponseShape {
     return completionBody(this.meta, [choice], usage);
   }
 
-  openingChunks(usage: WireUsage | null | undefined): object[] {
+  openingChunks(usageOf: ChoiceUsage): object[] {
     // An echo with logprobs goes out with the choice's first update, together with the prompt's logprobs.
     if (this.echoPromptTokenIds.length > 0) return [];
     return this.echoTexts
       .map((text, index) => ({ text, index }))
       .filter(({ text }) => text.length > 0)
-      .map(({ text, index }) => this.chunk({ index, text, logprobs: null, finishReason: null, stopReason: null }, usage));
+      .map(({ text, index }) => this.chunk({ index, text, logprobs: null, finishReason: null, stopReason: null }, usageOf(index)));
   }
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
@@ -224,8 +230,8 @@ export class PromptLogprobsShape implements ResponseShape {
     private readonly place: 'response' | 'choices',
   ) {}
 
-  openingChunks(usage: WireUsage | null | undefined): object[] {
-    return this.inner.openingChunks(usage);
+  openingChunks(usageOf: ChoiceUsage): object[] {
+    return this.inner.openingChunks(usageOf);
   }
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {
@@ -306,9 +312,9 @@ export class TokenIdsShape implements ResponseShape {
     return { ...chunk, choices, ...(prompt !== undefined && this.place === 'response' ? { prompt_token_ids: prompt } : {}) };
   }
 
-  openingChunks(usage: WireUsage | null | undefined): object[] {
+  openingChunks(usageOf: ChoiceUsage): object[] {
     // Chat's opening chunks only name the role (no token_ids, as vLLM's); completions' show an echoed prompt.
-    return this.inner.openingChunks(usage).map((chunk) => this.decorate(chunk, this.place === 'choices' ? [] : undefined));
+    return this.inner.openingChunks(usageOf).map((chunk) => this.decorate(chunk, this.place === 'choices' ? [] : undefined));
   }
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {

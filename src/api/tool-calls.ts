@@ -10,7 +10,7 @@ import {
   chatChunkBody, chatCompletionBody, type ChatResponseMeta, type ChatTokenLogprob, type TokenTexts,
   type WireFinishReason, type WireUsage,
 } from './openai-format.ts';
-import { collectChatUpdate, type ChoiceUpdate, type ResponseShape } from './response-shapes.ts';
+import { collectChatUpdate, type ChoiceUpdate, type ChoiceUsage, type ResponseShape } from './response-shapes.ts';
 import { childPath, Fields, isJsonObject, readObject, readString, type JsonObject } from './validate.ts';
 
 export const TOOL_CALL_PARSERS = ['hermes', 'llama3_json', 'mistral'] as const;
@@ -553,9 +553,9 @@ export class ToolChatShape implements ResponseShape {
     return reason === 'stop' && calls > 0 && this.mode.kind !== 'named' ? 'tool_calls' : reason;
   }
 
-  openingChunks(usage: WireUsage | null | undefined): object[] {
+  openingChunks(usageOf: ChoiceUsage): object[] {
     return Array.from({ length: this.choiceCount }, (_, index) => chatChunkBody(this.meta,
-      [{ index, delta: { role: 'assistant', content: '' }, logprobs: null, finishReason: null }], usage));
+      [{ index, delta: { role: 'assistant', content: '' }, logprobs: null, finishReason: null }], usageOf(index)));
   }
 
   updateChunks(update: ChoiceUpdate, usage: WireUsage | null | undefined): object[] {

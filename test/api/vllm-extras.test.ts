@@ -169,6 +169,28 @@ describe('vLLM\'s extra request fields', () => {
     await waitFor(() => engineIdle(server.engine), 'nothing running');
   });
 
+  it('stream_options.continuous_usage_stats: an echoed prompt\'s chunk carries that prompt\'s usage, not every prompt\'s', E2E, async () => {
+    const events = (text: string) => text.split('\n').filter((line) => line.startsWith('data: {')).map((line) => JSON.parse(line.slice(6)));
+    const prompts = ['Once upon a time', 'The weather today in the small town by the sea is'];
+    const promptLengths: number[] = [];
+    for (const prompt of prompts) promptLengths.push((await post('/tokenize', { prompt })).json().count);
+    const response = await post('/v1/completions', {
+      prompt: prompts, max_tokens: 2, echo: true, ignore_eos: true, stream: true,
+      stream_options: { include_usage: true, continuous_usage_stats: true },
+    });
+    assert.equal(response.status, 200, response.text);
+    const chunks = events(response.text);
+    for (const [index, prompt] of prompts.entries()) {
+      const echoed = chunks.find((chunk) => chunk.choices[0]?.index === index && chunk.choices[0].text === prompt);
+      assert.ok(echoed, `choice ${index} echoes its prompt: ${response.text}`);
+      assert.deepEqual(
+        { prompt: echoed.usage.prompt_tokens, completion: echoed.usage.completion_tokens, total: echoed.usage.total_tokens },
+        { prompt: promptLengths[index], completion: 0, total: promptLengths[index] }, JSON.stringify(echoed));
+    }
+    assert.equal(chunks.at(-1).usage.prompt_tokens, promptLengths[0]! + promptLengths[1]!, 'the usage chunk counts each prompt once');
+    await waitFor(() => engineIdle(server.engine), 'nothing running');
+  });
+
   it('/detokenize keeps special tokens, as vLLM\'s does (a Hugging Face decode\'s default)', E2E, async () => {
     const detokenize = async (body: object) => {
       const ids = (await post('/tokenize', body)).json().tokens as number[];
