@@ -80,6 +80,13 @@ export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, nee
     };
   }
   if (servers) {
+    // nats.js reads these files itself, at every connection attempt: an unreadable one, or a certificate without its
+    // key, would otherwise show only as a connection that never comes up ("waiting for NATS ..." for ever), where
+    // the same mistake in the etcd flags is refused at start.
+    for (const flag of ['nats-ca-file', 'nats-cert-file', 'nats-key-file'] as const) readPem(values[flag], flag);
+    if ((values['nats-cert-file'] === undefined) !== (values['nats-key-file'] === undefined)) {
+      throw new UsageError(`${label('nats-cert-file')} and ${label('nats-key-file')} go together (the client certificate and its key)`);
+    }
     config.nats = {
       servers,
       ...(values['nats-token'] !== undefined ? { token: values['nats-token'] } : {}),
