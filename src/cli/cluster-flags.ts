@@ -61,6 +61,13 @@ export function parseClusterConfig(values: FlagValues<typeof CLUSTER_FLAGS>, nee
   if (!token) throw new UsageError('--cluster-token (or CONDUIT_CLUSTER_TOKEN) is required: the request plane refuses connections without it');
   const namespace = values.namespace!;
   if (!/^[A-Za-z0-9_-]{1,64}$/.test(namespace)) throw new UsageError(`--namespace must be 1-64 letters, digits, "-" or "_", got "${namespace}"`);
+  // A password is sent only with its user: alone it would be dropped without a word and the connection made
+  // unauthenticated (against a server with auth on, an endless retry on "permission denied" or "authorization").
+  for (const [password, user] of [['etcd-password', 'etcd-username'], ['nats-password', 'nats-user']] as const) {
+    if (values[password] !== undefined && values[user] === undefined) {
+      throw new UsageError(`${label(password)} needs ${label(user)} (the user whose password it is)`);
+    }
+  }
   const endpoints = list(values['etcd-endpoints']);
   const servers = list(values['nats-server']);
   if (needServices && !endpoints) throw new UsageError('--etcd-endpoints (or CONDUIT_ETCD_ENDPOINTS) is required');
