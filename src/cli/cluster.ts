@@ -164,8 +164,10 @@ export const clusterCommand: Command = {
       };
       const engineArgs = ['--engine', values.engine!,
         ...(values.model !== undefined ? ['--model', values.model] : []),
-        ...(values.engine === 'sim' ? ['--sim-model', values['sim-model']!] : []),
-        '--threads', String(Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count)))];
+        // The machine's cores shared between the workers: cpu workers' compute threads (simulated workers have none,
+        // and would warn about the option at every start).
+        ...(values.engine === 'sim' ? ['--sim-model', values['sim-model']!]
+          : ['--threads', String(Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count)))])];
       const grace = ['--shutdown-grace', String(graceSeconds)];
       const killAfterMs = graceSeconds * 1000 + 10_000;
       for (let i = 0; i < count; i++) {

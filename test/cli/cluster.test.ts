@@ -3,7 +3,8 @@
 // then Ctrl-C during a long stream, which a terminal sends to the whole foreground group: the command stops its
 // children in order, each within its grace, so the stream ends whole, the workers deregister while etcd still runs,
 // and nothing it started is left listening. Its CONDUIT_PORT is the frontend's port alone: the workers listen on free
-// loopback ports and report those, whatever CONDUIT_PORT or CONDUIT_ADVERTISE_ADDRESS say.
+// loopback ports and report those, whatever CONDUIT_PORT or CONDUIT_ADVERTISE_ADDRESS say. Simulated workers are
+// started without the cpu workers' --threads, which they would warn about.
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import { after, describe, it } from 'node:test';
@@ -53,6 +54,7 @@ describe('conduit cluster', { skip: servicesMissing() }, () => {
         if (Date.now() > deadline) throw new Error(`the frontend was not ready on CONDUIT_PORT ${port} within 90 s:\n${proc.output()}`);
         await new Promise((resolve) => setTimeout(resolve, 200));
       }
+      assert.doesNotMatch(proc.output(), /--threads is for cpu workers/, 'a simulated worker is given no --threads');
       assert.match(workers[0]!.address, /^127\.0\.0\.1:\d+$/);
       assert.notEqual(workers[0]!.address, `127.0.0.1:${port}`);
       assert.notEqual(workers[0]!.address, '127.0.0.1:1');
