@@ -12,6 +12,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
+import { getModelProfile } from '../sim/models.ts';
 import { formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
@@ -65,8 +66,9 @@ async function waitForPort(port: number, what: string, child: ChildProcess, maxM
 }
 
 /**
- * The options checked before anything starts. The frontend's are checked here, as the frontend checks them: refused
- * before etcd, NATS and the workers start, rather than by a frontend that exits once they run.
+ * The options checked before anything starts. The frontend's are checked here, as the frontend checks them (and the
+ * simulated workers' profile): refused before etcd, NATS and the workers start, rather than by a process that exits
+ * once they run.
  */
 function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
   port: number; routingPolicy: string; migrationLimit: number; count: number; graceSeconds: number;
@@ -87,6 +89,15 @@ function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_F
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
   if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
+  // A profile the workers do not know would stop each of them at start, once etcd and NATS run (exit 1): refused here
+  // with the workers' own message, as a usage error.
+  if (values.engine === 'sim') {
+    try {
+      getModelProfile(values['sim-model']!);
+    } catch (err) {
+      throw new UsageError(`--sim-model: ${(err as Error).message}`);
+    }
+  }
   return { port, routingPolicy, migrationLimit, count, graceSeconds };
 }
 

@@ -1,7 +1,8 @@
-// `conduit cluster` checks the options it hands its frontend (port, routing policy, migration limit) and refuses stray
-// arguments before it starts anything; and a frontend that exits on its own (its port in use) stops the whole
-// cluster with exit code 1, etcd and NATS included, instead of leaving them running with no API in front. The
-// command runs as a child process in a group of its own, as a shell starts a job; every wait is bounded.
+// `conduit cluster` checks the options it hands its frontend (port, routing policy, migration limit) and its simulated
+// workers (their profile), and refuses stray arguments before it starts anything; and a frontend that exits on its
+// own (its port in use) stops the whole cluster with exit code 1, etcd and NATS included, instead of leaving them
+// running with no API in front. The command runs as a child process in a group of its own, as a shell starts a job;
+// every wait is bounded.
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import { after, describe, it } from 'node:test';
@@ -28,12 +29,13 @@ async function exitWithin(proc: Proc, ms: number): Promise<number | string> {
 describe('conduit cluster options', () => {
   after(stopAll);
 
-  it('refuses a bad --port, --routing-policy or --migration-limit, and stray arguments, before starting anything', async () => {
+  it('refuses a bad --port, --routing-policy, --migration-limit or --sim-model, and stray arguments, before starting anything', async () => {
     const cases: [string[], RegExp][] = [
       [['--port', '70000'], /conduit cluster: --port must be 0\.\.65535, got 70000/],
       [['--routing-policy', 'bogus'], /conduit cluster: --routing-policy must be one of kv, .*got "bogus"/],
       [['--migration-limit', '-1'], /conduit cluster: --migration-limit must be a whole number >= 0, got -1/],
       [['extra-arg'], /conduit cluster: unexpected argument "extra-arg"/],
+      [['--sim-model', 'bogus'], /conduit cluster: --sim-model: unknown model "bogus"; known: llama-3\.1-8b/],
     ];
     for (const [args, message] of cases) {
       const proc = startConduit(['cluster', '--engine', 'sim', '--workers', '1', ...args], {}, { detached: true });
