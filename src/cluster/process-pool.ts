@@ -277,9 +277,13 @@ async function createProcessDisaggregatedPool(options: ProcessPoolOptions, log?:
       ...(options.disaggregationEstimates ? { estimates: options.disaggregationEstimates } : {}),
       migration: { limit: options.migrationLimit ?? 0, tokenizer: model.tokenizer },
       ...(log ? { log } : {}),
+      // A lost child (not restarted in this mode) keeps its place in the list, but its last stats are those of the
+      // moment it died: the requests they count have failed or moved on since. It is listed without them, as a
+      // frontend lists a lost worker.
       workerList: () => workers.map(({ id, role, engine: w }) => {
+        if (w.lost) return { id, role, pid: w.pid, address: w.address, state: 'lost' };
         const stats = w.stats();
-        return { id, role, pid: w.pid, address: w.address, state: w.lost ? 'lost' : 'ready', running: stats.numRunning, waiting: stats.numWaiting };
+        return { id, role, pid: w.pid, address: w.address, state: 'ready', running: stats.numRunning, waiting: stats.numWaiting };
       }),
     });
   } catch (error) {
