@@ -8,7 +8,8 @@
 // goes (lease lapsed or revoked); a worker whose key is still there after its connection dropped is reconnected.
 // A worker whose model card is over the frontend's --max-frame-bytes is not retried until it registers again: while
 // no worker has joined, that is why the frontend serves nothing, and /health and refused requests say so
-// (notServingReason), where they would otherwise only say it is loading.
+// (notServingReason), where they would otherwise only say it is loading; as they say that prefill workers joined
+// before any decode worker wait for one.
 // A key that names no usable worker (an address without its port, say) is logged once and ignored by the watch
 // (discovery.ts): it never stops the frontend.
 // A worker has one connection at a time: a re-registration (a restart on a new port, or another process behind the
@@ -211,7 +212,14 @@ export class ClusterFrontend {
   notServingReason(): string | undefined {
     if (this.engine || this.disaggregated) return undefined;
     const unreadable = [...this.members.values()].flatMap(({ unreadableCard }) => unreadableCard ?? []);
-    if (unreadable.length === 0) return undefined;
+    if (unreadable.length === 0) {
+      // Prefill workers joined before any decode worker: the model is known, but nothing serves until a decode worker
+      // joins (joinDisaggregated), which waiting alone does not bring.
+      const prefill = this.waitingPrefill.filter((remote) => !remote.lost).length;
+      if (prefill === 0) return undefined;
+      return `${prefill} prefill worker${prefill > 1 ? 's have' : ' has'} joined, but no decode worker: prefill and decode `
+        + 'workers are served from when the first decode worker (conduit worker --role decode) joins';
+    }
     // The largest card decides the limit that reads them all.
     const largest = unreadable.reduce((a, b) => (b.cardBytes > a.cardBytes ? b : a));
     const others = unreadable.length - 1;
