@@ -55,7 +55,12 @@ export interface ProcessPoolOptions extends WorkerPoolOptions {
 
 /** One child process and its connection, as the router holds a worker. */
 export class ChildWorker implements RoutableEngine {
+  /** Resolves when the process has exited. */
+  readonly exited: Promise<void>;
+
   constructor(readonly id: string, private readonly child: ChildProcess, readonly remote: RemoteEngine) {
+    this.exited = child.exitCode !== null || child.signalCode !== null ? Promise.resolve()
+      : new Promise((resolve) => child.once('exit', () => resolve()));
     // A child whose connection is lost (it crashed, or hung past the heartbeat timeout) is never used again: its
     // requests have failed or moved, and a replacement may start. One that hung would otherwise keep its model and
     // KV pool in memory until the server exits.
@@ -93,6 +98,16 @@ export class ChildWorker implements RoutableEngine {
   }
 }
 
+/**
+ * The place a child stands in: its id without the suffix a restart adds (worker-1-r2 stands in for worker-1, the name
+ * WorkerGroup gives the replacement). A replacement keeps its place's disk tier folder, as a restarted worker thread
+ * keeps its slot's: the blocks written there are found again, the folder stays within --kv-offload-disk-size, and it
+ * is one of the worker folders the next start recognizes (a worker-1-r2 folder would be neither read nor removed).
+ */
+function slotOf(id: string): string {
+  return id.replace(/-r\d+$/, '');
+}
+
 /** The worker flags of `conduit worker` that rebuild the pool's engine in a child. */
 function childArgs(options: ProcessPoolOptions, id: string, threads: number, role: WorkerRole): string[] {
   const args = ['worker', '--parent-ipc', '--worker-id', id, '--host', '127.0.0.1', '--port', '0', '--engine', options.engine,
@@ -112,7 +127,7 @@ function childArgs(options: ProcessPoolOptions, id: string, threads: number, rol
   // tier gets a folder of its own (the folder's lock keeps a second process out).
   if (options.kvOffloadMemoryBytes !== undefined) add('kv-offload-memory', Math.floor(options.kvOffloadMemoryBytes / workers));
   if (options.kvOffloadDiskDir !== undefined) {
-    add('kv-offload-disk', join(options.kvOffloadDiskDir, id));
+    add('kv-offload-disk', join(options.kvOffloadDiskDir, slotOf(id)));
     add('kv-offload-disk-size', Math.floor((options.kvOffloadDiskBytes ?? 0) / workers));
   }
   add('scheduling-policy', options.policy);
@@ -312,7 +327,7 @@ export async function createProcessWorkerPool(options: ProcessPoolOptions, log?:
   // The server holds the disk tier's folder; each child its own subfolder in it.
   const create = () => options.prefillWorkers !== undefined || options.decodeWorkers !== undefined
     ? createProcessDisaggregatedPool(options, log) : createProcessAggregatedPool(options, log);
-  // Each child's subfolder is named by its id (startChildren).
+  // Each child's subfolder is named by its place (its first id, which a replacement keeps: slotOf).
   const ids = options.prefillWorkers !== undefined || options.decodeWorkers !== undefined
     ? [...Array.from({ length: options.prefillWorkers ?? 0 }, (_, i) => `prefill-${i}`), ...Array.from({ length: options.decodeWorkers ?? 0 }, (_, i) => `decode-${i}`)]
     : Array.from({ length: options.workers }, (_, i) => `worker-${i}`);
@@ -326,6 +341,15 @@ async function createProcessAggregatedPool(options: ProcessPoolOptions, log?: Wo
   const threads = options.threads ?? Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count));
   const workers = (await startChildren(options, Array.from({ length: count }, (_, i) => ({ id: `worker-${i}`, role: 'both' as const })), token, threads))
     .map(({ id, engine }) => ({ id, engine }));
+  // The child standing in each place: a replacement starts once the process it replaces has exited (a lost child is
+  // killed), since it takes over that one's disk tier folder and its lock.
+  const current = new Map(workers.map(({ id, engine }) => [id, engine]));
+  const restartChild = async (id: string): Promise<ChildWorker> => {
+    await current.get(slotOf(id))?.exited;
+    const child = await startChildWorker(options, id, token, threads);
+    current.set(slotOf(id), child);
+    return child;
+  };
   const { tokenizer, chatTemplate } = await modelOf(workers[0]!.engine);
   const router = makeRouter(options, workers[0]!.engine.info.blockSize, 0);
   const limit = options.workerRestartLimit ?? 0;
@@ -333,7 +357,7 @@ async function createProcessAggregatedPool(options: ProcessPoolOptions, log?: Wo
     migration: { limit: options.migrationLimit ?? 0, ...(options.engine === 'cpu' ? { tokenizer } : {}) },
     ...(limit > 0 ? {
       restart: {
-        limit, start: (id: string) => startChildWorker(options, id, token, threads),
+        limit, start: restartChild,
         ...(options.workerRestartDelayMs !== undefined ? { baseDelayMs: options.workerRestartDelayMs } : {}),
       },
     } : {}),
