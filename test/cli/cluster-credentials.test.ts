@@ -1,7 +1,9 @@
-// The NATS TLS flags of `conduit worker` and `conduit frontend` are checked at start as the etcd ones are: a file
-// that cannot be read, or a client certificate without its key (or a key without its certificate), is a usage error
-// naming the flag (or its variable), rather than a process that starts and then waits for NATS for ever because
-// nats.js fails every connection attempt on the same file.
+// The credentials `conduit worker` and `conduit frontend` take for etcd and NATS are checked at start, the NATS TLS
+// files as the etcd ones are: a file that cannot be read, or a client certificate without its key (or a key without
+// its certificate), is a usage error naming the flag (or its variable), rather than a process that starts and then
+// waits for NATS for ever because nats.js fails every connection attempt on the same file. A password is sent only
+// with its user: one given alone (the user's flag or variable forgotten or misspelt) is a usage error naming both,
+// rather than dropped so that the process connects without credentials.
 import assert from 'node:assert/strict';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -51,5 +53,22 @@ describe('NATS TLS files', () => {
     assert.deepEqual(config(['--nats-ca-file', pem, '--nats-cert-file', pem, '--nats-key-file', pem]).nats,
       { servers: ['nats://127.0.0.1:1'], caFile: pem, certFile: pem, keyFile: pem });
     assert.deepEqual(config(['--nats-ca-file', pem]).nats, { servers: ['nats://127.0.0.1:1'], caFile: pem });
+  });
+});
+
+describe('a cluster password without its user', () => {
+  it('is refused, naming the flags or the variable that gave the password', () => {
+    refused(['--etcd-password', 'p'], {}, /^--etcd-password needs --etcd-username/);
+    refused(['--nats-password', 'p'], {}, /^--nats-password needs --nats-user/);
+    refused([], { CONDUIT_ETCD_PASSWORD: 'p' }, /^CONDUIT_ETCD_PASSWORD \(--etcd-password\) needs --etcd-username/);
+    refused([], { CONDUIT_NATS_PASSWORD: 'p' }, /^CONDUIT_NATS_PASSWORD \(--nats-password\) needs --nats-user/);
+  });
+
+  it('with its user, both reach the connection options', () => {
+    const both = config(['--etcd-username', 'u', '--etcd-password', 'p', '--nats-user', 'n', '--nats-password', 'q']);
+    assert.equal(both.etcd?.username, 'u');
+    assert.equal(both.etcd?.password, 'p');
+    assert.equal(both.nats?.user, 'n');
+    assert.equal(both.nats?.password, 'q');
   });
 });
