@@ -8,7 +8,7 @@ import type { ChoiceUpdate, ResponseShape } from './response-shapes.ts';
 import type { ResponsesEcho } from './schemas/responses.ts';
 import type { SseStyle } from './sse.ts';
 
-type Status = 'in_progress' | 'completed' | 'incomplete';
+type Status = 'in_progress' | 'completed' | 'incomplete' | 'failed';
 
 /** A chat message's tool call, as ToolChatShape's body gives it. */
 interface ChatToolCall { id: string; function: { name: string; arguments: string } }
@@ -87,21 +87,24 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     this.calls = message.tool_calls ?? [];
   }
 
-  /** The response object as it stands: in progress (no output yet), or finished with its message and usage. */
-  private response(usage: WireUsage | null): object {
-    const status = this.status;
+  /**
+   * The response object as it stands: in progress (no output yet), finished with its message and usage, or failed
+   * with its error (no output: the items begun were never finished).
+   */
+  private response(usage: WireUsage | null, failure?: { code: string | null; message: string }): object {
+    const status: Status = failure ? 'failed' : this.status;
     const { echo } = this;
     return {
       id: this.meta.id,
       object: 'response',
       created_at: this.meta.created,
       status,
-      error: null,
+      error: failure ?? null,
       incomplete_details: status === 'incomplete' ? { reason: this.finishReason === 'length' ? 'max_output_tokens' : 'aborted' } : null,
       instructions: echo.instructions,
       max_output_tokens: echo.maxOutputTokens,
       model: this.meta.model,
-      output: status === 'in_progress' ? [] : this.outputItems(),
+      output: status === 'in_progress' || status === 'failed' ? [] : this.outputItems(),
       parallel_tool_calls: echo.parallelToolCalls,
       previous_response_id: null,
       reasoning: { effort: echo.reasoningEffort, summary: null },
@@ -216,8 +219,14 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     return this.response(usage);
   }
 
+  /**
+   * A stream failing after it began ends as OpenAI's does, with response.failed carrying the response, its status
+   * "failed" and its error: clients (the openai package's responses.stream()) take the last response.* event as the
+   * response. Before response.created there is no response to fail, so only an `error` event.
+   */
   errorEvent(body: ErrorBody): object {
     const { message, code, param } = body.error;
-    return this.event('error', { code, message, param });
+    if (this.sequence === 0) return this.event('error', { code, message, param });
+    return this.event('response.failed', { response: this.response(null, { code, message }) });
   }
 }

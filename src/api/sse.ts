@@ -24,7 +24,10 @@ export interface SseStyle {
   readonly namedEvents: boolean;
   /** `data: [DONE]` after the last event. */
   readonly doneMarker: boolean;
-  /** The data of the error event (default: OpenAI's error body itself). */
+  /**
+   * The event that ends a stream failing after it began (default: an `error` event whose data is OpenAI's error
+   * body itself); with named events, its `type` names it.
+   */
   errorEvent?(body: ErrorBody): object;
 }
 
@@ -62,9 +65,14 @@ export class SseWriter {
     await this.write(`${typeof type === 'string' ? `event: ${type}\n` : ''}data: ${JSON.stringify(data)}\n\n`, tokens);
   }
 
-  /** An error after the stream began: an `error` event (its data OpenAI's error shape, or the style's), then the end. */
+  /**
+   * An error after the stream began: the style's failure event (the Responses API's response.failed), or an `error`
+   * event with OpenAI's error shape; then the end.
+   */
   async fail(body: ErrorBody): Promise<void> {
-    await this.write(`event: error\ndata: ${JSON.stringify(this.style.errorEvent?.(body) ?? body)}\n\n`, 0);
+    const data = this.style.errorEvent?.(body) ?? body;
+    const type = this.style.namedEvents ? (data as { type?: unknown }).type : undefined;
+    await this.write(`event: ${typeof type === 'string' ? type : 'error'}\ndata: ${JSON.stringify(data)}\n\n`, 0);
     this.end();
   }
 

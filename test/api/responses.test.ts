@@ -253,3 +253,46 @@ describe('POST /v1/responses', () => {
     assert.equal(server.engine.stats().kvBlocksUsed, 0);
   });
 });
+
+describe('POST /v1/responses: a stream that fails after it began', () => {
+  let server: TestServer;
+  let client: OpenAI;
+  let model: string;
+
+  before(async () => {
+    // A generation far longer than the limit: the stream opens, then the timeout cuts it.
+    server = await startTestServer({ flags: ['--request-timeout', '0.5'] });
+    client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  const NEVER_ENDING = { input: 'Never ending', max_output_tokens: 2000, ignore_eos: true, temperature: 0 };
+
+  it('ends with response.failed carrying the failed response and its error, as OpenAI\'s does', E2E, async () => {
+    const stream = await client.responses.create({ model, ...NEVER_ENDING, stream: true } as never) as unknown as AsyncIterable<OpenAI.Responses.ResponseStreamEvent>;
+    const events: OpenAI.Responses.ResponseStreamEvent[] = [];
+    for await (const event of stream) events.push(event);
+    assert.ok(events.some((e) => e.type === 'response.output_text.delta'), 'the stream had begun');
+    assert.deepEqual(events.map((e) => e.sequence_number), events.map((_, i) => i), 'consecutive sequence numbers');
+    assert.ok(!events.some((e) => e.type === 'error'), 'no error event beside response.failed');
+    const last = events.at(-1)!;
+    assert.equal(last.type, 'response.failed');
+    const failed = (last as OpenAI.Responses.ResponseFailedEvent).response;
+    assert.equal(failed.id, (events[0] as OpenAI.Responses.ResponseCreatedEvent).response.id);
+    assert.equal(failed.status, 'failed');
+    assert.equal(failed.error?.code, 'request_timeout');
+    assert.match(failed.error!.message, /--request-timeout/);
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+  });
+
+  it('responses.stream() gives the failed response as the final one', E2E, async () => {
+    const stream = client.responses.stream({ model, ...NEVER_ENDING } as never);
+    const response = await stream.finalResponse();
+    assert.equal(response.status, 'failed');
+    assert.equal(response.error?.code, 'request_timeout');
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+  });
+});
