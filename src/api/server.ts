@@ -135,8 +135,13 @@ interface Route {
 
 /** Routes polled by orchestrators and scrapers: their request lines are debug-level, not info. */
 const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
-/** Response headers a cross-origin page may read: the request's id, retry hints and its trace context. */
-const CORS_EXPOSED_HEADERS = 'X-Request-Id, Retry-After, retry-after-ms, traceparent, tracestate';
+/**
+ * Response headers a cross-origin page may read: the request's id, retry hints, its trace context and the tenant's
+ * rate-limit state (RateLimiter.headers).
+ */
+const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'traceparent', 'tracestate',
+  'x-ratelimit-limit-requests', 'x-ratelimit-remaining-requests', 'x-ratelimit-reset-requests',
+  'x-ratelimit-limit-tokens', 'x-ratelimit-remaining-tokens', 'x-ratelimit-reset-tokens'].join(', ');
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
 interface MultiWorkerEngine extends Engine {

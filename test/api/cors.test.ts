@@ -14,7 +14,8 @@ import { launchChromium, CHROMIUM_PATH } from '../helpers/chromium.ts';
 import { startTestServer, type TestServer } from './e2e-fixture.ts';
 
 const E2E = { timeout: 120_000 };
-const KEYS = 'sk-cors-0000 web\n';
+// The second tenant has request and token limits, so its answers carry the x-ratelimit-* headers.
+const KEYS = 'sk-cors-0000 web\nsk-cors-limited limited 1000 1000000\n';
 
 /** One raw HTTP exchange (fetch in Node would hide nothing, but this keeps the headers as sent). */
 function exchange(url: string, method: string, path: string, headers: Record<string, string>, body?: string) {
@@ -78,6 +79,17 @@ describe('CORS', () => {
     assert.equal(refused.status, 401);
     assert.equal(refused.headers['access-control-allow-origin'], '*');
     assert.equal((await chat(any.url)).headers['access-control-allow-origin'], undefined);
+  });
+
+  it('a page may read the rate-limit headers its answers carry', E2E, async () => {
+    const answer = await exchange(any.url, 'POST', '/v1/chat/completions', {
+      'Content-Type': 'application/json', Authorization: 'Bearer sk-cors-limited', Origin: 'https://app.example',
+    }, JSON.stringify({ messages: [{ role: 'user', content: 'Hi' }], max_tokens: 2 }));
+    assert.equal(answer.status, 200, answer.text);
+    const rateLimitHeaders = Object.keys(answer.headers).filter((name) => name.startsWith('x-ratelimit-'));
+    assert.equal(rateLimitHeaders.length, 6, `requests and tokens: limit, remaining, reset (${rateLimitHeaders.join(', ')})`);
+    const exposed = String(answer.headers['access-control-expose-headers']).split(',').map((name) => name.trim().toLowerCase());
+    for (const name of rateLimitHeaders) assert.ok(exposed.includes(name), `${name} is exposed (${exposed.join(', ')})`);
   });
 
   it('a list: only its origins, each echoed with Vary: Origin; off: no CORS headers, a preflight is an ordinary OPTIONS', E2E, async () => {
