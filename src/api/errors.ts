@@ -172,6 +172,17 @@ export class AdminRequiredError extends ApiError {
   }
 }
 
+/**
+ * A request that acts (a POST) sent by a browser page from an origin --allowed-origins does not allow: CORS headers
+ * would only hide the answer from that page, so the request itself is refused (cross-site request forgery).
+ */
+export class OriginNotAllowedError extends ApiError {
+  constructor(origin: string) {
+    super(403, 'origin_not_allowed', INVALID_REQUEST,
+      `Requests from origin ${JSON.stringify(origin)} are not allowed: browser pages may call this server only from the origins --allowed-origins (CONDUIT_ALLOWED_ORIGINS) lists.`);
+  }
+}
+
 export class ModelNotFoundError extends ApiError {
   constructor(model: string, served: string | readonly string[]) {
     const names = (typeof served === 'string' ? [served] : served).map((name) => `'${name}'`);

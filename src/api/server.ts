@@ -22,7 +22,7 @@ import { CallTrace } from './call-trace.ts';
 import { ClientRequestIds, requestIdProblem } from './client-request-ids.ts';
 import { WebConsole, type ConsoleWorkerSource } from './console.ts';
 import {
-  AdminRequiredError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
+  AdminRequiredError, OriginNotAllowedError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { endWithin, Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
 import { silentLogger, type Logger } from '../util/log.ts';
@@ -94,7 +94,8 @@ export interface ApiServerOptions {
   publicMetrics?: boolean;
   /**
    * CORS (as vLLM's --allowed-origins): origins a browser page may call the API from, '*' for any; absent or
-   * empty: no CORS headers, so browsers keep to same-origin. Credentials (cookies) are never allowed.
+   * empty: no CORS headers, so browsers keep to same-origin. Credentials (cookies) are never allowed. A POST from an
+   * origin not allowed (other than the server's own) is refused with a 403 before any work.
    */
   allowedOrigins?: readonly string[];
   /**
@@ -618,6 +619,21 @@ export class ApiServer {
     return true;
   }
 
+  /**
+   * A browser sends Origin with every cross-origin POST, the "simple" ones too (text/plain, no preflight) that a page
+   * on any site may send: CORS headers keep only the answer from that page, not the work from being done. So a POST
+   * (every route that does work or changes state: generations, tokenizing, adapters, the prefix cache) from an origin
+   * --allowed-origins does not allow is refused. No Origin (curl, SDKs) passes, and so does the server's own origin
+   * (a page it serves); with '*' (the default) every origin does.
+   */
+  private refuseForeignOrigin(req: IncomingMessage): void {
+    const origin = req.headers.origin;
+    const origins = this.options.allowedOrigins ?? [];
+    if (origin === undefined || origins.includes('*') || origins.includes(origin)) return;
+    if (req.headers.host !== undefined && originHost(origin) === req.headers.host.toLowerCase()) return;
+    throw new OriginNotAllowedError(origin);
+  }
+
   /** One request; `continuePending`: the client waits for a 100 Continue before sending its body. */
   private async handle(req: IncomingMessage, res: ServerResponse, continuePending: boolean): Promise<void> {
     const startedMs = performance.now();
@@ -676,6 +692,8 @@ export class ApiServer {
         return;
       }
       const found = this.findRoute(method, path, (name) => { routeName = name; });
+      // Before the trace, the key, the rate limit and the body: a forged request takes nothing.
+      if (method === 'POST') this.refuseForeignOrigin(req);
       const trace = found.route.traced ? this.openTrace(call, found.route, path, req) : undefined;
       if (found.route.auth) {
         const start = this.engineClock();
@@ -860,6 +878,15 @@ export class ApiServer {
     if (error.statusCode === 429) Object.assign(headers, this.limiter.headers(call.tenant));
     if (!bodyFullyRead) headers.Connection = 'close';
     sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers, this.options.writeTimeoutMs);
+  }
+}
+
+/** The host (and port) of an Origin header's value; undefined for an opaque origin ("null") or one that is no URL. */
+function originHost(origin: string): string | undefined {
+  try {
+    return new URL(origin).host || undefined;
+  } catch {
+    return undefined;
   }
 }
 

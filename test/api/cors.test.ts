@@ -11,11 +11,12 @@ import { after, before, describe, it } from 'node:test';
 import { parseOrigins } from '../../src/cli/serve.ts';
 import { UsageError } from '../../src/cli/flags.ts';
 import { launchChromium, CHROMIUM_PATH } from '../helpers/chromium.ts';
-import { startTestServer, type TestServer } from './e2e-fixture.ts';
+import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 
 const E2E = { timeout: 120_000 };
-// The second tenant has request and token limits, so its answers carry the x-ratelimit-* headers.
-const KEYS = 'sk-cors-0000 web\nsk-cors-limited limited 1000 1000000\n';
+// The second tenant has request, token and concurrency limits, so its answers carry the x-ratelimit-* headers and a
+// request that kept a slot or a token would show.
+const KEYS = 'sk-cors-0000 web\nsk-cors-limited limited 1000 1000000 1\n';
 
 /** One raw HTTP exchange (fetch in Node would hide nothing, but this keeps the headers as sent). */
 function exchange(url: string, method: string, path: string, headers: Record<string, string>, body?: string) {
@@ -97,13 +98,53 @@ describe('CORS', () => {
     assert.equal(allowed.headers['access-control-allow-origin'], 'https://app.example');
     assert.equal(allowed.headers.vary, 'Origin');
     const other = await chat(listed.url, 'https://evil.example');
-    assert.equal(other.status, 200, 'the server answers; the browser withholds the answer from the page');
+    assert.equal(other.status, 403, 'refused, not merely hidden from the page');
     assert.equal(other.headers['access-control-allow-origin'], undefined);
     for (const [server, origin] of [[listed, 'https://evil.example'], [off, 'https://app.example']] as const) {
       const pre = await preflight(server.url, origin);
       assert.equal(pre.status, 405);
       assert.equal(pre.headers['access-control-allow-origin'], undefined);
     }
+  });
+
+  it('a POST from an origin not allowed is refused before any work; no Origin, an allowed one and the server\'s own pass', E2E, async () => {
+    // A "simple" request: text/plain needs no preflight, so a page on any site can make a browser send it.
+    const completion = (server: TestServer, origin?: string) => exchange(server.url, 'POST', '/v1/completions', {
+      'Content-Type': 'text/plain', Authorization: 'Bearer sk-cors-limited', ...(origin ? { Origin: origin } : {}),
+    }, JSON.stringify({ prompt: 'Hi', max_tokens: 2 }));
+    const remainingRequests = (answer: { headers: Record<string, unknown> }) => Number(answer.headers['x-ratelimit-remaining-requests']);
+
+    const allowed = await completion(listed, 'https://app.example');
+    assert.equal(allowed.status, 200, allowed.text);
+    const forged = await completion(listed, 'https://evil.example');
+    assert.equal(forged.status, 403, forged.text);
+    const { error } = JSON.parse(forged.text) as { error: { code: string; type: string; message: string } };
+    assert.equal(error.code, 'origin_not_allowed');
+    assert.equal(error.type, 'invalid_request_error');
+    assert.match(error.message, /"https:\/\/evil\.example"/);
+    assert.match(error.message, /--allowed-origins/);
+    assert.equal(forged.headers['access-control-allow-origin'], undefined);
+    // No rate-limit token and no concurrency slot (the tenant has one) was taken: the next request gets both.
+    const withoutOrigin = await completion(listed);
+    assert.equal(withoutOrigin.status, 200, withoutOrigin.text);
+    assert.equal(remainingRequests(withoutOrigin), remainingRequests(allowed) - 1, 'the refused request took no request token');
+    const ownOrigin = await completion(listed, listed.url);
+    assert.equal(ownOrigin.status, 200, `a page the server serves itself: ${ownOrigin.text}`);
+
+    // Every route that acts is refused alike, before its key is checked; reads are not (the browser hides them).
+    for (const path of ['/v1/chat/completions', '/v1/responses', '/tokenize', '/detokenize', '/reset_prefix_cache', '/v1/load_lora_adapter']) {
+      const answer = await exchange(listed.url, 'POST', path, { 'Content-Type': 'text/plain', Origin: 'https://evil.example' }, '{}');
+      assert.equal(answer.status, 403, `${path}: ${answer.text}`);
+      assert.equal((JSON.parse(answer.text) as { error: { code: string } }).error.code, 'origin_not_allowed', path);
+    }
+    const read = await exchange(listed.url, 'GET', '/v1/models', { Authorization: 'Bearer sk-cors-limited', Origin: 'https://evil.example' });
+    assert.equal(read.status, 200, read.text);
+
+    // CORS off: no other origin may act; the default (*): every origin may, as before.
+    assert.equal((await completion(off, 'https://app.example')).status, 403);
+    assert.equal((await completion(off)).status, 200);
+    assert.equal((await completion(any, 'https://evil.example')).status, 200);
+    for (const server of [listed, off, any]) await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
   });
 
   it('a page on another origin calls the API in Chromium: allowed by *, blocked by the browser with CORS off', {
