@@ -42,6 +42,16 @@ export interface KvTierTtftReport {
   disk: KvTierProfile;
 }
 
+/** KV blocks the kv-tiers measurement gives its worker: the prompt and its output with a few blocks to spare. */
+function kvTierMeasurementBlocks(promptTokens: number, blockSize: number): number {
+  return Math.ceil((promptTokens + 32) / blockSize) + 2;
+}
+
+/** The longest prompt whose kv-tiers measurement fits a pool of `poolBlocks` (the inverse of the above). */
+function longestKvTierPrompt(poolBlocks: number, blockSize: number): number {
+  return (poolBlocks - 2) * blockSize - 32;
+}
+
 export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport {
   const { model, hw, tp, promptTokens } = options;
   const blockSize = options.blockSize ?? 16;
@@ -55,15 +65,19 @@ export function simulateKvTierTtft(options: KvTierTtftOptions): KvTierTtftReport
     throw new SimConfigError(`${request}a ${promptTokens}-token prompt has no whole KV block of ${blockSize} tokens before its last token, `
       + `so no part of it can come from host RAM or NVMe; use a prompt of more than ${blockSize} tokens`);
   }
-  const blocks = Math.ceil((promptTokens + 32) / blockSize) + 2;
+  const blocks = kvTierMeasurementBlocks(promptTokens, blockSize);
   // The worker gets a pool of just `blocks` (the prompt and its output with a few blocks to spare, one of them for
   // the copy of a cached last block), which the evicting prompt then takes whole. That pool must be one the
   // deployment has: its weights must leave HBM (simKvBlocks refuses otherwise), and at least `blocks` of it.
   const deploymentBlocks = simKvBlocks({ model, hw, tp, blockSize }, options.flags);
   if (blocks > deploymentBlocks) {
+    // The measurement's spare blocks make its limit lower than the deployment's own (sequences up to a whole pool):
+    // name it, so the user need not search for the largest prompt that runs.
+    const longest = longestKvTierPrompt(deploymentBlocks, blockSize);
+    const fits = longest > blockSize ? `enough for a prompt of at most ${longest} tokens` : 'too few for any prompt';
     throw new SimConfigError(`${request}a ${promptTokens}-token prompt does not fit one worker of ${model.name} on ${tp} x ${hw.name}: `
       + `the measurement needs ${blocks} KV blocks of ${blockSize} tokens (the prompt, its output and a few spare blocks), `
-      + `the pool holds ${deploymentBlocks}; use a larger ${options.flags?.tp ?? 'tp'} or a shorter prompt`);
+      + `the pool holds ${deploymentBlocks}, ${fits}; use a larger ${options.flags?.tp ?? 'tp'} or a shorter prompt`);
   }
   const blockBytes = blockSize * kvBytesPerToken(model);
   const make = (tiers: { ramBytes?: number; diskBytes?: number } | undefined) => new SimWorker({

@@ -210,9 +210,12 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '1'], /the weights leave no HBM/],
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'], /at most 41233 tokens/],
     // kv-tiers' worker holds the prompt, 2 output tokens and a few spare blocks: ceil((41,220 + 32) / 16) + 2 = 2,581
-    // blocks, more than the 2,577 the deployment has.
+    // blocks, more than the 2,577 the deployment has. The refusal names the longest prompt that does run,
+    // (2,577 - 2) x 16 - 32 = 41,168 tokens (below the 41,233 of lifecycle, which keeps no spare blocks).
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41220'],
-      /^conduit sim: --prompt: a 41220-token prompt does not fit one worker .* needs 2581 KV blocks of 16 tokens .* the pool holds 2577; use a larger --tp or a shorter prompt$/],
+      /^conduit sim: --prompt: a 41220-token prompt does not fit one worker .* needs 2581 KV blocks of 16 tokens .* the pool holds 2577, enough for a prompt of at most 41168 tokens; use a larger --tp or a shorter prompt$/],
+    [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41169'],
+      /needs 2578 KV blocks of 16 tokens .* the pool holds 2577, enough for a prompt of at most 41168 tokens;/],
   ] as const) {
     await assertRefusedBeforeOutput([...argv], message);
   }
@@ -242,6 +245,10 @@ test('refused before any table: dtype widths no dtype has, a deployment whose we
   const int4 = await run(['sim', 'decode-sweep', '--model', 'llama-3.1-70b', '--tp', '1', '--weight-bytes', '0.5', '--kv-bytes', '1', '--batches', '1']);
   assert.equal(int4.code, 0, int4.err);
   assert.match(int4.out, /^ +1 +[\d.]+ +[\d.]+ +ok$/m);
+  // The longest kv-tiers prompt a refusal names does run: every lower-tier block of it onboarded.
+  const longest = await run(['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '41168']);
+  assert.equal(longest.code, 0, longest.err);
+  assert.match(longest.out, /^\| host DRAM [^|]*\| [\d.]+ \| 41152 \| 2572 \|/m);
 });
 
 test('conduit sim lifecycle: a CONDUIT_SIM_PARALLEL_LINKS without --link is ignored with a warning; --cached up to the prompt less one token', async () => {
@@ -361,7 +368,7 @@ test('a deployment that cannot exist or cannot hold the request: the refusal nam
       `conduit plan: ${tooLong('CONDUIT_PLAN_ISL (--isl) with --osl', '40000 prompt + 2000 output tokens')}`],
     [['sim', 'kv-tiers', '--model', 'llama-3.1-70b', '--tp', '2'], { CONDUIT_SIM_PROMPT: '41220' },
       'conduit sim: CONDUIT_SIM_PROMPT (--prompt): a 41220-token prompt does not fit one worker of Llama 3.1 70B on 2 x H100 SXM5 80GB: '
-      + 'the measurement needs 2581 KV blocks of 16 tokens (the prompt, its output and a few spare blocks), the pool holds 2577; '
+      + 'the measurement needs 2581 KV blocks of 16 tokens (the prompt, its output and a few spare blocks), the pool holds 2577, enough for a prompt of at most 41168 tokens; '
       + 'use a larger --tp or a shorter prompt'],
     // The calibration (it named no option).
     [['sim', 'lifecycle', '--no-check'], { CONDUIT_SIM_CALIBRATION: 'x' },
