@@ -413,7 +413,10 @@ export class TraceAnalyzer {
       const worstTbt = trace.tbtMs.length > 0 ? Math.max(...trace.tbtMs) : 0;
       // Slow by time between tokens too: the worst gap the client saw, or (no stream) the engine's time per token.
       const perToken = trace.decode && trace.decode.steps > 0 ? (trace.decode.endMs - trace.decode.startMs) / trace.decode.steps : 0;
-      const slow = (trace.ttftMs ?? 0) >= slowTtftMs || worstTbt >= slowTbtMs || perToken >= slowTbtMs;
+      // Each request against its own model's targets (SLO objectives can be set per model), as the
+      // slow-request counter of /metrics judges it.
+      const targets = options.targetsFor?.(trace.model) ?? { ttftMs: slowTtftMs, tbtMs: slowTbtMs };
+      const slow = (trace.ttftMs ?? 0) >= targets.ttftMs || worstTbt >= targets.tbtMs || perToken >= targets.tbtMs;
       if (!slow) continue;
       const d = this.bottleneck(trace);
       slowDiagnoses.push(d);
@@ -450,6 +453,8 @@ export interface WindowOptions {
   slowTtftMs?: number;
   /** ...or when one of its token gaps reaches this (default 50 ms, the TBT target). */
   slowTbtMs?: number;
+  /** A model's own targets, in place of the two above, for a model whose SLO objectives differ. */
+  targetsFor?: (model: string) => { ttftMs: number; tbtMs: number };
 }
 
 export interface WindowAnalysis {

@@ -222,6 +222,10 @@ export class Telemetry {
   analysis(windowMs = this.slo.config.windowMs, nowMs = this.now()): WindowAnalysis & { window_ms: number } {
     const analysis = this.analyzer.analyze(this.traces.endedSince(nowMs - windowMs), {
       slowTtftMs: this.slo.config.ttft.targetMs, slowTbtMs: this.slo.config.tbt.targetMs,
+      targetsFor: (model) => {
+        const objectives = this.slo.objectivesFor(model);
+        return { ttftMs: objectives.ttft.targetMs, tbtMs: objectives.tbt.targetMs };
+      },
     });
     return { window_ms: windowMs, ...analysis };
   }

@@ -131,6 +131,21 @@ describe('request metrics', () => {
     assert.equal(value(x, 'conduit_kv_transfer_fallbacks_total', { worker: 'd', link: 'tcp' }), 3);
   });
 
+  it('judge a request slow by its own model\'s SLO targets, in /v1/analysis as in the counter', async () => {
+    // llama-70b's TTFT target is 1 s here: a 400 ms queue wait is within it, though over the 200 ms default.
+    const telemetry = new Telemetry({
+      tracing: false, now: () => T0 + 1000,
+      slo: { perModel: { 'llama-70b': { ttft: { targetMs: 1000, warningMs: 2000 } } } },
+    });
+    feed(telemetry, coldTimeline({ id: 'q', queueMs: 400 }).events);
+    const x = parseExposition(await telemetry.renderMetrics());
+    assert.equal(total(x, 'conduit_slow_request_bottlenecks_total'), 0, 'within its model\'s target');
+    const analysis = telemetry.analysis();
+    assert.equal(analysis.requests, 1);
+    assert.equal(analysis.slow_requests, 0, JSON.stringify(analysis.categories));
+    assert.equal(analysis.categories.queue_saturation, 0);
+  });
+
   it('classify requests over the SLO target by bottleneck', async () => {
     const telemetry = telemetryAtT0();
     feed(telemetry, coldTimeline({ id: 'q', queueMs: 400 }).events, coldTimeline({ id: 'fine', at: T0 + 1 }).events);
