@@ -167,6 +167,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
       for (const p of gatewayPhases) {
         const attrs: Record<string, string | number | boolean | undefined> = { 'conduit.phase': p.phase };
         for (const [k, v] of Object.entries(p.attributes ?? {})) attrs[`${p.phase}.${k}`] = v;
+        if (p.incomplete) attrs[`${p.phase}.completed`] = false;
         span(ctx, p.phase, p.startMs, p.endMs, attrs, failedIn(p.phase));
       }
     });

@@ -415,6 +415,7 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   const endedInPhase = ended.outcome === 'ok' ? undefined
     : phaseAtEnd(events, reports, record, router !== undefined, queue.startMs !== undefined, ended.status,
       terminal !== undefined && 'abortedAt' in terminal ? terminal.abortedAt : undefined);
+  closeGatewayPhaseEndedIn(phases, endedInPhase, arrivalMs, endMs);
   const rateLimited = rateLimit && !rateLimit.allowed ? true : undefined;
   const worker = router?.worker ?? reports.find((r) => r.role === 'decode')?.worker ?? firstWorkerReport?.worker;
   const prefillWorker = firstWorkerReport?.worker ?? worker;
@@ -475,6 +476,21 @@ function addGatewayPhases({ events, phases }: BuildInput): void {
       phases.push({ phase, startMs: e.start, endMs: e.time, attributes: gatewayAttributes(e) });
     }
   }
+}
+
+/**
+ * A request that ended inside a gateway phase the gateway never stamped (a client that left while its prompt was
+ * tokenized) gets that phase from the end of the gateway phases before it to its end, cut short, as decode and the
+ * queue are: else its trace, the waterfall and the spans would not show where the time went.
+ */
+function closeGatewayPhaseEndedIn(phases: PhaseInterval[], endedIn: PhaseName | undefined, arrivalMs: number, endMs: number): void {
+  if (endedIn === undefined || !(GATEWAY_PHASES as readonly string[]).includes(endedIn)) return;
+  if (phases.some((p) => p.phase === endedIn)) return;
+  let startMs = arrivalMs;
+  for (const p of phases) if ((GATEWAY_PHASES as readonly string[]).includes(p.phase)) startMs = Math.max(startMs, p.endMs);
+  if (endMs <= startMs) return;
+  phases.push({ phase: endedIn, startMs, endMs, incomplete: true });
+  phases.sort((a, b) => a.startMs - b.startMs || a.endMs - b.endMs);
 }
 
 /**

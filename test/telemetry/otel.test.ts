@@ -152,6 +152,20 @@ describe('request spans', () => {
     near(hrTimeToMilliseconds(one(spans, 'queue_wait').endTime), T0 + 40);
   });
 
+  it('close the gateway phase a client left inside, though the gateway never stamped its end', () => {
+    const { telemetry, exporter } = traced();
+    // Left while its prompt was tokenized: there is no tokenize event, the gateway stamps it once it is done.
+    const gateway = coldTimeline({ id: 'left' }).events.filter((e) => ['http_receive', 'auth', 'rate_limit', 'validate'].includes(e.phase));
+    run(telemetry, [...gateway, { phase: 'abort', requestId: 'left', time: T0 + 150, reason: 'client_disconnect', promptTokens: 0, outputTokens: 0 }]);
+    const spans = exporter.getFinishedSpans();
+    const tokenize = one(spans, 'tokenize');
+    assert.equal(tokenize.attributes['tokenize.completed'], false);
+    near(hrTimeToMilliseconds(tokenize.startTime), gateway.find((e) => e.phase === 'validate')!.time);
+    near(hrTimeToMilliseconds(tokenize.endTime), T0 + 150);
+    near(hrTimeToMilliseconds(one(spans, 'gateway').endTime), T0 + 150);
+    assert.equal(one(spans, 'request').attributes['request.ended_in_phase'], 'tokenize');
+  });
+
   it('mark a failed request\'s root as an error with the exception recorded', () => {
     const { telemetry, exporter } = traced({ sampling: { baseRate: 0 } });
     run(telemetry, erroredInPrefillTimeline('boom'));

@@ -111,6 +111,21 @@ describe('formatWaterfall', () => {
     assert.match(text, /scheduler_queue \(cut short\)\s+2\.00\s+38\.0\s+~+/);
   });
 
+  it('shows the gateway phase a client left inside, though the gateway never stamped its end', () => {
+    // Left while its prompt was tokenized: the gateway stamps tokenize only once it is done, so the request ended
+    // inside a phase it has no event for.
+    const gateway = coldTimeline({ id: 'left' }).events.filter((e) => ['http_receive', 'auth', 'rate_limit', 'validate'].includes(e.phase));
+    const validatedAt = gateway.find((e) => e.phase === 'validate')!.time;
+    const leftAt = T0 + 150;
+    const trace = buildRequestTrace([...gateway,
+      { phase: 'abort', requestId: 'left', time: leftAt, reason: 'client_disconnect', promptTokens: 0, outputTokens: 0 }]);
+    assert.equal(trace.endedInPhase, 'tokenize');
+    const tokenize = trace.phases.find((p) => p.phase === 'tokenize');
+    assert.deepEqual(tokenize && { startMs: tokenize.startMs, endMs: tokenize.endMs, incomplete: tokenize.incomplete },
+      { startMs: validatedAt, endMs: leftAt, incomplete: true });
+    assert.match(formatWaterfall(trace), /tokenize \(cut short\)\s+[\d.]+\s+[\d.]+\s+~+/);
+  });
+
   it('folds many chunks of one phase into one row', () => {
     const chunks = Array.from({ length: 12 }, (): [number, number] => [5, 256]);
     const text = formatWaterfall(buildRequestTrace(requestTimeline({ promptTokens: 3072, chunks }).events), { maxRowsPerPhase: 8 });
