@@ -280,4 +280,13 @@ describe('KvCacheManager', () => {
     assert.deepEqual(kv.cachedBlockHashes(), []);
     assert.deepEqual(kv.takeEvents(), []);
   });
+
+  it('counts no prefix-cache lookups when prefix caching is off', () => {
+    const kv = makeManager(8, { enablePrefixCaching: false });
+    computeSequence(kv, range(100, 9));
+    computeSequence(kv, range(100, 9));
+    const stats = kv.stats();
+    assert.equal(stats.prefixQueryTokens, 0, 'nothing was looked up, so nothing was queried');
+    assert.equal(stats.prefixHitTokens, 0);
+  });
 });

@@ -253,7 +253,9 @@ export class KvCacheManager {
     const numTokens = copySource === undefined ? (blocks.length + numOnboarded) * this.blockSize : tokenIds.length - 1;
     return {
       blocks, ...(copySource === undefined ? {} : { copySource }), ...(onboard === undefined ? {} : { onboard }),
-      numTokens, numQueryTokens: (options.reuse ?? true) ? tokenIds.length : 0,
+      // With prefix caching off nothing was looked up, so nothing counts as queried (vLLM records no lookup then):
+      // the query counter would otherwise grow with every prompt while hits stay 0, a 0% hit rate for no cache.
+      numTokens, numQueryTokens: this.enablePrefixCaching && (options.reuse ?? true) ? tokenIds.length : 0,
     };
   }
 
