@@ -7,9 +7,9 @@
 import type { EngineOutput, EngineStepFacts } from './types.ts';
 
 export class OutputCoalescer {
-  /** A completion's outputs merged while held, by rowKey. */
+  /** Each completion's outputs merged while held, by keyOf (request id and completion index). */
   private readonly held = new Map<string, EngineOutput>();
-  /** Completions whose first output went out (their next ones may be held), by rowKey. */
+  /** Completions whose first output went out (their next ones may be held), by keyOf. */
   private readonly started = new Set<string>();
 
   constructor(readonly interval: number) {
