@@ -82,6 +82,10 @@ export class Admission {
   }
 }
 
+/** Every header TenantRateLimiter.headers may send: per limit (requests, tokens), its limit, what remains, its reset. */
+export const RATE_LIMIT_HEADER_NAMES: readonly string[] = (['requests', 'tokens'] as const)
+  .flatMap((suffix) => [`x-ratelimit-limit-${suffix}`, `x-ratelimit-remaining-${suffix}`, `x-ratelimit-reset-${suffix}`]);
+
 export class TenantRateLimiter {
   private readonly states = new Map<string, TenantState>();
 
@@ -164,7 +168,7 @@ export class TenantRateLimiter {
     };
   }
 
-  /** OpenAI's x-ratelimit-* headers for the limits the tenant has. */
+  /** OpenAI's x-ratelimit-* headers for the limits the tenant has (names among RATE_LIMIT_HEADER_NAMES). */
   headers(tenant: Tenant): Record<string, string> {
     const state = this.state(tenant);
     const now = this.clock();

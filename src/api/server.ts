@@ -28,7 +28,7 @@ import { endWithin, Gateway, sendJsonReply, type Call, type JsonReply, type Mode
 import { silentLogger, type Logger } from '../util/log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
-import { TenantRateLimiter, type Clock } from './rate-limit.ts';
+import { RATE_LIMIT_HEADER_NAMES, TenantRateLimiter, type Clock } from './rate-limit.ts';
 
 export const DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024;
 export const DEFAULT_MAX_PENDING_REQUESTS = 256;
@@ -140,9 +140,7 @@ const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
  * Response headers a cross-origin page may read: the request's id, retry hints, its trace context and the tenant's
  * rate-limit state (RateLimiter.headers).
  */
-const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'traceparent', 'tracestate',
-  'x-ratelimit-limit-requests', 'x-ratelimit-remaining-requests', 'x-ratelimit-reset-requests',
-  'x-ratelimit-limit-tokens', 'x-ratelimit-remaining-tokens', 'x-ratelimit-reset-tokens'].join(', ');
+const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'traceparent', 'tracestate', ...RATE_LIMIT_HEADER_NAMES].join(', ');
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
 interface MultiWorkerEngine extends Engine {
