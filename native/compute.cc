@@ -32,6 +32,27 @@ static_assert(kMatmulTileRows <= kLoraUpChunk && kMatmulTileRows % kLoraBtBlock 
 // Pauses a thread spins waiting for the LoRA down-projections before it yields its core.
 constexpr int kDownsSpins = 20000;
 
+// Per-call arrays indexed by output: inline up to kInlineOutputs (every matmul of a forward pass: Q, K and V at most),
+// so a decode step's few dozen calls allocate nothing; on the heap beyond (the MoE router's slices).
+constexpr int kInlineOutputs = 4;
+template <typename T, int N>
+class SmallArray {
+ public:
+  explicit SmallArray(int n, T fill = T()) : heap_(n > N ? new T[n] : nullptr) {
+    data_ = n > N ? heap_.get() : inline_;
+    std::fill_n(data_, n, fill);
+  }
+  SmallArray(const SmallArray&) = delete;
+  SmallArray& operator=(const SmallArray&) = delete;
+  T& operator[](int64_t i) { return data_[i]; }
+  const T& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  T inline_[N];
+  std::unique_ptr<T[]> heap_;
+  T* data_;
+};
+
 inline void spin_pause() {
 #if CONDUIT_X86
   _mm_pause();
@@ -47,30 +68,31 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
 
   // One activation buffer per distinct quantizer among the outputs (in practice at most one).
   struct Format {
-    const MatmulKernel* kernel;
-    size_t offset, stride;
+    const MatmulKernel* kernel = nullptr;
+    size_t offset = 0, stride = 0;
   };
-  std::vector<Format> formats;
-  std::vector<int> format_of(count, -1);
+  SmallArray<Format, kInlineOutputs> formats(count);
+  SmallArray<int, kInlineOutputs> format_of(count, -1);
+  int num_formats = 0;
   size_t act_bytes = 0, scratch_bytes = 0;
   for (int i = 0; i < count; ++i) {
     const MatmulKernel& mk = kt.matmul[outputs[i].type];
     scratch_bytes = std::max(scratch_bytes, align_up(mk.scratch_bytes(k)));
     if (!mk.act_row_bytes) continue;
-    for (size_t f = 0; f < formats.size(); ++f) {
-      if (formats[f].kernel->quantize_act == mk.quantize_act) format_of[i] = static_cast<int>(f);
+    for (int f = 0; f < num_formats; ++f) {
+      if (formats[f].kernel->quantize_act == mk.quantize_act) format_of[i] = f;
     }
     if (format_of[i] < 0) {
       const size_t stride = align_up(mk.act_row_bytes(k));
-      format_of[i] = static_cast<int>(formats.size());
-      formats.push_back({&mk, act_bytes, stride});
+      format_of[i] = num_formats;
+      formats[num_formats++] = {&mk, act_bytes, stride};
       act_bytes += stride * static_cast<size_t>(m);
     }
   }
   // Each thread's slice of the scratch: the tile kernels' bytes, then the LoRA up-projection's floats.
   const size_t tile_scratch_bytes = scratch_bytes;
   if (lora) scratch_bytes += align_up(lora->up_scratch_floats() * sizeof(float));
-  uint8_t* act = formats.empty() ? nullptr : ws.activations.get(act_bytes);
+  uint8_t* act = num_formats == 0 ? nullptr : ws.activations.get(act_bytes);
   uint8_t* scratch = ws.per_thread.get(scratch_bytes * static_cast<size_t>(pool.size()));
 
   // The LoRA down-projections (u = A x of each adapted row) must be done before any tile's up-projection. Many (a
@@ -78,10 +100,10 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
   const int64_t lora_downs = lora ? lora->down_items() : 0;
   const bool downs_in_tiles = lora_downs > 0 && lora->down_macs() <= kLoraInlineDownMacs;
   const int64_t pooled_downs = downs_in_tiles ? 0 : lora_downs;
-  if (!formats.empty() || pooled_downs > 0) {
+  if (num_formats > 0 || pooled_downs > 0) {
     ProfileScope scope(ws.profile, "quantize activations");
     const int64_t items = div_ceil(m, kQuantizeRowsPerItem);
-    const int64_t quantize_items = items * static_cast<int64_t>(formats.size());
+    const int64_t quantize_items = items * num_formats;
     pool.parallel_for(quantize_items + pooled_downs, [&](int64_t item, int) {
       if (item >= quantize_items) {
         lora->down(kt, item - quantize_items);
@@ -115,7 +137,7 @@ void matmul(const KernelTable& kt, ThreadPool& pool, Workspace& ws, const float*
   };
 
   // Tiles of all outputs in one list: tile_start[i] is the first tile of output i.
-  std::vector<int64_t> tile_start(count + 1, 0);
+  SmallArray<int64_t, kInlineOutputs + 1> tile_start(count + 1, 0);
   for (int i = 0; i < count; ++i) tile_start[i + 1] = tile_start[i] + div_ceil(outputs[i].n, kMatmulTileRows);
   pool.parallel_for_ranges(tile_start[count], [&](int64_t tile, int thread) {
     int i = 0;

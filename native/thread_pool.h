@@ -95,6 +95,7 @@ class ThreadPool {
   bool all_threads_ = false;
   std::mutex mutex_;
   std::condition_variable wake_;
+  std::atomic<int> sleepers_{0};         // workers asleep on wake_, or about to check whether to sleep
   std::unique_ptr<Share[]> shares_;
   // prefetch_while_idle's range: the next line to request and the end, on a line of their own (the waiting workers
   // advance `next`, the caller only sets them).
