@@ -195,10 +195,9 @@ export class EngineCore extends StepCore<SequenceSampler> {
     const sampled = this.sampleRows(plan, logits);
     const promptLogprobs = plan.numPromptLogprobRows > 0 ? this.promptLogprobRows(plan, logits, sampled.failed) : undefined;
     const end = this.now();
-    // The prefill rate the tiers' cost model weighs onboarding against: steps that computed a block's worth of prompt.
-    if (this.kv.tiers !== undefined && plan.stats.numPrefillTokens >= this.kv.blockSize) {
-      this.kv.tiers.observePrefill(plan.numScheduledTokens, end - forwardStart);
-    }
+    // The step times the tiers' cost model prices recomputing against onboarding with: every step, decode steps too
+    // (they pin down the fixed part each step pays whatever its size).
+    this.kv.tiers?.observeStep(plan.numScheduledTokens, end - forwardStart, plan.stats.numPrefillTokens);
     // A request whose logits could not be sampled fails alone; the step's other requests go on (the scheduler skips a
     // finished sequence's row, whose placeholder token is never used).
     const failedOutputs: EngineOutput[] = [];

@@ -416,7 +416,8 @@ export class Scheduler {
         if (promptRowBudget === 0 && sequence.needsPromptLogprobs && sequence.numPromptTokens > 1) break;
         // A prompt whose logprobs are wanted is computed whole: a cached position would have no logits row.
         const lookUp = () => {
-          const found = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds, { reuse: !sequence.needsPromptLogprobs });
+          const found = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds,
+            { reuse: !sequence.needsPromptLogprobs, prefillChunkTokens: this.chunkSize(Infinity, this.maxNumBatchedTokens) });
           const tokens = this.withinPromptRows(sequence, found.numTokens,
             this.chunkSize(sequence.numTokens - found.numTokens, tokenBudget), promptRowBudget);
           return { prefix: found, numNewTokens: tokens };

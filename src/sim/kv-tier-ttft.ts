@@ -31,7 +31,7 @@ export interface KvTierTtftRow {
   cachedTokens: number;
   onboardedBlocks: number;
   onboardMs: number;
-  /** Blocks the lower tier held that the cost model chose to recompute (slower to read than to compute). */
+  /** Blocks the lower tier held that the cost model chose to recompute (slower to read than to compute with the rest). */
   recomputedBlocks: number;
 }
 
@@ -160,7 +160,7 @@ export function formatKvTierTtft(report: KvTierTtftReport): string {
   for (const r of report.rows) {
     if (r.recomputedBlocks > 0) {
       lines.push(`(${names[r.source]}: ${r.recomputedBlocks} blocks held there were recomputed instead, the cost model finding `
-        + 'a block slower to read than to compute)');
+        + 'them slower to read than to compute with the rest of the prompt)');
     }
   }
   // Each tier's bandwidth as its profile counts it: per GPU (each moves its own shard) or for the whole worker.

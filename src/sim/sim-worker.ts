@@ -498,10 +498,11 @@ export class SimWorker extends StepCore<SimTokenState> {
     const computeMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency);
     // Blocks onboarded from lower tiers while the step was planned arrive before its forward pass.
     const onboardMs = this.kv.tiers?.takeOnboardMs() ?? 0;
-    if (this.kv.tiers !== undefined && shape.prefillTokens.length > 0) {
-      let tokens = 0;
-      for (const chunk of shape.prefillTokens) tokens += chunk.newTokens;
-      if (tokens >= this.kv.blockSize) this.kv.tiers.observePrefill(tokens, computeMs);
+    // Every step's compute time, as the cpu engine measures its steps, for the tiers' cost model (step-time-fit.ts).
+    if (this.kv.tiers !== undefined) {
+      let prefillTokens = 0;
+      for (const chunk of shape.prefillTokens) prefillTokens += chunk.newTokens;
+      this.kv.tiers.observeStep(prefillTokens + shape.decodeSeqs.length, computeMs, prefillTokens);
     }
     const durationMs = computeMs + this.blockCopyMs(plan) + onboardMs;
     this.inFlight = { plan, shape, startMs: nowMs, durationMs, endMs: nowMs + durationMs };

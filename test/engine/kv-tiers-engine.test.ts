@@ -48,6 +48,33 @@ function tierSuite(name: string, load: () => Promise<LoadedModel>, backends: () 
         tiered.scheduler.checkInvariants();
       });
 
+      test('the cost model fits the engine\'s step times, and a short prompt recomputes blocks slower to read than their tokens', async () => {
+        const loaded = await load();
+        const vocab = loaded.config.vocabSize;
+        const prompt = tierPrompt(3, 2 * TIER_TEST_BLOCK_SIZE + 1, vocab);
+        // A block takes 1 ms to read from RAM. Computing its 16 tokens adds 16 x 0.01 ms to a step of 10 ms that runs
+        // anyway (the last token is computed); the average rate of such steps (33 tokens in 10.33 ms) would say 5 ms.
+        const run = (msPerToken: number) => {
+          const tiered = makeTieredCore(backend, loaded, (blockBytes) => new KvTiers({ blockBytes, ramBytes: 64 * blockBytes, bandwidth: { ram: blockBytes / 0.999 } }),
+            (tokens) => 10 + msPerToken * tokens);
+          const tiers = tiered.kv.tiers!;
+          const cold = runGreedy(tiered, prompt);
+          const line = tiers.stepTimeLine()!;
+          assert.ok(Math.abs(line.fixedMs - 10) < 1e-9 && Math.abs(line.msPerToken - msPerToken) < 1e-9, JSON.stringify(line));
+          assert.equal(tiers.onboardMs('ram', 1), 1);
+          tiered.offloadKv(undefined, Infinity);
+          flushPrimary(tiered, vocab, 20);
+          const again = runGreedy(tiered, prompt);
+          assert.deepEqual(again.tokens, cold.tokens);
+          return { again, recomputed: tiers.stats().recomputedBlocks };
+        };
+        const cheap = run(0.01);
+        assert.deepEqual([cheap.again.cachedTokens, cheap.again.onboard, cheap.recomputed], [0, undefined, 2], 'recomputed: 0.32 ms < 2 ms');
+        // At 1 ms per token the same blocks are worth reading: 2 ms against 32.
+        const dear = run(1);
+        assert.deepEqual([dear.again.cachedTokens, dear.again.onboard?.ram, dear.recomputed], [2 * TIER_TEST_BLOCK_SIZE, 2, 0]);
+      });
+
       test('a RAM tier smaller than the cached blocks: the idle sweep ends, and what it kept onboards to the cold tokens', async () => {
         const loaded = await load();
         const vocab = loaded.config.vocabSize;

@@ -18,13 +18,25 @@ export const SLOW_PREFILL = { prefillTokensPerMs: 0.001 };
 export const TIER_TEST_BLOCK_SIZE = 16;
 const NUM_BLOCKS = 12;
 
-export function makeTieredCore(backend: BackendFactory, loaded: LoadedModel, tiers: (blockBytes: number) => KvTiers | undefined): EngineCore {
+/**
+ * A small pool with the tiers `tiers` makes. The engine's clock advances 1 ms per reading; with `stepMs`, it advances
+ * only in the forward pass instead, by stepMs(tokens in the batch): steps that take a known time.
+ */
+export function makeTieredCore(backend: BackendFactory, loaded: LoadedModel, tiers: (blockBytes: number) => KvTiers | undefined,
+  stepMs?: (tokens: number) => number): EngineCore {
   const runner = backend.load(loaded.config, loaded.weights, { numBlocks: NUM_BLOCKS, blockSize: TIER_TEST_BLOCK_SIZE, dtype: 'f32' }, { threads: 1 });
   const kvTiers = tiers(kvBlockBytes(runner.kvLayout));
   let clock = 0;
+  if (stepMs !== undefined) {
+    const forward = runner.forward.bind(runner);
+    runner.forward = (batch, logits) => {
+      clock += stepMs(batch.numTokens);
+      return forward(batch, logits);
+    };
+  }
   return new EngineCore({
     backend: runner, tokenizer: createTokenizer(loaded.tokenizerSource), maxNumSeqs: 4, maxNumBatchedTokens: 256,
-    maxModelLen: Math.min(loaded.config.contextLength, NUM_BLOCKS * TIER_TEST_BLOCK_SIZE), now: () => clock++,
+    maxModelLen: Math.min(loaded.config.contextLength, NUM_BLOCKS * TIER_TEST_BLOCK_SIZE), now: stepMs !== undefined ? () => clock : () => clock++,
     ...(kvTiers !== undefined ? { kvTiers } : {}),
   });
 }

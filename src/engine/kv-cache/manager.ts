@@ -221,10 +221,11 @@ export class KvCacheManager {
    * a fresh one (copy-on-write, unless copyOnWrite is false), so only the last token is computed rather than its
    * whole block. Nothing is reserved: pass the result to allocateSlots in the same step. With reuse false nothing is
    * looked up (a request that needs every position's logits): the prefix is empty and counts no queried tokens (the
-   * hit rate is that of the lookups made, as vLLM counts it).
+   * hit rate is that of the lookups made, as vLLM counts it). prefillChunkTokens, the most prompt tokens one step
+   * computes (the scheduler's chunking), lets the lower tiers' cost model count the steps a recompute would add.
    */
   findCachedPrefix(table: BlockTable, tokenIds: ArrayLike<number>,
-    options: { copyOnWrite?: boolean; lowerTiers?: boolean; reuse?: boolean } = {}): CachedPrefix {
+    options: { copyOnWrite?: boolean; lowerTiers?: boolean; reuse?: boolean; prefillChunkTokens?: number } = {}): CachedPrefix {
     const blocks: KvBlock[] = [];
     let copySource: KvBlock | undefined;
     let onboard: OnboardPlan | undefined;
@@ -246,7 +247,7 @@ export class KvCacheManager {
       // Past the primary hits, the lower tiers may hold the next blocks (never the last token's block: no copy-on-write
       // from a lower tier, that block is computed).
       if (this.tiers !== undefined && (options.lowerTiers ?? true) && copySource === undefined && blocks.length < maxBlocks) {
-        onboard = this.tiers.planOnboard(table.blockHashes, blocks.length, maxBlocks, this.blockSize);
+        onboard = this.tiers.planOnboard(table.blockHashes, blocks.length, maxBlocks, this.blockSize, tokenIds.length, options.prefillChunkTokens);
       }
     }
     const numOnboarded = onboard?.hashes.length ?? 0;

@@ -31,8 +31,9 @@
 
 import type { BlockHash, KvEvent, KvLowerTier } from '../../protocols/kv-events.ts';
 import type { KvTierStats, KvTiersStats } from '../../protocols/worker.ts';
+import { StepTimeFit, type StepTimeLine } from './step-time-fit.ts';
 
-export type { KvLowerTier, KvTierStats, KvTiersStats };
+export type { KvLowerTier, KvTierStats, KvTiersStats, StepTimeLine };
 
 /** The primary pool's bytes as the tiers see them: one block at a time, laid out as readKvBlocks does. */
 export interface KvBlockIo {
@@ -108,8 +109,13 @@ export interface KvTiersOptions {
   now?: () => number;
   /** Fixed tier bandwidths in bytes per ms instead of measured ones (tests, and the simulator). */
   bandwidth?: Partial<Record<KvLowerTier, number>>;
-  /** A fixed prefill rate in tokens per ms instead of the measured one. */
+  /**
+   * A fixed prefill rate in tokens per ms instead of the measured step times: recomputing x tokens is then priced
+   * x / rate, with no fixed part (tests that want the tier or the recompute to win outright).
+   */
   prefillTokensPerMs?: number;
+  /** A fixed step-time line instead of the one fitted to the steps observed (tests). */
+  stepTime?: StepTimeLine;
   /**
    * The simulator's price of an onboard (ms for so many blocks per tier) instead of the measured copy time; the
    * step that onboards takes that much longer (takeOnboardMs).
@@ -223,8 +229,11 @@ export class KvTiers {
   private readonly now: () => number;
   private readonly fixedBandwidth: Partial<Record<KvLowerTier, number>>;
   private readonly measuredBandwidth: Record<KvLowerTier, number> = { ...DEFAULT_TIER_BANDWIDTH };
+  /** Average prefill rate (tokens per ms of steps that computed a block of prompt or more): the fallback price. */
   private prefillTokensPerMs: number | undefined;
   private readonly fixedPrefillRate: boolean;
+  private readonly stepTimeFit = new StepTimeFit();
+  private readonly fixedStepTime: StepTimeLine | undefined;
   private readonly counters: Partial<Record<KvLowerTier, KvTierStats>> = {};
   private missedOffloads = 0;
   private recomputedBlocks = 0;
@@ -245,6 +254,7 @@ export class KvTiers {
     this.fixedBandwidth = options.bandwidth ?? {};
     this.prefillTokensPerMs = options.prefillTokensPerMs;
     this.fixedPrefillRate = options.prefillTokensPerMs !== undefined;
+    this.fixedStepTime = options.stepTime;
     this.windowBlocks = options.windowBlocks ?? 64;
     this.maxBlocksPerCall = options.maxBlocksPerCall ?? this.windowBlocks;
     this.priceOnboard = options.priceOnboard;
@@ -316,14 +326,45 @@ export class KvTiers {
     return blocks * (this.blockBytes / bandwidth + TIER_BLOCK_OVERHEAD_MS[tier]);
   }
 
-  /** Milliseconds to compute `tokens` prompt tokens at the measured prefill rate; Infinity before any is measured. */
-  recomputeMs(tokens: number): number {
-    return this.prefillTokensPerMs === undefined ? Infinity : tokens / this.prefillTokensPerMs;
+  /**
+   * Milliseconds that computing `tokens` more prompt tokens adds to a prefill that computes `anywayTokens` tokens
+   * regardless (those after the blocks a tier could serve: at least the prompt's last token), with at most
+   * `chunkTokens` prompt tokens per step (the scheduler's budget: chunked prefill).
+   *
+   * With a step-time line (fixed + per token) that is msPerToken for each token, plus the fixed part of each extra
+   * step the longer prefill then needs: the step that computes `anywayTokens` runs whatever is decided, so its fixed
+   * part (streaming all the weights once) is no price of recomputing a block in it. The average prefill rate would
+   * charge each token its share of that fixed part, which for a short prompt is most of the step: the model then read
+   * a block from a tier slower than the few more tokens it spared, and the request's first token came later than
+   * with no tier at all. Without a line yet (the steps seen were all of about one size) the average rate prices it
+   * all the same; before any step was measured, Infinity (a tier hit is onboarded).
+   */
+  recomputeMs(tokens: number, anywayTokens = 0, chunkTokens = Infinity): number {
+    if (tokens <= 0) return 0;
+    const line = this.stepTimeLine();
+    if (line === undefined) return this.prefillTokensPerMs === undefined ? Infinity : tokens / this.prefillTokensPerMs;
+    const steps = (promptTokens: number) => (promptTokens > 0 ? Math.max(1, Math.ceil(promptTokens / chunkTokens)) : 0);
+    return line.msPerToken * tokens + line.fixedMs * (steps(anywayTokens + tokens) - steps(anywayTokens));
   }
 
-  /** A step computed `tokens` prompt tokens in `ms`: the prefill rate the cost model compares against. */
-  observePrefill(tokens: number, ms: number): void {
-    if (this.fixedPrefillRate || tokens <= 0 || !(ms > 0)) return;
+  /**
+   * The step-time line recompute is priced with: the fixed one (options.stepTime), else the fit to the steps observed;
+   * undefined while the fit is not determined, or when a fixed average rate (options.prefillTokensPerMs) replaces it.
+   */
+  stepTimeLine(): StepTimeLine | undefined {
+    if (this.fixedStepTime !== undefined) return this.fixedStepTime;
+    return this.fixedPrefillRate ? undefined : this.stepTimeFit.line();
+  }
+
+  /**
+   * A step computed `tokens` tokens, `prefillTokens` of them prompt tokens, in `ms`. Every step feeds the step-time
+   * fit (decode steps are what pins its fixed part down); steps that computed a block of prompt or more also feed the
+   * average prefill rate, the price while the fit is not determined.
+   */
+  observeStep(tokens: number, ms: number, prefillTokens: number): void {
+    if (tokens <= 0 || !(ms > 0)) return;
+    this.stepTimeFit.observe(tokens, ms);
+    if (this.fixedPrefillRate || prefillTokens < this.blockSize) return;
     const rate = tokens / ms;
     this.prefillTokensPerMs = this.prefillTokensPerMs === undefined ? rate : (1 - EWMA) * this.prefillTokensPerMs + EWMA * rate;
   }
@@ -335,24 +376,36 @@ export class KvTiers {
   }
 
   /**
-   * The lower-tier blocks to onboard among hashes[from, to): the run of consecutive blocks some tier holds, cut where
-   * a block's tier is slower than recomputing a block's tokens (those and everything after them are recomputed).
+   * The lower-tier blocks to onboard among hashes[from, to) of a sequence of `numTokens` tokens whose prefill computes
+   * at most `chunkTokens` tokens per step. The run of consecutive blocks some tier holds is split into a head that is
+   * onboarded and a tail that is recomputed (each block's KV needs its predecessors', so nothing after a recomputed
+   * block can be onboarded): the split is the one with the least onboard + recompute time, the recompute priced at
+   * its marginal cost on top of the tokens after the run, which are computed either way (recomputeMs). Ties go to
+   * recomputing: no tier read for nothing.
    */
-  planOnboard(hashes: readonly BlockHash[], from: number, to: number, blockSize: number): OnboardPlan | undefined {
+  planOnboard(hashes: readonly BlockHash[], from: number, to: number, blockSize: number, numTokens: number,
+    chunkTokens = Infinity): OnboardPlan | undefined {
     if (!this.enabled || from >= to) return undefined;
-    const plan: OnboardPlan = { hashes: [], tiers: [], numRecomputed: 0 };
-    const recompute = this.recomputeMs(blockSize);
+    const tiers: KvLowerTier[] = [];
     for (let i = from; i < to; i++) {
       const tier = this.tierOf(hashes[i]!);
       if (tier === undefined) break;
-      if (plan.numRecomputed > 0 || !(this.onboardMs(tier, 1) < recompute)) {
-        plan.numRecomputed++;
-        continue;
-      }
-      plan.hashes.push(hashes[i]!);
-      plan.tiers.push(tier);
+      tiers.push(tier);
     }
-    return plan.hashes.length > 0 || plan.numRecomputed > 0 ? plan : undefined;
+    if (tiers.length === 0) return undefined;
+    const anywayTokens = numTokens - (from + tiers.length) * blockSize;
+    let bestOnboarded = 0;
+    let bestMs = this.recomputeMs(tiers.length * blockSize, anywayTokens, chunkTokens);
+    let onboardMs = 0;
+    for (let onboarded = 1; onboarded <= tiers.length; onboarded++) {
+      onboardMs += this.onboardMs(tiers[onboarded - 1]!, 1);
+      const ms = onboardMs + this.recomputeMs((tiers.length - onboarded) * blockSize, anywayTokens, chunkTokens);
+      if (ms < bestMs) {
+        bestMs = ms;
+        bestOnboarded = onboarded;
+      }
+    }
+    return { hashes: hashes.slice(from, from + bestOnboarded), tiers: tiers.slice(0, bestOnboarded), numRecomputed: tiers.length - bestOnboarded };
   }
 
   /** A lookup's plan was taken: the blocks it chose to recompute are counted. */
