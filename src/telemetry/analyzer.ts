@@ -156,7 +156,8 @@ export class TraceAnalyzer {
     return {
       request_id: trace.requestId, category: trace.outcome === 'error' ? 'failed' : 'aborted', dominant_phase: 'none', dominant_share: 0,
       dominant_share_of: null, dominant_ms: 0,
-      recommendation: `${why}. A request that did not complete gets no bottleneck diagnosis.`,
+      // The error's message is most often a sentence already (OpenAI's end with a full stop): not one stop more.
+      recommendation: `${/[.!?]$/.test(why) ? why : `${why}.`} A request that did not complete gets no bottleneck diagnosis.`,
       ttft_ms: trace.ttftMs === undefined ? null : round3(trace.ttftMs), total_ms: round3(trace.e2eMs),
       breakdown_ms: {
         gateway: round3(b.gatewayMs), routing: round3(b.routingMs), queue: round3(b.queueMs), prefill: round3(b.prefillMs),

@@ -93,6 +93,22 @@ describe('conduit trace', () => {
     assert.equal(requests.find((r) => r.id === prompted)?.bottleneck, 'prefill_no_cache');
   });
 
+  it('says how a refused request ended in one sentence, its error message\'s own full stop not doubled', async () => {
+    const model = server.running.api.gateway.servedModelName!;
+    const refused = await rawRequest(server.url, {
+      path: '/v1/completions', headers: { Authorization: `Bearer ${KEY}` }, body: { model, prompt: 'x', max_tokens: 5, temperature: -3 },
+    });
+    assert.equal(refused.status, 400, refused.text);
+    const message = (refused.json() as { error: { message: string } }).error.message;
+    assert.match(message, /\.$/, 'the server\'s message is a sentence');
+    const { code, out, err } = await run(['trace', String(refused.headers['x-request-id']), '--url', server.url, '--api-key', KEY]);
+    assert.equal(code, 0, err);
+    assert.match(out, /^bottleneck: failed$/m);
+    const recommendation = out.split('\n').find((l) => l.startsWith('  failed: 400 invalid_value in validate after '));
+    assert.ok(recommendation, out);
+    assert.ok(recommendation.endsWith(`: ${message} A request that did not complete gets no bottleneck diagnosis.`), recommendation);
+  });
+
   it('says what the share is of, and leaves it out for a server that does not say', () => {
     const analysis = { category: 'queue_saturation', dominant_phase: 'scheduler_queue', dominant_share: 0.81, dominant_ms: 868.46, recommendation: 'Queue wait.' };
     assert.equal(formatAnalysis({ ...analysis, dominant_share_of: 'ttft' }), 'bottleneck: queue_saturation (scheduler_queue: 81% of TTFT, 868.5 ms)\n  Queue wait.');
