@@ -67,7 +67,8 @@ export interface ApiServerOptions {
   logger?: Logger;
   /**
    * One info line per request when it ends (method, path, status, tenant, tokens, TTFT, total ms), as vLLM's and
-   * llama.cpp's servers log; health probes and scrapes (/health, /live, /metrics) only at debug. Default true.
+   * llama.cpp's servers log; health probes, scrapes and the console's poll (/health, /live, /metrics,
+   * /console/api/overview) only at debug. Default true.
    */
   requestLog?: boolean;
   /**

@@ -116,7 +116,7 @@ export const SERVE_FLAGS = {
   'log-level': { type: 'string', help: `one of ${LOG_LEVELS.join(', ')}`, default: 'info' },
   'return-tokens-as-token-ids': { type: 'boolean', help: 'logprobs name tokens "token_id:<id>" instead of their text, unless a request says otherwise (vLLM\'s flag and return_tokens_as_token_ids field)', default: false },
   'enable-tokenizer-info-endpoint': { type: 'boolean', help: 'serve vLLM\'s GET /tokenizer_info: the tokenizer\'s class, special tokens and chat template (what lm-evaluation-harness\'s remote tokenizer reads)', default: false },
-  'request-log': { type: 'boolean', help: 'one info line per request as it ends: method, path, status, tenant, tokens, TTFT, total ms (--no-request-log: off; /health, /live, /metrics only at debug)', default: true },
+  'request-log': { type: 'boolean', help: 'one info line per request as it ends: method, path, status, tenant, tokens, TTFT, total ms (--no-request-log: off; /health, /live, /metrics and /console/api/overview, which the console polls, only at debug)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
 } satisfies FlagTable;
 
