@@ -242,9 +242,13 @@ export class TraceAnalyzer {
     if (spike) return make('decode_latency_spike', 'decode_execution', spike.share, 'decode_steps', spike.spikeMs, spike.recommendation);
 
     const total = Math.max(trace.e2eMs, 1e-9);
+    // Every part, as the window's phase_share splits them: routing has no rule of its own, so a request it slowed
+    // lands here, and the split must show it; a transfer after the first token is told apart from decode.
+    const kvMs = b.kvTransferMs + b.decodeKvTransferMs;
+    const kvPart = trace.kvTransfer ? `, KV transfer ${pct(kvMs / total)}` : '';
     return make('balanced', 'none', 0, 'request', 0,
-      `No single phase dominates: gateway ${pct(b.gatewayMs / total)}, queue ${pct(b.queueMs / total)}, prefill ${pct(b.prefillMs / total)}, decode ${pct(b.decodeMs / total)} ` +
-      'of the request.');
+      `No single phase dominates: gateway ${pct(b.gatewayMs / total)}, routing ${pct(b.routingMs / total)}, queue ${pct(b.queueMs / total)}, ` +
+      `prefill ${pct(b.prefillMs / total)}${kvPart}, decode ${pct((b.decodeMs - b.decodeKvTransferMs) / total)} of the request.`);
   }
 
   /**

@@ -121,6 +121,20 @@ describe('TraceAnalyzer.classify', () => {
     assert.equal(analyzer.classify(trace(CASES.decode_latency_spike!)).category, 'decode_latency_spike');
   });
 
+  it('names every part of the request in a balanced one\'s split, routing and the KV transfer included', () => {
+    // 20 ms of routing, 10 ms of queue and 10 ms of prefill: none over its line (routing has none), so balanced.
+    const routed = analyzer.classify(trace({ id: 'routed', routerMs: 20, queueMs: 10, chunks: [[10, 1024]], outputTokens: 2 }));
+    assert.equal(routed.category, 'balanced', routed.recommendation);
+    const total = routed.total_ms;
+    assert.ok(routed.breakdown_ms.routing >= 20, JSON.stringify(routed.breakdown_ms));
+    assert.match(routed.recommendation, new RegExp(`routing ${((routed.breakdown_ms.routing / total) * 100).toFixed(0)}%`));
+    assert.doesNotMatch(routed.recommendation, /KV transfer/, 'no transfer, none named');
+    // A transfer under its line (40% of TTFT) is named too.
+    const moved = analyzer.classify(trace({ id: 'moved', queueMs: 10, chunks: [[10, 1024]], outputTokens: 2, kvTransfer: { ms: 8, bytes: 1 << 20, from: 'p0', to: 'd1' } }));
+    assert.equal(moved.category, 'balanced', moved.recommendation);
+    assert.match(moved.recommendation, /KV transfer \d+%/);
+  });
+
   it('reports a decode spike even when TTFT is balanced, counting the spiking steps', () => {
     const d = analyzer.classify(trace({ id: 's2', queueMs: 10, chunks: [[10, 1024]], engineSteps: true, outputTokens: 3, stepMs: [1, 1, 1, 1, 40] }));
     assert.equal(d.category, 'decode_latency_spike');

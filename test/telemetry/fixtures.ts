@@ -22,6 +22,8 @@ export interface TimelineOptions {
   /** Prefill chunks: [duration ms, tokens]. */
   chunks?: [number, number][];
   queueMs?: number;
+  /** The router's decision (router_lookup), from the end of tokenize. */
+  routerMs?: number;
   outputTokens?: number;
   /** Gap between decode steps, or one gap per step. */
   stepMs?: number | number[];
@@ -55,6 +57,7 @@ export function requestTimeline(o: TimelineOptions = {}): Timeline {
   const cachedTokens = o.cachedTokens ?? 0;
   const chunks = o.chunks ?? [[17.8, 512], [17.2, 512]];
   const queueMs = o.queueMs ?? 1.2;
+  const routerMs = o.routerMs ?? 0.8;
   const outputTokens = o.outputTokens ?? 8;
   const stream = o.stream ?? true;
   const steps = Array.isArray(o.stepMs) ? o.stepMs : Array.from({ length: outputTokens - 1 }, () => (o.stepMs as number | undefined) ?? 12.5);
@@ -66,12 +69,12 @@ export function requestTimeline(o: TimelineOptions = {}): Timeline {
     { phase: 'validate', requestId: id, start: a + 0.54, time: a + 0.6, ok: true, model, stream, maxTokens: 64, temperature: 0.7 },
     { phase: 'tokenize', requestId: id, start: a + 0.6, time: a + 1.0, promptTokens },
     {
-      phase: 'router_lookup', requestId: id, start: a + 1.0, time: a + 1.8, worker, strategy: 'kv_aware', candidates: 4,
+      phase: 'router_lookup', requestId: id, start: a + 1.0, time: a + 1.0 + routerMs, worker, strategy: 'kv_aware', candidates: 4,
       kvCacheHit: cachedTokens > 0, overlapTokens: cachedTokens, reason: cachedTokens > 0 ? `prefix_match_${cachedTokens}_tokens` : 'least_loaded',
       subPhasesMs: { hashing: 0.2, indexLookup: 0.3, selection: 0.3 },
     },
   ];
-  let t = a + 2.0;
+  let t = a + 1.2 + routerMs;
   const queued = t;
   const firstScheduled = t + queueMs;
   t = firstScheduled;
@@ -113,7 +116,7 @@ export function requestTimeline(o: TimelineOptions = {}): Timeline {
   events.push({ phase: 'finish', requestId: id, time: end, finishReason: 'length', promptTokens, outputTokens, cachedTokens, status: 200, engine });
   return {
     events,
-    at: { arrival: a, queued, firstScheduled, firstToken, lastToken, ...(firstWrite !== undefined ? { firstWrite } : {}), end, routerStart: a + 1.0, routerEnd: a + 1.8 },
+    at: { arrival: a, queued, firstScheduled, firstToken, lastToken, ...(firstWrite !== undefined ? { firstWrite } : {}), end, routerStart: a + 1.0, routerEnd: a + 1.0 + routerMs },
     engine,
   };
 }
