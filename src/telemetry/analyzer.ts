@@ -20,6 +20,9 @@
 //      cache hit rate; a prompt shorter than one KV block, which the cache cannot hold, is never "no cache");
 //   5. kv_transfer_bound    when the KV transfer is over `kvTransferShare` of TTFT;
 //   6. decode_latency_spike when a step spiked, even though decode did not dominate;
+//   In 1 and 6, a spike that is only the gap of a KV transfer after the first token (disaggregated serving: the
+//   prefill worker streams the first token, the prompt's KV moves after it) is kv_transfer_bound, its share of the
+//   request: the gap is the hand-over's, and a decode spike's advice would point away from it;
 //   7. balanced.
 // Shares of TTFT are of the measured TTFT (arrival to first streamed token), the decode categories' of the whole
 // request (a spike's of the decode steps' time): `dominant_share_of` says which. "Decode dominates" means decode (the
@@ -107,8 +110,9 @@ export interface Diagnosis<C extends DiagnosisCategory = DiagnosisCategory> {
   /** The phase the category points at ('none' for balanced, failed and aborted). */
   dominant_phase: PhaseName | 'none';
   /**
-   * Its share (0..1) of TTFT for the TTFT categories, of the request for decode_preempted, decode_batch_bound and
-   * decode_output_length, of the decode steps' time for a decode spike; 0 for balanced, failed, aborted.
+   * Its share (0..1) of TTFT for the TTFT categories, of the request for decode_preempted, decode_batch_bound,
+   * decode_output_length and a KV transfer after the first token, of the decode steps' time for a decode spike; 0 for
+   * balanced, failed, aborted.
    */
   dominant_share: number;
   /** What dominant_share is a share of; null when there is no dominant phase. */
@@ -183,12 +187,21 @@ export class TraceAnalyzer {
       dominant_ms: round3(dominantMs), recommendation,
     });
 
-    const spike = this.spike(trace);
+    // On the disaggregated path the prompt's KV moves after the first token, so a slow transfer is one long gap among
+    // the decode steps. When the largest step is that gap and no spike is left without the steps it overlaps, the spike
+    // is the transfer's, not a decode stall: it is named as such.
+    const handOver = this.transferAfterFirstToken(trace);
+    const anySpike = this.spike(trace);
+    const gapIsTransfer = anySpike !== undefined && handOver !== undefined
+      && (trace.decode?.stepMs ?? []).some((s, i) => s >= anySpike.maxStepMs && overlapsStep(trace, i, handOver));
+    const spike = gapIsTransfer ? this.spike(trace, handOver) : anySpike;
+    const transferGap = gapIsTransfer && !spike ? this.transferGap(trace, handOver!, anySpike!, make) : undefined;
     const decodeDominates = b.decodeMs > ttftBase;
     // A preemption mid-decode shows as a long gap between steps too: it is named first, as the cause.
     const preempted = decodeDominates ? this.decodeBound(trace, b.decodeMs, make, 'preempted') : undefined;
     if (preempted) return preempted;
     if (spike && decodeDominates) return make('decode_latency_spike', 'decode_execution', spike.share, 'decode_steps', spike.spikeMs, spike.recommendation);
+    if (transferGap && decodeDominates) return transferGap;
     if (decodeDominates) return this.decodeBound(trace, b.decodeMs, make, 'batch') ?? this.outputLength(trace, b, ttftBase, make);
 
     const gatewayShare = b.gatewayMs / ttftBase;
@@ -240,6 +253,7 @@ export class TraceAnalyzer {
     }
 
     if (spike) return make('decode_latency_spike', 'decode_execution', spike.share, 'decode_steps', spike.spikeMs, spike.recommendation);
+    if (transferGap) return transferGap;
 
     const total = Math.max(trace.e2eMs, 1e-9);
     // Every part, as the window's phase_share splits them: routing has no rule of its own, so a request it slowed
@@ -362,9 +376,32 @@ export class TraceAnalyzer {
       `beyond that only a faster time per token would (a faster backend or a smaller model).${firstToken}`);
   }
 
-  private spike(trace: RequestTrace): { share: number; spikeMs: number; recommendation: string } | undefined {
+  /** The KV transfer when it began at or after the engine's first token (the disaggregated hand-over), else undefined. */
+  private transferAfterFirstToken(trace: RequestTrace): { startMs: number; endMs: number } | undefined {
+    const kv = trace.kvTransfer;
+    const firstToken = trace.engineFirstTokenMs;
+    if (!kv || firstToken === undefined || kv.startMs < firstToken || !(kv.endMs > kv.startMs)) return undefined;
+    return { startMs: kv.startMs, endMs: kv.endMs };
+  }
+
+  /** kv_transfer_bound for a transfer after the first token whose gap was the request's only spike. */
+  private transferGap(trace: RequestTrace, transfer: { startMs: number; endMs: number }, spike: Spike, make: Make): Diagnosis<BottleneckCategory> {
+    const kv = trace.kvTransfer!;
+    const transferMs = transfer.endMs - transfer.startMs;
+    const share = transferMs / Math.max(trace.e2eMs, 1e-9);
+    const link = kv.fromWorker && kv.toWorker ? ` from ${kv.fromWorker} to ${kv.toWorker}` : '';
+    return make('kv_transfer_bound', 'kv_transfer', share, 'request', transferMs,
+      `KV transfer${link} took ${ms(transferMs)} (${bytes(kv.bytes)} at ${bytes(kv.bytes / (transferMs / 1000))}/s) after the first token, ` +
+      `${pct(share)} of the request: the prefill worker streamed the first token and the decode worker waited for the prompt's KV, ` +
+      `so the client waited ${ms(spike.maxStepMs)} for the next token against a median step of ${ms(spike.medianMs)}. ` +
+      'Pair prefill and decode workers on the same host, use a faster transfer channel, or serve short prompts without disaggregation.');
+  }
+
+  /** A decode spike; with `except`, among the steps that do not overlap that interval (the KV transfer's). */
+  private spike(trace: RequestTrace, except?: { startMs: number; endMs: number }): Spike | undefined {
     const t = this.thresholds;
-    const steps = trace.decode?.stepMs ?? [];
+    const all = trace.decode?.stepMs ?? [];
+    const steps = except === undefined ? all : all.filter((_, i) => !overlapsStep(trace, i, except));
     if (steps.length < t.minDecodeSteps) return undefined;
     const median = percentile(Float64Array.from(steps).sort(), 0.5); // nearest rank, as every percentile
     let maxStep = 0;
@@ -383,6 +420,8 @@ export class TraceAnalyzer {
     return {
       share: total > 0 ? spikeMs / total : 0,
       spikeMs,
+      maxStepMs: maxStep,
+      medianMs: median,
       recommendation: `Decode steps spiked: max ${ms(maxStep)} against a median of ${ms(median)}, ${spikes} of ${steps.length} steps over ` +
         `${t.spikeCountFactor}x the median and ${ms(t.minSpikeExcessMs)} or more above it. Look for preemptions (KV cache pressure), long prefill chunks sharing the batch ` +
         '(lower the chunk size), or event-loop and GC pauses.',
@@ -450,6 +489,15 @@ export class TraceAnalyzer {
       phase_share, categories, primary_bottleneck: primary, recommendation, examples,
     };
   }
+}
+
+interface Spike { share: number; spikeMs: number; maxStepMs: number; medianMs: number; recommendation: string }
+
+/** Whether the i-th decode step (its gap, for steps read from the stream) overlaps `interval`. */
+function overlapsStep(trace: RequestTrace, i: number, interval: { startMs: number; endMs: number }): boolean {
+  const start = trace.decode?.stepStartsMs[i];
+  const length = trace.decode?.stepMs[i];
+  return start !== undefined && length !== undefined && start < interval.endMs && start + length > interval.startMs;
 }
 
 type Make = (category: BottleneckCategory, phase: PhaseName | 'none', share: number, shareOf: ShareBase, dominantMs: number,

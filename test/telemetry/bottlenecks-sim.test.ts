@@ -4,8 +4,9 @@
 // half followed by new tokens is prefill_compute_bound (the cache hit did not make it cheap); requests queued behind
 // a running request (--max-num-seqs 1) are queue_saturation; a streamed decode that shared a step with a long
 // prompt's prefill is decode_latency_spike. decode_batch_bound and decode_preempted are constructed in
-// decode-bottleneck.test.ts. kv_transfer_bound is not constructed here: Conduit's prefill worker streams the first
-// token, so a KV transfer never counts towards TTFT on the engine as it runs (the analyzer's tests construct it).
+// decode-bottleneck.test.ts. kv_transfer_bound by TTFT is not constructed here: Conduit's prefill worker streams the
+// first token, so a KV transfer never counts towards TTFT on the engine as it runs (the analyzer's tests construct
+// it); transfer-gap.test.ts constructs the transfer after the first token that is the request's spike.
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { rawRequest } from '../api/http-client.ts';
