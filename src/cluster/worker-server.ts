@@ -149,7 +149,12 @@ interface Connection {
   clockOffset?: number;
 }
 
-/** The worker's KV cache as its events describe it: what a snapshot sends for a resync. */
+/**
+ * The worker's primary KV pool as its events describe it: what a snapshot sends for a resync, which replaces the
+ * primary blocks of the router's index. Events of the lower tiers (RAM, disk) share the id sequence but say nothing
+ * of the pool: a block copied down is still in the pool, one pushed out of the RAM tier may be too, and the disk
+ * tier announces at start blocks the pool never held. The index keeps those from the events themselves.
+ */
 export class KvMirror {
   readonly hashes = new Set<BlockHash>();
   lastEventId = 0;
@@ -157,6 +162,7 @@ export class KvMirror {
   apply(events: readonly KvEvent[]): void {
     for (const event of events) {
       this.lastEventId = event.eventId;
+      if (event.tier !== undefined) continue;
       if (event.type === 'stored') for (const hash of event.blockHashes) this.hashes.add(hash);
       else if (event.type === 'removed') for (const hash of event.blockHashes) this.hashes.delete(hash);
       else this.hashes.clear();
