@@ -932,15 +932,18 @@ export class Scheduler {
 
   /**
    * Blocks a sequence's admission could get as fresh ones: the free blocks, less those of its own cached prefix (and
-   * copy source) that are free (they are taken as they are, not as room), plus the blocks of the running sequences
-   * ranked after it (an upper bound: some may be shared).
+   * copy source) that are free (they are taken as they are, not as room), plus the blocks the running sequences
+   * ranked after it hold (an upper bound: some may be shared). Blocks a sequence gave back outside its sliding window
+   * are free already: counted there, not again as its own.
    */
   private reclaimableFor(sequence: Sequence, prefix: CachedPrefix): number {
     let blocks = this.kv.numFreeBlocks;
     for (const block of prefix.blocks) if (block.refCount === 0) blocks--;
     if (prefix.copySource !== undefined && prefix.copySource.refCount === 0) blocks--;
     for (const other of this.running) {
-      if (other.status === 'running' && this.order(sequence, other) < 0) blocks += other.blockTable.blocks.length;
+      if (other.status === 'running' && this.order(sequence, other) < 0) {
+        blocks += other.blockTable.blocks.length - other.blockTable.numReleasedBlocks;
+      }
     }
     return blocks;
   }

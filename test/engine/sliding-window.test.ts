@@ -202,6 +202,29 @@ describe('KV cache with a sliding window in every layer', () => {
     }
   });
 
+  test('priority: a running sequence is preempted for a waiting one only if the blocks it still holds make the room', () => {
+    // Two long generations, each holding the blocks of its window while most of its table is given back (free and
+    // cached in the pool). A request ranked between them needs more fresh blocks than the free ones and those the one
+    // ranked last holds: preempting that one would not make the room, so nobody is preempted and it waits.
+    const kv = new KvCacheManager({ numBlocks: 10, blockSize: BLOCK, slidingWindow: WINDOW });
+    const scheduler = new Scheduler({ policy: 'priority', maxNumBatchedTokens: 64, maxNumSeqs: 8, maxModelLen: 64, eosTokenIds: [EOS] }, kv);
+    scheduler.addRequest(makeRequest('low', prompt(0, 4), { priority: 9, sampling: { ignoreEos: true } }), 0);
+    scheduler.addRequest(makeRequest('high', prompt(1, 4), { priority: 0, sampling: { ignoreEos: true } }), 0);
+    for (let i = 0; i < 21; i++) step(scheduler, i);
+    const low = scheduler.getRequest('low')!.sequences[0]!.blockTable;
+    assert.ok(low.numReleasedBlocks >= 4, `low released ${low.numReleasedBlocks} blocks`);
+    const lowHeld = low.heldBlocks.length;
+
+    scheduler.addRequest(makeRequest('mid', prompt(2, 32), { priority: 5 }), 30);
+    const plan = scheduler.schedule(30);
+    assert.deepEqual(plan.preempted.map((sequence) => sequence.request.id), []);
+    assert.equal(scheduler.getRequest('low')!.status, 'running');
+    // The 8 blocks of its prompt are more than the free ones (the decode of 'high' took one) and those of 'low'.
+    assert.ok(kv.numFreeBlocks + lowHeld < kv.blocksFor(32), `${kv.numFreeBlocks} free + ${lowHeld} held by low`);
+    assert.equal(scheduler.getRequest('mid')!.status, 'waiting');
+    scheduler.checkInvariants();
+  });
+
   test('without a window nothing is released', () => {
     const scheduler = makeScheduler(64, null);
     scheduler.addRequest(makeRequest('a', prompt(0, 6), { sampling: { maxTokens: 30, ignoreEos: true } }), 0);
