@@ -933,17 +933,21 @@ export class Scheduler {
   /**
    * Blocks a sequence's admission could get as fresh ones: the free blocks, less those of its own cached prefix (and
    * copy source) that are free (they are taken as they are, not as room), plus the blocks the running sequences
-   * ranked after it hold (an upper bound: some may be shared). Blocks a sequence gave back outside its sliding window
-   * are free already: counted there, not again as its own.
+   * ranked after it hold (an upper bound: some may be shared among them), less those of its own prefix: freed by a
+   * preemption, they too are taken as they are. Blocks a sequence gave back outside its sliding window are free
+   * already: counted there, not again as its own.
    */
   private reclaimableFor(sequence: Sequence, prefix: CachedPrefix): number {
     let blocks = this.kv.numFreeBlocks;
     for (const block of prefix.blocks) if (block.refCount === 0) blocks--;
     if (prefix.copySource !== undefined && prefix.copySource.refCount === 0) blocks--;
+    const own = prefix.blocks.length > 0 || prefix.copySource !== undefined
+      ? new Set<KvBlock>(prefix.copySource !== undefined ? [...prefix.blocks, prefix.copySource] : prefix.blocks) : null;
     for (const other of this.running) {
-      if (other.status === 'running' && this.order(sequence, other) < 0) {
-        blocks += other.blockTable.blocks.length - other.blockTable.numReleasedBlocks;
-      }
+      if (other.status !== 'running' || this.order(sequence, other) >= 0) continue;
+      const table = other.blockTable;
+      blocks += table.blocks.length - table.numReleasedBlocks;
+      if (own !== null) for (const block of table.heldBlocks) if (own.has(block)) blocks--;
     }
     return blocks;
   }

@@ -149,6 +149,22 @@ describe('Scheduler preemption: only for a request that can then run', () => {
     assert.equal(scheduler.stats().numPreemptions, 0);
     scheduler.checkInvariants();
   });
+
+  it('blocks of a running request that the waiting one would take as its cached prefix are not counted as room either', () => {
+    const scheduler = makeScheduler({ policy: 'priority', numBlocks: 10, maxModelLen: 1000 });
+    const long = prompt(3, 36);
+    scheduler.addRequest(makeRequest('h', prompt(4, 7), { priority: 0, sampling: { maxTokens: 50 } }), 0); // 2 blocks
+    scheduler.addRequest(makeRequest('l', long.slice(0, 17), { priority: 2, sampling: { maxTokens: 50 } }), 0); // 5 blocks
+    step(scheduler, 0);
+    // s needs l's 4 cached prompt blocks and 5 fresh ones: preempting l frees 5 blocks, but 4 of them are s's own
+    // prefix, so the room is the 3 free and l's last one, too few.
+    scheduler.addRequest(makeRequest('s', long, { priority: 1, sampling: { maxTokens: 50 } }), 1);
+    for (let t = 1; t < 4; t++) assert.deepEqual(step(scheduler, t).plan.preempted.map((s) => s.request.id), [], `step ${t}`);
+    assert.equal(scheduler.getRequest('l')!.sequences[0]!.status, 'running');
+    assert.equal(scheduler.getRequest('s')!.sequences[0]!.status, 'waiting');
+    assert.equal(scheduler.stats().numPreemptions, 0);
+    scheduler.checkInvariants();
+  });
 });
 
 describe('Scheduler preemption for a more urgent waiting request', () => {
