@@ -932,23 +932,25 @@ export class Scheduler {
 
   /**
    * Blocks a sequence's admission could get as fresh ones: the free blocks, less those of its own cached prefix (and
-   * copy source) that are free (they are taken as they are, not as room), plus the blocks the running sequences
-   * ranked after it hold (an upper bound: some may be shared among them), less those of its own prefix: freed by a
-   * preemption, they too are taken as they are. Blocks a sequence gave back outside its sliding window are free
-   * already: counted there, not again as its own.
+   * copy source) that are free (they are taken as they are, not as room), plus the blocks that preempting every
+   * running sequence ranked after it would free: those only such sequences hold. A block also held by a sequence
+   * ranked before it or by a pin stays in use, and one of its own prefix is taken as it is. Blocks a sequence gave
+   * back outside its sliding window are free already, counted there.
    */
   private reclaimableFor(sequence: Sequence, prefix: CachedPrefix): number {
     let blocks = this.kv.numFreeBlocks;
     for (const block of prefix.blocks) if (block.refCount === 0) blocks--;
     if (prefix.copySource !== undefined && prefix.copySource.refCount === 0) blocks--;
-    const own = prefix.blocks.length > 0 || prefix.copySource !== undefined
-      ? new Set<KvBlock>(prefix.copySource !== undefined ? [...prefix.blocks, prefix.copySource] : prefix.blocks) : null;
+    /** References the running sequences ranked after it hold, per block. */
+    const victimReferences = new Map<KvBlock, number>();
     for (const other of this.running) {
       if (other.status !== 'running' || this.order(sequence, other) >= 0) continue;
-      const table = other.blockTable;
-      blocks += table.blocks.length - table.numReleasedBlocks;
-      if (own !== null) for (const block of table.heldBlocks) if (own.has(block)) blocks--;
+      for (const block of other.blockTable.heldBlocks) victimReferences.set(block, (victimReferences.get(block) ?? 0) + 1);
     }
+    if (victimReferences.size === 0) return blocks;
+    const own = new Set<KvBlock>(prefix.blocks);
+    if (prefix.copySource !== undefined) own.add(prefix.copySource);
+    for (const [block, references] of victimReferences) if (references === block.refCount && !own.has(block)) blocks++;
     return blocks;
   }
 

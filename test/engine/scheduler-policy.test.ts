@@ -165,6 +165,22 @@ describe('Scheduler preemption: only for a request that can then run', () => {
     assert.equal(scheduler.stats().numPreemptions, 0);
     scheduler.checkInvariants();
   });
+
+  it('blocks a running request shares with one ranked before the waiting request are not counted as room', () => {
+    const scheduler = makeScheduler({ policy: 'priority', numBlocks: 10, maxModelLen: 1000 });
+    const shared = prompt(3, 16);
+    scheduler.addRequest(makeRequest('top', [...shared, 1], { priority: 0, sampling: { maxTokens: 50 } }), 0); // 5 blocks
+    step(scheduler, 0);
+    scheduler.addRequest(makeRequest('low', [...shared, 1, 2, 3, 4, 5], { priority: 2, sampling: { maxTokens: 50 } }), 1);
+    step(scheduler, 1); // low: top's 4 cached blocks and 2 of its own
+    // mid needs 6 fresh blocks: the 3 free and low's own 2 are too few; low's other 4 stay in use by top.
+    scheduler.addRequest(makeRequest('mid', prompt(4, 24), { priority: 1, sampling: { maxTokens: 50 } }), 2);
+    for (let t = 2; t < 4; t++) assert.deepEqual(step(scheduler, t).plan.preempted.map((s) => s.request.id), [], `step ${t}`);
+    assert.equal(scheduler.getRequest('low')!.sequences[0]!.status, 'running');
+    assert.equal(scheduler.getRequest('mid')!.sequences[0]!.status, 'waiting');
+    assert.equal(scheduler.stats().numPreemptions, 0);
+    scheduler.checkInvariants();
+  });
 });
 
 describe('Scheduler preemption for a more urgent waiting request', () => {
