@@ -427,7 +427,11 @@ export class Scheduler {
         const worthPreempting = (planned: ReturnType<typeof lookUp>) => preemptive
           && this.reclaimableFor(sequence, planned.prefix) >= this.freshBlocksFor(planned.prefix, planned.numNewTokens);
         if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) {
-          if (worthPreempting(lookUp())) while (this.runningSeats + sequence.numSeats > this.maxNumSeqs && makeRoom(sequence));
+          // Nor for seats that the running sequences ranked after it do not hold enough of (n samples need n).
+          if (preemptive && this.runningSeats - this.seatsRankedAfter(sequence) + sequence.numSeats <= this.maxNumSeqs
+            && worthPreempting(lookUp())) {
+            while (this.runningSeats + sequence.numSeats > this.maxNumSeqs && makeRoom(sequence));
+          }
           if (this.runningSeats + sequence.numSeats > this.maxNumSeqs) break;
         }
         let { prefix, numNewTokens } = lookUp();
@@ -952,6 +956,13 @@ export class Scheduler {
     if (prefix.copySource !== undefined) own.add(prefix.copySource);
     for (const [block, references] of victimReferences) if (references === block.refCount && !own.has(block)) blocks++;
     return blocks;
+  }
+
+  /** Seats held by the running sequences ranked after this one: what preempting them all would give back. */
+  private seatsRankedAfter(sequence: Sequence): number {
+    let seats = 0;
+    for (const other of this.running) if (other.status === 'running' && this.order(sequence, other) < 0) seats += other.numSeats;
+    return seats;
   }
 
   private lastRankedRunningOrNull(): Sequence | null {

@@ -181,6 +181,23 @@ describe('Scheduler preemption: only for a request that can then run', () => {
     assert.equal(scheduler.stats().numPreemptions, 0);
     scheduler.checkInvariants();
   });
+
+  it('a request with n samples does not preempt for seats when those ranked after it hold fewer than it lacks', () => {
+    const scheduler = makeScheduler({ policy: 'priority', maxNumSeqs: 3 });
+    scheduler.addRequest(makeRequest('a', prompt(0, 4), { priority: 0, sampling: { maxTokens: 50 } }), 0);
+    scheduler.addRequest(makeRequest('b', prompt(1, 4), { priority: 0, sampling: { maxTokens: 50 } }), 0);
+    scheduler.addRequest(makeRequest('c', prompt(2, 4), { priority: 5, sampling: { maxTokens: 50 } }), 0);
+    step(scheduler, 0);
+    // w needs 3 seats; only c ranks after it, and its one seat would leave w short of two.
+    scheduler.addRequest(makeRequest('w', prompt(3, 4), { priority: 1, sampling: { n: 3, maxTokens: 50 } }), 1);
+    for (let t = 1; t < 4; t++) {
+      const { plan } = step(scheduler, t);
+      assert.deepEqual(plan.preempted.map((s) => s.request.id), [], `step ${t}`);
+      assert.deepEqual(summary(plan).map((e) => e.split('/')[0]).sort(), ['a', 'b', 'c'], `step ${t}`);
+    }
+    assert.equal(scheduler.stats().numPreemptions, 0);
+    scheduler.checkInvariants();
+  });
 });
 
 describe('Scheduler preemption for a more urgent waiting request', () => {
