@@ -196,6 +196,7 @@ function checkStringKeyword(schema: JsonObject, key: string, value: unknown, typ
   if (key === 'pattern') {
     if (typeof value !== 'string') throw new InvalidValueError(at, "'pattern' must be a string.");
     checkGroupDepth(value, 'regex', at);
+    checkCharacterClasses(value, 'regex', at);
   }
   if (key === 'format' && !GUIDED_FORMATS.includes(value as string)) {
     throw new UnsupportedFieldError(at, `format ${JSON.stringify(value)} is not enforced in guided decoding; the formats enforced are `
@@ -285,6 +286,85 @@ function checkGroupDepth(text: string, kind: 'regex' | 'ebnf', param: string): v
   if (deepest > MAX_GROUP_DEPTH) {
     throw new InvalidValueError(param, `the ${kind === 'regex' ? 'regex' : 'grammar'} nests groups ${deepest} deep; at most `
       + `${MAX_GROUP_DEPTH} in guided decoding.`);
+  }
+}
+
+/** Hex digits each of \x, \u and \U takes in a regex. */
+const HEX_ESCAPE_DIGITS: Record<string, number> = { x: 2, u: 4, U: 8 };
+
+function hexRunLength(text: string, from: number): number {
+  let end = from;
+  while (end < text.length && /[0-9a-fA-F]/.test(text[end]!)) end++;
+  return end - from;
+}
+
+/**
+ * Character classes and escapes XGrammar 0.1.27 compiles into something other than what they say (in a regex, a
+ * schema's 'pattern' or an EBNF grammar), so the output could break them; refused. Its character-class automaton
+ * handles UTF-8 only for ASCII: a class holding another character ([à-ÿ], [a-zé], [\u4e00-\u9fa5], [^é]) matched
+ * single bytes, or, past U+00FF, almost any text but its own characters. \x inside a class took every hex digit
+ * after it ([\x41a] became the one character U+041A, not A or a; [\x41-\x5a0-9] a range up to U+05A0), as it does
+ * outside a class in a regex, and so did \u and \U of a character outside ASCII. \p{...} inside a class was read as
+ * the letters p, {, ... . A class of one character ([é]) compiles as that character and is kept, as are
+ * alternatives of characters ((é|ü|[a-z])). In EBNF, string literals and comments are skipped.
+ */
+function checkCharacterClasses(text: string, kind: 'regex' | 'ebnf', param: string): void {
+  const refuse = (why: string): never => {
+    throw new UnsupportedFieldError(param, `${why} The grammar engine does not enforce it as written in guided decoding, so the output `
+      + 'could break it.');
+  };
+  for (let i = 0; i < text.length; i++) {
+    const c = text[i]!;
+    if (kind === 'ebnf' && (c === '"' || c === "'")) {
+      let j = i + 1;
+      while (j < text.length && text[j] !== c) j += text[j] === '\\' ? 2 : 1;
+      i = j;
+    } else if (kind === 'ebnf' && c === '#') {
+      while (i < text.length && text[i] !== '\n') i++;
+    } else if (c === '\\') {
+      if (kind === 'regex' && text[i + 1] === 'x' && hexRunLength(text, i + 2) > 2) {
+        refuse(`The escape ${text.slice(i, i + 5)}... is followed by more hex digits, which the grammar engine reads as part of it `
+          + '(\\x41a as U+041A, not "Aa"); write the next character another way (e.g. [a] or \\u0061).');
+      }
+      i++;
+    } else if (c === '[') {
+      let j = i + 1;
+      const negated = text[j] === '^';
+      if (negated) j++;
+      const members: number[] = [];
+      while (j < text.length && text[j] !== ']') {
+        if (text[j] === '\\') {
+          const letter = text[j + 1] ?? '';
+          if (letter === 'p' || letter === 'P') {
+            refuse(`A Unicode property (\\${letter}{...}) inside a character class is read as its letters.`);
+          }
+          const width = Object.hasOwn(HEX_ESCAPE_DIGITS, letter) ? HEX_ESCAPE_DIGITS[letter]! : 0;
+          if (width > 0) {
+            // \u and \U of an ASCII character are read as it; \x and those of other characters take every hex digit after them.
+            const digits = hexRunLength(text, j + 2);
+            if (digits < width || (letter === 'x' && digits > width)) {
+              refuse(`The escape ${text.slice(j, j + 2 + Math.max(digits, width))} inside a character class is read with every hex digit `
+                + `after \\${letter} (the grammar engine's reading of [\\x41a] is U+041A, not A or a), so it names another character. `
+                + 'Write the character itself, or put the escape last in the class.');
+            }
+            members.push(parseInt(text.slice(j + 2, j + 2 + width), 16));
+            j += 2 + width;
+          } else {
+            members.push(letter.charCodeAt(0));
+            j += 2;
+          }
+        } else {
+          const codePoint = text.codePointAt(j)!;
+          members.push(codePoint);
+          j += codePoint > 0xffff ? 2 : 1;
+        }
+      }
+      if (members.some((codePoint) => codePoint >= 0x80) && (negated || members.length > 1)) {
+        refuse(`The character class ${text.slice(i, j + 1)} holds a character outside ASCII; the grammar engine matches such classes `
+          + `byte by byte. Spell the characters as alternatives instead, e.g. ${kind === 'regex' ? '(é|ü|[a-z])' : '("é" | "ü" | [a-z])'}.`);
+      }
+      i = j;
+    }
   }
 }
 
@@ -573,12 +653,14 @@ function choiceSpec(param: string, value: unknown): GuidedDecoding {
 function regexSpec(param: string, pattern: string): GuidedDecoding {
   checkBytes(pattern, param, 'the regex');
   checkGroupDepth(pattern, 'regex', param);
+  checkCharacterClasses(pattern, 'regex', param);
   return { kind: 'regex', pattern };
 }
 
 function grammarSpec(param: string, ebnf: string): GuidedDecoding {
   checkBytes(ebnf, param, 'the grammar');
   checkGroupDepth(ebnf, 'ebnf', param);
+  checkCharacterClasses(ebnf, 'ebnf', param);
   return { kind: 'grammar', ebnf };
 }
 
