@@ -36,7 +36,7 @@ export function grammarSource(spec: GuidedDecoding): GrammarSource {
     case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false, anyWhitespace: !spec.compact };
     case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true, anyWhitespace: !spec.compact };
     case 'regex': return { kind: 'regex', pattern: spec.pattern };
-    case 'choice': return { kind: 'ebnf', ebnf: `root ::= ${spec.choices.map(ebnfLiteral).join(' | ')}` };
+    case 'choice': return { kind: 'ebnf', ebnf: choiceGrammar(spec.choices) };
     case 'grammar': return { kind: 'ebnf', ebnf: spec.ebnf };
   }
 }
@@ -44,6 +44,60 @@ export function grammarSource(spec: GuidedDecoding): GrammarSource {
 /** A string as an EBNF literal: JSON's escapes are XGrammar's (\" \\ \n \uXXXX). */
 function ebnfLiteral(text: string): string {
   return JSON.stringify(text);
+}
+
+interface ChoiceNode {
+  /** A choice ends here. */
+  end: boolean;
+  /** The nodes after each next character, in the order the choices first reach them. */
+  next: Map<string, ChoiceNode>;
+}
+
+/**
+ * A choice list as an EBNF grammar that spells the choices as a tree of their common prefixes, each character written
+ * once where choices share it (["521", "600", "601"]: root ::= "521" | "60" choice_1, choice_1 ::= "0" | "1"), one
+ * rule per place where choices part, so nothing nests however long the shared prefixes. Not the alternatives side
+ * by side: XGrammar 0.1.27 merges states of the automaton it builds from those unsoundly, and the grammar
+ * "521" | "600" | "601" let "520" through (after "52", the "0" of "600"). A tree of prefixes leaves two choices no
+ * state to share but that of a prefix they share (hundreds of random lists, of digits and of characters with a common
+ * first UTF-8 byte, took exactly their choices this way, where about one in eight of the side-by-side lists did not).
+ */
+export function choiceGrammar(choices: readonly string[]): string {
+  const root: ChoiceNode = { end: false, next: new Map() };
+  for (const choice of choices) {
+    let node = root;
+    for (const character of choice) {
+      let child = node.next.get(character);
+      if (child === undefined) node.next.set(character, child = { end: false, next: new Map() });
+      node = child;
+    }
+    node.end = true;
+  }
+  const rules: string[] = [];
+  const pending: [ChoiceNode, string][] = [[root, 'root']];
+  for (let at = 0; at < pending.length; at++) {
+    const [node, name] = pending[at]!;
+    const alternatives = node.end ? ['""'] : [];
+    for (const [character, child] of node.next) {
+      // A run of characters in which no choice parts or ends is one literal.
+      let text = character;
+      let last = child;
+      while (!last.end && last.next.size === 1) {
+        const [nextCharacter, nextNode] = last.next.entries().next().value!;
+        text += nextCharacter;
+        last = nextNode;
+      }
+      if (last.next.size === 0) {
+        alternatives.push(ebnfLiteral(text));
+      } else {
+        const rest = `choice_${pending.length}`;
+        pending.push([last, rest]);
+        alternatives.push(`${ebnfLiteral(text)} ${rest}`);
+      }
+    }
+    rules.push(`${name} ::= ${alternatives.join(' | ')}`);
+  }
+  return rules.join('\n');
 }
 
 export function grammarKey(source: GrammarSource): string {
