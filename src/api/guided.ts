@@ -400,8 +400,8 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject, original: J
 
 /**
  * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, the formats
- * of FORMAT_PATTERNS turned into their patterns, and the parts no finite value satisfies left out where a value may
- * go without them (leaveOutUnsatisfiable).
+ * of FORMAT_PATTERNS turned into their patterns, each pattern in a group of its own, and the parts no finite value
+ * satisfies left out where a value may go without them (leaveOutUnsatisfiable).
  */
 export function grammarSchema(schema: unknown): unknown {
   const has = finiteSchemas(schema);
@@ -413,6 +413,9 @@ export function grammarSchema(schema: unknown): unknown {
       delete node.format;
       node.pattern = pattern;
     }
+    // XGrammar 0.1.27 writes a pattern between the string's quotes without a group around it, so an alternation at
+    // its top ("521|60[01]") split the quotes between its branches: the output was 600" or "521, not JSON.
+    if (typeof node.pattern === 'string') node.pattern = `(?:${node.pattern})`;
     return node;
   });
 }
