@@ -6,7 +6,7 @@
 import { getHardwareProfile, getLinkProfile, HARDWARE_PROFILES, LINK_PROFILES } from '../sim/hardware.ts';
 import type { HardwareProfile } from '../sim/hardware.ts';
 import {
-  DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatDisaggregatedPath, formatLifecycleTable, simulateDisaggregatedPath,
+  counted, DEFAULT_BATCH_SIZES, decodeSweep, formatDecodeSweep, formatDisaggregatedPath, formatLifecycleTable, simulateDisaggregatedPath,
   simulateLifecycle,
 } from '../sim/latency-model.ts';
 import { checkDisaggregatedPathWithEngine } from '../sim/disagg-cold-path.ts';
@@ -307,13 +307,13 @@ async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promis
   const check = await checkLifecycleWithEngine({
     model, hw, tp, promptTokens, cachedTokens: report.warm.cachedTokens, blockSize, maxNumBatchedTokens, efficiency,
   });
-  const line = (name: string, c: typeof check.cold) => `  ${name}: ${c.cachedTokens} cached tokens, engine TTFT `
+  const line = (name: string, c: typeof check.cold) => `  ${name}: ${counted(c.cachedTokens, 'cached token')}, engine TTFT `
     + `${c.engineMs.toFixed(2)} ms, model prefill_execution ${c.modelMs.toFixed(2)} ms  ${agrees(c.engineMs, c.modelMs) ? 'ok' : 'MISMATCH'}`;
   const lines = ['simulated engine on one idle aggregated worker (same scheduler and KV cache as the real engine):',
     line('cold', check.cold), line('warm', check.warm)];
   if (check.warm.cachedTokens !== report.warm.cachedTokens) {
     lines.push(`  note: the KV cache keeps whole blocks of ${blockSize}, so the engine hit ${check.warm.cachedTokens} of the `
-      + `${report.warm.cachedTokens} cached tokens asked for; the warm check uses the engine's hit`);
+      + `${counted(report.warm.cachedTokens, 'cached token')} asked for; the warm check uses the engine's hit`);
   }
   let pathOk = true;
   if (disaggregated) {
@@ -326,7 +326,7 @@ async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promis
     lines.push('simulated engine, one prefill and one decode worker (handoff, transfer over the link, adoption):',
       `  first token ${pathCheck.engineTtftMs.toFixed(2)} ms (model prefill_execution ${pathCheck.modelPrefillMs.toFixed(2)} ms), `
       + `second token ${pathCheck.engineSecondTokenGapMs.toFixed(2)} ms later (model kv_transfer + decode_execution `
-      + `${pathCheck.modelSecondTokenGapMs.toFixed(2)} ms), ${pathCheck.engineTransferBlocks} blocks moved  ${pathOk ? 'ok' : 'MISMATCH'}`);
+      + `${pathCheck.modelSecondTokenGapMs.toFixed(2)} ms), ${counted(pathCheck.engineTransferBlocks, 'block')} moved  ${pathOk ? 'ok' : 'MISMATCH'}`);
   }
   console.log(lines.join('\n'));
   return agrees(check.cold.engineMs, check.cold.modelMs) && agrees(check.warm.engineMs, check.warm.modelMs) && pathOk ? 0 : 1;

@@ -139,6 +139,11 @@ export interface LifecycleReport {
   warm: TtftTrace;
 }
 
+/** `1 token`, `2 tokens`: a count and its noun, singular for one. */
+export function counted(count: number, noun: string): string {
+  return `${count} ${noun}${count === 1 ? '' : 's'}`;
+}
+
 function checkCount(name: string, value: number, min: number): void {
   if (!Number.isInteger(value) || value < min) {
     throw new RangeError(`${name} must be an integer >= ${min}, got ${value}`);
@@ -203,7 +208,7 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
     { phase: 'validate', ms: overheads.validateMs, detail: 'schema and limits' },
     {
       phase: 'tokenize', ms: (promptTokens / overheads.tokenizeTokensPerSec) * 1000,
-      detail: `${promptTokens} tokens at ${overheads.tokenizeTokensPerSec} tokens/s`,
+      detail: `${counted(promptTokens, 'token')} at ${overheads.tokenizeTokensPerSec} tokens/s`,
     },
     { phase: 'router_lookup', ms: overheads.routerLookupMs, detail: 'block hashes against the KV index' },
     { phase: 'scheduler_queue', ms: queueMs, detail: queueMs === 0 ? 'idle engine: scheduled at once' : 'given' },
@@ -226,13 +231,13 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
     const link = opts.disaggregated.link;
     const transferMs = kvTransferTimeMs(promptTokens, model, link, { parallelLinks, efficiency: efficiency.commEfficiency });
     coldPhases.push(execution('prefill_execution', prefillSteps(0, promptTokens, budget), opts, efficiency,
-      `${promptTokens} tokens on the prefill worker, last step samples the first token`));
+      `${counted(promptTokens, 'token')} on the prefill worker, last step samples the first token`));
     coldPhases.push(none('kv_transfer', `after the first token: ${transferMs.toFixed(2)} ms over ${parallelLinks} x ${link.name}`));
     coldPhases.push(none('decode_dispatch', 'after the first token (hand-over to the decode worker)'));
     coldPhases.push(none('decode_execution', 'first token comes from the prefill worker\'s last step'));
   } else {
     coldPhases.push(execution('prefill_execution', prefillSteps(0, promptTokens, budget), opts, efficiency,
-      `${promptTokens} tokens, last step samples the first token`));
+      `${counted(promptTokens, 'token')}, last step samples the first token`));
     coldPhases.push(none('kv_transfer', 'same worker'));
     coldPhases.push(none('decode_dispatch', 'same worker'));
     coldPhases.push(none('decode_execution', 'first token comes from the prefill step'));
@@ -245,7 +250,7 @@ export function simulateLifecycle(opts: LifecycleOptions): LifecycleReport {
   const warmPhases = front();
   warmPhases.push({ phase: 'prefill_dispatch', ms: overheads.dispatchMs, detail: 'to the worker holding the prefix' });
   warmPhases.push(execution('prefill_execution', prefillSteps(cachedTokens, computed, budget), opts, efficiency,
-    `${computed} tokens after a ${cachedTokens}-token prefix hit`));
+    `${counted(computed, 'token')} after a ${cachedTokens}-token prefix hit`));
   warmPhases.push(none('kv_transfer', 'KV already on the worker'));
   warmPhases.push(none('decode_dispatch', 'same worker'));
   warmPhases.push(none('decode_execution', 'first token comes from the prefill step'));
@@ -343,7 +348,7 @@ export function simulateDisaggregatedPath(opts: DisaggregatedPathOptions): Disag
     {
       phase: 'kv_transfer',
       ms: kvTransferTimeMs(transferTokens, model, opts.link, { parallelLinks, efficiency: efficiency.commEfficiency }),
-      detail: `${transferBlocks} blocks (${(transferBytes / 2 ** 20).toFixed(1)} MiB) over ${parallelLinks} x ${opts.link.name}`,
+      detail: `${counted(transferBlocks, 'block')} (${(transferBytes / 2 ** 20).toFixed(1)} MiB) over ${parallelLinks} x ${opts.link.name}`,
     },
     { phase: 'decode_dispatch', ms: overheads.dispatchMs, detail: 'handoff to the decode worker' },
     decodeStep,
@@ -358,7 +363,7 @@ export function simulateDisaggregatedPath(opts: DisaggregatedPathOptions): Disag
 /** The two cold paths side by side, phase by phase, with TTFT and the second token's time. */
 export function formatDisaggregatedPath(report: DisaggregatedPathReport): string {
   const title = [
-    `${report.modelName} on ${report.tp} x ${report.hardwareName} (tp ${report.tp}), prompt ${report.promptTokens} tokens, cold: `
+    `${report.modelName} on ${report.tp} x ${report.hardwareName} (tp ${report.tp}), prompt ${counted(report.promptTokens, 'token')}, cold: `
       + `aggregated vs disaggregated (KV over ${report.parallelLinks} x ${report.linkName})`,
     'the prefill worker samples and streams the first token; the decode worker continues from the second',
   ];
@@ -509,8 +514,8 @@ export function formatLifecycleTable(report: LifecycleReport): string {
     : 'aggregated (prefill and decode on one worker)';
   const title = [
     `${report.modelName} on ${report.tp} x ${report.hardwareName} (tp ${report.tp}), ` +
-      `prompt ${report.promptTokens} tokens, ${mode}`,
-    `cold: no cached prefix; warm: ${warm.cachedTokens}-token prefix hit, ${warm.computedTokens} tokens computed`,
+      `prompt ${counted(report.promptTokens, 'token')}, ${mode}`,
+    `cold: no cached prefix; warm: ${warm.cachedTokens}-token prefix hit, ${counted(warm.computedTokens, 'token')} computed`,
     efficiencyLine(report.efficiency),
   ];
   const rows: string[][] = [];

@@ -260,7 +260,24 @@ test('conduit sim lifecycle: a CONDUIT_SIM_PARALLEL_LINKS without --link is igno
   assert.match(applied.out, /KV over 2 x InfiniBand NDR/);
   const all = await run(['sim', 'lifecycle', '--cached', '1023', '--no-check']);
   assert.equal(all.code, 0, all.err);
-  assert.match(all.out, /warm: 1023-token prefix hit, 1 tokens computed/);
+  assert.match(all.out, /warm: 1023-token prefix hit, 1 token computed/);
+});
+
+test('conduit sim lifecycle counts one token, one cached token and one block in the singular', async () => {
+  // A one-token prompt moves one block to the decode worker; a two-token prompt with one cached token computes one.
+  const one = await run(['sim', 'lifecycle', '--prompt', '1', '--link', 'ib-ndr']);
+  assert.equal(one.code, 0, one.err);
+  assert.match(one.out, /prompt 1 token, disaggregated/);
+  assert.match(one.out, /prompt 1 token, cold: aggregated vs disaggregated/);
+  assert.match(one.out, /warm: 0-token prefix hit, 1 token computed/);
+  assert.match(one.out, /^tokenize .* 1 token at \d+ tokens\/s$/m);
+  assert.match(one.out, /^prefill_execution .* 1 token on the prefill worker,/m);
+  assert.match(one.out, /^kv_transfer .* 1 block \(/m);
+  assert.match(one.out, /, 1 block moved {2}ok$/m);
+  const cachedOne = await run(['sim', 'lifecycle', '--prompt', '2', '--cached', '1', '--block-size', '1']);
+  assert.equal(cachedOne.code, 0, cachedOne.err);
+  assert.match(cachedOne.out, /^ {2}warm: 1 cached token, engine TTFT/m);
+  for (const { out } of [one, cachedOne]) assert.doesNotMatch(out, /\b1 (cached )?(token|block)s\b/);
 });
 
 test('conduit sim decode-sweep: --lora-rank without --lora-adapters is refused typed, ignored with a warning from the environment', async () => {
