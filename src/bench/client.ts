@@ -22,7 +22,8 @@ export function apiRoot(pathname: string): string {
   return pathname.replace(/\/+$/, '').replace(/\/v1$/, '');
 }
 
-export function createTarget(baseUrl: string, maxSockets: number, apiKey?: string): Target {
+/** A base URL as given (--url), parsed, with its path cut to the API root (apiRoot). */
+function rootedBaseUrl(baseUrl: string): URL {
   let url: URL;
   try {
     url = new URL(baseUrl);
@@ -31,6 +32,21 @@ export function createTarget(baseUrl: string, maxSockets: number, apiKey?: strin
   }
   if (url.protocol !== 'http:' && url.protocol !== 'https:') throw new RangeError(`only http and https URLs, got ${url.protocol}`);
   url.pathname = apiRoot(url.pathname);
+  return url;
+}
+
+/** Where a request for `path` (/v1/...) goes under a base URL already cut to its API root. */
+export function underRoot(root: URL, path: string): URL {
+  return new URL(root.pathname.replace(/\/$/, '') + path, root);
+}
+
+/** The URL a request for `path` (/v1/chat/completions, ...) is sent to under a base URL as given (--url). */
+export function endpointUrl(baseUrl: string, path: string): string {
+  return underRoot(rootedBaseUrl(baseUrl), path).href;
+}
+
+export function createTarget(baseUrl: string, maxSockets: number, apiKey?: string): Target {
+  const url = rootedBaseUrl(baseUrl);
   const options = { keepAlive: true, maxSockets, maxFreeSockets: maxSockets, scheduling: 'fifo' as const };
   const agent = url.protocol === 'https:' ? new HttpsAgent(options) : new HttpAgent(options);
   return { baseUrl: url, agent, ...(apiKey !== undefined ? { apiKey } : {}) };
@@ -116,7 +132,7 @@ function errorMessageOf(body: string): string | undefined {
 
 export function sendRequest(target: Target, options: SendOptions): Promise<RequestOutcome> {
   const payload = JSON.stringify(options.body);
-  const url = new URL(target.baseUrl.pathname.replace(/\/$/, '') + options.path, target.baseUrl);
+  const url = underRoot(target.baseUrl, options.path);
   const headers: Record<string, string | number> = {
     'Content-Type': 'application/json',
     'Content-Length': Buffer.byteLength(payload),
@@ -264,7 +280,7 @@ function applyTimings(outcome: RequestOutcome, timings: unknown): void {
 
 /** The served model's id from GET /v1/models, or undefined when the server does not list one. */
 export function fetchModelId(target: Target, timeoutMs: number): Promise<string | undefined> {
-  const url = new URL(`${target.baseUrl.pathname.replace(/\/$/, '')}/v1/models`, target.baseUrl);
+  const url = underRoot(target.baseUrl, '/v1/models');
   const headers: Record<string, string> = target.apiKey !== undefined ? { Authorization: `Bearer ${target.apiKey}` } : {};
   const send = url.protocol === 'https:' ? httpsRequest : httpRequest;
   return new Promise((resolve) => {

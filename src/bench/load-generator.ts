@@ -5,7 +5,7 @@
 // a duration, or both (whichever comes first), plus a per-request timeout, so it stops by itself.
 
 import { setMaxListeners } from 'node:events';
-import { createTarget, fetchModelId, sendRequest, type RequestOutcome, type Target } from './client.ts';
+import { createTarget, fetchModelId, sendRequest, underRoot, type RequestOutcome, type Target } from './client.ts';
 import { distribution, type Distribution } from '../util/stats.ts';
 import { seededRandom, type PromptSpec, type Workload } from './prompt-workload.ts';
 
@@ -356,7 +356,7 @@ async function probe(options: LoadOptions, target: Target, model: string | undef
     ...(options.signal ? { signal: options.signal } : {}),
   });
   if (!outcome.ok && !options.signal?.aborted) {
-    throw new BenchProbeError(new URL(target.baseUrl.pathname.replace(/\/$/, '') + path, target.baseUrl).href, outcome);
+    throw new BenchProbeError(underRoot(target.baseUrl, path).href, outcome);
   }
 }
 

@@ -1,7 +1,8 @@
 // The bench report: a run's summary as text tables (p50/p90/p99 of TTFT, ITL and end-to-end latency, throughput,
 // errors) or as JSON for scripts and for comparing runs.
 
-import type { BenchResult } from './load-generator.ts';
+import { ENDPOINT_PATHS, type BenchResult } from './load-generator.ts';
+import { endpointUrl } from './client.ts';
 import { cell, formatTable } from './tables.ts';
 import { type Distribution } from '../util/stats.ts';
 
@@ -25,7 +26,8 @@ function latencyRow(name: string, d: Distribution): string[] {
 export function formatReport(result: BenchResult): string {
   const s = result.summary;
   const lines = [
-    `conduit bench: ${result.url} ${result.endpoint === 'chat' ? '/v1/chat/completions' : '/v1/completions'}`
+    // The URL the requests went to: --url with a last /v1 (an OpenAI client's base URL) gives it once, not twice.
+    `conduit bench: ${endpointUrl(result.url, ENDPOINT_PATHS[result.endpoint])}`
       + `${result.stream ? ' (stream)' : ''}, model ${result.model ?? '(server default)'}`,
     `  load      ${modeText(result)}`,
     `  workload  ${result.workload}, max_tokens ${result.outputTokens}${result.seed !== undefined ? `, seed ${result.seed}` : ''}`,

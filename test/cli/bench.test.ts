@@ -96,3 +96,26 @@ test('conduit bench: the probe, when it passes, is not counted in the report', a
     await server.close();
   }
 });
+
+test('conduit bench\'s report header names the URL its requests went to, with a base URL ending in /v1 or /v1/ too', async () => {
+  const server = await stub((_req, res) => {
+    res.writeHead(200, { 'Content-Type': 'application/json' })
+      .end(JSON.stringify({ data: [{ id: 'm' }], choices: [{ message: { content: 'x' }, text: 'x' }], usage: { prompt_tokens: 4, completion_tokens: 1 } }));
+  });
+  try {
+    for (const [base, endpoint, path] of [
+      [`${server.url}/v1/`, 'chat', '/v1/chat/completions'],
+      [`${server.url}/v1`, 'completions', '/v1/completions'],
+      [`${server.url}/proxy/v1/`, 'chat', '/proxy/v1/chat/completions'],
+      [server.url, 'chat', '/v1/chat/completions'],
+    ] as const) {
+      server.paths.length = 0;
+      const { code, out, err } = await run(['bench', '--url', base, '--endpoint', endpoint, '-n', '1', '--no-progress', '--no-probe']);
+      assert.equal(code, 0, err);
+      assert.equal(out.split('\n')[0], `conduit bench: ${server.url}${path}, model m`, base);
+      assert.equal(server.paths.at(-1), path, `${base}: the path the request used`);
+    }
+  } finally {
+    await server.close();
+  }
+});
