@@ -8,7 +8,7 @@ import type { HardwareProfile, LinkProfile } from './hardware.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import type { Efficiency, StepBreakdown, StepLora, StepShape } from './perf-model.ts';
 import {
-  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityTokens, kvTransferTimeMs, stepBreakdown,
+  DEFAULT_EFFICIENCY, checkTensorParallel, kvCapacityBlocks, kvTransferTimeMs, stepBreakdown,
 } from './perf-model.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -432,7 +432,7 @@ export interface DecodeSweepRow {
   kvTokens: number;
   /**
    * The batch's KV fits in what HBM leaves after the weights, as the engine allocates it: each sequence takes
-   * ceil((context + 1) / blockSize) whole blocks of a pool of floor(capacity / blockSize).
+   * ceil((context + 1) / blockSize) whole blocks of the pool (kvCapacityBlocks).
    */
   kvFits: boolean;
   breakdown: StepBreakdown;
@@ -443,7 +443,9 @@ export interface DecodeSweep {
   hardwareName: string;
   tp: number;
   contextLen: number;
+  /** The KV pool in whole blocks of blockSize tokens, as the engine allocates it. */
   kvCapacityTokens: number;
+  blockSize: number;
   efficiency: Efficiency;
   lora?: SweepLora;
   rows: DecodeSweepRow[];
@@ -457,11 +459,12 @@ export function decodeSweep(opts: DecodeSweepOptions): DecodeSweep {
   checkTensorParallel(model, hw, tp);
   checkCount('contextLen', contextLen, 0);
   const efficiency = opts.efficiency ?? DEFAULT_EFFICIENCY;
-  const capacity = kvCapacityTokens(model, hw, tp, opts.memoryUtilization ?? 0.9);
   // Tokens alone say a batch fits when its sequences' partly filled last blocks push it past the pool.
   const blockSize = opts.blockSize ?? DEFAULT_BLOCK_SIZE;
   checkCount('blockSize', blockSize, 1);
-  const poolBlocks = Math.floor(capacity / blockSize);
+  const poolBlocks = kvCapacityBlocks(model, hw, tp, blockSize, opts.memoryUtilization ?? 0.9);
+  // The pool the engine allocates, in whole blocks, as `conduit serve --engine sim` reports its KV cache.
+  const capacity = poolBlocks * blockSize;
   const blocksPerSeq = Math.ceil((contextLen + 1) / blockSize);
   const rows = (opts.batchSizes ?? DEFAULT_BATCH_SIZES).map((batch): DecodeSweepRow => {
     checkCount('batch size', batch, 1);
@@ -476,7 +479,7 @@ export function decodeSweep(opts: DecodeSweepOptions): DecodeSweep {
     };
   });
   return {
-    modelName: model.name, hardwareName: hw.name, tp, contextLen, kvCapacityTokens: capacity, efficiency,
+    modelName: model.name, hardwareName: hw.name, tp, contextLen, kvCapacityTokens: capacity, blockSize, efficiency,
     ...(opts.lora && opts.lora.adapters > 0 ? { lora: opts.lora } : {}), rows,
   };
 }
@@ -553,7 +556,8 @@ export function formatLifecycleTable(report: LifecycleReport): string {
 export function formatDecodeSweep(sweep: DecodeSweep): string {
   const title = [
     `${sweep.modelName} on ${sweep.tp} x ${sweep.hardwareName} (tp ${sweep.tp}), decode at context ` +
-      `${sweep.contextLen} tokens; KV capacity ${sweep.kvCapacityTokens} tokens`
+      `${sweep.contextLen} tokens; KV capacity ${sweep.kvCapacityTokens} tokens `
+      + `(${counted(sweep.kvCapacityTokens / sweep.blockSize, 'block')} of ${sweep.blockSize})`
       + (sweep.lora ? `; ${sweep.lora.adapters} LoRA adapters of rank ${sweep.lora.rank} (sequence i on adapter i mod ${sweep.lora.adapters})` : ''),
     efficiencyLine(sweep.efficiency),
   ];

@@ -428,6 +428,15 @@ export function kvCapacityTokens(model: ModelProfile, hw: HardwareProfile, tp: n
   return freeBytes > 0 ? Math.floor(freeBytes / kvBytesPerTokenPerGpu(model, tp)) : 0;
 }
 
+/**
+ * The KV pool a worker allocates: kvCapacityTokens in whole blocks of `blockSize` tokens (a partial block holds
+ * nothing). What `conduit serve --engine sim` and every `conduit sim` table count as the worker's KV capacity.
+ */
+export function kvCapacityBlocks(model: ModelProfile, hw: HardwareProfile, tp: number, blockSize: number,
+  memoryUtilization = 0.9): number {
+  return Math.floor(kvCapacityTokens(model, hw, tp, memoryUtilization) / blockSize);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Calibration
 //

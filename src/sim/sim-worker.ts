@@ -18,7 +18,7 @@ import { getHardwareProfile, hostTierFor, INFINIBAND_NDR, NVME_GEN4, type Hardwa
 import { KvTiers, RamKvTier, type KvBlockIo } from '../engine/kv-cache/tiers.ts';
 import { getModelProfile, kvBytesPerToken, paramCount, type ModelProfile } from './models.ts';
 import {
-  DEFAULT_EFFICIENCY, checkTensorParallel, kvBytesPerTokenPerGpu, kvCapacityTokens, kvTransferTimeMs, loraParamCount, stepTimeMs,
+  DEFAULT_EFFICIENCY, checkTensorParallel, kvBytesPerTokenPerGpu, kvCapacityBlocks, kvTransferTimeMs, loraParamCount, stepTimeMs,
   type Efficiency, type SimLoraTarget,
   type PrefillChunk, type StepLora, type StepShape,
 } from './perf-model.ts';
@@ -52,8 +52,7 @@ export interface SimWorkerConfig {
   tp: number;
   efficiency?: Efficiency;
   /**
-   * KV pool in blocks. Default: what HBM holds after the weights, per GPU (kvCapacityTokens at memoryUtilization),
-   * divided into blocks.
+   * KV pool in blocks. Default: what HBM holds after the weights, per GPU (kvCapacityBlocks at memoryUtilization).
    */
   numKvBlocks?: number;
   memoryUtilization?: number;
@@ -298,9 +297,8 @@ export function checkSimDeployment(spec: { model: string; gpu: string; tp: numbe
 export function simKvBlocks(config: SimWorkerConfig, flags?: SimDeploymentFlags): number {
   if (config.numKvBlocks !== undefined) return config.numKvBlocks;
   const blockSize = config.blockSize ?? SIM_DEFAULTS.blockSize;
-  const tokens = kvCapacityTokens(config.model, config.hw, config.tp,
+  const blocks = kvCapacityBlocks(config.model, config.hw, config.tp, blockSize,
     config.memoryUtilization ?? SIM_DEFAULTS.memoryUtilization);
-  const blocks = Math.floor(tokens / blockSize);
   if (blocks < 1) {
     const what = `${config.model.name} on ${config.tp} x ${config.hw.name}: the weights leave no HBM for the KV cache`;
     throw new SimConfigError(flags === undefined ? `${what}; use a larger tp or a GPU with more memory`

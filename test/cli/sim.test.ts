@@ -11,6 +11,9 @@ import { SERVE_FLAGS } from '../../src/cli/serve.ts';
 import { WORKER_FLAGS } from '../../src/cli/worker.ts';
 import { MEASURED_EFFICIENCY } from '../../src/sim/calibration.ts';
 import { DEFAULT_EFFICIENCY } from '../../src/sim/perf-model.ts';
+import { H100_SXM } from '../../src/sim/hardware.ts';
+import { LLAMA_3_1_70B, LLAMA_3_1_8B } from '../../src/sim/models.ts';
+import { SimWorker } from '../../src/sim/sim-worker.ts';
 
 /** The number in the first cell after `label` on the line that starts with it. */
 /** The command exits 2 with `message` in one line (no stack trace) and prints nothing before it. */
@@ -83,6 +86,22 @@ test('conduit sim decode-sweep prints ITL per batch and the engine agrees row by
   for (const row of rows) {
     const [, model, engine] = row.trim().split(/\s+/);
     assert.equal(model, engine);
+  }
+});
+
+test('conduit sim decode-sweep counts KV capacity in whole blocks, as the simulated worker `conduit serve --engine sim` runs', async () => {
+  // 4 x H100 hold 513,092 tokens of Llama 3.1 70B KV: 32,068 blocks of 16 (513,088 tokens), 16,034 of 32 (513,088).
+  // Llama 3.1 8B on one H100 holds 467,292: 3,650 blocks of 128 (467,200 tokens).
+  for (const [args, worker, blockSize] of [
+    [[], { model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4 }, 16],
+    [['--block-size', '32'], { model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4 }, 32],
+    [['--model', 'llama-3.1-8b', '--tp', '1', '--block-size', '128'], { model: LLAMA_3_1_8B, hw: H100_SXM, tp: 1 }, 128],
+  ] as const) {
+    const { code, out, err } = await run(['sim', 'decode-sweep', '--batches', '1', '--no-check', ...args]);
+    assert.equal(code, 0, err);
+    const served = new SimWorker({ ...worker, blockSize }).info.kvCapacityTokens;
+    assert.equal(served % blockSize, 0);
+    assert.match(out, new RegExp(`; KV capacity ${served} tokens \\(${served / blockSize} blocks of ${blockSize}\\)$`, 'm'), args.join(' '));
   }
 });
 
