@@ -15,7 +15,7 @@ export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
   rate: { type: 'number', help: 'requests per second (Poisson arrivals)' },
   isl: { type: 'number', help: 'input (prompt) tokens per request', default: 1024 },
   osl: { type: 'number', help: 'output tokens per request', default: 256 },
-  'ttft-p99': { type: 'number', help: 'p99 time to first token target, ms', default: 500 },
+  'ttft-p99': { type: 'number', help: 'p99 time to first token target, ms: the workers\' TTFT (queueing and prefill), without the gateway\'s phases', default: 500 },
   'itl-p99': { type: 'number', help: 'p99 inter-token latency target, ms', default: 50 },
   'prefix-tokens': { type: 'number', help: 'prompt tokens every request shares (a system prompt)', default: 0 },
   requests: { type: 'number', help: 'requests simulated per worker count', default: 1000 },

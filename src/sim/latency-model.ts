@@ -26,6 +26,20 @@ export const LIFECYCLE_PHASES: readonly LifecyclePhase[] = [
   'streaming_response',
 ];
 
+/**
+ * The phases of a first token spent outside the workers: the gateway's (receive, auth, rate limit, validate,
+ * tokenize, route), its hand-over to the worker and its streaming of the token back. `conduit plan` simulates the
+ * workers only, so its TTFT leaves these out (gatewayTtftMs says how much they add).
+ */
+export const GATEWAY_PHASES: readonly LifecyclePhase[] = [
+  'http_receive', 'auth', 'rate_limit', 'validate', 'tokenize', 'router_lookup', 'prefill_dispatch', 'streaming_response',
+];
+
+/** Milliseconds of a TTFT trace in the gateway's phases (GATEWAY_PHASES). */
+export function gatewayTtftMs(trace: TtftTrace): number {
+  return trace.phases.reduce((sum, p) => sum + (GATEWAY_PHASES.includes(p.phase) ? p.ms : 0), 0);
+}
+
 export interface LifecycleOverheads {
   /** Read and parse the POST body (a 1K-token prompt is a few KB of JSON). */
   httpReceiveMs: number;

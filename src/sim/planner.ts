@@ -14,6 +14,7 @@ import { DEFAULT_EFFICIENCY, stepTimeMs, type Efficiency, type StepShape } from 
 import { SimCluster, leastLoaded, summarizeRequests, type RouteFunction, type RunSummary } from './cluster.ts';
 import { checkSimSequenceFits, SIM_DEFAULTS, simKvBlocks, type SimWorkerConfig } from './sim-worker.ts';
 import { poissonWorkload } from './workload.ts';
+import { counted, gatewayTtftMs, simulateLifecycle } from './latency-model.ts';
 
 /**
  * How the GPUs are split into workers. Only 'aggregated' (every worker prefills and decodes) is simulated today;
@@ -258,6 +259,22 @@ function table(header: readonly string[], rows: readonly (readonly string[])[]):
   return [line(header), line(widths.map((w) => '-'.repeat(w))), ...rows.map(line)].join('\n');
 }
 
+/**
+ * Which TTFT the targets are checked against: the workers' (from a request reaching a worker to its first token,
+ * queue and prefill), which `conduit sim lifecycle` adds the gateway's phases to; and how much those add here.
+ */
+function planTtftNote(opts: PlanOptions): string {
+  const config = workerConfig(opts);
+  const gatewayMs = gatewayTtftMs(simulateLifecycle({
+    model: opts.model, hw: opts.hw, tp: opts.tp, promptTokens: opts.inputTokens, efficiency: config.efficiency,
+    blockSize: config.blockSize ?? SIM_DEFAULTS.blockSize,
+    maxNumBatchedTokens: config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens,
+  }).cold);
+  return 'TTFT below: from a request reaching a worker to its first token (queueing and prefill), the one the p99 TTFT '
+    + `target is checked against; the gateway's phases, which conduit sim lifecycle's TTFT includes, add `
+    + `${gatewayMs.toFixed(2)} ms at ${counted(opts.inputTokens, 'prompt token')}, not included`;
+}
+
 export function formatPlan(opts: PlanOptions, result: PlanResult): string {
   const b = result.bounds;
   const lines = [
@@ -270,6 +287,7 @@ export function formatPlan(opts: PlanOptions, result: PlanResult): string {
       + `${b.decodeDemandTokensPerSec.toFixed(0)} tok/s; prefill capacity ${b.prefillCapacityTokensPerSec.toFixed(0)} tok/s vs demand `
       + `${b.prefillDemandTokensPerSec.toFixed(0)} tok/s => at least ${b.minWorkers} worker(s)`,
     `idle worker: TTFT ${b.idleTtftMs.toFixed(2)} ms, ITL ${b.idleItlMs.toFixed(2)} ms`,
+    planTtftNote(opts),
     '',
   ];
   const f = (v: number) => (Number.isFinite(v) ? v.toFixed(2) : '-');

@@ -326,6 +326,22 @@ test('conduit plan prints the tried worker counts and the answer', async () => {
   assert.match(impossible.out, /answer: none \(no worker count can/);
 });
 
+test('conduit plan says which TTFT --ttft-p99 is checked against: the workers\', without the gateway phases sim lifecycle adds', async () => {
+  const plan = await run(['plan', '--rate', '0.5', '--isl', '128', '--osl', '16', '--requests', '40']);
+  assert.equal(plan.code, 0, plan.err);
+  const note = /^TTFT below: from a request reaching a worker to its first token \(queueing and prefill\), the one the p99 TTFT target is checked against; the gateway's phases, which conduit sim lifecycle's TTFT includes, add ([\d.]+) ms at 128 prompt tokens, not included$/m.exec(plan.out);
+  assert.ok(note, plan.out);
+  // The same deployment's lifecycle: its cold TTFT less the worker's phases (queue and prefill) is what the note says.
+  const lifecycle = await run(['sim', 'lifecycle', '--model', 'llama-3.1-8b', '--tp', '1', '--prompt', '128', '--no-check']);
+  assert.equal(lifecycle.code, 0, lifecycle.err);
+  const gatewayMs = firstNumberAfter(lifecycle.out, /^TTFT/) - firstNumberAfter(lifecycle.out, /^prefill_execution/)
+    - firstNumberAfter(lifecycle.out, /^scheduler_queue/);
+  assert.ok(Math.abs(Number(note[1]) - gatewayMs) <= 0.011, `${note[1]} vs ${gatewayMs}`);
+  assert.equal(firstNumberAfter(plan.out, /^idle worker: TTFT/), firstNumberAfter(lifecycle.out, /^prefill_execution/),
+    'the idle worker\'s TTFT is the prefill alone');
+  assert.match(readFileSync(new URL('../../docs/simulator.md', import.meta.url), 'utf8'), /The TTFT it simulates, checks `--ttft-p99` against and prints is the workers'/);
+});
+
 test('plan flags have CONDUIT_PLAN_ twins, and serve\'s CONDUIT_MODEL (a file path) is not read', () => {
   const fromEnv = planOptionsFromFlags([], { CONDUIT_PLAN_RATE: '3', CONDUIT_PLAN_MODEL: 'qwen2.5-7b', CONDUIT_PLAN_TTFT_P99: '250' })!;
   assert.equal(fromEnv.ratePerSec, 3);
