@@ -13,7 +13,7 @@ import type { Command } from './main.ts';
 export const GENERATE_FLAGS = {
   model: { type: 'string', help: 'GGUF file or Hugging Face folder (default: the built-in synthetic model)', short: 'm' },
   prompt: { type: 'string', help: 'text to continue', short: 'p' },
-  'max-tokens': { type: 'number', help: 'tokens to generate per request', default: 64 },
+  'max-tokens': { type: 'number', help: 'tokens to generate per request (at most what the context leaves after the prompt: a warning says when that is fewer)', default: 64 },
   temperature: { type: 'number', help: '0 = greedy', default: 0 },
   'top-p': { type: 'number', help: 'nucleus sampling mass', default: 1 },
   seed: { type: 'number', help: 'sampling seed (same seed, same text)', default: 0 },
@@ -102,6 +102,15 @@ export const generateCommand: Command = {
 
     try {
       const promptIds = tokenizer.encode(values.prompt!, { addSpecialTokens: true });
+      // The engine stops a sequence at the context length: asked for more than the prompt leaves, the output ends
+      // early with finish "length", which looks like --max-tokens was met. Said before the run; a prompt that leaves
+      // no room at all is the engine's refusal below.
+      const room = engine.info.maxModelLen - promptIds.length;
+      if (room > 0 && maxTokens > room) {
+        console.error(`conduit generate: ${flagLabel(GENERATE_FLAGS, parsed, 'max-tokens')} ${maxTokens} does not fit: the prompt's `
+          + `${promptIds.length} tokens leave room for ${room} within the context length ${engine.info.maxModelLen}; `
+          + `generating at most ${room} (finish "length")`);
+      }
       const start = performance.now();
       const runs = Array.from({ length: concurrency }, (_, i) => runOne(i));
       async function runOne(i: number) {

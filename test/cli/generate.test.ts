@@ -102,3 +102,23 @@ test('conduit generate: a request the engine refuses (a prompt longer than the c
     assert.match(lines[0]!, /^conduit generate: prompt of \d+ tokens leaves no room for output within the context length \d+$/);
   }
 });
+
+test('conduit generate warns on stderr when --max-tokens does not fit beside the prompt in the context', async () => {
+  // The built-in model's context is 2048 tokens; this prompt leaves a few dozen of them.
+  const prompt = 'hello world '.repeat(1000);
+  const { code, out, err } = await run(['generate', '--prompt', prompt, '--max-tokens', '200', '--threads', '1', '--ignore-eos']);
+  assert.equal(code, 0, err);
+  assert.ok(out.startsWith(prompt));
+  const warning = /^conduit generate: --max-tokens 200 does not fit: the prompt's (\d+) tokens leave room for (\d+) within the context length (\d+); generating at most (\d+) \(finish "length"\)$/m.exec(err);
+  assert.ok(warning, err);
+  const [promptTokens, room, context, most] = warning.slice(1).map(Number) as [number, number, number, number];
+  assert.equal(room, context - promptTokens);
+  assert.equal(most, room);
+  assert.match(err, new RegExp(`prompt ${promptTokens} tokens, .* ${room} tokens from 1 request\\(s\\) .* finish: length$`, 'm'));
+  // From the environment, the variable is named; with room to spare, nothing is said.
+  const fromEnv = await run(['generate', '--prompt', prompt, '--threads', '1', '--ignore-eos'], { CONDUIT_MAX_TOKENS: '200' });
+  assert.match(fromEnv.err, /^conduit generate: CONDUIT_MAX_TOKENS \(--max-tokens\) 200 does not fit:/m);
+  const fits = await run([...BASE, '--max-tokens', '3']);
+  assert.equal(fits.code, 0, fits.err);
+  assert.doesNotMatch(fits.err, /does not fit/);
+});
