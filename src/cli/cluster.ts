@@ -12,8 +12,9 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
-import { getModelProfile } from '../sim/models.ts';
-import { formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkSimDeployment } from '../sim/sim-worker.ts';
+import { envName, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { positiveInteger, SERVE_FLAGS } from './serve.ts';
 import type { Command } from './main.ts';
 
 const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
@@ -66,8 +67,33 @@ async function waitForPort(port: number, what: string, child: ChildProcess, maxM
 }
 
 /**
+ * The simulated workers' GPU and tensor parallelism: no options of this command, but of `conduit worker`, whose
+ * processes read them from the environment they inherit from it (CONDUIT_SIM_GPU, CONDUIT_SIM_TP), as parsed here.
+ */
+const SIM_WORKER_ENV_FLAGS = { 'sim-gpu': SERVE_FLAGS['sim-gpu'], 'sim-tp': SERVE_FLAGS['sim-tp'] } satisfies FlagTable;
+
+/**
+ * A simulated worker of --sim-model on the GPU and tp the workers will read from the environment must be able to
+ * exist (a known profile, heads that divide over tp, weights that leave HBM for KV blocks): otherwise each worker
+ * refuses it at start, once etcd and NATS run (exit 1). Refused here with the workers' own message, as a usage error.
+ * The GPU and tp are named by their variables, the only way this command sets them.
+ */
+function checkSimWorkers(modelId: string): void {
+  const parsed = parseFlags(SIM_WORKER_ENV_FLAGS, [], process.env);
+  const label = (name: keyof typeof SIM_WORKER_ENV_FLAGS): string => `${envName(name, SIM_WORKER_ENV_FLAGS[name])} (--${name})`;
+  try {
+    const tp = positiveInteger(parsed.values['sim-tp'], 'sim-tp')!;
+    checkSimDeployment({ model: modelId, gpu: parsed.values['sim-gpu']!, tp },
+      { model: '--sim-model', gpu: label('sim-gpu'), tp: label('sim-tp') });
+  } catch (err) {
+    if (err instanceof RangeError) throw new UsageError(err.message);
+    throw nameEnvironment(SIM_WORKER_ENV_FLAGS, parsed, err);
+  }
+}
+
+/**
  * The options checked before anything starts. The frontend's are checked here, as the frontend checks them (and the
- * simulated workers' profile): refused before etcd, NATS and the workers start, rather than by a process that exits
+ * simulated workers' deployment, checkSimWorkers): refused before etcd, NATS and the workers start, rather than by a process that exits
  * once they run.
  */
 function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
@@ -89,15 +115,7 @@ function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_F
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
   if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
-  // A profile the workers do not know would stop each of them at start, once etcd and NATS run (exit 1): refused here
-  // with the workers' own message, as a usage error.
-  if (values.engine === 'sim') {
-    try {
-      getModelProfile(values['sim-model']!);
-    } catch (err) {
-      throw new UsageError(`--sim-model: ${(err as Error).message}`);
-    }
-  }
+  if (values.engine === 'sim') checkSimWorkers(values['sim-model']!);
   return { port, routingPolicy, migrationLimit, count, graceSeconds };
 }
 

@@ -1,8 +1,8 @@
 // `conduit cluster` checks the options it hands its frontend (port, routing policy, migration limit) and its simulated
-// workers (their profile), and refuses stray arguments before it starts anything; and a frontend that exits on its
-// own (its port in use) stops the whole cluster with exit code 1, etcd and NATS included, instead of leaving them
-// running with no API in front. The command runs as a child process in a group of its own, as a shell starts a job;
-// every wait is bounded.
+// workers (their profile, and that it fits the GPU and tp they read from the environment), and refuses stray
+// arguments before it starts anything; and a frontend that exits on its own (its port in use) stops the whole cluster
+// with exit code 1, etcd and NATS included, instead of leaving them running with no API in front. The command runs as
+// a child process in a group of its own, as a shell starts a job; every wait is bounded.
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import { after, describe, it } from 'node:test';
@@ -43,6 +43,26 @@ describe('conduit cluster options', () => {
       assert.match(proc.output(), message);
       // Nothing was started: no etcd, NATS or worker to report on.
       assert.doesNotMatch(proc.output(), /etcd http|worker-0/, args.join(' '));
+    }
+  });
+
+  it('refuses simulated workers their GPU cannot hold (the GPU and tp from CONDUIT_SIM_GPU / CONDUIT_SIM_TP, as the workers read them) before starting anything', async () => {
+    const cases: [string[], NodeJS.ProcessEnv, RegExp][] = [
+      [['--sim-model', 'llama-3.1-405b'], {},
+        /^conduit cluster: --sim-model: Llama 3\.1 405B on 1 x H100 SXM5 80GB: the weights leave no HBM for the KV cache; use a larger CONDUIT_SIM_TP \(--sim-tp\) or a CONDUIT_SIM_GPU \(--sim-gpu\) with more memory$/m],
+      [[], { CONDUIT_SIM_MODEL: 'llama-3.1-70b', CONDUIT_SIM_GPU: 'a100' },
+        /^conduit cluster: CONDUIT_SIM_MODEL \(--sim-model\): Llama 3\.1 70B on 1 x A100 .*: the weights leave no HBM for the KV cache;/m],
+      [['--sim-model', 'llama-3.1-405b'], { CONDUIT_SIM_TP: '3' },
+        /^conduit cluster: CONDUIT_SIM_TP \(--sim-tp\): Llama 3\.1 405B: 128 attention heads do not divide over tp 3$/m],
+      [[], { CONDUIT_SIM_GPU: 'xyz' }, /^conduit cluster: CONDUIT_SIM_GPU \(--sim-gpu\): unknown GPU "xyz"; known: h100/m],
+      [[], { CONDUIT_SIM_TP: '0' }, /^conduit cluster: CONDUIT_SIM_TP \(--sim-tp\) must be a whole number > 0, got 0$/m],
+    ];
+    for (const [args, env, message] of cases) {
+      const what = `${args.join(' ')} ${JSON.stringify(env)}`;
+      const proc = startConduit(['cluster', '--engine', 'sim', '--workers', '1', ...args], env, { detached: true });
+      assert.equal(await exitWithin(proc, 20_000), 2, `${what}:\n${proc.output()}`);
+      assert.match(proc.output(), message, what);
+      assert.doesNotMatch(proc.output(), /etcd http|nats-server|worker-0/, what);
     }
   });
 
