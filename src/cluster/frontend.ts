@@ -29,7 +29,7 @@ import type { Tokenizer, TokenizerWorkerSource } from '../model/tokenizer/types.
 import type { PolicyName } from '../router/protocols.ts';
 import type { Router } from '../router/router.ts';
 import { RoutedEngine } from '../runtime/routed-engine.ts';
-import type { EngineReadiness } from '../runtime/worker-group.ts';
+import type { EngineReadiness, NotRestarted } from '../runtime/worker-group.ts';
 import { makeRouter } from '../runtime/worker-pool.ts';
 import { WorkerWatch, type WorkerRecord } from './discovery.ts';
 import type { DisaggregatedEngine } from '../runtime/disaggregated.ts';
@@ -84,14 +84,19 @@ export interface ClusterWorkerView {
   waiting?: number;
 }
 
+/**
+ * A frontend starts no worker, so it restarts none: a worker process that starts again registers by itself. Said
+ * only at debug level, after the warning that the worker was lost: nothing is wrong with the frontend.
+ */
+const WORKERS_REGISTER_THEMSELVES: NotRestarted = { reason: 'a worker process that starts again registers by itself', level: 'debug' };
+
 /** The routed engine of a frontend: workers join and leave as discovery says; /health lists them. */
 export class ClusterEngine extends RoutedEngine {
   constructor(first: RemoteEngine, router: Router, tokenizer: Tokenizer | undefined, migrationLimit: number,
     private readonly view: () => ClusterWorkerView[], private readonly where: string, log: ClusterLog) {
     super([{ id: first.workerId, engine: first }], router, engineNow, {
       migration: { limit: migrationLimit, ...(tokenizer ? { tokenizer } : {}) },
-      // A worker that leaves is not restarted here: a new process registers by itself.
-      log: (level, message) => log(/restarts are off/.test(message) ? 'debug' : level, message),
+      log, notRestarted: WORKERS_REGISTER_THEMSELVES,
     });
   }
 
@@ -500,7 +505,7 @@ export class ClusterFrontend {
       ...(this.options.maxQueued !== undefined ? { maxQueued: this.options.maxQueued } : {}),
       ...(this.options.disaggregationPolicy ? { policy: this.options.disaggregationPolicy } : {}),
       migration: { limit: this.options.migrationLimit ?? 0, ...(this.tokenizer ? { tokenizer: this.tokenizer } : {}) },
-      log: (level, message) => this.options.log(/restarts are off/.test(message) ? 'debug' : level, message),
+      log: this.options.log, notRestarted: WORKERS_REGISTER_THEMSELVES,
       workerList: () => this.workerViews(),
     });
     this.adapters = this.clusterAdapters();

@@ -292,6 +292,9 @@ async function createProcessDisaggregatedPool(options: ProcessPoolOptions, log?:
       ...(options.disaggregationEstimates ? { estimates: options.disaggregationEstimates } : {}),
       migration: { limit: options.migrationLimit ?? 0, tokenizer: model.tokenizer },
       ...(log ? { log } : {}),
+      // Said as it is: --worker-restart-limit (default 3) restarts aggregated children only, so "restarts are off"
+      // would send the reader to an option that is already on.
+      notRestarted: { reason: '--worker-processes never restarts prefill or decode workers; --worker-restart-limit is for aggregated ones', level: 'error' },
       // A lost child (not restarted in this mode) keeps its place in the list, but its last stats are those of the
       // moment it died: the requests they count have failed or moved on since. It is listed without them, as a
       // frontend lists a lost worker.

@@ -19,6 +19,8 @@ export interface RemoteDisaggregatedOptions {
   estimates?: DisaggregatedEngineOptions['estimates'];
   migration?: DisaggregatedEngineOptions['migration'];
   log?: DisaggregatedEngineOptions['log'];
+  /** Why a lost worker is not replaced (these engines never restart workers themselves). */
+  notRestarted?: DisaggregatedEngineOptions['notRestarted'];
   /** What /health lists (the frontend's view of the cluster). */
   workerList?: () => object[];
 }
@@ -61,5 +63,6 @@ export function remoteDisaggregatedEngine(options: RemoteDisaggregatedOptions): 
     ...(options.estimates ? { estimates: options.estimates } : {}),
     ...(options.migration ? { migration: options.migration } : {}),
     ...(options.log ? { log: options.log } : {}),
+    ...(options.notRestarted ? { notRestarted: options.notRestarted } : {}),
   }, options.workerList ?? (() => [...options.prefill, ...options.decode].map((r) => ({ id: r.workerId, role: r.role }))));
 }

@@ -44,7 +44,7 @@ import type { Admitted } from './router-admission.ts';
 import { routingRequestOf } from './routed-engine.ts';
 import {
   combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
-  type WorkerGroupLog, type WorkerRestartOptions,
+  type NotRestarted, type WorkerGroupLog, type WorkerRestartOptions,
 } from './worker-group.ts';
 
 /** A prefill worker: runs a prompt to its first token and hands the request over. */
@@ -101,6 +101,8 @@ export interface DisaggregatedEngineOptions {
     startPrefill(id: string): Promise<PrefillWorkerEngine>;
     startDecode(id: string): Promise<DecodeWorkerEngine>;
   };
+  /** Without `restart`: why a lost worker is not replaced (worker-group.ts; default: restarts are off). */
+  notRestarted?: NotRestarted;
   log?: WorkerGroupLog;
 }
 
@@ -189,11 +191,12 @@ export class DisaggregatedEngine implements Engine {
     this.baseInfo = options.decode[0]!.engine.info;
     this.combined = this.baseInfo;
     const { restart, log } = options;
+    const notRestarted = options.notRestarted ? { notRestarted: options.notRestarted } : {};
     // A worker joining (at the start or restarted) is connected to every worker of the other tier; one lost is
     // disconnected.
     this.prefillWorkers = new WorkerGroup<PrefillWorkerEngine>({
       router: this.prefillRouter, now: this.now, label: 'prefill worker', ...(log ? { log } : {}),
-      ...(restart ? { restart: { ...restart, start: restart.startPrefill } } : {}),
+      ...(restart ? { restart: { ...restart, start: restart.startPrefill } } : {}), ...notRestarted,
       onJoin: (id, engine) => {
         // The prefill router picks only prefill workers whose context holds the prompt (none: the decode worker
         // prefills it).
@@ -214,7 +217,7 @@ export class DisaggregatedEngine implements Engine {
     });
     this.decodeWorkers = new WorkerGroup<DecodeWorkerEngine>({
       router: this.decodeRouter, now: this.now, label: 'decode worker', ...(log ? { log } : {}),
-      ...(restart ? { restart: { ...restart, start: restart.startDecode } } : {}),
+      ...(restart ? { restart: { ...restart, start: restart.startDecode } } : {}), ...notRestarted,
       onJoin: (id, engine) => {
         // The decode router sends the worker only requests its context holds (RoutingRequest.contextTokens).
         this.decodeRouter.setWorkerMaxTokens(id, engine.info.maxModelLen);

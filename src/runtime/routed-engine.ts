@@ -15,7 +15,7 @@ import {
 import type { Admitted } from './router-admission.ts';
 import {
   combinedInfo, combinedStats, summarizeDecision, WorkerGroup, type EngineReadiness, type RoutableEngine,
-  type WorkerGroupLog, type WorkerRestartOptions,
+  type NotRestarted, type WorkerGroupLog, type WorkerRestartOptions,
 } from './worker-group.ts';
 
 export interface RoutedWorker {
@@ -28,6 +28,8 @@ export interface RoutedEngineOptions {
   migration?: MigrationOptions;
   /** Lost workers are replaced (see worker-group.ts); default: not. */
   restart?: WorkerRestartOptions<RoutableEngine>;
+  /** Without `restart`: why a lost worker is not replaced (worker-group.ts; default: restarts are off). */
+  notRestarted?: NotRestarted;
   log?: WorkerGroupLog;
 }
 
@@ -55,6 +57,7 @@ export class RoutedEngine implements Engine {
     this.combined = combinedInfo(this.baseInfo, workers.map((w) => w.engine.info));
     this.group = new WorkerGroup({
       router, now, ...(options.restart ? { restart: options.restart } : {}), ...(options.log ? { log: options.log } : {}),
+      ...(options.notRestarted ? { notRestarted: options.notRestarted } : {}),
       onJoin: (id, engine) => {
         // The router sends the worker only requests its context holds (RoutingRequest.contextTokens).
         router.setWorkerMaxTokens(id, engine.info.maxModelLen);

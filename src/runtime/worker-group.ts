@@ -68,7 +68,20 @@ export interface WorkerRestartOptions<E> {
   stableMs?: number;
 }
 
-export type WorkerGroupLog = (level: 'info' | 'warn' | 'error', message: string) => void;
+export type WorkerGroupLogLevel = 'debug' | 'info' | 'warn' | 'error';
+export type WorkerGroupLog = (level: WorkerGroupLogLevel, message: string) => void;
+
+/**
+ * Why a group without `restart` leaves a lost worker lost, and how loud to say so: the line names the reason the
+ * deployment has, not one that would send its reader to an option that is already set.
+ */
+export interface NotRestarted {
+  reason: string;
+  level: WorkerGroupLogLevel;
+}
+
+/** Restarts turned off (a restart limit of 0): an error, since the deployment could have had them. */
+export const RESTARTS_OFF: NotRestarted = { reason: 'restarts are off', level: 'error' };
 
 export interface WorkerGroupOptions<E> {
   router: Router;
@@ -77,6 +90,8 @@ export interface WorkerGroupOptions<E> {
   /** What the workers are called in messages ("worker", "decode worker"). */
   label?: string;
   restart?: WorkerRestartOptions<E>;
+  /** Without `restart`: why a lost worker is not replaced (default RESTARTS_OFF). */
+  notRestarted?: NotRestarted;
   log?: WorkerGroupLog;
   /** Called when a worker joins (at the start or restarted); returns what to undo when it leaves. */
   onJoin?(id: string, engine: E): (() => void)[];
@@ -351,9 +366,12 @@ export class WorkerGroup<E extends RoutableEngine> {
     if (this.closed) return;
     if (!restart || slot.attempts >= restart.limit) {
       slot.givenUp = true;
-      this.log('error', restart && restart.limit > 0
-        ? `${this.label} ${slot.name}: giving up after ${slot.attempts} restart attempt${slot.attempts === 1 ? '' : 's'} in a row`
-        : `${this.label} ${slot.name} is not restarted (restarts are off)`);
+      if (restart && restart.limit > 0) {
+        this.log('error', `${this.label} ${slot.name}: giving up after ${slot.attempts} restart attempt${slot.attempts === 1 ? '' : 's'} in a row`);
+      } else {
+        const { reason, level } = restart ? RESTARTS_OFF : this.options.notRestarted ?? RESTARTS_OFF;
+        this.log(level, `${this.label} ${slot.name} is not restarted (${reason})`);
+      }
       return;
     }
     slot.attempts++;
@@ -403,7 +421,7 @@ export class WorkerGroup<E extends RoutableEngine> {
     return total === 1 ? `its one ${this.label} was lost` : `all ${total} ${this.label}s were lost`;
   }
 
-  private log(level: 'info' | 'warn' | 'error', message: string): void {
+  private log(level: WorkerGroupLogLevel, message: string): void {
     this.options.log?.(level, message);
   }
 }

@@ -61,6 +61,9 @@ describe('a worker that drops and rejoins is counted once', { skip }, () => {
     assert.deepEqual(engine.readiness(), { ready: true, workersAlive: 1, workersTotal: 1 });
 
     await dropAndRejoin(frontend, logs, 'a1', relay);
+    // A frontend starts no worker process, so it restarts none: its log says so as it is, at debug level.
+    assert.ok(logs.includes('debug worker a1 is not restarted (a worker process that starts again registers by itself)'), logs.join('\n'));
+    assert.ok(!logs.some((l) => l.includes('restarts are off')), logs.join('\n'));
     assert.deepEqual(engine.workerIds, ['a1']);
     assert.deepEqual(engine.readiness(), { ready: true, workersAlive: 1, workersTotal: 1 },
       `one worker after ${REJOINS} rejoins, not ${REJOINS + 1}`);
@@ -84,6 +87,8 @@ describe('a worker that drops and rejoins is counted once', { skip }, () => {
 
     await dropAndRejoin(frontend, logs, 'd1', relay);
     assert.deepEqual(engine.readiness(), { ready: true, workersAlive: 1, workersTotal: 1 });
+    assert.ok(logs.includes('debug decode worker d1 is not restarted (a worker process that starts again registers by itself)'), logs.join('\n'));
+    assert.ok(!logs.some((l) => l.includes('restarts are off')), logs.join('\n'));
 
     // The relay now leads nowhere: the connection drops and every retry fails, while the key stays.
     const lost = lossesOf(logs, 'd1');
