@@ -414,12 +414,17 @@ export class Scheduler {
         if (tokenBudget === 0 || (bound !== null && this.order(sequence, bound) >= 0)) break;
         // A prompt whose logprobs are wanted waits for a step with rows left (before it could preempt anyone).
         if (promptRowBudget === 0 && sequence.needsPromptLogprobs && sequence.numPromptTokens > 1) break;
+        // The chunk is planned against the budgets as they stand before anyone is preempted for this sequence: a
+        // victim's cancelled entry gives its tokens (and rows) back, and a chunk grown by them could cross one more
+        // block boundary than the room its preemption was judged to make, and then not fit at all.
+        const plannedTokenBudget = tokenBudget;
+        const plannedPromptRowBudget = promptRowBudget;
         // A prompt whose logprobs are wanted is computed whole: a cached position would have no logits row.
         const lookUp = () => {
           const found = this.kv.findCachedPrefix(sequence.blockTable, sequence.tokenIds,
             { reuse: !sequence.needsPromptLogprobs, prefillChunkTokens: this.chunkSize(Infinity, this.maxNumBatchedTokens) });
           const tokens = this.withinPromptRows(sequence, found.numTokens,
-            this.chunkSize(sequence.numTokens - found.numTokens, tokenBudget), promptRowBudget);
+            this.chunkSize(sequence.numTokens - found.numTokens, plannedTokenBudget), plannedPromptRowBudget);
           return { prefix: found, numNewTokens: tokens };
         };
         // Only when the victims' blocks could be enough: nobody is preempted (for a seat or for room) for a request

@@ -258,3 +258,44 @@ describe('Scheduler preemption for a more urgent waiting request', () => {
     scheduler.checkInvariants();
   });
 });
+
+describe('Scheduler preemption for a waiting request: the chunk admitted is the one the room was planned for', () => {
+  // Blocks of 4, a step of 10 tokens, 2 seats, a pool of 5 blocks. 'top' (9-token prompt) holds 3 blocks and 'low'
+  // (3-token prompt) 1, both decoding; 1 block is free. 'mid' waits with a 20-token prompt: the step has 8 tokens
+  // left, a chunk of 2 blocks, which the free block and low's make room for. Preempting low for its seat gives its
+  // decode token back to the step; a chunk of 9 would need a third block, which nobody can free.
+  for (const policy of ['priority', 'deadline'] as const) {
+    it(`${policy}: the victim's token given back does not grow the chunk past the room its preemption made`, () => {
+      const scheduler = makeScheduler({ policy, numBlocks: 5, maxNumSeqs: 2, maxNumBatchedTokens: 10 });
+      const rank = (value: number): RequestOverrides => (policy === 'priority' ? { priority: value } : { deadlineMs: 100 * (value + 1) });
+      scheduler.addRequest(makeRequest('top', prompt(0, 9), { ...rank(0), sampling: { maxTokens: 50 } }), 0);
+      step(scheduler, 0);
+      scheduler.addRequest(makeRequest('low', prompt(1, 3), { ...rank(5), sampling: { maxTokens: 50 } }), 1);
+      step(scheduler, 1);
+      scheduler.addRequest(makeRequest('mid', prompt(2, 20), { ...rank(1), sampling: { maxTokens: 50 } }), 2);
+      const { plan } = step(scheduler, 2);
+      assert.deepEqual(plan.preempted.map((s) => s.request.id), ['low']);
+      assert.deepEqual(summary(plan), ['top/0+1*1', 'mid/0+8'], 'mid admitted with the chunk the room was made for');
+      assert.equal(scheduler.getRequest('mid')!.sequences[0]!.status, 'running');
+      assert.equal(scheduler.getRequest('low')!.sequences[0]!.status, 'preempted');
+      scheduler.checkInvariants();
+    });
+  }
+
+  // The same with prompt-logprob rows: a step of 14 tokens and 10 rows, a pool of 6 blocks. 'top' (13-token prompt)
+  // holds 4 blocks; 'low' (4-token prompt, scored) got the step's last token with it and now holds 1 block, its
+  // remaining 3 tokens taking 2 rows. 'mid' (scored, 20 tokens) gets the 8 rows left, a chunk of 2 blocks: the free
+  // one and low's. Preempting low gives its 2 rows back; a chunk of 10 would need a third block.
+  it('priority: the victim\'s prompt-logprob rows given back do not grow the chunk past the room its preemption made', () => {
+    const scheduler = makeScheduler({ policy: 'priority', numBlocks: 6, maxNumSeqs: 2, maxNumBatchedTokens: 14, maxPromptLogprobRows: 10 });
+    scheduler.addRequest(makeRequest('top', prompt(0, 13), { priority: 0, sampling: { maxTokens: 50 } }), 0);
+    scheduler.addRequest(makeRequest('low', prompt(1, 4), { priority: 5, sampling: { maxTokens: 50, promptLogprobs: 0 } }), 0);
+    assert.deepEqual(summary(step(scheduler, 0).plan), ['top/0+13*1', 'low/0+1']);
+    scheduler.addRequest(makeRequest('mid', prompt(2, 20), { priority: 1, sampling: { maxTokens: 50, promptLogprobs: 0 } }), 1);
+    const { plan } = step(scheduler, 1);
+    assert.deepEqual(plan.preempted.map((s) => s.request.id), ['low']);
+    assert.deepEqual(summary(plan), ['top/0+1*1', 'mid/0+8'], 'mid admitted with the chunk the room was made for');
+    assert.equal(plan.numPromptLogprobRows, 8);
+    scheduler.checkInvariants();
+  });
+});
