@@ -102,15 +102,19 @@ describe('engine stats summed over workers', () => {
     const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-pool-'));
     dirs.push(dir);
     const model = cpuTestModel();
-    // A RAM tier a quarter of the pool's size, a disk tier half of it; four prompts cache about as many blocks as the
-    // pool holds.
+    // A RAM tier a quarter of the pool's size, a disk tier half of it; the prompts cache more blocks than the disk tier
+    // holds (how many that is depends on the model's block bytes: at least four prompts).
     const pool = await createWorkerPool({
       engine: 'cpu', workers: 1, modelPath: model.path, threads: 1, kvCacheMemoryBytes: 256 << 10, kvOffloadMemoryBytes: 64 << 10,
       kvOffloadDiskDir: dir, kvOffloadDiskBytes: 128 << 10, workerRestartLimit: 0,
     });
     const worker = pool.engine as LocalEngine;
     try {
-      for (let i = 0; i < 4; i++) {
+      const start = await worker.sync();
+      const promptBlocks = Math.floor(96 / worker.info.blockSize);
+      const prompts = Math.max(4, Math.ceil((start.kvTiers!.tiers.disk!.capacityBlocks + 1) / promptBlocks));
+      assert.ok(prompts * promptBlocks <= start.kvBlocksTotal, 'the prompts fit the pool together');
+      for (let i = 0; i < prompts; i++) {
         await collect(pool.engine.generate({ ...request(Array.from({ length: 96 }, (_, j) => 3 + ((j * (i + 7) * 31) % 200))), sampling: { ...DEFAULT_SAMPLING, maxTokens: 1 } }));
       }
       // What /metrics reads without asking the worker: the state it sent by itself once idle (sync() below updates it).
