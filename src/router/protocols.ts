@@ -95,6 +95,12 @@ export interface WorkerCostTerms {
   prefillTokens: number;
   /** Prompt blocks after overlapBlocks it holds in a lower tier (RAM, disk) and would copy back. */
   lowerTierBlocks?: number;
+  /**
+   * Leading prompt blocks the worker holds, when more than overlapBlocks: every block of a prompt whose length is a
+   * multiple of the block size. The engine recomputes the last one (overlapBlocks leaves it out), but a handed-off
+   * prompt's KV need not move it (the disaggregation policy counts the blocks a transfer moves by this).
+   */
+  heldBlocks?: number;
   /** prefillTokens / blockSize. */
   prefillBlocks: number;
   /** Blocks its running requests hold plus the new blocks this request would add. */

@@ -718,10 +718,12 @@ export class DisaggregatedEngine implements Engine {
       if (outcome.kind === 'routed') prefillDecision = outcome.decision;
     }
     const chosen = prefillDecision?.costTerms.find((t) => t.workerId === prefillDecision!.workerId);
+    const decodeHeldBlocks = decodeDecision.costTerms.find((t) => t.workerId === decodeDecision.workerId)?.heldBlocks;
     const choice = decideDisaggregation({
       numPromptTokens: request.promptTokenIds.length, blockSize: this.info.blockSize,
       ineligible,
       decodeWorkerId: decodeDecision.workerId, decodeOverlapBlocks: decodeDecision.overlapBlocks,
+      ...(decodeHeldBlocks !== undefined ? { decodeHeldBlocks } : {}),
       prefill: prefillDecision && chosen
         ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }
         : null,

@@ -54,6 +54,12 @@ export interface DisaggregationInputs {
   decodeWorkerId: string;
   /** Leading prompt blocks the decode worker holds (the decode router's overlap). */
   decodeOverlapBlocks: number;
+  /**
+   * Leading prompt blocks the decode worker holds, up to the whole prompt (WorkerCostTerms.heldBlocks): a transfer
+   * moves none of them, not even the last block of a fully cached prompt, which a local prefill recomputes.
+   * Default: decodeOverlapBlocks.
+   */
+  decodeHeldBlocks?: number;
   /** The prefill worker the prefill router would pick and its queue, or null when none is available. */
   prefill: { workerId: string; queuedPrefillTokens: number } | null;
   /** KV bytes of one token in the pools (every layer's K and V). */
@@ -75,7 +81,7 @@ export function decideDisaggregation(inputs: DisaggregationInputs, policy: Disag
   // so at most floor((n - 1) / blockSize) blocks are spared locally; remotely, every block it lacks moves.
   const localHitBlocks = Math.max(0, Math.min(inputs.decodeOverlapBlocks, Math.floor((numPromptTokens - 1) / blockSize)));
   const uncachedTokens = numPromptTokens - localHitBlocks * blockSize;
-  const heldBlocks = Math.max(0, Math.min(inputs.decodeOverlapBlocks, Math.floor(numPromptTokens / blockSize)));
+  const heldBlocks = Math.max(0, Math.min(inputs.decodeHeldBlocks ?? inputs.decodeOverlapBlocks, Math.floor(numPromptTokens / blockSize)));
   const transferBlocks = Math.ceil(numPromptTokens / blockSize) - heldBlocks;
   const transferBytes = transferBlocks * blockSize * inputs.kvBytesPerToken;
   const estimatedTransferMs = policy.transferOverheadMs + (transferBytes / Math.max(1, inputs.transferBytesPerSec)) * 1000;

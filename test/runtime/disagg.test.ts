@@ -230,6 +230,9 @@ describe('conditional disaggregation', () => {
     assert.equal(decideDisaggregation({ ...base, transferBytesPerSec: 1e7, numPromptTokens: 255 }, unweighed).reason, 'short-prompt');
     assert.equal(decideDisaggregation({ ...base, transferBytesPerSec: 1e7, prefill: null }, unweighed).reason, 'prefill-queue-full');
     assert.equal(decideDisaggregation({ ...base, ineligible: 'n = 2' }, policy).reason, 'not-eligible');
+    // A prompt of 4 whole blocks, all held on the decode worker: its last block is computed locally, moved by no transfer.
+    const held = decideDisaggregation({ ...base, numPromptTokens: 64, decodeOverlapBlocks: 3, decodeHeldBlocks: 4 }, { ...policy, minRemotePrefillTokens: 16 });
+    assert.deepEqual([held.reason, held.uncachedTokens, held.transferBlocks, held.estimatedTransferMs], ['remote-prefill', 16, 0, 0.5]);
   });
 
   test(`on real workers (${cpuTestModel().name}): remote, short prompt, prefill queue over its bound, n > 1, transfer slower`, async () => {
@@ -267,6 +270,25 @@ describe('conditional disaggregation', () => {
       await assertAllFree(slow);
     } finally {
       await slow.engine.close();
+    }
+  });
+
+  test(`on real workers (${cpuTestModel().name}): a prompt of whole blocks the decode worker holds entirely is estimated to move what the transfer moves, none`, async () => {
+    // A bound of one block: the block the decode worker would recompute locally is enough to go remote.
+    const pool = await disaggregatedPool(cpuTestModel().path, { decodeWorkers: 1, disaggregationPolicy: { minRemotePrefillTokens: BLOCK } });
+    try {
+      const ids = prompt(8, 4 * BLOCK);
+      await collect(pool.engine.generate(request(ids)));
+      const outputs = await collect(pool.engine.generate(request(ids)));
+      const why = outputs.at(-1)!.routing!.disaggregation!;
+      assert.deepEqual([why.mode, why.reason, why.uncachedTokens], ['disaggregated', 'remote-prefill', BLOCK], why.detail);
+      const moved = outputs.find((o) => o.timestamps.kvTransfer)!.timestamps.kvTransfer!;
+      assert.equal(moved.blocks, 0, 'the decode worker held all 4 blocks: nothing moved');
+      assert.equal(why.transferBlocks, moved.blocks, 'the estimate counts the blocks a transfer moves');
+      assert.match(why.detail, / 0 blocks ~/);
+      await assertAllFree(pool);
+    } finally {
+      await pool.engine.close();
     }
   });
 });
