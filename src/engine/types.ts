@@ -262,7 +262,8 @@ export type WorkerRole = 'prefill' | 'decode' | 'both';
  * - transfer-slower: moving the KV would take longer than computing it on the decode worker;
  * - transfer-probe: on a prefill worker although the estimates said transfer-slower, to measure the link again
  *   (after several transfer-slower decisions in a row: runtime/disaggregation-policy.ts TransferProbe);
- * - not-eligible: the request cannot be handed over (n > 1, or prompt logprobs);
+ * - not-eligible: the request cannot be handed over (n > 1, prompt logprobs, or no prefill worker's context or
+ *   adapters take it);
  * - prefill-failed / transfer-failed: the disaggregated path broke and the decode worker computed the prompt itself.
  */
 export type DisaggregationReason =

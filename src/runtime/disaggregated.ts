@@ -706,7 +706,7 @@ export class DisaggregatedEngine implements Engine {
   private decide(request: EngineRequest, routing: RoutingRequest, decodeDecision: RoutingDecision):
     { choice: DisaggregationSummary; prefillDecision: RoutingDecision | null } {
     let prefillDecision: RoutingDecision | null = null;
-    const ineligible = request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker`
+    let ineligible = request.sampling.n !== 1 ? `n = ${request.sampling.n} samples share the prompt's blocks on one worker`
       : request.sampling.promptLogprobs !== undefined ? 'prompt logprobs come from the worker that computes the prompt, which then samples'
         : undefined;
     if (this.prefillWorkers.size > 0 && ineligible === undefined) {
@@ -716,6 +716,12 @@ export class DisaggregatedEngine implements Engine {
       // The prefill router never queues: a busy prefill tier is a reason to prefill on the decode worker.
       if (outcome.kind === 'queued') this.prefillRouter.cancelQueued(request.id);
       if (outcome.kind === 'routed') prefillDecision = outcome.decision;
+      // No prefill worker could ever take it (not one busy now): the request is not one to hand over here.
+      if (outcome.kind === 'rejected' && outcome.reason === 'no-context-workers') {
+        ineligible = `no prefill worker's context holds a prompt of ${request.promptTokenIds.length} tokens`;
+      } else if (outcome.kind === 'rejected' && outcome.reason === 'no-model-workers') {
+        ineligible = `no prefill worker holds adapter ${request.lora}`;
+      }
     }
     const chosen = prefillDecision?.costTerms.find((t) => t.workerId === prefillDecision!.workerId);
     const decodeHeldBlocks = decodeDecision.costTerms.find((t) => t.workerId === decodeDecision.workerId)?.heldBlocks;

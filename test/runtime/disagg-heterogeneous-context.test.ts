@@ -115,6 +115,9 @@ describe('decode workers of different context lengths behind one disaggregated e
       assert.equal(longPrompt.finishReason, 'length');
       assert.equal(longPrompt.usage.completionTokens, 8);
       assert.equal(longPrompt.routing!.disaggregation!.mode, 'local', longPrompt.routing!.disaggregation!.detail);
+      // Not a busy prefill tier (p1 runs nothing): no prefill worker could ever take this prompt.
+      assert.equal(longPrompt.routing!.disaggregation!.reason, 'not-eligible');
+      assert.match(longPrompt.routing!.disaggregation!.detail, /no prefill worker's context holds a prompt of 900 tokens/);
       const shortPrompt = (await run(engine, request(300, 8))).at(-1)!;
       assert.equal(shortPrompt.routing!.disaggregation!.mode, 'disaggregated', shortPrompt.routing!.disaggregation!.detail);
       assert.equal(shortPrompt.routing!.disaggregation!.prefillWorkerId, 'p1');
