@@ -137,6 +137,9 @@ async function streamFrom(
   } catch (err) {
     const error = toApiError(err);
     options.onFailure?.(error);
-    if (!writer.closed) await writer.fail(error.toBody());
+    // The usage of what was streamed: the output tokens of the updates the stream took, not any the failure cut off.
+    const streamedTokens = choiceTokens.reduce((a, b) => a + b, 0);
+    const usage = wireUsage(run.promptTokens, run.outputHidden ? 0 : streamedTokens, run.cachedPromptTokens);
+    if (!writer.closed) await writer.fail(error.toBody(), usage);
   }
 }

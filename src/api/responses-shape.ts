@@ -28,6 +28,8 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   private readonly suffix: string;
   /** With tools: the calls of the finished output (the message's text is then `text`). */
   private calls: ChatToolCall[] = [];
+  /** Set when the stream fails after it began: an item still being written was cut short. */
+  private failed = false;
 
   /**
    * itemIdBase: the id the output items' ids are made of (the item's prefix, msg_ or fc_, instead of resp_), by default
@@ -48,7 +50,7 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   }
 
   private get status(): Status {
-    if (this.finishReason === null) return 'in_progress';
+    if (this.finishReason === null) return this.failed ? 'incomplete' : 'in_progress';
     return this.finishReason === 'stop' ? 'completed' : 'incomplete';
   }
 
@@ -77,6 +79,15 @@ export class ResponsesShape implements ResponseShape, SseStyle {
     return [...items, ...this.calls.map((call, i) => this.callItem(call, i, true))];
   }
 
+  /**
+   * The items the stream has added so far, for a response that failed: without tools the message (added when the
+   * stream opened, "incomplete" unless it was finished); with tools nothing is added before the output is complete.
+   */
+  private shownItems(): object[] {
+    if (this.tools === undefined) return [this.item(true)];
+    return this.finishReason === null ? [] : this.outputItems();
+  }
+
   /** With tools, once the output is complete: its text and calls, as the chat completion's tool-call shape reads them. */
   private readTools(): void {
     const body = this.tools!.body({ prompt_tokens: 0, completion_tokens: 0, total_tokens: 0, prompt_tokens_details: { cached_tokens: 0 } }) as {
@@ -89,7 +100,7 @@ export class ResponsesShape implements ResponseShape, SseStyle {
 
   /**
    * The response object as it stands: in progress (no output yet), finished with its message and usage, or failed
-   * with its error (no output: the items begun were never finished).
+   * with its error, the output the client was shown so far and the usage up to the failure.
    */
   private response(usage: WireUsage | null, failure?: { code: string | null; message: string }): object {
     const status: Status = failure ? 'failed' : this.status;
@@ -104,7 +115,7 @@ export class ResponsesShape implements ResponseShape, SseStyle {
       instructions: echo.instructions,
       max_output_tokens: echo.maxOutputTokens,
       model: this.meta.model,
-      output: status === 'in_progress' || status === 'failed' ? [] : this.outputItems(),
+      output: status === 'in_progress' ? [] : status === 'failed' ? this.shownItems() : this.outputItems(),
       parallel_tool_calls: echo.parallelToolCalls,
       previous_response_id: null,
       reasoning: { effort: echo.reasoningEffort, summary: null },
@@ -222,11 +233,14 @@ export class ResponsesShape implements ResponseShape, SseStyle {
   /**
    * A stream failing after it began ends as OpenAI's does, with response.failed carrying the response, its status
    * "failed" and its error: clients (the openai package's responses.stream()) take the last response.* event as the
-   * response. Before response.created there is no response to fail, so only an `error` event.
+   * response, so it carries what was streamed (the message "incomplete" when cut short) and the usage up to then,
+   * or the client would lose what it was shown. Before response.created there is no response to fail, so only an
+   * `error` event.
    */
-  errorEvent(body: ErrorBody): object {
+  errorEvent(body: ErrorBody, usage?: WireUsage): object {
     const { message, code, param } = body.error;
     if (this.sequence === 0) return this.event('error', { code, message, param });
-    return this.event('response.failed', { response: this.response(null, { code, message }) });
+    this.failed = true;
+    return this.event('response.failed', { response: this.response(usage ?? null, { code, message }) });
   }
 }

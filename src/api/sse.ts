@@ -5,6 +5,7 @@
 
 import type { ServerResponse } from 'node:http';
 import type { ErrorBody } from './errors.ts';
+import type { WireUsage } from './openai-format.ts';
 
 export const SSE_HEADERS: Readonly<Record<string, string>> = {
   'Content-Type': 'text/event-stream; charset=utf-8',
@@ -26,9 +27,10 @@ export interface SseStyle {
   readonly doneMarker: boolean;
   /**
    * The event that ends a stream failing after it began (default: an `error` event whose data is OpenAI's error
-   * body itself); with named events, its `type` names it.
+   * body itself); with named events, its `type` names it. usage: the tokens up to the failure, for a style whose
+   * failure event carries the response so far.
    */
-  errorEvent?(body: ErrorBody): object;
+  errorEvent?(body: ErrorBody, usage?: WireUsage): object;
 }
 
 const CHAT_STYLE: SseStyle = { namedEvents: false, doneMarker: true };
@@ -67,10 +69,10 @@ export class SseWriter {
 
   /**
    * An error after the stream began: the style's failure event (the Responses API's response.failed), or an `error`
-   * event with OpenAI's error shape; then the end.
+   * event with OpenAI's error shape; then the end. usage: the tokens up to the failure (the response.failed carries it).
    */
-  async fail(body: ErrorBody): Promise<void> {
-    const data = this.style.errorEvent?.(body) ?? body;
+  async fail(body: ErrorBody, usage?: WireUsage): Promise<void> {
+    const data = this.style.errorEvent?.(body, usage) ?? body;
     const type = this.style.namedEvents ? (data as { type?: unknown }).type : undefined;
     await this.write(`event: ${typeof type === 'string' ? type : 'error'}\ndata: ${JSON.stringify(data)}\n\n`, 0);
     this.end();

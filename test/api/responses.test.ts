@@ -2,11 +2,12 @@
 // (same tokens under greedy decoding), shaped as a response object (output_text, usage, status, incomplete_details),
 // streamed as typed events in order with consecutive sequence numbers and no [DONE]; text.format json_schema holds;
 // function tools give function_call items, and calls with their outputs go back in as input items;
-// what the server does not do is a 400 naming the Responses field; nothing is held afterwards.
+// what the server does not do is a 400 naming the Responses field; nothing is held afterwards. A stream failing after
+// it began ends with response.failed holding what was streamed and its usage; not streamed, the failure is an error.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import OpenAI, { BadRequestError } from 'openai';
+import OpenAI, { APIError, BadRequestError } from 'openai';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
 
@@ -294,5 +295,51 @@ describe('POST /v1/responses: a stream that fails after it began', () => {
     assert.equal(response.status, 'failed');
     assert.equal(response.error?.code, 'request_timeout');
     await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+  });
+
+  it('response.failed keeps what was streamed: the message cut short as "incomplete", and the usage so far', E2E, async () => {
+    // The prompt's token count, from a request that finishes well within the limit.
+    const short = await client.responses.create({ model, input: NEVER_ENDING.input, max_output_tokens: 1, temperature: 0 });
+    const stream = client.responses.stream({ model, ...NEVER_ENDING } as never);
+    let shownText = '';
+    let deltas = 0;
+    stream.on('response.output_text.delta', (event) => {
+      shownText += event.delta;
+      deltas++;
+    });
+    const failed = await stream.finalResponse();
+    assert.ok(shownText.length > 0, 'text was streamed before the failure');
+    assert.equal(failed.status, 'failed');
+    assert.equal(failed.output.length, 1);
+    const message = failed.output[0]!;
+    assert.equal(message.type, 'message');
+    assert.equal(message.status, 'incomplete');
+    assert.equal(failed.output_text, shownText, 'the failed response holds the text the client was shown');
+    assert.ok(failed.usage, 'usage up to the failure');
+    assert.equal(failed.usage.input_tokens, short.usage!.input_tokens);
+    assert.ok(failed.usage.output_tokens >= deltas, `${failed.usage.output_tokens} output tokens for ${deltas} deltas`);
+    assert.ok(failed.usage.output_tokens < NEVER_ENDING.max_output_tokens);
+    assert.equal(failed.usage.total_tokens, failed.usage.input_tokens + failed.usage.output_tokens);
+    assert.equal(failed.incomplete_details, null);
+    // Nothing is held after the failure: no KV blocks, no running or waiting request, no concurrency slot.
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+    const anyone = server.running.keyStore.authenticate(undefined);
+    await waitFor(() => server.running.api.limiter.inFlight(anyone) === 0, 'the concurrency slot to come back');
+  });
+
+  it('not streamed, the same failure is a 504 with OpenAI\'s error body, and nothing is held after', E2E, async () => {
+    await assert.rejects(client.responses.create({ model, ...NEVER_ENDING } as never), (err: unknown) => {
+      assert.ok(err instanceof APIError, String(err));
+      assert.equal(err.status, 504);
+      assert.equal(err.code, 'request_timeout');
+      assert.equal(err.type, 'server_error');
+      assert.match(err.message, /--request-timeout/);
+      return true;
+    });
+    await waitFor(() => engineIdle(server.engine), 'the engine to be idle');
+    const anyone = server.running.keyStore.authenticate(undefined);
+    await waitFor(() => server.running.api.limiter.inFlight(anyone) === 0, 'the concurrency slot to come back');
+    const after = await client.responses.create({ model, input: 'Still there?', max_output_tokens: 2, temperature: 0 });
+    assert.notEqual(after.status, 'failed', 'the server still answers');
   });
 });
