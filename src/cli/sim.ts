@@ -153,7 +153,7 @@ export function resolveDeployment(values: {
 export function fitsContext(what: string, tokens: number, outputTokens = 1): void {
   const context = SIM_DEFAULTS.maxModelLen;
   if (tokens + outputTokens > context) {
-    throw new UsageError(`${what} (${tokens} tokens, plus ${outputTokens} of output) does not fit the simulated context of ${context} tokens`);
+    throw new UsageError(`${what} (${counted(tokens, 'token')}, plus ${outputTokens} of output) does not fit the simulated context of ${counted(context, 'token')}`);
   }
 }
 

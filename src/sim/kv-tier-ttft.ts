@@ -6,6 +6,7 @@
 
 import { DEFAULT_SAMPLING, type EngineRequest } from '../engine/types.ts';
 import { hostTierFor, NVME_GEN4, type HardwareProfile, type KvTierProfile } from './hardware.ts';
+import { counted } from './latency-model.ts';
 import { kvBytesPerToken, type ModelProfile } from './models.ts';
 import type { Efficiency } from './perf-model.ts';
 import { SimConfigError, SimWorker, simKvBlocks, type SimRequestFlags } from './sim-worker.ts';
@@ -159,8 +160,9 @@ export function formatKvTierTtft(report: KvTierTtftReport): string {
   ];
   for (const r of report.rows) {
     if (r.recomputedBlocks > 0) {
-      lines.push(`(${names[r.source]}: ${r.recomputedBlocks} blocks held there were recomputed instead, the cost model finding `
-        + 'them slower to read than to compute with the rest of the prompt)');
+      const one = r.recomputedBlocks === 1;
+      lines.push(`(${names[r.source]}: ${counted(r.recomputedBlocks, 'block')} held there ${one ? 'was' : 'were'} recomputed instead, `
+        + `the cost model finding ${one ? 'it' : 'them'} slower to read than to compute with the rest of the prompt)`);
     }
   }
   // Each tier's bandwidth as its profile counts it: per GPU (each moves its own shard) or for the whole worker.

@@ -570,9 +570,9 @@ export function formatLifecycleTable(report: LifecycleReport): string {
 export function formatDecodeSweep(sweep: DecodeSweep): string {
   const title = [
     `${sweep.modelName} on ${sweep.tp} x ${sweep.hardwareName} (tp ${sweep.tp}), decode at context ` +
-      `${sweep.contextLen} tokens; KV capacity ${sweep.kvCapacityTokens} tokens `
+      `${counted(sweep.contextLen, 'token')}; KV capacity ${counted(sweep.kvCapacityTokens, 'token')} `
       + `(${counted(sweep.kvCapacityTokens / sweep.blockSize, 'block')} of ${sweep.blockSize})`
-      + (sweep.lora ? `; ${sweep.lora.adapters} LoRA adapters of rank ${sweep.lora.rank} (sequence i on adapter i mod ${sweep.lora.adapters})` : ''),
+      + (sweep.lora ? `; ${counted(sweep.lora.adapters, 'LoRA adapter')} of rank ${sweep.lora.rank} (sequence i on adapter i mod ${sweep.lora.adapters})` : ''),
     efficiencyLine(sweep.efficiency),
   ];
   const lora = sweep.lora !== undefined;

@@ -299,6 +299,18 @@ test('conduit sim lifecycle counts one token, one cached token and one block in 
   for (const { out } of [one, cachedOne]) assert.doesNotMatch(out, /\b1 (cached )?(token|block)s\b/);
 });
 
+test('conduit sim decode-sweep and kv-tiers count one token, one LoRA adapter and one block in the singular', async () => {
+  const sweep = await run(['sim', 'decode-sweep', '--context', '1', '--lora-adapters', '1', '--batches', '1', '--no-check']);
+  assert.equal(sweep.code, 0, sweep.err);
+  assert.match(sweep.out, /decode at context 1 token; KV capacity \d+ tokens/);
+  assert.match(sweep.out, /; 1 LoRA adapter of rank 16 /);
+  // 17 tokens on 70B: one whole block before the last token, which NVMe is too slow to serve, so it is recomputed.
+  const tiers = await run(['sim', 'kv-tiers', '--prompt', '17']);
+  assert.equal(tiers.code, 0, tiers.err);
+  assert.match(tiers.out, /^\(NVMe Gen4 x4 SSD: 1 block held there was recomputed instead, the cost model finding it slower/m);
+  for (const { out } of [sweep, tiers]) assert.doesNotMatch(out, /\b1 (token|block|LoRA adapter)s\b/);
+});
+
 test('conduit sim decode-sweep: --lora-rank without --lora-adapters is refused typed, ignored with a warning from the environment', async () => {
   await assertRefusedBeforeOutput(['sim', 'decode-sweep', '--lora-rank', '64', '--batches', '1', '--no-check'],
     /^conduit sim: --lora-rank: only with LoRA adapters \(give --lora-adapters N > 0 too\)$/);
