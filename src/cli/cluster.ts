@@ -13,7 +13,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
-import { envName, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { positiveInteger, SERVE_FLAGS } from './serve.ts';
 import type { Command } from './main.ts';
 
@@ -25,6 +25,9 @@ export const CLUSTER_DEMO_FLAGS = {
   engine: { type: 'string', help: 'the workers\' engine: cpu or sim', default: 'cpu' },
   model: { type: 'string', help: 'the workers\' model (default: the built-in synthetic model)', short: 'm' },
   'sim-model': { type: 'string', help: 'model profile of simulated workers', default: 'llama-3.1-8b' },
+  // The workers' own options (conduit serve's and conduit worker's), passed to them as given.
+  'sim-gpu': SERVE_FLAGS['sim-gpu'],
+  'sim-tp': SERVE_FLAGS['sim-tp'],
   'migration-limit': { type: 'number', help: 'the frontend\'s --migration-limit', default: 1 },
   'routing-policy': { type: 'string', help: 'the frontend\'s --routing-policy', default: 'kv' },
   'shutdown-grace': { type: 'number', help: 'seconds the frontend and the workers get to finish their streams when stopped (their --shutdown-grace)', default: 30 },
@@ -67,28 +70,23 @@ async function waitForPort(port: number, what: string, child: ChildProcess, maxM
 }
 
 /**
- * The simulated workers' GPU and tensor parallelism: no options of this command, but of `conduit worker`, whose
- * processes read them from the environment they inherit from it (CONDUIT_SIM_GPU, CONDUIT_SIM_TP), as parsed here.
+ * A simulated worker of --sim-model on --sim-gpu with --sim-tp GPUs must be able to exist (a known profile, heads
+ * that divide over tp, weights that leave HBM for KV blocks): otherwise each worker refuses it at start, once etcd and
+ * NATS run (exit 1). Refused here with the workers' own message, as a usage error; a value from the environment is
+ * named by its variable.
  */
-const SIM_WORKER_ENV_FLAGS = { 'sim-gpu': SERVE_FLAGS['sim-gpu'], 'sim-tp': SERVE_FLAGS['sim-tp'] } satisfies FlagTable;
-
-/**
- * A simulated worker of --sim-model on the GPU and tp the workers will read from the environment must be able to
- * exist (a known profile, heads that divide over tp, weights that leave HBM for KV blocks): otherwise each worker
- * refuses it at start, once etcd and NATS run (exit 1). Refused here with the workers' own message, as a usage error.
- * The GPU and tp are named by their variables, the only way this command sets them.
- */
-function checkSimWorkers(modelId: string): void {
-  const parsed = parseFlags(SIM_WORKER_ENV_FLAGS, [], process.env);
-  const label = (name: keyof typeof SIM_WORKER_ENV_FLAGS): string => `${envName(name, SIM_WORKER_ENV_FLAGS[name])} (--${name})`;
+function checkSimWorkers(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): number {
+  const { values } = parsed;
+  const label = (name: 'sim-model' | 'sim-gpu' | 'sim-tp'): string => flagLabel(CLUSTER_DEMO_FLAGS, parsed, name);
+  const tp = positiveInteger(values['sim-tp'], 'sim-tp')!;
   try {
-    const tp = positiveInteger(parsed.values['sim-tp'], 'sim-tp')!;
-    checkSimDeployment({ model: modelId, gpu: parsed.values['sim-gpu']!, tp },
-      { model: '--sim-model', gpu: label('sim-gpu'), tp: label('sim-tp') });
+    checkSimDeployment({ model: values['sim-model']!, gpu: values['sim-gpu']!, tp },
+      { model: label('sim-model'), gpu: label('sim-gpu'), tp: label('sim-tp') });
   } catch (err) {
     if (err instanceof RangeError) throw new UsageError(err.message);
-    throw nameEnvironment(SIM_WORKER_ENV_FLAGS, parsed, err);
+    throw err;
   }
+  return tp;
 }
 
 /**
@@ -96,9 +94,10 @@ function checkSimWorkers(modelId: string): void {
  * simulated workers' deployment, checkSimWorkers): refused before etcd, NATS and the workers start, rather than by a process that exits
  * once they run.
  */
-function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
-  port: number; routingPolicy: string; migrationLimit: number; count: number; graceSeconds: number;
+function checkOptions(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
+  port: number; routingPolicy: string; migrationLimit: number; count: number; graceSeconds: number; simTp: number;
 } {
+  const { values, positionals } = parsed;
   if (positionals.length > 0) throw new UsageError(`unexpected argument "${positionals[0]}"`);
   const port = values.port!;
   if (!Number.isInteger(port) || port < 0 || port > 65535) throw new UsageError(`--port must be 0..65535, got ${port}`);
@@ -115,8 +114,8 @@ function checkOptions({ values, positionals }: ParsedFlags<typeof CLUSTER_DEMO_F
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
   if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
-  if (values.engine === 'sim') checkSimWorkers(values['sim-model']!);
-  return { port, routingPolicy, migrationLimit, count, graceSeconds };
+  const simTp = values.engine === 'sim' ? checkSimWorkers(parsed) : 1;
+  return { port, routingPolicy, migrationLimit, count, graceSeconds, simTp };
 }
 
 export const clusterCommand: Command = {
@@ -135,7 +134,7 @@ export const clusterCommand: Command = {
       // A value nobody typed is reported under the variable that gave it (CONDUIT_PORT (--port) must be ...).
       throw nameEnvironment(CLUSTER_DEMO_FLAGS, parsed, err);
     }
-    const { port, routingPolicy, migrationLimit, count, graceSeconds } = options;
+    const { port, routingPolicy, migrationLimit, count, graceSeconds, simTp } = options;
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
     // etcd and NATS stop at once; the frontend and the workers finish their streams first (their grace), then exit.
     const children: { name: string; child: ChildProcess; killAfterMs: number }[] = [];
@@ -195,7 +194,7 @@ export const clusterCommand: Command = {
         ...(values.model !== undefined ? ['--model', values.model] : []),
         // The machine's cores shared between the workers: cpu workers' compute threads (simulated workers have none,
         // and would warn about the option at every start).
-        ...(values.engine === 'sim' ? ['--sim-model', values['sim-model']!]
+        ...(values.engine === 'sim' ? ['--sim-model', values['sim-model']!, '--sim-gpu', values['sim-gpu']!, '--sim-tp', String(simTp)]
           : ['--threads', String(Math.max(1, Math.floor((await import('node:os')).availableParallelism() / count)))])];
       const grace = ['--shutdown-grace', String(graceSeconds)];
       const killAfterMs = graceSeconds * 1000 + 10_000;

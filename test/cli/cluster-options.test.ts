@@ -46,16 +46,23 @@ describe('conduit cluster options', () => {
     }
   });
 
-  it('refuses simulated workers their GPU cannot hold (the GPU and tp from CONDUIT_SIM_GPU / CONDUIT_SIM_TP, as the workers read them) before starting anything', async () => {
+  it('refuses simulated workers their GPU cannot hold (--sim-gpu / --sim-tp or their twins CONDUIT_SIM_GPU / CONDUIT_SIM_TP) before starting anything', async () => {
     const cases: [string[], NodeJS.ProcessEnv, RegExp][] = [
       [['--sim-model', 'llama-3.1-405b'], {},
-        /^conduit cluster: --sim-model: Llama 3\.1 405B on 1 x H100 SXM5 80GB: the weights leave no HBM for the KV cache; use a larger CONDUIT_SIM_TP \(--sim-tp\) or a CONDUIT_SIM_GPU \(--sim-gpu\) with more memory$/m],
+        /^conduit cluster: --sim-model: Llama 3\.1 405B on 1 x H100 SXM5 80GB: the weights leave no HBM for the KV cache; use a larger --sim-tp or a --sim-gpu with more memory$/m],
       [[], { CONDUIT_SIM_MODEL: 'llama-3.1-70b', CONDUIT_SIM_GPU: 'a100' },
         /^conduit cluster: CONDUIT_SIM_MODEL \(--sim-model\): Llama 3\.1 70B on 1 x A100 .*: the weights leave no HBM for the KV cache;/m],
       [['--sim-model', 'llama-3.1-405b'], { CONDUIT_SIM_TP: '3' },
         /^conduit cluster: CONDUIT_SIM_TP \(--sim-tp\): Llama 3\.1 405B: 128 attention heads do not divide over tp 3$/m],
       [[], { CONDUIT_SIM_GPU: 'xyz' }, /^conduit cluster: CONDUIT_SIM_GPU \(--sim-gpu\): unknown GPU "xyz"; known: h100/m],
       [[], { CONDUIT_SIM_TP: '0' }, /^conduit cluster: CONDUIT_SIM_TP \(--sim-tp\) must be a whole number > 0, got 0$/m],
+      // The same options typed: named as typed, and a flag wins over its variable.
+      [['--sim-model', 'llama-3.1-70b', '--sim-gpu', 'a100'], { CONDUIT_SIM_GPU: 'h200' },
+        /^conduit cluster: --sim-model: Llama 3\.1 70B on 1 x A100 .*: the weights leave no HBM for the KV cache;/m],
+      [['--sim-model', 'llama-3.1-405b', '--sim-tp', '3'], { CONDUIT_SIM_TP: '8' },
+        /^conduit cluster: --sim-tp: Llama 3\.1 405B: 128 attention heads do not divide over tp 3$/m],
+      [['--sim-gpu', 'xyz'], {}, /^conduit cluster: --sim-gpu: unknown GPU "xyz"; known: h100/m],
+      [['--sim-tp', '0'], {}, /^conduit cluster: --sim-tp must be a whole number > 0, got 0$/m],
     ];
     for (const [args, env, message] of cases) {
       const what = `${args.join(' ')} ${JSON.stringify(env)}`;
@@ -65,6 +72,24 @@ describe('conduit cluster options', () => {
       assert.doesNotMatch(proc.output(), /etcd http|nats-server|worker-0/, what);
     }
   });
+
+  it('hands --sim-gpu and --sim-tp to the simulated workers, and lists them with their variables in --help',
+    { skip: servicesMissing(), timeout: 150_000 }, async () => {
+      const help = startConduit(['cluster', '--help']);
+      assert.equal(await help.exited, 0, help.output());
+      assert.match(help.output(), /^ {2}--sim-gpu <string> .*\(default h100\) \[env CONDUIT_SIM_GPU\]$/m);
+      assert.match(help.output(), /^ {2}--sim-tp <number> .*\(default 1\) \[env CONDUIT_SIM_TP\]$/m);
+      // 405B fits 8 x H200 (not the default 1 x H100): the check and the workers both use the flags.
+      const port = await freePort();
+      const proc = startConduit(['cluster', '--engine', 'sim', '--workers', '1', '--port', String(port), '--shutdown-grace', '1',
+        '--sim-model', 'llama-3.1-405b', '--sim-gpu', 'h200', '--sim-tp', '8'], {}, { detached: true });
+      const serving = /worker worker-0 serving .* \(simulated engine: llama-3\.1-405b on 8 x h200,/;
+      for (const deadline = Date.now() + 90_000; !serving.test(proc.output());) {
+        if (proc.child.exitCode !== null || Date.now() > deadline) assert.fail(`no ${serving}:\n${proc.output()}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+      assert.equal(await exitWithin(proc, 0), 'still running', proc.output());
+    });
 
   it('stops etcd, NATS and the workers with exit code 1 when the frontend exits on its own (its port in use)',
     { skip: servicesMissing(), timeout: 150_000 }, async () => {
