@@ -313,8 +313,11 @@ export function simPool(options: Pick<WorkerPoolOptions, 'sim' | 'maxNumSeqs' | 
   const kvTiers = ramBytes > 0 || diskBytes > 0 ? { kvTiers: { ramBytes, diskBytes } } : {};
   // At a speed-up other than 1 the simulated clock is not the engine clock: the workers share one origin, and the
   // pool's clock (which the gateway stamps with, and the routers) is theirs, so a request's times are all simulated.
+  // The origin is the engine clock's now, at every speed-up Infinity included: the times served as wall-clock Unix
+  // milliseconds (a trace's arrival_unix_ms, the console's charts, OTLP spans) are then this start's date, not 1970,
+  // and a simulated duration keeps a double's resolution at that magnitude (2^-12 ms, below the 3 decimals served).
   const speedUp = spec.speedUp;
-  const origin = speedUp === 1 ? {} : Number.isFinite(speedUp) ? { startMs: engineNow(), realStartMs: performance.now() } : { startMs: 0 };
+  const origin = speedUp === 1 ? {} : { startMs: engineNow(), ...(Number.isFinite(speedUp) ? { realStartMs: performance.now() } : {}) };
   // Guided requests on simulated workers: the gateway's vocabulary under one grammar runtime for the pool.
   const grammar = new GrammarLoader(tokenizer);
   const engines: SimEngine[] = [];
