@@ -51,7 +51,11 @@ export interface WebConsoleOptions {
 const RECENT_BATCHES = 32;
 /** Token write times sent per request page; a longer request's are thinned evenly. */
 const MAX_TOKEN_TIMES = 4096;
-/** The window analysis (it classifies every slow trace in the SLO window) is reused for this long. */
+/**
+ * The window analysis (it classifies every slow trace in the SLO window) is reused for this long, on the engine clock
+ * and on the real one both: a simulated clock at speed-up inf stands still between requests (a finding kept until it
+ * moved 5 s would stay stale while it idles), one at a high speed-up moves a whole window in a few real seconds.
+ */
 const ANALYSIS_TTL_MS = 5000;
 
 interface Asset {
@@ -108,7 +112,7 @@ export class WebConsole {
   private readonly batches = new Map<string, number[]>();
   private readonly diagnoses = new WeakMap<RequestTrace, Diagnosis>();
   private readonly assets = new Map<string, Asset>();
-  private analysisCache: { atMs: number; value: WindowAnalysis & { window_ms: number } } | undefined;
+  private analysisCache: { atMs: number; realAtMs: number; value: WindowAnalysis & { window_ms: number } } | undefined;
   private readonly unsubscribe: () => void;
   private readonly recentLimit: number;
 
@@ -242,9 +246,12 @@ export class WebConsole {
 
   private analysis(nowMs: number): WindowAnalysis & { window_ms: number } {
     const cached = this.analysisCache;
-    if (cached && nowMs - cached.atMs < ANALYSIS_TTL_MS && nowMs >= cached.atMs) return cached.value;
+    const realNowMs = performance.now();
+    if (cached && nowMs - cached.atMs < ANALYSIS_TTL_MS && nowMs >= cached.atMs && realNowMs - cached.realAtMs < ANALYSIS_TTL_MS) {
+      return cached.value;
+    }
     const value = this.options.telemetry.analysis(undefined, nowMs);
-    this.analysisCache = { atMs: nowMs, value };
+    this.analysisCache = { atMs: nowMs, realAtMs: realNowMs, value };
     return value;
   }
 

@@ -1,6 +1,7 @@
 // The simulated engine at speed-up inf keeps its own clock (it moves with the simulated steps only), yet the times
 // served as wall-clock Unix milliseconds must be dates of now: a trace's arrival_unix_ms, the console overview's
-// generated_at_ms, its SLO report's and its chart buckets' times (the chart's axis shows them as dates).
+// generated_at_ms, its SLO report's and its chart buckets' times (the chart's axis shows them as dates). The console's
+// finding, reused for 5 s, must not outlive 5 real seconds on a clock that stands still between requests.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -63,5 +64,14 @@ describe('conduit serve --engine sim --sim-speed-up inf: wall-clock fields are U
     // The buckets of the chart's window (5 minutes) ending now.
     for (const t of overview.series.t) isNow(t * 1000, 'a chart bucket', 6 * 60_000);
     assert.ok(overview.generated_at_ms >= trace.arrival_unix_ms);
+  });
+
+  it('the console\'s finding is computed again after 5 real seconds, though the simulated clock stood still', E2E, async () => {
+    const first = await getJson<Overview>(server, '/console/api/overview');
+    await chat(server);
+    // The simulated clock moved by this request's few simulated milliseconds only; 5 s pass on the real one.
+    await new Promise((resolve) => setTimeout(resolve, 5200));
+    const later = await getJson<Overview>(server, '/console/api/overview');
+    assert.equal(later.analysis.requests, first.analysis.requests + 1);
   });
 });
