@@ -129,7 +129,8 @@ function hfDetails(configJson: Record<string, unknown>): Record<string, string |
 export function hfModelConfig(json: Record<string, unknown>, name: string, source = 'config.json'): ModelConfig {
   const architectures = json['architectures'];
   const declared = Array.isArray(architectures) ? String(architectures[0]) : undefined;
-  const architecture = declared !== undefined ? ARCHITECTURES[declared] : undefined;
+  // Own keys only: "constructor" or "toString" would otherwise find Object.prototype's and load as an architecture.
+  const architecture = declared !== undefined && Object.hasOwn(ARCHITECTURES, declared) ? ARCHITECTURES[declared] : undefined;
   if (!architecture) {
     throw new ModelFormatError(`${source}: architecture ${declared ?? '(config.json has no "architectures")'} is not ` +
       `supported (supported: ${Object.keys(ARCHITECTURES).join(', ')})`);

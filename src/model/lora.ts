@@ -225,7 +225,8 @@ function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<Load
   for (const [weight, { a, b }] of pairs) {
     if (a === undefined || b === undefined) throw new LoraAdapterError(`${path}: ${weight} has lora_${a ? 'a' : 'b'} without lora_${a ? 'b' : 'a'}`);
     const match = /^blk\.(\d+)\.([a-z_]+)\.weight$/.exec(weight);
-    const target = match ? GGUF_WEIGHTS[match[2]!] : undefined;
+    // Own keys only: blk.0.constructor.weight must be refused by name, not found on Object.prototype.
+    const target = match && Object.hasOwn(GGUF_WEIGHTS, match[2]!) ? GGUF_WEIGHTS[match[2]!] : undefined;
     if (!match || target === undefined) throw new LoraAdapterError(`${path}: ${weight} is not a projection Conduit adapts (attn_q/k/v/output, ffn_gate/up/down of a layer)`);
     const layer = Number(match[1]);
     const ta = file.tensor(a);
@@ -319,7 +320,7 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
   for (const [weight, { a, b }] of pairs) {
     if (a === undefined || b === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} has only one of lora_A and lora_B`);
     const match = /(?:^|\.)layers\.(\d+)\.(self_attn\.[a-z]_proj|mlp\.[a-z]+_proj)$/.exec(weight);
-    const target = match ? PEFT_WEIGHTS[match[2]!] : undefined;
+    const target = match && Object.hasOwn(PEFT_WEIGHTS, match[2]!) ? PEFT_WEIGHTS[match[2]!] : undefined;
     if (!match || target === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} is not a projection Conduit adapts (q/k/v/o_proj, gate/up/down_proj of a layer)`);
     const layer = Number(match[1]);
     const ta = file.tensor(a);

@@ -94,7 +94,8 @@ export function parseSafetensors(bytes: Uint8Array, source = 'safetensors buffer
       if (cached) return cached;
       const entry = entries.get(name);
       if (!entry) throw new SafetensorsFormatError(`${source}: tensor ${name} not found`);
-      const type = DTYPE_TO_GGML[entry.dtype];
+      // Own keys only: a dtype of "constructor" must be refused by name, not found on Object.prototype.
+      const type = Object.hasOwn(DTYPE_TO_GGML, entry.dtype) ? DTYPE_TO_GGML[entry.dtype] : undefined;
       if (type === undefined) {
         throw new SafetensorsFormatError(`${source}: tensor ${name} has dtype ${entry.dtype}, which is not supported ` +
           `(supported: ${Object.keys(DTYPE_TO_GGML).join(', ')})`);

@@ -131,6 +131,13 @@ describe('Hugging Face folder variants', () => {
     writeTinyHf(mistral, makeTinyModel(), { configOverrides: { architectures: ['MistralForCausalLM'], sliding_window: 4096 } });
     assert.equal((await loadModel(mistral)).config.slidingWindow, 4096);
 
+    // Names of Object.prototype's properties are no architecture either (they must not be found on the prototype).
+    for (const name of ['constructor', 'toString', '__proto__']) {
+      const folder = tempDir();
+      writeTinyHf(folder, makeTinyModel(), { configOverrides: { architectures: [name] } });
+      await assert.rejects(loadModel(folder), new RegExp(`: architecture ${name} is not supported`));
+    }
+
     const yarn = tempDir();
     writeTinyHf(yarn, makeTinyModel(), { configOverrides: { rope_scaling: { rope_type: 'yarn', factor: 4 } } });
     await assert.rejects(loadModel(yarn), /rope_scaling type "yarn" is not supported/);

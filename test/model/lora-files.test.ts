@@ -1,6 +1,7 @@
 // LoRA adapter files as a client names them (/v1/load_lora_adapter): what is at the path must be an adapter's
 // regular files, never read forever (a device or FIFO would hold the worker's thread), and a malformed
-// adapter_config.json is named as such, one too large to be a JavaScript string too (by its size, before it is read).
+// adapter_config.json is named as such, one too large to be a JavaScript string too (by its size, before it is read);
+// a tensor name is matched against the projections Conduit adapts, never against Object.prototype.
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -10,6 +11,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { ModelConfig } from '../../src/model/config.ts';
 import { MAX_TEXT_FILE_BYTES } from '../../src/model/files.ts';
+import { GgmlType } from '../../src/model/ggml-types.ts';
+import { writeGguf } from '../../src/model/gguf-writer.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { inspectLoraAdapter, loadLoraAdapter, LoraAdapterError } from '../../src/model/lora.ts';
 import { makeTinyModel, writeTinyGguf } from './loader-fixtures.ts';
@@ -78,5 +81,25 @@ describe('LoRA adapter paths that are not files', () => {
         'file of an adapter may have (the longest string JavaScript holds)';
     await assert.rejects(inspectLoraAdapter(folder), tooLarge);
     assert.throws(() => loadLoraAdapter(folder, base), tooLarge);
+  });
+});
+
+describe('LoRA adapter tensor names', () => {
+  it('a GGUF adapter of a weight named like an Object.prototype property: refused by name, not a TypeError', () => {
+    for (const weight of ['constructor', 'toString', '__proto__']) {
+      const path = join(dir, `proto-${weight}.gguf`);
+      const zeros = new Uint8Array(base.dim * 2 * 4);
+      writeGguf(path, {
+        metadata: [['general.architecture', base.architecture], ['general.type', 'adapter'], ['adapter.type', 'lora'],
+          ['adapter.lora.alpha', 4]],
+        tensors: [
+          { name: `blk.0.${weight}.weight.lora_a`, type: GgmlType.F32, shape: [base.dim, 2], data: zeros },
+          { name: `blk.0.${weight}.weight.lora_b`, type: GgmlType.F32, shape: [2, base.dim], data: zeros },
+        ],
+      });
+      assert.throws(() => loadLoraAdapter(path, base), (e) => e instanceof LoraAdapterError &&
+        e.message === `${path}: blk.0.${weight}.weight is not a projection Conduit adapts (attn_q/k/v/output, ` +
+          'ffn_gate/up/down of a layer)');
+    }
   });
 });

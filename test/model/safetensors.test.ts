@@ -46,6 +46,8 @@ describe('safetensors reader', () => {
     const tensor = (entry: object): Uint8Array => handMade({ t: entry }, [0, 0, 0, 0]);
     assert.throws(() => parseSafetensors(tensor({ dtype: 'I64', shape: [1], data_offsets: [0, 4] }), 'f').tensor('t'),
       /f: tensor t has dtype I64, which is not supported \(supported: F32, F16, BF16\)/);
+    assert.throws(() => parseSafetensors(tensor({ dtype: 'constructor', shape: [1], data_offsets: [0, 4] }), 'f').tensor('t'),
+      /f: tensor t has dtype constructor, which is not supported \(supported: F32, F16, BF16\)/);
     assert.throws(() => parseSafetensors(tensor({ dtype: 'F32', shape: [2], data_offsets: [0, 4] }), 'f').tensor('t'),
       /tensor t has 4 bytes, but F32 \[2\] needs 8/);
     assert.throws(() => parseSafetensors(tensor({ dtype: 'F32', shape: [2], data_offsets: [0, 8] }), 'f'), /outside the file/);

@@ -214,6 +214,11 @@ describe('errors', { skip: skipUnlessVocab('gpt-2') }, () => {
     const file = withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.pre': 'no-such-pre' });
     assert.throws(() => tokenizerFromGguf(file),
       (e: Error) => e instanceof TokenizerError && /"no-such-pre"/.test(e.message) && /llama-bpe/.test(e.message));
+    // Names of Object.prototype's properties are unknown names too, not a TypeError from the prototype's member.
+    for (const pre of ['constructor', 'toString', '__proto__']) {
+      assert.throws(() => tokenizerFromGguf(withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.pre': pre })),
+        (e: Error) => e instanceof TokenizerError && e.message.startsWith(`unknown BPE pre-tokenizer "${pre}"`));
+    }
   });
 
   it('names an unsupported tokenizer model', () => {

@@ -65,7 +65,9 @@ export const KNOWN_PRE_TOKENIZERS: readonly string[] = Object.keys(SPECS);
 
 /** The pre-tokenizer a `tokenizer.ggml.pre` name stands for; a missing name means llama.cpp's default. */
 export function preTokenizerSpec(pre: string | undefined): PreTokenizerSpec {
-  const spec = SPECS[pre ?? 'default'];
+  const name = pre ?? 'default';
+  // Own keys only: "constructor" or "__proto__" from a file must be an unknown name, not Object.prototype's.
+  const spec = Object.hasOwn(SPECS, name) ? SPECS[name] : undefined;
   if (!spec) {
     throw new TokenizerError(`unknown BPE pre-tokenizer "${pre}" (tokenizer.ggml.pre); Conduit knows: ` +
       KNOWN_PRE_TOKENIZERS.join(', '));
