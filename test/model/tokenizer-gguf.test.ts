@@ -221,6 +221,16 @@ describe('errors', { skip: skipUnlessVocab('gpt-2') }, () => {
     }
   });
 
+  it('refuses a special token id that is not a whole number, naming the key', () => {
+    for (const [value, shown] of [[1.5, '1.5'], ['50256', '"50256"']] as const) {
+      const file = withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.bos_token_id': value });
+      assert.throws(() => tokenizerFromGguf(file), (e: Error) => e instanceof TokenizerError &&
+        e.message === `GGUF metadata tokenizer.ggml.bos_token_id is ${shown}, not a token id (a whole number)`);
+    }
+    // Out of range stays "none" (converters write 0xFFFFFFFF or -1 for it), as llama.cpp reads it.
+    assert.equal(tokenizerFromGguf(withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.bos_token_id': 0xffffffff })).bosId, undefined);
+  });
+
   it('names an unsupported tokenizer model', () => {
     const file = withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.model': 'bert' });
     assert.throws(() => tokenizerFromGguf(file), (e: Error) => e instanceof TokenizerError && /"bert"/.test(e.message));

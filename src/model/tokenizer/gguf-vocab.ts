@@ -97,10 +97,20 @@ function numberArray(file: GgufFile, key: string, length: number): NumericArray 
   return value;
 }
 
-/** A token id from metadata, or the fallback when absent or out of range (files use 0xFFFFFFFF for "none"). */
+/**
+ * A token id from metadata, or the fallback when absent or out of range (files use 0xFFFFFFFF for "none"). A value
+ * that is no whole number (a float, a string) is refused, as llama.cpp refuses a key of the wrong type: taken as it
+ * is, 1.5 became the BOS id and every request then failed on a prompt "token id" no client had sent.
+ */
 function tokenIdKey(file: GgufFile, key: string, vocabSize: number, fallback: number | undefined): number | undefined {
+  if (!file.metadata.has(key)) return fallback;
   const id = metaNumber(file, key);
-  if (id === undefined || id < 0 || id >= vocabSize) return fallback;
+  if (id === undefined || !Number.isInteger(id)) {
+    const value = file.metadata.get(key);
+    throw new TokenizerError(`GGUF metadata ${key} is ${typeof value === 'string' ? JSON.stringify(value) : String(value)}, ` +
+      'not a token id (a whole number)');
+  }
+  if (id < 0 || id >= vocabSize) return fallback;
   return id;
 }
 
