@@ -172,6 +172,24 @@ describe('tokenizer.json: token ids that cannot be right', () => {
     refuses({ model, added_tokens: { a: 3 } }, /^tok\.json: added_tokens is not a list$/);
   });
 
+  it('a post-processor id that is no token of the file (every request failed on it)', () => {
+    const bos = (ids: unknown[]) => ({
+      type: 'TemplateProcessing', single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],
+      pair: [], special_tokens: { '<s>': { id: '<s>', ids, tokens: ['<s>'] } },
+    });
+    refuses({ model, post_processor: bos([99]) },
+      /^tok\.json: the post_processor's special token "<s>" ids\[0\] is 99, not the id of a token the file defines$/);
+    refuses({ model, post_processor: bos([1.5]) }, /special token "<s>" ids\[0\] is 1\.5, not the id/);
+    refuses({ model, post_processor: { type: 'Sequence', processors: [bos(['1'])] } }, /special token "<s>" ids\[0\] is "1", not the id/);
+    refuses({ model, post_processor: { type: 'BertProcessing', cls: ['[CLS]', 'x'], sep: ['[SEP]', 1] } },
+      /the post_processor's cls id is "x", not the id of a token the file defines/);
+    assert.deepEqual(tokenizerFromJsonObject({ model, post_processor: bos([1]) }).encode('a'), [1, 0]);
+    // Sequences nested too deep for the library are its TokenizerError, not a stack overflow in this check.
+    let deep: Record<string, unknown> = bos([1]);
+    for (let i = 0; i < 100_000; i++) deep = { type: 'Sequence', processors: [deep] };
+    refuses({ model, post_processor: deep }, /^tok\.json: @huggingface\/tokenizers cannot load it/);
+  });
+
   it('an id far beyond the tokens the file defines (a minute in the library, or a vocabulary of 10^12)', () => {
     refuses({ model, added_tokens: [{ id: 10_000_000, content: '<x>', special: true }] },
       /^tok\.json: token id 10000000 is far beyond the 4 tokens the file defines/);

@@ -170,7 +170,40 @@ function checkTokenIds(json: Json, source: string): number {
     throw new TokenizerError(`${source}: token id ${largest} is far beyond the ${count} tokens the file defines ` +
       '(ids are numbered from 0, without large gaps)');
   }
+  checkPostProcessorIds(json, ids, source);
   return largest + 1;
+}
+
+/**
+ * The ids the post-processor puts around every prompt (TemplateProcessing's special_tokens, Bert/Roberta's cls and
+ * sep) go into every request as they are, so each must be a token the file defines: a BOS of 1.5, "1" or 99999 in a
+ * 32-token vocabulary loaded, and then every request failed on a token id no client had sent.
+ */
+function checkPostProcessorIds(json: Json, ids: ReadonlySet<number>, source: string): void {
+  const check = (id: unknown, what: string): void => {
+    if (typeof id !== 'number' || !ids.has(id)) {
+      throw new TokenizerError(`${source}: the post_processor's ${what} is ${JSON.stringify(id) ?? 'missing'}, not the id ` +
+        'of a token the file defines');
+    }
+  };
+  // Walked with a list, not recursion: a Sequence nested 100k deep must reach the library, which refuses it as a
+  // TokenizerError, rather than overflow the stack here.
+  const pending: unknown[] = [json.post_processor];
+  while (pending.length > 0) {
+    const processor = pending.pop();
+    if (!isObject(processor)) continue;
+    if (Array.isArray(processor.processors)) for (const inner of processor.processors) pending.push(inner);
+    if (processor.type === 'TemplateProcessing' && isObject(processor.special_tokens)) {
+      for (const [name, entry] of Object.entries(processor.special_tokens)) {
+        if (!isObject(entry) || !Array.isArray(entry.ids)) continue;
+        entry.ids.forEach((id: unknown, i) => check(id, `special token ${JSON.stringify(name)} ids[${i}]`));
+      }
+    } else if ((processor.type === 'BertProcessing' || processor.type === 'RobertaProcessing') &&
+      Array.isArray(processor.cls) && Array.isArray(processor.sep)) {
+      check(processor.cls[1], 'cls id');
+      check(processor.sep[1], 'sep id');
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
