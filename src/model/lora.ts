@@ -240,6 +240,18 @@ function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<Load
     layers[layer]![target] = matrix;
     rank = Math.max(rank, matrix.rank);
   }
+  // llama.cpp scales each matrix by alpha / its own rank (lora_b's ne[0]); the backends take one scale per adapter,
+  // alpha / the largest rank, so a matrix of a smaller rank has its B multiplied by the ratio. Without this, the
+  // matrices of an adapter with mixed ranks were scaled by the wrong factor, silently.
+  if (alpha !== 0) {
+    for (const layer of layers) {
+      for (const m of Object.values(layer)) {
+        if (m.rank === rank) continue;
+        const ratio = rank / m.rank;
+        for (let i = 0; i < m.b.length; i++) m.b[i] = m.b[i]! * ratio;
+      }
+    }
+  }
   return finish(layers, rank, alpha, alpha !== 0 ? alpha / rank : 1, 'gguf', path);
 }
 
@@ -305,6 +317,13 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
   const r = json.r;
   const alpha = json.lora_alpha ?? r;
   if (typeof r !== 'number' || !(r > 0) || typeof alpha !== 'number') throw new LoraAdapterError(`${configPath}: r and lora_alpha must be numbers, r > 0`);
+  // PEFT scales the modules these name by their own rank or alpha; one scale for the adapter would be wrong for them.
+  for (const key of ['rank_pattern', 'alpha_pattern']) {
+    const pattern = json[key];
+    if (pattern !== undefined && pattern !== null && !(typeof pattern === 'object' && Object.keys(pattern).length === 0)) {
+      throw new LoraAdapterError(`${configPath}: ${key} (a rank or alpha of its own for some modules) is not supported`);
+    }
+  }
   const scale = json.use_rslora === true ? alpha / Math.sqrt(r) : alpha / r;
   const file = readSafetensors(tensorsPath);
   const layers = emptyLayers(base);
@@ -328,6 +347,10 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     // Tensor shapes are in ggml order: lora_A [rank, in] row-major is ggml [in, rank]; lora_B [out, rank] is [rank, out].
     const [, outDim] = checkedShape(tensorsPath, base, layer, weight, target, ta.shape, tb.shape);
     const matrixRank = ta.shape[1]!;
+    // The scale is lora_alpha / r: a matrix of another rank would be scaled wrongly (PEFT refuses to load it).
+    if (matrixRank !== r) {
+      throw new LoraAdapterError(`${tensorsPath}: ${weight} has rank ${matrixRank}, but ${configPath} says r ${r}`);
+    }
     let bMatrix = toF32(tb);
     if (base.ropeStyle === 'interleaved' && (target === 'wq' || target === 'wk')) {
       const heads = target === 'wq' ? base.numHeads : base.numKvHeads;

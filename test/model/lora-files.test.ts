@@ -6,7 +6,7 @@
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { ModelConfig } from '../../src/model/config.ts';
@@ -15,6 +15,7 @@ import { GgmlType } from '../../src/model/ggml-types.ts';
 import { writeGguf } from '../../src/model/gguf-writer.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { inspectLoraAdapter, loadLoraAdapter, LoraAdapterError } from '../../src/model/lora.ts';
+import { writeGgufLoraAdapter, writePeftLoraAdapter } from '../../src/model/lora-writer.ts';
 import { makeTinyModel, writeTinyGguf } from './loader-fixtures.ts';
 
 let dir: string;
@@ -101,5 +102,42 @@ describe('LoRA adapter tensor names', () => {
         e.message === `${path}: blk.0.${weight}.weight is not a projection Conduit adapts (attn_q/k/v/output, ` +
           'ffn_gate/up/down of a layer)');
     }
+  });
+});
+
+describe('LoRA adapters whose matrices have different ranks', () => {
+  // wv of rank 2 and wDown of rank 4 (neither is permuted for the llama base), B all ones.
+  const mixed = () => {
+    const [vIn, vOut] = [base.dim, base.numKvHeads * base.headDim];
+    const [dIn, dOut] = [base.ffnDim, base.dim];
+    return {
+      alpha: 8,
+      layers: [{
+        wv: { rank: 2, a: new Float32Array(2 * vIn).fill(0.5), b: new Float32Array(vOut * 2).fill(1) },
+        wDown: { rank: 4, a: new Float32Array(4 * dIn).fill(0.5), b: new Float32Array(dOut * 4).fill(1) },
+      }, {}],
+    };
+  };
+
+  it('GGUF: each matrix is scaled by alpha / its own rank, as llama.cpp does', () => {
+    const path = join(dir, 'mixed-rank.gguf');
+    writeGgufLoraAdapter(path, base, mixed());
+    const { weights } = loadLoraAdapter(path, base);
+    // What the backends apply: scale * B.
+    assert.equal(weights.scale * weights.layers[0]!.wv!.b[0]!, 8 / 2);
+    assert.equal(weights.scale * weights.layers[0]!.wDown!.b[0]!, 8 / 4);
+  });
+
+  it('PEFT: a matrix whose rank is not r, or a rank_pattern / alpha_pattern, is refused (one scale would be wrong)', () => {
+    const folder = join(dir, 'mixed-rank-peft');
+    writePeftLoraAdapter(folder, mixed());
+    assert.throws(() => loadLoraAdapter(folder, base), (e) => e instanceof LoraAdapterError &&
+      e.message === `${join(folder, 'adapter_model.safetensors')}: base_model.model.model.layers.0.self_attn.v_proj has ` +
+        `rank 2, but ${join(folder, 'adapter_config.json')} says r 4`);
+    const configPath = join(folder, 'adapter_config.json');
+    const config = JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>;
+    writeFileSync(configPath, JSON.stringify({ ...config, rank_pattern: { v_proj: 2 }, alpha_pattern: {} }));
+    assert.throws(() => loadLoraAdapter(folder, base), (e) => e instanceof LoraAdapterError &&
+      e.message === `${configPath}: rank_pattern (a rank or alpha of its own for some modules) is not supported`);
   });
 });
