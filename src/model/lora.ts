@@ -211,7 +211,13 @@ function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<Load
   if (arch !== base.architecture) {
     throw new LoraAdapterError(`${path} is an adapter for ${arch === undefined ? 'an unnamed architecture' : `"${arch}"`}, the base model is "${base.architecture}"`);
   }
-  const alpha = metaNumber(file, 'adapter.lora.alpha') ?? 0;
+  // Absent means 0 (scale 1), as llama.cpp reads it; present but not a number (a string "16", an array) is the file's
+  // mistake, which taken as absent applied the adapter at scale 1 instead of alpha / rank, silently.
+  const alpha = file.metadata.has('adapter.lora.alpha') ? metaNumber(file, 'adapter.lora.alpha') : 0;
+  if (alpha === undefined) {
+    const value = file.metadata.get('adapter.lora.alpha');
+    throw new LoraAdapterError(`${path}: adapter.lora.alpha is ${typeof value === 'string' ? JSON.stringify(value) : Array.isArray(value) || ArrayBuffer.isView(value) ? 'an array' : String(value)}, not a number`);
+  }
   const pairs = new Map<string, { a?: string; b?: string }>();
   for (const info of file.tensorInfos) {
     const match = /^(.*)\.lora_(a|b)$/.exec(info.name);

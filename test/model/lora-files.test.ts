@@ -105,6 +105,25 @@ describe('LoRA adapter tensor names', () => {
   });
 });
 
+describe('LoRA adapter alpha', () => {
+  it('a GGUF adapter.lora.alpha that is not a number is refused, not taken as absent (scale 1)', () => {
+    const zeros = new Uint8Array(base.dim * 2 * 4);
+    for (const [alpha, shown] of [['16', '"16"'], [[16], 'an array']] as const) {
+      const path = join(dir, `alpha-${typeof alpha}.gguf`);
+      writeGguf(path, {
+        metadata: [['general.architecture', base.architecture], ['general.type', 'adapter'], ['adapter.type', 'lora'],
+          ['adapter.lora.alpha', alpha as string | string[]]],
+        tensors: [
+          { name: 'blk.0.attn_output.weight.lora_a', type: GgmlType.F32, shape: [base.dim, 2], data: zeros },
+          { name: 'blk.0.attn_output.weight.lora_b', type: GgmlType.F32, shape: [2, base.dim], data: zeros },
+        ],
+      });
+      assert.throws(() => loadLoraAdapter(path, base), (e) => e instanceof LoraAdapterError &&
+        e.message === `${path}: adapter.lora.alpha is ${shown}, not a number`);
+    }
+  });
+});
+
 describe('LoRA adapters whose matrices have different ranks', () => {
   // wv of rank 2 and wDown of rank 4 (neither is permuted for the llama base), B all ones.
   const mixed = () => {
