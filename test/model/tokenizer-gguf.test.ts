@@ -231,6 +231,14 @@ describe('errors', { skip: skipUnlessVocab('gpt-2') }, () => {
     assert.equal(tokenizerFromGguf(withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.bos_token_id': 0xffffffff })).bosId, undefined);
   });
 
+  it('refuses an add-token flag that is not a BOOL, naming the key (it was read as absent)', () => {
+    for (const [key, value, shown] of [['tokenizer.ggml.add_bos_token', 1, '1'], ['tokenizer.ggml.add_eos_token', 'true', '"true"']] as const) {
+      const file = withMetadata(vocabFile('gpt-2'), { [key]: value });
+      assert.throws(() => tokenizerFromGguf(file), (e: Error) => e instanceof TokenizerError &&
+        e.message === `GGUF metadata ${key} is ${shown}, not a BOOL (true or false)`);
+    }
+  });
+
   it('names an unsupported tokenizer model', () => {
     const file = withMetadata(vocabFile('gpt-2'), { 'tokenizer.ggml.model': 'bert' });
     assert.throws(() => tokenizerFromGguf(file), (e: Error) => e instanceof TokenizerError && /"bert"/.test(e.message));

@@ -114,6 +114,21 @@ function tokenIdKey(file: GgufFile, key: string, vocabSize: number, fallback: nu
   return id;
 }
 
+/**
+ * A BOOL flag from metadata, undefined when absent. Any other type is refused, as llama.cpp refuses a key of the wrong
+ * type: read as absent, a UINT8 1 for add_bos_token gave the default (no BOS for most BPE vocabularies), silently.
+ */
+function flagKey(file: GgufFile, key: string): boolean | undefined {
+  if (!file.metadata.has(key)) return undefined;
+  const flag = metaBool(file, key);
+  if (flag === undefined) {
+    const value = file.metadata.get(key);
+    throw new TokenizerError(`GGUF metadata ${key} is ${typeof value === 'string' ? JSON.stringify(value) : String(value)}, ` +
+      'not a BOOL (true or false)');
+  }
+  return flag;
+}
+
 interface TokenTable {
   tokens: string[];
   tokenToId: Map<string, number>;
@@ -181,9 +196,9 @@ export function readGgufVocab(file: GgufFile): GgufVocab {
   eotId ??= firstPresent(tokenToId, END_OF_TURN_TEXTS);
   eomId ??= firstPresent(tokenToId, END_OF_MESSAGE_TEXTS);
 
-  const addBos = metaBool(file, 'tokenizer.ggml.add_bos_token') ?? (spm || preTokenizerSpec(pre).addBosByDefault);
-  const addEos = metaBool(file, 'tokenizer.ggml.add_eos_token') ?? false;
-  const addSpacePrefix = metaBool(file, 'tokenizer.ggml.add_space_prefix') ?? spm;
+  const addBos = flagKey(file, 'tokenizer.ggml.add_bos_token') ?? (spm || preTokenizerSpec(pre).addBosByDefault);
+  const addEos = flagKey(file, 'tokenizer.ggml.add_eos_token') ?? false;
+  const addSpacePrefix = flagKey(file, 'tokenizer.ggml.add_space_prefix') ?? spm;
   if (addBos && bosId === undefined) {
     throw new TokenizerError('tokenizer.ggml.add_bos_token is true but the vocabulary has no BOS token id');
   }
