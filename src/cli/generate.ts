@@ -139,6 +139,13 @@ export const generateCommand: Command = {
         return 1;
       }
       const wallMs = performance.now() - start;
+      // A request the engine failed after taking it (its error is its last output, not a rejection): said as one line,
+      // as a refusal is, rather than timings of tokens that never came.
+      const failed = results.find((r) => r.last.finishReason === 'error');
+      if (failed) {
+        console.error(`conduit generate: ${failed.last.error ?? 'the request failed'}`);
+        return 1;
+      }
 
       for (const [i, { text }] of results.entries()) {
         if (concurrency > 1) console.log(`--- request ${i} (seed ${values.seed! + i})`);

@@ -3,7 +3,12 @@
 // seed + 1, ...); environment twins; usage errors with exit code 2.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { readGguf } from '../../src/model/gguf.ts';
 import { runCli as run } from '../helpers/cli-main.ts';
+import { writeTinyModel } from '../helpers/cpu-model.ts';
 
 const PROMPT = 'Once upon a time';
 const BASE = ['generate', '--prompt', PROMPT, '--ignore-eos', '--threads', '1'];
@@ -121,4 +126,27 @@ test('conduit generate warns on stderr when --max-tokens does not fit beside the
   const fits = await run([...BASE, '--max-tokens', '3']);
   assert.equal(fits.code, 0, fits.err);
   assert.doesNotMatch(fits.err, /does not fit/);
+});
+
+test('conduit generate: a request the engine fails after taking it is one line on stderr and exit code 1', async () => {
+  // A model whose every embedding row is NaN: its logits cannot be sampled, so the request ends with an error output
+  // (not a refusal). The speed line would have printed a time to first token of minus the arrival time.
+  const dir = mkdtempSync(join(tmpdir(), 'conduit-generate-nan-'));
+  try {
+    const path = writeTinyModel(join(dir, 'nan.gguf'), { seed: 3 });
+    const file = readGguf(path);
+    const info = file.tensorInfos.find((t) => t.name === 'token_embd.weight')!;
+    assert.equal(info.type, 0, 'an F32 embedding');
+    const elements = info.shape.reduce((a, b) => a * b, 1);
+    const bytes = readFileSync(path);
+    new Float32Array(bytes.buffer, bytes.byteOffset + file.dataOffset + info.offset, elements).fill(NaN);
+    writeFileSync(path, bytes);
+    const { code, out, err } = await run(['generate', '--model', path, '--prompt', PROMPT, '--max-tokens', '4', '--threads', '1']);
+    assert.equal(code, 1, err);
+    assert.equal(out, '');
+    assert.match(err, /^conduit generate: .*NaN/m);
+    assert.doesNotMatch(err, /time to first token/);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
 });
