@@ -799,7 +799,9 @@ export class DisaggregatedEngine implements Engine {
         if (flight.finished) return null;
       }
     } catch (error) {
-      if (!this.prefillWorkers.has(prefillId)) {
+      // Lost: gone (prefillGone), or its stream ended as a lost worker's does (a drain's grace ran out under it). A
+      // draining worker that refused the prompt is not lost: that is a failure like any other error's.
+      if (!this.prefillWorkers.has(prefillId) && ((prefillEngine.lost ?? true) || error instanceof WorkerLostError)) {
         throw new WorkerLostError(prefillId, `prefill worker ${prefillId} was lost while prefilling request ${request.id}`);
       }
       if (flight.aborted) throw error;

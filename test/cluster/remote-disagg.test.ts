@@ -13,7 +13,7 @@ import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
 import { remoteDisaggregatedEngine } from '../../src/cluster/remote-disagg.ts';
 import { WorkerServer } from '../../src/cluster/worker-server.ts';
 import { kvHostId } from '../../src/cluster/kv-shm.ts';
-import type { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
+import { PREFILL_WORKER_LOST, type DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { freePort } from '../helpers/cluster-services.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
@@ -393,6 +393,57 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     assert.ok(drain, 'the prefill worker drained');
     await drain;
     for (const s of [prefill, decode]) await assertFree(s);
+  });
+
+  test('a prefill worker that drains between the routing and its prefill refuses the prompt: the decode worker prefills it (prefill-failed), no migration', async () => {
+    const { engine, prefill, decode, prefillRemote } = await build();
+    // The frontend knows of the drain (the worker has left the router) only after the policy chose the worker: its
+    // prefill frame reaches a worker that refuses it, which is no loss.
+    const prefillOf = prefillRemote.prefill.bind(prefillRemote);
+    let drain: Promise<void> | undefined;
+    prefillRemote.prefill = (r) => (async function* () {
+      drain = prefill.server.drain(10_000);
+      await until('the frontend knows the prefill worker drains', () => prefillRemote.draining && engine.prefillWorkerIds.length === 0);
+      yield* prefillOf(r);
+    })();
+    const ids = prompt(32, 75);
+    const expected = await collect(aggregated.generate(request(ids)));
+    const outputs = await collect(engine.generate(request(ids)));
+    assert.deepEqual(tokens(outputs), tokens(expected));
+    const routing = outputs.at(-1)!.routing!;
+    assert.equal(routing.disaggregation?.reason, 'prefill-failed', routing.disaggregation?.detail);
+    assert.match(routing.disaggregation?.detail ?? '', /is draining/);
+    assert.equal(routing.migrations, undefined, 'a refusal is not a lost worker');
+    assert.equal(engine.stats().requestMigrations, 0);
+    assert.equal(engine.decisionCounts().fallbacks, 1);
+    assert.ok(drain, 'the prefill worker drained');
+    await drain;
+    await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
+  });
+
+  test('a prefill worker whose drain grace runs out under the prompt: a lost worker, the request is prefilled again (prefill-worker-lost)', async () => {
+    const { engine, prefill, decode, prefillRemote } = await build();
+    // The worker took the prompt, then drains with no grace: the prompt is cut (an EngineClosedError frame).
+    const server = prefill.server as unknown as { cut: Set<string> };
+    const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+    prefill.engine.prefill = (r) => (async function* () {
+      void prefill.server.drain(1);
+      await until('the drain\'s grace ran out on the prompt', () => server.cut.has(r.id) && prefillRemote.draining);
+      yield* prefillOf(r);
+    })();
+    try {
+      const ids = prompt(34, 75);
+      const expected = await collect(aggregated.generate(request(ids)));
+      const outputs = await collect(engine.generate(request(ids)));
+      assert.deepEqual(tokens(outputs), tokens(expected));
+      const routing = outputs.at(-1)!.routing!;
+      assert.deepEqual(routing.migrations?.map((m) => m.reason), [PREFILL_WORKER_LOST], JSON.stringify(routing));
+      assert.equal(routing.disaggregation?.reason, 'prefill-failed');
+      assert.equal(engine.stats().requestMigrations, 1);
+      await assertClean(engine, outputs[0]!.requestId, [decode]);
+    } finally {
+      prefill.engine.prefill = prefillOf;
+    }
   });
 
   test('a frontend gone after the hand-over, before it released the handoff: the prefill worker frees the pinned blocks', async () => {
