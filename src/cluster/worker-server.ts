@@ -202,7 +202,10 @@ export class WorkerServer {
   /** Decode role: the engine's import preparations (holds, reservations) not yet handed to an adoption, by request. */
   private readonly reservations = new Map<string, number>();
   private readonly offAdopted: (() => void) | undefined;
-  /** KV pulls over TCP by outcome: 'ok', or the failure reason (checksum, truncated, connect, ...). */
+  /**
+   * KV transfers by outcome, one each: 'ok', or the failure reason (checksum, truncated, connect, ..., import: the
+   * blocks came but the engine could not take them), as the link stats count the failures.
+   */
   readonly kvTransfers = new Map<string, number>();
   /** Imports that fell back to a prefill here, by link: what the stats carry to frontends (their /metrics). */
   private linkStats: Record<string, KvLinkStats> = {};
@@ -1100,6 +1103,14 @@ export class WorkerServer {
     this.kvTransfers.set(outcome, (this.kvTransfers.get(outcome) ?? 0) + 1);
   }
 
+  /** A transfer counted under `from` whose outcome turned out to be `to`. */
+  private recountTransfer(from: string, to: string): void {
+    const left = (this.kvTransfers.get(from) ?? 0) - 1;
+    if (left > 0) this.kvTransfers.set(from, left);
+    else this.kvTransfers.delete(from);
+    this.countTransfer(to);
+  }
+
   /** A request the decode worker prefills itself instead of importing its KV over `link`, and why. */
   private countLink(link: string, reason: string): void {
     const before = this.linkStats[link] ?? { failures: {}, fallbacks: 0 };
@@ -1172,7 +1183,11 @@ export class WorkerServer {
     const fellBack = this.fallbackReasons.get(result.requestId);
     this.fallbackReasons.delete(result.requestId);
     if (fellBack !== undefined && result.status === 'recompute') out = { ...out, error: fellBack };
-    if (result.status === 'recompute' && pull) this.countLink(pull.link, 'import');
+    if (result.status === 'recompute' && pull) {
+      // The blocks came, but the engine could not take them: the transfer failed at its import, and counts so once.
+      this.recountTransfer('ok', 'import');
+      this.countLink(pull.link, 'import');
+    }
     if (target) this.send(target.connection, { t: 'adopted', result: shiftAdopted(out, target.offset) });
   }
 

@@ -446,6 +446,31 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     }
   });
 
+  for (const stream of [true, false]) {
+    const how = stream ? 'streamed during the prefill' : 'pulled after the handoff';
+    test(`KV that arrives but that the decode engine cannot import (${how}): one import failure, counted alike by the worker and its link stats`, async () => {
+      const { engine, prefill, decode } = await build({ stream });
+      // The engine refuses the blocks at its own check (as for a pool of another KV dtype), after the transfer ended.
+      const adoptOf = decode.engine.adopt.bind(decode.engine);
+      const other = decode.engine.kvLayout!.dtype === 'f32' ? 'f16' : 'f32';
+      decode.engine.adopt = (handoff, sourceId) => adoptOf({ ...handoff, sourceLayout: { ...handoff.sourceLayout, dtype: other } }, sourceId);
+      try {
+        const ids = prompt(33, 75);
+        const expected = await collect(aggregated.generate(request(ids)));
+        const outputs = await collect(engine.generate(request(ids)));
+        assert.deepEqual(tokens(outputs), tokens(expected));
+        const disaggregation = outputs.at(-1)!.routing!.disaggregation!;
+        assert.equal(disaggregation.reason, 'transfer-failed', disaggregation.detail);
+        assert.match(disaggregation.detail, /differ in dtype/);
+        assert.deepEqual([...decode.server.kvTransfers], [['import', 1]]);
+        assert.deepEqual(decode.server.stats().kvTransferLinks, { [SAME_HOST_LINK]: { failures: { import: 1 }, fallbacks: 1 } });
+        await assertClean(engine, outputs[0]!.requestId, [prefill, decode]);
+      } finally {
+        decode.engine.adopt = adoptOf;
+      }
+    });
+  }
+
   test('a frontend gone after the hand-over, before it released the handoff: the prefill worker frees the pinned blocks', async () => {
     const prefill = await serve(`prefill-${served.length}`, 'prefill', model.path);
     served.push(prefill);
