@@ -916,6 +916,8 @@ export class Gateway {
           loraKey = await backend.adapters!.acquire(target.adapter, run.signal);
         } catch (error) {
           if (run.signal.aborted) throw run.abortReason ?? new ClientClosedRequestError();
+          // Unloaded while the request waited for it (or was being prepared): the answer a request naming it now gets.
+          if ((error as { code?: unknown })?.code === 'lora_not_loaded') throw new ModelNotFoundError(target.adapter, this.servedNames());
           throw loraApiError(error, 'model');
         }
         // Aborted as the adapter became resident: it does not start.
