@@ -874,7 +874,10 @@ export class ApiServer {
     // A body we stopped reading (too large, or refused before reading) makes the connection unusable for another
     // request: close it after this answer.
     const headers: Record<string, string> = { ...call.headers, ...error.headers };
-    if (error.statusCode === 429) Object.assign(headers, this.limiter.headers(call.tenant));
+    // A request refused or failed after its admission has given back what it held by now: its answer says what the
+    // tenant has left after that, not what it had while the request held its reservation.
+    const admitted = RATE_LIMIT_HEADER_NAMES.some((name) => name in call.headers);
+    if (error.statusCode === 429 || admitted) Object.assign(headers, this.limiter.headers(call.tenant));
     if (!bodyFullyRead) headers.Connection = 'close';
     sendJsonReply(res, { status: error.statusCode, body: error.toBody() }, headers, this.options.writeTimeoutMs);
   }

@@ -92,6 +92,9 @@ describe('rate-limit tokens of a request that never got a step', () => {
     assert.equal(timedOut.json().error.code, 'request_timeout');
     await waitFor(() => limiter.inFlight(VICTIM) === 0, 'the victim settled');
     assert.deepEqual(limiter.remaining(VICTIM), { requests: 10, tokens: 5000 });
+    // The answer's headers say so too: they are the state after the refund, not at the admission.
+    assert.equal(timedOut.headers['x-ratelimit-remaining-requests'], '10');
+    assert.equal(timedOut.headers['x-ratelimit-remaining-tokens'], '5000');
     await Promise.all([first.response, second.response]);
   });
 });
