@@ -797,12 +797,13 @@ export class Gateway {
   }
 
   /**
-   * The backend whose vocabulary a request's token ids are checked against while it is parsed: the model its
-   * "model" field names when that is served, else the default one (an unknown name is refused right after).
+   * The backend whose vocabulary a request's token ids are checked against, and whose sampling defaults it takes,
+   * while it is parsed: the model its "model" field names (or the base model of the adapter it names) when that is
+   * served, else the default one (an unknown name is refused right after).
    */
   private backendFor(body: unknown): ModelBackend {
     const model = typeof body === 'object' && body !== null ? (body as { model?: unknown }).model : undefined;
-    return (typeof model === 'string' ? this.served.get(model) : undefined) ?? this.backend!;
+    return (typeof model === 'string' ? this.servedTarget(model)?.backend : undefined) ?? this.backend!;
   }
 
   health(): JsonReply {
