@@ -188,7 +188,8 @@ export class LoraManager {
     try {
       await this.makeResident(registration);
     } catch (error) {
-      this.adapters.delete(name);
+      // Only this registration: the name may have been unloaded and loaded again while this load ran.
+      if (this.adapters.get(name) === registration) this.adapters.delete(name);
       throw error;
     }
     return registration.info!;

@@ -174,6 +174,30 @@ describe('LoraManager', () => {
     manager.release(z);
   });
 
+  it('a load refused after its name was unloaded and registered again leaves the new registration alone', async () => {
+    const { engine, resident } = fakeEngine();
+    const loadLora = (engine as unknown as { loadLora: (name: string, path: string) => Promise<LoraLoadInfo> }).loadLora;
+    let refuse: (() => void) | undefined;
+    (engine as unknown as { loadLora: typeof loadLora }).loadLora = (name, path) => new Promise((resolve, reject) => {
+      if (!path.startsWith('/slow')) return resolve(loadLora(name, path));
+      refuse = () => reject(new LoraLoadError('invalid_adapter', `${path}: made for another base model`));
+    });
+    const manager = new LoraManager(engine, 2);
+    const tick = () => new Promise((resolve) => setImmediate(resolve));
+    // A slow load of a file the workers will refuse; meanwhile the name is unloaded and loaded again with another file.
+    const refused = manager.register('a', '/slow-bad.gguf');
+    while (refuse === undefined) await tick();
+    const unloaded = manager.unregister('a');
+    await manager.register('a', '/a.gguf');
+    const key = manager.list()[0]!.key;
+    refuse();
+    await assert.rejects(refused, { code: 'invalid_adapter' });
+    await unloaded;
+    assert.deepEqual(manager.list().map((e) => [e.name, e.path, e.resident]), [['a', '/a.gguf', true]]);
+    assert.equal(await manager.acquire('a'), key);
+    assert.deepEqual([...resident], [key]);
+  });
+
   describe('refusals evict nothing, whatever the occupancy', () => {
     /** The fake engine refusing what a worker would: a path with "bad" in it (no file, made for another base model). */
     function refusingEngine() {
