@@ -249,6 +249,8 @@ export class Gateway {
   private backend: ModelBackend | undefined;
   /** Every served model by name, the first one included (set by attach / attachModels). */
   private readonly served = new Map<string, ModelBackend>();
+  /** Adapter names a load_lora_adapter is loading: a name stands for one adapter of one model, even before it is in. */
+  private readonly loadingAdapterNames = new Set<string>();
   /** Compiles guided requests' grammars once without a vocabulary, so a bad one is a 400 before any work. */
   private readonly guidedChecker = new GuidedChecker();
   /** Per vocabulary: its special tokens' texts, and the pattern of those a tool-call parser does not read. */
@@ -472,13 +474,18 @@ export class Gateway {
     const backend = this.served.get(baseName);
     if (!backend) throw new LoraAdapterError(404, 'model_not_found', `base_model_name '${baseName}' is not served (${[...this.served.keys()].join(', ')})`, 'base_model_name');
     if (!backend.adapters) throw new LoraAdapterError(400, 'lora_not_supported', `'${baseName}' runs no LoRA adapters`, 'base_model_name');
-    if (this.served.has(fields.name) || [...this.served.values()].some((b) => b.adapters?.has(fields.name))) {
+    if (this.served.has(fields.name) || this.loadingAdapterNames.has(fields.name)
+      || [...this.served.values()].some((b) => b.adapters?.has(fields.name))) {
       throw new LoraAdapterError(400, 'lora_name_taken', `The lora adapter '${fields.name}' has already been loaded (or names a served model)`);
     }
+    // Each model's adapters are its own LoraManager's: only here can two loads of a name for two models meet.
+    this.loadingAdapterNames.add(fields.name);
     try {
       await backend.adapters.register(fields.name, fields.path!);
     } catch (error) {
       throw loraApiError(error, 'lora_path');
+    } finally {
+      this.loadingAdapterNames.delete(fields.name);
     }
     return `Success: LoRA adapter '${fields.name}' added successfully.`;
   }
