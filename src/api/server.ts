@@ -322,8 +322,22 @@ export class ApiServer {
       }
       this.openConnections++;
       socket.once('close', () => { this.openConnections--; });
+      this.closeIfSilent(socket);
       for (const handler of serve) handler.call(this.server, socket);
     });
+  }
+
+  /**
+   * Node times out only a request it has begun to read: a connection that never sends a byte would hold its
+   * descriptor, and its place under --max-connections, for ever (enough of them shut every other client out). One
+   * silent for the headers timeout is closed; there is no request to answer.
+   */
+  private closeIfSilent(socket: Socket): void {
+    const timer = setTimeout(() => {
+      if (socket.bytesRead === 0) socket.destroy();
+    }, this.server.headersTimeout);
+    timer.unref();
+    socket.once('close', () => clearTimeout(timer));
   }
 
   private refuseConnection(socket: Socket): void {

@@ -4,13 +4,14 @@
 // so are a missing Host and an unknown Expect, in the same shape; an absolute-form target is routed by its path. An
 // invalid traceparent header is ignored. A transfer coding other than chunked is a 501 and a compressed body a 415 (both
 // would otherwise be read still encoded); "Expect: 100-continue" gets its 100 only once the request is accepted and the
-// body about to be read; "OPTIONS *" lists the methods; an unknown model's name is not echoed whole.
+// body about to be read; "OPTIONS *" lists the methods; an unknown model's name is not echoed whole. A connection that
+// never sends a byte is closed after the headers timeout (Node times out only requests it has begun to read).
 
 import assert from 'node:assert/strict';
 import { connect } from 'node:net';
 import { gzipSync } from 'node:zlib';
 import { after, before, describe, it } from 'node:test';
-import { startTestServer, type TestServer } from './e2e-fixture.ts';
+import { startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
 
 const E2E = { timeout: 60_000 };
@@ -156,5 +157,21 @@ describe('refusals at the HTTP layer', () => {
     const answer = await exchange(server, 'GET http://example.test/live?probe=1 HTTP/1.1\r\nHost: example.test\r\nConnection: close\r\n\r\n');
     assert.match(answer, /^HTTP\/1\.1 200 /);
     assert.match(answer, /"status":"alive"/);
+  });
+
+  it('a connection that never sends a byte is closed after the headers timeout, freeing its place', E2E, async () => {
+    const api = server.running.api as unknown as { connectionCount: number };
+    const socket = connect(Number(new URL(server.url).port), '127.0.0.1');
+    socket.on('error', () => {});
+    await new Promise((resolve) => socket.once('connect', resolve));
+    await waitFor(() => api.connectionCount >= 1, 'the server to count the connection', 5_000);
+    const closed = new Promise<boolean>((resolve) => {
+      const guard = setTimeout(() => resolve(false), 10_000);
+      socket.once('close', () => { clearTimeout(guard); resolve(true); });
+    });
+    const result = await closed;
+    socket.destroy();
+    assert.ok(result, 'the silent connection was still open 10 s after a 1.5 s headers timeout');
+    await waitFor(() => api.connectionCount === 0, 'the connection to be uncounted', 5_000);
   });
 });
