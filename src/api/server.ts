@@ -271,6 +271,24 @@ export class ApiServer {
     this.maxConnections = options.maxConnections ?? DEFAULT_MAX_CONNECTIONS;
     this.capConnections();
     this.server.on('clientError', (error: NodeJS.ErrnoException, socket: Duplex) => this.answerUnparsable(error, socket));
+    // Node hands a CONNECT to 'connect' listeners and, with none, drops the connection without a word: answered
+    // here as every other method a route lacks.
+    this.server.on('connect', (req: IncomingMessage, socket: Duplex) => this.refuseConnect(req, socket));
+  }
+
+  /** This server is no proxy: a CONNECT is a 405 in OpenAI's error shape, counted, and the connection closed. */
+  private refuseConnect(req: IncomingMessage, socket: Duplex): void {
+    socket.on('error', () => {});
+    const error = new MethodNotAllowedError('CONNECT', req.url ?? '', ['GET', 'HEAD', 'POST', 'OPTIONS']);
+    this.metrics.countResponse('unknown', error.statusCode, ANONYMOUS_TENANT);
+    const body = JSON.stringify(error.toBody());
+    socket.end(`HTTP/1.1 405 ${STATUS_CODES[405]}\r\nContent-Type: application/json\r\nAllow: ${error.headers.Allow}\r\n`
+      + `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`);
+    // Past the request Node reads nothing more from this socket: a client that never closes its end does not keep it.
+    const timer = setTimeout(() => socket.destroy(), 1000);
+    timer.unref();
+    socket.once('close', () => clearTimeout(timer));
+    socket.resume();
   }
 
   /**

@@ -4,8 +4,9 @@
 // so are a missing Host and an unknown Expect, in the same shape; an absolute-form target is routed by its path. An
 // invalid traceparent header is ignored. A transfer coding other than chunked is a 501 and a compressed body a 415 (both
 // would otherwise be read still encoded); "Expect: 100-continue" gets its 100 only once the request is accepted and the
-// body about to be read; "OPTIONS *" lists the methods; an unknown model's name is not echoed whole. A connection that
-// never sends a byte is closed after the headers timeout (Node times out only requests it has begun to read).
+// body about to be read; "OPTIONS *" lists the methods; CONNECT is a 405 (Node would drop the connection unanswered);
+// an unknown model's name is not echoed whole. A connection that never sends a byte is closed after the headers
+// timeout (Node times out only requests it has begun to read).
 
 import assert from 'node:assert/strict';
 import { connect } from 'node:net';
@@ -157,6 +158,17 @@ describe('refusals at the HTTP layer', () => {
     const answer = await exchange(server, 'GET http://example.test/live?probe=1 HTTP/1.1\r\nHost: example.test\r\nConnection: close\r\n\r\n');
     assert.match(answer, /^HTTP\/1\.1 200 /);
     assert.match(answer, /"status":"alive"/);
+  });
+
+  it('CONNECT is a 405 in OpenAI\'s shape with Allow, counted, not a dropped connection', E2E, async () => {
+    const before405 = await responses(server, 'unknown', 405);
+    for (const target of ['example.test:443', '/v1/completions']) {
+      const answer = await exchange(server, `CONNECT ${target} HTTP/1.1\r\nHost: example.test:443\r\n\r\n`);
+      assert.match(answer, /^HTTP\/1\.1 405 /);
+      assert.match(answer, /\r\nAllow: GET, HEAD, POST, OPTIONS\r\n/i);
+      assert.match(answer, /"code":"method_not_allowed"/);
+    }
+    assert.equal(await responses(server, 'unknown', 405), before405 + 2);
   });
 
   it('a connection that never sends a byte is closed after the headers timeout, freeing its place', E2E, async () => {
