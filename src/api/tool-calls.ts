@@ -11,7 +11,7 @@ import {
   type WireFinishReason, type WireUsage,
 } from './openai-format.ts';
 import { collectChatUpdate, type ChoiceUpdate, type ChoiceUsage, type ResponseShape } from './response-shapes.ts';
-import { childPath, Fields, isJsonObject, readObject, readString, type JsonObject } from './validate.ts';
+import { checkTemplateValueDepth, childPath, Fields, isJsonObject, readObject, readString, type JsonObject } from './validate.ts';
 
 export const TOOL_CALL_PARSERS = ['hermes', 'llama3_json', 'mistral'] as const;
 export type ToolCallParserName = typeof TOOL_CALL_PARSERS[number];
@@ -71,6 +71,7 @@ export function readTools(fields: Fields): ToolsRequest | undefined {
       // grammar can enforce; under "auto" and "none" it only goes to the chat template, as with OpenAI and vLLM.
       const constrained = choice?.kind === 'required' || (choice?.kind === 'named' && choice.name === name);
       if (constrained) checkJsonSchema(parameters, fn.path('parameters'));
+      else checkTemplateValueDepth(fn.path('parameters'), parameters);
       if (parameters.type !== undefined && parameters.type !== 'object') {
         throw new InvalidValueError(childPath(fn.path('parameters'), 'type'), "a function's parameters must be an object schema.");
       }

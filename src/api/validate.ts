@@ -77,6 +77,38 @@ export function readArray(param: string, value: unknown, options: { nonEmpty?: b
   return value;
 }
 
+/**
+ * How deep the values a request hands to the chat template (tool parameters, tool-call arguments, chat_template_kwargs,
+ * documents) may be nested: the template engine renders them recursively, and a value thousands of levels deep
+ * overflowed its stack, which the client saw as a template failure blaming `messages`.
+ */
+export const MAX_TEMPLATE_VALUE_DEPTH = 64;
+
+/** Refuses a value with arrays or objects nested more than MAX_TEMPLATE_VALUE_DEPTH deep (walked without recursion). */
+export function checkTemplateValueDepth(param: string, value: unknown): void {
+  const pending: [unknown, number][] = [[value, 1]];
+  while (pending.length > 0) {
+    const [item, depth] = pending.pop()!;
+    if (typeof item !== 'object' || item === null) continue;
+    if (depth > MAX_TEMPLATE_VALUE_DEPTH) {
+      throw new InvalidValueError(param, `the value is nested more than ${MAX_TEMPLATE_VALUE_DEPTH} levels deep; the chat template renders it.`);
+    }
+    for (const child of Array.isArray(item) ? item : Object.values(item)) pending.push([child, depth + 1]);
+  }
+}
+
+/** The same for a tool call's arguments, a JSON text the template renders parsed (left alone when it is not JSON). */
+export function checkArgumentsDepth(param: string, text: string): string {
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(text);
+  } catch {
+    return text;
+  }
+  checkTemplateValueDepth(param, parsed);
+  return text;
+}
+
 export function readObject(param: string, value: unknown): JsonObject {
   if (!isJsonObject(value)) throw new WrongTypeError(param, 'an object', value);
   return value;

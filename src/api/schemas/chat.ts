@@ -2,7 +2,7 @@
 // Jinja chat templates are written against that shape), plus the chat-only fields.
 
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
-import { childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
+import { checkArgumentsDepth, checkTemplateValueDepth, childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
 import { readTools, toolGuided, type ToolsRequest } from '../tool-calls.ts';
 import {
   MAX_LOGPROBS, readGenerationOptions, rejectUnsupported, unsupportedFields, type GenerationOptions,
@@ -115,7 +115,7 @@ function readToolCalls(param: string, value: unknown): ToolCall[] {
       type: 'function',
       function: {
         name: readString(fn.path('name'), fn.required('name'), { nonEmpty: true }),
-        arguments: readString(fn.path('arguments'), fn.required('arguments')),
+        arguments: checkArgumentsDepth(fn.path('arguments'), readString(fn.path('arguments'), fn.required('arguments'))),
       },
     };
   });
@@ -176,9 +176,13 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   }
   // vLLM hands documents (RAG) and reasoning_effort to the template beside chat_template_kwargs, which win.
   const templateExtras: JsonObject = {};
-  if (fields.has('documents')) templateExtras.documents = readArray('documents', fields.raw('documents'));
+  if (fields.has('documents')) {
+    templateExtras.documents = readArray('documents', fields.raw('documents'));
+    checkTemplateValueDepth('documents', templateExtras.documents);
+  }
   if (fields.has('reasoning_effort')) templateExtras.reasoning_effort = fields.string('reasoning_effort', { nonEmpty: true })!;
   const ownKwargs = fields.fields('chat_template_kwargs')?.object;
+  if (ownKwargs) checkTemplateValueDepth('chat_template_kwargs', ownKwargs);
   const chatTemplateKwargs = ownKwargs || Object.keys(templateExtras).length > 0 ? { ...templateExtras, ...ownKwargs } : undefined;
   const continueFinalMessage = fields.boolean('continue_final_message') ?? false;
   const addGenerationPrompt = fields.boolean('add_generation_prompt');

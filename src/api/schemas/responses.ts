@@ -9,7 +9,7 @@
 // counterpart or none here (max_tokens, response_format, guided_*, logprobs ...) are refused by name, never ignored.
 
 import { ApiError, InvalidValueError, UnsupportedFieldError } from '../errors.ts';
-import { childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from '../validate.ts';
+import { checkArgumentsDepth, childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from '../validate.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest } from './chat.ts';
 import type { ValidationContext } from './generation.ts';
 
@@ -131,7 +131,7 @@ function readInputItem(index: number, value: unknown, previous: JsonObject | und
       id: readString(fields.path('call_id'), fields.required('call_id'), { nonEmpty: true }), type: 'function',
       function: {
         name: readString(fields.path('name'), fields.required('name'), { nonEmpty: true }),
-        arguments: readString(fields.path('arguments'), fields.required('arguments')),
+        arguments: checkArgumentsDepth(fields.path('arguments'), readString(fields.path('arguments'), fields.required('arguments'))),
       },
     };
     if (previous?.role === 'assistant' && Array.isArray(previous.tool_calls) && previous.content === undefined) {
