@@ -132,6 +132,7 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
   if (!isJsonObject(schema)) throw new InvalidValueError(path, 'a JSON schema must be an object or a boolean.');
   if (depth > MAX_SCHEMA_DEPTH) throw new InvalidValueError(path, `the schema is nested more than ${MAX_SCHEMA_DEPTH} levels deep.`);
   const types = schemaTypes(schema);
+  if (schema.type === 'integer') checkIntegerBounds(schema, path);
   for (const [key, value] of Object.entries(schema)) {
     const at = childPath(path, key);
     const unsupported = Object.hasOwn(UNSUPPORTED_KEYWORDS, key) ? UNSUPPORTED_KEYWORDS[key] : undefined;
@@ -178,6 +179,106 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
       checkValueType(value, types, at, "'const'");
     }
   }
+}
+
+/**
+ * Integer bounds XGrammar 0.1.27 enforces as written. It turns them into a regex of digit patterns, and some shapes
+ * come out wider or narrower than the bounds (100..110 allowed 100..119, 2000..2100 allowed 2000..2999, a negative
+ * minimum refused -105..-1 and let "-" alone through), so the output broke the schema without a word. Refused here
+ * are exactly those shapes; the others were checked against XGrammar's matcher over thousands of random ranges.
+ * An exclusive bound is the inclusive one next to it (XGrammar reads it so); one of each side only.
+ */
+function checkIntegerBounds(schema: JsonObject, path: string): void {
+  const bound = (key: string): number | undefined => {
+    const value = schema[key];
+    if (value === undefined) return undefined;
+    if (typeof value !== 'number' || !Number.isInteger(value)) {
+      throw new InvalidValueError(childPath(path, key), `'${key}' of an integer must be an integer, not ${JSON.stringify(value)}.`);
+    }
+    if (!Number.isSafeInteger(value)) {
+      throw new UnsupportedFieldError(childPath(path, key), `'${key}' beyond ${Number.MAX_SAFE_INTEGER} (2^53 - 1) either way is not `
+        + 'enforced in guided decoding (the grammar engine would produce integers past it).');
+    }
+    return value;
+  };
+  for (const [inclusive, exclusive] of [['minimum', 'exclusiveMinimum'], ['maximum', 'exclusiveMaximum']] as const) {
+    if (schema[inclusive] !== undefined && schema[exclusive] !== undefined) {
+      throw new UnsupportedFieldError(childPath(path, exclusive), `'${inclusive}' beside '${exclusive}' is not enforced in guided `
+        + 'decoding (the grammar engine keeps one of them); give only the tighter one.');
+    }
+  }
+  const exclusiveMinimum = bound('exclusiveMinimum');
+  const exclusiveMaximum = bound('exclusiveMaximum');
+  const low = bound('minimum') ?? (exclusiveMinimum === undefined ? undefined : exclusiveMinimum + 1);
+  const high = bound('maximum') ?? (exclusiveMaximum === undefined ? undefined : exclusiveMaximum - 1);
+  if (low === undefined && high === undefined) return;
+  const lowKey = schema.minimum !== undefined ? 'minimum' : 'exclusiveMinimum';
+  const highKey = schema.maximum !== undefined ? 'maximum' : 'exclusiveMaximum';
+  if (low !== undefined && high !== undefined && low > high) {
+    throw new InvalidValueError(childPath(path, lowKey), `no integer lies between '${lowKey}' and '${highKey}'.`);
+  }
+  if (integerRangeEnforced(low, high)) return;
+  const range = `${low ?? '-infinity'}..${high ?? 'infinity'}`;
+  const blamed = low === undefined || (high !== undefined && integerRangeEnforced(low, undefined)) ? highKey : lowKey;
+  throw new UnsupportedFieldError(childPath(path, blamed), `the integer range ${range} is not `
+    + 'enforced as written by the grammar engine in guided decoding (its digit patterns for these bounds let other integers '
+    + 'through or leave some out). Among the bounds it enforces: a minimum alone of 0, 1 or 10 and more; a maximum alone of -1 '
+    + 'or 0; ranges such as 0..99, 0..129, 1..9, 18..65, 120..128, 2000..2999, -50..50. 0..120 is not: it allowed up to 129. '
+    + 'The rule is in docs/structured-outputs.md.');
+}
+
+/**
+ * Whether XGrammar 0.1.27's regex for the integers low..high (each bound optional) is exactly those integers. Its
+ * regex for a span of positive integers is a union over each digit count (see positiveSpanEnforced); a negative span
+ * is written as "-" before the span of their magnitudes.
+ */
+export function integerRangeEnforced(low: number | undefined, high: number | undefined): boolean {
+  if (low === undefined && high === undefined) return true;
+  // A one-digit minimum above 1 comes out as "[5-9] | [1-9][0-9]*" (every positive integer); a negative one as
+  // garbage; a negative maximum other than -1 counts its digits the wrong way.
+  if (high === undefined) return low! === 0 || low! === 1 || low! >= 10;
+  if (low === undefined) return high >= 0 ? positiveSpanEnforced(1, high) : high === -1;
+  if (low < 0 && !positiveSpanEnforced(Math.max(1, -high), -low)) return false;
+  return high <= 0 || positiveSpanEnforced(Math.max(1, low), high);
+}
+
+/** Whether XGrammar's digit patterns for low..high (1 <= low <= high) are exact: each digit count's part is. */
+function positiveSpanEnforced(low: number, high: number): boolean {
+  if (low > high) return true;
+  const lowDigits = String(low).length;
+  const highDigits = String(high).length;
+  // Both bounds written digit by digit, in different digit counts: each digit count's patterns are right, but the
+  // engine's automaton merges states of the two enumerations and lets numbers past the upper bound through
+  // (64..190069 allowed 190070).
+  if (lowDigits !== highDigits && lowDigits > 1 && !/^10*$/.test(String(low)) && !/^9+$/.test(String(high))) return false;
+  for (let digits = lowDigits; digits <= highDigits; digits++) {
+    const start = digits === lowDigits ? String(low) : `1${'0'.repeat(digits - 1)}`;
+    const end = digits === highDigits ? String(high) : '9'.repeat(digits);
+    if (!sameLengthSpanEnforced(start, end)) return false;
+  }
+  return true;
+}
+
+/**
+ * For two bounds of the same digit count: XGrammar writes their common prefix, then one digit range and free digits
+ * after it, when they differ in the last two digits only (exact only with 0s after the lower bound's differing
+ * digit and 9s after the upper's); and, when they share the first digit but differ earlier, "lower bound up to
+ * the first digit's last number" joined with "the first digit's first number up to the upper bound", the whole block
+ * of that first digit. A lower bound of 10..0 or an upper bound of 99..9 is written from the other bound alone (exact).
+ */
+function sameLengthSpanEnforced(start: string, end: string): boolean {
+  const digits = start.length;
+  let prefix = 0;
+  while (prefix < digits && start[prefix] === end[prefix]) prefix++;
+  if (digits === 1 || prefix === digits) return true;
+  const zerosAfter = (text: string, from: number) => /^0*$/.test(text.slice(from));
+  const ninesAfter = (text: string, from: number) => /^9*$/.test(text.slice(from));
+  // Different first digits: right as written, but with three digits or more and both bounds written digit by digit,
+  // the automaton's merged states let others through (109..409 allowed 100, 539..909 allowed 530).
+  if (prefix === 0) return digits < 3 || zerosAfter(start, 1) || ninesAfter(end, 1);
+  if (prefix >= digits - 2) return zerosAfter(start, prefix + 1) && ninesAfter(end, prefix + 1);
+  if (zerosAfter(start, 1) && start[0] === '1' || ninesAfter(end, 0)) return true;
+  return zerosAfter(start, 1) && ninesAfter(end, 1);
 }
 
 /** The types a schema's "type" names (undefined without one). */

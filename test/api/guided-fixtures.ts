@@ -7,7 +7,7 @@ export const PERSON_SCHEMA = {
   type: 'object',
   properties: {
     name: { type: 'string', minLength: 1, maxLength: 8 },
-    age: { type: 'integer', minimum: 0, maximum: 120 },
+    age: { type: 'integer', minimum: 0, maximum: 99 },
     member: { type: 'boolean' },
     color: { enum: ['red', 'green', 'blue'] },
     tags: { type: 'array', items: { type: 'string', maxLength: 4 }, maxItems: 2 },
@@ -24,7 +24,7 @@ export function assertPerson(value: unknown): void {
   assert.equal(typeof person.name, 'string');
   const name = person.name as string;
   assert.ok([...name].length >= 1 && [...name].length <= 8, `name length: ${JSON.stringify(name)}`);
-  assert.ok(Number.isInteger(person.age) && (person.age as number) >= 0 && (person.age as number) <= 120, `age ${person.age}`);
+  assert.ok(Number.isInteger(person.age) && (person.age as number) >= 0 && (person.age as number) <= 99, `age ${person.age}`);
   assert.equal(typeof person.member, 'boolean');
   assert.ok(['red', 'green', 'blue'].includes(person.color as string), `color ${person.color}`);
   assert.ok(Array.isArray(person.tags) && person.tags.length <= 2);
