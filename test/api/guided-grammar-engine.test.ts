@@ -9,7 +9,13 @@
 //   prefixes they cannot be mixed;
 // - a string schema's pattern with an alternation at its top ("521|60[01]"): XGrammar wrote the pattern between the
 //   string's quotes without a group around it, so each branch kept only one quote and the output was 600" or "521, not
-//   JSON. Each pattern now goes to it in a group of its own: the output parses and the string matches.
+//   JSON. Each pattern now goes to it in a group of its own: the output parses and the string matches;
+// - a JSON schema's string enum whose values share prefixes: compiled side by side, {"enum": ["521", "600", "601"]}
+//   took "520"; the enum now goes to it as a pattern that is the tree of the values' common prefixes;
+// - integer bounds: written as a regex of digit patterns, some bounds came out wider or narrower (100..110 allowed
+//   100..119, 2000..2100 allowed 2000..2999, a negative minimum refused -105..-1, 64..190069 allowed 190070). Such
+//   bounds are refused (400 unsupported_parameter naming the keyword); bounds it enforces keep running, and a
+//   logit_bias pushing the output past them cannot get it there.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -31,6 +37,15 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   after(async () => {
     await server?.close();
   });
+
+  /** The vocabulary's id of a one-token text (a digit: the built-in model's tokenizer writes each digit alone). */
+  async function tokenId(text: string): Promise<number> {
+    const response = await fetch(`${server.url}/tokenize`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: text, add_special_tokens: false }),
+    });
+    const { tokens } = await response.json() as { tokens: number[] };
+    return tokens.at(-1)!;
+  }
 
   describe('character classes the grammar engine does not enforce', () => {
 
@@ -82,15 +97,6 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   });
 
   describe('guided_choice with shared prefixes', () => {
-
-    /** The vocabulary's id of a one-token text (a digit: the built-in model's tokenizer writes each digit alone). */
-    async function tokenId(text: string): Promise<number> {
-      const response = await fetch(`${server.url}/tokenize`, {
-        method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: text, add_special_tokens: false }),
-      });
-      const { tokens } = await response.json() as { tokens: number[] };
-      return tokens.at(-1)!;
-    }
 
     it('the output is one of the choices, even when the model favours mixing two of them', E2E, async () => {
       const choices = ['521', '600', '601'];
@@ -148,6 +154,91 @@ describe('guided decoding around the grammar engine\'s limits', () => {
             let value: { code: string };
             assert.doesNotThrow(() => { value = JSON.parse(text); }, `${pattern}: ${JSON.stringify(text)} is not JSON`);
             assert.match(value!.code, matches, `${pattern}: ${JSON.stringify(text)}`);
+          }
+        }
+      }
+      await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+    });
+  });
+
+  describe('guided JSON: a string enum with shared prefixes', () => {
+
+    it('the value is one of the enum, even when the model favours mixing two of them', E2E, async () => {
+      const codes = ['521', '600', '601'];
+      const schema = { type: 'object', properties: { code: { enum: codes } }, required: ['code'], additionalProperties: false };
+      // A model that favours "0" everywhere, and "5" to start: left to the bare alternatives' automaton, "52" then "0".
+      const logit_bias = { [await tokenId('0')]: 100, [await tokenId('5')]: 50 };
+      for (const seed of [1, 2, 3]) {
+        const chat = await client.chat.completions.create({
+          model, messages: [{ role: 'user', content: 'Pick a code, as JSON.' }], max_tokens: 40, temperature: seed === 1 ? 0 : 1, seed,
+          logit_bias, response_format: { type: 'json_schema', json_schema: { name: 'code', schema, strict: true } },
+        });
+        const text = chat.choices[0]!.message.content!;
+        const value = JSON.parse(text) as { code: string };
+        assert.ok(codes.includes(value.code), `${text}: not one of ${codes.join(', ')}`);
+      }
+      // Values with regex characters, one a prefix of another, and the empty string.
+      const odd = ['a.b', 'a|b', 'a', '', '(x)?', 'a.bc'];
+      const chat = await client.chat.completions.create({
+        model, messages: [{ role: 'user', content: 'Pick one, as JSON.' }], max_tokens: 40, temperature: 1, seed: 4, n: 8,
+        response_format: { type: 'json_schema', json_schema: { name: 'v', schema: { type: 'object', properties: { v: { type: 'string', enum: odd } }, required: ['v'] } } },
+      });
+      for (const choice of chat.choices) {
+        const value = JSON.parse(choice.message.content!) as { v: string };
+        assert.ok(odd.includes(value.v), `${choice.message.content}: not one of the enum`);
+      }
+      await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+    });
+  });
+
+  describe('guided JSON: integer bounds', () => {
+
+    const objectWith = (bounds: Record<string, number>) => ({
+      type: 'object', properties: { n: { type: 'integer', ...bounds } }, required: ['n'], additionalProperties: false,
+    });
+    const ask = (schema: Record<string, unknown>, extra: Record<string, unknown> = {}) => client.chat.completions.create({
+      model, messages: [{ role: 'user', content: 'A number, as JSON.' }], max_tokens: 60, temperature: 1, ...extra,
+      response_format: { type: 'json_schema', json_schema: { name: 'n', schema, strict: true } },
+    });
+
+    it('bounds the grammar engine does not enforce as written are refused, naming the keyword', E2E, async () => {
+      const refused: [Record<string, number>, string][] = [
+        [{ minimum: 100, maximum: 110 }, 'maximum'],
+        [{ minimum: 0, maximum: 120 }, 'maximum'],
+        [{ minimum: 2000, maximum: 2100 }, 'maximum'],
+        [{ minimum: 64, maximum: 190069 }, 'maximum'],
+        [{ minimum: 109, maximum: 409 }, 'maximum'],
+        [{ minimum: -105 }, 'minimum'],
+        [{ minimum: 5 }, 'minimum'],
+        [{ maximum: -105 }, 'maximum'],
+        [{ exclusiveMinimum: 99, exclusiveMaximum: 111 }, 'exclusiveMaximum'],
+        [{ minimum: 5, exclusiveMinimum: 10 }, 'exclusiveMinimum'],
+        [{ minimum: 0, maximum: 2 ** 60 }, 'maximum'],
+      ];
+      for (const [bounds, keyword] of refused) {
+        const error = await ask(objectWith(bounds)).then(() => undefined, (caught: unknown) => caught);
+        assert.ok(error instanceof OpenAI.BadRequestError, `${JSON.stringify(bounds)}: expected a 400, got ${String(error)}`);
+        assert.equal(error.code, 'unsupported_parameter', JSON.stringify(bounds));
+        assert.equal(error.param, `response_format.json_schema.schema.properties.n.${keyword}`, JSON.stringify(bounds));
+      }
+      assert.equal((await fetch(`${server.url}/health`)).status, 200, 'the server stays up');
+    });
+
+    it('bounds it enforces run, and the output stays within them', E2E, async () => {
+      const kept: Record<string, number>[] = [
+        { minimum: 0 }, { minimum: 1 }, { minimum: 15 }, { maximum: -1 }, { minimum: 0, maximum: 129 }, { minimum: 1, maximum: 9 },
+        { minimum: 18, maximum: 65 }, { minimum: 2000, maximum: 2999 }, { minimum: 120, maximum: 128 }, { minimum: -50, maximum: 50 },
+        { exclusiveMinimum: 0, exclusiveMaximum: 10 },
+      ];
+      for (const bounds of kept) {
+        const low = bounds.minimum ?? (bounds.exclusiveMinimum === undefined ? -Infinity : bounds.exclusiveMinimum + 1);
+        const high = bounds.maximum ?? (bounds.exclusiveMaximum === undefined ? Infinity : bounds.exclusiveMaximum - 1);
+        for (const seed of [1, 2]) {
+          const chat = await ask(objectWith(bounds), { seed, n: 3 });
+          for (const choice of chat.choices) {
+            const text = choice.message.content!;
+            const value = JSON.parse(text) as { n: number };
+            assert.ok(Number.isInteger(value.n) && value.n >= low && value.n <= high, `${JSON.stringify(bounds)}: ${text}`);
           }
         }
       }
