@@ -48,7 +48,6 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   }
 
   describe('character classes the grammar engine does not enforce', () => {
-
     const complete = (extra: object) => client.completions.create({
       model, prompt: 'Word:', max_tokens: 12, temperature: 1, seed: 5, n: 4, ...extra,
     } as OpenAI.CompletionCreateParamsNonStreaming);
@@ -97,7 +96,6 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   });
 
   describe('guided_choice with shared prefixes', () => {
-
     it('the output is one of the choices, even when the model favours mixing two of them', E2E, async () => {
       const choices = ['521', '600', '601'];
       // A model that favours "0" everywhere, and "5" to start: left to the bare alternatives' automaton, "52" then "0".
@@ -138,7 +136,6 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   });
 
   describe('guided JSON: a pattern that is an alternation', () => {
-
     it('the output is JSON and the string matches the whole pattern', E2E, async () => {
       const cases: [string, RegExp][] = [['521|60[01]', /^(?:521|60[01])$/], ['^yes|no$', /^(?:yes|no)$/], ['a(b|c)|d', /^(?:a(b|c)|d)$/]];
       for (const [pattern, matches] of cases) {
@@ -162,7 +159,6 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   });
 
   describe('guided JSON: a string enum with shared prefixes', () => {
-
     it('the value is one of the enum, even when the model favours mixing two of them', E2E, async () => {
       const codes = ['521', '600', '601'];
       const schema = { type: 'object', properties: { code: { enum: codes } }, required: ['code'], additionalProperties: false };
@@ -192,7 +188,6 @@ describe('guided decoding around the grammar engine\'s limits', () => {
   });
 
   describe('guided JSON: integer bounds', () => {
-
     const objectWith = (bounds: Record<string, number>) => ({
       type: 'object', properties: { n: { type: 'integer', ...bounds } }, required: ['n'], additionalProperties: false,
     });
