@@ -86,6 +86,15 @@ describe('bench metrics', () => {
     assert.deepEqual([p.meanMs.queue_ms, p.meanMs.prefill_ms, p.meanMs.decode_ms, p.meanMs.gateway_ms], [20, 30, 40, 0]);
     assert.equal(phaseBreakdown([outcome({ index: 0 })]), undefined);
   });
+
+  it('plots throughput over time of a run too long to spread its requests as arguments (300 000 requests)', () => {
+    // A day-long run at a few requests per second: Math.min(...starts) would overflow the stack and lose the report.
+    const requests = Array.from({ length: 300_000 }, (_, index) =>
+      outcome({ index, startMs: index * 10, endMs: index * 10 + 5, e2eMs: 5, completionTokens: 1 }));
+    const t = throughputOverTime(requests);
+    assert.equal(t.t.length, 3000);
+    assert.equal(t.tokensPerSec.reduce((sum, v) => sum + v, 0), 300_000);
+  });
 });
 
 describe('conduit bench flags (vLLM names)', () => {
