@@ -245,11 +245,14 @@ class Run {
     return this.options.requests !== undefined && this.nextIndex >= this.options.requests;
   }
 
+  /** Time up or aborted: nothing more starts. */
+  private stopped(): boolean {
+    return this.options.signal?.aborted === true || performance.now() >= this.deadlineMs;
+  }
+
   /** The next request index, or undefined when the run is over (count reached, time up, aborted). */
   private claim(): number | undefined {
-    if (this.options.signal?.aborted) return undefined;
-    if (this.countReached()) return undefined;
-    if (performance.now() >= this.deadlineMs) return undefined;
+    if (this.stopped() || this.countReached()) return undefined;
     return this.nextIndex++;
   }
 
@@ -270,6 +273,8 @@ class Run {
       dueMs += gammaSample(random, burstiness, 1 / (rate * burstiness)) * 1000;
       const waitMs = Math.min(dueMs, this.deadlineMs) - performance.now();
       if (waitMs > 0) await sleep(waitMs, this.options.signal);
+      // An arrival due after the run's end (or cut by an abort) never comes: it did not wait for a slot either.
+      if (this.stopped()) break;
       if (maxInFlight !== undefined && this.inFlight >= maxInFlight) {
         this.numDelayedArrivals++;
         while (this.inFlight >= maxInFlight && !this.options.signal?.aborted) {

@@ -181,6 +181,20 @@ describe('conduit bench failure handling', () => {
     }
   });
 
+  it('an arrival due after the duration bound is not counted as waiting for a free slot', async () => {
+    const { url, server } = await stubServer(() => undefined);
+    try {
+      // Near-constant gaps of 100 ms (burstiness 1000): one arrival at 0.1 s fills the cap of one; the next would be
+      // due at 0.2 s, after the run's 0.15 s, so it never arrives and nothing waited for a slot.
+      const result = await runLoad({ url, endpoint: 'chat', model: 'm', workload, outputTokens: 1, stream: true,
+        rate: 10, burstiness: 1000, concurrency: 1, durationSec: 0.15, timeoutSec: 0.4 });
+      assert.equal(result.summary.numRequests, 1);
+      assert.equal(result.summary.numDelayedArrivals, 0);
+    } finally {
+      await closeServer(server);
+    }
+  });
+
   it('an error event or a missing [DONE] fails a stream; a clean one passes', async () => {
     let call = 0;
     const chunk = (text: string) => `data: ${JSON.stringify({ choices: [{ index: 0, delta: { content: text } }] })}\n\n`;
