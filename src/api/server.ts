@@ -722,6 +722,16 @@ export class ApiServer {
         res.end();
         return;
       }
+      // OPTIONS on a route (not a CORS preflight, answered above when its origin is allowed) describes that route,
+      // as RFC 9110 asks: its methods, like "OPTIONS *" for the whole server. A refused preflight stays a 405.
+      if (method === 'OPTIONS' && req.headers['access-control-request-method'] === undefined) {
+        const allowed = this.routeMethods(path, (name) => { routeName = name; });
+        if (allowed) {
+          res.writeHead(204, { Allow: allowed.join(', ') });
+          res.end();
+          return;
+        }
+      }
       const found = this.findRoute(method, path, (name) => { routeName = name; });
       // Before the trace, the key, the rate limit and the body: a forged request takes nothing.
       if (method === 'POST') this.refuseForeignOrigin(req);
@@ -875,6 +885,17 @@ export class ApiServer {
         `a session id may be at most ${MAX_SESSION_ID_LENGTH} characters, got ${sessionId.length}.`);
     }
     call.sessionId = sessionId;
+  }
+
+  /** The methods a path's route answers (HEAD with GET, and OPTIONS), or undefined when no route has the path. */
+  private routeMethods(path: string, matched: (name: string) => void): string[] | undefined {
+    for (const route of this.routes) {
+      if (!route.match(path)) continue;
+      matched(route.name);
+      const methods = Object.keys(route.methods);
+      return [...methods, ...(methods.includes('GET') ? ['HEAD'] : []), 'OPTIONS'];
+    }
+    return undefined;
   }
 
   /** The route and handler of a request; `matched` learns the route's name before a method it lacks is refused. */

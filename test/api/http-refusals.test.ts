@@ -4,7 +4,7 @@
 // so are a missing Host and an unknown Expect, in the same shape; an absolute-form target is routed by its path. An
 // invalid traceparent header is ignored. A transfer coding other than chunked is a 501 and a compressed body a 415 (both
 // would otherwise be read still encoded); "Expect: 100-continue" gets its 100 only once the request is accepted and the
-// body about to be read; "OPTIONS *" lists the methods; CONNECT is a 405 (Node would drop the connection unanswered);
+// body about to be read; "OPTIONS *" lists the server's methods and OPTIONS on a route that route's; CONNECT is a 405 (Node would drop the connection unanswered);
 // an unknown model's name is not echoed whole. A connection that never sends a byte is closed after the headers
 // timeout (Node times out only requests it has begun to read).
 
@@ -143,6 +143,17 @@ describe('refusals at the HTTP layer', () => {
     const answer = await exchange(server, 'OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
     assert.match(answer, /^HTTP\/1\.1 204 /);
     assert.match(answer, /\r\nAllow: GET, HEAD, POST, OPTIONS\r\n/i);
+  });
+
+  it('OPTIONS on a route lists that route\'s methods; on no route it is a 404', E2E, async () => {
+    const post = await exchange(server, 'OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+    assert.match(post, /^HTTP\/1\.1 204 /);
+    assert.match(post, /\r\nAllow: POST, OPTIONS\r\n/i);
+    const get = await exchange(server, 'OPTIONS /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+    assert.match(get, /^HTTP\/1\.1 204 /);
+    assert.match(get, /\r\nAllow: GET, HEAD, OPTIONS\r\n/i);
+    const none = await exchange(server, 'OPTIONS /v1/nothing-here HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n');
+    assert.match(none, /^HTTP\/1\.1 404 /);
   });
 
   it('an unknown model\'s name is quoted cut short in the 404, not echoed whole', E2E, async () => {
