@@ -757,7 +757,8 @@ export class Gateway {
 
   detokenize(body: unknown): JsonReply {
     this.ready();
-    const request = parseDetokenizeRequest(body, this.validationContext(this.backendFor(body)));
+    const named = this.backendFor(body);
+    const request = parseDetokenizeRequest(body, this.validationContext(named), named.engine.info.maxModelLen);
     const { backend } = this.resolveModel(request.model);
     // Special tokens kept, as vLLM's (a Hugging Face decode's default): /tokenize of the text, without added special
     // tokens, gives the ids back.

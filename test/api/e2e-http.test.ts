@@ -254,6 +254,23 @@ describe('HTTP API end to end', () => {
     assert.equal((await post('/tokenize', { model: 'other', prompt: 'x' })).status, 404);
   });
 
+  it('/detokenize decodes at most 16 contexts of ids: a longer list is a quick 400 naming tokens', E2E, async () => {
+    const maxModelLen = (await post('/tokenize', { prompt: 'x' })).json().max_model_len as number;
+    const limit = 16 * maxModelLen;
+    const atLimit = await post('/detokenize', { tokens: new Array<number>(limit).fill(1) });
+    assert.equal(atLimit.status, 200, atLimit.text);
+    // Some 900k ids: the most a 4 MiB body holds, which took the event loop most of a second to decode.
+    const started = performance.now();
+    const tooMany = await post('/detokenize', { tokens: new Array<number>(Math.max(900_000, limit + 1)).fill(1) });
+    assert.equal(tooMany.status, 400, tooMany.text);
+    const { error } = tooMany.json() as { error: { code: string; param: string; message: string } };
+    assert.equal(error.code, 'invalid_value');
+    assert.equal(error.param, 'tokens');
+    assert.match(error.message, new RegExp(`at most ${limit} token ids .*got ${Math.max(900_000, limit + 1)}`));
+    assert.ok(performance.now() - started < 2000, `answered in ${Math.round(performance.now() - started)} ms`);
+    assert.equal((await post('/detokenize', { tokens: [1] })).status, 200, 'the server stays up');
+  });
+
   it('reports health with the kernel backend, and engine gauges in /metrics', E2E, async () => {
     const health = await rawRequest(server.url, { path: '/health' });
     assert.equal(health.status, 200);

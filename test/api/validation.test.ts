@@ -264,10 +264,10 @@ describe('tokenize and detokenize validation', () => {
   });
 
   it('checks token ids against the vocabulary', () => {
-    rejects(() => parseDetokenizeRequest({ tokens: [1, 'a'] }, context), { param: 'tokens[1]' });
-    rejects(() => parseDetokenizeRequest({ tokens: [99999] }, context), { param: 'tokens[0]' });
-    rejects(() => parseDetokenizeRequest({}, context), { param: 'tokens' });
-    assert.deepEqual(parseDetokenizeRequest({ tokens: [1, 2] }, context).tokens, [1, 2]);
+    rejects(() => parseDetokenizeRequest({ tokens: [1, 'a'] }, context, 2048), { param: 'tokens[1]' });
+    rejects(() => parseDetokenizeRequest({ tokens: [99999] }, context, 2048), { param: 'tokens[0]' });
+    rejects(() => parseDetokenizeRequest({}, context, 2048), { param: 'tokens' });
+    assert.deepEqual(parseDetokenizeRequest({ tokens: [1, 2] }, context, 2048).tokens, [1, 2]);
   });
 });
 

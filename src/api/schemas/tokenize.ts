@@ -65,10 +65,24 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
   };
 }
 
-export function parseDetokenizeRequest(body: unknown, context: ValidationContext): DetokenizeRequest {
+/**
+ * Token ids one /detokenize decodes, in contexts of the model: some 16 contexts, as many as the text /tokenize takes
+ * (WHOLE_TEXT_BYTES_PER_TOKEN) holds at about 4 bytes a token. Decoding runs on the event loop, so without a bound a
+ * body of a million ids stalled every other client for most of a second.
+ */
+export const MAX_DETOKENIZE_CONTEXTS = 16;
+
+/** `maxModelLen`: the context length of the model the request names, which bounds how many ids it may send. */
+export function parseDetokenizeRequest(body: unknown, context: ValidationContext, maxModelLen: number): DetokenizeRequest {
   const fields = new Fields(readObject('body', body));
   fields.required('tokens');
-  const tokens = fields.array('tokens')!.map((id, i) => readTokenId(childPath('tokens', i), id, context));
+  const ids = fields.array('tokens')!;
+  const maxIds = MAX_DETOKENIZE_CONTEXTS * maxModelLen;
+  if (ids.length > maxIds) {
+    throw new InvalidValueError('tokens', `/detokenize decodes at most ${maxIds} token ids (${MAX_DETOKENIZE_CONTEXTS} `
+      + `times this model's ${maxModelLen}-token context), got ${ids.length}.`);
+  }
+  const tokens = ids.map((id, i) => readTokenId(childPath('tokens', i), id, context));
   const model = fields.string('model');
   return { ...(model !== undefined ? { model } : {}), tokens };
 }
