@@ -251,8 +251,32 @@ export function readGguf(path: string): GgufFile {
   return parseGguf(readFileSync(path), path);
 }
 
-export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
-  const c = new Cursor(bytes, source);
+/**
+ * The metadata found in the first bytes of a GGUF file, up to where `head` ends: enough to tell what a file is (its
+ * general.type, written among the first keys) before reading it whole. A bad magic or version throws as parseGguf
+ * does; the scan ends, keeping the keys before it, at a key `head` cuts off (or one parseGguf would refuse, which it
+ * does once the file is read whole).
+ */
+export function peekGgufMetadata(head: Uint8Array, source: string): Map<string, GgufValue> {
+  const c = new Cursor(head, source);
+  const metadata = new Map<string, GgufValue>();
+  readHeader(c, source);
+  try {
+    c.count('tensor count');
+    const metadataCount = c.count('metadata count');
+    for (let i = 0; i < metadataCount; i++) {
+      const key = c.string();
+      const type = c.u32() as GgufValueType;
+      metadata.set(key, type === GgufValueType.ARRAY ? readArray(c, source, key, c.u32() as GgufValueType) : readScalar(c, source, key, type));
+    }
+  } catch (error) {
+    if (!(error instanceof GgufFormatError)) throw error;
+  }
+  return metadata;
+}
+
+/** The magic and version at the start of a GGUF file; throws for what parseGguf cannot read. */
+function readHeader(c: Cursor, source: string): number {
   const magic = c.u32();
   if (magic !== GGUF_MAGIC) throw new GgufFormatError(`${source}: not a GGUF file (bad magic)`);
   const version = c.u32();
@@ -264,6 +288,12 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
   if (version !== 2 && version !== 3) {
     throw new GgufFormatError(`${source}: GGUF version ${version} is not supported (only 2 and 3)`);
   }
+  return version;
+}
+
+export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
+  const c = new Cursor(bytes, source);
+  const version = readHeader(c, source);
   const tensorCount = c.count('tensor count');
   const metadataCount = c.count('metadata count');
 

@@ -10,13 +10,13 @@
 // llama.cpp's converter permuted for interleaved RoPE, the rows of q/k lora_B are permuted the same way.
 
 import { createHash } from 'node:crypto';
-import { existsSync, readFileSync, statSync } from 'node:fs';
-import { readFile, stat } from 'node:fs/promises';
+import { closeSync, existsSync, openSync, readFileSync, readSync, statSync } from 'node:fs';
+import { open, readFile, stat } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { ModelConfig } from './config.ts';
 import { MAX_TEXT_FILE_BYTES } from './files.ts';
 import { GgmlType } from './ggml-types.ts';
-import { metaNumber, metaString, parseGguf, type GgufFile } from './gguf.ts';
+import { metaNumber, metaString, parseGguf, peekGgufMetadata, type GgufFile } from './gguf.ts';
 import { interleavedRowOrder } from './hf.ts';
 import { dequantizeTensor } from './quant.ts';
 import { readSafetensors, readSafetensorsAsync } from './safetensors.ts';
@@ -124,9 +124,11 @@ export interface LoraAdapterHeader {
  */
 export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeader | undefined> {
   let isDirectory: boolean;
+  let size: number;
   try {
     const info = await stat(path);
     isDirectory = info.isDirectory();
+    size = info.size;
     if (!isDirectory) requireRegularFile(path, info);
   } catch (error) {
     if (error instanceof LoraAdapterError) throw error;
@@ -148,6 +150,7 @@ export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeade
       // lora_A is [rank, in], outermost first.
       for (const entry of file.entries.values()) if (/\.lora_A(?:\.default)?\.weight$/.test(entry.name)) rank = Math.max(rank, entry.shape[0] ?? 0);
     } else {
+      checkGgufAdapterHead(path, size, await readHead(path));
       const bytes = await readFile(path);
       digest = adapterDigest([bytes]);
       // lora_a is ggml [in, rank].
@@ -170,6 +173,7 @@ export function loadLoraAdapter(path: string, base: ModelConfig): LoadedLoraAdap
   const info = statSync(path);
   if (info.isDirectory()) return loadPeftAdapter(path, base);
   requireRegularFile(path, info);
+  checkGgufAdapterHead(path, info.size, readHeadSync(path));
   let file: GgufFile;
   let bytes: Uint8Array;
   try {
@@ -179,6 +183,63 @@ export function loadLoraAdapter(path: string, base: ModelConfig): LoadedLoraAdap
     throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
   }
   return { ...ggufAdapter(file, path, base), digest: adapterDigest([bytes]) };
+}
+
+/** The most bytes Node reads from a file into one buffer: readFile refuses a larger file. */
+const MAX_ADAPTER_FILE_BYTES = 2 ** 31 - 1;
+/** The start of a GGUF file read to tell what it is; its general.* keys come first. */
+const GGUF_HEAD_BYTES = 64 * 1024;
+
+/**
+ * Checks the start of a file given as a GGUF adapter before it is read whole: one that is no GGUF (a safetensors
+ * file, a sparse file of zeros), or a GGUF that says it is something else (a base model passed by mistake, perhaps
+ * gigabytes), is refused at once, and an adapter larger than Node reads into one buffer is refused saying so, instead
+ * of Node's "File size ... is greater than 2 GiB" passed off as a file that is no adapter.
+ */
+function checkGgufAdapterHead(path: string, size: number, head: Uint8Array): void {
+  let metadata: ReturnType<typeof peekGgufMetadata>;
+  try {
+    metadata = peekGgufMetadata(head, path);
+  } catch (error) {
+    throw new LoraAdapterError(`${path} is neither a GGUF LoRA adapter nor a PEFT folder: ${(error as Error).message}`);
+  }
+  const type = metadata.get('general.type');
+  const architecture = metadata.get('general.architecture');
+  // A model's file says so in general.type, or (older converters write no type) by its layer count, which an
+  // adapter has no use for.
+  if (type === 'model' || (type === undefined && metadata.has(`${String(architecture)}.block_count`))) {
+    throw new LoraAdapterError(`${path} is a model (a GGUF with ${type === 'model' ? 'general.type "model"' : 'a block_count'}), ` +
+      'not a LoRA adapter; pass the adapter\'s file or PEFT folder');
+  }
+  if (type !== undefined && type !== 'adapter') {
+    throw new LoraAdapterError(`${path}: general.type is ${typeof type === 'string' ? `"${type}"` : 'not a string'}, a LoRA ` +
+      'adapter says "adapter"');
+  }
+  if (size > MAX_ADAPTER_FILE_BYTES) {
+    throw new LoraAdapterError(`${path} is a GGUF LoRA adapter of ${size} bytes, too large to read: an adapter file may ` +
+      `have at most ${MAX_ADAPTER_FILE_BYTES} bytes (2 GiB)`);
+  }
+}
+
+function readHeadSync(path: string): Uint8Array {
+  const fd = openSync(path, 'r');
+  try {
+    const head = Buffer.alloc(GGUF_HEAD_BYTES);
+    return head.subarray(0, readSync(fd, head, 0, GGUF_HEAD_BYTES, 0));
+  } finally {
+    closeSync(fd);
+  }
+}
+
+async function readHead(path: string): Promise<Uint8Array> {
+  const handle = await open(path, 'r');
+  try {
+    const head = Buffer.alloc(GGUF_HEAD_BYTES);
+    const { bytesRead } = await handle.read(head, 0, GGUF_HEAD_BYTES, 0);
+    return head.subarray(0, bytesRead);
+  } finally {
+    await handle.close();
+  }
 }
 
 /**

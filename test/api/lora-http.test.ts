@@ -5,7 +5,7 @@
 // refusals that name the problem while the server stays up, and adapters on simulated workers.
 
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { copyFileSync, mkdtempSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -106,6 +106,35 @@ describe('LoRA adapters over HTTP', () => {
     const gone = await complete('b');
     assert.equal(gone.status, 404);
     assert.match(gone.body.error.message, /'base' and 'a'/);
+  });
+
+  it('checks a file\'s start before reading it: a non-GGUF, a model and an adapter past 2 GiB are refused at once', async () => {
+    // Sparse files: past 2 GiB without taking the disk space.
+    const beyondReadLimit = 2 ** 31 + 4096;
+    const zeros = join(dir, 'zeros.gguf');
+    writeFileSync(zeros, '');
+    truncateSync(zeros, beyondReadLimit);
+    const model = join(dir, 'model-as-adapter.gguf');
+    copyFileSync(join(dir, 'base.gguf'), model);
+    truncateSync(model, beyondReadLimit);
+    const huge = join(dir, 'huge-adapter.gguf');
+    copyFileSync(paths.b!, huge);
+    truncateSync(huge, beyondReadLimit);
+    for (const [name, path, message] of [
+      ['zeros', zeros, /neither a GGUF LoRA adapter nor a PEFT folder: .*not a GGUF file \(bad magic\)/],
+      ['model', model, /is a model \(a GGUF with a block_count\), not a LoRA adapter/],
+      ['huge', huge, new RegExp(`is a GGUF LoRA adapter of ${beyondReadLimit} bytes, too large to read`)],
+    ] as const) {
+      const started = performance.now();
+      const refused = await load({ lora_name: name, lora_path: path });
+      assert.equal(refused.status, 400, refused.text);
+      assert.equal(refused.json().error.code, 'invalid_lora_adapter');
+      assert.match(refused.json().error.message, message);
+      assert.doesNotMatch(refused.json().error.message, /greater than 2 GiB/);
+      assert.ok(performance.now() - started < 5000, `${name} answered in ${Math.round(performance.now() - started)} ms`);
+      rmSync(path);
+    }
+    assert.equal((await complete('a')).status, 200, 'the server stays up');
   });
 
   it('evicts the least recently used adapter past --max-loras and loads it again when a request names it', async () => {

@@ -1,6 +1,7 @@
 // LoRA adapter files as a client names them (/v1/load_lora_adapter): what is at the path must be an adapter's
 // regular files, never read forever (a device or FIFO would hold the worker's thread), and a malformed
 // adapter_config.json is named as such, one too large to be a JavaScript string too (by its size, before it is read);
+// a GGUF is checked by its start before it is read whole (a model, or an adapter past 2 GiB, refused at once);
 // a tensor name is matched against the projections Conduit adapts, never against Object.prototype.
 
 import { describe, it, before, after } from 'node:test';
@@ -82,6 +83,38 @@ describe('LoRA adapter paths that are not files', () => {
         'file of an adapter may have (the longest string JavaScript holds)';
     await assert.rejects(inspectLoraAdapter(folder), tooLarge);
     assert.throws(() => loadLoraAdapter(folder, base), tooLarge);
+  });
+});
+
+describe('LoRA adapter files checked by their start before they are read whole', () => {
+  it('a model (general.type "model") and an adapter past 2 GiB: refused by inspect and load, naming the problem', async () => {
+    // Sparse: past what Node reads into one buffer without taking the disk space.
+    const beyondReadLimit = 2 ** 31 + 4096;
+    const zeros = new Uint8Array(base.dim * 2 * 4);
+    const write = (path: string, type: string) => {
+      writeGguf(path, {
+        metadata: [['general.architecture', base.architecture], ['general.type', type], ['adapter.type', 'lora']],
+        tensors: [
+          { name: 'blk.0.attn_q.weight.lora_a', type: GgmlType.F32, shape: [base.dim, 2], data: zeros },
+          { name: 'blk.0.attn_q.weight.lora_b', type: GgmlType.F32, shape: [2, base.dim], data: zeros },
+        ],
+      });
+      truncateSync(path, beyondReadLimit);
+    };
+    const model = join(dir, 'typed-model.gguf');
+    write(model, 'model');
+    const huge = join(dir, 'huge-adapter.gguf');
+    write(huge, 'adapter');
+    for (const [path, message] of [
+      [model, `${model} is a model (a GGUF with general.type "model"), not a LoRA adapter; pass the adapter's file or PEFT folder`],
+      [huge, `${huge} is a GGUF LoRA adapter of ${beyondReadLimit} bytes, too large to read: an adapter file may have at `
+        + `most ${2 ** 31 - 1} bytes (2 GiB)`],
+    ]) {
+      const named = (e: unknown) => e instanceof LoraAdapterError && e.message === message;
+      assert.throws(() => loadLoraAdapter(path!, base), named);
+      await assert.rejects(inspectLoraAdapter(path!), named);
+      rmSync(path!);
+    }
   });
 });
 
