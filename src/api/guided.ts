@@ -501,15 +501,16 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject, original: J
 
 /**
  * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, the formats
- * of FORMAT_PATTERNS turned into their patterns, an enum of plain strings into the pattern of their prefix tree
- * (stringEnumPattern), each pattern in a group of its own, and the parts no finite value
+ * of FORMAT_PATTERNS turned into their patterns, an enum of plain strings, or an anyOf/oneOf of nothing but string
+ * consts and enums (stringChoiceBranches), into the pattern of their prefix tree (stringEnumPattern), each pattern in a group of its own, and the parts no finite value
  * satisfies left out where a value may go without them (leaveOutUnsatisfiable).
  */
 export function grammarSchema(schema: unknown): unknown {
   const has = finiteSchemas(schema);
   return mapSchemas(schema, (node, original) => {
     leaveOutUnsatisfiable(node, original, has);
-    const enumTree = node.$ref === undefined && node.const === undefined ? stringEnumPattern(node.enum) : undefined;
+    const enumTree = node.$ref === undefined && node.const === undefined
+      ? stringEnumPattern(node.enum) ?? stringEnumPattern(stringChoiceBranches(original)) : undefined;
     if (enumTree !== undefined) return { type: 'string', pattern: enumTree };
     for (const key of Object.keys(node)) if (ANNOTATIONS.has(key)) delete node[key];
     const pattern = typeof node.format === 'string' && Object.hasOwn(FORMAT_PATTERNS, node.format) ? FORMAT_PATTERNS[node.format] : undefined;
@@ -524,11 +525,41 @@ export function grammarSchema(schema: unknown): unknown {
   });
 }
 
-/** Characters a string enum value may hold to be written as a pattern: printable ASCII but the JSON-escaped '"' and '\'. */
-const PLAIN_ENUM_VALUE = /^[\x20-\x21\x23-\x5b\x5d-\x7e]*$/;
+/**
+ * The string values of a schema that is nothing but an anyOf or a oneOf whose every branch is a string const or a
+ * string enum (annotations and "type": "string" aside): XGrammar 0.1.27 compiles such branches side by side, as it
+ * does an enum's values, and mixed them the same way ({"anyOf": [{"const": "521"}, {"const": "600"}, {"const": "601"}]}
+ * took "520"). Undefined for any other schema, and for a oneOf two of whose branches share a value (no value matches
+ * exactly one branch then, which a pattern of the values would not say).
+ */
+function stringChoiceBranches(schema: JsonObject): string[] | undefined {
+  const only = (node: JsonObject, keys: string[]) => Object.entries(node).every(([key, value]) =>
+    ANNOTATIONS.has(key) || (key === 'type' ? value === 'string' : keys.includes(key)));
+  const key = Object.hasOwn(schema, 'anyOf') ? 'anyOf' : 'oneOf';
+  const branches = schema[key];
+  if (!Array.isArray(branches) || !only(schema, [key])) return undefined;
+  const values: string[] = [];
+  for (const branch of branches) {
+    if (!isJsonObject(branch) || !only(branch, ['const', 'enum'])) return undefined;
+    if (Object.hasOwn(branch, 'const') === Object.hasOwn(branch, 'enum')) return undefined;
+    const own = Object.hasOwn(branch, 'const') ? [branch.const] : branch.enum;
+    if (!Array.isArray(own) || !own.every((value) => typeof value === 'string')) return undefined;
+    const distinct = [...new Set(own as string[])];
+    if (key === 'oneOf' && distinct.some((value) => values.includes(value))) return undefined;
+    values.push(...distinct);
+  }
+  return values;
+}
 
 /**
- * An enum of plain strings as a pattern that is the tree of their common prefixes ("521|60(?:0|1)"): XGrammar 0.1.27
+ * Characters a string enum value may hold to be written as a pattern: ASCII. A tree of values with other characters
+ * is one of code points, and XGrammar's automaton works on bytes: values whose characters share UTF-8 bytes mixed
+ * there too (["a中", "丁", "中"] took "a丁").
+ */
+const ASCII_ENUM_VALUE = /^[\x00-\x7f]*$/;
+
+/**
+ * An enum of ASCII strings as a pattern that is the tree of their common prefixes ("521|60(?:0|1)"): XGrammar 0.1.27
  * compiles an enum's values side by side and merges states of that automaton unsoundly ({"enum": ["521", "600",
  * "601"]} let "520" through; over random enums of short digit strings, about half let some other string through),
  * as it did guided_choice's (choiceGrammar). Written as a tree, two values share no state but that of a prefix they
@@ -537,7 +568,10 @@ const PLAIN_ENUM_VALUE = /^[\x20-\x21\x23-\x5b\x5d-\x7e]*$/;
  */
 export function stringEnumPattern(values: unknown): string | undefined {
   if (!Array.isArray(values) || values.length < 2) return undefined;
-  if (!values.every((value) => typeof value === 'string' && PLAIN_ENUM_VALUE.test(value))) return undefined;
+  if (!values.every((value) => typeof value === 'string' && ASCII_ENUM_VALUE.test(value))) return undefined;
+  // The pattern is matched against the string's JSON text, escapes as written: '"', '\\' and control characters
+  // as the escapes JSON.stringify writes for them (the only ones the value may then be written with).
+  const texts = (values as string[]).map((value) => JSON.stringify(value).slice(1, -1));
   let deepest = 0;
   const literal = (text: string) => text.replace(/[.*+?^${}()|[\]\\\/-]/g, '\\$&');
   const tree = (group: string[], depth: number): string => {
@@ -553,7 +587,7 @@ export function stringEnumPattern(values: unknown): string | undefined {
     const body = branches.length === 1 && !optional ? branches[0]! : `(?:${branches.join('|')})${optional ? '?' : ''}`;
     return literal(prefix) + body;
   };
-  const pattern = tree([...new Set(values as string[])], 1);
+  const pattern = tree([...new Set(texts)], 1);
   return deepest + 1 > MAX_GROUP_DEPTH ? undefined : pattern;
 }
 

@@ -11,7 +11,9 @@
 //   string's quotes without a group around it, so each branch kept only one quote and the output was 600" or "521, not
 //   JSON. Each pattern now goes to it in a group of its own: the output parses and the string matches;
 // - a JSON schema's string enum whose values share prefixes: compiled side by side, {"enum": ["521", "600", "601"]}
-//   took "520"; the enum now goes to it as a pattern that is the tree of the values' common prefixes;
+//   took "520"; the enum now goes to it as a pattern that is the tree of the values' common prefixes, values with '"',
+//   '\' or control characters as their JSON text, and so does an anyOf/oneOf of nothing but string consts and enums
+//   (which took "520" the same way);
 // - integer bounds: written as a regex of digit patterns, some bounds came out wider or narrower (100..110 allowed
 //   100..119, 2000..2100 allowed 2000..2999, a negative minimum refused -105..-1, 64..190069 allowed 190070). Such
 //   bounds are refused (400 unsupported_parameter naming the keyword); bounds it enforces keep running, and a
@@ -182,6 +184,41 @@ describe('guided decoding around the grammar engine\'s limits', () => {
       for (const choice of chat.choices) {
         const value = JSON.parse(choice.message.content!) as { v: string };
         assert.ok(odd.includes(value.v), `${choice.message.content}: not one of the enum`);
+      }
+      await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+    });
+  });
+
+  describe('guided JSON: anyOf/oneOf of string consts, and enums with escaped characters', () => {
+    it('the value is one of the branches, even when the model favours mixing two of them', E2E, async () => {
+      const codes = ['521', '600', '601'];
+      const logit_bias = { [await tokenId('0')]: 100, [await tokenId('5')]: 50 };
+      const shapes = {
+        anyOf: { anyOf: codes.map((code) => ({ const: code })) },
+        oneOf: { type: 'string', oneOf: [{ const: '521', description: 'old' }, { type: 'string', enum: ['600', '601'] }] },
+      };
+      for (const [name, code] of Object.entries(shapes)) {
+        const schema = { type: 'object', properties: { code }, required: ['code'], additionalProperties: false };
+        for (const seed of [1, 2]) {
+          const chat = await client.chat.completions.create({
+            model, messages: [{ role: 'user', content: 'Pick a code, as JSON.' }], max_tokens: 40, temperature: seed === 1 ? 0 : 1, seed,
+            logit_bias, response_format: { type: 'json_schema', json_schema: { name: 'code', schema, strict: true } },
+          });
+          const text = chat.choices[0]!.message.content!;
+          const value = JSON.parse(text) as { code: string };
+          assert.ok(codes.includes(value.code), `${name}: ${text}: not one of ${codes.join(', ')}`);
+        }
+      }
+      // Values JSON writes with escapes: a quote, a backslash, a newline, side by side with plain ones sharing prefixes.
+      const escaped = ['5"1', '5\\0', '6\n0', '601', '600', '5"0\t'];
+      const schema = { type: 'object', properties: { v: { enum: escaped } }, required: ['v'], additionalProperties: false };
+      const chat = await client.chat.completions.create({
+        model, messages: [{ role: 'user', content: 'Pick one, as JSON.' }], max_tokens: 40, temperature: 1, seed: 5, n: 8,
+        logit_bias, response_format: { type: 'json_schema', json_schema: { name: 'v', schema } },
+      });
+      for (const choice of chat.choices) {
+        const value = JSON.parse(choice.message.content!) as { v: string };
+        assert.ok(escaped.includes(value.v), `${choice.message.content}: not one of the enum`);
       }
       await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
     });
