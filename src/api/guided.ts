@@ -501,9 +501,10 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject, original: J
 
 /**
  * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, the formats
- * of FORMAT_PATTERNS turned into their patterns, an enum of plain strings, or an anyOf/oneOf of nothing but string
- * consts and enums (stringChoiceBranches), into the pattern of their prefix tree (stringEnumPattern), each pattern in a group of its own, and the parts no finite value
- * satisfies left out where a value may go without them (leaveOutUnsatisfiable).
+ * of FORMAT_PATTERNS turned into their patterns, an enum of ASCII strings, or an anyOf/oneOf of nothing but string
+ * consts and enums (stringChoiceBranches), into the pattern of their prefix tree (stringEnumPattern), each pattern in
+ * a group of its own, and the parts no finite value satisfies left out where a value may go without them
+ * (leaveOutUnsatisfiable).
  */
 export function grammarSchema(schema: unknown): unknown {
   const has = finiteSchemas(schema);
