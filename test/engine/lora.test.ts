@@ -156,7 +156,8 @@ describe('LoRA adapter files', () => {
     const qwen = join(dir, 'qwen.gguf');
     writeGgufLoraAdapter(qwen, loaded.config, randomLoraAdapter(loaded.config, { rank: 4, seed: 1 }), { architecture: 'qwen2' });
     assert.throws(() => loadLoraAdapter(qwen, loaded.config), /adapter for "qwen2", the base model is "llama"/);
-    assert.throws(() => loadLoraAdapter(loaded.path, loaded.config), /general\.type is missing|general\.type is "model"/);
+    // The base model itself, passed by mistake: refused from its first bytes, as a model.
+    assert.throws(() => loadLoraAdapter(loaded.path, loaded.config), /is a model \(a GGUF with (a block_count|general\.type "model")\), not a LoRA adapter/);
     assert.throws(() => loadLoraAdapter(join(dir, 'missing.gguf'), loaded.config), /does not exist/);
     assert.throws(() => loadLoraAdapter(dir, loaded.config), /without adapter_config\.json/);
     const deeper = { ...loaded.config, numLayers: 3 };
