@@ -135,6 +135,12 @@ interface Route {
   methods: Partial<Record<'GET' | 'POST', Handler>>;
 }
 
+/** The methods a route answers: its own, and HEAD beside GET (Node's response sends no body for a HEAD request). */
+function answeredMethods(route: Route): string[] {
+  const methods = Object.keys(route.methods);
+  return methods.includes('GET') ? [...methods, 'HEAD'] : methods;
+}
+
 /** Routes polled by orchestrators and scrapers: their request lines are debug-level, not info. */
 const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
 /**
@@ -892,8 +898,7 @@ export class ApiServer {
     for (const route of this.routes) {
       if (!route.match(path)) continue;
       matched(route.name);
-      const methods = Object.keys(route.methods);
-      return [...methods, ...(methods.includes('GET') ? ['HEAD'] : []), 'OPTIONS'];
+      return [...answeredMethods(route), 'OPTIONS'];
     }
     return undefined;
   }
@@ -906,10 +911,7 @@ export class ApiServer {
       matched(route.name);
       // HEAD is GET without the body (Node's response sends none for a HEAD request): probes and `curl -I` work.
       const handler = route.methods[method === 'HEAD' ? 'GET' : method as 'GET' | 'POST'];
-      if (!handler) {
-        const allowed = Object.keys(route.methods);
-        throw new MethodNotAllowedError(method, path, allowed.includes('GET') ? [...allowed, 'HEAD'] : allowed);
-      }
+      if (!handler) throw new MethodNotAllowedError(method, path, answeredMethods(route));
       return { route, handler, params };
     }
     throw new RouteNotFoundError(method, path);
