@@ -58,9 +58,11 @@ interface ChoiceNode {
  * once where choices share it (["521", "600", "601"]: root ::= "521" | "60" choice_1, choice_1 ::= "0" | "1"), one
  * rule per place where choices part, so nothing nests however long the shared prefixes. Not the alternatives side
  * by side: XGrammar 0.1.27 merges states of the automaton it builds from those unsoundly, and the grammar
- * "521" | "600" | "601" let "520" through (after "52", the "0" of "600"). A tree of prefixes leaves two choices no
- * state to share but that of a prefix they share (hundreds of random lists, of digits and of characters with a common
- * first UTF-8 byte, took exactly their choices this way, where about one in eight of the side-by-side lists did not).
+ * "521" | "600" | "601" let "520" through (after "52", the "0" of "600"). A tree of prefixes leaves two ASCII choices
+ * no state to share but that of a prefix they share (hundreds of random lists of digits took exactly their choices
+ * this way, where about one in eight of the side-by-side lists did not). Characters outside ASCII can still mix: the
+ * tree is one of characters and XGrammar's automaton one of bytes (3 of 300 random lists over a, b, 中, 丁, 乙 took
+ * another string, ["乙丁", "丁", "b", "中a"] took "乙中a").
  */
 export function choiceGrammar(choices: readonly string[]): string {
   const root: ChoiceNode = { end: false, next: new Map() };
