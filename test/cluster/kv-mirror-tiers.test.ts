@@ -85,10 +85,13 @@ describe('a worker\'s KV snapshot with a RAM tier', () => {
     assert.equal(again.usage.cachedTokens, 2 * blockSize);
     assert.equal(again.timestamps.kvOnboard, undefined);
 
+    // The idle worker may still be copying blocks down (more tier events) while the snapshot is asked for: its last
+    // event id is at least that of the events seen before it was asked, tier events included, and at most the last.
+    const before = events.at(-1)!.eventId;
     const snapshot = await remote.snapshot();
     const listed = new Set(snapshot.hashes);
     for (const hash of firstHashes) assert.ok(listed.has(hash), `the snapshot lists block ${hash}, which the pool holds`);
-    const lastId = events.at(-1)!.eventId;
-    assert.equal(snapshot.lastEventId, lastId);
+    assert.ok(snapshot.lastEventId >= before && snapshot.lastEventId <= events.at(-1)!.eventId,
+      `the snapshot's last event id ${snapshot.lastEventId} is among the events (${before}..${events.at(-1)!.eventId})`);
   });
 });
