@@ -112,8 +112,9 @@ function simKvTiers(config: SimWorkerConfig, blockSize: number): { tiers: KvTier
   const tiers = new KvTiers({
     blockBytes, ramBytes: spec.ramBytes ?? 0,
     ...(diskBlocks > 0 ? { disk: new RamKvTier(diskBlocks, undefined, 'disk') } : {}),
+    // One transfer latency per tier touched, then the bytes: the onboard's price, and the cost model's estimate of it.
     bandwidth: { ram: (ram.bytesPerSec * shards(ram)) / 1000, disk: (disk.bytesPerSec * shards(disk)) / 1000 },
-    // One transfer latency per tier touched, then the bytes.
+    latencyMs: { ram: ram.latencyUs / 1000, disk: disk.latencyUs / 1000 },
     priceOnboard: ({ ram: r, disk: d }) => (r > 0 ? ram.latencyUs / 1000 + r * msPerBlock(ram) : 0)
       + (d > 0 ? disk.latencyUs / 1000 + d * msPerBlock(disk) : 0),
     windowBlocks: 2 * Math.ceil((config.maxNumBatchedTokens ?? SIM_DEFAULTS.maxNumBatchedTokens) / blockSize),
@@ -496,7 +497,7 @@ export class SimWorker extends StepCore<SimTokenState> {
     const computeMs = stepTimeMs(shape, this.model, this.hw, this.tp, this.efficiency);
     // Blocks onboarded from lower tiers while the step was planned arrive before its forward pass.
     const onboardMs = this.kv.tiers?.takeOnboardMs() ?? 0;
-    // Every step's compute time, as the cpu engine measures its steps, for the tiers' cost model (step-time-fit.ts).
+    // Every step's compute time, as the cpu engine measures its steps, for the tiers' cost model (step-time-curve.ts).
     if (this.kv.tiers !== undefined) {
       let prefillTokens = 0;
       for (const chunk of shape.prefillTokens) prefillTokens += chunk.newTokens;

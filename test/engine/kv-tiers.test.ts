@@ -251,9 +251,9 @@ describe('KV tiers: onboard', () => {
   test('before any prefill was measured, a tier hit is onboarded; the measured rate then decides', () => {
     const tiers = new KvTiers({ blockBytes: 1e6, ramBytes: 1e7, bandwidth: { ram: 1e3 } });
     assert.equal(tiers.recomputeMs(16), Infinity);
-    // Steps of one size do not determine a step-time line: the average prefill rate prices the recompute.
+    // Steps of one size do not determine the step-time curve: the average prefill rate prices the recompute.
     tiers.observeStep(1600, 1, 1600);
-    assert.equal(tiers.stepTimeLine(), undefined);
+    assert.equal(tiers.stepMs(), undefined);
     assert.ok(tiers.recomputeMs(16) < tiers.onboardMs('ram', 1), '1 GB/s cannot beat 1600 tokens per ms for 1 MB blocks');
     const fast = new KvTiers({ blockBytes: 1e3, ramBytes: 1e7 });
     fast.observeStep(16, 10, 16);

@@ -16,13 +16,13 @@ describe('simulated KV tiers', () => {
     assert.deepEqual(report.rows.map((r) => r.source), ['cold', 'primary', 'ram', 'disk']);
     assert.ok(primary!.ttftMs < ram!.ttftMs && ram!.ttftMs < disk!.ttftMs && disk!.ttftMs < cold!.ttftMs,
       report.rows.map((r) => `${r.source} ${r.ttftMs}`).join(', '));
-    // The lower tiers serve whole blocks before the last token: (8192 - 1) / 16 rounded down = 511, every one of them
-    // onboarded (the evictor took the whole pool, none stayed in HBM), none recomputed.
-    for (const row of [ram!, disk!]) {
-      assert.equal(row.onboardedBlocks, 511, row.source);
-      assert.equal(row.cachedTokens, 511 * 16, row.source);
-      assert.equal(row.recomputedBlocks, 0, row.source);
-    }
+    // The lower tiers serve whole blocks before the last token: (8192 - 1) / 16 rounded down = 511 (the evictor took
+    // the whole pool, none stayed in HBM). RAM onboards every one. NVMe reads a block in about 1 ms, and a few tokens
+    // more in the step that computes the last one anyway add less: the cost model recomputes a short tail.
+    assert.deepEqual([ram!.onboardedBlocks, ram!.cachedTokens, ram!.recomputedBlocks], [511, 511 * 16, 0]);
+    assert.equal(disk!.onboardedBlocks + disk!.recomputedBlocks, 511);
+    assert.ok(disk!.recomputedBlocks >= 1 && disk!.recomputedBlocks <= 8, `${disk!.recomputedBlocks} recomputed`);
+    assert.equal(disk!.cachedTokens, disk!.onboardedBlocks * 16);
     // 80 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes = 327,680 B per token: a block of 16 is 5 MiB.
     const blockBytes = 16 * 80 * 8 * 128 * 2 * 2;
     assert.equal(blockBytes, 16 * kvBytesPerToken(model));
@@ -34,8 +34,10 @@ describe('simulated KV tiers', () => {
     assert.ok(Math.abs(ram!.onboardMs - ramMs) < 1e-6, `${ram!.onboardMs} vs ${ramMs}`);
     // NVMe: 80 us, then the whole blocks through one 5 GB/s drive.
     assert.deepEqual([NVME_GEN4.latencyUs, NVME_GEN4.bytesPerSec], [80, 5e9]);
-    const diskMs = 80 / 1000 + (511 * blockBytes / 5e9) * 1000;
-    assert.ok(Math.abs(disk!.onboardMs - diskMs) < 1e-6, `${disk!.onboardMs} vs ${diskMs}`);
+    const diskMs = (blocks: number) => 80 / 1000 + (blocks * blockBytes / 5e9) * 1000;
+    assert.ok(Math.abs(disk!.onboardMs - diskMs(disk!.onboardedBlocks)) < 1e-6, `${disk!.onboardMs} vs ${diskMs(disk!.onboardedBlocks)}`);
+    // And it pays: faster than reading all 511 and computing the last token alone (the HBM row's step).
+    assert.ok(disk!.ttftMs < diskMs(511) + primary!.ttftMs, `${disk!.ttftMs} vs ${diskMs(511) + primary!.ttftMs}`);
     // HBM: every whole block hit, the last copied (8192 is a block boundary), one token computed.
     assert.equal(primary!.cachedTokens, 8191);
     assert.equal(primary!.onboardedBlocks, 0);

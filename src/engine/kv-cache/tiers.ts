@@ -31,7 +31,7 @@
 
 import type { BlockHash, KvEvent, KvLowerTier } from '../../protocols/kv-events.ts';
 import type { KvTierStats, KvTiersStats } from '../../protocols/worker.ts';
-import { StepTimeFit, type StepTimeLine } from './step-time-fit.ts';
+import { StepTimeCurve, type StepTimeLine } from './step-time-curve.ts';
 
 export type { KvLowerTier, KvTierStats, KvTiersStats, StepTimeLine };
 
@@ -110,11 +110,16 @@ export interface KvTiersOptions {
   /** Fixed tier bandwidths in bytes per ms instead of measured ones (tests, and the simulator). */
   bandwidth?: Partial<Record<KvLowerTier, number>>;
   /**
+   * A fixed latency (ms) per onboard that reads from the tier, instead of TIER_BLOCK_OVERHEAD_MS per block (the
+   * simulator, whose tier profiles price a transfer as one latency and then the bytes).
+   */
+  latencyMs?: Partial<Record<KvLowerTier, number>>;
+  /**
    * A fixed prefill rate in tokens per ms instead of the measured step times: recomputing x tokens is then priced
    * x / rate, with no fixed part (tests that want the tier or the recompute to win outright).
    */
   prefillTokensPerMs?: number;
-  /** A fixed step-time line instead of the one fitted to the steps observed (tests). */
+  /** A fixed step-time line instead of the curve through the steps observed (tests). */
   stepTime?: StepTimeLine;
   /**
    * The simulator's price of an onboard (ms for so many blocks per tier) instead of the measured copy time; the
@@ -228,11 +233,12 @@ export class KvTiers {
   private io: KvBlockIo | undefined;
   private readonly now: () => number;
   private readonly fixedBandwidth: Partial<Record<KvLowerTier, number>>;
+  private readonly fixedLatencyMs: Partial<Record<KvLowerTier, number>>;
   private readonly measuredBandwidth: Record<KvLowerTier, number> = { ...DEFAULT_TIER_BANDWIDTH };
   /** Average prefill rate (tokens per ms of steps that computed a block of prompt or more): the fallback price. */
   private prefillTokensPerMs: number | undefined;
   private readonly fixedPrefillRate: boolean;
-  private readonly stepTimeFit = new StepTimeFit();
+  private readonly stepTimeCurve = new StepTimeCurve();
   private readonly fixedStepTime: StepTimeLine | undefined;
   private readonly counters: Partial<Record<KvLowerTier, KvTierStats>> = {};
   private missedOffloads = 0;
@@ -252,6 +258,7 @@ export class KvTiers {
     this.blockBytes = options.blockBytes;
     this.now = options.now ?? (() => performance.now());
     this.fixedBandwidth = options.bandwidth ?? {};
+    this.fixedLatencyMs = options.latencyMs ?? {};
     this.prefillTokensPerMs = options.prefillTokensPerMs;
     this.fixedPrefillRate = options.prefillTokensPerMs !== undefined;
     this.fixedStepTime = options.stepTime;
@@ -322,7 +329,10 @@ export class KvTiers {
 
   /** Milliseconds to bring `blocks` blocks from a tier into the primary pool. */
   onboardMs(tier: KvLowerTier, blocks: number): number {
+    if (blocks <= 0) return 0;
     const bandwidth = this.fixedBandwidth[tier] ?? this.measuredBandwidth[tier];
+    const latencyMs = this.fixedLatencyMs[tier];
+    if (latencyMs !== undefined) return latencyMs + blocks * this.blockBytes / bandwidth;
     return blocks * (this.blockBytes / bandwidth + TIER_BLOCK_OVERHEAD_MS[tier]);
   }
 
@@ -331,39 +341,48 @@ export class KvTiers {
    * regardless (those after the blocks a tier could serve: at least the prompt's last token), with at most
    * `chunkTokens` prompt tokens per step (the scheduler's budget: chunked prefill).
    *
-   * With a step-time line (fixed + per token) that is msPerToken for each token, plus the fixed part of each extra
-   * step the longer prefill then needs: the step that computes `anywayTokens` runs whatever is decided, so its fixed
-   * part (streaming all the weights once) is no price of recomputing a block in it. The average prefill rate would
-   * charge each token its share of that fixed part, which for a short prompt is most of the step: the model then read
-   * a block from a tier slower than the few more tokens it spared, and the request's first token came later than
-   * with no tier at all. Without a line yet (the steps seen were all of about one size) the average rate prices it
-   * all the same; before any step was measured, Infinity (a tier hit is onboarded).
+   * That is the difference between the prefill's steps with and without them, each step priced by the step-time
+   * curve (step-time-curve.ts): the step that computes `anywayTokens` runs whatever is decided, so the part of it
+   * every step pays (streaming all the weights once) is no price of recomputing a block in it. The average prefill
+   * rate would charge each token its share of that part, which for a short prompt is most of the step: the model
+   * then read a block from a tier slower than the few more tokens it spared, and the request's first token came
+   * later than with no tier at all. Until the curve is determined (the steps seen were all of about one size) the
+   * average rate prices it all the same; before any step was measured, Infinity (a tier hit is onboarded).
    */
   recomputeMs(tokens: number, anywayTokens = 0, chunkTokens = Infinity): number {
     if (tokens <= 0) return 0;
-    const line = this.stepTimeLine();
-    if (line === undefined) return this.prefillTokensPerMs === undefined ? Infinity : tokens / this.prefillTokensPerMs;
-    const steps = (promptTokens: number) => (promptTokens > 0 ? Math.max(1, Math.ceil(promptTokens / chunkTokens)) : 0);
-    return line.msPerToken * tokens + line.fixedMs * (steps(anywayTokens + tokens) - steps(anywayTokens));
+    const stepMs = this.stepMs();
+    if (stepMs === undefined) return this.prefillTokensPerMs === undefined ? Infinity : tokens / this.prefillTokensPerMs;
+    // Chunked prefill computes the prompt in full steps of chunkTokens and a last one of the rest.
+    const prefillMs = (promptTokens: number) => {
+      if (promptTokens <= 0) return 0;
+      if (!(promptTokens > chunkTokens)) return stepMs(promptTokens);
+      const fullSteps = Math.floor(promptTokens / chunkTokens);
+      const rest = promptTokens - fullSteps * chunkTokens;
+      return fullSteps * stepMs(chunkTokens) + (rest > 0 ? stepMs(rest) : 0);
+    };
+    return Math.max(0, prefillMs(anywayTokens + tokens) - prefillMs(anywayTokens));
   }
 
   /**
-   * The step-time line recompute is priced with: the fixed one (options.stepTime), else the fit to the steps observed;
-   * undefined while the fit is not determined, or when a fixed average rate (options.prefillTokensPerMs) replaces it.
+   * The time of a step of so many tokens that recompute is priced with: the fixed line (options.stepTime), else the
+   * curve through the steps observed; undefined while the curve is not determined, or when a fixed average rate
+   * (options.prefillTokensPerMs) replaces it.
    */
-  stepTimeLine(): StepTimeLine | undefined {
-    if (this.fixedStepTime !== undefined) return this.fixedStepTime;
-    return this.fixedPrefillRate ? undefined : this.stepTimeFit.line();
+  stepMs(): ((tokens: number) => number) | undefined {
+    const line = this.fixedStepTime;
+    if (line !== undefined) return (tokens) => line.fixedMs + line.msPerToken * tokens;
+    return this.fixedPrefillRate ? undefined : this.stepTimeCurve.stepMs();
   }
 
   /**
    * A step computed `tokens` tokens, `prefillTokens` of them prompt tokens, in `ms`. Every step feeds the step-time
-   * fit (decode steps are what pins its fixed part down); steps that computed a block of prompt or more also feed the
-   * average prefill rate, the price while the fit is not determined.
+   * curve (decode steps are what pins its low end down); steps that computed a block of prompt or more also feed the
+   * average prefill rate, the price while the curve is not determined.
    */
   observeStep(tokens: number, ms: number, prefillTokens: number): void {
     if (tokens <= 0 || !(ms > 0)) return;
-    this.stepTimeFit.observe(tokens, ms);
+    this.stepTimeCurve.observe(tokens, ms);
     if (this.fixedPrefillRate || prefillTokens < this.blockSize) return;
     const rate = tokens / ms;
     this.prefillTokensPerMs = this.prefillTokensPerMs === undefined ? rate : (1 - EWMA) * this.prefillTokensPerMs + EWMA * rate;
@@ -396,9 +415,10 @@ export class KvTiers {
     const anywayTokens = numTokens - (from + tiers.length) * blockSize;
     let bestOnboarded = 0;
     let bestMs = this.recomputeMs(tiers.length * blockSize, anywayTokens, chunkTokens);
-    let onboardMs = 0;
+    const onboardedFrom: Record<KvLowerTier, number> = { ram: 0, disk: 0 };
     for (let onboarded = 1; onboarded <= tiers.length; onboarded++) {
-      onboardMs += this.onboardMs(tiers[onboarded - 1]!, 1);
+      onboardedFrom[tiers[onboarded - 1]!]++;
+      const onboardMs = this.onboardMs('ram', onboardedFrom.ram) + this.onboardMs('disk', onboardedFrom.disk);
       const ms = onboardMs + this.recomputeMs((tiers.length - onboarded) * blockSize, anywayTokens, chunkTokens);
       if (ms < bestMs) {
         bestMs = ms;
