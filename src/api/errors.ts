@@ -262,7 +262,17 @@ export class RateLimitError extends ApiError {
   }
 }
 
-/** The request alone reserves more tokens than the tenant may use in a minute: waiting will never help. */
+/**
+ * The official OpenAI SDKs retry every 429 (twice by default) unless the answer carries this header: the refusals
+ * that waiting cannot cure say so, or the client would send the same hopeless request again.
+ */
+const DO_NOT_RETRY: Readonly<Record<string, string>> = { 'x-should-retry': 'false' };
+
+/**
+ * The request alone reserves more tokens than the tenant may use in a minute: waiting will never help. OpenAI's
+ * answer to a request over the tokens-per-minute limit by itself is this 429 ("Request too large ...", code
+ * rate_limit_exceeded), so clients that handle OpenAI's errors handle it; no Retry-After, and x-should-retry: false.
+ */
 export class RequestExceedsTokenLimitError extends ApiError {
   /**
    * maxTokensUnset: the request left max_tokens out, so each completion reserves the most it may generate (the
@@ -274,7 +284,7 @@ export class RequestExceedsTokenLimitError extends ApiError {
       `Request too large for tenant '${tenant}': it reserves ${reservedTokens} tokens (prompt + n * max_tokens`
       + (maxTokensUnset ? '; max_tokens was not set, so each completion reserves the most it may generate' : '')
       + `) but the limit is ${limitPerMinute} tokens per minute. ${maxTokensUnset ? 'Set max_tokens, or lower n.' : 'Lower max_tokens or n.'}`,
-      'max_tokens');
+      'max_tokens', DO_NOT_RETRY);
   }
 }
 
@@ -287,12 +297,12 @@ export class ConcurrencyLimitError extends ApiError {
   }
 }
 
-/** A request of more sequences than its tenant may ever run at once: waiting cannot help, so no Retry-After. */
+/** A request of more sequences than its tenant may ever run at once: waiting cannot help, so no Retry-After (and no retry). */
 export class RequestExceedsConcurrencyError extends ApiError {
   constructor(tenant: string, sequences: number, limit: number) {
     super(429, 'concurrency_limit_exceeded', 'requests',
       `Request too large for tenant '${tenant}': it runs ${sequences} sequences (prompts x n) but the tenant may run ${limit} at once. `
-      + 'Lower n or send fewer prompts.', 'n');
+      + 'Lower n or send fewer prompts.', 'n', DO_NOT_RETRY);
   }
 }
 

@@ -147,7 +147,7 @@ const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
  * Response headers a cross-origin page may read: the request's id, retry hints, its trace context and the tenant's
  * rate-limit state (RateLimiter.headers).
  */
-const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'traceparent', 'tracestate', ...RATE_LIMIT_HEADER_NAMES].join(', ');
+const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'x-should-retry', 'traceparent', 'tracestate', ...RATE_LIMIT_HEADER_NAMES].join(', ');
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
 interface MultiWorkerEngine extends Engine {
