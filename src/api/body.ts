@@ -3,7 +3,7 @@
 
 import { isUtf8 } from 'node:buffer';
 import type { IncomingMessage } from 'node:http';
-import { BodyTooLargeError, ClientClosedRequestError, InvalidJsonError, InvalidUtf8Error } from './errors.ts';
+import { BodyTooLargeError, ClientClosedRequestError, InvalidJsonError, InvalidUtf8Error, quoted } from './errors.ts';
 
 /**
  * The body, at most `limitBytes` of it. `accepted` runs once the announced size is within the limit, before a byte is
@@ -51,15 +51,26 @@ export function readBody(req: IncomingMessage, limitBytes: number, accepted?: ()
   });
 }
 
-/** Bytes to a JSON value: invalid UTF-8 and invalid JSON are both the client's 400. */
-export function parseJsonBytes(bytes: Buffer): unknown {
+/**
+ * Bytes to a JSON value: invalid UTF-8 and invalid JSON are both the client's 400. The body is read as JSON whatever
+ * its Content-Type (curl's -d sends application/x-www-form-urlencoded, fetch with a string body text/plain); when it
+ * is not JSON and was sent as another type (a form, most likely), the message says so and what the API takes.
+ */
+export function parseJsonBytes(bytes: Buffer, contentType?: string): unknown {
   if (!isUtf8(bytes)) throw new InvalidUtf8Error();
   let text = bytes.toString('utf8');
   if (text.charCodeAt(0) === 0xfeff) text = text.slice(1);
-  if (text.trim() === '') throw new InvalidJsonError('the body is empty.');
+  if (text.trim() === '') throw new InvalidJsonError(`the body is empty.${sentAsHint(contentType)}`);
   try {
     return JSON.parse(text);
   } catch (err) {
-    throw new InvalidJsonError((err as Error).message);
+    throw new InvalidJsonError(`${(err as Error).message}${sentAsHint(contentType)}`);
   }
+}
+
+/** " (it was sent as <type>; ...)" for a Content-Type that is not JSON's; "" for JSON's or none. */
+function sentAsHint(contentType: string | undefined): string {
+  const mediaType = contentType?.split(';')[0]!.trim().toLowerCase();
+  if (mediaType === undefined || mediaType === '' || mediaType === 'application/json' || mediaType.endsWith('+json')) return '';
+  return ` (it was sent as ${quoted(mediaType, 100)}; the API takes a JSON body, as Content-Type: application/json)`;
 }

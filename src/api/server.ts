@@ -778,7 +778,8 @@ export class ApiServer {
         bodyFullyRead = true;
         trace?.bodyRead(bytes.length);
         try {
-          body = found.route.bodyOptional && bytes.toString('utf8').trim() === '' ? undefined : parseJsonBytes(bytes);
+          body = found.route.bodyOptional && bytes.toString('utf8').trim() === '' ? undefined
+            : parseJsonBytes(bytes, req.headers['content-type']);
         } catch (err) {
           const model = this.gateway.servedModelName;
           trace?.validated({ ok: false, ...(model !== undefined ? { model } : {}) });
