@@ -191,6 +191,8 @@ export interface Call {
   clientGone: AbortSignal;
   /** Headers that every answer to this call carries, success or error (request id, rate limits). */
   headers: Record<string, string>;
+  /** Fields of the body the endpoint does not read (GenerationOptions.ignoredFields), for the server's warning. */
+  ignoredFields?: string[];
 }
 
 export type JsonReply = { status: number; body: object };
@@ -589,6 +591,7 @@ export class Gateway {
       call.trace?.validated({ ok: false, ...this.modelFields(target ?? (typeof named === 'string' || named === undefined ? this.servedTarget(named) : undefined)) });
       throw err;
     }
+    if (request.ignoredFields && request.ignoredFields.length > 0) call.ignoredFields = request.ignoredFields;
     call.trace?.validated({
       ok: true, ...this.modelFields(target), stream: request.stream, temperature: request.temperature, n: request.n,
       ...(request.maxTokens !== undefined ? { maxTokens: request.maxTokens } : {}),

@@ -147,6 +147,9 @@ const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
  * Response headers a cross-origin page may read: the request's id, retry hints, its trace context and the tenant's
  * rate-limit state (RateLimiter.headers).
  */
+/** Ignored fields one warning names (warnIgnoredFields); a body may hold thousands. */
+const MAX_IGNORED_FIELDS_NAMED = 8;
+
 const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'x-should-retry', 'traceparent', 'tracestate', ...RATE_LIMIT_HEADER_NAMES].join(', ');
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
@@ -811,6 +814,7 @@ export class ApiServer {
         clientGone: clientGone.signal.aborted && !timedOut, bodyIncomplete: readingBody,
       });
       this.metrics.countResponse(routeName, status, call.tenant.name);
+      if (call.ignoredFields) this.warnIgnoredFields(path, call, call.ignoredFields);
       this.logRequest(method, path, routeName, status, call, call.clientRequestId ?? bodyRequestId, performance.now() - startedMs);
     }
   }
@@ -838,6 +842,21 @@ export class ApiServer {
     const line = fields.join(' ');
     if ((this.options.requestLog ?? true) && !PROBE_ROUTES.has(routeName)) this.logger.info(line);
     else this.logger.debug(line);
+  }
+
+  /**
+   * vLLM's warning for the fields of a request it ignores: a misspelt field ("max_token") would otherwise leave the
+   * request on a default without a trace. Names are the client's: a few of them, each cut short, quoted when odd.
+   */
+  private warnIgnoredFields(path: string, call: Call, fields: readonly string[]): void {
+    const names = fields.slice(0, MAX_IGNORED_FIELDS_NAMED).map((name) => {
+      const short = name.length > 64 ? `${name.slice(0, 64)}...` : name;
+      return /^[\w.-]+$/.test(short) ? short : JSON.stringify(short);
+    });
+    const more = fields.length > names.length ? ` and ${fields.length - names.length} more` : '';
+    const one = fields.length === 1;
+    this.logger.warn(`request ${call.requestId ?? '-'}: the request's ${one ? 'field' : 'fields'} ${names.join(', ')}${more} `
+      + `${one ? 'is' : 'are'} not read by ${path} and ${one ? 'was' : 'were'} ignored`);
   }
 
   /** An X-Request-Id that may not name a request (requestIdProblem) is refused: it would name the response. */

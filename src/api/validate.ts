@@ -116,7 +116,15 @@ export function readObject(param: string, value: unknown): JsonObject {
 
 /** The fields of one JSON object, read with their paths. */
 export class Fields {
+  /** Every key asked about (has, and so every accessor): what unreadKeys leaves out. */
+  private readonly asked = new Set<string>();
+
   constructor(readonly object: JsonObject, readonly prefix = '') {}
+
+  /** The object's keys no accessor asked about: fields a parser that is done ignored. */
+  unreadKeys(): string[] {
+    return Object.keys(this.object).filter((key) => !this.asked.has(key));
+  }
 
   path(key: string): string {
     return childPath(this.prefix, key);
@@ -124,6 +132,7 @@ export class Fields {
 
   /** Present and not null. */
   has(key: string): boolean {
+    this.asked.add(key);
     return Object.hasOwn(this.object, key) && this.object[key] !== null && this.object[key] !== undefined;
   }
 

@@ -211,5 +211,6 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
     continueFinalMessage,
     addSpecialTokens: fields.boolean('add_special_tokens') ?? false,
     ...(chatTemplateKwargs ? { chatTemplateKwargs } : {}),
+    ignoredFields: fields.unreadKeys(),
   };
 }

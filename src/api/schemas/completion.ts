@@ -65,8 +65,16 @@ function readPrompts(fields: Fields, context: ValidationContext): PromptInput[] 
   });
 }
 
+/** Keys neither the body's fields nor those read in their place (echo's prompt-only request) asked about. */
+function unreadByBoth(given: Fields, read: Fields): string[] {
+  if (given === read) return given.unreadKeys();
+  const unread = new Set(read.unreadKeys());
+  return given.unreadKeys().filter((key) => unread.has(key));
+}
+
 export function parseCompletionRequest(body: unknown, context: ValidationContext): CompletionRequest {
-  let fields = new Fields(readObject('body', body));
+  const given = new Fields(readObject('body', body));
+  let fields = given;
   rejectUnsupported(fields, UNSUPPORTED_COMPLETION);
   const promptOnly = fields.raw('max_tokens') === 0 && fields.raw('max_completion_tokens') === undefined && fields.boolean('echo') === true;
   if (promptOnly) fields = new Fields({ ...fields.object, max_tokens: 1 });
@@ -87,5 +95,6 @@ export function parseCompletionRequest(body: unknown, context: ValidationContext
   const echo = fields.boolean('echo') ?? false;
   const logprobs = fields.integer('logprobs', { min: 0, max: MAX_LOGPROBS }) ?? null;
   const addSpecialTokens = fields.boolean('add_special_tokens') ?? true;
-  return { ...options, prompts: readPrompts(fields, context), echo, promptOnly, logprobs, addSpecialTokens };
+  const prompts = readPrompts(fields, context);
+  return { ...options, prompts, echo, promptOnly, logprobs, addSpecialTokens, ignoredFields: unreadByBoth(given, fields) };
 }

@@ -27,6 +27,11 @@ type DirectSamplingFields = 'n' | 'temperature' | 'topP' | 'topK' | 'minP' | 're
 
 export interface GenerationOptions extends Pick<SamplingParams, DirectSamplingFields> {
   model?: string;
+  /**
+   * Fields of the body the endpoint does not read, ignored as vLLM ignores them (and, as vLLM does, warned about in
+   * the server's log: a misspelt field would otherwise pass unnoticed).
+   */
+  ignoredFields?: string[];
   stream: boolean;
   /** stream_options.include_usage: a last chunk with empty choices carries usage. */
   includeUsage: boolean;

@@ -306,6 +306,8 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   }
   // The stream always ends with the whole response, usage included.
   chat.includeUsage = chat.stream;
+  // Read above into the chat body or not at all: the Responses body's own fields are the ones to name.
+  chat.ignoredFields = fields.unreadKeys();
   return {
     chat,
     messageParam,
