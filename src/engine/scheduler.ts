@@ -328,7 +328,11 @@ export class Scheduler {
     }
     const { n, maxTokens, minTokens } = r.sampling;
     if (!Number.isSafeInteger(n) || n < 1) reject('invalid_request', `sampling.n must be a positive integer, got ${n}`);
-    if (n > this.maxNumSeqs) reject('too_many_samples', `sampling.n = ${n} exceeds maxNumSeqs = ${this.maxNumSeqs}`);
+    // A prompt's n sequences are forked from one prefill and run together, so they must fit one batch.
+    if (n > this.maxNumSeqs) {
+      reject('too_many_samples', `n = ${n} is more than one engine batch holds (--max-num-seqs ${this.maxNumSeqs}): `
+        + 'the n completions of a prompt run together');
+    }
     if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) reject('invalid_request', `sampling.maxTokens must be a positive integer, got ${maxTokens}`);
     if (!Number.isSafeInteger(minTokens) || minTokens < 0) reject('invalid_request', `sampling.minTokens must be an integer >= 0, got ${minTokens}`);
     if (!Number.isFinite(r.priority)) reject('invalid_request', `priority must be a finite number, got ${r.priority}`);

@@ -88,7 +88,7 @@ describe('Scheduler: one request', () => {
     rejects(makeRequest('long', prompt(0, 12)), 'prompt_too_long', /12 tokens leaves no room for output within the context length 12/);
     rejects(makeRequest('empty', []), 'invalid_request', /promptTokenIds must be a non-empty array/);
     rejects(makeRequest('neg', [5, -1]), 'invalid_request', /promptTokenIds\[1\] is -1/);
-    rejects(makeRequest('many', prompt(0, 3), { sampling: { n: 3 } }), 'too_many_samples', /n = 3 exceeds maxNumSeqs = 2/);
+    rejects(makeRequest('many', prompt(0, 3), { sampling: { n: 3 } }), 'too_many_samples', /n = 3 is more than one engine batch holds \(--max-num-seqs 2\)/);
     rejects(makeRequest('zero', prompt(0, 3), { sampling: { maxTokens: 0 } }), 'invalid_request', /maxTokens must be a positive integer/);
     scheduler.addRequest(makeRequest('ok', prompt(0, 3)), 0);
     rejects(makeRequest('ok', prompt(1, 3)), 'duplicate_request_id', /already scheduled/);
