@@ -142,9 +142,10 @@ export class NoChatTemplateError extends ApiError {
   }
 }
 
-/** The engine refused the request as given (its own checks, e.g. more KV than the pool holds). */
 /** The request field an engine refusal is about, where one is (the 400 names it as a validation error would). */
 const ENGINE_REJECTION_PARAMS: Readonly<Record<string, string>> = { too_many_samples: 'n' };
+
+/** The engine refused the request as given (its own checks, e.g. more KV than the pool holds). */
 
 export class EngineRejectedError extends ApiError {
   constructor(engineCode: string, detail: string) {

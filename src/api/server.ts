@@ -143,13 +143,13 @@ function answeredMethods(route: Route): string[] {
 
 /** Routes polled by orchestrators and scrapers: their request lines are debug-level, not info. */
 const PROBE_ROUTES = new Set(['health', 'live', 'metrics', 'console_overview']);
+/** Ignored fields one warning names (warnIgnoredFields); a body may hold thousands. */
+const MAX_IGNORED_FIELDS_NAMED = 8;
+
 /**
  * Response headers a cross-origin page may read: the request's id, retry hints, its trace context and the tenant's
  * rate-limit state (RateLimiter.headers).
  */
-/** Ignored fields one warning names (warnIgnoredFields); a body may hold thousands. */
-const MAX_IGNORED_FIELDS_NAMED = 8;
-
 const CORS_EXPOSED_HEADERS = ['X-Request-Id', 'Retry-After', 'retry-after-ms', 'x-should-retry', 'traceparent', 'tracestate', ...RATE_LIMIT_HEADER_NAMES].join(', ');
 
 /** An engine that runs several workers and reports each (the routed and the disaggregated engines). */
