@@ -76,6 +76,13 @@ export interface WorkerServerOptions {
   onAdaptersChanged?: () => void;
 }
 
+/**
+ * Bytes written to a frontend's connection that it has not read yet, past which the worker reads no more of that
+ * connection's frames until they are sent: a few frames of a few bytes each (card, snapshot) are answered with
+ * megabytes, and a peer that asks without reading must not make the worker hold every answer.
+ */
+export const MAX_UNSENT_BYTES = 8 * 1024 * 1024;
+
 /** How long a KV stream started before its handoff may wait for it (the prefill's queue and compute). */
 const STREAM_UNCLAIMED_MS = 10 * 60_000;
 /**
@@ -283,6 +290,13 @@ export class WorkerServer {
     return open;
   }
 
+  /** Bytes written to the connections and not yet sent (a frontend that does not read holds them here). */
+  get unsentBytes(): number {
+    let bytes = 0;
+    for (const c of this.connections) bytes += c.socket.writableLength;
+    return bytes;
+  }
+
   /** Requests running now. */
   get inFlight(): number {
     return this.running.size;
@@ -409,10 +423,10 @@ export class WorkerServer {
     const reader = new FrameReader(MAX_HELLO_BYTES);
     // A peer that never says hello does not hold the connection.
     const helloTimer = setTimeout(() => this.refuse(connection, 'no hello within 10 s'), 10_000);
-    socket.on('data', (chunk: Buffer) => {
-      if (socket.destroyed) return;
+    /** Frames wait in the reader until what was written to the peer is sent (see MAX_UNSENT_BYTES). */
+    let waitingForDrain = false;
+    const handleFrames = (): void => {
       try {
-        reader.write(chunk);
         for (let frame = reader.next(); frame && !socket.destroyed; frame = reader.next()) {
           if (frame.kind !== FRAME_JSON) throw new FrameError('a worker accepts JSON frames only');
           if (frame.oversizedBytes !== undefined) {
@@ -430,10 +444,33 @@ export class WorkerServer {
             continue;
           }
           this.handle(connection, message);
+          if (socket.writableLength > MAX_UNSENT_BYTES && !socket.destroyed) {
+            // A peer that asks (model cards, snapshots: a few bytes each, megabytes answered) faster than it reads
+            // would otherwise make this process buffer every answer. Its next frames wait, unread, until it reads.
+            waitingForDrain = true;
+            socket.pause();
+            socket.once('drain', () => {
+              waitingForDrain = false;
+              if (socket.destroyed) return;
+              socket.resume();
+              handleFrames();
+            });
+            return;
+          }
         }
       } catch (error) {
         this.refuse(connection, (error as Error).message);
       }
+    };
+    socket.on('data', (chunk: Buffer) => {
+      if (socket.destroyed) return;
+      try {
+        reader.write(chunk);
+      } catch (error) {
+        this.refuse(connection, (error as Error).message);
+        return;
+      }
+      if (!waitingForDrain) handleFrames();
     });
     socket.on('error', () => {});
     socket.on('close', () => {

@@ -12,10 +12,10 @@ import { createLocalEngine, type LocalEngine } from '../../src/engine/local-engi
 import { DEFAULT_SAMPLING, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { tokenizerFromWorkerSource } from '../../src/model/tokenizer/worker-source.ts';
 import type { TokenizerWorkerSource } from '../../src/model/tokenizer/types.ts';
-import { encodeJsonFrame, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
+import { encodeJsonFrame, FRAME_BLOB, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
 import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
 import { REQUEST_PLANE_VERSION } from '../../src/cluster/request-plane.ts';
-import { WorkerServer } from '../../src/cluster/worker-server.ts';
+import { MAX_UNSENT_BYTES, WorkerServer } from '../../src/cluster/worker-server.ts';
 import { collect, text, tokens } from '../helpers/outputs.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
 import { writeWorkerLossFixture } from '../helpers/worker-loss.ts';
@@ -179,6 +179,34 @@ describe('request plane', () => {
     const tokenizer = tokenizerFromWorkerSource(card.tokenizer as TokenizerWorkerSource);
     assert.deepEqual(tokenizer.encode('Hello there, distributed world'), bundle.tokenizer.encode('Hello there, distributed world'));
     assert.equal(card.chatTemplate.isFallback, bundle.chatTemplate.isFallback);
+  });
+
+  test('a peer that asks for model cards without reading the answers does not make the worker buffer them all', async () => {
+    const socket = net.connect({ host: '127.0.0.1', port });
+    socket.on('error', () => {});
+    // Nothing is read until the end: the answers pile up in the kernel's buffers, then in the worker's.
+    socket.pause();
+    await new Promise((resolve) => socket.once('connect', resolve));
+    const asks = 40;
+    socket.write(Buffer.concat([encodeJsonFrame({ t: 'hello', v: REQUEST_PLANE_VERSION, token: TOKEN }),
+      ...Array.from({ length: asks }, () => encodeJsonFrame({ t: 'card' }))]));
+    const cardBytes = encodeJsonFrame({ t: 'card' }).length;
+    assert.ok(cardBytes < 20, 'each ask is a few bytes');
+    // The worker answers until its unsent bytes pass its bound, and then reads no more of the connection.
+    await waitUntil(() => server.unsentBytes > MAX_UNSENT_BYTES, 'the worker answered past its bound');
+    await new Promise((resolve) => setTimeout(resolve, 300));
+    const oneCard = 2 * 1024 * 1024;
+    assert.ok(server.unsentBytes < MAX_UNSENT_BYTES + oneCard,
+      `${server.unsentBytes} bytes held for a peer that sent ${asks} asks of ${cardBytes} bytes (bound ${MAX_UNSENT_BYTES})`);
+    // Deferred, not dropped: once the peer reads, every card comes, and the connection serves on.
+    const reader = new FrameReader(64 * 1024 * 1024);
+    let cards = 0;
+    socket.on('data', (chunk) => { for (const frame of reader.push(chunk)) if (frame.kind === FRAME_BLOB) cards++; });
+    socket.resume();
+    await waitUntil(() => cards === asks, `all ${asks} cards arrived (${cards})`, 60_000);
+    socket.destroy();
+    const remote = await connect();
+    assert.equal(tokens(await collect(remote.generate(request({ maxTokens: 3 })))).length, 3);
   });
 
   test('KV events reach a connection that asked for them, and a snapshot matches them', async () => {
