@@ -10,6 +10,8 @@
 // no worker has joined, that is why the frontend serves nothing, and /health and refused requests say so
 // (notServingReason), where they would otherwise only say it is loading; as they say that prefill workers joined
 // before any decode worker wait for one.
+// Prefill workers waiting for a decode worker that all leave decide nothing any more: nothing was built from their
+// model card, and the next worker decides again (aggregated or prefill/decode, its model).
 // A key that names no usable worker (an address without its port, say) is logged once and ignored by the watch
 // (discovery.ts): it never stops the frontend.
 // A worker has one connection at a time: a re-registration (a restart on a new port, or another process behind the
@@ -190,6 +192,15 @@ export class ClusterFrontend {
     return member.remote;
   }
 
+  /**
+   * The prefill workers that joined before any decode worker and are still there: one that left (its connection
+   * lost, or closed when its key went) is dropped from the list, and decides nothing any more.
+   */
+  private prefillStillWaiting(): RemoteEngine[] {
+    for (let i = this.waitingPrefill.length - 1; i >= 0; i--) if (this.waitingPrefill[i]!.gone) this.waitingPrefill.splice(i, 1);
+    return this.waitingPrefill;
+  }
+
   /** Resolves with the engine once the first worker has joined. */
   ready(): Promise<FrontendEngine> {
     const engine = this.engine ?? this.disaggregated;
@@ -220,7 +231,7 @@ export class ClusterFrontend {
     if (unreadable.length === 0) {
       // Prefill workers joined before any decode worker: the model is known, but nothing serves until a decode worker
       // joins (joinDisaggregated), which waiting alone does not bring.
-      const prefill = this.waitingPrefill.filter((remote) => !remote.lost).length;
+      const prefill = this.prefillStillWaiting().length;
       if (prefill === 0) return undefined;
       return `${prefill} prefill worker${prefill > 1 ? 's have' : ' has'} joined, but no decode worker: prefill and decode `
         + 'workers are served from when the first decode worker (conduit worker --role decode) joins';
@@ -390,6 +401,12 @@ export class ClusterFrontend {
     // below looks at what the frontend serves: another worker can join while it is read, and from here to the engine
     // being built nothing waits, so two workers joining at once end as they would one after the other (the first
     // whose card came decides aggregated or disaggregated). A tokenizer is set exactly when that was decided.
+    if (this.tokenizer && !this.engine && !this.disaggregated && this.prefillStillWaiting().length === 0) {
+      // The prefill workers whose card decided what this frontend serves have all left before any decode worker
+      // came: nothing serves their model, so the next worker decides again, with its own model card.
+      this.tokenizer = undefined;
+      this.chatTemplate = undefined;
+    }
     if (!this.tokenizer) {
       const card = await remote.modelCard();
       if (this.abandoned(member, remote)) {
@@ -398,7 +415,7 @@ export class ClusterFrontend {
       }
       if (!this.tokenizer) this.adoptModel(card, remote.info);
     }
-    if (remote.role !== 'both' || this.disaggregated || this.waitingPrefill.length > 0) {
+    if (remote.role !== 'both' || this.disaggregated || this.prefillStillWaiting().length > 0) {
       if (!(await this.joinDisaggregated(member, remote))) return;
     } else if (!this.engine) {
       this.router = makeRouter({
@@ -460,7 +477,7 @@ export class ClusterFrontend {
       return false;
     };
     if (this.engine || remote.role === 'both') return refuse(`role ${remote.role}, but this frontend serves ${this.engine ? 'aggregated (both)' : 'prefill and decode'} workers`);
-    const first = this.disaggregated?.info ?? this.waitingPrefill[0]?.info;
+    const first = this.disaggregated?.info ?? this.prefillStillWaiting()[0]?.info;
     if (first && (remote.info.modelName !== first.modelName || remote.info.blockSize !== first.blockSize)) {
       return refuse(`serves ${remote.info.modelName} with blocks of ${remote.info.blockSize} tokens; this frontend serves ${first.modelName} with blocks of ${first.blockSize}`);
     }
@@ -491,7 +508,7 @@ export class ClusterFrontend {
       this.options.log('info', `prefill worker ${id} waits for a decode worker`);
       return true;
     }
-    const prefill = this.waitingPrefill.splice(0).filter((p) => !p.lost);
+    const prefill = this.prefillStillWaiting().splice(0);
     // The policy's starting estimates: those the decode worker's record gives (simulated workers' link and
     // performance model), else the engine's CPU defaults; measured transfers and prefills refine them.
     const estimates = member.record.disaggregationEstimates;
