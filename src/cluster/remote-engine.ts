@@ -56,6 +56,13 @@ export interface RemoteEngineOptions {
   log?: (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
 }
 
+/**
+ * The prefill worker connection each handoff came from. A decode worker pulls a handoff's blocks from the process
+ * that pinned them: by worker id alone (kvSourceAddress) that is whichever process holds the id now, and a prefill
+ * worker restarted under its id while the old process drains would be asked for blocks it never had.
+ */
+const handoffOrigins = new WeakMap<KvHandoff, RemoteEngine>();
+
 interface Pending<T> {
   resolve(value: T): void;
   reject(error: Error): void;
@@ -248,12 +255,19 @@ export class RemoteEngine implements RoutableEngine {
     if (this.lostError) throw new WorkerLostError(this.workerId, this.lostError.message);
     if (this.closed) throw new EngineClosedError('engine is closed');
     if (this.streams.has(request.id)) throw new InvalidRequestError('duplicate_request_id', request.id, 'a request with this id is already running');
-    const source = sourceId !== null ? this.kvSourceAddress?.(sourceId) ?? null : null;
+    const source = sourceId !== null ? this.originAddress(handoff, sourceId) ?? this.kvSourceAddress?.(sourceId) ?? null : null;
     const frame = this.requestFrame(request.id, { t: 'adopt', handoff: toWireHandoff(handoff), source, sentAt: engineNow() });
     const queue = new AsyncQueue<EngineOutput>();
     this.streams.set(request.id, queue);
     this.socket.write(frame);
     return this.follow(this.streams, request.id, queue);
+  }
+
+  /** The KV port of the prefill worker connection the handoff came from, while that connection stands. */
+  private originAddress(handoff: KvHandoff, sourceId: string): { host: string; port: number } | undefined {
+    const origin = handoffOrigins.get(handoff);
+    if (!origin || origin.workerId !== sourceId || origin.gone || origin.kvPort === undefined) return undefined;
+    return { host: splitAddress(origin.address).host, port: origin.kvPort };
   }
 
   /**
@@ -483,7 +497,9 @@ export class RemoteEngine implements RoutableEngine {
         const prefill = this.prefills.get(String(m.id));
         if (!prefill) return;
         this.handedOff.add(String(m.id));
-        prefill.pushHandoff(parseWireHandoff(m.handoff));
+        const handoff = parseWireHandoff(m.handoff);
+        handoffOrigins.set(handoff, this);
+        prefill.pushHandoff(handoff);
         return;
       }
       case 'adopted': {
