@@ -288,6 +288,7 @@ function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<Load
     pairs.set(match[1]!, entry);
   }
   const layers = emptyLayers(base);
+  const claimed = new Map<string, string>();
   let rank = 0;
   for (const [weight, { a, b }] of pairs) {
     if (a === undefined || b === undefined) throw new LoraAdapterError(`${path}: ${weight} has lora_${a ? 'a' : 'b'} without lora_${a ? 'b' : 'a'}`);
@@ -296,6 +297,7 @@ function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<Load
     const target = match && Object.hasOwn(GGUF_WEIGHTS, match[2]!) ? GGUF_WEIGHTS[match[2]!] : undefined;
     if (!match || target === undefined) throw new LoraAdapterError(`${path}: ${weight} is not a projection Conduit adapts (attn_q/k/v/output, ffn_gate/up/down of a layer)`);
     const layer = Number(match[1]);
+    claimOnce(claimed, path, layer, target, weight);
     const ta = file.tensor(a);
     const tb = file.tensor(b);
     // lora_a: ggml [in, rank] = rank rows of `in`; lora_b: ggml [rank, out] = out rows of `rank`.
@@ -320,6 +322,22 @@ function ggufAdapter(file: GgufFile, path: string, base: ModelConfig): Omit<Load
     }
   }
   return finish(layers, rank, alpha, alpha !== 0 ? alpha / rank : 1, 'gguf', path);
+}
+
+/**
+ * Records that `weight` adapts `target` of `layer`, refusing a second name for the same projection: blk.0 and blk.00
+ * (the layer is read as a number), or a PEFT module under two prefixes, would otherwise both be read and the one read
+ * last would replace the other, silently. llama.cpp looks each name up in the base model as written, so it refuses
+ * blk.00 outright; here a lone blk.00 is taken as layer 0, and two names for one projection are refused, naming both.
+ */
+function claimOnce(claimed: Map<string, string>, path: string, layer: number, target: LoraTarget, weight: string): void {
+  const key = `${layer}.${target}`;
+  const earlier = claimed.get(key);
+  if (earlier !== undefined) {
+    throw new LoraAdapterError(`${path}: ${earlier} and ${weight} both adapt the same projection (${target} of layer ${layer}); ` +
+      'an adapter names each projection once');
+  }
+  claimed.set(key, weight);
 }
 
 function toF32(t: { type: GgmlType; data: Uint8Array; shape: number[]; name: string }): Float32Array {
@@ -394,13 +412,20 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
   const scale = json.use_rslora === true ? alpha / Math.sqrt(r) : alpha / r;
   const file = readSafetensors(tensorsPath);
   const layers = emptyLayers(base);
+  const claimed = new Map<string, string>();
   let rank = 0;
   const pairs = new Map<string, { a?: string; b?: string }>();
   for (const name of file.entries.keys()) {
     const match = /^(.*)\.lora_(A|B)(?:\.default)?\.weight$/.exec(name);
     if (!match) throw new LoraAdapterError(`${tensorsPath}: tensor ${name} is not a lora_A / lora_B weight (embedding and bias adapters are not supported)`);
     const entry = pairs.get(match[1]!) ?? {};
-    entry[match[2] === 'A' ? 'a' : 'b'] = name;
+    const side = match[2] === 'A' ? 'a' : 'b';
+    // x.lora_A.weight and x.lora_A.default.weight are the same matrix twice: which one PEFT would use is unclear.
+    if (entry[side] !== undefined) {
+      throw new LoraAdapterError(`${tensorsPath}: ${entry[side]} and ${name} are both lora_${match[2]} of ${match[1]}; ` +
+        'an adapter names each matrix once');
+    }
+    entry[side] = name;
     pairs.set(match[1]!, entry);
   }
   for (const [weight, { a, b }] of pairs) {
@@ -409,6 +434,7 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     const target = match && Object.hasOwn(PEFT_WEIGHTS, match[2]!) ? PEFT_WEIGHTS[match[2]!] : undefined;
     if (!match || target === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} is not a projection Conduit adapts (q/k/v/o_proj, gate/up/down_proj of a layer)`);
     const layer = Number(match[1]);
+    claimOnce(claimed, tensorsPath, layer, target, weight);
     const ta = file.tensor(a);
     const tb = file.tensor(b);
     // Tensor shapes are in ggml order: lora_A [rank, in] row-major is ggml [in, rank]; lora_B [out, rank] is [rank, out].

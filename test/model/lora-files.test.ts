@@ -2,7 +2,8 @@
 // regular files, never read forever (a device or FIFO would hold the worker's thread), and a malformed
 // adapter_config.json is named as such, one too large to be a JavaScript string too (by its size, before it is read);
 // a GGUF is checked by its start before it is read whole (a model, or an adapter past 2 GiB, refused at once);
-// a tensor name is matched against the projections Conduit adapts, never against Object.prototype.
+// a tensor name is matched against the projections Conduit adapts, never against Object.prototype, and two names for
+// one projection (blk.0 and blk.00) are refused, never one silently replacing the other.
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -17,6 +18,7 @@ import { writeGguf } from '../../src/model/gguf-writer.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import { inspectLoraAdapter, loadLoraAdapter, LoraAdapterError } from '../../src/model/lora.ts';
 import { writeGgufLoraAdapter, writePeftLoraAdapter } from '../../src/model/lora-writer.ts';
+import { writeSafetensors } from '../../src/model/safetensors.ts';
 import { makeTinyModel, writeTinyGguf } from './loader-fixtures.ts';
 
 let dir: string;
@@ -134,6 +136,53 @@ describe('LoRA adapter tensor names', () => {
       assert.throws(() => loadLoraAdapter(path, base), (e) => e instanceof LoraAdapterError &&
         e.message === `${path}: blk.0.${weight}.weight is not a projection Conduit adapts (attn_q/k/v/output, ` +
           'ffn_gate/up/down of a layer)');
+    }
+  });
+});
+
+describe('LoRA adapter tensors that name one projection twice', () => {
+  it('GGUF blk.0 and blk.00 of attn_output: refused naming both, not one silently replacing the other', () => {
+    const path = join(dir, 'leading-zero.gguf');
+    const zeros = new Uint8Array(base.dim * 2 * 4);
+    writeGguf(path, {
+      metadata: [['general.architecture', base.architecture], ['general.type', 'adapter'], ['adapter.type', 'lora'],
+        ['adapter.lora.alpha', 4]],
+      tensors: ['blk.0', 'blk.00'].flatMap((layer) => [
+        { name: `${layer}.attn_output.weight.lora_a`, type: GgmlType.F32, shape: [base.dim, 2], data: zeros },
+        { name: `${layer}.attn_output.weight.lora_b`, type: GgmlType.F32, shape: [2, base.dim], data: zeros },
+      ]),
+    });
+    assert.throws(() => loadLoraAdapter(path, base), (e) => e instanceof LoraAdapterError &&
+      e.message === `${path}: blk.0.attn_output.weight and blk.00.attn_output.weight both adapt the same projection ` +
+        '(wo of layer 0); an adapter names each projection once');
+  });
+
+  it('PEFT layers.0 and layers.00, or lora_A.weight and lora_A.default.weight: refused naming both', () => {
+    const f32 = (n: number) => new Uint8Array(n * 4);
+    const o = 'self_attn.o_proj';
+    const qDim = base.numHeads * base.headDim;
+    const pair = (prefix: string, a = 'lora_A.weight', b = 'lora_B.weight') => [
+      { name: `${prefix}.${a}`, dtype: 'F32' as const, shape: [2, qDim], data: f32(2 * qDim) },
+      { name: `${prefix}.${b}`, dtype: 'F32' as const, shape: [base.dim, 2], data: f32(base.dim * 2) },
+    ];
+    const cases = [
+      ['peft-leading-zero', [...pair(`base_model.model.model.layers.0.${o}`), ...pair(`base_model.model.model.layers.00.${o}`)],
+        `base_model.model.model.layers.0.${o} and base_model.model.model.layers.00.${o} both adapt the same projection ` +
+          '(wo of layer 0); an adapter names each projection once'],
+      ['peft-two-prefixes', [...pair(`base_model.model.model.layers.1.${o}`), ...pair(`model.layers.1.${o}`)],
+        `base_model.model.model.layers.1.${o} and model.layers.1.${o} both adapt the same projection (wo of layer 1); ` +
+          'an adapter names each projection once'],
+      ['peft-default', [...pair(`model.layers.0.${o}`), pair(`model.layers.0.${o}`, 'lora_A.default.weight')[0]!],
+        `model.layers.0.${o}.lora_A.weight and model.layers.0.${o}.lora_A.default.weight are both lora_A of ` +
+          `model.layers.0.${o}; an adapter names each matrix once`],
+    ] as const;
+    for (const [name, tensors, message] of cases) {
+      const folder = join(dir, name);
+      mkdirSync(folder);
+      writeFileSync(join(folder, 'adapter_config.json'), '{"peft_type": "LORA", "r": 2, "lora_alpha": 4}');
+      writeSafetensors(join(folder, 'adapter_model.safetensors'), tensors);
+      assert.throws(() => loadLoraAdapter(folder, base), (e) => e instanceof LoraAdapterError &&
+        e.message === `${join(folder, 'adapter_model.safetensors')}: ${message}`);
     }
   });
 });
