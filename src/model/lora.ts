@@ -19,7 +19,7 @@ import { GgmlType } from './ggml-types.ts';
 import { metaNumber, metaString, parseGguf, peekGgufMetadata, type GgufFile } from './gguf.ts';
 import { interleavedRowOrder } from './hf.ts';
 import { dequantizeTensor } from './quant.ts';
-import { readSafetensors, readSafetensorsAsync } from './safetensors.ts';
+import { openSafetensors, readSafetensorsHeaderAsync, type SafetensorsReader } from './safetensors.ts';
 
 /** The projections an adapter may correct (the names of LayerWeights). */
 export const LORA_TARGETS = ['wq', 'wk', 'wv', 'wo', 'wGate', 'wUp', 'wDown'] as const;
@@ -145,10 +145,10 @@ export async function inspectLoraAdapter(path: string): Promise<LoraAdapterHeade
       requireRegularFile(tensorsPath, await stat(tensorsPath));
       requireTextSize(configPath, configInfo.size);
       const config = await readFile(configPath);
-      const file = await readSafetensorsAsync(tensorsPath);
-      digest = adapterDigest([config, file.bytes]);
+      const header = await readSafetensorsHeaderAsync(tensorsPath);
+      digest = await fileDigestAsync(config, tensorsPath);
       // lora_A is [rank, in], outermost first.
-      for (const entry of file.entries.values()) if (/\.lora_A(?:\.default)?\.weight$/.test(entry.name)) rank = Math.max(rank, entry.shape[0] ?? 0);
+      for (const entry of header.entries.values()) if (/\.lora_A(?:\.default)?\.weight$/.test(entry.name)) rank = Math.max(rank, entry.shape[0] ?? 0);
     } else {
       checkGgufAdapterHead(path, size, await readHead(path));
       const bytes = await readFile(path);
@@ -184,6 +184,29 @@ export function loadLoraAdapter(path: string, base: ModelConfig): LoadedLoraAdap
   }
   return { ...ggufAdapter(file, path, base), digest: adapterDigest([bytes]) };
 }
+
+/**
+ * adapterDigest of `config` then the file at `path`, read in chunks: a PEFT adapter's safetensors file is hashed
+ * without holding it in memory, whatever its size.
+ */
+async function fileDigestAsync(config: Uint8Array, path: string): Promise<string> {
+  const hash = createHash('sha256');
+  hash.update(config);
+  const handle = await open(path, 'r');
+  try {
+    const chunk = Buffer.alloc(DIGEST_CHUNK_BYTES);
+    for (let position = 0; ;) {
+      const { bytesRead } = await handle.read(chunk, 0, chunk.byteLength, position);
+      if (bytesRead === 0) break;
+      hash.update(chunk.subarray(0, bytesRead));
+      position += bytesRead;
+    }
+  } finally {
+    await handle.close();
+  }
+  return hash.digest('hex');
+}
+const DIGEST_CHUNK_BYTES = 4 * 1024 * 1024;
 
 /** The most bytes Node reads from a file into one buffer: readFile refuses a larger file. */
 const MAX_ADAPTER_FILE_BYTES = 2 ** 31 - 1;
@@ -410,7 +433,21 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     }
   }
   const scale = json.use_rslora === true ? alpha / Math.sqrt(r) : alpha / r;
-  const file = readSafetensors(tensorsPath);
+  const file = openSafetensors(tensorsPath);
+  try {
+    return peftAdapter(file, tensorsPath, configPath, configBytes, r, alpha, scale, base, dir);
+  } finally {
+    file.close();
+  }
+}
+
+/**
+ * The adapter in an open adapter_model.safetensors: its names are checked first, then its tensors are read one at a
+ * time in the order of their bytes, each hashed and turned into f32 as it is read, so the file's bytes are hashed
+ * whole (the header and the tensors tile the file) without a copy of the file in memory.
+ */
+function peftAdapter(file: SafetensorsReader, tensorsPath: string, configPath: string, configBytes: Uint8Array,
+  r: number, alpha: number, scale: number, base: ModelConfig, dir: string): LoadedLoraAdapter {
   const layers = emptyLayers(base);
   const claimed = new Map<string, string>();
   let rank = 0;
@@ -428,6 +465,9 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     entry[side] = name;
     pairs.set(match[1]!, entry);
   }
+  const checked: { weight: string; layer: number; target: LoraTarget; a: string; b: string; outDim: number; rank: number }[] = [];
+  // Shapes are in ggml order: lora_A [rank, in] row-major is ggml [in, rank]; lora_B [out, rank] is [rank, out].
+  const shapeOf = (name: string) => [...file.entries.get(name)!.shape].reverse();
   for (const [weight, { a, b }] of pairs) {
     if (a === undefined || b === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} has only one of lora_A and lora_B`);
     const match = /(?:^|\.)layers\.(\d+)\.(self_attn\.[a-z]_proj|mlp\.[a-z]+_proj)$/.exec(weight);
@@ -435,16 +475,25 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     if (!match || target === undefined) throw new LoraAdapterError(`${tensorsPath}: ${weight} is not a projection Conduit adapts (q/k/v/o_proj, gate/up/down_proj of a layer)`);
     const layer = Number(match[1]);
     claimOnce(claimed, tensorsPath, layer, target, weight);
-    const ta = file.tensor(a);
-    const tb = file.tensor(b);
-    // Tensor shapes are in ggml order: lora_A [rank, in] row-major is ggml [in, rank]; lora_B [out, rank] is [rank, out].
-    const [, outDim] = checkedShape(tensorsPath, base, layer, weight, target, ta.shape, tb.shape);
-    const matrixRank = ta.shape[1]!;
+    const [, outDim] = checkedShape(tensorsPath, base, layer, weight, target, shapeOf(a), shapeOf(b));
+    const matrixRank = shapeOf(a)[1]!;
     // The scale is lora_alpha / r: a matrix of another rank would be scaled wrongly (PEFT refuses to load it).
     if (matrixRank !== r) {
       throw new LoraAdapterError(`${tensorsPath}: ${weight} has rank ${matrixRank}, but ${configPath} says r ${r}`);
     }
-    let bMatrix = toF32(tb);
+    checked.push({ weight, layer, target, a, b, outDim, rank: matrixRank });
+  }
+  const hash = createHash('sha256');
+  hash.update(configBytes);
+  hash.update(file.head);
+  const values = new Map<string, Float32Array>();
+  for (const entry of [...file.entries.values()].sort((x, y) => x.begin - y.begin)) {
+    const tensor = file.tensor(entry.name);
+    hash.update(tensor.data);
+    values.set(entry.name, toF32(tensor));
+  }
+  for (const { layer, target, a, b, outDim, rank: matrixRank } of checked) {
+    let bMatrix = values.get(b)!;
     if (base.ropeStyle === 'interleaved' && (target === 'wq' || target === 'wk')) {
       const heads = target === 'wq' ? base.numHeads : base.numKvHeads;
       const order = interleavedRowOrder(heads, base.headDim);
@@ -452,10 +501,10 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
       for (let row = 0; row < outDim; row++) permuted.set(bMatrix.subarray(order[row]! * matrixRank, (order[row]! + 1) * matrixRank), row * matrixRank);
       bMatrix = permuted;
     }
-    layers[layer]![target] = { rank: matrixRank, a: toF32(ta), b: bMatrix };
+    layers[layer]![target] = { rank: matrixRank, a: values.get(a)!, b: bMatrix };
     rank = Math.max(rank, matrixRank);
   }
-  return { ...finish(layers, rank, alpha, scale, 'peft', dir), digest: adapterDigest([configBytes, file.bytes]) };
+  return { ...finish(layers, rank, alpha, scale, 'peft', dir), digest: hash.digest('hex') };
 }
 
 // ---------------------------------------------------------------------------------------------------------------

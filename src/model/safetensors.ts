@@ -3,8 +3,9 @@
 // Offsets count from the end of the header; shapes are row-major with the outermost dimension first, so a linear
 // layer's [out, in] weight is ggml shape [in, out] with the same bytes.
 
-import { closeSync, openSync, readFileSync, writeSync } from 'node:fs';
-import { readFile } from 'node:fs/promises';
+import { constants as bufferConstants } from 'node:buffer';
+import { closeSync, fstatSync, openSync, readFileSync, readSync, writeSync } from 'node:fs';
+import { open } from 'node:fs/promises';
 import { byteSize, GgmlType } from './ggml-types.ts';
 import type { Tensor } from './weights.ts';
 
@@ -51,40 +52,9 @@ export function readSafetensors(path: string): SafetensorsFile {
   return parseSafetensors(readFileSync(path), path);
 }
 
-export async function readSafetensorsAsync(path: string): Promise<SafetensorsFile> {
-  return parseSafetensors(await readFile(path), path);
-}
-
 export function parseSafetensors(bytes: Uint8Array, source = 'safetensors buffer'): SafetensorsFile {
-  if (bytes.byteLength < 8) throw new SafetensorsFormatError(`${source}: too short to be a safetensors file`);
-  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-  const headerLength = view.getBigUint64(0, true);
-  if (headerLength > BigInt(Math.min(MAX_HEADER_BYTES, bytes.byteLength - 8))) {
-    throw new SafetensorsFormatError(`${source}: header length ${headerLength} does not fit the file ` +
-      `(${bytes.byteLength} bytes); not a safetensors file?`);
-  }
-  const dataStart = 8 + Number(headerLength);
-  let header: unknown;
-  try {
-    header = JSON.parse(new TextDecoder('utf-8', { fatal: true }).decode(bytes.subarray(8, dataStart)));
-  } catch (error) {
-    throw new SafetensorsFormatError(`${source}: header is not valid JSON (${(error as Error).message})`);
-  }
-  if (typeof header !== 'object' || header === null || Array.isArray(header)) {
-    throw new SafetensorsFormatError(`${source}: header is not a JSON object`);
-  }
-
-  let metadata: Record<string, string> = {};
-  const entries = new Map<string, SafetensorsEntry>();
-  for (const [name, value] of Object.entries(header as Record<string, unknown>)) {
-    if (name === '__metadata__') {
-      metadata = (value ?? {}) as Record<string, string>;
-      continue;
-    }
-    entries.set(name, parseEntry(name, value, dataStart, bytes.byteLength, source));
-  }
-  checkTiling([...entries.values()], dataStart, bytes.byteLength, source);
-
+  const dataStart = 8 + headerLengthOf(bytes, bytes.byteLength, source);
+  const { metadata, entries } = parseHeader(bytes.subarray(8, dataStart), dataStart, bytes.byteLength, source);
   const cache = new Map<string, Tensor>();
   return {
     source, metadata, entries, bytes,
@@ -94,26 +64,153 @@ export function parseSafetensors(bytes: Uint8Array, source = 'safetensors buffer
       if (cached) return cached;
       const entry = entries.get(name);
       if (!entry) throw new SafetensorsFormatError(`${source}: tensor ${name} not found`);
-      // Own keys only: a dtype of "constructor" must be refused by name, not found on Object.prototype.
-      const type = Object.hasOwn(DTYPE_TO_GGML, entry.dtype) ? DTYPE_TO_GGML[entry.dtype] : undefined;
-      if (type === undefined) {
-        throw new SafetensorsFormatError(`${source}: tensor ${name} has dtype ${entry.dtype}, which is not supported ` +
-          `(supported: ${Object.keys(DTYPE_TO_GGML).join(', ')})`);
-      }
-      const elements = entry.shape.reduce((a, b) => a * b, 1);
-      if (byteSize(type, elements) !== entry.end - entry.begin) {
-        throw new SafetensorsFormatError(`${source}: tensor ${name} has ${entry.end - entry.begin} bytes, but ` +
-          `${entry.dtype} [${entry.shape.join(', ')}] needs ${byteSize(type, elements)}`);
-      }
       const tensor: Tensor = {
-        name, type,
-        shape: entry.shape.length === 0 ? [1] : [...entry.shape].reverse(),
-        data: bytes.subarray(entry.begin, entry.end),
+        name, type: checkedType(entry, source), shape: ggmlShape(entry), data: bytes.subarray(entry.begin, entry.end),
       };
       cache.set(name, tensor);
       return tensor;
     },
   };
+}
+
+/**
+ * A safetensors file read by parts: its header at once, each tensor's bytes when asked for, by positional reads from
+ * an open file. A file of gigabytes costs the tensors read from it, not a copy of the whole file, and a file past
+ * what Node reads into one buffer (2 GiB) is read as well as a small one.
+ */
+export interface SafetensorsReader {
+  source: string;
+  metadata: Record<string, string>;
+  entries: Map<string, SafetensorsEntry>;
+  /** The file's first bytes: the 8-byte header length and the header (the tensors' bytes follow). */
+  head: Uint8Array;
+  /** A Tensor (ggml shape order) of its own bytes, read now; throws naming the dtype when it is not F32, F16 or BF16. */
+  tensor(name: string): Tensor;
+  close(): void;
+}
+
+export function openSafetensors(path: string): SafetensorsReader {
+  const fd = openSync(path, 'r');
+  try {
+    const fileLength = fstatSync(fd).size;
+    const prefix = readExactly(fd, 0, Math.min(8, fileLength), path);
+    const dataStart = 8 + headerLengthOf(prefix, fileLength, path);
+    const head = Buffer.alloc(dataStart);
+    head.set(prefix);
+    head.set(readExactly(fd, 8, dataStart - 8, path), 8);
+    const { metadata, entries } = parseHeader(head.subarray(8), dataStart, fileLength, path);
+    let closed = false;
+    return {
+      source: path, metadata, entries, head,
+      tensor(name: string): Tensor {
+        const entry = entries.get(name);
+        if (!entry) throw new SafetensorsFormatError(`${path}: tensor ${name} not found`);
+        const type = checkedType(entry, path);
+        return { name, type, shape: ggmlShape(entry), data: readExactly(fd, entry.begin, entry.end - entry.begin, path) };
+      },
+      close(): void {
+        if (closed) return;
+        closed = true;
+        closeSync(fd);
+      },
+    };
+  } catch (error) {
+    closeSync(fd);
+    throw error;
+  }
+}
+
+/** The header of a safetensors file (what openSafetensors gives but the tensors), read without reading the rest. */
+export async function readSafetensorsHeaderAsync(path: string): Promise<Pick<SafetensorsReader, 'source' | 'metadata' | 'entries' | 'head'>> {
+  const handle = await open(path, 'r');
+  try {
+    const fileLength = (await handle.stat()).size;
+    const prefix = Buffer.alloc(Math.min(8, fileLength));
+    await handle.read(prefix, 0, prefix.byteLength, 0);
+    const dataStart = 8 + headerLengthOf(prefix, fileLength, path);
+    const head = Buffer.alloc(dataStart);
+    const { bytesRead } = await handle.read(head, 0, dataStart, 0);
+    if (bytesRead !== dataStart) throw new SafetensorsFormatError(`${path}: the file ended while its header was read (was it being written?)`);
+    const { metadata, entries } = parseHeader(head.subarray(8), dataStart, fileLength, path);
+    return { source: path, metadata, entries, head };
+  } finally {
+    await handle.close();
+  }
+}
+
+/** `length` bytes at `position`, or an error naming the file when it ends first (it shrank since it was opened). */
+function readExactly(fd: number, position: number, length: number, source: string): Buffer {
+  if (length > bufferConstants.MAX_LENGTH) {
+    throw new SafetensorsFormatError(`${source}: a tensor of ${length} bytes is more than one buffer holds ` +
+      `(${bufferConstants.MAX_LENGTH} bytes)`);
+  }
+  const out = Buffer.alloc(length);
+  let done = 0;
+  while (done < length) {
+    const n = readSync(fd, out, done, length - done, position + done);
+    if (n === 0) {
+      throw new SafetensorsFormatError(`${source}: the file ended at byte ${position + done}, before the ${length} ` +
+        `bytes at ${position} were read (was it changed while it was read?)`);
+    }
+    done += n;
+  }
+  return out;
+}
+
+/** The header length the first 8 bytes give, checked against the file's length. */
+function headerLengthOf(prefix: Uint8Array, fileLength: number, source: string): number {
+  if (fileLength < 8 || prefix.byteLength < 8) throw new SafetensorsFormatError(`${source}: too short to be a safetensors file`);
+  const headerLength = new DataView(prefix.buffer, prefix.byteOffset, 8).getBigUint64(0, true);
+  if (headerLength > BigInt(Math.min(MAX_HEADER_BYTES, fileLength - 8))) {
+    throw new SafetensorsFormatError(`${source}: header length ${headerLength} does not fit the file ` +
+      `(${fileLength} bytes); not a safetensors file?`);
+  }
+  return Number(headerLength);
+}
+
+/** The header's JSON: its entries, checked to lie in the file and tile the data section. */
+function parseHeader(json: Uint8Array, dataStart: number, fileLength: number, source: string):
+  { metadata: Record<string, string>; entries: Map<string, SafetensorsEntry> } {
+  let header: unknown;
+  try {
+    header = JSON.parse(new TextDecoder('utf-8', { fatal: true }).decode(json));
+  } catch (error) {
+    throw new SafetensorsFormatError(`${source}: header is not valid JSON (${(error as Error).message})`);
+  }
+  if (typeof header !== 'object' || header === null || Array.isArray(header)) {
+    throw new SafetensorsFormatError(`${source}: header is not a JSON object`);
+  }
+  let metadata: Record<string, string> = {};
+  const entries = new Map<string, SafetensorsEntry>();
+  for (const [name, value] of Object.entries(header as Record<string, unknown>)) {
+    if (name === '__metadata__') {
+      metadata = (value ?? {}) as Record<string, string>;
+      continue;
+    }
+    entries.set(name, parseEntry(name, value, dataStart, fileLength, source));
+  }
+  checkTiling([...entries.values()], dataStart, fileLength, source);
+  return { metadata, entries };
+}
+
+/** The ggml type of an entry's dtype, checked to match its byte count. */
+function checkedType(entry: SafetensorsEntry, source: string): GgmlType {
+  // Own keys only: a dtype of "constructor" must be refused by name, not found on Object.prototype.
+  const type = Object.hasOwn(DTYPE_TO_GGML, entry.dtype) ? DTYPE_TO_GGML[entry.dtype] : undefined;
+  if (type === undefined) {
+    throw new SafetensorsFormatError(`${source}: tensor ${entry.name} has dtype ${entry.dtype}, which is not supported ` +
+      `(supported: ${Object.keys(DTYPE_TO_GGML).join(', ')})`);
+  }
+  const elements = entry.shape.reduce((a, b) => a * b, 1);
+  if (byteSize(type, elements) !== entry.end - entry.begin) {
+    throw new SafetensorsFormatError(`${source}: tensor ${entry.name} has ${entry.end - entry.begin} bytes, but ` +
+      `${entry.dtype} [${entry.shape.join(', ')}] needs ${byteSize(type, elements)}`);
+  }
+  return type;
+}
+
+function ggmlShape(entry: SafetensorsEntry): number[] {
+  return entry.shape.length === 0 ? [1] : [...entry.shape].reverse();
 }
 
 function parseEntry(name: string, value: unknown, dataStart: number, fileLength: number, source: string): SafetensorsEntry {

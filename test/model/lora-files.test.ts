@@ -120,6 +120,40 @@ describe('LoRA adapter files checked by their start before they are read whole',
   });
 });
 
+describe('PEFT adapter_model.safetensors read by its header, then its tensors', () => {
+  it('a file past 2 GiB: inspected (rank, digest) and refused on load by its shapes, not by its size', async () => {
+    // Sparse: a lora_A whose rows are far too long for the base, so the file passes 2 GiB without taking disk space.
+    const folder = join(dir, 'peft-huge-tensors');
+    mkdirSync(folder);
+    const configPath = join(folder, 'adapter_config.json');
+    writeFileSync(configPath, '{"peft_type": "LORA", "r": 2, "lora_alpha": 4}');
+    const prefix = 'base_model.model.model.layers.0.self_attn.o_proj';
+    const wide = 2 ** 28;
+    const aBytes = 2 * wide * 4;
+    const bBytes = base.dim * 2 * 4;
+    let json = JSON.stringify({
+      [`${prefix}.lora_A.weight`]: { dtype: 'F32', shape: [2, wide], data_offsets: [0, aBytes] },
+      [`${prefix}.lora_B.weight`]: { dtype: 'F32', shape: [base.dim, 2], data_offsets: [aBytes, aBytes + bBytes] },
+    });
+    json += ' '.repeat((8 - (json.length % 8)) % 8);
+    const head = Buffer.alloc(8 + json.length);
+    head.writeBigUInt64LE(BigInt(json.length));
+    head.write(json, 8, 'latin1');
+    const tensorsPath = join(folder, 'adapter_model.safetensors');
+    writeFileSync(tensorsPath, head);
+    truncateSync(tensorsPath, head.length + aBytes + bBytes);
+    assert.ok(head.length + aBytes + bBytes > 2 ** 31);
+
+    const header = await inspectLoraAdapter(folder);
+    assert.equal(header?.rank, 2);
+    assert.match(header?.digest ?? '', /^[0-9a-f]{64}$/);
+    const qDim = base.numHeads * base.headDim;
+    assert.throws(() => loadLoraAdapter(folder, base), (e) => e instanceof LoraAdapterError &&
+      e.message === `${tensorsPath}: ${prefix} has lora_a [${wide}, 2] and lora_b [2, ${base.dim}] (ggml order); the base ` +
+        `model's ${prefix} needs lora_a [${qDim}, r] and lora_b [r, ${base.dim}]: the adapter was made for another base model`);
+  });
+});
+
 describe('LoRA adapter tensor names', () => {
   it('a GGUF adapter of a weight named like an Object.prototype property: refused by name, not a TypeError', () => {
     for (const weight of ['constructor', 'toString', '__proto__']) {

@@ -1,11 +1,11 @@
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, truncateSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
 import { dequantizeTensor } from '../../src/model/quant.ts';
-import { parseSafetensors, readSafetensors, writeSafetensors } from '../../src/model/safetensors.ts';
+import { openSafetensors, parseSafetensors, readSafetensors, writeSafetensors } from '../../src/model/safetensors.ts';
 
 let dir: string;
 before(() => { dir = mkdtempSync(join(tmpdir(), 'conduit-safetensors-')); });
@@ -97,6 +97,20 @@ describe('safetensors writer', () => {
     assert.deepEqual(file.tensor('a').shape, [2, 3]);
     assert.deepEqual(dequantizeTensor(file.tensor('a')), f32);
     assert.deepEqual([...dequantizeTensor(file.tensor('b'))], [1, -2]);
+
+    // Read by parts (the header, then a tensor's bytes at its position): the same header and tensors.
+    const reader = openSafetensors(path);
+    try {
+      assert.deepEqual(reader.head, raw.subarray(0, 8 + headerLength));
+      assert.deepEqual(reader.tensor('a').shape, [2, 3]);
+      assert.deepEqual(dequantizeTensor(reader.tensor('a')), f32);
+      assert.deepEqual([...dequantizeTensor(reader.tensor('b'))], [1, -2]);
+      // A file cut short after its header was read: named, not a tensor of zeros.
+      truncateSync(path, raw.byteLength - 2);
+      assert.throws(() => reader.tensor('b'), /the file ended at byte \d+, before the 4 bytes at \d+ were read/);
+    } finally {
+      reader.close();
+    }
   });
 
   it('rejects data of the wrong size and duplicate names', () => {
