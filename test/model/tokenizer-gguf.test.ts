@@ -2,6 +2,9 @@
 // stop ids, token bytes, round trips on random text, and clear errors for what cannot work.
 
 import assert from 'node:assert/strict';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, it } from 'node:test';
 import type { GgufFile, GgufValue } from '../../src/model/gguf.ts';
 import { readGguf } from '../../src/model/gguf.ts';
@@ -9,6 +12,7 @@ import { createTokenizer, TokenizerError } from '../../src/model/tokenizer/index
 import { tokenizerFromGguf } from '../../src/model/tokenizer/gguf-tokenizer.ts';
 import { sharedModel, skipUnlessShared } from '../helpers/shared-models.ts';
 import { ggufTokenizer, skipUnlessVocab, VOCAB_NAMES, vocabFile } from './tokenizer-fixtures.ts';
+import { makeTinyModel, TINY_DIMS, writeTinyGguf } from './loader-fixtures.ts';
 import type { VocabName } from './tokenizer-fixtures.ts';
 import { seededRandom as randomSource } from '../../src/util/random.ts';
 
@@ -254,5 +258,52 @@ describe('errors', { skip: skipUnlessVocab('gpt-2') }, () => {
     assert.throws(() => tokenizer.decode([50257]), (e: Error) => e instanceof TokenizerError && /50257/.test(e.message));
     assert.throws(() => tokenizer.tokenBytes(-1), TokenizerError);
     assert.throws(() => tokenizer.tokenBytes(1.5), TokenizerError);
+  });
+});
+
+describe('token types and scores of any stored type', () => {
+  // A tiny SentencePiece vocabulary written and read back, so each key is stored as the type given.
+  const tiny = (metadata: Record<string, GgufValue>): GgufFile => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-vocab-types-'));
+    try {
+      const path = join(dir, 'vocab.gguf');
+      writeTinyGguf(path, makeTinyModel(), { metadata });
+      return readGguf(path);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  };
+  const vocabSize = TINY_DIMS.vocabSize;
+  const types = (array: new (length: number) => ArrayLike<number> & { [i: number]: number }) => {
+    const out = new array(vocabSize);
+    for (let id = 0; id < vocabSize; id++) out[id] = 1; // NORMAL
+    out[3] = 3; // CONTROL
+    return out;
+  };
+
+  it('tokenizer.ggml.token_type as INT8, UINT8, INT16 or UINT32: read as the same types as INT32', () => {
+    const reference = tokenizerFromGguf(tiny({ 'tokenizer.ggml.token_type': types(Int32Array) as Int32Array }));
+    for (const array of [Int8Array, Uint8Array, Int16Array, Uint32Array]) {
+      const tokenizer = tokenizerFromGguf(tiny({ 'tokenizer.ggml.token_type': types(array) as GgufValue }));
+      // Token 3 is CONTROL: dropped when special tokens are skipped, as with INT32 types.
+      assert.equal(tokenizer.decode([3, 4], { skipSpecialTokens: true }), reference.decode([3, 4], { skipSpecialTokens: true }), array.name);
+      assert.equal(tokenizer.decode([3, 4], { skipSpecialTokens: true }), 'tok4', array.name);
+    }
+  });
+
+  it('tokenizer.ggml.token_type of floats or strings: refused naming the key and its stored type', () => {
+    const cases: [GgufValue, string][] = [
+      [Float32Array.from(types(Int32Array) as Int32Array), 'an array of FLOAT32'],
+      [Array.from({ length: vocabSize }, () => 'normal'), 'an array of STRING'],
+      ['normal', 'a STRING'],
+    ];
+    for (const [value, stored] of cases) {
+      assert.throws(() => tokenizerFromGguf(tiny({ 'tokenizer.ggml.token_type': value })), (e: Error) =>
+        e instanceof TokenizerError && e.message === `GGUF metadata tokenizer.ggml.token_type is ${stored}; it must be ` +
+          'an array of integers (INT32, or another integer type)');
+    }
+    assert.throws(() => tokenizerFromGguf(tiny({ 'tokenizer.ggml.scores': 'high' })), (e: Error) =>
+      e instanceof TokenizerError && e.message === 'GGUF metadata tokenizer.ggml.scores is a STRING; it must be an array ' +
+        'of numbers (FLOAT32)');
   });
 });

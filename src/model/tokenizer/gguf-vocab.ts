@@ -2,7 +2,7 @@
 // add-BOS/EOS flags, with llama.cpp's defaults where the file is silent.
 
 import type { GgufFile } from '../gguf.ts';
-import { metaBool, metaNumber, metaString } from '../gguf.ts';
+import { GgufValueType, metaBool, metaNumber, metaString } from '../gguf.ts';
 import { TokenizerError } from './errors.ts';
 import { preTokenizerSpec } from './pre-tokenizers.ts';
 import { END_OF_MESSAGE_TEXTS, END_OF_TURN_TEXTS, endIsMidTurn, STOP_TEXTS } from './stop-texts.ts';
@@ -82,19 +82,50 @@ function stringArray(file: GgufFile, key: string): string[] | undefined {
   return value as string[];
 }
 
-type NumericArray = Float32Array | Int32Array | Uint32Array | Float64Array;
+/** How a metadata value is stored, for errors: "an array of INT8", "a STRING". */
+function storedAs(file: GgufFile, key: string): string {
+  const stored = file.metadataTypes.get(key);
+  if (stored === undefined) return 'of an unknown type';
+  if (stored.type === GgufValueType.ARRAY) return `an array of ${GgufValueType[stored.arrayType!] ?? 'an unknown type'}`;
+  return `a ${GgufValueType[stored.type] ?? 'value of an unknown type'}`;
+}
 
-function numberArray(file: GgufFile, key: string, length: number): NumericArray | undefined {
-  const value = file.metadata.get(key);
-  if (value === undefined) return undefined;
-  if (!(value instanceof Float32Array || value instanceof Int32Array || value instanceof Uint32Array ||
-    value instanceof Float64Array)) {
-    throw new TokenizerError(`GGUF metadata ${key} must be a numeric array`);
-  }
+/** At least `length` entries, or an error naming the key and both counts. */
+function checkLength<T extends { length: number }>(key: string, value: T, length: number): T {
   if (value.length < length) {
     throw new TokenizerError(`GGUF metadata ${key} has ${value.length} entries for ${length} tokens`);
   }
   return value;
+}
+
+/** `tokenizer.ggml.scores`: an array of numbers of any width (converters write FLOAT32). */
+function scoreArray(file: GgufFile, key: string, length: number): ArrayLike<number> | undefined {
+  const value = file.metadata.get(key);
+  if (value === undefined) return undefined;
+  if (!ArrayBuffer.isView(value) || value instanceof BigInt64Array || value instanceof BigUint64Array) {
+    throw new TokenizerError(`GGUF metadata ${key} is ${storedAs(file, key)}; it must be an array of numbers (FLOAT32)`);
+  }
+  return checkLength(key, value as Exclude<typeof value, BigInt64Array | BigUint64Array>, length);
+}
+
+/**
+ * `tokenizer.ggml.token_type`: small enum values, so an array of any integer type says them exactly (converters write
+ * INT32; a UINT8 or INT8 array was refused as "not a numeric array"). An array of floats or strings is refused naming
+ * the key and its type: llama.cpp reads this key's bytes as INT32 whatever the stored type, so another type means
+ * other values there, and no type of token can be read from a float.
+ */
+function tokenTypeArray(file: GgufFile, key: string, length: number): ArrayLike<number> | undefined {
+  const value = file.metadata.get(key);
+  if (value === undefined) return undefined;
+  if (value instanceof BigInt64Array || value instanceof BigUint64Array) {
+    return checkLength(key, Array.from(value, (type) => Number(type)), length);
+  }
+  if (value instanceof Int8Array || value instanceof Uint8Array || value instanceof Int16Array ||
+    value instanceof Uint16Array || value instanceof Int32Array || value instanceof Uint32Array) {
+    return checkLength(key, value, length);
+  }
+  throw new TokenizerError(`GGUF metadata ${key} is ${storedAs(file, key)}; it must be an array of integers (INT32, ` +
+    'or another integer type)');
 }
 
 /**
@@ -153,12 +184,12 @@ function readTokenTable(file: GgufFile): TokenTable {
   }
 
   const scores = new Float32Array(vocabSize);
-  const storedScores = numberArray(file, 'tokenizer.ggml.scores', vocabSize);
-  if (storedScores) scores.set(storedScores.subarray(0, vocabSize));
+  const storedScores = scoreArray(file, 'tokenizer.ggml.scores', vocabSize);
+  if (storedScores) for (let id = 0; id < vocabSize; id++) scores[id] = storedScores[id]!;
 
   const attrs = new Uint16Array(vocabSize).fill(TokenAttr.NORMAL);
-  const types = numberArray(file, 'tokenizer.ggml.token_type', vocabSize);
-  // numberArray checked that types holds at least vocabSize entries.
+  const types = tokenTypeArray(file, 'tokenizer.ggml.token_type', vocabSize);
+  // tokenTypeArray checked that types holds at least vocabSize entries.
   if (types) for (let id = 0; id < vocabSize; id++) attrs[id] = ATTR_OF_TYPE[types[id]!] ?? 0;
   return { tokens, tokenToId, scores, attrs };
 }
