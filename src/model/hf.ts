@@ -126,6 +126,34 @@ function hfDetails(configJson: Record<string, unknown>): Record<string, string |
 // ---------------------------------------------------------------------------------------------------------------
 // config.json
 
+/** A config.json value as errors show it: its JSON, cut short. */
+function shownJson(value: unknown): string {
+  const text = JSON.stringify(value) ?? String(value);
+  return text.length > 40 ? `${text.slice(0, 40)}...` : text;
+}
+
+/**
+ * An optional number of config.json: undefined when absent or null, refused when of another type. Read as absent, a
+ * string "0.75" or "168" (a hand-edited file) gave the default (every dimension rotated, the head size's attention
+ * scale): another model than the one written, silently.
+ */
+function optionalNumber(json: Record<string, unknown>, key: string, source: string): number | undefined {
+  const value = json[key];
+  if (value === undefined || value === null) return undefined;
+  if (typeof value !== 'number') throw new ModelFormatError(`${source}: config.json ${key} is ${shownJson(value)}, not a number`);
+  return value;
+}
+
+/** An optional flag of config.json: undefined when absent or null, refused when not true or false ("true", 1). */
+function optionalFlag(json: Record<string, unknown>, key: string, source: string): boolean | undefined {
+  const value = json[key];
+  if (value === undefined || value === null) return undefined;
+  if (typeof value !== 'boolean') {
+    throw new ModelFormatError(`${source}: config.json ${key} is ${shownJson(value)}, not true or false`);
+  }
+  return value;
+}
+
 export function hfModelConfig(json: Record<string, unknown>, name: string, source = 'config.json'): ModelConfig {
   const architectures = json['architectures'];
   const declared = Array.isArray(architectures) ? String(architectures[0]) : undefined;
@@ -149,11 +177,17 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
   };
   const dim = count('hidden_size');
   const numHeads = count('num_attention_heads');
-  const headDim = num('head_dim', dim / numHeads);
-  if (!Number.isInteger(headDim)) {
+  const givenHeadDim = optionalNumber(json, 'head_dim', source);
+  const headDim = givenHeadDim ?? dim / numHeads;
+  if (givenHeadDim === undefined && !Number.isInteger(headDim)) {
     throw new ModelFormatError(`${source}: hidden_size ${dim} is not divisible by num_attention_heads ${numHeads}`);
   }
   requireCount(source, 'config.json head_dim', headDim);
+  const rotaryFactor = optionalNumber(json, 'partial_rotary_factor', source);
+  if (rotaryFactor !== undefined && rotaryFactor > 1) {
+    throw new ModelFormatError(`${source}: config.json partial_rotary_factor is ${rotaryFactor}; a head rotates at most ` +
+      'all of its dimensions (1)');
+  }
   const numKvHeads = count('num_key_value_heads', numHeads);
   if (numHeads % numKvHeads !== 0) {
     throw new ModelFormatError(`${source}: num_attention_heads ${numHeads} is not a multiple of num_key_value_heads ${numKvHeads}`);
@@ -172,13 +206,12 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     rmsNormEps: num('rms_norm_eps'),
     ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
     // Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75).
-    ropeDim: typeof json['partial_rotary_factor'] === 'number' && json['partial_rotary_factor'] < 1
-      ? 2 * Math.floor((json['partial_rotary_factor'] * headDim) / 2) : headDim,
+    ropeDim: rotaryFactor !== undefined && rotaryFactor < 1 ? 2 * Math.floor((rotaryFactor * headDim) / 2) : headDim,
     ropeStyle: 'neox',
     // Qwen2 always has Q/K/V biases; Llama and Qwen3 have them only when attention_bias says so.
-    qkvBias: architecture === 'qwen2' || json['attention_bias'] === true,
+    qkvBias: architecture === 'qwen2' || optionalFlag(json, 'attention_bias', source) === true,
     // Gemma 3's configuration class ties them unless told otherwise.
-    tiedEmbeddings: architecture === 'gemma3' ? json['tie_word_embeddings'] !== false : json['tie_word_embeddings'] === true,
+    tiedEmbeddings: optionalFlag(json, 'tie_word_embeddings', source) ?? architecture === 'gemma3',
   };
   requireAtMost(source, 'config.json num_hidden_layers', config.numLayers, MAX_LAYERS);
   requirePositive(source, 'config.json rms_norm_eps', config.rmsNormEps);
@@ -186,8 +219,9 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
   requireRopeDim(source, config.ropeDim === headDim ? 'the rotated dimension count'
     : `the rotated dimension count (partial_rotary_factor ${String(json['partial_rotary_factor'])})`, config.ropeDim, headDim);
   if (architecture === 'qwen3' || architecture === 'qwen3moe' || architecture === 'gemma3') config.qkNorm = true;
-  if (declared === 'MistralForCausalLM' && typeof json['sliding_window'] === 'number' && json['sliding_window'] > 0) {
-    config.slidingWindow = json['sliding_window'];
+  const mistralWindow = declared === 'MistralForCausalLM' ? optionalNumber(json, 'sliding_window', source) : undefined;
+  if (mistralWindow !== undefined && mistralWindow > 0) {
+    config.slidingWindow = mistralWindow;
     requireCount(source, 'config.json sliding_window', config.slidingWindow);
   }
   if (architecture === 'gemma3') hfGemma3Config(json, config, source);
@@ -222,29 +256,36 @@ function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, sour
   config.embeddingScale = Math.sqrt(config.dim);
   config.postNorms = true;
   config.ffnActivation = 'gelu_tanh';
-  const window = json['sliding_window'];
-  if (typeof window === 'number' && window > 0) {
+  const window = optionalNumber(json, 'sliding_window', source);
+  if (window !== undefined && window > 0) {
     requireCount(source, 'config.json sliding_window', window);
     const types = json['layer_types'];
+    // Any other entry (a typo, a number) would have been read as a global layer, silently.
+    if (types !== undefined && types !== null &&
+      !(Array.isArray(types) && types.every((t) => t === 'sliding_attention' || t === 'full_attention'))) {
+      throw new ModelFormatError(`${source}: config.json layer_types must be a list of "sliding_attention" and ` +
+        `"full_attention", got ${shownJson(types)}`);
+    }
     const layers = Array.isArray(types)
       ? types.map((t) => t === 'sliding_attention')
-      : gemma3WindowLayers(config.numLayers, typeof json['sliding_window_pattern'] === 'number'
-        ? json['sliding_window_pattern'] : GEMMA3_DEFAULT_WINDOW_PATTERN);
+      : gemma3WindowLayers(config.numLayers, optionalNumber(json, 'sliding_window_pattern', source) ?? GEMMA3_DEFAULT_WINDOW_PATTERN);
     if (layers.length !== config.numLayers) {
       throw new ModelFormatError(`${source}: layer_types has ${layers.length} entries for ${config.numLayers} layers`);
     }
     if (layers.some((w) => w)) {
       config.slidingWindow = window;
       if (!layers.every((w) => w)) config.slidingWindowLayers = layers;
-      const local = json['rope_local_base_freq'];
-      config.ropeLocalTheta = typeof local === 'number' ? local : GEMMA3_DEFAULT_LOCAL_ROPE_THETA;
+      config.ropeLocalTheta = optionalNumber(json, 'rope_local_base_freq', source) ?? GEMMA3_DEFAULT_LOCAL_ROPE_THETA;
       requirePositive(source, 'config.json rope_local_base_freq', config.ropeLocalTheta);
     }
   }
-  const scalar = json['query_pre_attn_scalar'];
-  if (typeof scalar === 'number' && scalar !== config.headDim) config.attentionScale = 1 / Math.sqrt(scalar);
-  const softcap = json['final_logit_softcapping'];
-  if (typeof softcap === 'number' && softcap > 0) config.finalLogitSoftcap = softcap;
+  const scalar = optionalNumber(json, 'query_pre_attn_scalar', source);
+  if (scalar !== undefined && scalar !== config.headDim) {
+    requirePositive(source, 'config.json query_pre_attn_scalar', scalar);
+    config.attentionScale = 1 / Math.sqrt(scalar);
+  }
+  const softcap = optionalNumber(json, 'final_logit_softcapping', source);
+  if (softcap !== undefined && softcap > 0) config.finalLogitSoftcap = softcap;
 }
 
 /** Experts of Qwen3-MoE (every layer sparse) and Mixtral; undefined for a dense architecture. */
@@ -267,15 +308,18 @@ function hfMoeConfig(json: Record<string, unknown>, declared: string, source: st
       'supported');
   }
   return { numExperts: num('num_experts'), numExpertsUsed: num('num_experts_per_tok'),
-    expertFfnDim: num('moe_intermediate_size'), normalizeTopK: json['norm_topk_prob'] !== false };
+    expertFfnDim: num('moe_intermediate_size'), normalizeTopK: optionalFlag(json, 'norm_topk_prob', source) ?? true };
 }
 
 function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: number,
   source: string): RopeScaling | undefined {
   if (value === undefined || value === null) return undefined;
-  if (typeof value !== 'object') throw new ModelFormatError(`${source}: rope_scaling is not an object`);
+  if (typeof value !== 'object' || Array.isArray(value)) throw new ModelFormatError(`${source}: rope_scaling is not an object`);
   const s = value as Record<string, unknown>;
   const type = s['rope_type'] ?? s['type'];
+  if (type === undefined || type === null) {
+    throw new ModelFormatError(`${source}: rope_scaling has no rope_type (or type): which scaling is meant is unknown`);
+  }
   const num = (key: string): number => {
     const v = s[key];
     if (typeof v !== 'number') throw new ModelFormatError(`${source}: rope_scaling.${key} is missing or not a number`);
@@ -336,6 +380,10 @@ function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, r
   requireCount(source, 'config.json original_max_position_embeddings (LongRoPE)', original);
   const scale = max / original;
   const given = s['attention_factor'];
+  // Read as absent, a string "1.19" gave the computed factor instead of the one written.
+  if (given !== undefined && given !== null && typeof given !== 'number') {
+    throw new ModelFormatError(`${source}: rope_scaling.attention_factor is ${shownJson(given)}, not a number`);
+  }
   const attentionFactor = Math.fround(typeof given === 'number' ? given
     : scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(original)) : 1);
   requirePositive(source, 'config.json rope_scaling.attention_factor', attentionFactor);

@@ -13,6 +13,7 @@ import { GGUF_MAX_BOOL_ELEMENTS, GGUF_MAX_NESTED_ARRAYS, GgufFormatError, GgufVa
 import type { GgufValue } from '../../src/model/gguf.ts';
 import { llama3FreqFactors, ModelFormatError } from '../../src/model/gguf-model.ts';
 import { chatTemplateFromConfig } from '../../src/model/chat-template.ts';
+import { hfModelConfig } from '../../src/model/hf.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
@@ -353,6 +354,44 @@ describe('model metadata that cannot be computed with', () => {
       await refusesLoad(folder, ModelFormatError, pattern);
     }
   });
+
+  it('Hugging Face config fields of the wrong type: refused naming the field, never read as absent (another model, silently)', async () => {
+    const cases: [Record<string, unknown>, RegExp][] = [
+      [{ tie_word_embeddings: 'true' }, /config\.json tie_word_embeddings is "true", not true or false/],
+      [{ attention_bias: 1 }, /config\.json attention_bias is 1, not true or false/],
+      [{ partial_rotary_factor: '0.5' }, /config\.json partial_rotary_factor is "0\.5", not a number/],
+      [{ partial_rotary_factor: 1.5 }, /config\.json partial_rotary_factor is 1\.5; a head rotates at most all of its dimensions/],
+      [{ head_dim: '8' }, /config\.json head_dim is "8", not a number/],
+      [{ head_dim: 8.5 }, /config\.json head_dim is 8\.5, not a positive whole number/],
+      [{ architectures: ['MistralForCausalLM'], sliding_window: '4096' }, /config\.json sliding_window is "4096", not a number/],
+      [{ rope_scaling: [] }, /rope_scaling is not an object/],
+      [{ rope_scaling: { factor: 2 } }, /rope_scaling has no rope_type \(or type\)/],
+    ];
+    for (const [overrides, pattern] of cases) {
+      const folder = tempPath('');
+      writeTinyHf(folder, makeTinyModel(), { configOverrides: overrides });
+      await refusesLoad(folder, ModelFormatError, pattern);
+    }
+    // Gemma 3's own fields, on its config alone.
+    const gemma3 = {
+      architectures: ['Gemma3ForCausalLM'], hidden_size: 32, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
+      vocab_size: 48, num_hidden_layers: 2, intermediate_size: 64, max_position_embeddings: 64, rms_norm_eps: 1e-6,
+      sliding_window: 16, query_pre_attn_scalar: 8,
+    };
+    assert.equal(hfModelConfig(gemma3, 'g', 'g').slidingWindow, 16);
+    const gemmaCases: [Record<string, unknown>, RegExp][] = [
+      [{ query_pre_attn_scalar: '168' }, /config\.json query_pre_attn_scalar is "168", not a number/],
+      [{ query_pre_attn_scalar: 0 }, /config\.json query_pre_attn_scalar is 0, not a positive finite number/],
+      [{ final_logit_softcapping: '30' }, /config\.json final_logit_softcapping is "30", not a number/],
+      [{ rope_local_base_freq: '10000' }, /config\.json rope_local_base_freq is "10000", not a number/],
+      [{ sliding_window_pattern: '2' }, /config\.json sliding_window_pattern is "2", not a number/],
+      [{ layer_types: ['sliding', 'full_attention'] }, /config\.json layer_types must be a list of "sliding_attention" and "full_attention"/],
+      [{ tie_word_embeddings: 'false' }, /config\.json tie_word_embeddings is "false", not true or false/],
+    ];
+    for (const [overrides, pattern] of gemmaCases) {
+      assert.throws(() => hfModelConfig({ ...gemma3, ...overrides }, 'g', 'g'), (e) => assertRefusal(e, ModelFormatError, pattern));
+    }
+  });
 });
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -518,6 +557,7 @@ describe('GGUF RoPE scaling keys, read as llama.cpp reads them', () => {
       [{ ...llama3, original_max_position_embeddings: 0 }, /rope_scaling\.original_max_position_embeddings is 0, not a positive whole number/],
       [{ ...longrope, original_max_position_embeddings: 0 }, /original_max_position_embeddings \(LongRoPE\) is 0, not a positive whole number/],
       [{ ...longrope, attention_factor: -1 }, /config\.json rope_scaling\.attention_factor is -1, not a positive finite number/],
+      [{ ...longrope, attention_factor: '1.19' }, /rope_scaling\.attention_factor is "1\.19", not a number/],
       [{ ...longrope, short_factor: [1, 0, 1, 1] }, /rope_scaling\.short_factor must be 4 positive numbers/],
     ];
     for (const [ropeScaling, pattern] of cases) {
