@@ -145,6 +145,17 @@ class Cursor {
   }
 }
 
+/**
+ * A GgufFormatError about what was being read (`context`: a key, an element) when its message does not say so
+ * already; any other error as it is.
+ */
+function inContext(error: unknown, source: string, context: string): unknown {
+  if (!(error instanceof GgufFormatError) || !error.message.startsWith(`${source}: `)) return error;
+  const detail = error.message.slice(source.length + 2);
+  if (detail.startsWith(context)) return error;
+  return new GgufFormatError(`${source}: ${context}: ${detail}`);
+}
+
 function narrow64(v: bigint): number | bigint {
   return v <= BigInt(Number.MAX_SAFE_INTEGER) && v >= BigInt(Number.MIN_SAFE_INTEGER) ? Number(v) : v;
 }
@@ -233,7 +244,13 @@ function readArray(c: Cursor, source: string, key: string, elementType: GgufValu
     }
     case GgufValueType.STRING: {
       const out: string[] = new Array(length);
-      for (let i = 0; i < length; i++) out[i] = c.string();
+      let i = 0;
+      try {
+        for (; i < length; i++) out[i] = c.string();
+      } catch (error) {
+        // A bad length deep in a 150k-token list: which key and which element, not only a byte offset.
+        throw inContext(error, source, `metadata ${key}, string ${i} of ${length}`);
+      }
       return out;
     }
     default: { // ARRAY
@@ -300,17 +317,26 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
   const metadata = new Map<string, GgufValue>();
   const metadataTypes = new Map<string, { type: GgufValueType; arrayType?: GgufValueType }>();
   for (let i = 0; i < metadataCount; i++) {
-    const key = c.string();
+    let key: string;
+    try {
+      key = c.string();
+    } catch (error) {
+      throw inContext(error, source, `the key of metadata entry ${i} of ${metadataCount}`);
+    }
     // Which of two values is meant is unclear; llama.cpp refuses such a file too.
     if (metadata.has(key)) throw new GgufFormatError(`${source}: metadata key ${key} appears twice`);
-    const type = c.u32() as GgufValueType;
-    if (type === GgufValueType.ARRAY) {
-      const arrayType = c.u32() as GgufValueType;
-      metadata.set(key, readArray(c, source, key, arrayType));
-      metadataTypes.set(key, { type, arrayType });
-    } else {
-      metadata.set(key, readScalar(c, source, key, type));
-      metadataTypes.set(key, { type });
+    try {
+      const type = c.u32() as GgufValueType;
+      if (type === GgufValueType.ARRAY) {
+        const arrayType = c.u32() as GgufValueType;
+        metadata.set(key, readArray(c, source, key, arrayType));
+        metadataTypes.set(key, { type, arrayType });
+      } else {
+        metadata.set(key, readScalar(c, source, key, type));
+        metadataTypes.set(key, { type });
+      }
+    } catch (error) {
+      throw inContext(error, source, `metadata ${key}`);
     }
   }
   const alignment = readAlignment(metadata, metadataTypes, source);
@@ -320,7 +346,12 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
   /** Byte size of each tensor. */
   const sizes = new Map<GgufTensorInfo, number>();
   for (let i = 0; i < tensorCount; i++) {
-    const name = c.string();
+    let name: string;
+    try {
+      name = c.string();
+    } catch (error) {
+      throw inContext(error, source, `the name of tensor ${i} of ${tensorCount} in the tensor table`);
+    }
     if (byName.has(name)) throw new GgufFormatError(`${source}: tensor ${name} appears twice in the tensor table`);
     const numDims = c.u32();
     if (numDims > 4) throw new GgufFormatError(`${source}: tensor ${name} has ${numDims} dimensions (at most 4)`);

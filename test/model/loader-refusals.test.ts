@@ -211,7 +211,19 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
     // Only the length is read: the check comes before the bytes are looked for.
     const length = 2 ** 30;
     refusesParse(rawGguf({ kv: [Buffer.concat([u64(length), Buffer.from('x')])] }),
-      new RegExp(`x\\.gguf: a string of ${length} bytes at offset 32, longer than the longest string Conduit can hold`));
+      new RegExp(`x\\.gguf: the key of metadata entry 0 of 1: a string of ${length} bytes at offset 32, longer than the ` +
+        'longest string Conduit can hold'));
+  });
+
+  it('a string of a bad length inside a string array or a value, naming the key and the element', () => {
+    // The second of three tokens claims a million bytes; a value string claims more bytes than are left.
+    const tokens = Buffer.concat([kvArrayHead('tokenizer.ggml.tokens', GgufValueType.STRING, 3), str('a'), u64(1_000_000),
+      Buffer.from('b')]);
+    refusesParse(rawGguf({ kv: [tokens] }), /^x\.gguf: metadata tokenizer\.ggml\.tokens, string 1 of 3: truncated GGUF \(wanted 1000000 bytes/);
+    const value = Buffer.concat([str('general.name'), u32(GgufValueType.STRING), u64(1000), Buffer.from('short')]);
+    refusesParse(rawGguf({ kv: [value] }), /^x\.gguf: metadata general\.name: truncated GGUF \(wanted 1000 bytes/);
+    refusesParse(Buffer.concat([u32(0x46554747), u32(3), u64(1), u64(0), u64(50), Buffer.from('abc')]),
+      /^x\.gguf: the name of tensor 0 of 1 in the tensor table: truncated GGUF \(wanted 50 bytes/);
   });
 
   it('arrays nested 200000 deep (a bounded depth, not a stack overflow)', () => {
