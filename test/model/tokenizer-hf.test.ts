@@ -172,6 +172,23 @@ describe('tokenizer.json: token ids that cannot be right', () => {
     refuses({ model, added_tokens: { a: 3 } }, /^tok\.json: added_tokens is not a list$/);
   });
 
+  it('an added token whose id or text the vocabulary gives another (decoding "o" as "<s>", silently)', () => {
+    refuses({ model, added_tokens: [{ id: 1, content: '<s>', special: true }] },
+      /^tok\.json: added token "<s>" has id 1, but the vocabulary gives id 1 to "b" \(an added token that is in the vocabulary has its id there\)$/);
+    refuses({ model, added_tokens: [{ id: 5, content: 'ab', special: false }] },
+      /^tok\.json: added token "ab" has id 5, but the vocabulary gives "ab" id 2/);
+    refuses({ model, added_tokens: [{ id: 3, content: '<x>' }, { id: 4, content: '<x>' }] },
+      /^tok\.json: added token "<x>" \(id 4\) conflicts with the added token "<x>" \(id 3\)/);
+    refuses({ model, added_tokens: [{ id: 3, content: '<x>' }, { id: 3, content: '<y>' }] },
+      /^tok\.json: added token "<y>" \(id 3\) conflicts with the added token "<x>" \(id 3\)/);
+    const unigram = { type: 'Unigram', vocab: [['<unk>', 0], ['a', -1], ['b', -2]], unk_id: 0 };
+    refuses({ model: unigram, added_tokens: [{ id: 2, content: '</s>', special: true }] },
+      /added token "<\/s>" has id 2, but the vocabulary gives id 2 to "b"/);
+    // The same token in both, as real files list their special tokens: accepted.
+    assert.deepEqual(tokenizerFromJsonObject({ model: unigram, added_tokens: [{ id: 0, content: '<unk>', special: true }] }).encode('a'), [1]);
+    assert.deepEqual(tokenizerFromJsonObject({ model, added_tokens: [{ id: 2, content: 'ab' }, { id: 3, content: '<x>' }] }).encode('ab'), [2]);
+  });
+
   it('a post-processor id that is no token of the file (every request failed on it)', () => {
     const bos = (ids: unknown[]) => ({
       type: 'TemplateProcessing', single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],

@@ -148,14 +148,9 @@ function checkTokenIds(json: Json, source: string): number {
     ids.add(id);
     if (id > largest) largest = id;
   };
-  // Unigram's vocab is a list of [piece, score] whose index is the id, so it defines every id below its length;
-  // the others map piece -> id. (for-in: Object.entries of a 150k-token map takes several times longer.)
-  if (isObject(model.vocab)) {
-    const vocab = model.vocab;
-    for (const piece in vocab) check(vocab[piece], () => `token ${JSON.stringify(piece)}`);
-  } else if (Array.isArray(model.vocab)) {
-    for (let id = 0; id < model.vocab.length; id++) check(id, () => `entry ${id}`);
-  }
+  // Added tokens first, so that the vocabulary's pass can find an id it shares with one of them.
+  const addedById = new Map<number, string>();
+  const addedByText = new Map<string, number>();
   if (json.added_tokens !== undefined && json.added_tokens !== null) {
     if (!Array.isArray(json.added_tokens)) throw new TokenizerError(`${source}: added_tokens is not a list`);
     json.added_tokens.forEach((token: unknown, i) => {
@@ -163,7 +158,48 @@ function checkTokenIds(json: Json, source: string): number {
         throw new TokenizerError(`${source}: added_tokens[${i}] is not a token (an object with "id" and "content")`);
       }
       check(token.id, () => `added token ${JSON.stringify(token.content)}`);
+      const id = token.id as number;
+      const text = token.content;
+      const sameId = addedById.get(id);
+      const sameText = addedByText.get(text);
+      if ((sameId !== undefined && sameId !== text) || (sameText !== undefined && sameText !== id)) {
+        throw new TokenizerError(`${source}: added token ${JSON.stringify(text)} (id ${id}) conflicts with the added ` +
+          `token ${JSON.stringify(sameId ?? text)} (id ${sameText ?? id}): one id for two texts, or two ids for one text`);
+      }
+      addedById.set(id, text);
+      addedByText.set(text, id);
     });
+  }
+  /**
+   * An added token and a vocabulary token must agree: the same id, the same text. transformers numbers an added token
+   * by its text (the vocabulary's id when the vocabulary has it), and the library here by its "id": an added "<s>"
+   * given the id of the vocabulary's "o" would make "o" decode as "<s>", or "hello" and an added "X" encode to one id.
+   */
+  const agrees = (piece: string, id: number): void => {
+    const added = addedById.get(id);
+    const addedId = addedByText.get(piece);
+    if ((added !== undefined && added !== piece) || (addedId !== undefined && addedId !== id)) {
+      const [text, other] = added !== undefined && added !== piece ? [added, id] : [piece, addedId!];
+      throw new TokenizerError(`${source}: added token ${JSON.stringify(text)} has id ${other}, but the vocabulary ` +
+        `${added !== undefined && added !== piece ? `gives id ${id} to ${JSON.stringify(piece)}` : `gives ${JSON.stringify(piece)} id ${id}`}` +
+        ' (an added token that is in the vocabulary has its id there)');
+    }
+  };
+  // Unigram's vocab is a list of [piece, score] whose index is the id, so it defines every id below its length;
+  // the others map piece -> id. (for-in: Object.entries of a 150k-token map takes several times longer.)
+  const checkAgreement = addedById.size > 0;
+  if (isObject(model.vocab)) {
+    const vocab = model.vocab;
+    for (const piece in vocab) {
+      check(vocab[piece], () => `token ${JSON.stringify(piece)}`);
+      if (checkAgreement) agrees(piece, vocab[piece] as number);
+    }
+  } else if (Array.isArray(model.vocab)) {
+    for (let id = 0; id < model.vocab.length; id++) {
+      check(id, () => `entry ${id}`);
+      const entry = model.vocab[id] as unknown;
+      if (checkAgreement && Array.isArray(entry) && typeof entry[0] === 'string') agrees(entry[0], id);
+    }
   }
   const count = ids.size;
   if (largest >= Math.max(2 * count, count + 65536)) {
