@@ -400,6 +400,9 @@ function finish(layers: Partial<Record<LoraTarget, LoraMatrix>>[], rank: number,
   return { weights: { scale, layers }, format, rank, alpha, bytes };
 }
 
+/** PEFT's LoraConfig.lora_alpha when adapter_config.json gives none. */
+const PEFT_DEFAULT_LORA_ALPHA = 8;
+
 function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
   const configPath = join(dir, 'adapter_config.json');
   const tensorsPath = join(dir, 'adapter_model.safetensors');
@@ -421,9 +424,17 @@ function loadPeftAdapter(dir: string, base: ModelConfig): LoadedLoraAdapter {
     throw new LoraAdapterError(`${configPath} is not a JSON object`);
   }
   if (json.peft_type !== undefined && json.peft_type !== 'LORA') throw new LoraAdapterError(`${configPath}: peft_type is ${JSON.stringify(json.peft_type)}, not "LORA"`);
+  // A flag of another type ("true", 1) read as false would apply the adapter at another scale, or transposed: silently.
+  for (const key of ['fan_in_fan_out', 'use_rslora']) {
+    const flag = json[key];
+    if (flag !== undefined && flag !== null && typeof flag !== 'boolean') {
+      throw new LoraAdapterError(`${configPath}: ${key} is ${JSON.stringify(flag)}, not true or false`);
+    }
+  }
   if (json.fan_in_fan_out === true) throw new LoraAdapterError(`${configPath}: fan_in_fan_out adapters are not supported`);
   const r = json.r;
-  const alpha = json.lora_alpha ?? r;
+  // Absent, lora_alpha is PEFT's default (LoraConfig's 8), not r: PEFT applies such an adapter at 8 / r.
+  const alpha = json.lora_alpha ?? PEFT_DEFAULT_LORA_ALPHA;
   if (typeof r !== 'number' || !(r > 0) || typeof alpha !== 'number') throw new LoraAdapterError(`${configPath}: r and lora_alpha must be numbers, r > 0`);
   // PEFT scales the modules these name by their own rank or alpha; one scale for the adapter would be wrong for them.
   for (const key of ['rank_pattern', 'alpha_pattern']) {

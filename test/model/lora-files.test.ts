@@ -240,6 +240,38 @@ describe('LoRA adapter alpha', () => {
   });
 });
 
+describe('PEFT adapter_config.json as PEFT reads it', () => {
+  const rank4 = () => {
+    const [vIn, vOut] = [base.dim, base.numKvHeads * base.headDim];
+    return { alpha: 16, layers: [{ wv: { rank: 4, a: new Float32Array(4 * vIn).fill(0.5), b: new Float32Array(vOut * 4).fill(1) } }, {}] };
+  };
+  const rewrite = (folder: string, change: (config: Record<string, unknown>) => Record<string, unknown>) => {
+    const configPath = join(folder, 'adapter_config.json');
+    writeFileSync(configPath, JSON.stringify(change(JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>)));
+    return configPath;
+  };
+
+  it('no lora_alpha: PEFT\'s default 8, not r (scale 8 / r)', () => {
+    const folder = join(dir, 'peft-no-alpha');
+    writePeftLoraAdapter(folder, rank4());
+    assert.equal(loadLoraAdapter(folder, base).weights.scale, 16 / 4);
+    rewrite(folder, ({ lora_alpha: _alpha, ...rest }) => rest);
+    const loaded = loadLoraAdapter(folder, base);
+    assert.equal(loaded.alpha, 8);
+    assert.equal(loaded.weights.scale, 8 / 4);
+  });
+
+  it('use_rslora or fan_in_fan_out that is not true or false: refused, not read as false (another scale, silently)', () => {
+    const folder = join(dir, 'peft-flag-types');
+    writePeftLoraAdapter(folder, rank4());
+    for (const [key, value] of [['use_rslora', 'true'], ['fan_in_fan_out', 1]] as const) {
+      const configPath = rewrite(folder, (config) => ({ ...config, use_rslora: false, fan_in_fan_out: false, [key]: value }));
+      assert.throws(() => loadLoraAdapter(folder, base), (e) => e instanceof LoraAdapterError &&
+        e.message === `${configPath}: ${key} is ${JSON.stringify(value)}, not true or false`);
+    }
+  });
+});
+
 describe('LoRA adapters whose matrices have different ranks', () => {
   // wv of rank 2 and wDown of rank 4 (neither is permuted for the llama base), B all ones.
   const mixed = () => {
