@@ -314,7 +314,7 @@ function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, conte
   const longName = name('long');
   if (longName === undefined) return undefined;
   const shortName = name('short');
-  const originalContextLength = metaNumber(file, `${arch}.rope.scaling.original_context_length`);
+  const originalContextLength = uniformNumber(file, `${arch}.rope.scaling.original_context_length`, source);
   if (shortName === undefined || originalContextLength === undefined) {
     throw new ModelFormatError(`${source}: LongRoPE needs rope_factors_short.weight and ` +
       `${arch}.rope.scaling.original_context_length besides ${longName}`);
@@ -330,7 +330,7 @@ function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, conte
     return [tensorName, factors];
   }));
   const chosen = contextLength > originalContextLength ? longName : shortName;
-  const attentionFactor = metaNumber(file, `${arch}.rope.scaling.attn_factor`) ?? 1;
+  const attentionFactor = uniformNumber(file, `${arch}.rope.scaling.attn_factor`, source) ?? 1;
   requirePositive(source, `metadata ${arch}.rope.scaling.attn_factor`, attentionFactor);
   return { type: 'longrope', factors: sets.get(chosen)!, attentionFactor, originalContextLength };
 }
@@ -343,9 +343,14 @@ function ggufLongRope(file: GgufFile, arch: Architecture, ropeDim: number, conte
 function ggufRopeScaling(
   file: GgufFile, arch: Architecture, ropeTheta: number, ropeDim: number, source: string,
 ): RopeScaling | undefined {
+  // Read as absent, a type or a context stored as another type (a number, a string "8192") would scale linearly or
+  // by a default context instead of failing, as llama.cpp's reader fails on a key of the wrong type.
   const type = metaString(file, `${arch}.rope.scaling.type`);
+  if (type === undefined && file.metadata.has(`${arch}.rope.scaling.type`)) {
+    throw new ModelFormatError(`${source}: metadata ${arch}.rope.scaling.type is not a string`);
+  }
   const factorKey = [`${arch}.rope.scaling.factor`, `${arch}.rope.scale_linear`].find((k) => file.metadata.has(k));
-  const originalContext = metaNumber(file, `${arch}.rope.scaling.original_context_length`);
+  const originalContext = uniformNumber(file, `${arch}.rope.scaling.original_context_length`, source);
   const freqFactors = file.hasTensor('rope_freqs.weight');
   if (type === undefined || type === 'linear') {
     if (factorKey === undefined && type === 'linear') {

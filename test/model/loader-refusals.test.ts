@@ -523,6 +523,9 @@ describe('GGUF RoPE scaling keys, read as llama.cpp reads them', () => {
       /metadata llama\.rope\.scaling\.factor is -2; a RoPE scaling factor must be a positive number/);
     await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scale_linear': Number.NaN } }), ModelFormatError,
       /metadata llama\.rope\.scale_linear is NaN/);
+    // A type that is not a string was read as absent, which means linear: refused instead.
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scaling.type': 2, 'llama.rope.scaling.factor': 4 } }), ModelFormatError,
+      /metadata llama\.rope\.scaling\.type is not a string/);
     const freqs = { name: 'rope_freqs.weight', type: GgmlType.F32, shape: [4], data: quantize(GgmlType.F32, new Float32Array(4).fill(1)) };
     await refusesLoad(await tinyGguf({ metadata: { 'llama.rope.scaling.factor': 4 }, tensors: { 'rope_freqs.weight': freqs } }),
       ModelFormatError, /linear RoPE scaling \(llama\.rope\.scaling\.factor 4\) together with rope_freqs\.weight is not supported/);
@@ -553,6 +556,11 @@ describe('GGUF RoPE scaling keys, read as llama.cpp reads them', () => {
     await refusesLoad(await tinyGguf(longRope(ones, [1, 1])), ModelFormatError, /rope_factors_short\.weight has 2 entries, expected ropeDim \/ 2 = 4/);
     await refusesLoad(await tinyGguf(longRope(ones, ones, { 'llama.rope.scaling.attn_factor': Number.NaN })), ModelFormatError,
       /metadata llama\.rope\.scaling\.attn_factor is NaN, not a positive finite number/);
+    // Of the wrong type: refused, not read as absent (an attention factor of 1, or "needs an original context").
+    await refusesLoad(await tinyGguf(longRope(ones, ones, { 'llama.rope.scaling.attn_factor': '1.19' })), ModelFormatError,
+      /metadata llama\.rope\.scaling\.attn_factor is not a number/);
+    await refusesLoad(await tinyGguf(longRope(ones, ones, { 'llama.rope.scaling.original_context_length': '32' })), ModelFormatError,
+      /metadata llama\.rope\.scaling\.original_context_length is not a number/);
     await refusesLoad(await tinyGguf(longRope(ones, ones, { 'llama.rope.scaling.original_context_length': 0 })), ModelFormatError,
       /metadata llama\.rope\.scaling\.original_context_length is 0, not a positive whole number/);
     assert.equal((await loadModel(await tinyGguf(longRope([2, 2, 2, 2], ones)))).config.ropeScaling?.type, 'longrope');
