@@ -219,7 +219,9 @@ function uniformNumber(file: GgufFile, key: string, source: string): number | un
   if (typeof value === 'number' || typeof value === 'bigint') return Number(value);
   if (ArrayBuffer.isView(value) && !(value instanceof DataView)) {
     const values = Array.from(value as ArrayLike<number | bigint>, Number);
-    if (values.length > 0 && values.every((v) => v === values[0])) return values[0];
+    // An empty array gives no value at all: "differs between layers" would send the reader looking for two values.
+    if (values.length === 0) throw new ModelFormatError(`${source}: metadata ${key} is an empty array, not a number`);
+    if (values.every((v) => v === values[0])) return values[0];
     throw new ModelFormatError(`${source}: metadata ${key} differs between layers, which is not supported`);
   }
   throw new ModelFormatError(`${source}: metadata ${key} is not a number`);

@@ -298,6 +298,13 @@ describe('model metadata that cannot be computed with', () => {
     });
   }
 
+  it('GGUF per-layer values: an empty array is named as such, not as values that differ between layers', async () => {
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.attention.head_count_kv': new Uint32Array(0) } }), ModelFormatError,
+      /metadata llama\.attention\.head_count_kv is an empty array, not a number/);
+    await refusesLoad(await tinyGguf({ metadata: { 'llama.attention.head_count_kv': new Uint32Array([2, 4]) } }), ModelFormatError,
+      /metadata llama\.attention\.head_count_kv differs between layers/);
+  });
+
   it('GGUF block_count 0, head_count 0, feed_forward_length 0', async () => {
     await refusesLoad(await tinyGguf({ metadata: { 'llama.block_count': 0 } }), ModelFormatError,
       /metadata llama\.block_count is 0, not a positive whole number/);
