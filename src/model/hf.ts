@@ -224,6 +224,9 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     config.slidingWindow = mistralWindow;
     requireCount(source, 'config.json sliding_window', config.slidingWindow);
   }
+  if (declared === 'Qwen2ForCausalLM' || declared === 'Qwen3ForCausalLM' || declared === 'Qwen3MoeForCausalLM') {
+    refuseQwenSlidingWindow(json, config.numLayers, source);
+  }
   if (architecture === 'gemma3') hfGemma3Config(json, config, source);
   const moe = hfMoeConfig(json, declared!, source);
   if (moe && moe.numExpertsUsed > moe.numExperts) {
@@ -286,6 +289,23 @@ function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, sour
   }
   const softcap = optionalNumber(json, 'final_logit_softcapping', source);
   if (softcap !== undefined && softcap > 0) config.finalLogitSoftcap = softcap;
+}
+
+/**
+ * Qwen2/Qwen3 with use_sliding_window: transformers and vLLM attend within sliding_window tokens on the layers from
+ * max_window_layers on; Conduit runs Qwen layers with full attention, which past the window is another model. The
+ * released models say false (or put every layer below max_window_layers), and load.
+ */
+const QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28;
+
+function refuseQwenSlidingWindow(json: Record<string, unknown>, numLayers: number, source: string): void {
+  if (optionalFlag(json, 'use_sliding_window', source) !== true) return;
+  const window = optionalNumber(json, 'sliding_window', source);
+  // Absent, max_window_layers is the configuration classes' default.
+  const firstWindowLayer = optionalNumber(json, 'max_window_layers', source) ?? QWEN_DEFAULT_MAX_WINDOW_LAYERS;
+  if (window === undefined || window <= 0 || firstWindowLayer >= numLayers) return;
+  throw new ModelFormatError(`${source}: config.json use_sliding_window is true (a ${window}-token window on layers ` +
+    `${firstWindowLayer} to ${numLayers - 1}); Qwen models with a sliding window are not supported`);
 }
 
 /** Experts of Qwen3-MoE (every layer sparse) and Mixtral; undefined for a dense architecture. */

@@ -411,6 +411,17 @@ describe('model metadata that cannot be computed with', () => {
       assert.throws(() => hfModelConfig({ ...gemma3, ...overrides }, 'g', 'g'), (e) => assertRefusal(e, ModelFormatError, pattern));
     }
   });
+
+  it('Hugging Face Qwen with use_sliding_window on some layers: refused (transformers and vLLM apply the window)', () => {
+    // Conduit would attend to every token on those layers; with the window on none of them, the model loads.
+    const qwen = { architectures: ['Qwen2ForCausalLM'], hidden_size: 32, num_attention_heads: 4, num_key_value_heads: 2,
+      vocab_size: 48, num_hidden_layers: 2, intermediate_size: 64, max_position_embeddings: 64, rms_norm_eps: 1e-6,
+      sliding_window: 16, max_window_layers: 1 };
+    assert.throws(() => hfModelConfig({ ...qwen, use_sliding_window: true }, 'q', 'q'), (e) => assertRefusal(e, ModelFormatError,
+      /^q: config\.json use_sliding_window is true \(a 16-token window on layers 1 to 1\); Qwen models with a sliding window are not supported$/));
+    assert.equal(hfModelConfig({ ...qwen, use_sliding_window: false }, 'q', 'q').slidingWindow, undefined);
+    assert.equal(hfModelConfig({ ...qwen, use_sliding_window: true, max_window_layers: 2 }, 'q', 'q').slidingWindow, undefined);
+  });
 });
 
 // ---------------------------------------------------------------------------------------------------------------
