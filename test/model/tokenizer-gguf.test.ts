@@ -261,7 +261,7 @@ describe('errors', { skip: skipUnlessVocab('gpt-2') }, () => {
   });
 });
 
-describe('token types and scores of any stored type', () => {
+describe('GGUF tokenizer keys stored as other types', () => {
   // A tiny SentencePiece vocabulary written and read back, so each key is stored as the type given.
   const tiny = (metadata: Record<string, GgufValue>): GgufFile => {
     const dir = mkdtempSync(join(tmpdir(), 'conduit-vocab-types-'));
@@ -305,5 +305,15 @@ describe('token types and scores of any stored type', () => {
     assert.throws(() => tokenizerFromGguf(tiny({ 'tokenizer.ggml.scores': 'high' })), (e: Error) =>
       e instanceof TokenizerError && e.message === 'GGUF metadata tokenizer.ggml.scores is a STRING; it must be an array ' +
         'of numbers (FLOAT32)');
+  });
+
+  it('tokenizer.ggml.model or tokenizer.ggml.pre not stored as a string: refused naming it, not read as absent', () => {
+    assert.throws(() => tokenizerFromGguf(tiny({ 'tokenizer.ggml.model': 1 })), (e: Error) =>
+      e instanceof TokenizerError && e.message === 'GGUF metadata tokenizer.ggml.model is a UINT32, not a STRING');
+    // Read as absent, the pre-tokenizer was the default one: other ids for the same text, silently.
+    const bpe = { 'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.merges': ['t o'] };
+    assert.doesNotThrow(() => tokenizerFromGguf(tiny({ ...bpe, 'tokenizer.ggml.pre': 'gpt-2' })));
+    assert.throws(() => tokenizerFromGguf(tiny({ ...bpe, 'tokenizer.ggml.pre': ['gpt-2'] })), (e: Error) =>
+      e instanceof TokenizerError && e.message === 'GGUF metadata tokenizer.ggml.pre is an array of STRING, not a STRING');
   });
 });

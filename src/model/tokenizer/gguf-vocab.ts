@@ -194,8 +194,20 @@ function readTokenTable(file: GgufFile): TokenTable {
   return { tokens, tokenToId, scores, attrs };
 }
 
+/**
+ * A STRING key, undefined when absent. Another type is refused naming it: read as absent, a tokenizer.ggml.pre stored
+ * as an array gave the default pre-tokenizer, which splits text otherwise (other ids for the same prompt, silently).
+ */
+function stringKey(file: GgufFile, key: string): string | undefined {
+  const value = metaString(file, key);
+  if (value === undefined && file.metadata.has(key)) {
+    throw new TokenizerError(`GGUF metadata ${key} is ${storedAs(file, key)}, not a STRING`);
+  }
+  return value;
+}
+
 export function readGgufVocab(file: GgufFile): GgufVocab {
-  const model = metaString(file, 'tokenizer.ggml.model');
+  const model = stringKey(file, 'tokenizer.ggml.model');
   if (model === undefined) throw new TokenizerError('GGUF has no tokenizer (tokenizer.ggml.model is missing)');
   let kind: VocabKind;
   if (model === 'llama') kind = 'spm';
@@ -208,7 +220,7 @@ export function readGgufVocab(file: GgufFile): GgufVocab {
   const vocabSize = tokens.length;
 
   let merges: string[] = [];
-  const pre = kind === 'bpe' ? metaString(file, 'tokenizer.ggml.pre') : undefined;
+  const pre = kind === 'bpe' ? stringKey(file, 'tokenizer.ggml.pre') : undefined;
   if (kind === 'bpe') {
     const list = stringArray(file, 'tokenizer.ggml.merges');
     if (!list) throw new TokenizerError('GGUF BPE vocabulary has no merges (tokenizer.ggml.merges)');
