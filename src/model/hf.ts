@@ -291,17 +291,17 @@ function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, sour
   if (softcap !== undefined && softcap > 0) config.finalLogitSoftcap = softcap;
 }
 
+/** Qwen2/Qwen3's max_window_layers when config.json gives none (the configuration classes' default). */
+const QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28;
+
 /**
  * Qwen2/Qwen3 with use_sliding_window: transformers and vLLM attend within sliding_window tokens on the layers from
  * max_window_layers on; Conduit runs Qwen layers with full attention, which past the window is another model. The
  * released models say false (or put every layer below max_window_layers), and load.
  */
-const QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28;
-
 function refuseQwenSlidingWindow(json: Record<string, unknown>, numLayers: number, source: string): void {
   if (optionalFlag(json, 'use_sliding_window', source) !== true) return;
   const window = optionalNumber(json, 'sliding_window', source);
-  // Absent, max_window_layers is the configuration classes' default.
   const firstWindowLayer = optionalNumber(json, 'max_window_layers', source) ?? QWEN_DEFAULT_MAX_WINDOW_LAYERS;
   if (window === undefined || window <= 0 || firstWindowLayer >= numLayers) return;
   throw new ModelFormatError(`${source}: config.json use_sliding_window is true (a ${window}-token window on layers ` +
