@@ -233,7 +233,10 @@ export class Router {
         continue;
       }
       result.numApplied++;
-      // The worker's own word replaces the router's guess, for better (stored) or worse (removed).
+      // The worker's own word replaces the router's guess, for better (stored) or worse (removed). Only its primary
+      // pool's: the guess is about the blocks the request computes there, and a RAM or disk tier's copies (offloaded,
+      // evicted, cleared) say nothing about those.
+      if (event.tier !== undefined) continue;
       if (event.type === 'cleared') this.speculative.removeWorker(workerId);
       else this.speculative.drop(workerId, event.blockHashes);
     }

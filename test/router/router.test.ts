@@ -182,6 +182,23 @@ describe('Router (kv policy)', () => {
       const probe = routed(router.route(request(prompt), 1, { commit: false }));
       assert.equal(probe.costTerms.find((terms) => terms.workerId === decision.workerId)!.overlapBlocks, 3);
     });
+
+    it('stands through events about the worker\'s RAM or disk tier: only its primary pool confirms or denies it', () => {
+      const router = makeRouter();
+      const decision = routed(router.route(request(prompt), 0));
+      const blocks = hashes(prompt);
+      // The worker offloads an older copy of the prefix to RAM, evicts part of it from disk and clears its RAM tier:
+      // none of it says anything about what its primary pool is computing for this request.
+      router.applyKvEvents(decision.workerId, [
+        { ...stored(1, blocks.slice(0, 4)), tier: 'ram' } as KvEvent,
+        { type: 'removed', eventId: 2, blockHashes: blocks.slice(4, 6), tier: 'disk' },
+        { type: 'cleared', eventId: 3, tier: 'ram' },
+      ]);
+      assert.equal(router.stats().numSpeculativeEntries, 10);
+      const probe = routed(router.route(request(prompt), 1, { commit: false }));
+      const chosen = probe.costTerms.find((terms) => terms.workerId === decision.workerId)!;
+      assert.deepEqual([chosen.overlapBlocks, chosen.speculativeBlocks], [10, 10]);
+    });
   });
 
   it('reports lost events, and resyncs from a real worker\'s dump', () => {
