@@ -11,6 +11,7 @@ import {
 import type { BlockHash, KvEvent } from '../protocols/kv-events.ts';
 import { KvCacheManager, type BlockTable, type KvPin } from './kv-cache/manager.ts';
 import type { KvBlockIo, KvTiers } from './kv-cache/tiers.ts';
+import type { KvBlock } from './kv-cache/free-block-queue.ts';
 import { copyTimestamps, type Request } from './request.ts';
 import { Scheduler, type AdoptedState, type SchedulerConfig, type StepPlan } from './scheduler.ts';
 import type {
@@ -639,15 +640,17 @@ export class StepCore<T> {
   load(): WorkerLoad {
     const { running, waiting } = this.scheduler.sequences();
     let activePrefillTokens = 0;
-    let activeDecodeBlocks = 0;
+    // A prefix-cache block shared by several running requests is one block of the pool: counted once, as the
+    // router counts its own (active-requests.ts), or a burst on one prefix would look like its copies.
+    const decodeBlocks = new Set<KvBlock>();
     for (const sequence of waiting) activePrefillTokens += sequence.numTokens;
     for (const sequence of running) {
       const remaining = sequence.numTokens - sequence.numComputedTokens;
       if (remaining > 1) activePrefillTokens += remaining;
-      activeDecodeBlocks += sequence.blockTable.heldBlocks.length;
+      for (const block of sequence.blockTable.heldBlocks) decodeBlocks.add(block);
     }
     return {
-      numRunning: running.length, numWaiting: waiting.length, activePrefillTokens, activeDecodeBlocks,
+      numRunning: running.length, numWaiting: waiting.length, activePrefillTokens, activeDecodeBlocks: decodeBlocks.size,
       kvUsage: this.kv.pool.numUsedBlocks / this.kv.numBlocks,
     };
   }

@@ -132,7 +132,7 @@ export interface WorkerLoad {
   numWaiting: number;
   /** Prompt tokens still to be computed across its requests (queued and partially prefilled). */
   activePrefillTokens: number;
-  /** KV blocks held by its running requests. */
+  /** Distinct KV blocks held by its running requests (a prefix block several of them share counts once). */
   activeDecodeBlocks: number;
   /** Fraction of its KV pool in use, 0..1. */
   kvUsage: number;

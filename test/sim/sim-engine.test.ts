@@ -289,6 +289,20 @@ describe('SimWorker on real profiles', () => {
     close(second.durationMs, (655_360 * 41 + 2 * 256_000 + 1_024 * (820 + 31)) / 1e6 + 0.5);
   });
 
+  test('its load counts a prefix block shared by running requests once, as the pool holds it', () => {
+    const worker = new SimWorker(toyWorker);
+    worker.add(req('a', prompt(64), 0, { maxTokens: 8 }), 0);
+    const first = worker.beginStep(0)!;
+    worker.finishStep(first);
+    // b reuses a's 4 cached blocks of 16 and adds one of its own.
+    worker.add(req('b', [...prompt(64), 5, 6, 7], first.endMs, { maxTokens: 8 }), first.endMs);
+    worker.finishStep(worker.beginStep(first.endMs)!);
+    const load = worker.load();
+    assert.equal(load.numRunning, 2);
+    assert.equal(worker.kv.pool.numUsedBlocks, 6, 'a: 4 prompt blocks and 1 for its output; b: 1 past the shared 4');
+    assert.equal(load.activeDecodeBlocks, 6);
+  });
+
   test('lifecycle and decode-sweep tables agree with the engine on Llama 3.1 70B, 4 x H100', async () => {
     const lifecycle = await checkLifecycleWithEngine({ model: LLAMA_3_1_70B, hw: H100_SXM, tp: 4, promptTokens: 1024 });
     assert.equal(lifecycle.cold.cachedTokens, 0);
