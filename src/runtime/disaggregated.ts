@@ -866,7 +866,11 @@ export class DisaggregatedEngine implements Engine {
   private onAdopted(decodeId: string, result: AdoptedResult): void {
     if (result.transfer) {
       this.channel.log.record(result.transfer);
-      this.transferRate.observe(result.transfer.bytes, result.transfer.ms);
+      // A transfer streamed during the prefill reports in ms only the part after the handoff; its bytes crossed the
+      // link over that and the busy time hidden behind the prefill (overlapMs). Bytes over ms alone would make the
+      // link look faster than it is, and send prompts remote that it cannot move in time.
+      const { bytes, ms, overlapMs } = result.transfer;
+      this.transferRate.observe(bytes, ms + (overlapMs ?? 0));
     }
     const flight = this.flights.get(result.requestId);
     if (!flight || flight.decodeId !== decodeId) return;

@@ -65,6 +65,8 @@ interface BuildOptions {
   staging?: boolean;
   /** The frontend reaches the prefill worker's request plane through a relay set so. */
   prefillRelay?: TcpRelayOptions;
+  /** The policy's estimates (default: fixed, transfers always the faster way). */
+  estimates?: { transferBytesPerSec: number; prefillTokensPerSec: number; fixed?: boolean };
 }
 
 async function serve(id: string, role: 'prefill' | 'decode', path: string, options: BuildOptions = {}): Promise<Served> {
@@ -141,7 +143,7 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     const engine = remoteDisaggregatedEngine({
       prefill: [await connect(prefill, options.prefillRelay)], decode: decodeRemotes, routerSeed: 3,
       policy: { minRemotePrefillTokens: 32 },
-      estimates: { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
+      estimates: options.estimates ?? { transferBytesPerSec: 1e12, prefillTokensPerSec: 1e3, fixed: true },
       ...(options.migrationLimit !== undefined ? { migration: { limit: options.migrationLimit } } : {}),
     });
     engines.push(engine);
@@ -249,6 +251,26 @@ describe('disaggregated prefill/decode across worker servers (KV over TCP or sha
     } finally {
       await chunked.close();
     }
+  });
+
+  test('the transfer estimate learns from a streamed transfer\'s bytes over all of its link time, the part hidden behind the prefill too', async () => {
+    const prior = 1e12;
+    const { engine, prefill, decode } = await build({ prefillChunk: 32, estimates: { transferBytesPerSec: prior, prefillTokensPerSec: 1e3 } });
+    const prefillOf = prefill.engine.prefill.bind(prefill.engine);
+    prefill.engine.prefill = (r) => (async function* () {
+      await until('the decode worker has opened its stream', () => decode.server.streamsOpen === 1);
+      yield* prefillOf(r);
+    })();
+    const outputs = await collect(engine.generate(request(prompt(12, 200))));
+    assert.equal(outputs.at(-1)!.routing?.disaggregation?.mode, 'disaggregated', outputs.at(-1)!.routing?.disaggregation?.detail);
+    const transfer = engine.channel.log.recent().at(-1)!;
+    assert.ok((transfer.overlapMs ?? 0) > 0, `busy time hidden behind the prefill: ${transfer.overlapMs} ms`);
+    // One observation moves the estimate a fifth of the way (RateEstimate's weight) to the link's measured rate.
+    const linkBytesPerSec = (transfer.bytes / (transfer.ms + transfer.overlapMs!)) * 1000;
+    const expected = prior + 0.2 * (linkBytesPerSec - prior);
+    const learned = engine.estimates().transferBytesPerSec;
+    assert.ok(Math.abs(learned - expected) <= 1e-9 * expected, `learned ${learned} B/s, expected ${expected} B/s`);
+    for (const s of [prefill, decode]) await assertFree(s);
   });
 
   test('a corrupted transfer is detected and the decode worker prefills itself: same greedy text, a failed kv_transfer in the trace', async () => {
