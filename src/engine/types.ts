@@ -278,7 +278,10 @@ export interface DisaggregationSummary {
   detail: string;
   prefillWorkerId?: string;
   decodeWorkerId: string;
-  /** Prompt tokens the decode worker did not hold (what a local prefill computes). */
+  /**
+   * Prompt tokens the decode worker did not hold in its primary pool (what a local prefill computes, or copies back
+   * for blocks it holds in its RAM or disk tier).
+   */
   uncachedTokens: number;
   /** Blocks the transfer would move and the estimates the decision compared, ms. */
   transferBlocks: number;

@@ -95,6 +95,7 @@ export function costTerms(request: RequestShape, worker: WorkerView): WorkerCost
   return {
     workerId: worker.workerId, overlapBlocks, speculativeBlocks, prefillTokens, prefillBlocks, decodeBlocks,
     ...(lowerBlocks > 0 ? { lowerTierBlocks: lowerBlocks } : {}),
+    ...(diskBlocks > 0 ? { lowerTierDiskBlocks: diskBlocks } : {}),
     ...(worker.matchedBlocks > overlapBlocks ? { heldBlocks: Math.min(worker.matchedBlocks, numFullBlocks) } : {}),
     cost: overlapWeight * prefillBlocks + decodeBlocks, busy: worker.busy,
   };

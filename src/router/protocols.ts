@@ -95,6 +95,8 @@ export interface WorkerCostTerms {
   prefillTokens: number;
   /** Prompt blocks after overlapBlocks it holds in a lower tier (RAM, disk) and would copy back. */
   lowerTierBlocks?: number;
+  /** Of lowerTierBlocks, those it holds only on disk. */
+  lowerTierDiskBlocks?: number;
   /**
    * Leading prompt blocks the worker holds, when more than overlapBlocks: every block of a prompt whose length is a
    * multiple of the block size. The engine recomputes the last one (overlapBlocks leaves it out), but a handed-off

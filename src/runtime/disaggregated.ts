@@ -724,12 +724,16 @@ export class DisaggregatedEngine implements Engine {
       }
     }
     const chosen = prefillDecision?.costTerms.find((t) => t.workerId === prefillDecision!.workerId);
-    const decodeHeldBlocks = decodeDecision.costTerms.find((t) => t.workerId === decodeDecision.workerId)?.heldBlocks;
+    const decodeTerms = decodeDecision.costTerms.find((t) => t.workerId === decodeDecision.workerId);
+    const decodeHeldBlocks = decodeTerms?.heldBlocks;
+    const decodeLowerTierBlocks = decodeTerms?.lowerTierBlocks;
     const choice = decideDisaggregation({
       numPromptTokens: request.promptTokenIds.length, blockSize: this.info.blockSize,
       ineligible,
       decodeWorkerId: decodeDecision.workerId, decodeOverlapBlocks: decodeDecision.overlapBlocks,
       ...(decodeHeldBlocks !== undefined ? { decodeHeldBlocks } : {}),
+      ...(decodeLowerTierBlocks !== undefined
+        ? { decodeLowerTierBlocks: { blocks: decodeLowerTierBlocks, disk: decodeTerms?.lowerTierDiskBlocks ?? 0 } } : {}),
       prefill: prefillDecision && chosen
         ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }
         : null,

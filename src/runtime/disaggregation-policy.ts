@@ -5,7 +5,8 @@
 // A remote prefill pays off when it keeps long prefills out of the decode batch (every running request's next token
 // waits for a prefill step sharing its batch) at a lower price than computing them there. It does not when:
 //   short-prompt        the decode worker lacks only a few prompt tokens (it holds the prefix, or the prompt is
-//                       short): computing them costs about one decode step, less than the round trip;
+//                       short): computing them costs about one decode step, less than the round trip; blocks it
+//                       holds in its RAM or disk tier count at what copying them back costs, not as computed;
 //   prefill-queue-full  the prefill worker the router would pick has more prefill queued than the bound, or every
 //                       prefill worker is busy: waiting there would cost more time to first token than it saves;
 //   transfer-slower     moving the KV blocks the decode worker lacks would take longer than computing them there
@@ -18,6 +19,7 @@
 // transfer-slower goes remote anyway (transfer-probe) to measure it.
 
 import type { DisaggregationReason, DisaggregationSummary } from '../engine/types.ts';
+import { DEFAULT_LOWER_TIER_WEIGHT } from '../router/cost.ts';
 
 export interface DisaggregationPolicy {
   /** Fewer uncached prompt tokens on the decode worker than this: prefill there (default 512). */
@@ -60,6 +62,13 @@ export interface DisaggregationInputs {
    * Default: decodeOverlapBlocks.
    */
   decodeHeldBlocks?: number;
+  /**
+   * Prompt blocks right after decodeOverlapBlocks the decode worker holds only in its RAM or disk tier, and how many
+   * of them only on disk (WorkerCostTerms.lowerTierBlocks, lowerTierDiskBlocks). A local prefill copies them back
+   * instead of computing them, at a fraction of the price (DEFAULT_LOWER_TIER_WEIGHT, as the router weighs them). A
+   * transfer moves them all the same: an adoption imports every block past the decode worker's primary hits.
+   */
+  decodeLowerTierBlocks?: { blocks: number; disk: number };
   /** The prefill worker the prefill router would pick and its queue, or null when none is available. */
   prefill: { workerId: string; queuedPrefillTokens: number } | null;
   /** KV bytes of one token in the pools (every layer's K and V). */
@@ -81,11 +90,19 @@ export function decideDisaggregation(inputs: DisaggregationInputs, policy: Disag
   // so at most floor((n - 1) / blockSize) blocks are spared locally; remotely, every block it lacks moves.
   const localHitBlocks = Math.max(0, Math.min(inputs.decodeOverlapBlocks, Math.floor((numPromptTokens - 1) / blockSize)));
   const uncachedTokens = numPromptTokens - localHitBlocks * blockSize;
+  // Of those, the ones a local prefill copies back from a lower tier: what computing the rest and copying them costs,
+  // in tokens of prefill, is the local work.
+  const lower = inputs.decodeLowerTierBlocks;
+  const onboardBlocks = Math.max(0, Math.min(lower?.blocks ?? 0, Math.floor((numPromptTokens - 1) / blockSize) - localHitBlocks));
+  const diskBlocks = Math.max(0, Math.min(lower?.disk ?? 0, onboardBlocks));
+  const onboardTokens = onboardBlocks * blockSize;
+  const localWorkTokens = uncachedTokens - onboardTokens
+    + ((onboardBlocks - diskBlocks) * DEFAULT_LOWER_TIER_WEIGHT.ram + diskBlocks * DEFAULT_LOWER_TIER_WEIGHT.disk) * blockSize;
   const heldBlocks = Math.max(0, Math.min(inputs.decodeHeldBlocks ?? inputs.decodeOverlapBlocks, Math.floor(numPromptTokens / blockSize)));
   const transferBlocks = Math.ceil(numPromptTokens / blockSize) - heldBlocks;
   const transferBytes = transferBlocks * blockSize * inputs.kvBytesPerToken;
   const estimatedTransferMs = policy.transferOverheadMs + (transferBytes / Math.max(1, inputs.transferBytesPerSec)) * 1000;
-  const estimatedPrefillMs = (uncachedTokens / Math.max(1e-9, inputs.prefillTokensPerSec)) * 1000;
+  const estimatedPrefillMs = (localWorkTokens / Math.max(1e-9, inputs.prefillTokensPerSec)) * 1000;
   const summary = (mode: DisaggregationSummary['mode'], reason: DisaggregationReason, detail: string): DisaggregationSummary => ({
     mode, reason, detail, prefillWorkerId: mode === 'disaggregated' ? inputs.prefill?.workerId : undefined,
     decodeWorkerId: inputs.decodeWorkerId, uncachedTokens, transferBlocks, estimatedTransferMs, estimatedPrefillMs,
@@ -93,8 +110,10 @@ export function decideDisaggregation(inputs: DisaggregationInputs, policy: Disag
   const ms = (value: number) => `${value.toFixed(3)} ms`;
 
   if (inputs.ineligible !== undefined) return summary('local', 'not-eligible', inputs.ineligible);
-  if (uncachedTokens < policy.minRemotePrefillTokens) {
-    return summary('local', 'short-prompt', `${uncachedTokens} uncached prompt tokens on ${inputs.decodeWorkerId} `
+  if (localWorkTokens < policy.minRemotePrefillTokens) {
+    const copied = onboardTokens === 0 ? ''
+      : `, ${onboardTokens} of them in its RAM or disk tier (the work of ~${Math.round(localWorkTokens)} to compute)`;
+    return summary('local', 'short-prompt', `${uncachedTokens} uncached prompt tokens on ${inputs.decodeWorkerId}${copied} `
       + `< ${policy.minRemotePrefillTokens}`);
   }
   if (inputs.prefill === null) return summary('local', 'prefill-queue-full', 'no prefill worker available (all busy or gone)');

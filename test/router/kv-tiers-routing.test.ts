@@ -32,6 +32,8 @@ for (const [name, makeIndex] of [['hash-set', () => new HashSetKvIndex()], ['bit
       assert.equal(terms.get('w1')!.overlapBlocks, 0, 'a disk block is not a primary hit');
       assert.equal(terms.get('w1')!.lowerTierBlocks, 8);
       assert.equal(terms.get('w2')!.lowerTierBlocks, 8);
+      assert.deepEqual([terms.get('w1')!.lowerTierDiskBlocks, terms.get('w2')!.lowerTierDiskBlocks], [8, undefined],
+        'which of them only on disk (the disaggregation policy prices their copy back by it)');
       assert.equal(terms.get('w3')!.overlapBlocks, 8);
       const costs = ['w3', 'w2', 'w1', 'w0'].map((w) => terms.get(w)!.cost);
       assert.deepEqual([...costs].sort((a, b) => a - b), costs, `costs in order primary < ram < disk < cold: ${costs}`);

@@ -235,6 +235,22 @@ describe('conditional disaggregation', () => {
     assert.deepEqual([held.reason, held.uncachedTokens, held.transferBlocks, held.estimatedTransferMs], ['remote-prefill', 16, 0, 0.5]);
   });
 
+  test('blocks the decode worker holds in its RAM or disk tier make a local prefill cheaper, not the transfer shorter', () => {
+    // 50 of the 62 reusable blocks in its RAM tier: 200 tokens to compute and 800 to copy back, the work of 200 more.
+    const inRam = decideDisaggregation({ ...base, transferBytesPerSec: 2e7, decodeLowerTierBlocks: { blocks: 50, disk: 0 } }, policy);
+    assert.deepEqual([inRam.mode, inRam.reason, inRam.uncachedTokens, inRam.transferBlocks], ['local', 'transfer-slower', 1000, 63]);
+    assert.equal(inRam.estimatedPrefillMs, 40);
+    assert.equal(inRam.estimatedTransferMs, 0.5 + (63 * 16 * 1000 / 2e7) * 1000, 'an adoption imports them all the same');
+    // Without them, computing all 1000 tokens (100 ms) is slower than moving the KV (~51 ms).
+    assert.equal(decideDisaggregation({ ...base, transferBytesPerSec: 2e7 }, policy).reason, 'remote-prefill');
+    // On disk they cost twice as much to copy back: 10 of the 50 there, 40 more tokens' worth.
+    assert.equal(decideDisaggregation({ ...base, decodeLowerTierBlocks: { blocks: 50, disk: 10 } }, policy).estimatedPrefillMs, 44);
+    // A prompt the worker holds whole in RAM but for its last block is a short one: 4 tokens to compute, 496 to copy.
+    const held = decideDisaggregation({ ...base, numPromptTokens: 500, decodeLowerTierBlocks: { blocks: 40, disk: 0 } }, policy);
+    assert.deepEqual([held.reason, held.uncachedTokens], ['short-prompt', 500]);
+    assert.match(held.detail, /500 uncached prompt tokens on decode-0, 496 of them in its RAM or disk tier \(the work of ~128 to compute\) < 256/);
+  });
+
   test(`on real workers (${cpuTestModel().name}): remote, short prompt, prefill queue over its bound, n > 1, transfer slower`, async () => {
     const path = cpuTestModel().path;
     const pool = await disaggregatedPool(path, { decodeWorkers: 1, disaggregationPolicy: { minRemotePrefillTokens: 32, maxPrefillQueueTokens: 0 } });

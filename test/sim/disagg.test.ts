@@ -274,3 +274,37 @@ describe('the disaggregation policy prices a simulated transfer as the link move
     });
   }
 });
+
+describe('a decode worker\'s RAM tier and the disaggregation policy', () => {
+  test('a prompt the decode worker holds in RAM is prefilled there, copied back rather than computed, not sent out', async () => {
+    const prefill = new SimEngine({ ...toyWorker, speedUp: Infinity, role: 'prefill', enableKvEvents: true });
+    // 16 blocks of 16 tokens in the pool, 64 in RAM below it.
+    const decode = new SimEngine({ ...toyWorker, numKvBlocks: 16, speedUp: Infinity, role: 'decode', enableKvEvents: true, kvTiers: { ramBytes: 1 << 20 } });
+    const engine = new DisaggregatedEngine({
+      prefill: [{ id: 'p0', engine: prefill }], decode: [{ id: 'd0', engine: decode }],
+      prefillRouter: new Router({ blockSize: 16, random: seededRandom(1) }), decodeRouter: new Router({ blockSize: 16, random: seededRandom(2) }),
+      // Decided by the prompt's length alone: 64 tokens or more to compute locally, and it goes out.
+      channel: new SimulatedKvChannel(), policy: { transferOverheadMs: 0, minRemotePrefillTokens: 64, compareTransfer: false },
+      estimates: { transferBytesPerSec: 1e9, prefillTokensPerSec: 1e4, fixed: true }, now: () => decode.now(),
+    });
+    try {
+      const onDecode = async (id: string, ids: number[]) => {
+        for await (const output of decode.generate(req(id, ids, 0, { maxTokens: 2 }))) void output;
+      };
+      // The prompt runs on the decode worker, its blocks go down to RAM when it idles, and a longer prompt then takes
+      // the whole pool: the prompt's 8 whole blocks (before its last token) are in RAM only.
+      const ids = prompt(130, 3);
+      await onDecode('first', ids);
+      await onDecode('other', prompt(250, 5));
+      let last: EngineOutput | undefined;
+      for await (const output of engine.generate(req('again', ids, 0, { maxTokens: 2 }))) last = output;
+      const choice = last!.routing!.disaggregation!;
+      // 2 tokens to compute and 128 to copy back at a quarter of the price: the work of 34 tokens.
+      assert.deepEqual([choice.mode, choice.reason, choice.uncachedTokens], ['local', 'short-prompt', 130], choice.detail);
+      close(choice.estimatedPrefillMs, 34 / 1e4 * 1000);
+      assert.equal(last!.usage.cachedTokens, 128, 'the local prefill took them from RAM');
+    } finally {
+      await engine.close();
+    }
+  });
+});
