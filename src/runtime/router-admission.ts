@@ -34,6 +34,10 @@ export class RouterAdmission {
 
   /** Routes now, or waits in the router's admission queue, or fails with overload. */
   place(request: RoutingRequest): Promise<Admitted> {
+    // Room that opened since the last drain (a prefill done, a lower load report) goes to the requests that waited
+    // for it first: routed straight away, every newcomer would overtake them, and under a steady stream of arrivals
+    // they would wait until they expire.
+    this.drain();
     const now = this.now();
     const outcome = this.router.route(request, now);
     switch (outcome.kind) {
