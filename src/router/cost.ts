@@ -86,14 +86,16 @@ export function costTerms(request: RequestShape, worker: WorkerView): WorkerCost
   const queuedPrefillTokens = Math.max(worker.reported.activePrefillTokens, worker.own.prefillTokens);
   // Only blocks this request reuses can be the ones being computed for it.
   const sharedQueuedTokens = Math.min(worker.computingBlocks, overlapBlocks) * blockSize;
-  const prefillTokens = newPrefillTokens + Math.max(0, queuedPrefillTokens - sharedQueuedTokens);
+  const queuedAheadTokens = Math.max(0, queuedPrefillTokens - sharedQueuedTokens);
+  const prefillTokens = newPrefillTokens + queuedAheadTokens;
   const prefillBlocks = prefillTokens / blockSize;
   const numFullBlocks = Math.floor(numPromptTokens / blockSize);
   const requestBlocks = Math.ceil(numPromptTokens / blockSize);
   const newBlocks = requestBlocks - Math.min(worker.sharedActiveBlocks, numFullBlocks);
   const decodeBlocks = Math.max(worker.reported.activeDecodeBlocks, worker.own.numBlocks) + newBlocks;
   return {
-    workerId: worker.workerId, overlapBlocks, speculativeBlocks, prefillTokens, prefillBlocks, decodeBlocks,
+    workerId: worker.workerId, overlapBlocks, speculativeBlocks, prefillTokens, queuedPrefillTokens: queuedAheadTokens,
+    prefillBlocks, decodeBlocks,
     ...(lowerBlocks > 0 ? { lowerTierBlocks: lowerBlocks } : {}),
     ...(diskBlocks > 0 ? { lowerTierDiskBlocks: diskBlocks } : {}),
     ...(worker.matchedBlocks > overlapBlocks ? { heldBlocks: Math.min(worker.matchedBlocks, numFullBlocks) } : {}),

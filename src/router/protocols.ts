@@ -93,6 +93,11 @@ export interface WorkerCostTerms {
    * from a lower tier count at their tier's weight (cost.ts).
    */
   prefillTokens: number;
+  /**
+   * Of prefillTokens, the prefill already queued on it (reported, or sent by this router), less what computes this
+   * request's own prefix: the prompts ahead of this one.
+   */
+  queuedPrefillTokens: number;
   /** Prompt blocks after overlapBlocks it holds in a lower tier (RAM, disk) and would copy back. */
   lowerTierBlocks?: number;
   /** Of lowerTierBlocks, those it holds only on disk. */

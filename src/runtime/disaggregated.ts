@@ -735,7 +735,7 @@ export class DisaggregatedEngine implements Engine {
       ...(decodeLowerTierBlocks !== undefined
         ? { decodeLowerTierBlocks: { blocks: decodeLowerTierBlocks, disk: decodeTerms?.lowerTierDiskBlocks ?? 0 } } : {}),
       prefill: prefillDecision && chosen
-        ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.prefillTokens - prefillDecision.newPrefillTokens }
+        ? { workerId: prefillDecision.workerId, queuedPrefillTokens: chosen.queuedPrefillTokens }
         : null,
       kvBytesPerToken: this.kvBytesPerToken, transferBytesPerSec: this.transferRate.perSec,
       prefillTokensPerSec: this.prefillRate.perSec, probeTransfer: this.transferProbe.due,

@@ -16,7 +16,7 @@ function view(partial: Partial<WorkerView>): WorkerView {
 }
 
 function terms(cost: number, overlapBlocks = 0, workerId = `c${cost}`): WorkerCostTerms {
-  return { workerId, overlapBlocks, speculativeBlocks: 0, prefillTokens: 0, prefillBlocks: 0, decodeBlocks: 0, cost, busy: false };
+  return { workerId, overlapBlocks, speculativeBlocks: 0, prefillTokens: 0, queuedPrefillTokens: 0, prefillBlocks: 0, decodeBlocks: 0, cost, busy: false };
 }
 
 describe('kv cost terms', () => {
@@ -33,7 +33,7 @@ describe('kv cost terms', () => {
     const prefillTokens = newPrefillTokens + 50; // the report (50) exceeds the router's own count (20)
     const decodeBlocks = 12 + (7 - 2); // own count (12) exceeds the report (10); 7 blocks, 2 shared
     assert.deepEqual(result, {
-      workerId: 'a', overlapBlocks: 4, speculativeBlocks: 1, prefillTokens, prefillBlocks: prefillTokens / 16, decodeBlocks,
+      workerId: 'a', overlapBlocks: 4, speculativeBlocks: 1, prefillTokens, queuedPrefillTokens: 50, prefillBlocks: prefillTokens / 16, decodeBlocks,
       cost: 2 * (prefillTokens / 16) + decodeBlocks, busy: false,
     });
   });
@@ -44,6 +44,7 @@ describe('kv cost terms', () => {
     // The leader computes blocks 0..9 of the same prompt; this request reuses all 10 (speculatively).
     const follower = costTerms(shape, view({ matchedBlocks: 10, sharedActiveBlocks: 10, computingBlocks: 10, own: leaderBusy }));
     assert.equal(follower.prefillTokens, 1 + (41 - 40), 'its own last token plus the leader\'s unshared token');
+    assert.equal(follower.queuedPrefillTokens, 41 - 40, 'ahead of it: the leader\'s unshared token');
     assert.equal(follower.decodeBlocks, 11 + 1, 'one partial block of its own');
     // Without the overlap (no speculative insert) the same queue is charged in full.
     const blind = costTerms(shape, view({ matchedBlocks: 0, sharedActiveBlocks: 10, computingBlocks: 10, own: leaderBusy }));

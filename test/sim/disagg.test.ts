@@ -275,7 +275,43 @@ describe('the disaggregation policy prices a simulated transfer as the link move
   }
 });
 
-describe('a decode worker\'s RAM tier and the disaggregation policy', () => {
+describe('a worker\'s RAM tier and the disaggregation policy', () => {
+  test('a prompt the prefill worker holds in RAM does not shrink the prefill queued ahead of it there', async () => {
+    // 16 blocks of 16 tokens in the prefill worker's pool, 64 in RAM below it.
+    const prefill = new SimEngine({ ...toyWorker, numKvBlocks: 16, speedUp: Infinity, role: 'prefill', enableKvEvents: true, kvTiers: { ramBytes: 1 << 20 } });
+    const decode = new SimEngine({ ...toyWorker, speedUp: Infinity, role: 'decode', enableKvEvents: true });
+    const engine = new DisaggregatedEngine({
+      prefill: [{ id: 'p0', engine: prefill }], decode: [{ id: 'd0', engine: decode }],
+      prefillRouter: new Router({ blockSize: 16, random: seededRandom(1) }), decodeRouter: new Router({ blockSize: 16, random: seededRandom(2) }),
+      channel: new SimulatedKvChannel(),
+      policy: { transferOverheadMs: 0, minRemotePrefillTokens: 64, maxPrefillQueueTokens: 100, compareTransfer: false },
+      estimates: { transferBytesPerSec: 1e9, prefillTokensPerSec: 1e4, fixed: true }, now: () => decode.now(),
+    });
+    try {
+      const onPrefillWorker = async (id: string, ids: number[]) => {
+        for await (const output of prefill.generate(req(id, ids, 0, { maxTokens: 2 }))) void output;
+      };
+      // The prompt's 8 whole blocks end up in the prefill worker's RAM only (a longer prompt took the whole pool).
+      const ids = prompt(130, 3);
+      await onPrefillWorker('first', ids);
+      await onPrefillWorker('other', prompt(250, 5));
+      const run = async (id: string, tokenIds: number[]) => {
+        let last: EngineOutput | undefined;
+        for await (const output of engine.generate(req(id, tokenIds, 0, { maxTokens: 2 }))) last = output;
+        return last!.routing!.disaggregation!;
+      };
+      // Both at once: the second finds the first's 150 tokens queued on the prefill worker, over the bound of 100,
+      // however little its own prompt would cost there.
+      const [ahead, behind] = await Promise.all([run('ahead', prompt(150, 7)), run('behind', ids)]);
+      assert.equal(ahead.reason, 'remote-prefill', ahead.detail);
+      assert.deepEqual([behind.mode, behind.reason], ['local', 'prefill-queue-full'], behind.detail);
+      assert.match(behind.detail, /^150 prefill tokens queued on p0 > 100$/);
+    } finally {
+      await engine.close();
+    }
+  });
+
+
   test('a prompt the decode worker holds in RAM is prefilled there, copied back rather than computed, not sent out', async () => {
     const prefill = new SimEngine({ ...toyWorker, speedUp: Infinity, role: 'prefill', enableKvEvents: true });
     // 16 blocks of 16 tokens in the pool, 64 in RAM below it.
