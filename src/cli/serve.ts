@@ -992,7 +992,15 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
           backend: config.backend,
         });
         const name = spec.servedModelName ?? modelIdFromName(pool.engine.info.modelName);
-        const generation = config.engine === 'cpu' ? await generationDefaultsFor(config.generationConfig, spec.path) : undefined;
+        let generation: { defaults: GenerationDefaults; file: string } | undefined;
+        try {
+          generation = config.engine === 'cpu' ? await generationDefaultsFor(config.generationConfig, spec.path) : undefined;
+        } catch (error) {
+          // This pool is not yet among `served`, whose engines the catch below closes: its workers would keep the
+          // process alive after the start failed.
+          await pool.engine.close();
+          throw error;
+        }
         const shownDefaults = generation !== undefined ? describeGenerationDefaults(generation.defaults) : '';
         if (shownDefaults !== '') {
           logger.info(`${name}: requests that leave them out get ${shownDefaults} (${generation!.file}; --generation-config vllm: OpenAI's defaults)`);

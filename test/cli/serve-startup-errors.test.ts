@@ -165,6 +165,14 @@ describe('conduit serve: a file an option names that cannot be used is one line'
       /cannot create .*a-file\/cache: a part of the path is a file, not a folder/);
   });
 
+  it('a --generation-config file it refuses: the process ends, its workers (already started) with it', async () => {
+    const folder = join(dir, 'bad-generation-config');
+    mkdirSync(folder);
+    writeFileSync(join(folder, 'generation_config.json'), JSON.stringify({ temperature: -1 }));
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--kv-cache-memory', '8MiB', '--threads', '1',
+      '--generation-config', folder]), 'serve', 1, /generation_config\.json: temperature must be a number in \[0, 2\], got -1$/);
+  });
+
   describe('files another user owns (the CLI run as nobody)', { skip: notRoot }, () => {
     let secret: string;
     before(() => {
