@@ -8,7 +8,7 @@ import { basename, dirname, join, resolve } from 'node:path';
 import { createSecureContext } from 'node:tls';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
-import { describeGenerationDefaults, GENERATION_CONFIG_FILE, readGenerationConfig, type GenerationDefaults } from '../model/generation-config.ts';
+import { checkGenerationVocabulary, describeGenerationDefaults, GENERATION_CONFIG_FILE, readGenerationConfig, type GenerationDefaults } from '../model/generation-config.ts';
 import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, unusedTenants, type KeyConfig, type TenantLimits,
@@ -995,6 +995,11 @@ export async function startServer(config: ServeConfig, logger: Logger, clock?: C
         let generation: { defaults: GenerationDefaults; file: string } | undefined;
         try {
           generation = config.engine === 'cpu' ? await generationDefaultsFor(config.generationConfig, spec.path) : undefined;
+          if (generation !== undefined) {
+            // Against the vocabulary a request's token ids are checked against (the gateway's: the smaller of the two).
+            checkGenerationVocabulary(generation.defaults, Math.min(pool.engine.info.vocabSize, pool.tokenizer.vocabSize),
+              generation.file);
+          }
         } catch (error) {
           // This pool is not yet among `served`, whose engines the catch below closes: its workers would keep the
           // process alive after the start failed.

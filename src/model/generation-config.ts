@@ -44,7 +44,10 @@ export async function readGenerationConfig(folder: string): Promise<GenerationDe
   const number = (key: string, ok: (value: number) => boolean, range: string): number | undefined => {
     const value = fields[key];
     if (value === undefined || value === null) return undefined;
-    if (typeof value !== 'number' || !ok(value)) throw new ModelFormatError(`${path}: ${key} must be ${range}, got ${JSON.stringify(value)}`);
+    if (typeof value !== 'number' || !ok(value)) {
+      // String(): JSON.stringify would write an overflowing number (1e309, read as Infinity) as null.
+      throw new ModelFormatError(`${path}: ${key} must be ${range}, got ${typeof value === 'number' ? String(value) : JSON.stringify(value)}`);
+    }
     return value;
   };
   const defaults: GenerationDefaults = {};
@@ -56,7 +59,7 @@ export async function readGenerationConfig(folder: string): Promise<GenerationDe
   if (topK !== undefined) defaults.topK = topK === -1 ? 0 : topK;
   const minP = number('min_p', (v) => v >= 0 && v <= 1, 'a number in [0, 1]');
   if (minP !== undefined) defaults.minP = minP;
-  const repetitionPenalty = number('repetition_penalty', (v) => v > 0, 'a number > 0');
+  const repetitionPenalty = number('repetition_penalty', (v) => Number.isFinite(v) && v > 0, 'a finite number > 0');
   if (repetitionPenalty !== undefined) defaults.repetitionPenalty = repetitionPenalty;
   const maxTokens = number('max_new_tokens', (v) => Number.isInteger(v) && v >= 1, 'a whole number >= 1');
   if (maxTokens !== undefined) defaults.maxTokens = maxTokens;
@@ -69,6 +72,19 @@ export async function readGenerationConfig(folder: string): Promise<GenerationDe
     defaults.eosTokenIds = ids as number[];
   }
   return defaults;
+}
+
+/**
+ * Refuses (ModelFormatError) end-of-generation ids of `file` outside the served model's vocabulary (`vocabSize`
+ * tokens): they become every request's stop token ids, which a request may give only inside it, so each request
+ * would be refused for ids it never sent.
+ */
+export function checkGenerationVocabulary(defaults: GenerationDefaults, vocabSize: number, file: string): void {
+  const outside = (defaults.eosTokenIds ?? []).filter((id) => id >= vocabSize);
+  if (outside.length > 0) {
+    throw new ModelFormatError(`${file}: eos_token_id ${outside.join(', ')} ${outside.length === 1 ? 'is' : 'are'} not in the `
+      + `model's vocabulary of ${vocabSize} tokens`);
+  }
 }
 
 /** The defaults as request fields, for a log line: `temperature 0.6, top_p 0.9`. */

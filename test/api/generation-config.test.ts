@@ -61,7 +61,9 @@ describe('readGenerationConfig', () => {
       ['temperature', { temperature: -1 }, /temperature must be a number in \[0, 2\], got -1/],
       ['top_p', { top_p: 0 }, /top_p must be a number in \(0, 1\]/],
       ['top_k', { top_k: 2.5 }, /top_k must be a whole number >= -1/],
-      ['repetition_penalty', { repetition_penalty: '1.1' }, /repetition_penalty must be a number > 0/],
+      ['repetition_penalty', { repetition_penalty: '1.1' }, /repetition_penalty must be a finite number > 0/],
+      // JSON's 1e309 parses as Infinity, which no request may give (and the sampler refuses).
+      ['repetition_penalty-infinite', '{"repetition_penalty": 1e309}', /repetition_penalty must be a finite number > 0, got Infinity/],
       ['max_new_tokens', { max_new_tokens: 0 }, /max_new_tokens must be a whole number >= 1/],
       ['eos_token_id', { eos_token_id: [2, -1] }, /eos_token_id must be a token id or a list of them/],
       ['array', [1, 2], /not a JSON object/],
@@ -113,6 +115,16 @@ describe('--generation-config on the server', () => {
       { text: '', tokens: 1, finish: 'stop', stop: NEWLINE });
     assert.equal((await complete(folderDefaults, { logit_bias: { [NEWLINE]: 100 }, ignore_eos: true })).tokens, 5);
     assert.equal((await complete(none, { logit_bias: { [NEWLINE]: 100 }, max_tokens: 3 })).tokens, 3, 'no such stop without the file');
+  });
+
+  it('an eos_token_id outside the model\'s vocabulary stops the start (every request would be refused for it)', E2E, async () => {
+    const folder = join(dir, 'outside');
+    mkdirSync(folder);
+    writeFileSync(join(folder, 'generation_config.json'), JSON.stringify({ eos_token_id: [2, 32000, 40000] }));
+    const started = await serve(['--generation-config', folder]).catch((error: unknown) => error);
+    if (!(started instanceof Error)) await (started as RunningServer).api.shutdown(0);
+    assert.ok(started instanceof ModelFormatError, `the start fails, got ${String(started)}`);
+    assert.match(started.message, /generation_config\.json: eos_token_id 32000, 40000 are not in the model's vocabulary of 32000 tokens$/);
   });
 
   it('a folder without the file is a usage error', () => {
