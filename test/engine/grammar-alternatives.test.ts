@@ -1,0 +1,97 @@
+// What XGrammar (0.1.27) accepts for the grammars Conduit writes of alternatives (guided_choice, a schema's enum and
+// anyOf/oneOf of consts) and of property names, listed in full with XGrammar's own matcher: a vocabulary of the 256
+// single bytes and an end token, walked depth first over every byte the mask allows, each string the end token may
+// follow recorded. XGrammar merges states of the automaton it builds from alternatives unsoundly, so left to it
+// ["521", "600", "601"] also took "520"; these check that every string accepted is one of the values, and each value
+// is accepted, on the cases found wrong and on seeded random lists.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import { choiceGrammar } from '../../src/engine/grammar/runtime.ts';
+import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { seededRandom } from '../../src/util/random.ts';
+
+const END = 256;
+
+describe('alternatives as XGrammar accepts them', () => {
+  let xg: XGrammar;
+  let compiler: XgHandle;
+
+  before(async () => {
+    xg = await XGrammar.load();
+    const b = xg.binding;
+    const info = new b.TokenizerInfo(b.vecStringFromJSArray([...byteLevelChars(), '']), 'BYTE_LEVEL', END + 1,
+      b.vecIntFromJSArray([END]), false);
+    compiler = new b.GrammarCompiler(info, 1, false);
+  });
+  after(() => compiler?.delete());
+
+  /** Every complete text (UTF-8) of at most `maxBytes` bytes the grammar accepts. */
+  function accepted(kind: 'ebnf' | 'json', source: string, maxBytes: number): string[] {
+    const b = xg.binding;
+    const compiled = xg.run('compile', () => {
+      if (kind === 'json') return compiler.CompileJSONSchema(source, false, undefined, undefined, true, undefined);
+      const grammar = new b.Grammar.FromEBNF(source, 'root');
+      try {
+        return compiler.CompileGrammar(grammar);
+      } finally {
+        grammar.delete();
+      }
+    });
+    const matcher = new b.GrammarMatcher(compiled, undefined, false, -1);
+    const texts: string[] = [];
+    const bytes: number[] = [];
+    const walk = (): void => {
+      const vector = matcher.GetNextTokenBitmask(END + 1);
+      const words = Int32Array.from(b.vecIntToView(vector));
+      vector.delete();
+      const allowed = (id: number) => ((words[id >>> 5]! >>> (id & 31)) & 1) === 1;
+      if (allowed(END)) texts.push(Buffer.from(bytes).toString('utf8'));
+      if (bytes.length >= maxBytes || texts.length > 1000) return;
+      for (let byte = 0; byte < 256; byte++) {
+        if (!allowed(byte)) continue;
+        assert.ok(matcher.AcceptToken(byte, false), 'the mask allowed a byte the matcher refuses');
+        bytes.push(byte);
+        walk();
+        bytes.pop();
+        matcher.Rollback(1);
+      }
+    };
+    walk();
+    matcher.delete();
+    compiled.delete();
+    return texts;
+  }
+
+  /** The choices' grammar accepts exactly the choices (strings up to 4 bytes past the longest, to see past them). */
+  function assertChoices(choices: string[]): void {
+    const maxBytes = Math.max(...choices.map((choice) => Buffer.byteLength(choice))) + 4;
+    assert.deepEqual(accepted('ebnf', choiceGrammar(choices), maxBytes).sort(), [...new Set(choices)].sort(), JSON.stringify(choices));
+  }
+
+  const randomStrings = (random: () => number, alphabet: string[], count: number): string[] => {
+    const set = new Set<string>();
+    while (set.size < count) {
+      let text = '';
+      for (let length = 1 + Math.floor(random() * 3); length > 0; length--) text += alphabet[Math.floor(random() * alphabet.length)];
+      set.add(text);
+    }
+    return [...set];
+  };
+
+  it('guided_choice: choices whose characters share their first UTF-8 bytes are not mixed', () => {
+    // Each took another string as a tree of characters: "乙中a", "a丁", "中中丁", "乙丁a".
+    for (const choices of [['乙丁', '丁', 'b', '中a'], ['a中', '丁', '中'], ['b', 'baa', '中丁', '丁'], ['乙中', '丁a', '中', 'bb'],
+      ['é😀', '😁', 'é😁è', '中é😁', 'èè', '丁']]) {
+      assertChoices(choices);
+    }
+    // Seeded random lists (a tree of characters let 4 of these 300 take another string).
+    const random = seededRandom(1);
+    for (let list = 0; list < 300; list++) assertChoices(randomStrings(random, ['a', 'b', '中', '丁', '乙'], 2 + Math.floor(random() * 5)));
+  });
+
+  it('guided_choice: ASCII choices, prefixes of one another and the empty tail still take exactly the choices', () => {
+    assertChoices(['521', '600', '601']);
+    assertChoices(['a', 'ab', 'abc', 'b"\\', '中', '中文', 'a中']);
+  });
+});
