@@ -470,8 +470,8 @@ function checkCharacterClasses(text: string, kind: 'regex' | 'ebnf', param: stri
 }
 
 /** A grammar source's text within MAX_GUIDED_BYTES. */
-function checkBytes(text: string, param: string, what: string): void {
-  const bytes = Buffer.byteLength(text, 'utf8');
+function checkBytes(text: string, param: string, what: string, uncounted = 0): void {
+  const bytes = Buffer.byteLength(text, 'utf8') - uncounted;
   if (bytes > MAX_GUIDED_BYTES) {
     throw new InvalidValueError(param, `${what} is ${bytes} bytes; at most ${MAX_GUIDED_BYTES} in guided decoding.`);
   }
@@ -501,18 +501,21 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject, original: J
 
 /**
  * The schema the grammar is compiled from, for a schema checkJsonSchema passed: its annotations left out, the formats
- * of FORMAT_PATTERNS turned into their patterns, an enum of ASCII strings, or an anyOf/oneOf of nothing but string
- * consts and enums (stringChoiceBranches), into the pattern of their prefix tree (stringEnumPattern), each pattern in
- * a group of its own, and the parts no finite value satisfies left out where a value may go without them
- * (leaveOutUnsatisfiable).
+ * of FORMAT_PATTERNS turned into their patterns, an enum, or an anyOf/oneOf of nothing but consts and enums
+ * (choiceBranches), as the pattern of their prefix tree when its values are ASCII strings (stringEnumPattern), else
+ * as an anyOf of one rule per value (valueRules), each pattern in a group of its own, and the parts no finite value
+ * satisfies left out where a value may go without them (leaveOutUnsatisfiable).
  */
 export function grammarSchema(schema: unknown): unknown {
   const has = finiteSchemas(schema);
   return mapSchemas(schema, (node, original) => {
     leaveOutUnsatisfiable(node, original, has);
-    const enumTree = node.$ref === undefined && node.const === undefined
-      ? stringEnumPattern(node.enum) ?? stringEnumPattern(stringChoiceBranches(original)) : undefined;
-    if (enumTree !== undefined) return { type: 'string', pattern: enumTree };
+    const values = node.$ref === undefined && node.const === undefined ? enumValues(node) ?? choiceBranches(original) : undefined;
+    if (values !== undefined && values.length > 1) {
+      const enumTree = stringEnumPattern(values);
+      if (enumTree !== undefined) return { type: 'string', pattern: enumTree };
+      return valueRules(values);
+    }
     for (const key of Object.keys(node)) if (ANNOTATIONS.has(key)) delete node[key];
     const pattern = typeof node.format === 'string' && Object.hasOwn(FORMAT_PATTERNS, node.format) ? FORMAT_PATTERNS[node.format] : undefined;
     if (pattern !== undefined) {
@@ -526,36 +529,69 @@ export function grammarSchema(schema: unknown): unknown {
   });
 }
 
+/** An enum's values, each once (by JSON text: the text the grammar spells). */
+function enumValues(schema: JsonObject): unknown[] | undefined {
+  if (!Array.isArray(schema.enum)) return undefined;
+  const seen = new Set<string>();
+  return schema.enum.filter((value) => !seen.has(JSON.stringify(value)) && seen.add(JSON.stringify(value)));
+}
+
 /**
- * The string values of a schema that is nothing but an anyOf or a oneOf whose every branch is a string const or a
- * string enum (annotations and "type": "string" aside): XGrammar 0.1.27 compiles such branches side by side, as it
- * does an enum's values, and mixed them the same way ({"anyOf": [{"const": "521"}, {"const": "600"}, {"const": "601"}]}
- * took "520"). Undefined for any other schema, and for a oneOf two of whose branches share a value (no value matches
- * exactly one branch then, which a pattern of the values would not say).
+ * The values of a schema that is nothing but an anyOf or a oneOf whose every branch is a const or an enum
+ * (annotations and "type" aside: XGrammar reads neither beside anyOf/oneOf): XGrammar 0.1.27 compiles such branches
+ * side by side, as it does an enum's values, and mixed them the same way ({"anyOf": [{"const": "521"}, {"const":
+ * "600"}, {"const": "601"}]} took "520"). Undefined for any other schema, and for a oneOf two of whose branches share
+ * a value (no value matches exactly one branch then, which a list of the values would not say).
  */
-function stringChoiceBranches(schema: JsonObject): string[] | undefined {
-  const only = (node: JsonObject, keys: string[]) => Object.entries(node).every(([key, value]) =>
-    ANNOTATIONS.has(key) || (key === 'type' ? value === 'string' : keys.includes(key)));
+function choiceBranches(schema: JsonObject): unknown[] | undefined {
+  const only = (node: JsonObject, keys: string[]) => Object.keys(node).every((key) => ANNOTATIONS.has(key) || key === 'type' || keys.includes(key));
   const key = Object.hasOwn(schema, 'anyOf') ? 'anyOf' : 'oneOf';
   const branches = schema[key];
   if (!Array.isArray(branches) || !only(schema, [key])) return undefined;
-  const values: string[] = [];
+  const values: unknown[] = [];
+  const texts = new Set<string>();
   for (const branch of branches) {
     if (!isJsonObject(branch) || !only(branch, ['const', 'enum'])) return undefined;
     if (Object.hasOwn(branch, 'const') === Object.hasOwn(branch, 'enum')) return undefined;
-    const own = Object.hasOwn(branch, 'const') ? [branch.const] : branch.enum;
-    if (!Array.isArray(own) || !own.every((value) => typeof value === 'string')) return undefined;
-    const distinct = [...new Set(own as string[])];
-    if (key === 'oneOf' && distinct.some((value) => values.includes(value))) return undefined;
-    values.push(...distinct);
+    const own = Object.hasOwn(branch, 'const') ? [branch.const] : enumValues(branch);
+    if (own === undefined) return undefined;
+    for (const value of own) {
+      const text = JSON.stringify(value);
+      if (texts.has(text)) {
+        if (key === 'oneOf') return undefined;
+        continue;
+      }
+      texts.add(text);
+      values.push(value);
+    }
   }
   return values;
 }
 
 /**
+ * Values that are not all ASCII strings (numbers, mixed types, strings outside ASCII, or a prefix tree too deep) as
+ * an anyOf whose every branch is a rule of its own spelling one value: {"anyOf": [{"anyOf": [{"const": 521}]}, ...]}.
+ * XGrammar 0.1.27 turns a rule's alternatives into one automaton over bytes, and merges two states reached by the
+ * same byte from the same state in the same pass as two states with the same way out, which together join states
+ * that are neither: {"enum": [521, 600, 601]} took 520, and so did the anyOf of those consts, whose branches (a rule
+ * that references no other) it copies into the anyOf's rule. A branch that is an anyOf of one const references the
+ * const's rule, so it is not copied in: the enum's rule then parts on rule references, never on bytes, and each
+ * value's rule is one string. (ASCII strings keep the prefix tree: one pattern, no rule per value.) Checked against
+ * XGrammar's matcher over random enums of numbers, of mixed values and of strings outside ASCII: every output was
+ * one of the values.
+ */
+function valueRules(values: unknown[]): JsonObject {
+  return { anyOf: values.map((value) => ({ anyOf: [{ const: value }] })) };
+}
+
+/** The JSON text valueRules writes around each value (grammarSchemaText does not count it). */
+const VALUE_RULE_OPEN = '{"anyOf":[{"const":';
+const VALUE_RULE_CLOSE = '}]}';
+
+/**
  * Characters a string enum value may hold to be written as a pattern: ASCII. A tree of values with other characters
  * is one of code points, and XGrammar's automaton works on bytes: values whose characters share UTF-8 bytes mixed
- * there too (["a中", "丁", "中"] took "a丁").
+ * there too (["a中", "丁", "中"] took "a丁"); such enums get a rule per value instead (valueRules).
  */
 const ASCII_ENUM_VALUE = /^[\x00-\x7f]*$/;
 
@@ -564,8 +600,8 @@ const ASCII_ENUM_VALUE = /^[\x00-\x7f]*$/;
  * compiles an enum's values side by side and merges states of that automaton unsoundly ({"enum": ["521", "600",
  * "601"]} let "520" through; over random enums of short digit strings, about half let some other string through),
  * as it did guided_choice's (choiceGrammar). Written as a tree, two values share no state but that of a prefix they
- * share: no wrong string got through over thousands of random enums. Undefined (the enum left as it is) for any other
- * enum, or one whose tree would nest more than MAX_GROUP_DEPTH groups.
+ * share: no wrong string got through over thousands of random enums. Undefined (the values then get a rule each,
+ * valueRules) for any other enum, or one whose tree would nest more than MAX_GROUP_DEPTH groups.
  */
 export function stringEnumPattern(values: unknown): string | undefined {
   if (!Array.isArray(values) || values.length < 2) return undefined;
@@ -630,10 +666,15 @@ function leaveOutUnsatisfiable(node: JsonObject, original: JsonObject, has: (sch
   }
 }
 
-/** The JSON text of a grammar schema, within MAX_GUIDED_BYTES. */
+/**
+ * The JSON text of a grammar schema, within MAX_GUIDED_BYTES. The wrapper valueRules puts around each value is not
+ * counted: an enum counts as its values do, as the request wrote them (1024 values of 40 bytes, 43 KB, became 65 KB
+ * with the wrappers, and compiled no slower than the same enum side by side).
+ */
 export function grammarSchemaText(schema: unknown, param: string, what = 'the schema (without its annotations)'): string {
   const text = JSON.stringify(schema);
-  checkBytes(text, param, what);
+  const wrappers = text.split(VALUE_RULE_OPEN).length - 1;
+  checkBytes(text, param, what, wrappers * (VALUE_RULE_OPEN.length + VALUE_RULE_CLOSE.length));
   return text;
 }
 

@@ -13,7 +13,8 @@
 // - a JSON schema's string enum whose values share prefixes: compiled side by side, {"enum": ["521", "600", "601"]}
 //   took "520"; the enum now goes to it as a pattern that is the tree of the values' common prefixes, values with '"',
 //   '\' or control characters as their JSON text, and so does an anyOf/oneOf of nothing but string consts and enums
-//   (which took "520" the same way);
+//   (which took "520" the same way); an enum of numbers, {"enum": [521, 600, 601]}, took 520 too, and goes to it as an
+//   anyOf of one rule per value;
 // - integer bounds: written as a regex of digit patterns, some bounds came out wider or narrower (100..110 allowed
 //   100..119, 2000..2100 allowed 2000..2999, a negative minimum refused -105..-1, 64..190069 allowed 190070). Such
 //   bounds are refused (400 unsupported_parameter naming the keyword); bounds it enforces keep running, and a
@@ -219,6 +220,27 @@ describe('guided decoding around the grammar engine\'s limits', () => {
       for (const choice of chat.choices) {
         const value = JSON.parse(choice.message.content!) as { v: string };
         assert.ok(escaped.includes(value.v), `${choice.message.content}: not one of the enum`);
+      }
+      await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+    });
+  });
+
+  describe('guided JSON: an enum of numbers, and an anyOf of number consts', () => {
+    it('the value is one of them, even when the model favours mixing two of them', E2E, async () => {
+      const codes = [521, 600, 601];
+      // A model that favours "0" everywhere, and "5" to start: left to the bare alternatives' automaton, 52 then 0.
+      const logit_bias = { [await tokenId('0')]: 100, [await tokenId('5')]: 50 };
+      const shapes = { enum: { enum: codes }, anyOf: { anyOf: codes.map((code) => ({ const: code })) } };
+      for (const [name, code] of Object.entries(shapes)) {
+        const schema = { type: 'object', properties: { code }, required: ['code'], additionalProperties: false };
+        for (const seed of [1, 2]) {
+          const chat = await client.chat.completions.create({
+            model, messages: [{ role: 'user', content: 'Pick a code, as JSON.' }], max_tokens: 40, temperature: seed === 1 ? 0 : 1, seed,
+            logit_bias, response_format: { type: 'json_schema', json_schema: { name: 'code', schema, strict: true } },
+          });
+          const text = chat.choices[0]!.message.content!;
+          assert.ok(codes.includes((JSON.parse(text) as { code: number }).code), `${name}: ${text}: not one of ${codes.join(', ')}`);
+        }
       }
       await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
     });

@@ -7,6 +7,7 @@
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
+import { grammarSchema } from '../../src/api/guided.ts';
 import { choiceGrammar } from '../../src/engine/grammar/runtime.ts';
 import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
 import { seededRandom } from '../../src/util/random.ts';
@@ -69,6 +70,14 @@ describe('alternatives as XGrammar accepts them', () => {
     assert.deepEqual(accepted('ebnf', choiceGrammar(choices), maxBytes).sort(), [...new Set(choices)].sort(), JSON.stringify(choices));
   }
 
+  /** The schema's grammar (compact JSON) accepts exactly the values' JSON texts. */
+  function assertEnum(schema: object, values: unknown[]): void {
+    const texts = values.map((value) => JSON.stringify(value));
+    const maxBytes = Math.max(...texts.map((text) => Buffer.byteLength(text))) + 4;
+    const got = accepted('json', JSON.stringify(grammarSchema(schema)), maxBytes);
+    assert.deepEqual(got.sort(), [...new Set(texts)].sort(), JSON.stringify(schema));
+  }
+
   const randomStrings = (random: () => number, alphabet: string[], count: number): string[] => {
     const set = new Set<string>();
     while (set.size < count) {
@@ -93,5 +102,30 @@ describe('alternatives as XGrammar accepts them', () => {
   it('guided_choice: ASCII choices, prefixes of one another and the empty tail still take exactly the choices', () => {
     assertChoices(['521', '600', '601']);
     assertChoices(['a', 'ab', 'abc', 'b"\\', '中', '中文', 'a中']);
+  });
+  it('an enum of numbers, and an anyOf/oneOf of number consts, give only their values', () => {
+    const codes = [521, 600, 601];
+    assertEnum({ enum: codes }, codes);
+    assertEnum({ anyOf: codes.map((code) => ({ const: code })) }, codes);
+    assertEnum({ type: 'integer', oneOf: [{ const: 521 }, { enum: [600, 601] }] }, codes);
+    assertEnum({ enum: [2, 1, 22, 112, 220, 222] }, [2, 1, 22, 112, 220, 222]);
+    // Seeded random enums of one- to three-digit numbers of the digits 0-2 (side by side, 4 of these 300 mixed).
+    const random = seededRandom(2);
+    for (let schema = 0; schema < 300; schema++) {
+      const values = [...new Set(randomStrings(random, ['0', '1', '2'], 2 + Math.floor(random() * 5)).map(Number))];
+      if (values.length < 2) continue;
+      assertEnum(schema % 2 === 0 ? { enum: values } : { anyOf: values.map((value) => ({ const: value })) }, values);
+    }
+  });
+
+  it('an enum of mixed values, or of strings outside ASCII, gives only its values', () => {
+    assertEnum({ enum: [[1, 2], 'ab', [1], '12', false, null] }, [[1, 2], 'ab', [1], '12', false, null]);
+    assertEnum({ anyOf: [{ const: true }, { const: 19 }, { const: '12' }, { const: [1] }, { const: '1' }] }, [true, 19, '12', [1], '1']);
+    assertEnum({ enum: ['a中', '丁', '中'] }, ['a中', '丁', '中']);
+    const random = seededRandom(3);
+    for (let schema = 0; schema < 200; schema++) {
+      const values = randomStrings(random, ['a', 'b', '中', '丁', '乙'], 2 + Math.floor(random() * 5));
+      assertEnum(schema % 2 === 0 ? { enum: values } : { oneOf: values.map((value) => ({ const: value })) }, values);
+    }
   });
 });
