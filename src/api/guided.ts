@@ -510,6 +510,7 @@ export function grammarSchema(schema: unknown): unknown {
   const has = finiteSchemas(schema);
   return mapSchemas(schema, (node, original) => {
     leaveOutUnsatisfiable(node, original, has);
+    spellPropertyNames(node);
     const values = node.$ref === undefined && node.const === undefined ? enumValues(node) ?? choiceBranches(original) : undefined;
     if (values !== undefined && values.length > 1) {
       const enumTree = stringEnumPattern(values);
@@ -527,6 +528,24 @@ export function grammarSchema(schema: unknown): unknown {
     if (typeof node.pattern === 'string') node.pattern = `(?:${node.pattern})`;
     return node;
   });
+}
+
+/**
+ * XGrammar 0.1.27 writes a property's name into its grammar between quotes as it is, where the grammar reads
+ * escapes: a name holding '"', or ending in '\', was XGrammar's "EBNF lexer error" (a 400 that did not say why),
+ * a\b came out as "a", a raw backspace, "b" (not JSON), x\x41a as "xК", and a raw tab or other control character,
+ * which JSON writes escaped, came out raw (not JSON either). So such a name goes to it as the grammar's escaped
+ * spelling of the name's JSON text (a"b as a\\\"b, which it reads back as a\"b, the JSON text), in 'properties' and
+ * 'required' alike. Other names are left as they are: their JSON text is themselves, and they hold no '\', which
+ * every rewritten one does, so no two names meet. A '$ref' through such a property's name is not rewritten.
+ */
+function spellPropertyNames(node: JsonObject): void {
+  const spelling = (name: string) => JSON.stringify(name).slice(1, -1).replace(/["\\]/g, '\\$&');
+  const properties = node.properties;
+  if (isJsonObject(properties) && Object.keys(properties).some((name) => spelling(name) !== name)) {
+    node.properties = Object.fromEntries(Object.entries(properties).map(([name, schema]) => [spelling(name), schema]));
+  }
+  if (Array.isArray(node.required)) node.required = node.required.map((name) => (typeof name === 'string' ? spelling(name) : name));
 }
 
 /** An enum's values, each once (by JSON text: the text the grammar spells). */

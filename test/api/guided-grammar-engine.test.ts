@@ -15,6 +15,8 @@
 //   '\' or control characters as their JSON text, and so does an anyOf/oneOf of nothing but string consts and enums
 //   (which took "520" the same way); an enum of numbers, {"enum": [521, 600, 601]}, took 520 too, and goes to it as an
 //   anyOf of one rule per value;
+// - a property name holding '"' or '\': written into the grammar as it is, it was XGrammar's "EBNF lexer error", and
+//   a backslash or a tab came out raw (not JSON); the name now goes to it escaped, and comes out as JSON writes it;
 // - integer bounds: written as a regex of digit patterns, some bounds came out wider or narrower (100..110 allowed
 //   100..119, 2000..2100 allowed 2000..2999, a negative minimum refused -105..-1, 64..190069 allowed 190070). Such
 //   bounds are refused (400 unsupported_parameter naming the keyword); bounds it enforces keep running, and a
@@ -241,6 +243,26 @@ describe('guided decoding around the grammar engine\'s limits', () => {
           const text = chat.choices[0]!.message.content!;
           assert.ok(codes.includes((JSON.parse(text) as { code: number }).code), `${name}: ${text}: not one of ${codes.join(', ')}`);
         }
+      }
+      await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+    });
+  });
+
+  describe('guided JSON: property names JSON writes with escapes', () => {
+    it('a name holding a quote, a backslash or a tab runs, and comes out as JSON writes it', E2E, async () => {
+      const names = ['say "hi"', 'C:\\temp', 'a\\b', 'tab\there'];
+      const schema = {
+        type: 'object', properties: Object.fromEntries(names.map((name) => [name, { type: 'boolean' }])), required: names,
+        additionalProperties: false,
+      };
+      const chat = await client.chat.completions.create({
+        model, messages: [{ role: 'user', content: 'Fill in the flags, as JSON.' }], max_tokens: 120, temperature: 1, seed: 2, n: 2,
+        response_format: { type: 'json_schema', json_schema: { name: 'flags', schema, strict: true } },
+      });
+      for (const choice of chat.choices) {
+        const text = choice.message.content!;
+        assert.equal(choice.finish_reason, 'stop', text);
+        assert.deepEqual(Object.keys(JSON.parse(text) as object), names, text);
       }
       await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
     });

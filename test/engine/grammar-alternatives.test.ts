@@ -103,6 +103,7 @@ describe('alternatives as XGrammar accepts them', () => {
     assertChoices(['521', '600', '601']);
     assertChoices(['a', 'ab', 'abc', 'b"\\', '中', '中文', 'a中']);
   });
+
   it('an enum of numbers, and an anyOf/oneOf of number consts, give only their values', () => {
     const codes = [521, 600, 601];
     assertEnum({ enum: codes }, codes);
@@ -126,6 +127,16 @@ describe('alternatives as XGrammar accepts them', () => {
     for (let schema = 0; schema < 200; schema++) {
       const values = randomStrings(random, ['a', 'b', '中', '丁', '乙'], 2 + Math.floor(random() * 5));
       assertEnum(schema % 2 === 0 ? { enum: values } : { oneOf: values.map((value) => ({ const: value })) }, values);
+    }
+  });
+
+  it('property names holding a quote, a backslash or a control character come out as JSON writes them', () => {
+    for (const name of ['a"b', 'a\\b', 'x\\x41a', 'tab\there', 'é"', '\\', '"']) {
+      const schema = { type: 'object', properties: { [name]: { type: 'boolean' }, plain: { type: 'null' } }, required: [name, 'plain'],
+        additionalProperties: false };
+      const texts = accepted('json', JSON.stringify(grammarSchema(schema)), 64);
+      assert.equal(texts.length, 2, `${JSON.stringify(name)}: ${JSON.stringify(texts)}`);
+      for (const text of texts) assert.deepEqual(Object.keys(JSON.parse(text) as object), [name, 'plain'], text);
     }
   });
 });
