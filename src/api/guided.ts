@@ -407,7 +407,8 @@ function hexRunLength(text: string, from: number): number {
  * after it ([\x41a] became the one character U+041A, not A or a; [\x41-\x5a0-9] a range up to U+05A0), as it does
  * outside a class in a regex, and so did \u and \U of a character outside ASCII. \p{...} inside a class was read as
  * the letters p, {, ... . A class of one character ([é]) compiles as that character and is kept, as are
- * alternatives of characters ((é|ü|[a-z])). In EBNF, string literals and comments are skipped.
+ * alternatives of characters ((é|ü|[a-z])). In EBNF, comments are skipped, and string literals but for \x followed by
+ * more than two hex digits, which XGrammar reads as one escape there too ("\x41a" is "К", where GBNF reads "Aa").
  */
 function checkCharacterClasses(text: string, kind: 'regex' | 'ebnf', param: string): void {
   const refuse = (why: string): never => {
@@ -418,7 +419,13 @@ function checkCharacterClasses(text: string, kind: 'regex' | 'ebnf', param: stri
     const c = text[i]!;
     if (kind === 'ebnf' && (c === '"' || c === "'")) {
       let j = i + 1;
-      while (j < text.length && text[j] !== c) j += text[j] === '\\' ? 2 : 1;
+      while (j < text.length && text[j] !== c) {
+        if (text[j] === '\\' && text[j + 1] === 'x' && hexRunLength(text, j + 2) > 2) {
+          refuse(`The escape ${text.slice(j, j + 5)}... in a string literal is followed by more hex digits, which the grammar engine reads `
+            + 'as part of it ("\\x41a" as U+041A, not "Aa"); write the next character another way (e.g. "\\x41" "a" or "\\u0041a").');
+        }
+        j += text[j] === '\\' ? 2 : 1;
+      }
       i = j;
     } else if (kind === 'ebnf' && c === '#') {
       while (i < text.length && text[i] !== '\n') i++;

@@ -2,8 +2,9 @@
 // says, and what Conduit does about each, on one server:
 // - character classes it does not enforce as written: a class holding a character outside ASCII matched single bytes
 //   ([à-ÿ]{2} gave two lone bytes, decoded as "��"; [\u4e00-\u9fa5] gave ASCII text), and \x inside a class took every
-//   hex digit after it. Such a request is a 400 naming the field; the forms that are enforced (a class of one
-//   character, alternatives of characters, ASCII classes) run, and their output matches;
+//   hex digit after it, as it does in an EBNF string literal ("\x41a" read as U+041A). Such a request is a 400
+//   naming the field; the forms that are enforced (a class of one character, alternatives of characters, ASCII
+//   classes, "\x41" "a") run, and their output matches;
 // - guided_choice whose choices share prefixes: the choices side by side as EBNF alternatives ("521" | "600" | "601")
 //   compiled into an automaton that also took "520" (after "52", the "0" of "600"); written as a tree of their common
 //   prefixes they cannot be mixed;
@@ -70,6 +71,8 @@ describe('guided decoding around the grammar engine\'s limits', () => {
         [{ guided_json: { type: 'object', properties: { name: { type: 'string', pattern: '[à-ÿ]{2}' } }, required: ['name'] } },
           'guided_json.properties.name.pattern'],
         [{ guided_grammar: 'root ::= [aé] [aé]' }, 'guided_grammar'],
+        [{ guided_grammar: 'root ::= "\\x41a"' }, 'guided_grammar'],
+        [{ structured_outputs: { grammar: 'root ::= "x" ("\\x41bc" | "y")' } }, 'structured_outputs.grammar'],
       ];
       for (const [extra, param] of cases) {
         const error = await complete(extra).then(() => undefined, (err: unknown) => err);
@@ -88,6 +91,7 @@ describe('guided decoding around the grammar engine\'s limits', () => {
         [{ guided_regex: '[\\x41-\\x5a]{2}[0-9]' }, /^[A-Z]{2}[0-9]$/],
         [{ guided_regex: '[\\u0041-\\u005a0-9]{3}' }, /^[A-Z0-9]{3}$/],
         [{ guided_grammar: 'root ::= ("é" | "ü" | [a-z]) ("é" | "ü" | [a-z])' }, /^(é|ü|[a-z]){2}$/u],
+        [{ guided_grammar: 'root ::= "\\x41" "a" | "\\u0041b" | "\\x42"' }, /^(Aa|Ab|B)$/],
       ];
       for (const [extra, pattern] of cases) {
         const completion = await complete(extra);
