@@ -885,9 +885,20 @@ function jsonSchemaSpec(param: string, value: unknown): GuidedDecoding {
   return { kind: 'json_schema', schema: grammarSchemaText(grammarSchema(schema), param) };
 }
 
+/** A UTF-16 surrogate without its pair (a paired one is part of a code point outside Cs under the u flag). */
+const LONE_SURROGATE = /\p{Cs}/u;
+
 function choiceSpec(param: string, value: unknown): GuidedDecoding {
   const choices = readArray(param, value, { nonEmpty: true, maxItems: MAX_GUIDED_CHOICES })
     .map((choice, i) => readString(childPath(param, i), choice, { nonEmpty: true }));
+  // JSON's "\ud800" escape can write half of a surrogate pair, which is no character: XGrammar spelled it as the
+  // bytes ED A0 80, which decode as three U+FFFD, so the output was none of the choices.
+  choices.forEach((choice, i) => {
+    if (LONE_SURROGATE.test(choice)) {
+      throw new InvalidValueError(childPath(param, i), 'the choice holds a lone UTF-16 surrogate (half of a surrogate pair), which no '
+        + 'UTF-8 output can spell. Send whole characters.');
+    }
+  });
   checkBytes(choices.join(''), param, 'the choices together');
   return { kind: 'choice', choices };
 }

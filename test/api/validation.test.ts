@@ -113,6 +113,10 @@ describe('chat request validation', () => {
     ['functions', chat({ functions: [{ name: 'f' }] }), 'functions', 'unsupported_parameter'],
     ['guided_json with an outside reference', chat({ guided_json: { $ref: 'other.json' } }), 'guided_json.$ref', 'unsupported_parameter'],
     ['guided_choice not strings', chat({ guided_choice: ['a', 3] }), 'guided_choice[1]', 'invalid_type'],
+    // Half of a surrogate pair is no character: XGrammar spelled it as bytes that decode as U+FFFD.
+    ['guided_choice with a lone surrogate', chat({ guided_choice: ['a', 'b\ud800'] }), 'guided_choice[1]', 'invalid_value'],
+    ['structured_outputs.choice with a lone surrogate', chat({ structured_outputs: { choice: ['\udc00'] } }), 'structured_outputs.choice[0]',
+      'invalid_value'],
     // What XGrammar 0.1.27 would not enforce: allOf (any JSON value came out), bounds on non-integer numbers ({"x": 1F5}).
     ['guided_json with allOf', chat({ guided_json: { allOf: [{ type: 'object' }, { type: 'object' }] } }), 'guided_json.allOf', 'unsupported_parameter'],
     ['guided_json with a fractional bound on a number', chat({ guided_json: { type: 'object', properties: { x: { type: 'number', minimum: 0.5 } } } }),
