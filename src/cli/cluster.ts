@@ -14,7 +14,7 @@ import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
-import { positiveInteger, SERVE_FLAGS } from './serve.ts';
+import { positiveInteger, SERVE_FLAGS, simOptionWarnings } from './serve.ts';
 import type { Command } from './main.ts';
 
 const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
@@ -135,6 +135,8 @@ export const clusterCommand: Command = {
       throw nameEnvironment(CLUSTER_DEMO_FLAGS, parsed, err);
     }
     const { port, routingPolicy, migrationLimit, count, graceSeconds, simTp } = options;
+    // Typed for cpu workers, the --sim-* options do nothing: said as `conduit serve` says it.
+    if (values.engine !== 'sim') for (const warning of simOptionWarnings(parsed.sources)) console.error(`conduit cluster: ${warning}`);
     const dir = mkdtempSync(join(tmpdir(), 'conduit-cluster-'));
     // etcd and NATS stop at once; the frontend and the workers finish their streams first (their grace), then exit.
     const children: { name: string; child: ChildProcess; killAfterMs: number }[] = [];

@@ -321,6 +321,15 @@ function simKvElement(modelId: string | undefined): string | undefined {
 }
 
 /**
+ * One line per --sim-* option typed for cpu workers, which ignore it (`conduit serve`, `conduit worker` and
+ * `conduit cluster` alike). From the environment such a variable may be set up for another deployment: not a warning.
+ */
+export function simOptionWarnings(sources: Readonly<Record<string, FlagSource>>): string[] {
+  return Object.entries(sources).filter(([name, source]) => name.startsWith('sim-') && source === 'command line')
+    .map(([name]) => `--${name} is for simulated workers (--engine sim): cpu workers ignore it`);
+}
+
+/**
  * One line per option the chosen engine ignores, for `conduit serve` and `conduit worker` alike: the cpu workers'
  * options given to simulated workers (from the command line or the environment), and --sim-* options typed for cpu
  * workers (from the environment they may be set up for another deployment). `modelPaths` are the --model values
@@ -329,13 +338,8 @@ function simKvElement(modelId: string | undefined): string | undefined {
  */
 export function engineOptionWarnings(engine: string, values: EngineOptionValues, sources: Readonly<Record<string, FlagSource>>,
   modelPaths: readonly string[] = []): string[] {
+  if (engine !== 'sim') return simOptionWarnings(sources);
   const warnings: string[] = [];
-  if (engine !== 'sim') {
-    for (const [name, source] of Object.entries(sources)) {
-      if (name.startsWith('sim-') && source === 'command line') warnings.push(`--${name} is for simulated workers (--engine sim): cpu workers ignore it`);
-    }
-    return warnings;
-  }
   if (values['kv-cache-idle-release']! > 0) {
     warnings.push('--kv-cache-idle-release is for cpu workers (their KV pools are host memory): simulated workers ignore it');
   }
