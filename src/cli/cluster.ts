@@ -6,14 +6,14 @@
 
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { accessSync, constants, mkdtempSync, rmSync, statSync } from 'node:fs';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
-import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { describeFileError, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { positiveInteger, SERVE_FLAGS, simOptionWarnings } from './serve.ts';
 import type { Command } from './main.ts';
 
@@ -90,6 +90,19 @@ function checkSimWorkers(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): number
 }
 
 /**
+ * A binary the cluster runs (--etcd-bin, --nats-bin) must be an executable file: checked before either service
+ * starts, so that a missing etcd is said in one line rather than after NATS was started and stopped for nothing.
+ */
+function checkExecutable(flag: 'etcd-bin' | 'nats-bin', path: string): void {
+  try {
+    if (!statSync(path).isFile()) throw Object.assign(new Error(), { code: 'EISDIR' });
+    accessSync(path, constants.X_OK);
+  } catch (err) {
+    throw new UsageError(`--${flag} cannot run ${path}: ${describeFileError(err)}`);
+  }
+}
+
+/**
  * The options checked before anything starts. The frontend's are checked here, as the frontend checks them (and the
  * simulated workers' deployment, checkSimWorkers): refused before etcd, NATS and the workers start, rather than by a process that exits
  * once they run.
@@ -115,6 +128,8 @@ function checkOptions(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
   if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
   const simTp = values.engine === 'sim' ? checkSimWorkers(parsed) : 1;
+  checkExecutable('etcd-bin', values['etcd-bin']!);
+  checkExecutable('nats-bin', values['nats-bin']!);
   return { port, routingPolicy, migrationLimit, count, graceSeconds, simTp };
 }
 
@@ -185,8 +200,10 @@ export const clusterCommand: Command = {
         '--advertise-client-urls', etcdUrl, '--listen-peer-urls', `http://127.0.0.1:${peerPort}`,
         '--initial-advertise-peer-urls', `http://127.0.0.1:${peerPort}`, '--initial-cluster', `default=http://127.0.0.1:${peerPort}`,
         '--log-level', 'error']);
-      const nats = start('nats-server', values['nats-bin']!, ['-a', '127.0.0.1', '-p', String(natsPort)]);
+      // NATS only once etcd listens: an etcd that cannot start (its data folder, a port taken meanwhile) leaves no
+      // NATS started and stopped for nothing.
       await waitForPort(etcdPort, 'etcd', etcd);
+      const nats = start('nats-server', values['nats-bin']!, ['-a', '127.0.0.1', '-p', String(natsPort)]);
       await waitForPort(natsPort, 'nats-server', nats);
       const env = {
         CONDUIT_ETCD_ENDPOINTS: etcdUrl, CONDUIT_NATS_SERVER: `nats://127.0.0.1:${natsPort}`,
