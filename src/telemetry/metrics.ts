@@ -223,12 +223,18 @@ export class ConduitMetrics {
             fill(this, slo());
           },
         });
-      sloGauge('conduit_slo_ttft_p99_milliseconds', 'TTFT p99 over the SLO window.', ['model'], (gauge, report) => {
-        for (const m of report.models) if (m.ttft.p99_ms !== null) gauge.set({ model: m.model }, m.ttft.p99_ms);
-      });
-      sloGauge('conduit_slo_tbt_p99_milliseconds', 'Time-between-tokens p99 over the SLO window.', ['model'], (gauge, report) => {
-        for (const m of report.models) if (m.tbt.p99_ms !== null) gauge.set({ model: m.model }, m.tbt.p99_ms);
-      });
+      // The latency objectives' percentile is configured (SloConfig.percentile, 0.99 by default): its value is the
+      // `percentile` label (as in /v1/slo; promtool reserves `quantile` for summaries) rather than part of the name,
+      // so that a p95 objective is not exported as a "p99" series and a dashboard reads it whatever the percentile.
+      const percentile = (report: SloReport): string => String(report.percentile);
+      sloGauge('conduit_slo_ttft_milliseconds', 'TTFT at the SLO percentile (the percentile label, 0.99 by default) over the SLO window.',
+        ['model', 'percentile'], (gauge, report) => {
+          for (const m of report.models) if (m.ttft.p99_ms !== null) gauge.set({ model: m.model, percentile: percentile(report) }, m.ttft.p99_ms);
+        });
+      sloGauge('conduit_slo_tbt_milliseconds', 'Time between tokens at the SLO percentile (the percentile label, 0.99 by default) over the SLO window.',
+        ['model', 'percentile'], (gauge, report) => {
+          for (const m of report.models) if (m.tbt.p99_ms !== null) gauge.set({ model: m.model, percentile: percentile(report) }, m.tbt.p99_ms);
+        });
       sloGauge('conduit_slo_error_ratio', 'Server error ratio over the SLO window.', ['model'], (gauge, report) => {
         for (const m of report.models) if (m.error_rate.rate !== null) gauge.set({ model: m.model }, m.error_rate.rate);
       });

@@ -159,14 +159,25 @@ describe('request metrics', () => {
     const telemetry = new Telemetry({ tracing: false, now: () => now });
     feed(telemetry, coldTimeline().events, erroredInPrefillTimeline('e', T0 + 5));
     let x = parseExposition(await telemetry.renderMetrics());
-    near(value(x, 'conduit_slo_ttft_p99_milliseconds', { model: 'llama-70b' }), 38.6, 38.6 * 0.01);
-    near(value(x, 'conduit_slo_tbt_p99_milliseconds', { model: 'llama-70b' }), 12.5, 12.5 * 0.01);
+    near(value(x, 'conduit_slo_ttft_milliseconds', { model: 'llama-70b', percentile: '0.99' }), 38.6, 38.6 * 0.01);
+    near(value(x, 'conduit_slo_tbt_milliseconds', { model: 'llama-70b', percentile: '0.99' }), 12.5, 12.5 * 0.01);
     near(value(x, 'conduit_slo_error_ratio', { model: 'llama-70b' }), 0.5);
     assert.equal(value(x, 'conduit_slo_status', { model: 'llama-70b', objective: 'ttft' }), 0);
     assert.equal(value(x, 'conduit_slo_status', { model: 'llama-70b', objective: 'error_rate' }), 2);
     now = T0 + 10 * 60 * 1000;
     x = parseExposition(await telemetry.renderMetrics());
-    assert.equal(value(x, 'conduit_slo_ttft_p99_milliseconds', { model: 'llama-70b' }), undefined, 'gone once the window has passed');
+    assert.equal(value(x, 'conduit_slo_ttft_milliseconds', { model: 'llama-70b', percentile: '0.99' }), undefined, 'gone once the window has passed');
+  });
+
+  it('label the SLO latency gauges with the configured percentile, not a p99 the objective is not', async () => {
+    const telemetry = new Telemetry({ tracing: false, now: () => T0 + 1000, slo: { percentile: 0.95 } });
+    feed(telemetry, coldTimeline().events);
+    const x = parseExposition(await telemetry.renderMetrics());
+    const ttft = telemetry.sloReport().models[0]!.ttft.p99_ms!;
+    assert.equal(value(x, 'conduit_slo_ttft_milliseconds', { model: 'llama-70b', percentile: '0.95' }), ttft);
+    assert.ok(value(x, 'conduit_slo_tbt_milliseconds', { model: 'llama-70b', percentile: '0.95' }) !== undefined);
+    assert.deepEqual([...x.types.keys()].filter((name) => /^conduit_slo_.*p99/.test(name)), [], 'no family named p99');
+    assert.equal(total(x, 'conduit_slo_ttft_milliseconds'), ttft, 'one series per model: the configured percentile\'s');
   });
 
   it('take no time between tokens from an n > 1 stream, whose completions\' writes interleave', async () => {
