@@ -18,7 +18,7 @@ export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
   'ttft-p99': { type: 'number', help: 'p99 time to first token target, ms: the workers\' TTFT (queueing and prefill), without the gateway\'s phases', default: 500 },
   'itl-p99': { type: 'number', help: 'p99 inter-token latency target, ms', default: 50 },
   'prefix-tokens': { type: 'number', help: 'prompt tokens every request shares (a system prompt)', default: 0 },
-  requests: { type: 'number', help: 'requests simulated per worker count', default: 1000 },
+  requests: { type: 'number', help: 'requests simulated per worker count (at most 50000)', default: 1000 },
   seed: { type: 'number', help: 'arrival and prompt seed', default: 1 },
   warmup: { type: 'number', help: 'fraction of requests (by arrival) left out of the percentiles', default: 0.1 },
   'max-workers': { type: 'number', help: 'largest worker count to try', default: 256 },
@@ -33,6 +33,11 @@ export const PLAN_FLAGS = withEnvPrefix('CONDUIT_PLAN_', {
  */
 const MAX_PLAN_STEP_TOKENS = 1 << 20;
 const MAX_PLAN_SEQS = 16_384;
+/**
+ * Each simulated request keeps its token times (about 35 kB at the default lengths): 100,000 of them take 3.5 GB and
+ * a few minutes per worker count, and many more run the process out of memory, a native crash with no message.
+ */
+const MAX_PLAN_REQUESTS = 50_000;
 
 function atMost(flag: string, value: number, max: number): number {
   if (value > max) throw new UsageError(`--${flag} must be at most ${max}, got ${value}`);
@@ -79,7 +84,7 @@ function planOptionsOf(parsed: ParsedFlags<typeof PLAN_FLAGS>): PlanOptions | nu
   return {
     model, hw, tp, efficiency, ratePerSec: values.rate, inputTokens, outputTokens,
     ttftP99Ms: values['ttft-p99']!, itlP99Ms: values['itl-p99']!, sharedPrefixTokens,
-    numRequests: wholeNumber('requests', values.requests, 1), seed: wholeNumber('seed', values.seed, 0),
+    numRequests: atMost('requests', wholeNumber('requests', values.requests, 1), MAX_PLAN_REQUESTS), seed: wholeNumber('seed', values.seed, 0),
     warmupFraction: warmup, maxWorkers: wholeNumber('max-workers', values['max-workers'], 1),
     worker: {
       maxNumSeqs: atMost('max-num-seqs', wholeNumber('max-num-seqs', values['max-num-seqs'], 1), MAX_PLAN_SEQS),

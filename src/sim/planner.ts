@@ -91,6 +91,13 @@ export interface PlanResult {
   reason: string;
 }
 
+/**
+ * KV blocks the simulated workers of one trial may hold between them. Each block of a simulated pool is an object of
+ * about 100 bytes, so past this a trial runs the process out of memory, which stops it with a native crash and no
+ * message: 256 workers of Qwen2.5 7B on B200 (173,000 blocks each) would take over 4 GB. About 2 GB.
+ */
+export const MAX_SIMULATED_KV_BLOCKS = 20_000_000;
+
 function checkPositive(name: string, value: number, integer: boolean): void {
   if (!(value > 0) || !Number.isFinite(value) || (integer && !Number.isSafeInteger(value))) {
     throw new RangeError(`${name} must be ${integer ? 'a positive integer' : 'a positive number'}, got ${value}`);
@@ -214,6 +221,12 @@ export function planCapacity(opts: PlanOptions): PlanResult {
   if (bounds.minWorkers > maxWorkers) {
     return none(`throughput alone needs ${bounds.minWorkers} workers, more than --max-workers ${maxWorkers}`);
   }
+  // The most workers a trial can simulate in memory: the search stops there, with a reason, rather than crash.
+  const blocksPerWorker = simKvBlocks(workerConfig(opts));
+  const simulable = Math.max(1, Math.floor(MAX_SIMULATED_KV_BLOCKS / blocksPerWorker));
+  const memoryLimit = `more than ${simulable} workers of ${blocksPerWorker} KV blocks each cannot be simulated in memory`;
+  if (bounds.minWorkers > simulable) return none(`throughput alone needs ${bounds.minWorkers} workers; ${memoryLimit}`);
+  const searchLimit = Math.min(maxWorkers, simulable);
 
   const arrivals = planWorkload(opts);
   const tried = new Map<number, PlanTrial>();
@@ -228,13 +241,13 @@ export function planCapacity(opts: PlanOptions): PlanResult {
   // Grow until the targets are met, then bisect (failing, passing].
   let failing = bounds.minWorkers - 1;
   let passing = -1;
-  for (let workers = bounds.minWorkers; ; workers = Math.min(maxWorkers, workers * 2)) {
+  for (let workers = bounds.minWorkers; ; workers = Math.min(searchLimit, workers * 2)) {
     if (evaluate(workers).meetsTargets) {
       passing = workers;
       break;
     }
     failing = workers;
-    if (workers === maxWorkers) break;
+    if (workers === searchLimit) break;
   }
   while (passing > 0 && passing - failing > 1) {
     const middle = (failing + passing) >> 1;
@@ -242,7 +255,9 @@ export function planCapacity(opts: PlanOptions): PlanResult {
     else failing = middle;
   }
   trials.push(...[...tried.values()].sort((a, b) => a.workers - b.workers));
-  if (passing < 0) return none(`no worker count up to ${maxWorkers} meets the targets`);
+  if (passing < 0) {
+    return none(`no worker count up to ${searchLimit} meets the targets${searchLimit < maxWorkers ? `; ${memoryLimit}` : ''}`);
+  }
   const reason = passing === bounds.minWorkers && bounds.minWorkers > 1
     ? `fewer than ${bounds.minWorkers} workers cannot keep up with the throughput demand`
     : passing === 1 ? 'one worker meets the targets'

@@ -218,6 +218,8 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['plan', '--model', 'llama-3.1-70b', '--tp', '2', '--isl', '50000', '--osl', '2000', '--rate', '0.1'], /at most 41233 tokens/],
     // A step budget no deployment has (it ran out of memory pricing one step per token of it).
     [['plan', '--rate', '1', '--max-num-batched-tokens', '100000000'], /--max-num-batched-tokens must be at most 1048576/],
+    // As many simulated requests as no run holds (V8 stopped the process growing their array: a native crash).
+    [['plan', '--rate', '1', '--requests', '1e12'], /^conduit plan: --requests must be at most 50000, got 1000000000000$/],
     // Worker that cannot exist or cannot hold the prompt (see the 41,233-token limit above): refused before any table,
     // with or without the engine check (the check died after the tables; kv-tiers printed them and exited 0).
     [['sim', 'lifecycle', '--model', 'llama-3.1-70b', '--tp', '2', '--prompt', '50000'],
@@ -336,6 +338,14 @@ test('conduit plan prints the tried worker counts and the answer', async () => {
   const impossible = await run(['plan', '--rate', '1', '--isl', '128', '--ttft-p99', '1']);
   assert.equal(impossible.code, 1);
   assert.match(impossible.out, /answer: none \(no worker count can/);
+});
+
+test('conduit plan stops at the worker count it can simulate in memory, with the reason, instead of crashing', async () => {
+  // 100,000 req/s needs 2,418 workers of Llama 3.1 8B on H100 (29,205 KV blocks each): 70 million simulated blocks,
+  // which ran the process out of memory (a native crash, no message) once --max-workers allowed it.
+  const plan = await run(['plan', '--rate', '1e5', '--max-workers', '1e12']);
+  assert.equal(plan.code, 1, plan.err);
+  assert.match(plan.out, /^answer: none \(throughput alone needs 2418 workers; more than 684 workers of 29205 KV blocks each cannot be simulated in memory\)$/m);
 });
 
 test('conduit plan says which TTFT --ttft-p99 is checked against: the workers\', without the gateway phases sim lifecycle adds', async () => {
