@@ -332,6 +332,12 @@ async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promis
   return agrees(check.cold.engineMs, check.cold.modelMs) && agrees(check.warm.engineMs, check.warm.modelMs) && pathOk ? 0 : 1;
 }
 
+/**
+ * The largest batch decode-sweep prices: a decode step of B sequences computes B tokens, and conduit plan's step
+ * budget stops at 2^20 tokens too. The sweep builds every sequence of a batch, so a billion of them did not finish.
+ */
+const MAX_SWEEP_BATCH = 1 << 20;
+
 async function sweep(argv: string[]): Promise<number> {
   // --lora-rank shapes the adapters --lora-adapters adds: typed without them it is refused, from the environment
   // alone (CONDUIT_SIM_LORA_RANK is serve's --sim-lora-rank too) ignored with a warning, as lifecycle's --parallel-links.
@@ -362,6 +368,7 @@ async function runSweep(parsed: ParsedFlags<typeof DECODE_SWEEP_FLAGS>): Promise
   const batchSizes = values.batches!.split(',').map((text) => {
     const batch = Number(text.trim());
     if (!Number.isSafeInteger(batch) || batch < 1) throw new UsageError(`--batches expects whole numbers >= 1, got "${text}"`);
+    if (batch > MAX_SWEEP_BATCH) throw new UsageError(`--batches expects batches of at most ${MAX_SWEEP_BATCH} sequences, got "${text}"`);
     return batch;
   });
   const loraAdapters = wholeNumber('lora-adapters', values['lora-adapters'], 0);

@@ -204,6 +204,9 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['plan', 'stray', '--rate', '1'], /^conduit plan: unexpected argument "stray"$/],
     [['sim', 'lifecycle', 'stray'], /^conduit sim: unexpected argument "stray"$/],
     [['sim', 'decode-sweep', '--batches', '1', 'stray'], /^conduit sim: unexpected argument "stray"$/],
+    // A batch of a billion sequences, each built to be priced: the sweep never finished.
+    [['sim', 'decode-sweep', '--batches', '1,1000000000', '--no-check'],
+      /^conduit sim: --batches expects batches of at most 1048576 sequences, got "1000000000"$/],
     [['sim', 'kv-tiers', 'stray'], /^conduit sim: unexpected argument "stray"$/],
     // Requests the simulated context cannot hold are refused before anything runs.
     [['sim', 'lifecycle', '--prompt', '200000'], /--prompt \(200000 tokens, plus 1 of output\) does not fit the simulated context of 131072 tokens/],
