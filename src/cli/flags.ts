@@ -97,6 +97,18 @@ function nonEmptyRule(name: string, spec: FlagSpec): string | undefined {
   return spec.nonEmpty ?? REQUIRED_VALUE[name];
 }
 
+/**
+ * The most compute threads --threads may ask for (`conduit serve`, `worker`, `generate`): more than any machine here
+ * has cores. Far more (100,000) is more threads than the system lets one process start, and the native backend then
+ * aborts the process with no message.
+ */
+export const MAX_THREADS = 1024;
+
+/** --threads refused above MAX_THREADS (each command checks it is a whole number > 0 first). */
+export function checkThreadsAtMost(threads: number | undefined): void {
+  if (threads !== undefined && threads > MAX_THREADS) throw new UsageError(`--threads must be at most ${MAX_THREADS}, got ${threads}`);
+}
+
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
 }

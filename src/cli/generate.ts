@@ -7,7 +7,7 @@ import { createLocalEngine, type LocalEngineBundle } from '../engine/local-engin
 import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
 import { ensureBuiltinModel } from '../model/synthetic.ts';
-import { fileProblem, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkThreadsAtMost, fileProblem, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const GENERATE_FLAGS = {
@@ -54,6 +54,7 @@ function checkOptions(parsed: ParsedFlags<typeof GENERATE_FLAGS>): void {
   if (values.threads !== undefined && !(Number.isInteger(values.threads) && values.threads >= 1)) {
     throw new UsageError(`--threads must be a whole number >= 1, got ${values.threads}`);
   }
+  checkThreadsAtMost(values.threads);
   const backend = values.backend;
   if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') {
     throw new UsageError(`--backend must be auto, native or reference, got "${backend}"`);

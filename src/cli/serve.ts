@@ -32,7 +32,7 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import {
-  describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
+  checkThreadsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
 } from './flags.ts';
 import type { Command } from './main.ts';
@@ -848,6 +848,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     if (config.kvOffloadDiskBytes <= 0) throw new UsageError('--kv-offload-disk-size must be more than 0 bytes');
   }
   const threads = positiveInteger(values.threads, 'threads');
+  checkThreadsAtMost(threads);
   if (threads !== undefined) config.threads = threads;
   if (timeout > 0) config.requestTimeoutMs = timeout * 1000;
   if (writeTimeout > 0) config.writeTimeoutMs = writeTimeout * 1000;

@@ -22,7 +22,7 @@ import { isModelLoadError } from '../model/loader.ts';
 import { parseCalibration } from '../sim/calibration.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkThreadsAtMost, envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import {
   checkDiskTierFolder, engineOptionWarnings, isDiskSizeTooSmall, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
@@ -188,6 +188,7 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   if (advertiseAddress !== undefined) checkAdvertiseAddress(advertiseAddress);
   // As `conduit serve` checks them.
   const threads = positiveInteger(values.threads, 'threads');
+  checkThreadsAtMost(threads);
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be >= 0, got ${graceSeconds}`);
   const idleRelease = values['kv-cache-idle-release']!;

@@ -72,6 +72,8 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     [[...BASE, '--backend', 'gpu'], /--backend must be auto, native or reference/],
     [[...BASE, '--max-tokens', 'many'], /--max-tokens expects a number/],
     [[...BASE, '--threads', '0'], /--threads must be a whole number >= 1, got 0/],
+    // More threads than the system lets a process start: the native backend aborted the process, with no message.
+    [[...BASE, '--threads', '100000'], /^conduit generate: --threads must be at most 1024, got 100000$/],
     [[...BASE, '--top-p', '0'], /--top-p must be in \(0, 1\], got 0/],
     [[...BASE, '--top-p', '5'], /--top-p must be in \(0, 1\], got 5/],
     [[...BASE, 'stray'], /^conduit generate: unexpected argument "stray" \(the text to continue is --prompt "\.\.\."\)$/],

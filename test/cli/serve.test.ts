@@ -103,6 +103,7 @@ describe('conduit serve flags', () => {
       [['--log-level', 'loud'], /--log-level/],
       [['--tls-cert', 'a.pem'], /--tls-cert and --tls-key/],
       [['--threads', '1.5'], /--threads/],
+      [['--threads', '100000'], /^--threads must be at most 1024, got 100000$/],
       [['--request-timeout', '-1'], /--request-timeout/],
       [['--api-keys-file', join(dir, 'missing.txt')], /--api-keys-file .*missing\.txt: no such file or folder/],
       [['--api-keys', 'no-tenant'], /key:tenant/],
