@@ -39,6 +39,8 @@ function checkOptions(parsed: ParsedFlags<typeof GENERATE_FLAGS>): void {
   const maxTokens = values['max-tokens']!;
   const concurrency = values.concurrency!;
   if (!Number.isInteger(maxTokens) || maxTokens < 1) throw new UsageError('--max-tokens must be a whole number >= 1');
+  // A count no request takes (1e20 passed the check above, was said to be cut to the context, then failed the request).
+  if (!Number.isSafeInteger(maxTokens)) throw new UsageError(`--max-tokens must be at most ${Number.MAX_SAFE_INTEGER}, got ${maxTokens}`);
   if (!Number.isInteger(concurrency) || concurrency < 1) throw new UsageError('--concurrency must be a whole number >= 1');
   if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
   const topP = values['top-p']!;

@@ -71,6 +71,7 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     [[...BASE, '--temperature', '-1'], /--temperature must be >= 0/],
     [[...BASE, '--backend', 'gpu'], /--backend must be auto, native or reference/],
     [[...BASE, '--max-tokens', 'many'], /--max-tokens expects a number/],
+    [[...BASE, '--max-tokens', '1e20'], /^conduit generate: --max-tokens must be at most 9007199254740991, got 100000000000000000000$/],
     [[...BASE, '--threads', '0'], /--threads must be a whole number >= 1, got 0/],
     // More threads than the system lets a process start: the native backend aborted the process, with no message.
     [[...BASE, '--threads', '100000'], /^conduit generate: --threads must be at most 1024, got 100000$/],
