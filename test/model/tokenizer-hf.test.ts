@@ -10,6 +10,7 @@ import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { HfTokenizer, tokenizerFromJsonObject } from '../../src/model/tokenizer/hf-tokenizer.ts';
 import { tokenizerFromWorkerSource } from '../../src/model/tokenizer/worker-source.ts';
+import { BYTE_TO_CHAR } from '../../src/model/tokenizer/byte-level.ts';
 import { createTokenizer, TokenizerError } from '../../src/model/tokenizer/index.ts';
 import { ggufTokenizer, skipUnlessVocab, vocabFile, vocabVectors } from './tokenizer-fixtures.ts';
 import { byteLevelJson, HF_TOKENIZER_CONFIGS as CONFIGS, sentencePieceJson } from './hf-tokenizer-json.ts';
@@ -68,6 +69,14 @@ for (const name of [...BYTE_LEVEL, ...SENTENCEPIECE]) {
         const ids = tokenizer.encode(text, { addSpecialTokens: false });
         if (bound !== undefined) assert.ok(ids.length >= Math.ceil(Buffer.byteLength(text) / bound), JSON.stringify(text.slice(0, 40)));
         assert.deepEqual(rebuilt.encode(text, { addSpecialTokens: false }), ids);
+      }
+    });
+
+    it('encodes NEL and the byte order mark beside spaces and symbols as the GGUF tokenizer does', () => {
+      const hf = hfTokenizer(name);
+      const gguf = ggufTokenizer(name);
+      for (const text of [' \u0085\'ve', 'a \u0085 b\u0085\u0085.', ' \uFEFFx', '\uFEFF. \uFEFF \uFEFF', 'x\u0085\uFEFF\u0085 y']) {
+        assert.deepEqual(hf.encode(text, { addSpecialTokens: false }), gguf.encode(text, { addSpecialTokens: false }), JSON.stringify(text));
       }
     });
 
@@ -135,6 +144,32 @@ describe('tokenizer.json: special tokens, BOS, stop ids', { skip: skipUnlessVoca
     assert.equal(hfTokenizer('llama-spm').eosId, 2);
     assert.equal(hfTokenizer('llama-spm').stripsLeadingSpace, true);
     assert.equal(hfTokenizer('qwen2').stripsLeadingSpace, false);
+  });
+});
+
+describe('tokenizer.json: GPT-2\'s pre-tokenizer splits on Unicode\'s whitespace', () => {
+  // Every byte's character, and three merges that join a space to the byte after it or NEL's two bytes: which of
+  // them applies shows where the pre-tokenizer cut. Hugging Face's tokenizers (Oniguruma), GPT-2's encoder and
+  // llama.cpp take NEL (U+0085) for whitespace and the byte order mark (U+FEFF) for a symbol; JavaScript's \s has it
+  // the other way round, and the library's ByteLevel pre-tokenizer was written with it.
+  const vocab: Record<string, number> = {};
+  BYTE_TO_CHAR.forEach((char, byte) => { vocab[char] = byte; }); // ids 0-255 are the bytes
+  Object.assign(vocab, { 'ĠÂ': 256, 'Âħ': 257, 'Ġï': 258 });
+  const tokenizer = tokenizerFromJsonObject({
+    model: { type: 'BPE', vocab, merges: [['Ġ', 'Â'], ['Â', 'ħ'], ['Ġ', 'ï']] },
+    pre_tokenizer: { type: 'Sequence', pretokenizers: [{ type: 'ByteLevel', add_prefix_space: false, use_regex: true }] },
+    decoder: { type: 'ByteLevel' },
+  });
+
+  it('cuts " \\u0085" between the space and NEL (whitespace not followed by whitespace)', () => {
+    // " ", "\u0085", "x": NEL's bytes merge, the space stays alone (the library's regex gave " \u0085" one piece).
+    assert.deepEqual(tokenizer.encode(' \u0085x', { addSpecialTokens: false }), [0x20, 257, 0x78]);
+  });
+
+  it('keeps " \\uFEFF" together as a space and a symbol', () => {
+    // " \uFEFF" (a symbol after its space), "x": the space joins the BOM's first byte (0xEF 0xBB 0xBF).
+    assert.deepEqual(tokenizer.encode(' \uFEFFx', { addSpecialTokens: false }), [258, 0xbb, 0xbf, 0x78]);
+    assert.equal(tokenizer.decode(tokenizer.encode(' \uFEFFx \u0085', { addSpecialTokens: false })), ' \uFEFFx \u0085');
   });
 });
 

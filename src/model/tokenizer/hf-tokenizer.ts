@@ -4,7 +4,9 @@
 //   keeps only the non-special ones, encodes text where "<|eot_id|>" must stay plain characters;
 // - BOS/EOS: taken from the post-processor (TemplateProcessing, Bert/Roberta), adjusted by tokenizer_config's
 //   add_bos_token / add_eos_token when present, and added by this class;
-// - tokenBytes: the raw bytes of a token, from the decoder's kind (byte-level, or SentencePiece's "▁" and <0xNN>).
+// - tokenBytes: the raw bytes of a token, from the decoder's kind (byte-level, or SentencePiece's "▁" and <0xNN>);
+// - GPT-2's pre-tokenizer regex with Unicode's whitespace, as Hugging Face's own tokenizers split text (see
+//   withUnicodeWhitespace).
 
 import { readFileSync } from 'node:fs';
 import { Tokenizer as LibraryTokenizer } from '@huggingface/tokenizers';
@@ -288,7 +290,7 @@ export class HfTokenizer implements Tokenizer {
     const added = Array.isArray(json.added_tokens) ? json.added_tokens as AddedTokenJson[] : [];
     for (const token of added) this.addedById.set(token.id, token);
     try {
-      this.withSpecial = new LibraryTokenizer(withDefaults(json), config);
+      this.withSpecial = withUnicodeWhitespace(new LibraryTokenizer(withDefaults(json), config));
     } catch (error) {
       throw new TokenizerError(`${source}: @huggingface/tokenizers cannot load it: ${(error as Error).message}`);
     }
@@ -421,8 +423,8 @@ export class HfTokenizer implements Tokenizer {
   private plain(): LibraryTokenizer {
     if (!this.plainInstance) {
       const added = (this.json.added_tokens as AddedTokenJson[] | undefined) ?? [];
-      this.plainInstance = new LibraryTokenizer(
-        withDefaults({ ...this.json, added_tokens: added.filter((t) => !t.special) }), this.config);
+      this.plainInstance = withUnicodeWhitespace(new LibraryTokenizer(
+        withDefaults({ ...this.json, added_tokens: added.filter((t) => !t.special) }), this.config));
     }
     return this.plainInstance;
   }
@@ -474,6 +476,36 @@ export class HfTokenizer implements Tokenizer {
       throw new TokenizerError(`token id ${id} is out of range (vocabulary has ${this.vocabSize} tokens)`);
     }
   }
+}
+
+/**
+ * GPT-2's pre-tokenizer regex (a ByteLevel pre-tokenizer's, with use_regex) as Hugging Face's tokenizers run it
+ * (Oniguruma), and as GPT-2's own encoder (Python's regex) and llama.cpp do: whitespace is Unicode's White_Space,
+ * which holds U+0085 (NEL) and not U+FEFF (the byte order mark). The library writes the regex with JavaScript's \s,
+ * which holds U+FEFF and not U+0085, so " \u0085've" or " \uFEFFx" split elsewhere and encode to other ids than
+ * those of vLLM (the library's own Split pre-tokenizer rewrites \s to \p{White_Space}; its ByteLevel does not).
+ */
+const GPT2_SPLIT = /'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\p{White_Space}\p{L}\p{N}]+|\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+/gu;
+
+/** A pre-tokenizer object of the library, as far as it is read here (the package's type declarations do not resolve). */
+interface LibraryPreTokenizer {
+  config?: { type?: unknown };
+  pattern?: RegExp;
+  /** A Sequence's pre-tokenizers. */
+  tokenizers?: (LibraryPreTokenizer | null)[];
+}
+
+/** The library's tokenizer with every ByteLevel pre-tokenizer in it splitting on Unicode's whitespace (GPT2_SPLIT). */
+function withUnicodeWhitespace(library: LibraryTokenizer): LibraryTokenizer {
+  const pending: (LibraryPreTokenizer | null | undefined)[] = [library.pre_tokenizer];
+  while (pending.length > 0) {
+    const preTokenizer = pending.pop();
+    if (preTokenizer?.config?.type === 'ByteLevel' && preTokenizer.pattern instanceof RegExp) {
+      preTokenizer.pattern = new RegExp(GPT2_SPLIT);
+    }
+    if (Array.isArray(preTokenizer?.tokenizers)) pending.push(...preTokenizer.tokenizers);
+  }
+  return library;
 }
 
 /** The library insists on every top-level component key being present, even as null. */
