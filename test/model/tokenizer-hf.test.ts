@@ -147,7 +147,7 @@ describe('tokenizer.json: special tokens, BOS, stop ids', { skip: skipUnlessVoca
   });
 });
 
-describe('tokenizer.json: GPT-2\'s pre-tokenizer splits on Unicode\'s whitespace', () => {
+describe('tokenizer.json: pre-tokenizers split on Unicode\'s whitespace and word characters', () => {
   // Every byte's character, and three merges that join a space to the byte after it or NEL's two bytes: which of
   // them applies shows where the pre-tokenizer cut. Hugging Face's tokenizers (Oniguruma), GPT-2's encoder and
   // llama.cpp take NEL (U+0085) for whitespace and the byte order mark (U+FEFF) for a symbol; JavaScript's \s has it
@@ -170,6 +170,26 @@ describe('tokenizer.json: GPT-2\'s pre-tokenizer splits on Unicode\'s whitespace
     // " \uFEFF" (a symbol after its space), "x": the space joins the BOM's first byte (0xEF 0xBB 0xBF).
     assert.deepEqual(tokenizer.encode(' \uFEFFx', { addSpecialTokens: false }), [258, 0xbb, 0xbf, 0x78]);
     assert.equal(tokenizer.decode(tokenizer.encode(' \uFEFFx \u0085', { addSpecialTokens: false })), ' \uFEFFx \u0085');
+  });
+
+  // A BPE model whose merges spell "café" and "naïve": each comes out whole only if the pre-tokenizer kept it one
+  // piece. Hugging Face's Whitespace splits on Rust's Unicode \w; the library used JavaScript's ASCII \w ("caf", "é").
+  const words = ['c', 'a', 'f', 'é', 'n', 'ï', 'v', 'e', ',', '!', 'b', '\u0085', '\uFEFF', 'ca', 'caf', 'café', 'na', 'naï', 'naïv', 'naïve', 'b\uFEFF'];
+  const wordVocab = Object.fromEntries(words.map((word, id) => [word, id]));
+  const wordMerges = [['c', 'a'], ['ca', 'f'], ['caf', 'é'], ['n', 'a'], ['na', 'ï'], ['naï', 'v'], ['naïv', 'e'], ['b', '\uFEFF']];
+  const withPreTokenizer = (type: string) => tokenizerFromJsonObject({
+    model: { type: 'BPE', vocab: wordVocab, merges: wordMerges }, pre_tokenizer: { type: 'Sequence', pretokenizers: [{ type }] },
+  });
+  const pieces = (tokenizer: HfTokenizer, text: string) =>
+    tokenizer.encode(text, { addSpecialTokens: false }).map((id) => tokenizer.idToToken(id));
+
+  it('Whitespace keeps words of any script whole', () => {
+    assert.deepEqual(pieces(withPreTokenizer('Whitespace'), 'café, naïve!'), ['café', ',', 'naïve', '!']);
+  });
+
+  it('WhitespaceSplit cuts at NEL and not at the byte order mark', () => {
+    // "a", "b\uFEFFc": the BOM stays inside the piece, so b and it merge (the library cut "a\u0085b" and "c").
+    assert.deepEqual(pieces(withPreTokenizer('WhitespaceSplit'), 'a\u0085b\uFEFFc'), ['a', 'b\uFEFF', 'c']);
   });
 });
 

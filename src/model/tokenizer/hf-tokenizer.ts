@@ -5,8 +5,8 @@
 // - BOS/EOS: taken from the post-processor (TemplateProcessing, Bert/Roberta), adjusted by tokenizer_config's
 //   add_bos_token / add_eos_token when present, and added by this class;
 // - tokenBytes: the raw bytes of a token, from the decoder's kind (byte-level, or SentencePiece's "▁" and <0xNN>);
-// - GPT-2's pre-tokenizer regex with Unicode's whitespace, as Hugging Face's own tokenizers split text (see
-//   withUnicodeWhitespace).
+// - pre-tokenizers that split on Unicode's whitespace and word characters, as Hugging Face's own tokenizers do, where
+//   the library has JavaScript's \s and \w (see withUnicodeWhitespace).
 
 import { readFileSync } from 'node:fs';
 import { Tokenizer as LibraryTokenizer } from '@huggingface/tokenizers';
@@ -290,7 +290,7 @@ export class HfTokenizer implements Tokenizer {
     const added = Array.isArray(json.added_tokens) ? json.added_tokens as AddedTokenJson[] : [];
     for (const token of added) this.addedById.set(token.id, token);
     try {
-      this.withSpecial = withUnicodeWhitespace(new LibraryTokenizer(withDefaults(json), config));
+      this.withSpecial = withUnicodeWhitespace(new LibraryTokenizer(withDefaults(json), config), json.pre_tokenizer);
     } catch (error) {
       throw new TokenizerError(`${source}: @huggingface/tokenizers cannot load it: ${(error as Error).message}`);
     }
@@ -423,8 +423,9 @@ export class HfTokenizer implements Tokenizer {
   private plain(): LibraryTokenizer {
     if (!this.plainInstance) {
       const added = (this.json.added_tokens as AddedTokenJson[] | undefined) ?? [];
-      this.plainInstance = withUnicodeWhitespace(new LibraryTokenizer(
-        withDefaults({ ...this.json, added_tokens: added.filter((t) => !t.special) }), this.config));
+      const json = withDefaults({ ...this.json, added_tokens: added.filter((t) => !t.special) });
+      const library = new LibraryTokenizer(json, this.config);
+      this.plainInstance = withUnicodeWhitespace(library, this.json.pre_tokenizer);
     }
     return this.plainInstance;
   }
@@ -487,23 +488,50 @@ export class HfTokenizer implements Tokenizer {
  */
 const GPT2_SPLIT = /'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\p{White_Space}\p{L}\p{N}]+|\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+/gu;
 
+/** A word character of Rust's regex crate (Unicode's \w), which Hugging Face's tokenizers run their Whitespace regex on. */
+const WORD = String.raw`\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}`;
+/** The Whitespace pre-tokenizer's `\w+|[^\w\s]+` with Unicode's classes (the library's has JavaScript's ASCII \w). */
+const WORDS_AND_SYMBOLS = new RegExp(`[${WORD}]+|[^${WORD}\\p{White_Space}]+`, 'gu');
+/** WhitespaceSplit's pieces: runs of what Rust's char::is_whitespace (Unicode's White_Space) is not. */
+const NON_WHITESPACE = /\P{White_Space}+/gu;
+
 /** A pre-tokenizer object of the library, as far as it is read here (the package's type declarations do not resolve). */
 interface LibraryPreTokenizer {
-  config?: { type?: unknown };
   pattern?: RegExp;
-  /** A Sequence's pre-tokenizers. */
+  /** A Sequence's pre-tokenizers, in the order of its config's. */
   tokenizers?: (LibraryPreTokenizer | null)[];
+  pre_tokenize_text?: (text: string) => string[];
 }
 
-/** The library's tokenizer with every ByteLevel pre-tokenizer in it splitting on Unicode's whitespace (GPT2_SPLIT). */
-function withUnicodeWhitespace(library: LibraryTokenizer): LibraryTokenizer {
-  const pending: (LibraryPreTokenizer | null | undefined)[] = [library.pre_tokenizer];
+/**
+ * The library's tokenizer with its pre-tokenizers splitting on Unicode's whitespace and word characters, as Hugging
+ * Face's tokenizers do (and so vLLM): ByteLevel's regex (GPT2_SPLIT), Whitespace's (WORDS_AND_SYMBOLS: with
+ * JavaScript's ASCII \w the library cut "café" into "caf" and "é") and WhitespaceSplit's (NON_WHITESPACE). Each object
+ * is told by the config it was built from (`preTokenizerConfig`, the tokenizer.json's pre_tokenizer).
+ */
+function withUnicodeWhitespace(library: LibraryTokenizer, preTokenizerConfig: unknown): LibraryTokenizer {
+  const pending: [LibraryPreTokenizer | null | undefined, unknown][] = [[library.pre_tokenizer, preTokenizerConfig]];
   while (pending.length > 0) {
-    const preTokenizer = pending.pop();
-    if (preTokenizer?.config?.type === 'ByteLevel' && preTokenizer.pattern instanceof RegExp) {
-      preTokenizer.pattern = new RegExp(GPT2_SPLIT);
+    const [preTokenizer, config] = pending.pop()!;
+    if (!preTokenizer || !isObject(config)) continue;
+    switch (config.type) {
+      case 'ByteLevel':
+        if (preTokenizer.pattern instanceof RegExp) preTokenizer.pattern = new RegExp(GPT2_SPLIT);
+        break;
+      case 'Whitespace':
+        preTokenizer.pre_tokenize_text = (text) => text.match(WORDS_AND_SYMBOLS) ?? [];
+        break;
+      case 'WhitespaceSplit':
+        preTokenizer.pre_tokenize_text = (text) => text.match(NON_WHITESPACE) ?? [];
+        break;
+      case 'Sequence': {
+        const inner = preTokenizer.tokenizers;
+        if (Array.isArray(config.pretokenizers) && Array.isArray(inner)) {
+          config.pretokenizers.forEach((innerConfig: unknown, i) => pending.push([inner[i], innerConfig]));
+        }
+        break;
+      }
     }
-    if (Array.isArray(preTokenizer?.tokenizers)) pending.push(...preTokenizer.tokenizers);
   }
   return library;
 }
