@@ -172,24 +172,37 @@ describe('tokenizer.json: pre-tokenizers split on Unicode\'s whitespace and word
     assert.equal(tokenizer.decode(tokenizer.encode(' \uFEFFx \u0085', { addSpecialTokens: false })), ' \uFEFFx \u0085');
   });
 
-  // A BPE model whose merges spell "café" and "naïve": each comes out whole only if the pre-tokenizer kept it one
-  // piece. Hugging Face's Whitespace splits on Rust's Unicode \w; the library used JavaScript's ASCII \w ("caf", "é").
-  const words = ['c', 'a', 'f', 'é', 'n', 'ï', 'v', 'e', ',', '!', 'b', '\u0085', '\uFEFF', 'ca', 'caf', 'café', 'na', 'naï', 'naïv', 'naïve', 'b\uFEFF'];
+  // A BPE model whose merges spell "café", "naïve", "x²" and "?!": each comes out whole only if the pre-tokenizer kept it
+  // one piece. Hugging Face's Whitespace splits on Rust's Unicode \w; the library used JavaScript's ASCII \w ("caf", "é").
+  const words = ['c', 'a', 'f', 'é', 'n', 'ï', 'v', 'e', ',', '!', '?', 'b', 'x', 'y', '²', '\u0085', '\uFEFF',
+    'ca', 'caf', 'café', 'na', 'naï', 'naïv', 'naïve', 'b\uFEFF', 'x²', '?!'];
   const wordVocab = Object.fromEntries(words.map((word, id) => [word, id]));
-  const wordMerges = [['c', 'a'], ['ca', 'f'], ['caf', 'é'], ['n', 'a'], ['na', 'ï'], ['naï', 'v'], ['naïv', 'e'], ['b', '\uFEFF']];
-  const withPreTokenizer = (type: string) => tokenizerFromJsonObject({
-    model: { type: 'BPE', vocab: wordVocab, merges: wordMerges }, pre_tokenizer: { type: 'Sequence', pretokenizers: [{ type }] },
+  const wordMerges = [['c', 'a'], ['ca', 'f'], ['caf', 'é'], ['n', 'a'], ['na', 'ï'], ['naï', 'v'], ['naïv', 'e'], ['b', '\uFEFF'],
+    ['x', '²'], ['?', '!']];
+  const withPreTokenizer = (config: Record<string, unknown>) => tokenizerFromJsonObject({
+    model: { type: 'BPE', vocab: wordVocab, merges: wordMerges }, pre_tokenizer: { type: 'Sequence', pretokenizers: [config] },
   });
   const pieces = (tokenizer: HfTokenizer, text: string) =>
     tokenizer.encode(text, { addSpecialTokens: false }).map((id) => tokenizer.idToToken(id));
 
   it('Whitespace keeps words of any script whole', () => {
-    assert.deepEqual(pieces(withPreTokenizer('Whitespace'), 'café, naïve!'), ['café', ',', 'naïve', '!']);
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'Whitespace' }), 'café, naïve!'), ['café', ',', 'naïve', '!']);
   });
 
   it('WhitespaceSplit cuts at NEL and not at the byte order mark', () => {
     // "a", "b\uFEFFc": the BOM stays inside the piece, so b and it merge (the library cut "a\u0085b" and "c").
-    assert.deepEqual(pieces(withPreTokenizer('WhitespaceSplit'), 'a\u0085b\uFEFFc'), ['a', 'b\uFEFF', 'c']);
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'WhitespaceSplit' }), 'a\u0085b\uFEFFc'), ['a', 'b\uFEFF', 'c']);
+  });
+
+  it('Digits cuts at any numeral, not only ASCII digits', () => {
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'Digits', individual_digits: false }), 'x²y'), ['x', '²', 'y']);
+  });
+
+  it('Punctuation isolates each mark unless its behavior says otherwise', () => {
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'Punctuation' }), 'a?!b'), ['a', '?', '!', 'b']);
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'Punctuation', behavior: 'Contiguous' }), 'a?!b'), ['a', '?!', 'b']);
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'Punctuation', behavior: 'MergedWithPrevious' }), 'a?!b'), ['a', '?', '!', 'b']);
+    assert.deepEqual(pieces(withPreTokenizer({ type: 'Punctuation', behavior: 'Removed' }), 'a?!b'), ['a', 'b']);
   });
 });
 

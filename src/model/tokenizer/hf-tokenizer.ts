@@ -5,8 +5,8 @@
 // - BOS/EOS: taken from the post-processor (TemplateProcessing, Bert/Roberta), adjusted by tokenizer_config's
 //   add_bos_token / add_eos_token when present, and added by this class;
 // - tokenBytes: the raw bytes of a token, from the decoder's kind (byte-level, or SentencePiece's "▁" and <0xNN>);
-// - pre-tokenizers that split on Unicode's whitespace and word characters, as Hugging Face's own tokenizers do, where
-//   the library has JavaScript's \s and \w (see withUnicodeWhitespace).
+// - pre-tokenizers that split text where Hugging Face's own tokenizers do (Unicode's whitespace, word characters and
+//   numerals, punctuation by its behavior), where the library differs (see splitLikeHuggingFace).
 
 import { readFileSync } from 'node:fs';
 import { Tokenizer as LibraryTokenizer } from '@huggingface/tokenizers';
@@ -290,7 +290,7 @@ export class HfTokenizer implements Tokenizer {
     const added = Array.isArray(json.added_tokens) ? json.added_tokens as AddedTokenJson[] : [];
     for (const token of added) this.addedById.set(token.id, token);
     try {
-      this.withSpecial = withUnicodeWhitespace(new LibraryTokenizer(withDefaults(json), config), json.pre_tokenizer);
+      this.withSpecial = splitLikeHuggingFace(new LibraryTokenizer(withDefaults(json), config), json.pre_tokenizer);
     } catch (error) {
       throw new TokenizerError(`${source}: @huggingface/tokenizers cannot load it: ${(error as Error).message}`);
     }
@@ -425,7 +425,7 @@ export class HfTokenizer implements Tokenizer {
       const added = (this.json.added_tokens as AddedTokenJson[] | undefined) ?? [];
       const json = withDefaults({ ...this.json, added_tokens: added.filter((t) => !t.special) });
       const library = new LibraryTokenizer(json, this.config);
-      this.plainInstance = withUnicodeWhitespace(library, this.json.pre_tokenizer);
+      this.plainInstance = splitLikeHuggingFace(library, this.json.pre_tokenizer);
     }
     return this.plainInstance;
   }
@@ -494,6 +494,24 @@ const WORD = String.raw`\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}`;
 const WORDS_AND_SYMBOLS = new RegExp(`[${WORD}]+|[^${WORD}\\p{White_Space}]+`, 'gu');
 /** WhitespaceSplit's pieces: runs of what Rust's char::is_whitespace (Unicode's White_Space) is not. */
 const NON_WHITESPACE = /\P{White_Space}+/gu;
+/** Hugging Face's punctuation: ASCII's, and Unicode's P categories (the library's own class). */
+const PUNCTUATION = String.raw`\p{P}\u0021-\u002F\u003A-\u0040\u005B-\u0060\u007B-\u007E`;
+
+/**
+ * The Punctuation pre-tokenizer's pieces for its `behavior` (default "Isolated": each mark its own piece); the
+ * library made runs of marks one piece whatever the behavior, as only "Contiguous" does.
+ */
+function punctuationPattern(behavior: unknown): RegExp {
+  const mark = `[${PUNCTUATION}]`;
+  const text = `[^${PUNCTUATION}]`;
+  switch (behavior) {
+    case 'Contiguous': return new RegExp(`${text}+|${mark}+`, 'gu');
+    case 'Removed': return new RegExp(`${text}+`, 'gu');
+    case 'MergedWithPrevious': return new RegExp(`${text}*${mark}|${text}+`, 'gu');
+    case 'MergedWithNext': return new RegExp(`${mark}${text}*|${text}+`, 'gu');
+    default: return new RegExp(`${text}+|${mark}`, 'gu');
+  }
+}
 
 /** A pre-tokenizer object of the library, as far as it is read here (the package's type declarations do not resolve). */
 interface LibraryPreTokenizer {
@@ -504,12 +522,12 @@ interface LibraryPreTokenizer {
 }
 
 /**
- * The library's tokenizer with its pre-tokenizers splitting on Unicode's whitespace and word characters, as Hugging
- * Face's tokenizers do (and so vLLM): ByteLevel's regex (GPT2_SPLIT), Whitespace's (WORDS_AND_SYMBOLS: with
- * JavaScript's ASCII \w the library cut "café" into "caf" and "é") and WhitespaceSplit's (NON_WHITESPACE). Each object
- * is told by the config it was built from (`preTokenizerConfig`, the tokenizer.json's pre_tokenizer).
+ * The library's tokenizer with its pre-tokenizers splitting text where Hugging Face's tokenizers do (and so vLLM):
+ * ByteLevel's regex (GPT2_SPLIT), Whitespace's (WORDS_AND_SYMBOLS: with JavaScript's ASCII \w the library cut "café"
+ * into "caf" and "é"), WhitespaceSplit's (NON_WHITESPACE), Digits' (any numeral) and Punctuation's (its behavior).
+ * Each object is told by the config it was built from (`preTokenizerConfig`, the tokenizer.json's pre_tokenizer).
  */
-function withUnicodeWhitespace(library: LibraryTokenizer, preTokenizerConfig: unknown): LibraryTokenizer {
+function splitLikeHuggingFace(library: LibraryTokenizer, preTokenizerConfig: unknown): LibraryTokenizer {
   const pending: [LibraryPreTokenizer | null | undefined, unknown][] = [[library.pre_tokenizer, preTokenizerConfig]];
   while (pending.length > 0) {
     const [preTokenizer, config] = pending.pop()!;
@@ -523,6 +541,15 @@ function withUnicodeWhitespace(library: LibraryTokenizer, preTokenizerConfig: un
         break;
       case 'WhitespaceSplit':
         preTokenizer.pre_tokenize_text = (text) => text.match(NON_WHITESPACE) ?? [];
+        break;
+      case 'Punctuation':
+        if (preTokenizer.pattern instanceof RegExp) preTokenizer.pattern = punctuationPattern(config.behavior);
+        break;
+      case 'Digits':
+        // Rust's char::is_numeric: any of Unicode's N categories ("²", "٣"), where the library had ASCII's \d.
+        if (preTokenizer.pattern instanceof RegExp) {
+          preTokenizer.pattern = config.individual_digits === true ? /[^\p{N}]+|\p{N}/gu : /[^\p{N}]+|\p{N}+/gu;
+        }
         break;
       case 'Sequence': {
         const inner = preTokenizer.tokenizers;
