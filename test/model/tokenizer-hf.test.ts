@@ -206,6 +206,42 @@ describe('tokenizer.json: pre-tokenizers split on Unicode\'s whitespace and word
   });
 });
 
+describe('tokenizer.json: Metaspace as Hugging Face\'s tokenizers read it', () => {
+  // A BPE model that can merge two "▁" into one token: it does only where the pre-tokenizer left them in one piece.
+  const pieces = ['▁', 'H', 'e', 'y', 'o', 'u', '▁▁', '▁H', '▁He', '▁Hey', '▁y', '▁yo', '▁you'];
+  const model = {
+    type: 'BPE', vocab: Object.fromEntries(pieces.map((piece, id) => [piece, id])),
+    merges: [['▁', '▁'], ['▁', 'H'], ['▁H', 'e'], ['▁He', 'y'], ['▁', 'y'], ['▁y', 'o'], ['▁yo', 'u']],
+  };
+  const tokens = (json: Record<string, unknown>, text: string): (string | undefined)[] => {
+    const tokenizer = tokenizerFromJsonObject({ model, ...json });
+    return tokenizer.encode(text, { addSpecialTokens: false }).map((id) => tokenizer.idToToken(id));
+  };
+  const metaspace = { type: 'Metaspace', replacement: '▁', prepend_scheme: 'always' };
+
+  it('splits before each "▁" unless split is false (its default is true)', () => {
+    assert.deepEqual(tokens({ pre_tokenizer: { ...metaspace, split: true } }, 'Hey  you'), ['▁Hey', '▁', '▁you']);
+    assert.deepEqual(tokens({ pre_tokenizer: metaspace }, 'Hey  you'), ['▁Hey', '▁', '▁you']);
+    assert.deepEqual(tokens({ pre_tokenizer: { ...metaspace, split: false } }, 'Hey  you'), ['▁Hey', '▁▁', 'y', 'o', 'u']);
+  });
+
+  it('reads the older add_prefix_space false as prepend_scheme "never"', () => {
+    const older = { type: 'Metaspace', replacement: '▁', add_prefix_space: false, split: false };
+    assert.deepEqual(tokens({ pre_tokenizer: older }, 'Hey'), ['H', 'e', 'y']);
+    assert.deepEqual(tokens({ pre_tokenizer: { ...older, add_prefix_space: true } }, 'Hey'), ['▁Hey']);
+  });
+
+  it('decodes with prepend_scheme "never" keeping the first token\'s space, as a stream does', () => {
+    const tokenizer = tokenizerFromJsonObject({ model, decoder: { ...metaspace, prepend_scheme: 'never' } });
+    const ids = [model.vocab['▁Hey']!, model.vocab['▁you']!];
+    assert.equal(tokenizer.stripsLeadingSpace, false);
+    assert.equal(tokenizer.decode(ids), ' Hey you');
+    const always = tokenizerFromJsonObject({ model, decoder: { type: 'Metaspace', replacement: '▁' } });
+    assert.equal(always.stripsLeadingSpace, true, 'no scheme given: "always", which drops it');
+    assert.equal(always.decode(ids), 'Hey you');
+  });
+});
+
 describe('tokenizer.json: no bytes-per-token bound where text can shrink', () => {
   it('gives none for NFKC, whitespace-removing pre-tokenizers, fused unknowns and whitespace-stripping added tokens', () => {
     const model = { type: 'BPE', vocab: { a: 0, b: 1, ab: 2, '[UNK]': 3 }, merges: ['a b'], unk_token: '[UNK]' };

@@ -290,7 +290,8 @@ export class HfTokenizer implements Tokenizer {
     const added = Array.isArray(json.added_tokens) ? json.added_tokens as AddedTokenJson[] : [];
     for (const token of added) this.addedById.set(token.id, token);
     try {
-      this.withSpecial = splitLikeHuggingFace(new LibraryTokenizer(withDefaults(json), config), json.pre_tokenizer);
+      const library = new LibraryTokenizer(withDefaults(json), config);
+      this.withSpecial = decodeLikeHuggingFace(splitLikeHuggingFace(library, json.pre_tokenizer), json.decoder);
     } catch (error) {
       throw new TokenizerError(`${source}: @huggingface/tokenizers cannot load it: ${(error as Error).message}`);
     }
@@ -311,8 +312,7 @@ export class HfTokenizer implements Tokenizer {
     this.metaspace = typeof metaspaceDecoder?.replacement === 'string' ? metaspaceDecoder.replacement : '\u2581';
     this.stripsLeadingSpace = decoders.some((c) =>
       (c.type === 'Strip' && c.content === ' ' && Number(c.start) > 0) ||
-      (c.type === 'Metaspace' && (c.prepend_scheme === 'always' || c.prepend_scheme === 'first' ||
-        (c.prepend_scheme === undefined && c.add_prefix_space === true))));
+      (c.type === 'Metaspace' && metaspacePrependScheme(c) !== 'never'));
 
     this.bosId = this.idOfConfigToken('bos_token');
     this.eosId = this.idOfConfigToken('eos_token');
@@ -518,7 +518,36 @@ interface LibraryPreTokenizer {
   pattern?: RegExp;
   /** A Sequence's pre-tokenizers, in the order of its config's. */
   tokenizers?: (LibraryPreTokenizer | null)[];
-  pre_tokenize_text?: (text: string) => string[];
+  /** Metaspace's. */
+  prepend_scheme?: string;
+  pre_tokenize_text?: (text: string, options?: unknown) => string[];
+}
+
+/** A decoder object of the library, as far as it is read here. */
+interface LibraryDecoder {
+  /** A Sequence's decoders, in the order of its config's. */
+  decoders?: (LibraryDecoder | null)[];
+  decode_chain?: (tokens: string[]) => string[];
+}
+
+/**
+ * A Metaspace config's prepend scheme as Hugging Face's tokenizers read it: prepend_scheme, else "never" for the
+ * older add_prefix_space false, else "always".
+ */
+function metaspacePrependScheme(config: Json): unknown {
+  return config.prepend_scheme ?? (config.add_prefix_space === false ? 'never' : 'always');
+}
+
+/** `text` cut before every `mark` but at its start ("▁Hey▁▁you" -> "▁Hey", "▁", "▁you"), as Metaspace's split does. */
+function splitBefore(text: string, mark: string): string[] {
+  const pieces: string[] = [];
+  let start = 0;
+  for (let at = text.indexOf(mark, 1); at > 0; at = text.indexOf(mark, at + mark.length)) {
+    pieces.push(text.slice(start, at));
+    start = at;
+  }
+  pieces.push(text.slice(start));
+  return pieces;
 }
 
 /**
@@ -551,6 +580,18 @@ function splitLikeHuggingFace(library: LibraryTokenizer, preTokenizerConfig: unk
           preTokenizer.pattern = config.individual_digits === true ? /[^\p{N}]+|\p{N}/gu : /[^\p{N}]+|\p{N}+/gu;
         }
         break;
+      case 'Metaspace': {
+        // The library ignores split (cut before each replacement character; Hugging Face's default true) and the
+        // older add_prefix_space false, so "a  b" or an unprefixed text split and encoded otherwise than there.
+        preTokenizer.prepend_scheme = String(metaspacePrependScheme(config));
+        const original = preTokenizer.pre_tokenize_text?.bind(preTokenizer);
+        if (config.split !== false && original) {
+          const mark = typeof config.replacement === 'string' ? config.replacement : '\u2581';
+          preTokenizer.pre_tokenize_text = (text, options) =>
+            original(text, options).flatMap((piece) => splitBefore(piece, mark));
+        }
+        break;
+      }
       case 'Sequence': {
         const inner = preTokenizer.tokenizers;
         if (Array.isArray(config.pretokenizers) && Array.isArray(inner)) {
@@ -558,6 +599,26 @@ function splitLikeHuggingFace(library: LibraryTokenizer, preTokenizerConfig: unk
         }
         break;
       }
+    }
+  }
+  return library;
+}
+
+/**
+ * The library's tokenizer with a Metaspace decoder of prepend scheme "never" keeping the first token's leading space,
+ * as Hugging Face's does (the library's drops it whatever the scheme). `decoderConfig`: the tokenizer.json's decoder.
+ */
+function decodeLikeHuggingFace(library: LibraryTokenizer, decoderConfig: unknown): LibraryTokenizer {
+  const pending: [LibraryDecoder | null | undefined, unknown][] = [[library.decoder, decoderConfig]];
+  while (pending.length > 0) {
+    const [decoder, config] = pending.pop()!;
+    if (!decoder || !isObject(config)) continue;
+    if (config.type === 'Metaspace' && metaspacePrependScheme(config) === 'never') {
+      const mark = typeof config.replacement === 'string' ? config.replacement : '\u2581';
+      decoder.decode_chain = (tokens) => tokens.map((token) => token.replaceAll(mark, ' '));
+    } else if (config.type === 'Sequence' && Array.isArray(config.decoders) && Array.isArray(decoder.decoders)) {
+      const inner = decoder.decoders;
+      config.decoders.forEach((innerConfig: unknown, i) => pending.push([inner[i], innerConfig]));
     }
   }
   return library;
