@@ -25,7 +25,7 @@ import {
   AdminRequiredError, OriginNotAllowedError, BodyTimeoutError, TransferCodingNotImplementedError, UnsupportedContentEncodingError, ClientClosedRequestError, ExpectationFailedError, MissingHostError, NotReadyError, PrefixCacheInUseError, TooManyConnectionsError, InvalidValueError, MalformedPathError, MethodNotAllowedError, RouteNotFoundError, toApiError, TraceNotFoundError, type ApiError,
 } from './errors.ts';
 import { endWithin, Gateway, sendJsonReply, type Call, type JsonReply, type ModelBackend, type ServedModel } from './gateway.ts';
-import { silentLogger, type Logger } from '../util/log.ts';
+import { quoteForLog, silentLogger, type Logger } from '../util/log.ts';
 import { GatewayMetrics, PROMETHEUS_CONTENT_TYPE } from './gateway-metrics.ts';
 import { newCompletionId } from './openai-format.ts';
 import { RATE_LIMIT_HEADER_NAMES, TenantRateLimiter, type Clock } from './rate-limit.ts';
@@ -834,10 +834,10 @@ export class ApiServer {
     fields.push(`total_ms=${totalMs.toFixed(1)}`);
     if (call.requestId !== undefined) fields.push(`id=${call.requestId}`);
     // The client's X-Request-Id (or request_id) beside the server's id, to match this line with a proxy's or the
-    // client's own logs. Quoted as JSON when it could be read as more than one field (a space, a quote, a backslash,
-    // an = sign).
+    // client's own logs. Quoted when it could be read as more than one field (a space, a quote, a backslash, an =
+    // sign) or holds anything but printable ASCII.
     if (clientId !== undefined) {
-      fields.push(`client_request_id=${/^[\x21-\x7e]+$/.test(clientId) && !/["\\=]/.test(clientId) ? clientId : JSON.stringify(clientId)}`);
+      fields.push(`client_request_id=${/^[\x21-\x7e]+$/.test(clientId) && !/["\\=]/.test(clientId) ? clientId : quoteForLog(clientId)}`);
     }
     const line = fields.join(' ');
     if ((this.options.requestLog ?? true) && !PROBE_ROUTES.has(routeName)) this.logger.info(line);
@@ -851,7 +851,7 @@ export class ApiServer {
   private warnIgnoredFields(path: string, call: Call, fields: readonly string[]): void {
     const names = fields.slice(0, MAX_IGNORED_FIELDS_NAMED).map((name) => {
       const short = name.length > 64 ? `${name.slice(0, 64)}...` : name;
-      return /^[\w.-]+$/.test(short) ? short : JSON.stringify(short);
+      return /^[\w.-]+$/.test(short) ? short : quoteForLog(short);
     });
     const more = fields.length > names.length ? ` and ${fields.length - names.length} more` : '';
     const one = fields.length === 1;

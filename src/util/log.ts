@@ -27,6 +27,21 @@ export function createLogger(level: LogLevel, write: (line: string) => void = (l
 export const silentLogger: Logger = createLogger('silent');
 
 /**
+ * A client's string (an id, a field name) for a log line, as a JSON string literal with every character that is not
+ * plain text escaped as well: JSON.stringify leaves DEL, the C1 controls (U+0080..U+009F, among them U+009B, which a
+ * terminal reads as the start of an escape sequence, and U+0085, a line break to some readers), the line and
+ * paragraph separators and the bidirectional overrides as they are, and with them a client could colour, reorder or
+ * break the line it is quoted in.
+ */
+export function quoteForLog(text: string): string {
+  return JSON.stringify(text).replace(/[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/gu, (char) => {
+    let escaped = '';
+    for (let i = 0; i < char.length; i++) escaped += `\\u${char.charCodeAt(i).toString(16).padStart(4, '0')}`;
+    return escaped;
+  });
+}
+
+/**
  * What a worker or pool says about itself once started, with the level to log it at: info for what it is (its
  * deployment, the KV blocks its disk tier found), warn for what runs worse than it could (no native kernels, AMX not
  * granted, weights not repacked).

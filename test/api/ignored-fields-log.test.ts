@@ -30,6 +30,14 @@ it('warns of the fields a request sent that were ignored, and of no others', { t
     await post('/v1/responses', { input: 'Hi', max_output_tokens: 2, max_output_token: 2 });
     assert.match(warnings().join(''), /field max_output_token is not read by \/v1\/responses/);
 
+    // A name is the client's: the controls JSON leaves raw (a C1 escape-sequence start, a line separator, a bidi
+    // override) are escaped too, so a name cannot colour, break or reorder the warning.
+    lines.length = 0;
+    await post('/v1/completions', { prompt: 'Hi', max_tokens: 2, ['x\x9b2J\u2028y\u202e']: 1 });
+    assert.equal(warnings().length, 1, lines.join(''));
+    assert.doesNotMatch(warnings()[0]!, /[\x7f-\x9f\u2028\u2029\u202a-\u202e]/);
+    assert.match(warnings()[0]!, /field "x\\u009b2J\\u2028y\\u202e" is not read/);
+
     // Requests with many fields the endpoints read (null ones too): no warning.
     lines.length = 0;
     await post('/v1/completions', {
