@@ -14,7 +14,7 @@ import type { Duplex } from 'node:stream';
 import { performance } from 'node:perf_hooks';
 import type { Engine, SchedulingPolicy } from '../engine/types.ts';
 import { createTelemetry, type Telemetry } from '../telemetry/index.ts';
-import { parseTraceparent } from '../telemetry/traceparent.ts';
+import { formatTraceparent, parseTraceparent } from '../telemetry/traceparent.ts';
 import { CONDUIT_VERSION } from '../util/version.ts';
 import { ANONYMOUS_TENANT, type KeyStore, type Tenant } from './auth.ts';
 import { parseJsonBytes, readBody } from './body.ts';
@@ -177,7 +177,6 @@ function requestPath(url: string | undefined): string {
   return target.split('?')[0]!;
 }
 
-const TRACEPARENT = /^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/;
 /** W3C tracestate: printable ASCII list members, at most 512 characters (a longer one may be dropped whole). */
 const TRACESTATE = /^[\x20-\x7e]{1,512}$/;
 
@@ -705,13 +704,17 @@ export class ApiServer {
     const traceparent = req.headers.traceparent;
     const tracestate = req.headers.tracestate;
     // W3C Trace Context: all-zero ids and version ff are invalid, to be ignored rather than passed on or echoed.
-    const validParent = typeof traceparent === 'string' && TRACEPARENT.test(traceparent) && parseTraceparent(traceparent) !== undefined;
+    const parent = typeof traceparent === 'string' ? parseTraceparent(traceparent) : undefined;
+    // A later version than 00 continues the client's trace too, as the spec asks, but goes on in version 00, the one
+    // Conduit speaks: its fields beyond 00's (of any length) and flags whose meaning there is unknown are not carried.
+    const clientParent = parent === undefined ? undefined
+      : parent.version === '00' ? (traceparent as string).trim() : formatTraceparent(parent.traceId, parent.parentSpanId, parent.sampled);
     const call: Call = {
       res,
       tenant: { name: ANONYMOUS_TENANT, limits: {}, cacheSalt: undefined },
       arrivalMs: this.engineClock(),
-      ...(validParent ? { traceparent } : {}),
-      ...(validParent && typeof tracestate === 'string' && TRACESTATE.test(tracestate) ? { tracestate } : {}),
+      ...(clientParent !== undefined ? { traceparent: clientParent } : {}),
+      ...(clientParent !== undefined && typeof tracestate === 'string' && TRACESTATE.test(tracestate) ? { tracestate } : {}),
       clientGone: clientGone.signal,
       headers: {},
     };

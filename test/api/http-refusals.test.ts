@@ -84,6 +84,12 @@ describe('refusals at the HTTP layer', () => {
       assert.doesNotMatch(echoed ?? '', /^ff-|-0{32}-|-0{16}-/);
     }
     assert.match((await send(`00-${traceId}-00f067aa0ba902b7-01`)) ?? '', new RegExp(`^00-${traceId}-`));
+    // A later version is parsed by 00's layout, its extra fields ignored (W3C Trace Context, "Versioning of
+    // traceparent"): the client's trace goes on, named in version 00, whatever the length of what follows.
+    const later = await send(`cc-${traceId}-00f067aa0ba902b7-01-${'x'.repeat(4000)}`);
+    assert.match(later ?? '', new RegExp(`^00-${traceId}-[0-9a-f]{16}-0[01]$`));
+    // ... but not when the flags are not followed by a dash or the end.
+    assert.doesNotMatch((await send(`cc-${traceId}-00f067aa0ba902b7-01x`)) ?? '', new RegExp(traceId));
   });
 
   it('a request without Host, or with an Expect other than 100-continue, is answered in OpenAI\'s shape and counted', E2E, async () => {

@@ -38,6 +38,22 @@ describe('trace context with tracing off', () => {
     }
   });
 
+  it('continues a traceparent of a later version, passed on in version 00 without its extra fields', LIVE, async () => {
+    const model = server.api.gateway.servedModelName!;
+    const traceId = '0af7651916cd43dd8448eb211c80319c';
+    const tracestate = 'congo=t61rcWkgMzE';
+    const res = await rawRequest(server.url, {
+      path: '/v1/completions', headers: { traceparent: `01-${traceId}-b7ad6b7169203331-03-${'f'.repeat(1000)}`, tracestate },
+      body: { model, prompt: 'trace me', max_tokens: 2, temperature: 0 },
+    });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.headers.traceparent, `00-${traceId}-b7ad6b7169203331-01`);
+    assert.equal(res.headers.tracestate, tracestate);
+    const view = (await rawRequest(server.url, { path: `/v1/requests/${res.headers['x-request-id']}/trace` })).json() as Record<string, unknown>;
+    assert.equal(view.trace_id, traceId);
+    assert.equal(view.engine_traceparent, `00-${traceId}-b7ad6b7169203331-01`);
+  });
+
   it('without a client context: no trace id, no traceparent header', LIVE, async () => {
     const model = server.api.gateway.servedModelName!;
     const res = await rawRequest(server.url, { path: '/v1/completions', body: { model, prompt: 'untraced', max_tokens: 2, temperature: 0 } });
