@@ -24,7 +24,11 @@ const dashboardFiles = readdirSync(dashboardsDir).filter((f) => f.endsWith('.jso
 interface Dashboard {
   uid: string;
   title: string;
-  panels: { id: number; type: string; title: string; gridPos: { h: number; w: number; x: number; y: number }; datasource?: unknown; targets?: { refId: string; expr: string; legendFormat?: string }[] }[];
+  panels: {
+    id: number; type: string; title: string; gridPos: { h: number; w: number; x: number; y: number }; datasource?: unknown;
+    targets?: { refId: string; expr: string; legendFormat?: string }[];
+    fieldConfig?: { defaults?: { unit?: string }; overrides?: { matcher: { id: string; options: unknown }; properties: { id: string; value: unknown }[] }[] };
+  }[];
   templating: { list: { name: string; type: string; query?: unknown; definition?: string }[] };
 }
 
@@ -145,6 +149,37 @@ describe('Grafana dashboards', () => {
     const perPhase = overview.panels.find((p) => p.title === 'Mean time per phase')!;
     const gateway = perPhase.targets!.find((t) => t.legendFormat === 'gateway')!.expr;
     assert.match(gateway, /conduit_gateway_phase_duration_milliseconds_sum\{phase=~"http_receive\|validate\|tokenize"\}/);
+  });
+
+  it('show each query in the unit of what it computes: time for a rate of a milliseconds counter, not bytes', () => {
+    type Panel = Dashboard['panels'][number];
+    /** The unit Grafana shows a query's series in: an override for its refId, else the panel's. */
+    const unitOf = (panel: Panel, refId: string): string | undefined => {
+      for (const o of panel.fieldConfig?.overrides ?? []) {
+        if (o.matcher.id !== 'byFrameRefID' || o.matcher.options !== refId) continue;
+        const unit = o.properties.find((p) => p.id === 'unit');
+        if (unit) return String(unit.value);
+      }
+      return panel.fieldConfig?.defaults?.unit;
+    };
+    const checked: string[] = [];
+    for (const { file, json } of dashboards) {
+      for (const panel of json.panels) {
+        for (const target of panel.targets ?? []) {
+          const names = conduitNames(target.expr);
+          const where = `${file}: ${panel.title} ${target.refId} (${target.expr})`;
+          // rate() of a counter of milliseconds: milliseconds spent per second.
+          if (names.length > 0 && names.every((n) => n.endsWith('_milliseconds_total'))) {
+            checked.push(where);
+            assert.ok(['ms', 's'].includes(unitOf(panel, target.refId) ?? ''), `${where}: shown as ${unitOf(panel, target.refId)}`);
+          }
+          if (names.length > 0 && names.every((n) => n.endsWith('_bytes_total')) && /\brate\(/.test(target.expr)) {
+            assert.equal(unitOf(panel, target.refId), 'Bps', where);
+          }
+        }
+      }
+    }
+    assert.ok(checked.length >= 2, 'the offload and onboard time series are found');
   });
 
   it('hold valid PromQL (checked by promtool as recording rules)', (t) => {
