@@ -1,11 +1,13 @@
 // deploy/: the Prometheus alert rules pass `promtool check rules` and their unit tests, the Grafana dashboards are
-// well-formed with valid PromQL, and every metric name either one uses is one src/telemetry/metrics.ts registers.
+// well-formed with valid PromQL, every metric name either one uses is one src/telemetry/metrics.ts registers, and
+// every label they use is one of those metrics' labels.
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { GatewayMetrics } from '../../src/api/gateway-metrics.ts';
 import { ConduitMetrics } from '../../src/telemetry/metrics.ts';
 import { SloTracker } from '../../src/telemetry/slo.ts';
 import { PROMTOOL_MISSING, havePromtool, promtool } from './promtool.ts';
@@ -83,6 +85,36 @@ function registeredSeries(): { families: Set<string>; series: Map<string, string
     else series.set(name, name);
   }
   return { families, series };
+}
+
+/**
+ * The label names of every family /metrics exports (the telemetry's and the gateway's, one registry), by the series
+ * names a query uses: a histogram's _bucket series has `le` too.
+ */
+function exportedLabels(): Map<string, Set<string>> {
+  const slo = new SloTracker();
+  const metrics = new ConduitMetrics({ sloReport: () => slo.report(0), spanExports: () => ({ succeeded: 0, failed: 0 }) });
+  new GatewayMetrics(metrics.registry);
+  const labels = new Map<string, Set<string>>();
+  for (const metric of metrics.registry.getMetricsAsArray()) {
+    const names = new Set((metric as unknown as { labelNames: readonly string[] }).labelNames);
+    if (String(metric.type) === 'histogram') {
+      labels.set(`${metric.name}_bucket`, new Set([...names, 'le']));
+      labels.set(`${metric.name}_sum`, names);
+      labels.set(`${metric.name}_count`, names);
+    } else {
+      labels.set(metric.name, names);
+    }
+  }
+  return labels;
+}
+
+/** Label names a PromQL expression matches on or groups by. */
+function labelsUsed(expr: string): string[] {
+  const used: string[] = [];
+  for (const [, selector] of expr.matchAll(/\{([^}]*)\}/g)) for (const [, name] of selector!.matchAll(/([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)/g)) used.push(name!);
+  for (const [, list] of expr.matchAll(/\b(?:by|without)\s*\(([^)]*)\)/g)) used.push(...list!.split(',').map((l) => l.trim()).filter((l) => l !== ''));
+  return used;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -218,6 +250,41 @@ describe('metric names in deploy/', () => {
     const inDashboards = new Set<string>();
     for (const { json } of dashboards) for (const e of dashboardExpressions(json)) for (const n of conduitNames(e)) if (series.has(n)) inDashboards.add(series.get(n)!);
     assert.deepEqual([...families].filter((f) => !inDashboards.has(f)), []);
+  });
+
+  it('match, group and name series only by labels those metrics have', () => {
+    const labels = exportedLabels();
+    const problems: string[] = [];
+    const check = (where: string, expr: string, shown: string[]): void => {
+      const names = conduitNames(expr);
+      const known = new Set(names.flatMap((n) => [...(labels.get(n) ?? [])]));
+      for (const label of [...labelsUsed(expr), ...shown]) if (!known.has(label)) problems.push(`${where}: ${label} (${expr})`);
+    };
+    for (const { file, json } of dashboards) {
+      for (const panel of json.panels) {
+        for (const target of panel.targets ?? []) {
+          check(`${file}: ${panel.title}`, target.expr, [...(target.legendFormat ?? '').matchAll(/\{\{\s*(\w+)\s*\}\}/g)].map((m) => m[1]!));
+        }
+      }
+      for (const v of json.templating.list) {
+        const m = v.definition ? /^label_values\((.*),\s*(\w+)\)$/.exec(v.definition) : null;
+        if (m) check(`${file}: $${v.name}`, m[1]!, [m[2]!]);
+      }
+    }
+    // An alert's annotations name labels of its expression's result: `$labels.x` must be one its series have.
+    for (const f of ruleFiles) {
+      for (const alert of readFileSync(f, 'utf8').split(/^\s*- alert:/m).slice(1)) {
+        const [expr] = ruleExpressions(alert);
+        const shown = [...alert.matchAll(/\$labels\.(\w+)/g)].map((m) => m[1]!);
+        check(`${f}: ${alert.split('\n')[0]!.trim()}`, expr ?? '', shown);
+        const grouped = /\bby\s*\(([^)]*)\)/.exec(expr ?? '');
+        if (grouped) {
+          const kept = grouped[1]!.split(',').map((l) => l.trim());
+          for (const label of shown) if (!kept.includes(label)) problems.push(`${f}: ${alert.split('\n')[0]!.trim()}: $labels.${label} is summed away`);
+        }
+      }
+    }
+    assert.deepEqual(problems, []);
   });
 
   it('are found by the expression reader in the rules (so the check above is not vacuous)', () => {
