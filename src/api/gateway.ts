@@ -2,6 +2,7 @@
 // checks), admits them (overload bound, tenant limits), runs them, and gives back what they held however they end.
 // It knows nothing of routing or sockets beyond the response it writes to; server.ts does HTTP.
 
+import { createHash } from 'node:crypto';
 import type { ServerResponse } from 'node:http';
 import type { Engine, SchedulingPolicy } from '../engine/types.ts';
 import {
@@ -239,10 +240,13 @@ function openFinalMessage(rendered: string, messages: readonly ChatMessage[]): s
 /**
  * The salt a request's prompt blocks are hashed with: its tenant's (name or cache group) and, within it, the
  * request's own cache_salt. A request's salt narrows sharing inside its tenant and never reaches another tenant's.
+ * The two go in as a SHA-256 digest: the salt is hashed into every block of the prompt and crosses the request plane
+ * to worker processes, which take at most 1024 characters of it, so a salt as long as the client likes (or a long
+ * tenant or group name) would cost its length per block and fail on a cluster what one process serves.
  */
 function cacheSaltOf(tenantSalt: string | undefined, requestSalt: string | undefined): { cacheSalt?: string } {
-  if (requestSalt === undefined) return tenantSalt !== undefined ? { cacheSalt: tenantSalt } : {};
-  return { cacheSalt: `${tenantSalt ?? ''}\u0000${requestSalt}` };
+  if (tenantSalt === undefined && requestSalt === undefined) return {};
+  return { cacheSalt: createHash('sha256').update(JSON.stringify([tenantSalt ?? null, requestSalt ?? null])).digest('hex') };
 }
 
 export class Gateway {
