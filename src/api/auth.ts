@@ -249,15 +249,38 @@ export function parseKeysFile(text: string, source = 'api keys file'): KeyConfig
 export function parseKeysList(list: string, source = 'CONDUIT_API_KEYS'): KeyGrant[] {
   return list.split(',').map((item) => item.trim()).filter(Boolean).map((item) => {
     const colon = item.lastIndexOf(':');
-    if (colon <= 0 || colon === item.length - 1) {
+    // Spaces around the colon ("sk-a: acme") are layout, not part of the name: " acme" would be a tenant apart from
+    // "acme", with limits and a cache of its own.
+    const key = item.slice(0, Math.max(0, colon)).trim();
+    const tenant = item.slice(colon + 1).trim();
+    if (colon < 0 || key === '' || tenant === '') {
       throw new KeyConfigError(`${source}: expected "key:tenant", got "${keyHint(item)}"`);
     }
-    return { key: item.slice(0, colon), tenant: item.slice(colon + 1) };
+    return { key, tenant };
   });
 }
 
 /** What a key may be: what an `Authorization: Bearer <key>` header can carry (printable ASCII, no spaces). */
 const KEY_SHAPE = /^[\x21-\x7e]+$/;
+
+/**
+ * Longest tenant name: the name goes with each request to worker processes, whose request plane takes at most 1024
+ * characters of it, and into every metric series and request log line of the tenant.
+ */
+export const MAX_TENANT_NAME_LENGTH = 256;
+
+/**
+ * Why a tenant name cannot be one, or undefined when it can. A control character would break the request log's
+ * line; spaces around the name would make a tenant apart from the one meant; "anonymous" is the label of requests
+ * refused before they had a tenant (a 401), so its metrics would mix with theirs.
+ */
+function tenantNameProblem(name: string): string | undefined {
+  if (name.length > MAX_TENANT_NAME_LENGTH) return `is ${name.length} characters long, over the limit of ${MAX_TENANT_NAME_LENGTH}`;
+  if (/[\x00-\x1f\x7f]/.test(name)) return 'holds a control character';
+  if (name.trim() !== name) return 'begins or ends with a space';
+  if (name === ANONYMOUS_TENANT) return 'is the label of requests without a key in every metric';
+  return undefined;
+}
 
 /**
  * Keys from a file and a list together (either may be absent), plus an admin key (tenant "admin", an admin). Keys
@@ -270,6 +293,11 @@ export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyG
     tenants: new Map(fromFile?.tenants ?? []),
   };
   for (const { key, tenant } of config.keys) {
+    const problem = tenantNameProblem(tenant);
+    if (problem !== undefined) {
+      const shown = tenant.length > 64 ? `${tenant.slice(0, 64)}...` : tenant;
+      throw new KeyConfigError(`the tenant ${JSON.stringify(shown)} of the API key ${keyHint(key)} ${problem}: rename the tenant`);
+    }
     if (!KEY_SHAPE.test(key)) {
       throw new KeyConfigError(`the API key ${keyHint(key)} of tenant ${tenant} has a space or a character outside printable ASCII: `
         + 'no Authorization header can carry it');

@@ -121,4 +121,30 @@ describe('keys file parsing', () => {
     assert.deepEqual(combined.keys.map((g) => g.tenant), ['filetenant', 'envtenant']);
     assert.equal(combined.tenants.get('filetenant')!.limits.requestsPerMinute, 7);
   });
+
+  it('takes spaces around the list\'s colon as layout: two keys written either way are one tenant, with one budget', () => {
+    const config = combineKeyConfig(parseKeysFile('{"keys": [{"key": "sk-file-0001", "tenant": "acme"}], "tenants": {"acme": {"rpm": 2}}}'),
+      parseKeysList('sk-list-0001: acme, sk-list-0002 :acme'));
+    assert.deepEqual(config.keys.map((g) => `${g.key}=${g.tenant}`), ['sk-file-0001=acme', 'sk-list-0001=acme', 'sk-list-0002=acme']);
+    const store = new KeyStore(config);
+    const tenants = ['sk-file-0001', 'sk-list-0001', 'sk-list-0002'].map((key) => store.authenticate(`Bearer ${key}`));
+    assert.ok(tenants.every((tenant) => tenant === tenants[0] && tenant.limits.requestsPerMinute === 2));
+    assert.throws(() => parseKeysList('sk-list-0001: '), /expected "key:tenant"/);
+    assert.throws(() => parseKeysList(' :acme'), /expected "key:tenant"/);
+  });
+
+  it('refuses a tenant name that requests could not carry, that would break a log line, or that 401s are counted under', () => {
+    const refused = (tenant: string, pattern: RegExp): void => {
+      assert.throws(() => combineKeyConfig(parseKeysFile(JSON.stringify({ keys: [{ key: 'sk-name-00000001', tenant }] }), 'k.json'), undefined),
+        (err: Error) => err instanceof KeyConfigError && pattern.test(err.message) && err.message.includes('sk-***0001'));
+    };
+    refused('t'.repeat(257), /the tenant "t{64}\.\.\." of the API key .* is 257 characters long, over the limit of 256/);
+    refused('acme\nINFO forged line', /holds a control character/);
+    refused(' acme', /begins or ends with a space/);
+    refused('anonymous', /"anonymous" .* the label of requests without a key/);
+    assert.throws(() => combineKeyConfig(undefined, parseKeysList('sk-name-00000001:anonymous')), /the label of requests without a key/);
+    const longest = 't'.repeat(256);
+    assert.equal(new KeyStore(combineKeyConfig(parseKeysFile(JSON.stringify({ keys: [{ key: 'sk-1', tenant: longest }] })), undefined))
+      .authenticate('Bearer sk-1').name, longest);
+  });
 });
