@@ -6,7 +6,7 @@
 //   JSON:  {"keys": [{"key": "sk-a", "tenant": "acme"}, ...],
 //           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"},
 //                       "ops": {"admin": true}}}
-//   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starts a comment, '-' leaves a limit unset)
+//   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starting a word starts a comment, '-' leaves a limit unset)
 // A JSON field other than these is refused (a misspelt "rmp" would leave its tenant unlimited), and so is one key
 // given to two tenants.
 // Environment (CONDUIT_API_KEYS): "key:tenant,key2:tenant2".
@@ -219,7 +219,9 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
 function parseLineKeys(text: string, source: string): KeyConfig {
   const config: KeyConfig = { keys: [], tenants: new Map() };
   text.split(/\r?\n/).forEach((line, i) => {
-    const words = line.replace(/#.*/, '').trim().split(/\s+/).filter(Boolean);
+    // A comment begins with a word that begins with '#', as in a shell: a key may hold a '#' (a printable
+    // character like any other), which would otherwise cut the line inside the key.
+    const words = line.replace(/(^|\s)#.*/, '').trim().split(/\s+/).filter(Boolean);
     if (words.length === 0) return;
     const where = `${source}:${i + 1}`;
     if (words.length < 2 || words.length > 5) {
@@ -242,7 +244,9 @@ function parseLineKeys(text: string, source: string): KeyConfig {
 
 /** A keys file in either format: JSON when it starts with "{", else one key per line. */
 export function parseKeysFile(text: string, source = 'api keys file'): KeyConfig {
-  return text.trimStart().startsWith('{') ? parseJsonKeys(text, source) : parseLineKeys(text, source);
+  // A byte-order mark (some editors write one) is no part of the text: JSON.parse would refuse it as a token.
+  const body = text.startsWith('\uFEFF') ? text.slice(1) : text;
+  return body.trimStart().startsWith('{') ? parseJsonKeys(body, source) : parseLineKeys(body, source);
 }
 
 /** "key:tenant,key2:tenant2" (CONDUIT_API_KEYS). */

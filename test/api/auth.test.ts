@@ -100,6 +100,18 @@ describe('keys file parsing', () => {
     assert.equal(config.tenants.has('globex'), false);
   });
 
+  it('starts a comment only at a word beginning with "#": a key or tenant may hold one', () => {
+    const config = parseKeysFile('sk-a#b1 acme#1 7 # the first key\n#sk-off off\n  # indented\nsk-c#2 globex\t#tab\n', 'keys.txt');
+    assert.deepEqual(config.keys.map((g) => `${g.key}=${g.tenant}`), ['sk-a#b1=acme#1', 'sk-c#2=globex']);
+    assert.equal(config.tenants.get('acme#1')!.limits.requestsPerMinute, 7);
+  });
+
+  it('reads a file that begins with a byte-order mark, in either format', () => {
+    const json = parseKeysFile('\uFEFF{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": 3}}}', 'k.json');
+    assert.equal(json.tenants.get('acme')!.limits.requestsPerMinute, 3);
+    assert.deepEqual(parseKeysFile('\uFEFFsk-1 acme\n').keys, [{ key: 'sk-1', tenant: 'acme' }]);
+  });
+
   it('names the line of a bad entry', () => {
     assert.throws(() => parseKeysFile('sk-1 acme\nsk-2 acme sixty\n', 'keys.txt'), /keys\.txt:2: rpm must be a positive integer/);
     assert.throws(() => parseKeysFile('lonely\n', 'keys.txt'), /keys\.txt:1: expected "key tenant/);
