@@ -252,7 +252,12 @@ export class ClusterFrontend {
     await this.events?.close();
     if (this.engine) await this.engine.close();
     else if (this.disaggregated) await this.disaggregated.close();
-    else for (const member of this.members.values()) await member.remote?.close();
+    // Connections the engine no longer holds are closed too: a draining member's (the engine dropped it when the
+    // worker said it drains) and those of workers whose key went while their streams finished (leaving). A closed
+    // frontend keeps no socket open.
+    for (const member of this.members.values()) await member.remote?.close();
+    for (const remote of this.leaving.values()) await remote.close();
+    this.leaving.clear();
     for (const remote of this.waitingPrefill.splice(0)) await remote.close();
   }
 
