@@ -8,7 +8,8 @@
 // welcome gave (an earlier release): that request alone is refused (an invalid_request error, the frame skipped
 // unread) and the connection, with the other requests on it, stays. A connection that closes
 // aborts every request it started (the frontend is gone, or gave up on this worker), so nothing keeps running for
-// nobody. Cancellation from the frontend is an `abort` message. A drain whose grace runs out stops the requests
+// nobody. Cancellation from the frontend is an `abort` message, and the unpinning of a handed-off request a
+// `release`: each from the connection that owns the request only. A drain whose grace runs out stops the requests
 // still running and ends each with an `err` frame (EngineClosedError: the frontend sees the worker lost and migrates
 // the request, or reports the error), not as a normal end: only the frontend's abort ends a stream as aborted.
 //
@@ -302,6 +303,11 @@ export class WorkerServer {
     return this.running.size;
   }
 
+  /** Prefill role: handed-off requests whose blocks stay pinned until their frontend releases them. */
+  get handoffsPinned(): number {
+    return this.pinned.size;
+  }
+
   /** Prefill role: KV runs written to decode workers since the start. */
   get kvRunsSent(): number {
     return this.kvServer?.runsSent ?? 0;
@@ -537,7 +543,10 @@ export class WorkerServer {
         return this.expect(connection, message);
       case 'release': {
         const id = message.id;
-        if (typeof id === 'string' && this.pinned.delete(id)) {
+        // Only the frontend whose request was handed off unpins its blocks (as only it may abort it): another
+        // connection naming the id would free blocks a decode worker is still to pull.
+        if (typeof id === 'string' && this.pinned.get(id) === connection) {
+          this.pinned.delete(id);
           (this.options.engine as Partial<PrefillWorkerEngine>).releaseHandoff?.(id);
           this.kvServer?.ended(id, 'was released');
           this.wakeIfIdle();
