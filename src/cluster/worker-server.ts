@@ -19,7 +19,7 @@
 import net from 'node:net';
 import { v8Serialize } from './blob.ts';
 import { LoraLoadError } from '../engine/errors.ts';
-import type { Engine, EngineOutput, WorkerRole } from '../engine/types.ts';
+import type { Engine, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
 import { isBlockHash, type BlockHash, type KvEvent } from '../protocols/kv-events.ts';
@@ -652,6 +652,7 @@ export class WorkerServer {
       return;
     }
     const id = request.id;
+    if (this.refuseOutsideVocabulary(connection, request)) return;
     if (this.draining) {
       this.send(connection, { t: 'err', id, name: 'EngineOverloadedError', code: 'engine_overloaded', message: `worker ${this.workerId} is draining`, retryAfterMs: 1000 });
       return;
@@ -703,6 +704,26 @@ export class WorkerServer {
     }
   }
 
+  /**
+   * Refuses (an invalid_request error naming the id) a request whose prompt, or the output it carries on from, holds
+   * a token id outside the model's vocabulary. The frontend's gateway checks the ids a client sends, but the request
+   * plane takes requests from any frontend holding the token, and an engine given such an id ends the stream with
+   * nothing, no error.
+   */
+  private refuseOutsideVocabulary(connection: Connection, request: EngineRequest): boolean {
+    const vocabSize = this.options.engine.info.vocabSize;
+    for (const field of ['promptTokenIds', 'priorOutputTokenIds'] as const) {
+      const tokenId = request[field]?.find((token) => token >= vocabSize);
+      if (tokenId === undefined) continue;
+      const message = `request ${JSON.stringify(request.id)}: request.${field} holds token id ${tokenId}, outside the model's `
+        + `vocabulary of ${vocabSize} tokens (ids 0 to ${vocabSize - 1})`;
+      this.log('warn', `request plane: refusing a request from ${connection.peer}: ${message}`);
+      this.send(connection, { t: 'err', id: request.id, name: 'InvalidRequestError', code: 'invalid_request', message });
+      return true;
+    }
+    return false;
+  }
+
   /** Checks a request message and registers it on the connection; undefined when refused (answered already). */
   private admit(connection: Connection, raw: unknown): ReturnType<typeof parseWireRequest> | undefined {
     let request;
@@ -715,6 +736,7 @@ export class WorkerServer {
       return undefined;
     }
     const id = request.id;
+    if (this.refuseOutsideVocabulary(connection, request)) return undefined;
     if (this.draining) {
       this.send(connection, { t: 'err', id, name: 'EngineOverloadedError', code: 'engine_overloaded', message: `worker ${this.workerId} is draining`, retryAfterMs: 1000 });
       return undefined;

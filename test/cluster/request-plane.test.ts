@@ -1,8 +1,9 @@
 // The request plane over real TCP on 127.0.0.1: a CPU worker (a worker thread running a tiny synthetic model) served
 // by WorkerServer, reached through RemoteEngine. Greedy output equals the engine's own, abort travels to the worker
 // and frees its blocks, a dropped connection fails the request as worker_lost at once and stops it on the worker,
-// and a wrong token, garbage, an oversized frame or a bad request are refused with a logged reason while the worker
-// keeps serving others. The model card carries the tokenizer and chat template to the frontend.
+// and a wrong token, garbage, an oversized frame or a bad request (a prompt token id outside the vocabulary among them)
+// are refused with a logged reason while the worker keeps serving others. The model card carries the tokenizer and
+// chat template to the frontend.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import net from 'node:net';
@@ -170,6 +171,25 @@ describe('request plane', () => {
     const remote = await connect();
     const outputs = await collect(remote.generate(request({ maxTokens: 5 })));
     assert.equal(tokens(outputs).length, 5);
+  });
+
+  test('a prompt holding a token id outside the vocabulary is refused as invalid_request, naming the id', async () => {
+    const remote = await connect();
+    const vocab = bundle.engine.info.vocabSize;
+    // The engine would end such a request with an empty stream and no error: the worker refuses it first.
+    const outside = { ...request({ maxTokens: 4 }), promptTokenIds: [1, 2, vocab + 5, 3] };
+    await assert.rejects(collect(remote.generate(outside)), (error: Error & { code?: string }) => {
+      assert.equal(error.name, 'InvalidRequestError');
+      assert.equal(error.code, 'invalid_request');
+      assert.match(error.message, new RegExp(`token id ${vocab + 5}, outside the model's vocabulary of ${vocab} tokens`));
+      return true;
+    });
+    // The id just past the end is outside too; the last one is not. The connection serves on.
+    await assert.rejects(collect(remote.generate({ ...request({ maxTokens: 4 }), promptTokenIds: [vocab] })), /token id/);
+    const outputs = await collect(remote.generate({ ...request({ maxTokens: 4 }), promptTokenIds: [1, 2, vocab - 1] }));
+    assert.equal(outputs.at(-1)!.finishReason, 'length');
+    assert.equal(remote.lost, false);
+    assert.equal(server.inFlight, 0);
   });
 
   test('the model card rebuilds the worker\'s tokenizer and chat template', async () => {
