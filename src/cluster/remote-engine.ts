@@ -100,6 +100,8 @@ export class RemoteEngine implements RoutableEngine {
   private closeWhenIdle = false;
   private lastFrameAt = performance.now();
   private readonly watchdog: NodeJS.Timeout;
+  /** Pings the worker (when its welcome asked for them) so that it can tell this frontend is still there. */
+  private readonly pinger: NodeJS.Timeout | undefined;
 
   private constructor(private readonly socket: net.Socket, private readonly reader: FrameReader, welcome: Record<string, unknown>,
     address: string, private readonly options: RemoteEngineOptions) {
@@ -130,6 +132,14 @@ export class RemoteEngine implements RoutableEngine {
       }
     }, tickMs);
     this.watchdog.unref();
+    const pingMs = welcome.pingMs;
+    if (Number.isSafeInteger(pingMs) && (pingMs as number) > 0) {
+      const ping = encodeJsonFrame({ t: 'ping' });
+      this.pinger = setInterval(() => {
+        if (!this.socket.destroyed) this.socket.write(ping);
+      }, Math.max(10, Math.min(pingMs as number, HEARTBEAT_TIMEOUT_MS)));
+      this.pinger.unref();
+    }
   }
 
   /**
@@ -159,7 +169,8 @@ export class RemoteEngine implements RoutableEngine {
       socket.once('error', (error) => fail(new Error(`cannot reach worker at ${address}: ${error.message}`)));
       socket.once('close', () => fail(new Error(`worker at ${address} closed the connection before welcoming`)));
       socket.once('connect', () => {
-        socket.write(encodeJsonFrame({ t: 'hello', v: REQUEST_PLANE_VERSION, token: options.clusterToken, events: options.events === true }));
+        // ping: this frontend pings a worker that asks for it (welcome.pingMs), which then notices when it is gone.
+        socket.write(encodeJsonFrame({ t: 'hello', v: REQUEST_PLANE_VERSION, token: options.clusterToken, events: options.events === true, ping: true }));
       });
       const onData = (chunk: Buffer): void => {
         try {
@@ -448,6 +459,7 @@ export class RemoteEngine implements RoutableEngine {
   async close(): Promise<void> {
     this.closed = true;
     clearInterval(this.watchdog);
+    clearInterval(this.pinger);
     this.socket.end();
     this.socket.destroy();
   }
@@ -592,6 +604,7 @@ export class RemoteEngine implements RoutableEngine {
   private lose(reason: string): void {
     if (this.lostError) return;
     clearInterval(this.watchdog);
+    clearInterval(this.pinger);
     const error = new WorkerLostError(this.workerId, reason);
     this.lostError = error;
     for (const queue of this.streams.values()) queue.fail(error);

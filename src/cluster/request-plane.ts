@@ -6,6 +6,7 @@
 // A connection starts with the frontend's `hello` carrying the cluster token; the worker answers `welcome` (its id,
 // engine info, role, the largest frame it takes) or `refused` and closes. Then:
 //   frontend -> worker: gen (a request), abort, reset (prefix cache), card (the model card), snapshot (KV dump),
+//                       ping (every welcome.pingMs, when the worker asked for it: see FRONTEND_SILENCE_TIMEOUT_MS),
 //                       lora-load / lora-unload (answered by lora: what loading found, and from a worker that keeps
 //                       its own adapters the key it gave the adapter, or how many requests an unload waits for);
 //                       gen, prefill and adopt carry `sentAt`, the frontend's clock when sent (clock-offset.ts)
@@ -34,6 +35,20 @@ export const MAX_HELLO_BYTES = 64 * 1024;
 /** A worker sends its stats at least this often; a connection silent for HEARTBEAT_TIMEOUT_MS is lost. */
 export const HEARTBEAT_MS = 500;
 export const HEARTBEAT_TIMEOUT_MS = 5000;
+/**
+ * The other direction: a frontend whose hello says it pings (`ping: true`) is sent a welcome with `pingMs`, and pings
+ * that often; a worker that hears nothing on such a connection for this long takes the frontend for gone (its host
+ * vanished, a partition) and stops its requests, freeing their KV blocks. The worker's own heartbeats keep the
+ * connection busy, so TCP keepalive never probes it and only the retransmission timeout (minutes) would end it. Both
+ * fields are additions within the version: a worker of an earlier release sends no pingMs (nothing is pinged), and a
+ * frontend of an earlier release says nothing of pings (its connections are not timed).
+ */
+export const FRONTEND_SILENCE_TIMEOUT_MS = HEARTBEAT_TIMEOUT_MS;
+
+/** How often a frontend pings a worker whose silence timeout is `timeoutMs`: several pings fit in it. */
+export function frontendPingMs(timeoutMs: number): number {
+  return Math.max(1, Math.min(HEARTBEAT_MS, Math.floor(timeoutMs / 4)));
+}
 
 /** An EngineRequest as JSON carries it: logitBias as [tokenId, bias] pairs. */
 export type WireRequest = Omit<EngineRequest, 'sampling'> & {
@@ -63,6 +78,11 @@ export interface Welcome {
    * to which the frontend sends as before.
    */
   maxFrameBytes?: number;
+  /**
+   * How often the frontend is to send a `ping` (ms): given only to a frontend whose hello said it pings; the worker
+   * then closes the connection after FRONTEND_SILENCE_TIMEOUT_MS (or its configured timeout) of silence.
+   */
+  pingMs?: number;
 }
 
 /**

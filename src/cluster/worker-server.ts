@@ -8,10 +8,12 @@
 // welcome gave (an earlier release): that request alone is refused (an invalid_request error, the frame skipped
 // unread) and the connection, with the other requests on it, stays. A connection that closes
 // aborts every request it started (the frontend is gone, or gave up on this worker), so nothing keeps running for
-// nobody. Cancellation from the frontend is an `abort` message, and the unpinning of a handed-off request a
-// `release`: each from the connection that owns the request only. A drain whose grace runs out stops the requests
-// still running and ends each with an `err` frame (EngineClosedError: the frontend sees the worker lost and migrates
-// the request, or reports the error), not as a normal end: only the frontend's abort ends a stream as aborted.
+// nobody; a frontend that pings (its hello says so) and then falls silent past the silence timeout (its host
+// vanished, a partition) has its connection closed, to the same effect. Cancellation from the frontend is an `abort`
+// message, and the unpinning of a handed-off request a `release`: each from the connection that owns the request
+// only. A drain whose grace runs out stops the requests still running and ends each with an `err` frame
+// (EngineClosedError: the frontend sees the worker lost and migrates the request, or reports the error), not as a
+// normal end: only the frontend's abort ends a stream as aborted.
 //
 // The server keeps a mirror of the engine's cached block hashes, built from the engine's own KV events (they
 // replay to its cached set), so it can answer a snapshot (resync) request without asking the engine.
@@ -41,8 +43,8 @@ import {
   type Frame,
 } from './frames.ts';
 import {
-  frameOverLimit, HEARTBEAT_MS, MAX_HELLO_BYTES, mayBeOversizedRequest, OVERSIZED_HEAD_BYTES, oversizedRequest, parseWireRequest,
-  REQUEST_PLANE_VERSION, tokenMatches, type ModelCard, type Welcome,
+  FRONTEND_SILENCE_TIMEOUT_MS, frameOverLimit, frontendPingMs, HEARTBEAT_MS, MAX_HELLO_BYTES, mayBeOversizedRequest,
+  OVERSIZED_HEAD_BYTES, oversizedRequest, parseWireRequest, REQUEST_PLANE_VERSION, tokenMatches, type ModelCard, type Welcome,
 } from './request-plane.ts';
 
 export type ClusterLog = (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
@@ -75,6 +77,11 @@ export interface WorkerServerOptions {
   adapters?: LoraManager;
   /** Called after lora-load / lora-unload changed `adapters` (the worker publishes the new list). */
   onAdaptersChanged?: () => void;
+  /**
+   * How long a frontend that pings (its hello says so) may send nothing before its connection is closed and its
+   * requests stopped (default FRONTEND_SILENCE_TIMEOUT_MS; 0: never, frontends are then asked for no pings).
+   */
+  frontendSilenceTimeoutMs?: number;
 }
 
 /**
@@ -155,6 +162,10 @@ interface Connection {
   requests: Set<string>;
   /** The frontend's clock minus this worker's, as estimated so far (clock-offset.ts); undefined before any estimate. */
   clockOffset?: number;
+  /** The frontend's hello said it pings: a silence past the timeout means it is gone. */
+  pings: boolean;
+  /** When bytes last came from the frontend (performance.now()). */
+  lastHeardAt: number;
 }
 
 /**
@@ -188,6 +199,10 @@ export class WorkerServer {
   private readonly kvListeners = new Set<(events: KvEvent[]) => void>();
   private readonly offEvents: (() => void) | undefined;
   private readonly heartbeat: NodeJS.Timeout;
+  private readonly silenceWatch: NodeJS.Timeout | undefined;
+  private readonly silenceTimeoutMs: number;
+  /** Connections closed because their frontend fell silent (for tests and logs). */
+  silentFrontends = 0;
   private draining = false;
   private readonly maxFrameBytes: number;
   private readonly idleWaiters: (() => void)[] = [];
@@ -248,6 +263,8 @@ export class WorkerServer {
     });
     this.heartbeat = setInterval(() => this.sendHeartbeat(), HEARTBEAT_MS);
     this.heartbeat.unref();
+    this.silenceTimeoutMs = options.frontendSilenceTimeoutMs ?? FRONTEND_SILENCE_TIMEOUT_MS;
+    this.silenceWatch = this.watchSilence();
     const engine = options.engine as Partial<PrefillWorkerEngine & DecodeWorkerEngine>;
     if (this.role === 'prefill' && engine.kvPool && engine.kvLayout) {
       this.kvServer = new KvTransferServer({
@@ -409,6 +426,7 @@ export class WorkerServer {
 
   async close(): Promise<void> {
     clearInterval(this.heartbeat);
+    clearInterval(this.silenceWatch);
     this.offEvents?.();
     this.offAdopted?.();
     this.offProgress?.();
@@ -418,11 +436,42 @@ export class WorkerServer {
     await new Promise<void>((resolve) => this.server.close(() => resolve()));
   }
 
+  /**
+   * Closes the connection of a frontend that pings and has sent nothing for the silence timeout: its host vanished
+   * or is cut off. The close stops its requests and frees their blocks (handed-off ones included), as any close does.
+   * A connection whose frames this worker stopped reading (the frontend does not read its answers: MAX_UNSENT_BYTES)
+   * is not timed meanwhile: its pings wait unread.
+   */
+  private watchSilence(): NodeJS.Timeout | undefined {
+    if (this.silenceTimeoutMs <= 0) return undefined;
+    const tickMs = Math.max(1, Math.min(1000, this.silenceTimeoutMs / 2));
+    let lastTick = performance.now();
+    const timer = setInterval(() => {
+      const now = performance.now();
+      // This process was stalled: the frontends' pings may be waiting unread behind this timer. Count from now.
+      const stalled = now - lastTick > 2 * tickMs;
+      lastTick = now;
+      for (const c of this.connections) {
+        if (stalled || c.socket.isPaused()) c.lastHeardAt = now;
+        if (!c.authenticated || !c.pings || c.socket.destroyed || now - c.lastHeardAt <= this.silenceTimeoutMs) continue;
+        this.silentFrontends++;
+        const running = c.requests.size + [...this.pinned.values()].filter((owner) => owner === c).length;
+        this.log('warn', `request plane: frontend at ${c.peer} sent nothing for ${this.silenceTimeoutMs} ms (not even its ping): `
+          + `closing its connection${running > 0 ? ` and stopping its ${running} request(s)` : ''}`);
+        c.socket.destroy();
+      }
+    }, tickMs);
+    timer.unref();
+    return timer;
+  }
+
   // -------------------------------------------------------------------------------------------------------------
 
   private accept(socket: net.Socket): void {
     const peer = `${socket.remoteAddress}:${socket.remotePort}`;
-    const connection: Connection = { socket, peer, authenticated: false, wantsEvents: false, requests: new Set() };
+    const connection: Connection = {
+      socket, peer, authenticated: false, wantsEvents: false, requests: new Set(), pings: false, lastHeardAt: performance.now(),
+    };
     this.connections.add(connection);
     socket.setNoDelay(true);
     socket.setKeepAlive(true, 1000);
@@ -470,6 +519,7 @@ export class WorkerServer {
     };
     socket.on('data', (chunk: Buffer) => {
       if (socket.destroyed) return;
+      connection.lastHeardAt = performance.now();
       try {
         reader.write(chunk);
       } catch (error) {
@@ -522,9 +572,11 @@ export class WorkerServer {
     if (!tokenMatches(this.options.clusterToken, message.token)) return this.refuse(connection, 'wrong cluster token');
     connection.authenticated = true;
     connection.wantsEvents = message.events === true;
+    connection.pings = message.ping === true && this.silenceTimeoutMs > 0;
     const welcome: Welcome = {
       t: 'welcome', v: REQUEST_PLANE_VERSION, workerId: this.workerId, role: this.role, info: this.options.engine.info,
       stats: this.stats(), draining: this.draining, maxFrameBytes: this.maxFrameBytes,
+      ...(connection.pings ? { pingMs: frontendPingMs(this.silenceTimeoutMs) } : {}),
       ...(this.kvPort !== undefined ? { kvPort: this.kvPort } : {}),
       ...((this.options.engine as Partial<PrefillWorkerEngine>).kvLayout ? { kvLayout: (this.options.engine as Partial<PrefillWorkerEngine>).kvLayout } : {}),
     };
@@ -567,6 +619,9 @@ export class WorkerServer {
           () => this.send(connection, { t: 'reset', rid, ok: false, stats: this.stats() }));
         return;
       }
+      // Only that the frontend is there (the connection's lastHeardAt): nothing to answer.
+      case 'ping':
+        return;
       case 'snapshot':
         this.send(connection, { t: 'snapshot', rid: message.rid, lastEventId: this.kv.lastEventId, hashes: [...this.kv.hashes] });
         return;
