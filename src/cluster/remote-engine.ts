@@ -486,6 +486,7 @@ export class RemoteEngine implements RoutableEngine {
 
   private handleFrame(kind: number, payload: Buffer): void {
     if (kind === FRAME_BLOB) {
+      // No waiter (a card nobody asked for): the optional call evaluates nothing, so the blob is dropped undecoded.
       const waiter = this.cardWaiters.shift();
       waiter?.resolve(v8Deserialize(payload) as ModelCard | null);
       return;

@@ -3,7 +3,7 @@
 // and frees its blocks, a dropped connection fails the request as worker_lost at once and stops it on the worker,
 // and a wrong token, garbage, an oversized frame or a bad request (a prompt token id outside the vocabulary among them)
 // are refused with a logged reason while the worker keeps serving others. The model card carries the tokenizer and
-// chat template to the frontend.
+// chat template to the frontend, which drops a card it did not ask for without decoding it.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import net from 'node:net';
@@ -13,7 +13,7 @@ import { createLocalEngine, type LocalEngine } from '../../src/engine/local-engi
 import { DEFAULT_SAMPLING, type EngineRequest, type SamplingParams } from '../../src/engine/types.ts';
 import { tokenizerFromWorkerSource } from '../../src/model/tokenizer/worker-source.ts';
 import type { TokenizerWorkerSource } from '../../src/model/tokenizer/types.ts';
-import { encodeJsonFrame, FRAME_BLOB, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
+import { encodeBlobFrame, encodeJsonFrame, FRAME_BLOB, FrameReader, parseJsonMessage } from '../../src/cluster/frames.ts';
 import { RemoteEngine } from '../../src/cluster/remote-engine.ts';
 import { REQUEST_PLANE_VERSION } from '../../src/cluster/request-plane.ts';
 import { MAX_UNSENT_BYTES, WorkerServer } from '../../src/cluster/worker-server.ts';
@@ -238,5 +238,43 @@ describe('request plane', () => {
     const snapshot = await remote.snapshot();
     for (const hash of seen) assert.ok(snapshot.hashes.includes(hash as never));
     assert.equal(snapshot.lastEventId, server.kv.lastEventId);
+  });
+});
+
+describe('a frontend and a blob frame it did not ask for', () => {
+  let fake: net.Server;
+  const peers: net.Socket[] = [];
+
+  after(async () => {
+    for (const socket of peers) socket.destroy();
+    await new Promise<void>((resolve) => fake.close(() => resolve()));
+  });
+
+  test('is dropped undecoded: the connection stays and the frames after it are read', async () => {
+    const stats = { numRunning: 0, numWaiting: 0, kvBlocksUsed: 0, kvBlocksTotal: 64, prefixCacheQueries: 0, prefixCacheHits: 0, preemptions: 0 };
+    // A worker that welcomes, then sends a blob frame nobody asked for (bytes no structured clone decodes), then a
+    // heartbeat whose stats the frontend must take.
+    fake = net.createServer((socket) => {
+      peers.push(socket);
+      socket.on('error', () => {});
+      socket.once('data', () => {
+        socket.write(encodeJsonFrame({
+          t: 'welcome', v: REQUEST_PLANE_VERSION, workerId: 'fake', role: 'both', draining: false, stats,
+          info: { modelName: 'fake', maxModelLen: 256, vocabSize: 256, kvCapacityTokens: 1024, blockSize: 16, backend: 'cpu', kernelVariants: {}, threads: 1 },
+        }));
+        setTimeout(() => {
+          socket.write(encodeBlobFrame(Buffer.from('not a structured clone at all')));
+          socket.write(encodeJsonFrame({ t: 'hb', stats: { ...stats, numWaiting: 7 } }));
+        }, 50);
+      });
+    });
+    const fakePort = await new Promise<number>((resolve) => fake.listen(0, '127.0.0.1', () => resolve((fake.address() as net.AddressInfo).port)));
+    const remote = await RemoteEngine.connect(`127.0.0.1:${fakePort}`, { clusterToken: TOKEN });
+    let lost: Error | undefined;
+    remote.onLost((error) => { lost = error; });
+    await waitUntil(() => remote.stats().numWaiting === 7 || lost !== undefined, 'the heartbeat after the blob arrived', 10_000);
+    assert.equal(lost, undefined, `the connection was dropped: ${lost?.message}`);
+    assert.equal(remote.lost, false);
+    await remote.close();
   });
 });
