@@ -43,7 +43,9 @@ export const HEARTBEAT_TIMEOUT_MS = 5000;
  * fields are additions within the version: a worker of an earlier release sends no pingMs (nothing is pinged), and a
  * frontend of an earlier release says nothing of pings (its connections are not timed).
  */
-export const FRONTEND_SILENCE_TIMEOUT_MS = HEARTBEAT_TIMEOUT_MS;
+// Longer than HEARTBEAT_TIMEOUT_MS: the worker cannot tell a frontend whose event loop stalled (a long render or
+// garbage collection) from one that is gone, and closing every connection of a live frontend stops all its requests.
+export const FRONTEND_SILENCE_TIMEOUT_MS = 15_000;
 
 /** How often a frontend pings a worker whose silence timeout is `timeoutMs`: several pings fit in it. */
 export function frontendPingMs(timeoutMs: number): number {
