@@ -5,11 +5,13 @@
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, statfsSync, truncateSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, statfsSync, statSync, truncateSync, utimesSync, writeFileSync } from 'node:fs';
+import { hostname, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { acquireDiskTierLock, DiskKvTier, modelFingerprint, WRITE_FAILURE_WARN_INTERVAL_MS } from '../../src/engine/kv-cache/disk-tier.ts';
+import {
+  acquireDiskTierLock, DiskKvTier, LOCK_REFRESH_MS, LOCK_STALE_MS, modelFingerprint, WRITE_FAILURE_WARN_INTERVAL_MS,
+} from '../../src/engine/kv-cache/disk-tier.ts';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
 import { KvTiers } from '../../src/engine/kv-cache/tiers.ts';
 import { Scheduler } from '../../src/engine/scheduler.ts';
@@ -242,9 +244,51 @@ describe('disk tier: lock', () => {
       await new Promise((resolve) => child.once('exit', resolve));
     }
     const release = acquireDiskTierLock(dir);
-    assert.equal(readFileSync(join(dir, 'conduit.lock'), 'utf8').trim(), String(process.pid));
+    assert.equal(readFileSync(join(dir, 'conduit.lock'), 'utf8'), `${process.pid}\n${hostname()}\n`);
     release();
     assert.deepEqual(readdirSync(dir), []);
+  });
+
+  // Two containers sharing a volume each see their own pid namespace: the other's pid (often 1, as this one's) says
+  // nothing about whether it runs. Its refreshed lock does.
+  test('a lock from another host, or naming this very pid, is refused while refreshed and taken over once it lapses', () => {
+    const dir = tempDir();
+    const path = join(dir, 'conduit.lock');
+    const lapsed = (Date.now() - LOCK_STALE_MS - 5_000) / 1000;
+    for (const holder of [`${process.pid}\nother-host\n`, `999999999\nother-host\n`, `${process.pid}\n${hostname()}\n`, '']) {
+      writeFileSync(path, holder);
+      assert.throws(() => acquireDiskTierLock(dir), /is locked by .*lapses after 30 s/, JSON.stringify(holder));
+      assert.equal(readFileSync(path, 'utf8'), holder, 'a held lock is left as it is');
+      utimesSync(path, lapsed, lapsed);
+      const release = acquireDiskTierLock(dir);
+      assert.equal(readFileSync(path, 'utf8'), `${process.pid}\n${hostname()}\n`, JSON.stringify(holder));
+      release();
+    }
+    writeFileSync(path, `${process.pid}\nother-host\n`);
+    assert.throws(() => acquireDiskTierLock(dir), new RegExp(`locked by process ${process.pid} on host other-host`));
+    assert.deepEqual(readdirSync(dir), ['conduit.lock'], 'no temporary left behind');
+  });
+
+  test('the holder refreshes its lock, so a server on another host sees it held', async () => {
+    const dir = tempDir();
+    const path = join(dir, 'conduit.lock');
+    const child = spawn(process.execPath, ['--import', 'tsx', '-e', `
+      const { acquireDiskTierLock } = await import(${JSON.stringify(fileURLToPath(new URL('../../src/engine/kv-cache/disk-tier.ts', import.meta.url)))});
+      acquireDiskTierLock(${JSON.stringify(dir)});
+      console.log('held');
+      setTimeout(() => {}, 60000);
+    `], { stdio: ['ignore', 'pipe', 'inherit'] });
+    try {
+      await new Promise((resolve) => child.stdout.once('data', resolve));
+      const lapsed = (Date.now() - LOCK_STALE_MS - 5_000) / 1000;
+      utimesSync(path, lapsed, lapsed);
+      const deadline = Date.now() + LOCK_REFRESH_MS + 5_000;
+      while (Date.now() - statSync(path).mtimeMs > LOCK_STALE_MS && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 200));
+      assert.ok(Date.now() - statSync(path).mtimeMs < LOCK_STALE_MS, 'refreshed within LOCK_REFRESH_MS');
+    } finally {
+      child.kill();
+      await new Promise((resolve) => child.once('exit', resolve));
+    }
   });
 });
 

@@ -26,9 +26,11 @@
 
 import * as crypto from 'node:crypto';
 import {
-  closeSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, rmSync, statfsSync, statSync, unlinkSync, writeSync,
+  closeSync, linkSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, renameSync, rmSync, statfsSync, statSync, unlinkSync,
+  utimesSync, writeFileSync,
 } from 'node:fs';
 import { rename, unlink, utimes, writeFile } from 'node:fs/promises';
+import { hostname } from 'node:os';
 import { join } from 'node:path';
 import { createLogger } from '../../util/log.ts';
 import type { KvPoolLayout } from '../../kernels/types.ts';
@@ -443,44 +445,139 @@ export class DiskTierLockedError extends Error {
 /** Folders this process holds, so a second pool in the same process is refused too. */
 const heldHere = new Set<string>();
 const LOCK_FILE = 'conduit.lock';
+/** How often a holder refreshes its lock file's modification time, and how old it may get before it counts as left. */
+export const LOCK_REFRESH_MS = 10_000;
+export const LOCK_STALE_MS = 30_000;
+
+/** What a lock file says: the holder's pid and host (a lock written before hosts were recorded names none). */
+interface LockHolder {
+  pid: number | undefined;
+  host: string | undefined;
+  ageMs: number;
+  text: string;
+}
 
 /**
- * Takes the disk tier's folder for this process: a lock file holding the pid, created exclusively. A lock left by
- * a process that no longer runs is taken over; one held by a running process (or by this one already) is refused
- * with an Error naming it. Returns the release function (also run at exit).
+ * Takes the disk tier's folder for this process: a lock file holding the pid and the host name, put in place whole
+ * (written under a temporary name and linked to the lock's, which fails if it exists), so another process never
+ * reads it half written. A lock is refused while its holder lives: on this host, a running process of that pid;
+ * on another host, or naming this very pid (a container's process in another pid namespace, or the predecessor
+ * of this one), a lock its holder keeps refreshing (every LOCK_REFRESH_MS; one older than LOCK_STALE_MS was left).
+ * A lock left is taken over. A second holder in this process is refused. Returns the release function (also run at
+ * exit).
  */
 export function acquireDiskTierLock(dir: string): () => void {
   mkdirSync(dir, { recursive: true });
   const path = join(dir, LOCK_FILE);
   if (heldHere.has(path)) throw new DiskTierLockedError(`--kv-offload-disk ${dir} is already in use by this process`);
-  for (let attempt = 0; attempt < 2; attempt++) {
-    let fd: number;
-    try {
-      fd = openSync(path, 'wx');
-    } catch (error) {
-      if ((error as NodeJS.ErrnoException).code !== 'EEXIST') throw error;
-      const holder = Number.parseInt(readFileSafe(path), 10);
-      if (Number.isSafeInteger(holder) && holder > 0 && holder !== process.pid && processRuns(holder)) {
-        throw new DiskTierLockedError(`--kv-offload-disk ${dir} is locked by process ${holder} (${path}); give each server its own folder`);
+  const host = hostname();
+  const text = `${process.pid}\n${host}\n`;
+  for (let attempt = 0; attempt < 4; attempt++) {
+    if (!placeLock(path, text)) {
+      const holder = readLock(path);
+      if (holder === undefined) continue; // gone meanwhile
+      if (lockHeld(holder, host)) {
+        const who = holder.pid === undefined ? 'another process'
+          : `process ${holder.pid}${holder.host !== undefined && holder.host !== host ? ` on host ${holder.host}` : ''}`;
+        const lapse = holder.pid === undefined || holder.pid === process.pid || (holder.host !== undefined && holder.host !== host)
+          ? `; a lock its holder stops refreshing lapses after ${LOCK_STALE_MS / 1000} s` : '';
+        throw new DiskTierLockedError(`--kv-offload-disk ${dir} is locked by ${who} (${path})${lapse}; give each server its own folder`);
       }
-      unlinkQuietly(path); // stale: its process is gone
+      takeOverStale(path, holder);
       continue;
     }
-    writeSync(fd, `${process.pid}\n`);
-    closeSync(fd);
     heldHere.add(path);
+    // Tells a holder on another host (which cannot see this pid) that the lock is still held.
+    const refresh = setInterval(() => {
+      if (readFileSafe(path) !== text) return;
+      const now = new Date();
+      try {
+        utimesSync(path, now, now);
+      } catch {
+        // the folder is gone or read-only: the lock file is then no better than its last time
+      }
+    }, LOCK_REFRESH_MS);
+    refresh.unref();
     let released = false;
     const release = () => {
       if (released) return;
       released = true;
+      clearInterval(refresh);
       heldHere.delete(path);
       process.off('exit', release);
-      if (Number.parseInt(readFileSafe(path), 10) === process.pid) unlinkQuietly(path);
+      if (readFileSafe(path) === text) unlinkQuietly(path);
     };
     process.on('exit', release);
     return release;
   }
   throw new Error(`--kv-offload-disk ${dir}: could not take the lock ${path}`);
+}
+
+function readLock(path: string): LockHolder | undefined {
+  let text: string;
+  let mtimeMs: number;
+  try {
+    mtimeMs = statSync(path).mtimeMs;
+    text = readFileSync(path, 'utf8');
+  } catch {
+    return undefined;
+  }
+  const [pidText = '', hostText = ''] = text.split('\n');
+  const pid = /^\d+$/.test(pidText) ? Number(pidText) : undefined;
+  return { pid: pid !== undefined && Number.isSafeInteger(pid) && pid > 0 ? pid : undefined, host: hostText !== '' ? hostText : undefined, ageMs: Date.now() - mtimeMs, text };
+}
+
+function lockHeld(holder: LockHolder, host: string): boolean {
+  const fresh = holder.ageMs < LOCK_STALE_MS;
+  // Unreadable content (a lock of another kind, or one cut short by a crash): its age is all there is to go by.
+  if (holder.pid === undefined) return fresh;
+  // Another host, or this pid on this host (a container's process has the pid its predecessor, or a neighbour in
+  // another pid namespace, had): only a holder refreshing its lock says it still runs.
+  if ((holder.host !== undefined && holder.host !== host) || holder.pid === process.pid) return fresh;
+  return processRuns(holder.pid);
+}
+
+/**
+ * Removes a lock judged left, unless another process took it over meanwhile: the lock is moved aside (only one
+ * process can move a given file), and if what was moved is no longer what was judged, it is put back.
+ */
+function takeOverStale(path: string, judged: LockHolder): void {
+  const aside = `${path}.stale-${process.pid}-${crypto.randomBytes(6).toString('hex')}`;
+  try {
+    renameSync(path, aside);
+  } catch {
+    return; // moved or removed by another process: look again
+  }
+  const moved = readFileSafe(aside);
+  unlinkQuietly(aside);
+  // If a third process holds the lock by now, this fails and its lock stays.
+  if (moved !== judged.text) placeLock(path, moved);
+}
+
+/**
+ * Creates the lock file with its whole content, or returns false when it exists. The content goes to a temporary
+ * name first and is linked into place; a filesystem without hard links gets it created exclusively and written.
+ */
+function placeLock(path: string, text: string): boolean {
+  const temp = `${path}.${process.pid}-${crypto.randomBytes(6).toString('hex')}`;
+  let linkError: unknown;
+  try {
+    writeFileSync(temp, text, { flag: 'wx' });
+    linkSync(temp, path);
+    return true;
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code === 'EEXIST') return false;
+    linkError = error;
+  } finally {
+    unlinkQuietly(temp);
+  }
+  try {
+    writeFileSync(path, text, { flag: 'wx' });
+    return true;
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code === 'EEXIST') return false;
+    throw linkError ?? error;
+  }
 }
 
 /** A subfolder a pool's worker keeps its blocks in (worker-<n>, and a process pool's prefill-<n> and decode-<n>). */
@@ -508,7 +605,8 @@ export function removeUnusedWorkerFolders(dir: string, used: readonly string[]):
 function holdsOnlyKvBlocks(dir: string): boolean {
   return readdirSync(dir, { withFileTypes: true }).every((entry) => entry.isDirectory()
     ? WORKER_FOLDER.test(entry.name) && holdsOnlyKvBlocks(join(dir, entry.name))
-    : entry.isFile() && (entry.name === LOCK_FILE || entry.name.endsWith(SUFFIX) || entry.name.includes(SUFFIX + TEMP_MARK)));
+    : entry.isFile() && (entry.name === LOCK_FILE || entry.name.startsWith(`${LOCK_FILE}.`) || entry.name.endsWith(SUFFIX)
+      || entry.name.includes(SUFFIX + TEMP_MARK)));
 }
 
 function readFileSafe(path: string): string {
