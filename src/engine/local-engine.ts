@@ -72,6 +72,8 @@ export const DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048;
 
 /** The worker thread's warnings when the caller gives no logger: a warn line on stderr. */
 const stderrWarnings = createLogger('warn');
+/** KV events kept for a first listener at most (a disk tier's announcement at start is one per block it holds). */
+const MAX_UNHEARD_KV_EVENTS = 1_000_000;
 const defaultWorkerLog = (_level: 'warn', message: string): void => stderrWarnings.warn(message);
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -83,6 +85,12 @@ export class LocalEngine implements Engine {
   private closed = false;
   private exitError: Error | undefined;
   private readonly kvEventListeners = new Set<(events: KvEvent[]) => void>();
+  /**
+   * KV events that came before anyone listened: a warm disk tier announces its blocks as the worker starts, before
+   * the router has added it. The first listener gets them (undefined once it did, or once too many piled up: the
+   * consumer then sees a gap in the event ids and resyncs).
+   */
+  private unheardKvEvents: KvEvent[] | undefined = [];
   private readonly lostListeners = new Set<(error: Error) => void>();
   private readonly adoptedListeners = new Set<(result: AdoptedResult) => void>();
   private readonly progressListeners = new Set<(progress: PrefillProgress[]) => void>();
@@ -305,7 +313,19 @@ export class LocalEngine implements Engine {
   /** Subscribes to the worker's KV events (only sent when enableKvEvents); returns the unsubscribe function. */
   onKvEvents(listener: (events: KvEvent[]) => void): () => void {
     this.kvEventListeners.add(listener);
+    const unheard = this.unheardKvEvents;
+    this.unheardKvEvents = undefined;
+    if (unheard !== undefined && unheard.length > 0) listener(unheard);
     return () => this.kvEventListeners.delete(listener);
+  }
+
+  private deliverKvEvents(events: KvEvent[] | undefined): void {
+    if (events === undefined || events.length === 0) return;
+    if (this.kvEventListeners.size === 0 && this.unheardKvEvents !== undefined) {
+      this.unheardKvEvents = this.unheardKvEvents.length + events.length > MAX_UNHEARD_KV_EVENTS ? undefined : this.unheardKvEvents.concat(events);
+      return;
+    }
+    for (const listener of this.kvEventListeners) listener(events);
   }
 
   /**
@@ -378,7 +398,7 @@ export class LocalEngine implements Engine {
           if (stream) stream.push(output);
           else this.prefills.get(output.requestId)?.pushOutput(output);
         }
-        if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        this.deliverKvEvents(message.kvEvents);
         return;
       case 'prefill-progress':
         for (const listener of this.progressListeners) listener(message.progress);
@@ -410,7 +430,7 @@ export class LocalEngine implements Engine {
         return;
       case 'prefix-cache-reset':
         this.setStats(message.stats);
-        if (message.kvEvents?.length) for (const listener of this.kvEventListeners) listener(message.kvEvents);
+        this.deliverKvEvents(message.kvEvents);
         this.resets.settle(message.resetId, message.reset);
         return;
       case 'lora-done':

@@ -170,6 +170,9 @@ function run({ core, tokenizer, vocabSize, loraDtype }: Started): void {
     const kvEvents = init.enableKvEvents ? core.takeKvEvents() : undefined;
     if (changed || (kvEvents && kvEvents.length > 0)) send({ type: 'outputs', outputs: [], stats: core.stats(), kvEvents });
   };
+  // What a disk tier found at start (a warm restart) goes out now: the router can send a returning prompt to the
+  // worker whose disk holds it before this worker has run a step.
+  sendTierState(false);
   const offloadIdle = () => {
     offloadQueued = false;
     if (closing || core.hasWork) return;

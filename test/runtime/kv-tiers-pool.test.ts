@@ -10,7 +10,9 @@ import { DEFAULT_SAMPLING, type EngineOutput, type EngineRequest } from '../../s
 import { createWorkerPool, type WorkerPoolOptions } from '../../src/runtime/worker-pool.ts';
 import { cpuTestModel } from '../helpers/cpu-model.ts';
 import { collect } from '../helpers/outputs.ts';
-import type { LocalEngine } from '../../src/engine/local-engine.ts';
+import { LocalEngine } from '../../src/engine/local-engine.ts';
+import { hashTokenBlocks } from '../../src/protocols/block-hash.ts';
+import type { KvEvent } from '../../src/protocols/kv-events.ts';
 
 let nextId = 0;
 function request(promptTokenIds: number[]): EngineRequest {
@@ -76,6 +78,39 @@ describe('KV tiers in a cpu worker pool', () => {
       assert.deepEqual(warm.flatMap((o) => o.newTokenIds), cold.flatMap((o) => o.newTokenIds), 'same greedy tokens');
     } finally {
       await second.engine.close();
+    }
+  });
+});
+
+describe('KV events of a warm restart', () => {
+  test('the blocks a worker finds on disk are announced before its first step, to a listener added after it started', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-kv-pool-'));
+    dirs.push(dir);
+    const model = cpuTestModel();
+    const options = { modelPath: model.path, threads: 1, enableKvEvents: true, kvOffload: { memoryBytes: 0, diskDir: dir, diskBytes: 64 << 20 } };
+    const prompt = Array.from({ length: 70 }, (_, i) => 10 + ((i * 13) % 200));
+    const first = await LocalEngine.start(options);
+    try {
+      await collect(first.generate(request(prompt)));
+      for (let turns = 0; ((await first.sync()).kvTiers?.tiers.disk?.usedBlocks ?? 0) < 4; turns++) {
+        assert.ok(turns < 2000, 'the disk tier got the prompt\'s blocks');
+        await new Promise((resolve) => setTimeout(resolve, 5));
+      }
+    } finally {
+      await first.close();
+    }
+    const second = await LocalEngine.start(options);
+    try {
+      // As a router adds a worker: once it started (here, well after), with no request run yet.
+      await new Promise((resolve) => setTimeout(resolve, 300));
+      const events: KvEvent[] = [];
+      second.onKvEvents((batch) => events.push(...batch));
+      assert.equal(events[0]?.eventId, 1, 'from the first event on: no gap for the index to resync over');
+      const announced = events.flatMap((event) => event.type === 'stored' && event.tier === 'disk' ? event.blockHashes : []);
+      const promptBlocks = hashTokenBlocks(prompt, second.info.blockSize).slice(0, 4);
+      assert.deepEqual(promptBlocks.filter((hash) => announced.includes(hash)), promptBlocks);
+    } finally {
+      await second.close();
     }
   });
 });
