@@ -462,12 +462,30 @@ export function checkDiskTierFolder(dir: string, label = '--kv-offload-disk'): v
   }
 }
 
-/** The disk tier's refusal of a size below one block file (disk-tier.ts), as a worker reports it. */
-const DISK_SIZE_TOO_SMALL = /^(worker process \S+ could not start: )?--kv-offload-disk-size \d+ bytes holds no KV block file/;
+/**
+ * A lower tier's refusal of a budget below one block (tiers.ts: --kv-offload-memory; disk-tier.ts:
+ * --kv-offload-disk-size), as a worker reports it: with the bytes that worker got.
+ */
+const TIER_SIZE_TOO_SMALL = /^(worker process \S+ could not start: )?--kv-offload-(memory|disk-size) (\d+) bytes holds no KV block( file)? of (\d+) bytes$/;
 
 /** A start-up failure that is a bad value (exit 2), not a failure to start (exit 1): known only once the model loaded. */
-export function isDiskSizeTooSmall(error: unknown): boolean {
-  return error instanceof EngineStartError && DISK_SIZE_TOO_SMALL.test(error.message);
+export function isTierSizeTooSmall(error: unknown): boolean {
+  return error instanceof EngineStartError && TIER_SIZE_TOO_SMALL.test(error.message);
+}
+
+/**
+ * A worker names the bytes of a tier it got, its share of the value given (split evenly between the models and
+ * their workers): said as the value given and that share, not as a number nobody typed.
+ */
+export function explainTierShare(message: string, config: Pick<ServeConfig, 'kvOffloadMemoryBytes' | 'kvOffloadDiskBytes' | 'extraModels'>): string {
+  const match = TIER_SIZE_TOO_SMALL.exec(message);
+  if (match === null) return message;
+  const [, child = '', flag, share, file = '', blockBytes] = match;
+  const given = flag === 'memory' ? config.kvOffloadMemoryBytes : config.kvOffloadDiskBytes;
+  if (given === undefined || String(given) === share) return message;
+  const between = (config.extraModels?.length ?? 0) > 0 ? 'the models and their workers' : 'the workers';
+  return `${child}--kv-offload-${flag} ${given} bytes gives each worker ${share} bytes (split evenly between ${between}), `
+    + `which holds no KV block${file} of ${blockBytes} bytes`;
 }
 
 function isSymbolicLink(path: string): boolean {
@@ -1167,9 +1185,10 @@ export const serveCommand: Command = {
       const { isModelLoadError } = await import('../model/loader.ts');
       const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
       if (isModelLoadError(err) || err instanceof DiskTierLockedError || err instanceof EngineStartError) {
-        console.error(`conduit serve: ${nameStartupEnvironment(err.message, config)}`);
-        // A --kv-offload-disk-size too small for one block of the model is a bad value, known only once it loaded.
-        return isDiskSizeTooSmall(err) ? 2 : 1;
+        console.error(`conduit serve: ${nameStartupEnvironment(explainTierShare(err.message, config), config)}`);
+        // A --kv-offload-memory or --kv-offload-disk-size too small for one block of the model is a bad value, known
+        // only once it loaded.
+        return isTierSizeTooSmall(err) ? 2 : 1;
       }
       // A value nobody typed is reported under the variable that gave it, as when the options were checked.
       throw nameEnvironment(SERVE_FLAGS, { sources: sourcesOf(config) }, err);

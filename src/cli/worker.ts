@@ -25,7 +25,7 @@ import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
 import { checkThreadsAtMost, envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import {
-  checkDiskTierFolder, engineOptionWarnings, isDiskSizeTooSmall, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
+  checkDiskTierFolder, engineOptionWarnings, isTierSizeTooSmall, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
   positiveInteger, SERVE_FLAGS,
 } from './serve.ts';
 
@@ -142,8 +142,8 @@ export const workerCommand: Command = {
       if (!isStartFailure(error)) throw error;
       // One line, as `conduit serve` reports the same failures.
       console.error(`conduit worker: ${error.message}`);
-      // A --kv-offload-disk-size below one block file is a bad value, as for `conduit serve`.
-      const code = isDiskSizeTooSmall(error) ? 2 : 1;
+      // A --kv-offload-memory or --kv-offload-disk-size below one block is a bad value, as for `conduit serve`.
+      const code = isTierSizeTooSmall(error) ? 2 : 1;
       // Whatever the failed start left behind (an engine thread, a timer) does not keep the process up.
       setTimeout(() => process.exit(code), 1000).unref();
       return code;

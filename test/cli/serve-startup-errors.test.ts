@@ -158,6 +158,15 @@ describe('conduit serve: a file an option names that cannot be used is one line'
       'serve', 2, /^conduit serve: CONDUIT_KV_OFFLOAD_DISK_SIZE \(--kv-offload-disk-size\) 100 bytes holds no KV block file/);
   });
 
+  it('--kv-offload-memory below one KV block: a usage error; split between workers, the value given and each one\'s share', async () => {
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--kv-offload-memory', '100']),
+      'serve', 2, /^conduit serve: --kv-offload-memory 100 bytes holds no KV block of \d+ bytes$/);
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--workers', '2', '--kv-offload-memory', '1000']),
+      'serve', 2, /^conduit serve: --kv-offload-memory 1000 bytes gives each worker 500 bytes \(split evenly between the workers\), which holds no KV block of \d+ bytes$/);
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--workers', '2', '--kv-offload-disk', join(dir, 'small-tier-2')], { CONDUIT_KV_OFFLOAD_DISK_SIZE: '1000' }),
+      'serve', 2, /^conduit serve: CONDUIT_KV_OFFLOAD_DISK_SIZE \(--kv-offload-disk-size\) 1000 bytes gives each worker 500 bytes \(split evenly between the workers\), which holds no KV block file of \d+ bytes$/);
+  });
+
   it('the built-in model\'s cache folder cannot be made (a file in its way)', async () => {
     assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1'], { CONDUIT_CACHE_DIR: join(dir, 'a-file', 'cache') }), 'serve', 1,
       /cannot create .*a-file\/cache: a part of the path is a file, not a folder/);
