@@ -99,6 +99,33 @@ describe('disk tier: files', () => {
     assert.deepEqual(readdirSync(dir).sort(), [`${hash(2)}.kvb`]);
   });
 
+  // A named pipe blocks whoever opens it for reading until a writer comes: the worker would hang at start or at a read.
+  test('a named pipe under a block file\'s name is neither waited on at open nor at a read', { skip: process.platform === 'win32' }, async () => {
+    const dir = tempDir();
+    const disk = openDisk(dir);
+    for (const n of [1, 2]) disk.put(hash(n), { bytes: bytes(n), parentHash: null });
+    await disk.flush();
+    rmSync(join(dir, `${hash(1)}.kvb`));
+    assert.equal(spawnSync('mkfifo', [join(dir, `${hash(1)}.kvb`)]).status, 0);
+    const diskTier = JSON.stringify(fileURLToPath(new URL('../../src/engine/kv-cache/disk-tier.ts', import.meta.url)));
+    // In a child: the old behaviour hangs for good, which a timeout turns into a failure here.
+    const run = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', `
+      import { rmSync } from 'node:fs';
+      import { join } from 'node:path';
+      const { DiskKvTier } = await import(${diskTier});
+      const open = () => new DiskKvTier({ dir: ${JSON.stringify(dir)}, capacityBytes: 8 * (112 + ${BLOCK_BYTES}), blockBytes: ${BLOCK_BYTES}, fingerprint: ${JSON.stringify(FINGERPRINT)} });
+      const atOpen = open();
+      // The same pipe put in place after the folder was read: the read finds it.
+      const indexed = open();
+      rmSync(join(${JSON.stringify(dir)}, '${hash(2)}.kvb'));
+      const { execFileSync } = await import('node:child_process');
+      execFileSync('mkfifo', [join(${JSON.stringify(dir)}, '${hash(2)}.kvb')]);
+      console.log(JSON.stringify({ report: atOpen.openReport, read: indexed.get('${hash(2)}'), held: indexed.has('${hash(2)}') }));
+    `], { encoding: 'utf8', timeout: 30_000 });
+    assert.equal(run.status, 0, `the child hung or failed: ${run.stderr}`);
+    assert.deepEqual(JSON.parse(run.stdout.trim()), { report: { blocks: 1, foreign: 0, torn: 1 }, read: null, held: false });
+  });
+
   test('a full disk tier evicts its least recently used block, file and all', async () => {
     const dir = tempDir();
     const disk = openDisk(dir, 2);

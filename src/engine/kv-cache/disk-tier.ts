@@ -26,7 +26,7 @@
 
 import * as crypto from 'node:crypto';
 import {
-  closeSync, linkSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, renameSync, rmSync, statfsSync, statSync, unlinkSync,
+  closeSync, constants as fsConstants, fstatSync, linkSync, mkdirSync, openSync, readdirSync, readFileSync, readSync, renameSync, rmSync, statfsSync, statSync, unlinkSync,
   utimesSync, writeFileSync,
 } from 'node:fs';
 import { rename, unlink, utimes, writeFile } from 'node:fs/promises';
@@ -164,15 +164,15 @@ export class DiskKvTier implements KvBlockStore {
   get(hash: BlockHash): TierBlock | null {
     if (!this.index.has(hash)) return null;
     const path = this.pathOf(hash);
-    let file: Buffer;
+    let file: Buffer | null;
     try {
-      file = readFileSync(path);
+      file = this.readBlockFile(path);
     } catch {
       this.index.delete(hash);
       return null;
     }
-    const parsed = this.parse(file, hash);
-    if (parsed === null || !this.checksumOk(file)) {
+    const parsed = file === null ? null : this.parse(file, hash);
+    if (file === null || parsed === null || !this.checksumOk(file)) {
       this.index.delete(hash);
       try {
         unlinkSync(path);
@@ -246,6 +246,24 @@ export class DiskKvTier implements KvBlockStore {
   }
 
   // -------------------------------------------------------------------------------------------------------------
+
+  /**
+   * A block file's bytes; null when the path is not a regular file of a block file's size (read no further: a
+   * named pipe would block the worker in open or read for good, a file grown huge would take its memory). Throws
+   * when it cannot be opened.
+   */
+  private readBlockFile(path: string): Buffer | null {
+    const fd = openSync(path, fsConstants.O_RDONLY | fsConstants.O_NONBLOCK);
+    try {
+      const stat = fstatSync(fd);
+      if (!stat.isFile() || stat.size !== this.fileBytes) return null;
+      const file = Buffer.alloc(this.fileBytes);
+      const read = readSync(fd, file, 0, this.fileBytes, 0);
+      return read === this.fileBytes ? file : null;
+    } finally {
+      closeSync(fd);
+    }
+  }
 
   private pathOf(hash: BlockHash): string {
     return join(this.dir, hash + SUFFIX);
@@ -352,9 +370,16 @@ export class DiskKvTier implements KvBlockStore {
       let mtimeMs: number;
       try {
         const stat = statSync(path);
+        // Not a file (a named pipe would block the worker in open for good; a folder holds no block): nothing to
+        // read, and nothing a tier wrote.
+        if (!stat.isFile()) {
+          report.torn++;
+          unlinkQuietly(path);
+          continue;
+        }
         size = stat.size;
         mtimeMs = stat.mtimeMs;
-        const fd = openSync(path, 'r');
+        const fd = openSync(path, fsConstants.O_RDONLY | fsConstants.O_NONBLOCK);
         try {
           header.fill(0);
           readSync(fd, header, 0, HEADER_BYTES, 0);
