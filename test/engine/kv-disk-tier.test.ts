@@ -278,11 +278,11 @@ describe('disk tier: lock', () => {
 
   // Two containers sharing a volume each see their own pid namespace: the other's pid (often 1, as this one's) says
   // nothing about whether it runs. Its refreshed lock does.
-  test('a lock from another host, or naming this very pid, is refused while refreshed and taken over once it lapses', () => {
+  test('a lock from another host, or unreadable, is refused while refreshed and taken over once it lapses', () => {
     const dir = tempDir();
     const path = join(dir, 'conduit.lock');
     const lapsed = (Date.now() - LOCK_STALE_MS - 5_000) / 1000;
-    for (const holder of [`${process.pid}\nother-host\n`, `999999999\nother-host\n`, `${process.pid}\n${hostname()}\n`, '']) {
+    for (const holder of [`${process.pid}\nother-host\n`, `999999999\nother-host\n`, '']) {
       writeFileSync(path, holder);
       assert.throws(() => acquireDiskTierLock(dir), /is locked by .*lapses after 30 s/, JSON.stringify(holder));
       assert.equal(readFileSync(path, 'utf8'), holder, 'a held lock is left as it is');
@@ -294,6 +294,17 @@ describe('disk tier: lock', () => {
     writeFileSync(path, `${process.pid}\nother-host\n`);
     assert.throws(() => acquireDiskTierLock(dir), new RegExp(`locked by process ${process.pid} on host other-host`));
     assert.deepEqual(readdirSync(dir), ['conduit.lock'], 'no temporary left behind');
+  });
+
+  test('a fresh lock naming this pid on this host (a predecessor that crashed, as a restarted container\'s pid 1) is taken over at once', () => {
+    const dir = tempDir();
+    const path = join(dir, 'conduit.lock');
+    for (const holder of [`${process.pid}\n${hostname()}\n`, `${process.pid}\n`]) {
+      writeFileSync(path, holder);
+      const release = acquireDiskTierLock(dir);
+      assert.equal(readFileSync(path, 'utf8'), `${process.pid}\n${hostname()}\n`, JSON.stringify(holder));
+      release();
+    }
   });
 
   test('the holder refreshes its lock, so a server on another host sees it held', async () => {

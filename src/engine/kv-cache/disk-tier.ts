@@ -485,11 +485,11 @@ interface LockHolder {
 /**
  * Takes the disk tier's folder for this process: a lock file holding the pid and the host name, put in place whole
  * (written under a temporary name and linked to the lock's, which fails if it exists), so another process never
- * reads it half written. A lock is refused while its holder lives: on this host, a running process of that pid;
- * on another host, or naming this very pid (a container's process in another pid namespace, or the predecessor
- * of this one), a lock its holder keeps refreshing (every LOCK_REFRESH_MS; one older than LOCK_STALE_MS was left).
- * A lock left is taken over. A second holder in this process is refused. Returns the release function (also run at
- * exit).
+ * reads it half written. A lock is refused while its holder lives: on this host, a running process of that pid
+ * other than this one (a lock naming this pid was left by this process's predecessor); on another host (a
+ * container's process, in another pid namespace), a lock its holder keeps refreshing (every LOCK_REFRESH_MS; one
+ * older than LOCK_STALE_MS was left). A lock left is taken over. A second holder in this process is refused. Returns
+ * the release function (also run at exit).
  */
 export function acquireDiskTierLock(dir: string): () => void {
   mkdirSync(dir, { recursive: true });
@@ -504,7 +504,7 @@ export function acquireDiskTierLock(dir: string): () => void {
       if (lockHeld(holder, host)) {
         const who = holder.pid === undefined ? 'another process'
           : `process ${holder.pid}${holder.host !== undefined && holder.host !== host ? ` on host ${holder.host}` : ''}`;
-        const lapse = holder.pid === undefined || holder.pid === process.pid || (holder.host !== undefined && holder.host !== host)
+        const lapse = holder.pid === undefined || (holder.host !== undefined && holder.host !== host)
           ? `; a lock its holder stops refreshing lapses after ${LOCK_STALE_MS / 1000} s` : '';
         throw new DiskTierLockedError(`--kv-offload-disk ${dir} is locked by ${who} (${path})${lapse}; give each server its own folder`);
       }
@@ -556,9 +556,12 @@ function lockHeld(holder: LockHolder, host: string): boolean {
   const fresh = holder.ageMs < LOCK_STALE_MS;
   // Unreadable content (a lock of another kind, or one cut short by a crash): its age is all there is to go by.
   if (holder.pid === undefined) return fresh;
-  // Another host, or this pid on this host (a container's process has the pid its predecessor, or a neighbour in
-  // another pid namespace, had): only a holder refreshing its lock says it still runs.
-  if ((holder.host !== undefined && holder.host !== host) || holder.pid === process.pid) return fresh;
+  // Another host (a container's, with its own pid namespace: the pid says nothing here): only a holder refreshing
+  // its lock says it still runs.
+  if (holder.host !== undefined && holder.host !== host) return fresh;
+  // This pid on this host is this process's predecessor (a container restarted after a crash runs as pid 1 again):
+  // no process of this host can hold it, so it is taken over at once, not after LOCK_STALE_MS of refused starts.
+  if (holder.pid === process.pid) return false;
   return processRuns(holder.pid);
 }
 
