@@ -1,8 +1,10 @@
-// One worker whose thread is restarted when it dies: what `conduit serve` runs when it runs a single CPU worker.
-// Requests go to the worker there is now; while none is (lost, restarting, or given up) they are refused with
-// EngineOverloadedError (503 + Retry-After) and readiness() says why. The restarts are the worker group's.
+// One worker whose thread is restarted when it dies (unless restarts are off): what `conduit serve` runs when it runs a
+// single CPU worker. Requests go to the worker there is now; while none is (lost, restarting, or given up) they are
+// refused with EngineOverloadedError (503 + Retry-After) and readiness() says why. A request running on the worker when
+// it dies fails with WorkerLostError (503 worker_lost), as on a routed engine's worker. The restarts are the worker
+// group's.
 
-import { EngineOverloadedError } from '../engine/errors.ts';
+import { EngineOverloadedError, WorkerLostError } from '../engine/errors.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { Router } from '../router/router.ts';
@@ -16,11 +18,11 @@ export class SupervisedEngine implements Engine {
   /** The worker each request runs on (for abort). */
   private readonly placement = new Map<string, RoutableEngine>();
 
-  /** `router`: a router of its own (the group keeps its one worker registered there). */
+  /** `router`: a router of its own (the group keeps its one worker registered there). `restart` undefined: off. */
   constructor(id: string, engine: RoutableEngine, router: Router, now: () => number,
-    restart: WorkerRestartOptions<RoutableEngine>, log?: WorkerGroupLog) {
+    restart: WorkerRestartOptions<RoutableEngine> | undefined, log?: WorkerGroupLog) {
     this.info = engine.info;
-    this.group = new WorkerGroup({ router, now, restart, ...(log ? { log } : {}) });
+    this.group = new WorkerGroup({ router, now, ...(restart ? { restart } : {}), ...(log ? { log } : {}) });
     this.group.add(id, engine);
   }
 
@@ -30,10 +32,17 @@ export class SupervisedEngine implements Engine {
       const current = supervised.group.first();
       // As the routed engine says it; /health gives the reason.
       if (!current) throw new EngineOverloadedError('no worker is available', 1000);
-      const [, engine] = current;
+      const [workerId, engine] = current;
       supervised.placement.set(request.id, engine);
       try {
         yield* engine.generate(request);
+      } catch (error) {
+        // The worker died under the request (the group dropped it on its loss notice, which comes before the
+        // request's failure): the thread's exit is no error of the request's, and the client may retry it.
+        if (!supervised.group.has(workerId)) {
+          throw new WorkerLostError(workerId, `worker ${workerId} was lost while running request ${request.id}`);
+        }
+        throw error;
       } finally {
         supervised.placement.delete(request.id);
       }

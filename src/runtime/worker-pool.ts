@@ -88,7 +88,7 @@ export interface WorkerPoolOptions extends Omit<LocalEngineOptions, 'modelPath' 
   disaggregationEstimates?: DisaggregationEstimates;
   /**
    * Restart attempts in a row for a cpu worker whose thread died (default 0: a lost worker stays lost); see
-   * worker-group.ts. With one worker and restarts on, the pool's engine is a SupervisedEngine.
+   * worker-group.ts. One cpu worker is a SupervisedEngine's, restarts on or off (off, its loss is still reported).
    */
   workerRestartLimit?: number;
   /** Wait before the first restart attempt, ms, doubled per further attempt (default 500). */
@@ -110,7 +110,7 @@ export interface WorkerPool {
    */
   workers: { id: string; engine: Engine; role?: WorkerRole }[];
   notices: Notice[];
-  /** Set for one cpu worker with restarts on. */
+  /** Set for one cpu worker. */
   supervised?: SupervisedEngine;
   /**
    * The clock the engine's stamps are on, when it is not the engine clock (engineNow): simulated workers at a
@@ -184,7 +184,10 @@ async function createPool(options: WorkerPoolOptions): Promise<WorkerPool> {
   const restart = policy && built.start ? { ...policy, start: built.start } : undefined;
   if (!routedMode) {
     const only = built.workers[0]!;
-    if (!restart) return { ...built, engine: only.engine };
+    // A worker that cannot be lost (a simulated one) needs no supervision. A cpu worker's thread can die: even with
+    // restarts off, its group says so (/health 503 with the reason, a log line) and refuses requests with a 503,
+    // where the bare engine would look ready and fail each request with a 500.
+    if (!built.start) return { ...built, engine: only.engine };
     const supervised = new SupervisedEngine(only.id, only.engine, makeRouter(options, blockSize, 0), now, restart, options.log);
     return { ...built, engine: supervised, supervised };
   }

@@ -49,7 +49,7 @@ describe('KV tiers in a cpu worker pool', () => {
       await assert.rejects(createWorkerPool(options), /already in use by this process/);
       cold = await collect(first.engine.generate(request(prompt)));
       // Once idle the worker writes its cached blocks down; the disk tier holds the prompt's 4 full blocks.
-      const worker = first.engine as LocalEngine;
+      const worker = first.workers[0]!.engine as LocalEngine;
       for (let turns = 0; ((await worker.sync()).kvTiers?.tiers.disk?.usedBlocks ?? 0) < 4; turns++) {
         assert.ok(turns < 2000, 'the disk tier got the prompt\'s blocks');
         await new Promise((resolve) => setTimeout(resolve, 5));
@@ -143,7 +143,7 @@ describe('engine stats summed over workers', () => {
       engine: 'cpu', workers: 1, modelPath: model.path, threads: 1, kvCacheMemoryBytes: 256 << 10, kvOffloadMemoryBytes: 64 << 10,
       kvOffloadDiskDir: dir, kvOffloadDiskBytes: 128 << 10, workerRestartLimit: 0,
     });
-    const worker = pool.engine as LocalEngine;
+    const worker = pool.workers[0]!.engine as LocalEngine;
     try {
       const start = await worker.sync();
       const promptBlocks = Math.floor(96 / worker.info.blockSize);

@@ -13,6 +13,7 @@ import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
 import { RoutedEngine } from '../../src/runtime/routed-engine.ts';
 import { SupervisedEngine } from '../../src/runtime/supervised-engine.ts';
+import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 import { waitUntil } from '../helpers/wait-until.ts';
 import { writeWorkerLossFixture, type WorkerLossFixture } from '../helpers/worker-loss.ts';
 
@@ -132,6 +133,64 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       await running.api.shutdown(0);
     }
   });
+
+  test('one worker with restarts off: its loss fails the request it ran with 503 worker_lost, /health says so, requests get 503',
+    { timeout: 120_000 }, async () => {
+      const lines: string[] = [];
+      const running = await serve(fixture, ['--worker-restart-limit', '0'], lines);
+      try {
+        const engine = running.api.gateway.engine!;
+        const worker = engine instanceof SupervisedEngine ? engine.worker! : { engine };
+        // Long enough (ignore_eos) that it still runs when its worker dies.
+        const running1 = fetch(`${running.url}/v1/completions`, {
+          method: 'POST', headers: { 'Content-Type': 'application/json' },
+          body: JSON.stringify({ prompt: 'Once upon a time', max_tokens: 900, ignore_eos: true }),
+        }).then(async (response) => ({ status: response.status, body: await response.text() }));
+        await waitUntil(() => worker.engine.stats().numRunning === 1, 'the request runs');
+        await (worker.engine as LocalEngine).kill();
+        const lost = await running1;
+        assert.equal(lost.status, 503, lost.body);
+        assert.equal((JSON.parse(lost.body) as { error: { code: string } }).error.code, 'worker_lost', lost.body);
+
+        const down = await health(running);
+        assert.equal(down.status, 503);
+        assert.equal(down.body.status, 'unavailable');
+        assert.equal(down.body.reason, 'no worker can serve: its one worker was lost, and this process does not restart workers');
+        const refused = await complete(running);
+        assert.equal(refused.status, 503, refused.body);
+        assert.ok(lines.some((l) => /ERROR .*worker worker-0 is not restarted \(restarts are off\)/.test(l)), lines.join(''));
+      } finally {
+        await running.api.shutdown(0);
+      }
+    });
+
+  test('one worker with restarts on: a stream running when it dies ends with a worker_lost error event, then it is restarted',
+    { timeout: 120_000 }, async () => {
+      const lines: string[] = [];
+      const running = await serve(fixture, ['--worker-restart-delay', '10'], lines);
+      try {
+        const engine = running.api.gateway.engine;
+        assert.ok(engine instanceof SupervisedEngine);
+        const worker = engine.worker!;
+        const response = await fetch(`${running.url}/v1/completions`, {
+          method: 'POST', headers: { 'Content-Type': 'application/json' },
+          body: JSON.stringify({ prompt: 'Once upon a time', max_tokens: 900, ignore_eos: true, stream: true }),
+        });
+        assert.equal(response.status, 200);
+        let error: { code?: string } | undefined;
+        let events = 0;
+        await forEachStreamEvent(response, (json) => {
+          if (events++ === 0) void (worker.engine as LocalEngine).kill();
+          if (json.error) error = json.error;
+        });
+        assert.equal(error?.code, 'worker_lost', JSON.stringify(error));
+        await waitUntil(() => engine.worker !== undefined, 'the worker was restarted', 60_000);
+        const again = await complete(running);
+        assert.equal(again.status, 200, again.body);
+      } finally {
+        await running.api.shutdown(0);
+      }
+    });
 
   test('disaggregated: a lost prefill worker leaves /health ready, a lost decode worker does not; both come back and serve', { timeout: 120_000 }, async () => {
     const lines: string[] = [];

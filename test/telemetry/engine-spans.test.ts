@@ -10,6 +10,7 @@ import { SpanStatusCode } from '@opentelemetry/api';
 import { hrTimeToMilliseconds } from '@opentelemetry/core';
 import { InMemorySpanExporter, type ReadableSpan } from '@opentelemetry/sdk-trace-node';
 import type { LocalEngine } from '../../src/engine/local-engine.ts';
+import { SupervisedEngine } from '../../src/runtime/supervised-engine.ts';
 import type { EngineReport, LifecycleEvent } from '../../src/telemetry/lifecycle.ts';
 import { Telemetry } from '../../src/telemetry/telemetry.ts';
 import { engineIdle, waitFor } from '../api/e2e-fixture.ts';
@@ -355,7 +356,8 @@ describe('KV evictions on /metrics', () => {
 
   it('conduit_kv_cache_evictions_total moves by what the engine evicted', LIVE, async () => {
     const model = server.api.gateway.servedModelName!;
-    const engine = server.engine as LocalEngine;
+    // The one cpu worker's own engine (the server's is the supervisor over it): sync() settles its stats.
+    const engine = (server.engine instanceof SupervisedEngine ? server.engine.worker!.engine : server.engine) as LocalEngine;
     const worker = server.api.gateway.workerId;
     const before = (await scrape(server.url)).exposition;
     const startEvictions = (await engine.sync()).kvEvictions!;
