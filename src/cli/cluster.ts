@@ -13,7 +13,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
-import { describeFileError, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkTimerSecondsAtMost, describeFileError, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { positiveInteger, SERVE_FLAGS, simOptionWarnings } from './serve.ts';
 import type { Command } from './main.ts';
 
@@ -126,6 +126,7 @@ function checkOptions(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
   if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
+  checkTimerSecondsAtMost('shutdown-grace', graceSeconds);
   if (values.engine !== 'cpu' && values.engine !== 'sim') throw new UsageError(`--engine must be cpu or sim, got "${values.engine}"`);
   const simTp = values.engine === 'sim' ? checkSimWorkers(parsed) : 1;
   checkExecutable('etcd-bin', values['etcd-bin']!);

@@ -104,6 +104,19 @@ function nonEmptyRule(name: string, spec: FlagSpec): string | undefined {
  */
 export const MAX_THREADS = 1024;
 
+/**
+ * The longest time an option in seconds (a timeout, a shutdown grace) may give: Node's timers hold at most 2^31 - 1
+ * ms (about 24.8 days) and fire after 1 ms for anything longer, so a value meant as "for ages" would end at once.
+ */
+export const MAX_TIMER_SECONDS = Math.floor((2 ** 31 - 1) / 1000);
+
+/** An option in seconds refused above MAX_TIMER_SECONDS; `zero`: what 0 means for it, when that is "no limit". */
+export function checkTimerSecondsAtMost(flag: string, seconds: number, zero?: string): void {
+  if (seconds > MAX_TIMER_SECONDS) {
+    throw new UsageError(`--${flag} must be at most ${MAX_TIMER_SECONDS} seconds (about 24.8 days${zero !== undefined ? `; 0 = ${zero}` : ''}), got ${seconds}`);
+  }
+}
+
 /** --threads refused above MAX_THREADS (each command checks it is a whole number > 0 first). */
 export function checkThreadsAtMost(threads: number | undefined): void {
   if (threads !== undefined && threads > MAX_THREADS) throw new UsageError(`--threads must be at most ${MAX_THREADS}, got ${threads}`);

@@ -32,7 +32,7 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import {
-  checkThreadsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
+  checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
 } from './flags.ts';
 import type { Command } from './main.ts';
@@ -715,6 +715,10 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   if (grace < 0) throw new UsageError('--shutdown-grace must be >= 0');
   const headersTimeout = values['headers-timeout']!;
   if (!(headersTimeout > 0)) throw new UsageError(`--headers-timeout must be > 0 seconds, got ${headersTimeout}`);
+  checkTimerSecondsAtMost('request-timeout', timeout, 'no limit');
+  checkTimerSecondsAtMost('write-timeout', writeTimeout, 'wait for ever');
+  checkTimerSecondsAtMost('shutdown-grace', grace);
+  checkTimerSecondsAtMost('headers-timeout', headersTimeout);
   const tenantDefaults: TenantLimits = {};
   const rpm = positiveInteger(values['tenant-rpm'], 'tenant-rpm');
   const tpm = positiveInteger(values['tenant-tpm'], 'tenant-tpm');

@@ -22,7 +22,7 @@ import { isModelLoadError } from '../model/loader.ts';
 import { parseCalibration } from '../sim/calibration.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { checkThreadsAtMost, envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkThreadsAtMost, checkTimerSecondsAtMost, envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 import {
   checkDiskTierFolder, engineOptionWarnings, isTierSizeTooSmall, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
@@ -191,6 +191,7 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   checkThreadsAtMost(threads);
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be >= 0, got ${graceSeconds}`);
+  checkTimerSecondsAtMost('shutdown-grace', graceSeconds);
   const idleRelease = values['kv-cache-idle-release']!;
   if (!(idleRelease >= 0)) throw new UsageError(`--kv-cache-idle-release must be >= 0 seconds, got ${idleRelease}`);
   const streamInterval = positiveInteger(values['stream-interval'], 'stream-interval')!;

@@ -115,6 +115,21 @@ describe('conduit serve flags', () => {
     }
   });
 
+  it('refuses timeouts and a shutdown grace longer than a timer holds (Node would fire them after 1 ms)', () => {
+    // 2^31 - 1 ms: the longest setTimeout Node keeps; anything longer it runs after 1 ms, so every request would time
+    // out at once, and a shutdown would abort what runs.
+    const longest = String(Math.floor((2 ** 31 - 1) / 1000));
+    const ok = config(['--request-timeout', longest, '--write-timeout', longest, '--shutdown-grace', longest, '--headers-timeout', longest]);
+    assert.equal(ok.requestTimeoutMs, Number(longest) * 1000);
+    assert.equal(ok.shutdownGraceMs, Number(longest) * 1000);
+    for (const flag of ['request-timeout', 'write-timeout', 'shutdown-grace', 'headers-timeout']) {
+      assert.throws(() => parseServeConfig([`--${flag}`, '99999999'], {}), (err: unknown) => err instanceof UsageError
+        && new RegExp(`^--${flag} must be at most 2147483 seconds \\(about 24\\.8 days.*\\), got 99999999$`).test(err.message), flag);
+    }
+    assert.throws(() => parseServeConfig([], { CONDUIT_SHUTDOWN_GRACE: '99999999' }), (err: unknown) => err instanceof UsageError
+      && /^CONDUIT_SHUTDOWN_GRACE \(--shutdown-grace\) must be at most 2147483 seconds/.test(err.message));
+  });
+
   it('takes the request, connection and access limits from their flags or CONDUIT_* twins', () => {
     const d = config([]);
     assert.equal(d.maxSequencesPerRequest, 128);
