@@ -4,7 +4,7 @@
 // A request whose worker is lost mid-stream moves to another worker when migration is on (see migration.ts).
 // The gateway holds it exactly as it would hold one engine.
 
-import { WorkerLostError } from '../engine/errors.ts';
+import { EngineOverloadedError, WorkerLostError } from '../engine/errors.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingRequest } from '../router/protocols.ts';
@@ -126,7 +126,11 @@ export class RoutedEngine implements Engine {
     } catch (error) {
       // Aborted while it waited in the admission queue (client gone, timeout, drain): an abort, as on a worker, so
       // the caller reports its own reason rather than the queue's refusal.
-      if (!migration.aborted) throw error;
+      if (!migration.aborted) {
+        // Refused because no worker is left: the refusal says why (restarting, given up), as /health does.
+        if (error instanceof EngineOverloadedError && this.group.size === 0) throw this.group.noWorkerError(error.retryAfterMs);
+        throw error;
+      }
       yield migration.closingOutput(this.now());
       return;
     }

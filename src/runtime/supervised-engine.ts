@@ -4,7 +4,7 @@
 // it dies fails with WorkerLostError (503 worker_lost), as on a routed engine's worker. The restarts are the worker
 // group's.
 
-import { EngineOverloadedError, WorkerLostError } from '../engine/errors.ts';
+import { WorkerLostError } from '../engine/errors.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { Router } from '../router/router.ts';
@@ -30,8 +30,8 @@ export class SupervisedEngine implements Engine {
     const supervised = this;
     return (async function* () {
       const current = supervised.group.first();
-      // As the routed engine says it; /health gives the reason.
-      if (!current) throw new EngineOverloadedError('no worker is available', 1000);
+      // As the routed engine says it, with the reason /health gives.
+      if (!current) throw supervised.group.noWorkerError(1000);
       const [workerId, engine] = current;
       supervised.placement.set(request.id, engine);
       try {

@@ -12,7 +12,7 @@
 // Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
 
 import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary } from '../engine/types.ts';
-import { LoraLoadError } from '../engine/errors.ts';
+import { EngineOverloadedError, LoraLoadError } from '../engine/errors.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import { workerLoadFromStats, type EngineStats, type WorkerCostSummary } from '../protocols/worker.ts';
 import type { RoutingDecision, WorkerCostTerms } from '../router/protocols.ts';
@@ -250,16 +250,29 @@ export class WorkerGroup<E extends RoutableEngine> {
     const total = this.slots.length;
     const alive = this.workers.size;
     if (alive > 0) return { ready: true, workersAlive: alive, workersTotal: total };
-    if (total === 0 && !this.closed) return { ready: false, reason: `no ${this.label} can serve: none is left`, workersAlive: 0, workersTotal: 0 };
+    const reason = this.closed ? `the ${this.label}s are closed` : `no ${this.label} can serve: ${this.whyNone()}`;
+    return { ready: false, reason, workersAlive: 0, workersTotal: total };
+  }
+
+  /**
+   * A request refused because no worker is in the group: the refusal says why (lost and restarting, given up, not
+   * restarted), as /health does, so that a client told to retry can tell a restart under way from a worker gone for good.
+   */
+  noWorkerError(retryAfterMs: number): EngineOverloadedError {
+    return new EngineOverloadedError(`no ${this.label} is available (${this.closed ? `the ${this.label}s are closed` : this.whyNone()})`, retryAfterMs);
+  }
+
+  /** Why no worker is in the group: none was, or every one was lost (and whether they are being restarted). */
+  private whyNone(): string {
+    const total = this.slots.length;
+    if (total === 0) return 'none is left';
     const restarting = this.slots.filter((s) => !s.givenUp).length;
     // Without restarts (a frontend's worker processes, which come back by registering again; --worker-restart-limit
     // 0), nothing was tried that could have given up.
     const restarts = (this.options.restart?.limit ?? 0) > 0;
-    const reason = this.closed ? `the ${this.label}s are closed`
-      : restarting > 0 ? `no ${this.label} can serve: ${this.lostCount(total)}, restarting`
-      : !restarts ? `no ${this.label} can serve: ${this.lostCount(total)}, and this process does not restart ${this.label}s`
-      : `no ${this.label} can serve: ${this.lostCount(total)}, and restarting ${total === 1 ? 'it' : 'them'} gave up`;
-    return { ready: false, reason, workersAlive: 0, workersTotal: total };
+    return restarting > 0 ? `${this.lostCount(total)}, restarting`
+      : !restarts ? `${this.lostCount(total)}, and this process does not restart ${this.label}s`
+      : `${this.lostCount(total)}, and restarting ${total === 1 ? 'it' : 'them'} gave up`;
   }
 
   /**

@@ -71,6 +71,7 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       assert.match(down.body.reason ?? '', /^no worker can serve: all 2 workers were lost, restarting$/);
       const refused = await complete(running);
       assert.equal(refused.status, 503, refused.body);
+      assert.match(refused.body, /no worker is available \(all 2 workers were lost, restarting\)/, 'the refusal says why, as /health');
       const reset = await fetch(`${running.url}/reset_prefix_cache`, { method: 'POST' });
       assert.equal(reset.status, 200, `a reset with no live worker has nothing to forget: ${await reset.text()}`);
 
@@ -125,7 +126,7 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       assert.equal(down.body.reason, 'no worker can serve: its one worker was lost, and restarting it gave up');
       const refused = await complete(running);
       assert.equal(refused.status, 503, refused.body);
-      assert.match(refused.body, /no worker is available/);
+      assert.match(refused.body, /no worker is available \(its one worker was lost, and restarting it gave up\)/, 'the refusal says why, as /health');
       assert.equal(engine.worker, undefined, 'no third restart');
       assert.equal(lines.filter((l) => /restart attempt \d+ of \d+/.test(l)).length, 2, lines.join(''));
       assert.ok(lines.some((l) => l.includes('worker worker-0: giving up after 2 restart attempts in a row')), lines.join(''));
@@ -158,6 +159,7 @@ describe('lost workers are restarted, and /health says whether any can serve', (
         assert.equal(down.body.reason, 'no worker can serve: its one worker was lost, and this process does not restart workers');
         const refused = await complete(running);
         assert.equal(refused.status, 503, refused.body);
+        assert.match(refused.body, /no worker is available \(its one worker was lost, and this process does not restart workers\)/);
         assert.ok(lines.some((l) => /ERROR .*worker worker-0 is not restarted \(restarts are off\)/.test(l)), lines.join(''));
       } finally {
         await running.api.shutdown(0);
