@@ -174,9 +174,13 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
         throw new InvalidValueError(at, `a schema may hold at most ${MAX_GUIDED_ENUM_VALUES} enum values in all (as guided_choice holds at most `
           + `${MAX_GUIDED_CHOICES} choices); this one holds more.`);
       }
-      value.forEach((item, i) => checkValueType(item, types, childPath(at, i), 'enum value'));
+      value.forEach((item, i) => {
+        checkValueType(item, types, childPath(at, i), 'enum value');
+        checkWholeCharacters(item, childPath(at, i), 'enum value');
+      });
     } else if (key === 'const') {
       checkValueType(value, types, at, "'const'");
+      checkWholeCharacters(value, at, "'const'");
     }
   }
 }
@@ -336,6 +340,25 @@ function checkValueType(value: unknown, types: string[] | undefined, at: string,
   if (!fitsTypes(value, types)) {
     throw new InvalidValueError(at, `${what} ${JSON.stringify(value)} is not of the schema's type (${types!.join(', ')}): no output `
       + 'could fit both.');
+  }
+}
+
+/**
+ * An enum or const value holds no lone UTF-16 surrogate (JSON's "\ud800": half of a surrogate pair, no character), in
+ * a string of it or a key, however deep: XGrammar failed such a schema with its own "Failed to parse JSON", which
+ * named neither the value nor the field, and no UTF-8 output could spell the value anyway.
+ */
+function checkWholeCharacters(value: unknown, at: string, what: string): void {
+  const lone = (text: string) => LONE_SURROGATE.test(text);
+  const holds = (item: unknown): boolean => {
+    if (typeof item === 'string') return lone(item);
+    if (Array.isArray(item)) return item.some(holds);
+    if (isJsonObject(item)) return Object.entries(item).some(([key, inner]) => lone(key) || holds(inner));
+    return false;
+  };
+  if (holds(value)) {
+    throw new InvalidValueError(at, `${what} ${JSON.stringify(value)} holds a lone UTF-16 surrogate (half of a surrogate pair), which no `
+      + 'UTF-8 output can spell. Send whole characters.');
   }
 }
 

@@ -117,6 +117,11 @@ describe('chat request validation', () => {
     ['guided_choice with a lone surrogate', chat({ guided_choice: ['a', 'b\ud800'] }), 'guided_choice[1]', 'invalid_value'],
     ['structured_outputs.choice with a lone surrogate', chat({ structured_outputs: { choice: ['\udc00'] } }), 'structured_outputs.choice[0]',
       'invalid_value'],
+    // In a schema's enum or const, however deep: XGrammar's own "Failed to parse JSON" named neither value nor field.
+    ['guided_json with a lone surrogate in an enum', chat({ guided_json: { enum: ['a', 'b\udbff'] } }), 'guided_json.enum[1]', 'invalid_value'],
+    ['json_schema with a lone surrogate in a const',
+      chat({ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { properties: { p: { const: [{ '\udc00k': 1 }] } } } } } }),
+      'response_format.json_schema.schema.properties.p.const', 'invalid_value'],
     // What XGrammar 0.1.27 would not enforce: allOf (any JSON value came out), bounds on non-integer numbers ({"x": 1F5}).
     ['guided_json with allOf', chat({ guided_json: { allOf: [{ type: 'object' }, { type: 'object' }] } }), 'guided_json.allOf', 'unsupported_parameter'],
     ['guided_json with a fractional bound on a number', chat({ guided_json: { type: 'object', properties: { x: { type: 'number', minimum: 0.5 } } } }),
