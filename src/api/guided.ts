@@ -116,6 +116,8 @@ export const GUIDED_FORMATS: readonly string[] = [...Object.keys(FORMAT_PATTERNS
 /** What a walk over one schema counts. */
 interface SchemaWalk {
   enumValues: number;
+  /** The whole schema, where its '$ref's point. */
+  root: unknown;
 }
 
 /**
@@ -123,7 +125,7 @@ interface SchemaWalk {
  * could satisfy (checkSatisfiable).
  */
 export function checkJsonSchema(schema: unknown, path: string): void {
-  walkSchema(schema, path, 0, { enumValues: 0 });
+  walkSchema(schema, path, 0, { enumValues: 0, root: schema });
   checkSatisfiable(schema, path);
 }
 
@@ -153,6 +155,7 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
       if (typeof value !== 'string' || !(value === '#' || value.startsWith('#/'))) {
         throw new UnsupportedFieldError(at, `only references inside the schema ('#/...') are supported, not ${JSON.stringify(value)}.`);
       }
+      grammarRef(walk.root, value, at);
     } else if (key === 'required') {
       if (!Array.isArray(value) || value.some((name) => typeof name !== 'string')) {
         throw new InvalidValueError(at, "'required' must be an array of property names.");
@@ -541,6 +544,7 @@ export function grammarSchema(schema: unknown): unknown {
   return mapSchemas(schema, (node, original) => {
     leaveOutUnsatisfiable(node, original, has);
     spellPropertyNames(node);
+    if (typeof node.$ref === 'string') node.$ref = grammarRef(schema, node.$ref);
     const values = node.$ref === undefined && node.const === undefined ? enumValues(node) ?? choiceBranches(original) : undefined;
     if (values !== undefined && values.length > 1) {
       const enumTree = stringEnumPattern(values);
@@ -567,15 +571,20 @@ export function grammarSchema(schema: unknown): unknown {
  * which JSON writes escaped, came out raw (not JSON either). So such a name goes to it as the grammar's escaped
  * spelling of the name's JSON text (a"b as a\\\"b, which it reads back as a\"b, the JSON text), in 'properties' and
  * 'required' alike. Other names are left as they are: their JSON text is themselves, and they hold no '\', which
- * every rewritten one does, so no two names meet. A '$ref' through such a property's name is not rewritten.
+ * every rewritten one does, so no two names meet. A '$ref' through such a name is rewritten with it (grammarRef).
  */
 function spellPropertyNames(node: JsonObject): void {
-  const spelling = (name: string) => JSON.stringify(name).slice(1, -1).replace(/["\\]/g, '\\$&');
+  const spelling = propertyNameSpelling;
   const properties = node.properties;
   if (isJsonObject(properties) && Object.keys(properties).some((name) => spelling(name) !== name)) {
     node.properties = Object.fromEntries(Object.entries(properties).map(([name, schema]) => [spelling(name), schema]));
   }
   if (Array.isArray(node.required)) node.required = node.required.map((name) => (typeof name === 'string' ? spelling(name) : name));
+}
+
+/** A property name as the grammar schema holds it (spellPropertyNames). */
+function propertyNameSpelling(name: string): string {
+  return JSON.stringify(name).slice(1, -1).replace(/["\\]/g, '\\$&');
 }
 
 /** An enum's values, each once (by JSON text: the text the grammar spells). */
@@ -727,19 +736,74 @@ export function grammarSchemaText(schema: unknown, param: string, what = 'the sc
   return text;
 }
 
+/** Where a '$ref' points in its schema: the keys (array indices as digits) it steps through, and the schema there. */
+interface RefTarget {
+  keys: { key: string; propertyName: boolean }[];
+  target: unknown;
+}
+
 /**
- * A '$ref' target: the schema at a JSON pointer inside `root` ('#', '#/$defs/a', ...), segments taken as they are
- * (as XGrammar takes them); undefined when there is none.
+ * A '$ref' target: the schema at a JSON pointer inside `root` ('#', '#/$defs/a', ...); undefined when there is none.
+ * A segment is read as the URI fragment's JSON pointer says (percent-decoded, then ~1 as '/' and ~0 as '~'), or else
+ * as it is written (as XGrammar reads it: '#/$defs/a~1b' reaches a definition named a~1b there). Each key says
+ * whether it is a property's name (one under 'properties'), which the grammar spells otherwise.
  */
-function resolveRef(root: unknown, ref: string): unknown {
-  if (ref === '#') return root;
+function refTarget(root: unknown, ref: string): RefTarget | undefined {
+  if (ref === '#') return { keys: [], target: root };
+  type Place = 'schema' | 'map' | 'properties' | 'list' | 'value';
+  const keys: RefTarget['keys'] = [];
   let node = root;
+  let place: Place = 'schema';
   for (const segment of ref.slice(2).split('/')) {
-    if (Array.isArray(node) && /^\d+$/.test(segment)) node = node[Number(segment)];
-    else if (isJsonObject(node) && Object.hasOwn(node, segment)) node = node[segment];
-    else return undefined;
+    const unescape = (text: string) => text.replace(/~1/g, '/').replace(/~0/g, '~');
+    let decoded: string | undefined;
+    try {
+      decoded = unescape(decodeURIComponent(segment));
+    } catch {
+      // Not percent-encoding ("%zz"): read as written.
+    }
+    if (Array.isArray(node) && /^\d+$/.test(segment)) {
+      keys.push({ key: segment, propertyName: false });
+      node = node[Number(segment)];
+      place = place === 'list' ? 'schema' : 'value';
+      continue;
+    }
+    if (!isJsonObject(node)) return undefined;
+    const key = [decoded, unescape(segment), segment].find((candidate) => candidate !== undefined && Object.hasOwn(node as JsonObject, candidate));
+    if (key === undefined) return undefined;
+    keys.push({ key, propertyName: place === 'properties' });
+    const value: unknown = node[key];
+    node = value;
+    if (place === 'map' || place === 'properties') place = 'schema';
+    else if (place !== 'schema') place = 'value';
+    else if (key === 'properties') place = 'properties';
+    else if (SCHEMA_MAPS.has(key)) place = 'map';
+    else if (SCHEMA_LISTS.has(key) || (key === 'items' && Array.isArray(value))) place = 'list';
+    else place = SCHEMA_VALUED.has(key) ? 'schema' : 'value';
   }
-  return node;
+  return { keys, target: node };
+}
+
+function resolveRef(root: unknown, ref: string): unknown {
+  return refTarget(root, ref)?.target;
+}
+
+/**
+ * A '$ref' as the grammar schema holds it: XGrammar 0.1.27 reads a pointer's segments as written (no ~ or percent
+ * escapes) and splits it at every '/', so each key goes to it as it is, a property's name spelled as the grammar
+ * spells it (spellPropertyNames: '#/properties/a"b' pointed nowhere once that name was a\\\"b). A key holding '/',
+ * or empty, it cannot reach: a 400 at `at` (when given). A '$ref' that points nowhere is left as it is (XGrammar
+ * refuses it, naming the key it did not find).
+ */
+function grammarRef(root: unknown, ref: string, at?: string): string {
+  const found = refTarget(root, ref);
+  if (found === undefined || found.keys.length === 0) return ref;
+  const unreachable = found.keys.find(({ key }) => key === '' || key.includes('/'));
+  if (unreachable !== undefined && at !== undefined) {
+    throw new UnsupportedFieldError(at, `the reference goes through the name ${JSON.stringify(unreachable.key)}, which the grammar engine `
+      + "cannot follow (it splits a pointer at every '/' and skips empty segments); rename it.");
+  }
+  return `#/${found.keys.map(({ key, propertyName }) => (propertyName ? propertyNameSpelling(key) : key)).join('/')}`;
 }
 
 /**
@@ -779,7 +843,7 @@ function checkSatisfiable(root: unknown, path: string): void {
     }
     onWay.add(part!.schema);
     node = part!.schema as JsonObject;
-    at = ref === undefined ? partAt : pointerPath(path, ref);
+    at = ref === undefined ? partAt : pointerPath(path, root, ref);
   }
 }
 
@@ -852,9 +916,9 @@ function checkLeftOut(schema: unknown, path: string, has: (schema: unknown) => b
 }
 
 /** Where a '$ref' points, as a request path from the schema's own (`path`). */
-function pointerPath(path: string, ref: string): string {
-  if (ref === '#') return path;
-  return ref.slice(2).split('/').reduce((at, segment) => childPath(at, /^\d+$/.test(segment) ? Number(segment) : segment), path);
+function pointerPath(path: string, root: unknown, ref: string): string {
+  const keys = refTarget(root, ref)?.keys.map(({ key }) => key) ?? (ref === '#' ? [] : ref.slice(2).split('/'));
+  return keys.reduce((at, key) => childPath(at, /^\d+$/.test(key) ? Number(key) : key), path);
 }
 
 /**

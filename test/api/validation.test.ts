@@ -122,6 +122,9 @@ describe('chat request validation', () => {
     ['json_schema with a lone surrogate in a const',
       chat({ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { properties: { p: { const: [{ '\udc00k': 1 }] } } } } } }),
       'response_format.json_schema.schema.properties.p.const', 'invalid_value'],
+    // XGrammar splits a pointer at every '/', so a name holding one is out of its reach.
+    ['guided_json with a reference through a name holding /', chat({ guided_json: { $defs: { 'a/b': { type: 'null' } }, $ref: '#/$defs/a~1b' } }),
+      'guided_json.$ref', 'unsupported_parameter'],
     // What XGrammar 0.1.27 would not enforce: allOf (any JSON value came out), bounds on non-integer numbers ({"x": 1F5}).
     ['guided_json with allOf', chat({ guided_json: { allOf: [{ type: 'object' }, { type: 'object' }] } }), 'guided_json.allOf', 'unsupported_parameter'],
     ['guided_json with a fractional bound on a number', chat({ guided_json: { type: 'object', properties: { x: { type: 'number', minimum: 0.5 } } } }),

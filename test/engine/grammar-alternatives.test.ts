@@ -139,4 +139,18 @@ describe('alternatives as XGrammar accepts them', () => {
       for (const text of texts) assert.deepEqual(Object.keys(JSON.parse(text) as object), [name, 'plain'], text);
     }
   });
+
+  it("a '$ref' through such a property's name, or written with a JSON pointer's escapes, reaches its schema", () => {
+    // The pointer names the property as the request does ('#/properties/a"b', or percent-encoded as a URI fragment);
+    // the grammar holds the name spelled otherwise, and the reference pointed nowhere (XGrammar's "Cannot find field").
+    for (const [name, pointer] of [['a"b', 'a"b'], ['a\\b', 'a%5Cb'], ['tab\there', 'tab%09here'], ['"', '%22']] as [string, string][]) {
+      const schema = { type: 'object', properties: { [name]: { type: 'null' }, copy: { $ref: `#/properties/${pointer}` } },
+        required: [name, 'copy'], additionalProperties: false };
+      const texts = accepted('json', JSON.stringify(grammarSchema(schema)), 64);
+      assert.deepEqual(texts.map((text) => JSON.parse(text)), [{ [name]: null, copy: null }], `${JSON.stringify(name)}: ${JSON.stringify(texts)}`);
+    }
+    // ~0 is '~' and ~1 is '/' in a segment (XGrammar reads neither); a segment that is a name as written still reaches it.
+    assert.deepEqual(accepted('json', JSON.stringify(grammarSchema({ $defs: { 'a~b': { const: 1 } }, $ref: '#/$defs/a~0b' })), 8), ['1']);
+    assert.deepEqual(accepted('json', JSON.stringify(grammarSchema({ $defs: { 'a~1b': { const: 1 } }, $ref: '#/$defs/a~1b' })), 8), ['1']);
+  });
 });
