@@ -99,6 +99,22 @@ describe('structured outputs (response_format, guided_*)', () => {
     assertPerson(JSON.parse(json.json().choices[0].text));
   });
 
+  it('an enum of decimals gives one of them as the request wrote it (not with 17 significant digits), streamed or not', E2E, async () => {
+    const schema = { type: 'object', properties: { price: { enum: [2.39, 0.1, 1e-7] }, rate: { const: 4.15 } }, required: ['price', 'rate'],
+      additionalProperties: false };
+    for (const seed of [1, 2, 3]) {
+      const response = await post('/v1/completions', { model, prompt: '{', seed, temperature: 1, max_tokens: 64, guided_json: schema });
+      assert.equal(response.status, 200, response.text);
+      const text = response.json().choices[0].text as string;
+      assert.match(text, /^\{\s*"price"\s*:\s*(2\.39|0\.1|1e-7)\s*,\s*"rate"\s*:\s*4\.15\s*\}$/, text);
+    }
+    const stream = await client.chat.completions.create({ model, messages, seed: 4, max_tokens: 64, stream: true,
+      response_format: { type: 'json_schema', json_schema: { name: 'price', schema } } });
+    let text = '';
+    for await (const chunk of stream) text += chunk.choices[0]?.delta.content ?? '';
+    assert.match(text, /^\{\s*"price"\s*:\s*(2\.39|0\.1|1e-7)\s*,\s*"rate"\s*:\s*4\.15\s*\}$/, text);
+  });
+
   it('min_tokens and ignore_eos do not reach past the grammar\'s end: the output is the grammar\'s, ended by its EOS', E2E, async () => {
     const schema = { type: 'object', properties: { a: { type: 'boolean' } }, required: ['a'], additionalProperties: false };
     for (const extra of [{ min_tokens: 30 }, { ignore_eos: true }, { min_tokens: 30, ignore_eos: true }]) {

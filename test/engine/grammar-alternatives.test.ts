@@ -8,7 +8,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { grammarSchema } from '../../src/api/guided.ts';
-import { choiceGrammar } from '../../src/engine/grammar/runtime.ts';
+import { buildGrammar, choiceGrammar, grammarSource } from '../../src/engine/grammar/runtime.ts';
 import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
 import { seededRandom } from '../../src/util/random.ts';
 
@@ -27,12 +27,16 @@ describe('alternatives as XGrammar accepts them', () => {
   });
   after(() => compiler?.delete());
 
-  /** Every complete text (UTF-8) of at most `maxBytes` bytes the grammar accepts. */
-  function accepted(kind: 'ebnf' | 'json', source: string, maxBytes: number): string[] {
+  /**
+   * Every complete text (UTF-8) of at most `maxBytes` bytes the grammar accepts: of EBNF, of a schema as XGrammar
+   * compiles it, or of a schema as a worker does (compact JSON, 'spec').
+   */
+  function accepted(kind: 'ebnf' | 'json' | 'spec', source: string, maxBytes: number): string[] {
     const b = xg.binding;
     const compiled = xg.run('compile', () => {
       if (kind === 'json') return compiler.CompileJSONSchema(source, false, undefined, undefined, true, undefined);
-      const grammar = new b.Grammar.FromEBNF(source, 'root');
+      const grammar = kind === 'spec' ? buildGrammar(b, grammarSource({ kind: 'json_schema', schema: source, compact: true }))
+        : new b.Grammar.FromEBNF(source, 'root');
       try {
         return compiler.CompileGrammar(grammar);
       } finally {
@@ -128,6 +132,36 @@ describe('alternatives as XGrammar accepts them', () => {
       const values = randomStrings(random, ['a', 'b', '中', '丁', '乙'], 2 + Math.floor(random() * 5));
       assertEnum(schema % 2 === 0 ? { enum: values } : { oneOf: values.map((value) => ({ const: value })) }, values);
     }
+  });
+
+  it('numbers in an enum or const come out as JSON writes them (decimals, exponents, past 2^53), not respelled', () => {
+    const spelled = (schema: object) => accepted('spec', JSON.stringify(grammarSchema(schema)), 40);
+    // XGrammar wrote each with 17 significant digits: 2.3900000000000001, 9.9999999999999995e-08, 1e+20.
+    assert.deepEqual(spelled({ const: 2.39 }), ['2.39']);
+    assert.deepEqual(spelled({ type: 'number', const: -0.1 }), ['-0.1']);
+    const values = [2.39, 1e21, 1e-7, -0, -5, 0.1, -2.5e-300, 1e20, 2 ** 53 + 2, 12, 1.5];
+    const texts = values.map((value) => JSON.stringify(value));
+    assert.deepEqual(texts, ['2.39', '1e+21', '1e-7', '0', '-5', '0.1', '-2.5e-300', '100000000000000000000', '9007199254740994', '12', '1.5']);
+    assert.deepEqual(spelled({ enum: values }).sort(), [...texts].sort());
+    assert.deepEqual(spelled({ type: 'number', anyOf: values.map((value) => ({ const: value })) }).sort(), [...texts].sort());
+    // Inside arrays and objects, and inside a property; a string that looks like the placeholders stays a string.
+    assert.deepEqual(spelled({ const: [2.39, { a: 0.3 }] }), ['[2.39,{"a":0.3}]']);
+    assert.deepEqual(spelled({ type: 'object', properties: { x: { enum: [0.7, 'jsonnumber_0_'] } }, required: ['x'], additionalProperties: false }).sort(),
+      ['{"x": "jsonnumber_0_"}', '{"x": 0.7}']);
+    // With any whitespace, as a worker compiles it by default: the same values.
+    const compiled = xg.run('compile', () => {
+      const grammar = buildGrammar(xg.binding, grammarSource({ kind: 'json_schema', schema: JSON.stringify({ const: 2.39 }) }));
+      try {
+        return compiler.CompileGrammar(grammar);
+      } finally {
+        grammar.delete();
+      }
+    });
+    const matcher = new xg.binding.GrammarMatcher(compiled, undefined, false, -1);
+    for (const byte of Buffer.from('2.39')) assert.ok(matcher.AcceptToken(byte, false));
+    assert.ok(matcher.AcceptToken(END, false), 'ends after 2.39');
+    matcher.delete();
+    compiled.delete();
   });
 
   it('property names holding a quote, a backslash or a control character come out as JSON writes them', () => {

@@ -13,6 +13,7 @@
 
 import type { Tokenizer } from '../../model/tokenizer/types.ts';
 import type { GuidedDecoding } from '../types.ts';
+import { spellNumbers, withNumbers } from './json-numbers.ts';
 import { JsonTokenBytes, JsonWhitespaceBound } from './json-whitespace.ts';
 import { NARROW_CANDIDATES } from './sampling.ts';
 import { byteLevelChars, GrammarError, XGrammar, type XgHandle } from './xgrammar.ts';
@@ -24,9 +25,12 @@ import { byteLevelChars, GrammarError, XGrammar, type XgHandle } from './xgramma
  */
 export const JSON_MAX_WHITESPACE = 16;
 
-/** The EBNF, schema or pattern a spec compiles to, as XGrammar takes it. */
+/**
+ * The EBNF, schema or pattern a spec compiles to, as XGrammar takes it. A schema's `numbers`: its enum and const
+ * numbers that XGrammar would respell, as placeholders in `schema` (json-numbers.ts).
+ */
 export type GrammarSource =
-  | { kind: 'json_schema'; schema: string; strict: boolean; anyWhitespace: boolean }
+  | { kind: 'json_schema'; schema: string; strict: boolean; anyWhitespace: boolean; numbers?: Record<string, string> }
   | { kind: 'ebnf'; ebnf: string }
   | { kind: 'regex'; pattern: string };
 
@@ -34,7 +38,11 @@ export type GrammarSource =
 export function grammarSource(spec: GuidedDecoding): GrammarSource {
   switch (spec.kind) {
     case 'json_object': return { kind: 'json_schema', schema: '{"type":"object"}', strict: false, anyWhitespace: !spec.compact };
-    case 'json_schema': return { kind: 'json_schema', schema: spec.schema, strict: true, anyWhitespace: !spec.compact };
+    case 'json_schema': {
+      const spelled = spellNumbers(spec.schema);
+      const schema = spelled?.schema ?? spec.schema;
+      return { kind: 'json_schema', schema, strict: true, anyWhitespace: !spec.compact, ...(spelled ? { numbers: spelled.numbers } : {}) };
+    }
     case 'regex': return { kind: 'regex', pattern: spec.pattern };
     case 'choice': return { kind: 'ebnf', ebnf: choiceGrammar(spec.choices) };
     case 'grammar': return { kind: 'ebnf', ebnf: spec.ebnf };
@@ -139,10 +147,20 @@ function describe(source: GrammarSource): string {
   return source.kind === 'json_schema' ? 'JSON schema' : source.kind === 'regex' ? 'regex' : 'grammar';
 }
 
-function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
+export function buildGrammar(b: XGrammar['binding'], source: GrammarSource): XgHandle {
   switch (source.kind) {
-    case 'json_schema':
-      return new b.Grammar.FromJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict, undefined, false);
+    case 'json_schema': {
+      const grammar = new b.Grammar.FromJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict, undefined, false);
+      if (source.numbers === undefined) return grammar;
+      // Its enum and const numbers spelled as JSON writes them: XGrammar's EBNF of the schema, with them in place.
+      let ebnf: string;
+      try {
+        ebnf = grammar.ToString();
+      } finally {
+        grammar.delete();
+      }
+      return new b.Grammar.FromEBNF(withNumbers(ebnf, source.numbers), 'root');
+    }
     case 'ebnf':
       return new b.Grammar.FromEBNF(source.ebnf, 'root');
     case 'regex':
@@ -282,18 +300,15 @@ export class GrammarRuntime {
       return hit;
     }
     const compiled = this.xg.run(describe(source), () => {
-      switch (source.kind) {
-        case 'json_schema':
-          return this.compiler.CompileJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict, undefined);
-        case 'ebnf':
-        case 'regex': {
-          const grammar = buildGrammar(this.xg.binding, source);
-          try {
-            return this.compiler.CompileGrammar(grammar);
-          } finally {
-            grammar.delete();
-          }
-        }
+      // A schema with numbers to spell goes through its EBNF (buildGrammar).
+      if (source.kind === 'json_schema' && source.numbers === undefined) {
+        return this.compiler.CompileJSONSchema(source.schema, source.anyWhitespace, undefined, undefined, source.strict, undefined);
+      }
+      const grammar = buildGrammar(this.xg.binding, source);
+      try {
+        return this.compiler.CompileGrammar(grammar);
+      } finally {
+        grammar.delete();
       }
     });
     this.cache.set(key, compiled);
