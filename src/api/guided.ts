@@ -319,6 +319,154 @@ function checkStringKeyword(schema: JsonObject, key: string, value: unknown, typ
     throw new UnsupportedFieldError(at, `'${key}' beside '${kept}' is not enforced in guided decoding (the grammar engine keeps `
       + `'${kept}' alone)${kept === 'pattern' && key !== 'format' ? '; put the length in the pattern, e.g. {1,20}' : ''}.`);
   }
+  if (key === 'pattern') checkPatternInJson(value as string, at);
+}
+
+/** The characters a JSON string holds only escaped: '"', '\' and the controls U+0000-U+001F. */
+const JSON_ESCAPED = [...Array.from({ length: 0x20 }, (_, i) => i), 0x22, 0x5c];
+const isJsonEscaped = (codePoint: number) => codePoint < 0x20 || codePoint === 0x22 || codePoint === 0x5c;
+/** Of those, the ones each shorthand class matches in XGrammar 0.1.27 (checked with its matcher). */
+const SHORTHAND_ESCAPED: Record<string, number[]> = {
+  d: [], w: [], s: [9, 10, 11, 12, 13], D: JSON_ESCAPED, W: JSON_ESCAPED, S: JSON_ESCAPED.filter((c) => c < 9 || c > 13),
+};
+/** Escapes of one character outside \x, \u and \U: the controls they name (others name themselves). */
+const CONTROL_ESCAPES: Record<string, number> = { n: 10, t: 9, r: 13, f: 12, v: 11, a: 7, e: 27, '0': 0 };
+
+/**
+ * Regex class members (inside [...]) for the characters JSON writes escaped: '\', U+0000-U+001F and '"' last (a hex
+ * digit after \x1f would be read as part of that escape).
+ */
+const JSON_ESCAPED_MEMBERS = '\\\\\\x00-\\x1f"';
+
+/** A part of a schema's 'pattern' that jsonStringPattern cannot write without the characters JSON writes escaped. */
+class EscapedOnlyPart extends Error {
+  /** Whether the part matches nothing else (else: it is not rewritten here, an escape letter not known or a class of \S, \W, \D). */
+  constructor(part: string, readonly only: boolean) {
+    super(part);
+  }
+}
+
+/**
+ * A schema's 'pattern' as it goes to XGrammar: without the characters a JSON string holds only escaped ('"', '\' and
+ * the controls U+0000-U+001F). XGrammar 0.1.27 writes the pattern between the string's quotes as it is, so such a
+ * character came out raw inside the JSON string ('.' let "a"b" through, which does not parse; '\S' a raw backslash).
+ * So the parts that match such characters among others match only the others: '.' is [^\\\x00-\x1f"]; \S, \W and \D
+ * are [^\s...], [^\w...] and [^\d...] of the same; \s is a space; a negated class leaves those characters out too,
+ * and a class that holds some (its ASCII characters and ranges, \d, \w) is written again without them ([ -~] as
+ * [\x20-\x21\x23-\x5b\x5d-\x7e]). Every string the pattern then gives is one the pattern allows, so the output fits
+ * the schema; the strings holding those characters are no longer produced. A part that matches nothing else ('"',
+ * \\, \n, a raw control character, [\x00-\x1f]) throws EscapedOnlyPart naming it, and so do an escape letter not
+ * known here (\b) and a class holding \S, \W or \D beside such characters ([\S]). Non-ASCII characters are left
+ * to XGrammar as they were (a negated class matches the same of them with those characters added).
+ */
+export function jsonStringPattern(pattern: string): string {
+  /** The escape at `i` (a backslash at i): the escaped characters it matches, the one character it names if it does, its end. */
+  const escape = (i: number): { matched: number[]; codePoint?: number; end: number } => {
+    const letter = pattern[i + 1] ?? '';
+    const width = letter === 'x' ? 2 : letter === 'u' ? 4 : letter === 'U' ? 8 : 0;
+    const one = (codePoint: number, end: number) => ({ matched: isJsonEscaped(codePoint) ? [codePoint] : [], codePoint, end });
+    if (width > 0) {
+      const hex = pattern.slice(i + 2, i + 2 + width);
+      return one(/^[0-9a-fA-F]+$/.test(hex) ? parseInt(hex, 16) : 0, i + 2 + width);
+    }
+    if (Object.hasOwn(SHORTHAND_ESCAPED, letter)) return { matched: SHORTHAND_ESCAPED[letter]!, end: i + 2 };
+    if (Object.hasOwn(CONTROL_ESCAPES, letter)) return one(CONTROL_ESCAPES[letter]!, i + 2);
+    if (/[A-Za-z]/.test(letter) && letter !== 'p' && letter !== 'P') return { matched: JSON_ESCAPED, end: i + 2 };
+    const codePoint = letter === '' ? 0x5c : letter.codePointAt(0)!;
+    return one(codePoint, i + 1 + (codePoint > 0xffff ? 2 : 1));
+  };
+  const hex = (codePoint: number) => `\\x${codePoint.toString(16).padStart(2, '0')}`;
+  let out = '';
+  for (let i = 0; i < pattern.length; i++) {
+    const c = pattern[i]!;
+    if (c === '\\') {
+      const letter = pattern[i + 1] ?? '';
+      const { matched, end } = escape(i);
+      if (letter === 'S' || letter === 'W' || letter === 'D') out += `[^\\${letter.toLowerCase()}${JSON_ESCAPED_MEMBERS}]`;
+      else if (letter === 's') out += '[ ]';
+      else if (matched.length > 0) throw new EscapedOnlyPart(`escape ${pattern.slice(i, end)}`, /^[A-Za-z]$/.test(letter) ? Object.hasOwn(CONTROL_ESCAPES, letter) : true);
+      else out += pattern.slice(i, end);
+      i = end - 1;
+    } else if (c === '.') {
+      out += `[^${JSON_ESCAPED_MEMBERS}]`;
+    } else if (c === '[') {
+      // A class: its members (a ']' right after '[' or '[^' is one), and which escaped characters it matches.
+      let j = i + 1;
+      const negated = pattern[j] === '^';
+      if (negated) j++;
+      const bodyStart = j;
+      const members = new Set<number>();
+      const ascii = new Set<number>();
+      const shorthands = new Set<string>();
+      /** One member at j, a character or an escape: the character it names, if one. */
+      const member = (): number | undefined => {
+        if (pattern[j] === '\\') {
+          const letter = pattern[j + 1] ?? '';
+          const { matched, codePoint, end } = escape(j);
+          matched.forEach((special) => members.add(special));
+          if (letter === 's') ascii.add(0x20);
+          else if (Object.hasOwn(SHORTHAND_ESCAPED, letter)) shorthands.add(letter);
+          else if (codePoint === undefined) shorthands.add('?');
+          j = end;
+          return codePoint;
+        }
+        const codePoint = pattern.codePointAt(j)!;
+        if (isJsonEscaped(codePoint)) members.add(codePoint);
+        j += codePoint > 0xffff ? 2 : 1;
+        return codePoint;
+      };
+      for (let first = true; j < pattern.length && (pattern[j] !== ']' || first); first = false) {
+        const low = member();
+        if (low !== undefined && pattern[j] === '-' && j + 1 < pattern.length && pattern[j + 1] !== ']') {
+          j++;
+          const high = member() ?? 0x10ffff;
+          for (const special of JSON_ESCAPED) if (special >= low && special <= high) members.add(special);
+          for (let codePoint = low; codePoint <= Math.min(high, 0x7f); codePoint++) ascii.add(codePoint);
+          if (high > 0x7f) shorthands.add('?');
+        } else if (low !== undefined) {
+          if (low <= 0x7f) ascii.add(low);
+          else shorthands.add('?');
+        }
+      }
+      const body = pattern.slice(bodyStart, j);
+      if (negated) {
+        // The escaped characters first, and a leading ']' or '-' of the class escaped, so that it stays a member.
+        out += `[^${JSON_ESCAPED_MEMBERS}${/^[\]-]/.test(body) ? `\\${body}` : body}]`;
+      } else if (members.size === 0) {
+        out += pattern.slice(i, j + 1);
+      } else {
+        const kept = [...ascii].filter((codePoint) => !isJsonEscaped(codePoint)).sort((a, b) => a - b);
+        const other = [...shorthands].some((letter) => letter !== 'd' && letter !== 'w');
+        if (other || (kept.length === 0 && shorthands.size === 0)) throw new EscapedOnlyPart(`character class ${pattern.slice(i, j + 1)}`, !other);
+        let rebuilt = [...shorthands].map((letter) => `\\${letter}`).join('');
+        for (let k = 0; k < kept.length;) {
+          let last = k;
+          while (last + 1 < kept.length && kept[last + 1] === kept[last]! + 1) last++;
+          rebuilt += last === k ? hex(kept[k]!) : `${hex(kept[k]!)}-${hex(kept[last]!)}`;
+          k = last + 1;
+        }
+        out += `[${rebuilt}]`;
+      }
+      i = j;
+    } else if (isJsonEscaped(c.codePointAt(0)!)) {
+      throw new EscapedOnlyPart(`character ${JSON.stringify(c)}`, true);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+/** A schema's 'pattern' that requires a character JSON writes escaped (jsonStringPattern): refused, naming the part. */
+function checkPatternInJson(pattern: string, at: string): void {
+  try {
+    jsonStringPattern(pattern);
+  } catch (error) {
+    if (!(error instanceof EscapedOnlyPart)) throw error;
+    throw new UnsupportedFieldError(at, `the pattern's ${error.message} ${error.only ? 'matches only' : 'can match'} '"', '\\' or control `
+      + 'characters, which JSON writes escaped; the grammar engine would write them raw inside the string (invalid JSON). Leave them '
+      + `out of the pattern${error.only ? '' : ', or name the characters allowed (e.g. [^\\s\\\\\\x00-\\x1f"] for \\S)'}.`);
+  }
 }
 
 /** Whether a JSON value is of one of `types` (any, without a type). */
@@ -559,7 +707,7 @@ export function grammarSchema(schema: unknown): unknown {
     }
     // XGrammar 0.1.27 writes a pattern between the string's quotes without a group around it, so an alternation at
     // its top ("521|60[01]") split the quotes between its branches: the output was 600" or "521, not JSON.
-    if (typeof node.pattern === 'string') node.pattern = `(?:${node.pattern})`;
+    if (typeof node.pattern === 'string') node.pattern = `(?:${jsonStringPattern(node.pattern)})`;
     return node;
   });
 }

@@ -115,6 +115,23 @@ describe('structured outputs (response_format, guided_*)', () => {
     assert.match(text, /^\{\s*"price"\s*:\s*(2\.39|0\.1|1e-7)\s*,\s*"rate"\s*:\s*4\.15\s*\}$/, text);
   });
 
+  it("a pattern of any character ('.', '\\S') gives JSON: the characters JSON escapes are left out of it", E2E, async () => {
+    const schema = { type: 'object', properties: { any: { type: 'string', pattern: '.{8,16}' }, word: { type: 'string', pattern: '\\S{8,16}' } },
+      required: ['any', 'word'], additionalProperties: false };
+    let ended = 0;
+    for (const seed of [1, 2, 3, 4, 5, 6]) {
+      const response = await post('/v1/completions', { model, prompt: '{', seed, temperature: 1.5, max_tokens: 120, guided_json: schema });
+      assert.equal(response.status, 200, response.text);
+      const choice = response.json().choices[0];
+      if (choice.finish_reason !== 'stop') continue;
+      ended++;
+      const value = JSON.parse(choice.text) as { any: string; word: string };
+      assert.match(value.any, /^[^"\\\x00-\x1f]{8,16}$/u, choice.text);
+      assert.match(value.word, /^[^\s"\\\x00-\x1f]{8,16}$/u, choice.text);
+    }
+    assert.ok(ended >= 3, `${ended} of 6 ended`);
+  });
+
   it('min_tokens and ignore_eos do not reach past the grammar\'s end: the output is the grammar\'s, ended by its EOS', E2E, async () => {
     const schema = { type: 'object', properties: { a: { type: 'boolean' } }, required: ['a'], additionalProperties: false };
     for (const extra of [{ min_tokens: 30 }, { ignore_eos: true }, { min_tokens: 30, ignore_eos: true }]) {

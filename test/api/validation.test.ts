@@ -125,6 +125,13 @@ describe('chat request validation', () => {
     // XGrammar splits a pointer at every '/', so a name holding one is out of its reach.
     ['guided_json with a reference through a name holding /', chat({ guided_json: { $defs: { 'a/b': { type: 'null' } }, $ref: '#/$defs/a~1b' } }),
       'guided_json.$ref', 'unsupported_parameter'],
+    // A pattern that needs '"', '\' or a control character: XGrammar would write it raw inside the string (invalid JSON).
+    ['guided_json with a pattern holding a quote', chat({ guided_json: { type: 'object', properties: { s: { type: 'string', pattern: 'a"b' } } } }),
+      'guided_json.properties.s.pattern', 'unsupported_parameter'],
+    ['guided_json with a pattern holding a newline', chat({ guided_json: { type: 'string', pattern: 'a\\nb' } }), 'guided_json.pattern',
+      'unsupported_parameter'],
+    ['guided_json with a pattern of control characters', chat({ guided_json: { type: 'string', pattern: '[\\x00-\\x1f]+' } }), 'guided_json.pattern',
+      'unsupported_parameter'],
     // What XGrammar 0.1.27 would not enforce: allOf (any JSON value came out), bounds on non-integer numbers ({"x": 1F5}).
     ['guided_json with allOf', chat({ guided_json: { allOf: [{ type: 'object' }, { type: 'object' }] } }), 'guided_json.allOf', 'unsupported_parameter'],
     ['guided_json with a fractional bound on a number', chat({ guided_json: { type: 'object', properties: { x: { type: 'number', minimum: 0.5 } } } }),
@@ -137,6 +144,12 @@ describe('chat request validation', () => {
       rejects(() => parseChatCompletionRequest(body, context), { param, ...(code ? { code } : {}) });
     });
   }
+
+  it('keeps patterns in guided_json that match other characters beside those JSON escapes (they are left out of the grammar)', () => {
+    for (const pattern of ['.+', '\\S+', '[ -~]{3}', '[^,]*', '[^"\\\\\\x00-\\x1f]+', '\\d+\\.\\d{2}', '[\\w.-]+@[a-z]+\\.com', '\\W\\D\\s']) {
+      parseChatCompletionRequest(chat({ guided_json: { type: 'string', pattern } }), context);
+    }
+  });
 
   it('keeps bounds on integers in guided_json (the grammar engine enforces those)', () => {
     parseChatCompletionRequest(chat({ guided_json: { type: 'integer', minimum: 0, exclusiveMaximum: 10 } }), context);

@@ -7,7 +7,7 @@
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import { grammarSchema } from '../../src/api/guided.ts';
+import { checkJsonSchema, grammarSchema } from '../../src/api/guided.ts';
 import { buildGrammar, choiceGrammar, grammarSource } from '../../src/engine/grammar/runtime.ts';
 import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
 import { seededRandom } from '../../src/util/random.ts';
@@ -162,6 +162,23 @@ describe('alternatives as XGrammar accepts them', () => {
     assert.ok(matcher.AcceptToken(END, false), 'ends after 2.39');
     matcher.delete();
     compiled.delete();
+  });
+
+  it('a pattern gives JSON strings: characters JSON escapes are left out of what it matches, or it is refused if it needs them', () => {
+    // Left to XGrammar, '.' let a raw quote (and a raw backslash, raw controls) between the string's quotes.
+    const raw = accepted('json', JSON.stringify({ type: 'string', pattern: '.' }), 3);
+    assert.ok(raw.includes('"""') && raw.includes('"\\"') && raw.includes('"\n"'), 'XGrammar writes them raw');
+    for (const pattern of ['.', '\\S', '\\W', '\\D', '\\s', '[ -~]', '[^,]', '[^-a]', '[\\w!-$]', '[a"]', '[^"\\\\\\x00-\\x1f]']) {
+      const schema = { type: 'string', pattern };
+      checkJsonSchema(schema, 'guided_json');
+      const texts = accepted('json', JSON.stringify(grammarSchema(schema)), 3);
+      assert.ok(texts.length > 0, pattern);
+      for (const text of texts) assert.match(JSON.parse(text) as string, new RegExp(`^${pattern}$`), `${pattern}: ${JSON.stringify(text)}`);
+    }
+    assert.equal(accepted('json', JSON.stringify(grammarSchema({ type: 'string', pattern: '[ -~]' })), 3).length, 93, 'printable ASCII but " and \\');
+    for (const pattern of ['a"b', '\\\\', '\\n', '[\\x00-\\x1f]', 'tab\there']) {
+      assert.throws(() => checkJsonSchema({ type: 'string', pattern }, 'guided_json'), /matches only/, pattern);
+    }
   });
 
   it('property names holding a quote, a backslash or a control character come out as JSON writes them', () => {
