@@ -10,6 +10,7 @@ import { parse, Template, tokenize } from '@huggingface/jinja';
 import type { GgufFile } from './gguf.ts';
 import { metaString } from './gguf.ts';
 import type { Tokenizer } from './tokenizer/types.ts';
+import { parseJsonExactNumbers, renderExact } from './template-values.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Messages
@@ -214,7 +215,7 @@ export class ChatTemplate {
     };
     if (options.tools !== undefined && options.tools.length > 0) context.tools = options.tools;
     try {
-      return template.render(context);
+      return renderExact(template.parsed, context);
     } catch (error) {
       if (error instanceof RaisedByTemplate) {
         throw new ChatTemplateError(`the model's chat template refused these messages: ${error.message}`,
@@ -245,7 +246,8 @@ export class ChatTemplate {
 
 /**
  * What templates expect: content as one string (text parts joined with "\n"; null or missing becomes ""), and tool
- * call arguments as objects (templates write them with `| tojson`; a string that is not JSON is left as it is).
+ * call arguments as objects (templates write them with `| tojson`; a string that is not JSON is left as it is), their
+ * numbers printing as the client wrote them, as Python's json reads them (see template-values.ts).
  */
 export function normalizeMessages(messages: readonly ChatMessage[]): Record<string, unknown>[] {
   if (!Array.isArray(messages as unknown)) {
@@ -289,7 +291,7 @@ function contentText(content: ChatMessage['content'], index: number): string {
 function parseArguments(value: unknown): unknown {
   if (typeof value !== 'string') return value;
   try {
-    return JSON.parse(value);
+    return parseJsonExactNumbers(value);
   } catch {
     return value;
   }

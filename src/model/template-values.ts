@@ -1,0 +1,243 @@
+// Numbers in the values a chat template renders, printed as Hugging Face's Python renderer prints them.
+//
+// A tool call's `arguments` is JSON text that the template gets parsed (templates write it back with `| tojson`).
+// Parsed into JavaScript numbers, 1234567890123456789 became 1234567890123456800 and 1.0 became 1 in the prompt;
+// Python's json keeps integers exact and floats as floats, so vLLM's prompt has the text the client sent. Here such
+// text is parsed into TemplateNumber values, and the template engine (@huggingface/jinja, which prints numbers as
+// JavaScript does and offers no hook for it) is run with number values that print the exact text, in `{{ }}`,
+// `| string` and `| tojson` alike. They still compare and compute as the nearest double.
+
+import { Environment, Interpreter, type Template } from '@huggingface/jinja';
+
+/** A JSON number as Python's json module reads it: exact integer digits, or a float printed as repr() prints it. */
+export class TemplateNumber {
+  /** The text Python prints for it (str(), repr() and json.dumps() agree for int and float). */
+  readonly text: string;
+  readonly value: number;
+  readonly isInteger: boolean;
+
+  constructor(literal: string) {
+    this.isInteger = !/[.eE]/.test(literal);
+    this.value = Number(literal);
+    this.text = this.isInteger ? BigInt(literal).toString() : pythonFloatText(this.value);
+  }
+}
+
+/**
+ * Python's repr() of a float: the shortest digits that read back to it (as JavaScript's), written in fixed notation
+ * when the decimal point falls within 16 digits and with at least one decimal ("1.0"), else in exponent notation
+ * with a signed two-digit exponent ("1e+16", "1.5e-07"). json.dumps writes infinities as Infinity.
+ */
+export function pythonFloatText(value: number): string {
+  if (Number.isNaN(value)) return 'NaN';
+  if (!Number.isFinite(value)) return value > 0 ? 'Infinity' : '-Infinity';
+  const sign = value < 0 || Object.is(value, -0) ? '-' : '';
+  const [mantissa, exponentText] = Math.abs(value).toExponential().split('e') as [string, string];
+  const digits = mantissa.replace('.', '');
+  const exponent = Number(exponentText);
+  const point = exponent + 1; // digits before the decimal point
+  if (point > -4 && point <= 16) {
+    if (point <= 0) return `${sign}0.${'0'.repeat(-point)}${digits}`;
+    if (point >= digits.length) return `${sign}${digits}${'0'.repeat(point - digits.length)}.0`;
+    return `${sign}${digits.slice(0, point)}.${digits.slice(point)}`;
+  }
+  const fraction = digits.length > 1 ? `.${digits.slice(1)}` : '';
+  const exponentSign = exponent < 0 ? '-' : '+';
+  return `${sign}${digits[0]}${fraction}e${exponentSign}${String(Math.abs(exponent)).padStart(2, '0')}`;
+}
+
+// Strings first, so digits inside them are skipped; then number literals.
+const JSON_TOKEN = /"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?/g;
+
+/** Marks a number's place while JSON.parse reads the rest; a NUL and a random part no client text can guess. */
+const NUMBER_MARK = `\u0000number-${crypto.randomUUID()}-`;
+
+/**
+ * JSON text to a value, as JSON.parse reads it but with every number a TemplateNumber. Throws as JSON.parse does on
+ * text that is not JSON.
+ */
+export function parseJsonExactNumbers(text: string): unknown {
+  JSON.parse(text); // the same refusal, and the same message, as before for text that is not JSON
+  const literals: string[] = [];
+  const marked = text.replace(JSON_TOKEN, (token) => {
+    if (token.startsWith('"')) return token;
+    literals.push(token);
+    return JSON.stringify(NUMBER_MARK + (literals.length - 1));
+  });
+  const restore = (value: unknown): unknown => {
+    if (typeof value === 'string') {
+      return value.startsWith(NUMBER_MARK) ? new TemplateNumber(literals[Number(value.slice(NUMBER_MARK.length))]!) : value;
+    }
+    if (Array.isArray(value)) return value.map(restore);
+    if (typeof value === 'object' && value !== null) {
+      for (const [key, item] of Object.entries(value)) (value as Record<string, unknown>)[key] = restore(item);
+    }
+    return value;
+  };
+  return restore(JSON.parse(marked));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Rendering
+
+/**
+ * The library's runtime value classes, which it does not export: read off the values its Environment makes. The
+ * type is loose on purpose (the classes' declarations are not exported either).
+ */
+type RuntimeValueClass = new (value?: unknown) => { value: unknown; type: string; toString(): string };
+const probe = new Environment();
+const runtimeClass = (value: unknown, name: string): RuntimeValueClass => {
+  const made = probe.set(`__probe_${name}`, value) as unknown as { constructor: RuntimeValueClass; type: string };
+  if (made.type !== name) throw new Error(`@huggingface/jinja made a ${made.type} where a ${name} was expected`);
+  return made.constructor;
+};
+const IntegerValue = runtimeClass(1, 'IntegerValue');
+const FloatValue = runtimeClass(1.5, 'FloatValue');
+const StringValue = runtimeClass('', 'StringValue');
+const ArrayValue = runtimeClass([], 'ArrayValue');
+const ObjectValue = runtimeClass({}, 'ObjectValue');
+
+/** A number that prints the text it was written with (the nearest double stays its value for arithmetic). */
+class ExactIntegerValue extends IntegerValue {
+  constructor(readonly number: TemplateNumber) { super(number.value); }
+  override toString(): string { return this.number.text; }
+}
+class ExactFloatValue extends FloatValue {
+  constructor(readonly number: TemplateNumber) { super(number.value); }
+  override toString(): string { return this.number.text; }
+}
+type ExactValue = ExactIntegerValue | ExactFloatValue;
+const isExact = (value: unknown): value is ExactValue => value instanceof ExactIntegerValue || value instanceof ExactFloatValue;
+
+/** Whether a value holds TemplateNumbers (only those need more than the library's own conversion). */
+function holdsExactNumbers(value: unknown, depth = 0): boolean {
+  if (value instanceof TemplateNumber) return true;
+  if (typeof value !== 'object' || value === null || depth > 1000) return false;
+  return (Array.isArray(value) ? value : Object.values(value)).some((item) => holdsExactNumbers(item, depth + 1));
+}
+
+/** The library's conversion of a JavaScript value (convertToRuntimeValues), with TemplateNumbers as exact values. */
+function toRuntimeValue(value: unknown): unknown {
+  if (value instanceof TemplateNumber) return value.isInteger ? new ExactIntegerValue(value) : new ExactFloatValue(value);
+  if (!holdsExactNumbers(value)) return new Environment().set('value', value);
+  if (Array.isArray(value)) return new ArrayValue(value.map(toRuntimeValue));
+  return new ObjectValue(new Map(Object.entries(value as object).map(([key, item]) => [key, toRuntimeValue(item)])));
+}
+
+/** Replaces the exact numbers in a runtime value by marks, noting which mark is which number's text. */
+function markExactNumbers(value: unknown, marks: Map<string, string>): unknown {
+  if (isExact(value)) {
+    const mark = `${NUMBER_MARK}${marks.size}`;
+    marks.set(JSON.stringify(mark), value.number.text);
+    return new StringValue(mark);
+  }
+  if (value instanceof ArrayValue) {
+    const items = value.value as unknown[];
+    return items.some(holdsExactValues) ? new ArrayValue(items.map((item) => markExactNumbers(item, marks))) : value;
+  }
+  if (value instanceof ObjectValue && value.type === 'ObjectValue') {
+    const entries = value.value as Map<string, unknown>;
+    if (![...entries.values()].some(holdsExactValues)) return value;
+    return new ObjectValue(new Map([...entries].map(([key, item]) => [key, markExactNumbers(item, marks)])));
+  }
+  return value;
+}
+
+function holdsExactValues(value: unknown): boolean {
+  if (isExact(value)) return true;
+  if (value instanceof ArrayValue) return (value.value as unknown[]).some(holdsExactValues);
+  if (value instanceof ObjectValue) return [...(value.value as Map<string, unknown>).values()].some(holdsExactValues);
+  return false;
+}
+
+interface FilterNode { type: string; value?: string; callee?: { type: string; value?: string } }
+interface BinaryNode { type: string; operator: { value: string }; left: unknown; right: unknown }
+type ApplyFilter = (operand: unknown, filter: FilterNode, environment: Environment) => { value: unknown };
+type EvaluateBinary = (node: BinaryNode, environment: Environment) => unknown;
+type Evaluate = (node: unknown, environment: Environment) => { type: string; value: unknown };
+
+/**
+ * The library's interpreter, with exact numbers written as their text where it would write a double:
+ * - `tojson`: the operand is serialized by the library with each exact number replaced by a string mark (so indent,
+ *   separators, sort_keys and ensure_ascii work as they do), and the quoted marks are then replaced by the text;
+ * - `~`, and `+` with a string: the library joins the operands' raw values.
+ */
+class ExactNumberInterpreter extends Interpreter {
+  constructor(env: Environment) {
+    super(env);
+    const prototype = Interpreter.prototype as unknown as {
+      applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluate: Evaluate;
+    };
+    const self = this as unknown as { applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary };
+    self.applyFilter = (operand, filter, environment) => {
+      const name = filter.type === 'Identifier' ? filter.value
+        : filter.type === 'CallExpression' && filter.callee?.type === 'Identifier' ? filter.callee.value : undefined;
+      if (name !== 'tojson' || !holdsExactValues(operand)) return prototype.applyFilter.call(this, operand, filter, environment);
+      const marks = new Map<string, string>();
+      const json = prototype.applyFilter.call(this, markExactNumbers(operand, marks), filter, environment).value as string;
+      let exact = json;
+      for (const [quotedMark, text] of marks) exact = exact.replace(quotedMark, text);
+      return new StringValue(exact);
+    };
+    self.evaluateBinaryExpression = (node, environment) => {
+      const operator = node.operator.value;
+      if (operator !== '~' && operator !== '+') return prototype.evaluateBinaryExpression.call(this, node, environment);
+      const left = prototype.evaluate.call(this, node.left, environment);
+      const right = prototype.evaluate.call(this, node.right, environment);
+      const joins = operator === '~' ? JOINABLE.has(left.type) && JOINABLE.has(right.type)
+        : (left.type === 'StringValue' && isExact(right)) || (isExact(left) && right.type === 'StringValue');
+      if (joins && (isExact(left) || isExact(right))) return new StringValue(joinedText(left) + joinedText(right));
+      // The library's own operation, on the operands already evaluated (evaluating them again would repeat calls).
+      const operands = new Environment(environment);
+      declare(operands, '__left', left);
+      declare(operands, '__right', right);
+      return prototype.evaluateBinaryExpression.call(this, { ...node, left: { type: 'Identifier', value: '__left' },
+        right: { type: 'Identifier', value: '__right' } }, operands);
+    };
+  }
+}
+
+/** A runtime value as a variable (Environment.set would convert it again, as a plain object). */
+function declare(env: Environment, name: string, value: unknown): void {
+  (env as unknown as { declareVariable(name: string, value: unknown): unknown }).declareVariable(name, value);
+}
+
+/** Operand types `~` joins (undefined and none it refuses, as the library does). */
+const JOINABLE: ReadonlySet<string> = new Set(['IntegerValue', 'FloatValue', 'StringValue', 'BooleanValue']);
+
+function joinedText(value: { value: unknown }): string {
+  return isExact(value) ? value.number.text : String(value.value);
+}
+
+/**
+ * What @huggingface/jinja's Template.render does (its globals, then the context), with the context's
+ * TemplateNumbers printing exactly. raise_exception and range are not declared: the chat template's compile step
+ * routes them to functions of the context.
+ */
+export function renderExact(program: Template['parsed'], context: Record<string, unknown>): string {
+  const env = new Environment();
+  const globals: Record<string, unknown> = {
+    false: false, true: true, none: null, False: false, True: true, None: null, strftime_now: strftimeNow,
+  };
+  for (const [name, value] of Object.entries({ ...globals, ...context })) declare(env, name, toRuntimeValue(value));
+  const interpreter = new ExactNumberInterpreter(env) as unknown as { run(program: Template['parsed']): { value: unknown } };
+  return interpreter.run(program).value as string;
+}
+
+/** The library's strftime_now: the few directives chat templates use, in local time. */
+function strftimeNow(format: string): string {
+  const date = new Date();
+  const pad2 = (n: number): string => String(n).padStart(2, '0');
+  return format.replace(/%[YmdbBHM%]/g, (directive) => {
+    switch (directive) {
+      case '%Y': return String(date.getFullYear());
+      case '%m': return pad2(date.getMonth() + 1);
+      case '%d': return pad2(date.getDate());
+      case '%b': return new Intl.DateTimeFormat(undefined, { month: 'short' }).format(date);
+      case '%B': return new Intl.DateTimeFormat(undefined, { month: 'long' }).format(date);
+      case '%H': return pad2(date.getHours());
+      case '%M': return pad2(date.getMinutes());
+      default: return '%';
+    }
+  });
+}

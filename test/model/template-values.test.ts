@@ -1,0 +1,41 @@
+// Numbers of tool-call arguments in a chat template print as Python's json and str() print them: integers with all
+// their digits, floats as repr() writes them, in {{ }}, | string, | tojson (with its options) and ~ alike.
+
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import { ChatTemplate, type ChatMessage } from '../../src/model/chat-template.ts';
+import { pythonFloatText } from '../../src/model/template-values.ts';
+
+function withArguments(args: string): ChatMessage[] {
+  return [{ role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: args } }] }];
+}
+const render = (template: string, args: string): string =>
+  new ChatTemplate({ templates: `{% set a = messages[0].tool_calls[0].function.arguments %}${template}` })
+    .render(withArguments(args), { addGenerationPrompt: false });
+
+describe('numbers in template values', () => {
+  it("writes floats as Python's repr()", () => {
+    const cases: [number, string][] = [[0, '0.0'], [-0, '-0.0'], [1, '1.0'], [0.1, '0.1'], [1e-4, '0.0001'], [1e-5, '1e-05'],
+      [1.5e-7, '1.5e-07'], [1e15, '1000000000000000.0'], [1e16, '1e+16'], [123.456, '123.456'], [1e22, '1e+22'],
+      [5e-324, '5e-324'], [1.7976931348623157e308, '1.7976931348623157e+308'], [Infinity, 'Infinity']];
+    for (const [value, text] of cases) assert.equal(pythonFloatText(value), text, String(value));
+  });
+
+  it('prints arguments exactly however the template writes them', () => {
+    const args = '{"id": 1234567890123456789, "t": 1.0, "n": -0, "s": "9007199254740993"}';
+    assert.equal(render('{{ a.id }}|{{ a.t }}|{{ a.id | string }}|{{ a.n }}|{{ a.s }}', args), '1234567890123456789|1.0|1234567890123456789|0|9007199254740993');
+    assert.equal(render('{{ a | tojson }}', args), '{"id": 1234567890123456789, "t": 1.0, "n": 0, "s": "9007199254740993"}');
+    assert.equal(render('{{ a | tojson(indent=1, sort_keys=true) }}', args),
+      '{\n "id": 1234567890123456789,\n "n": 0,\n "s": "9007199254740993",\n "t": 1.0\n}');
+    assert.equal(render('{{ a | tojson(separators=(",", ":")) }}', args), '{"id":1234567890123456789,"t":1.0,"n":0,"s":"9007199254740993"}');
+    assert.equal(render('{{ "id=" ~ a.id }} {{ a.t ~ "s" }} {{ "[" + a.id + "]" }}', args), 'id=1234567890123456789 1.0s [1234567890123456789]');
+  });
+
+  it('still compares and computes with them as numbers', () => {
+    const args = '{"t": 1.0, "k": 3, "id": 1234567890123456789}';
+    assert.equal(render('{{ a.t + 1 }} {{ a.k * 2 }} {{ a.k > 2 }} {{ a.k == 3 }} {{ a.t is integer }} {{ a.k is integer }} {{ a.id is number }}', args),
+      '2.0 6 true true false true true');
+    // Arguments that are not JSON stay the string they were.
+    assert.equal(render('{{ a }}', '{"unclosed": 1'), '{"unclosed": 1');
+  });
+});
