@@ -247,7 +247,8 @@ export class ChatTemplate {
 /**
  * What templates expect: content as one string (text parts joined with "\n"; null or missing becomes ""), and tool
  * call arguments as objects (templates write them with `| tojson`; a string that is not JSON is left as it is), their
- * numbers printing as the client wrote them, as Python's json reads them (see template-values.ts).
+ * numbers printing as the client wrote them, as Python's json reads them (see template-values.ts); empty arguments
+ * ("" or "null") are {}, as vLLM passes them.
  */
 export function normalizeMessages(messages: readonly ChatMessage[]): Record<string, unknown>[] {
   if (!Array.isArray(messages as unknown)) {
@@ -290,8 +291,10 @@ function contentText(content: ChatMessage['content'], index: number): string {
 
 function parseArguments(value: unknown): unknown {
   if (typeof value !== 'string') return value;
+  // vLLM hands templates {} for arguments "" (a call without parameters, as some clients send it) and "null".
+  if (value.trim() === '') return {};
   try {
-    return parseJsonExactNumbers(value);
+    return parseJsonExactNumbers(value) ?? {};
   } catch {
     return value;
   }

@@ -39,3 +39,11 @@ describe('numbers in template values', () => {
     assert.equal(render('{{ a }}', '{"unclosed": 1'), '{"unclosed": 1');
   });
 });
+
+describe('empty tool-call arguments', () => {
+  it('reach the template as an empty object, as vLLM passes "" and "null"', () => {
+    for (const args of ['', 'null']) {
+      assert.equal(render('{{ a | tojson }}|{{ a is mapping }}', args), '{}|true', JSON.stringify(args));
+    }
+  });
+});
