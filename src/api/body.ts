@@ -3,6 +3,7 @@
 
 import { isUtf8 } from 'node:buffer';
 import type { IncomingMessage } from 'node:http';
+import { rememberBodyText } from '../model/template-values.ts';
 import { BodyTooLargeError, ClientClosedRequestError, InvalidJsonError, InvalidUtf8Error, quoted } from './errors.ts';
 
 /**
@@ -61,11 +62,15 @@ export function parseJsonBytes(bytes: Buffer, contentType?: string): unknown {
   let text = bytes.toString('utf8');
   if (text.charCodeAt(0) === 0xfeff) text = text.slice(1);
   if (text.trim() === '') throw new InvalidJsonError(`the body is empty.${sentAsHint(contentType)}`);
+  let body: unknown;
   try {
-    return JSON.parse(text);
+    body = JSON.parse(text);
   } catch (err) {
     throw new InvalidJsonError(`${(err as Error).message}${sentAsHint(contentType)}`);
   }
+  // The fields a chat template renders are read again from the text with their numbers exact, when they hold any.
+  rememberBodyText(body, text);
+  return body;
 }
 
 /** " (it was sent as <type>; ...)" for a Content-Type that is not JSON's; "" for JSON's or none. */

@@ -241,3 +241,47 @@ function strftimeNow(format: string): string {
     }
   });
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Request fields
+
+/**
+ * Request bodies are parsed with JSON.parse, which has already rounded their numbers; the text each was parsed from
+ * is kept here so that the fields handed to the chat template (tools, chat_template_kwargs, documents) can be read
+ * again with exact numbers, and only when they hold a number at all.
+ */
+const bodyTexts = new WeakMap<object, string>();
+const exactBodies = new WeakMap<object, Record<string, unknown>>();
+
+/** Notes the text a request body was parsed from. */
+export function rememberBodyText(body: unknown, text: string): void {
+  if (typeof body === 'object' && body !== null) bodyTexts.set(body, text);
+}
+
+function holdsNumbers(value: unknown, depth = 0): boolean {
+  if (typeof value === 'number') return true;
+  if (typeof value !== 'object' || value === null || depth > 1000) return false;
+  return (Array.isArray(value) ? value : Object.values(value)).some((item) => holdsNumbers(item, depth + 1));
+}
+
+/**
+ * A top-level field of a request body as the chat template should see it: `value` (what JSON.parse made of it,
+ * already validated), or, when it holds numbers, the same field read again from the body's text with exact numbers.
+ */
+export function exactBodyField(body: unknown, name: string, value: unknown): unknown {
+  if (!holdsNumbers(value) || typeof body !== 'object' || body === null) return value;
+  let exact = exactBodies.get(body);
+  if (exact === undefined) {
+    const text = bodyTexts.get(body);
+    if (text === undefined) return value;
+    exact = parseJsonExactNumbers(text) as Record<string, unknown>;
+    exactBodies.set(body, exact);
+  }
+  return exact[name] ?? value;
+}
+
+/** Lets a body built from another's fields (of the same names) be read exactly from the other's text. */
+export function shareBodyText(from: unknown, to: unknown): void {
+  const text = typeof from === 'object' && from !== null ? bodyTexts.get(from) : undefined;
+  if (text !== undefined) rememberBodyText(to, text);
+}

@@ -77,3 +77,36 @@ describe('numbers in tool-call arguments reach the prompt as written', () => {
       + '<parameter=list>\n[0.5, 9007199254740993]\n</parameter>\n');
   });
 });
+
+// Qwen2.5's tools block (as published), then a kwarg and the documents as a template would print them.
+const TOOLS_AND_VALUES = '{%- if tools %}{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}{%- endif %}'
+  + '|{{ limit }}|{{ documents | tojson }}';
+
+describe('numbers in tools, chat_template_kwargs and documents reach the prompt as written', () => {
+  let server: TestServer;
+  before(async () => {
+    server = await startTestServer({ flags: ['--chat-template', TOOLS_AND_VALUES] });
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it('on /tokenize as on chat completions', E2E, async () => {
+    // Raw text, since a JavaScript client would round the numbers before sending them.
+    const body = '{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": false, '
+      + '"tools": [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": '
+      + '{"id": {"type": "integer", "enum": [1234567890123456789], "minimum": 0.0, "default": 1e16}}}}}], '
+      + '"chat_template_kwargs": {"limit": 9007199254740993}, "documents": [{"title": "t", "score": 2.50}]}';
+    const expected = '\n{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": '
+      + '{"id": {"type": "integer", "enum": [1234567890123456789], "minimum": 0.0, "default": 1e+16}}}}}'
+      + '|9007199254740993|[{"title": "t", "score": 2.5}]';
+    const tokenized = await rawRequest(server.url, { path: '/tokenize', body });
+    assert.equal(tokenized.status, 200, tokenized.text);
+    const text = await rawRequest(server.url, { path: '/detokenize', body: { tokens: tokenized.json().tokens } });
+    assert.equal((text.json().prompt as string).replace(/^<s>/, ''), expected);
+    // A chat completion renders the same prompt (the same number of tokens).
+    const chat = await rawRequest(server.url, { path: '/v1/chat/completions', body: body.replace('"add_generation_prompt": false, ', '"add_generation_prompt": false, "max_tokens": 1, ') });
+    assert.equal(chat.status, 200, chat.text);
+    assert.equal(chat.json().usage.prompt_tokens, tokenized.json().count);
+  });
+});

@@ -4,6 +4,7 @@
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { checkArgumentsDepth, checkTemplateValueDepth, childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
 import { readTools, toolGuided, type ToolsRequest } from '../tool-calls.ts';
+import { exactBodyField } from '../../model/template-values.ts';
 import {
   MAX_LOGPROBS, readGenerationOptions, rejectUnsupported, unsupportedFields, type GenerationOptions,
   type ValidationContext,
@@ -167,6 +168,9 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   rejectUnsupported(fields, UNSUPPORTED_CHAT);
   checkOutputFormat(fields);
   const tools = readTools(fields);
+  // What reaches the chat template is read with exact numbers (a 64-bit enum value, a 1.0 default), as Python's json
+  // keeps them for vLLM; validation above and below saw JSON.parse's.
+  if (tools) tools.raw = exactBodyField(body, 'tools', tools.raw) as unknown[];
   fields.required('messages');
   const messages = fields.array('messages', { nonEmpty: true, maxItems: MAX_MESSAGES })!;
   const logprobs = fields.boolean('logprobs') ?? false;
@@ -177,12 +181,14 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   // vLLM hands documents (RAG) and reasoning_effort to the template beside chat_template_kwargs, which win.
   const templateExtras: JsonObject = {};
   if (fields.has('documents')) {
-    templateExtras.documents = readArray('documents', fields.raw('documents'));
-    checkTemplateValueDepth('documents', templateExtras.documents);
+    const documents = readArray('documents', fields.raw('documents'));
+    checkTemplateValueDepth('documents', documents);
+    templateExtras.documents = exactBodyField(body, 'documents', documents) as JsonObject[];
   }
   if (fields.has('reasoning_effort')) templateExtras.reasoning_effort = fields.string('reasoning_effort', { nonEmpty: true })!;
-  const ownKwargs = fields.fields('chat_template_kwargs')?.object;
-  if (ownKwargs) checkTemplateValueDepth('chat_template_kwargs', ownKwargs);
+  const parsedKwargs = fields.fields('chat_template_kwargs')?.object;
+  if (parsedKwargs) checkTemplateValueDepth('chat_template_kwargs', parsedKwargs);
+  const ownKwargs = parsedKwargs && exactBodyField(body, 'chat_template_kwargs', parsedKwargs) as JsonObject;
   const chatTemplateKwargs = ownKwargs || Object.keys(templateExtras).length > 0 ? { ...templateExtras, ...ownKwargs } : undefined;
   const continueFinalMessage = fields.boolean('continue_final_message') ?? false;
   const addGenerationPrompt = fields.boolean('add_generation_prompt');

@@ -3,6 +3,7 @@
 import { InvalidValueError } from '../errors.ts';
 import { childPath, Fields, readObject, type JsonObject } from '../validate.ts';
 import { parseChatCompletionRequest, type ChatMessage } from './chat.ts';
+import { shareBodyText } from '../../model/template-values.ts';
 import { readTokenId, type ValidationContext } from './generation.ts';
 
 /** vLLM's return_token_strs: the answer lists each token's vocabulary entry too (`token_strs`). */
@@ -45,13 +46,12 @@ export function parseTokenizeRequest(body: unknown, context: ValidationContext):
     };
   }
   // Messages get exactly the treatment /v1/chat/completions gives them, so the counts agree.
-  const chat = parseChatCompletionRequest(
-    { messages: fields.raw('messages'), add_generation_prompt: fields.raw('add_generation_prompt'),
-      continue_final_message: fields.raw('continue_final_message'), chat_template_kwargs: fields.raw('chat_template_kwargs'),
-      add_special_tokens: fields.raw('add_special_tokens'),
-      documents: fields.raw('documents'), reasoning_effort: fields.raw('reasoning_effort'), tools: fields.raw('tools') },
-    context,
-  );
+  const chatBody = { messages: fields.raw('messages'), add_generation_prompt: fields.raw('add_generation_prompt'),
+    continue_final_message: fields.raw('continue_final_message'), chat_template_kwargs: fields.raw('chat_template_kwargs'),
+    add_special_tokens: fields.raw('add_special_tokens'),
+    documents: fields.raw('documents'), reasoning_effort: fields.raw('reasoning_effort'), tools: fields.raw('tools') };
+  shareBodyText(body, chatBody); // its template fields read exactly, as the chat request's are
+  const chat = parseChatCompletionRequest(chatBody, context);
   return {
     kind: 'messages',
     returnTokenStrs,
