@@ -225,14 +225,19 @@ function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
 /**
  * continue_final_message: the rendered conversation cut right after the last message's content (what the template
  * wrote after it, an end-of-turn token and the like, goes), so the model goes on writing that message, as
- * Hugging Face's apply_chat_template (and so vLLM) does: at the last occurrence of the content stripped of leading
- * and trailing whitespace. A trailing space is thus never left at the end of the prompt (a word's leading space
- * belongs to the model's next token), and a template that trims the content is matched too.
+ * Hugging Face's apply_chat_template (and so vLLM) does: found at the last occurrence of the content stripped of
+ * leading and trailing whitespace (so a template that trims the content is matched too), and cut after the content's
+ * trailing whitespace when the template wrote the content as it is (a prefill "The answer is " ends the prompt
+ * with that space), else after the stripped content.
  */
 function openFinalMessage(rendered: string, messages: readonly ChatMessage[]): string {
-  const text = (messages.at(-1)?.content ?? '').trim();
+  const content = messages.at(-1)?.content ?? '';
+  const text = content.trim();
   const at = text.length > 0 ? rendered.lastIndexOf(text) : -1;
-  if (at >= 0) return rendered.slice(0, at + text.length);
+  if (at >= 0) {
+    const untrimmedEnd = at + content.trimStart().length;
+    return rendered.slice(0, rendered.slice(at, untrimmedEnd) === content ? untrimmedEnd : at + text.length);
+  }
   throw new InvalidValueError('continue_final_message',
     'the final message\'s content does not appear in the rendered chat (an empty message, or one the template rewrites), so it cannot be continued.');
 }
