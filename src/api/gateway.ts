@@ -6,7 +6,7 @@ import { createHash } from 'node:crypto';
 import type { ServerResponse } from 'node:http';
 import type { Engine, SchedulingPolicy } from '../engine/types.ts';
 import {
-  ChatTemplateError, type ChatMessage as TemplateMessage, type RenderOptions,
+  ChatTemplateError, type ChatMessage as TemplateMessage, type ContentFormat, type RenderOptions,
 } from '../model/chat-template.ts';
 import type { EncodeOptions, Tokenizer } from '../model/tokenizer/types.ts';
 import type { Tenant } from './auth.ts';
@@ -48,6 +48,8 @@ export interface ChatTemplateRenderer {
   render(messages: readonly TemplateMessage[], options: RenderOptions): string;
   /** The template's text, when known: the tool-call format is recognised from it. */
   readonly sourceText?: string;
+  /** Whether the template takes content as a string or as the list of parts (ChatTemplate's; "string" without). */
+  contentFormat?(options: RenderOptions): ContentFormat;
 }
 
 /** What the gateway serves: an engine plus the tokenizer and chat template of its model. */
@@ -217,9 +219,16 @@ function responseId(prefix: 'chatcmpl' | 'cmpl', call: Call, request: Generation
   return own !== undefined ? `${prefix}-${own}` : serverId;
 }
 
-/** OpenAI's "developer" role is the newer name of "system"; templates only know the latter. */
+/**
+ * OpenAI's "developer" role is the newer name of "system"; templates only know the latter. Content sent as parts goes
+ * as parts: the template takes them joined, or as the list when it loops over content (see ContentFormat).
+ */
 function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
-  return messages.map((message) => ({ ...message, role: message.role === 'developer' ? 'system' : message.role }));
+  return messages.map(({ contentParts, ...message }) => ({
+    ...message,
+    role: message.role === 'developer' ? 'system' : message.role,
+    ...(contentParts ? { content: contentParts.map((text) => ({ type: 'text' as const, text })) } : {}),
+  }));
 }
 
 /**
@@ -230,8 +239,10 @@ function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
  * trailing whitespace when the template wrote the content as it is (a prefill "The answer is " ends the prompt
  * with that space), else after the stripped content.
  */
-function openFinalMessage(rendered: string, messages: readonly ChatMessage[]): string {
-  const content = messages.at(-1)?.content ?? '';
+function openFinalMessage(rendered: string, messages: readonly ChatMessage[], format: ContentFormat): string {
+  // A template given the list of parts: its last part, as transformers takes it.
+  const last = messages.at(-1);
+  const content = (format === 'openai' ? last?.contentParts?.at(-1) : undefined) ?? last?.content ?? '';
   const text = content.trim();
   const at = text.length > 0 ? rendered.lastIndexOf(text) : -1;
   if (at >= 0) {
@@ -366,14 +377,18 @@ export class Gateway {
 
   /**
    * Refuses, before the chat template renders them, messages whose contents alone are longer than the rendered
-   * prompt may be: a template that keeps each message's content (trimmed or not) renders at least those bytes.
+   * prompt may be: a template that keeps each message's content (trimmed or not) renders at least those bytes. Content
+   * sent as parts counts each part trimmed, without the separators: a template that loops over the parts may trim
+   * each and join them with nothing.
    */
   private checkContentBytes(backend: ModelBackend, messages: readonly ChatMessage[], bound: PromptBound): void {
     let units = 0;
     for (const message of messages) units += message.content?.length ?? 0;
     const bytes = (): number => {
       let total = 0;
-      for (const message of messages) if (message.content) total += Buffer.byteLength(message.content.trim(), 'utf8');
+      for (const message of messages) {
+        for (const text of message.contentParts ?? [message.content ?? '']) total += Buffer.byteLength(text.trim(), 'utf8');
+      }
       return total;
     };
     this.checkBytes(backend, units, bytes, 'messages', bound, 'the messages\' contents are');
@@ -532,16 +547,16 @@ export class Gateway {
     // Rendering thousands of messages takes the event loop for seconds: contents too long already are refused first.
     this.checkContentBytes(backend, messages, bound);
     let text: string;
+    const options: RenderOptions = { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}), ...(tools ? { tools } : {}) };
     try {
-      text = backend.chatTemplate.render(templateMessages(messages),
-        { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}), ...(tools ? { tools } : {}) });
+      text = backend.chatTemplate.render(templateMessages(messages), options);
     } catch (err) {
       // The template refusing these messages is the client's 400; a template that cannot render at all is ours.
       if (err instanceof ChatTemplateError && err.status === 400) throw new TemplateRefusedMessagesError(err.message);
       if (err instanceof ChatTemplateError) throw new BrokenChatTemplateError(err.message);
       throw err;
     }
-    if (rendering.continueFinalMessage) text = openFinalMessage(text, messages);
+    if (rendering.continueFinalMessage) text = openFinalMessage(text, messages, backend.chatTemplate.contentFormat?.(options) ?? 'string');
     // Templates write their own special tokens (often BOS too): parse them. The tokenizer's own are added only when
     // asked (add_special_tokens, default false as in vLLM), and then one BOS is kept when the template wrote one too.
     this.checkPromptBytes(backend, text, 'messages', bound);

@@ -125,6 +125,71 @@ function boundedRange(budget: { left: number }): (...args: unknown[]) => number[
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Content format
+
+/**
+ * How a template takes message content, as vLLM decides it: "openai" when it loops over a message's content (Gemma 3,
+ * Llama 4, vision models' templates: `{% for item in message['content'] %}`), which then gets the list of parts
+ * (`{type: "text", text}`; a string content becomes one part, none an empty list); else "string", the text parts
+ * joined with "\n".
+ */
+export type ContentFormat = 'string' | 'openai';
+
+interface AstNode { type: string; [key: string]: unknown }
+
+function astNodes(root: unknown): AstNode[] {
+  const found: AstNode[] = [];
+  const visit = (value: unknown, depth: number): void => {
+    if (depth > 2000 || typeof value !== 'object' || value === null) return;
+    if (Array.isArray(value)) { for (const item of value) visit(item, depth + 1); return; }
+    if (typeof (value as AstNode).type === 'string') found.push(value as AstNode);
+    for (const child of Object.values(value)) visit(child, depth + 1);
+  };
+  visit(root, 0);
+  return found;
+}
+
+const isName = (node: unknown, name: string): boolean =>
+  (node as AstNode | undefined)?.type === 'Identifier' && (node as AstNode).value === name;
+
+/** `name.key` or `name['key']`. */
+function isMember(node: AstNode, name: string, key: string): boolean {
+  if (node.type !== 'MemberExpression' || !isName(node.object, name)) return false;
+  const property = node.property as AstNode;
+  return node.computed ? property.type === 'StringLiteral' && property.value === key : isName(property, key);
+}
+
+/** vLLM's _is_var_or_elems_access: the variable (or its `key`), possibly filtered, tested or sliced. */
+function isVarOrElements(node: AstNode | undefined, name: string, key?: string): boolean {
+  if (!node) return false;
+  if (node.type === 'FilterExpression' || node.type === 'TestExpression') return isVarOrElements(node.operand as AstNode, name, key);
+  if (node.type === 'MemberExpression' && node.computed && (node.property as AstNode).type === 'SliceExpression') {
+    return isVarOrElements(node.object as AstNode, name, key);
+  }
+  return key !== undefined ? isMember(node, name, key) : isName(node, name);
+}
+
+/** Whether a template loops over a message's content (vLLM's _detect_content_format). */
+function detectContentFormat(program: unknown): ContentFormat {
+  const nodes = astNodes(program);
+  const loops = nodes.filter((node) => node.type === 'For');
+  // `messages` and the variables set from it ({% set loop_messages = messages[1:] %}).
+  const messagesNames = ['messages'];
+  for (let i = 0; i < messagesNames.length; i++) {
+    for (const set of nodes) {
+      if (set.type !== 'Set' || (set.assignee as AstNode).type !== 'Identifier') continue;
+      const target = (set.assignee as AstNode).value as string;
+      if (isVarOrElements(set.value as AstNode, messagesNames[i]!) && !messagesNames.includes(target)) messagesNames.push(target);
+    }
+  }
+  const messageNames = loops.filter((loop) => messagesNames.some((name) => isVarOrElements(loop.iterable as AstNode, name)))
+    .map((loop) => (loop.loopvar as AstNode).type === 'Identifier' ? (loop.loopvar as AstNode).value as string : undefined)
+    .filter((name): name is string => name !== undefined);
+  return loops.some((loop) => messageNames.some((name) => isVarOrElements(loop.iterable as AstNode, name, 'content')))
+    ? 'openai' : 'string';
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // The fallback
 
 /**
@@ -174,6 +239,7 @@ export class ChatTemplate {
   /** What the template was built from (a frontend rebuilds a worker's template from it). */
   readonly source: ChatTemplateSource;
   private readonly compiled = new Map<string, Template>();
+  private readonly contentFormats = new Map<Template, ContentFormat>();
   /** Every named template's text, joined (what a tool-call format is recognised from). */
   readonly sourceText: string;
 
@@ -187,7 +253,9 @@ export class ChatTemplate {
     this.sourceText = [...named.values()].join('\n');
     for (const [name, text] of named) {
       try {
-        this.compiled.set(name, compile(text));
+        const compiled = compile(text);
+        this.compiled.set(name, compiled);
+        this.contentFormats.set(compiled, detectContentFormat(compiled.parsed));
       } catch (error) {
         throw new ChatTemplateError(`chat template "${name}" does not parse: ${(error as Error).message}`,
           'invalid_template', 500);
@@ -196,6 +264,9 @@ export class ChatTemplate {
   }
 
   get templateNames(): string[] { return [...this.compiled.keys()]; }
+
+  /** How the template that these options choose takes message content. */
+  contentFormat(options: RenderOptions = {}): ContentFormat { return this.contentFormats.get(this.choose(options))!; }
 
   /** Another template (--chat-template) with this one's special tokens. */
   withTemplate(text: string): ChatTemplate {
@@ -206,7 +277,7 @@ export class ChatTemplate {
     const template = this.choose(options);
     const context: Record<string, unknown> = {
       ...options.variables,
-      messages: normalizeMessages(messages),
+      messages: normalizeMessages(messages, this.contentFormats.get(template)),
       add_generation_prompt: options.addGenerationPrompt ?? true,
       bos_token: this.bosToken,
       eos_token: this.eosToken,
@@ -245,12 +316,13 @@ export class ChatTemplate {
 // Message normalisation
 
 /**
- * What templates expect: content as one string (text parts joined with "\n"; null or missing becomes ""), and tool
+ * What templates expect: content as one string (text parts joined with "\n"; null or missing becomes ""), or for a
+ * template that loops over content the list of text parts (see ContentFormat), and tool
  * call arguments as objects (templates write them with `| tojson`; a string that is not JSON is left as it is), their
  * numbers printing as the client wrote them, as Python's json reads them (see template-values.ts); empty arguments
  * ("" or "null") are {}, as vLLM passes them.
  */
-export function normalizeMessages(messages: readonly ChatMessage[]): Record<string, unknown>[] {
+export function normalizeMessages(messages: readonly ChatMessage[], format: ContentFormat = 'string'): Record<string, unknown>[] {
   if (!Array.isArray(messages as unknown)) {
     throw new ChatTemplateError('messages must be an array', 'invalid_messages', 400);
   }
@@ -262,7 +334,8 @@ export function normalizeMessages(messages: readonly ChatMessage[]): Record<stri
       throw new ChatTemplateError(`messages[${index}] has role ${JSON.stringify(message.role)}; expected one of ` +
         [...ROLES].join(', '), 'invalid_messages', 400);
     }
-    const out: Record<string, unknown> = { ...message, content: contentText(message.content, index) };
+    const text = contentText(message.content, index); // checks the parts, in either format
+    const out: Record<string, unknown> = { ...message, content: format === 'string' ? text : contentParts(message.content) };
     if (message.tool_calls) {
       out.tool_calls = message.tool_calls.map((call) => ({
         ...call,
@@ -287,6 +360,13 @@ function contentText(content: ChatMessage['content'], index: number): string {
     }
     return part.text;
   }).join('\n');
+}
+
+/** Content as the list of text parts an "openai" format template loops over, as vLLM hands it. */
+function contentParts(content: ChatMessage['content']): ChatTextPart[] {
+  if (content === undefined || content === null) return [];
+  if (typeof content === 'string') return [{ type: 'text', text: content }];
+  return content.map((part) => ({ type: 'text', text: (part as ChatTextPart).text }));
 }
 
 function parseArguments(value: unknown): unknown {

@@ -213,3 +213,17 @@ describe('chat templates from GGUF vocabularies', { skip: skipUnlessVocab('qwen2
       128006, id('assistant'), 128007, id('ĊĊ')]);
   });
 });
+
+describe('chat templates: content format', () => {
+  it('is "openai" for a template that loops over message content, as vLLM detects it', () => {
+    assert.equal(new ChatTemplate({ templates: GEMMA3_CHAT_TEMPLATE }).contentFormat(), 'openai');
+    for (const template of [LLAMA3_TEMPLATE, LLAMA2_TEMPLATE, QWEN2_TEMPLATE]) {
+      assert.equal(new ChatTemplate({ templates: template }).contentFormat(), 'string');
+    }
+    const looping = new ChatTemplate({ templates:
+      '{% set msgs = messages %}{% for m in msgs %}{% for part in m.content %}<{{ part.text }}>{% endfor %}{% endfor %}' });
+    assert.equal(looping.contentFormat(), 'openai');
+    assert.equal(looping.render([{ role: 'user', content: [{ type: 'text', text: 'a' }, { type: 'text', text: 'b' }] },
+      { role: 'user', content: 'c' }, { role: 'assistant', content: null }]), '<a><b><c>');
+  });
+});

@@ -32,6 +32,11 @@ export interface ChatMessage {
    */
   reasoning?: string;
   reasoning_content?: string;
+  /**
+   * The texts of content sent as a list of parts (`content` is them joined by "\n"): a template that loops over
+   * content gets the list, as vLLM gives it. Not a template field itself (the gateway turns it into the list).
+   */
+  contentParts?: string[];
 }
 
 export interface ChatCompletionRequest extends GenerationOptions {
@@ -73,8 +78,8 @@ const UNSUPPORTED_CHAT = unsupportedFields({
   echo: 'echo on chat completions is not supported; continue_final_message continues the last message instead.',
 });
 
-/** Text of one message's content: a string, or text parts joined by newlines. */
-function readContent(param: string, value: unknown): string {
+/** Text of one message's content: a string, or the texts of its parts. */
+function readContent(param: string, value: unknown): string | string[] {
   if (typeof value === 'string') return value;
   const parts = readArray(param, value, { nonEmpty: true });
   const texts = parts.map((part, i) => {
@@ -100,7 +105,7 @@ function readContent(param: string, value: unknown): string {
         throw new InvalidValueError(fields.path('type'), `unknown content part type '${type}'.`);
     }
   });
-  return texts.join('\n');
+  return texts;
 }
 
 function readToolCalls(param: string, value: unknown): ToolCall[] {
@@ -149,7 +154,11 @@ function readMessage(index: number, value: unknown): ChatMessage {
   }
   if (role === 'tool') message.tool_call_id = readString(fields.path('tool_call_id'), fields.required('tool_call_id'));
   // An assistant turn that calls tools may have no content; every other message must say something.
-  if (fields.has('content')) message.content = readContent(fields.path('content'), fields.raw('content'));
+  if (fields.has('content')) {
+    const content = readContent(fields.path('content'), fields.raw('content'));
+    message.content = typeof content === 'string' ? content : content.join('\n');
+    if (typeof content !== 'string') message.contentParts = content;
+  }
   else if (!callsTools) fields.required('content');
   return message;
 }
