@@ -327,8 +327,9 @@ function hfMoeConfig(json: Record<string, unknown>, declared: string, source: st
     throw new ModelFormatError(`${source}: Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not ` +
       'supported');
   }
+  // Absent, norm_topk_prob is Qwen3MoeConfig's default, false (the released models all say true).
   return { numExperts: num('num_experts'), numExpertsUsed: num('num_experts_per_tok'),
-    expertFfnDim: num('moe_intermediate_size'), normalizeTopK: optionalFlag(json, 'norm_topk_prob', source) ?? true };
+    expertFfnDim: num('moe_intermediate_size'), normalizeTopK: optionalFlag(json, 'norm_topk_prob', source) ?? false };
 }
 
 function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: number,

@@ -4,7 +4,7 @@ import { mkdtempSync, rmSync, unlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GgmlType } from '../../src/model/ggml-types.ts';
-import { interleavedRowOrder } from '../../src/model/hf.ts';
+import { hfModelConfig, interleavedRowOrder } from '../../src/model/hf.ts';
 import { loadModel } from '../../src/model/loader.ts';
 import type { LoadedModel } from '../../src/model/loader.ts';
 import { bf16BitsToF32, dequantizeTensor, f32ToBf16Bits } from '../../src/model/quant.ts';
@@ -176,5 +176,19 @@ describe('Hugging Face folder variants', () => {
     writeTinyHf(hfDir, makeTinyModel());
     writeSafetensors(join(hfDir, 'copy.safetensors'), [{ name: 'model.norm.weight', dtype: 'F32', shape: [1], data: new Uint8Array(4) }]);
     await assert.rejects(loadModel(hfDir), /model\.norm\.weight is in both copy\.safetensors and model\.safetensors/);
+  });
+});
+
+describe('Qwen3-MoE config.json', () => {
+  const base = {
+    architectures: ['Qwen3MoeForCausalLM'], hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16,
+    num_hidden_layers: 2, intermediate_size: 128, vocab_size: 100, rms_norm_eps: 1e-6, max_position_embeddings: 256,
+    num_experts: 8, num_experts_per_tok: 2, moe_intermediate_size: 32,
+  };
+
+  it('renormalizes the chosen experts\' weights only when norm_topk_prob says so (absent: false, as Qwen3MoeConfig)', () => {
+    assert.equal(hfModelConfig({ ...base }, 'm').moe?.normalizeTopK, false);
+    assert.equal(hfModelConfig({ ...base, norm_topk_prob: true }, 'm').moe?.normalizeTopK, true);
+    assert.equal(hfModelConfig({ ...base, norm_topk_prob: false }, 'm').moe?.normalizeTopK, false);
   });
 });
