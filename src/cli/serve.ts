@@ -2,6 +2,7 @@
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
 // requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
 
+import { createHash } from 'node:crypto';
 import { accessSync, constants as fsConstants, existsSync, lstatSync, readFileSync, readlinkSync, realpathSync, statSync } from 'node:fs';
 import { availableParallelism } from 'node:os';
 import { basename, dirname, join, resolve } from 'node:path';
@@ -946,13 +947,36 @@ export function createApiServer(config: ServeConfig, logger: Logger, clock?: Clo
   return { api, keyStore };
 }
 
+/** The longest a model's name is kept in its folder's name (file systems take 255 bytes a name). */
+const MODEL_FOLDER_MAX = 120;
+
 /**
- * A folder name per served model for its disk KV tier: `model-` and its served name, or its file's name, made safe
- * for a path; models that would share one are told apart by their position.
+ * A folder name per served model for its disk KV tier, a different one for each model (two models in one folder
+ * would fight over its lock, and each would delete the other's blocks as another model's): `model-` and its served
+ * name, or its file's name when it has none. Letters, digits, `.`, `_` and `-` are kept as they are (so a simple
+ * name keeps the folder it always had) and every other byte is written `%XX`, so no two names give the same folder.
+ * An unnamed model whose file's name is another model's name is told apart by `~` and a hash of its file's path (not
+ * by its position: a reordered --model list finds its blocks again); a name too long for a folder is cut and given
+ * `~` and a hash of the whole name. Neither `~` nor `%` appears otherwise, so these never meet a plain name's folder.
  */
 export function modelFolderNames(specs: readonly { path?: string; servedModelName?: string }[]): string[] {
-  const names = specs.map((spec) => `model-${(spec.servedModelName ?? basename(spec.path ?? 'builtin')).replace(/[^A-Za-z0-9._-]/g, '_')}`);
-  return names.map((name, i) => (names.indexOf(name) === names.lastIndexOf(name) ? name : `${name}-${i}`));
+  const shortHash = (text: string) => createHash('sha256').update(text).digest('hex').slice(0, 12);
+  const escape = (name: string) => {
+    const escaped = [...Buffer.from(name, 'utf8')].map((byte) => {
+      const char = String.fromCharCode(byte);
+      return /^[A-Za-z0-9._-]$/.test(char) ? char : `%${byte.toString(16).toUpperCase().padStart(2, '0')}`;
+    }).join('');
+    return escaped.length <= MODEL_FOLDER_MAX ? escaped : `${escaped.slice(0, MODEL_FOLDER_MAX - 13)}~${shortHash(name)}`;
+  };
+  const names = specs.map((spec) => `model-${escape(spec.servedModelName ?? basename(spec.path ?? 'builtin'))}`);
+  const told = names.map((name, i) => {
+    const spec = specs[i]!;
+    // Served names are unique (parseModelSpecs): a named model keeps its plain folder; an unnamed one sharing it moves.
+    if (spec.servedModelName !== undefined || names.indexOf(name) === names.lastIndexOf(name)) return name;
+    return `${name}~${shortHash(resolve(spec.path ?? 'builtin'))}`;
+  });
+  // The same file given twice without names: only the position is left to tell the two apart.
+  return told.map((name, i) => (told.indexOf(name) === told.lastIndexOf(name) ? name : `${name}~${i}`));
 }
 
 /** Opens the port, loads the model into a local engine and attaches it. `clock` drives the rate limiter. */

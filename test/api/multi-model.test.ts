@@ -124,9 +124,38 @@ describe('several models with KV offload tiers', () => {
       assert.ok(both.ram > 0 && both.disk > 0, JSON.stringify(both));
       // The same models' blocks are the same size: two models hold what one would alone (up to rounding).
       assert.ok(Math.abs(both.ram - alone.ram) <= 2, `${both.ram} RAM blocks for two models, ${alone.ram} for one`);
-      assert.deepEqual(modelFolderNames([{ path: pathA, servedModelName: 'alpha' }, { path: pathB }, { path: '/x/b.gguf' }]),
-        ['model-alpha', 'model-b.gguf-1', 'model-b.gguf-2']);
+      // Two unnamed models of one file name are told apart by their files' paths, not by their positions.
+      const [alpha, b1, b2] = modelFolderNames([{ path: pathA, servedModelName: 'alpha' }, { path: pathB }, { path: '/x/b.gguf' }]);
+      assert.equal(alpha, 'model-alpha');
+      assert.match(b1!, /^model-b\.gguf~[0-9a-f]{12}$/);
+      assert.match(b2!, /^model-b\.gguf~[0-9a-f]{12}$/);
+      assert.notEqual(b1, b2);
+      assert.deepEqual(modelFolderNames([{ path: '/x/b.gguf' }, { path: pathB }]), [b2, b1]);
       assert.ok(existsSync(join(dir, 'tier', 'model-alpha')) && existsSync(join(dir, 'tier', 'model-beta')));
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('gives models whose names differ only in characters a folder name cannot hold folders of their own', async () => {
+    // `a/b` and `a_b` once both became `model-a_b`, and the second of them `model-a_b-1`, the folder of `a_b-1`.
+    const names = modelFolderNames([{ servedModelName: 'a/b' }, { servedModelName: 'a_b' }, { servedModelName: 'a_b-1' },
+      { servedModelName: 'a%2Fb' }, { servedModelName: 'x'.repeat(300) }, { servedModelName: `${'x'.repeat(300)}y` }]);
+    assert.equal(new Set(names).size, names.length, names.join(' '));
+    assert.deepEqual(names.slice(0, 4), ['model-a%2Fb', 'model-a_b', 'model-a_b-1', 'model-a%252Fb'], 'simple names keep their folders');
+    assert.ok(names.every((name) => name.length <= 150), 'a long name is cut to fit a file system');
+    const dir = mkdtempSync(join(tmpdir(), 'conduit-multi-model-folders-'));
+    try {
+      const path = writeModel(dir, 'a.gguf', 3);
+      const server = await serve(['--model', path, '--model', path, '--model', path, '--served-model-name', 'a/b',
+        '--served-model-name', 'a_b', '--served-model-name', 'a_b-1',
+        '--kv-offload-memory', '1MiB', '--kv-offload-disk', join(dir, 'tier'), '--kv-offload-disk-size', '3MiB']);
+      try {
+        for (const model of ['a/b', 'a_b', 'a_b-1']) assert.equal((await complete(server.url, model)).status, 200, model);
+      } finally {
+        await server.api.shutdown(0);
+      }
+      for (const folder of names.slice(0, 3)) assert.ok(existsSync(join(dir, 'tier', folder)), folder);
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }
