@@ -11,7 +11,7 @@ import { engineNow } from './clock.ts';
 import { EngineCore, type KvSourceView } from './engine-core.ts';
 import { KV_IN_PLACE_SOURCE, kvBlockBytes, validateHandoff } from './handoff.ts';
 import { KvTiers } from './kv-cache/tiers.ts';
-import { DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
+import { describeOpenReport, DiskKvTier, modelFingerprint } from './kv-cache/disk-tier.ts';
 import { InvalidRequestError, LoraLoadError } from './errors.ts';
 import { OutputCoalescer } from './output-coalescer.ts';
 import type { ModelConfig } from '../model/config.ts';
@@ -114,9 +114,9 @@ function openKvTiers(layout: KvPoolLayout, fingerprint: string | undefined, noti
       warn: (message) => send({ type: 'log', level: 'warn', message }),
     });
     const found = disk.openReport;
-    notices.push(infoNotice(`KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})`
-      + (found.foreign > 0 ? `, ${found.foreign} of another model or KV layout (block size, dtype) deleted` : '')
-      + (found.torn > 0 ? `, ${found.torn} torn or unfinished files deleted` : '')));
+    const line = `KV disk tier ${offload.diskDir}: ${found.blocks} blocks of this model found (room for ${disk.capacityBlocks})${describeOpenReport(found)}`;
+    // Files left in the way (taking room the size does not count) deserve a warning, not an info line.
+    notices.push(found.notDeleted.length > 0 || found.unreadable.length > 0 ? warnNotice(line) : infoNotice(line));
   }
   return new KvTiers({ blockBytes, ramBytes: offload.memoryBytes, windowBlocks, ...(disk !== undefined ? { disk } : {}) });
 }

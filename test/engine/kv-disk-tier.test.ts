@@ -5,12 +5,12 @@
 import { afterEach, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, statfsSync, statSync, truncateSync, utimesSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, statfsSync, statSync, symlinkSync, truncateSync, utimesSync, writeFileSync } from 'node:fs';
 import { hostname, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import {
-  acquireDiskTierLock, DiskKvTier, LOCK_REFRESH_MS, LOCK_STALE_MS, modelFingerprint, WRITE_FAILURE_WARN_INTERVAL_MS,
+  acquireDiskTierLock, describeOpenReport, DiskKvTier, LOCK_REFRESH_MS, LOCK_STALE_MS, modelFingerprint, WRITE_FAILURE_WARN_INTERVAL_MS,
 } from '../../src/engine/kv-cache/disk-tier.ts';
 import { KvCacheManager } from '../../src/engine/kv-cache/manager.ts';
 import { KvTiers } from '../../src/engine/kv-cache/tiers.ts';
@@ -60,7 +60,7 @@ describe('disk tier: files', () => {
     assert.deepEqual(files(dir), [`${hash(1)}.kvb`, `${hash(2)}.kvb`]);
 
     const again = openDisk(dir);
-    assert.deepEqual(again.openReport, { blocks: 2, foreign: 0, torn: 0 });
+    assert.deepEqual(again.openReport, { blocks: 2, foreign: 0, torn: 0, evicted: 0, notDeleted: [], unreadable: [] });
     assert.deepEqual(again.get(hash(2)), { bytes: bytes(2), parentHash: hash(1) });
     assert.deepEqual(again.get(hash(1))?.parentHash, null);
     assert.equal(again.get(hash(3)), null);
@@ -94,9 +94,28 @@ describe('disk tier: files', () => {
     await other.flush();
     writeFileSync(join(dir, `${hash(4)}.kvb`), readFileSync(join(other.dir, `${hash(4)}.kvb`)));
     const again = openDisk(dir);
-    assert.deepEqual(again.openReport, { blocks: 1, foreign: 1, torn: 2 });
+    assert.deepEqual(again.openReport, { blocks: 1, foreign: 1, torn: 2, evicted: 0, notDeleted: [], unreadable: [] });
     assert.deepEqual(again.hashes(), [hash(2)]);
     assert.deepEqual(readdirSync(dir).sort(), [`${hash(2)}.kvb`]);
+  });
+
+  test('the report at open names what could not be deleted and what could not be read, and counts only what was deleted', async () => {
+    const dir = tempDir();
+    const disk = openDisk(dir);
+    disk.put(hash(1), { bytes: bytes(1), parentHash: null });
+    await disk.flush();
+    // A folder under a block file's name, not empty: it is to go (not a block) but a file's unlink cannot take it.
+    mkdirSync(join(dir, `${hash(2)}.kvb`));
+    writeFileSync(join(dir, `${hash(2)}.kvb`, 'kept'), 'x');
+    // A link to nothing under a block file's name: it cannot be read at all.
+    symlinkSync(join(dir, 'nowhere'), join(dir, `${hash(3)}.kvb`));
+    const again = openDisk(dir);
+    assert.equal(again.openReport.blocks, 1);
+    assert.equal(again.openReport.torn, 0, 'nothing was deleted');
+    assert.deepEqual(again.openReport.notDeleted.map((line) => line.split(':')[0]), [`${hash(2)}.kvb`]);
+    assert.deepEqual(again.openReport.unreadable, [`${hash(3)}.kvb: ENOENT`]);
+    assert.match(describeOpenReport(again.openReport), new RegExp(`^, 1 that should go could not be deleted and stay unused \\(${hash(2)}\\.kvb: E[A-Z]+\\), 1 could not be read and were skipped \\(${hash(3)}\\.kvb: ENOENT\\)$`));
+    assert.deepEqual(again.hashes(), [hash(1)]);
   });
 
   // A named pipe blocks whoever opens it for reading until a writer comes: the worker would hang at start or at a read.
@@ -123,7 +142,7 @@ describe('disk tier: files', () => {
       console.log(JSON.stringify({ report: atOpen.openReport, read: indexed.get('${hash(2)}'), held: indexed.has('${hash(2)}') }));
     `], { encoding: 'utf8', timeout: 30_000 });
     assert.equal(run.status, 0, `the child hung or failed: ${run.stderr}`);
-    assert.deepEqual(JSON.parse(run.stdout.trim()), { report: { blocks: 1, foreign: 0, torn: 1 }, read: null, held: false });
+    assert.deepEqual(JSON.parse(run.stdout.trim()), { report: { blocks: 1, foreign: 0, torn: 1, evicted: 0, notDeleted: [], unreadable: [] }, read: null, held: false });
   });
 
   test('a full disk tier evicts its least recently used block, file and all', async () => {
@@ -142,7 +161,8 @@ describe('disk tier: files', () => {
     assert.deepEqual(disk.hashes(), [hash(1), hash(3)]);
     await new Promise((resolve) => setTimeout(resolve, 20)); // the unlink is asynchronous
     assert.deepEqual(files(dir), [`${hash(1)}.kvb`, `${hash(3)}.kvb`]);
-    assert.equal(openDisk(dir, 1).openReport.blocks, 1, 'reopened smaller: the older block goes');
+    assert.deepEqual(openDisk(dir, 1).openReport, { blocks: 1, foreign: 0, torn: 0, evicted: 1, notDeleted: [], unreadable: [] },
+      'reopened smaller: the older block goes, and the report says so');
   });
 
   test('writes beyond the in-flight bound are skipped, not queued without end', async () => {

@@ -67,7 +67,7 @@ export interface DiskKvTierOptions {
 /** A failing disk is warned about at most once in this many ms, however many episodes of failures it has. */
 export const WRITE_FAILURE_WARN_INTERVAL_MS = 60_000;
 
-/** What opening a folder found. */
+/** What opening a folder found, and what it did about it. */
 export interface DiskOpenReport {
   /** Blocks found valid and indexed. */
   blocks: number;
@@ -75,6 +75,22 @@ export interface DiskOpenReport {
   foreign: number;
   /** Files torn (wrong size or header) or leftover temporaries, deleted. */
   torn: number;
+  /** Valid blocks beyond --kv-offload-disk-size (the least recently used), deleted. */
+  evicted: number;
+  /** Files that were to be deleted (for one of the reasons above) but could not be: `name: reason`. They stay in the folder, never served. */
+  notDeleted: string[];
+  /** Block files that could not be read (their header or their type): `name: reason`. Left as they are, not served. */
+  unreadable: string[];
+}
+
+/** The report's problems in a few words each, for the start-up line: how many, and the first few by name. */
+export function describeOpenReport(report: DiskOpenReport): string {
+  const some = (list: string[]) => list.slice(0, 3).join('; ') + (list.length > 3 ? `; ${list.length - 3} more` : '');
+  return (report.foreign > 0 ? `, ${report.foreign} of another model or KV layout (block size, dtype) deleted` : '')
+    + (report.torn > 0 ? `, ${report.torn} torn or unfinished files deleted` : '')
+    + (report.evicted > 0 ? `, ${report.evicted} beyond --kv-offload-disk-size deleted (least recently used)` : '')
+    + (report.notDeleted.length > 0 ? `, ${report.notDeleted.length} that should go could not be deleted and stay unused (${some(report.notDeleted)})` : '')
+    + (report.unreadable.length > 0 ? `, ${report.unreadable.length} could not be read and were skipped (${some(report.unreadable)})` : '');
 }
 
 export class DiskKvTier implements KvBlockStore {
@@ -353,14 +369,19 @@ export class DiskKvTier implements KvBlockStore {
    * checked here (the payload's checksum at each read), files of another model and torn ones deleted.
    */
   private scan(): DiskOpenReport {
-    const report: DiskOpenReport = { blocks: 0, foreign: 0, torn: 0 };
+    const report: DiskOpenReport = { blocks: 0, foreign: 0, torn: 0, evicted: 0, notDeleted: [], unreadable: [] };
+    // Counted under `reason` only once it is gone; what stays is named in notDeleted.
+    const remove = (name: string, reason: 'foreign' | 'torn' | 'evicted') => {
+      const failure = unlinkFailure(join(this.dir, name));
+      if (failure === undefined) report[reason]++;
+      else report.notDeleted.push(`${name}: ${failure}`);
+    };
     const found: { hash: BlockHash; parentHash: BlockHash | null; mtimeMs: number }[] = [];
     const header = Buffer.alloc(HEADER_BYTES);
     for (const name of readdirSync(this.dir)) {
       const path = join(this.dir, name);
       if (name.includes(SUFFIX + TEMP_MARK)) {
-        report.torn++;
-        unlinkQuietly(path);
+        remove(name, 'torn');
         continue;
       }
       if (!name.endsWith(SUFFIX)) continue;
@@ -373,8 +394,7 @@ export class DiskKvTier implements KvBlockStore {
         // Not a file (a named pipe would block the worker in open for good; a folder holds no block): nothing to
         // read, and nothing a tier wrote.
         if (!stat.isFile()) {
-          report.torn++;
-          unlinkQuietly(path);
+          remove(name, 'torn');
           continue;
         }
         size = stat.size;
@@ -386,16 +406,15 @@ export class DiskKvTier implements KvBlockStore {
         } finally {
           closeSync(fd);
         }
-      } catch {
+      } catch (error) {
+        report.unreadable.push(`${name}: ${errorReason(error)}`);
         continue;
       }
       const foreign = header.toString('latin1', 0, 4) === MAGIC && header.toString('latin1', 8, 40) !== this.fingerprint;
       // The header's own checks on a buffer of the file's claimed size: the payload is read (and checked) later.
       const claimed = size === this.fileBytes ? this.parse(Buffer.concat([header, Buffer.alloc(this.blockBytes)]), hash) : null;
       if (claimed === null) {
-        if (foreign) report.foreign++;
-        else report.torn++;
-        unlinkQuietly(path);
+        remove(name, foreign ? 'foreign' : 'torn');
         continue;
       }
       found.push({ hash, parentHash: claimed.parentHash, mtimeMs });
@@ -406,11 +425,28 @@ export class DiskKvTier implements KvBlockStore {
     while (this.index.size > this.capacityBlocks) {
       const oldest = this.index.keys().next().value as BlockHash;
       this.index.delete(oldest);
-      unlinkQuietly(this.pathOf(oldest));
+      remove(oldest + SUFFIX, 'evicted');
     }
     report.blocks = this.index.size;
     return report;
   }
+}
+
+/** Deletes a file; undefined when it is gone (also when it was gone already), else why it stays. */
+function unlinkFailure(path: string): string | undefined {
+  try {
+    unlinkSync(path);
+    return undefined;
+  } catch (error) {
+    return (error as NodeJS.ErrnoException).code === 'ENOENT' ? undefined : errorReason(error);
+  }
+}
+
+/** A file error in a few words: Node's messages already begin with their code ("EACCES: permission denied, ..."). */
+function errorReason(error: unknown): string {
+  const e = error as NodeJS.ErrnoException;
+  if (!(e instanceof Error)) return String(error);
+  return e.code !== undefined ? e.code : e.message;
 }
 
 function unlinkQuietly(path: string): void {
