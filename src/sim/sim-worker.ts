@@ -25,6 +25,7 @@ import {
 import { SYNTHETIC_TEXT, SYNTHETIC_TOKENS, syntheticToken } from './synthetic-tokens.ts';
 import { IncrementalDetokenizer } from '../engine/detokenizer.ts';
 import { InvalidRequestError, LoraLoadError } from '../engine/errors.ts';
+import { GREEDY_TEMPERATURE } from '../engine/sampler.ts';
 import { GrammarError, type GrammarLoader, type GuidedSequence } from '../engine/grammar/runtime.ts';
 import type { TextSource, TokenSource } from '../engine/step-core.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
@@ -545,11 +546,14 @@ export class SimWorker extends StepCore<SimTokenState> {
       const position = request.sequences[completionIndex]?.numTokens ?? request.promptTokenIds.length;
       const state = this.tokenState(request.id, completionIndex);
       const seed = state?.seed ?? 0;
-      let tokenId = syntheticToken(seed, completionIndex, position, {
+      // Greedy sampling has one answer: every completion of the request gets the tokens of the first, as on the cpu
+      // engine, where each row takes the same argmax.
+      const sampleIndex = request.sampling.temperature < GREEDY_TEMPERATURE ? 0 : completionIndex;
+      let tokenId = syntheticToken(seed, sampleIndex, position, {
         vocabSize: this.vocabSize, eosTokenId: this.eosTokenId, eosProbability: this.eosProbability,
         avoid: request.sampling.stopTokenIds,
       });
-      if (state?.guided !== undefined && !state.guided.isTerminated) tokenId = this.guidedToken(state.guided, tokenId, seed, completionIndex, position);
+      if (state?.guided !== undefined && !state.guided.isTerminated) tokenId = this.guidedToken(state.guided, tokenId, seed, sampleIndex, position);
       // The sim chooses each token with certainty, so its logprob is 0 and it has no alternatives.
       if (request.sampling.logprobs !== null) logprobs.set(rowKey(request.id, completionIndex), { tokenId, logprob: 0, top: [] });
       return tokenId;

@@ -62,6 +62,16 @@ for (const layout of [['--workers', '2'], ['--prefill-workers', '1', '--decode-w
       assert.equal(completion.choices[0]!.logprobs!.tokens!.length, completion.usage!.completion_tokens);
     });
 
+    it('gives n identical completions to a greedy request, and n different ones otherwise', E2E, async () => {
+      const greedy = await client.completions.create({ model, prompt: 'Once upon a time', max_tokens: 8, n: 3, temperature: 0 });
+      const texts = greedy.choices.map((choice) => choice.text);
+      assert.equal(texts.length, 3);
+      assert.ok(texts[0]!.length > 0);
+      assert.deepEqual(texts, [texts[0], texts[0], texts[0]], 'temperature 0 has one answer');
+      const sampled = await client.completions.create({ model, prompt: 'Once upon a time', max_tokens: 8, n: 2, temperature: 1, seed: 3 });
+      assert.notEqual(sampled.choices[0]!.text, sampled.choices[1]!.text);
+    });
+
     it('does not stop on a stop string before min_tokens tokens: the text and usage agree', E2E, async () => {
       const prompt = 'Count with me';
       const full = await client.completions.create({ model, prompt, max_tokens: 12, seed: 7 });
