@@ -156,6 +156,10 @@ function optionalFlag(json: Record<string, unknown>, key: string, source: string
 
 export function hfModelConfig(json: Record<string, unknown>, name: string, source = 'config.json'): ModelConfig {
   const architectures = json['architectures'];
+  if (Array.isArray(architectures) && architectures.length === 0) {
+    throw new ModelFormatError(`${source}: config.json "architectures" is an empty list: it must name the model class `
+      + `(supported: ${Object.keys(ARCHITECTURES).join(', ')})`);
+  }
   const declared = Array.isArray(architectures) ? String(architectures[0]) : undefined;
   // Own keys only: "constructor" or "toString" would otherwise find Object.prototype's and load as an architecture.
   const architecture = declared !== undefined && Object.hasOwn(ARCHITECTURES, declared) ? ARCHITECTURES[declared] : undefined;

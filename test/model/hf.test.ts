@@ -131,6 +131,11 @@ describe('Hugging Face folder variants', () => {
     writeTinyHf(mistral, makeTinyModel(), { configOverrides: { architectures: ['MistralForCausalLM'], sliding_window: 4096 } });
     assert.equal((await loadModel(mistral)).config.slidingWindow, 4096);
 
+    // An empty list names no class: say so, rather than "architecture undefined".
+    const emptyList = tempDir();
+    writeTinyHf(emptyList, makeTinyModel(), { configOverrides: { architectures: [] } });
+    await assert.rejects(loadModel(emptyList), /config\.json "architectures" is an empty list: it must name the model class \(supported: LlamaForCausalLM/);
+
     // Names of Object.prototype's properties are no architecture either (they must not be found on the prototype).
     for (const name of ['constructor', 'toString', '__proto__']) {
       const folder = tempDir();
