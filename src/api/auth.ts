@@ -7,6 +7,7 @@
 //           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"},
 //                       "ops": {"admin": true}}}
 //   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starting a word starts a comment, '-' leaves a limit unset)
+// A limit is a positive whole number in decimal digits (JSON: a number; null or absent leaves it unset).
 // A JSON field other than these is refused (a misspelt "rmp" would leave its tenant unlimited), and so is one key
 // given to two tenants.
 // Environment (CONDUIT_API_KEYS): "key:tenant,key2:tenant2".
@@ -36,6 +37,8 @@ export interface Tenant {
 export interface KeyGrant {
   key: string;
   tenant: string;
+  /** Where the grant was written (file and line, or file and JSON path), for errors about it. */
+  where?: string;
 }
 
 export interface TenantConfig {
@@ -89,7 +92,7 @@ export class KeyStore {
       const hash = sha256(grant.key);
       const existing = this.tenantByKeyHash.get(hash);
       if (existing && existing.name !== grant.tenant) {
-        throw new KeyConfigError(`API key ${keyHint(grant.key)} is given to two tenants: ${existing.name} and ${grant.tenant}`);
+        throw new KeyConfigError(`API key ${keyHint(grant.key)} is given to two tenants: ${existing.name} and ${grant.tenant}${grantPlace(grant)}`);
       }
       this.tenantByKeyHash.set(hash, tenantFor(grant.tenant));
     }
@@ -129,13 +132,32 @@ export class KeyStore {
 
 // ---- parsing ----
 
-function positiveLimit(raw: unknown, what: string, where: string): number | undefined {
-  if (raw === undefined || raw === null || raw === '-') return undefined;
-  const value = typeof raw === 'string' ? Number(raw) : raw;
-  if (typeof value !== 'number' || !Number.isInteger(value) || value <= 0) {
-    throw new KeyConfigError(`${where}: ${what} must be a positive integer, got ${JSON.stringify(raw)}`);
+/** Where two grants of one key were written, for the error naming both. */
+function grantPlace(grant: KeyGrant): string {
+  return grant.where !== undefined ? ` (${grant.where})` : '';
+}
+
+
+/**
+ * A limit of the line format: decimal digits, or "-" for none. Number() alone would also take "0x10", "1e3", "0b1"
+ * and " 7", so a typo could set a limit far from the one meant.
+ */
+function lineLimit(raw: string | undefined, what: string, where: string): number | undefined {
+  if (raw === undefined || raw === '-') return undefined;
+  const value = /^[0-9]+$/.test(raw) ? Number(raw) : NaN;
+  if (!Number.isSafeInteger(value) || value <= 0) {
+    throw new KeyConfigError(`${where}: ${what} must be a positive integer in decimal digits, or "-" for no limit, got ${JSON.stringify(raw)}`);
   }
   return value;
+}
+
+/** A limit of the JSON format: a JSON number, or null or absent for none. A string ("-", "60") is refused. */
+function jsonLimit(raw: unknown, what: string, where: string): number | undefined {
+  if (raw === undefined || raw === null) return undefined;
+  if (typeof raw !== 'number' || !Number.isSafeInteger(raw) || raw <= 0) {
+    throw new KeyConfigError(`${where}: ${what} must be a positive integer, or null for no limit, got ${JSON.stringify(raw)}`);
+  }
+  return raw;
 }
 
 function mergeTenant(config: KeyConfig, name: string, tenant: TenantConfig, where: string): void {
@@ -186,7 +208,7 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
     const { key, tenant } = entry as { key?: unknown; tenant?: unknown };
     if (typeof key !== 'string' || key.length === 0) throw new KeyConfigError(`${where}: "key" must be a non-empty string`);
     if (typeof tenant !== 'string' || tenant.length === 0) throw new KeyConfigError(`${where}: "tenant" must be a non-empty string`);
-    config.keys.push({ key, tenant });
+    config.keys.push({ key, tenant, where });
   });
   if (root.tenants !== undefined) {
     if (typeof root.tenants !== 'object' || root.tenants === null || Array.isArray(root.tenants)) {
@@ -204,9 +226,9 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
       if (spec.admin !== undefined && typeof spec.admin !== 'boolean') throw new KeyConfigError(`${where}: admin must be true or false`);
       mergeTenant(config, name, {
         limits: dropUndefined({
-          requestsPerMinute: positiveLimit(spec.rpm, 'rpm', where),
-          tokensPerMinute: positiveLimit(spec.tpm, 'tpm', where),
-          maxConcurrent: positiveLimit(spec.max_concurrent, 'max_concurrent', where),
+          requestsPerMinute: jsonLimit(spec.rpm, 'rpm', where),
+          tokensPerMinute: jsonLimit(spec.tpm, 'tpm', where),
+          maxConcurrent: jsonLimit(spec.max_concurrent, 'max_concurrent', where),
         }),
         ...(cacheGroup !== undefined ? { cacheGroup } : {}),
         ...(spec.admin === true ? { admin: true } : {}),
@@ -218,7 +240,8 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
 
 function parseLineKeys(text: string, source: string): KeyConfig {
   const config: KeyConfig = { keys: [], tenants: new Map() };
-  text.split(/\r?\n/).forEach((line, i) => {
+  // Any line ending: LF, CRLF, or CR alone (old Mac editors), which would otherwise make the whole file one line.
+  text.split(/\r\n|\r|\n/).forEach((line, i) => {
     // A comment begins with a word that begins with '#', as in a shell: a key may hold a '#' (a printable
     // character like any other), which would otherwise cut the line inside the key.
     const words = line.replace(/(^|\s)#.*/, '').trim().split(/\s+/).filter(Boolean);
@@ -228,13 +251,13 @@ function parseLineKeys(text: string, source: string): KeyConfig {
       throw new KeyConfigError(`${where}: expected "key tenant [rpm] [tpm] [max_concurrent]", got ${words.length} words`);
     }
     const [key, tenant, rpm, tpm, maxConcurrent] = words as [string, string, ...(string | undefined)[]];
-    config.keys.push({ key, tenant });
+    config.keys.push({ key, tenant, where });
     if (words.length > 2) {
       mergeTenant(config, tenant, {
         limits: dropUndefined({
-          requestsPerMinute: positiveLimit(rpm, 'rpm', where),
-          tokensPerMinute: positiveLimit(tpm, 'tpm', where),
-          maxConcurrent: positiveLimit(maxConcurrent, 'max_concurrent', where),
+          requestsPerMinute: lineLimit(rpm, 'rpm', where),
+          tokensPerMinute: lineLimit(tpm, 'tpm', where),
+          maxConcurrent: lineLimit(maxConcurrent, 'max_concurrent', where),
         }),
       }, where);
     }
@@ -325,13 +348,14 @@ export function combineKeyConfig(fromFile: KeyConfig | undefined, fromList: KeyG
       + 'refusing to start open to everyone (give no keys option to run without keys)');
   }
   // The same key for two tenants: which one a request is would depend on the order (KeyStore refuses it too).
-  const tenantOf = new Map<string, string>();
-  for (const { key, tenant } of config.keys) {
-    const other = tenantOf.get(key);
-    if (other !== undefined && other !== tenant) {
-      throw new KeyConfigError(`API key ${keyHint(key)} is given to two tenants: ${other} and ${tenant}`);
+  const grantOf = new Map<string, KeyGrant>();
+  for (const grant of config.keys) {
+    const other = grantOf.get(grant.key);
+    if (other !== undefined && other.tenant !== grant.tenant) {
+      throw new KeyConfigError(`API key ${keyHint(grant.key)} is given to two tenants: ${other.tenant}${grantPlace(other)} `
+        + `and ${grant.tenant}${grantPlace(grant)}`);
     }
-    tenantOf.set(key, tenant);
+    if (other === undefined) grantOf.set(grant.key, grant);
   }
   return config;
 }

@@ -109,13 +109,51 @@ describe('keys file parsing', () => {
   it('reads a file that begins with a byte-order mark, in either format', () => {
     const json = parseKeysFile('\uFEFF{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": 3}}}', 'k.json');
     assert.equal(json.tenants.get('acme')!.limits.requestsPerMinute, 3);
-    assert.deepEqual(parseKeysFile('\uFEFFsk-1 acme\n').keys, [{ key: 'sk-1', tenant: 'acme' }]);
+    assert.deepEqual(parseKeysFile('\uFEFFsk-1 acme\n').keys.map((g) => `${g.key}=${g.tenant}`), ['sk-1=acme']);
   });
 
   it('names the line of a bad entry', () => {
     assert.throws(() => parseKeysFile('sk-1 acme\nsk-2 acme sixty\n', 'keys.txt'), /keys\.txt:2: rpm must be a positive integer/);
     assert.throws(() => parseKeysFile('lonely\n', 'keys.txt'), /keys\.txt:1: expected "key tenant/);
     assert.throws(() => parseKeysFile('k1 a 1\nk2 a 2\n', 'keys.txt'), /tenant a is given different limits/);
+  });
+
+  it('reads a limit only as decimal digits: no hex, exponent, sign or binary spelling', () => {
+    for (const bad of ['0x10', '1e3', '+5', '0b1', '1.0', '0', '-1', '١٢']) {
+      assert.throws(() => parseKeysFile(`sk-1 acme 5\nsk-2 globex ${bad}\n`, 'keys.txt'),
+        new RegExp(`^KeyConfigError: keys\\.txt:2: rpm must be a positive integer in decimal digits, or "-" for no limit, got "${bad.replace(/[.+]/g, '\\$&')}"$`), bad);
+    }
+    assert.throws(() => parseKeysFile('sk-1 acme - 1e3\n', 'keys.txt'), /keys\.txt:1: tpm must be .* got "1e3"/);
+    assert.deepEqual(parseKeysFile('sk-1 acme 010 - 7\n').tenants.get('acme')!.limits, { requestsPerMinute: 10, maxConcurrent: 7 });
+  });
+
+  it('refuses a JSON limit that is not a number: "-" and "60" are strings, null leaves the limit unset', () => {
+    for (const bad of ['"-"', '"60"', '"0x10"', 'true', '1.5', '0']) {
+      assert.throws(() => parseKeysFile(`{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": ${bad}}}}`, 'k.json'),
+        (err: Error) => err instanceof KeyConfigError && err.message === `k.json tenants.acme: rpm must be a positive integer, or null for no limit, got ${JSON.stringify(JSON.parse(bad))}`, bad);
+    }
+    const config = parseKeysFile('{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": null, "tpm": 1e3}}}');
+    assert.deepEqual(config.tenants.get('acme')!.limits, { tokensPerMinute: 1000 });
+  });
+
+  it('reads a line file with any line ending: LF, CRLF or CR alone', () => {
+    for (const eol of ['\n', '\r\n', '\r']) {
+      const config = parseKeysFile(['# keys', 'sk-1 acme 60', 'sk-2 globex - 100', ''].join(eol), 'keys.txt');
+      assert.deepEqual(config.keys.map((g) => `${g.key}=${g.tenant}@${g.where}`), ['sk-1=acme@keys.txt:2', 'sk-2=globex@keys.txt:3'], JSON.stringify(eol));
+      assert.deepEqual(config.tenants.get('globex')!.limits, { tokensPerMinute: 100 });
+    }
+    assert.throws(() => parseKeysFile('sk-1 acme\rsk-2 acme 1e3\r', 'keys.txt'), /keys\.txt:2: rpm/);
+  });
+
+  it('names the file and line (or JSON entry) of both grants of a key given to two tenants', () => {
+    assert.throws(() => combineKeyConfig(parseKeysFile('sk-1 acme\n# spare\nsk-1 globex\n', 'keys.txt'), undefined),
+      /API key \*\*\* is given to two tenants: acme \(keys\.txt:1\) and globex \(keys\.txt:3\)/);
+    const json = '{"keys": [{"key": "sk-1", "tenant": "acme"}, {"key": "sk-1", "tenant": "globex"}]}';
+    assert.throws(() => combineKeyConfig(parseKeysFile(json, 'k.json'), undefined),
+      /given to two tenants: acme \(k\.json keys\[0\]\) and globex \(k\.json keys\[1\]\)/);
+    // A key of the file given again in the environment's list: the file's line is named, the list has none.
+    assert.throws(() => combineKeyConfig(parseKeysFile('sk-1 acme\n', 'keys.txt'), parseKeysList('sk-1:globex')),
+      /given to two tenants: acme \(keys\.txt:1\) and globex$/);
   });
 
   it('reads the JSON format and names bad entries', () => {
