@@ -30,6 +30,8 @@ function hfFolder(vocabTokens: number, added: { id: number; content: string; spe
   writeFileSync(join(folder, 'tokenizer.json'), JSON.stringify({
     version: '1.0', added_tokens: added, model: { type: 'BPE', vocab, merges: [] },
   }));
+  // This vocabulary has no "<s>" or "</s>": a tokenizer_config.json naming them would be refused.
+  writeFileSync(join(folder, 'tokenizer_config.json'), JSON.stringify({ chat_template: '{{ messages[0].content }}' }));
   return folder;
 }
 

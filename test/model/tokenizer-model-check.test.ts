@@ -23,6 +23,8 @@ function folderWith(model: Record<string, unknown>, extra: Record<string, unknow
   const folder = join(dir, `case-${counter++}`);
   writeTinyHf(folder, makeTinyModel());
   writeFileSync(join(folder, 'tokenizer.json'), JSON.stringify({ version: '1.0', ...extra, model }));
+  // These vocabularies have no "<s>" or "</s>": a tokenizer_config.json naming them would be refused.
+  writeFileSync(join(folder, 'tokenizer_config.json'), JSON.stringify({ chat_template: '{{ messages[0].content }}' }));
   return folder;
 }
 

@@ -314,15 +314,31 @@ export class HfTokenizer implements Tokenizer {
       (c.type === 'Strip' && c.content === ' ' && Number(c.start) > 0) ||
       (c.type === 'Metaspace' && metaspacePrependScheme(c) !== 'never'));
 
-    this.bosId = this.idOfConfigToken('bos_token');
-    this.eosId = this.idOfConfigToken('eos_token');
+    for (const key of ['add_bos_token', 'add_eos_token']) {
+      const value = config[key];
+      // Read only as a boolean, a string "false" would otherwise be ignored and the post-processor's choice kept.
+      if (value !== undefined && value !== null && typeof value !== 'boolean') {
+        throw new TokenizerError(`${source}: tokenizer_config.json ${key} is ${JSON.stringify(value)}, not true or false`);
+      }
+    }
+    this.bosId = this.idOfConfigToken('bos_token', source);
+    this.eosId = this.idOfConfigToken('eos_token', source);
     [this.prefixIds, this.suffixIds] = this.specialTokensAround();
     this.stopTokenIds = this.collectStopIds();
   }
 
-  private idOfConfigToken(key: string): number | undefined {
+  /**
+   * The id of the token tokenizer_config.json names for `key`. A name the vocabulary lacks is refused: BOS would
+   * silently not be added (even with add_bos_token true), and EOS would not stop generation by its id.
+   */
+  private idOfConfigToken(key: string, source: string): number | undefined {
     const text = tokenText(this.config[key]);
-    return text === undefined ? undefined : this.withSpecial.token_to_id(text);
+    if (text === undefined) return undefined;
+    const id = this.withSpecial.token_to_id(text);
+    if (id === undefined) {
+      throw new TokenizerError(`${source}: tokenizer_config.json ${key} ${JSON.stringify(text)} is not a token of the vocabulary`);
+    }
+    return id;
   }
 
   /** The ids the post-processor puts before and after a single sequence, with the config's overrides. */
