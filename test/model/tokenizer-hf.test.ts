@@ -264,7 +264,7 @@ describe('tokenizer.json: token ids that cannot be right', () => {
       (e) => e instanceof TokenizerError && pattern.test(e.message) && !e.message.includes('\n'));
   };
 
-  it('tokenizer_config.json: add_bos_token / add_eos_token that is not a boolean, a bos / eos token not in the vocabulary', () => {
+  it('tokenizer_config.json: add_bos_token / add_eos_token that is not a boolean, a BOS it asks for not in the vocabulary', () => {
     const json = { model, added_tokens: [{ id: 3, content: '<s>', special: true }] };
     const refusesConfig = (config: Record<string, unknown>, pattern: RegExp): void => {
       assert.throws(() => tokenizerFromJsonObject(json, config, 'tok.json'), (e) => e instanceof TokenizerError && pattern.test(e.message));
@@ -273,8 +273,10 @@ describe('tokenizer.json: token ids that cannot be right', () => {
     refusesConfig({ add_eos_token: 'false' }, /^tok\.json: tokenizer_config\.json add_eos_token is "false", not true or false$/);
     refusesConfig({ add_bos_token: 1 }, /add_bos_token is 1, not true or false/);
     refusesConfig({ bos_token: '<|begin|>', add_bos_token: true },
-      /^tok\.json: tokenizer_config\.json bos_token "<\|begin\|>" is not a token of the vocabulary$/);
-    refusesConfig({ eos_token: { content: '</s>' } }, /^tok\.json: tokenizer_config\.json eos_token "<\/s>" is not a token of the vocabulary$/);
+      /^tok\.json: tokenizer_config\.json bos_token "<\|begin\|>" is not a token of the vocabulary, and add_bos_token asks for it$/);
+    // Named but not asked for (no add_bos_token; an EOS): left out, as before.
+    assert.equal(tokenizerFromJsonObject(json, { bos_token: '<|begin|>', add_bos_token: false }).bosId, undefined);
+    assert.equal(tokenizerFromJsonObject(json, { eos_token: { content: '</s>' } }).eosId, undefined);
     // What the vocabulary has, and booleans (or null) for the flags, load.
     const tokenizer = tokenizerFromJsonObject(json, { bos_token: '<s>', add_bos_token: true, add_eos_token: null, eos_token: null });
     assert.deepEqual(tokenizer.encode('ab'), [3, 2]);

@@ -321,24 +321,22 @@ export class HfTokenizer implements Tokenizer {
         throw new TokenizerError(`${source}: tokenizer_config.json ${key} is ${JSON.stringify(value)}, not true or false`);
       }
     }
-    this.bosId = this.idOfConfigToken('bos_token', source);
-    this.eosId = this.idOfConfigToken('eos_token', source);
+    this.bosId = this.idOfConfigToken('bos_token');
+    this.eosId = this.idOfConfigToken('eos_token');
+    // A BOS the prompts must start with that the vocabulary lacks would silently not be added. A missing token that
+    // is not asked for (add_bos_token false or unset, or an EOS: its stop is also found by its text) is left out.
+    if (this.config.add_bos_token === true && this.bosId === undefined && tokenText(this.config.bos_token) !== undefined) {
+      throw new TokenizerError(`${source}: tokenizer_config.json bos_token ${JSON.stringify(tokenText(this.config.bos_token))} `
+        + 'is not a token of the vocabulary, and add_bos_token asks for it');
+    }
     [this.prefixIds, this.suffixIds] = this.specialTokensAround();
     this.stopTokenIds = this.collectStopIds();
   }
 
-  /**
-   * The id of the token tokenizer_config.json names for `key`. A name the vocabulary lacks is refused: BOS would
-   * silently not be added (even with add_bos_token true), and EOS would not stop generation by its id.
-   */
-  private idOfConfigToken(key: string, source: string): number | undefined {
+  /** The id of the token tokenizer_config.json names for `key`; undefined when it names none the vocabulary has. */
+  private idOfConfigToken(key: string): number | undefined {
     const text = tokenText(this.config[key]);
-    if (text === undefined) return undefined;
-    const id = this.withSpecial.token_to_id(text);
-    if (id === undefined) {
-      throw new TokenizerError(`${source}: tokenizer_config.json ${key} ${JSON.stringify(text)} is not a token of the vocabulary`);
-    }
-    return id;
+    return text === undefined ? undefined : this.withSpecial.token_to_id(text);
   }
 
   /** The ids the post-processor puts before and after a single sequence, with the config's overrides. */
