@@ -469,9 +469,13 @@ export function checkDiskTierFolder(dir: string, label = '--kv-offload-disk'): v
  */
 const TIER_SIZE_TOO_SMALL = /^(worker process \S+ could not start: )?--kv-offload-(memory|disk-size) (\d+) bytes holds no KV block( file)? of (\d+) bytes$/;
 
+/** A worker's refusal of a --kv-cache-memory below one block (worker-main.ts), the size being per worker. */
+const KV_CACHE_MEMORY_TOO_SMALL = /^(worker process \S+ could not start: )?--kv-cache-memory \d+ bytes holds no block of \d+ bytes$/;
+
 /** A start-up failure that is a bad value (exit 2), not a failure to start (exit 1): known only once the model loaded. */
 export function isTierSizeTooSmall(error: unknown): boolean {
-  return error instanceof EngineStartError && TIER_SIZE_TOO_SMALL.test(error.message);
+  return error instanceof EngineStartError
+    && (TIER_SIZE_TOO_SMALL.test(error.message) || KV_CACHE_MEMORY_TOO_SMALL.test(error.message));
 }
 
 /**
@@ -1214,8 +1218,8 @@ export const serveCommand: Command = {
       const { DiskTierLockedError } = await import('../engine/kv-cache/disk-tier.ts');
       if (isModelLoadError(err) || err instanceof DiskTierLockedError || err instanceof EngineStartError) {
         console.error(`conduit serve: ${nameStartupEnvironment(explainTierShare(err.message, config), config)}`);
-        // A --kv-offload-memory or --kv-offload-disk-size too small for one block of the model is a bad value, known
-        // only once it loaded.
+        // A --kv-cache-memory, --kv-offload-memory or --kv-offload-disk-size too small for one block of the model is a
+        // bad value, known only once it loaded.
         return isTierSizeTooSmall(err) ? 2 : 1;
       }
       // A value nobody typed is reported under the variable that gave it, as when the options were checked.

@@ -158,6 +158,15 @@ describe('conduit serve: a file an option names that cannot be used is one line'
       'serve', 2, /^conduit serve: CONDUIT_KV_OFFLOAD_DISK_SIZE \(--kv-offload-disk-size\) 100 bytes holds no KV block file/);
   });
 
+  it('--kv-cache-memory below one KV block: a usage error naming the flag, with threads or worker processes', async () => {
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--kv-cache-memory', '1KiB']),
+      'serve', 2, /^conduit serve: --kv-cache-memory 1024 bytes holds no block of \d+ bytes$/);
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--worker-processes', '--kv-cache-memory', '1KiB']),
+      'serve', 2, /^conduit serve: worker process \S+ could not start: --kv-cache-memory 1024 bytes holds no block of \d+ bytes$/);
+    assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1'], { CONDUIT_KV_CACHE_MEMORY: '1KiB' }),
+      'serve', 2, /^conduit serve: CONDUIT_KV_CACHE_MEMORY \(--kv-cache-memory\) 1024 bytes holds no block/);
+  });
+
   it('--kv-offload-memory below one KV block: a usage error; split between workers, the value given and each one\'s share', async () => {
     assertLastLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', '--kv-offload-memory', '100']),
       'serve', 2, /^conduit serve: --kv-offload-memory 100 bytes holds no KV block of \d+ bytes$/);
