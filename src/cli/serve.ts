@@ -1,6 +1,7 @@
 // `conduit serve`: the OpenAI-compatible HTTP server over the local engine. The port opens first (so /live and
 // /health answer while the model loads), then the engine is built and attached. SIGINT/SIGTERM drain in-flight
-// requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace.
+// requests for a grace period, abort what is left, close the engine and exit 0; a second signal skips the grace. A
+// signal while the model still loads stops the start and exits 0 at once.
 
 import { createHash } from 'node:crypto';
 import { accessSync, constants as fsConstants, existsSync, lstatSync, readFileSync, readlinkSync, realpathSync, statSync } from 'node:fs';
@@ -1204,10 +1205,28 @@ export const serveCommand: Command = {
       return 0;
     }
     const logger = createLogger(config.logLevel);
-    let running: RunningServer;
+    let running: RunningServer | undefined;
+    let graceMs = config.shutdownGraceMs;
+    // Listened for before the model loads: Node's default would end a process signalled mid-load with 128 + the
+    // signal's number, as if it had crashed.
+    const signalled = waitForSignal(() => {
+      if (running === undefined) return;
+      logger.warn('second signal: aborting in-flight requests now');
+      graceMs = 0;
+      running.api.endGrace();
+    });
+    let startFailed = false;
+    void signalled.then((signal) => {
+      if (running !== undefined || startFailed) return;
+      // Nothing is served yet, so nothing is left to drain or finish: exiting ends the worker threads, and closes the
+      // channel of each --worker-processes child, which then exits by itself (a child still loading exits too).
+      logger.info(`${signal} during start-up: stopping`);
+      process.exit(0);
+    });
     try {
       running = await startServer(config, logger);
     } catch (err) {
+      startFailed = true;
       // Fatal start-up errors go to stderr whatever --log-level says: a server that does not start must say why.
       const failure = startupFailure(err, config);
       if (failure !== undefined) {
@@ -1227,12 +1246,7 @@ export const serveCommand: Command = {
     }
     process.stderr.write(`${startupBanner(running)}\n`);
 
-    let graceMs = config.shutdownGraceMs;
-    const signal = await waitForSignal(() => {
-      logger.warn('second signal: aborting in-flight requests now');
-      graceMs = 0;
-      running.api.endGrace();
-    });
+    const signal = await signalled;
     logger.info(`${signal}: shutting down, in-flight requests get up to ${graceMs / 1000} s`);
     await running.api.shutdown(graceMs);
     logger.info('stopped');

@@ -2,9 +2,11 @@
 // flight finishes whole, then the process exits 0. Node's default for SIGHUP would end it at once, mid-stream.
 // With --worker-processes the server alone decides when its children stop: Ctrl-C (SIGINT to the whole foreground
 // process group) and a service manager's SIGTERM to every process drain the stream in flight as with worker threads,
-// and no child is lost or restarted meanwhile.
+// and no child is lost or restarted meanwhile. A signal while the model still loads stops the start at once, exit 0,
+// with no worker process left behind.
 import { after, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
+import { readdirSync, readFileSync } from 'node:fs';
 import { freePort, startConduit, stopAll } from '../helpers/cluster-services.ts';
 import { forEachStreamEvent } from '../helpers/sse-stream.ts';
 
@@ -87,4 +89,54 @@ describe('conduit serve and signals', () => {
         assert.equal(alive, false, `worker process ${pid} exited with the server`);
       }
     });
+
+  for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+    it(`${signal} while the workers start: exit 0 at once, no worker process left`, { timeout: 120_000 }, async () => {
+      const port = await freePort();
+      // Four child processes take seconds to start: the port answers (/live) long before /health is ready.
+      const proc = startConduit(['serve', '--engine', 'sim', '--workers', '4', '--worker-processes', '--port', String(port),
+        '--no-request-log', '--log-level', 'info']);
+      const url = `http://127.0.0.1:${port}`;
+      for (let tries = 0; ; tries++) {
+        if (await fetch(`${url}/live`).then((res) => res.status === 200, () => false)) break;
+        assert.ok(tries < 600, `the port opened: ${proc.output()}`);
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+      let children: number[] = [];
+      for (let tries = 0; children.length === 0; tries++) {
+        children = childrenOf(proc.child.pid!);
+        assert.ok(tries < 600, `a worker process started: ${proc.output()}`);
+        await new Promise((resolve) => setTimeout(resolve, 20));
+      }
+      assert.equal((await fetch(`${url}/health`)).status, 503, 'still starting when signalled');
+      const signalledAt = Date.now();
+      proc.kill(signal);
+      assert.equal(await proc.exited, 0, proc.output());
+      assert.ok(Date.now() - signalledAt < 5000, `exited promptly, took ${Date.now() - signalledAt} ms`);
+      assert.match(proc.output(), new RegExp(`${signal} during start-up: stopping`));
+      for (const pid of children) {
+        let alive = true;
+        for (let i = 0; i < 100 && alive; i++) {
+          try { process.kill(pid, 0); await new Promise((resolve) => setTimeout(resolve, 50)); } catch { alive = false; }
+        }
+        assert.equal(alive, false, `worker process ${pid} exited with the server`);
+      }
+    });
+  }
 });
+
+/** The process ids whose parent is `pid` (from /proc). */
+function childrenOf(pid: number): number[] {
+  const found: number[] = [];
+  for (const entry of readdirSync('/proc')) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      // The command name, in parentheses, may hold spaces: the parent id is the second field after it.
+      const stat = readFileSync(`/proc/${entry}/stat`, 'utf8');
+      if (Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]) === pid) found.push(Number(entry));
+    } catch {
+      // Gone meanwhile.
+    }
+  }
+  return found;
+}
