@@ -843,8 +843,15 @@ export class Gateway {
 
   health(): JsonReply {
     const backend = this.backend;
-    // An engine over workers that can all be lost says whether any can serve (the runtime's worker groups).
-    const capacity = (backend?.engine as Partial<{ readiness(): { ready: boolean; reason?: string } }> | undefined)?.readiness?.();
+    // An engine over workers that can all be lost says whether any can serve (the runtime's worker groups). Every
+    // served model must: a request for one that cannot would be refused, so the server is not ready (as vLLM's is not
+    // when any of its engines is down). With several, the reason names the model.
+    const readiness = (engine: unknown) => (engine as Partial<{ readiness(): { ready: boolean; reason?: string } }> | undefined)?.readiness?.();
+    const models = this.servedModels;
+    const unready = models.map((model) => ({ name: model.name, capacity: readiness(model.backend.engine) }))
+      .find(({ capacity }) => capacity?.ready === false);
+    const capacity = unready === undefined ? readiness(backend?.engine)
+      : { ready: false, reason: models.length > 1 ? `${unready.name}: ${unready.capacity!.reason ?? 'no worker can serve'}` : unready.capacity!.reason };
     const ready = this.state === 'ready' && backend !== undefined && capacity?.ready !== false;
     const info = backend?.engine.info;
     const stats = backend?.engine.stats();

@@ -2,7 +2,8 @@
 // a reason and requests get 503; the workers are restarted (logged), after which /health says ready and requests are
 // served again, with the text they had before. A worker that keeps dying is restarted a bounded number of times,
 // then given up, and /health says so. Disaggregated: /health needs a decode worker (not a prefill worker), and a
-// restarted prefill worker is connected to the decode workers and prefills for them again.
+// restarted prefill worker is connected to the decode workers and prefills for them again. With several models, the
+// loss of every worker of any one of them makes /health 503, naming that model.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { rmSync } from 'node:fs';
@@ -231,6 +232,42 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       assert.equal(decision.prefillWorkerId, 'prefill-0-r1');
       assert.equal(outputs.at(-1)!.routing!.workerId, 'decode-0-r1');
       assert.equal(engine.channel.log.summary().transfers, transfers + 1, 'its KV went over the channel');
+    } finally {
+      await running.api.shutdown(0);
+    }
+  });
+
+  test('several models: every worker of the second lost makes /health 503 naming it; the first still serves', { timeout: 120_000 }, async () => {
+    const lines: string[] = [];
+    // A restart far later than the checks: the second model stays without workers meanwhile.
+    const running = await serve(fixture, ['--model', `second=${fixture.modelPath}`, '--served-model-name', 'first',
+      '--workers', '2', '--worker-restart-delay', '60000'], lines);
+    try {
+      const [first, second] = running.api.gateway.servedModels;
+      assert.equal(first!.name, 'first');
+      assert.equal(second!.name, 'second');
+      const routed = second!.backend.engine;
+      assert.ok(routed instanceof RoutedEngine);
+      const before = await fetch(`${running.url}/health`);
+      assert.equal(before.status, 200);
+      const listed = Object.keys(await before.json() as object);
+
+      await Promise.all(routed.workerIds.map((id) => (routed.workerEngine(id) as LocalEngine).kill()));
+      await waitUntil(() => routed.workerIds.length === 0, 'the second model\'s workers left its router');
+
+      const response = await fetch(`${running.url}/health`);
+      const body = await response.json() as { status: string; ready: boolean; reason?: string; model: string };
+      assert.equal(response.status, 503);
+      assert.equal(body.ready, false);
+      assert.equal(body.status, 'unavailable');
+      assert.equal(body.reason, 'second: no worker can serve: all 2 workers were lost, restarting');
+      assert.equal(body.model, 'first');
+      assert.deepEqual(Object.keys(body).filter((key) => key !== 'reason'), listed, 'the body lists what it listed');
+      const served = await fetch(`${running.url}/v1/completions`, {
+        method: 'POST', headers: { 'Content-Type': 'application/json' },
+        body: JSON.stringify({ model: 'first', prompt: 'Once upon a time', max_tokens: 4 }),
+      });
+      assert.equal(served.status, 200, await served.text());
     } finally {
       await running.api.shutdown(0);
     }
