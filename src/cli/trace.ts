@@ -8,7 +8,7 @@ import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, typ
 import type { Command } from './main.ts';
 
 export const TRACE_FLAGS = {
-  url: { type: 'string', help: 'base URL of the server', default: 'http://127.0.0.1:8000' },
+  url: { type: 'string', help: 'base URL of the server (user:password@ in it is sent as Basic authentication unless --api-key is given, as `conduit bench` does)', default: 'http://127.0.0.1:8000' },
   'api-key': { type: 'string', help: 'API key, when the server has keys configured' },
   json: { type: 'boolean', help: 'print the trace as JSON (the endpoint\'s body) instead of the waterfall', env: 'CONDUIT_TRACE_JSON' },
   timeout: { type: 'number', help: 'seconds to wait for the server\'s whole answer', default: 10, env: 'CONDUIT_TRACE_TIMEOUT' },
@@ -43,6 +43,15 @@ export function formatAnalysis(analysis: NonNullable<TraceBody['analysis']>): st
   }
   lines.push(`  ${analysis.recommendation}`);
   return lines.join('\n');
+}
+
+/** A URL's user or password as typed, its %XX escapes decoded (a stray % left as it is: it decodes to nothing else). */
+function decodedUserinfo(text: string): string {
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return text;
+  }
 }
 
 /** Why a fetch failed, in words: connection refused, unknown host, ... */
@@ -91,10 +100,17 @@ async function showTrace(parsed: ParsedFlags<typeof TRACE_FLAGS>): Promise<numbe
   if (base === undefined || (base.protocol !== 'http:' && base.protocol !== 'https:')) {
     throw new UsageError(`--url must be a URL like http://127.0.0.1:8000, got "${values.url}"`);
   }
+  // Credentials in the URL (http://user:pw@host, for a proxy in front of the server) go as Basic authentication, as
+  // `conduit bench` (node:http) sends them: fetch refuses a URL that holds any. An --api-key's Bearer takes their place, as there.
+  const basicAuth = base.username !== '' || base.password !== ''
+    ? `Basic ${Buffer.from(`${decodedUserinfo(base.username)}:${decodedUserinfo(base.password)}`).toString('base64')}` : undefined;
+  base.username = '';
+  base.password = '';
   // The server's root, or its /v1 as OpenAI clients' base URLs end (http://host:8000/v1): the endpoint is under /v1.
   const url = new URL(`${apiRoot(base.pathname)}/v1/requests/${encodeURIComponent(id)}/trace`, base);
   const headers: Record<string, string> = { Accept: 'application/json' };
   if (values['api-key']) headers.Authorization = `Bearer ${values['api-key']}`;
+  else if (basicAuth !== undefined) headers.Authorization = basicAuth;
 
   // The whole answer, its body included, within the timeout: a server that accepts and never answers (or stops
   // half-way) is reported, where fetch alone waits minutes for the headers and for ever for the body.

@@ -2,6 +2,7 @@
 // bottleneck of a request it served, JSON on demand, and plain errors for an unknown id, a missing key, a server
 // that is not there and a missing id.
 import assert from 'node:assert/strict';
+import { createServer as createHttpServer } from 'node:http';
 import { createServer } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { runCli as run } from '../helpers/cli-main.ts';
@@ -145,6 +146,36 @@ describe('conduit trace', () => {
     const nobody = await run(['trace', id, '--url', `http://127.0.0.1:${await closedPort()}`]);
     assert.equal(nobody.code, 1);
     assert.match(nobody.err, /cannot reach http:\/\/127\.0\.0\.1:\d+: connection refused/);
+  });
+
+  it('sends credentials in the URL as Basic authentication, as conduit bench does (fetch refused the URL)', async () => {
+    // A proxy in front of the server that wants user "ops", password "p@ss w" (percent-encoded in the URL), and adds
+    // the server's key itself.
+    const seen: (string | undefined)[] = [];
+    const proxy = createHttpServer((req, res) => {
+      seen.push(req.headers.authorization);
+      if (req.headers.authorization !== `Basic ${Buffer.from('ops:p@ss w').toString('base64')}`) {
+        res.writeHead(401, { 'Content-Type': 'application/json' }).end(JSON.stringify({ error: { message: 'proxy wants its password' } }));
+        return;
+      }
+      fetch(new URL(req.url!, server.url), { headers: { Authorization: `Bearer ${KEY}` } }).then(async (upstream) => {
+        res.writeHead(upstream.status, { 'Content-Type': 'application/json' }).end(await upstream.text());
+      }, (error: Error) => res.writeHead(502).end(error.message));
+    });
+    await new Promise<void>((resolve) => proxy.listen(0, '127.0.0.1', resolve));
+    const { port } = proxy.address() as { port: number };
+    try {
+      const { code, out, err } = await run(['trace', id, '--url', `http://ops:p%40ss%20w@127.0.0.1:${port}`, '--json']);
+      assert.equal(code, 0, err);
+      assert.equal(JSON.parse(out).request_id, id);
+      // An --api-key's Bearer takes the place of the URL's credentials, as in conduit bench.
+      const keyed = await run(['trace', id, '--url', `http://ops:p%40ss%20w@127.0.0.1:${port}`, '--api-key', KEY]);
+      assert.equal(keyed.code, 1);
+      assert.match(keyed.err, /^conduit trace: http:\/\/127\.0\.0\.1:\d+ wants an API key .*: proxy wants its password$/m);
+      assert.equal(seen.at(-1), `Bearer ${KEY}`);
+    } finally {
+      await new Promise<void>((resolve) => proxy.close(() => resolve()));
+    }
   });
 
   it('needs exactly one id and a usable URL (exit code 2)', async () => {
