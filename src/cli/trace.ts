@@ -8,7 +8,7 @@ import { flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, typ
 import type { Command } from './main.ts';
 
 export const TRACE_FLAGS = {
-  url: { type: 'string', help: 'base URL of the server (user:password@ in it is sent as Basic authentication unless --api-key is given, as `conduit bench` does)', default: 'http://127.0.0.1:8000' },
+  url: { type: 'string', help: 'base URL of the server (user:password@ in it is sent as Basic authentication unless --api-key is given, as `conduit bench` does; ports fetch blocks, such as 1 or 6000, cannot be reached)', default: 'http://127.0.0.1:8000' },
   'api-key': { type: 'string', help: 'API key, when the server has keys configured' },
   json: { type: 'boolean', help: 'print the trace as JSON (the endpoint\'s body) instead of the waterfall', env: 'CONDUIT_TRACE_JSON' },
   timeout: { type: 'number', help: 'seconds to wait for the server\'s whole answer', default: 10, env: 'CONDUIT_TRACE_TIMEOUT' },
@@ -54,11 +54,16 @@ function decodedUserinfo(text: string): string {
   }
 }
 
-/** Why a fetch failed, in words: connection refused, unknown host, ... */
-function connectionProblem(err: unknown): string {
+/** Why a fetch of `url` failed, in words: connection refused, unknown host, ... */
+function connectionProblem(err: unknown, url: URL): string {
   const cause = (err as { cause?: { code?: string; message?: string } }).cause;
   if (cause?.code === 'ECONNREFUSED') return 'connection refused (is `conduit serve` running there?)';
   if (cause?.code === 'ENOTFOUND') return 'host not found';
+  // fetch refuses the ports browsers block (1, 9, 25, 6000, ...: other protocols' ports, by the Fetch standard)
+  // before any connection, and said only "bad port".
+  if (cause?.message === 'bad port') {
+    return `port ${url.port} is blocked by the HTTP client (fetch refuses it, as browsers do, as another protocol's port); serve on another port`;
+  }
   return cause?.message ?? (err instanceof Error ? err.message : String(err));
 }
 
@@ -122,13 +127,13 @@ async function showTrace(parsed: ParsedFlags<typeof TRACE_FLAGS>): Promise<numbe
   try {
     res = await fetch(url, { headers, signal });
   } catch (err) {
-    console.error(timedOut(err) ? noAnswer : `conduit trace: cannot reach ${base.origin}: ${connectionProblem(err)}`);
+    console.error(timedOut(err) ? noAnswer : `conduit trace: cannot reach ${base.origin}: ${connectionProblem(err, base)}`);
     return 1;
   }
   try {
     text = await res.text();
   } catch (err) {
-    console.error(timedOut(err) ? noAnswer : `conduit trace: ${base.origin} broke off its answer: ${connectionProblem(err)}`);
+    console.error(timedOut(err) ? noAnswer : `conduit trace: ${base.origin} broke off its answer: ${connectionProblem(err, base)}`);
     return 1;
   }
   let body: unknown;

@@ -178,6 +178,14 @@ describe('conduit trace', () => {
     }
   });
 
+  it('says a port the HTTP client blocks is blocked, and which (it said "bad port")', async () => {
+    for (const port of [1, 9, 6000]) {
+      const blocked = await run(['trace', id, '--url', `http://127.0.0.1:${port}`]);
+      assert.equal(blocked.code, 1);
+      assert.match(blocked.err, new RegExp(`^conduit trace: cannot reach http://127\\.0\\.0\\.1:${port}: port ${port} is blocked by the HTTP client \\(fetch refuses it`));
+    }
+  });
+
   it('needs exactly one id and a usable URL (exit code 2)', async () => {
     assert.equal((await run(['trace'])).code, 2);
     assert.equal((await run(['trace', 'a', 'b'])).code, 2);
