@@ -11,7 +11,9 @@ import { renderHtmlReport } from '../bench/html-report.ts';
 import { BenchProbeError, runLoad, type BenchResult, type Endpoint, type GoodputTargets, type LoadOptions, type LoadProgress } from '../bench/load-generator.ts';
 import { formatReport, reportJson } from '../bench/report.ts';
 import { MAX_PROMPT_WORDS, randomWorkload, sharedPrefixWorkload, type Workload } from '../bench/prompt-workload.ts';
-import { envName, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import {
+  envName, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type FlagValues, type Inapplicable, type ParsedFlags,
+} from './flags.ts';
 import type { Command } from './main.ts';
 
 const FLAGS = {
@@ -25,7 +27,7 @@ const FLAGS = {
   concurrency: { type: 'number', help: 'closed loop: clients sending back to back (default 1 without --rate)', short: 'c' },
   requests: { type: 'number', help: 'stop after this many requests (default 100 when --duration is not given)', short: 'n' },
   duration: { type: 'number', help: 'stop starting requests after this many seconds', short: 'd' },
-  workload: { type: 'string', help: 'random (independent prompts) or shared-prefix (groups sharing long system prompts)', default: 'random' },
+  workload: { type: 'string', help: 'random (independent prompts) or shared-prefix (groups sharing long system prompts); the other workload\'s prompt flags are refused', default: 'random' },
   'prompt-tokens': { type: 'number', help: 'random workload: prompt length (words of one token each)', default: 256 },
   groups: { type: 'number', help: 'shared-prefix workload: number of groups (tenants)', default: 8 },
   'system-prompt-tokens': { type: 'number', help: 'shared-prefix workload: length of each group\'s system prompt', default: 2048 },
@@ -66,6 +68,8 @@ export interface BenchConfig {
   outputFile?: string;
   htmlFile?: string;
   progress: boolean;
+  /** One line per environment variable ignored as not applying (a flag of the workload not run). */
+  warnings: string[];
 }
 
 const GOODPUT_KEYS: Readonly<Record<string, keyof GoodputTargets>> = { ttft: 'ttftMs', tpot: 'tpotMs', e2el: 'e2elMs' };
@@ -136,8 +140,22 @@ function eitherName<N extends keyof typeof BENCH_FLAGS & string, O extends keyof
   return values[newer] === undefined && values[older] !== undefined ? older : newer;
 }
 
+/**
+ * The prompt flags of the workload not run: typed, a usage error (`--groups 0` with the default random workload was
+ * taken without a word, and did nothing); from the environment, ignored with a warning.
+ */
+function otherWorkloadFlags(values: FlagValues<typeof BENCH_FLAGS>): Inapplicable<typeof BENCH_FLAGS> | undefined {
+  if (values.workload === 'random') {
+    return { names: ['groups', 'system-prompt-tokens', 'question-tokens'], why: 'only for --workload shared-prefix (the random workload is --prompt-tokens)' };
+  }
+  if (values.workload === 'shared-prefix') {
+    return { names: ['prompt-tokens'], why: 'only for --workload random (shared-prefix prompts are --system-prompt-tokens plus --question-tokens)' };
+  }
+  return undefined;
+}
+
 export function parseBenchConfig(argv: readonly string[], env: NodeJS.ProcessEnv = process.env): BenchConfig | 'help' {
-  const parsed = parseFlags(BENCH_FLAGS, argv, env);
+  const parsed = parseFlags(BENCH_FLAGS, argv, env, { inapplicable: otherWorkloadFlags });
   try {
     return benchConfigOf(parsed);
   } catch (err) {
@@ -211,7 +229,7 @@ function benchConfigOf(parsed: ParsedFlags<typeof BENCH_FLAGS>): BenchConfig | '
   if (outputFile !== undefined) checkWritable(outputFlag, outputFile);
   if (values.html !== undefined) checkWritable('html', values.html);
   return {
-    load, json: values.json, progress: values.progress,
+    load, json: values.json, progress: values.progress, warnings: parsed.warnings,
     ...(outputFile !== undefined ? { outputFile } : {}),
     ...(values.html !== undefined ? { htmlFile: values.html } : {}),
   };
@@ -287,6 +305,7 @@ export const benchCommand: Command = {
       console.log(`Usage: conduit bench [options]\n\n${formatFlagHelp(BENCH_FLAGS)}`);
       return 0;
     }
+    for (const warning of config.warnings) console.error(`conduit bench: ${warning}`);
     const stop = new AbortController();
     const onSignal = (): void => {
       process.stderr.write('conduit bench: stopping (requests in flight are cut and counted as aborted)\n');

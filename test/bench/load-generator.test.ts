@@ -333,4 +333,20 @@ describe('conduit bench flags', () => {
     }
     assert.equal(parseBenchConfig(['--help'], {}), 'help');
   });
+
+  it('refuses the other workload\'s prompt flags (--groups 0 with the random workload was taken silently)', () => {
+    for (const [argv, message] of [
+      [['--groups', '0'], '--groups: only for --workload shared-prefix (the random workload is --prompt-tokens)'],
+      [['--groups', '4', '--question-tokens', '10'], '--groups, --question-tokens: only for --workload shared-prefix (the random workload is --prompt-tokens)'],
+      [['--workload', 'shared-prefix', '--prompt-tokens', '64'],
+        '--prompt-tokens: only for --workload random (shared-prefix prompts are --system-prompt-tokens plus --question-tokens)'],
+    ] as const) {
+      assert.throws(() => parseBenchConfig([...argv], {}), (err: unknown) => err instanceof UsageError && err.message === message, argv.join(' '));
+    }
+    // From the environment (shared by several runs) it is ignored, with a warning, as a variable that does not apply.
+    const config = parseBenchConfig([], { CONDUIT_BENCH_GROUPS: '0' }) as BenchConfig;
+    assert.equal(config.load.workload.name, 'random');
+    assert.deepEqual(config.warnings,
+      ['ignoring CONDUIT_BENCH_GROUPS=0: --groups is only for --workload shared-prefix (the random workload is --prompt-tokens)']);
+  });
 });

@@ -53,6 +53,7 @@ const CONTEXT: Record<string, Record<string, string[]>> = {
   },
   'sim lifecycle': { 'parallel-links': ['--link', 'ib-ndr'] },
   'sim decode-sweep': { 'lora-rank': ['--lora-adapters', '2'] },
+  bench: Object.fromEntries(['groups', 'system-prompt-tokens', 'question-tokens'].map((option) => [option, ['--workload', 'shared-prefix']])),
 };
 
 /**
