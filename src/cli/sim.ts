@@ -71,7 +71,7 @@ export const LIFECYCLE_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   prompt: { type: 'number', help: 'prompt tokens', default: 1024 },
   cached: { type: 'number', help: 'prompt tokens the warm request finds cached (default: all whole blocks before the last token)' },
   link: { type: 'string', help: 'disaggregate prefill and decode, KV crossing this link (e.g. ib-ndr); default aggregated' },
-  'parallel-links': { type: 'number', help: 'links used side by side for the KV transfer (default: tp)' },
+  'parallel-links': { type: 'number', help: 'links used side by side for the KV transfer (default: tp; at most the GPUs of a node, a link each)' },
   'block-size': { type: 'number', help: 'KV block size in tokens', default: 16 },
   'max-num-batched-tokens': { type: 'number', help: 'step token budget (chunked prefill)', default: 8192 },
   check: { type: 'boolean', help: 'cross-check against the simulated engine (--no-check to skip)', default: true },
@@ -85,7 +85,7 @@ export const DECODE_SWEEP_FLAGS = withEnvPrefix('CONDUIT_SIM_', {
   context: { type: 'number', help: 'tokens in each sequence\'s KV cache', default: 1024 },
   batches: { type: 'string', help: 'comma-separated batch sizes', default: DEFAULT_BATCH_SIZES.join(',') },
   'lora-adapters': { type: 'number', help: 'distinct LoRA adapters the batch\'s sequences use (sequence i on adapter i mod N; 0 = the base model only); each adds its weights\' read and its tokens\' low-rank FLOPs to the step (S-LoRA / Punica batching)', default: 0 },
-  'lora-rank': { type: 'number', help: 'rank of those adapters (on q, k, v, o, gate, up, down)', default: 16 },
+  'lora-rank': { type: 'number', help: 'rank of those adapters (on q, k, v, o, gate, up, down; at most the model\'s hidden size)', default: 16 },
   'block-size': { type: 'number', help: 'KV block size in tokens (the KV fits column and the engine check)', default: 16 },
   check: { type: 'boolean', help: 'cross-check against the simulated engine (--no-check to skip)', default: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -275,7 +275,15 @@ async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promis
     } catch (error) {
       throw new UsageError((error as Error).message);
     }
-    if (values['parallel-links'] !== undefined) disaggregated.parallelLinks = wholeNumber('parallel-links', values['parallel-links'], 1);
+    if (values['parallel-links'] !== undefined) {
+      const parallelLinks = wholeNumber('parallel-links', values['parallel-links'], 1);
+      // A link per GPU of the node is what one has (a DGX H100 has a 400 Gb/s port per GPU): more side by side were
+      // taken without a bound, and 10^12 of them priced the transfer at nothing.
+      if (parallelLinks > hw.gpusPerNode) {
+        throw new UsageError(`--parallel-links must be at most ${hw.gpusPerNode} (a link per GPU of the node, which holds ${hw.gpusPerNode} ${hw.name}), got ${parallelLinks}`);
+      }
+      disaggregated.parallelLinks = parallelLinks;
+    }
   }
   let report;
   try {
@@ -338,6 +346,18 @@ async function runLifecycle(parsed: ParsedFlags<typeof LIFECYCLE_FLAGS>): Promis
  */
 const MAX_SWEEP_BATCH = 1 << 20;
 
+/**
+ * --lora-rank, at most the model's hidden size: an adapter of a higher rank is no low-rank one (its two matrices
+ * outweigh the one they adapt), and a rank of 10^9 was priced as steps of hours without a word.
+ */
+function loraRank(value: number | undefined, model: ModelProfile): number {
+  const rank = wholeNumber('lora-rank', value, 1);
+  if (rank > model.hiddenDim) {
+    throw new UsageError(`--lora-rank must be at most ${model.hiddenDim} (the hidden size of ${model.name}), got ${rank}`);
+  }
+  return rank;
+}
+
 async function sweep(argv: string[]): Promise<number> {
   // --lora-rank shapes the adapters --lora-adapters adds: typed without them it is refused, from the environment
   // alone (CONDUIT_SIM_LORA_RANK is serve's --sim-lora-rank too) ignored with a warning, as lifecycle's --parallel-links.
@@ -372,7 +392,7 @@ async function runSweep(parsed: ParsedFlags<typeof DECODE_SWEEP_FLAGS>): Promise
     return batch;
   });
   const loraAdapters = wholeNumber('lora-adapters', values['lora-adapters'], 0);
-  const lora = loraAdapters > 0 ? { adapters: loraAdapters, rank: wholeNumber('lora-rank', values['lora-rank'], 1) } : undefined;
+  const lora = loraAdapters > 0 ? { adapters: loraAdapters, rank: loraRank(values['lora-rank'], model) } : undefined;
   let table;
   try {
     table = decodeSweep({ model, hw, tp, contextLen, batchSizes, efficiency, blockSize, ...(lora ? { lora } : {}) });

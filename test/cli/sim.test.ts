@@ -188,6 +188,14 @@ test('usage errors exit 2 and name what is wrong', async () => {
     [['sim', 'lifecycle', '--parallel-links', '0', '--no-check'], /^conduit sim: --parallel-links: only for a disaggregated deployment \(give --link too\)$/],
     [['sim', 'lifecycle', '--parallel-links', '2'], /--parallel-links: only for a disaggregated deployment/],
     [['sim', 'lifecycle', '--parallel-links', '0', '--link', 'ib-ndr'], /--parallel-links must be a whole number >= 1, got 0/],
+    // No upper bound: 10^12 links priced the transfer at nothing, a rank of 10^9 steps of hours.
+    [['sim', 'lifecycle', '--parallel-links', '1e12', '--link', 'ib-ndr', '--no-check'],
+      /^conduit sim: --parallel-links must be at most 8 \(a link per GPU of the node, which holds 8 H100 SXM5 80GB\), got 1000000000000$/],
+    [['sim', 'lifecycle', '--parallel-links', '9', '--link', 'ib-ndr', '--no-check'], /--parallel-links must be at most 8 /],
+    [['sim', 'decode-sweep', '--lora-adapters', '4', '--lora-rank', '1e9', '--batches', '1', '--no-check'],
+      /^conduit sim: --lora-rank must be at most 8192 \(the hidden size of Llama 3\.1 70B\), got 1000000000$/],
+    [['sim', 'decode-sweep', '--model', 'llama-3.1-8b', '--tp', '1', '--lora-adapters', '1', '--lora-rank', '4097', '--batches', '1', '--no-check'],
+      /--lora-rank must be at most 4096 \(the hidden size of Llama 3\.1 8B\), got 4097/],
     // A warm hit of the whole prompt or more (it was cut to the prompt less one token without a word).
     [['sim', 'lifecycle', '--cached', '5000', '--no-check'],
       /^conduit sim: --cached must be at most 1023 with --prompt 1024 \(the last prompt token is always computed\), got 5000$/],
