@@ -24,7 +24,7 @@ const FLAGS = {
   'request-rate': { type: 'number', help: 'open loop: arrivals per second, Poisson unless --burstiness says otherwise (with --concurrency as the in-flight cap)', short: 'r' },
   rate: { type: 'number', help: 'the older name of --request-rate' },
   burstiness: { type: 'number', help: 'open loop: shape of the gamma distribution of the gaps between arrivals, as vLLM\'s (1 = Poisson, < 1 burstier, > 1 steadier; default 1)' },
-  concurrency: { type: 'number', help: 'closed loop: clients sending back to back (default 1 without --rate)', short: 'c' },
+  concurrency: { type: 'number', help: 'closed loop: clients sending back to back (default 1 without --rate; at most 65536)', short: 'c' },
   requests: { type: 'number', help: 'stop after this many requests (default 100 when --duration is not given)', short: 'n' },
   duration: { type: 'number', help: 'stop starting requests after this many seconds', short: 'd' },
   workload: { type: 'string', help: 'random (independent prompts) or shared-prefix (groups sharing long system prompts); the other workload\'s prompt flags are refused', default: 'random' },
@@ -90,6 +90,12 @@ export function parseGoodput(text: string): GoodputTargets {
   }
   return targets;
 }
+
+/**
+ * The most clients (connections) --concurrency may ask for: one address has no more ports to open them from. Every
+ * client was started at once, so 10^7 took gigabytes and never sent a request, and 10^12 ended in a stack trace.
+ */
+const MAX_CONCURRENCY = 65_536;
 
 /** Node's timers hold at most 2^31 - 1 ms: a longer timeout would fire at once. */
 const MAX_TIMEOUT_SEC = Math.floor((2 ** 31 - 1) / 1000);
@@ -198,6 +204,9 @@ function benchConfigOf(parsed: ParsedFlags<typeof BENCH_FLAGS>): BenchConfig | '
   const outputFlag = eitherName(parsed, 'result-file', 'output');
   const outputFile = values[outputFlag];
   const concurrency = wholeNumber('concurrency', values.concurrency, 1);
+  if (concurrency !== undefined && concurrency > MAX_CONCURRENCY) {
+    throw new UsageError(`--concurrency must be at most ${MAX_CONCURRENCY} (connections one client address can open to a server), got ${concurrency}`);
+  }
   const temperature = values.temperature;
   if (temperature !== undefined && !(temperature >= 0 && Number.isFinite(temperature))) {
     throw new UsageError(`--temperature must be a number >= 0, got ${temperature}`);

@@ -45,6 +45,15 @@ test('conduit bench refuses prompt lengths no context holds (building such a pro
   }
 });
 
+test('conduit bench refuses more clients than one address has connections (10^12 was a stack trace, 10^7 gigabytes and a hang)', async () => {
+  for (const value of ['1e12', '65537']) {
+    const { code, out, err } = await run(['bench', '--url', 'http://127.0.0.1:1', '-n', '1', '--no-probe', '--concurrency', value]);
+    assert.equal(code, 2, `--concurrency ${value}: ${err}`);
+    assert.equal(out, '');
+    assert.equal(err, `conduit bench: --concurrency must be at most 65536 (connections one client address can open to a server), got ${Number(value)}`);
+  }
+});
+
 test('conduit bench against a server that is not there: one line after one request, not a load of failures', async () => {
   const { url, close } = await stub(() => undefined);
   await close();
