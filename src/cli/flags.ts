@@ -122,6 +122,20 @@ export function checkThreadsAtMost(threads: number | undefined): void {
   if (threads !== undefined && threads > MAX_THREADS) throw new UsageError(`--threads must be at most ${MAX_THREADS}, got ${threads}`);
 }
 
+/**
+ * The most sequences one engine batch may hold (--max-num-seqs of `serve` and `worker`, --concurrency of `generate`,
+ * which runs every request in one batch): the engine sizes its step arrays for a full batch when it starts, a block
+ * table row (context / block size entries) per sequence, and 10^9 asked for more than JavaScript allocates ("Invalid
+ * typed array length"). Far above vLLM's default of 256; the same bound as `conduit plan --max-num-seqs`.
+ */
+export const MAX_NUM_SEQS = 16_384;
+
+/**
+ * The most tokens one engine step may take (--max-num-batched-tokens of `serve` and `worker`): the engine keeps four
+ * arrays of that many entries, so 10^12 failed to start as --max-num-seqs did. The same bound as `conduit plan`'s.
+ */
+export const MAX_NUM_BATCHED_TOKENS = 1 << 20;
+
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
 }

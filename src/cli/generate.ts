@@ -7,7 +7,7 @@ import { createLocalEngine, type LocalEngineBundle } from '../engine/local-engin
 import { DEFAULT_SAMPLING, type EngineOutput } from '../engine/types.ts';
 import { isModelLoadError } from '../model/loader.ts';
 import { ensureBuiltinModel } from '../model/synthetic.ts';
-import { checkThreadsAtMost, fileProblem, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkThreadsAtMost, fileProblem, flagLabel, formatFlagHelp, MAX_NUM_SEQS, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import type { Command } from './main.ts';
 
 export const GENERATE_FLAGS = {
@@ -17,7 +17,7 @@ export const GENERATE_FLAGS = {
   temperature: { type: 'number', help: '0 = greedy', default: 0 },
   'top-p': { type: 'number', help: 'nucleus sampling mass', default: 1 },
   seed: { type: 'number', help: 'sampling seed (same seed, same text)', default: 0 },
-  concurrency: { type: 'number', help: 'run the prompt as this many requests at once', default: 1 },
+  concurrency: { type: 'number', help: `run the prompt as this many requests at once, in one engine batch (at most ${MAX_NUM_SEQS})`, default: 1 },
   'ignore-eos': { type: 'boolean', help: 'keep generating past the end-of-sequence token' },
   backend: { type: 'string', help: 'auto, native or reference', default: 'auto' },
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
@@ -42,6 +42,8 @@ function checkOptions(parsed: ParsedFlags<typeof GENERATE_FLAGS>): void {
   // A count no request takes (1e20 passed the check above, was said to be cut to the context, then failed the request).
   if (!Number.isSafeInteger(maxTokens)) throw new UsageError(`--max-tokens must be at most ${Number.MAX_SAFE_INTEGER}, got ${maxTokens}`);
   if (!Number.isInteger(concurrency) || concurrency < 1) throw new UsageError('--concurrency must be a whole number >= 1');
+  // Every request runs in one engine batch, sized for them when the engine starts (MAX_NUM_SEQS says why it is bounded).
+  if (concurrency > MAX_NUM_SEQS) throw new UsageError(`--concurrency must be at most ${MAX_NUM_SEQS}, got ${concurrency}`);
   if (values.temperature! < 0) throw new UsageError('--temperature must be >= 0');
   const topP = values['top-p']!;
   if (!(topP > 0 && topP <= 1)) throw new UsageError(`--top-p must be in (0, 1], got ${topP}`);

@@ -34,7 +34,7 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import {
-  checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
+  checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
 } from './flags.ts';
 import type { Command } from './main.ts';
@@ -65,11 +65,11 @@ export const SERVE_FLAGS = {
   'tenant-rpm': { type: 'number', help: 'requests per minute for tenants whose keys entry sets none (unset = unlimited)' },
   'tenant-tpm': { type: 'number', help: 'tokens per minute (prompt + max_tokens reserved) for tenants that set none' },
   'tenant-max-concurrent': { type: 'number', help: 'requests in flight per tenant for tenants that set none' },
-  'max-num-seqs': { type: 'number', help: 'most sequences in one engine batch' },
+  'max-num-seqs': { type: 'number', help: `most sequences in one engine batch (at most ${MAX_NUM_SEQS})` },
   'scheduling-policy': { type: 'string', help: 'order in which each worker admits waiting requests and preempts running ones: fcfs (arrival), priority (the request\'s priority, lower first, as vLLM), deadline (the request\'s deadline_ms, earliest first)', default: 'fcfs' },
   'chat-template': { type: 'string', help: 'the chat template /v1/chat/completions and /tokenize render messages with, instead of each served model\'s own: a Jinja file, or the template itself (as vLLM\'s --chat-template)' },
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
-  'max-num-batched-tokens': { type: 'number', help: 'most tokens in one engine step' },
+  'max-num-batched-tokens': { type: 'number', help: `most tokens in one engine step (at most ${MAX_NUM_BATCHED_TOKENS})` },
   'max-model-len': { type: 'number', help: 'longest sequence (prompt + output) a request may reach, in tokens (as vLLM\'s flag; default: the model\'s context length; either way at most what one sequence can hold in the KV cache); a cpu worker refuses one above its model\'s context length at start' },
   'generation-config': { type: 'string', help: 'sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens) and more end-of-generation ids: auto (each model folder\'s generation_config.json, as vLLM\'s default; a GGUF has none), vllm (none: OpenAI\'s defaults), or a folder holding a generation_config.json', default: 'auto' },
   'enable-prefix-caching': { type: 'boolean', help: 'reuse the KV blocks of prompt prefixes computed before (--no-enable-prefix-caching: every prompt is computed whole, as vLLM\'s flag)', default: true },
@@ -269,9 +269,10 @@ async function generationDefaultsFor(option: string, modelPath: string | undefin
   return defaults === undefined ? undefined : { defaults, file: join(folder, GENERATION_CONFIG_FILE) };
 }
 
-export function positiveInteger(value: number | undefined, flag: string): number | undefined {
+export function positiveInteger(value: number | undefined, flag: string, max?: number): number | undefined {
   if (value === undefined) return undefined;
   if (!Number.isInteger(value) || value <= 0) throw new UsageError(`--${flag} must be a whole number > 0, got ${value}`);
+  if (max !== undefined && value > max) throw new UsageError(`--${flag} must be at most ${max}, got ${value}`);
   return value;
 }
 
@@ -856,9 +857,9 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   config.maxLoras = positiveInteger(values['max-loras'], 'max-loras')!;
   config.maxLoraRank = positiveInteger(values['max-lora-rank'], 'max-lora-rank')!;
   if (values['lora-dtype'] !== undefined) config.loraDtype = parseLoraDtype(values['lora-dtype']);
-  const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs');
+  const maxNumSeqs = positiveInteger(values['max-num-seqs'], 'max-num-seqs', MAX_NUM_SEQS);
   if (maxNumSeqs !== undefined) config.maxNumSeqs = maxNumSeqs;
-  const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens');
+  const maxNumBatchedTokens = positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens', MAX_NUM_BATCHED_TOKENS);
   if (maxNumBatchedTokens !== undefined) config.maxNumBatchedTokens = maxNumBatchedTokens;
   const maxModelLen = positiveInteger(values['max-model-len'], 'max-model-len');
   if (maxModelLen !== undefined) config.maxModelLen = maxModelLen;

@@ -22,7 +22,10 @@ import { isModelLoadError } from '../model/loader.ts';
 import { parseCalibration } from '../sim/calibration.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import { CLUSTER_FLAGS, parseClusterConfig } from './cluster-flags.ts';
-import { checkThreadsAtMost, checkTimerSecondsAtMost, envName, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import {
+  checkThreadsAtMost, checkTimerSecondsAtMost, envName, flagLabel, formatFlagHelp, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, nameEnvironment, parseFlags, UsageError, type FlagTable,
+  type ParsedFlags,
+} from './flags.ts';
 import type { Command } from './main.ts';
 import {
   checkDiskTierFolder, engineOptionWarnings, isTierSizeTooSmall, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
@@ -283,9 +286,9 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
       ...(values['kv-offload-disk'] !== undefined ? {
         kvOffloadDiskDir: values['kv-offload-disk'], kvOffloadDiskBytes: parseByteSize(values['kv-offload-disk-size']!, 'kv-offload-disk-size'),
       } : {}),
-      ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: positiveInteger(values['max-num-seqs'], 'max-num-seqs') } : {}),
+      ...(values['max-num-seqs'] !== undefined ? { maxNumSeqs: positiveInteger(values['max-num-seqs'], 'max-num-seqs', MAX_NUM_SEQS) } : {}),
       ...(values['max-num-batched-tokens'] !== undefined
-        ? { maxNumBatchedTokens: positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens') } : {}),
+        ? { maxNumBatchedTokens: positiveInteger(values['max-num-batched-tokens'], 'max-num-batched-tokens', MAX_NUM_BATCHED_TOKENS) } : {}),
       ...(values['max-model-len'] !== undefined ? { maxModelLen: positiveInteger(values['max-model-len'], 'max-model-len') } : {}),
       enablePrefixCaching: values['enable-prefix-caching']!,
       guidedJumpForward: values['guided-jump-forward']!,

@@ -75,6 +75,9 @@ test('conduit generate refuses bad flags with exit code 2 and says which', async
     [[...BASE, '--threads', '0'], /--threads must be a whole number >= 1, got 0/],
     // More threads than the system lets a process start: the native backend aborted the process, with no message.
     [[...BASE, '--threads', '100000'], /^conduit generate: --threads must be at most 1024, got 100000$/],
+    // More requests than one engine batch holds: the engine's step arrays failed with "Invalid typed array length".
+    [[...BASE, '--concurrency', '1e9'], /^conduit generate: --concurrency must be at most 16384, got 1000000000$/],
+    [[...BASE, '--concurrency', '16385'], /^conduit generate: --concurrency must be at most 16384, got 16385$/],
     [[...BASE, '--top-p', '0'], /--top-p must be in \(0, 1\], got 0/],
     [[...BASE, '--top-p', '5'], /--top-p must be in \(0, 1\], got 5/],
     [[...BASE, 'stray'], /^conduit generate: unexpected argument "stray" \(the text to continue is --prompt "\.\.\."\)$/],

@@ -104,6 +104,9 @@ describe('conduit serve flags', () => {
       [['--tls-cert', 'a.pem'], /--tls-cert and --tls-key/],
       [['--threads', '1.5'], /--threads/],
       [['--threads', '100000'], /^--threads must be at most 1024, got 100000$/],
+      // Past what the engine's step arrays hold: the start failed with "Invalid typed array length".
+      [['--max-num-seqs', '1e9'], /^--max-num-seqs must be at most 16384, got 1000000000$/],
+      [['--max-num-batched-tokens', '1e12'], /^--max-num-batched-tokens must be at most 1048576, got 1000000000000$/],
       [['--request-timeout', '-1'], /--request-timeout/],
       [['--api-keys-file', join(dir, 'missing.txt')], /--api-keys-file .*missing\.txt: no such file or folder/],
       [['--api-keys', 'no-tenant'], /key:tenant/],

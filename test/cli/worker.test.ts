@@ -90,6 +90,8 @@ describe('conduit worker: bad values and start-up failures', () => {
       const cases: { args: string[]; line: RegExp; code: number }[] = [
         { args: ['--engine', 'sim', '--threads', '0'], line: /^conduit worker: --threads must be a whole number > 0, got 0$/m, code: 2 },
         { args: ['--threads', '100000'], line: /^conduit worker: --threads must be at most 1024, got 100000$/m, code: 2 },
+        { args: ['--engine', 'sim', '--max-num-seqs', '1e9'], line: /^conduit worker: --max-num-seqs must be at most 16384, got 1000000000$/m, code: 2 },
+        { args: ['--engine', 'sim', '--max-num-batched-tokens', '1e12'], line: /^conduit worker: --max-num-batched-tokens must be at most 1048576, got 1000000000000$/m, code: 2 },
         { args: ['--engine', 'sim', '--shutdown-grace', '-5'], line: /^conduit worker: --shutdown-grace must be >= 0, got -5$/m, code: 2 },
         { args: ['--engine', 'sim', '--shutdown-grace', '99999999'], line: /^conduit worker: --shutdown-grace must be at most 2147483 seconds \(about 24\.8 days\), got 99999999$/m, code: 2 },
         { args: ['--engine', 'sim', '--kv-cache-idle-release', '-1'], line: /^conduit worker: --kv-cache-idle-release must be >= 0 seconds, got -1$/m, code: 2 },
