@@ -13,14 +13,14 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
-import { checkTimerSecondsAtMost, describeFileError, flagLabel, formatFlagHelp, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkTimerSecondsAtMost, describeFileError, flagLabel, formatFlagHelp, MAX_WORKERS, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { positiveInteger, SERVE_FLAGS, simOptionWarnings } from './serve.ts';
 import type { Command } from './main.ts';
 
 const CONDUIT_BIN = fileURLToPath(new URL('../../bin/conduit.js', import.meta.url));
 
 export const CLUSTER_DEMO_FLAGS = {
-  workers: { type: 'number', help: 'worker processes', default: 2 },
+  workers: { type: 'number', help: 'worker processes (at most 1024)', default: 2 },
   port: { type: 'number', help: 'port of the frontend\'s OpenAI API', default: 8000, short: 'p' },
   engine: { type: 'string', help: 'the workers\' engine: cpu or sim', default: 'cpu' },
   model: { type: 'string', help: 'the workers\' model (default: the built-in synthetic model)', short: 'm' },
@@ -124,6 +124,7 @@ function checkOptions(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
   }
   const count = values.workers!;
   if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
+  if (count > MAX_WORKERS) throw new UsageError(`--workers must be at most ${MAX_WORKERS}, got ${count}`);
   const graceSeconds = values['shutdown-grace']!;
   if (!(graceSeconds >= 0)) throw new UsageError(`--shutdown-grace must be a number of seconds >= 0, got ${graceSeconds}`);
   checkTimerSecondsAtMost('shutdown-grace', graceSeconds);

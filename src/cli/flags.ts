@@ -136,6 +136,13 @@ export const MAX_NUM_SEQS = 16_384;
  */
 export const MAX_NUM_BATCHED_TOKENS = 1 << 20;
 
+/**
+ * The most engine workers one command may start (`conduit serve --workers`, --prefill-workers, --decode-workers and
+ * `conduit cluster --workers`): each is a thread or process of its own with a KV pool, and 10^9 started them one after
+ * another until the machine ran out of memory, with no message.
+ */
+export const MAX_WORKERS = 1024;
+
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
 }

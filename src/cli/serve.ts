@@ -34,7 +34,7 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import {
-  checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
+  checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_WORKERS, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
 } from './flags.ts';
 import type { Command } from './main.ts';
@@ -84,12 +84,12 @@ export const SERVE_FLAGS = {
   threads: { type: 'number', help: 'compute threads (default: all cores)' },
   backend: { type: 'string', help: 'kernels: auto, native or reference', default: 'auto' },
   engine: { type: 'string', help: 'cpu (the real model) or sim (a simulated GPU worker per --sim-* options)', default: 'cpu' },
-  workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler', default: 1 },
+  workers: { type: 'number', help: 'engine workers behind the router, each with its own thread, KV pool and scheduler (at most 1024)', default: 1 },
   'worker-processes': { type: 'boolean', help: 'run the --workers (or --prefill-workers and --decode-workers, cpu) as child processes (conduit worker) over the request plane on loopback instead of threads: a worker that crashes, natively included, takes only its process down (aggregated workers are restarted)', default: false },
   'routing-policy': { type: 'string', help: `how the router places requests: ${POLICY_NAMES.join(', ')}`, default: 'kv' },
   'session-header': { type: 'string', help: 'request header carrying the session id that --routing-policy session keeps on one worker', default: DEFAULT_SESSION_HEADER },
-  'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers)' },
-  'decode-workers': { type: 'number', help: 'disaggregated serving: decode workers' },
+  'prefill-workers': { type: 'number', help: 'disaggregated serving: prefill workers (with --decode-workers, instead of --workers; at most 1024)' },
+  'decode-workers': { type: 'number', help: 'disaggregated serving: decode workers (at most 1024)' },
   'migration-limit': { type: 'number', help: 'times a request may move to another worker when its worker is lost mid-stream, continuing the same stream (0 = off, as Dynamo\'s migration_limit)', default: 0 },
   'worker-restart-limit': { type: 'number', help: 'restart attempts in a row for a cpu worker whose thread died, with backoff, before it is given up (0 = a lost worker stays lost)', default: DEFAULT_WORKER_RESTART_LIMIT },
   'worker-restart-delay': { type: 'number', help: 'ms before the first restart attempt of a lost worker, doubled per further attempt (up to 30 s)', default: 500 },
@@ -748,8 +748,8 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   if (!/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(sessionHeader)) {
     throw new UsageError(`--session-header must be an HTTP header name (letters, digits, "-" ...), got "${sessionHeader}"`);
   }
-  const prefillWorkers = positiveInteger(values['prefill-workers'], 'prefill-workers');
-  const decodeWorkers = positiveInteger(values['decode-workers'], 'decode-workers');
+  const prefillWorkers = positiveInteger(values['prefill-workers'], 'prefill-workers', MAX_WORKERS);
+  const decodeWorkers = positiveInteger(values['decode-workers'], 'decode-workers', MAX_WORKERS);
   if ((prefillWorkers === undefined) !== (decodeWorkers === undefined)) {
     throw new UsageError(`${label('prefill-workers')} and ${label('decode-workers')} go together`);
   }
@@ -804,7 +804,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     tenantDefaults,
     backend: backend as Backend,
     engine: engine as ServeConfig['engine'],
-    workers: positiveInteger(values.workers, 'workers')!,
+    workers: positiveInteger(values.workers, 'workers', MAX_WORKERS)!,
     workerProcesses: values['worker-processes']!,
     routingPolicy: routingPolicy as PolicyName,
     schedulingPolicy: parseSchedulingPolicy(values['scheduling-policy']!),

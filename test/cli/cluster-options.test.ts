@@ -35,6 +35,7 @@ describe('conduit cluster options', () => {
       [['--routing-policy', 'bogus'], /conduit cluster: --routing-policy must be one of kv, .*got "bogus"/],
       [['--migration-limit', '-1'], /conduit cluster: --migration-limit must be a whole number >= 0, got -1/],
       [['extra-arg'], /conduit cluster: unexpected argument "extra-arg"/],
+      [['--workers', '1e9'], /conduit cluster: --workers must be at most 1024, got 1000000000/],
       [['--sim-model', 'bogus'], /conduit cluster: --sim-model: unknown model "bogus"; known: llama-3\.1-8b/],
     ];
     for (const [args, message] of cases) {

@@ -107,6 +107,10 @@ describe('conduit serve flags', () => {
       // Past what the engine's step arrays hold: the start failed with "Invalid typed array length".
       [['--max-num-seqs', '1e9'], /^--max-num-seqs must be at most 16384, got 1000000000$/],
       [['--max-num-batched-tokens', '1e12'], /^--max-num-batched-tokens must be at most 1048576, got 1000000000000$/],
+      // Workers started one after another until memory ran out, with no message.
+      [['--workers', '1e9'], /^--workers must be at most 1024, got 1000000000$/],
+      [['--prefill-workers', '1025', '--decode-workers', '1'], /^--prefill-workers must be at most 1024, got 1025$/],
+      [['--prefill-workers', '1', '--decode-workers', '1e9'], /^--decode-workers must be at most 1024, got 1000000000$/],
       [['--request-timeout', '-1'], /--request-timeout/],
       [['--api-keys-file', join(dir, 'missing.txt')], /--api-keys-file .*missing\.txt: no such file or folder/],
       [['--api-keys', 'no-tenant'], /key:tenant/],
