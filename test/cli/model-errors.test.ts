@@ -1,6 +1,6 @@
 // A model that cannot be loaded, or a configuration its engine worker refuses, is a user's mistake, not a bug: `conduit
-// serve` and `conduit generate` print one line naming the problem and exit 1, with no stack trace. The CLI runs as a
-// child process, as a user runs it.
+// serve` and `conduit generate` print one line naming the problem and exit 1 (2 for a flag value no model takes), with
+// no stack trace. The CLI runs as a child process, as a user runs it.
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
@@ -27,8 +27,8 @@ function conduit(args: string[]): Promise<Run> {
   });
 }
 
-function assertOneLine(run: Run, command: string, pattern: RegExp): void {
-  assert.equal(run.code, 1, `exit code; stderr:\n${run.stderr}`);
+function assertOneLine(run: Run, command: string, pattern: RegExp, code = 1): void {
+  assert.equal(run.code, code, `exit code; stderr:\n${run.stderr}`);
   const lines = run.stderr.trim().split('\n');
   assert.equal(lines.length, 1, `one line, got:\n${run.stderr}`);
   assert.match(lines[0]!, new RegExp(`^conduit ${command}: `));
@@ -66,13 +66,14 @@ describe('a model that cannot load', () => {
 
 describe('a configuration the engine worker refuses at start', () => {
   // The built-in model (2048 tokens of context), made once by ensureBuiltinModel in the cache folder.
-  const cases: [string, string[], RegExp][] = [
-    ['--max-model-len above the model\'s context', ['--max-model-len', '100000'], /--max-model-len 100000 is above the model's context length \(2048 tokens\)/],
-    ['a KV cache smaller than one block', ['--kv-cache-memory', '1KiB'], /--kv-cache-memory 1024 bytes holds no block/],
+  // A flag value no model could take is a usage error (exit 2), as the offload tiers' sizes are.
+  const cases: [string, string[], RegExp, number][] = [
+    ['--max-model-len above the model\'s context', ['--max-model-len', '100000'], /--max-model-len 100000 is above the model's context length \(2048 tokens\)/, 1],
+    ['a KV cache smaller than one block', ['--kv-cache-memory', '1KiB'], /--kv-cache-memory 1024 bytes holds no block/, 2],
   ];
-  for (const [what, flags, pattern] of cases) {
-    it(`conduit serve: ${what} is one line and exit 1`, async () => {
-      assertOneLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', ...flags]), 'serve', pattern);
+  for (const [what, flags, pattern, code] of cases) {
+    it(`conduit serve: ${what} is one line and exit ${code}`, async () => {
+      assertOneLine(await conduit(['serve', '--port', '0', '--host', '127.0.0.1', ...flags]), 'serve', pattern, code);
     });
   }
 });
