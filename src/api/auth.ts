@@ -137,7 +137,6 @@ function grantPlace(grant: KeyGrant): string {
   return grant.where !== undefined ? ` (${grant.where})` : '';
 }
 
-
 /**
  * A limit of the line format: decimal digits, or "-" for none. Number() alone would also take "0x10", "1e3", "0b1"
  * and " 7", so a typo could set a limit far from the one meant.

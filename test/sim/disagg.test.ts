@@ -311,7 +311,6 @@ describe('a worker\'s RAM tier and the disaggregation policy', () => {
     }
   });
 
-
   test('a prompt the decode worker holds in RAM is prefilled there, copied back rather than computed, not sent out', async () => {
     const prefill = new SimEngine({ ...toyWorker, speedUp: Infinity, role: 'prefill', enableKvEvents: true });
     // 16 blocks of 16 tokens in the pool, 64 in RAM below it.
