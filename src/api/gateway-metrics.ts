@@ -100,17 +100,19 @@ export class GatewayMetrics {
     this.rejections.inc({ tenant, code });
   }
 
+  // The gauge moves by steps, not by this server's count: servers sharing a registry share the family, and the
+  // series then holds the sum of their requests. This server's own count keeps an unmatched end from taking one of
+  // another server's requests off.
   requestStarted(tenant: string): void {
-    this.setInFlight(tenant, (this.inFlightByTenant.get(tenant) ?? 0) + 1);
+    this.inFlightByTenant.set(tenant, (this.inFlightByTenant.get(tenant) ?? 0) + 1);
+    this.inFlight.inc({ tenant });
   }
 
   requestEnded(tenant: string): void {
-    this.setInFlight(tenant, Math.max(0, (this.inFlightByTenant.get(tenant) ?? 0) - 1));
-  }
-
-  private setInFlight(tenant: string, value: number): void {
-    this.inFlightByTenant.set(tenant, value);
-    this.inFlight.set({ tenant }, value);
+    const count = this.inFlightByTenant.get(tenant) ?? 0;
+    if (count === 0) return;
+    this.inFlightByTenant.set(tenant, count - 1);
+    this.inFlight.dec({ tenant });
   }
 
   /**

@@ -275,7 +275,14 @@ describe('exposition', () => {
     assert.equal(value(x, 'conduit_kv_cache_used_blocks', { model: 'm' }), 3);
     assert.equal(value(x, 'conduit_kv_cache_capacity_blocks', { model: 'm' }), 8);
     // A second server on the same telemetry shares the families rather than failing to register them again.
-    new GatewayMetrics(metrics.registry).countResponse('completions', 200, 'main');
+    const second = new GatewayMetrics(metrics.registry);
+    second.countResponse('completions', 200, 'main');
     assert.equal(value(parseExposition(await metrics.render()), 'conduit_http_responses_total', { route: 'completions', status: '200', tenant: 'main' }), 2);
+    // Their requests in flight add up: each server counts its own, the gauge holds the sum.
+    second.requestStarted('main');
+    assert.equal(value(parseExposition(await metrics.render()), 'conduit_gateway_requests_in_flight', { tenant: 'main' }), 2);
+    gateway.requestEnded('main');
+    gateway.requestEnded('main'); // one more end than starts on this server: it takes nothing from the other's
+    assert.equal(value(parseExposition(await metrics.render()), 'conduit_gateway_requests_in_flight', { tenant: 'main' }), 1);
   });
 });
