@@ -6,6 +6,8 @@
 
 import { StopStringMatcher } from '../engine/stop-strings.ts';
 import type { TextSource, TokenSource } from '../engine/step-core.ts';
+import { GREEDY_TEMPERATURE } from '../engine/sampler.ts';
+import type { EngineRequest } from '../engine/types.ts';
 import { hashString, mix32, mixInto } from '../util/random.ts';
 
 
@@ -50,9 +52,24 @@ export function syntheticToken(seed: number, index: number, position: number, op
   }
 }
 
+/**
+ * A request's synthetic-token seed. Greedy decoding has one answer per prompt and model, whatever the seed or the
+ * request: two greedy requests with one prompt (and adapter) get the same tokens, as on the CPU engine; the prompt
+ * is the one the client sent (a migrated request's earlier output, which now ends promptTokenIds, is left out), so
+ * the output goes on as it would have on its first worker. A sampled request draws from its seed, else from its id.
+ */
+export function syntheticSeed(request: EngineRequest): number {
+  if (request.sampling.temperature >= GREEDY_TEMPERATURE) return request.sampling.seed ?? hashString(request.id);
+  const promptLength = request.promptTokenIds.length - (request.priorOutputTokenIds?.length ?? 0);
+  let h = mix32(promptLength);
+  for (let i = 0; i < promptLength; i++) h = mixInto(h, request.promptTokenIds[i]!);
+  if (request.lora !== undefined) h = mixInto(h, hashString(request.lora));
+  return h >>> 0;
+}
+
 /** Synthetic tokens are a function of (seed, completion, position): the seed is the whole token state. */
 export const SYNTHETIC_TOKENS: TokenSource<number> = {
-  open: (request) => new Array<number>(request.sampling.n).fill(request.sampling.seed ?? hashString(request.id)),
+  open: (request) => new Array<number>(request.sampling.n).fill(syntheticSeed(request)),
   resume: (handoff) => handoff.sampler.seed,
   handoffSeed: (request) => hashString(request.id),
   handoffState: (_request, seed) => ({ seed, rngState: [seed >>> 0, Math.floor(seed / 0x1_0000_0000) >>> 0, 0, 0] }),

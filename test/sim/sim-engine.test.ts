@@ -214,6 +214,28 @@ describe('SimEngine requests', () => {
     assert.notDeepEqual(stream(0), stream(1));
   });
 
+  test('greedy requests with one prompt get the same tokens whatever their ids and seeds; sampled ones draw their own', async () => {
+    const e = engine({ loraRank: 4 });
+    await e.loadLora('a', '/synthetic');
+    const tokensOf = async (id: string, promptTokenIds: number[], sampling: Partial<EngineRequest['sampling']>, extra: Partial<EngineRequest> = {}) =>
+      (await all(e.generate({ ...req(id, promptTokenIds, e.now(), { maxTokens: 8, ...sampling }), ...extra }))).flatMap((o) => o.newTokenIds);
+    const greedy = await tokensOf('g1', prompt(16), { temperature: 0 });
+    assert.equal(greedy.length, 8);
+    assert.deepEqual(await tokensOf('g2', prompt(16), { temperature: 0, seed: 9 }), greedy);
+    const sorted = (ids: number[]) => [...ids].sort((a, b) => a - b);
+    assert.deepEqual(sorted(await tokensOf('g3', prompt(16), { temperature: 0, n: 2 })), sorted([...greedy, ...greedy]));
+    assert.notDeepEqual(await tokensOf('other-prompt', prompt(16, 1), { temperature: 0 }), greedy);
+    assert.notDeepEqual(await tokensOf('adapter', prompt(16), { temperature: 0 }, { lora: 'a' }), greedy);
+    // A request continued after its worker was lost carries its earlier output at the end of its prompt: it goes on
+    // with the tokens it would have had.
+    const continued = await tokensOf('g1-migrated', [...prompt(16), ...greedy.slice(0, 3)], { temperature: 0, maxTokens: 5 },
+      { priorOutputTokenIds: greedy.slice(0, 3) });
+    assert.deepEqual(continued, greedy.slice(3));
+    // Sampled without a seed: each request its own draws.
+    assert.notDeepEqual(await tokensOf('s1', prompt(16), { temperature: 1 }), await tokensOf('s2', prompt(16), { temperature: 1 }));
+    await e.close();
+  });
+
   test('a duplicate id or a prompt longer than the pool is refused with a coded error', async () => {
     const e = engine();
     const stream = e.generate(req('dup', prompt(16), 0, { maxTokens: 2 }));
