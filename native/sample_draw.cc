@@ -122,8 +122,10 @@ int64_t select_top_p(const KernelTable& kt, const float* values, int64_t n, doub
   return kept_at_boundary + count_before;
 }
 
-// heapSelectTop: the k best candidates (value >= floor, above -inf) into order[0, size) as a heap whose root is the
-// worst kept. The row has no NaN (the caller's argmax said so).
+// heapSelectTop: the k best candidates (value >= floor, above -inf) into order[0, k) as a heap whose root is the
+// worst kept, then every other id tied with the root, in id order (top_k keeps the ties with its k-th, as vLLM); the
+// same layout as the TypeScript's, so a draw over it picks the same id. The row has no NaN (the caller's argmax
+// said so).
 int64_t heap_select_top(const float* values, int64_t n, int32_t* order, int64_t k, double floor) {
   int64_t size = 0, id = 0;
   for (; id < n && size < k; ++id) {
@@ -139,9 +141,17 @@ int64_t heap_select_top(const float* values, int64_t n, int32_t* order, int64_t 
     order[at] = static_cast<int32_t>(id);
   }
   if (size < k) return size;
+  // A value equal to the root's is left out on the rarely taken branch, as is a replaced root; the best value left
+  // out never rises above the root, which only rises: the two are equal at the end exactly when a tie was left out.
   float root_value = values[order[0]];
+  float best_left_out = -HUGE_VALF;
   for (; id < n; ++id) {
-    if (!(values[id] <= root_value)) {
+    if (!(values[id] < root_value)) {
+      if (values[id] == root_value) {
+        best_left_out = root_value;
+        continue;
+      }
+      if (root_value > best_left_out) best_left_out = root_value;
       // siftDown: the root replaced by id, the worse-ranked child moving up.
       int64_t at = 0;
       for (;;) {
@@ -156,6 +166,11 @@ int64_t heap_select_top(const float* values, int64_t n, int32_t* order, int64_t 
       order[at] = static_cast<int32_t>(id);
       root_value = values[order[0]];
     }
+  }
+  if (best_left_out != root_value) return size;
+  // The ties left out are the ids of the root's value after the root (the heap keeps the lower ids of a tie).
+  for (int64_t tie = order[0] + 1; tie < n; ++tie) {
+    if (values[tie] == root_value) order[size++] = static_cast<int32_t>(tie);
   }
   return size;
 }

@@ -1013,11 +1013,15 @@ function nanAt(id: number): never {
 }
 
 /**
- * Puts the (at most) k best ids whose value is at least `floor` and above -Infinity into order[0, count) in no
- * particular order, and returns count. One pass with a k-sized min-heap (worst kept id at the root): a token that
- * does not beat the root costs one comparison, which after the first few thousand tokens is nearly all of them.
- * Ranking as ranksBefore: higher value first, lower id on ties (ids arrive in increasing order, so an equal value
- * never displaces a kept one).
+ * Puts the k best ids whose value is at least `floor` and above -Infinity into order[0, count), and every other id
+ * whose value equals the k-th best's after them (top_k keeps all the ids tied with its k-th, as vLLM and Hugging
+ * Face mask only the values below it), and returns count (k or more; fewer when fewer ids qualify). One pass with a
+ * k-sized min-heap (worst kept id at the root): a token below the root costs one comparison, which after the first
+ * few thousand tokens is nearly all of them. Ranking as ranksBefore: higher value first, lower id on ties (ids
+ * arrive in increasing order, so an equal value never displaces a kept one), so the heap holds the k first by that
+ * order and the ties left out are the ids after its root (the last kept of the k-th value). order[0, k) is the heap's layout and
+ * the ties follow in id order: the native draw (native/sample_draw.cc) lays them out the same, so a draw over them
+ * picks the same id.
  */
 export function heapSelectTop(values: Float32Array, order: Int32Array, k: number, floor: number): number {
   const n = values.length;
@@ -1040,17 +1044,28 @@ export function heapSelectTop(values: Float32Array, order: Int32Array, k: number
     order[at] = id;
   }
   if (size < k) return size;
-  // Full: only a value above the root's gets in (it is then >= floor too), replacing the root. A NaN fails `<=`
-  // and is caught on that same rarely taken branch.
+  // Full: only a value above the root's gets in (it is then >= floor too), replacing the root. A NaN fails `<`
+  // and is caught on that same rarely taken branch, and so is a value equal to the root's. The best value left
+  // out (a tie with the root, or a root replaced) is never above the root, which only rises: the two are equal at
+  // the end exactly when an id tied with the k-th was left out.
   let rootValue = values[order[0]!]!;
+  let bestLeftOut = -Infinity;
   for (; id < n; id++) {
     const value = values[id]!;
-    if (!(value <= rootValue)) {
+    if (!(value < rootValue)) {
       if (value !== value) nanAt(id);
+      if (value === rootValue) {
+        bestLeftOut = value;
+        continue;
+      }
       siftDown(values, order, size, id);
+      if (rootValue > bestLeftOut) bestLeftOut = rootValue;
       rootValue = values[order[0]!]!;
     }
   }
+  if (bestLeftOut !== rootValue) return size;
+  // The ties left out: every id of the k-th value after the root, the last kept of that value.
+  for (let tie = order[0]! + 1; tie < n; tie++) if (values[tie] === rootValue) order[size++] = tie;
   return size;
 }
 

@@ -245,7 +245,7 @@ describe('Sampler.promptLogprob', () => {
 });
 
 describe('heapSelectTop', () => {
-  it('keeps the k best ids at or above the floor, like a full sort, ties to the lower id', () => {
+  it('keeps the k best ids at or above the floor, and every id tied with the k-th, as a mask below the k-th value', () => {
     const rng = Xoshiro128.fromSeed(22);
     for (let trial = 0; trial < 300; trial++) {
       const count = 1 + (rng.nextUint32() % 300);
@@ -258,9 +258,15 @@ describe('heapSelectTop', () => {
       const order = new Int32Array(count);
       const kept = heapSelectTop(values, order, k, floor);
       const eligible = [...values.keys()].filter((i) => values[i]! >= floor && values[i]! > -Infinity);
-      const ranked = eligible.sort((a, b) => values[b]! - values[a]! || a - b).slice(0, k);
-      assert.equal(kept, ranked.length, `trial ${trial}`);
-      assert.deepEqual([...order.subarray(0, kept)].sort((a, b) => a - b), ranked.sort((a, b) => a - b), `trial ${trial}`);
+      const ranked = eligible.sort((a, b) => values[b]! - values[a]! || a - b);
+      // vLLM (and Hugging Face's TopKLogitsWarper) mask the values below the k-th best: the ties with it stay.
+      const kthValue = values[ranked[Math.min(k, ranked.length) - 1]!];
+      const unmasked = ranked.length <= k ? ranked : ranked.filter((i) => values[i]! >= kthValue!);
+      assert.equal(kept, unmasked.length, `trial ${trial}`);
+      assert.deepEqual([...order.subarray(0, kept)].sort((a, b) => a - b), [...unmasked].sort((a, b) => a - b), `trial ${trial}`);
+      // The layout the native draw shares: the k first by rank (lower id on ties) in the heap, then the rest in id order.
+      assert.deepEqual([...order.subarray(0, Math.min(k, kept))].sort((a, b) => a - b), ranked.slice(0, k).sort((a, b) => a - b), `trial ${trial}`);
+      assert.deepEqual([...order.subarray(Math.min(k, kept), kept)], unmasked.slice(k).sort((a, b) => a - b), `trial ${trial}`);
     }
   });
 
@@ -502,17 +508,21 @@ describe('Sampler: temperature and truncation', () => {
   it('top_k at a temperature samples softmax(logits / T) over the k best of a large vocabulary', () => {
     const vocabSize = 3000;
     const rng = Xoshiro128.fromSeed(24);
-    // Eight distinct high logits among low ones, two of them tied at the cut so the lower id must win.
+    // Nine high logits among low ones, two of them tied at the cut.
     const row = Array.from({ length: vocabSize }, () => rng.nextFloat() * 2);
-    const high: [number, number][] = [[2900, 9], [17, 8.5], [1500, 8], [40, 7.5], [2999, 7], [600, 6.5], [701, 6], [700, 6]];
+    const high: [number, number][] = [[2900, 9], [17, 8.5], [1500, 8], [40, 7.5], [2999, 7], [600, 6.5], [701, 6], [700, 6], [3, 5.5]];
     for (const [id, logit] of high) row[id] = logit;
     const temperature = 0.7;
-    // Ids 700 and 701 tie for the seventh place: the lower id is kept.
-    const keptWithTie = [...high.slice(0, 6).map(([id]) => id), 700];
-    const probabilities = softmax(keptWithTie.map((id) => row[id]! / temperature));
-    const expected = new Array<number>(vocabSize).fill(0);
-    keptWithTie.forEach((id, j) => { expected[id] = probabilities[j]!; });
-    assertFrequencies(frequencies(row, { topK: 7, temperature }), expected);
+    const expectedFor = (kept: number[]): number[] => {
+      const probabilities = softmax(kept.map((id) => row[id]! / temperature));
+      const expected = new Array<number>(vocabSize).fill(0);
+      kept.forEach((id, j) => { expected[id] = probabilities[j]!; });
+      return expected;
+    };
+    // Ids 700 and 701 tie for the seventh place: both stay, as vLLM masks only the logits below the k-th.
+    assertFrequencies(frequencies(row, { topK: 7, temperature }), expectedFor(high.slice(0, 8).map(([id]) => id)));
+    assertFrequencies(frequencies(row, { topK: 8, temperature }), expectedFor(high.slice(0, 8).map(([id]) => id)));
+    assertFrequencies(frequencies(row, { topK: 6, temperature }), expectedFor(high.slice(0, 6).map(([id]) => id)));
   });
 
   it('top_p keeps the smallest top set whose mass reaches p', () => {
