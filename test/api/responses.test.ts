@@ -253,6 +253,24 @@ describe('POST /v1/responses', () => {
     await waitFor(() => engineIdle(server.engine), 'nothing running');
     assert.equal(server.engine.stats().kvBlocksUsed, 0);
   });
+
+  it('a field it does not do, sent with the value that asks for nothing, is taken (the openai-agents SDK sends include: [])', E2E, async () => {
+    for (const extra of [{ include: [] }, { background: false }, { top_logprobs: 0 }, { include: [], background: false, top_logprobs: 0 }]) {
+      const response = await client.responses.create({ model, input: 'Hi', max_output_tokens: 2, ...extra });
+      assert.equal(response.object, 'response', JSON.stringify(extra));
+    }
+    const refused: [object, string][] = [
+      [{ include: ['message.output_text.logprobs'] }, 'include'], [{ background: true }, 'background'], [{ top_logprobs: 2 }, 'top_logprobs'],
+      [{ include: 'nothing' }, 'include'],
+    ];
+    for (const [extra, param] of refused) {
+      await assert.rejects(client.responses.create({ model, input: 'Hi', max_output_tokens: 2, ...extra } as never), (err: unknown) => {
+        assert.ok(err instanceof BadRequestError, String(err));
+        assert.equal(err.param, param, err.message);
+        return true;
+      });
+    }
+  });
 });
 
 describe('POST /v1/responses: a stream that fails after it began', () => {

@@ -78,6 +78,17 @@ const UNSUPPORTED_RESPONSES: Record<string, string> = {
   echo: 'echo is not available on /v1/responses.',
 };
 
+/**
+ * Values of refused fields that ask for nothing, the API's defaults: clients send them explicitly (the openai-agents
+ * SDK sends include: [] with every request), and they are taken as leaving the field out.
+ */
+const ASKS_FOR_NOTHING: Record<string, (value: unknown) => boolean> = {
+  include: (value) => Array.isArray(value) && value.length === 0,
+  background: (value) => value === false,
+  // Alternatives per token, of logprobs that are never given (they would come with include's logprobs).
+  top_logprobs: (value) => value === 0,
+};
+
 /** OpenAI's service tiers this server serves: it has one tier, the default one. */
 const SERVICE_TIERS = ['auto', 'default'];
 
@@ -237,7 +248,7 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   const fields = new Fields(readObject('body', body));
   for (const key in fields.object) {
     const reason = UNSUPPORTED_RESPONSES[key];
-    if (reason !== undefined && fields.has(key)) throw new UnsupportedFieldError(key, reason);
+    if (reason !== undefined && fields.has(key) && !ASKS_FOR_NOTHING[key]?.(fields.raw(key))) throw new UnsupportedFieldError(key, reason);
   }
   const tools = (fields.array('tools') ?? []).map((tool, i) => readTool(i, tool));
   const toolChoice = readToolChoice(fields);
