@@ -254,6 +254,29 @@ describe('POST /v1/responses', () => {
     assert.equal(server.engine.stats().kvBlocksUsed, 0);
   });
 
+  it('a final assistant message "incomplete" or "in_progress" is continued, as vLLM does; a completed one is a turn of its own', E2E, async () => {
+    const conversation = (status?: string) => [
+      { role: 'user' as const, content: 'Tell me about a cat.' },
+      { type: 'message' as const, role: 'assistant' as const, id: 'msg_1', content: [{ type: 'output_text' as const, text: 'The cat sat', annotations: [] }], ...(status ? { status } : {}) },
+    ] as OpenAI.Responses.ResponseInputItem[];
+    const chat = async (continued: boolean) => client.chat.completions.create({
+      model, max_tokens: 6, temperature: 0,
+      messages: [{ role: 'user', content: 'Tell me about a cat.' }, { role: 'assistant', content: 'The cat sat' }],
+      ...(continued ? { continue_final_message: true, add_generation_prompt: false } : {}),
+    } as OpenAI.Chat.ChatCompletionCreateParamsNonStreaming);
+    const [continuedChat, newTurnChat] = [await chat(true), await chat(false)];
+    assert.notEqual(continuedChat.usage!.prompt_tokens, newTurnChat.usage!.prompt_tokens);
+    for (const status of ['incomplete', 'in_progress']) {
+      const response = await client.responses.create({ model, max_output_tokens: 6, temperature: 0, input: conversation(status) });
+      assert.equal(response.usage!.input_tokens, continuedChat.usage!.prompt_tokens, status);
+      assert.equal(response.output_text, continuedChat.choices[0]!.message.content, status);
+    }
+    for (const status of ['completed', undefined]) {
+      const response = await client.responses.create({ model, max_output_tokens: 6, temperature: 0, input: conversation(status) });
+      assert.equal(response.usage!.input_tokens, newTurnChat.usage!.prompt_tokens, String(status));
+    }
+  });
+
   it('a field it does not do, sent with the value that asks for nothing, is taken (the openai-agents SDK sends include: [])', E2E, async () => {
     for (const extra of [{ include: [] }, { background: false }, { top_logprobs: 0 }, { include: [], background: false, top_logprobs: 0 }]) {
       const response = await client.responses.create({ model, input: 'Hi', max_output_tokens: 2, ...extra });

@@ -118,6 +118,8 @@ export function responsesError(error: unknown, messageParam: (index: number) => 
   const message = /^messages\[(\d+)\](.*)$/.exec(param);
   if (message) param = `${messageParam(Number(message[1]))}${message[2]}`;
   else if (param === 'messages') param = 'input';
+  // A final message continued (continuesFinalMessage) that cannot be: the item it came from.
+  else if (param === 'continue_final_message') param = messageParam(-1);
   for (const [pattern, name] of RENAMED_PARAMS) {
     if (pattern.test(param)) {
       param = param.replace(pattern, name).replace(/\.$/, '');
@@ -244,6 +246,22 @@ function readTextFormat(fields: Fields): { format: JsonObject; responseFormat?: 
   }
 }
 
+/**
+ * Whether the input ends with an assistant message still being written (status "in_progress" or "incomplete", as a
+ * response cut short by max_output_tokens gives it back): as vLLM does, the model continues that message instead of
+ * starting a turn of its own (chat's continue_final_message). A message with no text yet has nothing to continue.
+ */
+function continuesFinalMessage(input: unknown): boolean {
+  const last: unknown = Array.isArray(input) ? input.at(-1) : undefined;
+  if (!isJsonObject(last) || (last.type ?? 'message') !== 'message' || last.role !== 'assistant') return false;
+  if (last.status !== 'in_progress' && last.status !== 'incomplete') return false;
+  // The text continued is the content's last part (chat's continue_final_message looks for it in the rendered chat).
+  const { content } = last;
+  const lastPart: unknown = Array.isArray(content) ? content.at(-1) : undefined;
+  const text = typeof content === 'string' ? content : isJsonObject(lastPart) ? lastPart.text ?? lastPart.refusal : undefined;
+  return typeof text === 'string' && text.trim().length > 0;
+}
+
 export function parseResponsesRequest(body: unknown, context: ValidationContext): ResponsesRequest {
   const fields = new Fields(readObject('body', body));
   for (const key in fields.object) {
@@ -307,8 +325,13 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   if (maxOutputTokens !== null) chatBody.max_tokens = maxOutputTokens;
   if (responseFormat) chatBody.response_format = responseFormat;
   if (reasoningEffort !== null) chatBody.reasoning_effort = reasoningEffort;
+  if (continuesFinalMessage(input)) chatBody.continue_final_message = true;
   const offset = instructions !== null ? 1 : 0;
-  const messageParam = (index: number): string => (index < offset ? 'instructions' : `input[${itemOf[index - offset]}]`);
+  /** index: of a chat message, from the end when negative. */
+  const messageParam = (index: number): string => {
+    const at = index < 0 ? messages.length + index : index;
+    return at < offset ? 'instructions' : `input[${itemOf[at - offset]}]`;
+  };
   let chat: ChatCompletionRequest;
   try {
     chat = parseChatCompletionRequest(chatBody, context);
