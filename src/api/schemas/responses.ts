@@ -303,7 +303,9 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
       itemOf.push(i);
     });
   }
-  const messages = instructions !== null ? [{ role: 'system', content: instructions }, ...items] : items;
+  // Empty instructions say nothing, as vLLM takes them: an empty system message would still be a turn in the prompt.
+  const systemMessages = instructions ? [{ role: 'system', content: instructions }] : [];
+  const messages = [...systemMessages, ...items];
   const maxOutputTokens = fields.integer('max_output_tokens', { min: 1 }) ?? null;
   const metadata = fields.fields('metadata');
   const metadataEcho: Record<string, string> = {};
@@ -326,7 +328,7 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   if (responseFormat) chatBody.response_format = responseFormat;
   if (reasoningEffort !== null) chatBody.reasoning_effort = reasoningEffort;
   if (continuesFinalMessage(input)) chatBody.continue_final_message = true;
-  const offset = instructions !== null ? 1 : 0;
+  const offset = systemMessages.length;
   /** index: of a chat message, from the end when negative. */
   const messageParam = (index: number): string => {
     const at = index < 0 ? messages.length + index : index;
