@@ -33,4 +33,22 @@ describe('/v1/responses input and instructions', () => {
     const given = await client.responses.create({ model, input: 'Tell me about a cat.', instructions: 'Be brief.', max_output_tokens: 2, temperature: 0 });
     assert.ok(given.usage!.input_tokens > without.usage!.input_tokens, 'instructions with text are the system message');
   });
+
+  it('input, a message\'s content and a function_call_output\'s output of the wrong type: a 400 naming both shapes they take', E2E, async () => {
+    const cases: [unknown, string][] = [
+      [5, 'input'],
+      [{ role: 'user', content: 'Hi' }, 'input'],
+      [[{ role: 'user', content: 5 }], 'input[0].content'],
+      [[{ type: 'function_call_output', call_id: 'call_1', output: { text: 'sunny' } }], 'input[0].output'],
+    ];
+    for (const [input, param] of cases) {
+      await assert.rejects(client.responses.create({ model, input, max_output_tokens: 2 } as never), (err: unknown) => {
+        assert.ok(err instanceof BadRequestError, String(err));
+        assert.equal(err.param, param, err.message);
+        assert.equal(err.code, 'invalid_type', err.message);
+        assert.match(err.message, /expected a string or an array/, err.message);
+        return true;
+      });
+    }
+  });
 });

@@ -8,7 +8,7 @@
 // files, images, vLLM's extension and disaggregation fields), and chat completion fields that have a Responses
 // counterpart or none here (max_tokens, response_format, guided_*, logprobs ...) are refused by name, never ignored.
 
-import { ApiError, InvalidValueError, UnsupportedFieldError } from '../errors.ts';
+import { ApiError, InvalidValueError, UnsupportedFieldError, WrongTypeError } from '../errors.ts';
 import { checkArgumentsDepth, childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from '../validate.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest } from './chat.ts';
 import type { ValidationContext } from './generation.ts';
@@ -155,7 +155,7 @@ function readInputItem(index: number, value: unknown, previous: JsonObject | und
   }
   if (type === 'function_call_output') {
     // The output is a string, or (OpenAI's newer shape) a list of content parts: their texts, as a message's.
-    const output = fields.required('output');
+    const output = readStringOrArray(fields.path('output'), fields.required('output'));
     return {
       role: 'tool', tool_call_id: readString(fields.path('call_id'), fields.required('call_id'), { nonEmpty: true }),
       content: typeof output === 'string' ? output : readContentParts(fields.path('output'), output),
@@ -168,9 +168,15 @@ function readInputItem(index: number, value: unknown, previous: JsonObject | und
   if (!['user', 'system', 'developer', 'assistant'].includes(role)) {
     throw new InvalidValueError(fields.path('role'), `unknown role '${role}'; expected one of user, system, developer, assistant.`);
   }
-  const content = fields.required('content');
+  const content = readStringOrArray(fields.path('content'), fields.required('content'));
   if (typeof content === 'string') return { role, content };
   return { role, content: readContentParts(fields.path('content'), content) };
+}
+
+/** A field whose value is a string or a list (input, content, output): refused in words that name both. */
+function readStringOrArray(path: string, value: unknown): string | unknown[] {
+  if (typeof value === 'string' || Array.isArray(value)) return value;
+  throw new WrongTypeError(path, 'a string or an array', value);
 }
 
 /** Content parts (input_text, output_text, refusal) as the chat parser's text parts; other kinds are refused. */
@@ -288,7 +294,7 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   const reasoningEffort = reasoning?.string('effort', { nonEmpty: true }) ?? null;
   if (reasoning?.has('summary')) throw new UnsupportedFieldError('reasoning.summary', 'reasoning summaries are not supported.');
   const instructions = fields.string('instructions') ?? null;
-  const input = fields.required('input');
+  const input = readStringOrArray('input', fields.required('input'));
   const items: JsonObject[] = [];
   /** The input item each message came from (a function_call joined to the one before comes from that one's). */
   const itemOf: number[] = [];
