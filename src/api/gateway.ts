@@ -668,7 +668,10 @@ export class Gateway {
     try {
       if (request.guided) await this.guidedChecker.check(request.guided);
       const { tools } = request;
-      const tokenIds = await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, 'context', tools?.raw);
+      // Under tool_choice "none" the tools are not shown to the model, as vLLM's Responses API leaves them out (a chat
+      // completion shows them, as vLLM's does): offered tools the model may not call only invite calls written as text.
+      const offered = tools && tools.choice.kind !== 'none' ? tools.raw : undefined;
+      const tokenIds = await this.renderChat(call, target, request.messages, request, request.chatTemplateKwargs, 'context', offered);
       call.trace?.tokenized(tokenIds.length);
       const prompt = this.fitPrompt(backend, tokenIds, request, 'input');
       const id = call.requestId ?? newCompletionId('resp');

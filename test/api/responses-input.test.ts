@@ -1,6 +1,6 @@
 // How /v1/responses reads instructions and input into the chat it runs, under a template that writes every message
-// out: empty instructions are none (as vLLM takes them), and input of the wrong type is refused in words that name
-// both of its shapes.
+// out: empty instructions are none (as vLLM takes them), input of the wrong type is refused in words that name both
+// of its shapes, and tools under tool_choice "none" are not shown to the model (as vLLM's Responses API leaves them out).
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -15,8 +15,10 @@ describe('/v1/responses input and instructions', () => {
   let model: string;
 
   before(async () => {
-    // A template that renders every message, an empty one included (the built-in Llama 2 template drops an empty system prompt).
-    server = await startTestServer({ flags: ['--chat-template', '{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:'] });
+    // A template that renders every message, an empty one included (the built-in Llama 2 template drops an empty system
+    // prompt), and the tools it is given.
+    server = await startTestServer({ flags: ['--chat-template', '{% if tools %}{% for t in tools %}tool {{ t.function.name }}: '
+      + '{{ t.function.description }}\n{% endfor %}{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:'] });
     client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
     model = server.running.api.gateway.servedModelName!;
   });
@@ -50,5 +52,20 @@ describe('/v1/responses input and instructions', () => {
         return true;
       });
     }
+  });
+
+  it('tool_choice "none": the tools are not in the prompt, as vLLM leaves them out of a response\'s', E2E, async () => {
+    const tools: OpenAI.Responses.Tool[] = [{
+      type: 'function', name: 'get_weather', description: 'The weather in a city, today and for the week ahead.', strict: false,
+      parameters: { type: 'object', properties: { city: { type: 'string' } } },
+    }];
+    const base = { model, input: 'Weather in Paris?', max_output_tokens: 2, temperature: 0 };
+    const without = await client.responses.create(base);
+    const offered = await client.responses.create({ ...base, tools, tool_choice: 'auto' });
+    assert.ok(offered.usage!.input_tokens > without.usage!.input_tokens, 'offered tools are in the prompt');
+    const none = await client.responses.create({ ...base, tools, tool_choice: 'none' });
+    assert.equal(none.usage!.input_tokens, without.usage!.input_tokens);
+    assert.equal(none.output_text, without.output_text);
+    assert.deepEqual([none.tool_choice, none.tools.length], ['none', 1], 'echoed as sent');
   });
 });
