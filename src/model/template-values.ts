@@ -280,6 +280,14 @@ export function exactBodyField(body: unknown, name: string, value: unknown): unk
   return exact[name] ?? value;
 }
 
+/**
+ * Lets a body built from another's fields in shapes of its own (a Responses request's flat tools as chat's) be read
+ * with exact numbers: `exact` holds those fields, already in the built body's shape, read from the other's text.
+ */
+export function rememberExactFields(body: unknown, exact: Record<string, unknown>): void {
+  if (typeof body === 'object' && body !== null) exactBodies.set(body, exact);
+}
+
 /** Lets a body built from another's fields (of the same names) be read exactly from the other's text. */
 export function shareBodyText(from: unknown, to: unknown): void {
   const text = typeof from === 'object' && from !== null ? bodyTexts.get(from) : undefined;

@@ -1,6 +1,7 @@
 // How /v1/responses reads instructions and input into the chat it runs, under a template that writes every message
 // out: empty instructions are none (as vLLM takes them), input of the wrong type is refused in words that name both
-// of its shapes, and tools under tool_choice "none" are not shown to the model (as vLLM's Responses API leaves them out).
+// of its shapes, tools under tool_choice "none" are not shown to the model (as vLLM's Responses API leaves them out),
+// and the numbers of tools and chat_template_kwargs reach the template as written, as on a chat completion.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -18,7 +19,8 @@ describe('/v1/responses input and instructions', () => {
     // A template that renders every message, an empty one included (the built-in Llama 2 template drops an empty system
     // prompt), and the tools it is given.
     server = await startTestServer({ flags: ['--chat-template', '{% if tools %}{% for t in tools %}tool {{ t.function.name }}: '
-      + '{{ t.function.description }}\n{% endfor %}{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:'] });
+      + '{{ t.function.description }} {{ t.function.parameters | tojson }}\n{% endfor %}{% endif %}'
+      + '{% if kwarg is defined %}kwarg {{ kwarg | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:'] });
     client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60_000 });
     model = server.running.api.gateway.servedModelName!;
   });
@@ -67,5 +69,27 @@ describe('/v1/responses input and instructions', () => {
     assert.equal(none.usage!.input_tokens, without.usage!.input_tokens);
     assert.equal(none.output_text, without.output_text);
     assert.deepEqual([none.tool_choice, none.tools.length], ['none', 1], 'echoed as sent');
+  });
+
+  it('numbers in tools and chat_template_kwargs reach the template as written (1.0, a 64-bit id), as on a chat completion', E2E, async () => {
+    // Sent as text: JSON.parse would make 1.0 into 1 and round the id before the request left.
+    const numbers = '[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 1234567890123456789]';
+    const parameters = `{"type": "object", "properties": {"id": {"type": "number", "enum": ${numbers}}}}`;
+    const post = async (path: string, fields: string) => {
+      const res = await fetch(`${server.url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' },
+        body: `{"model": "${model}", "max_tokens": 1, "max_output_tokens": 1, "temperature": 0, ${fields}}`.replace(path === '/v1/responses' ? /"max_tokens": 1, / : /"max_output_tokens": 1, /, '') });
+      const body = await res.json() as { usage: Record<string, number> };
+      assert.equal(res.status, 200, JSON.stringify(body));
+      return body.usage;
+    };
+    const kwargs = `"chat_template_kwargs": {"kwarg": ${numbers}}`;
+    const chat = await post('/v1/chat/completions', `"messages": [{"role": "user", "content": "Hi"}], ${kwargs}, `
+      + `"tools": [{"type": "function", "function": {"name": "lookup", "description": "By id.", "parameters": ${parameters}}}]`);
+    const rounded = await post('/v1/chat/completions', `"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"kwarg": [1, 2, 3, 4, 5, 6, 7, 8, 1234567890123456800]}, `
+      + `"tools": [{"type": "function", "function": {"name": "lookup", "description": "By id.", "parameters": ${parameters.replace(numbers, '[1, 2, 3, 4, 5, 6, 7, 8, 1234567890123456800]')}}}]`);
+    assert.notEqual(chat.prompt_tokens, rounded.prompt_tokens, 'the numbers as written make another prompt');
+    const response = await post('/v1/responses', `"input": "Hi", ${kwargs}, `
+      + `"tools": [{"type": "function", "name": "lookup", "description": "By id.", "parameters": ${parameters}}]`);
+    assert.equal(response.input_tokens, chat.prompt_tokens);
   });
 });

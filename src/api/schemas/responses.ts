@@ -10,6 +10,7 @@
 
 import { ApiError, InvalidValueError, UnsupportedFieldError, WrongTypeError } from '../errors.ts';
 import { checkArgumentsDepth, childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from '../validate.ts';
+import { exactBodyField, rememberExactFields } from '../../model/template-values.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest } from './chat.ts';
 import type { ValidationContext } from './generation.ts';
 
@@ -334,6 +335,11 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   if (responseFormat) chatBody.response_format = responseFormat;
   if (reasoningEffort !== null) chatBody.reasoning_effort = reasoningEffort;
   if (continuesFinalMessage(input)) chatBody.continue_final_message = true;
+  // What reaches the chat template is read with exact numbers, as a chat completion's is (tools in chat's shape).
+  const exact: Record<string, unknown> = {};
+  if (tools.length > 0) exact.tools = (exactBodyField(body, 'tools', fields.raw('tools')) as unknown[]).map((tool, i) => readTool(i, tool));
+  if (fields.has('chat_template_kwargs')) exact.chat_template_kwargs = exactBodyField(body, 'chat_template_kwargs', fields.raw('chat_template_kwargs'));
+  rememberExactFields(chatBody, exact);
   const offset = systemMessages.length;
   /** index: of a chat message, from the end when negative. */
   const messageParam = (index: number): string => {
