@@ -1,7 +1,7 @@
 // Token sampling over the logits rows the backend returns ([rows x vocabSize] float32).
 //
 // Order of operations per row (vLLM V1's order, so the same request behaves the same here and there):
-//   1. min_tokens: stop/EOS ids get -inf until the sequence has min_tokens outputs
+//   1. min_tokens: stop/EOS ids get -inf until the sequence has min_tokens outputs (the EOS ids even under ignore_eos)
 //   2. logit_bias: added to the logit
 //   3. repetition penalty over prompt + output ids (positive logits divided, negative multiplied), then
 //      frequency (count x penalty) and presence (penalty once) subtracted for output ids
@@ -66,7 +66,10 @@ export interface SequenceSamplerOptions {
   params: SamplingParams;
   promptTokenIds: readonly number[];
   vocabSize: number;
-  /** The model's end-of-generation ids (Tokenizer.stopTokenIds); ignore_eos leaves them out of the stop set. */
+  /**
+   * The model's end-of-generation ids (Tokenizer.stopTokenIds); ignore_eos leaves them out of the stop set, not out of
+   * min_tokens' hold.
+   */
   eosTokenIds: readonly number[];
   /** params.seed, or one drawn once per request (drawRandomSeed) and shared by its n completions. */
   requestSeed: number;
@@ -121,6 +124,12 @@ export class SequenceSampler {
   readonly vocabSize: number;
   /** Ids that end this sequence: its stop_token_ids plus the model's EOS ids unless ignore_eos. */
   readonly stopTokenIds: ReadonlySet<number>;
+  /**
+   * Ids min_tokens holds back (-Infinity until the sequence has min_tokens outputs): its stop_token_ids and the
+   * model's EOS ids, with ignore_eos too. As in vLLM, whose min_tokens processor masks every stop and EOS id whatever
+   * ignore_eos says, so the first min_tokens outputs never hold an EOS, ignored or not.
+   */
+  readonly minTokensHeldIds: ReadonlySet<number>;
   private rng: Xoshiro128;
   /** Distinct prompt ids, kept only when a repetition penalty applies. */
   private readonly promptTokenSet: ReadonlySet<number>;
@@ -140,6 +149,7 @@ export class SequenceSampler {
     this.params = params;
     this.vocabSize = vocabSize;
     this.stopTokenIds = new Set(params.ignoreEos ? params.stopTokenIds : [...params.stopTokenIds, ...options.eosTokenIds]);
+    this.minTokensHeldIds = new Set([...params.stopTokenIds, ...options.eosTokenIds]);
     this.rng = Xoshiro128.fromSeed(options.requestSeed, options.completionIndex);
     if (params.repetitionPenalty !== 1) {
       checkTokenIds('promptTokenIds', options.promptTokenIds, vocabSize);
@@ -193,7 +203,7 @@ export class SequenceSampler {
   /** Whether applyLogitProcessors would change a row now: without it, the sampler reads the row in place. */
   get hasLogitProcessors(): boolean {
     const { params } = this;
-    return (this.numOutputTokens < params.minTokens && this.stopTokenIds.size > 0)
+    return (this.numOutputTokens < params.minTokens && this.minTokensHeldIds.size > 0)
       || (params.logitBias !== undefined && params.logitBias.size > 0)
       || params.repetitionPenalty !== 1 || params.frequencyPenalty !== 0 || params.presencePenalty !== 0;
   }
@@ -206,7 +216,7 @@ export class SequenceSampler {
   applyLogitProcessors(logits: Float32Array, holdStops = true): void {
     const { params } = this;
     if (holdStops && this.numOutputTokens < params.minTokens) {
-      for (const id of this.stopTokenIds) logits[id] = -Infinity;
+      for (const id of this.minTokensHeldIds) logits[id] = -Infinity;
     }
     if (params.logitBias) {
       for (const [id, bias] of params.logitBias) logits[id]! += bias;
