@@ -158,6 +158,12 @@ function readTopK(fields: Fields): number {
   return topK === -1 ? 0 : topK;
 }
 
+/** As in vLLM, a seed of -1 asks for no seed: each request draws its own, as one without the field does. */
+function readSeed(fields: Fields): number | undefined {
+  const seed = fields.integer('seed');
+  return seed === -1 ? undefined : seed;
+}
+
 export function readGenerationOptions(fields: Fields, context: ValidationContext): GenerationOptions {
   const stream = fields.boolean('stream') ?? false;
   const streamOptions = fields.fields('stream_options');
@@ -190,7 +196,7 @@ export function readGenerationOptions(fields: Fields, context: ValidationContext
     presencePenalty: fields.number('presence_penalty', { min: -2, max: 2 }) ?? 0,
     frequencyPenalty: fields.number('frequency_penalty', { min: -2, max: 2 }) ?? 0,
     logitBias: readLogitBias(fields, context),
-    seed: fields.integer('seed'),
+    seed: readSeed(fields),
     stop: readStop(fields),
     stopTokenIds,
     minTokens,
