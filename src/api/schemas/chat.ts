@@ -172,6 +172,23 @@ function checkOutputFormat(fields: Fields): void {
   });
 }
 
+/**
+ * top_logprobs, 0 to MAX_LOGPROBS. vLLM also takes -1 (the whole vocabulary) and then holds it to --max-logprobs,
+ * whose default (20, this server's fixed limit) refuses it for any real vocabulary: -1 is refused here as there, with
+ * a message that says why. As in vLLM, a count that asks for alternatives (-1 or above 0) needs logprobs true first.
+ */
+function readTopLogprobs(fields: Fields, logprobs: boolean, context: ValidationContext): number | undefined {
+  const raw = fields.raw('top_logprobs');
+  if ((raw === -1 || (Number.isInteger(raw) && (raw as number) > 0)) && !logprobs) {
+    throw new InvalidValueError('top_logprobs', 'top_logprobs needs logprobs set to true.');
+  }
+  if (raw === -1) {
+    throw new InvalidValueError('top_logprobs', `-1 asks for the whole vocabulary (${context.vocabSize} alternatives per `
+      + `token), more than this server returns: ask for at most ${MAX_LOGPROBS}.`);
+  }
+  return fields.integer('top_logprobs', { min: 0, max: MAX_LOGPROBS });
+}
+
 export function parseChatCompletionRequest(body: unknown, context: ValidationContext): ChatCompletionRequest {
   const fields = new Fields(readObject('body', body));
   rejectUnsupported(fields, UNSUPPORTED_CHAT);
@@ -183,10 +200,7 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   fields.required('messages');
   const messages = fields.array('messages', { nonEmpty: true, maxItems: MAX_MESSAGES })!;
   const logprobs = fields.boolean('logprobs') ?? false;
-  const topLogprobs = fields.integer('top_logprobs', { min: 0, max: MAX_LOGPROBS });
-  if (topLogprobs !== undefined && topLogprobs > 0 && !logprobs) {
-    throw new InvalidValueError('top_logprobs', 'top_logprobs needs logprobs set to true.');
-  }
+  const topLogprobs = readTopLogprobs(fields, logprobs, context);
   // vLLM hands documents (RAG) and reasoning_effort to the template beside chat_template_kwargs, which win.
   const templateExtras: JsonObject = {};
   if (fields.has('documents')) {
