@@ -231,6 +231,8 @@ export function parseWireRequest(value: unknown): EngineRequest {
   };
   const promptLogprobs = optional(s, 'promptLogprobs', () => int(s, 'promptLogprobs', w));
   if (promptLogprobs !== undefined) sampling.promptLogprobs = promptLogprobs;
+  const ignoredEos = optional(s, 'ignoredEosTokenIds', () => intArray(s.ignoredEosTokenIds, `${w}.ignoredEosTokenIds`));
+  if (ignoredEos !== undefined) sampling.ignoredEosTokenIds = ignoredEos;
   const kept = optional(s, 'keptSpecialTokenIds', () => intArray(s.keptSpecialTokenIds, `${w}.keptSpecialTokenIds`));
   if (kept !== undefined) sampling.keptSpecialTokenIds = kept;
   const guided = optional(s, 'guided', () => parseGuided(s.guided));

@@ -110,6 +110,7 @@ export function validateSamplingParams(params: SamplingParams, vocabSize: number
   }
   if (params.seed !== undefined && !Number.isSafeInteger(params.seed)) invalid(`seed must be a safe integer, got ${params.seed}`);
   checkTokenIds('stopTokenIds', params.stopTokenIds, vocabSize);
+  if (params.ignoredEosTokenIds) checkTokenIds('ignoredEosTokenIds', params.ignoredEosTokenIds, vocabSize);
   if (params.logitBias) {
     checkTokenIds('logitBias', params.logitBias.keys(), vocabSize);
     for (const [id, bias] of params.logitBias) {
@@ -126,8 +127,9 @@ export class SequenceSampler {
   readonly stopTokenIds: ReadonlySet<number>;
   /**
    * Ids min_tokens holds back (-Infinity until the sequence has min_tokens outputs): its stop_token_ids and the
-   * model's EOS ids, with ignore_eos too. As in vLLM, whose min_tokens processor masks every stop and EOS id whatever
-   * ignore_eos says, so the first min_tokens outputs never hold an EOS, ignored or not.
+   * model's EOS ids (the tokenizer's, and generation_config.json's), with ignore_eos too. As in vLLM, whose min_tokens
+   * processor masks every stop and EOS id whatever ignore_eos says, so the first min_tokens outputs never hold an EOS,
+   * ignored or not.
    */
   readonly minTokensHeldIds: ReadonlySet<number>;
   private rng: Xoshiro128;
@@ -149,7 +151,7 @@ export class SequenceSampler {
     this.params = params;
     this.vocabSize = vocabSize;
     this.stopTokenIds = new Set(params.ignoreEos ? params.stopTokenIds : [...params.stopTokenIds, ...options.eosTokenIds]);
-    this.minTokensHeldIds = new Set([...params.stopTokenIds, ...options.eosTokenIds]);
+    this.minTokensHeldIds = new Set([...params.stopTokenIds, ...options.eosTokenIds, ...params.ignoredEosTokenIds ?? []]);
     this.rng = Xoshiro128.fromSeed(options.requestSeed, options.completionIndex);
     if (params.repetitionPenalty !== 1) {
       checkTokenIds('promptTokenIds', options.promptTokenIds, vocabSize);

@@ -25,6 +25,12 @@ export interface SamplingParams {
   minTokens: number;
   ignoreEos: boolean;
   stopTokenIds: readonly number[];
+  /**
+   * The model's end-of-generation ids besides its EOS (the tokenizer's and generation_config.json's eos_token_id)
+   * that ignore_eos kept out of stopTokenIds, set when min_tokens is: they end nothing, but min_tokens still holds
+   * them back, as vLLM's min_tokens processor holds every end-of-generation id whatever ignore_eos says.
+   */
+  ignoredEosTokenIds?: readonly number[];
   stop: readonly string[];
   includeStopStrInOutput: boolean;
   /** Return the chosen token's logprob and this many alternatives (null = none). */

@@ -68,6 +68,17 @@ describe('request-plane frames', () => {
     assert.throws(() => parseWireRequest(bad), /sampling.keptSpecialTokenIds/);
   });
 
+  test('the end-of-generation ids min_tokens holds under ignore_eos cross the wire; a bad list is refused', () => {
+    const request: EngineRequest = {
+      id: 'e1', promptTokenIds: [1, 2, 3], priority: 0, arrivalMs: 5,
+      sampling: { ...DEFAULT_SAMPLING, minTokens: 4, ignoreEos: true, ignoredEosTokenIds: [128008] },
+    };
+    assert.deepEqual(parseWireRequest(JSON.parse(JSON.stringify(toWireRequest(request)))), request);
+    const bad = JSON.parse(JSON.stringify(toWireRequest(request)));
+    bad.sampling.ignoredEosTokenIds = [1.5];
+    assert.throws(() => parseWireRequest(bad), /sampling.ignoredEosTokenIds/);
+  });
+
   test('a guided request and a migrated one\'s prior output cross the wire whole; a bad grammar spec is refused', () => {
     const guided: GuidedDecoding[] = [
       { kind: 'json_object', compact: true }, { kind: 'json_schema', schema: '{"type":"object"}' },

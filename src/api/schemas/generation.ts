@@ -313,7 +313,9 @@ export function toSamplingParams(options: GenerationOptions, maxTokens: number, 
   // The model's end-of-generation ids besides its EOS are stop token ids, so that ending on one reports its id as
   // stop_reason (vLLM adds them to stop_token_ids, unless ignore_eos; ending on the EOS itself reports null). The
   // engine stops on them either way.
-  const extraStops = options.ignoreEos ? [] : secondaryEosTokenIds.filter((id) => !options.stopTokenIds.includes(id));
+  const extraStops = secondaryEosTokenIds.filter((id) => !options.stopTokenIds.includes(id));
+  // Under ignore_eos they end nothing, but min_tokens still holds them back (SamplingParams.ignoredEosTokenIds).
+  const ignoredEos = options.ignoreEos && options.minTokens > 0 ? extraStops : [];
   return {
     temperature: options.temperature,
     topP: options.topP,
@@ -328,7 +330,8 @@ export function toSamplingParams(options: GenerationOptions, maxTokens: number, 
     maxTokens,
     minTokens: options.minTokens,
     ignoreEos: options.ignoreEos,
-    stopTokenIds: extraStops.length > 0 ? [...options.stopTokenIds, ...extraStops] : options.stopTokenIds,
+    stopTokenIds: !options.ignoreEos && extraStops.length > 0 ? [...options.stopTokenIds, ...extraStops] : options.stopTokenIds,
+    ...(ignoredEos.length > 0 ? { ignoredEosTokenIds: ignoredEos } : {}),
     stop: options.stop,
     includeStopStrInOutput: options.includeStopStrInOutput,
     logprobs,
