@@ -341,6 +341,14 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
   }
   const alignment = readAlignment(metadata, metadataTypes, source);
 
+  /** A field of a tensor's entry, a file cut inside it named by the tensor (else only the offset says where). */
+  const entryField = <T>(read: () => T, name: string, i: number, count: number): T => {
+    try {
+      return read();
+    } catch (error) {
+      throw inContext(error, source, `the entry of tensor ${name} (${i} of ${count}) in the tensor table`);
+    }
+  };
   const tensorInfos: GgufTensorInfo[] = [];
   const byName = new Map<string, GgufTensorInfo>();
   /** Byte size of each tensor. */
@@ -353,12 +361,12 @@ export function parseGguf(bytes: Uint8Array, source = 'GGUF buffer'): GgufFile {
       throw inContext(error, source, `the name of tensor ${i} of ${tensorCount} in the tensor table`);
     }
     if (byName.has(name)) throw new GgufFormatError(`${source}: tensor ${name} appears twice in the tensor table`);
-    const numDims = c.u32();
+    const numDims = entryField(() => c.u32(), name, i, tensorCount);
     if (numDims > 4) throw new GgufFormatError(`${source}: tensor ${name} has ${numDims} dimensions (at most 4)`);
     const shape: number[] = [];
-    for (let d = 0; d < numDims; d++) shape.push(c.count(`dimension of ${name}`));
-    const type = c.u32() as GgmlType;
-    const offset = c.count(`offset of ${name}`);
+    for (let d = 0; d < numDims; d++) shape.push(entryField(() => c.count(`dimension of ${name}`), name, i, tensorCount));
+    const type = entryField(() => c.u32(), name, i, tensorCount) as GgmlType;
+    const offset = entryField(() => c.count(`offset of ${name}`), name, i, tensorCount);
     if (offset % alignment !== 0) {
       throw new GgufFormatError(`${source}: tensor ${name} starts at data offset ${offset}, which is not a multiple ` +
         `of the file's alignment ${alignment}`);

@@ -226,6 +226,16 @@ describe('GGUF reader: what llama.cpp refuses, refused in one line', () => {
       /^x\.gguf: the name of tensor 0 of 1 in the tensor table: truncated GGUF \(wanted 50 bytes/);
   });
 
+  it('a file cut inside a tensor entry, naming the tensor', () => {
+    // Tensor "wq" (1 of 2) ends after its second dimension: its type and offset are missing.
+    const entries = Buffer.concat([u32(0x46554747), u32(3), u64(2), u64(0), str('a'), u32(1), u64(8), u32(GgmlType.F32), u64(0),
+      str('wq'), u32(2), u64(8), u64(8)]);
+    refusesParse(entries, /^x\.gguf: the entry of tensor wq \(1 of 2\) in the tensor table: truncated GGUF \(wanted 4 bytes/);
+    // Cut inside its dimensions.
+    refusesParse(entries.subarray(0, entries.length - 4),
+      /^x\.gguf: the entry of tensor wq \(1 of 2\) in the tensor table: truncated GGUF \(wanted 8 bytes/);
+  });
+
   it('arrays nested 200000 deep (a bounded depth, not a stack overflow)', () => {
     const levels = 200_000;
     const inner = Buffer.alloc(levels * 12 + 12);
