@@ -103,6 +103,16 @@ function readToolChoice(fields: Fields): ToolChoice | undefined {
 }
 
 const ANY_OBJECT = { type: 'object' };
+
+/**
+ * The schema a tool's arguments decode under: its parameters, an object schema even when they name no type. An empty
+ * schema ({}, a tool without arguments as clients often write it) would otherwise let the grammar write any JSON value
+ * (a string, a number) as the arguments; vLLM's "required" grammar takes it for an empty object schema too.
+ */
+function argumentsSchema(parameters: JsonObject | undefined): JsonObject {
+  if (parameters === undefined) return ANY_OBJECT;
+  return parameters.type === undefined ? { type: 'object', ...parameters } : parameters;
+}
 const NO_CALLS: ParsedOutput = { content: null, calls: [] };
 
 /**
@@ -115,7 +125,7 @@ export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
   const { choice } = request;
   if (choice.kind === 'named') {
     const index = request.tools.findIndex((t) => t.name === choice.name);
-    const parameters = grammarSchema(request.tools[index]!.parameters ?? ANY_OBJECT);
+    const parameters = grammarSchema(argumentsSchema(request.tools[index]!.parameters));
     const schema = grammarSchemaText(parameters, `tools[${index}].function.parameters`);
     return { spec: { kind: 'json_schema', schema }, param: 'tool_choice' };
   }
@@ -123,7 +133,7 @@ export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
   const defs: JsonObject = {};
   const item = {
     anyOf: request.tools.map((tool, i) => {
-      let parameters = grammarSchema(tool.parameters ?? ANY_OBJECT);
+      let parameters = grammarSchema(argumentsSchema(tool.parameters));
       if (hasRefs(parameters)) {
         const key = `tool_${i}`;
         defs[key] = rebaseRefs(parameters, `#/$defs/${key}`);
