@@ -3,7 +3,7 @@
 // 3.x JSON, Mistral `[TOOL_CALLS]`), and the chat response shape that turns either into message.tool_calls and
 // streamed delta.tool_calls.
 
-import { randomBytes } from 'node:crypto';
+import { randomBytes, randomInt } from 'node:crypto';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
 import { checkJsonSchema, grammarSchema, grammarSchemaText, mapSchemas, type GuidedRequest } from './guided.ts';
 import {
@@ -452,7 +452,15 @@ export interface WireToolCall {
   function: { name: string; arguments: string };
 }
 
-export function newToolCallId(): string {
+const ALPHANUMERIC = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789';
+
+/**
+ * A call's id, OpenAI's `call_<hex>`; under the Mistral format nine letters and digits, as vLLM's Mistral parser
+ * writes them: Mistral's chat templates refuse any other id when the call and its tool result come back in the next
+ * request's messages ("Tool call IDs should be alphanumeric strings with length 9!").
+ */
+export function newToolCallId(parser?: ToolCallParserName): string {
+  if (parser === 'mistral') return Array.from({ length: 9 }, () => ALPHANUMERIC[randomInt(ALPHANUMERIC.length)]).join('');
   return `call_${randomBytes(12).toString('hex')}`;
 }
 
@@ -492,6 +500,8 @@ export class ToolChatShape implements ResponseShape {
    * maybe_filter_parallel_tool_calls: the first call in the body, only index 0's deltas in a stream).
    */
   private readonly maxCalls: number;
+  /** The format the model writes calls in, whose templates may hold call ids to a shape of their own. */
+  private readonly parser: ToolCallParserName;
 
   constructor(
     private readonly meta: ChatResponseMeta,
@@ -505,6 +515,7 @@ export class ToolChatShape implements ResponseShape {
     this.mode = choice.kind === 'named' ? { kind: 'named', name: choice.name }
       : choice.kind === 'required' ? { kind: 'required' } : { kind: 'auto', parser };
     this.maxCalls = tools.parallel ? Infinity : 1;
+    this.parser = parser;
     this.choices = Array.from({ length: choiceCount }, () => ({
       text: '', logprobs: topLogprobs === null ? null : [], finishReason: null, stopReason: null, sentContent: 0,
       holding: this.mode.kind !== 'auto', callsFrom: this.mode.kind === 'required' ? 0 : -1, sent: [], heldLogprobs: [],
@@ -588,7 +599,7 @@ export class ToolChatShape implements ResponseShape {
     if (this.mode.kind === 'named') {
       if (update.textDelta) {
         const first = state.callId === undefined;
-        state.callId ??= newToolCallId();
+        state.callId ??= newToolCallId(this.parser);
         delta({ tool_calls: [first
           ? { index: 0, id: state.callId, type: 'function', function: { name: this.mode.name, arguments: update.textDelta } }
           : { index: 0, function: { arguments: update.textDelta } }] });
@@ -663,7 +674,7 @@ export class ToolChatShape implements ResponseShape {
       let sent = state.sent[index];
       if (sent === undefined) {
         if (call.name === undefined || index !== state.sent.length) break;
-        sent = { id: newToolCallId(), name: call.name, args: '' };
+        sent = { id: newToolCallId(this.parser), name: call.name, args: '' };
         state.sent.push(sent);
         pieces.push({ tool_calls: [{ index, id: sent.id, type: 'function', function: { name: call.name, arguments: '' } }] });
       }
@@ -701,7 +712,7 @@ export class ToolChatShape implements ResponseShape {
       if (parsed.calls.length === 0) return;
       wire.message.content = parsed.content;
       wire.message.tool_calls = parsed.calls.map((call) => ({
-        id: newToolCallId(), type: 'function', function: { name: call.name, arguments: call.arguments },
+        id: newToolCallId(this.parser), type: 'function', function: { name: call.name, arguments: call.arguments },
       } satisfies WireToolCall));
       wire.finish_reason = this.finishReason(choice.finishReason, parsed.calls.length)!;
     });

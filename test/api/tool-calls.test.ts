@@ -610,3 +610,48 @@ describe('a --chat-template that renders tools (synthetic model)', () => {
     assert.match(bad.json().error.param, /^tools/);
   });
 });
+
+describe('a Mistral chat template (synthetic model)', () => {
+  let server: TestServer;
+  let client: OpenAI;
+  let model: string;
+  // As Mistral's own templates do, a call's id and a tool result's tool_call_id must be nine letters and digits.
+  const idCheck = (value: string) => `{% if ${value} is not defined or ${value}|length != 9 %}`
+    + '{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}';
+  const template = '{% for m in messages %}{% if m.role == "user" %}[INST] {{ m.content }}[/INST]'
+    + `{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}${idCheck('c.id')}{{ c.function | tojson }}{% endfor %}]`
+    + `{% elif m.role == "tool" %}${idCheck('m.tool_call_id')}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]`
+    + '{% else %}{{ m.content }}{% endif %}{% endfor %}';
+
+  before(async () => {
+    server = await startTestServer({ flags: ['--chat-template', template] });
+    client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 90_000 });
+    model = server.running.api.gateway.servedModelName!;
+  });
+  after(async () => {
+    await server?.close();
+  });
+
+  it("calls get ids the template takes back: a call and its tool result render on the next turn", E2E, async () => {
+    const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'What is the weather in Paris?' }];
+    const body = { model, messages, seed: 1, temperature: 0, max_tokens: 120, tools: [WEATHER_TOOL], parallel_tool_calls: false };
+    const ids: string[] = [];
+    for (const toolChoice of ['required', { type: 'function', function: { name: 'get_weather' } }] as const) {
+      const whole = await client.chat.completions.create({ ...body, tool_choice: toolChoice });
+      ids.push(whole.choices[0]!.message.tool_calls![0]!.id);
+      const stream = await client.chat.completions.create({ ...body, tool_choice: toolChoice, stream: true });
+      for await (const chunk of stream) {
+        for (const piece of chunk.choices[0]?.delta.tool_calls ?? []) if (piece.id !== undefined) ids.push(piece.id);
+      }
+    }
+    assert.equal(ids.length, 4);
+    for (const id of ids) assert.match(id, /^[a-zA-Z0-9]{9}$/);
+    const call = (await client.chat.completions.create({ ...body, tool_choice: 'required' })).choices[0]!.message;
+    const next = await client.chat.completions.create({ model, max_tokens: 2, tools: [WEATHER_TOOL], messages: [
+      ...messages,
+      { role: 'assistant', content: null, tool_calls: call.tool_calls },
+      { role: 'tool', tool_call_id: call.tool_calls![0]!.id, content: '{"sky": "clear"}' },
+    ] });
+    assert.equal(next.choices.length, 1);
+  });
+});
