@@ -1,7 +1,7 @@
 // Tool calling: the request's tools and tool_choice, the grammar that enforces "required" and named choices, the
 // parsers that find tool calls in a model's own output format under "auto" (Hermes/Qwen `<tool_call>` JSON, Llama
-// 3.x JSON, Mistral `[TOOL_CALLS]`), and the chat response shape that turns either into message.tool_calls and
-// streamed delta.tool_calls.
+// 3.x JSON, Mistral `[TOOL_CALLS]` in its JSON-list and name-first forms), and the chat response shape that turns
+// either into message.tool_calls and streamed delta.tool_calls.
 
 import { randomBytes, randomInt } from 'node:crypto';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
@@ -318,6 +318,62 @@ export function scanToolCalls(text: string): ScannedCall[] {
   return calls;
 }
 
+/**
+ * Mistral's format since its v11 tokenizers: `[TOOL_CALLS]name[ARGS]{arguments}` for each call ([ARGS] a control
+ * token a detokenizer may leave out, the name then ending where the arguments object begins), rather than the older
+ * `[TOOL_CALLS] [{"name", "arguments"}, ...]`. `text` is what follows the first [TOOL_CALLS].
+ */
+function isNamedCallsText(text: string): boolean {
+  const first = text.trimStart()[0];
+  return first !== undefined && first !== '[' && first !== '{';
+}
+
+/**
+ * The calls of Mistral's name-first format (isNamedCallsText) in text that may still be growing, as scanToolCalls
+ * finds them in JSON: a call's name once its arguments object begins, its arguments as far as written up to the
+ * object's closing brace (anything after it, up to the next [TOOL_CALLS], is not part of the call).
+ */
+function scanNamedCalls(text: string): ScannedCall[] {
+  const calls: ScannedCall[] = [];
+  let at = 0;
+  for (;;) {
+    const open = text.indexOf('{', at);
+    if (open < 0) break;
+    const name = text.slice(at, open).replace('[ARGS]', '').trim();
+    const end = jsonObjectEnd(text, open);
+    const done = end >= 0;
+    calls.push({ name: name === '' ? undefined : name, args: text.slice(open, done ? end : undefined), argsDone: done, done });
+    if (!done) break;
+    const next = text.indexOf(toolCallMarker('mistral'), end);
+    if (next < 0) break;
+    at = next + toolCallMarker('mistral').length;
+  }
+  return calls;
+}
+
+/** Where the JSON object opening at `open` ends (the index after its closing brace), or -1 while it is still open. */
+function jsonObjectEnd(text: string, open: number): number {
+  let depth = 0;
+  for (let i = open; i < text.length; i++) {
+    const c = text[i]!;
+    if (c === '"') {
+      i++;
+      while (i < text.length && text[i] !== '"') i += text[i] === '\\' ? 2 : 1;
+    } else if (c === '{' || c === '[') {
+      depth++;
+    } else if (c === '}' || c === ']') {
+      depth--;
+      if (depth === 0) return i + 1;
+    }
+  }
+  return -1;
+}
+
+/** The calls in the text after a parser's marker, as far as written (scanToolCalls, or Mistral's name-first format). */
+function scanCallsAfterMarker(parser: ToolCallParserName, text: string): ScannedCall[] {
+  return parser === 'mistral' && isNamedCallsText(text) ? scanNamedCalls(text) : scanToolCalls(text);
+}
+
 function parseJsonString(literal: string): string | undefined {
   const value = parseJson(literal);
   return typeof value === 'string' ? value : undefined;
@@ -351,6 +407,14 @@ export function parseToolCalls(parser: ToolCallParserName, text: string): Parsed
       const start = text.indexOf('[TOOL_CALLS]');
       if (start < 0) return plain;
       const rest = text.slice(start + '[TOOL_CALLS]'.length).trim();
+      if (isNamedCallsText(rest)) {
+        // Each call complete and its arguments valid JSON, as the other formats' calls must be to parse.
+        const scanned = scanNamedCalls(rest);
+        const calls = scanned.map((call) => call.name !== undefined && call.argsDone && isJsonObject(parseJson(call.args))
+          ? { name: call.name, arguments: call.args } : null);
+        if (calls.length === 0 || calls.some((c) => c === null)) return plain;
+        return { content: contentBefore(text, start), calls: calls as ParsedCall[] };
+      }
       const value = parseJson(rest);
       const items = Array.isArray(value) ? value : [value];
       const scanned = scanToolCalls(rest);
@@ -398,7 +462,7 @@ function scannedToolCalls(parser: ToolCallParserName, text: string): ParsedOutpu
   } else {
     return undefined;
   }
-  const calls = namedCalls(scanToolCalls(text.slice(from)));
+  const calls = namedCalls(scanCallsAfterMarker(parser, text.slice(from)));
   return calls.length > 0 ? { content: contentBefore(text, start), calls } : undefined;
 }
 
@@ -635,7 +699,9 @@ export class ToolChatShape implements ResponseShape {
     }
     // The calls as they are written: each name once complete, then its arguments piece by piece.
     if (state.callsFrom >= 0) {
-      for (const piece of this.callPieces(state, scanToolCalls(state.text.slice(state.callsFrom)))) delta(piece);
+      const written = state.text.slice(state.callsFrom);
+      const scanned = this.mode.kind === 'auto' ? scanCallsAfterMarker(this.mode.parser, written) : scanToolCalls(written);
+      for (const piece of this.callPieces(state, scanned)) delta(piece);
     }
     if (update.finishReason) {
       let calls = state.sent.length;

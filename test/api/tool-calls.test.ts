@@ -45,6 +45,15 @@ describe('tool-call parsers on model outputs', () => {
     assert.deepEqual(parseToolCalls('mistral', 'No tools needed.').calls, []);
   });
 
+  it('mistral, tokenizer v11 and later: [TOOL_CALLS]name[ARGS]{arguments}, one marker per call', () => {
+    const parsed = parseToolCalls('mistral', 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]noop[ARGS]{}');
+    assert.equal(parsed.content, 'Checking.');
+    assert.deepEqual(parsed.calls, [{ name: 'get_weather', arguments: '{"city": "Rome"}' }, { name: 'noop', arguments: '{}' }]);
+    // [ARGS] is a control token a detokenizer may leave out: the name then ends where the arguments begin.
+    assert.deepEqual(parseToolCalls('mistral', '[TOOL_CALLS]get_weather{"city": "Oslo", "q": "{x}"}').calls,
+      [{ name: 'get_weather', arguments: '{"city": "Oslo", "q": "{x}"}' }]);
+  });
+
   it('scanning a growing text only extends what a shorter prefix found (names once complete, arguments as written)', () => {
     const text = '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, {"x": 2}]}}, {"parameters": {"on": true}, "name": "set_flag"}]';
     let previous = scanToolCalls('');
@@ -116,6 +125,8 @@ describe('tool-call parsers on model outputs', () => {
           + '<tool_call>\n{"name": "set_flag", "arguments": {"on": true}}\n</tool_call>' },
       { parser: 'mistral', choice: { kind: 'auto' }, content: null,
         text: '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "set_flag", "arguments": {}}]' },
+      { parser: 'mistral', choice: { kind: 'auto' }, content: 'Checking.',
+        text: 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]set_flag[ARGS]{"on": true}' },
       { parser: 'llama3_json', choice: { kind: 'auto' }, content: null,
         text: '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "set_flag", "parameters": {"on": false}}' },
       { parser: 'hermes', choice: { kind: 'required' }, content: null,
@@ -653,5 +664,32 @@ describe('a Mistral chat template (synthetic model)', () => {
       { role: 'tool', tool_call_id: call.tool_calls![0]!.id, content: '{"sky": "clear"}' },
     ] });
     assert.equal(next.choices.length, 1);
+  });
+
+  it('auto reads the calls of Mistral\'s newer format ([TOOL_CALLS]name[ARGS]{...}), in the body as in the stream', E2E, async () => {
+    const tools = [WEATHER_TOOL, FLAG_TOOL];
+    // The output forced by a regex: text, then two calls in the format of Mistral's v11 and later tokenizers.
+    const forced = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]set_flag[ARGS]{"on": true}';
+    const escaped = forced.replace(/[{}[\]()|.*+?^$\\]/g, '\\$&');
+    const body = { model, messages: [{ role: 'user' as const, content: 'Weather in Rome?' }], max_tokens: 200, temperature: 0, tools,
+      guided_regex: escaped };
+    const whole = await client.chat.completions.create(body);
+    const choice = whole.choices[0]!;
+    assert.equal(choice.finish_reason, 'tool_calls', JSON.stringify(choice));
+    assert.equal(choice.message.content, 'Checking.');
+    const simplify = (calls: OpenAI.ChatCompletionMessageToolCall[] | undefined) =>
+      (calls ?? []).map((call) => call.type === 'function' ? { name: call.function.name, arguments: call.function.arguments } : call);
+    assert.deepEqual(simplify(choice.message.tool_calls),
+      [{ name: 'get_weather', arguments: '{"city": "Rome", "days": 2}' }, { name: 'set_flag', arguments: '{"on": true}' }]);
+    const stream = await client.chat.completions.create({ ...body, stream: true });
+    const assembled = assembleToolCalls();
+    let content = '';
+    for await (const chunk of stream) {
+      assembled.add(chunk);
+      content += chunk.choices[0]?.delta.content ?? '';
+    }
+    assert.equal(assembled.finishReason, 'tool_calls');
+    assert.equal(content, 'Checking.');
+    assert.deepEqual(assembled.calls, simplify(choice.message.tool_calls));
   });
 });
