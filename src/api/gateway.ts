@@ -23,7 +23,7 @@ import type { Admission, TenantRateLimiter } from './rate-limit.ts';
 import { collectRun, streamRun } from './respond.ts';
 import { ChatShape, CompletionShape, PromptLogprobsShape, TokenIdsShape, type ResponseShape } from './response-shapes.ts';
 import { GuidedChecker } from './guided.ts';
-import { detectToolCallParser, toolSyntaxTexts, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
+import { detectToolCallParser, mistralToolCallIds, toolSyntaxTexts, ToolChatShape, type ToolCallParserName } from './tool-calls.ts';
 import { parseChatCompletionRequest, type ChatCompletionRequest, type ChatMessage } from './schemas/chat.ts';
 import { completionPromptLogprobs, parseCompletionRequest } from './schemas/completion.ts';
 import type { GenerationDefaults } from '../model/generation-config.ts';
@@ -549,7 +549,8 @@ export class Gateway {
     let text: string;
     const options: RenderOptions = { addGenerationPrompt, ...(templateKwargs ? { variables: templateKwargs } : {}), ...(tools ? { tools } : {}) };
     try {
-      text = backend.chatTemplate.render(templateMessages(messages), options);
+      const shaped = this.toolCallParser(backend) === 'mistral' ? mistralToolCallIds(messages) : messages;
+      text = backend.chatTemplate.render(templateMessages(shaped), options);
     } catch (err) {
       // The template refusing these messages is the client's 400; a template that cannot render at all is ours.
       if (err instanceof ChatTemplateError && err.status === 400) throw new TemplateRefusedMessagesError(err.message);
@@ -689,7 +690,7 @@ export class Gateway {
   /** The chat answer of a request with tools (not tool_choice none): text and the tool calls read from it. */
   private toolShape(backend: ModelBackend, request: ChatCompletionRequest, meta: ChatResponseMeta, topLogprobs: number | null): ToolChatShape {
     const tools = request.tools!;
-    const parser = this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
+    const parser = this.toolCallParser(backend);
     // A format's markers (Hermes' <tool_call>, Llama's <|python_tag|>, Mistral's [TOOL_CALLS]) are special tokens in
     // many vocabularies, and the parser must see them: those tokens keep their text even when the request skips
     // special tokens (vLLM's parsers turn skip_special_tokens off altogether, which lets every other special token
@@ -699,6 +700,11 @@ export class Gateway {
       request.keptSpecialTokenIds = this.toolSyntaxTokenIds(backend.tokenizer, parser);
     }
     return new ToolChatShape(meta, request.n, this.logprobTexts(backend, request), topLogprobs, tools, parser);
+  }
+
+  /** The format a model's tool calls are read in (and its template written for): the server's, or its template's. */
+  private toolCallParser(backend: ModelBackend): ToolCallParserName {
+    return this.options.toolCallParser ?? detectToolCallParser(backend.chatTemplate?.sourceText ?? '');
   }
 
   /** The special tokens of a vocabulary that spell a tool-call format's markers (computed once per vocabulary). */

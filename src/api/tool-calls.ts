@@ -507,6 +507,23 @@ function splitJsonObjects(text: string): string[] {
   return pieces;
 }
 
+/** How long a call id Mistral's chat templates take (they refuse any other length). */
+const MISTRAL_ID_LENGTH = 9;
+
+/**
+ * The messages as a template of the Mistral format takes them: call ids longer than its nine characters (OpenAI's
+ * call_..., another server's) cut to their last nine, in the assistant's calls and the tool results alike so that
+ * they still pair, as vLLM cuts them for Mistral tokenizers (truncate_tool_call_ids); other messages as they are.
+ */
+export function mistralToolCallIds<M extends { tool_calls?: { id: string }[]; tool_call_id?: string }>(messages: readonly M[]): M[] {
+  const cut = (id: string) => id.length > MISTRAL_ID_LENGTH ? id.slice(-MISTRAL_ID_LENGTH) : id;
+  return messages.map((message) => {
+    if (message.tool_calls) return { ...message, tool_calls: message.tool_calls.map((call) => ({ ...call, id: cut(call.id) })) };
+    if (message.tool_call_id !== undefined) return { ...message, tool_call_id: cut(message.tool_call_id) };
+    return message;
+  });
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The chat response with tool calls
 
@@ -524,7 +541,7 @@ const ALPHANUMERIC = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345
  * request's messages ("Tool call IDs should be alphanumeric strings with length 9!").
  */
 export function newToolCallId(parser?: ToolCallParserName): string {
-  if (parser === 'mistral') return Array.from({ length: 9 }, () => ALPHANUMERIC[randomInt(ALPHANUMERIC.length)]).join('');
+  if (parser === 'mistral') return Array.from({ length: MISTRAL_ID_LENGTH }, () => ALPHANUMERIC[randomInt(ALPHANUMERIC.length)]).join('');
   return `call_${randomBytes(12).toString('hex')}`;
 }
 

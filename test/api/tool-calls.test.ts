@@ -630,8 +630,8 @@ describe('a Mistral chat template (synthetic model)', () => {
   const idCheck = (value: string) => `{% if ${value} is not defined or ${value}|length != 9 %}`
     + '{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}';
   const template = '{% for m in messages %}{% if m.role == "user" %}[INST] {{ m.content }}[/INST]'
-    + `{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}${idCheck('c.id')}{{ c.function | tojson }}{% endfor %}]`
-    + `{% elif m.role == "tool" %}${idCheck('m.tool_call_id')}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]`
+    + `{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}${idCheck('c.id')}{{ c.function | tojson }} {{ c.id }}{% endfor %}]`
+    + `{% elif m.role == "tool" %}${idCheck('m.tool_call_id')}[TOOL_RESULTS] {{ m.content }} {{ m.tool_call_id }}[/TOOL_RESULTS]`
     + '{% else %}{{ m.content }}{% endif %}{% endfor %}';
 
   before(async () => {
@@ -664,6 +664,22 @@ describe('a Mistral chat template (synthetic model)', () => {
       { role: 'tool', tool_call_id: call.tool_calls![0]!.id, content: '{"sky": "clear"}' },
     ] });
     assert.equal(next.choices.length, 1);
+  });
+
+  it("ids of another shape in the messages (OpenAI's call_...) reach the template cut to their last nine characters", E2E, async () => {
+    const messages = [
+      { role: 'user', content: 'What is the weather in Paris?' },
+      { role: 'assistant', content: null, tool_calls: [{ id: 'call_8f2a61c0d94e4b7fa3c5', type: 'function', function: { name: 'get_weather', arguments: '{"city": "Paris", "days": 1}' } }] },
+      { role: 'tool', tool_call_id: 'call_8f2a61c0d94e4b7fa3c5', content: '{"sky": "clear"}' },
+    ];
+    const chat = await rawRequest(server.url, { path: '/v1/chat/completions', body: { model, max_tokens: 2, tools: [WEATHER_TOOL], messages } });
+    assert.equal(chat.status, 200, chat.text);
+    const tokenized = await rawRequest(server.url, { path: '/tokenize', body: { model, tools: [WEATHER_TOOL], messages } });
+    assert.equal(tokenized.status, 200, tokenized.text);
+    assert.equal(tokenized.json().count, chat.json().usage.prompt_tokens);
+    const rendered = (await rawRequest(server.url, { path: '/detokenize', body: { model, tokens: tokenized.json().tokens } })).json().prompt as string;
+    // A call and its result cut alike, so they still pair.
+    assert.ok(rendered.includes('e4b7fa3c5]') && rendered.includes('{"sky": "clear"} e4b7fa3c5[/TOOL_RESULTS]'), rendered);
   });
 
   it('auto reads the calls of Mistral\'s newer format ([TOOL_CALLS]name[ARGS]{...}), in the body as in the stream', E2E, async () => {
