@@ -322,7 +322,9 @@ export class LocalEngine implements Engine {
   private deliverKvEvents(events: KvEvent[] | undefined): void {
     if (events === undefined || events.length === 0) return;
     if (this.kvEventListeners.size === 0 && this.unheardKvEvents !== undefined) {
-      this.unheardKvEvents = this.unheardKvEvents.length + events.length > MAX_UNHEARD_KV_EVENTS ? undefined : this.unheardKvEvents.concat(events);
+      // Appended in place: a new array per batch (concat) copied everything held so far, quadratic over a long wait.
+      if (this.unheardKvEvents.length + events.length > MAX_UNHEARD_KV_EVENTS) this.unheardKvEvents = undefined;
+      else for (const event of events) this.unheardKvEvents.push(event);
       return;
     }
     for (const listener of this.kvEventListeners) listener(events);
