@@ -332,6 +332,114 @@ const SHORTHAND_ESCAPED: Record<string, number[]> = {
 /** Escapes of one character outside \x, \u and \U: the controls they name (others name themselves). */
 const CONTROL_ESCAPES: Record<string, number> = { n: 10, t: 9, r: 13, f: 12, v: 11, a: 7, e: 27, '0': 0 };
 
+/** The ASCII characters each shorthand class matches, as XGrammar 0.1.27 reads it outside a class (checked with its matcher). */
+const ASCII_WORD = (codePoint: number) => /[0-9A-Za-z_]/.test(String.fromCharCode(codePoint));
+const ASCII_SPACE = (codePoint: number) => (codePoint >= 9 && codePoint <= 13) || codePoint === 0x20;
+const ASCII_DIGIT = (codePoint: number) => codePoint >= 0x30 && codePoint <= 0x39;
+const SHORTHAND_ASCII: Record<string, (codePoint: number) => boolean> = {
+  w: ASCII_WORD, s: ASCII_SPACE, d: ASCII_DIGIT,
+  W: (c) => !ASCII_WORD(c), S: (c) => !ASCII_SPACE(c), D: (c) => !ASCII_DIGIT(c),
+};
+
+/** A regex character class that matches no character at all once \W, \S or \D in it are read as outside one. */
+export class EmptyCharacterClass extends Error {}
+
+/** ASCII code points as regex class members, runs as ranges ([0x30..0x39, 0x41] as \x30-\x39\x41). */
+function asciiMembers(codePoints: number[]): string {
+  const hex = (codePoint: number) => `\\x${codePoint.toString(16).padStart(2, '0')}`;
+  let out = '';
+  for (let k = 0; k < codePoints.length;) {
+    let last = k;
+    while (last + 1 < codePoints.length && codePoints[last + 1] === codePoints[last]! + 1) last++;
+    out += last === k ? hex(codePoints[k]!) : `${hex(codePoints[k]!)}-${hex(codePoints[last]!)}`;
+    k = last + 1;
+  }
+  return out;
+}
+
+/**
+ * A regex with every character class holding \W, \S or \D written as XGrammar 0.1.27 enforces it. Outside a class it
+ * reads \w, \s and \d as ASCII ([0-9A-Za-z_], [\t\n\v\f\r ], [0-9]; Python's re.ASCII reading) and \W, \S, \D as
+ * everything else, every character outside ASCII included; inside a class it took \W, \S and \D for their ASCII
+ * characters alone, so [\W]+ never gave "é", and a negated class then let every character outside ASCII through:
+ * [^\W] (\w) gave "é", [^\S] (\s) gave "中", [^\W\d] (letters and '_') gave "😀". Such a class matches every
+ * character outside ASCII, so it is written as its ASCII characters beside [^\x00-\x7f] ([a\W] as
+ * (?:[...]|[^\x00-\x7f])), and negated as the ASCII characters it leaves out, a class of ASCII only ([^\W\d] as
+ * [\x41-\x5a\x5f\x61-\x7a]). Other classes are left as they are (XGrammar reads \w, \s and \d in them as outside).
+ * A negated one that leaves out every character throws EmptyCharacterClass.
+ */
+export function shorthandClasses(pattern: string): string {
+  let out = '';
+  for (let i = 0; i < pattern.length; i++) {
+    const c = pattern[i]!;
+    if (c === '\\') {
+      out += pattern.slice(i, i + 2);
+      i++;
+      continue;
+    }
+    if (c !== '[') {
+      out += c;
+      continue;
+    }
+    let j = i + 1;
+    const negated = pattern[j] === '^';
+    if (negated) j++;
+    const ascii = new Set<number>();
+    let complemented = false;
+    let known = true;
+    /** One member at j: the character it names, if one (a shorthand class adds its ASCII characters itself). */
+    const member = (): number | undefined => {
+      if (pattern[j] !== '\\') {
+        const codePoint = pattern.codePointAt(j)!;
+        j += codePoint > 0xffff ? 2 : 1;
+        return codePoint;
+      }
+      const letter = pattern[j + 1] ?? '';
+      const width = Object.hasOwn(HEX_ESCAPE_DIGITS, letter) ? HEX_ESCAPE_DIGITS[letter]! : 0;
+      if (width > 0) {
+        const hexDigits = pattern.slice(j + 2, j + 2 + width);
+        j += 2 + width;
+        if (!/^[0-9a-fA-F]+$/.test(hexDigits) || hexDigits.length < width) known = false;
+        return parseInt(hexDigits, 16);
+      }
+      j += 2;
+      if (Object.hasOwn(SHORTHAND_ASCII, letter)) {
+        for (let codePoint = 0; codePoint < 0x80; codePoint++) if (SHORTHAND_ASCII[letter]!(codePoint)) ascii.add(codePoint);
+        if (letter === 'W' || letter === 'S' || letter === 'D') complemented = true;
+        return undefined;
+      }
+      if (Object.hasOwn(CONTROL_ESCAPES, letter)) return CONTROL_ESCAPES[letter]!;
+      if (/[A-Za-z]/.test(letter) || letter === '') known = false;
+      return letter.codePointAt(0);
+    };
+    for (let first = true; j < pattern.length && (pattern[j] !== ']' || first); first = false) {
+      const low = member();
+      if (low !== undefined && pattern[j] === '-' && j + 1 < pattern.length && pattern[j + 1] !== ']') {
+        j++;
+        const high = member() ?? 0x10ffff;
+        for (let codePoint = low; codePoint <= Math.min(high, 0x7f); codePoint++) ascii.add(codePoint);
+      } else if (low !== undefined && low < 0x80) {
+        ascii.add(low);
+      }
+    }
+    const whole = pattern.slice(i, j + 1);
+    i = j;
+    if (!complemented || !known) {
+      out += whole;
+      continue;
+    }
+    const members = [...ascii].sort((a, b) => a - b);
+    if (negated) {
+      const left = Array.from({ length: 0x80 }, (_, codePoint) => codePoint).filter((codePoint) => !ascii.has(codePoint));
+      if (left.length === 0) throw new EmptyCharacterClass(whole);
+      out += `[${asciiMembers(left)}]`;
+    } else {
+      out += members.length === 0 ? '[^\\x00-\\x7f]' : `(?:[${asciiMembers(members)}]|[^\\x00-\\x7f])`;
+    }
+  }
+  return out;
+}
+
 /**
  * Regex class members (inside [...]) for the characters JSON writes escaped: '\', U+0000-U+001F and '"' last (a hex
  * digit after \x1f would be read as part of that escape).
@@ -356,7 +464,7 @@ class EscapedOnlyPart extends Error {
  * [\x20-\x21\x23-\x5b\x5d-\x7e]). Every string the pattern then gives is one the pattern allows, so the output fits
  * the schema; the strings holding those characters are no longer produced. A part that matches nothing else ('"',
  * \\, \n, a raw control character, [\x00-\x1f]) throws EscapedOnlyPart naming it, and so do an escape letter not
- * known here (\b) and a class holding \S, \W or \D beside such characters ([\S]). Non-ASCII characters are left
+ * known here (\b). Classes holding \S, \W or \D are rewritten first (shorthandClasses). Non-ASCII characters are left
  * to XGrammar as they were (a negated class matches the same of them with those characters added).
  */
 export function jsonStringPattern(pattern: string): string {
@@ -460,7 +568,7 @@ export function jsonStringPattern(pattern: string): string {
 /** A schema's 'pattern' that requires a character JSON writes escaped (jsonStringPattern): refused, naming the part. */
 function checkPatternInJson(pattern: string, at: string): void {
   try {
-    jsonStringPattern(pattern);
+    jsonStringPattern(shorthandClasses(pattern));
   } catch (error) {
     if (!(error instanceof EscapedOnlyPart)) throw error;
     throw new UnsupportedFieldError(at, `the pattern's ${error.message} ${error.only ? 'matches only' : 'can match'} '"', '\\' or control `
@@ -589,6 +697,14 @@ function checkCharacterClasses(text: string, kind: 'regex' | 'ebnf', param: stri
     throw new UnsupportedFieldError(param, `${why} The grammar engine does not enforce it as written in guided decoding, so the output `
       + 'could break it.');
   };
+  if (kind === 'regex') {
+    try {
+      shorthandClasses(text);
+    } catch (error) {
+      if (!(error instanceof EmptyCharacterClass)) throw error;
+      throw new InvalidValueError(param, `the character class ${error.message} matches no character.`);
+    }
+  }
   for (let i = 0; i < text.length; i++) {
     const c = text[i]!;
     if (kind === 'ebnf' && (c === '"' || c === "'")) {
@@ -707,7 +823,7 @@ export function grammarSchema(schema: unknown): unknown {
     }
     // XGrammar 0.1.27 writes a pattern between the string's quotes without a group around it, so an alternation at
     // its top ("521|60[01]") split the quotes between its branches: the output was 600" or "521, not JSON.
-    if (typeof node.pattern === 'string') node.pattern = `(?:${jsonStringPattern(node.pattern)})`;
+    if (typeof node.pattern === 'string') node.pattern = `(?:${jsonStringPattern(shorthandClasses(node.pattern))})`;
     return node;
   });
 }
@@ -1142,7 +1258,7 @@ function regexSpec(param: string, pattern: string): GuidedDecoding {
   checkBytes(pattern, param, 'the regex');
   checkGroupDepth(pattern, 'regex', param);
   checkCharacterClasses(pattern, 'regex', param);
-  return { kind: 'regex', pattern };
+  return { kind: 'regex', pattern: shorthandClasses(pattern) };
 }
 
 function grammarSpec(param: string, ebnf: string): GuidedDecoding {
