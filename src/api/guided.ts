@@ -155,7 +155,7 @@ function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWa
       if (typeof value !== 'string' || !(value === '#' || value.startsWith('#/'))) {
         throw new UnsupportedFieldError(at, `only references inside the schema ('#/...') are supported, not ${JSON.stringify(value)}.`);
       }
-      grammarRef(walk.root, value, at);
+      checkRef(walk.root, value, at);
     } else if (key === 'required') {
       if (!Array.isArray(value) || value.some((name) => typeof name !== 'string')) {
         throw new InvalidValueError(at, "'required' must be an array of property names.");
@@ -805,10 +805,20 @@ export function mapSchemas(schema: unknown, edit: (node: JsonObject, original: J
  */
 export function grammarSchema(schema: unknown): unknown {
   const has = finiteSchemas(schema);
-  return mapSchemas(schema, (node, original) => {
+  const hoisted = hoistedRefs(schema);
+  let input = schema;
+  if (hoisted.size > 0) {
+    const defs = { ...(isJsonObject((schema as JsonObject).$defs) ? (schema as JsonObject).$defs as JsonObject : {}) };
+    for (const { name, target } of hoisted.values()) defs[name] = target as JsonObject;
+    input = { ...(schema as JsonObject), $defs: defs };
+  }
+  return mapSchemas(input, (node, original) => {
     leaveOutUnsatisfiable(node, original, has);
     spellPropertyNames(node);
-    if (typeof node.$ref === 'string') node.$ref = grammarRef(schema, node.$ref);
+    if (typeof node.$ref === 'string') {
+      const to = hoisted.get(node.$ref);
+      node.$ref = to !== undefined ? `#/$defs/${to.name}` : grammarRef(schema, node.$ref);
+    }
     const values = node.$ref === undefined && node.const === undefined ? enumValues(node) ?? choiceBranches(original) : undefined;
     if (values !== undefined && values.length > 1) {
       const enumTree = stringEnumPattern(values);
@@ -1004,6 +1014,13 @@ export function grammarSchemaText(schema: unknown, param: string, what = 'the sc
 interface RefTarget {
   keys: { key: string; propertyName: boolean }[];
   target: unknown;
+  /**
+   * Whether the grammar schema holds the target at the same keys, so that XGrammar can follow them: not when they
+   * index an array (XGrammar 0.1.27 follows object keys only: "Cannot find field 1"; and an anyOf, oneOf or
+   * prefixItems list loses the entries no value satisfies, or is rewritten whole), go through what is not a schema
+   * (an annotation, left out) or through a key holding '/' or empty (XGrammar splits a pointer at every '/').
+   */
+  direct: boolean;
 }
 
 /**
@@ -1013,11 +1030,12 @@ interface RefTarget {
  * whether it is a property's name (one under 'properties'), which the grammar spells otherwise.
  */
 function refTarget(root: unknown, ref: string): RefTarget | undefined {
-  if (ref === '#') return { keys: [], target: root };
+  if (ref === '#') return { keys: [], target: root, direct: true };
   type Place = 'schema' | 'map' | 'properties' | 'list' | 'value';
   const keys: RefTarget['keys'] = [];
   let node = root;
   let place: Place = 'schema';
+  let direct = true;
   for (const segment of ref.slice(2).split('/')) {
     const unescape = (text: string) => text.replace(/~1/g, '/').replace(/~0/g, '~');
     let decoded: string | undefined;
@@ -1030,6 +1048,7 @@ function refTarget(root: unknown, ref: string): RefTarget | undefined {
       keys.push({ key: segment, propertyName: false });
       node = node[Number(segment)];
       place = place === 'list' ? 'schema' : 'value';
+      direct = false;
       continue;
     }
     if (!isJsonObject(node)) return undefined;
@@ -1044,8 +1063,9 @@ function refTarget(root: unknown, ref: string): RefTarget | undefined {
     else if (SCHEMA_MAPS.has(key)) place = 'map';
     else if (SCHEMA_LISTS.has(key) || (key === 'items' && Array.isArray(value))) place = 'list';
     else place = SCHEMA_VALUED.has(key) ? 'schema' : 'value';
+    if (place === 'value' || key === '' || key.includes('/')) direct = false;
   }
-  return { keys, target: node };
+  return { keys, target: node, direct };
 }
 
 function resolveRef(root: unknown, ref: string): unknown {
@@ -1053,21 +1073,53 @@ function resolveRef(root: unknown, ref: string): unknown {
 }
 
 /**
- * A '$ref' as the grammar schema holds it: XGrammar 0.1.27 reads a pointer's segments as written (no ~ or percent
- * escapes) and splits it at every '/', so each key goes to it as it is, a property's name spelled as the grammar
- * spells it (spellPropertyNames: '#/properties/a"b' pointed nowhere once that name was a\\\"b). A key holding '/',
- * or empty, it cannot reach: a 400 at `at` (when given). A '$ref' that points nowhere is left as it is (XGrammar
- * refuses it, naming the key it did not find).
+ * A '$ref' as the grammar schema holds it, for one whose target the grammar schema holds at the same keys
+ * (RefTarget.direct): XGrammar 0.1.27 reads a pointer's segments as written (no ~ or percent escapes), so each key
+ * goes to it as it is, a property's name spelled as the grammar spells it (spellPropertyNames: '#/properties/a"b'
+ * pointed nowhere once that name was a\\\"b).
  */
-function grammarRef(root: unknown, ref: string, at?: string): string {
+function grammarRef(root: unknown, ref: string): string {
   const found = refTarget(root, ref);
   if (found === undefined || found.keys.length === 0) return ref;
-  const unreachable = found.keys.find(({ key }) => key === '' || key.includes('/'));
-  if (unreachable !== undefined && at !== undefined) {
-    throw new UnsupportedFieldError(at, `the reference goes through the name ${JSON.stringify(unreachable.key)}, which the grammar engine `
-      + "cannot follow (it splits a pointer at every '/' and skips empty segments); rename it.");
-  }
   return `#/${found.keys.map(({ key, propertyName }) => (propertyName ? propertyNameSpelling(key) : key)).join('/')}`;
+}
+
+/** A '$ref' whose target is not a schema of `root` (checkJsonSchema): a 400 at `at`. */
+function checkRef(root: unknown, ref: string, at: string): void {
+  const found = refTarget(root, ref);
+  if (found === undefined) throw new InvalidValueError(at, `the reference ${JSON.stringify(ref)} points to nothing in the schema.`);
+  if (typeof found.target !== 'boolean' && !isJsonObject(found.target)) {
+    throw new InvalidValueError(at, `the reference ${JSON.stringify(ref)} points to ${JSON.stringify(found.target)}, which is not a schema.`);
+  }
+}
+
+/**
+ * The targets of the '$ref's XGrammar could not follow as written (RefTarget.direct: through an array, an annotation,
+ * a key holding '/'), each given a name under the root's '$defs' that the '$ref' points to instead; by target, each
+ * once, so that a reference to a reference's own target stays a cycle. A copy of the target goes into the grammar
+ * schema there, rewritten as any schema is, while the list it came from may lose or rewrite entries.
+ */
+function hoistedRefs(root: unknown): Map<string, { name: string; target: unknown }> {
+  const byRef = new Map<string, { name: string; target: unknown }>();
+  if (!isJsonObject(root)) return byRef;
+  const taken = new Set(isJsonObject(root.$defs) ? Object.keys(root.$defs) : []);
+  const byTarget = new Map<unknown, { name: string; target: unknown }>();
+  mapSchemas(root, (node) => {
+    if (typeof node.$ref !== 'string' || byRef.has(node.$ref)) return node;
+    const found = refTarget(root, node.$ref);
+    if (found === undefined || found.direct) return node;
+    let hoisted = byTarget.get(found.target);
+    if (hoisted === undefined) {
+      let name = `ref_${byTarget.size}`;
+      while (taken.has(name)) name += '_';
+      taken.add(name);
+      hoisted = { name, target: found.target };
+      byTarget.set(found.target, hoisted);
+    }
+    byRef.set(node.$ref, hoisted);
+    return node;
+  });
+  return byRef;
 }
 
 /**

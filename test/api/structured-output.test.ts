@@ -246,6 +246,9 @@ describe('structured outputs (response_format, guided_*)', () => {
         'response_format.json_schema.schema.uniqueItems', /uniqueItems/],
       [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { $ref: 'https://example.com/s.json' } } } },
         'response_format.json_schema.schema.$ref', /references/],
+      // A pointer to nothing: named here (XGrammar's "Cannot find field" named only the schema, and an unused one passed).
+      [{ guided_json: { type: 'object', properties: { a: { $ref: '#/$defs/a' } } } }, 'guided_json.properties.a.$ref', /points to nothing/],
+      [{ guided_json: { type: 'null', $defs: { x: { $ref: '#/$defs/y' } } } }, 'guided_json.$defs.x.$ref', /points to nothing/],
       [{ response_format: { type: 'json_schema', json_schema: { schema: { type: 'object' } } } },
         'response_format.json_schema.name', /missing/i],
       [{ response_format: { type: 'yaml' } }, 'response_format.type', /unknown response format/],

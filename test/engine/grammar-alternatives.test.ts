@@ -204,4 +204,34 @@ describe('alternatives as XGrammar accepts them', () => {
     assert.deepEqual(accepted('json', JSON.stringify(grammarSchema({ $defs: { 'a~b': { const: 1 } }, $ref: '#/$defs/a~0b' })), 8), ['1']);
     assert.deepEqual(accepted('json', JSON.stringify(grammarSchema({ $defs: { 'a~1b': { const: 1 } }, $ref: '#/$defs/a~1b' })), 8), ['1']);
   });
+
+  it("a '$ref' into an array, to an entry the grammar leaves out or rewrites, or through a name holding '/' reaches its schema", () => {
+    // XGrammar follows object keys only ("Cannot find field 1" for an index), and the grammar schema drops anyOf
+    // branches no value satisfies (shifting the others) and rewrites an anyOf of consts whole.
+    const refTo = (schema: object, ref: string) => {
+      const whole = { ...schema, $ref: ref };
+      checkJsonSchema(whole, 'guided_json');
+      return accepted('json', JSON.stringify(grammarSchema(whole)), 8).sort();
+    };
+    assert.deepEqual(refTo({ $defs: { x: { anyOf: [{ type: 'null' }, { type: 'boolean' }] } } }, '#/$defs/x/anyOf/1'), ['false', 'true']);
+    assert.deepEqual(refTo({ $defs: { x: { anyOf: [false, { type: 'null' }, { type: 'boolean' }] } } }, '#/$defs/x/anyOf/2'), ['false', 'true']);
+    assert.deepEqual(refTo({ $defs: { x: { anyOf: [{ const: 'a' }, { const: 'b' }] } } }, '#/$defs/x/anyOf/1'), ['"b"']);
+    assert.deepEqual(refTo({ $defs: { x: { oneOf: [{ const: 1 }, { enum: [2, 3] }] } } }, '#/$defs/x/oneOf/1'), ['2', '3']);
+    assert.deepEqual(refTo({ $defs: { 'a/b': { const: 4 } } }, '#/$defs/a~1b'), ['4']);
+    // Into an array's prefixItems, from a property beside it; and a reference to a reference's own target.
+    const pair = { type: 'object', properties: { a: { type: 'array', prefixItems: [{ type: 'null' }, { enum: [1, 2] }], items: false, minItems: 2 },
+      b: { $ref: '#/properties/a/prefixItems/1' }, c: { $ref: '#/properties/b' } }, required: ['a', 'b', 'c'], additionalProperties: false };
+    checkJsonSchema(pair, 'guided_json');
+    const texts = accepted('spec', JSON.stringify(grammarSchema(pair)), 40);
+    assert.deepEqual(texts.map((text) => JSON.parse(text)).sort((x, y) => JSON.stringify(x).localeCompare(JSON.stringify(y))),
+      [1, 2].flatMap((a1) => [1, 2].flatMap((b) => [1, 2].map((c) => ({ a: [null, a1], b, c })))));
+  });
+
+  it("a '$ref' that points to nothing, or to what is not a schema, is a 400 naming it", () => {
+    assert.throws(() => checkJsonSchema({ type: 'object', properties: { a: { $ref: '#/$defs/missing' } } }, 'guided_json'),
+      (error: Error & { param?: string }) => error.param === 'guided_json.properties.a.$ref' && /points to nothing/.test(error.message));
+    // Unused, it is still refused: the schema is wrong (XGrammar looked only at references it reached).
+    assert.throws(() => checkJsonSchema({ type: 'null', $defs: { x: { $ref: '#/$defs/x/anyOf/3' } } }, 'guided_json'), /points to nothing/);
+    assert.throws(() => checkJsonSchema({ type: 'object', required: [], $ref: '#/required' }, 'guided_json'), /not a schema/);
+  });
 });
