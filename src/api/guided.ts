@@ -5,8 +5,10 @@
 // would silently ignore (so the output could break them) are refused by name here too.
 
 import { GrammarError, XGrammar } from '../engine/grammar/xgrammar.ts';
+import { ExactInteger, exactJsonText } from '../engine/grammar/json-numbers.ts';
 import { grammarSource, parseGrammar, type GrammarSource } from '../engine/grammar/runtime.ts';
 import type { GuidedDecoding } from '../engine/types.ts';
+import { exactBodyField, parseJsonExactNumbers, TemplateNumber } from '../model/template-values.ts';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
 import { childPath, Fields, isJsonObject, readArray, readObject, readString, type JsonObject } from './validate.ts';
 
@@ -1004,7 +1006,7 @@ function leaveOutUnsatisfiable(node: JsonObject, original: JsonObject, has: (sch
  * with the wrappers, and compiled no slower than the same enum side by side).
  */
 export function grammarSchemaText(schema: unknown, param: string, what = 'the schema (without its annotations)'): string {
-  const text = JSON.stringify(schema);
+  const text = exactJsonText(JSON.stringify(schema));
   const wrappers = text.split(VALUE_RULE_OPEN).length - 1;
   checkBytes(text, param, what, wrappers * (VALUE_RULE_OPEN.length + VALUE_RULE_CLOSE.length));
   return text;
@@ -1275,17 +1277,60 @@ function needs(schema: JsonObject, root: unknown): { schema: unknown; at: string
   return groups;
 }
 
-function jsonSchemaSpec(param: string, value: unknown): GuidedDecoding {
+/**
+ * A value read with exact numbers (TemplateNumber: parseJsonExactNumbers, exactBodyField) with its integers past 2^53
+ * as ExactIntegers and every other number a number; undefined when it holds no such integer.
+ */
+export function exactIntegers(value: unknown): unknown {
+  let found = false;
+  const exact = (item: unknown): unknown => {
+    if (item instanceof TemplateNumber) {
+      if (!item.isInteger || Number.isSafeInteger(item.value)) return item.value;
+      found = true;
+      return new ExactInteger(item.text);
+    }
+    if (Array.isArray(item)) return item.map(exact);
+    if (isJsonObject(item)) return Object.fromEntries(Object.entries(item).map(([key, inner]) => [key, exact(inner)]));
+    return item;
+  };
+  const out = exact(value);
+  return found ? out : undefined;
+}
+
+/** Whether JSON.parse's value holds an integer past 2^53, which it rounded (1234567890123456789 to ...800). */
+function holdsLargeIntegers(value: unknown, depth = 0): boolean {
+  if (typeof value === 'number') return Number.isInteger(value) && !Number.isSafeInteger(value);
+  if (typeof value !== 'object' || value === null || depth > MAX_SCHEMA_DEPTH * 4) return false;
+  return (Array.isArray(value) ? value : Object.values(value)).some((item) => holdsLargeIntegers(item, depth + 1));
+}
+
+/**
+ * A json_schema spec. The grammar is compiled from the schema with its integers past 2^53 spelled as the request
+ * wrote them (an enum of 1234567890123456789 was produced as 1234567890123456800, as JSON.parse had read it):
+ * `exact` reads the schema again from the request's text with exact numbers, when it holds such an integer.
+ */
+function jsonSchemaSpec(param: string, value: unknown, exact: () => unknown): GuidedDecoding {
   let schema = value;
+  let spelled: unknown;
   if (typeof value === 'string') {
     try {
       schema = JSON.parse(value);
     } catch (error) {
       throw new InvalidValueError(param, `the schema is not valid JSON: ${(error as Error).message}`);
     }
+    if (holdsLargeIntegers(schema)) spelled = exactIntegers(parseJsonExactNumbers(value));
+  } else if (holdsLargeIntegers(schema)) {
+    spelled = exactIntegers(exact());
   }
   checkJsonSchema(schema, param);
-  return { kind: 'json_schema', schema: grammarSchemaText(grammarSchema(schema), param) };
+  return { kind: 'json_schema', schema: grammarSchemaText(grammarSchema(spelled ?? schema), param) };
+}
+
+/** A field of the request body read again with exact numbers (exactBodyField), then down `keys`. */
+function exactField(fields: Fields, name: string, ...keys: string[]): unknown {
+  let value = exactBodyField(fields.object, name, fields.raw(name));
+  for (const key of keys) value = isJsonObject(value) ? value[key] : undefined;
+  return value;
 }
 
 /** A UTF-16 surrogate without its pair (a paired one is part of a code point outside Cs under the u flag). */
@@ -1336,7 +1381,8 @@ function readResponseFormat(fields: Fields): GuidedRequest | undefined {
       jsonSchema.boolean('strict');
       // OpenAI's default schema is an empty one (any JSON); absent means that here too.
       const schema = jsonSchema.has('schema') ? readObject(jsonSchema.path('schema'), jsonSchema.raw('schema')) : {};
-      return { spec: jsonSchemaSpec(jsonSchema.path('schema'), schema), param: jsonSchema.path('schema') };
+      return { spec: jsonSchemaSpec(jsonSchema.path('schema'), schema, () => exactField(fields, 'response_format', 'json_schema', 'schema')),
+        param: jsonSchema.path('schema') };
     }
     default:
       throw new InvalidValueError(format.path('type'), `unknown response format '${type}'; expected text, json_object or json_schema.`);
@@ -1358,7 +1404,9 @@ const UNSUPPORTED_STRUCTURED: Record<string, string> = {
 function readVllmGuided(fields: Fields): GuidedRequest[] {
   const found: GuidedRequest[] = [];
   if (fields.has('guided_whitespace_pattern')) throw new UnsupportedFieldError('guided_whitespace_pattern', WHITESPACE_PATTERN);
-  if (fields.has('guided_json')) found.push({ spec: jsonSchemaSpec('guided_json', fields.raw('guided_json')), param: 'guided_json' });
+  if (fields.has('guided_json')) {
+    found.push({ spec: jsonSchemaSpec('guided_json', fields.raw('guided_json'), () => exactField(fields, 'guided_json')), param: 'guided_json' });
+  }
   if (fields.has('guided_regex')) {
     found.push({ spec: regexSpec('guided_regex', fields.string('guided_regex', { nonEmpty: true })!), param: 'guided_regex' });
   }
@@ -1371,7 +1419,10 @@ function readVllmGuided(fields: Fields): GuidedRequest[] {
     for (const [key, reason] of Object.entries(UNSUPPORTED_STRUCTURED)) {
       if (structured.has(key)) throw new UnsupportedFieldError(structured.path(key), reason);
     }
-    if (structured.has('json')) found.push({ spec: jsonSchemaSpec(structured.path('json'), structured.raw('json')), param: structured.path('json') });
+    if (structured.has('json')) {
+      const spec = jsonSchemaSpec(structured.path('json'), structured.raw('json'), () => exactField(fields, 'structured_outputs', 'json'));
+      found.push({ spec, param: structured.path('json') });
+    }
     if (structured.has('regex')) {
       found.push({ spec: regexSpec(structured.path('regex'), structured.string('regex', { nonEmpty: true })!), param: structured.path('regex') });
     }

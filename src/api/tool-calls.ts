@@ -5,7 +5,7 @@
 
 import { randomBytes, randomInt } from 'node:crypto';
 import { InvalidValueError, UnsupportedFieldError } from './errors.ts';
-import { checkJsonSchema, grammarSchema, grammarSchemaText, mapSchemas, type GuidedRequest } from './guided.ts';
+import { checkJsonSchema, exactIntegers, grammarSchema, grammarSchemaText, mapSchemas, type GuidedRequest } from './guided.ts';
 import {
   chatChunkBody, chatCompletionBody, type ChatResponseMeta, type ChatTokenLogprob, type TokenTexts,
   type WireFinishReason, type WireUsage,
@@ -22,6 +22,11 @@ export interface ToolDefinition {
   description?: string;
   /** The arguments' JSON schema (absent: any object). */
   parameters?: JsonObject;
+  /**
+   * The same schema with its integers past 2^53 as the request wrote them (ExactInteger), for the grammar; absent
+   * when it holds none (useExactIntegers).
+   */
+  exactParameters?: JsonObject;
 }
 
 export type ToolChoice = { kind: 'none' } | { kind: 'auto' } | { kind: 'required' } | { kind: 'named'; name: string };
@@ -102,6 +107,22 @@ function readToolChoice(fields: Fields): ToolChoice | undefined {
   throw new InvalidValueError('tool_choice', 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.');
 }
 
+/**
+ * Gives each tool whose parameters hold an integer past 2^53 its exact parameters, read from `raw` (the tools with
+ * exact numbers, TemplateNumber: exactBodyField). JSON.parse rounded them, so a named or "required" call's grammar
+ * took an enum of 1234567890123456789 as 1234567890123456800, a number the client never offered; vLLM's schema
+ * (Python's json) keeps the digits.
+ */
+export function useExactIntegers(request: ToolsRequest): void {
+  request.tools.forEach((tool, i) => {
+    const raw = request.raw[i];
+    const fn = isJsonObject(raw) && isJsonObject(raw.function) ? raw.function : undefined;
+    if (tool.parameters === undefined || fn === undefined || !isJsonObject(fn.parameters)) return;
+    const parameters = exactIntegers(fn.parameters);
+    if (parameters !== undefined) tool.exactParameters = parameters as JsonObject;
+  });
+}
+
 const ANY_OBJECT = { type: 'object' };
 
 /**
@@ -125,7 +146,8 @@ export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
   const { choice } = request;
   if (choice.kind === 'named') {
     const index = request.tools.findIndex((t) => t.name === choice.name);
-    const parameters = grammarSchema(argumentsSchema(request.tools[index]!.parameters));
+    const tool = request.tools[index]!;
+    const parameters = grammarSchema(argumentsSchema(tool.exactParameters ?? tool.parameters));
     const schema = grammarSchemaText(parameters, `tools[${index}].function.parameters`);
     return { spec: { kind: 'json_schema', schema }, param: 'tool_choice' };
   }
@@ -133,7 +155,7 @@ export function toolGuided(request: ToolsRequest): GuidedRequest | undefined {
   const defs: JsonObject = {};
   const item = {
     anyOf: request.tools.map((tool, i) => {
-      let parameters = grammarSchema(argumentsSchema(tool.parameters));
+      let parameters = grammarSchema(argumentsSchema(tool.exactParameters ?? tool.parameters));
       if (hasRefs(parameters)) {
         const key = `tool_${i}`;
         defs[key] = rebaseRefs(parameters, `#/$defs/${key}`);

@@ -115,6 +115,26 @@ describe('structured outputs (response_format, guided_*)', () => {
     assert.match(text, /^\{\s*"price"\s*:\s*(2\.39|0\.1|1e-7)\s*,\s*"rate"\s*:\s*4\.15\s*\}$/, text);
   });
 
+  it('an integer enum past 2^53 gives one of its values with the digits the request wrote, in every schema field', E2E, async () => {
+    // Raw text, since a JavaScript client would round the numbers before sending them. Both values are one double:
+    // JSON.parse made one enum value of them, and the grammar produced 1234567890123456800.
+    const schema = '{"type": "integer", "enum": [1234567890123456789, 1234567890123456790]}';
+    const bodies = [
+      `"prompt": "x", "guided_json": ${schema}`,
+      `"prompt": "x", "guided_json": ${JSON.stringify(schema)}`,
+      `"prompt": "x", "structured_outputs": {"json": ${schema}}`,
+      `"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "id", "schema": ${schema}}}`,
+    ];
+    for (const [i, fields] of bodies.entries()) {
+      const path = fields.startsWith('"prompt"') ? '/v1/completions' : '/v1/chat/completions';
+      const response = await rawRequest(server.url, { path, body: `{"model": "${model}", "seed": ${i}, "temperature": 1, "max_tokens": 40, ${fields}}` });
+      assert.equal(response.status, 200, response.text);
+      const choice = response.json().choices[0];
+      const text = (choice.text ?? choice.message.content) as string;
+      assert.match(text, /^\s*12345678901234567(89|90)\s*$/, `${fields}: ${text}`);
+    }
+  });
+
   it("a pattern of any character ('.', '\\S') gives JSON: the characters JSON escapes are left out of it", E2E, async () => {
     const schema = { type: 'object', properties: { any: { type: 'string', pattern: '.{8,16}' }, word: { type: 'string', pattern: '\\S{8,16}' } },
       required: ['any', 'word'], additionalProperties: false };

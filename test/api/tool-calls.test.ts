@@ -447,6 +447,29 @@ describe('tool calling through HTTP (synthetic model)', () => {
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 
+  it('required and named: an integer enum past 2^53 is produced with its digits as written, not rounded', E2E, async () => {
+    // Raw text, since a JavaScript client would round the numbers before sending them. Both values are one double
+    // (1234567890123456768): JSON.parse made one enum value of them, and the grammar produced 1234567890123456800.
+    const values = ['1234567890123456789', '1234567890123456790'];
+    const tool = `{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "integer", `
+      + `"enum": [${values.join(', ')}]}}, "required": ["id"], "additionalProperties": false}}}`;
+    const seen = new Set<string>();
+    for (const [choice, seed] of [['{"type": "function", "function": {"name": "lookup"}}', 1], ['"required"', 2], ['"required"', 3], ['{"type": "function", "function": {"name": "lookup"}}', 4]] as const) {
+      const body = `{"model": "${model}", "messages": [{"role": "user", "content": "find it"}], "max_tokens": 400, "temperature": 1, `
+        + `"seed": ${seed}, "tools": [${tool}], "tool_choice": ${choice}}`;
+      const response = await rawRequest(server.url, { path: '/v1/chat/completions', body });
+      assert.equal(response.status, 200, response.text);
+      const calls = response.json().choices[0].message.tool_calls;
+      assert.equal(calls.length >= 1, true, response.text);
+      for (const call of calls) {
+        const id = /^\{\s*"id"\s*:\s*(-?\d+)\s*\}$/.exec(call.function.arguments)?.[1];
+        assert.ok(id !== undefined && values.includes(id), `${choice}: ${call.function.arguments}`);
+        seen.add(id);
+      }
+    }
+    assert.ok(seen.size > 0);
+  });
+
   it("required streamed through the openai client's stream helper: the call opens with its name, its arguments follow in fragments", E2E, async () => {
     const body = { model, messages, seed: 6, temperature: 1, max_tokens: 120, tools: [WEATHER_TOOL, FLAG_TOOL],
       tool_choice: 'required' as const, parallel_tool_calls: false };

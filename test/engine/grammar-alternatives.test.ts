@@ -144,6 +144,10 @@ describe('alternatives as XGrammar accepts them', () => {
     assert.deepEqual(texts, ['2.39', '1e+21', '1e-7', '0', '-5', '0.1', '-2.5e-300', '100000000000000000000', '9007199254740994', '12', '1.5']);
     assert.deepEqual(spelled({ enum: values }).sort(), [...texts].sort());
     assert.deepEqual(spelled({ type: 'number', anyOf: values.map((value) => ({ const: value })) }).sort(), [...texts].sort());
+    // Integers past 2^53 with the digits the schema's text writes (JSON.parse rounds both of these to one double).
+    assert.deepEqual(accepted('spec', '{"enum":[1234567890123456789,1234567890123456790,-9223372036854775808]}', 24).sort(),
+      ['-9223372036854775808', '1234567890123456789', '1234567890123456790']);
+    assert.deepEqual(accepted('spec', '{"type":"array","maxItems":1,"items":{"const":12345678901234567890123}}', 30).sort(), ['[12345678901234567890123]', '[]']);
     // Inside arrays and objects, and inside a property; a string that looks like the placeholders stays a string.
     assert.deepEqual(spelled({ const: [2.39, { a: 0.3 }] }), ['[2.39,{"a":0.3}]']);
     assert.deepEqual(spelled({ type: 'object', properties: { x: { enum: [0.7, 'jsonnumber_0_'] } }, required: ['x'], additionalProperties: false }).sort(),

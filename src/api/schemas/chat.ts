@@ -3,7 +3,7 @@
 
 import { InvalidValueError, UnsupportedFieldError } from '../errors.ts';
 import { checkArgumentsDepth, checkTemplateValueDepth, childPath, Fields, readArray, readObject, readString, type JsonObject } from '../validate.ts';
-import { readTools, toolGuided, type ToolsRequest } from '../tool-calls.ts';
+import { readTools, toolGuided, useExactIntegers, type ToolsRequest } from '../tool-calls.ts';
 import { exactBodyField } from '../../model/template-values.ts';
 import {
   MAX_LOGPROBS, readGenerationOptions, rejectUnsupported, unsupportedFields, type GenerationOptions,
@@ -196,7 +196,11 @@ export function parseChatCompletionRequest(body: unknown, context: ValidationCon
   const tools = readTools(fields);
   // What reaches the chat template is read with exact numbers (a 64-bit enum value, a 1.0 default), as Python's json
   // keeps them for vLLM; validation above and below saw JSON.parse's.
-  if (tools) tools.raw = exactBodyField(body, 'tools', tools.raw) as unknown[];
+  // The grammar of a named or "required" call too: its schema's integers past 2^53 are spelled as written.
+  if (tools) {
+    tools.raw = exactBodyField(body, 'tools', tools.raw) as unknown[];
+    useExactIntegers(tools);
+  }
   fields.required('messages');
   const messages = fields.array('messages', { nonEmpty: true, maxItems: MAX_MESSAGES })!;
   const logprobs = fields.boolean('logprobs') ?? false;

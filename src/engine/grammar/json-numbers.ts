@@ -5,6 +5,9 @@
 // value goes to XGrammar as a string of its own (a placeholder), and the placeholder's literal in the EBNF XGrammar
 // makes of the schema is replaced by the number's shortest JSON text (JSON.stringify's) before the grammar is
 // compiled. Integers below 2^53 come out as written already and are left alone (the grammar then is XGrammar's own).
+// An integer past 2^53 keeps its digits as the schema's text writes them: JSON.parse would round 1234567890123456789
+// to 1234567890123456800 (Python's json, and so vLLM's schema, keeps it exact). Schema objects built from a request
+// (which JSON.parse has read) hold such an integer as an ExactInteger, whose JSON text is its digits (exactJsonText).
 
 /** Keywords whose value is a schema, a list of schemas or a map of schemas (where enum and const are looked for). */
 const SCHEMA_VALUED = new Set(['items', 'additionalProperties', 'unevaluatedProperties', 'additionalItems']);
@@ -14,6 +17,29 @@ const SCHEMA_MAPS = new Set(['properties', '$defs', 'definitions']);
 type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
 
 const isObject = (value: Json): value is { [key: string]: Json } => typeof value === 'object' && value !== null && !Array.isArray(value);
+
+/**
+ * An integer past 2^53 in a schema object, as the request wrote it (a JavaScript number would round it). JSON.stringify
+ * writes it as a marked string, which exactJsonText turns back into its digits.
+ */
+export class ExactInteger {
+  constructor(readonly digits: string) {}
+  toJSON(): string {
+    return `${EXACT_INTEGER_MARK}${this.digits}`;
+  }
+}
+
+/** Marks an ExactInteger in JSON text; a NUL and a random part no request's text can hold. */
+const EXACT_INTEGER_MARK = `\u0000exact-integer-${crypto.randomUUID()}-`;
+const EXACT_INTEGER_TEXT = new RegExp(`${JSON.stringify(EXACT_INTEGER_MARK).slice(0, -1).replace(/[\\\-]/g, '\\$&')}(-?[0-9]+)"`, 'g');
+
+/** JSON text made by JSON.stringify with every ExactInteger written as its digits. */
+export function exactJsonText(text: string): string {
+  return text.includes('exact-integer-') ? text.replace(EXACT_INTEGER_TEXT, '$1') : text;
+}
+
+/** Strings first, so digits inside them are skipped; then number literals. */
+const JSON_TOKEN = /"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?/g;
 
 /** A schema with its enum and const numbers as placeholders, and each placeholder's number text. */
 export interface SpelledNumbers {
@@ -30,16 +56,40 @@ export interface SpelledNumbers {
 export function spellNumbers(schemaText: string): SpelledNumbers | undefined {
   // No number in the text but integers below 2^53 (at most 16 digits): nothing to do, without parsing it.
   if (!/[0-9][.eE]|[0-9]{16}/.test(schemaText)) return undefined;
+  let stem = 'jsonnumber';
+  while (schemaText.includes(stem)) stem += 'x';
+  // Integers past 2^53 read as marked strings holding their digits, so that JSON.parse does not round them.
+  const integers: string[] = [];
+  const integerMark = `${stem}_integer_`;
+  const marked = schemaText.replace(JSON_TOKEN, (token) => {
+    if (token.startsWith('"') || /[.eE]/.test(token) || Number.isSafeInteger(Number(token))) return token;
+    integers.push(BigInt(token).toString());
+    return JSON.stringify(`${integerMark}${integers.length - 1}`);
+  });
+  const integerText = (item: Json): string | undefined => (typeof item === 'string' && item.startsWith(integerMark)
+    ? integers[Number(item.slice(integerMark.length))] : undefined);
   let schema: Json;
   try {
-    schema = JSON.parse(schemaText) as Json;
+    schema = JSON.parse(marked) as Json;
   } catch {
     return undefined;
   }
-  let stem = 'jsonnumber';
-  while (schemaText.includes(stem)) stem += 'x';
   const numbers: Record<string, string> = {};
+  /** A value outside enum and const: its integers past 2^53 back as numbers (as JSON.parse reads them). */
+  const restore = (item: Json): Json => {
+    const integer = integerText(item);
+    if (integer !== undefined) return Number(integer);
+    if (Array.isArray(item)) return item.map(restore);
+    if (isObject(item)) return Object.fromEntries(Object.entries(item).map(([key, inner]) => [key, restore(inner)]));
+    return item;
+  };
   const value = (item: Json): Json => {
+    const integer = integerText(item);
+    if (integer !== undefined) {
+      const placeholder = `${stem}_${Object.keys(numbers).length}_`;
+      numbers[placeholder] = integer;
+      return placeholder;
+    }
     if (typeof item === 'number') {
       if (Number.isSafeInteger(item)) return item;
       const placeholder = `${stem}_${Object.keys(numbers).length}_`;
@@ -59,7 +109,7 @@ export function spellNumbers(schemaText: string): SpelledNumbers | undefined {
       else if (SCHEMA_VALUED.has(key)) out[key] = Array.isArray(item) ? item.map(walk) : walk(item);
       else if (SCHEMA_LISTS.has(key) && Array.isArray(item)) out[key] = item.map(walk);
       else if (SCHEMA_MAPS.has(key) && isObject(item)) out[key] = Object.fromEntries(Object.entries(item).map(([name, inner]) => [name, walk(inner)]));
-      else out[key] = item;
+      else out[key] = restore(item);
     }
     return out;
   };
