@@ -288,6 +288,7 @@ describe('guided decoding around the grammar engine\'s limits', () => {
         [{ minimum: 2000, maximum: 2100 }, 'maximum'],
         [{ minimum: 64, maximum: 190069 }, 'maximum'],
         [{ minimum: 109, maximum: 409 }, 'maximum'],
+        [{ minimum: 339, maximum: 599 }, 'maximum'],
         [{ minimum: -105 }, 'minimum'],
         [{ minimum: 5 }, 'minimum'],
         [{ maximum: -105 }, 'maximum'],
@@ -308,7 +309,7 @@ describe('guided decoding around the grammar engine\'s limits', () => {
       const kept: Record<string, number>[] = [
         { minimum: 0 }, { minimum: 1 }, { minimum: 15 }, { maximum: -1 }, { minimum: 0, maximum: 129 }, { minimum: 1, maximum: 9 },
         { minimum: 18, maximum: 65 }, { minimum: 2000, maximum: 2999 }, { minimum: 120, maximum: 128 }, { minimum: -50, maximum: 50 },
-        { exclusiveMinimum: 0, exclusiveMaximum: 10 },
+        { exclusiveMinimum: 0, exclusiveMaximum: 10 }, { minimum: 62, maximum: 624 }, { minimum: 655, maximum: 921 }, { minimum: 1234, maximum: 5678 },
       ];
       for (const bounds of kept) {
         const low = bounds.minimum ?? (bounds.exclusiveMinimum === undefined ? -Infinity : bounds.exclusiveMinimum + 1);
