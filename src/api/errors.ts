@@ -351,6 +351,22 @@ export class OverloadedError extends ApiError {
   }
 }
 
+/**
+ * No engine worker can take the request (every one was lost, or none is registered). Not an overload, so not
+ * `server_overloaded` and no "retry shortly": a Retry-After comes only while a restart is under way, and when nothing
+ * will bring a worker back (restarts gave up or are off) the answer says so and carries x-should-retry: false, which
+ * keeps the OpenAI SDKs from sending it again. vLLM answers a dead engine with a 500 and stops; Dynamo's frontend
+ * answers a request for an endpoint with no instances with a 503.
+ */
+export class NoWorkerAvailableError extends ApiError {
+  constructor(detail: string, retryAfterMs: number | undefined, final: boolean) {
+    super(503, 'no_worker_available', SERVER_ERROR,
+      `The server cannot run this request: ${sentence(detail)}`
+      + (retryAfterMs !== undefined ? ' Retry once the restart is done.' : final ? ' No worker will come back without an operator.' : ''),
+      null, retryAfterMs !== undefined ? retryHeaders(retryAfterMs) : final ? DO_NOT_RETRY : {});
+  }
+}
+
 /** More connections open than --max-connections: sent raw on the new connection, which is then closed. */
 export class TooManyConnectionsError extends ApiError {
   constructor(limit: number) {

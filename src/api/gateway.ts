@@ -14,7 +14,7 @@ import type { CallTrace } from './call-trace.ts';
 import {
   type ApiError, BrokenChatTemplateError, TemplateRefusedMessagesError, ClientClosedRequestError, ContextLengthError, EngineRejectedError, InvalidValueError, KvCapacityError, ModelNotFoundError,
   PromptTooLargeError, PromptTooLongError, TooManySequencesError, LoraAdapterError, LoraCapacityExceededError, WrongTypeError,
-  GraceEndedError, NoChatTemplateError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
+  GraceEndedError, NoChatTemplateError, NoWorkerAvailableError, NotReadyError, OverloadedError, RequestTimeoutError, ShuttingDownError,
 } from './errors.ts';
 import { GenerationRun, type PreparedPrompt } from './generation-run.ts';
 import type { GatewayMetrics } from './gateway-metrics.ts';
@@ -993,7 +993,7 @@ export class Gateway {
     } catch (err) {
       // Refused by the engine before it produced anything, or ended while it waited for its adapter: the request cost
       // nothing and is not counted.
-      refused = !started || (run.completionTokens === 0 && (err instanceof EngineRejectedError || err instanceof OverloadedError));
+      refused = !started || (run.completionTokens === 0 && (err instanceof EngineRejectedError || err instanceof OverloadedError || err instanceof NoWorkerAvailableError));
       throw err;
     } finally {
       if (loraKey !== undefined) backend.adapters!.release(loraKey);

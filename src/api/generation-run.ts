@@ -4,7 +4,7 @@
 
 import type { Engine, EngineOutput, EngineRequest, SamplingParams } from '../engine/types.ts';
 import {
-  EngineError, EngineRejectedError, OverloadedError, ShuttingDownError, WorkerLostApiError, type ApiError,
+  EngineError, EngineRejectedError, NoWorkerAvailableError, OverloadedError, ShuttingDownError, WorkerLostApiError, type ApiError,
 } from './errors.ts';
 
 export interface PreparedPrompt {
@@ -221,6 +221,10 @@ export function engineFailure(err: unknown): ApiError {
       return typeof code === 'string' ? new EngineRejectedError(code, detail) : new EngineError(detail);
     case 'EngineOverloadedError':
       return new OverloadedError(detail, typeof retryAfterMs === 'number' ? retryAfterMs : undefined);
+    case 'EngineUnavailableError': {
+      const { final } = (err ?? {}) as { final?: unknown };
+      return new NoWorkerAvailableError(detail, typeof retryAfterMs === 'number' ? retryAfterMs : undefined, final === true);
+    }
     case 'WorkerLostError':
       return new WorkerLostApiError(detail);
     case 'EngineClosedError':

@@ -25,7 +25,7 @@ export const GENERATE_FLAGS = {
 } satisfies FlagTable;
 
 /** Errors an engine throws or ends a stream with (src/engine/errors.ts), told apart by name. */
-const ENGINE_FAILURES: ReadonlySet<string> = new Set(['InvalidRequestError', 'EngineClosedError', 'EngineOverloadedError', 'WorkerLostError']);
+const ENGINE_FAILURES: ReadonlySet<string> = new Set(['InvalidRequestError', 'EngineClosedError', 'EngineOverloadedError', 'EngineUnavailableError', 'WorkerLostError']);
 
 function isEngineFailure(err: unknown): err is Error {
   return err instanceof Error && ENGINE_FAILURES.has(err.name);

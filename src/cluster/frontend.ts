@@ -24,6 +24,7 @@
 
 import type { Etcd3 } from 'etcd3';
 import { engineNow } from '../engine/clock.ts';
+import { EngineUnavailableError } from '../engine/errors.ts';
 import type { EngineInfo } from '../engine/types.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
 import { tokenizerFromWorkerSource } from '../model/tokenizer/worker-source.ts';
@@ -90,7 +91,7 @@ export interface ClusterWorkerView {
  * A frontend starts no worker, so it restarts none: a worker process that starts again registers by itself. Said
  * only at debug level, after the warning that the worker was lost: nothing is wrong with the frontend.
  */
-const WORKERS_REGISTER_THEMSELVES: NotRestarted = { reason: 'a worker process that starts again registers by itself', level: 'debug' };
+const WORKERS_REGISTER_THEMSELVES: NotRestarted = { reason: 'a worker process that starts again registers by itself', level: 'debug', rejoins: true };
 
 /** The routed engine of a frontend: workers join and leave as discovery says; /health lists them. */
 export class ClusterEngine extends RoutedEngine {
@@ -110,6 +111,11 @@ export class ClusterEngine extends RoutedEngine {
     const readiness = super.readiness();
     if (readiness.ready) return readiness;
     return { ...readiness, reason: `no worker can serve: none is registered and reachable under ${this.where}` };
+  }
+
+  /** Not final: a worker that starts (again) registers, and is routed to once it joins. */
+  protected override noWorkerError(): EngineUnavailableError {
+    return new EngineUnavailableError(`no worker is available (none is registered and reachable under ${this.where})`, undefined, false);
   }
 }
 

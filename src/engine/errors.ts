@@ -60,6 +60,19 @@ export class EngineOverloadedError extends Error {
   }
 }
 
+/**
+ * No worker can take the request: none is registered, or every one was lost. Not an overload: waiting helps only
+ * while a restart is under way (`retryAfterMs` set then); `final` when nothing will bring a worker back (restarts
+ * gave up or are off, the workers are closed). The gateway answers 503 `no_worker_available`.
+ */
+export class EngineUnavailableError extends Error {
+  override name = 'EngineUnavailableError';
+  readonly code = 'engine_unavailable';
+  constructor(message: string, readonly retryAfterMs: number | undefined, readonly final: boolean) {
+    super(message);
+  }
+}
+
 /** The worker running the request went away (thread died, host lost). */
 export class WorkerLostError extends Error {
   override name = 'WorkerLostError';

@@ -4,7 +4,7 @@
 // A request whose worker is lost mid-stream moves to another worker when migration is on (see migration.ts).
 // The gateway holds it exactly as it would hold one engine.
 
-import { EngineOverloadedError, WorkerLostError } from '../engine/errors.ts';
+import { EngineOverloadedError, type EngineUnavailableError, WorkerLostError } from '../engine/errors.ts';
 import type { Engine, EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo } from '../engine/types.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutingRequest } from '../router/protocols.ts';
@@ -115,6 +115,11 @@ export class RoutedEngine implements Engine {
     })();
   }
 
+  /** The refusal of a request while no worker is in the group (a frontend's says where it looks for workers). */
+  protected noWorkerError(retryAfterMs: number): EngineUnavailableError {
+    return this.group.noWorkerError(retryAfterMs);
+  }
+
   /** Runs the request on the worker the router picks and, when that worker is lost, on the next one. */
   private async *follow(migration: RequestMigration): AsyncGenerator<EngineOutput> {
     const request = migration.request;
@@ -128,7 +133,7 @@ export class RoutedEngine implements Engine {
       // the caller reports its own reason rather than the queue's refusal.
       if (!migration.aborted) {
         // Refused because no worker is left: the refusal says why (restarting, given up), as /health does.
-        if (error instanceof EngineOverloadedError && this.group.size === 0) throw this.group.noWorkerError(error.retryAfterMs);
+        if (error instanceof EngineOverloadedError && this.group.size === 0) throw this.noWorkerError(error.retryAfterMs);
         throw error;
       }
       yield migration.closingOutput(this.now());

@@ -1,6 +1,6 @@
 // One worker whose thread is restarted when it dies (unless restarts are off): what `conduit serve` runs when it runs a
 // single CPU worker. Requests go to the worker there is now; while none is (lost, restarting, or given up) they are
-// refused with EngineOverloadedError (503 + Retry-After) and readiness() says why. A request running on the worker when
+// refused with EngineUnavailableError (503, with Retry-After only while a restart is under way) and readiness() says why. A request running on the worker when
 // it dies fails with WorkerLostError (503 worker_lost), as on a routed engine's worker. The restarts are the worker
 // group's.
 

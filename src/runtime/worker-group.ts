@@ -12,7 +12,7 @@
 // Every step is logged. `readiness()` says whether any worker can serve, and why not (for /health).
 
 import type { Engine, EngineInfo, LoraLoadInfo, RoutingSummary } from '../engine/types.ts';
-import { EngineOverloadedError, LoraLoadError } from '../engine/errors.ts';
+import { EngineUnavailableError, LoraLoadError } from '../engine/errors.ts';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import { workerLoadFromStats, type EngineStats, type WorkerCostSummary } from '../protocols/worker.ts';
 import type { RoutingDecision, WorkerCostTerms } from '../router/protocols.ts';
@@ -78,6 +78,8 @@ export type WorkerGroupLog = (level: WorkerGroupLogLevel, message: string) => vo
 export interface NotRestarted {
   reason: string;
   level: WorkerGroupLogLevel;
+  /** A lost worker may come back by itself (a frontend's workers register again): a refusal meanwhile is not final. */
+  rejoins?: boolean;
 }
 
 /** Restarts turned off (a restart limit of 0): an error, since the deployment could have had them. */
@@ -256,10 +258,16 @@ export class WorkerGroup<E extends RoutableEngine> {
 
   /**
    * A request refused because no worker is in the group: the refusal says why (lost and restarting, given up, not
-   * restarted), as /health does, so that a client told to retry can tell a restart under way from a worker gone for good.
+   * restarted), as /health does, and only a restart under way comes with a time to retry after: a client must not be
+   * told to retry when no worker is coming back.
    */
-  noWorkerError(retryAfterMs: number): EngineOverloadedError {
-    return new EngineOverloadedError(`no ${this.label} is available (${this.closed ? `the ${this.label}s are closed` : this.whyNone()})`, retryAfterMs);
+  noWorkerError(retryAfterMs: number): EngineUnavailableError {
+    const why = this.closed ? `the ${this.label}s are closed` : this.whyNone();
+    const restarting = !this.closed && this.slots.some((s) => !s.givenUp);
+    // Final: nothing brings a worker back (restarts gave up or are off). A group whose workers come back by themselves
+    // (a frontend's, which register again) restarts nothing either, but a worker may yet join it.
+    const final = this.closed || (!restarting && this.options.notRestarted?.rejoins !== true);
+    return new EngineUnavailableError(`no ${this.label} is available (${why})`, restarting ? retryAfterMs : undefined, final);
   }
 
   /** Why no worker is in the group: none was, or every one was lost (and whether they are being restarted). */

@@ -33,14 +33,32 @@ async function health(running: RunningServer): Promise<{ status: number; body: {
   return { status: response.status, body: await response.json() as { status: string; ready: boolean; reason?: string } };
 }
 
-async function complete(running: RunningServer): Promise<{ status: number; text: string; body: string }> {
+async function complete(running: RunningServer): Promise<{ status: number; text: string; body: string; headers: Headers }> {
   const response = await fetch(`${running.url}/v1/completions`, {
     method: 'POST', headers: { 'Content-Type': 'application/json' },
     body: JSON.stringify({ prompt: 'Once upon a time', max_tokens: 12, temperature: 0, ignore_eos: true }),
   });
   const body = await response.text();
   const text = response.status === 200 ? (JSON.parse(body) as { choices: { text: string }[] }).choices[0]!.text : '';
-  return { status: response.status, text, body };
+  return { status: response.status, text, body, headers: response.headers };
+}
+
+/** A refusal while no worker is in the group: not an overload, and a retry is promised only while a restart runs. */
+function assertNoWorkerRefusal(refused: { status: number; body: string; headers: Headers }, restarting: boolean): void {
+  assert.equal(refused.status, 503, refused.body);
+  const { error } = JSON.parse(refused.body) as { error: { code: string; type: string; message: string } };
+  assert.equal(error.code, 'no_worker_available', refused.body);
+  assert.equal(error.type, 'server_error');
+  assert.doesNotMatch(error.message, /overloaded|retry shortly/i, refused.body);
+  if (restarting) {
+    assert.match(refused.headers.get('retry-after') ?? '', /^[1-9]\d*$/, 'a restart is under way: worth coming back');
+    assert.match(error.message, /Retry once the restart is done\.$/);
+    assert.equal(refused.headers.get('x-should-retry'), null);
+  } else {
+    assert.equal(refused.headers.get('retry-after'), null, 'nothing brings a worker back: no time to retry after');
+    assert.equal(refused.headers.get('x-should-retry'), 'false', 'the OpenAI SDKs do not send it again');
+    assert.match(error.message, /No worker will come back without an operator\.$/);
+  }
 }
 
 describe('lost workers are restarted, and /health says whether any can serve', () => {
@@ -73,6 +91,7 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       const refused = await complete(running);
       assert.equal(refused.status, 503, refused.body);
       assert.match(refused.body, /no worker is available \(all 2 workers were lost, restarting\)/, 'the refusal says why, as /health');
+      assertNoWorkerRefusal(refused, true);
       const reset = await fetch(`${running.url}/reset_prefix_cache`, { method: 'POST' });
       assert.equal(reset.status, 200, `a reset with no live worker has nothing to forget: ${await reset.text()}`);
 
@@ -128,6 +147,7 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       const refused = await complete(running);
       assert.equal(refused.status, 503, refused.body);
       assert.match(refused.body, /no worker is available \(its one worker was lost, and restarting it gave up\)/, 'the refusal says why, as /health');
+      assertNoWorkerRefusal(refused, false);
       assert.equal(engine.worker, undefined, 'no third restart');
       assert.equal(lines.filter((l) => /restart attempt \d+ of \d+/.test(l)).length, 2, lines.join(''));
       assert.ok(lines.some((l) => l.includes('worker worker-0: giving up after 2 restart attempts in a row')), lines.join(''));
@@ -161,6 +181,7 @@ describe('lost workers are restarted, and /health says whether any can serve', (
         const refused = await complete(running);
         assert.equal(refused.status, 503, refused.body);
         assert.match(refused.body, /no worker is available \(its one worker was lost, and this process does not restart workers\)/);
+        assertNoWorkerRefusal(refused, false);
         assert.ok(lines.some((l) => /ERROR .*worker worker-0 is not restarted \(restarts are off\)/.test(l)), lines.join(''));
       } finally {
         await running.api.shutdown(0);
