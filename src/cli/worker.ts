@@ -12,6 +12,7 @@
 import { modelIdFromName } from '../api/gateway.ts';
 import { createLogger, isLogLevel, LOG_LEVELS } from '../util/log.ts';
 import { DEFAULT_LEASE_TTL_SECONDS } from '../cluster/discovery.ts';
+import { FRONTEND_SILENCE_TIMEOUT_MS } from '../cluster/request-plane.ts';
 import { isWorkerId } from '../cluster/events.ts';
 import { splitAddress } from '../cluster/remote-engine.ts';
 import { defaultWorkerId, LoraModuleError, startClusterWorker, WorkerListenError, WorkerStartAbortedError } from '../cluster/worker-process.ts';
@@ -54,6 +55,10 @@ export const WORKER_FLAGS = {
   'kv-transfer-link': { type: 'string', help: 'how KV blocks move between prefill and decode workers: auto (shared memory, /dev/shm, when both run on one host, else TCP) or tcp (always TCP)', default: 'auto' },
   'kv-port': { type: 'number', help: 'a prefill worker\'s KV port, on the interface of --host, where decode workers fetch KV blocks (default 0: any free port)', default: 0 },
   'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
+  'frontend-silence-timeout': {
+    type: 'number', default: FRONTEND_SILENCE_TIMEOUT_MS / 1000,
+    help: 'seconds a frontend may send nothing, not even its ping (every 500 ms), before its connection is closed and its requests stopped (their KV blocks freed): a frontend host that vanished; at least 1 (0 = never, frontends then do not ping)',
+  },
   // No twin: a CONDUIT_PARENT_IPC left in an environment made a cluster worker skip registering, unseen by frontends.
   'parent-ipc': { type: 'boolean', help: 'internal: started by `conduit serve --worker-processes`; report the address to the parent instead of registering', default: false, noEnvTwin: true },
   help: { type: 'boolean', help: 'show this help', short: 'h' },
@@ -207,6 +212,12 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   const kvPort = values['kv-port']!;
   if (!Number.isInteger(kvPort) || kvPort < 0 || kvPort > 65535) throw new UsageError(`--kv-port must be 0..65535, got ${kvPort}`);
   if (kvPort !== 0 && values.role !== 'prefill') throw new UsageError('--kv-port is a prefill worker\'s (--role prefill): only it serves KV blocks');
+  const silenceSeconds = values['frontend-silence-timeout']!;
+  // Below a second, a live frontend's garbage-collection pause or a busy host would have its connection cut.
+  if (!(silenceSeconds === 0 || silenceSeconds >= 1)) {
+    throw new UsageError(`${flagLabel(WORKER_FLAGS, parsed, 'frontend-silence-timeout')} must be 0 (never) or at least 1 second, got ${silenceSeconds}`);
+  }
+  checkTimerSecondsAtMost('frontend-silence-timeout', silenceSeconds, 'never');
   const ttl = values['lease-ttl']!;
   if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
   const backend = values.backend!;
@@ -270,6 +281,7 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
     host: values.host!, port, ...(advertiseAddress !== undefined ? { advertiseAddress } : {}),
     ...(!local && cluster.etcd ? { etcd: cluster.etcd } : {}), ...(!local && cluster.nats ? { nats: cluster.nats } : {}),
     leaseTtlSeconds: ttl, maxFrameBytes: cluster.maxFrameBytes, log, kvLink, ...(kvPort ? { kvPort } : {}),
+    frontendSilenceTimeoutMs: Math.round(silenceSeconds * 1000),
     ...(!local ? { lora: { modules: loraModules.map(({ name, path }) => ({ name, path })), maxLoras, maxLoraRank } } : {}),
     pool: {
       engine: engineKind, backend,

@@ -31,6 +31,8 @@ export interface ClusterWorkerOptions {
   nats?: NatsConnectOptions;
   leaseTtlSeconds: number;
   maxFrameBytes?: number;
+  /** How long a pinging frontend may be silent before its connection is closed (WorkerServer's; default 15 s, 0 never). */
+  frontendSilenceTimeoutMs?: number;
   /** 'tcp': KV transfers with workers on this host go over TCP too, not shared memory (default 'auto'). */
   kvLink?: KvLinkPreference;
   /** A prefill worker's KV port (default 0: any free port). */
@@ -142,6 +144,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     workerId, engine, role: options.role, clusterToken: options.clusterToken, tokenizer, chatTemplate, log,
     ...(adapters ? { adapters, onAdaptersChanged: () => publishAdapters?.() } : {}),
     ...(options.maxFrameBytes !== undefined ? { maxFrameBytes: options.maxFrameBytes } : {}),
+    ...(options.frontendSilenceTimeoutMs !== undefined ? { frontendSilenceTimeoutMs: options.frontendSilenceTimeoutMs } : {}),
     ...(options.kvLink ? { kvLink: options.kvLink } : {}),
     ...(options.kvPort ? { kvPort: options.kvPort } : {}),
   });
