@@ -19,7 +19,7 @@
 import { connect, type NatsConnection, type Subscription } from '@nats-io/transport-node';
 import type { KvEvent } from '../protocols/kv-events.ts';
 import type { EngineStats } from '../protocols/worker.ts';
-import { parseHashes, parseKvEvents, parseStats } from './request-plane.ts';
+import { parseHashes, parseKvEvents, parseSnapshotTiers, parseStats, type KvSnapshot } from './request-plane.ts';
 import type { ClusterLog } from './worker-server.ts';
 
 export interface NatsConnectOptions {
@@ -170,8 +170,15 @@ export function workerInstance(record: { pid: number; startedAt: string }): stri
 
 export interface WorkerEventSource {
   stats(): EngineStats;
-  snapshot(): { lastEventId: number; hashes: string[] };
+  snapshot(): KvSnapshot;
   onKvEvents(listener: (events: KvEvent[]) => void): () => void;
+}
+
+/** The blocks a snapshot lists, every tier's. */
+export function snapshotBlocks(snapshot: KvSnapshot): number {
+  let blocks = snapshot.hashes.length;
+  for (const hashes of Object.values(snapshot.tiers ?? {})) blocks += hashes.length;
+  return blocks;
 }
 
 /** NATS's default max_payload, bytes. */
@@ -218,10 +225,10 @@ export class EventPublisher {
             // Too large for NATS: the requester takes it from the request plane instead.
             this.snapshotsTooLarge++;
             if (this.snapshotsTooLarge === 1) {
-              log('info', `nats: KV snapshot of ${snapshot.hashes.length} blocks (${bytes} bytes) exceeds the server's max_payload `
+              log('info', `nats: KV snapshot of ${snapshotBlocks(snapshot)} blocks (${bytes} bytes) exceeds the server's max_payload `
                 + `(${this.maxPayload()} bytes); frontends take snapshots over the request plane instead`);
             }
-            reply = JSON.stringify({ workerId, instance, tooLarge: true, blocks: snapshot.hashes.length, bytes });
+            reply = JSON.stringify({ workerId, instance, tooLarge: true, blocks: snapshotBlocks(snapshot), bytes });
           }
           msg.respond(reply);
         } catch (e) {
@@ -343,7 +350,7 @@ export class EventSubscriber {
   }
 
   /** The cached block hashes and last event id of one process of a worker (`instance`), asked over NATS. */
-  async snapshot(workerId: string, instance: string): Promise<{ lastEventId: number; hashes: ReturnType<typeof parseHashes> }> {
+  async snapshot(workerId: string, instance: string): Promise<KvSnapshot> {
     const msg = await this.nc.request(this.s.snapshot(workerId), instance, { timeout: 3000 });
     const value = JSON.parse(msg.string()) as Record<string, unknown>;
     if (value.instance !== instance) throw new Error(`snapshot from another process of ${workerId}`);
@@ -352,7 +359,8 @@ export class EventSubscriber {
     }
     const lastEventId = value.lastEventId;
     if (!Number.isSafeInteger(lastEventId) || (lastEventId as number) < 0) throw new Error('snapshot without a valid lastEventId');
-    return { lastEventId: lastEventId as number, hashes: parseHashes(value.hashes) };
+    const tiers = parseSnapshotTiers(value.tiers);
+    return { lastEventId: lastEventId as number, hashes: parseHashes(value.hashes), ...(tiers ? { tiers } : {}) };
   }
 
   async close(): Promise<void> {

@@ -608,13 +608,14 @@ export class ClusterFrontend {
       if (remote.lost) return;
       if (this.engine && this.router) {
         if (!this.engine.workerIds.includes(workerId)) return;
-        this.router.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId);
-      } else if (!this.disaggregated?.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId)) {
+        this.router.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId, snapshot.tiers);
+      } else if (!this.disaggregated?.resyncWorker(workerId, snapshot.hashes, snapshot.lastEventId, snapshot.tiers)) {
         return;
       }
       applied = true;
       this.resyncs++;
-      this.options.log('debug', `KV view of ${workerId} resynced (${why}): ${snapshot.hashes.length} blocks, event ${snapshot.lastEventId}`);
+      const below = Object.entries(snapshot.tiers ?? {}).map(([tier, hashes]) => `, ${hashes.length} in its ${tier} tier`).join('');
+      this.options.log('debug', `KV view of ${workerId} resynced (${why}): ${snapshot.hashes.length} blocks${below}, event ${snapshot.lastEventId}`);
     } catch (error) {
       this.options.log('warn', `KV view of ${workerId}: resync failed (${(error as Error).message})`);
     } finally {

@@ -18,7 +18,7 @@ import { LoraCapacityError } from '../runtime/lora-manager.ts';
 import { AsyncQueue } from '../engine/streams.ts';
 import { engineNow } from '../engine/clock.ts';
 import type { EngineInfo, EngineOutput, EngineRequest, LoraLoadInfo, WorkerRole } from '../engine/types.ts';
-import type { KvEvent, BlockHash } from '../protocols/kv-events.ts';
+import type { KvEvent } from '../protocols/kv-events.ts';
 import { hashTokenBlocks } from '../protocols/block-hash.ts';
 import type { EngineStats } from '../protocols/worker.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
@@ -30,8 +30,8 @@ import {
   DEFAULT_MAX_FRAME_BYTES, encodeJsonFrame, FrameError, FrameReader, FRAME_BLOB, OversizedFrameError, parseJsonMessage,
 } from './frames.ts';
 import {
-  frameOverLimit, HEARTBEAT_TIMEOUT_MS, parseHashes, parseInfo, parseKvEvents, parseRole, parseStats, REQUEST_PLANE_VERSION,
-  toWireRequest, type ModelCard,
+  frameOverLimit, HEARTBEAT_TIMEOUT_MS, parseHashes, parseInfo, parseKvEvents, parseRole, parseSnapshotTiers, parseStats, REQUEST_PLANE_VERSION,
+  toWireRequest, type KvSnapshot, type ModelCard,
 } from './request-plane.ts';
 
 /**
@@ -377,8 +377,8 @@ export class RemoteEngine implements RoutableEngine {
     return reply;
   }
 
-  /** The worker's cached block hashes and the id of its last KV event (for a router resync). */
-  snapshot(): Promise<{ lastEventId: number; hashes: BlockHash[] }> {
+  /** The worker's cached block hashes, its tiers' and the id of its last KV event (for a router resync). */
+  snapshot(): Promise<KvSnapshot> {
     return this.ask({ t: 'snapshot' });
   }
 
@@ -544,9 +544,11 @@ export class RemoteEngine implements RoutableEngine {
         if (m.stats !== undefined) this.setStats(parseStats(m.stats));
         this.settle(m.rid, m.ok === true);
         return;
-      case 'snapshot':
-        this.settle(m.rid, { lastEventId: Number(m.lastEventId), hashes: parseHashes(m.hashes) });
+      case 'snapshot': {
+        const tiers = parseSnapshotTiers(m.tiers);
+        this.settle(m.rid, { lastEventId: Number(m.lastEventId), hashes: parseHashes(m.hashes), ...(tiers ? { tiers } : {}) });
         return;
+      }
       case 'lora':
         this.settle(m.rid, {
           info: parseLoraInfo(m.info), error: parseLoraError(m.error),

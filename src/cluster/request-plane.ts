@@ -290,6 +290,30 @@ export function parseKvEvents(value: unknown): KvEvent[] {
   }
 }
 
+/**
+ * A worker's KV cache as a frontend resyncs its router's index from it: the primary pool's block hashes, the id of
+ * the last KV event they reflect and, per lower tier (RAM, disk), the block hashes it holds. `tiers` is an addition
+ * within the version: a worker of an earlier release sends none, and the index then keeps its lower tiers as their
+ * events left them.
+ */
+export interface KvSnapshot {
+  lastEventId: number;
+  hashes: BlockHash[];
+  tiers?: Partial<Record<KvLowerTier, BlockHash[]>>;
+}
+
+/** A snapshot's `tiers` from the wire: undefined when absent (a worker of an earlier release); else each validated. */
+export function parseSnapshotTiers(value: unknown): KvSnapshot['tiers'] {
+  if (value === undefined) return undefined;
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) bad('snapshot tiers must be an object');
+  const tiers: NonNullable<KvSnapshot['tiers']> = {};
+  for (const [name, hashes] of Object.entries(value as Record<string, unknown>)) {
+    if (!(KV_LOWER_TIERS as readonly string[]).includes(name)) bad(`snapshot tiers.${name.slice(0, 40)} is not a KV tier (${KV_LOWER_TIERS.join(', ')})`);
+    tiers[name as KvLowerTier] = parseHashes(hashes);
+  }
+  return tiers;
+}
+
 export function parseHashes(value: unknown): BlockHash[] {
   if (!Array.isArray(value)) bad('hashes must be an array');
   try {

@@ -188,7 +188,7 @@ export async function startClusterWorker(options: ClusterWorkerOptions): Promise
     }
     publisher = new EventPublisher(nc, options.namespace, workerId, workerInstance(record), {
       stats: () => server.stats(),
-      snapshot: () => ({ lastEventId: server.kv.lastEventId, hashes: [...server.kv.hashes] }),
+      snapshot: () => server.kv.snapshot(),
       onKvEvents: (listener) => server.onKvEvents(listener),
     }, log);
   }

@@ -24,7 +24,7 @@ import { LoraLoadError } from '../engine/errors.ts';
 import type { Engine, EngineOutput, EngineRequest, WorkerRole } from '../engine/types.ts';
 import type { ChatTemplate } from '../model/chat-template.ts';
 import type { Tokenizer } from '../model/tokenizer/types.ts';
-import { isBlockHash, type BlockHash, type KvEvent } from '../protocols/kv-events.ts';
+import { isBlockHash, KV_LOWER_TIERS, type BlockHash, type KvEvent, type KvLowerTier } from '../protocols/kv-events.ts';
 import { LoraCapacityError, type LoraManager } from '../runtime/lora-manager.ts';
 import type { RoutableEngine } from '../runtime/worker-group.ts';
 import type { DecodeWorkerEngine, PrefillWorkerEngine } from '../runtime/disaggregated.ts';
@@ -44,7 +44,7 @@ import {
 } from './frames.ts';
 import {
   FRONTEND_SILENCE_TIMEOUT_MS, frameOverLimit, frontendPingMs, HEARTBEAT_MS, MAX_HELLO_BYTES, mayBeOversizedRequest,
-  OVERSIZED_HEAD_BYTES, oversizedRequest, parseWireRequest, REQUEST_PLANE_VERSION, tokenMatches, type ModelCard, type Welcome,
+  OVERSIZED_HEAD_BYTES, oversizedRequest, parseWireRequest, REQUEST_PLANE_VERSION, tokenMatches, type KvSnapshot, type ModelCard, type Welcome,
 } from './request-plane.ts';
 
 export type ClusterLog = (level: 'debug' | 'info' | 'warn' | 'error', message: string) => void;
@@ -169,23 +169,32 @@ interface Connection {
 }
 
 /**
- * The worker's primary KV pool as its events describe it: what a snapshot sends for a resync, which replaces the
- * primary blocks of the router's index. Events of the lower tiers (RAM, disk) share the id sequence but say nothing
- * of the pool: a block copied down is still in the pool, one pushed out of the RAM tier may be too, and the disk
- * tier announces at start blocks the pool never held. The index keeps those from the events themselves.
+ * The worker's KV cache as its events describe it: what a snapshot sends for a resync. The primary pool's blocks
+ * replace the primary blocks of the router's index; each lower tier's (RAM, disk) replace that tier's. The tiers'
+ * events share the id sequence but say nothing of the pool (a block copied down is still in the pool, one pushed out
+ * of the RAM tier may be too, and the disk tier announces at start blocks the pool never held), so each set follows
+ * only its own tier's events.
  */
 export class KvMirror {
   readonly hashes = new Set<BlockHash>();
+  readonly tiers: Record<KvLowerTier, Set<BlockHash>> = { ram: new Set(), disk: new Set() };
   lastEventId = 0;
 
   apply(events: readonly KvEvent[]): void {
     for (const event of events) {
       this.lastEventId = event.eventId;
-      if (event.tier !== undefined) continue;
-      if (event.type === 'stored') for (const hash of event.blockHashes) this.hashes.add(hash);
-      else if (event.type === 'removed') for (const hash of event.blockHashes) this.hashes.delete(hash);
-      else this.hashes.clear();
+      const held = event.tier === undefined ? this.hashes : this.tiers[event.tier];
+      if (event.type === 'stored') for (const hash of event.blockHashes) held.add(hash);
+      else if (event.type === 'removed') for (const hash of event.blockHashes) held.delete(hash);
+      else held.clear();
     }
+  }
+
+  /** What a frontend resyncs from: every tier's blocks (a tier holding none is left out) and the last event id. */
+  snapshot(): KvSnapshot {
+    const tiers: NonNullable<KvSnapshot['tiers']> = {};
+    for (const tier of KV_LOWER_TIERS) if (this.tiers[tier].size > 0) tiers[tier] = [...this.tiers[tier]];
+    return { lastEventId: this.lastEventId, hashes: [...this.hashes], tiers };
   }
 }
 
@@ -623,7 +632,7 @@ export class WorkerServer {
       case 'ping':
         return;
       case 'snapshot':
-        this.send(connection, { t: 'snapshot', rid: message.rid, lastEventId: this.kv.lastEventId, hashes: [...this.kv.hashes] });
+        this.send(connection, { t: 'snapshot', rid: message.rid, ...this.kv.snapshot() });
         return;
       case 'lora-load':
       case 'lora-unload':

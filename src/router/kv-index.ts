@@ -17,7 +17,8 @@
 //
 // Lower tiers: events with a `tier` (a worker's RAM or disk tier, kv-events.ts) never touch the primary storage; a
 // plain map per worker records which tiers hold each hash, and lowerTierRun reads it for the router's cost. A
-// resync replaces only the primary blocks (a worker's dump holds those); lower-tier entries stay as events left them.
+// resync replaces the primary blocks with the dump's, and each lower tier's with the dump's list for that tier when
+// it has one (a worker of an earlier release sends only its primary blocks: its tiers then stay as events left them).
 //
 // Event ids: each worker numbers its events 1, 2, 3, ... A gap means lost events, after which this index may
 // believe a worker holds blocks it evicted (or miss blocks it stored). The index keeps applying what it receives,
@@ -34,6 +35,9 @@ export type ApplyResult =
   | { status: 'duplicate'; needsResync: boolean }
   /** Events between expectedEventId and receivedEventId were lost; this one was applied, the worker needs a resync. */
   | { status: 'gap'; needsResync: true; expectedEventId: number; receivedEventId: number };
+
+/** A worker's lower-tier blocks, per tier (a tier left out holds none). */
+export type LowerTierDump = Partial<Record<KvLowerTier, readonly BlockHash[]>>;
 
 export interface KvIndexWorkerDump {
   workerId: WorkerId;
@@ -65,8 +69,9 @@ export interface KvIndex {
   /**
    * Replaces a worker's blocks with a dump of them and clears its resync flag. With lastEventId (the id of the last
    * event the dump reflects), buffered events newer than it are replayed; without, the next event id is accepted.
+   * With lowerTiers, the worker's lower-tier blocks are replaced too (a tier it does not list holds none).
    */
-  resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number): void;
+  resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number, lowerTiers?: LowerTierDump): void;
   /**
    * A dump of the worker is on its way (asked for before resync is called): events from now on are also kept, as
    * after a gap, so those the dump does not reflect are replayed on it instead of being wiped with the old blocks.
@@ -226,11 +231,18 @@ export abstract class KvIndexBase implements KvIndex {
     if (!state.needsResync) state.sinceGap = [];
   }
 
-  resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number): void {
+  resync(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number, lowerTiers?: LowerTierDump): void {
     const state = this.state(workerId);
     const buffered = state.sinceGap;
     this.clearBlocks(workerId);
     this.addBlocks(workerId, blockHashes);
+    if (lowerTiers !== undefined) {
+      const held = new Map<BlockHash, number>();
+      for (const tier of Object.keys(TIER_BIT) as KvLowerTier[]) {
+        for (const hash of lowerTiers[tier] ?? []) held.set(hash, (held.get(hash) ?? 0) | TIER_BIT[tier]);
+      }
+      this.lowerTiers.set(workerId, held);
+    }
     state.needsResync = false;
     state.dumpPending = false;
     state.sinceGap = [];

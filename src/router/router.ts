@@ -20,7 +20,7 @@ import type { RetryAfterOptions } from './admission.ts';
 import { costTerms, reusableBlocks, selectByCost } from './cost.ts';
 import type { WorkerView } from './cost.ts';
 import { BitsetKvIndex } from './kv-index.ts';
-import type { KvIndex } from './kv-index.ts';
+import type { KvIndex, LowerTierDump } from './kv-index.ts';
 import { pickLeastLoaded, pickPowerOfTwo, pickRandom, SessionAffinity } from './policies.ts';
 import { parsePolicyName, servesModel } from './protocols.ts';
 import type {
@@ -243,9 +243,9 @@ export class Router {
     return result;
   }
 
-  /** Replaces the worker's indexed blocks with its dump; see KvIndex.resync for lastEventId. */
-  resyncWorker(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number): void {
-    this.index.resync(workerId, blockHashes, lastEventId);
+  /** Replaces the worker's indexed blocks with its dump; see KvIndex.resync for lastEventId and lowerTiers. */
+  resyncWorker(workerId: WorkerId, blockHashes: readonly BlockHash[], lastEventId?: number, lowerTiers?: LowerTierDump): void {
+    this.index.resync(workerId, blockHashes, lastEventId, lowerTiers);
   }
 
   /** A dump of the worker was asked for: see KvIndex.beginResync. endResync when it will not come. */

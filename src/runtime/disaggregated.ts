@@ -28,6 +28,7 @@ import {
 import { InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, KvImportPreparation, PrefillEvent } from '../engine/handoff.ts';
 import type { BlockHash } from '../protocols/kv-events.ts';
+import type { LowerTierDump } from '../router/kv-index.ts';
 import { kvBytesPerToken } from '../engine/handoff.ts';
 import type {
   DisaggregationSummary, Engine, EngineInfo, EngineOutput, EngineRequest, RoutingSummary, WorkerRole, LoraLoadInfo,
@@ -406,9 +407,9 @@ export class DisaggregatedEngine implements Engine {
    * with a snapshot of its cached block hashes: a worker that joins with blocks cached, or that lost events.
    * False when no router knows the worker.
    */
-  resyncWorker(workerId: string, blockHashes: readonly BlockHash[], lastEventId?: number): boolean {
+  resyncWorker(workerId: string, blockHashes: readonly BlockHash[], lastEventId?: number, lowerTiers?: LowerTierDump): boolean {
     const router = this.routerOf(workerId);
-    router?.resyncWorker(workerId, blockHashes, lastEventId);
+    router?.resyncWorker(workerId, blockHashes, lastEventId, lowerTiers);
     return router !== undefined;
   }
 

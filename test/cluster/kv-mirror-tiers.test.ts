@@ -1,8 +1,8 @@
 // A worker's KV snapshot (what a frontend resyncs its router's index from: a worker joining, an event-id gap, a NATS
-// reconnect) lists the blocks of its primary pool only. The router's index keeps a worker's lower-tier blocks (RAM,
-// disk) apart and costs them as copies, not as free hits; the snapshot replaces the primary blocks alone. Events of
-// the tiers (a block copied down, pushed out of the RAM tier by its LRU bound, the disk tier's blocks announced at
-// start) must therefore not change the snapshot's blocks. Checked on a real worker (a worker thread running a tiny
+// reconnect) lists the blocks of its primary pool and, apart, those of each lower tier (RAM, disk). The router's index
+// keeps a worker's lower-tier blocks apart and costs them as copies, not as free hits. Events of the tiers (a block
+// copied down, pushed out of the RAM tier by its LRU bound, the disk tier's blocks announced at start) must therefore
+// change the tiers' lists and not the primary blocks. Checked on a real worker (a worker thread running a tiny
 // model) with a RAM tier a few blocks large, behind a real WorkerServer and RemoteEngine.
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -91,6 +91,9 @@ describe('a worker\'s KV snapshot with a RAM tier', () => {
     const snapshot = await remote.snapshot();
     const listed = new Set(snapshot.hashes);
     for (const hash of firstHashes) assert.ok(listed.has(hash), `the snapshot lists block ${hash}, which the pool holds`);
+    const inRam = new Set(snapshot.tiers?.ram ?? []);
+    for (const hash of firstHashes) assert.ok(!inRam.has(hash), `the snapshot's RAM tier does not list block ${hash}, pushed out of it`);
+    assert.ok(inRam.size > 0, 'the RAM tier lists the blocks it holds');
     assert.ok(snapshot.lastEventId >= before && snapshot.lastEventId <= events.at(-1)!.eventId,
       `the snapshot's last event id ${snapshot.lastEventId} is among the events (${before}..${events.at(-1)!.eventId})`);
   });

@@ -191,6 +191,26 @@ for (const { name, make } of IMPLEMENTATIONS) {
       assert.equal(index.applyEvent('a', stored(6, chain.slice(5, 6), chain[4]!)).status, 'applied');
     });
 
+    it('a resync with the worker\'s tiers replaces its RAM and disk blocks too; one without them leaves those alone', () => {
+      const index = make();
+      const inTier = (eventId: number, blockHashes: BlockHash[], tier: 'ram' | 'disk'): KvEvent => ({ ...stored(eventId, blockHashes), tier }) as KvEvent;
+      index.applyEvent('a', stored(1, chain.slice(0, 2)));
+      index.applyEvent('a', inTier(2, chain.slice(0, 6), 'ram'));
+      index.applyEvent('a', inTier(3, chain.slice(0, 6), 'disk'));
+      assert.deepEqual(index.lowerTierRun('a', chain, 2), { blocks: 4, disk: 0 });
+      // Events 4..9 lost: the worker pushed blocks 2..5 out of its RAM tier and dropped blocks 4 and 5 from its disk
+      // tier; its disk tier took in blocks 6..8 (read back from an earlier run).
+      index.applyEvent('a', stored(10, chain.slice(2, 3), chain[1]!));
+      index.beginResync('a');
+      index.applyEvent('a', inTier(11, chain.slice(9, 10), 'ram'));
+      index.resync('a', chain.slice(0, 3), 10, { disk: [...chain.slice(0, 4), ...chain.slice(6, 9)] });
+      assert.deepEqual(index.lowerTierRun('a', chain, 3), { blocks: 1, disk: 1 }, 'block 3 on disk only, block 4 nowhere below');
+      assert.deepEqual(index.lowerTierRun('a', chain, 6), { blocks: 4, disk: 3 }, 'blocks 6..8 from the dump, block 9 from the replayed event 11');
+      // A worker of an earlier release sends its primary blocks alone: what the tiers' events left stays.
+      index.resync('a', chain.slice(0, 3), 11);
+      assert.deepEqual(index.lowerTierRun('a', chain, 6), { blocks: 4, disk: 3 });
+    });
+
     it('stays in need of resync when the replay meets a hole', () => {
       const index = make({ maxBufferedEvents: 2 });
       index.applyEvent('a', stored(1, chain.slice(0, 1)));
