@@ -164,8 +164,21 @@ interface Connection {
   clockOffset?: number;
   /** The frontend's hello said it pings: a silence past the timeout means it is gone. */
   pings: boolean;
-  /** When bytes last came from the frontend (performance.now()). */
+  /** When bytes last came from the frontend, or it last took bytes of ours while we read none of its (performance.now()). */
   lastHeardAt: number;
+  /** While its frames wait unread (MAX_UNSENT_BYTES): how far its reading had got at the last check (sentProgress). */
+  readProgress?: { completed: number; queued: number };
+}
+
+/**
+ * How far a peer has read what was written to its socket: the bytes of writes completed (handed to the kernel whole),
+ * and the bytes of the write under way that the kernel has not taken yet. Node exposes the second only on the
+ * socket's handle (libuv's write queue, updated as the kernel takes each part of a large write): without it, a peer
+ * reading a frame of megabytes slowly would show no progress until the whole frame was taken.
+ */
+function sentProgress(socket: net.Socket): { completed: number; queued: number } {
+  const queued = (socket as unknown as { _handle?: { writeQueueSize?: unknown } })._handle?.writeQueueSize;
+  return { completed: socket.bytesWritten - socket.writableLength, queued: typeof queued === 'number' ? queued : 0 };
 }
 
 /**
@@ -449,7 +462,10 @@ export class WorkerServer {
    * Closes the connection of a frontend that pings and has sent nothing for the silence timeout: its host vanished
    * or is cut off. The close stops its requests and frees their blocks (handed-off ones included), as any close does.
    * A connection whose frames this worker stopped reading (the frontend does not read its answers: MAX_UNSENT_BYTES)
-   * is not timed meanwhile: its pings wait unread.
+   * is timed by what the frontend reads instead, its pings waiting unread meanwhile: one that takes none of the bytes
+   * held for it for the timeout is as silent (a vanished host never reads them, and without this its requests and
+   * blocks were held until TCP gave up retransmitting, many minutes later), while one that reads on is heard from
+   * (the kernel takes more of what is held for it as the peer's reading frees its buffers).
    */
   private watchSilence(): NodeJS.Timeout | undefined {
     if (this.silenceTimeoutMs <= 0) return undefined;
@@ -461,11 +477,25 @@ export class WorkerServer {
       const stalled = now - lastTick > 2 * tickMs;
       lastTick = now;
       for (const c of this.connections) {
-        if (stalled || c.socket.isPaused()) c.lastHeardAt = now;
+        if (stalled) c.lastHeardAt = now;
+        if (c.socket.isPaused()) {
+          const progress = sentProgress(c.socket);
+          const last = c.readProgress;
+          // A write completed, or the kernel took more of the one under way: the peer read some of its answers.
+          if (last && (progress.completed > last.completed || (progress.completed === last.completed && progress.queued < last.queued))) {
+            c.lastHeardAt = now;
+          }
+          c.readProgress = progress;
+        } else {
+          c.readProgress = undefined;
+        }
         if (!c.authenticated || !c.pings || c.socket.destroyed || now - c.lastHeardAt <= this.silenceTimeoutMs) continue;
         this.silentFrontends++;
         const running = c.requests.size + [...this.pinned.values()].filter((owner) => owner === c).length;
-        this.log('warn', `request plane: frontend at ${c.peer} sent nothing for ${this.silenceTimeoutMs} ms (not even its ping): `
+        const silence = c.readProgress
+          ? `sent nothing (its frames wait unread) and read none of the ${c.socket.writableLength} bytes held for it for ${this.silenceTimeoutMs} ms`
+          : `sent nothing for ${this.silenceTimeoutMs} ms (not even its ping)`;
+        this.log('warn', `request plane: frontend at ${c.peer} ${silence}: `
           + `closing its connection${running > 0 ? ` and stopping its ${running} request(s)` : ''}`);
         c.socket.destroy();
       }
