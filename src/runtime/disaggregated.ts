@@ -25,7 +25,7 @@
 import {
   checkMigrationLimit, DEFAULT_MIGRATION_LIMIT, RequestMigration, type MigrationOptions,
 } from './migration.ts';
-import { InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
+import { EngineOverloadedError, InvalidRequestError, WorkerLostError } from '../engine/errors.ts';
 import type { AdoptedResult, KvHandoff, KvImportPreparation, PrefillEvent } from '../engine/handoff.ts';
 import type { BlockHash } from '../protocols/kv-events.ts';
 import type { LowerTierDump } from '../router/kv-index.ts';
@@ -533,6 +533,10 @@ export class DisaggregatedEngine implements Engine {
     try {
       placed = await this.admission.place(routing);
     } catch (error) {
+      // Refused because no decode worker is left: the refusal says why (restarting, given up), as /health does.
+      if (!flight.aborted && error instanceof EngineOverloadedError && this.decodeWorkers.size === 0) {
+        throw this.decodeWorkers.noWorkerError(error.retryAfterMs);
+      }
       // Aborted while it waited in the admission queue: an abort, so the caller reports its own reason.
       if (!flight.aborted) throw error;
       flight.finished = true;

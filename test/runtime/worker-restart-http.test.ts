@@ -234,6 +234,9 @@ describe('lost workers are restarted, and /health says whether any can serve', (
       const down = await health(running);
       assert.equal(down.status, 503);
       assert.equal(down.body.reason, 'no decode worker can serve: its one decode worker was lost, restarting');
+      const refused = await complete(running);
+      assert.match(refused.body, /no decode worker is available \(its one decode worker was lost, restarting\)/, 'the refusal says why, as /health');
+      assertNoWorkerRefusal(refused, true);
 
       await waitUntil(() => engine.prefillWorkerIds.length === 1 && engine.decodeWorkerIds.length === 1, 'both workers were restarted', 60_000);
       assert.deepEqual([engine.prefillWorkerIds, engine.decodeWorkerIds], [['prefill-0-r1'], ['decode-0-r1']]);
