@@ -13,7 +13,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { POLICY_NAMES } from '../router/protocols.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
-import { checkTimerSecondsAtMost, describeFileError, flagLabel, formatFlagHelp, MAX_WORKERS, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
+import { checkCount, checkTimerSecondsAtMost, describeFileError, flagLabel, formatFlagHelp, MAX_WORKERS, nameEnvironment, parseFlags, UsageError, type FlagTable, type ParsedFlags } from './flags.ts';
 import { positiveInteger, SERVE_FLAGS, simOptionWarnings } from './serve.ts';
 import type { Command } from './main.ts';
 
@@ -118,10 +118,7 @@ function checkOptions(parsed: ParsedFlags<typeof CLUSTER_DEMO_FLAGS>): {
   if (!(POLICY_NAMES as readonly string[]).includes(routingPolicy)) {
     throw new UsageError(`--routing-policy must be one of ${POLICY_NAMES.join(', ')}, got "${routingPolicy}"`);
   }
-  const migrationLimit = values['migration-limit']!;
-  if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
-    throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
-  }
+  const migrationLimit = checkCount('migration-limit', values['migration-limit']!);
   const count = values.workers!;
   if (!Number.isInteger(count) || count < 1) throw new UsageError(`--workers must be a whole number >= 1, got ${count}`);
   if (count > MAX_WORKERS) throw new UsageError(`--workers must be at most ${MAX_WORKERS}, got ${count}`);

@@ -143,6 +143,21 @@ export const MAX_NUM_BATCHED_TOKENS = 1 << 20;
  */
 export const MAX_WORKERS = 1024;
 
+/**
+ * The largest count a flag may give when nothing smaller bounds it (rate limits, bounds on requests and connections,
+ * attempt limits, token thresholds): past 2^53 - 1 JavaScript's numbers skip whole numbers (2^53 + 1 reads as 2^53),
+ * so a counter held against such a limit no longer moves exactly, and 1e300 was taken and sent back in the rate-limit
+ * headers as "1e+300". The same bound as an API keys file's limits.
+ */
+export const MAX_COUNT = Number.MAX_SAFE_INTEGER;
+
+/** A count flag that may be 0 (0 = off for it), whole and at most MAX_COUNT. */
+export function checkCount(flag: string, value: number): number {
+  if (!Number.isInteger(value) || value < 0) throw new UsageError(`--${flag} must be a whole number >= 0, got ${value}`);
+  if (value > MAX_COUNT) throw new UsageError(`--${flag} must be at most ${MAX_COUNT}, got ${value}`);
+  return value;
+}
+
 export function envName(flag: string, spec?: FlagSpec): string {
   return spec?.env ?? `CONDUIT_${flag.replace(/-/g, '_').toUpperCase()}`;
 }

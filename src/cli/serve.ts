@@ -34,7 +34,7 @@ import { CALIBRATIONS, DEFAULT_CALIBRATION, parseCalibration, type CalibrationNa
 import { describeKvElement, getModelProfile } from '../sim/models.ts';
 import { checkSimDeployment } from '../sim/sim-worker.ts';
 import {
-  checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_WORKERS, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
+  checkCount, checkThreadsAtMost, checkTimerSecondsAtMost, describeFileError, fileProblem, flagLabel, formatFlagHelp, ignoreInapplicable, MAX_COUNT, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_WORKERS, nameEnvironment, nameEnvironmentIn, parseFlags, UsageError, type FlagSource, type FlagTable,
   type FlagValues, type ParsedFlags,
 } from './flags.ts';
 import type { Command } from './main.ts';
@@ -269,10 +269,11 @@ async function generationDefaultsFor(option: string, modelPath: string | undefin
   return defaults === undefined ? undefined : { defaults, file: join(folder, GENERATION_CONFIG_FILE) };
 }
 
-export function positiveInteger(value: number | undefined, flag: string, max?: number): number | undefined {
+/** A whole number > 0, at most `max` (by default MAX_COUNT: see there). */
+export function positiveInteger(value: number | undefined, flag: string, max = MAX_COUNT): number | undefined {
   if (value === undefined) return undefined;
   if (!Number.isInteger(value) || value <= 0) throw new UsageError(`--${flag} must be a whole number > 0, got ${value}`);
-  if (max !== undefined && value > max) throw new UsageError(`--${flag} must be at most ${max}, got ${value}`);
+  if (value > max) throw new UsageError(`--${flag} must be at most ${max}, got ${value}`);
   return value;
 }
 
@@ -292,8 +293,7 @@ function parseDisaggregationPolicy(values: FlagValues<typeof SERVE_FLAGS>): Part
   for (const field of ['minRemotePrefillTokens', 'maxPrefillQueueTokens'] as const) {
     const value = values[POLICY_FLAGS[field]];
     if (value === undefined) continue;
-    if (!Number.isInteger(value) || value < 0) throw new UsageError(`--${POLICY_FLAGS[field]} must be a whole number >= 0, got ${value}`);
-    policy[field] = value;
+    policy[field] = checkCount(POLICY_FLAGS[field], value);
   }
   const overhead = values[POLICY_FLAGS.transferOverheadMs];
   if (overhead !== undefined) {
@@ -780,14 +780,8 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     checkSimDeployment({ model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp },
       { model: label('sim-model'), gpu: label('sim-gpu'), tp: label('sim-tp') });
   }
-  const migrationLimit = values['migration-limit']!;
-  if (!Number.isInteger(migrationLimit) || migrationLimit < 0) {
-    throw new UsageError(`--migration-limit must be a whole number >= 0, got ${migrationLimit}`);
-  }
-  const workerRestartLimit = values['worker-restart-limit']!;
-  if (!Number.isInteger(workerRestartLimit) || workerRestartLimit < 0) {
-    throw new UsageError(`--worker-restart-limit must be a whole number >= 0, got ${workerRestartLimit}`);
-  }
+  const migrationLimit = checkCount('migration-limit', values['migration-limit']!);
+  const workerRestartLimit = checkCount('worker-restart-limit', values['worker-restart-limit']!);
   const workerRestartDelayMs = values['worker-restart-delay']!;
   if (!Number.isFinite(workerRestartDelayMs) || workerRestartDelayMs < 0) {
     throw new UsageError(`--worker-restart-delay must be a number of ms >= 0, got ${workerRestartDelayMs}`);

@@ -137,6 +137,28 @@ describe('conduit serve flags', () => {
       && /^CONDUIT_SHUTDOWN_GRACE \(--shutdown-grace\) must be at most 2147483 seconds/.test(err.message));
   });
 
+  it('refuses counts past 2^53 - 1, where a counter held against them stops moving exactly', () => {
+    // 1e300 was taken: a tenant's rate-limit headers said "1e+300", and past 2^53 a count of one more reads the same.
+    const disaggregated = ['--prefill-workers', '1', '--decode-workers', '1'];
+    const flags: [string, string[]][] = [
+      ['tenant-rpm', []], ['tenant-tpm', []], ['tenant-max-concurrent', []], ['max-pending-requests', []],
+      ['max-sequences-per-request', []], ['max-connections', []], ['stream-interval', []], ['migration-limit', []],
+      ['worker-restart-limit', []], ['disagg-min-remote-prefill-tokens', disaggregated], ['disagg-max-prefill-queue-tokens', disaggregated],
+    ];
+    for (const [flag, extra] of flags) {
+      for (const [value, shown] of [['9007199254740992', '9007199254740992'], ['1e300', '1e\\+300']] as const) {
+        assert.throws(() => parseServeConfig([...extra, `--${flag}`, value], {}), (err: unknown) => err instanceof UsageError
+          && new RegExp(`^--${flag} must be at most 9007199254740991, got ${shown}$`).test(err.message), `${flag} ${value}`);
+      }
+      assert.doesNotThrow(() => parseServeConfig([...extra, `--${flag}`, '9007199254740991'], {}), flag);
+    }
+    const c = config(['--tenant-rpm', '9007199254740991', '--migration-limit', '9007199254740991']);
+    assert.equal(c.tenantDefaults.requestsPerMinute, Number.MAX_SAFE_INTEGER);
+    assert.equal(c.migrationLimit, Number.MAX_SAFE_INTEGER);
+    assert.throws(() => parseServeConfig([], { CONDUIT_TENANT_RPM: '1e300' }), (err: unknown) => err instanceof UsageError
+      && /^CONDUIT_TENANT_RPM \(--tenant-rpm\) must be at most 9007199254740991, got 1e\+300$/.test(err.message));
+  });
+
   it('takes the request, connection and access limits from their flags or CONDUIT_* twins', () => {
     const d = config([]);
     assert.equal(d.maxSequencesPerRequest, 128);
