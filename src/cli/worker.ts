@@ -54,7 +54,7 @@ export const WORKER_FLAGS = {
   role: { type: 'string', help: 'both (aggregated), prefill or decode (disaggregated: a frontend over prefill and decode workers prefills on one and decodes on the other, the KV streamed between them over TCP or /dev/shm)', default: 'both' },
   'kv-transfer-link': { type: 'string', help: 'how KV blocks move between prefill and decode workers: auto (shared memory, /dev/shm, when both run on one host, else TCP) or tcp (always TCP)', default: 'auto' },
   'kv-port': { type: 'number', help: 'a prefill worker\'s KV port, on the interface of --host, where decode workers fetch KV blocks (default 0: any free port)', default: 0 },
-  'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this', default: DEFAULT_LEASE_TTL_SECONDS },
+  'lease-ttl': { type: 'number', help: 'seconds the etcd lease lives without a keep-alive: a dead worker leaves discovery within this (2 to 2147483)', default: DEFAULT_LEASE_TTL_SECONDS },
   'frontend-silence-timeout': {
     type: 'number', default: FRONTEND_SILENCE_TIMEOUT_MS / 1000,
     help: 'seconds a frontend may send nothing, not even its ping (every 500 ms), before its connection is closed and its requests stopped (their KV blocks freed): a frontend host that vanished; at least 1 (0 = never, frontends then do not ping)',
@@ -220,6 +220,9 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
   checkTimerSecondsAtMost('frontend-silence-timeout', silenceSeconds, 'never');
   const ttl = values['lease-ttl']!;
   if (!Number.isInteger(ttl) || ttl < 2) throw new UsageError(`--lease-ttl must be a whole number of seconds >= 2, got ${ttl}`);
+  // The etcd client keeps the lease alive on timers of a third of the TTL and of the whole TTL: past what a timer holds
+  // they fired every millisecond, burning a core, and the lease could not even be revoked at exit (its key stayed).
+  checkTimerSecondsAtMost('lease-ttl', ttl);
   const backend = values.backend!;
   if (backend !== 'auto' && backend !== 'native' && backend !== 'reference') throw new UsageError('--backend must be auto, native or reference');
   let calibration;

@@ -23,6 +23,8 @@ describe('conduit worker: a refused value from the environment', () => {
       [{ CONDUIT_PORT: '70000' }, /^conduit worker: CONDUIT_PORT \(--port\) must be 0\.\.65535, got 70000$/],
       [{ CONDUIT_ROLE: 'x' }, /^conduit worker: CONDUIT_ROLE \(--role\) must be both, prefill or decode/],
       [{ CONDUIT_LEASE_TTL: '1' }, /^conduit worker: CONDUIT_LEASE_TTL \(--lease-ttl\) must be a whole number of seconds >= 2/],
+      // Past what a timer holds the etcd client kept the lease alive every millisecond, and could not revoke it at exit.
+      [{ CONDUIT_LEASE_TTL: '3000000' }, /^conduit worker: CONDUIT_LEASE_TTL \(--lease-ttl\) must be at most 2147483 seconds \(about 24\.8 days\), got 3000000$/],
       [{ CONDUIT_NAMESPACE: 'a.b' }, /^conduit worker: CONDUIT_NAMESPACE \(--namespace\) must be 1-64 letters/],
       [{ CONDUIT_MAX_LORAS: '0' }, /^conduit worker: CONDUIT_MAX_LORAS \(--max-loras\) must be a whole number > 0/],
       [{ CONDUIT_KV_CACHE_DTYPE: 'q8' }, /^conduit worker: CONDUIT_KV_CACHE_DTYPE \(--kv-cache-dtype\) must be one of auto, f32, f16/],
