@@ -100,7 +100,7 @@ export const SERVE_FLAGS = {
   'sim-model': { type: 'string', help: 'model profile of simulated workers (llama-3.1-8b, llama-3.1-70b, ...)', default: 'llama-3.1-8b' },
   'sim-gpu': { type: 'string', help: 'GPU profile of simulated workers (h100, h200, a100, b200)', default: 'h100' },
   'sim-tp': { type: 'number', help: 'tensor-parallel GPUs per simulated worker', default: 1 },
-  'sim-lora-rank': { type: 'number', help: 'rank of a LoRA adapter simulated workers serve without a file (--lora-modules NAME=PATH with a PATH that does not exist; an existing GGUF adapter or PEFT folder gives its own rank)', default: 16 },
+  'sim-lora-rank': { type: 'number', help: 'rank of a LoRA adapter simulated workers serve without a file (--lora-modules NAME=PATH with a PATH that does not exist; an existing GGUF adapter or PEFT folder gives its own rank; at most the --sim-model\'s hidden size)', default: 16 },
   'sim-calibration': { type: 'string', help: `efficiency factors of simulated workers: ${CALIBRATIONS.join(' | ')} (see docs/simulator.md)`, default: DEFAULT_CALIBRATION },
   'sim-speed-up': { type: 'string', help: 'simulated ms per real ms: 1 = real time, inf = no waiting (each request\'s steps run back to back as fast as the CPU allows; timings are the simulated ones)', default: '1' },
   'max-pending-requests': { type: 'number', help: 'sequences (prompts x n of every request) in flight before new requests get 503', default: DEFAULT_MAX_PENDING_REQUESTS },
@@ -275,6 +275,18 @@ export function positiveInteger(value: number | undefined, flag: string, max = M
   if (!Number.isInteger(value) || value <= 0) throw new UsageError(`--${flag} must be a whole number > 0, got ${value}`);
   if (value > max) throw new UsageError(`--${flag} must be at most ${max}, got ${value}`);
   return value;
+}
+
+/**
+ * --sim-lora-rank at most the simulated model's hidden size, as `conduit sim decode-sweep --lora-rank`: an adapter of a
+ * higher rank is no low-rank one (its two matrices outweigh the one they adapt), and a rank of 10^9 (with a
+ * --max-lora-rank to let it load) priced every step of a request naming the adapter at hours: it never answered.
+ */
+export function checkSimLoraRank(rank: number, simModel: string): void {
+  const model = getModelProfile(simModel);
+  if (rank > model.hiddenDim) {
+    throw new UsageError(`--sim-lora-rank must be at most ${model.hiddenDim} (the hidden size of ${model.name}), got ${rank}`);
+  }
 }
 
 const POLICY_FLAGS = {
@@ -779,6 +791,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   if (engine === 'sim') {
     checkSimDeployment({ model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp },
       { model: label('sim-model'), gpu: label('sim-gpu'), tp: label('sim-tp') });
+    checkSimLoraRank(positiveInteger(values['sim-lora-rank'], 'sim-lora-rank')!, values['sim-model']!);
   }
   const migrationLimit = checkCount('migration-limit', values['migration-limit']!);
   const workerRestartLimit = checkCount('worker-restart-limit', values['worker-restart-limit']!);

@@ -30,7 +30,7 @@ import {
 import type { Command } from './main.ts';
 import {
   checkDiskTierFolder, engineOptionWarnings, isTierSizeTooSmall, parseByteSize, parseKvDtype, parseLoraDtype, parseLoraModules, parseModelSpecs, parseSchedulingPolicy, parseSpeedUp,
-  positiveInteger, SERVE_FLAGS,
+  checkSimLoraRank, positiveInteger, SERVE_FLAGS,
 } from './serve.ts';
 
 const ENGINE_FLAG_NAMES = [
@@ -236,6 +236,7 @@ async function runParsedWorker(parsed: ParsedFlags<typeof WORKER_FLAGS>, parent:
     const label = (name: 'sim-model' | 'sim-gpu' | 'sim-tp'): string => flagLabel(WORKER_FLAGS, parsed, name);
     checkSimDeployment({ model: values['sim-model']!, gpu: values['sim-gpu']!, tp: simTp },
       { model: label('sim-model'), gpu: label('sim-gpu'), tp: label('sim-tp') });
+    checkSimLoraRank(simLoraRank, values['sim-model']!);
   }
   // The worker's own adapters (a --parent-ipc child's are its parent's to load).
   const loraModules = parseLoraModules(lists['lora-modules'] ?? []);

@@ -111,6 +111,9 @@ describe('conduit serve flags', () => {
       [['--workers', '1e9'], /^--workers must be at most 1024, got 1000000000$/],
       [['--prefill-workers', '1025', '--decode-workers', '1'], /^--prefill-workers must be at most 1024, got 1025$/],
       [['--prefill-workers', '1', '--decode-workers', '1e9'], /^--decode-workers must be at most 1024, got 1000000000$/],
+      // A higher rank is no low-rank adapter; 1e9 (with --max-lora-rank 1e9) priced a request naming it at hours.
+      [['--engine', 'sim', '--sim-lora-rank', '1e9', '--max-lora-rank', '1e9'], /^--sim-lora-rank must be at most 4096 \(the hidden size of Llama 3\.1 8B\), got 1000000000$/],
+      [['--engine', 'sim', '--sim-model', 'llama-3.1-70b', '--sim-tp', '4', '--sim-lora-rank', '8193'], /^--sim-lora-rank must be at most 8192 \(the hidden size of Llama 3\.1 70B\), got 8193$/],
       [['--request-timeout', '-1'], /--request-timeout/],
       [['--api-keys-file', join(dir, 'missing.txt')], /--api-keys-file .*missing\.txt: no such file or folder/],
       [['--api-keys', 'no-tenant'], /key:tenant/],

@@ -96,6 +96,7 @@ describe('conduit worker: bad values and start-up failures', () => {
         { args: ['--engine', 'sim', '--shutdown-grace', '99999999'], line: /^conduit worker: --shutdown-grace must be at most 2147483 seconds \(about 24\.8 days\), got 99999999$/m, code: 2 },
         { args: ['--engine', 'sim', '--kv-cache-idle-release', '-1'], line: /^conduit worker: --kv-cache-idle-release must be >= 0 seconds, got -1$/m, code: 2 },
         { args: ['--engine', 'sim', '--stream-interval', '0'], line: /^conduit worker: --stream-interval must be a whole number > 0, got 0$/m, code: 2 },
+        { args: ['--engine', 'sim', '--sim-lora-rank', '4097'], line: /^conduit worker: --sim-lora-rank must be at most 4096 \(the hidden size of Llama 3\.1 8B\), got 4097$/m, code: 2 },
         { args: ['--engine', 'sim', '--lease-ttl', '1e9'], line: /^conduit worker: --lease-ttl must be at most 2147483 seconds \(about 24\.8 days\), got 1000000000$/m, code: 2 },
         // A frontend could not connect to either.
         { args: ['--engine', 'sim', '--advertise-address', '127.0.0.1'], line: /^conduit worker: --advertise-address must be host:port, .* got "127\.0\.0\.1"$/m, code: 2 },
