@@ -7,7 +7,8 @@
 //           "tenants": {"acme": {"rpm": 60, "tpm": 100000, "max_concurrent": 4, "cache_group": "shared"},
 //                       "ops": {"admin": true}}}
 //   Lines: key tenant [rpm] [tpm] [max_concurrent]      ('#' starting a word starts a comment, '-' leaves a limit unset)
-// A limit is a positive whole number in decimal digits (JSON: a number; null or absent leaves it unset).
+// A limit is a positive whole number in decimal digits (JSON: a number so written, not 1e3 or 1000.0; null or absent
+// leaves it unset).
 // A JSON field other than these is refused (a misspelt "rmp" would leave its tenant unlimited), and so is one key
 // given to two tenants.
 // Environment (CONDUIT_API_KEYS): "key:tenant,key2:tenant2".
@@ -150,13 +151,54 @@ function lineLimit(raw: string | undefined, what: string, where: string): number
   return value;
 }
 
-/** A limit of the JSON format: a JSON number, or null or absent for none. A string ("-", "60") is refused. */
-function jsonLimit(raw: unknown, what: string, where: string): number | undefined {
+/**
+ * A limit of the JSON format: a JSON number, or null or absent for none. A string ("-", "60") is refused, and so is a
+ * number not written in decimal digits (`spelling`, its text in the file): 1e3, 1000.0 and 10e2 are 1000 to
+ * JSON.parse but are refused by the line format, and by readers that take an integer field as one (Go's encoding/json).
+ */
+function jsonLimit(raw: unknown, what: string, where: string, spelling: string | undefined): number | undefined {
   if (raw === undefined || raw === null) return undefined;
   if (typeof raw !== 'number' || !Number.isSafeInteger(raw) || raw <= 0) {
     throw new KeyConfigError(`${where}: ${what} must be a positive integer, or null for no limit, got ${JSON.stringify(raw)}`);
   }
+  if (spelling !== undefined && !/^[0-9]+$/.test(spelling)) {
+    throw new KeyConfigError(`${where}: ${what} must be a positive integer in decimal digits, or null for no limit, got ${spelling}`);
+  }
   return raw;
+}
+
+/**
+ * The text of each number of a JSON document that JSON.parse accepted, by the path of object keys to it joined with
+ * NUL (an array's elements under ""); a key given twice keeps its last number, as JSON.parse keeps its last value.
+ */
+function jsonNumberSpellings(text: string): Map<string, string> {
+  const spellings = new Map<string, string>();
+  const path: string[] = [];
+  let key: string | undefined;
+  const number = /-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/y;
+  for (let i = 0; i < text.length; i++) {
+    const c = text[i]!;
+    if (c === '"') {
+      const start = i;
+      for (i++; text[i] !== '"'; i++) if (text[i] === '\\') i++;
+      let next = i + 1;
+      while (/\s/.test(text[next] ?? '')) next++;
+      key = text[next] === ':' ? JSON.parse(text.slice(start, i + 1)) as string : undefined;
+    } else if (c === '{' || c === '[') {
+      path.push(key ?? '');
+      key = undefined;
+    } else if (c === '}' || c === ']') {
+      path.pop();
+    } else if (c === ',') {
+      key = undefined;
+    } else if (c === '-' || (c >= '0' && c <= '9')) {
+      number.lastIndex = i;
+      const token = number.exec(text)![0];
+      spellings.set([...path.slice(1), key ?? ''].join('\0'), token);
+      i += token.length - 1;
+    }
+  }
+  return spellings;
 }
 
 function mergeTenant(config: KeyConfig, name: string, tenant: TenantConfig, where: string): void {
@@ -200,6 +242,7 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
   }
   refuseUnknownFields(root, JSON_FIELDS, source);
   const config: KeyConfig = { keys: [], tenants: new Map() };
+  const spellings = jsonNumberSpellings(text);
   root.keys.forEach((entry: unknown, i: number) => {
     const where = `${source} keys[${i}]`;
     if (typeof entry !== 'object' || entry === null || Array.isArray(entry)) throw new KeyConfigError(`${where}: expected an object {"key", "tenant"}`);
@@ -223,11 +266,13 @@ function parseJsonKeys(text: string, source: string): KeyConfig {
       const cacheGroup = spec.cache_group;
       if (cacheGroup !== undefined && typeof cacheGroup !== 'string') throw new KeyConfigError(`${where}: cache_group must be a string`);
       if (spec.admin !== undefined && typeof spec.admin !== 'boolean') throw new KeyConfigError(`${where}: admin must be true or false`);
+      const limit = (field: 'rpm' | 'tpm' | 'max_concurrent'): number | undefined =>
+        jsonLimit(spec[field], field, where, spellings.get(['tenants', name, field].join('\0')));
       mergeTenant(config, name, {
         limits: dropUndefined({
-          requestsPerMinute: jsonLimit(spec.rpm, 'rpm', where),
-          tokensPerMinute: jsonLimit(spec.tpm, 'tpm', where),
-          maxConcurrent: jsonLimit(spec.max_concurrent, 'max_concurrent', where),
+          requestsPerMinute: limit('rpm'),
+          tokensPerMinute: limit('tpm'),
+          maxConcurrent: limit('max_concurrent'),
         }),
         ...(cacheGroup !== undefined ? { cacheGroup } : {}),
         ...(spec.admin === true ? { admin: true } : {}),

@@ -132,8 +132,23 @@ describe('keys file parsing', () => {
       assert.throws(() => parseKeysFile(`{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": ${bad}}}}`, 'k.json'),
         (err: Error) => err instanceof KeyConfigError && err.message === `k.json tenants.acme: rpm must be a positive integer, or null for no limit, got ${JSON.stringify(JSON.parse(bad))}`, bad);
     }
-    const config = parseKeysFile('{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": null, "tpm": 1e3}}}');
+    const config = parseKeysFile('{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": null, "tpm": 1000}}}');
     assert.deepEqual(config.tenants.get('acme')!.limits, { tokensPerMinute: 1000 });
+  });
+
+  it('reads a JSON limit only as decimal digits, as the line format does: 1e3 and 1000.0 are refused, not read as 1000', () => {
+    for (const bad of ['1e3', '1E3', '1000.0', '10e2', '1.0e3', '1e+3', '10000e-1']) {
+      const text = `{"keys": [{"key": "sk-1", "tenant": "acme"}],\n "tenants": {"acme": {"rpm": 60, "tpm": ${bad}, "max_concurrent": 2}}}`;
+      assert.throws(() => parseKeysFile(text, 'k.json'), (err: Error) => err instanceof KeyConfigError
+        && err.message === `k.json tenants.acme: tpm must be a positive integer in decimal digits, or null for no limit, got ${bad}`, bad);
+    }
+    // Found by its tenant and field wherever the file puts them, whatever their names hold.
+    assert.throws(() => parseKeysFile('{"tenants": {"a\\"b": {"admin": false, "max_concurrent": 4e0}, "c": {"rpm": 5}},'
+      + ' "keys": [{"key": "sk-1", "tenant": "a\\"b"}]}', 'k.json'), /^KeyConfigError: k\.json tenants\.a"b: max_concurrent must be .* got 4e0$/);
+    // A key given twice is read as JSON.parse reads it, its last value.
+    assert.throws(() => parseKeysFile('{"keys": [], "tenants": {"acme": {"rpm": 5, "rpm": 5.0}}}', 'k.json'), /rpm must be .* got 5\.0$/);
+    const config = parseKeysFile('{"keys": [{"key": "sk-1", "tenant": "acme"}], "tenants": {"acme": {"rpm": 1e3, "rpm": 60, "tpm": 9007199254740991}}}');
+    assert.deepEqual(config.tenants.get('acme')!.limits, { requestsPerMinute: 60, tokensPerMinute: Number.MAX_SAFE_INTEGER });
   });
 
   it('reads a line file with any line ending: LF, CRLF or CR alone', () => {
