@@ -391,21 +391,38 @@ export function parseSpeedUp(text: string): number {
 }
 
 /**
- * DEFAULT_MAX_CONNECTIONS, or three quarters of the process's open-file limit when that is lower: the rest is for
- * model files, workers and logs. The limit is read from /proc/self/limits (Linux); elsewhere the default stands.
+ * The connections the process's open-file limit has room for: three quarters of its soft limit, the rest being for
+ * model files, workers and logs; undefined when the limit cannot be read (it is read from /proc/self/limits, Linux).
  */
-export function defaultMaxConnections(limitsText?: string): number {
+export function connectionRoom(limitsText?: string): { openFiles: number; connections: number } | undefined {
   let text = limitsText;
   if (text === undefined) {
     try {
       text = readFileSync('/proc/self/limits', 'utf8');
     } catch {
-      return DEFAULT_MAX_CONNECTIONS;
+      return undefined;
     }
   }
   const soft = Number(/^Max open files\s+(\d+)/m.exec(text)?.[1]);
-  if (!Number.isFinite(soft) || soft <= 0) return DEFAULT_MAX_CONNECTIONS;
-  return Math.max(1, Math.min(DEFAULT_MAX_CONNECTIONS, Math.floor(soft * 0.75)));
+  if (!Number.isFinite(soft) || soft <= 0) return undefined;
+  return { openFiles: soft, connections: Math.max(1, Math.floor(soft * 0.75)) };
+}
+
+/** DEFAULT_MAX_CONNECTIONS, or the open-file limit's room for connections (connectionRoom) when that is lower. */
+export function defaultMaxConnections(limitsText?: string): number {
+  return Math.min(DEFAULT_MAX_CONNECTIONS, connectionRoom(limitsText)?.connections ?? DEFAULT_MAX_CONNECTIONS);
+}
+
+/**
+ * A warning for a --max-connections above the open-file limit's room for connections: past it the server runs out of
+ * file descriptors, and a new connection is closed unanswered (or waits in the listen queue) instead of getting the
+ * bound's 503, and /health with it.
+ */
+export function maxConnectionsWarning(maxConnections: number, flag: string, limitsText?: string): string | undefined {
+  const room = connectionRoom(limitsText);
+  if (room === undefined || maxConnections <= room.connections) return undefined;
+  return `${flag} ${maxConnections} is more than the open-file limit (${room.openFiles}) leaves for connections (${room.connections}): `
+    + 'past that, new connections are closed unanswered instead of getting a 503; raise the limit (ulimit -n) or lower it';
 }
 
 /**
@@ -799,6 +816,9 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
   if (!Number.isFinite(workerRestartDelayMs) || workerRestartDelayMs < 0) {
     throw new UsageError(`--worker-restart-delay must be a number of ms >= 0, got ${workerRestartDelayMs}`);
   }
+  const maxConnections = positiveInteger(values['max-connections'], 'max-connections');
+  const connectionsWarning = maxConnections !== undefined ? maxConnectionsWarning(maxConnections, label('max-connections')) : undefined;
+  if (connectionsWarning !== undefined) warnings.push(connectionsWarning);
   const keys = readKeys(values['api-keys-file'], values['api-keys'], values['admin-key'], {
     file: flagLabel(SERVE_FLAGS, parsed, 'api-keys-file'), list: flagLabel(SERVE_FLAGS, parsed, 'api-keys'),
   });
@@ -829,7 +849,7 @@ function serveConfigOf(parsed: ParsedFlags<typeof SERVE_FLAGS>): ServeConfig | '
     },
     maxPendingRequests: positiveInteger(values['max-pending-requests'], 'max-pending-requests')!,
     maxSequencesPerRequest: positiveInteger(values['max-sequences-per-request'], 'max-sequences-per-request')!,
-    maxConnections: positiveInteger(values['max-connections'], 'max-connections') ?? defaultMaxConnections(),
+    maxConnections: maxConnections ?? defaultMaxConnections(),
     headersTimeoutMs: headersTimeout * 1000,
     maxBodyBytes: parseByteSize(values['max-body-bytes']!, 'max-body-bytes'),
     allowedOrigins: parseOrigins(values['allowed-origins']!),

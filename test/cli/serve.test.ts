@@ -4,7 +4,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, describe, it } from 'node:test';
 import { UsageError } from '../../src/cli/flags.ts';
-import { defaultMaxConnections, parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
+import { connectionRoom, defaultMaxConnections, maxConnectionsWarning, parseByteSize, parseServeConfig, startServer, type ServeConfig } from '../../src/cli/serve.ts';
 import { createLogger, silentLogger } from '../../src/util/log.ts';
 import { DEFAULT_SAMPLING, type EngineOutput } from '../../src/engine/types.ts';
 import { DisaggregatedEngine } from '../../src/runtime/disaggregated.ts';
@@ -189,6 +189,24 @@ describe('conduit serve flags', () => {
     assert.equal(defaultMaxConnections(limits(1024)), 768);
     assert.equal(defaultMaxConnections(limits(1048576)), 4096);
     assert.equal(defaultMaxConnections('nothing useful'), 4096);
+  });
+
+  it('warns of a --max-connections the open-file limit has no room for: past it connections are closed unanswered, not given a 503', () => {
+    const limits = (soft: number): string => `Limit                     Soft Limit           Hard Limit           Units\nMax open files            ${soft}                 1048576              files\n`;
+    assert.equal(maxConnectionsWarning(100000, '--max-connections', limits(300)), '--max-connections 100000 is more than the open-file '
+      + 'limit (300) leaves for connections (225): past that, new connections are closed unanswered instead of getting a 503; '
+      + 'raise the limit (ulimit -n) or lower it');
+    assert.equal(maxConnectionsWarning(225, '--max-connections', limits(300)), undefined);
+    assert.equal(maxConnectionsWarning(100000, '--max-connections', 'nothing useful'), undefined, 'no limit known, no warning');
+    // This process's own limit, as `conduit serve` reads it.
+    const room = connectionRoom();
+    if (room === undefined) return;
+    const warned = (c: ServeConfig): string[] => c.warnings?.filter((w) => /leaves for connections/.test(w)) ?? [];
+    assert.deepEqual(warned(config(['--max-connections', String(room.connections)])), []);
+    assert.deepEqual(warned(config([])), [], 'the default fits');
+    assert.match(warned(config(['--max-connections', String(room.connections + 1)]))[0] ?? '',
+      new RegExp(`^--max-connections ${room.connections + 1} is more than the open-file limit \\(${room.openFiles}\\)`));
+    assert.match(warned(config([], { CONDUIT_MAX_CONNECTIONS: '1e9' }))[0] ?? '', /^CONDUIT_MAX_CONNECTIONS \(--max-connections\) 1000000000 is more than/);
   });
 
   it('takes the session header from --session-header or CONDUIT_SESSION_HEADER, lower-cased', () => {
