@@ -220,13 +220,13 @@ function responseId(prefix: 'chatcmpl' | 'cmpl', call: Call, request: Generation
 }
 
 /**
- * OpenAI's "developer" role is the newer name of "system"; templates only know the latter. Content sent as parts goes
+ * The messages as the template takes them. Roles pass as the client sent them, "developer" too, as vLLM passes them
+ * (a template that knows no developer role refuses it, or treats it as its own code says). Content sent as parts goes
  * as parts: the template takes them joined, or as the list when it loops over content (see ContentFormat).
  */
 function templateMessages(messages: readonly ChatMessage[]): TemplateMessage[] {
   return messages.map(({ contentParts, ...message }) => ({
     ...message,
-    role: message.role === 'developer' ? 'system' : message.role,
     ...(contentParts ? { content: contentParts.map((text) => ({ type: 'text' as const, text })) } : {}),
   }));
 }

@@ -15,8 +15,8 @@ import { parseJsonExactNumbers, renderExact } from './template-values.ts';
 // ---------------------------------------------------------------------------------------------------------------
 // Messages
 
-export type ChatRole = 'system' | 'user' | 'assistant' | 'tool';
-const ROLES: ReadonlySet<string> = new Set<ChatRole>(['system', 'user', 'assistant', 'tool']);
+export type ChatRole = 'system' | 'developer' | 'user' | 'assistant' | 'tool';
+const ROLES: ReadonlySet<string> = new Set<ChatRole>(['system', 'developer', 'user', 'assistant', 'tool']);
 
 export interface ChatTextPart { type: 'text'; text: string }
 /** Any other part type (image_url, input_audio ...) is refused: Conduit serves text-only models. */

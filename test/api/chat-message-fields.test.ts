@@ -1,7 +1,7 @@
 // What of a chat message reaches the chat template, read back through /tokenize and /detokenize with a template that
 // prints it: an assistant turn's empty tool_calls is dropped (its content rendered on the plain path, as vLLM does),
 // its reasoning / reasoning_content reach the template under both names, and Responses-style input_text /
-// output_text content parts are text.
+// output_text content parts are text, and a developer message keeps its role.
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -12,6 +12,7 @@ import { rawRequest } from './http-client.ts';
 const E2E = { timeout: 90_000 };
 
 const PROBE = '{% for m in messages %}[{{ m.role }}'
+  + '{% if m.role == "developer" %}|the developer role{% endif %}'
   + '{% if m.tool_calls is defined %}|calls={{ m.tool_calls | length }}{% endif %}'
   + '{% if m.reasoning is defined %}|reasoning={{ m.reasoning }}{% endif %}'
   + '{% if m.reasoning_content is defined %}|reasoning_content={{ m.reasoning_content }}{% endif %}'
@@ -69,5 +70,18 @@ describe('chat message fields as the template sees them', () => {
       messages: [{ role: 'user', content: [{ type: 'input_text', text: 'Hello' }] as never }],
     });
     assert.equal(response.choices.length, 1);
+  });
+
+  it('a developer message reaches the template with its own role, as vLLM passes it, on chat and /v1/responses', E2E, async () => {
+    // It used to be renamed "system", so a template could not tell the two apart.
+    const developer = [{ role: 'developer', content: 'Be terse.' }, { role: 'user', content: 'hi' }];
+    assert.equal(await render(developer), '[developer|the developer role|Be terse.]\n[user|hi]\n');
+    const count = async (messages: unknown[]): Promise<number> =>
+      (await rawRequest(server.url, { path: '/tokenize', body: { messages } })).json().count as number;
+    const asDeveloper = await count(developer);
+    assert.notEqual(asDeveloper, await count([{ role: 'system', content: 'Be terse.' }, { role: 'user', content: 'hi' }]));
+    const response = await rawRequest(server.url, { path: '/v1/responses', body: { input: developer, max_output_tokens: 1 } });
+    assert.equal(response.status, 200, response.text);
+    assert.equal(response.json().usage.input_tokens, asDeveloper);
   });
 });
