@@ -318,9 +318,9 @@ export class ChatTemplate {
 /**
  * What templates expect: content as one string (text parts joined with "\n"; null or missing becomes ""), or for a
  * template that loops over content the list of text parts (see ContentFormat), and tool
- * call arguments as objects (templates write them with `| tojson`; a string that is not JSON is left as it is), their
- * numbers printing as the client wrote them, as Python's json reads them (see template-values.ts); empty arguments
- * ("" or "null") are {}, as vLLM passes them.
+ * call arguments as objects (templates write them with `| tojson`), their numbers printing as the client wrote them,
+ * as Python's json reads them (see template-values.ts); empty arguments ("" or "null") and a string that is not JSON
+ * are {}, as vLLM passes them.
  */
 export function normalizeMessages(messages: readonly ChatMessage[], format: ContentFormat = 'string'): Record<string, unknown>[] {
   if (!Array.isArray(messages as unknown)) {
@@ -371,12 +371,14 @@ function contentParts(content: ChatMessage['content']): ChatTextPart[] {
 
 function parseArguments(value: unknown): unknown {
   if (typeof value !== 'string') return value;
-  // vLLM hands templates {} for arguments "" (a call without parameters, as some clients send it) and "null".
+  // vLLM hands templates {} for arguments "" (a call without parameters, as some clients send it) and "null", and for
+  // text that is not JSON: a call the model cut off (at max_tokens) stays in the conversation the client replays, and
+  // a template that walks the arguments' items would refuse every later turn, as the raw string it was before.
   if (value.trim() === '') return {};
   try {
     return parseJsonExactNumbers(value) ?? {};
   } catch {
-    return value;
+    return {};
   }
 }
 

@@ -106,6 +106,21 @@ describe('chat templates: tools and named templates', () => {
     assert.equal(template.render([{ role: 'user', content: 'x' }]), 'user=x|');
   });
 
+  it('gives templates {} for arguments that are not JSON, as vLLM does', () => {
+    // A call cut off at max_tokens, replayed by the client: Qwen3-Coder's template walks the arguments' items, which a
+    // string has not, so every later turn of the conversation was refused.
+    const template = new ChatTemplate({ templates: '{% for message in messages %}{% for call in message.tool_calls or [] %}' +
+      '<{{ call.function.name }} {{ call.function.arguments | tojson }}>' +
+      '{% for name, value in call.function.arguments | items %}<parameter={{ name }}>{{ value }}{% endfor %}' +
+      '{% endfor %}{% endfor %}' });
+    const call = (args: string): ChatMessage[] => [{ role: 'assistant', content: null, tool_calls: [{ id: 'c1',
+      type: 'function', function: { name: 'write', arguments: args } }] }];
+    // What transformers renders after vLLM's parsing (json.loads, {} when it fails).
+    assert.equal(template.render(call('{"path": "a.txt", "text": "unfinished'), { addGenerationPrompt: false }), '<write {}>');
+    assert.equal(template.render(call('not json'), { addGenerationPrompt: false }), '<write {}>');
+    assert.equal(template.render(call('{"path": "a.txt"}'), { addGenerationPrompt: false }), '<write {"path": "a.txt"}><parameter=path>a.txt');
+  });
+
   it('takes the list form of tokenizer_config and picks tool_use when tools are given', () => {
     const template = chatTemplateFromConfig({
       chat_template: [{ name: 'default', template: 'plain:{{ messages[0].content }}' },
