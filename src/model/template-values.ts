@@ -150,28 +150,122 @@ function holdsExactValues(value: unknown): boolean {
   return false;
 }
 
-interface FilterNode { type: string; value?: string; callee?: { type: string; value?: string } }
+// ---------------------------------------------------------------------------------------------------------------
+// Printing values as Python prints them
+//
+// Jinja writes a value with Python's str(): in {{ }}, with | string, ~ and join. The library writes JavaScript's
+// text instead: JSON for a list or dict ({"a": 1, "b": true}, where Python writes {'a': 1, 'b': True}), true and
+// false, nothing for none (Python: None), 1e16 as 10000000000000000.0 (Python: 1e+16).
+
+interface RuntimeValue { type: string; value: unknown; toString(): string }
+
+/** Python's str() of a runtime value (an undefined value is "", as Jinja's Undefined prints). */
+export function pythonStr(value: RuntimeValue): string {
+  if (value.type === 'StringValue') return value.value as string;
+  if (value.type === 'UndefinedValue') return '';
+  return pythonRepr(value);
+}
+
+/** Python's repr() of a runtime value: how str() of a list or dict writes its items. */
+function pythonRepr(value: RuntimeValue): string {
+  switch (value.type) {
+    case 'StringValue': return pythonStringRepr(value.value as string);
+    case 'BooleanValue': return value.value ? 'True' : 'False';
+    case 'NullValue': return 'None';
+    case 'UndefinedValue': return 'Undefined';
+    case 'IntegerValue': return isExact(value) ? value.number.text : pythonIntegerText(value.value as number);
+    case 'FloatValue': return isExact(value) ? value.number.text : pythonFloatStr(value.value as number);
+    case 'ArrayValue': return `[${(value.value as RuntimeValue[]).map(pythonRepr).join(', ')}]`;
+    case 'TupleValue': {
+      const items = (value.value as RuntimeValue[]).map(pythonRepr);
+      return items.length === 1 ? `(${items[0]},)` : `(${items.join(', ')})`;
+    }
+    case 'ObjectValue':
+      return `{${[...(value.value as Map<string, RuntimeValue>)].map(([key, item]) => `${pythonStringRepr(key)}: ${pythonRepr(item)}`).join(', ')}}`;
+    default: return value.toString();
+  }
+}
+
+function pythonIntegerText(value: number): string {
+  return Number.isFinite(value) && !Number.isSafeInteger(value) ? BigInt(value).toString() : String(value);
+}
+
+/** str() of a float: repr's digits, with inf and nan as Python names them (json.dumps writes Infinity, NaN). */
+function pythonFloatStr(value: number): string {
+  if (Number.isNaN(value)) return 'nan';
+  if (!Number.isFinite(value)) return value > 0 ? 'inf' : '-inf';
+  return pythonFloatText(value);
+}
+
+/** Characters Python's repr() escapes (str.isprintable is false): controls, format, separators but the space. */
+const NOT_PRINTABLE = /^(?! )[\p{C}\p{Z}]$/u;
+
+/** Python's repr() of a str: single quotes unless the text has one and no double quote, and its escapes. */
+function pythonStringRepr(text: string): string {
+  const quote = text.includes("'") && !text.includes('"') ? '"' : "'";
+  let out = quote;
+  for (const char of text) {
+    if (char === quote || char === '\\') out += `\\${char}`;
+    else if (char === '\n') out += '\\n';
+    else if (char === '\r') out += '\\r';
+    else if (char === '\t') out += '\\t';
+    else if (NOT_PRINTABLE.test(char)) {
+      const code = char.codePointAt(0)!;
+      out += code < 0x100 ? `\\x${hex(code, 2)}` : code < 0x10000 ? `\\u${hex(code, 4)}` : `\\U${hex(code, 8)}`;
+    } else out += char;
+  }
+  return out + quote;
+}
+
+const hex = (code: number, digits: number): string => code.toString(16).padStart(digits, '0');
+
+interface FilterNode { type: string; value?: string; callee?: { type: string; value?: string }; args?: unknown[] }
 interface BinaryNode { type: string; operator: { value: string }; left: unknown; right: unknown }
 type ApplyFilter = (operand: unknown, filter: FilterNode, environment: Environment) => { value: unknown };
 type EvaluateBinary = (node: BinaryNode, environment: Environment) => unknown;
-type Evaluate = (node: unknown, environment: Environment) => { type: string; value: unknown };
+type Evaluate = (node: unknown, environment: Environment) => RuntimeValue;
+type EvaluateBlock = (statements: { type: string }[], environment: Environment) => unknown;
+type EvaluateArguments = (args: unknown[], environment: Environment) => [RuntimeValue[], Map<string, RuntimeValue>];
+
+/** Statements that write nothing: their none is no output, where an expression's none prints "None". */
+const SILENT_STATEMENTS: ReadonlySet<string> = new Set(['Set', 'Macro', 'Comment', 'If', 'For']);
 
 /**
- * The library's interpreter, with exact numbers written as their text where it would write a double:
+ * The library's interpreter, writing values as Python's Jinja writes them:
+ * - what a template prints, `| string`, `~` and `join` are Python's str() of the values (see pythonStr), exact
+ *   numbers as their text;
  * - `tojson`: the operand is serialized by the library with each exact number replaced by a string mark (so indent,
  *   separators, sort_keys and ensure_ascii work as they do), and the quoted marks are then replaced by the text;
- * - `~`, and `+` with a string: the library joins the operands' raw values.
+ * - `+` with a string: the library joins the operands' raw values.
  */
 class ExactNumberInterpreter extends Interpreter {
   constructor(env: Environment) {
     super(env);
     const prototype = Interpreter.prototype as unknown as {
-      applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluate: Evaluate;
+      applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluate: Evaluate; evaluateArguments: EvaluateArguments;
     };
-    const self = this as unknown as { applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary };
+    const self = this as unknown as { applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluateBlock: EvaluateBlock };
+    self.evaluateBlock = (statements, environment) => {
+      let result = '';
+      for (const statement of statements) {
+        const value = prototype.evaluate.call(this, statement, environment);
+        if (SILENT_STATEMENTS.has(statement.type) && (value.type === 'NullValue' || value.type === 'UndefinedValue')) continue;
+        result += pythonStr(value);
+      }
+      return new StringValue(result);
+    };
     self.applyFilter = (operand, filter, environment) => {
       const name = filter.type === 'Identifier' ? filter.value
         : filter.type === 'CallExpression' && filter.callee?.type === 'Identifier' ? filter.callee.value : undefined;
+      const value = operand as RuntimeValue;
+      if (name === 'string' && filter.type === 'Identifier') return new StringValue(pythonStr(value));
+      if (name === 'join' && value.type === 'ArrayValue') {
+        const [args, kwargs] = filter.type === 'CallExpression' ? prototype.evaluateArguments.call(this, filter.args ?? [], environment) : [[], new Map()];
+        const separator = args[0] ?? kwargs.get('d') ?? kwargs.get('separator');
+        if (!kwargs.has('attribute') && (separator === undefined || separator.type === 'StringValue')) {
+          return new StringValue((value.value as RuntimeValue[]).map(pythonStr).join((separator?.value as string | undefined) ?? ''));
+        }
+      }
       if (name !== 'tojson' || !holdsExactValues(operand)) return prototype.applyFilter.call(this, operand, filter, environment);
       const marks = new Map<string, string>();
       const json = prototype.applyFilter.call(this, markExactNumbers(operand, marks), filter, environment).value as string;
@@ -184,9 +278,9 @@ class ExactNumberInterpreter extends Interpreter {
       if (operator !== '~' && operator !== '+') return prototype.evaluateBinaryExpression.call(this, node, environment);
       const left = prototype.evaluate.call(this, node.left, environment);
       const right = prototype.evaluate.call(this, node.right, environment);
-      const joins = operator === '~' ? JOINABLE.has(left.type) && JOINABLE.has(right.type)
-        : (left.type === 'StringValue' && isExact(right)) || (isExact(left) && right.type === 'StringValue');
-      if (joins && (isExact(left) || isExact(right))) return new StringValue(joinedText(left) + joinedText(right));
+      if (operator === '~') return new StringValue(pythonStr(left) + pythonStr(right));
+      const joins = (left.type === 'StringValue' && isExact(right)) || (isExact(left) && right.type === 'StringValue');
+      if (joins) return new StringValue(joinedText(left) + joinedText(right));
       // The library's own operation, on the operands already evaluated (evaluating them again would repeat calls).
       const operands = new Environment(environment);
       declare(operands, '__left', left);
@@ -201,9 +295,6 @@ class ExactNumberInterpreter extends Interpreter {
 function declare(env: Environment, name: string, value: unknown): void {
   (env as unknown as { declareVariable(name: string, value: unknown): unknown }).declareVariable(name, value);
 }
-
-/** Operand types `~` joins (undefined and none it refuses, as the library does). */
-const JOINABLE: ReadonlySet<string> = new Set(['IntegerValue', 'FloatValue', 'StringValue', 'BooleanValue']);
 
 function joinedText(value: { value: unknown }): string {
   return isExact(value) ? value.number.text : String(value.value);

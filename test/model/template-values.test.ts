@@ -34,16 +34,36 @@ describe('numbers in template values', () => {
   it('still compares and computes with them as numbers', () => {
     const args = '{"t": 1.0, "k": 3, "id": 1234567890123456789}';
     assert.equal(render('{{ a.t + 1 }} {{ a.k * 2 }} {{ a.k > 2 }} {{ a.k == 3 }} {{ a.t is integer }} {{ a.k is integer }} {{ a.id is number }}', args),
-      '2.0 6 true true false true true');
+      '2.0 6 True True False True True');
     // Arguments that are not JSON are {}, as vLLM passes them.
     assert.equal(render('{{ a | tojson }}', '{"unclosed": 1'), '{}');
+  });
+});
+
+describe("values printed as Python's Jinja prints them", () => {
+  // The expected texts are what Jinja2 renders from the same template and values (as transformers does for vLLM).
+  const args = '{"a": 1, "b": [1.0, "x", true, null], "c": {"d": "it\'s"}}';
+
+  it("writes lists and dicts as Python's str(), in {{ }}, | string, ~ and join", () => {
+    // They were JSON: {"a": 1, "b": [1, "x", true, null], ...}.
+    assert.equal(render('{{ a }}|{{ a.b }}|{{ a | string }}|{{ a.c ~ "!" }}|{{ a.b | join(",") }}', args),
+      `{'a': 1, 'b': [1.0, 'x', True, None], 'c': {'d': "it's"}}|[1.0, 'x', True, None]|` +
+      `{'a': 1, 'b': [1.0, 'x', True, None], 'c': {'d': "it's"}}|{'d': "it's"}!|1.0,x,True,None`);
+  });
+
+  it('writes booleans and none as Python does, and strings in containers with their repr() escapes', () => {
+    assert.equal(render('{{ true }}|{{ none }}|{{ undefined_var }}|{{ "a" ~ false ~ none }}|{{ (1, "x") }}|' +
+      '{{ [none, 1.0 * 10000000000000000, "x\\ny", "\u00a0é"] }}', '{}'),
+      "True|None||aFalseNone|(1, 'x')|[None, 1e+16, 'x\\ny', '\\xa0é']");
+    // A statement's none writes nothing; an expression's writes None.
+    assert.equal(render('{% set x = none %}{% if x is none %}n{% endif %}{{ x }}', '{}'), 'nNone');
   });
 });
 
 describe('empty tool-call arguments', () => {
   it('reach the template as an empty object, as vLLM passes "" and "null"', () => {
     for (const args of ['', 'null']) {
-      assert.equal(render('{{ a | tojson }}|{{ a is mapping }}', args), '{}|true', JSON.stringify(args));
+      assert.equal(render('{{ a | tojson }}|{{ a is mapping }}', args), '{}|True', JSON.stringify(args));
     }
   });
 });
