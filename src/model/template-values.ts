@@ -96,6 +96,7 @@ const FloatValue = runtimeClass(1.5, 'FloatValue');
 const StringValue = runtimeClass('', 'StringValue');
 const ArrayValue = runtimeClass([], 'ArrayValue');
 const ObjectValue = runtimeClass({}, 'ObjectValue');
+const FunctionValue = runtimeClass(() => undefined, 'FunctionValue');
 
 /** A number that prints the text it was written with (the nearest double stays its value for arithmetic). */
 class ExactIntegerValue extends IntegerValue {
@@ -219,11 +220,38 @@ function pythonStringRepr(text: string): string {
 
 const hex = (code: number, digits: number): string => code.toString(16).padStart(digits, '0');
 
+/** Python's whitespace, what str.strip() takes off (JavaScript's trim() takes U+FEFF too, and not U+001C-U+001F, U+0085). */
+const PYTHON_WHITESPACE = new Set([...'\t\n\v\f\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000',
+  ...Array.from({ length: 11 }, (_, i) => String.fromCharCode(0x2000 + i))]);
+
+/** Python's str.strip / lstrip / rstrip: whitespace, or the characters of `chars`, off the chosen ends. */
+function pythonStrip(text: string, chars: string | undefined, ends: 'strip' | 'lstrip' | 'rstrip'): string {
+  const strips = chars === undefined ? PYTHON_WHITESPACE : new Set(chars);
+  const characters = [...text];
+  let start = 0;
+  let end = characters.length;
+  if (ends !== 'rstrip') while (start < end && strips.has(characters[start]!)) start++;
+  if (ends !== 'lstrip') while (end > start && strips.has(characters[end - 1]!)) end--;
+  return characters.slice(start, end).join('');
+}
+
+/** The characters argument of a strip: none given (or none) is whitespace; anything but a string is refused. */
+function stripCharacters(args: RuntimeValue[], kwargs: Map<string, RuntimeValue>, name: string): string | undefined {
+  const chars = args[0] ?? kwargs.get('chars');
+  if (chars === undefined || chars.type === 'NullValue' || chars.type === 'UndefinedValue') return undefined;
+  if (chars.type !== 'StringValue') throw new Error(`${name}() takes a string of characters, got ${chars.type}`);
+  return chars.value as string;
+}
+
+const STRIP_METHODS: ReadonlySet<string> = new Set(['strip', 'lstrip', 'rstrip']);
+
 interface FilterNode { type: string; value?: string; callee?: { type: string; value?: string }; args?: unknown[] }
 interface BinaryNode { type: string; operator: { value: string }; left: unknown; right: unknown }
 type ApplyFilter = (operand: unknown, filter: FilterNode, environment: Environment) => { value: unknown };
 type EvaluateBinary = (node: BinaryNode, environment: Environment) => unknown;
 type Evaluate = (node: unknown, environment: Environment) => RuntimeValue;
+interface MemberNode { type: string; object: unknown; property: { type: string; value?: unknown }; computed: boolean }
+type EvaluateMember = (node: MemberNode, environment: Environment) => unknown;
 type EvaluateBlock = (statements: { type: string }[], environment: Environment) => unknown;
 type EvaluateArguments = (args: unknown[], environment: Environment) => [RuntimeValue[], Map<string, RuntimeValue>];
 
@@ -243,8 +271,29 @@ class ExactNumberInterpreter extends Interpreter {
     super(env);
     const prototype = Interpreter.prototype as unknown as {
       applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluate: Evaluate; evaluateArguments: EvaluateArguments;
+      evaluateMemberExpression: EvaluateMember;
     };
-    const self = this as unknown as { applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluateBlock: EvaluateBlock };
+    const self = this as unknown as {
+      applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluateBlock: EvaluateBlock; evaluateMemberExpression: EvaluateMember;
+    };
+    const filterArguments = (filter: FilterNode, environment: Environment): [RuntimeValue[], Map<string, RuntimeValue>] =>
+      filter.type === 'CallExpression' ? prototype.evaluateArguments.call(this, filter.args ?? [], environment) : [[], new Map()];
+    // A string's strip, lstrip and rstrip methods, as Python's.
+    self.evaluateMemberExpression = (node, environment) => {
+      const method = !node.computed && node.property.type === 'Identifier' ? node.property.value as string : undefined;
+      if (method === undefined || !STRIP_METHODS.has(method)) return prototype.evaluateMemberExpression.call(this, node, environment);
+      const object = prototype.evaluate.call(this, node.object, environment);
+      if (object.type === 'StringValue') {
+        return new FunctionValue((args: RuntimeValue[]) => {
+          const kwargs = args.at(-1)?.type === 'KeywordArgumentsValue' ? args.pop()!.value as Map<string, RuntimeValue> : new Map();
+          return new StringValue(pythonStrip(object.value as string, stripCharacters(args, kwargs, method), method as 'strip'));
+        });
+      }
+      // The library's own lookup, on the object already evaluated.
+      const scope = new Environment(environment);
+      declare(scope, '__object', object);
+      return prototype.evaluateMemberExpression.call(this, { ...node, object: { type: 'Identifier', value: '__object' } }, scope);
+    };
     self.evaluateBlock = (statements, environment) => {
       let result = '';
       for (const statement of statements) {
@@ -259,8 +308,12 @@ class ExactNumberInterpreter extends Interpreter {
         : filter.type === 'CallExpression' && filter.callee?.type === 'Identifier' ? filter.callee.value : undefined;
       const value = operand as RuntimeValue;
       if (name === 'string' && filter.type === 'Identifier') return new StringValue(pythonStr(value));
+      if (name === 'trim' && value.type === 'StringValue') {
+        const [args, kwargs] = filterArguments(filter, environment);
+        return new StringValue(pythonStrip(value.value as string, stripCharacters(args, kwargs, 'trim'), 'strip'));
+      }
       if (name === 'join' && value.type === 'ArrayValue') {
-        const [args, kwargs] = filter.type === 'CallExpression' ? prototype.evaluateArguments.call(this, filter.args ?? [], environment) : [[], new Map()];
+        const [args, kwargs] = filterArguments(filter, environment);
         const separator = args[0] ?? kwargs.get('d') ?? kwargs.get('separator');
         if (!kwargs.has('attribute') && (separator === undefined || separator.type === 'StringValue')) {
           return new StringValue((value.value as RuntimeValue[]).map(pythonStr).join((separator?.value as string | undefined) ?? ''));

@@ -60,6 +60,15 @@ describe("values printed as Python's Jinja prints them", () => {
   });
 });
 
+describe("trim and strip take off Python's whitespace, or the characters given", () => {
+  it('as str.strip() does', () => {
+    // JavaScript's trim() took U+FEFF off and left U+001F and U+0085 on; trim("xy") and strip("-") were refused.
+    assert.equal(render('{{ "\\x1f\\x85 a \\ufeff" | trim }}|{{ " \\u3000a\\u2003" | trim }}|{{ "xxhixy" | trim("xy") }}|' +
+      '{{ "  a  ".strip() }}|{{ "--a--".lstrip("-") }}|{{ "--a--".rstrip("-") }}|{{ "\\x85b\\x1c".strip() }}|{{ "Ab".upper() }}', '{}'),
+    'a \ufeff|a|hi|a|a--|--a|b|AB');
+  });
+});
+
 describe('empty tool-call arguments', () => {
   it('reach the template as an empty object, as vLLM passes "" and "null"', () => {
     for (const args of ['', 'null']) {
