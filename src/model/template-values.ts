@@ -125,32 +125,6 @@ function toRuntimeValue(value: unknown): unknown {
   return new ObjectValue(new Map(Object.entries(value as object).map(([key, item]) => [key, toRuntimeValue(item)])));
 }
 
-/** Replaces the exact numbers in a runtime value by marks, noting which mark is which number's text. */
-function markExactNumbers(value: unknown, marks: Map<string, string>): unknown {
-  if (isExact(value)) {
-    const mark = `${NUMBER_MARK}${marks.size}`;
-    marks.set(JSON.stringify(mark), value.number.text);
-    return new StringValue(mark);
-  }
-  if (value instanceof ArrayValue) {
-    const items = value.value as unknown[];
-    return items.some(holdsExactValues) ? new ArrayValue(items.map((item) => markExactNumbers(item, marks))) : value;
-  }
-  if (value instanceof ObjectValue && value.type === 'ObjectValue') {
-    const entries = value.value as Map<string, unknown>;
-    if (![...entries.values()].some(holdsExactValues)) return value;
-    return new ObjectValue(new Map([...entries].map(([key, item]) => [key, markExactNumbers(item, marks)])));
-  }
-  return value;
-}
-
-function holdsExactValues(value: unknown): boolean {
-  if (isExact(value)) return true;
-  if (value instanceof ArrayValue) return (value.value as unknown[]).some(holdsExactValues);
-  if (value instanceof ObjectValue) return [...(value.value as Map<string, unknown>).values()].some(holdsExactValues);
-  return false;
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Printing values as Python prints them
 //
@@ -245,6 +219,86 @@ function stripCharacters(args: RuntimeValue[], kwargs: Map<string, RuntimeValue>
 
 const STRIP_METHODS: ReadonlySet<string> = new Set(['strip', 'lstrip', 'rstrip']);
 
+/** json.dumps' options, as transformers' tojson filter passes them. */
+interface JsonOptions { ensureAscii: boolean; indent: string | undefined; itemSeparator: string; keySeparator: string; sortKeys: boolean }
+
+/** tojson's arguments, in transformers' order: tojson(ensure_ascii=False, indent=None, separators=None, sort_keys=False). */
+function jsonOptions(args: RuntimeValue[], kwargs: Map<string, RuntimeValue>): JsonOptions {
+  const argument = (position: number, name: string): RuntimeValue | undefined => {
+    const value = args[position] ?? kwargs.get(name);
+    return value === undefined || value.type === 'NullValue' || value.type === 'UndefinedValue' ? undefined : value;
+  };
+  const indentValue = argument(1, 'indent');
+  let indent: string | undefined;
+  if (indentValue?.type === 'IntegerValue') indent = ' '.repeat(Math.max(0, indentValue.value as number));
+  else if (indentValue?.type === 'StringValue') indent = indentValue.value as string;
+  else if (indentValue !== undefined) throw new Error(`tojson indent must be a number or a string, got ${indentValue.type}`);
+  const separators = argument(2, 'separators');
+  let [itemSeparator, keySeparator] = [indent === undefined ? ', ' : ',', ': '];
+  if (separators !== undefined) {
+    const pair = separators.value as RuntimeValue[];
+    if (!Array.isArray(pair) || pair.length !== 2 || pair.some((item) => item.type !== 'StringValue')) {
+      throw new Error('tojson separators must be a pair of strings');
+    }
+    [itemSeparator, keySeparator] = pair.map((item) => item.value as string) as [string, string];
+  }
+  const truthy = (value: RuntimeValue | undefined): boolean =>
+    value !== undefined && !!(value as unknown as { __bool__(): { value: boolean } }).__bool__().value;
+  return { ensureAscii: truthy(argument(0, 'ensure_ascii')), indent, itemSeparator, keySeparator, sortKeys: truthy(argument(3, 'sort_keys')) };
+}
+
+/** Python's order of str keys: by code point (JavaScript's < compares UTF-16 units, the library's localeCompare letters). */
+function compareCodePoints(a: string, b: string): number {
+  const left = [...a];
+  const right = [...b];
+  for (let i = 0; i < Math.min(left.length, right.length); i++) {
+    const difference = left[i]!.codePointAt(0)! - right[i]!.codePointAt(0)!;
+    if (difference !== 0) return difference;
+  }
+  return left.length - right.length;
+}
+
+function jsonString(text: string, ensureAscii: boolean): string {
+  const json = JSON.stringify(text);
+  return ensureAscii ? json.replace(/[^\x20-\x7e]/g, (char) => `\\u${hex(char.charCodeAt(0), 4)}`) : json;
+}
+
+/**
+ * Python's json.dumps of a runtime value, as transformers' tojson filter calls it: floats as repr() writes them (1.0,
+ * 1e+16, Infinity), exact numbers as their text, keys sorted by code point, Python's indent and separators. An
+ * undefined value is null, as the library writes it (vLLM's tools hold None where a field was not sent).
+ */
+function pythonJson(value: RuntimeValue, options: JsonOptions, level = 0): string {
+  switch (value.type) {
+    case 'NullValue':
+    case 'UndefinedValue':
+      return 'null';
+    case 'BooleanValue': return value.value ? 'true' : 'false';
+    case 'IntegerValue': return isExact(value) ? value.number.text : pythonIntegerText(value.value as number);
+    case 'FloatValue': return isExact(value) ? value.number.text : pythonFloatText(value.value as number);
+    case 'StringValue': return jsonString(value.value as string, options.ensureAscii);
+    case 'ArrayValue':
+    case 'TupleValue':
+      return jsonContainer('[', ']', (value.value as RuntimeValue[]).map((item) => pythonJson(item, options, level + 1)), options, level);
+    case 'ObjectValue':
+    case 'NamespaceValue': {
+      let entries = [...(value.value as Map<string, RuntimeValue>)];
+      if (options.sortKeys) entries = entries.sort(([a], [b]) => compareCodePoints(a, b));
+      return jsonContainer('{', '}', entries.map(([key, item]) =>
+        `${jsonString(key, options.ensureAscii)}${options.keySeparator}${pythonJson(item, options, level + 1)}`), options, level);
+    }
+    default:
+      throw new Error(`Object of type ${value.type} is not JSON serializable`);
+  }
+}
+
+function jsonContainer(open: string, close: string, items: string[], options: JsonOptions, level: number): string {
+  if (items.length === 0) return open + close;
+  if (options.indent === undefined) return open + items.join(options.itemSeparator) + close;
+  const inner = `\n${options.indent.repeat(level + 1)}`;
+  return `${open}${inner}${items.join(options.itemSeparator + inner)}\n${options.indent.repeat(level)}${close}`;
+}
+
 interface FilterNode { type: string; value?: string; callee?: { type: string; value?: string }; args?: unknown[] }
 interface BinaryNode { type: string; operator: { value: string }; left: unknown; right: unknown }
 type ApplyFilter = (operand: unknown, filter: FilterNode, environment: Environment) => { value: unknown };
@@ -262,8 +316,8 @@ const SILENT_STATEMENTS: ReadonlySet<string> = new Set(['Set', 'Macro', 'Comment
  * The library's interpreter, writing values as Python's Jinja writes them:
  * - what a template prints, `| string`, `~` and `join` are Python's str() of the values (see pythonStr), exact
  *   numbers as their text;
- * - `tojson`: the operand is serialized by the library with each exact number replaced by a string mark (so indent,
- *   separators, sort_keys and ensure_ascii work as they do), and the quoted marks are then replaced by the text;
+ * - `tojson` is Python's json.dumps with transformers' options (see pythonJson);
+ * - a string's trim filter and strip methods take off what Python's would (see pythonStrip);
  * - `+` with a string: the library joins the operands' raw values.
  */
 class ExactNumberInterpreter extends Interpreter {
@@ -319,12 +373,11 @@ class ExactNumberInterpreter extends Interpreter {
           return new StringValue((value.value as RuntimeValue[]).map(pythonStr).join((separator?.value as string | undefined) ?? ''));
         }
       }
-      if (name !== 'tojson' || !holdsExactValues(operand)) return prototype.applyFilter.call(this, operand, filter, environment);
-      const marks = new Map<string, string>();
-      const json = prototype.applyFilter.call(this, markExactNumbers(operand, marks), filter, environment).value as string;
-      let exact = json;
-      for (const [quotedMark, text] of marks) exact = exact.replace(quotedMark, text);
-      return new StringValue(exact);
+      if (name === 'tojson') {
+        const [args, kwargs] = filterArguments(filter, environment);
+        return new StringValue(pythonJson(value, jsonOptions(args, kwargs)));
+      }
+      return prototype.applyFilter.call(this, operand, filter, environment);
     };
     self.evaluateBinaryExpression = (node, environment) => {
       const operator = node.operator.value;

@@ -69,6 +69,18 @@ describe("trim and strip take off Python's whitespace, or the characters given",
   });
 });
 
+describe("tojson is transformers' json.dumps", () => {
+  it('sorts keys by code point, and writes floats, indents and separators as Python does', () => {
+    // sort_keys put "_" and "a" before "B" (localeCompare); floats the template computed were JavaScript's (1, 10000000000000000).
+    assert.equal(render('{{ {"b": 1, "B": 2, "_": 3, "a": [], "é": {}, "😀": 1, "\uffff": 2} | tojson(sort_keys=true) }}', '{}'),
+      '{"B": 2, "_": 3, "a": [], "b": 1, "é": {}, "\uffff": 2, "😀": 1}');
+    assert.equal(render('{{ [1.0 * 10000000000000000, 2.5, 1.0, 3, true, none] | tojson }}|{{ ["é😀"] | tojson(ensure_ascii=true) }}', '{}'),
+      '[1e+16, 2.5, 1.0, 3, true, null]|["\\u00e9\\ud83d\\ude00"]');
+    assert.equal(render('{{ {"a": [1, {"b": []}]} | tojson(indent=0) }}|{{ {"a": [1, 2]} | tojson(indent="\t", separators=(", ", ": ")) }}', '{}'),
+      '{\n"a": [\n1,\n{\n"b": []\n}\n]\n}|{\n\t"a": [\n\t\t1, \n\t\t2\n\t]\n}');
+  });
+});
+
 describe('empty tool-call arguments', () => {
   it('reach the template as an empty object, as vLLM passes "" and "null"', () => {
     for (const args of ['', 'null']) {
