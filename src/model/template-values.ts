@@ -299,6 +299,97 @@ function jsonContainer(open: string, close: string, items: string[], options: Js
   return `${open}${inner}${items.join(options.itemSeparator + inner)}\n${options.indent.repeat(level)}${close}`;
 }
 
+/** One conversion of printf-style formatting: %[(key)][flags][width][.precision]type. */
+const CONVERSION = /%(?:\(([^)]*)\))?([-+ #0]*)(\d+)?(?:\.(\d+))?(.)?/g;
+
+/**
+ * Python's `format % values` (printf-style formatting, which Jinja templates write as `'%s' % x`): the conversions
+ * s, r, d, i, u, f, F, x, X, o and %, with flags, width and precision; values a tuple, one value, or a dict for
+ * %(key)s. Others are refused, as Python refuses what it does not know.
+ */
+function pythonPercentFormat(format: string, values: RuntimeValue): string {
+  const positional = values.type === 'TupleValue' ? [...values.value as RuntimeValue[]] : [values];
+  const mapping = values.type === 'ObjectValue' ? values.value as Map<string, RuntimeValue> : undefined;
+  let used = 0;
+  let usedMapping = false;
+  const text = format.replace(CONVERSION, (_match, key: string | undefined, flags: string, width: string | undefined,
+    precisionText: string | undefined, type: string | undefined) => {
+    if (type === undefined) throw new Error('incomplete format');
+    if (type === '%' && key === undefined) return '%';
+    let value: RuntimeValue | undefined;
+    if (key !== undefined) {
+      if (mapping === undefined) throw new Error('format requires a mapping');
+      value = mapping.get(key);
+      if (value === undefined) throw new Error(`KeyError: ${pythonStringRepr(key)}`);
+      usedMapping = true;
+    } else {
+      value = positional[used++];
+      if (value === undefined) throw new Error('not enough arguments for format string');
+    }
+    const precision = precisionText === undefined ? undefined : Number(precisionText);
+    let body: string;
+    let sign = '';
+    const number = (): number => {
+      if (value!.type === 'BooleanValue') return value!.value ? 1 : 0;
+      if (value!.type !== 'IntegerValue' && value!.type !== 'FloatValue') {
+        throw new Error(`%${type} format: a real number is required, not ${value!.type}`);
+      }
+      return value!.value as number;
+    };
+    switch (type) {
+      case 's': body = pythonStr(value); break;
+      case 'r': body = pythonRepr(value); break;
+      case 'd': case 'i': case 'u': {
+        const n = isExact(value) && value.number.isInteger ? BigInt(value.number.text) : BigInt(Math.trunc(number()));
+        sign = n < 0n ? '-' : '';
+        body = (n < 0n ? -n : n).toString();
+        if (precision !== undefined) body = body.padStart(precision, '0');
+        break;
+      }
+      case 'x': case 'X': case 'o': {
+        if (value.type === 'FloatValue') throw new Error(`%${type} format: an integer is required, not float`);
+        const n = BigInt(number());
+        sign = n < 0n ? '-' : '';
+        body = (n < 0n ? -n : n).toString(type === 'o' ? 8 : 16);
+        if (type === 'X') body = body.toUpperCase();
+        if (flags.includes('#')) body = (type === 'o' ? '0o' : type === 'x' ? '0x' : '0X') + body;
+        break;
+      }
+      case 'f': case 'F': {
+        const n = number();
+        sign = n < 0 || Object.is(n, -0) ? '-' : '';
+        body = Number.isFinite(n) ? fixedHalfEven(Math.abs(n), precision ?? 6) : Number.isNaN(n) ? 'nan' : 'inf';
+        if (type === 'F') body = body.toUpperCase();
+        break;
+      }
+      default: throw new Error(`unsupported format character '${type}'`);
+    }
+    if (type === 's' || type === 'r') {
+      if (precision !== undefined) body = [...body].slice(0, precision).join('');
+    } else if (sign === '') sign = flags.includes('+') ? '+' : flags.includes(' ') ? ' ' : '';
+    const size = width === undefined ? 0 : Number(width);
+    if (flags.includes('-')) return (sign + body).padEnd(size);
+    if (flags.includes('0') && type !== 's' && type !== 'r') return sign + body.padStart(size - sign.length, '0');
+    return (sign + body).padStart(size);
+  });
+  if (!usedMapping && mapping === undefined && used < positional.length) {
+    throw new Error('not all arguments converted during string formatting');
+  }
+  return text;
+}
+
+/** A non-negative number in fixed notation, ties rounded to even as Python rounds them (toFixed rounds them up). */
+function fixedHalfEven(value: number, digits: number): string {
+  const rounded = value.toFixed(digits);
+  if (value >= 1e21 || digits > 50) return rounded;
+  const exact = value.toFixed(Math.min(100, digits + 50)); // every digit of a double this side of 1e21, near enough
+  const rest = exact.slice(exact.length - (Math.min(100, digits + 50) - digits));
+  if (!/^50*$/.test(rest)) return rounded;
+  const truncated = exact.slice(0, exact.length - rest.length).replace(/\.$/, '');
+  const lastDigit = Number(truncated.at(-1));
+  return lastDigit % 2 === 0 ? truncated : rounded;
+}
+
 interface FilterNode { type: string; value?: string; callee?: { type: string; value?: string }; args?: unknown[] }
 interface BinaryNode { type: string; operator: { value: string }; left: unknown; right: unknown }
 type ApplyFilter = (operand: unknown, filter: FilterNode, environment: Environment) => { value: unknown };
@@ -318,7 +409,8 @@ const SILENT_STATEMENTS: ReadonlySet<string> = new Set(['Set', 'Macro', 'Comment
  *   numbers as their text;
  * - `tojson` is Python's json.dumps with transformers' options (see pythonJson);
  * - a string's trim filter and strip methods take off what Python's would (see pythonStrip);
- * - `+` with a string: the library joins the operands' raw values.
+ * - `+` with a string: the library joins the operands' raw values;
+ * - `'%s' % x`, string formatting, which the library lacks, as Python's (see pythonPercentFormat).
  */
 class ExactNumberInterpreter extends Interpreter {
   constructor(env: Environment) {
@@ -381,10 +473,11 @@ class ExactNumberInterpreter extends Interpreter {
     };
     self.evaluateBinaryExpression = (node, environment) => {
       const operator = node.operator.value;
-      if (operator !== '~' && operator !== '+') return prototype.evaluateBinaryExpression.call(this, node, environment);
+      if (operator !== '~' && operator !== '+' && operator !== '%') return prototype.evaluateBinaryExpression.call(this, node, environment);
       const left = prototype.evaluate.call(this, node.left, environment);
       const right = prototype.evaluate.call(this, node.right, environment);
       if (operator === '~') return new StringValue(pythonStr(left) + pythonStr(right));
+      if (operator === '%' && left.type === 'StringValue') return new StringValue(pythonPercentFormat(left.value as string, right));
       const joins = (left.type === 'StringValue' && isExact(right)) || (isExact(left) && right.type === 'StringValue');
       if (joins) return new StringValue(joinedText(left) + joinedText(right));
       // The library's own operation, on the operands already evaluated (evaluating them again would repeat calls).

@@ -81,6 +81,19 @@ describe("tojson is transformers' json.dumps", () => {
   });
 });
 
+describe("string formatting with %, as Python's", () => {
+  it('formats one value, a tuple, or a dict by key, with flags, width and precision', () => {
+    // The library refused `'%s' % x` (or computed a number's remainder from a string).
+    assert.equal(render('{{ "%s-%d|%r|%5.1f|%-4s|%03d|%%|%x" % ("a", 3, "q", 2.25, "b", 7, 255) }}|{{ "%(n)s=%(v)r" % {"n": "k", "v": [1, none]} }}|' +
+      '{{ "%s" % [1, "a"] }}|{{ "%d" % 2.7 }}|{{ "%.3s" % "abcdef" }}|{{ "%+d % d" % (5, 5) }}|{{ "%.0f %.2f %f" % (2.5, 1.005, -1.5) }}', '{}'),
+    "a-3|'q'|  2.2|b   |007|%|ff|k=[1, None]|[1, 'a']|2|abc|+5  5|2 1.00 -1.500000");
+    // Exact numbers keep their digits; numbers still take their remainder.
+    assert.equal(render('{{ "id=%s n=%d t=%s" % (a.id, a.id, a.t) }}|{{ 10 % 3 }}', '{"id": 1234567890123456789, "t": 1.0}'),
+      'id=1234567890123456789 n=1234567890123456789 t=1.0|1');
+    assert.throws(() => render('{{ "%s" % ("a", "b") }}', '{}'), /not all arguments converted/);
+  });
+});
+
 describe('empty tool-call arguments', () => {
   it('reach the template as an empty object, as vLLM passes "" and "null"', () => {
     for (const args of ['', 'null']) {
