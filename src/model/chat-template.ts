@@ -10,7 +10,7 @@ import { parse, Template, tokenize } from '@huggingface/jinja';
 import type { GgufFile } from './gguf.ts';
 import { metaString } from './gguf.ts';
 import type { Tokenizer } from './tokenizer/types.ts';
-import { parseJsonExactNumbers, renderExact } from './template-values.ts';
+import { parseJsonExactNumbers, renderExact, TemplateStepBudgetExceeded } from './template-values.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Messages
@@ -293,6 +293,8 @@ export class ChatTemplate {
           'template_rejected_messages', 400);
       }
       if (error instanceof RangeBudgetExceeded) throw new ChatTemplateError(error.message, 'template_render_failed', 500);
+      // The template's steps grow with the messages: too many of them for it is the request's 400.
+      if (error instanceof TemplateStepBudgetExceeded) throw new ChatTemplateError(error.message, 'template_render_failed', 400);
       throw new ChatTemplateError(`rendering the chat template failed: ${(error as Error).message}`,
         'template_render_failed', 400);
     }

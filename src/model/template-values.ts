@@ -6,6 +6,10 @@
 // text is parsed into TemplateNumber values, and the template engine (@huggingface/jinja, which prints numbers as
 // JavaScript does and offers no hook for it) is run with number values that print the exact text, in `{{ }}`,
 // `| string` and `| tojson` alike. They still compare and compute as the nearest double.
+//
+// The interpreter is the library's with what Python's Jinja does differently put back (see ExactNumberInterpreter):
+// values printed as Python's str(), tojson as transformers' json.dumps, Python's strip, `'%s' % x` formatting, and a
+// bound on the steps of one rendering.
 
 import { Environment, Interpreter, type Template } from '@huggingface/jinja';
 
@@ -413,7 +417,7 @@ const SILENT_STATEMENTS: ReadonlySet<string> = new Set(['Set', 'Macro', 'Comment
  * - `'%s' % x`, string formatting, which the library lacks, as Python's (see pythonPercentFormat).
  */
 class ExactNumberInterpreter extends Interpreter {
-  constructor(env: Environment) {
+  constructor(env: Environment, stepBudget: number) {
     super(env);
     const prototype = Interpreter.prototype as unknown as {
       applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluate: Evaluate; evaluateArguments: EvaluateArguments;
@@ -421,6 +425,12 @@ class ExactNumberInterpreter extends Interpreter {
     };
     const self = this as unknown as {
       applyFilter: ApplyFilter; evaluateBinaryExpression: EvaluateBinary; evaluateBlock: EvaluateBlock; evaluateMemberExpression: EvaluateMember;
+    };
+    // Every node the interpreter evaluates is a step; a rendering that takes more than its budget is stopped.
+    let stepsLeft = stepBudget;
+    (this as unknown as { evaluate: Evaluate }).evaluate = (node, environment) => {
+      if (--stepsLeft < 0) throw new TemplateStepBudgetExceeded(stepBudget);
+      return prototype.evaluate.call(this, node, environment);
     };
     const filterArguments = (filter: FilterNode, environment: Environment): [RuntimeValue[], Map<string, RuntimeValue>] =>
       filter.type === 'CallExpression' ? prototype.evaluateArguments.call(this, filter.args ?? [], environment) : [[], new Map()];
@@ -490,6 +500,22 @@ class ExactNumberInterpreter extends Interpreter {
   }
 }
 
+/**
+ * How many steps (nodes evaluated) one rendering may take. The interpreter runs on the server's thread, one to two
+ * microseconds a step: a template that loops over the messages for each message took over a minute for 4096 messages,
+ * stalling every other request. Real templates take tens to a few hundred steps a message (Llama 2's about 30), so
+ * the most messages a request may send render within a fraction of the budget.
+ */
+export const TEMPLATE_STEP_BUDGET = 5_000_000;
+
+/** Thrown when a rendering takes more steps than its budget. */
+export class TemplateStepBudgetExceeded extends Error {
+  constructor(readonly budget: number) {
+    super(`rendering these messages takes the chat template more than ${budget} steps (it loops over them too many ` +
+      'times); send fewer or shorter messages');
+  }
+}
+
 /** A runtime value as a variable (Environment.set would convert it again, as a plain object). */
 function declare(env: Environment, name: string, value: unknown): void {
   (env as unknown as { declareVariable(name: string, value: unknown): unknown }).declareVariable(name, value);
@@ -504,13 +530,13 @@ function joinedText(value: { value: unknown }): string {
  * TemplateNumbers printing exactly. raise_exception and range are not declared: the chat template's compile step
  * routes them to functions of the context.
  */
-export function renderExact(program: Template['parsed'], context: Record<string, unknown>): string {
+export function renderExact(program: Template['parsed'], context: Record<string, unknown>, stepBudget = TEMPLATE_STEP_BUDGET): string {
   const env = new Environment();
   const globals: Record<string, unknown> = {
     false: false, true: true, none: null, False: false, True: true, None: null, strftime_now: strftimeNow,
   };
   for (const [name, value] of Object.entries({ ...globals, ...context })) declare(env, name, toRuntimeValue(value));
-  const interpreter = new ExactNumberInterpreter(env) as unknown as { run(program: Template['parsed']): { value: unknown } };
+  const interpreter = new ExactNumberInterpreter(env, stepBudget) as unknown as { run(program: Template['parsed']): { value: unknown } };
   return interpreter.run(program).value as string;
 }
 

@@ -11,6 +11,7 @@ import type { ChatMessage } from '../../src/model/chat-template.ts';
 import { metaString } from '../../src/model/gguf.ts';
 import { ggufTokenizer, skipUnlessVocab, vocabFile } from './tokenizer-fixtures.ts';
 import { GEMMA3_CHAT_TEMPLATE } from './arch-models.ts';
+import { TEMPLATE_STEP_BUDGET } from '../../src/model/template-values.ts';
 
 // ---------------------------------------------------------------------------------------------------------------
 // Public templates, as published in the models' tokenizer_config.json
@@ -178,6 +179,18 @@ describe('chat templates: errors', () => {
     assert.equal(ranges.render([{ role: 'user', content: 'a' }, { role: 'user', content: 'b' }], { addGenerationPrompt: false }),
       '0,1,2;2,5;3,2,1;0,1;');
     assert.equal(ranges.render([{ role: 'user', content: 'a' }]), '0,1,2;2,5;3,2,1;0;', 'a new budget for each rendering');
+  });
+
+  it('bounds the steps of a rendering: a template that loops over the messages for each message stops with a 400', () => {
+    // 3000 messages took such a template 3000 x 3000 loop turns, over a minute on the server's thread.
+    const quadratic = new ChatTemplate({ templates: '{% for m in messages %}{% for k in messages %}' +
+      '{% if m.role == k.role %}{% endif %}{% endfor %}{% endfor %}done' });
+    const messages = (count: number): ChatMessage[] => Array.from({ length: count }, (_, i) => ({ role: 'user', content: `m${i}` }));
+    assert.throws(() => quadratic.render(messages(3000)),
+      rejects('template_render_failed', 400, new RegExp(`more than ${TEMPLATE_STEP_BUDGET} steps.*send fewer or shorter messages`)));
+    // A few messages still render, each rendering with a budget of its own.
+    assert.equal(quadratic.render(messages(20)), 'done');
+    assert.equal(quadratic.render(messages(20)), 'done');
   });
 
   it('reports a template that fails while rendering', () => {
