@@ -108,6 +108,26 @@ describe('POST /v1/responses', () => {
     assert.equal(typeof value.name, 'string');
   });
 
+  it('an integer enum past 2^53 in text.format, structured_outputs or a tool is produced with the digits the request wrote', E2E, async () => {
+    // Raw text, since a JavaScript client would round the numbers before sending them. Both values are one double
+    // (1234567890123456768): JSON.parse made one enum value of them, and the grammar produced 1234567890123456800.
+    const schema = '{"type": "integer", "enum": [1234567890123456789, 1234567890123456790]}';
+    const objectSchema = `{"type": "object", "properties": {"id": ${schema}}, "required": ["id"], "additionalProperties": false}`;
+    const bodies = [
+      `"text": {"format": {"type": "json_schema", "name": "id", "schema": ${schema}}}`,
+      `"structured_outputs": {"json": ${schema}}`,
+      `"tools": [{"type": "function", "name": "lookup", "parameters": ${objectSchema}}], "tool_choice": "required"`,
+    ];
+    for (const [i, fields] of bodies.entries()) {
+      const body = `{"model": "${model}", "input": "x", "seed": ${i}, "temperature": 1, "max_output_tokens": 400, ${fields}}`;
+      const response = await rawRequest(server.url, { path: '/v1/responses', body });
+      assert.equal(response.status, 200, response.text);
+      const item = response.json().output[0];
+      const text = (item.type === 'function_call' ? item.arguments : item.content[0].text) as string;
+      assert.match(text, /^\s*(\{\s*"id"\s*:\s*)?12345678901234567(89|90)\s*\}?\s*$/, `${fields}: ${text}`);
+    }
+  });
+
   const WEATHER = {
     type: 'function' as const, name: 'get_weather', description: 'The weather in a city.', strict: true,
     parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 } }, required: ['city'], additionalProperties: false },

@@ -335,10 +335,18 @@ export function parseResponsesRequest(body: unknown, context: ValidationContext)
   if (responseFormat) chatBody.response_format = responseFormat;
   if (reasoningEffort !== null) chatBody.reasoning_effort = reasoningEffort;
   if (continuesFinalMessage(input)) chatBody.continue_final_message = true;
-  // What reaches the chat template is read with exact numbers, as a chat completion's is (tools in chat's shape).
+  // What reaches the chat template and the grammar is read with exact numbers, as a chat completion's is (tools and
+  // the text format's schema in chat's shape): an enum of 1234567890123456789 is not produced as ...800.
   const exact: Record<string, unknown> = {};
   if (tools.length > 0) exact.tools = (exactBodyField(body, 'tools', fields.raw('tools')) as unknown[]).map((tool, i) => readTool(i, tool));
   if (fields.has('chat_template_kwargs')) exact.chat_template_kwargs = exactBodyField(body, 'chat_template_kwargs', fields.raw('chat_template_kwargs'));
+  if (fields.has('structured_outputs')) exact.structured_outputs = exactBodyField(body, 'structured_outputs', fields.raw('structured_outputs'));
+  const jsonSchema = responseFormat?.json_schema;
+  if (isJsonObject(jsonSchema)) {
+    const exactText = exactBodyField(body, 'text', fields.raw('text'));
+    const exactFormat = isJsonObject(exactText) && isJsonObject(exactText.format) ? exactText.format : undefined;
+    if (exactFormat !== undefined) exact.response_format = { ...responseFormat, json_schema: { ...jsonSchema, schema: exactFormat.schema } };
+  }
   rememberExactFields(chatBody, exact);
   const offset = systemMessages.length;
   /** index: of a chat message, from the end when negative. */
