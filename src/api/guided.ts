@@ -40,6 +40,13 @@ const MAX_SCHEMA_DEPTH = 32;
  * worker's instance), 250 spoil the gateway's own silently and 1000 never finish there; EBNF fails at 200.
  */
 export const MAX_GROUP_DEPTH = 64;
+/**
+ * Objects and arrays nested in a schema's JSON, counting every level (values of unknown keywords, const, enum and
+ * annotations too, which MAX_SCHEMA_DEPTH's walk does not enter). XGrammar parses the whole text recursively: about
+ * 400 levels ran its WebAssembly stack out (an aborted grammar engine), and some 10,000 overflowed the walks here.
+ * The deepest schema MAX_SCHEMA_DEPTH accepts is about 70 levels of JSON.
+ */
+export const MAX_SCHEMA_JSON_DEPTH = 128;
 
 /**
  * JSON Schema keywords the grammar cannot enforce: XGrammar would accept the schema and ignore them, so an output
@@ -127,8 +134,23 @@ interface SchemaWalk {
  * could satisfy (checkSatisfiable).
  */
 export function checkJsonSchema(schema: unknown, path: string): void {
+  checkJsonDepth(schema, path);
   walkSchema(schema, path, 0, { enumValues: 0, root: schema });
   checkSatisfiable(schema, path);
+}
+
+/** The schema's JSON nested at most MAX_SCHEMA_JSON_DEPTH levels; walked with a list, not recursion, as it may be far deeper. */
+function checkJsonDepth(schema: unknown, path: string): void {
+  const pending: { value: unknown; depth: number }[] = [{ value: schema, depth: 0 }];
+  while (pending.length > 0) {
+    const { value, depth } = pending.pop()!;
+    if (value === null || typeof value !== 'object') continue;
+    if (depth >= MAX_SCHEMA_JSON_DEPTH) {
+      throw new InvalidValueError(path, `the schema's JSON is nested more than ${MAX_SCHEMA_JSON_DEPTH} levels deep (objects and arrays, `
+        + 'in any keyword).');
+    }
+    for (const child of Object.values(value)) pending.push({ value: child, depth: depth + 1 });
+  }
 }
 
 function walkSchema(schema: unknown, path: string, depth: number, walk: SchemaWalk): void {

@@ -5,7 +5,7 @@
 
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import { MAX_GROUP_DEPTH, MAX_GUIDED_BYTES, MAX_GUIDED_CHOICES, MAX_GUIDED_ENUM_VALUES } from '../../src/api/guided.ts';
+import { MAX_GROUP_DEPTH, MAX_GUIDED_BYTES, MAX_GUIDED_CHOICES, MAX_GUIDED_ENUM_VALUES, MAX_SCHEMA_JSON_DEPTH } from '../../src/api/guided.ts';
 import { rawRequest } from './http-client.ts';
 import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 
@@ -13,6 +13,8 @@ const E2E = { timeout: 120_000 };
 const messages = [{ role: 'user' as const, content: 'Pick one.' }];
 const values = (n: number, prefix = 'v') => Array.from({ length: n }, (_, i) => `${prefix}${i}`);
 const nested = (levels: number, inner: string) => `${'('.repeat(levels)}${inner}${')'.repeat(levels)}`;
+/** JSON text of `levels` objects, each holding the next under "a". */
+const nestedJson = (levels: number) => `${'{"a":'.repeat(levels)}1${'}'.repeat(levels)}`;
 
 describe('guided decoding limits', () => {
   let server: TestServer;
@@ -117,6 +119,30 @@ describe('guided decoding limits', () => {
     const after = await post({ guided_regex: '(ab)+' });
     assert.equal(after.status, 200, after.text);
     assert.match(after.json().choices[0].message.content, /^(ab)+a?$/);
+    await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
+  });
+
+  it(`a schema's JSON: at most ${MAX_SCHEMA_JSON_DEPTH} levels in any keyword (400 levels aborted XGrammar, 100k overflowed the gateway's stack: a 500)`, E2E, async () => {
+    // Values the schema walk does not enter: an unknown keyword's, a const's, an enum's. Sent as text, as a client would.
+    const post = (path: string, fields: string) => rawRequest(server.url, { path, body: `{"model":${JSON.stringify(model)},${
+      path === '/v1/responses' ? '"input":"x","max_output_tokens":8' : '"messages":[{"role":"user","content":"x"}],"max_tokens":8'},${fields}}` });
+    const cases: [string, string, string][] = [
+      ['/v1/chat/completions', `"guided_json":{"type":"object","x-extra":${nestedJson(400)}}`, 'guided_json'],
+      ['/v1/chat/completions', `"guided_json":{"const":${nestedJson(100_000)}}`, 'guided_json'],
+      ['/v1/chat/completions', `"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"x":${nestedJson(100_000)}}}}`,
+        'response_format.json_schema.schema'],
+      ['/v1/chat/completions', `"guided_json":{"enum":[${'['.repeat(MAX_SCHEMA_JSON_DEPTH)}${']'.repeat(MAX_SCHEMA_JSON_DEPTH)}]}`, 'guided_json'],
+      ['/v1/responses', `"text":{"format":{"type":"json_schema","name":"n","schema":{"x":${nestedJson(100_000)}}}}`, 'text.format.schema'],
+    ];
+    for (const [path, fields, param] of cases) {
+      const response = await post(path, fields);
+      assert.equal(response.status, 400, `${fields.slice(0, 80)}: ${response.text.slice(0, 300)}`);
+      assert.equal(response.json().error.param, param);
+      assert.match(response.json().error.message, new RegExp(`nested more than ${MAX_SCHEMA_JSON_DEPTH} levels`));
+    }
+    // At the bound: accepted and compiled (the root object is one level, the value under "x-extra" the rest).
+    const atBound = await post('/v1/chat/completions', `"guided_json":{"type":"object","x-extra":${nestedJson(MAX_SCHEMA_JSON_DEPTH - 1)}}`);
+    assert.equal(atBound.status, 200, atBound.text.slice(0, 300));
     await waitFor(() => engineIdle(server.engine), 'KV blocks given back');
   });
 });
