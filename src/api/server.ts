@@ -252,7 +252,10 @@ export class ApiServer {
       telemetry: this.telemetry, keyStore: options.keyStore, workers: () => this.workerSources(), health: () => this.gateway.health().body,
     });
     this.routes = this.buildRoutes();
-    const listener = (req: IncomingMessage, res: ServerResponse): void => void this.handle(req, res, false);
+    const listener = (req: IncomingMessage, res: ServerResponse): void => {
+      this.answerBegun(req, res);
+      void this.handle(req, res, false);
+    };
     const headersTimeout = options.headersTimeoutMs ?? DEFAULT_HEADERS_TIMEOUT_MS;
     // Node checks the header and request timeouts only every connectionsCheckingInterval (30 s by default), so a
     // 30 s header timeout could take up to 60 s: check often enough that the timeout is the one stated.
@@ -271,7 +274,10 @@ export class ApiServer {
     // "Expect: 100-continue": the 100 goes out only when the body is about to be read, after the route, the key, the
     // rate limit and the announced size are checked (Node would send it at once, and the client its whole body
     // before hearing it is refused).
-    this.server.on('checkContinue', (req: IncomingMessage, res: ServerResponse) => void this.handle(req, res, true));
+    this.server.on('checkContinue', (req: IncomingMessage, res: ServerResponse) => {
+      this.answerBegun(req, res);
+      void this.handle(req, res, true);
+    });
     // Slow or stalled uploads must not hold a connection for ever; streamed responses are not affected.
     this.server.headersTimeout = headersTimeout;
     this.server.requestTimeout = Math.max(60_000, headersTimeout);
@@ -299,16 +305,42 @@ export class ApiServer {
     socket.resume();
   }
 
+  /** Sockets whose request's body the handler is reading, and those of them whose upload timed out. */
+  private readonly readingBody = new WeakSet<Duplex>();
+  private readonly bodyTimedOut = new WeakSet<Duplex>();
+
+  /**
+   * Answers not yet complete on each connection, and the refusal waiting behind them. HTTP answers a connection's
+   * requests in order, so unparsable bytes after a request (pipelined, or sent while its answer streams) are refused
+   * once that answer is complete: written at once, the 400 took the place of the answer the client was waiting for,
+   * or landed in the middle of its stream, and the request was abandoned.
+   */
+  private readonly answersPending = new WeakMap<Duplex, Set<IncomingMessage>>();
+  private readonly refusalsWaiting = new WeakMap<Duplex, string>();
+
+  private answerBegun(req: IncomingMessage, res: ServerResponse): void {
+    const socket = req.socket;
+    let pending = this.answersPending.get(socket);
+    if (pending === undefined) this.answersPending.set(socket, pending = new Set());
+    pending.add(req);
+    res.once('close', () => {
+      pending.delete(req);
+      const refusal = this.refusalsWaiting.get(socket);
+      if (pending.size > 0 || refusal === undefined) return;
+      this.refusalsWaiting.delete(socket);
+      if (socket.writable) socket.end(refusal);
+      else socket.destroy();
+    });
+  }
+
   /**
    * A request Node's parser refuses (a malformed request line or header, more body than its Content-Length says,
    * headers too large or too slow): answered in OpenAI's error shape, as every other refusal, and the connection
    * closed (Node's own answer is a bare status line).
    */
-  /** Sockets whose request's body the handler is reading, and those of them whose upload timed out. */
-  private readonly readingBody = new WeakSet<Duplex>();
-  private readonly bodyTimedOut = new WeakSet<Duplex>();
-
   private answerUnparsable(error: NodeJS.ErrnoException, socket: Duplex): void {
+    // Node's parser stays failed and reports every later chunk again: the refusal is already decided.
+    if (this.refusalsWaiting.has(socket)) return;
     if (error.code === 'ECONNRESET' || !socket.writable) {
       socket.destroy();
       return;
@@ -325,8 +357,15 @@ export class ApiServer {
           : [400, 'invalid_http_request', `The request could not be parsed (${error.code ?? 'parse error'}); a body longer than its Content-Length is one cause.`];
     if (!bodyTimedOut) this.metrics.countResponse('unknown', status, ANONYMOUS_TENANT);
     const body = JSON.stringify({ error: { message, type: 'invalid_request_error', param: null, code } });
-    socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n`
-      + `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`);
+    const refusal = `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json\r\n`
+      + `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`;
+    // A timeout, or a body that failed to parse, is the failure of the request being answered: refused now. Bytes
+    // that failed to parse after complete requests (Node read all of them) wait for those requests' answers.
+    const pending = this.answersPending.get(socket);
+    const behindAnswers = error.code !== 'ERR_HTTP_REQUEST_TIMEOUT' && pending !== undefined && pending.size > 0
+      && [...pending].every((req) => req.complete);
+    if (behindAnswers) this.refusalsWaiting.set(socket, refusal);
+    else socket.end(refusal);
   }
 
   /** Connections open now (the ones being served; refused ones are not counted). */

@@ -12,7 +12,7 @@ import assert from 'node:assert/strict';
 import { connect } from 'node:net';
 import { gzipSync } from 'node:zlib';
 import { after, before, describe, it } from 'node:test';
-import { startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { engineIdle, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
 import { rawRequest } from './http-client.ts';
 
 const E2E = { timeout: 60_000 };
@@ -71,6 +71,25 @@ describe('refusals at the HTTP layer', () => {
     assert.match(answer, /^HTTP\/1\.1 400 /);
     assert.match(answer, /"code":"invalid_http_request"/);
     assert.equal(await responses(server, 'unknown', 400), before400 + 1);
+  });
+
+  it('unparsable bytes after a whole request on its connection: that request\'s answer first, then the 400', E2E, async () => {
+    // Written at once, the 400 went out as the answer to the valid request (abandoned), or into the middle of its
+    // stream; HTTP answers a connection's requests in the order they came.
+    const model = server.running.api.gateway.servedModelName!;
+    for (const stream of [false, true]) {
+      const body = JSON.stringify({ model, prompt: 'hi', max_tokens: 12, ignore_eos: true, stream });
+      const answer = await exchange(server, `POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n`
+        + `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}THIS IS NOT HTTP\r\n\r\n`);
+      assert.match(answer, /^HTTP\/1\.1 200 /, `stream ${stream}: ${answer.slice(0, 300)}`);
+      const refusal = answer.indexOf('HTTP/1.1 400 ');
+      assert.ok(refusal > 0, `stream ${stream}: the 400 follows: ${answer.slice(-300)}`);
+      const answered = answer.slice(0, refusal);
+      if (stream) assert.match(answered, /data: \[DONE\]\r?\n\r?\n\r\n0\r\n\r\n$/, 'the whole stream, its last chunk included');
+      else assert.equal(JSON.parse(answered.slice(answered.indexOf('\r\n\r\n') + 4)).usage.completion_tokens, 12);
+      assert.match(answer.slice(refusal), /"code":"invalid_http_request"/);
+    }
+    await waitFor(() => engineIdle(server.engine), 'the requests done');
   });
 
   it('an invalid traceparent (all-zero ids, version ff) is ignored, not passed on or echoed; a valid one continues', E2E, async () => {
