@@ -318,6 +318,28 @@ export class ApiServer {
   private readonly answersPending = new WeakMap<Duplex, Set<IncomingMessage>>();
   private readonly refusalsWaiting = new WeakMap<Duplex, string>();
 
+  /** What each request on a connection runs when the connection closes, behind one listener for them all. */
+  private readonly closeWatchers = new WeakMap<Duplex, Set<() => void>>();
+
+  /**
+   * Runs `onClose` when `socket` closes; the returned function stops watching. A client may pipeline any number of
+   * requests on one connection: a listener each made Node warn of a leak ("MaxListenersExceededWarning") past 10.
+   */
+  private watchClose(socket: Duplex, onClose: () => void): () => void {
+    let watchers = this.closeWatchers.get(socket);
+    if (watchers === undefined) {
+      const all = new Set<() => void>();
+      this.closeWatchers.set(socket, watchers = all);
+      socket.once('close', () => {
+        for (const watcher of all) watcher();
+        all.clear();
+      });
+    }
+    watchers.add(onClose);
+    const mine = watchers;
+    return () => { mine.delete(onClose); };
+  }
+
   private answerBegun(req: IncomingMessage, res: ServerResponse): void {
     const socket = req.socket;
     let pending = this.answersPending.get(socket);
@@ -729,12 +751,11 @@ export class ApiServer {
     // never gets one when the connection dies (Node hands it the socket only when its turn comes), so the socket's
     // close counts too: else its run would go on for nobody, holding its slots.
     const socket = req.socket;
-    const onSocketClose = (): void => {
+    const unwatch = this.watchClose(socket, () => {
       if (!res.writableFinished) clientGone.abort();
-    };
-    socket.once('close', onSocketClose);
+    });
     res.on('close', () => {
-      socket.off('close', onSocketClose);
+      unwatch();
       if (!res.writableFinished) clientGone.abort();
     });
     // While draining, each answer closes its connection: the client's next request goes to a new one (elsewhere).

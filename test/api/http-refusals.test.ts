@@ -73,6 +73,31 @@ describe('refusals at the HTTP layer', () => {
     assert.equal(await responses(server, 'unknown', 400), before400 + 1);
   });
 
+  it('many requests pipelined on one connection are all answered, in order, without a listener-leak warning', E2E, async () => {
+    // Each queued request watched its connection's close with a listener of its own: past 10, Node printed
+    // "MaxListenersExceededWarning: Possible EventEmitter memory leak detected" to the server's log.
+    const warnings: string[] = [];
+    const onWarning = (warning: Error): void => { warnings.push(`${warning.name}: ${warning.message}`); };
+    process.on('warning', onWarning);
+    try {
+      const model = server.running.api.gateway.servedModelName!;
+      const count = 16;
+      const requests = Array.from({ length: count }, (_, i) => {
+        const body = JSON.stringify({ model, prompt: `request ${i}`, max_tokens: 2 });
+        return `POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: pipelined-${i}\r\n`
+          + `Content-Length: ${Buffer.byteLength(body)}${i === count - 1 ? '\r\nConnection: close' : ''}\r\n\r\n${body}`;
+      });
+      const answer = await exchange(server, requests.join(''));
+      const ids = [...answer.matchAll(/x-request-id: (pipelined-\d+)/gi)].map((match) => match[1]);
+      assert.deepEqual(ids, Array.from({ length: count }, (_, i) => `pipelined-${i}`));
+      assert.equal(answer.match(/HTTP\/1\.1 200 /g)?.length, count);
+      await new Promise((resolve) => setImmediate(resolve));
+      assert.deepEqual(warnings.filter((warning) => warning.startsWith('MaxListenersExceededWarning')), []);
+    } finally {
+      process.off('warning', onWarning);
+    }
+  });
+
   it('unparsable bytes after a whole request on its connection: that request\'s answer first, then the 400', E2E, async () => {
     // Written at once, the 400 went out as the answer to the valid request (abandoned), or into the middle of its
     // stream; HTTP answers a connection's requests in the order they came.
