@@ -49,6 +49,12 @@ export class PromptEncoder {
   private worker: Worker | undefined;
   /** The job on the thread now (one at a time). */
   private running: Job | undefined;
+  /**
+   * A job whose caller gave up, left to finish on the thread (too short to be worth a new one): the thread is not
+   * free until its answer comes. The next job waits here meanwhile, where it can still be dropped; handed on at once,
+   * it would queue on the thread and be tokenized whether its caller stayed or not.
+   */
+  private finishing: number | undefined;
   /** Waiting jobs by owner, owners in the order their first waiting job came. */
   private readonly queues = new Map<string, Job[]>();
   /** When each owner last had a job handed to the thread (a count of jobs handed): owners are few (tenants). */
@@ -126,6 +132,8 @@ export class PromptEncoder {
         this.worker = undefined;
         this.abandonedThreads++;
         void worker.terminate();
+      } else if (this.worker) {
+        this.finishing = job.id;
       }
       this.pump();
       return;
@@ -149,7 +157,7 @@ export class PromptEncoder {
    * served first; ties in the order the owners' jobs came).
    */
   private pump(source = this.tokenizer.workerSource?.()): void {
-    if (this.running || this.closed) return;
+    if (this.running || this.finishing !== undefined || this.closed) return;
     let owner: string | undefined;
     let oldest = Infinity;
     for (const candidate of this.queues.keys()) {
@@ -201,7 +209,8 @@ export class PromptEncoder {
             job.reject(error);
           }
         });
-      } else if (job === undefined) {
+      } else if (answer.id === this.finishing) {
+        this.finishing = undefined;
         worker.unref();
       }
       this.pump();
@@ -210,6 +219,7 @@ export class PromptEncoder {
     const lost = (why: string): void => {
       if (this.worker !== worker) return;
       this.worker = undefined;
+      this.finishing = undefined;
       const job = this.running;
       this.running = undefined;
       if (job) this.settle(job, () => job.reject(new Error(`the tokenizer thread stopped: ${why}`)));

@@ -124,6 +124,27 @@ describe('tokenizer thread', () => {
         await encoder.close();
       }
     });
+
+    it('a job left to finish on the thread keeps the thread: jobs whose callers leave meanwhile are dropped untokenized', async () => {
+      // The next job used to go to the thread at once, behind the one left to finish, where it could no longer be
+      // dropped: a burst of clients sending long prompts and leaving had every prompt tokenized all the same, and
+      // the prompts of everyone else waited behind them.
+      const encoder = new PromptEncoder(tokenizer, 1000);
+      try {
+        const gone = new AbortController();
+        const left = Array.from({ length: 5 }, (_, i) => encoder.encode(words(100_000 + i), {}, { owner: `o${i}`, signal: gone.signal }));
+        assert.equal(encoder.queued, 4);
+        gone.abort(new Error('client left'));
+        for (const job of left) await assert.rejects(job, /client left/);
+        assert.equal(encoder.droppedCount, 5);
+        assert.equal(encoder.abandonedThreads, 0, 'a job this short is left to finish');
+        const text = `${words(20_000)} next`;
+        assert.deepEqual(await encoder.encode(text, {}), tokenizer.encode(text, {}), 'the answer of the job left to finish is not taken for the next');
+        assert.equal(encoder.offThreadCount, 2, 'only the first job and the last reached the thread');
+      } finally {
+        await encoder.close();
+      }
+    });
   });
 
   describe('HTTP', () => {
