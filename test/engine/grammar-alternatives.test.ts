@@ -9,10 +9,10 @@ import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { checkJsonSchema, grammarSchema } from '../../src/api/guided.ts';
 import { buildGrammar, choiceGrammar, grammarSource } from '../../src/engine/grammar/runtime.ts';
-import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { byteLevelCompiler, END } from './xgrammar-fixtures.ts';
 import { seededRandom } from '../../src/util/random.ts';
 
-const END = 256;
 
 describe('alternatives as XGrammar accepts them', () => {
   let xg: XGrammar;
@@ -20,10 +20,7 @@ describe('alternatives as XGrammar accepts them', () => {
 
   before(async () => {
     xg = await XGrammar.load();
-    const b = xg.binding;
-    const info = new b.TokenizerInfo(b.vecStringFromJSArray([...byteLevelChars(), '']), 'BYTE_LEVEL', END + 1,
-      b.vecIntFromJSArray([END]), false);
-    compiler = new b.GrammarCompiler(info, 1, false);
+    compiler = byteLevelCompiler(xg);
   });
   after(() => compiler?.delete());
 

@@ -6,9 +6,9 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { integerRangeEnforced } from '../../src/api/guided.ts';
-import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { byteLevelCompiler, END } from './xgrammar-fixtures.ts';
 
-const END = 256;
 
 describe('integer bounds as XGrammar enforces them', () => {
   let xg: XGrammar;
@@ -16,10 +16,7 @@ describe('integer bounds as XGrammar enforces them', () => {
 
   before(async () => {
     xg = await XGrammar.load();
-    const b = xg.binding;
-    const info = new b.TokenizerInfo(b.vecStringFromJSArray([...byteLevelChars(), '']), 'BYTE_LEVEL', END + 1,
-      b.vecIntFromJSArray([END]), false);
-    compiler = new b.GrammarCompiler(info, 1, false);
+    compiler = byteLevelCompiler(xg);
   });
   after(() => compiler?.delete());
 

@@ -9,9 +9,9 @@ import { checkJsonSchema, grammarSchema, readGuided } from '../../src/api/guided
 import { Fields } from '../../src/api/validate.ts';
 import { buildGrammar, grammarSource } from '../../src/engine/grammar/runtime.ts';
 import type { GuidedDecoding } from '../../src/engine/types.ts';
-import { byteLevelChars, XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
+import { byteLevelCompiler, END } from './xgrammar-fixtures.ts';
 
-const END = 256;
 /** One character each: ASCII word, space and other characters, and characters outside ASCII (letters, spaces, a digit, an emoji). */
 const SAMPLES = ['a', 'Z', '_', '7', ' ', '\t', '!', '-', 'é', 'ß', '中', '٣', '\u00a0', '\u3000', '😀'];
 const OUTSIDE_ASCII = ['é', 'ß', '中', '٣', '\u00a0', '\u3000', '😀'];
@@ -22,10 +22,7 @@ describe('\\W, \\S and \\D inside a character class', () => {
 
   before(async () => {
     xg = await XGrammar.load();
-    const b = xg.binding;
-    const info = new b.TokenizerInfo(b.vecStringFromJSArray([...byteLevelChars(), '']), 'BYTE_LEVEL', END + 1,
-      b.vecIntFromJSArray([END]), false);
-    compiler = new b.GrammarCompiler(info, 1, false);
+    compiler = byteLevelCompiler(xg);
   });
   after(() => compiler?.delete());
 
