@@ -1348,18 +1348,16 @@ function holdsLargeIntegers(value: unknown, depth = 0): boolean {
  */
 function jsonSchemaSpec(param: string, value: unknown, exact: () => unknown): GuidedDecoding {
   let schema = value;
-  let spelled: unknown;
   if (typeof value === 'string') {
     try {
       schema = JSON.parse(value);
     } catch (error) {
       throw new InvalidValueError(param, `the schema is not valid JSON: ${(error as Error).message}`);
     }
-    if (holdsLargeIntegers(schema)) spelled = exactIntegers(parseJsonExactNumbers(value));
-  } else if (holdsLargeIntegers(schema)) {
-    spelled = exactIntegers(exact());
   }
+  // Checked first: the exact reading below walks the schema (and, for a field of the body, the whole body) again.
   checkJsonSchema(schema, param);
+  const spelled = holdsLargeIntegers(schema) ? exactIntegers(typeof value === 'string' ? parseJsonExactNumbers(value) : exact()) : undefined;
   return { kind: 'json_schema', schema: grammarSchemaText(grammarSchema(spelled ?? schema), param) };
 }
 

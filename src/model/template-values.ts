@@ -68,17 +68,22 @@ export function parseJsonExactNumbers(text: string): unknown {
     literals.push(token);
     return JSON.stringify(NUMBER_MARK + (literals.length - 1));
   });
-  const restore = (value: unknown): unknown => {
-    if (typeof value === 'string') {
-      return value.startsWith(NUMBER_MARK) ? new TemplateNumber(literals[Number(value.slice(NUMBER_MARK.length))]!) : value;
+  const restore = (value: unknown): unknown =>
+    typeof value === 'string' && value.startsWith(NUMBER_MARK) ? new TemplateNumber(literals[Number(value.slice(NUMBER_MARK.length))]!) : value;
+  // Walked with a list, not recursion: the text is a whole request body, which may nest deeper than the stack goes
+  // in a field whose own depth check comes later (the parse is of the body, not of the field asked for).
+  const root = restore(JSON.parse(marked));
+  const pending: object[] = typeof root === 'object' && root !== null && !(root instanceof TemplateNumber) ? [root] : [];
+  while (pending.length > 0) {
+    const node = pending.pop() as Record<string, unknown>;
+    for (const key of Object.keys(node)) {
+      const item = node[key];
+      const restored = restore(item);
+      if (restored !== item) node[key] = restored;
+      else if (typeof item === 'object' && item !== null) pending.push(item);
     }
-    if (Array.isArray(value)) return value.map(restore);
-    if (typeof value === 'object' && value !== null) {
-      for (const [key, item] of Object.entries(value)) (value as Record<string, unknown>)[key] = restore(item);
-    }
-    return value;
-  };
-  return restore(JSON.parse(marked));
+  }
+  return root;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

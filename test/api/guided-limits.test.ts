@@ -133,6 +133,10 @@ describe('guided decoding limits', () => {
         'response_format.json_schema.schema'],
       ['/v1/chat/completions', `"guided_json":{"enum":[${'['.repeat(MAX_SCHEMA_JSON_DEPTH)}${']'.repeat(MAX_SCHEMA_JSON_DEPTH)}]}`, 'guided_json'],
       ['/v1/responses', `"text":{"format":{"type":"json_schema","name":"n","schema":{"x":${nestedJson(100_000)}}}}`, 'text.format.schema'],
+      // An integer past 2^53 has the schema, or the whole body, read again with exact numbers: not before the check.
+      ['/v1/chat/completions', `"guided_json":{"enum":[1234567890123456789],"x":${nestedJson(100_000)}}`, 'guided_json'],
+      ['/v1/chat/completions', `"guided_json":${JSON.stringify(`{"enum":[1234567890123456789],"x":${nestedJson(100_000)}}`)}`, 'guided_json'],
+      ['/v1/chat/completions', `"chat_template_kwargs":{"n":1234567890123456789},"guided_json":{"x":${nestedJson(100_000)}}`, 'guided_json'],
     ];
     for (const [path, fields, param] of cases) {
       const response = await post(path, fields);
