@@ -358,9 +358,12 @@ export class CallTrace {
     this.streamError ??= error;
   }
 
-  /** The timings object for the final body or SSE chunk, before the request is over. */
-  timings(): ResponseTimings | undefined {
-    return this.telemetry.timings(this.requestId, this.reports(), this.now(), this.run?.completionTokens);
+  /**
+   * The timings object for the final body or SSE chunk, before the request is over; `pendingWriteTokens`: the output
+   * tokens that chunk shows for the first time (its write is when the client sees them).
+   */
+  timings(pendingWriteTokens?: number): ResponseTimings | undefined {
+    return this.telemetry.timings(this.requestId, this.reports(), this.now(), this.run?.completionTokens, pendingWriteTokens);
   }
 
   /**

@@ -943,7 +943,7 @@ export class Gateway {
         this.servedModels.length > 1 ? target.baseName ?? target.name : undefined);
       run.onOutput = (output) => trace.output(output);
     }
-    const timings = trace ? () => trace.timings() : undefined;
+    const timings = trace ? (pendingWriteTokens?: number) => trace.timings(pendingWriteTokens) : undefined;
 
     // A client that left while its prompt was being prepared gets nothing started on its behalf.
     if (call.clientGone.aborted) throw new ClientClosedRequestError();

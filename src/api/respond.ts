@@ -48,11 +48,14 @@ function wireStopReason(run: GenerationRun, promptIndex: number, stopReason: str
   return stopReason === eosTokenId && !sampling.ignoreEos ? null : stopReason;
 }
 
-/** The per-phase timings of the request so far, for the response that ends it (undefined without telemetry). */
-export type TimingsSource = () => object | undefined;
+/**
+ * The per-phase timings of the request so far, for the response that ends it (undefined without telemetry);
+ * `pendingWriteTokens`: output tokens the chunk carrying them shows for the first time.
+ */
+export type TimingsSource = (pendingWriteTokens?: number) => object | undefined;
 
-function withTimings(body: object, timings: TimingsSource | undefined): object {
-  const value = timings?.();
+function withTimings(body: object, timings: TimingsSource | undefined, pendingWriteTokens = 0): object {
+  const value = timings?.(pendingWriteTokens);
   return value === undefined ? body : { ...body, timings: value };
 }
 
@@ -126,7 +129,9 @@ async function streamFrom(
       for (let i = 0; i < chunks.length; i++) {
         const tokens = i === 0 && shows ? unshownTokens : 0;
         if (tokens > 0) unshownTokens = 0;
-        await writer.send(i === lastChunk ? withTimings(chunks[i]!, options.timings) : chunks[i]!, tokens);
+        // The last chunk's timings count the tokens it shows as written with it: it may carry the first (a one-token
+        // stream), and the client's TTFT is that write, as the finished trace and the metrics record it.
+        await writer.send(i === lastChunk ? withTimings(chunks[i]!, options.timings, tokens) : chunks[i]!, tokens);
       }
       if (writer.closed) return;
       const next = await events.next();

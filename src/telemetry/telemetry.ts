@@ -163,13 +163,16 @@ export class Telemetry {
   /**
    * The timings object for a response: of the finished request if it has ended, else a preview up to `nowMs` with
    * the engine's latest timestamps (the final non-streaming body or the last SSE chunk is written before the
-   * request's finish event) and, for a preview, the output tokens so far.
+   * request's finish event) and, for a preview, the output tokens so far. `pendingWriteTokens`: the output tokens
+   * the write carrying these timings shows first (a stream's last chunk), counted as written now.
    */
-  timings(requestId: string, engine?: EngineReport | readonly EngineReport[], nowMs = this.now(), outputTokens?: number): ResponseTimings | undefined {
+  timings(requestId: string, engine?: EngineReport | readonly EngineReport[], nowMs = this.now(), outputTokens?: number,
+    pendingWriteTokens?: number): ResponseTimings | undefined {
     const record = this.records.get(requestId);
     if (record) {
       return responseTimings(buildRequestTrace(record, {
         nowMs, ...(engine ? { engine } : {}), ...(outputTokens !== undefined ? { outputTokens } : {}),
+        ...(pendingWriteTokens !== undefined ? { pendingWriteTokens } : {}),
       }));
     }
     const done = this.traces.get(requestId);

@@ -315,6 +315,13 @@ export interface BuildOptions {
    * and without them its decode steps are unknown).
    */
   outputTokens?: number;
+  /**
+   * For a preview taken for the write about to go out (a stream's last chunk carries the timings): the output tokens
+   * that write shows for the first time. It is counted as written at `nowMs`, as the finished trace will count it
+   * once it went out; without it, a stream whose first token goes out in that very chunk would preview its TTFT at the
+   * engine's first token and the finished trace (metrics, SLOs) at the write.
+   */
+  pendingWriteTokens?: number;
 }
 
 type Ev<P extends LifecycleEvent['phase']> = Extract<LifecycleEvent, { phase: P }>;
@@ -392,7 +399,9 @@ export function buildRequestTrace(source: RequestRecord | readonly LifecycleEven
   addHandOff(input, queue.startMs);
   const prefill = prefillOf(input);
   const kvTransfer = kvTransferOf(input);
-  const streamed = streamedWrites(record);
+  const pending = options.nowMs !== undefined && (options.pendingWriteTokens ?? 0) > 0
+    ? { atMs: options.nowMs, tokens: options.pendingWriteTokens! } : undefined;
+  const streamed = streamedWrites(record, pending);
   const { emits, contentTimes } = streamed;
   const engineFirstTokenMs = minDefined(reports.map((r) => r.timestamps.firstToken));
   const engineLastTokenMs = maxDefined(reports.map((r) => r.timestamps.lastToken));
@@ -715,8 +724,11 @@ interface StreamedWrites {
   contentTokensPerWrite: number[];
 }
 
-/** The streamed writes, and among them those that carried tokens. */
-function streamedWrites(record: RequestRecord): StreamedWrites {
+/**
+ * The streamed writes, and among them those that carried tokens; `pending`: a write being prepared (a preview's),
+ * counted as made at its time.
+ */
+function streamedWrites(record: RequestRecord, pending?: { atMs: number; tokens: number }): StreamedWrites {
   const contentTimes: number[] = [];
   const contentTokensPerWrite: number[] = [];
   let firstContentStartMs: number | undefined;
@@ -728,8 +740,14 @@ function streamedWrites(record: RequestRecord): StreamedWrites {
     contentTokensPerWrite.push(record.emitTokens[i]!);
     contentTokens += record.emitTokens[i]!;
   }
+  if (pending) {
+    if (contentTimes.length === 0) firstContentStartMs = pending.atMs;
+    contentTimes.push(pending.atMs);
+    contentTokensPerWrite.push(pending.tokens);
+    contentTokens += pending.tokens;
+  }
   const emits: EmitSummary = {
-    writes: record.emitTimes.length, contentWrites: contentTimes.length, bytes: record.emitBytes, contentTimesMs: contentTimes,
+    writes: record.emitTimes.length + (pending ? 1 : 0), contentWrites: contentTimes.length, bytes: record.emitBytes, contentTimesMs: contentTimes,
     firstContentStartMs,
   };
   return { emits, contentTimes, firstContentStartMs, contentTokens, contentTokensPerWrite };

@@ -39,6 +39,26 @@ describe('responseTimings', () => {
   });
 });
 
+describe('Telemetry.timings preview', () => {
+  it('counts the tokens of the write the timings go out with as written then (a one-token stream\'s TTFT)', () => {
+    const telemetry = new Telemetry({ tracing: false });
+    const one = requestTimeline({ id: 'one-token', outputTokens: 1 });
+    // The stream's only content chunk is its last: it carries the first token and the timings, taken just before it
+    // goes out, 0.4 ms after the engine sampled the token.
+    for (const e of one.events) if (e.phase !== 'finish' && !(e.phase === 'streaming_response' && e.tokens > 0)) telemetry.lifecycle.emit(e);
+    const takenAt = one.at.firstToken + 0.4;
+    const preview = telemetry.timings('one-token', one.engine, takenAt, 1, 1)!;
+    assert.equal(preview.ttft_ms, Number((takenAt - T0).toFixed(3)), 'TTFT is the write, not the engine\'s first token');
+    assert.equal(preview.decode_ms, 0);
+
+    // The finished request (the trace behind the metrics and the SLO report) says the same.
+    for (const e of one.events) if (e.phase === 'finish' || (e.phase === 'streaming_response' && e.tokens > 0)) telemetry.lifecycle.emit(e);
+    const done = telemetry.timings('one-token')!;
+    assert.equal(done.ttft_ms, preview.ttft_ms);
+    assert.equal(done.prefill_ms, preview.prefill_ms);
+  });
+});
+
 describe('traceView', () => {
   it('gives phase offsets from arrival and the request\'s traceparent', () => {
     const telemetry = new Telemetry({ env: { OTEL_TRACES_EXPORTER: 'console' }, sampling: { baseRate: 0 }, random: () => 0.5 });
