@@ -65,6 +65,16 @@ function clean(attrs: Record<string, string | number | boolean | undefined>): At
   return out;
 }
 
+/**
+ * The GenAI semantic conventions' `gen_ai.operation.name` (a required attribute) of each generation endpoint: the
+ * Responses API generates a chat turn as Chat Completions does.
+ */
+const GEN_AI_OPERATIONS: Readonly<Record<string, string>> = {
+  '/v1/chat/completions': 'chat',
+  '/v1/responses': 'chat',
+  '/v1/completions': 'text_completion',
+};
+
 /** Sorted copy, for several percentiles of one array at the price of one sort. */
 function sortedOf(values: readonly number[]): Float64Array {
   return Float64Array.from(values).sort();
@@ -117,11 +127,17 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     'conduit.sampling.kept_because': options.keptBecause,
     'conduit.engine.traceparent': trace.engineTraceparent,
     // GenAI semantic conventions, for backends that build LLM views from them.
+    'gen_ai.operation.name': GEN_AI_OPERATIONS[String(trace.phases.find((p) => p.phase === 'http_receive')?.attributes?.route)],
     'gen_ai.request.model': trace.model,
+    'gen_ai.request.max_tokens': trace.maxTokens,
+    'gen_ai.request.temperature': trace.temperature,
     'gen_ai.usage.input_tokens': trace.promptTokens,
     'gen_ai.usage.output_tokens': trace.outputTokens,
     'http.response.status_code': trace.status,
   });
+
+  // The conventions list one finish reason per completion; the trace records the request's one.
+  if (trace.outcome === 'ok') rootAttributes['gen_ai.response.finish_reasons'] = [trace.finishReason];
 
   if (ids && trace.rootSpanId) ids.reserve(trace.parent ? undefined : trace.traceId, trace.rootSpanId);
   let root: Span;

@@ -12,7 +12,7 @@ import type { EngineReport, LifecycleEvent } from '../../src/telemetry/lifecycle
 import { TracingConfigError, tracingConfigFromEnv } from '../../src/telemetry/otel-env.ts';
 import { Telemetry, type TelemetryOptions } from '../../src/telemetry/telemetry.ts';
 import { formatTraceparent, parseTraceparent } from '../../src/telemetry/traceparent.ts';
-import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, rateLimitedTimeline, warmTimeline } from './fixtures.ts';
+import { T0, abortedInQueueTimeline, coldTimeline, erroredInPrefillTimeline, rateLimitedTimeline, requestTimeline, warmTimeline } from './fixtures.ts';
 
 function traced(options: Partial<TelemetryOptions> = {}): { telemetry: Telemetry; exporter: InMemorySpanExporter } {
   const exporter = new InMemorySpanExporter();
@@ -62,6 +62,30 @@ const GATEWAY = 'gateway(http_receive,auth,rate_limit,validate,tokenize)';
 const ROUTING = 'routing(kv_cache_lookup,load_balance)';
 
 describe('request spans', () => {
+  it('give the root span the GenAI semantic conventions\' operation, request parameters and finish reasons', () => {
+    const { telemetry, exporter } = traced();
+    run(telemetry, coldTimeline().events);
+    run(telemetry, requestTimeline({ id: 'text', at: T0 + 1000 }).events.map((e) => (e.phase === 'http_receive' ? { ...e, route: '/v1/completions' } : e)));
+    const [chat, text] = exporter.getFinishedSpans().filter((s) => s.name === 'request');
+    // gen_ai.operation.name is required by the conventions: backends group GenAI spans by it.
+    assert.equal(chat!.attributes['gen_ai.operation.name'], 'chat');
+    assert.equal(text!.attributes['gen_ai.operation.name'], 'text_completion');
+    assert.equal(chat!.attributes['gen_ai.request.model'], 'llama-70b');
+    assert.equal(chat!.attributes['gen_ai.request.max_tokens'], 64);
+    assert.equal(chat!.attributes['gen_ai.request.temperature'], 0.7);
+    assert.deepEqual(chat!.attributes['gen_ai.response.finish_reasons'], ['length']);
+    assert.equal(chat!.attributes['gen_ai.usage.input_tokens'], 1024);
+    assert.equal(chat!.attributes['gen_ai.usage.output_tokens'], 8);
+  });
+
+  it('leave the GenAI finish reasons off a request that failed', () => {
+    const { telemetry, exporter } = traced();
+    run(telemetry, erroredInPrefillTimeline());
+    const root = one(exporter.getFinishedSpans(), 'request');
+    assert.equal(root.attributes['gen_ai.operation.name'], 'chat');
+    assert.equal(root.attributes['gen_ai.response.finish_reasons'], undefined);
+  });
+
   it('give a cold request the full hierarchy with its attributes and times', () => {
     const { telemetry, exporter } = traced();
     const cold = coldTimeline({ queueDepth: 12 });
