@@ -98,6 +98,7 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
   const tbtP50 = percentile(tbtSorted, 0.5);
   const tbtP99 = percentile(tbtSorted, 0.99);
   const e2eSec = trace.e2eMs / 1000;
+  const streamBegan = trace.emits.writes > 0;
   const rootAttributes = clean({
     'conduit.phase': 'request',
     'request.id': trace.requestId,
@@ -133,7 +134,10 @@ export function emitRequestSpans(tracer: Tracer, trace: RequestTrace, options: S
     'gen_ai.request.temperature': trace.temperature,
     'gen_ai.usage.input_tokens': trace.promptTokens,
     'gen_ai.usage.output_tokens': trace.outputTokens,
-    'http.response.status_code': trace.status,
+    // The status line the client got: a stream that failed after it began went out under a 200, its failure as an SSE
+    // error event; the status that failure stands for (a timeout's 504) is request.error_status.
+    'http.response.status_code': streamBegan ? 200 : trace.status,
+    'request.error_status': streamBegan && trace.outcome === 'error' ? trace.status : undefined,
   });
 
   // The conventions list one finish reason per completion; the trace records the request's one.

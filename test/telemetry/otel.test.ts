@@ -190,6 +190,22 @@ describe('request spans', () => {
     assert.equal(one(spans, 'request').attributes['request.ended_in_phase'], 'tokenize');
   });
 
+  it('give a stream that failed after it began the 200 its status line said, with the failure as the error', () => {
+    const { telemetry, exporter } = traced();
+    const timeline = requestTimeline({ id: 'cut', outputTokens: 4 });
+    // The stream went out under a 200; the request timed out in decode and the client got an SSE error event.
+    const cutAt = timeline.at.lastToken + 1;
+    run(telemetry, timeline.events.map((e) => (e.phase === 'finish'
+      ? { phase: 'error', requestId: 'cut', time: cutAt, errorType: 'request_timeout', message: 'The request did not finish in time.', status: 504,
+        promptTokens: 1024, outputTokens: 4, engine: timeline.engine } as LifecycleEvent
+      : e)));
+    const root = one(exporter.getFinishedSpans(), 'request');
+    assert.equal(root.attributes['http.response.status_code'], 200, 'the status the response was sent with');
+    assert.equal(root.status.code, SpanStatusCode.ERROR);
+    assert.equal(root.attributes['error.type'], 'request_timeout');
+    assert.equal(root.attributes['request.error_status'], 504);
+  });
+
   it('mark a failed request\'s root as an error with the exception recorded', () => {
     const { telemetry, exporter } = traced({ sampling: { baseRate: 0 } });
     run(telemetry, erroredInPrefillTimeline('boom'));
