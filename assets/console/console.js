@@ -183,9 +183,9 @@ function sloTable(slo) {
   const rows = slo.models.flatMap((m) => [
     ['TTFT', m.ttft], ['time between tokens', m.tbt],
   ].map(([name, r]) => el('tr', {},
-    td(m.model), td(name), tdNum(r.samples), tdNum(formatMs(r.p50_ms)), tdNum(formatMs(r.p99_ms)),
+    td(m.model, 'id'), td(name), tdNum(r.samples), tdNum(formatMs(r.p50_ms)), tdNum(formatMs(r.p99_ms)),
     tdNum(`${formatMs(r.target_ms)} / ${formatMs(r.warning_ms)}`), el('td', {}, el('span', { class: `badge ${r.status}`, text: r.status }))))
-    .concat([el('tr', {}, td(m.model), td('error rate'), tdNum(m.error_rate.requests), tdNum(''), tdNum(pct(m.error_rate.rate)),
+    .concat([el('tr', {}, td(m.model, 'id'), td('error rate'), tdNum(m.error_rate.requests), tdNum(''), tdNum(pct(m.error_rate.rate)),
       tdNum(`${pct(m.error_rate.target)} / ${pct(m.error_rate.warning)}`),
       el('td', {}, el('span', { class: `badge ${m.error_rate.status}`, text: m.error_rate.status })))]));
   return dataTable('slo',
@@ -212,7 +212,7 @@ function analysisPanel(analysis) {
 function requestsTable(requests) {
   const rows = requests.map((r) => el('tr', {},
     el('td', { class: 'id' }, el('a', { href: `/console/requests/${encodeURIComponent(r.id)}`, text: r.id })),
-    td(r.tenant ?? '-'), td(r.model), td(r.worker ?? '-', 'nowrap'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
+    td(r.tenant ?? '-', 'id'), td(r.model, 'id'), td(r.worker ?? '-', 'nowrap'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
     tdNum(formatMs(r.ttft_ms)), tdNum(formatMs(r.total_ms)),
     el('td', { class: r.outcome === 'ok' ? 'ok' : 'bad', text: r.outcome === 'ok' ? r.finish_reason : `${r.outcome}${r.status ? ` ${r.status}` : ''}` }),
     td(r.bottleneck ?? '-', 'id')));

@@ -1,0 +1,65 @@
+// The web console in Chromium with the longest names a user can give it: a tenant named in the API keys file and a
+// served model name, each one unbroken run of characters. The tables must wrap them inside their panels rather than
+// widen the panel past the window (a sideways scrollbar on every refresh).
+
+import assert from 'node:assert/strict';
+import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { ADMIN_KEY, startTestServer, waitFor, type TestServer } from './e2e-fixture.ts';
+import { launchChromium, CHROMIUM_PATH, type BrowserSession } from '../helpers/chromium.ts';
+
+const E2E = { timeout: 180_000 };
+const TENANT_KEY = 'sk-long-tenant-0001';
+const TENANT = `tenant-${'x'.repeat(150)}`;
+const MODEL = `org/model-${'m'.repeat(150)}`;
+
+// Runs in the page: each panel whose content is wider than its box, with its widths.
+const OVERFLOW_PROBE = `(() => [...document.querySelectorAll('.panel')]
+  .filter((p) => p.scrollWidth > p.clientWidth)
+  .map((p) => ({ id: p.id || '(unnamed)', scrollWidth: p.scrollWidth, clientWidth: p.clientWidth })))()`;
+
+describe('web console with long tenant and model names', { skip: existsSync(CHROMIUM_PATH) ? false : `${CHROMIUM_PATH} is not installed` }, () => {
+  let server: TestServer;
+  let browser: BrowserSession;
+  let profile: string;
+  let id: string;
+
+  before(async () => {
+    server = await startTestServer({ keysFile: `${TENANT_KEY} ${TENANT}\n`, flags: ['--served-model-name', MODEL] });
+    const res = await fetch(`${server.url}/v1/chat/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json', Authorization: `Bearer ${TENANT_KEY}` },
+      body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: 'Tell me about the stars' }], max_tokens: 4 }),
+    });
+    assert.equal(res.status, 200);
+    id = ((await res.json()) as { id: string }).id;
+    await waitFor(() => server.running.api.telemetry.traces.get(id) !== undefined, 'the trace');
+    profile = mkdtempSync(join(tmpdir(), 'conduit-console-long-'));
+    browser = await launchChromium(profile);
+  });
+  after(async () => {
+    await browser?.close();
+    if (profile) rmSync(profile, { recursive: true, force: true });
+    await server?.close();
+  });
+
+  for (const width of [1024, 1280]) {
+    it(`keeps every panel of the overview and the request page inside the window at ${width} px`, E2E, async () => {
+      const page = await browser.newPage();
+      await page.addInitScript(`sessionStorage.setItem('conduit-console-key', '${ADMIN_KEY}')`);
+      await page.setViewportSize({ width, height: 900 });
+      await page.goto(`${server.url}/console`);
+      await page.waitForSelector('body[data-ready]');
+      await page.waitForSelector(`#requests a[href="/console/requests/${id}"]`);
+      await page.waitForSelector('#slo .badge');
+      assert.ok((await page.textContent('#requests'))!.includes(TENANT));
+      assert.deepEqual(await page.evaluate(OVERFLOW_PROBE), [], 'overview panels wider than their box');
+      await page.goto(`${server.url}/console/requests/${id}`);
+      await page.waitForSelector('#phases');
+      assert.deepEqual(await page.evaluate(OVERFLOW_PROBE), [], 'request page panels wider than their box');
+      await page.close();
+      browser.assertClean();
+    });
+  }
+});
