@@ -113,7 +113,11 @@ async function load(path) {
       return await getJson(path);
     } catch (err) {
       if (err instanceof ApiError && (err.status === 401 || err.status === 403)) {
+        // Until a key is given nothing is polled: the header must not go on showing the last answer as current.
+        setState('server-state', `server answered ${err.status}: waiting for an API key`, 'bad');
+        setState('refresh-state', `not updated: ${err.message}`, 'bad');
         await askForKey(err.message);
+        setState('refresh-state', 'loading...');
         continue;
       }
       throw err;
@@ -435,6 +439,7 @@ async function requestPage(id) {
   let view;
   try {
     view = await load(`/console/api/requests/${encodeURIComponent(id)}`);
+    setState('server-state', `request ${id}`);
   } catch (err) {
     app.replaceChildren(el('p', { class: 'bad', text: err.message }), el('p', {}, el('a', { href: '/console', text: 'back to the console' })));
     return;

@@ -1,6 +1,7 @@
 // The web console in Chromium with the longest names a user can give it: a tenant named in the API keys file and a
 // served model name, each one unbroken run of characters. The tables must wrap them inside their panels rather than
-// widen the panel past the window (a sideways scrollbar on every refresh).
+// widen the panel past the window (a sideways scrollbar on every refresh). And a server that stops taking the page's
+// key: the header must say the figures are no longer updated.
 
 import assert from 'node:assert/strict';
 import { existsSync, mkdtempSync, rmSync } from 'node:fs';
@@ -62,4 +63,53 @@ describe('web console with long tenant and model names', { skip: existsSync(CHRO
       browser.assertClean();
     });
   }
+});
+
+describe('web console when the server stops taking its key', { skip: existsSync(CHROMIUM_PATH) ? false : `${CHROMIUM_PATH} is not installed` }, () => {
+  let server: TestServer;
+  let browser: BrowserSession;
+  let profile: string;
+
+  before(async () => {
+    server = await startTestServer({ keysFile: `${TENANT_KEY} acme\n` });
+    profile = mkdtempSync(join(tmpdir(), 'conduit-console-key-'));
+    browser = await launchChromium(profile);
+  });
+  after(async () => {
+    await browser?.close();
+    if (profile) rmSync(profile, { recursive: true, force: true });
+    await server?.close();
+  });
+
+  it('says the overview is no longer updated while it waits for a key, and is ready again once given one', E2E, async () => {
+    const page = await browser.newPage();
+    await page.addInitScript(`sessionStorage.setItem('conduit-console-key', '${ADMIN_KEY}')`);
+    await page.goto(`${server.url}/console?refresh=500`);
+    await page.waitForSelector('#workers tr[data-worker]');
+    // Polled from here: the page's CSP refuses a string predicate evaluated in it.
+    const text = async (selector: string, pattern: RegExp, what: string) => {
+      const deadline = Date.now() + 30_000;
+      while (!pattern.test((await page.textContent(selector)) ?? '')) {
+        if (Date.now() > deadline) assert.fail(`timed out waiting until ${what}: ${await page.textContent(selector)}`);
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+    };
+    await text('#server-state', /ready/, 'the overview loaded');
+    // The server restarted with another keys file: the stored key is refused from now on.
+    await page.route('**/console/api/overview', (route) => route.fulfill({
+      status: 401, json: { error: { message: 'Incorrect API key provided.', type: 'invalid_request_error', param: null, code: 'invalid_api_key' } },
+    }));
+    await page.waitForSelector('#key-form:not([hidden])');
+    await text('#server-state', /401/, 'the header says the server refused the key');
+    assert.equal(await page.getAttribute('#server-state', 'class'), 'bad');
+    assert.match((await page.textContent('#refresh-state'))!, /^not updated/);
+    // A key the server takes: the page polls again.
+    await page.unroute('**/console/api/overview');
+    await page.fill('#key-input', ADMIN_KEY);
+    await page.click('#key-form button');
+    await text('#server-state', /ready/, 'the overview loaded again');
+    await text('#refresh-state', /^updated/, 'the overview updated again');
+    await page.close();
+    browser.errors.length = 0;
+  });
 });
