@@ -183,6 +183,9 @@ function memoryCell(memory) {
   return el('td', { class: 'num', title: parts.map(([category, bytes]) => `${category} ${formatBytes(bytes)}`).join(', '), text: formatBytes(total) });
 }
 
+/** 0.99 as "99", 0.999 as "99.9": rounded to a whole number, p99.5 and p99.9 would both read p100. */
+const percentileName = (q) => String(Number((q * 100).toFixed(2)));
+
 function sloTable(slo) {
   const rows = slo.models.flatMap((m) => [
     ['TTFT', m.ttft], ['time between tokens', m.tbt],
@@ -193,7 +196,7 @@ function sloTable(slo) {
       tdNum(`${pct(m.error_rate.target)} / ${pct(m.error_rate.warning)}`),
       el('td', {}, el('span', { class: `badge ${m.error_rate.status}`, text: m.error_rate.status })))]));
   return dataTable('slo',
-    el('thead', {}, el('tr', {}, ['model', 'objective', 'samples', 'p50', `p${Math.round(slo.percentile * 100)} / rate`, 'target / warning', 'status']
+    el('thead', {}, el('tr', {}, ['model', 'objective', 'samples', 'p50', `p${percentileName(slo.percentile)} / rate`, 'target / warning', 'status']
       .map((h, i) => el('th', { class: i >= 2 && i <= 5 ? 'num' : undefined, text: h })))),
     el('tbody', {}, rows.length > 0 ? rows : [el('tr', {}, el('td', { colspan: 7, class: 'muted', text: `no request in the last ${slo.window_ms / 1000} s` }))]));
 }

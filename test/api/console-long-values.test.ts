@@ -1,7 +1,7 @@
 // The web console in Chromium with the longest names a user can give it: a tenant named in the API keys file and a
 // served model name, each one unbroken run of characters. The tables must wrap them inside their panels rather than
 // widen the panel past the window (a sideways scrollbar on every refresh). And a server that stops taking the page's
-// key: the header must say the figures are no longer updated.
+// key: the header must say the figures are no longer updated; and an SLO percentile that is not a whole number.
 
 import assert from 'node:assert/strict';
 import { existsSync, mkdtempSync, rmSync } from 'node:fs';
@@ -111,5 +111,21 @@ describe('web console when the server stops taking its key', { skip: existsSync(
     await text('#refresh-state', /^updated/, 'the overview updated again');
     await page.close();
     browser.errors.length = 0;
+  });
+
+  it('names an SLO percentile that is not a whole number as it is (p99.9, not p100)', E2E, async () => {
+    const page = await browser.newPage();
+    await page.addInitScript(`sessionStorage.setItem('conduit-console-key', '${ADMIN_KEY}')`);
+    // The objectives' percentile is the server's (TelemetryOptions.slo.percentile); this one serves p99.9.
+    await page.route('**/console/api/overview', async (route) => {
+      const body = await (await route.fetch()).json() as { slo: { percentile: number } };
+      body.slo.percentile = 0.999;
+      await route.fulfill({ json: body });
+    });
+    await page.goto(`${server.url}/console`);
+    await page.waitForSelector('#slo');
+    assert.equal(await page.textContent('#slo th:nth-child(5)'), 'p99.9 / rate');
+    await page.close();
+    browser.assertClean();
   });
 });
