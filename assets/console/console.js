@@ -219,7 +219,7 @@ function analysisPanel(analysis) {
 function requestsTable(requests) {
   const rows = requests.map((r) => el('tr', {},
     el('td', { class: 'id' }, el('a', { href: `/console/requests/${encodeURIComponent(r.id)}`, text: r.id })),
-    td(r.tenant ?? '-', 'id'), td(r.model, 'id'), td(r.worker ?? '-', 'nowrap'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
+    td(r.tenant ?? '-', 'id'), td(r.lora_adapter ? `${r.lora_adapter} (LoRA on ${r.model})` : r.model, 'id'), td(r.worker ?? '-', 'nowrap'), tdNum(r.prompt_tokens), tdNum(r.cached_tokens), tdNum(r.output_tokens),
     tdNum(formatMs(r.ttft_ms)), tdNum(formatMs(r.total_ms)),
     el('td', { class: r.outcome === 'ok' ? 'ok' : 'bad', text: r.outcome === 'ok' ? r.finish_reason : `${r.outcome}${r.status ? ` ${r.status}` : ''}` }),
     td(r.bottleneck ?? '-', 'id')));
@@ -459,7 +459,7 @@ async function requestPage(id) {
     el('h2', { text: `Request ${view.request_id}` }),
     el('div', { class: 'grid' },
       el('div', { class: 'panel' }, facts([
-        ['model', view.model], ['tenant', view.tenant], ['worker', view.worker], ['outcome', outcome],
+        ['model', view.model], ['LoRA adapter', view.lora_adapter], ['tenant', view.tenant], ['worker', view.worker], ['outcome', outcome],
         ['TTFT', formatMs(t.ttft_ms)], ['total', formatMs(t.total_ms)],
         ['tokens', `${view.usage.prompt_tokens} prompt (${view.usage.cached_tokens} cached), ${view.usage.completion_tokens} output`],
         ['time between tokens', view.tbt.count > 0 ? `p50 ${formatMs(view.tbt.p50_ms)}, p99 ${formatMs(view.tbt.p99_ms)}, max ${formatMs(view.tbt.max_ms)}` : undefined],

@@ -286,6 +286,8 @@ export class WebConsole {
       id: trace.requestId,
       tenant: trace.tenant ?? null,
       model: trace.model,
+      // A request that named a LoRA adapter: the trace's model is the adapter's base model.
+      lora_adapter: trace.adapter ?? null,
       worker: trace.worker ?? null,
       prompt_tokens: trace.promptTokens,
       cached_tokens: trace.cachedTokens,
