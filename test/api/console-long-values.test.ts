@@ -45,6 +45,26 @@ describe('web console with long tenant and model names', { skip: existsSync(CHRO
     await server?.close();
   });
 
+  it('keeps a refused request\'s page inside the window when its error quotes a long unbroken value', E2E, async () => {
+    const res = await fetch(`${server.url}/v1/chat/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json', Authorization: `Bearer ${TENANT_KEY}` },
+      body: JSON.stringify({ model: `no-such-model-${'z'.repeat(200)}`, messages: [{ role: 'user', content: 'hi' }] }),
+    });
+    assert.equal(res.status, 404);
+    await res.text();
+    const overview = await fetch(`${server.url}/console/api/overview`, { headers: { Authorization: `Bearer ${ADMIN_KEY}` } });
+    const refused = ((await overview.json()) as { requests: { id: string; status: number | null }[] }).requests.find((r) => r.status === 404)!;
+    const page = await browser.newPage();
+    await page.addInitScript(`sessionStorage.setItem('conduit-console-key', '${ADMIN_KEY}')`);
+    await page.setViewportSize({ width: 1024, height: 900 });
+    await page.goto(`${server.url}/console/requests/${refused.id}`);
+    await page.waitForSelector('#phases');
+    assert.match((await page.textContent('#diagnosis'))!, /zzzz/);
+    assert.deepEqual(await page.evaluate(OVERFLOW_PROBE), [], 'request page panels wider than their box');
+    await page.close();
+    browser.assertClean();
+  });
+
   for (const width of [1024, 1280]) {
     it(`keeps every panel of the overview and the request page inside the window at ${width} px`, E2E, async () => {
       const page = await browser.newPage();
