@@ -187,7 +187,9 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     throw new ModelFormatError(`${source}: hidden_size ${dim} is not divisible by num_attention_heads ${numHeads}`);
   }
   requireCount(source, 'config.json head_dim', headDim);
-  const rotaryFactor = optionalNumber(json, 'partial_rotary_factor', source);
+  const rope = hfRopeParameters(json, source);
+  const rotaryFactor = optionalNumber(json, 'partial_rotary_factor', source) ??
+    (rope.global ? optionalNumber(rope.global, 'partial_rotary_factor', `${source} (rope_parameters)`) : undefined);
   if (rotaryFactor !== undefined && rotaryFactor > 1) {
     throw new ModelFormatError(`${source}: config.json partial_rotary_factor is ${rotaryFactor}; a head rotates at most ` +
       'all of its dimensions (1)');
@@ -208,7 +210,7 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     ffnDim: count('intermediate_size'),
     contextLength: count('max_position_embeddings'),
     rmsNormEps: num('rms_norm_eps'),
-    ropeTheta: num('rope_theta', DEFAULT_ROPE_THETA),
+    ropeTheta: ropeBase(json, rope.global, rope.field, source) ?? DEFAULT_ROPE_THETA,
     // Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75).
     ropeDim: rotaryFactor !== undefined && rotaryFactor < 1 ? 2 * Math.floor((rotaryFactor * headDim) / 2) : headDim,
     ropeStyle: 'neox',
@@ -231,7 +233,7 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
   if (declared === 'Qwen2ForCausalLM' || declared === 'Qwen3ForCausalLM' || declared === 'Qwen3MoeForCausalLM') {
     refuseQwenSlidingWindow(json, config.numLayers, source);
   }
-  if (architecture === 'gemma3') hfGemma3Config(json, config, source);
+  if (architecture === 'gemma3') hfGemma3Config(json, config, source, rope.local);
   const moe = hfMoeConfig(json, declared!, source);
   if (moe && moe.numExpertsUsed > moe.numExperts) {
     throw new ModelFormatError(`${source}: config.json num_experts_per_tok ${moe.numExpertsUsed} is more than the ` +
@@ -242,7 +244,7 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
       moe.numExperts, MAX_EXPERTS);
     config.moe = moe;
   }
-  const ropeScaling = hfRopeScaling(json['rope_scaling'], json, config.ropeDim, source);
+  const ropeScaling = hfScalingOf(json, rope, config.ropeDim, source);
   if (ropeScaling) config.ropeScaling = ropeScaling;
   return config;
 }
@@ -252,7 +254,8 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
  * global; the local layers' RoPE base rope_local_base_freq; scores scaled by query_pre_attn_scalar^-0.5; GELU-tanh;
  * the optional final logit softcap. The same fields as a GGUF of the model gives (gguf-model.ts ggufGemma3).
  */
-function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, source: string): void {
+function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, source: string,
+  localRope: Record<string, unknown> | undefined): void {
   const activation = json['hidden_activation'] ?? 'gelu_pytorch_tanh';
   if (activation !== 'gelu_pytorch_tanh' && activation !== 'gelu') {
     throw new ModelFormatError(`${source}: Gemma 3 with hidden_activation ${JSON.stringify(activation)} is not supported`);
@@ -282,7 +285,8 @@ function hfGemma3Config(json: Record<string, unknown>, config: ModelConfig, sour
     if (layers.some((w) => w)) {
       config.slidingWindow = window;
       if (!layers.every((w) => w)) config.slidingWindowLayers = layers;
-      config.ropeLocalTheta = optionalNumber(json, 'rope_local_base_freq', source) ?? GEMMA3_DEFAULT_LOCAL_ROPE_THETA;
+      config.ropeLocalTheta = ropeBase(json, localRope, 'rope_parameters.sliding_attention', source, 'rope_local_base_freq') ??
+        GEMMA3_DEFAULT_LOCAL_ROPE_THETA;
       requirePositive(source, 'config.json rope_local_base_freq', config.ropeLocalTheta);
     }
   }
@@ -336,24 +340,98 @@ function hfMoeConfig(json: Record<string, unknown>, declared: string, source: st
     expertFfnDim: num('moe_intermediate_size'), normalizeTopK: optionalFlag(json, 'norm_topk_prob', source) ?? false };
 }
 
-function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: number,
+/**
+ * transformers 5 saves RoPE as `rope_parameters`: rope_theta and the scaling fields in one object (no top-level
+ * rope_theta or rope_scaling), or, for models with two kinds of attention layer (Gemma 3), one such object per layer
+ * type. Read as absent, a Llama 3.1 saved so would run with a base of 10000 and no scaling: another model, silently.
+ */
+interface HfRopeParameters {
+  /** The (global attention layers') parameters; undefined when config.json has no rope_parameters. */
+  global?: Record<string, unknown>;
+  /** Gemma 3's sliding-window layers' parameters. */
+  local?: Record<string, unknown>;
+  /** How errors name `global`. */
+  field: string;
+}
+
+function hfRopeParameters(json: Record<string, unknown>, source: string): HfRopeParameters {
+  const value = json['rope_parameters'];
+  if (value === undefined || value === null) return { field: 'rope_parameters' };
+  if (!isRecord(value)) throw new ModelFormatError(`${source}: config.json rope_parameters is ${shownJson(value)}, not an object`);
+  if (!('full_attention' in value) && !('sliding_attention' in value)) return { global: value, field: 'rope_parameters' };
+  const part = (key: string): Record<string, unknown> | undefined => {
+    const v = value[key];
+    if (v === undefined || v === null) return undefined;
+    if (!isRecord(v)) throw new ModelFormatError(`${source}: config.json rope_parameters.${key} is ${shownJson(v)}, not an object`);
+    return v;
+  };
+  const result: HfRopeParameters = { field: 'rope_parameters.full_attention' };
+  const global = part('full_attention');
+  const local = part('sliding_attention');
+  if (global) result.global = global;
+  if (local) {
+    const type = local['rope_type'] ?? local['type'];
+    // The sliding-window layers rotate with their base alone (ModelConfig.ropeLocalTheta takes no scaling).
+    if (type !== undefined && type !== null && type !== 'default') {
+      throw new ModelFormatError(`${source}: config.json rope_parameters.sliding_attention rope_type ` +
+        `${JSON.stringify(type)} is not supported (the sliding-window layers' RoPE must be "default")`);
+    }
+    result.local = local;
+  }
+  return result;
+}
+
+/**
+ * A RoPE base given at the top of config.json (`key`) or in its rope_parameters object (`rope_theta`): undefined when
+ * neither gives one, refused when both do and differ (which one the model was trained with is unknown).
+ */
+function ropeBase(json: Record<string, unknown>, parameters: Record<string, unknown> | undefined, field: string,
+  source: string, key = 'rope_theta'): number | undefined {
+  const top = optionalNumber(json, key, source);
+  const inner = parameters ? optionalNumber(parameters, 'rope_theta', `${source} (${field})`) : undefined;
+  if (top !== undefined && inner !== undefined && top !== inner) {
+    throw new ModelFormatError(`${source}: config.json ${key} ${top} and ${field}.rope_theta ${inner} differ; ` +
+      'which one the model was trained with is unknown');
+  }
+  return inner ?? top;
+}
+
+/**
+ * The scaling of rope_parameters (its rope_type, "default" when it names none, as transformers reads it) or of the
+ * older rope_scaling; refused when both are given and say different things.
+ */
+function hfScalingOf(json: Record<string, unknown>, rope: HfRopeParameters, ropeDim: number,
   source: string): RopeScaling | undefined {
+  const legacy = hfRopeScaling(json['rope_scaling'], json, ropeDim, source);
+  if (!rope.global) return legacy;
+  const typed = rope.global['rope_type'] ?? rope.global['type'];
+  const current = typed === undefined || typed === null ? undefined : hfRopeScaling(rope.global, json, ropeDim, source, rope.field);
+  if (json['rope_scaling'] !== undefined && json['rope_scaling'] !== null &&
+    JSON.stringify(legacy) !== JSON.stringify(current)) {
+    throw new ModelFormatError(`${source}: config.json has both rope_scaling and ${rope.field}, which differ; ` +
+      'which scaling the model was trained with is unknown');
+  }
+  return current;
+}
+
+function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: number,
+  source: string, field = 'rope_scaling'): RopeScaling | undefined {
   if (value === undefined || value === null) return undefined;
-  if (typeof value !== 'object' || Array.isArray(value)) throw new ModelFormatError(`${source}: rope_scaling is not an object`);
+  if (typeof value !== 'object' || Array.isArray(value)) throw new ModelFormatError(`${source}: ${field} is not an object`);
   const s = value as Record<string, unknown>;
   const type = s['rope_type'] ?? s['type'];
   if (type === undefined || type === null) {
-    throw new ModelFormatError(`${source}: rope_scaling has no rope_type (or type): which scaling is meant is unknown`);
+    throw new ModelFormatError(`${source}: ${field} has no rope_type (or type): which scaling is meant is unknown`);
   }
   const num = (key: string): number => {
     const v = s[key];
-    if (typeof v !== 'number') throw new ModelFormatError(`${source}: rope_scaling.${key} is missing or not a number`);
+    if (typeof v !== 'number') throw new ModelFormatError(`${source}: ${field}.${key} is missing or not a number`);
     return v;
   };
   /** A factor of the scaling: a positive finite number, else every rotated frequency is infinite, NaN or reversed. */
   const positive = (key: string): number => {
     const v = num(key);
-    requirePositive(source, `config.json rope_scaling.${key}`, v);
+    requirePositive(source, `config.json ${field}.${key}`, v);
     return v;
   };
   switch (type) {
@@ -367,17 +445,17 @@ function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: n
         highFreqFactor: positive('high_freq_factor'),
         originalContextLength: num('original_max_position_embeddings'),
       };
-      requireCount(source, 'config.json rope_scaling.original_max_position_embeddings', scaling.originalContextLength);
+      requireCount(source, `config.json ${field}.original_max_position_embeddings`, scaling.originalContextLength);
       // The blend between them divides by their difference.
       if (!(scaling.highFreqFactor > scaling.lowFreqFactor)) {
-        throw new ModelFormatError(`${source}: rope_scaling.high_freq_factor ${scaling.highFreqFactor} is not above ` +
+        throw new ModelFormatError(`${source}: ${field}.high_freq_factor ${scaling.highFreqFactor} is not above ` +
           `low_freq_factor ${scaling.lowFreqFactor}`);
       }
       return scaling;
     }
     case 'longrope':
-    case 'su': return hfLongRope(s, json, ropeDim, source);
-    default: throw new ModelFormatError(`${source}: rope_scaling type ${JSON.stringify(type)} is not supported ` +
+    case 'su': return hfLongRope(s, json, ropeDim, source, field);
+    default: throw new ModelFormatError(`${source}: ${field} type ${JSON.stringify(type)} is not supported ` +
       '(supported: default, linear, llama3, longrope)');
   }
 }
@@ -389,11 +467,11 @@ function hfRopeScaling(value: unknown, json: Record<string, unknown>, ropeDim: n
  * llama.cpp's converter stores them, so a folder and its GGUF give the same config.
  */
 function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, ropeDim: number,
-  source: string): RopeScaling {
+  source: string, field: string): RopeScaling {
   const numbers = (key: string): number[] => {
     const v = s[key];
     if (!Array.isArray(v) || v.length !== ropeDim / 2 || !v.every((x) => typeof x === 'number' && Number.isFinite(x) && x > 0)) {
-      throw new ModelFormatError(`${source}: rope_scaling.${key} must be ${ropeDim / 2} positive numbers`);
+      throw new ModelFormatError(`${source}: ${field}.${key} must be ${ropeDim / 2} positive numbers`);
     }
     return v.map((x) => Math.fround(x as number));
   };
@@ -407,11 +485,11 @@ function hfLongRope(s: Record<string, unknown>, json: Record<string, unknown>, r
   const given = s['attention_factor'];
   // Read as absent, a string "1.19" gave the computed factor instead of the one written.
   if (given !== undefined && given !== null && typeof given !== 'number') {
-    throw new ModelFormatError(`${source}: rope_scaling.attention_factor is ${shownJson(given)}, not a number`);
+    throw new ModelFormatError(`${source}: ${field}.attention_factor is ${shownJson(given)}, not a number`);
   }
   const attentionFactor = Math.fround(typeof given === 'number' ? given
     : scale > 1 ? Math.sqrt(1 + Math.log(scale) / Math.log(original)) : 1);
-  requirePositive(source, 'config.json rope_scaling.attention_factor', attentionFactor);
+  requirePositive(source, `config.json ${field}.attention_factor`, attentionFactor);
   numbers(max > original ? 'short_factor' : 'long_factor'); // the set not used is checked too
   return { type: 'longrope', factors: numbers(max > original ? 'long_factor' : 'short_factor'), attentionFactor,
     originalContextLength: original };

@@ -121,6 +121,50 @@ describe('Hugging Face folder variants', () => {
     assert.deepEqual((await loadModel(linear)).config.ropeScaling, { type: 'linear', factor: 2 });
   });
 
+  it('reads RoPE from rope_parameters, where transformers 5 saves rope_theta and the scaling', async () => {
+    const llama31 = tempDir();
+    writeTinyHf(llama31, makeTinyModel(), { configOverrides: {
+      rope_theta: undefined,
+      rope_parameters: { rope_theta: 500000, rope_type: 'llama3', factor: 8, low_freq_factor: 1, high_freq_factor: 4,
+        original_max_position_embeddings: 8192 },
+    } });
+    const config = (await loadModel(llama31)).config;
+    assert.equal(config.ropeTheta, 500000);
+    assert.deepEqual(config.ropeScaling, { type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalContextLength: 8192 });
+
+    const plain = tempDir();
+    writeTinyHf(plain, makeTinyModel(), { configOverrides: { rope_theta: undefined, rope_parameters: { rope_theta: 1e6, rope_type: 'default' } } });
+    assert.equal((await loadModel(plain)).config.ropeTheta, 1e6);
+    assert.equal((await loadModel(plain)).config.ropeScaling, undefined);
+
+    // Gemma 3: one set per attention type, the global layers' and the sliding-window layers'.
+    const gemma3 = {
+      architectures: ['Gemma3ForCausalLM'], hidden_size: 32, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8,
+      vocab_size: 48, num_hidden_layers: 2, intermediate_size: 64, max_position_embeddings: 64, rms_norm_eps: 1e-6,
+      sliding_window: 16, sliding_window_pattern: 2, query_pre_attn_scalar: 8,
+      rope_parameters: {
+        full_attention: { rope_theta: 1e6, rope_type: 'linear', factor: 8 },
+        sliding_attention: { rope_theta: 20000, rope_type: 'default' },
+      },
+    };
+    const gemma = hfModelConfig(gemma3, 'g', 'g');
+    assert.equal(gemma.ropeTheta, 1e6);
+    assert.deepEqual(gemma.ropeScaling, { type: 'linear', factor: 8 });
+    assert.equal(gemma.ropeLocalTheta, 20000);
+    const scaledLocal = { ...gemma3, rope_parameters: { ...gemma3.rope_parameters, sliding_attention: { rope_theta: 1e4, rope_type: 'linear', factor: 2 } } };
+    assert.throws(() => hfModelConfig(scaledLocal, 'g', 'g'), /rope_parameters\.sliding_attention rope_type "linear" is not supported/);
+
+    // Two different bases in one file: which one was trained with is unknown.
+    const both = tempDir();
+    writeTinyHf(both, makeTinyModel(), { configOverrides: { rope_theta: 10000, rope_parameters: { rope_theta: 500000, rope_type: 'default' } } });
+    await assert.rejects(loadModel(both), /config\.json rope_theta 10000 and rope_parameters\.rope_theta 500000 differ/);
+    const bothScalings = tempDir();
+    writeTinyHf(bothScalings, makeTinyModel(), { configOverrides: {
+      rope_scaling: { rope_type: 'linear', factor: 2 }, rope_parameters: { rope_theta: 10000, rope_type: 'default' },
+    } });
+    await assert.rejects(loadModel(bothScalings), /config\.json has both rope_scaling and rope_parameters, which differ/);
+  });
+
   it('names what it cannot load', async () => {
     const gemma2 = tempDir();
     writeTinyHf(gemma2, makeTinyModel(), { configOverrides: { architectures: ['Gemma2ForCausalLM'] } });
