@@ -38,6 +38,23 @@ const ARCHITECTURES: Readonly<Record<string, Architecture>> = {
   Gemma3ForCausalLM: 'gemma3',
 };
 
+/**
+ * What each transformers configuration class takes for a key config.json leaves out (config.json files written by
+ * transformers omit nothing, but trimmed or hand-written ones do): read with one default for all, a Mixtral or
+ * Gemma 3 without rope_theta would rotate with Llama's base of 10000 instead of its own 1000000. One entry for each
+ * class of ARCHITECTURES.
+ */
+const CLASS_DEFAULTS: Readonly<Record<string, { ropeTheta: number; rmsNormEps: number }>> = {
+  LlamaForCausalLM: { ropeTheta: DEFAULT_ROPE_THETA, rmsNormEps: 1e-6 },
+  Qwen2ForCausalLM: { ropeTheta: DEFAULT_ROPE_THETA, rmsNormEps: 1e-6 },
+  Qwen3ForCausalLM: { ropeTheta: DEFAULT_ROPE_THETA, rmsNormEps: 1e-6 },
+  Qwen3MoeForCausalLM: { ropeTheta: DEFAULT_ROPE_THETA, rmsNormEps: 1e-6 },
+  MixtralForCausalLM: { ropeTheta: 1e6, rmsNormEps: 1e-5 },
+  MistralForCausalLM: { ropeTheta: DEFAULT_ROPE_THETA, rmsNormEps: 1e-6 },
+  Phi3ForCausalLM: { ropeTheta: DEFAULT_ROPE_THETA, rmsNormEps: 1e-5 },
+  Gemma3ForCausalLM: { ropeTheta: 1e6, rmsNormEps: 1e-6 },
+};
+
 export interface HfModel {
   config: ModelConfig;
   weights: ModelWeights;
@@ -209,8 +226,8 @@ export function hfModelConfig(json: Record<string, unknown>, name: string, sourc
     headDim,
     ffnDim: count('intermediate_size'),
     contextLength: count('max_position_embeddings'),
-    rmsNormEps: num('rms_norm_eps'),
-    ropeTheta: ropeBase(json, rope.global, rope.field, source) ?? DEFAULT_ROPE_THETA,
+    rmsNormEps: num('rms_norm_eps', CLASS_DEFAULTS[declared!]!.rmsNormEps),
+    ropeTheta: ropeBase(json, rope.global, rope.field, source) ?? CLASS_DEFAULTS[declared!]!.ropeTheta,
     // Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75).
     ropeDim: rotaryFactor !== undefined && rotaryFactor < 1 ? 2 * Math.floor((rotaryFactor * headDim) / 2) : headDim,
     ropeStyle: 'neox',

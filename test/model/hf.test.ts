@@ -165,6 +165,26 @@ describe('Hugging Face folder variants', () => {
     await assert.rejects(loadModel(bothScalings), /config\.json has both rope_scaling and rope_parameters, which differ/);
   });
 
+  it('takes the defaults of each configuration class for an absent rope_theta or rms_norm_eps', () => {
+    const base = {
+      hidden_size: 32, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 48, num_hidden_layers: 2,
+      intermediate_size: 64, max_position_embeddings: 64,
+    };
+    const expected: [string, Record<string, unknown>, number, number][] = [
+      ['LlamaForCausalLM', {}, 10000, 1e-6],
+      ['MistralForCausalLM', {}, 10000, 1e-6],
+      ['Qwen2ForCausalLM', {}, 10000, 1e-6],
+      ['Phi3ForCausalLM', {}, 10000, 1e-5],
+      // MixtralConfig and Gemma3TextConfig default to a base of 1000000, not Llama's 10000.
+      ['MixtralForCausalLM', { num_local_experts: 4, num_experts_per_tok: 2 }, 1e6, 1e-5],
+      ['Gemma3ForCausalLM', { head_dim: 8 }, 1e6, 1e-6],
+    ];
+    for (const [architecture, extra, ropeTheta, rmsNormEps] of expected) {
+      const config = hfModelConfig({ ...base, ...extra, architectures: [architecture] }, 'm', 'm');
+      assert.deepEqual([architecture, config.ropeTheta, config.rmsNormEps], [architecture, ropeTheta, rmsNormEps]);
+    }
+  });
+
   it('names what it cannot load', async () => {
     const gemma2 = tempDir();
     writeTinyHf(gemma2, makeTinyModel(), { configOverrides: { architectures: ['Gemma2ForCausalLM'] } });
