@@ -94,6 +94,7 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
     { name: 'model.embed_tokens.weight (config.json vocab_size)', rows: weights.tokenEmbedding.shape[1]! }, false);
   const tokenizerConfigPath = join(dir, 'tokenizer_config.json');
   let tokenizerConfig = existsSync(tokenizerConfigPath) ? await readJson(tokenizerConfigPath) : {};
+  tokenizerConfig = await withSpecialTokensMap(dir, tokenizerConfig);
   const found = await findChatTemplate(dir, tokenizerConfig, tokenizerConfigPath);
   if (found !== undefined) {
     // The engine builds its template from tokenizerConfig: one from a file beside it goes in there, or the engine
@@ -113,6 +114,29 @@ export async function loadHfModel(dir: string): Promise<HfModel> {
   const chatTemplate = pickTemplate(found?.value);
   if (chatTemplate !== undefined) model.chatTemplate = chatTemplate;
   return model;
+}
+
+/**
+ * special_tokens_map.json, where tokenizers saved before transformers 4.34 keep their bos_token, eos_token, unk_token
+ * and pad_token (their tokenizer_config.json often names none). transformers reads it when tokenizer_config.json has
+ * no added_tokens_decoder (which newer versions write beside the tokens), and its tokens then replace the config's.
+ * Unread, such a folder had no EOS (generation ran past the end of the reply) and a template's {{ bos_token }} was "".
+ */
+async function withSpecialTokensMap(dir: string, tokenizerConfig: Record<string, unknown>): Promise<Record<string, unknown>> {
+  const path = join(dir, 'special_tokens_map.json');
+  if ('added_tokens_decoder' in tokenizerConfig || !existsSync(path)) return tokenizerConfig;
+  const map = await readJson(path);
+  const merged = { ...tokenizerConfig };
+  for (const [key, value] of Object.entries(map)) {
+    if (!key.endsWith('_token') || value === null) continue;
+    // A token is its text or an AddedToken object with that text as "content".
+    if (typeof value !== 'string' && !(isRecord(value) && typeof value['content'] === 'string')) {
+      throw new ModelFormatError(`${path}: ${key} is ${shownJson(value)}, not a token (a string, or an object with ` +
+        'a "content" string)');
+    }
+    merged[key] = value;
+  }
+  return merged;
 }
 
 async function readJson(path: string): Promise<Record<string, unknown>> {

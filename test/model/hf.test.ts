@@ -185,6 +185,34 @@ describe('Hugging Face folder variants', () => {
     }
   });
 
+  it('takes the special tokens of special_tokens_map.json as transformers does', async () => {
+    // An older tokenizer: tokenizer_config.json without added_tokens_decoder, its tokens in special_tokens_map.json.
+    const legacy = tempDir();
+    writeTinyHf(legacy, makeTinyModel(), { tokenizerConfig: { add_bos_token: true, bos_token: '<unk>' } });
+    writeFileSync(join(legacy, 'special_tokens_map.json'), JSON.stringify({
+      bos_token: '<s>', eos_token: { content: '</s>', lstrip: false, normalized: false, rstrip: false, single_word: false },
+      pad_token: null, additional_special_tokens: ['<x>'],
+    }));
+    const loaded = await loadModel(legacy);
+    assert.equal(loaded.tokenizerSource.kind, 'hf');
+    const config = loaded.tokenizerSource.kind === 'hf' ? loaded.tokenizerSource.tokenizerConfig : undefined;
+    assert.equal(config?.['bos_token'], '<s>');
+    assert.equal((config?.['eos_token'] as { content: string }).content, '</s>');
+    assert.equal(config?.['add_bos_token'], true);
+
+    // A newer one (added_tokens_decoder written): transformers does not read the map, nor do we.
+    const current = tempDir();
+    writeTinyHf(current, makeTinyModel(), { tokenizerConfig: { added_tokens_decoder: {}, eos_token: '<|im_end|>' } });
+    writeFileSync(join(current, 'special_tokens_map.json'), JSON.stringify({ eos_token: '</s>' }));
+    const currentSource = (await loadModel(current)).tokenizerSource;
+    assert.equal(currentSource.kind === 'hf' ? currentSource.tokenizerConfig?.['eos_token'] : undefined, '<|im_end|>');
+
+    const bad = tempDir();
+    writeTinyHf(bad, makeTinyModel(), { tokenizerConfig: {} });
+    writeFileSync(join(bad, 'special_tokens_map.json'), JSON.stringify({ eos_token: 2 }));
+    await assert.rejects(loadModel(bad), /special_tokens_map\.json: eos_token is 2, not a token/);
+  });
+
   it('names what it cannot load', async () => {
     const gemma2 = tempDir();
     writeTinyHf(gemma2, makeTinyModel(), { configOverrides: { architectures: ['Gemma2ForCausalLM'] } });
