@@ -574,6 +574,13 @@ async function openSafetensors(dir: string): Promise<TensorIndex> {
     // transformers reads every tensor of a listed shard; one the index does not list would be left out here.
     for (const [shard, file] of files) {
       for (const name of file.entries.keys()) {
+        const listed = index.get(name);
+        // A second copy in another shard: transformers and vLLM load every listed shard's tensors, so the one read
+        // last would be the model's, maybe not the one the index names.
+        if (listed !== undefined && listed !== file) {
+          throw new ModelFormatError(`${dir}: tensor ${name} is in both ${basename(listed.source)} and ${shard}; ` +
+            `which one is meant is unclear (${basename(indexPath)} names ${basename(listed.source)})`);
+        }
         if (!index.has(name)) {
           throw new ModelFormatError(`${dir}: shard ${shard} holds tensor ${name}, which ${basename(indexPath)} does ` +
             'not list (the index and the shards do not belong together)');

@@ -17,7 +17,7 @@ import { hfModelConfig } from '../../src/model/hf.ts';
 import { isModelLoadError, loadModel } from '../../src/model/loader.ts';
 import { quantize } from '../../src/model/quant.ts';
 import { ReferenceModel } from '../../src/model/reference-forward.ts';
-import { writeSafetensors } from '../../src/model/safetensors.ts';
+import { readSafetensors, writeSafetensors } from '../../src/model/safetensors.ts';
 import type { SafetensorsTensorData } from '../../src/model/safetensors.ts';
 import { archModel, skipUnlessVocabFor, writeArchHf } from './arch-models.ts';
 import { makeTinyModel, TINY_DIMS, tinyGgufMetadata, writeTinyGguf, writeTinyHf } from './loader-fixtures.ts';
@@ -682,6 +682,23 @@ describe('Hugging Face folders: the shard index, and files that are not files', 
     const folder = shardedFolder((map) => { dropped = lastTensor(map); delete map[dropped]; });
     await refusesLoad(folder, ModelFormatError, new RegExp(`shard ${escape(shard(3))} holds tensor ${escape(dropped)}, ` +
       'which model\\.safetensors\\.index\\.json does not list'));
+  });
+
+  it('a tensor held by two listed shards (transformers and vLLM would load whichever comes last)', async () => {
+    let copied = '';
+    const folder = shardedFolder((map, dir) => {
+      copied = Object.keys(map).find((name) => map[name] === shard(1))!;
+      const first = readSafetensors(join(dir, shard(1))).tensor(copied);
+      const third = readSafetensors(join(dir, shard(3)));
+      const tensors: SafetensorsTensorData[] = [...third.entries.values()].map((e) =>
+        ({ name: e.name, dtype: e.dtype as 'F32', shape: e.shape, data: third.bytes.slice(e.begin, e.end) }));
+      const entry = readSafetensors(join(dir, shard(1))).entries.get(copied)!;
+      // Another value for the same name: which one is the model's is unclear.
+      tensors.push({ name: copied, dtype: entry.dtype as 'F32', shape: entry.shape, data: new Uint8Array(first.data.byteLength) });
+      writeSafetensors(join(dir, shard(3)), tensors);
+    });
+    await refusesLoad(folder, ModelFormatError, new RegExp(`tensor ${escape(copied)} is in both ${escape(shard(1))} and ` +
+      `${escape(shard(3))}`));
   });
 
   it('an index whose shard is not a file name in the folder', async () => {
