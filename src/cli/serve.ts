@@ -10,7 +10,10 @@ import { basename, dirname, join, resolve } from 'node:path';
 import { createSecureContext } from 'node:tls';
 import { TOOL_CALL_PARSERS, type ToolCallParserName } from '../api/tool-calls.ts';
 import { ChatTemplate } from '../model/chat-template.ts';
-import { checkGenerationVocabulary, describeGenerationDefaults, GENERATION_CONFIG_FILE, readGenerationConfig, type GenerationDefaults } from '../model/generation-config.ts';
+import {
+  checkGenerationVocabulary, describeGenerationDefaults, GENERATION_CONFIG_FILE, generationConfigFile, readGenerationConfig,
+  type GenerationDefaults,
+} from '../model/generation-config.ts';
 import type { LoraLoadInfo, SchedulingPolicy } from '../engine/types.ts';
 import {
   combineKeyConfig, KeyConfigError, KeyStore, parseKeysFile, parseKeysList, unusedTenants, type KeyConfig, type TenantLimits,
@@ -71,7 +74,7 @@ export const SERVE_FLAGS = {
   'tool-call-parser': { type: 'string', help: `how tool calls are read from the model's output under tool_choice "auto": auto (from the chat template), ${TOOL_CALL_PARSERS.join(', ')}`, default: 'auto' },
   'max-num-batched-tokens': { type: 'number', help: `most tokens in one engine step (at most ${MAX_NUM_BATCHED_TOKENS})` },
   'max-model-len': { type: 'number', help: 'longest sequence (prompt + output) a request may reach, in tokens (as vLLM\'s flag; default: the model\'s context length; either way at most what one sequence can hold in the KV cache); a cpu worker refuses one above its model\'s context length at start' },
-  'generation-config': { type: 'string', help: 'sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens) and more end-of-generation ids: auto (each model folder\'s generation_config.json, as vLLM\'s default; a GGUF has none), vllm (none: OpenAI\'s defaults), or a folder holding a generation_config.json', default: 'auto' },
+  'generation-config': { type: 'string', help: 'sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens) and more end-of-generation ids: auto (each model folder\'s generation_config.json, else its config.json, as vLLM\'s default; a GGUF has none), vllm (none: OpenAI\'s defaults), or a folder holding a generation_config.json', default: 'auto' },
   'enable-prefix-caching': { type: 'boolean', help: 'reuse the KV blocks of prompt prefixes computed before (--no-enable-prefix-caching: every prompt is computed whole, as vLLM\'s flag)', default: true },
   'guided-jump-forward': { type: 'boolean', help: 'jump-forward decoding for guided requests (structured outputs, tool grammars) without logprobs, cpu workers: text the grammar forces is appended as tokens without sampling them, several in one step. The output then differs from token-by-token decoding (the forced text is cut greedily into vocabulary tokens, not picked by the model) and from the same request with logprobs. Off (default): every token is the masked argmax or a masked draw, as vLLM decodes', default: false },
   'stream-interval': { type: 'number', help: 'cpu workers: after a completion\'s first token, hand its tokens to the server this many at a time (the last ones at once, whatever their number), as vLLM\'s flag: each hand-over costs the server a wake-up and each streamed event a socket write, on the cores the model runs on. A client then receives up to this many tokens per event', default: 1 },
@@ -141,7 +144,7 @@ export interface ServeConfig {
   toolCallParser?: ToolCallParserName;
   /** --chat-template: the template's text, in place of every served model's own. */
   chatTemplate?: string;
-  /** --generation-config: 'auto' (each model folder's generation_config.json), 'vllm' (none), or a folder. */
+  /** --generation-config: 'auto' (each model folder's generation_config.json, else config.json), 'vllm' (none), or a folder. */
   generationConfig: string;
   servedModelName?: string;
   /** Every --model after the first, each served by its own workers (cpu engine only). */
@@ -266,7 +269,7 @@ async function generationDefaultsFor(option: string, modelPath: string | undefin
       : modelPath !== undefined && existsSync(modelPath) && statSync(modelPath).isDirectory() ? modelPath : undefined;
   if (folder === undefined) return undefined;
   const defaults = await readGenerationConfig(folder);
-  return defaults === undefined ? undefined : { defaults, file: join(folder, GENERATION_CONFIG_FILE) };
+  return defaults === undefined ? undefined : { defaults, file: generationConfigFile(folder)! };
 }
 
 /** A whole number > 0, at most `max` (by default MAX_COUNT: see there). */

@@ -1,7 +1,8 @@
 // A Hugging Face model folder's generation_config.json: the sampling defaults its authors recommend (Llama 3.1
 // Instruct: temperature 0.6, top_p 0.9; Qwen 2.5: also top_k 20 and repetition_penalty 1.05) and its end-of-generation
 // ids. vLLM applies them to requests that leave those fields out (its --generation-config auto, the default); the
-// server does the same. A GGUF file carries none.
+// server does the same. A folder without the file takes them from its config.json, as vLLM does. A GGUF file carries
+// none.
 
 import { existsSync } from 'node:fs';
 import { join } from 'node:path';
@@ -25,12 +26,33 @@ export interface GenerationDefaults {
 export const GENERATION_CONFIG_FILE = 'generation_config.json';
 
 /**
- * The defaults of `folder`/generation_config.json, undefined when the folder has none. A value out of the range a
- * request may give is refused (ModelFormatError), so a default never makes every request fail.
+ * The file `folder`'s defaults come from: generation_config.json, else config.json (as transformers and vLLM build a
+ * generation config from the model's configuration when a folder has no generation_config.json: its eos_token_id,
+ * often a list, then ends generation too); undefined when the folder has neither.
+ */
+export function generationConfigFile(folder: string): string | undefined {
+  for (const name of [GENERATION_CONFIG_FILE, 'config.json']) {
+    if (existsSync(join(folder, name))) return join(folder, name);
+  }
+  return undefined;
+}
+
+/**
+ * What transformers' GenerationConfig takes when a field is absent (4.x versions): vLLM reads only the fields that
+ * differ from these, so a config.json written with every default (`"top_k": 50`) sets no top-k.
+ */
+const TRANSFORMERS_GENERATION_DEFAULTS: Readonly<Record<string, number>> = {
+  temperature: 1, top_p: 1, top_k: 50, repetition_penalty: 1,
+};
+
+/**
+ * The defaults of `folder`'s generation config (generationConfigFile), undefined when the folder has none. A value out
+ * of the range a request may give is refused (ModelFormatError), so a default never makes every request fail.
  */
 export async function readGenerationConfig(folder: string): Promise<GenerationDefaults | undefined> {
-  const path = join(folder, GENERATION_CONFIG_FILE);
-  if (!existsSync(path)) return undefined;
+  const path = generationConfigFile(folder);
+  if (path === undefined) return undefined;
+  const fromModelConfig = !path.endsWith(GENERATION_CONFIG_FILE);
   // Read outside the try: a file too large or not a regular file is said as such, not as "not JSON".
   const text = await readModelText(path);
   let json: unknown;
@@ -40,7 +62,10 @@ export async function readGenerationConfig(folder: string): Promise<GenerationDe
     throw new ModelFormatError(`${path}: not JSON (${(error as Error).message})`);
   }
   if (typeof json !== 'object' || json === null || Array.isArray(json)) throw new ModelFormatError(`${path}: not a JSON object`);
-  const fields = json as Record<string, unknown>;
+  const fields = { ...(json as Record<string, unknown>) };
+  if (fromModelConfig) {
+    for (const [key, value] of Object.entries(TRANSFORMERS_GENERATION_DEFAULTS)) if (fields[key] === value) delete fields[key];
+  }
   const number = (key: string, ok: (value: number) => boolean, range: string): number | undefined => {
     const value = fields[key];
     if (value === undefined || value === null) return undefined;

@@ -56,6 +56,23 @@ describe('readGenerationConfig', () => {
     assert.equal(await readGenerationConfig(join(dir, 'missing')), undefined);
   });
 
+  it('without generation_config.json, takes them from config.json as vLLM does (less the transformers defaults)', async () => {
+    const folder = join(dir, 'config-only');
+    mkdirSync(folder, { recursive: true });
+    writeFileSync(join(folder, 'config.json'), JSON.stringify({
+      architectures: ['LlamaForCausalLM'], bos_token_id: 128000, eos_token_id: [128001, 128008, 128009], hidden_size: 4096,
+      temperature: 1, top_k: 50, top_p: 0.95,
+    }));
+    assert.deepEqual(await readGenerationConfig(folder), { topP: 0.95, eosTokenIds: [128001, 128008, 128009] });
+    // The file wins when both are there.
+    writeFileSync(join(folder, 'generation_config.json'), JSON.stringify({ eos_token_id: 128009 }));
+    assert.deepEqual(await readGenerationConfig(folder), { eosTokenIds: [128009] });
+    const bad = join(dir, 'config-only-bad');
+    mkdirSync(bad, { recursive: true });
+    writeFileSync(join(bad, 'config.json'), JSON.stringify({ eos_token_id: 'x' }));
+    await assert.rejects(readGenerationConfig(bad), /config\.json: eos_token_id must be a token id or a list of them, got "x"/);
+  });
+
   it('refuses values a request could not give, and a file that is not a JSON object', async () => {
     const bad: [string, unknown, RegExp][] = [
       ['temperature', { temperature: -1 }, /temperature must be a number in \[0, 2\], got -1/],
