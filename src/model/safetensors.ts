@@ -184,6 +184,13 @@ function parseHeader(json: Uint8Array, dataStart: number, fileLength: number, so
   const entries = new Map<string, SafetensorsEntry>();
   for (const [name, value] of Object.entries(header as Record<string, unknown>)) {
     if (name === '__metadata__') {
+      // A map of strings, as the reference reader requires (it refuses any other, so transformers cannot load the file).
+      if (value !== null && (typeof value !== 'object' || Array.isArray(value) ||
+        !Object.values(value as object).every((v) => typeof v === 'string'))) {
+        const shown = JSON.stringify(value);
+        throw new SafetensorsFormatError(`${source}: __metadata__ must be an object of strings, got ` +
+          `${shown.length > 40 ? `${shown.slice(0, 40)}...` : shown}`);
+      }
       metadata = (value ?? {}) as Record<string, string>;
       continue;
     }

@@ -56,6 +56,12 @@ describe('safetensors reader', () => {
     const huge = new Uint8Array(16);
     new DataView(huge.buffer).setBigUint64(0, 1000n, true);
     assert.throws(() => parseSafetensors(huge, 'f'), /header length 1000 does not fit/);
+    // __metadata__ is a map of strings (the reference reader refuses anything else, so transformers cannot load it).
+    for (const metadata of [5, 'pt', ['pt'], { format: 1 }]) {
+      assert.throws(() => parseSafetensors(handMade({ __metadata__: metadata, t: { dtype: 'F32', shape: [1], data_offsets: [0, 4] } },
+        [0, 0, 0, 0]), 'f'), /f: __metadata__ must be an object of strings, got /);
+    }
+    assert.deepEqual(parseSafetensors(handMade({ __metadata__: null }, []), 'f').metadata, {});
     const notJson = new Uint8Array([2, 0, 0, 0, 0, 0, 0, 0, 0x7b, 0x7b]);
     assert.throws(() => parseSafetensors(notJson, 'f'), /header is not valid JSON/);
   });
