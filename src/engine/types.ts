@@ -159,7 +159,6 @@ export interface RequestTimestamps {
   decodeSteps?: StepBatchSummary;
 }
 
-
 /** One engine step as the outputs it produced report it (shared by every output of the step). */
 export interface EngineStepFacts {
   /** Worker-local step number. */
@@ -319,7 +318,6 @@ export interface EngineInfo {
   kernelVariants: Record<string, string>;
   threads: number;
 }
-
 
 /**
  * One worker as the gateway and router see it. Implementations: the local engine (real model on the CPU

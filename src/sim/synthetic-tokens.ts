@@ -10,7 +10,6 @@ import { GREEDY_TEMPERATURE } from '../engine/sampler.ts';
 import type { EngineRequest } from '../engine/types.ts';
 import { hashString, mix32, mixInto } from '../util/random.ts';
 
-
 const CONSONANTS = 'bdfgklmnprstvz';
 const VOWELS = 'aeiou';
 

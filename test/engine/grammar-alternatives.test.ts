@@ -13,7 +13,6 @@ import { XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
 import { byteLevelCompiler, END } from './xgrammar-fixtures.ts';
 import { seededRandom } from '../../src/util/random.ts';
 
-
 describe('alternatives as XGrammar accepts them', () => {
   let xg: XGrammar;
   let compiler: XgHandle;

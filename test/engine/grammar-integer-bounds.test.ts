@@ -9,7 +9,6 @@ import { integerRangeEnforced } from '../../src/api/guided.ts';
 import { XGrammar, type XgHandle } from '../../src/engine/grammar/xgrammar.ts';
 import { byteLevelCompiler, END } from './xgrammar-fixtures.ts';
 
-
 describe('integer bounds as XGrammar enforces them', () => {
   let xg: XGrammar;
   let compiler: XgHandle;
